@@ -1,0 +1,293 @@
+"""Typed configuration: one TOML file, overridable by environment variables, validated once at
+start-up. `asyncinfer config` prints the complete file with every key, its default and its meaning.
+
+Environment overrides: ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
+ASYNCINFER_NATS__URL=nats://nats:4222. Values are read as JSON when they parse as JSON (numbers,
+booleans, lists), else as strings. Models are declared in the file only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from asyncinfer.errors import ConfigError
+from asyncinfer.jobs import NAME_PATTERN
+from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
+
+ENV_PREFIX = "ASYNCINFER_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NatsConfig(_Section):
+    url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
+    credentials_file: str | None = Field(None, description="A NATS .creds file, when the server needs one.")
+    work_stream: str = Field("WORK", description="The WorkQueue stream holding queued jobs.")
+    jobs_bucket: str = Field("jobs", description="The KV bucket holding job records.")
+    replicas: int = Field(1, ge=1, le=5, description="Replicas of every stream and bucket (3 on a cluster).")
+    duplicate_window_s: float = Field(
+        120.0, gt=0, description="How long the WORK stream remembers job IDs to drop duplicate publishes."
+    )
+
+
+class EmbeddedNatsConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the embedded nats-server of `asyncinfer up` binds.")
+    port: int = Field(4222, ge=0, le=65535, description="Client port of the embedded nats-server.")
+    monitor_port: int = Field(8222, ge=0, le=65535, description="HTTP monitoring port (0: off).")
+    store_dir: str = Field(".asyncinfer/nats", description="JetStream store; a second `up` reuses it.")
+
+
+class GatewayConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the public JobService binds.")
+    port: int = Field(50051, ge=0, le=65535, description="Port of the public JobService.")
+    metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus metrics port (0: off).")
+    max_request_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Largest SubmitJob request accepted; larger inputs go through UploadInput."
+    )
+    default_result_retention_s: float = Field(
+        86400.0, gt=0, description="How long records and results are kept after a job ends."
+    )
+    max_result_retention_s: float = Field(30 * 86400.0, gt=0, description="The longest retention a caller may ask.")
+    default_tenant: str = Field("default", description="The tenant of callers when no API keys are configured.")
+
+
+class SchedulerConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the WorkerService and OpsService bind.")
+    port: int = Field(50052, ge=0, le=65535, description="Port batchers connect to (and grpcurl uses for ops).")
+    metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus metrics port (0: off).")
+    scheduler_id: str = Field("", description="Name in logs and welcomes; empty: host name and process ID.")
+    ack_wait_s: float = Field(
+        30.0, gt=0, description="A dispatched job returns to the queue if its lease is not renewed within this."
+    )
+    lease_renew_interval_s: float = Field(
+        10.0, gt=0, description="How often in-progress acks renew the leases of dispatched jobs."
+    )
+    poll_interval_ms: float = Field(
+        250.0, gt=0, description="How often an idle model's queues are rechecked when no publish was seen."
+    )
+    inline_result_max_bytes: int = Field(
+        256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
+    )
+    queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+
+
+class BatcherConfig(_Section):
+    host: str = Field("127.0.0.1", description="Address the KServe v2 inference API binds.")
+    port: int = Field(50053, ge=0, le=65535, description="Port of the KServe v2 GRPCInferenceService.")
+    metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus metrics port (0: off).")
+    batcher_id: str = Field("", description="Name in logs and hellos; empty: host name and process ID.")
+    scheduler_address: str | None = Field(
+        "127.0.0.1:50052", description="The scheduler to take work from (host:port); empty: standalone only."
+    )
+    reconnect_delay_s: float = Field(1.0, gt=0, description="Wait before reconnecting to the scheduler.")
+    torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default).")
+    shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
+
+
+class TensorSpecConfig(_Section):
+    name: str = Field(description="Tensor name.")
+    datatype: str = Field(description="KServe v2 datatype: FP32, INT64, BYTES, ...")
+    shape: tuple[int, ...] = Field(description="Full shape, batch dimension first; -1 for any size.")
+
+    @field_validator("datatype")
+    @classmethod
+    def _known_datatype(cls, value: str) -> str:
+        if value not in DATATYPES:
+            raise ValueError(f"unknown datatype {value!r}; one of {sorted(DATATYPES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _valid_shape(cls, value: tuple[int, ...]) -> tuple[int, ...]:
+        if not value or any(d < -1 or d == 0 for d in value):
+            raise ValueError("shape needs at least the batch dimension; each dimension is -1 or positive")
+        return value
+
+    def to_spec(self) -> TensorSpec:
+        return TensorSpec(name=self.name, datatype=self.datatype, shape=self.shape)
+
+
+class ModelConfig(_Section):
+    name: str = Field(description="Model name, as clients ask for it (letters, digits, '-' and '_').")
+    version: str = Field("1", description="Model version.")
+    backend: Literal["torch"] = Field("torch", description="Where it runs: torch (local).")
+    loader: str = Field(description="`module:factory` returning a torch.nn.Module (called with no arguments).")
+    device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, or cuda[:N].")
+    max_batch_size: int = Field(32, ge=1, description="Most rows in one batch (and in one job).")
+    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest the oldest item waits for a batch to fill.")
+    max_queue_size: int = Field(256, ge=1, description="Most items waiting in the batcher for this model.")
+    max_inflight_batches: int = Field(2, ge=1, description="Batches computed at once (overlaps prep with compute).")
+    default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
+    max_attempts: int = Field(3, ge=1, description="Attempts a job gets for retriable failures by default.")
+    inputs: tuple[TensorSpecConfig, ...] = Field(description="The model's inputs.")
+    outputs: tuple[TensorSpecConfig, ...] = Field(description="The model's outputs.")
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError("model names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+        return value
+
+    @field_validator("loader")
+    @classmethod
+    def _valid_loader(cls, value: str) -> str:
+        module, sep, attr = value.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError("loader must look like 'package.module:factory'")
+        return value
+
+    @property
+    def signature(self) -> ModelSignature:
+        return ModelSignature(
+            inputs=tuple(t.to_spec() for t in self.inputs), outputs=tuple(t.to_spec() for t in self.outputs)
+        )
+
+
+class LoggingConfig(_Section):
+    level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
+    format: Literal["json", "console"] = Field("json", description="json (one object a line) or console.")
+
+
+DEMO_MODEL = ModelConfig(
+    name="demo",
+    version="1",
+    loader="services.batcher.models.demo:build_demo_model",
+    max_batch_size=32,
+    max_queue_delay_ms=2.0,
+    inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 4)),),
+    outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, 4)),),
+)
+
+
+class Config(_Section):
+    nats: NatsConfig = Field(default_factory=NatsConfig)  # type: ignore[arg-type]
+    embedded_nats: EmbeddedNatsConfig = Field(default_factory=EmbeddedNatsConfig)  # type: ignore[arg-type]
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)  # type: ignore[arg-type]
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)  # type: ignore[arg-type]
+    batcher: BatcherConfig = Field(default_factory=BatcherConfig)  # type: ignore[arg-type]
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)  # type: ignore[arg-type]
+    models: tuple[ModelConfig, ...] = Field((DEMO_MODEL,), description="The models served.")
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> Config:
+        names = [m.name for m in self.models]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"models declared twice: {duplicates}")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with whole sections or fields of sections replaced, e.g.
+        replace(gateway={"port": 0})."""
+        data = self.model_dump()
+        for section, values in sections.items():
+            if isinstance(values, Mapping) and isinstance(data.get(section), dict):
+                data[section] = {**data[section], **values}
+            else:
+                data[section] = values
+        return Config.model_validate(data)
+
+
+def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
+    """Reads the file (if any), applies environment overrides, validates; ConfigError says what is wrong."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, raw in (os.environ if environ is None else environ).items():
+        if not key.startswith(ENV_PREFIX) or "__" not in key:
+            continue
+        section, _, name = key[len(ENV_PREFIX) :].lower().partition("__")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        data.setdefault(section, {})
+        if not isinstance(data[section], dict):
+            raise ConfigError(f"{key} overrides a key of [{section}], which is not a section")
+        data[section][name] = value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors(include_url=False)
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from None
+
+
+# --- the commented default file --------------------------------------------------------------
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, BaseModel):
+        return _toml_value(value.model_dump())
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot render {value!r} as TOML")
+
+
+def _render_section(lines: list[str], section: BaseModel) -> None:
+    for name, info in type(section).model_fields.items():
+        if info.description:
+            lines.append(f"# {info.description}")
+        value = getattr(section, name)
+        if value is None:
+            lines.append(f"# {name} = ")
+        elif name in ("inputs", "outputs"):
+            lines.append(f"{name} = [")
+            lines.extend(f"  {_toml_value(v)}," for v in value)
+            lines.append("]")
+        else:
+            lines.append(f"{name} = {_toml_value(value)}")
+
+
+def render_default_config(config: Config | None = None) -> str:
+    """The complete configuration as commented TOML; `load_config` reads it back unchanged."""
+    config = config or Config()
+    lines = [
+        "# asyncinfer configuration. Every key is shown with its default.",
+        "# Override any key with ASYNCINFER_<SECTION>__<KEY>, e.g. ASYNCINFER_GATEWAY__PORT=6000.",
+        "",
+    ]
+    for name in type(config).model_fields:
+        if name == "models":
+            continue
+        lines.append(f"[{name}]")
+        _render_section(lines, getattr(config, name))
+        lines.append("")
+    lines.append("# Models: one [[models]] table each. The batcher loads them; the gateway validates")
+    lines.append("# inputs against their signatures.")
+    for model in config.models:
+        lines.append("[[models]]")
+        _render_section(lines, model)
+        lines.append("")
+    return "\n".join(lines)

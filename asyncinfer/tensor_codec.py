@@ -1,0 +1,139 @@
+"""Protobuf tensor messages <-> domain `Tensor`.
+
+The functions work on any message with KServe v2 field names (`name`, `datatype`, `shape`,
+`contents.<type>_contents`), so they serve both `asyncinfer.v1` tensors and Triton's
+`inference.ModelInferRequest.InferInputTensor`; v2 carries raw bytes beside the tensors, ours
+inside them, so raw bytes are passed in explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from asyncinfer.errors import FieldViolation, InvalidArgument
+from asyncinfer.tensors import DATATYPES, NUMPY_DTYPES, Tensor, join_bytes_elements, split_bytes_elements
+from asyncinfer.v1 import tensor_pb2
+
+# Which typed contents field carries each datatype (v2's InferTensorContents).
+CONTENTS_FIELD: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_ALL_FIELDS = sorted(set(CONTENTS_FIELD.values()))
+
+
+class TensorMessage(Protocol):
+    name: str
+    datatype: str
+
+    @property
+    def shape(self) -> Any: ...
+
+    @property
+    def contents(self) -> Any: ...
+
+
+def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) -> Tensor:
+    """A protobuf tensor as a domain Tensor; InvalidArgument names the offending field."""
+    datatype = message.datatype
+    if datatype not in DATATYPES:
+        raise InvalidArgument(
+            f"{field}.datatype: unknown datatype {datatype!r}",
+            [FieldViolation(f"{field}.datatype", f"unknown datatype {datatype!r}; one of {sorted(DATATYPES)}")],
+        )
+    shape = tuple(int(d) for d in message.shape)
+    filled = [name for name in _ALL_FIELDS if len(getattr(message.contents, name))]
+    if raw:
+        if filled:
+            raise InvalidArgument(
+                f"{field}: both raw and typed contents given",
+                [FieldViolation(f"{field}.contents", "give either raw contents or typed contents, not both")],
+            )
+        return Tensor(name=message.name, datatype=datatype, shape=shape, data=bytes(raw))
+    expected_field = CONTENTS_FIELD.get(datatype)
+    wrong = [name for name in filled if name != expected_field]
+    if wrong:
+        raise InvalidArgument(
+            f"{field}.contents: {wrong[0]} does not carry {datatype}",
+            [
+                FieldViolation(
+                    f"{field}.contents.{wrong[0]}",
+                    f"datatype {datatype} is carried in "
+                    f"{expected_field or 'raw contents'}, not {wrong[0]}",
+                )
+            ],
+        )
+    if expected_field is None:  # FP16 has no typed field in v2
+        data = b""
+    elif datatype == "BYTES":
+        data = join_bytes_elements(bytes(v) for v in message.contents.bytes_contents)
+    else:
+        values = getattr(message.contents, expected_field)
+        try:
+            data = np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
+        except (OverflowError, ValueError) as exc:
+            raise InvalidArgument(
+                f"{field}.contents: values do not fit {datatype}",
+                [FieldViolation(f"{field}.contents.{expected_field}", f"values do not fit {datatype}: {exc}")],
+            ) from None
+    return Tensor(name=message.name, datatype=datatype, shape=shape, data=data)
+
+
+def decode_tensors(messages: Any, field: str = "inputs") -> list[Tensor]:
+    """Decodes every tensor, reporting all bad fields at once."""
+    tensors: list[Tensor] = []
+    violations: list[FieldViolation] = []
+    for index, message in enumerate(messages):
+        path = f"{field}[{index}]"
+        if not message.name:
+            violations.append(FieldViolation(f"{path}.name", "every tensor needs a name"))
+            continue
+        try:
+            tensors.append(decode_tensor(message, path, getattr(message, "raw_contents", None)))
+        except InvalidArgument as exc:
+            violations.extend(exc.violations)
+    if violations:
+        raise InvalidArgument(f"invalid {field}: {violations[0].field}: {violations[0].description}", violations)
+    return tensors
+
+
+def fill_contents(contents: Any, tensor: Tensor) -> None:
+    """Writes a tensor's data into a (v1 or v2) InferTensorContents message, typed."""
+    if tensor.datatype == "BYTES":
+        contents.bytes_contents.extend(split_bytes_elements(tensor.data))
+        return
+    field = CONTENTS_FIELD.get(tensor.datatype)
+    if field is None:
+        raise ValueError(f"{tensor.datatype} has no typed contents field; use raw contents")
+    array = np.frombuffer(tensor.data, dtype=NUMPY_DTYPES[tensor.datatype])
+    getattr(contents, field).extend(array.tolist())
+
+
+def to_output_proto(tensor: Tensor, *, raw: bool = False) -> tensor_pb2.InferOutputTensor:
+    message = tensor_pb2.InferOutputTensor(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+    if raw or tensor.datatype not in CONTENTS_FIELD:
+        message.raw_contents = tensor.data
+    else:
+        fill_contents(message.contents, tensor)
+    return message
+
+
+def to_input_proto(tensor: Tensor, *, raw: bool = True) -> tensor_pb2.InferInputTensor:
+    message = tensor_pb2.InferInputTensor(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+    if raw or tensor.datatype not in CONTENTS_FIELD:
+        message.raw_contents = tensor.data
+    else:
+        fill_contents(message.contents, tensor)
+    return message

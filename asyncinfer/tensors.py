@@ -1,0 +1,231 @@
+"""Tensors as the domain sees them, and their codecs.
+
+A `Tensor` holds raw little-endian, row-major bytes under a KServe v2 datatype name (BYTES elements
+are each prefixed with a 4-byte little-endian length, as Triton does). This one form travels
+through NATS, the job record and the work stream; protobuf messages and numpy arrays are converted
+at the edges (`asyncinfer.tensor_codec` for protobuf).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from asyncinfer.errors import FieldViolation
+
+# v2 datatype -> numpy dtype (little-endian). BYTES is handled separately.
+NUMPY_DTYPES: dict[str, np.dtype[np.generic]] = {
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+DATATYPES: frozenset[str] = frozenset([*NUMPY_DTYPES, "BYTES"])
+
+_DTYPE_TO_DATATYPE = {np.dtype(dt).newbyteorder("="): name for name, dt in NUMPY_DTYPES.items()}
+
+
+def datatype_of(array: npt.NDArray[np.generic]) -> str:
+    """The v2 datatype name of a numpy array (object / bytes / str arrays are BYTES)."""
+    if array.dtype.kind in ("O", "S", "U"):
+        return "BYTES"
+    try:
+        return _DTYPE_TO_DATATYPE[array.dtype.newbyteorder("=")]
+    except KeyError:
+        raise ValueError(f"numpy dtype {array.dtype} has no KServe v2 datatype") from None
+
+
+def element_count(shape: Sequence[int]) -> int:
+    return math.prod(shape) if shape else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    @property
+    def batch_size(self) -> int:
+        """Rows along the first (batch) dimension."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def to_numpy(self) -> npt.NDArray[np.generic]:
+        if self.datatype == "BYTES":
+            return np.array(split_bytes_elements(self.data), dtype=np.object_).reshape(self.shape)
+        return np.frombuffer(self.data, dtype=NUMPY_DTYPES[self.datatype]).reshape(self.shape)
+
+    @classmethod
+    def from_numpy(cls, name: str, array: npt.ArrayLike, datatype: str | None = None) -> Tensor:
+        arr = np.asarray(array)
+        dt = datatype or datatype_of(arr)
+        if dt == "BYTES":
+            elements = [_as_bytes(v) for v in arr.reshape(-1).tolist()]
+            return cls(name=name, datatype=dt, shape=tuple(arr.shape), data=join_bytes_elements(elements))
+        target = NUMPY_DTYPES[dt]
+        return cls(
+            name=name,
+            datatype=dt,
+            shape=tuple(int(d) for d in arr.shape),
+            data=np.ascontiguousarray(arr, dtype=target).tobytes(),
+        )
+
+
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    return str(value).encode("utf-8")
+
+
+def join_bytes_elements(elements: Iterable[bytes]) -> bytes:
+    parts: list[bytes] = []
+    for element in elements:
+        parts.append(struct.pack("<I", len(element)))
+        parts.append(element)
+    return b"".join(parts)
+
+
+def split_bytes_elements(data: bytes) -> list[bytes]:
+    """Splits Triton's length-prefixed BYTES serialization; ValueError when malformed."""
+    elements: list[bytes] = []
+    offset = 0
+    view = memoryview(data)
+    while offset < len(data):
+        if offset + 4 > len(data):
+            raise ValueError("truncated BYTES element length")
+        (length,) = struct.unpack_from("<I", view, offset)
+        offset += 4
+        if offset + length > len(data):
+            raise ValueError("BYTES element runs past the end of the data")
+        elements.append(bytes(view[offset : offset + length]))
+        offset += length
+    return elements
+
+
+def check_data_size(tensor: Tensor, field: str) -> list[FieldViolation]:
+    """Whether the raw data holds exactly as many elements as the shape says."""
+    if any(d < 0 for d in tensor.shape):
+        return [FieldViolation(f"{field}.shape", f"dimensions must be non-negative, got {list(tensor.shape)}")]
+    expected = element_count(tensor.shape)
+    if tensor.datatype == "BYTES":
+        try:
+            got = len(split_bytes_elements(tensor.data))
+        except ValueError as exc:
+            return [FieldViolation(f"{field}.contents", f"malformed BYTES data: {exc}")]
+        if got != expected:
+            return [
+                FieldViolation(
+                    f"{field}.contents",
+                    f"shape {list(tensor.shape)} needs {expected} elements, got {got}",
+                )
+            ]
+        return []
+    itemsize = NUMPY_DTYPES[tensor.datatype].itemsize
+    if len(tensor.data) != expected * itemsize:
+        return [
+            FieldViolation(
+                f"{field}.contents",
+                f"shape {list(tensor.shape)} needs {expected} {tensor.datatype} elements "
+                f"({expected * itemsize} bytes), got {len(tensor.data) / itemsize:g} ({len(tensor.data)} bytes)",
+            )
+        ]
+    return []
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One input or output of a model's signature. -1 marks a variable dimension; the first
+    dimension is the batch dimension."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSignature:
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+
+def validate_inputs(
+    tensors: Sequence[Tensor],
+    signature: ModelSignature,
+    *,
+    max_batch_size: int,
+    field: str = "inputs",
+) -> list[FieldViolation]:
+    """Every way `tensors` can fail to fit `signature`, as field violations (empty when they fit)."""
+    violations: list[FieldViolation] = []
+    specs = {spec.name: spec for spec in signature.inputs}
+    seen: dict[str, int] = {}
+    batch_sizes: set[int] = set()
+    for index, tensor in enumerate(tensors):
+        path = f"{field}[{index}]"
+        if tensor.name in seen:
+            violations.append(FieldViolation(f"{path}.name", f"input {tensor.name!r} is given twice"))
+            continue
+        seen[tensor.name] = index
+        spec = specs.get(tensor.name)
+        if spec is None:
+            expected = ", ".join(sorted(specs)) or "none"
+            violations.append(
+                FieldViolation(f"{path}.name", f"unknown input {tensor.name!r}; the model takes: {expected}")
+            )
+            continue
+        if tensor.datatype != spec.datatype:
+            violations.append(
+                FieldViolation(
+                    f"{path}.datatype", f"input {spec.name!r} must be {spec.datatype}, got {tensor.datatype!r}"
+                )
+            )
+            continue
+        if len(tensor.shape) != len(spec.shape) or any(
+            want != -1 and got != want for got, want in zip(tensor.shape, spec.shape, strict=False)
+        ):
+            violations.append(
+                FieldViolation(
+                    f"{path}.shape",
+                    f"input {spec.name!r} must have shape {list(spec.shape)} (-1: any), got {list(tensor.shape)}",
+                )
+            )
+            continue
+        size_violations = check_data_size(tensor, path)
+        violations.extend(size_violations)
+        if not size_violations and tensor.shape:
+            batch_sizes.add(tensor.shape[0])
+    for name in specs.keys() - seen.keys():
+        violations.append(FieldViolation(field, f"missing input {name!r}"))
+    if len(batch_sizes) > 1:
+        violations.append(
+            FieldViolation(field, f"inputs disagree on the batch dimension: {sorted(batch_sizes)}")
+        )
+    elif batch_sizes:
+        (rows,) = batch_sizes
+        if rows < 1:
+            violations.append(FieldViolation(field, "the batch dimension must be at least 1"))
+        elif max_batch_size > 0 and rows > max_batch_size:
+            violations.append(
+                FieldViolation(field, f"batch dimension {rows} exceeds the model's max_batch_size {max_batch_size}")
+            )
+    return violations

@@ -1,0 +1,45 @@
+"""Shared fixtures: a real nats-server per test (free ports, temporary store) and a configuration
+pointing every service at it on free ports."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.config import Config
+from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.jetstream import connect
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    server = NatsServerProcess(store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def config(nats_server: NatsServerProcess) -> Config:
+    """Every service on port 0 (the OS picks), metrics off, against the test's nats-server."""
+    return Config().replace(
+        nats={"url": nats_server.url},
+        gateway={"port": 0, "metrics_port": 0},
+        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0},
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+        logging={"level": "warning", "format": "console"},
+    )
+
+
+@pytest.fixture
+async def nc(config: Config) -> AsyncIterator[NatsClient]:
+    client = await connect(config.nats, name="test")
+    try:
+        yield client
+    finally:
+        await client.drain()

@@ -1,0 +1,116 @@
+"""The shared building blocks: IDs, tensors, the record codec, config, and the NATS bootstrap
+against a real nats-server."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.config import Config, load_config, render_default_config
+from asyncinfer.errors import ConfigError, InvalidArgument
+from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
+from asyncinfer.jetstream import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.jobs import JobRecord, JobState, Priority, decode_record, encode_record, work_subject
+from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
+from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
+from asyncinfer.v1 import tensor_pb2
+
+
+def test_job_ids_are_uuid7_and_sort_by_time() -> None:
+    ids = [new_job_id() for _ in range(5000)]
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
+    assert all(is_job_id(i) for i in ids)
+    assert job_id_time_ms(ids[0]) <= job_id_time_ms(ids[-1])
+    assert not is_job_id("not-a-uuid")
+
+
+def test_tensor_round_trips_numpy_and_protobuf() -> None:
+    x = Tensor.from_numpy("x", np.arange(8, dtype=np.float32).reshape(2, 4))
+    typed = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[2, 4])
+    typed.contents.fp32_contents.extend(range(8))
+    assert decode_tensors([typed]) == [x]
+    assert decode_tensors([to_input_proto(x)]) == [x]
+    texts = Tensor.from_numpy("t", np.array([b"a", "b\u00e9"], dtype=object))
+    assert texts.to_numpy().tolist() == [b"a", "b\u00e9".encode()]
+    out = to_output_proto(texts)
+    assert list(out.contents.bytes_contents) == [b"a", "b\u00e9".encode()]
+
+
+def test_invalid_tensors_name_the_field() -> None:
+    wrong_field = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    wrong_field.contents.int64_contents.extend([1, 2, 3, 4])
+    bad_type = tensor_pb2.InferInputTensor(name="z", datatype="FLOAT", shape=[1])
+    with pytest.raises(InvalidArgument) as info:
+        decode_tensors([wrong_field, bad_type])
+    fields = [v.field for v in info.value.violations]
+    assert fields == ["inputs[0].contents.int64_contents", "inputs[1].datatype"]
+
+
+def test_validate_inputs_reports_each_problem() -> None:
+    signature = ModelSignature(
+        inputs=(TensorSpec("x", "FP32", (-1, 4)), TensorSpec("m", "INT64", (-1,))),
+        outputs=(TensorSpec("y", "FP32", (-1, 4)),),
+    )
+    good = Tensor.from_numpy("x", np.zeros((2, 4), np.float32))
+    assert validate_inputs([good, Tensor.from_numpy("m", np.zeros(2, np.int64))], signature, max_batch_size=8) == []
+    short = Tensor("x", "FP32", (2, 4), b"\0" * 12)
+    problems = validate_inputs([short, Tensor.from_numpy("q", np.zeros(1))], signature, max_batch_size=8)
+    descriptions = " | ".join(f"{v.field}: {v.description}" for v in problems)
+    assert "inputs[0].contents" in descriptions
+    assert "unknown input 'q'" in descriptions
+    assert "missing input 'm'" in descriptions
+    too_big = Tensor.from_numpy("x", np.zeros((9, 4), np.float32))
+    wrong_shape = Tensor.from_numpy("m", np.zeros((9, 2), np.int64))
+    problems = validate_inputs([too_big, wrong_shape], signature, max_batch_size=8)
+    assert any("max_batch_size 8" in v.description for v in problems)
+    assert any(v.field == "inputs[1].shape" for v in problems)
+
+
+def test_record_codec_round_trips() -> None:
+    record = JobRecord(
+        job_id=new_job_id(),
+        tenant="t1",
+        model_name="demo",
+        model_version="1",
+        state=JobState.SUCCEEDED,
+        priority=Priority.HIGH,
+        create_time=1.5,
+        update_time=2.5,
+        max_attempts=3,
+        result_retention_s=60.0,
+        attempt=1,
+        labels={"a": "b"},
+        outputs=(Tensor.from_numpy("y", np.ones((1, 4), np.float32)),),
+    )
+    assert decode_record(encode_record(record), revision=7) == record.evolve(revision=7)
+
+
+def test_default_config_renders_and_loads_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "asyncinfer.toml"
+    path.write_text(render_default_config())
+    assert load_config(path, environ={}) == Config()
+    overridden = load_config(path, environ={"ASYNCINFER_GATEWAY__PORT": "6001", "ASYNCINFER_NATS__URL": "nats://x:1"})
+    assert overridden.gateway.port == 6001
+    assert overridden.nats.url == "nats://x:1"
+    with pytest.raises(ConfigError, match="gateway.port"):
+        load_config(path, environ={"ASYNCINFER_GATEWAY__PORT": "-3"})
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml", environ={})
+
+
+async def test_bootstrap_is_idempotent(nc: NatsClient, config: Config) -> None:
+    js = nc.jetstream()
+    for _ in range(2):
+        await ensure_work_stream(js, config.nats)
+        kv = await ensure_jobs_bucket(js, config.nats)
+        name = await ensure_work_consumer(
+            js, config.nats, model_name="demo", priority=Priority.HIGH, ack_wait_s=30
+        )
+    assert name == "work-demo-high"
+    ack = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
+    dup = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
+    assert dup.duplicate and dup.seq == ack.seq
+    revision = await kv.create("t.j1", b"x")
+    assert (await kv.get("t.j1")).revision == revision
