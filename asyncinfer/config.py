@@ -171,12 +171,12 @@ DEMO_MODEL = ModelConfig(
 
 
 class Config(_Section):
-    nats: NatsConfig = Field(default_factory=NatsConfig)  # type: ignore[arg-type]
-    embedded_nats: EmbeddedNatsConfig = Field(default_factory=EmbeddedNatsConfig)  # type: ignore[arg-type]
-    gateway: GatewayConfig = Field(default_factory=GatewayConfig)  # type: ignore[arg-type]
-    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)  # type: ignore[arg-type]
-    batcher: BatcherConfig = Field(default_factory=BatcherConfig)  # type: ignore[arg-type]
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)  # type: ignore[arg-type]
+    nats: NatsConfig = Field(default_factory=NatsConfig)
+    embedded_nats: EmbeddedNatsConfig = Field(default_factory=EmbeddedNatsConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    batcher: BatcherConfig = Field(default_factory=BatcherConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = Field((DEMO_MODEL,), description="The models served.")
 
     @model_validator(mode="after")

@@ -80,9 +80,7 @@ class NatsServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise Unavailable(
-                    f"nats-server exited with {self.process.returncode} (port {self.port} in use?)"
-                )
+                raise Unavailable(f"nats-server exited with {self.process.returncode} (port {self.port} in use?)")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
                     if sock.recv(4).startswith(b"INFO"):

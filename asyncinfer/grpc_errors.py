@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc import aio
 from grpc_status import rpc_status
 
 from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhausted
@@ -50,7 +51,7 @@ def _pack(message: Any) -> any_pb2.Any:
     return packed
 
 
-def status_details(error: grpc.aio.AioRpcError | grpc.RpcError) -> status_pb2.Status | None:
+def status_details(error: aio.AioRpcError | grpc.RpcError) -> status_pb2.Status | None:
     """The rich status of a failed call, for clients and tests."""
     return rpc_status.from_call(error)  # type: ignore[arg-type]
 
@@ -70,13 +71,14 @@ def unpack_details(status: status_pb2.Status) -> dict[str, Any]:
 _INTERNAL = code_pb2.INTERNAL
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], error: AsyncInferError) -> None:
+async def _abort(context: aio.ServicerContext[Any, Any], error: AsyncInferError) -> None:
     status = to_status(error)
-    await context.abort_with_status(status)
+    # abort_with_status exists on aio contexts; grpc-stubs lacks it.
+    await context.abort_with_status(status)  # type: ignore[attr-defined]
 
 
 def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         try:
             return await behavior(request, context)
         except AsyncInferError as error:
@@ -86,7 +88,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
 
 def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+    async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for response in behavior(request, context):
                 yield response
@@ -96,14 +98,14 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
     return wrapper
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
     """Maps AsyncInferError raised by any servicer method to a rich gRPC status."""
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any]:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
@@ -121,13 +123,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),
+                _wrap_stream(handler.unary_stream),  # type: ignore[arg-type]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream),
+                _wrap_stream(handler.stream_stream),  # type: ignore[arg-type]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import grpc
+from grpc import aio
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -19,7 +20,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 class GrpcServer:
     """An aio server with health and reflection for the given services.
 
-    `add_servicers` receives the raw grpc.aio.Server to register generated servicers on;
+    `add_servicers` receives the raw aio.Server to register generated servicers on;
     `service_names` are the full names reported by health and reflection."""
 
     def __init__(
@@ -27,10 +28,10 @@ class GrpcServer:
         *,
         host: str,
         port: int,
-        add_servicers: Callable[[grpc.aio.Server], None],
+        add_servicers: Callable[[aio.Server], None],
         service_names: Iterable[str],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+        interceptors: Iterable[aio.ServerInterceptor[Any, Any]] = (),
     ) -> None:
         self._host = host
         self._requested_port = port
@@ -40,8 +41,8 @@ class GrpcServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
-        self.health = health.aio.HealthServicer()
+        self.server = aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
+        self.health = health_aio.HealthServicer()
         add_servicers(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -62,9 +63,7 @@ class GrpcServer:
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", status)
         for name in self._service_names:
             await self.health.set(name, status)

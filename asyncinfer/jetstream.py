@@ -20,6 +20,8 @@ from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority
 
 log = structlog.get_logger("asyncinfer.nats")
 
+INITIAL_CONNECT_ATTEMPTS = 3
+
 
 async def connect(config: NatsConfig, *, name: str) -> NatsClient:
     """Connects with reconnects on; Unavailable if the server cannot be reached at all."""
@@ -46,12 +48,15 @@ async def connect(config: NatsConfig, *, name: str) -> NatsClient:
     }
     if config.credentials_file:
         options["user_credentials"] = config.credentials_file
+    # With unlimited attempts nats-py retries the *first* connect forever too, so a wrong URL
+    # would hang start-up. Connect with a few attempts, then allow unlimited reconnects.
+    options["max_reconnect_attempts"] = INITIAL_CONNECT_ATTEMPTS
     try:
-        # nats-py fails the first connect at once when no server answers (it retries only
-        # after a connection was made), so a wrong URL fails start-up clearly.
-        return await nats.connect(**options)
+        client = await nats.connect(**options)
     except Exception as exc:  # nats raises several unrelated types here
         raise Unavailable(f"cannot connect to NATS at {config.url}: {exc}") from exc
+    client.options["max_reconnect_attempts"] = -1
+    return client
 
 
 async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:

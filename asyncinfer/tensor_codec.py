@@ -70,8 +70,7 @@ def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) 
             [
                 FieldViolation(
                     f"{field}.contents.{wrong[0]}",
-                    f"datatype {datatype} is carried in "
-                    f"{expected_field or 'raw contents'}, not {wrong[0]}",
+                    f"datatype {datatype} is carried in {expected_field or 'raw contents'}, not {wrong[0]}",
                 )
             ],
         )

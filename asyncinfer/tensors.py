@@ -217,9 +217,7 @@ def validate_inputs(
     for name in specs.keys() - seen.keys():
         violations.append(FieldViolation(field, f"missing input {name!r}"))
     if len(batch_sizes) > 1:
-        violations.append(
-            FieldViolation(field, f"inputs disagree on the batch dimension: {sorted(batch_sizes)}")
-        )
+        violations.append(FieldViolation(field, f"inputs disagree on the batch dimension: {sorted(batch_sizes)}"))
     elif batch_sizes:
         (rows,) = batch_sizes
         if rows < 1:

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from nats.aio.client import Client as NatsClient
 
-from asyncinfer.config import Config, load_config, render_default_config
-from asyncinfer.errors import ConfigError, InvalidArgument
+from asyncinfer.config import Config, NatsConfig, load_config, render_default_config
+from asyncinfer.embedded_nats import free_port
+from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
-from asyncinfer.jetstream import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import JobRecord, JobState, Priority, decode_record, encode_record, work_subject
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
@@ -94,7 +95,7 @@ def test_default_config_renders_and_loads_back(tmp_path) -> None:  # type: ignor
     overridden = load_config(path, environ={"ASYNCINFER_GATEWAY__PORT": "6001", "ASYNCINFER_NATS__URL": "nats://x:1"})
     assert overridden.gateway.port == 6001
     assert overridden.nats.url == "nats://x:1"
-    with pytest.raises(ConfigError, match="gateway.port"):
+    with pytest.raises(ConfigError, match=r"gateway\.port"):
         load_config(path, environ={"ASYNCINFER_GATEWAY__PORT": "-3"})
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.toml", environ={})
@@ -105,12 +106,16 @@ async def test_bootstrap_is_idempotent(nc: NatsClient, config: Config) -> None:
     for _ in range(2):
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
-        name = await ensure_work_consumer(
-            js, config.nats, model_name="demo", priority=Priority.HIGH, ack_wait_s=30
-        )
+        name = await ensure_work_consumer(js, config.nats, model_name="demo", priority=Priority.HIGH, ack_wait_s=30)
     assert name == "work-demo-high"
     ack = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
     dup = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
-    assert dup.duplicate and dup.seq == ack.seq
+    assert dup.duplicate
+    assert dup.seq == ack.seq
     revision = await kv.create("t.j1", b"x")
     assert (await kv.get("t.j1")).revision == revision
+
+
+async def test_connect_fails_fast_without_a_server() -> None:
+    with pytest.raises(Unavailable, match="cannot connect to NATS"):
+        await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5), name="test")

@@ -1,0 +1,53 @@
+# The two commands (see README): `make up` runs the whole stack, `make test` runs every check.
+# Each creates the virtual environment and installs what it needs on first use.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NODE_STAMP := node_modules/.installed
+
+.PHONY: up test lint typecheck protos protos-check buf-lint buf-breaking pytest clean
+
+up: $(STAMP)
+	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
+
+test: lint typecheck buf-lint buf-breaking protos-check pytest
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+$(NODE_STAMP): package.json
+	npm install --no-audit --no-fund --loglevel=error
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy asyncinfer services
+
+buf-lint: $(NODE_STAMP)
+	npx --no-install buf lint
+
+# Against the previous commit, when it had the contract (a fresh clone of main has its history).
+buf-breaking: $(NODE_STAMP)
+	@if git rev-parse -q --verify HEAD~1 >/dev/null && git cat-file -e HEAD~1:buf.yaml 2>/dev/null; then \
+		npx --no-install buf breaking --against '.git#ref=HEAD~1'; \
+	else echo "buf breaking: no earlier contract to compare with"; fi
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+protos-check: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
+
+pytest: $(STAMP)
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,118 @@
+"""The batcher service: loads the configured models, runs the batching engine, serves the KServe
+v2 API, and takes work from the scheduler when one is configured."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import structlog
+from prometheus_client import CollectorRegistry
+from tritonclient.grpc import service_pb2_grpc
+
+from asyncinfer.config import Config
+from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.metrics import MetricsServer
+from services.batcher.backends import ModelBackend, load_backend
+from services.batcher.engine import BatchingEngine
+from services.batcher.kserve import SERVICE_NAME, KServeServicer
+from services.batcher.metrics import BatcherMetrics
+from services.batcher.worker_client import WorkerClient
+
+log = structlog.get_logger("asyncinfer.batcher")
+
+
+class BatcherApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.batcher_id = config.batcher.batcher_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.registry = CollectorRegistry()
+        self.metrics = BatcherMetrics(self.registry)
+        self.engine = BatchingEngine(metrics=self.metrics)
+        self.port = 0
+        self.metrics_port = 0
+        self._backends: list[ModelBackend] = []
+        self._server: GrpcServer | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._worker: WorkerClient | None = None
+        self._started = False
+        self._stopped = False
+
+    async def start(self) -> None:
+        """Loads every model, then serves; on failure, undoes what was started and re-raises."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0)
+            raise
+
+    async def _start(self) -> None:
+        batcher = self.config.batcher
+        for model in self.config.models:
+            backend = await asyncio.to_thread(load_backend, model, batcher)
+            self._backends.append(backend)
+            self.engine.add_model(model, backend)
+            log.info("model loaded", model=model.name, version=model.version, loader=model.loader)
+        await self.engine.start()
+
+        servicer = KServeServicer(self.engine)
+        self._server = GrpcServer(
+            host=batcher.host,
+            port=batcher.port,
+            add_servicers=lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server),
+            service_names=[SERVICE_NAME],
+        )
+        await self._server.start()
+        self.port = self._server.port
+
+        self._metrics_server = MetricsServer(self.registry, batcher.host, batcher.metrics_port)
+        await asyncio.to_thread(self._metrics_server.start)
+        self.metrics_port = self._metrics_server.port
+
+        if batcher.scheduler_address:
+            self._worker = WorkerClient(
+                address=batcher.scheduler_address,
+                batcher_id=self.batcher_id,
+                engine=self.engine,
+                reconnect_delay_s=batcher.reconnect_delay_s,
+            )
+            await self._worker.start()
+        log.info(
+            "batcher serving",
+            batcher_id=self.batcher_id,
+            port=self.port,
+            metrics_port=self.metrics_port,
+            models=self.engine.model_names,
+            scheduler=batcher.scheduler_address or None,
+        )
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops offering credits, stops the server (running calls get the grace period),
+        finishes in-flight batches within the grace period and fails the rest, sends the
+        scheduler the answers it is owed and closes the work stream, then releases the models.
+        Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        deadline = asyncio.get_running_loop().time() + grace_s
+        if self._worker is not None:
+            self._worker.stop_granting()
+        if self._server is not None:
+            # The engine is stopped concurrently so queued calls fail fast instead of using the
+            # whole grace period.
+            await asyncio.gather(self._server.stop(grace_s), self.engine.stop(grace_s))
+        else:
+            await self.engine.stop(grace_s)
+        if self._worker is not None:
+            # Every item has resolved by now; send the answers and close the stream.
+            await self._worker.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.stop)
+        for backend in self._backends:
+            backend.close()
+        self._backends.clear()
+        log.info("batcher stopped", batcher_id=self.batcher_id)

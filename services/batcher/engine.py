@@ -1,0 +1,444 @@
+"""The dynamic-batching engine: per model, a bounded queue of items that are packed into batches,
+computed in worker threads, and split back per item.
+
+A batch closes when it holds `max_batch_size` rows (an item that would overflow it waits for the
+next one) or when its oldest item has waited `max_queue_delay_ms`. Only items whose non-batch
+dimensions agree share a batch; the oldest item's shape group goes first and the others wait.
+Up to `max_inflight_batches` batches compute at once. Every item's future resolves on every path:
+a result, the model's error (for that batch's items only), a deadline that passed before it ran,
+cancellation by its caller (it is dropped before it runs), or shutdown.
+
+Modelled on Ray Serve's `batching.py`; `submit` is synchronous so a caller (the worker client)
+can account for a slot in the same step as it takes one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from asyncinfer.config import ModelConfig
+from asyncinfer.errors import (
+    AsyncInferError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from asyncinfer.tensors import Tensor, validate_inputs
+from services.batcher.backends import ModelBackend
+from services.batcher.metrics import BatcherMetrics
+
+log = structlog.get_logger("asyncinfer.batcher.engine")
+
+SHUTTING_DOWN = "batcher shutting down"
+SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
+
+# (input name, datatype, non-batch dimensions) of every input: items batch together only when equal.
+ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+SlotListener = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class InferOutcome:
+    outputs: list[Tensor]
+    batch_size: int  # rows in the batch the item ran in
+    batch_items: int  # items in that batch
+    compute_s: float  # the batch's compute time (concatenate, model, split)
+
+
+class PendingItem:
+    """One submitted item: the future its caller awaits, and whether its batch has started."""
+
+    __slots__ = ("expires_at", "future", "inputs", "rows", "shape_key", "started", "submitted_at")
+
+    def __init__(
+        self,
+        inputs: dict[str, Tensor],
+        future: asyncio.Future[InferOutcome],
+        submitted_at: float,
+        expires_at: float | None,
+    ) -> None:
+        self.inputs = inputs
+        self.future = future
+        self.submitted_at = submitted_at
+        self.expires_at = expires_at
+        first = next(iter(inputs.values()))
+        self.rows = first.batch_size
+        self.shape_key: ShapeKey = tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in inputs.values()))
+        self.started = False
+
+    def cancel(self) -> bool:
+        """Drops the item unless its batch has started; True when it was dropped."""
+        if self.started or self.future.done():
+            return False
+        return self.future.cancel()
+
+
+def _outcome_label(future: asyncio.Future[InferOutcome]) -> str:
+    if future.cancelled():
+        return "cancelled"
+    error = future.exception()
+    if error is None:
+        return "ok"
+    if isinstance(error, ModelError):
+        return "model_error"
+    if isinstance(error, DeadlineExceeded):
+        return "expired"
+    if isinstance(error, Unavailable):
+        return "shutdown"
+    return "error"
+
+
+class _ModelQueue:
+    """The queue, batch former and in-flight batches of one model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: ModelBackend,
+        metrics: BatcherMetrics | None,
+        on_item_done: SlotListener,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.name = config.name
+        self.held = 0  # items submitted and not yet resolved (waiting or computing)
+        self._waiting: deque[PendingItem] = deque()
+        self._metrics = metrics
+        self._on_item_done = on_item_done
+        self._changed = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.max_inflight_batches)
+        self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
+        self._former: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def depth(self) -> int:
+        return sum(1 for item in self._waiting if not item.future.done())
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.config.max_queue_size - self.held, 0)
+
+    def start(self, executor: ThreadPoolExecutor) -> None:
+        self._executor = executor
+        self._former = asyncio.create_task(self._form_batches(), name=f"batcher-{self.name}")
+
+    def submit(self, inputs: Sequence[Tensor], timeout_s: float | None) -> PendingItem:
+        if self.held >= self.config.max_queue_size:
+            raise ResourceExhausted(
+                f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
+                reason="BATCHER_QUEUE_FULL",
+                retry_after_s=max(self.config.max_queue_delay_ms / 1000.0, 0.05),
+            )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        by_name = {t.name: t for t in inputs}
+        ordered = {spec.name: by_name[spec.name] for spec in self.backend.signature.inputs}
+        future: asyncio.Future[InferOutcome] = loop.create_future()
+        item = PendingItem(ordered, future, now, None if timeout_s is None else now + timeout_s)
+        self.held += 1
+        future.add_done_callback(lambda _f: self._item_done(item))
+        self._waiting.append(item)
+        self._changed.set()
+        self._report_depth()
+        return item
+
+    def _item_done(self, item: PendingItem) -> None:
+        self.held -= 1
+        outcome = _outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
+        if self._metrics is not None:
+            self._metrics.count_item(self.name, outcome)
+        if not item.started:
+            # A dropped item leaves a stale entry in the queue; let the former purge it.
+            self._changed.set()
+        self._on_item_done(self.name)
+
+    def _report_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self.name, self.depth)
+
+    # --- forming batches -------------------------------------------------------------------
+
+    async def _form_batches(self) -> None:
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            for item in batch:
+                item.started = True
+            task = asyncio.create_task(self._run_batch(batch), name=f"batch-{self.name}")
+            self._batches[task] = batch
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._batches.pop(task, None)
+        self._slots.release()
+
+    async def _next_batch(self) -> list[PendingItem]:
+        loop = asyncio.get_running_loop()
+        delay_s = self.config.max_queue_delay_ms / 1000.0
+        while True:
+            self._purge(loop.time())
+            if not self._waiting:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            batch, full = self._pick()
+            wait_s = self._waiting[0].submitted_at + delay_s - loop.time()
+            if full or wait_s <= 0:
+                chosen = {id(item) for item in batch}
+                self._waiting = deque(item for item in self._waiting if id(item) not in chosen)
+                self._report_depth()
+                return batch
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+
+    def _purge(self, now: float) -> None:
+        """Removes dropped items and fails those whose deadline passed before they ran."""
+        kept: deque[PendingItem] = deque()
+        for item in self._waiting:
+            if item.future.done():
+                continue
+            if item.expires_at is not None and item.expires_at <= now:
+                item.future.set_exception(DeadlineExceeded("the item's deadline passed before it ran"))
+                continue
+            kept.append(item)
+        if len(kept) != len(self._waiting):
+            self._waiting = kept
+            self._report_depth()
+
+    def _pick(self) -> tuple[list[PendingItem], bool]:
+        """The oldest item's shape group, oldest first, up to max_batch_size rows; and whether
+        the batch cannot grow (full, or a same-shape item already had to be left out)."""
+        limit = self.config.max_batch_size
+        group = self._waiting[0].shape_key
+        batch: list[PendingItem] = []
+        rows = 0
+        left_out = False
+        for item in self._waiting:
+            if item.shape_key != group:
+                continue
+            if rows + item.rows > limit:
+                left_out = True
+                continue
+            batch.append(item)
+            rows += item.rows
+        return batch, left_out or rows >= limit
+
+    # --- computing batches -----------------------------------------------------------------
+
+    async def _run_batch(self, batch: list[PendingItem]) -> None:
+        batch = [item for item in batch if not item.future.done()]  # dropped since it was formed
+        if not batch:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            per_item, compute_s = await loop.run_in_executor(self._executor, self._compute, batch)
+        except asyncio.CancelledError:
+            _fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+            raise
+        except AsyncInferError as error:
+            log.warning("batch failed", model=self.name, items=len(batch), error=error.message)
+            _fail(batch, error)
+            return
+        except Exception as exc:
+            log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
+            _fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
+            return
+        rows = sum(item.rows for item in batch)
+        if self._metrics is not None:
+            self._metrics.observe_batch(self.name, rows, compute_s)
+        for item, outputs in zip(batch, per_item, strict=True):
+            if not item.future.done():
+                item.future.set_result(
+                    InferOutcome(outputs=outputs, batch_size=rows, batch_items=len(batch), compute_s=compute_s)
+                )
+
+    def _compute(self, batch: list[PendingItem]) -> tuple[list[list[Tensor]], float]:
+        """Runs in a worker thread: concatenate along dim 0, run the model, split per item."""
+        started = time.perf_counter()
+        signature = self.backend.signature
+        arrays = {
+            spec.name: np.concatenate([item.inputs[spec.name].to_numpy() for item in batch])
+            for spec in signature.inputs
+        }
+        outputs = self.backend.infer_batch(arrays)
+        rows = sum(item.rows for item in batch)
+        for name, array in outputs.items():
+            if array.ndim == 0 or array.shape[0] != rows:
+                raise ModelError(
+                    f"model {self.name!r} output {name!r} has {array.shape[0] if array.ndim else 0} rows "
+                    f"for a batch of {rows}"
+                )
+        per_item: list[list[Tensor]] = []
+        offset = 0
+        for item in batch:
+            per_item.append(
+                [
+                    Tensor.from_numpy(spec.name, outputs[spec.name][offset : offset + item.rows], spec.datatype)
+                    for spec in signature.outputs
+                ]
+            )
+            offset += item.rows
+        return per_item, time.perf_counter() - started
+
+    # --- stopping --------------------------------------------------------------------------
+
+    async def stop_intake(self) -> None:
+        """Stops forming batches and fails every item still waiting."""
+        if self._former is not None:
+            self._former.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._former
+        _fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+        self._waiting.clear()
+        self._report_depth()
+
+    def running_batches(self) -> list[asyncio.Task[None]]:
+        return list(self._batches)
+
+
+def _fail(items: Sequence[PendingItem], error: AsyncInferError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)
+
+
+class BatchingEngine:
+    """The batching engine of every model the batcher serves.
+
+    Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
+    loop, and `await stop(grace_s)` once."""
+
+    def __init__(self, *, metrics: BatcherMetrics | None = None) -> None:
+        self._metrics = metrics
+        self._queues: dict[str, _ModelQueue] = {}
+        self._listeners: list[SlotListener] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._accepting = False
+        self._stopping = False
+
+    def add_model(self, config: ModelConfig, backend: ModelBackend) -> None:
+        if self._executor is not None:
+            raise RuntimeError("models are added before the engine starts")
+        if config.name in self._queues:
+            raise ValueError(f"model {config.name!r} added twice")
+        self._queues[config.name] = _ModelQueue(config, backend, self._metrics, self._notify_slot_freed)
+
+    @property
+    def model_names(self) -> list[str]:
+        return list(self._queues)
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def model_config(self, model_name: str) -> ModelConfig:
+        return self._queue(model_name).config
+
+    def has_model(self, model_name: str) -> bool:
+        return model_name in self._queues
+
+    def free_slots(self, model_name: str) -> int:
+        """Items this model can take now (its queue limit less the items waiting or computing)."""
+        return self._queue(model_name).free_slots if self._accepting else 0
+
+    def queue_depth(self, model_name: str) -> int:
+        return self._queue(model_name).depth
+
+    def add_slot_listener(self, listener: SlotListener) -> Callable[[], None]:
+        """Calls `listener(model_name)` on the event loop each time an item leaves a model (its
+        slot is free again). Returns a function that removes the listener."""
+        self._listeners.append(listener)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._listeners.remove(listener)
+
+        return remove
+
+    async def start(self) -> None:
+        if self._executor is not None:
+            return
+        workers = max(sum(q.config.max_inflight_batches for q in self._queues.values()), 1)
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batcher-compute")
+        for queue in self._queues.values():
+            queue.start(self._executor)
+        self._accepting = True
+
+    def submit(self, model_name: str, inputs: Sequence[Tensor], *, timeout_s: float | None = None) -> PendingItem:
+        """Validates and queues one item; its future resolves with an InferOutcome or an
+        AsyncInferError. Raises at once (nothing queued) for an unknown model, invalid inputs, a
+        full queue, a deadline already passed, or a stopping engine."""
+        queue = self._queue(model_name)
+        if not self._accepting:
+            if self._stopping:
+                raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
+            raise Unavailable("batcher not started", reason="BATCHER_UNAVAILABLE")
+        violations = validate_inputs(inputs, queue.backend.signature, max_batch_size=queue.config.max_batch_size)
+        if violations:
+            first = violations[0]
+            raise InvalidArgument(f"invalid inputs: {first.field}: {first.description}", violations)
+        if timeout_s is not None and timeout_s <= 0:
+            raise DeadlineExceeded("the item's deadline passed before it was queued")
+        return queue.submit(inputs, timeout_s)
+
+    async def infer(self, model_name: str, inputs: Sequence[Tensor], *, timeout_s: float | None = None) -> InferOutcome:
+        """Runs one item through its model's batches. Cancelling the caller drops the item if its
+        batch has not started."""
+        item = self.submit(model_name, inputs, timeout_s=timeout_s)
+        try:
+            return await item.future
+        finally:
+            item.future.cancel()  # no-op once resolved; drops the item when the caller is cancelled
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Fails waiting items with Unavailable, lets computing batches finish within grace_s,
+        then fails and abandons the rest. Idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._accepting = False
+        for queue in self._queues.values():
+            await queue.stop_intake()
+        running = [task for queue in self._queues.values() for task in queue.running_batches()]
+        if running:
+            _done, late = await asyncio.wait(running, timeout=grace_s)
+            for task in late:
+                task.cancel()
+            if late:
+                log.warning("batches still computing at shutdown were abandoned", batches=len(late))
+                await asyncio.gather(*late, return_exceptions=True)
+        if self._executor is not None:
+            # A computing thread cannot be interrupted; do not wait for abandoned ones.
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _queue(self, model_name: str) -> _ModelQueue:
+        try:
+            return self._queues[model_name]
+        except KeyError:
+            raise NotFound(f"model {model_name!r} is not served here", reason="MODEL_NOT_FOUND") from None
+
+    def _notify_slot_freed(self, model_name: str) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(model_name)
+            except Exception:
+                log.exception("slot listener failed", model=model_name)

@@ -1,0 +1,139 @@
+"""The batcher's synchronous API: KServe v2 `inference.GRPCInferenceService`, so tritonclient and
+any v2 client work against it unchanged. Requests go through the same engine as scheduled work.
+
+Like Triton, answers carry outputs in `raw_output_contents` (what tritonclient's `as_numpy`
+reads). RPCs not implemented here (shared memory, repository, statistics, streaming) answer
+UNIMPLEMENTED from the generated base class.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+from asyncinfer.config import ModelConfig
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
+from asyncinfer.tensor_codec import decode_tensor
+from asyncinfer.tensors import Tensor
+from services.batcher.engine import BatchingEngine
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+SERVER_NAME = "asyncinfer-batcher"
+PLATFORMS = {"torch": "pytorch_libtorch"}
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def _server_version() -> str:
+    try:
+        return metadata.version("asyncinfer")
+    except metadata.PackageNotFoundError:
+        return "0"
+
+
+def decode_infer_inputs(request: service_pb2.ModelInferRequest) -> list[Tensor]:
+    """The request's inputs as Tensors: v2 gives either typed contents inside each input or
+    `raw_input_contents` parallel to the inputs. InvalidArgument lists every bad field."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidArgument(
+            f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs",
+            [FieldViolation("raw_input_contents", "give one raw entry per input, in the inputs' order")],
+        )
+    tensors: list[Tensor] = []
+    violations: list[FieldViolation] = []
+    for index, message in enumerate(request.inputs):
+        path = f"inputs[{index}]"
+        if not message.name:
+            violations.append(FieldViolation(f"{path}.name", "every tensor needs a name"))
+            continue
+        try:
+            tensors.append(decode_tensor(message, path, raw[index] if raw else None))
+        except InvalidArgument as exc:
+            violations.extend(exc.violations)
+    if violations:
+        raise InvalidArgument(f"invalid inputs: {violations[0].field}: {violations[0].description}", violations)
+    return tensors
+
+
+class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(self, engine: BatchingEngine) -> None:
+        self._engine = engine
+
+    def _model(self, name: str, version: str) -> ModelConfig:
+        if not self._engine.has_model(name):
+            raise NotFound(f"model {name!r} is not served here", reason="MODEL_NOT_FOUND")
+        config = self._engine.model_config(name)
+        if version and version != config.version:
+            raise NotFound(
+                f"model {name!r} has no version {version!r} (served: {config.version!r})",
+                reason="MODEL_VERSION_NOT_FOUND",
+            )
+        return config
+
+    async def ServerLive(
+        self, request: service_pb2.ServerLiveRequest, context: Context
+    ) -> service_pb2.ServerLiveResponse:
+        return service_pb2.ServerLiveResponse(live=True)
+
+    async def ServerReady(
+        self, request: service_pb2.ServerReadyRequest, context: Context
+    ) -> service_pb2.ServerReadyResponse:
+        return service_pb2.ServerReadyResponse(ready=self._engine.accepting)
+
+    async def ServerMetadata(
+        self, request: service_pb2.ServerMetadataRequest, context: Context
+    ) -> service_pb2.ServerMetadataResponse:
+        return service_pb2.ServerMetadataResponse(name=SERVER_NAME, version=_server_version(), extensions=[])
+
+    async def ModelReady(
+        self, request: service_pb2.ModelReadyRequest, context: Context
+    ) -> service_pb2.ModelReadyResponse:
+        # Like Triton: an unknown model is simply not ready.
+        config = self._engine.model_config(request.name) if self._engine.has_model(request.name) else None
+        ready = (
+            config is not None and (not request.version or request.version == config.version) and self._engine.accepting
+        )
+        return service_pb2.ModelReadyResponse(ready=ready)
+
+    async def ModelMetadata(
+        self, request: service_pb2.ModelMetadataRequest, context: Context
+    ) -> service_pb2.ModelMetadataResponse:
+        config = self._model(request.name, request.version)
+        signature = config.signature
+        Meta = service_pb2.ModelMetadataResponse.TensorMetadata
+        return service_pb2.ModelMetadataResponse(
+            name=config.name,
+            versions=[config.version],
+            platform=PLATFORMS.get(config.backend, config.backend),
+            inputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.inputs],
+            outputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.outputs],
+        )
+
+    async def ModelInfer(
+        self, request: service_pb2.ModelInferRequest, context: Context
+    ) -> service_pb2.ModelInferResponse:
+        config = self._model(request.model_name, request.model_version)
+        declared = [spec.name for spec in config.signature.outputs]
+        requested = [output.name for output in request.outputs]
+        unknown = [
+            FieldViolation(f"outputs[{i}].name", f"unknown output {name!r}; the model has: {', '.join(declared)}")
+            for i, name in enumerate(requested)
+            if name not in declared
+        ]
+        if unknown:
+            raise InvalidArgument(f"invalid outputs: {unknown[0].description}", unknown)
+        inputs = decode_infer_inputs(request)
+        remaining = context.time_remaining()
+        outcome = await self._engine.infer(config.name, inputs, timeout_s=remaining)
+        wanted = set(requested) if requested else set(declared)
+        response = service_pb2.ModelInferResponse(model_name=config.name, model_version=config.version, id=request.id)
+        for tensor in outcome.outputs:
+            if tensor.name not in wanted:
+                continue
+            response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+            response.raw_output_contents.append(tensor.data)
+        return response

@@ -1,0 +1,1 @@
+"""Small models shipped with the batcher (demos and tests)."""

@@ -1,0 +1,1 @@
+"""The gateway: the public JobService (validation, job records' creation, watches)."""

@@ -1,0 +1,106 @@
+"""The gateway process: NATS connection, stream and bucket declarations, the watch hub, the public
+JobService and the metrics endpoint, started and stopped in order."""
+
+from __future__ import annotations
+
+import structlog
+from nats.aio.client import Client as NatsClient
+from prometheus_client import CollectorRegistry
+
+from asyncinfer.config import Config
+from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.metrics import MetricsServer
+from asyncinfer.v1 import job_service_pb2_grpc
+from services.gateway.job_service import JobService
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.records import JobRecords
+from services.gateway.submit import JobSubmitter
+from services.gateway.watch_hub import WatchHub
+
+SERVICE_NAME = "asyncinfer.v1.JobService"
+# Room above max_request_bytes so that a request slightly over the limit reaches our own check
+# (with a clear message) rather than gRPC's; it also bounds responses, and records (with their
+# inline results) stay under NATS's 1 MB max payload.
+MESSAGE_HEADROOM_BYTES = 1024 * 1024
+
+log = structlog.get_logger("asyncinfer.gateway")
+
+
+class GatewayApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = GatewayMetrics(self.registry)
+        self._metrics_server = MetricsServer(self.registry, config.gateway.host, config.gateway.metrics_port)
+        self._nc: NatsClient | None = None
+        self._hub: WatchHub | None = None
+        self._server: GrpcServer | None = None
+        self._started = False
+        self._stopped = False
+        self.port = 0
+        self.metrics_port = 0
+
+    @property
+    def watch_hub(self) -> WatchHub:
+        if self._hub is None:
+            raise RuntimeError("the gateway is not started")
+        return self._hub
+
+    async def start(self) -> None:
+        if self._started:
+            raise RuntimeError("the gateway was already started")
+        self._started = True
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0)
+            raise
+
+    async def _start(self) -> None:
+        cfg = self.config
+        self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
+        js = self._nc.jetstream()
+        await ensure_work_stream(js, cfg.nats)
+        records = JobRecords(await ensure_jobs_bucket(js, cfg.nats))
+        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket)
+        await self._hub.start()
+        self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
+        servicer = JobService(
+            cfg,
+            submitter=JobSubmitter(cfg, records, js),
+            records=records,
+            hub=self._hub,
+            metrics=self.metrics,
+        )
+        self._server = GrpcServer(
+            host=cfg.gateway.host,
+            port=cfg.gateway.port,
+            add_servicers=lambda server: job_service_pb2_grpc.add_JobServiceServicer_to_server(servicer, server),
+            service_names=[SERVICE_NAME],
+            max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
+        )
+        await self._server.start()
+        self.port = self._server.port
+        self._metrics_server.start()
+        self.metrics_port = self._metrics_server.port
+        log.info("gateway_started", address=self._server.address, metrics_port=self.metrics_port)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Ends watches (resumable), stops intake and lets running calls finish within grace_s,
+        then drains NATS. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        # Watches never end on their own: end them first so the grace period serves unary calls.
+        if self._hub is not None:
+            await self._hub.stop()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        self._metrics_server.stop()
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except Exception as exc:  # a connection already lost has nothing left to flush
+                log.warning("nats_drain_failed", error=str(exc))
+        log.info("gateway_stopped")

@@ -1,0 +1,223 @@
+"""Accepting a job: validate the request against the configuration and the model's signature,
+store its record (QUEUED), then publish its work message. Acceptance means durably queued.
+
+No protobuf here: the servicer converts `SubmitJobRequest` into a `SubmitRequest` first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import structlog
+from nats.js import JetStreamContext
+
+from asyncinfer.config import Config, ModelConfig
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
+from asyncinfer.ids import new_job_id
+from asyncinfer.jobs import (
+    CallbackSpec,
+    JobError,
+    JobRecord,
+    JobState,
+    Priority,
+    WorkEnvelope,
+    encode_envelope,
+    work_subject,
+)
+from asyncinfer.tensors import Tensor, validate_inputs
+from services.gateway.records import NATS_FAILURES, JobRecords
+
+MAX_LABELS = 16
+MAX_LABEL_KEY_BYTES = 63
+MAX_LABEL_VALUE_BYTES = 256
+
+log = structlog.get_logger("asyncinfer.gateway")
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    """A SubmitJob request as the domain sees it. Times are Unix seconds; None means unset (the
+    configured default applies)."""
+
+    model_name: str
+    model_version: str = ""
+    inputs: tuple[Tensor, ...] = ()
+    input_ref: str = ""
+    priority: Priority = Priority.NORMAL
+    idempotency_key: str = ""
+    deadline: float | None = None
+    execution_timeout_s: float | None = None
+    result_retention_s: float | None = None
+    max_attempts: int = 0  # 0: the model's default
+    labels: Mapping[str, str] = field(default_factory=dict)
+    callback: CallbackSpec | None = None
+
+
+def check_request_size(size_bytes: int, limit_bytes: int) -> None:
+    if size_bytes > limit_bytes:
+        message = (
+            f"the request is {size_bytes} bytes, over the limit of {limit_bytes} bytes "
+            "(gateway.max_request_bytes); send large inputs with UploadInput and pass its input_ref"
+        )
+        raise InvalidArgument(message, [FieldViolation("inputs", message)], reason="REQUEST_TOO_LARGE")
+
+
+def resolve_model(config: Config, name: str, version: str) -> ModelConfig:
+    if not name:
+        raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
+    model = config.model(name)
+    known = ", ".join(sorted(m.name for m in config.models)) or "none"
+    if model is None:
+        raise NotFound(
+            f"unknown model {name!r}; the models served are: {known}",
+            reason="MODEL_NOT_FOUND",
+            metadata={"model": name[:64], "known_models": known},
+        )
+    if version and version != model.version:
+        raise NotFound(
+            f"model {name!r} has no version {version!r}; it serves version {model.version!r}",
+            reason="MODEL_VERSION_NOT_FOUND",
+            metadata={"model": name, "version": version[:64]},
+        )
+    return model
+
+
+def _label_violations(labels: Mapping[str, str]) -> list[FieldViolation]:
+    violations: list[FieldViolation] = []
+    if len(labels) > MAX_LABELS:
+        violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels, got {len(labels)}"))
+    for key, value in labels.items():
+        if not key or len(key.encode()) > MAX_LABEL_KEY_BYTES:
+            violations.append(FieldViolation(f"labels[{key[:64]!r}]", f"label keys are 1-{MAX_LABEL_KEY_BYTES} bytes"))
+        if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
+            violations.append(
+                FieldViolation(f"labels[{key[:64]!r}]", f"label values are at most {MAX_LABEL_VALUE_BYTES} bytes")
+            )
+    return violations
+
+
+def _option_violations(request: SubmitRequest, config: Config, now: float) -> list[FieldViolation]:
+    violations: list[FieldViolation] = []
+    if request.deadline is not None and request.deadline <= now:
+        violations.append(FieldViolation("deadline", "the deadline has already passed"))
+    if request.execution_timeout_s is not None and request.execution_timeout_s <= 0:
+        violations.append(FieldViolation("execution_timeout", "must be positive"))
+    retention = request.result_retention_s
+    limit = config.gateway.max_result_retention_s
+    if retention is not None and retention <= 0:
+        violations.append(FieldViolation("result_retention", "must be positive"))
+    elif retention is not None and retention > limit:
+        violations.append(FieldViolation("result_retention", f"at most {limit:g} s (gateway.max_result_retention_s)"))
+    if request.max_attempts < 0:
+        violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
+    if request.callback is not None:
+        url = urlsplit(request.callback.url)
+        if url.scheme not in ("https", "http") or not url.hostname:
+            violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
+    return violations
+
+
+def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> ModelConfig:
+    """The model the request runs on; raises NotFound, Unimplemented or InvalidArgument (with every
+    violation found)."""
+    model = resolve_model(config, request.model_name, request.model_version)
+    if request.input_ref:
+        raise Unimplemented("input_ref (inputs uploaded with UploadInput) comes with a later release")
+    if request.idempotency_key:
+        raise Unimplemented("idempotency keys come with a later release")
+    violations = _option_violations(request, config, now) + _label_violations(request.labels)
+    if not request.inputs:
+        violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
+    else:
+        violations += validate_inputs(request.inputs, model.signature, max_batch_size=model.max_batch_size)
+    if violations:
+        first = violations[0]
+        raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)
+    return model
+
+
+class JobSubmitter:
+    """Validates, records and enqueues jobs."""
+
+    def __init__(
+        self,
+        config: Config,
+        records: JobRecords,
+        js: JetStreamContext,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._records = records
+        self._js = js
+        self._clock = clock
+
+    async def submit(self, request: SubmitRequest, *, tenant: str) -> JobRecord:
+        """The new job's record (QUEUED, with its revision), once it is durably queued."""
+        now = self._clock()
+        model = validate_submit(request, self._config, now=now)
+        record = JobRecord(
+            job_id=new_job_id(),
+            tenant=tenant,
+            model_name=model.name,
+            model_version=model.version,
+            state=JobState.QUEUED,
+            priority=request.priority,
+            create_time=now,
+            update_time=now,
+            max_attempts=request.max_attempts or model.max_attempts,
+            result_retention_s=request.result_retention_s or self._config.gateway.default_result_retention_s,
+            labels=dict(request.labels),
+            deadline=request.deadline,
+            execution_timeout_s=request.execution_timeout_s or model.default_execution_timeout_s,
+            callback=request.callback,
+        )
+        bound = log.bind(job_id=record.job_id, model=record.model_name, tenant=tenant)
+        record = await self._records.create(record)
+        envelope = WorkEnvelope(
+            job_id=record.job_id,
+            tenant=tenant,
+            model_name=record.model_name,
+            model_version=record.model_version,
+            priority=record.priority,
+            create_time=record.create_time,
+            max_attempts=record.max_attempts,
+            inputs=request.inputs,
+            deadline=record.deadline,
+            execution_timeout_s=record.execution_timeout_s,
+        )
+        try:
+            await self._js.publish(
+                work_subject(record.model_name, record.priority),
+                encode_envelope(envelope),
+                stream=self._config.nats.work_stream,
+                headers={"Nats-Msg-Id": record.job_id},
+            )
+        except NATS_FAILURES as exc:
+            bound.warning("enqueue_failed", error=str(exc))
+            await self._mark_enqueue_failed(record, exc)
+            raise Unavailable(
+                f"the job could not be queued ({exc}); it was not accepted, submit it again",
+                reason="ENQUEUE_FAILED",
+                metadata={"job_id": record.job_id},
+            ) from exc
+        bound.info("job_submitted", priority=record.priority.value)
+        return record
+
+    async def _mark_enqueue_failed(self, record: JobRecord, cause: BaseException) -> None:
+        # The record exists but no work message does: without this it would stay QUEUED forever.
+        now = self._clock()
+        error = JobError(
+            code=Unavailable.code.value[0],
+            reason="ENQUEUE_FAILED",
+            message=f"the work message could not be published: {cause}",
+            retriable=True,
+        )
+        failed = record.evolve(state=JobState.FAILED, error=error, update_time=now, end_time=now)
+        try:
+            await self._records.replace(failed)
+        except NATS_FAILURES as exc:
+            log.error("enqueue_failed_not_recorded", job_id=record.job_id, model=record.model_name, error=str(exc))

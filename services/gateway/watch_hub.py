@@ -1,0 +1,148 @@
+"""WatchJob fan-out: one ordered JetStream subscription per gateway process on the jobs bucket's
+update subjects, dispatched to per-watcher queues, instead of one consumer per watcher.
+
+A watch registers its queue before it reads the current record, so no change can fall between the
+read and the first queued update; revisions (the KV stream sequence) drop what was already sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.kv import KV_MARKER_REASON, KV_OP
+
+from asyncinfer.errors import InvalidArgument, Unavailable
+from asyncinfer.jobs import JobRecord, decode_record, job_key
+from services.gateway.records import JobRecords, job_not_found
+
+log = structlog.get_logger("asyncinfer.gateway.watch")
+
+
+@dataclass(frozen=True, slots=True)
+class RecordUpdate:
+    revision: int
+    record: JobRecord | None  # None: the record was deleted or purged
+
+
+# Queued to every watcher when the hub stops.
+_HUB_CLOSED = None
+WatcherQueue = asyncio.Queue[RecordUpdate | None]
+
+
+class WatchHub:
+    def __init__(self, js: JetStreamContext, records: JobRecords, *, bucket: str) -> None:
+        self._js = js
+        self._records = records
+        self._bucket = bucket
+        self._prefix = f"$KV.{bucket}."
+        self._watchers: dict[str, set[WatcherQueue]] = {}
+        self._subscription: JetStreamContext.PushSubscription | None = None
+        self._closed = False
+
+    @property
+    def watcher_count(self) -> int:
+        return sum(len(queues) for queues in self._watchers.values())
+
+    async def start(self) -> None:
+        # DeliverPolicy.NEW: watches read the current record themselves; only later changes matter.
+        # An ordered consumer is ephemeral, in memory, and resumes after the last sequence it saw.
+        self._subscription = await self._js.subscribe(
+            f"{self._prefix}>",
+            stream=f"KV_{self._bucket}",
+            cb=self._on_update,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.NEW,
+        )
+
+    async def stop(self) -> None:
+        """Ends every watch (UNAVAILABLE: resume elsewhere with after_revision) and unsubscribes.
+        Watches never end on their own, so the server's grace period would only wait for them."""
+        if self._closed:
+            return
+        self._closed = True
+        for queues in self._watchers.values():
+            for queue in queues:
+                queue.put_nowait(_HUB_CLOSED)
+        if self._subscription is not None:
+            subscription, self._subscription = self._subscription, None
+            try:
+                await subscription.unsubscribe()
+            except Exception as exc:  # the connection may already be gone; nothing is left to free
+                log.warning("watch_unsubscribe_failed", error=str(exc))
+
+    async def _on_update(self, msg: Msg) -> None:
+        key = msg.subject.removeprefix(self._prefix)
+        queues = self._watchers.get(key)
+        if not queues:
+            return
+        revision = msg.metadata.sequence.stream
+        headers = msg.headers or {}
+        record: JobRecord | None = None
+        if KV_OP not in headers and KV_MARKER_REASON not in headers:
+            try:
+                record = decode_record(msg.data, revision=revision)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.error("watch_bad_record", key=key, revision=revision, error=str(exc))
+                return
+        update = RecordUpdate(revision, record)
+        for queue in queues:
+            queue.put_nowait(update)
+
+    def _register(self, key: str) -> WatcherQueue:
+        # Unbounded: a job changes state a handful of times, so a slow client holds little.
+        queue: WatcherQueue = asyncio.Queue()
+        self._watchers.setdefault(key, set()).add(queue)
+        return queue
+
+    def _unregister(self, key: str, queue: WatcherQueue) -> None:
+        queues = self._watchers.get(key)
+        if queues is None:
+            return
+        queues.discard(queue)
+        if not queues:
+            del self._watchers[key]
+
+    async def watch(self, tenant: str, job_id: str, after_revision: int = 0) -> AsyncGenerator[JobRecord, None]:
+        """The current record (if newer than after_revision), then every change, until a terminal
+        state. NotFound for an unknown job or when its record is deleted."""
+        if self._closed:
+            raise Unavailable("the gateway is shutting down; watch again elsewhere")
+        key = job_key(tenant, job_id)
+        queue = self._register(key)
+        try:
+            current = await self._records.get(key)
+            if current is None:
+                raise job_not_found(job_id)
+            if after_revision > current.revision:
+                raise InvalidArgument(
+                    f"after_revision {after_revision} is ahead of the job's revision {current.revision}"
+                )
+            last_sent = after_revision
+            if current.revision > last_sent:
+                yield current
+                last_sent = current.revision
+            if current.state.is_terminal:
+                return
+            while True:
+                update = await queue.get()
+                if update is _HUB_CLOSED:
+                    raise Unavailable(
+                        f"the gateway is shutting down; watch again with after_revision={last_sent}",
+                        metadata={"after_revision": str(last_sent)},
+                    )
+                if update.revision <= last_sent:
+                    continue
+                if update.record is None:
+                    raise job_not_found(job_id)
+                yield update.record
+                last_sent = update.revision
+                if update.record.state.is_terminal:
+                    return
+        finally:
+            self._unregister(key, queue)

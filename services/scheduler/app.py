@@ -1,0 +1,164 @@
+"""The scheduler service: NATS declarations, the gRPC server (WorkerService + OpsService), one
+dispatch loop per model, lease renewal, queue metrics; started and stopped in order."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+from nats.aio.client import Client as NatsClient
+from prometheus_client import CollectorRegistry
+
+from asyncinfer.config import Config
+from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.jobs import PRIORITIES_BY_RANK
+from asyncinfer.metrics import MetricsServer
+from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
+from services.scheduler.batchers import BatcherRegistry
+from services.scheduler.dispatcher import ModelDispatcher
+from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.ops_service import OpsService
+from services.scheduler.queue_stats import QueueStatsReader
+from services.scheduler.work_queue import ModelQueues
+from services.scheduler.worker_service import WorkerService
+
+log = structlog.get_logger("asyncinfer.scheduler")
+
+SERVICE_NAMES = ("asyncinfer.v1.WorkerService", "asyncinfer.v1.OpsService")
+
+
+class SchedulerApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
+        self.metrics = SchedulerMetrics(CollectorRegistry())
+        self.batchers = BatcherRegistry()
+        self.port = 0
+        self.metrics_port = 0
+        self._nc: NatsClient | None = None
+        self._flow: JobFlow | None = None
+        self._stats: QueueStatsReader | None = None
+        self._server: GrpcServer | None = None
+        self._metrics_server = MetricsServer(
+            self.metrics.registry, config.scheduler.host, config.scheduler.metrics_port
+        )
+        self._dispatchers: list[ModelDispatcher] = []
+        self._loops: list[asyncio.Task[None]] = []
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def flow(self) -> JobFlow:
+        if self._flow is None:
+            raise RuntimeError("the scheduler has not started")
+        return self._flow
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop(grace_s=0.0)
+            raise
+
+    async def _start(self) -> None:
+        config = self.config
+        settings = config.scheduler
+        self._nc = nc = await connect(config.nats, name=self.scheduler_id)
+        js = nc.jetstream()
+        await ensure_work_stream(js, config.nats)
+        kv = await ensure_jobs_bucket(js, config.nats)
+        for model in config.models:
+            for priority in PRIORITIES_BY_RANK:
+                await ensure_work_consumer(
+                    js, config.nats, model_name=model.name, priority=priority, ack_wait_s=settings.ack_wait_s
+                )
+        self._flow = flow = JobFlow(kv=kv, config=config, metrics=self.metrics)
+        self._stats = stats = QueueStatsReader(
+            js=js, config=config, batchers=self.batchers, in_flight_count=flow.in_flight_count
+        )
+        workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
+        ops = OpsService(stats=stats, model_names=frozenset(m.name for m in config.models))
+
+        def add_servicers(server: grpc.aio.Server) -> None:
+            worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(workers, server)
+            ops_service_pb2_grpc.add_OpsServiceServicer_to_server(ops, server)
+
+        self._server = GrpcServer(
+            host=settings.host, port=settings.port, add_servicers=add_servicers, service_names=SERVICE_NAMES
+        )
+        await self._server.start()
+        self.port = self._server.port
+        for model in config.models:
+            dispatcher = ModelDispatcher(
+                nc=nc,
+                queues=ModelQueues(nc, config.nats.work_stream, model.name),
+                batchers=self.batchers,
+                flow=flow,
+                poll_interval_s=settings.poll_interval_ms / 1000.0,
+            )
+            await dispatcher.start()
+            self._dispatchers.append(dispatcher)
+        self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
+        self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
+        self._metrics_server.start()
+        self.metrics_port = self._metrics_server.port
+        log.info(
+            "scheduler_started",
+            scheduler_id=self.scheduler_id,
+            address=self._server.address,
+            metrics_port=self.metrics_port,
+            models=[m.name for m in config.models],
+        )
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        """Stops dispatching, lets in-flight results arrive within grace_s, puts what is still in
+        flight back in the queue (redelivered at once, e.g. to another scheduler), ends the
+        batchers' streams, stops the server and drains NATS. Idempotent; concurrent calls wait
+        for the same stop."""
+        if self._stopping is None:
+            self._stopping = asyncio.create_task(self._stop(grace_s))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace_s: float) -> None:
+        for dispatcher in self._dispatchers:
+            await dispatcher.stop()
+        if self._flow is not None:
+            if not await self._flow.wait_idle(grace_s):
+                log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
+            await self._flow.return_all("SCHEDULER_STOPPING")
+        for loop in self._loops:
+            loop.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        for session in self.batchers.sessions:
+            self.batchers.unregister(session)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        if self._flow is not None:
+            await self._flow.close()
+        self._metrics_server.stop()
+        if self._nc is not None and not self._nc.is_closed:
+            try:
+                await self._nc.drain()
+            except Exception as exc:
+                log.warning("nats_drain_failed", error=str(exc))
+        log.info("scheduler_stopped", scheduler_id=self.scheduler_id)
+
+    async def _observe_queues(self) -> None:
+        if self._stats is not None:
+            self.metrics.observe(await self._stats.snapshot())
+
+    def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await action()
+                except Exception:
+                    log.exception(f"{name}_failed")
+
+        return asyncio.create_task(loop(), name=f"scheduler-{name}")

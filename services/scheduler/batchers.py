@@ -1,0 +1,118 @@
+"""Connected batchers and their credits.
+
+A credit is one work order a batcher said it will accept for a model. The dispatcher reserves a
+credit before it pulls a message, so the scheduler never holds more messages than batchers can
+take (no prefetch: a LOW job pulled early could otherwise overtake a HIGH job published later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from asyncinfer.errors import InvalidArgument
+from services.scheduler.messages import ServedModel, WorkerHello, WorkOrder
+
+_session_numbers = itertools.count(1)
+
+
+class BatcherSession:
+    """One Connect stream. Its outbound queue is drained by the stream's response iterator; None
+    in the queue ends the stream."""
+
+    def __init__(self, hello: WorkerHello) -> None:
+        self.batcher_id = hello.batcher_id
+        # A batcher that reconnects keeps its ID but gets a new session.
+        self.session_number = next(_session_numbers)
+        self.models: dict[str, ServedModel] = {m.model_name: m for m in hello.models}
+        self.credits: dict[str, int] = dict.fromkeys(self.models, 0)
+        self.in_flight: set[str] = set()
+        self.outbound: asyncio.Queue[WorkOrder | None] = asyncio.Queue()
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"BatcherSession({self.batcher_id!r}#{self.session_number})"
+
+    def send(self, order: WorkOrder) -> None:
+        if self.closed:
+            raise RuntimeError(f"{self!r} is closed")
+        self.outbound.put_nowait(order)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.credits = dict.fromkeys(self.models, 0)
+            self.outbound.put_nowait(None)
+
+
+class BatcherRegistry:
+    """The open sessions, with an event per model that is set while any of them has a credit."""
+
+    def __init__(self) -> None:
+        self._sessions: list[BatcherSession] = []
+        self._credit_events: dict[str, asyncio.Event] = {}
+
+    @property
+    def sessions(self) -> tuple[BatcherSession, ...]:
+        return tuple(self._sessions)
+
+    def register(self, session: BatcherSession) -> None:
+        self._sessions.append(session)
+
+    def unregister(self, session: BatcherSession) -> None:
+        """Closes the session and forgets it (its credits with it)."""
+        session.close()
+        if session in self._sessions:
+            self._sessions.remove(session)
+        for model_name in session.models:
+            self._refresh(model_name)
+
+    def grant(self, session: BatcherSession, model_name: str, credits: int) -> None:
+        if model_name not in session.models:
+            raise InvalidArgument(f"credit for model {model_name!r}, which the batcher did not announce in hello")
+        if credits <= 0:
+            raise InvalidArgument(f"credits must be positive, got {credits}")
+        if session.closed:
+            return
+        session.credits[model_name] += credits
+        self._refresh(model_name)
+
+    def reserve(self, model_name: str) -> BatcherSession | None:
+        """Takes one credit from the open session with the most free credits for the model."""
+        best: BatcherSession | None = None
+        for session in self._sessions:
+            free = session.credits.get(model_name, 0)
+            if free > 0 and (best is None or free > best.credits[model_name]):
+                best = session
+        if best is not None:
+            best.credits[model_name] -= 1
+            self._refresh(model_name)
+        return best
+
+    def release(self, session: BatcherSession, model_name: str) -> None:
+        """Gives back a reserved credit that was not used (nothing to dispatch)."""
+        if not session.closed:
+            session.credits[model_name] += 1
+            self._refresh(model_name)
+
+    def credit_event(self, model_name: str) -> asyncio.Event:
+        event = self._credit_events.get(model_name)
+        if event is None:
+            event = self._credit_events[model_name] = asyncio.Event()
+            self._refresh(model_name)
+        return event
+
+    def free_credits(self, model_name: str) -> int:
+        return sum(s.credits.get(model_name, 0) for s in self._sessions)
+
+    def serving(self, model_name: str) -> list[BatcherSession]:
+        return [s for s in self._sessions if model_name in s.models]
+
+    def _refresh(self, model_name: str) -> None:
+        event = self._credit_events.get(model_name)
+        if event is None:
+            return
+        if self.free_credits(model_name) > 0:
+            event.set()
+        else:
+            event.clear()

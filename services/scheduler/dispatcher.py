@@ -1,0 +1,114 @@
+"""The dispatch loop of one model.
+
+It runs only while a connected batcher has a credit for the model. With a credit reserved it
+chooses the next job at that moment (a no-wait pull of exactly one message), so a job is never
+taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
+until a publish on the model's subjects rings the doorbell, or until the poll interval passes
+(which catches redeliveries, delayed retries and messages published while it was down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from asyncinfer.jobs import WORK_SUBJECT_PREFIX
+from services.scheduler.batchers import BatcherRegistry, BatcherSession
+from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.work_queue import ModelQueues
+
+log = structlog.get_logger("asyncinfer.scheduler.dispatcher")
+
+# The most jobs taken from the queue in one round (bounded by free credits anyway).
+MAX_PULL_PER_ROUND = 64
+
+
+class ModelDispatcher:
+    def __init__(
+        self,
+        *,
+        nc: NatsClient,
+        queues: ModelQueues,
+        batchers: BatcherRegistry,
+        flow: JobFlow,
+        poll_interval_s: float,
+    ) -> None:
+        self.model_name = queues.model_name
+        self._nc = nc
+        self._queues = queues
+        self._batchers = batchers
+        self._flow = flow
+        self._poll_interval_s = poll_interval_s
+        self._doorbell = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._subscription: Subscription | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        # A core subscription sees every publish to the stream's subjects: a cheap wake-up.
+        self._subscription = await self._nc.subscribe(f"{WORK_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
+        self._task = asyncio.create_task(self._run(), name=f"dispatch-{self.model_name}")
+
+    async def stop(self) -> None:
+        """Stops taking new work; returns once the loop has ended (mid-dispatch work completes)."""
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+            self._subscription = None
+
+    async def _ring(self, _msg: Msg) -> None:
+        self._doorbell.set()
+
+    async def _run(self) -> None:
+        credit = self._batchers.credit_event(self.model_name)
+        while await self._wait(credit):
+            # Reserve the credits first, then pull at most that many: nothing is taken from the
+            # queue without somewhere to run it. Pulling several at once (rather than one per
+            # round trip) is what lets the batcher form batches under load.
+            sessions: list[BatcherSession] = []
+            while len(sessions) < MAX_PULL_PER_ROUND:
+                session = self._batchers.reserve(self.model_name)
+                if session is None:
+                    break
+                sessions.append(session)
+            if not sessions:
+                continue
+            self._doorbell.clear()
+            try:
+                msgs = await self._queues.pull_next(len(sessions))
+            except Exception:
+                log.exception("pull_failed", model=self.model_name)
+                msgs = []
+            for session in sessions[len(msgs) :]:
+                self._batchers.release(session, self.model_name)
+            if not msgs:
+                await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
+                continue
+            pairs = list(zip(msgs, sessions, strict=False))
+            sent = await asyncio.gather(*(self._flow.dispatch(msg, session) for msg, session in pairs))
+            for (_msg, session), was_sent in zip(pairs, sent, strict=True):
+                if not was_sent:
+                    self._batchers.release(session, self.model_name)
+
+    async def _wait(self, event: asyncio.Event, *, timeout_s: float | None = None) -> bool:
+        """Waits for the event (or the timeout); False once stopping."""
+        if self._stopping.is_set():
+            return False
+        if event.is_set():
+            return True
+        waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())}
+        try:
+            await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
+        return not self._stopping.is_set()

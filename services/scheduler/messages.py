@@ -1,0 +1,56 @@
+"""What the scheduler and a batcher say to each other on the Connect stream, as domain types.
+
+`worker_service` converts the protobuf messages at the edge; nothing else sees them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from asyncinfer.jobs import BlobRef, JobError, Priority
+from asyncinfer.tensors import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    model_name: str
+    model_version: str
+    max_batch_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHello:
+    batcher_id: str
+    models: tuple[ServedModel, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CreditGrant:
+    model_name: str
+    credits: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkResult:
+    """The outcome of one work order; `error` is None on success."""
+
+    job_id: str
+    attempt: int
+    outputs: tuple[Tensor, ...] = ()
+    error: JobError | None = None
+    batch_size: int = 0
+    compute_s: float = 0.0
+    dropped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkOrder:
+    job_id: str
+    attempt: int
+    model_name: str
+    model_version: str
+    priority: Priority
+    tenant: str
+    inputs: tuple[Tensor, ...] = ()
+    input_ref: BlobRef | None = None
+    deadline: float | None = None
+    execution_timeout_s: float | None = None

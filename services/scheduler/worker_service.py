@@ -1,0 +1,175 @@
+"""WorkerService: the Connect stream batchers hold to the scheduler.
+
+Protobuf stays here: requests become `services.scheduler.messages` types, work orders become
+protobuf only on their way out. A session's outbound queue is drained by this method's response
+iterator; a reader task handles what the batcher sends. However the stream ends (the batcher
+closes it, the connection breaks, a protocol error, the scheduler stops), the session is
+unregistered and its in-flight jobs go back to the queue at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
+from asyncinfer.jobs import JobError, Priority
+from asyncinfer.tensor_codec import decode_tensors, to_input_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
+from services.scheduler.batchers import BatcherRegistry, BatcherSession
+from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.messages import CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
+
+log = structlog.get_logger("asyncinfer.scheduler.workers")
+
+PRIORITY_TO_PROTO: dict[Priority, job_pb2.Priority.ValueType] = {
+    Priority.HIGH: job_pb2.PRIORITY_HIGH,
+    Priority.NORMAL: job_pb2.PRIORITY_NORMAL,
+    Priority.LOW: job_pb2.PRIORITY_LOW,
+}
+
+
+# --- protobuf <-> domain ------------------------------------------------------------------------
+
+
+def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
+    violations: list[FieldViolation] = []
+    if not message.batcher_id:
+        violations.append(FieldViolation("hello.batcher_id", "a batcher needs an ID"))
+    if not message.models:
+        violations.append(FieldViolation("hello.models", "a batcher must serve at least one model"))
+    for index, model in enumerate(message.models):
+        if not model.model_name:
+            violations.append(FieldViolation(f"hello.models[{index}].model_name", "every model needs a name"))
+    if violations:
+        raise InvalidArgument(f"invalid hello: {violations[0].field}: {violations[0].description}", violations)
+    return WorkerHello(
+        batcher_id=message.batcher_id,
+        models=tuple(
+            ServedModel(model_name=m.model_name, model_version=m.model_version, max_batch_size=m.max_batch_size)
+            for m in message.models
+        ),
+    )
+
+
+def credit_from_proto(message: worker_service_pb2.CreditGrant) -> CreditGrant:
+    return CreditGrant(model_name=message.model_name, credits=message.credits)
+
+
+def error_from_proto(message: error_pb2.ErrorStatus) -> JobError:
+    return JobError(
+        code=message.code,
+        reason=message.reason or "UNKNOWN",
+        message=message.message,
+        violations=tuple(FieldViolation(v.field, v.description) for v in message.field_violations),
+        retriable=message.retriable,
+    )
+
+
+def result_from_proto(message: worker_service_pb2.WorkResult) -> WorkResult:
+    outputs: tuple[Tensor, ...] = ()
+    error = error_from_proto(message.error) if message.HasField("error") else None
+    if error is None and not message.dropped:
+        try:
+            outputs = tuple(decode_tensors(message.outputs, "result.outputs"))
+        except InvalidArgument as exc:
+            # A batcher bug, not the caller's: the job fails with what was wrong.
+            error = JobError(
+                code=grpc.StatusCode.INTERNAL.value[0],
+                reason="INVALID_RESULT",
+                message=exc.message,
+                violations=exc.violations,
+            )
+    return WorkResult(
+        job_id=message.job_id,
+        attempt=message.attempt,
+        outputs=outputs,
+        error=error,
+        batch_size=message.batch_size,
+        compute_s=message.compute_duration.seconds + message.compute_duration.nanos / 1e9,
+        dropped=message.dropped and error is None,
+    )
+
+
+def order_to_proto(order: WorkOrder) -> worker_service_pb2.WorkOrder:
+    message = worker_service_pb2.WorkOrder(
+        job_id=order.job_id,
+        attempt=order.attempt,
+        model_name=order.model_name,
+        model_version=order.model_version,
+        priority=PRIORITY_TO_PROTO[order.priority],
+        inputs=[to_input_proto(t) for t in order.inputs],
+        tenant=order.tenant,
+    )
+    if order.input_ref is not None:
+        message.input_ref = order.input_ref.ref
+    if order.deadline is not None:
+        deadline = timestamp_pb2.Timestamp()
+        deadline.FromNanoseconds(round(order.deadline * 1e9))
+        message.deadline.CopyFrom(deadline)
+    if order.execution_timeout_s is not None:
+        timeout = duration_pb2.Duration()
+        timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
+        message.execution_timeout.CopyFrom(timeout)
+    return message
+
+
+# --- the servicer -------------------------------------------------------------------------------
+
+
+class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
+    def __init__(self, *, scheduler_id: str, batchers: BatcherRegistry, flow: JobFlow) -> None:
+        self._scheduler_id = scheduler_id
+        self._batchers = batchers
+        self._flow = flow
+
+    async def Connect(
+        self,
+        request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest],
+        context: grpc.aio.ServicerContext[worker_service_pb2.ConnectRequest, worker_service_pb2.ConnectResponse],
+    ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("message") != "hello":
+            raise FailedPrecondition("the first message on the Connect stream must be a WorkerHello")
+        session = BatcherSession(hello_from_proto(first.hello))
+        self._batchers.register(session)
+        session_log = log.bind(batcher_id=session.batcher_id, session=session.session_number)
+        session_log.info("batcher_connected", models=sorted(session.models))
+        reader = asyncio.create_task(self._read(session, requests), name=f"worker-reader-{session.batcher_id}")
+        try:
+            yield worker_service_pb2.ConnectResponse(
+                welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id)
+            )
+            while (order := await session.outbound.get()) is not None:
+                yield worker_service_pb2.ConnectResponse(order=order_to_proto(order))
+        finally:
+            self._batchers.unregister(session)
+            self._flow.batcher_lost(session)
+            reader.cancel()
+            outcome = (await asyncio.gather(reader, return_exceptions=True))[0]
+            session_log.info("batcher_disconnected")
+        if isinstance(outcome, AsyncInferError):
+            raise outcome
+
+    async def _read(self, session: BatcherSession, requests: AsyncIterator[worker_service_pb2.ConnectRequest]) -> None:
+        """Handles the batcher's messages until its side ends; then ends the session."""
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("message")
+                if kind == "credit":
+                    credit = credit_from_proto(request.credit)
+                    self._batchers.grant(session, credit.model_name, credit.credits)
+                elif kind == "result":
+                    await self._flow.handle_result(session, result_from_proto(request.result))
+                elif kind == "hello":
+                    raise FailedPrecondition("hello was already received on this stream")
+                else:
+                    raise InvalidArgument("empty ConnectRequest")
+        finally:
+            self._batchers.unregister(session)

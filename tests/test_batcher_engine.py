@@ -1,0 +1,341 @@
+"""The dynamic-batching engine with real torch models: batches fill, close on delay, count rows,
+keep shapes apart, fail per batch, drop cancelled items, bound the queue, and stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asyncinfer.config import DEMO_MODEL, TensorSpecConfig
+from asyncinfer.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from asyncinfer.tensors import Tensor
+from services.batcher.backends.torch_backend import TorchBackend
+from services.batcher.engine import BatchingEngine
+from services.batcher.models.demo import FAILING_MODEL_MESSAGE, build_demo_model, build_failing_model
+
+
+class RecordingAffine(torch.nn.Module):
+    """y = 2x + 1, remembering every batch it saw; optionally held at a gate until released."""
+
+    def __init__(self, gate: threading.Event | None = None, poison: float | None = None) -> None:
+        super().__init__()
+        self.batches: list[np.ndarray[Any, Any]] = []
+        self.gate = gate
+        self.poison = poison
+        self.entered = threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        self.batches.append(x.numpy().copy())
+        if self.poison is not None and bool((x == self.poison).any()):
+            raise ValueError("poisoned input in this batch")
+        return 2.0 * x + 1.0
+
+    @property
+    def rows_seen(self) -> list[int]:
+        return [len(b) for b in self.batches]
+
+    def values_seen(self) -> set[float]:
+        return {float(v) for batch in self.batches for v in batch.reshape(-1)}
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Callable[..., Any]]:
+    engines: list[BatchingEngine] = []
+
+    async def make(module: torch.nn.Module, **overrides: Any) -> BatchingEngine:
+        config = DEMO_MODEL.model_copy(update=overrides)
+        engine = BatchingEngine()
+        engine.add_model(config, TorchBackend(config.name, module, config.signature, torch.device("cpu")))
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop(grace_s=1.0)
+
+
+def rows(value: float, count: int = 1, width: int = 4) -> list[Tensor]:
+    return [Tensor.from_numpy("x", np.full((count, width), value, dtype=np.float32))]
+
+
+def expected_y(x: Tensor) -> np.ndarray[Any, Any]:
+    return np.asarray(x.to_numpy(), dtype=np.float32) * 2 + 1
+
+
+async def wait_entered(model: RecordingAffine) -> None:
+    assert await asyncio.to_thread(model.entered.wait, 5.0)
+
+
+async def test_concurrent_items_fill_batches_up_to_max_batch_size(make_engine: Callable[..., Any]) -> None:
+    model = RecordingAffine()
+    engine = await make_engine(model, max_batch_size=8, max_queue_delay_ms=300.0)
+    values = [float(i) for i in range(20)]
+    outcomes = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in values))
+    assert sorted(o.batch_size for o in outcomes) == [4] * 4 + [8] * 16
+    assert sorted(model.rows_seen) == [4, 8, 8]
+    for value, outcome in zip(values, outcomes, strict=True):
+        (y,) = outcome.outputs
+        assert y.name == "y"
+        assert y.datatype == "FP32"
+        assert y.shape == (1, 4)
+        np.testing.assert_array_equal(y.to_numpy(), np.full((1, 4), 2 * value + 1, dtype=np.float32))
+
+
+async def test_delay_closes_a_partial_batch(make_engine: Callable[..., Any]) -> None:
+    model = RecordingAffine()
+    engine = await make_engine(model, max_batch_size=32, max_queue_delay_ms=30.0)
+    started = time.monotonic()
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(engine.infer("demo", rows(float(v))) for v in range(3))), timeout=5
+    )
+    assert time.monotonic() - started >= 0.025
+    assert [o.batch_size for o in outcomes] == [3, 3, 3]
+    assert [o.batch_items for o in outcomes] == [3, 3, 3]
+    assert model.rows_seen == [3]
+
+
+async def test_batches_count_rows_and_never_exceed_the_limit(make_engine: Callable[..., Any]) -> None:
+    model = RecordingAffine()
+    engine = await make_engine(model, max_batch_size=8, max_queue_delay_ms=50.0)
+    items = [rows(1.0, 5), rows(2.0, 4), rows(3.0, 4), rows(4.0, 4)]
+    outcomes = await asyncio.gather(*(engine.infer("demo", item) for item in items))
+    assert all(rows_ <= 8 for rows_ in model.rows_seen)
+    assert sum(model.rows_seen) == 17
+    assert all(o.batch_size <= 8 for o in outcomes)
+    assert outcomes[0].batch_size == 5  # 5 + 4 would overflow: the 4-row items wait for the next batch
+    for item, outcome in zip(items, outcomes, strict=True):
+        np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), expected_y(item[0]))
+
+
+async def test_items_of_different_shapes_are_batched_apart(make_engine: Callable[..., Any]) -> None:
+    model = RecordingAffine()
+    any_width = (TensorSpecConfig(name="x", datatype="FP32", shape=(-1, -1)),)
+    engine = await make_engine(
+        model,
+        max_batch_size=8,
+        max_queue_delay_ms=50.0,
+        inputs=any_width,
+        outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, -1)),),
+    )
+    items = [rows(float(i), 1, width=3 if i % 2 else 5) for i in range(6)]
+    outcomes = await asyncio.gather(*(engine.infer("demo", item) for item in items))
+    assert sorted(model.rows_seen) == [3, 3]
+    assert sorted(b.shape[1] for b in model.batches) == [3, 5]
+    for item, outcome in zip(items, outcomes, strict=True):
+        assert outcome.batch_size == 3
+        np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), expected_y(item[0]))
+
+
+async def test_a_model_error_fails_only_that_batch(make_engine: Callable[..., Any]) -> None:
+    model = RecordingAffine(poison=-1.0)
+    engine = await make_engine(model, max_batch_size=4, max_queue_delay_ms=30.0)
+    first = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in (1.0, -1.0, 2.0)), return_exceptions=True)
+    assert all(isinstance(r, ModelError) for r in first)
+    assert all("poisoned input in this batch" in str(r) for r in first)
+    second = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in (5.0, 6.0)))
+    assert [o.outputs[0].to_numpy()[0, 0] for o in second] == [11.0, 13.0]
+
+
+async def test_the_failing_demo_model_reports_its_message(make_engine: Callable[..., Any]) -> None:
+    engine = await make_engine(build_failing_model(), max_queue_delay_ms=0.0)
+    with pytest.raises(ModelError, match=FAILING_MODEL_MESSAGE):
+        await engine.infer("demo", rows(1.0))
+
+
+async def test_demo_model_computes_2x_plus_1(make_engine: Callable[..., Any]) -> None:
+    engine = await make_engine(build_demo_model(), max_queue_delay_ms=0.0)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    outcome = await engine.infer("demo", [Tensor.from_numpy("x", x)])
+    np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), 2 * x + 1)
+    assert outcome.compute_s >= 0
+
+
+async def test_a_cancelled_waiting_item_is_dropped_before_it_runs(make_engine: Callable[..., Any]) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(model, max_batch_size=1, max_inflight_batches=1, max_queue_delay_ms=0.0)
+    running = asyncio.create_task(engine.infer("demo", rows(1.0)))
+    await wait_entered(model)
+    cancelled = asyncio.create_task(engine.infer("demo", rows(2.0)))
+    later = asyncio.create_task(engine.infer("demo", rows(3.0)))
+    await asyncio.sleep(0)  # let both submit
+    assert engine.queue_depth("demo") == 2
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    gate.set()
+    assert (await running).outputs[0].to_numpy()[0, 0] == 3.0
+    assert (await later).outputs[0].to_numpy()[0, 0] == 7.0
+    assert model.values_seen() == {1.0, 3.0}
+    assert engine.free_slots("demo") == DEMO_MODEL.max_queue_size
+
+
+async def test_a_full_queue_rejects_with_resource_exhausted(make_engine: Callable[..., Any]) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(
+        model, max_batch_size=1, max_inflight_batches=1, max_queue_size=2, max_queue_delay_ms=0.0
+    )
+    freed: list[str] = []
+    engine.add_slot_listener(freed.append)
+    first = asyncio.create_task(engine.infer("demo", rows(1.0)))
+    second = asyncio.create_task(engine.infer("demo", rows(2.0)))
+    await wait_entered(model)
+    assert engine.free_slots("demo") == 0
+    with pytest.raises(ResourceExhausted) as info:
+        engine.submit("demo", rows(3.0))
+    assert info.value.retry_after_s > 0
+    gate.set()
+    await asyncio.gather(first, second)
+    for _ in range(100):  # slots free in done-callbacks, one loop turn after the results
+        if engine.free_slots("demo") == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert engine.free_slots("demo") == 2
+    assert freed == ["demo", "demo"]
+
+
+async def test_invalid_inputs_and_unknown_models_are_rejected_before_queueing(
+    make_engine: Callable[..., Any],
+) -> None:
+    engine = await make_engine(RecordingAffine(), max_batch_size=4)
+    with pytest.raises(InvalidArgument) as info:
+        engine.submit("demo", rows(1.0, width=3))
+    assert [v.field for v in info.value.violations] == ["inputs[0].shape"]
+    with pytest.raises(InvalidArgument, match="max_batch_size 4"):
+        engine.submit("demo", rows(1.0, count=5))
+    with pytest.raises(NotFound):
+        engine.submit("nope", rows(1.0))
+    assert engine.queue_depth("demo") == 0
+
+
+async def test_an_item_whose_deadline_passes_while_queued_expires(make_engine: Callable[..., Any]) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(model, max_batch_size=1, max_inflight_batches=1, max_queue_delay_ms=0.0)
+    running = asyncio.create_task(engine.infer("demo", rows(1.0)))
+    await wait_entered(model)
+    expiring = asyncio.create_task(engine.infer("demo", rows(2.0), timeout_s=0.05))
+    await asyncio.sleep(0.1)
+    gate.set()
+    await running
+    with pytest.raises(DeadlineExceeded):
+        await expiring
+    assert 2.0 not in model.values_seen()
+
+
+async def test_stop_fails_queued_items_and_lets_the_running_batch_finish(
+    make_engine: Callable[..., Any],
+) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(model, max_batch_size=1, max_inflight_batches=1, max_queue_delay_ms=0.0)
+    running = asyncio.create_task(engine.infer("demo", rows(1.0)))
+    await wait_entered(model)
+    queued = [asyncio.create_task(engine.infer("demo", rows(float(v)))) for v in (2.0, 3.0)]
+    await asyncio.sleep(0)
+    stopping = asyncio.create_task(engine.stop(grace_s=5.0))
+    for task in queued:
+        with pytest.raises(Unavailable, match="batcher shutting down"):
+            await task
+    assert not running.done()
+    gate.set()
+    assert (await running).outputs[0].to_numpy()[0, 0] == 3.0
+    await asyncio.wait_for(stopping, timeout=5)
+    with pytest.raises(Unavailable):
+        engine.submit("demo", rows(4.0))
+
+
+async def test_stop_abandons_a_batch_that_outlives_the_grace_period(make_engine: Callable[..., Any]) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(model, max_batch_size=1, max_inflight_batches=1, max_queue_delay_ms=0.0)
+    running = asyncio.create_task(engine.infer("demo", rows(1.0)))
+    await wait_entered(model)
+    try:
+        await asyncio.wait_for(engine.stop(grace_s=0.05), timeout=5)
+        with pytest.raises(Unavailable, match="batcher shutting down"):
+            await running
+    finally:
+        gate.set()  # let the abandoned thread finish
+
+
+class PairModel(torch.nn.Module):
+    """Two inputs by keyword, two outputs by name."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"total": a + b, "count": (b > 0).sum(dim=1)}
+
+
+class WrongDtype(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.double()
+
+
+async def test_multi_input_models_get_keywords_and_outputs_map_by_name(make_engine: Callable[..., Any]) -> None:
+    engine = await make_engine(
+        PairModel(),
+        max_queue_delay_ms=0.0,
+        inputs=(
+            TensorSpecConfig(name="a", datatype="FP32", shape=(-1, 2)),
+            TensorSpecConfig(name="b", datatype="FP32", shape=(-1, 2)),
+        ),
+        outputs=(
+            TensorSpecConfig(name="total", datatype="FP32", shape=(-1, 2)),
+            TensorSpecConfig(name="count", datatype="INT64", shape=(-1,)),
+        ),
+    )
+    a = np.array([[1, 2], [3, 4]], dtype=np.float32)
+    b = np.array([[1, 0], [1, 1]], dtype=np.float32)
+    outcome = await engine.infer("demo", [Tensor.from_numpy("b", b), Tensor.from_numpy("a", a)])
+    total, count = outcome.outputs
+    np.testing.assert_array_equal(total.to_numpy(), a + b)
+    assert (count.name, count.datatype, count.to_numpy().tolist()) == ("count", "INT64", [1, 2])
+
+
+async def test_outputs_off_signature_are_model_errors(make_engine: Callable[..., Any]) -> None:
+    engine = await make_engine(WrongDtype(), max_queue_delay_ms=0.0)
+    with pytest.raises(ModelError, match="output 'y' is FP64, but its signature says FP32"):
+        await engine.infer("demo", rows(1.0))
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        ("services.batcher.models.nowhere:build", "cannot import"),
+        ("services.batcher.models.demo:build_nothing", "has no 'build_nothing'"),
+        ("services.batcher.models.demo:FAILING_MODEL_MESSAGE", "is not callable"),
+        ("numpy:zeros", "failed"),
+        ("builtins:object", "not a torch.nn.Module"),
+    ],
+)
+def test_bad_loaders_are_config_errors(loader: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TorchBackend.load(DEMO_MODEL.model_copy(update={"loader": loader}))
+
+
+def test_the_configured_demo_model_loads_on_the_auto_device() -> None:
+    backend = TorchBackend.load(DEMO_MODEL)
+    assert backend.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    y = backend.infer_batch({"x": np.ones((2, 4), dtype=np.float32)})["y"]
+    np.testing.assert_array_equal(y, np.full((2, 4), 3.0, dtype=np.float32))
+    backend.close()

@@ -1,0 +1,170 @@
+"""The batcher's KServe v2 API driven by tritonclient, against a real BatcherApp with the demo
+model: liveness, readiness, metadata, inference, errors, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as triton
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.errors import ConfigError
+from services.batcher.app import BatcherApp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+async def app() -> AsyncIterator[BatcherApp]:
+    config = Config().replace(
+        batcher={"port": 0, "metrics_port": free_port(), "scheduler_address": None},
+        logging={"level": "warning", "format": "console"},
+    )
+    batcher = BatcherApp(config)
+    await batcher.start()
+    try:
+        yield batcher
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+@pytest.fixture
+async def client(app: BatcherApp) -> AsyncIterator[triton.InferenceServerClient]:
+    client = triton.InferenceServerClient(f"127.0.0.1:{app.port}")
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_server_and_model_readiness(client: triton.InferenceServerClient) -> None:
+    assert await client.is_server_live()
+    assert await client.is_server_ready()
+    assert await client.is_model_ready("demo")
+    assert await client.is_model_ready("demo", "1")
+    assert not await client.is_model_ready("demo", "7")
+    assert not await client.is_model_ready("nope")
+    server = await client.get_server_metadata(as_json=True)
+    assert server["name"] == "asyncinfer-batcher"
+
+
+async def test_model_metadata_describes_the_signature(client: triton.InferenceServerClient) -> None:
+    meta = await client.get_model_metadata("demo", as_json=True)
+    assert meta["name"] == "demo"
+    assert meta["versions"] == ["1"]
+    assert meta["platform"] == "pytorch_libtorch"
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["-1", "4"]}]
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": ["-1", "4"]}]
+
+
+async def test_infer_returns_2x_plus_1(client: triton.InferenceServerClient) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    infer_input = triton.InferInput("x", [2, 4], "FP32")
+    infer_input.set_data_from_numpy(x)
+    result = await client.infer("demo", [infer_input], request_id="req-1")
+    y = result.as_numpy("y")
+    assert y is not None
+    np.testing.assert_array_equal(y, 2 * x + 1)
+    response = result.get_response()
+    assert response.id == "req-1"
+    assert response.model_name == "demo"
+    assert response.model_version == "1"
+
+
+async def test_concurrent_infers_share_batches(client: triton.InferenceServerClient) -> None:
+    async def one(value: float) -> float:
+        infer_input = triton.InferInput("x", [1, 4], "FP32")
+        infer_input.set_data_from_numpy(np.full((1, 4), value, dtype=np.float32))
+        result = await client.infer("demo", [infer_input], outputs=[triton.InferRequestedOutput("y")])
+        y = result.as_numpy("y")
+        assert y is not None
+        return float(y[0, 0])
+
+    values = [float(v) for v in range(16)]
+    assert await asyncio.gather(*(one(v) for v in values)) == [2 * v + 1 for v in values]
+
+
+async def test_unknown_model_is_not_found(client: triton.InferenceServerClient) -> None:
+    infer_input = triton.InferInput("x", [1, 4], "FP32")
+    infer_input.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        await client.infer("nope", [infer_input])
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+    with pytest.raises(InferenceServerException) as info:
+        await client.get_model_metadata("nope")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+
+
+async def test_bad_inputs_are_invalid_argument(client: triton.InferenceServerClient) -> None:
+    wrong_shape = triton.InferInput("x", [1, 3], "FP32")
+    wrong_shape.set_data_from_numpy(np.zeros((1, 3), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        await client.infer("demo", [wrong_shape])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "inputs[0].shape" in (info.value.message() or "")
+
+    good = triton.InferInput("x", [1, 4], "FP32")
+    good.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as info:
+        await client.infer("demo", [good], outputs=[triton.InferRequestedOutput("z")])
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+async def test_typed_contents_are_accepted(app: BatcherApp) -> None:
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.ModelInferRequest(model_name="demo", id="typed")
+        tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+        tensor.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+        response = await stub.ModelInfer(request)
+        assert response.id == "typed"
+        y = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
+        assert y.tolist() == [3.0, 5.0, 7.0, 9.0]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name="demo"))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_health_is_serving_and_metrics_are_exported(
+    app: BatcherApp, client: triton.InferenceServerClient
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "inference.GRPCInferenceService"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    infer_input = triton.InferInput("x", [3, 4], "FP32")
+    infer_input.set_data_from_numpy(np.ones((3, 4), dtype=np.float32))
+    await client.infer("demo", [infer_input])
+    assert app.metrics_port > 0
+    url = f"http://127.0.0.1:{app.metrics_port}/metrics"
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+    assert 'asyncinfer_batch_size_sum{model="demo"} 3.0' in body
+    assert 'asyncinfer_batcher_items_total{model="demo",outcome="ok"} 1.0' in body
+    assert 'asyncinfer_batch_compute_seconds_count{model="demo"} 1.0' in body
+    assert 'asyncinfer_batcher_queue_depth{model="demo"} 0.0' in body
+
+
+async def test_a_model_that_cannot_load_stops_start_up() -> None:
+    broken = DEMO_MODEL.model_copy(update={"loader": "services.batcher.models.demo:build_nothing"})
+    config = Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[broken])
+    batcher = BatcherApp(config)
+    with pytest.raises(ConfigError, match="build_nothing"):
+        await batcher.start()
+    assert batcher.port == 0
+    await batcher.stop()  # idempotent after a failed start

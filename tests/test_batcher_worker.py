@@ -1,0 +1,298 @@
+"""The batcher's work-stream client against a tiny fake scheduler (a real gRPC WorkerService in
+this file): hello, credits, results, errors, cancellation and reconnection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.tensor_codec import decode_tensors, to_input_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
+from services.batcher.app import BatcherApp
+from services.batcher.models.demo import FAILING_MODEL_MESSAGE
+
+WAIT_S = 10.0
+ABORT = "abort"
+
+
+@dataclass
+class Connection:
+    """What the fake scheduler saw on one Connect stream, and a way to send it orders."""
+
+    hello: worker_service_pb2.WorkerHello
+    # None ends the stream cleanly; ABORT breaks it with UNAVAILABLE.
+    outbox: asyncio.Queue[worker_service_pb2.ConnectResponse | str | None] = field(default_factory=asyncio.Queue)
+    credits: dict[str, int] = field(default_factory=dict)
+    results: dict[tuple[str, int], worker_service_pb2.WorkResult] = field(default_factory=dict)
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    def send(self, message: worker_service_pb2.ConnectResponse) -> None:
+        self.outbox.put_nowait(message)
+
+    def close(self) -> None:
+        self.outbox.put_nowait(None)
+
+    def abort(self) -> None:
+        self.outbox.put_nowait(ABORT)
+
+    async def wait_for(self, predicate: Any) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(predicate), WAIT_S)
+
+    async def result(self, job_id: str, attempt: int = 1) -> worker_service_pb2.WorkResult:
+        await self.wait_for(lambda: (job_id, attempt) in self.results)
+        return self.results[(job_id, attempt)]
+
+
+class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
+    def __init__(self) -> None:
+        self.connections: list[Connection] = []
+        self.connected = asyncio.Condition()
+
+    async def next_connection(self, count: int) -> Connection:
+        async with self.connected:
+            await asyncio.wait_for(self.connected.wait_for(lambda: len(self.connections) >= count), WAIT_S)
+        return self.connections[count - 1]
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], context: Any
+    ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
+        first = await anext(aiter(request_iterator))
+        assert first.WhichOneof("message") == "hello"
+        connection = Connection(hello=first.hello)
+        async with self.connected:
+            self.connections.append(connection)
+            self.connected.notify_all()
+        reader = asyncio.create_task(self._read(request_iterator, connection))
+        try:
+            yield worker_service_pb2.ConnectResponse(welcome=worker_service_pb2.WorkerWelcome(scheduler_id="fake"))
+            while (message := await connection.outbox.get()) is not None:
+                if message == ABORT:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going away")
+                assert isinstance(message, worker_service_pb2.ConnectResponse)
+                yield message
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(
+        self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], connection: Connection
+    ) -> None:
+        async for request in request_iterator:
+            kind = request.WhichOneof("message")
+            async with connection.changed:
+                if kind == "credit":
+                    name = request.credit.model_name
+                    connection.credits[name] = connection.credits.get(name, 0) + request.credit.credits
+                elif kind == "result":
+                    connection.results[(request.result.job_id, request.result.attempt)] = request.result
+                connection.changed.notify_all()
+        connection.close()  # the batcher half-closed: end the stream, as a scheduler does
+
+
+@pytest.fixture
+async def scheduler() -> AsyncIterator[tuple[FakeScheduler, int]]:
+    fake = FakeScheduler()
+    server = grpc.aio.server()
+    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield fake, port
+    finally:
+        await server.stop(0)
+
+
+@pytest.fixture
+async def app(scheduler: tuple[FakeScheduler, int]) -> AsyncIterator[BatcherApp]:
+    _, port = scheduler
+    config = Config().replace(
+        batcher={
+            "port": 0,
+            "metrics_port": 0,
+            "scheduler_address": f"127.0.0.1:{port}",
+            "batcher_id": "batcher-under-test",
+            "reconnect_delay_s": 0.05,
+        },
+        logging={"level": "warning", "format": "console"},
+        models=[
+            DEMO_MODEL,
+            DEMO_MODEL.model_copy(
+                update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model"}
+            ),
+            DEMO_MODEL.model_copy(update={"name": "slow", "loader": "services.batcher.models.demo:build_slow_model"}),
+            # Its batches wait long for company, so an order stays cancellable.
+            DEMO_MODEL.model_copy(update={"name": "patient", "max_queue_delay_ms": 60_000.0}),
+        ],
+    )
+    batcher = BatcherApp(config)
+    await batcher.start()
+    try:
+        yield batcher
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def poll(predicate: Any) -> None:
+    for _ in range(500):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def order(
+    job_id: str, x: np.ndarray[Any, Any], *, attempt: int = 1, name: str = "x", model: str = "demo"
+) -> worker_service_pb2.ConnectResponse:
+    work = worker_service_pb2.WorkOrder(
+        job_id=job_id,
+        attempt=attempt,
+        model_name=model,
+        inputs=[to_input_proto(Tensor.from_numpy(name, x))],
+        tenant="default",
+    )
+    return worker_service_pb2.ConnectResponse(order=work)
+
+
+async def test_hello_lists_models_and_credits_cover_the_queue(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    assert connection.hello.batcher_id == "batcher-under-test"
+    assert [(m.model_name, m.model_version, m.max_batch_size) for m in connection.hello.models] == [
+        ("demo", "1", 32),
+        ("failing", "1", 32),
+        ("slow", "1", 32),
+        ("patient", "1", 32),
+    ]
+    max_queue_size = app.config.models[0].max_queue_size
+    await connection.wait_for(
+        lambda: connection.credits == dict.fromkeys(("demo", "failing", "slow", "patient"), max_queue_size)
+    )
+
+
+async def test_a_work_order_returns_its_result(scheduler: tuple[FakeScheduler, int], app: BatcherApp) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    max_queue_size = app.config.models[0].max_queue_size
+    await connection.wait_for(lambda: connection.credits.get("demo") == max_queue_size)
+    xs = {f"job-{i}": np.full((i + 1, 4), float(i), dtype=np.float32) for i in range(3)}
+    for job_id, x in xs.items():
+        connection.send(order(job_id, x, attempt=2))
+    for job_id, x in xs.items():
+        result = await connection.result(job_id, attempt=2)
+        assert result.job_id == job_id
+        assert result.attempt == 2
+        assert not result.HasField("error")
+        assert not result.dropped
+        (y,) = decode_tensors(result.outputs, "outputs")
+        assert y.name == "y"
+        np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
+        assert result.batch_size >= 1
+        assert result.compute_duration.ToNanoseconds() > 0
+    # Each finished item earned its credit back.
+    await connection.wait_for(lambda: connection.credits["demo"] == max_queue_size + 3)
+
+
+async def test_an_invalid_order_fails_without_retry(scheduler: tuple[FakeScheduler, int], app: BatcherApp) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    connection.send(order("bad-shape", np.zeros((1, 3), dtype=np.float32)))
+    connection.send(order("bad-name", np.zeros((1, 4), dtype=np.float32), name="q"))
+    for job_id, field_name in (("bad-shape", "inputs[0].shape"), ("bad-name", "inputs[0].name")):
+        result = await connection.result(job_id)
+        assert result.HasField("error")
+        assert result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert not result.error.retriable
+        assert field_name in [v.field for v in result.error.field_violations]
+        assert not result.outputs
+
+
+async def test_a_broken_stream_reconnects_with_a_new_hello(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    first = await fake.next_connection(1)
+    first.close()  # the scheduler ends the stream
+    second = await fake.next_connection(2)
+    assert second.hello.batcher_id == "batcher-under-test"
+    max_queue_size = app.config.models[0].max_queue_size
+    await second.wait_for(lambda: second.credits.get("demo") == max_queue_size)
+    x = np.ones((1, 4), dtype=np.float32)
+    second.send(order("after-reconnect", x))
+    result = await second.result("after-reconnect")
+    (y,) = decode_tensors(result.outputs, "outputs")
+    np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
+
+
+async def test_a_model_error_is_retriable(scheduler: tuple[FakeScheduler, int], app: BatcherApp) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    connection.send(order("fails", np.zeros((1, 4), dtype=np.float32), model="failing"))
+    result = await connection.result("fails")
+    assert result.error.reason == "MODEL_ERROR"
+    assert FAILING_MODEL_MESSAGE in result.error.message
+    assert result.error.retriable
+    assert not result.dropped
+
+
+async def test_cancel_order_drops_an_item_that_has_not_started(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    connection.send(order("waits", np.zeros((1, 4), dtype=np.float32), model="patient", attempt=3))
+    await poll(lambda: app.engine.queue_depth("patient") == 1)  # the engine holds the order
+    connection.send(
+        worker_service_pb2.ConnectResponse(cancel=worker_service_pb2.CancelOrder(job_id="waits", attempt=3))
+    )
+    result = await connection.result("waits", attempt=3)
+    assert result.dropped
+    assert result.error.code == grpc.StatusCode.CANCELLED.value[0]
+    assert not result.outputs
+    assert app.engine.queue_depth("patient") == 0
+
+
+async def test_orders_in_flight_on_a_broken_stream_are_abandoned(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    first = await fake.next_connection(1)
+    first.send(order("stranded", np.zeros((1, 4), dtype=np.float32), model="patient"))
+    await poll(lambda: app.engine.queue_depth("patient") == 1)  # the engine holds the order
+    first.abort()
+    second = await fake.next_connection(2)
+    max_queue_size = app.config.models[0].max_queue_size
+    # The stranded item left the engine, so the new stream is offered every slot again.
+    await second.wait_for(lambda: second.credits.get("patient") == max_queue_size)
+    assert app.engine.queue_depth("patient") == 0
+    assert not first.results
+    assert not second.results
+
+
+async def test_stop_answers_orders_in_flight_and_leaves_queued_ones_unanswered(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    x = np.full((2, 4), 3.0, dtype=np.float32)
+    connection.send(order("in-flight", x, model="slow"))
+    max_queue_size = app.config.models[0].max_queue_size
+    await poll(lambda: app.engine.free_slots("slow") < max_queue_size and app.engine.queue_depth("slow") == 0)
+    connection.send(order("queued", x, model="patient"))
+    await poll(lambda: app.engine.queue_depth("patient") == 1)
+    await asyncio.wait_for(app.stop(grace_s=5.0), timeout=WAIT_S)
+    result = await connection.result("in-flight")
+    (y,) = decode_tensors(result.outputs, "outputs")
+    np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
+    assert ("queued", 1) not in connection.results  # the scheduler re-queues it when the stream ends
+    assert len(fake.connections) == 1  # no reconnect after stop

@@ -1,0 +1,494 @@
+"""The gateway against a real nats-server and a real gRPC channel. No scheduler runs: the tests move
+jobs along by compare-and-set on the KV record, as the scheduler would."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.errors import NoKeysError
+from nats.js.kv import KeyValue
+
+from asyncinfer.config import Config
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.ids import is_job_id
+from asyncinfer.jobs import (
+    BatchInfo,
+    JobRecord,
+    JobState,
+    decode_envelope,
+    decode_record,
+    encode_record,
+    job_key,
+)
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.gateway.app import GatewayApp
+
+if TYPE_CHECKING:
+    # The generated .pyi types the stub's aio flavour separately; at run time it is the one stub class.
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+WORK = "WORK"
+TENANT = "default"
+
+
+def fp32_input(rows: int = 1, *, name: str = "x", values: list[float] | None = None) -> tensor_pb2.InferInputTensor:
+    tensor = tensor_pb2.InferInputTensor(name=name, datatype="FP32", shape=[rows, 4])
+    tensor.contents.fp32_contents.extend(values if values is not None else [float(i) for i in range(rows * 4)])
+    return tensor
+
+
+def submit_request(**fields: Any) -> job_service_pb2.SubmitJobRequest:
+    fields.setdefault("model_name", "demo")
+    fields.setdefault("inputs", [fp32_input()])
+    return job_service_pb2.SubmitJobRequest(**fields)
+
+
+def job_stub(channel: grpc.aio.Channel) -> JobStub:
+    return job_service_pb2_grpc.JobServiceStub(channel)
+
+
+async def next_job(call: Any) -> job_pb2.Job:
+    """The job of a watch's next message (failing if the stream ended)."""
+    response = await call.read()
+    assert isinstance(response, job_service_pb2.WatchJobResponse), response
+    return response.job
+
+
+async def start_gateway(config: Config) -> GatewayApp:
+    app = GatewayApp(config)
+    await app.start()
+    return app
+
+
+@pytest.fixture
+async def gateway(config: Config) -> AsyncIterator[GatewayApp]:
+    app = await start_gateway(config)
+    try:
+        yield app
+    finally:
+        await app.stop(grace_s=1)
+
+
+@pytest.fixture
+async def channel(gateway: GatewayApp) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield channel
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> JobStub:
+    return job_stub(channel)
+
+
+@pytest.fixture
+def js(nc: NatsClient) -> JetStreamContext:
+    return nc.jetstream()
+
+
+@pytest.fixture
+async def kv(js: JetStreamContext, gateway: GatewayApp, config: Config) -> KeyValue:
+    return await js.key_value(config.nats.jobs_bucket)
+
+
+async def read_record(kv: KeyValue, job_id: str) -> JobRecord:
+    entry = await kv.get(job_key(TENANT, job_id))
+    assert entry.value is not None
+    assert entry.revision is not None
+    return decode_record(entry.value, revision=entry.revision)
+
+
+async def advance(kv: KeyValue, job_id: str, **changes: Any) -> JobRecord:
+    """What the scheduler does: read, change, compare-and-set on the revision read."""
+    current = await read_record(kv, job_id)
+    changed = current.evolve(update_time=time.time(), **changes)
+    revision = await kv.update(changed.key, encode_record(changed), last=current.revision)
+    return changed.evolve(revision=revision)
+
+
+async def work_messages(js: JetStreamContext) -> int:
+    return (await js.stream_info(WORK)).state.messages
+
+
+async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext, kv: KeyValue) -> None:
+    sent = fp32_input(2)
+    response = await stub.SubmitJob(submit_request(inputs=[sent], labels={"team": "ml"}))
+    job = response.job
+    assert is_job_id(job.job_id)
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    assert job.priority == job_pb2.PRIORITY_NORMAL
+    assert (job.model_name, job.model_version, job.attempt, job.max_attempts) == ("demo", "1", 0, 3)
+    assert job.revision > 0
+    assert job.labels["team"] == "ml"
+    assert job.execution_timeout.seconds == 60
+    assert not job.HasField("end_time")
+    assert not job.HasField("expire_time")
+
+    record = await read_record(kv, job.job_id)
+    assert record.state is JobState.QUEUED
+    assert record.revision == job.revision
+    assert record.attempt == 0
+    assert record.tenant == TENANT
+
+    assert await work_messages(js) == 1
+    message = await js.get_last_msg(WORK, "asyncinfer.work.demo.normal")
+    assert message.headers is not None
+    assert message.headers["Nats-Msg-Id"] == job.job_id
+    assert message.data is not None
+    envelope = decode_envelope(message.data)
+    assert envelope.job_id == job.job_id
+    assert list(envelope.inputs) == decode_tensors([sent])
+
+    high = await stub.SubmitJob(submit_request(priority=job_pb2.PRIORITY_HIGH))
+    assert high.job.priority == job_pb2.PRIORITY_HIGH
+    message = await js.get_last_msg(WORK, "asyncinfer.work.demo.high")
+    assert message.headers is not None
+    assert message.headers["Nats-Msg-Id"] == high.job.job_id
+    assert await work_messages(js) == 2
+
+
+async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> None:
+    before = time.time()
+    request = submit_request(max_attempts=5)
+    request.queue_ttl.FromSeconds(30)
+    request.execution_timeout.FromSeconds(7)
+    request.result_retention.FromSeconds(3600)
+    request.callback.url = "https://example.com/hook"
+    request.callback.events.append(job_pb2.CALLBACK_EVENT_COMPLETED)
+    job = (await stub.SubmitJob(request)).job
+    record = await read_record(kv, job.job_id)
+    assert record.deadline is not None
+    assert before + 30 <= record.deadline <= time.time() + 30
+    assert (record.execution_timeout_s, record.result_retention_s, record.max_attempts) == (7, 3600, 5)
+    assert record.callback is not None
+    assert record.callback.events == ("COMPLETED",)
+    assert job.callback.events == [job_pb2.CALLBACK_EVENT_COMPLETED]
+    assert job.deadline.ToNanoseconds() / 1e9 == pytest.approx(record.deadline, abs=1e-6)
+
+
+async def test_get_job_returns_the_record_then_the_outputs(stub: JobStub, kv: KeyValue) -> None:
+    job = (await stub.SubmitJob(submit_request())).job
+    got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
+    assert got == job
+
+    now = time.time()
+    outputs = (Tensor.from_numpy("y", np.array([[0.5, 1.5, 2.5, 3.5]], np.float32)),)
+    await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=now, queue_duration_s=0.25)
+    done = await advance(
+        kv,
+        job.job_id,
+        state=JobState.SUCCEEDED,
+        end_time=now + 1,
+        run_duration_s=1.0,
+        outputs=outputs,
+        batch=BatchInfo(batcher_id="b1", batch_size=3, compute_s=0.125),
+    )
+    got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
+    assert got.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert got.revision == done.revision
+    assert got.attempt == 1
+    (output,) = got.outputs
+    assert (output.name, output.datatype, list(output.shape)) == ("y", "FP32", [1, 4])
+    assert list(output.contents.fp32_contents) == [0.5, 1.5, 2.5, 3.5]
+    assert not output.raw_contents
+    assert got.batch.batch_size == 3
+    assert got.batch.compute_duration.ToMilliseconds() == 125
+    assert got.queue_duration.ToMilliseconds() == 250
+    assert got.expire_time.ToSeconds() == int(now + 1 + done.result_retention_s)
+
+
+async def test_watch_streams_every_change_until_terminal(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
+    job = (await stub.SubmitJob(submit_request())).job
+    call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    first = await next_job(call)
+    assert first.state == job_pb2.JOB_STATE_QUEUED
+    assert first.revision == job.revision
+
+    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=time.time())
+    second = await next_job(call)
+    assert second.state == job_pb2.JOB_STATE_RUNNING
+    assert second.revision == running.revision
+
+    succeeded = await advance(kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    third = await next_job(call)
+    assert third.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert third.revision == succeeded.revision
+    assert await call.read() is grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
+    assert await call.code() == grpc.StatusCode.OK
+
+    # Resuming after what was seen sends only what came later, then ends on the terminal state.
+    resumed = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=running.revision))
+    states = [response.job.state async for response in resumed]
+    assert states == [job_pb2.JOB_STATE_SUCCEEDED]
+    caught_up = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=succeeded.revision))
+    assert [response async for response in caught_up] == []
+    assert gateway.watch_hub.watcher_count == 0
+
+
+async def test_watch_resumes_mid_flight_and_skips_what_was_seen(stub: JobStub, kv: KeyValue) -> None:
+    job = (await stub.SubmitJob(submit_request())).job
+    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=running.revision))
+    # Nothing is newer than after_revision yet: the next message must be the next change.
+    await advance(kv, job.job_id, state=JobState.FAILED, end_time=time.time())
+    responses = [response async for response in call]
+    assert [r.job.state for r in responses] == [job_pb2.JOB_STATE_FAILED]
+
+    ahead = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=10**9))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await ahead.read()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_cancelled_watch_frees_its_queue(stub: JobStub, gateway: GatewayApp) -> None:
+    job = (await stub.SubmitJob(submit_request())).job
+    calls = [stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)) for _ in range(3)]
+    for call in calls:
+        assert (await next_job(call)).state == job_pb2.JOB_STATE_QUEUED
+    assert gateway.watch_hub.watcher_count == 3
+    assert gateway.registry.get_sample_value("asyncinfer_watchers") == 3
+    for call in calls:
+        call.cancel()
+    await wait_for(lambda: gateway.watch_hub.watcher_count == 0)
+
+
+async def test_deleted_record_ends_the_watch_with_not_found(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
+    job = (await stub.SubmitJob(submit_request())).job
+    call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(call)).state == job_pb2.JOB_STATE_QUEUED
+    await kv.delete(job_key(TENANT, job.job_id))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call.read()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert gateway.watch_hub.watcher_count == 0
+
+
+async def test_stopping_the_gateway_ends_watches_resumably(config: Config) -> None:
+    app = await start_gateway(config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_stub(channel)
+            job = (await stub.SubmitJob(submit_request())).job
+            call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+            assert (await next_job(call)).state == job_pb2.JOB_STATE_QUEUED
+            started = time.monotonic()
+            await app.stop(grace_s=10)
+            assert time.monotonic() - started < 5  # the watch did not hold the grace period
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call.read()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"after_revision={job.revision}" in (info.value.details() or "")
+    finally:
+        await app.stop()
+
+
+def violations_of(error: grpc.aio.AioRpcError) -> tuple[str, list[tuple[str, str]]]:
+    status = status_details(error)
+    assert status is not None
+    details = unpack_details(status)
+    bad = details.get("BadRequest")
+    pairs = [(v.field, v.description) for v in bad.field_violations] if bad else []
+    return details["ErrorInfo"].reason, pairs
+
+
+BAD_REQUESTS: dict[str, tuple[Callable[[], job_service_pb2.SubmitJobRequest], str]] = {
+    "missing input": (lambda: submit_request(inputs=[]), "inputs"),
+    "extra input": (lambda: submit_request(inputs=[fp32_input(), fp32_input(name="z")]), "inputs[1].name"),
+    "wrong datatype": (
+        lambda: submit_request(
+            inputs=[tensor_pb2.InferInputTensor(name="x", datatype="INT64", shape=[1, 4], raw_contents=b"\0" * 32)]
+        ),
+        "inputs[0].datatype",
+    ),
+    "wrong shape": (
+        lambda: submit_request(
+            inputs=[tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 3], raw_contents=b"\0" * 12)]
+        ),
+        "inputs[0].shape",
+    ),
+    "contents do not match the shape": (
+        lambda: submit_request(inputs=[fp32_input(2, values=[1.0] * 4)]),
+        "inputs[0].contents",
+    ),
+    "unknown datatype": (
+        lambda: submit_request(inputs=[tensor_pb2.InferInputTensor(name="x", datatype="FLOAT", shape=[1, 4])]),
+        "inputs[0].datatype",
+    ),
+    "deadline and queue_ttl": (
+        lambda: submit_request(deadline={"seconds": int(time.time()) + 60}, queue_ttl={"seconds": 60}),
+        "queue_ttl",
+    ),
+    "retention over the limit": (lambda: submit_request(result_retention={"seconds": 365 * 86400}), "result_retention"),
+    "too many labels": (lambda: submit_request(labels={f"k{i}": "v" for i in range(17)}), "labels"),
+    "label key too long": (lambda: submit_request(labels={"k" * 64: "v"}), "labels["),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+async def test_invalid_requests_are_refused_and_nothing_is_queued(
+    case: str, stub: JobStub, js: JetStreamContext, kv: KeyValue
+) -> None:
+    build, field = BAD_REQUESTS[case]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(build())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    reason, violations = violations_of(info.value)
+    assert reason == "INVALID_ARGUMENT"
+    assert any(f.startswith(field) for f, _ in violations), violations
+    assert await work_messages(js) == 0
+    with pytest.raises(NoKeysError):  # no record was written either
+        await kv.keys()
+
+
+async def test_contents_violation_says_what_was_expected(stub: JobStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request(inputs=[fp32_input(values=[1.0] * 8)]))
+    # Shape [1, 4] with 8 values: shape matches the signature, contents do not.
+    _, violations = violations_of(info.value)
+    assert violations == [("inputs[0].contents", violations[0][1])]
+    assert "needs 4 FP32 elements" in violations[0][1]
+
+
+async def test_unknown_model_is_not_found_and_names_the_models(
+    stub: JobStub, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request(model_name="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "demo" in (info.value.details() or "")
+    reason, _ = violations_of(info.value)
+    assert reason == "MODEL_NOT_FOUND"
+    assert await work_messages(js) == 0
+    rejected = gateway.registry.get_sample_value(
+        "asyncinfer_submit_rejected_total", {"model": "unknown", "code": "NOT_FOUND"}
+    )
+    assert rejected == 1
+
+
+async def test_unimplemented_options_are_refused(stub: JobStub, js: JetStreamContext) -> None:
+    for request in (submit_request(inputs=[], input_ref="in/x"), submit_request(idempotency_key="k1")):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SubmitJob(request)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ListJobs(job_service_pb2.ListJobsRequest())
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ReadResult(job_service_pb2.ReadResultRequest(job_id="x")).read()
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert await work_messages(js) == 0
+
+
+async def test_request_over_the_size_limit_names_the_limit(config: Config, nc: NatsClient) -> None:
+    app = await start_gateway(config.replace(gateway={"max_request_bytes": 1024}))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_stub(channel)
+            big = submit_request(inputs=[fp32_input(32)], labels={f"note{i}": "x" * 250 for i in range(4)})
+            assert big.ByteSize() > 1024
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SubmitJob(big)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "1024 bytes" in (info.value.details() or "")
+            reason, violations = violations_of(info.value)
+            assert reason == "REQUEST_TOO_LARGE"
+            assert violations[0][0] == "inputs"
+            assert await work_messages(nc.jetstream()) == 0
+            # Within the limit it is accepted.
+            assert (await stub.SubmitJob(submit_request())).job.state == job_pb2.JOB_STATE_QUEUED
+    finally:
+        await app.stop()
+
+
+async def test_get_job_of_an_unknown_id_is_not_found(stub: JobStub) -> None:
+    for job_id in ("0190b6b4-3a1e-7cc0-8000-000000000000", "not-an-id", "a.>", ""):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND, job_id
+        reason, _ = violations_of(info.value)
+        assert reason == "JOB_NOT_FOUND"
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.WatchJob(job_service_pb2.WatchJobRequest(job_id="0190b6b4-3a1e-7cc0-8000-000000000000")).read()
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_jobs_are_tenant_scoped(config: Config, nats_server: Any) -> None:
+    app = await start_gateway(config)
+    other = await start_gateway(config.replace(gateway={"default_tenant": "other"}))
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as mine,
+            grpc.aio.insecure_channel(f"127.0.0.1:{other.port}") as theirs,
+        ):
+            job = (await job_stub(mine).SubmitJob(submit_request())).job
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await job_stub(theirs).GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await other.stop()
+        await app.stop()
+
+
+async def test_publish_failure_marks_the_job_failed(stub: JobStub, js: JetStreamContext, kv: KeyValue) -> None:
+    await js.delete_stream(WORK)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    reason, _ = violations_of(info.value)
+    assert reason == "ENQUEUE_FAILED"
+    (key,) = await kv.keys()
+    record = await read_record(kv, key.split(".", 1)[1])
+    assert record.state is JobState.FAILED
+    assert record.error is not None
+    assert record.error.reason == "ENQUEUE_FAILED"
+    assert record.end_time is not None
+
+
+async def test_health_reflection_and_metrics(channel: grpc.aio.Channel, gateway: GatewayApp, stub: Any) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    answer = await health.Check(health_pb2.HealthCheckRequest(service="asyncinfer.v1.JobService"))
+    assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    call = reflection.ServerReflectionInfo()
+    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+    listed = await call.read()
+    await call.done_writing()
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"asyncinfer.v1.JobService", "grpc.health.v1.Health"} <= names
+
+    await stub.SubmitJob(submit_request(priority=job_pb2.PRIORITY_LOW))
+    registry = gateway.registry
+    assert registry.get_sample_value("asyncinfer_jobs_submitted_total", {"model": "demo", "priority": "LOW"}) == 1
+    assert registry.get_sample_value("asyncinfer_submit_seconds_count") == 1
+    assert registry.get_sample_value("asyncinfer_watchers") == 0
+
+
+async def test_start_failure_cleans_up_and_stop_is_safe(config: Config) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        app = GatewayApp(config.replace(gateway={"port": taken.getsockname()[1]}))
+        with pytest.raises((OSError, RuntimeError)):
+            await app.start()
+    await app.stop()  # already stopped by the failed start: a no-op
+    assert app.port == 0

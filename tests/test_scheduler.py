@@ -1,0 +1,512 @@
+"""The scheduler against a real nats-server, with a fake batcher that is a real gRPC client of
+WorkerService.Connect: credits, priority order, results, retries, broken streams, queue stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import numpy as np
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+from prometheus_client import generate_latest
+
+from asyncinfer.config import Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.jetstream import ensure_work_consumer, ensure_work_stream
+from asyncinfer.jobs import (
+    JobRecord,
+    JobState,
+    Priority,
+    WorkEnvelope,
+    decode_record,
+    encode_envelope,
+    encode_record,
+    job_key,
+    work_subject,
+)
+from asyncinfer.tensor_codec import decode_tensors, to_output_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import (
+    error_pb2,
+    job_pb2,
+    ops_service_pb2,
+    ops_service_pb2_grpc,
+    worker_service_pb2,
+    worker_service_pb2_grpc,
+)
+from services.scheduler.app import SchedulerApp
+from services.scheduler.work_queue import pull_one
+
+MODEL = "demo"
+TENANT = "default"
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    """Polls an async condition until it holds (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+async def enqueue(
+    js: JetStreamContext,
+    kv: KeyValue,
+    *,
+    priority: Priority = Priority.NORMAL,
+    value: float = 1.0,
+    max_attempts: int = 3,
+    with_record: bool = True,
+) -> str:
+    """Queues a job exactly as the gateway does: the QUEUED record, then the work message."""
+    job_id = new_job_id()
+    now = time.time()
+    x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
+    record = JobRecord(
+        job_id=job_id,
+        tenant=TENANT,
+        model_name=MODEL,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=priority,
+        create_time=now,
+        update_time=now,
+        max_attempts=max_attempts,
+        result_retention_s=3600.0,
+    )
+    envelope = WorkEnvelope(
+        job_id=job_id,
+        tenant=TENANT,
+        model_name=MODEL,
+        model_version="1",
+        priority=priority,
+        create_time=now,
+        max_attempts=max_attempts,
+        inputs=(x,),
+    )
+    if with_record:
+        await kv.create(job_key(TENANT, job_id), encode_record(record))
+    await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
+    return job_id
+
+
+async def pull_until(nc: NatsClient, stream: str, consumer: str, timeout_s: float = 5.0) -> Msg:
+    """pull_one until a message comes (an ack or nak is applied by the server asynchronously)."""
+    pulled: list[Msg] = []
+
+    async def got_one() -> bool:
+        msg = await pull_one(nc, stream, consumer)
+        if msg is not None:
+            pulled.append(msg)
+        return bool(pulled)
+
+    await until(got_one, timeout_s)
+    return pulled[0]
+
+
+async def read_record(kv: KeyValue, job_id: str) -> JobRecord:
+    entry = await kv.get(job_key(TENANT, job_id))
+    assert entry.value is not None
+    return decode_record(entry.value, entry.revision or 0)
+
+
+async def wait_state(kv: KeyValue, job_id: str, state: JobState, timeout_s: float = 5.0) -> JobRecord:
+    async def reached() -> bool:
+        return (await read_record(kv, job_id)).state == state
+
+    await until(reached, timeout_s)
+    return await read_record(kv, job_id)
+
+
+async def work_messages(js: JetStreamContext, config: Config) -> int:
+    return (await js.stream_info(config.nats.work_stream)).state.messages
+
+
+class FakeBatcher:
+    """A batcher as the scheduler sees it: a real Connect stream, driven by the test."""
+
+    def __init__(self, port: int, batcher_id: str) -> None:
+        self.batcher_id = batcher_id
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self._stub = worker_service_pb2_grpc.WorkerServiceStub(self._channel)
+        # No request iterator: the test writes each request with call.write().
+        self._call = self._stub.Connect()  # type: ignore[call-arg]
+        self.orders: asyncio.Queue[worker_service_pb2.WorkOrder] = asyncio.Queue()
+        self.welcome: asyncio.Future[worker_service_pb2.WorkerWelcome] = asyncio.get_running_loop().create_future()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def connect(self, max_batch_size: int = 8) -> worker_service_pb2.WorkerWelcome:
+        hello = worker_service_pb2.WorkerHello(
+            batcher_id=self.batcher_id,
+            models=[worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=max_batch_size)],
+        )
+        await self._call.write(worker_service_pb2.ConnectRequest(hello=hello))
+        self._reader = asyncio.create_task(self._read())
+        return await asyncio.wait_for(self.welcome, 5.0)
+
+    async def _read(self) -> None:
+        async for response in self._call:
+            kind = response.WhichOneof("message")
+            if kind == "welcome":
+                self.welcome.set_result(response.welcome)
+            elif kind == "order":
+                self.orders.put_nowait(response.order)
+
+    async def grant(self, credits: int = 1, *, model_name: str = MODEL) -> None:
+        credit = worker_service_pb2.CreditGrant(model_name=model_name, credits=credits)
+        await self._call.write(worker_service_pb2.ConnectRequest(credit=credit))
+
+    async def next_order(self, timeout_s: float = 5.0) -> worker_service_pb2.WorkOrder:
+        return await asyncio.wait_for(self.orders.get(), timeout_s)
+
+    async def answer(self, order: worker_service_pb2.WorkOrder, *, job_id: str = "", attempt: int = 0) -> None:
+        """Computes y = 2x and returns it (for the order's job and attempt unless overridden)."""
+        (x,) = decode_tensors(order.inputs)
+        y = Tensor.from_numpy("y", np.asarray(x.to_numpy(), dtype=np.float32) * 2)
+        result = worker_service_pb2.WorkResult(
+            job_id=job_id or order.job_id,
+            attempt=attempt or order.attempt,
+            outputs=[to_output_proto(y, raw=True)],
+            batch_size=3,
+        )
+        result.compute_duration.FromMilliseconds(5)
+        await self._call.write(worker_service_pb2.ConnectRequest(result=result))
+
+    async def fail(self, order: worker_service_pb2.WorkOrder, error: error_pb2.ErrorStatus) -> None:
+        result = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, error=error)
+        await self._call.write(worker_service_pb2.ConnectRequest(result=result))
+
+    async def final_code(self) -> grpc.StatusCode:
+        """Waits for the stream to end; its status code."""
+        return await asyncio.wait_for(self._call.code(), 5.0)
+
+    async def break_stream(self) -> None:
+        self._call.cancel()
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        await self._channel.close(None)
+
+
+OpenBatcher = Callable[[str], Awaitable[FakeBatcher]]
+
+
+@pytest.fixture
+async def app(config: Config) -> AsyncIterator[SchedulerApp]:
+    scheduler = SchedulerApp(config)
+    await scheduler.start()
+    try:
+        yield scheduler
+    finally:
+        await scheduler.stop(grace_s=1.0)
+
+
+@pytest.fixture
+async def kv(app: SchedulerApp, nc: NatsClient, config: Config) -> KeyValue:
+    return await nc.jetstream().key_value(config.nats.jobs_bucket)
+
+
+@pytest.fixture
+def js(nc: NatsClient) -> JetStreamContext:
+    return nc.jetstream()
+
+
+@pytest.fixture
+async def batchers(app: SchedulerApp) -> AsyncIterator[OpenBatcher]:
+    opened: list[FakeBatcher] = []
+
+    async def open_batcher(batcher_id: str) -> FakeBatcher:
+        batcher = FakeBatcher(app.port, batcher_id)
+        opened.append(batcher)
+        await batcher.connect()
+        return batcher
+
+    yield open_batcher
+    for batcher in opened:
+        await batcher.close()
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+async def test_pull_one_returns_an_ackable_message_or_none(nc: NatsClient, config: Config) -> None:
+    js = nc.jetstream()
+    await ensure_work_stream(js, config.nats)
+    consumer = await ensure_work_consumer(js, config.nats, model_name=MODEL, priority=Priority.LOW, ack_wait_s=30)
+    stream = config.nats.work_stream
+    assert await pull_one(nc, stream, consumer) is None
+    await js.publish(work_subject(MODEL, Priority.LOW), b"payload")
+    first = await pull_one(nc, stream, consumer)
+    assert first is not None
+    assert first.data == b"payload"
+    assert first.metadata.num_delivered == 1
+    assert await pull_one(nc, stream, consumer) is None  # in flight: not handed out twice
+    await first.in_progress()
+    await first.nak()
+    again = await pull_until(nc, stream, consumer)
+    assert again.metadata.num_delivered == 2
+    assert again.metadata.sequence.stream == first.metadata.sequence.stream
+    await again.ack()
+
+    async def emptied() -> bool:
+        return await work_messages(js, config) == 0
+
+    await until(emptied)
+
+
+async def test_nothing_is_dispatched_without_a_credit(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    job_id = await enqueue(js, kv)
+    # Several poll intervals pass with the job queued and a batcher connected, but no credit.
+    with pytest.raises(TimeoutError):
+        await batcher.next_order(timeout_s=0.4)
+    info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
+    assert info.num_pending == 1  # not even pulled: no prefetch
+    assert (await read_record(kv, job_id)).state == JobState.QUEUED
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+
+
+async def test_job_runs_to_succeeded_and_its_message_is_acked(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    assert batcher.welcome.result().scheduler_id == app.scheduler_id
+    await batcher.grant(1)
+    job_id = await enqueue(js, kv, priority=Priority.HIGH, value=1.5)
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt, order.model_name, order.tenant) == (job_id, 1, MODEL, TENANT)
+    assert order.priority == job_pb2.PRIORITY_HIGH
+    assert order.execution_timeout.ToSeconds() == 60
+    running = await read_record(kv, job_id)
+    assert running.state == JobState.RUNNING
+    assert running.attempt == 1
+    assert running.queue_duration_s is not None
+    await batcher.answer(order)
+    done = await wait_state(kv, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 1
+    assert [t.to_numpy().tolist() for t in done.outputs] == [[[3.0, 3.0, 3.0, 3.0]]]
+    assert done.batch is not None
+    assert (done.batch.batcher_id, done.batch.batch_size) == ("b1", 3)
+    assert done.batch.compute_s == pytest.approx(0.005)
+    assert done.end_time is not None
+    assert done.run_duration_s is not None
+
+    async def acked() -> bool:
+        return await work_messages(js, config) == 0
+
+    await until(acked)
+    assert len(app.flow.in_flight) == 0
+    exposition = generate_latest(app.metrics.registry).decode()
+    assert 'asyncinfer_jobs_total{model="demo",state="RUNNING"} 1.0' in exposition
+    assert 'asyncinfer_jobs_total{model="demo",state="SUCCEEDED"} 1.0' in exposition
+
+
+async def test_high_priority_goes_first_with_one_credit(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    low = await enqueue(js, kv, priority=Priority.LOW)
+    high = await enqueue(js, kv, priority=Priority.HIGH)
+    await batcher.grant(1)
+    first = await batcher.next_order()
+    assert first.job_id == high
+    with pytest.raises(TimeoutError):  # one credit, one order
+        await batcher.next_order(timeout_s=0.2)
+    await batcher.answer(first)
+    await batcher.grant(1)
+    second = await batcher.next_order()
+    assert second.job_id == low
+
+
+async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+) -> None:
+    first = await batchers("b1")
+    await first.grant(1)
+    job_id = await enqueue(js, kv, value=1.0)
+    order1 = await first.next_order()
+    assert order1.attempt == 1
+    await first.break_stream()
+    # Back in the queue at once (no AckWait), with why.
+    queued = await wait_state(kv, job_id, JobState.QUEUED, timeout_s=2.0)
+    assert queued.last_error is not None
+    assert queued.last_error.reason == "WORKER_LOST"
+    assert queued.attempt == 1
+
+    second = await batchers("b2")
+    await second.grant(1)
+    order2 = await second.next_order(timeout_s=2.0)
+    assert (order2.job_id, order2.attempt) == (job_id, 2)
+
+    # The first batcher comes back and delivers its stale result, then a credit: results and
+    # credits on one stream are handled in order, so once the credit counts the result was seen.
+    returning = await batchers("b1")
+    await returning.answer(order1)
+    await returning.grant(1)
+
+    async def credit_counted() -> bool:
+        return app.batchers.free_credits(MODEL) == 1
+
+    await until(credit_counted)
+    record = await read_record(kv, job_id)
+    assert (record.state, record.attempt) == (JobState.RUNNING, 2)
+
+    await second.answer(order2)
+    done = await wait_state(kv, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 2
+    assert done.batch is not None
+    assert done.batch.batcher_id == "b2"
+
+
+async def test_non_retriable_error_fails_the_job(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    job_id = await enqueue(js, kv)
+    order = await batcher.next_order()
+    error = error_pb2.ErrorStatus(
+        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+        reason="INVALID_INPUT",
+        message="x must be finite",
+        field_violations=[error_pb2.FieldViolation(field="inputs[0]", description="NaN")],
+        retriable=False,
+    )
+    await batcher.fail(order, error)
+    failed = await wait_state(kv, job_id, JobState.FAILED)
+    assert failed.error is not None
+    assert (failed.error.code, failed.error.reason, failed.error.message) == (3, "INVALID_INPUT", "x must be finite")
+    assert [v.field for v in failed.error.violations] == ["inputs[0]"]
+    assert failed.outputs == ()
+
+    async def acked() -> bool:
+        return await work_messages(js, config) == 0
+
+    await until(acked)
+
+
+async def test_retriable_error_requeues_with_backoff_then_runs_again(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    await batcher.grant(2)
+    job_id = await enqueue(js, kv, max_attempts=2)
+    order1 = await batcher.next_order()
+    error = error_pb2.ErrorStatus(code=14, reason="MODEL_ERROR", message="CUDA hiccup", retriable=True)
+    failed_at = time.monotonic()
+    await batcher.fail(order1, error)
+    queued = await wait_state(kv, job_id, JobState.QUEUED)
+    assert queued.last_error is not None
+    assert queued.last_error.reason == "MODEL_ERROR"
+    order2 = await batcher.next_order(timeout_s=5.0)
+    assert time.monotonic() - failed_at >= 0.9  # waited out the 1 s backoff
+    assert (order2.job_id, order2.attempt) == (job_id, 2)
+    await batcher.fail(order2, error)  # the last attempt: no more retries
+    failed = await wait_state(kv, job_id, JobState.FAILED)
+    assert failed.error is not None
+    assert failed.error.reason == "MODEL_ERROR"
+    assert failed.attempt == 2
+
+
+async def test_message_without_record_is_terminated(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    await enqueue(js, kv, with_record=False)
+
+    async def removed() -> bool:
+        return await work_messages(js, config) == 0
+
+    await until(removed)
+    job_id = await enqueue(js, kv)  # the credit was not used up by the orphan
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+
+
+async def test_first_message_must_be_hello(app: SchedulerApp) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+        call = worker_service_pb2_grpc.WorkerServiceStub(channel).Connect()  # type: ignore[call-arg]
+        credit = worker_service_pb2.CreditGrant(model_name=MODEL, credits=1)
+        await call.write(worker_service_pb2.ConnectRequest(credit=credit))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_queue_stats_report_depth_per_priority_and_batchers(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+) -> None:
+    await batchers("b1")
+    await enqueue(js, kv, priority=Priority.HIGH)
+    await enqueue(js, kv, priority=Priority.HIGH)
+    await enqueue(js, kv, priority=Priority.LOW)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        response = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
+        (stats,) = response.models
+        depths = {q.priority: q.depth for q in stats.priorities}
+        assert depths == {job_pb2.PRIORITY_HIGH: 2, job_pb2.PRIORITY_NORMAL: 0, job_pb2.PRIORITY_LOW: 1}
+        high = next(q for q in stats.priorities if q.priority == job_pb2.PRIORITY_HIGH)
+        assert high.HasField("oldest_age")
+        normal = next(q for q in stats.priorities if q.priority == job_pb2.PRIORITY_NORMAL)
+        assert not normal.HasField("oldest_age")
+        assert (stats.connected_batchers, stats.free_credits, stats.in_flight) == (1, 0, 0)
+        assert stats.desired_batchers == 1
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="nope"))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetStreamContext, nc: NatsClient) -> None:
+    scheduler = SchedulerApp(config)
+    await scheduler.start()
+    kv = await js.key_value(config.nats.jobs_bucket)
+    batcher = FakeBatcher(scheduler.port, "b1")
+    try:
+        await batcher.connect()
+        await batcher.grant(1)
+        job_id = await enqueue(js, kv)
+        await batcher.next_order()
+        await scheduler.stop(grace_s=0.1)
+        await scheduler.stop(grace_s=0.1)  # idempotent
+    finally:
+        await batcher.close()
+    record = await read_record(kv, job_id)
+    assert record.state == JobState.QUEUED
+    assert record.last_error is not None
+    assert record.last_error.reason == "SCHEDULER_STOPPING"
+    # Nak'ed, not left to AckWait: the next scheduler gets it at once.
+    redelivered = await pull_until(nc, config.nats.work_stream, "work-demo-normal", timeout_s=2.0)
+    assert redelivered.metadata.num_delivered == 2
+
+
+async def test_credit_for_a_model_not_announced_ends_the_stream(app: SchedulerApp, batchers: OpenBatcher) -> None:
+    batcher = await batchers("b1")
+    await batcher.grant(1, model_name="other")
+    assert await batcher.final_code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    async def unregistered() -> bool:
+        return not app.batchers.sessions
+
+    await until(unregistered)

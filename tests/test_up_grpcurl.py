@@ -1,0 +1,233 @@
+"""The README's path, for real: `asyncinfer up` as a subprocess (embedded nats-server, gateway,
+scheduler, batcher), driven with the real grpcurl binary; then Ctrl-C, and a second `up` on the
+same store still knows the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.embedded_nats import free_port
+
+BIN = Path(sys.executable).parent
+GRPCURL = str(BIN / "grpcurl")
+SUBMIT_BODY = json.dumps(
+    {
+        "model_name": "demo",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "contents": {"fp32_contents": [1, 2, 3, 4]}}],
+    }
+)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen[str]
+    banner: str
+    gateway: str
+    scheduler: str
+    batcher: str
+    metrics: int
+    lines: queue.Queue[str | None]
+
+    def rest_of_output(self) -> str:
+        """What it printed after the banner, up to its exit."""
+        out: list[str] = []
+        while (line := self.lines.get(timeout=30)) is not None:
+            out.append(line)
+        return "".join(out)
+
+
+def write_config(tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    ports = {name: free_port() for name in ("nats", "gateway", "scheduler", "batcher", "metrics")}
+    path = tmp_path / "asyncinfer.toml"
+    path.write_text(
+        f"""
+[embedded_nats]
+port = {ports["nats"]}
+monitor_port = 0
+store_dir = "{tmp_path / "data" / "nats"}"
+
+[gateway]
+port = {ports["gateway"]}
+metrics_port = 0
+
+[scheduler]
+port = {ports["scheduler"]}
+metrics_port = {ports["metrics"]}
+
+[batcher]
+port = {ports["batcher"]}
+metrics_port = 0
+"""
+    )
+    return path, ports
+
+
+def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> Stack:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    banner: list[str] = []
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1)
+        except queue.Empty:
+            continue
+        if line is None:
+            raise AssertionError(f"asyncinfer up exited early with {process.wait()}: {''.join(banner)}")
+        banner.append(line)
+        if line.startswith("Ctrl-C"):
+            break
+    else:
+        process.kill()
+        raise AssertionError("asyncinfer up did not print its banner in time")
+    return Stack(
+        process=process,
+        banner="".join(banner),
+        gateway=f"127.0.0.1:{ports['gateway']}",
+        scheduler=f"127.0.0.1:{ports['scheduler']}",
+        batcher=f"127.0.0.1:{ports['batcher']}",
+        metrics=ports["metrics"],
+        lines=lines,
+    )
+
+
+def stop(stack: Stack) -> int:
+    stack.process.send_signal(signal.SIGINT)
+    return stack.process.wait(timeout=60)
+
+
+def close(stack: Stack) -> None:
+    if stack.process.poll() is None:
+        stack.process.kill()
+        stack.process.wait()
+    if stack.process.stdout is not None:
+        stack.process.stdout.close()
+
+
+def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess[str]:
+    command = [GRPCURL, "-plaintext"]
+    if data is not None:
+        command += ["-d", data]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def json_stream(text: str) -> list[dict[str, object]]:
+    """grpcurl prints one pretty JSON object per streamed message."""
+    decoder = json.JSONDecoder()
+    objects, index = [], 0
+    text = text.strip()
+    while index < len(text):
+        obj, end = decoder.raw_decode(text, index)
+        objects.append(obj)
+        index = end
+        while index < len(text) and text[index].isspace():
+            index += 1
+    return objects
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[Stack, Path, dict[str, int]]]:
+    config_path, ports = write_config(tmp_path)
+    running = start_up(config_path, ports, tmp_path)
+    try:
+        yield running, config_path, ports
+    finally:
+        close(running)
+
+
+def test_up_serves_a_job_through_grpcurl(stack: tuple[Stack, Path, dict[str, int]], tmp_path: Path) -> None:
+    up, config_path, ports = stack
+    assert up.gateway in up.banner
+    assert "grpcurl -plaintext" in up.banner
+
+    listed = grpcurl(up.gateway, "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "asyncinfer.v1.JobService" in listed.stdout.split()
+    assert "grpc.health.v1.Health" in listed.stdout.split()
+    for address, service in (
+        (up.scheduler, "asyncinfer.v1.OpsService"),
+        (up.batcher, "inference.GRPCInferenceService"),
+    ):
+        assert service in grpcurl(address, "list").stdout.split()
+    health = grpcurl(up.gateway, "grpc.health.v1.Health/Check", data='{"service": "asyncinfer.v1.JobService"}')
+    assert json.loads(health.stdout)["status"] == "SERVING"
+
+    # The grpcurl line the banner prints works verbatim.
+    submit_line = next(line for line in up.banner.splitlines() if "JobService/SubmitJob" in line)
+    submitted = subprocess.run(submit_line.strip(), shell=True, capture_output=True, text=True, timeout=60, check=False)
+    assert submitted.returncode == 0, submitted.stderr
+    job = json.loads(submitted.stdout)["job"]
+    assert job["state"] == "JOB_STATE_QUEUED"
+    job_id = job["job_id"]
+
+    watched = grpcurl(up.gateway, "asyncinfer.v1.JobService/WatchJob", data=json.dumps({"job_id": job_id}))
+    assert watched.returncode == 0, watched.stderr
+    states = [m["job"]["state"] for m in json_stream(watched.stdout)]  # type: ignore[index]
+    assert states[-1] == "JOB_STATE_SUCCEEDED"
+    assert states == sorted(states, key=["JOB_STATE_QUEUED", "JOB_STATE_RUNNING", "JOB_STATE_SUCCEEDED"].index)
+
+    got = grpcurl(up.gateway, "asyncinfer.v1.JobService/GetJob", data=json.dumps({"job_id": job_id}))
+    record = json.loads(got.stdout)["job"]
+    assert record["state"] == "JOB_STATE_SUCCEEDED"
+    assert record["outputs"][0]["contents"]["fp32_contents"] == [3, 5, 7, 9]
+
+    invalid = grpcurl(
+        up.gateway,
+        "asyncinfer.v1.JobService/SubmitJob",
+        data=SUBMIT_BODY.replace("[1, 2, 3, 4]", "[1, 2, 3]"),
+    )
+    assert invalid.returncode != 0
+    assert "InvalidArgument" in invalid.stderr
+    unknown = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY.replace("demo", "nope"))
+    assert "NotFound" in unknown.stderr
+
+    stats = grpcurl(up.scheduler, "asyncinfer.v1.OpsService/GetQueueStats", data="{}")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["models"][0]["model_name"] == "demo"
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{up.metrics}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert "asyncinfer_jobs_total" in metrics
+    assert "asyncinfer_queue_depth" in metrics
+
+    assert stop(up) == 0
+    assert "asyncinfer stopped" in up.rest_of_output()
+
+    # A second `up` on the same store still has the job.
+    again = start_up(config_path, ports, tmp_path)
+    try:
+        kept = grpcurl(again.gateway, "asyncinfer.v1.JobService/GetJob", data=json.dumps({"job_id": job_id}))
+        assert json.loads(kept.stdout)["job"]["state"] == "JOB_STATE_SUCCEEDED"
+        assert stop(again) == 0
+    finally:
+        close(again)
