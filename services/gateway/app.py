@@ -10,11 +10,11 @@ from prometheus_client import CollectorRegistry
 from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.v1 import job_service_pb2_grpc
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.records import JobRecords
 from services.gateway.submit import JobSubmitter
 from services.gateway.watch_hub import WatchHub
 
@@ -62,7 +62,7 @@ class GatewayApp:
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
-        records = JobRecords(await ensure_jobs_bucket(js, cfg.nats))
+        records = JobStore(await ensure_jobs_bucket(js, cfg.nats))
         self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket)
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)

@@ -13,11 +13,11 @@ import grpc
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unimplemented
 from asyncinfer.ids import is_job_id
+from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import job_key
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc
 from services.gateway.convert import job_to_proto, submit_request_from_proto
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.records import JobRecords, job_not_found
 from services.gateway.submit import JobSubmitter, check_request_size
 from services.gateway.watch_hub import WatchHub
 
@@ -36,7 +36,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         config: Config,
         *,
         submitter: JobSubmitter,
-        records: JobRecords,
+        records: JobStore,
         hub: WatchHub,
         metrics: GatewayMetrics,
     ) -> None:

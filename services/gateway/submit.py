@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
+from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
     CallbackSpec,
     JobError,
@@ -28,7 +29,6 @@ from asyncinfer.jobs import (
     work_subject,
 )
 from asyncinfer.tensors import Tensor, validate_inputs
-from services.gateway.records import NATS_FAILURES, JobRecords
 
 MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 63
@@ -145,7 +145,7 @@ class JobSubmitter:
     def __init__(
         self,
         config: Config,
-        records: JobRecords,
+        records: JobStore,
         js: JetStreamContext,
         *,
         clock: Callable[[], float] = time.time,

@@ -18,8 +18,8 @@ from nats.js.api import DeliverPolicy
 from nats.js.kv import KV_MARKER_REASON, KV_OP
 
 from asyncinfer.errors import InvalidArgument, Unavailable
+from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, decode_record, job_key
-from services.gateway.records import JobRecords, job_not_found
 
 log = structlog.get_logger("asyncinfer.gateway.watch")
 
@@ -36,7 +36,7 @@ WatcherQueue = asyncio.Queue[RecordUpdate | None]
 
 
 class WatchHub:
-    def __init__(self, js: JetStreamContext, records: JobRecords, *, bucket: str) -> None:
+    def __init__(self, js: JetStreamContext, records: JobStore, *, bucket: str) -> None:
         self._js = js
         self._records = records
         self._bucket = bucket

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
@@ -77,7 +78,7 @@ class SchedulerApp:
                 await ensure_work_consumer(
                     js, config.nats, model_name=model.name, priority=priority, ack_wait_s=settings.ack_wait_s
                 )
-        self._flow = flow = JobFlow(kv=kv, config=config, metrics=self.metrics)
+        self._flow = flow = JobFlow(store=JobStore(kv), config=config, metrics=self.metrics)
         self._stats = stats = QueueStatsReader(
             js=js, config=config, batchers=self.batchers, in_flight_count=flow.in_flight_count
         )

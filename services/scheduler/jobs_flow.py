@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import structlog
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import Config
+from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import (
     BatchInfo,
     JobError,
@@ -34,8 +33,6 @@ from asyncinfer.jobs import (
     JobState,
     WorkEnvelope,
     decode_envelope,
-    decode_record,
-    encode_record,
 )
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.messages import WorkOrder, WorkResult
@@ -46,8 +43,6 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 # Backoff before a retriable failure runs again: RETRY_BASE_DELAY_S * 2^(attempt-1), capped.
 RETRY_BASE_DELAY_S = 1.0
 RETRY_MAX_DELAY_S = 60.0
-
-Decide = Callable[[JobRecord], JobRecord | None]
 
 
 def retry_delay_s(attempt: int) -> float:
@@ -72,8 +67,8 @@ class InFlightJob:
 
 
 class JobFlow:
-    def __init__(self, *, kv: KeyValue, config: Config, metrics: SchedulerMetrics) -> None:
-        self._kv = kv
+    def __init__(self, *, store: JobStore, config: Config, metrics: SchedulerMetrics) -> None:
+        self._store = store
         self._config = config
         self._metrics = metrics
         self.in_flight: dict[str, InFlightJob] = {}
@@ -109,7 +104,7 @@ class JobFlow:
         session: BatcherSession,
         job_log: structlog.typing.FilteringBoundLogger,
     ) -> bool:
-        record = await self._read(envelope.key)
+        record = await self._store.get(envelope.key)
         if record is None:
             job_log.error("job_record_missing")
             await msg.term()
@@ -133,7 +128,7 @@ class JobFlow:
                 update_time=now,
             )
 
-        latest, written = await self._transition(record, start)
+        latest, written = await self._store.transition(record, start)
         if latest is None:
             job_log.error("job_record_missing")
             await msg.term()
@@ -267,7 +262,7 @@ class JobFlow:
                 update_time=now,
             )
 
-        latest, written = await self._transition(job.record, end)
+        latest, written = await self._store.transition(job.record, end)
         await self._settle(job.msg, latest, written, job.log)
 
     async def _dropped(self, job: InFlightJob, now: float) -> None:
@@ -286,7 +281,7 @@ class JobFlow:
                     return None
                 return current.evolve(state=JobState.EXPIRED, error=error, end_time=now, update_time=now)
 
-            latest, written = await self._transition(job.record, expire)
+            latest, written = await self._store.transition(job.record, expire)
             await self._settle(job.msg, latest, written, job.log)
             return
         error = _error(grpc.StatusCode.ABORTED, "DROPPED", "the batcher dropped it before it ran", retriable=True)
@@ -335,7 +330,7 @@ class JobFlow:
 
         latest: JobRecord | None = None
         try:
-            latest, written = await self._transition(running, back)
+            latest, written = await self._store.transition(running, back)
             if latest is not None and written:
                 self._metrics.job_transition(latest.model_name, latest.state)
                 job_log.info("job_requeued", state=latest.state.value, reason=error.reason, delay_s=delay_s)
@@ -421,32 +416,6 @@ class JobFlow:
         task.add_done_callback(self._tasks.discard)
 
     # --- records ----------------------------------------------------------------------------
-
-    async def _read(self, key: str) -> JobRecord | None:
-        try:
-            entry = await self._kv.get(key)
-        except KeyNotFoundError:
-            return None
-        if entry.value is None or entry.revision is None:
-            return None
-        return decode_record(entry.value, entry.revision)
-
-    async def _transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
-        """Compare-and-set of decide(record); on a lost race, re-reads and decides again.
-
-        Returns the latest record (None if it is gone) and whether this call wrote it."""
-        current: JobRecord | None = record
-        while current is not None:
-            new = decide(current)
-            if new is None:
-                return current, False
-            try:
-                revision = await self._kv.update(current.key, encode_record(new), last=current.revision)
-            except KeyWrongLastSequenceError:
-                current = await self._read(current.key)
-                continue
-            return new.evolve(revision=revision), True
-        return None, False
 
 
 async def _quietly(action: Awaitable[None]) -> None:
