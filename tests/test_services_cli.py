@@ -1,0 +1,95 @@
+"""Each service in its own process against an external nats-server, configured by the file that
+`asyncinfer config` prints plus environment overrides, as a deployment would run them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from asyncinfer.embedded_nats import NatsServerProcess, free_port
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+
+BIN = Path(sys.executable).parent
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def config_file(tmp_path: Path) -> Path:
+    printed = subprocess.run([str(BIN / "asyncinfer"), "config"], capture_output=True, text=True, check=True)
+    assert "[[models]]" in printed.stdout
+    assert "# Port of the public JobService." in printed.stdout
+    path = tmp_path / "asyncinfer.toml"
+    path.write_text(printed.stdout)
+    return path
+
+
+@pytest.fixture
+def services(
+    nats_server: NatsServerProcess, config_file: Path, tmp_path: Path
+) -> Iterator[dict[str, tuple[subprocess.Popen[str], int]]]:
+    ports = {name: free_port() for name in ("gateway", "scheduler", "batcher")}
+    env = {
+        **os.environ,
+        "ASYNCINFER_NATS__URL": nats_server.url,
+        "ASYNCINFER_GATEWAY__PORT": str(ports["gateway"]),
+        "ASYNCINFER_SCHEDULER__PORT": str(ports["scheduler"]),
+        "ASYNCINFER_BATCHER__PORT": str(ports["batcher"]),
+        "ASYNCINFER_BATCHER__SCHEDULER_ADDRESS": f"127.0.0.1:{ports['scheduler']}",
+        "ASYNCINFER_GATEWAY__METRICS_PORT": "0",
+        "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
+        "ASYNCINFER_BATCHER__METRICS_PORT": "0",
+    }
+    running: dict[str, tuple[subprocess.Popen[str], int]] = {}
+    try:
+        for name in ("gateway", "scheduler", "batcher"):
+            log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process below
+            process = subprocess.Popen(
+                [str(BIN / "asyncinfer"), name, "--config", str(config_file)],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=env,
+            )
+            log.close()
+            assert process.stdout is not None
+            line = process.stdout.readline()  # printed once it serves
+            assert f"serving on 127.0.0.1:{ports[name]}" in line, (line, (tmp_path / f"{name}.log").read_text())
+            running[name] = (process, ports[name])
+        yield running
+    finally:
+        for process, _port in running.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+async def test_three_processes_run_a_job_and_stop_cleanly(
+    services: dict[str, tuple[subprocess.Popen[str], int]],
+) -> None:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([0.5, 1, 1.5, 2])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services['gateway'][1]}") as channel:
+        jobs = job_service_pb2_grpc.JobServiceStub(channel)
+        job = (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x]))).job
+        last = None
+        async for update in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)):
+            last = update.job
+    assert last is not None
+    assert last.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert list(last.outputs[0].contents.fp32_contents) == [2.0, 3.0, 4.0, 5.0]
+
+    # SIGTERM: each stops in order and exits 0 (batcher first, as a rolling deploy would).
+    for name in ("batcher", "scheduler", "gateway"):
+        process, _port = services[name]
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(process.wait, 30) == 0, name
