@@ -33,6 +33,7 @@ class NatsConfig(_Section):
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
     credentials_file: str | None = Field(None, description="A NATS .creds file, when the server needs one.")
     work_stream: str = Field("WORK", description="The WorkQueue stream holding queued jobs.")
+    dead_letter_stream: str = Field("DEAD_LETTERS", description="The stream of jobs that failed for good.")
     jobs_bucket: str = Field("jobs", description="The KV bucket holding job records.")
     replicas: int = Field(1, ge=1, le=5, description="Replicas of every stream and bucket (3 on a cluster).")
     duplicate_window_s: float = Field(
@@ -59,6 +60,9 @@ class GatewayConfig(_Section):
     )
     max_result_retention_s: float = Field(30 * 86400.0, gt=0, description="The longest retention a caller may ask.")
     default_tenant: str = Field("default", description="The tenant of callers when no API keys are configured.")
+    max_queued_per_tenant: int = Field(
+        0, ge=0, description="Most queued jobs one tenant may have; past it RESOURCE_EXHAUSTED (0: no limit)."
+    )
 
 
 class SchedulerConfig(_Section):
@@ -79,6 +83,12 @@ class SchedulerConfig(_Section):
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
     )
     queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+    weight_high: int = Field(8, ge=1, description="Share of free slots HIGH gets, against the weights below.")
+    weight_normal: int = Field(3, ge=1, description="Share of free slots NORMAL gets.")
+    weight_low: int = Field(1, ge=1, description="Share of free slots LOW gets.")
+    aging_s: float = Field(
+        30.0, gt=0, description="A waiting job counts one priority level higher per this many seconds waited."
+    )
 
 
 class BatcherConfig(_Section):
@@ -129,6 +139,15 @@ class ModelConfig(_Section):
     max_inflight_batches: int = Field(2, ge=1, description="Batches computed at once (overlaps prep with compute).")
     default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
     max_attempts: int = Field(3, ge=1, description="Attempts a job gets for retriable failures by default.")
+    max_attempts_limit: int = Field(10, ge=1, description="The most attempts a job may ask for (max_attempts).")
+    retry_backoff_base_s: float = Field(1.0, gt=0, description="First retry delay; doubles per attempt, with jitter.")
+    retry_backoff_max_s: float = Field(300.0, gt=0, description="The longest retry delay.")
+    timeout_action: Literal["fail", "retry"] = Field(
+        "fail", description="A run past its execution timeout: fail (TIMED_OUT) or retry (until max_attempts)."
+    )
+    max_queue_depth: int = Field(
+        0, ge=0, description="Most jobs queued for this model; past it SubmitJob is RESOURCE_EXHAUSTED (0: no limit)."
+    )
     inputs: tuple[TensorSpecConfig, ...] = Field(description="The model's inputs.")
     outputs: tuple[TensorSpecConfig, ...] = Field(description="The model's outputs.")
 
