@@ -35,6 +35,9 @@ class NatsConfig(_Section):
     work_stream: str = Field("WORK", description="The WorkQueue stream holding queued jobs.")
     dead_letter_stream: str = Field("DEAD_LETTERS", description="The stream of jobs that failed for good.")
     jobs_bucket: str = Field("jobs", description="The KV bucket holding job records.")
+    queues_bucket: str = Field(
+        "queues", description="The KV bucket of queue snapshots, pauses and per-tenant queued counts."
+    )
     replicas: int = Field(1, ge=1, le=5, description="Replicas of every stream and bucket (3 on a cluster).")
     duplicate_window_s: float = Field(
         120.0, gt=0, description="How long the WORK stream remembers job IDs to drop duplicate publishes."

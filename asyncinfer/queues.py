@@ -1,0 +1,112 @@
+"""What the scheduler tells everyone else about its queues, through NATS.
+
+- The KV bucket `queues` (NatsConfig.queues_bucket) holds one `QueueSnapshot` per model (key =
+  model name), written by the scheduler every `queue_stats_interval_s`. The gateway reads it to
+  answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
+  jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means no scheduler is
+  looking after the model.
+- The key `paused.<model>` in the same bucket exists while an operator has paused the model's
+  queue; every scheduler honours it.
+- Cancellation of a running job: after the gateway moves the record to CANCELLING it publishes a
+  `CancelNotice` on the core subject `cancel_subject(model)`; every scheduler hears it, and the one
+  that dispatched the job tells its batcher to drop it.
+- Per-tenant admission (`GatewayConfig.max_queued_per_tenant`): the KV key `tenant.<tenant>` in the
+  same bucket counts the tenant's jobs that are queued and not yet dispatched: the gateway adds one
+  (compare-and-set) before it publishes a job, the scheduler takes one away when a job leaves the
+  queue for the first time (dispatched, expired or canceled while queued). Only kept while the limit
+  is configured.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError
+from nats.js.kv import KeyValue
+
+from asyncinfer.config import NatsConfig
+from asyncinfer.jobs import Priority
+
+SNAPSHOT_STALE_S = 15.0
+CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"
+
+
+def cancel_subject(model_name: str) -> str:
+    return f"{CANCEL_SUBJECT_PREFIX}.{model_name}"
+
+
+def paused_key(model_name: str) -> str:
+    return f"paused.{model_name}"
+
+
+def tenant_key(tenant: str) -> str:
+    return f"tenant.{tenant}"
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityQueueSnapshot:
+    depth: int = 0
+    # create_time (Unix seconds) of the oldest waiting job, None when empty or unknown.
+    oldest_create_time: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSnapshot:
+    model_name: str
+    updated_at: float
+    priorities: dict[str, PriorityQueueSnapshot] = field(default_factory=dict)  # keyed by Priority value
+    in_flight: int = 0
+    connected_batchers: int = 0
+    free_credits: int = 0
+    # Completions per second over the recent past (for estimated start times).
+    completed_per_s: float = 0.0
+    paused: bool = False
+    desired_batchers: int = 0
+
+    def depth(self, priority: Priority) -> int:
+        entry = self.priorities.get(priority.value)
+        return entry.depth if entry is not None else 0
+
+    @property
+    def total_depth(self) -> int:
+        return sum(p.depth for p in self.priorities.values())
+
+
+def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
+    return json.dumps(asdict(snapshot), separators=(",", ":")).encode()
+
+
+def decode_snapshot(data: bytes) -> QueueSnapshot:
+    obj = json.loads(data)
+    priorities = {name: PriorityQueueSnapshot(**value) for name, value in obj.pop("priorities", {}).items()}
+    return QueueSnapshot(priorities=priorities, **obj)
+
+
+@dataclass(frozen=True, slots=True)
+class CancelNotice:
+    job_id: str
+    tenant: str
+    model_name: str
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> CancelNotice:
+        return cls(**json.loads(data))
+
+
+async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
+    try:
+        return await js.key_value(config.queues_bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(
+            bucket=config.queues_bucket,
+            description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
+            history=1,
+            storage=api.StorageType.FILE,
+            replicas=config.replicas,
+            direct=False,
+        )
