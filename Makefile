@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test lint typecheck protos protos-check buf-lint buf-breaking pytest clean
+.PHONY: up test lint typecheck protos protos-check buf-lint buf-breaking pytest bench-batcher clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
@@ -48,6 +48,10 @@ protos-check: $(STAMP)
 
 pytest: $(STAMP)
 	$(PY) -m pytest
+
+# Batcher vs Triton (PyTriton) vs direct torch vs the gRPC ceiling (about 5 minutes; run on an idle machine).
+bench-batcher: $(STAMP)
+	$(PY) bench/batcher_bench.py
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -100,17 +100,39 @@ async def test_concurrent_items_fill_batches_up_to_max_batch_size(make_engine: C
         np.testing.assert_array_equal(y.to_numpy(), np.full((1, 4), 2 * value + 1, dtype=np.float32))
 
 
-async def test_delay_closes_a_partial_batch(make_engine: Callable[..., Any]) -> None:
+async def test_an_idle_model_starts_a_batch_at_once(make_engine: Callable[..., Any]) -> None:
     model = RecordingAffine()
-    engine = await make_engine(model, max_batch_size=32, max_queue_delay_ms=30.0)
+    engine = await make_engine(model, max_batch_size=32, max_queue_delay_ms=60_000.0)
+    outcome = await asyncio.wait_for(engine.infer("demo", rows(1.0)), timeout=5)
+    assert outcome.batch_size == 1
+    assert model.rows_seen == [1]
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+async def test_delay_closes_a_partial_batch_while_another_computes(make_engine: Callable[..., Any]) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate)
+    engine = await make_engine(model, max_batch_size=32, max_queue_delay_ms=40.0, max_inflight_batches=2)
+    first = asyncio.create_task(engine.infer("demo", rows(0.0)))
+    await wait_entered(model)  # the model is busy: the next batch waits to fill
     started = time.monotonic()
-    outcomes = await asyncio.wait_for(
-        asyncio.gather(*(engine.infer("demo", rows(float(v))) for v in range(3))), timeout=5
-    )
-    assert time.monotonic() - started >= 0.025
+    rest = [asyncio.create_task(engine.infer("demo", rows(float(v)))) for v in range(1, 4)]
+    await asyncio.sleep(0)
+    assert engine.queue_depth("demo") == 3
+    await wait_until(lambda: engine.queue_depth("demo") == 0)
+    assert time.monotonic() - started >= 0.035
+    gate.set()
+    outcomes = await asyncio.gather(*rest)
+    assert (await first).batch_size == 1
     assert [o.batch_size for o in outcomes] == [3, 3, 3]
     assert [o.batch_items for o in outcomes] == [3, 3, 3]
-    assert model.rows_seen == [3]
+    assert sorted(model.rows_seen) == [1, 3]
 
 
 async def test_batches_count_rows_and_never_exceed_the_limit(make_engine: Callable[..., Any]) -> None:

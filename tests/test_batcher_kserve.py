@@ -16,7 +16,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.errors import ConfigError
 from services.batcher.app import BatcherApp
 
 
@@ -160,11 +159,59 @@ async def test_health_is_serving_and_metrics_are_exported(
     assert 'asyncinfer_batcher_queue_depth{model="demo"} 0.0' in body
 
 
-async def test_a_model_that_cannot_load_stops_start_up() -> None:
-    broken = DEMO_MODEL.model_copy(update={"loader": "services.batcher.models.demo:build_nothing"})
-    config = Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[broken])
+async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
+    broken = DEMO_MODEL.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    config = Config().replace(
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[DEMO_MODEL, broken]
+    )
     batcher = BatcherApp(config)
-    with pytest.raises(ConfigError, match="build_nothing"):
-        await batcher.start()
-    assert batcher.port == 0
-    await batcher.stop()  # idempotent after a failed start
+    await batcher.start()
+    try:
+        assert "build_nothing" in batcher.load_failures["broken"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+        try:
+            assert not await client.is_server_ready()
+            assert await client.is_model_ready("demo")
+            assert not await client.is_model_ready("broken")
+            infer_input = triton.InferInput("x", [1, 4], "FP32")
+            infer_input.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+            result = await client.infer("demo", [infer_input])
+            assert result.as_numpy("y") is not None
+            with pytest.raises(InferenceServerException) as info:
+                await client.infer("broken", [infer_input])
+            assert info.value.status() == "StatusCode.UNAVAILABLE"
+            assert "failed to load" in (info.value.message() or "")
+            assert "build_nothing" in (info.value.message() or "")
+        finally:
+            await client.close()
+        assert batcher.metrics.model_ready.labels(model="broken")._value.get() == 0
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def test_priority_parameter_is_read_like_triton(client: triton.InferenceServerClient, app: BatcherApp) -> None:
+    infer_input = triton.InferInput("x", [1, 4], "FP32")
+    infer_input.set_data_from_numpy(np.ones((1, 4), dtype=np.float32))
+    result = await client.infer("demo", [infer_input], priority=1, timeout=5_000_000)
+    assert result.as_numpy("y") is not None
+    from tritonclient.grpc import service_pb2
+
+    from services.batcher.kserve import request_priority
+
+    def with_priority(level: int) -> service_pb2.ModelInferRequest:
+        request = service_pb2.ModelInferRequest(model_name="demo")
+        request.parameters["priority"].uint64_param = level
+        return request
+
+    assert [request_priority(with_priority(n)).value for n in (0, 1, 2, 3, 9)] == [
+        "NORMAL",
+        "HIGH",
+        "NORMAL",
+        "LOW",
+        "LOW",
+    ]
+    assert request_priority(service_pb2.ModelInferRequest()).value == "NORMAL"

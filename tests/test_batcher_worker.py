@@ -17,7 +17,7 @@ from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.app import BatcherApp
-from services.batcher.models.demo import FAILING_MODEL_MESSAGE
+from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
 
 WAIT_S = 10.0
 ABORT = "abort"
@@ -129,8 +129,15 @@ async def app(scheduler: tuple[FakeScheduler, int]) -> AsyncIterator[BatcherApp]
                 update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model"}
             ),
             DEMO_MODEL.model_copy(update={"name": "slow", "loader": "services.batcher.models.demo:build_slow_model"}),
-            # Its batches wait long for company, so an order stays cancellable.
-            DEMO_MODEL.model_copy(update={"name": "patient", "max_queue_delay_ms": 60_000.0}),
+            # One batch at a time, held at the gate, so the next order stays queued (cancellable).
+            DEMO_MODEL.model_copy(
+                update={
+                    "name": "patient",
+                    "loader": "services.batcher.models.demo:build_gated_model",
+                    "max_inflight_batches": 1,
+                    "max_queue_delay_ms": 60_000.0,
+                }
+            ),
         ],
     )
     batcher = BatcherApp(config)
@@ -138,7 +145,20 @@ async def app(scheduler: tuple[FakeScheduler, int]) -> AsyncIterator[BatcherApp]
     try:
         yield batcher
     finally:
+        GATE.set()
         await batcher.stop(grace_s=1.0)
+
+
+async def hold_patient_busy(connection: Connection, app: BatcherApp) -> None:
+    """Starts a batch of the patient model that computes until GATE is set."""
+    GATE.clear()
+    connection.send(order("blocker", np.zeros((1, 4), dtype=np.float32), model="patient"))
+    await poll(
+        lambda: (
+            app.engine.queue_depth("patient") == 0
+            and app.engine.free_slots("patient") < app.config.models[0].max_queue_size
+        )
+    )
 
 
 async def poll(predicate: Any) -> None:
@@ -250,6 +270,7 @@ async def test_cancel_order_drops_an_item_that_has_not_started(
 ) -> None:
     fake, _ = scheduler
     connection = await fake.next_connection(1)
+    await hold_patient_busy(connection, app)
     connection.send(order("waits", np.zeros((1, 4), dtype=np.float32), model="patient", attempt=3))
     await poll(lambda: app.engine.queue_depth("patient") == 1)  # the engine holds the order
     connection.send(
@@ -260,6 +281,8 @@ async def test_cancel_order_drops_an_item_that_has_not_started(
     assert result.error.code == grpc.StatusCode.CANCELLED.value[0]
     assert not result.outputs
     assert app.engine.queue_depth("patient") == 0
+    GATE.set()
+    assert not (await connection.result("blocker")).HasField("error")
 
 
 async def test_orders_in_flight_on_a_broken_stream_are_abandoned(
@@ -267,9 +290,11 @@ async def test_orders_in_flight_on_a_broken_stream_are_abandoned(
 ) -> None:
     fake, _ = scheduler
     first = await fake.next_connection(1)
+    await hold_patient_busy(first, app)
     first.send(order("stranded", np.zeros((1, 4), dtype=np.float32), model="patient"))
     await poll(lambda: app.engine.queue_depth("patient") == 1)  # the engine holds the order
     first.abort()
+    GATE.set()
     second = await fake.next_connection(2)
     max_queue_size = app.config.models[0].max_queue_size
     # The stranded item left the engine, so the new stream is offered every slot again.
@@ -288,9 +313,14 @@ async def test_stop_answers_orders_in_flight_and_leaves_queued_ones_unanswered(
     connection.send(order("in-flight", x, model="slow"))
     max_queue_size = app.config.models[0].max_queue_size
     await poll(lambda: app.engine.free_slots("slow") < max_queue_size and app.engine.queue_depth("slow") == 0)
+    await hold_patient_busy(connection, app)
     connection.send(order("queued", x, model="patient"))
     await poll(lambda: app.engine.queue_depth("patient") == 1)
-    await asyncio.wait_for(app.stop(grace_s=5.0), timeout=WAIT_S)
+    stopping = asyncio.create_task(app.stop(grace_s=5.0))
+    await poll(lambda: app.engine.queue_depth("patient") == 0)  # "queued" failed without starting
+    GATE.set()  # the blocker finishes within the grace period
+    await asyncio.wait_for(stopping, timeout=WAIT_S)
+    assert not (await connection.result("blocker")).HasField("error")
     result = await connection.result("in-flight")
     (y,) = decode_tensors(result.outputs, "outputs")
     np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)

@@ -11,7 +11,8 @@ import structlog
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2_grpc
 
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelConfig
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from services.batcher.backends import ModelBackend, load_backend
@@ -33,6 +34,8 @@ class BatcherApp:
         self.port = 0
         self.metrics_port = 0
         self._backends: list[ModelBackend] = []
+        # Model name -> why it failed to load; those models answer UNAVAILABLE with the reason.
+        self.load_failures: dict[str, str] = {}
         self._server: GrpcServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._worker: WorkerClient | None = None
@@ -40,7 +43,9 @@ class BatcherApp:
         self._stopped = False
 
     async def start(self) -> None:
-        """Loads every model, then serves; on failure, undoes what was started and re-raises."""
+        """Loads every model, then serves. A model that fails to load does not stop the others:
+        health turns NOT_SERVING, ServerReady false, and that model answers UNAVAILABLE with the
+        reason. Any other failure undoes what was started and re-raises."""
         if self._started:
             return
         self._started = True
@@ -53,13 +58,14 @@ class BatcherApp:
     async def _start(self) -> None:
         batcher = self.config.batcher
         for model in self.config.models:
-            backend = await asyncio.to_thread(load_backend, model, batcher)
-            self._backends.append(backend)
-            self.engine.add_model(model, backend)
-            log.info("model loaded", model=model.name, version=model.version, loader=model.loader)
+            backend = await self._load(model)
+            if backend is not None:
+                self._backends.append(backend)
+                self.engine.add_model(model, backend)
+                self.metrics.set_model_ready(model.name, True)
         await self.engine.start()
 
-        servicer = KServeServicer(self.engine)
+        servicer = KServeServicer(self.engine, self.load_failures)
         self._server = GrpcServer(
             host=batcher.host,
             port=batcher.port,
@@ -68,6 +74,10 @@ class BatcherApp:
         )
         await self._server.start()
         self.port = self._server.port
+        if self.load_failures:
+            # Like Triton's strict readiness: not ready while a configured model is missing, but
+            # the models that loaded keep serving.
+            await self._server.set_serving(False)
 
         self._metrics_server = MetricsServer(self.registry, batcher.host, batcher.metrics_port)
         await asyncio.to_thread(self._metrics_server.start)
@@ -88,7 +98,26 @@ class BatcherApp:
             metrics_port=self.metrics_port,
             models=self.engine.model_names,
             scheduler=batcher.scheduler_address or None,
+            failed_models=self.load_failures or None,
         )
+
+    async def _load(self, model: ModelConfig) -> ModelBackend | None:
+        """The model's backend, started; None (and the reason in load_failures) when it cannot
+        serve. Only a configuration error or a failing loader counts as a load failure."""
+        backend: ModelBackend | None = None
+        try:
+            backend = await asyncio.to_thread(load_backend, model, self.config.batcher)
+            await backend.start()
+        except Exception as exc:
+            reason = exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
+            log.error("model failed to load", model=model.name, loader=model.loader, reason=reason)
+            self.load_failures[model.name] = reason
+            self.metrics.set_model_ready(model.name, False)
+            if backend is not None:
+                await backend.aclose()
+            return None
+        log.info("model loaded", model=model.name, version=model.version, backend=model.backend, loader=model.loader)
+        return backend
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops offering credits, stops the server (running calls get the grace period),
@@ -113,6 +142,6 @@ class BatcherApp:
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
         for backend in self._backends:
-            backend.close()
+            await backend.aclose()
         self._backends.clear()
         log.info("batcher stopped", batcher_id=self.batcher_id)

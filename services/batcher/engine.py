@@ -1,12 +1,22 @@
 """The dynamic-batching engine: per model, a bounded queue of items that are packed into batches,
-computed in worker threads, and split back per item.
+computed in worker threads (or awaited, for remote backends), and split back per item.
 
-A batch closes when it holds `max_batch_size` rows (an item that would overflow it waits for the
-next one) or when its oldest item has waited `max_queue_delay_ms`. Only items whose non-batch
-dimensions agree share a batch; the oldest item's shape group goes first and the others wait.
-Up to `max_inflight_batches` batches compute at once. Every item's future resolves on every path:
-a result, the model's error (for that batch's items only), a deadline that passed before it ran,
-cancellation by its caller (it is dropped before it runs), or shutdown.
+Order: higher priority first, then the earliest deadline, then arrival. The best item's group
+(see items.py: shapes, length buckets) forms the batch; items of other groups wait for a batch
+of their own, they never fail for that reason. A batch holds at most `max_batch_size` rows and,
+when set, `max_batch_cost` cost units (rows, tokens, or a model's cost function); an item that
+would overflow it waits for the next one (an item bigger than the cost limit runs alone).
+
+When a batch closes:
+- at once when the model is idle (no batch of it computing): waiting can only add latency then,
+  since nothing that could join is known to be coming, and a single caller gets unbatched
+  latency; the batches computing while others arrive are what lets the queue fill;
+- at once when it is full, or a preferred batch size is reached;
+- otherwise when its oldest item has waited `max_queue_delay_ms` (batches then overlap, up to
+  `max_inflight_batches`).
+Every item's future resolves on every path: a result, the model's error (for that batch's items
+only), a deadline that passed before it ran (a timer fails it at once), cancellation by its caller
+(it is dropped before it runs), or shutdown.
 
 Modelled on Ray Serve's `batching.py`; `submit` is synchronous so a caller (the worker client)
 can account for a slot in the same step as it takes one.
@@ -16,13 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-import numpy as np
 import structlog
 
 from asyncinfer.config import ModelConfig
@@ -35,54 +43,21 @@ from asyncinfer.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor, validate_inputs
+from services.batcher.assemble import assemble, split
 from services.batcher.backends import ModelBackend
+from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics
+
+__all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome", "PendingItem"]
 
 log = structlog.get_logger("asyncinfer.batcher.engine")
 
 SHUTTING_DOWN = "batcher shutting down"
 SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
 
-# (input name, datatype, non-batch dimensions) of every input: items batch together only when equal.
-ShapeKey = tuple[tuple[str, str, tuple[int, ...]], ...]
 SlotListener = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class InferOutcome:
-    outputs: list[Tensor]
-    batch_size: int  # rows in the batch the item ran in
-    batch_items: int  # items in that batch
-    compute_s: float  # the batch's compute time (concatenate, model, split)
-
-
-class PendingItem:
-    """One submitted item: the future its caller awaits, and whether its batch has started."""
-
-    __slots__ = ("expires_at", "future", "inputs", "rows", "shape_key", "started", "submitted_at")
-
-    def __init__(
-        self,
-        inputs: dict[str, Tensor],
-        future: asyncio.Future[InferOutcome],
-        submitted_at: float,
-        expires_at: float | None,
-    ) -> None:
-        self.inputs = inputs
-        self.future = future
-        self.submitted_at = submitted_at
-        self.expires_at = expires_at
-        first = next(iter(inputs.values()))
-        self.rows = first.batch_size
-        self.shape_key: ShapeKey = tuple(sorted((t.name, t.datatype, t.shape[1:]) for t in inputs.values()))
-        self.started = False
-
-    def cancel(self) -> bool:
-        """Drops the item unless its batch has started; True when it was dropped."""
-        if self.started or self.future.done():
-            return False
-        return self.future.cancel()
 
 
 def _outcome_label(future: asyncio.Future[InferOutcome]) -> str:
@@ -114,7 +89,9 @@ class _ModelQueue:
         self.backend = backend
         self.name = config.name
         self.held = 0  # items submitted and not yet resolved (waiting or computing)
-        self._waiting: deque[PendingItem] = deque()
+        self._shaper = ItemShaper(config, backend)
+        self._waiting: list[PendingItem] = []
+        self._seq = itertools.count()
         self._metrics = metrics
         self._on_item_done = on_item_done
         self._changed = asyncio.Event()
@@ -122,6 +99,8 @@ class _ModelQueue:
         self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
         self._former: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._delay_s = config.max_queue_delay_ms / 1000.0
+        self._preferred = sorted(set(config.preferred_batch_sizes), reverse=True)
 
     @property
     def depth(self) -> int:
@@ -135,19 +114,30 @@ class _ModelQueue:
         self._executor = executor
         self._former = asyncio.create_task(self._form_batches(), name=f"batcher-{self.name}")
 
-    def submit(self, inputs: Sequence[Tensor], timeout_s: float | None) -> PendingItem:
+    def submit(self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority) -> PendingItem:
         if self.held >= self.config.max_queue_size:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
                 reason="BATCHER_QUEUE_FULL",
-                retry_after_s=max(self.config.max_queue_delay_ms / 1000.0, 0.05),
+                retry_after_s=max(self._delay_s, 0.05),
             )
         loop = asyncio.get_running_loop()
         now = loop.time()
         by_name = {t.name: t for t in inputs}
         ordered = {spec.name: by_name[spec.name] for spec in self.backend.signature.inputs}
         future: asyncio.Future[InferOutcome] = loop.create_future()
-        item = PendingItem(ordered, future, now, None if timeout_s is None else now + timeout_s)
+        expires_at = None if timeout_s is None else now + timeout_s
+        item = PendingItem(
+            ordered, future, submitted_at=now, expires_at=expires_at, priority=priority, seq=next(self._seq)
+        )
+        try:
+            self._shaper.shape(item)
+        except AsyncInferError:
+            raise
+        except Exception as exc:
+            raise InvalidArgument(f"model {self.name!r} cannot size these inputs: {type(exc).__name__}: {exc}") from exc
+        if expires_at is not None:
+            item.timer = loop.call_at(expires_at, _expire, item)
         self.held += 1
         future.add_done_callback(lambda _f: self._item_done(item))
         self._waiting.append(item)
@@ -157,6 +147,8 @@ class _ModelQueue:
 
     def _item_done(self, item: PendingItem) -> None:
         self.held -= 1
+        if item.timer is not None:
+            item.timer.cancel()
         outcome = _outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
         if self._metrics is not None:
             self._metrics.count_item(self.name, outcome)
@@ -188,21 +180,21 @@ class _ModelQueue:
     def _batch_done(self, task: asyncio.Task[None]) -> None:
         self._batches.pop(task, None)
         self._slots.release()
+        self._changed.set()  # the model may be idle now: a waiting batch can start at once
 
     async def _next_batch(self) -> list[PendingItem]:
         loop = asyncio.get_running_loop()
-        delay_s = self.config.max_queue_delay_ms / 1000.0
         while True:
-            self._purge(loop.time())
+            self._purge()
             if not self._waiting:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            batch, full = self._pick()
-            wait_s = self._waiting[0].submitted_at + delay_s - loop.time()
-            if full or wait_s <= 0:
-                chosen = {id(item) for item in batch}
-                self._waiting = deque(item for item in self._waiting if id(item) not in chosen)
+            batch, close_now = self._pick()
+            wait_s = min(item.submitted_at for item in batch) + self._delay_s - loop.time()
+            if close_now or wait_s <= 0 or not self._batches:
+                started = {id(item) for item in batch}
+                self._waiting = [item for item in self._waiting if id(item) not in started]
                 self._report_depth()
                 return batch
             self._changed.clear()
@@ -210,37 +202,46 @@ class _ModelQueue:
                 async with asyncio.timeout(wait_s):
                     await self._changed.wait()
 
-    def _purge(self, now: float) -> None:
-        """Removes dropped items and fails those whose deadline passed before they ran."""
-        kept: deque[PendingItem] = deque()
-        for item in self._waiting:
-            if item.future.done():
-                continue
-            if item.expires_at is not None and item.expires_at <= now:
-                item.future.set_exception(DeadlineExceeded("the item's deadline passed before it ran"))
-                continue
-            kept.append(item)
-        if len(kept) != len(self._waiting):
-            self._waiting = kept
+    def _purge(self) -> None:
+        """Removes items that resolved while waiting (dropped, expired, failed)."""
+        if any(item.future.done() for item in self._waiting):
+            self._waiting = [item for item in self._waiting if not item.future.done()]
             self._report_depth()
 
     def _pick(self) -> tuple[list[PendingItem], bool]:
-        """The oldest item's shape group, oldest first, up to max_batch_size rows; and whether
-        the batch cannot grow (full, or a same-shape item already had to be left out)."""
-        limit = self.config.max_batch_size
-        group = self._waiting[0].shape_key
+        """The best item's group in order, within the row and cost limits; and whether the batch
+        should close now (it cannot grow, or it reached a preferred size)."""
+        max_rows = self.config.max_batch_size
+        max_cost = self.config.max_batch_cost
+        ordered = sorted(self._waiting, key=_sort_key)
+        group = ordered[0].group
         batch: list[PendingItem] = []
-        rows = 0
+        rows = cost = 0
         left_out = False
-        for item in self._waiting:
-            if item.shape_key != group:
+        for item in ordered:
+            if item.group != group:
                 continue
-            if rows + item.rows > limit:
+            if rows + item.rows > max_rows or (max_cost and batch and cost + item.cost > max_cost):
                 left_out = True
                 continue
             batch.append(item)
             rows += item.rows
-        return batch, left_out or rows >= limit
+            cost += item.cost
+        if left_out or rows >= max_rows or (max_cost and cost >= max_cost):
+            return batch, True
+        for size in self._preferred:
+            if size > rows:
+                continue
+            prefix: list[PendingItem] = []
+            prefix_rows = 0
+            for item in batch:
+                if prefix_rows + item.rows > size:
+                    break
+                prefix.append(item)
+                prefix_rows += item.rows
+            if prefix_rows == size:
+                return prefix, True
+        return batch, False
 
     # --- computing batches -----------------------------------------------------------------
 
@@ -249,8 +250,12 @@ class _ModelQueue:
         if not batch:
             return
         loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
-            per_item, compute_s = await loop.run_in_executor(self._executor, self._compute, batch)
+            if self.backend.runs_async:
+                per_item, compute_s, waste = await self._compute_async(batch)
+            else:
+                per_item, compute_s, waste = await loop.run_in_executor(self._executor, self._compute, batch)
         except asyncio.CancelledError:
             _fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
             raise
@@ -264,40 +269,42 @@ class _ModelQueue:
             return
         rows = sum(item.rows for item in batch)
         if self._metrics is not None:
-            self._metrics.observe_batch(self.name, rows, compute_s)
+            self._metrics.observe_batch(
+                self.name,
+                rows=rows,
+                max_rows=self.config.max_batch_size,
+                padding_waste=waste,
+                queue_wait_s=started - min(item.submitted_at for item in batch),
+                compute_s=compute_s,
+            )
         for item, outputs in zip(batch, per_item, strict=True):
             if not item.future.done():
                 item.future.set_result(
-                    InferOutcome(outputs=outputs, batch_size=rows, batch_items=len(batch), compute_s=compute_s)
+                    InferOutcome(
+                        outputs=outputs,
+                        batch_size=rows,
+                        batch_items=len(batch),
+                        compute_s=compute_s,
+                        queue_s=started - item.submitted_at,
+                    )
                 )
 
-    def _compute(self, batch: list[PendingItem]) -> tuple[list[list[Tensor]], float]:
-        """Runs in a worker thread: concatenate along dim 0, run the model, split per item."""
+    def _compute(self, batch: list[PendingItem]) -> tuple[list[list[Tensor]], float, float]:
+        """Runs in a worker thread: assemble, run the model, split per item."""
         started = time.perf_counter()
         signature = self.backend.signature
-        arrays = {
-            spec.name: np.concatenate([item.inputs[spec.name].to_numpy() for item in batch])
-            for spec in signature.inputs
-        }
-        outputs = self.backend.infer_batch(arrays)
-        rows = sum(item.rows for item in batch)
-        for name, array in outputs.items():
-            if array.ndim == 0 or array.shape[0] != rows:
-                raise ModelError(
-                    f"model {self.name!r} output {name!r} has {array.shape[0] if array.ndim else 0} rows "
-                    f"for a batch of {rows}"
-                )
-        per_item: list[list[Tensor]] = []
-        offset = 0
-        for item in batch:
-            per_item.append(
-                [
-                    Tensor.from_numpy(spec.name, outputs[spec.name][offset : offset + item.rows], spec.datatype)
-                    for spec in signature.outputs
-                ]
-            )
-            offset += item.rows
-        return per_item, time.perf_counter() - started
+        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+        outputs = self.backend.infer_batch(assembled.arrays)
+        per_item = split(self.name, batch, outputs, assembled, signature)
+        return per_item, time.perf_counter() - started, assembled.padding_waste
+
+    async def _compute_async(self, batch: list[PendingItem]) -> tuple[list[list[Tensor]], float, float]:
+        started = time.perf_counter()
+        signature = self.backend.signature
+        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+        outputs = await self.backend.infer_batch_async(assembled.arrays)
+        per_item = split(self.name, batch, outputs, assembled, signature)
+        return per_item, time.perf_counter() - started, assembled.padding_waste
 
     # --- stopping --------------------------------------------------------------------------
 
@@ -313,6 +320,15 @@ class _ModelQueue:
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
+
+
+def _sort_key(item: PendingItem) -> tuple[int, float, int]:
+    return item.sort_key
+
+
+def _expire(item: PendingItem) -> None:
+    if not item.started and not item.future.done():
+        item.future.set_exception(DeadlineExceeded("the item's deadline passed before it ran"))
 
 
 def _fail(items: Sequence[PendingItem], error: AsyncInferError) -> None:
@@ -383,7 +399,14 @@ class BatchingEngine:
             queue.start(self._executor)
         self._accepting = True
 
-    def submit(self, model_name: str, inputs: Sequence[Tensor], *, timeout_s: float | None = None) -> PendingItem:
+    def submit(
+        self,
+        model_name: str,
+        inputs: Sequence[Tensor],
+        *,
+        timeout_s: float | None = None,
+        priority: Priority = Priority.NORMAL,
+    ) -> PendingItem:
         """Validates and queues one item; its future resolves with an InferOutcome or an
         AsyncInferError. Raises at once (nothing queued) for an unknown model, invalid inputs, a
         full queue, a deadline already passed, or a stopping engine."""
@@ -398,12 +421,19 @@ class BatchingEngine:
             raise InvalidArgument(f"invalid inputs: {first.field}: {first.description}", violations)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
-        return queue.submit(inputs, timeout_s)
+        return queue.submit(inputs, timeout_s, priority)
 
-    async def infer(self, model_name: str, inputs: Sequence[Tensor], *, timeout_s: float | None = None) -> InferOutcome:
+    async def infer(
+        self,
+        model_name: str,
+        inputs: Sequence[Tensor],
+        *,
+        timeout_s: float | None = None,
+        priority: Priority = Priority.NORMAL,
+    ) -> InferOutcome:
         """Runs one item through its model's batches. Cancelling the caller drops the item if its
         batch has not started."""
-        item = self.submit(model_name, inputs, timeout_s=timeout_s)
+        item = self.submit(model_name, inputs, timeout_s=timeout_s, priority=priority)
         try:
             return await item.future
         finally:

@@ -8,6 +8,7 @@ UNIMPLEMENTED from the generated base class.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
@@ -15,14 +16,15 @@ import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from asyncinfer.config import ModelConfig
-from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
+from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensor
 from asyncinfer.tensors import Tensor
 from services.batcher.engine import BatchingEngine
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 SERVER_NAME = "asyncinfer-batcher"
-PLATFORMS = {"torch": "pytorch_libtorch"}
+PLATFORMS = {"torch": "pytorch_libtorch", "triton": "triton"}
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -59,11 +61,46 @@ def decode_infer_inputs(request: service_pb2.ModelInferRequest) -> list[Tensor]:
     return tensors
 
 
+def request_priority(request: service_pb2.ModelInferRequest) -> Priority:
+    """Triton's `priority` request parameter: 1 is the highest level; 0 or absent is the default.
+    Here 1 -> HIGH, 2 -> NORMAL, 3 or more -> LOW (the same numbers as asyncinfer.v1.Priority)."""
+    if "priority" not in request.parameters:
+        return Priority.NORMAL
+    param = request.parameters["priority"]
+    kind = param.WhichOneof("parameter_choice")
+    if kind not in ("int64_param", "uint64_param"):
+        raise InvalidArgument(
+            "parameter priority must be an integer",
+            [FieldViolation("parameters.priority", "give an integer: 1 (highest), 2, 3 (lowest); 0: default")],
+        )
+    level = int(getattr(param, kind))
+    if level == 1:
+        return Priority.HIGH
+    if level >= 3:
+        return Priority.LOW
+    return Priority.NORMAL
+
+
+def request_timeout_s(request: service_pb2.ModelInferRequest, context: Context) -> float | None:
+    """The sooner of the call's deadline and Triton's `timeout` parameter (microseconds)."""
+    remaining = context.time_remaining()
+    if "timeout" in request.parameters:
+        param = request.parameters["timeout"]
+        kind = param.WhichOneof("parameter_choice")
+        if kind in ("int64_param", "uint64_param") and int(getattr(param, kind)) > 0:
+            timeout_s = int(getattr(param, kind)) / 1e6
+            remaining = timeout_s if remaining is None else min(remaining, timeout_s)
+    return remaining
+
+
 class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, engine: BatchingEngine) -> None:
+    def __init__(self, engine: BatchingEngine, load_failures: Mapping[str, str] | None = None) -> None:
         self._engine = engine
+        self._load_failures = dict(load_failures or {})
 
     def _model(self, name: str, version: str) -> ModelConfig:
+        if name in self._load_failures:
+            raise Unavailable(f"model {name!r} failed to load: {self._load_failures[name]}", reason="MODEL_LOAD_FAILED")
         if not self._engine.has_model(name):
             raise NotFound(f"model {name!r} is not served here", reason="MODEL_NOT_FOUND")
         config = self._engine.model_config(name)
@@ -82,7 +119,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
     async def ServerReady(
         self, request: service_pb2.ServerReadyRequest, context: Context
     ) -> service_pb2.ServerReadyResponse:
-        return service_pb2.ServerReadyResponse(ready=self._engine.accepting)
+        return service_pb2.ServerReadyResponse(ready=self._engine.accepting and not self._load_failures)
 
     async def ServerMetadata(
         self, request: service_pb2.ServerMetadataRequest, context: Context
@@ -127,8 +164,12 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
         if unknown:
             raise InvalidArgument(f"invalid outputs: {unknown[0].description}", unknown)
         inputs = decode_infer_inputs(request)
-        remaining = context.time_remaining()
-        outcome = await self._engine.infer(config.name, inputs, timeout_s=remaining)
+        outcome = await self._engine.infer(
+            config.name,
+            inputs,
+            timeout_s=request_timeout_s(request, context),
+            priority=request_priority(request),
+        )
         wanted = set(requested) if requested else set(declared)
         response = service_pb2.ModelInferResponse(model_name=config.name, model_version=config.version, id=request.id)
         for tensor in outcome.outputs:

@@ -1,11 +1,14 @@
-"""The batcher's Prometheus metrics, made per app instance on its own registry."""
+"""The batcher's Prometheus metrics, made per app instance on its own registry.
+
+Items per second is `rate(asyncinfer_batcher_items_total[1m])` (rows: `..._rows_total`)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_COMPUTE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class BatcherMetrics:
@@ -17,11 +20,32 @@ class BatcherMetrics:
             buckets=_BATCH_SIZE_BUCKETS,
             registry=registry,
         )
+        self.batch_fill = Histogram(
+            "asyncinfer_batch_fill_ratio",
+            "Rows in each batch over the model's max_batch_size.",
+            ["model"],
+            buckets=_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.padding_waste = Histogram(
+            "asyncinfer_batch_padding_waste_ratio",
+            "Share of each batch's elements (or tokens) that are padding.",
+            ["model"],
+            buckets=(0.0, *_RATIO_BUCKETS),
+            registry=registry,
+        )
         self.batch_compute_seconds = Histogram(
             "asyncinfer_batch_compute_seconds",
-            "Time to compute one batch (concatenate, run the model, split).",
+            "Time to compute one batch (assemble, run the model, split).",
             ["model"],
-            buckets=_COMPUTE_BUCKETS,
+            buckets=_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.batch_queue_wait_seconds = Histogram(
+            "asyncinfer_batch_queue_wait_seconds",
+            "How long the oldest item of each batch waited before the batch started.",
+            ["model"],
+            buckets=_SECONDS_BUCKETS,
             registry=registry,
         )
         self.queue_depth = Gauge(
@@ -32,17 +56,35 @@ class BatcherMetrics:
         )
         self.items = Counter(
             "asyncinfer_batcher_items_total",
-            "Items that left the batcher, by outcome (ok, model_error, dropped, shutdown, ...).",
+            "Items that left the batcher, by outcome (ok, model_error, expired, cancelled, shutdown, error).",
             ["model", "outcome"],
             registry=registry,
         )
+        self.rows = Counter(
+            "asyncinfer_batcher_rows_total", "Rows computed in batches that succeeded.", ["model"], registry=registry
+        )
+        self.model_ready = Gauge(
+            "asyncinfer_batcher_model_ready",
+            "1 when the model loaded and serves, 0 when it failed to load.",
+            ["model"],
+            registry=registry,
+        )
 
-    def observe_batch(self, model: str, rows: int, compute_s: float) -> None:
+    def observe_batch(
+        self, model: str, *, rows: int, max_rows: int, padding_waste: float, queue_wait_s: float, compute_s: float
+    ) -> None:
         self.batch_size.labels(model=model).observe(rows)
+        self.batch_fill.labels(model=model).observe(rows / max_rows)
+        self.padding_waste.labels(model=model).observe(padding_waste)
+        self.batch_queue_wait_seconds.labels(model=model).observe(queue_wait_s)
         self.batch_compute_seconds.labels(model=model).observe(compute_s)
+        self.rows.labels(model=model).inc(rows)
 
     def set_queue_depth(self, model: str, depth: int) -> None:
         self.queue_depth.labels(model=model).set(depth)
 
     def count_item(self, model: str, outcome: str) -> None:
         self.items.labels(model=model, outcome=outcome).inc()
+
+    def set_model_ready(self, model: str, ready: bool) -> None:
+        self.model_ready.labels(model=model).set(1 if ready else 0)

@@ -29,8 +29,9 @@ from asyncinfer.errors import (
     NotFound,
     Unavailable,
 )
+from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
-from asyncinfer.v1 import error_pb2, worker_service_pb2, worker_service_pb2_grpc
+from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, InferOutcome, PendingItem
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
@@ -39,6 +40,12 @@ log = structlog.get_logger("asyncinfer.batcher.worker")
 _NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled)
 
 OrderKey = tuple[str, int]
+
+ORDER_PRIORITIES = {
+    job_pb2.PRIORITY_HIGH: Priority.HIGH,
+    job_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    job_pb2.PRIORITY_LOW: Priority.LOW,
+}
 
 
 def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
@@ -232,7 +239,12 @@ class _WorkSession:
             )
         inputs = decode_tensors(order.inputs)
         timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
-        return self._engine.submit(order.model_name, inputs, timeout_s=timeout_s)
+        return self._engine.submit(
+            order.model_name,
+            inputs,
+            timeout_s=timeout_s,
+            priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
+        )
 
     async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem, job_log: Any) -> None:
         key = (order.job_id, order.attempt)

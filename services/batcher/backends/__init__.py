@@ -1,13 +1,15 @@
 """Model backends: where a batch is computed.
 
 A backend takes one batch as numpy arrays keyed by input name (the batch dimension first) and
-returns numpy arrays keyed by output name. `infer_batch` blocks: the engine calls it in a worker
-thread, never on the event loop.
+returns numpy arrays keyed by output name. A synchronous backend's `infer_batch` blocks (the
+engine calls it in a worker thread, never on the event loop); an asynchronous one
+(`runs_async`, e.g. a remote Triton) is awaited on the event loop. Text models also report each
+row's token length so the engine can bucket and count batches in tokens.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -19,15 +21,42 @@ from asyncinfer.tensors import ModelSignature, datatype_of
 Arrays = dict[str, npt.NDArray[np.generic]]
 
 
-class ModelBackend(Protocol):
+class ModelBackend:
+    """The base of every backend; subclasses override `infer_batch` (or `infer_batch_async`
+    with `runs_async = True`)."""
+
+    runs_async: ClassVar[bool] = False
+
+    def __init__(self, name: str, signature: ModelSignature) -> None:
+        self.name = name
+        self._signature = signature
+
     @property
-    def signature(self) -> ModelSignature: ...
+    def signature(self) -> ModelSignature:
+        return self._signature
 
     def infer_batch(self, inputs: Arrays) -> Arrays:
-        """Computes one batch; raises ModelError when the model fails or answers off-signature."""
-        ...
+        """Computes one batch (blocking); raises ModelError when the model fails or answers
+        off-signature."""
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    async def infer_batch_async(self, inputs: Arrays) -> Arrays:
+        """Computes one batch on the event loop (backends with `runs_async`)."""
+        raise NotImplementedError
+
+    def token_lengths(self, inputs: Arrays) -> list[int] | None:
+        """Each row's length in tokens for text models (None: not a text model). Called on the
+        event loop once per item, so it must be quick."""
+        return None
+
+    async def start(self) -> None:
+        """Connects or warms up after loading; raises ConfigError when the model cannot serve."""
+
+    def close(self) -> None:
+        """Releases the model."""
+
+    async def aclose(self) -> None:
+        self.close()
 
 
 def check_outputs(model_name: str, outputs: Arrays, signature: ModelSignature) -> None:
@@ -59,9 +88,12 @@ def check_outputs(model_name: str, outputs: Arrays, signature: ModelSignature) -
 
 
 def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:
-    """Loads a configured model (blocking: call it in a thread). ConfigError when it cannot load."""
-    if model.backend == "torch":
-        from services.batcher.backends.torch_backend import TorchBackend
+    """Loads a configured model (blocking: call it in a thread), then `await backend.start()` on
+    the event loop. ConfigError when it cannot load."""
+    if model.backend == "triton":
+        from services.batcher.backends.triton_backend import TritonBackend
 
-        return TorchBackend.load(model, torch_threads=batcher.torch_threads)
-    raise AssertionError(f"unknown backend {model.backend!r}")  # the config's Literal rules this out
+        return TritonBackend(model)
+    from services.batcher.backends.torch_backend import load_torch_backend
+
+    return load_torch_backend(model, torch_threads=batcher.torch_threads)

@@ -1,9 +1,16 @@
-"""The local torch backend: a `module:factory` loader, device placement, and numpy <-> torch."""
+"""The local torch backend: loaders (`module:factory`, TorchScript files, built-in models),
+device placement, and numpy <-> torch.
+
+On CUDA, inputs go through pinned host memory with non-blocking copies and outputs come back
+the same way, synchronised once per batch; everything runs under torch.inference_mode.
+"""
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,16 +19,25 @@ import torch
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import ConfigError, ModelError
 from asyncinfer.tensors import ModelSignature
-from services.batcher.backends import Arrays, check_outputs
+from services.batcher.backends import Arrays, ModelBackend, check_outputs
+
+TORCHSCRIPT_PREFIX = "torchscript:"
+BUILTIN_PREFIX = "builtin:"
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, *, cuda_available: bool | None = None) -> torch.device:
+    """auto: CUDA when present, else CPU. Asking for CUDA where there is none is a ConfigError
+    (rather than a failure at the first batch)."""
+    has_cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda" if has_cuda else "cpu")
     try:
-        return torch.device(device)
+        resolved = torch.device(device)
     except RuntimeError as exc:
         raise ConfigError(f"invalid device {device!r}: {exc}") from None
+    if resolved.type == "cuda" and not has_cuda:
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
+    return resolved
 
 
 def import_factory(loader: str) -> Any:
@@ -36,7 +52,54 @@ def import_factory(loader: str) -> Any:
         raise ConfigError(f"model loader {loader!r}: module {module_name!r} has no {attr!r}") from None
 
 
-class TorchBackend:
+def load_torch_backend(model: ModelConfig, *, torch_threads: int = 0) -> TorchBackend:
+    """Loads the model its loader names (blocking). ConfigError when it cannot."""
+    if torch_threads > 0:
+        # Process-wide in torch; the batcher serves all its models from one pool.
+        torch.set_num_threads(torch_threads)
+    device = resolve_device(model.device)
+    loader = model.loader
+    if loader.startswith(BUILTIN_PREFIX):
+        name = loader[len(BUILTIN_PREFIX) :]
+        if name == "minilm-l6":
+            from services.batcher.backends.minilm import MiniLMBackend
+
+            return MiniLMBackend.load_builtin(model, device)
+        raise ConfigError(f"model loader {loader!r}: no built-in model {name!r} (built-in: minilm-l6)")
+    if loader.startswith(TORCHSCRIPT_PREFIX):
+        return TorchBackend(model.name, _load_torchscript(loader, device), model.signature, device)
+    return TorchBackend(model.name, _load_factory(loader), model.signature, device)
+
+
+def _load_torchscript(loader: str, device: torch.device) -> torch.nn.Module:
+    path = Path(loader[len(TORCHSCRIPT_PREFIX) :])
+    if not path.is_file():
+        raise ConfigError(f"model loader {loader!r}: no such file {str(path)!r}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch deprecates TorchScript; files remain
+            module = torch.jit.load(str(path), map_location=device)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ConfigError(f"model loader {loader!r}: not a TorchScript file: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model loader {loader!r} holds a {type(module).__name__}, not a module")
+    return module
+
+
+def _load_factory(loader: str) -> torch.nn.Module:
+    factory = import_factory(loader)
+    if not callable(factory):
+        raise ConfigError(f"model loader {loader!r} is not callable")
+    try:
+        module = factory()
+    except Exception as exc:
+        raise ConfigError(f"model loader {loader!r} failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"model loader {loader!r} returned {type(module).__name__}, not a torch.nn.Module")
+    return module
+
+
+class TorchBackend(ModelBackend):
     """Runs an nn.Module in eval mode under torch.inference_mode.
 
     A module with one input is called as module(x); with several, by keyword (input names). Its
@@ -45,39 +108,19 @@ class TorchBackend:
     tokenize them themselves)."""
 
     def __init__(self, name: str, module: torch.nn.Module, signature: ModelSignature, device: torch.device) -> None:
-        self.name = name
-        self._signature = signature
+        super().__init__(name, signature)
         self.device = device
+        self._cuda = device.type == "cuda"
         self._module = module.to(device).eval()
 
     @classmethod
     def load(cls, model: ModelConfig, *, torch_threads: int = 0) -> TorchBackend:
-        if torch_threads > 0:
-            # Process-wide in torch; the batcher serves all its models from one pool.
-            torch.set_num_threads(torch_threads)
-        factory = import_factory(model.loader)
-        if not callable(factory):
-            raise ConfigError(f"model loader {model.loader!r} is not callable")
-        try:
-            module = factory()
-        except Exception as exc:
-            raise ConfigError(f"model loader {model.loader!r} failed: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(module, torch.nn.Module):
-            raise ConfigError(f"model loader {model.loader!r} returned {type(module).__name__}, not a torch.nn.Module")
-        return cls(model.name, module, model.signature, resolve_device(model.device))
-
-    @property
-    def signature(self) -> ModelSignature:
-        return self._signature
+        return load_torch_backend(model, torch_threads=torch_threads)
 
     def infer_batch(self, inputs: Arrays) -> Arrays:
         try:
             with torch.inference_mode():
-                args = {name: self._to_torch(array) for name, array in inputs.items()}
-                if len(self._signature.inputs) == 1:
-                    result = self._module(args[self._signature.inputs[0].name])
-                else:
-                    result = self._module(**args)
+                result = self.forward({name: self.to_device(array) for name, array in inputs.items()})
                 outputs = self._map_outputs(result)
         except ModelError:
             raise
@@ -86,17 +129,26 @@ class TorchBackend:
         check_outputs(self.name, outputs, self._signature)
         return outputs
 
+    def forward(self, args: dict[str, Any]) -> Any:
+        if len(self._signature.inputs) == 1:
+            return self._module(args[self._signature.inputs[0].name])
+        return self._module(**args)
+
     def close(self) -> None:
         # Drop the module so its (device) memory can be freed.
-        del self._module
+        self._module = torch.nn.Module()
 
-    def _to_torch(self, array: np.ndarray[Any, Any]) -> Any:
+    def to_device(self, array: np.ndarray[Any, Any]) -> Any:
         if array.dtype.kind in ("O", "S", "U"):
             return array
         if not array.flags.writeable:
             # torch warns on read-only numpy buffers (and could write through them).
             array = array.copy()
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        if self._cuda:
+            # Pinned memory lets the copy run asynchronously with respect to the host.
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor.to(self.device)
 
     def _map_outputs(self, result: Any) -> Arrays:
         names = [spec.name for spec in self._signature.outputs]
@@ -115,7 +167,19 @@ class TorchBackend:
                 f"model {self.name!r} returned one {type(result).__name__}, but its signature declares "
                 f"{len(names)} outputs; return a dict or a tuple"
             )
+        if self._cuda:
+            pinned = {str(k): _to_host_async(v) for k, v in pairs.items()}
+            torch.cuda.current_stream(self.device).synchronize()  # the copies above were non-blocking
+            pairs = pinned
         return {str(name): _to_numpy(self.name, str(name), value) for name, value in pairs.items()}
+
+
+def _to_host_async(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+        host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        return host
+    return value
 
 
 def _to_numpy(model: str, name: str, value: Any) -> np.ndarray[Any, Any]:

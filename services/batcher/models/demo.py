@@ -2,18 +2,24 @@
 
 Signature (see `asyncinfer.config.DEMO_MODEL`): FP32 input `x` of shape [-1, 4] -> FP32 output `y`
 of shape [-1, 4], with y = 2 * x + 1 element-wise. Two variants with the same signature let tests
-exercise other paths: `build_failing_model` raises in forward (model errors), and
-`build_slow_model` takes SLOW_MODEL_DELAY_S per batch (work still computing at shutdown).
+exercise other paths: `build_failing_model` raises in forward (model errors),
+`build_slow_model` takes SLOW_MODEL_DELAY_S per batch (work still computing at shutdown), and
+`build_gated_model` computes only while the process-wide GATE is set (tests hold a batch in
+flight with it, so that the next items stay queued).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
 
 FAILING_MODEL_MESSAGE = "the failing demo model always fails"
 SLOW_MODEL_DELAY_S = 0.3
+GATE = threading.Event()
+GATE.set()
+GATE_TIMEOUT_S = 30.0
 
 
 class AffineDemo(torch.nn.Module):
@@ -34,6 +40,12 @@ class SlowDemo(AffineDemo):
         return super().forward(x)
 
 
+class GatedDemo(AffineDemo):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        GATE.wait(GATE_TIMEOUT_S)
+        return super().forward(x)
+
+
 def build_demo_model() -> torch.nn.Module:
     return AffineDemo()
 
@@ -44,3 +56,7 @@ def build_failing_model() -> torch.nn.Module:
 
 def build_slow_model() -> torch.nn.Module:
     return SlowDemo()
+
+
+def build_gated_model() -> torch.nn.Module:
+    return GatedDemo()

@@ -1,0 +1,417 @@
+"""Batcher benchmark (not a test): the same model, on this machine, in one run:
+
+(a) direct batched torch at batch sizes 1, 8, 32, 128 (the physical limit);
+(b) this batcher's KServe ModelInfer (batcher in its own process) with 1, 32, 128 concurrent
+    single-item tritonclient.grpc.aio clients;
+(c) Triton's own dynamic batcher (PyTriton, its own process): same model, max batch size,
+    queue delay, client and concurrencies;
+(d) a trivial unary grpc.aio call (1 KB in, 2 bytes out) at the same concurrencies: the ceiling
+    per-request RPC overhead puts on a Python server here.
+
+Models: an MLP 512->2048->2048->512 FP32 and minilm-l6 on texts of mixed length. Each figure is
+the median of --runs windows (min-max alongside). Writes bench/results/batcher.md and .png.
+
+    .venv/bin/python bench/batcher_bench.py [--window 2] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.batcher_servers import ECHO_METHOD, free_port  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+CONCURRENCY = (1, 32, 128)
+BATCH_SIZES = (1, 8, 32, 128)
+MODELS = {"mlp": (128, 2.0), "minilm": (64, 5.0)}  # max batch size, max queue delay (ms)
+
+WORDS = [
+    "the",
+    "batcher",
+    "packs",
+    "queued",
+    "jobs",
+    "into",
+    "batches",
+    "so",
+    "that",
+    "one",
+    "model",
+    "call",
+    "serves",
+    "many",
+    "callers",
+    "while",
+    "latency",
+    "stays",
+    "low",
+    "and",
+    "padding",
+    "waste",
+    "stays",
+    "small",
+    "across",
+    "length",
+    "buckets",
+    "on",
+    "a",
+    "small",
+    "machine",
+]
+
+
+def make_texts(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.choice((4, 8, 16, 32, 64)))) for _ in range(count)]
+
+
+@dataclass
+class Window:
+    rate: float
+    p50_ms: float
+    p99_ms: float
+
+
+@dataclass
+class Row:
+    model: str
+    setup: str
+    concurrency: int
+    windows: list[Window] = field(default_factory=list)
+    mean_batch: float | None = None
+
+    def median(self, attr: str) -> float:
+        return statistics.median(getattr(w, attr) for w in self.windows)
+
+    def span(self, attr: str) -> tuple[float, float]:
+        values = [getattr(w, attr) for w in self.windows]
+        return min(values), max(values)
+
+
+# --- (a) direct torch ------------------------------------------------------------------------
+
+
+def direct(model: str, batch_size: int, window_s: float) -> Window:
+    import torch
+
+    if model == "mlp":
+        from bench.batcher_models import build_mlp
+
+        mlp = build_mlp()
+        x = torch.randn(batch_size, 512)
+
+        def step() -> None:
+            with torch.inference_mode():
+                mlp(x)
+    else:
+        from asyncinfer.config import BatcherConfig
+        from bench.batcher_models import minilm_config
+        from services.batcher.backends import load_backend
+
+        backend = load_backend(minilm_config(128, 5.0), BatcherConfig())
+        texts = np.array([t.encode() for t in make_texts(batch_size, seed=batch_size)], dtype=np.object_)
+
+        def step() -> None:
+            backend.infer_batch({"text": texts})
+
+    step()
+    latencies = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < window_s:
+        t0 = time.perf_counter()
+        step()
+        latencies.append(time.perf_counter() - t0)
+    elapsed = time.perf_counter() - start
+    return Window(len(latencies) * batch_size / elapsed, _pct(latencies, 50), _pct(latencies, 99))
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1000 if values else float("nan")
+
+
+# --- servers ---------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.log = RESULTS / f".{args[0]}-{self.port}.log"
+        argv = [sys.executable, str(ROOT / "bench" / "batcher_servers.py"), args[0], str(self.port), *args[1:]]
+        with self.log.open("wb") as out:
+            self.process = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=ROOT
+            )
+        deadline = time.monotonic() + 120
+        while b"READY" not in self.log.read_bytes():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{args} did not start: {self.log.read_bytes()[-2000:].decode(errors='replace')}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.unlink(missing_ok=True)
+
+
+async def drive(call: Any, concurrency: int, window_s: float, warmup_s: float = 0.5) -> Window:
+    latencies: list[float] = []
+    measuring = False
+    stop_at = time.perf_counter() + warmup_s + window_s
+
+    async def client(index: int) -> None:
+        while (now := time.perf_counter()) < stop_at:
+            await call(index)
+            if measuring:
+                latencies.append(time.perf_counter() - now)
+
+    async def clock() -> float:
+        nonlocal measuring
+        await asyncio.sleep(warmup_s)
+        measuring = True
+        started = time.perf_counter()
+        await asyncio.sleep(window_s)
+        measuring = False
+        return time.perf_counter() - started
+
+    results = await asyncio.gather(clock(), *(client(i) for i in range(concurrency)))
+    elapsed = results[0]
+    return Window(len(latencies) / elapsed, _pct(latencies, 50), _pct(latencies, 99))
+
+
+def infer_call(client: Any, model: str, remote_name: str, triton_shape: bool) -> Any:
+    import tritonclient.grpc.aio as triton
+
+    if model == "mlp":
+        rng = np.random.default_rng(0)
+        payloads = [rng.standard_normal((1, 512), dtype=np.float32) for _ in range(64)]
+        name, datatype = "x", "FP32"
+        output = "y"
+    else:
+        texts = make_texts(256, seed=7)
+        shape = (1, 1) if triton_shape else (1,)
+        payloads = [np.array([t.encode()], dtype=np.object_).reshape(shape) for t in texts]
+        name, datatype = "text", "BYTES"
+        output = "embedding"
+    inputs = []
+    for payload in payloads:
+        infer_input = triton.InferInput(name, list(payload.shape), datatype)
+        infer_input.set_data_from_numpy(payload)
+        inputs.append(infer_input)
+    wanted = [triton.InferRequestedOutput(output)]
+    counter = [0]
+
+    async def call(_index: int) -> None:
+        counter[0] += 1
+        result = await client.infer(remote_name, [inputs[counter[0] % len(inputs)]], outputs=wanted)
+        assert result.as_numpy(output) is not None
+
+    return call
+
+
+async def measure_server(
+    url: str,
+    model: str,
+    remote_name: str,
+    triton_shape: bool,
+    runs: int,
+    window_s: float,
+    setup: str,
+    metrics_port: int = 0,
+) -> list[Row]:
+    import tritonclient.grpc.aio as triton
+
+    rows = []
+    client = triton.InferenceServerClient(url)
+    try:
+        call = infer_call(client, model, remote_name, triton_shape)
+        for concurrency in CONCURRENCY:
+            row = Row(model, setup, concurrency)
+            before = batch_totals(metrics_port, remote_name) if metrics_port else (0.0, 0.0)
+            for _ in range(runs):
+                row.windows.append(await drive(call, concurrency, window_s))
+            if metrics_port:
+                after = batch_totals(metrics_port, remote_name)
+                row.mean_batch = (after[0] - before[0]) / max(after[1] - before[1], 1.0)
+            rows.append(row)
+            print(
+                f"  {setup:8} {model:6} c={concurrency:<4} {row.median('rate'):8.0f}/s p99 {row.median('p99_ms'):6.1f} ms",
+                flush=True,
+            )
+    finally:
+        await client.close()
+    return rows
+
+
+async def measure_echo(url: str, runs: int, window_s: float) -> list[Row]:
+    import grpc
+
+    rows = []
+    async with grpc.aio.insecure_channel(url) as channel:
+        method = channel.unary_unary(ECHO_METHOD)
+        payload = os.urandom(1024)
+
+        async def call(_index: int) -> None:
+            await method(payload)
+
+        for concurrency in CONCURRENCY:
+            row = Row("-", "grpc-echo", concurrency)
+            for _ in range(runs):
+                row.windows.append(await drive(call, concurrency, window_s))
+            rows.append(row)
+            print(
+                f"  echo c={concurrency:<4} {row.median('rate'):8.0f}/s p99 {row.median('p99_ms'):6.1f} ms", flush=True
+            )
+    return rows
+
+
+def batch_totals(metrics_port: int, model_name: str) -> tuple[float, float]:
+    """The batcher's (rows, batches) so far, from its Prometheus metrics."""
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    values = {"sum": 0.0, "count": 0.0}
+    for line in body.splitlines():
+        for key in values:
+            if line.startswith(f'asyncinfer_batch_size_{key}{{model="{model_name}"}}'):
+                values[key] = float(line.split()[-1])
+    return values["sum"], values["count"]
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def write_report(rows: list[Row], window_s: float, runs: int) -> None:
+    lines = [
+        "# Batcher benchmark",
+        "",
+        f"Machine: {os.cpu_count()} CPUs; windows of {window_s:g} s after 0.5 s warm-up; median of {runs} runs "
+        "(min-max). Clients: tritonclient.grpc.aio, one channel, N concurrent single-item requests, in the "
+        "bench process; servers in their own processes. Max batch / queue delay: MLP 128 / 2 ms, "
+        "minilm 64 / 5 ms (the batcher also caps minilm batches at 4096 tokens).",
+        "",
+        "| model | setup | concurrency / batch | items/s (min-max) | p50 ms | p99 ms | mean batch |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lo, hi = row.span("rate")
+        batch = f"{row.mean_batch:.1f}" if row.mean_batch else ""
+        lines.append(
+            f"| {row.model} | {row.setup} | {row.concurrency} | {row.median('rate'):,.0f} ({lo:,.0f}-{hi:,.0f}) | "
+            f"{row.median('p50_ms'):.2f} | {row.median('p99_ms'):.2f} | {batch} |"
+        )
+    (RESULTS / "batcher.md").write_text("\n".join(lines) + "\n")
+    plot(rows)
+
+
+def plot(rows: list[Row]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for col, model in enumerate(MODELS):
+        rate_ax, p99_ax = axes[0][col], axes[1][col]
+        for setup in ("batcher", "triton", "grpc-echo"):
+            series = [r for r in rows if r.setup == setup and r.model in (model, "-")]
+            if not series:
+                continue
+            xs = [r.concurrency for r in series]
+            rate_ax.plot(xs, [r.median("rate") for r in series], marker="o", label=setup)
+            if setup != "grpc-echo":
+                p99_ax.plot(xs, [r.median("p99_ms") for r in series], marker="o", label=setup)
+        for r in rows:
+            if r.model == model and r.setup == "direct":
+                rate_ax.axhline(r.median("rate"), linestyle=":", color="grey", linewidth=0.8)
+                rate_ax.annotate(f"torch b={r.concurrency}", (CONCURRENCY[0], r.median("rate")), fontsize=7)
+        rate_ax.set(
+            title=f"{model}: throughput", xscale="log", yscale="log", xlabel="concurrent clients", ylabel="items/s"
+        )
+        p99_ax.set(title=f"{model}: p99 latency", xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms")
+        rate_ax.legend(fontsize=8)
+        p99_ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "batcher.png", dpi=110)
+
+
+async def main_async(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    echo = Server(["echo"])
+    try:
+        print("(d) trivial unary grpc.aio", flush=True)
+        rows += await measure_echo(f"127.0.0.1:{echo.port}", args.runs, args.window)
+    finally:
+        echo.stop()
+    triton_env = {**os.environ, "LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
+    for model, (max_batch, delay_ms) in MODELS.items():
+        print(f"(a) direct torch {model}", flush=True)
+        for size in BATCH_SIZES:
+            row = Row(model, "direct", size, [direct(model, size, args.window) for _ in range(args.runs)])
+            rows.append(row)
+            print(f"  direct {model} b={size:<4} {row.median('rate'):8.0f}/s", flush=True)
+        metrics_port = free_port()
+        batcher = Server(["batcher", model, str(max_batch), str(delay_ms), str(metrics_port)])
+        try:
+            print(f"(b) batcher {model}", flush=True)
+            rows += await measure_server(
+                f"127.0.0.1:{batcher.port}",
+                model,
+                batcher_name(model),
+                False,
+                args.runs,
+                args.window,
+                "batcher",
+                metrics_port,
+            )
+        finally:
+            batcher.stop()
+        triton = Server(["pytriton", model, str(max_batch), str(delay_ms)], env=triton_env)
+        try:
+            print(f"(c) triton {model}", flush=True)
+            rows += await measure_server(
+                f"127.0.0.1:{triton.port}", model, model, model == "minilm", args.runs, args.window, "triton"
+            )
+        finally:
+            triton.stop()
+    return rows
+
+
+def batcher_name(model: str) -> str:
+    return "mlp" if model == "mlp" else "minilm-l6"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--window", type=float, default=2.0, help="seconds measured per run")
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    rows = asyncio.run(main_async(args))
+    write_report(rows, args.window, args.runs)
+    print(f"wrote {RESULTS / 'batcher.md'} and batcher.png in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The benchmark's models, built the same way in every process (fixed seed)."""
+
+from __future__ import annotations
+
+import torch
+
+from asyncinfer.config import ModelConfig, TensorSpecConfig
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(512, 2048),
+            torch.nn.ReLU(),
+            torch.nn.Linear(2048, 2048),
+            torch.nn.ReLU(),
+            torch.nn.Linear(2048, 512),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+def build_mlp() -> torch.nn.Module:
+    return MLP().eval()
+
+
+def mlp_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
+    return ModelConfig(
+        name="mlp",
+        loader="bench.batcher_models:build_mlp",
+        max_batch_size=max_batch_size,
+        max_queue_delay_ms=delay_ms,
+        max_queue_size=1024,
+        inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 512)),),
+        outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, 512)),),
+    )
+
+
+def minilm_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
+    from services.batcher.backends.minilm import MINILM_MODEL
+
+    return MINILM_MODEL.model_copy(
+        update={"max_batch_size": max_batch_size, "max_queue_delay_ms": delay_ms, "max_queue_size": 1024}
+    )

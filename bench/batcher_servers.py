@@ -1,0 +1,164 @@
+"""Servers for the batcher benchmark and tests, each run as its own process:
+
+    python bench/batcher_servers.py batcher  PORT MODEL MAX_BATCH DELAY_MS
+    python bench/batcher_servers.py pytriton PORT MODEL MAX_BATCH DELAY_MS   (needs LD_LIBRARY_PATH=libpython's dir)
+    python bench/batcher_servers.py echo     PORT                            (a trivial unary grpc.aio call)
+
+MODEL is mlp, minilm or affine (y = 2x + 1 on FP32 [-1, 4]; for tests: a batch holding -1 fails).
+Both print "READY" on stdout once serving, and stop on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+AFFINE_FAILURE = "affine refuses -1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+ECHO_METHOD = "/bench.Echo/Call"
+
+
+def serve_echo(port: int) -> None:
+    import grpc
+
+    async def call(request: bytes, context: object) -> bytes:
+        return b"ok"
+
+    async def main() -> None:
+        handler = grpc.method_handlers_generic_handler(
+            "bench.Echo", {"Call": grpc.unary_unary_rpc_method_handler(call)}
+        )
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((handler,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print("READY", flush=True)
+        await stop.wait()
+        await server.stop(0)
+
+    asyncio.run(main())
+
+
+def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metrics_port: int = 0) -> None:
+    from asyncinfer.config import Config
+    from bench.batcher_models import minilm_config, mlp_config
+    from services.batcher.app import BatcherApp
+
+    config = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
+    app_config = Config().replace(
+        batcher={"port": port, "metrics_port": metrics_port, "scheduler_address": None},
+        logging={"level": "warning"},
+        models=[config],
+    )
+
+    async def main() -> None:
+        app = BatcherApp(app_config)
+        await app.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print("READY", flush=True)
+        await stop.wait()
+        await app.stop(grace_s=1.0)
+
+    asyncio.run(main())
+
+
+def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> None:
+    import torch
+    from pytriton.decorators import batch
+    from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+    from pytriton.triton import Triton, TritonConfig
+
+    if model == "affine":
+
+        @batch  # type: ignore[misc]
+        def infer(x: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+            if bool((x == -1).any()):
+                raise ValueError(AFFINE_FAILURE)
+            return {"y": (2 * x + 1).astype(np.float32)}
+
+        inputs = [Tensor(name="x", dtype=np.float32, shape=(4,))]
+        outputs = [Tensor(name="y", dtype=np.float32, shape=(4,))]
+    elif model == "mlp":
+        from bench.batcher_models import build_mlp
+
+        mlp = build_mlp()
+
+        @batch  # type: ignore[misc]
+        def infer(x: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+            with torch.inference_mode():
+                return {"y": mlp(torch.from_numpy(x)).numpy()}
+
+        inputs = [Tensor(name="x", dtype=np.float32, shape=(512,))]
+        outputs = [Tensor(name="y", dtype=np.float32, shape=(512,))]
+    else:
+        from asyncinfer.config import BatcherConfig
+        from bench.batcher_models import minilm_config
+        from services.batcher.backends import load_backend
+
+        backend = load_backend(minilm_config(max_batch, delay_ms), BatcherConfig())
+
+        @batch  # type: ignore[misc]
+        def infer(text: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+            return backend.infer_batch({"text": text.reshape(-1)})
+
+        inputs = [Tensor(name="text", dtype=np.bytes_, shape=(1,))]
+        outputs = [Tensor(name="embedding", dtype=np.float32, shape=(384,))]
+
+    config = TritonConfig(grpc_port=port, http_port=free_port(), metrics_port=free_port(), log_verbose=0)
+    with Triton(config=config) as triton:
+        triton.bind(
+            model_name=model,
+            infer_func=infer,
+            inputs=inputs,
+            outputs=outputs,
+            config=ModelConfig(
+                max_batch_size=max_batch,
+                batcher=DynamicBatcher(max_queue_delay_microseconds=int(delay_ms * 1000)),
+            ),
+        )
+        triton.run()
+        print("READY", flush=True)
+        stop = False
+
+        def handle(_sig: int, _frame: object) -> None:
+            nonlocal stop
+            stop = True
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+        while not stop:
+            signal.pause()
+
+
+if __name__ == "__main__":
+    kind, port = sys.argv[1:3]
+    if kind == "echo":
+        serve_echo(int(port))
+    elif kind == "batcher":
+        model, max_batch, delay_ms, metrics_port = sys.argv[3:7]
+        serve_batcher(int(port), model, int(max_batch), float(delay_ms), int(metrics_port))
+    else:
+        model, max_batch, delay_ms = sys.argv[3:6]
+        serve_pytriton(int(port), model, int(max_batch), float(delay_ms))

@@ -1,0 +1,141 @@
+"""The Triton backend against a real Triton Inference Server (PyTriton's, started once for this
+module in its own process): start-up checks, batches forwarded, Triton errors mapped to items."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
+from asyncinfer.errors import DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
+from asyncinfer.tensors import Tensor
+from services.batcher.app import BatcherApp
+from services.batcher.backends.triton_backend import map_triton_error
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVERS = ROOT / "bench" / "batcher_servers.py"
+START_TIMEOUT_S = 90.0
+AFFINE_FAILURE = "affine refuses -1"
+
+
+@pytest.fixture(scope="module")
+def triton_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    sys.path.insert(0, str(ROOT))
+    from bench.batcher_servers import free_port
+
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("pytriton") / "server.log"
+    env = {**os.environ, "LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, str(SERVERS), "pytriton", str(port), "affine", "8", "20"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # tritonserver is its child: stop the whole group
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while b"READY" not in log_path.read_bytes():
+            if process.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_bytes()[-3000:].decode(errors="replace")
+                pytest.fail(f"PyTriton did not start (exit {process.returncode}):\n{tail}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        _stop_group(process)
+
+
+def _stop_group(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
+
+
+def remote(url: str, **overrides: object) -> ModelConfig:
+    return DEMO_MODEL.model_copy(
+        update={
+            "name": "remote",
+            "backend": "triton",
+            "loader": "",
+            "triton_url": url,
+            "triton_model_name": "affine",
+            "max_batch_size": 8,
+            "max_queue_delay_ms": 5.0,
+            **overrides,
+        }
+    )
+
+
+@pytest.fixture
+async def app(triton_url: str) -> AsyncIterator[BatcherApp]:
+    config = Config().replace(
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+        models=[
+            remote(triton_url),
+            remote(triton_url, name="misfit", inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 5)),)),
+            remote(triton_url, name="absent", triton_model_name="nothing-here"),
+        ],
+    )
+    batcher = BatcherApp(config)
+    await batcher.start()
+    try:
+        yield batcher
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+def x(value: float, count: int = 1) -> list[Tensor]:
+    return [Tensor.from_numpy("x", np.full((count, 4), value, dtype=np.float32))]
+
+
+async def test_batches_are_forwarded_and_split(app: BatcherApp) -> None:
+    values = [float(v) for v in range(12)]
+    outcomes = await asyncio.gather(*(app.engine.infer("remote", x(v, count=1 + int(v) % 2)) for v in values))
+    for value, outcome in zip(values, outcomes, strict=True):
+        (y,) = outcome.outputs
+        np.testing.assert_array_equal(y.to_numpy(), np.full((1 + int(value) % 2, 4), 2 * value + 1))
+    assert max(o.batch_items for o in outcomes) > 1
+    assert all(o.batch_size <= 8 for o in outcomes)
+
+
+async def test_start_up_checks_readiness_and_metadata(app: BatcherApp) -> None:
+    assert set(app.load_failures) == {"misfit", "absent"}
+    assert "shape" in app.load_failures["misfit"]
+    assert "not ready" in app.load_failures["absent"] or "unknown" in app.load_failures["absent"]
+    assert app.engine.model_names == ["remote"]
+
+
+async def test_triton_errors_fail_that_batch_with_its_message(app: BatcherApp) -> None:
+    with pytest.raises(ModelError, match=AFFINE_FAILURE):
+        await app.engine.infer("remote", x(-1.0))
+    outcome = await app.engine.infer("remote", x(1.0))
+    assert outcome.outputs[0].to_numpy()[0, 0] == 3.0
+
+
+def test_triton_status_codes_map_to_item_errors() -> None:
+    def mapped(status: str) -> object:
+        return map_triton_error("m", InferenceServerException("boom", status=status))
+
+    assert isinstance(mapped("StatusCode.UNAVAILABLE"), Unavailable)
+    assert isinstance(mapped("StatusCode.NOT_FOUND"), Unavailable)
+    assert isinstance(mapped("StatusCode.DEADLINE_EXCEEDED"), DeadlineExceeded)
+    assert isinstance(mapped("StatusCode.RESOURCE_EXHAUSTED"), ResourceExhausted)
+    error = mapped("StatusCode.INTERNAL")
+    assert isinstance(error, ModelError)
+    assert "boom" in error.message
