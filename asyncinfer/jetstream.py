@@ -5,13 +5,17 @@ order; the scheduler owns the consumers.
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import nats
+import nats.errors
 import structlog
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
@@ -21,6 +25,65 @@ from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority
 log = structlog.get_logger("asyncinfer.nats")
 
 INITIAL_CONNECT_ATTEMPTS = 3
+T = TypeVar("T")
+
+# What a JetStream request raises while a stream has no leader (an election after a node died, a
+# cluster still forming) or while the client reconnects to another node: worth trying again.
+TRANSIENT_JS_ERRORS: tuple[type[BaseException], ...] = (
+    asyncio.TimeoutError,  # nats.errors.TimeoutError is one
+    NoStreamResponseError,
+    nats.errors.NoRespondersError,
+    ServiceUnavailableError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.StaleConnectionError,
+)
+# One attempt of a retried JetStream request; leader elections take a few seconds, so several
+# short attempts beat one long one.
+ATTEMPT_TIMEOUT_S = 2.0
+RETRY_FIRST_DELAY_S = 0.05
+RETRY_MAX_DELAY_S = 1.0
+
+
+async def retry_transient(operation: Callable[[float], Awaitable[T]], *, retry_for_s: float, what: str) -> T:
+    """operation(attempt_timeout_s), tried again on transient JetStream errors until retry_for_s
+    has passed; the last error is raised. Only for idempotent operations (a publish with a
+    Nats-Msg-Id, a read, a declaration)."""
+    give_up_at = time.monotonic() + retry_for_s
+    delay = RETRY_FIRST_DELAY_S
+    attempt = 1
+    while True:
+        remaining = give_up_at - time.monotonic()
+        try:
+            return await operation(max(min(ATTEMPT_TIMEOUT_S, remaining), 0.1))
+        except TRANSIENT_JS_ERRORS as exc:
+            if time.monotonic() + delay >= give_up_at:
+                raise
+            log.info("nats_retrying", what=what, attempt=attempt, error=repr(exc))
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, RETRY_MAX_DELAY_S)
+        attempt += 1
+
+
+async def publish_durably(
+    js: JetStreamContext,
+    subject: str,
+    payload: bytes,
+    *,
+    stream: str,
+    msg_id: str,
+    retry_for_s: float,
+    headers: dict[str, str] | None = None,
+) -> api.PubAck:
+    """A JetStream publish that survives leader elections: retried with the same Nats-Msg-Id, so
+    an attempt that was stored but whose ack was lost is dropped as a duplicate by the stream
+    (within its duplicate window) and the retry still gets an ack."""
+
+    async def attempt(timeout_s: float) -> api.PubAck:
+        return await js.publish(
+            subject, payload, timeout=timeout_s, stream=stream, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
+        )
+
+    return await retry_transient(attempt, retry_for_s=retry_for_s, what=f"publish {subject}")
 
 
 async def connect(config: NatsConfig, *, name: str) -> NatsClient:
@@ -72,29 +135,38 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
         discard=api.DiscardPolicy.NEW,
         allow_msg_ttl=True,
     )
-    try:
-        await js.stream_info(config.work_stream)
-    except NotFoundError:
-        await js.add_stream(stream)
-        log.info("stream_created", stream=config.work_stream)
+
+    async def declare(_: float) -> None:
+        try:
+            await js.stream_info(config.work_stream)
+        except NotFoundError:
+            await js.add_stream(stream)
+            log.info("stream_created", stream=config.work_stream)
+
+    # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
+    await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the work stream")
 
 
 async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
     """The KV bucket of job records. Direct gets are off: a record read right after a write must
     see the write (followers may lag), and compare-and-set needs the latest revision."""
-    try:
-        return await js.key_value(config.jobs_bucket)
-    except BucketNotFoundError:
-        kv = await js.create_key_value(
-            bucket=config.jobs_bucket,
-            description="asyncinfer job records, keyed <tenant>.<job_id>",
-            history=1,
-            storage=api.StorageType.FILE,
-            replicas=config.replicas,
-            direct=False,
-        )
-        log.info("bucket_created", bucket=config.jobs_bucket)
-        return kv
+
+    async def declare(_: float) -> KeyValue:
+        try:
+            return await js.key_value(config.jobs_bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                bucket=config.jobs_bucket,
+                description="asyncinfer job records, keyed <tenant>.<job_id>",
+                history=1,
+                storage=api.StorageType.FILE,
+                replicas=config.replicas,
+                direct=False,
+            )
+            log.info("bucket_created", bucket=config.jobs_bucket)
+            return kv
+
+    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the jobs bucket")
 
 
 def work_consumer_name(model_name: str, priority: Priority) -> str:

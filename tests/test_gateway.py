@@ -379,7 +379,7 @@ async def test_unknown_model_is_not_found_and_names_the_models(
     assert reason == "MODEL_NOT_FOUND"
     assert await work_messages(js) == 0
     rejected = gateway.registry.get_sample_value(
-        "asyncinfer_submit_rejected_total", {"model": "unknown", "code": "NOT_FOUND"}
+        "asyncinfer_submit_rejected_total", {"model": "unknown", "code": "NOT_FOUND", "reason": "MODEL_NOT_FOUND"}
     )
     assert rejected == 1
 
@@ -448,19 +448,61 @@ async def test_jobs_are_tenant_scoped(config: Config, nats_server: Any) -> None:
         await app.stop()
 
 
-async def test_publish_failure_marks_the_job_failed(stub: JobStub, js: JetStreamContext, kv: KeyValue) -> None:
+async def test_publish_failure_marks_the_job_failed(config: Config, js: JetStreamContext) -> None:
+    app = await start_gateway(config.replace(gateway={"enqueue_retry_s": 0.5}))
+    try:
+        kv = await js.key_value(config.nats.jobs_bucket)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            await js.delete_stream(WORK)
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await job_stub(channel).SubmitJob(submit_request())
+            assert time.monotonic() - started >= 0.2  # it was retried within enqueue_retry_s first
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        reason, _ = violations_of(info.value)
+        assert reason == "ENQUEUE_FAILED"
+        (key,) = await kv.keys()
+        record = await read_record(kv, key.split(".", 1)[1])
+        assert record.state is JobState.FAILED
+        assert record.error is not None
+        assert record.error.reason == "ENQUEUE_FAILED"
+        assert record.end_time is not None
+    finally:
+        await app.stop()
+
+
+async def test_publish_is_retried_until_the_stream_answers(
+    stub: JobStub, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
+) -> None:
+    """What a leader election looks like from the gateway: no stream answers for a moment."""
+    stream = await js.stream_info(WORK)
     await js.delete_stream(WORK)
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.SubmitJob(submit_request())
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    reason, _ = violations_of(info.value)
-    assert reason == "ENQUEUE_FAILED"
+    submit = asyncio.ensure_future(stub.SubmitJob(submit_request()))
+    await asyncio.sleep(0.3)  # the publish is failing meanwhile (no responders), and retried
+    assert not submit.done()
+    await js.add_stream(stream.config)
+    job = (await submit).job
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    assert (await read_record(kv, job.job_id)).state is JobState.QUEUED
+    assert await work_messages(js) == 1
+
+
+async def test_a_submit_whose_caller_left_is_seen_through(
+    stub: JobStub, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp
+) -> None:
+    """A caller that gives up mid-publish must not leave a QUEUED record without a work message."""
+    stream = await js.stream_info(WORK)
+    await js.delete_stream(WORK)
+    call = stub.SubmitJob(submit_request())
+    await asyncio.sleep(0.3)  # the record is written; the publish is being retried
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await js.add_stream(stream.config)
+    await gateway.stop(grace_s=1)  # waits for the orphaned submit to finish
     (key,) = await kv.keys()
-    record = await read_record(kv, key.split(".", 1)[1])
-    assert record.state is JobState.FAILED
-    assert record.error is not None
-    assert record.error.reason == "ENQUEUE_FAILED"
-    assert record.end_time is not None
+    assert (await read_record(kv, key.split(".", 1)[1])).state is JobState.QUEUED
+    assert await work_messages(js) == 1
 
 
 async def test_health_reflection_and_metrics(channel: grpc.aio.Channel, gateway: GatewayApp, stub: Any) -> None:

@@ -1,5 +1,5 @@
-"""The gateway process: NATS connection, stream and bucket declarations, the watch hub, the public
-JobService and the metrics endpoint, started and stopped in order."""
+"""The gateway process: NATS connection, stream and bucket declarations, the queue view, the watch
+hub, the public JobService and the metrics endpoint, started and stopped in order."""
 
 from __future__ import annotations
 
@@ -12,10 +12,14 @@ from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.v1 import job_service_pb2_grpc
+from services.gateway.admission import Admission
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter
+from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
@@ -35,6 +39,8 @@ class GatewayApp:
         self._metrics_server = MetricsServer(self.registry, config.gateway.host, config.gateway.metrics_port)
         self._nc: NatsClient | None = None
         self._hub: WatchHub | None = None
+        self._queues: QueueView | None = None
+        self._submitter: JobSubmitter | None = None
         self._server: GrpcServer | None = None
         self._started = False
         self._stopped = False
@@ -46,6 +52,12 @@ class GatewayApp:
         if self._hub is None:
             raise RuntimeError("the gateway is not started")
         return self._hub
+
+    @property
+    def queue_view(self) -> QueueView:
+        if self._queues is None:
+            raise RuntimeError("the gateway is not started")
+        return self._queues
 
     async def start(self) -> None:
         if self._started:
@@ -63,14 +75,25 @@ class GatewayApp:
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
         records = JobStore(await ensure_jobs_bucket(js, cfg.nats))
-        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket)
+        queues_bucket = await ensure_queues_bucket(js, cfg.nats)
+        self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
+        await self._queues.start()
+        expiry = Expiry(
+            records, on_expired=lambda record: self.metrics.expired_on_read.labels(model=record.model_name).inc()
+        )
+        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry)
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
+        admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
+        self._submitter = JobSubmitter(cfg, records, js, admission)
         servicer = JobService(
             cfg,
-            submitter=JobSubmitter(cfg, records, js),
+            submitter=self._submitter,
             records=records,
             hub=self._hub,
+            queues=self._queues,
+            expiry=expiry,
+            nc=self._nc,
             metrics=self.metrics,
         )
         self._server = GrpcServer(
@@ -97,6 +120,10 @@ class GatewayApp:
             await self._hub.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._submitter is not None:
+            await self._submitter.drain()  # submits whose callers left, each bounded
+        if self._queues is not None:
+            await self._queues.stop()
         self._metrics_server.stop()
         if self._nc is not None and not self._nc.is_closed:
             try:

@@ -8,6 +8,7 @@ from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, Priority
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
+from services.gateway.queue_view import QueueStanding
 from services.gateway.submit import SubmitRequest
 
 _PRIORITY_FROM_PROTO: dict[int, Priority] = {
@@ -95,7 +96,8 @@ def error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
     )
 
 
-def job_to_proto(record: JobRecord) -> job_pb2.Job:
+def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> job_pb2.Job:
+    """The Job message; `standing` (computed on read for a QUEUED job) fills `queue`."""
     job = job_pb2.Job(
         job_id=record.job_id,
         model_name=record.model_name,
@@ -141,6 +143,11 @@ def job_to_proto(record: JobRecord) -> job_pb2.Job:
         job.result_ref.CopyFrom(_blob_to_proto(record.result_ref))
     if record.input_ref is not None:
         job.input_ref.CopyFrom(_blob_to_proto(record.input_ref))
+    if standing is not None:
+        job.queue.position = standing.position
+        job.queue.waiting_reason = job_pb2.WaitingReason.Value(f"WAITING_REASON_{standing.waiting_reason}")
+        if standing.estimated_start_time is not None:
+            job.queue.estimated_start_time.CopyFrom(_timestamp(standing.estimated_start_time))
     if record.callback is not None:
         job.callback.CopyFrom(
             job_pb2.Callback(

@@ -9,17 +9,24 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import structlog
+from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unimplemented
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
-from asyncinfer.jobs import job_key
-from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc
+from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.gateway import transitions
 from services.gateway.convert import job_to_proto, submit_request_from_proto
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter, check_request_size
+from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
+
+log = structlog.get_logger("asyncinfer.gateway")
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -38,40 +45,59 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         submitter: JobSubmitter,
         records: JobStore,
         hub: WatchHub,
+        queues: QueueView,
+        expiry: Expiry,
+        nc: NatsClient,
         metrics: GatewayMetrics,
     ) -> None:
         self._config = config
         self._submitter = submitter
         self._records = records
         self._hub = hub
+        self._queues = queues
+        self._expiry = expiry
+        self._nc = nc
         self._metrics = metrics
+
+    def _model_label(self, model_name: str) -> str:
+        # Unknown names would otherwise let callers mint label values without bound.
+        return model_name if self._config.model(model_name) else "unknown"
+
+    def _job(self, record: JobRecord) -> job_pb2.Job:
+        return job_to_proto(record, self._queues.standing(record))
+
+    async def _read(self, context: Context, job_id: str) -> JobRecord:
+        """The caller's job as it stands now (EXPIRED if its queue deadline passed)."""
+        # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
+        if not is_job_id(job_id):
+            raise job_not_found(job_id)
+        record = await self._records.get(job_key(resolve_tenant(context, self._config), job_id))
+        if record is not None:
+            record = await self._expiry.settle(record)
+        if record is None:
+            raise job_not_found(job_id)
+        return record
 
     async def SubmitJob(
         self, request: job_service_pb2.SubmitJobRequest, context: Context
     ) -> job_service_pb2.SubmitJobResponse:
         started = time.perf_counter()
-        # Unknown names would otherwise let callers mint label values without bound.
-        model_label = request.model_name if self._config.model(request.model_name) else "unknown"
+        model_label = self._model_label(request.model_name)
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
             submit = submit_request_from_proto(request, now=time.time())
             record = await self._submitter.submit(submit, tenant=resolve_tenant(context, self._config))
         except AsyncInferError as error:
-            self._metrics.submit_rejected.labels(model=model_label, code=error.code.name).inc()
+            self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
             raise
         finally:
             self._metrics.submit_seconds.observe(time.perf_counter() - started)
         self._metrics.jobs_submitted.labels(model=model_label, priority=record.priority.value).inc()
-        return job_service_pb2.SubmitJobResponse(job=job_to_proto(record))
+        return job_service_pb2.SubmitJobResponse(job=self._job(record))
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
-        # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
-        if not is_job_id(request.job_id):
-            raise job_not_found(request.job_id)
-        record = await self._records.get(job_key(resolve_tenant(context, self._config), request.job_id))
-        if record is None:
-            raise job_not_found(request.job_id)
-        return job_service_pb2.GetJobResponse(job=job_to_proto(record))
+        record = await self._read(context, request.job_id)
+        return job_service_pb2.GetJobResponse(job=self._job(record))
 
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
@@ -82,18 +108,33 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
         async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
             async for record in updates:
-                yield job_service_pb2.WatchJobResponse(job=job_to_proto(record))
+                yield job_service_pb2.WatchJobResponse(job=self._job(record))
+
+    async def CancelJob(
+        self, request: job_service_pb2.CancelJobRequest, context: Context
+    ) -> job_service_pb2.CancelJobResponse:
+        outcome = "INTERNAL"
+        model_label = "unknown"
+        try:
+            record = await self._read(context, request.job_id)
+            model_label = self._model_label(record.model_name)
+            record = await transitions.cancel(
+                self._records, self._nc, record, reason=request.reason, now=self._expiry.clock()
+            )
+            outcome = record.state.value
+        except AsyncInferError as error:
+            outcome = error.reason
+            raise
+        finally:
+            self._metrics.cancels.labels(model=model_label, outcome=outcome).inc()
+        log.info("job_cancel_requested", job_id=record.job_id, model=record.model_name, state=record.state.value)
+        return job_service_pb2.CancelJobResponse(job=self._job(record))
 
     async def SubmitJobs(
         self, request_iterator: AsyncIterator[job_service_pb2.SubmitJobsRequest], context: Context
     ) -> AsyncIterator[job_service_pb2.SubmitJobsResponse]:
         raise Unimplemented("SubmitJobs (bulk submission) comes with a later release; use SubmitJob")
         yield  # an async generator, as server-streaming methods must be
-
-    async def CancelJob(
-        self, request: job_service_pb2.CancelJobRequest, context: Context
-    ) -> job_service_pb2.CancelJobResponse:
-        raise Unimplemented("CancelJob comes with a later release")
 
     async def ListJobs(
         self, request: job_service_pb2.ListJobsRequest, context: Context

@@ -14,8 +14,21 @@ class GatewayMetrics:
         )
         self.submit_rejected = Counter(
             "asyncinfer_submit_rejected",
-            "SubmitJob calls refused, by status code.",
-            ["model", "code"],
+            "SubmitJob calls refused, by status code and reason (QUEUE_FULL, TENANT_QUOTA_EXCEEDED, ...).",
+            ["model", "code", "reason"],
+            registry=registry,
+        )
+        self.cancels = Counter(
+            "asyncinfer_cancels",
+            "CancelJob calls, by outcome: CANCELED (was queued), CANCELLING (was running), "
+            "JOB_ALREADY_FINISHED, JOB_NOT_FOUND, UNAVAILABLE.",
+            ["model", "outcome"],
+            registry=registry,
+        )
+        self.expired_on_read = Counter(
+            "asyncinfer_jobs_expired_on_read",
+            "Queued jobs found past their deadline by a read and marked EXPIRED by the gateway.",
+            ["model"],
             registry=registry,
         )
         self.submit_seconds = Histogram(

@@ -1,11 +1,18 @@
 """Accepting a job: validate the request against the configuration and the model's signature,
-store its record (QUEUED), then publish its work message. Acceptance means durably queued.
+admit it (model queue depth, tenant quota), store its record (QUEUED), then publish its work
+message. Acceptance means durably queued.
+
+Through a NATS leader election (a cluster node died) both writes are retried for
+`gateway.enqueue_retry_s` under the same job ID: the record's key is the job ID (a create that
+landed before its answer was lost is found on the next try) and the publish carries the job ID as
+Nats-Msg-Id (a publish that landed is dropped as a duplicate, and its retry still gets an ack).
 
 No protobuf here: the servicer converts `SubmitJobRequest` into a `SubmitRequest` first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,6 +24,7 @@ from nats.js import JetStreamContext
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
+from asyncinfer.jetstream import RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S, publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
     CallbackSpec,
@@ -29,6 +37,7 @@ from asyncinfer.jobs import (
     work_subject,
 )
 from asyncinfer.tensors import Tensor, validate_inputs
+from services.gateway.admission import Admission
 
 MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 63
@@ -140,25 +149,61 @@ def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> Mo
 
 
 class JobSubmitter:
-    """Validates, records and enqueues jobs."""
+    """Validates, admits, records and enqueues jobs."""
 
     def __init__(
         self,
         config: Config,
         records: JobStore,
         js: JetStreamContext,
+        admission: Admission,
         *,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
         self._records = records
         self._js = js
+        self._admission = admission
         self._clock = clock
+        self._tasks: set[asyncio.Task[JobRecord]] = set()
 
     async def submit(self, request: SubmitRequest, *, tenant: str) -> JobRecord:
-        """The new job's record (QUEUED, with its revision), once it is durably queued."""
+        """The new job's record (QUEUED, with its revision), once it is durably queued. Raises
+        ResourceExhausted past a limit (nothing queued), Unavailable when NATS fails.
+
+        Once admitted, a job is seen through even if the caller goes away: a submit cancelled
+        between the record and the publish would leave a QUEUED record with no work message, or
+        a tenant count never taken back. `drain` awaits those still running."""
         now = self._clock()
         model = validate_submit(request, self._config, now=now)
+        task = asyncio.create_task(self._admit_and_enqueue(request, model, tenant=tenant, now=now))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
+
+    async def drain(self) -> None:
+        """Waits for submits whose callers went away (each bounded by enqueue_retry_s)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _admit_and_enqueue(
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float
+    ) -> JobRecord:
+        slot = self._admission.reserve_model_slot(model)
+        try:
+            await self._admission.reserve_tenant_slot(tenant, model)
+        except BaseException:
+            self._admission.release_model_slot(model, slot)
+            raise
+        try:
+            return await self._enqueue(request, model, tenant=tenant, now=now)
+        except BaseException:
+            # Nothing was queued (the job is FAILED with ENQUEUE_FAILED, or has no record).
+            self._admission.release_model_slot(model, slot)
+            await self._admission.release_tenant_slot(tenant)
+            raise
+
+    async def _enqueue(self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float) -> JobRecord:
         record = JobRecord(
             job_id=new_job_id(),
             tenant=tenant,
@@ -176,7 +221,8 @@ class JobSubmitter:
             callback=request.callback,
         )
         bound = log.bind(job_id=record.job_id, model=record.model_name, tenant=tenant)
-        record = await self._records.create(record)
+        give_up_at = time.monotonic() + self._config.gateway.enqueue_retry_s
+        record = await self._create_record(record, give_up_at)
         envelope = WorkEnvelope(
             job_id=record.job_id,
             tenant=tenant,
@@ -190,11 +236,13 @@ class JobSubmitter:
             execution_timeout_s=record.execution_timeout_s,
         )
         try:
-            await self._js.publish(
+            await publish_durably(
+                self._js,
                 work_subject(record.model_name, record.priority),
                 encode_envelope(envelope),
                 stream=self._config.nats.work_stream,
-                headers={"Nats-Msg-Id": record.job_id},
+                msg_id=record.job_id,
+                retry_for_s=max(give_up_at - time.monotonic(), 0.0),
             )
         except NATS_FAILURES as exc:
             bound.warning("enqueue_failed", error=str(exc))
@@ -206,6 +254,25 @@ class JobSubmitter:
             ) from exc
         bound.info("job_submitted", priority=record.priority.value)
         return record
+
+    async def _create_record(self, record: JobRecord, give_up_at: float) -> JobRecord:
+        """Creates the record, retrying through NATS failures until give_up_at. A create whose
+        answer was lost may have landed: the key is this job's own, so a record found there is it."""
+        delay = RETRY_FIRST_DELAY_S
+        first = True
+        while True:
+            try:
+                if not first:
+                    existing = await self._records.get(record.key)
+                    if existing is not None:
+                        return existing
+                return await self._records.create(record)
+            except Unavailable:
+                if time.monotonic() + delay >= give_up_at:
+                    raise
+            first = False
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_DELAY_S)
 
     async def _mark_enqueue_failed(self, record: JobRecord, cause: BaseException) -> None:
         # The record exists but no work message does: without this it would stay QUEUED forever.

@@ -3,6 +3,8 @@ update subjects, dispatched to per-watcher queues, instead of one consumer per w
 
 A watch registers its queue before it reads the current record, so no change can fall between the
 read and the first queued update; revisions (the KV stream sequence) drop what was already sent.
+A watched QUEUED job with a deadline is expired by the watch itself when the deadline passes
+(`Expiry`), so the watcher sees EXPIRED on time even if no scheduler pulls the job.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from nats.js.kv import KV_MARKER_REASON, KV_OP
 
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
-from asyncinfer.jobs import JobRecord, decode_record, job_key
+from asyncinfer.jobs import JobRecord, JobState, decode_record, job_key
+from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.watch")
 
@@ -36,9 +39,10 @@ WatcherQueue = asyncio.Queue[RecordUpdate | None]
 
 
 class WatchHub:
-    def __init__(self, js: JetStreamContext, records: JobStore, *, bucket: str) -> None:
+    def __init__(self, js: JetStreamContext, records: JobStore, *, bucket: str, expiry: Expiry) -> None:
         self._js = js
         self._records = records
+        self._expiry = expiry
         self._bucket = bucket
         self._prefix = f"$KV.{bucket}."
         self._watchers: dict[str, set[WatcherQueue]] = {}
@@ -117,6 +121,8 @@ class WatchHub:
         queue = self._register(key)
         try:
             current = await self._records.get(key)
+            if current is not None:
+                current = await self._expiry.settle(current)
             if current is None:
                 raise job_not_found(job_id)
             if after_revision > current.revision:
@@ -127,10 +133,9 @@ class WatchHub:
             if current.revision > last_sent:
                 yield current
                 last_sent = current.revision
-            if current.state.is_terminal:
-                return
-            while True:
-                update = await queue.get()
+            latest = current
+            while not latest.state.is_terminal:
+                update = await self._next_update(queue, latest)
                 if update is _HUB_CLOSED:
                     raise Unavailable(
                         f"the gateway is shutting down; watch again with after_revision={last_sent}",
@@ -142,7 +147,19 @@ class WatchHub:
                     raise job_not_found(job_id)
                 yield update.record
                 last_sent = update.revision
-                if update.record.state.is_terminal:
-                    return
+                latest = update.record
         finally:
             self._unregister(key, queue)
+
+    async def _next_update(self, queue: WatcherQueue, latest: JobRecord) -> RecordUpdate | None:
+        """The next update from the feed; when a queued job's deadline comes first, the record
+        after expiring it (or what won instead)."""
+        if latest.state is not JobState.QUEUED or latest.deadline is None:
+            return await queue.get()
+        try:
+            async with asyncio.timeout(max(latest.deadline - self._expiry.clock(), 0.0)):
+                return await queue.get()
+        except TimeoutError:
+            pass
+        settled = await self._expiry.settle(latest)
+        return RecordUpdate(settled.revision if settled is not None else latest.revision + 1, settled)

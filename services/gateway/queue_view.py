@@ -1,0 +1,198 @@
+"""What the gateway knows of each model's queue: the scheduler's latest `QueueSnapshot` (kept
+current by a watch on the queues bucket, so no KV read happens per request), the `paused.<model>`
+keys, and the jobs this gateway queued since the snapshot was taken.
+
+From these it answers two questions: may another job join the queue (`estimated_depth` against
+max_queue_depth), and where does a queued job stand (`standing`: position, estimated start and
+waiting reason, computed on read and never stored).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.kv import KV_OP
+
+from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
+from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
+
+log = structlog.get_logger("asyncinfer.gateway.queues")
+
+PAUSED_PREFIX = "paused."
+
+
+class WaitingReason:
+    """Why a queued job has not started (the proto's WaitingReason names, without the prefix)."""
+
+    NO_WORKER = "NO_WORKER"
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
+    PAUSED = "PAUSED"
+    RETRY_BACKOFF = "RETRY_BACKOFF"
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStanding:
+    position: int  # jobs ahead of this one, 0-based
+    waiting_reason: str
+    estimated_start_time: float | None = None  # Unix seconds; None when no throughput is measured
+
+
+def is_fresh(snapshot: QueueSnapshot | None, now: float) -> bool:
+    return snapshot is not None and now - snapshot.updated_at <= SNAPSHOT_STALE_S
+
+
+def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> str:
+    """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
+    NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF (a
+    failed attempt is waiting out its delay), else WAITING_FOR_CAPACITY."""
+    if paused or (is_fresh(snapshot, now) and snapshot is not None and snapshot.paused):
+        return WaitingReason.PAUSED
+    if snapshot is None or not is_fresh(snapshot, now) or snapshot.connected_batchers == 0:
+        return WaitingReason.NO_WORKER
+    if record.attempt > 0 and record.last_error is not None:
+        return WaitingReason.RETRY_BACKOFF
+    return WaitingReason.WAITING_FOR_CAPACITY
+
+
+def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
+    """Every job queued at a higher priority, plus an estimate of those ahead within its own.
+
+    The snapshot has each priority's depth and its oldest job's create_time, not the jobs
+    themselves, so the estimate interpolates: the priority's jobs are taken as spread evenly
+    between the oldest one and the snapshot's time, and the job is ahead of the share created
+    after it. A job created after the snapshot is behind all of them; one older than the oldest
+    (a retried job) is first. Scheduling is weighted with aging, so this is the position under
+    strict priority, an upper bound for LOW and a close estimate for HIGH."""
+    if snapshot is None:
+        return 0
+    rank = PRIORITIES_BY_RANK.index(record.priority)
+    higher = sum(snapshot.depth(p) for p in PRIORITIES_BY_RANK[:rank])
+    own = snapshot.priorities.get(record.priority.value)
+    if own is None or own.depth == 0:
+        return higher
+    if record.create_time > snapshot.updated_at:
+        return higher + own.depth
+    oldest = own.oldest_create_time
+    if oldest is None or record.create_time <= oldest:
+        return higher
+    span = snapshot.updated_at - oldest
+    fraction = 1.0 if span <= 0 else (record.create_time - oldest) / span
+    # The job itself is one of the `depth`, so at most depth - 1 are ahead of it.
+    return higher + min(int(fraction * own.depth), own.depth - 1)
+
+
+def standing(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> QueueStanding:
+    reason = waiting_reason(record, snapshot, paused=paused, now=now)
+    position = jobs_ahead(record, snapshot if is_fresh(snapshot, now) else None)
+    estimate: float | None = None
+    rate = snapshot.completed_per_s if snapshot is not None else 0.0
+    if reason == WaitingReason.WAITING_FOR_CAPACITY and rate > 0:
+        estimate = now + position / rate
+    return QueueStanding(position=position, waiting_reason=reason, estimated_start_time=estimate)
+
+
+class QueueView:
+    """Snapshots and pauses per model, kept current by two ordered consumers on the queues
+    bucket: `$KV.<bucket>.*` (snapshot keys are the bare model names; the tenant counters, which
+    change with every submit, have two tokens and are not delivered) and `$KV.<bucket>.paused.*`."""
+
+    def __init__(self, js: JetStreamContext, *, bucket: str, clock: Callable[[], float] = time.time) -> None:
+        self._js = js
+        self._bucket = bucket
+        self._prefix = f"$KV.{bucket}."
+        self._clock = clock
+        self._snapshots: dict[str, QueueSnapshot] = {}
+        self._paused: set[str] = set()
+        # Per model: when this gateway queued each job not yet counted by a snapshot.
+        self._submitted: dict[str, collections.deque[float]] = {}
+        self._subscriptions: list[JetStreamContext.PushSubscription] = []
+
+    async def start(self) -> None:
+        for subject in (f"{self._prefix}*", f"{self._prefix}{PAUSED_PREFIX}*"):
+            self._subscriptions.append(
+                await self._js.subscribe(
+                    subject,
+                    stream=f"KV_{self._bucket}",
+                    cb=self._on_update,
+                    ordered_consumer=True,
+                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                )
+            )
+
+    async def stop(self) -> None:
+        subscriptions, self._subscriptions = self._subscriptions, []
+        for subscription in subscriptions:
+            try:
+                await subscription.unsubscribe()
+            except Exception as exc:  # the connection may already be gone; nothing is left to free
+                log.warning("queue_view_unsubscribe_failed", error=str(exc))
+
+    def snapshot(self, model_name: str) -> QueueSnapshot | None:
+        return self._snapshots.get(model_name)
+
+    def is_paused(self, model_name: str) -> bool:
+        return model_name in self._paused
+
+    async def _on_update(self, msg: Msg) -> None:
+        key = msg.subject.removeprefix(self._prefix)
+        deleted = KV_OP in (msg.headers or {})
+        if key.startswith(PAUSED_PREFIX):
+            model_name = key.removeprefix(PAUSED_PREFIX)
+            if deleted:
+                self._paused.discard(model_name)
+            else:
+                self._paused.add(model_name)
+            return
+        if deleted:
+            self._snapshots.pop(key, None)
+            return
+        try:
+            snapshot = decode_snapshot(msg.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("queue_snapshot_unreadable", model=key, error=str(exc))
+            return
+        self._snapshots[key] = snapshot
+        submitted = self._submitted.get(key)
+        # The snapshot counts what was queued before it was taken (clocks of the gateway and
+        # scheduler hosts are assumed close; a skew only shifts the estimate by its jobs).
+        while submitted and submitted[0] <= snapshot.updated_at:
+            submitted.popleft()
+
+    # --- admission ------------------------------------------------------------------------------
+
+    def estimated_depth(self, model_name: str) -> int:
+        """The model's queued jobs as last reported, plus those this gateway queued since. Other
+        gateways' recent jobs are missing until the next snapshot, so the limit is soft by
+        (gateways - 1) x (jobs per snapshot interval)."""
+        snapshot = self._snapshots.get(model_name)
+        reported = snapshot.total_depth if snapshot is not None else 0
+        return reported + len(self._submitted.get(model_name, ()))
+
+    def reserve(self, model_name: str) -> float:
+        """Counts a job this gateway is about to queue; returns the token for `release`."""
+        stamp = self._clock()
+        self._submitted.setdefault(model_name, collections.deque()).append(stamp)
+        return stamp
+
+    def release(self, model_name: str, stamp: float) -> None:
+        """Takes back a reservation whose job was not queued after all."""
+        submitted = self._submitted.get(model_name)
+        if submitted is not None and stamp in submitted:
+            submitted.remove(stamp)
+
+    def standing(self, record: JobRecord) -> QueueStanding | None:
+        if record.state is not JobState.QUEUED:
+            return None
+        return standing(
+            record,
+            self._snapshots.get(record.model_name),
+            paused=self.is_paused(record.model_name),
+            now=self._clock(),
+        )

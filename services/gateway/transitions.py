@@ -1,0 +1,145 @@
+"""The gateway's own writes to job records besides creating them: expiry on read, cancellation.
+
+Expiry on read: a QUEUED job whose deadline has passed is EXPIRED even if no scheduler has pulled
+it yet. Readers (GetJob, WatchJob, CancelJob) write the EXPIRED record themselves, so what they
+report is real and final; when another writer wins (the scheduler dispatched it just in time),
+they report what won. The scheduler also checks the deadline at dispatch, so an expired job never
+runs either way.
+
+Cancellation: a QUEUED job becomes CANCELED at once (the scheduler acks terminal jobs at dispatch,
+so it never runs). A RUNNING job becomes CANCELLING, and a CancelNotice on the model's cancel
+subject tells the scheduler that dispatched it to have its batcher drop it; the scheduler writes
+CANCELED (keeping the error written here) or, if the result was stored first, that state stands.
+Every write is a compare-and-set that re-decides on what won, so a cancel and a completion never
+both win, and the answer says which did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.errors import FailedPrecondition, Unavailable
+from asyncinfer.job_store import NATS_FAILURES, Decide, JobStore, job_not_found
+from asyncinfer.jobs import JobError, JobRecord, JobState
+from asyncinfer.queues import CancelNotice, cancel_subject
+
+log = structlog.get_logger("asyncinfer.gateway")
+
+EXPIRED_REASON = "QUEUE_DEADLINE_EXCEEDED"
+CANCELED_REASON = "CANCELED_BY_USER"
+ALREADY_FINISHED_REASON = "JOB_ALREADY_FINISHED"
+MAX_CANCEL_REASON_CHARS = 512
+
+
+async def transition(records: JobStore, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
+    """JobStore.transition, with NATS failures as Unavailable (a lost leader, a timeout)."""
+    try:
+        return await records.transition(record, decide)
+    except NATS_FAILURES as exc:
+        raise Unavailable(f"cannot update the job record: {exc}") from exc
+
+
+# --- expiry ---------------------------------------------------------------------------------------
+
+
+def is_overdue(record: JobRecord, now: float) -> bool:
+    return record.state is JobState.QUEUED and record.deadline is not None and record.deadline <= now
+
+
+def expired(record: JobRecord, now: float) -> JobRecord | None:
+    """The EXPIRED record to write, or None when the job is not overdue (any more)."""
+    if not is_overdue(record, now):
+        return None
+    error = JobError(
+        code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+        reason=EXPIRED_REASON,
+        message="the job's queue deadline passed before it started",
+    )
+    return record.evolve(state=JobState.EXPIRED, error=error, update_time=now, end_time=now)
+
+
+async def expire_if_overdue(records: JobStore, record: JobRecord, now: float) -> tuple[JobRecord | None, bool]:
+    """The record after expiring it if it is overdue (what won, if another writer was first;
+    None if the record is gone), and whether this call expired it; the record itself when it is
+    not overdue."""
+    if not is_overdue(record, now):
+        return record, False
+    return await transition(records, record, lambda current: expired(current, now))
+
+
+class Expiry:
+    """expire_if_overdue with the gateway's clock, telling `on_expired` about each job it expired."""
+
+    def __init__(
+        self,
+        records: JobStore,
+        *,
+        on_expired: Callable[[JobRecord], None] = lambda record: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._records = records
+        self._on_expired = on_expired
+        self.clock = clock
+
+    async def settle(self, record: JobRecord) -> JobRecord | None:
+        latest, wrote = await expire_if_overdue(self._records, record, self.clock())
+        if wrote and latest is not None:
+            log.info("job_expired_on_read", job_id=latest.job_id, model=latest.model_name, tenant=latest.tenant)
+            self._on_expired(latest)
+        return latest
+
+
+# --- cancellation ---------------------------------------------------------------------------------
+
+
+def _cancel_error(reason: str) -> JobError:
+    message = "canceled by the user"
+    if reason:
+        message += f": {reason[:MAX_CANCEL_REASON_CHARS]}"
+    return JobError(code=grpc.StatusCode.CANCELLED.value[0], reason=CANCELED_REASON, message=message)
+
+
+def canceled(record: JobRecord, *, reason: str, now: float) -> JobRecord | None:
+    """The record a cancel writes, or None when it writes nothing (already CANCELLING or terminal)."""
+    if is_overdue(record, now):
+        return expired(record, now)
+    if record.state is JobState.QUEUED:
+        return record.evolve(state=JobState.CANCELED, error=_cancel_error(reason), update_time=now, end_time=now)
+    if record.state is JobState.RUNNING:
+        return record.evolve(state=JobState.CANCELLING, error=_cancel_error(reason), update_time=now)
+    return None
+
+
+def already_finished(record: JobRecord) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"job {record.job_id} already finished ({record.state.value}); there is nothing to cancel",
+        reason=ALREADY_FINISHED_REASON,
+        metadata={"job_id": record.job_id, "state": record.state.value},
+    )
+
+
+async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason: str, now: float) -> JobRecord:
+    """The record after the cancel: CANCELED, or CANCELLING (the notice sent). FailedPrecondition
+    when the job already ended (or its deadline passed: it is EXPIRED now)."""
+    latest, wrote = await transition(records, record, lambda current: canceled(current, reason=reason, now=now))
+    if latest is None:
+        raise job_not_found(record.job_id)
+    if latest.state.is_terminal and not (wrote and latest.state is JobState.CANCELED):
+        # Ended before this cancel: a completion that won the race, an earlier cancel, or the
+        # deadline (expired just now by this call).
+        raise already_finished(latest)
+    if latest.state is JobState.CANCELLING:
+        # Sent again on a repeated cancel too: core NATS delivers at most once, and schedulers
+        # ignore notices for jobs they do not run, so a repeat only helps.
+        notice = CancelNotice(job_id=latest.job_id, tenant=latest.tenant, model_name=latest.model_name)
+        try:
+            await nc.publish(cancel_subject(latest.model_name), notice.encode())
+        except NATS_FAILURES as exc:
+            # The record says CANCELLING; the scheduler also finds that when the result comes.
+            log.warning("cancel_notice_not_sent", job_id=latest.job_id, model=latest.model_name, error=str(exc))
+    return latest

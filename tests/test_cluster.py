@@ -1,0 +1,296 @@
+"""A 3-node nats-server cluster (each node its own process, ports and store) with every stream and
+bucket replicated 3 times; gateway, scheduler and batcher run in this process, connected to all
+three nodes. While a client submits a steady stream of jobs, the node leading the WORK stream is
+killed with SIGKILL. Every accepted job must still succeed, and service must resume within
+RECOVERY_BOUND_S: no gap longer than that between two accepted submissions, nor between two
+completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+import structlog
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import Error as JetStreamError
+
+from asyncinfer.config import Config
+from asyncinfer.embedded_nats import NatsServerProcess, free_port
+from asyncinfer.ids import new_job_id
+from asyncinfer.jetstream import connect
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.batcher.app import BatcherApp
+from services.gateway.app import GatewayApp
+from services.scheduler.app import SchedulerApp
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+log = structlog.get_logger("test.cluster")
+
+NODES = 3
+SUBMIT_RATE_PER_S = 25.0
+RUN_S = 14.0
+KILL_AFTER_S = 4.0
+# Service must resume within this after the kill: a leader election takes a few seconds.
+RECOVERY_BOUND_S = 20.0
+# Every accepted job must have succeeded this long after the last submission.
+DRAIN_BOUND_S = 30.0
+SUBMIT_TIMEOUT_S = 20.0
+
+
+@dataclass
+class NatsCluster:
+    nodes: list[NatsServerProcess]
+
+    @property
+    def urls(self) -> str:
+        return ",".join(node.url for node in self.nodes)
+
+    def node(self, server_name: str) -> NatsServerProcess:
+        (found,) = [n for n in self.nodes if n.server_name == server_name]
+        return found
+
+
+@contextlib.contextmanager
+def nats_cluster(base: Path) -> Iterator[NatsCluster]:
+    client_ports = [free_port() for _ in range(NODES)]
+    route_ports = [free_port() for _ in range(NODES)]
+    nodes = []
+    for i in range(NODES):
+        routes = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(route_ports) if j != i)
+        cluster_args = (
+            "--cluster_name", "asyncinfer-test",
+            "--cluster", f"nats://127.0.0.1:{route_ports[i]}",
+            "--routes", routes,
+        )  # fmt: skip
+        name = f"n{i + 1}"
+        nodes.append(
+            NatsServerProcess(
+                store_dir=base / name,
+                port=client_ports[i],
+                server_name=name,
+                log_file=base / f"{name}.log",
+                extra_args=cluster_args,
+            )
+        )
+    try:
+        for node in nodes:
+            node.start()
+        yield NatsCluster(nodes)
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+async def wait_for_jetstream(config: Config, timeout_s: float = 30.0) -> None:
+    """Until the cluster has elected its meta leader and answers JetStream requests."""
+    nc = await connect(config.nats, name="test-cluster-ready")
+    try:
+        js = nc.jetstream(timeout=2)
+        give_up_at = time.monotonic() + timeout_s
+        while True:
+            try:
+                await js.account_info()
+                return
+            except (TimeoutError, JetStreamError):
+                assert time.monotonic() < give_up_at, "the cluster did not elect a JetStream leader"
+                await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+@dataclass
+class Ledger:
+    accepted: dict[str, float] = field(default_factory=dict)  # job ID -> when accepted (monotonic)
+    refused: int = 0  # UNAVAILABLE answers the client retried
+    completed: dict[str, job_pb2.Job] = field(default_factory=dict)
+
+
+def demo_request(i: int) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([float(i), 1.0, 2.0, 3.0])
+    return job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
+
+
+async def submit_steadily(stub: JobStub, ledger: Ledger, stop_at: float) -> None:
+    """SUBMIT_RATE_PER_S submissions a second until stop_at, each retried on UNAVAILABLE (a new
+    job each time: an UNAVAILABLE answer means nothing was accepted)."""
+
+    async def one(i: int) -> None:
+        while True:
+            try:
+                response = await stub.SubmitJob(demo_request(i), timeout=SUBMIT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                ledger.refused += 1
+                await asyncio.sleep(0.2)
+                continue
+            ledger.accepted[response.job.job_id] = time.monotonic()
+            return
+
+    tasks: list[asyncio.Task[None]] = []
+    i = 0
+    try:
+        while time.monotonic() < stop_at:
+            tasks.append(asyncio.create_task(one(i)))
+            i += 1
+            await asyncio.sleep(1 / SUBMIT_RATE_PER_S)
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def collect_results(stub: JobStub, ledger: Ledger, submitting: asyncio.Task[None], until: float) -> None:
+    """Polls GetJob for every accepted job not yet finished, until submission is over and all
+    have finished, or `until` passes."""
+    while time.monotonic() < until:
+        submission_over = submitting.done()
+        pending = [job_id for job_id in ledger.accepted if job_id not in ledger.completed]
+        for start in range(0, len(pending), 64):
+            answers = await asyncio.gather(
+                *(stub.GetJob(job_service_pb2.GetJobRequest(job_id=j), timeout=5) for j in pending[start : start + 64]),
+                return_exceptions=True,
+            )
+            for answer in answers:
+                if isinstance(answer, job_service_pb2.GetJobResponse) and answer.job.state not in (
+                    job_pb2.JOB_STATE_QUEUED,
+                    job_pb2.JOB_STATE_RUNNING,
+                ):
+                    ledger.completed[answer.job.job_id] = answer.job
+        if submission_over and len(ledger.completed) == len(ledger.accepted):
+            return
+        await asyncio.sleep(0.25)
+
+
+def longest_gap(moments: list[float], start: float, end: float) -> float:
+    """The longest interval within [start, end] without any of `moments`."""
+    points = [start, *sorted(m for m in moments if start <= m <= end), end]
+    return max(b - a for a, b in itertools.pairwise(points))
+
+
+async def assert_feeds_recovered(gateway: GatewayApp, nc: NatsClient, config: Config, *, since: float) -> None:
+    """The gateway's KV feeds (queue snapshots, WatchJob updates) run on ordered consumers that
+    may have lived on the killed node: they must be delivering again."""
+    view = gateway.queue_view
+    give_up_at = time.monotonic() + RECOVERY_BOUND_S
+    while (snapshot := view.snapshot("demo")) is None or snapshot.updated_at < since + 1:
+        assert time.monotonic() < give_up_at, "no queue snapshot reached the gateway after the kill"
+        await asyncio.sleep(0.1)
+
+    # A record only this test writes (no work message: the scheduler never sees it), watched
+    # while the test changes it.
+    store = JobStore(await nc.jetstream().key_value(config.nats.jobs_bucket))
+    now = time.time()
+    record = await store.create(
+        JobRecord(
+            job_id=new_job_id(),
+            tenant=config.gateway.default_tenant,
+            model_name="demo",
+            model_version="1",
+            state=JobState.QUEUED,
+            priority=Priority.NORMAL,
+            create_time=now,
+            update_time=now,
+            max_attempts=1,
+            result_retention_s=60,
+        )
+    )
+    updates = gateway.watch_hub.watch(record.tenant, record.job_id)
+    try:
+        assert (await anext(updates)).state is JobState.QUEUED
+        await store.replace(record.evolve(state=JobState.CANCELED, end_time=time.time()))
+        changed = await asyncio.wait_for(anext(updates), RECOVERY_BOUND_S)
+        assert changed.state is JobState.CANCELED
+    finally:
+        await updates.aclose()
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    with nats_cluster(tmp_path) as running:
+        yield running
+
+
+@pytest.mark.timeout(90)
+async def test_killing_the_stream_leader_loses_no_job(cluster: NatsCluster, config: Config) -> None:
+    config = config.replace(
+        nats={"url": cluster.urls, "replicas": 3},
+        scheduler={"ack_wait_s": 5.0, "lease_renew_interval_s": 1.0, "queue_stats_interval_s": 1.0},
+    )
+    await wait_for_jetstream(config)
+    gateway = GatewayApp(config)
+    scheduler = SchedulerApp(config)
+    await gateway.start()
+    await scheduler.start()
+    batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{scheduler.port}"}))
+    await batcher.start()
+    nc = await connect(config.nats, name="test-cluster")
+    ledger = Ledger()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub: JobStub = job_service_pb2_grpc.JobServiceStub(channel)
+            started = time.monotonic()
+            submitting = asyncio.create_task(submit_steadily(stub, ledger, stop_at=started + RUN_S))
+            collecting = asyncio.create_task(
+                collect_results(stub, ledger, submitting, until=started + RUN_S + DRAIN_BOUND_S)
+            )
+
+            await asyncio.sleep(KILL_AFTER_S)
+            info = await nc.jetstream().stream_info(config.nats.work_stream)
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None
+            assert info.cluster.leader
+            leader = cluster.node(info.cluster.leader)
+            accepted_before_kill = len(ledger.accepted)
+            killed_at = time.monotonic()
+            leader.kill()
+            log.warning("node_killed", node=leader.server_name, accepted_so_far=accepted_before_kill)
+
+            await submitting
+            submitted_until = time.monotonic()
+            await collecting
+
+        # Zero accepted jobs lost: every one of them succeeded.
+        states = {job_id: ledger.completed[job_id].state for job_id in ledger.completed}
+        unfinished = [job_id for job_id in ledger.accepted if job_id not in states]
+        assert not unfinished, f"{len(unfinished)} of {len(ledger.accepted)} accepted jobs never finished"
+        assert set(states.values()) == {job_pb2.JOB_STATE_SUCCEEDED}, states
+        accepted_after_kill = [t for t in ledger.accepted.values() if t > killed_at]
+        assert accepted_after_kill, "no job was accepted after the kill"
+
+        # Service resumed: no long stall of acceptances (from the kill to the end of submission)
+        # nor of completions (from the kill until the last job finished).
+        accept_stall = longest_gap(list(ledger.accepted.values()), killed_at, submitted_until)
+        end_times = [j.end_time.ToNanoseconds() / 1e9 for j in ledger.completed.values()]
+        killed_wall = time.time() - (time.monotonic() - killed_at)
+        completion_stall = longest_gap(end_times, killed_wall, max(end_times))
+        print(
+            f"\ncluster: killed {leader.server_name} (WORK leader) at {KILL_AFTER_S:.0f} s; "
+            f"{len(ledger.accepted)} jobs accepted ({accepted_before_kill} before the kill), all succeeded; "
+            f"{ledger.refused} UNAVAILABLE answers retried by the client; "
+            f"longest stall after the kill: submissions {accept_stall:.2f} s, completions {completion_stall:.2f} s "
+            f"(bound {RECOVERY_BOUND_S:.0f} s)"
+        )
+        assert accept_stall < RECOVERY_BOUND_S
+        assert completion_stall < RECOVERY_BOUND_S
+        await assert_feeds_recovered(gateway, nc, config, since=killed_wall)
+    finally:
+        await nc.close()
+        await batcher.stop(2.0)
+        await scheduler.stop(2.0)
+        await gateway.stop(2.0)

@@ -1,0 +1,564 @@
+"""The gateway's side of cancellation, queue deadlines, admission and queue standing, against a real
+nats-server and a real gRPC channel. No scheduler runs: the tests write job records and queue
+snapshots the way the scheduler does (JobStore.transition, encode_snapshot into the queues bucket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
+from nats.js.kv import KeyValue
+
+from asyncinfer.config import Config
+from asyncinfer.errors import FailedPrecondition
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobError, JobRecord, JobState, Priority, job_key
+from asyncinfer.queues import (
+    CancelNotice,
+    PriorityQueueSnapshot,
+    QueueSnapshot,
+    cancel_subject,
+    encode_snapshot,
+    paused_key,
+    tenant_key,
+)
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.gateway import transitions
+from services.gateway.app import GatewayApp
+from services.gateway.queue_view import WaitingReason, jobs_ahead, waiting_reason
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+WORK = "WORK"
+TENANT = "default"
+DEMO = "demo"
+
+
+def submit_request(**fields: Any) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+    fields.setdefault("model_name", DEMO)
+    fields.setdefault("inputs", [x])
+    return job_service_pb2.SubmitJobRequest(**fields)
+
+
+def error_details(error: grpc.aio.AioRpcError) -> dict[str, Any]:
+    status = status_details(error)
+    assert status is not None
+    return unpack_details(status)
+
+
+async def next_job(call: Any) -> job_pb2.Job:
+    """The job of a watch's next message (failing if the stream ended)."""
+    response = await call.read()
+    assert isinstance(response, job_service_pb2.WatchJobResponse), response
+    return response.job
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+class Harness:
+    """A gateway with a channel to it, the jobs store and the queues bucket."""
+
+    def __init__(self, app: GatewayApp, stub: JobStub, js: JetStreamContext, jobs: KeyValue, queues: KeyValue):
+        self.app = app
+        self.stub = stub
+        self.js = js
+        self.jobs = jobs
+        self.store = JobStore(jobs)
+        self.queues = queues
+
+    async def submit(self, **fields: Any) -> job_pb2.Job:
+        return (await self.stub.SubmitJob(submit_request(**fields))).job
+
+    async def get(self, job_id: str) -> job_pb2.Job:
+        return (await self.stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    async def cancel(self, job_id: str, reason: str = "") -> job_pb2.Job:
+        return (await self.stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason=reason))).job
+
+    async def record(self, job_id: str) -> JobRecord:
+        record = await self.store.get(job_key(TENANT, job_id))
+        assert record is not None
+        return record
+
+    async def advance(self, job_id: str, **changes: Any) -> JobRecord:
+        """What the scheduler does: compare-and-set on the record it read."""
+        record = await self.record(job_id)
+        return await self.store.replace(record.evolve(update_time=time.time(), **changes))
+
+    async def put_snapshot(self, snapshot: QueueSnapshot) -> None:
+        """Writes a snapshot as the scheduler does, and waits until the gateway has it."""
+        await self.queues.put(snapshot.model_name, encode_snapshot(snapshot))
+        view = self.app.queue_view
+        await wait_for(lambda: view.snapshot(snapshot.model_name) == snapshot)
+
+    async def work_messages(self) -> int:
+        return (await self.js.stream_info(WORK)).state.messages
+
+    async def job_keys(self) -> list[str]:
+        try:
+            return list(await self.jobs.keys())
+        except NoKeysError:
+            return []
+
+    def sample(self, name: str, labels: dict[str, str]) -> float | None:
+        return self.app.registry.get_sample_value(name, labels)
+
+
+async def start_harness(config: Config, nc: NatsClient) -> tuple[GatewayApp, grpc.aio.Channel, Harness]:
+    app = GatewayApp(config)
+    await app.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+    js = nc.jetstream()
+    harness = Harness(
+        app,
+        job_service_pb2_grpc.JobServiceStub(channel),
+        js,
+        await js.key_value(config.nats.jobs_bucket),
+        await js.key_value(config.nats.queues_bucket),
+    )
+    return app, channel, harness
+
+
+@pytest.fixture
+async def gw(config: Config, nc: NatsClient) -> AsyncIterator[Harness]:
+    app, channel, harness = await start_harness(config, nc)
+    try:
+        yield harness
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+def snapshot(
+    *,
+    updated_at: float | None = None,
+    depths: dict[Priority, tuple[int, float | None]] | None = None,
+    batchers: int = 1,
+    rate: float = 0.0,
+    paused: bool = False,
+) -> QueueSnapshot:
+    return QueueSnapshot(
+        model_name=DEMO,
+        updated_at=time.time() if updated_at is None else updated_at,
+        priorities={p.value: PriorityQueueSnapshot(d, oldest) for p, (d, oldest) in (depths or {}).items()},
+        connected_batchers=batchers,
+        free_credits=0,
+        completed_per_s=rate,
+        paused=paused,
+    )
+
+
+# --- cancellation ---------------------------------------------------------------------------------
+
+
+async def test_cancel_of_a_queued_job_is_final_at_once(gw: Harness) -> None:
+    job = await gw.submit()
+    watch = gw.stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(watch)).state == job_pb2.JOB_STATE_QUEUED
+
+    canceled = await gw.cancel(job.job_id, reason="changed my mind")
+    assert canceled.state == job_pb2.JOB_STATE_CANCELED
+    assert canceled.error.reason == "CANCELED_BY_USER"
+    assert canceled.error.code == grpc.StatusCode.CANCELLED.value[0]
+    assert "changed my mind" in canceled.error.message
+    assert canceled.HasField("end_time")
+    assert not canceled.HasField("queue")  # only a QUEUED job has a standing
+
+    record = await gw.record(job.job_id)
+    assert record.state is JobState.CANCELED
+    assert record.revision == canceled.revision
+    assert (await next_job(watch)).state == job_pb2.JOB_STATE_CANCELED
+    assert await watch.read() is grpc.aio.EOF  # type: ignore[attr-defined]  # missing from grpc-stubs
+    assert (await gw.get(job.job_id)).state == job_pb2.JOB_STATE_CANCELED
+    assert gw.sample("asyncinfer_cancels_total", {"model": DEMO, "outcome": "CANCELED"}) == 1
+
+
+async def test_cancel_of_a_running_job_goes_through_cancelling_and_notifies(gw: Harness, nc: NatsClient) -> None:
+    notices: asyncio.Queue[CancelNotice] = asyncio.Queue()
+
+    async def on_notice(msg: Msg) -> None:
+        notices.put_nowait(CancelNotice.decode(msg.data))
+
+    subscription = await nc.subscribe(cancel_subject(DEMO), cb=on_notice)
+    await nc.flush()
+    job = await gw.submit()
+    await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1, start_time=time.time())
+    watch = gw.stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(watch)).state == job_pb2.JOB_STATE_RUNNING
+
+    cancelling = await gw.cancel(job.job_id, reason="too slow")
+    assert cancelling.state == job_pb2.JOB_STATE_CANCELLING
+    assert not cancelling.HasField("end_time")
+    notice = await asyncio.wait_for(notices.get(), 5)
+    assert notice == CancelNotice(job_id=job.job_id, tenant=TENANT, model_name=DEMO)
+    assert (await next_job(watch)).state == job_pb2.JOB_STATE_CANCELLING
+
+    # Idempotent: the same answer, nothing written, and the notice sent again (it is at most once).
+    again = await gw.cancel(job.job_id)
+    assert again.state == job_pb2.JOB_STATE_CANCELLING
+    assert again.revision == cancelling.revision
+    assert (await asyncio.wait_for(notices.get(), 5)).job_id == job.job_id
+
+    # The scheduler ends it, keeping the reason written by the cancel.
+    record = await gw.record(job.job_id)
+    assert record.error is not None
+    await gw.advance(job.job_id, state=JobState.CANCELED, end_time=time.time())
+    last = await next_job(watch)
+    assert last.state == job_pb2.JOB_STATE_CANCELED
+    assert "too slow" in last.error.message
+    assert await watch.read() is grpc.aio.EOF  # type: ignore[attr-defined]
+    assert gw.sample("asyncinfer_cancels_total", {"model": DEMO, "outcome": "CANCELLING"}) == 2
+    await subscription.unsubscribe()
+
+
+@pytest.mark.parametrize("state", [JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELED, JobState.TIMED_OUT])
+async def test_cancel_of_a_finished_job_is_failed_precondition(gw: Harness, state: JobState) -> None:
+    job = await gw.submit()
+    await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)
+    done = await gw.advance(job.job_id, state=state, end_time=time.time())
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gw.cancel(job.job_id)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    error_info = error_details(info.value)["ErrorInfo"]
+    assert error_info.reason == "JOB_ALREADY_FINISHED"
+    assert error_info.metadata["state"] == state.value
+    assert (await gw.record(job.job_id)).revision == done.revision  # nothing written
+    assert gw.sample("asyncinfer_cancels_total", {"model": DEMO, "outcome": "JOB_ALREADY_FINISHED"}) == 1
+
+
+async def test_cancel_racing_a_completion_reports_the_winner(gw: Harness, nc: NatsClient) -> None:
+    job = await gw.submit()
+    running = await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)
+
+    # The completion lands between the cancel's read and its compare-and-set: the cancel loses,
+    # re-reads, and says the job already finished.
+    await gw.advance(job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    with pytest.raises(FailedPrecondition) as info:
+        await transitions.cancel(gw.store, nc, running, reason="", now=time.time())
+    assert info.value.reason == "JOB_ALREADY_FINISHED"
+    assert info.value.metadata["state"] == "SUCCEEDED"
+    assert (await gw.record(job.job_id)).state is JobState.SUCCEEDED
+
+    # The other way round: the cancel lands first, and the scheduler's completion (on the
+    # revision it read) is refused, so it must re-read and find CANCELLING.
+    other = await gw.submit()
+    stale = await gw.advance(other.job_id, state=JobState.RUNNING, attempt=1)
+    assert (await gw.cancel(other.job_id)).state == job_pb2.JOB_STATE_CANCELLING
+    with pytest.raises(KeyWrongLastSequenceError):
+        await gw.store.replace(stale.evolve(state=JobState.SUCCEEDED, end_time=time.time()))
+    assert (await gw.record(other.job_id)).state is JobState.CANCELLING
+
+
+async def test_cancel_of_an_unknown_or_foreign_job_is_not_found(gw: Harness, config: Config, nc: NatsClient) -> None:
+    for job_id in ("0190b6b4-3a1e-7cc0-8000-000000000000", "not-an-id", ""):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await gw.cancel(job_id)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    theirs = await gw.submit()
+    app, channel, other = await start_harness(config.replace(gateway={"default_tenant": "other"}), nc)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await other.cancel(theirs.job_id)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert error_details(info.value)["ErrorInfo"].reason == "JOB_NOT_FOUND"
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+    assert (await gw.record(theirs.job_id)).state is JobState.QUEUED
+
+
+# --- deadlines on read ----------------------------------------------------------------------------
+
+
+async def sleep_until(moment: float) -> None:
+    await asyncio.sleep(max(moment - time.time(), 0) + 0.01)
+
+
+async def test_get_job_past_its_deadline_reports_expired_and_makes_it_so(gw: Harness) -> None:
+    deadline = time.time() + 0.3
+    job = await gw.submit(deadline={"seconds": int(deadline), "nanos": int((deadline % 1) * 1e9)})
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    await sleep_until(deadline)
+
+    got = await gw.get(job.job_id)
+    assert got.state == job_pb2.JOB_STATE_EXPIRED
+    assert got.error.reason == "QUEUE_DEADLINE_EXCEEDED"
+    assert got.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    record = await gw.record(job.job_id)
+    assert record.state is JobState.EXPIRED  # written, not just reported
+    assert record.revision == got.revision
+    assert (await gw.get(job.job_id)).revision == got.revision  # a second read writes nothing
+    assert gw.sample("asyncinfer_jobs_expired_on_read_total", {"model": DEMO}) == 1
+
+    # Cancelling it now is cancelling a finished job.
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gw.cancel(job.job_id)
+    assert error_details(info.value)["ErrorInfo"].metadata["state"] == "EXPIRED"
+
+
+async def test_expiry_on_read_loses_to_a_dispatch_and_reports_it(gw: Harness) -> None:
+    job = await gw.submit(queue_ttl={"seconds": 60})
+    queued = await gw.record(job.job_id)
+    await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)  # dispatched just in time
+    overdue = queued.evolve(deadline=time.time() - 1)
+    latest, wrote = await transitions.expire_if_overdue(gw.store, overdue, time.time())
+    assert not wrote
+    assert latest is not None
+    assert latest.state is JobState.RUNNING
+
+
+async def test_watch_shows_expired_when_the_deadline_passes(gw: Harness) -> None:
+    deadline = time.time() + 0.5
+    job = await gw.submit(deadline={"seconds": int(deadline), "nanos": int((deadline % 1) * 1e9)})
+    watch = gw.stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    states = [r.job.state async for r in watch]  # nothing else writes: the watch itself expires it
+    assert states == [job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_EXPIRED]
+    assert time.time() >= deadline
+    assert (await gw.record(job.job_id)).state is JobState.EXPIRED
+
+
+async def test_cancel_of_a_queued_job_past_its_deadline_finds_it_expired(gw: Harness) -> None:
+    deadline = time.time() + 0.2
+    job = await gw.submit(deadline={"seconds": int(deadline), "nanos": int((deadline % 1) * 1e9)})
+    await sleep_until(deadline)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gw.cancel(job.job_id)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_details(info.value)["ErrorInfo"].metadata["state"] == "EXPIRED"
+    assert (await gw.record(job.job_id)).state is JobState.EXPIRED
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def with_queue_limit(config: Config, depth: int) -> Config:
+    (demo,) = config.models
+    return config.replace(models=[demo.model_copy(update={"max_queue_depth": depth}).model_dump()])
+
+
+async def assert_refused(gw: Harness, reason: str, *, retry_s: float) -> None:
+    messages, keys = await gw.work_messages(), await gw.job_keys()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gw.submit()
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    details = error_details(info.value)
+    assert details["ErrorInfo"].reason == reason
+    assert details["RetryInfo"].retry_delay.ToNanoseconds() / 1e9 == pytest.approx(retry_s)
+    # Nothing is queued: no work message, no record.
+    assert await gw.work_messages() == messages
+    assert await gw.job_keys() == keys
+
+
+async def test_model_queue_limit_counts_the_snapshot_and_recent_submits(config: Config, nc: NatsClient) -> None:
+    app, channel, gw = await start_harness(with_queue_limit(config, 3), nc)
+    try:
+        await gw.put_snapshot(snapshot(depths={Priority.NORMAL: (1, time.time()), Priority.LOW: (1, None)}, rate=0.5))
+        await gw.submit()  # 2 reported + 0 since: admitted, now 3
+        # 2 reported + 1 submitted since the snapshot = 3: full. 1 job over, at 0.5/s: 2 s.
+        await assert_refused(gw, "QUEUE_FULL", retry_s=2.0)
+        assert gw.sample(
+            "asyncinfer_submit_rejected_total", {"model": DEMO, "code": "RESOURCE_EXHAUSTED", "reason": "QUEUE_FULL"}
+        )
+        # A newer snapshot that has seen the queue drain admits again.
+        await gw.put_snapshot(snapshot(depths={Priority.NORMAL: (0, None)}, rate=0.5))
+        for _ in range(3):
+            await gw.submit()
+        await assert_refused(gw, "QUEUE_FULL", retry_s=2.0)
+        assert await gw.work_messages() == 4
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+async def test_model_queue_limit_without_a_snapshot_counts_what_this_gateway_queued(
+    config: Config, nc: NatsClient
+) -> None:
+    app, channel, gw = await start_harness(with_queue_limit(config, 2), nc)
+    try:
+        jobs = await asyncio.gather(*(gw.submit() for _ in range(2)))
+        assert all(j.state == job_pb2.JOB_STATE_QUEUED for j in jobs)
+        await assert_refused(gw, "QUEUE_FULL", retry_s=5.0)  # no measured rate: the default delay
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+async def test_concurrent_submits_cannot_overshoot_the_model_limit(config: Config, nc: NatsClient) -> None:
+    app, channel, gw = await start_harness(with_queue_limit(config, 5), nc)
+    try:
+        results = await asyncio.gather(*(gw.submit() for _ in range(20)), return_exceptions=True)
+        accepted = [r for r in results if isinstance(r, job_pb2.Job)]
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(accepted) == 5
+        assert len(refused) == 15
+        assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+        assert await gw.work_messages() == 5
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+async def test_tenant_quota_counts_in_the_queues_bucket(config: Config, nc: NatsClient) -> None:
+    app, channel, gw = await start_harness(config.replace(gateway={"max_queued_per_tenant": 2}), nc)
+    try:
+        await gw.put_snapshot(snapshot(rate=4.0))
+        await gw.submit()
+        await gw.submit()
+        entry = await gw.queues.get(tenant_key(TENANT))
+        assert entry.value == b"2"
+        # 2 queued, limit 2: 1 over, at 4 jobs/s: 0.25 s, raised to the 1 s minimum.
+        await assert_refused(gw, "TENANT_QUOTA_EXCEEDED", retry_s=1.0)
+        assert (await gw.queues.get(tenant_key(TENANT))).value == b"2"
+
+        # The scheduler dispatched one: the tenant may queue one more.
+        await gw.queues.update(tenant_key(TENANT), b"1", last=entry.revision)
+        await gw.submit()
+        assert (await gw.queues.get(tenant_key(TENANT))).value == b"2"
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+async def test_tenant_count_is_rolled_back_when_the_job_is_not_queued(config: Config, nc: NatsClient) -> None:
+    limited = config.replace(gateway={"max_queued_per_tenant": 5, "enqueue_retry_s": 0.2})
+    app, channel, gw = await start_harness(limited, nc)
+    try:
+        await gw.submit()
+        assert (await gw.queues.get(tenant_key(TENANT))).value == b"1"
+        await gw.js.delete_stream(WORK)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await gw.submit()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert (await gw.queues.get(tenant_key(TENANT))).value == b"1"
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+# --- queue standing -------------------------------------------------------------------------------
+
+
+async def test_waiting_reasons_follow_the_snapshot(gw: Harness) -> None:
+    job = await gw.submit()
+    assert job.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER  # no scheduler has reported
+
+    async def reason() -> int:
+        return (await gw.get(job.job_id)).queue.waiting_reason
+
+    await gw.put_snapshot(snapshot(batchers=0, depths={Priority.NORMAL: (1, job.create_time.ToNanoseconds() / 1e9)}))
+    assert await reason() == job_pb2.WAITING_REASON_NO_WORKER  # scaled to zero
+    await gw.put_snapshot(snapshot(batchers=2, updated_at=time.time() - 60))
+    assert await reason() == job_pb2.WAITING_REASON_NO_WORKER  # stale: no scheduler looks after it
+    await gw.put_snapshot(snapshot(batchers=2))
+    assert await reason() == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
+    await gw.put_snapshot(snapshot(batchers=2, paused=True))
+    assert await reason() == job_pb2.WAITING_REASON_PAUSED
+
+    # The pause key takes effect before the next snapshot says so.
+    await gw.put_snapshot(snapshot(batchers=2))
+    await gw.queues.put(paused_key(DEMO), b"1")
+    await wait_for(lambda: gw.app.queue_view.is_paused(DEMO))
+    assert await reason() == job_pb2.WAITING_REASON_PAUSED
+    await gw.queues.delete(paused_key(DEMO))
+    await wait_for(lambda: not gw.app.queue_view.is_paused(DEMO))
+
+    # Back in the queue after a failed attempt: waiting out the retry backoff.
+    await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)
+    error = JobError(code=13, reason="WORKER_LOST", message="the batcher went away", retriable=True)
+    await gw.advance(job.job_id, state=JobState.QUEUED, last_error=error)
+    assert await reason() == job_pb2.WAITING_REASON_RETRY_BACKOFF
+
+    watch = gw.stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(watch)).queue.waiting_reason == job_pb2.WAITING_REASON_RETRY_BACKOFF
+    watch.cancel()
+
+
+async def test_position_and_estimated_start_come_from_the_snapshot(gw: Harness) -> None:
+    job = await gw.submit()
+    created = job.create_time.ToNanoseconds() / 1e9
+    # 5 HIGH jobs ahead; 10 NORMAL jobs spread from created - 10 s to created + 10 s: half of them
+    # were queued before this one. At 4 jobs/s, 10 jobs ahead start in 2.5 s.
+    await gw.put_snapshot(
+        snapshot(
+            updated_at=created + 10,
+            depths={Priority.HIGH: (5, created - 1), Priority.NORMAL: (10, created - 10), Priority.LOW: (7, created)},
+            rate=4.0,
+        )
+    )
+    before = time.time()
+    got = await gw.get(job.job_id)
+    assert got.queue.position == 10
+    assert got.queue.waiting_reason == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
+    estimate = got.queue.estimated_start_time.ToNanoseconds() / 1e9
+    assert before + 2.5 <= estimate <= time.time() + 2.5
+
+    # Not stored: the record has no such thing, and a running job has no standing.
+    await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)
+    assert not (await gw.get(job.job_id)).HasField("queue")
+
+
+async def test_unknown_rate_leaves_the_estimate_unset(gw: Harness) -> None:
+    job = await gw.submit(priority=job_pb2.PRIORITY_HIGH)
+    await gw.put_snapshot(snapshot(depths={Priority.HIGH: (3, time.time() - 5)}, rate=0.0))
+    got = await gw.get(job.job_id)
+    assert got.queue.waiting_reason == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
+    assert not got.queue.HasField("estimated_start_time")
+
+
+def record_at(create_time: float, priority: Priority = Priority.NORMAL, **changes: Any) -> JobRecord:
+    return JobRecord(
+        job_id="j",
+        tenant=TENANT,
+        model_name=DEMO,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=priority,
+        create_time=create_time,
+        update_time=create_time,
+        max_attempts=3,
+        result_retention_s=60,
+        **changes,
+    )
+
+
+def test_jobs_ahead_interpolates_within_the_priority() -> None:
+    snap = snapshot(
+        updated_at=100.0,
+        depths={Priority.HIGH: (4, 10.0), Priority.NORMAL: (10, 0.0), Priority.LOW: (50, 0.0)},
+    )
+    assert jobs_ahead(record_at(55.0, Priority.HIGH), snap) == 2  # HIGH: nothing above; half of 4
+    assert jobs_ahead(record_at(0.0), snap) == 4  # the oldest NORMAL: only HIGH ahead
+    assert jobs_ahead(record_at(-5.0), snap) == 4  # older than the oldest (a retry): first
+    assert jobs_ahead(record_at(50.0), snap) == 4 + 5
+    assert jobs_ahead(record_at(100.0), snap) == 4 + 9  # the newest counted: the other 9 ahead
+    assert jobs_ahead(record_at(101.0), snap) == 4 + 10  # after the snapshot: all of them ahead
+    assert jobs_ahead(record_at(50.0, Priority.LOW), snap) == 14 + 25
+    assert jobs_ahead(record_at(50.0), None) == 0
+
+
+def test_waiting_reason_precedence() -> None:
+    now = 1000.0
+    retried = record_at(1.0, attempt=1, last_error=JobError(code=13, reason="WORKER_LOST", message=""))
+    fresh = snapshot(updated_at=now, batchers=1)
+    assert waiting_reason(retried, fresh, paused=True, now=now) == WaitingReason.PAUSED
+    assert waiting_reason(retried, None, paused=False, now=now) == WaitingReason.NO_WORKER
+    assert waiting_reason(retried, fresh, paused=False, now=now) == WaitingReason.RETRY_BACKOFF
+    assert waiting_reason(record_at(1.0), fresh, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
