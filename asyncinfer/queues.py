@@ -14,7 +14,10 @@
   same bucket counts the tenant's jobs that are queued and not yet dispatched: the gateway adds one
   (compare-and-set) before it publishes a job, the scheduler takes one away when a job leaves the
   queue for the first time (dispatched, expired or canceled while queued). Only kept while the limit
-  is configured.
+  is configured. The value is the count in decimal ASCII (`encode_count` / `decode_count`).
+- Dead letters (`NatsConfig.dead_letter_stream`, subjects `asyncinfer.dead.<model>`) are the
+  scheduler's own; the gateway only sees their effect: the record is FAILED (or TIMED_OUT) with
+  its error, and back to QUEUED when an operator replays it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
@@ -43,6 +46,38 @@ def paused_key(model_name: str) -> str:
 
 def tenant_key(tenant: str) -> str:
     return f"tenant.{tenant}"
+
+
+def encode_count(count: int) -> bytes:
+    return str(count).encode()
+
+
+def decode_count(data: bytes | None) -> int:
+    try:
+        return max(int(data or b"0"), 0)
+    except ValueError:
+        return 0
+
+
+async def take_from_tenant_count(kv: KeyValue, tenant: str, *, max_rounds: int = 16) -> int | None:
+    """One job of the tenant left the queue: the count goes down by one (never below zero).
+    Nothing happens when the key does not exist (no per-tenant limit configured); returns the new
+    count, or None then."""
+    key = tenant_key(tenant)
+    for _ in range(max_rounds):
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+        if entry.revision is None:
+            return None
+        count = max(decode_count(entry.value) - 1, 0)
+        try:
+            await kv.update(key, encode_count(count), last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue
+        return count
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -416,7 +416,7 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
     assert queued.last_error is not None
     assert queued.last_error.reason == "MODEL_ERROR"
     order2 = await batcher.next_order(timeout_s=5.0)
-    assert time.monotonic() - failed_at >= 0.9  # waited out the 1 s backoff
+    assert time.monotonic() - failed_at >= 0.45  # waited out the 1 s backoff (with equal jitter: 0.5-1 s)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
     await batcher.fail(order2, error)  # the last attempt: no more retries
     failed = await wait_state(kv, job_id, JobState.FAILED)
@@ -473,9 +473,7 @@ async def test_queue_stats_report_depth_per_priority_and_batchers(
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="nope"))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert (await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
 
 
 async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetStreamContext, nc: NatsClient) -> None:

@@ -1,5 +1,6 @@
 """The scheduler service: NATS declarations, the gRPC server (WorkerService + OpsService), one
-dispatch loop per model, lease renewal, queue metrics; started and stopped in order."""
+dispatch loop per model, lease renewal, cancel notices, pauses, queue snapshots and metrics;
+started and stopped in order."""
 
 from __future__ import annotations
 
@@ -11,20 +12,27 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import PRIORITIES_BY_RANK
+from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
+from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.ops_service import OpsService
+from services.scheduler.pauses import PauseState
+from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
@@ -45,6 +53,10 @@ class SchedulerApp:
         self._nc: NatsClient | None = None
         self._flow: JobFlow | None = None
         self._stats: QueueStatsReader | None = None
+        self._queues_kv: KeyValue | None = None
+        self._pauses: PauseState | None = None
+        self._cancels: Subscription | None = None
+        self._draining: asyncio.Task[None] | None = None
         self._server: GrpcServer | None = None
         self._metrics_server = MetricsServer(
             self.metrics.registry, config.scheduler.host, config.scheduler.metrics_port
@@ -78,12 +90,35 @@ class SchedulerApp:
                 await ensure_work_consumer(
                     js, config.nats, model_name=model.name, priority=priority, ack_wait_s=settings.ack_wait_s
                 )
-        self._flow = flow = JobFlow(store=JobStore(kv), config=config, metrics=self.metrics)
+        await ensure_dead_letter_stream(js, config.nats)
+        self._queues_kv = queues_kv = await ensure_queues_bucket(js, config.nats)
+        self._pauses = pauses = PauseState(queues_kv)
+        await pauses.start()
+        letters = DeadLetterStore(nc, js, config.nats)
+        store = JobStore(kv)
+        self._flow = flow = JobFlow(
+            store=store, config=config, metrics=self.metrics, dead_letters=letters, queues_kv=queues_kv
+        )
         self._stats = stats = QueueStatsReader(
-            js=js, config=config, batchers=self.batchers, in_flight_count=flow.in_flight_count
+            js=js,
+            config=config,
+            batchers=self.batchers,
+            in_flight_count=flow.in_flight_count,
+            completed_per_s=flow.completed_per_s,
+            is_paused=pauses.is_paused,
         )
         workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
-        ops = OpsService(stats=stats, model_names=frozenset(m.name for m in config.models))
+        ops = OpsService(
+            config=config,
+            stats=stats,
+            letters=letters,
+            store=store,
+            js=js,
+            pauses=pauses,
+            drain=self.drain,
+            scheduler_id=self.scheduler_id,
+        )
+        self._cancels = await nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}.*", cb=self._on_cancel)
 
         def add_servicers(server: grpc.aio.Server) -> None:
             worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(workers, server)
@@ -94,13 +129,21 @@ class SchedulerApp:
         )
         await self._server.start()
         self.port = self._server.port
+        weights = {
+            Priority.HIGH: settings.weight_high,
+            Priority.NORMAL: settings.weight_normal,
+            Priority.LOW: settings.weight_low,
+        }
         for model in config.models:
             dispatcher = ModelDispatcher(
                 nc=nc,
-                queues=ModelQueues(nc, config.nats.work_stream, model.name),
+                queues=ModelQueues(
+                    nc, config.nats.work_stream, model.name, PrioritySelector(weights, settings.aging_s)
+                ),
                 batchers=self.batchers,
                 flow=flow,
                 poll_interval_s=settings.poll_interval_ms / 1000.0,
+                resumed=pauses.resumed(model.name),
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
@@ -125,9 +168,38 @@ class SchedulerApp:
             self._stopping = asyncio.create_task(self._stop(grace_s))
         await asyncio.shield(self._stopping)
 
-    async def _stop(self, grace_s: float) -> None:
+    async def drain(self, timeout_s: float) -> int:
+        """Stops dispatching here for good (the prelude to stopping) and waits up to timeout_s for
+        the jobs in flight to finish; how many are still in flight."""
+        if self._draining is None:
+            log.info("scheduler_draining", scheduler_id=self.scheduler_id)
+            self._draining = asyncio.create_task(self._stop_dispatching())
+        await asyncio.shield(self._draining)
+        if self._flow is None:
+            return 0
+        await self._flow.wait_idle(timeout_s)
+        return len(self._flow.in_flight)
+
+    async def _stop_dispatching(self) -> None:
         for dispatcher in self._dispatchers:
             await dispatcher.stop()
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            notice = CancelNotice.decode(msg.data)
+        except (ValueError, TypeError) as exc:
+            log.warning("cancel_notice_unreadable", error=str(exc))
+            return
+        if self._flow is not None:
+            self._flow.cancel(notice)
+
+    async def _stop(self, grace_s: float) -> None:
+        await self._stop_dispatching()
+        if self._cancels is not None:
+            try:
+                await self._cancels.unsubscribe()
+            except Exception as exc:
+                log.warning("cancel_unsubscribe_failed", error=str(exc))
         if self._flow is not None:
             if not await self._flow.wait_idle(grace_s):
                 log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
@@ -141,6 +213,8 @@ class SchedulerApp:
             await self._server.stop(grace_s)
         if self._flow is not None:
             await self._flow.close()
+        if self._pauses is not None:
+            await self._pauses.stop()
         self._metrics_server.stop()
         if self._nc is not None and not self._nc.is_closed:
             try:
@@ -150,8 +224,19 @@ class SchedulerApp:
         log.info("scheduler_stopped", scheduler_id=self.scheduler_id)
 
     async def _observe_queues(self) -> None:
-        if self._stats is not None:
-            self.metrics.observe(await self._stats.snapshot())
+        """Metrics, the selectors' aging, and the snapshots the gateway reads."""
+        if self._stats is None:
+            return
+        snapshots = await self._stats.snapshot()
+        self.metrics.observe(snapshots)
+        by_model = {s.model_name: s for s in snapshots}
+        for dispatcher in self._dispatchers:
+            snapshot = by_model.get(dispatcher.model_name)
+            if snapshot is not None:
+                dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
+        if self._queues_kv is not None:
+            for snapshot in snapshots:
+                await self._queues_kv.put(snapshot.model_name, encode_snapshot(snapshot.to_shared()))
 
     def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         async def loop() -> None:

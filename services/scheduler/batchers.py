@@ -11,7 +11,7 @@ import asyncio
 import itertools
 
 from asyncinfer.errors import InvalidArgument
-from services.scheduler.messages import ServedModel, WorkerHello, WorkOrder
+from services.scheduler.messages import CancelOrder, ServedModel, WorkerHello, WorkOrder
 
 _session_numbers = itertools.count(1)
 
@@ -27,13 +27,13 @@ class BatcherSession:
         self.models: dict[str, ServedModel] = {m.model_name: m for m in hello.models}
         self.credits: dict[str, int] = dict.fromkeys(self.models, 0)
         self.in_flight: set[str] = set()
-        self.outbound: asyncio.Queue[WorkOrder | None] = asyncio.Queue()
+        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | None] = asyncio.Queue()
         self.closed = False
 
     def __repr__(self) -> str:
         return f"BatcherSession({self.batcher_id!r}#{self.session_number})"
 
-    def send(self, order: WorkOrder) -> None:
+    def send(self, order: WorkOrder | CancelOrder) -> None:
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")
         self.outbound.put_nowait(order)

@@ -1,8 +1,9 @@
 """The dispatch loop of one model.
 
-It runs only while a connected batcher has a credit for the model. With a credit reserved it
-chooses the next job at that moment (a no-wait pull of exactly one message), so a job is never
-taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
+It runs only while a connected batcher has a credit for the model and the model's queue is not
+paused. With credits reserved it chooses the next jobs at that moment (no-wait pulls of at most
+that many messages, weighted across priorities: see services.scheduler.priority), so a job is
+never taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
 until a publish on the model's subjects rings the doorbell, or until the poll interval passes
 (which catches redeliveries, delayed retries and messages published while it was down).
 """
@@ -37,6 +38,7 @@ class ModelDispatcher:
         batchers: BatcherRegistry,
         flow: JobFlow,
         poll_interval_s: float,
+        resumed: asyncio.Event | None = None,
     ) -> None:
         self.model_name = queues.model_name
         self._nc = nc
@@ -44,6 +46,7 @@ class ModelDispatcher:
         self._batchers = batchers
         self._flow = flow
         self._poll_interval_s = poll_interval_s
+        self._resumed = resumed
         self._doorbell = asyncio.Event()
         self._stopping = asyncio.Event()
         self._subscription: Subscription | None = None
@@ -54,8 +57,13 @@ class ModelDispatcher:
         self._subscription = await self._nc.subscribe(f"{WORK_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
         self._task = asyncio.create_task(self._run(), name=f"dispatch-{self.model_name}")
 
+    @property
+    def queues(self) -> ModelQueues:
+        return self._queues
+
     async def stop(self) -> None:
-        """Stops taking new work; returns once the loop has ended (mid-dispatch work completes)."""
+        """Stops taking new work; returns once the loop has ended (mid-dispatch work completes).
+        Idempotent."""
         self._stopping.set()
         if self._task is not None:
             await self._task
@@ -70,6 +78,9 @@ class ModelDispatcher:
     async def _run(self) -> None:
         credit = self._batchers.credit_event(self.model_name)
         while await self._wait(credit):
+            if self._resumed is not None and not self._resumed.is_set():
+                await self._wait(self._resumed)
+                continue
             # Reserve the credits first, then pull at most that many: nothing is taken from the
             # queue without somewhere to run it. Pulling several at once (rather than one per
             # round trip) is what lets the batcher form batches under load.

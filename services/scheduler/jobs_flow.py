@@ -4,27 +4,39 @@ Every record change is a compare-and-set on the record's KV revision; when anoth
 (a cancel, another scheduler), the record is re-read and the decision made again on what is there
 now. The work message stays unacked while the job runs (its lease renewed by `renew_leases`) and
 is acked only once the record is terminal, so a crash at any point leaves the message to be
-redelivered. The attempt number is the fencing token: a result that does not carry the attempt in
-flight is discarded.
+redelivered.
 
-Failure handling is the walking skeleton's: invalid input fails at once; a retriable error goes
-back to the queue with an exponential backoff until the record's max_attempts, then the job
-FAILS (dead letters and configurable retry policies arrive with the retries issue).
+Attempts. The record's `attempt` goes up by one at every dispatch (compare-and-set), so it is the
+fencing token: a result that does not carry the attempt in flight is discarded, and a late result
+of an older attempt can never be stored. It is counted in the record rather than taken from the
+message's delivery count, so messages given back unchosen (tenant round robin) spend nothing.
+An attempt that ended through no fault of the job (the batcher dropped it before it ran, the
+scheduler stopped gracefully) gives its attempt back by raising `max_attempts` by one.
+
+Failures. Invalid input and other non-retriable errors fail the job at once. A retriable error (the
+model raised, the batcher was lost, the run timed out under timeout_action "retry", the lease
+expired because a scheduler died) goes back to QUEUED with last_error set and an exponential
+backoff with jitter; once `max_attempts` attempts are spent the job is dead-lettered: a dead letter
+is written first (idempotent), then the record FAILED (TIMED_OUT for timeouts), then the message
+acked. A job whose deadline passed before it started is EXPIRED at dispatch and never runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import deque
 from collections.abc import Awaitable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelConfig
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import (
     BatchInfo,
@@ -34,23 +46,44 @@ from asyncinfer.jobs import (
     WorkEnvelope,
     decode_envelope,
 )
+from asyncinfer.queues import CancelNotice, take_from_tenant_count
 from services.scheduler.batchers import BatcherSession
-from services.scheduler.messages import WorkOrder, WorkResult
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+from services.scheduler.messages import CancelOrder, WorkOrder, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
-# Backoff before a retriable failure runs again: RETRY_BASE_DELAY_S * 2^(attempt-1), capped.
-RETRY_BASE_DELAY_S = 1.0
-RETRY_MAX_DELAY_S = 60.0
+# After a NATS failure mid-dispatch, the message comes back after this pause.
+DISPATCH_RETRY_DELAY_S = 1.0
+# Cancel notices for jobs not (yet) in flight here are remembered this long: the notice can
+# overtake the dispatch that made the job RUNNING.
+PENDING_CANCEL_TTL_S = 30.0
+# Completions are counted over this sliding window for completed_per_s.
+RATE_WINDOW_S = 60.0
+# How long "this tenant has no queued counter" is believed before the key is looked up again.
+TENANT_KEY_MISSING_TTL_S = 5.0
 
 
-def retry_delay_s(attempt: int) -> float:
-    return min(RETRY_BASE_DELAY_S * 2.0 ** max(attempt - 1, 0), RETRY_MAX_DELAY_S)
+def retry_delay_s(model: ModelConfig | None, attempt: int, rng: random.Random) -> float:
+    """Exponential backoff with equal jitter: half the step fixed, half random."""
+    base = model.retry_backoff_base_s if model is not None else 1.0
+    cap = model.retry_backoff_max_s if model is not None else 300.0
+    step = min(base * 2.0 ** max(attempt - 1, 0), cap)
+    return step / 2 + rng.uniform(0.0, step / 2)
 
 
 def _error(code: grpc.StatusCode, reason: str, message: str, *, retriable: bool) -> JobError:
     return JobError(code=code.value[0], reason=reason, message=message, retriable=retriable)
+
+
+def lease_expired(attempt: int) -> JobError:
+    return _error(
+        grpc.StatusCode.UNAVAILABLE,
+        "LEASE_EXPIRED",
+        f"attempt {attempt} was not renewed in time (its scheduler stopped or lost NATS)",
+        retriable=True,
+    )
 
 
 @dataclass(slots=True)
@@ -64,14 +97,32 @@ class InFlightJob:
     msg: Msg
     record: JobRecord
     log: structlog.typing.FilteringBoundLogger
+    timeout_s: float | None = None
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
 class JobFlow:
-    def __init__(self, *, store: JobStore, config: Config, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        config: Config,
+        metrics: SchedulerMetrics,
+        dead_letters: DeadLetterStore,
+        queues_kv: KeyValue | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
         self._store = store
         self._config = config
         self._metrics = metrics
+        self._dead_letters = dead_letters
+        self._queues_kv = queues_kv
+        self._rng = rng or random.Random()
         self.in_flight: dict[str, InFlightJob] = {}
+        self._pending_cancels: dict[str, float] = {}
+        self._completions: dict[str, deque[float]] = {}
+        self._started = time.monotonic()
+        self._tenant_key_missing: dict[str, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -85,7 +136,7 @@ class JobFlow:
             envelope = decode_envelope(msg.data)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("work_message_undecodable", error=str(exc), subject=msg.subject)
-            await msg.term()
+            await _quietly(msg.term())
             return False
         job_log = log.bind(job_id=envelope.job_id, model=envelope.model_name, tenant=envelope.tenant)
         try:
@@ -94,7 +145,7 @@ class JobFlow:
             # NATS trouble mid-way: the message comes back after a pause, and the record (if
             # RUNNING) is taken over by the next attempt.
             job_log.exception("dispatch_failed")
-            await _quietly(msg.nak(delay=RETRY_BASE_DELAY_S))
+            await _quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
             return False
 
     async def _dispatch(
@@ -109,20 +160,34 @@ class JobFlow:
             job_log.error("job_record_missing")
             await msg.term()
             return False
-        delivered = msg.metadata.num_delivered
         now = time.time()
+        exhausted = False
 
         def start(current: JobRecord) -> JobRecord | None:
+            nonlocal exhausted
+            exhausted = False
             if current.state == JobState.CANCELLING:
                 # Cancel was asked while an earlier attempt ran; nothing runs it now.
                 return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
             if current.state not in (JobState.QUEUED, JobState.RUNNING):
                 return None
-            # num_delivered normally; never reuse a fencing token if the consumer was recreated.
-            attempt = max(delivered, current.attempt + 1)
+            if current.deadline is not None and now >= current.deadline:
+                error = _error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "DEADLINE_EXCEEDED",
+                    "the job's deadline passed before it started",
+                    retriable=False,
+                )
+                return current.evolve(state=JobState.EXPIRED, error=error, end_time=now, update_time=now)
+            if current.attempt >= current.max_attempts:
+                exhausted = True
+                return None
+            # A RUNNING record here means the attempt's lease lapsed: its scheduler is gone.
+            last_error = lease_expired(current.attempt) if current.state == JobState.RUNNING else current.last_error
             return current.evolve(
                 state=JobState.RUNNING,
-                attempt=attempt,
+                attempt=current.attempt + 1,
+                last_error=last_error,
                 start_time=now,
                 queue_duration_s=max(now - current.create_time, 0.0),
                 update_time=now,
@@ -133,6 +198,14 @@ class JobFlow:
             job_log.error("job_record_missing")
             await msg.term()
             return False
+        if record.attempt == 0:
+            self._left_queue(record.tenant)
+        if exhausted:
+            if latest.state == JobState.RUNNING:
+                self._metrics.lease_expiries.labels(model=latest.model_name).inc()
+            last_error = lease_expired(latest.attempt) if latest.state == JobState.RUNNING else latest.last_error
+            await self._dead_letter(latest, msg, job_log, last_error, state=JobState.FAILED)
+            return False
         if latest.state != JobState.RUNNING or not written:
             if written:
                 self._metrics.job_transition(latest.model_name, latest.state)
@@ -140,6 +213,9 @@ class JobFlow:
             await msg.ack()
             return False
         job_log = job_log.bind(attempt=latest.attempt)
+        if record.state == JobState.RUNNING:
+            self._metrics.lease_expiries.labels(model=latest.model_name).inc()
+            job_log.warning("lease_expired", previous_attempt=record.attempt)
         if session.closed:
             # The batcher left while the record was being written: put the job straight back.
             await self._requeue(latest, msg, job_log, self._worker_lost(session, latest.attempt), delay_s=0.0)
@@ -148,11 +224,12 @@ class JobFlow:
         superseded = self.in_flight.pop(envelope.job_id, None)
         if superseded is not None:
             # Its lease lapsed and the message came back; the older attempt is fenced out.
-            superseded.session.in_flight.discard(envelope.job_id)
+            self._detach(superseded)
             job_log.warning("attempt_superseded", old_attempt=superseded.attempt)
-        session.send(self._order(envelope, latest))
+        order = self._order(envelope, latest)
+        session.send(order)
         session.in_flight.add(envelope.job_id)
-        self.in_flight[envelope.job_id] = InFlightJob(
+        job = InFlightJob(
             job_id=envelope.job_id,
             attempt=latest.attempt,
             model_name=envelope.model_name,
@@ -160,13 +237,19 @@ class JobFlow:
             msg=msg,
             record=latest,
             log=job_log,
+            timeout_s=order.execution_timeout_s,
         )
+        self.in_flight[envelope.job_id] = job
         self._idle.clear()
+        if job.timeout_s is not None:
+            job.timer = asyncio.get_running_loop().call_later(job.timeout_s, self._on_timeout, job)
+        if self._pending_cancels.pop(envelope.job_id, None) is not None:
+            session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         job_log.info("job_dispatched", batcher_id=session.batcher_id, priority=envelope.priority.value)
         return True
 
     def _order(self, envelope: WorkEnvelope, record: JobRecord) -> WorkOrder:
-        timeout_s = envelope.execution_timeout_s
+        timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
         if timeout_s is None:
             model = self._config.model(envelope.model_name)
             timeout_s = model.default_execution_timeout_s if model is not None else None
@@ -197,6 +280,8 @@ class JobFlow:
             )
             return
         self._detach(job)
+        if not result.dropped:
+            self._completed(job.model_name)
         try:
             await self._finish(job, result)
         except Exception:
@@ -206,8 +291,6 @@ class JobFlow:
 
     async def _finish(self, job: InFlightJob, result: WorkResult) -> None:
         now = time.time()
-        running = job.record
-        run_s = max(now - (running.start_time or now), 0.0)
         if result.dropped:
             await self._dropped(job, now)
             return
@@ -221,40 +304,56 @@ class JobFlow:
                     f"the result is {size} bytes; results over {limit} bytes cannot be stored yet",
                     retriable=False,
                 )
-                await self._end(job, JobState.FAILED, now, run_s, result, error=error)
+                await self._end(job, JobState.FAILED, now, result, error=error)
             else:
-                await self._end(job, JobState.SUCCEEDED, now, run_s, result)
+                await self._end(job, JobState.SUCCEEDED, now, result)
             return
-        error = result.error
-        if error.retriable and job.attempt < running.max_attempts:
-            delay = retry_delay_s(job.attempt)
-            job.log.info("job_retrying", reason=error.reason, delay_s=delay)
-            await self._requeue(running, job.msg, job.log, error, delay_s=delay)
+        await self._failed_attempt(job, result.error, final_state=JobState.FAILED, result=result)
+
+    async def _failed_attempt(
+        self,
+        job: InFlightJob,
+        error: JobError,
+        *,
+        final_state: JobState,
+        result: WorkResult | None = None,
+    ) -> None:
+        """A non-retriable error ends the job; a retriable one retries it, or dead-letters it when
+        its attempts are spent."""
+        if not error.retriable:
+            await self._end(job, final_state, time.time(), result, error=error)
             return
-        await self._end(job, JobState.FAILED, now, run_s, result, error=error)
+        if job.attempt < job.record.max_attempts:
+            delay = retry_delay_s(self._config.model(job.model_name), job.attempt, self._rng)
+            self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
+            await self._requeue(job.record, job.msg, job.log, error, delay_s=delay)
+            return
+        batch = _batch_info(job, result)
+        await self._dead_letter(job.record, job.msg, job.log, error, state=final_state, batch=batch)
 
     async def _end(
         self,
         job: InFlightJob,
         state: JobState,
         now: float,
-        run_s: float,
-        result: WorkResult,
+        result: WorkResult | None,
         *,
         error: JobError | None = None,
     ) -> None:
-        batch = BatchInfo(batcher_id=job.session.batcher_id, batch_size=result.batch_size, compute_s=result.compute_s)
+        batch = _batch_info(job, result)
+        run_s = max(now - (job.record.start_time or now), 0.0)
 
         def end(current: JobRecord) -> JobRecord | None:
             if current.attempt != job.attempt:
                 return None
             if current.state == JobState.CANCELLING:
+                # The cancel won: whatever was computed is discarded.
                 return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now, batch=batch)
             if current.state != JobState.RUNNING:
                 return None
             return current.evolve(
                 state=state,
-                outputs=result.outputs if state == JobState.SUCCEEDED else (),
+                outputs=result.outputs if state == JobState.SUCCEEDED and result is not None else (),
                 error=error,
                 end_time=now,
                 run_duration_s=run_s,
@@ -266,26 +365,30 @@ class JobFlow:
         await self._settle(job.msg, latest, written, job.log)
 
     async def _dropped(self, job: InFlightJob, now: float) -> None:
-        """The batcher dropped the item before running it (deadline passed, or canceled)."""
-        deadline = job.record.deadline
-        if deadline is not None and now >= deadline:
-            error = _error(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "DEADLINE_EXCEEDED",
-                "the deadline passed before it ran",
-                retriable=False,
-            )
+        """The batcher dropped the item before running it: canceled, expired, or (neither) put
+        back without spending the attempt."""
 
-            def expire(current: JobRecord) -> JobRecord | None:
-                if current.attempt != job.attempt or current.state not in (JobState.RUNNING, JobState.CANCELLING):
-                    return None
+        def decide(current: JobRecord) -> JobRecord | None:
+            if current.attempt != job.attempt:
+                return None
+            if current.state == JobState.CANCELLING:
+                return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
+            if current.state == JobState.RUNNING and current.deadline is not None and now >= current.deadline:
+                error = _error(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "DEADLINE_EXCEEDED",
+                    "the job's deadline passed before it ran",
+                    retriable=False,
+                )
                 return current.evolve(state=JobState.EXPIRED, error=error, end_time=now, update_time=now)
+            return None
 
-            latest, written = await self._store.transition(job.record, expire)
+        latest, written = await self._store.transition(job.record, decide)
+        if latest is not None and latest.state.is_terminal:
             await self._settle(job.msg, latest, written, job.log)
             return
         error = _error(grpc.StatusCode.ABORTED, "DROPPED", "the batcher dropped it before it ran", retriable=True)
-        await self._requeue(job.record, job.msg, job.log, error, delay_s=0.0)
+        await self._requeue(latest or job.record, job.msg, job.log, error, delay_s=0.0, refund=True)
 
     async def _settle(
         self, msg: Msg, latest: JobRecord | None, written: bool, job_log: structlog.typing.FilteringBoundLogger
@@ -304,6 +407,61 @@ class JobFlow:
         else:
             job_log.warning("result_discarded", state=latest.state.value, attempt_in_record=latest.attempt)
 
+    # --- dead letters -----------------------------------------------------------------------
+
+    async def _dead_letter(
+        self,
+        record: JobRecord,
+        msg: Msg,
+        job_log: structlog.typing.FilteringBoundLogger,
+        last_error: JobError | None,
+        *,
+        state: JobState,
+        batch: BatchInfo | None = None,
+    ) -> None:
+        """Attempts spent: the dead letter first (a retry after a crash writes the same one, which
+        the stream drops as a duplicate), then the record, then the ack."""
+        now = time.time()
+        attempts = record.attempt
+        letter = DeadLetter(
+            job_id=record.job_id,
+            tenant=record.tenant,
+            model_name=record.model_name,
+            reason="MAX_ATTEMPTS",
+            attempts=attempts,
+            dead_time=now,
+            original=msg.data,
+            last_error=last_error,
+        )
+        stored = await self._dead_letters.add(letter)
+        self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
+        job_log.warning(
+            "job_dead_lettered",
+            sequence=stored.sequence,
+            attempts=attempts,
+            reason=last_error.reason if last_error else None,
+        )
+        base = last_error or _error(grpc.StatusCode.ABORTED, "MAX_ATTEMPTS", "attempts spent", retriable=False)
+        error = JobError(
+            code=base.code,
+            reason=base.reason,
+            message=f"{base.message} (gave up after {attempts} attempts)",
+            violations=base.violations,
+            retriable=False,
+        )
+
+        def fail(current: JobRecord) -> JobRecord | None:
+            if current.attempt != attempts:
+                return None
+            if current.state == JobState.CANCELLING:
+                return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
+            if current.state not in (JobState.RUNNING, JobState.QUEUED):
+                return None
+            return current.evolve(state=state, error=error, end_time=now, update_time=now, batch=batch or current.batch)
+
+        latest, written = await self._store.transition(record, fail)
+        await self._settle(msg, latest, written, job_log)
+
     # --- putting jobs back ------------------------------------------------------------------
 
     async def _requeue(
@@ -314,9 +472,11 @@ class JobFlow:
         error: JobError,
         *,
         delay_s: float,
+        refund: bool = False,
     ) -> None:
         """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
-        after delay_s (0: at once). The nak happens even when the record cannot be written."""
+        after delay_s (0: at once). The nak happens even when the record cannot be written.
+        `refund`: the attempt was not the job's fault and does not count against max_attempts."""
         now = time.time()
 
         def back(current: JobRecord) -> JobRecord | None:
@@ -326,7 +486,8 @@ class JobFlow:
                 return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
             if current.state != JobState.RUNNING:
                 return None
-            return current.evolve(state=JobState.QUEUED, last_error=error, update_time=now)
+            max_attempts = current.max_attempts + 1 if refund else current.max_attempts
+            return current.evolve(state=JobState.QUEUED, last_error=error, max_attempts=max_attempts, update_time=now)
 
         latest: JobRecord | None = None
         try:
@@ -350,6 +511,8 @@ class JobFlow:
             self._spawn(self._return_jobs(jobs, session))
 
     async def _return_jobs(self, jobs: list[InFlightJob], session: BatcherSession) -> None:
+        for job in jobs:
+            self._metrics.retries.labels(model=job.model_name, reason="WORKER_LOST").inc()
         await asyncio.gather(
             *(
                 self._requeue(job.record, job.msg, job.log, self._worker_lost(session, job.attempt), delay_s=0.0)
@@ -359,13 +522,17 @@ class JobFlow:
         )
 
     async def return_all(self, reason: str) -> None:
-        """Puts everything still in flight back in the queue for another scheduler (on stop)."""
+        """Puts everything still in flight back in the queue for another scheduler (on stop);
+        the attempts are given back."""
         jobs = list(self.in_flight.values())
         for job in jobs:
             self._detach(job)
+            if not job.session.closed:
+                job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         error = _error(grpc.StatusCode.UNAVAILABLE, reason, "the scheduler stopped while it ran", retriable=True)
         await asyncio.gather(
-            *(self._requeue(job.record, job.msg, job.log, error, delay_s=0.0) for job in jobs), return_exceptions=True
+            *(self._requeue(job.record, job.msg, job.log, error, delay_s=0.0, refund=True) for job in jobs),
+            return_exceptions=True,
         )
 
     @staticmethod
@@ -377,7 +544,46 @@ class JobFlow:
             retriable=True,
         )
 
-    # --- leases and bookkeeping -------------------------------------------------------------
+    # --- execution timeouts and cancellation -----------------------------------------------
+
+    def _on_timeout(self, job: InFlightJob) -> None:
+        if self.in_flight.get(job.job_id) is not job:
+            return
+        self._detach(job)
+        if not job.session.closed:
+            job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
+        self._spawn(self._timed_out(job))
+
+    async def _timed_out(self, job: InFlightJob) -> None:
+        model = self._config.model(job.model_name)
+        action = model.timeout_action if model is not None else "fail"
+        error = _error(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "EXECUTION_TIMEOUT",
+            f"attempt {job.attempt} ran longer than its execution timeout of {job.timeout_s:g} s",
+            retriable=action == "retry",
+        )
+        job.log.warning("job_timed_out", timeout_s=job.timeout_s, action=action)
+        try:
+            await self._failed_attempt(job, error, final_state=JobState.TIMED_OUT)
+        except Exception:
+            job.log.exception("timeout_not_stored")
+
+    def cancel(self, notice: CancelNotice) -> None:
+        """A job was moved to CANCELLING: if it runs here, its batcher is told to drop it."""
+        job = self.in_flight.get(notice.job_id)
+        if job is None:
+            # Maybe being dispatched right now: remembered for a while.
+            cutoff = time.monotonic() - PENDING_CANCEL_TTL_S
+            for job_id in [j for j, at in self._pending_cancels.items() if at < cutoff]:
+                del self._pending_cancels[job_id]
+            self._pending_cancels[notice.job_id] = time.monotonic()
+            return
+        job.log.info("job_cancel_sent", batcher_id=job.session.batcher_id)
+        if not job.session.closed:
+            job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
+
+    # --- leases, rates and bookkeeping ------------------------------------------------------
 
     async def renew_leases(self) -> None:
         """One round of in-progress acks for every job in flight (fire-and-forget publishes)."""
@@ -390,6 +596,39 @@ class JobFlow:
     def in_flight_count(self, model_name: str) -> int:
         return sum(1 for job in self.in_flight.values() if job.model_name == model_name)
 
+    def completed_per_s(self, model_name: str) -> float:
+        """Results received per second over the last RATE_WINDOW_S (or since start, if shorter)."""
+        now = time.monotonic()
+        times = self._completions.get(model_name)
+        if not times:
+            return 0.0
+        while times and times[0] < now - RATE_WINDOW_S:
+            times.popleft()
+        span = min(RATE_WINDOW_S, max(now - self._started, 1.0))
+        return len(times) / span
+
+    def _completed(self, model_name: str) -> None:
+        self._completions.setdefault(model_name, deque()).append(time.monotonic())
+        self._metrics.completed.labels(model=model_name).inc()
+
+    def _left_queue(self, tenant: str) -> None:
+        """The tenant's queued counter goes down (only where the gateway keeps one)."""
+        if self._queues_kv is None:
+            return
+        missing_since = self._tenant_key_missing.get(tenant)
+        if missing_since is not None and time.monotonic() - missing_since < TENANT_KEY_MISSING_TTL_S:
+            return
+        self._spawn(self._take_from_tenant(self._queues_kv, tenant))
+
+    async def _take_from_tenant(self, kv: KeyValue, tenant: str) -> None:
+        try:
+            if await take_from_tenant_count(kv, tenant) is None:
+                self._tenant_key_missing[tenant] = time.monotonic()
+            else:
+                self._tenant_key_missing.pop(tenant, None)
+        except Exception as exc:
+            log.warning("tenant_count_not_updated", tenant=tenant, error=str(exc))
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Waits until nothing is in flight; False if the time ran out first."""
         try:
@@ -399,11 +638,14 @@ class JobFlow:
         return True
 
     async def close(self) -> None:
-        """Awaits the background returns still running."""
+        """Awaits the background work still running."""
         while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _detach(self, job: InFlightJob) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
         if self.in_flight.get(job.job_id) is job:
             del self.in_flight[job.job_id]
         job.session.in_flight.discard(job.job_id)
@@ -415,7 +657,11 @@ class JobFlow:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # --- records ----------------------------------------------------------------------------
+
+def _batch_info(job: InFlightJob, result: WorkResult | None) -> BatchInfo | None:
+    if result is None:
+        return None
+    return BatchInfo(batcher_id=job.session.batcher_id, batch_size=result.batch_size, compute_s=result.compute_s)
 
 
 async def _quietly(action: Awaitable[None]) -> None:

@@ -54,3 +54,11 @@ class WorkOrder:
     input_ref: BlobRef | None = None
     deadline: float | None = None
     execution_timeout_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CancelOrder:
+    """Tells a batcher to drop an attempt it has not started (a cancel or an execution timeout)."""
+
+    job_id: str
+    attempt: int

@@ -34,6 +34,46 @@ class SchedulerMetrics:
             "asyncinfer_connected_batchers", "Batchers connected that serve the model.", ["model"], registry=registry
         )
 
+        self.retries = Counter(
+            "asyncinfer_retries",
+            "Attempts that failed retriably and were put back in the queue, by reason.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self.dead_letters = Counter(
+            "asyncinfer_dead_letters", "Jobs moved to dead letters.", ["model", "reason"], registry=registry
+        )
+        self.lease_expiries = Counter(
+            "asyncinfer_lease_expiries",
+            "Jobs redelivered while their record was RUNNING in an earlier attempt (a scheduler died).",
+            ["model"],
+            registry=registry,
+        )
+        self.completed = Counter(
+            "asyncinfer_results", "Results received from batchers (any outcome).", ["model"], registry=registry
+        )
+        self.completed_rate = Gauge(
+            "asyncinfer_completed_per_second",
+            "Results per second over the last minute.",
+            ["model"],
+            registry=registry,
+        )
+        self.desired_batchers = Gauge(
+            "asyncinfer_desired_batchers",
+            "Batchers wanted to clear the backlog at the measured throughput (the autoscaling signal).",
+            ["model"],
+            registry=registry,
+        )
+        self.free_credits = Gauge(
+            "asyncinfer_free_credits",
+            "Work orders the connected batchers would accept now.",
+            ["model"],
+            registry=registry,
+        )
+        self.paused = Gauge(
+            "asyncinfer_queue_paused", "1 while the model's queue is paused.", ["model"], registry=registry
+        )
+
     def job_transition(self, model_name: str, state: str) -> None:
         self.jobs.labels(model=model_name, state=state).inc()
 
@@ -46,3 +86,7 @@ class SchedulerMetrics:
                 self.queue_oldest_age.labels(**labels).set(queue.oldest_age_s or 0.0)
             self.jobs_in_flight.labels(model=model).set(snapshot.in_flight)
             self.connected_batchers.labels(model=model).set(snapshot.connected_batchers)
+            self.completed_rate.labels(model=model).set(snapshot.completed_per_s)
+            self.desired_batchers.labels(model=model).set(snapshot.desired_batchers)
+            self.free_credits.labels(model=model).set(snapshot.free_credits)
+            self.paused.labels(model=model).set(1 if snapshot.paused else 0)

@@ -1,19 +1,34 @@
-"""OpsService: queue statistics for operators and autoscalers (dead letters, pause/resume and
-drain come with issue #3)."""
+"""OpsService: queue statistics, dead letters, pause/resume and drain, for operators (grpcurl)
+and autoscalers. Protobuf stays here; the work is done by the stats reader, the dead-letter store,
+`replay`, the pause state and the app's drain."""
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
+import structlog
+from google.protobuf import duration_pb2, timestamp_pb2
+from nats.js import JetStreamContext
 
-from asyncinfer.errors import NotFound, Unimplemented
-from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.config import Config
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobError
+from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+from services.scheduler.pauses import PauseState
 from services.scheduler.queue_stats import ModelQueueSnapshot, QueueStatsReader
+from services.scheduler.replay import replay
 from services.scheduler.worker_service import PRIORITY_TO_PROTO
 
+log = structlog.get_logger("asyncinfer.scheduler.ops")
+
 Context = grpc.aio.ServicerContext[Any, Any]
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 500
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -36,56 +51,174 @@ def snapshot_to_proto(snapshot: ModelQueueSnapshot) -> ops_service_pb2.ModelQueu
         connected_batchers=snapshot.connected_batchers,
         free_credits=snapshot.free_credits,
         desired_batchers=snapshot.desired_batchers,
+        completed_per_second=snapshot.completed_per_s,
         paused=snapshot.paused,
     )
 
 
-def _later(rpc: str) -> NoReturn:
-    raise Unimplemented(f"{rpc} comes with issue #3")
+def _error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
+    return error_pb2.ErrorStatus(
+        code=error.code,
+        reason=error.reason,
+        message=error.message,
+        field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in error.violations],
+        retriable=error.retriable,
+    )
+
+
+def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> ops_service_pb2.DeadLetter:
+    dead_time = timestamp_pb2.Timestamp()
+    dead_time.FromNanoseconds(round(letter.dead_time * 1e9))
+    message = ops_service_pb2.DeadLetter(
+        sequence=letter.sequence,
+        job_id=letter.job_id,
+        tenant=letter.tenant,
+        model_name=letter.model_name,
+        reason=letter.reason,
+        attempts=letter.attempts,
+        dead_time=dead_time,
+    )
+    if letter.last_error is not None:
+        message.last_error.CopyFrom(_error_to_proto(letter.last_error))
+    if with_original:
+        message.original_request = letter.original
+    return message
 
 
 class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
-    def __init__(self, *, stats: QueueStatsReader, model_names: frozenset[str]) -> None:
+    def __init__(
+        self,
+        *,
+        config: Config,
+        stats: QueueStatsReader,
+        letters: DeadLetterStore,
+        store: JobStore,
+        js: JetStreamContext,
+        pauses: PauseState,
+        drain: Callable[[float], Awaitable[int]],
+        scheduler_id: str,
+    ) -> None:
+        self._config = config
         self._stats = stats
-        self._model_names = model_names
+        self._letters = letters
+        self._store = store
+        self._js = js
+        self._pauses = pauses
+        self._drain = drain
+        self._scheduler_id = scheduler_id
+        self._model_names = frozenset(m.name for m in config.models)
+
+    def _known_model(self, model_name: str, *, required: bool = False) -> None:
+        if required and not model_name:
+            raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model")])
+        if model_name and model_name not in self._model_names:
+            raise NotFound(f"model {model_name!r} is not configured", reason="MODEL_NOT_FOUND")
 
     async def GetQueueStats(
         self, request: ops_service_pb2.GetQueueStatsRequest, context: Context
     ) -> ops_service_pb2.GetQueueStatsResponse:
-        if request.model_name and request.model_name not in self._model_names:
-            raise NotFound(f"model {request.model_name!r} is not configured", reason="MODEL_NOT_FOUND")
+        self._known_model(request.model_name)
         snapshots = await self._stats.snapshot(request.model_name)
         return ops_service_pb2.GetQueueStatsResponse(models=[snapshot_to_proto(s) for s in snapshots])
 
     async def ListDeadLetters(
         self, request: ops_service_pb2.ListDeadLettersRequest, context: Context
     ) -> ops_service_pb2.ListDeadLettersResponse:
-        _later("ListDeadLetters")
+        self._known_model(request.model_name)
+        if request.page_size < 0:
+            raise InvalidArgument("page_size must not be negative", [FieldViolation("page_size", "must be >= 0")])
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        try:
+            after = int(request.page_token) if request.page_token else 0
+        except ValueError:
+            raise InvalidArgument(
+                "page_token is not one this service gave", [FieldViolation("page_token", "not a page token")]
+            ) from None
+        # One more than asked says whether there is a next page.
+        letters = await self._letters.page(model_name=request.model_name, after=after, limit=size + 1)
+        page = letters[:size]
+        next_token = str(page[-1].sequence) if len(letters) > size else ""
+        return ops_service_pb2.ListDeadLettersResponse(
+            dead_letters=[dead_letter_to_proto(letter) for letter in page], next_page_token=next_token
+        )
 
     async def GetDeadLetter(
         self, request: ops_service_pb2.GetDeadLetterRequest, context: Context
     ) -> ops_service_pb2.GetDeadLetterResponse:
-        _later("GetDeadLetter")
+        letter = await self._get(request.sequence)
+        return ops_service_pb2.GetDeadLetterResponse(dead_letter=dead_letter_to_proto(letter, with_original=True))
+
+    async def _get(self, sequence: int) -> DeadLetter:
+        letter = await self._letters.get(sequence) if sequence > 0 else None
+        if letter is None:
+            raise NotFound(f"no dead letter with sequence {sequence}", reason="DEAD_LETTER_NOT_FOUND")
+        return letter
+
+    async def _selected(self, sequences: list[int], every: bool, model_name: str) -> list[DeadLetter]:
+        self._known_model(model_name)
+        if sequences and every:
+            raise InvalidArgument(
+                "give sequences or all, not both", [FieldViolation("all", "cannot be combined with sequences")]
+            )
+        if every:
+            return await self._letters.all(model_name=model_name)
+        if not sequences:
+            raise InvalidArgument(
+                "give the dead letters' sequences, or all = true", [FieldViolation("sequences", "none given")]
+            )
+        return [await self._get(sequence) for sequence in sequences]
 
     async def ReplayDeadLetters(
         self, request: ops_service_pb2.ReplayDeadLettersRequest, context: Context
     ) -> ops_service_pb2.ReplayDeadLettersResponse:
-        _later("ReplayDeadLetters")
+        letters = await self._selected(list(request.sequences), request.all, request.model_name)
+        replayed = 0
+        for letter in letters:
+            try:
+                await replay(letter, store=self._store, letters=self._letters, js=self._js, config=self._config)
+            except AsyncInferError as error:
+                if not request.all:
+                    raise
+                # Replaying everything skips what cannot be replayed and says so in the log.
+                log.warning(
+                    "dead_letter_not_replayed", sequence=letter.sequence, job_id=letter.job_id, error=error.message
+                )
+                continue
+            replayed += 1
+            log.info("dead_letter_replayed", sequence=letter.sequence, job_id=letter.job_id, model=letter.model_name)
+        return ops_service_pb2.ReplayDeadLettersResponse(replayed=replayed)
 
     async def PurgeDeadLetters(
         self, request: ops_service_pb2.PurgeDeadLettersRequest, context: Context
     ) -> ops_service_pb2.PurgeDeadLettersResponse:
-        _later("PurgeDeadLetters")
+        self._known_model(request.model_name)
+        if request.all and not request.sequences:
+            purged = await self._letters.purge(model_name=request.model_name)
+        else:
+            letters = await self._selected(list(request.sequences), request.all, request.model_name)
+            purged = sum([await self._letters.delete(letter.sequence) for letter in letters])
+        log.info("dead_letters_purged", purged=purged, model=request.model_name or None)
+        return ops_service_pb2.PurgeDeadLettersResponse(purged=purged)
 
     async def PauseQueue(
         self, request: ops_service_pb2.PauseQueueRequest, context: Context
     ) -> ops_service_pb2.PauseQueueResponse:
-        _later("PauseQueue")
+        self._known_model(request.model_name, required=True)
+        await self._pauses.pause(request.model_name, by=self._scheduler_id)
+        return ops_service_pb2.PauseQueueResponse(paused=True)
 
     async def ResumeQueue(
         self, request: ops_service_pb2.ResumeQueueRequest, context: Context
     ) -> ops_service_pb2.ResumeQueueResponse:
-        _later("ResumeQueue")
+        self._known_model(request.model_name, required=True)
+        await self._pauses.resume(request.model_name)
+        return ops_service_pb2.ResumeQueueResponse(paused=False)
 
     async def Drain(self, request: ops_service_pb2.DrainRequest, context: Context) -> ops_service_pb2.DrainResponse:
-        _later("Drain")
+        timeout_s = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else DEFAULT_DRAIN_TIMEOUT_S
+        if timeout_s < 0:
+            raise InvalidArgument("timeout must not be negative", [FieldViolation("timeout", "must be >= 0")])
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout_s = min(timeout_s, max(remaining - 0.1, 0.0))
+        return ops_service_pb2.DrainResponse(in_flight=await self._drain(timeout_s))

@@ -1,9 +1,18 @@
-"""Queue statistics per model and priority, read from the consumers (for OpsService and metrics)."""
+"""Queue statistics per model and priority, read from the consumers, for OpsService, metrics, the
+priority selector's aging and the queue snapshots the gateway reads (asyncinfer.queues).
+
+The desired batcher count (the autoscaler's signal): zero when nothing waits or runs (scale to
+zero); otherwise enough batchers to clear the backlog (waiting + in flight) within
+`autoscale_target_drain_s` at the throughput one batcher was measured to give
+(completed_per_s / connected batchers), at least one. Before anything was measured (no batcher
+yet, or none finished anything), one, or the batchers connected.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -11,6 +20,7 @@ from datetime import UTC, datetime
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from asyncinfer import queues
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.jetstream import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority, work_subject
@@ -22,6 +32,8 @@ class PriorityQueueSnapshot:
     priority: Priority
     depth: int
     oldest_age_s: float | None
+    # Unix seconds the oldest waiting message was queued (None when empty or unknown).
+    oldest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,10 +45,41 @@ class ModelQueueSnapshot:
     free_credits: int
     desired_batchers: int
     paused: bool = False
+    completed_per_s: float = 0.0
+    updated_at: float = 0.0
 
     @property
     def depth(self) -> int:
         return sum(q.depth for q in self.priorities)
+
+    def oldest_ages(self) -> dict[Priority, float | None]:
+        return {q.priority: q.oldest_age_s for q in self.priorities}
+
+    def to_shared(self) -> queues.QueueSnapshot:
+        """The form the gateway reads from the queues bucket."""
+        return queues.QueueSnapshot(
+            model_name=self.model_name,
+            updated_at=self.updated_at,
+            priorities={
+                q.priority.value: queues.PriorityQueueSnapshot(depth=q.depth, oldest_create_time=q.oldest_create_time)
+                for q in self.priorities
+            },
+            in_flight=self.in_flight,
+            connected_batchers=self.connected_batchers,
+            free_credits=self.free_credits,
+            completed_per_s=self.completed_per_s,
+            paused=self.paused,
+            desired_batchers=self.desired_batchers,
+        )
+
+
+def desired_batchers(*, backlog: int, connected: int, completed_per_s: float, target_drain_s: float) -> int:
+    if backlog <= 0:
+        return 0
+    if connected <= 0 or completed_per_s <= 0:
+        return max(1, connected)
+    per_batcher = completed_per_s / connected
+    return max(1, math.ceil(backlog / (per_batcher * target_drain_s)))
 
 
 class QueueStatsReader:
@@ -47,11 +90,15 @@ class QueueStatsReader:
         config: Config,
         batchers: BatcherRegistry,
         in_flight_count: Callable[[str], int],
+        completed_per_s: Callable[[str], float],
+        is_paused: Callable[[str], bool],
     ) -> None:
         self._js = js
         self._config = config
         self._batchers = batchers
         self._in_flight_count = in_flight_count
+        self._completed_per_s = completed_per_s
+        self._is_paused = is_paused
 
     async def snapshot(self, model_name: str = "") -> list[ModelQueueSnapshot]:
         """Every configured model (or just model_name); unknown names give an empty list."""
@@ -59,19 +106,25 @@ class QueueStatsReader:
         return list(await asyncio.gather(*(self._model_snapshot(m) for m in models)))
 
     async def _model_snapshot(self, model: ModelConfig) -> ModelQueueSnapshot:
-        queues = await asyncio.gather(*(self._queue(model.name, p) for p in PRIORITIES_BY_RANK))
+        queued = await asyncio.gather(*(self._queue(model.name, p) for p in PRIORITIES_BY_RANK))
         sessions = self._batchers.serving(model.name)
         in_flight = self._in_flight_count(model.name)
-        # Capacity of one batcher: the batch limit it announced (else the configured one).
-        per_batcher = max((s.models[model.name].max_batch_size for s in sessions), default=model.max_batch_size)
-        backlog = sum(q.depth for q in queues) + in_flight
+        rate = self._completed_per_s(model.name)
         return ModelQueueSnapshot(
             model_name=model.name,
-            priorities=tuple(queues),
+            priorities=tuple(queued),
             in_flight=in_flight,
             connected_batchers=len(sessions),
             free_credits=self._batchers.free_credits(model.name),
-            desired_batchers=math.ceil(backlog / max(1, per_batcher)),
+            desired_batchers=desired_batchers(
+                backlog=sum(q.depth for q in queued) + in_flight,
+                connected=len(sessions),
+                completed_per_s=rate,
+                target_drain_s=self._config.scheduler.autoscale_target_drain_s,
+            ),
+            paused=self._is_paused(model.name),
+            completed_per_s=rate,
+            updated_at=time.time(),
         )
 
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:
@@ -79,6 +132,7 @@ class QueueStatsReader:
         info = await self._js.consumer_info(stream, work_consumer_name(model_name, priority))
         depth = info.num_pending or 0
         oldest_age_s: float | None = None
+        oldest_create_time: float | None = None
         if depth and info.delivered is not None:
             # The oldest waiting message is the first on the subject past the delivered sequence.
             try:
@@ -91,5 +145,8 @@ class QueueStatsReader:
             except NotFoundError:
                 first = None
             if first is not None and first.time is not None:
+                oldest_create_time = first.time.timestamp()
                 oldest_age_s = max((datetime.now(UTC) - first.time).total_seconds(), 0.0)
-        return PriorityQueueSnapshot(priority=priority, depth=depth, oldest_age_s=oldest_age_s)
+        return PriorityQueueSnapshot(
+            priority=priority, depth=depth, oldest_age_s=oldest_age_s, oldest_create_time=oldest_create_time
+        )

@@ -21,6 +21,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from asyncinfer.jetstream import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK
+from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 log = structlog.get_logger("asyncinfer.scheduler.queue")
 
@@ -73,21 +74,43 @@ async def pull_up_to(nc: NatsClient, stream: str, consumer: str, count: int, *, 
     return msgs
 
 
-class ModelQueues:
-    """A model's queues, one durable consumer per priority."""
+def _tenant_of(msg: Msg) -> str:
+    try:
+        return str(json.loads(msg.data).get("tenant", ""))
+    except (ValueError, AttributeError):
+        return ""
 
-    def __init__(self, nc: NatsClient, stream: str, model_name: str) -> None:
+
+class ModelQueues:
+    """A model's queues, one durable consumer per priority, and the choice between them (see
+    services.scheduler.priority)."""
+
+    def __init__(self, nc: NatsClient, stream: str, model_name: str, selector: PrioritySelector) -> None:
         self._nc = nc
         self._stream = stream
         self.model_name = model_name
         self.consumers = {p: work_consumer_name(model_name, p) for p in PRIORITIES_BY_RANK}
+        self.selector = selector
+        self._tenants = {p: TenantRoundRobin() for p in PRIORITIES_BY_RANK}
 
     async def pull_next(self, count: int = 1) -> list[Msg]:
-        """The next `count` jobs to run (fewer when fewer wait), chosen now: strict priority order
-        for now (weights and aging come later)."""
-        msgs: list[Msg] = []
-        for priority in PRIORITIES_BY_RANK:
-            if len(msgs) >= count:
-                break
-            msgs += await pull_up_to(self._nc, self._stream, self.consumers[priority], count - len(msgs))
-        return msgs
+        """The next `count` jobs to run (fewer when fewer wait), chosen now."""
+        chosen: list[Msg] = []
+        eligible = set(PRIORITIES_BY_RANK)
+        while len(chosen) < count and eligible:
+            plan = self.selector.plan(count - len(chosen), eligible)
+            for priority, slots in plan.items():
+                if slots == 0:
+                    continue
+                tenants = self._tenants[priority]
+                msgs = await pull_up_to(self._nc, self._stream, self.consumers[priority], tenants.window(slots))
+                picked, rest = tenants.choose([(_tenant_of(m), m) for m in msgs], slots)
+                for msg in rest:
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                self.selector.charge(priority, len(picked))
+                if len(picked) < slots:
+                    self.selector.mark_empty(priority)
+                    eligible.discard(priority)
+                chosen += picked
+        return chosen

@@ -23,7 +23,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
-from services.scheduler.messages import CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
+from services.scheduler.messages import CancelOrder, CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
 
 log = structlog.get_logger("asyncinfer.scheduler.workers")
 
@@ -146,8 +146,12 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
             yield worker_service_pb2.ConnectResponse(
                 welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id)
             )
-            while (order := await session.outbound.get()) is not None:
-                yield worker_service_pb2.ConnectResponse(order=order_to_proto(order))
+            while (message := await session.outbound.get()) is not None:
+                if isinstance(message, CancelOrder):
+                    cancel = worker_service_pb2.CancelOrder(job_id=message.job_id, attempt=message.attempt)
+                    yield worker_service_pb2.ConnectResponse(cancel=cancel)
+                else:
+                    yield worker_service_pb2.ConnectResponse(order=order_to_proto(message))
         finally:
             self._batchers.unregister(session)
             self._flow.batcher_lost(session)

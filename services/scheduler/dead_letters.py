@@ -1,0 +1,186 @@
+"""Dead letters: jobs that failed for good, kept in their own stream for operators to inspect,
+replay or purge.
+
+The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
+`asyncinfer.dead.<model>`: JSON with the reason (MAX_ATTEMPTS, ...), the attempts spent, the last
+error and the original work message (base64), so a replay can publish it again unchanged. The
+publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a scheduler that dies between writing the
+dead letter and failing the record writes the same letter again on redelivery, and the stream drops
+the duplicate.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from asyncinfer.config import NatsConfig
+from asyncinfer.errors import FieldViolation
+from asyncinfer.jetstream import publish_durably
+from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope
+
+DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
+PUBLISH_RETRY_FOR_S = 10.0
+
+
+def dead_subject(model_name: str) -> str:
+    return f"{DEAD_SUBJECT_PREFIX}.{model_name}"
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    job_id: str
+    tenant: str
+    model_name: str
+    reason: str
+    attempts: int
+    dead_time: float
+    # The original work message, byte for byte.
+    original: bytes
+    last_error: JobError | None = None
+    # Its sequence in the dead-letter stream (0 until stored).
+    sequence: int = 0
+
+    @property
+    def envelope(self) -> WorkEnvelope:
+        return decode_envelope(self.original)
+
+
+def _error_json(error: JobError | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    return {
+        "code": error.code,
+        "reason": error.reason,
+        "message": error.message,
+        "violations": [[v.field, v.description] for v in error.violations],
+        "retriable": error.retriable,
+    }
+
+
+def encode_dead_letter(letter: DeadLetter) -> bytes:
+    obj = {
+        "job_id": letter.job_id,
+        "tenant": letter.tenant,
+        "model_name": letter.model_name,
+        "reason": letter.reason,
+        "attempts": letter.attempts,
+        "dead_time": letter.dead_time,
+        "last_error": _error_json(letter.last_error),
+        "original": base64.b64encode(letter.original).decode("ascii"),
+    }
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
+    obj = json.loads(data)
+    error = obj.get("last_error")
+    return DeadLetter(
+        job_id=obj["job_id"],
+        tenant=obj["tenant"],
+        model_name=obj["model_name"],
+        reason=obj["reason"],
+        attempts=obj["attempts"],
+        dead_time=obj["dead_time"],
+        original=base64.b64decode(obj["original"]),
+        last_error=None
+        if error is None
+        else JobError(
+            code=error["code"],
+            reason=error["reason"],
+            message=error["message"],
+            violations=tuple(FieldViolation(f, d) for f, d in error.get("violations", ())),
+            retriable=error.get("retriable", False),
+        ),
+        sequence=sequence,
+    )
+
+
+async def ensure_dead_letter_stream(js: JetStreamContext, config: NatsConfig) -> None:
+    try:
+        await js.stream_info(config.dead_letter_stream)
+    except NotFoundError:
+        await js.add_stream(
+            api.StreamConfig(
+                name=config.dead_letter_stream,
+                description="asyncinfer jobs that failed for good, one subject per model",
+                subjects=[f"{DEAD_SUBJECT_PREFIX}.>"],
+                retention=api.RetentionPolicy.LIMITS,
+                storage=api.StorageType.FILE,
+                num_replicas=config.replicas,
+                duplicate_window=config.duplicate_window_s,
+            )
+        )
+
+
+class DeadLetterStore:
+    def __init__(self, nc: NatsClient, js: JetStreamContext, config: NatsConfig) -> None:
+        self._nc = nc
+        self._js = js
+        self._stream = config.dead_letter_stream
+
+    async def add(self, letter: DeadLetter) -> DeadLetter:
+        ack = await publish_durably(
+            self._js,
+            dead_subject(letter.model_name),
+            encode_dead_letter(letter),
+            stream=self._stream,
+            msg_id=f"{letter.job_id}.dead.{letter.attempts}",
+            retry_for_s=PUBLISH_RETRY_FOR_S,
+        )
+        return replace(letter, sequence=ack.seq)
+
+    async def get(self, sequence: int) -> DeadLetter | None:
+        try:
+            raw = await self._js.get_msg(self._stream, seq=sequence)
+        except NotFoundError:
+            return None
+        if raw.data is None:
+            return None
+        return decode_dead_letter(raw.data, raw.seq or sequence)
+
+    async def page(self, *, model_name: str = "", after: int = 0, limit: int = 50) -> list[DeadLetter]:
+        """Up to `limit` letters with sequences above `after`, oldest first."""
+        subject = dead_subject(model_name) if model_name else f"{DEAD_SUBJECT_PREFIX}.>"
+        letters: list[DeadLetter] = []
+        cursor = after + 1
+        while len(letters) < limit:
+            try:
+                raw = await self._js.get_msg(self._stream, seq=cursor, subject=subject, next=True)
+            except NotFoundError:
+                break
+            if raw.seq is None:
+                break
+            if raw.data is not None:
+                letters.append(decode_dead_letter(raw.data, raw.seq))
+            cursor = raw.seq + 1
+        return letters
+
+    async def all(self, *, model_name: str = "") -> list[DeadLetter]:
+        letters: list[DeadLetter] = []
+        while page := await self.page(model_name=model_name, after=letters[-1].sequence if letters else 0, limit=256):
+            letters += page
+        return letters
+
+    async def delete(self, sequence: int) -> bool:
+        try:
+            return await self._js.delete_msg(self._stream, sequence)
+        except NotFoundError:
+            return False
+
+    async def purge(self, *, model_name: str = "") -> int:
+        """Deletes every letter (of the model); how many were deleted."""
+        request: dict[str, Any] = {"filter": dead_subject(model_name)} if model_name else {}
+        reply = await self._nc.request(
+            f"$JS.API.STREAM.PURGE.{self._stream}", json.dumps(request).encode(), timeout=5.0
+        )
+        answer = json.loads(reply.data)
+        if "error" in answer:
+            raise RuntimeError(f"purge failed: {answer['error']}")
+        return int(answer.get("purged", 0))

@@ -1,0 +1,89 @@
+"""Replaying a dead letter: the same job runs again as a new attempt.
+
+Order, so that a crash anywhere loses nothing and runs nothing twice: the record goes back to
+QUEUED first (compare-and-set from FAILED/TIMED_OUT, so two operators replaying at once replay it
+once), then the original work message is published again with `Nats-Msg-Id:
+<job_id>.replay.<dead-letter sequence>` (a retried publish is dropped as a duplicate), then the dead
+letter is deleted. If the publish fails, the record is put back as it was.
+
+Attempts: `attempt` keeps counting (it is the fencing token, so it never goes back); the job gets
+a fresh budget instead: max_attempts becomes attempt + its original per-job max_attempts (capped by
+the model's max_attempts_limit). The error that killed it moves to last_error. A deadline that has
+passed makes the replayed job EXPIRED at dispatch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from nats.js import JetStreamContext
+
+from asyncinfer.config import Config
+from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
+from asyncinfer.jetstream import publish_durably
+from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.jobs import JobRecord, JobState, job_key, work_subject
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+
+log = structlog.get_logger("asyncinfer.scheduler.replay")
+
+REPLAYABLE = (JobState.FAILED, JobState.TIMED_OUT)
+PUBLISH_RETRY_FOR_S = 10.0
+
+
+async def replay(
+    letter: DeadLetter, *, store: JobStore, letters: DeadLetterStore, js: JetStreamContext, config: Config
+) -> JobRecord:
+    envelope = letter.envelope
+    record = await store.get(job_key(letter.tenant, letter.job_id))
+    if record is None:
+        raise NotFound(
+            f"job {letter.job_id} has no record any more (its retention passed); purge the dead letter",
+            reason="JOB_NOT_FOUND",
+        )
+    model = config.model(letter.model_name)
+    limit = model.max_attempts_limit if model is not None else envelope.max_attempts
+    budget = max(1, min(envelope.max_attempts, limit))
+    now = time.time()
+
+    def requeue(current: JobRecord) -> JobRecord | None:
+        if current.state not in REPLAYABLE:
+            return None
+        return current.evolve(
+            state=JobState.QUEUED,
+            max_attempts=current.attempt + budget,
+            last_error=current.error,
+            error=None,
+            end_time=None,
+            run_duration_s=None,
+            outputs=(),
+            update_time=now,
+        )
+
+    queued, written = await store.transition(record, requeue)
+    if queued is None or not written:
+        state = queued.state.value if queued is not None else "gone"
+        raise FailedPrecondition(
+            f"job {letter.job_id} is {state}, not FAILED or TIMED_OUT: it cannot be replayed",
+            reason="NOT_REPLAYABLE",
+        )
+    try:
+        await publish_durably(
+            js,
+            work_subject(envelope.model_name, envelope.priority),
+            letter.original,
+            stream=config.nats.work_stream,
+            msg_id=f"{letter.job_id}.replay.{letter.sequence}",
+            retry_for_s=PUBLISH_RETRY_FOR_S,
+        )
+    except NATS_FAILURES as exc:
+        restored = record.evolve(revision=queued.revision)
+        try:
+            await store.replace(restored)
+        except Exception as revert_error:
+            # QUEUED without a work message: it needs an operator (the dead letter is kept).
+            log.error("replay_not_reverted", job_id=letter.job_id, error=str(revert_error))
+        raise Unavailable(f"the job could not be queued again: {exc}") from exc
+    await letters.delete(letter.sequence)
+    return queued

@@ -1,0 +1,638 @@
+"""Scheduler policies against a real nats-server and a real SchedulerApp, driven by fake batchers
+that are real WorkerService gRPC clients: retries and dead letters (list, get, replay, purge),
+poison jobs, expiry at dispatch, execution timeouts, cancellation, pause/resume, drain, queue
+snapshots, the tenant counter, and priority under saturation."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import duration_pb2
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from prometheus_client import generate_latest
+from test_scheduler import FakeBatcher, read_record, until, wait_state, work_messages
+
+from asyncinfer.config import Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import (
+    JobRecord,
+    JobState,
+    Priority,
+    WorkEnvelope,
+    encode_envelope,
+    encode_record,
+    job_key,
+    work_subject,
+)
+from asyncinfer.queues import (
+    CancelNotice,
+    QueueSnapshot,
+    cancel_subject,
+    decode_count,
+    decode_snapshot,
+    encode_count,
+    tenant_key,
+)
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
+from services.scheduler.app import SchedulerApp
+from services.scheduler.priority import PrioritySelector, TenantRoundRobin
+
+MODEL = "demo"
+TENANT = "default"
+MODEL_ERROR = error_pb2.ErrorStatus(code=13, reason="MODEL_ERROR", message="model raised: boom", retriable=True)
+
+
+def tune(config: Config, **model_changes: Any) -> Config:
+    model = {**config.models[0].model_dump(), "retry_backoff_base_s": 0.05, "retry_backoff_max_s": 0.2}
+    return config.replace(models=[{**model, **model_changes}], scheduler={"queue_stats_interval_s": 0.2})
+
+
+async def enqueue(
+    js: JetStreamContext,
+    kv: KeyValue,
+    *,
+    priority: Priority = Priority.NORMAL,
+    value: float = 1.0,
+    max_attempts: int = 3,
+    tenant: str = TENANT,
+    deadline: float | None = None,
+    execution_timeout_s: float | None = None,
+) -> str:
+    """Queues a job exactly as the gateway does: the QUEUED record, then the work message."""
+    job_id = new_job_id()
+    now = time.time()
+    x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
+    common: dict[str, Any] = {
+        "job_id": job_id,
+        "tenant": tenant,
+        "model_name": MODEL,
+        "model_version": "1",
+        "priority": priority,
+        "create_time": now,
+        "max_attempts": max_attempts,
+        "deadline": deadline,
+        "execution_timeout_s": execution_timeout_s,
+    }
+    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
+    await kv.create(job_key(tenant, job_id), encode_record(record))
+    envelope = WorkEnvelope(**common, inputs=(x,))
+    await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
+    return job_id
+
+
+class ScriptedBatcher(FakeBatcher):
+    """A fake batcher that also records CancelOrders, and can answer every order by itself."""
+
+    def __init__(self, port: int, batcher_id: str) -> None:
+        super().__init__(port, batcher_id)
+        self.cancels: asyncio.Queue[worker_service_pb2.CancelOrder] = asyncio.Queue()
+        self._auto: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        async for response in self._call:
+            kind = response.WhichOneof("message")
+            if kind == "welcome":
+                self.welcome.set_result(response.welcome)
+            elif kind == "order":
+                self.orders.put_nowait(response.order)
+            elif kind == "cancel":
+                self.cancels.put_nowait(response.cancel)
+
+    async def next_cancel(self, timeout_s: float = 5.0) -> worker_service_pb2.CancelOrder:
+        return await asyncio.wait_for(self.cancels.get(), timeout_s)
+
+    def serve(self, decide: Callable[[worker_service_pb2.WorkOrder], Awaitable[None]]) -> None:
+        """Answers every order with decide(order), then grants the credit back."""
+
+        async def loop() -> None:
+            while True:
+                order = await self.orders.get()
+                await decide(order)
+                await self.grant(1)
+
+        self._auto = asyncio.create_task(loop())
+
+    async def close(self) -> None:
+        if self._auto is not None:
+            self._auto.cancel()
+            await asyncio.gather(self._auto, return_exceptions=True)
+        await super().close()
+
+
+def x_of(order: worker_service_pb2.WorkOrder) -> float:
+    (x,) = decode_tensors(order.inputs)
+    return float(x.to_numpy().ravel()[0])
+
+
+class Harness:
+    def __init__(self, app: SchedulerApp, nc: NatsClient, kv: KeyValue, queues: KeyValue) -> None:
+        self.app = app
+        self.js = nc.jetstream()
+        self.nc = nc
+        self.kv = kv
+        self.queues = queues
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
+        self.ops = ops_service_pb2_grpc.OpsServiceStub(self.channel)
+        self.batchers: list[ScriptedBatcher] = []
+
+    async def batcher(self, batcher_id: str = "b1", credits: int = 0) -> ScriptedBatcher:
+        batcher = ScriptedBatcher(self.app.port, batcher_id)
+        self.batchers.append(batcher)
+        await batcher.connect()
+        if credits:
+            await batcher.grant(credits)
+        return batcher
+
+    async def work_empty(self) -> None:
+        async def empty() -> bool:
+            return await work_messages(self.js, self.app.config) == 0
+
+        await until(empty)
+
+    async def snapshot(self) -> QueueSnapshot | None:
+        """The model's snapshot in the queues bucket (None until the first is written)."""
+        try:
+            entry = await self.queues.get(MODEL)
+        except NotFoundError:
+            return None
+        return decode_snapshot(entry.value) if entry.value else None
+
+    async def close(self) -> None:
+        for batcher in self.batchers:
+            await batcher.close()
+        await self.channel.close(None)
+
+
+Start = Callable[[Config], Awaitable[Harness]]
+
+
+@pytest.fixture
+async def start(nc: NatsClient) -> AsyncIterator[Start]:
+    started: list[Harness] = []
+
+    async def start_app(config: Config) -> Harness:
+        app = SchedulerApp(config)
+        await app.start()
+        js = nc.jetstream()
+        harness = Harness(
+            app,
+            nc,
+            await js.key_value(config.nats.jobs_bucket),
+            await js.key_value(config.nats.queues_bucket),
+        )
+        started.append(harness)
+        return harness
+
+    yield start_app
+    for harness in started:
+        await harness.close()
+        await harness.app.stop(grace_s=0.5)
+
+
+# --- retries, dead letters, poison ------------------------------------------------------------
+
+
+async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.js, h.kv, max_attempts=2)
+    for attempt in (1, 2):
+        order = await batcher.next_order()
+        assert (order.job_id, order.attempt) == (job_id, attempt)
+        await batcher.fail(order, MODEL_ERROR)
+        await batcher.grant(1)
+    failed = await wait_state(h.kv, job_id, JobState.FAILED)
+    assert failed.error is not None
+    assert failed.error.reason == "MODEL_ERROR"
+    assert "gave up after 2 attempts" in failed.error.message
+    await h.work_empty()  # the original message left WORK
+
+    listed = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))
+    (letter,) = listed.dead_letters
+    assert (letter.job_id, letter.tenant, letter.model_name, letter.reason, letter.attempts) == (
+        job_id,
+        TENANT,
+        MODEL,
+        "MAX_ATTEMPTS",
+        2,
+    )
+    assert (letter.last_error.reason, letter.last_error.code) == ("MODEL_ERROR", 13)
+    assert letter.original_request == b""  # only GetDeadLetter carries it
+    got = (await h.ops.GetDeadLetter(ops_service_pb2.GetDeadLetterRequest(sequence=letter.sequence))).dead_letter
+    assert b'"job_id":"' + job_id.encode() in got.original_request
+    exposition = generate_latest(h.app.metrics.registry).decode()
+    assert 'asyncinfer_dead_letters_total{model="demo",reason="MAX_ATTEMPTS"} 1.0' in exposition
+    assert 'asyncinfer_retries_total{model="demo",reason="MODEL_ERROR"} 1.0' in exposition
+
+    replayed = await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
+    assert replayed.replayed == 1
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt) == (job_id, 3)  # the fencing token keeps counting
+    await batcher.answer(order)
+    done = await wait_state(h.kv, job_id, JobState.SUCCEEDED)
+    assert done.max_attempts == 4  # a fresh budget of the job's own max_attempts
+    assert done.last_error is not None
+    assert done.last_error.reason == "MODEL_ERROR"
+    assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await h.ops.GetDeadLetter(ops_service_pb2.GetDeadLetterRequest(sequence=letter.sequence))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # Three more dead letters (max_attempts 1): purge one by sequence, then the rest; paging.
+    await batcher.grant(1)
+    dead = [await enqueue(h.js, h.kv, max_attempts=1) for _ in range(3)]
+    for _ in dead:
+        order = await batcher.next_order()
+        await batcher.fail(order, MODEL_ERROR)
+        await batcher.grant(1)
+    for job in dead:
+        await wait_state(h.kv, job, JobState.FAILED)
+    first_page = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(page_size=2))
+    assert len(first_page.dead_letters) == 2
+    assert first_page.next_page_token
+    second_page = await h.ops.ListDeadLetters(
+        ops_service_pb2.ListDeadLettersRequest(page_size=2, page_token=first_page.next_page_token)
+    )
+    assert len(second_page.dead_letters) == 1
+    assert not second_page.next_page_token
+    sequences = [d.sequence for d in [*first_page.dead_letters, *second_page.dead_letters]]
+    purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences[:1]))
+    assert purged.purged == 1
+    purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(all=True, model_name=MODEL))
+    assert purged.purged == 2
+    assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_fixes_it(
+    start: Start, config: Config
+) -> None:
+    h = await start(tune(config, max_attempts=3))
+    poison_value = 13.0
+    fixed = asyncio.Event()
+
+    async def run(order: worker_service_pb2.WorkOrder) -> None:
+        if x_of(order) == poison_value and not fixed.is_set():
+            await batcher.fail(order, MODEL_ERROR)
+        else:
+            await batcher.answer(order)
+
+    batcher = await h.batcher()
+    batcher.serve(run)
+    await batcher.grant(16)
+    started = time.monotonic()
+    others = [await enqueue(h.js, h.kv, value=float(i % 7)) for i in range(250)]
+    poison = await enqueue(h.js, h.kv, value=poison_value)
+    others += [await enqueue(h.js, h.kv, value=float(i % 7)) for i in range(250)]
+
+    dead = await wait_state(h.kv, poison, JobState.FAILED, timeout_s=20)
+    assert dead.attempt == 3
+    assert dead.error is not None
+    assert dead.error.reason == "MODEL_ERROR"
+
+    async def all_done() -> bool:
+        states = [(await read_record(h.kv, job)).state for job in others]
+        return all(s == JobState.SUCCEEDED for s in states)
+
+    await until(all_done, timeout_s=30)
+    elapsed = time.monotonic() - started
+    (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters
+    assert (letter.job_id, letter.attempts, letter.last_error.reason) == (poison, 3, "MODEL_ERROR")
+
+    fixed.set()
+    assert (await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(all=True))).replayed == 1
+    replayed = await wait_state(h.kv, poison, JobState.SUCCEEDED)
+    assert replayed.attempt == 4
+    await h.work_empty()
+    print(f"poison: 500 jobs + 1 poison done in {elapsed:.2f} s")
+
+
+async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.js, h.kv)
+    order = await batcher.next_order()
+    invalid = error_pb2.ErrorStatus(code=3, reason="INVALID_INPUT", message="NaN", retriable=False)
+    await batcher.fail(order, invalid)
+    failed = await wait_state(h.kv, job_id, JobState.FAILED)
+    assert (failed.attempt, failed.error.reason if failed.error else None) == (1, "INVALID_INPUT")
+    await h.work_empty()
+    assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
+
+
+# --- deadlines and timeouts -------------------------------------------------------------------
+
+
+async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    deadline = time.time() + 0.3
+    expired = await enqueue(h.js, h.kv, deadline=deadline)
+
+    async def passed() -> bool:
+        return time.time() > deadline
+
+    await until(passed)
+    await batcher.grant(1)
+    record = await wait_state(h.kv, expired, JobState.EXPIRED)
+    assert record.error is not None
+    assert record.error.reason == "DEADLINE_EXCEEDED"
+    assert record.attempt == 0
+    await h.work_empty()
+    fresh = await enqueue(h.js, h.kv)  # the credit was not used by the expired job
+    order = await batcher.next_order()
+    assert order.job_id == fresh
+
+
+async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(start: Start, config: Config) -> None:
+    h = await start(tune(config, timeout_action="fail"))
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.js, h.kv, execution_timeout_s=0.3)
+    order = await batcher.next_order()
+    assert order.execution_timeout.ToMilliseconds() == 300
+    cancel = await batcher.next_cancel()
+    assert (cancel.job_id, cancel.attempt) == (job_id, 1)
+    record = await wait_state(h.kv, job_id, JobState.TIMED_OUT)
+    assert record.error is not None
+    assert record.error.reason == "EXECUTION_TIMEOUT"
+    await h.work_empty()
+    await batcher.answer(order)  # too late: fenced out
+    await batcher.grant(1)
+
+    async def credit_counted() -> bool:
+        return h.app.batchers.free_credits(MODEL) == 1
+
+    await until(credit_counted)
+    assert (await read_record(h.kv, job_id)).state == JobState.TIMED_OUT
+
+
+async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, config: Config) -> None:
+    h = await start(tune(config, timeout_action="retry"))
+    batcher = await h.batcher(credits=2)
+    job_id = await enqueue(h.js, h.kv, execution_timeout_s=0.3, max_attempts=2)
+    first = await batcher.next_order()
+    assert (await batcher.next_cancel()).attempt == 1
+    second = await batcher.next_order()
+    assert (second.job_id, second.attempt) == (job_id, 2)
+    await batcher.answer(first)  # the late first attempt is discarded ...
+    await batcher.answer(second)  # ... the second one counts
+    done = await wait_state(h.kv, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 2
+    assert done.last_error is not None
+    assert done.last_error.reason == "EXECUTION_TIMEOUT"
+
+    # Spent attempts under the retry policy: TIMED_OUT, and a dead letter.
+    await batcher.grant(1)
+    doomed = await enqueue(h.js, h.kv, execution_timeout_s=0.2, max_attempts=1)
+    await batcher.next_order()
+    record = await wait_state(h.kv, doomed, JobState.TIMED_OUT)
+    assert record.error is not None
+    assert record.error.reason == "EXECUTION_TIMEOUT"
+    (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters
+    assert letter.job_id == doomed
+
+
+# --- cancellation ---------------------------------------------------------------------------
+
+
+async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
+    """What the gateway's CancelJob does: QUEUED -> CANCELED, RUNNING -> CANCELLING + a notice."""
+    store = JobStore(h.kv)
+    record = await store.get(job_key(TENANT, job_id))
+    assert record is not None
+    now = time.time()
+
+    def cancel(current: JobRecord) -> JobRecord | None:
+        if current.state == JobState.QUEUED:
+            return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
+        if current.state == JobState.RUNNING:
+            return current.evolve(state=JobState.CANCELLING, update_time=now)
+        return None
+
+    latest, written = await store.transition(record, cancel)
+    assert latest is not None
+    assert written
+    if latest.state == JobState.CANCELLING:
+        notice = CancelNotice(job_id=job_id, tenant=TENANT, model_name=MODEL)
+        await h.nc.publish(cancel_subject(MODEL), notice.encode())
+    return latest
+
+
+async def test_cancel_of_a_queued_job_means_it_never_runs(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    canceled = await enqueue(h.js, h.kv)
+    assert (await cancel_as_gateway(h, canceled)).state == JobState.CANCELED
+    await batcher.grant(1)
+    await h.work_empty()
+    kept = await enqueue(h.js, h.kv)
+    order = await batcher.next_order()
+    assert order.job_id == kept
+    assert (await read_record(h.kv, canceled)).state == JobState.CANCELED
+
+
+async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=2)
+    job_id = await enqueue(h.js, h.kv)
+    order = await batcher.next_order()
+    assert (await cancel_as_gateway(h, job_id)).state == JobState.CANCELLING
+    cancel = await batcher.next_cancel()
+    assert (cancel.job_id, cancel.attempt) == (job_id, 1)
+    dropped = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+    await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+    record = await wait_state(h.kv, job_id, JobState.CANCELED)
+    assert record.outputs == ()
+    await h.work_empty()
+
+    # Cancel after compute finished: the result arrives for a CANCELLING record; the cancel won.
+    late = await enqueue(h.js, h.kv)
+    order = await batcher.next_order()
+    await cancel_as_gateway(h, late)
+    await batcher.next_cancel()
+    await batcher.answer(order)
+    record = await wait_state(h.kv, late, JobState.CANCELED)
+    assert record.outputs == ()
+    await h.work_empty()
+
+
+# --- pause, drain, snapshots, tenant counters ------------------------------------------------
+
+
+async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    assert (await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
+    assert (await h.queues.get("paused.demo")).value
+    job_id = await enqueue(h.js, h.kv, priority=Priority.HIGH)
+    await batcher.grant(1)
+    with pytest.raises(TimeoutError):
+        await batcher.next_order(timeout_s=0.5)
+
+    async def snapshot_paused() -> bool:
+        snapshot = await h.snapshot()
+        return (
+            snapshot is not None
+            and snapshot.paused
+            and snapshot.depth(Priority.HIGH) == 1
+            and snapshot.free_credits == 1
+        )
+
+    await until(snapshot_paused)
+    stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
+    assert stats.paused
+    assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="nope"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_paused_key_written_by_another_scheduler_is_honoured(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    await h.queues.put("paused.demo", b"{}")  # as another scheduler's PauseQueue would
+    await until(lambda: _true_if(h.app.metrics, "asyncinfer_queue_paused"))
+    await enqueue(h.js, h.kv)
+    await batcher.grant(1)
+    with pytest.raises(TimeoutError):
+        await batcher.next_order(timeout_s=0.4)
+    await h.queues.delete("paused.demo")
+    await batcher.next_order()
+
+
+async def _true_if(metrics: Any, name: str) -> bool:
+    return f'{name}{{model="demo"}} 1.0' in generate_latest(metrics.registry).decode()
+
+
+async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=2)
+    running = await enqueue(h.js, h.kv)
+    order = await batcher.next_order()
+    timeout = duration_pb2.Duration(seconds=10)
+
+    async def drain_call() -> ops_service_pb2.DrainResponse:
+        return await h.ops.Drain(ops_service_pb2.DrainRequest(timeout=timeout))
+
+    drain = asyncio.create_task(drain_call())
+
+    async def draining() -> bool:
+        return h.app._draining is not None and h.app._draining.done()
+
+    await until(draining)
+    queued = await enqueue(h.js, h.kv)
+    assert not drain.done()
+    await batcher.answer(order)
+    assert (await asyncio.wait_for(drain, 5)).in_flight == 0
+    await wait_state(h.kv, running, JobState.SUCCEEDED)
+    with pytest.raises(TimeoutError):
+        await batcher.next_order(timeout_s=0.3)
+    assert (await read_record(h.kv, queued)).state == JobState.QUEUED
+    short = await h.ops.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(nanos=1000)))
+    assert short.in_flight == 0
+
+
+async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, config: Config) -> None:
+    h = await start(tune(config))
+    await h.queues.put(tenant_key(TENANT), encode_count(5))  # as the gateway keeps it
+    batcher = await h.batcher()
+    batcher.serve(batcher.answer)
+    jobs = [await enqueue(h.js, h.kv) for _ in range(5)]
+    await enqueue(h.js, h.kv, tenant="other")  # a tenant without a counter: none is created
+    await batcher.grant(2)
+    for job in jobs:
+        await wait_state(h.kv, job, JobState.SUCCEEDED)
+
+    async def counted_down() -> bool:
+        return decode_count((await h.queues.get(tenant_key(TENANT))).value) == 0
+
+    await until(counted_down)
+    with pytest.raises(KeyNotFoundError):
+        await h.queues.get(tenant_key("other"))
+    stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())).models[0]
+    assert stats.completed_per_second > 0
+    assert stats.desired_batchers == 0  # nothing waits or runs: scale to zero
+
+    async def snapshot_rate() -> bool:
+        snapshot = await h.snapshot()
+        return snapshot is not None and snapshot.completed_per_s > 0 and snapshot.connected_batchers == 1
+
+    await until(snapshot_rate)
+    exposition = generate_latest(h.app.metrics.registry).decode()
+    assert 'asyncinfer_desired_batchers{model="demo"}' in exposition
+    assert 'asyncinfer_results_total{model="demo"} 6.0' in exposition
+
+
+# --- priority -------------------------------------------------------------------------------
+
+
+def test_selector_weights_and_aging() -> None:
+    selector = PrioritySelector({Priority.HIGH: 8, Priority.NORMAL: 3, Priority.LOW: 1}, aging_s=30.0)
+    assert selector.plan(1, list(Priority)) == {Priority.HIGH: 1, Priority.NORMAL: 0, Priority.LOW: 0}
+    plan = selector.plan(12, list(Priority))
+    assert plan == {Priority.HIGH: 8, Priority.NORMAL: 3, Priority.LOW: 1}
+    selector.observe_ages({Priority.LOW: 65.0})  # two levels up: LOW weighs like HIGH
+    assert selector.effective_weight(Priority.LOW) == 8
+    plan = selector.plan(16, [Priority.HIGH, Priority.LOW])
+    assert plan == {Priority.HIGH: 8, Priority.LOW: 8}
+
+
+def test_tenant_round_robin_takes_one_job_per_tenant_in_turn() -> None:
+    rr = TenantRoundRobin()
+    items = [("a", 1), ("a", 2), ("a", 3), ("b", 4), ("a", 5), ("c", 6)]
+    chosen, rest = rr.choose(items, 3)
+    assert chosen == [1, 4, 6]
+    assert rest == [2, 3, 5]
+    chosen, rest = rr.choose([("a", 2), ("a", 3), ("b", 7), ("c", 8)], 2)
+    assert chosen == [2, 7]  # after c comes a, then b
+    assert rr.several_tenants
+    assert rr.window(4) == 8
+
+
+async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:
+    """A LOW backlog saturates the only batcher; HIGH jobs keep arriving while it drains."""
+    h = await start(tune(config))
+    batcher = await h.batcher()
+
+    async def slow_answer(order: worker_service_pb2.WorkOrder) -> None:
+        await asyncio.sleep(0.005)  # a little compute, so the backlog lasts
+        await batcher.answer(order)
+
+    low = [await enqueue(h.js, h.kv, priority=Priority.LOW) for _ in range(200)]
+    batcher.serve(slow_answer)
+    await batcher.grant(2)
+    high: list[str] = []
+    for _ in range(40):
+        high.append(await enqueue(h.js, h.kv, priority=Priority.HIGH))
+        await asyncio.sleep(0.01)  # arrivals spread over the run, not a sync wait
+    for job in low:
+        await wait_state(h.kv, job, JobState.SUCCEEDED, timeout_s=30)
+    waits: dict[Priority, list[float]] = {}
+    for priority, jobs in ((Priority.HIGH, high), (Priority.LOW, low)):
+        records = [await read_record(h.kv, job) for job in jobs]
+        assert all(r.state == JobState.SUCCEEDED for r in records)
+        waits[priority] = [r.queue_duration_s or 0.0 for r in records]
+    high_mean, low_mean = statistics.mean(waits[Priority.HIGH]), statistics.mean(waits[Priority.LOW])
+    high_max = max(waits[Priority.HIGH])
+    print(
+        f"priority: HIGH mean queue wait {high_mean * 1000:.1f} ms (max {high_max * 1000:.1f} ms), "
+        f"LOW mean {low_mean * 1000:.0f} ms (max {max(waits[Priority.LOW]) * 1000:.0f} ms), all 200 LOW done"
+    )
+    assert high_mean * 10 < low_mean
