@@ -92,6 +92,12 @@ class SchedulerConfig(_Section):
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
     )
     queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+    orphan_message_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="A work message whose job record is still missing after this long is dropped (its submit "
+        "never completed; the client was not told it was accepted). Must exceed gateway.enqueue_retry_s.",
+    )
     weight_high: int = Field(8, ge=1, description="Share of free slots HIGH gets, against the weights below.")
     weight_normal: int = Field(3, ge=1, description="Share of free slots NORMAL gets.")
     weight_low: int = Field(1, ge=1, description="Share of free slots LOW gets.")
@@ -258,6 +264,15 @@ class Config(_Section):
     batcher: BatcherConfig = Field(default_factory=BatcherConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = Field((DEMO_MODEL,), description="The models served.")
+
+    @model_validator(mode="after")
+    def _orphan_grace_covers_enqueue_retries(self) -> Config:
+        if self.scheduler.orphan_message_grace_s <= self.gateway.enqueue_retry_s:
+            raise ValueError(
+                "scheduler.orphan_message_grace_s must exceed gateway.enqueue_retry_s: a submit may still be "
+                "writing the job record that long after its work message was published"
+            )
+        return self
 
     @model_validator(mode="after")
     def _unique_models(self) -> Config:

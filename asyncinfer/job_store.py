@@ -51,8 +51,13 @@ class JobStore:
 
     async def replace(self, record: JobRecord) -> JobRecord:
         """Compare-and-set: writes `record` only if the stored revision is still `record.revision`.
-        Raises KeyWrongLastSequenceError when someone else wrote first."""
-        revision = await self._kv.update(record.key, encode_record(record), last=record.revision)
+        Raises KeyWrongLastSequenceError when someone else wrote first, Unavailable when NATS fails."""
+        try:
+            revision = await self._kv.update(record.key, encode_record(record), last=record.revision)
+        except KeyWrongLastSequenceError:
+            raise
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot update the job record: {exc}") from exc
         return record.evolve(revision=revision)
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:

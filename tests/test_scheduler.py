@@ -67,10 +67,11 @@ async def enqueue(
     value: float = 1.0,
     max_attempts: int = 3,
     with_record: bool = True,
+    age_s: float = 0.0,
 ) -> str:
-    """Queues a job exactly as the gateway does: the QUEUED record, then the work message."""
+    """Queues a job as the gateway does (the work message and the QUEUED record)."""
     job_id = new_job_id()
-    now = time.time()
+    now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
     record = JobRecord(
         job_id=job_id,
@@ -425,12 +426,14 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
     assert failed.attempt == 2
 
 
-async def test_message_without_record_is_terminated(
+async def test_orphan_message_is_dropped_after_its_grace(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
 ) -> None:
+    """A work message whose record never came (the gateway died between publish and record) is
+    dropped once older than orphan_message_grace_s, without using up the credit."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    await enqueue(js, kv, with_record=False)
+    await enqueue(js, kv, with_record=False, age_s=config.scheduler.orphan_message_grace_s + 1)
 
     async def removed() -> bool:
         return await work_messages(js, config) == 0
@@ -439,6 +442,40 @@ async def test_message_without_record_is_terminated(
     job_id = await enqueue(js, kv)  # the credit was not used up by the orphan
     order = await batcher.next_order()
     assert order.job_id == job_id
+
+
+async def test_young_message_waits_for_its_record(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    """The gateway publishes before it writes the record: a message that arrives first is kept
+    and runs once its record exists."""
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    job_id = await enqueue(js, kv, with_record=False)
+
+    async def pulled() -> bool:
+        info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
+        return (info.delivered.consumer_seq or 0) >= 1
+
+    await until(pulled)
+    assert await work_messages(js, config) == 1, "a young message is not dropped"
+    now = time.time()
+    record = JobRecord(
+        job_id=job_id,
+        tenant=TENANT,
+        model_name=MODEL,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=Priority.NORMAL,
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=3600.0,
+    )
+    await kv.create(job_key(TENANT, job_id), encode_record(record))
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+    assert order.attempt == 1
 
 
 async def test_first_message_must_be_hello(app: SchedulerApp) -> None:

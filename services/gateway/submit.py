@@ -28,7 +28,6 @@ from asyncinfer.jetstream import RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S, publish
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
     CallbackSpec,
-    JobError,
     JobRecord,
     JobState,
     Priority,
@@ -198,7 +197,8 @@ class JobSubmitter:
         try:
             return await self._enqueue(request, model, tenant=tenant, now=now)
         except BaseException:
-            # Nothing was queued (the job is FAILED with ENQUEUE_FAILED, or has no record).
+            # Not accepted: no record was written (a work message may be left, which the
+            # scheduler drops as an orphan).
             self._admission.release_model_slot(model, slot)
             await self._admission.release_tenant_slot(tenant)
             raise
@@ -222,7 +222,6 @@ class JobSubmitter:
         )
         bound = log.bind(job_id=record.job_id, model=record.model_name, tenant=tenant)
         give_up_at = time.monotonic() + self._config.gateway.enqueue_retry_s
-        record = await self._create_record(record, give_up_at)
         envelope = WorkEnvelope(
             job_id=record.job_id,
             tenant=tenant,
@@ -235,6 +234,10 @@ class JobSubmitter:
             deadline=record.deadline,
             execution_timeout_s=record.execution_timeout_s,
         )
+        # The work message first, then the record. A crash between the two leaves a message
+        # without a record, which the scheduler drops once it is older than its grace period
+        # (nobody was told the job was accepted); the other order would leave a QUEUED record
+        # that nothing will ever run. The scheduler waits briefly for a record it cannot find yet.
         try:
             await publish_durably(
                 self._js,
@@ -246,9 +249,17 @@ class JobSubmitter:
             )
         except NATS_FAILURES as exc:
             bound.warning("enqueue_failed", error=str(exc))
-            await self._mark_enqueue_failed(record, exc)
             raise Unavailable(
                 f"the job could not be queued ({exc}); it was not accepted, submit it again",
+                reason="ENQUEUE_FAILED",
+                metadata={"job_id": record.job_id},
+            ) from exc
+        try:
+            record = await self._create_record(record, give_up_at)
+        except Unavailable as exc:
+            bound.warning("record_create_failed", error=exc.message)
+            raise Unavailable(
+                f"the job could not be recorded ({exc.message}); it was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
@@ -273,18 +284,3 @@ class JobSubmitter:
             first = False
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_DELAY_S)
-
-    async def _mark_enqueue_failed(self, record: JobRecord, cause: BaseException) -> None:
-        # The record exists but no work message does: without this it would stay QUEUED forever.
-        now = self._clock()
-        error = JobError(
-            code=Unavailable.code.value[0],
-            reason="ENQUEUE_FAILED",
-            message=f"the work message could not be published: {cause}",
-            retriable=True,
-        )
-        failed = record.evolve(state=JobState.FAILED, error=error, update_time=now, end_time=now)
-        try:
-            await self._records.replace(failed)
-        except NATS_FAILURES as exc:
-            log.error("enqueue_failed_not_recorded", job_id=record.job_id, model=record.model_name, error=str(exc))

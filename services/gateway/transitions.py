@@ -23,8 +23,8 @@ import grpc
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from asyncinfer.errors import FailedPrecondition, Unavailable
-from asyncinfer.job_store import NATS_FAILURES, Decide, JobStore, job_not_found
+from asyncinfer.errors import FailedPrecondition
+from asyncinfer.job_store import NATS_FAILURES, JobStore, job_not_found
 from asyncinfer.jobs import JobError, JobRecord, JobState
 from asyncinfer.queues import CancelNotice, cancel_subject
 
@@ -34,14 +34,6 @@ EXPIRED_REASON = "QUEUE_DEADLINE_EXCEEDED"
 CANCELED_REASON = "CANCELED_BY_USER"
 ALREADY_FINISHED_REASON = "JOB_ALREADY_FINISHED"
 MAX_CANCEL_REASON_CHARS = 512
-
-
-async def transition(records: JobStore, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
-    """JobStore.transition, with NATS failures as Unavailable (a lost leader, a timeout)."""
-    try:
-        return await records.transition(record, decide)
-    except NATS_FAILURES as exc:
-        raise Unavailable(f"cannot update the job record: {exc}") from exc
 
 
 # --- expiry ---------------------------------------------------------------------------------------
@@ -69,7 +61,7 @@ async def expire_if_overdue(records: JobStore, record: JobRecord, now: float) ->
     not overdue."""
     if not is_overdue(record, now):
         return record, False
-    return await transition(records, record, lambda current: expired(current, now))
+    return await records.transition(record, lambda current: expired(current, now))
 
 
 class Expiry:
@@ -126,7 +118,7 @@ def already_finished(record: JobRecord) -> FailedPrecondition:
 async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason: str, now: float) -> JobRecord:
     """The record after the cancel: CANCELED, or CANCELLING (the notice sent). FailedPrecondition
     when the job already ended (or its deadline passed: it is EXPIRED now)."""
-    latest, wrote = await transition(records, record, lambda current: canceled(current, reason=reason, now=now))
+    latest, wrote = await records.transition(record, lambda current: canceled(current, reason=reason, now=now))
     if latest is None:
         raise job_not_found(record.job_id)
     if latest.state.is_terminal and not (wrote and latest.state is JobState.CANCELED):

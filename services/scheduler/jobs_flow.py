@@ -56,6 +56,8 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
+# Pauses while waiting for a record that the gateway is writing right after its publish.
+RECORD_WAITS_S = (0.002, 0.01, 0.05)
 # Cancel notices for jobs not (yet) in flight here are remembered this long: the notice can
 # overtake the dispatch that made the job RUNNING.
 PENDING_CANCEL_TTL_S = 30.0
@@ -148,6 +150,30 @@ class JobFlow:
             await _quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
             return False
 
+    async def _record_of(
+        self, msg: Msg, envelope: WorkEnvelope, job_log: structlog.typing.FilteringBoundLogger
+    ) -> JobRecord | None:
+        """The job's record. The gateway publishes the work message before it writes the record,
+        so a very young message may arrive first: wait a moment for it. A message whose record never
+        came (its submit failed or the gateway died in between; nobody was told it was accepted) is
+        dropped once it is older than orphan_message_grace_s."""
+        record = await self._store.get(envelope.key)
+        for pause_s in RECORD_WAITS_S:
+            if record is not None:
+                return record
+            await asyncio.sleep(pause_s)
+            record = await self._store.get(envelope.key)
+        if record is not None:
+            return record
+        age_s = time.time() - envelope.create_time
+        if age_s < self._config.scheduler.orphan_message_grace_s:
+            job_log.info("job_record_not_written_yet", age_s=round(age_s, 3))
+            await _quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
+        else:
+            job_log.warning("orphan_work_message_dropped", age_s=round(age_s, 1))
+            await _quietly(msg.term())
+        return None
+
     async def _dispatch(
         self,
         msg: Msg,
@@ -155,10 +181,8 @@ class JobFlow:
         session: BatcherSession,
         job_log: structlog.typing.FilteringBoundLogger,
     ) -> bool:
-        record = await self._store.get(envelope.key)
+        record = await self._record_of(msg, envelope, job_log)
         if record is None:
-            job_log.error("job_record_missing")
-            await msg.term()
             return False
         now = time.time()
         exhausted = False
