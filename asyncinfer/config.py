@@ -192,7 +192,12 @@ class ModelConfig(_Section):
         description="Upper bounds of the length buckets: items batch together (and pad) only within one bucket.",
     )
     max_queue_size: int = Field(256, ge=1, description="Most items waiting in the batcher for this model.")
-    max_inflight_batches: int = Field(2, ge=1, description="Batches computed at once (overlaps prep with compute).")
+    max_inflight_batches: int = Field(
+        1,
+        ge=1,
+        description="Batches computed at once. 1 suits CPU torch (a second batch would only split the cores and "
+        "close small); 2 or more overlap data movement with compute on a GPU or hide a remote Triton's latency.",
+    )
     default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
     max_attempts: int = Field(3, ge=1, description="Attempts a job gets for retriable failures by default.")
     max_attempts_limit: int = Field(10, ge=1, description="The most attempts a job may ask for (max_attempts).")

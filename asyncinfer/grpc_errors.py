@@ -1,8 +1,14 @@
 """The one place where asyncinfer errors become gRPC statuses (and back).
 
-Servers install `ErrorInterceptor`, so servicers simply raise `AsyncInferError` kinds. The status
-carries `google.rpc` details: `ErrorInfo` always, `BadRequest` field violations for invalid input,
-`RetryInfo` for RESOURCE_EXHAUSTED.
+Servicers simply raise `AsyncInferError` kinds; `GrpcServer` wraps every method handler once, at
+registration (`wrap_method_handler`, `ErrorMappingGenericHandler`), so that the error becomes a
+rich status. The status carries `google.rpc` details: `ErrorInfo` always, `BadRequest` field
+violations for invalid input, `RetryInfo` for RESOURCE_EXHAUSTED.
+
+Wrapping at registration rather than with an `aio.ServerInterceptor` matters for speed: grpc's
+aio server runs interceptors on every call, and an interceptor that wraps builds a new handler
+per call (about a tenth of a millisecond a call on a small machine). `ErrorInterceptor` remains
+for servers that are not built by `GrpcServer`.
 """
 
 from __future__ import annotations
@@ -98,39 +104,52 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
     return wrapper
 
 
+def wrap_method_handler(handler: Any) -> Any:
+    """The same method handler (or None), its behaviour mapping AsyncInferError to a rich status."""
+    if handler is None:
+        return None
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+    )
+    for attr, make, wrap in kinds:
+        behavior = getattr(handler, attr)
+        if behavior:
+            return make(
+                wrap(behavior),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+class ErrorMappingGenericHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """A generic handler whose method handlers map AsyncInferError to rich statuses; each
+    method's wrapped handler is built once and reused."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any]) -> None:
+        self._inner = inner
+        self._wrapped: dict[str, Any] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        method = handler_call_details.method
+        handler = self._wrapped.get(method)
+        if handler is None:
+            handler = wrap_method_handler(self._inner.service(handler_call_details))
+            if handler is not None:
+                self._wrapped[method] = handler
+        return handler
+
+
 class ErrorInterceptor(aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Maps AsyncInferError raised by any servicer method to a rich gRPC status."""
+    """Maps AsyncInferError raised by any servicer method to a rich gRPC status, for servers
+    not built by GrpcServer (which wraps handlers once, at registration, instead)."""
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any]:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream),  # type: ignore[arg-type]
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_method_handler(await continuation(handler_call_details))  # type: ignore[no-any-return]

@@ -1,17 +1,19 @@
 """Building gRPC servers the same way in every service: health checking, reflection (so grpcurl
-works without proto files), the error interceptor, and an ordered, idempotent stop."""
+works without proto files), AsyncInferError mapped to rich statuses, and an ordered, idempotent
+stop."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
+import grpc
 from grpc import aio
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from asyncinfer.grpc_errors import ErrorInterceptor
+from asyncinfer.grpc_errors import ErrorMappingGenericHandler, wrap_method_handler
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -41,9 +43,11 @@ class GrpcServer:
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = aio.server(interceptors=[*interceptors, ErrorInterceptor()], options=options)
+        interceptors = tuple(interceptors)
+        self.server = aio.server(interceptors=interceptors or None, options=options)
         self.health = health_aio.HealthServicer()
-        add_servicers(self.server)
+        # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
+        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -76,3 +80,21 @@ class GrpcServer:
         self._stopped = True
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+class _ErrorMappingRegistrar:
+    """Stands in for the aio.Server while servicers register: every method handler they add
+    is wrapped (once) so that AsyncInferError becomes a rich status."""
+
+    def __init__(self, server: aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
+        self._server.add_generic_rpc_handlers([ErrorMappingGenericHandler(h) for h in handlers])
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
+        wrapped = {name: wrap_method_handler(handler) for name, handler in method_handlers.items()}
+        self._server.add_registered_method_handlers(service_name, wrapped)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._server, name)

@@ -41,7 +41,9 @@ from bench.batcher_servers import ECHO_METHOD, free_port  # noqa: E402
 RESULTS = ROOT / "bench" / "results"
 CONCURRENCY = (1, 32, 128)
 BATCH_SIZES = (1, 8, 32, 128)
-MODELS = {"mlp": (128, 2.0), "minilm": (64, 5.0)}  # max batch size, max queue delay (ms)
+# Max batch size, max queue delay (ms), torch intra-op threads in both servers (0: torch's default).
+# The MLP's servers get one torch thread: on 2 cores the other one is the RPC path's.
+MODELS = {"mlp": (128, 2.0, 1), "minilm": (64, 5.0, 0)}
 
 WORDS = [
     "the",
@@ -240,6 +242,7 @@ async def measure_server(
     window_s: float,
     setup: str,
     metrics_port: int = 0,
+    concurrencies: tuple[int, ...] = CONCURRENCY,
 ) -> list[Row]:
     import tritonclient.grpc.aio as triton
 
@@ -247,7 +250,7 @@ async def measure_server(
     client = triton.InferenceServerClient(url)
     try:
         call = infer_call(client, model, remote_name, triton_shape)
-        for concurrency in CONCURRENCY:
+        for concurrency in concurrencies:
             row = Row(model, setup, concurrency)
             before = batch_totals(metrics_port, remote_name) if metrics_port else (0.0, 0.0)
             for _ in range(runs):
@@ -301,14 +304,17 @@ def batch_totals(metrics_port: int, model_name: str) -> tuple[float, float]:
 # --- report ----------------------------------------------------------------------------------
 
 
-def write_report(rows: list[Row], window_s: float, runs: int) -> None:
+def write_report(rows: list[Row], window_s: float, runs: int, out: str = "batcher") -> None:
     lines = [
         "# Batcher benchmark",
         "",
         f"Machine: {os.cpu_count()} CPUs; windows of {window_s:g} s after 0.5 s warm-up; median of {runs} runs "
         "(min-max). Clients: tritonclient.grpc.aio, one channel, N concurrent single-item requests, in the "
         "bench process; servers in their own processes. Max batch / queue delay: MLP 128 / 2 ms, "
-        "minilm 64 / 5 ms (the batcher also caps minilm batches at 4096 tokens).",
+        "minilm 64 / 5 ms (the batcher also caps minilm batches at 4096 tokens); the batcher computes one "
+        "batch at a time (max_inflight_batches 1, as Triton's one model instance); torch threads in both "
+        "servers: MLP 1, minilm torch's default. `unbatched`: the same batcher with max batch 1 and no "
+        "delay (batching off), the 1-client latency reference.",
         "",
         "| model | setup | concurrency / batch | items/s (min-max) | p50 ms | p99 ms | mean batch |",
         "|---|---|---|---|---|---|---|",
@@ -320,11 +326,12 @@ def write_report(rows: list[Row], window_s: float, runs: int) -> None:
             f"| {row.model} | {row.setup} | {row.concurrency} | {row.median('rate'):,.0f} ({lo:,.0f}-{hi:,.0f}) | "
             f"{row.median('p50_ms'):.2f} | {row.median('p99_ms'):.2f} | {batch} |"
         )
-    (RESULTS / "batcher.md").write_text("\n".join(lines) + "\n")
-    plot(rows)
+    (RESULTS / f"{out}.md").parent.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out)
 
 
-def plot(rows: list[Row]) -> None:
+def plot(rows: list[Row], out: str = "batcher") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -352,49 +359,72 @@ def plot(rows: list[Row]) -> None:
         rate_ax.legend(fontsize=8)
         p99_ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "batcher.png", dpi=110)
+    fig.savefig(RESULTS / f"{out}.png", dpi=110)
 
 
 async def main_async(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    echo = Server(["echo"])
-    try:
-        print("(d) trivial unary grpc.aio", flush=True)
-        rows += await measure_echo(f"127.0.0.1:{echo.port}", args.runs, args.window)
-    finally:
-        echo.stop()
-    triton_env = {**os.environ, "LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
-    for model, (max_batch, delay_ms) in MODELS.items():
-        print(f"(a) direct torch {model}", flush=True)
-        for size in BATCH_SIZES:
-            row = Row(model, "direct", size, [direct(model, size, args.window) for _ in range(args.runs)])
-            rows.append(row)
-            print(f"  direct {model} b={size:<4} {row.median('rate'):8.0f}/s", flush=True)
-        metrics_port = free_port()
-        batcher = Server(["batcher", model, str(max_batch), str(delay_ms), str(metrics_port)])
+    setups = set(args.setups.split(","))
+    if "echo" in setups:
+        echo = Server(["echo"])
         try:
-            print(f"(b) batcher {model}", flush=True)
-            rows += await measure_server(
-                f"127.0.0.1:{batcher.port}",
-                model,
-                batcher_name(model),
-                False,
-                args.runs,
-                args.window,
-                "batcher",
-                metrics_port,
-            )
+            print("(d) trivial unary grpc.aio", flush=True)
+            rows += await measure_echo(f"127.0.0.1:{echo.port}", args.runs, args.window)
         finally:
-            batcher.stop()
-        triton = Server(["pytriton", model, str(max_batch), str(delay_ms)], env=triton_env)
-        try:
-            print(f"(c) triton {model}", flush=True)
-            rows += await measure_server(
-                f"127.0.0.1:{triton.port}", model, model, model == "minilm", args.runs, args.window, "triton"
-            )
-        finally:
-            triton.stop()
+            echo.stop()
+    for model, (max_batch, delay_ms, torch_threads) in MODELS.items():
+        if model not in args.models.split(","):
+            continue
+        os.environ["BENCH_TORCH_THREADS"] = str(torch_threads)  # read by both servers
+        if "direct" in setups:
+            print(f"(a) direct torch {model}", flush=True)
+            for size in BATCH_SIZES:
+                row = Row(model, "direct", size, [direct(model, size, args.window) for _ in range(args.runs)])
+                rows.append(row)
+                print(f"  direct {model} b={size:<4} {row.median('rate'):8.0f}/s", flush=True)
+        if "unbatched" in setups:
+            rows += await measure_unbatched(model, args)
+        if "batcher" in setups:
+            rows += await measure_batcher(model, max_batch, delay_ms, args)
+        if "triton" in setups:
+            triton_env = {**os.environ, "LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
+            triton = Server(["pytriton", model, str(max_batch), str(delay_ms)], env=triton_env)
+            try:
+                print(f"(c) triton {model}", flush=True)
+                rows += await measure_server(
+                    f"127.0.0.1:{triton.port}", model, model, model == "minilm", args.runs, args.window, "triton"
+                )
+            finally:
+                triton.stop()
     return rows
+
+
+async def measure_batcher(
+    model: str, max_batch: int, delay_ms: float, args: argparse.Namespace, setup: str = "batcher"
+) -> list[Row]:
+    metrics_port = free_port()
+    batcher = Server(["batcher", model, str(max_batch), str(delay_ms), str(metrics_port)])
+    try:
+        print(f"(b) {setup} {model}", flush=True)
+        return await measure_server(
+            f"127.0.0.1:{batcher.port}",
+            model,
+            batcher_name(model),
+            False,
+            args.runs,
+            args.window,
+            setup,
+            metrics_port,
+            concurrencies=(1,) if max_batch == 1 else CONCURRENCY,
+        )
+    finally:
+        batcher.stop()
+
+
+async def measure_unbatched(model: str, args: argparse.Namespace) -> list[Row]:
+    """The batching-off reference: the same batcher and model over the same gRPC path, with
+    max_batch_size 1 and no queue delay, at 1 client (the 1-client latency target's baseline)."""
+    return await measure_batcher(model, 1, 0.0, args, setup="unbatched")
 
 
 def batcher_name(model: str) -> str:
@@ -405,12 +435,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--window", type=float, default=2.0, help="seconds measured per run")
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp,minilm")
+    parser.add_argument(
+        "--setups",
+        default="echo,direct,unbatched,batcher,triton",
+        help="comma-separated subset of echo,direct,unbatched,batcher,triton",
+    )
+    parser.add_argument("--out", default="batcher", help="report name under bench/results (.md, .png)")
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     rows = asyncio.run(main_async(args))
-    write_report(rows, args.window, args.runs)
-    print(f"wrote {RESULTS / 'batcher.md'} and batcher.png in {time.monotonic() - started:.0f} s")
+    write_report(rows, args.window, args.runs, args.out)
+    print(f"wrote {RESULTS / args.out}.md and .png in {time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":

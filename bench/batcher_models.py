@@ -35,6 +35,9 @@ def mlp_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
         max_batch_size=max_batch_size,
         max_queue_delay_ms=delay_ms,
         max_queue_size=1024,
+        # One batch at a time, like the single model instance Triton gets: on a small CPU machine
+        # a second batch computing beside the first only splits the cores, and closes small.
+        max_inflight_batches=1,
         inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 512)),),
         outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, 512)),),
     )
@@ -44,5 +47,10 @@ def minilm_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
     from services.batcher.backends.minilm import MINILM_MODEL
 
     return MINILM_MODEL.model_copy(
-        update={"max_batch_size": max_batch_size, "max_queue_delay_ms": delay_ms, "max_queue_size": 1024}
+        update={
+            "max_batch_size": max_batch_size,
+            "max_queue_delay_ms": delay_ms,
+            "max_queue_size": 1024,
+            "max_inflight_batches": 1,
+        }
     )

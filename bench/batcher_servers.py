@@ -59,13 +59,23 @@ def serve_echo(port: int) -> None:
 
 
 def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metrics_port: int = 0) -> None:
+    import os
+
     from asyncinfer.config import Config
     from bench.batcher_models import minilm_config, mlp_config
     from services.batcher.app import BatcherApp
 
     config = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
+    if os.environ.get("BENCH_INFLIGHT"):  # for experiments
+        config = config.model_copy(update={"max_inflight_batches": int(os.environ["BENCH_INFLIGHT"])})
+    torch_threads = int(os.environ.get("BENCH_TORCH_THREADS", "0"))
     app_config = Config().replace(
-        batcher={"port": port, "metrics_port": metrics_port, "scheduler_address": None},
+        batcher={
+            "port": port,
+            "metrics_port": metrics_port,
+            "scheduler_address": None,
+            "torch_threads": torch_threads,
+        },
         logging={"level": "warning"},
         models=[config],
     )
@@ -81,11 +91,39 @@ def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metric
         await stop.wait()
         await app.stop(grace_s=1.0)
 
-    asyncio.run(main())
+    _run_profiled(main)
+
+
+def _run_profiled(main: Any) -> None:
+    """asyncio.run(main()), under cProfile when BENCH_PROFILE names a file to write the stats to."""
+    import os
+
+    target = os.environ.get("BENCH_PROFILE")
+    if os.environ.get("BENCH_UVLOOP"):  # for experiments
+        import uvloop
+
+        uvloop.install()
+    if not target:
+        asyncio.run(main())
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        asyncio.run(main())
+    finally:
+        profiler.disable()
+        profiler.dump_stats(target)
 
 
 def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> None:
+    import os
+
     import torch
+
+    if int(os.environ.get("BENCH_TORCH_THREADS", "0")) > 0:
+        torch.set_num_threads(int(os.environ["BENCH_TORCH_THREADS"]))
     from pytriton.decorators import batch
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig

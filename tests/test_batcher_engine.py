@@ -167,14 +167,32 @@ async def test_items_of_different_shapes_are_batched_apart(make_engine: Callable
         np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), expected_y(item[0]))
 
 
-async def test_a_model_error_fails_only_that_batch(make_engine: Callable[..., Any]) -> None:
-    model = RecordingAffine(poison=-1.0)
-    engine = await make_engine(model, max_batch_size=4, max_queue_delay_ms=30.0)
-    first = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in (1.0, -1.0, 2.0)), return_exceptions=True)
-    assert all(isinstance(r, ModelError) for r in first)
-    assert all("poisoned input in this batch" in str(r) for r in first)
-    second = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in (5.0, 6.0)))
-    assert [o.outputs[0].to_numpy()[0, 0] for o in second] == [11.0, 13.0]
+async def test_a_failing_batch_is_bisected_so_only_the_poisoned_item_fails(
+    make_engine: Callable[..., Any],
+) -> None:
+    gate = threading.Event()
+    model = RecordingAffine(gate=gate, poison=-1.0)
+    engine = await make_engine(model, max_batch_size=4, max_queue_delay_ms=60_000.0, max_inflight_batches=1)
+    blocker = asyncio.create_task(engine.infer("demo", rows(0.0)))
+    await wait_entered(model)  # the model is held: the next four items form one full batch
+    values = (1.0, -1.0, 2.0, 3.0)
+    batch = [asyncio.create_task(engine.infer("demo", rows(v))) for v in values]
+    await wait_until(lambda: engine.queue_depth("demo") == 4)
+    gate.set()
+    await blocker
+    results = await asyncio.gather(*batch, return_exceptions=True)
+    assert isinstance(results[1], ModelError)
+    assert "poisoned input in this batch" in str(results[1])
+    for value, result in zip(values, results, strict=True):
+        if value == -1.0:
+            continue
+        assert not isinstance(result, BaseException), result
+        np.testing.assert_array_equal(result.outputs[0].to_numpy(), np.full((1, 4), 2 * value + 1, dtype=np.float32))
+    # The whole batch, then halves: [1, -1] fails and is split again; [2, 3] runs as one.
+    assert model.rows_seen == [1, 4, 2, 1, 1, 2]
+    assert [r.batch_size for r in results if not isinstance(r, BaseException)] == [1, 2, 2]
+    after = await asyncio.gather(*(engine.infer("demo", rows(v)) for v in (5.0, 6.0)))
+    assert [o.outputs[0].to_numpy()[0, 0] for o in after] == [11.0, 13.0]
 
 
 async def test_the_failing_demo_model_reports_its_message(make_engine: Callable[..., Any]) -> None:

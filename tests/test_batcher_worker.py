@@ -4,6 +4,7 @@ this file): hello, credits, results, errors, cancellation and reconnection."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
     def __init__(self) -> None:
         self.connections: list[Connection] = []
         self.connected = asyncio.Condition()
+        self.server: grpc.aio.Server | None = None
 
     async def next_connection(self, count: int) -> Connection:
         async with self.connected:
@@ -104,6 +106,7 @@ async def scheduler() -> AsyncIterator[tuple[FakeScheduler, int]]:
     server = grpc.aio.server()
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
+    fake.server = server
     await server.start()
     try:
         yield fake, port
@@ -326,3 +329,36 @@ async def test_stop_answers_orders_in_flight_and_leaves_queued_ones_unanswered(
     np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
     assert ("queued", 1) not in connection.results  # the scheduler re-queues it when the stream ends
     assert len(fake.connections) == 1  # no reconnect after stop
+
+
+async def test_a_scheduler_restart_leaves_no_pending_task_behind(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    """The scheduler process dies (its server stops) and a new one binds the same port: the
+    batcher reconnects, and the broken session's request writer ends with it rather than being
+    left pending for the garbage collector ("Task was destroyed but it is pending")."""
+    fake, port = scheduler
+    first = await fake.next_connection(1)
+    await first.wait_for(lambda: first.credits.get("demo", 0) > 0)
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        assert fake.server is not None
+        await fake.server.stop(0)
+        restarted = FakeScheduler()
+        server = grpc.aio.server()
+        worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(restarted, server)
+        assert server.add_insecure_port(f"127.0.0.1:{port}") == port
+        await server.start()
+        try:
+            second = await restarted.next_connection(1)
+            await second.wait_for(lambda: second.credits.get("demo", 0) > 0)
+            gc.collect()
+            await asyncio.sleep(0)
+        finally:
+            await server.stop(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert not [c for c in reported if "destroyed" in str(c.get("message", ""))], reported

@@ -4,6 +4,7 @@ results: concatenate along the batch dimension, pad variable dimensions to the b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from asyncinfer.errors import ModelError
-from asyncinfer.tensors import ModelSignature, Tensor
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor
 from services.batcher.backends import Arrays
 from services.batcher.items import ItemShaper, PendingItem
 
@@ -69,6 +70,8 @@ def split(
                 f"model {model_name!r} output {name!r} has {array.shape[0] if array.ndim else 0} rows "
                 f"for a batch of {rows}"
             )
+    if not assembled.padded_sizes and all(spec.datatype != "BYTES" for spec in signature.outputs):
+        return _split_raw(batch, outputs, signature)
     per_item: list[list[Tensor]] = []
     offset = 0
     for item in batch:
@@ -80,6 +83,28 @@ def split(
             tensors.append(Tensor.from_numpy(spec.name, part, spec.datatype))
         per_item.append(tensors)
         offset += item.rows
+    return per_item
+
+
+def _split_raw(batch: Sequence[PendingItem], outputs: Arrays, signature: ModelSignature) -> list[list[Tensor]]:
+    """The common case (numeric outputs, no padding): each output converted to bytes once, then
+    cut per item, rather than a numpy conversion per item."""
+    whole: list[tuple[str, str, tuple[int, ...], int, bytes]] = []
+    for spec in signature.outputs:
+        array = np.ascontiguousarray(outputs[spec.name], dtype=NUMPY_DTYPES[spec.datatype])
+        rest = tuple(int(d) for d in array.shape[1:])
+        whole.append((spec.name, spec.datatype, rest, array.itemsize * math.prod(rest), array.tobytes()))
+    per_item: list[list[Tensor]] = []
+    offset = 0
+    for item in batch:
+        end = offset + item.rows
+        per_item.append(
+            [
+                Tensor(name, datatype, (item.rows, *rest), data[offset * row_bytes : end * row_bytes])
+                for name, datatype, rest, row_bytes, data in whole
+            ]
+        )
+        offset = end
     return per_item
 
 

@@ -97,8 +97,16 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
     def __init__(self, engine: BatchingEngine, load_failures: Mapping[str, str] | None = None) -> None:
         self._engine = engine
         self._load_failures = dict(load_failures or {})
+        # Looked up per request: the served models' configs and declared output names.
+        self._served = {name: engine.model_config(name) for name in engine.model_names}
+        self._outputs = {
+            name: tuple(spec.name for spec in config.signature.outputs) for name, config in self._served.items()
+        }
 
     def _model(self, name: str, version: str) -> ModelConfig:
+        config = self._served.get(name)
+        if config is not None and (not version or version == config.version):
+            return config
         if name in self._load_failures:
             raise Unavailable(f"model {name!r} failed to load: {self._load_failures[name]}", reason="MODEL_LOAD_FAILED")
         if not self._engine.has_model(name):
@@ -154,7 +162,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
         self, request: service_pb2.ModelInferRequest, context: Context
     ) -> service_pb2.ModelInferResponse:
         config = self._model(request.model_name, request.model_version)
-        declared = [spec.name for spec in config.signature.outputs]
+        declared = self._outputs[config.name]
         requested = [output.name for output in request.outputs]
         unknown = [
             FieldViolation(f"outputs[{i}].name", f"unknown output {name!r}; the model has: {', '.join(declared)}")
@@ -170,10 +178,9 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
             timeout_s=request_timeout_s(request, context),
             priority=request_priority(request),
         )
-        wanted = set(requested) if requested else set(declared)
         response = service_pb2.ModelInferResponse(model_name=config.name, model_version=config.version, id=request.id)
         for tensor in outcome.outputs:
-            if tensor.name not in wanted:
+            if requested and tensor.name not in requested:
                 continue
             response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
             response.raw_output_contents.append(tensor.data)

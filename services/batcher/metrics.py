@@ -88,3 +88,42 @@ class BatcherMetrics:
 
     def set_model_ready(self, model: str, ready: bool) -> None:
         self.model_ready.labels(model=model).set(1 if ready else 0)
+
+    def for_model(self, model: str) -> ModelMetrics:
+        return ModelMetrics(self, model)
+
+
+class ModelMetrics:
+    """One model's metric children, looked up once: the engine updates them per batch (and per
+    item), where a label lookup each time would be a measurable share of the work."""
+
+    def __init__(self, metrics: BatcherMetrics, model: str) -> None:
+        self._metrics = metrics
+        self._model = model
+        self._batch_size = metrics.batch_size.labels(model=model)
+        self._batch_fill = metrics.batch_fill.labels(model=model)
+        self._padding_waste = metrics.padding_waste.labels(model=model)
+        self._queue_wait = metrics.batch_queue_wait_seconds.labels(model=model)
+        self._compute = metrics.batch_compute_seconds.labels(model=model)
+        self._rows = metrics.rows.labels(model=model)
+        self._depth = metrics.queue_depth.labels(model=model)
+        self._items: dict[str, Counter] = {}
+
+    def observe_batch(
+        self, *, rows: int, max_rows: int, padding_waste: float, queue_wait_s: float, compute_s: float
+    ) -> None:
+        self._batch_size.observe(rows)
+        self._batch_fill.observe(rows / max_rows)
+        self._padding_waste.observe(padding_waste)
+        self._queue_wait.observe(queue_wait_s)
+        self._compute.observe(compute_s)
+        self._rows.inc(rows)
+
+    def set_queue_depth(self, depth: int) -> None:
+        self._depth.set(depth)
+
+    def count_items(self, outcome: str, count: int = 1) -> None:
+        child = self._items.get(outcome)
+        if child is None:
+            child = self._items[outcome] = self._metrics.items.labels(model=self._model, outcome=outcome)
+        child.inc(count)

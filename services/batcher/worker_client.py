@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -150,7 +149,11 @@ class _WorkSession:
     async def run(self) -> None:
         """Returns when the scheduler ends the stream; raises when it breaks."""
         remove_listener = self._engine.add_slot_listener(self._top_up)
-        call = self._stub.Connect(self._requests())
+        # Requests are written by a task this session owns, not pulled from an async generator
+        # by grpc's own consumer task: that task and generator cannot be stopped from here, and
+        # were left pending (then destroyed by the garbage collector) each time the stream broke.
+        call = self._stub.Connect()  # type: ignore[call-arg]  # the stubs miss the write() style
+        writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
             self._send(worker_service_pb2.ConnectRequest(hello=self._hello()))
             for model_name in self._unused_credits:
@@ -162,14 +165,17 @@ class _WorkSession:
             self._ended.set()
             remove_listener()
             call.cancel()
-            tasks = list(self._order_tasks)
-            for task in tasks:
+            writer.cancel()
+            tasks = [writer, *self._order_tasks]
+            for task in self._order_tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _requests(self) -> AsyncIterator[worker_service_pb2.ConnectRequest]:
+    async def _write(self, call: Any) -> None:
+        """Sends the outbox in order; None half-closes the stream."""
         while (message := await self._outbox.get()) is not None:
-            yield message
+            await call.write(message)
+        await call.done_writing()
 
     def _hello(self) -> worker_service_pb2.WorkerHello:
         models = []
