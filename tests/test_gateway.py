@@ -340,6 +340,8 @@ BAD_REQUESTS: dict[str, tuple[Callable[[], job_service_pb2.SubmitJobRequest], st
     "retention over the limit": (lambda: submit_request(result_retention={"seconds": 365 * 86400}), "result_retention"),
     "too many labels": (lambda: submit_request(labels={f"k{i}": "v" for i in range(17)}), "labels"),
     "label key too long": (lambda: submit_request(labels={"k" * 64: "v"}), "labels["),
+    "max_attempts over the model's limit": (lambda: submit_request(max_attempts=11), "max_attempts"),
+    "negative max_attempts": (lambda: submit_request(max_attempts=-1), "max_attempts"),
 }
 
 

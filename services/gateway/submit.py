@@ -137,6 +137,14 @@ def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> Mo
     if request.idempotency_key:
         raise Unimplemented("idempotency keys come with a later release")
     violations = _option_violations(request, config, now) + _label_violations(request.labels)
+    if request.max_attempts < 0 or request.max_attempts > model.max_attempts_limit:
+        violations.append(
+            FieldViolation(
+                "max_attempts",
+                f"must be between 1 and the model's limit {model.max_attempts_limit} (0: the model's default "
+                f"{model.max_attempts}), got {request.max_attempts}",
+            )
+        )
     if not request.inputs:
         violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
     else:
@@ -171,8 +179,9 @@ class JobSubmitter:
         ResourceExhausted past a limit (nothing queued), Unavailable when NATS fails.
 
         Once admitted, a job is seen through even if the caller goes away: a submit cancelled
-        between the record and the publish would leave a QUEUED record with no work message, or
-        a tenant count never taken back. `drain` awaits those still running."""
+        between the publish and the record would leave an orphan work message (dropped later by
+        the scheduler) for a job its caller may still be waiting on, or a tenant count never
+        taken back. `drain` awaits those still running."""
         now = self._clock()
         model = validate_submit(request, self._config, now=now)
         task = asyncio.create_task(self._admit_and_enqueue(request, model, tenant=tenant, now=now))
