@@ -193,7 +193,7 @@ def _tensor_from_json(obj: Mapping[str, Any]) -> Tensor:
     )
 
 
-def _error_to_json(error: JobError | None) -> dict[str, Any] | None:
+def error_to_json(error: JobError | None) -> dict[str, Any] | None:
     if error is None:
         return None
     return {
@@ -205,7 +205,7 @@ def _error_to_json(error: JobError | None) -> dict[str, Any] | None:
     }
 
 
-def _error_from_json(obj: Mapping[str, Any] | None) -> JobError | None:
+def error_from_json(obj: Mapping[str, Any] | None) -> JobError | None:
     if obj is None:
         return None
     return JobError(
@@ -230,7 +230,7 @@ def encode_record(record: JobRecord) -> bytes:
         if f.name == "outputs":
             value = [_tensor_to_json(t) for t in value]
         elif f.name in ("error", "last_error"):
-            value = _error_to_json(value)
+            value = error_to_json(value)
         elif isinstance(value, BatchInfo | BlobRef | CallbackSpec):
             value = dataclasses.asdict(value)
         elif isinstance(value, Mapping):
@@ -266,8 +266,8 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         deadline=obj.get("deadline"),
         execution_timeout_s=obj.get("execution_timeout_s"),
         batch=BatchInfo(**batch) if batch else None,
-        error=_error_from_json(obj.get("error")),
-        last_error=_error_from_json(obj.get("last_error")),
+        error=error_from_json(obj.get("error")),
+        last_error=error_from_json(obj.get("last_error")),
         outputs=tuple(_tensor_from_json(t) for t in obj.get("outputs", ())),
         result_ref=_blob_from_json(obj.get("result_ref")),
         input_ref=_blob_from_json(obj.get("input_ref")),

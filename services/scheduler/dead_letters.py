@@ -21,9 +21,8 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.errors import FieldViolation
 from asyncinfer.jetstream import publish_durably
-from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope
+from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
 
 DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
 PUBLISH_RETRY_FOR_S = 10.0
@@ -52,18 +51,6 @@ class DeadLetter:
         return decode_envelope(self.original)
 
 
-def _error_json(error: JobError | None) -> dict[str, Any] | None:
-    if error is None:
-        return None
-    return {
-        "code": error.code,
-        "reason": error.reason,
-        "message": error.message,
-        "violations": [[v.field, v.description] for v in error.violations],
-        "retriable": error.retriable,
-    }
-
-
 def encode_dead_letter(letter: DeadLetter) -> bytes:
     obj = {
         "job_id": letter.job_id,
@@ -72,7 +59,7 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
         "reason": letter.reason,
         "attempts": letter.attempts,
         "dead_time": letter.dead_time,
-        "last_error": _error_json(letter.last_error),
+        "last_error": error_to_json(letter.last_error),
         "original": base64.b64encode(letter.original).decode("ascii"),
     }
     return json.dumps(obj, separators=(",", ":")).encode()
@@ -80,7 +67,6 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
 
 def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
     obj = json.loads(data)
-    error = obj.get("last_error")
     return DeadLetter(
         job_id=obj["job_id"],
         tenant=obj["tenant"],
@@ -89,15 +75,7 @@ def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
         attempts=obj["attempts"],
         dead_time=obj["dead_time"],
         original=base64.b64decode(obj["original"]),
-        last_error=None
-        if error is None
-        else JobError(
-            code=error["code"],
-            reason=error["reason"],
-            message=error["message"],
-            violations=tuple(FieldViolation(f, d) for f, d in error.get("violations", ())),
-            retriable=error.get("retriable", False),
-        ),
+        last_error=error_from_json(obj.get("last_error")),
         sequence=sequence,
     )
 
