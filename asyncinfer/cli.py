@@ -3,6 +3,7 @@
     asyncinfer up [--config FILE]          everything on one machine: embedded nats-server, gateway,
                                            scheduler and a batcher with the configured models
     asyncinfer config                      the complete commented configuration, every key with its default
+    asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer gateway|scheduler|batcher [--config FILE]
                                            one service in this process, against an external NATS
 
@@ -22,7 +23,7 @@ from typing import Any
 import uvloop
 
 from asyncinfer.config import Config, load_config, render_default_config
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.logs import configure_logging
 from asyncinfer.runner import App, run_until_stopped
 
@@ -78,10 +79,30 @@ def _host(config: Config, name: str) -> str:
     return str(section.host)
 
 
+def check_up_exposure(config: Config) -> None:
+    """`up` binds beyond loopback only where callers authenticate: the gateway with API keys; the
+    scheduler's, the batcher's and NATS's ports have no authentication, so they stay on loopback."""
+    from services.gateway.auth import is_loopback, require_auth_beyond_loopback
+
+    require_auth_beyond_loopback("the gateway", config.gateway.host, config.gateway.api_keys)
+    for what, host in (
+        ("scheduler", config.scheduler.host),
+        ("batcher", config.batcher.host),
+        ("embedded_nats", config.embedded_nats.host),
+    ):
+        if not is_loopback(host):
+            raise ConfigError(
+                f"`asyncinfer up` binds every port but the gateway's to loopback: {what}.host is {host!r}, and "
+                f"the {what}'s API has no authentication. Set {what}.host to 127.0.0.1 (run services apart, "
+                "on a private network, to spread them over machines)."
+            )
+
+
 async def run_up(config: Config) -> None:
     """The whole stack in one process, on the embedded nats-server."""
     from asyncinfer.embedded_nats import NatsServerProcess
 
+    check_up_exposure(config)
     embedded = config.embedded_nats
     store = Path(embedded.store_dir)
     nats = NatsServerProcess(
@@ -181,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = commands.add_parser("up", help="run everything on this machine (embedded nats-server)")
     up.add_argument("--config", type=Path, help="configuration file (TOML); see `asyncinfer config`")
     commands.add_parser("config", help="print the complete commented configuration")
+    hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for gateway.api_keys")
+    hash_key.add_argument("key", help="the API key, or - to read it from stdin (keeps it out of shell history)")
     for name in SERVICES:
         sub = commands.add_parser(name, help=f"run the {name} alone against an external NATS")
         sub.add_argument("--config", type=Path, help="configuration file (TOML)")
@@ -191,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "config":
         sys.stdout.write(render_default_config())
+        return 0
+    if args.command == "hash-key":
+        from services.gateway.auth import hash_key
+
+        print(hash_key(sys.stdin.readline().strip() if args.key == "-" else args.key))
         return 0
     try:
         config = load_config(args.config)

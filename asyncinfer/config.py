@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from asyncinfer.jobs import NAME_PATTERN
 from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
 
 ENV_PREFIX = "ASYNCINFER_"
+SHA256_HEX_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 
 
 class _Section(BaseModel):
@@ -51,6 +53,26 @@ class EmbeddedNatsConfig(_Section):
     store_dir: str = Field(".asyncinfer/nats", description="JetStream store; a second `up` reuses it.")
 
 
+class ApiKeyConfig(_Section):
+    tenant: str = Field(description="The tenant whose jobs this key reaches.")
+    sha256: str = Field(description="SHA-256 of the key, 64 lowercase hex digits (`asyncinfer hash-key KEY`).")
+    name: str = Field("", description="What the key is for (shown nowhere secret; for operators).")
+
+    @field_validator("tenant")
+    @classmethod
+    def _valid_tenant(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError("tenant names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+        return value
+
+    @field_validator("sha256")
+    @classmethod
+    def _valid_digest(cls, value: str) -> str:
+        if not SHA256_HEX_PATTERN.match(value):
+            raise ValueError("sha256 must be 64 lowercase hex digits (the key's SHA-256, not the key)")
+        return value
+
+
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the public JobService binds.")
     port: int = Field(50051, ge=0, le=65535, description="Port of the public JobService.")
@@ -72,6 +94,19 @@ class GatewayConfig(_Section):
         description="How long SubmitJob retries storing and queueing a job through NATS leader elections "
         "(same job ID, so nothing is queued twice) before answering UNAVAILABLE.",
     )
+    api_keys: tuple[ApiKeyConfig, ...] = Field(
+        (),
+        description="API keys, stored hashed, each mapping to a tenant, e.g. "
+        '[{ tenant = "acme", sha256 = "<64 hex>", name = "ci" }]. Empty: no authentication, every caller is '
+        "default_tenant, and the gateway binds only to loopback.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> GatewayConfig:
+        digests = [key.sha256 for key in self.api_keys]
+        if len(digests) != len(set(digests)):
+            raise ValueError("gateway.api_keys lists the same key twice")
+        return self
 
 
 class SchedulerConfig(_Section):
@@ -362,6 +397,10 @@ def _render_section(lines: list[str], section: BaseModel) -> None:
         value = getattr(section, name)
         if value is None:
             lines.append(f"# {name} = ")
+        elif value == ():
+            # Commented out, so that a user may add the entries as tables ([[gateway.api_keys]])
+            # without first deleting a conflicting `name = []` line.
+            lines.append(f"# {name} = []")
         elif name in ("inputs", "outputs"):
             lines.append(f"{name} = [")
             lines.extend(f"  {_toml_value(v)}," for v in value)

@@ -15,6 +15,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.v1 import job_service_pb2_grpc
 from services.gateway.admission import Admission
+from services.gateway.auth import require_auth_beyond_loopback
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
@@ -71,6 +72,8 @@ class GatewayApp:
 
     async def _start(self) -> None:
         cfg = self.config
+        # Before anything connects or binds: an open gateway must not serve even for a moment.
+        require_auth_beyond_loopback("the gateway", cfg.gateway.host, cfg.gateway.api_keys)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)

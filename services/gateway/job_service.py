@@ -19,6 +19,7 @@ from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
+from services.gateway.auth import Authenticator
 from services.gateway.convert import job_to_proto, submit_request_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
@@ -31,10 +32,11 @@ log = structlog.get_logger("asyncinfer.gateway")
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
-def resolve_tenant(context: Context, config: Config) -> str:
-    """The caller's tenant. One tenant until API keys map callers to tenants."""
-    del context  # the authorization metadata will be read here
-    return config.gateway.default_tenant
+def resolve_tenant(context: Context, authenticator: Authenticator) -> str:
+    """The caller's tenant, from its API key (UNAUTHENTICATED without a valid one), or the default
+    tenant when no keys are configured. Every record key is built from it, so another tenant's job
+    is simply not there (NOT_FOUND, exactly like an unknown one)."""
+    return authenticator.tenant(context.invocation_metadata() or ())
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -58,6 +60,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._expiry = expiry
         self._nc = nc
         self._metrics = metrics
+        self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
 
     def _model_label(self, model_name: str) -> str:
         # Unknown names would otherwise let callers mint label values without bound.
@@ -71,7 +74,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
         if not is_job_id(job_id):
             raise job_not_found(job_id)
-        record = await self._records.get(job_key(resolve_tenant(context, self._config), job_id))
+        record = await self._records.get(job_key(resolve_tenant(context, self._authenticator), job_id))
         if record is not None:
             record = await self._expiry.settle(record)
         if record is None:
@@ -86,7 +89,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
             submit = submit_request_from_proto(request, now=time.time())
-            record = await self._submitter.submit(submit, tenant=resolve_tenant(context, self._config))
+            record = await self._submitter.submit(submit, tenant=resolve_tenant(context, self._authenticator))
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
             raise
@@ -104,7 +107,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_service_pb2.WatchJobResponse]:
         if not is_job_id(request.job_id):
             raise job_not_found(request.job_id)
-        tenant = resolve_tenant(context, self._config)
+        tenant = resolve_tenant(context, self._authenticator)
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
         async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
             async for record in updates:

@@ -1,0 +1,207 @@
+"""API keys on the gateway, against a real nats-server and real gRPC: keys map callers to tenants,
+tenants see only their own jobs, and an open gateway refuses to bind beyond loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+
+from asyncinfer.cli import check_up_exposure, main
+from asyncinfer.config import Config, load_config
+from asyncinfer.errors import ConfigError
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.ids import new_job_id
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.gateway.app import GatewayApp
+from services.gateway.auth import hash_key, is_loopback
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+ACME_KEY = "acme-secret-key"
+GLOBEX_KEY = "globex-secret-key"
+
+
+def submit_request() -> job_service_pb2.SubmitJobRequest:
+    request = job_service_pb2.SubmitJobRequest(model_name="demo")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    tensor.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+    return request
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def with_keys(config: Config) -> Config:
+    return config.replace(
+        gateway={
+            "api_keys": [
+                {"tenant": "acme", "sha256": hash_key(ACME_KEY), "name": "acme ci"},
+                {"tenant": "globex", "sha256": hash_key(GLOBEX_KEY)},
+            ]
+        }
+    )
+
+
+async def serve(config: Config) -> AsyncIterator[JobStub]:
+    app = GatewayApp(config)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            yield job_service_pb2_grpc.JobServiceStub(channel)
+    finally:
+        await app.stop(grace_s=1)
+
+
+@pytest.fixture
+async def keyed(config: Config) -> AsyncIterator[JobStub]:
+    async for stub in serve(with_keys(config)):
+        yield stub
+
+
+@pytest.fixture
+async def open_gateway(config: Config) -> AsyncIterator[JobStub]:
+    async for stub in serve(config):
+        yield stub
+
+
+def reason_of(error: grpc.aio.AioRpcError) -> str:
+    status = status_details(error)
+    assert status is not None
+    return str(unpack_details(status)["ErrorInfo"].reason)
+
+
+async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [(), bearer("not-a-key"), (("authorization", ACME_KEY),), bearer(""), bearer(hash_key(ACME_KEY))],
+    ids=["missing", "wrong", "no-scheme", "empty", "the-digest-itself"],
+)
+async def test_a_missing_or_wrong_key_is_unauthenticated(keyed: JobStub, metadata: Any) -> None:
+    for call in (
+        keyed.SubmitJob(submit_request(), metadata=metadata),
+        keyed.GetJob(job_service_pb2.GetJobRequest(job_id=new_job_id()), metadata=metadata),
+        keyed.CancelJob(job_service_pb2.CancelJobRequest(job_id=new_job_id()), metadata=metadata),
+    ):
+        error = await rpc_error(call)
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error
+        assert reason_of(error) == "UNAUTHENTICATED"
+    watch = keyed.WatchJob(job_service_pb2.WatchJobRequest(job_id=new_job_id()), metadata=metadata)
+    error = await rpc_error(watch.read())
+    assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_key_reaches_its_own_jobs_and_the_scheme_is_case_insensitive(keyed: JobStub) -> None:
+    job = (await keyed.SubmitJob(submit_request(), metadata=bearer(ACME_KEY))).job
+    got = await keyed.GetJob(
+        job_service_pb2.GetJobRequest(job_id=job.job_id), metadata=(("authorization", f"bearer {ACME_KEY}"),)
+    )
+    assert got.job.job_id == job.job_id
+    assert got.job.state == job_pb2.JOB_STATE_QUEUED
+
+
+async def test_another_tenants_job_is_not_found_like_an_unknown_one(keyed: JobStub) -> None:
+    acme_job = (await keyed.SubmitJob(submit_request(), metadata=bearer(ACME_KEY))).job
+    answers: dict[str, list[tuple[grpc.StatusCode, str, str]]] = {}
+    for job_id in (acme_job.job_id, new_job_id()):
+        errors = [
+            await rpc_error(keyed.GetJob(job_service_pb2.GetJobRequest(job_id=job_id), metadata=bearer(GLOBEX_KEY))),
+            await rpc_error(
+                keyed.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id), metadata=bearer(GLOBEX_KEY)).read()
+            ),
+            await rpc_error(
+                keyed.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id), metadata=bearer(GLOBEX_KEY))
+            ),
+        ]
+        answers[job_id] = [(e.code(), reason_of(e), (e.details() or "").replace(job_id, "<id>")) for e in errors]
+    other_tenants, unknown = answers.values()
+    assert other_tenants == unknown  # nothing tells another tenant's job from no job at all
+    assert {(code, reason) for code, reason, _ in unknown} == {(grpc.StatusCode.NOT_FOUND, "JOB_NOT_FOUND")}
+    # globex's attempts changed nothing: the job is still acme's and still queued.
+    still = await keyed.GetJob(job_service_pb2.GetJobRequest(job_id=acme_job.job_id), metadata=bearer(ACME_KEY))
+    assert still.job.state == job_pb2.JOB_STATE_QUEUED
+    # And acme's own watch and cancel work.
+    watch = keyed.WatchJob(job_service_pb2.WatchJobRequest(job_id=acme_job.job_id), metadata=bearer(ACME_KEY))
+    assert (await watch.read()).job.state == job_pb2.JOB_STATE_QUEUED
+    canceled = await keyed.CancelJob(
+        job_service_pb2.CancelJobRequest(job_id=acme_job.job_id), metadata=bearer(ACME_KEY)
+    )
+    assert canceled.job.state == job_pb2.JOB_STATE_CANCELED
+    watch.cancel()
+
+
+async def test_without_keys_every_caller_is_the_default_tenant(open_gateway: JobStub, config: Config) -> None:
+    assert config.gateway.api_keys == ()
+    job = (await open_gateway.SubmitJob(submit_request())).job
+    # A key sent to a gateway without keys is ignored, not refused.
+    got = await open_gateway.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id), metadata=bearer("anything"))
+    assert got.job.job_id == job.job_id
+
+
+async def test_an_open_gateway_beyond_loopback_refuses_to_start(config: Config) -> None:
+    app = GatewayApp(config.replace(gateway={"host": "0.0.0.0"}))
+    with pytest.raises(ConfigError, match="beyond loopback, without API keys"):
+        await app.start()
+    assert app.port == 0  # refused before binding anything
+    await app.stop()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"])
+def test_loopback_addresses(host: str) -> None:
+    assert is_loopback(host)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.1", "example.com", ""])
+def test_addresses_beyond_loopback(host: str) -> None:
+    assert not is_loopback(host)
+
+
+def test_up_keeps_unauthenticated_ports_on_loopback() -> None:
+    check_up_exposure(Config())
+    keys = [{"tenant": "acme", "sha256": hash_key(ACME_KEY)}]
+    check_up_exposure(Config().replace(gateway={"host": "0.0.0.0", "api_keys": keys}))
+    with pytest.raises(ConfigError, match="without API keys"):
+        check_up_exposure(Config().replace(gateway={"host": "0.0.0.0"}))
+    for section in ("scheduler", "batcher", "embedded_nats"):
+        with pytest.raises(ConfigError, match=f"{section}.host is '0.0.0.0'"):
+            check_up_exposure(Config().replace(**{section: {"host": "0.0.0.0"}}))
+
+
+def test_api_keys_load_from_toml_and_are_validated(tmp_path: Any) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(f'[[gateway.api_keys]]\ntenant = "acme"\nsha256 = "{hash_key(ACME_KEY)}"\nname = "ci"\n')
+    (key,) = load_config(path, environ={}).gateway.api_keys
+    assert (key.tenant, key.sha256, key.name) == ("acme", hash_key(ACME_KEY), "ci")
+    for bad, problem in (
+        ('tenant = "acme"\nsha256 = "abc"', "64 lowercase hex"),
+        (f'tenant = "a.b"\nsha256 = "{hash_key(ACME_KEY)}"', "tenant names"),
+    ):
+        path.write_text(f"[[gateway.api_keys]]\n{bad}\n")
+        with pytest.raises(ConfigError, match=problem):
+            load_config(path, environ={})
+    twice = f'[[gateway.api_keys]]\ntenant = "a"\nsha256 = "{hash_key(ACME_KEY)}"\n' * 2
+    path.write_text(twice)
+    with pytest.raises(ConfigError, match="same key twice"):
+        load_config(path, environ={})
+
+
+def test_hash_key_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["hash-key", ACME_KEY]) == 0
+    assert capsys.readouterr().out.strip() == hash_key(ACME_KEY)
+    assert len(hash_key(ACME_KEY)) == 64
+
+
+def test_keys_from_environment() -> None:
+    # ASYNCINFER_GATEWAY__API_KEYS takes JSON, like every list override.
+    environ = {"ASYNCINFER_GATEWAY__API_KEYS": f'[{{"tenant": "acme", "sha256": "{hash_key(ACME_KEY)}"}}]'}
+    loaded = load_config(None, environ=environ)
+    assert loaded.gateway.api_keys[0].tenant == "acme"
