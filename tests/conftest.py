@@ -3,11 +3,13 @@ pointing every service at it on free ports."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
@@ -43,3 +45,29 @@ async def nc(config: Config) -> AsyncIterator[NatsClient]:
         yield client
     finally:
         await client.drain()
+
+
+@pytest.fixture
+async def make_engine() -> AsyncIterator[Callable[..., Any]]:
+    """Builds batching engines around a torch module with the demo model's config (plus overrides);
+    every engine made is stopped at the end. Imports torch lazily: most tests do not need it."""
+    import torch
+
+    from asyncinfer.config import DEMO_MODEL
+    from services.batcher.backends.torch_backend import TorchBackend
+    from services.batcher.engine import BatchingEngine
+    from services.batcher.metrics import BatcherMetrics
+
+    engines: list[BatchingEngine] = []
+
+    async def make(module: torch.nn.Module, registry: CollectorRegistry | None = None, **overrides: Any) -> Any:
+        config = DEMO_MODEL.model_copy(update=overrides)
+        engine = BatchingEngine(metrics=BatcherMetrics(registry) if registry is not None else None)
+        engine.add_model(config, TorchBackend(config.name, module, config.signature, torch.device("cpu")))
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.stop(grace_s=1.0)

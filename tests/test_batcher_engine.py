@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,6 @@ from asyncinfer.errors import (
 )
 from asyncinfer.tensors import Tensor
 from services.batcher.backends.torch_backend import TorchBackend
-from services.batcher.engine import BatchingEngine
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, build_demo_model, build_failing_model
 
 
@@ -54,23 +53,6 @@ class RecordingAffine(torch.nn.Module):
 
     def values_seen(self) -> set[float]:
         return {float(v) for batch in self.batches for v in batch.reshape(-1)}
-
-
-@pytest.fixture
-async def make_engine() -> AsyncIterator[Callable[..., Any]]:
-    engines: list[BatchingEngine] = []
-
-    async def make(module: torch.nn.Module, **overrides: Any) -> BatchingEngine:
-        config = DEMO_MODEL.model_copy(update=overrides)
-        engine = BatchingEngine()
-        engine.add_model(config, TorchBackend(config.name, module, config.signature, torch.device("cpu")))
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.stop(grace_s=1.0)
 
 
 def rows(value: float, count: int = 1, width: int = 4) -> list[Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,14 +14,12 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from asyncinfer.config import DEMO_MODEL, TensorSpecConfig
+from asyncinfer.config import TensorSpecConfig
 from asyncinfer.errors import DeadlineExceeded
 from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor
-from services.batcher.backends.torch_backend import TorchBackend
 from services.batcher.engine import BatchingEngine
 from services.batcher.items import bucket_of
-from services.batcher.metrics import BatcherMetrics
 
 ANY_WIDTH_IN = (TensorSpecConfig(name="x", datatype="FP32", shape=(-1, -1)),)
 ANY_WIDTH_OUT = (TensorSpecConfig(name="y", datatype="FP32", shape=(-1, -1)),)
@@ -45,23 +43,6 @@ class GatedRecorder(torch.nn.Module):
     def first_values(self) -> list[list[float]]:
         """Each batch's rows, by their first element."""
         return [[float(row.reshape(-1)[0]) for row in batch] for batch in self.batches]
-
-
-@pytest.fixture
-async def make_engine() -> AsyncIterator[Callable[..., Any]]:
-    engines: list[BatchingEngine] = []
-
-    async def make(module: torch.nn.Module, registry: CollectorRegistry | None = None, **overrides: Any) -> Any:
-        config = DEMO_MODEL.model_copy(update=overrides)
-        engine = BatchingEngine(metrics=BatcherMetrics(registry) if registry is not None else None)
-        engine.add_model(config, TorchBackend(config.name, module, config.signature, torch.device("cpu")))
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.stop(grace_s=1.0)
 
 
 def row(value: float, width: int = 4, count: int = 1) -> list[Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -66,6 +67,9 @@ async def enqueue(
     priority: Priority = Priority.NORMAL,
     value: float = 1.0,
     max_attempts: int = 3,
+    tenant: str = TENANT,
+    deadline: float | None = None,
+    execution_timeout_s: float | None = None,
     with_record: bool = True,
     age_s: float = 0.0,
 ) -> str:
@@ -73,31 +77,22 @@ async def enqueue(
     job_id = new_job_id()
     now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
-    record = JobRecord(
-        job_id=job_id,
-        tenant=TENANT,
-        model_name=MODEL,
-        model_version="1",
-        state=JobState.QUEUED,
-        priority=priority,
-        create_time=now,
-        update_time=now,
-        max_attempts=max_attempts,
-        result_retention_s=3600.0,
-    )
-    envelope = WorkEnvelope(
-        job_id=job_id,
-        tenant=TENANT,
-        model_name=MODEL,
-        model_version="1",
-        priority=priority,
-        create_time=now,
-        max_attempts=max_attempts,
-        inputs=(x,),
-    )
-    if with_record:
-        await kv.create(job_key(TENANT, job_id), encode_record(record))
+    common: dict[str, Any] = {
+        "job_id": job_id,
+        "tenant": tenant,
+        "model_name": MODEL,
+        "model_version": "1",
+        "priority": priority,
+        "create_time": now,
+        "max_attempts": max_attempts,
+        "deadline": deadline,
+        "execution_timeout_s": execution_timeout_s,
+    }
+    envelope = WorkEnvelope(**common, inputs=(x,))
     await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
+    if with_record:
+        record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
+        await kv.create(job_key(tenant, job_id), encode_record(record))
     return job_id
 
 

@@ -12,28 +12,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import generate_latest
-from test_scheduler import FakeBatcher, read_record, until, wait_state, work_messages
+from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
 from asyncinfer.config import Config
-from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import (
     JobRecord,
     JobState,
     Priority,
-    WorkEnvelope,
-    encode_envelope,
-    encode_record,
     job_key,
-    work_subject,
 )
 from asyncinfer.queues import (
     CancelNotice,
@@ -45,7 +38,6 @@ from asyncinfer.queues import (
     tenant_key,
 )
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
 from services.scheduler.app import SchedulerApp
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
@@ -58,39 +50,6 @@ MODEL_ERROR = error_pb2.ErrorStatus(code=13, reason="MODEL_ERROR", message="mode
 def tune(config: Config, **model_changes: Any) -> Config:
     model = {**config.models[0].model_dump(), "retry_backoff_base_s": 0.05, "retry_backoff_max_s": 0.2}
     return config.replace(models=[{**model, **model_changes}], scheduler={"queue_stats_interval_s": 0.2})
-
-
-async def enqueue(
-    js: JetStreamContext,
-    kv: KeyValue,
-    *,
-    priority: Priority = Priority.NORMAL,
-    value: float = 1.0,
-    max_attempts: int = 3,
-    tenant: str = TENANT,
-    deadline: float | None = None,
-    execution_timeout_s: float | None = None,
-) -> str:
-    """Queues a job exactly as the gateway does: the QUEUED record, then the work message."""
-    job_id = new_job_id()
-    now = time.time()
-    x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
-    common: dict[str, Any] = {
-        "job_id": job_id,
-        "tenant": tenant,
-        "model_name": MODEL,
-        "model_version": "1",
-        "priority": priority,
-        "create_time": now,
-        "max_attempts": max_attempts,
-        "deadline": deadline,
-        "execution_timeout_s": execution_timeout_s,
-    }
-    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
-    await kv.create(job_key(tenant, job_id), encode_record(record))
-    envelope = WorkEnvelope(**common, inputs=(x,))
-    await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
-    return job_id
 
 
 class ScriptedBatcher(FakeBatcher):
