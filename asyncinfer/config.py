@@ -44,6 +44,16 @@ class NatsConfig(_Section):
     duplicate_window_s: float = Field(
         120.0, gt=0, description="How long the WORK stream remembers job IDs to drop duplicate publishes."
     )
+    idempotency_bucket: str = Field(
+        "idempotency", description="The KV bucket mapping (tenant, idempotency key) to the first job."
+    )
+    objects_bucket: str = Field(
+        "blobs", description="The Object Store bucket of uploaded inputs and large results (the claim check)."
+    )
+    webhooks_stream: str = Field("WEBHOOKS", description="The WorkQueue stream of pending webhook deliveries.")
+    webhooks_bucket: str = Field(
+        "webhooks", description="The KV bucket of webhook delivery outcomes per job, and disabled URLs."
+    )
 
 
 class EmbeddedNatsConfig(_Section):
@@ -93,6 +103,12 @@ class GatewayConfig(_Section):
         gt=0,
         description="How long SubmitJob retries storing and queueing a job through NATS leader elections "
         "(same job ID, so nothing is queued twice) before answering UNAVAILABLE.",
+    )
+    max_upload_bytes: int = Field(
+        1024**3, gt=0, description="Largest UploadInput accepted; beyond it the upload is refused and nothing is kept."
+    )
+    default_upload_retention_s: float = Field(
+        86400.0, gt=0, description="How long an uploaded input is kept when no job uses it."
     )
     api_keys: tuple[ApiKeyConfig, ...] = Field(
         (),
@@ -280,6 +296,65 @@ class ModelConfig(_Section):
         )
 
 
+class WebhookSecretConfig(_Section):
+    tenant: str = Field(description="The tenant whose webhooks this secret signs.")
+    secret: str = Field(description="`whsec_` + base64 of 24-64 random bytes (`asyncinfer webhook-secret`).")
+
+    @field_validator("secret")
+    @classmethod
+    def _valid_secret(cls, value: str) -> str:
+        import base64
+        import binascii
+
+        if not value.startswith("whsec_"):
+            raise ValueError("webhook secrets start with 'whsec_' (Standard Webhooks)")
+        try:
+            raw = base64.b64decode(value.removeprefix("whsec_"), validate=True)
+        except binascii.Error:
+            raise ValueError("a webhook secret is 'whsec_' followed by base64") from None
+        if not 24 <= len(raw) <= 64:
+            raise ValueError("a webhook secret holds 24 to 64 random bytes")
+        return value
+
+
+class WebhooksConfig(_Section):
+    secrets: tuple[WebhookSecretConfig, ...] = Field(
+        (),
+        description='Per-tenant signing secrets, e.g. [{ tenant = "acme", secret = "whsec_..." }]. A tenant '
+        "without one cannot ask for webhooks (FAILED_PRECONDITION).",
+    )
+    allowed_networks: tuple[str, ...] = Field(
+        (),
+        description="CIDRs webhooks may reach although private, loopback or link-local (e.g. "
+        '["10.0.0.0/8"]). Empty: only public addresses.',
+    )
+    retry_horizon_s: float = Field(
+        3 * 86400.0, gt=0, description="How long a failing delivery is retried before it is given up."
+    )
+    backoff_base_s: float = Field(5.0, gt=0, description="First retry delay; doubles per attempt, with jitter.")
+    backoff_max_s: float = Field(3600.0, gt=0, description="The longest delay between two attempts.")
+    request_timeout_s: float = Field(15.0, gt=0, description="Timeout of one delivery attempt.")
+    max_concurrent_deliveries: int = Field(32, ge=1, description="Deliveries in flight at once per scheduler.")
+
+    @field_validator("allowed_networks")
+    @classmethod
+    def _valid_networks(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress
+
+        for network in value:
+            try:
+                ipaddress.ip_network(network, strict=False)
+            except ValueError:
+                raise ValueError(f"{network!r} is not a CIDR network") from None
+        return value
+
+    def secret_for(self, tenant: str) -> str | None:
+        for entry in self.secrets:
+            if entry.tenant == tenant:
+                return entry.secret
+        return None
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     format: Literal["json", "console"] = Field("json", description="json (one object a line) or console.")
@@ -302,6 +377,7 @@ class Config(_Section):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     batcher: BatcherConfig = Field(default_factory=BatcherConfig)
+    webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = Field((DEMO_MODEL,), description="The models served.")
 

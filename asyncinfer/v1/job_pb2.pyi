@@ -154,6 +154,36 @@ CALLBACK_EVENT_CANCELED: CallbackEvent.ValueType  # 4
 """The job was canceled."""
 Global___CallbackEvent: _TypeAlias = CallbackEvent  # noqa: Y015
 
+class _CallbackDeliveryState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CallbackDeliveryStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CallbackDeliveryState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CALLBACK_DELIVERY_STATE_UNSPECIFIED: _CallbackDeliveryState.ValueType  # 0
+    CALLBACK_DELIVERY_STATE_PENDING: _CallbackDeliveryState.ValueType  # 1
+    """Not delivered yet; another attempt is scheduled."""
+    CALLBACK_DELIVERY_STATE_DELIVERED: _CallbackDeliveryState.ValueType  # 2
+    """The receiver answered 2xx."""
+    CALLBACK_DELIVERY_STATE_FAILED: _CallbackDeliveryState.ValueType  # 3
+    """Given up: the retry horizon passed, or the URL was refused."""
+    CALLBACK_DELIVERY_STATE_DISABLED: _CallbackDeliveryState.ValueType  # 4
+    """The receiver answered 410 Gone: the URL is disabled for the tenant."""
+
+class CallbackDeliveryState(_CallbackDeliveryState, metaclass=_CallbackDeliveryStateEnumTypeWrapper):
+    """Where one webhook delivery stands."""
+
+CALLBACK_DELIVERY_STATE_UNSPECIFIED: CallbackDeliveryState.ValueType  # 0
+CALLBACK_DELIVERY_STATE_PENDING: CallbackDeliveryState.ValueType  # 1
+"""Not delivered yet; another attempt is scheduled."""
+CALLBACK_DELIVERY_STATE_DELIVERED: CallbackDeliveryState.ValueType  # 2
+"""The receiver answered 2xx."""
+CALLBACK_DELIVERY_STATE_FAILED: CallbackDeliveryState.ValueType  # 3
+"""Given up: the retry horizon passed, or the URL was refused."""
+CALLBACK_DELIVERY_STATE_DISABLED: CallbackDeliveryState.ValueType  # 4
+"""The receiver answered 410 Gone: the URL is disabled for the tenant."""
+Global___CallbackDeliveryState: _TypeAlias = CallbackDeliveryState  # noqa: Y015
+
 @_typing.final
 class Callback(_message.Message):
     """A webhook to notify about a job, signed per the Standard Webhooks spec."""
@@ -181,6 +211,59 @@ class Callback(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Callback: _TypeAlias = Callback  # noqa: Y015
+
+@_typing.final
+class CallbackDelivery(_message.Message):
+    """One webhook delivery (one event) and its attempts so far."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WEBHOOK_ID_FIELD_NUMBER: _builtins.int
+    EVENT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    LAST_ATTEMPT_TIME_FIELD_NUMBER: _builtins.int
+    LAST_STATUS_CODE_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    NEXT_ATTEMPT_TIME_FIELD_NUMBER: _builtins.int
+    webhook_id: _builtins.str
+    """The `webhook-id` header, the same on every attempt (the receiver's idempotency key)."""
+    event: Global___CallbackEvent.ValueType
+    """The event delivered."""
+    state: Global___CallbackDeliveryState.ValueType
+    attempts: _builtins.int
+    """Attempts made so far."""
+    last_status_code: _builtins.int
+    """The HTTP status of the latest attempt; 0 when no response came."""
+    last_error: _builtins.str
+    """Why the latest attempt failed, when it did (timeout, connection refused, redirect, ...)."""
+    @_builtins.property
+    def last_attempt_time(self) -> _timestamp_pb2.Timestamp:
+        """When the latest attempt was made."""
+
+    @_builtins.property
+    def next_attempt_time(self) -> _timestamp_pb2.Timestamp:
+        """When the next attempt is due, while PENDING."""
+
+    def __init__(
+        self,
+        *,
+        webhook_id: _builtins.str = ...,
+        event: Global___CallbackEvent.ValueType = ...,
+        state: Global___CallbackDeliveryState.ValueType = ...,
+        attempts: _builtins.int = ...,
+        last_attempt_time: _timestamp_pb2.Timestamp | None = ...,
+        last_status_code: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+        next_attempt_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_attempt_time", b"last_attempt_time", "next_attempt_time", b"next_attempt_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "event", b"event", "last_attempt_time", b"last_attempt_time", "last_error", b"last_error", "last_status_code", b"last_status_code", "next_attempt_time", b"next_attempt_time", "state", b"state", "webhook_id", b"webhook_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallbackDelivery: _TypeAlias = CallbackDelivery  # noqa: Y015
 
 @_typing.final
 class QueuePosition(_message.Message):
@@ -330,6 +413,7 @@ class Job(_message.Message):
     INPUT_REF_FIELD_NUMBER: _builtins.int
     CALLBACK_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    CALLBACK_DELIVERIES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Time-sortable ID (UUIDv7, canonical text form)."""
     model_name: _builtins.str
@@ -419,6 +503,10 @@ class Job(_message.Message):
     def callback(self) -> Global___Callback:
         """The webhook, if any."""
 
+    @_builtins.property
+    def callback_deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallbackDelivery]:
+        """The webhook deliveries made for this job, one per event (GetJob fills these; WatchJob does not)."""
+
     def __init__(
         self,
         *,
@@ -450,10 +538,11 @@ class Job(_message.Message):
         input_ref: Global___BlobRef | None = ...,
         callback: Global___Callback | None = ...,
         revision: _builtins.int = ...,
+        callback_deliveries: _abc.Iterable[Global___CallbackDelivery] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "callback", b"callback", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "input_ref", b"input_ref", "last_error", b"last_error", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "run_duration", b"run_duration", "start_time", b"start_time", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "callback", b"callback", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
