@@ -44,6 +44,12 @@ class NatsConfig(_Section):
     duplicate_window_s: float = Field(
         120.0, gt=0, description="How long the WORK stream remembers job IDs to drop duplicate publishes."
     )
+    expired_job_marker_ttl_s: float = Field(
+        30 * 86400.0,
+        ge=1,
+        description="How long, after a job's retention passes, reads of it answer JOB_RETENTION_PASSED rather "
+        "than JOB_NOT_FOUND (the delete marker's TTL).",
+    )
     idempotency_bucket: str = Field(
         "idempotency", description="The KV bucket mapping (tenant, idempotency key) to the first job."
     )

@@ -162,6 +162,9 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KeyVal
                 storage=api.StorageType.FILE,
                 replicas=config.replicas,
                 direct=False,
+                # Records carry their retention as a per-message TTL; when one expires the
+                # server leaves this long-lived marker, so reads can say "retention passed".
+                limit_marker_ttl=config.expired_job_marker_ttl_s,
             )
             log.info("bucket_created", bucket=config.jobs_bucket)
             return kv

@@ -4,11 +4,19 @@ them, for the gateway and the scheduler alike.
 Every write is a create or a compare-and-set on the revision the caller read, so two writers (a
 cancel and a completion, two schedulers) can never both win; `transition` re-reads and decides
 again when it loses. NATS failures surface as `Unavailable`.
+
+Retention: the write that makes a record terminal carries a per-message TTL (`Nats-TTL`) of the
+job's result retention, so NATS itself deletes it when the retention passes — no sweeper, and
+a record can never outlive its retention by more than the server's expiry scan. The bucket asks
+the server for a delete marker when that happens (`subject_delete_marker_ttl`); while the marker
+lives, a read of that job says "retention passed" (NOT_FOUND, reason JOB_RETENTION_PASSED)
+rather than "unknown job", so a client can tell an expired result from a wrong ID.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 
 import nats.errors
@@ -37,9 +45,27 @@ class JobStore:
             return None
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the job record: {exc}") from exc
-        if entry.value is None or entry.revision is None:
+        # A server-placed delete marker (retention passed) has an empty body: no record.
+        if not entry.value or entry.revision is None:
             return None
         return decode_record(entry.value, revision=entry.revision)
+
+    async def not_found(self, key: str, job_id: str) -> NotFound:
+        """The NOT_FOUND for a job with no record: JOB_RETENTION_PASSED while the delete marker
+        left by its expiry lives, else JOB_NOT_FOUND."""
+        try:
+            entry = await self._kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            return job_not_found(job_id)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the job record: {exc}") from exc
+        if entry.value:
+            return job_not_found(job_id)
+        return NotFound(
+            f"job {job_id} ended and its retention passed: its record and result were deleted",
+            reason="JOB_RETENTION_PASSED",
+            metadata={"job_id": job_id},
+        )
 
     async def create(self, record: JobRecord) -> JobRecord:
         """Writes a new record; the returned copy carries its revision."""
@@ -53,7 +79,11 @@ class JobStore:
         """Compare-and-set: writes `record` only if the stored revision is still `record.revision`.
         Raises KeyWrongLastSequenceError when someone else wrote first, Unavailable when NATS fails."""
         try:
-            revision = await self._kv.update(record.key, encode_record(record), last=record.revision)
+            # KeyValue.update has no msg_ttl; _update is the same compare-and-set with one (nats-py
+            # 2.16's create() uses it the same way).
+            revision = await self._kv._update(
+                record.key, encode_record(record), last=record.revision, msg_ttl=retention_ttl(record)
+            )
         except KeyWrongLastSequenceError:
             raise
         except NATS_FAILURES as exc:
@@ -74,6 +104,14 @@ class JobStore:
             except KeyWrongLastSequenceError:
                 current = await self.get(current.key)
         return None, False
+
+
+def retention_ttl(record: JobRecord) -> int | None:
+    """The per-message TTL of a record write: its retention once it is terminal (whole seconds,
+    at least 1, as NATS requires), none before."""
+    if not record.state.is_terminal:
+        return None
+    return max(1, math.ceil(record.result_retention_s))
 
 
 def job_not_found(job_id: str) -> NotFound:

@@ -74,11 +74,12 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
         if not is_job_id(job_id):
             raise job_not_found(job_id)
-        record = await self._records.get(job_key(resolve_tenant(context, self._authenticator), job_id))
+        key = job_key(resolve_tenant(context, self._authenticator), job_id)
+        record = await self._records.get(key)
         if record is not None:
             record = await self._expiry.settle(record)
         if record is None:
-            raise job_not_found(job_id)
+            raise await self._records.not_found(key, job_id)
         return record
 
     async def SubmitJob(

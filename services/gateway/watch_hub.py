@@ -124,7 +124,7 @@ class WatchHub:
             if current is not None:
                 current = await self._expiry.settle(current)
             if current is None:
-                raise job_not_found(job_id)
+                raise await self._records.not_found(key, job_id)
             if after_revision > current.revision:
                 raise InvalidArgument(
                     f"after_revision {after_revision} is ahead of the job's revision {current.revision}"
