@@ -7,12 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test lint typecheck protos protos-check buf-lint buf-breaking pytest bench-batcher clean
+.PHONY: up test lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench-batcher clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
 
-test: lint typecheck buf-lint buf-breaking protos-check pytest
+test: lint typecheck buf-lint buf-breaking protos-check docs-check pytest
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ protos: $(STAMP)
 
 protos-check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
+
+# The configuration reference (docs/CONFIGURATION.md) is generated from the typed config.
+docs: $(STAMP)
+	$(PY) scripts/gen_config_docs.py
+
+docs-check: $(STAMP)
+	$(PY) scripts/gen_config_docs.py --check
 
 pytest: $(STAMP)
 	$(PY) -m pytest
