@@ -177,7 +177,9 @@ class BatcherConfig(_Section):
     scheduler_address: str | None = Field(
         "127.0.0.1:50052", description="The scheduler to take work from (host:port); empty: standalone only."
     )
-    reconnect_delay_s: float = Field(1.0, gt=0, description="Wait before reconnecting to the scheduler.")
+    reconnect_delay_s: float = Field(
+        1.0, gt=0, description="Longest wait between reconnects to the scheduler (they start at 0.1 s and double)."
+    )
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default).")
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
 

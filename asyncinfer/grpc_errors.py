@@ -83,9 +83,45 @@ async def _abort(context: aio.ServicerContext[Any, Any], error: AsyncInferError)
     await context.abort_with_status(status)  # type: ignore[attr-defined]
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+class _Undecodable:
+    """What a request deserializer returns for bytes that are not the expected message: gRPC
+    would answer UNKNOWN for a raising deserializer; the wrappers answer INVALID_ARGUMENT."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: InvalidArgument) -> None:
+        self.error = error
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # DecodeError, or whatever the protobuf backend raises
+            what = getattr(getattr(deserializer, "__self__", None), "__name__", "request message")
+            return _Undecodable(InvalidArgument(f"the request is not a valid {what}: {exc}"[:300]))
+
+    return deserialize
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, _Undecodable):
+        raise request.error
+    return request
+
+
+async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _checked(request)
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable[Any]], *, streaming_requests: bool) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         try:
+            request = _checked_stream(request) if streaming_requests else _checked(request)
             return await behavior(request, context)
         except AsyncInferError as error:
             await _abort(context, error)
@@ -93,9 +129,12 @@ def _wrap_unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
     return wrapper
 
 
-def _wrap_stream(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    behavior: Callable[..., AsyncIterator[Any]], *, streaming_requests: bool
+) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
+            request = _checked_stream(request) if streaming_requests else _checked(request)
             async for response in behavior(request, context):
                 yield response
         except AsyncInferError as error:
@@ -109,17 +148,17 @@ def wrap_method_handler(handler: Any) -> Any:
     if handler is None:
         return None
     kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary, False),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary, True),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream, False),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream, True),
     )
-    for attr, make, wrap in kinds:
+    for attr, make, wrap, streaming_requests in kinds:
         behavior = getattr(handler, attr)
         if behavior:
             return make(
-                wrap(behavior),
-                request_deserializer=handler.request_deserializer,
+                wrap(behavior, streaming_requests=streaming_requests),
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
     return handler

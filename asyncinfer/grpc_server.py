@@ -42,6 +42,10 @@ class GrpcServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.so_reuseport", 0),
+            # gRPC core cancels calls beyond 1000 waiting to be picked up (the Python server takes
+            # them one at a time): a burst of watches or reconnecting clients would be CANCELLED.
+            ("grpc.server.max_pending_requests", 20_000),
+            ("grpc.server.max_pending_requests_hard_limit", 40_000),
         ]
         interceptors = tuple(interceptors)
         self.server = aio.server(interceptors=interceptors or None, options=options)

@@ -32,6 +32,13 @@ CONTENTS_FIELD: dict[str, str] = {
     "BYTES": "bytes_contents",
 }
 _ALL_FIELDS = sorted(set(CONTENTS_FIELD.values()))
+# Datatypes narrower than the 32-bit field that carries them: the range a value must lie in.
+_NARROW_RANGES: dict[str, tuple[int, int]] = {
+    "INT8": (-(2**7), 2**7 - 1),
+    "INT16": (-(2**15), 2**15 - 1),
+    "UINT8": (0, 2**8 - 1),
+    "UINT16": (0, 2**16 - 1),
+}
 
 
 class TensorMessage(Protocol):
@@ -81,8 +88,17 @@ def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) 
         data = join_bytes_elements(bytes(v) for v in message.contents.bytes_contents)
     else:
         values = getattr(message.contents, expected_field)
+        dtype = NUMPY_DTYPES[datatype]
         try:
-            data = np.asarray(values, dtype=NUMPY_DTYPES[datatype]).tobytes()
+            if datatype in _NARROW_RANGES:
+                # Checked rather than left to numpy, which wraps (300 becomes 44 in INT8).
+                low, high = _NARROW_RANGES[datatype]
+                wide = np.asarray(values, dtype=np.int64)
+                if wide.size and (wide.min() < low or wide.max() > high):
+                    raise ValueError(f"a value lies outside [{low}, {high}]")
+                data = wide.astype(dtype).tobytes()
+            else:
+                data = np.asarray(values, dtype=dtype).tobytes()
         except (OverflowError, ValueError) as exc:
             raise InvalidArgument(
                 f"{field}.contents: values do not fit {datatype}",

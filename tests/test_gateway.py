@@ -73,6 +73,17 @@ async def start_gateway(config: Config) -> GatewayApp:
     return app
 
 
+WEBHOOK_SECRET = "whsec_" + "MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"  # base64 of 24 bytes
+
+
+@pytest.fixture
+def config(config: Config) -> Config:
+    """The shared config, plus a webhook secret for the default tenant and loopback callbacks allowed."""
+    return config.replace(
+        webhooks={"secrets": [{"tenant": TENANT, "secret": WEBHOOK_SECRET}], "allowed_networks": ["127.0.0.0/8"]}
+    )
+
+
 @pytest.fixture
 async def gateway(config: Config) -> AsyncIterator[GatewayApp]:
     app = await start_gateway(config)
@@ -165,7 +176,7 @@ async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> N
     request.queue_ttl.FromSeconds(30)
     request.execution_timeout.FromSeconds(7)
     request.result_retention.FromSeconds(3600)
-    request.callback.url = "https://example.com/hook"
+    request.callback.url = "http://127.0.0.1:9/hook"
     request.callback.events.append(job_pb2.CALLBACK_EVENT_COMPLETED)
     job = (await stub.SubmitJob(request)).job
     record = await read_record(kv, job.job_id)
@@ -386,17 +397,14 @@ async def test_unknown_model_is_not_found_and_names_the_models(
     assert rejected == 1
 
 
-async def test_unimplemented_options_are_refused(stub: JobStub, js: JetStreamContext) -> None:
-    for request in (submit_request(inputs=[], input_ref="in/x"), submit_request(idempotency_key="k1")):
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.SubmitJob(request)
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+async def test_unknown_input_refs_and_results_are_not_found(stub: JobStub, js: JetStreamContext) -> None:
+    # The claim check itself is tested in test_claim_check.py.
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await stub.ListJobs(job_service_pb2.ListJobsRequest())
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        await stub.SubmitJob(submit_request(inputs=[], input_ref="in/x"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await stub.ReadResult(job_service_pb2.ReadResultRequest(job_id="x")).read()
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert await work_messages(js) == 0
 
 

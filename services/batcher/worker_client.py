@@ -5,7 +5,9 @@ One session per connection: hello (the models served), then credit grants that k
 slots, so each item that leaves the engine earns one more credit), then one WorkResult per
 WorkOrder. Orders run concurrently, each in a task the session owns. When the stream breaks, the
 session's orders are abandoned (the scheduler re-queues them), and a new session starts after
-`reconnect_delay_s` with a fresh hello and fresh credits. Protobuf stays in this module.
+a short delay (0.1 s, doubling up to `reconnect_delay_s`, so a restarted scheduler is found
+at once but a dead one is not hammered) with a fresh hello and fresh credits. Protobuf stays in
+this module.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
     )
 
 
+FIRST_RECONNECT_DELAY_S = 0.1
+STABLE_SESSION_S = 5.0
+
+
 class WorkerClient:
     """Keeps one work stream to the scheduler open, reconnecting after failures."""
 
@@ -96,9 +102,14 @@ class WorkerClient:
             await self._task
 
     async def _run(self) -> None:
+        delay_s = first_delay_s = min(FIRST_RECONNECT_DELAY_S, self._reconnect_delay_s)
         while not self._stopping:
+            started = time.monotonic()
             try:
-                async with grpc.aio.insecure_channel(self._address) as channel:
+                # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
+                # a trusted peer, bounds them with its own server's send limit.
+                options = [("grpc.max_receive_message_length", -1)]
+                async with grpc.aio.insecure_channel(self._address, options=options) as channel:
                     stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
                     self._session = _WorkSession(stub, self._batcher_id, self._engine)
                     await self._session.run()
@@ -112,7 +123,10 @@ class WorkerClient:
                 )
             except Exception:
                 log.exception("work stream failed", scheduler=self._address)
-            await asyncio.sleep(self._reconnect_delay_s)
+            if time.monotonic() - started > STABLE_SESSION_S:
+                delay_s = first_delay_s  # it was up for a while: this is a new failure
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self._reconnect_delay_s)
 
 
 class _WorkSession:

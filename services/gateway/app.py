@@ -7,6 +7,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
+from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
@@ -14,8 +15,12 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.v1 import job_service_pb2_grpc
+from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
 from services.gateway.auth import require_auth_beyond_loopback
+from services.gateway.blobs import ClaimCheck
+from services.gateway.callbacks import CallbackDeliveries
+from services.gateway.idempotency import IdempotentSubmitter, ensure_idempotency_bucket
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
@@ -42,6 +47,7 @@ class GatewayApp:
         self._hub: WatchHub | None = None
         self._queues: QueueView | None = None
         self._submitter: JobSubmitter | None = None
+        self._idempotent: IdempotentSubmitter | None = None
         self._server: GrpcServer | None = None
         self._started = False
         self._stopped = False
@@ -79,6 +85,7 @@ class GatewayApp:
         await ensure_work_stream(js, cfg.nats)
         records = JobStore(await ensure_jobs_bucket(js, cfg.nats))
         queues_bucket = await ensure_queues_bucket(js, cfg.nats)
+        claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
         expiry = Expiry(
@@ -88,16 +95,22 @@ class GatewayApp:
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
         admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
-        self._submitter = JobSubmitter(cfg, records, js, admission)
+        self._submitter = JobSubmitter(cfg, records, js, admission, claim_check=claim_check)
+        self._idempotent = IdempotentSubmitter(
+            cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
+        )
         servicer = JobService(
             cfg,
             submitter=self._submitter,
+            idempotent=self._idempotent,
             records=records,
             hub=self._hub,
             queues=self._queues,
             expiry=expiry,
             nc=self._nc,
             metrics=self.metrics,
+            claim_check=claim_check,
+            callback_deliveries=CallbackDeliveries(await ensure_webhooks_bucket(js, cfg.nats)),
         )
         self._server = GrpcServer(
             host=cfg.gateway.host,
@@ -123,6 +136,8 @@ class GatewayApp:
             await self._hub.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._idempotent is not None:
+            await self._idempotent.drain()  # keyed submits whose callers left; before the submitter's
         if self._submitter is not None:
             await self._submitter.drain()  # submits whose callers left, each bounded
         if self._queues is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from asyncinfer.errors import FieldViolation, InvalidArgument
-from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, Priority
+from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 from services.gateway.queue_view import QueueStanding
@@ -18,10 +18,12 @@ _PRIORITY_FROM_PROTO: dict[int, Priority] = {
     job_pb2.PRIORITY_LOW: Priority.LOW,
 }
 _CALLBACK_EVENT_PREFIX = "CALLBACK_EVENT_"
-
-
-def _seconds(duration: duration_pb2.Duration) -> float:
-    return duration.seconds + duration.nanos / 1e9
+_STATE_TO_PROTO: dict[JobState, job_pb2.JobState.ValueType] = {
+    state: job_pb2.JobState.Value(f"JOB_STATE_{state.value}") for state in JobState
+}
+_PRIORITY_TO_PROTO: dict[Priority, job_pb2.Priority.ValueType] = {
+    p: job_pb2.Priority.Value(f"PRIORITY_{p.value}") for p in Priority
+}
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
@@ -36,6 +38,44 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return duration
 
 
+# What google.protobuf's Timestamp (years 1-9999) and Duration (about ±10,000 years) can hold: a
+# value outside them would be accepted, then fail when the job is turned back into a `Job`.
+_TIMESTAMP_MIN_S = -62_135_596_800
+_TIMESTAMP_MAX_S = 253_402_300_799
+_DURATION_MAX_S = 315_576_000_000
+_NANOS = 1_000_000_000
+
+
+def _checked_timestamp(stamp: timestamp_pb2.Timestamp, field: str, violations: list[FieldViolation]) -> float | None:
+    # The float sum is checked too: 9999-12-31T23:59:59.999999999 rounds up past the last second.
+    value = stamp.seconds + stamp.nanos / 1e9
+    if not _TIMESTAMP_MIN_S <= value <= _TIMESTAMP_MAX_S or not 0 <= stamp.nanos < _NANOS:
+        violations.append(
+            FieldViolation(
+                field,
+                f"not a valid timestamp (seconds {stamp.seconds}, nanos {stamp.nanos}): seconds lie in years "
+                "1-9999 and nanos in 0-999999999",
+            )
+        )
+        return None
+    return value
+
+
+def _checked_duration(duration: duration_pb2.Duration, field: str, violations: list[FieldViolation]) -> float | None:
+    seconds, nanos = duration.seconds, duration.nanos
+    value = seconds + nanos / 1e9
+    if abs(value) > _DURATION_MAX_S or abs(nanos) >= _NANOS or (seconds > 0 > nanos) or (seconds < 0 < nanos):
+        violations.append(
+            FieldViolation(
+                field,
+                f"not a valid duration (seconds {seconds}, nanos {nanos}): at most {_DURATION_MAX_S} s, "
+                "nanos below one second and of the same sign",
+            )
+        )
+        return None
+    return value
+
+
 def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now: float) -> SubmitRequest:
     """Raises InvalidArgument for what cannot be mapped (bad tensors, an unknown priority, both a
     deadline and a queue TTL); the semantic checks are `submit.validate_submit`'s."""
@@ -44,15 +84,29 @@ def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now:
     if priority is None:
         violations.append(FieldViolation("priority", f"unknown priority {request.priority}"))
     deadline: float | None = None
+    queue_ttl_s: float | None = None
     if request.HasField("deadline") and request.HasField("queue_ttl"):
         violations.append(FieldViolation("queue_ttl", "give a deadline or a queue_ttl, not both"))
     elif request.HasField("deadline"):
-        deadline = request.deadline.ToNanoseconds() / 1e9
+        deadline = _checked_timestamp(request.deadline, "deadline", violations)
     elif request.HasField("queue_ttl"):
-        ttl = _seconds(request.queue_ttl)
-        if ttl <= 0:
+        queue_ttl_s = ttl = _checked_duration(request.queue_ttl, "queue_ttl", violations)
+        if ttl is not None and ttl <= 0:
             violations.append(FieldViolation("queue_ttl", "must be positive"))
-        deadline = now + ttl
+        elif ttl is not None and now + ttl > _TIMESTAMP_MAX_S:
+            violations.append(FieldViolation("queue_ttl", "ends after the year 9999"))
+        elif ttl is not None:
+            deadline = now + ttl
+    execution_timeout_s = (
+        _checked_duration(request.execution_timeout, "execution_timeout", violations)
+        if request.HasField("execution_timeout")
+        else None
+    )
+    result_retention_s = (
+        _checked_duration(request.result_retention, "result_retention", violations)
+        if request.HasField("result_retention")
+        else None
+    )
     callback: CallbackSpec | None = None
     if request.HasField("callback"):
         events = []
@@ -78,8 +132,9 @@ def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now:
         priority=priority or Priority.NORMAL,
         idempotency_key=request.idempotency_key,
         deadline=deadline,
-        execution_timeout_s=_seconds(request.execution_timeout) if request.HasField("execution_timeout") else None,
-        result_retention_s=_seconds(request.result_retention) if request.HasField("result_retention") else None,
+        queue_ttl_s=queue_ttl_s,
+        execution_timeout_s=execution_timeout_s,
+        result_retention_s=result_retention_s,
         max_attempts=request.max_attempts,
         labels=dict(request.labels),
         callback=callback,
@@ -98,43 +153,42 @@ def error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
 
 def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> job_pb2.Job:
     """The Job message; `standing` (computed on read for a QUEUED job) fills `queue`."""
+    # Runs for every submit, read and watch update: times are set in place (FromNanoseconds on the
+    # field itself, as _timestamp/_duration do on a new message) rather than built and copied in,
+    # and enum values come from tables rather than by name.
     job = job_pb2.Job(
         job_id=record.job_id,
         model_name=record.model_name,
         model_version=record.model_version,
-        state=job_pb2.JobState.Value(f"JOB_STATE_{record.state.value}"),
-        priority=job_pb2.Priority.Value(f"PRIORITY_{record.priority.value}"),
+        state=_STATE_TO_PROTO[record.state],
+        priority=_PRIORITY_TO_PROTO[record.priority],
         attempt=record.attempt,
         max_attempts=record.max_attempts,
         labels=dict(record.labels),
         idempotency_key=record.idempotency_key,
-        create_time=_timestamp(record.create_time),
-        update_time=_timestamp(record.update_time),
-        result_retention=_duration(record.result_retention_s),
         outputs=[to_output_proto(t) for t in record.outputs],
         revision=record.revision,
     )
+    job.create_time.FromNanoseconds(round(record.create_time * 1e9))
+    job.update_time.FromNanoseconds(round(record.update_time * 1e9))
+    job.result_retention.FromNanoseconds(round(record.result_retention_s * 1e9))
     if record.start_time is not None:
-        job.start_time.CopyFrom(_timestamp(record.start_time))
+        job.start_time.FromNanoseconds(round(record.start_time * 1e9))
     if record.end_time is not None:
-        job.end_time.CopyFrom(_timestamp(record.end_time))
-        job.expire_time.CopyFrom(_timestamp(record.end_time + record.result_retention_s))
+        job.end_time.FromNanoseconds(round(record.end_time * 1e9))
+        job.expire_time.FromNanoseconds(round((record.end_time + record.result_retention_s) * 1e9))
     if record.queue_duration_s is not None:
-        job.queue_duration.CopyFrom(_duration(record.queue_duration_s))
+        job.queue_duration.FromNanoseconds(round(record.queue_duration_s * 1e9))
     if record.run_duration_s is not None:
-        job.run_duration.CopyFrom(_duration(record.run_duration_s))
+        job.run_duration.FromNanoseconds(round(record.run_duration_s * 1e9))
     if record.deadline is not None:
-        job.deadline.CopyFrom(_timestamp(record.deadline))
+        job.deadline.FromNanoseconds(round(record.deadline * 1e9))
     if record.execution_timeout_s is not None:
-        job.execution_timeout.CopyFrom(_duration(record.execution_timeout_s))
+        job.execution_timeout.FromNanoseconds(round(record.execution_timeout_s * 1e9))
     if record.batch is not None:
-        job.batch.CopyFrom(
-            job_pb2.BatchInfo(
-                batcher_id=record.batch.batcher_id,
-                batch_size=record.batch.batch_size,
-                compute_duration=_duration(record.batch.compute_s),
-            )
-        )
+        job.batch.batcher_id = record.batch.batcher_id
+        job.batch.batch_size = record.batch.batch_size
+        job.batch.compute_duration.FromNanoseconds(round(record.batch.compute_s * 1e9))
     if record.error is not None:
         job.error.CopyFrom(error_to_proto(record.error))
     if record.last_error is not None:

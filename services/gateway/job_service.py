@@ -20,7 +20,13 @@ from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
+from services.gateway.blobs import ClaimCheck
+from services.gateway.bulk import submit_stream
+from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, submit_request_from_proto
+from services.gateway.error_bounds import clip_error
+from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
+from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter, check_request_size
@@ -51,6 +57,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         expiry: Expiry,
         nc: NatsClient,
         metrics: GatewayMetrics,
+        claim_check: ClaimCheck | None = None,
+        callback_deliveries: CallbackDeliveries | None = None,
+        idempotent: IdempotentSubmitter,
     ) -> None:
         self._config = config
         self._submitter = submitter
@@ -60,6 +69,16 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._expiry = expiry
         self._nc = nc
         self._metrics = metrics
+        self._claim_check = claim_check
+        self._callback_deliveries = callback_deliveries
+        self._idempotent = idempotent
+        self._lister = JobLister(
+            nc.jetstream(),
+            records,
+            expiry,
+            bucket=config.nats.jobs_bucket,
+            max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
+        )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
 
     def _model_label(self, model_name: str) -> str:
@@ -82,26 +101,36 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise await self._records.not_found(key, job_id)
         return record
 
-    async def SubmitJob(
-        self, request: job_service_pb2.SubmitJobRequest, context: Context
-    ) -> job_service_pb2.SubmitJobResponse:
+    async def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str) -> SubmitOutcome:
+        """One submit, unary or an item of SubmitJobs, counted in the metrics."""
         started = time.perf_counter()
         model_label = self._model_label(request.model_name)
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
             submit = submit_request_from_proto(request, now=time.time())
-            record = await self._submitter.submit(submit, tenant=resolve_tenant(context, self._authenticator))
+            outcome = await self._idempotent.submit(submit, tenant=tenant)
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
+            clip_error(error)  # it quotes what the caller sent, which may be huge
             raise
         finally:
             self._metrics.submit_seconds.observe(time.perf_counter() - started)
-        self._metrics.jobs_submitted.labels(model=model_label, priority=record.priority.value).inc()
-        return job_service_pb2.SubmitJobResponse(job=self._job(record))
+        if not outcome.deduplicated:
+            self._metrics.jobs_submitted.labels(model=model_label, priority=outcome.record.priority.value).inc()
+        return outcome
+
+    async def SubmitJob(
+        self, request: job_service_pb2.SubmitJobRequest, context: Context
+    ) -> job_service_pb2.SubmitJobResponse:
+        outcome = await self._submit(request, resolve_tenant(context, self._authenticator))
+        return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
         record = await self._read(context, request.job_id)
-        return job_service_pb2.GetJobResponse(job=self._job(record))
+        job = self._job(record)
+        if self._callback_deliveries is not None:
+            job.callback_deliveries.extend(await self._callback_deliveries.for_job(record))
+        return job_service_pb2.GetJobResponse(job=job)
 
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
@@ -137,21 +166,34 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJobs(
         self, request_iterator: AsyncIterator[job_service_pb2.SubmitJobsRequest], context: Context
     ) -> AsyncIterator[job_service_pb2.SubmitJobsResponse]:
-        raise Unimplemented("SubmitJobs (bulk submission) comes with a later release; use SubmitJob")
-        yield  # an async generator, as server-streaming methods must be
+        tenant = resolve_tenant(context, self._authenticator)  # once, before any request is read
+        responses = submit_stream(request_iterator, lambda request: self._submit(request, tenant), self._job)
+        async with contextlib.aclosing(responses) as answers:
+            async for answer in answers:
+                yield answer
 
     async def ListJobs(
         self, request: job_service_pb2.ListJobsRequest, context: Context
     ) -> job_service_pb2.ListJobsResponse:
-        raise Unimplemented("ListJobs comes with a later release")
+        tenant = resolve_tenant(context, self._authenticator)
+        page = await self._lister.page(tenant, list_query_from_proto(request))
+        return job_service_pb2.ListJobsResponse(
+            jobs=[self._job(record) for record in page.records], next_page_token=page.next_page_token
+        )
 
     async def UploadInput(
         self, request_iterator: AsyncIterator[job_service_pb2.UploadInputRequest], context: Context
     ) -> job_service_pb2.UploadInputResponse:
-        raise Unimplemented("UploadInput (claim-check uploads) comes with a later release")
+        if self._claim_check is None:
+            raise Unimplemented("UploadInput needs the claim-check store, which this gateway has not set up")
+        return await self._claim_check.upload(request_iterator, tenant=resolve_tenant(context, self._authenticator))
 
     async def ReadResult(
         self, request: job_service_pb2.ReadResultRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.ReadResultResponse]:
-        raise Unimplemented("ReadResult (large results) comes with a later release")
-        yield  # an async generator, as server-streaming methods must be
+        if self._claim_check is None:
+            raise Unimplemented("ReadResult needs the claim-check store, which this gateway has not set up")
+        record = await self._read(context, request.job_id)
+        async with contextlib.aclosing(self._claim_check.read_result(record)) as chunks:
+            async for message in chunks:
+                yield message

@@ -13,6 +13,7 @@ No protobuf here: the servicer converts `SubmitJobRequest` into a `SubmitRequest
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.jetstream import RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S, publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
+    BlobRef,
     CallbackSpec,
     JobRecord,
     JobState,
@@ -37,10 +39,13 @@ from asyncinfer.jobs import (
 )
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.gateway.admission import Admission
+from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
+from services.gateway.callbacks import check_callback
 
 MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 63
 MAX_LABEL_VALUE_BYTES = 256
+MAX_IDEMPOTENCY_KEY_BYTES = 256
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -54,9 +59,13 @@ class SubmitRequest:
     model_version: str = ""
     inputs: tuple[Tensor, ...] = ()
     input_ref: str = ""
+    # What input_ref names, once the submitter has read it (its inputs are then dropped).
+    input_blob: BlobRef | None = None
     priority: Priority = Priority.NORMAL
     idempotency_key: str = ""
     deadline: float | None = None
+    # The queue TTL as given (the deadline is derived from it): what a repeated submit compares.
+    queue_ttl_s: float | None = None
     execution_timeout_s: float | None = None
     result_retention_s: float | None = None
     max_attempts: int = 0  # 0: the model's default
@@ -80,13 +89,13 @@ def resolve_model(config: Config, name: str, version: str) -> ModelConfig:
     known = ", ".join(sorted(m.name for m in config.models)) or "none"
     if model is None:
         raise NotFound(
-            f"unknown model {name!r}; the models served are: {known}",
+            f"unknown model {name[:64]!r}; the models served are: {known}",
             reason="MODEL_NOT_FOUND",
             metadata={"model": name[:64], "known_models": known},
         )
     if version and version != model.version:
         raise NotFound(
-            f"model {name!r} has no version {version!r}; it serves version {model.version!r}",
+            f"model {name!r} has no version {version[:64]!r}; it serves version {model.version!r}",
             reason="MODEL_VERSION_NOT_FOUND",
             metadata={"model": name, "version": version[:64]},
         )
@@ -122,8 +131,12 @@ def _option_violations(request: SubmitRequest, config: Config, now: float) -> li
     if request.max_attempts < 0:
         violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
     if request.callback is not None:
-        url = urlsplit(request.callback.url)
-        if url.scheme not in ("https", "http") or not url.hostname:
+        try:
+            url = urlsplit(request.callback.url)
+            absolute = url.scheme in ("https", "http") and bool(url.hostname)
+        except ValueError:  # e.g. an unclosed IPv6 bracket
+            absolute = False
+        if not absolute:
             violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
     return violations
 
@@ -132,11 +145,11 @@ def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> Mo
     """The model the request runs on; raises NotFound, Unimplemented or InvalidArgument (with every
     violation found)."""
     model = resolve_model(config, request.model_name, request.model_version)
-    if request.input_ref:
-        raise Unimplemented("input_ref (inputs uploaded with UploadInput) comes with a later release")
-    if request.idempotency_key:
-        raise Unimplemented("idempotency keys come with a later release")
+    if request.input_ref and request.input_blob is None:
+        raise Unimplemented("input_ref needs the claim-check store, which this gateway has not set up")
     violations = _option_violations(request, config, now) + _label_violations(request.labels)
+    if len(request.idempotency_key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
+        violations.append(FieldViolation("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8)"))
     if request.max_attempts < 0 or request.max_attempts > model.max_attempts_limit:
         violations.append(
             FieldViolation(
@@ -166,15 +179,17 @@ class JobSubmitter:
         admission: Admission,
         *,
         clock: Callable[[], float] = time.time,
+        claim_check: ClaimCheck | None = None,
     ) -> None:
         self._config = config
+        self._claim_check = claim_check
         self._records = records
         self._js = js
         self._admission = admission
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
 
-    async def submit(self, request: SubmitRequest, *, tenant: str) -> JobRecord:
+    async def submit(self, request: SubmitRequest, *, tenant: str, job_id: str = "") -> JobRecord:
         """The new job's record (QUEUED, with its revision), once it is durably queued. Raises
         ResourceExhausted past a limit (nothing queued), Unavailable when NATS fails.
 
@@ -183,11 +198,48 @@ class JobSubmitter:
         the scheduler) for a job its caller may still be waiting on, or a tenant count never
         taken back. `drain` awaits those still running."""
         now = self._clock()
+        if request.input_ref:
+            request = await self._read_input_ref(request, tenant=tenant)
         model = validate_submit(request, self._config, now=now)
-        task = asyncio.create_task(self._admit_and_enqueue(request, model, tenant=tenant, now=now))
+        if request.callback is not None:  # resolves the URL's host: after the cheap checks
+            await check_callback(request.callback, self._config.webhooks, tenant=tenant)
+        if request.input_blob is not None:
+            request = await self._hold_input_ref(request, model, tenant=tenant, now=now)
+        task = asyncio.create_task(
+            self._admit_and_enqueue(request, model, tenant=tenant, now=now, job_id=job_id or new_job_id())
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
+
+    async def _read_input_ref(self, request: SubmitRequest, *, tenant: str) -> SubmitRequest:
+        """The request with the caller's upload decoded into its inputs, validated like inline
+        ones next (NotFound for another tenant's, unknown or expired refs)."""
+        check_exclusive_inputs(len(request.inputs), request.input_ref)
+        if self._claim_check is None:
+            return request
+        uploaded = await self._claim_check.inputs(tenant, request.input_ref)
+        return dataclasses.replace(request, inputs=uploaded.inputs, input_blob=uploaded.ref)
+
+    async def _hold_input_ref(
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float
+    ) -> SubmitRequest:
+        """Keeps the upload alive for the job (see services.gateway.blobs); the decoded inputs
+        are dropped: the work message carries the reference, the scheduler reads it."""
+        assert self._claim_check is not None
+        assert request.input_blob is not None
+        retention_s = request.result_retention_s or self._config.gateway.default_result_retention_s
+        expires_at = input_expiry(
+            retention_s,
+            model,
+            self._config,
+            deadline=request.deadline,
+            now=now,
+            max_attempts=request.max_attempts or model.max_attempts,
+            execution_timeout_s=request.execution_timeout_s,
+        )
+        await self._claim_check.keep_for(tenant, request.input_blob, expires_at)
+        return dataclasses.replace(request, inputs=())
 
     async def drain(self) -> None:
         """Waits for submits whose callers went away (each bounded by enqueue_retry_s)."""
@@ -195,7 +247,7 @@ class JobSubmitter:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _admit_and_enqueue(
-        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
     ) -> JobRecord:
         slot = self._admission.reserve_model_slot(model)
         try:
@@ -204,7 +256,7 @@ class JobSubmitter:
             self._admission.release_model_slot(model, slot)
             raise
         try:
-            return await self._enqueue(request, model, tenant=tenant, now=now)
+            return await self._enqueue(request, model, tenant=tenant, now=now, job_id=job_id)
         except BaseException:
             # Not accepted: no record was written (a work message may be left, which the
             # scheduler drops as an orphan).
@@ -212,9 +264,11 @@ class JobSubmitter:
             await self._admission.release_tenant_slot(tenant)
             raise
 
-    async def _enqueue(self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float) -> JobRecord:
+    async def _enqueue(
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
+    ) -> JobRecord:
         record = JobRecord(
-            job_id=new_job_id(),
+            job_id=job_id,
             tenant=tenant,
             model_name=model.name,
             model_version=model.version,
@@ -225,9 +279,11 @@ class JobSubmitter:
             max_attempts=request.max_attempts or model.max_attempts,
             result_retention_s=request.result_retention_s or self._config.gateway.default_result_retention_s,
             labels=dict(request.labels),
+            idempotency_key=request.idempotency_key,
             deadline=request.deadline,
             execution_timeout_s=request.execution_timeout_s or model.default_execution_timeout_s,
             callback=request.callback,
+            input_ref=request.input_blob,
         )
         bound = log.bind(job_id=record.job_id, model=record.model_name, tenant=tenant)
         give_up_at = time.monotonic() + self._config.gateway.enqueue_retry_s
@@ -240,6 +296,7 @@ class JobSubmitter:
             create_time=record.create_time,
             max_attempts=record.max_attempts,
             inputs=request.inputs,
+            input_ref=request.input_blob,
             deadline=record.deadline,
             execution_timeout_s=record.execution_timeout_s,
         )

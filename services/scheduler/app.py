@@ -17,6 +17,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
+from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
@@ -26,6 +27,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
+from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
 from services.scheduler.jobs_flow import JobFlow
@@ -34,6 +36,7 @@ from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
+from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
 
@@ -43,8 +46,10 @@ SERVICE_NAMES = ("asyncinfer.v1.WorkerService", "asyncinfer.v1.OpsService")
 
 
 class SchedulerApp:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, blob_sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S) -> None:
         self.config = config
+        self._blob_sweep_interval_s = blob_sweep_interval_s
+        self._sweeper: BlobSweeper | None = None
         self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
         self.metrics = SchedulerMetrics(CollectorRegistry())
         self.batchers = BatcherRegistry()
@@ -64,12 +69,19 @@ class SchedulerApp:
         self._dispatchers: list[ModelDispatcher] = []
         self._loops: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Task[None] | None = None
+        self._webhooks: WebhookService | None = None
 
     @property
     def flow(self) -> JobFlow:
         if self._flow is None:
             raise RuntimeError("the scheduler has not started")
         return self._flow
+
+    @property
+    def webhooks(self) -> WebhookService:
+        if self._webhooks is None:
+            raise RuntimeError("the scheduler has not started")
+        return self._webhooks
 
     async def start(self) -> None:
         try:
@@ -96,8 +108,14 @@ class SchedulerApp:
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
         store = JobStore(kv)
+        blobs = await ensure_objects_bucket(js, config.nats)
         self._flow = flow = JobFlow(
-            store=store, config=config, metrics=self.metrics, dead_letters=letters, queues_kv=queues_kv
+            store=store,
+            config=config,
+            metrics=self.metrics,
+            dead_letters=letters,
+            queues_kv=queues_kv,
+            claim_check=ClaimCheckIO(blobs, config),
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -119,13 +137,19 @@ class SchedulerApp:
             scheduler_id=self.scheduler_id,
         )
         self._cancels = await nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}.*", cb=self._on_cancel)
+        self._webhooks = WebhookService(config, nc, self.metrics.registry)
+        await self._webhooks.start()
 
         def add_servicers(server: grpc.aio.Server) -> None:
             worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(workers, server)
             ops_service_pb2_grpc.add_OpsServiceServicer_to_server(ops, server)
 
         self._server = GrpcServer(
-            host=settings.host, port=settings.port, add_servicers=add_servicers, service_names=SERVICE_NAMES
+            host=settings.host,
+            port=settings.port,
+            add_servicers=add_servicers,
+            service_names=SERVICE_NAMES,
+            max_message_bytes=work_message_bytes(config),
         )
         await self._server.start()
         self.port = self._server.port
@@ -149,6 +173,8 @@ class SchedulerApp:
             self._dispatchers.append(dispatcher)
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
+        self._sweeper = BlobSweeper(blobs, interval_s=self._blob_sweep_interval_s)
+        self._sweeper.start()
         self._metrics_server.start()
         self.metrics_port = self._metrics_server.port
         log.info(
@@ -204,6 +230,8 @@ class SchedulerApp:
             if not await self._flow.wait_idle(grace_s):
                 log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
             await self._flow.return_all("SCHEDULER_STOPPING")
+        if self._sweeper is not None:
+            await self._sweeper.stop()
         for loop in self._loops:
             loop.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
@@ -213,6 +241,8 @@ class SchedulerApp:
             await self._server.stop(grace_s)
         if self._flow is not None:
             await self._flow.close()
+        if self._webhooks is not None:
+            await self._webhooks.stop(grace_s)
         if self._pauses is not None:
             await self._pauses.stop()
         self._metrics_server.stop()

@@ -40,6 +40,7 @@ from asyncinfer.config import Config, ModelConfig
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import (
     BatchInfo,
+    BlobRef,
     JobError,
     JobRecord,
     JobState,
@@ -48,6 +49,7 @@ from asyncinfer.jobs import (
 )
 from asyncinfer.queues import CancelNotice, take_from_tenant_count
 from services.scheduler.batchers import BatcherSession
+from services.scheduler.blobs import ClaimCheckIO, input_unusable
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.messages import CancelOrder, WorkOrder, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
@@ -56,8 +58,12 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
-# Pauses while waiting for a record that the gateway is writing right after its publish.
-RECORD_WAITS_S = (0.002, 0.01, 0.05)
+# Pauses while waiting for a record that the gateway is writing right after its publish. An idle
+# scheduler is woken by that very publish and pulls the message while the gateway is still waiting
+# for the publish's ack before it sends the record: the record is usually there a millisecond or
+# two later, so the first pauses are short (a coarser first pause was most of the queued time of a
+# job at light load); the total stays about what it was (~60 ms) before a nak.
+RECORD_WAITS_S = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03)
 # Cancel notices for jobs not (yet) in flight here are remembered this long: the notice can
 # overtake the dispatch that made the job RUNNING.
 PENDING_CANCEL_TTL_S = 30.0
@@ -113,8 +119,10 @@ class JobFlow:
         dead_letters: DeadLetterStore,
         queues_kv: KeyValue | None = None,
         rng: random.Random | None = None,
+        claim_check: ClaimCheckIO | None = None,
     ) -> None:
         self._store = store
+        self._claim_check = claim_check
         self._config = config
         self._metrics = metrics
         self._dead_letters = dead_letters
@@ -240,6 +248,17 @@ class JobFlow:
         if record.state == JobState.RUNNING:
             self._metrics.lease_expiries.labels(model=latest.model_name).inc()
             job_log.warning("lease_expired", previous_attempt=record.attempt)
+        if envelope.input_ref is not None and self._claim_check is not None:
+            resolved = await self._claim_check.resolve(envelope)
+            if isinstance(resolved, JobError):
+                job_log.warning("job_input_unusable", reason=resolved.reason, retriable=resolved.retriable)
+                if resolved.retriable:
+                    await self._requeue(latest, msg, job_log, resolved, delay_s=DISPATCH_RETRY_DELAY_S, refund=True)
+                else:
+                    failed = await self._store.transition(latest, input_unusable(latest.attempt, resolved, time.time()))
+                    await self._settle(msg, *failed, job_log)
+                return False
+            envelope = resolved
         if session.closed:
             # The batcher left while the record was being written: put the job straight back.
             await self._requeue(latest, msg, job_log, self._worker_lost(session, latest.attempt), delay_s=0.0)
@@ -321,7 +340,11 @@ class JobFlow:
         if result.error is None:
             size = sum(t.nbytes for t in result.outputs)
             limit = self._config.scheduler.inline_result_max_bytes
-            if size > limit:
+            if size > limit and self._claim_check is not None:
+                # Too big for the record: stored as an object, the record keeps the reference.
+                stored = await self._claim_check.store_result(job.record, result.outputs, now)
+                await self._end(job, JobState.SUCCEEDED, now, result, result_ref=stored)
+            elif size > limit:
                 error = _error(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     "RESULT_TOO_LARGE",
@@ -363,6 +386,7 @@ class JobFlow:
         result: WorkResult | None,
         *,
         error: JobError | None = None,
+        result_ref: BlobRef | None = None,
     ) -> None:
         batch = _batch_info(job, result)
         run_s = max(now - (job.record.start_time or now), 0.0)
@@ -377,7 +401,8 @@ class JobFlow:
                 return None
             return current.evolve(
                 state=state,
-                outputs=result.outputs if state == JobState.SUCCEEDED and result is not None else (),
+                outputs=result.outputs if state == JobState.SUCCEEDED and result is not None and not result_ref else (),
+                result_ref=result_ref,
                 error=error,
                 end_time=now,
                 run_duration_s=run_s,

@@ -1,0 +1,452 @@
+"""The claim-check store: large inputs and results as objects in a JetStream Object Store bucket.
+
+Names are tenant-scoped: "<tenant>/in/<id>" for uploads and "<tenant>/out/<job_id>" for results.
+Callers only ever see the part after the tenant ("in/<id>", "out/<job_id>"), and every lookup
+prefixes the caller's own tenant, so a reference can never reach another tenant's object: another
+tenant's reference and an unknown one are the same NOT_FOUND.
+
+Writes follow the Object Store's wire layout (what nats-py, the Go client and the `nats` CLI read):
+chunks of 128 KiB on `$O.<bucket>.C.<nuid>`, then one JSON meta message (rolled up) on
+`$O.<bucket>.M.<base64url(name)>`. nats-py's own `put` reads from a blocking file object in a
+thread and cannot take an async stream (gRPC chunks), so this module writes the layout itself:
+chunks are published as they arrive (a few acks in flight, never the whole object in memory),
+the size limit and the SHA-256 are checked on the way, and on any refusal or error the chunk
+subject is purged and no meta is written, so nothing partial is left.
+
+Expiry lives in the meta's headers (`Asyncinfer-Expires-At`, Unix seconds). Reads refuse an
+object past it (…_EXPIRED) and `sweep` deletes such objects. Extending and sweeping are
+compare-and-set on the meta message's subject sequence, so a sweep can never delete an object
+that a submit has just extended, and a submit can never extend one the sweep has just deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import re
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+import nats.errors
+import structlog
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, NotFoundError
+from nats.js.object_store import (
+    OBJ_ALL_META_PRE_TEMPLATE,
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    OBJ_DEFAULT_CHUNK_SIZE,
+    OBJ_DIGEST_TEMPLATE,
+    OBJ_META_PRE_TEMPLATE,
+    OBJ_STREAM_TEMPLATE,
+)
+
+from asyncinfer.config import NatsConfig
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
+from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.jetstream import retry_transient
+from asyncinfer.jobs import BlobRef
+from asyncinfer.v1 import tensor_pb2
+
+log = structlog.get_logger("asyncinfer.blobs")
+
+CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
+EXPIRES_HEADER = "Asyncinfer-Expires-At"
+SHA256_HEADER = "Asyncinfer-Sha256"
+INPUT_KIND = "in"
+RESULT_KIND = "out"
+# Chunk publishes awaiting their ack at once: enough to hide the round trip, few enough to bound memory.
+PUBLISH_WINDOW = 8
+ROLLUP_HEADERS: dict[str, Any] = {"Nats-Rollup": "sub"}
+EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071
+LIST_IDLE_TIMEOUT_S = 2.0
+_REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")
+_SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
+
+
+class BlobCorrupt(AsyncInferError):
+    """A stored object does not match its recorded size or digest."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    default_reason = "BLOB_CORRUPT"
+
+
+def parse_inputs(data: bytearray) -> tensor_pb2.InferInputs:
+    """An uploaded InferInputs, parsed in place (protobuf reads any buffer; its stub says bytes).
+    Raises DecodeError. Slow for large inputs: run it in a thread."""
+    return tensor_pb2.InferInputs.FromString(data)  # type: ignore[arg-type]
+
+
+def new_input_ref() -> str:
+    return f"{INPUT_KIND}/{new_job_id()}"
+
+
+def result_ref(job_id: str) -> str:
+    return f"{RESULT_KIND}/{job_id}"
+
+
+def is_sha256_hex(text: str) -> bool:
+    return bool(_SHA256_PATTERN.match(text))
+
+
+@dataclass(frozen=True, slots=True)
+class BlobInfo:
+    """What the meta message says about a stored object."""
+
+    name: str
+    ref: BlobRef
+    nuid: str
+    expires_at: float | None
+    deleted: bool
+    meta_sequence: int
+    meta: dict[str, Any]
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+
+def _what(ref: str) -> str:
+    return "result" if ref.startswith(RESULT_KIND + "/") else "input"
+
+
+def blob_not_found(ref: str, what: str = "") -> NotFound:
+    what = what or _what(ref)
+    return NotFound(f"{what} {ref[:80]!r} not found", reason=f"{what.upper()}_NOT_FOUND", metadata={"ref": ref[:80]})
+
+
+def blob_expired(ref: str) -> NotFound:
+    what = _what(ref)
+    return NotFound(
+        f"{what} {ref!r} expired (its retention passed) and is being deleted",
+        reason=f"{what.upper()}_EXPIRED",
+        metadata={"ref": ref},
+    )
+
+
+def object_name(tenant: str, ref: str) -> str:
+    """The object's name for the caller's tenant; NotFound for anything that is not a reference
+    this store hands out (so odd text never reaches NATS as a subject)."""
+    match = _REF_PATTERN.match(ref)
+    if match is None or not is_job_id(match.group(2)):
+        raise blob_not_found(ref)
+    return f"{tenant}/{ref}"
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
+
+
+def upload_too_large(limit_bytes: int, seen_bytes: int, *, declared: bool) -> InvalidArgument:
+    what = "declares" if declared else "streamed"
+    message = (
+        f"the upload {what} {seen_bytes} bytes, over the limit of {limit_bytes} bytes "
+        "(gateway.max_upload_bytes); nothing was kept"
+    )
+    field = "metadata.size_bytes" if declared else "chunk"
+    return InvalidArgument(message, [FieldViolation(field, message)], reason="UPLOAD_TOO_LARGE")
+
+
+async def ensure_objects_bucket(js: JetStreamContext, config: NatsConfig) -> BlobStore:
+    """The claim-check bucket (created on first use), as a BlobStore."""
+
+    async def declare(_: float) -> BlobStore:
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=config.objects_bucket)
+        try:
+            await js.stream_info(stream)
+        except NotFoundError:
+            await js.create_object_store(
+                config.objects_bucket,
+                api.ObjectStoreConfig(
+                    description="asyncinfer claim check: uploaded inputs and large results, per tenant",
+                    storage=api.StorageType.FILE,
+                    replicas=config.replicas,
+                ),
+            )
+            log.info("bucket_created", bucket=config.objects_bucket)
+        return BlobStore(js, config.objects_bucket)
+
+    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
+
+
+class BlobStore:
+    def __init__(self, js: JetStreamContext, bucket: str) -> None:
+        self._js = js
+        self.bucket = bucket
+        self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+
+    # --- writing ----------------------------------------------------------------------------
+
+    async def put(
+        self,
+        tenant: str,
+        ref: str,
+        chunks: AsyncIterable[bytes | memoryview],
+        *,
+        expires_at: float,
+        max_bytes: int,
+        expected_sha256: str = "",
+        expected_size: int | None = None,
+    ) -> BlobRef:
+        """Streams `chunks` into the object `ref` of `tenant`, replacing any object of that name.
+
+        Raises InvalidArgument (UPLOAD_TOO_LARGE past max_bytes, SHA256_MISMATCH, SIZE_MISMATCH)
+        and Unavailable when NATS fails; in every failure, and on cancellation, the chunks
+        written so far are purged and no meta is written."""
+        name = object_name(tenant, ref)
+        nuid = self._js._nc._nuid.next().decode()
+        chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
+        digest = hashlib.sha256()
+        total = 0
+        count = 0
+        pending: list[asyncio.Task[api.PubAck]] = []
+        buffer = bytearray()
+
+        async def send(payload: bytes) -> None:
+            nonlocal count
+            pending.append(asyncio.ensure_future(self._js.publish(chunk_subject, payload)))
+            count += 1
+            if len(pending) >= PUBLISH_WINDOW:
+                # Shielded: a publish cancelled after it was sent may still land, and then the
+                # purge below could miss it; every publish is seen through to its ack instead.
+                await asyncio.shield(pending[0])
+                pending.pop(0)
+
+        try:
+            async for piece in chunks:
+                total += len(piece)
+                if total > max_bytes:
+                    raise upload_too_large(max_bytes, total, declared=False)
+                digest.update(piece)
+                buffer += piece
+                while len(buffer) >= CHUNK_BYTES:
+                    await send(bytes(buffer[:CHUNK_BYTES]))
+                    del buffer[:CHUNK_BYTES]
+            if buffer:
+                await send(bytes(buffer))
+            await asyncio.shield(asyncio.gather(*pending))
+            pending.clear()
+            sha256 = digest.hexdigest()
+            if expected_size is not None and expected_size != total:
+                message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
+                raise InvalidArgument(message, [FieldViolation("metadata.size_bytes", message)], reason="SIZE_MISMATCH")
+            if expected_sha256 and expected_sha256 != sha256:
+                message = f"the content's SHA-256 is {sha256}, not the declared {expected_sha256}; nothing was kept"
+                raise InvalidArgument(message, [FieldViolation("metadata.sha256", message)], reason="SHA256_MISMATCH")
+            previous = await self._info_or_none(name)
+            info = api.ObjectInfo(
+                name=name,
+                bucket=self.bucket,
+                nuid=nuid,
+                size=total,
+                chunks=count,
+                mtime=datetime.now(UTC).isoformat(),
+                digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
+                headers={EXPIRES_HEADER: [repr(expires_at)], SHA256_HEADER: [sha256]},
+                options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
+            )
+            await self._js.publish(
+                _meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
+            )
+        except BaseException as exc:
+            await asyncio.gather(*pending, return_exceptions=True)
+            await self._purge_quietly(chunk_subject)
+            if isinstance(exc, NATS_FAILURES):
+                raise Unavailable(f"cannot store the object: {exc}") from exc
+            raise
+        if previous is not None and previous.nuid != nuid:
+            await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=previous.nuid))
+        return BlobRef(ref=ref, size_bytes=total, sha256=sha256)
+
+    async def put_bytes(self, tenant: str, ref: str, data: bytes, *, expires_at: float) -> BlobRef:
+        view = memoryview(data)
+
+        async def pieces() -> AsyncIterator[memoryview]:
+            for start in range(0, len(view), CHUNK_BYTES):
+                yield view[start : start + CHUNK_BYTES]
+
+        return await self.put(tenant, ref, pieces(), expires_at=expires_at, max_bytes=len(data))
+
+    # --- reading ----------------------------------------------------------------------------
+
+    async def info(self, tenant: str, ref: str, *, now: float | None = None) -> BlobInfo:
+        """The live object's info; NotFound (…_NOT_FOUND, or …_EXPIRED past its expiry)."""
+        name = object_name(tenant, ref)
+        info = await self._info_or_none(name)
+        if info is None or info.deleted:
+            raise blob_not_found(ref)
+        if info.expired(time.time() if now is None else now):
+            raise blob_expired(ref)
+        return info
+
+    async def chunks(self, tenant: str, ref: str) -> AsyncIterator[bytes]:
+        """The object's chunks in order, one request per chunk (so a slow reader holds one chunk,
+        not a subscription's backlog); raises DataLoss at the end if the content does not match
+        its size and digest."""
+        info = await self.info(tenant, ref)
+        async for chunk in self._chunks_of(info):
+            yield chunk
+
+    async def _chunks_of(self, info: BlobInfo) -> AsyncIterator[bytes]:
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+        digest = hashlib.sha256()
+        total = 0
+        sequence = 1
+        while total < info.ref.size_bytes:
+            try:
+                msg = await self._js.get_msg(self.stream, seq=sequence, subject=subject, next=True, direct=True)
+            except NotFoundError:
+                break
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot read the object: {exc}") from exc
+            data = msg.data or b""
+            digest.update(data)
+            total += len(data)
+            sequence = (msg.seq or sequence) + 1
+            yield data
+        if total != info.ref.size_bytes or digest.hexdigest() != info.ref.sha256:
+            raise BlobCorrupt(f"the stored object {info.ref.ref!r} is incomplete or corrupt")
+
+    async def read(self, tenant: str, ref: str, *, max_bytes: int) -> tuple[BlobInfo, bytearray]:
+        """The whole object (for decoding), refused past max_bytes before anything is read; a
+        bytearray, which protobuf parses without another copy."""
+        info = await self.info(tenant, ref)
+        if info.ref.size_bytes > max_bytes:
+            raise upload_too_large(max_bytes, info.ref.size_bytes, declared=True)
+        data = bytearray()
+        async for chunk in self._chunks_of(info):
+            data += chunk
+        return info, data
+
+    # --- expiry -----------------------------------------------------------------------------
+
+    async def extend(self, tenant: str, ref: str, expires_at: float) -> BlobInfo:
+        """Moves the object's expiry to at least expires_at (never earlier), compare-and-set
+        against the sweeper; NotFound if it is gone or already expired."""
+        while True:
+            info = await self.info(tenant, ref)
+            if info.expires_at is None or info.expires_at >= expires_at:
+                return info
+            try:
+                await self._rewrite_meta(info, expires_at=expires_at)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    continue  # the sweeper or another submit wrote first: look again
+                raise Unavailable(f"cannot extend the object's retention: {exc}") from exc
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot extend the object's retention: {exc}") from exc
+            return info
+
+    async def delete(self, tenant: str, ref: str) -> None:
+        info = await self._info_or_none(object_name(tenant, ref))
+        if info is not None:
+            await self._remove(info)
+
+    async def sweep(self, now: float | None = None) -> int:
+        """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
+        many were removed."""
+        now = time.time() if now is None else now
+        removed = 0
+        for info in await self._list():
+            if not (info.deleted or info.expired(now)):
+                continue
+            try:
+                await self._remove(info)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    continue  # extended (or replaced) meanwhile: it lives on
+                raise
+            removed += 1
+        return removed
+
+    async def _remove(self, info: BlobInfo) -> None:
+        """A tombstone first (compare-and-set, so an extension made meanwhile wins), then the
+        chunks, then the meta subject itself: nothing of the object is left in the stream."""
+        if not info.deleted:
+            await self._rewrite_meta(info, deleted=True)
+        await self._js.purge_stream(
+            self.stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+        )
+        await self._js.purge_stream(self.stream, subject=_meta_subject(self.bucket, info.name))
+        log.info("blob_deleted", name=info.name, size_bytes=info.ref.size_bytes)
+
+    # --- meta messages ----------------------------------------------------------------------
+
+    async def _rewrite_meta(self, info: BlobInfo, *, expires_at: float | None = None, deleted: bool = False) -> None:
+        obj = dict(info.meta)
+        if deleted:
+            obj["deleted"] = True
+        if expires_at is not None:
+            obj["headers"] = {**(obj.get("headers") or {}), EXPIRES_HEADER: [repr(expires_at)]}
+        headers: dict[str, Any] = {**ROLLUP_HEADERS, EXPECTED_LAST_SUBJECT_SEQUENCE: str(info.meta_sequence)}
+        await self._js.publish(_meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
+
+    async def _info_or_none(self, name: str) -> BlobInfo | None:
+        try:
+            msg = await self._js.get_last_msg(self.stream, _meta_subject(self.bucket, name))
+        except NotFoundError:
+            return None
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the object's metadata: {exc}") from exc
+        return _parse_meta(msg.data or b"", msg.seq or 0)
+
+    async def _list(self) -> list[BlobInfo]:
+        """Every object's latest meta (deleted ones included), via an ordered consumer."""
+        subject = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=self.bucket)
+        try:
+            await self._js.get_last_msg(self.stream, subject)
+        except NotFoundError:
+            return []
+        sub = await self._js.subscribe(
+            subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT
+        )
+        found: list[BlobInfo] = []
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
+                except nats.errors.TimeoutError:
+                    break  # purged between the look and the subscribe: nothing more to see
+                parsed = _parse_meta(msg.data, msg.metadata.sequence.stream)
+                if parsed is not None:
+                    found.append(parsed)
+                if msg.metadata.num_pending == 0:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return found
+
+    async def _purge_quietly(self, subject: str) -> None:
+        try:
+            await asyncio.shield(self._js.purge_stream(self.stream, subject=subject))
+        except Exception as exc:
+            # Chunks without a meta are invisible to the sweeper: say so loudly.
+            log.error("blob_chunks_not_purged", subject=subject, error=str(exc))
+
+
+def _parse_meta(data: bytes, sequence: int) -> BlobInfo | None:
+    try:
+        obj = json.loads(data)
+        name = obj["name"]
+    except (ValueError, KeyError, TypeError):
+        log.warning("blob_meta_unreadable", sequence=sequence)
+        return None
+    headers = obj.get("headers") or {}
+    expires = headers.get(EXPIRES_HEADER) or [None]
+    sha = headers.get(SHA256_HEADER) or [""]
+    _, _, ref = name.partition("/")
+    return BlobInfo(
+        name=name,
+        ref=BlobRef(ref=ref, size_bytes=int(obj.get("size") or 0), sha256=str(sha[0])),
+        nuid=str(obj.get("nuid") or ""),
+        expires_at=float(expires[0]) if expires[0] is not None else None,
+        deleted=bool(obj.get("deleted")),
+        meta_sequence=sequence,
+        meta=obj,
+    )

@@ -1,0 +1,184 @@
+"""The gateway's side of the claim check: UploadInput streams a client's chunks into the object
+store, SubmitJob's `input_ref` is checked and decoded like inline inputs, and ReadResult streams a
+finished job's result back (from the store, or from the record when it was small enough to be
+inline, so a client has one way to read every result).
+
+Input expiry. An upload lives for its own retention (metadata.retention, else
+gateway.default_upload_retention_s). A job that uses it extends it, at submit, to a generous bound
+on when that job can have ended plus the job's result retention: the time it may wait (its
+deadline, or else the upload default) plus every attempt's execution timeout and longest retry
+backoff. The expiry never moves earlier, so several jobs may share one upload. A job that still
+waits past that bound fails at dispatch with INPUT_EXPIRED rather than running on missing data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from asyncinfer.blobs import (
+    INPUT_KIND,
+    BlobStore,
+    blob_not_found,
+    is_sha256_hex,
+    new_input_ref,
+    parse_inputs,
+    upload_too_large,
+)
+from asyncinfer.config import Config, ModelConfig
+from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from asyncinfer.jobs import BlobRef, JobRecord, JobState
+from asyncinfer.tensor_codec import decode_tensors, to_output_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+
+# ReadResult sends inline results in pieces of this size, like stored ones (the store's chunks).
+INLINE_CHUNK_BYTES = 128 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class InputsByRef:
+    """A SubmitJob input_ref, resolved: the stored object and its decoded tensors."""
+
+    ref: BlobRef
+    inputs: tuple[Tensor, ...]
+
+
+def check_exclusive_inputs(inline_count: int, input_ref: str) -> None:
+    if inline_count and input_ref:
+        message = "give inputs inline or an input_ref from UploadInput, not both"
+        raise InvalidArgument(message, [FieldViolation("input_ref", message)])
+
+
+def input_expiry(
+    record_retention_s: float,
+    model: ModelConfig,
+    config: Config,
+    *,
+    deadline: float | None,
+    now: float,
+    max_attempts: int,
+    execution_timeout_s: float | None,
+) -> float:
+    """The generous bound on a job's end plus its retention (see the module's docstring)."""
+    wait_s = (deadline - now) if deadline is not None else config.gateway.default_upload_retention_s
+    run_s = max_attempts * ((execution_timeout_s or model.default_execution_timeout_s) + model.retry_backoff_max_s)
+    return now + max(wait_s, 0.0) + run_s + record_retention_s
+
+
+class ClaimCheck:
+    def __init__(self, store: BlobStore, config: Config, *, clock: Callable[[], float] = time.time) -> None:
+        self._store = store
+        self._config = config
+        self._clock = clock
+
+    # --- UploadInput ------------------------------------------------------------------------
+
+    async def upload(
+        self, requests: AsyncIterator[job_service_pb2.UploadInputRequest], *, tenant: str
+    ) -> job_service_pb2.UploadInputResponse:
+        limit = self._config.gateway.max_upload_bytes
+        first = await anext(requests, None)
+        if first is None or not first.HasField("metadata"):
+            message = "the first message must carry metadata (size_bytes, sha256, retention); chunks follow"
+            raise InvalidArgument(message, [FieldViolation("metadata", message)])
+        metadata = first.metadata
+        violations: list[FieldViolation] = []
+        if metadata.size_bytes < 0:
+            violations.append(FieldViolation("metadata.size_bytes", "must not be negative"))
+        elif metadata.size_bytes > limit:
+            raise upload_too_large(limit, metadata.size_bytes, declared=True)
+        sha256 = metadata.sha256.lower()
+        if sha256 and not is_sha256_hex(sha256):
+            violations.append(FieldViolation("metadata.sha256", "must be 64 hex digits (the content's SHA-256)"))
+        retention_s = self._config.gateway.default_upload_retention_s
+        if metadata.HasField("retention"):
+            retention_s = metadata.retention.ToNanoseconds() / 1e9
+            longest = self._config.gateway.max_result_retention_s
+            if not 0 < retention_s <= longest:
+                violations.append(FieldViolation("metadata.retention", f"must be positive and at most {longest:g} s"))
+        if violations:
+            raise InvalidArgument(f"invalid upload: {violations[0].field}: {violations[0].description}", violations)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield first.chunk
+            async for request in requests:
+                if request.HasField("metadata"):
+                    message = "only the first message carries metadata"
+                    raise InvalidArgument(message, [FieldViolation("metadata", message)])
+                yield request.chunk
+
+        ref = await self._store.put(
+            tenant,
+            new_input_ref(),
+            chunks(),
+            expires_at=self._clock() + retention_s,
+            max_bytes=limit,
+            expected_sha256=sha256,
+            expected_size=metadata.size_bytes or None,
+        )
+        return job_service_pb2.UploadInputResponse(
+            ref=job_pb2.BlobRef(ref=ref.ref, size_bytes=ref.size_bytes, sha256=ref.sha256)
+        )
+
+    # --- SubmitJob by reference -------------------------------------------------------------
+
+    async def inputs(self, tenant: str, input_ref: str) -> InputsByRef:
+        """The caller's upload, decoded: NotFound (INPUT_NOT_FOUND / INPUT_EXPIRED; another
+        tenant's ref is simply not there), InvalidArgument when it is not an InferInputs."""
+        if not input_ref.startswith(INPUT_KIND + "/"):  # results are not inputs
+            raise blob_not_found(input_ref, "input")
+        info, data = await self._store.read(tenant, input_ref, max_bytes=self._config.gateway.max_upload_bytes)
+        try:
+            # Parsing up to max_upload_bytes takes long enough to matter to everyone else on the loop.
+            message = await asyncio.to_thread(parse_inputs, data)
+        except DecodeError:
+            text = "the uploaded content is not a serialized asyncinfer.v1.InferInputs message"
+            raise InvalidArgument(text, [FieldViolation("input_ref", text)], reason="INPUT_REF_UNREADABLE") from None
+        del data
+        try:
+            inputs = tuple(decode_tensors(message.inputs, "input_ref.inputs"))
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"the uploaded inputs are invalid: {exc.message}", exc.violations) from None
+        return InputsByRef(ref=info.ref, inputs=inputs)
+
+    async def keep_for(self, tenant: str, ref: BlobRef, expires_at: float) -> None:
+        """Extends the upload's expiry for a job that uses it (never shortens it)."""
+        await self._store.extend(tenant, ref.ref, expires_at)
+
+    # --- ReadResult -------------------------------------------------------------------------
+
+    async def read_result(self, record: JobRecord) -> AsyncGenerator[job_service_pb2.ReadResultResponse, None]:
+        if record.state != JobState.SUCCEEDED:
+            raise FailedPrecondition(
+                f"job {record.job_id} is {record.state.value}; only a SUCCEEDED job has a result",
+                reason="JOB_NOT_SUCCEEDED",
+                metadata={"job_id": record.job_id, "state": record.state.value},
+            )
+        if record.result_ref is not None:
+            ref = record.result_ref
+            first = True
+            async for chunk in self._store.chunks(record.tenant, ref.ref):
+                yield _result_message(chunk, ref if first else None)
+                first = False
+            if first:  # an empty result still announces its reference
+                yield _result_message(b"", ref)
+            return
+        data = tensor_pb2.InferOutputs(
+            outputs=[to_output_proto(t, raw=True) for t in record.outputs]
+        ).SerializeToString()
+        inline = BlobRef(ref="", size_bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+        for start in range(0, max(len(data), 1), INLINE_CHUNK_BYTES):
+            yield _result_message(data[start : start + INLINE_CHUNK_BYTES], inline if start == 0 else None)
+
+
+def _result_message(chunk: bytes, ref: BlobRef | None) -> job_service_pb2.ReadResultResponse:
+    message = job_service_pb2.ReadResultResponse(chunk=chunk)
+    if ref is not None:
+        message.ref.CopyFrom(job_pb2.BlobRef(ref=ref.ref, size_bytes=ref.size_bytes, sha256=ref.sha256))
+    return message

@@ -1,0 +1,356 @@
+"""Idempotent submit: a repeated SubmitJob with the same (tenant, idempotency key) returns the first
+job and queues nothing new; the same key with a different request answers ALREADY_EXISTS.
+
+The claim. A KV entry per (tenant, key) in the idempotency bucket, keyed
+"<tenant>.<sha256(key) hex>" (keys may hold any character; hashed, they are valid KV tokens of a
+fixed length), holding {job_id, fingerprint, claim_time}. Creating it is a compare-and-set on the
+key's last revision (as `KeyValue.create`), so of any number of identical submits racing, exactly
+one creates the entry: that one (the owner) enqueues the job under the job ID it wrote in the entry
+*before* publishing anything. Every other submit reads the entry and:
+
+- different fingerprint (SHA-256 of a canonical encoding of the request's domain fields, minus the
+  key; a queue TTL is compared as given, not as the deadline derived from it) -> ALREADY_EXISTS,
+  reason IDEMPOTENCY_KEY_REUSED, naming the first job (metadata job_id);
+- the job's record exists -> that job, deduplicated;
+- no record yet -> the owner is still publishing and recording: wait for it (polling, bounded).
+
+Invalid inline requests are refused before claiming. The owner that fails (invalid input_ref,
+admission refused, NATS unavailable) releases the entry (a compare-and-set delete whose marker has
+a short TTL) when its record is certainly absent, so a retry starts afresh at once. A retry that
+has become invalid since (its deadline passed) still gets the first job. An owner that
+crashed leaves a claim without a record. Every owner gives up by its own bound,
+gateway.enqueue_retry_s after it claimed (plus TAKEOVER_MARGIN_S for a last KV request in flight),
+so a claim older than that whose record is missing can never get one: the next submit with the
+key deletes that claim (compare-and-set on its revision, so one taker wins) and claims it afresh
+with a NEW job ID. A new ID rather than the old one, because the old job's work message may
+already have been dropped as an orphan by the scheduler while the stream's duplicate window still
+remembers its Nats-Msg-Id, so a re-publish under it would be silently swallowed and its record
+would stay QUEUED forever; the old message, if still there, is dropped as an orphan (its record
+never appears). This relies on the bound the scheduler's orphan rule already relies on: a submit
+writes its record within enqueue_retry_s of starting (and on gateways' clocks agreeing to within
+the margin, since claim_time is the claiming gateway's wall clock).
+
+Lifetime. The entry carries a per-message TTL: the longest the job can live (its queue deadline,
+or QUEUE_HORIZON_WITHOUT_DEADLINE_S without one, plus every attempt's timeout and backoff, plus its
+result retention, plus slack). The TTL only collects garbage: what decides is the record. Once the
+job's record is gone (its retention passed) the entry is a stale claim like any other, so the key
+is free again: keys live exactly as long as their job's record. (A job queued longer than
+QUEUE_HORIZON_WITHOUT_DEADLINE_S without a deadline outlives its claim; a repeat after that would
+make a second job.)
+
+Cost: a keyed submit makes one more KV write than a plain one (the claim); a repeat makes a failed
+write and two reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from nats.js import JetStreamContext, api
+from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_OP, KeyValue
+
+from asyncinfer.config import Config, ModelConfig, NatsConfig
+from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
+from asyncinfer.ids import new_job_id
+from asyncinfer.jetstream import retry_transient
+from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.jobs import JobRecord, job_key
+from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
+from services.gateway.transitions import Expiry
+
+log = structlog.get_logger("asyncinfer.gateway.idempotency")
+
+KEY_REUSED_REASON = "IDEMPOTENCY_KEY_REUSED"
+# Beyond enqueue_retry_s: a KV request the owner sent last may still be in flight (nats-py's
+# JetStream requests time out after 5 s).
+TAKEOVER_MARGIN_S = 6.0
+QUEUE_HORIZON_WITHOUT_DEADLINE_S = 7 * 86400.0
+KEY_TTL_SLACK_S = 3600.0
+FIRST_POLL_S = 0.005
+MAX_POLL_S = 0.25
+# Claim, lose, find the claim gone, claim again...: only a storm of failing owners gets this far.
+MAX_CLAIM_ROUNDS = 8
+# A removed claim's delete marker lives this long, then the key has no trace left.
+REMOVED_MARKER_TTL_S = 60
+# JSStreamWrongLastSequenceErr and its constant form, as nats-py's KeyValue maps them.
+WRONG_LAST_SEQUENCE_CODES = (10071, 10164)
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitOutcome:
+    record: JobRecord
+    deduplicated: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    job_id: str
+    fingerprint: str
+    claim_time: float
+    revision: int = 0
+
+    def encode(self) -> bytes:
+        obj = {"job_id": self.job_id, "fingerprint": self.fingerprint, "claim_time": self.claim_time}
+        return json.dumps(obj, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, revision: int) -> Claim:
+        obj = json.loads(data)
+        return cls(obj["job_id"], obj["fingerprint"], obj["claim_time"], revision)
+
+
+def claim_key(tenant: str, idempotency_key: str) -> str:
+    return f"{tenant}.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+
+
+def _canonical(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, bytes):
+        return hashlib.sha256(value).hexdigest()
+    if isinstance(value, Mapping):
+        return {str(k): _canonical(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_canonical(v) for v in value]
+    return value
+
+
+def request_fingerprint(request: SubmitRequest) -> str:
+    """SHA-256 over every domain field of the request but the key itself (so fields added later
+    count too). A deadline derived from a queue TTL differs on every retry: the TTL counts instead."""
+    fields = _canonical(request)
+    del fields["idempotency_key"]
+    if request.queue_ttl_s is not None:
+        del fields["deadline"]
+    encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+def claim_ttl_s(request: SubmitRequest, model: ModelConfig, config: Config, *, now: float) -> int:
+    """Whole seconds (NATS's unit, at least 1): the longest the job can live, generously."""
+    queue_s = request.deadline - now if request.deadline is not None else QUEUE_HORIZON_WITHOUT_DEADLINE_S
+    attempts = request.max_attempts or model.max_attempts
+    run_s = attempts * ((request.execution_timeout_s or model.default_execution_timeout_s) + model.retry_backoff_max_s)
+    retention_s = request.result_retention_s or config.gateway.default_result_retention_s
+    return max(1, math.ceil(max(queue_s, 0.0) + run_s + retention_s + KEY_TTL_SLACK_S))
+
+
+async def ensure_idempotency_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
+    """The KV bucket of claims. Direct gets off, as for job records: a loser must read the claim
+    the winner just wrote. nats-py's create_key_value allows per-message TTLs."""
+
+    async def declare(_: float) -> KeyValue:
+        try:
+            return await js.key_value(config.idempotency_bucket)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                bucket=config.idempotency_bucket,
+                description="asyncinfer idempotency keys, keyed <tenant>.<sha256(key)>: the first job",
+                history=1,
+                storage=api.StorageType.FILE,
+                replicas=config.replicas,
+                direct=False,
+            )
+            log.info("bucket_created", bucket=config.idempotency_bucket)
+            return kv
+
+    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the idempotency bucket")
+
+
+def key_reused(idempotency_key: str, job_id: str) -> AlreadyExists:
+    return AlreadyExists(
+        f"idempotency key {idempotency_key[:64]!r} was already used for job {job_id} with a different request; "
+        "use a new key for a new job",
+        reason=KEY_REUSED_REASON,
+        metadata={"job_id": job_id},
+    )
+
+
+class IdempotentSubmitter:
+    """JobSubmitter.submit, deduplicated by idempotency key where the request has one."""
+
+    def __init__(
+        self,
+        config: Config,
+        submitter: JobSubmitter,
+        records: JobStore,
+        claims: KeyValue,
+        expiry: Expiry,
+        *,
+        js: JetStreamContext,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._submitter = submitter
+        self._records = records
+        self._claims = claims
+        self._js = js
+        self._prefix = f"$KV.{config.nats.idempotency_bucket}."
+        self._expiry = expiry
+        self._clock = clock
+        self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
+        self._owners: set[asyncio.Task[JobRecord | None]] = set()
+
+    async def submit(self, request: SubmitRequest, *, tenant: str) -> SubmitOutcome:
+        if not request.idempotency_key:
+            return SubmitOutcome(await self._submitter.submit(request, tenant=tenant))
+        key = claim_key(tenant, request.idempotency_key)
+        fingerprint = request_fingerprint(request)
+        now = self._clock()
+        try:
+            model = resolve_model(self._config, request.model_name, request.model_version)
+            if not request.input_ref:
+                # Inline requests are checked before claiming, so invalid ones write nothing; one
+                # with an input_ref is checked by the submitter once it has read the upload (an
+                # invalid one then releases its claim).
+                validate_submit(request, self._config, now=now)
+        except AsyncInferError:
+            # A retry of an accepted request may have become invalid since (its deadline passed):
+            # it still names the first job.
+            claim, _ = await self._read_claim(key)
+            if claim is not None and claim.fingerprint == fingerprint:
+                record = await self._records.get(job_key(tenant, claim.job_id))
+                if record is not None:
+                    return await self._deduplicated(record)
+            raise
+        ttl_s = claim_ttl_s(request, model, self._config, now=now)
+        last_revision = 0  # of the key's delete marker, if it has one: a create must name it
+        for _ in range(MAX_CLAIM_ROUNDS):
+            owner = asyncio.create_task(
+                self._claim_and_submit(
+                    request,
+                    tenant=tenant,
+                    key=key,
+                    claim=Claim(new_job_id(), fingerprint, now),
+                    ttl_s=ttl_s,
+                    last_revision=last_revision,
+                )
+            )
+            # Shielded: a claim must be followed by its job (or released) even if the caller left.
+            self._owners.add(owner)
+            owner.add_done_callback(self._owners.discard)
+            record = await asyncio.shield(owner)
+            if record is not None:
+                return SubmitOutcome(record)
+            outcome, last_revision = await self._await_first(request, tenant=tenant, key=key, fingerprint=fingerprint)
+            if outcome is not None:
+                return outcome
+            now = self._clock()
+        raise Unavailable(
+            f"idempotency key {request.idempotency_key[:64]!r} is contended; try again", reason="IDEMPOTENCY_CONTENDED"
+        )
+
+    async def drain(self) -> None:
+        """Waits for owners whose callers went away (each bounded by enqueue_retry_s)."""
+        if self._owners:
+            await asyncio.gather(*self._owners, return_exceptions=True)
+
+    async def _claim_and_submit(
+        self, request: SubmitRequest, *, tenant: str, key: str, claim: Claim, ttl_s: int, last_revision: int
+    ) -> JobRecord | None:
+        """The new job, or None when the key is not as `last_revision` says (another submit
+        holds it, or released it since)."""
+        try:
+            revision = await self._write(key, claim.encode(), last_revision=last_revision, ttl_s=ttl_s)
+        except KeyWrongLastSequenceError:
+            return None
+        except NATS_FAILURES as exc:
+            raise Unavailable(
+                f"cannot record the idempotency key ({exc}); the job was not accepted, submit it again",
+                reason="ENQUEUE_FAILED",
+            ) from exc
+        try:
+            return await self._submitter.submit(request, tenant=tenant, job_id=claim.job_id)
+        except BaseException:
+            await self._release(key, tenant, claim.job_id, revision)
+            raise
+
+    async def _write(self, key: str, value: bytes, *, last_revision: int, ttl_s: int | None, op: str = "") -> int:
+        """A compare-and-set on the key's last revision (0: it has none), as KeyValue's create and
+        delete do, but in one request: nats-py's create re-reads the key after every conflict (in
+        case it was deleted), which a loser here does anyway, and its delete takes no TTL."""
+        headers: dict[str, Any] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
+        if op:
+            headers[KV_OP] = op
+        try:
+            ack = await self._js.publish(f"{self._prefix}{key}", value, headers=headers, msg_ttl=ttl_s)
+        except APIError as exc:
+            if exc.err_code in WRONG_LAST_SEQUENCE_CODES:
+                raise KeyWrongLastSequenceError(description=exc.description) from exc
+            raise
+        return ack.seq
+
+    async def _remove(self, key: str, revision: int) -> int:
+        """Deletes the claim at `revision` (KeyWrongLastSequenceError if it changed since); the
+        delete marker's revision. The marker has a TTL, so the markers of refused requests and
+        released keys do not pile up in the bucket."""
+        return await self._write(key, b"", last_revision=revision, ttl_s=REMOVED_MARKER_TTL_S, op=KV_DEL)
+
+    async def _release(self, key: str, tenant: str, job_id: str, revision: int) -> None:
+        """Frees the key of a job that was not accepted, unless its record exists after all (a
+        create whose answer was lost) or that cannot be told; then the claim goes stale instead."""
+        try:
+            if await self._records.get(job_key(tenant, job_id)) is None:
+                await self._remove(key, revision)
+        except (Unavailable, *NATS_FAILURES) as exc:
+            log.warning("idempotency_key_not_released", tenant=tenant, job_id=job_id, error=str(exc))
+
+    async def _read_claim(self, key: str) -> tuple[Claim | None, int]:
+        """The claim on the key, or None and the revision of its delete marker (0: none)."""
+        try:
+            entry = await self._claims.get(key)
+        except KeyNotFoundError as exc:  # never written, expired (0), or released (a marker)
+            marker = getattr(exc.entry, "revision", None)
+            return None, marker or 0
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the idempotency key: {exc}") from exc
+        if not entry.value or entry.revision is None:
+            return None, entry.revision or 0
+        return Claim.decode(entry.value, entry.revision), entry.revision
+
+    async def _deduplicated(self, record: JobRecord) -> SubmitOutcome:
+        settled = await self._expiry.settle(record)
+        return SubmitOutcome(settled or record, deduplicated=True)
+
+    async def _await_first(
+        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
+    ) -> tuple[SubmitOutcome | None, int]:
+        """The first job of a key held by another submit; or None when the key is free again
+        (released, expired, or a stale claim this call removed), with the revision to claim it at."""
+        pause_s = FIRST_POLL_S
+        while True:
+            claim, revision = await self._read_claim(key)
+            if claim is None:
+                return None, revision
+            record = await self._records.get(job_key(tenant, claim.job_id))
+            if record is not None:
+                if claim.fingerprint != fingerprint:
+                    raise key_reused(request.idempotency_key, claim.job_id)
+                return await self._deduplicated(record), 0
+            if self._clock() - claim.claim_time >= self._stale_after_s:
+                try:
+                    marker = await self._remove(key, claim.revision)
+                except KeyWrongLastSequenceError:
+                    continue  # another submit took it over first: read its claim
+                except NATS_FAILURES as exc:
+                    raise Unavailable(f"cannot take over the idempotency key: {exc}") from exc
+                log.warning("idempotency_claim_taken_over", tenant=tenant, abandoned_job_id=claim.job_id)
+                return None, marker
+            if claim.fingerprint != fingerprint:
+                # A live claim holds the key: a different request cannot have it.
+                raise key_reused(request.idempotency_key, claim.job_id)
+            await asyncio.sleep(pause_s)
+            pause_s = min(pause_s * 2, MAX_POLL_S)

@@ -1,0 +1,96 @@
+"""What a WEBHOOKS message carries (one delivery: the event, where to send it, the exact body),
+and the thin JSON body itself.
+
+The body is built once, when the event is enqueued, and sent unchanged on every attempt (only
+`webhook-timestamp` and the signature change), so a receiver that deduplicates by `webhook-id`
+sees one event. It is a summary, never the outputs:
+
+    {"type": "job.completed", "timestamp": "2025-01-01T12:00:00.123456Z",
+     "data": {"job_id": ..., "model_name": ..., "model_version": ..., "state": "SUCCEEDED",
+              "attempt": 1, "labels": {...}, "error": {"code": "INVALID_ARGUMENT", "reason": ...,
+              "message": ...},            # failed jobs only
+              "fetch": {"rpc": "asyncinfer.v1.JobService/GetJob", "job_id": ...}}}
+
+`fetch.rpc` is ReadResult when the result is large (kept by reference), GetJob otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.webhook_status import CallbackEvent
+
+WEBHOOK_SUBJECT_PREFIX = "asyncinfer.webhooks"
+EVENT_TYPES = {
+    CallbackEvent.RUNNING: "job.running",
+    CallbackEvent.COMPLETED: "job.completed",
+    CallbackEvent.FAILED: "job.failed",
+    CallbackEvent.CANCELED: "job.canceled",
+}
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    webhook_id: str
+    tenant: str
+    job_id: str
+    event: CallbackEvent
+    job_attempt: int
+    url: str
+    body: str  # the exact JSON text sent
+    ttl_s: float  # how long the job's delivery status is kept after each write
+
+    @property
+    def subject(self) -> str:
+        return f"{WEBHOOK_SUBJECT_PREFIX}.{self.tenant}"
+
+
+def encode_delivery(delivery: Delivery) -> bytes:
+    return json.dumps(asdict(delivery), separators=(",", ":")).encode()
+
+
+def decode_delivery(data: bytes) -> Delivery:
+    obj: dict[str, Any] = json.loads(data)
+    obj["event"] = CallbackEvent(obj["event"])
+    return Delivery(**obj)
+
+
+def _rfc3339(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+def event_body(record: JobRecord, event: CallbackEvent) -> str:
+    """The body for `event` of the job as `record` stands (a RUNNING event reports RUNNING and its
+    start time even when built from a later record)."""
+    running = event is CallbackEvent.RUNNING
+    state = JobState.RUNNING if running else record.state
+    when = (record.start_time if running else record.end_time) or record.update_time
+    data: dict[str, Any] = {
+        "job_id": record.job_id,
+        "model_name": record.model_name,
+        "model_version": record.model_version,
+        "state": state.value,
+        "attempt": record.attempt,
+    }
+    if record.labels:
+        data["labels"] = dict(record.labels)
+    if not running and record.error is not None:
+        data["error"] = {
+            "code": _CODE_NAMES.get(record.error.code, str(record.error.code)),
+            "reason": record.error.reason,
+            "message": record.error.message,
+        }
+    if event is CallbackEvent.COMPLETED:
+        rpc = "ReadResult" if record.result_ref is not None else "GetJob"
+        data["fetch"] = {"rpc": f"asyncinfer.v1.JobService/{rpc}", "job_id": record.job_id}
+    else:
+        data["fetch"] = {"rpc": "asyncinfer.v1.JobService/GetJob", "job_id": record.job_id}
+    body = {"type": EVENT_TYPES[event], "timestamp": _rfc3339(when), "data": data}
+    return json.dumps(body, separators=(",", ":"))

@@ -1,0 +1,207 @@
+"""Job record writes -> webhook deliveries, without touching the jobs flow.
+
+A durable pull consumer on the jobs bucket's stream (streams.FEED_CONSUMER) sees every record
+write, whoever made it (scheduler, gateway cancel or expiry), across restarts. For a record with a
+callback whose state maps to a wanted event, one delivery per (job, event, job attempt) is enqueued
+exactly once:
+
+1. the delivery is added to the job's status entry (compare-and-set; present already: skip),
+2. then published to the WEBHOOKS stream with Nats-Msg-Id = the webhook ID,
+3. then the feed message is acked.
+
+A crash between 1 and 2 is repaired when the unacked feed message comes back: an entry still
+PENDING with no attempt is published again, and a publish that had landed is dropped by the
+stream's duplicate window. The status entry is written before the publish so the sender always
+finds it.
+
+The jobs bucket keeps one revision per key, so a RUNNING write replaced (by the job's end) before
+this consumer read it is gone: a terminal record of a job that ran also yields the RUNNING event of
+its attempt (same webhook ID, so it is enqueued once either way). Deliveries are independent
+messages: a receiver may see `job.completed` before `job.running`; each body has its timestamp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
+
+from asyncinfer.config import Config
+from asyncinfer.errors import Unavailable
+from asyncinfer.jetstream import publish_durably
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.jobs import JobRecord, JobState, decode_record
+from asyncinfer.webhook_status import (
+    EVENT_OF_STATE,
+    CallbackEvent,
+    DeliveryState,
+    DeliveryStatus,
+    JobDeliveries,
+    wanted_events,
+    webhook_id,
+)
+from services.scheduler.webhooks.deliveries import Delivery, encode_delivery, event_body
+from services.scheduler.webhooks.status_store import StatusStore
+from services.scheduler.webhooks.streams import FEED_CONSUMER, jobs_stream
+
+log = structlog.get_logger("asyncinfer.scheduler.webhooks")
+
+FETCH_BATCH = 128
+FETCH_WAIT_S = 2.0
+RETRY_DELAY_S = 1.0
+PUBLISH_RETRY_FOR_S = 10.0
+_RAN = frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.TIMED_OUT})
+
+
+def due_events(record: JobRecord) -> list[CallbackEvent]:
+    """The events `record` stands for that its callback asks for, RUNNING first."""
+    if record.callback is None:
+        return []
+    wanted = wanted_events(record.callback.events)
+    due: list[CallbackEvent] = []
+    if (
+        CallbackEvent.RUNNING in wanted
+        and record.state in _RAN
+        and record.start_time is not None
+        and record.attempt >= 1
+    ):
+        due.append(CallbackEvent.RUNNING)
+    event = EVENT_OF_STATE.get(record.state)
+    if event is not None and event is not CallbackEvent.RUNNING and event in wanted:
+        due.append(event)
+    return due
+
+
+class Notifier:
+    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config) -> None:
+        self._js = js
+        self._store = store
+        self._config = config
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._fetching = False
+        self._closing = False
+        self.enqueued = 0
+
+    async def start(self) -> None:
+        nats_config = self._config.nats
+        self._subscription = await self._js.pull_subscribe_bind(FEED_CONSUMER, stream=jobs_stream(nats_config))
+        self._task = asyncio.create_task(self._run(), name="webhook-notifier")
+
+    async def stop(self, grace_s: float) -> None:
+        """Finishes the record being handled (within grace_s); an unacked one comes back later."""
+        self._closing = True
+        if self._task is not None:
+            if self._fetching:
+                self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+
+    async def _run(self) -> None:
+        assert self._subscription is not None
+        while not self._closing:
+            self._fetching = True
+            try:
+                msgs = await self._subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+            except nats.errors.TimeoutError:
+                continue
+            except NATS_FAILURES as exc:
+                log.warning("webhook_feed_fetch_failed", error=str(exc))
+                await asyncio.sleep(RETRY_DELAY_S)
+                continue
+            finally:
+                self._fetching = False
+            for msg in msgs:
+                if self._closing:
+                    with contextlib.suppress(Exception):
+                        await msg.nak()
+                    continue
+                await self._handle(msg)
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            await self.process(msg)
+        except (Unavailable, *NATS_FAILURES) as exc:
+            log.warning("webhook_enqueue_failed", subject=msg.subject, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=RETRY_DELAY_S)
+            return
+        except Exception:  # a bug: keep the feed going, and this record comes back later
+            log.exception("webhook_enqueue_crashed", subject=msg.subject)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=RETRY_DELAY_S)
+            return
+        with contextlib.suppress(Exception):
+            await msg.ack()
+
+    async def process(self, msg: Msg) -> None:
+        operation = (msg.headers or {}).get(KV_OP)
+        # Most records have no callback: skip them without decoding (outputs can be large).
+        if operation in (KV_DEL, KV_PURGE) or not msg.data or b'"callback"' not in msg.data:
+            return
+        try:
+            record = decode_record(msg.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("webhook_record_unreadable", subject=msg.subject, error=str(exc))
+            return
+        for event in due_events(record):
+            await self._enqueue(record, event)
+
+    async def _enqueue(self, record: JobRecord, event: CallbackEvent) -> None:
+        assert record.callback is not None
+        wid = webhook_id(record.job_id, event, record.attempt)
+        delivery = Delivery(
+            webhook_id=wid,
+            tenant=record.tenant,
+            job_id=record.job_id,
+            event=event,
+            job_attempt=record.attempt,
+            url=record.callback.url,
+            body=event_body(record, event),
+            ttl_s=record.result_retention_s + self._config.webhooks.retry_horizon_s,
+        )
+        now = time.time()
+        publish = False
+
+        def add(current: JobDeliveries) -> JobDeliveries | None:
+            nonlocal publish
+            existing = current.find(wid)
+            if existing is not None:
+                # Published before unless a crash fell between the write and the publish.
+                publish = existing.state is DeliveryState.PENDING and existing.attempts == 0
+                return None
+            publish = True
+            status = DeliveryStatus(
+                webhook_id=wid, event=event, job_attempt=record.attempt, create_time=now, next_attempt_time=now
+            )
+            return JobDeliveries(
+                deliveries=current.with_delivery(status).deliveries, ttl_s=delivery.ttl_s, revision=current.revision
+            )
+
+        await self._store.update(record.tenant, record.job_id, add)
+        if not publish:
+            return
+        await publish_durably(
+            self._js,
+            delivery.subject,
+            encode_delivery(delivery),
+            stream=self._config.nats.webhooks_stream,
+            msg_id=wid,
+            retry_for_s=PUBLISH_RETRY_FOR_S,
+        )
+        self.enqueued += 1
+        log.info(
+            "webhook_enqueued", job_id=record.job_id, tenant=record.tenant, callback_event=event.value, webhook_id=wid
+        )

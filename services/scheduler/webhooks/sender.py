@@ -1,0 +1,316 @@
+"""Sending deliveries: pulls them from the WEBHOOKS stream, POSTs them signed, records each attempt
+in the job's status entry, and acks (done) or NAKs with a delay (retry later).
+
+- Success is a 2xx answer, nothing else. Redirects are never followed: a 3xx is a failed attempt.
+- 410 Gone disables the URL for the tenant (a `disabled.` key); this and every later delivery to
+  it become DISABLED without a request.
+- Other answers, timeouts and connection failures are retried with exponential backoff and full
+  jitter: the n-th failure waits uniform(0, min(backoff_max_s, backoff_base_s * 2^(n-1))), or the
+  receiver's Retry-After when that is longer (capped at backoff_max_s). The last retry is moved to
+  fall on the horizon (retry_horizon_s after the first attempt) rather than past it; a failure at
+  or after the horizon is final (FAILED).
+- The URL is vetted again before each attempt against the addresses it resolves to now, and the
+  connection goes to a vetted address (DNS rebinding cannot point it inside); a URL refused now,
+  or a tenant whose secret was removed, is FAILED at once.
+- The delay lives in JetStream (NAK with delay), so a pending retry survives restarts and goes to
+  whichever scheduler pulls it when it is due. The status is written before the ack/NAK: a crash
+  in between repeats an attempt (same webhook-id; receivers deduplicate), never loses one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import random
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry, Counter
+
+from asyncinfer.config import Config
+from asyncinfer.errors import Unavailable
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
+from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
+from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
+from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, post
+from services.scheduler.webhooks.signing import signed_headers
+from services.scheduler.webhooks.status_store import StatusStore
+from services.scheduler.webhooks.streams import SENDER_CONSUMER
+
+log = structlog.get_logger("asyncinfer.scheduler.webhooks")
+
+FETCH_WAIT_S = 2.0
+STATUS_RETRY_DELAY_S = 1.0
+MAX_BACKOFF_EXPONENT = 60
+
+
+def backoff_delay(failures: int, *, base_s: float, max_s: float, rng: random.Random) -> float:
+    """Full jitter: uniform over [0, min(max_s, base_s * 2^(failures-1))]."""
+    cap = min(max_s, base_s * 2.0 ** min(max(failures - 1, 0), MAX_BACKOFF_EXPONENT))
+    return rng.uniform(0.0, cap)
+
+
+def retry_after_s(value: str | None, *, now: float) -> float | None:
+    """Retry-After in seconds: delta-seconds or an HTTP date; None when absent or unreadable."""
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value.strip())
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - now, 0.0)
+
+
+class WebhookMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.attempts = Counter(
+            "asyncinfer_webhook_attempts",
+            "Webhook delivery attempts, by outcome (2xx, 3xx, 4xx, 5xx, 410, error, refused).",
+            ["outcome"],
+            registry=registry,
+        )
+        self.finished = Counter(
+            "asyncinfer_webhook_deliveries_finished",
+            "Webhook deliveries that reached a final state (DELIVERED, FAILED, DISABLED).",
+            ["state"],
+            registry=registry,
+        )
+
+
+class Sender:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        store: StatusStore,
+        config: Config,
+        metrics: WebhookMetrics,
+        *,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._js = js
+        self._store = store
+        self._config = config
+        self._settings = config.webhooks
+        self._allowed = parse_networks(config.webhooks.allowed_networks)
+        self._metrics = metrics
+        # Replaceable so tests can pin the jitter.
+        self.rng = rng or random.Random()
+        self._clock = clock
+        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._deliveries: set[asyncio.Task[None]] = set()
+        self._slot_freed = asyncio.Event()
+        self._closing = False
+
+    async def start(self) -> None:
+        self._subscription = await self._js.pull_subscribe_bind(
+            SENDER_CONSUMER, stream=self._config.nats.webhooks_stream
+        )
+        self._task = asyncio.create_task(self._run(), name="webhook-sender")
+
+    async def stop(self, grace_s: float) -> None:
+        """Stops pulling, lets attempts in flight finish within grace_s, then cancels the rest
+        (NAKed: they come back at once, to this or another scheduler)."""
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._deliveries:
+            _done, pending = await asyncio.wait(set(self._deliveries), timeout=grace_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._subscription is not None:
+            with contextlib.suppress(Exception):
+                await self._subscription.unsubscribe()
+
+    async def _run(self) -> None:
+        assert self._subscription is not None
+        limit = self._settings.max_concurrent_deliveries
+        while not self._closing:
+            free = limit - len(self._deliveries)
+            if free <= 0:
+                self._slot_freed.clear()
+                await self._slot_freed.wait()
+                continue
+            try:
+                msgs = await self._subscription.fetch(free, timeout=FETCH_WAIT_S)
+            except nats.errors.TimeoutError:
+                continue
+            except NATS_FAILURES as exc:
+                log.warning("webhook_fetch_failed", error=str(exc))
+                await asyncio.sleep(STATUS_RETRY_DELAY_S)
+                continue
+            for msg in msgs:
+                task = asyncio.create_task(self._deliver(msg))
+                self._deliveries.add(task)
+                task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._deliveries.discard(task)
+        self._slot_freed.set()
+
+    async def _deliver(self, msg: Msg) -> None:
+        try:
+            delivery = decode_delivery(msg.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("webhook_delivery_unreadable", error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.term()
+            return
+        try:
+            delay = await self.attempt(delivery)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            raise
+        except (Unavailable, *NATS_FAILURES) as exc:
+            log.warning("webhook_status_unavailable", job_id=delivery.job_id, error=str(exc))
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=STATUS_RETRY_DELAY_S)
+            return
+        except Exception:  # a bug: the delivery comes back later rather than being lost
+            log.exception("webhook_attempt_crashed", job_id=delivery.job_id, webhook_id=delivery.webhook_id)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=STATUS_RETRY_DELAY_S)
+            return
+        with contextlib.suppress(Exception):
+            if delay is None:
+                await msg.ack()
+            else:
+                await msg.nak(delay=delay)
+
+    async def attempt(self, delivery: Delivery) -> float | None:
+        """One attempt (or none, when the delivery is final or its URL disabled); the delay before
+        the next, or None when the delivery is final."""
+        entry = await self._store.read(delivery.tenant, delivery.job_id)
+        status = entry.find(delivery.webhook_id) or DeliveryStatus(
+            webhook_id=delivery.webhook_id,
+            event=delivery.event,
+            job_attempt=delivery.job_attempt,
+            create_time=self._clock(),
+        )
+        if status.state.is_final:
+            return None  # a duplicate message of a finished delivery
+        bound = log.bind(
+            job_id=delivery.job_id,
+            tenant=delivery.tenant,
+            webhook_id=delivery.webhook_id,
+            callback_event=delivery.event.value,
+            attempt=status.attempts + 1,
+        )
+        if await self._store.is_disabled(delivery.tenant, delivery.url):
+            disabled = replace(
+                status,
+                state=DeliveryState.DISABLED,
+                next_attempt_time=None,
+                last_error="the URL answered 410 Gone to an earlier delivery and is disabled for this tenant",
+            )
+            await self._record(delivery, disabled)
+            bound.info("webhook_disabled_url_skipped")
+            return None
+        started = self._clock()
+        code, error, retry_after = await self._post(delivery)
+        now = self._clock()
+        first = status.first_attempt_time or started
+        status = replace(
+            status,
+            attempts=status.attempts + 1,
+            first_attempt_time=first,
+            last_attempt_time=started,
+            last_status_code=code,
+            last_error=error,
+            next_attempt_time=None,
+        )
+        delay: float | None = None
+        if 200 <= code < 300:
+            status = replace(status, state=DeliveryState.DELIVERED, last_error="")
+        elif code == 410:
+            await self._store.disable(delivery.tenant, delivery.url, reason=f"410 Gone to {delivery.webhook_id}")
+            status = replace(status, state=DeliveryState.DISABLED)
+        elif code < 0:  # refused before any request
+            status = replace(status, state=DeliveryState.FAILED, last_status_code=0)
+        else:
+            horizon = first + self._settings.retry_horizon_s
+            delay = backoff_delay(
+                status.attempts, base_s=self._settings.backoff_base_s, max_s=self._settings.backoff_max_s, rng=self.rng
+            )
+            if retry_after is not None:
+                delay = max(delay, min(retry_after, self._settings.backoff_max_s))
+            if now >= horizon:
+                delay = None
+                status = replace(
+                    status,
+                    state=DeliveryState.FAILED,
+                    last_error=f"{error}; gave up: the retry horizon of {self._settings.retry_horizon_s:g} s passed",
+                )
+            else:
+                delay = min(delay, horizon - now)
+                status = replace(status, next_attempt_time=now + delay)
+        await self._record(delivery, status)
+        if status.state.is_final:
+            self._metrics.finished.labels(state=status.state.value).inc()
+        bound.info(
+            "webhook_attempted", status_code=code, state=status.state.value, error=error or None, retry_in_s=delay
+        )
+        return delay
+
+    async def _post(self, delivery: Delivery) -> tuple[int, str, float | None]:
+        """(status code, error, Retry-After s); the code is 0 when no answer came, -1 when the
+        attempt was refused before any request."""
+        secret = self._settings.secret_for(delivery.tenant)
+        if secret is None:
+            self._metrics.attempts.labels(outcome="refused").inc()
+            return -1, "the tenant has no webhook secret configured any more (webhooks.secrets)", None
+        try:
+            url = parse_callback_url(delivery.url)
+            addresses = await vetted_addresses(url, self._allowed)
+        except RefusedUrl as exc:
+            self._metrics.attempts.labels(outcome="refused").inc()
+            return -1, f"refused: {exc}", None
+        body = delivery.body.encode()
+        timestamp = int(self._clock())
+        headers = signed_headers(secret, delivery.webhook_id, timestamp, body)
+        errors: list[str] = []
+        response: HttpResponse | None = None
+        deadline = time.monotonic() + self._settings.request_timeout_s
+        for address in addresses:  # vetted addresses in resolver order, until one answers
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                response = await post(url, address, headers=headers, body=body, timeout_s=remaining)
+                break
+            except HttpFailure as exc:
+                errors.append(f"{address}: {exc}")
+        if response is None:
+            self._metrics.attempts.labels(outcome="error").inc()
+            return 0, "; ".join(errors) or "no answer", None
+        code = response.status
+        self._metrics.attempts.labels(outcome="410" if code == 410 else f"{code // 100}xx").inc()
+        if 200 <= code < 300:
+            return code, "", None
+        if 300 <= code < 400:
+            where = response.headers.get("location", "")[:200]
+            error = f"HTTP {code}: redirects are not followed (Location: {where})"
+        else:
+            error = f"HTTP {code}"
+        return code, error, retry_after_s(response.headers.get("retry-after"), now=self._clock())
+
+    async def _record(self, delivery: Delivery, status: DeliveryStatus) -> None:
+        def change(current: JobDeliveries) -> JobDeliveries:
+            ttl_s = current.ttl_s or delivery.ttl_s
+            return replace(current.with_delivery(status), ttl_s=ttl_s)
+
+        await self._store.update(delivery.tenant, delivery.job_id, change)

@@ -1,0 +1,58 @@
+"""Webhooks in the scheduler process: declares the WEBHOOKS stream, the webhooks bucket and both
+consumers, then runs the notifier (record writes -> deliveries) and the sender (deliveries -> HTTP).
+
+Shutdown order: the notifier first (no new deliveries), then the sender (attempts in flight get
+the grace period, the rest go back to the stream). Nothing is lost: both consumers are durable.
+"""
+
+from __future__ import annotations
+
+import random
+
+from nats.aio.client import Client as NatsClient
+from prometheus_client import CollectorRegistry
+
+from asyncinfer.config import Config
+from asyncinfer.webhook_status import ensure_webhooks_bucket
+from services.scheduler.webhooks.notifier import Notifier
+from services.scheduler.webhooks.sender import Sender, WebhookMetrics
+from services.scheduler.webhooks.status_store import StatusStore
+from services.scheduler.webhooks.streams import ensure_feed_consumer, ensure_sender_consumer, ensure_webhooks_stream
+
+
+class WebhookService:
+    def __init__(self, config: Config, nc: NatsClient, registry: CollectorRegistry) -> None:
+        self._config = config
+        self._nc = nc
+        self._metrics = WebhookMetrics(registry)
+        self._notifier: Notifier | None = None
+        self._sender: Sender | None = None
+
+    @property
+    def sender(self) -> Sender:
+        if self._sender is None:
+            raise RuntimeError("webhooks are not started")
+        return self._sender
+
+    def pin_jitter(self, rng: random.Random) -> None:
+        """For tests: the random source of the backoff jitter."""
+        self.sender.rng = rng
+
+    async def start(self) -> None:
+        config = self._config
+        js = self._nc.jetstream()
+        await ensure_webhooks_stream(js, config.nats)
+        kv = await ensure_webhooks_bucket(js, config.nats)
+        await ensure_sender_consumer(js, config)
+        await ensure_feed_consumer(js, config.nats)
+        store = StatusStore(js, kv, config.nats.webhooks_bucket)
+        self._notifier = Notifier(js, store, config)
+        self._sender = Sender(js, store, config, self._metrics)
+        await self._notifier.start()
+        await self._sender.start()
+
+    async def stop(self, grace_s: float) -> None:
+        if self._notifier is not None:
+            await self._notifier.stop(grace_s)
+        if self._sender is not None:
+            await self._sender.stop(grace_s)

@@ -1,0 +1,34 @@
+"""Standard Webhooks signatures (https://www.standardwebhooks.com): `webhook-signature` is
+`v1,<base64 HMAC-SHA256>` over `{webhook-id}.{webhook-timestamp}.{raw body}`, keyed with the
+base64-decoded part of the tenant's `whsec_` secret."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import secrets
+
+SECRET_PREFIX = "whsec_"
+SECRET_BYTES = 32
+
+
+def new_secret() -> str:
+    """A fresh signing secret: `whsec_` + base64 of 32 random bytes."""
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode("ascii")
+
+
+def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
+    """The `webhook-signature` header value for one attempt."""
+    key = base64.b64decode(secret.removeprefix(SECRET_PREFIX))
+    signed = f"{webhook_id}.{timestamp}.".encode() + body
+    digest = hmac.new(key, signed, hashlib.sha256).digest()
+    return "v1," + base64.b64encode(digest).decode("ascii")
+
+
+def signed_headers(secret: str, webhook_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    return {
+        "webhook-id": webhook_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": sign(secret, webhook_id, timestamp, body),
+    }

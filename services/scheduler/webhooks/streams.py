@@ -1,0 +1,78 @@
+"""The NATS side of webhooks: the WEBHOOKS stream of pending deliveries, its durable consumer, and
+the durable consumer on the jobs bucket's stream that feeds the notifier every record write.
+
+Both consumers are durable and shared by every scheduler: each message goes to one of them, and
+what was not acked (a scheduler died) is redelivered to another.
+"""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from asyncinfer.config import Config, NatsConfig
+from asyncinfer.jetstream import retry_transient
+from services.scheduler.webhooks.deliveries import WEBHOOK_SUBJECT_PREFIX
+
+SENDER_CONSUMER = "webhook-sender"
+FEED_CONSUMER = "webhook-notifier"
+FEED_ACK_WAIT_S = 30.0
+# Delayed retries stay unacked (a NAK with a delay) for up to the retry horizon, so the pending
+# count is not a measure of work in flight: the sender bounds that itself.
+MAX_PENDING = 1_000_000
+
+
+def jobs_stream(config: NatsConfig) -> str:
+    return f"KV_{config.jobs_bucket}"
+
+
+async def ensure_webhooks_stream(js: JetStreamContext, config: NatsConfig) -> None:
+    stream = api.StreamConfig(
+        name=config.webhooks_stream,
+        description="asyncinfer webhook deliveries waiting to be sent or retried",
+        subjects=[f"{WEBHOOK_SUBJECT_PREFIX}.>"],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE,
+        num_replicas=config.replicas,
+        duplicate_window=config.duplicate_window_s,
+        discard=api.DiscardPolicy.NEW,
+    )
+
+    async def declare(_: float) -> None:
+        try:
+            await js.stream_info(config.webhooks_stream)
+        except NotFoundError:
+            await js.add_stream(stream)
+
+    await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the webhooks stream")
+
+
+async def ensure_sender_consumer(js: JetStreamContext, config: Config) -> None:
+    # An attempt (resolve, connect, answer) takes at most request_timeout_s twice over; past this
+    # the message is given to another scheduler, as if this one had died.
+    ack_wait_s = 2 * config.webhooks.request_timeout_s + 10.0
+    consumer = api.ConsumerConfig(
+        durable_name=SENDER_CONSUMER,
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=MAX_PENDING,
+        num_replicas=config.nats.replicas if config.nats.replicas > 1 else 0,
+    )
+    await js.add_consumer(config.nats.webhooks_stream, consumer)
+
+
+async def ensure_feed_consumer(js: JetStreamContext, config: NatsConfig) -> None:
+    """DeliverPolicy NEW applies when the consumer is first created; from then on it resumes where
+    it stopped, so no record write is missed across restarts."""
+    consumer = api.ConsumerConfig(
+        durable_name=FEED_CONSUMER,
+        filter_subject=f"$KV.{config.jobs_bucket}.>",
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.NEW,
+        ack_wait=FEED_ACK_WAIT_S,
+        max_deliver=-1,
+        num_replicas=config.replicas if config.replicas > 1 else 0,
+    )
+    await js.add_consumer(jobs_stream(config), consumer)

@@ -1,0 +1,385 @@
+"""The claim check (issue 5, item 3), against a real nats-server and real gRPC: inputs uploaded in
+chunks into the Object Store and submitted by reference, large results stored there and read back
+with ReadResult, size and digest limits that keep nothing partial, tenant isolation of references,
+and expiry with a sweeper."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+import pytest
+from google.protobuf import duration_pb2
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.blobs import BlobStore, new_input_ref
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.jetstream import connect
+from asyncinfer.jobs import decode_envelope
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.batcher.app import BatcherApp
+from services.gateway.app import GatewayApp
+from services.gateway.auth import hash_key
+from services.scheduler.app import SchedulerApp
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+ACME = "acme-key"
+GLOBEX = "globex-key"
+CHUNK = 256 * 1024
+ROWS_3MB = 3 * 1024 * 1024 // 16  # FP32 rows of 4: 16 bytes a row
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def claim_check_config(config: Config, **gateway: Any) -> Config:
+    return config.replace(
+        gateway={
+            "api_keys": [
+                {"tenant": "acme", "sha256": hash_key(ACME)},
+                {"tenant": "globex", "sha256": hash_key(GLOBEX)},
+            ],
+            **gateway,
+        },
+        scheduler={"inline_result_max_bytes": 1024},
+        models=[{**DEMO_MODEL.model_dump(), "max_batch_size": 2 * ROWS_3MB}],
+    )
+
+
+def inputs_bytes(rows: np.ndarray[Any, Any]) -> bytes:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=list(rows.shape))
+    x.raw_contents = rows.astype("<f4").tobytes()
+    return tensor_pb2.InferInputs(inputs=[x]).SerializeToString()
+
+
+async def upload(
+    jobs: JobStub,
+    data: bytes,
+    *,
+    key: str = ACME,
+    size: int = 0,
+    sha256: str = "",
+    retention_s: float | None = None,
+) -> job_pb2.BlobRef:
+    metadata = job_service_pb2.UploadInputMetadata(size_bytes=size, sha256=sha256)
+    if retention_s is not None:
+        metadata.retention.CopyFrom(duration_pb2.Duration(nanos=int(retention_s * 1e9)))
+
+    async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        yield job_service_pb2.UploadInputRequest(metadata=metadata)
+        for start in range(0, len(data), CHUNK):
+            yield job_service_pb2.UploadInputRequest(chunk=data[start : start + CHUNK])
+
+    return (await jobs.UploadInput(requests(), metadata=bearer(key))).ref
+
+
+def by_ref(ref: str) -> job_service_pb2.SubmitJobRequest:
+    return job_service_pb2.SubmitJobRequest(model_name="demo", input_ref=ref)
+
+
+def inline(rows: list[list[float]]) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[len(rows), 4])
+    x.contents.fp32_contents.extend(v for row in rows for v in row)
+    return job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
+
+
+async def rpc_error(call: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value
+
+
+def reason_of(error: grpc.aio.AioRpcError) -> str:
+    status = status_details(error)
+    assert status is not None
+    return str(unpack_details(status)["ErrorInfo"].reason)
+
+
+async def objects_stream_state(nc: NatsClient, config: Config) -> tuple[int, int]:
+    info = await nc.jetstream().stream_info(f"OBJ_{config.nats.objects_bucket}")
+    return info.state.messages, info.state.bytes
+
+
+async def read_result(jobs: JobStub, job_id: str, key: str = ACME) -> tuple[job_pb2.BlobRef, bytes, int]:
+    ref: job_pb2.BlobRef | None = None
+    data = bytearray()
+    messages = 0
+    async for message in jobs.ReadResult(job_service_pb2.ReadResultRequest(job_id=job_id), metadata=bearer(key)):
+        if messages == 0:
+            assert message.HasField("ref"), "the first message carries the reference"
+            ref = message.ref
+        data += message.chunk
+        messages += 1
+    assert ref is not None
+    return ref, bytes(data), messages
+
+
+async def finish(jobs: JobStub, job_id: str, key: str = ACME) -> job_pb2.Job:
+    last = None
+    async for update in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id), metadata=bearer(key)):
+        last = update.job
+    assert last is not None
+    return last
+
+
+@dataclass
+class Stack:
+    config: Config
+    jobs: JobStub
+    nc: NatsClient
+    store: BlobStore
+
+
+async def serve(config: Config, *, scheduler: bool, sweep_interval_s: float = 60.0) -> AsyncIterator[Stack]:
+    gateway = GatewayApp(config)
+    await gateway.start()
+    apps: list[Any] = [gateway]
+    try:
+        if scheduler:
+            sched = SchedulerApp(config, blob_sweep_interval_s=sweep_interval_s)
+            await sched.start()
+            apps.append(sched)
+            batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{sched.port}"}))
+            await batcher.start()
+            apps.append(batcher)
+        nc = await connect(config.nats, name="test")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                yield Stack(
+                    config, job_service_pb2_grpc.JobServiceStub(channel), nc, BlobStore(nc.jetstream(), "blobs")
+                )
+        finally:
+            await nc.close()
+    finally:
+        for app in reversed(apps):
+            await app.stop(2.0)
+
+
+@pytest.fixture
+async def full(config: Config) -> AsyncIterator[Stack]:
+    async for stack in serve(claim_check_config(config), scheduler=True):
+        yield stack
+
+
+@pytest.fixture
+async def gateway_only(config: Config) -> AsyncIterator[Stack]:
+    async for stack in serve(claim_check_config(config, max_upload_bytes=1024 * 1024), scheduler=False):
+        yield stack
+
+
+# --- the whole way: upload, submit by reference, large result, ReadResult ---------------------
+
+
+async def test_a_3mb_upload_runs_by_reference_and_its_large_result_reads_back(full: Stack) -> None:
+    jobs = full.jobs
+    rows = np.arange(ROWS_3MB * 4, dtype=np.float32).reshape(ROWS_3MB, 4) / 7
+    data = inputs_bytes(rows)
+    started = time.perf_counter()
+    ref = await upload(jobs, data, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    elapsed = time.perf_counter() - started
+    print(f"\nupload of {len(data) / 1e6:.1f} MB in {CHUNK // 1024} KiB chunks: {len(data) / 1e6 / elapsed:.0f} MB/s")
+    assert ref.ref.startswith("in/")
+    assert ref.size_bytes == len(data)
+    assert ref.sha256 == hashlib.sha256(data).hexdigest()
+    uploaded = await full.store.info("acme", ref.ref)
+
+    submitted = (await jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job
+    assert submitted.input_ref.ref == ref.ref
+    assert submitted.input_ref.sha256 == ref.sha256
+    kept = await full.store.info("acme", ref.ref)
+    assert kept.expires_at is not None
+    assert uploaded.expires_at is not None
+    assert kept.expires_at > uploaded.expires_at, "a job that uses the input extends its expiry"
+
+    done = await finish(jobs, submitted.job_id)
+    assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done.error
+    assert not done.outputs, "a result over inline_result_max_bytes is not inline"
+    assert done.result_ref.ref == f"out/{done.job_id}"
+
+    result_ref, result, messages = await read_result(jobs, done.job_id)
+    assert messages > 1, "a large result comes back in chunks"
+    assert result_ref == done.result_ref
+    assert len(result) == result_ref.size_bytes
+    assert hashlib.sha256(result).hexdigest() == result_ref.sha256
+    (y,) = decode_tensors(tensor_pb2.InferOutputs.FromString(result).outputs, "outputs")
+    assert y.name == "y"
+    np.testing.assert_allclose(y.to_numpy(), 2 * rows + 1, rtol=1e-6)
+
+    stored = await full.store.info("acme", result_ref.ref)
+    end = done.end_time.ToNanoseconds() / 1e9
+    assert stored.expires_at == pytest.approx(end + done.result_retention.ToSeconds(), abs=1.0)
+
+    # Another tenant can name neither the job nor its result.
+    error = await rpc_error(read_result(jobs, done.job_id, key=GLOBEX))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_small_result_stays_inline_and_read_result_serves_it_too(full: Stack) -> None:
+    jobs = full.jobs
+    submitted = (await jobs.SubmitJob(inline([[1, 2, 3, 4]]), metadata=bearer(ACME))).job
+    done = await finish(jobs, submitted.job_id)
+    assert done.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert done.outputs
+    assert not done.HasField("result_ref")
+    ref, data, _ = await read_result(jobs, done.job_id)
+    assert ref.ref == ""
+    assert ref.size_bytes == len(data)
+    assert ref.sha256 == hashlib.sha256(data).hexdigest()
+    (y,) = decode_tensors(tensor_pb2.InferOutputs.FromString(data).outputs, "outputs")
+    np.testing.assert_allclose(y.to_numpy(), [[3, 5, 7, 9]])
+
+
+async def test_the_sweeper_deletes_expired_objects_and_keeps_live_ones(config: Config) -> None:
+    async for stack in serve(claim_check_config(config), scheduler=True, sweep_interval_s=0.05):
+        live = await upload(stack.jobs, inputs_bytes(np.ones((4, 4))))
+        before = await objects_stream_state(stack.nc, stack.config)
+        short = await upload(stack.jobs, inputs_bytes(np.ones((20_000, 4))), retention_s=0.3)
+        assert (await objects_stream_state(stack.nc, stack.config))[0] > before[0]
+        for _ in range(200):  # the sweeper runs every 50 ms; the object expires after 300 ms
+            if await objects_stream_state(stack.nc, stack.config) == before:
+                break
+            await asyncio.sleep(0.05)
+        assert await objects_stream_state(stack.nc, stack.config) == before, "the expired object is gone, all of it"
+        error = await rpc_error(stack.jobs.SubmitJob(by_ref(short.ref), metadata=bearer(ACME)))
+        assert error.code() == grpc.StatusCode.NOT_FOUND
+        assert (await stack.store.info("acme", live.ref)).ref.size_bytes == live.size_bytes
+
+
+# --- refusals that keep nothing -------------------------------------------------------------
+
+
+async def test_an_upload_declared_over_the_limit_is_refused_at_once(gateway_only: Stack) -> None:
+    never = asyncio.Event()
+
+    async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        metadata = job_service_pb2.UploadInputMetadata(size_bytes=2 * 1024 * 1024)
+        yield job_service_pb2.UploadInputRequest(metadata=metadata)
+        await never.wait()  # the answer must not wait for chunks
+        yield job_service_pb2.UploadInputRequest()
+
+    error = await rpc_error(gateway_only.jobs.UploadInput(requests(), metadata=bearer(ACME), timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(error) == "UPLOAD_TOO_LARGE"
+    assert "max_upload_bytes" in (error.details() or "")
+    assert await objects_stream_state(gateway_only.nc, gateway_only.config) == (0, 0)
+
+
+async def test_an_upload_streaming_past_the_limit_is_refused_and_nothing_is_left(gateway_only: Stack) -> None:
+    never = asyncio.Event()
+    limit = gateway_only.config.gateway.max_upload_bytes
+
+    async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata())
+        for _ in range(limit // CHUNK + 1):
+            yield job_service_pb2.UploadInputRequest(chunk=b"\x01" * CHUNK)
+        await never.wait()  # past the limit: refused before the stream ends
+        yield job_service_pb2.UploadInputRequest()
+
+    error = await rpc_error(gateway_only.jobs.UploadInput(requests(), metadata=bearer(ACME), timeout=10))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(error) == "UPLOAD_TOO_LARGE"
+    assert await objects_stream_state(gateway_only.nc, gateway_only.config) == (0, 0), "no partial chunks"
+
+
+async def test_a_sha256_mismatch_is_refused_and_nothing_is_kept(gateway_only: Stack) -> None:
+    data = inputs_bytes(np.ones((30_000, 4)))  # ~480 KB: several chunks were written before the check
+    wrong = hashlib.sha256(b"something else").hexdigest()
+    error = await rpc_error(upload(gateway_only.jobs, data, sha256=wrong))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(error) == "SHA256_MISMATCH"
+    assert await objects_stream_state(gateway_only.nc, gateway_only.config) == (0, 0)
+
+
+# --- submitting by reference ----------------------------------------------------------------
+
+
+async def test_a_ref_submit_queues_the_reference_not_the_tensors(gateway_only: Stack) -> None:
+    ref = await upload(gateway_only.jobs, inputs_bytes(np.ones((1000, 4))))
+    job = (await gateway_only.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    msg = await gateway_only.nc.jetstream().get_msg(gateway_only.config.nats.work_stream, seq=1)
+    envelope = decode_envelope(msg.data or b"")
+    assert envelope.job_id == job.job_id
+    assert envelope.inputs == ()
+    assert envelope.input_ref is not None
+    assert envelope.input_ref.ref == ref.ref
+    assert envelope.input_ref.sha256 == ref.sha256
+
+
+async def test_another_tenants_ref_is_not_found_like_an_unknown_one(gateway_only: Stack) -> None:
+    jobs = gateway_only.jobs
+    ref = await upload(jobs, inputs_bytes(np.ones((2, 4))), key=ACME)
+    answers = []
+    done = (await jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job
+    candidates = (ref.ref, new_input_ref(), "../acme/in/x", f"acme/{ref.ref}", f"out/{done.job_id}")
+    for candidate in candidates:
+        error = await rpc_error(jobs.SubmitJob(by_ref(candidate), metadata=bearer(GLOBEX)))
+        answers.append((error.code(), reason_of(error)))
+    assert answers == [(grpc.StatusCode.NOT_FOUND, "INPUT_NOT_FOUND")] * len(candidates)
+    # The owner still can.
+    assert (await jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job.input_ref.ref == ref.ref
+
+
+async def test_inline_inputs_and_a_ref_together_are_refused(gateway_only: Stack) -> None:
+    ref = await upload(gateway_only.jobs, inputs_bytes(np.ones((2, 4))))
+    request = inline([[1, 2, 3, 4]])
+    request.input_ref = ref.ref
+    error = await rpc_error(gateway_only.jobs.SubmitJob(request, metadata=bearer(ACME)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not both" in (error.details() or "")
+    neither = await rpc_error(gateway_only.jobs.SubmitJob(by_ref(""), metadata=bearer(ACME)))
+    assert neither.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\xff\xfe not a protobuf \x00\x01",
+        tensor_pb2.InferInputs(
+            inputs=[tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[2, 3], raw_contents=b"\0" * 24)]
+        ).SerializeToString(),
+        tensor_pb2.InferInputs(
+            inputs=[tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[2, 4], raw_contents=b"\0" * 8)]
+        ).SerializeToString(),
+    ],
+    ids=["not-inferinputs", "wrong-shape", "data-size-mismatch"],
+)
+async def test_a_ref_to_invalid_inputs_is_refused_and_queues_nothing(gateway_only: Stack, content: bytes) -> None:
+    ref = await upload(gateway_only.jobs, content)
+    error = await rpc_error(gateway_only.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stream = await gateway_only.nc.jetstream().stream_info(gateway_only.config.nats.work_stream)
+    assert stream.state.messages == 0
+    kv = await gateway_only.nc.jetstream().key_value(gateway_only.config.nats.jobs_bucket)
+    assert (await kv.status()).values == 0
+
+
+async def test_an_expired_input_is_not_found_with_its_own_reason(gateway_only: Stack) -> None:
+    ref = await upload(gateway_only.jobs, inputs_bytes(np.ones((2, 4))), retention_s=0.05)
+    # Waiting out a 50 ms retention is waiting on the clock itself. No sweeper runs here, so the
+    # object is still stored: the answer comes from its expiry, not its absence.
+    await asyncio.sleep(0.06)
+    assert await gateway_only.store.info("acme", ref.ref, now=0.0)
+    error = await rpc_error(gateway_only.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert reason_of(error) == "INPUT_EXPIRED"
+
+
+async def test_read_result_of_an_unfinished_job_names_its_state(gateway_only: Stack) -> None:
+    job = (await gateway_only.jobs.SubmitJob(inline([[1, 2, 3, 4]]), metadata=bearer(ACME))).job
+    error = await rpc_error(read_result(gateway_only.jobs, job.job_id))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "QUEUED" in (error.details() or "")
+    other = await rpc_error(read_result(gateway_only.jobs, job.job_id, key=GLOBEX))
+    assert other.code() == grpc.StatusCode.NOT_FOUND

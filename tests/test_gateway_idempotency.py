@@ -1,0 +1,258 @@
+"""Idempotent submit against a real nats-server and a real gateway (no scheduler: jobs stay QUEUED):
+a repeated key returns the first job and queues nothing, races included; a reused key with another
+request is ALREADY_EXISTS; keys are per tenant; a crashed owner's claim is taken over."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2, timestamp_pb2
+from nats.aio.client import Client as NatsClient
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from asyncinfer.config import Config
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.ids import new_job_id
+from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record, job_key
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.app import GatewayApp
+from services.gateway.convert import submit_request_from_proto
+from services.gateway.idempotency import TAKEOVER_MARGIN_S, Claim, claim_key, request_fingerprint
+from tests.test_gateway import fp32_input, job_stub, submit_request, violations_of
+from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+TENANT = "default"
+
+
+@pytest.fixture
+async def gateway(config: Config) -> AsyncIterator[GatewayApp]:
+    app = GatewayApp(config)
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop(grace_s=1)
+
+
+@pytest.fixture
+async def stub(gateway: GatewayApp) -> AsyncIterator[JobStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        yield job_stub(channel)
+
+
+@pytest.fixture
+async def claims(nc: NatsClient, gateway: GatewayApp, config: Config) -> KeyValue:
+    return await nc.jetstream().key_value(config.nats.idempotency_bucket)
+
+
+async def work_messages(nc: NatsClient) -> int:
+    return (await nc.jetstream().stream_info("WORK")).state.messages
+
+
+async def test_a_repeated_key_returns_the_first_job_and_queues_nothing(
+    stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config
+) -> None:
+    request = submit_request(idempotency_key="order-42", labels={"batch": "7"})
+    first = await stub.SubmitJob(request)
+    again = await stub.SubmitJob(request)
+    assert not first.deduplicated
+    assert again.deduplicated
+    assert again.job.job_id == first.job.job_id
+    assert again.job.idempotency_key == "order-42"
+    assert await work_messages(nc) == 1
+    got = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=first.job.job_id))
+    assert got.job.idempotency_key == "order-42"
+
+    # The claim: keyed by tenant and the key's hash, naming the job, with a TTL past the job's life.
+    entry = await claims.get(claim_key(TENANT, "order-42"))
+    assert entry.value is not None
+    assert json.loads(entry.value)["job_id"] == first.job.job_id
+    message = await nc.jetstream().get_last_msg(
+        f"KV_{config.nats.idempotency_bucket}", f"$KV.{config.nats.idempotency_bucket}.{claim_key(TENANT, 'order-42')}"
+    )
+    assert message.headers is not None
+    assert int(message.headers["Nats-TTL"]) > config.gateway.default_result_retention_s
+
+
+async def test_concurrent_identical_submits_make_one_job(stub: JobStub, nc: NatsClient) -> None:
+    request = submit_request(idempotency_key="race")
+    answers = await asyncio.gather(*(stub.SubmitJob(request) for _ in range(20)))
+    assert len({answer.job.job_id for answer in answers}) == 1
+    assert sum(not answer.deduplicated for answer in answers) == 1
+    assert await work_messages(nc) == 1
+
+
+async def test_a_reused_key_with_another_request_is_already_exists(stub: JobStub, nc: NatsClient) -> None:
+    first = await stub.SubmitJob(submit_request(idempotency_key="k"))
+    changes = {
+        "inputs": submit_request(idempotency_key="k", inputs=[fp32_input(values=[9.0, 9.0, 9.0, 9.0])]),
+        "priority": submit_request(idempotency_key="k", priority=job_pb2.PRIORITY_HIGH),
+        "labels": submit_request(idempotency_key="k", labels={"a": "b"}),
+    }
+    for what, request in changes.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.SubmitJob(request)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, what
+        assert first.job.job_id in (info.value.details() or "")
+        status = status_details(info.value)
+        assert status is not None
+        error_info = unpack_details(status)["ErrorInfo"]
+        assert error_info.reason == "IDEMPOTENCY_KEY_REUSED"
+        assert error_info.metadata["job_id"] == first.job.job_id
+    assert await work_messages(nc) == 1
+
+
+async def test_a_queue_ttl_retried_later_is_the_same_request(stub: JobStub, nc: NatsClient) -> None:
+    # The deadline derived from a queue TTL moves with each try; the TTL itself is what is compared.
+    request = submit_request(idempotency_key="ttl", queue_ttl=duration_pb2.Duration(seconds=600))
+    first = await stub.SubmitJob(request)
+    again = await stub.SubmitJob(request)
+    assert again.deduplicated
+    assert again.job.job_id == first.job.job_id
+    assert await work_messages(nc) == 1
+
+
+async def test_keys_of_any_characters_are_kept_apart(stub: JobStub, nc: NatsClient) -> None:
+    keys = ["a.b", "a>b", "a b", "ключ/*", "a.b "]
+    jobs = [(await stub.SubmitJob(submit_request(idempotency_key=key))).job.job_id for key in keys]
+    assert len(set(jobs)) == len(keys)
+    assert await work_messages(nc) == len(keys)
+
+
+async def test_an_overlong_key_is_invalid_and_writes_nothing(stub: JobStub, nc: NatsClient, claims: KeyValue) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request(idempotency_key="k" * 257))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "idempotency_key" in [field for field, _ in violations_of(info.value)[1]]
+    assert await work_messages(nc) == 0
+    assert (await claims.status()).values == 0
+    # 256 bytes is fine.
+    assert (await stub.SubmitJob(submit_request(idempotency_key="k" * 256))).job.job_id
+
+
+async def test_tenants_using_the_same_key_get_their_own_jobs(config: Config, nc: NatsClient) -> None:
+    app = GatewayApp(with_keys(config))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_stub(channel)
+            request = submit_request(idempotency_key="shared")
+            acme = await stub.SubmitJob(request, metadata=bearer(ACME_KEY))
+            globex = await stub.SubmitJob(request, metadata=bearer(GLOBEX_KEY))
+            acme_again = await stub.SubmitJob(request, metadata=bearer(ACME_KEY))
+    finally:
+        await app.stop(grace_s=1)
+    assert acme.job.job_id != globex.job.job_id
+    assert not globex.deduplicated
+    assert acme_again.deduplicated
+    assert acme_again.job.job_id == acme.job.job_id
+    assert await work_messages(nc) == 2
+
+
+async def test_a_refused_submit_releases_its_key(
+    config: Config, nc: NatsClient, gateway: GatewayApp, stub: JobStub, claims: KeyValue
+) -> None:
+    # Admission refuses after the key was claimed: one job fills a queue limited to one.
+    limited = config.replace(models=[config.models[0].model_copy(update={"max_queue_depth": 1})])
+    app = GatewayApp(limited)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            limited_stub = job_stub(channel)
+            await limited_stub.SubmitJob(submit_request())
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await limited_stub.SubmitJob(submit_request(idempotency_key="full"))
+    finally:
+        await app.stop(grace_s=1)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(KeyNotFoundError):
+        await claims.get(claim_key(TENANT, "full"))
+    bucket = config.nats.idempotency_bucket
+    marker = await nc.jetstream().get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{claim_key(TENANT, 'full')}")
+    assert marker.headers is not None
+    assert marker.headers["KV-Operation"] == "DEL"
+    assert "Nats-TTL" in marker.headers  # released keys leave no trace for long
+    # The key is free again: the next submit with it makes a job.
+    answer = await stub.SubmitJob(submit_request(idempotency_key="full"))
+    assert not answer.deduplicated
+    assert await work_messages(nc) == 2
+
+
+def queued_record(job_id: str, *, key: str, now: float) -> JobRecord:
+    return JobRecord(
+        job_id=job_id,
+        tenant=TENANT,
+        model_name="demo",
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=Priority.NORMAL,
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=3600.0,
+        idempotency_key=key,
+    )
+
+
+async def test_a_live_claim_is_waited_for_and_a_stale_one_taken_over(
+    stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config, gateway: GatewayApp
+) -> None:
+    request = submit_request(idempotency_key="owner-crashed")
+    fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
+    key = claim_key(TENANT, "owner-crashed")
+    jobs = await nc.jetstream().key_value(config.nats.jobs_bucket)
+
+    # A live claim whose owner is still writing: the repeat waits for the owner's record.
+    writing = new_job_id()
+    await claims.create(key, Claim(writing, fingerprint, time.time()).encode())
+    repeat = asyncio.ensure_future(stub.SubmitJob(request))
+    await asyncio.sleep(0.05)  # time to find the claim without a record: it must keep waiting
+    assert not repeat.done()
+    record = queued_record(writing, key="owner-crashed", now=time.time())
+    await jobs.create(job_key(TENANT, writing), encode_record(record))
+    answer = await asyncio.wait_for(repeat, 5)
+    assert answer.deduplicated
+    assert answer.job.job_id == writing
+    assert await work_messages(nc) == 0  # the "owner" here published nothing; the repeat neither
+
+    # A claim older than the owner's bound whose record never came: the owner crashed. The next
+    # submit with the key takes it over with a new job ID.
+    stale_key = claim_key(TENANT, "stale")
+    stale_request = submit_request(idempotency_key="stale")
+    stale_fingerprint = request_fingerprint(submit_request_from_proto(stale_request, now=time.time()))
+    long_ago = time.time() - config.gateway.enqueue_retry_s - TAKEOVER_MARGIN_S - 1
+    crashed = new_job_id()
+    await claims.create(stale_key, Claim(crashed, stale_fingerprint, long_ago).encode())
+    taken = await stub.SubmitJob(stale_request)
+    assert not taken.deduplicated
+    assert taken.job.job_id != crashed
+    entry = await claims.get(stale_key)
+    assert entry.value is not None
+    assert json.loads(entry.value)["job_id"] == taken.job.job_id
+    again = await stub.SubmitJob(stale_request)
+    assert again.deduplicated
+    assert again.job.job_id == taken.job.job_id
+    assert await work_messages(nc) == 1
+
+
+async def test_a_retry_after_its_deadline_passed_still_names_the_first_job(stub: JobStub, nc: NatsClient) -> None:
+    deadline = timestamp_pb2.Timestamp()
+    deadline.FromNanoseconds(int((time.time() + 0.3) * 1e9))
+    request = submit_request(idempotency_key="late", deadline=deadline)
+    first = await stub.SubmitJob(request)
+    await asyncio.sleep(max(deadline.ToNanoseconds() / 1e9 - time.time(), 0) + 0.01)  # what we wait for is time
+    again = await stub.SubmitJob(request)
+    assert again.deduplicated
+    assert again.job.job_id == first.job.job_id
+    assert again.job.state == job_pb2.JOB_STATE_EXPIRED  # settled on read, as GetJob does
+    assert await work_messages(nc) == 1

@@ -1,0 +1,230 @@
+"""ListJobs against a real nats-server and a real gateway (no scheduler): the caller's jobs newest
+first, every job once across pages, filters by state, model and labels, opaque page tokens bound
+to their filters, and never another tenant's records."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.config import Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.app import GatewayApp
+from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, JobLister, tenant_filter_subject
+from services.gateway.transitions import Expiry
+from tests.test_gateway import job_stub, submit_request, violations_of
+from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+
+def two_models(config: Config) -> Config:
+    demo = config.models[0]
+    return config.replace(models=[demo, demo.model_copy(update={"name": "other"})])
+
+
+async def serve(config: Config) -> AsyncIterator[JobStub]:
+    app = GatewayApp(config)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            yield job_stub(channel)
+    finally:
+        await app.stop(grace_s=1)
+
+
+@pytest.fixture
+async def stub(config: Config) -> AsyncIterator[JobStub]:
+    async for stub in serve(two_models(config)):
+        yield stub
+
+
+async def submit_many(stub: JobStub, requests: list[job_service_pb2.SubmitJobRequest], **kwargs: Any) -> list[str]:
+    """Job IDs, through one SubmitJobs stream."""
+
+    async def send() -> AsyncIterator[job_service_pb2.SubmitJobsRequest]:
+        for request in requests:
+            yield job_service_pb2.SubmitJobsRequest(job=request)
+
+    ids = []
+    async for answer in stub.SubmitJobs(send(), **kwargs):
+        assert answer.HasField("job"), answer.error
+        ids.append(answer.job.job_id)
+    return ids
+
+
+async def list_all(stub: JobStub, request: job_service_pb2.ListJobsRequest, **kwargs: Any) -> list[list[str]]:
+    """Every page's job IDs, following the tokens to the end."""
+    pages: list[list[str]] = []
+    while True:
+        page = await stub.ListJobs(request, **kwargs)
+        pages.append([job.job_id for job in page.jobs])
+        if not page.next_page_token:
+            return pages
+        assert len(pages) < 100, "the tokens never end"
+        following = job_service_pb2.ListJobsRequest()
+        following.CopyFrom(request)
+        following.page_token = page.next_page_token
+        request = following
+
+
+def listing(page_size: int = 0, **fields: Any) -> job_service_pb2.ListJobsRequest:
+    return job_service_pb2.ListJobsRequest(page_size=page_size, **fields)
+
+
+async def test_jobs_come_newest_first_and_pages_cover_every_job_once(stub: JobStub) -> None:
+    ids = await submit_many(stub, [submit_request() for _ in range(23)])
+    pages = await list_all(stub, listing(5))
+    assert [len(page) for page in pages] == [5, 5, 5, 5, 3]
+    listed = [job_id for page in pages for job_id in page]
+    assert listed == sorted(ids, reverse=True)  # UUIDv7: newest first
+    first = await stub.ListJobs(listing(5))
+    times = [job.create_time.ToNanoseconds() for job in first.jobs]
+    assert times == sorted(times, reverse=True)
+    assert all(job.state == job_pb2.JOB_STATE_QUEUED for job in first.jobs)
+
+
+async def test_page_size_defaults_and_is_bounded(stub: JobStub) -> None:
+    ids = await submit_many(stub, [submit_request() for _ in range(DEFAULT_PAGE_SIZE + 3)])
+    default = await stub.ListJobs(listing())
+    assert len(default.jobs) == DEFAULT_PAGE_SIZE
+    assert default.next_page_token
+    everything = await stub.ListJobs(listing(5000))  # clamped to the maximum, which holds them all
+    assert [job.job_id for job in everything.jobs] == sorted(ids, reverse=True)
+    assert not everything.next_page_token
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ListJobs(listing(-1))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert violations_of(info.value)[1][0][0] == "page_size"
+
+
+async def test_filters_by_state_model_and_labels(stub: JobStub) -> None:
+    team_prod = await submit_many(stub, [submit_request(labels={"team": "a", "env": "prod"}) for _ in range(3)])
+    team_only = await submit_many(stub, [submit_request(labels={"team": "a"}) for _ in range(2)])
+    other = await submit_many(stub, [submit_request(model_name="other") for _ in range(4)])
+    for job_id in (team_prod[0], other[1]):
+        await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
+
+    async def ids(**fields: Any) -> list[str]:
+        return [job_id for page in await list_all(stub, listing(2, **fields)) for job_id in page]
+
+    assert await ids(states=[job_pb2.JOB_STATE_CANCELED]) == sorted([team_prod[0], other[1]], reverse=True)
+    queued = await ids(states=[job_pb2.JOB_STATE_QUEUED])
+    assert len(queued) == 7
+    assert team_prod[0] not in queued
+    assert await ids(model_name="other") == sorted(other, reverse=True)
+    assert await ids(model_name="other", states=[job_pb2.JOB_STATE_QUEUED]) == sorted(
+        set(other) - {other[1]}, reverse=True
+    )
+    assert await ids(labels={"team": "a"}) == sorted(team_prod + team_only, reverse=True)
+    assert await ids(labels={"team": "a", "env": "prod"}) == sorted(team_prod, reverse=True)  # all must match
+    assert await ids(labels={"team": "b"}) == []
+    assert await ids(model_name="no-such-model") == []
+
+
+async def test_a_selective_filter_still_pages_through_every_match(stub: JobStub) -> None:
+    ids = await submit_many(stub, [submit_request(labels={"parity": str(i % 2)}) for i in range(30)])
+    pages = await list_all(stub, listing(4, labels={"parity": "1"}))
+    listed = [job_id for page in pages for job_id in page]
+    assert listed == sorted(ids[1::2], reverse=True)
+
+
+async def test_bad_page_tokens_are_invalid_argument(stub: JobStub) -> None:
+    await submit_many(stub, [submit_request() for _ in range(3)])
+    page = await stub.ListJobs(listing(1))
+    assert page.next_page_token
+    bad_tokens = {
+        "garbage": listing(1, page_token="not a token!"),
+        "other filters": listing(1, page_token=page.next_page_token, model_name="other"),
+        "tampered": listing(1, page_token=page.next_page_token[:-4] + "AAAA"),
+    }
+    for what, request in bad_tokens.items():
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListJobs(request)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+        assert violations_of(info.value) == ("INVALID_PAGE_TOKEN", [("page_token", info.value.details())]), what
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.ListJobs(listing(1, states=[job_pb2.JOB_STATE_UNSPECIFIED, 99]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [field for field, _ in violations_of(info.value)[1]] == ["states", "states"]
+    # The same token with the same filters goes on.
+    following = await stub.ListJobs(listing(1, page_token=page.next_page_token))
+    assert following.jobs[0].job_id < page.jobs[0].job_id
+
+
+async def test_pages_of_large_results_stay_under_the_message_limit(config: Config, nc: NatsClient) -> None:
+    # Inline outputs of 300 kB each (as the scheduler stores results up to its inline limit): with a
+    # 700 kB budget two fit a page, whatever page_size asks.
+    async for stub in serve(config.replace(gateway={"max_request_bytes": 700_000})):
+        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+        ids = []
+        for _ in range(5):
+            job_id = new_job_id()
+            output = Tensor("y", "UINT8", (1, 300_000), bytes(300_000))
+            record = JobRecord(
+                job_id=job_id,
+                tenant="default",
+                model_name="demo",
+                model_version="1",
+                state=JobState.SUCCEEDED,
+                priority=Priority.NORMAL,
+                create_time=time.time(),
+                update_time=time.time(),
+                max_attempts=3,
+                result_retention_s=3600.0,
+                outputs=(output,),
+            )
+            await kv.create(record.key, encode_record(record))
+            ids.append(job_id)
+        pages = await list_all(stub, listing(10))
+        assert [len(page) for page in pages] == [2, 2, 1]
+        assert [job_id for page in pages for job_id in page] == sorted(ids, reverse=True)
+        one = await stub.ListJobs(listing(1))
+        assert [list(output.shape) for output in one.jobs[0].outputs] == [[1, 300_000]]  # outputs are listed
+
+
+async def test_deleted_records_are_not_listed(stub: JobStub, nc: NatsClient, config: Config) -> None:
+    ids = await submit_many(stub, [submit_request() for _ in range(3)])
+    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    await kv.delete(f"default.{ids[1]}")
+    await kv.put("default.not-a-job-id", b"{}")  # a stray key under the tenant is no job either
+    listed = [job.job_id for job in (await stub.ListJobs(listing())).jobs]
+    assert listed == sorted([ids[0], ids[2]], reverse=True)
+
+
+async def test_another_tenants_jobs_are_never_listed_nor_read(config: Config, nc: NatsClient) -> None:
+    keyed = with_keys(config)
+    async for stub in serve(keyed):
+        acme = await submit_many(stub, [submit_request() for _ in range(4)], metadata=bearer(ACME_KEY))
+        globex = await submit_many(stub, [submit_request() for _ in range(3)], metadata=bearer(GLOBEX_KEY))
+        # A record under acme that would fail to decode if globex's listing ever read it.
+        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+        await kv.put(f"acme.{new_job_id()}", b"\xff not a record")
+        listed = await list_all(stub, listing(2), metadata=bearer(GLOBEX_KEY))
+        assert [job_id for page in listed for job_id in page] == sorted(globex, reverse=True)
+        # The scan itself consumes only the tenant's subjects: the server filters, not the client.
+        assert tenant_filter_subject(config.nats.jobs_bucket, "globex") == f"$KV.{config.nats.jobs_bucket}.globex.>"
+        lister = JobLister(
+            nc.jetstream(), JobStore(kv), Expiry(JobStore(kv)), bucket=config.nats.jobs_bucket, max_page_bytes=1 << 20
+        )
+        assert await lister.tenant_job_ids("globex") == sorted(globex, reverse=True)
+        assert set(await lister.tenant_job_ids("acme")) >= set(acme)
+        assert await lister.tenant_job_ids("nobody") == []
+        # A token is bound to its tenant too.
+        first = await stub.ListJobs(listing(1), metadata=bearer(GLOBEX_KEY))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListJobs(listing(1, page_token=first.next_page_token), metadata=bearer(ACME_KEY))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListJobs(listing())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
