@@ -16,18 +16,23 @@ rather than "unknown job", so a client can tell an expired result from a wrong I
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import math
 from collections.abc import Callable
+from typing import Any
 
 import nats.errors
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
+from nats.js.errors import APIError, InvalidKeyError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue, _is_key_valid
 
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.jobs import JobRecord, decode_record, encode_record
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
+
+KV_OP_HEADER = KV_OP.encode()
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]
@@ -40,15 +45,49 @@ class JobStore:
     async def get(self, key: str) -> JobRecord | None:
         """The record at `key`, or None when there is none (never written, deleted or purged)."""
         try:
-            entry = await self._kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
+            latest = await self._latest(key)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the job record: {exc}") from exc
-        # A server-placed delete marker (retention passed) has an empty body: no record.
-        if not entry.value or entry.revision is None:
+        if latest is None:
             return None
-        return decode_record(entry.value, revision=entry.revision)
+        data, revision = latest
+        return decode_record(data, revision=revision)
+
+    async def _latest(self, key: str) -> tuple[bytes, int] | None:
+        """(value, revision) of the key's latest write; None when it has none, or when that write
+        is a delete or purge, or a server-placed delete marker (retention passed: empty body).
+
+        What KeyValue.get does (the same STREAM.MSG.GET request, not a direct get: see
+        jetstream.ensure_jobs_bucket), without most of its CPU: nats-py 2.16 parses the stored
+        headers with email.parser and builds dataclasses, and every dispatch and every read
+        goes through here; the one header that matters, KV-Operation, is found by a byte scan.
+        Uses the KeyValue's and JetStreamContext's private fields (as `replace` uses _update)."""
+        if not _is_key_valid(key):
+            raise InvalidKeyError(key)
+        kv: Any = self._kv
+        js: Any = kv._js
+        subject = f"{kv._pre}{key}"
+        reply = await js._nc.request(
+            f"{js._prefix}.STREAM.MSG.GET.{kv._stream}",
+            json.dumps({"last_by_subj": subject}).encode(),
+            timeout=js._timeout,
+        )
+        answer = json.loads(reply.data)
+        error = answer.get("error")
+        if error is not None:
+            if error.get("code") == 404:  # no message for the key
+                return None
+            APIError.from_error(error)  # raises
+        message = answer["message"]
+        if message.get("subject") != subject:
+            return None
+        headers = message.get("hdrs")
+        if headers and _operation(base64.b64decode(headers)) in (KV_DEL, KV_PURGE):
+            return None
+        data = message.get("data")
+        if not data:
+            return None
+        return base64.b64decode(data), int(message["seq"])
 
     async def not_found(self, key: str, job_id: str) -> NotFound:
         """The NOT_FOUND for a job with no record: JOB_RETENTION_PASSED while the delete marker
@@ -112,6 +151,15 @@ def retention_ttl(record: JobRecord) -> int | None:
     if not record.state.is_terminal:
         return None
     return max(1, math.ceil(record.result_retention_s))
+
+
+def _operation(headers: bytes) -> str | None:
+    """The KV-Operation header (DEL, PURGE) of a raw NATS header block, if any."""
+    for line in headers.split(b"\r\n")[1:]:  # the first line is the NATS/1.0 status line
+        name, _, value = line.partition(b":")
+        if name.strip() == KV_OP_HEADER:
+            return value.strip().decode("ascii", "replace")
+    return None
 
 
 def job_not_found(job_id: str) -> NotFound:

@@ -25,6 +25,9 @@ from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.messages import CancelOrder, CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
 
+# Results of one batcher stored at once (each holds one decoded result in memory meanwhile).
+RESULTS_STORED_AT_ONCE = 128
+
 log = structlog.get_logger("asyncinfer.scheduler.workers")
 
 PRIORITY_TO_PROTO: dict[Priority, job_pb2.Priority.ValueType] = {
@@ -162,7 +165,21 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
             raise outcome
 
     async def _read(self, session: BatcherSession, requests: AsyncIterator[worker_service_pb2.ConnectRequest]) -> None:
-        """Handles the batcher's messages until its side ends; then ends the session."""
+        """Handles the batcher's messages until its side ends; then ends the session.
+
+        Results are stored concurrently (each is a compare-and-set and an ack, a few NATS round
+        trips): one at a time, the round trips would cap a batcher's rate. They are independent
+        jobs, handle_result never raises, and the session ends only after every one is handled,
+        so none is re-queued by the session's end while its result is being stored."""
+        storing: set[asyncio.Task[None]] = set()
+        slots = asyncio.Semaphore(RESULTS_STORED_AT_ONCE)
+
+        async def store(result: WorkResult) -> None:
+            try:
+                await self._flow.handle_result(session, result)
+            finally:
+                slots.release()
+
         try:
             async for request in requests:
                 kind = request.WhichOneof("message")
@@ -170,10 +187,15 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     credit = credit_from_proto(request.credit)
                     self._batchers.grant(session, credit.model_name, credit.credits)
                 elif kind == "result":
-                    await self._flow.handle_result(session, result_from_proto(request.result))
+                    await slots.acquire()
+                    task = asyncio.create_task(store(result_from_proto(request.result)))
+                    storing.add(task)
+                    task.add_done_callback(storing.discard)
                 elif kind == "hello":
                     raise FailedPrecondition("hello was already received on this stream")
                 else:
                     raise InvalidArgument("empty ConnectRequest")
         finally:
+            if storing:
+                await asyncio.gather(*storing, return_exceptions=True)
             self._batchers.unregister(session)
