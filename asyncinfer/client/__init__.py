@@ -1,0 +1,88 @@
+"""The Python SDK for asyncinfer's JobService.
+
+    from asyncinfer.client import AsyncClient, Client
+
+    async with AsyncClient("127.0.0.1:50051", api_key=KEY) as client:
+        job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
+        done = await client.wait(job, timeout_s=60)
+        print(done.state, done.outputs["y"])
+
+`AsyncClient` is the asyncio client; `Client` is the same API, blocking. Results are frozen
+dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive from
+`AsyncInferClientError`. Protobuf stays inside the SDK.
+"""
+
+from asyncinfer.client._async import AsyncClient
+from asyncinfer.client._retry import NO_RETRY, RetryPolicy
+from asyncinfer.client._sync import Client
+from asyncinfer.client.errors import (
+    AlreadyExistsError,
+    AsyncInferClientError,
+    CancelledError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    JobFailedError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from asyncinfer.client.types import (
+    BatchInfo,
+    BlobRef,
+    BulkResult,
+    Callback,
+    CallbackDelivery,
+    CallbackDeliveryState,
+    CallbackEvent,
+    FieldViolation,
+    Job,
+    JobError,
+    JobProgress,
+    JobRequest,
+    JobState,
+    Priority,
+    QueuePosition,
+    WaitingReason,
+)
+
+__all__ = [
+    "NO_RETRY",
+    "AlreadyExistsError",
+    "AsyncClient",
+    "AsyncInferClientError",
+    "BatchInfo",
+    "BlobRef",
+    "BulkResult",
+    "Callback",
+    "CallbackDelivery",
+    "CallbackDeliveryState",
+    "CallbackEvent",
+    "CancelledError",
+    "Client",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "FieldViolation",
+    "InternalError",
+    "InvalidArgumentError",
+    "Job",
+    "JobError",
+    "JobFailedError",
+    "JobProgress",
+    "JobRequest",
+    "JobState",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "Priority",
+    "QueuePosition",
+    "ResourceExhaustedError",
+    "RetryPolicy",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "WaitingReason",
+]

@@ -1,0 +1,598 @@
+"""`AsyncClient`: the asyncio client for the gateway's JobService, over grpc.aio.
+
+Every call has a deadline: unary calls (submit, get, cancel, one page of list) take `timeout_s`,
+defaulting to the client's `timeout_s` (30 s); calls that last as long as a job does (wait, watch,
+bulk, upload, read_result) take `timeout_s` as their whole budget, defaulting to no limit.
+UNAVAILABLE (and RESOURCE_EXHAUSTED, honouring the server's RetryInfo) is retried with
+exponential backoff and jitter, within both the `RetryPolicy`'s attempts and the call's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from collections import deque
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, BinaryIO, TypeVar, cast
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from grpc import aio
+
+from asyncinfer.client._convert import (
+    duration_to_proto,
+    error_from_proto,
+    input_tensors,
+    job_from_proto,
+    state_to_proto,
+    submit_request_to_proto,
+    tensors_to_arrays,
+    with_idempotency_key,
+)
+from asyncinfer.client._retry import Deadline, RetryPolicy
+from asyncinfer.client.errors import (
+    AsyncInferClientError,
+    FailedPreconditionError,
+    InternalError,
+    JobFailedError,
+    UnavailableError,
+    from_rpc_error,
+    make_error,
+)
+from asyncinfer.client.types import BlobRef, BulkResult, Callback, Inputs, Job, JobRequest, JobState, Priority
+from asyncinfer.tensor_codec import to_input_proto
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+
+T = TypeVar("T")
+JobLike = Job | str
+UPLOAD_CHUNK_BYTES = 1 << 20
+
+# Reconnect soon after the gateway comes back (grpc's default first backoff is a whole second).
+_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.primary_user_agent", "asyncinfer-python"),
+)
+
+
+def _job_id(job: JobLike) -> str:
+    return job.job_id if isinstance(job, Job) else job
+
+
+@dataclass(slots=True)
+class _Pending:
+    index: int
+    correlation_id: str
+    message: job_service_pb2.SubmitJobsRequest
+
+
+class AsyncClient:
+    """An asyncio client for one gateway.
+
+    >>> async with AsyncClient("127.0.0.1:50051", api_key="...") as client:
+    ...     job = await client.submit("demo", {"x": np.ones((1, 4), np.float32)})
+    ...     done = await client.wait(job)
+    ...     done.outputs["y"]
+
+    `target` is a gRPC target ("host:port", "dns:///gateway:50051"). `credentials` switches to
+    TLS (`grpc.ssl_channel_credentials()`). `api_key` is sent as `authorization: Bearer <key>`.
+    The client owns one channel; `close()` it (or use `async with`).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        options = [*_CHANNEL_OPTIONS, *channel_options]
+        if credentials is not None:
+            self._channel = aio.secure_channel(target, credentials, options=options)
+        else:
+            self._channel = aio.insecure_channel(target, options=options)
+        self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {api_key}"),) if api_key is not None else ()
+        )
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+
+    async def close(self) -> None:
+        await self._channel.close(None)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _deadline(self, timeout_s: float | None) -> Deadline:
+        return Deadline(self.timeout_s if timeout_s is None else timeout_s)
+
+    async def _backoff_or_raise(
+        self, error: AsyncInferClientError, attempt: int, deadline: Deadline, cause: BaseException | None
+    ) -> None:
+        """Sleeps before attempt `attempt + 1`, or raises `error` when that is not allowed."""
+        if not self.retry.retriable(error) or attempt >= self.retry.max_attempts:
+            raise error from cause
+        delay = self.retry.backoff_s(attempt, error)
+        if not deadline.allows_sleep(delay):
+            raise error from cause
+        await asyncio.sleep(delay)
+
+    async def _call(
+        self, invoke: Callable[[float | None], Awaitable[T]], deadline: Deadline, *, retry: bool = True
+    ) -> T:
+        """One RPC (or a whole streamed read), retried per the policy; `invoke` gets the seconds left."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await invoke(deadline.remaining())
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                if not retry:
+                    raise error from rpc_error
+                await self._backoff_or_raise(error, attempt, deadline, rpc_error)
+
+    # -- jobs -------------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        model: str,
+        inputs: Inputs | None = None,
+        *,
+        input_ref: str | BlobRef = "",
+        model_version: str = "",
+        priority: Priority | str | None = None,
+        idempotency_key: str = "",
+        labels: Mapping[str, str] | None = None,
+        deadline: datetime | None = None,
+        queue_ttl_s: float | None = None,
+        execution_timeout_s: float | None = None,
+        retention_s: float | None = None,
+        callback: Callback | str | None = None,
+        max_attempts: int = 0,
+        timeout_s: float | None = None,
+    ) -> Job:
+        """Queues a job on `model` and returns it (QUEUED) as soon as it is durably queued.
+
+        `inputs` maps input names to arrays (numpy arrays or anything `numpy.asarray` takes; the
+        dtype picks the datatype, so pass float32 for FP32), or is a list of `Tensor`s; or give
+        `input_ref` from `upload`. `deadline` / `queue_ttl_s`: it expires unless started by then.
+
+        Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
+        that retrying after UNAVAILABLE or a lost answer cannot queue the job twice. Pass your own
+        key to make resubmitting from another process (or after a crash) safe as well; a second
+        submit with a used key returns the first job.
+        """
+        request = JobRequest(
+            model=model,
+            inputs=inputs,
+            input_ref=input_ref.ref if isinstance(input_ref, BlobRef) else input_ref,
+            model_version=model_version,
+            priority=Priority(priority) if priority is not None else None,
+            idempotency_key=idempotency_key,
+            labels=dict(labels or {}),
+            deadline=deadline,
+            queue_ttl_s=queue_ttl_s,
+            execution_timeout_s=execution_timeout_s,
+            retention_s=retention_s,
+            callback=Callback(callback) if isinstance(callback, str) else callback,
+            max_attempts=max_attempts,
+        )
+        return await self.submit_request(request, timeout_s=timeout_s)
+
+    async def submit_request(self, request: JobRequest, *, timeout_s: float | None = None) -> Job:
+        """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
+        message = submit_request_to_proto(with_idempotency_key(request))
+
+        async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
+            return await self._stub.SubmitJob(message, timeout=remaining, metadata=self._metadata)
+
+        response = await self._call(invoke, self._deadline(timeout_s))
+        return job_from_proto(response.job)
+
+    async def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
+        """The job as it stands now. NotFoundError for an unknown job (reason JOB_NOT_FOUND) or one
+        whose retention passed (JOB_RETENTION_PASSED)."""
+        message = job_service_pb2.GetJobRequest(job_id=_job_id(job))
+
+        async def invoke(remaining: float | None) -> job_service_pb2.GetJobResponse:
+            return await self._stub.GetJob(message, timeout=remaining, metadata=self._metadata)
+
+        return job_from_proto((await self._call(invoke, self._deadline(timeout_s))).job)
+
+    async def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
+        """Cancels a queued or running job; returns it CANCELED, CANCELLING (running: it ends
+        CANCELED), or in the terminal state it had already reached.
+
+        Safe to repeat and to retry: the gateway refuses to cancel a finished job
+        (FAILED_PRECONDITION JOB_ALREADY_FINISHED), and the SDK then returns the job as it is."""
+        message = job_service_pb2.CancelJobRequest(job_id=_job_id(job), reason=reason)
+        deadline = self._deadline(timeout_s)
+
+        async def invoke(remaining: float | None) -> job_service_pb2.CancelJobResponse:
+            return await self._stub.CancelJob(message, timeout=remaining, metadata=self._metadata)
+
+        try:
+            return job_from_proto((await self._call(invoke, deadline)).job)
+        except FailedPreconditionError as error:
+            if error.reason != "JOB_ALREADY_FINISHED":
+                raise
+        return await self.get(job, timeout_s=_unary_budget(deadline, self.timeout_s))
+
+    async def watch(
+        self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None
+    ) -> AsyncGenerator[Job, None]:
+        """The job now, then each change, ending after a terminal state.
+
+        A broken stream (the gateway restarting, a network blip) is reopened with
+        `after_revision`, so no change is lost or repeated. `timeout_s` bounds the whole watch
+        (default: none); when it passes, DeadlineExceededError."""
+        job_id = _job_id(job)
+        deadline = Deadline(timeout_s)
+        last_revision = after_revision
+        attempt = 0
+        while True:
+            attempt += 1
+            request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
+            call = self._stub.WatchJob(request, timeout=deadline.remaining(), metadata=self._metadata)
+            cause: BaseException | None = None
+            try:
+                async for response in call:
+                    snapshot = job_from_proto(response.job, response.progress)
+                    last_revision = max(last_revision, snapshot.revision)
+                    attempt = 0
+                    yield snapshot
+                    if snapshot.done:
+                        return
+                error: AsyncInferClientError = UnavailableError(
+                    "the watch ended before the job did", code=grpc.StatusCode.UNAVAILABLE
+                )
+            except grpc.RpcError as rpc_error:
+                error, cause = from_rpc_error(rpc_error), rpc_error
+            finally:
+                call.cancel()
+            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+
+    async def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
+        """Waits until the job is in a terminal state (SUCCEEDED, FAILED, CANCELED, EXPIRED,
+        TIMED_OUT) and returns it; it does not raise for a failed job (see `run`).
+        DeadlineExceededError when `timeout_s` passes first (the job itself carries on)."""
+        last: Job | None = None
+        async with contextlib.aclosing(self.watch(job, timeout_s=timeout_s)) as updates:
+            async for update in updates:
+                last = update
+        if last is None or not last.done:  # watch only ends early by raising
+            raise InternalError(f"the watch of {_job_id(job)} ended without a terminal state")
+        return last
+
+    async def run(
+        self, model: str, inputs: Inputs | None = None, *, timeout_s: float | None = None, **submit_options: Any
+    ) -> dict[str, npt.NDArray[np.generic]]:
+        """Submits, waits and returns the outputs (read with `read_result` when large);
+        JobFailedError when the job ends in any state but SUCCEEDED. `timeout_s` bounds the whole
+        run; submit options are those of `submit`."""
+        deadline = Deadline(timeout_s)
+        job = await self.submit(model, inputs, timeout_s=_unary_budget(deadline, self.timeout_s), **submit_options)
+        done = await self.wait(job, timeout_s=deadline.remaining())
+        if not done.succeeded:
+            raise JobFailedError(done)
+        return await self.outputs(done, timeout_s=deadline.remaining())
+
+    async def outputs(self, job: Job, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
+        """A succeeded job's outputs: inline ones, or the large result read with `read_result`."""
+        if job.result_ref is not None and not job.outputs:
+            return await self.read_result(job, timeout_s=timeout_s)
+        return dict(job.outputs)
+
+    async def list(
+        self,
+        *,
+        states: Iterable[JobState | str] = (),
+        model: str = "",
+        labels: Mapping[str, str] | None = None,
+        page_size: int = 100,
+        limit: int | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[Job, None]:
+        """The caller's jobs, newest first, filtered; pages are fetched as you iterate (each page
+        is one call with its own `timeout_s`). `limit` stops after that many jobs."""
+        base = job_service_pb2.ListJobsRequest(
+            page_size=page_size,
+            states=[state_to_proto(JobState(s)) for s in states],
+            model_name=model,
+            labels=dict(labels or {}),
+        )
+        token = ""
+        yielded = 0
+        while True:
+            request = job_service_pb2.ListJobsRequest()
+            request.CopyFrom(base)
+            request.page_token = token
+
+            async def invoke(remaining: float | None) -> job_service_pb2.ListJobsResponse:
+                return await self._stub.ListJobs(request, timeout=remaining, metadata=self._metadata)  # noqa: B023
+
+            page = await self._call(invoke, self._deadline(timeout_s))
+            for message in page.jobs:
+                if limit is not None and yielded >= limit:
+                    return
+                yield job_from_proto(message)
+                yielded += 1
+            token = page.next_page_token
+            if not token or (limit is not None and yielded >= limit):
+                return
+
+    # -- bulk ---------------------------------------------------------------------------------
+
+    async def bulk(
+        self,
+        requests: AsyncIterable[JobRequest] | Iterable[JobRequest],
+        *,
+        window: int = 256,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[BulkResult, None]:
+        """Streams `requests` through SubmitJobs and yields one `BulkResult` per request, in order.
+
+        At most `window` requests are in flight (sent and unanswered), so memory stays bounded
+        however long the input. Each request without an idempotency key gets a generated one, so
+        when the stream breaks (UNAVAILABLE) the unanswered requests are sent again on a new stream
+        without queuing anything twice (the answer for a resent request that had been queued says
+        `deduplicated`). A refused item is a result with `error`, not an exception. An exception
+        raised by your iterator is raised here after the answers for what was already sent."""
+        source = _aiter(requests)
+        try:
+            async with contextlib.aclosing(self._bulk(source, window=window, deadline=Deadline(timeout_s))) as results:
+                async for result in results:
+                    yield result
+        finally:
+            await source.aclose()
+
+    async def _bulk(
+        self, source: AsyncGenerator[JobRequest, None], *, window: int, deadline: Deadline
+    ) -> AsyncGenerator[BulkResult, None]:
+        pending: deque[_Pending] = deque()
+        space = asyncio.Event()
+        next_index = 0
+        source_done = False
+        source_error: BaseException | None = None
+        attempt = 0
+        # The pull from the caller's iterator runs in its own task, shielded: when a broken stream
+        # cancels the writer, a pull in progress carries on for the next stream's writer instead of
+        # having CancelledError thrown into the caller's iterator.
+        pull: asyncio.Task[JobRequest] | None = None
+
+        async def write(call: Any) -> None:
+            nonlocal next_index, source_done, source_error, pull
+            for item in list(pending):
+                await call.write(item.message)
+            while not source_done:
+                while len(pending) >= window:
+                    space.clear()
+                    await space.wait()
+                if pull is None:
+                    pull = asyncio.create_task(_next_item(source))
+                try:
+                    request = await asyncio.shield(pull)
+                    pull = None
+                    message = job_service_pb2.SubmitJobsRequest(
+                        job=submit_request_to_proto(with_idempotency_key(request)),
+                        correlation_id=request.correlation_id,
+                    )
+                except StopAsyncIteration:
+                    pull = None
+                    source_done = True
+                    break
+                except Exception as exc:  # the caller's iterator or a bad request: raised after the answers
+                    pull = None
+                    source_error = exc
+                    source_done = True
+                    break
+                pending.append(_Pending(next_index, request.correlation_id, message))
+                next_index += 1
+                await call.write(message)
+            await call.done_writing()
+
+        try:
+            while True:
+                attempt += 1
+                call = self._stub.SubmitJobs(None, timeout=deadline.remaining(), metadata=self._metadata)
+                writer = asyncio.create_task(write(call))
+                first_index = pending[0].index if pending else next_index
+                cause: BaseException | None = None
+                try:
+                    while True:
+                        read = await call.read()
+                        if read is aio.EOF:  # type: ignore[attr-defined]
+                            break
+                        response = cast(job_service_pb2.SubmitJobsResponse, read)
+                        if not pending or pending[0].index != first_index + response.index:
+                            raise InternalError(
+                                f"SubmitJobs answered item {response.index} out of order", code=grpc.StatusCode.INTERNAL
+                            )
+                        item = pending.popleft()
+                        space.set()
+                        attempt = 0
+                        yield BulkResult(
+                            index=item.index,
+                            correlation_id=response.correlation_id,
+                            job=job_from_proto(response.job) if response.HasField("job") else None,
+                            error=error_from_proto(response.error) if response.HasField("error") else None,
+                            deduplicated=response.deduplicated,
+                        )
+                    if source_done and not pending:
+                        if source_error is not None:
+                            raise source_error
+                        return
+                    error: AsyncInferClientError = UnavailableError(
+                        "SubmitJobs ended before answering every request", code=grpc.StatusCode.UNAVAILABLE
+                    )
+                except grpc.RpcError as rpc_error:
+                    error, cause = from_rpc_error(rpc_error), rpc_error
+                finally:
+                    call.cancel()
+                    await _finish(writer)
+                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+        finally:
+            if pull is not None:
+                pull.cancel()
+                await asyncio.wait([pull])
+                if not pull.cancelled():
+                    pull.exception()  # retrieved: the stream is over, nobody wants it now
+
+    # -- claim check: large inputs and results ----------------------------------------------
+
+    async def upload(
+        self,
+        data: bytes | str | os.PathLike[str] | BinaryIO,
+        *,
+        retention_s: float | None = None,
+        chunk_bytes: int = UPLOAD_CHUNK_BYTES,
+        timeout_s: float | None = None,
+    ) -> BlobRef:
+        """Streams a serialized `InferInputs` message (bytes, a file path, or a binary file) into
+        the claim-check store and returns its reference, for `submit(input_ref=...)`. See
+        `upload_inputs` to upload arrays. Bytes, paths and seekable files are uploaded again from
+        the start when the stream breaks; other files are not retried."""
+        metadata = job_service_pb2.UploadInputMetadata()
+        if retention_s is not None:
+            metadata.retention.CopyFrom(duration_to_proto(retention_s))
+        if isinstance(data, bytes | bytearray | memoryview):
+            content = bytes(data)
+            metadata.size_bytes = len(content)
+            metadata.sha256 = hashlib.sha256(content).hexdigest()
+            make_chunks: Callable[[], AsyncIterator[bytes]] = lambda: _byte_chunks(content, chunk_bytes)  # noqa: E731
+            retriable = True
+        elif isinstance(data, str | os.PathLike):
+            path = Path(data)
+            metadata.size_bytes = (await asyncio.to_thread(path.stat)).st_size
+            make_chunks = lambda: _path_chunks(path, chunk_bytes)  # noqa: E731
+            retriable = True
+        else:
+            stream = data
+            retriable = stream.seekable()
+            start = stream.tell() if retriable else 0
+            if retriable:
+                metadata.size_bytes = stream.seek(0, os.SEEK_END) - start
+                stream.seek(start)
+
+            def make_chunks() -> AsyncIterator[bytes]:
+                if retriable:
+                    stream.seek(start)
+                return _file_chunks(stream, chunk_bytes)
+
+        async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+            yield job_service_pb2.UploadInputRequest(metadata=metadata)
+            async for chunk in make_chunks():
+                yield job_service_pb2.UploadInputRequest(chunk=chunk)
+
+        async def invoke(remaining: float | None) -> job_service_pb2.UploadInputResponse:
+            return await self._stub.UploadInput(requests(), timeout=remaining, metadata=self._metadata)
+
+        response = await self._call(invoke, Deadline(timeout_s), retry=retriable)
+        return BlobRef(ref=response.ref.ref, size_bytes=response.ref.size_bytes, sha256=response.ref.sha256)
+
+    async def upload_inputs(
+        self, inputs: Inputs, *, retention_s: float | None = None, timeout_s: float | None = None
+    ) -> BlobRef:
+        """Uploads input tensors (name -> array) for a later `submit(model, input_ref=ref)`."""
+        content = tensor_pb2.InferInputs(inputs=[to_input_proto(t) for t in input_tensors(inputs)]).SerializeToString()
+        return await self.upload(content, retention_s=retention_s, timeout_s=timeout_s)
+
+    async def read_result(self, job: JobLike, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
+        """A large result (a job with `result_ref`), streamed back in chunks, as name -> array.
+        The content is checked against the reference's SHA-256; a broken stream reads again."""
+        request = job_service_pb2.ReadResultRequest(job_id=_job_id(job))
+
+        async def invoke(remaining: float | None) -> bytes:
+            chunks: list[bytes] = []
+            expected: job_pb2.BlobRef | None = None
+            call = self._stub.ReadResult(request, timeout=remaining, metadata=self._metadata)
+            try:
+                async for response in call:
+                    if expected is None and response.HasField("ref"):
+                        expected = response.ref
+                    chunks.append(response.chunk)
+            finally:
+                call.cancel()
+            content = b"".join(chunks)
+            if expected is not None and expected.sha256 and hashlib.sha256(content).hexdigest() != expected.sha256:
+                raise make_error(grpc.StatusCode.DATA_LOSS, "the result read back does not match its SHA-256")
+            return content
+
+        content = await self._call(invoke, Deadline(timeout_s))
+        outputs = tensor_pb2.InferOutputs.FromString(content)
+        return tensors_to_arrays(outputs.outputs, "outputs")
+
+
+async def _next_item(source: AsyncGenerator[T, None]) -> T:
+    return await anext(source)
+
+
+async def _finish(writer: asyncio.Task[None]) -> None:
+    """Cancels a bulk stream's writer and waits for it; what a broken call made it raise is
+    expected (the reader reports the call's status), anything else is a bug and propagates."""
+    writer.cancel()
+    await asyncio.wait([writer])
+    if writer.cancelled():
+        return
+    error = writer.exception()
+    if error is not None and not isinstance(error, grpc.RpcError | asyncio.InvalidStateError | aio.UsageError):
+        raise error
+
+
+def _unary_budget(deadline: Deadline, default_s: float) -> float:
+    remaining = deadline.remaining()
+    return default_s if remaining is None else min(remaining, default_s)
+
+
+async def _aiter(items: AsyncIterable[T] | Iterable[T]) -> AsyncGenerator[T, None]:
+    if isinstance(items, AsyncIterable):
+        async for item in items:
+            yield item
+    else:
+        for item in items:
+            yield item
+
+
+async def _byte_chunks(content: bytes, size: int) -> AsyncIterator[bytes]:
+    for offset in range(0, len(content), size):
+        yield content[offset : offset + size]
+
+
+async def _path_chunks(path: Path, size: int) -> AsyncIterator[bytes]:
+    stream = await asyncio.to_thread(path.open, "rb")
+    try:
+        async for chunk in _file_chunks(stream, size):
+            yield chunk
+    finally:
+        stream.close()
+
+
+async def _file_chunks(stream: BinaryIO, size: int) -> AsyncIterator[bytes]:
+    while chunk := await asyncio.to_thread(stream.read, size):
+        yield chunk

@@ -1,0 +1,231 @@
+"""The SDK's protobuf edge: requests built from `JobRequest`s, `Job`s read from messages."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from asyncinfer.client.types import (
+    BatchInfo,
+    BlobRef,
+    Callback,
+    CallbackDelivery,
+    CallbackDeliveryState,
+    CallbackEvent,
+    Inputs,
+    Job,
+    JobError,
+    JobProgress,
+    JobRequest,
+    QueuePosition,
+    WaitingReason,
+)
+from asyncinfer.errors import FieldViolation
+from asyncinfer.jobs import JobState, Priority
+from asyncinfer.tensor_codec import decode_tensor, to_input_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _enum_from_proto(enum_cls: type[E], proto_enum: Any, value: int, prefix: str) -> E | None:
+    try:
+        name: str = proto_enum.Name(value).removeprefix(prefix)
+        return enum_cls(name)
+    except ValueError:  # UNSPECIFIED, or a value newer than this SDK
+        return None
+
+
+def _time(message: Any, name: str) -> datetime | None:
+    if not message.HasField(name):
+        return None
+    stamp: timestamp_pb2.Timestamp = getattr(message, name)
+    return datetime.fromtimestamp(stamp.ToNanoseconds() / 1e9, tz=UTC)
+
+
+def _seconds(message: Any, name: str) -> float | None:
+    if not message.HasField(name):
+        return None
+    duration: duration_pb2.Duration = getattr(message, name)
+    return duration.seconds + duration.nanos / 1e9
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    duration = duration_pb2.Duration()
+    duration.FromNanoseconds(round(seconds * 1e9))
+    return duration
+
+
+def tensors_to_arrays(messages: Iterable[Any], field: str) -> dict[str, npt.NDArray[np.generic]]:
+    arrays: dict[str, npt.NDArray[np.generic]] = {}
+    for index, message in enumerate(messages):
+        tensor = decode_tensor(message, f"{field}[{index}]", message.raw_contents or None)
+        arrays[tensor.name] = tensor.to_numpy()
+    return arrays
+
+
+def error_from_proto(status: error_pb2.ErrorStatus) -> JobError:
+    try:
+        code = next(c for c in grpc.StatusCode if c.value[0] == status.code)
+    except StopIteration:
+        code = grpc.StatusCode.UNKNOWN
+    return JobError(
+        code=code,
+        reason=status.reason,
+        message=status.message,
+        violations=tuple(FieldViolation(v.field, v.description) for v in status.field_violations),
+        retriable=status.retriable,
+    )
+
+
+def _blob(message: job_pb2.BlobRef) -> BlobRef:
+    return BlobRef(ref=message.ref, size_bytes=message.size_bytes, sha256=message.sha256)
+
+
+def _delivery(message: job_pb2.CallbackDelivery) -> CallbackDelivery:
+    return CallbackDelivery(
+        webhook_id=message.webhook_id,
+        event=_enum_from_proto(CallbackEvent, job_pb2.CallbackEvent, message.event, "CALLBACK_EVENT_"),
+        state=_enum_from_proto(
+            CallbackDeliveryState, job_pb2.CallbackDeliveryState, message.state, "CALLBACK_DELIVERY_STATE_"
+        ),
+        attempts=message.attempts,
+        last_attempt_time=_time(message, "last_attempt_time"),
+        last_status_code=message.last_status_code,
+        last_error=message.last_error,
+        next_attempt_time=_time(message, "next_attempt_time"),
+    )
+
+
+def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress | None = None) -> Job:
+    state = _enum_from_proto(JobState, job_pb2.JobState, message.state, "JOB_STATE_")
+    if state is None:
+        raise ValueError(f"job {message.job_id} has an unknown state {message.state}")
+    queue = None
+    if message.HasField("queue"):
+        queue = QueuePosition(
+            position=message.queue.position,
+            estimated_start_time=_time(message.queue, "estimated_start_time"),
+            waiting_reason=_enum_from_proto(
+                WaitingReason, job_pb2.WaitingReason, message.queue.waiting_reason, "WAITING_REASON_"
+            ),
+        )
+    batch = None
+    if message.HasField("batch"):
+        batch = BatchInfo(
+            batcher_id=message.batch.batcher_id,
+            batch_size=message.batch.batch_size,
+            compute_duration_s=_seconds(message.batch, "compute_duration"),
+        )
+    callback = None
+    if message.HasField("callback"):
+        events = (
+            _enum_from_proto(CallbackEvent, job_pb2.CallbackEvent, e, "CALLBACK_EVENT_")
+            for e in message.callback.events
+        )
+        callback = Callback(url=message.callback.url, events=tuple(e for e in events if e is not None))
+    job_progress = None
+    if progress is not None and (progress.message or progress.fraction or progress.partial_outputs):
+        job_progress = JobProgress(
+            fraction=progress.fraction if progress.fraction >= 0 else None,
+            message=progress.message,
+            partial_outputs=tensors_to_arrays(progress.partial_outputs, "progress.partial_outputs"),
+        )
+    return Job(
+        job_id=message.job_id,
+        model_name=message.model_name,
+        model_version=message.model_version,
+        state=state,
+        priority=_enum_from_proto(Priority, job_pb2.Priority, message.priority, "PRIORITY_") or Priority.NORMAL,
+        attempt=message.attempt,
+        max_attempts=message.max_attempts,
+        revision=message.revision,
+        labels=dict(message.labels),
+        idempotency_key=message.idempotency_key,
+        create_time=_time(message, "create_time"),
+        start_time=_time(message, "start_time"),
+        end_time=_time(message, "end_time"),
+        update_time=_time(message, "update_time"),
+        queue_duration_s=_seconds(message, "queue_duration"),
+        run_duration_s=_seconds(message, "run_duration"),
+        deadline=_time(message, "deadline"),
+        execution_timeout_s=_seconds(message, "execution_timeout"),
+        result_retention_s=_seconds(message, "result_retention"),
+        expire_time=_time(message, "expire_time"),
+        queue=queue,
+        batch=batch,
+        error=error_from_proto(message.error) if message.HasField("error") else None,
+        last_error=error_from_proto(message.last_error) if message.HasField("last_error") else None,
+        outputs=tensors_to_arrays(message.outputs, "outputs"),
+        result_ref=_blob(message.result_ref) if message.HasField("result_ref") else None,
+        input_ref=_blob(message.input_ref) if message.HasField("input_ref") else None,
+        callback=callback,
+        callback_deliveries=tuple(_delivery(d) for d in message.callback_deliveries),
+        progress=job_progress,
+    )
+
+
+def input_tensors(inputs: Inputs) -> list[Tensor]:
+    if isinstance(inputs, Mapping):
+        return [Tensor.from_numpy(name, array) for name, array in inputs.items()]
+    return list(inputs)
+
+
+def state_to_proto(state: JobState) -> job_pb2.JobState.ValueType:
+    return job_pb2.JobState.Value(f"JOB_STATE_{state.value}")
+
+
+def with_idempotency_key(request: JobRequest) -> JobRequest:
+    """The request with a fresh idempotency key when it has none, so that retries are safe."""
+    if request.idempotency_key:
+        return request
+    return replace(request, idempotency_key=str(uuid.uuid4()))
+
+
+def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobRequest:
+    if request.inputs is not None and request.input_ref:
+        raise ValueError("give inputs or input_ref, not both")
+    if request.deadline is not None and request.queue_ttl_s is not None:
+        raise ValueError("give a deadline or a queue_ttl_s, not both")
+    message = job_service_pb2.SubmitJobRequest(
+        model_name=request.model,
+        model_version=request.model_version,
+        input_ref=request.input_ref,
+        idempotency_key=request.idempotency_key,
+        labels=dict(request.labels),
+        max_attempts=request.max_attempts,
+    )
+    if request.inputs is not None:
+        message.inputs.extend(to_input_proto(t) for t in input_tensors(request.inputs))
+    if request.priority is not None:
+        message.priority = job_pb2.Priority.Value(f"PRIORITY_{Priority(request.priority).value}")
+    if request.deadline is not None:
+        if request.deadline.tzinfo is None:
+            raise ValueError("deadline must be timezone-aware (e.g. datetime.now(UTC) + ...)")
+        message.deadline.FromDatetime(request.deadline.astimezone(UTC))
+    if request.queue_ttl_s is not None:
+        message.queue_ttl.CopyFrom(_duration(request.queue_ttl_s))
+    if request.execution_timeout_s is not None:
+        message.execution_timeout.CopyFrom(_duration(request.execution_timeout_s))
+    if request.retention_s is not None:
+        message.result_retention.CopyFrom(_duration(request.retention_s))
+    if request.callback is not None:
+        message.callback.url = request.callback.url
+        message.callback.events.extend(
+            job_pb2.CallbackEvent.Value(f"CALLBACK_EVENT_{CallbackEvent(e).value}") for e in request.callback.events
+        )
+    return message
+
+
+def duration_to_proto(seconds: float) -> duration_pb2.Duration:
+    return _duration(seconds)

@@ -1,0 +1,222 @@
+"""`Client`: the synchronous SDK, a thin wrapper over `AsyncClient`.
+
+Why a private event loop in a background thread rather than grpc's synchronous channel: one
+implementation of retries, resumable watches and bulk flow control instead of two, and no clash
+with whatever event loop the caller has (or has not): the sync client never touches the caller's
+loop, so it works from plain scripts, from threads, from Jupyter, and from sync tests running next
+to pytest-asyncio. Each `Client` owns one daemon thread and one channel; `close()` it (or use
+`with`). A call blocks the calling thread only; several threads may share one `Client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
+from datetime import datetime
+from typing import Any, BinaryIO, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from asyncinfer.client._async import AsyncClient, JobLike
+from asyncinfer.client._retry import RetryPolicy
+from asyncinfer.client.types import BlobRef, BulkResult, Callback, Inputs, Job, JobRequest, JobState, Priority
+
+T = TypeVar("T")
+
+
+class Client:
+    """A blocking client for one gateway; the same calls as `AsyncClient`, with iterators for
+    `watch`, `list` and `bulk`.
+
+    >>> with Client("127.0.0.1:50051") as client:
+    ...     job = client.submit("demo", {"x": np.ones((1, 4), np.float32)})
+    ...     client.wait(job).outputs["y"]
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncinfer-client", daemon=True)
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncClient:
+            # grpc.aio binds a channel to the loop it is created on: create it on ours.
+            return AsyncClient(
+                target,
+                api_key=api_key,
+                timeout_s=timeout_s,
+                retry=retry,
+                credentials=credentials,
+                channel_options=channel_options,
+            )
+
+        self._client = self._run(make())
+
+    @property
+    def async_client(self) -> AsyncClient:
+        """The wrapped client; only usable from coroutines run on this client's loop."""
+        return self._client
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("the client is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            # KeyboardInterrupt or the like in the caller: stop the call instead of leaving it running.
+            if not future.done():
+                future.cancel()
+                with contextlib.suppress(Exception):  # whatever it ended with, the caller's error wins
+                    future.result(timeout=5.0)
+            raise
+
+    def _iterate(self, generator: AsyncGenerator[T, None]) -> Iterator[T]:
+        async def step() -> tuple[bool, T | None]:
+            try:
+                return True, await anext(generator)
+            except StopAsyncIteration:
+                return False, None
+
+        try:
+            while True:
+                more, item = self._run(step())
+                if not more:
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            if not self._closed:
+                self._run(generator.aclose())
+
+    def close(self) -> None:
+        """Closes the channel and stops the thread; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self._client.close())
+        finally:
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def submit(
+        self,
+        model: str,
+        inputs: Inputs | None = None,
+        *,
+        input_ref: str | BlobRef = "",
+        model_version: str = "",
+        priority: Priority | str | None = None,
+        idempotency_key: str = "",
+        labels: Mapping[str, str] | None = None,
+        deadline: datetime | None = None,
+        queue_ttl_s: float | None = None,
+        execution_timeout_s: float | None = None,
+        retention_s: float | None = None,
+        callback: Callback | str | None = None,
+        max_attempts: int = 0,
+        timeout_s: float | None = None,
+    ) -> Job:
+        """See `AsyncClient.submit` (an idempotency key is generated when none is given)."""
+        return self._run(
+            self._client.submit(
+                model,
+                inputs,
+                input_ref=input_ref,
+                model_version=model_version,
+                priority=priority,
+                idempotency_key=idempotency_key,
+                labels=labels,
+                deadline=deadline,
+                queue_ttl_s=queue_ttl_s,
+                execution_timeout_s=execution_timeout_s,
+                retention_s=retention_s,
+                callback=callback,
+                max_attempts=max_attempts,
+                timeout_s=timeout_s,
+            )
+        )
+
+    def submit_request(self, request: JobRequest, *, timeout_s: float | None = None) -> Job:
+        return self._run(self._client.submit_request(request, timeout_s=timeout_s))
+
+    def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
+        return self._run(self._client.get(job, timeout_s=timeout_s))
+
+    def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
+        return self._run(self._client.cancel(job, reason=reason, timeout_s=timeout_s))
+
+    def watch(self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None) -> Iterator[Job]:
+        return self._iterate(self._client.watch(job, after_revision=after_revision, timeout_s=timeout_s))
+
+    def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
+        return self._run(self._client.wait(job, timeout_s=timeout_s))
+
+    def run(
+        self, model: str, inputs: Inputs | None = None, *, timeout_s: float | None = None, **submit_options: Any
+    ) -> dict[str, npt.NDArray[np.generic]]:
+        return self._run(self._client.run(model, inputs, timeout_s=timeout_s, **submit_options))
+
+    def outputs(self, job: Job, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
+        return self._run(self._client.outputs(job, timeout_s=timeout_s))
+
+    def list(
+        self,
+        *,
+        states: Iterable[JobState | str] = (),
+        model: str = "",
+        labels: Mapping[str, str] | None = None,
+        page_size: int = 100,
+        limit: int | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[Job]:
+        return self._iterate(
+            self._client.list(
+                states=tuple(states), model=model, labels=labels, page_size=page_size, limit=limit, timeout_s=timeout_s
+            )
+        )
+
+    def bulk(
+        self, requests: Iterable[JobRequest], *, window: int = 256, timeout_s: float | None = None
+    ) -> Iterator[BulkResult]:
+        """See `AsyncClient.bulk`. `requests` is iterated on the client's thread."""
+        return self._iterate(self._client.bulk(requests, window=window, timeout_s=timeout_s))
+
+    def upload(
+        self,
+        data: bytes | str | os.PathLike[str] | BinaryIO,
+        *,
+        retention_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> BlobRef:
+        return self._run(self._client.upload(data, retention_s=retention_s, timeout_s=timeout_s))
+
+    def upload_inputs(
+        self, inputs: Inputs, *, retention_s: float | None = None, timeout_s: float | None = None
+    ) -> BlobRef:
+        return self._run(self._client.upload_inputs(inputs, retention_s=retention_s, timeout_s=timeout_s))
+
+    def read_result(self, job: JobLike, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
+        return self._run(self._client.read_result(job, timeout_s=timeout_s))

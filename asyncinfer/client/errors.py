@@ -1,0 +1,186 @@
+"""The SDK's errors: one root, `AsyncInferClientError`, with a subclass per family of gRPC codes.
+
+Each carries the status `code`, the stable `reason` from the server's `google.rpc.ErrorInfo`
+(e.g. MODEL_NOT_FOUND, JOB_NOT_FOUND, QUEUE_FULL; the code's name when the server sent none),
+`violations` from `google.rpc.BadRequest`, and `retry_after_s` from `google.rpc.RetryInfo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import grpc
+
+from asyncinfer.client.types import Job
+from asyncinfer.errors import FieldViolation
+from asyncinfer.grpc_errors import status_details, unpack_details
+
+__all__ = [
+    "AlreadyExistsError",
+    "AsyncInferClientError",
+    "CancelledError",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
+    "InternalError",
+    "InvalidArgumentError",
+    "JobFailedError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+    "UnimplementedError",
+    "from_rpc_error",
+]
+
+
+class AsyncInferClientError(Exception):
+    """Root of every error the SDK raises."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: grpc.StatusCode = grpc.StatusCode.UNKNOWN,
+        reason: str = "",
+        violations: tuple[FieldViolation, ...] = (),
+        retry_after_s: float | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.reason = reason or code.name
+        self.violations = violations
+        self.retry_after_s = retry_after_s
+        self.metadata: dict[str, str] = dict(metadata or {})
+
+    def __str__(self) -> str:
+        text = f"{self.code.name} {self.reason}: {self.message}"
+        if self.violations:
+            text += "".join(f"\n  {v.field}: {v.description}" for v in self.violations)
+        return text
+
+
+class InvalidArgumentError(AsyncInferClientError):
+    """The request is wrong (INVALID_ARGUMENT, OUT_OF_RANGE); see `violations`."""
+
+
+class NotFoundError(AsyncInferClientError):
+    """No such model or job (or its retention passed: reason JOB_RETENTION_PASSED)."""
+
+
+class AlreadyExistsError(AsyncInferClientError):
+    pass
+
+
+class FailedPreconditionError(AsyncInferClientError):
+    """The system is not in a state to do it (FAILED_PRECONDITION, ABORTED)."""
+
+
+class UnauthenticatedError(AsyncInferClientError):
+    pass
+
+
+class PermissionDeniedError(AsyncInferClientError):
+    pass
+
+
+class ResourceExhaustedError(AsyncInferClientError):
+    """Over a queue limit or quota; try again after `retry_after_s`."""
+
+
+class UnavailableError(AsyncInferClientError):
+    """The gateway (or what it depends on) cannot be reached; retried by the SDK until its budget ends."""
+
+
+class DeadlineExceededError(AsyncInferClientError):
+    """The call's timeout passed before it completed."""
+
+
+class CancelledError(AsyncInferClientError):
+    """The call was cancelled (not the job: a canceled job is a Job in state CANCELED)."""
+
+
+class UnimplementedError(AsyncInferClientError):
+    """The server does not offer this call (an older gateway)."""
+
+
+class InternalError(AsyncInferClientError):
+    """A server bug or an unknown failure (INTERNAL, UNKNOWN, DATA_LOSS)."""
+
+
+class JobFailedError(AsyncInferClientError):
+    """The job ended in a state other than SUCCEEDED (raised by `run`); `job` is its record and
+    `code`/`reason`/`violations` are those of the job's error."""
+
+    def __init__(self, job: Job) -> None:
+        error = job.error
+        super().__init__(
+            f"job {job.job_id} ended {job.state.value}" + (f": {error.message}" if error else ""),
+            code=error.code if error else grpc.StatusCode.UNKNOWN,
+            reason=error.reason if error else job.state.value,
+            violations=error.violations if error else (),
+        )
+        self.job = job
+
+
+_BY_CODE: dict[grpc.StatusCode, type[AsyncInferClientError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.ABORTED: FailedPreconditionError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.UNIMPLEMENTED: UnimplementedError,
+}
+
+
+def error_class(code: grpc.StatusCode) -> type[AsyncInferClientError]:
+    return _BY_CODE.get(code, InternalError)
+
+
+def make_error(
+    code: grpc.StatusCode,
+    message: str,
+    *,
+    reason: str = "",
+    violations: tuple[FieldViolation, ...] = (),
+    retry_after_s: float | None = None,
+    metadata: Mapping[str, str] | None = None,
+) -> AsyncInferClientError:
+    return error_class(code)(
+        message, code=code, reason=reason, violations=violations, retry_after_s=retry_after_s, metadata=metadata
+    )
+
+
+def from_rpc_error(error: grpc.RpcError) -> AsyncInferClientError:
+    """The typed error for a failed call, with the details of its rich status."""
+    code: grpc.StatusCode = error.code()
+    message: str = error.details() or ""
+    reason = ""
+    metadata: dict[str, str] = {}
+    violations: tuple[FieldViolation, ...] = ()
+    retry_after_s: float | None = None
+    try:
+        status = status_details(error)
+    except ValueError:  # a status whose details disagree with its code: keep the plain code
+        status = None
+    if status is not None:
+        details = unpack_details(status)
+        if (info := details.get("ErrorInfo")) is not None:
+            reason = info.reason
+            metadata = dict(info.metadata)
+        if (bad := details.get("BadRequest")) is not None:
+            violations = tuple(FieldViolation(v.field, v.description) for v in bad.field_violations)
+        if (retry := details.get("RetryInfo")) is not None:
+            retry_after_s = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    return make_error(
+        code, message, reason=reason, violations=violations, retry_after_s=retry_after_s, metadata=metadata
+    )

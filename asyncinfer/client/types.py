@@ -1,0 +1,217 @@
+"""What the SDK hands back: frozen dataclasses and enums, never protobuf messages.
+
+Timestamps are timezone-aware UTC `datetime`s; durations are float seconds (`*_s`); tensors are
+numpy arrays (read-only views of the received bytes; `.copy()` one to write to it).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from asyncinfer.errors import FieldViolation
+from asyncinfer.jobs import JobState, Priority
+from asyncinfer.tensors import Tensor
+
+__all__ = [
+    "BatchInfo",
+    "BlobRef",
+    "BulkResult",
+    "Callback",
+    "CallbackDelivery",
+    "CallbackDeliveryState",
+    "CallbackEvent",
+    "FieldViolation",
+    "Inputs",
+    "Job",
+    "JobError",
+    "JobProgress",
+    "JobRequest",
+    "JobState",
+    "Priority",
+    "QueuePosition",
+    "WaitingReason",
+]
+
+# A job's inputs: name -> array (anything numpy.asarray accepts), or ready-made tensors.
+Inputs = Mapping[str, npt.ArrayLike] | tuple[Tensor, ...] | list[Tensor]
+
+
+class WaitingReason(enum.StrEnum):
+    NO_WORKER = "NO_WORKER"
+    WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
+    PAUSED = "PAUSED"
+    RETRY_BACKOFF = "RETRY_BACKOFF"
+
+
+class CallbackEvent(enum.StrEnum):
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELED = "CANCELED"
+
+
+class CallbackDeliveryState(enum.StrEnum):
+    PENDING = "PENDING"
+    DELIVERED = "DELIVERED"
+    FAILED = "FAILED"
+    DISABLED = "DISABLED"
+
+
+@dataclass(frozen=True, slots=True)
+class JobError:
+    """Why a job (or one attempt, or one bulk item) failed."""
+
+    code: grpc.StatusCode
+    reason: str
+    message: str
+    violations: tuple[FieldViolation, ...] = ()
+    retriable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """A blob in the claim-check store: an uploaded input or a large result."""
+
+    ref: str
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Callback:
+    """A webhook; no events means the terminal ones (COMPLETED, FAILED, CANCELED)."""
+
+    url: str
+    events: tuple[CallbackEvent, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class CallbackDelivery:
+    webhook_id: str
+    event: CallbackEvent | None
+    state: CallbackDeliveryState | None
+    attempts: int
+    last_attempt_time: datetime | None
+    last_status_code: int
+    last_error: str
+    next_attempt_time: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePosition:
+    """Where a queued job stands: jobs ahead of it, when it should start, why it waits."""
+
+    position: int
+    estimated_start_time: datetime | None
+    waiting_reason: WaitingReason | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchInfo:
+    batcher_id: str
+    batch_size: int
+    compute_duration_s: float | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class JobProgress:
+    """Progress a model reported while running (WatchJob only)."""
+
+    fraction: float | None
+    message: str
+    partial_outputs: Mapping[str, npt.NDArray[np.generic]]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Job:
+    """A job record as the gateway reported it at `revision`. Compare jobs by `job_id` and
+    `revision` (arrays have no plain equality, so dataclass `==` is identity)."""
+
+    job_id: str
+    model_name: str
+    model_version: str
+    state: JobState
+    priority: Priority
+    attempt: int
+    max_attempts: int
+    revision: int
+    labels: Mapping[str, str] = field(default_factory=dict)
+    idempotency_key: str = ""
+    create_time: datetime | None = None
+    start_time: datetime | None = None
+    end_time: datetime | None = None
+    update_time: datetime | None = None
+    queue_duration_s: float | None = None
+    run_duration_s: float | None = None
+    deadline: datetime | None = None
+    execution_timeout_s: float | None = None
+    result_retention_s: float | None = None
+    expire_time: datetime | None = None
+    queue: QueuePosition | None = None
+    batch: BatchInfo | None = None
+    error: JobError | None = None
+    last_error: JobError | None = None
+    # When SUCCEEDED and small; a large result has `result_ref` instead (use read_result).
+    outputs: Mapping[str, npt.NDArray[np.generic]] = field(default_factory=dict)
+    result_ref: BlobRef | None = None
+    input_ref: BlobRef | None = None
+    callback: Callback | None = None
+    callback_deliveries: tuple[CallbackDelivery, ...] = ()
+    progress: JobProgress | None = None
+
+    @property
+    def done(self) -> bool:
+        """True in a terminal state: nothing about the job changes any more."""
+        return self.state.is_terminal
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state is JobState.SUCCEEDED
+
+
+@dataclass(frozen=True, slots=True)
+class JobRequest:
+    """One job to submit (the arguments of `submit`, as a value, for `bulk`).
+
+    Give `inputs` or `input_ref` (from `upload`), not both. Give `deadline` (absolute, aware
+    datetime) or `queue_ttl_s`, not both. An empty `idempotency_key` gets a fresh UUID when sent,
+    so that the SDK's retries can never queue a job twice; give your own to make resubmission
+    across processes safe too. `correlation_id` is only echoed back by `bulk`."""
+
+    model: str
+    inputs: Inputs | None = None
+    input_ref: str = ""
+    model_version: str = ""
+    priority: Priority | None = None
+    idempotency_key: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    deadline: datetime | None = None
+    queue_ttl_s: float | None = None
+    execution_timeout_s: float | None = None
+    retention_s: float | None = None
+    callback: Callback | None = None
+    max_attempts: int = 0
+    correlation_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class BulkResult:
+    """The answer for one request of `bulk`: the job when accepted, the error when refused.
+    `index` is the request's 0-based position in what you passed in."""
+
+    index: int
+    correlation_id: str
+    job: Job | None
+    error: JobError | None
+    deduplicated: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.job is not None

@@ -1,0 +1,475 @@
+"""The Python SDK (asyncinfer.client) against the real in-process stack: gateway + scheduler +
+batcher serving the demo model y = 2x + 1, on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.client import (
+    NO_RETRY,
+    AsyncClient,
+    BulkResult,
+    Client,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    Job,
+    JobFailedError,
+    JobRequest,
+    JobState,
+    NotFoundError,
+    Priority,
+    RetryPolicy,
+    UnauthenticatedError,
+    UnavailableError,
+    UnimplementedError,
+)
+from asyncinfer.config import Config
+from services.batcher.app import BatcherApp
+from services.gateway.app import GatewayApp
+from services.gateway.auth import hash_key
+from services.scheduler.app import SchedulerApp
+
+T = TypeVar("T")
+X = np.array([[1, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float32)
+FAST_RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
+
+
+class Stack:
+    """Gateway and scheduler, and a batcher when asked for; stopped in reverse order."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.gateway = GatewayApp(config)
+        self.scheduler = SchedulerApp(config)
+        self.batcher: BatcherApp | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    async def start(self, *, batcher: bool) -> None:
+        await self.gateway.start()
+        await self.scheduler.start()
+        if batcher:
+            await self.start_batcher()
+
+    async def start_batcher(self) -> None:
+        self.batcher = BatcherApp(
+            self.config.replace(batcher={"scheduler_address": f"127.0.0.1:{self.scheduler.port}"})
+        )
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop(2.0)
+        await self.scheduler.stop(2.0)
+        await self.gateway.stop(2.0)
+
+
+@pytest.fixture
+async def stack(config: Config) -> AsyncIterator[Stack]:
+    """The whole stack: jobs run to completion."""
+    running = Stack(config)
+    await running.start(batcher=True)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest.fixture
+async def idle_stack(config: Config) -> AsyncIterator[Stack]:
+    """No batcher: jobs stay QUEUED until the test starts one."""
+    running = Stack(config)
+    await running.start(batcher=False)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+async def unless_unimplemented(work: Awaitable[T], rpc: str) -> T:
+    """The RPCs other parts of the gateway are still building: marked xfail while UNIMPLEMENTED."""
+    try:
+        return await work
+    except UnimplementedError:
+        pytest.xfail(f"{rpc} still answers UNIMPLEMENTED in the gateway")
+
+
+def expected_y(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    return 2 * x + 1
+
+
+# -- async client ------------------------------------------------------------------------------
+
+
+async def test_submit_and_wait_return_numpy_outputs(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": X}, labels={"suite": "sdk"}, priority=Priority.HIGH)
+        assert isinstance(job, Job)
+        assert job.state is JobState.QUEUED
+        assert job.priority is Priority.HIGH
+        assert job.labels == {"suite": "sdk"}
+        assert job.idempotency_key, "the SDK gives every submit an idempotency key, so retries are safe"
+
+        done = await client.wait(job, timeout_s=30)
+    assert done.job_id == job.job_id
+    assert done.state is JobState.SUCCEEDED
+    assert done.succeeded
+    assert done.done
+    y = done.outputs["y"]
+    assert isinstance(y, np.ndarray)
+    assert y.dtype == np.float32
+    assert y.shape == (2, 4)
+    np.testing.assert_array_equal(y, expected_y(X))
+    assert done.attempt == 1
+    assert done.batch is not None
+    assert done.batch.batch_size >= 1
+    assert done.create_time is not None
+    assert done.end_time is not None
+    assert done.end_time >= done.create_time
+    assert done.queue_duration_s is not None
+    assert done.run_duration_s is not None
+    assert done.error is None
+
+
+async def test_run_returns_outputs_and_get_reads_the_same_job(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        outputs = await client.run("demo", {"x": X[:1]}, timeout_s=30)
+        np.testing.assert_array_equal(outputs["y"], expected_y(X[:1]))
+
+        job = await client.submit("demo", {"x": X})
+        done = await client.wait(job.job_id, timeout_s=30)
+        again = await client.get(job)
+    assert again.revision == done.revision
+    assert again.state is JobState.SUCCEEDED
+    np.testing.assert_array_equal(again.outputs["y"], done.outputs["y"])
+
+
+async def test_watch_yields_queued_running_succeeded_in_order(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        job = await client.submit("demo", {"x": X})
+        seen: list[Job] = []
+        async for update in client.watch(job, timeout_s=30):
+            seen.append(update)
+            if len(seen) == 1:
+                assert update.state is JobState.QUEUED
+                assert update.queue is not None, "a queued job says where it stands"
+                await idle_stack.start_batcher()  # only now can it run
+    assert [u.state for u in seen] == [JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED]
+    revisions = [u.revision for u in seen]
+    assert revisions == sorted(set(revisions)), "each change once, in order"
+    np.testing.assert_array_equal(seen[-1].outputs["y"], expected_y(X))
+
+
+async def test_cancel_a_queued_job(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        job = await client.submit("demo", {"x": X})
+        canceled = await client.cancel(job, reason="changed my mind")
+        assert canceled.state is JobState.CANCELED
+        assert (await client.wait(job, timeout_s=10)).state is JobState.CANCELED
+        assert (await client.cancel(job)).state is JobState.CANCELED, "cancelling again is harmless"
+
+
+async def test_errors_are_typed_with_reasons_and_violations(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        with pytest.raises(NotFoundError) as not_found:
+            await client.submit("no-such-model", {"x": X})
+        assert not_found.value.code is grpc.StatusCode.NOT_FOUND
+        assert not_found.value.reason == "MODEL_NOT_FOUND"
+
+        with pytest.raises(InvalidArgumentError) as invalid:
+            await client.submit("demo", {"x": np.ones((1, 3), np.float32)})  # the model takes [-1, 4]
+        assert invalid.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert invalid.value.violations, "field violations from google.rpc.BadRequest"
+        assert any(v.field.startswith("inputs[0]") for v in invalid.value.violations)
+
+        with pytest.raises(NotFoundError) as unknown_job:
+            await client.get("0190b8e4-7c1a-7d3e-8f00-000000000000")
+        assert unknown_job.value.reason == "JOB_NOT_FOUND"
+        with pytest.raises(NotFoundError):
+            await client.wait("not-a-job-id", timeout_s=5)
+
+
+async def test_run_raises_job_failed_when_the_job_does_not_succeed(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        with pytest.raises(JobFailedError) as info:
+            await client.run("demo", {"x": X}, queue_ttl_s=0.2, timeout_s=10)  # no batcher: it expires
+    assert info.value.job.state is JobState.EXPIRED
+    assert info.value.job.error is not None
+    assert info.value.reason == info.value.job.error.reason
+
+
+async def test_wait_with_a_short_timeout_raises_deadline_exceeded(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        job = await client.submit("demo", {"x": X})
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceededError) as info:
+            await client.wait(job, timeout_s=0.5)
+        elapsed = time.monotonic() - started
+        assert info.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.4 <= elapsed < 5.0
+        assert (await client.get(job)).state is JobState.QUEUED, "the job carries on; only the wait ended"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+async def test_submit_retries_unavailable_until_the_gateway_starts(config: Config) -> None:
+    port = free_port()
+    stack = Stack(config.replace(gateway={"port": port}))
+    async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+        with pytest.raises(UnavailableError):  # nothing listens there yet
+            async with AsyncClient(f"127.0.0.1:{port}", retry=NO_RETRY) as once:
+                await once.get("0190b8e4-7c1a-7d3e-8f00-000000000000", timeout_s=5)
+
+        submit = asyncio.create_task(client.submit("demo", {"x": X}, timeout_s=30))
+        await asyncio.sleep(0.3)  # let it fail a few attempts first
+        assert not submit.done(), "UNAVAILABLE is retried, not raised"
+        await stack.start(batcher=True)
+        try:
+            job = await submit
+            assert job.state is JobState.QUEUED
+            done = await client.wait(job, timeout_s=30)
+            np.testing.assert_array_equal(done.outputs["y"], expected_y(X))
+        finally:
+            await stack.stop()
+
+
+async def test_watch_resumes_across_a_gateway_restart(config: Config) -> None:
+    port = free_port()
+    stack = Stack(config.replace(gateway={"port": port}))
+    await stack.start(batcher=False)
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+            job = await client.submit("demo", {"x": X})
+            updates = client.watch(job, timeout_s=30)
+            first = await anext(updates)
+            assert first.state is JobState.QUEUED
+
+            await stack.gateway.stop(1.0)  # ends the watch with UNAVAILABLE
+            stack.gateway = GatewayApp(stack.config)
+            await stack.gateway.start()
+            await stack.start_batcher()
+
+            rest = [update async for update in updates]
+        assert [u.state for u in rest][-1] is JobState.SUCCEEDED
+        assert JobState.QUEUED not in [u.state for u in rest], "resumed after the revision seen, not from scratch"
+        assert all(u.revision > first.revision for u in rest)
+    finally:
+        await stack.stop()
+
+
+async def test_api_key_is_sent_as_bearer(config: Config) -> None:
+    keyed = config.replace(gateway={"api_keys": [{"tenant": "acme", "sha256": hash_key("k-acme")}]})
+    stack = Stack(keyed)
+    await stack.start(batcher=False)
+    try:
+        async with AsyncClient(stack.address, api_key="k-acme") as client:
+            job = await client.submit("demo", {"x": X})
+            assert (await client.get(job)).job_id == job.job_id
+        async with AsyncClient(stack.address, api_key="wrong") as intruder:
+            with pytest.raises(UnauthenticatedError):
+                await intruder.get(job)
+        async with AsyncClient(stack.address) as anonymous:
+            with pytest.raises(UnauthenticatedError):
+                await anonymous.submit("demo", {"x": X})
+    finally:
+        await stack.stop()
+
+
+# -- RPCs other helpers are building (xfail while UNIMPLEMENTED) --------------------------------
+
+
+async def test_same_idempotency_key_returns_the_first_job(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        first = await client.submit("demo", {"x": X}, idempotency_key="order-42")
+        second = await client.submit("demo", {"x": X}, idempotency_key="order-42")
+    if second.job_id != first.job_id:
+        pytest.xfail("idempotency keys are not honoured by the gateway yet")
+    assert second.idempotency_key == "order-42"
+
+
+async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
+    requests = [JobRequest(model="demo", inputs={"x": X * i}, correlation_id=f"row-{i}") for i in range(20)]
+    requests.insert(7, JobRequest(model="no-such-model", inputs={"x": X}, correlation_id="bad"))
+    async with AsyncClient(stack.address) as client:
+
+        async def collect() -> list[BulkResult]:
+            return [result async for result in client.bulk(requests, window=4, timeout_s=30)]
+
+        results = await unless_unimplemented(collect(), "SubmitJobs")
+        assert [r.index for r in results] == list(range(len(requests)))
+        assert [r.correlation_id for r in results] == [r.correlation_id for r in requests]
+        refused = results[7]
+        assert refused.job is None
+        assert refused.error is not None
+        assert refused.error.reason == "MODEL_NOT_FOUND"
+        accepted = [r for r in results if r.accepted]
+        assert len(accepted) == 20
+        done = await asyncio.gather(*(client.wait(r.job.job_id, timeout_s=30) for r in accepted if r.job))
+    for i, job in enumerate(done):
+        np.testing.assert_array_equal(job.outputs["y"], expected_y(X * i))
+
+
+async def test_bulk_carries_on_across_a_gateway_restart(config: Config) -> None:
+    port = free_port()
+    stack = Stack(config.replace(gateway={"port": port}))
+    await stack.start(batcher=False)
+    restarted = asyncio.Event()
+
+    async def requests() -> AsyncIterator[JobRequest]:
+        for i in range(10):
+            if i == 5:
+                await restarted.wait()  # the first stream breaks while this waits
+            yield JobRequest(model="demo", inputs={"x": X * i}, correlation_id=f"row-{i}")
+
+    results: list[BulkResult] = []
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+            async for result in client.bulk(requests(), timeout_s=60):
+                results.append(result)
+                if len(results) == 5:
+                    await stack.gateway.stop(0.2)
+                    stack.gateway = GatewayApp(stack.config)
+                    await stack.gateway.start()
+                    restarted.set()
+            listed = [job async for job in client.list(model="demo")]
+    finally:
+        await stack.stop()
+    assert [r.index for r in results] == list(range(10))
+    assert [r.correlation_id for r in results] == [f"row-{i}" for i in range(10)]
+    assert all(r.accepted for r in results)
+    assert len({r.job.job_id for r in results if r.job}) == 10
+    assert len(listed) == 10, "nothing was queued twice"
+
+
+async def test_list_pages_through_the_callers_jobs(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        submitted = [await client.submit("demo", {"x": X}, labels={"batch": "b1"}) for _ in range(5)]
+        await client.submit("demo", {"x": X}, labels={"batch": "other"})
+
+        async def collect() -> list[Job]:
+            return [job async for job in client.list(labels={"batch": "b1"}, page_size=2)]
+
+        listed = await unless_unimplemented(collect(), "ListJobs")
+        assert [j.job_id for j in listed] == [j.job_id for j in reversed(submitted)], "newest first, filtered"
+        queued = [job async for job in client.list(states=[JobState.QUEUED], limit=3)]
+        assert len(queued) == 3
+
+
+async def test_upload_then_submit_by_reference(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        ref = await unless_unimplemented(client.upload_inputs({"x": X}), "UploadInput")
+        assert ref.ref
+        assert ref.size_bytes > 0
+        assert len(ref.sha256) == 64
+        job = await client.submit("demo", input_ref=ref)
+        done = await client.wait(job, timeout_s=30)
+        assert done.input_ref is not None
+        assert done.input_ref.ref == ref.ref
+        np.testing.assert_array_equal((await client.outputs(done))["y"], expected_y(X))
+
+
+async def test_read_result_of_a_large_result(config: Config) -> None:
+    # Every result counts as large: it goes to the claim-check store, and ReadResult brings it back.
+    stack = Stack(config.replace(scheduler={"inline_result_max_bytes": 1}))
+    await stack.start(batcher=True)
+    try:
+        async with AsyncClient(stack.address) as client:
+            job = await client.submit("demo", {"x": X})
+            done = await client.wait(job, timeout_s=30)
+            if done.result_ref is None:
+                pytest.xfail(f"large results are not stored by reference yet (job ended {done.state})")
+            outputs = await unless_unimplemented(client.read_result(done), "ReadResult")
+            np.testing.assert_array_equal(outputs["y"], expected_y(X))
+    finally:
+        await stack.stop()
+
+
+# -- the synchronous client, from plain (non-async) tests ---------------------------------------
+
+
+class ThreadedStack:
+    """The stack on its own event loop in a thread, so a sync test can drive the sync client."""
+
+    def __init__(self, config: Config) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.stack = Stack(config)
+
+    def run(self, work: Callable[[], Awaitable[T]]) -> T:
+        async def call() -> T:
+            return await work()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout=60)
+
+    def __enter__(self) -> ThreadedStack:
+        self._thread.start()
+        self.run(lambda: self.stack.start(batcher=False))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.run(self.stack.stop)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+@pytest.fixture
+def threaded_stack(config: Config) -> Iterator[ThreadedStack]:
+    with ThreadedStack(config) as running:
+        yield running
+
+
+def test_sync_client_submits_watches_and_waits(threaded_stack: ThreadedStack) -> None:
+    with Client(threaded_stack.stack.address) as client:
+        job = client.submit("demo", {"x": X})
+        assert job.state is JobState.QUEUED
+        with pytest.raises(DeadlineExceededError):
+            client.wait(job, timeout_s=0.3)  # no batcher yet
+
+        watch = client.watch(job, timeout_s=30)
+        assert next(watch).state is JobState.QUEUED
+        threaded_stack.run(threaded_stack.stack.start_batcher)
+        states = [update.state for update in watch]
+        assert states == [JobState.RUNNING, JobState.SUCCEEDED]
+
+        done = client.wait(job, timeout_s=30)
+        np.testing.assert_array_equal(done.outputs["y"], expected_y(X))
+        np.testing.assert_array_equal(client.run("demo", {"x": X[1:]}, timeout_s=30)["y"], expected_y(X[1:]))
+
+        with pytest.raises(NotFoundError) as info:
+            client.submit("no-such-model", {"x": X})
+        assert info.value.reason == "MODEL_NOT_FOUND"
+    with pytest.raises(RuntimeError):
+        client.get(job)  # closed
+
+
+def test_sync_client_cancel_and_break_out_of_a_watch(threaded_stack: ThreadedStack) -> None:
+    client = Client(threaded_stack.stack.address)
+    try:
+        job = client.submit("demo", {"x": X})
+        for update in client.watch(job):
+            assert update.state is JobState.QUEUED
+            break  # leaving a watch early closes its stream
+        assert client.cancel(job).state is JobState.CANCELED
+        assert client.wait(job, timeout_s=10).state is JobState.CANCELED
+    finally:
+        client.close()
+        client.close()  # idempotent
