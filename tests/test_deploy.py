@@ -1,0 +1,673 @@
+"""deploy/: the Kubernetes overlays render (real kustomize, from kubectl) and validate against the
+Kubernetes schemas (kubernetes-validate, offline) and, for KEDA's ScaledObjects, against a schema
+of KEDA's documented fields; the configuration they mount loads; the NATS configuration is one
+nats-server accepts; the Dockerfiles, the compose file and the Grafana dashboard agree with the
+code; and scale-to-zero works as KEDA sees it: with no batcher, jobs queue (NO_WORKER), the
+consumer's lag on NATS's monitoring endpoint and asyncinfer_desired_batchers rise, and a batcher
+started afterwards drains them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
+from referencing import Registry, Resource
+
+from asyncinfer.config import Config, load_config
+from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_port
+from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.jetstream import work_consumer_name
+from asyncinfer.jobs import Priority
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+OVERLAYS = ("local", "production", "production-prometheus", "production-triton")
+# The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and the newest
+# the installed kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version()))
+SERVICES = {"gateway": 50051, "scheduler": 50052, "batcher": 50053}
+METRICS_PORTS = {"gateway": 9101, "scheduler": 9102, "batcher": 9103}
+SECRET_ENV = {
+    "ASYNCINFER_GATEWAY__API_KEYS": json.dumps([{"tenant": "acme", "sha256": "0" * 64}]),
+    "ASYNCINFER_WEBHOOKS__SECRETS": json.dumps([{"tenant": "acme", "secret": "whsec_" + "A" * 44}]),
+}
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def _kustomize_command() -> list[str] | None:
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+@functools.cache
+def rendered_overlays() -> dict[str, tuple[dict[str, Any], ...]]:
+    """Every overlay, rendered by kustomize processes run side by side (each takes seconds)."""
+    command = _kustomize_command()
+    if command is None:
+        pytest.skip("neither kustomize nor kubectl (which embeds kustomize) is installed")
+    processes = {
+        overlay: subprocess.Popen(
+            [*command, str(K8S / "overlays" / overlay)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for overlay in OVERLAYS
+    }
+    rendered = {}
+    for overlay, process in processes.items():
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, f"kustomize could not render {overlay}: {err}"
+        rendered[overlay] = tuple(doc for doc in yaml.safe_load_all(out) if doc)
+    return rendered
+
+
+def render(overlay: str) -> tuple[dict[str, Any], ...]:
+    return rendered_overlays()[overlay]
+
+
+def of_kind(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def config_map(docs: tuple[dict[str, Any], ...]) -> dict[str, str]:
+    (data,) = [d["data"] for name, d in of_kind(docs, "ConfigMap").items() if name.startswith("asyncinfer-config")]
+    return data
+
+
+def load_toml(text: str, tmp_path: Path, environ: dict[str, str] | None = None) -> Config:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return load_config(path, environ=environ or {})
+
+
+def container(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]["containers"][0]
+
+
+def service_of(name: str) -> str:
+    """gateway, scheduler or batcher, from a Deployment's name."""
+    return "batcher" if name.startswith("batcher-") else name
+
+
+# --- Kubernetes and KEDA schemas -------------------------------------------------------------------
+
+
+@functools.cache
+def kubernetes_validator(kind: str, api_version: str, version: str) -> jsonschema.Draft202012Validator:
+    """kubernetes_validate.validate's strict validator for one kind, built once: the package reads
+    and indexes its (large) definitions file on every call, which made this module take minutes."""
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    folder = f"kubernetes-json-schema/v{version}.0-local-strict"
+    try:
+        schema = kubernetes_validate.utils.schema_contents(f"{folder}/{kind.lower()}-{group_version}.json", version)
+    except FileNotFoundError:
+        pytest.fail(f"kubernetes-validate has no schema for {kind} {api_version} in Kubernetes {version}")
+    registry: Registry[Any] = Resource.from_contents(schema) @ definitions_registry(folder, version)
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+@functools.cache
+def definitions_registry(folder: str, version: str) -> Registry[Any]:
+    definitions = kubernetes_validate.utils.schema_contents(f"{folder}/_definitions.json", version)
+    registry: Registry[Any] = Resource.from_contents(definitions) @ Registry()
+    return registry
+
+
+def kubernetes_errors(doc: dict[str, Any], version: str) -> list[str]:
+    validator = kubernetes_validator(doc["kind"], doc["apiVersion"], version)
+    return [f"{'.'.join(str(p) for p in e.path)}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_against_the_kubernetes_schemas(overlay: str) -> None:
+    docs = render(overlay)
+    checked = 0
+    for doc in docs:
+        if doc["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: checked against KEDA's schema below
+        for version in KUBERNETES_VERSIONS:
+            errors = kubernetes_errors(doc, version)
+            assert not errors, f"{overlay}: {doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {errors}"
+        checked += 1
+    assert checked >= 18
+
+
+def test_the_cached_validator_agrees_with_kubernetes_validate() -> None:
+    deployment = of_kind(render("production"), "Deployment")["gateway"]
+    assert kubernetes_validate.validate(deployment, KUBERNETES_VERSIONS[-1], strict=True)
+    assert kubernetes_errors(deployment, KUBERNETES_VERSIONS[-1]) == []
+
+
+def test_a_broken_manifest_fails_validation() -> None:
+    """The validator is strict: a misspelt field and a wrong type are both caught."""
+    deployment = of_kind(render("production"), "Deployment")["gateway"]
+    misspelt = json.loads(json.dumps(deployment))
+    container(misspelt)["readinesProbe"] = container(misspelt).pop("readinessProbe")
+    wrong_type = json.loads(json.dumps(deployment))
+    wrong_type["spec"]["replicas"] = "two"
+    for broken in (misspelt, wrong_type):
+        with pytest.raises(kubernetes_validate.ValidationError):
+            kubernetes_validate.validate(broken, KUBERNETES_VERSIONS[-1], strict=True)
+        assert kubernetes_errors(broken, KUBERNETES_VERSIONS[-1])
+
+
+@functools.cache
+def keda_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads((K8S / "schemas/keda-scaledobject.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return schema
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_batcher_pool_has_a_valid_scaled_object_on_its_own_consumers(overlay: str, tmp_path: Path) -> None:
+    docs = render(overlay)
+    scaled = of_kind(docs, "ScaledObject")
+    deployments = of_kind(docs, "Deployment")
+    pools = {name for name in deployments if name.startswith("batcher-")}
+    assert pools
+    assert {so["spec"]["scaleTargetRef"]["name"] for so in scaled.values()} == pools
+    main = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path)
+    headless = of_kind(docs, "Service")["nats-headless"]
+    monitor_port = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "monitor")
+    namespace = headless["metadata"]["namespace"]
+    for so in scaled.values():
+        jsonschema.validate(so, keda_schema())
+        spec = so["spec"]
+        assert spec["minReplicaCount"] == 0
+        assert spec["maxReplicaCount"] >= 1
+        assert spec["cooldownPeriod"] > 0
+        target = deployments[spec["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"], "KEDA owns the replica count; a fixed one fights it on apply"
+        (model,) = pool_config(docs, target, tmp_path).models
+        triggers = spec["triggers"]
+        if triggers[0]["type"] == "prometheus":
+            (trigger,) = triggers
+            assert f'asyncinfer_desired_batchers{{model="{model.name}"}}' in trigger["metadata"]["query"]
+            continue
+        assert {t["metadata"]["consumer"] for t in triggers} == {
+            work_consumer_name(model.name, priority) for priority in Priority
+        }
+        for trigger in triggers:
+            meta = trigger["metadata"]
+            assert meta["stream"] == main.nats.work_stream
+            assert meta["account"] == "$G"
+            assert meta["natsServerMonitoringEndpoint"] == f"nats-headless.{namespace}.svc.cluster.local:{monitor_port}"
+            assert int(meta["lagThreshold"]) >= 1
+            assert meta["activationLagThreshold"] == "0"
+
+
+def test_the_keda_schema_rejects_what_keda_would() -> None:
+    so = next(iter(of_kind(render("production"), "ScaledObject").values()))
+    bad_metadata = json.loads(json.dumps(so))
+    bad_metadata["spec"]["triggers"][0]["metadata"]["lagTreshold"] = "10"  # misspelt
+    not_a_string = json.loads(json.dumps(so))
+    not_a_string["spec"]["triggers"][0]["metadata"]["lagThreshold"] = 10
+    no_consumer = json.loads(json.dumps(so))
+    del no_consumer["spec"]["triggers"][0]["metadata"]["consumer"]
+    for broken in (bad_metadata, not_a_string, no_consumer):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, keda_schema())
+
+
+# --- configuration ---------------------------------------------------------------------------------
+
+
+def pool_config(docs: tuple[dict[str, Any], ...], deployment: dict[str, Any], tmp_path: Path) -> Config:
+    args = container(deployment)["args"]
+    key = Path(args[args.index("--config") + 1]).name
+    return load_toml(config_map(docs)[key], tmp_path)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, tmp_path: Path) -> None:
+    docs = render(overlay)
+    main = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path, SECRET_ENV)
+    assert main.gateway.api_keys
+    assert main.webhooks.secret_for("acme")
+    nats = of_kind(docs, "StatefulSet")["nats"]
+    assert main.nats.replicas == 3 == nats["spec"]["replicas"]
+    assert main.nats.url.split(",") == [f"nats://nats-{i}.nats-headless:4222" for i in range(3)]
+    assert nats["spec"]["serviceName"] == "nats-headless"
+    services = of_kind(docs, "Service")
+    scheduler_port = services["scheduler"]["spec"]["ports"][0]["port"]
+    deployments = of_kind(docs, "Deployment")
+    for name, deployment in deployments.items():
+        if name == "triton":
+            continue
+        service = service_of(name)
+        cfg = main if service != "batcher" else pool_config(docs, deployment, tmp_path)
+        section = getattr(cfg, service)
+        assert section.host == "0.0.0.0"
+        ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+        assert ports == {"grpc": section.port, "metrics": section.metrics_port}
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["prometheus.io/port"] == str(section.metrics_port)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container(deployment)[probe]["grpc"]["port"] == section.port, (name, probe)
+        if service == "batcher":
+            assert cfg.batcher.scheduler_address == f"scheduler:{scheduler_port}"
+            for model in cfg.models:  # the pool's model is the one the gateway validates against
+                assert main.model(model.name) == model
+    pooled = {
+        m.name
+        for d in deployments.values()
+        if d["metadata"]["name"].startswith("batcher-")
+        for m in pool_config(docs, d, tmp_path).models
+    }
+    assert pooled == {m.name for m in main.models}, "every model needs a batcher pool, and only configured ones"
+
+
+def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -> None:
+    docs = render("local")
+    (secret,) = of_kind(docs, "Secret").values()
+    environ = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    cfg = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path, environ)
+    from services.gateway.auth import hash_key
+
+    assert [k.sha256 for k in cfg.gateway.api_keys] == [hash_key("asyncinfer-local-demo-key")]
+    assert cfg.webhooks.secret_for("demo") is not None
+    gateway_env = {e["name"]: e for e in container(of_kind(docs, "Deployment")["gateway"])["env"]}
+    assert set(gateway_env) == set(environ)
+    for env in gateway_env.values():
+        assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+
+
+def test_production_expects_the_secret_instead_of_committing_one() -> None:
+    docs = render("production")
+    assert not of_kind(docs, "Secret")
+    env = container(of_kind(docs, "Deployment")["gateway"])["env"]
+    keys = next(e for e in env if e["name"] == "ASYNCINFER_GATEWAY__API_KEYS")
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "asyncinfer-secrets", "key": "ASYNCINFER_GATEWAY__API_KEYS"}
+
+
+def test_nats_server_accepts_the_cluster_configuration(tmp_path: Path) -> None:
+    nats = of_kind(render("production"), "StatefulSet")["nats"]
+    (conf,) = [
+        d["data"]["nats.conf"]
+        for d in of_kind(render("production"), "ConfigMap").values()
+        if "nats.conf" in d.get("data", {})
+    ]
+    path = tmp_path / "nats.conf"
+    path.write_text(conf)
+    binary = find_nats_server()
+    env = {**os.environ, "SERVER_NAME": "nats-0"}
+    out = subprocess.run(
+        [binary, "-t", "-c", str(path)], capture_output=True, text=True, env=env, timeout=30, check=False
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "valid" in out.stdout + out.stderr
+    # The server name is the pod's name (KEDA finds a consumer's leader node by it).
+    env_var = {e["name"]: e for e in container(nats)["env"]}["SERVER_NAME"]
+    assert env_var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    routes = re.findall(r"nats://(nats-\d)\.nats-headless:6222", conf)
+    assert routes == [f"nats-{i}" for i in range(nats["spec"]["replicas"])]
+
+
+# --- workloads and policies ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_workloads_are_hardened_and_highly_available(overlay: str) -> None:
+    docs = render(overlay)
+    workloads = {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}
+    for name, workload in workloads.items():
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        for c in pod["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert c["resources"]["requests"]["cpu"], name
+            assert c["resources"]["limits"]["memory"], name
+            if name != "triton":
+                assert sc["readOnlyRootFilesystem"] is True, name
+    pdbs = of_kind(docs, "PodDisruptionBudget")
+    for name in ("gateway", "scheduler"):
+        assert workloads[name]["spec"]["replicas"] == 2
+        assert pdbs[name]["spec"]["selector"] == workloads[name]["spec"]["selector"]
+        assert pdbs[name]["spec"]["minAvailable"] == 1
+    assert pdbs["nats"]["spec"]["maxUnavailable"] == 1
+    gpu_pool = container(workloads["batcher-minilm-l6"])["resources"]
+    if overlay == "local":
+        assert "nvidia.com/gpu" not in gpu_pool["limits"]
+        assert "nodeSelector" not in workloads["batcher-minilm-l6"]["spec"]["template"]["spec"]
+    else:
+        assert gpu_pool["requests"]["nvidia.com/gpu"] == gpu_pool["limits"]["nvidia.com/gpu"] == 1
+        pod = workloads["batcher-minilm-l6"]["spec"]["template"]["spec"]
+        assert pod["nodeSelector"]
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert "nvidia.com/gpu" not in container(workloads["batcher-demo"])["resources"]["limits"]
+        assert of_kind(docs, "Service")["gateway"]["spec"]["type"] == "LoadBalancer"
+    if overlay == "local":
+        assert of_kind(docs, "Service")["gateway"]["spec"]["type"] == "ClusterIP"
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+@pytest.mark.parametrize("overlay", ["local", "production-triton"])
+def test_network_policies_open_only_the_gateway_to_everyone(overlay: str) -> None:
+    docs = render(overlay)
+    policies = of_kind(docs, "NetworkPolicy")
+    assert policies["default-deny-ingress"]["spec"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    pods = {
+        name: w["spec"]["template"]["metadata"]["labels"]
+        for name, w in {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}.items()
+    }
+
+    def allowed_from(target: str, port: int) -> list[dict[str, Any] | None]:
+        """The `from` peers allowed to the port (None: everyone)."""
+        peers: list[dict[str, Any] | None] = []
+        for policy in policies.values():
+            if not _selects(policy["spec"]["podSelector"], pods[target]) or not policy["spec"]["podSelector"]:
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                if any(p["port"] == port for p in rule.get("ports", [])):
+                    peers.extend(rule.get("from", [None]))
+        return peers
+
+    assert allowed_from("gateway", 50051) == [None]
+    for name in pods:
+        for port in (4222, 6222, 50052, 50053, 8001):
+            assert None not in allowed_from(name, port), (name, port)
+    # Only the services reach NATS's client port; batchers only the scheduler.
+    nats_peers = [p["podSelector"] for p in allowed_from("nats", 4222) if p and "podSelector" in p]
+    nats_clients = [n for n in pods if any(_selects(selector, pods[n]) for selector in nats_peers)]
+    assert sorted(nats_clients) == ["gateway", "nats", "scheduler"]
+    scheduler_peers = [p["podSelector"] for p in allowed_from("scheduler", 50052) if p and "podSelector" in p]
+    scheduler_clients = [n for n in pods if any(_selects(selector, pods[n]) for selector in scheduler_peers)]
+    assert all(n.startswith("batcher-") for n in scheduler_clients)
+    assert scheduler_clients
+    # Prometheus may scrape every metrics port; KEDA may read NATS's monitoring port.
+    monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    for name, _labels in pods.items():
+        if name == "nats":
+            continue
+        port = int(
+            of_kind(docs, "Deployment")[name]["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]
+        )
+        assert monitoring in allowed_from(name, port), name
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "keda"}}} in allowed_from("nats", 8222)
+
+
+# --- images and compose ----------------------------------------------------------------------------
+
+
+def dockerfile(service: str) -> str:
+    return (DEPLOY / "docker" / f"{service}.Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("service", sorted(SERVICES))
+def test_dockerfile_runs_unprivileged_and_checks_grpc_health(service: str) -> None:
+    text = dockerfile(service)
+    lines = [line.strip() for line in text.replace("\\\n", " ").splitlines()]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users
+    assert users[-1].split(":")[0] not in ("0", "root"), "the last USER must not be root"
+    (expose,) = [line.split()[1:] for line in lines if line.startswith("EXPOSE ")]
+    assert expose == [str(SERVICES[service]), str(METRICS_PORTS[service])]
+    default = getattr(Config(), service)
+    assert (default.port, default.metrics_port) == (SERVICES[service], METRICS_PORTS[service])
+    (healthcheck,) = [line for line in lines if line.startswith("HEALTHCHECK ")]
+    assert f'healthcheck.py", "127.0.0.1:{SERVICES[service]}"' in healthcheck
+    for line in lines:
+        if line.startswith("COPY ") and "--from" not in line:
+            for source in line.split()[1:-1]:
+                assert (ROOT / source).exists(), source
+    assert (DEPLOY / "docker" / f"{service}.Dockerfile.dockerignore").read_text() == (
+        DEPLOY / "docker/gateway.Dockerfile.dockerignore"
+    ).read_text()
+    if service == "batcher":
+        assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", text, re.M)
+        assert "ARG TORCH_INDEX_URL=" in text
+        assert '".[batcher]"' in text
+    else:
+        assert "FROM ${PYTHON_IMAGE}" in text
+        assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
+        assert "torch" not in text
+        assert "[batcher]" not in text
+
+
+def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path: Path) -> None:
+    path = DEPLOY / "compose/docker-compose.yml"
+    compose = yaml.safe_load(path.read_text())
+    services = compose["services"]
+    assert set(services) == {"nats", "gateway", "scheduler", "batcher"}
+    for name in SERVICES:
+        svc = services[name]
+        build = svc["build"]
+        assert (path.parent / build["context"] / build["dockerfile"]).resolve() == DEPLOY / f"docker/{name}.Dockerfile"
+        assert f"127.0.0.1:{SERVICES[name]}" in " ".join(svc["healthcheck"]["test"])
+        assert all(dep["condition"] == "service_healthy" for dep in svc["depends_on"].values())
+        for volume in svc["volumes"]:
+            host, container_path, _mode = volume.split(":")
+            assert (path.parent / host).is_file(), host
+            environ = {k: str(v) for k, v in svc["environment"].items()}
+            cfg = load_config(path.parent / host, environ=environ)
+            if name == "gateway":
+                assert cfg.gateway.api_keys  # it binds 0.0.0.0: keys are required
+            if name != "batcher":
+                assert cfg.nats.url == "nats://nats:4222"
+                assert cfg.nats.replicas == 1
+            else:
+                assert cfg.batcher.scheduler_address == f"scheduler:{SERVICES['scheduler']}"
+            assert container_path.startswith("/etc/asyncinfer/")
+    assert services["batcher"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
+    assert "--jetstream" in services["nats"]["command"]
+    assert services["nats"]["volumes"][0].split(":")[0] in compose["volumes"]
+
+
+def load_healthcheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("deploy_healthcheck", DEPLOY / "docker/healthcheck.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def test_the_image_healthcheck_follows_grpc_health() -> None:
+    healthcheck = load_healthcheck()
+    server = GrpcServer(host="127.0.0.1", port=0, add_servicers=lambda _server: None, service_names=[])
+    await server.start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        assert await asyncio.to_thread(healthcheck.main, [address]) == 0
+        await server.set_serving(False)
+        serving, said = await asyncio.to_thread(healthcheck.is_serving, address)
+        assert (serving, said) == (False, "NOT_SERVING")
+    finally:
+        await server.stop(0)
+    serving, said = await asyncio.to_thread(healthcheck.is_serving, address, "", 1.0)
+    assert not serving
+    assert said.startswith(("UNAVAILABLE", "DEADLINE_EXCEEDED"))
+
+
+# --- dashboard -------------------------------------------------------------------------------------
+
+
+def declared_metrics() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Metric name -> (type, label names), from the services' own metric classes."""
+    from services.batcher.metrics import BatcherMetrics
+    from services.gateway.metrics import GatewayMetrics
+    from services.scheduler.metrics import SchedulerMetrics
+
+    found: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for cls in (GatewayMetrics, SchedulerMetrics, BatcherMetrics):
+        for value in vars(cls(CollectorRegistry())).values():
+            if isinstance(value, MetricWrapperBase):
+                # prometheus_client keeps these on the wrapper; there is no public accessor.
+                found[value._name] = (value._type, tuple(value._labelnames))
+    return found
+
+
+def exported_name(name: str, kind: str) -> set[str]:
+    return {"counter": {f"{name}_total"}, "histogram": {f"{name}_bucket", f"{name}_sum", f"{name}_count"}}.get(
+        kind, {name}
+    )
+
+
+def test_dashboard_queries_only_metrics_and_labels_the_services_export() -> None:
+    dashboard = json.loads((DEPLOY / "grafana/asyncinfer-dashboard.json").read_text())
+    declared = declared_metrics()
+    series = {exported: name for name, (kind, _) in declared.items() for exported in exported_name(name, kind)}
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    exprs = [t["expr"] for p in panels for t in p["targets"]]
+    exprs.append(dashboard["templating"]["list"][1]["query"]["query"])
+    used: set[str] = set()
+    for expr in exprs:
+        names = set(re.findall(r"\basyncinfer_[a-z_]+", expr))
+        assert names, expr
+        unknown = names - set(series)
+        assert not unknown, f"{expr}: {unknown} is not exported (known: {sorted(series)})"
+        labels = {label for name in names for label in declared[series[name]][1]} | {"le"}
+        for group in re.findall(r"\bby \(([^)]*)\)", expr):
+            assert {g.strip() for g in group.split(",")} <= labels, expr
+        for selector in re.findall(r"\{([^}]*)\}", expr):
+            assert {m.split("=")[0].strip() for m in selector.split(",")} <= labels, expr
+        if "histogram_quantile" in expr:
+            assert "_bucket" in expr
+            assert "le" in expr
+        used |= {series[n] for n in names}
+    required = {
+        "asyncinfer_queue_depth",
+        "asyncinfer_queue_oldest_age_seconds",
+        "asyncinfer_batch_size",
+        "asyncinfer_batch_fill_ratio",
+        "asyncinfer_batch_compute_seconds",
+        "asyncinfer_retries",
+        "asyncinfer_dead_letters",
+        "asyncinfer_jobs",
+        "asyncinfer_desired_batchers",
+    }
+    assert required <= used
+    # Panels do not overlap on Grafana's 24-column grid.
+    cells = set()
+    for panel in dashboard["panels"]:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, panel["title"]
+                cells.add((x, y))
+
+
+# --- scale to zero, as KEDA sees it ----------------------------------------------------------------
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    """The conftest's server, with the monitoring endpoint KEDA's nats-jetstream scaler reads."""
+    server = NatsServerProcess(store_dir=tmp_path / "nats", monitor_port=free_port(), log_file=tmp_path / "nats.log")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def consumer_lag(monitor_port: int, stream: str, consumer: str) -> int:
+    """What KEDA computes: num_pending + num_ack_pending of the consumer, from /jsz."""
+    url = f"http://127.0.0.1:{monitor_port}/jsz?acc=$G&consumers=true&config=true"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        jsz = json.load(response)
+    for account in jsz.get("account_details", []):
+        for detail in account.get("stream_detail", []):
+            if detail["name"] != stream:
+                continue
+            for c in detail.get("consumer_detail", []):
+                if c["name"] == consumer:
+                    return int(c["num_pending"]) + int(c["num_ack_pending"])
+    raise AssertionError(f"consumer {consumer} not in /jsz")
+
+
+@pytest.fixture
+async def stack_without_batchers(config: Config) -> AsyncIterator[tuple[Config, Any, Any]]:
+    from services.gateway.app import GatewayApp
+    from services.scheduler.app import SchedulerApp
+
+    config = config.replace(scheduler={"queue_stats_interval_s": 0.1})
+    gateway, scheduler = GatewayApp(config), SchedulerApp(config)
+    await gateway.start()
+    await scheduler.start()
+    try:
+        yield config, gateway, scheduler
+    finally:
+        await scheduler.stop(2.0)
+        await gateway.stop(2.0)
+
+
+async def test_jobs_wait_for_a_batcher_scaled_from_zero(
+    nats_server: NatsServerProcess, stack_without_batchers: tuple[Config, Any, Any]
+) -> None:
+    from services.batcher.app import BatcherApp
+
+    config, gateway, scheduler = stack_without_batchers
+    assert nats_server.monitor_port
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([1, 2, 3, 4])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        jobs = job_service_pb2_grpc.JobServiceStub(channel)
+        ids = [
+            (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x]))).job.job_id
+            for _ in range(3)
+        ]
+        consumer = work_consumer_name("demo", Priority.NORMAL)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while True:  # the scheduler's snapshot reaches the gateway within a few stats intervals
+            job = (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=ids[0]))).job
+            desired = scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"})
+            if job.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER and desired:
+                break
+            assert loop.time() < deadline, (job.queue, desired)
+            await asyncio.sleep(0.05)
+        assert job.state == job_pb2.JOB_STATE_QUEUED
+        assert desired is not None
+        assert desired >= 1
+        lag = await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer)
+        assert lag == 3  # > activationLagThreshold (0): KEDA activates the pool
+
+        batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{scheduler.port}"}))
+        await batcher.start()
+        try:
+            for job_id in ids:
+                watch = jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id))
+                last = None
+                async for update in watch:
+                    last = update.job.state
+                assert last == job_pb2.JOB_STATE_SUCCEEDED
+        finally:
+            await batcher.stop(2.0)
+        assert await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer) == 0
+        deadline = loop.time() + 10
+        while scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"}) != 0:
+            assert loop.time() < deadline, "desired_batchers never fell back to zero"
+            await asyncio.sleep(0.05)
