@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench-batcher clean
+.PHONY: up test lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench bench-batcher bench-watch clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-$(NODE_STAMP): package.json
-	npm install --no-audit --no-fund --loglevel=error
+$(NODE_STAMP): package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
 lint: $(STAMP)
@@ -53,12 +53,28 @@ docs: $(STAMP)
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
-pytest: $(STAMP)
+pytest: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest
+
+# The system benchmarks (about 20 minutes on 2 cores; run on an idle machine): every section, then
+# bench/results/REPORT.md. QUICK=1 runs tiny sizes to check the scripts. The Celery reference needs
+# Debian's redis-server, installed here when missing and running as root.
+bench: $(STAMP)
+	@if [ ! -x /usr/bin/redis-server ]; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq redis-server; \
+		else echo "redis-server is missing (the Celery reference needs it): run 'sudo apt-get install -y redis-server'"; fi; \
+	fi
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m bench.system.run_all $(if $(QUICK),--quick)
 
 # Batcher vs Triton (PyTriton) vs direct torch vs the gRPC ceiling (about 5 minutes; run on an idle machine).
 bench-batcher: $(STAMP)
 	$(PY) bench/batcher_bench.py
+
+# WatchJob fan-out: gateway memory per watcher and change-to-message delay at 2,000 and 10,000
+# concurrent watches (about 2 minutes); writes bench/results/watch.md.
+bench-watch: $(STAMP)
+	$(PY) bench/watch_bench.py
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,602 @@
+"""End to end: completed jobs per second through gateway -> NATS -> scheduler -> batcher -> result,
+and the latency the system adds at light load (issue 6, item 2).
+
+    .venv/bin/python -m bench.system.e2e [--quick]
+
+Starts a nats-server and the three services as separate processes (a no-op model,
+bench.system.noop_model, with the product's batching defaults: max batch 32, delay 2 ms), then:
+
+- burst: submits N jobs (64 concurrent unary SubmitJob calls), then collects every result. Collecting:
+  one WatchJob on the last job submitted (the queue is FIFO, so when it ends nearly every job has),
+  then one GetJob per job, re-polling the few not finished yet. That is one unary call per job; a
+  WatchJob per job would cost a stream and three messages per job (QUEUED, RUNNING, SUCCEEDED), and
+  blind GetJob polling several calls per job. Reported: jobs/s from the first submit to the last
+  result in hand (the figure compared with Celery), and from the first submit to the last job's
+  end_time (the system alone);
+- light load: one job at a time, SubmitJob then WatchJob (after the submit's revision) until
+  SUCCEEDED; added latency = client-observed end to end minus the model's time (the record's
+  batch.compute_duration);
+- CPU seconds per 1,000 jobs of every process during the bursts (from /proc), which names the
+  busiest process; then a last burst with the three services under py-spy (sampling, not timed)
+  gives that process's top functions;
+- reference in the same run: Celery 5 with a no-op task on Redis (broker and result backend), one
+  worker process (`--pool=solo`): a burst of N apply_async then every result (ResultSet.get), and
+  the round trip apply_async(...).get() one at a time.
+
+Writes bench/results/e2e.{json,md}, e2e_latency_cdf.png and e2e_cpu.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import nats
+import numpy as np
+import uvloop
+
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from bench.system.common import (
+    PYTHON,
+    REDIS_INSTALL_HINT,
+    Child,
+    ProcessGroup,
+    bench_config,
+    cpu_seconds,
+    log,
+    matplotlib_pyplot,
+    percentile,
+    plot_path,
+    ratio,
+    row,
+    summarize,
+    top_functions,
+    write_results,
+)
+from bench.system.noop_model import noop_model_config
+
+SECTION = "e2e"
+SUBMIT_CONCURRENCY = 64
+COLLECT_CONCURRENCY = 32
+PAYLOAD = [1.0, 2.0, 3.0, 4.0]
+TERMINAL = {
+    job_pb2.JOB_STATE_SUCCEEDED,
+    job_pb2.JOB_STATE_FAILED,
+    job_pb2.JOB_STATE_CANCELED,
+    job_pb2.JOB_STATE_EXPIRED,
+    job_pb2.JOB_STATE_TIMED_OUT,
+}
+SERVICES = ("gateway", "scheduler", "batcher")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    runs: int
+    burst: int
+    light: int
+
+
+FULL = Sizes(runs=3, burst=3000, light=300)
+QUICK = Sizes(runs=1, burst=300, light=30)
+
+
+@dataclass
+class Burst:
+    collected_rate: float  # first submit -> every result in hand
+    processed_rate: float  # first submit -> last end_time
+    submit_rate: float
+    failed: int
+    cpu_s: dict[str, float]  # per process, over the whole burst
+
+
+@dataclass
+class Measured:
+    bursts: list[Burst] = field(default_factory=list)
+    end_to_end_ms: list[list[float]] = field(default_factory=list)  # per run
+    added_ms: list[list[float]] = field(default_factory=list)
+    compute_ms: list[list[float]] = field(default_factory=list)
+    submit_ms: list[list[float]] = field(default_factory=list)
+    queue_ms: list[list[float]] = field(default_factory=list)
+    run_ms: list[list[float]] = field(default_factory=list)
+    celery_bursts: list[float] = field(default_factory=list)
+    celery_round_trip_ms: list[list[float]] = field(default_factory=list)
+    celery_cpu_s: list[dict[str, float]] = field(default_factory=list)
+    celery_unavailable: str = ""
+    # per service: (samples, top self, top inclusive), from py-spy
+    profiles: dict[str, tuple[int, list[tuple[str, float]], list[tuple[str, float]]]] = field(default_factory=dict)
+
+
+def seconds(value: Any) -> float:
+    """A protobuf Timestamp or Duration in seconds."""
+    return float(value.seconds) + value.nanos / 1e9
+
+
+def submit_request() -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend(PAYLOAD)
+    return job_service_pb2.SubmitJobRequest(model_name="noop", inputs=[x])
+
+
+class Stack:
+    """nats-server + gateway + scheduler + batcher, each its own process."""
+
+    def __init__(self, group: ProcessGroup, profile_dir: Path | None = None, profiled: tuple[str, ...] = ()) -> None:
+        self.group = group
+        self.nats = group.nats("nats-profiled" if profile_dir else "nats")
+        self.config = bench_config(self.nats.url, models=[noop_model_config()], batcher={"torch_threads": 1})
+
+        def profile(name: str) -> Path | None:
+            return profile_dir / f"{name}.txt" if profile_dir and name in profiled else None
+
+        self.gateway = group.service("gateway", self.config, profile_path=profile("gateway"))
+        self.scheduler = group.service("scheduler", self.config, profile_path=profile("scheduler"))
+        batcher_config = self.config.replace(batcher={"scheduler_address": self.scheduler.address})
+        self.batcher = group.service("batcher", batcher_config, profile_path=profile("batcher"))
+
+    @property
+    def services(self) -> dict[str, Child]:
+        return {"gateway": self.gateway, "scheduler": self.scheduler, "batcher": self.batcher}
+
+    def cpu(self) -> dict[str, float]:
+        assert self.nats.process is not None
+        found = {name: child.cpu_seconds() for name, child in self.services.items()}
+        found["nats-server"] = cpu_seconds(self.nats.process.pid)
+        found["client (this benchmark)"] = cpu_seconds(os.getpid())
+        return found
+
+    def stop_services(self) -> None:
+        for child in reversed(list(self.services.values())):
+            self.group.stop(child, timeout_s=30)
+
+
+async def run_one(stub: job_service_pb2_grpc.JobServiceStub, timeout_s: float = 30.0) -> job_pb2.Job:
+    """Submits one job and watches it to its end; returns the final record."""
+    job = (await stub.SubmitJob(submit_request(), timeout=timeout_s)).job
+    async for update in stub.WatchJob(
+        job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision), timeout=timeout_s
+    ):
+        if update.job.state in TERMINAL:
+            return update.job
+    raise RuntimeError(f"the watch of {job.job_id} ended before the job did")
+
+
+async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: int) -> Burst:
+    request = submit_request()
+    job_ids: list[str] = [""] * count
+    cpu_before = stack.cpu()
+    started_wall = time.time()
+    started = time.perf_counter()
+    next_index = 0
+
+    async def submitter() -> None:
+        nonlocal next_index
+        while next_index < count:
+            index = next_index
+            next_index += 1
+            job_ids[index] = (await stub.SubmitJob(request)).job.job_id
+
+    await asyncio.gather(*(submitter() for _ in range(SUBMIT_CONCURRENCY)))
+    submitted = time.perf_counter()
+    async for update in stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_ids[-1])):
+        if update.job.state in TERMINAL:
+            break
+    finals: list[job_pb2.Job | None] = [None] * count
+    pending = list(range(count))
+    while pending:
+        still: list[int] = []
+        queue = list(pending)
+
+        async def collector(queue: list[int] = queue, still: list[int] = still) -> None:
+            while queue:
+                index = queue.pop()
+                job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_ids[index]))).job
+                if job.state in TERMINAL:
+                    finals[index] = job
+                else:
+                    still.append(index)
+
+        await asyncio.gather(*(collector() for _ in range(COLLECT_CONCURRENCY)))
+        pending = still
+        if pending:
+            await asyncio.sleep(0.01)
+    collected = time.perf_counter()
+    cpu_after = stack.cpu()
+    jobs = [j for j in finals if j is not None]
+    failed = sum(1 for j in jobs if j.state != job_pb2.JOB_STATE_SUCCEEDED)
+    last_end = max(seconds(j.end_time) for j in jobs)
+    return Burst(
+        collected_rate=count / (collected - started),
+        processed_rate=count / max(last_end - started_wall, 1e-6),
+        submit_rate=count / (submitted - started),
+        failed=failed,
+        cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
+    )
+
+
+async def light_load(stub: job_service_pb2_grpc.JobServiceStub, count: int, out: Measured) -> None:
+    end_to_end: list[float] = []
+    added: list[float] = []
+    compute: list[float] = []
+    submit: list[float] = []
+    queued: list[float] = []
+    ran: list[float] = []
+    request = submit_request()
+    for _ in range(count):
+        t0 = time.perf_counter()
+        job = (await stub.SubmitJob(request)).job
+        t1 = time.perf_counter()
+        final = None
+        async for update in stub.WatchJob(
+            job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision)
+        ):
+            if update.job.state in TERMINAL:
+                final = update.job
+                break
+        t2 = time.perf_counter()
+        if final is None or final.state != job_pb2.JOB_STATE_SUCCEEDED:
+            raise RuntimeError(f"a light-load job did not succeed: {final}")
+        model_s = seconds(final.batch.compute_duration)
+        end_to_end.append((t2 - t0) * 1e3)
+        added.append((t2 - t0 - model_s) * 1e3)
+        compute.append(model_s * 1e3)
+        submit.append((t1 - t0) * 1e3)
+        queued.append(seconds(final.queue_duration) * 1e3)
+        ran.append(seconds(final.run_duration) * 1e3)
+    out.end_to_end_ms.append(end_to_end)
+    out.added_ms.append(added)
+    out.compute_ms.append(compute)
+    out.submit_ms.append(submit)
+    out.queue_ms.append(queued)
+    out.run_ms.append(ran)
+
+
+# --- Celery ----------------------------------------------------------------------------------
+
+
+def celery_measure(redis: Child, worker: Child, sizes: Sizes, out: Measured) -> None:
+    """One Celery burst of N and `light` round trips one at a time (blocking; run in a thread)."""
+    from celery.result import ResultSet
+
+    from bench.system.celery_app import noop
+
+    def cpu() -> dict[str, float]:
+        return {
+            "celery worker": worker.cpu_seconds(),
+            "redis-server": redis.cpu_seconds(),
+            "client (this benchmark)": cpu_seconds(os.getpid()),
+        }
+
+    before = cpu()
+    started = time.perf_counter()
+    results = ResultSet([noop.apply_async(args=(PAYLOAD,)) for _ in range(sizes.burst)])
+    values = results.get(timeout=300)
+    elapsed = time.perf_counter() - started
+    after = cpu()
+    if len(values) != sizes.burst or values[0] != PAYLOAD:
+        raise RuntimeError("the Celery burst did not return every result")
+    out.celery_bursts.append(sizes.burst / elapsed)
+    out.celery_cpu_s.append({k: after[k] - before[k] for k in before})
+    round_trips = []
+    for _ in range(sizes.light):
+        t0 = time.perf_counter()
+        noop.apply_async(args=(PAYLOAD,)).get(timeout=30)
+        round_trips.append((time.perf_counter() - t0) * 1e3)
+    out.celery_round_trip_ms.append(round_trips)
+
+
+def start_celery(group: ProcessGroup) -> tuple[Child, Child]:
+    redis = group.redis()
+    broker = f"redis://127.0.0.1:{redis.port}/0"
+    os.environ["BENCH_CELERY_BROKER"] = broker
+    argv = [
+        PYTHON, "-m", "celery", "-A", "bench.system.celery_app", "worker", "--pool=solo", "--loglevel=WARNING",
+        "--without-gossip", "--without-mingle", "--without-heartbeat",
+    ]  # fmt: skip
+    worker = group.command("celery-worker", argv, ready=lambda c: True, env={"BENCH_CELERY_BROKER": broker})
+    from bench.system.celery_app import noop
+
+    if noop.apply_async(args=(PAYLOAD,)).get(timeout=120) != PAYLOAD:  # the worker is up
+        raise RuntimeError("the Celery worker answered wrongly")
+    return redis, worker
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+async def measure_stack(stack: Stack, sizes: Sizes, out: Measured, celery: tuple[Child, Child] | None) -> None:
+    nc = await nats.connect(stack.nats.url)
+    js = nc.jetstream()
+    try:
+        async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+            stub = job_service_pb2_grpc.JobServiceStub(channel)
+            for _ in range(20):  # warm-up; the first one also waits for the batcher's credits
+                await run_one(stub, timeout_s=120)
+            for run in range(1, sizes.runs + 1):
+                b = await burst(stub, stack, sizes.burst)
+                out.bursts.append(b)
+                log(
+                    f"run {run}: burst of {sizes.burst}: {b.collected_rate:.0f}/s collected, {b.processed_rate:.0f}/s "
+                    f"processed, submit {b.submit_rate:.0f}/s, failed {b.failed}; CPU s "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in b.cpu_s.items())
+                )
+                await js.purge_stream("KV_jobs")
+                await light_load(stub, sizes.light, out)
+                log(
+                    f"run {run}: light load: end to end p50 {percentile(out.end_to_end_ms[-1], 50):.2f} ms, added p50 "
+                    f"{percentile(out.added_ms[-1], 50):.2f} ms, model p50 {percentile(out.compute_ms[-1], 50):.3f} ms"
+                )
+                await js.purge_stream("KV_jobs")
+                if celery is not None:
+                    await asyncio.to_thread(celery_measure, *celery, sizes, out)
+                    log(
+                        f"run {run}: Celery burst {out.celery_bursts[-1]:.0f}/s, round trip p50 "
+                        f"{percentile(out.celery_round_trip_ms[-1], 50):.2f} ms"
+                    )
+    finally:
+        await nc.close()
+
+
+async def profiled_burst(stack: Stack, count: int) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        for _ in range(5):
+            await run_one(stub, timeout_s=120)
+        b = await burst(stub, stack, count)
+        log(f"profiled burst (not a figure): {b.collected_rate:.0f}/s")
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def med(values: list[float]) -> float:
+    return float(summarize(values)["value"])
+
+
+def per_run(samples: list[list[float]], q: float) -> list[float]:
+    return [percentile(s, q) for s in samples]
+
+
+def cpu_per_1000_jobs(out: Measured, burst_size: int) -> dict[str, list[float]]:
+    found: dict[str, list[float]] = {}
+    for b in out.bursts:
+        for name, used in b.cpu_s.items():
+            found.setdefault(name, []).append(used / burst_size * 1000)
+    return found
+
+
+def busiest_service(out: Measured, burst_size: int) -> str:
+    cpu = cpu_per_1000_jobs(out, burst_size)
+    return max((k for k in cpu if k in SERVICES), key=lambda k: med(cpu[k]), default="gateway")
+
+
+def report(out: Measured, sizes: Sizes, quick: bool) -> None:
+    n = sizes.burst
+    rows = [
+        row(
+            f"burst of {n}: completed jobs/s (first submit -> every result collected)",
+            [b.collected_rate for b in out.bursts],
+            "jobs/s",
+        ),
+        row(
+            f"burst of {n}: processed jobs/s (first submit -> last job's end_time)",
+            [b.processed_rate for b in out.bursts],
+            "jobs/s",
+        ),
+        row(
+            f"burst of {n}: submit phase ({SUBMIT_CONCURRENCY} clients)", [b.submit_rate for b in out.bursts], "jobs/s"
+        ),
+        row(f"burst of {n}: jobs not SUCCEEDED", [float(b.failed) for b in out.bursts], "jobs"),
+        row(
+            f"Celery burst of {n} (apply_async all, then every result)",
+            out.celery_bursts,
+            "tasks/s",
+            out.celery_unavailable,
+        ),
+        row("light load: end to end p50 (SubmitJob -> WatchJob SUCCEEDED)", per_run(out.end_to_end_ms, 50), "ms"),
+        row("light load: end to end p99", per_run(out.end_to_end_ms, 99), "ms"),
+        row("light load: added latency p50 (end to end - model time)", per_run(out.added_ms, 50), "ms"),
+        row("light load: added latency p99", per_run(out.added_ms, 99), "ms"),
+        row("light load: model time p50 (batch compute_duration)", per_run(out.compute_ms, 50), "ms"),
+        row("light load: SubmitJob call p50", per_run(out.submit_ms, 50), "ms"),
+        row("light load: queue_duration p50 (created -> dispatched)", per_run(out.queue_ms, 50), "ms"),
+        row("light load: run_duration p50 (dispatched -> result stored)", per_run(out.run_ms, 50), "ms"),
+        row("Celery round trip p50 (apply_async().get(), one at a time)", per_run(out.celery_round_trip_ms, 50), "ms"),
+        row("Celery round trip p99", per_run(out.celery_round_trip_ms, 99), "ms"),
+    ]
+    cpu_per_1000 = cpu_per_1000_jobs(out, n)
+    for name, values in cpu_per_1000.items():
+        rows.append(row(f"CPU per 1,000 jobs: {name}", values, "s", "during the bursts"))
+    celery_cpu: dict[str, list[float]] = {}
+    for celery_used in out.celery_cpu_s:
+        for name, value in celery_used.items():
+            celery_cpu.setdefault(name, []).append(value / n * 1000)
+    for name, values in celery_cpu.items():
+        rows.append(row(f"Celery CPU per 1,000 tasks: {name}", values, "s", "during the bursts"))
+
+    ours = med([b.collected_rate for b in out.bursts])
+    celery = med(out.celery_bursts)
+    added = med(per_run(out.added_ms, 50))
+    vs_celery = ours / celery
+    ratios = [
+        ratio(
+            f"completed jobs/s, burst of {n} / Celery's",
+            vs_celery,
+            "≥ 1.5",
+            None if math.isnan(vs_celery) else vs_celery >= 1.5,
+        ),
+        ratio(
+            "median added latency at light load, ms (not a ratio)",
+            added,
+            "< 5 ms",
+            None if math.isnan(added) else added < 5,
+        ),
+        ratio(
+            "light-load end to end p50 / Celery round trip p50",
+            med(per_run(out.end_to_end_ms, 50)) / med(per_run(out.celery_round_trip_ms, 50)),
+            "for reference (Celery keeps no durable job state)",
+            None,
+        ),
+    ]
+    busiest = busiest_service(out, n)
+    notes = [
+        f"{sizes.runs} run(s): each a burst of {n} jobs, {sizes.light} jobs one at a time, then the same for Celery. "
+        "The services and the Celery worker share the 2 cores with the client; the no-op model makes every figure "
+        "the system's own cost.",
+        "Collecting results: one WatchJob on the last job, then one GetJob per job (re-polled while not finished): "
+        "the cheapest for the client (one unary call per job; a WatchJob per job costs a stream and 3 messages).",
+        "CPU per 1,000 jobs (s): "
+        + ", ".join(f"{name} {med(values):.2f}" for name, values in cpu_per_1000.items())
+        + f". Busiest service: the {busiest}.",
+    ]
+    if out.end_to_end_ms:
+        rest = [
+            [e - q - r for e, q, r in zip(ends, queued, ran, strict=True)]
+            for ends, queued, ran in zip(out.end_to_end_ms, out.queue_ms, out.run_ms, strict=True)
+        ]
+        parts = {
+            "queued (create_time -> dispatched; it overlaps the SubmitJob call)": med(per_run(out.queue_ms, 50)),
+            "running (dispatched -> result stored; model included)": med(per_run(out.run_ms, 50)),
+            "the rest (the request reaching the gateway; the final record reaching the watcher and the client)": med(
+                per_run(rest, 50)
+            ),
+        }
+        notes.append(
+            "Light load, where the end-to-end time goes (p50s): "
+            + "; ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
+            + f"; for comparison the SubmitJob call alone: {med(per_run(out.submit_ms, 50)):.2f} ms. When the queued "
+            "time exceeds the SubmitJob call, dispatch waits for the submit to finish: the gateway publishes the "
+            "work message before it writes the record, so an idle scheduler can pull the message first and then "
+            "waits for the record (services/scheduler/jobs_flow.py RECORD_WAITS_S: 2, 10, 50 ms)."
+        )
+    for name, (total, own, inclusive) in out.profiles.items():
+        if total == 0:
+            continue
+        label = f"Profile of the {name} during one more burst (py-spy, {total} samples of its active threads)"
+        notes.append(f"{label}; top self time: " + "; ".join(f"{f} {s:.0%}" for f, s in own[:10]))
+        shown = [(f, s) for f, s in inclusive if not _is_generic_frame(f)]
+        notes.append(f"{name}: top inclusive time: " + "; ".join(f"{f} {s:.0%}" for f, s in shown[:12]))
+    notes.append(
+        "py-spy without --native cannot see C frames: time in the event loop (uvloop), the gRPC core and system "
+        "calls appears as self time of Runner.run or of the Python function that called them "
+        "(StreamWriter.writelines: socket writes). BENCH_PYSPY_FLAGS=--native shows them, but pauses the "
+        "process at each sample (figures from such a run mean nothing)."
+    )
+    plots = [plot_cdf(out), plot_cpu(cpu_per_1000, celery_cpu)]
+    write_results(
+        SECTION,
+        "End to end: completed jobs per second and added latency (no-op model)",
+        rows,
+        ratios,
+        notes,
+        plots=plots,
+        quick=quick,
+        extra={
+            "busiest_service": busiest,
+            "light_load_last_run_ms": {
+                "end_to_end": out.end_to_end_ms[-1:],
+                "submit": out.submit_ms[-1:],
+                "queued": out.queue_ms[-1:],
+                "running": out.run_ms[-1:],
+                "model": out.compute_ms[-1:],
+            },
+        },
+    )
+
+
+GENERIC_FRAMES = (
+    "_run_module_as_main", "_run_code", "main (", "<module>", "Runner.run", "_run (", "Thread.", "_worker (",
+    "run_until_stopped", "Context.run", "Handle._run",
+)  # fmt: skip
+
+
+def _is_generic_frame(frame: str) -> bool:
+    return frame.startswith(GENERIC_FRAMES)
+
+
+def plot_cdf(out: Measured) -> Path:
+    plt = matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, samples in (
+        ("asyncinfer end to end (SubmitJob -> SUCCEEDED)", out.end_to_end_ms),
+        ("asyncinfer added latency", out.added_ms),
+        ("Celery round trip (no durable state)", out.celery_round_trip_ms),
+    ):
+        values = np.sort(np.asarray([v for s in samples for v in s]))
+        if len(values):
+            ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=label)
+    ax.axvline(5, color="grey", linestyle=":", label="5 ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("latency (ms), one job at a time")
+    ax.set_ylabel("fraction of jobs")
+    ax.set_title("Light-load latency CDF, no-op model")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    path = plot_path(SECTION, "latency_cdf")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_cpu(ours: dict[str, list[float]], celery: dict[str, list[float]]) -> Path:
+    plt = matplotlib_pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [*ours, *(f"Celery: {k}" for k in celery)]
+    values = [med(v) for v in ours.values()] + [med(v) for v in celery.values()]
+    colors = ["tab:blue"] * len(ours) + ["tab:red"] * len(celery)
+    ax.barh(labels, values, color=colors)
+    ax.invert_yaxis()
+    ax.set_xlabel("CPU seconds per 1,000 jobs (burst)")
+    ax.set_title("Where the CPU goes, end to end")
+    ax.grid(True, axis="x", alpha=0.3)
+    path = plot_path(SECTION, "cpu")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 run (for development)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy burst")
+    args = parser.parse_args()
+    sizes = QUICK if args.quick else FULL
+    out = Measured()
+    with ProcessGroup() as group:
+        celery: tuple[Child, Child] | None = None
+        try:
+            celery = start_celery(group)
+        except ImportError:
+            out.celery_unavailable = "not available: celery is not installed (pip install -e '.[bench]')"
+            log(out.celery_unavailable)
+        except RuntimeError as exc:
+            out.celery_unavailable = f"not available: {exc} ({REDIS_INSTALL_HINT})"
+            log(out.celery_unavailable)
+        log("starting nats-server, gateway, scheduler, batcher")
+        stack = Stack(group)
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(measure_stack(stack, sizes, out, celery))
+            stack.stop_services()
+            if not args.no_profile:
+                busiest = busiest_service(out, sizes.burst)
+                log(f"profiling: the busiest service, the {busiest}, under py-spy, one more burst")
+                profiled = Stack(group, profile_dir=group.tmp, profiled=(busiest,))
+                runner.run(profiled_burst(profiled, sizes.burst))
+                profiled.stop_services()
+                path = group.tmp / f"{busiest}.txt"
+                if path.exists():
+                    out.profiles[busiest] = top_functions(path, count=30)
+    report(out, sizes, args.quick)
+    log(f"wrote bench/results/{SECTION}.md")
+
+
+if __name__ == "__main__":
+    main()
