@@ -4,8 +4,12 @@
                                            scheduler and a batcher with the configured models
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
+    asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
     asyncinfer gateway|scheduler|batcher [--config FILE]
                                            one service in this process, against an external NATS
+    asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
+                                           the client commands (asyncinfer.commands; exit codes in
+                                           asyncinfer/commands/output.py)
 
 Services are imported lazily: the gateway and the scheduler run without torch installed.
 """
@@ -22,6 +26,7 @@ from typing import Any
 
 import uvloop
 
+from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config, render_default_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.logs import configure_logging
@@ -198,22 +203,36 @@ def _run(main: Coroutine[Any, Any, None]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncinfer", description=__doc__.split("\n\n")[0])
+    client_commands.add_client_options(parser, top_level=True)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="run everything on this machine (embedded nats-server)")
     up.add_argument("--config", type=Path, help="configuration file (TOML); see `asyncinfer config`")
     commands.add_parser("config", help="print the complete commented configuration")
     hash_key = commands.add_parser("hash-key", help="print the SHA-256 of an API key for gateway.api_keys")
     hash_key.add_argument("key", help="the API key, or - to read it from stdin (keeps it out of shell history)")
+    webhook_secret = commands.add_parser("webhook-secret", help="print a fresh webhook signing secret (whsec_)")
+    webhook_secret.add_argument("--tenant", default="default", help="the tenant it signs for (default: default)")
     for name in SERVICES:
         sub = commands.add_parser(name, help=f"run the {name} alone against an external NATS")
         sub.add_argument("--config", type=Path, help="configuration file (TOML)")
+    client_commands.register(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if client_commands.is_client_command(args):
+        return client_commands.run(args)
     if args.command == "config":
         sys.stdout.write(render_default_config())
+        return 0
+    if args.command == "webhook-secret":
+        from services.scheduler.webhooks.signing import new_secret
+
+        secret = new_secret()
+        print(secret)
+        print("# add to the [webhooks] section (the receiver verifies signatures with the same secret):")
+        print(f'# secrets = [{{ tenant = "{args.tenant}", secret = "{secret}" }}]')
         return 0
     if args.command == "hash-key":
         from services.gateway.auth import hash_key

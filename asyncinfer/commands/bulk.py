@@ -1,0 +1,321 @@
+"""`asyncinfer bulk FILE.jsonl`: many jobs from a JSON-lines file, resumable.
+
+Each non-blank line is a request as `submit --request` takes it (`{"model": "demo", "inputs":
+{"x": [[1, 2, 3, 4]]}}`; `--model` names the model for lines without one). Two phases, each with a
+progress bar on stderr when it is a terminal:
+
+1. submit: the lines stream through SubmitJobs (a bounded window in flight);
+2. wait: the accepted jobs are watched (at most --concurrency at once) until they end.
+
+Every line ends with one line in the results file (--out, default FILE.results.jsonl), in the
+order lines finish: {"line": N, "job_id", "state", "outputs"} for a job, {"line": N, "error":
+{"code", "reason", "message", "violations"}} for a line that is not valid JSON or that the gateway
+refused (with "state" and "error" for a job that failed).
+
+Resuming. Beside the results file, a state file (RESULTS.state) records each accepted line's job
+ID as soon as the gateway answers. A re-run skips lines that already have a result, waits for the
+jobs of lines the state file knows, and submits the rest. Every line is submitted with an
+idempotency key derived from the input file's path, the line number and the line's text, so a
+line accepted before an interruption that the state file missed (or a deleted state file) is
+answered with its first job again (deduplicated), never queued twice. Editing a line makes it a
+new request: it gets a new job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from asyncinfer.client import AsyncClient, AsyncInferClientError, BulkResult, JobRequest, NotFoundError
+from asyncinfer.commands import Options
+from asyncinfer.commands.inputs import Signatures, request_from_json
+from asyncinfer.commands.output import (
+    EXIT_JOB_NOT_SUCCEEDED,
+    EXIT_OK,
+    ProgressBar,
+    UsageError,
+    error_json,
+    print_json,
+    to_json,
+)
+
+AddOptions = Callable[[argparse.ArgumentParser], None]
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
+    bulk = commands.add_parser(
+        "bulk",
+        help="submit every line of a JSONL file, wait, write results (resumable)",
+        description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bulk.add_argument("file", type=Path, help="JSON lines, one request each")
+    bulk.add_argument("--out", type=Path, help="results file (default: FILE with .results.jsonl)")
+    bulk.add_argument("--model", default="", help="the model of lines that name none")
+    bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
+    bulk.add_argument("--concurrency", type=int, default=64, help="jobs watched at once (default 64)")
+    bulk.add_argument("--no-wait", action="store_true", help="only submit; a later run waits and writes results")
+    bulk.add_argument("--config", type=Path, help="configuration file whose models' signatures to use")
+    add_options(bulk)
+    bulk.set_defaults(handler=bulk_command)
+
+
+def default_out(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".jsonl") + ".results.jsonl")
+
+
+def state_path(out: Path) -> Path:
+    return out.with_name(out.name + ".state")
+
+
+def line_key(input_id: str, number: int, text: str) -> str:
+    """The idempotency key of one line: stable across runs, different for an edited line."""
+    content = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"bulk-{input_id}-{number}-{content}"
+
+
+def line_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The objects of a JSON-lines file we wrote; a torn last line (an interrupted write) is skipped."""
+    if not path.exists():
+        return
+    with path.open(encoding="utf-8") as stream:
+        for raw in stream:
+            try:
+                entry = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and isinstance(entry.get("line"), int):
+                yield entry
+
+
+@dataclass
+class Journal:
+    """The results file and the state file: what is finished, what is accepted and by which job."""
+
+    out: Path
+    results: TextIO
+    state: TextIO
+    finished: dict[int, bool] = field(default_factory=dict)  # line -> succeeded
+    accepted: dict[int, tuple[str, str]] = field(default_factory=dict)  # line -> (job_id, digest)
+
+    @classmethod
+    def open(cls, out: Path) -> Journal:
+        finished = {e["line"]: e.get("state") == "SUCCEEDED" for e in _read_json_lines(out)}
+        accepted = {
+            e["line"]: (str(e["job_id"]), str(e.get("digest", "")))
+            for e in _read_json_lines(state_path(out))
+            if e.get("job_id")
+        }
+        # Rewrite the results without a torn last line, so that appends start on a fresh line.
+        kept = [json.dumps(e, separators=(",", ":"), ensure_ascii=False) for e in _read_json_lines(out)]
+        out.parent.mkdir(parents=True, exist_ok=True)
+        temporary = out.with_name(out.name + ".tmp")
+        temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(temporary, out)
+        state = state_path(out)
+        if state.exists() and state.read_bytes()[-1:] not in (b"", b"\n"):
+            with state.open("a", encoding="utf-8") as torn:
+                torn.write("\n")
+        return cls(
+            out=out,
+            results=out.open("a", encoding="utf-8"),
+            state=state.open("a", encoding="utf-8"),
+            finished=finished,
+            accepted=accepted,
+        )
+
+    def close(self) -> None:
+        self.results.close()
+        self.state.close()
+
+    def record_accepted(self, line: int, job_id: str, digest: str) -> None:
+        self.accepted[line] = (job_id, digest)
+        self.state.write(json.dumps({"line": line, "job_id": job_id, "digest": digest}) + "\n")
+        self.state.flush()
+
+    def record_result(self, entry: dict[str, Any]) -> None:
+        self.finished[entry["line"]] = entry.get("state") == "SUCCEEDED"
+        self.results.write(json.dumps(entry, separators=(",", ":"), ensure_ascii=False) + "\n")
+        self.results.flush()
+
+
+@dataclass
+class Counts:
+    lines: int = 0
+    already_done: int = 0
+    submitted: int = 0
+    deduplicated: int = 0
+    refused: int = 0
+    invalid: int = 0
+    waited: int = 0
+
+
+def _usage_error_entry(line: int, message: str) -> dict[str, Any]:
+    return {
+        "line": line,
+        "error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_LINE", "message": message, "violations": []},
+    }
+
+
+def _count_lines(path: Path) -> int:
+    with path.open(encoding="utf-8") as stream:
+        return sum(1 for raw in stream if raw.strip())
+
+
+async def bulk_command(args: argparse.Namespace, options: Options) -> int:
+    path: Path = args.file
+    if not await asyncio.to_thread(path.is_file):
+        raise UsageError(f"no such file: {path}")
+    if args.window < 1 or args.concurrency < 1:
+        raise UsageError("--window and --concurrency must be at least 1")
+    out: Path = args.out or default_out(path)
+    signatures = Signatures.load(options.config)
+    input_id = hashlib.sha256(str(await asyncio.to_thread(path.resolve)).encode()).hexdigest()[:16]
+    counts = Counts(lines=await asyncio.to_thread(_count_lines, path))
+    journal = Journal.open(out)
+    try:
+        async with options.client() as client:
+            await _submit_phase(client, journal, path, input_id, args.model, signatures, args.window, counts)
+            if not args.no_wait:
+                await _wait_phase(client, journal, args.concurrency, options.timeout_s, counts)
+    finally:
+        journal.close()
+    succeeded = sum(1 for ok in journal.finished.values() if ok)
+    summary = {
+        "out": str(out),
+        "lines": counts.lines,
+        "finished": len(journal.finished),
+        "succeeded": succeeded,
+        "not_succeeded": len(journal.finished) - succeeded,
+        "pending": counts.lines - len(journal.finished),
+        "submitted": counts.submitted,
+        "deduplicated": counts.deduplicated,
+        "refused": counts.refused,
+        "invalid": counts.invalid,
+        "already_done": counts.already_done,
+    }
+    if options.json:
+        print_json(summary)
+    else:
+        print(
+            f"{counts.lines} lines: {succeeded} succeeded, {summary['not_succeeded']} did not "
+            f"({counts.invalid} invalid, {counts.refused} refused), {summary['pending']} pending; "
+            f"{counts.submitted} submitted now ({counts.deduplicated} already queued), "
+            f"{counts.already_done} done before. Results: {out}",
+            flush=True,
+        )
+    if summary["not_succeeded"]:
+        return EXIT_JOB_NOT_SUCCEEDED
+    return EXIT_OK
+
+
+async def _submit_phase(
+    client: AsyncClient,
+    journal: Journal,
+    path: Path,
+    input_id: str,
+    default_model: str,
+    signatures: Signatures,
+    window: int,
+    counts: Counts,
+) -> None:
+    bar = ProgressBar("submit", counts.lines)
+    digests: dict[int, str] = {}
+
+    def requests() -> Iterator[JobRequest]:
+        with path.open(encoding="utf-8") as stream:
+            for number, raw in enumerate(stream, start=1):
+                text = raw.strip()
+                if not text:
+                    continue
+                digest = line_digest(text)
+                known = journal.accepted.get(number)
+                if number in journal.finished or (known is not None and known[1] == digest):
+                    counts.already_done += 1
+                    bar.advance()
+                    continue
+                try:
+                    request = request_from_json(
+                        json.loads(text),
+                        signatures=signatures,
+                        default_model=default_model,
+                        idempotency_key=line_key(input_id, number, text),
+                    )
+                except (UsageError, json.JSONDecodeError) as exc:
+                    counts.invalid += 1
+                    journal.record_result(_usage_error_entry(number, str(exc)))
+                    bar.advance()
+                    continue
+                digests[number] = digest
+                yield replace(request, correlation_id=str(number))
+
+    try:
+        results = client.bulk(requests(), window=window)
+        async with contextlib.aclosing(results):
+            async for result in results:
+                _record_submitted(journal, result, digests, counts)
+                bar.advance()
+    finally:
+        bar.close()
+
+
+def _record_submitted(journal: Journal, result: BulkResult, digests: dict[int, str], counts: Counts) -> None:
+    line = int(result.correlation_id)
+    digest = digests.pop(line, "")
+    if result.job is not None:
+        counts.submitted += 1
+        counts.deduplicated += int(result.deduplicated)
+        journal.record_accepted(line, result.job.job_id, digest)
+    else:
+        counts.refused += 1
+        error = result.error
+        journal.record_result({"line": line, "error": error_json(error) if error is not None else None})
+
+
+async def _wait_phase(
+    client: AsyncClient, journal: Journal, concurrency: int, timeout_s: float | None, counts: Counts
+) -> None:
+    waiting = sorted((line, job_id) for line, (job_id, _) in journal.accepted.items() if line not in journal.finished)
+    bar = ProgressBar("wait  ", len(waiting))
+    todo = iter(waiting)
+
+    async def worker() -> None:
+        for line, job_id in todo:  # one shared iterator: each item goes to exactly one worker
+            journal.record_result(await _finished_entry(client, line, job_id, timeout_s))
+            counts.waited += 1
+            bar.advance()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(min(concurrency, len(waiting))):
+                group.create_task(worker())
+    except* AsyncInferClientError as failures:
+        raise failures.exceptions[0] from None  # the first failure, as the other commands report it
+    finally:
+        bar.close()
+
+
+async def _finished_entry(client: AsyncClient, line: int, job_id: str, timeout_s: float | None) -> dict[str, Any]:
+    try:
+        job = await client.wait(job_id, timeout_s=timeout_s)
+        outputs = await client.outputs(job) if job.succeeded else {}
+    except NotFoundError as exc:  # its retention passed: the result is gone
+        return {"line": line, "job_id": job_id, "error": error_json(exc)}
+    entry: dict[str, Any] = {"line": line, "job_id": job_id, "state": job.state.value}
+    if job.succeeded:
+        entry["outputs"] = to_json(outputs)
+    if job.error is not None:
+        entry["error"] = error_json(job.error)
+    return entry

@@ -1,0 +1,292 @@
+"""Turning what people type into `JobRequest`s: `--input NAME=VALUE` arguments and JSON requests
+(a request file, stdin, or one line of a bulk file).
+
+A value is JSON (`[[1, 2, 3, 4]]`), `@file.npy` (a numpy array), `@file.json` / `@file` (JSON read
+from the file) or `@-` (JSON from stdin); in JSON requests it may also be spelled out as
+{"datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}. The datatype comes from, in order:
+the value's own "datatype", `--datatype`, the model's signature in the configuration (the default
+configuration knows the demo model; `--config FILE` reads yours), or else the JSON itself (any
+float: FP32, integers: INT64, booleans: BOOL, strings: BYTES). When the signature has one more
+dimension than the value, the value is one row: a batch dimension of 1 is added.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from asyncinfer.client import Callback, CallbackEvent, JobRequest, Priority
+from asyncinfer.commands.output import UsageError
+from asyncinfer.config import load_config
+from asyncinfer.errors import AsyncInferError
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec
+
+REQUEST_KEYS = frozenset(
+    {
+        "model",
+        "model_name",
+        "model_version",
+        "inputs",
+        "input_ref",
+        "priority",
+        "labels",
+        "idempotency_key",
+        "deadline",
+        "queue_ttl_s",
+        "execution_timeout_s",
+        "retention_s",
+        "callback",
+        "max_attempts",
+        "correlation_id",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Signatures:
+    """Model signatures from the local configuration, used only to pick datatypes and shapes
+    (the gateway validates for real)."""
+
+    by_model: Mapping[str, ModelSignature]
+
+    @classmethod
+    def load(cls, config_path: Path | None) -> Signatures:
+        try:
+            config = load_config(config_path)
+        except AsyncInferError as exc:
+            if config_path is not None:
+                raise UsageError(exc.message) from None
+            return cls({})  # the environment's overrides do not parse: guess from the values instead
+        return cls({model.name: model.signature for model in config.models})
+
+    def spec(self, model: str, name: str) -> TensorSpec | None:
+        signature = self.by_model.get(model)
+        if signature is None:
+            return None
+        return next((spec for spec in signature.inputs if spec.name == name), None)
+
+
+def parse_key_values(items: Sequence[str], what: str) -> dict[str, str]:
+    """["k=v", ...] as a dict; UsageError naming `what` for an item without '='."""
+    result: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{what} must look like KEY=VALUE, got {item!r}")
+        result[key] = value
+    return result
+
+
+def datatype_overrides(items: Sequence[str]) -> tuple[str | None, dict[str, str]]:
+    """`--datatype FP32` (every input) and `--datatype x=FP32` (one input)."""
+    every: str | None = None
+    per_input: dict[str, str] = {}
+    for item in items:
+        name, sep, datatype = item.rpartition("=")
+        datatype = datatype.upper()
+        if datatype not in NUMPY_DTYPES and datatype != "BYTES":
+            raise UsageError(f"unknown datatype {datatype!r}; one of {', '.join(sorted([*NUMPY_DTYPES, 'BYTES']))}")
+        if sep:
+            per_input[name] = datatype
+        else:
+            every = datatype
+    return every, per_input
+
+
+def read_value(text: str, where: str = "the value", stdin: Callable[[], str] = lambda: sys.stdin.read()) -> Any:
+    """An inline value: JSON, or @file.npy / @file (JSON) / @- (JSON on stdin). A .npy file gives
+    a numpy array, JSON gives plain Python values."""
+    if text.startswith("@"):
+        source = text[1:]
+        if source == "-":
+            return _json(stdin(), "stdin")
+        path = Path(source)
+        try:
+            if path.suffix == ".npy":
+                return np.load(path, allow_pickle=False)
+            return _json(path.read_text(), str(path))
+        except OSError as exc:
+            raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise UsageError(f"{path} is not a numpy array file: {exc}") from None
+    return _json(text, where)
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where} is not valid JSON: {exc}") from None
+
+
+def _infer_datatype(value: Any) -> str:
+    flat = np.asarray(value, dtype=object).ravel().tolist() if isinstance(value, list) else [value]
+    if flat and all(isinstance(v, bool) for v in flat):
+        return "BOOL"
+    if flat and all(isinstance(v, str | bytes) for v in flat):
+        return "BYTES"
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+        return "INT64"
+    return "FP32"
+
+
+def to_array(
+    name: str,
+    value: Any,
+    *,
+    spec: TensorSpec | None,
+    datatype: str | None = None,
+    shape: Sequence[int] | None = None,
+) -> npt.NDArray[Any]:
+    """One input's value as a numpy array of the datatype and shape the model expects."""
+    if isinstance(value, dict):
+        unknown = value.keys() - {"datatype", "shape", "data"}
+        if unknown or "data" not in value:
+            raise UsageError(f"input {name!r}: a tensor object has 'data' (and optionally 'datatype', 'shape')")
+        datatype = str(value.get("datatype") or "").upper() or datatype
+        shape = value.get("shape") or shape
+        value = value["data"]
+    wanted = datatype or (spec.datatype if spec is not None else None)
+    try:
+        if isinstance(value, np.ndarray):
+            array: npt.NDArray[Any] = value
+            target = NUMPY_DTYPES.get(wanted or "")
+            # Cast a file's array to the signature's datatype only where no value is lost in kind.
+            if target is not None and array.dtype != target and np.can_cast(array.dtype, target, "same_kind"):
+                array = array.astype(target)
+        else:
+            wanted = wanted or _infer_datatype(value)
+            if wanted == "BYTES":
+                array = np.array(_encode_strings(value), dtype=object)
+            else:
+                array = np.array(value, dtype=NUMPY_DTYPES[wanted])
+        if shape:
+            array = array.reshape(tuple(int(d) for d in shape))
+        elif spec is not None and array.ndim == len(spec.shape) - 1:
+            array = array[np.newaxis, ...]
+    except KeyError:
+        raise UsageError(f"input {name!r}: unknown datatype {wanted!r}") from None
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise UsageError(f"input {name!r}: {exc}") from None
+    return array
+
+
+def _encode_strings(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_encode_strings(v) for v in value]
+    return value.encode() if isinstance(value, str) else value
+
+
+def inputs_from_arguments(
+    model: str,
+    items: Sequence[str],
+    *,
+    signatures: Signatures,
+    datatypes: Sequence[str] = (),
+    shapes: Sequence[str] = (),
+) -> dict[str, npt.NDArray[Any]]:
+    """`--input NAME=VALUE` arguments (with `--datatype` / `--shape`) as arrays."""
+    every, per_input = datatype_overrides(datatypes)
+    shape_by_input = {k: _shape(v, k) for k, v in parse_key_values(shapes, "--shape").items()}
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise UsageError(f"--input must look like NAME=VALUE, NAME=@file.npy or NAME=@-, got {item!r}")
+        arrays[name] = to_array(
+            name,
+            read_value(text, f"--input {name}"),
+            spec=signatures.spec(model, name),
+            datatype=per_input.get(name, every),
+            shape=shape_by_input.get(name),
+        )
+    return arrays
+
+
+def _shape(text: str, name: str) -> list[int]:
+    try:
+        return [int(d) for d in text.replace("x", ",").split(",") if d.strip()]
+    except ValueError:
+        raise UsageError(f"--shape {name}= wants integers like 2,4, got {text!r}") from None
+
+
+def request_from_json(
+    data: Any, *, signatures: Signatures, default_model: str = "", idempotency_key: str = ""
+) -> JobRequest:
+    """A JSON request (a request file, stdin, a bulk line) as a `JobRequest`.
+
+    {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}, "priority": "HIGH", "labels": {"k": "v"},
+     "queue_ttl_s": 60, "execution_timeout_s": 10, "retention_s": 3600, "max_attempts": 2,
+     "callback": "https://...", "idempotency_key": "...", "input_ref": "..."}
+    "inputs" may also be a list of {"name", "datatype", "shape", "data"} objects."""
+    if not isinstance(data, dict):
+        raise UsageError('a request is a JSON object like {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}')
+    unknown = sorted(data.keys() - REQUEST_KEYS)
+    if unknown:
+        raise UsageError(f"unknown request fields: {', '.join(unknown)} (known: {', '.join(sorted(REQUEST_KEYS))})")
+    model = str(data.get("model") or data.get("model_name") or default_model)
+    if not model:
+        raise UsageError('the request names no model (give "model" or the MODEL argument)')
+    raw_inputs = data.get("inputs")
+    inputs: dict[str, npt.NDArray[Any]] | None = None
+    if isinstance(raw_inputs, list):
+        inputs = {}
+        for tensor in raw_inputs:
+            if not isinstance(tensor, dict) or "name" not in tensor:
+                raise UsageError('each item of a list of inputs is {"name", "datatype", "shape", "data"}')
+            fields = {k: v for k, v in tensor.items() if k != "name"}
+            inputs[str(tensor["name"])] = to_array(
+                str(tensor["name"]), fields, spec=signatures.spec(model, str(tensor["name"]))
+            )
+    elif isinstance(raw_inputs, dict):
+        inputs = {
+            str(name): to_array(str(name), value, spec=signatures.spec(model, str(name)))
+            for name, value in raw_inputs.items()
+        }
+    elif raw_inputs is not None:
+        raise UsageError('"inputs" is an object (name -> value) or a list of tensors')
+    try:
+        labels = data.get("labels") or {}
+        if not isinstance(labels, dict):
+            raise UsageError('"labels" is an object of strings')
+        return JobRequest(
+            model=model,
+            inputs=inputs,
+            input_ref=str(data.get("input_ref") or ""),
+            model_version=str(data.get("model_version") or ""),
+            priority=Priority(str(data["priority"]).upper()) if data.get("priority") else None,
+            idempotency_key=str(data.get("idempotency_key") or idempotency_key),
+            labels={str(k): str(v) for k, v in labels.items()},
+            deadline=datetime.fromisoformat(data["deadline"]) if data.get("deadline") else None,
+            queue_ttl_s=_optional_float(data, "queue_ttl_s"),
+            execution_timeout_s=_optional_float(data, "execution_timeout_s"),
+            retention_s=_optional_float(data, "retention_s"),
+            callback=_callback(data.get("callback")),
+            max_attempts=int(data.get("max_attempts") or 0),
+            correlation_id=str(data.get("correlation_id") or ""),
+        )
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"bad request field: {exc}") from None
+
+
+def _optional_float(data: Mapping[str, Any], key: str) -> float | None:
+    value = data.get(key)
+    return None if value is None else float(value)
+
+
+def _callback(value: Any) -> Callback | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return Callback(value)
+    if isinstance(value, dict) and "url" in value:
+        return Callback(str(value["url"]), tuple(CallbackEvent(str(e).upper()) for e in value.get("events", ())))
+    raise UsageError('"callback" is a URL or {"url": ..., "events": [...]}')

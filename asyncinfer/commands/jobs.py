@@ -1,0 +1,280 @@
+"""submit, get, watch, cancel, list: one job at a time, against the gateway's JobService."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority
+from asyncinfer.commands import Options
+from asyncinfer.commands.inputs import (
+    Signatures,
+    inputs_from_arguments,
+    parse_key_values,
+    request_from_json,
+)
+from asyncinfer.commands.output import (
+    EXIT_JOB_NOT_SUCCEEDED,
+    EXIT_OK,
+    StatusLine,
+    UsageError,
+    job_json,
+    job_summary,
+    job_text,
+    print_json,
+    report_error,
+    table,
+)
+
+AddOptions = Callable[[argparse.ArgumentParser], None]
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
+    submit = commands.add_parser(
+        "submit",
+        help="queue a job (inline values, a JSON request file, or stdin)",
+        description="Queue a job. Prints its ID (or, with --wait, the finished job). Values: --input x=[[1,2,3,4]] "
+        "(JSON), x=@file.npy, x=@file.json, x=@- (stdin); or a whole JSON request with --request FILE (- : stdin), "
+        'e.g. {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}. Datatypes and shapes come from the model\'s '
+        "signature in the configuration (--config) where it is known, else from --datatype or the values.",
+    )
+    submit.add_argument("model", nargs="?", default="", help="the model (or give it in the request file)")
+    submit.add_argument("-i", "--input", action="append", default=[], metavar="NAME=VALUE", help="an input")
+    submit.add_argument("-f", "--request", metavar="FILE", help="a JSON request file; - reads stdin")
+    submit.add_argument(
+        "--datatype", action="append", default=[], metavar="[NAME=]TYPE", help="datatype of an input (FP32, ...)"
+    )
+    submit.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2", help="reshape an input")
+    submit.add_argument("--priority", choices=[p.value for p in Priority], type=str.upper)
+    submit.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
+    submit.add_argument("--idempotency-key", default="", metavar="KEY", help="resubmitting with it queues nothing new")
+    submit.add_argument("--queue-ttl", type=float, metavar="SECONDS", help="expire unless started within")
+    submit.add_argument("--execution-timeout", type=float, metavar="SECONDS", help="longest one run may take")
+    submit.add_argument("--retention", type=float, metavar="SECONDS", help="keep the result this long")
+    submit.add_argument("--max-attempts", type=int, default=0, metavar="N")
+    submit.add_argument("--callback", metavar="URL", help="webhook called when the job ends")
+    submit.add_argument("--upload", action="store_true", help="send the inputs through UploadInput (large inputs)")
+    submit.add_argument("--wait", action="store_true", help="wait for the end; exit 1 unless SUCCEEDED")
+    submit.add_argument("--config", type=Path, help="configuration file whose models' signatures to use")
+    add_options(submit)
+    submit.set_defaults(handler=submit_command)
+
+    get = commands.add_parser("get", help="show a job (with its outputs)")
+    get.add_argument("job_id")
+    get.add_argument("--no-outputs", action="store_true", help="do not fetch or print outputs")
+    add_options(get)
+    get.set_defaults(handler=get_command)
+
+    watch = commands.add_parser(
+        "watch", help="follow a job until it ends (exit 1 unless SUCCEEDED)", description="Follow a job's changes."
+    )
+    watch.add_argument("job_id")
+    add_options(watch)
+    watch.set_defaults(handler=watch_command)
+
+    cancel = commands.add_parser("cancel", help="cancel jobs")
+    cancel.add_argument("job_ids", nargs="+", metavar="job_id")
+    cancel.add_argument("--reason", default="", help="kept in the job's error message")
+    add_options(cancel)
+    cancel.set_defaults(handler=cancel_command)
+
+    listing = commands.add_parser("list", help="your jobs, newest first")
+    listing.add_argument(
+        "--state", action="append", default=[], help="only these states (repeatable, or comma-separated)"
+    )
+    listing.add_argument("--model", default="", help="only this model's jobs")
+    listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="only jobs with label")
+    listing.add_argument("--limit", type=int, default=50, help="at most this many jobs (default 50; 0: all)")
+    add_options(listing)
+    listing.set_defaults(handler=list_command)
+
+
+# -- submit -------------------------------------------------------------------------------------
+
+
+def build_request(args: argparse.Namespace, signatures: Signatures) -> JobRequest:
+    """The request the submit arguments describe: the request file (if any), then the flags."""
+    if args.request:
+        text = sys.stdin.read() if args.request == "-" else _read_text(Path(args.request))
+        request = request_from_json(
+            read_value_json(text, args.request), signatures=signatures, default_model=args.model
+        )
+    elif args.model:
+        request = JobRequest(model=args.model)
+    else:
+        raise UsageError("name the MODEL, or give a request file with --request FILE")
+    if args.model:
+        request = dataclasses.replace(request, model=args.model)
+    changes: dict[str, Any] = {}
+    if args.input:
+        arrays = inputs_from_arguments(
+            request.model, args.input, signatures=signatures, datatypes=args.datatype, shapes=args.shape
+        )
+        existing = dict(request.inputs) if isinstance(request.inputs, dict) else {}
+        changes["inputs"] = {**existing, **arrays}
+    if args.label:
+        changes["labels"] = {**request.labels, **parse_key_values(args.label, "--label")}
+    if args.priority:
+        changes["priority"] = Priority(args.priority)
+    for flag, field in (
+        ("idempotency_key", "idempotency_key"),
+        ("queue_ttl", "queue_ttl_s"),
+        ("execution_timeout", "execution_timeout_s"),
+        ("retention", "retention_s"),
+        ("max_attempts", "max_attempts"),
+    ):
+        value = getattr(args, flag)
+        if value:
+            changes[field] = value
+    if args.callback:
+        changes["callback"] = Callback(args.callback)
+    request = dataclasses.replace(request, **changes)
+    if request.inputs is None and not request.input_ref:
+        raise UsageError('no inputs: give --input NAME=VALUE (or "inputs" in the request file)')
+    return request
+
+
+def read_value_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{'stdin' if where == '-' else where} is not valid JSON: {exc}") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+async def submit_command(args: argparse.Namespace, options: Options) -> int:
+    request = build_request(args, Signatures.load(options.config))
+    async with options.client() as client:
+        if args.upload and request.inputs is not None:
+            ref = await client.upload_inputs(request.inputs, retention_s=request.retention_s)
+            request = dataclasses.replace(request, inputs=None, input_ref=ref.ref)
+        try:
+            job = await client.submit_request(request)
+        except ValueError as exc:  # contradictory fields the SDK refuses before sending
+            raise UsageError(str(exc)) from None
+        if not args.wait:
+            if options.json:
+                print_json(job_json(job))
+            else:
+                print(job.job_id, flush=True)
+            return EXIT_OK
+        done = await client.wait(job, timeout_s=options.timeout_s)
+        return await _show_finished(client, done, options)
+
+
+async def _show_finished(client: AsyncClient, job: Job, options: Options) -> int:
+    outputs = await client.outputs(job) if job.succeeded else {}
+    if options.json:
+        print_json(job_json(dataclasses.replace(job, outputs=outputs)))
+    else:
+        print(job_text(job, outputs), flush=True)
+    return EXIT_OK if job.succeeded else EXIT_JOB_NOT_SUCCEEDED
+
+
+# -- get, watch, cancel, list -------------------------------------------------------------------
+
+
+async def get_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        job = await client.get(args.job_id)
+        outputs: dict[str, np.ndarray[Any, Any]] = {}
+        if job.succeeded and not args.no_outputs:
+            outputs = await client.outputs(job)
+        if options.json:
+            print_json(job_json(dataclasses.replace(job, outputs=outputs)))
+        else:
+            print(job_text(job, outputs), flush=True)
+    return EXIT_OK
+
+
+async def watch_command(args: argparse.Namespace, options: Options) -> int:
+    """JSON lines, one per change; on a terminal, one status line rewritten in place; otherwise one
+    plain line per change. Then the finished job."""
+    live = StatusLine(sys.stdout) if sys.stdout.isatty() and not options.json else None
+    started = time.monotonic()
+    last: Job | None = None
+    async with options.client() as client:
+        try:
+            async with contextlib.aclosing(client.watch(args.job_id, timeout_s=options.timeout_s)) as updates:
+                async for update in updates:
+                    last = update
+                    if options.json:
+                        print_json(job_json(update))
+                    elif live is not None:
+                        live.show(f"{job_summary(update)}  ({time.monotonic() - started:.1f} s)")
+                    else:
+                        stamp = update.update_time or update.create_time
+                        prefix = stamp.astimezone().strftime("%H:%M:%S.%f")[:-3] + "  " if stamp else ""
+                        print(prefix + job_summary(update), flush=True)
+        finally:
+            if live is not None:
+                live.close()
+        if last is None:
+            return EXIT_JOB_NOT_SUCCEEDED
+        if not options.json:
+            outputs = await client.outputs(last) if last.succeeded else {}
+            print(job_text(last, outputs), flush=True)
+    return EXIT_OK if last.succeeded else EXIT_JOB_NOT_SUCCEEDED
+
+
+async def cancel_command(args: argparse.Namespace, options: Options) -> int:
+    """Cancels each job; the first failure's exit code (the others are still tried)."""
+    from asyncinfer.client import AsyncInferClientError
+
+    status = EXIT_OK
+    async with options.client() as client:
+        for job_id in args.job_ids:
+            try:
+                job = await client.cancel(job_id, reason=args.reason)
+            except AsyncInferClientError as exc:
+                code = report_error(exc)
+                status = status or code
+                continue
+            if options.json:
+                print_json(job_json(job))
+            else:
+                print(f"{job.job_id}  {job.state.value}", flush=True)
+    return status
+
+
+async def list_command(args: argparse.Namespace, options: Options) -> int:
+    states = [s.strip().upper() for item in args.state for s in item.split(",") if s.strip()]
+    known = {s.value for s in JobState}
+    unknown = [s for s in states if s not in known]
+    if unknown:
+        raise UsageError(f"unknown state {unknown[0]!r}; one of {', '.join(sorted(known))}")
+    if args.limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    labels = parse_key_values(args.label, "--label")
+    limit = args.limit or None
+    rows: list[list[str]] = []
+    async with options.client() as client:
+        jobs = client.list(
+            states=states, model=args.model, labels=labels, limit=limit, page_size=min(limit or 100, 1000)
+        )
+        async with contextlib.aclosing(jobs):
+            async for job in jobs:
+                if options.json:
+                    print_json(job_json(job))
+                    continue
+                created = job.create_time.astimezone().strftime("%Y-%m-%d %H:%M:%S") if job.create_time else "-"
+                labels_text = ",".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
+                rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
+    if not options.json:
+        print(table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows), flush=True)
+    return EXIT_OK

@@ -1,0 +1,265 @@
+"""`dlq list|show|replay|purge` and `stats`: the scheduler's OpsService, for operators.
+
+The OpsService has no SDK: this module calls the generated stub and turns its messages into
+plain dicts (the JSON output) at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from asyncinfer.client.errors import from_rpc_error
+from asyncinfer.commands import Options
+from asyncinfer.commands.output import EXIT_OK, UsageError, print_json, table
+from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
+
+AddOptions = Callable[[argparse.ArgumentParser], None]
+T = TypeVar("T")
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
+    dlq = commands.add_parser("dlq", help="dead letters: list, show, replay, purge (on the scheduler)")
+    actions = dlq.add_subparsers(dest="dlq_action", required=True)
+    listing = actions.add_parser("list", help="dead letters, oldest first")
+    listing.add_argument("--model", default="", help="only this model's")
+    listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100; 0: all)")
+    add_options(listing)
+    listing.set_defaults(handler=dlq_list)
+    show = actions.add_parser("show", help="one dead letter")
+    show.add_argument("sequence", type=int)
+    add_options(show)
+    show.set_defaults(handler=dlq_show)
+    for name, verb in (("replay", "re-queue as new attempts of the same jobs"), ("purge", "delete")):
+        sub = actions.add_parser(name, help=f"{verb}: the SEQUENCEs given, or --all (of --model)")
+        sub.add_argument("sequences", nargs="*", type=int, metavar="SEQUENCE")
+        sub.add_argument("--all", action="store_true", help="every dead letter (of --model, when given)")
+        sub.add_argument("--model", default="", help="with --all: only this model's")
+        add_options(sub)
+        sub.set_defaults(handler=dlq_replay if name == "replay" else dlq_purge)
+
+    stats = commands.add_parser("stats", help="a live table of the queues (GetQueueStats on the scheduler)")
+    stats.add_argument("--model", default="", help="only this model")
+    stats.add_argument("--once", action="store_true", help="print once and exit")
+    stats.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
+    add_options(stats)
+    stats.set_defaults(handler=stats_command)
+
+
+async def _ops_call(
+    options: Options, call: Callable[[ops_service_pb2_grpc.OpsServiceAsyncStub, float], Awaitable[T]]
+) -> T:
+    """One OpsService call on a fresh channel; a failure raises the SDK's typed error."""
+    async with aio.insecure_channel(options.scheduler) as channel:
+        stub: ops_service_pb2_grpc.OpsServiceAsyncStub = ops_service_pb2_grpc.OpsServiceStub(channel)
+        try:
+            return await call(stub, options.call_timeout_s)
+        except grpc.RpcError as rpc_error:
+            raise from_rpc_error(rpc_error) from rpc_error
+
+
+def _seconds(duration: Any) -> float:
+    return float(duration.seconds + duration.nanos / 1e9)
+
+
+def _error(status: error_pb2.ErrorStatus) -> dict[str, Any]:
+    code = next((c.name for c in grpc.StatusCode if c.value[0] == status.code), str(status.code))
+    return {
+        "code": code,
+        "reason": status.reason,
+        "message": status.message,
+        "violations": [{"field": v.field, "description": v.description} for v in status.field_violations],
+    }
+
+
+def dead_letter_json(letter: ops_service_pb2.DeadLetter) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "sequence": letter.sequence,
+        "job_id": letter.job_id,
+        "tenant": letter.tenant,
+        "model_name": letter.model_name,
+        "reason": letter.reason,
+        "attempts": letter.attempts,
+        "last_error": _error(letter.last_error) if letter.HasField("last_error") else None,
+        "dead_time": letter.dead_time.ToDatetime(UTC).isoformat() if letter.HasField("dead_time") else None,
+    }
+    if letter.original_request:
+        data["original_request_bytes"] = len(letter.original_request)
+    return data
+
+
+# -- dlq ----------------------------------------------------------------------------------------
+
+
+async def dlq_list(args: argparse.Namespace, options: Options) -> int:
+    if args.limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    letters: list[dict[str, Any]] = []
+    token = ""
+    while True:
+        request = ops_service_pb2.ListDeadLettersRequest(
+            model_name=args.model, page_size=min(args.limit or 500, 500), page_token=token
+        )
+        page = await _ops_call(options, lambda stub, t: stub.ListDeadLetters(request, timeout=t))  # noqa: B023
+        letters += [dead_letter_json(letter) for letter in page.dead_letters]
+        token = page.next_page_token
+        if not token or (args.limit and len(letters) >= args.limit):
+            break
+    if args.limit:
+        letters = letters[: args.limit]
+    if options.json:
+        for letter in letters:
+            print_json(letter)
+        return EXIT_OK
+    if not letters:
+        print("no dead letters", flush=True)
+        return EXIT_OK
+    rows = [
+        [
+            str(d["sequence"]),
+            d["job_id"],
+            d["model_name"],
+            d["tenant"],
+            d["reason"],
+            str(d["attempts"]),
+            d["dead_time"] or "-",
+            f"{d['last_error']['reason']}: {d['last_error']['message']}" if d["last_error"] else "",
+        ]
+        for d in letters
+    ]
+    print(table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "DEAD", "LAST ERROR"], rows), flush=True)
+    return EXIT_OK
+
+
+async def dlq_show(args: argparse.Namespace, options: Options) -> int:
+    request = ops_service_pb2.GetDeadLetterRequest(sequence=args.sequence)
+    response = await _ops_call(options, lambda stub, t: stub.GetDeadLetter(request, timeout=t))
+    letter = dead_letter_json(response.dead_letter)
+    if options.json:
+        print_json(letter)
+    else:
+        for key, value in letter.items():
+            print(f"{key:<24}{value}", flush=True)
+    return EXIT_OK
+
+
+def _selection(args: argparse.Namespace) -> tuple[list[int], bool, str]:
+    if args.all == bool(args.sequences):
+        raise UsageError("give dead-letter SEQUENCEs or --all (not both)")
+    if args.model and not args.all:
+        raise UsageError("--model selects with --all only")
+    return list(args.sequences), bool(args.all), str(args.model)
+
+
+async def dlq_replay(args: argparse.Namespace, options: Options) -> int:
+    sequences, every, model = _selection(args)
+    request = ops_service_pb2.ReplayDeadLettersRequest(sequences=sequences, all=every, model_name=model)
+    response = await _ops_call(options, lambda stub, t: stub.ReplayDeadLetters(request, timeout=t))
+    if options.json:
+        print_json({"replayed": response.replayed})
+    else:
+        print(f"replayed {response.replayed} dead letter(s)", flush=True)
+    return EXIT_OK
+
+
+async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
+    sequences, every, model = _selection(args)
+    request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
+    response = await _ops_call(options, lambda stub, t: stub.PurgeDeadLetters(request, timeout=t))
+    if options.json:
+        print_json({"purged": response.purged})
+    else:
+        print(f"purged {response.purged} dead letter(s)", flush=True)
+    return EXIT_OK
+
+
+# -- stats --------------------------------------------------------------------------------------
+
+_PRIORITY_NAMES = {v: job_pb2.Priority.Name(v).removeprefix("PRIORITY_") for v in job_pb2.Priority.values()}
+
+
+def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
+    return {
+        "model_name": model.model_name,
+        "paused": model.paused,
+        "in_flight": model.in_flight,
+        "connected_batchers": model.connected_batchers,
+        "free_credits": model.free_credits,
+        "desired_batchers": model.desired_batchers,
+        "submitted_per_second": model.submitted_per_second,
+        "completed_per_second": model.completed_per_second,
+        "queues": [
+            {
+                "priority": _PRIORITY_NAMES.get(p.priority, str(p.priority)),
+                "depth": p.depth,
+                "oldest_age_s": _seconds(p.oldest_age) if p.HasField("oldest_age") else None,
+            }
+            for p in model.priorities
+        ],
+    }
+
+
+def stats_table(models: list[dict[str, Any]]) -> str:
+    rows: list[list[str]] = []
+    for model in models:
+        depth = sum(q["depth"] for q in model["queues"])
+        ages = [q["oldest_age_s"] for q in model["queues"] if q["oldest_age_s"] is not None and q["depth"]]
+        by_priority = " ".join(f"{q['priority'][0]}:{q['depth']}" for q in model["queues"])
+        rows.append(
+            [
+                model["model_name"] + (" (paused)" if model["paused"] else ""),
+                str(depth),
+                by_priority,
+                f"{max(ages):.1f}s" if ages else "-",
+                str(model["in_flight"]),
+                str(model["connected_batchers"]),
+                str(model["desired_batchers"]),
+                str(model["free_credits"]),
+                f"{model['submitted_per_second']:.1f}",
+                f"{model['completed_per_second']:.1f}",
+            ]
+        )
+    headers = [
+        "MODEL",
+        "QUEUED",
+        "BY PRIORITY",
+        "OLDEST",
+        "IN FLIGHT",
+        "BATCHERS",
+        "WANTED",
+        "CREDITS",
+        "IN/S",
+        "OUT/S",
+    ]
+    return table(headers, rows)
+
+
+async def stats_command(args: argparse.Namespace, options: Options) -> int:
+    if args.interval <= 0:
+        raise UsageError("--interval must be positive")
+    live = sys.stdout.isatty() and not options.json and not args.once
+    request = ops_service_pb2.GetQueueStatsRequest(model_name=args.model)
+    while True:
+        started = time.monotonic()
+        response = await _ops_call(options, lambda stub, t: stub.GetQueueStats(request, timeout=t))
+        models = [model_stats_json(m) for m in response.models]
+        now = datetime.now().astimezone().strftime("%H:%M:%S")
+        if options.json:
+            print_json({"time": datetime.now(UTC).isoformat(), "models": models})
+        elif live:
+            sys.stdout.write(f"\x1b[H\x1b[2Jasyncinfer queues at {options.scheduler}  {now}  (Ctrl-C to stop)\n\n")
+            sys.stdout.write(stats_table(models) + "\n")
+            sys.stdout.flush()
+        else:
+            print(stats_table(models) + ("" if args.once else "\n"), flush=True)
+        if args.once:
+            return EXIT_OK
+        await asyncio.sleep(max(args.interval - (time.monotonic() - started), 0.0))

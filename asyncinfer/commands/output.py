@@ -1,0 +1,304 @@
+"""What the client commands print: exit codes, errors on stderr, jobs as text or JSON, and a
+small progress bar.
+
+Exit codes (stable; scripts may rely on them):
+
+    0  ok
+    1  a job ended in a state other than SUCCEEDED (watch, submit --wait; bulk: any line did not succeed)
+    2  usage error: bad arguments, an unreadable or malformed input file
+    3  not found (NOT_FOUND: no such job, model or dead letter)
+    4  invalid argument (INVALID_ARGUMENT, OUT_OF_RANGE, ALREADY_EXISTS, FAILED_PRECONDITION)
+    5  unavailable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED): try again later
+    6  any other error (INTERNAL, UNKNOWN, UNIMPLEMENTED, ...)
+    7  not allowed (UNAUTHENTICATED, PERMISSION_DENIED)
+  130  interrupted (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, TextIO
+
+import grpc
+import numpy as np
+
+from asyncinfer.client import AsyncInferClientError, Job, JobError
+from asyncinfer.errors import FieldViolation
+from asyncinfer.tensors import datatype_of
+
+EXIT_OK = 0
+EXIT_JOB_NOT_SUCCEEDED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_INVALID = 4
+EXIT_UNAVAILABLE = 5
+EXIT_OTHER = 6
+EXIT_NOT_ALLOWED = 7
+EXIT_INTERRUPTED = 130
+
+_EXIT_BY_CODE: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.NOT_FOUND: EXIT_NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: EXIT_INVALID,
+    grpc.StatusCode.OUT_OF_RANGE: EXIT_INVALID,
+    grpc.StatusCode.ALREADY_EXISTS: EXIT_INVALID,
+    grpc.StatusCode.FAILED_PRECONDITION: EXIT_INVALID,
+    grpc.StatusCode.UNAVAILABLE: EXIT_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: EXIT_UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: EXIT_UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED: EXIT_NOT_ALLOWED,
+    grpc.StatusCode.PERMISSION_DENIED: EXIT_NOT_ALLOWED,
+}
+
+
+class UsageError(Exception):
+    """A mistake in the command line or in a file it names: exit 2, nothing was sent."""
+
+
+def exit_code_for(code: grpc.StatusCode) -> int:
+    return _EXIT_BY_CODE.get(code, EXIT_OTHER)
+
+
+def report_error(error: AsyncInferClientError, stream: TextIO | None = None) -> int:
+    """The error on stderr (code and reason, then one line per field violation); its exit code."""
+    out = stream or sys.stderr
+    print(f"asyncinfer: error: {error.code.name} {error.reason}: {error.message}", file=out)
+    for violation in error.violations:
+        print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
+    if error.retry_after_s is not None:
+        print(f"asyncinfer:   retry after {error.retry_after_s:g} s", file=out)
+    return exit_code_for(error.code)
+
+
+# -- JSON ---------------------------------------------------------------------------------------
+
+
+def array_json(array: np.ndarray[Any, Any]) -> dict[str, Any]:
+    """A tensor as {"datatype", "shape", "data" (nested lists)}; BYTES elements as UTF-8 text,
+    or {"b64": ...} when they are not text."""
+    try:
+        datatype = datatype_of(array)
+    except ValueError:
+        datatype = str(array.dtype)
+    if datatype == "BYTES":
+        data: Any = np.vectorize(_bytes_json, otypes=[object])(array).tolist() if array.size else []
+    elif array.dtype.kind == "f":
+        data = [_float_json(v) for v in array.ravel().tolist()]
+        data = np.array(data, dtype=object).reshape(array.shape).tolist() if array.ndim else data[0]
+    else:
+        data = array.tolist()
+    return {"datatype": datatype, "shape": list(array.shape), "data": data}
+
+
+def _float_json(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)  # JSON has no NaN or infinity
+
+
+def _bytes_json(value: Any) -> Any:
+    raw = value if isinstance(value, bytes) else str(value).encode()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(raw).decode("ascii")}
+
+
+def to_json(value: Any) -> Any:
+    """The SDK's dataclasses, enums, datetimes and arrays as plain JSON values."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return _float_json(value)
+    if isinstance(value, grpc.StatusCode):
+        return value.name
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, np.ndarray):
+        return array_json(value)
+    if isinstance(value, np.generic):
+        return to_json(value.item())
+    if isinstance(value, bytes):
+        return _bytes_json(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    return str(value)
+
+
+def job_json(job: Job) -> dict[str, Any]:
+    data: dict[str, Any] = to_json(job)
+    if job.progress is None:
+        data.pop("progress", None)
+    return data
+
+
+def error_json(error: JobError | AsyncInferClientError) -> dict[str, Any]:
+    return {
+        "code": error.code.name,
+        "reason": error.reason,
+        "message": error.message,
+        "violations": [{"field": v.field, "description": v.description} for v in error.violations],
+    }
+
+
+def print_json(value: Any, stream: TextIO | None = None) -> None:
+    out = stream or sys.stdout
+    out.write(json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n")
+    out.flush()
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _time(value: datetime | None) -> str:
+    return value.astimezone().isoformat(timespec="milliseconds") if value is not None else "-"
+
+
+def _violations(violations: tuple[FieldViolation, ...]) -> list[str]:
+    return [f"            {v.field}: {v.description}" for v in violations]
+
+
+def job_summary(job: Job) -> str:
+    """One line: what a watcher or a list wants to see of a job now."""
+    parts = [job.job_id, job.state.value]
+    if job.queue is not None and not job.done:
+        parts.append(f"position {job.queue.position}")
+        if job.queue.waiting_reason is not None:
+            parts.append(f"waiting: {job.queue.waiting_reason.value}")
+    if job.attempt > 1 or (job.attempt and job.state.value == "RUNNING"):
+        parts.append(f"attempt {job.attempt}/{job.max_attempts}")
+    if job.progress is not None:
+        if job.progress.fraction is not None:
+            parts.append(f"{job.progress.fraction:.0%}")
+        if job.progress.message:
+            parts.append(job.progress.message)
+    if job.error is not None:
+        parts.append(f"{job.error.reason}: {job.error.message}")
+    return "  ".join(parts)
+
+
+def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None) -> str:
+    """A job as a few aligned lines, outputs included (long arrays abbreviated)."""
+    lines = [
+        f"job         {job.job_id}",
+        f"model       {job.model_name}" + (f" (version {job.model_version})" if job.model_version else ""),
+        f"state       {job.state.value}",
+        f"priority    {job.priority.value}",
+        f"attempt     {job.attempt}/{job.max_attempts}",
+        f"created     {_time(job.create_time)}",
+    ]
+    if job.end_time is not None:
+        lines.append(f"ended       {_time(job.end_time)}")
+    if job.queue_duration_s is not None or job.run_duration_s is not None:
+        lines.append(f"durations   queued {_seconds(job.queue_duration_s)}, ran {_seconds(job.run_duration_s)}")
+    if job.queue is not None and not job.done:
+        reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
+        lines.append(f"queue       position {job.queue.position}, waiting: {reason}")
+    if job.labels:
+        lines.append("labels      " + ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())))
+    if job.error is not None:
+        lines.append(f"error       {job.error.code.name} {job.error.reason}: {job.error.message}")
+        lines += _violations(job.error.violations)
+    elif job.last_error is not None:
+        lines.append(f"last error  {job.last_error.code.name} {job.last_error.reason}: {job.last_error.message}")
+    if job.result_ref is not None:
+        lines.append(f"result      {job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")
+    for name, array in (outputs if outputs is not None else job.outputs).items():
+        body = np.array2string(array, threshold=64, separator=", ")
+        lines.append(f"output      {name} {array_json(array)['datatype']} {list(array.shape)}: {body}")
+    return "\n".join(lines)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+# -- progress -----------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """`label [#####.....] 120/200 60% 35/s ETA 3s` redrawn in place on stderr, at most 10 times a
+    second; silent unless stderr is a terminal (so logs and pipes stay clean)."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, total: int | None, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.total = total
+        self.done = 0
+        self.note = ""
+        self._stream = stream or sys.stderr
+        self.enabled = self._stream.isatty()
+        self._started = time.monotonic()
+        self._drawn = 0.0
+
+    def advance(self, count: int = 1, note: str | None = None) -> None:
+        self.done += count
+        if note is not None:
+            self.note = note
+        now = time.monotonic()
+        if now - self._drawn >= 0.1 or (self.total is not None and self.done >= self.total):
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        if not self.enabled:
+            return
+        self._drawn = now
+        elapsed = max(now - self._started, 1e-6)
+        rate = self.done / elapsed
+        if self.total:
+            fraction = min(self.done / self.total, 1.0)
+            filled = int(fraction * self.WIDTH)
+            left = (self.total - self.done) / rate if rate > 0 else math.inf
+            eta = f" ETA {left:.0f}s" if math.isfinite(left) and self.done < self.total else ""
+            text = (
+                f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} "
+                f"{fraction:4.0%} {rate:.0f}/s{eta}"
+            )
+        else:
+            text = f"{self.label} {self.done} {rate:.0f}/s"
+        if self.note:
+            text += f"  {self.note}"
+        self._stream.write("\r\x1b[2K" + text)
+        self._stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.monotonic())
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+class StatusLine:
+    """One line rewritten in place on a terminal (watch's live state)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def show(self, text: str) -> None:
+        self._stream.write("\r\x1b[2K" + text)
+        self._stream.flush()
+
+    def close(self) -> None:
+        self._stream.write("\n")
+        self._stream.flush()

@@ -1,0 +1,406 @@
+"""The client commands of `asyncinfer` (submit, get, watch, cancel, list, bulk, dlq, stats) against
+the real in-process stack: gateway + scheduler + batcher serving the demo model y = 2x + 1.
+
+The CLI runs through `asyncinfer.cli.main` in a worker thread (its own event loop), so that the
+stack keeps serving on the test's loop; watch runs as a subprocess so the test can read its first
+line before letting the job run."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncinfer.cli import main
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config
+from asyncinfer.ids import new_job_id
+from services.batcher.app import BatcherApp
+from services.gateway.app import GatewayApp
+from services.scheduler.app import SchedulerApp
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Stack:
+    """Gateway and scheduler, and a batcher when asked for; stopped in reverse order."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.gateway = GatewayApp(config)
+        self.scheduler = SchedulerApp(config)
+        self.batcher: BatcherApp | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def ops_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler.port}"
+
+    async def start(self, *, batcher: bool) -> None:
+        await self.gateway.start()
+        await self.scheduler.start()
+        if batcher:
+            await self.start_batcher()
+
+    async def start_batcher(self) -> None:
+        self.batcher = BatcherApp(
+            self.config.replace(batcher={"scheduler_address": f"127.0.0.1:{self.scheduler.port}"})
+        )
+        await self.batcher.start()
+
+    async def stop(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop(2.0)
+        await self.scheduler.stop(2.0)
+        await self.gateway.stop(2.0)
+
+
+@pytest.fixture
+async def stack(config: Config) -> AsyncIterator[Stack]:
+    running = Stack(config)
+    await running.start(batcher=True)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest.fixture
+async def idle_stack(config: Config) -> AsyncIterator[Stack]:
+    """No batcher: jobs stay QUEUED until the test starts one."""
+    running = Stack(config)
+    await running.start(batcher=False)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+class ThreadStream(io.TextIOBase):
+    """sys.stdout / sys.stderr for the test: what a CLI thread writes goes to that thread's buffer,
+    everything else (the services' logs) to the stream it replaced."""
+
+    def __init__(self, underlying: Any) -> None:
+        self.underlying = underlying
+        self.buffers: dict[int, io.StringIO] = {}
+
+    def write(self, text: str) -> int:
+        buffer = self.buffers.get(threading.get_ident())
+        return buffer.write(text) if buffer is not None else self.underlying.write(text)
+
+    def flush(self) -> None:
+        if threading.get_ident() not in self.buffers:
+            self.underlying.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+class Cli:
+    """Runs `asyncinfer ...` in a worker thread and returns (exit code, stdout, stderr)."""
+
+    def __init__(self, stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.stack = stack
+        self.stdout = ThreadStream(sys.stdout)
+        self.stderr = ThreadStream(sys.stderr)
+        monkeypatch.setattr(sys, "stdout", self.stdout)
+        monkeypatch.setattr(sys, "stderr", self.stderr)
+
+    def _run(self, argv: list[str]) -> tuple[int, str, str]:
+        me = threading.get_ident()
+        out, err = self.stdout.buffers[me], self.stderr.buffers[me] = io.StringIO(), io.StringIO()
+        try:
+            return main(argv), out.getvalue(), err.getvalue()
+        finally:
+            del self.stdout.buffers[me], self.stderr.buffers[me]
+
+    async def __call__(self, *argv: str, gateway: str | None = None) -> tuple[int, str, str]:
+        options = [
+            "--gateway",
+            gateway or self.stack.address,
+            "--scheduler",
+            self.stack.ops_address,
+            "--timeout",
+            "20",
+        ]
+        return await asyncio.to_thread(self._run, [*options, *argv])
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def count_jobs(stack: Stack, **filters: Any) -> int:
+    async with AsyncClient(stack.address) as client:
+        return len([job async for job in client.list(limit=None, **filters)])
+
+
+# -- submit, get ---------------------------------------------------------------------------------
+
+
+async def test_submit_inline_and_npy_then_get_json_shows_outputs(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli = Cli(stack, monkeypatch)
+    # JSON ints, typed FP32 from the demo model's signature (the default configuration's).
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]", "--label", "suite=cli")
+    assert code == 0, err
+    job_id = out.strip()
+    assert len(job_id) == 36, out
+
+    async with AsyncClient(stack.address) as client:
+        await client.wait(job_id, timeout_s=20)
+    code, out, err = await cli("get", job_id, "--json")
+    assert code == 0, err
+    job = json.loads(out)
+    assert job["job_id"] == job_id
+    assert job["state"] == "SUCCEEDED"
+    assert job["labels"] == {"suite": "cli"}
+    assert job["outputs"]["y"] == {"datatype": "FP32", "shape": [1, 4], "data": [[3.0, 5.0, 7.0, 9.0]]}
+
+    # A float64 .npy file, one row without the batch dimension: cast and batched per the signature.
+    np.save(tmp_path / "x.npy", np.array([0.5, 1.0, 1.5, 2.0]))
+    code, out, err = await cli("submit", "demo", "--input", f"x=@{tmp_path / 'x.npy'}", "--wait", "--json")
+    assert code == 0, err
+    done = json.loads(out)
+    assert done["state"] == "SUCCEEDED"
+    assert done["outputs"]["y"]["data"] == [[2.0, 3.0, 4.0, 5.0]]
+
+    # Text output of get names the state and the output.
+    code, out, err = await cli("get", job_id)
+    assert code == 0, err
+    assert "SUCCEEDED" in out
+    assert "y FP32 [1, 4]" in out
+
+
+async def test_submit_request_from_stdin(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    request = {"model": "demo", "inputs": {"x": {"datatype": "FP32", "shape": [2, 4], "data": list(range(8))}}}
+    monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(request)))
+    code, out, err = await Cli(stack, monkeypatch)("--json", "submit", "--request", "-", "--priority", "high", "--wait")
+    assert code == 0, err
+    job = json.loads(out)
+    assert job["priority"] == "HIGH"
+    assert job["outputs"]["y"]["data"] == [[1.0, 3.0, 5.0, 7.0], [9.0, 11.0, 13.0, 15.0]]
+
+
+async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = Cli(idle_stack, monkeypatch)
+    # The gateway refuses a wrong shape: INVALID_ARGUMENT (4), the field violation on stderr.
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3]]")
+    assert code == 4
+    assert out == ""
+    assert "INVALID_ARGUMENT" in err
+    assert "inputs[0].shape" in err
+    assert "[-1, 4]" in err
+    # An unknown job: NOT_FOUND (3).
+    code, _, err = await cli("get", new_job_id())
+    assert code == 3
+    assert "NOT_FOUND" in err
+    assert "JOB_NOT_FOUND" in err
+    # Malformed arguments never reach the gateway: usage error (2).
+    code, _, err = await cli("submit", "demo", "--input", "x=[1,2")
+    assert code == 2
+    assert "--input x" in err
+    assert "JSON" in err
+    code, _, err = await cli("list", "--state", "DONE")
+    assert code == 2
+    assert "unknown state" in err
+    # Nothing listening: UNAVAILABLE (5), within the timeout.
+    code, _, err = await cli("get", new_job_id(), "--timeout", "1", gateway="127.0.0.1:1")
+    assert code == 5
+    assert "UNAVAILABLE" in err
+
+
+# -- watch, cancel, list -------------------------------------------------------------------------
+
+
+async def test_watch_json_prints_each_state_until_succeeded(idle_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    code, out, err = await Cli(idle_stack, monkeypatch)("submit", "demo", "--input", "x=[[1,1,1,1]]")
+    assert code == 0, err
+    job_id = out.strip()
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asyncinfer.cli",
+        "watch",
+        job_id,
+        "--json",
+        "--gateway",
+        idle_stack.address,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert watcher.stdout is not None
+    first = json.loads(await asyncio.wait_for(watcher.stdout.readline(), 20))
+    assert first["state"] == "QUEUED"  # no batcher yet: it waits
+    await idle_stack.start_batcher()
+    rest, stderr = await asyncio.wait_for(watcher.communicate(), 20)
+    assert watcher.returncode == 0, stderr.decode()
+    updates = [first, *json_lines(rest.decode())]
+    states = [u["state"] for u in updates]
+    assert states[0] == "QUEUED"
+    assert states[-1] == "SUCCEEDED"
+    assert "RUNNING" in states
+    revisions = [u["revision"] for u in updates]
+    assert revisions == sorted(set(revisions)), "each change once, in order"
+
+
+async def test_cancel_then_get_and_list_with_filters(idle_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = Cli(idle_stack, monkeypatch)
+    ids: dict[str, str] = {}
+    for name, team in (("a", "red"), ("b", "red"), ("c", "blue")):
+        code, out, err = await cli("submit", "demo", "-i", "x=[[0,0,0,0]]", "--label", f"team={team}")
+        assert code == 0, err
+        ids[name] = out.strip()
+
+    code, out, err = await cli("cancel", ids["a"], "--reason", "not needed", "--json")
+    assert code == 0, err
+    assert json.loads(out)["state"] == "CANCELED"
+    code, out, _ = await cli("get", ids["a"], "--json")
+    assert json.loads(out)["state"] == "CANCELED"
+    # An unknown job among several: the others are still canceled, the exit code is NOT_FOUND's.
+    code, out, err = await cli("cancel", new_job_id(), ids["b"])
+    assert code == 3
+    assert "JOB_NOT_FOUND" in err
+    assert f"{ids['b']}  CANCELED" in out
+
+    code, out, err = await cli("list", "--json", "--label", "team=red", "--model", "demo")
+    assert code == 0, err
+    assert {j["job_id"] for j in json_lines(out)} == {ids["a"], ids["b"]}
+    code, out, _ = await cli("list", "--json", "--state", "QUEUED,RUNNING")
+    assert [j["job_id"] for j in json_lines(out)] == [ids["c"]]
+    code, out, _ = await cli("list", "--json", "--limit", "2")
+    assert [j["job_id"] for j in json_lines(out)] == [ids["c"], ids["b"]], "newest first, at most 2"
+    code, out, _ = await cli("list", "--state", "canceled")
+    assert out.splitlines()[0].split()[:3] == ["JOB_ID", "MODEL", "STATE"]
+    assert len(out.splitlines()) == 3
+
+
+# -- bulk ----------------------------------------------------------------------------------------
+
+
+def write_bulk_file(path: Path) -> tuple[dict[int, list[float]], set[int], set[int]]:
+    """200 lines: valid ones (line -> x row), lines that are not JSON, lines the gateway refuses."""
+    valid: dict[int, list[float]] = {}
+    not_json: set[int] = set()
+    refused: set[int] = set()
+    lines: list[str] = []
+    for number in range(1, 201):
+        if number % 40 == 0:
+            lines.append('{"model": "demo", "inputs": ')
+            not_json.add(number)
+        elif number % 40 == 7:
+            lines.append(json.dumps({"inputs": {"x": [[1, 2, 3]]}, "labels": {"bulk": "t"}}))
+            refused.add(number)
+        else:
+            row = [float(number), float(number % 3), -1.0, 0.5]
+            lines.append(json.dumps({"inputs": {"x": [row]}, "labels": {"bulk": "t"}}))
+            valid[number] = row
+    path.write_text("\n".join(lines) + "\n")
+    return valid, not_json, refused
+
+
+def check_results(path: Path, valid: dict[int, list[float]], not_json: set[int], refused: set[int]) -> None:
+    results = {entry["line"]: entry for entry in json_lines(path.read_text())}
+    assert set(results) == set(valid) | not_json | refused, "one result per line, none twice"
+    for number, row in valid.items():
+        entry = results[number]
+        assert entry["state"] == "SUCCEEDED", entry
+        assert entry["outputs"]["y"]["data"] == [[2 * v + 1 for v in row]]
+    for number in not_json:
+        assert results[number]["error"]["reason"] == "INVALID_LINE"
+    for number in refused:
+        error = results[number]["error"]
+        assert error["code"] == "INVALID_ARGUMENT"
+        assert any(v["field"].endswith(".shape") for v in error["violations"]), error
+
+
+async def test_bulk_writes_results_and_resumes_without_queuing_twice(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli = Cli(stack, monkeypatch)
+    source = tmp_path / "requests.jsonl"
+    valid, not_json, refused = write_bulk_file(source)
+    out = tmp_path / "requests.results.jsonl"
+
+    code, stdout, err = await cli("bulk", str(source), "--model", "demo", "--json")
+    assert code == 1, err  # some lines did not succeed
+    summary = json.loads(stdout)
+    assert summary["lines"] == 200
+    assert summary["succeeded"] == len(valid)
+    assert summary["submitted"] == len(valid)
+    assert summary["deduplicated"] == 0
+    assert summary["invalid"] == len(not_json)
+    assert summary["refused"] == len(refused)
+    check_results(out, valid, not_json, refused)
+    assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
+
+    # Interrupted after half the results were written: the re-run waits for the jobs the state
+    # file knows and queues nothing.
+    kept = out.read_text().splitlines()[::2]
+    out.write_text("\n".join(kept) + "\n")
+    code, stdout, err = await cli("bulk", str(source), "--model", "demo", "--json")
+    assert code == 1, err
+    summary = json.loads(stdout)
+    assert summary["submitted"] == 0, summary
+    kept_lines = {json.loads(line)["line"] for line in kept}
+    assert summary["already_done"] == len(set(valid) | kept_lines), "finished, or accepted and known"
+    check_results(out, valid, not_json, refused)
+    assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
+
+    # Interrupted before the state file was written (and the results lost): every line is sent
+    # again, and the idempotency keys answer each with its first job.
+    await asyncio.to_thread(out.unlink)
+    await asyncio.to_thread(Path(str(out) + ".state").unlink)
+    code, stdout, err = await cli("bulk", str(source), "--model", "demo", "--json")
+    assert code == 1, err
+    summary = json.loads(stdout)
+    assert summary["deduplicated"] == len(valid), summary
+    check_results(out, valid, not_json, refused)
+    assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
+
+
+# -- dlq, stats ----------------------------------------------------------------------------------
+
+
+async def test_dlq_and_stats(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = Cli(stack, monkeypatch)
+    code, out, err = await cli("dlq", "list", "--json")
+    assert (code, out) == (0, ""), err
+    code, out, err = await cli("dlq", "list")
+    assert code == 0, err
+    assert "no dead letters" in out
+    code, out, err = await cli("dlq", "purge", "--all", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"purged": 0}
+    code, _, err = await cli("dlq", "replay")
+    assert code == 2
+    assert "SEQUENCE" in err
+    code, _, err = await cli("dlq", "show", "12345")
+    assert code == 3
+    assert "DEAD_LETTER_NOT_FOUND" in err
+
+    code, out, err = await cli("stats", "--once", "--json")
+    assert code == 0, err
+    snapshot = json.loads(out)
+    demo = next(m for m in snapshot["models"] if m["model_name"] == "demo")
+    assert demo["connected_batchers"] >= 1
+    assert {q["priority"] for q in demo["queues"]} >= {"HIGH", "NORMAL", "LOW"}
+    code, out, err = await cli("stats", "--once")
+    assert code == 0, err
+    assert out.splitlines()[0].startswith("MODEL")
+    assert "demo" in out
