@@ -473,7 +473,7 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             + f"; for comparison the SubmitJob call alone: {med(per_run(out.submit_ms, 50)):.2f} ms. When the queued "
             "time exceeds the SubmitJob call, dispatch waits for the submit to finish: the gateway publishes the "
             "work message before it writes the record, so an idle scheduler can pull the message first and then "
-            "waits for the record (services/scheduler/jobs_flow.py RECORD_WAITS_S: 2, 10, 50 ms)."
+            "waits for the record (services/scheduler/jobs_flow.py RECORD_WAITS_S: 1, 2, 4, 8, 15, 30 ms)."
         )
     for name, (total, own, inclusive) in out.profiles.items():
         if total == 0:
