@@ -16,7 +16,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unimplemented
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
-from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
@@ -43,6 +43,11 @@ def resolve_tenant(context: Context, authenticator: Authenticator) -> str:
     tenant when no keys are configured. Every record key is built from it, so another tenant's job
     is simply not there (NOT_FOUND, exactly like an unknown one)."""
     return authenticator.tenant(context.invocation_metadata() or ())
+
+
+# Watch messages kept for sharing between the watchers of one change: enough for every job changing
+# within the moment it takes to fan one change out.
+WATCH_RESPONSES_CACHED = 1024
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -72,6 +77,8 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._claim_check = claim_check
         self._callback_deliveries = callback_deliveries
         self._idempotent = idempotent
+        # Converted watch messages of recent record changes, oldest first (see _watch_response).
+        self._watch_responses: dict[tuple[str, int], job_service_pb2.WatchJobResponse] = {}
         self._lister = JobLister(
             nc.jetstream(),
             records,
@@ -141,7 +148,22 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
         async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
             async for record in updates:
-                yield job_service_pb2.WatchJobResponse(job=self._job(record))
+                yield self._watch_response(record)
+
+    def _watch_response(self, record: JobRecord) -> job_service_pb2.WatchJobResponse:
+        """The message for one record change. Every watcher of a job gets the same change at
+        the same moment, so a record past QUEUED (no queue standing, which changes with time) is
+        converted once and the message shared (gRPC only reads it to serialize)."""
+        if record.state is JobState.QUEUED:
+            return job_service_pb2.WatchJobResponse(job=self._job(record))
+        cache_key = (record.key, record.revision)
+        response = self._watch_responses.get(cache_key)
+        if response is None:
+            response = job_service_pb2.WatchJobResponse(job=self._job(record))
+            self._watch_responses[cache_key] = response
+            if len(self._watch_responses) > WATCH_RESPONSES_CACHED:
+                del self._watch_responses[next(iter(self._watch_responses))]  # the oldest
+        return response
 
     async def CancelJob(
         self, request: job_service_pb2.CancelJobRequest, context: Context
