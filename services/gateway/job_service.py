@@ -97,10 +97,11 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
 
     async def _read(self, context: Context, job_id: str) -> JobRecord:
         """The caller's job as it stands now (EXPIRED if its queue deadline passed)."""
+        tenant = resolve_tenant(context, self._authenticator)  # first: a caller without a key learns nothing
         # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
         if not is_job_id(job_id):
             raise job_not_found(job_id)
-        key = job_key(resolve_tenant(context, self._authenticator), job_id)
+        key = job_key(tenant, job_id)
         record = await self._records.get(key)
         if record is not None:
             record = await self._expiry.settle(record)
@@ -142,9 +143,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.WatchJobResponse]:
+        tenant = resolve_tenant(context, self._authenticator)
         if not is_job_id(request.job_id):
             raise job_not_found(request.job_id)
-        tenant = resolve_tenant(context, self._authenticator)
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
         async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
             async for record in updates:
