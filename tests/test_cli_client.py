@@ -404,3 +404,27 @@ async def test_dlq_and_stats(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> N
     assert code == 0, err
     assert out.splitlines()[0].startswith("MODEL")
     assert "demo" in out
+
+
+async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = Cli(stack, monkeypatch)
+    code, out, err = await cli("queue", "pause", "demo", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"model_name": "demo", "paused": True}
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
+    assert code == 0, err
+    job_id = out.strip()
+    code, out, err = await cli("get", job_id, "--json")
+    assert code == 0, err
+    assert json.loads(out)["state"] == "QUEUED"
+    code, out, err = await cli("queue", "resume", "demo")
+    assert code == 0, err
+    assert out.strip() == "demo: dispatching"
+    code, out, err = await cli("watch", job_id, "--json")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["state"] == "SUCCEEDED"
+    code, _, err = await cli("queue", "pause", "no-such-model")
+    assert code == 3, err
+    code, out, err = await cli("queue", "drain", "--wait", "5", "--json")
+    assert code == 0, err
+    assert json.loads(out) == {"in_flight": 0}

@@ -1,4 +1,5 @@
-"""`dlq list|show|replay|purge` and `stats`: the scheduler's OpsService, for operators.
+"""`dlq list|show|replay|purge`, `queue pause|resume|drain` and `stats`: the scheduler's
+OpsService, for operators.
 
 The OpsService has no SDK: this module calls the generated stub and turns its messages into
 plain dicts (the JSON output) at once.
@@ -45,6 +46,18 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         sub.add_argument("--model", default="", help="with --all: only this model's")
         add_options(sub)
         sub.set_defaults(handler=dlq_replay if name == "replay" else dlq_purge)
+
+    queue = commands.add_parser("queue", help="pause or resume a model's queue, or drain the scheduler")
+    queue_actions = queue.add_subparsers(dest="queue_action", required=True)
+    for name, verb in (("pause", "stop dispatching (jobs stay queued, reason PAUSED)"), ("resume", "dispatch again")):
+        sub = queue_actions.add_parser(name, help=f"{verb}: MODEL's queue")
+        sub.add_argument("model")
+        add_options(sub)
+        sub.set_defaults(handler=queue_pause if name == "pause" else queue_resume)
+    drain = queue_actions.add_parser("drain", help="stop dispatching and wait (bounded) for jobs in flight")
+    drain.add_argument("--wait", type=float, default=30.0, help="seconds to wait for jobs in flight (default 30)")
+    add_options(drain)
+    drain.set_defaults(handler=queue_drain)
 
     stats = commands.add_parser("stats", help="a live table of the queues (GetQueueStats on the scheduler)")
     stats.add_argument("--model", default="", help="only this model")
@@ -178,6 +191,43 @@ async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
         print_json({"purged": response.purged})
     else:
         print(f"purged {response.purged} dead letter(s)", flush=True)
+    return EXIT_OK
+
+
+# -- queue --------------------------------------------------------------------------------------
+
+
+async def queue_pause(args: argparse.Namespace, options: Options) -> int:
+    request = ops_service_pb2.PauseQueueRequest(model_name=args.model)
+    response = await _ops_call(options, lambda stub, t: stub.PauseQueue(request, timeout=t))
+    return _print_paused(args.model, response.paused, options)
+
+
+async def queue_resume(args: argparse.Namespace, options: Options) -> int:
+    request = ops_service_pb2.ResumeQueueRequest(model_name=args.model)
+    response = await _ops_call(options, lambda stub, t: stub.ResumeQueue(request, timeout=t))
+    return _print_paused(args.model, response.paused, options)
+
+
+def _print_paused(model: str, paused: bool, options: Options) -> int:
+    if options.json:
+        print_json({"model_name": model, "paused": paused})
+    else:
+        print(f"{model}: {'paused' if paused else 'dispatching'}", flush=True)
+    return EXIT_OK
+
+
+async def queue_drain(args: argparse.Namespace, options: Options) -> int:
+    if args.wait < 0:
+        raise UsageError("--wait must not be negative")
+    request = ops_service_pb2.DrainRequest()
+    request.timeout.FromNanoseconds(int(args.wait * 1e9))
+    # The call lasts as long as the drain may: the per-call timeout is added on top.
+    response = await _ops_call(options, lambda stub, t: stub.Drain(request, timeout=t + args.wait))
+    if options.json:
+        print_json({"in_flight": response.in_flight})
+    else:
+        print(f"drained; jobs still in flight: {response.in_flight}", flush=True)
     return EXIT_OK
 
 
