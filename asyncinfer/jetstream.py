@@ -147,29 +147,49 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
     await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the work stream")
 
 
-async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    """The KV bucket of job records. Direct gets are off: a record read right after a write must
-    see the write (followers may lag), and compare-and-set needs the latest revision."""
+async def ensure_kv_bucket(
+    js: JetStreamContext,
+    config: NatsConfig,
+    *,
+    bucket: str,
+    description: str,
+    limit_marker_ttl_s: float | None = None,
+) -> KeyValue:
+    """A KV bucket of ours, created on first use (history 1, file storage, the configured
+    replicas). Direct gets are off for all of them: a read right after a write must see the write
+    (followers may lag), and compare-and-set needs the latest revision. nats-py allows per-message
+    TTLs on every bucket it creates."""
 
     async def declare(_: float) -> KeyValue:
         try:
-            return await js.key_value(config.jobs_bucket)
+            return await js.key_value(bucket)
         except BucketNotFoundError:
             kv = await js.create_key_value(
-                bucket=config.jobs_bucket,
-                description="asyncinfer job records, keyed <tenant>.<job_id>",
+                bucket=bucket,
+                description=description,
                 history=1,
                 storage=api.StorageType.FILE,
                 replicas=config.replicas,
                 direct=False,
-                # Records carry their retention as a per-message TTL; when one expires the
-                # server leaves this long-lived marker, so reads can say "retention passed".
-                limit_marker_ttl=config.expired_job_marker_ttl_s,
+                limit_marker_ttl=limit_marker_ttl_s,
             )
-            log.info("bucket_created", bucket=config.jobs_bucket)
+            log.info("bucket_created", bucket=bucket)
             return kv
 
-    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the jobs bucket")
+    # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
+    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")
+
+
+async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
+    """The KV bucket of job records. Records carry their retention as a per-message TTL; when one
+    expires the server leaves a long-lived marker, so reads can say "retention passed"."""
+    return await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.jobs_bucket,
+        description="asyncinfer job records, keyed <tenant>.<job_id>",
+        limit_marker_ttl_s=config.expired_job_marker_ttl_s,
+    )
 
 
 def work_consumer_name(model_name: str, priority: Priority) -> str:

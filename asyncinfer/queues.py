@@ -25,11 +25,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
+from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.jobs import Priority
 
 SNAPSHOT_STALE_S = 15.0
@@ -134,14 +135,9 @@ class CancelNotice:
 
 
 async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    try:
-        return await js.key_value(config.queues_bucket)
-    except BucketNotFoundError:
-        return await js.create_key_value(
-            bucket=config.queues_bucket,
-            description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
-            history=1,
-            storage=api.StorageType.FILE,
-            replicas=config.replicas,
-            direct=False,
-        )
+    return await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.queues_bucket,
+        description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
+    )

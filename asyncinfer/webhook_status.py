@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
-from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, KeyDeletedError, KeyNotFoundError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
-from asyncinfer.jetstream import retry_transient
+from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobState
 
@@ -132,25 +132,13 @@ def decode_deliveries(data: bytes, revision: int = 0) -> JobDeliveries:
 
 
 async def ensure_webhooks_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    """The webhooks KV bucket (declared by the gateway and the scheduler alike). Direct gets are off
-    so compare-and-set reads see the latest write."""
-
-    async def declare(_: float) -> KeyValue:
-        try:
-            return await js.key_value(config.webhooks_bucket)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                bucket=config.webhooks_bucket,
-                description="asyncinfer webhook deliveries per job (job.<tenant>.<job_id>) and disabled URLs",
-                history=1,
-                storage=api.StorageType.FILE,
-                replicas=config.replicas,
-                direct=False,
-            )
-            log.info("bucket_created", bucket=config.webhooks_bucket)
-            return kv
-
-    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the webhooks bucket")
+    """The webhooks KV bucket (declared by the gateway and the scheduler alike)."""
+    return await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.webhooks_bucket,
+        description="asyncinfer webhook deliveries per job (job.<tenant>.<job_id>) and disabled URLs",
+    )
 
 
 async def read_deliveries(kv: KeyValue, tenant: str, job_id: str) -> JobDeliveries:

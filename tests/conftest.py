@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jetstream import connect
+from tests.stack import Stack
 
 
 @pytest.fixture
@@ -71,3 +72,25 @@ async def make_engine() -> AsyncIterator[Callable[..., Any]]:
     yield make
     for engine in engines:
         await engine.stop(grace_s=1.0)
+
+
+@pytest.fixture
+async def stack(config: Config) -> AsyncIterator[Stack]:
+    """The whole stack: jobs run to completion."""
+    running = Stack(config)
+    await running.start(batcher=True)
+    try:
+        yield running
+    finally:
+        await running.stop()
+
+
+@pytest.fixture
+async def idle_stack(config: Config) -> AsyncIterator[Stack]:
+    """No batcher: jobs stay QUEUED until the test starts one."""
+    running = Stack(config)
+    await running.start(batcher=False)
+    try:
+        yield running
+    finally:
+        await running.stop()

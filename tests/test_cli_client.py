@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -22,70 +21,10 @@ import pytest
 
 from asyncinfer.cli import main
 from asyncinfer.client import AsyncClient
-from asyncinfer.config import Config
 from asyncinfer.ids import new_job_id
-from services.batcher.app import BatcherApp
-from services.gateway.app import GatewayApp
-from services.scheduler.app import SchedulerApp
+from tests.stack import Stack
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-class Stack:
-    """Gateway and scheduler, and a batcher when asked for; stopped in reverse order."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.gateway = GatewayApp(config)
-        self.scheduler = SchedulerApp(config)
-        self.batcher: BatcherApp | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.gateway.port}"
-
-    @property
-    def ops_address(self) -> str:
-        return f"127.0.0.1:{self.scheduler.port}"
-
-    async def start(self, *, batcher: bool) -> None:
-        await self.gateway.start()
-        await self.scheduler.start()
-        if batcher:
-            await self.start_batcher()
-
-    async def start_batcher(self) -> None:
-        self.batcher = BatcherApp(
-            self.config.replace(batcher={"scheduler_address": f"127.0.0.1:{self.scheduler.port}"})
-        )
-        await self.batcher.start()
-
-    async def stop(self) -> None:
-        if self.batcher is not None:
-            await self.batcher.stop(2.0)
-        await self.scheduler.stop(2.0)
-        await self.gateway.stop(2.0)
-
-
-@pytest.fixture
-async def stack(config: Config) -> AsyncIterator[Stack]:
-    running = Stack(config)
-    await running.start(batcher=True)
-    try:
-        yield running
-    finally:
-        await running.stop()
-
-
-@pytest.fixture
-async def idle_stack(config: Config) -> AsyncIterator[Stack]:
-    """No batcher: jobs stay QUEUED until the test starts one."""
-    running = Stack(config)
-    await running.start(batcher=False)
-    try:
-        yield running
-    finally:
-        await running.stop()
 
 
 class ThreadStream(io.TextIOBase):

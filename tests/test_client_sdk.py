@@ -30,79 +30,15 @@ from asyncinfer.client import (
     RetryPolicy,
     UnauthenticatedError,
     UnavailableError,
-    UnimplementedError,
 )
 from asyncinfer.config import Config
-from services.batcher.app import BatcherApp
 from services.gateway.app import GatewayApp
 from services.gateway.auth import hash_key
-from services.scheduler.app import SchedulerApp
+from tests.stack import Stack
 
 T = TypeVar("T")
 X = np.array([[1, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float32)
 FAST_RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
-
-
-class Stack:
-    """Gateway and scheduler, and a batcher when asked for; stopped in reverse order."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.gateway = GatewayApp(config)
-        self.scheduler = SchedulerApp(config)
-        self.batcher: BatcherApp | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.gateway.port}"
-
-    async def start(self, *, batcher: bool) -> None:
-        await self.gateway.start()
-        await self.scheduler.start()
-        if batcher:
-            await self.start_batcher()
-
-    async def start_batcher(self) -> None:
-        self.batcher = BatcherApp(
-            self.config.replace(batcher={"scheduler_address": f"127.0.0.1:{self.scheduler.port}"})
-        )
-        await self.batcher.start()
-
-    async def stop(self) -> None:
-        if self.batcher is not None:
-            await self.batcher.stop(2.0)
-        await self.scheduler.stop(2.0)
-        await self.gateway.stop(2.0)
-
-
-@pytest.fixture
-async def stack(config: Config) -> AsyncIterator[Stack]:
-    """The whole stack: jobs run to completion."""
-    running = Stack(config)
-    await running.start(batcher=True)
-    try:
-        yield running
-    finally:
-        await running.stop()
-
-
-@pytest.fixture
-async def idle_stack(config: Config) -> AsyncIterator[Stack]:
-    """No batcher: jobs stay QUEUED until the test starts one."""
-    running = Stack(config)
-    await running.start(batcher=False)
-    try:
-        yield running
-    finally:
-        await running.stop()
-
-
-async def unless_unimplemented(work: Awaitable[T], rpc: str) -> T:
-    """The RPCs other parts of the gateway are still building: marked xfail while UNIMPLEMENTED."""
-    try:
-        return await work
-    except UnimplementedError:
-        pytest.xfail(f"{rpc} still answers UNIMPLEMENTED in the gateway")
 
 
 def expected_y(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -311,7 +247,7 @@ async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
         async def collect() -> list[BulkResult]:
             return [result async for result in client.bulk(requests, window=4, timeout_s=30)]
 
-        results = await unless_unimplemented(collect(), "SubmitJobs")
+        results = await collect()
         assert [r.index for r in results] == list(range(len(requests)))
         assert [r.correlation_id for r in results] == [r.correlation_id for r in requests]
         refused = results[7]
@@ -365,7 +301,7 @@ async def test_list_pages_through_the_callers_jobs(idle_stack: Stack) -> None:
         async def collect() -> list[Job]:
             return [job async for job in client.list(labels={"batch": "b1"}, page_size=2)]
 
-        listed = await unless_unimplemented(collect(), "ListJobs")
+        listed = await collect()
         assert [j.job_id for j in listed] == [j.job_id for j in reversed(submitted)], "newest first, filtered"
         queued = [job async for job in client.list(states=[JobState.QUEUED], limit=3)]
         assert len(queued) == 3
@@ -373,7 +309,7 @@ async def test_list_pages_through_the_callers_jobs(idle_stack: Stack) -> None:
 
 async def test_upload_then_submit_by_reference(stack: Stack) -> None:
     async with AsyncClient(stack.address) as client:
-        ref = await unless_unimplemented(client.upload_inputs({"x": X}), "UploadInput")
+        ref = await client.upload_inputs({"x": X})
         assert ref.ref
         assert ref.size_bytes > 0
         assert len(ref.sha256) == 64
@@ -394,7 +330,7 @@ async def test_read_result_of_a_large_result(config: Config) -> None:
             done = await client.wait(job, timeout_s=30)
             if done.result_ref is None:
                 pytest.xfail(f"large results are not stored by reference yet (job ended {done.state})")
-            outputs = await unless_unimplemented(client.read_result(done), "ReadResult")
+            outputs = await client.read_result(done)
             np.testing.assert_array_equal(outputs["y"], expected_y(X))
     finally:
         await stack.stop()

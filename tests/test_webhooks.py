@@ -20,10 +20,9 @@ from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.jetstream import connect
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.batcher.app import BatcherApp
 from services.gateway.app import GatewayApp
-from services.scheduler.app import SchedulerApp
 from services.scheduler.webhooks.signing import new_secret
+from tests.stack import Stack as BaseStack
 
 SECRET = new_secret()
 WAIT_S = 15.0
@@ -122,12 +121,11 @@ def demo_input() -> tensor_pb2.InferInputTensor:
     return x
 
 
-class Stack:
+class Stack(BaseStack):
+    """The shared stack plus a JobService channel and the webhook tests' helpers."""
+
     def __init__(self, config: Config, scheduler_config: Config | None = None) -> None:
-        self.config = config
-        self.gateway = GatewayApp(config)
-        self.scheduler = SchedulerApp(scheduler_config or config)
-        self.batcher: BatcherApp | None = None
+        super().__init__(config, scheduler_config)
         self.channel: grpc.aio.Channel | None = None
 
     @property
@@ -136,24 +134,13 @@ class Stack:
         return job_service_pb2_grpc.JobServiceStub(self.channel)
 
     async def start(self, *, batcher: bool = True) -> None:
-        await self.gateway.start()
-        await self.scheduler.start()
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.gateway.port}")
-        if batcher:
-            await self.start_batcher()
-
-    async def start_batcher(self) -> None:
-        address = f"127.0.0.1:{self.scheduler.port}"
-        self.batcher = BatcherApp(self.config.replace(batcher={"scheduler_address": address}))
-        await self.batcher.start()
+        await super().start(batcher=batcher)
+        self.channel = grpc.aio.insecure_channel(self.address)
 
     async def stop(self) -> None:
         if self.channel is not None:
             await self.channel.close()
-        if self.batcher is not None:
-            await self.batcher.stop(1.0)
-        await self.scheduler.stop(1.0)
-        await self.gateway.stop(1.0)
+        await super().stop()
 
     async def submit(self, url: str, *events: int) -> str:
         request = job_service_pb2.SubmitJobRequest(

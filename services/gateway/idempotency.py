@@ -57,13 +57,13 @@ from typing import Any
 
 import structlog
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from asyncinfer.config import Config, ModelConfig, NatsConfig
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import retry_transient
+from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
@@ -149,25 +149,13 @@ def claim_ttl_s(request: SubmitRequest, model: ModelConfig, config: Config, *, n
 
 
 async def ensure_idempotency_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    """The KV bucket of claims. Direct gets off, as for job records: a loser must read the claim
-    the winner just wrote. nats-py's create_key_value allows per-message TTLs."""
-
-    async def declare(_: float) -> KeyValue:
-        try:
-            return await js.key_value(config.idempotency_bucket)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                bucket=config.idempotency_bucket,
-                description="asyncinfer idempotency keys, keyed <tenant>.<sha256(key)>: the first job",
-                history=1,
-                storage=api.StorageType.FILE,
-                replicas=config.replicas,
-                direct=False,
-            )
-            log.info("bucket_created", bucket=config.idempotency_bucket)
-            return kv
-
-    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the idempotency bucket")
+    """The KV bucket of claims (direct gets off: a loser must read the claim the winner just wrote)."""
+    return await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.idempotency_bucket,
+        description="asyncinfer idempotency keys, keyed <tenant>.<sha256(key)>: the first job",
+    )
 
 
 def key_reused(idempotency_key: str, job_id: str) -> AlreadyExists:
