@@ -24,6 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc import aio
 from grpc_status import rpc_status
 
+from asyncinfer.error_bounds import clip_error
 from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhausted
 
 ERROR_DOMAIN = "asyncinfer.dev"
@@ -31,6 +32,8 @@ log = structlog.get_logger("asyncinfer.grpc")
 
 
 def to_status(error: AsyncInferError) -> grpc.Status:
+    # Bounded here, for every RPC of every service: errors quote what callers sent (see error_bounds).
+    error = clip_error(error)
     details: list[any_pb2.Any] = []
     info = error_details_pb2.ErrorInfo(reason=error.reason, domain=ERROR_DOMAIN, metadata=error.metadata)
     details.append(_pack(info))

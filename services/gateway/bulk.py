@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 import structlog
 
+from asyncinfer.error_bounds import clip_error
 from asyncinfer.errors import AsyncInferError, ResourceExhausted, Unavailable
 from asyncinfer.jobs import JobError, JobRecord
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
@@ -40,7 +41,8 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
     """The per-item form of what a unary call would answer as a rich status (no metadata or
     RetryInfo there: the messages name the job or the delay)."""
     retriable = isinstance(error, Unavailable | ResourceExhausted)
-    return error_to_proto(JobError.from_exception(error, retriable=retriable))
+    # Bounded like a unary call's status: one item can quote thousands of bad tensors.
+    return error_to_proto(JobError.from_exception(clip_error(error), retriable=retriable))
 
 
 def _internal() -> error_pb2.ErrorStatus:

@@ -24,7 +24,6 @@ from services.gateway.blobs import ClaimCheck
 from services.gateway.bulk import submit_stream
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, submit_request_from_proto
-from services.gateway.error_bounds import clip_error
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
@@ -119,7 +118,6 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             outcome = await self._idempotent.submit(submit, tenant=tenant)
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
-            clip_error(error)  # it quotes what the caller sent, which may be huge
             raise
         finally:
             self._metrics.submit_seconds.observe(time.perf_counter() - started)

@@ -44,7 +44,6 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.gateway.error_bounds import clip_error
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.list")
@@ -131,8 +130,7 @@ def list_query_from_proto(request: job_service_pb2.ListJobsRequest) -> ListQuery
             violations.append(FieldViolation("states", f"unknown job state {value}"))
     if violations:
         first = violations[0]
-        # clipped: thousands of unknown states would otherwise pass the client's trailer limit
-        raise clip_error(InvalidArgument(f"invalid request: {first.field}: {first.description}", violations))
+        raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)
     return ListQuery(
         page_size=min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE),
         page_token=request.page_token,

@@ -2,7 +2,8 @@
 a shape), and a request can hold thousands of bad tensors or labels. gRPC carries the status in
 trailers (grpc-message, and the details base64-encoded in grpc-status-details-bin), and a client
 drops trailers over its metadata limit (8 KiB soft, 16 KiB hard by default): the caller would see
-a bare RESOURCE_EXHAUSTED "Stream removed" instead of what was wrong. So every error answered is
+a bare RESOURCE_EXHAUSTED "Stream removed" instead of what was wrong. So every error answered (by
+grpc_errors.to_status, and per item of a stream) is
 clipped to well under that: the first violations, each clipped, and a count of the rest.
 """
 
