@@ -43,8 +43,10 @@ NODES = 3
 SUBMIT_RATE_PER_S = 25.0
 RUN_S = 14.0
 KILL_AFTER_S = 4.0
-# Service must resume within this after the kill: a leader election takes a few seconds.
-RECOVERY_BOUND_S = 20.0
+# Service must resume within this after the kill. A leader election takes a few seconds, but with three
+# nodes, the services and the client on 2 cores a second election of the jobs bucket's stream has been
+# seen to stall writes for 25.8 s (once in many runs): the bound is liveness, not a speed target.
+RECOVERY_BOUND_S = 45.0
 # Every accepted job must have succeeded this long after the last submission.
 DRAIN_BOUND_S = 30.0
 SUBMIT_TIMEOUT_S = 20.0
@@ -226,7 +228,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
         yield running
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(150)
 async def test_killing_the_stream_leader_loses_no_job(cluster: NatsCluster, config: Config) -> None:
     config = config.replace(
         nats={"url": cluster.urls, "replicas": 3},
