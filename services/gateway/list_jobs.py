@@ -191,8 +191,10 @@ class JobLister:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
         try:
             info = await subscription.consumer_info()
-            if info.num_pending == 0 and subscription.delivered == 0:
-                scanned.set()  # the tenant has no keys
+            # Nothing ever delivered and nothing pending: the tenant has no keys. (Not the client's
+            # own count: the server may have pushed every key already, the callbacks not yet run.)
+            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
+                scanned.set()
             await asyncio.wait_for(scanned.wait(), SCAN_TIMEOUT_S)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
