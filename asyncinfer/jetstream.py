@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
 from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority
+from asyncinfer.nats_requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
 
@@ -73,15 +74,15 @@ async def publish_durably(
     msg_id: str,
     retry_for_s: float,
     headers: dict[str, str] | None = None,
-) -> api.PubAck:
+) -> int:
     """A JetStream publish that survives leader elections: retried with the same Nats-Msg-Id, so
     an attempt that was stored but whose ack was lost is dropped as a duplicate by the stream
-    (within its duplicate window) and the retry still gets an ack."""
+    (within its duplicate window) and the retry still gets an ack. Returns the stream sequence."""
 
-    async def attempt(timeout_s: float) -> api.PubAck:
-        return await js.publish(
-            subject, payload, timeout=timeout_s, stream=stream, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
-        )
+    all_headers = {**(headers or {}), "Nats-Msg-Id": msg_id, api.Header.EXPECTED_STREAM.value: stream}
+
+    async def attempt(timeout_s: float) -> int:
+        return await js_publish(js._nc, subject, payload, timeout_s=timeout_s, headers=all_headers)
 
     return await retry_transient(attempt, retry_for_s=retry_for_s, what=f"publish {subject}")
 

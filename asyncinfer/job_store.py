@@ -23,16 +23,20 @@ from collections.abc import Callable
 from typing import Any
 
 import nats.errors
+from nats.js import api
 from nats.js.errors import APIError, InvalidKeyError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue, _is_key_valid
 
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.jobs import JobRecord, decode_record, encode_record
+from asyncinfer.nats_requests import js_publish, request
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
 
 KV_OP_HEADER = KV_OP.encode()
+EXPECTED_LAST_SUBJECT_SEQUENCE = api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value
+MSG_TTL = api.Header.MSG_TTL.value
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]
@@ -67,10 +71,11 @@ class JobStore:
         kv: Any = self._kv
         js: Any = kv._js
         subject = f"{kv._pre}{key}"
-        reply = await js._nc.request(
+        reply = await request(
+            js._nc,
             f"{js._prefix}.STREAM.MSG.GET.{kv._stream}",
             json.dumps({"last_by_subj": subject}).encode(),
-            timeout=js._timeout,
+            timeout_s=js._timeout,
         )
         answer = json.loads(reply.data)
         error = answer.get("error")
@@ -109,7 +114,12 @@ class JobStore:
     async def create(self, record: JobRecord) -> JobRecord:
         """Writes a new record; the returned copy carries its revision."""
         try:
-            revision = await self._kv.create(record.key, encode_record(record))
+            try:
+                revision = await self._publish(record, last=0)
+            except KeyWrongLastSequenceError:
+                # The key has history: a deleted record may be created again (KeyValue.create
+                # finds the delete marker's revision and writes over it), a live one may not.
+                revision = await self._kv.create(record.key, encode_record(record))
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot store the job record: {exc}") from exc
         return record.evolve(revision=revision)
@@ -118,16 +128,25 @@ class JobStore:
         """Compare-and-set: writes `record` only if the stored revision is still `record.revision`.
         Raises KeyWrongLastSequenceError when someone else wrote first, Unavailable when NATS fails."""
         try:
-            # KeyValue.update has no msg_ttl; _update is the same compare-and-set with one (nats-py
-            # 2.16's create() uses it the same way).
-            revision = await self._kv._update(
-                record.key, encode_record(record), last=record.revision, msg_ttl=retention_ttl(record)
-            )
+            revision = await self._publish(record, last=record.revision)
         except KeyWrongLastSequenceError:
             raise
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot update the job record: {exc}") from exc
         return record.evolve(revision=revision)
+
+    async def _publish(self, record: JobRecord, *, last: int) -> int:
+        """KeyValue._update (a write expecting the key's last revision to be `last`, 0: none) with
+        the record's retention TTL, on the cheaper request path (asyncinfer.nats_requests)."""
+        kv: Any = self._kv
+        js: Any = kv._js
+        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
+        ttl = retention_ttl(record)
+        if ttl is not None:
+            headers[MSG_TTL] = str(ttl)
+        return await js_publish(
+            js._nc, f"{kv._pre}{record.key}", encode_record(record), timeout_s=js._timeout, headers=headers
+        )
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
         """Compare-and-set of decide(record); on a lost race, re-reads and decides again.

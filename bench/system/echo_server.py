@@ -1,9 +1,12 @@
-"""The ceiling reference: a trivial unary grpc.aio call (1 KB in, 2 bytes out) on uvloop, as the
+"""The ceiling references: a trivial unary grpc.aio call (1 KB in, 2 bytes out) on uvloop, as the
 services run, in its own process:
 
-    python -m bench.system.echo_server PORT
+    python -m bench.system.echo_server PORT [NATS_URL]
 
-Stops on SIGTERM/SIGINT.
+With NATS_URL, each call first publishes its 1 KB to JetStream (stream BENCH_ECHO, one
+`js.publish` awaited for its ack) before it answers: the least any gRPC front end that makes a
+request durable in JetStream can do per call, with no code of its own (a SubmitJob does two such
+writes, and more). Stops on SIGTERM/SIGINT.
 """
 
 from __future__ import annotations
@@ -11,20 +14,51 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 
 import grpc
+import nats
 import uvloop
+from nats.js import api
 
 SERVICE = "bench.Echo"
 METHOD = f"/{SERVICE}/Call"
+PUBLISH_STREAM = "BENCH_ECHO"
+PUBLISH_SUBJECT = "bench_echo.call"
+
+Handler = Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[bytes]]
 
 
 async def _call(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
     return b"ok"
 
 
-async def serve(port: int) -> None:
-    handler = grpc.method_handlers_generic_handler(SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(_call)})
+async def _publishing_handler(nats_url: str) -> tuple[Handler, nats.aio.client.Client]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await js.add_stream(
+        api.StreamConfig(
+            name=PUBLISH_STREAM,
+            subjects=[PUBLISH_SUBJECT],
+            retention=api.RetentionPolicy.LIMITS,
+            max_msgs=100_000,
+            storage=api.StorageType.FILE,
+        )
+    )
+
+    async def call(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        await js.publish(PUBLISH_SUBJECT, request)
+        return b"ok"
+
+    return call, nc
+
+
+async def serve(port: int, nats_url: str = "") -> None:
+    nc = None
+    call: Handler = _call
+    if nats_url:
+        call, nc = await _publishing_handler(nats_url)
+    handler = grpc.method_handlers_generic_handler(SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(call)})
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -35,8 +69,10 @@ async def serve(port: int) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await server.stop(0)
+    if nc is not None:
+        await nc.close()
 
 
 if __name__ == "__main__":
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(serve(int(sys.argv[1])))
+        runner.run(serve(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else ""))

@@ -15,7 +15,10 @@ client process on uvloop:
 - references, in the same run: raw nats-py JetStream publishes of the same work message (one at a
   time with ack; gather windows of 256; publish_async), Celery 5 apply_async onto Redis (one loop,
   as an application would enqueue), and a trivial unary grpc.aio call (1 KB in, 2 bytes out; server
-  on uvloop like the services) at the same concurrencies: the ceiling for a Python gRPC server here.
+  on uvloop like the services) at the same concurrencies: the ceiling for a Python gRPC server here;
+- what bounds the ratios: the trivial server awaiting one JetStream publish per call (at 128
+  clients), and server CPU per call at a light paced load (100 calls/s) for the trivial call and
+  for SubmitJob, against the same at 128 clients (the cost of waking up per call).
 
 Runs are interleaved (every setup once per round) so that noise from a shared machine spreads over
 all of them. Writes bench/results/submission.{json,md} and submission_throughput.png,
@@ -67,6 +70,7 @@ CONCURRENCY = (1, 16, 128)
 STREAM_WINDOW = 512
 NATS_WINDOW = 256
 PAYLOAD = [1.0, 2.0, 3.0, 4.0]
+LIGHT_RATE = 100  # calls/s: the light load at which per-call CPU is measured
 
 
 @dataclass(frozen=True)
@@ -144,14 +148,17 @@ async def open_loop(call: Call, rate: float, sizes: Sizes) -> Window:
     end = measure_from + sizes.window_s
     tasks: set[asyncio.Task[None]] = set()
 
+    answered = 0
+
     async def one(intended: float) -> None:
-        nonlocal errors
+        nonlocal errors, answered
         try:
             await call()
         except grpc.aio.AioRpcError:
             if intended >= measure_from:
                 errors += 1
             return
+        answered += 1
         if intended >= measure_from:
             latencies.append((time.perf_counter() - intended) * 1e3)
 
@@ -166,7 +173,7 @@ async def open_loop(call: Call, rate: float, sizes: Sizes) -> Window:
             sent += 1
         await asyncio.sleep(max(start + (sent + 1) / rate - time.perf_counter(), 0.0))
     await asyncio.gather(*tasks)
-    return Window(len(latencies) / sizes.window_s, latencies, errors)
+    return Window(len(latencies) / sizes.window_s, latencies, errors, answered)
 
 
 def submit_request() -> job_service_pb2.SubmitJobRequest:
@@ -323,10 +330,22 @@ class Measured:
     gateway_cpu_us_per_job: list[float] = field(default_factory=list)
     echo_cpu_us_per_call: list[float] = field(default_factory=list)
     nats_cpu_us_per_job: list[float] = field(default_factory=list)
+    # The trivial call that also makes one JetStream publish, at the top concurrency.
+    echo_publish: list[Window] = field(default_factory=list)
+    echo_publish_cpu_us_per_call: list[float] = field(default_factory=list)
+    # Server CPU per call at a light paced load (LIGHT_RATE/s, open loop): the cost of waking up.
+    light_echo_cpu_us: list[float] = field(default_factory=list)
+    light_submit_cpu_us: list[float] = field(default_factory=list)
 
 
 async def measure(
-    sizes: Sizes, nats_url: str, gateway: Child, nats_pid: int, echo: Child, redis: Child | None
+    sizes: Sizes,
+    nats_url: str,
+    gateway: Child,
+    nats_pid: int,
+    echo: Child,
+    echo_publish: Child,
+    redis: Child | None,
 ) -> Measured:
     from bench.system.common import cpu_seconds
 
@@ -345,13 +364,14 @@ async def measure(
     )
 
     async def purge() -> None:
-        for stream in ("WORK", "KV_jobs", "BENCH"):
+        for stream in ("WORK", "KV_jobs", "BENCH", echo_server.PUBLISH_STREAM):
             await js.purge_stream(stream)
 
     try:
         async with (
             grpc.aio.insecure_channel(gateway.address) as gateway_channel,
             grpc.aio.insecure_channel(echo.address) as echo_channel,
+            grpc.aio.insecure_channel(echo_publish.address) as echo_publish_channel,
         ):
             stub = job_service_pb2_grpc.JobServiceStub(gateway_channel)
             echo_call = echo_channel.unary_unary(echo_server.METHOD)
@@ -363,6 +383,16 @@ async def measure(
 
             async def call_echo() -> Any:
                 return await echo_call(ping)
+
+            echo_publish_call = echo_publish_channel.unary_unary(echo_server.METHOD)
+
+            async def call_echo_publish() -> Any:
+                return await echo_publish_call(ping)
+
+            async def cpu_per_call(child: Child, run: Callable[[], Awaitable[Window]]) -> tuple[Window, float]:
+                used = child.cpu_seconds()
+                window = await run()
+                return window, (child.cpu_seconds() - used) / max(window.total, 1) * 1e6
 
             for run in range(1, sizes.runs + 1):
                 log(f"round {run}/{sizes.runs}")
@@ -385,6 +415,21 @@ async def measure(
                         f"{window.p99:6.2f} ms (errors {window.errors}); echo {out.echo[concurrency][-1].rate:7.0f}/s"
                     )
                     await purge()
+                window, cpu = await cpu_per_call(
+                    echo_publish, lambda: closed_loop(call_echo_publish, CONCURRENCY[-1], sizes)
+                )
+                out.echo_publish.append(window)
+                out.echo_publish_cpu_us_per_call.append(cpu)
+                _, cpu = await cpu_per_call(echo, lambda: open_loop(call_echo, LIGHT_RATE, sizes))
+                out.light_echo_cpu_us.append(cpu)
+                _, cpu = await cpu_per_call(gateway, lambda: open_loop(submit, LIGHT_RATE, sizes))
+                out.light_submit_cpu_us.append(cpu)
+                await purge()
+                log(
+                    f"  echo + one JetStream publish, c={CONCURRENCY[-1]}: {out.echo_publish[-1].rate:.0f}/s; at "
+                    f"{LIGHT_RATE}/s paced: echo {out.light_echo_cpu_us[-1]:.0f} µs, SubmitJob "
+                    f"{out.light_submit_cpu_us[-1]:.0f} µs of server CPU per call"
+                )
                 if not out.stream_unavailable:
                     for streams in sizes.streams:
                         try:
@@ -486,6 +531,23 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
     rows.append(row("gateway CPU per accepted job (128 clients)", out.gateway_cpu_us_per_job, "µs"))
     rows.append(row("nats-server CPU per accepted job (128 clients)", out.nats_cpu_us_per_job, "µs"))
     rows.append(row("trivial gRPC server CPU per call (128 clients)", out.echo_cpu_us_per_call, "µs"))
+    rows.append(
+        row(
+            f"trivial call + one JetStream publish, {CONCURRENCY[-1]} clients",
+            [w.rate for w in out.echo_publish],
+            "calls/s",
+            "the least a gRPC front end that makes a request durable can do",
+        )
+    )
+    rows.append(
+        row(
+            f"trivial call + one JetStream publish: server CPU per call ({CONCURRENCY[-1]} clients)",
+            out.echo_publish_cpu_us_per_call,
+            "µs",
+        )
+    )
+    rows.append(row(f"trivial gRPC server CPU per call at {LIGHT_RATE} calls/s", out.light_echo_cpu_us, "µs"))
+    rows.append(row(f"gateway CPU per SubmitJob at {LIGHT_RATE} jobs/s", out.light_submit_cpu_us, "µs"))
 
     def med(values: list[float]) -> float:
         return float(summarize(values)["value"])
@@ -522,6 +584,12 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             None,
         ),
         ratio(
+            f"trivial call + one JetStream publish / trivial call, {top} clients",
+            med([w.rate for w in out.echo_publish]) / echo_top,
+            "for reference: the ceiling of the first ratio with one write instead of SubmitJob's two",
+            None,
+        ),
+        ratio(
             f"unary SubmitJob ({top} clients) / raw publish one at a time",
             submit_top / med(out.nats.get("one", [])),
             "for reference",
@@ -541,6 +609,16 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         f"Gateway CPU per accepted job at {top} clients: {med(out.gateway_cpu_us_per_job):.0f} µs; nats-server: "
         f"{med(out.nats_cpu_us_per_job):.0f} µs; the trivial gRPC server: {med(out.echo_cpu_us_per_call):.0f} µs per "
         "call. On 2 cores shared by the client, the gateway and nats-server, these CPU costs set the rates.",
+        f"What bounds the first ratio: the same trivial server awaiting one JetStream publish per call (nats-py "
+        f"js.publish, no code of its own) reaches {med([w.rate for w in out.echo_publish]):.0f} calls/s at {top} "
+        f"clients, {med([w.rate for w in out.echo_publish]) / echo_top:.2f} of the trivial call, at "
+        f"{med(out.echo_publish_cpu_us_per_call):.0f} µs of server CPU per call; a SubmitJob makes two such writes "
+        "(work message, record) and validates, converts and answers the job.",
+        f"At a light load ({LIGHT_RATE} calls/s, paced) a grpc.aio server wakes up for every call: the trivial "
+        f"server spends {med(out.light_echo_cpu_us):.0f} µs of CPU per call there against "
+        f"{med(out.echo_cpu_us_per_call):.0f} µs at {top} clients, and the gateway {med(out.light_submit_cpu_us):.0f} "
+        "µs per SubmitJob (each NATS round trip is one more wake-up). On 2 shared cores this per-wake-up cost, not "
+        "the network, sets light-load latency.",
     ]
     if out.profile is not None and out.profile[0]:
         total, own, inclusive = out.profile
@@ -644,6 +722,13 @@ def main() -> None:
             ready=lambda c: port_open(c.port),
             port=echo_port,
         )
+        echo_publish_port = free_port()
+        echo_publish = group.command(
+            "echo-publish",
+            [PYTHON, "-m", "bench.system.echo_server", str(echo_publish_port), nats_server.url],
+            ready=lambda c: port_open(c.port),
+            port=echo_publish_port,
+        )
         redis: Child | None = None
         unavailable = ""
         try:
@@ -658,7 +743,9 @@ def main() -> None:
             log(unavailable)
         assert nats_server.process is not None
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            out = runner.run(measure(sizes, nats_server.url, gateway, nats_server.process.pid, echo, redis))
+            out = runner.run(
+                measure(sizes, nats_server.url, gateway, nats_server.process.pid, echo, echo_publish, redis)
+            )
             out.celery_unavailable = unavailable
             if not args.no_profile:
                 log(f"profiling: the gateway under py-spy, {CONCURRENCY[-1]} clients (not a figure)")

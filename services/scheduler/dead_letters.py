@@ -104,7 +104,7 @@ class DeadLetterStore:
         self._stream = config.dead_letter_stream
 
     async def add(self, letter: DeadLetter) -> DeadLetter:
-        ack = await publish_durably(
+        sequence = await publish_durably(
             self._js,
             dead_subject(letter.model_name),
             encode_dead_letter(letter),
@@ -112,7 +112,7 @@ class DeadLetterStore:
             msg_id=f"{letter.job_id}.dead.{letter.attempts}",
             retry_for_s=PUBLISH_RETRY_FOR_S,
         )
-        return replace(letter, sequence=ack.seq)
+        return replace(letter, sequence=sequence)
 
     async def get(self, sequence: int) -> DeadLetter | None:
         try:
