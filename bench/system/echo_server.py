@@ -3,6 +3,8 @@ services run, in its own process:
 
     python -m bench.system.echo_server PORT [NATS_URL]
 
+It also serves a bidirectional stream (`STREAM_METHOD`) that answers every message with 2 bytes.
+
 With NATS_URL, each call first publishes its 1 KB to JetStream (stream BENCH_ECHO, one
 `js.publish` awaited for its ack) before it answers: the least any gRPC front end that makes a
 request durable in JetStream can do per call, with no code of its own (a SubmitJob does two such
@@ -14,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import nats
@@ -23,6 +25,9 @@ from nats.js import api
 
 SERVICE = "bench.Echo"
 METHOD = f"/{SERVICE}/Call"
+# A bidirectional stream answering each message with b"ok": the ceiling for any per-message stream
+# API (SubmitJobs) here, as Call is for unary ones.
+STREAM_METHOD = f"/{SERVICE}/Stream"
 PUBLISH_STREAM = "BENCH_ECHO"
 PUBLISH_SUBJECT = "bench_echo.call"
 
@@ -31,6 +36,13 @@ Handler = Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[by
 
 async def _call(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
     return b"ok"
+
+
+async def _stream(
+    requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
+) -> AsyncIterator[bytes]:
+    async for _ in requests:
+        yield b"ok"
 
 
 async def _publishing_handler(nats_url: str) -> tuple[Handler, nats.aio.client.Client]:
@@ -58,7 +70,13 @@ async def serve(port: int, nats_url: str = "") -> None:
     call: Handler = _call
     if nats_url:
         call, nc = await _publishing_handler(nats_url)
-    handler = grpc.method_handlers_generic_handler(SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(call)})
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Call": grpc.unary_unary_rpc_method_handler(call),
+            "Stream": grpc.stream_stream_rpc_method_handler(_stream),
+        },
+    )
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")

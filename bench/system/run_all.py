@@ -1,7 +1,11 @@
 """Runs every system benchmark section, each as its own process, then writes bench/results/REPORT.md:
 the machine's facts, a headline table of every ratio against its target, and each section's report.
 
-    .venv/bin/python -m bench.system.run_all [--quick] [--sections submission,e2e]
+    .venv/bin/python -m bench.system.run_all [--quick] [--sections submission,e2e] [--keep-others]
+
+With --keep-others the sections not run this time keep their latest results from bench/results/
+(the report marks them "earlier run" with the date of their files), so one section can be
+measured again without running the whole suite.
 
 `make bench` runs it (about 20 minutes on 2 cores; run it on an otherwise idle machine). A section
 whose module does not exist yet is skipped, and the report says so; a section that fails does not
@@ -97,6 +101,16 @@ def headline(outcomes: list[Outcome]) -> list[str]:
     return lines
 
 
+def earlier_outcome(section: str) -> Outcome:
+    """A section's results as its last run left them in bench/results/."""
+    json_path = RESULTS / f"{section}.json"
+    md_path = RESULTS / f"{section}.md"
+    if not (json_path.exists() and md_path.exists()):
+        return Outcome(section, "skipped: not run, and no earlier results")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(json_path.stat().st_mtime))
+    return Outcome(section, f"earlier run ({when})", 0.0, json.loads(json_path.read_text()), md_path.read_text())
+
+
 def write_report(outcomes: list[Outcome], quick: bool, facts: dict[str, Any], load_after: list[float]) -> None:
     versions = ", ".join(f"{k} {v}" for k, v in facts["versions"].items())
     lines = [
@@ -135,6 +149,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="every section with --quick (seconds each)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset, in run order")
+    parser.add_argument(
+        "--keep-others", action="store_true", help="report the sections not run with their latest earlier results"
+    )
     args = parser.parse_args()
     wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = sorted(set(wanted) - set(SECTIONS))
@@ -143,7 +160,12 @@ def main() -> int:
     sigterm_raises()
     facts = machine_facts()
     facts["started"] = time.time()
-    outcomes = [run_section(section, args.quick) for section in wanted]
+    ran = {section: run_section(section, args.quick) for section in wanted}
+    outcomes = [
+        ran[section] if section in ran else earlier_outcome(section)
+        for section in SECTIONS
+        if section in ran or args.keep_others
+    ]
     load_after = [round(v, 2) for v in load_average()]
     write_report(outcomes, args.quick, facts, load_after)
     log(f"wrote {RESULTS / 'REPORT.md'}")

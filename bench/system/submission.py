@@ -209,6 +209,25 @@ async def stream_window(stub: job_service_pb2_grpc.JobServiceStub, streams: int,
     """SubmitJobs streams sending as fast as their window of unanswered requests allows; the rate
     counts accepted jobs whose answer arrived in the window; latency is request sent -> answer."""
     request = submit_request()
+
+    def message(index: int) -> job_service_pb2.SubmitJobsRequest:
+        return job_service_pb2.SubmitJobsRequest(job=request, correlation_id=str(index))
+
+    return await _stream_window(stub.SubmitJobs, message, lambda answer: answer.HasField("error"), streams, sizes)
+
+
+async def echo_stream_window(channel: grpc.aio.Channel, streams: int, sizes: Sizes) -> Window:
+    """The same load on the trivial echo stream (1 KB per message, b"ok" back)."""
+    ping = os.urandom(1024)
+    call = channel.stream_stream(echo_server.STREAM_METHOD)
+    return await _stream_window(call, lambda _: ping, lambda _: False, streams, sizes)
+
+
+async def _stream_window(
+    open_call: Any, message: Callable[[int], Any], is_error: Callable[[Any], bool], streams: int, sizes: Sizes
+) -> Window:
+    """Answers come back in request order (both streams promise it), so the n-th answer is the
+    n-th request's."""
     start = time.perf_counter()
     measure_from = start + sizes.warmup_s
     stop_at = measure_from + sizes.window_s
@@ -217,7 +236,7 @@ async def stream_window(stub: job_service_pb2_grpc.JobServiceStub, streams: int,
 
     async def one_stream() -> None:
         nonlocal errors
-        call = stub.SubmitJobs()
+        call = open_call()
         room = asyncio.Semaphore(STREAM_WINDOW)
         sent_at: list[float] = []
 
@@ -225,19 +244,21 @@ async def stream_window(stub: job_service_pb2_grpc.JobServiceStub, streams: int,
             while time.perf_counter() < stop_at:
                 await room.acquire()
                 sent_at.append(time.perf_counter())
-                await call.write(job_service_pb2.SubmitJobsRequest(job=request, correlation_id=str(len(sent_at))))
+                await call.write(message(len(sent_at)))
             await call.done_writing()
 
         async def read() -> None:
             nonlocal errors
+            received = 0
             async for answer in call:
                 now = time.perf_counter()
                 room.release()
                 if measure_from <= now < stop_at:
-                    if answer.HasField("error"):
+                    if is_error(answer):
                         errors += 1
                     else:
-                        latencies.append((now - sent_at[answer.index]) * 1e3)
+                        latencies.append((now - sent_at[received]) * 1e3)
+                received += 1
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -319,6 +340,7 @@ class Measured:
     submit: dict[int, list[Window]] = field(default_factory=dict)
     echo: dict[int, list[Window]] = field(default_factory=dict)
     stream: dict[int, list[Window]] = field(default_factory=dict)
+    echo_stream: list[Window] = field(default_factory=list)  # 1 stream
     stream_unavailable: str = ""
     nats: dict[str, list[float]] = field(default_factory=dict)
     celery: list[float] = field(default_factory=list)  # ignore_result=True, the faster
@@ -430,6 +452,8 @@ async def measure(
                     f"{LIGHT_RATE}/s paced: echo {out.light_echo_cpu_us[-1]:.0f} µs, SubmitJob "
                     f"{out.light_submit_cpu_us[-1]:.0f} µs of server CPU per call"
                 )
+                out.echo_stream.append(await echo_stream_window(echo_channel, 1, sizes))
+                log(f"  echo stream x1: {out.echo_stream[-1].rate:7.0f}/s")
                 if not out.stream_unavailable:
                     for streams in sizes.streams:
                         try:
@@ -498,6 +522,14 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         rows.append(row(f"SubmitJobs, {s} stream(s): p99 per item", [w.p99 for w in windows], "ms"))
     if out.stream_unavailable:
         rows.append(row("SubmitJobs stream", [], "jobs/s", f"not available: {out.stream_unavailable}"))
+    rows.append(
+        row(
+            f"trivial grpc.aio bidi stream, 1 stream, {STREAM_WINDOW} unanswered at most",
+            [w.rate for w in out.echo_stream],
+            "msgs/s",
+            "the ceiling for a per-message stream",
+        )
+    )
     names = {
         "one": "raw JetStream publish, one at a time with ack",
         "window": f"raw JetStream publish, gather windows of {NATS_WINDOW}",
@@ -584,6 +616,12 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             None,
         ),
         ratio(
+            "trivial echo stream (1 stream) / Celery apply_async",
+            med([w.rate for w in out.echo_stream]) / celery,
+            "for reference: the most the stream ratio could be here, with no work per message",
+            None,
+        ),
+        ratio(
             f"trivial call + one JetStream publish / trivial call, {top} clients",
             med([w.rate for w in out.echo_publish]) / echo_top,
             "for reference: the ceiling of the first ratio with one write instead of SubmitJob's two",
@@ -614,6 +652,10 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         f"clients, {med([w.rate for w in out.echo_publish]) / echo_top:.2f} of the trivial call, at "
         f"{med(out.echo_publish_cpu_us_per_call):.0f} µs of server CPU per call; a SubmitJob makes two such writes "
         "(work message, record) and validates, converts and answers the job.",
+        f"What bounds the stream ratio: a trivial grpc.aio bidi stream that answers each 1 KB message with 2 bytes "
+        f"carries {med([w.rate for w in out.echo_stream]):.0f} messages/s with the same window "
+        f"({med([w.rate for w in out.echo_stream]) / celery:.2f}x Celery's enqueue rate): each message read and "
+        "each answer written is a gRPC completion handed from the core's thread to the event loop.",
         f"At a light load ({LIGHT_RATE} calls/s, paced) a grpc.aio server wakes up for every call: the trivial "
         f"server spends {med(out.light_echo_cpu_us):.0f} µs of CPU per call there against "
         f"{med(out.echo_cpu_us_per_call):.0f} µs at {top} clients, and the gateway {med(out.light_submit_cpu_us):.0f} "
