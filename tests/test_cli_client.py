@@ -21,6 +21,7 @@ import pytest
 
 from asyncinfer.cli import main
 from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config, render_default_config
 from asyncinfer.ids import new_job_id
 from tests.stack import Stack
 
@@ -367,3 +368,43 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     code, out, err = await cli("queue", "drain", "--wait", "5", "--json")
     assert code == 0, err
     assert json.loads(out) == {"in_flight": 0}
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+async def test_models_lists_the_gateways_and_submit_types_inputs_from_them(
+    config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A model the local default configuration does not know: the CLI can type its inputs only from
+    # what the gateway says. Guessed from the JSON, [[1, 2, 3, 4]] would be INT64 and refused.
+    demo = config.models[0]
+    served = config.replace(models=[demo.model_copy(update={"name": "remote-only"})])
+    stack = Stack(served)
+    await stack.start(batcher=False)
+    try:
+        cli = Cli(stack, monkeypatch)
+        code, out, err = await cli("models", "--json")
+        assert code == 0, err
+        (model,) = json.loads(out)
+        assert model["name"] == "remote-only"
+        assert model["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert model["max_batch_size"] == demo.max_batch_size
+        code, out, err = await cli("models")
+        assert code == 0, err
+        assert "remote-only" in out
+        assert "x FP32[-1,4]" in out
+
+        code, out, err = await cli("submit", "remote-only", "--input", "x=[[1,2,3,4]]", "--json")
+        assert code == 0, err
+        job = json.loads(out)
+        assert job["model_name"] == "remote-only"
+        assert job["state"] == "QUEUED"
+        # With a local configuration that does not know the model, the values are guessed: refused.
+        local = tmp_path / "local.toml"
+        local.write_text(render_default_config(Config()))
+        code, out, err = await cli("submit", "remote-only", "--input", "x=[[1,2,3,4]]", "--config", str(local))
+        assert code != 0
+        assert "INT64" in err, err
+    finally:
+        await stack.stop()

@@ -25,9 +25,11 @@ from asyncinfer.client import (
     JobFailedError,
     JobRequest,
     JobState,
+    ModelInfo,
     NotFoundError,
     Priority,
     RetryPolicy,
+    TensorSpec,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -291,6 +293,25 @@ async def test_bulk_carries_on_across_a_gateway_restart(config: Config) -> None:
     assert all(r.accepted for r in results)
     assert len({r.job.job_id for r in results if r.job}) == 10
     assert len(listed) == 10, "nothing was queued twice"
+
+
+async def test_models_describe_what_the_gateway_serves(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        models = await client.models()
+    demo = idle_stack.config.models[0]
+    assert [m.name for m in models] == [m.name for m in idle_stack.config.models]
+    assert models[0] == ModelInfo(
+        name=demo.name,
+        version=demo.version,
+        inputs=demo.signature.inputs,
+        outputs=demo.signature.outputs,
+        max_batch_size=demo.max_batch_size,
+        default_max_attempts=demo.max_attempts,
+        max_attempts_limit=demo.max_attempts_limit,
+        default_execution_timeout_s=demo.default_execution_timeout_s,
+    )
+    assert models[0].input("x") == TensorSpec("x", "FP32", (-1, 4))
+    assert models[0].input("nope") is None
 
 
 async def test_list_pages_through_the_callers_jobs(idle_stack: Stack) -> None:

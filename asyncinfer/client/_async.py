@@ -39,6 +39,7 @@ from asyncinfer.client._convert import (
     error_from_proto,
     input_tensors,
     job_from_proto,
+    models_from_proto,
     state_to_proto,
     submit_request_to_proto,
     tensors_to_arrays,
@@ -54,7 +55,17 @@ from asyncinfer.client.errors import (
     from_rpc_error,
     make_error,
 )
-from asyncinfer.client.types import BlobRef, BulkResult, Callback, Inputs, Job, JobRequest, JobState, Priority
+from asyncinfer.client.types import (
+    BlobRef,
+    BulkResult,
+    Callback,
+    Inputs,
+    Job,
+    JobRequest,
+    JobState,
+    ModelInfo,
+    Priority,
+)
 from asyncinfer.tensor_codec import to_input_proto
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 
@@ -224,6 +235,15 @@ class AsyncClient:
             return await self._stub.GetJob(message, timeout=remaining, metadata=self._metadata)
 
         return job_from_proto((await self._call(invoke, self._deadline(timeout_s))).job)
+
+    async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        """The models the gateway accepts jobs for, with their signatures and job defaults."""
+        message = job_service_pb2.ListModelsRequest()
+
+        async def invoke(remaining: float | None) -> job_service_pb2.ListModelsResponse:
+            return await self._stub.ListModels(message, timeout=remaining, metadata=self._metadata)
+
+        return models_from_proto(await self._call(invoke, self._deadline(timeout_s)))
 
     async def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
         """Cancels a queued or running job; returns it CANCELED, CANCELLING (running: it ends

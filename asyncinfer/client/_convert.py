@@ -26,13 +26,14 @@ from asyncinfer.client.types import (
     JobError,
     JobProgress,
     JobRequest,
+    ModelInfo,
     QueuePosition,
     WaitingReason,
 )
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
 from asyncinfer.tensor_codec import decode_tensor, to_input_proto
-from asyncinfer.tensors import Tensor
+from asyncinfer.tensors import Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
 E = TypeVar("E", bound=enum.Enum)
@@ -229,3 +230,22 @@ def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobReq
 
 def duration_to_proto(seconds: float) -> duration_pb2.Duration:
     return _duration(seconds)
+
+
+def models_from_proto(message: job_service_pb2.ListModelsResponse) -> list[ModelInfo]:
+    def specs(tensors: Iterable[job_service_pb2.TensorSpec]) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in tensors)
+
+    return [
+        ModelInfo(
+            name=m.name,
+            version=m.version,
+            inputs=specs(m.inputs),
+            outputs=specs(m.outputs),
+            max_batch_size=m.max_batch_size,
+            default_max_attempts=m.default_max_attempts,
+            max_attempts_limit=m.max_attempts_limit,
+            default_execution_timeout_s=_seconds(m, "default_execution_timeout"),
+        )
+        for m in message.models
+    ]

@@ -24,7 +24,17 @@ import numpy.typing as npt
 
 from asyncinfer.client._async import AsyncClient, JobLike
 from asyncinfer.client._retry import RetryPolicy
-from asyncinfer.client.types import BlobRef, BulkResult, Callback, Inputs, Job, JobRequest, JobState, Priority
+from asyncinfer.client.types import (
+    BlobRef,
+    BulkResult,
+    Callback,
+    Inputs,
+    Job,
+    JobRequest,
+    JobState,
+    ModelInfo,
+    Priority,
+)
 
 T = TypeVar("T")
 
@@ -164,6 +174,9 @@ class Client:
 
     def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         return self._run(self._client.get(job, timeout_s=timeout_s))
+
+    def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
+        return self._run(self._client.models(timeout_s=timeout_s))
 
     def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
         return self._run(self._client.cancel(job, reason=reason, timeout_s=timeout_s))

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
-from asyncinfer.tensors import Tensor
+from asyncinfer.tensors import Tensor, TensorSpec
 
 __all__ = [
     "BatchInfo",
@@ -34,8 +34,10 @@ __all__ = [
     "JobProgress",
     "JobRequest",
     "JobState",
+    "ModelInfo",
     "Priority",
     "QueuePosition",
+    "TensorSpec",
     "WaitingReason",
 ]
 
@@ -215,3 +217,21 @@ class BulkResult:
     @property
     def accepted(self) -> bool:
         return self.job is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """A model the gateway accepts jobs for (`AsyncClient.models`). Shapes are full, batch
+    dimension first, -1 for any size; `max_batch_size` bounds the rows of one job's inputs."""
+
+    name: str
+    version: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    default_max_attempts: int
+    max_attempts_limit: int
+    default_execution_timeout_s: float | None
+
+    def input(self, name: str) -> TensorSpec | None:
+        return next((spec for spec in self.inputs if spec.name == name), None)

@@ -63,7 +63,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
     bulk.add_argument("--concurrency", type=int, default=64, help="jobs watched at once (default 64)")
     bulk.add_argument("--no-wait", action="store_true", help="only submit; a later run waits and writes results")
-    bulk.add_argument("--config", type=Path, help="configuration file whose models' signatures to use")
+    bulk.add_argument(
+        "--config", type=Path, help="configuration file whose models' signatures to use (default: the gateway's)"
+    )
     add_options(bulk)
     bulk.set_defaults(handler=bulk_command)
 
@@ -181,12 +183,12 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
     if args.window < 1 or args.concurrency < 1:
         raise UsageError("--window and --concurrency must be at least 1")
     out: Path = args.out or default_out(path)
-    signatures = Signatures.load(options.config)
     input_id = hashlib.sha256(str(await asyncio.to_thread(path.resolve)).encode()).hexdigest()[:16]
     counts = Counts(lines=await asyncio.to_thread(_count_lines, path))
     journal = Journal.open(out)
     try:
         async with options.client() as client:
+            signatures = await Signatures.fetch(options.config, client)
             await _submit_phase(client, journal, path, input_id, args.model, signatures, args.window, counts)
             if not args.no_wait:
                 await _wait_phase(client, journal, args.concurrency, options.timeout_s, counts)

@@ -4,8 +4,8 @@
 A value is JSON (`[[1, 2, 3, 4]]`), `@file.npy` (a numpy array), `@file.json` / `@file` (JSON read
 from the file) or `@-` (JSON from stdin); in JSON requests it may also be spelled out as
 {"datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}. The datatype comes from, in order:
-the value's own "datatype", `--datatype`, the model's signature in the configuration (the default
-configuration knows the demo model; `--config FILE` reads yours), or else the JSON itself (any
+the value's own "datatype", `--datatype`, the model's signature (as the gateway's ListModels says,
+or from `--config FILE` when given), or else the JSON itself (any
 float: FP32, integers: INT64, booleans: BOOL, strings: BYTES). When the signature has one more
 dimension than the value, the value is one row: a batch dimension of 1 is added.
 """
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.client import Callback, CallbackEvent, JobRequest, Priority
+from asyncinfer.client import AsyncClient, Callback, CallbackEvent, JobRequest, Priority, UnimplementedError
 from asyncinfer.commands.output import UsageError
 from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
@@ -52,10 +52,22 @@ REQUEST_KEYS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class Signatures:
-    """Model signatures from the local configuration, used only to pick datatypes and shapes
-    (the gateway validates for real)."""
+    """Model signatures, used only to pick datatypes and shapes (the gateway validates for real):
+    from the gateway (ListModels), or from a local configuration file when one is given."""
 
     by_model: Mapping[str, ModelSignature]
+
+    @classmethod
+    async def fetch(cls, config_path: Path | None, client: AsyncClient) -> Signatures:
+        """--config's models when given, else what the gateway says it serves (a gateway too old
+        to say: the local default configuration's, as before ListModels)."""
+        if config_path is not None:
+            return cls.load(config_path)
+        try:
+            models = await client.models()
+        except UnimplementedError:
+            return cls.load(None)
+        return cls({m.name: ModelSignature(inputs=m.inputs, outputs=m.outputs) for m in models})
 
     @classmethod
     def load(cls, config_path: Path | None) -> Signatures:

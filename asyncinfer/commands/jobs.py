@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority
+from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority, TensorSpec
 from asyncinfer.commands import Options
 from asyncinfer.commands.inputs import (
     Signatures,
@@ -45,7 +45,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         description="Queue a job. Prints its ID (or, with --wait, the finished job). Values: --input x=[[1,2,3,4]] "
         "(JSON), x=@file.npy, x=@file.json, x=@- (stdin); or a whole JSON request with --request FILE (- : stdin), "
         'e.g. {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}. Datatypes and shapes come from the model\'s '
-        "signature in the configuration (--config) where it is known, else from --datatype or the values.",
+        "signature (as the gateway's ListModels gives it, or --config's) where it is known, else from --datatype or "
+        "the values.",
     )
     submit.add_argument("model", nargs="?", default="", help="the model (or give it in the request file)")
     submit.add_argument("-i", "--input", action="append", default=[], metavar="NAME=VALUE", help="an input")
@@ -64,7 +65,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     submit.add_argument("--callback", metavar="URL", help="webhook called when the job ends")
     submit.add_argument("--upload", action="store_true", help="send the inputs through UploadInput (large inputs)")
     submit.add_argument("--wait", action="store_true", help="wait for the end; exit 1 unless SUCCEEDED")
-    submit.add_argument("--config", type=Path, help="configuration file whose models' signatures to use")
+    submit.add_argument(
+        "--config", type=Path, help="configuration file whose models' signatures to use (default: the gateway's)"
+    )
     add_options(submit)
     submit.set_defaults(handler=submit_command)
 
@@ -86,6 +89,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     cancel.add_argument("--reason", default="", help="kept in the job's error message")
     add_options(cancel)
     cancel.set_defaults(handler=cancel_command)
+
+    models = commands.add_parser("models", help="the models the gateway serves, with their inputs and outputs")
+    add_options(models)
+    models.set_defaults(handler=models_command)
 
     listing = commands.add_parser("list", help="your jobs, newest first")
     listing.add_argument(
@@ -158,8 +165,8 @@ def _read_text(path: Path) -> str:
 
 
 async def submit_command(args: argparse.Namespace, options: Options) -> int:
-    request = build_request(args, Signatures.load(options.config))
     async with options.client() as client:
+        request = build_request(args, await Signatures.fetch(options.config, client))
         if args.upload and request.inputs is not None:
             ref = await client.upload_inputs(request.inputs, retention_s=request.retention_s)
             request = dataclasses.replace(request, inputs=None, input_ref=ref.ref)
@@ -277,4 +284,25 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
                 rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
     if not options.json:
         print(table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows), flush=True)
+    return EXIT_OK
+
+
+# -- models -------------------------------------------------------------------------------------
+
+
+def _specs(specs: tuple[TensorSpec, ...]) -> str:
+    return ", ".join(f"{s.name} {s.datatype}[{','.join(str(d) for d in s.shape)}]" for s in specs)
+
+
+async def models_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        models = await client.models()
+    if options.json:
+        print_json([dataclasses.asdict(model) for model in models])
+        return EXIT_OK
+    rows = [
+        [m.name, m.version, _specs(m.inputs), _specs(m.outputs), str(m.max_batch_size), str(m.default_max_attempts)]
+        for m in models
+    ]
+    print(table(["MODEL", "VERSION", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows), flush=True)
     return EXIT_OK

@@ -592,3 +592,120 @@ class ReadResultResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReadResultResponse: _TypeAlias = ReadResultResponse  # noqa: Y015
+
+@_typing.final
+class ListModelsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsRequest: _TypeAlias = ListModelsRequest  # noqa: Y015
+
+@_typing.final
+class ListModelsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelInfo]:
+        """In the configuration's order."""
+
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ModelInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class ModelInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    DEFAULT_MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_LIMIT_FIELD_NUMBER: _builtins.int
+    DEFAULT_EXECUTION_TIMEOUT_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    version: _builtins.str
+    """The version served (SubmitJobRequest.model_version may be empty or this)."""
+    max_batch_size: _builtins.int
+    """Most rows (first dimension) in one job's inputs."""
+    default_max_attempts: _builtins.int
+    """Attempts a job gets when SubmitJobRequest.max_attempts is 0."""
+    max_attempts_limit: _builtins.int
+    """The most attempts a job may ask for."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """Inputs a job must give: shapes are full (batch dimension first), -1 for any size."""
+
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
+        """Outputs a job's result holds."""
+
+    @_builtins.property
+    def default_execution_timeout(self) -> _duration_pb2.Duration:
+        """How long one attempt may run when the job does not say; unset means no limit."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        version: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___TensorSpec] | None = ...,
+        outputs: _abc.Iterable[Global___TensorSpec] | None = ...,
+        max_batch_size: _builtins.int = ...,
+        default_max_attempts: _builtins.int = ...,
+        max_attempts_limit: _builtins.int = ...,
+        default_execution_timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["default_execution_timeout", b"default_execution_timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_execution_timeout", b"default_execution_timeout", "default_max_attempts", b"default_max_attempts", "inputs", b"inputs", "max_attempts_limit", b"max_attempts_limit", "max_batch_size", b"max_batch_size", "name", b"name", "outputs", b"outputs", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class TensorSpec(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DATATYPE_FIELD_NUMBER: _builtins.int
+    SHAPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    datatype: _builtins.str
+    """A KServe v2 datatype: BOOL, UINT8, ..., INT64, FP16, FP32, FP64, BYTES."""
+    @_builtins.property
+    def shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        datatype: _builtins.str = ...,
+        shape: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["datatype", b"datatype", "name", b"name", "shape", b"shape"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TensorSpec: _TypeAlias = TensorSpec  # noqa: Y015

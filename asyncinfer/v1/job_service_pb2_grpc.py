@@ -76,6 +76,11 @@ class JobServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/asyncinfer.v1.JobService/ListModels',
+                request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -139,6 +144,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models this gateway accepts jobs for, with their signatures and job defaults: what a
+        client needs to build valid inputs without the server's configuration.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +194,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ReadResult,
                     request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ListModelsRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +419,33 @@ class JobService:
             '/asyncinfer.v1.JobService/ReadResult',
             asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.SerializeToString,
             asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.JobService/ListModels',
+            asyncinfer_dot_v1_dot_job__service__pb2.ListModelsRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_job__service__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

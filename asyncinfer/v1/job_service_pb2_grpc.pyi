@@ -51,6 +51,10 @@ class JobServiceStub:
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _grpc.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]
     """Streams back a large result in chunks."""
+    ListModels: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]
+    """The models this gateway accepts jobs for, with their signatures and job defaults: what a
+    client needs to build valid inputs without the server's configuration.
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -75,6 +79,10 @@ class JobServiceAsyncStub(JobServiceStub):
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _aio.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]  # type: ignore[assignment]
     """Streams back a large result in chunks."""
+    ListModels: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]  # type: ignore[assignment]
+    """The models this gateway accepts jobs for, with their signatures and job defaults: what a
+    client needs to build valid inputs without the server's configuration.
+    """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     """The public API, served by the gateway. Callers authenticate with `authorization: Bearer <key>`;
@@ -144,5 +152,15 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.ReadResultResponse], _abc.AsyncIterator[_job_service_pb2.ReadResultResponse]]:
         """Streams back a large result in chunks."""
+
+    @_abc_1.abstractmethod
+    def ListModels(
+        self,
+        request: _job_service_pb2.ListModelsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.ListModelsResponse, _abc.Awaitable[_job_service_pb2.ListModelsResponse]]:
+        """The models this gateway accepts jobs for, with their signatures and job defaults: what a
+        client needs to build valid inputs without the server's configuration.
+        """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -23,7 +23,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.blobs import ClaimCheck
 from services.gateway.bulk import submit_stream
 from services.gateway.callbacks import CallbackDeliveries
-from services.gateway.convert import job_to_proto, submit_request_from_proto
+from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
@@ -86,6 +86,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
         )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
+        self._models = models_to_proto(config.models)  # the configuration does not change while serving
 
     def _model_label(self, model_name: str) -> str:
         # Unknown names would otherwise let callers mint label values without bound.
@@ -208,6 +209,12 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if self._claim_check is None:
             raise Unimplemented("UploadInput needs the claim-check store, which this gateway has not set up")
         return await self._claim_check.upload(request_iterator, tenant=resolve_tenant(context, self._authenticator))
+
+    async def ListModels(
+        self, request: job_service_pb2.ListModelsRequest, context: Context
+    ) -> job_service_pb2.ListModelsResponse:
+        resolve_tenant(context, self._authenticator)  # a caller without a key learns nothing
+        return self._models
 
     async def ReadResult(
         self, request: job_service_pb2.ReadResultRequest, context: Context
