@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
 from typing import Any
 
 import nats.errors
@@ -41,7 +40,7 @@ def _expire(future: asyncio.Future[Msg]) -> None:
 
 
 async def request(
-    nc: NatsClient, subject: str, payload: bytes, *, timeout_s: float, headers: Mapping[str, str] | None = None
+    nc: NatsClient, subject: str, payload: bytes, *, timeout_s: float, headers: dict[str, str] | None = None
 ) -> Msg:
     """`nc.request(subject, payload, timeout=timeout, headers=headers)`, cheaper (see the module)."""
     client: Any = nc
@@ -56,9 +55,7 @@ async def request(
     responses[token] = future
     timer = loop.call_later(timeout_s, _expire, future)
     try:
-        await nc.publish(
-            subject, payload, reply=client._resp_sub_prefix.decode() + token, headers=dict(headers) if headers else None
-        )
+        await nc.publish(subject, payload, reply=client._resp_sub_prefix.decode() + token, headers=headers)
         msg = await future
     finally:
         timer.cancel()
@@ -74,7 +71,7 @@ async def js_publish(
     payload: bytes,
     *,
     timeout_s: float,
-    headers: Mapping[str, str] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> int:
     """A JetStream publish: the stream sequence it was stored at (or, for a duplicate within the
     stream's window, the sequence of the first). Raises as `JetStreamContext.publish` does, with
