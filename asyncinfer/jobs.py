@@ -136,6 +136,8 @@ class JobRecord:
     result_ref: BlobRef | None = None
     input_ref: BlobRef | None = None
     callback: CallbackSpec | None = None
+    # The batcher the latest attempt was dispatched to (set at its start, kept after it).
+    batcher_id: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 
@@ -281,6 +283,8 @@ def encode_record(record: JobRecord) -> bytes:
         obj["input_ref"] = _blob_to_json(r.input_ref)
     if r.callback is not None:
         obj["callback"] = {"url": r.callback.url, "events": list(r.callback.events)}
+    if r.batcher_id != "":
+        obj["batcher_id"] = r.batcher_id
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
@@ -319,6 +323,7 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         result_ref=_blob_from_json(obj.get("result_ref")),
         input_ref=_blob_from_json(obj.get("input_ref")),
         callback=CallbackSpec(callback["url"], tuple(callback.get("events", ()))) if callback else None,
+        batcher_id=obj.get("batcher_id", ""),
         revision=revision,
     )
 

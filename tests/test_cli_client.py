@@ -108,6 +108,11 @@ async def test_submit_inline_and_npy_then_get_json_shows_outputs(
     assert job["job_id"] == job_id
     assert job["state"] == "SUCCEEDED"
     assert job["labels"] == {"suite": "cli"}
+    assert stack.batcher is not None
+    assert job["batcher_id"] == stack.batcher.batcher_id
+    code, out, err = await cli("get", job_id)
+    assert code == 0, err
+    assert f"ran on      {stack.batcher.batcher_id}" in out
     assert job["outputs"]["y"] == {"datatype": "FP32", "shape": [1, 4], "data": [[3.0, 5.0, 7.0, 9.0]]}
 
     # A float64 .npy file, one row without the batch dimension: cast and batched per the signature.

@@ -104,6 +104,12 @@ async def test_watch_yields_queued_running_succeeded_in_order(idle_stack: Stack)
                 assert update.queue is not None, "a queued job says where it stands"
                 await idle_stack.start_batcher()  # only now can it run
     assert [u.state for u in seen] == [JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED]
+    # Where it runs, from the moment it starts; and the batch it ran in names the same batcher.
+    assert idle_stack.batcher is not None
+    assert seen[0].batcher_id == ""
+    assert seen[1].batcher_id == seen[2].batcher_id == idle_stack.batcher.batcher_id
+    assert seen[2].batch is not None
+    assert seen[2].batch.batcher_id == seen[1].batcher_id
     revisions = [u.revision for u in seen]
     assert revisions == sorted(set(revisions)), "each change once, in order"
     np.testing.assert_array_equal(seen[-1].outputs["y"], expected_y(X))

@@ -76,6 +76,7 @@ FULL = JobRecord(
     result_ref=BlobRef("results/acme/1", 1 << 20, "ab" * 32),
     input_ref=BlobRef("inputs/acme/1", 12, "cd" * 32),
     callback=CallbackSpec("https://example.com/hook", ("SUCCEEDED", "FAILED")),
+    batcher_id="b-1",
     revision=7,
 )
 MINIMAL = JobRecord(
@@ -106,6 +107,7 @@ texts = st.text(max_size=8)
 @given(
     model_version=texts,
     idempotency_key=texts,
+    batcher_id=texts,
     labels=st.dictionaries(texts, texts, max_size=3),
     attempt=st.integers(0, 5),
     times=st.tuples(*[optional_floats] * 6),
@@ -115,6 +117,7 @@ texts = st.text(max_size=8)
 def test_encode_record_matches_the_generic_encoder_on_any_record(
     model_version: str,
     idempotency_key: str,
+    batcher_id: str,
     labels: dict[str, str],
     attempt: int,
     times: tuple[float | None, ...],
@@ -125,6 +128,7 @@ def test_encode_record_matches_the_generic_encoder_on_any_record(
     record = FULL.evolve(
         model_version=model_version,
         idempotency_key=idempotency_key,
+        batcher_id=batcher_id,
         labels=labels,
         attempt=attempt,
         start_time=times[0],

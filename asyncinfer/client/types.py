@@ -167,6 +167,8 @@ class Job:
     callback: Callback | None = None
     callback_deliveries: tuple[CallbackDelivery, ...] = ()
     progress: JobProgress | None = None
+    # The batcher its latest attempt was dispatched to: where a RUNNING job runs.
+    batcher_id: str = ""
 
     @property
     def done(self) -> bool:

@@ -172,6 +172,7 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
         idempotency_key=record.idempotency_key,
         outputs=[to_output_proto(t) for t in record.outputs],
         revision=record.revision,
+        batcher_id=record.batcher_id,
     )
     job.create_time.FromNanoseconds(round(record.create_time * 1e9))
     job.update_time.FromNanoseconds(round(record.update_time * 1e9))

@@ -223,6 +223,7 @@ class JobFlow:
                 start_time=now,
                 queue_duration_s=max(now - current.create_time, 0.0),
                 update_time=now,
+                batcher_id=session.batcher_id,
             )
 
         latest, written = await self._store.transition(record, start)
