@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
+import os
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -219,7 +222,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# `asyncinfer list | head`: the reader went away; the shell's code for a process ended by SIGPIPE.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Stop quietly, as Unix tools do, instead of a traceback; stdout goes to /dev/null so that
+        # the interpreter's final flush does not raise again.
+        with contextlib.suppress(OSError, ValueError, io.UnsupportedOperation):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if client_commands.is_client_command(args):
         return client_commands.run(args)

@@ -93,3 +93,18 @@ async def test_three_processes_run_a_job_and_stop_cleanly(
         process, _port = services[name]
         process.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(process.wait, 30) == 0, name
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    # `asyncinfer config | head -1`: the reader is gone before the output is written. Unix tools
+    # stop quietly with the SIGPIPE exit code; a Python traceback on stderr is what this prevents.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [str(BIN / "asyncinfer"), "config"], stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141, done.stderr
+    assert "Traceback" not in done.stderr
