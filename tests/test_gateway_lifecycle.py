@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import Config
@@ -36,6 +36,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor
 from services.gateway import transitions
 from services.gateway.app import GatewayApp
 from services.gateway.queue_view import WaitingReason, jobs_ahead, waiting_reason
+from tests.kv_helpers import kv_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
@@ -113,10 +114,7 @@ class Harness:
         return (await self.js.stream_info(WORK)).state.messages
 
     async def job_keys(self) -> list[str]:
-        try:
-            return list(await self.jobs.keys())
-        except NoKeysError:
-            return []
+        return await kv_keys(self.js, self.app.config.nats.jobs_bucket)
 
     def sample(self, name: str, labels: dict[str, str]) -> float | None:
         return self.app.registry.get_sample_value(name, labels)
