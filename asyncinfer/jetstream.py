@@ -137,15 +137,23 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
         allow_msg_ttl=True,
     )
 
+    await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
+
+
+async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry_for_s: float) -> None:
+    """A stream of ours, created with `stream` unless it exists (an existing one is left as it is)."""
+    name = stream.name
+    assert name is not None
+
     async def declare(_: float) -> None:
         try:
-            await js.stream_info(config.work_stream)
+            await js.stream_info(name)
         except NotFoundError:
             await js.add_stream(stream)
-            log.info("stream_created", stream=config.work_stream)
+            log.info("stream_created", stream=name)
 
     # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
-    await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the work stream")
+    await retry_transient(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
 
 
 async def ensure_kv_bucket(

@@ -15,26 +15,15 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from asyncinfer.errors import FieldViolation as DomainViolation
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
-from services.gateway.app import GatewayApp
 from services.gateway.bulk import error_status
-from tests.test_gateway import fp32_input, job_stub, submit_request
-from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
+from tests.test_gateway import fp32_input, submit_request
+from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
 
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
-
-
-async def serve(config: Config) -> AsyncIterator[JobStub]:
-    app = GatewayApp(config)
-    await app.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
-            yield job_stub(channel)
-    finally:
-        await app.stop(grace_s=1)
 
 
 @pytest.fixture

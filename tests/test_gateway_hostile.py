@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import struct
 import threading
@@ -24,6 +25,7 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from nats.js import JetStreamContext
 
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
 from asyncinfer.grpc_errors import status_details, unpack_details
@@ -82,6 +84,23 @@ def live_gateway(config: Config) -> Iterator[LiveGateway]:
         # Callbacks to loopback are then valid requests like any other.
         webhooks={"secrets": [{"tenant": "default", "secret": WEBHOOK_SECRET}], "allowed_networks": ["127.0.0.0/8"]},
     )
+    with gateway_on_its_own_loop(cfg) as (app, run, js):
+
+        async def count() -> tuple[int, int]:
+            work = await js.stream_info(cfg.nats.work_stream)
+            records = await js.stream_info(f"KV_{cfg.nats.jobs_bucket}")
+            return work.state.messages, records.state.messages
+
+        yield LiveGateway(port=app.port, run=run, count_queued=lambda: run(count()))
+
+
+Run = Callable[[Coroutine[Any, Any, T]], T]
+
+
+@contextlib.contextmanager
+def gateway_on_its_own_loop(cfg: Config) -> Iterator[tuple[GatewayApp, Run[Any], JetStreamContext]]:
+    """A gateway serving on an event loop in a background thread (hypothesis drives plain
+    functions), how to run a coroutine there, and a JetStream context on that loop."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="gateway-loop", daemon=True)
     thread.start()
@@ -89,26 +108,19 @@ def live_gateway(config: Config) -> Iterator[LiveGateway]:
     def run(coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=30)
 
-    app = GatewayApp(cfg)
-    run(app.start())
-    nc = run(connect(cfg.nats, name="hostile-test"))
-    js = nc.jetstream()
-
-    async def count() -> tuple[int, int]:
-        work = await js.stream_info(cfg.nats.work_stream)
-        records = await js.stream_info(f"KV_{cfg.nats.jobs_bucket}")
-        return work.state.messages, records.state.messages
-
     try:
-        yield LiveGateway(port=app.port, run=run, count_queued=lambda: run(count()))
-    finally:
+        app = GatewayApp(cfg)
+        run(app.start())
+        nc = run(connect(cfg.nats, name="hostile-test"))
         try:
+            yield app, run, nc.jetstream()
+        finally:
             run(app.stop(grace_s=1))
             run(nc.close())
-        finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=10)
-            loop.close()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
 
 
 # --- what a hostile client sends -------------------------------------------------------------

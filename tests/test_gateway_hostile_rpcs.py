@@ -10,15 +10,13 @@ Reuses the SubmitJob property's strategies; see tests/test_gateway_hostile.py fo
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import json
-import threading
 import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
@@ -28,7 +26,6 @@ from hypothesis import strategies as st
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import connect
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.auth import hash_key
 from services.gateway.list_jobs import encode_token
@@ -42,12 +39,11 @@ from tests.test_gateway_hostile import (
     Payload,
     demo_input,
     duration,
+    gateway_on_its_own_loop,
     submit_request,
     unknown_field,
     valid_request,
 )
-
-T = TypeVar("T")
 
 SERVICE = "/asyncinfer.v1.JobService/"
 MAX_UPLOAD_BYTES = 4096
@@ -87,7 +83,6 @@ class Gateway:
 
 @pytest.fixture
 def gateway(config: Config) -> Iterator[Gateway]:
-    from services.gateway.app import GatewayApp
 
     cfg = config.replace(
         gateway={
@@ -100,39 +95,22 @@ def gateway(config: Config) -> Iterator[Gateway]:
         },
         models=(DEMO_MODEL, KITCHEN),
     )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="gateway-loop", daemon=True)
-    thread.start()
+    with gateway_on_its_own_loop(cfg) as (app, run, js):
 
-    def run(coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=30)
+        async def count() -> Counts:
+            streams = (cfg.nats.work_stream, f"KV_{cfg.nats.jobs_bucket}", f"OBJ_{cfg.nats.objects_bucket}")
+            infos = [await js.stream_info(stream) for stream in streams]
+            return infos[0].state.messages, infos[1].state.messages, infos[2].state.messages
 
-    app = GatewayApp(cfg)
-    run(app.start())
-    nc = run(connect(cfg.nats, name="hostile-rpcs-test"))
-    js = nc.jetstream()
-
-    async def count() -> Counts:
-        streams = (cfg.nats.work_stream, f"KV_{cfg.nats.jobs_bucket}", f"OBJ_{cfg.nats.objects_bucket}")
-        infos = [await js.stream_info(stream) for stream in streams]
-        return infos[0].state.messages, infos[1].state.messages, infos[2].state.messages
-
-    channel = grpc.insecure_channel(f"127.0.0.1:{app.port}")
-    try:
-        stub = job_service_pb2_grpc.JobServiceStub(channel)
-        request = job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[demo_input()])
-        jobs = tuple(stub.SubmitJob(request, metadata=auth(KEY), timeout=5).job for _ in range(2))
-        other = stub.SubmitJob(request, metadata=auth(OTHER_KEY), timeout=5).job
-        yield Gateway(channel=channel, run=run, count=lambda: run(count()), jobs=jobs, other_job=other)
-    finally:
+        channel = grpc.insecure_channel(f"127.0.0.1:{app.port}")
         try:
-            channel.close()
-            run(app.stop(grace_s=1))
-            run(nc.close())
+            stub = job_service_pb2_grpc.JobServiceStub(channel)
+            request = job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[demo_input()])
+            jobs = tuple(stub.SubmitJob(request, metadata=auth(KEY), timeout=5).job for _ in range(2))
+            other = stub.SubmitJob(request, metadata=auth(OTHER_KEY), timeout=5).job
+            yield Gateway(channel=channel, run=run, count=lambda: run(count()), jobs=jobs, other_job=other)
         finally:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=10)
-            loop.close()
+            channel.close()
 
 
 def auth(key: str) -> tuple[tuple[str, str], ...]:

@@ -18,11 +18,10 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.gateway.app import GatewayApp
 from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, JobLister, tenant_filter_subject
 from services.gateway.transitions import Expiry
-from tests.test_gateway import job_stub, submit_request, violations_of
-from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
+from tests.test_gateway import submit_request, violations_of
+from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
@@ -31,16 +30,6 @@ if TYPE_CHECKING:
 def two_models(config: Config) -> Config:
     demo = config.models[0]
     return config.replace(models=[demo, demo.model_copy(update={"name": "other"})])
-
-
-async def serve(config: Config) -> AsyncIterator[JobStub]:
-    app = GatewayApp(config)
-    await app.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
-            yield job_stub(channel)
-    finally:
-        await app.stop(grace_s=1)
 
 
 @pytest.fixture

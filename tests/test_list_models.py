@@ -9,8 +9,8 @@ import pytest
 
 from asyncinfer.config import Config
 from asyncinfer.v1 import job_service_pb2
-from tests.test_gateway_auth import ACME_KEY, bearer, with_keys
-from tests.test_gateway_list import serve, two_models
+from tests.test_gateway_auth import ACME_KEY, bearer, serve, with_keys
+from tests.test_gateway_list import two_models
 
 
 async def test_every_model_with_its_signature_and_defaults(config: Config) -> None:

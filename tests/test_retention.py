@@ -14,8 +14,8 @@ from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.gateway.app import GatewayApp
-from tests.test_gateway import job_stub, submit_request, violations_of
+from tests.test_gateway import submit_request, violations_of
+from tests.test_gateway_auth import serve
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
@@ -23,13 +23,8 @@ if TYPE_CHECKING:
 
 @pytest.fixture
 async def stub(config: Config) -> AsyncIterator[JobStub]:
-    app = GatewayApp(config)
-    await app.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
-            yield job_stub(channel)
-    finally:
-        await app.stop(grace_s=1)
+    async for stub in serve(config):
+        yield stub
 
 
 def reason_of(error: grpc.aio.AioRpcError) -> str:

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.jetstream import publish_durably
+from asyncinfer.jetstream import ensure_stream, publish_durably
 from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
 
 DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
@@ -81,20 +81,16 @@ def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
 
 
 async def ensure_dead_letter_stream(js: JetStreamContext, config: NatsConfig) -> None:
-    try:
-        await js.stream_info(config.dead_letter_stream)
-    except NotFoundError:
-        await js.add_stream(
-            api.StreamConfig(
-                name=config.dead_letter_stream,
-                description="asyncinfer jobs that failed for good, one subject per model",
-                subjects=[f"{DEAD_SUBJECT_PREFIX}.>"],
-                retention=api.RetentionPolicy.LIMITS,
-                storage=api.StorageType.FILE,
-                num_replicas=config.replicas,
-                duplicate_window=config.duplicate_window_s,
-            )
-        )
+    stream = api.StreamConfig(
+        name=config.dead_letter_stream,
+        description="asyncinfer jobs that failed for good, one subject per model",
+        subjects=[f"{DEAD_SUBJECT_PREFIX}.>"],
+        retention=api.RetentionPolicy.LIMITS,
+        storage=api.StorageType.FILE,
+        num_replicas=config.replicas,
+        duplicate_window=config.duplicate_window_s,
+    )
+    await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
 
 
 class DeadLetterStore:

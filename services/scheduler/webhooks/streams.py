@@ -8,10 +8,9 @@ what was not acked (a scheduler died) is redelivered to another.
 from __future__ import annotations
 
 from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
 
 from asyncinfer.config import Config, NatsConfig
-from asyncinfer.jetstream import retry_transient
+from asyncinfer.jetstream import ensure_stream
 from services.scheduler.webhooks.deliveries import WEBHOOK_SUBJECT_PREFIX
 
 SENDER_CONSUMER = "webhook-sender"
@@ -38,13 +37,7 @@ async def ensure_webhooks_stream(js: JetStreamContext, config: NatsConfig) -> No
         discard=api.DiscardPolicy.NEW,
     )
 
-    async def declare(_: float) -> None:
-        try:
-            await js.stream_info(config.webhooks_stream)
-        except NotFoundError:
-            await js.add_stream(stream)
-
-    await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the webhooks stream")
+    await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
 
 
 async def ensure_sender_consumer(js: JetStreamContext, config: Config) -> None:
