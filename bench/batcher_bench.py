@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import math
 import os
 import random
 import signal
@@ -44,6 +46,9 @@ BATCH_SIZES = (1, 8, 32, 128)
 # Max batch size, max queue delay (ms), torch intra-op threads in both servers (0: torch's default).
 # The MLP's servers get one torch thread: on 2 cores the other one is the RPC path's.
 MODELS = {"mlp": (128, 2.0, 1), "minilm": (64, 5.0, 0)}
+# minilm's calls take seconds at 128 clients: its windows are this many times --window long, so
+# that each holds enough calls for a p99.
+WINDOW_FACTOR = {"mlp": 1.0, "minilm": 3.0}
 
 WORDS = [
     "the",
@@ -179,28 +184,42 @@ class Server:
 
 
 async def drive(call: Any, concurrency: int, window_s: float, warmup_s: float = 0.5) -> Window:
+    """Closed loop: `concurrency` clients, each sending its next request when its last one is
+    answered. The window opens once every client's first request has been answered (past the
+    start-up burst) and warmup_s more. Throughput counts the requests that ended inside the
+    window; latency takes every request that started inside it, each client finishing its last
+    one, so slow requests are never left out (with latencies near the window's length, counting
+    only requests that both started and ended inside it would keep the fast ones)."""
     latencies: list[float] = []
-    measuring = False
-    stop_at = time.perf_counter() + warmup_s + window_s
+    completed = 0
+    window = [math.inf, math.inf]
+    first_answers = asyncio.Event()
+    waiting_first = concurrency
 
     async def client(index: int) -> None:
-        while (now := time.perf_counter()) < stop_at:
+        nonlocal completed, waiting_first
+        first = True
+        while (started := time.perf_counter()) < window[1]:
             await call(index)
-            if measuring:
-                latencies.append(time.perf_counter() - now)
+            ended = time.perf_counter()
+            if started >= window[0]:
+                latencies.append(ended - started)
+            if window[0] <= ended < window[1]:
+                completed += 1
+            if first:
+                first = False
+                waiting_first -= 1
+                if waiting_first == 0:
+                    first_answers.set()
 
-    async def clock() -> float:
-        nonlocal measuring
+    async def clock() -> None:
+        await first_answers.wait()
         await asyncio.sleep(warmup_s)
-        measuring = True
-        started = time.perf_counter()
-        await asyncio.sleep(window_s)
-        measuring = False
-        return time.perf_counter() - started
+        window[0] = time.perf_counter()
+        window[1] = window[0] + window_s
 
-    results = await asyncio.gather(clock(), *(client(i) for i in range(concurrency)))
-    elapsed = results[0]
-    return Window(len(latencies) / elapsed, _pct(latencies, 50), _pct(latencies, 99))
+    await asyncio.gather(clock(), *(client(i) for i in range(concurrency)))
+    return Window(completed / window_s, _pct(latencies, 50), _pct(latencies, 99))
 
 
 def infer_call(client: Any, model: str, remote_name: str, triton_shape: bool) -> Any:
@@ -308,9 +327,14 @@ def write_report(rows: list[Row], window_s: float, runs: int, out: str = "batche
     lines = [
         "# Batcher benchmark",
         "",
-        f"Machine: {os.cpu_count()} CPUs; windows of {window_s:g} s after 0.5 s warm-up; median of {runs} runs "
+        f"Machine: {os.cpu_count()} CPUs; windows of {window_s:g} s (minilm: {window_s * WINDOW_FACTOR['minilm']:g} s), "
+        "opened once every client's first call is answered and 0.5 s more; throughput counts calls that ended in "
+        f"the window, latency every call that started in it; median of {runs} runs "
         "(min-max). Clients: tritonclient.grpc.aio, one channel, N concurrent single-item requests, in the "
-        "bench process; servers in their own processes. Max batch / queue delay: MLP 128 / 2 ms, "
+        "bench process; servers in their own processes, on uvloop (as the services run). `grpc-echo`: a trivial "
+        "unary call (1 KB in, 2 bytes out) with a plain grpc.aio client; `kserve-noop`: a KServe ModelInfer that "
+        "answers a canned output at once, driven by the same tritonclient client as the batcher (the ceiling "
+        "with this client's own cost included). Max batch / queue delay: MLP 128 / 2 ms, "
         "minilm 64 / 5 ms (the batcher also caps minilm batches at 4096 tokens); the batcher computes one "
         "batch at a time (max_inflight_batches 1, as Triton's one model instance); torch threads in both "
         "servers: MLP 1, minilm torch's default. `unbatched`: the same batcher with max batch 1 and no "
@@ -326,9 +350,88 @@ def write_report(rows: list[Row], window_s: float, runs: int, out: str = "batche
             f"| {row.model} | {row.setup} | {row.concurrency} | {row.median('rate'):,.0f} ({lo:,.0f}-{hi:,.0f}) | "
             f"{row.median('p50_ms'):.2f} | {row.median('p99_ms'):.2f} | {batch} |"
         )
+    checks = target_checks(rows)
+    if checks:
+        lines += ["", "| target (issue 4) | figure | met |", "|---|---|---|"]
+        lines += [f"| {name} | {figure} | {'yes' if met else '**no**'} |" for name, figure, met in checks]
     (RESULTS / f"{out}.md").parent.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out}.md").write_text("\n".join(lines) + "\n")
     plot(rows, out)
+
+
+def target_checks(rows: list[Row]) -> list[tuple[str, str, bool]]:
+    """Issue 4's targets, from the medians of this run's rows (those it measured)."""
+    found = {(r.model, r.setup, r.concurrency): r for r in rows}
+    checks: list[tuple[str, str, bool]] = []
+    for clients in CONCURRENCY[1:]:
+        ours, triton = found.get(("mlp", "batcher", clients)), found.get(("mlp", "triton", clients))
+        if ours and triton:
+            ratio = ours.median("rate") / triton.median("rate")
+            faster = ours.median("p99_ms") < triton.median("p99_ms")
+            checks.append(
+                (
+                    f"MLP, {clients} clients: >= 2x Triton's items/s, lower p99",
+                    f"{ratio:.2f}x; p99 {ours.median('p99_ms'):.1f} vs {triton.median('p99_ms'):.1f} ms",
+                    ratio >= 2 and faster,
+                )
+            )
+        echo, noop = found.get(("-", "grpc-echo", clients)), found.get(("mlp", "kserve-noop", clients))
+        if ours and echo:
+            share = ours.median("rate") / echo.median("rate")
+            noop_note = f"; {ours.median('rate') / noop.median('rate'):.2f} of the no-op KServe server" if noop else ""
+            checks.append(
+                (f"MLP, {clients} clients: >= 70% of the trivial call's rate", f"{share:.2f}{noop_note}", share >= 0.7)
+            )
+    for model in MODELS:
+        single, off = found.get((model, "batcher", 1)), found.get((model, "unbatched", 1))
+        if single and off:
+            slower = single.median("p50_ms") / off.median("p50_ms") - 1
+            checks.append(
+                (
+                    f"{model}, 1 client: p50 within 10% of batching off",
+                    f"{single.median('p50_ms'):.2f} vs {off.median('p50_ms'):.2f} ms ({slower:+.0%})",
+                    slower <= 0.10,
+                )
+            )
+    for clients in CONCURRENCY[1:]:
+        ours, triton = found.get(("minilm", "batcher", clients)), found.get(("minilm", "triton", clients))
+        if ours and ours.mean_batch:
+            torch_rate = direct_rate_at("minilm", ours.mean_batch, rows)
+            if torch_rate:
+                share = ours.median("rate") / torch_rate
+                checks.append(
+                    (
+                        f"minilm, {clients} clients: >= 90% of direct torch at the mean batch ({ours.mean_batch:.1f})",
+                        f"{share:.2f}",
+                        share >= 0.9,
+                    )
+                )
+        if ours and triton:
+            ratio = ours.median("rate") / triton.median("rate")
+            faster = ours.median("p99_ms") < triton.median("p99_ms")
+            checks.append(
+                (
+                    f"minilm, {clients} clients: >= Triton's items/s at a lower p99",
+                    f"{ratio:.2f}x; p99 {ours.median('p99_ms'):.0f} vs {triton.median('p99_ms'):.0f} ms",
+                    ratio >= 1 and faster,
+                )
+            )
+    return checks
+
+
+def direct_rate_at(model: str, batch: float, rows: list[Row]) -> float | None:
+    """Direct torch's items/s at a batch size, interpolated (in log batch size) between the
+    sizes measured."""
+    points = sorted((r.concurrency, r.median("rate")) for r in rows if r.model == model and r.setup == "direct")
+    if not points:
+        return None
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, r0), (b1, r1) in itertools.pairwise(points):
+        if b0 <= batch <= b1:
+            share = (math.log(batch) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return r0 + share * (r1 - r0)
+    return points[-1][1]
 
 
 def plot(rows: list[Row], out: str = "batcher") -> None:
@@ -340,13 +443,15 @@ def plot(rows: list[Row], out: str = "batcher") -> None:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     for col, model in enumerate(MODELS):
         rate_ax, p99_ax = axes[0][col], axes[1][col]
-        for setup in ("batcher", "triton", "grpc-echo"):
+        for setup in ("batcher", "triton", "grpc-echo", "kserve-noop"):
             series = [r for r in rows if r.setup == setup and r.model in (model, "-")]
+            if setup == "kserve-noop" and model != "mlp":
+                continue
             if not series:
                 continue
             xs = [r.concurrency for r in series]
             rate_ax.plot(xs, [r.median("rate") for r in series], marker="o", label=setup)
-            if setup != "grpc-echo":
+            if setup not in ("grpc-echo", "kserve-noop"):
                 p99_ax.plot(xs, [r.median("p99_ms") for r in series], marker="o", label=setup)
         for r in rows:
             if r.model == model and r.setup == "direct":
@@ -376,23 +481,33 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
         if model not in args.models.split(","):
             continue
         os.environ["BENCH_TORCH_THREADS"] = str(torch_threads)  # read by both servers
+        window_s = args.window * WINDOW_FACTOR[model]
+        if "noop" in setups and model == "mlp":
+            noop = Server(["kecho"])
+            try:
+                print("(e) KServe ModelInfer doing nothing, same client", flush=True)
+                rows += await measure_server(
+                    f"127.0.0.1:{noop.port}", model, model, False, args.runs, window_s, "kserve-noop"
+                )
+            finally:
+                noop.stop()
         if "direct" in setups:
             print(f"(a) direct torch {model}", flush=True)
             for size in BATCH_SIZES:
-                row = Row(model, "direct", size, [direct(model, size, args.window) for _ in range(args.runs)])
+                row = Row(model, "direct", size, [direct(model, size, window_s) for _ in range(args.runs)])
                 rows.append(row)
                 print(f"  direct {model} b={size:<4} {row.median('rate'):8.0f}/s", flush=True)
         if "unbatched" in setups:
-            rows += await measure_unbatched(model, args)
+            rows += await measure_unbatched(model, args, window_s)
         if "batcher" in setups:
-            rows += await measure_batcher(model, max_batch, delay_ms, args)
+            rows += await measure_batcher(model, max_batch, delay_ms, args, window_s)
         if "triton" in setups:
             triton_env = {**os.environ, "LD_LIBRARY_PATH": str(sysconfig.get_config_var("LIBDIR"))}
             triton = Server(["pytriton", model, str(max_batch), str(delay_ms)], env=triton_env)
             try:
                 print(f"(c) triton {model}", flush=True)
                 rows += await measure_server(
-                    f"127.0.0.1:{triton.port}", model, model, model == "minilm", args.runs, args.window, "triton"
+                    f"127.0.0.1:{triton.port}", model, model, model == "minilm", args.runs, window_s, "triton"
                 )
             finally:
                 triton.stop()
@@ -400,7 +515,7 @@ async def main_async(args: argparse.Namespace) -> list[Row]:
 
 
 async def measure_batcher(
-    model: str, max_batch: int, delay_ms: float, args: argparse.Namespace, setup: str = "batcher"
+    model: str, max_batch: int, delay_ms: float, args: argparse.Namespace, window_s: float, setup: str = "batcher"
 ) -> list[Row]:
     metrics_port = free_port()
     batcher = Server(["batcher", model, str(max_batch), str(delay_ms), str(metrics_port)])
@@ -412,7 +527,7 @@ async def measure_batcher(
             batcher_name(model),
             False,
             args.runs,
-            args.window,
+            window_s,
             setup,
             metrics_port,
             concurrencies=(1,) if max_batch == 1 else CONCURRENCY,
@@ -421,10 +536,10 @@ async def measure_batcher(
         batcher.stop()
 
 
-async def measure_unbatched(model: str, args: argparse.Namespace) -> list[Row]:
+async def measure_unbatched(model: str, args: argparse.Namespace, window_s: float) -> list[Row]:
     """The batching-off reference: the same batcher and model over the same gRPC path, with
     max_batch_size 1 and no queue delay, at 1 client (the 1-client latency target's baseline)."""
-    return await measure_batcher(model, 1, 0.0, args, setup="unbatched")
+    return await measure_batcher(model, 1, 0.0, args, window_s, setup="unbatched")
 
 
 def batcher_name(model: str) -> str:
@@ -438,8 +553,8 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: mlp,minilm")
     parser.add_argument(
         "--setups",
-        default="echo,direct,unbatched,batcher,triton",
-        help="comma-separated subset of echo,direct,unbatched,batcher,triton",
+        default="echo,noop,direct,unbatched,batcher,triton",
+        help="comma-separated subset of echo,noop,direct,unbatched,batcher,triton",
     )
     parser.add_argument("--out", default="batcher", help="report name under bench/results (.md, .png)")
     args = parser.parse_args()

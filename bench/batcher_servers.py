@@ -3,6 +3,7 @@
     python bench/batcher_servers.py batcher  PORT MODEL MAX_BATCH DELAY_MS
     python bench/batcher_servers.py pytriton PORT MODEL MAX_BATCH DELAY_MS   (needs LD_LIBRARY_PATH=libpython's dir)
     python bench/batcher_servers.py echo     PORT                            (a trivial unary grpc.aio call)
+    python bench/batcher_servers.py kecho    PORT                            (a KServe ModelInfer doing nothing)
 
 MODEL is mlp, minilm or affine (y = 2x + 1 on FP32 [-1, 4]; for tests: a batch holding -1 fails).
 Both print "READY" on stdout once serving, and stop on SIGTERM/SIGINT.
@@ -34,6 +35,7 @@ ECHO_METHOD = "/bench.Echo/Call"
 
 
 def serve_echo(port: int) -> None:
+    """A trivial unary call (1 KB in, 2 bytes out) on uvloop, like every server here."""
     import grpc
 
     async def call(request: bytes, context: object) -> bytes:
@@ -55,7 +57,42 @@ def serve_echo(port: int) -> None:
         await stop.wait()
         await server.stop(0)
 
-    asyncio.run(main())
+    _run_profiled(main)
+
+
+def serve_kserve_echo(port: int) -> None:
+    """A KServe v2 ModelInfer that does nothing: it answers every request with the same canned
+    [1, 512] FP32 output (parsing the request, as any server must). Driven by the same
+    tritonclient client as the batcher, it is the ceiling per-request RPC overhead puts on a
+    Python KServe server here, client included."""
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    canned = np.zeros((1, 512), dtype=np.float32).tobytes()
+
+    class Echo(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+        async def ModelInfer(
+            self, request: service_pb2.ModelInferRequest, context: object
+        ) -> service_pb2.ModelInferResponse:
+            response = service_pb2.ModelInferResponse(model_name=request.model_name, id=request.id)
+            response.outputs.add(name="y", datatype="FP32", shape=[1, 512])
+            response.raw_output_contents.append(canned)
+            return response
+
+    async def main() -> None:
+        server = grpc.aio.server()
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print("READY", flush=True)
+        await stop.wait()
+        await server.stop(0)
+
+    _run_profiled(main)
 
 
 def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metrics_port: int = 0) -> None:
@@ -95,23 +132,22 @@ def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metric
 
 
 def _run_profiled(main: Any) -> None:
-    """asyncio.run(main()), under cProfile when BENCH_PROFILE names a file to write the stats to."""
+    """main() on uvloop, under cProfile when BENCH_PROFILE names a file to write the stats to."""
     import os
 
-    target = os.environ.get("BENCH_PROFILE")
-    if os.environ.get("BENCH_UVLOOP"):  # for experiments
-        import uvloop
+    import uvloop
 
-        uvloop.install()
+    # On uvloop, as the services run (asyncinfer.cli).
+    target = os.environ.get("BENCH_PROFILE")
     if not target:
-        asyncio.run(main())
+        uvloop.run(main())
         return
     import cProfile
 
     profiler = cProfile.Profile()
     profiler.enable()
     try:
-        asyncio.run(main())
+        uvloop.run(main())
     finally:
         profiler.disable()
         profiler.dump_stats(target)
@@ -194,6 +230,8 @@ if __name__ == "__main__":
     kind, port = sys.argv[1:3]
     if kind == "echo":
         serve_echo(int(port))
+    elif kind == "kecho":
+        serve_kserve_echo(int(port))
     elif kind == "batcher":
         model, max_batch, delay_ms, metrics_port = sys.argv[3:7]
         serve_batcher(int(port), model, int(max_batch), float(delay_ms), int(metrics_port))

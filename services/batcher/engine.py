@@ -105,6 +105,9 @@ class _ModelQueue:
         self._waiting: list[PendingItem] = []
         self._seq = itertools.count()
         self._metrics: ModelMetrics | None = metrics.for_model(config.name) if metrics is not None else None
+        if self._metrics is not None:
+            # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
+            self._metrics.track_queue_depth(lambda: len(self._waiting))
         self._input_names = tuple(spec.name for spec in backend.signature.inputs)
         self._fast_check = _FastCheck(backend.signature, config.max_batch_size)
         self._on_item_done = on_item_done
@@ -159,7 +162,6 @@ class _ModelQueue:
         future.add_done_callback(lambda _f: self._item_done(item))
         self._waiting.append(item)
         self._changed.set()
-        self._report_depth()
         return item
 
     def _item_done(self, item: PendingItem) -> None:
@@ -183,14 +185,10 @@ class _ModelQueue:
             first = violations[0]
             raise InvalidArgument(f"invalid inputs: {first.field}: {first.description}", violations)
 
-    def _report_depth(self) -> None:
-        # len() may count items resolved but not yet purged; exact enough for a gauge, and O(1).
-        if self._metrics is not None:
-            self._metrics.set_queue_depth(len(self._waiting))
-
     # --- forming batches -------------------------------------------------------------------
 
     async def _form_batches(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._slots.acquire()
             try:
@@ -200,14 +198,25 @@ class _ModelQueue:
                 raise
             for item in batch:
                 item.started = True
-            task = asyncio.create_task(self._run_batch(batch), name=f"batch-{self.name}")
+            # The compute is handed to its thread here, in this step, not in the task's first
+            # one: that would run only after every callback already queued (answers of the
+            # batch that just finished, each a gRPC send), leaving the model idle meanwhile.
+            computing: asyncio.Future[tuple[list[_Ran], float, float]] = (
+                asyncio.ensure_future(self._compute_async(batch))
+                if self.backend.runs_async
+                else loop.run_in_executor(self._executor, self._compute, batch)
+            )
+            task = asyncio.create_task(self._run_batch(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
             task.add_done_callback(self._batch_done)
 
     def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._batches.pop(task, None)
-        self._slots.release()
-        self._changed.set()  # the model may be idle now: a waiting batch can start at once
+        self._free_slot(task)
+
+    def _free_slot(self, task: asyncio.Task[None]) -> None:
+        if self._batches.pop(task, None) is not None:
+            self._slots.release()
+            self._changed.set()  # the model may be idle now: a waiting batch can start at once
 
     async def _next_batch(self) -> list[PendingItem]:
         loop = asyncio.get_running_loop()
@@ -222,7 +231,6 @@ class _ModelQueue:
             if close_now or wait_s <= 0 or not self._batches:
                 started = {id(item) for item in batch}
                 self._waiting = [item for item in self._waiting if id(item) not in started]
-                self._report_depth()
                 return batch
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -233,7 +241,6 @@ class _ModelQueue:
         """Removes items that resolved while waiting (dropped, expired, failed)."""
         if any(item.future.done() for item in self._waiting):
             self._waiting = [item for item in self._waiting if not item.future.done()]
-            self._report_depth()
 
     def _pick(self) -> tuple[list[PendingItem], bool]:
         """The best item's group in order, within the row and cost limits; and whether the batch
@@ -272,17 +279,14 @@ class _ModelQueue:
 
     # --- computing batches -----------------------------------------------------------------
 
-    async def _run_batch(self, batch: list[PendingItem]) -> None:
-        batch = [item for item in batch if not item.future.done()]  # dropped since it was formed
-        if not batch:
-            return
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+    async def _run_batch(
+        self,
+        batch: list[PendingItem],
+        computing: asyncio.Future[tuple[list[_Ran], float, float]],
+        started: float,
+    ) -> None:
         try:
-            if self.backend.runs_async:
-                ran, compute_s, waste = await self._compute_async(batch)
-            else:
-                ran, compute_s, waste = await loop.run_in_executor(self._executor, self._compute, batch)
+            ran, compute_s, waste = await computing
         except asyncio.CancelledError:
             _fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
             raise
@@ -290,6 +294,11 @@ class _ModelQueue:
             log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
             _fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
             return
+        finally:
+            # Before answering: the next batch is formed and handed to the model first.
+            task = asyncio.current_task()
+            if task is not None:
+                self._free_slot(task)
         rows = sum(item.rows for item in batch)
         failed = sum(1 for result in ran if result.error is not None)
         if failed:
@@ -401,7 +410,6 @@ class _ModelQueue:
                 await self._former
         _fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
         self._waiting.clear()
-        self._report_depth()
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)

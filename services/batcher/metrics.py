@@ -4,6 +4,8 @@ Items per second is `rate(asyncinfer_batcher_items_total[1m])` (rows: `..._rows_
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -80,9 +82,6 @@ class BatcherMetrics:
         self.batch_compute_seconds.labels(model=model).observe(compute_s)
         self.rows.labels(model=model).inc(rows)
 
-    def set_queue_depth(self, model: str, depth: int) -> None:
-        self.queue_depth.labels(model=model).set(depth)
-
     def count_item(self, model: str, outcome: str) -> None:
         self.items.labels(model=model, outcome=outcome).inc()
 
@@ -119,8 +118,10 @@ class ModelMetrics:
         self._compute.observe(compute_s)
         self._rows.inc(rows)
 
-    def set_queue_depth(self, depth: int) -> None:
-        self._depth.set(depth)
+    def track_queue_depth(self, depth: Callable[[], float]) -> None:
+        """The queue depth is read when metrics are collected: setting a gauge per item took a
+        lock per request on the hot path."""
+        self._depth.set_function(depth)
 
     def count_items(self, outcome: str, count: int = 1) -> None:
         child = self._items.get(outcome)
