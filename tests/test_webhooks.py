@@ -399,6 +399,40 @@ async def test_deliveries_survive_a_scheduler_restart(config: Config, receiver: 
         await second.stop()
 
 
+async def test_a_scheduler_without_secrets_reads_no_record_writes_and_a_later_one_catches_up(
+    config: Config, receiver: Receiver
+) -> None:
+    """Without signing secrets the scheduler leaves the record feed alone (three writes per job
+    would be read and acked for nothing); a gateway that had secrets first loses no callback: the
+    feed waits, and a scheduler with secrets delivers from where it stood."""
+    settings = webhook_config(config)
+    no_secrets = settings.replace(webhooks={"secrets": []})
+    first = Stack(settings, scheduler_config=no_secrets)
+    await first.start()
+    try:
+        job_id = await first.submit(receiver.url("/late"), job_pb2.CALLBACK_EVENT_COMPLETED)
+        await first.until(job_id, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+        nc = await connect(config.nats, name="test")
+        try:
+            info = await nc.jetstream().consumer_info(f"KV_{config.nats.jobs_bucket}", "webhook-notifier")
+        finally:
+            await nc.close()
+        assert info.delivered.consumer_seq == 0
+        assert (info.num_pending or 0) >= 1  # the bucket keeps the latest write per job: SUCCEEDED
+        assert receiver.at("/late") == []
+    finally:
+        await first.stop()
+
+    second = Stack(settings)
+    await second.start(batcher=False)
+    try:
+        job = await second.until(job_id, all_final(1))
+        assert [d.state for d in job.callback_deliveries] == [DELIVERED]
+        assert len(receiver.at("/late")) == 1
+    finally:
+        await second.stop()
+
+
 # --- refused at submit ------------------------------------------------------------------------
 
 

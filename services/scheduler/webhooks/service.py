@@ -3,12 +3,18 @@ consumers, then runs the notifier (record writes -> deliveries) and the sender (
 
 Shutdown order: the notifier first (no new deliveries), then the sender (attempts in flight get
 the grace period, the rest go back to the stream). Nothing is lost: both consumers are durable.
+
+Without any signing secret (webhooks.secrets) no job can ask for callbacks (the gateway refuses
+them), so the notifier is not run: it would read and ack every record write (three per job) for
+nothing. Its durable consumer is still declared and waits: a scheduler started later with secrets
+resumes from where it stopped (a gateway given secrets before the scheduler loses no callback).
 """
 
 from __future__ import annotations
 
 import random
 
+import structlog
 from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
@@ -18,6 +24,8 @@ from services.scheduler.webhooks.notifier import Notifier
 from services.scheduler.webhooks.sender import Sender, WebhookMetrics
 from services.scheduler.webhooks.status_store import StatusStore
 from services.scheduler.webhooks.streams import ensure_feed_consumer, ensure_sender_consumer, ensure_webhooks_stream
+
+log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
 
 class WebhookService:
@@ -44,11 +52,18 @@ class WebhookService:
         await ensure_webhooks_stream(js, config.nats)
         kv = await ensure_webhooks_bucket(js, config.nats)
         await ensure_sender_consumer(js, config)
+        # Declared even when idle: its position starts now, so a scheduler that later has secrets
+        # catches up on every record written since (none lost to a scheduler configured late).
         await ensure_feed_consumer(js, config.nats)
         store = StatusStore(js, kv, config.nats.webhooks_bucket)
-        self._notifier = Notifier(js, store, config)
+        if config.webhooks.secrets:
+            self._notifier = Notifier(js, store, config)
+            await self._notifier.start()
+        else:
+            log.info(
+                "webhook_notifier_off", reason="no signing secrets in webhooks.secrets: no job can ask for callbacks"
+            )
         self._sender = Sender(js, store, config, self._metrics)
-        await self._notifier.start()
         await self._sender.start()
 
     async def stop(self, grace_s: float) -> None:
