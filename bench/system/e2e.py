@@ -43,6 +43,7 @@ import numpy as np
 import uvloop
 
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from bench.system import echo_server
 from bench.system.common import (
     PYTHON,
     REDIS_INSTALL_HINT,
@@ -50,10 +51,12 @@ from bench.system.common import (
     ProcessGroup,
     bench_config,
     cpu_seconds,
+    free_port,
     log,
     matplotlib_pyplot,
     percentile,
     plot_path,
+    port_open,
     ratio,
     row,
     summarize,
@@ -85,6 +88,13 @@ class Sizes:
 
 FULL = Sizes(runs=3, burst=3000, light=300)
 QUICK = Sizes(runs=1, burst=300, light=30)
+# The light-load hop references are paced like the light-load jobs (one about every 15 ms), so
+# each process sleeps between calls as it does between a job's hops.
+HOP_PACE_S = 0.015
+HOP_CALLS = 200
+# A job's critical path at light load, in one-way hops (see the report's note).
+GRPC_HOPS = 6
+NATS_HOPS = 8
 
 
 @dataclass
@@ -109,6 +119,8 @@ class Measured:
     celery_round_trip_ms: list[list[float]] = field(default_factory=list)
     celery_cpu_s: list[dict[str, float]] = field(default_factory=list)
     celery_unavailable: str = ""
+    # p50 of one round trip, per run: {"grpc back-to-back": [...], "grpc paced": [...], ...}
+    hop_ms: dict[str, list[float]] = field(default_factory=dict)
     # per service: (samples, top self, top inclusive), from py-spy
     profiles: dict[str, tuple[int, list[tuple[str, float]], list[tuple[str, float]]]] = field(default_factory=dict)
 
@@ -257,6 +269,40 @@ async def light_load(stub: job_service_pb2_grpc.JobServiceStub, count: int, out:
     out.run_ms.append(ran)
 
 
+async def hop_references(echo_address: str, js: Any, out: Measured) -> None:
+    """What one round trip between two processes costs here, back to back and paced like the
+    light-load jobs: a trivial unary gRPC call (bench/system/echo_server.py) and one awaited
+    JetStream publish. A job's critical path is a chain of such hops."""
+
+    async def p50(call: Any, pace_s: float) -> float:
+        times = []
+        for _ in range(HOP_CALLS):
+            if pace_s:
+                await asyncio.sleep(pace_s)
+            t0 = time.perf_counter()
+            await call()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return percentile(times, 50)
+
+    await js.add_stream(name="BENCH_HOPS", subjects=["bench_hops.>"], max_msgs=10_000)
+    async with grpc.aio.insecure_channel(echo_address) as channel:
+        method = channel.unary_unary(echo_server.METHOD)
+        payload = os.urandom(1024)
+
+        async def grpc_call() -> None:
+            await method(payload)
+
+        async def publish() -> None:
+            await js.publish("bench_hops.x", payload)
+
+        for _ in range(20):
+            await grpc_call()
+        for name, call in (("gRPC call", grpc_call), ("JetStream publish", publish)):
+            for label, pace_s in (("back to back", 0.0), ("paced", HOP_PACE_S)):
+                out.hop_ms.setdefault(f"{name}, {label}", []).append(await p50(call, pace_s))
+    await js.delete_stream("BENCH_HOPS")
+
+
 # --- Celery ----------------------------------------------------------------------------------
 
 
@@ -310,7 +356,9 @@ def start_celery(group: ProcessGroup) -> tuple[Child, Child]:
 # --- the run ---------------------------------------------------------------------------------
 
 
-async def measure_stack(stack: Stack, sizes: Sizes, out: Measured, celery: tuple[Child, Child] | None) -> None:
+async def measure_stack(
+    stack: Stack, sizes: Sizes, out: Measured, celery: tuple[Child, Child] | None, echo_address: str
+) -> None:
     nc = await nats.connect(stack.nats.url)
     js = nc.jetstream()
     try:
@@ -333,6 +381,11 @@ async def measure_stack(stack: Stack, sizes: Sizes, out: Measured, celery: tuple
                     f"{percentile(out.added_ms[-1], 50):.2f} ms, model p50 {percentile(out.compute_ms[-1], 50):.3f} ms"
                 )
                 await js.purge_stream("KV_jobs")
+                await hop_references(echo_address, js, out)
+                log(
+                    f"run {run}: one hop: "
+                    + ", ".join(f"{name} p50 {values[-1]:.2f} ms" for name, values in out.hop_ms.items())
+                )
                 if celery is not None:
                     await asyncio.to_thread(celery_measure, *celery, sizes, out)
                     log(
@@ -408,6 +461,15 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         row("light load: queue_duration p50 (created -> dispatched)", per_run(out.queue_ms, 50), "ms"),
         row("light load: run_duration p50 (dispatched -> result stored)", per_run(out.run_ms, 50), "ms"),
         row("Celery round trip p50 (apply_async().get(), one at a time)", per_run(out.celery_round_trip_ms, 50), "ms"),
+        *(
+            row(
+                f"one hop: {name} p50",
+                values,
+                "ms",
+                "paced: one every 15 ms, as the light-load jobs" if "paced" in name else "",
+            )
+            for name, values in out.hop_ms.items()
+        ),
         row("Celery round trip p99", per_run(out.celery_round_trip_ms, 99), "ms"),
     ]
     cpu_per_1000 = cpu_per_1000_jobs(out, n)
@@ -474,6 +536,25 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             "time exceeds the SubmitJob call, dispatch waits for the submit to finish: the gateway publishes the "
             "work message before it writes the record, so an idle scheduler can pull the message first and then "
             "waits for the record (services/scheduler/jobs_flow.py RECORD_WAITS_S: 1, 2, 4, 8, 15, 30 ms)."
+        )
+    grpc_paced, nats_paced = (out.hop_ms.get(f"{name}, paced") for name in ("gRPC call", "JetStream publish"))
+    if grpc_paced and nats_paced:
+        grpc_hop, nats_hop = med(grpc_paced) / 2, med(nats_paced) / 2
+        estimate = GRPC_HOPS * grpc_hop + NATS_HOPS * nats_hop
+        notes.append(
+            f"What bounds the light-load latency: a job's critical path is a chain of {GRPC_HOPS + NATS_HOPS} "
+            f"one-way hops between processes (or threads): {GRPC_HOPS} over gRPC or to a thread (client -> gateway, "
+            "scheduler -> batcher, the batcher's loop -> its compute thread and back, batcher -> scheduler, "
+            f"gateway -> client) and {NATS_HOPS} through NATS (gateway -> NATS -> scheduler with the work; the "
+            "scheduler's record read and RUNNING compare-and-set, 2 each; its result compare-and-set; NATS -> "
+            "gateway's watch feed). Between jobs every process sleeps, and waking one costs here: a trivial gRPC "
+            f"round trip paced like the jobs takes {med(grpc_paced):.2f} ms "
+            f"(back to back {med(out.hop_ms.get('gRPC call, back to back', [math.nan])):.2f} ms), an awaited "
+            f"JetStream publish {med(nats_paced):.2f} ms (back to back "
+            f"{med(out.hop_ms.get('JetStream publish, back to back', [math.nan])):.2f} ms). At half a round trip "
+            f"per hop the chain alone is ~{estimate:.1f} ms, before any of the services' own work: a median under "
+            f"5 ms allows ~{5 / (estimate / (GRPC_HOPS + NATS_HOPS)):.0f} such hops and no work (Celery's round "
+            "trip is 4 hops: client -> Redis -> worker -> Redis -> client)."
         )
     for name, (total, own, inclusive) in out.profiles.items():
         if total == 0:
@@ -582,8 +663,15 @@ def main() -> None:
             log(out.celery_unavailable)
         log("starting nats-server, gateway, scheduler, batcher")
         stack = Stack(group)
+        echo_port = free_port()
+        group.command(
+            "echo",
+            [PYTHON, "-m", "bench.system.echo_server", str(echo_port)],
+            ready=lambda c: port_open(c.port),
+            port=echo_port,
+        )
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(measure_stack(stack, sizes, out, celery))
+            runner.run(measure_stack(stack, sizes, out, celery, f"127.0.0.1:{echo_port}"))
             stack.stop_services()
             if not args.no_profile:
                 busiest = busiest_service(out, sizes.burst)
