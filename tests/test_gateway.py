@@ -282,6 +282,35 @@ async def test_cancelled_watch_frees_its_queue(stub: JobStub, gateway: GatewayAp
     await wait_for(lambda: gateway.watch_hub.watcher_count == 0)
 
 
+async def test_the_watch_feed_runs_only_while_someone_watches(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
+) -> None:
+    hub = gateway.watch_hub
+    hub._idle_stop_s = 0.05  # instead of 10 s
+    stream = f"KV_{config.nats.jobs_bucket}"
+    job = (await stub.SubmitJob(submit_request())).job
+    assert not hub.feeding  # nobody has watched: record writes are not read at all
+    assert (await js.stream_info(stream)).state.consumer_count == 0
+
+    call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(call)).state == job_pb2.JOB_STATE_QUEUED
+    assert hub.feeding
+    call.cancel()
+    await wait_for(lambda: not hub.feeding)
+    deadline = time.monotonic() + 5
+    while (await js.stream_info(stream)).state.consumer_count:  # deleted, not left to time out
+        assert time.monotonic() < deadline, "the feed's consumer was not deleted"
+        await asyncio.sleep(0.01)
+
+    # A change made while the feed is off is read by the next watch; later ones come by the feed.
+    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    resumed = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision))
+    assert (await next_job(resumed)).revision == running.revision
+    succeeded = await advance(kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    last = await next_job(resumed)
+    assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
+
+
 async def test_deleted_record_ends_the_watch_with_not_found(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
     job = (await stub.SubmitJob(submit_request())).job
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))

@@ -3,6 +3,11 @@ update subjects, dispatched to per-watcher queues, instead of one consumer per w
 
 A watch registers its queue before it reads the current record, so no change can fall between the
 read and the first queued update; revisions (the KV stream sequence) drop what was already sent.
+
+The subscription runs only while someone watches: it starts with the first watcher (before that
+watcher reads the record, so nothing falls between) and stops once none has watched for
+`idle_stop_s`. Without it, every gateway would read every record write of every job (three per job)
+whether or not anyone watched, which is most of the time for clients that poll or take webhooks.
 A watched QUEUED job with a deadline is expired by the watch itself when the deadline passes
 (`Expiry`), so the watcher sees EXPIRED on time even if no scheduler pulls the job.
 """
@@ -10,6 +15,7 @@ A watched QUEUED job with a deadline is expired by the watch itself when the dea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -36,10 +42,20 @@ class RecordUpdate:
 # Queued to every watcher when the hub stops.
 _HUB_CLOSED = None
 WatcherQueue = asyncio.Queue[RecordUpdate | None]
+# The feed stops after this long without a watcher (restarting it costs one consumer creation).
+IDLE_STOP_S = 10.0
 
 
 class WatchHub:
-    def __init__(self, js: JetStreamContext, records: JobStore, *, bucket: str, expiry: Expiry) -> None:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        records: JobStore,
+        *,
+        bucket: str,
+        expiry: Expiry,
+        idle_stop_s: float = IDLE_STOP_S,
+    ) -> None:
         self._js = js
         self._records = records
         self._expiry = expiry
@@ -47,22 +63,24 @@ class WatchHub:
         self._prefix = f"$KV.{bucket}."
         self._watchers: dict[str, set[WatcherQueue]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
+        self._feed_lock = asyncio.Lock()
+        self._idle_stop_s = idle_stop_s
+        self._idle_since: float | None = None  # loop time the last watcher left; None: watched
+        self._became_idle = asyncio.Event()
+        self._idle_stopper: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
     def watcher_count(self) -> int:
         return sum(len(queues) for queues in self._watchers.values())
 
+    @property
+    def feeding(self) -> bool:
+        """Whether the subscription to record writes runs (it does while anyone watches)."""
+        return self._subscription is not None
+
     async def start(self) -> None:
-        # DeliverPolicy.NEW: watches read the current record themselves; only later changes matter.
-        # An ordered consumer is ephemeral, in memory, and resumes after the last sequence it saw.
-        self._subscription = await self._js.subscribe(
-            f"{self._prefix}>",
-            stream=f"KV_{self._bucket}",
-            cb=self._on_update,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.NEW,
-        )
+        self._idle_stopper = asyncio.create_task(self._stop_feed_when_idle(), name="watch-feed-idle-stop")
 
     async def stop(self) -> None:
         """Ends every watch (UNAVAILABLE: resume elsewhere with after_revision) and unsubscribes.
@@ -73,12 +91,58 @@ class WatchHub:
         for queues in self._watchers.values():
             for queue in queues:
                 queue.put_nowait(_HUB_CLOSED)
+        if self._idle_stopper is not None:
+            self._idle_stopper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._idle_stopper
+        async with self._feed_lock:
+            await self._unsubscribe()
+
+    async def _ensure_feed(self) -> None:
         if self._subscription is not None:
-            subscription, self._subscription = self._subscription, None
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:  # the connection may already be gone; nothing is left to free
-                log.warning("watch_unsubscribe_failed", error=str(exc))
+            return
+        async with self._feed_lock:
+            if self._subscription is not None or self._closed:
+                return
+            # DeliverPolicy.NEW: watches read the current record themselves after this, so only
+            # later changes matter. An ordered consumer is ephemeral, in memory, and resumes after
+            # the last sequence it saw.
+            self._subscription = await self._js.subscribe(
+                f"{self._prefix}>",
+                stream=f"KV_{self._bucket}",
+                cb=self._on_update,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.NEW,
+            )
+
+    async def _unsubscribe(self) -> None:
+        """Unsubscribes and deletes the consumer (the server would only drop it some seconds later)."""
+        if self._subscription is None:
+            return
+        subscription, self._subscription = self._subscription, None
+        try:
+            consumer = (await subscription.consumer_info()).name
+            await subscription.unsubscribe()
+            await self._js.delete_consumer(f"KV_{self._bucket}", consumer)
+        except Exception as exc:  # the connection may already be gone; the server drops it then
+            log.warning("watch_unsubscribe_failed", error=str(exc))
+
+    async def _stop_feed_when_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._became_idle.wait()
+            self._became_idle.clear()
+            while (idle_since := self._idle_since) is not None:
+                left_s = idle_since + self._idle_stop_s - loop.time()
+                if left_s > 0:
+                    await asyncio.sleep(left_s)
+                    continue
+                async with self._feed_lock:
+                    # Checked again under the lock: a watcher may have come (and gone) meanwhile.
+                    if self._idle_since != idle_since or self._watchers:
+                        continue
+                    await self._unsubscribe()
+                break
 
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(self._prefix)
@@ -102,6 +166,7 @@ class WatchHub:
         # Unbounded: a job changes state a handful of times, so a slow client holds little.
         queue: WatcherQueue = asyncio.Queue()
         self._watchers.setdefault(key, set()).add(queue)
+        self._idle_since = None
         return queue
 
     def _unregister(self, key: str, queue: WatcherQueue) -> None:
@@ -111,6 +176,9 @@ class WatchHub:
         queues.discard(queue)
         if not queues:
             del self._watchers[key]
+            if not self._watchers:
+                self._idle_since = asyncio.get_running_loop().time()
+                self._became_idle.set()
 
     async def watch(self, tenant: str, job_id: str, after_revision: int = 0) -> AsyncGenerator[JobRecord, None]:
         """The current record (if newer than after_revision), then every change, until a terminal
@@ -120,6 +188,7 @@ class WatchHub:
         key = job_key(tenant, job_id)
         queue = self._register(key)
         try:
+            await self._ensure_feed()  # before the read: a change after it is then in the feed
             current = await self._records.get(key)
             if current is not None:
                 current = await self._expiry.settle(current)
