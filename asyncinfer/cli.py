@@ -32,6 +32,7 @@ import uvloop
 from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config, render_default_config
 from asyncinfer.errors import AsyncInferError, ConfigError
+from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging
 from asyncinfer.runner import App, run_until_stopped
 
@@ -77,6 +78,7 @@ def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
 
 async def run_service(name: str, config: Config) -> None:
     def started(apps: Sequence[App]) -> None:
+        tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
 
     await run_until_stopped([_starter(lambda: SERVICES[name](config))], grace_s=SHUTDOWN_GRACE_S, on_started=started)
@@ -137,11 +139,13 @@ async def run_up(config: Config) -> None:
 
         return start
 
+    def started(_apps: Sequence[App]) -> None:
+        tune_for_serving()
+        print(_banner(config, state, nats.url), flush=True)
+
     try:
         await run_until_stopped(
-            [make("gateway"), make("scheduler"), make("batcher")],
-            grace_s=SHUTDOWN_GRACE_S,
-            on_started=lambda _apps: print(_banner(config, state, nats.url), flush=True),
+            [make("gateway"), make("scheduler"), make("batcher")], grace_s=SHUTDOWN_GRACE_S, on_started=started
         )
     finally:
         await nats.astop()

@@ -22,6 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from asyncinfer.gc_tuning import tune_for_serving
+
 AFFINE_FAILURE = "affine refuses -1"
 
 
@@ -49,6 +51,7 @@ def serve_echo(port: int) -> None:
         server.add_generic_rpc_handlers((handler,))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        tune_for_serving()  # like every server here, as asyncinfer.cli does once a service has started
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -84,6 +87,7 @@ def serve_kserve_echo(port: int) -> None:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
+        tune_for_serving()  # like every server here, as asyncinfer.cli does once a service has started
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -120,6 +124,7 @@ def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metric
     async def main() -> None:
         app = BatcherApp(app_config)
         await app.start()
+        tune_for_serving()  # as asyncinfer.cli does once a service has started
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

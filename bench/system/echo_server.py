@@ -23,6 +23,8 @@ import nats
 import uvloop
 from nats.js import api
 
+from asyncinfer.gc_tuning import tune_for_serving
+
 SERVICE = "bench.Echo"
 METHOD = f"/{SERVICE}/Call"
 # A bidirectional stream answering each message with b"ok": the ceiling for any per-message stream
@@ -81,6 +83,7 @@ async def serve(port: int, nats_url: str = "") -> None:
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    tune_for_serving()  # as the services do once started (asyncinfer.cli)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
