@@ -49,18 +49,29 @@ def serve_echo(port: int) -> None:
         )
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((handler,))
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        tune_for_serving()  # like every server here, as asyncinfer.cli does once a service has started
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        print("READY", flush=True)
-        await stop.wait()
-        await server.stop(0)
+        await _serve_until_signalled(server, port)
 
     _run_profiled(main)
+
+
+async def _serve_until_signalled(server: Any, port: int) -> None:
+    """Starts a grpc.aio server on 127.0.0.1:port and serves until SIGTERM/SIGINT."""
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await _ready_until_signalled()
+    await server.stop(0)
+
+
+async def _ready_until_signalled() -> None:
+    """Once a server has started: tunes the collector (as asyncinfer.cli does for every service),
+    prints READY, and returns on SIGTERM/SIGINT."""
+    tune_for_serving()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print("READY", flush=True)
+    await stop.wait()
 
 
 def serve_kserve_echo(port: int) -> None:
@@ -85,16 +96,7 @@ def serve_kserve_echo(port: int) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(Echo(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        tune_for_serving()  # like every server here, as asyncinfer.cli does once a service has started
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        print("READY", flush=True)
-        await stop.wait()
-        await server.stop(0)
+        await _serve_until_signalled(server, port)
 
     _run_profiled(main)
 
@@ -124,13 +126,7 @@ def serve_batcher(port: int, model: str, max_batch: int, delay_ms: float, metric
     async def main() -> None:
         app = BatcherApp(app_config)
         await app.start()
-        tune_for_serving()  # as asyncinfer.cli does once a service has started
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        print("READY", flush=True)
-        await stop.wait()
+        await _ready_until_signalled()
         await app.stop(grace_s=1.0)
 
     _run_profiled(main)
