@@ -143,7 +143,11 @@ class SchedulerConfig(_Section):
         10.0, gt=0, description="How often in-progress acks renew the leases of dispatched jobs."
     )
     poll_interval_ms: float = Field(
-        250.0, gt=0, description="How often an idle model's queues are rechecked when no publish was seen."
+        250.0,
+        gt=0,
+        description="How often a model's queues are rechecked when no queued notice came for them (finds "
+        "redeliveries, delayed retries and jobs whose notice was lost); a queue found empty is not asked "
+        "again for this long unless a notice for it comes.",
     )
     inline_result_max_bytes: int = Field(
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."

@@ -111,15 +111,17 @@ class JobStore:
             metadata={"job_id": job_id},
         )
 
-    async def create(self, record: JobRecord) -> JobRecord:
-        """Writes a new record; the returned copy carries its revision."""
+    async def create(self, record: JobRecord, *, data: bytes | None = None) -> JobRecord:
+        """Writes a new record (`data`: encode_record(record), when the caller has it already);
+        the returned copy carries its revision."""
+        data = encode_record(record) if data is None else data
         try:
             try:
-                revision = await self._publish(record, last=0)
+                revision = await self._publish(record, last=0, data=data)
             except KeyWrongLastSequenceError:
                 # The key has history: a deleted record may be created again (KeyValue.create
                 # finds the delete marker's revision and writes over it), a live one may not.
-                revision = await self._kv.create(record.key, encode_record(record))
+                revision = await self._kv.create(record.key, data)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot store the job record: {exc}") from exc
         return record.evolve(revision=revision)
@@ -135,7 +137,7 @@ class JobStore:
             raise Unavailable(f"cannot update the job record: {exc}") from exc
         return record.evolve(revision=revision)
 
-    async def _publish(self, record: JobRecord, *, last: int) -> int:
+    async def _publish(self, record: JobRecord, *, last: int, data: bytes | None = None) -> int:
         """KeyValue._update (a write expecting the key's last revision to be `last`, 0: none) with
         the record's retention TTL, on the cheaper request path (asyncinfer.nats_requests)."""
         kv: Any = self._kv
@@ -144,9 +146,9 @@ class JobStore:
         ttl = retention_ttl(record)
         if ttl is not None:
             headers[MSG_TTL] = str(ttl)
-        return await js_publish(
-            js._nc, f"{kv._pre}{record.key}", encode_record(record), timeout_s=js._timeout, headers=headers
-        )
+        if data is None:
+            data = encode_record(record)
+        return await js_publish(js._nc, f"{kv._pre}{record.key}", data, timeout_s=js._timeout, headers=headers)
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
         """Compare-and-set of decide(record); on a lost race, re-reads and decides again.

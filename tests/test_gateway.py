@@ -30,6 +30,7 @@ from asyncinfer.jobs import (
     encode_record,
     job_key,
 )
+from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
@@ -168,6 +169,27 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
     assert message.headers is not None
     assert message.headers["Nats-Msg-Id"] == high.job.job_id
     assert await work_messages(js) == 2
+
+
+async def test_submit_announces_the_queued_record_once_it_is_written(
+    stub: JobStub, nc: NatsClient, kv: KeyValue
+) -> None:
+    notices: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+
+    async def heard(msg: Any) -> None:
+        notices.put_nowait((msg.subject, msg.data))
+
+    await nc.subscribe("asyncinfer.queued.>", cb=heard)
+    await nc.flush()
+    job = (await stub.SubmitJob(submit_request(priority=job_pb2.PRIORITY_HIGH))).job
+    subject, payload = await asyncio.wait_for(notices.get(), 5.0)
+    assert subject == "asyncinfer.queued.demo.high"
+    key, revision, data = decode_queued_notice(payload)
+    stored = await kv.get(key)
+    assert key == job_key(TENANT, job.job_id)
+    assert revision == job.revision == stored.revision
+    assert data == stored.value  # the record exactly as written
+    assert decode_record(data, revision).state is JobState.QUEUED
 
 
 async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> None:

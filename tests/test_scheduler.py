@@ -31,6 +31,7 @@ from asyncinfer.jobs import (
     job_key,
     work_subject,
 )
+from asyncinfer.queued_notice import announce_queued
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import (
@@ -71,9 +72,11 @@ async def enqueue(
     deadline: float | None = None,
     execution_timeout_s: float | None = None,
     with_record: bool = True,
+    announce: bool = True,
     age_s: float = 0.0,
 ) -> str:
-    """Queues a job as the gateway does (the work message and the QUEUED record)."""
+    """Queues a job as the gateway does (the work message, the QUEUED record, the queued notice;
+    `announce=False`: no notice, as from a gateway whose notice was lost)."""
     job_id = new_job_id()
     now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
@@ -92,7 +95,10 @@ async def enqueue(
     await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
     if with_record:
         record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
-        await kv.create(job_key(tenant, job_id), encode_record(record))
+        data = encode_record(record)
+        revision = await kv.create(job_key(tenant, job_id), data)
+        if announce:
+            await announce_queued(js._nc, record.evolve(revision=revision), data)
     return job_id
 
 
@@ -540,3 +546,65 @@ async def test_credit_for_a_model_not_announced_ends_the_stream(app: SchedulerAp
         return not app.batchers.sessions
 
     await until(unregistered)
+
+
+async def noted(records: Any, key: str) -> bool:
+    return key in records
+
+
+async def test_a_job_without_a_queued_notice_is_found_by_the_poll(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+) -> None:
+    """The notice is a hint: a job whose notice was lost runs all the same (the poll interval
+    finds it and the record is read)."""
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    job_id = await enqueue(js, kv, announce=False)
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt) == (job_id, 1)
+    assert (await read_record(kv, job_id)).state == JobState.RUNNING
+
+
+async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_again(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+) -> None:
+    store: Any = app.flow._store
+    real_get = store.get
+    reads: list[str] = []
+
+    async def counting_get(key: str) -> JobRecord | None:
+        reads.append(key)
+        return await real_get(key)
+
+    store.get = counting_get
+    batcher = await batchers("b1")
+    # A job announced and still as announced: dispatched on the notice's record, never read.
+    # (The credit comes once the notice is in: the poll could otherwise pull the message first.)
+    announced: Any = app.flow._queued_records
+    fresh = await enqueue(js, kv)
+    await until(lambda: noted(announced, job_key(TENANT, fresh)))
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == fresh
+    assert job_key(TENANT, fresh) not in reads
+    assert (await read_record(kv, fresh)).state == JobState.RUNNING
+    # A job announced, then cancelled before any credit: the notice's record is stale, the
+    # RUNNING write loses its compare-and-set, the record is read and nothing runs.
+    stale = await enqueue(js, kv)
+    key = job_key(TENANT, stale)
+    queued = await read_record(kv, stale)
+    now = time.time()
+    canceled = queued.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
+    await kv.update(key, encode_record(canceled), last=queued.revision)
+    await until(lambda: noted(announced, key))
+    await batcher.grant(1)
+
+    async def acked() -> bool:
+        info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
+        return info.num_ack_pending == 1 and info.num_pending == 0  # only `fresh` still held
+
+    await until(acked)
+    assert key in reads
+    assert (await read_record(kv, stale)).state == JobState.CANCELED
+    with pytest.raises(TimeoutError):
+        await batcher.next_order(timeout_s=0.2)

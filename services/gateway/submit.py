@@ -35,8 +35,10 @@ from asyncinfer.jobs import (
     Priority,
     WorkEnvelope,
     encode_envelope,
+    encode_record,
     work_subject,
 )
+from asyncinfer.queued_notice import announce_queued
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
@@ -320,8 +322,9 @@ class JobSubmitter:
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
+        data = encode_record(record)
         try:
-            record = await self._create_record(record, give_up_at)
+            created = await self._create_record(record, give_up_at, data)
         except Unavailable as exc:
             bound.warning("record_create_failed", error=exc.message)
             raise Unavailable(
@@ -329,10 +332,12 @@ class JobSubmitter:
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
-        bound.info("job_submitted", priority=record.priority.value)
-        return record
+        # (A record found by a retry is this submit's own write: the same data.)
+        await announce_queued(self._js._nc, created, data)
+        bound.info("job_submitted", priority=created.priority.value)
+        return created
 
-    async def _create_record(self, record: JobRecord, give_up_at: float) -> JobRecord:
+    async def _create_record(self, record: JobRecord, give_up_at: float, data: bytes) -> JobRecord:
         """Creates the record, retrying through NATS failures until give_up_at. A create whose
         answer was lost may have landed: the key is this job's own, so a record found there is it."""
         delay = RETRY_FIRST_DELAY_S
@@ -343,7 +348,7 @@ class JobSubmitter:
                     existing = await self._records.get(record.key)
                     if existing is not None:
                         return existing
-                return await self._records.create(record)
+                return await self._records.create(record, data=data)
             except Unavailable:
                 if time.monotonic() + delay >= give_up_at:
                     raise

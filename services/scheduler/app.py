@@ -22,7 +22,7 @@ from asyncinfer.config import Config
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
+from asyncinfer.jobs import PRIORITIES_BY_RANK, WORK_SUBJECT_PREFIX, Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
@@ -36,6 +36,7 @@ from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
+from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
@@ -109,6 +110,7 @@ class SchedulerApp:
         letters = DeadLetterStore(nc, js, config.nats)
         store = JobStore(kv)
         blobs = await ensure_objects_bucket(js, config.nats)
+        queued_records = QueuedRecords()
         self._flow = flow = JobFlow(
             store=store,
             config=config,
@@ -116,6 +118,7 @@ class SchedulerApp:
             dead_letters=letters,
             queues_kv=queues_kv,
             claim_check=ClaimCheckIO(blobs, config),
+            queued_records=queued_records,
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -162,15 +165,21 @@ class SchedulerApp:
             dispatcher = ModelDispatcher(
                 nc=nc,
                 queues=ModelQueues(
-                    nc, config.nats.work_stream, model.name, PrioritySelector(weights, settings.aging_s)
+                    nc,
+                    config.nats.work_stream,
+                    model.name,
+                    PrioritySelector(weights, settings.aging_s),
+                    empty_for_s=settings.poll_interval_ms / 1000.0,
                 ),
                 batchers=self.batchers,
                 flow=flow,
                 poll_interval_s=settings.poll_interval_ms / 1000.0,
+                queued_records=queued_records,
                 resumed=pauses.resumed(model.name),
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
+        flow.on_put_back = self._wake_dispatcher
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
         self._sweeper = BlobSweeper(blobs, interval_s=self._blob_sweep_interval_s)
@@ -209,6 +218,13 @@ class SchedulerApp:
     async def _stop_dispatching(self) -> None:
         for dispatcher in self._dispatchers:
             await dispatcher.stop()
+
+    def _wake_dispatcher(self, subject: str) -> None:
+        """A message was put back on `subject` (asyncinfer.work.<model>.<priority>)."""
+        model_name = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").rpartition(".")[0]
+        for dispatcher in self._dispatchers:
+            if dispatcher.model_name == model_name:
+                dispatcher.wake(subject)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

@@ -4,8 +4,9 @@ It runs only while a connected batcher has a credit for the model and the model'
 paused. With credits reserved it chooses the next jobs at that moment (no-wait pulls of at most
 that many messages, weighted across priorities: see services.scheduler.priority), so a job is
 never taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
-until a publish on the model's subjects rings the doorbell, or until the poll interval passes
-(which catches redeliveries, delayed retries and messages published while it was down).
+until a queued notice for the model rings the doorbell (asyncinfer.queued_notice), or until the
+poll interval passes (which catches redeliveries, delayed retries, messages published while it was
+down and any whose notice was lost).
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from asyncinfer.jobs import WORK_SUBJECT_PREFIX
+from asyncinfer.jobs import PRIORITIES_BY_RANK
+from asyncinfer.queued_notice import QUEUED_SUBJECT_PREFIX, decode_queued_notice
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.work_queue import ModelQueues
 
 log = structlog.get_logger("asyncinfer.scheduler.dispatcher")
 
+PRIORITY_BY_SUBJECT_TOKEN = {p.subject_token: p for p in PRIORITIES_BY_RANK}
 # The most jobs taken from the queue in one round (bounded by free credits anyway).
 MAX_PULL_PER_ROUND = 64
 
@@ -38,6 +42,7 @@ class ModelDispatcher:
         batchers: BatcherRegistry,
         flow: JobFlow,
         poll_interval_s: float,
+        queued_records: QueuedRecords,
         resumed: asyncio.Event | None = None,
     ) -> None:
         self.model_name = queues.model_name
@@ -47,14 +52,16 @@ class ModelDispatcher:
         self._flow = flow
         self._poll_interval_s = poll_interval_s
         self._resumed = resumed
+        self._queued_records = queued_records
         self._doorbell = asyncio.Event()
         self._stopping = asyncio.Event()
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        # A core subscription sees every publish to the stream's subjects: a cheap wake-up.
-        self._subscription = await self._nc.subscribe(f"{WORK_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
+        # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
+        # subscription to the work subjects can see a publish before the stream has stored it).
+        self._subscription = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
         self._task = asyncio.create_task(self._run(), name=f"dispatch-{self.model_name}")
 
     @property
@@ -71,8 +78,23 @@ class ModelDispatcher:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
             self._subscription = None
+        await self._queues.close()
 
-    async def _ring(self, _msg: Msg) -> None:
+    async def _ring(self, msg: Msg) -> None:
+        try:
+            key, revision, record_data = decode_queued_notice(msg.data)
+        except ValueError:
+            log.warning("queued_notice_malformed", subject=msg.subject)
+        else:
+            self._queued_records.put(key, revision, record_data)
+        self.wake(msg.subject)
+
+    def wake(self, subject: str) -> None:
+        """A message was published to (or put back on) the queue that `subject` names (a work
+        subject or a queued notice's, ending in the priority): it is worth asking again."""
+        priority = PRIORITY_BY_SUBJECT_TOKEN.get(subject.rpartition(".")[2])
+        if priority is not None:
+            self._queues.note_publish(priority)
         self._doorbell.set()
 
     async def _run(self) -> None:

@@ -27,7 +27,7 @@ import asyncio
 import random
 import time
 from collections import deque
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ from services.scheduler.blobs import ClaimCheckIO, input_unusable
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.messages import CancelOrder, WorkOrder, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.queued_records import QueuedRecords
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
@@ -120,8 +121,10 @@ class JobFlow:
         queues_kv: KeyValue | None = None,
         rng: random.Random | None = None,
         claim_check: ClaimCheckIO | None = None,
+        queued_records: QueuedRecords | None = None,
     ) -> None:
         self._store = store
+        self._queued_records = QueuedRecords() if queued_records is None else queued_records
         self._claim_check = claim_check
         self._config = config
         self._metrics = metrics
@@ -136,6 +139,9 @@ class JobFlow:
         self._tasks: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Told the subject of every message put back for immediate redelivery (no publish rings
+        # the dispatcher's doorbell for those).
+        self.on_put_back: Callable[[str], None] = _ignore
 
     # --- dispatch ---------------------------------------------------------------------------
 
@@ -164,7 +170,11 @@ class JobFlow:
         """The job's record. The gateway publishes the work message before it writes the record,
         so a very young message may arrive first: wait a moment for it. A message whose record never
         came (its submit failed or the gateway died in between; nobody was told it was accepted) is
-        dropped once it is older than orphan_message_grace_s."""
+        dropped once it is older than orphan_message_grace_s. A queued notice may have brought
+        the record already."""
+        record = self._queued_records.take(envelope.key)
+        if record is not None:
+            return record
         record = await self._store.get(envelope.key)
         for pause_s in RECORD_WAITS_S:
             if record is not None:
@@ -550,6 +560,8 @@ class JobFlow:
                 await _quietly(msg.ack())
             else:
                 await _quietly(msg.nak(delay=delay_s) if delay_s > 0 else msg.nak())
+                if delay_s <= 0:
+                    self.on_put_back(msg.subject)
 
     def batcher_lost(self, session: BatcherSession) -> None:
         """Puts every job in flight on the session back in the queue at once (an owned task)."""
@@ -712,6 +724,10 @@ def _batch_info(job: InFlightJob, result: WorkResult | None) -> BatchInfo | None
     if result is None:
         return None
     return BatchInfo(batcher_id=job.session.batcher_id, batch_size=result.batch_size, compute_s=result.compute_s)
+
+
+def _ignore(_subject: str) -> None:
+    pass
 
 
 async def _quietly(action: Awaitable[None]) -> None:

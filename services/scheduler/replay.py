@@ -23,7 +23,8 @@ from asyncinfer.config import Config
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, JobState, job_key, work_subject
+from asyncinfer.jobs import JobRecord, JobState, encode_record, job_key, work_subject
+from asyncinfer.queued_notice import announce_queued
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 
 log = structlog.get_logger("asyncinfer.scheduler.replay")
@@ -85,5 +86,6 @@ async def replay(
             # QUEUED without a work message: it needs an operator (the dead letter is kept).
             log.error("replay_not_reverted", job_id=letter.job_id, error=str(revert_error))
         raise Unavailable(f"the job could not be queued again: {exc}") from exc
+    await announce_queued(js._nc, queued, encode_record(queued))
     await letters.delete(letter.sequence)
     return queued

@@ -1,0 +1,50 @@
+"""Queued notices: "this job can be pulled now, and here is its record".
+
+Sent on core NATS (not stored) whenever a job's work message is durably queued with a QUEUED
+record: by the gateway after a submit's record write, by a replay after its publish. A scheduler's
+dispatcher wakes on them (rather than on the work publish itself, which a core subscriber can see
+before the stream has stored it) and dispatches with the record it carries instead of reading the
+record back. A hint only: a scheduler that misses one finds the job by its poll interval and
+reads the record; a stale one fails the compare-and-set of the RUNNING write, which then reads.
+"""
+
+from __future__ import annotations
+
+import structlog
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.jobs import JobRecord, Priority
+
+log = structlog.get_logger("asyncinfer.queued_notice")
+
+QUEUED_SUBJECT_PREFIX = "asyncinfer.queued"
+
+
+def queued_subject(model_name: str, priority: Priority) -> str:
+    return f"{QUEUED_SUBJECT_PREFIX}.{model_name}.{priority.subject_token}"
+
+
+def encode_queued_notice(key: str, revision: int, record_data: bytes) -> bytes:
+    """The record's revision and key on the first line, then the record as stored."""
+    return b"%d %s\n%s" % (revision, key.encode(), record_data)
+
+
+def decode_queued_notice(payload: bytes) -> tuple[str, int, bytes]:
+    """(key, revision, record data); ValueError when the payload is not a queued notice."""
+    head, newline, data = payload.partition(b"\n")
+    revision, space, key = head.partition(b" ")
+    if not newline or not space or not key or not revision.isdigit():
+        raise ValueError("not a queued notice")
+    return key.decode(), int(revision), data
+
+
+async def announce_queued(nc: NatsClient, record: JobRecord, record_data: bytes) -> None:
+    """Sends the notice for `record` (as written: `record_data`, at `record.revision`). Never
+    raises: the job is queued whether or not a scheduler hears of it this way."""
+    try:
+        await nc.publish(
+            queued_subject(record.model_name, record.priority),
+            encode_queued_notice(record.key, record.revision, record_data),
+        )
+    except Exception as exc:  # a hint: nothing is lost without it
+        log.debug("queued_notice_not_sent", job_id=record.job_id, error=str(exc))

@@ -1,0 +1,148 @@
+"""Pulling work against a real nats-server: one shared inbox for a model's pulls, and queues found
+empty not asked again until a publish is seen or the poll interval has passed; the records that
+queued notices bring."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from asyncinfer.config import Config
+from asyncinfer.jetstream import ensure_work_consumer, ensure_work_stream
+from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, encode_record, work_subject
+from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
+from services.scheduler.priority import PrioritySelector
+from services.scheduler.queued_records import QueuedRecords
+from services.scheduler.work_queue import ModelQueues, PullInbox
+
+MODEL = "demo"
+
+
+async def consumers(nc: NatsClient, config: Config) -> dict[Priority, str]:
+    js = nc.jetstream()
+    await ensure_work_stream(js, config.nats)
+    return {
+        p: await ensure_work_consumer(js, config.nats, model_name=MODEL, priority=p, ack_wait_s=30)
+        for p in PRIORITIES_BY_RANK
+    }
+
+
+async def delivered(nc: NatsClient, config: Config, consumer: str) -> int:
+    """How many pulls of `consumer` nats-server has answered with a message."""
+    info = await nc.jetstream().consumer_info(config.nats.work_stream, consumer)
+    return info.delivered.consumer_seq or 0
+
+
+def subscriptions(nc: NatsClient) -> int:
+    return len(nc._subs)
+
+
+async def test_pulls_share_one_inbox_and_a_late_answer_is_not_taken_for_the_next(
+    nc: NatsClient, config: Config
+) -> None:
+    names = await consumers(nc, config)
+    stream, normal = config.nats.work_stream, names[Priority.NORMAL]
+    inbox = PullInbox(nc)
+    before = subscriptions(nc)
+    assert await inbox.pull(stream, normal, 4) == []
+    js = nc.jetstream()
+    for n in range(3):
+        await js.publish(work_subject(MODEL, Priority.NORMAL), b"job %d" % n)
+    first = await inbox.pull(stream, normal, 2)  # exactly as many as asked: no status follows
+    second = await inbox.pull(stream, normal, 2)  # fewer: a status ends it
+    assert [m.data for m in first + second] == [b"job 0", b"job 1", b"job 2"]
+    assert subscriptions(nc) == before + 1
+    # A pull whose answer comes after it gave up: the inbox is abandoned with it, so the late
+    # "no messages" cannot be read as the answer to the next pull.
+    assert await inbox.pull(stream, normal, 1, timeout_s=1e-6) == []
+    assert subscriptions(nc) == before
+    await js.publish(work_subject(MODEL, Priority.NORMAL), b"job 3")
+    assert [m.data for m in await inbox.pull(stream, normal, 1)] == [b"job 3"]
+    await inbox.close()
+    assert subscriptions(nc) == before
+
+
+async def test_a_waiting_pull_answers_when_a_message_is_stored(nc: NatsClient, config: Config) -> None:
+    names = await consumers(nc, config)
+    inbox = PullInbox(nc)
+    pulling = asyncio.create_task(inbox.pull(config.nats.work_stream, names[Priority.HIGH], 1, wait_s=5.0))
+    await nc.jetstream().publish(work_subject(MODEL, Priority.HIGH), b"late")
+    msgs = await asyncio.wait_for(pulling, 5.0)
+    assert [m.data for m in msgs] == [b"late"]
+    await inbox.close()
+
+
+async def test_a_queue_found_empty_is_asked_again_after_a_publish_or_the_interval(
+    nc: NatsClient, config: Config
+) -> None:
+    names = await consumers(nc, config)
+    now = [1000.0]
+    queues = ModelQueues(
+        nc,
+        config.nats.work_stream,
+        MODEL,
+        PrioritySelector(dict.fromkeys(PRIORITIES_BY_RANK, 1), aging_s=60.0),
+        empty_for_s=0.25,
+        clock=lambda: now[0],
+    )
+    assert await queues.pull_next(4) == []
+    assert all(queues.known_empty(p) for p in PRIORITIES_BY_RANK)
+    js = nc.jetstream()
+    # A message no publish was seen for (an AckWait expiry, a delayed retry): not asked for...
+    await js.publish(work_subject(MODEL, Priority.HIGH), b"high")
+    await js.publish(work_subject(MODEL, Priority.LOW), b"low")
+    assert await queues.pull_next(4) == []
+    assert await delivered(nc, config, names[Priority.HIGH]) == 0
+    # ...until a publish to its queue is seen,
+    queues.note_publish(Priority.HIGH)
+    taken = await queues.pull_next(4)
+    assert [m.data for m in taken] == [b"high"]
+    # or until the interval has passed.
+    assert await delivered(nc, config, names[Priority.LOW]) == 0
+    now[0] += 0.25
+    taken += await queues.pull_next(4)
+    assert [m.data for m in taken] == [b"high", b"low"]
+    for msg in taken:
+        await msg.ack()
+    await queues.close()
+
+
+def record(job_id: str) -> JobRecord:
+    now = time.time()
+    return JobRecord(
+        job_id=job_id,
+        tenant="t",
+        model_name=MODEL,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=Priority.NORMAL,
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=60.0,
+    )
+
+
+def test_a_queued_notice_round_trips_and_garbage_is_refused() -> None:
+    data = encode_record(record("j1"))
+    assert decode_queued_notice(encode_queued_notice("t.j1", 7, data)) == ("t.j1", 7, data)
+    for garbage in (b"", b"7", b"7\n{}", b"x t.j1\n{}"):
+        with pytest.raises(ValueError, match="not a queued notice"):
+            decode_queued_notice(garbage)
+
+
+def test_queued_records_give_each_record_once_and_keep_only_the_newest() -> None:
+    records = QueuedRecords(capacity=2)
+    for n in (1, 2, 3):
+        records.put(f"t.j{n}", n, encode_record(record(f"j{n}")))
+    assert "t.j1" not in records  # the oldest went first
+    taken = records.take("t.j2")
+    assert taken is not None
+    assert (taken.job_id, taken.revision, taken.state) == ("j2", 2, JobState.QUEUED)
+    assert records.take("t.j2") is None
+    records.put("t.bad", 4, b"not a record")
+    assert records.take("t.bad") is None
+    assert len(records) == 1
