@@ -94,7 +94,7 @@ HOP_PACE_S = 0.015
 HOP_CALLS = 200
 # A job's critical path at light load, in one-way hops (see the report's note).
 GRPC_HOPS = 6
-NATS_HOPS = 8
+NATS_HOPS = 12
 
 
 @dataclass
@@ -532,10 +532,10 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         notes.append(
             "Light load, where the end-to-end time goes (p50s): "
             + "; ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
-            + f"; for comparison the SubmitJob call alone: {med(per_run(out.submit_ms, 50)):.2f} ms. When the queued "
-            "time exceeds the SubmitJob call, dispatch waits for the submit to finish: the gateway publishes the "
-            "work message before it writes the record, so an idle scheduler can pull the message first and then "
-            "waits for the record (services/scheduler/jobs_flow.py RECORD_WAITS_S: 1, 2, 4, 8, 15, 30 ms)."
+            + f"; for comparison the SubmitJob call alone: {med(per_run(out.submit_ms, 50)):.2f} ms. Dispatch "
+            "starts once the submit's two writes are done: the gateway's queued notice (sent after the record write, "
+            "carrying the record) wakes the scheduler, which then pulls the message and writes RUNNING, so the "
+            "queued time is about the SubmitJob call plus those three steps."
         )
     grpc_paced, nats_paced = (out.hop_ms.get(f"{name}, paced") for name in ("gRPC call", "JetStream publish"))
     if grpc_paced and nats_paced:
@@ -545,9 +545,9 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             f"What bounds the light-load latency: a job's critical path is a chain of {GRPC_HOPS + NATS_HOPS} "
             f"one-way hops between processes (or threads): {GRPC_HOPS} over gRPC or to a thread (client -> gateway, "
             "scheduler -> batcher, the batcher's loop -> its compute thread and back, batcher -> scheduler, "
-            f"gateway -> client) and {NATS_HOPS} through NATS (gateway -> NATS -> scheduler with the work; the "
-            "scheduler's record read and RUNNING compare-and-set, 2 each; its result compare-and-set; NATS -> "
-            "gateway's watch feed). Between jobs every process sleeps, and waking one costs here: a trivial gRPC "
+            f"gateway -> client) and {NATS_HOPS} through NATS (the gateway's work publish and record write, each a "
+            "round trip; its queued notice, gateway -> NATS -> scheduler; the scheduler's pull and RUNNING "
+            "compare-and-set, 2 each; its result write; NATS -> the gateway's watch feed). Between jobs every process sleeps, and waking one costs here: a trivial gRPC "
             f"round trip paced like the jobs takes {med(grpc_paced):.2f} ms "
             f"(back to back {med(out.hop_ms.get('gRPC call, back to back', [math.nan])):.2f} ms), an awaited "
             f"JetStream publish {med(nats_paced):.2f} ms (back to back "
