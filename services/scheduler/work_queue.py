@@ -32,7 +32,7 @@ log = structlog.get_logger("asyncinfer.scheduler.queue")
 
 _NO_WAIT_ONE = json.dumps({"batch": 1, "no_wait": True}).encode()
 _EMPTY_STATUSES = frozenset({"404", "408"})
-# How long a pull may wait for a message whose publish was seen but is not stored yet.
+# How long a pull may wait for a message it was woken for that cannot be pulled yet.
 STORE_WAIT_S = 0.005
 
 
@@ -109,9 +109,9 @@ class PullInbox:
     """One inbox subscription that a model's pulls share, one pull at a time.
 
     A fresh inbox per pull costs a SUB and an UNSUB (and a change to nats-server's subscription
-    index) on every pull. Sharing one is safe because a no-wait pull's answer is complete before
-    the next pull is asked: `count` messages, or fewer and a status. After a timeout the inbox is
-    abandoned, so a late answer cannot be read as the next pull's."""
+    index) on every pull. Sharing one is safe because a pull's answer is complete before the next
+    pull is asked: `count` messages, or fewer and a status. After a timeout the inbox is abandoned,
+    so a late answer cannot be read as the next pull's."""
 
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -201,8 +201,9 @@ class ModelQueues:
         self._pulled_at[priority] = self._publishes[priority]
         msgs = await self._inbox.pull(self._stream, self.consumers[priority], count)
         if not msgs and rung:
-            # The doorbell (a core delivery) can come before the stream has stored the message it
-            # rang for: hold one message's pull until it is stored, briefly.
+            # A wake can come before its message can be pulled (an immediate nak the server has
+            # not applied yet; a publish seen on core NATS before the stream stored it): hold one
+            # message's pull open briefly rather than sleep a whole poll interval.
             msgs = await self._inbox.pull(self._stream, self.consumers[priority], 1, wait_s=STORE_WAIT_S)
         return msgs
 
