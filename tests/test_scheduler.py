@@ -43,7 +43,7 @@ from asyncinfer.v1 import (
     worker_service_pb2_grpc,
 )
 from services.scheduler.app import SchedulerApp
-from services.scheduler.work_queue import pull_one
+from services.scheduler.work_queue import PullInbox
 
 MODEL = "demo"
 TENANT = "default"
@@ -102,17 +102,26 @@ async def enqueue(
     return job_id
 
 
+async def pull_one(inbox: PullInbox, stream: str, consumer: str) -> Msg | None:
+    msgs = await inbox.pull(stream, consumer, 1)
+    return msgs[0] if msgs else None
+
+
 async def pull_until(nc: NatsClient, stream: str, consumer: str, timeout_s: float = 5.0) -> Msg:
-    """pull_one until a message comes (an ack or nak is applied by the server asynchronously)."""
+    """Pulls one message until one comes (an ack or nak is applied by the server asynchronously)."""
     pulled: list[Msg] = []
+    inbox = PullInbox(nc)
 
     async def got_one() -> bool:
-        msg = await pull_one(nc, stream, consumer)
+        msg = await pull_one(inbox, stream, consumer)
         if msg is not None:
             pulled.append(msg)
         return bool(pulled)
 
-    await until(got_one, timeout_s)
+    try:
+        await until(got_one, timeout_s)
+    finally:
+        await inbox.close()
     return pulled[0]
 
 
@@ -244,18 +253,19 @@ async def batchers(app: SchedulerApp) -> AsyncIterator[OpenBatcher]:
 # --- tests ------------------------------------------------------------------------------------
 
 
-async def test_pull_one_returns_an_ackable_message_or_none(nc: NatsClient, config: Config) -> None:
+async def test_a_pull_returns_an_ackable_message_or_nothing(nc: NatsClient, config: Config) -> None:
     js = nc.jetstream()
     await ensure_work_stream(js, config.nats)
     consumer = await ensure_work_consumer(js, config.nats, model_name=MODEL, priority=Priority.LOW, ack_wait_s=30)
     stream = config.nats.work_stream
-    assert await pull_one(nc, stream, consumer) is None
+    inbox = PullInbox(nc)
+    assert await pull_one(inbox, stream, consumer) is None
     await js.publish(work_subject(MODEL, Priority.LOW), b"payload")
-    first = await pull_one(nc, stream, consumer)
+    first = await pull_one(inbox, stream, consumer)
     assert first is not None
     assert first.data == b"payload"
     assert first.metadata.num_delivered == 1
-    assert await pull_one(nc, stream, consumer) is None  # in flight: not handed out twice
+    assert await pull_one(inbox, stream, consumer) is None  # in flight: not handed out twice
     await first.in_progress()
     await first.nak()
     again = await pull_until(nc, stream, consumer)
@@ -267,6 +277,7 @@ async def test_pull_one_returns_an_ackable_message_or_none(nc: NatsClient, confi
         return await work_messages(js, config) == 0
 
     await until(emptied)
+    await inbox.close()
 
 
 async def test_nothing_is_dispatched_without_a_credit(

@@ -26,8 +26,10 @@ from asyncinfer.jobs import (
     JobRecord,
     JobState,
     Priority,
+    decode_record,
     job_key,
 )
+from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.queues import (
     CancelNotice,
     QueueSnapshot,
@@ -196,8 +198,20 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert 'asyncinfer_dead_letters_total{model="demo",reason="MAX_ATTEMPTS"} 1.0' in exposition
     assert 'asyncinfer_retries_total{model="demo",reason="MODEL_ERROR"} 1.0' in exposition
 
+    notices: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def heard(msg: Any) -> None:
+        notices.put_nowait(msg.data)
+
+    listening = await h.js._nc.subscribe("asyncinfer.queued.>", cb=heard)
+    await h.js._nc.flush()
     replayed = await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
     assert replayed.replayed == 1
+    # The replay announces the job queued again, with the record it wrote.
+    key, revision, data = decode_queued_notice(await asyncio.wait_for(notices.get(), 5.0))
+    requeued = decode_record(data, revision)
+    assert (key, requeued.state, requeued.attempt) == (job_key(TENANT, job_id), JobState.QUEUED, 2)
+    await listening.unsubscribe()
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 3)  # the fencing token keeps counting
     await batcher.answer(order)

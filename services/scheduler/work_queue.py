@@ -1,8 +1,8 @@
-"""Pulling work messages one at a time, only when there is a credit for them.
+"""Pulling work messages, only as many as there are credits for.
 
-nats-py's `fetch` cannot ask for one message without waiting, so `pull_one` speaks the JetStream
-pull API directly: a no-wait request for a batch of one answers at once with either the message or
-a status (404 No Messages, 408 Request Timeout).
+nats-py's `fetch` cannot ask for messages without waiting, so `PullInbox` speaks the JetStream pull
+API directly: a no-wait request answers at once with the messages available and, when fewer than
+asked, a status (404 No Messages, 408 Request Timeout).
 
 The request goes out on an inbox subscription of its own rather than `nc.request`: JetStream
 delivers the message to the inbox under the message's own subject, so nats-py's shared request
@@ -36,82 +36,17 @@ _EMPTY_STATUSES = frozenset({"404", "408"})
 STORE_WAIT_S = 0.005
 
 
-async def pull_one(nc: NatsClient, stream: str, consumer: str, *, timeout_s: float = 2.0) -> Msg | None:
-    """The next message of a durable pull consumer, or None at once when it has none.
-
-    The returned Msg carries the client, so `ack`, `nak(delay=)`, `in_progress` and `term` work, and
-    its reply subject gives `metadata` (num_delivered, sequence, timestamp)."""
-    msgs = await pull_up_to(nc, stream, consumer, 1, timeout_s=timeout_s)
-    return msgs[0] if msgs else None
-
-
-async def pull_up_to(nc: NatsClient, stream: str, consumer: str, count: int, *, timeout_s: float = 2.0) -> list[Msg]:
-    """Up to `count` messages that are available now, without waiting for more (on an inbox of
-    its own)."""
-    if count <= 0:
-        return []
-    subscription = await nc.subscribe(nc.new_inbox())
-    try:
-        msgs, _answered = await _pull(nc, subscription, stream, consumer, count, timeout_s)
-    finally:
-        with contextlib.suppress(Exception):
-            await subscription.unsubscribe()
-    return msgs
-
-
-async def _pull(
-    nc: NatsClient,
-    subscription: Subscription,
-    stream: str,
-    consumer: str,
-    count: int,
-    timeout_s: float,
-    wait_s: float | None = None,
-) -> tuple[list[Msg], bool]:
-    """One pull answered on `subscription`: the messages, and whether the answer is complete
-    (False after a timeout: later answers may still arrive on the inbox).
-
-    A no-wait pull answers with the available messages, then (when fewer than asked) a 404/408
-    status that ends the batch; when `count` are available, no status follows them. With `wait_s`
-    the server holds the pull until `count` messages came or wait_s passed (then 408)."""
-    msgs: list[Msg] = []
-    try:
-        if wait_s is not None:
-            request = json.dumps({"batch": count, "expires": int(wait_s * 1e9)}).encode()
-            timeout_s += wait_s
-        elif count == 1:
-            request = _NO_WAIT_ONE
-        else:
-            request = json.dumps({"batch": count, "no_wait": True}).encode()
-        await nc.publish(f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=subscription.subject)
-        while len(msgs) < count:
-            reply = await subscription.next_msg(timeout=timeout_s)
-            status = (reply.headers or {}).get("Status")
-            if status is not None:
-                if status not in _EMPTY_STATUSES:
-                    description = (reply.headers or {}).get("Description", "")
-                    log.warning(
-                        "pull_refused", stream=stream, consumer=consumer, status=status, description=description
-                    )
-                break
-            if not reply.reply:
-                log.warning("pull_reply_without_ack_subject", stream=stream, consumer=consumer)
-                continue
-            msgs.append(reply)
-    except NatsTimeoutError:
-        # A message answered after this returns to the queue when its AckWait passes.
-        log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
-        return msgs, False
-    return msgs, True
-
-
 class PullInbox:
-    """One inbox subscription that a model's pulls share, one pull at a time.
+    """Pulls of a durable pull consumer's messages, answered on one inbox subscription that a
+    model's pulls share, one pull at a time.
 
     A fresh inbox per pull costs a SUB and an UNSUB (and a change to nats-server's subscription
     index) on every pull. Sharing one is safe because a pull's answer is complete before the next
     pull is asked: `count` messages, or fewer and a status. After a timeout the inbox is abandoned,
-    so a late answer cannot be read as the next pull's."""
+    so a late answer cannot be read as the next pull's.
+
+    A returned Msg carries the client, so `ack`, `nak(delay=)`, `in_progress` and `term` work, and
+    its reply subject gives `metadata` (num_delivered, sequence, timestamp)."""
 
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
@@ -121,13 +56,45 @@ class PullInbox:
     async def pull(
         self, stream: str, consumer: str, count: int, *, timeout_s: float = 2.0, wait_s: float | None = None
     ) -> list[Msg]:
+        """Up to `count` messages. Without `wait_s`, those available now (a no-wait pull: the
+        available messages, then, when fewer than asked, a 404/408 status that ends the batch; no
+        status follows `count` messages). With `wait_s`, the server holds the pull until `count`
+        messages came or wait_s passed (then 408)."""
         if count <= 0:
             return []
         async with self._lock:
             if self._subscription is None:
                 self._subscription = await self._nc.subscribe(self._nc.new_inbox())
-            msgs, answered = await _pull(self._nc, self._subscription, stream, consumer, count, timeout_s, wait_s)
-            if not answered:
+            subscription = self._subscription
+            if wait_s is not None:
+                request = json.dumps({"batch": count, "expires": int(wait_s * 1e9)}).encode()
+                timeout_s += wait_s
+            elif count == 1:
+                request = _NO_WAIT_ONE
+            else:
+                request = json.dumps({"batch": count, "no_wait": True}).encode()
+            msgs: list[Msg] = []
+            try:
+                await self._nc.publish(
+                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=subscription.subject
+                )
+                while len(msgs) < count:
+                    reply = await subscription.next_msg(timeout=timeout_s)
+                    status = (reply.headers or {}).get("Status")
+                    if status is not None:
+                        if status not in _EMPTY_STATUSES:
+                            description = (reply.headers or {}).get("Description", "")
+                            log.warning(
+                                "pull_refused", stream=stream, consumer=consumer, status=status, description=description
+                            )
+                        break
+                    if not reply.reply:
+                        log.warning("pull_reply_without_ack_subject", stream=stream, consumer=consumer)
+                        continue
+                    msgs.append(reply)
+            except NatsTimeoutError:
+                # A message answered after this returns to the queue when its AckWait passes.
+                log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
                 await self._abandon()
             return msgs
 
