@@ -130,14 +130,14 @@ class JobStore:
         """Compare-and-set: writes `record` only if the stored revision is still `record.revision`.
         Raises KeyWrongLastSequenceError when someone else wrote first, Unavailable when NATS fails."""
         try:
-            revision = await self._publish(record, last=record.revision)
+            revision = await self._publish(record, last=record.revision, data=encode_record(record))
         except KeyWrongLastSequenceError:
             raise
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot update the job record: {exc}") from exc
         return record.evolve(revision=revision)
 
-    async def _publish(self, record: JobRecord, *, last: int, data: bytes | None = None) -> int:
+    async def _publish(self, record: JobRecord, *, last: int, data: bytes) -> int:
         """KeyValue._update (a write expecting the key's last revision to be `last`, 0: none) with
         the record's retention TTL, on the cheaper request path (asyncinfer.nats_requests)."""
         kv: Any = self._kv
@@ -146,8 +146,6 @@ class JobStore:
         ttl = retention_ttl(record)
         if ttl is not None:
             headers[MSG_TTL] = str(ttl)
-        if data is None:
-            data = encode_record(record)
         return await js_publish(js._nc, f"{kv._pre}{record.key}", data, timeout_s=js._timeout, headers=headers)
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
