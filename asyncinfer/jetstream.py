@@ -18,6 +18,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
+from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
 from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority
@@ -30,7 +31,7 @@ T = TypeVar("T")
 
 # What a JetStream request raises while a stream has no leader (an election after a node died, a
 # cluster still forming) or while the client reconnects to another node: worth trying again.
-TRANSIENT_JS_ERRORS: tuple[type[BaseException], ...] = (
+TRANSIENT_JS_ERRORS: tuple[type[Exception], ...] = (
     asyncio.TimeoutError,  # nats.errors.TimeoutError is one
     NoStreamResponseError,
     nats.errors.NoRespondersError,
@@ -41,8 +42,6 @@ TRANSIENT_JS_ERRORS: tuple[type[BaseException], ...] = (
 # One attempt of a retried JetStream request; leader elections take a few seconds, so several
 # short attempts beat one long one.
 ATTEMPT_TIMEOUT_S = 2.0
-RETRY_FIRST_DELAY_S = 0.05
-RETRY_MAX_DELAY_S = 1.0
 
 
 async def retry_transient(operation: Callable[[float], Awaitable[T]], *, retry_for_s: float, what: str) -> T:
@@ -50,19 +49,12 @@ async def retry_transient(operation: Callable[[float], Awaitable[T]], *, retry_f
     has passed; the last error is raised. Only for idempotent operations (a publish with a
     Nats-Msg-Id, a read, a declaration)."""
     give_up_at = time.monotonic() + retry_for_s
-    delay = RETRY_FIRST_DELAY_S
-    attempt = 1
-    while True:
+
+    async def attempt() -> T:
         remaining = give_up_at - time.monotonic()
-        try:
-            return await operation(max(min(ATTEMPT_TIMEOUT_S, remaining), 0.1))
-        except TRANSIENT_JS_ERRORS as exc:
-            if time.monotonic() + delay >= give_up_at:
-                raise
-            log.info("nats_retrying", what=what, attempt=attempt, error=repr(exc))
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, RETRY_MAX_DELAY_S)
-        attempt += 1
+        return await operation(max(min(ATTEMPT_TIMEOUT_S, remaining), 0.1))
+
+    return await retry(attempt, on=TRANSIENT_JS_ERRORS, retry_for_s=retry_for_s, what=what)
 
 
 async def publish_durably(

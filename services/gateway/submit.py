@@ -22,10 +22,11 @@ from urllib.parse import urlsplit
 import structlog
 from nats.js import JetStreamContext
 
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import RETRY_FIRST_DELAY_S, RETRY_MAX_DELAY_S, publish_durably
+from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
     BlobRef,
@@ -340,18 +341,13 @@ class JobSubmitter:
     async def _create_record(self, record: JobRecord, give_up_at: float, data: bytes) -> JobRecord:
         """Creates the record, retrying through NATS failures until give_up_at. A create whose
         answer was lost may have landed: the key is this job's own, so a record found there is it."""
-        delay = RETRY_FIRST_DELAY_S
         first = True
-        while True:
-            try:
+        async for attempt in retrying(Unavailable, retry_for_s=max(give_up_at - time.monotonic(), 0.0)):
+            with attempt:
                 if not first:
                     existing = await self._records.get(record.key)
                     if existing is not None:
                         return existing
+                first = False
                 return await self._records.create(record, data=data)
-            except Unavailable:
-                if time.monotonic() + delay >= give_up_at:
-                    raise
-            first = False
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX_DELAY_S)
+        raise AssertionError("unreachable: the last error is raised")  # pragma: no cover
