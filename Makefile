@@ -7,12 +7,16 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench bench-batcher bench-watch clean
+.PHONY: up test test-unit lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench bench-batcher bench-watch clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
 
-test: lint typecheck buf-lint buf-breaking protos-check docs-check pytest
+test: test-unit lint typecheck buf-lint buf-breaking protos-check docs-check pytest
+
+# The fast tier: pure domain logic (the job lifecycle's property tests), no server, seconds.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,7 +58,7 @@ docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
 pytest: $(STAMP) $(NODE_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --ignore=tests/unit
 
 # The system benchmarks (about 20 minutes on 2 cores; run on an idle machine): every section, then
 # bench/results/REPORT.md. QUICK=1 runs tiny sizes to check the scripts. The Celery reference needs

@@ -19,49 +19,30 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import grpc
 import structlog
 from nats.aio.client import Client as NatsClient
 
+from asyncinfer import lifecycle
 from asyncinfer.errors import FailedPrecondition
 from asyncinfer.job_store import NATS_FAILURES, JobStore, job_not_found
-from asyncinfer.jobs import JobError, JobRecord, JobState
+from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.queues import CancelNotice, cancel_subject
 
 log = structlog.get_logger("asyncinfer.gateway")
 
-EXPIRED_REASON = "QUEUE_DEADLINE_EXCEEDED"
-CANCELED_REASON = "CANCELED_BY_USER"
 ALREADY_FINISHED_REASON = "JOB_ALREADY_FINISHED"
-MAX_CANCEL_REASON_CHARS = 512
 
 
 # --- expiry ---------------------------------------------------------------------------------------
-
-
-def is_overdue(record: JobRecord, now: float) -> bool:
-    return record.state is JobState.QUEUED and record.deadline is not None and record.deadline <= now
-
-
-def expired(record: JobRecord, now: float) -> JobRecord | None:
-    """The EXPIRED record to write, or None when the job is not overdue (any more)."""
-    if not is_overdue(record, now):
-        return None
-    error = JobError(
-        code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
-        reason=EXPIRED_REASON,
-        message="the job's queue deadline passed before it started",
-    )
-    return record.evolve(state=JobState.EXPIRED, error=error, update_time=now, end_time=now)
 
 
 async def expire_if_overdue(records: JobStore, record: JobRecord, now: float) -> tuple[JobRecord | None, bool]:
     """The record after expiring it if it is overdue (what won, if another writer was first;
     None if the record is gone), and whether this call expired it; the record itself when it is
     not overdue."""
-    if not is_overdue(record, now):
+    if not lifecycle.is_overdue(record, now):
         return record, False
-    return await records.transition(record, lambda current: expired(current, now))
+    return await records.transition(record, lifecycle.decider(lifecycle.Expire(), now))
 
 
 class Expiry:
@@ -89,24 +70,6 @@ class Expiry:
 # --- cancellation ---------------------------------------------------------------------------------
 
 
-def _cancel_error(reason: str) -> JobError:
-    message = "canceled by the user"
-    if reason:
-        message += f": {reason[:MAX_CANCEL_REASON_CHARS]}"
-    return JobError(code=grpc.StatusCode.CANCELLED.value[0], reason=CANCELED_REASON, message=message)
-
-
-def canceled(record: JobRecord, *, reason: str, now: float) -> JobRecord | None:
-    """The record a cancel writes, or None when it writes nothing (already CANCELLING or terminal)."""
-    if is_overdue(record, now):
-        return expired(record, now)
-    if record.state is JobState.QUEUED:
-        return record.evolve(state=JobState.CANCELED, error=_cancel_error(reason), update_time=now, end_time=now)
-    if record.state is JobState.RUNNING:
-        return record.evolve(state=JobState.CANCELLING, error=_cancel_error(reason), update_time=now)
-    return None
-
-
 def already_finished(record: JobRecord) -> FailedPrecondition:
     return FailedPrecondition(
         f"job {record.job_id} already finished ({record.state.value}); there is nothing to cancel",
@@ -118,7 +81,7 @@ def already_finished(record: JobRecord) -> FailedPrecondition:
 async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason: str, now: float) -> JobRecord:
     """The record after the cancel: CANCELED, or CANCELLING (the notice sent). FailedPrecondition
     when the job already ended (or its deadline passed: it is EXPIRED now)."""
-    latest, wrote = await records.transition(record, lambda current: canceled(current, reason=reason, now=now))
+    latest, wrote = await records.transition(record, lifecycle.decider(lifecycle.Cancel(reason=reason), now))
     if latest is None:
         raise job_not_found(record.job_id)
     if latest.state.is_terminal and not (wrote and latest.state is JobState.CANCELED):

@@ -245,7 +245,7 @@ class SchedulerApp:
         if self._flow is not None:
             if not await self._flow.wait_idle(grace_s):
                 log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
-            await self._flow.return_all("SCHEDULER_STOPPING")
+            await self._flow.return_all()
         if self._sweeper is not None:
             await self._sweeper.stop()
         for loop in self._loops:

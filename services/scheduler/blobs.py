@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import structlog
 from google.protobuf.message import DecodeError
@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError
 from asyncinfer.blobs import BlobCorrupt, BlobStore, parse_inputs, result_ref
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
-from asyncinfer.jobs import BlobRef, JobError, JobRecord, JobState, WorkEnvelope
+from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import tensor_pb2
@@ -31,22 +31,6 @@ def _job_error(error: AsyncInferError, *, retriable: bool) -> JobError:
 
 def _encode_outputs(outputs: Sequence[Tensor]) -> bytes:
     return tensor_pb2.InferOutputs(outputs=[to_output_proto(t, raw=True) for t in outputs]).SerializeToString()
-
-
-def input_unusable(attempt: int, error: JobError, now: float) -> Callable[[JobRecord], JobRecord | None]:
-    """The record decision for a RUNNING job whose input cannot be read for good: FAILED (or
-    CANCELED, when a cancel came first)."""
-
-    def decide(current: JobRecord) -> JobRecord | None:
-        if current.attempt != attempt:
-            return None
-        if current.state == JobState.CANCELLING:
-            return current.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
-        if current.state != JobState.RUNNING:
-            return None
-        return current.evolve(state=JobState.FAILED, error=error, end_time=now, update_time=now)
-
-    return decide
 
 
 class ClaimCheckIO:

@@ -19,17 +19,17 @@ import time
 import structlog
 from nats.js import JetStreamContext
 
+from asyncinfer import lifecycle
 from asyncinfer.config import Config
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, JobState, encode_record, job_key, work_subject
+from asyncinfer.jobs import JobRecord, encode_record, job_key, work_subject
 from asyncinfer.queued_notice import announce_queued
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 
 log = structlog.get_logger("asyncinfer.scheduler.replay")
 
-REPLAYABLE = (JobState.FAILED, JobState.TIMED_OUT)
 PUBLISH_RETRY_FOR_S = 10.0
 
 
@@ -48,21 +48,7 @@ async def replay(
     budget = max(1, min(envelope.max_attempts, limit))
     now = time.time()
 
-    def requeue(current: JobRecord) -> JobRecord | None:
-        if current.state not in REPLAYABLE:
-            return None
-        return current.evolve(
-            state=JobState.QUEUED,
-            max_attempts=current.attempt + budget,
-            last_error=current.error,
-            error=None,
-            end_time=None,
-            run_duration_s=None,
-            outputs=(),
-            update_time=now,
-        )
-
-    queued, written = await store.transition(record, requeue)
+    queued, written = await store.transition(record, lifecycle.decider(lifecycle.Replay(budget=budget), now))
     if queued is None or not written:
         state = queued.state.value if queued is not None else "gone"
         raise FailedPrecondition(

@@ -1,0 +1,108 @@
+"""The errors the system itself writes into job records (as `error` or `last_error`): one
+constructor each, so a reason string is spelled in one place.
+
+A reason is part of the public contract (clients branch on it), so these never change meaning.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from asyncinfer.jobs import JobError
+
+# Reasons written by the lifecycle (see asyncinfer/lifecycle.py).
+QUEUE_DEADLINE_EXCEEDED = "QUEUE_DEADLINE_EXCEEDED"  # expired while queued, seen by a reader
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # expired when a scheduler or batcher reached it
+CANCELED_BY_USER = "CANCELED_BY_USER"
+LEASE_EXPIRED = "LEASE_EXPIRED"
+WORKER_LOST = "WORKER_LOST"
+DROPPED = "DROPPED"
+EXECUTION_TIMEOUT = "EXECUTION_TIMEOUT"
+RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+MAX_ATTEMPTS = "MAX_ATTEMPTS"
+SCHEDULER_STOPPING = "SCHEDULER_STOPPING"
+
+MAX_CANCEL_REASON_CHARS = 512
+
+
+def job_error(code: grpc.StatusCode, reason: str, message: str, *, retriable: bool = False) -> JobError:
+    return JobError(code=code.value[0], reason=reason, message=message, retriable=retriable)
+
+
+def queue_deadline_passed() -> JobError:
+    return job_error(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        QUEUE_DEADLINE_EXCEEDED,
+        "the job's queue deadline passed before it started",
+    )
+
+
+def deadline_passed(before: str) -> JobError:
+    """`before`: "started" (found at dispatch) or "ran" (the batcher dropped it unrun)."""
+    return job_error(
+        grpc.StatusCode.DEADLINE_EXCEEDED, DEADLINE_EXCEEDED, f"the job's deadline passed before it {before}"
+    )
+
+
+def canceled_by_user(reason: str) -> JobError:
+    message = "canceled by the user"
+    if reason:
+        message += f": {reason[:MAX_CANCEL_REASON_CHARS]}"
+    return job_error(grpc.StatusCode.CANCELLED, CANCELED_BY_USER, message)
+
+
+def lease_expired(attempt: int) -> JobError:
+    return job_error(
+        grpc.StatusCode.UNAVAILABLE,
+        LEASE_EXPIRED,
+        f"attempt {attempt} was not renewed in time (its scheduler stopped or lost NATS)",
+        retriable=True,
+    )
+
+
+def worker_lost(batcher_id: str, attempt: int) -> JobError:
+    return job_error(
+        grpc.StatusCode.UNAVAILABLE,
+        WORKER_LOST,
+        f"batcher {batcher_id} disconnected during attempt {attempt}",
+        retriable=True,
+    )
+
+
+def dropped_unrun() -> JobError:
+    return job_error(grpc.StatusCode.ABORTED, DROPPED, "the batcher dropped it before it ran", retriable=True)
+
+
+def scheduler_stopping() -> JobError:
+    return job_error(
+        grpc.StatusCode.UNAVAILABLE, SCHEDULER_STOPPING, "the scheduler stopped while it ran", retriable=True
+    )
+
+
+def execution_timeout(attempt: int, timeout_s: float, *, retriable: bool) -> JobError:
+    return job_error(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        EXECUTION_TIMEOUT,
+        f"attempt {attempt} ran longer than its execution timeout of {timeout_s:g} s",
+        retriable=retriable,
+    )
+
+
+def result_too_large(size_bytes: int, limit_bytes: int) -> JobError:
+    return job_error(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        RESULT_TOO_LARGE,
+        f"the result is {size_bytes} bytes; results over {limit_bytes} bytes cannot be stored yet",
+    )
+
+
+def gave_up(last_error: JobError | None, attempts: int) -> JobError:
+    """The final error of a dead-lettered job: its last error, marked final."""
+    base = last_error or job_error(grpc.StatusCode.ABORTED, MAX_ATTEMPTS, "attempts spent")
+    return JobError(
+        code=base.code,
+        reason=base.reason,
+        message=f"{base.message} (gave up after {attempts} attempts)",
+        violations=base.violations,
+        retriable=False,
+    )

@@ -1,0 +1,369 @@
+"""The job lifecycle: every transition of a job record, as pure functions of (record, event, now).
+
+Each function returns the record to write, or a `Refusal` saying why this event changes nothing
+now. The services never decide a state themselves: they build an event, let this module decide on
+the record they hold, and write the answer with a compare-and-set on the record's revision
+(`JobStore.transition`); when another writer won, they decide again on what won. So a cancel and a
+completion can never both win, whatever the order they arrive in.
+
+    QUEUED ──Dispatch──> RUNNING ──Finish──> SUCCEEDED | FAILED | TIMED_OUT
+      ^ │                  │ │ └──GiveUp (attempts spent)──> FAILED | TIMED_OUT
+      │ │                  │ └──Cancel──> CANCELLING ──(any event of the attempt)──> CANCELED
+      │ │                  └──Requeue (retry, batcher lost, scheduler stopping)──┐
+      │ └──Cancel──> CANCELED; Expire / Dispatch past deadline──> EXPIRED         │
+      └───────────────────────────────────────────────────────────────────────────┘
+    FAILED | TIMED_OUT ──Replay──> QUEUED (a new budget of attempts)
+
+The rules that keep jobs safe, each written once below:
+- Fencing: the record's `attempt` goes up by one at every Dispatch; an event of any other attempt
+  is refused (STALE_ATTEMPT), so a late result of an older attempt never wins.
+- A cancel wins over whatever its attempt does next: CANCELLING becomes CANCELED on the attempt's
+  next event (its result is discarded), and a CANCELLING job is never dispatched again.
+- A terminal record changes only by an operator's Replay (from FAILED or TIMED_OUT).
+- `attempt` never exceeds `max_attempts`: Dispatch is refused with ATTEMPTS_SPENT instead, and
+  the caller dead-letters the job (GiveUp). An attempt that ended through no fault of the job
+  gives its attempt back (Requeue with refund raises `max_attempts` by one).
+- A job whose deadline passed while it waited becomes EXPIRED and never runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asyncinfer import job_errors
+from asyncinfer.jobs import BatchInfo, BlobRef, JobError, JobRecord, JobState
+from asyncinfer.tensors import Tensor
+
+REPLAYABLE = frozenset({JobState.FAILED, JobState.TIMED_OUT})
+
+
+class Refused(enum.StrEnum):
+    STALE_ATTEMPT = "STALE_ATTEMPT"  # the event belongs to another attempt than the record's
+    NOT_RUNNABLE = "NOT_RUNNABLE"  # dispatch of a job that is neither queued nor running
+    ATTEMPTS_SPENT = "ATTEMPTS_SPENT"  # dispatch of a job with no attempt left: dead-letter it
+    NOT_RUNNING = "NOT_RUNNING"  # an attempt's event when the record is not running it
+    NOT_DROPPED = "NOT_DROPPED"  # a drop that ends nothing: put the job back (refunded)
+    ALREADY_ENDED = "ALREADY_ENDED"  # a cancel of a job already cancelling or terminal
+    NOT_OVERDUE = "NOT_OVERDUE"  # expiry of a job that is not queued past its deadline
+    NOT_REPLAYABLE = "NOT_REPLAYABLE"  # replay of a job that is not FAILED or TIMED_OUT
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: Refused
+    state: JobState  # the record's state when refused
+
+
+Outcome = JobRecord | Refusal
+
+
+# --- events ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A scheduler pulled the job's message and means to run it on `batcher_id`."""
+
+    batcher_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The attempt ended for good: a stored result (SUCCEEDED), or a final error (FAILED, TIMED_OUT)."""
+
+    attempt: int
+    state: JobState
+    outputs: tuple[Tensor, ...] = ()
+    result_ref: BlobRef | None = None
+    error: JobError | None = None
+    batch: BatchInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """The batcher dropped the attempt before running it (canceled, past its deadline, or shed)."""
+
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """The attempt goes back to the queue with `error` as last_error. `refund`: not the job's fault
+    (it does not count against max_attempts)."""
+
+    attempt: int
+    error: JobError
+    refund: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """The job's attempts are spent (it is dead-lettered): it ends in `state` with `error`."""
+
+    attempt: int
+    state: JobState
+    error: JobError
+    batch: BatchInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Expire:
+    """A reader found the job; it expires if it is still queued past its deadline."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """An operator replays a dead letter: `budget` fresh attempts."""
+
+    budget: int
+
+
+Event = Dispatch | Finish | Drop | Requeue | GiveUp | Cancel | Expire | Replay
+
+
+# --- the rules ------------------------------------------------------------------------------------
+
+
+def is_overdue(record: JobRecord, now: float) -> bool:
+    return record.state is JobState.QUEUED and record.deadline is not None and record.deadline <= now
+
+
+def _refuse(record: JobRecord, reason: Refused) -> Refusal:
+    return Refusal(reason=reason, state=record.state)
+
+
+def _canceled(record: JobRecord, now: float, batch: BatchInfo | None = None) -> JobRecord:
+    """A cancel asked while the attempt ran wins over the attempt's next event (the error the
+    cancel wrote stays)."""
+    return record.evolve(
+        state=JobState.CANCELED, end_time=now, update_time=now, batch=batch if batch is not None else record.batch
+    )
+
+
+def _attempt_event(record: JobRecord, attempt: int, now: float, batch: BatchInfo | None = None) -> Outcome | None:
+    """What every event of a running attempt shares: fencing, then the cancel that came first.
+    None when the event's own rule decides."""
+    if record.attempt != attempt:
+        return _refuse(record, Refused.STALE_ATTEMPT)
+    if record.state is JobState.CANCELLING:
+        return _canceled(record, now, batch)
+    return None
+
+
+def dispatch(record: JobRecord, event: Dispatch, now: float) -> Outcome:
+    if record.state is JobState.CANCELLING:
+        # Cancel was asked while an earlier attempt ran; nothing runs it now.
+        return _canceled(record, now)
+    if record.state not in (JobState.QUEUED, JobState.RUNNING):
+        return _refuse(record, Refused.NOT_RUNNABLE)
+    if record.deadline is not None and now >= record.deadline:
+        return record.evolve(
+            state=JobState.EXPIRED, error=job_errors.deadline_passed("started"), end_time=now, update_time=now
+        )
+    if record.attempt >= record.max_attempts:
+        return _refuse(record, Refused.ATTEMPTS_SPENT)
+    return record.evolve(
+        state=JobState.RUNNING,
+        attempt=record.attempt + 1,
+        last_error=spent_attempt_error(record),
+        start_time=now,
+        queue_duration_s=max(now - record.create_time, 0.0),
+        update_time=now,
+        batcher_id=event.batcher_id,
+    )
+
+
+def spent_attempt_error(record: JobRecord) -> JobError | None:
+    """The last error of a job about to be dispatched again: a RUNNING record here means the
+    attempt's lease lapsed (its scheduler is gone)."""
+    if record.state is JobState.RUNNING:
+        return job_errors.lease_expired(record.attempt)
+    return record.last_error
+
+
+def finish(record: JobRecord, event: Finish, now: float) -> Outcome:
+    shared = _attempt_event(record, event.attempt, now, event.batch)
+    if shared is not None:
+        return shared
+    if record.state is not JobState.RUNNING:
+        return _refuse(record, Refused.NOT_RUNNING)
+    keeps_outputs = event.state is JobState.SUCCEEDED and event.result_ref is None
+    return record.evolve(
+        state=event.state,
+        outputs=event.outputs if keeps_outputs else (),
+        result_ref=event.result_ref,
+        error=event.error,
+        end_time=now,
+        run_duration_s=max(now - (record.start_time or now), 0.0),
+        batch=event.batch,
+        update_time=now,
+    )
+
+
+def drop(record: JobRecord, event: Drop, now: float) -> Outcome:
+    shared = _attempt_event(record, event.attempt, now)
+    if shared is not None:
+        return shared
+    if record.state is JobState.RUNNING and record.deadline is not None and now >= record.deadline:
+        return record.evolve(
+            state=JobState.EXPIRED, error=job_errors.deadline_passed("ran"), end_time=now, update_time=now
+        )
+    return _refuse(record, Refused.NOT_DROPPED)
+
+
+def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
+    shared = _attempt_event(record, event.attempt, now)
+    if shared is not None:
+        return shared
+    if record.state is not JobState.RUNNING:
+        return _refuse(record, Refused.NOT_RUNNING)
+    max_attempts = record.max_attempts + 1 if event.refund else record.max_attempts
+    return record.evolve(state=JobState.QUEUED, last_error=event.error, max_attempts=max_attempts, update_time=now)
+
+
+def give_up(record: JobRecord, event: GiveUp, now: float) -> Outcome:
+    shared = _attempt_event(record, event.attempt, now)
+    if shared is not None:
+        return shared
+    # QUEUED too: a job found with no attempt left at dispatch is given up from the queue.
+    if record.state not in (JobState.RUNNING, JobState.QUEUED):
+        return _refuse(record, Refused.NOT_RUNNING)
+    batch = event.batch if event.batch is not None else record.batch
+    return record.evolve(state=event.state, error=event.error, end_time=now, update_time=now, batch=batch)
+
+
+def cancel(record: JobRecord, event: Cancel, now: float) -> Outcome:
+    if is_overdue(record, now):
+        return expire(record, Expire(), now)
+    if record.state is JobState.QUEUED:
+        error = job_errors.canceled_by_user(event.reason)
+        return record.evolve(state=JobState.CANCELED, error=error, update_time=now, end_time=now)
+    if record.state is JobState.RUNNING:
+        return record.evolve(
+            state=JobState.CANCELLING, error=job_errors.canceled_by_user(event.reason), update_time=now
+        )
+    return _refuse(record, Refused.ALREADY_ENDED)
+
+
+def expire(record: JobRecord, event: Expire, now: float) -> Outcome:
+    if not is_overdue(record, now):
+        return _refuse(record, Refused.NOT_OVERDUE)
+    error = job_errors.queue_deadline_passed()
+    return record.evolve(state=JobState.EXPIRED, error=error, update_time=now, end_time=now)
+
+
+def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
+    """`attempt` keeps counting (it is the fencing token); the job gets `budget` attempts more."""
+    if record.state not in REPLAYABLE:
+        return _refuse(record, Refused.NOT_REPLAYABLE)
+    return record.evolve(
+        state=JobState.QUEUED,
+        max_attempts=record.attempt + event.budget,
+        last_error=record.error,
+        error=None,
+        end_time=None,
+        run_duration_s=None,
+        outputs=(),
+        update_time=now,
+    )
+
+
+def apply(record: JobRecord, event: Event, now: float) -> Outcome:
+    """The record `event` makes of `record` at `now`, or why it changes nothing."""
+    match event:
+        case Dispatch():
+            return dispatch(record, event, now)
+        case Finish():
+            return finish(record, event, now)
+        case Drop():
+            return drop(record, event, now)
+        case Requeue():
+            return requeue(record, event, now)
+        case GiveUp():
+            return give_up(record, event, now)
+        case Cancel():
+            return cancel(record, event, now)
+        case Expire():
+            return expire(record, event, now)
+        case Replay():
+            return replay(record, event, now)
+
+
+def decider(event: Event, now: float) -> Callable[[JobRecord], JobRecord | None]:
+    """`apply` in the shape JobStore.transition takes: None for a refusal."""
+
+    def decide(current: JobRecord) -> JobRecord | None:
+        outcome = apply(current, event, now)
+        return None if isinstance(outcome, Refusal) else outcome
+
+    return decide
+
+
+# --- what follows a failed attempt ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class EndJob:
+    """A non-retriable error: the job ends in `state` now."""
+
+    state: JobState
+    error: JobError
+
+
+@dataclass(frozen=True, slots=True)
+class RetryAfter:
+    delay_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterJob:
+    """Retriable, but the attempts are spent: dead-letter it (with `last_error`), then end it in
+    `state` (`give_up`)."""
+
+    state: JobState
+    last_error: JobError | None
+
+
+FailureDecision = EndJob | RetryAfter | DeadLetterJob
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """Exponential backoff with equal jitter between a job's attempts: half the step fixed, half
+    random (a retried job is never retried at once, and a burst of failures spreads out)."""
+
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
+
+    def delay_s(self, attempt: int, jitter: float) -> float:
+        """`jitter`: a number drawn uniformly from [0, 1)."""
+        step = min(self.backoff_base_s * 2.0 ** max(attempt - 1, 0), self.backoff_max_s)
+        return step / 2 + jitter * step / 2
+
+
+def after_failure(
+    record: JobRecord, error: JobError, *, final_state: JobState, policy: RetryPolicy, jitter: float
+) -> FailureDecision:
+    """What follows attempt `record.attempt` failing with `error` (`record`: the RUNNING record of
+    that attempt). `final_state`: FAILED, or TIMED_OUT for an execution timeout."""
+    if not error.retriable:
+        return EndJob(state=final_state, error=error)
+    if record.attempt < record.max_attempts:
+        return RetryAfter(delay_s=policy.delay_s(record.attempt, jitter))
+    return DeadLetterJob(state=final_state, last_error=error)
+
+
+def give_up_event(
+    record: JobRecord, last_error: JobError | None, *, state: JobState, batch: BatchInfo | None = None
+) -> GiveUp:
+    """The GiveUp that ends a dead-lettered job: its last error, marked final."""
+    return GiveUp(
+        attempt=record.attempt, state=state, error=job_errors.gave_up(last_error, record.attempt), batch=batch
+    )

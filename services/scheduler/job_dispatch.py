@@ -1,0 +1,200 @@
+"""Dispatch: a pulled work message becomes a RUNNING attempt and a work order on a batcher.
+
+The RUNNING write is a compare-and-set decided by asyncinfer.lifecycle (Dispatch): it counts the
+attempt (the fencing token), expires a job whose deadline passed, and finishes the cancel of a job
+that was CANCELLING; a job with no attempt left is dead-lettered instead. The message stays unacked
+while the attempt runs (leases.py keeps it alive); only a job that needs no run is acked here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import structlog
+from nats.aio.msg import Msg
+
+from asyncinfer import job_errors, lifecycle
+from asyncinfer.config import Config
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope, decode_envelope
+from services.scheduler.batchers import BatcherSession
+from services.scheduler.blobs import ClaimCheckIO
+from services.scheduler.completions import TenantQueueCounts
+from services.scheduler.leases import InFlightJob, Leases
+from services.scheduler.messages import CancelOrder, WorkOrder
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.queued_records import QueuedRecords
+from services.scheduler.settlement import JobLog, Settlement, quietly
+
+log = structlog.get_logger("asyncinfer.scheduler.jobs")
+
+# After a NATS failure mid-dispatch, the message comes back after this pause.
+DISPATCH_RETRY_DELAY_S = 1.0
+# Pauses while waiting for a record that the gateway is writing right after its publish. An idle
+# scheduler is woken by that very publish and pulls the message while the gateway is still waiting
+# for the publish's ack before it sends the record: the record is usually there a millisecond or
+# two later, so the first pauses are short (a coarser first pause was most of the queued time of a
+# job at light load); the total stays about what it was (~60 ms) before a nak.
+RECORD_WAITS_S = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03)
+
+
+class JobDispatch:
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        config: Config,
+        metrics: SchedulerMetrics,
+        leases: Leases,
+        settlement: Settlement,
+        tenant_counts: TenantQueueCounts,
+        queued_records: QueuedRecords,
+        claim_check: ClaimCheckIO | None,
+        on_timeout: Callable[[InFlightJob], None],
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._metrics = metrics
+        self._leases = leases
+        self._settlement = settlement
+        self._tenant_counts = tenant_counts
+        self._queued_records = queued_records
+        self._claim_check = claim_check
+        self._on_timeout = on_timeout
+
+    async def dispatch(self, msg: Msg, session: BatcherSession) -> bool:
+        """Runs a pulled message on the session. True when a work order was sent (the reserved
+        credit is used); False when the message needed no run (it was acked, termed or put back)."""
+        try:
+            envelope = decode_envelope(msg.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("work_message_undecodable", error=str(exc), subject=msg.subject)
+            await quietly(msg.term())
+            return False
+        job_log = log.bind(job_id=envelope.job_id, model=envelope.model_name, tenant=envelope.tenant)
+        try:
+            return await self._dispatch(msg, envelope, session, job_log)
+        except Exception:
+            # NATS trouble mid-way: the message comes back after a pause, and the record (if
+            # RUNNING) is taken over by the next attempt.
+            job_log.exception("dispatch_failed")
+            await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
+            return False
+
+    async def _record_of(self, msg: Msg, envelope: WorkEnvelope, job_log: JobLog) -> JobRecord | None:
+        """The job's record. The gateway publishes the work message before it writes the record,
+        so a very young message may arrive first: wait a moment for it. A message whose record never
+        came (its submit failed or the gateway died in between; nobody was told it was accepted) is
+        dropped once it is older than orphan_message_grace_s. A queued notice may have brought
+        the record already."""
+        record = self._queued_records.take(envelope.key)
+        if record is not None:
+            return record
+        record = await self._store.get(envelope.key)
+        for pause_s in RECORD_WAITS_S:
+            if record is not None:
+                return record
+            await asyncio.sleep(pause_s)
+            record = await self._store.get(envelope.key)
+        if record is not None:
+            return record
+        age_s = time.time() - envelope.create_time
+        if age_s < self._config.scheduler.orphan_message_grace_s:
+            job_log.info("job_record_not_written_yet", age_s=round(age_s, 3))
+            await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
+        else:
+            job_log.warning("orphan_work_message_dropped", age_s=round(age_s, 1))
+            await quietly(msg.term())
+        return None
+
+    async def _dispatch(self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog) -> bool:
+        record = await self._record_of(msg, envelope, job_log)
+        if record is None:
+            return False
+        now = time.time()
+        event = lifecycle.Dispatch(batcher_id=session.batcher_id)
+        latest, written = await self._store.transition(record, lifecycle.decider(event, now))
+        if latest is None:
+            job_log.error("job_record_missing")
+            await msg.term()
+            return False
+        if record.attempt == 0:
+            self._tenant_counts.left_queue(record.tenant)
+        refusal = None if written else lifecycle.dispatch(latest, event, now)
+        if isinstance(refusal, lifecycle.Refusal) and refusal.reason is lifecycle.Refused.ATTEMPTS_SPENT:
+            if latest.state == JobState.RUNNING:
+                self._metrics.lease_expiries.labels(model=latest.model_name).inc()
+            last_error = lifecycle.spent_attempt_error(latest)
+            await self._settlement.dead_letter(latest, msg, job_log, last_error, state=JobState.FAILED)
+            return False
+        if latest.state != JobState.RUNNING or not written:
+            if written:
+                self._metrics.job_transition(latest.model_name, latest.state)
+            job_log.info("job_not_runnable", state=latest.state.value)
+            await msg.ack()
+            return False
+        job_log = job_log.bind(attempt=latest.attempt)
+        if record.state == JobState.RUNNING:
+            self._metrics.lease_expiries.labels(model=latest.model_name).inc()
+            job_log.warning("lease_expired", previous_attempt=record.attempt)
+        if envelope.input_ref is not None and self._claim_check is not None:
+            resolved = await self._claim_check.resolve(envelope)
+            if isinstance(resolved, JobError):
+                await self._input_unusable(latest, msg, job_log, resolved)
+                return False
+            envelope = resolved
+        if session.closed:
+            # The batcher left while the record was being written: put the job straight back.
+            error = job_errors.worker_lost(session.batcher_id, latest.attempt)
+            await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
+            return False
+        self._metrics.job_transition(latest.model_name, JobState.RUNNING)
+        order = self._order(envelope, latest)
+        session.send(order)
+        job = InFlightJob(
+            job_id=envelope.job_id,
+            attempt=latest.attempt,
+            model_name=envelope.model_name,
+            session=session,
+            msg=msg,
+            record=latest,
+            log=job_log,
+            timeout_s=order.execution_timeout_s,
+        )
+        superseded = self._leases.hold(job, self._on_timeout)
+        if superseded is not None:
+            job_log.warning("attempt_superseded", old_attempt=superseded.attempt)
+        if self._leases.take_pending_cancel(envelope.job_id):
+            session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
+        job_log.info("job_dispatched", batcher_id=session.batcher_id, priority=envelope.priority.value)
+        return True
+
+    async def _input_unusable(self, running: JobRecord, msg: Msg, job_log: JobLog, error: JobError) -> None:
+        """The claim-checked input cannot be read: retried later when that is NATS trouble, the
+        job failed when the input is gone or unreadable for good."""
+        job_log.warning("job_input_unusable", reason=error.reason, retriable=error.retriable)
+        if error.retriable:
+            await self._settlement.requeue(running, msg, job_log, error, delay_s=DISPATCH_RETRY_DELAY_S, refund=True)
+            return
+        event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)
+        await self._settlement.end(running, msg, job_log, event, time.time())
+
+    def _order(self, envelope: WorkEnvelope, record: JobRecord) -> WorkOrder:
+        timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
+        if timeout_s is None:
+            model = self._config.model(envelope.model_name)
+            timeout_s = model.default_execution_timeout_s if model is not None else None
+        return WorkOrder(
+            job_id=envelope.job_id,
+            attempt=record.attempt,
+            model_name=envelope.model_name,
+            model_version=envelope.model_version,
+            priority=envelope.priority,
+            tenant=envelope.tenant,
+            inputs=envelope.inputs,
+            input_ref=envelope.input_ref,
+            deadline=envelope.deadline,
+            execution_timeout_s=timeout_s,
+        )

@@ -1,0 +1,120 @@
+"""Lease keeping: the attempts in flight on this scheduler.
+
+A dispatched attempt's work message stays unacked while it runs; `renew` keeps it alive with
+in-progress acks, so a scheduler that dies leaves its messages to be redelivered after AckWait (and
+the next attempt takes the record over: see asyncinfer.lifecycle). Each attempt may carry an
+execution-timeout timer. A result is accepted only from the session and attempt in flight
+(`fenced`), so a late answer of an older attempt, or one over a replaced stream, is discarded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+from nats.aio.msg import Msg
+
+from asyncinfer.jobs import JobRecord
+from services.scheduler.batchers import BatcherSession
+
+# Cancel notices for jobs not (yet) in flight here are remembered this long: the notice can
+# overtake the dispatch that made the job RUNNING.
+PENDING_CANCEL_TTL_S = 30.0
+
+
+@dataclass(slots=True)
+class InFlightJob:
+    """A dispatched attempt: where it runs, its unacked message, and the RUNNING record written."""
+
+    job_id: str
+    attempt: int
+    model_name: str
+    session: BatcherSession
+    msg: Msg
+    record: JobRecord
+    log: structlog.typing.FilteringBoundLogger
+    timeout_s: float | None = None
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class Leases:
+    def __init__(self) -> None:
+        self.jobs: dict[str, InFlightJob] = {}
+        self._pending_cancels: dict[str, float] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def hold(self, job: InFlightJob, on_timeout: Callable[[InFlightJob], None]) -> InFlightJob | None:
+        """Holds the attempt's lease (and starts its timeout); returns the attempt it supersedes,
+        if an older one of the same job was still held (its lease lapsed and the message came
+        back: it is fenced out)."""
+        superseded = self.jobs.pop(job.job_id, None)
+        if superseded is not None:
+            self.release(superseded)
+        job.session.in_flight.add(job.job_id)
+        self.jobs[job.job_id] = job
+        self._idle.clear()
+        if job.timeout_s is not None:
+            job.timer = asyncio.get_running_loop().call_later(job.timeout_s, self._timed_out, job, on_timeout)
+        return superseded
+
+    def _timed_out(self, job: InFlightJob, on_timeout: Callable[[InFlightJob], None]) -> None:
+        if self.jobs.get(job.job_id) is job:
+            self.release(job)
+            on_timeout(job)
+
+    def fenced(self, session: BatcherSession, job_id: str, attempt: int) -> InFlightJob | None:
+        """The attempt in flight that an answer (job_id, attempt) from `session` belongs to, or None."""
+        job = self.jobs.get(job_id)
+        if job is None or job.attempt != attempt or job.session is not session:
+            return None
+        return job
+
+    def release(self, job: InFlightJob) -> None:
+        if job.timer is not None:
+            job.timer.cancel()
+            job.timer = None
+        if self.jobs.get(job.job_id) is job:
+            del self.jobs[job.job_id]
+        job.session.in_flight.discard(job.job_id)
+        if not self.jobs:
+            self._idle.set()
+
+    def release_all(self, session: BatcherSession | None = None) -> list[InFlightJob]:
+        """Releases every attempt in flight (on `session`, when given) and returns them."""
+        jobs = [job for job in self.jobs.values() if session is None or job.session is session]
+        for job in jobs:
+            self.release(job)
+        return jobs
+
+    def remember_cancel(self, job_id: str) -> None:
+        """A cancel for a job not in flight here: maybe being dispatched right now."""
+        cutoff = time.monotonic() - PENDING_CANCEL_TTL_S
+        for stale in [j for j, at in self._pending_cancels.items() if at < cutoff]:
+            del self._pending_cancels[stale]
+        self._pending_cancels[job_id] = time.monotonic()
+
+    def take_pending_cancel(self, job_id: str) -> bool:
+        return self._pending_cancels.pop(job_id, None) is not None
+
+    async def renew(self) -> None:
+        """One round of in-progress acks for every job in flight (fire-and-forget publishes)."""
+        for job in list(self.jobs.values()):
+            try:
+                await job.msg.in_progress()
+            except Exception as exc:
+                job.log.warning("lease_renewal_failed", error=str(exc))
+
+    def count(self, model_name: str) -> int:
+        return sum(1 for job in self.jobs.values() if job.model_name == model_name)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until nothing is in flight; False if the time ran out first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True

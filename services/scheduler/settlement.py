@@ -1,0 +1,221 @@
+"""Settlement: what an attempt's end makes of its job — result → record → ack.
+
+The order keeps every crash safe: the record is written first (a compare-and-set decided by
+asyncinfer.lifecycle), and the work message is acked only once the record is terminal, so a crash
+anywhere leaves the message to be redelivered and the next attempt takes the record over. A job
+put back is nak'ed (with the retry's delay) even when its record could not be written. A dead
+letter is written before the record that says FAILED (a retry after a crash writes the same one,
+which the stream drops as a duplicate).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import structlog
+from nats.aio.msg import Msg
+
+from asyncinfer import job_errors, lifecycle
+from asyncinfer.config import Config
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState
+from services.scheduler.blobs import ClaimCheckIO
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+from services.scheduler.leases import InFlightJob
+from services.scheduler.messages import WorkResult
+from services.scheduler.metrics import SchedulerMetrics
+
+log = structlog.get_logger("asyncinfer.scheduler.jobs")
+
+JobLog = structlog.typing.FilteringBoundLogger
+
+
+def batch_info(job: InFlightJob, result: WorkResult | None) -> BatchInfo | None:
+    if result is None:
+        return None
+    return BatchInfo(batcher_id=job.session.batcher_id, batch_size=result.batch_size, compute_s=result.compute_s)
+
+
+class Settlement:
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        config: Config,
+        metrics: SchedulerMetrics,
+        dead_letters: DeadLetterStore,
+        claim_check: ClaimCheckIO | None,
+        rng: random.Random,
+    ) -> None:
+        self._store = store
+        self._config = config
+        self._metrics = metrics
+        self._dead_letters = dead_letters
+        self._claim_check = claim_check
+        self._rng = rng
+        # Told the subject of every message put back for immediate redelivery (no publish rings
+        # the dispatcher's doorbell for those).
+        self.on_put_back: Callable[[str], None] = _ignore
+
+    # --- an attempt's answer ------------------------------------------------------------------
+
+    async def result(self, job: InFlightJob, result: WorkResult) -> None:
+        now = time.time()
+        if result.dropped:
+            await self._dropped(job, now)
+            return
+        if result.error is not None:
+            await self.failed_attempt(job, result.error, final_state=JobState.FAILED, result=result)
+            return
+        size = sum(t.nbytes for t in result.outputs)
+        limit = self._config.scheduler.inline_result_max_bytes
+        batch = batch_info(job, result)
+        if size > limit and self._claim_check is not None:
+            # Too big for the record: stored as an object, the record keeps the reference.
+            stored = await self._claim_check.store_result(job.record, result.outputs, now)
+            event = lifecycle.Finish(attempt=job.attempt, state=JobState.SUCCEEDED, result_ref=stored, batch=batch)
+        elif size > limit:
+            error = job_errors.result_too_large(size, limit)
+            event = lifecycle.Finish(attempt=job.attempt, state=JobState.FAILED, error=error, batch=batch)
+        else:
+            event = lifecycle.Finish(attempt=job.attempt, state=JobState.SUCCEEDED, outputs=result.outputs, batch=batch)
+        await self.end(job.record, job.msg, job.log, event, now)
+
+    async def failed_attempt(
+        self, job: InFlightJob, error: JobError, *, final_state: JobState, result: WorkResult | None = None
+    ) -> None:
+        """A non-retriable error ends the job; a retriable one retries it, or dead-letters it when
+        its attempts are spent."""
+        model = self._config.model(job.model_name)
+        policy = (
+            lifecycle.RetryPolicy(backoff_base_s=model.retry_backoff_base_s, backoff_max_s=model.retry_backoff_max_s)
+            if model is not None
+            else lifecycle.RetryPolicy()
+        )
+        decision = lifecycle.after_failure(
+            job.record, error, final_state=final_state, policy=policy, jitter=self._rng.random()
+        )
+        batch = batch_info(job, result)
+        match decision:
+            case lifecycle.EndJob(state=state, error=final_error):
+                event = lifecycle.Finish(attempt=job.attempt, state=state, error=final_error, batch=batch)
+                await self.end(job.record, job.msg, job.log, event, time.time())
+            case lifecycle.RetryAfter(delay_s=delay_s):
+                self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
+                await self.requeue(job.record, job.msg, job.log, error, delay_s=delay_s)
+            case lifecycle.DeadLetterJob(state=state, last_error=last_error):
+                await self.dead_letter(job.record, job.msg, job.log, last_error, state=state, batch=batch)
+
+    async def _dropped(self, job: InFlightJob, now: float) -> None:
+        """The batcher dropped the item before running it: canceled, expired, or (neither) put
+        back without spending the attempt."""
+        latest, written = await self._store.transition(job.record, lifecycle.decider(lifecycle.Drop(job.attempt), now))
+        if latest is not None and latest.state.is_terminal:
+            await self.settle(job.msg, latest, written, job.log)
+            return
+        await self.requeue(latest or job.record, job.msg, job.log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
+
+    # --- the writes -----------------------------------------------------------------------------
+
+    async def end(self, record: JobRecord, msg: Msg, job_log: JobLog, event: lifecycle.Finish, now: float) -> None:
+        latest, written = await self._store.transition(record, lifecycle.decider(event, now))
+        await self.settle(msg, latest, written, job_log)
+
+    async def settle(self, msg: Msg, latest: JobRecord | None, written: bool, job_log: JobLog) -> None:
+        """Acks the message once the record is terminal. A record another attempt owns is left
+        alone: acking would remove the message that attempt still depends on."""
+        if latest is None:
+            job_log.error("job_record_missing")
+            await msg.term()
+            return
+        if written:
+            self._metrics.job_transition(latest.model_name, latest.state)
+            job_log.info("job_finished", state=latest.state.value)
+        if latest.state.is_terminal:
+            await msg.ack()
+        else:
+            job_log.warning("result_discarded", state=latest.state.value, attempt_in_record=latest.attempt)
+
+    async def dead_letter(
+        self,
+        record: JobRecord,
+        msg: Msg,
+        job_log: JobLog,
+        last_error: JobError | None,
+        *,
+        state: JobState,
+        batch: BatchInfo | None = None,
+    ) -> None:
+        """Attempts spent: the dead letter first, then the record, then the ack."""
+        letter = DeadLetter(
+            job_id=record.job_id,
+            tenant=record.tenant,
+            model_name=record.model_name,
+            reason=job_errors.MAX_ATTEMPTS,
+            attempts=record.attempt,
+            dead_time=time.time(),
+            original=msg.data,
+            last_error=last_error,
+        )
+        stored = await self._dead_letters.add(letter)
+        self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
+        job_log.warning(
+            "job_dead_lettered",
+            sequence=stored.sequence,
+            attempts=record.attempt,
+            reason=last_error.reason if last_error else None,
+        )
+        event = lifecycle.give_up_event(record, last_error, state=state, batch=batch)
+        latest, written = await self._store.transition(record, lifecycle.decider(event, time.time()))
+        await self.settle(msg, latest, written, job_log)
+
+    async def requeue(
+        self,
+        running: JobRecord,
+        msg: Msg,
+        job_log: JobLog,
+        error: JobError,
+        *,
+        delay_s: float,
+        refund: bool = False,
+    ) -> None:
+        """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
+        after delay_s (0: at once). The nak happens even when the record cannot be written."""
+        event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund)
+        latest: JobRecord | None = None
+        try:
+            latest, written = await self._store.transition(running, lifecycle.decider(event, time.time()))
+            if latest is not None and written:
+                self._metrics.job_transition(latest.model_name, latest.state)
+                job_log.info("job_requeued", state=latest.state.value, reason=error.reason, delay_s=delay_s)
+        finally:
+            if latest is not None and latest.state.is_terminal:
+                await quietly(msg.ack())
+            else:
+                await quietly(msg.nak(delay=delay_s) if delay_s > 0 else msg.nak())
+                if delay_s <= 0:
+                    self.on_put_back(msg.subject)
+
+    async def timed_out(self, job: InFlightJob) -> None:
+        model = self._config.model(job.model_name)
+        action = model.timeout_action if model is not None else "fail"
+        error = job_errors.execution_timeout(job.attempt, job.timeout_s or 0.0, retriable=action == "retry")
+        job.log.warning("job_timed_out", timeout_s=job.timeout_s, action=action)
+        try:
+            await self.failed_attempt(job, error, final_state=JobState.TIMED_OUT)
+        except Exception:
+            job.log.exception("timeout_not_stored")
+
+
+def _ignore(_subject: str) -> None:
+    pass
+
+
+async def quietly(action: Awaitable[None]) -> None:
+    """Awaits an ack-type publish, logging instead of raising (the message comes back anyway)."""
+    try:
+        await action
+    except Exception as exc:
+        log.warning("ack_failed", error=str(exc))

@@ -1,0 +1,362 @@
+"""The job lifecycle (asyncinfer.lifecycle) without any server: random sequences of every event a
+job can meet — dispatches by racing schedulers, answers of current and older attempts, drops,
+retries, lost batchers, cancels, expiry, timeouts, dead letters, replays — and the invariants that
+keep jobs safe, checked after every step."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from asyncinfer import job_errors, lifecycle
+from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, Priority
+from asyncinfer.tensors import Tensor
+
+Q, R, S, F = JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED
+CING, CED, EXP, TO = JobState.CANCELLING, JobState.CANCELED, JobState.EXPIRED, JobState.TIMED_OUT
+
+# Every edge a job may take; anything else is a bug.
+ALLOWED_EDGES = {
+    (Q, R), (Q, CED), (Q, EXP), (Q, F),
+    (R, R), (R, Q), (R, S), (R, F), (R, TO), (R, CING), (R, EXP),
+    (CING, CED),
+    (F, Q), (TO, Q),
+}  # fmt: skip
+
+OUTPUT = Tensor(name="y", datatype="FP32", shape=(1,), data=b"\x00\x00\x80?")
+RETRIABLE = JobError(code=13, reason="MODEL_ERROR", message="the model raised", retriable=True)
+FINAL = JobError(code=3, reason="INVALID_INPUT", message="bad input", retriable=False)
+POLICY = lifecycle.RetryPolicy(backoff_base_s=1.0, backoff_max_s=30.0)
+
+
+def queued(now: float = 1_000.0, **changes: object) -> JobRecord:
+    record = JobRecord(
+        job_id="job-1",
+        tenant="acme",
+        model_name="demo",
+        model_version="",
+        state=Q,
+        priority=Priority.NORMAL,
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=60.0,
+    )
+    return record.evolve(**changes)
+
+
+class JobLifecycle(RuleBasedStateMachine):
+    """One job, its record as the KV holds it, and the scheduler's and gateway's events on it.
+    Every event is decided on the current record, as the compare-and-set loop does; racing
+    writers show up as events that carry an older attempt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 1_000.0
+        self.record = queued()
+        self.terminal: JobState | None = None  # the terminal state reached (reset by a replay)
+        self.replays = 0
+        self.runs_after_cancel = 0
+
+    @initialize(
+        max_attempts=st.integers(min_value=1, max_value=4),
+        deadline_in_s=st.none() | st.floats(min_value=1.0, max_value=60.0),
+    )
+    def submit(self, max_attempts: int, deadline_in_s: float | None) -> None:
+        deadline = None if deadline_in_s is None else self.now + deadline_in_s
+        self.record = queued(self.now, max_attempts=max_attempts, deadline=deadline)
+
+    # --- applying an event, as the store's compare-and-set would --------------------------------
+
+    def apply(self, event: lifecycle.Event) -> lifecycle.Outcome:
+        before = self.record
+        outcome = lifecycle.apply(before, event, self.now)
+        if isinstance(outcome, lifecycle.Refusal):
+            assert outcome.state is before.state
+            return outcome
+        assert (before.state, outcome.state) in ALLOWED_EDGES, (before.state, outcome.state, event)
+        assert outcome.job_id == before.job_id
+        assert outcome.tenant == before.tenant
+        if before.state.is_terminal:
+            assert isinstance(event, lifecycle.Replay), f"a terminal job changed on {event}"
+        if before.state in (CING, CED) and outcome.state is R:
+            self.runs_after_cancel += 1
+        if outcome.state.is_terminal:
+            assert self.terminal is None, f"a second terminal state: {self.terminal} then {outcome.state}"
+            self.terminal = outcome.state
+        if isinstance(event, lifecycle.Replay):
+            self.terminal = None
+            self.replays += 1
+        self.record = outcome
+        return outcome
+
+    def attempt_of(self, age: int) -> int:
+        """The attempt `age` dispatches ago (0: the current one)."""
+        return max(self.record.attempt - age, 0)
+
+    # --- time ----------------------------------------------------------------------------------
+
+    @rule(seconds=st.floats(min_value=0.0, max_value=30.0))
+    def time_passes(self, seconds: float) -> None:
+        self.now += seconds
+
+    # --- the scheduler -------------------------------------------------------------------------
+
+    @rule(batcher=st.sampled_from(["b1", "b2"]))
+    def dispatch(self, batcher: str) -> None:
+        """A scheduler pulled the message (again, if the lease lapsed)."""
+        before = self.record
+        outcome = self.apply(lifecycle.Dispatch(batcher_id=batcher))
+        if isinstance(outcome, lifecycle.Refusal) and outcome.reason is lifecycle.Refused.ATTEMPTS_SPENT:
+            # As job_dispatch does: no attempt left, so it is dead-lettered from where it is.
+            event = lifecycle.give_up_event(before, lifecycle.spent_attempt_error(before), state=F)
+            given_up = self.apply(event)
+            assert isinstance(given_up, JobRecord)
+            assert given_up.state is F
+            assert given_up.error is not None
+            assert not given_up.error.retriable
+        elif isinstance(outcome, JobRecord) and outcome.state is R:
+            assert outcome.attempt == before.attempt + 1
+            assert outcome.batcher_id == batcher
+            if before.state is R:
+                assert outcome.last_error is not None
+                assert outcome.last_error.reason == job_errors.LEASE_EXPIRED
+        elif before.state is CING:
+            assert isinstance(outcome, JobRecord)
+            assert outcome.state is CED
+
+    @rule(age=st.integers(min_value=0, max_value=2), state=st.sampled_from([S, F, TO]))
+    def attempt_answers(self, age: int, state: JobState) -> None:
+        """A result (or a final error) arrives for an attempt, maybe an older one."""
+        attempt = self.attempt_of(age)
+        before = self.record
+        error = None if state is S else FINAL
+        outputs = (OUTPUT,) if state is S else ()
+        batch = BatchInfo(batcher_id="b1", batch_size=4, compute_s=0.01)
+        outcome = self.apply(lifecycle.Finish(attempt=attempt, state=state, outputs=outputs, error=error, batch=batch))
+        if attempt != before.attempt:
+            assert outcome == lifecycle.Refusal(lifecycle.Refused.STALE_ATTEMPT, before.state)
+        elif before.state is CING:
+            assert isinstance(outcome, JobRecord)
+            assert outcome.state is CED
+            assert outcome.outputs == ()
+        elif before.state is R:
+            assert isinstance(outcome, JobRecord)
+            assert outcome.state is state
+
+    @rule(age=st.integers(min_value=0, max_value=1), retriable=st.booleans(), timed_out=st.booleans())
+    def attempt_fails(self, age: int, retriable: bool, timed_out: bool) -> None:
+        """The attempt failed (or ran past its execution timeout): the scheduler decides."""
+        attempt = self.attempt_of(age)
+        running = self.record.evolve(attempt=attempt) if age else self.record
+        if running.state is not R:
+            return
+        error = RETRIABLE if retriable else FINAL
+        final_state = TO if timed_out else F
+        decision = lifecycle.after_failure(running, error, final_state=final_state, policy=POLICY, jitter=0.5)
+        match decision:
+            case lifecycle.EndJob(state=state, error=final_error):
+                assert not retriable
+                event: lifecycle.Event = lifecycle.Finish(attempt=attempt, state=state, error=final_error)
+            case lifecycle.RetryAfter(delay_s=delay_s):
+                assert retriable
+                assert running.attempt < running.max_attempts
+                assert 0.5 <= delay_s <= POLICY.backoff_max_s
+                event = lifecycle.Requeue(attempt=attempt, error=error)
+            case lifecycle.DeadLetterJob(state=state, last_error=last_error):
+                assert retriable
+                assert running.attempt >= running.max_attempts
+                event = lifecycle.give_up_event(running, last_error, state=state)
+        before = self.record
+        outcome = self.apply(event)
+        if attempt != before.attempt:
+            assert isinstance(outcome, lifecycle.Refusal)
+
+    @rule(age=st.integers(min_value=0, max_value=1))
+    def batcher_drops(self, age: int) -> None:
+        attempt = self.attempt_of(age)
+        before = self.record
+        outcome = self.apply(lifecycle.Drop(attempt=attempt))
+        if isinstance(outcome, lifecycle.Refusal) and outcome.reason is lifecycle.Refused.NOT_DROPPED:
+            # Put back without spending the attempt.
+            refunded = self.apply(lifecycle.Requeue(attempt=attempt, error=job_errors.dropped_unrun(), refund=True))
+            if isinstance(refunded, JobRecord):
+                assert refunded.max_attempts == before.max_attempts + 1
+
+    @rule(age=st.integers(min_value=0, max_value=1), refund=st.booleans())
+    def batcher_lost_or_scheduler_stopped(self, age: int, refund: bool) -> None:
+        attempt = self.attempt_of(age)
+        error = job_errors.scheduler_stopping() if refund else job_errors.worker_lost("b1", attempt)
+        self.apply(lifecycle.Requeue(attempt=attempt, error=error, refund=refund))
+
+    @rule(age=st.integers(min_value=1, max_value=2))
+    def stale_give_up(self, age: int) -> None:
+        """A scheduler that lost its lease gives up an attempt that is no longer the current one."""
+        before = self.record
+        outcome = self.apply(lifecycle.GiveUp(attempt=self.attempt_of(age), state=F, error=FINAL))
+        if before.attempt >= age:
+            assert outcome == lifecycle.Refusal(lifecycle.Refused.STALE_ATTEMPT, before.state)
+
+    # --- the gateway and operators -------------------------------------------------------------
+
+    @rule(reason=st.sampled_from(["", "changed my mind"]))
+    def user_cancels(self, reason: str) -> None:
+        before = self.record
+        outcome = self.apply(lifecycle.Cancel(reason=reason))
+        if before.state is R:
+            assert isinstance(outcome, JobRecord)
+            assert outcome.state is CING
+            assert outcome.error is not None
+            assert outcome.error.reason == job_errors.CANCELED_BY_USER
+
+    @rule()
+    def reader_expires(self) -> None:
+        self.apply(lifecycle.Expire())
+
+    @precondition(lambda self: self.replays < 2)
+    @rule(budget=st.integers(min_value=1, max_value=3))
+    def operator_replays(self, budget: int) -> None:
+        before = self.record
+        outcome = self.apply(lifecycle.Replay(budget=budget))
+        if before.state in lifecycle.REPLAYABLE:
+            assert isinstance(outcome, JobRecord)
+            assert outcome.attempt == before.attempt
+            assert outcome.max_attempts == before.attempt + budget
+            assert outcome.last_error == before.error
+            assert outcome.error is None
+
+    # --- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def attempts_never_exceed_max_attempts(self) -> None:
+        assert 0 <= self.record.attempt <= self.record.max_attempts
+
+    @invariant()
+    def one_terminal_state(self) -> None:
+        if self.terminal is not None:
+            assert self.record.state is self.terminal
+
+    @invariant()
+    def a_canceled_job_never_runs_again(self) -> None:
+        assert self.runs_after_cancel == 0
+
+    @invariant()
+    def outputs_only_when_succeeded(self) -> None:
+        if self.record.outputs:
+            assert self.record.state is S
+
+    @invariant()
+    def terminal_records_say_when(self) -> None:
+        if self.record.state.is_terminal:
+            assert self.record.end_time is not None
+        if self.record.state in (F, TO, EXP):
+            assert self.record.error is not None
+
+
+JobLifecycle.TestCase.settings = settings(
+    max_examples=300, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestJobLifecycle = JobLifecycle.TestCase
+
+
+# --- single rules, exactly ------------------------------------------------------------------------
+
+
+def test_dispatch_counts_the_attempt_and_measures_the_queue_time() -> None:
+    started = lifecycle.apply(queued(), lifecycle.Dispatch(batcher_id="b1"), 1_002.5)
+    assert isinstance(started, JobRecord)
+    assert (started.state, started.attempt, started.batcher_id) == (R, 1, "b1")
+    assert (started.start_time, started.queue_duration_s, started.update_time) == (1_002.5, 2.5, 1_002.5)
+
+
+def test_dispatch_past_the_deadline_expires_the_job() -> None:
+    expired = lifecycle.apply(queued(deadline=1_001.0), lifecycle.Dispatch(batcher_id="b1"), 1_001.0)
+    assert isinstance(expired, JobRecord)
+    assert expired.state is EXP
+    assert expired.error is not None
+    assert expired.error.reason == job_errors.DEADLINE_EXCEEDED
+
+
+def test_a_reader_expires_an_overdue_job_and_nothing_else() -> None:
+    overdue = queued(deadline=1_001.0)
+    assert lifecycle.apply(overdue, lifecycle.Expire(), 1_000.5) == lifecycle.Refusal(lifecycle.Refused.NOT_OVERDUE, Q)
+    expired = lifecycle.apply(overdue, lifecycle.Expire(), 1_001.0)
+    assert isinstance(expired, JobRecord)
+    assert expired.state is EXP
+    assert expired.error is not None
+    assert expired.error.reason == job_errors.QUEUE_DEADLINE_EXCEEDED
+
+
+def test_cancel_of_a_queued_job_ends_it_and_of_a_running_one_asks_it_to_stop() -> None:
+    canceled = lifecycle.apply(queued(), lifecycle.Cancel(reason="x" * 600), 1_001.0)
+    assert isinstance(canceled, JobRecord)
+    assert canceled.state is CED
+    assert canceled.error is not None
+    assert len(canceled.error.message) == len("canceled by the user: ") + 512
+    running = queued(state=R, attempt=1)
+    cancelling = lifecycle.apply(running, lifecycle.Cancel(), 1_001.0)
+    assert isinstance(cancelling, JobRecord)
+    assert cancelling.state is CING
+    assert cancelling.end_time is None
+    refused = lifecycle.apply(cancelling, lifecycle.Cancel(), 1_002.0)
+    assert refused == lifecycle.Refusal(lifecycle.Refused.ALREADY_ENDED, CING)
+
+
+def test_a_result_after_a_cancel_is_discarded_and_the_cancel_error_kept() -> None:
+    cancelling = lifecycle.apply(queued(state=R, attempt=1), lifecycle.Cancel(reason="stop"), 1_001.0)
+    assert isinstance(cancelling, JobRecord)
+    done = lifecycle.apply(cancelling, lifecycle.Finish(attempt=1, state=S, outputs=(OUTPUT,)), 1_002.0)
+    assert isinstance(done, JobRecord)
+    assert (done.state, done.outputs, done.end_time) == (CED, (), 1_002.0)
+    assert done.error == cancelling.error
+
+
+def test_a_large_result_is_kept_by_reference_only() -> None:
+    running = queued(state=R, attempt=1, start_time=1_000.0)
+    from asyncinfer.jobs import BlobRef
+
+    ref = BlobRef(ref="results/job-1", size_bytes=10_000_000, sha256="0" * 64)
+    done = lifecycle.apply(running, lifecycle.Finish(attempt=1, state=S, outputs=(OUTPUT,), result_ref=ref), 1_003.0)
+    assert isinstance(done, JobRecord)
+    assert (done.outputs, done.result_ref, done.run_duration_s) == ((), ref, 3.0)
+
+
+def test_a_refunded_attempt_does_not_count() -> None:
+    running = queued(state=R, attempt=3, max_attempts=3)
+    back = lifecycle.apply(running, lifecycle.Requeue(attempt=3, error=job_errors.dropped_unrun(), refund=True), 1.0)
+    assert isinstance(back, JobRecord)
+    assert (back.state, back.attempt, back.max_attempts) == (Q, 3, 4)
+
+
+def test_the_last_attempt_is_dead_lettered_with_its_error_marked_final() -> None:
+    running = queued(state=R, attempt=3, max_attempts=3)
+    decision = lifecycle.after_failure(running, RETRIABLE, final_state=F, policy=POLICY, jitter=0.0)
+    assert decision == lifecycle.DeadLetterJob(state=F, last_error=RETRIABLE)
+    event = lifecycle.give_up_event(running, RETRIABLE, state=F)
+    assert event.error.message == "the model raised (gave up after 3 attempts)"
+    assert not event.error.retriable
+
+
+@pytest.mark.parametrize(
+    ("attempt", "jitter", "delay_s"), [(1, 0.0, 0.5), (1, 0.999, 0.9995), (3, 0.0, 2.0), (9, 1.0, 30.0)]
+)
+def test_retry_delays_double_with_equal_jitter_up_to_the_cap(attempt: int, jitter: float, delay_s: float) -> None:
+    assert POLICY.delay_s(attempt, jitter) == pytest.approx(delay_s)
+
+
+def test_retry_delays_stay_within_half_and_whole_step() -> None:
+    rng = random.Random(7)
+    for attempt in range(1, 12):
+        step = min(2.0 ** (attempt - 1), POLICY.backoff_max_s)
+        for _ in range(50):
+            assert step / 2 <= POLICY.delay_s(attempt, rng.random()) <= step
+
+
+def test_decider_maps_refusals_to_no_write() -> None:
+    decide = lifecycle.decider(lifecycle.Finish(attempt=5, state=S), 1.0)
+    assert decide(queued(state=R, attempt=1)) is None
+    assert decide(queued(state=R, attempt=5)) is not None
