@@ -93,6 +93,10 @@ class _Pending:
     message: job_service_pb2.SubmitJobsRequest
 
 
+# The most IDs one GetJobs call may carry (the gateway's limit).
+GET_JOBS_MAX_IDS = 1000
+
+
 class AsyncClient:
     """An asyncio client for one gateway.
 
@@ -235,6 +239,36 @@ class AsyncClient:
             return await self._stub.GetJob(message, timeout=remaining, metadata=self._metadata)
 
         return job_from_proto((await self._call(invoke, self._deadline(timeout_s))).job)
+
+    async def get_jobs(
+        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
+    ) -> dict[str, Job | AsyncInferClientError]:
+        """Many jobs as they stand now, in calls of up to 1,000 IDs (GetJobs): each job ID asked,
+        in order, mapped to its Job or to the error for it (NotFoundError, as `get` raises). An
+        answer that reached its size limit is asked for again, so every ID gets its job."""
+        deadline = self._deadline(timeout_s)
+        found: dict[str, Job | AsyncInferClientError] = {}
+        pending = list(dict.fromkeys(_job_id(job) for job in jobs))
+        while pending:
+            batch, pending = pending[:GET_JOBS_MAX_IDS], pending[GET_JOBS_MAX_IDS:]
+            message = job_service_pb2.GetJobsRequest(job_ids=batch)
+
+            async def invoke(
+                remaining: float | None, message: job_service_pb2.GetJobsRequest = message
+            ) -> job_service_pb2.GetJobsResponse:
+                return await self._stub.GetJobs(message, timeout=remaining, metadata=self._metadata)
+
+            again: list[str] = []
+            for result in (await self._call(invoke, deadline)).results:
+                if result.HasField("job"):
+                    found[result.job_id] = job_from_proto(result.job)
+                elif result.error.reason == "ANSWER_FULL":
+                    again.append(result.job_id)
+                else:
+                    error = error_from_proto(result.error)
+                    found[result.job_id] = make_error(error.code, error.message, reason=error.reason)
+            pending = again + pending
+        return found
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         """The models the gateway accepts jobs for, with their signatures and job defaults."""

@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from asyncinfer.client._async import AsyncClient, JobLike
 from asyncinfer.client._retry import RetryPolicy
+from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.client.types import (
     BlobRef,
     BulkResult,
@@ -174,6 +175,11 @@ class Client:
 
     def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         return self._run(self._client.get(job, timeout_s=timeout_s))
+
+    def get_jobs(
+        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
+    ) -> dict[str, Job | AsyncInferClientError]:
+        return self._run(self._client.get_jobs(jobs, timeout_s=timeout_s))
 
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         return self._run(self._client.models(timeout_s=timeout_s))

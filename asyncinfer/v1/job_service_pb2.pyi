@@ -257,6 +257,83 @@ class GetJobResponse(_message.Message):
 Global___GetJobResponse: _TypeAlias = GetJobResponse  # noqa: Y015
 
 @_typing.final
+class GetJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """At most 1,000 IDs (more is INVALID_ARGUMENT); a repeated ID is answered each time."""
+
+    def __init__(
+        self,
+        *,
+        job_ids: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_ids", b"job_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobsRequest: _TypeAlias = GetJobsRequest  # noqa: Y015
+
+@_typing.final
+class GetJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___GetJobsResult]:
+        """One per requested ID, in the order asked."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___GetJobsResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobsResponse: _TypeAlias = GetJobsResponse  # noqa: Y015
+
+@_typing.final
+class GetJobsResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    @_builtins.property
+    def job(self) -> _job_pb2.Job:
+        """The job as GetJob returns it, less its callback deliveries (GetJob has those)."""
+
+    @_builtins.property
+    def error(self) -> _error_pb2.ErrorStatus:
+        """Why there is no job, when there is none: NOT_FOUND, or the distinct error of a job whose
+        result's retention passed.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        job: _job_pb2.Job | None = ...,
+        error: _error_pb2.ErrorStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetJobsResult: _TypeAlias = GetJobsResult  # noqa: Y015
+
+@_typing.final
 class WatchJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -51,6 +51,11 @@ class JobServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobResponse.FromString,
                 _registered_method=True)
+        self.GetJobs = channel.unary_unary(
+                '/asyncinfer.v1.JobService/GetJobs',
+                request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobsRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobsResponse.FromString,
+                _registered_method=True)
         self.WatchJob = channel.unary_stream(
                 '/asyncinfer.v1.JobService/WatchJob',
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobRequest.SerializeToString,
@@ -104,6 +109,14 @@ class JobServiceServicer:
 
     def GetJob(self, request, context):
         """The job record, with outputs inline when small.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetJobs(self, request, context):
+        """Many of the caller's jobs in one call: one answer per ID asked, in order. An ID that names no
+        job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -169,6 +182,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobResponse.SerializeToString,
+            ),
+            'GetJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetJobs,
+                    request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobsRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.GetJobsResponse.SerializeToString,
             ),
             'WatchJob': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchJob,
@@ -284,6 +302,33 @@ class JobService:
             '/asyncinfer.v1.JobService/GetJob',
             asyncinfer_dot_v1_dot_job__service__pb2.GetJobRequest.SerializeToString,
             asyncinfer_dot_v1_dot_job__service__pb2.GetJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.JobService/GetJobs',
+            asyncinfer_dot_v1_dot_job__service__pb2.GetJobsRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_job__service__pb2.GetJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

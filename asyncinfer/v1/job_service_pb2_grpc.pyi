@@ -41,6 +41,10 @@ class JobServiceStub:
     """Bulk submission: one answer per request, in order."""
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     """The job record, with outputs inline when small."""
+    GetJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobsRequest, _job_service_pb2.GetJobsResponse]
+    """Many of the caller's jobs in one call: one answer per ID asked, in order. An ID that names no
+    job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
+    """
     WatchJob: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]
     """The current record first, then every change, until a terminal state."""
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
@@ -69,6 +73,10 @@ class JobServiceAsyncStub(JobServiceStub):
     """Bulk submission: one answer per request, in order."""
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     """The job record, with outputs inline when small."""
+    GetJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobsRequest, _job_service_pb2.GetJobsResponse]  # type: ignore[assignment]
+    """Many of the caller's jobs in one call: one answer per ID asked, in order. An ID that names no
+    job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
+    """
     WatchJob: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]  # type: ignore[assignment]
     """The current record first, then every change, until a terminal state."""
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
@@ -112,6 +120,16 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.GetJobResponse, _abc.Awaitable[_job_service_pb2.GetJobResponse]]:
         """The job record, with outputs inline when small."""
+
+    @_abc_1.abstractmethod
+    def GetJobs(
+        self,
+        request: _job_service_pb2.GetJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.GetJobsResponse, _abc.Awaitable[_job_service_pb2.GetJobsResponse]]:
+        """Many of the caller's jobs in one call: one answer per ID asked, in order. An ID that names no
+        job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
+        """
 
     @_abc_1.abstractmethod
     def WatchJob(

@@ -3,6 +3,7 @@ Errors are raised as asyncinfer errors; the server's interceptor turns them into
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +14,7 @@ import structlog
 from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError, Unimplemented
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unimplemented
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
@@ -21,7 +22,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
 from services.gateway.blobs import ClaimCheck
-from services.gateway.bulk import submit_stream
+from services.gateway.bulk import error_status, submit_stream
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
@@ -47,6 +48,9 @@ def resolve_tenant(context: Context, authenticator: Authenticator) -> str:
 # Watch messages kept for sharing between the watchers of one change: enough for every job changing
 # within the moment it takes to fan one change out.
 WATCH_RESPONSES_CACHED = 1024
+# The most job IDs one GetJobs call may ask for: bounds the answer (a page of records with their
+# inline outputs) like ListJobs' pages.
+MAX_IDS_PER_READ = 1000
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -98,6 +102,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def _read(self, context: Context, job_id: str) -> JobRecord:
         """The caller's job as it stands now (EXPIRED if its queue deadline passed)."""
         tenant = resolve_tenant(context, self._authenticator)  # first: a caller without a key learns nothing
+        return await self._record(tenant, job_id)
+
+    async def _record(self, tenant: str, job_id: str) -> JobRecord:
         # Anything but a canonical job ID cannot name a job (and must not reach the KV as a key).
         if not is_job_id(job_id):
             raise job_not_found(job_id)
@@ -138,6 +145,45 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if self._callback_deliveries is not None:
             job.callback_deliveries.extend(await self._callback_deliveries.for_job(record))
         return job_service_pb2.GetJobResponse(job=job)
+
+    async def GetJobs(
+        self, request: job_service_pb2.GetJobsRequest, context: Context
+    ) -> job_service_pb2.GetJobsResponse:
+        """The reads go out together (one NATS round trip for the lot, not one per job); an ID
+        asked twice is read once. The answer stays within the gRPC message limit a client has by
+        default: once it is full, the remaining IDs are answered ANSWER_FULL (retriable: ask for
+        them again); the first job always fits."""
+        tenant = resolve_tenant(context, self._authenticator)
+        asked = list(request.job_ids)
+        if len(asked) > MAX_IDS_PER_READ:
+            raise InvalidArgument(
+                f"at most {MAX_IDS_PER_READ} job IDs per GetJobs call; this one has {len(asked)}",
+                [FieldViolation("job_ids", f"{len(asked)} IDs; at most {MAX_IDS_PER_READ}")],
+            )
+        unique = list(dict.fromkeys(asked))
+        found = dict(zip(unique, await asyncio.gather(*(self._job_or_error(tenant, i) for i in unique)), strict=True))
+        response = job_service_pb2.GetJobsResponse()
+        budget = self._config.gateway.max_request_bytes
+        for job_id in asked:
+            answer = found[job_id]
+            result = job_service_pb2.GetJobsResult(job_id=job_id)
+            if isinstance(answer, AsyncInferError):
+                result.error.CopyFrom(error_status(answer))
+            else:
+                size = answer.ByteSize()
+                if response.results and size > budget:
+                    result.error.CopyFrom(error_status(_answer_full(job_id)))
+                else:
+                    result.job.CopyFrom(answer)
+                    budget -= size
+            response.results.append(result)
+        return response
+
+    async def _job_or_error(self, tenant: str, job_id: str) -> job_pb2.Job | AsyncInferError:
+        try:
+            return self._job(await self._record(tenant, job_id))
+        except AsyncInferError as error:
+            return error
 
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
@@ -225,3 +271,12 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         async with contextlib.aclosing(self._claim_check.read_result(record)) as chunks:
             async for message in chunks:
                 yield message
+
+
+def _answer_full(job_id: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"the GetJobs answer reached its size limit before job {job_id}; ask for it again",
+        retry_after_s=0.0,
+        reason="ANSWER_FULL",
+        metadata={"job_id": job_id},
+    )
