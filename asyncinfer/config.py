@@ -184,6 +184,11 @@ class BatcherConfig(_Section):
     reconnect_delay_s: float = Field(
         1.0, gt=0, description="Longest wait between reconnects to the scheduler (they start at 0.1 s and double)."
     )
+    work_batches: bool = Field(
+        True,
+        description="Several work orders and results per message on the scheduler's work stream, when the scheduler "
+        "takes them (false: one per message).",
+    )
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default).")
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
 

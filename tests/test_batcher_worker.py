@@ -33,6 +33,8 @@ class Connection:
     outbox: asyncio.Queue[worker_service_pb2.ConnectResponse | str | None] = field(default_factory=asyncio.Queue)
     credits: dict[str, int] = field(default_factory=dict)
     results: dict[tuple[str, int], worker_service_pb2.WorkResult] = field(default_factory=dict)
+    answers: int = 0  # results received, counting repeats
+    update_sizes: list[int] = field(default_factory=list)  # results per WorkUpdates message
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def send(self, message: worker_service_pb2.ConnectResponse) -> None:
@@ -54,7 +56,8 @@ class Connection:
 
 
 class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, *, takes_batches: bool = False) -> None:
+        self.takes_batches = takes_batches
         self.connections: list[Connection] = []
         self.connected = asyncio.Condition()
         self.server: grpc.aio.Server | None = None
@@ -75,7 +78,8 @@ class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
             self.connected.notify_all()
         reader = asyncio.create_task(self._read(request_iterator, connection))
         try:
-            yield worker_service_pb2.ConnectResponse(welcome=worker_service_pb2.WorkerWelcome(scheduler_id="fake"))
+            welcome = worker_service_pb2.WorkerWelcome(scheduler_id="fake", takes_batches=self.takes_batches)
+            yield worker_service_pb2.ConnectResponse(welcome=welcome)
             while (message := await connection.outbox.get()) is not None:
                 if message == ABORT:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler going away")
@@ -96,13 +100,25 @@ class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
                     connection.credits[name] = connection.credits.get(name, 0) + request.credit.credits
                 elif kind == "result":
                     connection.results[(request.result.job_id, request.result.attempt)] = request.result
+                    connection.answers += 1
+                elif kind == "updates":
+                    assert self.takes_batches, "WorkUpdates sent to a scheduler that did not take them"
+                    connection.update_sizes.append(len(request.updates.results))
+                    for result in request.updates.results:
+                        connection.results[(result.job_id, result.attempt)] = result
+                        connection.answers += 1
+                    for grant in request.updates.credits:
+                        connection.credits[grant.model_name] = (
+                            connection.credits.get(grant.model_name, 0) + grant.credits
+                        )
                 connection.changed.notify_all()
         connection.close()  # the batcher half-closed: end the stream, as a scheduler does
 
 
 @pytest.fixture
-async def scheduler() -> AsyncIterator[tuple[FakeScheduler, int]]:
-    fake = FakeScheduler()
+async def scheduler(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeScheduler, int]]:
+    """A fake scheduler; parametrized indirectly with True, one whose welcome takes batches."""
+    fake = FakeScheduler(takes_batches=getattr(request, "param", False))
     server = grpc.aio.server()
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -224,6 +240,39 @@ async def test_a_work_order_returns_its_result(scheduler: tuple[FakeScheduler, i
         assert result.compute_duration.ToNanoseconds() > 0
     # Each finished item earned its credit back.
     await connection.wait_for(lambda: connection.credits["demo"] == max_queue_size + 3)
+
+
+@pytest.mark.parametrize("scheduler", [True], indirect=True)
+async def test_orders_in_one_message_are_answered_once_each_in_batches(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    assert connection.hello.takes_batches
+    max_queue_size = app.config.models[0].max_queue_size
+    await connection.wait_for(lambda: connection.credits.get("demo") == max_queue_size)
+    await hold_patient_busy(connection, app)
+    xs = {f"job-{i}": np.full((1, 4), float(i), dtype=np.float32) for i in range(8)}
+    batch = worker_service_pb2.WorkOrders()
+    for job_id, x in xs.items():
+        batch.orders.append(order(job_id, x).order)
+    # Queued behind the blocker on the one-batch-at-a-time model, then cancelled in the same message.
+    batch.orders.append(order("cancelled", np.zeros((1, 4), dtype=np.float32), model="patient").order)
+    batch.cancels.add(job_id="cancelled", attempt=1)
+    connection.send(worker_service_pb2.ConnectResponse(orders=batch))
+    for job_id, x in xs.items():
+        result = await connection.result(job_id)
+        (y,) = decode_tensors(result.outputs, "outputs")
+        np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
+    dropped = await connection.result("cancelled")
+    assert dropped.dropped
+    GATE.set()
+    assert not (await connection.result("blocker")).HasField("error")
+    assert connection.answers == len(xs) + 2, "every order answered exactly once"
+    assert connection.update_sizes, "results went in WorkUpdates messages"
+    # The eight demo items ran as one batch and their results were ready together.
+    assert max(connection.update_sizes) > 1
+    await connection.wait_for(lambda: connection.credits["demo"] == max_queue_size + len(xs))
 
 
 async def test_an_invalid_order_fails_without_retry(scheduler: tuple[FakeScheduler, int], app: BatcherApp) -> None:

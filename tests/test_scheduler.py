@@ -153,13 +153,17 @@ class FakeBatcher:
         # No request iterator: the test writes each request with call.write().
         self._call = self._stub.Connect()  # type: ignore[call-arg]
         self.orders: asyncio.Queue[worker_service_pb2.WorkOrder] = asyncio.Queue()
+        self.order_messages: list[worker_service_pb2.WorkOrders] = []  # batches received (takes_batches)
         self.welcome: asyncio.Future[worker_service_pb2.WorkerWelcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
 
-    async def connect(self, max_batch_size: int = 8) -> worker_service_pb2.WorkerWelcome:
+    async def connect(
+        self, max_batch_size: int = 8, *, takes_batches: bool = False
+    ) -> worker_service_pb2.WorkerWelcome:
         hello = worker_service_pb2.WorkerHello(
             batcher_id=self.batcher_id,
             models=[worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=max_batch_size)],
+            takes_batches=takes_batches,
         )
         await self._call.write(worker_service_pb2.ConnectRequest(hello=hello))
         self._reader = asyncio.create_task(self._read())
@@ -172,6 +176,10 @@ class FakeBatcher:
                 self.welcome.set_result(response.welcome)
             elif kind == "order":
                 self.orders.put_nowait(response.order)
+            elif kind == "orders":
+                self.order_messages.append(response.orders)
+                for order in response.orders.orders:
+                    self.orders.put_nowait(order)
 
     async def grant(self, credits: int = 1, *, model_name: str = MODEL) -> None:
         credit = worker_service_pb2.CreditGrant(model_name=model_name, credits=credits)
@@ -192,6 +200,21 @@ class FakeBatcher:
         )
         result.compute_duration.FromMilliseconds(5)
         await self._call.write(worker_service_pb2.ConnectRequest(result=result))
+
+    async def answer_together(self, orders: list[worker_service_pb2.WorkOrder], credits: int) -> None:
+        """y = 2x for every order, in one WorkUpdates message with `credits` more credits."""
+        updates = worker_service_pb2.WorkUpdates()
+        for order in orders:
+            (x,) = decode_tensors(order.inputs)
+            y = Tensor.from_numpy("y", np.asarray(x.to_numpy(), dtype=np.float32) * 2)
+            updates.results.add(
+                job_id=order.job_id,
+                attempt=order.attempt,
+                outputs=[to_output_proto(y, raw=True)],
+                batch_size=len(orders),
+            )
+        updates.credits.add(model_name=MODEL, credits=credits)
+        await self._call.write(worker_service_pb2.ConnectRequest(updates=updates))
 
     async def fail(self, order: worker_service_pb2.WorkOrder, error: error_pb2.ErrorStatus) -> None:
         result = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, error=error)
@@ -294,6 +317,42 @@ async def test_nothing_is_dispatched_without_a_credit(
     await batcher.grant(1)
     order = await batcher.next_order()
     assert order.job_id == job_id
+
+
+async def test_a_batcher_that_takes_batches_gets_orders_together_and_answers_together(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config
+) -> None:
+    """Orders travel in WorkOrders messages; results and the credits they free come back in one
+    WorkUpdates, and every job still ends once."""
+    batcher = FakeBatcher(app.port, "batching")
+    try:
+        welcome = await batcher.connect(takes_batches=True)
+        assert welcome.takes_batches
+        job_ids = [await enqueue(js, kv, value=float(i)) for i in range(6)]
+        await batcher.grant(6)
+        orders = [await batcher.next_order() for _ in job_ids]
+        assert sorted(o.job_id for o in orders) == sorted(job_ids)
+        assert batcher.order_messages, "a batching batcher gets WorkOrders messages"
+        # Every order came in a WorkOrders message (how many share one depends on what was ready
+        # while the last write was in flight: the bench measures that, not this test).
+        assert sum(len(m.orders) for m in batcher.order_messages) == 6
+        await batcher.answer_together(orders, credits=6)
+        for order in orders:
+            done = await wait_state(kv, order.job_id, JobState.SUCCEEDED)
+            (value,) = {v for row in done.outputs[0].to_numpy().tolist() for v in row}
+            assert value == 2 * float(job_ids.index(order.job_id))
+            assert done.batch is not None
+            assert done.batch.batch_size == 6
+
+        async def acked() -> bool:
+            return await work_messages(js, config) == 0
+
+        await until(acked)
+        # The credits rode on the results: the next job is dispatched without a separate grant.
+        later = await enqueue(js, kv)
+        assert (await batcher.next_order()).job_id == later
+    finally:
+        await batcher.close()
 
 
 async def test_job_runs_to_succeeded_and_its_message_is_acked(

@@ -32,6 +32,7 @@ class ConnectRequest(_message.Message):
     HELLO_FIELD_NUMBER: _builtins.int
     CREDIT_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
+    UPDATES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___WorkerHello:
         """First message: who the batcher is and what it serves."""
@@ -44,18 +45,23 @@ class ConnectRequest(_message.Message):
     def result(self) -> Global___WorkResult:
         """The outcome of one work order."""
 
+    @_builtins.property
+    def updates(self) -> Global___WorkUpdates:
+        """Several results and credit grants (only to a scheduler whose welcome takes batches)."""
+
     def __init__(
         self,
         *,
         hello: Global___WorkerHello | None = ...,
         credit: Global___CreditGrant | None = ...,
         result: Global___WorkResult | None = ...,
+        updates: Global___WorkUpdates | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result", "updates"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
@@ -70,6 +76,7 @@ class ConnectResponse(_message.Message):
     WELCOME_FIELD_NUMBER: _builtins.int
     ORDER_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    ORDERS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___WorkerWelcome:
         """Answer to hello."""
@@ -82,18 +89,23 @@ class ConnectResponse(_message.Message):
     def cancel(self) -> Global___CancelOrder:
         """Drop this job if it has not started."""
 
+    @_builtins.property
+    def orders(self) -> Global___WorkOrders:
+        """Several work orders and cancels (only to a batcher whose hello takes batches)."""
+
     def __init__(
         self,
         *,
         welcome: Global___WorkerWelcome | None = ...,
         order: Global___WorkOrder | None = ...,
         cancel: Global___CancelOrder | None = ...,
+        orders: Global___WorkOrders | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "order", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "order", "cancel", "orders"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
@@ -105,8 +117,11 @@ class WorkerHello(_message.Message):
 
     BATCHER_ID_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    TAKES_BATCHES_FIELD_NUMBER: _builtins.int
     batcher_id: _builtins.str
     """Unique per batcher process."""
+    takes_batches: _builtins.bool
+    """The batcher reads WorkOrders messages."""
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
     def __init__(
@@ -114,10 +129,11 @@ class WorkerHello(_message.Message):
         *,
         batcher_id: _builtins.str = ...,
         models: _abc.Iterable[Global___ServedModel] | None = ...,
+        takes_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "models", b"models", "takes_batches", b"takes_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -154,19 +170,75 @@ class WorkerWelcome(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SCHEDULER_ID_FIELD_NUMBER: _builtins.int
+    TAKES_BATCHES_FIELD_NUMBER: _builtins.int
     scheduler_id: _builtins.str
+    takes_batches: _builtins.bool
+    """The scheduler reads WorkUpdates messages."""
     def __init__(
         self,
         *,
         scheduler_id: _builtins.str = ...,
+        takes_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["scheduler_id", b"scheduler_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scheduler_id", b"scheduler_id", "takes_batches", b"takes_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerWelcome: _TypeAlias = WorkerWelcome  # noqa: Y015
+
+@_typing.final
+class WorkOrders(_message.Message):
+    """Orders first, then cancels: a cancel in the same message as its order finds the order there."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ORDERS_FIELD_NUMBER: _builtins.int
+    CANCELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def orders(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkOrder]: ...
+    @_builtins.property
+    def cancels(self) -> _containers.RepeatedCompositeFieldContainer[Global___CancelOrder]: ...
+    def __init__(
+        self,
+        *,
+        orders: _abc.Iterable[Global___WorkOrder] | None = ...,
+        cancels: _abc.Iterable[Global___CancelOrder] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "orders", b"orders"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkOrders: _TypeAlias = WorkOrders  # noqa: Y015
+
+@_typing.final
+class WorkUpdates(_message.Message):
+    """Results first, then credits."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    CREDITS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkResult]: ...
+    @_builtins.property
+    def credits(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreditGrant]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___WorkResult] | None = ...,
+        credits: _abc.Iterable[Global___CreditGrant] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkUpdates: _TypeAlias = WorkUpdates  # noqa: Y015
 
 @_typing.final
 class CreditGrant(_message.Message):

@@ -30,6 +30,12 @@ class WorkerServiceStub:
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     def __init__(self, channel):
@@ -50,6 +56,12 @@ class WorkerServiceServicer:
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     def Connect(self, request_iterator, context):
@@ -79,6 +91,12 @@ class WorkerService:
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     @staticmethod

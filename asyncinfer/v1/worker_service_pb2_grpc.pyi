@@ -31,6 +31,12 @@ class WorkerServiceStub:
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     @_typing.overload
@@ -45,6 +51,12 @@ class WorkerServiceAsyncStub(WorkerServiceStub):
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -55,6 +67,12 @@ class WorkerServiceServicer(metaclass=_abc_1.ABCMeta):
     with the models it serves, then grants credits (free slots); the scheduler sends work orders
     only against credits, and the batcher answers each order with exactly one result. When the
     stream breaks, the scheduler returns that batcher's in-flight jobs to the queue at once.
+
+    Work moves a batch at a time: when both sides say so (hello.takes_batches,
+    welcome.takes_batches), whatever is ready to go when a side writes goes in one message —
+    WorkOrders one way, WorkUpdates (results with the credits they free) the other. A lone order or
+    result still goes at once; nothing waits to fill a batch. A side that did not say so gets one
+    order, result or credit per message, as before.
     """
 
     @_abc_1.abstractmethod

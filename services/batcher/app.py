@@ -89,6 +89,7 @@ class BatcherApp:
                 batcher_id=self.batcher_id,
                 engine=self.engine,
                 reconnect_delay_s=batcher.reconnect_delay_s,
+                work_batches=batcher.work_batches,
             )
             await self._worker.start()
         log.info(

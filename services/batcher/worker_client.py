@@ -19,7 +19,6 @@ from typing import Any
 
 import grpc
 import structlog
-from google.protobuf import duration_pb2
 
 from asyncinfer.errors import (
     AsyncInferError,
@@ -60,6 +59,8 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
     )
 
 
+# A WorkUpdates message being filled is closed once its outputs pass about this many bytes.
+UPDATES_MESSAGE_BYTES = 4 * 1024 * 1024
 FIRST_RECONNECT_DELAY_S = 0.1
 STABLE_SESSION_S = 5.0
 
@@ -67,8 +68,17 @@ STABLE_SESSION_S = 5.0
 class WorkerClient:
     """Keeps one work stream to the scheduler open, reconnecting after failures."""
 
-    def __init__(self, *, address: str, batcher_id: str, engine: BatchingEngine, reconnect_delay_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        address: str,
+        batcher_id: str,
+        engine: BatchingEngine,
+        reconnect_delay_s: float,
+        work_batches: bool = True,
+    ) -> None:
         self._address = address
+        self._work_batches = work_batches
         self._batcher_id = batcher_id
         self._engine = engine
         self._reconnect_delay_s = reconnect_delay_s
@@ -111,7 +121,7 @@ class WorkerClient:
                 options = [("grpc.max_receive_message_length", -1)]
                 async with grpc.aio.insecure_channel(self._address, options=options) as channel:
                     stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-                    self._session = _WorkSession(stub, self._batcher_id, self._engine)
+                    self._session = _WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
                     await self._session.run()
                 log.warning("scheduler closed the work stream", scheduler=self._address)
             except grpc.aio.AioRpcError as error:
@@ -133,9 +143,15 @@ class _WorkSession:
     """One connection: its outbox, credit accounting and orders."""
 
     def __init__(
-        self, stub: worker_service_pb2_grpc.WorkerServiceAsyncStub, batcher_id: str, engine: BatchingEngine
+        self,
+        stub: worker_service_pb2_grpc.WorkerServiceAsyncStub,
+        batcher_id: str,
+        engine: BatchingEngine,
+        *,
+        work_batches: bool,
     ) -> None:
         self._stub = stub
+        self._work_batches = work_batches
         self._batcher_id = batcher_id
         self._engine = engine
         # None ends the request stream (a half-close).
@@ -146,6 +162,12 @@ class _WorkSession:
         self._open = True
         self._granting = True
         self._ended = asyncio.Event()
+        # Once the scheduler's welcome says it takes batches, results and credits are added to
+        # the WorkUpdates message being filled, which is in the outbox already: whatever is
+        # ready when the writer gets to it goes together, and a lone result goes at once.
+        self._batches = False
+        self._filling: worker_service_pb2.ConnectRequest | None = None
+        self._filling_bytes = 0
 
     def stop_granting(self) -> None:
         self._granting = False
@@ -188,8 +210,19 @@ class _WorkSession:
     async def _write(self, call: Any) -> None:
         """Sends the outbox in order; None half-closes the stream."""
         while (message := await self._outbox.get()) is not None:
+            if message is self._filling:
+                self._filling = None  # closed: what comes next goes in a new one
             await call.write(message)
         await call.done_writing()
+
+    def _updates(self) -> worker_service_pb2.WorkUpdates:
+        """The WorkUpdates message being filled (a new one, queued, when none is open or the open
+        one is full)."""
+        if self._filling is None or self._filling_bytes > UPDATES_MESSAGE_BYTES:
+            self._filling = worker_service_pb2.ConnectRequest(updates=worker_service_pb2.WorkUpdates())
+            self._filling_bytes = 0
+            self._outbox.put_nowait(self._filling)
+        return self._filling.updates
 
     def _hello(self) -> worker_service_pb2.WorkerHello:
         models = []
@@ -200,7 +233,9 @@ class _WorkSession:
                     model_name=name, model_version=config.version, max_batch_size=config.max_batch_size
                 )
             )
-        return worker_service_pb2.WorkerHello(batcher_id=self._batcher_id, models=models)
+        return worker_service_pb2.WorkerHello(
+            batcher_id=self._batcher_id, models=models, takes_batches=self._work_batches
+        )
 
     def _send(self, message: worker_service_pb2.ConnectRequest) -> None:
         if self._open:
@@ -208,12 +243,18 @@ class _WorkSession:
 
     def _handle(self, response: worker_service_pb2.ConnectResponse) -> None:
         kind = response.WhichOneof("message")
-        if kind == "order":
+        if kind == "orders":
+            for order in response.orders.orders:
+                self._accept(order)
+            for cancel in response.orders.cancels:
+                self._cancel(cancel)
+        elif kind == "order":
             self._accept(response.order)
         elif kind == "cancel":
             self._cancel(response.cancel)
         elif kind == "welcome":
-            log.info("connected to scheduler", scheduler_id=response.welcome.scheduler_id)
+            self._batches = self._work_batches and response.welcome.takes_batches
+            log.info("connected to scheduler", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
 
     def _top_up(self, model_name: str) -> None:
         """Grants credits up to the model's free slots, counting credits not yet used."""
@@ -222,6 +263,9 @@ class _WorkSession:
         wanted = self._engine.free_slots(model_name) - self._unused_credits[model_name]
         if wanted > 0:
             self._unused_credits[model_name] += wanted
+            if self._batches:
+                self._updates().credits.add(model_name=model_name, credits=wanted)
+                return
             grant = worker_service_pb2.CreditGrant(model_name=model_name, credits=wanted)
             self._send(worker_service_pb2.ConnectRequest(credit=grant))
 
@@ -309,21 +353,27 @@ class _WorkSession:
         error: AsyncInferError | None = None,
         dropped: bool = False,
     ) -> None:
-        result = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=dropped)
+        if not self._open:
+            return
+        request: worker_service_pb2.ConnectRequest | None = None
+        if self._batches:
+            result = self._updates().results.add()
+        else:
+            request = worker_service_pb2.ConnectRequest()
+            result = request.result
+        result.job_id = order.job_id
+        result.attempt = order.attempt
+        result.dropped = dropped
         if error is not None:
             result.error.CopyFrom(error_status(error))
         if outcome is not None:
             result.outputs.extend(to_output_proto(t, raw=True) for t in outcome.outputs)
             result.batch_size = outcome.batch_items
-            result.compute_duration.CopyFrom(_duration(outcome.compute_s))
-        self._send(worker_service_pb2.ConnectRequest(result=result))
+            result.compute_duration.FromNanoseconds(round(outcome.compute_s * 1e9))
+            self._filling_bytes += sum(t.nbytes for t in outcome.outputs)
+        if request is not None:
+            self._send(request)
 
 
 def _is_shutdown(error: AsyncInferError) -> bool:
     return isinstance(error, Unavailable) and error.reason == SHUTDOWN_REASON
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    duration = duration_pb2.Duration()
-    duration.FromNanoseconds(round(seconds * 1e9))
-    return duration

@@ -22,6 +22,7 @@ class BatcherSession:
 
     def __init__(self, hello: WorkerHello) -> None:
         self.batcher_id = hello.batcher_id
+        self.takes_batches = hello.takes_batches
         # A batcher that reconnects keeps its ID but gets a new session.
         self.session_number = next(_session_numbers)
         self.models: dict[str, ServedModel] = {m.model_name: m for m in hello.models}

@@ -21,6 +21,7 @@ class ServedModel:
 class WorkerHello:
     batcher_id: str
     models: tuple[ServedModel, ...]
+    takes_batches: bool = False  # reads several orders per message
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
-from google.protobuf import duration_pb2, timestamp_pb2
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import JobError, Priority
@@ -25,6 +24,9 @@ from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.messages import CancelOrder, CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
 
+# Orders gathered into one WorkOrders message stop at about this many bytes of inputs (a message
+# always holds at least one order); the rest go in the next one.
+ORDERS_MESSAGE_BYTES = 4 * 1024 * 1024
 # Results of one batcher stored at once (each holds one decoded result in memory meanwhile).
 RESULTS_STORED_AT_ONCE = 128
 
@@ -57,6 +59,7 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
             ServedModel(model_name=m.model_name, model_version=m.model_version, max_batch_size=m.max_batch_size)
             for m in message.models
         ),
+        takes_batches=message.takes_batches,
     )
 
 
@@ -100,26 +103,51 @@ def result_from_proto(message: worker_service_pb2.WorkResult) -> WorkResult:
 
 
 def order_to_proto(order: WorkOrder) -> worker_service_pb2.WorkOrder:
-    message = worker_service_pb2.WorkOrder(
-        job_id=order.job_id,
-        attempt=order.attempt,
-        model_name=order.model_name,
-        model_version=order.model_version,
-        priority=PRIORITY_TO_PROTO[order.priority],
-        inputs=[to_input_proto(t) for t in order.inputs],
-        tenant=order.tenant,
-    )
+    message = worker_service_pb2.WorkOrder()
+    fill_order(message, order)
+    return message
+
+
+def fill_order(message: worker_service_pb2.WorkOrder, order: WorkOrder) -> None:
+    """Fills an empty message in place (so an order added to a WorkOrders is not copied)."""
+    message.job_id = order.job_id
+    message.attempt = order.attempt
+    message.model_name = order.model_name
+    message.model_version = order.model_version
+    message.priority = PRIORITY_TO_PROTO[order.priority]
+    message.inputs.extend(to_input_proto(t) for t in order.inputs)
+    message.tenant = order.tenant
     if order.input_ref is not None:
         message.input_ref = order.input_ref.ref
     if order.deadline is not None:
-        deadline = timestamp_pb2.Timestamp()
-        deadline.FromNanoseconds(round(order.deadline * 1e9))
-        message.deadline.CopyFrom(deadline)
+        message.deadline.FromNanoseconds(round(order.deadline * 1e9))
     if order.execution_timeout_s is not None:
-        timeout = duration_pb2.Duration()
-        timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
-        message.execution_timeout.CopyFrom(timeout)
-    return message
+        message.execution_timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
+
+
+# --- batches of outbound messages -----------------------------------------------------------------
+
+
+def _single(message: WorkOrder | CancelOrder) -> worker_service_pb2.ConnectResponse:
+    if isinstance(message, CancelOrder):
+        cancel = worker_service_pb2.CancelOrder(job_id=message.job_id, attempt=message.attempt)
+        return worker_service_pb2.ConnectResponse(cancel=cancel)
+    return worker_service_pb2.ConnectResponse(order=order_to_proto(message))
+
+
+def _add_to_batch(batch: worker_service_pb2.WorkOrders, message: WorkOrder | CancelOrder | None) -> bool:
+    """Adds one outbound message; True when it was the end of the stream."""
+    if message is None:
+        return True
+    if isinstance(message, CancelOrder):
+        batch.cancels.add(job_id=message.job_id, attempt=message.attempt)
+    else:
+        fill_order(batch.orders.add(), message)
+    return False
+
+
+def _order_bytes(message: WorkOrder | CancelOrder | None) -> int:
+    return sum(t.nbytes for t in message.inputs) if isinstance(message, WorkOrder) else 0
 
 
 # --- the servicer -------------------------------------------------------------------------------
@@ -147,14 +175,27 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
         reader = asyncio.create_task(self._read(session, requests), name=f"worker-reader-{session.batcher_id}")
         try:
             yield worker_service_pb2.ConnectResponse(
-                welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id)
+                welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id, takes_batches=True)
             )
             while (message := await session.outbound.get()) is not None:
-                if isinstance(message, CancelOrder):
-                    cancel = worker_service_pb2.CancelOrder(job_id=message.job_id, attempt=message.attempt)
-                    yield worker_service_pb2.ConnectResponse(cancel=cancel)
-                else:
-                    yield worker_service_pb2.ConnectResponse(order=order_to_proto(message))
+                if not session.takes_batches:
+                    yield _single(message)
+                    continue
+                # Whatever else is ready now goes in the same message (gathered while the last
+                # write was in flight); nothing waits for more.
+                batch = worker_service_pb2.WorkOrders()
+                ended = _add_to_batch(batch, message)
+                budget_bytes = ORDERS_MESSAGE_BYTES - _order_bytes(message)
+                while not ended and budget_bytes > 0 and not session.outbound.empty():
+                    message = session.outbound.get_nowait()
+                    if message is None:
+                        ended = True
+                        break
+                    _add_to_batch(batch, message)
+                    budget_bytes -= _order_bytes(message)
+                yield worker_service_pb2.ConnectResponse(orders=batch)
+                if ended:
+                    break
         finally:
             self._batchers.unregister(session)
             self._flow.batcher_lost(session)
@@ -191,6 +232,15 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     task = asyncio.create_task(store(result_from_proto(request.result)))
                     storing.add(task)
                     task.add_done_callback(storing.discard)
+                elif kind == "updates":
+                    for result in request.updates.results:
+                        await slots.acquire()
+                        task = asyncio.create_task(store(result_from_proto(result)))
+                        storing.add(task)
+                        task.add_done_callback(storing.discard)
+                    for grant in request.updates.credits:
+                        credit = credit_from_proto(grant)
+                        self._batchers.grant(session, credit.model_name, credit.credits)
                 elif kind == "hello":
                     raise FailedPrecondition("hello was already received on this stream")
                 else:
