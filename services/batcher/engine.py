@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -56,9 +55,10 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, validate_inputs
+from asyncinfer.tensors import Tensor, validate_inputs
 from services.batcher.assemble import assemble, split
 from services.batcher.backends import ModelBackend
+from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics, ModelMetrics
 
@@ -109,7 +109,7 @@ class _ModelQueue:
             # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
             self._metrics.track_queue_depth(lambda: len(self._waiting))
         self._input_names = tuple(spec.name for spec in backend.signature.inputs)
-        self._fast_check = _FastCheck(backend.signature, config.max_batch_size)
+        self._fast_check = FastCheck(backend.signature, config.max_batch_size)
         self._on_item_done = on_item_done
         self._changed = asyncio.Event()
         self._slots = asyncio.Semaphore(config.max_inflight_batches)
@@ -427,46 +427,6 @@ class _Ran:
 
 def _succeeded(batch: Sequence[PendingItem], per_item: list[list[Tensor]], rows: int) -> list[_Ran]:
     return [_Ran(outputs=outputs, rows=rows, items=len(batch)) for outputs in per_item]
-
-
-class _FastCheck:
-    """True when numeric inputs match the signature exactly (names, datatypes, dimensions, data
-    sizes, one batch size within the limit): the common case, checked without building
-    violations. False sends the inputs to the full validation, which says what is wrong."""
-
-    def __init__(self, signature: ModelSignature, max_batch_size: int) -> None:
-        self._specs = {
-            spec.name: (spec.datatype, spec.shape, NUMPY_DTYPES[spec.datatype].itemsize)
-            for spec in signature.inputs
-            if spec.datatype != "BYTES"
-        }
-        self._numeric = len(self._specs) == len(signature.inputs)
-        self._max_rows = max_batch_size
-
-    def __call__(self, inputs: Sequence[Tensor]) -> bool:
-        if not self._numeric or len(inputs) != len(self._specs):
-            return False
-        rows = -1
-        names = set()
-        for tensor in inputs:
-            spec = self._specs.get(tensor.name)
-            if spec is None or tensor.name in names:
-                return False
-            names.add(tensor.name)
-            datatype, dims, itemsize = spec
-            shape = tensor.shape
-            if tensor.datatype != datatype or len(shape) != len(dims) or not shape:
-                return False
-            for got, want in zip(shape, dims, strict=True):
-                if got < 0 or (want != -1 and got != want):
-                    return False
-            if len(tensor.data) != math.prod(shape) * itemsize:
-                return False
-            if rows == -1:
-                rows = shape[0]
-            elif shape[0] != rows:
-                return False
-        return rows >= 1 and (self._max_rows <= 0 or rows <= self._max_rows)
 
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:
