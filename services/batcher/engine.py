@@ -18,11 +18,8 @@ Every item's future resolves on every path: a result, the model's error (for tha
 only), a deadline that passed before it ran (a timer fails it at once), cancellation by its caller
 (it is dropped before it runs), or shutdown.
 
-Poison isolation: when a batch of several items fails, its items are re-run in halves (a
-bisection, in the same worker thread), so only the items that make the model fail get its error
-and the rest of the batch succeeds. A batch with k bad items costs about 2k·log2(n) extra model
-calls; a model that fails every call costs 2n-1 calls per batch of n (it fails every item, as
-before, just later).
+When a batch fails, only the items that make the model fail get its error (poison isolation,
+see batch_compute.py).
 
 The hot path is kept lean because on a small machine the per-request work, not the model, limits
 throughput: no timer for items without a deadline, metric children looked up once and updated
@@ -37,10 +34,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 
@@ -56,8 +51,8 @@ from asyncinfer.errors import (
 )
 from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor, validate_inputs
-from services.batcher.assemble import assemble, split
 from services.batcher.backends import ModelBackend
+from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, BatchRunner, Computed, fail
 from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics, ModelMetrics
@@ -65,9 +60,6 @@ from services.batcher.metrics import BatcherMetrics, ModelMetrics
 __all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome", "PendingItem"]
 
 log = structlog.get_logger("asyncinfer.batcher.engine")
-
-SHUTTING_DOWN = "batcher shutting down"
-SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
 
 SlotListener = Callable[[str], None]
 
@@ -118,6 +110,7 @@ class _ModelQueue:
         self._executor: ThreadPoolExecutor | None = None
         self._delay_s = config.max_queue_delay_ms / 1000.0
         self._preferred = sorted(set(config.preferred_batch_sizes), reverse=True)
+        self._runner = BatchRunner(config, backend, self._shaper, self._metrics, self._free_slot)
 
     @property
     def depth(self) -> int:
@@ -189,6 +182,7 @@ class _ModelQueue:
 
     async def _form_batches(self) -> None:
         loop = asyncio.get_running_loop()
+        runner = self._runner
         while True:
             await self._slots.acquire()
             try:
@@ -201,12 +195,12 @@ class _ModelQueue:
             # The compute is handed to its thread here, in this step, not in the task's first
             # one: that would run only after every callback already queued (answers of the
             # batch that just finished, each a gRPC send), leaving the model idle meanwhile.
-            computing: asyncio.Future[tuple[list[_Ran], float, float]] = (
-                asyncio.ensure_future(self._compute_async(batch))
+            computing: asyncio.Future[Computed] = (
+                asyncio.ensure_future(runner.compute_async(batch))
                 if self.backend.runs_async
-                else loop.run_in_executor(self._executor, self._compute, batch)
+                else loop.run_in_executor(self._executor, runner.compute, batch)
             )
-            task = asyncio.create_task(self._run_batch(batch, computing, loop.time()), name=f"batch-{self.name}")
+            task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
             task.add_done_callback(self._batch_done)
 
@@ -277,129 +271,6 @@ class _ModelQueue:
                 return prefix, True
         return batch, False
 
-    # --- computing batches -----------------------------------------------------------------
-
-    async def _run_batch(
-        self,
-        batch: list[PendingItem],
-        computing: asyncio.Future[tuple[list[_Ran], float, float]],
-        started: float,
-    ) -> None:
-        try:
-            ran, compute_s, waste = await computing
-        except asyncio.CancelledError:
-            _fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
-            raise
-        except Exception as exc:  # assembling failed: not a fault of any one item
-            log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
-            _fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
-            return
-        finally:
-            # Before answering: the next batch is formed and handed to the model first.
-            task = asyncio.current_task()
-            if task is not None:
-                self._free_slot(task)
-        rows = sum(item.rows for item in batch)
-        failed = sum(1 for result in ran if result.error is not None)
-        if failed:
-            first = next(result.error for result in ran if result.error is not None)
-            log.warning(
-                "batch failed" if len(batch) == 1 else "batch failed; its items were re-run apart",
-                model=self.name,
-                items=len(batch),
-                failed_items=failed,
-                error=first.message if first is not None else "",
-            )
-        if self._metrics is not None:
-            self._metrics.observe_batch(
-                rows=rows,
-                max_rows=self.config.max_batch_size,
-                padding_waste=waste,
-                queue_wait_s=started - min(item.submitted_at for item in batch),
-                compute_s=compute_s,
-            )
-            ok = sum(
-                1 for item, result in zip(batch, ran, strict=True) if result.error is None and not item.future.done()
-            )
-            if ok:
-                self._metrics.count_items("ok", ok)
-        for item, result in zip(batch, ran, strict=True):
-            if item.future.done():
-                continue
-            if result.error is not None:
-                item.future.set_exception(result.error)
-            else:
-                item.future.set_result(
-                    InferOutcome(
-                        outputs=result.outputs or [],
-                        batch_size=result.rows,
-                        batch_items=result.items,
-                        compute_s=compute_s,
-                        queue_s=started - item.submitted_at,
-                    )
-                )
-
-    def _compute(self, batch: list[PendingItem]) -> tuple[list[_Ran], float, float]:
-        """Runs in a worker thread: assemble, run the model, split per item; on failure, the
-        items again in halves (poison isolation)."""
-        started = time.perf_counter()
-        signature = self.backend.signature
-        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-        try:
-            outputs = self.backend.infer_batch(assembled.arrays)
-            ran = _succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
-            error = self._model_error(exc, batch)
-            ran = self._isolate(batch, error)
-        return ran, time.perf_counter() - started, assembled.padding_waste
-
-    def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[_Ran]:
-        if len(batch) == 1:
-            return [_Ran(error=error)]
-        middle = len(batch) // 2
-        return [*self._compute_part(batch[:middle]), *self._compute_part(batch[middle:])]
-
-    def _compute_part(self, batch: list[PendingItem]) -> list[_Ran]:
-        signature = self.backend.signature
-        try:
-            assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-            outputs = self.backend.infer_batch(assembled.arrays)
-            return _succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
-            return self._isolate(batch, self._model_error(exc, batch))
-
-    async def _compute_async(self, batch: list[PendingItem]) -> tuple[list[_Ran], float, float]:
-        started = time.perf_counter()
-        signature = self.backend.signature
-        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-        try:
-            outputs = await self.backend.infer_batch_async(assembled.arrays)
-            ran = _succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
-            ran = await self._isolate_async(batch, self._model_error(exc, batch))
-        return ran, time.perf_counter() - started, assembled.padding_waste
-
-    async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError) -> list[_Ran]:
-        if len(batch) == 1:
-            return [_Ran(error=error)]
-        middle = len(batch) // 2
-        return [*await self._compute_part_async(batch[:middle]), *await self._compute_part_async(batch[middle:])]
-
-    async def _compute_part_async(self, batch: list[PendingItem]) -> list[_Ran]:
-        signature = self.backend.signature
-        try:
-            assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-            outputs = await self.backend.infer_batch_async(assembled.arrays)
-            return _succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
-            return await self._isolate_async(batch, self._model_error(exc, batch))
-
-    def _model_error(self, exc: Exception, batch: list[PendingItem]) -> AsyncInferError:
-        if isinstance(exc, AsyncInferError):
-            return exc
-        log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
-        return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")
-
     # --- stopping --------------------------------------------------------------------------
 
     async def stop_intake(self) -> None:
@@ -408,25 +279,11 @@ class _ModelQueue:
             self._former.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._former
-        _fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+        fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
         self._waiting.clear()
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
-
-
-@dataclass(slots=True)
-class _Ran:
-    """How one item of a batch came out: its outputs and the (sub-)batch it ran in, or an error."""
-
-    outputs: list[Tensor] | None = None
-    error: AsyncInferError | None = None
-    rows: int = 0
-    items: int = 0
-
-
-def _succeeded(batch: Sequence[PendingItem], per_item: list[list[Tensor]], rows: int) -> list[_Ran]:
-    return [_Ran(outputs=outputs, rows=rows, items=len(batch)) for outputs in per_item]
 
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:
@@ -436,12 +293,6 @@ def _sort_key(item: PendingItem) -> tuple[int, float, int]:
 def _expire(item: PendingItem) -> None:
     if not item.started and not item.future.done():
         item.future.set_exception(DeadlineExceeded("the item's deadline passed before it ran"))
-
-
-def _fail(items: Sequence[PendingItem], error: AsyncInferError) -> None:
-    for item in items:
-        if not item.future.done():
-            item.future.set_exception(error)
 
 
 class BatchingEngine:
