@@ -1,0 +1,196 @@
+"""Running one batch of a model: its compute (in a worker thread, or awaited for a remote
+backend), poison isolation, then each item's answer.
+
+Poison isolation: when a batch of several items fails, its items are re-run in halves (a
+bisection, in the same worker thread), so only the items that make the model fail get its error
+and the rest of the batch succeeds. A batch with k bad items costs about 2k·log2(n) extra model
+calls; a model that fails every call costs 2n-1 calls per batch of n (it fails every item, as
+before, just later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from asyncinfer.config import ModelConfig
+from asyncinfer.errors import AsyncInferError, ModelError, Unavailable
+from asyncinfer.tensors import Tensor
+from services.batcher.assemble import assemble, split
+from services.batcher.backends import ModelBackend
+from services.batcher.items import InferOutcome, ItemShaper, PendingItem
+from services.batcher.metrics import ModelMetrics
+
+# The engine's logger, as before the engine was split: its records keep their logger name.
+log = structlog.get_logger("asyncinfer.batcher.engine")
+
+SHUTTING_DOWN = "batcher shutting down"
+SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
+
+
+@dataclass(slots=True)
+class Ran:
+    """How one item of a batch came out: its outputs and the (sub-)batch it ran in, or an error."""
+
+    outputs: list[Tensor] | None = None
+    error: AsyncInferError | None = None
+    rows: int = 0
+    items: int = 0
+
+
+def succeeded(batch: Sequence[PendingItem], per_item: list[list[Tensor]], rows: int) -> list[Ran]:
+    return [Ran(outputs=outputs, rows=rows, items=len(batch)) for outputs in per_item]
+
+
+# Per item: its outcome; then the batch's compute seconds and padding waste.
+Computed = tuple[list[Ran], float, float]
+
+
+def fail(items: Sequence[PendingItem], error: AsyncInferError) -> None:
+    for item in items:
+        if not item.future.done():
+            item.future.set_exception(error)
+
+
+class BatchRunner:
+    """Computes and answers the batches of one model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: ModelBackend,
+        shaper: ItemShaper,
+        metrics: ModelMetrics | None,
+        free_slot: Callable[[asyncio.Task[None]], None],
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.name = config.name
+        self._shaper = shaper
+        self._metrics = metrics
+        self._free_slot = free_slot
+
+    async def run(
+        self,
+        batch: list[PendingItem],
+        computing: asyncio.Future[Computed],
+        started: float,
+    ) -> None:
+        try:
+            ran, compute_s, waste = await computing
+        except asyncio.CancelledError:
+            fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+            raise
+        except Exception as exc:  # assembling failed: not a fault of any one item
+            log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
+            fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            # Before answering: the next batch is formed and handed to the model first.
+            task = asyncio.current_task()
+            if task is not None:
+                self._free_slot(task)
+        rows = sum(item.rows for item in batch)
+        failed = sum(1 for result in ran if result.error is not None)
+        if failed:
+            first = next(result.error for result in ran if result.error is not None)
+            log.warning(
+                "batch failed" if len(batch) == 1 else "batch failed; its items were re-run apart",
+                model=self.name,
+                items=len(batch),
+                failed_items=failed,
+                error=first.message if first is not None else "",
+            )
+        if self._metrics is not None:
+            self._metrics.observe_batch(
+                rows=rows,
+                max_rows=self.config.max_batch_size,
+                padding_waste=waste,
+                queue_wait_s=started - min(item.submitted_at for item in batch),
+                compute_s=compute_s,
+            )
+            ok = sum(
+                1 for item, result in zip(batch, ran, strict=True) if result.error is None and not item.future.done()
+            )
+            if ok:
+                self._metrics.count_items("ok", ok)
+        for item, result in zip(batch, ran, strict=True):
+            if item.future.done():
+                continue
+            if result.error is not None:
+                item.future.set_exception(result.error)
+            else:
+                item.future.set_result(
+                    InferOutcome(
+                        outputs=result.outputs or [],
+                        batch_size=result.rows,
+                        batch_items=result.items,
+                        compute_s=compute_s,
+                        queue_s=started - item.submitted_at,
+                    )
+                )
+
+    def compute(self, batch: list[PendingItem]) -> Computed:
+        """Runs in a worker thread: assemble, run the model, split per item; on failure, the
+        items again in halves (poison isolation)."""
+        started = time.perf_counter()
+        signature = self.backend.signature
+        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+        try:
+            outputs = self.backend.infer_batch(assembled.arrays)
+            ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
+        except Exception as exc:
+            error = self._model_error(exc, batch)
+            ran = self._isolate(batch, error)
+        return ran, time.perf_counter() - started, assembled.padding_waste
+
+    def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
+        if len(batch) == 1:
+            return [Ran(error=error)]
+        middle = len(batch) // 2
+        return [*self._compute_part(batch[:middle]), *self._compute_part(batch[middle:])]
+
+    def _compute_part(self, batch: list[PendingItem]) -> list[Ran]:
+        signature = self.backend.signature
+        try:
+            assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+            outputs = self.backend.infer_batch(assembled.arrays)
+            return succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
+        except Exception as exc:
+            return self._isolate(batch, self._model_error(exc, batch))
+
+    async def compute_async(self, batch: list[PendingItem]) -> Computed:
+        started = time.perf_counter()
+        signature = self.backend.signature
+        assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+        try:
+            outputs = await self.backend.infer_batch_async(assembled.arrays)
+            ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
+        except Exception as exc:
+            ran = await self._isolate_async(batch, self._model_error(exc, batch))
+        return ran, time.perf_counter() - started, assembled.padding_waste
+
+    async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
+        if len(batch) == 1:
+            return [Ran(error=error)]
+        middle = len(batch) // 2
+        return [*await self._compute_part_async(batch[:middle]), *await self._compute_part_async(batch[middle:])]
+
+    async def _compute_part_async(self, batch: list[PendingItem]) -> list[Ran]:
+        signature = self.backend.signature
+        try:
+            assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
+            outputs = await self.backend.infer_batch_async(assembled.arrays)
+            return succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
+        except Exception as exc:
+            return await self._isolate_async(batch, self._model_error(exc, batch))
+
+    def _model_error(self, exc: Exception, batch: list[PendingItem]) -> AsyncInferError:
+        if isinstance(exc, AsyncInferError):
+            return exc
+        log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
+        return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")

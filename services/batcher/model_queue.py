@@ -1,0 +1,265 @@
+"""One model's queue: intake (a slot per item, held until its future resolves), the batch
+former (a task that picks the next batch by the order and closing rules in engine.py), and the
+batches in flight, each given to a BatchRunner (batch_compute.py).
+
+An item's deadline is a timer only when it has one; an item that resolves while waiting
+(dropped, expired) is purged by the former, not searched for in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from asyncinfer.config import ModelConfig
+from asyncinfer.errors import (
+    AsyncInferError,
+    DeadlineExceeded,
+    InvalidArgument,
+    ModelError,
+    ResourceExhausted,
+    Unavailable,
+)
+from asyncinfer.jobs import Priority
+from asyncinfer.tensors import Tensor, validate_inputs
+from services.batcher.backends import ModelBackend
+from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, BatchRunner, Computed, fail
+from services.batcher.fast_check import FastCheck
+from services.batcher.items import InferOutcome, ItemShaper, PendingItem
+from services.batcher.metrics import BatcherMetrics, ModelMetrics
+
+SlotListener = Callable[[str], None]
+
+
+def _outcome_label(future: asyncio.Future[InferOutcome]) -> str:
+    if future.cancelled():
+        return "cancelled"
+    error = future.exception()
+    if error is None:
+        return "ok"
+    if isinstance(error, ModelError):
+        return "model_error"
+    if isinstance(error, DeadlineExceeded):
+        return "expired"
+    if isinstance(error, Unavailable):
+        return "shutdown"
+    return "error"
+
+
+class ModelQueue:
+    """The queue, batch former and in-flight batches of one model."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: ModelBackend,
+        metrics: BatcherMetrics | None,
+        on_item_done: SlotListener,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.name = config.name
+        self.held = 0  # items submitted and not yet resolved (waiting or computing)
+        self._shaper = ItemShaper(config, backend)
+        self._waiting: list[PendingItem] = []
+        self._seq = itertools.count()
+        self._metrics: ModelMetrics | None = metrics.for_model(config.name) if metrics is not None else None
+        if self._metrics is not None:
+            # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
+            self._metrics.track_queue_depth(lambda: len(self._waiting))
+        self._input_names = tuple(spec.name for spec in backend.signature.inputs)
+        self._fast_check = FastCheck(backend.signature, config.max_batch_size)
+        self._on_item_done = on_item_done
+        self._changed = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.max_inflight_batches)
+        self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
+        self._former: asyncio.Task[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._delay_s = config.max_queue_delay_ms / 1000.0
+        self._preferred = sorted(set(config.preferred_batch_sizes), reverse=True)
+        self._runner = BatchRunner(config, backend, self._shaper, self._metrics, self._free_slot)
+
+    @property
+    def depth(self) -> int:
+        return sum(1 for item in self._waiting if not item.future.done())
+
+    @property
+    def free_slots(self) -> int:
+        return max(self.config.max_queue_size - self.held, 0)
+
+    def start(self, executor: ThreadPoolExecutor) -> None:
+        self._executor = executor
+        self._former = asyncio.create_task(self._form_batches(), name=f"batcher-{self.name}")
+
+    def submit(self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority) -> PendingItem:
+        if self.held >= self.config.max_queue_size:
+            raise ResourceExhausted(
+                f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
+                reason="BATCHER_QUEUE_FULL",
+                retry_after_s=max(self._delay_s, 0.05),
+            )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if len(inputs) == 1:
+            ordered = {inputs[0].name: inputs[0]}
+        else:
+            by_name = {t.name: t for t in inputs}
+            ordered = {name: by_name[name] for name in self._input_names}
+        future: asyncio.Future[InferOutcome] = loop.create_future()
+        expires_at = None if timeout_s is None else now + timeout_s
+        item = PendingItem(
+            ordered, future, submitted_at=now, expires_at=expires_at, priority=priority, seq=next(self._seq)
+        )
+        try:
+            self._shaper.shape(item)
+        except AsyncInferError:
+            raise
+        except Exception as exc:
+            raise InvalidArgument(f"model {self.name!r} cannot size these inputs: {type(exc).__name__}: {exc}") from exc
+        if expires_at is not None:
+            item.timer = loop.call_at(expires_at, _expire, item)
+        self.held += 1
+        future.add_done_callback(lambda _f: self._item_done(item))
+        self._waiting.append(item)
+        self._changed.set()
+        return item
+
+    def _item_done(self, item: PendingItem) -> None:
+        self.held -= 1
+        if item.timer is not None:
+            item.timer.cancel()
+        outcome = _outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
+        if self._metrics is not None and outcome != "ok":  # ok items are counted per batch
+            self._metrics.count_items(outcome)
+        if not item.started:
+            # A dropped item leaves a stale entry in the queue; let the former purge it.
+            self._changed.set()
+        self._on_item_done(self.name)
+
+    def check(self, inputs: Sequence[Tensor]) -> None:
+        """InvalidArgument unless the inputs fit the model's signature."""
+        if self._fast_check(inputs):
+            return
+        violations = validate_inputs(inputs, self.backend.signature, max_batch_size=self.config.max_batch_size)
+        if violations:
+            first = violations[0]
+            raise InvalidArgument(f"invalid inputs: {first.field}: {first.description}", violations)
+
+    # --- forming batches -------------------------------------------------------------------
+
+    async def _form_batches(self) -> None:
+        loop = asyncio.get_running_loop()
+        runner = self._runner
+        while True:
+            await self._slots.acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self._slots.release()
+                raise
+            for item in batch:
+                item.started = True
+            # The compute is handed to its thread here, in this step, not in the task's first
+            # one: that would run only after every callback already queued (answers of the
+            # batch that just finished, each a gRPC send), leaving the model idle meanwhile.
+            computing: asyncio.Future[Computed] = (
+                asyncio.ensure_future(runner.compute_async(batch))
+                if self.backend.runs_async
+                else loop.run_in_executor(self._executor, runner.compute, batch)
+            )
+            task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
+            self._batches[task] = batch
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task[None]) -> None:
+        self._free_slot(task)
+
+    def _free_slot(self, task: asyncio.Task[None]) -> None:
+        if self._batches.pop(task, None) is not None:
+            self._slots.release()
+            self._changed.set()  # the model may be idle now: a waiting batch can start at once
+
+    async def _next_batch(self) -> list[PendingItem]:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._purge()
+            if not self._waiting:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            batch, close_now = self._pick()
+            wait_s = min(item.submitted_at for item in batch) + self._delay_s - loop.time()
+            if close_now or wait_s <= 0 or not self._batches:
+                started = {id(item) for item in batch}
+                self._waiting = [item for item in self._waiting if id(item) not in started]
+                return batch
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await self._changed.wait()
+
+    def _purge(self) -> None:
+        """Removes items that resolved while waiting (dropped, expired, failed)."""
+        if any(item.future.done() for item in self._waiting):
+            self._waiting = [item for item in self._waiting if not item.future.done()]
+
+    def _pick(self) -> tuple[list[PendingItem], bool]:
+        """The best item's group in order, within the row and cost limits; and whether the batch
+        should close now (it cannot grow, or it reached a preferred size)."""
+        max_rows = self.config.max_batch_size
+        max_cost = self.config.max_batch_cost
+        ordered = sorted(self._waiting, key=_sort_key)
+        group = ordered[0].group
+        batch: list[PendingItem] = []
+        rows = cost = 0
+        left_out = False
+        for item in ordered:
+            if item.group != group:
+                continue
+            if rows + item.rows > max_rows or (max_cost and batch and cost + item.cost > max_cost):
+                left_out = True
+                continue
+            batch.append(item)
+            rows += item.rows
+            cost += item.cost
+        if left_out or rows >= max_rows or (max_cost and cost >= max_cost):
+            return batch, True
+        for size in self._preferred:
+            if size > rows:
+                continue
+            prefix: list[PendingItem] = []
+            prefix_rows = 0
+            for item in batch:
+                if prefix_rows + item.rows > size:
+                    break
+                prefix.append(item)
+                prefix_rows += item.rows
+            if prefix_rows == size:
+                return prefix, True
+        return batch, False
+
+    # --- stopping --------------------------------------------------------------------------
+
+    async def stop_intake(self) -> None:
+        """Stops forming batches and fails every item still waiting."""
+        if self._former is not None:
+            self._former.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._former
+        fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+        self._waiting.clear()
+
+    def running_batches(self) -> list[asyncio.Task[None]]:
+        return list(self._batches)
+
+
+def _sort_key(item: PendingItem) -> tuple[int, float, int]:
+    return item.sort_key
+
+
+def _expire(item: PendingItem) -> None:
+    if not item.started and not item.future.done():
+        item.future.set_exception(DeadlineExceeded("the item's deadline passed before it ran"))
