@@ -93,8 +93,9 @@ class _Pending:
     message: job_service_pb2.SubmitJobsRequest
 
 
-# The most IDs one GetJobs call may carry (the gateway's limit).
+# The most IDs one GetJobs call and one WatchJobs stream may carry (the gateway's limits).
 GET_JOBS_MAX_IDS = 1000
+WATCH_JOBS_MAX_IDS = 10_000
 
 
 class AsyncClient:
@@ -331,6 +332,75 @@ class AsyncClient:
             finally:
                 call.cancel()
             await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+
+    async def watch_jobs(
+        self,
+        jobs: Iterable[JobLike] = (),
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncGenerator[Job | tuple[str, AsyncInferClientError], None]:
+        """Many jobs on one stream (WatchJobs). With `jobs`: each job now, then each change, until
+        all are terminal; a job that is not there yields (job_id, NotFoundError) and the others go
+        on. With `labels` instead: every change, from now on, of your jobs that carry all of them,
+        until you stop iterating or `timeout_s` passes. A broken stream is reopened (the jobs not
+        yet terminal are sent again as they stand, so a change is never lost)."""
+        ids = list(dict.fromkeys(_job_id(job) for job in jobs))
+        deadline = Deadline(timeout_s)
+        done: set[str] = set()
+        attempt = 0
+        while True:
+            attempt += 1
+            watching = [job_id for job_id in ids if job_id not in done]
+            if ids and not watching:
+                return
+            request = job_service_pb2.WatchJobsRequest(job_ids=watching, labels=dict(labels or {}))
+            call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
+            cause: BaseException | None = None
+            try:
+                async for response in call:
+                    attempt = 0
+                    for change in response.changes:
+                        if change.HasField("job"):
+                            snapshot = job_from_proto(change.job)
+                            if snapshot.done:
+                                done.add(change.job_id)
+                            yield snapshot
+                        else:
+                            done.add(change.job_id)
+                            failure = error_from_proto(change.error)
+                            yield change.job_id, make_error(failure.code, failure.message, reason=failure.reason)
+                if ids and all(job_id in done for job_id in ids):
+                    return
+                error: AsyncInferClientError = UnavailableError(
+                    "the watch ended before the jobs did", code=grpc.StatusCode.UNAVAILABLE
+                )
+            except grpc.RpcError as rpc_error:
+                error, cause = from_rpc_error(rpc_error), rpc_error
+            finally:
+                call.cancel()
+            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+
+    async def wait_jobs(
+        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
+    ) -> dict[str, Job | AsyncInferClientError]:
+        """Waits until every job is terminal, on one WatchJobs stream per 10,000 jobs; each job ID
+        mapped to its final Job (or the error for it: NotFoundError). DeadlineExceededError when
+        `timeout_s` passes first."""
+        ids = list(dict.fromkeys(_job_id(job) for job in jobs))
+        found: dict[str, Job | AsyncInferClientError] = {}
+
+        async def watch(chunk: list[str]) -> None:
+            async with contextlib.aclosing(self.watch_jobs(chunk, timeout_s=timeout_s)) as updates:
+                async for update in updates:
+                    if isinstance(update, Job):
+                        if update.done:
+                            found[update.job_id] = update
+                    else:
+                        found[update[0]] = update[1]
+
+        await asyncio.gather(*(watch(ids[i : i + WATCH_JOBS_MAX_IDS]) for i in range(0, len(ids), WATCH_JOBS_MAX_IDS)))
+        return {job_id: found[job_id] for job_id in ids}
 
     async def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         """Waits until the job is in a terminal state (SUCCEEDED, FAILED, CANCELED, EXPIRED,

@@ -181,6 +181,20 @@ class Client:
     ) -> dict[str, Job | AsyncInferClientError]:
         return self._run(self._client.get_jobs(jobs, timeout_s=timeout_s))
 
+    def wait_jobs(
+        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
+    ) -> dict[str, Job | AsyncInferClientError]:
+        return self._run(self._client.wait_jobs(jobs, timeout_s=timeout_s))
+
+    def watch_jobs(
+        self,
+        jobs: Iterable[JobLike] = (),
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[Job | tuple[str, AsyncInferClientError]]:
+        return self._iterate(self._client.watch_jobs(jobs, labels=labels, timeout_s=timeout_s))
+
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         return self._run(self._client.models(timeout_s=timeout_s))
 

@@ -29,7 +29,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61syncinfer/v1/job_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1a\x61syncinfer/v1/tensor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb9\x04\n\x10SubmitJobRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x06inputs\x18\x03 \x03(\x0b\x32\x1f.asyncinfer.v1.InferInputTensor\x12\x11\n\tinput_ref\x18\x04 \x01(\t\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\tqueue_ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11\x65xecution_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10result_retention\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x08\x63\x61llback\x18\x0b \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12;\n\x06labels\x18\x0c \x03(\x0b\x32+.asyncinfer.v1.SubmitJobRequest.LabelsEntry\x12\x14\n\x0cmax_attempts\x18\r \x01(\x05\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x11SubmitJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"Y\n\x11SubmitJobsRequest\x12,\n\x03job\x18\x01 \x01(\x0b\x32\x1f.asyncinfer.v1.SubmitJobRequest\x12\x16\n\x0e\x63orrelation_id\x18\x02 \x01(\t\"\x9d\x01\n\x12SubmitJobsResponse\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x1f\n\x03job\x18\x03 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"1\n\x0eGetJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\"!\n\x0eGetJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\"@\n\x0fGetJobsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.asyncinfer.v1.GetJobsResult\"k\n\rGetJobsResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x04\"a\n\x10WatchJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12,\n\x08progress\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.JobProgress\"k\n\x0bJobProgress\x12\x10\n\x08\x66raction\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x39\n\x0fpartial_outputs\x18\x03 \x03(\x0b\x32 .asyncinfer.v1.InferOutputTensor\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x11\x43\x61ncelJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\"\xe0\x01\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\'\n\x06states\x18\x03 \x03(\x0e\x32\x17.asyncinfer.v1.JobState\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.asyncinfer.v1.ListJobsRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x10ListJobsResponse\x12 \n\x04jobs\x18\x01 \x03(\x0b\x32\x12.asyncinfer.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"Y\n\x12UploadInputRequest\x12\x34\n\x08metadata\x18\x01 \x01(\x0b\x32\".asyncinfer.v1.UploadInputMetadata\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"g\n\x13UploadInputMetadata\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12,\n\tretention\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\":\n\x13UploadInputResponse\x12#\n\x03ref\x18\x01 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\"#\n\x11ReadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"H\n\x12ReadResultResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12#\n\x03ref\x18\x02 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.asyncinfer.v1.ModelInfo\"\x91\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12*\n\x07outputs\x18\x04 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x1c\n\x14\x64\x65\x66\x61ult_max_attempts\x18\x06 \x01(\x05\x12\x1a\n\x12max_attempts_limit\x18\x07 \x01(\x05\x12<\n\x19\x64\x65\x66\x61ult_execution_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x32\xb0\x06\n\nJobService\x12N\n\tSubmitJob\x12\x1f.asyncinfer.v1.SubmitJobRequest\x1a .asyncinfer.v1.SubmitJobResponse\x12U\n\nSubmitJobs\x12 .asyncinfer.v1.SubmitJobsRequest\x1a!.asyncinfer.v1.SubmitJobsResponse(\x01\x30\x01\x12\x45\n\x06GetJob\x12\x1c.asyncinfer.v1.GetJobRequest\x1a\x1d.asyncinfer.v1.GetJobResponse\x12H\n\x07GetJobs\x12\x1d.asyncinfer.v1.GetJobsRequest\x1a\x1e.asyncinfer.v1.GetJobsResponse\x12M\n\x08WatchJob\x12\x1e.asyncinfer.v1.WatchJobRequest\x1a\x1f.asyncinfer.v1.WatchJobResponse0\x01\x12N\n\tCancelJob\x12\x1f.asyncinfer.v1.CancelJobRequest\x1a .asyncinfer.v1.CancelJobResponse\x12K\n\x08ListJobs\x12\x1e.asyncinfer.v1.ListJobsRequest\x1a\x1f.asyncinfer.v1.ListJobsResponse\x12V\n\x0bUploadInput\x12!.asyncinfer.v1.UploadInputRequest\x1a\".asyncinfer.v1.UploadInputResponse(\x01\x12S\n\nReadResult\x12 .asyncinfer.v1.ReadResultRequest\x1a!.asyncinfer.v1.ReadResultResponse0\x01\x12Q\n\nListModels\x12 .asyncinfer.v1.ListModelsRequest\x1a!.asyncinfer.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61syncinfer/v1/job_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1a\x61syncinfer/v1/tensor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb9\x04\n\x10SubmitJobRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12/\n\x06inputs\x18\x03 \x03(\x0b\x32\x1f.asyncinfer.v1.InferInputTensor\x12\x11\n\tinput_ref\x18\x04 \x01(\t\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x17\n\x0fidempotency_key\x18\x06 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\tqueue_ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x34\n\x11\x65xecution_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x33\n\x10result_retention\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x08\x63\x61llback\x18\x0b \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12;\n\x06labels\x18\x0c \x03(\x0b\x32+.asyncinfer.v1.SubmitJobRequest.LabelsEntry\x12\x14\n\x0cmax_attempts\x18\r \x01(\x05\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"J\n\x11SubmitJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"Y\n\x11SubmitJobsRequest\x12,\n\x03job\x18\x01 \x01(\x0b\x32\x1f.asyncinfer.v1.SubmitJobRequest\x12\x16\n\x0e\x63orrelation_id\x18\x02 \x01(\t\"\x9d\x01\n\x12SubmitJobsResponse\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x03\x12\x1f\n\x03job\x18\x03 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x05 \x01(\x08\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"1\n\x0eGetJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\"!\n\x0eGetJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\"@\n\x0fGetJobsResponse\x12-\n\x07results\x18\x01 \x03(\x0b\x32\x1c.asyncinfer.v1.GetJobsResult\"k\n\rGetJobsResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\"9\n\x0fWatchJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x04\"a\n\x10WatchJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12,\n\x08progress\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.JobProgress\"\x8f\x01\n\x10WatchJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12;\n\x06labels\x18\x02 \x03(\x0b\x32+.asyncinfer.v1.WatchJobsRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"D\n\x11WatchJobsResponse\x12/\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x1e.asyncinfer.v1.WatchJobsChange\"m\n\x0fWatchJobsChange\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x1f\n\x03job\x18\x02 \x01(\x0b\x32\x12.asyncinfer.v1.Job\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\"k\n\x0bJobProgress\x12\x10\n\x08\x66raction\x18\x01 \x01(\x01\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x39\n\x0fpartial_outputs\x18\x03 \x03(\x0b\x32 .asyncinfer.v1.InferOutputTensor\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"4\n\x11\x43\x61ncelJobResponse\x12\x1f\n\x03job\x18\x01 \x01(\x0b\x32\x12.asyncinfer.v1.Job\"\xe0\x01\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\'\n\x06states\x18\x03 \x03(\x0e\x32\x17.asyncinfer.v1.JobState\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12:\n\x06labels\x18\x05 \x03(\x0b\x32*.asyncinfer.v1.ListJobsRequest.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x10ListJobsResponse\x12 \n\x04jobs\x18\x01 \x03(\x0b\x32\x12.asyncinfer.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"Y\n\x12UploadInputRequest\x12\x34\n\x08metadata\x18\x01 \x01(\x0b\x32\".asyncinfer.v1.UploadInputMetadata\x12\r\n\x05\x63hunk\x18\x02 \x01(\x0c\"g\n\x13UploadInputMetadata\x12\x12\n\nsize_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06sha256\x18\x02 \x01(\t\x12,\n\tretention\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\":\n\x13UploadInputResponse\x12#\n\x03ref\x18\x01 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\"#\n\x11ReadResultRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"H\n\x12ReadResultResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12#\n\x03ref\x18\x02 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\"\x13\n\x11ListModelsRequest\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.asyncinfer.v1.ModelInfo\"\x91\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12)\n\x06inputs\x18\x03 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12*\n\x07outputs\x18\x04 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x1c\n\x14\x64\x65\x66\x61ult_max_attempts\x18\x06 \x01(\x05\x12\x1a\n\x12max_attempts_limit\x18\x07 \x01(\x05\x12<\n\x19\x64\x65\x66\x61ult_execution_timeout\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\";\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08\x64\x61tatype\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x32\x82\x07\n\nJobService\x12N\n\tSubmitJob\x12\x1f.asyncinfer.v1.SubmitJobRequest\x1a .asyncinfer.v1.SubmitJobResponse\x12U\n\nSubmitJobs\x12 .asyncinfer.v1.SubmitJobsRequest\x1a!.asyncinfer.v1.SubmitJobsResponse(\x01\x30\x01\x12\x45\n\x06GetJob\x12\x1c.asyncinfer.v1.GetJobRequest\x1a\x1d.asyncinfer.v1.GetJobResponse\x12H\n\x07GetJobs\x12\x1d.asyncinfer.v1.GetJobsRequest\x1a\x1e.asyncinfer.v1.GetJobsResponse\x12M\n\x08WatchJob\x12\x1e.asyncinfer.v1.WatchJobRequest\x1a\x1f.asyncinfer.v1.WatchJobResponse0\x01\x12P\n\tWatchJobs\x12\x1f.asyncinfer.v1.WatchJobsRequest\x1a .asyncinfer.v1.WatchJobsResponse0\x01\x12N\n\tCancelJob\x12\x1f.asyncinfer.v1.CancelJobRequest\x1a .asyncinfer.v1.CancelJobResponse\x12K\n\x08ListJobs\x12\x1e.asyncinfer.v1.ListJobsRequest\x1a\x1f.asyncinfer.v1.ListJobsResponse\x12V\n\x0bUploadInput\x12!.asyncinfer.v1.UploadInputRequest\x1a\".asyncinfer.v1.UploadInputResponse(\x01\x12S\n\nReadResult\x12 .asyncinfer.v1.ReadResultRequest\x1a!.asyncinfer.v1.ReadResultResponse0\x01\x12Q\n\nListModels\x12 .asyncinfer.v1.ListModelsRequest\x1a!.asyncinfer.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,6 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITJOBREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_SUBMITJOBREQUEST_LABELSENTRY']._serialized_options = b'8\001'
+  _globals['_WATCHJOBSREQUEST_LABELSENTRY']._loaded_options = None
+  _globals['_WATCHJOBSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._loaded_options = None
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_SUBMITJOBREQUEST']._serialized_start=196
@@ -64,36 +66,44 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHJOBREQUEST']._serialized_end=1445
   _globals['_WATCHJOBRESPONSE']._serialized_start=1447
   _globals['_WATCHJOBRESPONSE']._serialized_end=1544
-  _globals['_JOBPROGRESS']._serialized_start=1546
-  _globals['_JOBPROGRESS']._serialized_end=1653
-  _globals['_CANCELJOBREQUEST']._serialized_start=1655
-  _globals['_CANCELJOBREQUEST']._serialized_end=1705
-  _globals['_CANCELJOBRESPONSE']._serialized_start=1707
-  _globals['_CANCELJOBRESPONSE']._serialized_end=1759
-  _globals['_LISTJOBSREQUEST']._serialized_start=1762
-  _globals['_LISTJOBSREQUEST']._serialized_end=1986
+  _globals['_WATCHJOBSREQUEST']._serialized_start=1547
+  _globals['_WATCHJOBSREQUEST']._serialized_end=1690
+  _globals['_WATCHJOBSREQUEST_LABELSENTRY']._serialized_start=720
+  _globals['_WATCHJOBSREQUEST_LABELSENTRY']._serialized_end=765
+  _globals['_WATCHJOBSRESPONSE']._serialized_start=1692
+  _globals['_WATCHJOBSRESPONSE']._serialized_end=1760
+  _globals['_WATCHJOBSCHANGE']._serialized_start=1762
+  _globals['_WATCHJOBSCHANGE']._serialized_end=1871
+  _globals['_JOBPROGRESS']._serialized_start=1873
+  _globals['_JOBPROGRESS']._serialized_end=1980
+  _globals['_CANCELJOBREQUEST']._serialized_start=1982
+  _globals['_CANCELJOBREQUEST']._serialized_end=2032
+  _globals['_CANCELJOBRESPONSE']._serialized_start=2034
+  _globals['_CANCELJOBRESPONSE']._serialized_end=2086
+  _globals['_LISTJOBSREQUEST']._serialized_start=2089
+  _globals['_LISTJOBSREQUEST']._serialized_end=2313
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_start=720
   _globals['_LISTJOBSREQUEST_LABELSENTRY']._serialized_end=765
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1988
-  _globals['_LISTJOBSRESPONSE']._serialized_end=2065
-  _globals['_UPLOADINPUTREQUEST']._serialized_start=2067
-  _globals['_UPLOADINPUTREQUEST']._serialized_end=2156
-  _globals['_UPLOADINPUTMETADATA']._serialized_start=2158
-  _globals['_UPLOADINPUTMETADATA']._serialized_end=2261
-  _globals['_UPLOADINPUTRESPONSE']._serialized_start=2263
-  _globals['_UPLOADINPUTRESPONSE']._serialized_end=2321
-  _globals['_READRESULTREQUEST']._serialized_start=2323
-  _globals['_READRESULTREQUEST']._serialized_end=2358
-  _globals['_READRESULTRESPONSE']._serialized_start=2360
-  _globals['_READRESULTRESPONSE']._serialized_end=2432
-  _globals['_LISTMODELSREQUEST']._serialized_start=2434
-  _globals['_LISTMODELSREQUEST']._serialized_end=2453
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2455
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2517
-  _globals['_MODELINFO']._serialized_start=2520
-  _globals['_MODELINFO']._serialized_end=2793
-  _globals['_TENSORSPEC']._serialized_start=2795
-  _globals['_TENSORSPEC']._serialized_end=2854
-  _globals['_JOBSERVICE']._serialized_start=2857
-  _globals['_JOBSERVICE']._serialized_end=3673
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2315
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2392
+  _globals['_UPLOADINPUTREQUEST']._serialized_start=2394
+  _globals['_UPLOADINPUTREQUEST']._serialized_end=2483
+  _globals['_UPLOADINPUTMETADATA']._serialized_start=2485
+  _globals['_UPLOADINPUTMETADATA']._serialized_end=2588
+  _globals['_UPLOADINPUTRESPONSE']._serialized_start=2590
+  _globals['_UPLOADINPUTRESPONSE']._serialized_end=2648
+  _globals['_READRESULTREQUEST']._serialized_start=2650
+  _globals['_READRESULTREQUEST']._serialized_end=2685
+  _globals['_READRESULTRESPONSE']._serialized_start=2687
+  _globals['_READRESULTRESPONSE']._serialized_end=2759
+  _globals['_LISTMODELSREQUEST']._serialized_start=2761
+  _globals['_LISTMODELSREQUEST']._serialized_end=2780
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2782
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2844
+  _globals['_MODELINFO']._serialized_start=2847
+  _globals['_MODELINFO']._serialized_end=3120
+  _globals['_TENSORSPEC']._serialized_start=3122
+  _globals['_TENSORSPEC']._serialized_end=3181
+  _globals['_JOBSERVICE']._serialized_start=3184
+  _globals['_JOBSERVICE']._serialized_end=4082
 # @@protoc_insertion_point(module_scope)

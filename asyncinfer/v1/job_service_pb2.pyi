@@ -385,6 +385,107 @@ class WatchJobResponse(_message.Message):
 Global___WatchJobResponse: _TypeAlias = WatchJobResponse  # noqa: Y015
 
 @_typing.final
+class WatchJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    JOB_IDS_FIELD_NUMBER: _builtins.int
+    LABELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The jobs to watch (at most 10,000); or, instead of IDs:"""
+
+    @_builtins.property
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """a label selector: every label given must be on the job with the same value."""
+
+    def __init__(
+        self,
+        *,
+        job_ids: _abc.Iterable[_builtins.str] | None = ...,
+        labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_ids", b"job_ids", "labels", b"labels"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchJobsRequest: _TypeAlias = WatchJobsRequest  # noqa: Y015
+
+@_typing.final
+class WatchJobsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHANGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def changes(self) -> _containers.RepeatedCompositeFieldContainer[Global___WatchJobsChange]:
+        """One or more changes, in the order they happened."""
+
+    def __init__(
+        self,
+        *,
+        changes: _abc.Iterable[Global___WatchJobsChange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes", b"changes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchJobsResponse: _TypeAlias = WatchJobsResponse  # noqa: Y015
+
+@_typing.final
+class WatchJobsChange(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    @_builtins.property
+    def job(self) -> _job_pb2.Job:
+        """The record as of this change."""
+
+    @_builtins.property
+    def error(self) -> _error_pb2.ErrorStatus:
+        """For a watched ID that names no job of the caller's, or whose record was deleted: NOT_FOUND."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        job: _job_pb2.Job | None = ...,
+        error: _error_pb2.ErrorStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchJobsChange: _TypeAlias = WatchJobsChange  # noqa: Y015
+
+@_typing.final
 class JobProgress(_message.Message):
     """Progress of a running job, where the model emits it."""
 

@@ -61,6 +61,11 @@ class JobServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobResponse.FromString,
                 _registered_method=True)
+        self.WatchJobs = channel.unary_stream(
+                '/asyncinfer.v1.JobService/WatchJobs',
+                request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsResponse.FromString,
+                _registered_method=True)
         self.CancelJob = channel.unary_unary(
                 '/asyncinfer.v1.JobService/CancelJob',
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.CancelJobRequest.SerializeToString,
@@ -129,6 +134,17 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchJobs(self, request, context):
+        """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
+        every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
+        the others go on). With a label selector instead: every change, from now on, of the caller's
+        jobs that carry all of its labels, until the client ends the stream. Changes that come
+        together travel in one message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CancelJob(self, request, context):
         """Cancels a queued or running job.
         """
@@ -192,6 +208,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.WatchJob,
                     request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobResponse.SerializeToString,
+            ),
+            'WatchJobs': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchJobs,
+                    request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsResponse.SerializeToString,
             ),
             'CancelJob': grpc.unary_unary_rpc_method_handler(
                     servicer.CancelJob,
@@ -356,6 +377,33 @@ class JobService:
             '/asyncinfer.v1.JobService/WatchJob',
             asyncinfer_dot_v1_dot_job__service__pb2.WatchJobRequest.SerializeToString,
             asyncinfer_dot_v1_dot_job__service__pb2.WatchJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/asyncinfer.v1.JobService/WatchJobs',
+            asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_job__service__pb2.WatchJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

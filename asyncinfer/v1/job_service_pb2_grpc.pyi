@@ -47,6 +47,13 @@ class JobServiceStub:
     """
     WatchJob: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]
     """The current record first, then every change, until a terminal state."""
+    WatchJobs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]
+    """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
+    every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
+    the others go on). With a label selector instead: every change, from now on, of the caller's
+    jobs that carry all of its labels, until the client ends the stream. Changes that come
+    together travel in one message.
+    """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a queued or running job."""
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
@@ -79,6 +86,13 @@ class JobServiceAsyncStub(JobServiceStub):
     """
     WatchJob: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]  # type: ignore[assignment]
     """The current record first, then every change, until a terminal state."""
+    WatchJobs: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]  # type: ignore[assignment]
+    """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
+    every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
+    the others go on). With a label selector instead: every change, from now on, of the caller's
+    jobs that carry all of its labels, until the client ends the stream. Changes that come
+    together travel in one message.
+    """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a queued or running job."""
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
@@ -138,6 +152,19 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.WatchJobResponse], _abc.AsyncIterator[_job_service_pb2.WatchJobResponse]]:
         """The current record first, then every change, until a terminal state."""
+
+    @_abc_1.abstractmethod
+    def WatchJobs(
+        self,
+        request: _job_service_pb2.WatchJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_job_service_pb2.WatchJobsResponse], _abc.AsyncIterator[_job_service_pb2.WatchJobsResponse]]:
+        """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
+        every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
+        the others go on). With a label selector instead: every change, from now on, of the caller's
+        jobs that carry all of its labels, until the client ends the stream. Changes that come
+        together travel in one message.
+        """
 
     @_abc_1.abstractmethod
     def CancelJob(

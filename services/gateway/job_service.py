@@ -32,6 +32,7 @@ from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter, check_request_size
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
+from services.gateway.watch_many import watch_ids, watch_labels
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -51,6 +52,8 @@ WATCH_RESPONSES_CACHED = 1024
 # The most job IDs one GetJobs call may ask for: bounds the answer (a page of records with their
 # inline outputs) like ListJobs' pages.
 MAX_IDS_PER_READ = 1000
+# The most job IDs one WatchJobs stream may watch.
+MAX_IDS_PER_WATCH = 10_000
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -195,6 +198,37 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
             async for record in updates:
                 yield self._watch_response(record)
+
+    async def WatchJobs(
+        self, request: job_service_pb2.WatchJobsRequest, context: Context
+    ) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
+        tenant = resolve_tenant(context, self._authenticator)
+        job_ids, labels = list(request.job_ids), dict(request.labels)
+        if bool(job_ids) == bool(labels):
+            raise InvalidArgument(
+                "WatchJobs takes job_ids or a label selector (labels), one of the two",
+                [FieldViolation("job_ids" if job_ids else "labels", "give job IDs or labels, not both or neither")],
+            )
+        if len(job_ids) > MAX_IDS_PER_WATCH:
+            raise InvalidArgument(
+                f"at most {MAX_IDS_PER_WATCH} job IDs per WatchJobs call; this one has {len(job_ids)}",
+                [FieldViolation("job_ids", f"{len(job_ids)} IDs; at most {MAX_IDS_PER_WATCH}")],
+            )
+        changes = (
+            watch_ids(self._hub, self._records, self._expiry, tenant, job_ids)
+            if job_ids
+            else watch_labels(self._hub, tenant, labels)
+        )
+        async with contextlib.aclosing(changes) as batches:
+            async for batch in batches:
+                response = job_service_pb2.WatchJobsResponse()
+                for change in batch:
+                    message = response.changes.add(job_id=change.job_id)
+                    if change.record is not None:
+                        message.job.CopyFrom(self._watch_response(change.record).job)
+                    elif change.error is not None:
+                        message.error.CopyFrom(error_status(change.error))
+                yield response
 
     def _watch_response(self, record: JobRecord) -> job_service_pb2.WatchJobResponse:
         """The message for one record change. Every watcher of a job gets the same change at

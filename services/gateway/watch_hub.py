@@ -37,6 +37,7 @@ log = structlog.get_logger("asyncinfer.gateway.watch")
 class RecordUpdate:
     revision: int
     record: JobRecord | None  # None: the record was deleted or purged
+    key: str = ""
 
 
 # Queued to every watcher when the hub stops.
@@ -62,6 +63,8 @@ class WatchHub:
         self._bucket = bucket
         self._prefix = f"$KV.{bucket}."
         self._watchers: dict[str, set[WatcherQueue]] = {}
+        # Label-selector watches (WatchJobs): per tenant, each queue with the labels it selects.
+        self._selectors: dict[str, dict[WatcherQueue, dict[str, str]]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
         self._feed_lock = asyncio.Lock()
         self._idle_stop_s = idle_stop_s
@@ -72,7 +75,11 @@ class WatchHub:
 
     @property
     def watcher_count(self) -> int:
-        return sum(len(queues) for queues in self._watchers.values())
+        return sum(len(queues) for queues in self._watchers.values()) + sum(map(len, self._selectors.values()))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def feeding(self) -> bool:
@@ -91,6 +98,9 @@ class WatchHub:
         for queues in self._watchers.values():
             for queue in queues:
                 queue.put_nowait(_HUB_CLOSED)
+        for selectors in self._selectors.values():
+            for queue in selectors:
+                queue.put_nowait(_HUB_CLOSED)
         if self._idle_stopper is not None:
             self._idle_stopper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -98,7 +108,7 @@ class WatchHub:
         async with self._feed_lock:
             await self._unsubscribe()
 
-    async def _ensure_feed(self) -> None:
+    async def ensure_feed(self) -> None:
         if self._subscription is not None:
             return
         async with self._feed_lock:
@@ -139,7 +149,7 @@ class WatchHub:
                     continue
                 async with self._feed_lock:
                     # Checked again under the lock: a watcher may have come (and gone) meanwhile.
-                    if self._idle_since != idle_since or self._watchers:
+                    if self._idle_since != idle_since or self._watchers or self._selectors:
                         continue
                     await self._unsubscribe()
                 break
@@ -147,7 +157,8 @@ class WatchHub:
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(self._prefix)
         queues = self._watchers.get(key)
-        if not queues:
+        selectors = self._selectors.get(key.partition(".")[0]) if self._selectors else None
+        if not queues and not selectors:
             return
         revision = msg.metadata.sequence.stream
         headers = msg.headers or {}
@@ -158,27 +169,52 @@ class WatchHub:
             except (ValueError, KeyError, TypeError) as exc:
                 log.error("watch_bad_record", key=key, revision=revision, error=str(exc))
                 return
-        update = RecordUpdate(revision, record)
-        for queue in queues:
+        update = RecordUpdate(revision, record, key)
+        for queue in queues or ():
             queue.put_nowait(update)
+        if selectors and record is not None:
+            for queue, labels in selectors.items():
+                if all(record.labels.get(name) == value for name, value in labels.items()):
+                    queue.put_nowait(update)
 
-    def _register(self, key: str) -> WatcherQueue:
+    def register(self, key: str, queue: WatcherQueue | None = None) -> WatcherQueue:
+        """Queues every change of the record at `key` (on a new queue, or the one given)."""
         # Unbounded: a job changes state a handful of times, so a slow client holds little.
-        queue: WatcherQueue = asyncio.Queue()
+        if queue is None:
+            queue = asyncio.Queue()
         self._watchers.setdefault(key, set()).add(queue)
         self._idle_since = None
         return queue
 
-    def _unregister(self, key: str, queue: WatcherQueue) -> None:
+    def unregister(self, key: str, queue: WatcherQueue) -> None:
         queues = self._watchers.get(key)
         if queues is None:
             return
         queues.discard(queue)
         if not queues:
             del self._watchers[key]
-            if not self._watchers:
-                self._idle_since = asyncio.get_running_loop().time()
-                self._became_idle.set()
+            self._note_if_idle()
+
+    def register_selector(self, tenant: str, labels: dict[str, str]) -> WatcherQueue:
+        """Queues every change of the tenant's records that carry all of `labels`."""
+        queue: WatcherQueue = asyncio.Queue()
+        self._selectors.setdefault(tenant, {})[queue] = dict(labels)
+        self._idle_since = None
+        return queue
+
+    def unregister_selector(self, tenant: str, queue: WatcherQueue) -> None:
+        selectors = self._selectors.get(tenant)
+        if selectors is None:
+            return
+        selectors.pop(queue, None)
+        if not selectors:
+            del self._selectors[tenant]
+            self._note_if_idle()
+
+    def _note_if_idle(self) -> None:
+        if not self._watchers and not self._selectors:
+            self._idle_since = asyncio.get_running_loop().time()
+            self._became_idle.set()
 
     async def watch(self, tenant: str, job_id: str, after_revision: int = 0) -> AsyncGenerator[JobRecord, None]:
         """The current record (if newer than after_revision), then every change, until a terminal
@@ -186,9 +222,9 @@ class WatchHub:
         if self._closed:
             raise Unavailable("the gateway is shutting down; watch again elsewhere")
         key = job_key(tenant, job_id)
-        queue = self._register(key)
+        queue = self.register(key)
         try:
-            await self._ensure_feed()  # before the read: a change after it is then in the feed
+            await self.ensure_feed()  # before the read: a change after it is then in the feed
             current = await self._records.get(key)
             if current is not None:
                 current = await self._expiry.settle(current)
@@ -218,7 +254,7 @@ class WatchHub:
                 last_sent = update.revision
                 latest = update.record
         finally:
-            self._unregister(key, queue)
+            self.unregister(key, queue)
 
     async def _next_update(self, queue: WatcherQueue, latest: JobRecord) -> RecordUpdate | None:
         """The next update from the feed; when a queued job's deadline comes first, the record

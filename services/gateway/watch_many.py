@@ -1,0 +1,164 @@
+"""WatchJobs: many jobs on one stream, from the same feed as WatchJob (watch_hub.py).
+
+By IDs: one queue registered under every job's key before the current records are read (so no
+change falls between the read and the feed), the current records read together, then every
+change until each job is terminal. A job that is not there answers NOT_FOUND and the others go on;
+a watched QUEUED job whose deadline passes is expired by the watch, as WatchJob does.
+
+By label selector: every change, from now on, of the tenant's jobs that carry all the labels; it
+ends only when the client ends it (or the gateway stops). A client that also wants the jobs as they
+stand starts the watch first and then lists them (ListJobs with the same labels): revisions tell
+which of the two saw the later record.
+
+Changes that are queued together are answered together: one stream message for all of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+
+from asyncinfer.errors import AsyncInferError, Unavailable
+from asyncinfer.ids import is_job_id
+from asyncinfer.job_store import JobStore, job_not_found
+from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.lifecycle import is_overdue
+from services.gateway.transitions import Expiry
+from services.gateway.watch_hub import RecordUpdate, WatcherQueue, WatchHub
+
+# Changes of one stream message at most (the rest go in the next one).
+CHANGES_PER_MESSAGE = 256
+
+
+@dataclass(frozen=True, slots=True)
+class JobChange:
+    job_id: str
+    record: JobRecord | None = None
+    error: AsyncInferError | None = None
+
+
+def _closed(kind: str) -> Unavailable:
+    return Unavailable(f"the gateway is shutting down; watch the {kind} again elsewhere")
+
+
+async def _next_updates(queue: WatcherQueue, timeout_s: float | None) -> list[RecordUpdate | None]:
+    """What is queued now (at least one, waiting up to timeout_s for it; [] when it passed)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            first = await queue.get()
+    except TimeoutError:
+        return []
+    updates = [first]
+    while len(updates) < CHANGES_PER_MESSAGE and not queue.empty():
+        updates.append(queue.get_nowait())
+    return updates
+
+
+async def watch_ids(
+    hub: WatchHub, records: JobStore, expiry: Expiry, tenant: str, job_ids: Sequence[str]
+) -> AsyncGenerator[list[JobChange], None]:
+    if hub.closed:
+        raise _closed("jobs")
+    unique = list(dict.fromkeys(job_ids))
+    unknown = [JobChange(job_id, error=job_not_found(job_id)) for job_id in unique if not is_job_id(job_id)]
+    ids_by_key = {job_key(tenant, job_id): job_id for job_id in unique if is_job_id(job_id)}
+    queue: WatcherQueue = asyncio.Queue()
+    for key in ids_by_key:
+        hub.register(key, queue)
+    watching = set(ids_by_key)
+    try:
+        await hub.ensure_feed()  # before the reads: a change after them is then in the feed
+        currents = await asyncio.gather(*(records.get(key) for key in ids_by_key))
+        latest: dict[str, JobRecord] = {}
+        first: list[JobChange] = list(unknown)
+        for key, record in zip(ids_by_key, currents, strict=True):
+            if record is not None:
+                record = await expiry.settle(record)
+            job_id = ids_by_key[key]
+            if record is None:
+                first.append(JobChange(job_id, error=await records.not_found(key, job_id)))
+                watching.discard(key)
+                hub.unregister(key, queue)
+                continue
+            latest[key] = record
+            first.append(JobChange(job_id, record=record))
+            if record.state.is_terminal:
+                watching.discard(key)
+        if first:
+            yield first
+        while watching:
+            changes: list[JobChange] = []
+            for update in await _next_updates(queue, _until_first_deadline(latest, watching, expiry)):
+                if update is None:
+                    raise _closed("jobs")
+                if update.key not in watching or (change := _change(update, latest, ids_by_key)) is None:
+                    continue
+                changes.append(change)
+                if change.record is None or change.record.state.is_terminal:
+                    watching.discard(update.key)
+            changes += await _expire_overdue(latest, watching, expiry, ids_by_key)
+            if changes:
+                yield changes
+    finally:
+        for key in ids_by_key:
+            hub.unregister(key, queue)
+
+
+def _change(update: RecordUpdate, latest: dict[str, JobRecord], ids_by_key: Mapping[str, str]) -> JobChange | None:
+    """The change an update makes, or None when it was already sent (or is older)."""
+    job_id = ids_by_key.get(update.key)
+    if job_id is None:
+        return None
+    known = latest.get(update.key)
+    if known is not None and update.revision <= known.revision:
+        return None
+    if update.record is None:
+        return JobChange(job_id, error=job_not_found(job_id))
+    latest[update.key] = update.record
+    return JobChange(job_id, record=update.record)
+
+
+def _until_first_deadline(latest: Mapping[str, JobRecord], watching: set[str], expiry: Expiry) -> float | None:
+    deadlines = [
+        r.deadline for k, r in latest.items() if k in watching and r.state is JobState.QUEUED and r.deadline is not None
+    ]
+    return max(min(deadlines) - expiry.clock(), 0.0) if deadlines else None
+
+
+async def _expire_overdue(
+    latest: dict[str, JobRecord], watching: set[str], expiry: Expiry, ids_by_key: Mapping[str, str]
+) -> list[JobChange]:
+    """Queued jobs whose deadline has passed become EXPIRED (or whatever won instead)."""
+    now = expiry.clock()
+    changes: list[JobChange] = []
+    for key in [k for k in watching if is_overdue(latest[k], now)]:
+        settled = await expiry.settle(latest[key])
+        if settled is None:
+            changes.append(JobChange(ids_by_key[key], error=job_not_found(ids_by_key[key])))
+            watching.discard(key)
+        elif settled.revision != latest[key].revision:
+            latest[key] = settled
+            changes.append(JobChange(ids_by_key[key], record=settled))
+            if settled.state.is_terminal:
+                watching.discard(key)
+    return changes
+
+
+async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) -> AsyncGenerator[list[JobChange], None]:
+    if hub.closed:
+        raise _closed("labels")
+    queue = hub.register_selector(tenant, dict(labels))
+    try:
+        await hub.ensure_feed()
+        while True:
+            changes: list[JobChange] = []
+            for update in await _next_updates(queue, None):
+                if update is None:
+                    raise _closed("labels")
+                if update.record is not None:  # a deleted record no longer shows its labels
+                    changes.append(JobChange(update.record.job_id, record=update.record))
+            if changes:
+                yield changes
+    finally:
+        hub.unregister_selector(tenant, queue)

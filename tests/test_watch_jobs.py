@@ -1,0 +1,132 @@
+"""WatchJobs: many jobs on one stream, by IDs or by a label selector — through the real stack
+(gateway, scheduler, batcher on a real nats-server), by raw stub and by the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.client import AsyncClient, Job, JobState, NotFoundError
+from asyncinfer.ids import new_job_id
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from tests.stack import Stack
+
+X = np.array([[1, 2, 3, 4]], dtype=np.float32)
+WAIT_S = 30.0
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Waits (bounded) for a condition of the in-process stack that no event announces."""
+    for _ in range(int(WAIT_S / 0.005)):
+        if condition():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("condition not reached")
+
+
+async def test_ids_watch_sends_each_job_then_its_changes_and_ends_when_all_are_terminal(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        jobs = [await client.submit("demo", {"x": X + i}) for i in range(5)]
+    unknown = new_job_id()
+    seen: dict[str, list[int]] = {}
+    messages: list[job_service_pb2.WatchJobsResponse] = []
+    async with grpc.aio.insecure_channel(idle_stack.address) as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[*(j.job_id for j in jobs), unknown]))
+        first = await asyncio.wait_for(call.read(), WAIT_S)
+        assert isinstance(first, job_service_pb2.WatchJobsResponse)
+        messages.append(first)
+        # The jobs as they stand (all queued: no batcher yet) and the unknown ID, in one message.
+        assert {c.job_id for c in first.changes} == {*(j.job_id for j in jobs), unknown}
+        assert {c.job.state for c in first.changes if c.HasField("job")} == {job_pb2.JOB_STATE_QUEUED}
+        (missing,) = [c for c in first.changes if not c.HasField("job")]
+        assert missing.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+        await idle_stack.start_batcher()
+        async with asyncio.timeout(WAIT_S):
+            while (response := await call.read()) is not grpc.aio.EOF:  # ends once every job is terminal
+                assert isinstance(response, job_service_pb2.WatchJobsResponse)
+                messages.append(response)
+        assert await call.code() == grpc.StatusCode.OK
+    for message in messages:
+        for change in message.changes:
+            if change.HasField("job"):
+                seen.setdefault(change.job_id, []).append(change.job.state)
+    for job in jobs:
+        states = seen[job.job_id]
+        assert states[0] == job_pb2.JOB_STATE_QUEUED
+        assert states[-1] == job_pb2.JOB_STATE_SUCCEEDED
+        assert states.count(job_pb2.JOB_STATE_SUCCEEDED) == 1, "each change once"
+
+
+async def test_a_label_selector_sees_only_matching_jobs(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        watch = client.watch_jobs(labels={"batch": "nightly"}, timeout_s=WAIT_S)
+        ready = asyncio.create_task(anext(watch))  # the stream opens before the jobs exist
+        await until(lambda: idle_stack.gateway.watch_hub.watcher_count == 1)
+        first = await client.submit("demo", {"x": X}, labels={"batch": "nightly", "owner": "ana"})
+        update = await asyncio.wait_for(ready, WAIT_S)
+        assert isinstance(update, Job)
+        assert update.job_id == first.job_id
+        other = await client.submit("demo", {"x": X}, labels={"batch": "adhoc"})
+        second = await client.submit("demo", {"x": X}, labels={"batch": "nightly"})
+        await idle_stack.start_batcher()
+        finished: set[str] = set()
+        watched: set[str] = {first.job_id}
+        async for update in watch:
+            assert isinstance(update, Job)
+            watched.add(update.job_id)
+            if update.state is JobState.SUCCEEDED:
+                finished.add(update.job_id)
+            if finished == {first.job_id, second.job_id}:
+                break
+        await watch.aclose()
+        done = await client.wait(other, timeout_s=WAIT_S)
+    assert done.state is JobState.SUCCEEDED, "the other job ran too"
+    assert other.job_id not in watched, "a job without the labels is not sent"
+
+
+async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        jobs = [await client.submit("demo", {"x": X * i}) for i in range(4)]
+        unknown = new_job_id()
+        done = await client.wait_jobs([*jobs, unknown], timeout_s=WAIT_S)
+    assert list(done) == [*(j.job_id for j in jobs), unknown]
+    for i, job in enumerate(jobs):
+        final = done[job.job_id]
+        assert isinstance(final, Job)
+        assert final.state is JobState.SUCCEEDED
+        np.testing.assert_array_equal(final.outputs["y"], 2 * (X * i) + 1)
+    assert isinstance(done[unknown], NotFoundError)
+
+
+async def test_a_watched_queued_job_expires_at_its_deadline(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        lasting = await client.submit("demo", {"x": X})
+        short = await client.submit("demo", {"x": X}, queue_ttl_s=0.5)
+        updates: list[Job] = []
+        async with asyncio.timeout(WAIT_S):
+            async for update in client.watch_jobs([short, lasting]):
+                assert isinstance(update, Job)
+                updates.append(update)
+                if update.job_id == short.job_id and update.done:
+                    break
+    assert updates[-1].state is JobState.EXPIRED
+    assert [u.state for u in updates if u.job_id == lasting.job_id] == [JobState.QUEUED]
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [job_service_pb2.WatchJobsRequest(), job_service_pb2.WatchJobsRequest(job_ids=["x"], labels={"a": "b"})],
+    ids=["neither", "both"],
+)
+async def test_ids_or_labels_one_of_the_two(idle_stack: Stack, request_: job_service_pb2.WatchJobsRequest) -> None:
+    async with grpc.aio.insecure_channel(idle_stack.address) as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            async for _ in stub.WatchJobs(request_):
+                pass
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
