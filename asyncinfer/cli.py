@@ -250,7 +250,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(render_default_config())
         return 0
     if args.command == "webhook-secret":
-        from services.scheduler.webhooks.signing import new_secret
+        from asyncinfer.webhook_secrets import new_secret
 
         secret = new_secret()
         print(secret)
@@ -258,7 +258,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(f'# secrets = [{{ tenant = "{args.tenant}", secret = "{secret}" }}]')
         return 0
     if args.command == "hash-key":
-        from services.gateway.auth import hash_key
+        from asyncinfer.api_keys import hash_key
 
         print(hash_key(sys.stdin.readline().strip() if args.key == "-" else args.key))
         return 0
