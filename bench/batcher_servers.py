@@ -190,7 +190,7 @@ def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> No
     else:
         from asyncinfer.config import BatcherConfig
         from bench.batcher_models import minilm_config
-        from services.batcher.backends import load_backend
+        from services.batcher.backends.loading import load_backend
 
         backend = load_backend(minilm_config(max_batch, delay_ms), BatcherConfig())
 

@@ -15,7 +15,8 @@ from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
-from services.batcher.backends import ModelBackend, load_backend
+from services.batcher.backends import ModelBackend
+from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
