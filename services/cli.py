@@ -76,12 +76,14 @@ def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
     return start
 
 
-async def run_service(name: str, config: Config) -> None:
+async def run_service(name: str, config: Config) -> int:
     def started(apps: Sequence[App]) -> None:
         tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
 
-    await run_until_stopped([_starter(lambda: SERVICES[name](config))], grace_s=SHUTDOWN_GRACE_S, on_started=started)
+    return await run_until_stopped(
+        [_starter(lambda: SERVICES[name](config))], grace_s=SHUTDOWN_GRACE_S, on_started=started
+    )
 
 
 def _host(config: Config, name: str) -> str:
@@ -108,8 +110,8 @@ def check_up_exposure(config: Config) -> None:
             )
 
 
-async def run_up(config: Config) -> None:
-    """The whole stack in one process, on the embedded nats-server."""
+async def run_up(config: Config) -> int:
+    """The whole stack in one process, on the embedded nats-server; the exit code."""
     from asyncinfer.embedded_nats import NatsServerProcess
 
     check_up_exposure(config)
@@ -144,7 +146,7 @@ async def run_up(config: Config) -> None:
         print(_banner(config, state, nats.url), flush=True)
 
     try:
-        await run_until_stopped(
+        return await run_until_stopped(
             [make("gateway"), make("scheduler"), make("batcher")], grace_s=SHUTDOWN_GRACE_S, on_started=started
         )
     finally:
@@ -201,11 +203,11 @@ def _grpcurl_command() -> str:
         return str(beside)
 
 
-def _run(main: Coroutine[Any, Any, None]) -> None:
+def _run(main: Coroutine[Any, Any, int]) -> int:
     """asyncio.run on uvloop: per-call gRPC aio work is most of a service's CPU, and uvloop's loop
     takes 10-15% off it (measured on the batcher benchmark)."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        return runner.run(main)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,15 +234,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)
         if args.command == "up":
-            _run(run_up(config))
-        else:
-            _run(run_service(args.command, config))
+            return _run(run_up(config))
+        return _run(run_service(args.command, config))
     except AsyncInferError as exc:
         print(f"asyncinfer: {exc.message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 130
-    return 0
 
 
 if __name__ == "__main__":

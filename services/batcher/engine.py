@@ -56,6 +56,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, validate_inputs
 from services.batcher.assemble import assemble, split
 from services.batcher.backends import ModelBackend
@@ -127,9 +128,9 @@ class _ModelQueue:
     def free_slots(self) -> int:
         return max(self.config.max_queue_size - self.held, 0)
 
-    def start(self, executor: ThreadPoolExecutor) -> None:
+    def start(self, executor: ThreadPoolExecutor, supervisor: Supervisor) -> None:
         self._executor = executor
-        self._former = asyncio.create_task(self._form_batches(), name=f"batcher-{self.name}")
+        self._former = supervisor.start(f"batcher-{self.name}", self._form_batches())
 
     def submit(self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority) -> PendingItem:
         if self.held >= self.config.max_queue_size:
@@ -490,8 +491,11 @@ class BatchingEngine:
     Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
     loop, and `await stop(grace_s)` once."""
 
-    def __init__(self, *, metrics: BatcherMetrics | None = None) -> None:
+    def __init__(self, *, metrics: BatcherMetrics | None = None, supervisor: Supervisor | None = None) -> None:
         self._metrics = metrics
+        # The batcher app's, which stops the process when a batch former dies; an engine of its own
+        # (in tests, benchmarks) still has its formers' deaths logged at once.
+        self._supervisor = supervisor or Supervisor("batching-engine")
         self._queues: dict[str, _ModelQueue] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -543,7 +547,7 @@ class BatchingEngine:
         workers = max(sum(q.config.max_inflight_batches for q in self._queues.values()), 1)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batcher-compute")
         for queue in self._queues.values():
-            queue.start(self._executor)
+            queue.start(self._executor, self._supervisor)
         self._accepting = True
 
     def submit(

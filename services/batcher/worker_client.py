@@ -31,6 +31,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, InferOutcome, PendingItem
@@ -67,8 +68,17 @@ STABLE_SESSION_S = 5.0
 class WorkerClient:
     """Keeps one work stream to the scheduler open, reconnecting after failures."""
 
-    def __init__(self, *, address: str, batcher_id: str, engine: BatchingEngine, reconnect_delay_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        address: str,
+        batcher_id: str,
+        engine: BatchingEngine,
+        reconnect_delay_s: float,
+        supervisor: Supervisor,
+    ) -> None:
         self._address = address
+        self._supervisor = supervisor
         self._batcher_id = batcher_id
         self._engine = engine
         self._reconnect_delay_s = reconnect_delay_s
@@ -78,7 +88,7 @@ class WorkerClient:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="batcher-worker-client")
+            self._task = self._supervisor.start("batcher-worker-client", self._run())
 
     def stop_granting(self) -> None:
         """Offers no more credits (the first step of shutdown) and does not reconnect."""

@@ -37,6 +37,7 @@ from asyncinfer.errors import Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState, decode_record
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import (
     EVENT_OF_STATE,
     CallbackEvent,
@@ -79,8 +80,9 @@ def due_events(record: JobRecord) -> list[CallbackEvent]:
 
 
 class Notifier:
-    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config) -> None:
+    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config, supervisor: Supervisor) -> None:
         self._js = js
+        self._supervisor = supervisor
         self._store = store
         self._config = config
         self._subscription: JetStreamContext.PullSubscription | None = None
@@ -92,7 +94,7 @@ class Notifier:
     async def start(self) -> None:
         nats_config = self._config.nats
         self._subscription = await self._js.pull_subscribe_bind(FEED_CONSUMER, stream=jobs_stream(nats_config))
-        self._task = asyncio.create_task(self._run(), name="webhook-notifier")
+        self._task = self._supervisor.start("webhook-notifier", self._run())
 
     async def stop(self, grace_s: float) -> None:
         """Finishes the record being handled (within grace_s); an unacked one comes back later."""

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
@@ -93,6 +94,7 @@ class Sender:
         store: StatusStore,
         config: Config,
         metrics: WebhookMetrics,
+        supervisor: Supervisor,
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
@@ -103,6 +105,7 @@ class Sender:
         self._settings = config.webhooks
         self._allowed = parse_networks(config.webhooks.allowed_networks)
         self._metrics = metrics
+        self._supervisor = supervisor
         # Replaceable so tests can pin the jitter.
         self.rng = rng or random.Random()
         self._clock = clock
@@ -116,7 +119,7 @@ class Sender:
         self._subscription = await self._js.pull_subscribe_bind(
             SENDER_CONSUMER, stream=self._config.nats.webhooks_stream
         )
-        self._task = asyncio.create_task(self._run(), name="webhook-sender")
+        self._task = self._supervisor.start("webhook-sender", self._run())
 
     async def stop(self, grace_s: float) -> None:
         """Stops pulling, lets attempts in flight finish within grace_s, then cancels the rest
