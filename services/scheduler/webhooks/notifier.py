@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.jetstream import publish_durably
@@ -116,13 +117,7 @@ class Notifier:
         while not self._closing:
             self._fetching = True
             try:
-                msgs = await self._subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-            except nats.errors.TimeoutError:
-                continue
-            except NATS_FAILURES as exc:
-                log.warning("webhook_feed_fetch_failed", error=str(exc))
-                await asyncio.sleep(RETRY_DELAY_S)
-                continue
+                msgs = await self._fetch(self._subscription)
             finally:
                 self._fetching = False
             for msg in msgs:
@@ -131,6 +126,20 @@ class Notifier:
                         await msg.nak()
                     continue
                 await self._handle(msg)
+
+    async def _fetch(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
+        """The next record writes ([] when none came within FETCH_WAIT_S), waiting out NATS
+        failures, backing off up to RETRY_DELAY_S, for as long as the notifier runs."""
+        async for attempt in retrying(NATS_FAILURES, retry_for_s=None, max_delay_s=RETRY_DELAY_S):
+            with attempt:
+                try:
+                    return await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+                except nats.errors.TimeoutError:
+                    return []
+                except NATS_FAILURES as exc:
+                    log.warning("webhook_feed_fetch_failed", error=str(exc))
+                    raise
+        raise AssertionError("unreachable: it retries until cancelled")  # pragma: no cover
 
     async def _handle(self, msg: Msg) -> None:
         try:
