@@ -21,6 +21,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2
 
+from asyncinfer.backoff import retrying
 from asyncinfer.errors import (
     AsyncInferError,
     Cancelled,
@@ -112,31 +113,50 @@ class WorkerClient:
             await self._task
 
     async def _run(self) -> None:
-        delay_s = first_delay_s = min(FIRST_RECONNECT_DELAY_S, self._reconnect_delay_s)
         while not self._stopping:
-            started = time.monotonic()
-            try:
-                # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
-                # a trusted peer, bounds them with its own server's send limit.
-                options = [("grpc.max_receive_message_length", -1)]
-                async with grpc.aio.insecure_channel(self._address, options=options) as channel:
-                    stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-                    self._session = _WorkSession(stub, self._batcher_id, self._engine)
-                    await self._session.run()
-                log.warning("scheduler closed the work stream", scheduler=self._address)
-            except grpc.aio.AioRpcError as error:
-                log.warning(
-                    "work stream failed",
-                    scheduler=self._address,
-                    code=error.code().name,
-                    details=error.details(),
-                )
-            except Exception:
-                log.exception("work stream failed", scheduler=self._address)
-            if time.monotonic() - started > STABLE_SESSION_S:
-                delay_s = first_delay_s  # it was up for a while: this is a new failure
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self._reconnect_delay_s)
+            await self._reconnecting()
+
+    async def _reconnecting(self) -> None:
+        """Opens work streams, backing off from FIRST_RECONNECT_DELAY_S up to reconnect_delay_s
+        between them, until one that was up for STABLE_SESSION_S ends (the next failure is a new
+        one: the backoff starts again) or the client stops."""
+        first_delay_s = min(FIRST_RECONNECT_DELAY_S, self._reconnect_delay_s)
+        async for attempt in retrying(
+            _StreamEnded, retry_for_s=None, first_delay_s=first_delay_s, max_delay_s=self._reconnect_delay_s
+        ):
+            with attempt:
+                if self._stopping:
+                    return
+                started = time.monotonic()
+                await self._stream_once()
+                if time.monotonic() - started > STABLE_SESSION_S:
+                    return
+                raise _StreamEnded
+
+    async def _stream_once(self) -> None:
+        """One work stream, from connecting until it ends (each way it ends is logged)."""
+        try:
+            # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
+            # a trusted peer, bounds them with its own server's send limit.
+            options = [("grpc.max_receive_message_length", -1)]
+            async with grpc.aio.insecure_channel(self._address, options=options) as channel:
+                stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+                self._session = _WorkSession(stub, self._batcher_id, self._engine)
+                await self._session.run()
+            log.warning("scheduler closed the work stream", scheduler=self._address)
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "work stream failed",
+                scheduler=self._address,
+                code=error.code().name,
+                details=error.details(),
+            )
+        except Exception:
+            log.exception("work stream failed", scheduler=self._address)
+
+
+class _StreamEnded(Exception):
+    """A work stream ended before it was up for STABLE_SESSION_S: reconnect after a backoff."""
 
 
 class _WorkSession:
