@@ -339,7 +339,10 @@ class IdempotentSubmitter:
                 with attempt:
                     return await self._first_or_free(request, tenant=tenant, key=key, fingerprint=fingerprint)
         except _ClaimHeld as exc:
-            raise Unavailable(f"the idempotency key is still held by job {exc.job_id}; try again") from None
+            raise Unavailable(
+                f"idempotency key {request.idempotency_key[:64]!r} is still held by job {exc.job_id}; try again",
+                reason="IDEMPOTENCY_CONTENDED",
+            ) from None
         raise AssertionError("unreachable: the last error is raised")  # pragma: no cover
 
     async def _first_or_free(
