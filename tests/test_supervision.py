@@ -1,10 +1,14 @@
 """Background loops under one owner (asyncinfer.supervision): a loop that dies is reported at once
 and ends run_until_stopped with a failure exit code; stopping is ordered and bounded. The last
-test breaks a loop inside a real scheduler."""
+two tests break a loop inside a real scheduler, in this process and as the `asyncinfer scheduler`
+command."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +23,7 @@ from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
 
 WAIT_S = 10.0
+REPO = Path(__file__).resolve().parent.parent
 
 
 class Broken(Exception):
@@ -220,3 +225,42 @@ async def test_a_loop_dying_in_a_real_scheduler_stops_it_with_a_failure_exit_cod
     assert [(entry["owner"], entry["loop"]) for entry in died] == [("scheduler", "scheduler-pauses")]
     assert any(entry["event"] == "scheduler_stopped" for entry in logs)  # stopped in order, as for a signal
     assert scheduler.supervisor.loop_names == []
+
+
+# The scheduler command with the same bug planted: the process exits with EXIT_LOOP_DIED.
+BROKEN_SCHEDULER = """
+import sys
+from services.cli import main
+from services.scheduler.pauses import PauseState
+
+def broken_set(self, model_name, *, paused):
+    raise RuntimeError("planted bug")
+
+PauseState._set = broken_set
+sys.exit(main(["scheduler"]))
+"""
+
+
+async def test_the_scheduler_command_exits_with_exit_loop_died_when_a_loop_dies(config: Config, nc: NatsClient) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "ASYNCINFER_NATS__URL": config.nats.url,
+        "ASYNCINFER_SCHEDULER__PORT": "0",
+        "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BROKEN_SCHEDULER, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    assert process.stdout is not None
+    serving = await asyncio.wait_for(process.stdout.readline(), WAIT_S)
+    assert b"asyncinfer scheduler serving on" in serving
+    kv = await nc.jetstream().key_value(config.nats.queues_bucket)
+    await kv.put(paused_key("demo"), b'{"by": "test"}')
+    try:
+        code = await asyncio.wait_for(process.wait(), WAIT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == EXIT_LOOP_DIED
