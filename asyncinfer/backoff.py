@@ -3,7 +3,9 @@ reconnecting client or a peer that is not up yet.
 
 Built on stamina (tenacity underneath): exponential backoff from `first_delay_s`, doubling up to
 `max_delay_s`, plus a random jitter of up to `first_delay_s` (stamina's additive jitter), for at
-most `retry_for_s` in all; the last error is raised. Only for idempotent operations.
+most `retry_for_s` in all; the last error is raised. Only for idempotent operations. A background
+loop that must outlast any outage (a feed, a reconnecting stream) passes `retry_for_s=None`: it
+retries for as long as it runs, and its owner ends it by cancelling it.
 
 The job-retry policy (how long a failed job waits before its next attempt) is domain logic and
 lives in `asyncinfer.lifecycle`, not here.
@@ -28,13 +30,13 @@ MAX_DELAY_S = 1.0
 def retrying(
     on: type[Exception] | tuple[type[Exception], ...],
     *,
-    retry_for_s: float,
+    retry_for_s: float | None,
     first_delay_s: float = FIRST_DELAY_S,
     max_delay_s: float = MAX_DELAY_S,
     attempts: int | None = None,
 ) -> AsyncIterator[stamina.Attempt]:
     """`async for attempt in retrying(...): with attempt: ...` — the block is run again while it
-    raises `on`, until `retry_for_s` has passed (or `attempts` were made)."""
+    raises `on`, until `retry_for_s` has passed (or `attempts` were made); None and None: forever."""
     return stamina.retry_context(
         on=on,
         attempts=attempts,

@@ -1,8 +1,11 @@
 """Running service apps until a signal: start in order, stop in reverse order, always.
 
-An app is anything with `async start()`, `async stop(grace_s)` and a `port` (the services' XxxApp
-classes). Stopping is ordered and bounded: the first SIGINT/SIGTERM stops intake and drains within
-the grace period; a second one is ignored while that runs (the bounded grace ends it anyway).
+An app is anything with `async start()`, `async stop(grace_s)`, a `port` and the `supervisor` that
+owns its background loops (the services' XxxApp classes). Stopping is ordered and bounded: the
+first SIGINT/SIGTERM stops intake and drains within the grace period; a second one is ignored while
+that runs (the bounded grace ends it anyway). A background loop that dies stops the process the
+same way, and the process exits with EXIT_LOOP_DIED: a service with a dead dispatcher or feed
+looks alive but does nothing, so it is better restarted (by systemd, Kubernetes, compose).
 """
 
 from __future__ import annotations
@@ -14,11 +17,18 @@ from typing import Protocol
 
 import structlog
 
+from asyncinfer.supervision import LoopDied, Supervisor
+
 log = structlog.get_logger("asyncinfer.runner")
+
+EXIT_STOPPED = 0
+# sysexits.h's EX_SOFTWARE: an internal error, here a background loop that raised.
+EXIT_LOOP_DIED = 70
 
 
 class App(Protocol):
     port: int
+    supervisor: Supervisor
 
     async def start(self) -> None: ...
 
@@ -26,10 +36,12 @@ class App(Protocol):
 
 
 class StopSignal:
-    """An event set by SIGINT or SIGTERM (or by `set()`, for tests and embedding)."""
+    """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by `set()` (for
+    tests and embedding)."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.failure: LoopDied | None = None
         self._installed: list[signal.Signals] = []
 
     def install(self) -> None:
@@ -44,6 +56,12 @@ class StopSignal:
         self.event.set()
 
     def set(self) -> None:
+        self.event.set()
+
+    def fail(self, failure: LoopDied) -> None:
+        if self.failure is None:
+            self.failure = failure
+            log.error("stopping", reason=str(failure))
         self.event.set()
 
     def uninstall(self) -> None:
@@ -62,16 +80,19 @@ async def run_until_stopped(
     grace_s: float,
     on_started: Callable[[Sequence[App]], None] | None = None,
     stop: StopSignal | None = None,
-) -> None:
+) -> int:
     """Starts each app in order (a starter may use what earlier ones bound, e.g. their ports),
-    waits for a stop signal, then stops the started ones in reverse order."""
+    waits for a stop signal or a dead loop, then stops the started ones in reverse order. The
+    process's exit code: EXIT_STOPPED after a signal, EXIT_LOOP_DIED after a dead loop."""
     stop = stop or StopSignal()
     stop.install()
     started: list[App] = []
     try:
         for starter in starters:
-            started.append(await starter())
-        if on_started is not None:
+            app = await starter()
+            started.append(app)
+            app.supervisor.on_failure(stop.fail)
+        if on_started is not None and stop.failure is None:
             on_started(started)
         await stop.wait()
     finally:
@@ -81,3 +102,4 @@ async def run_until_stopped(
             except Exception:
                 log.exception("stop_failed", app=type(app).__name__)
         stop.uninstall()
+    return EXIT_LOOP_DIED if stop.failure is not None else EXIT_STOPPED

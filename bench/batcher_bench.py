@@ -131,7 +131,7 @@ def direct(model: str, batch_size: int, window_s: float) -> Window:
     else:
         from asyncinfer.config import BatcherConfig
         from bench.batcher_models import minilm_config
-        from services.batcher.backends import load_backend
+        from services.batcher.backends.loading import load_backend
 
         backend = load_backend(minilm_config(128, 5.0), BatcherConfig())
         texts = np.array([t.encode() for t in make_texts(batch_size, seed=batch_size)], dtype=np.object_)

@@ -63,7 +63,7 @@ async def _serve_until_signalled(server: Any, port: int) -> None:
 
 
 async def _ready_until_signalled() -> None:
-    """Once a server has started: tunes the collector (as asyncinfer.cli does for every service),
+    """Once a server has started: tunes the collector (as services.cli does for every service),
     prints READY, and returns on SIGTERM/SIGINT."""
     tune_for_serving()
     stop = asyncio.Event()
@@ -138,7 +138,7 @@ def _run_profiled(main: Any) -> None:
 
     import uvloop
 
-    # On uvloop, as the services run (asyncinfer.cli).
+    # On uvloop, as the services run (services.cli).
     target = os.environ.get("BENCH_PROFILE")
     if not target:
         uvloop.run(main())
@@ -190,7 +190,7 @@ def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> No
     else:
         from asyncinfer.config import BatcherConfig
         from bench.batcher_models import minilm_config
-        from services.batcher.backends import load_backend
+        from services.batcher.backends.loading import load_backend
 
         backend = load_backend(minilm_config(max_batch, delay_ms), BatcherConfig())
 

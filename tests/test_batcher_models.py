@@ -15,7 +15,7 @@ import torch
 from asyncinfer.config import DEMO_MODEL, BatcherConfig, ModelConfig
 from asyncinfer.errors import ConfigError
 from asyncinfer.tensors import Tensor
-from services.batcher.backends import load_backend
+from services.batcher.backends.loading import load_backend
 from services.batcher.backends.minilm import MINILM_MODEL, MiniLMBackend, model_dir
 from services.batcher.backends.torch_backend import TorchBackend, resolve_device
 from services.batcher.engine import BatchingEngine

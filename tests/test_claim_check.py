@@ -18,6 +18,7 @@ import pytest
 from google.protobuf import duration_pb2
 from nats.aio.client import Client as NatsClient
 
+from asyncinfer.api_keys import hash_key
 from asyncinfer.blobs import BlobStore, new_input_ref
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
@@ -27,7 +28,6 @@ from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.batcher.app import BatcherApp
 from services.gateway.app import GatewayApp
-from services.gateway.auth import hash_key
 from services.scheduler.app import SchedulerApp
 
 if TYPE_CHECKING:

@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer.api_keys import hash_key
 from asyncinfer.client import (
     NO_RETRY,
     AsyncClient,
@@ -35,7 +36,6 @@ from asyncinfer.client import (
 )
 from asyncinfer.config import Config
 from services.gateway.app import GatewayApp
-from services.gateway.auth import hash_key
 from tests.stack import Stack
 
 T = TypeVar("T")

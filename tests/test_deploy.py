@@ -287,7 +287,7 @@ def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -
     (secret,) = of_kind(docs, "Secret").values()
     environ = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     cfg = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path, environ)
-    from services.gateway.auth import hash_key
+    from asyncinfer.api_keys import hash_key
 
     assert [k.sha256 for k in cfg.gateway.api_keys] == [hash_key("asyncinfer-local-demo-key")]
     assert cfg.webhooks.secret_for("demo") is not None

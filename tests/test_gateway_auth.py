@@ -9,14 +9,15 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
-from asyncinfer.cli import check_up_exposure, main
+from asyncinfer.api_keys import hash_key
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import ConfigError
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.cli import check_up_exposure, main
 from services.gateway.app import GatewayApp
-from services.gateway.auth import hash_key, is_loopback
+from services.gateway.auth import is_loopback
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub

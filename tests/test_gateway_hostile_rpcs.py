@@ -23,11 +23,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from asyncinfer.api_keys import hash_key
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.gateway.auth import hash_key
 from services.gateway.list_jobs import encode_token
 from tests.test_gateway_hostile import (
     CALL_TIMEOUT_S,

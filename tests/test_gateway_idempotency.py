@@ -22,6 +22,7 @@ from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record, job_key
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway import idempotency
 from services.gateway.app import GatewayApp
 from services.gateway.convert import submit_request_from_proto
 from services.gateway.idempotency import TAKEOVER_MARGIN_S, Claim, claim_key, request_fingerprint
@@ -243,6 +244,33 @@ async def test_a_live_claim_is_waited_for_and_a_stale_one_taken_over(
     assert again.deduplicated
     assert again.job.job_id == taken.job.job_id
     assert await work_messages(nc) == 1
+
+
+async def test_a_claim_that_never_goes_stale_is_waited_for_only_so_long(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The claim's holder has a clock an hour ahead: by ours its claim is never stale. The repeat
+    # waits (backing off) as long as a claim can be live, then answers UNAVAILABLE.
+    monkeypatch.setattr(idempotency, "TAKEOVER_MARGIN_S", 0.0)
+    app = GatewayApp(config.replace(gateway={"enqueue_retry_s": 0.5}))
+    await app.start()
+    try:
+        claims = await nc.jetstream().key_value(config.nats.idempotency_bucket)
+        request = submit_request(idempotency_key="clock-ahead")
+        fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
+        holder = new_job_id()
+        await claims.create(claim_key(TENANT, "clock-ahead"), Claim(holder, fingerprint, time.time() + 3600).encode())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await job_stub(channel).SubmitJob(request, timeout=10)
+            waited_s = time.monotonic() - started
+    finally:
+        await app.stop(grace_s=1)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert holder in (failed.value.details() or "")
+    assert 0.5 <= waited_s < 5.0  # waited out the claim's bound (0.5 s), not the call's deadline
+    assert await work_messages(nc) == 0
 
 
 async def test_a_retry_after_its_deadline_passed_still_names_the_first_job(stub: JobStub, nc: NatsClient) -> None:

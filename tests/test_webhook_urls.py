@@ -11,6 +11,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from asyncinfer.jobs import CallbackSpec, JobRecord, JobState, Priority
+from asyncinfer.webhook_secrets import new_secret
 from asyncinfer.webhook_status import CallbackEvent
 from asyncinfer.webhook_urls import (
     MAX_URL_LENGTH,
@@ -24,7 +25,7 @@ from asyncinfer.webhook_urls import (
 from services.scheduler.webhooks.deliveries import event_body
 from services.scheduler.webhooks.notifier import due_events
 from services.scheduler.webhooks.sender import backoff_delay, retry_after_s
-from services.scheduler.webhooks.signing import new_secret, signed_headers
+from services.scheduler.webhooks.signing import signed_headers
 
 NON_PUBLIC = [
     "10.1.2.3",

@@ -20,8 +20,8 @@ from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.jetstream import connect
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from asyncinfer.webhook_secrets import new_secret
 from services.gateway.app import GatewayApp
-from services.scheduler.webhooks.signing import new_secret
 from tests.stack import Stack as BaseStack
 
 SECRET = new_secret()

@@ -10,60 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from asyncinfer.client import AsyncClient, AsyncInferClientError
+from asyncinfer.client import AsyncInferClientError
+from asyncinfer.commands import bulk, jobs, ops
+from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
 from asyncinfer.commands.output import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, report_error
 
-DEFAULT_GATEWAY = "127.0.0.1:50051"
-DEFAULT_SCHEDULER = "127.0.0.1:50052"
-DEFAULT_CALL_TIMEOUT_S = 30.0
 EXIT_CODES_HELP = (
     "exit codes: 0 ok, 1 a job ended other than SUCCEEDED, 2 usage error, 3 not found, 4 invalid argument, "
     "5 unavailable / deadline exceeded / resource exhausted, 6 other error, 7 unauthenticated / permission "
     "denied, 130 interrupted"
 )
-
-
-@dataclass(frozen=True, slots=True)
-class Options:
-    """The options every client command shares."""
-
-    gateway: str
-    scheduler: str
-    api_key: str | None
-    timeout_s: float | None  # None: unary calls take DEFAULT_CALL_TIMEOUT_S, waits are unbounded
-    json: bool
-    config: Path | None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Options:
-        return cls(
-            gateway=getattr(args, "gateway", None) or os.environ.get("ASYNCINFER_GATEWAY_ADDRESS") or DEFAULT_GATEWAY,
-            scheduler=getattr(args, "scheduler", None)
-            or os.environ.get("ASYNCINFER_SCHEDULER_ADDRESS")
-            or DEFAULT_SCHEDULER,
-            api_key=getattr(args, "api_key", None) or os.environ.get("ASYNCINFER_API_KEY") or None,
-            timeout_s=getattr(args, "timeout", None),
-            json=bool(getattr(args, "json", False)),
-            config=getattr(args, "config", None),
-        )
-
-    @property
-    def call_timeout_s(self) -> float:
-        return self.timeout_s if self.timeout_s is not None else DEFAULT_CALL_TIMEOUT_S
-
-    def client(self) -> AsyncClient:
-        """A client of the gateway; make it inside the running event loop, and close it."""
-        return AsyncClient(self.gateway, api_key=self.api_key, timeout_s=self.call_timeout_s)
-
-
-Handler = Callable[[argparse.Namespace, Options], Coroutine[Any, Any, int]]
 
 
 def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
@@ -105,8 +63,6 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the client commands to `asyncinfer`'s subcommands."""
-    from asyncinfer.commands import bulk, jobs, ops
-
     for module in (jobs, bulk, ops):
         module.register(commands, add_client_options)
 

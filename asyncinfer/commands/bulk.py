@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, BulkResult, JobRequest, NotFoundError
-from asyncinfer.commands import Options
 from asyncinfer.commands.inputs import Signatures, request_from_json
+from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
     EXIT_OK,

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority, TensorSpec
-from asyncinfer.commands import Options
 from asyncinfer.commands.inputs import (
     Signatures,
     inputs_from_arguments,
     parse_key_values,
     request_from_json,
 )
+from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
     EXIT_OK,

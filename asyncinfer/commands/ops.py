@@ -19,7 +19,7 @@ import grpc
 from grpc import aio
 
 from asyncinfer.client.errors import from_rpc_error
-from asyncinfer.commands import Options
+from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import EXIT_OK, UsageError, print_json, table
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 

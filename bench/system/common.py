@@ -297,7 +297,7 @@ class ProcessGroup:
         label = label or name
         config_path = self.tmp / f"{label}.toml"
         config_path.write_text(render_default_config(config))
-        argv = [PYTHON, "-m", "asyncinfer.cli", name, "--config", str(config_path)]
+        argv = [PYTHON, "-m", "services.cli", name, "--config", str(config_path)]
         return self.command(
             label, argv, ready=lambda c: grpc_serving(c.address), port=port, env=env, profile_path=profile_path
         )

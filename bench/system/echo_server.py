@@ -83,7 +83,7 @@ async def serve(port: int, nats_url: str = "") -> None:
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    tune_for_serving()  # as the services do once started (asyncinfer.cli)
+    tune_for_serving()  # as the services do once started (services.cli)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -3,7 +3,7 @@ the system (gateway, NATS, scheduler, batcher) and not the model. Declared as
 
     ModelConfig(name="noop", loader="bench.system.noop_model:build", inputs x FP32 [-1, 4], outputs y FP32 [-1, 4])
 
-The services import it from the repository root (they run there as `python -m asyncinfer.cli`).
+The services import it from the repository root (they run there as `python -m services.cli`).
 torch is imported only by `build`, so the benchmark driver can use `noop_model_config` without it."""
 
 from __future__ import annotations

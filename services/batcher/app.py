@@ -15,7 +15,9 @@ from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
-from services.batcher.backends import ModelBackend, load_backend
+from asyncinfer.supervision import Supervisor
+from services.batcher.backends import ModelBackend
+from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
@@ -30,7 +32,8 @@ class BatcherApp:
         self.batcher_id = config.batcher.batcher_id or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
-        self.engine = BatchingEngine(metrics=self.metrics)
+        self.supervisor = Supervisor("batcher")
+        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor)
         self.port = 0
         self.metrics_port = 0
         self._backends: list[ModelBackend] = []
@@ -90,6 +93,7 @@ class BatcherApp:
                 engine=self.engine,
                 reconnect_delay_s=batcher.reconnect_delay_s,
                 work_batches=batcher.work_batches,
+                supervisor=self.supervisor,
             )
             await self._worker.start()
         log.info(
@@ -128,6 +132,7 @@ class BatcherApp:
         if self._stopped:
             return
         self._stopped = True
+        self.supervisor.begin_stop()
         deadline = asyncio.get_running_loop().time() + grace_s
         if self._worker is not None:
             self._worker.stop_granting()
@@ -140,6 +145,7 @@ class BatcherApp:
         if self._worker is not None:
             # Every item has resolved by now; send the answers and close the stream.
             await self._worker.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
+        await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
         for backend in self._backends:

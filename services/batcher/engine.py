@@ -43,6 +43,7 @@ import structlog
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import DeadlineExceeded, NotFound, Unavailable
 from asyncinfer.jobs import Priority
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
@@ -61,8 +62,11 @@ class BatchingEngine:
     Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
     loop, and `await stop(grace_s)` once."""
 
-    def __init__(self, *, metrics: BatcherMetrics | None = None) -> None:
+    def __init__(self, *, metrics: BatcherMetrics | None = None, supervisor: Supervisor | None = None) -> None:
         self._metrics = metrics
+        # The batcher app's, which stops the process when a batch former dies; an engine of its own
+        # (in tests, benchmarks) still has its formers' deaths logged at once.
+        self._supervisor = supervisor or Supervisor("batching-engine")
         self._queues: dict[str, ModelQueue] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -114,7 +118,7 @@ class BatchingEngine:
         workers = max(sum(q.config.max_inflight_batches for q in self._queues.values()), 1)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batcher-compute")
         for queue in self._queues.values():
-            queue.start(self._executor)
+            queue.start(self._executor, self._supervisor)
         self._accepting = True
 
     def submit(

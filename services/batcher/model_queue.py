@@ -24,6 +24,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, BatchRunner, Computed, fail
@@ -90,9 +91,9 @@ class ModelQueue:
     def free_slots(self) -> int:
         return max(self.config.max_queue_size - self.held, 0)
 
-    def start(self, executor: ThreadPoolExecutor) -> None:
+    def start(self, executor: ThreadPoolExecutor, supervisor: Supervisor) -> None:
         self._executor = executor
-        self._former = asyncio.create_task(self._form_batches(), name=f"batcher-{self.name}")
+        self._former = supervisor.start(f"batcher-{self.name}", self._form_batches())
 
     def submit(self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority) -> PendingItem:
         if self.held >= self.config.max_queue_size:

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import structlog
 
+from asyncinfer.backoff import retrying
 from asyncinfer.errors import (
     AsyncInferError,
     Cancelled,
@@ -30,6 +31,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, InferOutcome, PendingItem
@@ -75,9 +77,11 @@ class WorkerClient:
         batcher_id: str,
         engine: BatchingEngine,
         reconnect_delay_s: float,
+        supervisor: Supervisor,
         work_batches: bool = True,
     ) -> None:
         self._address = address
+        self._supervisor = supervisor
         self._work_batches = work_batches
         self._batcher_id = batcher_id
         self._engine = engine
@@ -88,7 +92,7 @@ class WorkerClient:
 
     async def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="batcher-worker-client")
+            self._task = self._supervisor.start("batcher-worker-client", self._run())
 
     def stop_granting(self) -> None:
         """Offers no more credits (the first step of shutdown) and does not reconnect."""
@@ -112,31 +116,50 @@ class WorkerClient:
             await self._task
 
     async def _run(self) -> None:
-        delay_s = first_delay_s = min(FIRST_RECONNECT_DELAY_S, self._reconnect_delay_s)
         while not self._stopping:
-            started = time.monotonic()
-            try:
-                # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
-                # a trusted peer, bounds them with its own server's send limit.
-                options = [("grpc.max_receive_message_length", -1)]
-                async with grpc.aio.insecure_channel(self._address, options=options) as channel:
-                    stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-                    self._session = _WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
-                    await self._session.run()
-                log.warning("scheduler closed the work stream", scheduler=self._address)
-            except grpc.aio.AioRpcError as error:
-                log.warning(
-                    "work stream failed",
-                    scheduler=self._address,
-                    code=error.code().name,
-                    details=error.details(),
-                )
-            except Exception:
-                log.exception("work stream failed", scheduler=self._address)
-            if time.monotonic() - started > STABLE_SESSION_S:
-                delay_s = first_delay_s  # it was up for a while: this is a new failure
-            await asyncio.sleep(delay_s)
-            delay_s = min(delay_s * 2, self._reconnect_delay_s)
+            await self._reconnecting()
+
+    async def _reconnecting(self) -> None:
+        """Opens work streams, backing off from FIRST_RECONNECT_DELAY_S up to reconnect_delay_s
+        between them, until one that was up for STABLE_SESSION_S ends (the next failure is a new
+        one: the backoff starts again) or the client stops."""
+        first_delay_s = min(FIRST_RECONNECT_DELAY_S, self._reconnect_delay_s)
+        async for attempt in retrying(
+            _StreamEnded, retry_for_s=None, first_delay_s=first_delay_s, max_delay_s=self._reconnect_delay_s
+        ):
+            with attempt:
+                if self._stopping:
+                    return
+                started = time.monotonic()
+                await self._stream_once()
+                if time.monotonic() - started > STABLE_SESSION_S:
+                    return
+                raise _StreamEnded
+
+    async def _stream_once(self) -> None:
+        """One work stream, from connecting until it ends (each way it ends is logged)."""
+        try:
+            # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
+            # a trusted peer, bounds them with its own server's send limit.
+            options = [("grpc.max_receive_message_length", -1)]
+            async with grpc.aio.insecure_channel(self._address, options=options) as channel:
+                stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
+                self._session = _WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
+                await self._session.run()
+            log.warning("scheduler closed the work stream", scheduler=self._address)
+        except grpc.aio.AioRpcError as error:
+            log.warning(
+                "work stream failed",
+                scheduler=self._address,
+                code=error.code().name,
+                details=error.details(),
+            )
+        except Exception:
+            log.exception("work stream failed", scheduler=self._address)
+
+
+class _StreamEnded(Exception):
+    """A work stream ended before it was up for STABLE_SESSION_S: reconnect after a backoff."""
 
 
 class _WorkSession:

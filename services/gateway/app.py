@@ -1,5 +1,6 @@
 """The gateway process: NATS connection, stream and bucket declarations, the queue view, the watch
-hub, the public JobService and the metrics endpoint, started and stopped in order."""
+hub, the public JobService and the metrics endpoint, started and stopped in order; its background
+loop (the watch feed's idle stop) runs under the app's supervisor."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import ensure_queues_bucket
+from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
@@ -42,6 +44,7 @@ class GatewayApp:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
+        self.supervisor = Supervisor("gateway")
         self._metrics_server = MetricsServer(self.registry, config.gateway.host, config.gateway.metrics_port)
         self._nc: NatsClient | None = None
         self._hub: WatchHub | None = None
@@ -91,7 +94,7 @@ class GatewayApp:
         expiry = Expiry(
             records, on_expired=lambda record: self.metrics.expired_on_read.labels(model=record.model_name).inc()
         )
-        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry)
+        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry, supervisor=self.supervisor)
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
         admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
@@ -131,6 +134,7 @@ class GatewayApp:
         if self._stopped:
             return
         self._stopped = True
+        self.supervisor.begin_stop()
         # Watches never end on their own: end them first so the grace period serves unary calls.
         if self._hub is not None:
             await self._hub.stop()
@@ -142,6 +146,7 @@ class GatewayApp:
             await self._submitter.drain()  # submits whose callers left, each bounded
         if self._queues is not None:
             await self._queues.stop()
+        await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         self._metrics_server.stop()
         if self._nc is not None and not self._nc.is_closed:
             try:

@@ -6,20 +6,15 @@ this machine can connect: `require_auth_beyond_loopback` refuses such a start be
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 from collections.abc import Iterable
 
+from asyncinfer.api_keys import hash_key
 from asyncinfer.config import ApiKeyConfig
 from asyncinfer.errors import ConfigError, Unauthenticated
 
 BEARER = "bearer "
-
-
-def hash_key(key: str) -> str:
-    """The digest the configuration stores for an API key."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def is_loopback(host: str) -> bool:

@@ -60,6 +60,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig, NatsConfig
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
@@ -156,6 +157,14 @@ async def ensure_idempotency_bucket(js: JetStreamContext, config: NatsConfig) ->
         bucket=config.idempotency_bucket,
         description="asyncinfer idempotency keys, keyed <tenant>.<sha256(key)>: the first job",
     )
+
+
+class _ClaimHeld(Exception):
+    """Another submit holds the key with a live claim (for the job `job_id`): look again later."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(job_id)
+        self.job_id = job_id
 
 
 def key_reused(idempotency_key: str, job_id: str) -> AlreadyExists:
@@ -317,28 +326,47 @@ class IdempotentSubmitter:
         self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
     ) -> tuple[SubmitOutcome | None, int]:
         """The first job of a key held by another submit; or None when the key is free again
-        (released, expired, or a stale claim this call removed), with the revision to claim it at."""
-        pause_s = FIRST_POLL_S
-        while True:
-            claim, revision = await self._read_claim(key)
-            if claim is None:
-                return None, revision
-            record = await self._records.get(job_key(tenant, claim.job_id))
-            if record is not None:
-                if claim.fingerprint != fingerprint:
-                    raise key_reused(request.idempotency_key, claim.job_id)
-                return await self._deduplicated(record), 0
-            if self._clock() - claim.claim_time >= self._stale_after_s:
-                try:
-                    marker = await self._remove(key, claim.revision)
-                except KeyWrongLastSequenceError:
-                    continue  # another submit took it over first: read its claim
-                except NATS_FAILURES as exc:
-                    raise Unavailable(f"cannot take over the idempotency key: {exc}") from exc
-                log.warning("idempotency_claim_taken_over", tenant=tenant, abandoned_job_id=claim.job_id)
-                return None, marker
+        (released, expired, or a stale claim this call removed), with the revision to claim it at.
+        A live claim is read again, backing off, until it goes stale: Unavailable if it has not
+        once stale_after_s have passed (its holder's clock is ahead of ours)."""
+        try:
+            async for attempt in retrying(
+                _ClaimHeld,
+                retry_for_s=self._stale_after_s + 2 * MAX_POLL_S,
+                first_delay_s=FIRST_POLL_S,
+                max_delay_s=MAX_POLL_S,
+            ):
+                with attempt:
+                    return await self._first_or_free(request, tenant=tenant, key=key, fingerprint=fingerprint)
+        except _ClaimHeld as exc:
+            raise Unavailable(
+                f"idempotency key {request.idempotency_key[:64]!r} is still held by job {exc.job_id}; try again",
+                reason="IDEMPOTENCY_CONTENDED",
+            ) from None
+        raise AssertionError("unreachable: the last error is raised")  # pragma: no cover
+
+    async def _first_or_free(
+        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
+    ) -> tuple[SubmitOutcome | None, int]:
+        """One look at the key for _await_first; _ClaimHeld while another submit holds it."""
+        claim, revision = await self._read_claim(key)
+        if claim is None:
+            return None, revision
+        record = await self._records.get(job_key(tenant, claim.job_id))
+        if record is not None:
             if claim.fingerprint != fingerprint:
-                # A live claim holds the key: a different request cannot have it.
                 raise key_reused(request.idempotency_key, claim.job_id)
-            await asyncio.sleep(pause_s)
-            pause_s = min(pause_s * 2, MAX_POLL_S)
+            return await self._deduplicated(record), 0
+        if self._clock() - claim.claim_time >= self._stale_after_s:
+            try:
+                marker = await self._remove(key, claim.revision)
+            except KeyWrongLastSequenceError:
+                raise _ClaimHeld(claim.job_id) from None  # another submit took it over first: read its claim
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot take over the idempotency key: {exc}") from exc
+            log.warning("idempotency_claim_taken_over", tenant=tenant, abandoned_job_id=claim.job_id)
+            return None, marker
+        if claim.fingerprint != fingerprint:
+            # A live claim holds the key: a different request cannot have it.
+            raise key_reused(request.idempotency_key, claim.job_id)
+        raise _ClaimHeld(claim.job_id)

@@ -28,6 +28,7 @@ from nats.js.kv import KV_MARKER_REASON, KV_OP
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, decode_record, job_key
+from asyncinfer.supervision import Supervisor
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.watch")
@@ -55,9 +56,11 @@ class WatchHub:
         *,
         bucket: str,
         expiry: Expiry,
+        supervisor: Supervisor,
         idle_stop_s: float = IDLE_STOP_S,
     ) -> None:
         self._js = js
+        self._supervisor = supervisor
         self._records = records
         self._expiry = expiry
         self._bucket = bucket
@@ -87,7 +90,7 @@ class WatchHub:
         return self._subscription is not None
 
     async def start(self) -> None:
-        self._idle_stopper = asyncio.create_task(self._stop_feed_when_idle(), name="watch-feed-idle-stop")
+        self._idle_stopper = self._supervisor.start("watch-feed-idle-stop", self._stop_feed_when_idle())
 
     async def stop(self) -> None:
         """Ends every watch (UNAVAILABLE: resume elsewhere with after_revision) and unsubscribes.

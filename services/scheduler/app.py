@@ -1,6 +1,7 @@
 """The scheduler service: NATS declarations, the gRPC server (WorkerService + OpsService), one
 dispatch loop per model, lease renewal, cancel notices, pauses, queue snapshots and metrics;
-started and stopped in order."""
+started and stopped in order. Every background loop runs under the app's supervisor: one that dies
+is logged at once and stops the process (asyncinfer.runner)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK, WORK_SUBJECT_PREFIX, Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
+from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
@@ -54,6 +56,7 @@ class SchedulerApp:
         self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
         self.metrics = SchedulerMetrics(CollectorRegistry())
         self.batchers = BatcherRegistry()
+        self.supervisor = Supervisor("scheduler")
         self.port = 0
         self.metrics_port = 0
         self._nc: NatsClient | None = None
@@ -105,7 +108,7 @@ class SchedulerApp:
                 )
         await ensure_dead_letter_stream(js, config.nats)
         self._queues_kv = queues_kv = await ensure_queues_bucket(js, config.nats)
-        self._pauses = pauses = PauseState(queues_kv)
+        self._pauses = pauses = PauseState(queues_kv, self.supervisor)
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
         store = JobStore(kv)
@@ -140,7 +143,7 @@ class SchedulerApp:
             scheduler_id=self.scheduler_id,
         )
         self._cancels = await nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}.*", cb=self._on_cancel)
-        self._webhooks = WebhookService(config, nc, self.metrics.registry)
+        self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)
         await self._webhooks.start()
 
         def add_servicers(server: grpc.aio.Server) -> None:
@@ -175,6 +178,7 @@ class SchedulerApp:
                 flow=flow,
                 poll_interval_s=settings.poll_interval_ms / 1000.0,
                 queued_records=queued_records,
+                supervisor=self.supervisor,
                 resumed=pauses.resumed(model.name),
             )
             await dispatcher.start()
@@ -182,7 +186,7 @@ class SchedulerApp:
         flow.on_put_back = self._wake_dispatcher
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
-        self._sweeper = BlobSweeper(blobs, interval_s=self._blob_sweep_interval_s)
+        self._sweeper = BlobSweeper(blobs, self.supervisor, interval_s=self._blob_sweep_interval_s)
         self._sweeper.start()
         self._metrics_server.start()
         self.metrics_port = self._metrics_server.port
@@ -236,6 +240,7 @@ class SchedulerApp:
             self._flow.cancel(notice)
 
     async def _stop(self, grace_s: float) -> None:
+        self.supervisor.begin_stop()
         await self._stop_dispatching()
         if self._cancels is not None:
             try:
@@ -261,6 +266,7 @@ class SchedulerApp:
             await self._webhooks.stop(grace_s)
         if self._pauses is not None:
             await self._pauses.stop()
+        await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         self._metrics_server.stop()
         if self._nc is not None and not self._nc.is_closed:
             try:
@@ -293,4 +299,4 @@ class SchedulerApp:
                 except Exception:
                     log.exception(f"{name}_failed")
 
-        return asyncio.create_task(loop(), name=f"scheduler-{name}")
+        return self.supervisor.start(f"scheduler-{name}", loop())

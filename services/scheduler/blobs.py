@@ -16,6 +16,7 @@ from asyncinfer.blobs import BlobCorrupt, BlobStore, parse_inputs, result_ref
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
+from asyncinfer.supervision import Supervisor
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import tensor_pb2
@@ -85,17 +86,20 @@ class ClaimCheckIO:
 
 
 class BlobSweeper:
-    """Deletes expired claim-check objects every interval_s (an owned task; `stop` awaits it)."""
+    """Deletes expired claim-check objects every interval_s (a supervised loop; `stop` awaits it)."""
 
-    def __init__(self, store: BlobStore, *, interval_s: float = DEFAULT_SWEEP_INTERVAL_S) -> None:
+    def __init__(
+        self, store: BlobStore, supervisor: Supervisor, *, interval_s: float = DEFAULT_SWEEP_INTERVAL_S
+    ) -> None:
         self._store = store
+        self._supervisor = supervisor
         self._interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
         self.swept = 0
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="scheduler-blob-sweeper")
+            self._task = self._supervisor.start("scheduler-blob-sweeper", self._run())
 
     async def stop(self) -> None:
         if self._task is None:

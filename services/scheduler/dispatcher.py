@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 
 from asyncinfer.jobs import PRIORITIES_BY_RANK
 from asyncinfer.queued_notice import QUEUED_SUBJECT_PREFIX, decode_queued_notice
+from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.queued_records import QueuedRecords
@@ -43,9 +44,11 @@ class ModelDispatcher:
         flow: JobFlow,
         poll_interval_s: float,
         queued_records: QueuedRecords,
+        supervisor: Supervisor,
         resumed: asyncio.Event | None = None,
     ) -> None:
         self.model_name = queues.model_name
+        self._supervisor = supervisor
         self._nc = nc
         self._queues = queues
         self._batchers = batchers
@@ -62,7 +65,7 @@ class ModelDispatcher:
         # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
         # subscription to the work subjects can see a publish before the stream has stored it).
         self._subscription = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
-        self._task = asyncio.create_task(self._run(), name=f"dispatch-{self.model_name}")
+        self._task = self._supervisor.start(f"dispatch-{self.model_name}", self._run())
 
     @property
     def queues(self) -> ModelQueues:

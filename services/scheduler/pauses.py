@@ -12,6 +12,7 @@ import structlog
 from nats.js.kv import KeyValue
 
 from asyncinfer.queues import paused_key
+from asyncinfer.supervision import Supervisor
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
 
@@ -19,8 +20,9 @@ PAUSED_PREFIX = paused_key("")
 
 
 class PauseState:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, supervisor: Supervisor) -> None:
         self._kv = kv
+        self._supervisor = supervisor
         self._paused: set[str] = set()
         self._resumed: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
@@ -28,7 +30,7 @@ class PauseState:
 
     async def start(self) -> None:
         self._watcher = await self._kv.watch(f"{PAUSED_PREFIX}*")
-        self._task = asyncio.create_task(self._follow(self._watcher), name="scheduler-pauses")
+        self._task = self._supervisor.start("scheduler-pauses", self._follow(self._watcher))
 
     async def stop(self) -> None:
         if self._watcher is not None:

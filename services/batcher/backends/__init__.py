@@ -14,7 +14,6 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.errors import ModelError
 from asyncinfer.tensors import ModelSignature, datatype_of
 
@@ -85,15 +84,3 @@ def check_outputs(model_name: str, outputs: Arrays, signature: ModelSignature) -
                 f"model {model_name!r} output {name!r} has shape {list(shape)}, "
                 f"but its signature says {list(spec.shape)} (-1: any)"
             )
-
-
-def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:
-    """Loads a configured model (blocking: call it in a thread), then `await backend.start()` on
-    the event loop. ConfigError when it cannot load."""
-    if model.backend == "triton":
-        from services.batcher.backends.triton_backend import TritonBackend
-
-        return TritonBackend(model)
-    from services.batcher.backends.torch_backend import load_torch_backend
-
-    return load_torch_backend(model, torch_threads=batcher.torch_threads)

@@ -1,5 +1,4 @@
-"""The local torch backend: loaders (`module:factory`, TorchScript files, built-in models),
-device placement, and numpy <-> torch.
+"""The local torch backend: loaders (`module:factory`, TorchScript files), device placement, and numpy <-> torch.
 
 On CUDA, inputs go through pinned host memory with non-blocking copies and outputs come back
 the same way, synchronised once per batch; everything runs under torch.inference_mode.
@@ -22,7 +21,6 @@ from asyncinfer.tensors import ModelSignature
 from services.batcher.backends import Arrays, ModelBackend, check_outputs
 
 TORCHSCRIPT_PREFIX = "torchscript:"
-BUILTIN_PREFIX = "builtin:"
 
 
 def resolve_device(device: str, *, cuda_available: bool | None = None) -> torch.device:
@@ -52,20 +50,19 @@ def import_factory(loader: str) -> Any:
         raise ConfigError(f"model loader {loader!r}: module {module_name!r} has no {attr!r}") from None
 
 
-def load_torch_backend(model: ModelConfig, *, torch_threads: int = 0) -> TorchBackend:
-    """Loads the model its loader names (blocking). ConfigError when it cannot."""
+def torch_device_for(model: ModelConfig, *, torch_threads: int = 0) -> torch.device:
+    """The device the model runs on; sets torch's thread count first when one is configured."""
     if torch_threads > 0:
         # Process-wide in torch; the batcher serves all its models from one pool.
         torch.set_num_threads(torch_threads)
-    device = resolve_device(model.device)
-    loader = model.loader
-    if loader.startswith(BUILTIN_PREFIX):
-        name = loader[len(BUILTIN_PREFIX) :]
-        if name == "minilm-l6":
-            from services.batcher.backends.minilm import MiniLMBackend
+    return resolve_device(model.device)
 
-            return MiniLMBackend.load_builtin(model, device)
-        raise ConfigError(f"model loader {loader!r}: no built-in model {name!r} (built-in: minilm-l6)")
+
+def load_torch_backend(model: ModelConfig, *, torch_threads: int = 0) -> TorchBackend:
+    """Loads the model its loader names, `module:factory` or `torchscript:` (blocking). ConfigError
+    when it cannot. Built-in models are services.batcher.backends.loading's."""
+    device = torch_device_for(model, torch_threads=torch_threads)
+    loader = model.loader
     if loader.startswith(TORCHSCRIPT_PREFIX):
         return TorchBackend(model.name, _load_torchscript(loader, device), model.signature, device)
     return TorchBackend(model.name, _load_factory(loader), model.signature, device)

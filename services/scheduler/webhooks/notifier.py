@@ -32,11 +32,13 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState, decode_record
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import (
     EVENT_OF_STATE,
     CallbackEvent,
@@ -79,8 +81,9 @@ def due_events(record: JobRecord) -> list[CallbackEvent]:
 
 
 class Notifier:
-    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config) -> None:
+    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config, supervisor: Supervisor) -> None:
         self._js = js
+        self._supervisor = supervisor
         self._store = store
         self._config = config
         self._subscription: JetStreamContext.PullSubscription | None = None
@@ -92,7 +95,7 @@ class Notifier:
     async def start(self) -> None:
         nats_config = self._config.nats
         self._subscription = await self._js.pull_subscribe_bind(FEED_CONSUMER, stream=jobs_stream(nats_config))
-        self._task = asyncio.create_task(self._run(), name="webhook-notifier")
+        self._task = self._supervisor.start("webhook-notifier", self._run())
 
     async def stop(self, grace_s: float) -> None:
         """Finishes the record being handled (within grace_s); an unacked one comes back later."""
@@ -114,13 +117,7 @@ class Notifier:
         while not self._closing:
             self._fetching = True
             try:
-                msgs = await self._subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-            except nats.errors.TimeoutError:
-                continue
-            except NATS_FAILURES as exc:
-                log.warning("webhook_feed_fetch_failed", error=str(exc))
-                await asyncio.sleep(RETRY_DELAY_S)
-                continue
+                msgs = await self._fetch(self._subscription)
             finally:
                 self._fetching = False
             for msg in msgs:
@@ -129,6 +126,20 @@ class Notifier:
                         await msg.nak()
                     continue
                 await self._handle(msg)
+
+    async def _fetch(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
+        """The next record writes ([] when none came within FETCH_WAIT_S), waiting out NATS
+        failures, backing off up to RETRY_DELAY_S, for as long as the notifier runs."""
+        async for attempt in retrying(NATS_FAILURES, retry_for_s=None, max_delay_s=RETRY_DELAY_S):
+            with attempt:
+                try:
+                    return await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+                except nats.errors.TimeoutError:
+                    return []
+                except NATS_FAILURES as exc:
+                    log.warning("webhook_feed_fetch_failed", error=str(exc))
+                    raise
+        raise AssertionError("unreachable: it retries until cancelled")  # pragma: no cover
 
     async def _handle(self, msg: Msg) -> None:
         try:

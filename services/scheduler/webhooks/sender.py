@@ -33,9 +33,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter
 
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
@@ -93,6 +95,7 @@ class Sender:
         store: StatusStore,
         config: Config,
         metrics: WebhookMetrics,
+        supervisor: Supervisor,
         *,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
@@ -103,6 +106,7 @@ class Sender:
         self._settings = config.webhooks
         self._allowed = parse_networks(config.webhooks.allowed_networks)
         self._metrics = metrics
+        self._supervisor = supervisor
         # Replaceable so tests can pin the jitter.
         self.rng = rng or random.Random()
         self._clock = clock
@@ -116,7 +120,7 @@ class Sender:
         self._subscription = await self._js.pull_subscribe_bind(
             SENDER_CONSUMER, stream=self._config.nats.webhooks_stream
         )
-        self._task = asyncio.create_task(self._run(), name="webhook-sender")
+        self._task = self._supervisor.start("webhook-sender", self._run())
 
     async def stop(self, grace_s: float) -> None:
         """Stops pulling, lets attempts in flight finish within grace_s, then cancels the rest
@@ -144,18 +148,25 @@ class Sender:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            try:
-                msgs = await self._subscription.fetch(free, timeout=FETCH_WAIT_S)
-            except nats.errors.TimeoutError:
-                continue
-            except NATS_FAILURES as exc:
-                log.warning("webhook_fetch_failed", error=str(exc))
-                await asyncio.sleep(STATUS_RETRY_DELAY_S)
-                continue
+            msgs = await self._fetch(self._subscription, free)
             for msg in msgs:
                 task = asyncio.create_task(self._deliver(msg))
                 self._deliveries.add(task)
                 task.add_done_callback(self._finished)
+
+    async def _fetch(self, subscription: JetStreamContext.PullSubscription, up_to: int) -> list[Msg]:
+        """Up to `up_to` deliveries ([] when none came within FETCH_WAIT_S), waiting out NATS
+        failures, backing off up to STATUS_RETRY_DELAY_S, for as long as the sender runs."""
+        async for attempt in retrying(NATS_FAILURES, retry_for_s=None, max_delay_s=STATUS_RETRY_DELAY_S):
+            with attempt:
+                try:
+                    return await subscription.fetch(up_to, timeout=FETCH_WAIT_S)
+                except nats.errors.TimeoutError:
+                    return []
+                except NATS_FAILURES as exc:
+                    log.warning("webhook_fetch_failed", error=str(exc))
+                    raise
+        raise AssertionError("unreachable: it retries until cancelled")  # pragma: no cover
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._deliveries.discard(task)

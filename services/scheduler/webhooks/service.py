@@ -19,6 +19,7 @@ from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.scheduler.webhooks.notifier import Notifier
 from services.scheduler.webhooks.sender import Sender, WebhookMetrics
@@ -29,8 +30,9 @@ log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
 
 class WebhookService:
-    def __init__(self, config: Config, nc: NatsClient, registry: CollectorRegistry) -> None:
+    def __init__(self, config: Config, nc: NatsClient, registry: CollectorRegistry, supervisor: Supervisor) -> None:
         self._config = config
+        self._supervisor = supervisor
         self._nc = nc
         self._metrics = WebhookMetrics(registry)
         self._notifier: Notifier | None = None
@@ -57,13 +59,13 @@ class WebhookService:
         await ensure_feed_consumer(js, config.nats)
         store = StatusStore(js, kv, config.nats.webhooks_bucket)
         if config.webhooks.secrets:
-            self._notifier = Notifier(js, store, config)
+            self._notifier = Notifier(js, store, config, self._supervisor)
             await self._notifier.start()
         else:
             log.info(
                 "webhook_notifier_off", reason="no signing secrets in webhooks.secrets: no job can ask for callbacks"
             )
-        self._sender = Sender(js, store, config, self._metrics)
+        self._sender = Sender(js, store, config, self._metrics, self._supervisor)
         await self._sender.start()
 
     async def stop(self, grace_s: float) -> None:

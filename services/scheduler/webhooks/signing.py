@@ -7,22 +7,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import secrets
 
-SECRET_PREFIX = "whsec_"
-SECRET_BYTES = 32
-
-
-def new_secret() -> str:
-    """A fresh signing secret: `whsec_` + base64 of 32 random bytes."""
-    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(SECRET_BYTES)).decode("ascii")
+from asyncinfer.webhook_secrets import secret_key
 
 
 def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
     """The `webhook-signature` header value for one attempt."""
-    key = base64.b64decode(secret.removeprefix(SECRET_PREFIX))
     signed = f"{webhook_id}.{timestamp}.".encode() + body
-    digest = hmac.new(key, signed, hashlib.sha256).digest()
+    digest = hmac.new(secret_key(secret), signed, hashlib.sha256).digest()
     return "v1," + base64.b64encode(digest).decode("ascii")
 
 

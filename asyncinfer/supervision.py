@@ -1,0 +1,118 @@
+"""One owner for a process's background loops (dispatchers, feeds, sweepers, reconnectors).
+
+A `Supervisor` starts named loops as tasks and is the one place that notices when one of them
+raises: a loop that dies would otherwise stay dead, silently, until shutdown. It logs the death at
+once (with the loop's name and traceback) and tells whoever listens (`on_failure`): the runner
+then stops the process with a failure exit code (asyncinfer.runner).
+
+Stopping is ordered and bounded: `stop()` cancels the loops still running in the reverse order of
+their start and waits for each, within one deadline for all. Components usually end their own
+loops gracefully first (set a flag, let the current round finish); `stop()` is the backstop that
+guarantees no task outlives its owner. An owner calls `begin_stop()` when its shutdown begins: a
+loop that raises from then on (its connection drained under it, say) is logged, not a failure. A
+loop that returns on its own has simply finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("asyncinfer.supervision")
+
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDied:
+    """A supervised loop raised."""
+
+    owner: str  # the supervisor's name (the service)
+    loop: str
+    error: Exception
+
+    def __str__(self) -> str:
+        return f"{self.owner}: loop {self.loop!r} died: {type(self.error).__name__}: {self.error}"
+
+
+FailureListener = Callable[[LoopDied], None]
+
+
+class Supervisor:
+    def __init__(self, owner: str, *, stop_timeout_s: float = STOP_TIMEOUT_S) -> None:
+        self.owner = owner
+        self._stop_timeout_s = stop_timeout_s
+        self._running: dict[asyncio.Task[None], str] = {}  # insertion order: the order of start
+        self._listeners: list[FailureListener] = []
+        self._failure: LoopDied | None = None
+        self._failed = asyncio.Event()
+        self._stopping = False
+
+    @property
+    def failure(self) -> LoopDied | None:
+        """The first loop that died, if any."""
+        return self._failure
+
+    @property
+    def loop_names(self) -> list[str]:
+        """The loops running now, in the order they started."""
+        return list(self._running.values())
+
+    def start(self, name: str, loop: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Runs `loop` as a task named `name`. The task never raises (a death is reported here),
+        so its owner may await it to stop it gracefully."""
+        if self._stopping:
+            loop.close()
+            raise RuntimeError(f"{self.owner}: cannot start {name!r}: the supervisor is stopping")
+        task = asyncio.create_task(self._guard(name, loop), name=name)
+        self._running[task] = name
+        task.add_done_callback(self._running.pop)
+        return task
+
+    def on_failure(self, listener: FailureListener) -> None:
+        """Calls `listener` when a loop dies (at once if one already has)."""
+        self._listeners.append(listener)
+        if self._failure is not None:
+            listener(self._failure)
+
+    async def wait_failed(self) -> LoopDied:
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
+    def begin_stop(self) -> None:
+        """The owner is shutting down: no new loops; a loop that raises now is not a failure."""
+        self._stopping = True
+
+    async def stop(self) -> None:
+        """Cancels the loops still running, last started first, and waits for them, within
+        stop_timeout_s in all (a loop that ignores cancellation is logged and left). Idempotent."""
+        self.begin_stop()
+        deadline = asyncio.get_running_loop().time() + self._stop_timeout_s
+        for task, name in reversed(list(self._running.items())):
+            task.cancel()
+            left_s = max(deadline - asyncio.get_running_loop().time(), 0.0)
+            _done, pending = await asyncio.wait({task}, timeout=left_s)
+            if pending:
+                log.warning("loop_did_not_stop", owner=self.owner, loop=name, timeout_s=self._stop_timeout_s)
+
+    async def _guard(self, name: str, loop: Coroutine[Any, Any, None]) -> None:
+        try:
+            await loop
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self._stopping:
+                # Torn down mid-way (its connection drained, say): nothing left to stop for.
+                log.warning("loop_failed_while_stopping", owner=self.owner, loop=name, exc_info=exc)
+                return
+            log.error("loop_died", owner=self.owner, loop=name, exc_info=exc)
+            if self._failure is None:
+                self._failure = LoopDied(owner=self.owner, loop=name, error=exc)
+                self._failed.set()
+                for listener in list(self._listeners):
+                    listener(self._failure)

@@ -1,0 +1,48 @@
+"""Which backend serves a configured model: Triton when `backend = "triton"`, else torch with the
+model's loader, where `builtin:NAME` names one of the models shipped here (BUILTIN_MODELS).
+
+The built-in models subclass the torch backend, so they are chosen here, above both, rather than
+in torch_backend (which they import). Backends are imported when chosen: a batcher serving only
+Triton models needs no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncinfer.config import BatcherConfig, ModelConfig
+from asyncinfer.errors import ConfigError
+from services.batcher.backends import ModelBackend
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def _minilm_l6(model: ModelConfig, torch_threads: int) -> ModelBackend:
+    from services.batcher.backends.minilm import MiniLMBackend
+    from services.batcher.backends.torch_backend import torch_device_for
+
+    return MiniLMBackend.load_builtin(model, torch_device_for(model, torch_threads=torch_threads))
+
+
+# Built-in model name -> its loader (model, torch_threads) -> backend.
+BUILTIN_MODELS: dict[str, Callable[[ModelConfig, int], ModelBackend]] = {"minilm-l6": _minilm_l6}
+
+
+def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:
+    """Loads a configured model (blocking: call it in a thread), then `await backend.start()` on
+    the event loop. ConfigError when it cannot load."""
+    if model.backend == "triton":
+        from services.batcher.backends.triton_backend import TritonBackend
+
+        return TritonBackend(model)
+    if model.loader.startswith(BUILTIN_PREFIX):
+        name = model.loader.removeprefix(BUILTIN_PREFIX)
+        builtin = BUILTIN_MODELS.get(name)
+        if builtin is None:
+            raise ConfigError(
+                f"model loader {model.loader!r}: no built-in model {name!r} (built-in: {', '.join(BUILTIN_MODELS)})"
+            )
+        return builtin(model, batcher.torch_threads)
+    from services.batcher.backends.torch_backend import load_torch_backend
+
+    return load_torch_backend(model, torch_threads=batcher.torch_threads)

@@ -1,0 +1,266 @@
+"""Background loops under one owner (asyncinfer.supervision): a loop that dies is reported at once
+and ends run_until_stopped with a failure exit code; stopping is ordered and bounded. The last
+two tests break a loop inside a real scheduler, in this process and as the `asyncinfer scheduler`
+command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client as NatsClient
+from structlog.testing import capture_logs
+
+from asyncinfer.config import Config
+from asyncinfer.queues import paused_key
+from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, StopSignal, run_until_stopped
+from asyncinfer.supervision import LoopDied, Supervisor
+from services.scheduler.app import SchedulerApp
+from services.scheduler.pauses import PauseState
+
+WAIT_S = 10.0
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Broken(Exception):
+    pass
+
+
+async def test_a_loop_that_raises_is_reported_at_once_with_its_name() -> None:
+    supervisor = Supervisor("test")
+    heard: list[LoopDied] = []
+    supervisor.on_failure(heard.append)
+    go = asyncio.Event()
+
+    async def dies() -> None:
+        await go.wait()
+        raise Broken("the bug")
+
+    with capture_logs() as logs:
+        task = supervisor.start("dies", dies())
+        go.set()
+        failure = await asyncio.wait_for(supervisor.wait_failed(), WAIT_S)
+    assert (failure.owner, failure.loop, str(failure.error)) == ("test", "dies", "the bug")
+    assert heard == [failure]
+    assert supervisor.failure is failure
+    assert task.done()
+    assert task.exception() is None
+    died = [entry for entry in logs if entry["event"] == "loop_died"]
+    assert len(died) == 1
+    assert died[0]["loop"] == "dies"
+    assert died[0]["log_level"] == "error"
+    assert isinstance(died[0]["exc_info"], Broken)  # rendered as a traceback by the log processors
+    late: list[LoopDied] = []
+    supervisor.on_failure(late.append)  # a listener that comes later hears of it at once
+    assert late == [failure]
+    await supervisor.stop()
+
+
+async def test_stop_cancels_in_reverse_order_of_start() -> None:
+    supervisor = Supervisor("test")
+    started: list[str] = []
+    cancelled: list[str] = []
+    all_started = asyncio.Event()
+
+    async def runs(name: str) -> None:
+        started.append(name)
+        if len(started) == 3:
+            all_started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+
+    for name in ("first", "second", "third"):
+        supervisor.start(name, runs(name))
+    await asyncio.wait_for(all_started.wait(), WAIT_S)
+    assert supervisor.loop_names == ["first", "second", "third"]
+    await supervisor.stop()
+    assert cancelled == ["third", "second", "first"]
+    assert supervisor.loop_names == []
+    assert supervisor.failure is None
+    await supervisor.stop()  # idempotent
+    with pytest.raises(RuntimeError, match="stopping"):
+        supervisor.start("late", runs("late"))
+
+
+async def test_stop_is_bounded_when_a_loop_ignores_cancellation() -> None:
+    supervisor = Supervisor("test", stop_timeout_s=0.2)
+    release = asyncio.Event()
+    running = asyncio.Event()
+
+    async def stubborn() -> None:
+        running.set()
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # a bug: swallows the cancellation
+
+    task = supervisor.start("stubborn", stubborn())
+    await asyncio.wait_for(running.wait(), WAIT_S)
+    with capture_logs() as logs:
+        await asyncio.wait_for(supervisor.stop(), WAIT_S)
+    assert not task.done()
+    assert [entry["loop"] for entry in logs if entry["event"] == "loop_did_not_stop"] == ["stubborn"]
+    release.set()
+    await task
+
+
+async def test_a_loop_that_raises_during_shutdown_is_not_a_failure() -> None:
+    supervisor = Supervisor("test")
+    go = asyncio.Event()
+
+    async def dies_on_teardown() -> None:
+        await go.wait()
+        raise Broken("connection drained")
+
+    task = supervisor.start("feed", dies_on_teardown())
+    supervisor.begin_stop()
+    go.set()
+    await task
+    assert supervisor.failure is None
+    await supervisor.stop()
+
+
+class FakeApp:
+    def __init__(self, name: str, stopped: list[str]) -> None:
+        self.name = name
+        self.port = 0
+        self.supervisor = Supervisor(name)
+        self._stopped = stopped
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopped.append(self.name)
+        await self.supervisor.stop()
+
+
+def _starter(app: FakeApp) -> Any:
+    async def start() -> FakeApp:
+        await app.start()
+        return app
+
+    return start
+
+
+async def test_a_dead_loop_ends_run_until_stopped_with_a_failure_exit_code() -> None:
+    stopped: list[str] = []
+    first, second = FakeApp("first", stopped), FakeApp("second", stopped)
+    go = asyncio.Event()
+
+    async def dies() -> None:
+        await go.wait()
+        raise Broken("the bug")
+
+    def started(_apps: Any) -> None:
+        first.supervisor.start("dies", dies())
+        go.set()
+
+    code = await asyncio.wait_for(
+        run_until_stopped([_starter(first), _starter(second)], grace_s=1.0, on_started=started, stop=StopSignal()),
+        WAIT_S,
+    )
+    assert code == EXIT_LOOP_DIED
+    assert stopped == ["second", "first"]  # every app stopped, in reverse order, as for a signal
+
+
+async def test_a_stop_signal_ends_run_until_stopped_with_exit_code_0() -> None:
+    stopped: list[str] = []
+    stop = StopSignal()
+    code = await asyncio.wait_for(
+        run_until_stopped(
+            [_starter(FakeApp("only", stopped))], grace_s=1.0, on_started=lambda _: stop.set(), stop=stop
+        ),
+        WAIT_S,
+    )
+    assert (code, stopped) == (EXIT_STOPPED, ["only"])
+
+
+async def test_a_loop_dying_in_a_real_scheduler_stops_it_with_a_failure_exit_code(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken_set(self: PauseState, model_name: str, *, paused: bool) -> None:
+        raise Broken(f"cannot note {model_name!r} as paused={paused}")
+
+    # The scheduler's pause feed follows the queues bucket; the pause written below breaks it.
+    monkeypatch.setattr(PauseState, "_set", broken_set)
+    apps: list[SchedulerApp] = []
+
+    async def start_scheduler() -> SchedulerApp:
+        app = SchedulerApp(config)
+        apps.append(app)
+        await app.start()
+        return app
+
+    pause_written = asyncio.Event()
+
+    def started(_apps: Any) -> None:
+        async def pause_demo() -> None:
+            kv = await nc.jetstream().key_value(config.nats.queues_bucket)
+            await kv.put(paused_key("demo"), b'{"by": "test"}')
+            pause_written.set()
+
+        background.append(asyncio.create_task(pause_demo()))
+
+    background: list[asyncio.Task[None]] = []
+    with capture_logs() as logs:
+        code = await asyncio.wait_for(
+            run_until_stopped([start_scheduler], grace_s=1.0, on_started=started, stop=StopSignal()), WAIT_S
+        )
+    await asyncio.gather(*background)
+    assert pause_written.is_set()
+    assert code == EXIT_LOOP_DIED
+    (scheduler,) = apps
+    assert scheduler.supervisor.failure is not None
+    assert scheduler.supervisor.failure.loop == "scheduler-pauses"
+    died = [entry for entry in logs if entry["event"] == "loop_died"]
+    assert [(entry["owner"], entry["loop"]) for entry in died] == [("scheduler", "scheduler-pauses")]
+    assert any(entry["event"] == "scheduler_stopped" for entry in logs)  # stopped in order, as for a signal
+    assert scheduler.supervisor.loop_names == []
+
+
+# The scheduler command with the same bug planted: the process exits with EXIT_LOOP_DIED.
+BROKEN_SCHEDULER = """
+import sys
+from services.cli import main
+from services.scheduler.pauses import PauseState
+
+def broken_set(self, model_name, *, paused):
+    raise RuntimeError("planted bug")
+
+PauseState._set = broken_set
+sys.exit(main(["scheduler"]))
+"""
+
+
+async def test_the_scheduler_command_exits_with_exit_loop_died_when_a_loop_dies(config: Config, nc: NatsClient) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "ASYNCINFER_NATS__URL": config.nats.url,
+        "ASYNCINFER_SCHEDULER__PORT": "0",
+        "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
+    }
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", BROKEN_SCHEDULER, cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    assert process.stdout is not None
+    serving = await asyncio.wait_for(process.stdout.readline(), WAIT_S)
+    assert b"asyncinfer scheduler serving on" in serving
+    kv = await nc.jetstream().key_value(config.nats.queues_bucket)
+    await kv.put(paused_key("demo"), b'{"by": "test"}')
+    try:
+        code = await asyncio.wait_for(process.wait(), WAIT_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert code == EXIT_LOOP_DIED
