@@ -16,6 +16,7 @@ import pytest
 
 from asyncinfer.client import (
     NO_RETRY,
+    AlreadyExistsError,
     AsyncClient,
     BulkResult,
     Client,
@@ -235,16 +236,21 @@ async def test_api_key_is_sent_as_bearer(config: Config) -> None:
         await stack.stop()
 
 
-# -- RPCs other helpers are building (xfail while UNIMPLEMENTED) --------------------------------
+# -- idempotency, bulk, models, list, the claim check -----------------------------------------
 
 
 async def test_same_idempotency_key_returns_the_first_job(idle_stack: Stack) -> None:
     async with AsyncClient(idle_stack.address) as client:
         first = await client.submit("demo", {"x": X}, idempotency_key="order-42")
         second = await client.submit("demo", {"x": X}, idempotency_key="order-42")
-    if second.job_id != first.job_id:
-        pytest.xfail("idempotency keys are not honoured by the gateway yet")
-    assert second.idempotency_key == "order-42"
+        other = await client.submit("demo", {"x": X}, idempotency_key="order-43")
+        with pytest.raises(AlreadyExistsError):  # the same key for another request
+            await client.submit("demo", {"x": X * 2}, idempotency_key="order-42")
+        listed = [job.job_id async for job in client.list(model="demo")]
+    assert second.job_id == first.job_id, "a repeated key returns the first job"
+    assert first.idempotency_key == second.idempotency_key == "order-42"
+    assert other.job_id != first.job_id
+    assert sorted(listed) == sorted([first.job_id, other.job_id]), "the repeat queued nothing"
 
 
 async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
@@ -355,10 +361,13 @@ async def test_read_result_of_a_large_result(config: Config) -> None:
         async with AsyncClient(stack.address) as client:
             job = await client.submit("demo", {"x": X})
             done = await client.wait(job, timeout_s=30)
-            if done.result_ref is None:
-                pytest.xfail(f"large results are not stored by reference yet (job ended {done.state})")
-            outputs = await client.read_result(done)
-            np.testing.assert_array_equal(outputs["y"], expected_y(X))
+            assert done.state is JobState.SUCCEEDED, done.error
+            assert done.result_ref is not None, "a result over inline_result_max_bytes is stored by reference"
+            assert done.result_ref.ref == f"out/{done.job_id}"
+            assert done.result_ref.size_bytes > 0
+            assert not done.outputs, "and is not inline"
+            np.testing.assert_array_equal((await client.read_result(done))["y"], expected_y(X))
+            np.testing.assert_array_equal((await client.outputs(done))["y"], expected_y(X))
     finally:
         await stack.stop()
 
