@@ -8,6 +8,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -18,6 +19,7 @@ from asyncinfer.client import (
     NO_RETRY,
     AlreadyExistsError,
     AsyncClient,
+    AsyncInferClientError,
     BulkResult,
     Client,
     DeadlineExceededError,
@@ -166,6 +168,17 @@ async def test_wait_with_a_short_timeout_raises_deadline_exceeded(idle_stack: St
         assert (await client.get(job)).state is JobState.QUEUED, "the job carries on; only the wait ended"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ObservedRetry(RetryPolicy):
+    """A retry policy that also tells the test each time the client decides to try again."""
+
+    retried: asyncio.Queue[grpc.StatusCode] = field(default_factory=asyncio.Queue)
+
+    def backoff_s(self, attempt: int, error: AsyncInferClientError) -> float:
+        self.retried.put_nowait(error.code)
+        return RetryPolicy.backoff_s(self, attempt, error)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -176,13 +189,15 @@ def free_port() -> int:
 async def test_submit_retries_unavailable_until_the_gateway_starts(config: Config) -> None:
     port = free_port()
     stack = Stack(config.replace(gateway={"port": port}))
-    async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+    retry = ObservedRetry(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
+    async with AsyncClient(f"127.0.0.1:{port}", retry=retry) as client:
         with pytest.raises(UnavailableError):  # nothing listens there yet
             async with AsyncClient(f"127.0.0.1:{port}", retry=NO_RETRY) as once:
                 await once.get("0190b8e4-7c1a-7d3e-8f00-000000000000", timeout_s=5)
 
         submit = asyncio.create_task(client.submit("demo", {"x": X}, timeout_s=30))
-        await asyncio.sleep(0.3)  # let it fail a few attempts first
+        async with asyncio.timeout(10):  # it failed a few attempts first
+            assert [await retry.retried.get() for _ in range(3)] == [grpc.StatusCode.UNAVAILABLE] * 3
         assert not submit.done(), "UNAVAILABLE is retried, not raised"
         await stack.start(batcher=True)
         try:
