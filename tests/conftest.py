@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jetstream import connect
-from tests.stack import Stack
+from tests.stack import Stack, StartStack
 
 
 @pytest.fixture
@@ -75,22 +75,33 @@ async def make_engine() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-async def stack(config: Config) -> AsyncIterator[Stack]:
-    """The whole stack: jobs run to completion."""
-    running = Stack(config)
-    await running.start(batcher=True)
+async def start_stack(config: Config) -> AsyncIterator[StartStack]:
+    """Starts stacks (tests/stack.py) on the test's configuration, or another one built from it;
+    every stack started is stopped at the end of the test, the last started first."""
+    started: list[Stack] = []
+
+    async def start(
+        stack_config: Config | None = None, *, scheduler: bool = True, batcher: bool = True, **options: Any
+    ) -> Stack:
+        running = Stack(stack_config or config, **options)
+        await running.start(scheduler=scheduler, batcher=batcher)
+        started.append(running)
+        return running
+
     try:
-        yield running
+        yield start
     finally:
-        await running.stop()
+        for running in reversed(started):
+            await running.stop()
 
 
 @pytest.fixture
-async def idle_stack(config: Config) -> AsyncIterator[Stack]:
-    """No batcher: jobs stay QUEUED until the test starts one."""
-    running = Stack(config)
-    await running.start(batcher=False)
-    try:
-        yield running
-    finally:
-        await running.stop()
+async def stack(start_stack: StartStack) -> Stack:
+    """The whole stack: jobs run to completion."""
+    return await start_stack()
+
+
+@pytest.fixture
+async def idle_stack(start_stack: StartStack) -> Stack:
+    """No batcher: jobs stay QUEUED until the test starts one (`start_batcher`)."""
+    return await start_stack(batcher=False)
