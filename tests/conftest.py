@@ -1,5 +1,9 @@
 """Shared fixtures: a real nats-server per test (free ports, temporary store) and a configuration
-pointing every service at it on free ports."""
+pointing every service at it on free ports.
+
+The nats-server starts only for a test that asks for it (`nats_server`, or a fixture built on it:
+`config`, `nc`, the stacks); nothing here is autouse, so a test without them runs without one.
+The `unit` marker (the fast tier, `pytest -m unit`) says so of a test, and is checked."""
 
 from __future__ import annotations
 
@@ -15,6 +19,12 @@ from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jetstream import connect
 from tests.stack import Stack, StartStack
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("unit") and "nats_server" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but starts a nats-server (through its fixtures)")
 
 
 @pytest.fixture

@@ -27,6 +27,8 @@ from asyncinfer.tensors import Tensor
 from services.batcher.backends.torch_backend import TorchBackend
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, build_demo_model, build_failing_model
 
+pytestmark = pytest.mark.unit
+
 
 class RecordingAffine(torch.nn.Module):
     """y = 2x + 1, remembering every batch it saw; optionally held at a gate until released."""

@@ -21,6 +21,8 @@ from asyncinfer.tensors import Tensor
 from services.batcher.engine import BatchingEngine
 from services.batcher.items import bucket_of
 
+pytestmark = pytest.mark.unit
+
 ANY_WIDTH_IN = (TensorSpecConfig(name="x", datatype="FP32", shape=(-1, -1)),)
 ANY_WIDTH_OUT = (TensorSpecConfig(name="y", datatype="FP32", shape=(-1, -1)),)
 
