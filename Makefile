@@ -14,9 +14,10 @@ up: $(STAMP)
 
 test: test-unit lint typecheck buf-lint buf-breaking protos-check docs-check pytest
 
-# The fast tier: pure domain logic (the job lifecycle's property tests), no server, seconds.
+# The fast tier: the tests marked `unit` — pure domain logic (the job lifecycle's property tests,
+# codecs, batching policy), no nats-server (tests/conftest.py refuses one to a unit test), seconds.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m unit
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -58,7 +59,7 @@ docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
 pytest: $(STAMP) $(NODE_STAMP)
-	$(PY) -m pytest --ignore=tests/unit
+	$(PY) -m pytest -m "not unit"
 
 # The system benchmarks (about 20 minutes on 2 cores; run on an idle machine): every section, then
 # bench/results/REPORT.md. QUICK=1 runs tiny sizes to check the scripts. The Celery reference needs

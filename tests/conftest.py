@@ -1,5 +1,9 @@
 """Shared fixtures: a real nats-server per test (free ports, temporary store) and a configuration
-pointing every service at it on free ports."""
+pointing every service at it on free ports.
+
+The nats-server starts only for a test that asks for it (`nats_server`, or a fixture built on it:
+`config`, `nc`, the stacks); nothing here is autouse, so a test without them runs without one.
+The `unit` marker (the fast tier, `pytest -m unit`) says so of a test, and is checked."""
 
 from __future__ import annotations
 
@@ -14,7 +18,13 @@ from prometheus_client import CollectorRegistry
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jetstream import connect
-from tests.stack import Stack
+from tests.stack import Stack, StartStack
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("unit") and "nats_server" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but starts a nats-server (through its fixtures)")
 
 
 @pytest.fixture
@@ -75,22 +85,33 @@ async def make_engine() -> AsyncIterator[Callable[..., Any]]:
 
 
 @pytest.fixture
-async def stack(config: Config) -> AsyncIterator[Stack]:
-    """The whole stack: jobs run to completion."""
-    running = Stack(config)
-    await running.start(batcher=True)
+async def start_stack(config: Config) -> AsyncIterator[StartStack]:
+    """Starts stacks (tests/stack.py) on the test's configuration, or another one built from it;
+    every stack started is stopped at the end of the test, the last started first."""
+    started: list[Stack] = []
+
+    async def start(
+        stack_config: Config | None = None, *, scheduler: bool = True, batcher: bool = True, **options: Any
+    ) -> Stack:
+        running = Stack(stack_config or config, **options)
+        await running.start(scheduler=scheduler, batcher=batcher)
+        started.append(running)
+        return running
+
     try:
-        yield running
+        yield start
     finally:
-        await running.stop()
+        for running in reversed(started):
+            await running.stop()
 
 
 @pytest.fixture
-async def idle_stack(config: Config) -> AsyncIterator[Stack]:
-    """No batcher: jobs stay QUEUED until the test starts one."""
-    running = Stack(config)
-    await running.start(batcher=False)
-    try:
-        yield running
-    finally:
-        await running.stop()
+async def stack(start_stack: StartStack) -> Stack:
+    """The whole stack: jobs run to completion."""
+    return await start_stack()
+
+
+@pytest.fixture
+async def idle_stack(start_stack: StartStack) -> Stack:
+    """No batcher: jobs stay QUEUED until the test starts one (`start_batcher`)."""
+    return await start_stack(batcher=False)

@@ -27,6 +27,8 @@ from asyncinfer.tensors import Tensor
 from services.batcher.backends.torch_backend import TorchBackend
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, build_demo_model, build_failing_model
 
+pytestmark = pytest.mark.unit
+
 
 class RecordingAffine(torch.nn.Module):
     """y = 2x + 1, remembering every batch it saw; optionally held at a gate until released."""
@@ -218,7 +220,14 @@ async def test_a_full_queue_rejects_with_resource_exhausted(make_engine: Callabl
         model, max_batch_size=1, max_inflight_batches=1, max_queue_size=2, max_queue_delay_ms=0.0
     )
     freed: list[str] = []
-    engine.add_slot_listener(freed.append)
+    both_freed = asyncio.Event()
+
+    def on_freed(model_name: str) -> None:
+        freed.append(model_name)
+        if len(freed) == 2:
+            both_freed.set()
+
+    engine.add_slot_listener(on_freed)
     first = asyncio.create_task(engine.infer("demo", rows(1.0)))
     second = asyncio.create_task(engine.infer("demo", rows(2.0)))
     await wait_entered(model)
@@ -228,10 +237,7 @@ async def test_a_full_queue_rejects_with_resource_exhausted(make_engine: Callabl
     assert info.value.retry_after_s > 0
     gate.set()
     await asyncio.gather(first, second)
-    for _ in range(100):  # slots free in done-callbacks, one loop turn after the results
-        if engine.free_slots("demo") == 2:
-            break
-        await asyncio.sleep(0.01)
+    await asyncio.wait_for(both_freed.wait(), timeout=5)  # slots free in done-callbacks, after the results
     assert engine.free_slots("demo") == 2
     assert freed == ["demo", "demo"]
 
@@ -257,12 +263,14 @@ async def test_an_item_whose_deadline_passes_while_queued_expires(make_engine: C
     running = asyncio.create_task(engine.infer("demo", rows(1.0)))
     await wait_entered(model)
     expiring = asyncio.create_task(engine.infer("demo", rows(2.0), timeout_s=0.05))
-    await asyncio.sleep(0.1)
+    with pytest.raises(DeadlineExceeded):  # while the model is still busy: its timer fails it at once
+        await asyncio.wait_for(expiring, timeout=5)
+    assert not running.done()
     gate.set()
     await running
-    with pytest.raises(DeadlineExceeded):
-        await expiring
-    assert 2.0 not in model.values_seen()
+    after = await asyncio.wait_for(engine.infer("demo", rows(3.0)), timeout=5)  # ran after the expired one
+    assert after.outputs[0].to_numpy()[0, 0] == 7.0
+    assert model.values_seen() == {1.0, 3.0}
 
 
 async def test_stop_fails_queued_items_and_lets_the_running_batch_finish(

@@ -9,7 +9,6 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -19,16 +18,13 @@ from google.protobuf import duration_pb2
 from nats.aio.client import Client as NatsClient
 
 from asyncinfer.api_keys import hash_key
-from asyncinfer.blobs import BlobStore, new_input_ref
+from asyncinfer.blobs import new_input_ref
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jetstream import connect
 from asyncinfer.jobs import decode_envelope
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.batcher.app import BatcherApp
-from services.gateway.app import GatewayApp
-from services.scheduler.app import SchedulerApp
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from tests.stack import Stack, StartStack
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
@@ -133,49 +129,15 @@ async def finish(jobs: JobStub, job_id: str, key: str = ACME) -> job_pb2.Job:
     return last
 
 
-@dataclass
-class Stack:
-    config: Config
-    jobs: JobStub
-    nc: NatsClient
-    store: BlobStore
-
-
-async def serve(config: Config, *, scheduler: bool, sweep_interval_s: float = 60.0) -> AsyncIterator[Stack]:
-    gateway = GatewayApp(config)
-    await gateway.start()
-    apps: list[Any] = [gateway]
-    try:
-        if scheduler:
-            sched = SchedulerApp(config, blob_sweep_interval_s=sweep_interval_s)
-            await sched.start()
-            apps.append(sched)
-            batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{sched.port}"}))
-            await batcher.start()
-            apps.append(batcher)
-        nc = await connect(config.nats, name="test")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-                yield Stack(
-                    config, job_service_pb2_grpc.JobServiceStub(channel), nc, BlobStore(nc.jetstream(), "blobs")
-                )
-        finally:
-            await nc.close()
-    finally:
-        for app in reversed(apps):
-            await app.stop(2.0)
+@pytest.fixture
+async def full(config: Config, start_stack: StartStack) -> Stack:
+    return await start_stack(claim_check_config(config))
 
 
 @pytest.fixture
-async def full(config: Config) -> AsyncIterator[Stack]:
-    async for stack in serve(claim_check_config(config), scheduler=True):
-        yield stack
-
-
-@pytest.fixture
-async def gateway_only(config: Config) -> AsyncIterator[Stack]:
-    async for stack in serve(claim_check_config(config, max_upload_bytes=1024 * 1024), scheduler=False):
-        yield stack
+async def gateway_only(config: Config, start_stack: StartStack) -> Stack:
+    limited = claim_check_config(config, max_upload_bytes=1024 * 1024)
+    return await start_stack(limited, scheduler=False, batcher=False)
 
 
 # --- the whole way: upload, submit by reference, large result, ReadResult ---------------------
@@ -192,12 +154,12 @@ async def test_a_3mb_upload_runs_by_reference_and_its_large_result_reads_back(fu
     assert ref.ref.startswith("in/")
     assert ref.size_bytes == len(data)
     assert ref.sha256 == hashlib.sha256(data).hexdigest()
-    uploaded = await full.store.info("acme", ref.ref)
+    uploaded = await full.blobs.info("acme", ref.ref)
 
     submitted = (await jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job
     assert submitted.input_ref.ref == ref.ref
     assert submitted.input_ref.sha256 == ref.sha256
-    kept = await full.store.info("acme", ref.ref)
+    kept = await full.blobs.info("acme", ref.ref)
     assert kept.expires_at is not None
     assert uploaded.expires_at is not None
     assert kept.expires_at > uploaded.expires_at, "a job that uses the input extends its expiry"
@@ -216,7 +178,7 @@ async def test_a_3mb_upload_runs_by_reference_and_its_large_result_reads_back(fu
     assert y.name == "y"
     np.testing.assert_allclose(y.to_numpy(), 2 * rows + 1, rtol=1e-6)
 
-    stored = await full.store.info("acme", result_ref.ref)
+    stored = await full.blobs.info("acme", result_ref.ref)
     end = done.end_time.ToNanoseconds() / 1e9
     assert stored.expires_at == pytest.approx(end + done.result_retention.ToSeconds(), abs=1.0)
 
@@ -240,20 +202,20 @@ async def test_a_small_result_stays_inline_and_read_result_serves_it_too(full: S
     np.testing.assert_allclose(y.to_numpy(), [[3, 5, 7, 9]])
 
 
-async def test_the_sweeper_deletes_expired_objects_and_keeps_live_ones(config: Config) -> None:
-    async for stack in serve(claim_check_config(config), scheduler=True, sweep_interval_s=0.05):
-        live = await upload(stack.jobs, inputs_bytes(np.ones((4, 4))))
-        before = await objects_stream_state(stack.nc, stack.config)
-        short = await upload(stack.jobs, inputs_bytes(np.ones((20_000, 4))), retention_s=0.3)
-        assert (await objects_stream_state(stack.nc, stack.config))[0] > before[0]
-        for _ in range(200):  # the sweeper runs every 50 ms; the object expires after 300 ms
-            if await objects_stream_state(stack.nc, stack.config) == before:
-                break
-            await asyncio.sleep(0.05)
-        assert await objects_stream_state(stack.nc, stack.config) == before, "the expired object is gone, all of it"
-        error = await rpc_error(stack.jobs.SubmitJob(by_ref(short.ref), metadata=bearer(ACME)))
-        assert error.code() == grpc.StatusCode.NOT_FOUND
-        assert (await stack.store.info("acme", live.ref)).ref.size_bytes == live.size_bytes
+async def test_the_sweeper_deletes_expired_objects_and_keeps_live_ones(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(claim_check_config(config), blob_sweep_interval_s=0.05)
+    live = await upload(stack.jobs, inputs_bytes(np.ones((4, 4))))
+    before = await objects_stream_state(stack.nc, stack.config)
+    short = await upload(stack.jobs, inputs_bytes(np.ones((20_000, 4))), retention_s=0.3)
+    assert (await objects_stream_state(stack.nc, stack.config))[0] > before[0]
+    for _ in range(200):  # the sweeper runs every 50 ms; the object expires after 300 ms
+        if await objects_stream_state(stack.nc, stack.config) == before:
+            break
+        await asyncio.sleep(0.05)
+    assert await objects_stream_state(stack.nc, stack.config) == before, "the expired object is gone, all of it"
+    error = await rpc_error(stack.jobs.SubmitJob(by_ref(short.ref), metadata=bearer(ACME)))
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert (await stack.blobs.info("acme", live.ref)).ref.size_bytes == live.size_bytes
 
 
 # --- refusals that keep nothing -------------------------------------------------------------
@@ -370,7 +332,7 @@ async def test_an_expired_input_is_not_found_with_its_own_reason(gateway_only: S
     # Waiting out a 50 ms retention is waiting on the clock itself. No sweeper runs here, so the
     # object is still stored: the answer comes from its expiry, not its absence.
     await asyncio.sleep(0.06)
-    assert await gateway_only.store.info("acme", ref.ref, now=0.0)
+    assert await gateway_only.blobs.info("acme", ref.ref, now=0.0)
     error = await rpc_error(gateway_only.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME)))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert reason_of(error) == "INPUT_EXPIRED"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -17,7 +17,9 @@ import pytest
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import (
     NO_RETRY,
+    AlreadyExistsError,
     AsyncClient,
+    AsyncInferClientError,
     BulkResult,
     Client,
     DeadlineExceededError,
@@ -35,10 +37,8 @@ from asyncinfer.client import (
     UnavailableError,
 )
 from asyncinfer.config import Config
-from services.gateway.app import GatewayApp
-from tests.stack import Stack
+from tests.stack import Stack, StartStack, ThreadedStack
 
-T = TypeVar("T")
 X = np.array([[1, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float32)
 FAST_RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
 
@@ -165,6 +165,17 @@ async def test_wait_with_a_short_timeout_raises_deadline_exceeded(idle_stack: St
         assert (await client.get(job)).state is JobState.QUEUED, "the job carries on; only the wait ended"
 
 
+@dataclass(frozen=True, kw_only=True)
+class ObservedRetry(RetryPolicy):
+    """A retry policy that also tells the test each time the client decides to try again."""
+
+    retried: asyncio.Queue[grpc.StatusCode] = field(default_factory=asyncio.Queue)
+
+    def backoff_s(self, attempt: int, error: AsyncInferClientError) -> float:
+        self.retried.put_nowait(error.code)
+        return RetryPolicy.backoff_s(self, attempt, error)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -172,79 +183,71 @@ def free_port() -> int:
         return port
 
 
-async def test_submit_retries_unavailable_until_the_gateway_starts(config: Config) -> None:
+async def test_submit_retries_unavailable_until_the_gateway_starts(config: Config, start_stack: StartStack) -> None:
     port = free_port()
-    stack = Stack(config.replace(gateway={"port": port}))
-    async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
+    retry = ObservedRetry(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
+    async with AsyncClient(f"127.0.0.1:{port}", retry=retry) as client:
         with pytest.raises(UnavailableError):  # nothing listens there yet
             async with AsyncClient(f"127.0.0.1:{port}", retry=NO_RETRY) as once:
                 await once.get("0190b8e4-7c1a-7d3e-8f00-000000000000", timeout_s=5)
 
         submit = asyncio.create_task(client.submit("demo", {"x": X}, timeout_s=30))
-        await asyncio.sleep(0.3)  # let it fail a few attempts first
+        async with asyncio.timeout(10):  # it failed a few attempts first
+            assert [await retry.retried.get() for _ in range(3)] == [grpc.StatusCode.UNAVAILABLE] * 3
         assert not submit.done(), "UNAVAILABLE is retried, not raised"
-        await stack.start(batcher=True)
-        try:
-            job = await submit
-            assert job.state is JobState.QUEUED
-            done = await client.wait(job, timeout_s=30)
-            np.testing.assert_array_equal(done.outputs["y"], expected_y(X))
-        finally:
-            await stack.stop()
+        await start_stack(config.replace(gateway={"port": port}))
+        job = await submit
+        assert job.state is JobState.QUEUED
+        done = await client.wait(job, timeout_s=30)
+        np.testing.assert_array_equal(done.outputs["y"], expected_y(X))
 
 
-async def test_watch_resumes_across_a_gateway_restart(config: Config) -> None:
-    port = free_port()
-    stack = Stack(config.replace(gateway={"port": port}))
-    await stack.start(batcher=False)
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
-            job = await client.submit("demo", {"x": X})
-            updates = client.watch(job, timeout_s=30)
-            first = await anext(updates)
-            assert first.state is JobState.QUEUED
+async def test_watch_resumes_across_a_gateway_restart(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
+        job = await client.submit("demo", {"x": X})
+        updates = client.watch(job, timeout_s=30)
+        first = await anext(updates)
+        assert first.state is JobState.QUEUED
 
-            await stack.gateway.stop(1.0)  # ends the watch with UNAVAILABLE
-            stack.gateway = GatewayApp(stack.config)
-            await stack.gateway.start()
-            await stack.start_batcher()
+        await stack.restart_gateway()  # ends the watch with UNAVAILABLE
+        await stack.start_batcher()
 
-            rest = [update async for update in updates]
-        assert [u.state for u in rest][-1] is JobState.SUCCEEDED
-        assert JobState.QUEUED not in [u.state for u in rest], "resumed after the revision seen, not from scratch"
-        assert all(u.revision > first.revision for u in rest)
-    finally:
-        await stack.stop()
+        rest = [update async for update in updates]
+    assert [u.state for u in rest][-1] is JobState.SUCCEEDED
+    assert JobState.QUEUED not in [u.state for u in rest], "resumed after the revision seen, not from scratch"
+    assert all(u.revision > first.revision for u in rest)
 
 
-async def test_api_key_is_sent_as_bearer(config: Config) -> None:
+async def test_api_key_is_sent_as_bearer(config: Config, start_stack: StartStack) -> None:
     keyed = config.replace(gateway={"api_keys": [{"tenant": "acme", "sha256": hash_key("k-acme")}]})
-    stack = Stack(keyed)
-    await stack.start(batcher=False)
-    try:
-        async with AsyncClient(stack.address, api_key="k-acme") as client:
-            job = await client.submit("demo", {"x": X})
-            assert (await client.get(job)).job_id == job.job_id
-        async with AsyncClient(stack.address, api_key="wrong") as intruder:
-            with pytest.raises(UnauthenticatedError):
-                await intruder.get(job)
-        async with AsyncClient(stack.address) as anonymous:
-            with pytest.raises(UnauthenticatedError):
-                await anonymous.submit("demo", {"x": X})
-    finally:
-        await stack.stop()
+    stack = await start_stack(keyed, batcher=False)
+    async with AsyncClient(stack.address, api_key="k-acme") as client:
+        job = await client.submit("demo", {"x": X})
+        assert (await client.get(job)).job_id == job.job_id
+    async with AsyncClient(stack.address, api_key="wrong") as intruder:
+        with pytest.raises(UnauthenticatedError):
+            await intruder.get(job)
+    async with AsyncClient(stack.address) as anonymous:
+        with pytest.raises(UnauthenticatedError):
+            await anonymous.submit("demo", {"x": X})
 
 
-# -- RPCs other helpers are building (xfail while UNIMPLEMENTED) --------------------------------
+# -- idempotency, bulk, models, list, the claim check -----------------------------------------
 
 
 async def test_same_idempotency_key_returns_the_first_job(idle_stack: Stack) -> None:
     async with AsyncClient(idle_stack.address) as client:
         first = await client.submit("demo", {"x": X}, idempotency_key="order-42")
         second = await client.submit("demo", {"x": X}, idempotency_key="order-42")
-    if second.job_id != first.job_id:
-        pytest.xfail("idempotency keys are not honoured by the gateway yet")
-    assert second.idempotency_key == "order-42"
+        other = await client.submit("demo", {"x": X}, idempotency_key="order-43")
+        with pytest.raises(AlreadyExistsError):  # the same key for another request
+            await client.submit("demo", {"x": X * 2}, idempotency_key="order-42")
+        listed = [job.job_id async for job in client.list(model="demo")]
+    assert second.job_id == first.job_id, "a repeated key returns the first job"
+    assert first.idempotency_key == second.idempotency_key == "order-42"
+    assert other.job_id != first.job_id
+    assert sorted(listed) == sorted([first.job_id, other.job_id]), "the repeat queued nothing"
 
 
 async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
@@ -269,10 +272,8 @@ async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
         np.testing.assert_array_equal(job.outputs["y"], expected_y(X * i))
 
 
-async def test_bulk_carries_on_across_a_gateway_restart(config: Config) -> None:
-    port = free_port()
-    stack = Stack(config.replace(gateway={"port": port}))
-    await stack.start(batcher=False)
+async def test_bulk_carries_on_across_a_gateway_restart(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
     restarted = asyncio.Event()
 
     async def requests() -> AsyncIterator[JobRequest]:
@@ -282,18 +283,13 @@ async def test_bulk_carries_on_across_a_gateway_restart(config: Config) -> None:
             yield JobRequest(model="demo", inputs={"x": X * i}, correlation_id=f"row-{i}")
 
     results: list[BulkResult] = []
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}", retry=FAST_RETRY) as client:
-            async for result in client.bulk(requests(), timeout_s=60):
-                results.append(result)
-                if len(results) == 5:
-                    await stack.gateway.stop(0.2)
-                    stack.gateway = GatewayApp(stack.config)
-                    await stack.gateway.start()
-                    restarted.set()
-            listed = [job async for job in client.list(model="demo")]
-    finally:
-        await stack.stop()
+    async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
+        async for result in client.bulk(requests(), timeout_s=60):
+            results.append(result)
+            if len(results) == 5:
+                await stack.restart_gateway(0.2)
+                restarted.set()
+        listed = [job async for job in client.list(model="demo")]
     assert [r.index for r in results] == list(range(10))
     assert [r.correlation_id for r in results] == [f"row-{i}" for i in range(10)]
     assert all(r.accepted for r in results)
@@ -347,56 +343,28 @@ async def test_upload_then_submit_by_reference(stack: Stack) -> None:
         np.testing.assert_array_equal((await client.outputs(done))["y"], expected_y(X))
 
 
-async def test_read_result_of_a_large_result(config: Config) -> None:
+async def test_read_result_of_a_large_result(config: Config, start_stack: StartStack) -> None:
     # Every result counts as large: it goes to the claim-check store, and ReadResult brings it back.
-    stack = Stack(config.replace(scheduler={"inline_result_max_bytes": 1}))
-    await stack.start(batcher=True)
-    try:
-        async with AsyncClient(stack.address) as client:
-            job = await client.submit("demo", {"x": X})
-            done = await client.wait(job, timeout_s=30)
-            if done.result_ref is None:
-                pytest.xfail(f"large results are not stored by reference yet (job ended {done.state})")
-            outputs = await client.read_result(done)
-            np.testing.assert_array_equal(outputs["y"], expected_y(X))
-    finally:
-        await stack.stop()
+    stack = await start_stack(config.replace(scheduler={"inline_result_max_bytes": 1}))
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": X})
+        done = await client.wait(job, timeout_s=30)
+        assert done.state is JobState.SUCCEEDED, done.error
+        assert done.result_ref is not None, "a result over inline_result_max_bytes is stored by reference"
+        assert done.result_ref.ref == f"out/{done.job_id}"
+        assert done.result_ref.size_bytes > 0
+        assert not done.outputs, "and is not inline"
+        np.testing.assert_array_equal((await client.read_result(done))["y"], expected_y(X))
+        np.testing.assert_array_equal((await client.outputs(done))["y"], expected_y(X))
 
 
 # -- the synchronous client, from plain (non-async) tests ---------------------------------------
 
 
-class ThreadedStack:
-    """The stack on its own event loop in a thread, so a sync test can drive the sync client."""
-
-    def __init__(self, config: Config) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self.stack = Stack(config)
-
-    def run(self, work: Callable[[], Awaitable[T]]) -> T:
-        async def call() -> T:
-            return await work()
-
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout=60)
-
-    def __enter__(self) -> ThreadedStack:
-        self._thread.start()
-        self.run(lambda: self.stack.start(batcher=False))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.run(self.stack.stop)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
-
-
 @pytest.fixture
 def threaded_stack(config: Config) -> Iterator[ThreadedStack]:
-    with ThreadedStack(config) as running:
+    """The stack without a batcher, on its own loop in a thread: the test itself is synchronous."""
+    with ThreadedStack(config, batcher=False) as running:
         yield running
 
 

@@ -29,10 +29,9 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.jetstream import connect
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.batcher.app import BatcherApp
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.app import GatewayApp
-from services.scheduler.app import SchedulerApp
+from tests.stack import StartStack
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
@@ -229,70 +228,58 @@ async def cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
 
 
 @pytest.mark.timeout(150)
-async def test_killing_the_stream_leader_loses_no_job(cluster: NatsCluster, config: Config) -> None:
+async def test_killing_the_stream_leader_loses_no_job(
+    cluster: NatsCluster, config: Config, start_stack: StartStack
+) -> None:
     config = config.replace(
         nats={"url": cluster.urls, "replicas": 3},
         scheduler={"ack_wait_s": 5.0, "lease_renew_interval_s": 1.0, "queue_stats_interval_s": 1.0},
     )
     await wait_for_jetstream(config)
-    gateway = GatewayApp(config)
-    scheduler = SchedulerApp(config)
-    await gateway.start()
-    await scheduler.start()
-    batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{scheduler.port}"}))
-    await batcher.start()
-    nc = await connect(config.nats, name="test-cluster")
+    stack = await start_stack(config)
+    gateway, nc = stack.gateway, stack.nc
     ledger = Ledger()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            stub: JobStub = job_service_pb2_grpc.JobServiceStub(channel)
-            started = time.monotonic()
-            submitting = asyncio.create_task(submit_steadily(stub, ledger, stop_at=started + RUN_S))
-            collecting = asyncio.create_task(
-                collect_results(stub, ledger, submitting, until=started + RUN_S + DRAIN_BOUND_S)
-            )
+    stub: JobStub = stack.jobs
+    started = time.monotonic()
+    submitting = asyncio.create_task(submit_steadily(stub, ledger, stop_at=started + RUN_S))
+    collecting = asyncio.create_task(collect_results(stub, ledger, submitting, until=started + RUN_S + DRAIN_BOUND_S))
 
-            await asyncio.sleep(KILL_AFTER_S)
-            info = await nc.jetstream().stream_info(config.nats.work_stream)
-            assert info.config.num_replicas == 3
-            assert info.cluster is not None
-            assert info.cluster.leader
-            leader = cluster.node(info.cluster.leader)
-            accepted_before_kill = len(ledger.accepted)
-            killed_at = time.monotonic()
-            leader.kill()
-            log.warning("node_killed", node=leader.server_name, accepted_so_far=accepted_before_kill)
+    await asyncio.sleep(KILL_AFTER_S)
+    info = await nc.jetstream().stream_info(config.nats.work_stream)
+    assert info.config.num_replicas == 3
+    assert info.cluster is not None
+    assert info.cluster.leader
+    leader = cluster.node(info.cluster.leader)
+    accepted_before_kill = len(ledger.accepted)
+    killed_at = time.monotonic()
+    leader.kill()
+    log.warning("node_killed", node=leader.server_name, accepted_so_far=accepted_before_kill)
 
-            await submitting
-            submitted_until = time.monotonic()
-            await collecting
+    await submitting
+    submitted_until = time.monotonic()
+    await collecting
 
-        # Zero accepted jobs lost: every one of them succeeded.
-        states = {job_id: ledger.completed[job_id].state for job_id in ledger.completed}
-        unfinished = [job_id for job_id in ledger.accepted if job_id not in states]
-        assert not unfinished, f"{len(unfinished)} of {len(ledger.accepted)} accepted jobs never finished"
-        assert set(states.values()) == {job_pb2.JOB_STATE_SUCCEEDED}, states
-        accepted_after_kill = [t for t in ledger.accepted.values() if t > killed_at]
-        assert accepted_after_kill, "no job was accepted after the kill"
+    # Zero accepted jobs lost: every one of them succeeded.
+    states = {job_id: ledger.completed[job_id].state for job_id in ledger.completed}
+    unfinished = [job_id for job_id in ledger.accepted if job_id not in states]
+    assert not unfinished, f"{len(unfinished)} of {len(ledger.accepted)} accepted jobs never finished"
+    assert set(states.values()) == {job_pb2.JOB_STATE_SUCCEEDED}, states
+    accepted_after_kill = [t for t in ledger.accepted.values() if t > killed_at]
+    assert accepted_after_kill, "no job was accepted after the kill"
 
-        # Service resumed: no long stall of acceptances (from the kill to the end of submission)
-        # nor of completions (from the kill until the last job finished).
-        accept_stall = longest_gap(list(ledger.accepted.values()), killed_at, submitted_until)
-        end_times = [j.end_time.ToNanoseconds() / 1e9 for j in ledger.completed.values()]
-        killed_wall = time.time() - (time.monotonic() - killed_at)
-        completion_stall = longest_gap(end_times, killed_wall, max(end_times))
-        print(
-            f"\ncluster: killed {leader.server_name} (WORK leader) at {KILL_AFTER_S:.0f} s; "
-            f"{len(ledger.accepted)} jobs accepted ({accepted_before_kill} before the kill), all succeeded; "
-            f"{ledger.refused} UNAVAILABLE answers retried by the client; "
-            f"longest stall after the kill: submissions {accept_stall:.2f} s, completions {completion_stall:.2f} s "
-            f"(bound {RECOVERY_BOUND_S:.0f} s)"
-        )
-        assert accept_stall < RECOVERY_BOUND_S
-        assert completion_stall < RECOVERY_BOUND_S
-        await assert_feeds_recovered(gateway, nc, config, since=killed_wall)
-    finally:
-        await nc.close()
-        await batcher.stop(2.0)
-        await scheduler.stop(2.0)
-        await gateway.stop(2.0)
+    # Service resumed: no long stall of acceptances (from the kill to the end of submission)
+    # nor of completions (from the kill until the last job finished).
+    accept_stall = longest_gap(list(ledger.accepted.values()), killed_at, submitted_until)
+    end_times = [j.end_time.ToNanoseconds() / 1e9 for j in ledger.completed.values()]
+    killed_wall = time.time() - (time.monotonic() - killed_at)
+    completion_stall = longest_gap(end_times, killed_wall, max(end_times))
+    print(
+        f"\ncluster: killed {leader.server_name} (WORK leader) at {KILL_AFTER_S:.0f} s; "
+        f"{len(ledger.accepted)} jobs accepted ({accepted_before_kill} before the kill), all succeeded; "
+        f"{ledger.refused} UNAVAILABLE answers retried by the client; "
+        f"longest stall after the kill: submissions {accept_stall:.2f} s, completions {completion_stall:.2f} s "
+        f"(bound {RECOVERY_BOUND_S:.0f} s)"
+    )
+    assert accept_stall < RECOVERY_BOUND_S
+    assert completion_stall < RECOVERY_BOUND_S
+    await assert_feeds_recovered(gateway, nc, config, since=killed_wall)

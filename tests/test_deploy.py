@@ -19,12 +19,11 @@ import re
 import shutil
 import subprocess
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import grpc
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -38,7 +37,8 @@ from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_p
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import work_consumer_name
 from asyncinfer.jobs import Priority
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from tests.stack import Stack, StartStack
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -609,65 +609,50 @@ def consumer_lag(monitor_port: int, stream: str, consumer: str) -> int:
 
 
 @pytest.fixture
-async def stack_without_batchers(config: Config) -> AsyncIterator[tuple[Config, Any, Any]]:
-    from services.gateway.app import GatewayApp
-    from services.scheduler.app import SchedulerApp
-
-    config = config.replace(scheduler={"queue_stats_interval_s": 0.1})
-    gateway, scheduler = GatewayApp(config), SchedulerApp(config)
-    await gateway.start()
-    await scheduler.start()
-    try:
-        yield config, gateway, scheduler
-    finally:
-        await scheduler.stop(2.0)
-        await gateway.stop(2.0)
+async def stack_without_batchers(config: Config, start_stack: StartStack) -> Stack:
+    return await start_stack(config.replace(scheduler={"queue_stats_interval_s": 0.1}), batcher=False)
 
 
 async def test_jobs_wait_for_a_batcher_scaled_from_zero(
-    nats_server: NatsServerProcess, stack_without_batchers: tuple[Config, Any, Any]
+    nats_server: NatsServerProcess, stack_without_batchers: Stack
 ) -> None:
-    from services.batcher.app import BatcherApp
-
-    config, gateway, scheduler = stack_without_batchers
+    stack = stack_without_batchers
+    config, scheduler = stack.config, stack.scheduler
     assert nats_server.monitor_port
     x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
     x.contents.fp32_contents.extend([1, 2, 3, 4])
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        jobs = job_service_pb2_grpc.JobServiceStub(channel)
-        ids = [
-            (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x]))).job.job_id
-            for _ in range(3)
-        ]
-        consumer = work_consumer_name("demo", Priority.NORMAL)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 10
-        while True:  # the scheduler's snapshot reaches the gateway within a few stats intervals
-            job = (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=ids[0]))).job
-            desired = scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"})
-            if job.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER and desired:
-                break
-            assert loop.time() < deadline, (job.queue, desired)
-            await asyncio.sleep(0.05)
-        assert job.state == job_pb2.JOB_STATE_QUEUED
-        assert desired is not None
-        assert desired >= 1
-        lag = await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer)
-        assert lag == 3  # > activationLagThreshold (0): KEDA activates the pool
+    jobs = stack.jobs
+    ids = [
+        (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x]))).job.job_id
+        for _ in range(3)
+    ]
+    consumer = work_consumer_name("demo", Priority.NORMAL)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while True:  # the scheduler's snapshot reaches the gateway within a few stats intervals
+        job = (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=ids[0]))).job
+        desired = scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"})
+        if job.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER and desired:
+            break
+        assert loop.time() < deadline, (job.queue, desired)
+        await asyncio.sleep(0.05)
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    assert desired is not None
+    assert desired >= 1
+    lag = await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer)
+    assert lag == 3  # > activationLagThreshold (0): KEDA activates the pool
 
-        batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{scheduler.port}"}))
-        await batcher.start()
-        try:
-            for job_id in ids:
-                watch = jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id))
-                last = None
-                async for update in watch:
-                    last = update.job.state
-                assert last == job_pb2.JOB_STATE_SUCCEEDED
-        finally:
-            await batcher.stop(2.0)
-        assert await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer) == 0
-        deadline = loop.time() + 10
-        while scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"}) != 0:
-            assert loop.time() < deadline, "desired_batchers never fell back to zero"
-            await asyncio.sleep(0.05)
+    await stack.start_batcher()
+    for job_id in ids:
+        watch = jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id))
+        last = None
+        async for update in watch:
+            last = update.job.state
+        assert last == job_pb2.JOB_STATE_SUCCEEDED
+    assert stack.batcher is not None
+    await stack.batcher.stop(2.0)  # the pool scales back to zero
+    assert await asyncio.to_thread(consumer_lag, nats_server.monitor_port, config.nats.work_stream, consumer) == 0
+    deadline = loop.time() + 10
+    while scheduler.metrics.registry.get_sample_value("asyncinfer_desired_batchers", {"model": "demo"}) != 0:
+        assert loop.time() < deadline, "desired_batchers never fell back to zero"
+        await asyncio.sleep(0.05)

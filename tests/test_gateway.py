@@ -36,6 +36,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.app import GatewayApp
 from tests.kv_helpers import kv_keys
+from tests.nats_probes import StreamUnavailable
 
 if TYPE_CHECKING:
     # The generated .pyi types the stub's aio flavour separately; at run time it is the one stub class.
@@ -529,14 +530,17 @@ async def test_publish_failure_is_unavailable_and_records_nothing(config: Config
 
 
 async def test_publish_is_retried_until_the_stream_answers(
-    stub: JobStub, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
+    stub: JobStub, nc: NatsClient, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
 ) -> None:
-    """What a leader election looks like from the gateway: no stream answers for a moment."""
+    """What a leader election looks like from the gateway: the stream cannot take a publish for a
+    moment (503, as JetStream answers without a leader)."""
     stream = await js.stream_info(WORK)
     await js.delete_stream(WORK)
+    down = await StreamUnavailable.on(nc, list(stream.config.subjects or []))
     submit = asyncio.ensure_future(stub.SubmitJob(submit_request()))
-    await asyncio.sleep(0.3)  # the publish is failing meanwhile (no responders), and retried
-    assert not submit.done()
+    await down.wait_for(3)  # the publish was refused, and tried again, twice
+    assert not submit.done(), "a refused publish is retried, not answered"
+    await down.close()
     await js.add_stream(stream.config)
     job = (await submit).job
     assert job.state == job_pb2.JOB_STATE_QUEUED
@@ -545,16 +549,18 @@ async def test_publish_is_retried_until_the_stream_answers(
 
 
 async def test_a_submit_whose_caller_left_is_seen_through(
-    stub: JobStub, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
+    stub: JobStub, nc: NatsClient, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
 ) -> None:
     """A caller that gives up mid-publish must not leave a QUEUED record without a work message."""
     stream = await js.stream_info(WORK)
     await js.delete_stream(WORK)
+    down = await StreamUnavailable.on(nc, list(stream.config.subjects or []))
     call = stub.SubmitJob(submit_request())
-    await asyncio.sleep(0.3)  # the publish is being retried (the record comes after it)
+    await down.wait_for(2)  # the publish is being retried (the record comes after it)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    await down.close()
     await js.add_stream(stream.config)
     await gateway.stop(grace_s=1)  # waits for the orphaned submit to finish
     (key,) = await kv_keys(js, config.nats.jobs_bucket)

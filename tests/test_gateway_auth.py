@@ -156,16 +156,19 @@ async def test_an_open_gateway_beyond_loopback_refuses_to_start(config: Config) 
     await app.stop()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"])
 def test_loopback_addresses(host: str) -> None:
     assert is_loopback(host)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.1", "example.com", ""])
 def test_addresses_beyond_loopback(host: str) -> None:
     assert not is_loopback(host)
 
 
+@pytest.mark.unit
 def test_up_keeps_unauthenticated_ports_on_loopback() -> None:
     check_up_exposure(Config())
     keys = [{"tenant": "acme", "sha256": hash_key(ACME_KEY)}]
@@ -177,6 +180,7 @@ def test_up_keeps_unauthenticated_ports_on_loopback() -> None:
             check_up_exposure(Config().replace(**{section: {"host": "0.0.0.0"}}))
 
 
+@pytest.mark.unit
 def test_api_keys_load_from_toml_and_are_validated(tmp_path: Any) -> None:
     path = tmp_path / "keys.toml"
     path.write_text(f'[[gateway.api_keys]]\ntenant = "acme"\nsha256 = "{hash_key(ACME_KEY)}"\nname = "ci"\n')
@@ -195,12 +199,14 @@ def test_api_keys_load_from_toml_and_are_validated(tmp_path: Any) -> None:
         load_config(path, environ={})
 
 
+@pytest.mark.unit
 def test_hash_key_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["hash-key", ACME_KEY]) == 0
     assert capsys.readouterr().out.strip() == hash_key(ACME_KEY)
     assert len(hash_key(ACME_KEY)) == 64
 
 
+@pytest.mark.unit
 def test_keys_from_environment() -> None:
     # ASYNCINFER_GATEWAY__API_KEYS takes JSON, like every list override.
     environ = {"ASYNCINFER_GATEWAY__API_KEYS": f'[{{"tenant": "acme", "sha256": "{hash_key(ACME_KEY)}"}}]'}

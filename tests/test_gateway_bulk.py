@@ -138,6 +138,7 @@ async def test_the_stream_is_authenticated_once_for_its_tenant(config: Config) -
             assert other.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.unit
 def test_error_status_carries_what_a_unary_status_would() -> None:
     invalid = error_status(InvalidArgument("bad", [DomainViolation("inputs", "missing")]))
     assert (invalid.code, invalid.reason, invalid.retriable) == (INVALID_ARGUMENT, "INVALID_ARGUMENT", False)

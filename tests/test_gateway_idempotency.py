@@ -26,6 +26,7 @@ from services.gateway import idempotency
 from services.gateway.app import GatewayApp
 from services.gateway.convert import submit_request_from_proto
 from services.gateway.idempotency import TAKEOVER_MARGIN_S, Claim, claim_key, request_fingerprint
+from tests.nats_probes import RequestsSeen
 from tests.test_gateway import fp32_input, job_stub, submit_request, violations_of
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
 
@@ -216,9 +217,12 @@ async def test_a_live_claim_is_waited_for_and_a_stale_one_taken_over(
     # A live claim whose owner is still writing: the repeat waits for the owner's record.
     writing = new_job_id()
     await claims.create(key, Claim(writing, fingerprint, time.time()).encode())
+    wanted = job_key(TENANT, writing)
+    reads = await RequestsSeen.on(nc, "$JS.API.>", lambda subject, data: wanted in subject or wanted.encode() in data)
     repeat = asyncio.ensure_future(stub.SubmitJob(request))
-    await asyncio.sleep(0.05)  # time to find the claim without a record: it must keep waiting
-    assert not repeat.done()
+    await reads.wait_for(2)  # it found the claim, looked for the owner's record, and looked again
+    await reads.close()
+    assert not repeat.done(), "a live claim without its record yet is waited for"
     record = queued_record(writing, key="owner-crashed", now=time.time())
     await jobs.create(job_key(TENANT, writing), encode_record(record))
     answer = await asyncio.wait_for(repeat, 5)

@@ -537,6 +537,7 @@ def record_at(create_time: float, priority: Priority = Priority.NORMAL, **change
     )
 
 
+@pytest.mark.unit
 def test_jobs_ahead_interpolates_within_the_priority() -> None:
     snap = snapshot(
         updated_at=100.0,
@@ -552,6 +553,7 @@ def test_jobs_ahead_interpolates_within_the_priority() -> None:
     assert jobs_ahead(record_at(50.0), None) == 0
 
 
+@pytest.mark.unit
 def test_waiting_reason_precedence() -> None:
     now = 1000.0
     retried = record_at(1.0, attempt=1, last_error=JobError(code=13, reason="WORKER_LOST", message=""))

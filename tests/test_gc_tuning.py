@@ -10,6 +10,8 @@ import pytest
 
 from asyncinfer.gc_tuning import YOUNG_THRESHOLD, tune_for_serving
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def restored_gc() -> Iterator[None]:

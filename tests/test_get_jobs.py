@@ -7,12 +7,12 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, JobState, NotFoundError
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc
-from services.gateway.auth import hash_key
 from services.gateway.job_service import MAX_IDS_PER_READ
 from tests.stack import Stack
 

@@ -7,16 +7,12 @@ import asyncio
 import json
 import shutil
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asyncinfer.config import Config
-from services.batcher.app import BatcherApp
-from services.gateway.app import GatewayApp
-from services.scheduler.app import SchedulerApp
+from tests.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "tests" / "node" / "client.mjs"
@@ -37,19 +33,6 @@ def node() -> str:
     return node_bin
 
 
-@pytest.fixture
-async def gateway_and_scheduler(config: Config) -> AsyncIterator[tuple[GatewayApp, SchedulerApp]]:
-    gateway = GatewayApp(config)
-    scheduler = SchedulerApp(config)
-    await gateway.start()
-    await scheduler.start()
-    try:
-        yield gateway, scheduler
-    finally:
-        await scheduler.stop(2.0)
-        await gateway.stop(2.0)
-
-
 async def read_event(stream: asyncio.StreamReader) -> dict[str, Any]:
     line = await stream.readline()
     assert line, "the Node client ended early"
@@ -58,21 +41,17 @@ async def read_event(stream: asyncio.StreamReader) -> dict[str, Any]:
     return event
 
 
-async def test_node_client_submits_watches_and_reads_the_output(
-    node: str, config: Config, gateway_and_scheduler: tuple[GatewayApp, SchedulerApp]
-) -> None:
-    gateway, scheduler = gateway_and_scheduler
+async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_stack: Stack) -> None:
     rows = [[1.0, 2.0, 3.0, 4.0], [0.5, 0.0, -2.0, 10.0]]
     process = await asyncio.create_subprocess_exec(
         node,
         str(CLIENT),
-        f"127.0.0.1:{gateway.port}",
+        idle_stack.address,
         json.dumps(rows),
         cwd=ROOT,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
-    batcher: BatcherApp | None = None
     try:
         assert process.stderr is not None
         try:
@@ -83,8 +62,7 @@ async def test_node_client_submits_watches_and_reads_the_output(
                 first = await read_event(process.stderr)
                 assert first == {**first, "event": "update", "state": "JOB_STATE_QUEUED"}
                 # Only now can the job run: the Node client must follow it through the watch.
-                batcher = BatcherApp(config.replace(batcher={"scheduler_address": f"127.0.0.1:{scheduler.port}"}))
-                await batcher.start()
+                await idle_stack.start_batcher()
                 stdout, stderr = await process.communicate()
         except TimeoutError:
             process.kill()
@@ -104,5 +82,3 @@ async def test_node_client_submits_watches_and_reads_the_output(
         if process.returncode is None:
             process.kill()
             await process.wait()
-        if batcher is not None:
-            await batcher.stop(2.0)

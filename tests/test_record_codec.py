@@ -8,6 +8,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,8 @@ from asyncinfer.jobs import (
     error_to_json,
 )
 from asyncinfer.tensors import Tensor
+
+pytestmark = pytest.mark.unit
 
 
 def generic_encode_record(record: JobRecord) -> bytes:

@@ -454,8 +454,6 @@ async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: St
     assert (await h.queues.get("paused.demo")).value
     job_id = await enqueue(h.js, h.kv, priority=Priority.HIGH)
     await batcher.grant(1)
-    with pytest.raises(TimeoutError):
-        await batcher.next_order(timeout_s=0.5)
 
     async def snapshot_paused() -> bool:
         snapshot = await h.snapshot()
@@ -464,9 +462,12 @@ async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: St
             and snapshot.paused
             and snapshot.depth(Priority.HIGH) == 1
             and snapshot.free_credits == 1
+            and snapshot.in_flight == 0
         )
 
+    # The scheduler's own report: it holds the job and the credit, unspent, while paused.
     await until(snapshot_paused)
+    assert batcher.orders.empty()
     stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
     assert stats.paused
     assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
@@ -484,8 +485,13 @@ async def test_paused_key_written_by_another_scheduler_is_honoured(start: Start,
     await until(lambda: _true_if(h.app.metrics, "asyncinfer_queue_paused"))
     await enqueue(h.js, h.kv)
     await batcher.grant(1)
-    with pytest.raises(TimeoutError):
-        await batcher.next_order(timeout_s=0.4)
+
+    async def held() -> bool:
+        snapshot = await h.snapshot()
+        return snapshot is not None and snapshot.total_depth == 1 and snapshot.free_credits == 1
+
+    await until(held)  # the job and the credit, both seen and left unspent
+    assert batcher.orders.empty()
     await h.queues.delete("paused.demo")
     await batcher.next_order()
 
@@ -514,9 +520,21 @@ async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, c
     assert not drain.done()
     await batcher.answer(order)
     assert (await asyncio.wait_for(drain, 5)).in_flight == 0
+    drained_at = time.time()
     await wait_state(h.kv, running, JobState.SUCCEEDED)
-    with pytest.raises(TimeoutError):
-        await batcher.next_order(timeout_s=0.3)
+
+    async def held() -> bool:
+        snapshot = await h.snapshot()
+        return (
+            snapshot is not None
+            and snapshot.total_depth == 1
+            and snapshot.in_flight == 0
+            and snapshot.free_credits == 1
+            and snapshot.updated_at > drained_at
+        )
+
+    await until(held)  # after the drain: the queued job and a credit, both left unspent
+    assert batcher.orders.empty()
     assert (await read_record(h.kv, queued)).state == JobState.QUEUED
     short = await h.ops.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(nanos=1000)))
     assert short.in_flight == 0

@@ -18,6 +18,7 @@ from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inpu
 from asyncinfer.v1 import tensor_pb2
 
 
+@pytest.mark.unit
 def test_job_ids_are_uuid7_and_sort_by_time() -> None:
     ids = [new_job_id() for _ in range(5000)]
     assert ids == sorted(ids)
@@ -27,6 +28,7 @@ def test_job_ids_are_uuid7_and_sort_by_time() -> None:
     assert not is_job_id("not-a-uuid")
 
 
+@pytest.mark.unit
 def test_tensor_round_trips_numpy_and_protobuf() -> None:
     x = Tensor.from_numpy("x", np.arange(8, dtype=np.float32).reshape(2, 4))
     typed = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[2, 4])
@@ -39,6 +41,7 @@ def test_tensor_round_trips_numpy_and_protobuf() -> None:
     assert list(out.contents.bytes_contents) == [b"a", "b\u00e9".encode()]
 
 
+@pytest.mark.unit
 def test_invalid_tensors_name_the_field() -> None:
     wrong_field = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
     wrong_field.contents.int64_contents.extend([1, 2, 3, 4])
@@ -49,6 +52,7 @@ def test_invalid_tensors_name_the_field() -> None:
     assert fields == ["inputs[0].contents.int64_contents", "inputs[1].datatype"]
 
 
+@pytest.mark.unit
 def test_validate_inputs_reports_each_problem() -> None:
     signature = ModelSignature(
         inputs=(TensorSpec("x", "FP32", (-1, 4)), TensorSpec("m", "INT64", (-1,))),
@@ -69,6 +73,7 @@ def test_validate_inputs_reports_each_problem() -> None:
     assert any(v.field == "inputs[1].shape" for v in problems)
 
 
+@pytest.mark.unit
 def test_record_codec_round_trips() -> None:
     record = JobRecord(
         job_id=new_job_id(),
@@ -88,6 +93,7 @@ def test_record_codec_round_trips() -> None:
     assert decode_record(encode_record(record), revision=7) == record.evolve(revision=7)
 
 
+@pytest.mark.unit
 def test_default_config_renders_and_loads_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "asyncinfer.toml"
     path.write_text(render_default_config())

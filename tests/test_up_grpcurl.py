@@ -33,7 +33,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 
 @dataclass
-class Stack:
+class UpProcess:
+    """A running `asyncinfer up` (not tests/stack.py's in-process stack): the process, what it
+    printed up to its banner, the addresses it serves and the rest of its output as it comes."""
+
     process: subprocess.Popen[str]
     banner: str
     gateway: str
@@ -76,7 +79,7 @@ metrics_port = 0
     return path, ports
 
 
-def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> Stack:
+def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> UpProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
@@ -110,7 +113,7 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> Stack:
     else:
         process.kill()
         raise AssertionError("asyncinfer up did not print its banner in time")
-    return Stack(
+    return UpProcess(
         process=process,
         banner="".join(banner),
         gateway=f"127.0.0.1:{ports['gateway']}",
@@ -121,17 +124,17 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> Stack:
     )
 
 
-def stop(stack: Stack) -> int:
-    stack.process.send_signal(signal.SIGINT)
-    return stack.process.wait(timeout=60)
+def stop(up: UpProcess) -> int:
+    up.process.send_signal(signal.SIGINT)
+    return up.process.wait(timeout=60)
 
 
-def close(stack: Stack) -> None:
-    if stack.process.poll() is None:
-        stack.process.kill()
-        stack.process.wait()
-    if stack.process.stdout is not None:
-        stack.process.stdout.close()
+def close(up: UpProcess) -> None:
+    if up.process.poll() is None:
+        up.process.kill()
+        up.process.wait()
+    if up.process.stdout is not None:
+        up.process.stdout.close()
 
 
 def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -156,7 +159,7 @@ def json_stream(text: str) -> list[dict[str, object]]:
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[tuple[Stack, Path, dict[str, int]]]:
+def up_process(tmp_path: Path) -> Iterator[tuple[UpProcess, Path, dict[str, int]]]:
     config_path, ports = write_config(tmp_path)
     running = start_up(config_path, ports, tmp_path)
     try:
@@ -165,8 +168,8 @@ def stack(tmp_path: Path) -> Iterator[tuple[Stack, Path, dict[str, int]]]:
         close(running)
 
 
-def test_up_serves_a_job_through_grpcurl(stack: tuple[Stack, Path, dict[str, int]], tmp_path: Path) -> None:
-    up, config_path, ports = stack
+def test_up_serves_a_job_through_grpcurl(up_process: tuple[UpProcess, Path, dict[str, int]], tmp_path: Path) -> None:
+    up, config_path, ports = up_process
     assert up.gateway in up.banner
     assert "grpcurl -plaintext" in up.banner
 

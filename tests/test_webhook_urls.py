@@ -27,6 +27,8 @@ from services.scheduler.webhooks.notifier import due_events
 from services.scheduler.webhooks.sender import backoff_delay, retry_after_s
 from services.scheduler.webhooks.signing import signed_headers
 
+pytestmark = pytest.mark.unit
+
 NON_PUBLIC = [
     "10.1.2.3",
     "172.16.0.1",

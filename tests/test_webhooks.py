@@ -18,11 +18,9 @@ from standardwebhooks.webhooks import Webhook
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jetstream import connect
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from asyncinfer.webhook_secrets import new_secret
-from services.gateway.app import GatewayApp
-from tests.stack import Stack as BaseStack
+from tests.stack import Stack, StartStack
 
 SECRET = new_secret()
 WAIT_S = 15.0
@@ -100,7 +98,7 @@ class Receiver:
             writer.close()
 
 
-# --- the stack --------------------------------------------------------------------------------
+# --- the stack's configuration, and helpers ---------------------------------------------------
 
 
 def webhook_config(config: Config, **webhooks: Any) -> Config:
@@ -121,48 +119,26 @@ def demo_input() -> tensor_pb2.InferInputTensor:
     return x
 
 
-class Stack(BaseStack):
-    """The shared stack plus a JobService channel and the webhook tests' helpers."""
+async def submit(stack: Stack, url: str, *events: int) -> str:
+    request = job_service_pb2.SubmitJobRequest(
+        model_name="demo",
+        inputs=[demo_input()],
+        callback=job_pb2.Callback(url=url, events=events),
+        labels={"k": "v"},
+    )
+    return str((await stack.jobs.SubmitJob(request)).job.job_id)
 
-    def __init__(self, config: Config, scheduler_config: Config | None = None) -> None:
-        super().__init__(config, scheduler_config)
-        self.channel: grpc.aio.Channel | None = None
 
-    @property
-    def jobs(self) -> job_service_pb2_grpc.JobServiceStub:
-        assert self.channel is not None
-        return job_service_pb2_grpc.JobServiceStub(self.channel)
-
-    async def start(self, *, batcher: bool = True) -> None:
-        await super().start(batcher=batcher)
-        self.channel = grpc.aio.insecure_channel(self.address)
-
-    async def stop(self) -> None:
-        if self.channel is not None:
-            await self.channel.close()
-        await super().stop()
-
-    async def submit(self, url: str, *events: int) -> str:
-        request = job_service_pb2.SubmitJobRequest(
-            model_name="demo",
-            inputs=[demo_input()],
-            callback=job_pb2.Callback(url=url, events=events),
-            labels={"k": "v"},
-        )
-        return str((await self.jobs.SubmitJob(request)).job.job_id)
-
-    async def get(self, job_id: str) -> job_pb2.Job:
-        return (await self.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
-
-    async def until(self, job_id: str, condition: Callable[[job_pb2.Job], bool]) -> job_pb2.Job:
-        """GetJob until `condition` holds (a bounded poll)."""
-        give_up_at = time.monotonic() + WAIT_S
-        while True:
-            job = await self.get(job_id)
-            if condition(job):
-                return job
-            assert time.monotonic() < give_up_at, f"still not there after {WAIT_S} s: {job}"
-            await asyncio.sleep(0.05)
+async def until(stack: Stack, job_id: str, condition: Callable[[job_pb2.Job], bool]) -> job_pb2.Job:
+    """GetJob until `condition` holds (a bounded poll: deliveries are written after the job's
+    terminal state, where a watch ends)."""
+    give_up_at = time.monotonic() + WAIT_S
+    while True:
+        job = (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+        if condition(job):
+            return job
+        assert time.monotonic() < give_up_at, f"still not there after {WAIT_S} s: {job}"
+        await asyncio.sleep(0.05)
 
 
 def all_final(count: int) -> Callable[[job_pb2.Job], bool]:
@@ -182,13 +158,8 @@ async def receiver() -> AsyncIterator[Receiver]:
 
 
 @pytest.fixture
-async def stack(config: Config) -> AsyncIterator[Stack]:
-    running = Stack(webhook_config(config))
-    await running.start()
-    try:
-        yield running
-    finally:
-        await running.stop()
+async def stack(config: Config, start_stack: StartStack) -> Stack:
+    return await start_stack(webhook_config(config))
 
 
 class TopOfRange(random.Random):
@@ -204,11 +175,11 @@ class TopOfRange(random.Random):
 async def test_completed_job_delivers_exactly_the_wanted_events_signed_and_thin(
     stack: Stack, receiver: Receiver
 ) -> None:
-    both = await stack.submit(receiver.url("/both"), job_pb2.CALLBACK_EVENT_RUNNING, job_pb2.CALLBACK_EVENT_COMPLETED)
-    default = await stack.submit(receiver.url("/default"))  # no events: the terminal ones
-    failed_only = await stack.submit(receiver.url("/failed-only"), job_pb2.CALLBACK_EVENT_FAILED)
+    both = await submit(stack, receiver.url("/both"), job_pb2.CALLBACK_EVENT_RUNNING, job_pb2.CALLBACK_EVENT_COMPLETED)
+    default = await submit(stack, receiver.url("/default"))  # no events: the terminal ones
+    failed_only = await submit(stack, receiver.url("/failed-only"), job_pb2.CALLBACK_EVENT_FAILED)
 
-    job = await stack.until(both, all_final(2))
+    job = await until(stack, both, all_final(2))
     assert sorted(d.event for d in job.callback_deliveries) == [
         job_pb2.CALLBACK_EVENT_RUNNING,
         job_pb2.CALLBACK_EVENT_COMPLETED,
@@ -230,49 +201,44 @@ async def test_completed_job_delivers_exactly_the_wanted_events_signed_and_thin(
     assert "outputs" not in json.dumps(completed), "the body is a summary, never the outputs"
     assert len(received[0].body) < 1024
 
-    job = await stack.until(default, all_final(1))
+    job = await until(stack, default, all_final(1))
     assert [d.event for d in job.callback_deliveries] == [job_pb2.CALLBACK_EVENT_COMPLETED]
     (only,) = await receiver.wait_for("/default", 1)
     assert json.loads(only.body)["type"] == "job.completed"
 
-    done = await stack.until(failed_only, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+    done = await until(stack, failed_only, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
     assert list(done.callback_deliveries) == []
     # The receiver saw exactly the wanted events (all enqueued above have arrived by now).
     assert receiver.at("/failed-only") == []
     assert len(receiver.received) == 3
 
 
-async def test_canceled_job_notifies_canceled(config: Config, receiver: Receiver) -> None:
-    running = Stack(webhook_config(config))
-    await running.start(batcher=False)  # nothing runs it: it stays QUEUED until canceled
-    try:
-        job_id = await running.submit(receiver.url("/cancel"))
-        await running.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
-        job = await running.until(job_id, all_final(1))
-        assert job.state == job_pb2.JOB_STATE_CANCELED
-        assert job.callback_deliveries[0].event == job_pb2.CALLBACK_EVENT_CANCELED
-        (received,) = await receiver.wait_for("/cancel", 1)
-        assert json.loads(received.body)["type"] == "job.canceled"
-        assert json.loads(received.body)["data"]["state"] == "CANCELED"
-    finally:
-        await running.stop()
+async def test_canceled_job_notifies_canceled(config: Config, receiver: Receiver, start_stack: StartStack) -> None:
+    # No batcher: nothing runs the job, it stays QUEUED until canceled.
+    running = await start_stack(webhook_config(config), batcher=False)
+    job_id = await submit(running, receiver.url("/cancel"))
+    await running.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
+    job = await until(running, job_id, all_final(1))
+    assert job.state == job_pb2.JOB_STATE_CANCELED
+    assert job.callback_deliveries[0].event == job_pb2.CALLBACK_EVENT_CANCELED
+    (received,) = await receiver.wait_for("/cancel", 1)
+    assert json.loads(received.body)["type"] == "job.canceled"
+    assert json.loads(received.body)["data"]["state"] == "CANCELED"
 
 
-async def test_failures_are_retried_with_the_same_id_and_growing_delays(config: Config, receiver: Receiver) -> None:
-    stack = Stack(webhook_config(config, backoff_base_s=0.3))
-    await stack.start()
-    try:
-        await _retried_with_growing_delays(stack, receiver)
-    finally:
-        await stack.stop()
+async def test_failures_are_retried_with_the_same_id_and_growing_delays(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    stack = await start_stack(webhook_config(config, backoff_base_s=0.3))
+    await _retried_with_growing_delays(stack, receiver)
 
 
 async def _retried_with_growing_delays(stack: Stack, receiver: Receiver) -> None:
     stack.scheduler.webhooks.pin_jitter(TopOfRange())
     receiver.scripts["/flaky"] = [(500, {}), (500, {})]
-    job_id = await stack.submit(receiver.url("/flaky"))
+    job_id = await submit(stack, receiver.url("/flaky"))
 
-    job = await stack.until(job_id, all_final(1))
+    job = await until(stack, job_id, all_final(1))
     (delivery,) = job.callback_deliveries
     assert delivery.state == DELIVERED
     assert delivery.attempts == 3
@@ -293,36 +259,36 @@ async def _retried_with_growing_delays(stack: Stack, receiver: Receiver) -> None
 
 async def test_retry_after_is_honoured(stack: Stack, receiver: Receiver) -> None:
     receiver.scripts["/busy"] = [(429, {"Retry-After": "1"})]
-    job_id = await stack.submit(receiver.url("/busy"))
-    await stack.until(job_id, all_final(1))
+    job_id = await submit(stack, receiver.url("/busy"))
+    await until(stack, job_id, all_final(1))
     first, second = await receiver.wait_for("/busy", 2)
     assert second.at - first.at >= 0.95, "backoff alone (at most 0.2 s) would have come back sooner"
 
 
 async def test_redirects_are_not_followed_and_count_as_failures(stack: Stack, receiver: Receiver) -> None:
     receiver.scripts["/moved"] = [(302, {"Location": receiver.url("/target")})] * 2
-    job_id = await stack.submit(receiver.url("/moved"))
-    job = await stack.until(job_id, lambda j: any(d.attempts >= 1 for d in j.callback_deliveries))
+    job_id = await submit(stack, receiver.url("/moved"))
+    job = await until(stack, job_id, lambda j: any(d.attempts >= 1 for d in j.callback_deliveries))
     (delivery,) = job.callback_deliveries
     assert delivery.state == PENDING
     assert delivery.last_status_code == 302
     assert "redirects are not followed" in delivery.last_error
     assert delivery.HasField("next_attempt_time")
-    job = await stack.until(job_id, all_final(1))  # the third attempt answers 200
+    job = await until(stack, job_id, all_final(1))  # the third attempt answers 200
     assert job.callback_deliveries[0].attempts == 3
     assert receiver.at("/target") == []
 
 
 async def test_gone_disables_the_url_for_the_tenant(stack: Stack, receiver: Receiver) -> None:
     receiver.scripts["/gone"] = [(410, {})]
-    first = await stack.submit(receiver.url("/gone"))
-    job = await stack.until(first, all_final(1))
+    first = await submit(stack, receiver.url("/gone"))
+    job = await until(stack, first, all_final(1))
     assert job.callback_deliveries[0].state == DISABLED
     assert job.callback_deliveries[0].last_status_code == 410
     assert job.callback_deliveries[0].attempts == 1
 
-    second = await stack.submit(receiver.url("/gone"))
-    job = await stack.until(second, all_final(1))
+    second = await submit(stack, receiver.url("/gone"))
+    job = await until(stack, second, all_final(1))
     (delivery,) = job.callback_deliveries
     assert delivery.state == DISABLED
     assert delivery.attempts == 0, "a disabled URL is not called again"
@@ -330,40 +296,34 @@ async def test_gone_disables_the_url_for_the_tenant(stack: Stack, receiver: Rece
     assert len(receiver.at("/gone")) == 1
 
 
-async def test_gives_up_after_the_retry_horizon(config: Config, receiver: Receiver) -> None:
-    running = Stack(webhook_config(config, retry_horizon_s=0.8, backoff_base_s=0.1, backoff_max_s=0.2))
-    await running.start()
-    try:
-        receiver.scripts["/down"] = [(503, {})] * 100
-        job_id = await running.submit(receiver.url("/down"))
-        job = await running.until(job_id, all_final(1))
-        (delivery,) = job.callback_deliveries
-        assert delivery.state == FAILED
-        assert delivery.last_status_code == 503
-        assert "retry horizon" in delivery.last_error
-        assert delivery.attempts >= 2
-        attempts = receiver.at("/down")
-        assert len(attempts) == delivery.attempts
-        assert attempts[-1].at - attempts[0].at <= 0.8 + 0.3, "no attempt long after the horizon"
-    finally:
-        await running.stop()
+async def test_gives_up_after_the_retry_horizon(config: Config, receiver: Receiver, start_stack: StartStack) -> None:
+    running = await start_stack(webhook_config(config, retry_horizon_s=0.8, backoff_base_s=0.1, backoff_max_s=0.2))
+    receiver.scripts["/down"] = [(503, {})] * 100
+    job_id = await submit(running, receiver.url("/down"))
+    job = await until(running, job_id, all_final(1))
+    (delivery,) = job.callback_deliveries
+    assert delivery.state == FAILED
+    assert delivery.last_status_code == 503
+    assert "retry horizon" in delivery.last_error
+    assert delivery.attempts >= 2
+    attempts = receiver.at("/down")
+    assert len(attempts) == delivery.attempts
+    assert attempts[-1].at - attempts[0].at <= 0.8 + 0.3, "no attempt long after the horizon"
 
 
-async def test_addresses_are_vetted_again_at_send_time(config: Config, receiver: Receiver) -> None:
+async def test_addresses_are_vetted_again_at_send_time(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
     # The gateway allowed loopback when the job was submitted; the scheduler (as after a DNS
     # change to an inside address) does not: nothing is sent.
-    running = Stack(webhook_config(config), scheduler_config=webhook_config(config, allowed_networks=[]))
-    await running.start()
-    try:
-        job_id = await running.submit(receiver.url("/inside"))
-        job = await running.until(job_id, all_final(1))
-        (delivery,) = job.callback_deliveries
-        assert delivery.state == FAILED
-        assert "refused" in delivery.last_error
-        assert delivery.last_status_code == 0
-        assert receiver.at("/inside") == []
-    finally:
-        await running.stop()
+    running = await start_stack(webhook_config(config), scheduler_config=webhook_config(config, allowed_networks=[]))
+    job_id = await submit(running, receiver.url("/inside"))
+    job = await until(running, job_id, all_final(1))
+    (delivery,) = job.callback_deliveries
+    assert delivery.state == FAILED
+    assert "refused" in delivery.last_error
+    assert delivery.last_status_code == 0
+    assert receiver.at("/inside") == []
 
 
 async def test_deliveries_survive_a_scheduler_restart(config: Config, receiver: Receiver) -> None:
@@ -371,10 +331,10 @@ async def test_deliveries_survive_a_scheduler_restart(config: Config, receiver: 
     receiver.scripts["/later"] = [(503, {})] * 100  # down until the test says otherwise
     first = Stack(settings)
     await first.start()
-    job_id = await first.submit(receiver.url("/later"))
+    job_id = await submit(first, receiver.url("/later"))
     try:
         await receiver.wait_for("/later", 1)
-        job = await first.until(job_id, lambda j: any(d.attempts >= 1 for d in j.callback_deliveries))
+        job = await until(first, job_id, lambda j: any(d.attempts >= 1 for d in j.callback_deliveries))
         assert job.callback_deliveries[0].state == PENDING
         assert first.batcher is not None
         await first.batcher.stop(1.0)
@@ -388,7 +348,7 @@ async def test_deliveries_survive_a_scheduler_restart(config: Config, receiver: 
     second = Stack(settings)
     await second.start(batcher=False)
     try:
-        job = await second.until(job_id, all_final(1))
+        job = await until(second, job_id, all_final(1))
         (delivery,) = job.callback_deliveries
         assert delivery.state == DELIVERED
         assert delivery.attempts == failed_before + 1
@@ -410,13 +370,9 @@ async def test_a_scheduler_without_secrets_reads_no_record_writes_and_a_later_on
     first = Stack(settings, scheduler_config=no_secrets)
     await first.start()
     try:
-        job_id = await first.submit(receiver.url("/late"), job_pb2.CALLBACK_EVENT_COMPLETED)
-        await first.until(job_id, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
-        nc = await connect(config.nats, name="test")
-        try:
-            info = await nc.jetstream().consumer_info(f"KV_{config.nats.jobs_bucket}", "webhook-notifier")
-        finally:
-            await nc.close()
+        job_id = await submit(first, receiver.url("/late"), job_pb2.CALLBACK_EVENT_COMPLETED)
+        await until(first, job_id, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+        info = await first.nc.jetstream().consumer_info(f"KV_{config.nats.jobs_bucket}", "webhook-notifier")
         assert info.delivered.consumer_seq == 0
         assert (info.num_pending or 0) >= 1  # the bucket keeps the latest write per job: SUCCEEDED
         assert receiver.at("/late") == []
@@ -426,7 +382,7 @@ async def test_a_scheduler_without_secrets_reads_no_record_writes_and_a_later_on
     second = Stack(settings)
     await second.start(batcher=False)
     try:
-        job = await second.until(job_id, all_final(1))
+        job = await until(second, job_id, all_final(1))
         assert [d.state for d in job.callback_deliveries] == [DELIVERED]
         assert len(receiver.at("/late")) == 1
     finally:
@@ -437,16 +393,9 @@ async def test_a_scheduler_without_secrets_reads_no_record_writes_and_a_later_on
 
 
 @pytest.fixture
-async def gateway_only(config: Config) -> AsyncIterator[Stack]:
+async def gateway_only(config: Config, start_stack: StartStack) -> Stack:
     # allowed_networks empty: loopback is refused.
-    running = Stack(webhook_config(config, allowed_networks=[]))
-    await running.gateway.start()
-    running.channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.gateway.port}")
-    try:
-        yield running
-    finally:
-        await running.channel.close()
-        await running.gateway.stop(1.0)
+    return await start_stack(webhook_config(config, allowed_networks=[]), scheduler=False, batcher=False)
 
 
 @pytest.mark.parametrize(
@@ -465,33 +414,25 @@ async def gateway_only(config: Config) -> AsyncIterator[Stack]:
 )
 async def test_refused_urls_queue_nothing(gateway_only: Stack, config: Config, url: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await gateway_only.submit(url)
+        await submit(gateway_only, url)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     status = status_details(info.value)
     assert status is not None
     fields = [v.field for v in unpack_details(status)["BadRequest"].field_violations]
     assert fields == ["callback.url"]
-    nc = await connect(config.nats, name="test")
-    try:
-        js = nc.jetstream()
-        assert (await js.stream_info(config.nats.work_stream)).state.messages == 0
-        assert (await (await js.key_value(config.nats.jobs_bucket)).status()).values == 0
-    finally:
-        await nc.close()
+    js = gateway_only.nc.jetstream()
+    assert (await js.stream_info(config.nats.work_stream)).state.messages == 0
+    assert (await (await js.key_value(config.nats.jobs_bucket)).status()).values == 0
 
 
-async def test_tenant_without_a_secret_cannot_ask_for_callbacks(config: Config) -> None:
-    gateway = GatewayApp(config.replace(webhooks={"allowed_networks": ["127.0.0.0/8"]}))  # no secrets
-    await gateway.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-            request = job_service_pb2.SubmitJobRequest(
-                model_name="demo", inputs=[demo_input()], callback=job_pb2.Callback(url="http://127.0.0.1:9/hook")
-            )
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await job_service_pb2_grpc.JobServiceStub(channel).SubmitJob(request)
-            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "asyncinfer webhook-secret" in (info.value.details() or "")
-            assert "webhooks.secrets" in (info.value.details() or "")
-    finally:
-        await gateway.stop(1.0)
+async def test_tenant_without_a_secret_cannot_ask_for_callbacks(config: Config, start_stack: StartStack) -> None:
+    no_secrets = config.replace(webhooks={"allowed_networks": ["127.0.0.0/8"]})
+    gateway_only = await start_stack(no_secrets, scheduler=False, batcher=False)
+    request = job_service_pb2.SubmitJobRequest(
+        model_name="demo", inputs=[demo_input()], callback=job_pb2.Callback(url="http://127.0.0.1:9/hook")
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gateway_only.jobs.SubmitJob(request)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "asyncinfer webhook-secret" in (info.value.details() or "")
+    assert "webhooks.secrets" in (info.value.details() or "")

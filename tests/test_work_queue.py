@@ -126,6 +126,7 @@ def record(job_id: str) -> JobRecord:
     )
 
 
+@pytest.mark.unit
 def test_a_queued_notice_round_trips_and_garbage_is_refused() -> None:
     data = encode_record(record("j1"))
     assert decode_queued_notice(encode_queued_notice("t.j1", 7, data)) == ("t.j1", 7, data)
@@ -134,6 +135,7 @@ def test_a_queued_notice_round_trips_and_garbage_is_refused() -> None:
             decode_queued_notice(garbage)
 
 
+@pytest.mark.unit
 def test_queued_records_give_each_record_once_and_keep_only_the_newest() -> None:
     records = QueuedRecords(capacity=2)
     for n in (1, 2, 3):

@@ -16,6 +16,8 @@ from asyncinfer import job_errors, lifecycle
 from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, Priority
 from asyncinfer.tensors import Tensor
 
+pytestmark = pytest.mark.unit
+
 Q, R, S, F = JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED
 CING, CED, EXP, TO = JobState.CANCELLING, JobState.CANCELED, JobState.EXPIRED, JobState.TIMED_OUT
 
