@@ -147,3 +147,28 @@ def test_error_status_carries_what_a_unary_status_would() -> None:
     assert (busy.code, busy.reason, busy.retriable) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "QUEUE_FULL", True)
     reused = error_status(AlreadyExists("job j1", reason="IDEMPOTENCY_KEY_REUSED"))
     assert (reused.code, reused.message) == (grpc.StatusCode.ALREADY_EXISTS.value[0], "job j1")
+
+
+async def test_many_jobs_per_message_are_answered_together_in_order(stub: JobStub, nc: NatsClient) -> None:
+    """A request carrying items gets one response with one answer per item; one-job requests on
+    the same stream keep their own answers, and indexes count jobs across both."""
+    records = [record(i) for i in range(300)]
+    requests = [
+        job_service_pb2.SubmitJobsRequest(
+            items=[job_service_pb2.SubmitJobsItem(correlation_id=cid, job=job) for cid, job, _ in records[i : i + 100]]
+        )
+        for i in range(0, 300, 100)
+    ]
+    single_cid, single_job, _ = record(300)
+    requests.insert(1, job_service_pb2.SubmitJobsRequest(correlation_id=single_cid, job=single_job))
+    got = await answers(stub, requests)
+    assert [len(r.answers) for r in got] == [100, 0, 100, 100]
+    assert got[1].correlation_id == single_cid
+    assert got[1].index == 100
+    flat = [*got[0].answers, *got[2].answers, *got[3].answers]
+    for answer, (cid, _, expected) in zip(flat, records, strict=True):
+        assert answer.correlation_id == cid
+        assert answer.HasField("job") == (expected == "job"), (cid, answer.error)
+    assert [a.index for a in flat] == [*range(100), *range(101, 301)]
+    valid = sum(expected == "job" for _, _, expected in records) + 1
+    assert await work_messages(nc) == valid

@@ -157,12 +157,43 @@ class SubmitJobsRequest(_message.Message):
 
     JOB_FIELD_NUMBER: _builtins.int
     CORRELATION_ID_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoed back in the answer, so a client can match answers to its records."""
     @_builtins.property
     def job(self) -> Global___SubmitJobRequest:
         """One job."""
 
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitJobsItem]:
+        """Or many jobs in one message (job and correlation_id left unset): answered by one
+        SubmitJobsResponse whose `answers` hold one answer per item, in order.
+        """
+
+    def __init__(
+        self,
+        *,
+        job: Global___SubmitJobRequest | None = ...,
+        correlation_id: _builtins.str = ...,
+        items: _abc.Iterable[Global___SubmitJobsItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["correlation_id", b"correlation_id", "items", b"items", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitJobsRequest: _TypeAlias = SubmitJobsRequest  # noqa: Y015
+
+@_typing.final
+class SubmitJobsItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    CORRELATION_ID_FIELD_NUMBER: _builtins.int
+    correlation_id: _builtins.str
+    @_builtins.property
+    def job(self) -> Global___SubmitJobRequest: ...
     def __init__(
         self,
         *,
@@ -175,7 +206,7 @@ class SubmitJobsRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SubmitJobsRequest: _TypeAlias = SubmitJobsRequest  # noqa: Y015
+Global___SubmitJobsItem: _TypeAlias = SubmitJobsItem  # noqa: Y015
 
 @_typing.final
 class SubmitJobsResponse(_message.Message):
@@ -186,10 +217,58 @@ class SubmitJobsResponse(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    ANSWERS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """The request's correlation_id."""
     index: _builtins.int
-    """The 0-based position of the request in the stream."""
+    """The 0-based position of the job among all jobs sent on the stream."""
+    deduplicated: _builtins.bool
+    """True when an earlier job with the same idempotency key was returned."""
+    @_builtins.property
+    def job(self) -> _job_pb2.Job:
+        """The job, when accepted."""
+
+    @_builtins.property
+    def error(self) -> _error_pb2.ErrorStatus:
+        """Why it was refused, when it was."""
+
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitJobsAnswer]:
+        """The answers to a request that carried `items`, one per item in order (the fields above are
+        then unset).
+        """
+
+    def __init__(
+        self,
+        *,
+        correlation_id: _builtins.str = ...,
+        index: _builtins.int = ...,
+        job: _job_pb2.Job | None = ...,
+        error: _error_pb2.ErrorStatus | None = ...,
+        deduplicated: _builtins.bool = ...,
+        answers: _abc.Iterable[Global___SubmitJobsAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers", "correlation_id", b"correlation_id", "deduplicated", b"deduplicated", "error", b"error", "index", b"index", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubmitJobsResponse: _TypeAlias = SubmitJobsResponse  # noqa: Y015
+
+@_typing.final
+class SubmitJobsAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CORRELATION_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    JOB_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    correlation_id: _builtins.str
+    """The item's correlation_id."""
+    index: _builtins.int
+    """The 0-based position of the item among all jobs sent on the stream."""
     deduplicated: _builtins.bool
     """True when an earlier job with the same idempotency key was returned."""
     @_builtins.property
@@ -215,7 +294,7 @@ class SubmitJobsResponse(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___SubmitJobsResponse: _TypeAlias = SubmitJobsResponse  # noqa: Y015
+Global___SubmitJobsAnswer: _TypeAlias = SubmitJobsAnswer  # noqa: Y015
 
 @_typing.final
 class GetJobRequest(_message.Message):

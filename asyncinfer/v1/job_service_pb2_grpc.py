@@ -106,7 +106,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubmitJobs(self, request_iterator, context):
-        """Bulk submission: one answer per request, in order.
+        """Bulk submission: one answer per request, in order; a request may carry many jobs (items),
+        answered together.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

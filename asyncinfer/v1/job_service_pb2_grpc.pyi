@@ -38,7 +38,9 @@ class JobServiceStub:
     SubmitJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]
     """Queues a job and returns it (state QUEUED) at once. Acceptance means durably queued."""
     SubmitJobs: _grpc.StreamStreamMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]
-    """Bulk submission: one answer per request, in order."""
+    """Bulk submission: one answer per request, in order; a request may carry many jobs (items),
+    answered together.
+    """
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     """The job record, with outputs inline when small."""
     GetJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobsRequest, _job_service_pb2.GetJobsResponse]
@@ -77,7 +79,9 @@ class JobServiceAsyncStub(JobServiceStub):
     SubmitJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]  # type: ignore[assignment]
     """Queues a job and returns it (state QUEUED) at once. Acceptance means durably queued."""
     SubmitJobs: _aio.StreamStreamMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]  # type: ignore[assignment]
-    """Bulk submission: one answer per request, in order."""
+    """Bulk submission: one answer per request, in order; a request may carry many jobs (items),
+    answered together.
+    """
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     """The job record, with outputs inline when small."""
     GetJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobsRequest, _job_service_pb2.GetJobsResponse]  # type: ignore[assignment]
@@ -125,7 +129,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_job_service_pb2.SubmitJobsRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.SubmitJobsResponse], _abc.AsyncIterator[_job_service_pb2.SubmitJobsResponse]]:
-        """Bulk submission: one answer per request, in order."""
+        """Bulk submission: one answer per request, in order; a request may carry many jobs (items),
+        answered together.
+        """
 
     @_abc_1.abstractmethod
     def GetJob(

@@ -61,7 +61,9 @@ class _End:
     error: BaseException | None = None
 
 
-_Item = tuple[int, str, "asyncio.Task[SubmitOutcome]"]
+# (index, correlation_id, the submit, its place in a many-jobs message: None for a one-job
+# message, else whether it is that message's last item).
+_Item = tuple[int, str, "asyncio.Task[SubmitOutcome]", bool | None]
 
 
 async def _read(
@@ -72,12 +74,15 @@ async def _read(
     index = 0
     try:
         async for request in requests:
-            task = asyncio.create_task(submit_one(request.job))
-            # Outcomes are read by the response side; one it never reads (the stream ended) is not an error.
-            task.add_done_callback(_retrieve)
-            # Blocks while the window is full: backpressure to the client.
-            await pending.put((index, request.correlation_id, task))
-            index += 1
+            if not request.items:
+                await pending.put((index, request.correlation_id, _start(submit_one, request.job), None))
+                index += 1
+                continue
+            last = len(request.items) - 1
+            for position, item in enumerate(request.items):
+                # Blocks while the window is full: backpressure to the client.
+                await pending.put((index, item.correlation_id, _start(submit_one, item.job), position == last))
+                index += 1
     except asyncio.CancelledError:
         raise  # the response side is gone; nobody reads the queue any more
     except Exception as error:
@@ -86,15 +91,28 @@ async def _read(
     await pending.put(_End())
 
 
+def _start(submit_one: SubmitOne, request: job_service_pb2.SubmitJobRequest) -> asyncio.Task[SubmitOutcome]:
+    task = asyncio.create_task(submit_one(request))
+    # Outcomes are read by the response side; one it never reads (the stream ended) is not an error.
+    task.add_done_callback(_retrieve)
+    return task
+
+
 def _retrieve(task: asyncio.Task[SubmitOutcome]) -> None:
     if not task.cancelled():
         task.exception()
 
 
 def _answer(
-    index: int, correlation_id: str, task: asyncio.Task[SubmitOutcome], to_job: ToJob
-) -> job_service_pb2.SubmitJobsResponse:
-    response = job_service_pb2.SubmitJobsResponse(correlation_id=correlation_id, index=index)
+    response: job_service_pb2.SubmitJobsResponse | job_service_pb2.SubmitJobsAnswer,
+    index: int,
+    correlation_id: str,
+    task: asyncio.Task[SubmitOutcome],
+    to_job: ToJob,
+) -> None:
+    """Fills in the answer for one job (the fields of a one-job response and of an answer agree)."""
+    response.correlation_id = correlation_id
+    response.index = index
     error = task.exception()
     if error is None:
         outcome = task.result()
@@ -105,7 +123,6 @@ def _answer(
     else:
         log.error("bulk_item_failed", index=index, error=repr(error), exc_info=error)
         response.error.CopyFrom(_internal())
-    return response
 
 
 async def submit_stream(
@@ -120,6 +137,7 @@ async def submit_stream(
     pending: asyncio.Queue[_Item | _End] = asyncio.Queue(maxsize=max(window - 1, 1))
     reader = asyncio.create_task(_read(requests, submit_one, pending))
     current: asyncio.Task[SubmitOutcome] | None = None
+    answers: job_service_pb2.SubmitJobsResponse | None = None  # a many-jobs message's, being filled
     try:
         while True:
             item = await pending.get()
@@ -127,9 +145,19 @@ async def submit_stream(
                 if item.error is not None:
                     raise item.error
                 return
-            index, correlation_id, current = item
+            index, correlation_id, current, last_in_message = item
             await asyncio.wait((current,))  # its outcome, success or error, without raising here
-            yield _answer(index, correlation_id, current, to_job)
+            if last_in_message is None:
+                response = job_service_pb2.SubmitJobsResponse()
+                _answer(response, index, correlation_id, current, to_job)
+                yield response
+                continue
+            if answers is None:
+                answers = job_service_pb2.SubmitJobsResponse()
+            _answer(answers.answers.add(), index, correlation_id, current, to_job)
+            if last_in_message:
+                yield answers
+                answers = None
     finally:
         reader.cancel()
         left: list[asyncio.Task[object]] = [reader]
