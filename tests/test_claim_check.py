@@ -16,13 +16,13 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf import duration_pb2
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.blobs import BlobStore, new_input_ref
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jetstream import connect
 from asyncinfer.jobs import decode_envelope
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.batcher.app import BatcherApp

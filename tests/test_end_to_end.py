@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.config import Config
-from asyncinfer.jetstream import connect
+from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.batcher.app import BatcherApp
 from services.gateway.app import GatewayApp

@@ -1,18 +1,24 @@
-"""asyncinfer.nats_requests against a real nats-server: the same answers and errors as nats-py's
-`Client.request` / `JetStreamContext.publish`, and no response future left behind."""
+"""asyncinfer.nats.requests against a real nats-server: the same answers and errors as nats-py's
+`Client.request` / `JetStreamContext.publish`, and no response future left behind. They run on the
+fast path, and with ASYNCINFER_NATS_FASTPATH=0 (make pytest-nats-fallback) on the public one."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-import nats.errors
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.js import api
-from nats.js.errors import APIError, KeyWrongLastSequenceError, NoStreamResponseError
 
-from asyncinfer.nats_requests import js_publish, request
+from asyncinfer.nats import (
+    APIError,
+    KeyWrongLastSequenceError,
+    NatsTimeoutError,
+    NoRespondersError,
+    NoStreamResponseError,
+    api,
+)
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.requests import js_publish, pending_request_count, request
 
 
 @pytest.fixture
@@ -21,46 +27,41 @@ async def stream(nc: NatsClient) -> str:
     return "REQ"
 
 
-def pending_responses(nc: NatsClient) -> int:
-    client: Any = nc
-    return len(client._resp_map or {})
-
-
 async def test_publish_stores_and_a_repeated_msg_id_is_the_first(nc: NatsClient, stream: str) -> None:
-    first = await js_publish(nc, "req.a", b"one", timeout_s=2, headers={"Nats-Msg-Id": "m1"})
-    second = await js_publish(nc, "req.a", b"two", timeout_s=2, headers={"Nats-Msg-Id": "m2"})
-    again = await js_publish(nc, "req.a", b"one again", timeout_s=2, headers={"Nats-Msg-Id": "m1"})
+    first = await js_publish(nc.jetstream(), "req.a", b"one", timeout_s=2, headers={"Nats-Msg-Id": "m1"})
+    second = await js_publish(nc.jetstream(), "req.a", b"two", timeout_s=2, headers={"Nats-Msg-Id": "m2"})
+    again = await js_publish(nc.jetstream(), "req.a", b"one again", timeout_s=2, headers={"Nats-Msg-Id": "m1"})
     assert (first, second, again) == (1, 2, 1)
     stored = await nc.jetstream().get_msg(stream, seq=1)
     assert stored.data == b"one"
     assert (await nc.jetstream().stream_info(stream)).state.messages == 2
-    assert pending_responses(nc) == 0
+    assert pending_request_count(nc) == 0
 
 
 async def test_a_lost_compare_and_set_is_key_wrong_last_sequence(nc: NatsClient, stream: str) -> None:
     expect = "Nats-Expected-Last-Subject-Sequence"
-    created = await js_publish(nc, "req.key", b"v1", timeout_s=2, headers={expect: "0"})
+    created = await js_publish(nc.jetstream(), "req.key", b"v1", timeout_s=2, headers={expect: "0"})
     with pytest.raises(KeyWrongLastSequenceError):
-        await js_publish(nc, "req.key", b"v1 again", timeout_s=2, headers={expect: "0"})
-    updated = await js_publish(nc, "req.key", b"v2", timeout_s=2, headers={expect: str(created)})
+        await js_publish(nc.jetstream(), "req.key", b"v1 again", timeout_s=2, headers={expect: "0"})
+    updated = await js_publish(nc.jetstream(), "req.key", b"v2", timeout_s=2, headers={expect: str(created)})
     with pytest.raises(KeyWrongLastSequenceError):
-        await js_publish(nc, "req.key", b"stale", timeout_s=2, headers={expect: str(created)})
+        await js_publish(nc.jetstream(), "req.key", b"stale", timeout_s=2, headers={expect: str(created)})
     assert updated == created + 1
 
 
 async def test_other_api_errors_raise_as_nats_py_does(nc: NatsClient, stream: str) -> None:
     with pytest.raises(APIError) as info:
-        await js_publish(nc, "req.a", b"x", timeout_s=2, headers={"Nats-Expected-Stream": "ANOTHER"})
+        await js_publish(nc.jetstream(), "req.a", b"x", timeout_s=2, headers={"Nats-Expected-Stream": "ANOTHER"})
     assert info.value.code == 400
     assert not isinstance(info.value, KeyWrongLastSequenceError)
 
 
 async def test_no_stream_is_no_responders(nc: NatsClient) -> None:
     with pytest.raises(NoStreamResponseError):
-        await js_publish(nc, "nothing.listens.here", b"x", timeout_s=2)
-    with pytest.raises(nats.errors.NoRespondersError):
+        await js_publish(nc.jetstream(), "nothing.listens.here", b"x", timeout_s=2)
+    with pytest.raises(NoRespondersError):
         await request(nc, "nothing.listens.here", b"x", timeout_s=2)
-    assert pending_responses(nc) == 0
+    assert pending_request_count(nc) == 0
 
 
 async def test_a_silent_responder_times_out_and_its_future_is_dropped(nc: NatsClient) -> None:
@@ -70,10 +71,10 @@ async def test_a_silent_responder_times_out_and_its_future_is_dropped(nc: NatsCl
         heard.set()
 
     await nc.subscribe("silent", cb=silent)
-    with pytest.raises(nats.errors.TimeoutError):
+    with pytest.raises(NatsTimeoutError):
         await request(nc, "silent", b"x", timeout_s=0.2)
     assert heard.is_set()
-    assert pending_responses(nc) == 0
+    assert pending_request_count(nc) == 0
 
 
 async def test_concurrent_requests_each_get_their_own_answer(nc: NatsClient) -> None:
@@ -85,7 +86,7 @@ async def test_concurrent_requests_each_get_their_own_answer(nc: NatsClient) -> 
         *(request(nc, "echo", str(i).encode(), timeout_s=5, headers={"n": str(i)}) for i in range(500))
     )
     assert [a.data for a in answers] == [f"{i}!{i}".encode() for i in range(500)]
-    assert pending_responses(nc) == 0
+    assert pending_request_count(nc) == 0
 
 
 async def test_a_cancelled_request_leaves_nothing_behind(nc: NatsClient) -> None:
@@ -97,8 +98,8 @@ async def test_a_cancelled_request_leaves_nothing_behind(nc: NatsClient) -> None
     await nc.subscribe("slow", cb=silent)
     call = asyncio.create_task(request(nc, "slow", b"x", timeout_s=30))
     await heard.wait()
-    assert pending_responses(nc) == 1
+    assert pending_request_count(nc) == 1
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert pending_responses(nc) == 0
+    assert pending_request_count(nc) == 0

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config, NatsConfig, load_config, render_default_config
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
-from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import JobRecord, JobState, Priority, decode_record, encode_record, work_subject
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
@@ -105,15 +106,15 @@ async def test_bootstrap_is_idempotent(nc: NatsClient, config: Config) -> None:
     js = nc.jetstream()
     for _ in range(2):
         await ensure_work_stream(js, config.nats)
-        kv = await ensure_jobs_bucket(js, config.nats)
+        jobs = await ensure_jobs_bucket(js, config.nats)
         name = await ensure_work_consumer(js, config.nats, model_name="demo", priority=Priority.HIGH, ack_wait_s=30)
     assert name == "work-demo-high"
     ack = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
     dup = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
     assert dup.duplicate
     assert dup.seq == ack.seq
-    revision = await kv.create("t.j1", b"x")
-    assert (await kv.get("t.j1")).revision == revision
+    revision = await jobs.kv.create("t.j1", b"x")
+    assert (await jobs.kv.get("t.j1")).revision == revision
 
 
 async def test_connect_fails_fast_without_a_server() -> None:

@@ -18,7 +18,7 @@ from standardwebhooks.webhooks import Webhook
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jetstream import connect
+from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.app import GatewayApp
 from services.scheduler.webhooks.signing import new_secret

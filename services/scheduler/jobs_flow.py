@@ -33,8 +33,6 @@ from typing import Any
 
 import grpc
 import structlog
-from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.job_store import JobStore
@@ -47,6 +45,7 @@ from asyncinfer.jobs import (
     WorkEnvelope,
     decode_envelope,
 )
+from asyncinfer.nats import KeyValue, Msg
 from asyncinfer.queues import CancelNotice, take_from_tenant_count
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO, input_unusable

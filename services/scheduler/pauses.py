@@ -9,8 +9,8 @@ import json
 import time
 
 import structlog
-from nats.js.kv import KeyValue
 
+from asyncinfer.nats import KeyValue
 from asyncinfer.queues import paused_key
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
