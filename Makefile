@@ -7,12 +7,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test test-unit lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest bench bench-batcher bench-watch clean
+.PHONY: up test test-unit lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest pytest-nats-fallback bench bench-batcher bench-watch clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
 
-test: test-unit lint typecheck buf-lint buf-breaking protos-check docs-check pytest
+test: test-unit lint typecheck buf-lint buf-breaking protos-check docs-check pytest pytest-nats-fallback
 
 # The fast tier: the tests marked `unit` — pure domain logic (the job lifecycle's property tests,
 # codecs, batching policy), no nats-server (tests/conftest.py refuses one to a unit test), seconds.
@@ -60,6 +60,17 @@ docs-check: $(STAMP)
 
 pytest: $(STAMP) $(NODE_STAMP)
 	$(PY) -m pytest -m "not unit"
+
+# The NATS-heavy tests again with the NATS adapter's fast path off (asyncinfer/nats/_fastpath.py), so
+# the public-API fallback a newer nats-py would get is tested too: requests and KV, the connect, the
+# gateway's submit path and job records, retention, the scheduler and its dead letters, the crash test
+# (its services inherit the variable). About a minute and a half on 2 cores.
+NATS_FALLBACK_TESTS := tests/test_nats_requests.py tests/test_shared.py tests/test_gateway.py \
+	tests/test_gateway_lifecycle.py tests/test_retention.py tests/test_scheduler.py \
+	tests/test_scheduler_policies.py tests/test_crash.py
+
+pytest-nats-fallback: $(STAMP) $(NODE_STAMP)
+	ASYNCINFER_NATS_FASTPATH=0 $(PY) -m pytest $(NATS_FALLBACK_TESTS)
 
 # The system benchmarks (about 20 minutes on 2 cores; run on an idle machine): every section, then
 # bench/results/REPORT.md. QUICK=1 runs tiny sizes to check the scripts. The Celery reference needs

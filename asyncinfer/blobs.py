@@ -33,24 +33,28 @@ from datetime import UTC, datetime
 from typing import Any
 
 import grpc
-import nats.errors
 import structlog
-from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, NotFoundError
-from nats.js.object_store import (
+
+from asyncinfer.config import NatsConfig
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
+from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.jobs import BlobRef
+from asyncinfer.nats import (
+    NUID,
     OBJ_ALL_META_PRE_TEMPLATE,
     OBJ_CHUNKS_PRE_TEMPLATE,
     OBJ_DEFAULT_CHUNK_SIZE,
     OBJ_DIGEST_TEMPLATE,
     OBJ_META_PRE_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
+    APIError,
+    JetStreamContext,
+    NatsError,
+    NatsTimeoutError,
+    NotFoundError,
+    api,
 )
-
-from asyncinfer.config import NatsConfig
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
-from asyncinfer.ids import is_job_id, new_job_id
-from asyncinfer.jetstream import retry_transient
-from asyncinfer.jobs import BlobRef
+from asyncinfer.nats.streams import retry_transient
 from asyncinfer.v1 import tensor_pb2
 
 log = structlog.get_logger("asyncinfer.blobs")
@@ -68,7 +72,9 @@ WRONG_LAST_SEQUENCE = 10071
 LIST_IDLE_TIMEOUT_S = 2.0
 _REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")
 _SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
-NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
+NATS_FAILURES = (NatsError, asyncio.TimeoutError)
+# Names of objects' chunk subjects, as nats-py's object store makes them (random prefix, then a count).
+CHUNK_NAMES = NUID()
 
 
 class BlobCorrupt(AsyncInferError):
@@ -200,7 +206,7 @@ class BlobStore:
         and Unavailable when NATS fails; in every failure, and on cancellation, the chunks
         written so far are purged and no meta is written."""
         name = object_name(tenant, ref)
-        nuid = self._js._nc._nuid.next().decode()
+        nuid = CHUNK_NAMES.next().decode()
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         digest = hashlib.sha256()
         total = 0
@@ -411,7 +417,7 @@ class BlobStore:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
-                except nats.errors.TimeoutError:
+                except NatsTimeoutError:
                     break  # purged between the look and the subscribe: nothing more to see
                 parsed = _parse_meta(msg.data, msg.metadata.sequence.stream)
                 if parsed is not None:

@@ -16,83 +16,37 @@ rather than "unknown job", so a client can tell an expired result from a wrong I
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import math
 from collections.abc import Callable
-from typing import Any
-
-import nats.errors
-from nats.js import api
-from nats.js.errors import APIError, InvalidKeyError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue, _is_key_valid
 
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.jobs import JobRecord, decode_record, encode_record
-from asyncinfer.nats_requests import js_publish, request
+from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
+from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
 
 # What a KV call raises when NATS is unreachable or the request times out.
-NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
-
-KV_OP_HEADER = KV_OP.encode()
-EXPECTED_LAST_SUBJECT_SEQUENCE = api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value
-MSG_TTL = api.Header.MSG_TTL.value
+NATS_FAILURES = (NatsError, asyncio.TimeoutError)
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]
 
 
 class JobStore:
-    def __init__(self, kv: KeyValue) -> None:
-        self._kv = kv
+    def __init__(self, bucket: KvBucket) -> None:
+        self._bucket = bucket
+        self._kv = bucket.kv
 
     async def get(self, key: str) -> JobRecord | None:
-        """The record at `key`, or None when there is none (never written, deleted or purged)."""
+        """The record at `key`, or None when there is none (never written, deleted or purged, or
+        only the marker its expiry left)."""
         try:
-            latest = await self._latest(key)
+            latest = await kv_latest(self._bucket, key)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the job record: {exc}") from exc
         if latest is None:
             return None
         data, revision = latest
         return decode_record(data, revision=revision)
-
-    async def _latest(self, key: str) -> tuple[bytes, int] | None:
-        """(value, revision) of the key's latest write; None when it has none, or when that write
-        is a delete or purge, or a server-placed delete marker (retention passed: empty body).
-
-        What KeyValue.get does (the same STREAM.MSG.GET request, not a direct get: see
-        jetstream.ensure_jobs_bucket), without most of its CPU: nats-py 2.16 parses the stored
-        headers with email.parser and builds dataclasses, and every dispatch and every read
-        goes through here; the one header that matters, KV-Operation, is found by a byte scan.
-        Uses the KeyValue's and JetStreamContext's private fields (as `replace` uses _update)."""
-        if not _is_key_valid(key):
-            raise InvalidKeyError(key)
-        kv: Any = self._kv
-        js: Any = kv._js
-        subject = f"{kv._pre}{key}"
-        reply = await request(
-            js._nc,
-            f"{js._prefix}.STREAM.MSG.GET.{kv._stream}",
-            json.dumps({"last_by_subj": subject}).encode(),
-            timeout_s=js._timeout,
-        )
-        answer = json.loads(reply.data)
-        error = answer.get("error")
-        if error is not None:
-            if error.get("code") == 404:  # no message for the key
-                return None
-            APIError.from_error(error)  # raises
-        message = answer["message"]
-        if message.get("subject") != subject:
-            return None
-        headers = message.get("hdrs")
-        if headers and _operation(base64.b64decode(headers)) in (KV_DEL, KV_PURGE):
-            return None
-        data = message.get("data")
-        if not data:
-            return None
-        return base64.b64decode(data), int(message["seq"])
 
     async def not_found(self, key: str, job_id: str) -> NotFound:
         """The NOT_FOUND for a job with no record: JOB_RETENTION_PASSED while the delete marker
@@ -138,15 +92,9 @@ class JobStore:
         return record.evolve(revision=revision)
 
     async def _publish(self, record: JobRecord, *, last: int, data: bytes) -> int:
-        """KeyValue._update (a write expecting the key's last revision to be `last`, 0: none) with
-        the record's retention TTL, on the cheaper request path (asyncinfer.nats_requests)."""
-        kv: Any = self._kv
-        js: Any = kv._js
-        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
-        ttl = retention_ttl(record)
-        if ttl is not None:
-            headers[MSG_TTL] = str(ttl)
-        return await js_publish(js._nc, f"{kv._pre}{record.key}", data, timeout_s=js._timeout, headers=headers)
+        """A write expecting the key's last revision to be `last` (0: none), with the record's
+        retention TTL (which KeyValue.update cannot send)."""
+        return await kv_put_expecting(self._bucket, record.key, data, last_revision=last, ttl_s=retention_ttl(record))
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
         """Compare-and-set of decide(record); on a lost race, re-reads and decides again.
@@ -170,15 +118,6 @@ def retention_ttl(record: JobRecord) -> int | None:
     if not record.state.is_terminal:
         return None
     return max(1, math.ceil(record.result_retention_s))
-
-
-def _operation(headers: bytes) -> str | None:
-    """The KV-Operation header (DEL, PURGE) of a raw NATS header block, if any."""
-    for line in headers.split(b"\r\n")[1:]:  # the first line is the NATS/1.0 status line
-        name, _, value = line.partition(b":")
-        if name.strip() == KV_OP_HEADER:
-            return value.strip().decode("ascii", "replace")
-    return None
 
 
 def job_not_found(job_id: str) -> NotFound:

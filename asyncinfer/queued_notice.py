@@ -11,9 +11,9 @@ reads the record; a stale one fails the compare-and-set of the RUNNING write, wh
 from __future__ import annotations
 
 import structlog
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.jobs import JobRecord, Priority
+from asyncinfer.nats import Client as NatsClient
 
 log = structlog.get_logger("asyncinfer.queued_notice")
 

@@ -25,13 +25,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
-
 from asyncinfer.config import NatsConfig
-from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.jobs import Priority
+from asyncinfer.nats import JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue, KeyWrongLastSequenceError
+from asyncinfer.nats.streams import ensure_kv_bucket
 
 SNAPSHOT_STALE_S = 15.0
 CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"

@@ -19,15 +19,13 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import structlog
-from nats.js import JetStreamContext
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
-from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobState
+from asyncinfer.nats import JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue
+from asyncinfer.nats.streams import ensure_kv_bucket
 
 log = structlog.get_logger("asyncinfer.webhooks")
 

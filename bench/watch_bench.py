@@ -41,9 +41,10 @@ import grpc
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import connect
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.nats.connection import connect
+from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc
 
 RESULTS = Path(__file__).parent / "results" / "watch.md"
@@ -233,7 +234,7 @@ async def measure(watchers: int, per_job: int, config: Config, tmp: Path) -> Out
     gateway, port, metrics_port = start_gateway(config, tmp)
     nc = await connect(config.nats, name="watch-bench")
     try:
-        store = JobStore(await nc.jetstream().key_value(config.nats.jobs_bucket))
+        store = JobStore(await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket))
         warm_up, records = await make_jobs(store, WARM_UP_JOBS), await make_jobs(store, jobs)
 
         # A few watches opened and run to the end first, so that lazily built state is not counted.

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
-from asyncinfer.jetstream import connect
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from tests.stack import Stack, StartStack
 
 

@@ -6,7 +6,7 @@ holding two records, then both a moment later). The stream's own subject counts 
 
 from __future__ import annotations
 
-from nats.js import JetStreamContext
+from asyncinfer.nats import JetStreamContext
 
 
 async def kv_keys(js: JetStreamContext, bucket: str) -> list[str]:

@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
-from asyncinfer.jetstream import connect
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2_grpc
 from services.batcher.app import BatcherApp
 from services.gateway.app import GatewayApp

@@ -20,15 +20,16 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 import structlog
-from nats.aio.client import Client as NatsClient
-from nats.js.errors import Error as JetStreamError
 
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import connect
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamError
+from asyncinfer.nats.connection import connect
+from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.app import GatewayApp
 from tests.stack import StartStack
@@ -195,7 +196,7 @@ async def assert_feeds_recovered(gateway: GatewayApp, nc: NatsClient, config: Co
 
     # A record only this test writes (no work message: the scheduler never sees it), watched
     # while the test changes it.
-    store = JobStore(await nc.jetstream().key_value(config.nats.jobs_bucket))
+    store = JobStore(await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket))
     now = time.time()
     record = await store.create(
         JobRecord(

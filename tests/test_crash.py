@@ -27,8 +27,8 @@ import pytest
 
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
-from asyncinfer.jetstream import connect
 from asyncinfer.jobs import JobState, decode_record
+from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 
 BIN = Path(sys.executable).parent

@@ -33,9 +33,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from referencing import Registry, Resource
 
 from asyncinfer.config import Config, load_config
+from asyncinfer.declarations import work_consumer_name
 from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_port
 from asyncinfer.grpc_server import GrpcServer
-from asyncinfer.jetstream import work_consumer_name
 from asyncinfer.jobs import Priority
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from tests.stack import Stack, StartStack

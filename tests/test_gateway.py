@@ -14,9 +14,6 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
@@ -30,6 +27,8 @@ from asyncinfer.jobs import (
     encode_record,
     job_key,
 )
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext, KeyValue
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor

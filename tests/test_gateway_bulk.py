@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from asyncinfer.errors import FieldViolation as DomainViolation
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.bulk import error_status
 from tests.test_gateway import fp32_input, submit_request

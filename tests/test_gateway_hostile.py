@@ -25,11 +25,11 @@ from google.protobuf.message import DecodeError
 from google.rpc import code_pb2
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from nats.js import JetStreamContext
 
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jetstream import connect
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import NUMPY_DTYPES, join_bytes_elements
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.app import MESSAGE_HEADROOM_BYTES, GatewayApp

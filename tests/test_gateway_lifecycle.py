@@ -12,17 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import Config
 from asyncinfer.errors import FailedPrecondition
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, Priority, job_key
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError, Msg
+from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import (
     CancelNotice,
     PriorityQueueSnapshot,
@@ -82,7 +80,7 @@ class Harness:
         self.stub = stub
         self.js = js
         self.jobs = jobs
-        self.store = JobStore(jobs)
+        self.store = JobStore(KvBucket(name=app.config.nats.jobs_bucket, kv=jobs, js=js))
         self.queues = queues
 
     async def submit(self, **fields: Any) -> job_pb2.Job:

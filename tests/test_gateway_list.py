@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, JobLister, tenant_filter_subject
@@ -197,14 +198,18 @@ async def test_another_tenants_jobs_are_never_listed_nor_read(config: Config, nc
         acme = await submit_many(stub, [submit_request() for _ in range(4)], metadata=bearer(ACME_KEY))
         globex = await submit_many(stub, [submit_request() for _ in range(3)], metadata=bearer(GLOBEX_KEY))
         # A record under acme that would fail to decode if globex's listing ever read it.
-        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
-        await kv.put(f"acme.{new_job_id()}", b"\xff not a record")
+        jobs = await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket)
+        await jobs.kv.put(f"acme.{new_job_id()}", b"\xff not a record")
         listed = await list_all(stub, listing(2), metadata=bearer(GLOBEX_KEY))
         assert [job_id for page in listed for job_id in page] == sorted(globex, reverse=True)
         # The scan itself consumes only the tenant's subjects: the server filters, not the client.
         assert tenant_filter_subject(config.nats.jobs_bucket, "globex") == f"$KV.{config.nats.jobs_bucket}.globex.>"
         lister = JobLister(
-            nc.jetstream(), JobStore(kv), Expiry(JobStore(kv)), bucket=config.nats.jobs_bucket, max_page_bytes=1 << 20
+            nc.jetstream(),
+            JobStore(jobs),
+            Expiry(JobStore(jobs)),
+            bucket=config.nats.jobs_bucket,
+            max_page_bytes=1 << 20,
         )
         assert await lister.tenant_job_ids("globex") == sorted(globex, reverse=True)
         assert set(await lister.tenant_job_ids("acme")) >= set(acme)
@@ -225,7 +230,6 @@ async def test_the_key_scan_waits_for_every_key_the_server_already_pushed(
     # Regression (a CI run listed 100 of 190 jobs): the server can push every key before the scan
     # asks for its consumer's info, which then says nothing is pending; the scan must still wait
     # for the callbacks of what was pushed, not take "nothing pending" for "no keys".
-    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
     ids = sorted((new_job_id() for _ in range(3000)), reverse=True)
     js = nc.jetstream()
     for start in range(0, len(ids), 500):
@@ -234,6 +238,9 @@ async def test_the_key_scan_waits_for_every_key_the_server_already_pushed(
         for ack in acks:
             await ack
     assert (await stub.ListJobs(listing())).jobs == []  # the gateway made the bucket; tenant "default" has none
-    lister = JobLister(js, JobStore(kv), Expiry(JobStore(kv)), bucket=config.nats.jobs_bucket, max_page_bytes=1 << 20)
+    jobs = await open_kv_bucket(js, config.nats.jobs_bucket)
+    lister = JobLister(
+        js, JobStore(jobs), Expiry(JobStore(jobs)), bucket=config.nats.jobs_bucket, max_page_bytes=1 << 20
+    )
     for _ in range(20):
         assert await lister.tenant_job_ids("scan") == ids

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from tests.test_gateway import submit_request, violations_of
 from tests.test_gateway_auth import serve

@@ -11,15 +11,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 from prometheus_client import generate_latest
 
 from asyncinfer.config import Config
+from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import (
     JobRecord,
     JobState,
@@ -31,6 +27,8 @@ from asyncinfer.jobs import (
     job_key,
     work_subject,
 )
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext, KeyValue, Msg
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
@@ -62,7 +60,7 @@ async def until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 5.0
 
 
 async def enqueue(
-    js: JetStreamContext,
+    nc: NatsClient,
     kv: KeyValue,
     *,
     priority: Priority = Priority.NORMAL,
@@ -92,13 +90,15 @@ async def enqueue(
         "execution_timeout_s": execution_timeout_s,
     }
     envelope = WorkEnvelope(**common, inputs=(x,))
-    await js.publish(work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
+    await nc.jetstream().publish(
+        work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id}
+    )
     if with_record:
         record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
         data = encode_record(record)
         revision = await kv.create(job_key(tenant, job_id), data)
         if announce:
-            await announce_queued(js._nc, record.evolve(revision=revision), data)
+            await announce_queued(nc, record.evolve(revision=revision), data)
     return job_id
 
 
@@ -304,10 +304,10 @@ async def test_a_pull_returns_an_ackable_message_or_nothing(nc: NatsClient, conf
 
 
 async def test_nothing_is_dispatched_without_a_credit(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
-    job_id = await enqueue(js, kv)
+    job_id = await enqueue(nc, kv)
     # Several poll intervals pass with the job queued and a batcher connected, but no credit.
     with pytest.raises(TimeoutError):
         await batcher.next_order(timeout_s=0.4)
@@ -320,7 +320,7 @@ async def test_nothing_is_dispatched_without_a_credit(
 
 
 async def test_a_batcher_that_takes_batches_gets_orders_together_and_answers_together(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config
+    app: SchedulerApp, nc: NatsClient, js: JetStreamContext, kv: KeyValue, config: Config
 ) -> None:
     """Orders travel in WorkOrders messages; results and the credits they free come back in one
     WorkUpdates, and every job still ends once."""
@@ -328,7 +328,7 @@ async def test_a_batcher_that_takes_batches_gets_orders_together_and_answers_tog
     try:
         welcome = await batcher.connect(takes_batches=True)
         assert welcome.takes_batches
-        job_ids = [await enqueue(js, kv, value=float(i)) for i in range(6)]
+        job_ids = [await enqueue(nc, kv, value=float(i)) for i in range(6)]
         await batcher.grant(6)
         orders = [await batcher.next_order() for _ in job_ids]
         assert sorted(o.job_id for o in orders) == sorted(job_ids)
@@ -349,19 +349,19 @@ async def test_a_batcher_that_takes_batches_gets_orders_together_and_answers_tog
 
         await until(acked)
         # The credits rode on the results: the next job is dispatched without a separate grant.
-        later = await enqueue(js, kv)
+        later = await enqueue(nc, kv)
         assert (await batcher.next_order()).job_id == later
     finally:
         await batcher.close()
 
 
 async def test_job_runs_to_succeeded_and_its_message_is_acked(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
     assert batcher.welcome.result().scheduler_id == app.scheduler_id
     await batcher.grant(1)
-    job_id = await enqueue(js, kv, priority=Priority.HIGH, value=1.5)
+    job_id = await enqueue(nc, kv, priority=Priority.HIGH, value=1.5)
     order = await batcher.next_order()
     assert (order.job_id, order.attempt, order.model_name, order.tenant) == (job_id, 1, MODEL, TENANT)
     assert order.priority == job_pb2.PRIORITY_HIGH
@@ -391,11 +391,11 @@ async def test_job_runs_to_succeeded_and_its_message_is_acked(
 
 
 async def test_high_priority_goes_first_with_one_credit(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
-    low = await enqueue(js, kv, priority=Priority.LOW)
-    high = await enqueue(js, kv, priority=Priority.HIGH)
+    low = await enqueue(nc, kv, priority=Priority.LOW)
+    high = await enqueue(nc, kv, priority=Priority.HIGH)
     await batcher.grant(1)
     first = await batcher.next_order()
     assert first.job_id == high
@@ -408,11 +408,11 @@ async def test_high_priority_goes_first_with_one_credit(
 
 
 async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     first = await batchers("b1")
     await first.grant(1)
-    job_id = await enqueue(js, kv, value=1.0)
+    job_id = await enqueue(nc, kv, value=1.0)
     order1 = await first.next_order()
     assert order1.attempt == 1
     await first.break_stream()
@@ -448,11 +448,11 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
 
 
 async def test_non_retriable_error_fails_the_job(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
     await batcher.grant(1)
-    job_id = await enqueue(js, kv)
+    job_id = await enqueue(nc, kv)
     order = await batcher.next_order()
     error = error_pb2.ErrorStatus(
         code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
@@ -475,11 +475,11 @@ async def test_non_retriable_error_fails_the_job(
 
 
 async def test_retriable_error_requeues_with_backoff_then_runs_again(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
     await batcher.grant(2)
-    job_id = await enqueue(js, kv, max_attempts=2)
+    job_id = await enqueue(nc, kv, max_attempts=2)
     order1 = await batcher.next_order()
     error = error_pb2.ErrorStatus(code=14, reason="MODEL_ERROR", message="CUDA hiccup", retriable=True)
     failed_at = time.monotonic()
@@ -498,31 +498,31 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
 
 
 async def test_orphan_message_is_dropped_after_its_grace(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     """A work message whose record never came (the gateway died between publish and record) is
     dropped once older than orphan_message_grace_s, without using up the credit."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    await enqueue(js, kv, with_record=False, age_s=config.scheduler.orphan_message_grace_s + 1)
+    await enqueue(nc, kv, with_record=False, age_s=config.scheduler.orphan_message_grace_s + 1)
 
     async def removed() -> bool:
         return await work_messages(js, config) == 0
 
     await until(removed)
-    job_id = await enqueue(js, kv)  # the credit was not used up by the orphan
+    job_id = await enqueue(nc, kv)  # the credit was not used up by the orphan
     order = await batcher.next_order()
     assert order.job_id == job_id
 
 
 async def test_young_message_waits_for_its_record(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     """The gateway publishes before it writes the record: a message that arrives first is kept
     and runs once its record exists."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    job_id = await enqueue(js, kv, with_record=False)
+    job_id = await enqueue(nc, kv, with_record=False)
 
     async def pulled() -> bool:
         info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
@@ -560,12 +560,12 @@ async def test_first_message_must_be_hello(app: SchedulerApp) -> None:
 
 
 async def test_queue_stats_report_depth_per_priority_and_batchers(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     await batchers("b1")
-    await enqueue(js, kv, priority=Priority.HIGH)
-    await enqueue(js, kv, priority=Priority.HIGH)
-    await enqueue(js, kv, priority=Priority.LOW)
+    await enqueue(nc, kv, priority=Priority.HIGH)
+    await enqueue(nc, kv, priority=Priority.HIGH)
+    await enqueue(nc, kv, priority=Priority.LOW)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
         ops = ops_service_pb2_grpc.OpsServiceStub(channel)
         response = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
@@ -592,7 +592,7 @@ async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetS
     try:
         await batcher.connect()
         await batcher.grant(1)
-        job_id = await enqueue(js, kv)
+        job_id = await enqueue(nc, kv)
         await batcher.next_order()
         await scheduler.stop(grace_s=0.1)
         await scheduler.stop(grace_s=0.1)  # idempotent
@@ -623,20 +623,20 @@ async def noted(records: Any, key: str) -> bool:
 
 
 async def test_a_job_without_a_queued_notice_is_found_by_the_poll(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     """The notice is a hint: a job whose notice was lost runs all the same (the poll interval
     finds it and the record is read)."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    job_id = await enqueue(js, kv, announce=False)
+    job_id = await enqueue(nc, kv, announce=False)
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 1)
     assert (await read_record(kv, job_id)).state == JobState.RUNNING
 
 
 async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_again(
-    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     store: Any = app.flow._store
     real_get = store.get
@@ -651,7 +651,7 @@ async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_agai
     # A job announced and still as announced: dispatched on the notice's record, never read.
     # (The credit comes once the notice is in: the poll could otherwise pull the message first.)
     announced: Any = app.flow._queued_records
-    fresh = await enqueue(js, kv)
+    fresh = await enqueue(nc, kv)
     await until(lambda: noted(announced, job_key(TENANT, fresh)))
     await batcher.grant(1)
     order = await batcher.next_order()
@@ -660,7 +660,7 @@ async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_agai
     assert (await read_record(kv, fresh)).state == JobState.RUNNING
     # A job announced, then cancelled before any credit: the notice's record is stale, the
     # RUNNING write loses its compare-and-set, the record is read and nothing runs.
-    stale = await enqueue(js, kv)
+    stale = await enqueue(nc, kv)
     key = job_key(TENANT, stale)
     queued = await read_record(kv, stale)
     now = time.time()

@@ -14,9 +14,6 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2
-from nats.aio.client import Client as NatsClient
-from nats.js.errors import KeyNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
 from prometheus_client import generate_latest
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
@@ -29,6 +26,9 @@ from asyncinfer.jobs import (
     decode_record,
     job_key,
 )
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import KeyNotFoundError, KeyValue, NotFoundError
+from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.queues import (
     CancelNotice,
@@ -169,7 +169,7 @@ async def start(nc: NatsClient) -> AsyncIterator[Start]:
 async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
-    job_id = await enqueue(h.js, h.kv, max_attempts=2)
+    job_id = await enqueue(h.nc, h.kv, max_attempts=2)
     for attempt in (1, 2):
         order = await batcher.next_order()
         assert (order.job_id, order.attempt) == (job_id, attempt)
@@ -203,8 +203,8 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     async def heard(msg: Any) -> None:
         notices.put_nowait(msg.data)
 
-    listening = await h.js._nc.subscribe("asyncinfer.queued.>", cb=heard)
-    await h.js._nc.flush()
+    listening = await h.nc.subscribe("asyncinfer.queued.>", cb=heard)
+    await h.nc.flush()
     replayed = await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
     assert replayed.replayed == 1
     # The replay announces the job queued again, with the record it wrote.
@@ -226,7 +226,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
 
     # Three more dead letters (max_attempts 1): purge one by sequence, then the rest; paging.
     await batcher.grant(1)
-    dead = [await enqueue(h.js, h.kv, max_attempts=1) for _ in range(3)]
+    dead = [await enqueue(h.nc, h.kv, max_attempts=1) for _ in range(3)]
     for _ in dead:
         order = await batcher.next_order()
         await batcher.fail(order, MODEL_ERROR)
@@ -269,9 +269,9 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
     batcher.serve(run)
     await batcher.grant(16)
     started = time.monotonic()
-    others = [await enqueue(h.js, h.kv, value=float(i % 7)) for i in range(250)]
-    poison = await enqueue(h.js, h.kv, value=poison_value)
-    others += [await enqueue(h.js, h.kv, value=float(i % 7)) for i in range(250)]
+    others = [await enqueue(h.nc, h.kv, value=float(i % 7)) for i in range(250)]
+    poison = await enqueue(h.nc, h.kv, value=poison_value)
+    others += [await enqueue(h.nc, h.kv, value=float(i % 7)) for i in range(250)]
 
     dead = await wait_state(h.kv, poison, JobState.FAILED, timeout_s=20)
     assert dead.attempt == 3
@@ -298,7 +298,7 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
 async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
-    job_id = await enqueue(h.js, h.kv)
+    job_id = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     invalid = error_pb2.ErrorStatus(code=3, reason="INVALID_INPUT", message="NaN", retriable=False)
     await batcher.fail(order, invalid)
@@ -315,7 +315,7 @@ async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: S
     h = await start(tune(config))
     batcher = await h.batcher()
     deadline = time.time() + 0.3
-    expired = await enqueue(h.js, h.kv, deadline=deadline)
+    expired = await enqueue(h.nc, h.kv, deadline=deadline)
 
     async def passed() -> bool:
         return time.time() > deadline
@@ -327,7 +327,7 @@ async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: S
     assert record.error.reason == "DEADLINE_EXCEEDED"
     assert record.attempt == 0
     await h.work_empty()
-    fresh = await enqueue(h.js, h.kv)  # the credit was not used by the expired job
+    fresh = await enqueue(h.nc, h.kv)  # the credit was not used by the expired job
     order = await batcher.next_order()
     assert order.job_id == fresh
 
@@ -335,7 +335,7 @@ async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: S
 async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(start: Start, config: Config) -> None:
     h = await start(tune(config, timeout_action="fail"))
     batcher = await h.batcher(credits=1)
-    job_id = await enqueue(h.js, h.kv, execution_timeout_s=0.3)
+    job_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3)
     order = await batcher.next_order()
     assert order.execution_timeout.ToMilliseconds() == 300
     cancel = await batcher.next_cancel()
@@ -357,7 +357,7 @@ async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(sta
 async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, config: Config) -> None:
     h = await start(tune(config, timeout_action="retry"))
     batcher = await h.batcher(credits=2)
-    job_id = await enqueue(h.js, h.kv, execution_timeout_s=0.3, max_attempts=2)
+    job_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3, max_attempts=2)
     first = await batcher.next_order()
     assert (await batcher.next_cancel()).attempt == 1
     second = await batcher.next_order()
@@ -371,7 +371,7 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
 
     # Spent attempts under the retry policy: TIMED_OUT, and a dead letter.
     await batcher.grant(1)
-    doomed = await enqueue(h.js, h.kv, execution_timeout_s=0.2, max_attempts=1)
+    doomed = await enqueue(h.nc, h.kv, execution_timeout_s=0.2, max_attempts=1)
     await batcher.next_order()
     record = await wait_state(h.kv, doomed, JobState.TIMED_OUT)
     assert record.error is not None
@@ -385,7 +385,7 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
 
 async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
     """What the gateway's CancelJob does: QUEUED -> CANCELED, RUNNING -> CANCELLING + a notice."""
-    store = JobStore(h.kv)
+    store = JobStore(KvBucket(name=h.app.config.nats.jobs_bucket, kv=h.kv, js=h.js))
     record = await store.get(job_key(TENANT, job_id))
     assert record is not None
     now = time.time()
@@ -409,11 +409,11 @@ async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
 async def test_cancel_of_a_queued_job_means_it_never_runs(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher()
-    canceled = await enqueue(h.js, h.kv)
+    canceled = await enqueue(h.nc, h.kv)
     assert (await cancel_as_gateway(h, canceled)).state == JobState.CANCELED
     await batcher.grant(1)
     await h.work_empty()
-    kept = await enqueue(h.js, h.kv)
+    kept = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     assert order.job_id == kept
     assert (await read_record(h.kv, canceled)).state == JobState.CANCELED
@@ -422,7 +422,7 @@ async def test_cancel_of_a_queued_job_means_it_never_runs(start: Start, config: 
 async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=2)
-    job_id = await enqueue(h.js, h.kv)
+    job_id = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     assert (await cancel_as_gateway(h, job_id)).state == JobState.CANCELLING
     cancel = await batcher.next_cancel()
@@ -434,7 +434,7 @@ async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, con
     await h.work_empty()
 
     # Cancel after compute finished: the result arrives for a CANCELLING record; the cancel won.
-    late = await enqueue(h.js, h.kv)
+    late = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     await cancel_as_gateway(h, late)
     await batcher.next_cancel()
@@ -452,7 +452,7 @@ async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: St
     batcher = await h.batcher()
     assert (await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
     assert (await h.queues.get("paused.demo")).value
-    job_id = await enqueue(h.js, h.kv, priority=Priority.HIGH)
+    job_id = await enqueue(h.nc, h.kv, priority=Priority.HIGH)
     await batcher.grant(1)
 
     async def snapshot_paused() -> bool:
@@ -483,7 +483,7 @@ async def test_paused_key_written_by_another_scheduler_is_honoured(start: Start,
     batcher = await h.batcher()
     await h.queues.put("paused.demo", b"{}")  # as another scheduler's PauseQueue would
     await until(lambda: _true_if(h.app.metrics, "asyncinfer_queue_paused"))
-    await enqueue(h.js, h.kv)
+    await enqueue(h.nc, h.kv)
     await batcher.grant(1)
 
     async def held() -> bool:
@@ -503,7 +503,7 @@ async def _true_if(metrics: Any, name: str) -> bool:
 async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=2)
-    running = await enqueue(h.js, h.kv)
+    running = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     timeout = duration_pb2.Duration(seconds=10)
 
@@ -516,7 +516,7 @@ async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, c
         return h.app._draining is not None and h.app._draining.done()
 
     await until(draining)
-    queued = await enqueue(h.js, h.kv)
+    queued = await enqueue(h.nc, h.kv)
     assert not drain.done()
     await batcher.answer(order)
     assert (await asyncio.wait_for(drain, 5)).in_flight == 0
@@ -545,8 +545,8 @@ async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, 
     await h.queues.put(tenant_key(TENANT), encode_count(5))  # as the gateway keeps it
     batcher = await h.batcher()
     batcher.serve(batcher.answer)
-    jobs = [await enqueue(h.js, h.kv) for _ in range(5)]
-    await enqueue(h.js, h.kv, tenant="other")  # a tenant without a counter: none is created
+    jobs = [await enqueue(h.nc, h.kv) for _ in range(5)]
+    await enqueue(h.nc, h.kv, tenant="other")  # a tenant without a counter: none is created
     await batcher.grant(2)
     for job in jobs:
         await wait_state(h.kv, job, JobState.SUCCEEDED)
@@ -606,12 +606,12 @@ async def test_priority_under_saturation_high_waits_far_less_and_low_completes(s
         await asyncio.sleep(0.005)  # a little compute, so the backlog lasts
         await batcher.answer(order)
 
-    low = [await enqueue(h.js, h.kv, priority=Priority.LOW) for _ in range(200)]
+    low = [await enqueue(h.nc, h.kv, priority=Priority.LOW) for _ in range(200)]
     batcher.serve(slow_answer)
     await batcher.grant(2)
     high: list[str] = []
     for _ in range(40):
-        high.append(await enqueue(h.js, h.kv, priority=Priority.HIGH))
+        high.append(await enqueue(h.nc, h.kv, priority=Priority.HIGH))
         await asyncio.sleep(0.01)  # arrivals spread over the run, not a sync wait
     for job in low:
         await wait_state(h.kv, job, JobState.SUCCEEDED, timeout_s=30)

@@ -3,16 +3,22 @@ against a real nats-server."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
+
 import numpy as np
 import pytest
-from nats.aio.client import Client as NatsClient
+import structlog
 
 from asyncinfer.config import Config, NatsConfig, load_config, render_default_config
-from asyncinfer.embedded_nats import free_port
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
-from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import JobRecord, JobState, Priority, decode_record, encode_record, work_subject
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
@@ -111,17 +117,48 @@ async def test_bootstrap_is_idempotent(nc: NatsClient, config: Config) -> None:
     js = nc.jetstream()
     for _ in range(2):
         await ensure_work_stream(js, config.nats)
-        kv = await ensure_jobs_bucket(js, config.nats)
+        jobs = await ensure_jobs_bucket(js, config.nats)
         name = await ensure_work_consumer(js, config.nats, model_name="demo", priority=Priority.HIGH, ack_wait_s=30)
     assert name == "work-demo-high"
     ack = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
     dup = await js.publish(work_subject("demo", Priority.HIGH), b"{}", headers={"Nats-Msg-Id": "j1"})
     assert dup.duplicate
     assert dup.seq == ack.seq
-    revision = await kv.create("t.j1", b"x")
-    assert (await kv.get("t.j1")).revision == revision
+    revision = await jobs.kv.create("t.j1", b"x")
+    assert (await jobs.kv.get("t.j1")).revision == revision
 
 
 async def test_connect_fails_fast_without_a_server() -> None:
     with pytest.raises(Unavailable, match="cannot connect to NATS"):
         await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5), name="test")
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    give_up_at = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up_at, "timed out"
+        await asyncio.sleep(0.05)
+
+
+def failed_attempts(logs: list[dict[str, object]]) -> int:
+    return sum(entry["event"] == "nats_error" for entry in logs)
+
+
+async def test_a_connected_client_reconnects_past_the_first_connects_attempts(
+    nats_server: NatsServerProcess, config: Config
+) -> None:
+    """Only the first connect gives up: once connected, the client tries again for as long as the
+    server is away (here twice the failed attempts a first connect gets), and is back with it."""
+    nc = await connect(config.nats, name="test")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            nats_server.stop()
+            # Twice the attempts a first connect gets (nats-py's own limit, had it been set, would
+            # have closed the client after one more than that).
+            await until(lambda: nc.is_closed or failed_attempts(logs) > 2 * FIRST_CONNECT_ATTEMPTS)
+        assert not nc.is_closed
+        nats_server.start()
+        await until(lambda: nc.is_connected)
+        await nc.flush(timeout=5)
+    finally:
+        await nc.close()

@@ -8,11 +8,11 @@ import asyncio
 import time
 
 import pytest
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
-from asyncinfer.jetstream import ensure_work_consumer, ensure_work_stream
+from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, encode_record, work_subject
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queued_records import QueuedRecords

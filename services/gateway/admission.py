@@ -17,12 +17,11 @@ import asyncio
 from collections.abc import Callable
 
 import structlog
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import ResourceExhausted, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.queues import decode_count, encode_count, tenant_key
 from services.gateway.queue_view import QueueView
 

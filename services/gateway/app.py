@@ -5,15 +5,16 @@ loop (the watch feed's idle stop) runs under the app's supervisor."""
 from __future__ import annotations
 
 import structlog
-from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
-from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import job_service_pb2_grpc
@@ -98,7 +99,7 @@ class GatewayApp:
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
         admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
-        self._submitter = JobSubmitter(cfg, records, js, admission, claim_check=claim_check)
+        self._submitter = JobSubmitter(cfg, records, self._nc, admission, claim_check=claim_check)
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
         )

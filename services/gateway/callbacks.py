@@ -5,11 +5,11 @@ GetJob's view of the deliveries the scheduler made (read from the webhooks bucke
 from __future__ import annotations
 
 from google.protobuf import timestamp_pb2
-from nats.js.kv import KeyValue
 
 from asyncinfer.config import WebhooksConfig
 from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import CallbackSpec, JobRecord
+from asyncinfer.nats import KeyValue
 from asyncinfer.v1 import job_pb2
 from asyncinfer.webhook_status import JobDeliveries, read_deliveries
 from asyncinfer.webhook_urls import RefusedUrl, check_callback_url, parse_networks

@@ -56,17 +56,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig, NatsConfig
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.nats import (
+    KV_DEL,
+    KV_OP,
+    APIError,
+    JetStreamContext,
+    KeyNotFoundError,
+    KeyValue,
+    KeyWrongLastSequenceError,
+    api,
+)
+from asyncinfer.nats.streams import ensure_kv_bucket
 from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
 from services.gateway.transitions import Expiry
 
@@ -195,7 +202,7 @@ class IdempotentSubmitter:
         self._records = records
         self._claims = claims
         self._js = js
-        self._prefix = f"$KV.{config.nats.idempotency_bucket}."
+        self._subject_prefix = f"$KV.{config.nats.idempotency_bucket}."
         self._expiry = expiry
         self._clock = clock
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
@@ -283,7 +290,7 @@ class IdempotentSubmitter:
         if op:
             headers[KV_OP] = op
         try:
-            ack = await self._js.publish(f"{self._prefix}{key}", value, headers=headers, msg_ttl=ttl_s)
+            ack = await self._js.publish(f"{self._subject_prefix}{key}", value, headers=headers, msg_ttl=ttl_s)
         except APIError as exc:
             if exc.err_code in WRONG_LAST_SEQUENCE_CODES:
                 raise KeyWrongLastSequenceError(description=exc.description) from exc

@@ -11,13 +11,13 @@ from typing import Any
 
 import grpc
 import structlog
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unimplemented
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator

@@ -34,15 +34,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
-from nats.js.kv import KV_MARKER_REASON, KV_OP
 
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.transitions import Expiry
 

@@ -15,12 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
-from nats.js.kv import KV_OP
 
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
+from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
@@ -106,7 +103,7 @@ class QueueView:
     def __init__(self, js: JetStreamContext, *, bucket: str, clock: Callable[[], float] = time.time) -> None:
         self._js = js
         self._bucket = bucket
-        self._prefix = f"$KV.{bucket}."
+        self._subject_prefix = f"$KV.{bucket}."
         self._clock = clock
         self._snapshots: dict[str, QueueSnapshot] = {}
         self._paused: set[str] = set()
@@ -115,7 +112,7 @@ class QueueView:
         self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
-        for subject in (f"{self._prefix}*", f"{self._prefix}{PAUSED_PREFIX}*"):
+        for subject in (f"{self._subject_prefix}*", f"{self._subject_prefix}{PAUSED_PREFIX}*"):
             self._subscriptions.append(
                 await self._js.subscribe(
                     subject,
@@ -141,7 +138,7 @@ class QueueView:
         return model_name in self._paused
 
     async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._prefix)
+        key = msg.subject.removeprefix(self._subject_prefix)
         deleted = KV_OP in (msg.headers or {})
         if key.startswith(PAUSED_PREFIX):
             model_name = key.removeprefix(PAUSED_PREFIX)

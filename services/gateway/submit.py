@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import structlog
-from nats.js import JetStreamContext
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
-from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import (
     BlobRef,
@@ -39,6 +37,8 @@ from asyncinfer.jobs import (
     encode_record,
     work_subject,
 )
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.gateway.admission import Admission
@@ -178,7 +178,7 @@ class JobSubmitter:
         self,
         config: Config,
         records: JobStore,
-        js: JetStreamContext,
+        nc: NatsClient,
         admission: Admission,
         *,
         clock: Callable[[], float] = time.time,
@@ -187,7 +187,8 @@ class JobSubmitter:
         self._config = config
         self._claim_check = claim_check
         self._records = records
-        self._js = js
+        self._nc = nc
+        self._js = nc.jetstream()
         self._admission = admission
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
@@ -334,7 +335,7 @@ class JobSubmitter:
                 metadata={"job_id": record.job_id},
             ) from exc
         # (A record found by a retry is this submit's own write: the same data.)
-        await announce_queued(self._js._nc, created, data)
+        await announce_queued(self._nc, created, data)
         bound.info("job_submitted", priority=created.priority.value)
         return created
 

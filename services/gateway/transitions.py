@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 
 import structlog
-from nats.aio.client import Client as NatsClient
 
 from asyncinfer import lifecycle
 from asyncinfer.errors import FailedPrecondition
 from asyncinfer.job_store import NATS_FAILURES, JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queues import CancelNotice, cancel_subject
 
 log = structlog.get_logger("asyncinfer.gateway")

@@ -20,14 +20,11 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.api import DeliverPolicy
-from nats.js.kv import KV_MARKER_REASON, KV_OP
 
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, decode_record, job_key
+from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.supervision import Supervisor
 from services.gateway.transitions import Expiry
 
@@ -64,7 +61,7 @@ class WatchHub:
         self._records = records
         self._expiry = expiry
         self._bucket = bucket
-        self._prefix = f"$KV.{bucket}."
+        self._subject_prefix = f"$KV.{bucket}."
         self._watchers: dict[str, set[WatcherQueue]] = {}
         # Label-selector watches (WatchJobs): per tenant, each queue with the labels it selects.
         self._selectors: dict[str, dict[WatcherQueue, dict[str, str]]] = {}
@@ -121,7 +118,7 @@ class WatchHub:
             # later changes matter. An ordered consumer is ephemeral, in memory, and resumes after
             # the last sequence it saw.
             self._subscription = await self._js.subscribe(
-                f"{self._prefix}>",
+                f"{self._subject_prefix}>",
                 stream=f"KV_{self._bucket}",
                 cb=self._on_update,
                 ordered_consumer=True,
@@ -158,7 +155,7 @@ class WatchHub:
                 break
 
     async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._prefix)
+        key = msg.subject.removeprefix(self._subject_prefix)
         queues = self._watchers.get(key)
         selectors = self._selectors.get(key.partition(".")[0]) if self._selectors else None
         if not queues and not selectors:

@@ -12,19 +12,18 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import structlog
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.kv import KeyValue
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
-from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK, WORK_SUBJECT_PREFIX, Priority
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import KeyValue, Msg, Subscription
+from asyncinfer.nats.connection import connect
 from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
@@ -137,6 +136,7 @@ class SchedulerApp:
             stats=stats,
             letters=letters,
             store=store,
+            nc=nc,
             js=js,
             pauses=pauses,
             drain=self.drain,

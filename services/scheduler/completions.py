@@ -7,8 +7,8 @@ import time
 from collections import deque
 
 import structlog
-from nats.js.kv import KeyValue
 
+from asyncinfer.nats import KeyValue
 from asyncinfer.queues import take_from_tenant_count
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.owned_tasks import OwnedTasks

@@ -16,13 +16,11 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nats.aio.client import Client as NatsClient
-from nats.js import JetStreamContext, api
-from nats.js.errors import NotFoundError
-
 from asyncinfer.config import NatsConfig
-from asyncinfer.jetstream import ensure_stream, publish_durably
 from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext, NotFoundError, api
+from asyncinfer.nats.streams import ensure_stream, publish_durably
 
 DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
 PUBLISH_RETRY_FOR_S = 10.0

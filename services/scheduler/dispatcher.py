@@ -15,11 +15,10 @@ import asyncio
 import contextlib
 
 import structlog
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from asyncinfer.jobs import PRIORITIES_BY_RANK
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg, Subscription
 from asyncinfer.queued_notice import QUEUED_SUBJECT_PREFIX, decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable
 
 import structlog
-from nats.aio.msg import Msg
 
 from asyncinfer import job_errors, lifecycle
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope, decode_envelope
+from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.completions import TenantQueueCounts

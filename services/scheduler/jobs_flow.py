@@ -17,12 +17,11 @@ import random
 from collections.abc import Callable
 
 import structlog
-from nats.aio.msg import Msg
-from nats.js.kv import KeyValue
 
 from asyncinfer import job_errors
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
+from asyncinfer.nats import KeyValue, Msg
 from asyncinfer.queues import CancelNotice
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO

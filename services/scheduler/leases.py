@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
-from nats.aio.msg import Msg
 
 from asyncinfer.jobs import JobRecord
+from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 
 # Cancel notices for jobs not (yet) in flight here are remembered this long: the notice can

@@ -10,12 +10,13 @@ from typing import Any
 import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
-from nats.js import JetStreamContext
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.pauses import PauseState
@@ -93,6 +94,7 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         stats: QueueStatsReader,
         letters: DeadLetterStore,
         store: JobStore,
+        nc: NatsClient,
         js: JetStreamContext,
         pauses: PauseState,
         drain: Callable[[float], Awaitable[int]],
@@ -102,6 +104,7 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         self._stats = stats
         self._letters = letters
         self._store = store
+        self._nc = nc
         self._js = js
         self._pauses = pauses
         self._drain = drain
@@ -175,7 +178,9 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         replayed = 0
         for letter in letters:
             try:
-                await replay(letter, store=self._store, letters=self._letters, js=self._js, config=self._config)
+                await replay(
+                    letter, store=self._store, letters=self._letters, nc=self._nc, js=self._js, config=self._config
+                )
             except AsyncInferError as error:
                 if not request.all:
                     raise

@@ -9,8 +9,8 @@ import json
 import time
 
 import structlog
-from nats.js.kv import KeyValue
 
+from asyncinfer.nats import KeyValue
 from asyncinfer.queues import paused_key
 from asyncinfer.supervision import Supervisor
 

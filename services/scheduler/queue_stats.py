@@ -17,13 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
-
 from asyncinfer import queues
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.jetstream import work_consumer_name
+from asyncinfer.declarations import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority, work_subject
+from asyncinfer.nats import JetStreamContext, NotFoundError
 from services.scheduler.batchers import BatcherRegistry
 
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 import time
 
 import structlog
-from nats.js import JetStreamContext
 
 from asyncinfer import lifecycle
 from asyncinfer.config import Config
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
-from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, encode_record, job_key, work_subject
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 
@@ -34,7 +35,13 @@ PUBLISH_RETRY_FOR_S = 10.0
 
 
 async def replay(
-    letter: DeadLetter, *, store: JobStore, letters: DeadLetterStore, js: JetStreamContext, config: Config
+    letter: DeadLetter,
+    *,
+    store: JobStore,
+    letters: DeadLetterStore,
+    nc: NatsClient,
+    js: JetStreamContext,
+    config: Config,
 ) -> JobRecord:
     envelope = letter.envelope
     record = await store.get(job_key(letter.tenant, letter.job_id))
@@ -72,6 +79,6 @@ async def replay(
             # QUEUED without a work message: it needs an operator (the dead letter is kept).
             log.error("replay_not_reverted", job_id=letter.job_id, error=str(revert_error))
         raise Unavailable(f"the job could not be queued again: {exc}") from exc
-    await announce_queued(js._nc, queued, encode_record(queued))
+    await announce_queued(nc, queued, encode_record(queued))
     await letters.delete(letter.sequence)
     return queued

@@ -15,12 +15,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 import structlog
-from nats.aio.msg import Msg
 
 from asyncinfer import job_errors, lifecycle
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState
+from asyncinfer.nats import Msg
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.leases import InFlightJob

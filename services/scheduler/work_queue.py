@@ -19,13 +19,11 @@ import time
 from collections.abc import Callable
 
 import structlog
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeoutError
 
-from asyncinfer.jetstream import work_consumer_name
+from asyncinfer.declarations import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg, NatsTimeoutError, Subscription
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 log = structlog.get_logger("asyncinfer.scheduler.queue")

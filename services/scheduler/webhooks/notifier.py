@@ -26,18 +26,15 @@ import asyncio
 import contextlib
 import time
 
-import nats.errors
 import structlog
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
-from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState, decode_record
+from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg, NatsTimeoutError
+from asyncinfer.nats.streams import publish_durably
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import (
     EVENT_OF_STATE,
@@ -134,7 +131,7 @@ class Notifier:
             with attempt:
                 try:
                     return await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-                except nats.errors.TimeoutError:
+                except NatsTimeoutError:
                     return []
                 except NATS_FAILURES as exc:
                     log.warning("webhook_feed_fetch_failed", error=str(exc))

@@ -27,16 +27,14 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
-import nats.errors
 import structlog
-from nats.aio.msg import Msg
-from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry, Counter
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats import JetStreamContext, Msg, NatsTimeoutError
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
@@ -161,7 +159,7 @@ class Sender:
             with attempt:
                 try:
                     return await subscription.fetch(up_to, timeout=FETCH_WAIT_S)
-                except nats.errors.TimeoutError:
+                except NatsTimeoutError:
                     return []
                 except NATS_FAILURES as exc:
                     log.warning("webhook_fetch_failed", error=str(exc))

@@ -15,10 +15,10 @@ from __future__ import annotations
 import random
 
 import structlog
-from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.scheduler.webhooks.notifier import Notifier

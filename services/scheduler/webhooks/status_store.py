@@ -7,12 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from nats.js import JetStreamContext
-from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
-from nats.js.kv import KeyValue
-
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats import APIError, JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue
 from asyncinfer.webhook_status import (
     JobDeliveries,
     deliveries_key,
@@ -32,7 +29,7 @@ class StatusStore:
     def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str) -> None:
         self._js = js
         self._kv = kv
-        self._prefix = f"$KV.{bucket}."
+        self._subject_prefix = f"$KV.{bucket}."
 
     async def read(self, tenant: str, job_id: str) -> JobDeliveries:
         return await read_deliveries(self._kv, tenant, job_id)
@@ -46,7 +43,7 @@ class StatusStore:
                 return current
             try:
                 ack = await self._js.publish(
-                    self._prefix + deliveries_key(tenant, job_id),
+                    self._subject_prefix + deliveries_key(tenant, job_id),
                     encode_deliveries(new),
                     headers={"Nats-Expected-Last-Subject-Sequence": str(current.revision)},
                     msg_ttl=max(new.ttl_s, 1.0),

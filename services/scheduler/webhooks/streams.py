@@ -7,10 +7,9 @@ what was not acked (a scheduler died) is redelivered to another.
 
 from __future__ import annotations
 
-from nats.js import JetStreamContext, api
-
 from asyncinfer.config import Config, NatsConfig
-from asyncinfer.jetstream import ensure_stream
+from asyncinfer.nats import JetStreamContext, api
+from asyncinfer.nats.streams import ensure_stream
 from services.scheduler.webhooks.deliveries import WEBHOOK_SUBJECT_PREFIX
 
 SENDER_CONSUMER = "webhook-sender"

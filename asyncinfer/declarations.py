@@ -1,0 +1,69 @@
+"""The work stream, the jobs bucket and the work consumers: what the gateway and the scheduler
+declare at start-up. Declarations are idempotent, so every service can run them in any order; the
+scheduler owns the consumers.
+"""
+
+from __future__ import annotations
+
+from asyncinfer.config import NatsConfig
+from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority, work_subject
+from asyncinfer.nats import JetStreamContext, api
+from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.streams import ensure_kv_bucket, ensure_stream
+
+
+async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
+    """The WorkQueue stream of queued jobs: a message leaves it when its job's result is stored."""
+    stream = api.StreamConfig(
+        name=config.work_stream,
+        description="asyncinfer queued jobs, one subject per model and priority",
+        subjects=[f"{WORK_SUBJECT_PREFIX}.>"],
+        retention=api.RetentionPolicy.WORK_QUEUE,
+        storage=api.StorageType.FILE,
+        num_replicas=config.replicas,
+        duplicate_window=config.duplicate_window_s,
+        discard=api.DiscardPolicy.NEW,
+        allow_msg_ttl=True,
+    )
+
+    await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
+
+
+async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBucket:
+    """The KV bucket of job records. Records carry their retention as a per-message TTL; when one
+    expires the server leaves a long-lived marker, so reads can say "retention passed"."""
+    kv = await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.jobs_bucket,
+        description="asyncinfer job records, keyed <tenant>.<job_id>",
+        limit_marker_ttl_s=config.expired_job_marker_ttl_s,
+    )
+    return KvBucket(name=config.jobs_bucket, kv=kv, js=js)
+
+
+def work_consumer_name(model_name: str, priority: Priority) -> str:
+    return f"work-{model_name}-{priority.subject_token}"
+
+
+async def ensure_work_consumer(
+    js: JetStreamContext, config: NatsConfig, *, model_name: str, priority: Priority, ack_wait_s: float
+) -> str:
+    """The durable pull consumer of one (model, priority) subject; returns its name.
+
+    MaxAckPending is raised far above the default 1000, at which delivery silently stops: the
+    scheduler, not the consumer, bounds what is in flight (by batcher credits)."""
+    name = work_consumer_name(model_name, priority)
+    consumer = api.ConsumerConfig(
+        durable_name=name,
+        filter_subject=work_subject(model_name, priority),
+        ack_policy=api.AckPolicy.EXPLICIT,
+        deliver_policy=api.DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=-1,
+        max_ack_pending=1_000_000,
+        max_waiting=512,
+        num_replicas=config.replicas if config.replicas > 1 else 0,
+    )
+    await js.add_consumer(config.work_stream, consumer)
+    return name

@@ -1,0 +1,73 @@
+"""The raw read and compare-and-set of one KV key, for stores that keep their own records in a
+bucket (asyncinfer.job_store): on the fast path when it is enabled, on `KeyValue.get` and
+`JetStreamContext.publish` otherwise.
+
+A `KvBucket` carries what both need and nats-py's `KeyValue` keeps to itself: the bucket's name
+(its stream and subjects follow from it) and the JetStream context it was opened with. A write
+here may carry headers `KeyValue.update` cannot send (a per-message TTL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+
+from asyncinfer.nats import _fastpath
+from asyncinfer.nats.protocol import EXPECTED_LAST_SUBJECT_SEQUENCE, MSG_TTL, kv_stream, kv_subject_prefix
+from asyncinfer.nats.requests import js_publish
+
+# nats-py's default for a JetStream call, which the KV calls here replace.
+DEFAULT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class KvBucket:
+    name: str
+    kv: KeyValue
+    js: JetStreamContext
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def stream(self) -> str:
+        return kv_stream(self.name)
+
+    @property
+    def subject_prefix(self) -> str:
+        return kv_subject_prefix(self.name)
+
+
+async def open_kv_bucket(js: JetStreamContext, name: str) -> KvBucket:
+    """An existing bucket (BucketNotFoundError if there is none)."""
+    return KvBucket(name=name, kv=await js.key_value(name), js=js)
+
+
+async def kv_latest(bucket: KvBucket, key: str) -> tuple[bytes, int] | None:
+    """(value, revision) of the key's latest write; None when it has none, or when that write is a
+    delete or purge, or a server-placed delete marker (empty body). InvalidKeyError for a key
+    KeyValue would refuse."""
+    if _fastpath.FASTPATH_ENABLED:
+        return await _fastpath.kv_latest(
+            bucket.js, stream=bucket.stream, subject_prefix=bucket.subject_prefix, key=key, timeout_s=bucket.timeout_s
+        )
+    try:
+        entry = await bucket.kv.get(key)
+    except KeyNotFoundError:  # also what a deleted or purged key raises
+        return None
+    if not entry.value or entry.revision is None:  # a delete marker's empty body; a revision it always has
+        return None
+    return entry.value, entry.revision
+
+
+async def kv_put_expecting(
+    bucket: KvBucket, key: str, value: bytes, *, last_revision: int, ttl_s: int | None = None
+) -> int:
+    """Writes `value` only if the key's latest revision is `last_revision` (0: the key has no
+    history at all), with a per-message TTL when given; the new revision. Raises
+    KeyWrongLastSequenceError when the key has moved on."""
+    headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
+    if ttl_s is not None:
+        headers[MSG_TTL] = str(ttl_s)
+    return await js_publish(bucket.js, bucket.subject_prefix + key, value, timeout_s=bucket.timeout_s, headers=headers)
