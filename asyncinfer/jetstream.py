@@ -20,8 +20,10 @@ from nats.js.kv import KeyValue
 
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
+from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, WORK_SUBJECTS
+from asyncinfer.contract import work_consumer_name as work_consumer_name
 from asyncinfer.errors import Unavailable
-from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority
+from asyncinfer.jobs import Priority
 from asyncinfer.nats_requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -71,7 +73,7 @@ async def publish_durably(
     an attempt that was stored but whose ack was lost is dropped as a duplicate by the stream
     (within its duplicate window) and the retry still gets an ack. Returns the stream sequence."""
 
-    all_headers = {**(headers or {}), "Nats-Msg-Id": msg_id, api.Header.EXPECTED_STREAM.value: stream}
+    all_headers = {**(headers or {}), MSG_ID_HEADER: msg_id, EXPECTED_STREAM_HEADER: stream}
 
     async def attempt(timeout_s: float) -> int:
         return await js_publish(js._nc, subject, payload, timeout_s=timeout_s, headers=all_headers)
@@ -120,7 +122,7 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
     stream = api.StreamConfig(
         name=config.work_stream,
         description="asyncinfer queued jobs, one subject per model and priority",
-        subjects=[f"{WORK_SUBJECT_PREFIX}.>"],
+        subjects=[WORK_SUBJECTS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
@@ -193,10 +195,6 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KeyVal
     )
 
 
-def work_consumer_name(model_name: str, priority: Priority) -> str:
-    return f"work-{model_name}-{priority.subject_token}"
-
-
 async def ensure_work_consumer(
     js: JetStreamContext, config: NatsConfig, *, model_name: str, priority: Priority, ack_wait_s: float
 ) -> str:
@@ -204,7 +202,7 @@ async def ensure_work_consumer(
 
     MaxAckPending is raised far above the default 1000, at which delivery silently stops: the
     scheduler, not the consumer, bounds what is in flight (by batcher credits)."""
-    from asyncinfer.jobs import work_subject
+    from asyncinfer.contract import work_subject
 
     name = work_consumer_name(model_name, priority)
     consumer = api.ConsumerConfig(

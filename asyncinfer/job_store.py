@@ -23,10 +23,10 @@ from collections.abc import Callable
 from typing import Any
 
 import nats.errors
-from nats.js import api
 from nats.js.errors import APIError, InvalidKeyError, KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
-from nats.js.kv import KV_DEL, KV_OP, KV_PURGE, KeyValue, _is_key_valid
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue, _is_key_valid
 
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, KV_OPERATION_HEADER, MSG_TTL_HEADER
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.jobs import JobRecord, decode_record, encode_record
 from asyncinfer.nats_requests import js_publish, request
@@ -34,9 +34,7 @@ from asyncinfer.nats_requests import js_publish, request
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (nats.errors.Error, asyncio.TimeoutError)
 
-KV_OP_HEADER = KV_OP.encode()
-EXPECTED_LAST_SUBJECT_SEQUENCE = api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE.value
-MSG_TTL = api.Header.MSG_TTL.value
+KV_OP_HEADER = KV_OPERATION_HEADER.encode()
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]
@@ -142,10 +140,10 @@ class JobStore:
         the record's retention TTL, on the cheaper request path (asyncinfer.nats_requests)."""
         kv: Any = self._kv
         js: Any = kv._js
-        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
+        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(last)}
         ttl = retention_ttl(record)
         if ttl is not None:
-            headers[MSG_TTL] = str(ttl)
+            headers[MSG_TTL_HEADER] = str(ttl)
         return await js_publish(js._nc, f"{kv._pre}{record.key}", data, timeout_s=js._timeout, headers=headers)
 
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:

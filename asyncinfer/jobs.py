@@ -14,12 +14,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import WORK_SUBJECT_PREFIX as WORK_SUBJECT_PREFIX
+from asyncinfer.contract import job_key as job_key
+from asyncinfer.contract import work_subject as work_subject
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument
 from asyncinfer.tensors import Tensor
 
 # Model names and tenants become NATS subject tokens and KV key parts.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
-WORK_SUBJECT_PREFIX = "asyncinfer.work"
 
 
 class JobState(enum.StrEnum):
@@ -53,15 +56,6 @@ class Priority(enum.StrEnum):
 
 
 PRIORITIES_BY_RANK = (Priority.HIGH, Priority.NORMAL, Priority.LOW)
-
-
-def work_subject(model_name: str, priority: Priority) -> str:
-    return f"{WORK_SUBJECT_PREFIX}.{model_name}.{priority.subject_token}"
-
-
-def job_key(tenant: str, job_id: str) -> str:
-    """The job record's key in the jobs KV bucket."""
-    return f"{tenant}.{job_id}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,15 +13,12 @@ from __future__ import annotations
 import structlog
 from nats.aio.client import Client as NatsClient
 
-from asyncinfer.jobs import JobRecord, Priority
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import QUEUED_SUBJECT_PREFIX as QUEUED_SUBJECT_PREFIX
+from asyncinfer.contract import queued_subject
+from asyncinfer.jobs import JobRecord
 
 log = structlog.get_logger("asyncinfer.queued_notice")
-
-QUEUED_SUBJECT_PREFIX = "asyncinfer.queued"
-
-
-def queued_subject(model_name: str, priority: Priority) -> str:
-    return f"{QUEUED_SUBJECT_PREFIX}.{model_name}.{priority.subject_token}"
 
 
 def encode_queued_notice(key: str, revision: int, record_data: bytes) -> bytes:

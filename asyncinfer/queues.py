@@ -30,23 +30,17 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import CANCEL_SUBJECT_PREFIX as CANCEL_SUBJECT_PREFIX
+from asyncinfer.contract import cancel_subject as cancel_subject
+from asyncinfer.contract import paused_key as paused_key
+from asyncinfer.contract import tenant_count_key
 from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.jobs import Priority
 
 SNAPSHOT_STALE_S = 15.0
-CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"
-
-
-def cancel_subject(model_name: str) -> str:
-    return f"{CANCEL_SUBJECT_PREFIX}.{model_name}"
-
-
-def paused_key(model_name: str) -> str:
-    return f"paused.{model_name}"
-
-
-def tenant_key(tenant: str) -> str:
-    return f"tenant.{tenant}"
+tenant_key = tenant_count_key  # its name here before asyncinfer.contract
 
 
 def encode_count(count: int) -> bytes:

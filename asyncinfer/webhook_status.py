@@ -12,7 +12,6 @@ The bucket (`nats.webhooks_bucket`) holds two kinds of keys:
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
@@ -24,12 +23,17 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from asyncinfer.config import NatsConfig
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import deliveries_key as deliveries_key
+from asyncinfer.contract import disabled_url_key
 from asyncinfer.errors import Unavailable
 from asyncinfer.jetstream import ensure_kv_bucket
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobState
 
 log = structlog.get_logger("asyncinfer.webhooks")
+disabled_key = disabled_url_key  # its name here before asyncinfer.contract
 
 
 class CallbackEvent(enum.StrEnum):
@@ -105,14 +109,6 @@ class JobDeliveries:
 def webhook_id(job_id: str, event: CallbackEvent, job_attempt: int) -> str:
     """The `webhook-id`: the same for every attempt of one delivery, distinct per event and job attempt."""
     return f"msg_{job_id}_{event.value.lower()}_{job_attempt}"
-
-
-def deliveries_key(tenant: str, job_id: str) -> str:
-    return f"job.{tenant}.{job_id}"
-
-
-def disabled_key(tenant: str, url: str) -> str:
-    return f"disabled.{tenant}.{hashlib.sha256(url.encode()).hexdigest()}"
 
 
 def encode_deliveries(value: JobDeliveries) -> bytes:

@@ -56,11 +56,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
-from nats.js import JetStreamContext, api
+from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from asyncinfer.config import Config, ModelConfig, NatsConfig
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
+
+# Named in asyncinfer.contract; re-exported for its callers here.
+from asyncinfer.contract import claim_key as claim_key
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.jetstream import ensure_kv_bucket
@@ -108,10 +112,6 @@ class Claim:
     def decode(cls, data: bytes, revision: int) -> Claim:
         obj = json.loads(data)
         return cls(obj["job_id"], obj["fingerprint"], obj["claim_time"], revision)
-
-
-def claim_key(tenant: str, idempotency_key: str) -> str:
-    return f"{tenant}.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
 
 
 def _canonical(value: Any) -> Any:
@@ -186,7 +186,7 @@ class IdempotentSubmitter:
         self._records = records
         self._claims = claims
         self._js = js
-        self._prefix = f"$KV.{config.nats.idempotency_bucket}."
+        self._prefix = kv_subject_prefix(config.nats.idempotency_bucket)
         self._expiry = expiry
         self._clock = clock
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
@@ -270,7 +270,7 @@ class IdempotentSubmitter:
         """A compare-and-set on the key's last revision (0: it has none), as KeyValue's create and
         delete do, but in one request: nats-py's create re-reads the key after every conflict (in
         case it was deleted), which a loser here does anyway, and its delete takes no TTL."""
-        headers: dict[str, Any] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
+        headers: dict[str, Any] = {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(last_revision)}
         if op:
             headers[KV_OP] = op
         try:

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.kv import KV_MARKER_REASON, KV_OP
 
+from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, decode_record, job_key
@@ -60,7 +61,7 @@ class WatchHub:
         self._records = records
         self._expiry = expiry
         self._bucket = bucket
-        self._prefix = f"$KV.{bucket}."
+        self._prefix = kv_subject_prefix(bucket)
         self._watchers: dict[str, set[WatcherQueue]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
         self._feed_lock = asyncio.Lock()
@@ -109,7 +110,7 @@ class WatchHub:
             # the last sequence it saw.
             self._subscription = await self._js.subscribe(
                 f"{self._prefix}>",
-                stream=f"KV_{self._bucket}",
+                stream=kv_stream(self._bucket),
                 cb=self._on_update,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
@@ -123,7 +124,7 @@ class WatchHub:
         try:
             consumer = (await subscription.consumer_info()).name
             await subscription.unsubscribe()
-            await self._js.delete_consumer(f"KV_{self._bucket}", consumer)
+            await self._js.delete_consumer(kv_stream(self._bucket), consumer)
         except Exception as exc:  # the connection may already be gone; the server drops it then
             log.warning("watch_unsubscribe_failed", error=str(exc))
 

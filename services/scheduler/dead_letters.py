@@ -21,15 +21,15 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from asyncinfer.config import NatsConfig
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import DEAD_SUBJECT_PREFIX as DEAD_SUBJECT_PREFIX
+from asyncinfer.contract import DEAD_SUBJECTS, dead_letter_msg_id, stream_purge_subject
+from asyncinfer.contract import dead_subject as dead_subject
 from asyncinfer.jetstream import ensure_stream, publish_durably
 from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
 
-DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
 PUBLISH_RETRY_FOR_S = 10.0
-
-
-def dead_subject(model_name: str) -> str:
-    return f"{DEAD_SUBJECT_PREFIX}.{model_name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext, config: NatsConfig) ->
     stream = api.StreamConfig(
         name=config.dead_letter_stream,
         description="asyncinfer jobs that failed for good, one subject per model",
-        subjects=[f"{DEAD_SUBJECT_PREFIX}.>"],
+        subjects=[DEAD_SUBJECTS],
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
@@ -105,7 +105,7 @@ class DeadLetterStore:
             dead_subject(letter.model_name),
             encode_dead_letter(letter),
             stream=self._stream,
-            msg_id=f"{letter.job_id}.dead.{letter.attempts}",
+            msg_id=dead_letter_msg_id(letter.job_id, letter.attempts),
             retry_for_s=PUBLISH_RETRY_FOR_S,
         )
         return replace(letter, sequence=sequence)
@@ -121,7 +121,7 @@ class DeadLetterStore:
 
     async def page(self, *, model_name: str = "", after: int = 0, limit: int = 50) -> list[DeadLetter]:
         """Up to `limit` letters with sequences above `after`, oldest first."""
-        subject = dead_subject(model_name) if model_name else f"{DEAD_SUBJECT_PREFIX}.>"
+        subject = dead_subject(model_name) if model_name else DEAD_SUBJECTS
         letters: list[DeadLetter] = []
         cursor = after + 1
         while len(letters) < limit:
@@ -151,9 +151,7 @@ class DeadLetterStore:
     async def purge(self, *, model_name: str = "") -> int:
         """Deletes every letter (of the model); how many were deleted."""
         request: dict[str, Any] = {"filter": dead_subject(model_name)} if model_name else {}
-        reply = await self._nc.request(
-            f"$JS.API.STREAM.PURGE.{self._stream}", json.dumps(request).encode(), timeout=5.0
-        )
+        reply = await self._nc.request(stream_purge_subject(self._stream), json.dumps(request).encode(), timeout=5.0)
         answer = json.loads(reply.data)
         if "error" in answer:
             raise RuntimeError(f"purge failed: {answer['error']}")

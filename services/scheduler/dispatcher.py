@@ -19,8 +19,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from asyncinfer.contract import queued_subjects
 from asyncinfer.jobs import PRIORITIES_BY_RANK
-from asyncinfer.queued_notice import QUEUED_SUBJECT_PREFIX, decode_queued_notice
+from asyncinfer.queued_notice import decode_queued_notice
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.queued_records import QueuedRecords
@@ -61,7 +62,7 @@ class ModelDispatcher:
     async def start(self) -> None:
         # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
         # subscription to the work subjects can see a publish before the stream has stored it).
-        self._subscription = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
+        self._subscription = await self._nc.subscribe(queued_subjects(self.model_name), cb=self._ring)
         self._task = asyncio.create_task(self._run(), name=f"dispatch-{self.model_name}")
 
     @property

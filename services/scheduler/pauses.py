@@ -11,11 +11,10 @@ import time
 import structlog
 from nats.js.kv import KeyValue
 
-from asyncinfer.queues import paused_key
+from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
+from asyncinfer.contract import paused_key
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
-
-PAUSED_PREFIX = paused_key("")
 
 
 class PauseState:

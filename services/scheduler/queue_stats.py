@@ -22,7 +22,7 @@ from nats.js.errors import NotFoundError
 
 from asyncinfer import queues
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.jetstream import work_consumer_name
+from asyncinfer.contract import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority, work_subject
 from services.scheduler.batchers import BatcherRegistry
 

@@ -20,6 +20,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from asyncinfer.config import Config
+from asyncinfer.contract import replay_msg_id
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
@@ -75,7 +76,7 @@ async def replay(
             work_subject(envelope.model_name, envelope.priority),
             letter.original,
             stream=config.nats.work_stream,
-            msg_id=f"{letter.job_id}.replay.{letter.sequence}",
+            msg_id=replay_msg_id(letter.job_id, letter.sequence),
             retry_for_s=PUBLISH_RETRY_FOR_S,
         )
     except NATS_FAILURES as exc:

@@ -24,7 +24,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from asyncinfer.jetstream import work_consumer_name
+from asyncinfer.contract import consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
@@ -75,9 +75,7 @@ class PullInbox:
                 request = json.dumps({"batch": count, "no_wait": True}).encode()
             msgs: list[Msg] = []
             try:
-                await self._nc.publish(
-                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=subscription.subject
-                )
+                await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
                 while len(msgs) < count:
                     reply = await subscription.next_msg(timeout=timeout_s)
                     status = (reply.headers or {}).get("Status")

@@ -23,10 +23,12 @@ from typing import Any
 
 import grpc
 
+# Named in asyncinfer.contract; re-exported for its callers here.
+from asyncinfer.contract import WEBHOOK_SUBJECT_PREFIX as WEBHOOK_SUBJECT_PREFIX
+from asyncinfer.contract import webhook_subject
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.webhook_status import CallbackEvent
 
-WEBHOOK_SUBJECT_PREFIX = "asyncinfer.webhooks"
 EVENT_TYPES = {
     CallbackEvent.RUNNING: "job.running",
     CallbackEvent.COMPLETED: "job.completed",
@@ -49,7 +51,7 @@ class Delivery:
 
     @property
     def subject(self) -> str:
-        return f"{WEBHOOK_SUBJECT_PREFIX}.{self.tenant}"
+        return webhook_subject(self.tenant)
 
 
 def encode_delivery(delivery: Delivery) -> bytes:

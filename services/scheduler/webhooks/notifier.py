@@ -33,6 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 
 from asyncinfer.config import Config
+from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES
@@ -48,7 +49,7 @@ from asyncinfer.webhook_status import (
 )
 from services.scheduler.webhooks.deliveries import Delivery, encode_delivery, event_body
 from services.scheduler.webhooks.status_store import StatusStore
-from services.scheduler.webhooks.streams import FEED_CONSUMER, jobs_stream
+from services.scheduler.webhooks.streams import jobs_stream
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 

@@ -11,6 +11,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.webhook_status import (
@@ -32,7 +33,7 @@ class StatusStore:
     def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str) -> None:
         self._js = js
         self._kv = kv
-        self._prefix = f"$KV.{bucket}."
+        self._prefix = kv_subject_prefix(bucket)
 
     async def read(self, tenant: str, job_id: str) -> JobDeliveries:
         return await read_deliveries(self._kv, tenant, job_id)
@@ -48,7 +49,7 @@ class StatusStore:
                 ack = await self._js.publish(
                     self._prefix + deliveries_key(tenant, job_id),
                     encode_deliveries(new),
-                    headers={"Nats-Expected-Last-Subject-Sequence": str(current.revision)},
+                    headers={EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(current.revision)},
                     msg_ttl=max(new.ttl_s, 1.0),
                 )
             except APIError as exc:
