@@ -55,6 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
@@ -105,13 +106,31 @@ class Claim:
     revision: int = 0
 
     def encode(self) -> bytes:
-        obj = {"job_id": self.job_id, "fingerprint": self.fingerprint, "claim_time": self.claim_time}
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return _claim_encoder.encode(
+            ClaimWire(
+                v=CLAIM_CODEC_VERSION, job_id=self.job_id, fingerprint=self.fingerprint, claim_time=self.claim_time
+            )
+        )
 
     @classmethod
     def decode(cls, data: bytes, revision: int) -> Claim:
-        obj = json.loads(data)
-        return cls(obj["job_id"], obj["fingerprint"], obj["claim_time"], revision)
+        w = _claim_decoder.decode(data)
+        return cls(w.job_id, w.fingerprint, w.claim_time, revision)
+
+
+# The claim's codec: version 1 is version 0's fields with `v` first.
+CLAIM_CODEC_VERSION = 1
+
+
+class ClaimWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    fingerprint: str
+    claim_time: float
+
+
+_claim_encoder = msgspec.json.Encoder()
+_claim_decoder = msgspec.json.Decoder(ClaimWire)
 
 
 def _canonical(value: Any) -> Any:

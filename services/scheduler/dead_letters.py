@@ -2,7 +2,7 @@
 replay or purge.
 
 The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
-`asyncinfer.dead.<model>`: JSON with the reason (MAX_ATTEMPTS, ...), the attempts spent, the last
+`asyncinfer.dead.<model>`: JSON (versioned, below) with the reason (MAX_ATTEMPTS, ...), the attempts spent, the last
 error and the original work message (base64), so a replay can publish it again unchanged. The
 publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a scheduler that dies between writing the
 dead letter and failing the record writes the same letter again on redelivery, and the stream drops
@@ -11,15 +11,16 @@ the duplicate.
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
+from asyncinfer.codecs.parts import ErrorWire, error_from_wire, error_to_wire
 from asyncinfer.config import NatsConfig
 
 # Named in asyncinfer.contract; re-exported for their callers here.
@@ -27,7 +28,7 @@ from asyncinfer.contract import DEAD_SUBJECT_PREFIX as DEAD_SUBJECT_PREFIX
 from asyncinfer.contract import DEAD_SUBJECTS, dead_letter_msg_id, stream_purge_subject
 from asyncinfer.contract import dead_subject as dead_subject
 from asyncinfer.jetstream import ensure_stream, publish_durably
-from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
+from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope
 
 PUBLISH_RETRY_FOR_S = 10.0
 
@@ -51,31 +52,54 @@ class DeadLetter:
         return decode_envelope(self.original)
 
 
+# --- codec: version 1 is version 0's fields with `v` first and defaults left out ---------------
+
+CODEC_VERSION = 1
+
+
+class DeadLetterWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    tenant: str
+    model_name: str
+    reason: str
+    attempts: int
+    dead_time: float
+    last_error: ErrorWire | None = None
+    original: bytes  # base64 in JSON
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(DeadLetterWire)
+
+
 def encode_dead_letter(letter: DeadLetter) -> bytes:
-    obj = {
-        "job_id": letter.job_id,
-        "tenant": letter.tenant,
-        "model_name": letter.model_name,
-        "reason": letter.reason,
-        "attempts": letter.attempts,
-        "dead_time": letter.dead_time,
-        "last_error": error_to_json(letter.last_error),
-        "original": base64.b64encode(letter.original).decode("ascii"),
-    }
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return _encoder.encode(
+        DeadLetterWire(
+            v=CODEC_VERSION,
+            job_id=letter.job_id,
+            tenant=letter.tenant,
+            model_name=letter.model_name,
+            reason=letter.reason,
+            attempts=letter.attempts,
+            dead_time=letter.dead_time,
+            last_error=error_to_wire(letter.last_error),
+            original=letter.original,
+        )
+    )
 
 
 def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
-    obj = json.loads(data)
+    w = _decoder.decode(data)
     return DeadLetter(
-        job_id=obj["job_id"],
-        tenant=obj["tenant"],
-        model_name=obj["model_name"],
-        reason=obj["reason"],
-        attempts=obj["attempts"],
-        dead_time=obj["dead_time"],
-        original=base64.b64decode(obj["original"]),
-        last_error=error_from_json(obj.get("last_error")),
+        job_id=w.job_id,
+        tenant=w.tenant,
+        model_name=w.model_name,
+        reason=w.reason,
+        attempts=w.attempts,
+        dead_time=w.dead_time,
+        original=w.original,
+        last_error=error_from_wire(w.last_error),
         sequence=sequence,
     )
 

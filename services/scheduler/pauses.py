@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import structlog
@@ -13,6 +12,7 @@ from nats.js.kv import KeyValue
 
 from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
 from asyncinfer.contract import paused_key
+from asyncinfer.queues import encode_pause
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
 
@@ -50,7 +50,7 @@ class PauseState:
         return event
 
     async def pause(self, model_name: str, *, by: str) -> None:
-        value = json.dumps({"paused_at": time.time(), "by": by}).encode()
+        value = encode_pause(paused_at=time.time(), by=by)
         await self._kv.put(paused_key(model_name), value)
         self._set(model_name, paused=True)
 

@@ -17,11 +17,12 @@ sees one event. It is a summary, never the outputs:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+import msgspec
 
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import WEBHOOK_SUBJECT_PREFIX as WEBHOOK_SUBJECT_PREFIX
@@ -54,14 +55,56 @@ class Delivery:
         return webhook_subject(self.tenant)
 
 
+# --- codec: version 1 is version 0's fields with `v` first -------------------------------------
+
+CODEC_VERSION = 1
+
+
+class DeliveryWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    webhook_id: str
+    tenant: str
+    job_id: str
+    event: CallbackEvent
+    job_attempt: int
+    url: str
+    body: str
+    ttl_s: float
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(DeliveryWire)
+
+
 def encode_delivery(delivery: Delivery) -> bytes:
-    return json.dumps(asdict(delivery), separators=(",", ":")).encode()
+    d = delivery
+    return _encoder.encode(
+        DeliveryWire(
+            v=CODEC_VERSION,
+            webhook_id=d.webhook_id,
+            tenant=d.tenant,
+            job_id=d.job_id,
+            event=d.event,
+            job_attempt=d.job_attempt,
+            url=d.url,
+            body=d.body,
+            ttl_s=d.ttl_s,
+        )
+    )
 
 
 def decode_delivery(data: bytes) -> Delivery:
-    obj: dict[str, Any] = json.loads(data)
-    obj["event"] = CallbackEvent(obj["event"])
-    return Delivery(**obj)
+    w = _decoder.decode(data)
+    return Delivery(
+        webhook_id=w.webhook_id,
+        tenant=w.tenant,
+        job_id=w.job_id,
+        event=w.event,
+        job_attempt=w.job_attempt,
+        url=w.url,
+        body=w.body,
+        ttl_s=w.ttl_s,
+    )
 
 
 def _rfc3339(seconds: float) -> str:
