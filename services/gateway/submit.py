@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig
+from asyncinfer.contract import routing_headers
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
 from asyncinfer.jetstream import publish_durably
@@ -315,6 +316,9 @@ class JobSubmitter:
                 stream=self._config.nats.work_stream,
                 msg_id=record.job_id,
                 retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+                headers=routing_headers(
+                    tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
+                ),
             )
         except NATS_FAILURES as exc:
             bound.warning("enqueue_failed", error=str(exc))

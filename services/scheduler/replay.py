@@ -20,7 +20,7 @@ import structlog
 from nats.js import JetStreamContext
 
 from asyncinfer.config import Config
-from asyncinfer.contract import replay_msg_id
+from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.jetstream import publish_durably
 from asyncinfer.job_store import NATS_FAILURES, JobStore
@@ -78,6 +78,13 @@ async def replay(
             stream=config.nats.work_stream,
             msg_id=replay_msg_id(letter.job_id, letter.sequence),
             retry_for_s=PUBLISH_RETRY_FOR_S,
+            # The letter keeps the original payload, not its headers: the same ones again.
+            headers=routing_headers(
+                tenant=envelope.tenant,
+                job_id=envelope.job_id,
+                priority=envelope.priority,
+                model_name=envelope.model_name,
+            ),
         )
     except NATS_FAILURES as exc:
         restored = record.evolve(revision=queued.revision)

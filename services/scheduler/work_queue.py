@@ -24,7 +24,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from asyncinfer.contract import consumer_next_subject, work_consumer_name
+from asyncinfer.codecs.envelope import tenant_of_envelope
+from asyncinfer.contract import TENANT_HEADER, consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
@@ -107,11 +108,11 @@ class PullInbox:
                 await subscription.unsubscribe()
 
 
-def _tenant_of(msg: Msg) -> str:
-    try:
-        return str(json.loads(msg.data).get("tenant", ""))
-    except (ValueError, AttributeError):
-        return ""
+def tenant_of(msg: Msg) -> str:
+    """The tenant of a work message, from its routing header; a message from a gateway that
+    predates the header is read for its tenant alone (its inputs, perhaps megabytes, skipped)."""
+    tenant = (msg.headers or {}).get(TENANT_HEADER)
+    return tenant if tenant is not None else tenant_of_envelope(msg.data)
 
 
 class ModelQueues:
@@ -184,7 +185,7 @@ class ModelQueues:
                 tenants = self._tenants[priority]
                 publishes = self._publishes[priority]
                 msgs = await self._pull(priority, tenants.window(slots))
-                picked, rest = tenants.choose([(_tenant_of(m), m) for m in msgs], slots)
+                picked, rest = tenants.choose([(tenant_of(m), m) for m in msgs], slots)
                 for msg in rest:
                     with contextlib.suppress(Exception):
                         await msg.nak()
