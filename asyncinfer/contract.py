@@ -49,6 +49,7 @@ def _all_under(prefix: str) -> str:
 WORK_SUBJECTS = _all_under(WORK_SUBJECT_PREFIX)
 DEAD_SUBJECTS = _all_under(DEAD_SUBJECT_PREFIX)
 WEBHOOK_SUBJECTS = _all_under(WEBHOOK_SUBJECT_PREFIX)
+CANCEL_SUBJECTS = f"{CANCEL_SUBJECT_PREFIX}.*"  # every model's cancel notices (each scheduler hears all)
 
 
 def work_subject(model_name: str, priority: Priority) -> str:

@@ -19,12 +19,13 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
+from asyncinfer.contract import CANCEL_SUBJECTS, snapshot_key
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.jetstream import connect, ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK, WORK_SUBJECT_PREFIX, Priority
 from asyncinfer.metrics import MetricsServer
-from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
+from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
@@ -139,7 +140,7 @@ class SchedulerApp:
             drain=self.drain,
             scheduler_id=self.scheduler_id,
         )
-        self._cancels = await nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}.*", cb=self._on_cancel)
+        self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry)
         await self._webhooks.start()
 
@@ -282,7 +283,7 @@ class SchedulerApp:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
         if self._queues_kv is not None:
             for snapshot in snapshots:
-                await self._queues_kv.put(snapshot.model_name, encode_snapshot(snapshot.to_shared()))
+                await self._queues_kv.put(snapshot_key(snapshot.model_name), encode_snapshot(snapshot.to_shared()))
 
     def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         async def loop() -> None:
