@@ -6,10 +6,15 @@ envelope, with a small inline tensor and with a 1 MB one.
 Prints one row per case: payload bytes, microseconds per encode, per decode, per both (the best
 of several rounds of many calls, so a busy machine shows less noise). Only the public functions
 (asyncinfer.jobs.encode_record, ...) are timed, so the same script measures any version of them.
+
+Then what finding a work message's tenant costs the scheduler's fairness: json-loading the whole
+message (as it did before the routing headers), reading the header, and the fallback for a message
+without the header (the envelope's tenant alone, the rest skipped).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +99,25 @@ def main() -> None:
         encode_us = best_us(encode, calls)
         decode_us = best_us(lambda data=data, decode=decode: decode(data), calls)
         print(f"{name:<26} {len(data):>9} {encode_us:>10.2f} {decode_us:>10.2f} {encode_us + decode_us:>10.2f}")
+    tenants()
+
+
+def tenants() -> None:
+    try:
+        from asyncinfer.codecs.envelope import tenant_of_envelope
+        from asyncinfer.contract import TENANT_HEADER, routing_headers
+    except ImportError:  # a version from before the routing headers
+        return
+    print()
+    print(f"{'tenant of a work message':<26} {'bytes':>9} {'json µs':>10} {'header µs':>10} {'fallback µs':>11}")
+    for label, tensor, calls in (("small tensor", SMALL, 20_000), ("1 MB tensor", LARGE, 100)):
+        env = envelope((tensor,))
+        data = encode_envelope(env)
+        headers = routing_headers(tenant=env.tenant, job_id=env.job_id, priority=env.priority, model_name="demo")
+        json_us = best_us(lambda data=data: json.loads(data)["tenant"], calls)
+        header_us = best_us(lambda headers=headers: headers.get(TENANT_HEADER), calls)
+        fallback_us = best_us(lambda data=data: tenant_of_envelope(data), calls)
+        print(f"{'envelope, ' + label:<26} {len(data):>9} {json_us:>10.2f} {header_us:>10.2f} {fallback_us:>11.2f}")
 
 
 if __name__ == "__main__":
