@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -265,3 +269,22 @@ def test_any_record_round_trips_in_version_1_and_from_version_0(
 
 def test_msgspec_decode_errors_are_value_errors() -> None:
     assert issubclass(msgspec.DecodeError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "module", ["asyncinfer.codecs.parts", "asyncinfer.codecs.record", "asyncinfer.codecs.envelope"]
+)
+def test_a_codec_imports_first_without_a_cycle(module: str) -> None:
+    """asyncinfer.jobs re-exports the codecs, which build on its types: either may be imported
+    first (in a fresh interpreter, where nothing is imported yet)."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}; from asyncinfer.jobs import encode_record"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
