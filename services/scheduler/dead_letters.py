@@ -2,11 +2,11 @@
 replay or purge.
 
 The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
-`asyncinfer.dead.<model>`: JSON (versioned, below) with the reason (MAX_ATTEMPTS, ...), the attempts spent, the last
-error and the original work message (base64), so a replay can publish it again unchanged. The
-publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a scheduler that dies between writing the
-dead letter and failing the record writes the same letter again on redelivery, and the stream drops
-the duplicate.
+`asyncinfer.dead.<model>`: JSON (versioned: the codec below) with the reason (MAX_ATTEMPTS, ...),
+the attempts spent, the last error and the original work message (base64), so a replay can
+publish it again unchanged. The publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a
+scheduler that dies between writing the dead letter and failing the record writes the same letter
+again on redelivery, and the stream drops the duplicate.
 """
 
 from __future__ import annotations
