@@ -122,12 +122,18 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
 # `paused.<model>`, tenant counts at `tenant.<tenant>`) and of the cancel notice (core NATS,
 # `asyncinfer.control.cancel.<model>`).
 #
-# Snapshots, pauses and cancel notices: version 1 is version 0's fields with `v` first and defaults
-# left out. A tenant count is a bare JSON number, which is what version 0's decimal ASCII already
-# was: it has no room for `v`, and needs none (a count that meant something else would live under
-# another key prefix).
+# Every form reads `v` (missing: version 0). Snapshots and cancel notices are still written as
+# version 0 (no `v`, defaults left out): the release before the versioned codecs reads them with
+# `Type(**fields)`, which refuses a field it does not know, so a `v` would make an older gateway
+# blind to snapshots and an older scheduler deaf to cancels during a rolling upgrade. Once no
+# process of that release is left, a change to them writes version 1. Pauses (nobody reads their
+# value) are written as version 1. A tenant count is a bare JSON number, which is what version 0's
+# decimal ASCII already was: it has no room for `v`, and needs none (a count that meant something
+# else would live under another key prefix).
 
-CODEC_VERSION = 1
+SNAPSHOT_VERSION = 0
+CANCEL_NOTICE_VERSION = 0
+PAUSE_VERSION = 1
 
 
 class PrioritySnapshotWire(msgspec.Struct, omit_defaults=True):
@@ -175,7 +181,7 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
     priorities = {name: PrioritySnapshotWire(p.depth, p.oldest_create_time) for name, p in s.priorities.items()}
     return _encoder.encode(
         SnapshotWire(
-            v=CODEC_VERSION,
+            v=SNAPSHOT_VERSION,
             model_name=s.model_name,
             updated_at=s.updated_at,
             priorities=priorities,
@@ -206,7 +212,9 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
 
 def encode_cancel_notice(notice: CancelNotice) -> bytes:
     return _encoder.encode(
-        CancelNoticeWire(v=CODEC_VERSION, job_id=notice.job_id, tenant=notice.tenant, model_name=notice.model_name)
+        CancelNoticeWire(
+            v=CANCEL_NOTICE_VERSION, job_id=notice.job_id, tenant=notice.tenant, model_name=notice.model_name
+        )
     )
 
 
@@ -216,7 +224,7 @@ def decode_cancel_notice(data: bytes) -> CancelNotice:
 
 
 def encode_pause(*, paused_at: float, by: str) -> bytes:
-    return _encoder.encode(PauseWire(v=CODEC_VERSION, paused_at=paused_at, by=by))
+    return _encoder.encode(PauseWire(v=PAUSE_VERSION, paused_at=paused_at, by=by))
 
 
 def decode_pause(data: bytes) -> PauseWire:

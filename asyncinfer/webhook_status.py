@@ -136,12 +136,15 @@ async def read_deliveries(kv: KeyValue, tenant: str, job_id: str) -> JobDeliveri
 # --- codec --------------------------------------------------------------------------------------
 # The codec of a job's webhook delivery status (the webhooks bucket, `job.<tenant>.<job_id>`).
 #
-# Version 1: version 0's fields with `v` first and defaults left out.
+# Version 1: version 0's fields with `v` first (the deliveries keep every field: see below).
 
 CODEC_VERSION = 1
 
 
-class DeliveryStatusWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+class DeliveryStatusWire(msgspec.Struct, kw_only=True):
+    # Every field written, defaults too: the release before the versioned codecs reads each with
+    # `DeliveryStatus(**fields)` and needs `state`.
+
     webhook_id: str
     event: CallbackEvent
     job_attempt: int

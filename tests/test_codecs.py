@@ -55,6 +55,7 @@ from services.gateway.idempotency import Claim
 from services.scheduler.dead_letters import DeadLetter, decode_dead_letter, encode_dead_letter
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery, encode_delivery
 from tests import codec_v0_examples as v0
+from tests import codec_v0_readers as old_readers
 from tests.test_record_codec import FULL, MINIMAL, generic_encode_record
 
 ENVELOPE_INLINE = WorkEnvelope(
@@ -131,30 +132,98 @@ def version_of(data: bytes) -> int | None:
     return value.get("v") if isinstance(value, dict) else None
 
 
-# (what, value, encode, decode, its v0 payload); decode takes the bytes alone.
-CASES: list[tuple[str, Any, Any, Any, bytes]] = [
-    ("record (every field)", FULL, encode_record, lambda d: decode_record(d, revision=FULL.revision), v0.RECORD_FULL),
-    ("record (minimal)", MINIMAL, encode_record, decode_record, v0.RECORD_MINIMAL),
-    ("envelope (inline tensors)", ENVELOPE_INLINE, encode_envelope, decode_envelope, v0.ENVELOPE_INLINE),
-    ("envelope (input ref)", ENVELOPE_REF, encode_envelope, decode_envelope, v0.ENVELOPE_REF),
-    ("queue snapshot", SNAPSHOT, encode_snapshot, decode_snapshot, v0.SNAPSHOT),
-    ("cancel notice", CANCEL_NOTICE, CancelNotice.encode, CancelNotice.decode, v0.CANCEL_NOTICE),
-    ("webhook delivery status", DELIVERIES, encode_deliveries, decode_deliveries, v0.DELIVERIES),
-    ("idempotency claim", CLAIM, Claim.encode, lambda d: Claim.decode(d, 0), v0.CLAIM),
-    ("dead letter", DEAD_LETTER, encode_dead_letter, decode_dead_letter, v0.DEAD_LETTER),
-    ("webhook delivery", DELIVERY, encode_delivery, decode_delivery, v0.DELIVERY),
+# (what, value, encode, decode, its v0 payload, the version written, the previous release's reader);
+# decode and the reader take the bytes alone.
+CASES: list[tuple[str, Any, Any, Any, bytes, int, Any]] = [
+    (
+        "record (every field)",
+        FULL,
+        encode_record,
+        lambda d: decode_record(d, revision=FULL.revision),
+        v0.RECORD_FULL,
+        1,
+        lambda d: old_readers.decode_record(d, FULL.revision),
+    ),
+    ("record (minimal)", MINIMAL, encode_record, decode_record, v0.RECORD_MINIMAL, 1, old_readers.decode_record),
+    (
+        "envelope (inline tensors)",
+        ENVELOPE_INLINE,
+        encode_envelope,
+        decode_envelope,
+        v0.ENVELOPE_INLINE,
+        1,
+        old_readers.decode_envelope,
+    ),
+    (
+        "envelope (input ref)",
+        ENVELOPE_REF,
+        encode_envelope,
+        decode_envelope,
+        v0.ENVELOPE_REF,
+        1,
+        old_readers.decode_envelope,
+    ),
+    # Still written as version 0: the previous release's readers refuse a `v` in these.
+    ("queue snapshot", SNAPSHOT, encode_snapshot, decode_snapshot, v0.SNAPSHOT, 0, old_readers.decode_snapshot),
+    (
+        "cancel notice",
+        CANCEL_NOTICE,
+        CancelNotice.encode,
+        CancelNotice.decode,
+        v0.CANCEL_NOTICE,
+        0,
+        old_readers.decode_cancel_notice,
+    ),
+    (
+        "webhook delivery status",
+        DELIVERIES,
+        encode_deliveries,
+        decode_deliveries,
+        v0.DELIVERIES,
+        1,
+        old_readers.decode_deliveries,
+    ),
+    (
+        "idempotency claim",
+        CLAIM,
+        Claim.encode,
+        lambda d: Claim.decode(d, 0),
+        v0.CLAIM,
+        1,
+        lambda d: old_readers.decode_claim(d, 0),
+    ),
+    (
+        "dead letter",
+        DEAD_LETTER,
+        encode_dead_letter,
+        decode_dead_letter,
+        v0.DEAD_LETTER,
+        1,
+        old_readers.decode_dead_letter,
+    ),
+    ("webhook delivery", DELIVERY, encode_delivery, decode_delivery, v0.DELIVERY, 0, old_readers.decode_delivery),
 ]
+CASE_IDS = [case[0] for case in CASES]
 
 
-@pytest.mark.parametrize(("what", "value", "encode", "decode", "old"), CASES, ids=[c[0] for c in CASES])
-def test_round_trip_writes_version_1_and_reads_version_0(
-    what: str, value: Any, encode: Any, decode: Any, old: bytes
+@pytest.mark.parametrize(("what", "value", "encode", "decode", "old", "written", "old_reader"), CASES, ids=CASE_IDS)
+def test_round_trip_and_version_0_still_decodes(
+    what: str, value: Any, encode: Any, decode: Any, old: bytes, written: int, old_reader: Any
 ) -> None:
     data = encode(value)
-    assert version_of(data) == 1, what
+    assert (version_of(data) or 0) == written, what
     assert decode(data) == value
     assert version_of(old) is None  # the example really is unversioned
     assert decode(old) == value
+
+
+@pytest.mark.parametrize(("what", "value", "encode", "decode", "old", "written", "old_reader"), CASES, ids=CASE_IDS)
+def test_the_previous_release_reads_what_this_one_writes(
+    what: str, value: Any, encode: Any, decode: Any, old: bytes, written: int, old_reader: Any
+) -> None:
+    """A rolling upgrade runs both releases at once: the old readers (copied verbatim) read every
+    payload this release writes."""
+    assert old_reader(encode(value)) == value, what
 
 
 def test_an_unknown_field_from_a_newer_writer_is_ignored() -> None:
@@ -263,8 +332,10 @@ def test_any_record_round_trips_in_version_1_and_from_version_0(
         revision=revision,
     )
     assert decode_record(encode_record(record), revision=revision) == record
-    # generic_encode_record is the unversioned encoder as it was (the v0 writer).
+    # generic_encode_record is the unversioned encoder as it was (the v0 writer), and
+    # old_readers.decode_record the reader of that release: both directions of a rolling upgrade.
     assert decode_record(generic_encode_record(record), revision=revision) == record
+    assert old_readers.decode_record(encode_record(record), revision) == record
 
 
 def test_msgspec_decode_errors_are_value_errors() -> None:

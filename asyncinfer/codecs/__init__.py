@@ -10,9 +10,12 @@ and the unversioned ones before them are the same shape.
 Versions. Every wire form has `v` (its first field). The unversioned payloads written before
 these codecs have none, which reads as version 0; version 1 is version 0's fields plus `v`, with
 default values left out. The decoders read both, so a rolling upgrade can run old and new
-processes side by side. A later version may add fields with defaults (an older reader ignores
-fields it does not know, and a newer one fills in the defaults when reading an older payload);
-any other change bumps `v`, and the decoder then reads each version it knows.
+processes side by side; and the previous release's readers read what these encoders write
+(tests/test_codecs.py runs them, copied verbatim): where they refuse a field they do not know
+(queue snapshots, cancel notices, webhook deliveries) the encoder still writes version 0, and a
+later release moves to version 1 once that one is gone. A later version may add fields with
+defaults (these readers ignore fields they do not know, and fill in the defaults when reading an
+older payload); any other change bumps `v`, and the decoder then reads each version it knows.
 
 Decode errors are `msgspec.DecodeError`s (a ValueError, which every caller already catches).
 

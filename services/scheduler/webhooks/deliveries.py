@@ -55,9 +55,13 @@ class Delivery:
         return webhook_subject(self.tenant)
 
 
-# --- codec: version 1 is version 0's fields with `v` first -------------------------------------
+# --- codec -------------------------------------------------------------------------------------
 
-CODEC_VERSION = 1
+# Read with `v` (missing: version 0); still written as version 0 (no `v`): the release before the
+# versioned codecs reads a delivery with `Delivery(**fields)`, which refuses a field it does not
+# know, and its sender drops (terms) what it cannot read, so a `v` would lose webhooks while
+# schedulers of both releases run. Once none of that release is left, a change writes version 1.
+CODEC_VERSION = 0
 
 
 class DeliveryWire(msgspec.Struct, kw_only=True, omit_defaults=True):
