@@ -35,7 +35,12 @@ from typing import Any
 import grpc
 import structlog
 
+from asyncinfer import contract
 from asyncinfer.config import NatsConfig
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTED_LAST_SUBJECT_SEQUENCE
+from asyncinfer.contract import EXPIRES_HEADER as EXPIRES_HEADER
+from asyncinfer.contract import ROLLUP_HEADER
+from asyncinfer.contract import SHA256_HEADER as SHA256_HEADER
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import BlobRef
@@ -60,14 +65,11 @@ from asyncinfer.v1 import tensor_pb2
 log = structlog.get_logger("asyncinfer.blobs")
 
 CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
-EXPIRES_HEADER = "Asyncinfer-Expires-At"
-SHA256_HEADER = "Asyncinfer-Sha256"
 INPUT_KIND = "in"
 RESULT_KIND = "out"
 # Chunk publishes awaiting their ack at once: enough to hide the round trip, few enough to bound memory.
 PUBLISH_WINDOW = 8
-ROLLUP_HEADERS: dict[str, Any] = {"Nats-Rollup": "sub"}
-EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
+ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 LIST_IDLE_TIMEOUT_S = 2.0
 _REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")
@@ -142,7 +144,7 @@ def object_name(tenant: str, ref: str) -> str:
     match = _REF_PATTERN.match(ref)
     if match is None or not is_job_id(match.group(2)):
         raise blob_not_found(ref)
-    return f"{tenant}/{ref}"
+    return contract.object_name(tenant, ref)
 
 
 def _meta_subject(bucket: str, name: str) -> str:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from asyncinfer import contract
 from asyncinfer.errors import ConfigError
 from asyncinfer.jobs import NAME_PATTERN
 from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
@@ -34,11 +35,11 @@ class NatsConfig(_Section):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
     credentials_file: str | None = Field(None, description="A NATS .creds file, when the server needs one.")
-    work_stream: str = Field("WORK", description="The WorkQueue stream holding queued jobs.")
-    dead_letter_stream: str = Field("DEAD_LETTERS", description="The stream of jobs that failed for good.")
-    jobs_bucket: str = Field("jobs", description="The KV bucket holding job records.")
+    work_stream: str = Field(contract.WORK_STREAM, description="The WorkQueue stream holding queued jobs.")
+    dead_letter_stream: str = Field(contract.DEAD_LETTER_STREAM, description="The stream of jobs that failed for good.")
+    jobs_bucket: str = Field(contract.JOBS_BUCKET, description="The KV bucket holding job records.")
     queues_bucket: str = Field(
-        "queues", description="The KV bucket of queue snapshots, pauses and per-tenant queued counts."
+        contract.QUEUES_BUCKET, description="The KV bucket of queue snapshots, pauses and per-tenant queued counts."
     )
     replicas: int = Field(1, ge=1, le=5, description="Replicas of every stream and bucket (3 on a cluster).")
     duplicate_window_s: float = Field(
@@ -51,14 +52,17 @@ class NatsConfig(_Section):
         "than JOB_NOT_FOUND (the delete marker's TTL).",
     )
     idempotency_bucket: str = Field(
-        "idempotency", description="The KV bucket mapping (tenant, idempotency key) to the first job."
+        contract.IDEMPOTENCY_BUCKET, description="The KV bucket mapping (tenant, idempotency key) to the first job."
     )
     objects_bucket: str = Field(
-        "blobs", description="The Object Store bucket of uploaded inputs and large results (the claim check)."
+        contract.OBJECTS_BUCKET,
+        description="The Object Store bucket of uploaded inputs and large results (the claim check).",
     )
-    webhooks_stream: str = Field("WEBHOOKS", description="The WorkQueue stream of pending webhook deliveries.")
+    webhooks_stream: str = Field(
+        contract.WEBHOOKS_STREAM, description="The WorkQueue stream of pending webhook deliveries."
+    )
     webhooks_bucket: str = Field(
-        "webhooks", description="The KV bucket of webhook delivery outcomes per job, and disabled URLs."
+        contract.WEBHOOKS_BUCKET, description="The KV bucket of webhook delivery outcomes per job, and disabled URLs."
     )
 
 

@@ -6,7 +6,9 @@ scheduler owns the consumers.
 from __future__ import annotations
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.jobs import WORK_SUBJECT_PREFIX, Priority, work_subject
+from asyncinfer.contract import WORK_SUBJECTS, work_subject
+from asyncinfer.contract import work_consumer_name as work_consumer_name
+from asyncinfer.jobs import Priority
 from asyncinfer.nats import JetStreamContext, api
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import ensure_kv_bucket, ensure_stream
@@ -17,7 +19,7 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
     stream = api.StreamConfig(
         name=config.work_stream,
         description="asyncinfer queued jobs, one subject per model and priority",
-        subjects=[f"{WORK_SUBJECT_PREFIX}.>"],
+        subjects=[WORK_SUBJECTS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
@@ -40,10 +42,6 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBuck
         limit_marker_ttl_s=config.expired_job_marker_ttl_s,
     )
     return KvBucket(name=config.jobs_bucket, kv=kv, js=js)
-
-
-def work_consumer_name(model_name: str, priority: Priority) -> str:
-    return f"work-{model_name}-{priority.subject_token}"
 
 
 async def ensure_work_consumer(

@@ -19,13 +19,17 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from asyncinfer.codecs.record import decode_record, encode_record
+from asyncinfer.contract import KV_OPERATION_HEADER
 from asyncinfer.errors import NotFound, Unavailable
-from asyncinfer.jobs import JobRecord, decode_record, encode_record
+from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
+
+KV_OP_HEADER = KV_OPERATION_HEADER.encode()
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]

@@ -6,22 +6,23 @@ dispatcher wakes on them (rather than on the work publish itself, which a core s
 before the stream has stored it) and dispatches with the record it carries instead of reading the
 record back. A hint only: a scheduler that misses one finds the job by its poll interval and
 reads the record; a stale one fails the compare-and-set of the RUNNING write, which then reads.
+
+Its format (a text line, then the record as stored, in the record's own versioned codec) has no
+version of its own: a notice is never stored, and one a scheduler cannot read is dropped and costs
+only the poll interval.
 """
 
 from __future__ import annotations
 
 import structlog
 
-from asyncinfer.jobs import JobRecord, Priority
+# Named in asyncinfer.contract; the prefix is re-exported for its callers here.
+from asyncinfer.contract import QUEUED_SUBJECT_PREFIX as QUEUED_SUBJECT_PREFIX
+from asyncinfer.contract import queued_subject
+from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
 
 log = structlog.get_logger("asyncinfer.queued_notice")
-
-QUEUED_SUBJECT_PREFIX = "asyncinfer.queued"
-
-
-def queued_subject(model_name: str, priority: Priority) -> str:
-    return f"{QUEUED_SUBJECT_PREFIX}.{model_name}.{priority.subject_token}"
 
 
 def encode_queued_notice(key: str, revision: int, record_data: bytes) -> bytes:

@@ -14,7 +14,8 @@
   same bucket counts the tenant's jobs that are queued and not yet dispatched: the gateway adds one
   (compare-and-set) before it publishes a job, the scheduler takes one away when a job leaves the
   queue for the first time (dispatched, expired or canceled while queued). Only kept while the limit
-  is configured. The value is the count in decimal ASCII (`encode_count` / `decode_count`).
+  is configured. The value is the count as a JSON number, i.e. in decimal ASCII (`encode_count` /
+  `decode_count`).
 - Dead letters (`NatsConfig.dead_letter_stream`, subjects `asyncinfer.dead.<model>`) are the
   scheduler's own; the gateway only sees their effect: the record is FAILED (or TIMED_OUT) with
   its error, and back to QUEUED when an operator replays it.
@@ -22,39 +23,23 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+
+import msgspec
 
 from asyncinfer.config import NatsConfig
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import CANCEL_SUBJECT_PREFIX as CANCEL_SUBJECT_PREFIX
+from asyncinfer.contract import cancel_subject as cancel_subject
+from asyncinfer.contract import paused_key as paused_key
+from asyncinfer.contract import tenant_count_key
 from asyncinfer.jobs import Priority
 from asyncinfer.nats import JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.nats.streams import ensure_kv_bucket
 
 SNAPSHOT_STALE_S = 15.0
-CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"
-
-
-def cancel_subject(model_name: str) -> str:
-    return f"{CANCEL_SUBJECT_PREFIX}.{model_name}"
-
-
-def paused_key(model_name: str) -> str:
-    return f"paused.{model_name}"
-
-
-def tenant_key(tenant: str) -> str:
-    return f"tenant.{tenant}"
-
-
-def encode_count(count: int) -> bytes:
-    return str(count).encode()
-
-
-def decode_count(data: bytes | None) -> int:
-    try:
-        return max(int(data or b"0"), 0)
-    except ValueError:
-        return 0
+tenant_key = tenant_count_key  # its name here before asyncinfer.contract
 
 
 async def take_from_tenant_count(kv: KeyValue, tenant: str, *, max_rounds: int = 16) -> int | None:
@@ -107,16 +92,6 @@ class QueueSnapshot:
         return sum(p.depth for p in self.priorities.values())
 
 
-def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
-    return json.dumps(asdict(snapshot), separators=(",", ":")).encode()
-
-
-def decode_snapshot(data: bytes) -> QueueSnapshot:
-    obj = json.loads(data)
-    priorities = {name: PriorityQueueSnapshot(**value) for name, value in obj.pop("priorities", {}).items()}
-    return QueueSnapshot(priorities=priorities, **obj)
-
-
 @dataclass(frozen=True, slots=True)
 class CancelNotice:
     job_id: str
@@ -124,11 +99,11 @@ class CancelNotice:
     model_name: str
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        return encode_cancel_notice(self)
 
     @classmethod
     def decode(cls, data: bytes) -> CancelNotice:
-        return cls(**json.loads(data))
+        return decode_cancel_notice(data)
 
 
 async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
@@ -138,3 +113,129 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
         bucket=config.queues_bucket,
         description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
     )
+
+
+# --- codec --------------------------------------------------------------------------------------
+# Codecs of what the queues bucket holds (queue snapshots at `<model>`, pauses at
+# `paused.<model>`, tenant counts at `tenant.<tenant>`) and of the cancel notice (core NATS,
+# `asyncinfer.control.cancel.<model>`).
+#
+# Every form reads `v` (missing: version 0). Snapshots and cancel notices are still written as
+# version 0 (no `v`, defaults left out): the release before the versioned codecs reads them with
+# `Type(**fields)`, which refuses a field it does not know, so a `v` would make an older gateway
+# blind to snapshots and an older scheduler deaf to cancels during a rolling upgrade. Once no
+# process of that release is left, a change to them writes version 1. Pauses (nobody reads their
+# value) are written as version 1. A tenant count is a bare JSON number, which is what version 0's
+# decimal ASCII already was: it has no room for `v`, and needs none (a count that meant something
+# else would live under another key prefix).
+
+SNAPSHOT_VERSION = 0
+CANCEL_NOTICE_VERSION = 0
+PAUSE_VERSION = 1
+
+
+class PrioritySnapshotWire(msgspec.Struct, omit_defaults=True):
+    depth: int = 0
+    oldest_create_time: float | None = None
+
+
+class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    model_name: str
+    updated_at: float
+    priorities: dict[str, PrioritySnapshotWire] = {}  # keyed by Priority value
+    in_flight: int = 0
+    connected_batchers: int = 0
+    free_credits: int = 0
+    completed_per_s: float = 0.0
+    paused: bool = False
+    desired_batchers: int = 0
+
+
+class CancelNoticeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    tenant: str
+    model_name: str
+
+
+class PauseWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The value at `paused.<model>`: who paused it and when (its existence is what counts)."""
+
+    v: int = 0  # missing: version 0
+    paused_at: float
+    by: str = ""
+
+
+_encoder = msgspec.json.Encoder()
+_snapshot_decoder = msgspec.json.Decoder(SnapshotWire)
+_cancel_decoder = msgspec.json.Decoder(CancelNoticeWire)
+_pause_decoder = msgspec.json.Decoder(PauseWire)
+_count_decoder = msgspec.json.Decoder(int)
+
+
+def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
+    s = snapshot
+    priorities = {name: PrioritySnapshotWire(p.depth, p.oldest_create_time) for name, p in s.priorities.items()}
+    return _encoder.encode(
+        SnapshotWire(
+            v=SNAPSHOT_VERSION,
+            model_name=s.model_name,
+            updated_at=s.updated_at,
+            priorities=priorities,
+            in_flight=s.in_flight,
+            connected_batchers=s.connected_batchers,
+            free_credits=s.free_credits,
+            completed_per_s=s.completed_per_s,
+            paused=s.paused,
+            desired_batchers=s.desired_batchers,
+        )
+    )
+
+
+def decode_snapshot(data: bytes) -> QueueSnapshot:
+    w = _snapshot_decoder.decode(data)
+    return QueueSnapshot(
+        model_name=w.model_name,
+        updated_at=w.updated_at,
+        priorities={name: PriorityQueueSnapshot(p.depth, p.oldest_create_time) for name, p in w.priorities.items()},
+        in_flight=w.in_flight,
+        connected_batchers=w.connected_batchers,
+        free_credits=w.free_credits,
+        completed_per_s=w.completed_per_s,
+        paused=w.paused,
+        desired_batchers=w.desired_batchers,
+    )
+
+
+def encode_cancel_notice(notice: CancelNotice) -> bytes:
+    return _encoder.encode(
+        CancelNoticeWire(
+            v=CANCEL_NOTICE_VERSION, job_id=notice.job_id, tenant=notice.tenant, model_name=notice.model_name
+        )
+    )
+
+
+def decode_cancel_notice(data: bytes) -> CancelNotice:
+    w = _cancel_decoder.decode(data)
+    return CancelNotice(job_id=w.job_id, tenant=w.tenant, model_name=w.model_name)
+
+
+def encode_pause(*, paused_at: float, by: str) -> bytes:
+    return _encoder.encode(PauseWire(v=PAUSE_VERSION, paused_at=paused_at, by=by))
+
+
+def decode_pause(data: bytes) -> PauseWire:
+    return _pause_decoder.decode(data)
+
+
+def encode_count(count: int) -> bytes:
+    return _encoder.encode(count)
+
+
+def decode_count(data: bytes | None) -> int:
+    """The count at a tenant key; 0 for no value or one that is not a count (never below 0)."""
+    try:
+        return max(_count_decoder.decode(data or b"0"), 0)
+    except msgspec.DecodeError:
+        return 0

@@ -3,7 +3,7 @@ state, and the webhooks KV bucket that holds them.
 
 The bucket (`nats.webhooks_bucket`) holds two kinds of keys:
 - `job.<tenant>.<job_id>`: the job's deliveries (one per event and job attempt) and their attempts
-  so far, as JSON. The scheduler writes it (compare-and-set); GetJob reads it. Each write carries a
+  so far (asyncinfer.codecs.webhook_status). The scheduler writes it (compare-and-set); GetJob reads it. Each write carries a
   per-message TTL of the job's retention plus the retry horizon, so it goes away after the job.
 - `disabled.<tenant>.<sha256 of the URL>`: the URL answered 410 Gone; nothing more is sent to it
   for that tenant. Kept until an operator deletes the key (`nats kv del <bucket> <key>`).
@@ -12,15 +12,17 @@ The bucket (`nats.webhooks_bucket`) holds two kinds of keys:
 from __future__ import annotations
 
 import enum
-import hashlib
-import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import dataclass, replace
 
+import msgspec
 import structlog
 
 from asyncinfer.config import NatsConfig
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import deliveries_key as deliveries_key
+from asyncinfer.contract import disabled_url_key
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobState
@@ -28,6 +30,7 @@ from asyncinfer.nats import JetStreamContext, KeyDeletedError, KeyNotFoundError,
 from asyncinfer.nats.streams import ensure_kv_bucket
 
 log = structlog.get_logger("asyncinfer.webhooks")
+disabled_key = disabled_url_key  # its name here before asyncinfer.contract
 
 
 class CallbackEvent(enum.StrEnum):
@@ -105,30 +108,6 @@ def webhook_id(job_id: str, event: CallbackEvent, job_attempt: int) -> str:
     return f"msg_{job_id}_{event.value.lower()}_{job_attempt}"
 
 
-def deliveries_key(tenant: str, job_id: str) -> str:
-    return f"job.{tenant}.{job_id}"
-
-
-def disabled_key(tenant: str, url: str) -> str:
-    return f"disabled.{tenant}.{hashlib.sha256(url.encode()).hexdigest()}"
-
-
-def encode_deliveries(value: JobDeliveries) -> bytes:
-    obj = {"ttl_s": value.ttl_s, "deliveries": [asdict(d) for d in value.deliveries]}
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def decode_deliveries(data: bytes, revision: int = 0) -> JobDeliveries:
-    obj = json.loads(data)
-    deliveries = []
-    for item in obj.get("deliveries", ()):
-        fields: dict[str, Any] = dict(item)
-        fields["event"] = CallbackEvent(fields["event"])
-        fields["state"] = DeliveryState(fields["state"])
-        deliveries.append(DeliveryStatus(**fields))
-    return JobDeliveries(deliveries=tuple(deliveries), ttl_s=obj.get("ttl_s", 0.0), revision=revision)
-
-
 async def ensure_webhooks_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
     """The webhooks KV bucket (declared by the gateway and the scheduler alike)."""
     return await ensure_kv_bucket(
@@ -150,3 +129,79 @@ async def read_deliveries(kv: KeyValue, tenant: str, job_id: str) -> JobDeliveri
     if entry.value is None or entry.revision is None:
         return JobDeliveries()
     return decode_deliveries(entry.value, revision=entry.revision)
+
+
+# --- codec --------------------------------------------------------------------------------------
+# The codec of a job's webhook delivery status (the webhooks bucket, `job.<tenant>.<job_id>`).
+#
+# Version 1: version 0's fields with `v` first (the deliveries keep every field: see below).
+
+CODEC_VERSION = 1
+
+
+class DeliveryStatusWire(msgspec.Struct, kw_only=True):
+    # Every field written, defaults too: the release before the versioned codecs reads each with
+    # `DeliveryStatus(**fields)` and needs `state`.
+
+    webhook_id: str
+    event: CallbackEvent
+    job_attempt: int
+    state: DeliveryState = DeliveryState.PENDING
+    attempts: int = 0
+    create_time: float = 0.0
+    first_attempt_time: float | None = None
+    last_attempt_time: float | None = None
+    last_status_code: int = 0
+    last_error: str = ""
+    next_attempt_time: float | None = None
+
+
+class JobDeliveriesWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    ttl_s: float = 0.0
+    deliveries: tuple[DeliveryStatusWire, ...] = ()
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(JobDeliveriesWire)
+
+
+def encode_deliveries(value: JobDeliveries) -> bytes:
+    deliveries = tuple(
+        DeliveryStatusWire(
+            webhook_id=d.webhook_id,
+            event=d.event,
+            job_attempt=d.job_attempt,
+            state=d.state,
+            attempts=d.attempts,
+            create_time=d.create_time,
+            first_attempt_time=d.first_attempt_time,
+            last_attempt_time=d.last_attempt_time,
+            last_status_code=d.last_status_code,
+            last_error=d.last_error,
+            next_attempt_time=d.next_attempt_time,
+        )
+        for d in value.deliveries
+    )
+    return _encoder.encode(JobDeliveriesWire(v=CODEC_VERSION, ttl_s=value.ttl_s, deliveries=deliveries))
+
+
+def decode_deliveries(data: bytes, revision: int = 0) -> JobDeliveries:
+    w = _decoder.decode(data)
+    deliveries = tuple(
+        DeliveryStatus(
+            webhook_id=d.webhook_id,
+            event=d.event,
+            job_attempt=d.job_attempt,
+            state=d.state,
+            attempts=d.attempts,
+            create_time=d.create_time,
+            first_attempt_time=d.first_attempt_time,
+            last_attempt_time=d.last_attempt_time,
+            last_status_code=d.last_status_code,
+            last_error=d.last_error,
+            next_attempt_time=d.next_attempt_time,
+        )
+        for d in w.deliveries
+    )
+    return JobDeliveries(deliveries=deliveries, ttl_s=w.ttl_s, revision=revision)

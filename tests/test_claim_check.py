@@ -18,9 +18,9 @@ from google.protobuf import duration_pb2
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.blobs import new_input_ref
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.jobs import decode_envelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2

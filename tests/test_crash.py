@@ -25,9 +25,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
-from asyncinfer.jobs import JobState, decode_record
+from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 

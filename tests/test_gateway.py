@@ -15,18 +15,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from asyncinfer.codecs.envelope import decode_envelope
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import JOB_ID_HEADER, MODEL_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import is_job_id
-from asyncinfer.jobs import (
-    BatchInfo,
-    JobRecord,
-    JobState,
-    decode_envelope,
-    decode_record,
-    encode_record,
-    job_key,
-)
+from asyncinfer.jobs import BatchInfo, JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue
 from asyncinfer.queued_notice import decode_queued_notice
@@ -158,6 +153,11 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
     message = await js.get_last_msg(WORK, "asyncinfer.work.demo.normal")
     assert message.headers is not None
     assert message.headers["Nats-Msg-Id"] == job.job_id
+    # The routing facts travel in headers, so that nothing parses the payload to route the job.
+    assert message.headers[TENANT_HEADER] == TENANT
+    assert message.headers[JOB_ID_HEADER] == job.job_id
+    assert message.headers[PRIORITY_HEADER] == "NORMAL"
+    assert message.headers[MODEL_HEADER] == "demo"
     assert message.data is not None
     envelope = decode_envelope(message.data)
     assert envelope.job_id == job.job_id
@@ -168,6 +168,7 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
     message = await js.get_last_msg(WORK, "asyncinfer.work.demo.high")
     assert message.headers is not None
     assert message.headers["Nats-Msg-Id"] == high.job.job_id
+    assert message.headers[PRIORITY_HEADER] == "HIGH"
     assert await work_messages(js) == 2
 
 

@@ -14,10 +14,11 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
-from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record, job_key
+from asyncinfer.jobs import JobRecord, JobState, Priority, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyNotFoundError, KeyValue
 from asyncinfer.v1 import job_pb2, job_service_pb2

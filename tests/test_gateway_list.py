@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobRecord, JobState, Priority, encode_record
+from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.tensors import Tensor

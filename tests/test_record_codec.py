@@ -1,8 +1,10 @@
-"""The hand-written record encoder writes exactly the bytes of the generic one it replaced (a loop
-over dataclasses.fields with dataclasses.asdict), and JobRecord.evolve equals dataclasses.replace."""
+"""The record codec writes what the generic unversioned encoder wrote before it (a loop over
+dataclasses.fields with dataclasses.asdict: version 0), plus its version and less its defaults, in
+the same key order; and JobRecord.evolve equals dataclasses.replace."""
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
 from collections.abc import Mapping
@@ -12,27 +14,37 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.errors import FieldViolation
-from asyncinfer.jobs import (
-    BatchInfo,
-    BlobRef,
-    CallbackSpec,
-    JobError,
-    JobRecord,
-    JobState,
-    Priority,
-    _tensor_to_json,
-    decode_record,
-    encode_record,
-    error_to_json,
-)
+from asyncinfer.jobs import BatchInfo, BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
 from asyncinfer.tensors import Tensor
 
 pytestmark = pytest.mark.unit
 
 
+def _tensor_to_json(tensor: Tensor) -> dict[str, Any]:
+    return {
+        "name": tensor.name,
+        "datatype": tensor.datatype,
+        "shape": list(tensor.shape),
+        "data": base64.b64encode(tensor.data).decode("ascii"),
+    }
+
+
+def error_to_json(error: JobError | None) -> dict[str, Any] | None:
+    if error is None:
+        return None
+    return {
+        "code": error.code,
+        "reason": error.reason,
+        "message": error.message,
+        "violations": [[v.field, v.description] for v in error.violations],
+        "retriable": error.retriable,
+    }
+
+
 def generic_encode_record(record: JobRecord) -> bytes:
-    """The encoder as it was before it was written out by hand (the reference)."""
+    """The unversioned (v0) encoder as it was before it was written out by hand (the reference)."""
     obj: dict[str, Any] = {}
     for f in dataclasses.fields(record):
         if f.name == "revision":
@@ -96,9 +108,22 @@ MINIMAL = JobRecord(
 )
 
 
-def test_encode_record_writes_the_generic_encoders_bytes() -> None:
+def assert_writes_version_0_plus_v(record: JobRecord) -> None:
+    """Version 1 is version 0 with `v` first and the defaults version 0 still wrote (attempt 0, no
+    outputs) left out."""
+    new = json.loads(encode_record(record))
+    old = json.loads(generic_encode_record(record))
+    assert new.pop("v") == 1
+    if old["attempt"] == 0:
+        del old["attempt"]
+    if old["outputs"] == []:
+        del old["outputs"]
+    assert list(new.items()) == list(old.items())
+
+
+def test_encode_record_writes_the_generic_encoders_fields() -> None:
     for record in (FULL, MINIMAL, FULL.evolve(labels={}, outputs=(), callback=CallbackSpec("https://h/", ()))):
-        assert encode_record(record) == generic_encode_record(record)
+        assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record
 
 
@@ -149,7 +174,7 @@ def test_encode_record_matches_the_generic_encoder_on_any_record(
         input_ref=FULL.input_ref if refs else None,
         callback=FULL.callback if callback else None,
     )
-    assert encode_record(record) == generic_encode_record(record)
+    assert_writes_version_0_plus_v(record)
 
 
 def test_evolve_equals_dataclasses_replace() -> None:

@@ -13,20 +13,12 @@ import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
-from asyncinfer.jobs import (
-    JobRecord,
-    JobState,
-    Priority,
-    WorkEnvelope,
-    decode_record,
-    encode_envelope,
-    encode_record,
-    job_key,
-    work_subject,
-)
+from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
 from asyncinfer.queued_notice import announce_queued

@@ -17,15 +17,11 @@ from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
+from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import (
-    JobRecord,
-    JobState,
-    Priority,
-    decode_record,
-    job_key,
-)
+from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyNotFoundError, KeyValue, NotFoundError
 from asyncinfer.nats.kv import KvBucket
@@ -214,6 +210,11 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     await listening.unsubscribe()
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 3)  # the fencing token keeps counting
+    # The re-published message carries the routing headers (the letter kept only the payload).
+    again = await h.js.get_last_msg(config.nats.work_stream, work_subject(MODEL, requeued.priority))
+    assert again.headers is not None
+    assert (again.headers[TENANT_HEADER], again.headers[JOB_ID_HEADER]) == (TENANT, job_id)
+    assert again.headers[PRIORITY_HEADER] == requeued.priority.value
     await batcher.answer(order)
     done = await wait_state(h.kv, job_id, JobState.SUCCEEDED)
     assert done.max_attempts == 4  # a fresh budget of the job's own max_attempts

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import structlog
 
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config, NatsConfig, load_config, render_default_config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
-from asyncinfer.jobs import JobRecord, JobState, Priority, decode_record, encode_record, work_subject
+from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto

@@ -9,14 +9,18 @@ import time
 
 import pytest
 
+from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import TENANT_HEADER, routing_headers
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
-from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, encode_record, work_subject
+from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queued_records import QueuedRecords
-from services.scheduler.work_queue import ModelQueues, PullInbox
+from services.scheduler.work_queue import ModelQueues, PullInbox, tenant_of
 
 MODEL = "demo"
 
@@ -148,3 +152,24 @@ def test_queued_records_give_each_record_once_and_keep_only_the_newest() -> None
     records.put("t.bad", 4, b"not a record")
     assert records.take("t.bad") is None
     assert len(records) == 1
+
+
+def test_the_tenant_comes_from_the_routing_header_else_from_the_envelope() -> None:
+    """Fairness reads the header; a message from a gateway older than the header is read for its
+    tenant alone."""
+    envelope = WorkEnvelope(
+        job_id="j",
+        tenant="payload-tenant",
+        model_name="demo",
+        model_version="",
+        priority=Priority.LOW,
+        create_time=0.0,
+        max_attempts=1,
+    )
+    data = encode_envelope(envelope)
+    headers = routing_headers(tenant="header-tenant", job_id="j", priority=Priority.LOW, model_name="demo")
+    assert headers[TENANT_HEADER] == "header-tenant"
+    assert tenant_of(Msg(_client=None, subject="s", data=data, headers=headers)) == "header-tenant"
+    assert tenant_of(Msg(_client=None, subject="s", data=data, headers={"Nats-Msg-Id": "j"})) == "payload-tenant"
+    assert tenant_of(Msg(_client=None, subject="s", data=data)) == "payload-tenant"
+    assert tenant_of(Msg(_client=None, subject="s", data=b"junk")) == ""

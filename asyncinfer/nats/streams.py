@@ -18,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
+from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER
 from asyncinfer.nats.requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -66,7 +67,7 @@ async def publish_durably(
     an attempt that was stored but whose ack was lost is dropped as a duplicate by the stream
     (within its duplicate window) and the retry still gets an ack. Returns the stream sequence."""
 
-    all_headers = {**(headers or {}), "Nats-Msg-Id": msg_id, api.Header.EXPECTED_STREAM.value: stream}
+    all_headers = {**(headers or {}), MSG_ID_HEADER: msg_id, EXPECTED_STREAM_HEADER: stream}
 
     async def attempt(timeout_s: float) -> int:
         return await js_publish(js, subject, payload, timeout_s=timeout_s, headers=all_headers)

@@ -17,8 +17,9 @@ from typing import Any
 
 import grpc
 
+from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config, ModelConfig, TensorSpecConfig
-from asyncinfer.jobs import JobRecord, decode_record
+from asyncinfer.jobs import JobRecord
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from bench.system.common import bench_config, fmt, free_port, ratio, row, write_results
 

@@ -42,7 +42,8 @@ import numpy as np
 import uvloop
 from nats.js import api
 
-from asyncinfer.jobs import Priority, WorkEnvelope, encode_envelope
+from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.jobs import Priority, WorkEnvelope
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from bench.system import echo_server

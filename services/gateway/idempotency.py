@@ -55,10 +55,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import structlog
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config, ModelConfig, NatsConfig
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
+
+# Named in asyncinfer.contract; re-exported for its callers here.
+from asyncinfer.contract import claim_key as claim_key
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
@@ -71,7 +76,6 @@ from asyncinfer.nats import (
     KeyNotFoundError,
     KeyValue,
     KeyWrongLastSequenceError,
-    api,
 )
 from asyncinfer.nats.streams import ensure_kv_bucket
 from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
@@ -109,17 +113,31 @@ class Claim:
     revision: int = 0
 
     def encode(self) -> bytes:
-        obj = {"job_id": self.job_id, "fingerprint": self.fingerprint, "claim_time": self.claim_time}
-        return json.dumps(obj, separators=(",", ":")).encode()
+        return _claim_encoder.encode(
+            ClaimWire(
+                v=CLAIM_CODEC_VERSION, job_id=self.job_id, fingerprint=self.fingerprint, claim_time=self.claim_time
+            )
+        )
 
     @classmethod
     def decode(cls, data: bytes, revision: int) -> Claim:
-        obj = json.loads(data)
-        return cls(obj["job_id"], obj["fingerprint"], obj["claim_time"], revision)
+        w = _claim_decoder.decode(data)
+        return cls(w.job_id, w.fingerprint, w.claim_time, revision)
 
 
-def claim_key(tenant: str, idempotency_key: str) -> str:
-    return f"{tenant}.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+# The claim's codec: version 1 is version 0's fields with `v` first.
+CLAIM_CODEC_VERSION = 1
+
+
+class ClaimWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    fingerprint: str
+    claim_time: float
+
+
+_claim_encoder = msgspec.json.Encoder()
+_claim_decoder = msgspec.json.Decoder(ClaimWire)
 
 
 def _canonical(value: Any) -> Any:
@@ -202,7 +220,7 @@ class IdempotentSubmitter:
         self._records = records
         self._claims = claims
         self._js = js
-        self._subject_prefix = f"$KV.{config.nats.idempotency_bucket}."
+        self._subject_prefix = kv_subject_prefix(config.nats.idempotency_bucket)
         self._expiry = expiry
         self._clock = clock
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
@@ -286,7 +304,7 @@ class IdempotentSubmitter:
         """A compare-and-set on the key's last revision (0: it has none), as KeyValue's create and
         delete do, but in one request: nats-py's create re-reads the key after every conflict (in
         case it was deleted), which a loser here does anyway, and its delete takes no TTL."""
-        headers: dict[str, Any] = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
+        headers: dict[str, Any] = {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(last_revision)}
         if op:
             headers[KV_OP] = op
         try:

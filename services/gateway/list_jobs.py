@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from asyncinfer.contract import kv_stream, kv_subject, kv_subject_prefix, tenant_keys
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
@@ -144,7 +145,7 @@ def estimated_bytes(record: JobRecord) -> int:
 
 def tenant_filter_subject(bucket: str, tenant: str) -> str:
     """The only subjects a listing of `tenant` ever consumes."""
-    return f"$KV.{bucket}.{tenant}.>"
+    return kv_subject(bucket, tenant_keys(tenant))
 
 
 class JobLister:
@@ -159,7 +160,7 @@ class JobLister:
 
     async def tenant_job_ids(self, tenant: str) -> list[str]:
         """The tenant's job IDs with a live record, newest first (headers-only scan of its keys)."""
-        prefix = f"$KV.{self._bucket}.{tenant}."
+        prefix = kv_subject_prefix(self._bucket) + job_key(tenant, "")
         ids: set[str] = set()
         scanned = asyncio.Event()
 
@@ -177,7 +178,7 @@ class JobLister:
         try:
             subscription = await self._js.subscribe(
                 tenant_filter_subject(self._bucket, tenant),
-                stream=f"KV_{self._bucket}",
+                stream=kv_stream(self._bucket),
                 cb=on_key,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
+from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
 from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
-
-PAUSED_PREFIX = "paused."
 
 
 class WaitingReason:
@@ -103,7 +103,7 @@ class QueueView:
     def __init__(self, js: JetStreamContext, *, bucket: str, clock: Callable[[], float] = time.time) -> None:
         self._js = js
         self._bucket = bucket
-        self._subject_prefix = f"$KV.{bucket}."
+        self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
         self._snapshots: dict[str, QueueSnapshot] = {}
         self._paused: set[str] = set()
@@ -116,7 +116,7 @@ class QueueView:
             self._subscriptions.append(
                 await self._js.subscribe(
                     subject,
-                    stream=f"KV_{self._bucket}",
+                    stream=kv_stream(self._bucket),
                     cb=self._on_update,
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,

@@ -22,21 +22,14 @@ from urllib.parse import urlsplit
 import structlog
 
 from asyncinfer.backoff import retrying
+from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
+from asyncinfer.contract import routing_headers
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import (
-    BlobRef,
-    CallbackSpec,
-    JobRecord,
-    JobState,
-    Priority,
-    WorkEnvelope,
-    encode_envelope,
-    encode_record,
-    work_subject,
-)
+from asyncinfer.jobs import BlobRef, CallbackSpec, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
@@ -316,6 +309,9 @@ class JobSubmitter:
                 stream=self._config.nats.work_stream,
                 msg_id=record.job_id,
                 retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+                headers=routing_headers(
+                    tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
+                ),
             )
         except NATS_FAILURES as exc:
             bound.warning("enqueue_failed", error=str(exc))

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import structlog
 
+from asyncinfer.codecs.record import decode_record
+from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
-from asyncinfer.jobs import JobRecord, JobState, decode_record, job_key
+from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.supervision import Supervisor
 from services.gateway.transitions import Expiry
@@ -61,7 +63,7 @@ class WatchHub:
         self._records = records
         self._expiry = expiry
         self._bucket = bucket
-        self._subject_prefix = f"$KV.{bucket}."
+        self._subject_prefix = kv_subject_prefix(bucket)
         self._watchers: dict[str, set[WatcherQueue]] = {}
         # Label-selector watches (WatchJobs): per tenant, each queue with the labels it selects.
         self._selectors: dict[str, dict[WatcherQueue, dict[str, str]]] = {}
@@ -119,7 +121,7 @@ class WatchHub:
             # the last sequence it saw.
             self._subscription = await self._js.subscribe(
                 f"{self._subject_prefix}>",
-                stream=f"KV_{self._bucket}",
+                stream=kv_stream(self._bucket),
                 cb=self._on_update,
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
@@ -133,7 +135,7 @@ class WatchHub:
         try:
             consumer = (await subscription.consumer_info()).name
             await subscription.unsubscribe()
-            await self._js.delete_consumer(f"KV_{self._bucket}", consumer)
+            await self._js.delete_consumer(kv_stream(self._bucket), consumer)
         except Exception as exc:  # the connection may already be gone; the server drops it then
             log.warning("watch_unsubscribe_failed", error=str(exc))
 

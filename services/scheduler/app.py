@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
+from asyncinfer.contract import CANCEL_SUBJECTS, snapshot_key
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
@@ -24,7 +25,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg, Subscription
 from asyncinfer.nats.connection import connect
-from asyncinfer.queues import CANCEL_SUBJECT_PREFIX, CancelNotice, encode_snapshot, ensure_queues_bucket
+from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
@@ -142,7 +143,7 @@ class SchedulerApp:
             drain=self.drain,
             scheduler_id=self.scheduler_id,
         )
-        self._cancels = await nc.subscribe(f"{CANCEL_SUBJECT_PREFIX}.*", cb=self._on_cancel)
+        self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)
         await self._webhooks.start()
 
@@ -288,7 +289,7 @@ class SchedulerApp:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
         if self._queues_kv is not None:
             for snapshot in snapshots:
-                await self._queues_kv.put(snapshot.model_name, encode_snapshot(snapshot.to_shared()))
+                await self._queues_kv.put(snapshot_key(snapshot.model_name), encode_snapshot(snapshot.to_shared()))
 
     def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         async def loop() -> None:

@@ -2,32 +2,35 @@
 replay or purge.
 
 The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
-`asyncinfer.dead.<model>`: JSON with the reason (MAX_ATTEMPTS, ...), the attempts spent, the last
-error and the original work message (base64), so a replay can publish it again unchanged. The
-publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a scheduler that dies between writing the
-dead letter and failing the record writes the same letter again on redelivery, and the stream drops
-the duplicate.
+`asyncinfer.dead.<model>`: JSON (versioned: the codec below) with the reason (MAX_ATTEMPTS, ...),
+the attempts spent, the last error and the original work message (base64), so a replay can
+publish it again unchanged. The publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a
+scheduler that dies between writing the dead letter and failing the record writes the same letter
+again on redelivery, and the stream drops the duplicate.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+import msgspec
+
+from asyncinfer.codecs.envelope import decode_envelope
+from asyncinfer.codecs.parts import ErrorWire, error_from_wire, error_to_wire
 from asyncinfer.config import NatsConfig
-from asyncinfer.jobs import JobError, WorkEnvelope, decode_envelope, error_from_json, error_to_json
+
+# Named in asyncinfer.contract; re-exported for their callers here.
+from asyncinfer.contract import DEAD_SUBJECT_PREFIX as DEAD_SUBJECT_PREFIX
+from asyncinfer.contract import DEAD_SUBJECTS, dead_letter_msg_id, stream_purge_subject
+from asyncinfer.contract import dead_subject as dead_subject
+from asyncinfer.jobs import JobError, WorkEnvelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, NotFoundError, api
 from asyncinfer.nats.streams import ensure_stream, publish_durably
 
-DEAD_SUBJECT_PREFIX = "asyncinfer.dead"
 PUBLISH_RETRY_FOR_S = 10.0
-
-
-def dead_subject(model_name: str) -> str:
-    return f"{DEAD_SUBJECT_PREFIX}.{model_name}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,31 +52,54 @@ class DeadLetter:
         return decode_envelope(self.original)
 
 
+# --- codec: version 1 is version 0's fields with `v` first and defaults left out ---------------
+
+CODEC_VERSION = 1
+
+
+class DeadLetterWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    tenant: str
+    model_name: str
+    reason: str
+    attempts: int
+    dead_time: float
+    last_error: ErrorWire | None = None
+    original: bytes  # base64 in JSON
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(DeadLetterWire)
+
+
 def encode_dead_letter(letter: DeadLetter) -> bytes:
-    obj = {
-        "job_id": letter.job_id,
-        "tenant": letter.tenant,
-        "model_name": letter.model_name,
-        "reason": letter.reason,
-        "attempts": letter.attempts,
-        "dead_time": letter.dead_time,
-        "last_error": error_to_json(letter.last_error),
-        "original": base64.b64encode(letter.original).decode("ascii"),
-    }
-    return json.dumps(obj, separators=(",", ":")).encode()
+    return _encoder.encode(
+        DeadLetterWire(
+            v=CODEC_VERSION,
+            job_id=letter.job_id,
+            tenant=letter.tenant,
+            model_name=letter.model_name,
+            reason=letter.reason,
+            attempts=letter.attempts,
+            dead_time=letter.dead_time,
+            last_error=error_to_wire(letter.last_error),
+            original=letter.original,
+        )
+    )
 
 
 def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
-    obj = json.loads(data)
+    w = _decoder.decode(data)
     return DeadLetter(
-        job_id=obj["job_id"],
-        tenant=obj["tenant"],
-        model_name=obj["model_name"],
-        reason=obj["reason"],
-        attempts=obj["attempts"],
-        dead_time=obj["dead_time"],
-        original=base64.b64decode(obj["original"]),
-        last_error=error_from_json(obj.get("last_error")),
+        job_id=w.job_id,
+        tenant=w.tenant,
+        model_name=w.model_name,
+        reason=w.reason,
+        attempts=w.attempts,
+        dead_time=w.dead_time,
+        original=w.original,
+        last_error=error_from_wire(w.last_error),
         sequence=sequence,
     )
 
@@ -82,7 +108,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext, config: NatsConfig) ->
     stream = api.StreamConfig(
         name=config.dead_letter_stream,
         description="asyncinfer jobs that failed for good, one subject per model",
-        subjects=[f"{DEAD_SUBJECT_PREFIX}.>"],
+        subjects=[DEAD_SUBJECTS],
         retention=api.RetentionPolicy.LIMITS,
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
@@ -103,7 +129,7 @@ class DeadLetterStore:
             dead_subject(letter.model_name),
             encode_dead_letter(letter),
             stream=self._stream,
-            msg_id=f"{letter.job_id}.dead.{letter.attempts}",
+            msg_id=dead_letter_msg_id(letter.job_id, letter.attempts),
             retry_for_s=PUBLISH_RETRY_FOR_S,
         )
         return replace(letter, sequence=sequence)
@@ -119,7 +145,7 @@ class DeadLetterStore:
 
     async def page(self, *, model_name: str = "", after: int = 0, limit: int = 50) -> list[DeadLetter]:
         """Up to `limit` letters with sequences above `after`, oldest first."""
-        subject = dead_subject(model_name) if model_name else f"{DEAD_SUBJECT_PREFIX}.>"
+        subject = dead_subject(model_name) if model_name else DEAD_SUBJECTS
         letters: list[DeadLetter] = []
         cursor = after + 1
         while len(letters) < limit:
@@ -149,9 +175,7 @@ class DeadLetterStore:
     async def purge(self, *, model_name: str = "") -> int:
         """Deletes every letter (of the model); how many were deleted."""
         request: dict[str, Any] = {"filter": dead_subject(model_name)} if model_name else {}
-        reply = await self._nc.request(
-            f"$JS.API.STREAM.PURGE.{self._stream}", json.dumps(request).encode(), timeout=5.0
-        )
+        reply = await self._nc.request(stream_purge_subject(self._stream), json.dumps(request).encode(), timeout=5.0)
         answer = json.loads(reply.data)
         if "error" in answer:
             raise RuntimeError(f"purge failed: {answer['error']}")

@@ -16,10 +16,11 @@ import contextlib
 
 import structlog
 
+from asyncinfer.contract import queued_subjects
 from asyncinfer.jobs import PRIORITIES_BY_RANK
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, Subscription
-from asyncinfer.queued_notice import QUEUED_SUBJECT_PREFIX, decode_queued_notice
+from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
@@ -63,7 +64,7 @@ class ModelDispatcher:
     async def start(self) -> None:
         # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
         # subscription to the work subjects can see a publish before the stream has stored it).
-        self._subscription = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.{self.model_name}.*", cb=self._ring)
+        self._subscription = await self._nc.subscribe(queued_subjects(self.model_name), cb=self._ring)
         self._task = self._supervisor.start(f"dispatch-{self.model_name}", self._run())
 
     @property

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import structlog
 
 from asyncinfer import job_errors, lifecycle
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope, decode_envelope
+from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 
 import structlog
 
+from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
+from asyncinfer.contract import paused_key
 from asyncinfer.nats import KeyValue
-from asyncinfer.queues import paused_key
+from asyncinfer.queues import encode_pause
 from asyncinfer.supervision import Supervisor
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
-
-PAUSED_PREFIX = paused_key("")
 
 
 class PauseState:
@@ -53,7 +52,7 @@ class PauseState:
         return event
 
     async def pause(self, model_name: str, *, by: str) -> None:
-        value = json.dumps({"paused_at": time.time(), "by": by}).encode()
+        value = encode_pause(paused_at=time.time(), by=by)
         await self._kv.put(paused_key(model_name), value)
         self._set(model_name, paused=True)
 

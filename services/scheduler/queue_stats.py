@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 
 from asyncinfer import queues
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.declarations import work_consumer_name
+from asyncinfer.contract import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority, work_subject
 from asyncinfer.nats import JetStreamContext, NotFoundError
 from services.scheduler.batchers import BatcherRegistry

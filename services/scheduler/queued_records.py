@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import structlog
 
-from asyncinfer.jobs import JobRecord, decode_record
+from asyncinfer.codecs.record import decode_record
+from asyncinfer.jobs import JobRecord
 
 log = structlog.get_logger("asyncinfer.scheduler.queued_records")
 

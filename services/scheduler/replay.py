@@ -19,10 +19,12 @@ import time
 import structlog
 
 from asyncinfer import lifecycle
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, encode_record, job_key, work_subject
+from asyncinfer.jobs import JobRecord, job_key, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import publish_durably
@@ -68,8 +70,15 @@ async def replay(
             work_subject(envelope.model_name, envelope.priority),
             letter.original,
             stream=config.nats.work_stream,
-            msg_id=f"{letter.job_id}.replay.{letter.sequence}",
+            msg_id=replay_msg_id(letter.job_id, letter.sequence),
             retry_for_s=PUBLISH_RETRY_FOR_S,
+            # The letter keeps the original payload, not its headers: the same ones again.
+            headers=routing_headers(
+                tenant=envelope.tenant,
+                job_id=envelope.job_id,
+                priority=envelope.priority,
+                model_name=envelope.model_name,
+            ),
         )
     except NATS_FAILURES as exc:
         restored = record.evolve(revision=queued.revision)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import structlog
 
-from asyncinfer.declarations import work_consumer_name
+from asyncinfer.codecs.envelope import tenant_of_envelope
+from asyncinfer.contract import TENANT_HEADER, consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, NatsTimeoutError, Subscription
@@ -73,9 +74,7 @@ class PullInbox:
                 request = json.dumps({"batch": count, "no_wait": True}).encode()
             msgs: list[Msg] = []
             try:
-                await self._nc.publish(
-                    f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}", request, reply=subscription.subject
-                )
+                await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
                 while len(msgs) < count:
                     reply = await subscription.next_msg(timeout=timeout_s)
                     status = (reply.headers or {}).get("Status")
@@ -107,11 +106,11 @@ class PullInbox:
                 await subscription.unsubscribe()
 
 
-def _tenant_of(msg: Msg) -> str:
-    try:
-        return str(json.loads(msg.data).get("tenant", ""))
-    except (ValueError, AttributeError):
-        return ""
+def tenant_of(msg: Msg) -> str:
+    """The tenant of a work message, from its routing header; a message from a gateway that
+    predates the header is read for its tenant alone (its inputs, perhaps megabytes, skipped)."""
+    tenant = (msg.headers or {}).get(TENANT_HEADER)
+    return tenant if tenant is not None else tenant_of_envelope(msg.data)
 
 
 class ModelQueues:
@@ -184,7 +183,7 @@ class ModelQueues:
                 tenants = self._tenants[priority]
                 publishes = self._publishes[priority]
                 msgs = await self._pull(priority, tenants.window(slots))
-                picked, rest = tenants.choose([(_tenant_of(m), m) for m in msgs], slots)
+                picked, rest = tenants.choose([(tenant_of(m), m) for m in msgs], slots)
                 for msg in rest:
                     with contextlib.suppress(Exception):
                         await msg.nak()

@@ -17,16 +17,19 @@ sees one event. It is a summary, never the outputs:
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+import msgspec
 
+# Named in asyncinfer.contract; re-exported for its callers here.
+from asyncinfer.contract import WEBHOOK_SUBJECT_PREFIX as WEBHOOK_SUBJECT_PREFIX
+from asyncinfer.contract import webhook_subject
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.webhook_status import CallbackEvent
 
-WEBHOOK_SUBJECT_PREFIX = "asyncinfer.webhooks"
 EVENT_TYPES = {
     CallbackEvent.RUNNING: "job.running",
     CallbackEvent.COMPLETED: "job.completed",
@@ -49,17 +52,63 @@ class Delivery:
 
     @property
     def subject(self) -> str:
-        return f"{WEBHOOK_SUBJECT_PREFIX}.{self.tenant}"
+        return webhook_subject(self.tenant)
+
+
+# --- codec -------------------------------------------------------------------------------------
+
+# Read with `v` (missing: version 0); still written as version 0 (no `v`): the release before the
+# versioned codecs reads a delivery with `Delivery(**fields)`, which refuses a field it does not
+# know, and its sender drops (terms) what it cannot read, so a `v` would lose webhooks while
+# schedulers of both releases run. Once none of that release is left, a change writes version 1.
+CODEC_VERSION = 0
+
+
+class DeliveryWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    webhook_id: str
+    tenant: str
+    job_id: str
+    event: CallbackEvent
+    job_attempt: int
+    url: str
+    body: str
+    ttl_s: float
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(DeliveryWire)
 
 
 def encode_delivery(delivery: Delivery) -> bytes:
-    return json.dumps(asdict(delivery), separators=(",", ":")).encode()
+    d = delivery
+    return _encoder.encode(
+        DeliveryWire(
+            v=CODEC_VERSION,
+            webhook_id=d.webhook_id,
+            tenant=d.tenant,
+            job_id=d.job_id,
+            event=d.event,
+            job_attempt=d.job_attempt,
+            url=d.url,
+            body=d.body,
+            ttl_s=d.ttl_s,
+        )
+    )
 
 
 def decode_delivery(data: bytes) -> Delivery:
-    obj: dict[str, Any] = json.loads(data)
-    obj["event"] = CallbackEvent(obj["event"])
-    return Delivery(**obj)
+    w = _decoder.decode(data)
+    return Delivery(
+        webhook_id=w.webhook_id,
+        tenant=w.tenant,
+        job_id=w.job_id,
+        event=w.event,
+        job_attempt=w.job_attempt,
+        url=w.url,
+        body=w.body,
+        ttl_s=w.ttl_s,
+    )
 
 
 def _rfc3339(seconds: float) -> str:

@@ -29,10 +29,12 @@ import time
 import structlog
 
 from asyncinfer.backoff import retrying
+from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.jobs import JobRecord, JobState, decode_record
+from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg, NatsTimeoutError
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.supervision import Supervisor
@@ -47,7 +49,7 @@ from asyncinfer.webhook_status import (
 )
 from services.scheduler.webhooks.deliveries import Delivery, encode_delivery, event_body
 from services.scheduler.webhooks.status_store import StatusStore
-from services.scheduler.webhooks.streams import FEED_CONSUMER, jobs_stream
+from services.scheduler.webhooks.streams import jobs_stream
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 

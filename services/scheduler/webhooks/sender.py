@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
+from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import JetStreamContext, Msg, NatsTimeoutError
@@ -42,7 +43,6 @@ from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
 from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, post
 from services.scheduler.webhooks.signing import signed_headers
 from services.scheduler.webhooks.status_store import StatusStore
-from services.scheduler.webhooks.streams import SENDER_CONSUMER
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import APIError, JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue
@@ -29,7 +30,7 @@ class StatusStore:
     def __init__(self, js: JetStreamContext, kv: KeyValue, bucket: str) -> None:
         self._js = js
         self._kv = kv
-        self._subject_prefix = f"$KV.{bucket}."
+        self._subject_prefix = kv_subject_prefix(bucket)
 
     async def read(self, tenant: str, job_id: str) -> JobDeliveries:
         return await read_deliveries(self._kv, tenant, job_id)
@@ -45,7 +46,7 @@ class StatusStore:
                 ack = await self._js.publish(
                     self._subject_prefix + deliveries_key(tenant, job_id),
                     encode_deliveries(new),
-                    headers={"Nats-Expected-Last-Subject-Sequence": str(current.revision)},
+                    headers={EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(current.revision)},
                     msg_ttl=max(new.ttl_s, 1.0),
                 )
             except APIError as exc:

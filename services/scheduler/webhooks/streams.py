@@ -8,12 +8,12 @@ what was not acked (a scheduler died) is redelivered to another.
 from __future__ import annotations
 
 from asyncinfer.config import Config, NatsConfig
+from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
+from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
+from asyncinfer.contract import WEBHOOK_SUBJECTS, kv_stream, kv_subject
 from asyncinfer.nats import JetStreamContext, api
 from asyncinfer.nats.streams import ensure_stream
-from services.scheduler.webhooks.deliveries import WEBHOOK_SUBJECT_PREFIX
 
-SENDER_CONSUMER = "webhook-sender"
-FEED_CONSUMER = "webhook-notifier"
 FEED_ACK_WAIT_S = 30.0
 # Delayed retries stay unacked (a NAK with a delay) for up to the retry horizon, so the pending
 # count is not a measure of work in flight: the sender bounds that itself.
@@ -21,14 +21,14 @@ MAX_PENDING = 1_000_000
 
 
 def jobs_stream(config: NatsConfig) -> str:
-    return f"KV_{config.jobs_bucket}"
+    return kv_stream(config.jobs_bucket)
 
 
 async def ensure_webhooks_stream(js: JetStreamContext, config: NatsConfig) -> None:
     stream = api.StreamConfig(
         name=config.webhooks_stream,
         description="asyncinfer webhook deliveries waiting to be sent or retried",
-        subjects=[f"{WEBHOOK_SUBJECT_PREFIX}.>"],
+        subjects=[WEBHOOK_SUBJECTS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
@@ -60,7 +60,7 @@ async def ensure_feed_consumer(js: JetStreamContext, config: NatsConfig) -> None
     it stopped, so no record write is missed across restarts."""
     consumer = api.ConsumerConfig(
         durable_name=FEED_CONSUMER,
-        filter_subject=f"$KV.{config.jobs_bucket}.>",
+        filter_subject=kv_subject(config.jobs_bucket, ">"),
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.NEW,
         ack_wait=FEED_ACK_WAIT_S,

@@ -1,0 +1,95 @@
+"""The work envelope's codec (the WORK stream, `asyncinfer.work.<model>.<priority>`): what the
+gateway publishes for a job and the scheduler decodes to dispatch it.
+
+Routing does not need the payload: the message's headers carry the tenant, job ID, priority and
+model (`asyncinfer.contract.routing_headers`). `tenant_of_envelope` is the fallback for a message
+from a gateway that predates those headers: it reads the one field and skips the rest (inline
+tensors may be megabytes of base64) without decoding it.
+
+Version 1: version 0's fields with `v` first and every default left out."""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncinfer.codecs.parts import (
+    BlobRefWire,
+    TensorWire,
+    blob_from_wire,
+    blob_to_wire,
+    tensors_from_wire,
+    tensors_to_wire,
+)
+from asyncinfer.jobs import Priority, WorkEnvelope
+
+VERSION = 1
+
+
+class EnvelopeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0  # missing: version 0
+    job_id: str
+    tenant: str
+    model_name: str
+    model_version: str = ""
+    priority: Priority
+    create_time: float
+    max_attempts: int
+    inputs: tuple[TensorWire, ...] = ()
+    input_ref: BlobRefWire | None = None
+    deadline: float | None = None
+    execution_timeout_s: float | None = None
+
+
+class _EnvelopeTenant(msgspec.Struct):
+    tenant: str = ""
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(EnvelopeWire)
+_tenant_decoder = msgspec.json.Decoder(_EnvelopeTenant)
+
+
+def encode_envelope(envelope: WorkEnvelope) -> bytes:
+    e = envelope
+    return _encoder.encode(
+        EnvelopeWire(
+            v=VERSION,
+            job_id=e.job_id,
+            tenant=e.tenant,
+            model_name=e.model_name,
+            model_version=e.model_version,
+            priority=e.priority,
+            create_time=e.create_time,
+            max_attempts=e.max_attempts,
+            inputs=tensors_to_wire(e.inputs),
+            input_ref=blob_to_wire(e.input_ref),
+            deadline=e.deadline,
+            execution_timeout_s=e.execution_timeout_s,
+        )
+    )
+
+
+def decode_envelope(data: bytes) -> WorkEnvelope:
+    """The envelope in `data` (any version)."""
+    w = _decoder.decode(data)
+    return WorkEnvelope(
+        job_id=w.job_id,
+        tenant=w.tenant,
+        model_name=w.model_name,
+        model_version=w.model_version,
+        priority=w.priority,
+        create_time=w.create_time,
+        max_attempts=w.max_attempts,
+        inputs=tensors_from_wire(w.inputs),
+        input_ref=blob_from_wire(w.input_ref),
+        deadline=w.deadline,
+        execution_timeout_s=w.execution_timeout_s,
+    )
+
+
+def tenant_of_envelope(data: bytes) -> str:
+    """The envelope's tenant ("" when `data` is no envelope), without decoding the rest."""
+    try:
+        return _tenant_decoder.decode(data).tenant
+    except msgspec.DecodeError:
+        return ""
