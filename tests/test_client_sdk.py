@@ -37,6 +37,7 @@ from asyncinfer.client import (
     UnavailableError,
 )
 from asyncinfer.config import Config
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.stack import Stack, StartStack, ThreadedStack
 
 X = np.array([[1, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float32)
@@ -250,13 +251,15 @@ async def test_same_idempotency_key_returns_the_first_job(idle_stack: Stack) -> 
     assert sorted(listed) == sorted([first.job_id, other.job_id]), "the repeat queued nothing"
 
 
-async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
+@pytest.mark.parametrize("items_per_message", [1, 8])
+async def test_bulk_answers_every_request_in_order(stack: Stack, items_per_message: int) -> None:
     requests = [JobRequest(model="demo", inputs={"x": X * i}, correlation_id=f"row-{i}") for i in range(20)]
     requests.insert(7, JobRequest(model="no-such-model", inputs={"x": X}, correlation_id="bad"))
     async with AsyncClient(stack.address) as client:
 
         async def collect() -> list[BulkResult]:
-            return [result async for result in client.bulk(requests, window=4, timeout_s=30)]
+            bulk = client.bulk(requests, window=16, items_per_message=items_per_message, timeout_s=30)
+            return [result async for result in bulk]
 
         results = await collect()
         assert [r.index for r in results] == list(range(len(requests)))
@@ -270,6 +273,44 @@ async def test_bulk_answers_every_request_in_order(stack: Stack) -> None:
         done = await asyncio.gather(*(client.wait(r.job.job_id, timeout_s=30) for r in accepted if r.job))
     for i, job in enumerate(done):
         np.testing.assert_array_equal(job.outputs["y"], expected_y(X * i))
+
+
+class CountingGateway(job_service_pb2_grpc.JobServiceServicer):
+    """A SubmitJobs that accepts everything and records how many jobs each message carried."""
+
+    def __init__(self) -> None:
+        self.jobs_per_message: list[int] = []
+
+    async def SubmitJobs(self, request_iterator: Any, context: Any) -> Any:
+        index = 0
+        async for request in request_iterator:
+            items = list(request.items)
+            self.jobs_per_message.append(len(items) or 1)
+            response = job_service_pb2.SubmitJobsResponse()
+            for item in items:
+                answer = response.answers.add(correlation_id=item.correlation_id, index=index)
+                answer.job.job_id = f"job-{index}"
+                answer.job.state = job_pb2.JOB_STATE_QUEUED
+                index += 1
+            yield response
+
+
+async def test_bulk_sends_the_requests_ready_together_in_one_message() -> None:
+    gateway = CountingGateway()
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        requests = [JobRequest(model="demo", inputs={"x": X}, correlation_id=f"row-{i}") for i in range(300)]
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            results = [r async for r in client.bulk(requests, window=128, items_per_message=50, timeout_s=30)]
+    finally:
+        await server.stop(0)
+    assert [r.correlation_id for r in results] == [f"row-{i}" for i in range(300)]
+    assert sum(gateway.jobs_per_message) == 300
+    assert max(gateway.jobs_per_message) == 50, "a list is always ready: its requests go 50 to a message"
+    assert len(gateway.jobs_per_message) < 300 / 10
 
 
 async def test_bulk_carries_on_across_a_gateway_restart(config: Config, start_stack: StartStack) -> None:

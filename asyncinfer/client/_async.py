@@ -90,7 +90,7 @@ def _job_id(job: JobLike) -> str:
 class _Pending:
     index: int
     correlation_id: str
-    message: job_service_pb2.SubmitJobsRequest
+    item: job_service_pb2.SubmitJobsItem
 
 
 # The most IDs one GetJobs call and one WatchJobs stream may carry (the gateway's limits).
@@ -478,26 +478,32 @@ class AsyncClient:
         requests: AsyncIterable[JobRequest] | Iterable[JobRequest],
         *,
         window: int = 256,
+        items_per_message: int = 64,
         timeout_s: float | None = None,
     ) -> AsyncGenerator[BulkResult, None]:
         """Streams `requests` through SubmitJobs and yields one `BulkResult` per request, in order.
 
         At most `window` requests are in flight (sent and unanswered), so memory stays bounded
-        however long the input. Each request without an idempotency key gets a generated one, so
+        however long the input. Requests that are ready together travel in one message (up to
+        `items_per_message`; a request that is alone goes at once); 1 sends one per message, for a
+        gateway older than many-jobs messages. Each request without an idempotency key gets a generated one, so
         when the stream breaks (UNAVAILABLE) the unanswered requests are sent again on a new stream
         without queuing anything twice (the answer for a resent request that had been queued says
         `deduplicated`). A refused item is a result with `error`, not an exception. An exception
         raised by your iterator is raised here after the answers for what was already sent."""
         source = _aiter(requests)
         try:
-            async with contextlib.aclosing(self._bulk(source, window=window, deadline=Deadline(timeout_s))) as results:
+            bulk = self._bulk(
+                source, window=window, items_per_message=max(items_per_message, 1), deadline=Deadline(timeout_s)
+            )
+            async with contextlib.aclosing(bulk) as results:
                 async for result in results:
                     yield result
         finally:
             await source.aclose()
 
     async def _bulk(
-        self, source: AsyncGenerator[JobRequest, None], *, window: int, deadline: Deadline
+        self, source: AsyncGenerator[JobRequest, None], *, window: int, items_per_message: int, deadline: Deadline
     ) -> AsyncGenerator[BulkResult, None]:
         pending: deque[_Pending] = deque()
         space = asyncio.Event()
@@ -510,35 +516,56 @@ class AsyncClient:
         # having CancelledError thrown into the caller's iterator.
         pull: asyncio.Task[JobRequest] | None = None
 
-        async def write(call: Any) -> None:
+        def message(group: list[_Pending]) -> job_service_pb2.SubmitJobsRequest:
+            if items_per_message == 1:
+                return job_service_pb2.SubmitJobsRequest(job=group[0].item.job, correlation_id=group[0].correlation_id)
+            return job_service_pb2.SubmitJobsRequest(items=[p.item for p in group])
+
+        async def take() -> bool:
+            """Takes the next request from the caller's iterator into `pending`; False at its end."""
             nonlocal next_index, source_done, source_error, pull
-            for item in list(pending):
-                await call.write(item.message)
+            if pull is None:
+                pull = asyncio.create_task(_next_item(source))
+            try:
+                request = await asyncio.shield(pull)
+                pull = None
+                item = job_service_pb2.SubmitJobsItem(
+                    job=submit_request_to_proto(with_idempotency_key(request)), correlation_id=request.correlation_id
+                )
+            except StopAsyncIteration:
+                pull = None
+                source_done = True
+                return False
+            except Exception as exc:  # the caller's iterator or a bad request: raised after the answers
+                pull = None
+                source_error = exc
+                source_done = True
+                return False
+            pending.append(_Pending(next_index, request.correlation_id, item))
+            next_index += 1
+            return True
+
+        async def write(call: Any) -> None:
+            nonlocal pull
+            resend = list(pending)
+            for start in range(0, len(resend), items_per_message):
+                await call.write(message(resend[start : start + items_per_message]))
             while not source_done:
                 while len(pending) >= window:
                     space.clear()
                     await space.wait()
-                if pull is None:
-                    pull = asyncio.create_task(_next_item(source))
-                try:
-                    request = await asyncio.shield(pull)
-                    pull = None
-                    message = job_service_pb2.SubmitJobsRequest(
-                        job=submit_request_to_proto(with_idempotency_key(request)),
-                        correlation_id=request.correlation_id,
-                    )
-                except StopAsyncIteration:
-                    pull = None
-                    source_done = True
+                if not await take():
                     break
-                except Exception as exc:  # the caller's iterator or a bad request: raised after the answers
-                    pull = None
-                    source_error = exc
-                    source_done = True
-                    break
-                pending.append(_Pending(next_index, request.correlation_id, message))
-                next_index += 1
-                await call.write(message)
+                group = [pending[-1]]
+                # Whatever the iterator has ready now joins this message; nothing waits for more.
+                while len(group) < items_per_message and len(pending) < window and not source_done:
+                    if pull is None:
+                        pull = asyncio.create_task(_next_item(source))
+                    await asyncio.sleep(0)  # one step: a ready iterator has its next item now
+                    if not pull.done() or not await take():
+                        break
+                    group.append(pending[-1])
+                await call.write(message(group))
             await call.done_writing()
 
         try:
@@ -554,20 +581,23 @@ class AsyncClient:
                         if read is aio.EOF:  # type: ignore[attr-defined]
                             break
                         response = cast(job_service_pb2.SubmitJobsResponse, read)
-                        if not pending or pending[0].index != first_index + response.index:
-                            raise InternalError(
-                                f"SubmitJobs answered item {response.index} out of order", code=grpc.StatusCode.INTERNAL
+                        answers = response.answers if response.answers else (response,)
+                        for answer in answers:
+                            if not pending or pending[0].index != first_index + answer.index:
+                                raise InternalError(
+                                    f"SubmitJobs answered item {answer.index} out of order",
+                                    code=grpc.StatusCode.INTERNAL,
+                                )
+                            item = pending.popleft()
+                            attempt = 0
+                            yield BulkResult(
+                                index=item.index,
+                                correlation_id=answer.correlation_id,
+                                job=job_from_proto(answer.job) if answer.HasField("job") else None,
+                                error=error_from_proto(answer.error) if answer.HasField("error") else None,
+                                deduplicated=answer.deduplicated,
                             )
-                        item = pending.popleft()
                         space.set()
-                        attempt = 0
-                        yield BulkResult(
-                            index=item.index,
-                            correlation_id=response.correlation_id,
-                            job=job_from_proto(response.job) if response.HasField("job") else None,
-                            error=error_from_proto(response.error) if response.HasField("error") else None,
-                            deduplicated=response.deduplicated,
-                        )
                     if source_done and not pending:
                         if source_error is not None:
                             raise source_error

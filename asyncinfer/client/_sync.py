@@ -232,10 +232,17 @@ class Client:
         )
 
     def bulk(
-        self, requests: Iterable[JobRequest], *, window: int = 256, timeout_s: float | None = None
+        self,
+        requests: Iterable[JobRequest],
+        *,
+        window: int = 256,
+        items_per_message: int = 64,
+        timeout_s: float | None = None,
     ) -> Iterator[BulkResult]:
         """See `AsyncClient.bulk`. `requests` is iterated on the client's thread."""
-        return self._iterate(self._client.bulk(requests, window=window, timeout_s=timeout_s))
+        return self._iterate(
+            self._client.bulk(requests, window=window, items_per_message=items_per_message, timeout_s=timeout_s)
+        )
 
     def upload(
         self,

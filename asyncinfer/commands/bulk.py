@@ -5,7 +5,7 @@ Each non-blank line is a request as `submit --request` takes it (`{"model": "dem
 progress bar on stderr when it is a terminal:
 
 1. submit: the lines stream through SubmitJobs (a bounded window in flight);
-2. wait: the accepted jobs are watched (at most --concurrency at once) until they end.
+2. wait: the accepted jobs are watched on WatchJobs streams (10,000 jobs each) until they end.
 
 Every line ends with one line in the results file (--out, default FILE.results.jsonl), in the
 order lines finish: {"line": N, "job_id", "state", "outputs"} for a job, {"line": N, "error":
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from asyncinfer.client import AsyncClient, AsyncInferClientError, BulkResult, JobRequest, NotFoundError
+from asyncinfer.client import AsyncClient, AsyncInferClientError, BulkResult, Job, JobRequest, NotFoundError
 from asyncinfer.commands.inputs import Signatures, request_from_json
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
@@ -61,7 +61,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     bulk.add_argument("--out", type=Path, help="results file (default: FILE with .results.jsonl)")
     bulk.add_argument("--model", default="", help="the model of lines that name none")
     bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
-    bulk.add_argument("--concurrency", type=int, default=64, help="jobs watched at once (default 64)")
+    bulk.add_argument("--concurrency", type=int, default=64, help="large results read at once (default 64)")
     bulk.add_argument("--no-wait", action="store_true", help="only submit; a later run waits and writes results")
     bulk.add_argument(
         "--config", type=Path, help="configuration file whose models' signatures to use (default: the gateway's)"
@@ -286,36 +286,62 @@ def _record_submitted(journal: Journal, result: BulkResult, digests: dict[int, s
         journal.record_result({"line": line, "error": error_json(error) if error is not None else None})
 
 
+# Jobs watched on one WatchJobs stream (the gateway's limit per stream).
+JOBS_PER_WATCH = 10_000
+
+
 async def _wait_phase(
     client: AsyncClient, journal: Journal, concurrency: int, timeout_s: float | None, counts: Counts
 ) -> None:
+    """Every accepted job not finished yet, watched on WatchJobs streams of up to JOBS_PER_WATCH
+    jobs (not one stream per job); a finished job's line is written as soon as it ends, its large
+    result read with at most `concurrency` reads at once."""
     waiting = sorted((line, job_id) for line, (job_id, _) in journal.accepted.items() if line not in journal.finished)
+    line_of = {job_id: line for line, job_id in waiting}
     bar = ProgressBar("wait  ", len(waiting))
-    todo = iter(waiting)
+    reads = asyncio.Semaphore(max(concurrency, 1))
 
-    async def worker() -> None:
-        for line, job_id in todo:  # one shared iterator: each item goes to exactly one worker
-            journal.record_result(await _finished_entry(client, line, job_id, timeout_s))
-            counts.waited += 1
-            bar.advance()
+    def done(entry: dict[str, Any]) -> None:
+        journal.record_result(entry)
+        counts.waited += 1
+        bar.advance()
 
+    async def finish(job: Job) -> None:
+        async with reads:
+            done(await _finished_entry(client, line_of[job.job_id], job))
+
+    started: set[str] = set()  # jobs whose line is being written or was
+
+    async def watch(job_ids: list[str], group: asyncio.TaskGroup) -> None:
+        async with contextlib.aclosing(client.watch_jobs(job_ids, timeout_s=timeout_s)) as updates:
+            async for update in updates:
+                if isinstance(update, Job):
+                    if update.done and update.job_id not in started:
+                        started.add(update.job_id)
+                        group.create_task(finish(update))
+                    continue
+                job_id, error = update
+                if job_id not in started:  # its retention passed: the result is gone
+                    started.add(job_id)
+                    done({"line": line_of[job_id], "job_id": job_id, "error": error_json(error)})
+
+    ids = [job_id for _, job_id in waiting]
     try:
         async with asyncio.TaskGroup() as group:
-            for _ in range(min(concurrency, len(waiting))):
-                group.create_task(worker())
+            for first in range(0, len(ids), JOBS_PER_WATCH):
+                group.create_task(watch(ids[first : first + JOBS_PER_WATCH], group))
     except* AsyncInferClientError as failures:
         raise failures.exceptions[0] from None  # the first failure, as the other commands report it
     finally:
         bar.close()
 
 
-async def _finished_entry(client: AsyncClient, line: int, job_id: str, timeout_s: float | None) -> dict[str, Any]:
+async def _finished_entry(client: AsyncClient, line: int, job: Job) -> dict[str, Any]:
     try:
-        job = await client.wait(job_id, timeout_s=timeout_s)
         outputs = await client.outputs(job) if job.succeeded else {}
     except NotFoundError as exc:  # its retention passed: the result is gone
-        return {"line": line, "job_id": job_id, "error": error_json(exc)}
-    entry: dict[str, Any] = {"line": line, "job_id": job_id, "state": job.state.value}
+        return {"line": line, "job_id": job.job_id, "error": error_json(exc)}
+    entry: dict[str, Any] = {"line": line, "job_id": job.job_id, "state": job.state.value}
     if job.succeeded:
         entry["outputs"] = to_json(outputs)
     if job.error is not None:
