@@ -146,10 +146,20 @@ def submit_request() -> job_service_pb2.SubmitJobRequest:
 class Stack:
     """nats-server + gateway + scheduler + batcher, each its own process."""
 
-    def __init__(self, group: ProcessGroup, profile_dir: Path | None = None, profiled: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        profile_dir: Path | None = None,
+        profiled: tuple[str, ...] = (),
+        *,
+        name: str = "nats",
+        batcher: dict[str, Any] | None = None,
+    ) -> None:
         self.group = group
-        self.nats = group.nats("nats-profiled" if profile_dir else "nats")
-        self.config = bench_config(self.nats.url, models=[noop_model_config()], batcher={"torch_threads": 1})
+        self.nats = group.nats("nats-profiled" if profile_dir else name)
+        self.config = bench_config(
+            self.nats.url, models=[noop_model_config()], batcher={"torch_threads": 1, **(batcher or {})}
+        )
 
         def profile(name: str) -> Path | None:
             return profile_dir / f"{name}.txt" if profile_dir and name in profiled else None
