@@ -78,7 +78,8 @@ from asyncinfer.nats import (
     KeyWrongLastSequenceError,
 )
 from asyncinfer.nats.streams import ensure_kv_bucket
-from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
+from services.gateway.submit import JobSubmitter
+from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.idempotency")

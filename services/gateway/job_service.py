@@ -29,7 +29,8 @@ from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
-from services.gateway.submit import JobSubmitter, check_request_size
+from services.gateway.submit import JobSubmitter
+from services.gateway.submit_request import check_request_size
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import watch_ids, watch_labels
