@@ -14,7 +14,7 @@ from asyncinfer.jobs import BatchInfo, BlobRef, CallbackSpec, JobError, JobRecor
 from asyncinfer.queues import CancelNotice, PriorityQueueSnapshot, QueueSnapshot
 from asyncinfer.tensors import Tensor
 from asyncinfer.webhook_status import CallbackEvent, DeliveryState, DeliveryStatus, JobDeliveries
-from services.gateway.idempotency import Claim
+from services.gateway.claims import Claim
 from services.scheduler.dead_letters import DeadLetter
 from services.scheduler.webhooks.deliveries import Delivery
 

@@ -41,7 +41,7 @@ from asyncinfer.webhook_status import (
     decode_deliveries,
     encode_deliveries,
 )
-from services.gateway.idempotency import Claim
+from services.gateway.claims import Claim
 from services.scheduler.dead_letters import DeadLetter, decode_dead_letter, encode_dead_letter
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery, encode_delivery
 from tests import codec_v0_examples as v0

@@ -24,8 +24,9 @@ from asyncinfer.nats import KeyNotFoundError, KeyValue
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway import idempotency
 from services.gateway.app import GatewayApp
+from services.gateway.claims import Claim, request_fingerprint
 from services.gateway.convert import submit_request_from_proto
-from services.gateway.idempotency import TAKEOVER_MARGIN_S, Claim, claim_key, request_fingerprint
+from services.gateway.idempotency import TAKEOVER_MARGIN_S, claim_key
 from tests.nats_probes import RequestsSeen
 from tests.test_gateway import fp32_input, job_stub, submit_request, violations_of
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys

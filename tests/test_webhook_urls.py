@@ -24,7 +24,8 @@ from asyncinfer.webhook_urls import (
 )
 from services.scheduler.webhooks.deliveries import event_body
 from services.scheduler.webhooks.notifier import due_events
-from services.scheduler.webhooks.sender import backoff_delay, retry_after_s
+from services.scheduler.webhooks.post_attempt import retry_after_s
+from services.scheduler.webhooks.sender import backoff_delay
 from services.scheduler.webhooks.signing import signed_headers
 
 pytestmark = pytest.mark.unit

@@ -28,7 +28,7 @@ Decode errors are `msgspec.DecodeError`s (a ValueError, which every caller alrea
 | queued notice (core NATS, a hint, never stored: not versioned) | `asyncinfer.queued_notice` |
 | dead letter (DEAD_LETTERS stream) | `services.scheduler.dead_letters` (its domain type is the scheduler's) |
 | webhook delivery (WEBHOOKS stream) | `services.scheduler.webhooks.deliveries` |
-| idempotency claim (idempotency bucket) | `services.gateway.idempotency` |
+| idempotency claim (idempotency bucket) | `services.gateway.claims` |
 
 Object Store metas (the blobs bucket) are NATS's own format (`ObjectInfo`), not ours.
 """

@@ -23,7 +23,8 @@ from services.gateway.admission import Admission
 from services.gateway.auth import require_auth_beyond_loopback
 from services.gateway.blobs import ClaimCheck
 from services.gateway.callbacks import CallbackDeliveries
-from services.gateway.idempotency import IdempotentSubmitter, ensure_idempotency_bucket
+from services.gateway.claims import ensure_idempotency_bucket
+from services.gateway.idempotency import IdempotentSubmitter
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView

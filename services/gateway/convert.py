@@ -13,7 +13,7 @@ from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 from services.gateway.queue_view import QueueStanding
-from services.gateway.submit import SubmitRequest
+from services.gateway.submit_request import SubmitRequest
 
 _PRIORITY_FROM_PROTO: dict[int, Priority] = {
     job_pb2.PRIORITY_UNSPECIFIED: Priority.NORMAL,
@@ -82,7 +82,7 @@ def _checked_duration(duration: duration_pb2.Duration, field: str, violations: l
 
 def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now: float) -> SubmitRequest:
     """Raises InvalidArgument for what cannot be mapped (bad tensors, an unknown priority, both a
-    deadline and a queue TTL); the semantic checks are `submit.validate_submit`'s."""
+    deadline and a queue TTL); the semantic checks are `submit_request.validate_submit`'s."""
     violations: list[FieldViolation] = []
     priority = _PRIORITY_FROM_PROTO.get(request.priority)
     if priority is None:

@@ -1,7 +1,7 @@
 """Idempotent submit: a repeated SubmitJob with the same (tenant, idempotency key) returns the first
 job and queues nothing new; the same key with a different request answers ALREADY_EXISTS.
 
-The claim. A KV entry per (tenant, key) in the idempotency bucket, keyed
+The claim (claims.py stores it). A KV entry per (tenant, key) in the idempotency bucket, keyed
 "<tenant>.<sha256(key) hex>" (keys may hold any character; hashed, they are valid KV tokens of a
 fixed length), holding {job_id, fingerprint, claim_time}. Creating it is a compare-and-set on the
 key's last revision (as `KeyValue.create`), so of any number of identical submits racing, exactly
@@ -45,22 +45,14 @@ write and two reads.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
-import hashlib
-import json
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import msgspec
 import structlog
 
 from asyncinfer.backoff import retrying
-from asyncinfer.config import Config, ModelConfig, NatsConfig
-from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
+from asyncinfer.config import Config
 
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import claim_key as claim_key
@@ -68,17 +60,10 @@ from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
-from asyncinfer.nats import (
-    KV_DEL,
-    KV_OP,
-    APIError,
-    JetStreamContext,
-    KeyNotFoundError,
-    KeyValue,
-    KeyWrongLastSequenceError,
-)
-from asyncinfer.nats.streams import ensure_kv_bucket
-from services.gateway.submit import JobSubmitter, SubmitRequest, resolve_model, validate_submit
+from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError
+from services.gateway.claims import Claim, ClaimStore, claim_ttl_s, request_fingerprint
+from services.gateway.submit import JobSubmitter
+from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.idempotency")
@@ -87,101 +72,16 @@ KEY_REUSED_REASON = "IDEMPOTENCY_KEY_REUSED"
 # Beyond enqueue_retry_s: a KV request the owner sent last may still be in flight (nats-py's
 # JetStream requests time out after 5 s).
 TAKEOVER_MARGIN_S = 6.0
-QUEUE_HORIZON_WITHOUT_DEADLINE_S = 7 * 86400.0
-KEY_TTL_SLACK_S = 3600.0
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.25
 # Claim, lose, find the claim gone, claim again...: only a storm of failing owners gets this far.
 MAX_CLAIM_ROUNDS = 8
-# A removed claim's delete marker lives this long, then the key has no trace left.
-REMOVED_MARKER_TTL_S = 60
-# JSStreamWrongLastSequenceErr and its constant form, as nats-py's KeyValue maps them.
-WRONG_LAST_SEQUENCE_CODES = (10071, 10164)
 
 
 @dataclass(frozen=True, slots=True)
 class SubmitOutcome:
     record: JobRecord
     deduplicated: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    job_id: str
-    fingerprint: str
-    claim_time: float
-    revision: int = 0
-
-    def encode(self) -> bytes:
-        return _claim_encoder.encode(
-            ClaimWire(
-                v=CLAIM_CODEC_VERSION, job_id=self.job_id, fingerprint=self.fingerprint, claim_time=self.claim_time
-            )
-        )
-
-    @classmethod
-    def decode(cls, data: bytes, revision: int) -> Claim:
-        w = _claim_decoder.decode(data)
-        return cls(w.job_id, w.fingerprint, w.claim_time, revision)
-
-
-# The claim's codec: version 1 is version 0's fields with `v` first.
-CLAIM_CODEC_VERSION = 1
-
-
-class ClaimWire(msgspec.Struct, kw_only=True, omit_defaults=True):
-    v: int = 0  # missing: version 0
-    job_id: str
-    fingerprint: str
-    claim_time: float
-
-
-_claim_encoder = msgspec.json.Encoder()
-_claim_decoder = msgspec.json.Decoder(ClaimWire)
-
-
-def _canonical(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, bytes):
-        return hashlib.sha256(value).hexdigest()
-    if isinstance(value, Mapping):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return [_canonical(v) for v in value]
-    return value
-
-
-def request_fingerprint(request: SubmitRequest) -> str:
-    """SHA-256 over every domain field of the request but the key itself (so fields added later
-    count too). A deadline derived from a queue TTL differs on every retry: the TTL counts instead."""
-    fields = _canonical(request)
-    del fields["idempotency_key"]
-    if request.queue_ttl_s is not None:
-        del fields["deadline"]
-    encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return hashlib.sha256(encoded.encode()).hexdigest()
-
-
-def claim_ttl_s(request: SubmitRequest, model: ModelConfig, config: Config, *, now: float) -> int:
-    """Whole seconds (NATS's unit, at least 1): the longest the job can live, generously."""
-    queue_s = request.deadline - now if request.deadline is not None else QUEUE_HORIZON_WITHOUT_DEADLINE_S
-    attempts = request.max_attempts or model.max_attempts
-    run_s = attempts * ((request.execution_timeout_s or model.default_execution_timeout_s) + model.retry_backoff_max_s)
-    retention_s = request.result_retention_s or config.gateway.default_result_retention_s
-    return max(1, math.ceil(max(queue_s, 0.0) + run_s + retention_s + KEY_TTL_SLACK_S))
-
-
-async def ensure_idempotency_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    """The KV bucket of claims (direct gets off: a loser must read the claim the winner just wrote)."""
-    return await ensure_kv_bucket(
-        js,
-        config,
-        bucket=config.idempotency_bucket,
-        description="asyncinfer idempotency keys, keyed <tenant>.<sha256(key)>: the first job",
-    )
 
 
 class _ClaimHeld(Exception):
@@ -218,9 +118,7 @@ class IdempotentSubmitter:
         self._config = config
         self._submitter = submitter
         self._records = records
-        self._claims = claims
-        self._js = js
-        self._subject_prefix = kv_subject_prefix(config.nats.idempotency_bucket)
+        self._claims = ClaimStore(claims, js, bucket=config.nats.idempotency_bucket)
         self._expiry = expiry
         self._clock = clock
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
@@ -242,7 +140,7 @@ class IdempotentSubmitter:
         except AsyncInferError:
             # A retry of an accepted request may have become invalid since (its deadline passed):
             # it still names the first job.
-            claim, _ = await self._read_claim(key)
+            claim, _ = await self._claims.read(key)
             if claim is not None and claim.fingerprint == fingerprint:
                 record = await self._records.get(job_key(tenant, claim.job_id))
                 if record is not None:
@@ -286,7 +184,7 @@ class IdempotentSubmitter:
         """The new job, or None when the key is not as `last_revision` says (another submit
         holds it, or released it since)."""
         try:
-            revision = await self._write(key, claim.encode(), last_revision=last_revision, ttl_s=ttl_s)
+            revision = await self._claims.write(key, claim.encode(), last_revision=last_revision, ttl_s=ttl_s)
         except KeyWrongLastSequenceError:
             return None
         except NATS_FAILURES as exc:
@@ -300,48 +198,14 @@ class IdempotentSubmitter:
             await self._release(key, tenant, claim.job_id, revision)
             raise
 
-    async def _write(self, key: str, value: bytes, *, last_revision: int, ttl_s: int | None, op: str = "") -> int:
-        """A compare-and-set on the key's last revision (0: it has none), as KeyValue's create and
-        delete do, but in one request: nats-py's create re-reads the key after every conflict (in
-        case it was deleted), which a loser here does anyway, and its delete takes no TTL."""
-        headers: dict[str, Any] = {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(last_revision)}
-        if op:
-            headers[KV_OP] = op
-        try:
-            ack = await self._js.publish(f"{self._subject_prefix}{key}", value, headers=headers, msg_ttl=ttl_s)
-        except APIError as exc:
-            if exc.err_code in WRONG_LAST_SEQUENCE_CODES:
-                raise KeyWrongLastSequenceError(description=exc.description) from exc
-            raise
-        return ack.seq
-
-    async def _remove(self, key: str, revision: int) -> int:
-        """Deletes the claim at `revision` (KeyWrongLastSequenceError if it changed since); the
-        delete marker's revision. The marker has a TTL, so the markers of refused requests and
-        released keys do not pile up in the bucket."""
-        return await self._write(key, b"", last_revision=revision, ttl_s=REMOVED_MARKER_TTL_S, op=KV_DEL)
-
     async def _release(self, key: str, tenant: str, job_id: str, revision: int) -> None:
         """Frees the key of a job that was not accepted, unless its record exists after all (a
         create whose answer was lost) or that cannot be told; then the claim goes stale instead."""
         try:
             if await self._records.get(job_key(tenant, job_id)) is None:
-                await self._remove(key, revision)
+                await self._claims.remove(key, revision)
         except (Unavailable, *NATS_FAILURES) as exc:
             log.warning("idempotency_key_not_released", tenant=tenant, job_id=job_id, error=str(exc))
-
-    async def _read_claim(self, key: str) -> tuple[Claim | None, int]:
-        """The claim on the key, or None and the revision of its delete marker (0: none)."""
-        try:
-            entry = await self._claims.get(key)
-        except KeyNotFoundError as exc:  # never written, expired (0), or released (a marker)
-            marker = getattr(exc.entry, "revision", None)
-            return None, marker or 0
-        except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot read the idempotency key: {exc}") from exc
-        if not entry.value or entry.revision is None:
-            return None, entry.revision or 0
-        return Claim.decode(entry.value, entry.revision), entry.revision
 
     async def _deduplicated(self, record: JobRecord) -> SubmitOutcome:
         settled = await self._expiry.settle(record)
@@ -374,7 +238,7 @@ class IdempotentSubmitter:
         self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
     ) -> tuple[SubmitOutcome | None, int]:
         """One look at the key for _await_first; _ClaimHeld while another submit holds it."""
-        claim, revision = await self._read_claim(key)
+        claim, revision = await self._claims.read(key)
         if claim is None:
             return None, revision
         record = await self._records.get(job_key(tenant, claim.job_id))
@@ -384,7 +248,7 @@ class IdempotentSubmitter:
             return await self._deduplicated(record), 0
         if self._clock() - claim.claim_time >= self._stale_after_s:
             try:
-                marker = await self._remove(key, claim.revision)
+                marker = await self._claims.remove(key, claim.revision)
             except KeyWrongLastSequenceError:
                 raise _ClaimHeld(claim.job_id) from None  # another submit took it over first: read its claim
             except NATS_FAILURES as exc:

@@ -3,7 +3,6 @@ Errors are raised as asyncinfer errors; the server's interceptor turns them into
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -13,7 +12,7 @@ import grpc
 import structlog
 
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unimplemented
+from asyncinfer.errors import AsyncInferError, Unimplemented
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
@@ -21,18 +20,22 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
+
+# MAX_IDS_PER_READ is re-exported: callers (tests among them) read the GetJobs bound here.
+from services.gateway.batch_reads import MAX_IDS_PER_READ as MAX_IDS_PER_READ
+from services.gateway.batch_reads import get_jobs, watch_jobs_response, watched_changes
 from services.gateway.blobs import ClaimCheck
-from services.gateway.bulk import error_status, submit_stream
+from services.gateway.bulk import submit_stream
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
-from services.gateway.submit import JobSubmitter, check_request_size
+from services.gateway.submit import JobSubmitter
+from services.gateway.submit_request import check_request_size
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
-from services.gateway.watch_many import watch_ids, watch_labels
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -49,11 +52,6 @@ def resolve_tenant(context: Context, authenticator: Authenticator) -> str:
 # Watch messages kept for sharing between the watchers of one change: enough for every job changing
 # within the moment it takes to fan one change out.
 WATCH_RESPONSES_CACHED = 1024
-# The most job IDs one GetJobs call may ask for: bounds the answer (a page of records with their
-# inline outputs) like ListJobs' pages.
-MAX_IDS_PER_READ = 1000
-# The most job IDs one WatchJobs stream may watch.
-MAX_IDS_PER_WATCH = 10_000
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -152,35 +150,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def GetJobs(
         self, request: job_service_pb2.GetJobsRequest, context: Context
     ) -> job_service_pb2.GetJobsResponse:
-        """The reads go out together (one NATS round trip for the lot, not one per job); an ID
-        asked twice is read once. The answer stays within the gRPC message limit a client has by
-        default: once it is full, the remaining IDs are answered ANSWER_FULL (retriable: ask for
-        them again); the first job always fits."""
         tenant = resolve_tenant(context, self._authenticator)
-        asked = list(request.job_ids)
-        if len(asked) > MAX_IDS_PER_READ:
-            raise InvalidArgument(
-                f"at most {MAX_IDS_PER_READ} job IDs per GetJobs call; this one has {len(asked)}",
-                [FieldViolation("job_ids", f"{len(asked)} IDs; at most {MAX_IDS_PER_READ}")],
-            )
-        unique = list(dict.fromkeys(asked))
-        found = dict(zip(unique, await asyncio.gather(*(self._job_or_error(tenant, i) for i in unique)), strict=True))
-        response = job_service_pb2.GetJobsResponse()
-        budget = self._config.gateway.max_request_bytes
-        for job_id in asked:
-            answer = found[job_id]
-            result = job_service_pb2.GetJobsResult(job_id=job_id)
-            if isinstance(answer, AsyncInferError):
-                result.error.CopyFrom(error_status(answer))
-            else:
-                size = answer.ByteSize()
-                if response.results and size > budget:
-                    result.error.CopyFrom(error_status(_answer_full(job_id)))
-                else:
-                    result.job.CopyFrom(answer)
-                    budget -= size
-            response.results.append(result)
-        return response
+        return await get_jobs(
+            request.job_ids, tenant, self._job_or_error, budget_bytes=self._config.gateway.max_request_bytes
+        )
 
     async def _job_or_error(self, tenant: str, job_id: str) -> job_pb2.Job | AsyncInferError:
         try:
@@ -203,32 +176,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)
-        job_ids, labels = list(request.job_ids), dict(request.labels)
-        if bool(job_ids) == bool(labels):
-            raise InvalidArgument(
-                "WatchJobs takes job_ids or a label selector (labels), one of the two",
-                [FieldViolation("job_ids" if job_ids else "labels", "give job IDs or labels, not both or neither")],
-            )
-        if len(job_ids) > MAX_IDS_PER_WATCH:
-            raise InvalidArgument(
-                f"at most {MAX_IDS_PER_WATCH} job IDs per WatchJobs call; this one has {len(job_ids)}",
-                [FieldViolation("job_ids", f"{len(job_ids)} IDs; at most {MAX_IDS_PER_WATCH}")],
-            )
-        changes = (
-            watch_ids(self._hub, self._records, self._expiry, tenant, job_ids)
-            if job_ids
-            else watch_labels(self._hub, tenant, labels)
-        )
+        changes = watched_changes(request, tenant, self._hub, self._records, self._expiry)
         async with contextlib.aclosing(changes) as batches:
             async for batch in batches:
-                response = job_service_pb2.WatchJobsResponse()
-                for change in batch:
-                    message = response.changes.add(job_id=change.job_id)
-                    if change.record is not None:
-                        message.job.CopyFrom(self._watch_response(change.record).job)
-                    elif change.error is not None:
-                        message.error.CopyFrom(error_status(change.error))
-                yield response
+                yield watch_jobs_response(batch, self._watch_response)
 
     def _watch_response(self, record: JobRecord) -> job_service_pb2.WatchJobResponse:
         """The message for one record change. Every watcher of a job gets the same change at
@@ -305,12 +256,3 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         async with contextlib.aclosing(self._claim_check.read_result(record)) as chunks:
             async for message in chunks:
                 yield message
-
-
-def _answer_full(job_id: str) -> ResourceExhausted:
-    return ResourceExhausted(
-        f"the GetJobs answer reached its size limit before job {job_id}; ask for it again",
-        retry_after_s=0.0,
-        reason="ANSWER_FULL",
-        metadata={"job_id": job_id},
-    )

@@ -1,6 +1,6 @@
-"""Accepting a job: validate the request against the configuration and the model's signature,
-admit it (model queue depth, tenant quota), store its record (QUEUED), then publish its work
-message. Acceptance means durably queued.
+"""Accepting a job: validate the request (submit_request.py), admit it (model queue depth, tenant
+quota), publish its work message, then store its record (QUEUED) and announce it. Acceptance
+means durably queued.
 
 Through a NATS leader election (a cluster node died) both writes are retried for
 `gateway.enqueue_retry_s` under the same job ID: the record's key is the job ID (a create that
@@ -15,9 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from collections.abc import Callable
 
 import structlog
 
@@ -26,142 +24,19 @@ from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import routing_headers
-from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable, Unimplemented
+from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import BlobRef, CallbackSpec, JobRecord, JobState, Priority, WorkEnvelope, work_subject
+from asyncinfer.jobs import JobRecord, JobState, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
-from asyncinfer.tensors import Tensor, validate_inputs
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
-
-MAX_LABELS = 16
-MAX_LABEL_KEY_BYTES = 63
-MAX_LABEL_VALUE_BYTES = 256
-MAX_IDEMPOTENCY_KEY_BYTES = 256
+from services.gateway.submit_request import SubmitRequest, validate_submit
 
 log = structlog.get_logger("asyncinfer.gateway")
-
-
-@dataclass(frozen=True, slots=True)
-class SubmitRequest:
-    """A SubmitJob request as the domain sees it. Times are Unix seconds; None means unset (the
-    configured default applies)."""
-
-    model_name: str
-    model_version: str = ""
-    inputs: tuple[Tensor, ...] = ()
-    input_ref: str = ""
-    # What input_ref names, once the submitter has read it (its inputs are then dropped).
-    input_blob: BlobRef | None = None
-    priority: Priority = Priority.NORMAL
-    idempotency_key: str = ""
-    deadline: float | None = None
-    # The queue TTL as given (the deadline is derived from it): what a repeated submit compares.
-    queue_ttl_s: float | None = None
-    execution_timeout_s: float | None = None
-    result_retention_s: float | None = None
-    max_attempts: int = 0  # 0: the model's default
-    labels: Mapping[str, str] = field(default_factory=dict)
-    callback: CallbackSpec | None = None
-
-
-def check_request_size(size_bytes: int, limit_bytes: int) -> None:
-    if size_bytes > limit_bytes:
-        message = (
-            f"the request is {size_bytes} bytes, over the limit of {limit_bytes} bytes "
-            "(gateway.max_request_bytes); send large inputs with UploadInput and pass its input_ref"
-        )
-        raise InvalidArgument(message, [FieldViolation("inputs", message)], reason="REQUEST_TOO_LARGE")
-
-
-def resolve_model(config: Config, name: str, version: str) -> ModelConfig:
-    if not name:
-        raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
-    model = config.model(name)
-    known = ", ".join(sorted(m.name for m in config.models)) or "none"
-    if model is None:
-        raise NotFound(
-            f"unknown model {name[:64]!r}; the models served are: {known}",
-            reason="MODEL_NOT_FOUND",
-            metadata={"model": name[:64], "known_models": known},
-        )
-    if version and version != model.version:
-        raise NotFound(
-            f"model {name!r} has no version {version[:64]!r}; it serves version {model.version!r}",
-            reason="MODEL_VERSION_NOT_FOUND",
-            metadata={"model": name, "version": version[:64]},
-        )
-    return model
-
-
-def _label_violations(labels: Mapping[str, str]) -> list[FieldViolation]:
-    violations: list[FieldViolation] = []
-    if len(labels) > MAX_LABELS:
-        violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels, got {len(labels)}"))
-    for key, value in labels.items():
-        if not key or len(key.encode()) > MAX_LABEL_KEY_BYTES:
-            violations.append(FieldViolation(f"labels[{key[:64]!r}]", f"label keys are 1-{MAX_LABEL_KEY_BYTES} bytes"))
-        if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
-            violations.append(
-                FieldViolation(f"labels[{key[:64]!r}]", f"label values are at most {MAX_LABEL_VALUE_BYTES} bytes")
-            )
-    return violations
-
-
-def _option_violations(request: SubmitRequest, config: Config, now: float) -> list[FieldViolation]:
-    violations: list[FieldViolation] = []
-    if request.deadline is not None and request.deadline <= now:
-        violations.append(FieldViolation("deadline", "the deadline has already passed"))
-    if request.execution_timeout_s is not None and request.execution_timeout_s <= 0:
-        violations.append(FieldViolation("execution_timeout", "must be positive"))
-    retention = request.result_retention_s
-    limit = config.gateway.max_result_retention_s
-    if retention is not None and retention <= 0:
-        violations.append(FieldViolation("result_retention", "must be positive"))
-    elif retention is not None and retention > limit:
-        violations.append(FieldViolation("result_retention", f"at most {limit:g} s (gateway.max_result_retention_s)"))
-    if request.max_attempts < 0:
-        violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
-    if request.callback is not None:
-        try:
-            url = urlsplit(request.callback.url)
-            absolute = url.scheme in ("https", "http") and bool(url.hostname)
-        except ValueError:  # e.g. an unclosed IPv6 bracket
-            absolute = False
-        if not absolute:
-            violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
-    return violations
-
-
-def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> ModelConfig:
-    """The model the request runs on; raises NotFound, Unimplemented or InvalidArgument (with every
-    violation found)."""
-    model = resolve_model(config, request.model_name, request.model_version)
-    if request.input_ref and request.input_blob is None:
-        raise Unimplemented("input_ref needs the claim-check store, which this gateway has not set up")
-    violations = _option_violations(request, config, now) + _label_violations(request.labels)
-    if len(request.idempotency_key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
-        violations.append(FieldViolation("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8)"))
-    if request.max_attempts < 0 or request.max_attempts > model.max_attempts_limit:
-        violations.append(
-            FieldViolation(
-                "max_attempts",
-                f"must be between 1 and the model's limit {model.max_attempts_limit} (0: the model's default "
-                f"{model.max_attempts}), got {request.max_attempts}",
-            )
-        )
-    if not request.inputs:
-        violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
-    else:
-        violations += validate_inputs(request.inputs, model.signature, max_batch_size=model.max_batch_size)
-    if violations:
-        first = violations[0]
-        raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)
-    return model
 
 
 class JobSubmitter:

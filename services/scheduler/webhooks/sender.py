@@ -1,5 +1,6 @@
-"""Sending deliveries: pulls them from the WEBHOOKS stream, POSTs them signed, records each attempt
-in the job's status entry, and acks (done) or NAKs with a delay (retry later).
+"""Sending deliveries: pulls them from the WEBHOOKS stream, POSTs them signed (post_attempt.py makes
+each HTTP attempt), records each attempt in the job's status entry, and acks (done) or NAKs with a
+delay (retry later).
 
 - Success is a 2xx answer, nothing else. Redirects are never followed: a 3xx is a failed attempt.
 - 410 Gone disables the URL for the tenant (a `disabled.` key); this and every later delivery to
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import email.utils
 import random
 import time
 from collections.abc import Callable
@@ -38,10 +38,8 @@ from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import JetStreamContext, Msg, NatsTimeoutError
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
-from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
-from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, post
-from services.scheduler.webhooks.signing import signed_headers
+from services.scheduler.webhooks.post_attempt import DeliveryPoster
 from services.scheduler.webhooks.status_store import StatusStore
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
@@ -55,19 +53,6 @@ def backoff_delay(failures: int, *, base_s: float, max_s: float, rng: random.Ran
     """Full jitter: uniform over [0, min(max_s, base_s * 2^(failures-1))]."""
     cap = min(max_s, base_s * 2.0 ** min(max(failures - 1, 0), MAX_BACKOFF_EXPONENT))
     return rng.uniform(0.0, cap)
-
-
-def retry_after_s(value: str | None, *, now: float) -> float | None:
-    """Retry-After in seconds: delta-seconds or an HTTP date; None when absent or unreadable."""
-    if not value:
-        return None
-    if value.strip().isdigit():
-        return float(value.strip())
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(when.timestamp() - now, 0.0)
 
 
 class WebhookMetrics:
@@ -102,12 +87,12 @@ class Sender:
         self._store = store
         self._config = config
         self._settings = config.webhooks
-        self._allowed = parse_networks(config.webhooks.allowed_networks)
         self._metrics = metrics
         self._supervisor = supervisor
         # Replaceable so tests can pin the jitter.
         self.rng = rng or random.Random()
         self._clock = clock
+        self._poster = DeliveryPoster(config.webhooks, metrics.attempts, clock=clock)
         self._subscription: JetStreamContext.PullSubscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._deliveries: set[asyncio.Task[None]] = set()
@@ -230,7 +215,7 @@ class Sender:
             bound.info("webhook_disabled_url_skipped")
             return None
         started = self._clock()
-        code, error, retry_after = await self._post(delivery)
+        code, error, retry_after = await self._poster.post(delivery)
         now = self._clock()
         first = status.first_attempt_time or started
         status = replace(
@@ -274,48 +259,6 @@ class Sender:
             "webhook_attempted", status_code=code, state=status.state.value, error=error or None, retry_in_s=delay
         )
         return delay
-
-    async def _post(self, delivery: Delivery) -> tuple[int, str, float | None]:
-        """(status code, error, Retry-After s); the code is 0 when no answer came, -1 when the
-        attempt was refused before any request."""
-        secret = self._settings.secret_for(delivery.tenant)
-        if secret is None:
-            self._metrics.attempts.labels(outcome="refused").inc()
-            return -1, "the tenant has no webhook secret configured any more (webhooks.secrets)", None
-        try:
-            url = parse_callback_url(delivery.url)
-            addresses = await vetted_addresses(url, self._allowed)
-        except RefusedUrl as exc:
-            self._metrics.attempts.labels(outcome="refused").inc()
-            return -1, f"refused: {exc}", None
-        body = delivery.body.encode()
-        timestamp = int(self._clock())
-        headers = signed_headers(secret, delivery.webhook_id, timestamp, body)
-        errors: list[str] = []
-        response: HttpResponse | None = None
-        deadline = time.monotonic() + self._settings.request_timeout_s
-        for address in addresses:  # vetted addresses in resolver order, until one answers
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                response = await post(url, address, headers=headers, body=body, timeout_s=remaining)
-                break
-            except HttpFailure as exc:
-                errors.append(f"{address}: {exc}")
-        if response is None:
-            self._metrics.attempts.labels(outcome="error").inc()
-            return 0, "; ".join(errors) or "no answer", None
-        code = response.status
-        self._metrics.attempts.labels(outcome="410" if code == 410 else f"{code // 100}xx").inc()
-        if 200 <= code < 300:
-            return code, "", None
-        if 300 <= code < 400:
-            where = response.headers.get("location", "")[:200]
-            error = f"HTTP {code}: redirects are not followed (Location: {where})"
-        else:
-            error = f"HTTP {code}"
-        return code, error, retry_after_s(response.headers.get("retry-after"), now=self._clock())
 
     async def _record(self, delivery: Delivery, status: DeliveryStatus) -> None:
         def change(current: JobDeliveries) -> JobDeliveries:

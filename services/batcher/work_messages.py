@@ -1,0 +1,83 @@
+"""The batcher's translations between work-stream messages and its engine: a WorkOrder into an
+engine submit, the engine's models into the hello, an error into the ErrorStatus a WorkResult
+carries. Plain functions, so a session calls them once per order with no extra layer between."""
+
+from __future__ import annotations
+
+import time
+
+from asyncinfer.errors import (
+    AsyncInferError,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from asyncinfer.jobs import Priority
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2
+from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
+
+# Failures that the same order would meet again on any attempt.
+_NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled)
+
+ORDER_PRIORITIES = {
+    job_pb2.PRIORITY_HIGH: Priority.HIGH,
+    job_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    job_pb2.PRIORITY_LOW: Priority.LOW,
+}
+
+
+def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
+    violations = error.violations if isinstance(error, InvalidArgument) else ()
+    return error_pb2.ErrorStatus(
+        code=error.code.value[0],
+        reason=error.reason,
+        message=error.message,
+        field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in violations],
+        retriable=not isinstance(error, _NOT_RETRIABLE),
+    )
+
+
+def is_shutdown(error: AsyncInferError) -> bool:
+    """The engine refused or dropped the item because it is stopping: not the job's fault."""
+    return isinstance(error, Unavailable) and error.reason == SHUTDOWN_REASON
+
+
+def worker_hello(engine: BatchingEngine, batcher_id: str, *, takes_batches: bool) -> worker_service_pb2.WorkerHello:
+    models = []
+    for name in engine.model_names:
+        config = engine.model_config(name)
+        models.append(
+            worker_service_pb2.ServedModel(
+                model_name=name, model_version=config.version, max_batch_size=config.max_batch_size
+            )
+        )
+    return worker_service_pb2.WorkerHello(batcher_id=batcher_id, models=models, takes_batches=takes_batches)
+
+
+def submit_order(engine: BatchingEngine, order: worker_service_pb2.WorkOrder) -> PendingItem:
+    """The order's item in the engine; raises (NotFound, FailedPrecondition, the engine's own
+    refusals) when it cannot run here."""
+    if not engine.has_model(order.model_name):
+        raise NotFound(f"model {order.model_name!r} is not served here", reason="MODEL_NOT_FOUND")
+    version = engine.model_config(order.model_name).version
+    if order.model_version and order.model_version != version:
+        raise NotFound(
+            f"model {order.model_name!r} has no version {order.model_version!r} (served: {version!r})",
+            reason="MODEL_VERSION_NOT_FOUND",
+        )
+    if order.input_ref:
+        raise FailedPrecondition(
+            "claim-check inputs (input_ref) are not supported by this batcher yet", reason="INPUT_REF_UNSUPPORTED"
+        )
+    inputs = decode_tensors(order.inputs)
+    timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
+    return engine.submit(
+        order.model_name,
+        inputs,
+        timeout_s=timeout_s,
+        priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
+    )

@@ -1,0 +1,232 @@
+"""One connection of the batcher's work stream to the scheduler (see worker_client.py for the
+reconnect loop around it): hello (the models served), then credit grants that keep
+`unused credits + items held <= max_queue_size` per model (a grant tops up to the engine's free
+slots, so each item that leaves the engine earns one more credit), then one WorkResult per
+WorkOrder. Orders run concurrently, each in a task the session owns; when the stream breaks they
+are cancelled, unanswered (the scheduler re-queues them).
+
+Results and credits are written into the WorkUpdates message being filled while it waits in the
+outbox, so the per-result path is a few field writes, with no queue or task of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import structlog
+
+from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
+from asyncinfer.tensor_codec import to_output_proto
+from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
+from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
+from services.batcher.work_messages import error_status, is_shutdown, submit_order, worker_hello
+
+log = structlog.get_logger("asyncinfer.batcher.worker")
+
+OrderKey = tuple[str, int]
+
+# A WorkUpdates message being filled is closed once its outputs pass about this many bytes.
+UPDATES_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+class WorkSession:
+    """One connection: its outbox, credit accounting and orders."""
+
+    def __init__(
+        self,
+        stub: worker_service_pb2_grpc.WorkerServiceAsyncStub,
+        batcher_id: str,
+        engine: BatchingEngine,
+        *,
+        work_batches: bool,
+    ) -> None:
+        self._stub = stub
+        self._work_batches = work_batches
+        self._batcher_id = batcher_id
+        self._engine = engine
+        # None ends the request stream (a half-close).
+        self._outbox: asyncio.Queue[worker_service_pb2.ConnectRequest | None] = asyncio.Queue()
+        self._unused_credits = dict.fromkeys(engine.model_names, 0)
+        self._orders: dict[OrderKey, PendingItem] = {}
+        self._order_tasks: set[asyncio.Task[None]] = set()
+        self._open = True
+        self._granting = True
+        self._ended = asyncio.Event()
+        # Once the scheduler's welcome says it takes batches, results and credits are added to
+        # the WorkUpdates message being filled, which is in the outbox already: whatever is
+        # ready when the writer gets to it goes together, and a lone result goes at once.
+        self._batches = False
+        self._filling: worker_service_pb2.ConnectRequest | None = None
+        self._filling_bytes = 0
+
+    def stop_granting(self) -> None:
+        self._granting = False
+
+    async def drain(self) -> None:
+        """Waits for every order to be answered, half-closes, and waits for the scheduler to end
+        the stream."""
+        self._granting = False
+        while self._order_tasks:
+            await asyncio.wait(set(self._order_tasks))
+        if self._open:
+            self._outbox.put_nowait(None)
+        await self._ended.wait()
+
+    async def run(self) -> None:
+        """Returns when the scheduler ends the stream; raises when it breaks."""
+        remove_listener = self._engine.add_slot_listener(self._top_up)
+        # Requests are written by a task this session owns, not pulled from an async generator
+        # by grpc's own consumer task: that task and generator cannot be stopped from here, and
+        # were left pending (then destroyed by the garbage collector) each time the stream broke.
+        call = self._stub.Connect()  # type: ignore[call-arg]  # the stubs miss the write() style
+        writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
+        try:
+            hello = worker_hello(self._engine, self._batcher_id, takes_batches=self._work_batches)
+            self._send(worker_service_pb2.ConnectRequest(hello=hello))
+            for model_name in self._unused_credits:
+                self._top_up(model_name)
+            async for response in call:
+                self._handle(response)
+        finally:
+            self._open = False
+            self._ended.set()
+            remove_listener()
+            call.cancel()
+            writer.cancel()
+            tasks = [writer, *self._order_tasks]
+            for task in self._order_tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _write(self, call: Any) -> None:
+        """Sends the outbox in order; None half-closes the stream."""
+        while (message := await self._outbox.get()) is not None:
+            if message is self._filling:
+                self._filling = None  # closed: what comes next goes in a new one
+            await call.write(message)
+        await call.done_writing()
+
+    def _updates(self) -> worker_service_pb2.WorkUpdates:
+        """The WorkUpdates message being filled (a new one, queued, when none is open or the open
+        one is full)."""
+        if self._filling is None or self._filling_bytes > UPDATES_MESSAGE_BYTES:
+            self._filling = worker_service_pb2.ConnectRequest(updates=worker_service_pb2.WorkUpdates())
+            self._filling_bytes = 0
+            self._outbox.put_nowait(self._filling)
+        return self._filling.updates
+
+    def _send(self, message: worker_service_pb2.ConnectRequest) -> None:
+        if self._open:
+            self._outbox.put_nowait(message)
+
+    def _handle(self, response: worker_service_pb2.ConnectResponse) -> None:
+        kind = response.WhichOneof("message")
+        if kind == "orders":
+            for order in response.orders.orders:
+                self._accept(order)
+            for cancel in response.orders.cancels:
+                self._cancel(cancel)
+        elif kind == "order":
+            self._accept(response.order)
+        elif kind == "cancel":
+            self._cancel(response.cancel)
+        elif kind == "welcome":
+            self._batches = self._work_batches and response.welcome.takes_batches
+            log.info("connected to scheduler", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
+
+    def _top_up(self, model_name: str) -> None:
+        """Grants credits up to the model's free slots, counting credits not yet used."""
+        if not (self._open and self._granting) or model_name not in self._unused_credits:
+            return
+        wanted = self._engine.free_slots(model_name) - self._unused_credits[model_name]
+        if wanted > 0:
+            self._unused_credits[model_name] += wanted
+            if self._batches:
+                self._updates().credits.add(model_name=model_name, credits=wanted)
+                return
+            grant = worker_service_pb2.CreditGrant(model_name=model_name, credits=wanted)
+            self._send(worker_service_pb2.ConnectRequest(credit=grant))
+
+    def _accept(self, order: worker_service_pb2.WorkOrder) -> None:
+        model_name = order.model_name
+        if model_name in self._unused_credits:
+            self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
+        job_log = log.bind(job_id=order.job_id, attempt=order.attempt, model=model_name, tenant=order.tenant)
+        try:
+            item = submit_order(self._engine, order)
+        except AsyncInferError as error:
+            job_log.info("work order rejected", reason=error.reason, error=error.message)
+            if not is_shutdown(error):  # unanswered: re-queued when the stream closes
+                self._send_result(order, error=error)
+            self._top_up(model_name)  # the credit it used bought no slot
+            return
+        key = (order.job_id, order.attempt)
+        self._orders[key] = item
+        task = asyncio.create_task(self._finish(order, item, job_log), name=f"order-{order.job_id}")
+        self._order_tasks.add(task)
+        task.add_done_callback(self._order_tasks.discard)
+
+    async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem, job_log: Any) -> None:
+        key = (order.job_id, order.attempt)
+        try:
+            # wait() rather than await: a dropped item must not look like this task's cancellation.
+            await asyncio.wait([item.future])
+        except asyncio.CancelledError:
+            item.cancel()
+            raise
+        finally:
+            self._orders.pop(key, None)
+        if item.future.cancelled():
+            job_log.info("work order dropped before it ran")
+            self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
+            return
+        error = item.future.exception()
+        if isinstance(error, AsyncInferError) and is_shutdown(error):
+            # Not the job's fault: it goes back to the queue when the stream closes, without
+            # spending an attempt on a failure.
+            job_log.info("work order abandoned at shutdown")
+        elif isinstance(error, AsyncInferError):
+            job_log.info("work order failed", reason=error.reason, error=error.message)
+            self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
+        elif error is not None:
+            raise error
+        else:
+            outcome = item.future.result()
+            job_log.debug("work order done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
+            self._send_result(order, outcome=outcome)
+
+    def _cancel(self, cancel: worker_service_pb2.CancelOrder) -> None:
+        item = self._orders.get((cancel.job_id, cancel.attempt))
+        # Dropping resolves the item's future; its order task then answers dropped=true.
+        if item is not None and item.cancel():
+            log.info("work order cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+
+    def _send_result(
+        self,
+        order: worker_service_pb2.WorkOrder,
+        *,
+        outcome: InferOutcome | None = None,
+        error: AsyncInferError | None = None,
+        dropped: bool = False,
+    ) -> None:
+        if not self._open:
+            return
+        request: worker_service_pb2.ConnectRequest | None = None
+        if self._batches:
+            result = self._updates().results.add()
+        else:
+            request = worker_service_pb2.ConnectRequest()
+            result = request.result
+        result.job_id = order.job_id
+        result.attempt = order.attempt
+        result.dropped = dropped
+        if error is not None:
+            result.error.CopyFrom(error_status(error))
+        if outcome is not None:
+            result.outputs.extend(to_output_proto(t, raw=True) for t in outcome.outputs)
+            result.batch_size = outcome.batch_items
+            result.compute_duration.FromNanoseconds(round(outcome.compute_s * 1e9))
+            self._filling_bytes += sum(t.nbytes for t in outcome.outputs)
+        if request is not None:
+            self._send(request)

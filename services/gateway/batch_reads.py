@@ -1,0 +1,106 @@
+"""The JobService's batch reads, GetJobs and WatchJobs: their bounds, the size budget of a GetJobs
+answer, and the conversion of a batch of changes into one WatchJobs message. Functions the
+servicer (job_service.py) calls with its own per-job reader and converter, passed in as bound
+methods, so each job costs the same calls it did when these lived in the servicer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.bulk import error_status
+from services.gateway.transitions import Expiry
+from services.gateway.watch_hub import WatchHub
+from services.gateway.watch_many import JobChange, watch_ids, watch_labels
+
+# The most job IDs one GetJobs call may ask for: bounds the answer (a page of records with their
+# inline outputs) like ListJobs' pages.
+MAX_IDS_PER_READ = 1000
+# The most job IDs one WatchJobs stream may watch.
+MAX_IDS_PER_WATCH = 10_000
+
+# (tenant, job ID) -> the job as it stands, or why it cannot be read.
+ReadJob = Callable[[str, str], Awaitable[job_pb2.Job | AsyncInferError]]
+
+
+async def get_jobs(
+    job_ids: Sequence[str], tenant: str, read: ReadJob, *, budget_bytes: int
+) -> job_service_pb2.GetJobsResponse:
+    """The reads go out together (one NATS round trip for the lot, not one per job); an ID asked
+    twice is read once. The answer stays within budget_bytes (the gRPC message limit a client has
+    by default): once it is full, the remaining IDs are answered ANSWER_FULL (retriable: ask for
+    them again); the first job always fits."""
+    asked = list(job_ids)
+    if len(asked) > MAX_IDS_PER_READ:
+        raise InvalidArgument(
+            f"at most {MAX_IDS_PER_READ} job IDs per GetJobs call; this one has {len(asked)}",
+            [FieldViolation("job_ids", f"{len(asked)} IDs; at most {MAX_IDS_PER_READ}")],
+        )
+    unique = list(dict.fromkeys(asked))
+    found = dict(zip(unique, await asyncio.gather(*(read(tenant, i) for i in unique)), strict=True))
+    response = job_service_pb2.GetJobsResponse()
+    budget = budget_bytes
+    for job_id in asked:
+        answer = found[job_id]
+        result = job_service_pb2.GetJobsResult(job_id=job_id)
+        if isinstance(answer, AsyncInferError):
+            result.error.CopyFrom(error_status(answer))
+        else:
+            size = answer.ByteSize()
+            if response.results and size > budget:
+                result.error.CopyFrom(error_status(_answer_full(job_id)))
+            else:
+                result.job.CopyFrom(answer)
+                budget -= size
+        response.results.append(result)
+    return response
+
+
+def _answer_full(job_id: str) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"the GetJobs answer reached its size limit before job {job_id}; ask for it again",
+        retry_after_s=0.0,
+        reason="ANSWER_FULL",
+        metadata={"job_id": job_id},
+    )
+
+
+def watched_changes(
+    request: job_service_pb2.WatchJobsRequest, tenant: str, hub: WatchHub, records: JobStore, expiry: Expiry
+) -> AsyncGenerator[list[JobChange], None]:
+    """The batches of changes a WatchJobs request asks for (by IDs or by labels), once it is
+    checked: the watch itself, with nothing between it and the servicer's loop."""
+    job_ids, labels = list(request.job_ids), dict(request.labels)
+    if bool(job_ids) == bool(labels):
+        raise InvalidArgument(
+            "WatchJobs takes job_ids or a label selector (labels), one of the two",
+            [FieldViolation("job_ids" if job_ids else "labels", "give job IDs or labels, not both or neither")],
+        )
+    if len(job_ids) > MAX_IDS_PER_WATCH:
+        raise InvalidArgument(
+            f"at most {MAX_IDS_PER_WATCH} job IDs per WatchJobs call; this one has {len(job_ids)}",
+            [FieldViolation("job_ids", f"{len(job_ids)} IDs; at most {MAX_IDS_PER_WATCH}")],
+        )
+    if job_ids:
+        return watch_ids(hub, records, expiry, tenant, job_ids)
+    return watch_labels(hub, tenant, labels)
+
+
+def watch_jobs_response(
+    batch: Sequence[JobChange], watch_response: Callable[[JobRecord], job_service_pb2.WatchJobResponse]
+) -> job_service_pb2.WatchJobsResponse:
+    """One stream message for a batch of changes; `watch_response` is the servicer's (shared with
+    WatchJob: a record's converted message is cached for all its watchers)."""
+    response = job_service_pb2.WatchJobsResponse()
+    for change in batch:
+        message = response.changes.add(job_id=change.job_id)
+        if change.record is not None:
+            message.job.CopyFrom(watch_response(change.record).job)
+        elif change.error is not None:
+            message.error.CopyFrom(error_status(change.error))
+    return response
