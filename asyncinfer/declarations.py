@@ -6,12 +6,12 @@ scheduler owns the consumers.
 from __future__ import annotations
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import WORK_SUBJECTS, kv_stream, work_subject
+from asyncinfer.contract import WORK_SUBJECTS, work_subject
 from asyncinfer.contract import work_consumer_name as work_consumer_name
 from asyncinfer.jobs import Priority
 from asyncinfer.nats import JetStreamContext, api
 from asyncinfer.nats.kv import KvBucket
-from asyncinfer.nats.streams import allow_atomic_batches, ensure_kv_bucket, ensure_stream
+from asyncinfer.nats.streams import ensure_kv_bucket, ensure_stream
 
 
 async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
@@ -26,11 +26,9 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
         duplicate_window=config.duplicate_window_s,
         discard=api.DiscardPolicy.NEW,
         allow_msg_ttl=True,
-        allow_atomic=True,  # concurrent submits' work messages are published as atomic batches
     )
 
     await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
-    await allow_atomic_batches(js, config.work_stream, retry_for_s=config.connect_timeout_s)
 
 
 async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBucket:
@@ -43,8 +41,6 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBuck
         description="asyncinfer job records, keyed <tenant>.<job_id>",
         limit_marker_ttl_s=config.expired_job_marker_ttl_s,
     )
-    # Concurrent submits' records are created as atomic batches.
-    await allow_atomic_batches(js, kv_stream(config.jobs_bucket), retry_for_s=config.connect_timeout_s)
     return KvBucket(name=config.jobs_bucket, kv=kv, js=js)
 
 

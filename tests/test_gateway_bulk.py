@@ -16,7 +16,6 @@ from asyncinfer.errors import FieldViolation as DomainViolation
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.bulk import error_status
-from tests.stack import Stack
 from tests.test_gateway import fp32_input, submit_request
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_keys
 
@@ -173,25 +172,3 @@ async def test_many_jobs_per_message_are_answered_together_in_order(stub: JobStu
     assert [a.index for a in flat] == [*range(100), *range(101, 301)]
     valid = sum(expected == "job" for _, _, expected in records) + 1
     assert await work_messages(nc) == valid
-
-
-async def test_the_writes_of_a_many_jobs_message_go_as_atomic_batches(idle_stack: Stack) -> None:
-    """A SubmitJobs message of 100 jobs: its work messages and its records are coalesced into
-    atomic batches (far fewer answers than jobs), and every job is queued once with its record."""
-    request = submit_request()
-    message = job_service_pb2.SubmitJobsRequest(
-        items=[job_service_pb2.SubmitJobsItem(job=request, correlation_id=str(i)) for i in range(100)]
-    )
-    got = await answers(idle_stack.jobs, [message])
-    job_ids = [a.job.job_id for a in got[0].answers]
-    assert len(set(job_ids)) == 100
-    work, records = idle_stack.gateway.submitter.write_batches
-    for publisher in (work, records):
-        assert publisher.messages_sent == 100
-        assert publisher.batches_sent < 20, f"{publisher.batches_sent} answers for 100 writes"
-    assert await work_messages(idle_stack.nc) == 100
-    found = await idle_stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=job_ids))
-    revisions = [r.job.revision for r in found.results]
-    assert all(r.HasField("job") and r.job.state == job_pb2.JOB_STATE_QUEUED for r in found.results)
-    assert len(set(revisions)) == 100, "each record its own revision"
-    assert [a.job.revision for a in got[0].answers] == revisions, "the revision answered is the one stored"

@@ -91,20 +91,6 @@ async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry
     await retry_transient(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
 
 
-async def allow_atomic_batches(js: JetStreamContext, name: str, *, retry_for_s: float) -> None:
-    """Turns on `allow_atomic` for a stream of ours that lacks it (one declared by an older
-    release): a flag that only allows more, so changing it in place is safe."""
-
-    async def declare(_: float) -> None:
-        info = await js.stream_info(name)
-        if not info.config.allow_atomic:
-            info.config.allow_atomic = True
-            await js.update_stream(info.config)
-            log.info("stream_updated", stream=name, allow_atomic=True)
-
-    await retry_transient(declare, retry_for_s=retry_for_s, what=f"allow atomic batches on {name}")
-
-
 async def ensure_kv_bucket(
     js: JetStreamContext,
     config: NatsConfig,

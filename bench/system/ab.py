@@ -2,11 +2,12 @@
 section's bursts (unary SubmitJob then GetJob per job; the batch APIs) against two stacks that
 differ in that setting alone, alternated round by round so that a busy moment spreads over both.
 
-    .venv/bin/python -m bench.system.ab [--rounds 3] [--burst 3000]
+    .venv/bin/python -m bench.system.ab --setting batcher.work_batches [--rounds 3] [--burst 3000]
 
-Today's A/B: the WorkerService stream one message per order / result / credit (A,
-batcher.work_batches = false) against work moving a batch at a time (B: WorkOrders and WorkUpdates,
-what a batcher does by default). Writes bench/results/ab_work_batches.{json,md}.
+A is the setting false, B true (the default):
+- batcher.work_batches: the WorkerService stream one message per order / result / credit, against
+  WorkOrders and WorkUpdates (work moving a batch at a time).
+Writes bench/results/ab_<key>.{json,md}.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from asyncinfer.v1 import job_service_pb2_grpc
 from bench.system.common import ProcessGroup, log, ratio, row, summarize, write_results
 from bench.system.e2e import Burst, Stack, batch_burst, burst, run_one, system_cpu_ms_per_job
 
-SECTION = "ab_work_batches"
-SETUPS = {"A: one message per order/result": {"work_batches": False}, "B: batches": {"work_batches": True}}
+TITLES = {
+    "batcher.work_batches": "the WorkerService stream, one message per item vs batches",
+}
 
 
 async def measure(stack: Stack, count: int) -> tuple[Burst, Burst]:
@@ -37,16 +39,18 @@ async def measure(stack: Stack, count: int) -> tuple[Burst, Burst]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--setting", choices=sorted(TITLES), required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst", type=int, default=3000)
     args = parser.parse_args()
-    found: dict[str, list[tuple[Burst, Burst]]] = {name: [] for name in SETUPS}
+    section_name, key = args.setting.split(".")
+    section = f"ab_{key}"
+    setups = {f"A: {args.setting} = false": False, f"B: {args.setting} = true": True}
+    found: dict[str, list[tuple[Burst, Burst]]] = {name: [] for name in setups}
     with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for round_number in range(1, args.rounds + 1):
-            for name, batcher in SETUPS.items():
-                stack = Stack(
-                    group, name=f"nats-{round_number}-{len(found[name])}-{batcher['work_batches']}", batcher=batcher
-                )
+            for name, value in setups.items():
+                stack = Stack(group, name=f"nats-{round_number}-{value}", **{section_name: {key: value}})
                 unary, batched = runner.run(measure(stack, args.burst))
                 stack.stop_services()
                 found[name].append((unary, batched))
@@ -73,7 +77,7 @@ def main() -> None:
             unit = "ms" if "ms" in label else "jobs/s"
             rows.append(row(f"{name}: {label}", values, unit))
             medians[name][label] = float(summarize(values)["value"])
-    a, b = (medians[name] for name in SETUPS)
+    a, b = (medians[name] for name in setups)
     ratios = [
         ratio(f"B / A: {label}", b[label] / a[label], "for the decision", None)
         for label in a
@@ -84,8 +88,8 @@ def main() -> None:
         f"A then B; per stack 20 warm-up jobs, a unary burst of {args.burst} (64 in flight, then GetJob per job) "
         "and a batch-API burst of the same size. The no-op model makes every figure the system's own cost.",
     ]
-    write_results(SECTION, "A/B: the WorkerService stream, one message per item vs batches", rows, ratios, notes)
-    log(f"wrote bench/results/{SECTION}.md")
+    write_results(section, f"A/B: {TITLES[args.setting]}", rows, ratios, notes)
+    log(f"wrote bench/results/{section}.md")
 
 
 if __name__ == "__main__":

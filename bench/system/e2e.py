@@ -154,11 +154,15 @@ class Stack:
         *,
         name: str = "nats",
         batcher: dict[str, Any] | None = None,
+        gateway: dict[str, Any] | None = None,
     ) -> None:
         self.group = group
         self.nats = group.nats("nats-profiled" if profile_dir else name)
         self.config = bench_config(
-            self.nats.url, models=[noop_model_config()], batcher={"torch_threads": 1, **(batcher or {})}
+            self.nats.url,
+            models=[noop_model_config()],
+            batcher={"torch_threads": 1, **(batcher or {})},
+            **({"gateway": gateway} if gateway else {}),
         )
 
         def profile(name: str) -> Path | None:

@@ -71,11 +71,6 @@ class GatewayApp:
             raise RuntimeError("the gateway is not started")
         return self._queues
 
-    @property
-    def submitter(self) -> JobSubmitter:
-        assert self._submitter is not None, "start the gateway first"
-        return self._submitter
-
     async def start(self) -> None:
         if self._started:
             raise RuntimeError("the gateway was already started")

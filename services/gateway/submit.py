@@ -2,11 +2,6 @@
 quota), publish its work message, then store its record (QUEUED) and announce it. Acceptance
 means durably queued.
 
-The writes of concurrent submits are coalesced: the work messages ready together are published as
-one JetStream atomic batch (one answer for all of them), and so are their records
-(asyncinfer.nats.batch_publisher); a lone submit's writes go at once. A batch that is not stored
-sends each of its writes down the one-at-a-time path below, with its retries.
-
 Through a NATS leader election (a cluster node died) both writes are retried for
 `gateway.enqueue_retry_s` under the same job ID: the record's key is the job ID (a create that
 landed before its answer was lost is found on the next try) and the publish carries the job ID as
@@ -28,19 +23,12 @@ from asyncinfer.backoff import retrying
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.contract import (
-    EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER,
-    EXPECTED_STREAM_HEADER,
-    MSG_ID_HEADER,
-    kv_subject,
-    routing_headers,
-)
+from asyncinfer.contract import routing_headers
 from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, JobState, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.batch_publisher import BatchNotStored, BatchPublisher
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
 from services.gateway.admission import Admission
@@ -70,8 +58,6 @@ class JobSubmitter:
         self._nc = nc
         self._js = nc.jetstream()
         self._admission = admission
-        self._work_batches = BatchPublisher(nc, what="work messages")
-        self._record_batches = BatchPublisher(nc, what="job records")
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
 
@@ -127,17 +113,10 @@ class JobSubmitter:
         await self._claim_check.keep_for(tenant, request.input_blob, expires_at)
         return dataclasses.replace(request, inputs=())
 
-    @property
-    def write_batches(self) -> tuple[BatchPublisher, BatchPublisher]:
-        """The coalescers of the work messages and of the records (for their counts)."""
-        return self._work_batches, self._record_batches
-
     async def drain(self) -> None:
         """Waits for submits whose callers went away (each bounded by enqueue_retry_s)."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._work_batches.close()
-        await self._record_batches.close()
 
     async def _admit_and_enqueue(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
@@ -197,28 +176,18 @@ class JobSubmitter:
         # without a record, which the scheduler drops once it is older than its grace period
         # (nobody was told the job was accepted); the other order would leave a QUEUED record
         # that nothing will ever run. The scheduler waits briefly for a record it cannot find yet.
-        subject = work_subject(record.model_name, record.priority)
-        payload = encode_envelope(envelope)
-        headers = routing_headers(
-            tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
-        )
         try:
-            try:
-                await self._work_batches.publish(
-                    subject,
-                    payload,
-                    {**headers, MSG_ID_HEADER: record.job_id, EXPECTED_STREAM_HEADER: self._config.nats.work_stream},
-                )
-            except BatchNotStored:
-                await publish_durably(
-                    self._js,
-                    subject,
-                    payload,
-                    stream=self._config.nats.work_stream,
-                    msg_id=record.job_id,
-                    retry_for_s=max(give_up_at - time.monotonic(), 0.0),
-                    headers=headers,
-                )
+            await publish_durably(
+                self._js,
+                work_subject(record.model_name, record.priority),
+                encode_envelope(envelope),
+                stream=self._config.nats.work_stream,
+                msg_id=record.job_id,
+                retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+                headers=routing_headers(
+                    tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
+                ),
+            )
         except NATS_FAILURES as exc:
             bound.warning("enqueue_failed", error=str(exc))
             raise Unavailable(
@@ -242,15 +211,9 @@ class JobSubmitter:
         return created
 
     async def _create_record(self, record: JobRecord, give_up_at: float, data: bytes) -> JobRecord:
-        """Creates the record (in a batch with the others ready now; alone, with retries through
-        NATS failures until give_up_at, when that batch was not stored). A create whose answer was
-        lost may have landed: the key is this job's own, so a record found there is it."""
-        subject = kv_subject(self._config.nats.jobs_bucket, record.key)
-        try:
-            revision = await self._record_batches.publish(subject, data, {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: "0"})
-            return record.evolve(revision=revision)
-        except BatchNotStored:
-            first = False  # its batch may have been stored with the answer lost: look first
+        """Creates the record, retrying through NATS failures until give_up_at. A create whose
+        answer was lost may have landed: the key is this job's own, so a record found there is it."""
+        first = True
         async for attempt in retrying(Unavailable, retry_for_s=max(give_up_at - time.monotonic(), 0.0)):
             with attempt:
                 if not first:
