@@ -13,6 +13,9 @@ lives in `asyncinfer.lifecycle`, not here.
 
 from __future__ import annotations
 
+import asyncio
+import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
@@ -34,16 +37,19 @@ def retrying(
     first_delay_s: float = FIRST_DELAY_S,
     max_delay_s: float = MAX_DELAY_S,
     attempts: int | None = None,
+    jitter_s: float | None = None,
 ) -> AsyncIterator[stamina.Attempt]:
     """`async for attempt in retrying(...): with attempt: ...` — the block is run again while it
-    raises `on`, until `retry_for_s` has passed (or `attempts` were made); None and None: forever."""
+    raises `on`, until `retry_for_s` has passed (or `attempts` were made); None and None: forever.
+    The n-th wait is min(max_delay_s, first_delay_s * 2^(n-1) + uniform(0, jitter_s)); jitter_s is
+    first_delay_s unless given."""
     return stamina.retry_context(
         on=on,
         attempts=attempts,
         timeout=retry_for_s,
         wait_initial=first_delay_s,
         wait_max=max_delay_s,
-        wait_jitter=first_delay_s,
+        wait_jitter=first_delay_s if jitter_s is None else jitter_s,
         wait_exp_base=2,
     )
 
@@ -57,12 +63,32 @@ async def retry(
     first_delay_s: float = FIRST_DELAY_S,
     max_delay_s: float = MAX_DELAY_S,
 ) -> T:
-    """operation(), tried again while it raises `on`, for at most `retry_for_s`."""
-    async for attempt in retrying(on, retry_for_s=retry_for_s, first_delay_s=first_delay_s, max_delay_s=max_delay_s):
+    """operation(), tried again while it raises `on`, for at most `retry_for_s`.
+
+    The first try is a plain call: most succeed, and building the retry state for each one cost
+    more than the publish it guards (6% of the gateway's CPU in a bulk burst, py-spy). The waits
+    after a failure follow the rule above: the first one here, the rest by `retrying`."""
+    give_up_at = time.monotonic() + retry_for_s
+    try:
+        return await operation()
+    except on as exc:
+        first_wait_s = min(max_delay_s, first_delay_s + random.uniform(0.0, first_delay_s))
+        if time.monotonic() + first_wait_s >= give_up_at:
+            raise
+        log.info("retrying", what=what, attempt=1, error=repr(exc))
+    await asyncio.sleep(first_wait_s)
+    retries = retrying(
+        on,
+        retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+        first_delay_s=min(first_delay_s * 2, max_delay_s),
+        max_delay_s=max_delay_s,
+        jitter_s=first_delay_s,
+    )
+    async for attempt in retries:
         with attempt:
             try:
                 return await operation()
             except on as exc:
-                log.info("retrying", what=what, attempt=attempt.num, error=repr(exc))
+                log.info("retrying", what=what, attempt=attempt.num + 1, error=repr(exc))
                 raise
     raise AssertionError("unreachable: stamina raises the last error")  # pragma: no cover

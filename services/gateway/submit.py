@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import structlog
 
-from asyncinfer.backoff import retrying
+from asyncinfer.backoff import retry
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
@@ -214,12 +214,19 @@ class JobSubmitter:
         """Creates the record, retrying through NATS failures until give_up_at. A create whose
         answer was lost may have landed: the key is this job's own, so a record found there is it."""
         first = True
-        async for attempt in retrying(Unavailable, retry_for_s=max(give_up_at - time.monotonic(), 0.0)):
-            with attempt:
-                if not first:
-                    existing = await self._records.get(record.key)
-                    if existing is not None:
-                        return existing
-                first = False
-                return await self._records.create(record, data=data)
-        raise AssertionError("unreachable: the last error is raised")  # pragma: no cover
+
+        async def attempt() -> JobRecord:
+            nonlocal first
+            if not first:
+                existing = await self._records.get(record.key)
+                if existing is not None:
+                    return existing
+            first = False
+            return await self._records.create(record, data=data)
+
+        return await retry(
+            attempt,
+            on=Unavailable,
+            retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+            what=f"create the record of {record.job_id}",
+        )
