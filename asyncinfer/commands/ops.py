@@ -47,7 +47,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         add_options(sub)
         sub.set_defaults(handler=dlq_replay if name == "replay" else dlq_purge)
 
-    queue = commands.add_parser("queue", help="pause or resume a model's queue, or drain the scheduler")
+    queue = commands.add_parser("queue", help="pause or resume a model's queue, or drain and undrain the scheduler")
     queue_actions = queue.add_subparsers(dest="queue_action", required=True)
     for name, verb in (("pause", "stop dispatching (jobs stay queued, reason PAUSED)"), ("resume", "dispatch again")):
         sub = queue_actions.add_parser(name, help=f"{verb}: MODEL's queue")

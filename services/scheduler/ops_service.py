@@ -1,6 +1,9 @@
-"""OpsService: queue statistics, dead letters, pause/resume and drain, for operators (grpcurl)
-and autoscalers. Protobuf stays here; the work is done by the stats reader, the dead-letter store,
-`replay`, the pause state and the app's drain."""
+"""OpsService: queue statistics, dead letters, pause/resume and drain/undrain, for operators
+(grpcurl) and autoscalers. Protobuf stays here; the work is done by the stats reader, the
+dead-letter store, `replay`, the pause state and the app's drain.
+
+Every answer says what happened (grpcurl leaves out fields at their defaults, so an answer of
+zeros alone would print `{}`): the queue's state, and counts that are present even when 0."""
 
 from __future__ import annotations
 
