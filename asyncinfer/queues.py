@@ -6,7 +6,8 @@
   jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means no scheduler is
   looking after the model.
 - The key `paused.<model>` in the same bucket exists while an operator has paused the model's
-  queue; every scheduler honours it.
+  queue; every scheduler honours it. A drain (OpsService.Drain) is one scheduler's: its snapshots
+  say `draining` until it is undrained, so the gateway tells its queued jobs why they wait.
 - Cancellation of a running job: after the gateway moves the record to CANCELLING it publishes a
   `CancelNotice` on the core subject `cancel_subject(model)`; every scheduler hears it, and the one
   that dispatched the job tells its batcher to drop it.
@@ -82,6 +83,8 @@ class QueueSnapshot:
     completed_per_s: float = 0.0
     paused: bool = False
     desired_batchers: int = 0
+    # The scheduler that wrote it dispatches nothing until undrained.
+    draining: bool = False
 
     def depth(self, priority: Priority) -> int:
         entry = self.priorities.get(priority.value)
@@ -150,6 +153,9 @@ class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     completed_per_s: float = 0.0
     paused: bool = False
     desired_batchers: int = 0
+    # Written only while true (defaults are left out), so that a reader of the release before
+    # it, which refuses unknown fields, misses only the snapshots of a draining scheduler.
+    draining: bool = False
 
 
 class CancelNoticeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -189,6 +195,7 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
             completed_per_s=s.completed_per_s,
             paused=s.paused,
             desired_batchers=s.desired_batchers,
+            draining=s.draining,
         )
     )
 
@@ -205,6 +212,7 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
         completed_per_s=w.completed_per_s,
         paused=w.paused,
         desired_batchers=w.desired_batchers,
+        draining=w.draining,
     )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.cli import main
-from asyncinfer.client import AsyncClient
+from asyncinfer.client import AsyncClient, WaitingReason
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.ids import new_job_id
 from tests.stack import Stack
@@ -331,7 +331,7 @@ async def test_dlq_and_stats(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> N
     assert "no dead letters" in out
     code, out, err = await cli("dlq", "purge", "--all", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"purged": 0}
+    assert json.loads(out) == {"purged": 0, "remaining": 0}
     code, _, err = await cli("dlq", "replay")
     assert code == 2
     assert "SEQUENCE" in err
@@ -355,7 +355,7 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     cli = Cli(stack, monkeypatch)
     code, out, err = await cli("queue", "pause", "demo", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"model_name": "demo", "paused": True}
+    assert json.loads(out) == {"model_name": "demo", "paused": True, "state": "paused", "queued": 0}
     code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
     assert code == 0, err
     job_id = out.strip()
@@ -364,7 +364,7 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     assert json.loads(out)["state"] == "QUEUED"
     code, out, err = await cli("queue", "resume", "demo")
     assert code == 0, err
-    assert out.strip() == "demo: dispatching"
+    assert out.strip() == "demo: dispatching, 1 queued"
     code, out, err = await cli("watch", job_id, "--json")
     assert code == 0, err
     assert json.loads(out.splitlines()[-1])["state"] == "SUCCEEDED"
@@ -372,7 +372,49 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     assert code == 3, err
     code, out, err = await cli("queue", "drain", "--wait", "5", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"in_flight": 0}
+    assert json.loads(out) == {"state": "draining", "drained": True, "in_flight": 0}
+
+    # Drained: new jobs wait, saying why; stats show it; undrain lets them run.
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
+    assert code == 0, err
+    held = out.strip()
+    code, out, err = await cli("stats", "--once", "--json")
+    assert code == 0, err
+    (demo,) = [m for m in json.loads(out)["models"] if m["model_name"] == "demo"]
+    assert (demo["draining"], demo["state"], demo["desired_batchers"]) == (True, "draining", 0)
+    assert demo["submitted_per_second"] > 0
+    code, out, err = await cli("stats", "--once")
+    assert "demo (draining)" in out, out
+    async with AsyncClient(stack.address) as client:
+        for _ in range(10):  # the gateway hears of the drain with the scheduler's next snapshot
+            job = await client.get(held)
+            if job.queue is not None and job.queue.waiting_reason == WaitingReason.DRAINING:
+                break
+            await client_wait_snapshot(stack)
+        assert job.queue is not None
+        assert job.queue.waiting_reason == WaitingReason.DRAINING
+    code, out, err = await cli("queue", "undrain")
+    assert (code, out.strip()) == (0, "dispatching"), err
+    code, out, err = await cli("watch", held, "--json")
+    assert code == 0, err
+    assert json.loads(out.splitlines()[-1])["state"] == "SUCCEEDED"
+    code, out, err = await cli("queue", "undrain", "--json")
+    assert json.loads(out) == {"state": "dispatching", "was_draining": False}
+
+
+async def client_wait_snapshot(stack: Stack) -> None:
+    """Waits for the scheduler's next queue snapshot to reach the gateway (a KV watch, not a sleep)."""
+    queues = await stack.nc.jetstream().key_value(stack.config.nats.queues_bucket)
+    watcher = await queues.watch("demo")
+    initial = True
+    try:
+        async for entry in watcher:
+            if entry is None:  # the end of the values written before
+                initial = False
+            elif not initial:
+                return
+    finally:
+        await watcher.stop()
 
 
 # -- models -------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -560,3 +561,9 @@ def test_waiting_reason_precedence() -> None:
     assert waiting_reason(retried, None, paused=False, now=now) == WaitingReason.NO_WORKER
     assert waiting_reason(retried, fresh, paused=False, now=now) == WaitingReason.RETRY_BACKOFF
     assert waiting_reason(record_at(1.0), fresh, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
+    draining = replace(fresh, draining=True)
+    assert waiting_reason(record_at(1.0), draining, paused=False, now=now) == WaitingReason.DRAINING
+    assert waiting_reason(retried, draining, paused=False, now=now) == WaitingReason.DRAINING
+    assert waiting_reason(record_at(1.0), draining, paused=True, now=now) == WaitingReason.PAUSED
+    stale = replace(draining, updated_at=now - 60.0)  # no scheduler reports the model any more
+    assert waiting_reason(record_at(1.0), stale, paused=False, now=now) == WaitingReason.NO_WORKER

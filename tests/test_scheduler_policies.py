@@ -39,6 +39,7 @@ from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
 from services.scheduler.app import SchedulerApp
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
+from services.scheduler.queue_stats import desired_batchers
 
 MODEL = "demo"
 TENANT = "default"
@@ -104,6 +105,7 @@ class Harness:
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
         self.ops = ops_service_pb2_grpc.OpsServiceStub(self.channel)
         self.batchers: list[ScriptedBatcher] = []
+        self.started = time.monotonic()
 
     async def batcher(self, batcher_id: str = "b1", credits: int = 0) -> ScriptedBatcher:
         batcher = ScriptedBatcher(self.app.port, batcher_id)
@@ -179,6 +181,8 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
 
     listed = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))
     (letter,) = listed.dead_letters
+    assert listed.HasField("total")
+    assert listed.total == 1
     assert (letter.job_id, letter.tenant, letter.model_name, letter.reason, letter.attempts) == (
         job_id,
         TENANT,
@@ -203,6 +207,11 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     await h.nc.flush()
     replayed = await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
     assert replayed.replayed == 1
+    # The answer says what happened, counts present even when 0 (grpcurl prints them).
+    assert list(replayed.job_ids) == [job_id]
+    assert replayed.skipped == 0
+    assert replayed.HasField("remaining")
+    assert replayed.remaining == 0
     # The replay announces the job queued again, with the record it wrote.
     key, revision, data = decode_queued_notice(await asyncio.wait_for(notices.get(), 5.0))
     requeued = decode_record(data, revision)
@@ -243,11 +252,22 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert len(second_page.dead_letters) == 1
     assert not second_page.next_page_token
     sequences = [d.sequence for d in [*first_page.dead_letters, *second_page.dead_letters]]
+    assert first_page.total == second_page.total == 3
     purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences[:1]))
     assert purged.purged == 1
+    assert purged.remaining == 2
     purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(all=True, model_name=MODEL))
     assert purged.purged == 2
-    assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
+    assert purged.HasField("remaining")
+    assert purged.remaining == 0
+    empty = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())
+    assert empty.dead_letters == []
+    assert empty.HasField("total")
+    assert empty.total == 0
+    nothing = await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(all=True))
+    assert nothing.replayed == 0
+    assert nothing.HasField("remaining")
+    assert nothing.remaining == 0
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -501,7 +521,7 @@ async def _true_if(metrics: Any, name: str) -> bool:
     return f'{name}{{model="demo"}} 1.0' in generate_latest(metrics.registry).decode()
 
 
-async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, config: Config) -> None:
+async def test_drain_stops_dispatch_waits_for_jobs_in_flight_and_undrain_resumes(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=2)
     running = await enqueue(h.nc, h.kv)
@@ -514,13 +534,16 @@ async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, c
     drain = asyncio.create_task(drain_call())
 
     async def draining() -> bool:
-        return h.app._draining is not None and h.app._draining.done()
+        return h.app.draining
 
     await until(draining)
     queued = await enqueue(h.nc, h.kv)
     assert not drain.done()
     await batcher.answer(order)
-    assert (await asyncio.wait_for(drain, 5)).in_flight == 0
+    answer = await asyncio.wait_for(drain, 5)
+    assert answer.in_flight == 0
+    assert answer.drained
+    assert answer.state == ops_service_pb2.QUEUE_STATE_DRAINING
     drained_at = time.time()
     await wait_state(h.kv, running, JobState.SUCCEEDED)
 
@@ -528,17 +551,92 @@ async def test_drain_stops_dispatch_and_waits_for_jobs_in_flight(start: Start, c
         snapshot = await h.snapshot()
         return (
             snapshot is not None
+            and snapshot.draining
             and snapshot.total_depth == 1
             and snapshot.in_flight == 0
             and snapshot.free_credits == 1
+            and snapshot.desired_batchers == 0  # a held queue asks for no batcher
             and snapshot.updated_at > drained_at
         )
 
     await until(held)  # after the drain: the queued job and a credit, both left unspent
     assert batcher.orders.empty()
     assert (await read_record(h.kv, queued)).state == JobState.QUEUED
+    stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
+    assert stats.draining
+    assert not stats.paused
+    assert stats.state == ops_service_pb2.QUEUE_STATE_DRAINING
+    assert stats.desired_batchers == 0
+    assert _true_if_unlabelled(h.app.metrics, "asyncinfer_scheduler_draining")
+    # Resuming a queue while the scheduler drains says so: the queue is still held.
+    resumed = await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))
+    assert resumed.state == ops_service_pb2.QUEUE_STATE_DRAINING
+    assert resumed.HasField("queued")
+    assert resumed.queued == 1
     short = await h.ops.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(nanos=1000)))
     assert short.in_flight == 0
+    assert short.drained
+
+    # Reversible: undrain, and the job held through the drain runs.
+    undrained = await h.ops.Undrain(ops_service_pb2.UndrainRequest())
+    assert undrained.was_draining
+    assert undrained.state == ops_service_pb2.QUEUE_STATE_DISPATCHING
+    order = await batcher.next_order()
+    assert order.job_id == queued
+    await batcher.answer(order)
+    await wait_state(h.kv, queued, JobState.SUCCEEDED)
+    stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
+    assert not stats.draining
+    assert stats.state == ops_service_pb2.QUEUE_STATE_DISPATCHING
+    assert not (await h.ops.Undrain(ops_service_pb2.UndrainRequest())).was_draining
+
+    async def snapshot_undrained() -> bool:
+        snapshot = await h.snapshot()
+        return snapshot is not None and not snapshot.draining
+
+    await until(snapshot_undrained)
+
+
+def _true_if_unlabelled(metrics: Any, name: str) -> bool:
+    return f"{name} 1.0" in generate_latest(metrics.registry).decode()
+
+
+async def test_a_paused_queue_asks_for_no_more_batchers_than_it_has(start: Start, config: Config) -> None:
+    """Issue 18: a paused queue of 30 jobs asked for 15 batchers. Held, its waiting jobs count for
+    nothing; only the jobs in flight do, and never beyond the batchers connected."""
+    h = await start(tune(config))
+    await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))
+    for _ in range(30):
+        await enqueue(h.nc, h.kv)
+
+    async def stats() -> ops_service_pb2.ModelQueueStats:
+        return (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
+
+    async def all_queued() -> bool:
+        return sum(p.depth for p in (await stats()).priorities) == 30
+
+    await until(all_queued)
+    paused = await stats()
+    assert paused.paused
+    assert paused.state == ops_service_pb2.QUEUE_STATE_PAUSED
+    assert paused.desired_batchers == 0
+    resumed = await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))
+    assert resumed.state == ops_service_pb2.QUEUE_STATE_DISPATCHING
+    assert resumed.queued == 30
+    assert (await stats()).desired_batchers >= 1  # no batcher yet: scaling from zero asks for one
+
+
+def test_desired_batchers_of_held_and_open_queues() -> None:
+    open_queue = {"connected": 2, "completed_per_s": 2.0, "target_drain_s": 1.0}
+    assert desired_batchers(waiting=30, in_flight=0, **open_queue) == 30
+    assert desired_batchers(waiting=30, in_flight=0, held=True, **open_queue) == 0
+    assert desired_batchers(waiting=30, in_flight=4, held=True, **open_queue) == 2  # never more than connected
+    assert desired_batchers(waiting=30, in_flight=1, held=True, **open_queue) == 1
+    assert desired_batchers(waiting=0, in_flight=3, connected=0, completed_per_s=0.0, target_drain_s=1.0) == 1
+    assert desired_batchers(waiting=5, in_flight=0, connected=0, completed_per_s=0.0, target_drain_s=1.0) == 1
+    assert (
+        desired_batchers(waiting=5, in_flight=0, connected=0, completed_per_s=0.0, target_drain_s=1.0, held=True) == 0
+    )
 
 
 async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, config: Config) -> None:
@@ -560,6 +658,9 @@ async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, 
         await h.queues.get(tenant_key("other"))
     stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())).models[0]
     assert stats.completed_per_second > 0
+    # Six jobs queued with a notice each (issue 18: IN/S was always 0).
+    assert stats.submitted_per_second > 0
+    assert stats.submitted_per_second == pytest.approx(6 / max(time.monotonic() - h.started, 1.0), rel=0.5)
     assert stats.desired_batchers == 0  # nothing waits or runs: scale to zero
 
     async def snapshot_rate() -> bool:

@@ -50,6 +50,7 @@ class WaitingReason(enum.StrEnum):
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
     PAUSED = "PAUSED"
     RETRY_BACKOFF = "RETRY_BACKOFF"
+    DRAINING = "DRAINING"
 
 
 class CallbackEvent(enum.StrEnum):

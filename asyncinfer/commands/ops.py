@@ -1,4 +1,4 @@
-"""`dlq list|show|replay|purge`, `queue pause|resume|drain` and `stats`: the scheduler's
+"""`dlq list|show|replay|purge`, `queue pause|resume|drain|undrain` and `stats`: the scheduler's
 OpsService, for operators.
 
 The OpsService has no SDK: this module calls the generated stub and turns its messages into
@@ -47,17 +47,22 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         add_options(sub)
         sub.set_defaults(handler=dlq_replay if name == "replay" else dlq_purge)
 
-    queue = commands.add_parser("queue", help="pause or resume a model's queue, or drain the scheduler")
+    queue = commands.add_parser("queue", help="pause or resume a model's queue, or drain and undrain the scheduler")
     queue_actions = queue.add_subparsers(dest="queue_action", required=True)
     for name, verb in (("pause", "stop dispatching (jobs stay queued, reason PAUSED)"), ("resume", "dispatch again")):
         sub = queue_actions.add_parser(name, help=f"{verb}: MODEL's queue")
         sub.add_argument("model")
         add_options(sub)
         sub.set_defaults(handler=queue_pause if name == "pause" else queue_resume)
-    drain = queue_actions.add_parser("drain", help="stop dispatching and wait (bounded) for jobs in flight")
+    drain = queue_actions.add_parser(
+        "drain", help="stop the scheduler dispatching (until undrain) and wait (bounded) for jobs in flight"
+    )
     drain.add_argument("--wait", type=float, default=30.0, help="seconds to wait for jobs in flight (default 30)")
     add_options(drain)
     drain.set_defaults(handler=queue_drain)
+    undrain = queue_actions.add_parser("undrain", help="end a drain: the scheduler dispatches again")
+    add_options(undrain)
+    undrain.set_defaults(handler=queue_undrain)
 
     stats = commands.add_parser("stats", help="a live table of the queues (GetQueueStats on the scheduler)")
     stats.add_argument("--model", default="", help="only this model")
@@ -177,9 +182,17 @@ async def dlq_replay(args: argparse.Namespace, options: Options) -> int:
     request = ops_service_pb2.ReplayDeadLettersRequest(sequences=sequences, all=every, model_name=model)
     response = await _ops_call(options, lambda stub, t: stub.ReplayDeadLetters(request, timeout=t))
     if options.json:
-        print_json({"replayed": response.replayed})
+        print_json(
+            {
+                "replayed": response.replayed,
+                "job_ids": list(response.job_ids),
+                "skipped": response.skipped,
+                "remaining": response.remaining,
+            }
+        )
     else:
-        print(f"replayed {response.replayed} dead letter(s)", flush=True)
+        skipped = f", {response.skipped} skipped" if response.skipped else ""
+        print(f"replayed {response.replayed} dead letter(s){skipped}; {response.remaining} left", flush=True)
     return EXIT_OK
 
 
@@ -188,9 +201,9 @@ async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
     request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
     response = await _ops_call(options, lambda stub, t: stub.PurgeDeadLetters(request, timeout=t))
     if options.json:
-        print_json({"purged": response.purged})
+        print_json({"purged": response.purged, "remaining": response.remaining})
     else:
-        print(f"purged {response.purged} dead letter(s)", flush=True)
+        print(f"purged {response.purged} dead letter(s); {response.remaining} left", flush=True)
     return EXIT_OK
 
 
@@ -200,20 +213,27 @@ async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
 async def queue_pause(args: argparse.Namespace, options: Options) -> int:
     request = ops_service_pb2.PauseQueueRequest(model_name=args.model)
     response = await _ops_call(options, lambda stub, t: stub.PauseQueue(request, timeout=t))
-    return _print_paused(args.model, response.paused, options)
+    return _print_queue_state(args.model, response.paused, response.state, response.queued, options)
 
 
 async def queue_resume(args: argparse.Namespace, options: Options) -> int:
     request = ops_service_pb2.ResumeQueueRequest(model_name=args.model)
     response = await _ops_call(options, lambda stub, t: stub.ResumeQueue(request, timeout=t))
-    return _print_paused(args.model, response.paused, options)
+    return _print_queue_state(args.model, response.paused, response.state, response.queued, options)
 
 
-def _print_paused(model: str, paused: bool, options: Options) -> int:
+def _state_name(state: int) -> str:
+    if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
+        return "unknown"
+    return ops_service_pb2.QueueState.Name(state).removeprefix("QUEUE_STATE_").lower()  # type: ignore[arg-type]
+
+
+def _print_queue_state(model: str, paused: bool, state: int, queued: int, options: Options) -> int:
+    name = _state_name(state)
     if options.json:
-        print_json({"model_name": model, "paused": paused})
+        print_json({"model_name": model, "paused": paused, "state": name, "queued": queued})
     else:
-        print(f"{model}: {'paused' if paused else 'dispatching'}", flush=True)
+        print(f"{model}: {name}, {queued} queued", flush=True)
     return EXIT_OK
 
 
@@ -225,9 +245,21 @@ async def queue_drain(args: argparse.Namespace, options: Options) -> int:
     # The call lasts as long as the drain may: the per-call timeout is added on top.
     response = await _ops_call(options, lambda stub, t: stub.Drain(request, timeout=t + args.wait))
     if options.json:
-        print_json({"in_flight": response.in_flight})
+        print_json({"state": _state_name(response.state), "drained": response.drained, "in_flight": response.in_flight})
+    elif response.drained:
+        print("draining: nothing in flight; nothing is dispatched until `queue undrain`", flush=True)
     else:
-        print(f"drained; jobs still in flight: {response.in_flight}", flush=True)
+        print(f"draining: {response.in_flight} job(s) still in flight; nothing new is dispatched", flush=True)
+    return EXIT_OK
+
+
+async def queue_undrain(args: argparse.Namespace, options: Options) -> int:
+    request = ops_service_pb2.UndrainRequest()
+    response = await _ops_call(options, lambda stub, t: stub.Undrain(request, timeout=t))
+    if options.json:
+        print_json({"state": _state_name(response.state), "was_draining": response.was_draining})
+    else:
+        print("dispatching" + ("" if response.was_draining else " (was not draining)"), flush=True)
     return EXIT_OK
 
 
@@ -240,6 +272,8 @@ def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
     return {
         "model_name": model.model_name,
         "paused": model.paused,
+        "draining": model.draining,
+        "state": _state_name(model.state),
         "in_flight": model.in_flight,
         "connected_batchers": model.connected_batchers,
         "free_credits": model.free_credits,
@@ -265,7 +299,7 @@ def stats_table(models: list[dict[str, Any]]) -> str:
         by_priority = " ".join(f"{q['priority'][0]}:{q['depth']}" for q in model["queues"])
         rows.append(
             [
-                model["model_name"] + (" (paused)" if model["paused"] else ""),
+                model["model_name"] + (f" ({model['state']})" if model["paused"] or model["draining"] else ""),
                 str(depth),
                 by_priority,
                 f"{max(ages):.1f}s" if ages else "-",

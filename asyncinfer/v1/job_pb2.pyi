@@ -109,6 +109,8 @@ class _WaitingReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Waiting
     """The model's queue is paused by an operator."""
     WAITING_REASON_RETRY_BACKOFF: _WaitingReason.ValueType  # 4
     """Waiting out a retry backoff."""
+    WAITING_REASON_DRAINING: _WaitingReason.ValueType  # 5
+    """The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
 
 class WaitingReason(_WaitingReason, metaclass=_WaitingReasonEnumTypeWrapper):
     """Why a queued job has not started yet."""
@@ -122,6 +124,8 @@ WAITING_REASON_PAUSED: WaitingReason.ValueType  # 3
 """The model's queue is paused by an operator."""
 WAITING_REASON_RETRY_BACKOFF: WaitingReason.ValueType  # 4
 """Waiting out a retry backoff."""
+WAITING_REASON_DRAINING: WaitingReason.ValueType  # 5
+"""The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
 Global___WaitingReason: _TypeAlias = WaitingReason  # noqa: Y015
 
 class _CallbackEvent:

@@ -28,51 +28,57 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61syncinfer/v1/ops_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"*\n\x14GetQueueStatsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"G\n\x15GetQueueStatsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.asyncinfer.v1.ModelQueueStats\"\x87\x02\n\x0fModelQueueStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x35\n\npriorities\x18\x02 \x03(\x0b\x32!.asyncinfer.v1.PriorityQueueStats\x12\x11\n\tin_flight\x18\x03 \x01(\x03\x12\x1a\n\x12\x63onnected_batchers\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ree_credits\x18\x05 \x01(\x03\x12\x18\n\x10\x64\x65sired_batchers\x18\x06 \x01(\x05\x12\x1c\n\x14\x63ompleted_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14submitted_per_second\x18\x08 \x01(\x01\x12\x0e\n\x06paused\x18\t \x01(\x08\"}\n\x12PriorityQueueStats\x12)\n\x08priority\x18\x01 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x03\x12-\n\noldest_age\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xed\x01\n\nDeadLetter\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12.\n\nlast_error\x18\x07 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12-\n\tdead_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10original_request\x18\t \x01(\x0c\"S\n\x16ListDeadLettersRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"c\n\x17ListDeadLettersResponse\x12/\n\x0c\x64\x65\x61\x64_letters\x18\x01 \x03(\x0b\x32\x19.asyncinfer.v1.DeadLetter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x14GetDeadLetterRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"G\n\x15GetDeadLetterResponse\x12.\n\x0b\x64\x65\x61\x64_letter\x18\x01 \x01(\x0b\x32\x19.asyncinfer.v1.DeadLetter\"N\n\x18ReplayDeadLettersRequest\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x12\n\nmodel_name\x18\x03 \x01(\t\"-\n\x19ReplayDeadLettersResponse\x12\x10\n\x08replayed\x18\x01 \x01(\x03\"M\n\x17PurgeDeadLettersRequest\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x12\n\nmodel_name\x18\x03 \x01(\t\"*\n\x18PurgeDeadLettersResponse\x12\x0e\n\x06purged\x18\x01 \x01(\x03\"\'\n\x11PauseQueueRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"$\n\x12PauseQueueResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"(\n\x12ResumeQueueRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"%\n\x13ResumeQueueResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\":\n\x0c\x44rainRequest\x12*\n\x07timeout\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"\"\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x03\x32\xe0\x05\n\nOpsService\x12Z\n\rGetQueueStats\x12#.asyncinfer.v1.GetQueueStatsRequest\x1a$.asyncinfer.v1.GetQueueStatsResponse\x12`\n\x0fListDeadLetters\x12%.asyncinfer.v1.ListDeadLettersRequest\x1a&.asyncinfer.v1.ListDeadLettersResponse\x12Z\n\rGetDeadLetter\x12#.asyncinfer.v1.GetDeadLetterRequest\x1a$.asyncinfer.v1.GetDeadLetterResponse\x12\x66\n\x11ReplayDeadLetters\x12\'.asyncinfer.v1.ReplayDeadLettersRequest\x1a(.asyncinfer.v1.ReplayDeadLettersResponse\x12\x63\n\x10PurgeDeadLetters\x12&.asyncinfer.v1.PurgeDeadLettersRequest\x1a\'.asyncinfer.v1.PurgeDeadLettersResponse\x12Q\n\nPauseQueue\x12 .asyncinfer.v1.PauseQueueRequest\x1a!.asyncinfer.v1.PauseQueueResponse\x12T\n\x0bResumeQueue\x12!.asyncinfer.v1.ResumeQueueRequest\x1a\".asyncinfer.v1.ResumeQueueResponse\x12\x42\n\x05\x44rain\x12\x1b.asyncinfer.v1.DrainRequest\x1a\x1c.asyncinfer.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x61syncinfer/v1/ops_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"*\n\x14GetQueueStatsRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"G\n\x15GetQueueStatsResponse\x12.\n\x06models\x18\x01 \x03(\x0b\x32\x1e.asyncinfer.v1.ModelQueueStats\"\xc3\x02\n\x0fModelQueueStats\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x35\n\npriorities\x18\x02 \x03(\x0b\x32!.asyncinfer.v1.PriorityQueueStats\x12\x11\n\tin_flight\x18\x03 \x01(\x03\x12\x1a\n\x12\x63onnected_batchers\x18\x04 \x01(\x05\x12\x14\n\x0c\x66ree_credits\x18\x05 \x01(\x03\x12\x18\n\x10\x64\x65sired_batchers\x18\x06 \x01(\x05\x12\x1c\n\x14\x63ompleted_per_second\x18\x07 \x01(\x01\x12\x1c\n\x14submitted_per_second\x18\x08 \x01(\x01\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12(\n\x05state\x18\x0b \x01(\x0e\x32\x19.asyncinfer.v1.QueueState\"}\n\x12PriorityQueueStats\x12)\n\x08priority\x18\x01 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\x03\x12-\n\noldest_age\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xed\x01\n\nDeadLetter\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x12\n\nmodel_name\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x06 \x01(\x05\x12.\n\nlast_error\x18\x07 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12-\n\tdead_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10original_request\x18\t \x01(\x0c\"S\n\x16ListDeadLettersRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"\x81\x01\n\x17ListDeadLettersResponse\x12/\n\x0c\x64\x65\x61\x64_letters\x18\x01 \x03(\x0b\x32\x19.asyncinfer.v1.DeadLetter\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\x12\x12\n\x05total\x18\x03 \x01(\x03H\x00\x88\x01\x01\x42\x08\n\x06_total\"(\n\x14GetDeadLetterRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"G\n\x15GetDeadLetterResponse\x12.\n\x0b\x64\x65\x61\x64_letter\x18\x01 \x01(\x0b\x32\x19.asyncinfer.v1.DeadLetter\"N\n\x18ReplayDeadLettersRequest\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x12\n\nmodel_name\x18\x03 \x01(\t\"u\n\x19ReplayDeadLettersResponse\x12\x10\n\x08replayed\x18\x01 \x01(\x03\x12\x0f\n\x07job_ids\x18\x02 \x03(\t\x12\x0f\n\x07skipped\x18\x03 \x01(\x03\x12\x16\n\tremaining\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x0c\n\n_remaining\"M\n\x17PurgeDeadLettersRequest\x12\x11\n\tsequences\x18\x01 \x03(\x04\x12\x0b\n\x03\x61ll\x18\x02 \x01(\x08\x12\x12\n\nmodel_name\x18\x03 \x01(\t\"P\n\x18PurgeDeadLettersResponse\x12\x0e\n\x06purged\x18\x01 \x01(\x03\x12\x16\n\tremaining\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x0c\n\n_remaining\"\'\n\x11PauseQueueRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"\x82\x01\n\x12PauseQueueResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.asyncinfer.v1.QueueState\x12\x13\n\x06queued\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_queued\"(\n\x12ResumeQueueRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\"\x83\x01\n\x13ResumeQueueResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.asyncinfer.v1.QueueState\x12\x13\n\x06queued\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\t\n\x07_queued\":\n\x0c\x44rainRequest\x12*\n\x07timeout\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"]\n\rDrainResponse\x12\x11\n\tin_flight\x18\x01 \x01(\x03\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.asyncinfer.v1.QueueState\x12\x0f\n\x07\x64rained\x18\x03 \x01(\x08\"\x10\n\x0eUndrainRequest\"Q\n\x0fUndrainResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.asyncinfer.v1.QueueState\x12\x14\n\x0cwas_draining\x18\x02 \x01(\x08*x\n\nQueueState\x12\x1b\n\x17QUEUE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17QUEUE_STATE_DISPATCHING\x10\x01\x12\x16\n\x12QUEUE_STATE_PAUSED\x10\x02\x12\x18\n\x14QUEUE_STATE_DRAINING\x10\x03\x32\xaa\x06\n\nOpsService\x12Z\n\rGetQueueStats\x12#.asyncinfer.v1.GetQueueStatsRequest\x1a$.asyncinfer.v1.GetQueueStatsResponse\x12`\n\x0fListDeadLetters\x12%.asyncinfer.v1.ListDeadLettersRequest\x1a&.asyncinfer.v1.ListDeadLettersResponse\x12Z\n\rGetDeadLetter\x12#.asyncinfer.v1.GetDeadLetterRequest\x1a$.asyncinfer.v1.GetDeadLetterResponse\x12\x66\n\x11ReplayDeadLetters\x12\'.asyncinfer.v1.ReplayDeadLettersRequest\x1a(.asyncinfer.v1.ReplayDeadLettersResponse\x12\x63\n\x10PurgeDeadLetters\x12&.asyncinfer.v1.PurgeDeadLettersRequest\x1a\'.asyncinfer.v1.PurgeDeadLettersResponse\x12Q\n\nPauseQueue\x12 .asyncinfer.v1.PauseQueueRequest\x1a!.asyncinfer.v1.PauseQueueResponse\x12T\n\x0bResumeQueue\x12!.asyncinfer.v1.ResumeQueueRequest\x1a\".asyncinfer.v1.ResumeQueueResponse\x12\x42\n\x05\x44rain\x12\x1b.asyncinfer.v1.DrainRequest\x1a\x1c.asyncinfer.v1.DrainResponse\x12H\n\x07Undrain\x12\x1d.asyncinfer.v1.UndrainRequest\x1a\x1e.asyncinfer.v1.UndrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'asyncinfer.v1.ops_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_QUEUESTATE']._serialized_start=2275
+  _globals['_QUEUESTATE']._serialized_end=2395
   _globals['_GETQUEUESTATSREQUEST']._serialized_start=167
   _globals['_GETQUEUESTATSREQUEST']._serialized_end=209
   _globals['_GETQUEUESTATSRESPONSE']._serialized_start=211
   _globals['_GETQUEUESTATSRESPONSE']._serialized_end=282
   _globals['_MODELQUEUESTATS']._serialized_start=285
-  _globals['_MODELQUEUESTATS']._serialized_end=548
-  _globals['_PRIORITYQUEUESTATS']._serialized_start=550
-  _globals['_PRIORITYQUEUESTATS']._serialized_end=675
-  _globals['_DEADLETTER']._serialized_start=678
-  _globals['_DEADLETTER']._serialized_end=915
-  _globals['_LISTDEADLETTERSREQUEST']._serialized_start=917
-  _globals['_LISTDEADLETTERSREQUEST']._serialized_end=1000
-  _globals['_LISTDEADLETTERSRESPONSE']._serialized_start=1002
-  _globals['_LISTDEADLETTERSRESPONSE']._serialized_end=1101
-  _globals['_GETDEADLETTERREQUEST']._serialized_start=1103
-  _globals['_GETDEADLETTERREQUEST']._serialized_end=1143
-  _globals['_GETDEADLETTERRESPONSE']._serialized_start=1145
-  _globals['_GETDEADLETTERRESPONSE']._serialized_end=1216
-  _globals['_REPLAYDEADLETTERSREQUEST']._serialized_start=1218
-  _globals['_REPLAYDEADLETTERSREQUEST']._serialized_end=1296
-  _globals['_REPLAYDEADLETTERSRESPONSE']._serialized_start=1298
-  _globals['_REPLAYDEADLETTERSRESPONSE']._serialized_end=1343
-  _globals['_PURGEDEADLETTERSREQUEST']._serialized_start=1345
-  _globals['_PURGEDEADLETTERSREQUEST']._serialized_end=1422
-  _globals['_PURGEDEADLETTERSRESPONSE']._serialized_start=1424
-  _globals['_PURGEDEADLETTERSRESPONSE']._serialized_end=1466
-  _globals['_PAUSEQUEUEREQUEST']._serialized_start=1468
-  _globals['_PAUSEQUEUEREQUEST']._serialized_end=1507
-  _globals['_PAUSEQUEUERESPONSE']._serialized_start=1509
-  _globals['_PAUSEQUEUERESPONSE']._serialized_end=1545
-  _globals['_RESUMEQUEUEREQUEST']._serialized_start=1547
-  _globals['_RESUMEQUEUEREQUEST']._serialized_end=1587
-  _globals['_RESUMEQUEUERESPONSE']._serialized_start=1589
-  _globals['_RESUMEQUEUERESPONSE']._serialized_end=1626
-  _globals['_DRAINREQUEST']._serialized_start=1628
-  _globals['_DRAINREQUEST']._serialized_end=1686
-  _globals['_DRAINRESPONSE']._serialized_start=1688
-  _globals['_DRAINRESPONSE']._serialized_end=1722
-  _globals['_OPSSERVICE']._serialized_start=1725
-  _globals['_OPSSERVICE']._serialized_end=2461
+  _globals['_MODELQUEUESTATS']._serialized_end=608
+  _globals['_PRIORITYQUEUESTATS']._serialized_start=610
+  _globals['_PRIORITYQUEUESTATS']._serialized_end=735
+  _globals['_DEADLETTER']._serialized_start=738
+  _globals['_DEADLETTER']._serialized_end=975
+  _globals['_LISTDEADLETTERSREQUEST']._serialized_start=977
+  _globals['_LISTDEADLETTERSREQUEST']._serialized_end=1060
+  _globals['_LISTDEADLETTERSRESPONSE']._serialized_start=1063
+  _globals['_LISTDEADLETTERSRESPONSE']._serialized_end=1192
+  _globals['_GETDEADLETTERREQUEST']._serialized_start=1194
+  _globals['_GETDEADLETTERREQUEST']._serialized_end=1234
+  _globals['_GETDEADLETTERRESPONSE']._serialized_start=1236
+  _globals['_GETDEADLETTERRESPONSE']._serialized_end=1307
+  _globals['_REPLAYDEADLETTERSREQUEST']._serialized_start=1309
+  _globals['_REPLAYDEADLETTERSREQUEST']._serialized_end=1387
+  _globals['_REPLAYDEADLETTERSRESPONSE']._serialized_start=1389
+  _globals['_REPLAYDEADLETTERSRESPONSE']._serialized_end=1506
+  _globals['_PURGEDEADLETTERSREQUEST']._serialized_start=1508
+  _globals['_PURGEDEADLETTERSREQUEST']._serialized_end=1585
+  _globals['_PURGEDEADLETTERSRESPONSE']._serialized_start=1587
+  _globals['_PURGEDEADLETTERSRESPONSE']._serialized_end=1667
+  _globals['_PAUSEQUEUEREQUEST']._serialized_start=1669
+  _globals['_PAUSEQUEUEREQUEST']._serialized_end=1708
+  _globals['_PAUSEQUEUERESPONSE']._serialized_start=1711
+  _globals['_PAUSEQUEUERESPONSE']._serialized_end=1841
+  _globals['_RESUMEQUEUEREQUEST']._serialized_start=1843
+  _globals['_RESUMEQUEUEREQUEST']._serialized_end=1883
+  _globals['_RESUMEQUEUERESPONSE']._serialized_start=1886
+  _globals['_RESUMEQUEUERESPONSE']._serialized_end=2017
+  _globals['_DRAINREQUEST']._serialized_start=2019
+  _globals['_DRAINREQUEST']._serialized_end=2077
+  _globals['_DRAINRESPONSE']._serialized_start=2079
+  _globals['_DRAINRESPONSE']._serialized_end=2172
+  _globals['_UNDRAINREQUEST']._serialized_start=2174
+  _globals['_UNDRAINREQUEST']._serialized_end=2190
+  _globals['_UNDRAINRESPONSE']._serialized_start=2192
+  _globals['_UNDRAINRESPONSE']._serialized_end=2273
+  _globals['_OPSSERVICE']._serialized_start=2398
+  _globals['_OPSSERVICE']._serialized_end=3208
 # @@protoc_insertion_point(module_scope)

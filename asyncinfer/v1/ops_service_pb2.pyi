@@ -11,6 +11,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -21,6 +22,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _QueueState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueueStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueueState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUE_STATE_UNSPECIFIED: _QueueState.ValueType  # 0
+    QUEUE_STATE_DISPATCHING: _QueueState.ValueType  # 1
+    """Jobs are dispatched as batchers have room."""
+    QUEUE_STATE_PAUSED: _QueueState.ValueType  # 2
+    """An operator paused the model's queue (PauseQueue): nothing is dispatched until ResumeQueue."""
+    QUEUE_STATE_DRAINING: _QueueState.ValueType  # 3
+    """The scheduler is draining (Drain): nothing is dispatched until Undrain."""
+
+class QueueState(_QueueState, metaclass=_QueueStateEnumTypeWrapper):
+    """What a scheduler does with a model's queue."""
+
+QUEUE_STATE_UNSPECIFIED: QueueState.ValueType  # 0
+QUEUE_STATE_DISPATCHING: QueueState.ValueType  # 1
+"""Jobs are dispatched as batchers have room."""
+QUEUE_STATE_PAUSED: QueueState.ValueType  # 2
+"""An operator paused the model's queue (PauseQueue): nothing is dispatched until ResumeQueue."""
+QUEUE_STATE_DRAINING: QueueState.ValueType  # 3
+"""The scheduler is draining (Drain): nothing is dispatched until Undrain."""
+Global___QueueState: _TypeAlias = QueueState  # noqa: Y015
 
 @_typing.final
 class GetQueueStatsRequest(_message.Message):
@@ -75,6 +102,8 @@ class ModelQueueStats(_message.Message):
     COMPLETED_PER_SECOND_FIELD_NUMBER: _builtins.int
     SUBMITTED_PER_SECOND_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     in_flight: _builtins.int
     """Jobs dispatched and not finished."""
@@ -90,6 +119,10 @@ class ModelQueueStats(_message.Message):
     """Submissions per second over the last minute."""
     paused: _builtins.bool
     """True while paused."""
+    draining: _builtins.bool
+    """True while this scheduler is draining (Drain, until Undrain)."""
+    state: Global___QueueState.ValueType
+    """PAUSED, DRAINING (paused first when both) or DISPATCHING."""
     @_builtins.property
     def priorities(self) -> _containers.RepeatedCompositeFieldContainer[Global___PriorityQueueStats]: ...
     def __init__(
@@ -104,10 +137,12 @@ class ModelQueueStats(_message.Message):
         completed_per_second: _builtins.float = ...,
         submitted_per_second: _builtins.float = ...,
         paused: _builtins.bool = ...,
+        draining: _builtins.bool = ...,
+        state: Global___QueueState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "draining", b"draining", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "state", b"state", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -224,7 +259,10 @@ class ListDeadLettersResponse(_message.Message):
 
     DEAD_LETTERS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    total: _builtins.int
+    """Dead letters in all (of model_name, if set), on every page."""
     @_builtins.property
     def dead_letters(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeadLetter]: ...
     def __init__(
@@ -232,12 +270,15 @@ class ListDeadLettersResponse(_message.Message):
         *,
         dead_letters: _abc.Iterable[Global___DeadLetter] | None = ...,
         next_page_token: _builtins.str = ...,
+        total: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead_letters", b"dead_letters", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_total", b"_total", "dead_letters", b"dead_letters", "next_page_token", b"next_page_token", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__total: _TypeAlias = _typing.Literal["total"]  # noqa: Y015
+    _WhichOneofArgType__total: _TypeAlias = _typing.Literal["_total", b"_total"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__total) -> _WhichOneofReturnType__total | None: ...
 
 Global___ListDeadLettersResponse: _TypeAlias = ListDeadLettersResponse  # noqa: Y015
 
@@ -313,17 +354,34 @@ class ReplayDeadLettersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REPLAYED_FIELD_NUMBER: _builtins.int
+    JOB_IDS_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
     replayed: _builtins.int
+    """Dead letters re-queued."""
+    skipped: _builtins.int
+    """With all = true: dead letters that could not be replayed (their jobs are no longer FAILED)."""
+    remaining: _builtins.int
+    """Dead letters left (of model_name, if set) after the replay."""
+    @_builtins.property
+    def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Their jobs, QUEUED again."""
+
     def __init__(
         self,
         *,
         replayed: _builtins.int = ...,
+        job_ids: _abc.Iterable[_builtins.str] | None = ...,
+        skipped: _builtins.int = ...,
+        remaining: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_remaining", b"_remaining", "remaining", b"remaining"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["replayed", b"replayed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_remaining", b"_remaining", "job_ids", b"job_ids", "remaining", b"remaining", "replayed", b"replayed", "skipped", b"skipped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__remaining: _TypeAlias = _typing.Literal["remaining"]  # noqa: Y015
+    _WhichOneofArgType__remaining: _TypeAlias = _typing.Literal["_remaining", b"_remaining"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remaining) -> _WhichOneofReturnType__remaining | None: ...
 
 Global___ReplayDeadLettersResponse: _TypeAlias = ReplayDeadLettersResponse  # noqa: Y015
 
@@ -358,17 +416,23 @@ class PurgeDeadLettersResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PURGED_FIELD_NUMBER: _builtins.int
+    REMAINING_FIELD_NUMBER: _builtins.int
     purged: _builtins.int
+    remaining: _builtins.int
+    """Dead letters left (of model_name, if set) after the purge."""
     def __init__(
         self,
         *,
         purged: _builtins.int = ...,
+        remaining: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_remaining", b"_remaining", "remaining", b"remaining"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["purged", b"purged"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_remaining", b"_remaining", "purged", b"purged", "remaining", b"remaining"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__remaining: _TypeAlias = _typing.Literal["remaining"]  # noqa: Y015
+    _WhichOneofArgType__remaining: _TypeAlias = _typing.Literal["_remaining", b"_remaining"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remaining) -> _WhichOneofReturnType__remaining | None: ...
 
 Global___PurgeDeadLettersResponse: _TypeAlias = PurgeDeadLettersResponse  # noqa: Y015
 
@@ -396,17 +460,30 @@ class PauseQueueResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PAUSED_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
+    model_name: _builtins.str
+    state: Global___QueueState.ValueType
+    """The queue's state now (PAUSED)."""
+    queued: _builtins.int
+    """Jobs waiting in the queue."""
     def __init__(
         self,
         *,
         paused: _builtins.bool = ...,
+        model_name: _builtins.str = ...,
+        state: Global___QueueState.ValueType = ...,
+        queued: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_queued", b"_queued", "queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["paused", b"paused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_queued", b"_queued", "model_name", b"model_name", "paused", b"paused", "queued", b"queued", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__queued: _TypeAlias = _typing.Literal["queued"]  # noqa: Y015
+    _WhichOneofArgType__queued: _TypeAlias = _typing.Literal["_queued", b"_queued"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__queued) -> _WhichOneofReturnType__queued | None: ...
 
 Global___PauseQueueResponse: _TypeAlias = PauseQueueResponse  # noqa: Y015
 
@@ -434,17 +511,30 @@ class ResumeQueueResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PAUSED_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     paused: _builtins.bool
+    model_name: _builtins.str
+    state: Global___QueueState.ValueType
+    """The queue's state now: DISPATCHING, or DRAINING while this scheduler drains."""
+    queued: _builtins.int
+    """Jobs waiting in the queue."""
     def __init__(
         self,
         *,
         paused: _builtins.bool = ...,
+        model_name: _builtins.str = ...,
+        state: Global___QueueState.ValueType = ...,
+        queued: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_queued", b"_queued", "queued", b"queued"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["paused", b"paused"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_queued", b"_queued", "model_name", b"model_name", "paused", b"paused", "queued", b"queued", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__queued: _TypeAlias = _typing.Literal["queued"]  # noqa: Y015
+    _WhichOneofArgType__queued: _TypeAlias = _typing.Literal["_queued", b"_queued"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__queued) -> _WhichOneofReturnType__queued | None: ...
 
 Global___ResumeQueueResponse: _TypeAlias = ResumeQueueResponse  # noqa: Y015
 
@@ -475,17 +565,64 @@ class DrainResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
     """Jobs still in flight when the wait ended."""
+    state: Global___QueueState.ValueType
+    """DRAINING: this scheduler dispatches nothing until Undrain."""
+    drained: _builtins.bool
+    """True when nothing was left in flight (every job dispatched here has finished)."""
     def __init__(
         self,
         *,
         in_flight: _builtins.int = ...,
+        state: Global___QueueState.ValueType = ...,
+        drained: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["in_flight", b"in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "in_flight", b"in_flight", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
+
+@_typing.final
+class UndrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainRequest: _TypeAlias = UndrainRequest  # noqa: Y015
+
+@_typing.final
+class UndrainResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    WAS_DRAINING_FIELD_NUMBER: _builtins.int
+    state: Global___QueueState.ValueType
+    """DISPATCHING (a model paused with PauseQueue stays paused)."""
+    was_draining: _builtins.bool
+    """Whether the scheduler was draining."""
+    def __init__(
+        self,
+        *,
+        state: Global___QueueState.ValueType = ...,
+        was_draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "was_draining", b"was_draining"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UndrainResponse: _TypeAlias = UndrainResponse  # noqa: Y015

@@ -75,6 +75,11 @@ class OpsServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.DrainRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Undrain = channel.unary_unary(
+                '/asyncinfer.v1.OpsService/Undrain',
+                request_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.FromString,
+                _registered_method=True)
 
 
 class OpsServiceServicer:
@@ -131,7 +136,15 @@ class OpsServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Drain(self, request, context):
-        """Stops dispatching everywhere and waits until nothing is in flight.
+        """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
+        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Undrain(self, request, context):
+        """Ends a drain: this scheduler dispatches again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,6 +192,11 @@ def add_OpsServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.DrainRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.DrainResponse.SerializeToString,
+            ),
+            'Undrain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Undrain,
+                    request_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +416,33 @@ class OpsService:
             '/asyncinfer.v1.OpsService/Drain',
             asyncinfer_dot_v1_dot_ops__service__pb2.DrainRequest.SerializeToString,
             asyncinfer_dot_v1_dot_ops__service__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Undrain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.OpsService/Undrain',
+            asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

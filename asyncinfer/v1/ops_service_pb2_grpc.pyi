@@ -48,7 +48,11 @@ class OpsServiceStub:
     ResumeQueue: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]
     """Resumes dispatching a model's queue."""
     Drain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]
-    """Stops dispatching everywhere and waits until nothing is in flight."""
+    """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
+    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+    """
+    Undrain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]
+    """Ends a drain: this scheduler dispatches again."""
 
 @_typing.type_check_only
 class OpsServiceAsyncStub(OpsServiceStub):
@@ -70,7 +74,11 @@ class OpsServiceAsyncStub(OpsServiceStub):
     ResumeQueue: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]  # type: ignore[assignment]
     """Resumes dispatching a model's queue."""
     Drain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]  # type: ignore[assignment]
-    """Stops dispatching everywhere and waits until nothing is in flight."""
+    """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
+    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+    """
+    Undrain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]  # type: ignore[assignment]
+    """Ends a drain: this scheduler dispatches again."""
 
 class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
     """Operating the queues, served by the scheduler; meant for grpcurl and dashboards."""
@@ -137,6 +145,16 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.DrainResponse, _abc.Awaitable[_ops_service_pb2.DrainResponse]]:
-        """Stops dispatching everywhere and waits until nothing is in flight."""
+        """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
+        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+        """
+
+    @_abc_1.abstractmethod
+    def Undrain(
+        self,
+        request: _ops_service_pb2.UndrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ops_service_pb2.UndrainResponse, _abc.Awaitable[_ops_service_pb2.UndrainResponse]]:
+        """Ends a drain: this scheduler dispatches again."""
 
 def add_OpsServiceServicer_to_server(servicer: OpsServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -32,6 +32,7 @@ class WaitingReason:
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
     PAUSED = "PAUSED"
     RETRY_BACKOFF = "RETRY_BACKOFF"
+    DRAINING = "DRAINING"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,10 +48,14 @@ def is_fresh(snapshot: QueueSnapshot | None, now: float) -> bool:
 
 def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> str:
     """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
-    NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF (a
-    failed attempt is waiting out its delay), else WAITING_FOR_CAPACITY."""
-    if paused or (is_fresh(snapshot, now) and snapshot is not None and snapshot.paused):
+    DRAINING (the scheduler reporting the model is draining), then NO_WORKER (no scheduler reports
+    the model, or no batcher serves it), then RETRY_BACKOFF (a failed attempt is waiting out its
+    delay), else WAITING_FOR_CAPACITY."""
+    fresh = is_fresh(snapshot, now)
+    if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
+    if fresh and snapshot is not None and snapshot.draining:
+        return WaitingReason.DRAINING
     if snapshot is None or not is_fresh(snapshot, now) or snapshot.connected_batchers == 0:
         return WaitingReason.NO_WORKER
     if record.attempt > 0 and record.last_error is not None:

@@ -30,6 +30,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
+from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
 from services.scheduler.jobs_flow import JobFlow
@@ -65,7 +66,10 @@ class SchedulerApp:
         self._queues_kv: KeyValue | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
-        self._draining: asyncio.Task[None] | None = None
+        # Set while dispatching, cleared by a drain (until undrain).
+        self._undrained = asyncio.Event()
+        self._undrained.set()
+        self._submissions = EventRates()
         self._server: GrpcServer | None = None
         self._metrics_server = MetricsServer(
             self.metrics.registry, config.scheduler.host, config.scheduler.metrics_port
@@ -129,7 +133,9 @@ class SchedulerApp:
             batchers=self.batchers,
             in_flight_count=flow.in_flight_count,
             completed_per_s=flow.completed_per_s,
+            submitted_per_s=self._submissions.per_s,
             is_paused=pauses.is_paused,
+            is_draining=lambda: self.draining,
         )
         workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
         ops = OpsService(
@@ -141,6 +147,7 @@ class SchedulerApp:
             js=js,
             pauses=pauses,
             drain=self.drain,
+            undrain=self.undrain,
             scheduler_id=self.scheduler_id,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
@@ -181,6 +188,8 @@ class SchedulerApp:
                 queued_records=queued_records,
                 supervisor=self.supervisor,
                 resumed=pauses.resumed(model.name),
+                undrained=self._undrained,
+                on_queued=self._submissions.add,
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
@@ -208,17 +217,32 @@ class SchedulerApp:
             self._stopping = asyncio.create_task(self._stop(grace_s))
         await asyncio.shield(self._stopping)
 
+    @property
+    def draining(self) -> bool:
+        return not self._undrained.is_set()
+
     async def drain(self, timeout_s: float) -> int:
-        """Stops dispatching here for good (the prelude to stopping) and waits up to timeout_s for
-        the jobs in flight to finish; how many are still in flight."""
-        if self._draining is None:
+        """Stops dispatching here (every model; the prelude to stopping, or to maintenance) until
+        `undrain`, and waits up to timeout_s for the jobs in flight to finish; how many are still in
+        flight. Jobs keep arriving and wait in the queue."""
+        if not self.draining:
             log.info("scheduler_draining", scheduler_id=self.scheduler_id)
-            self._draining = asyncio.create_task(self._stop_dispatching())
-        await asyncio.shield(self._draining)
+            self._undrained.clear()
+        # A round that had begun dispatches what it pulled; after that nothing more is taken.
+        for dispatcher in self._dispatchers:
+            await dispatcher.settled()
         if self._flow is None:
             return 0
         await self._flow.wait_idle(timeout_s)
         return len(self._flow.in_flight)
+
+    def undrain(self) -> bool:
+        """Ends a drain: every model dispatches again (unless paused). Whether it was draining."""
+        was_draining = self.draining
+        if was_draining:
+            log.info("scheduler_undrained", scheduler_id=self.scheduler_id)
+        self._undrained.set()
+        return was_draining
 
     async def _stop_dispatching(self) -> None:
         for dispatcher in self._dispatchers:

@@ -1,5 +1,5 @@
-"""Bookkeeping beside the lifecycle: completion rates (for queue stats and autoscaling) and the
-tenants' queued counters the gateway's admission reads."""
+"""Bookkeeping beside the lifecycle: completion and submission rates (for queue stats and
+autoscaling) and the tenants' queued counters the gateway's admission reads."""
 
 from __future__ import annotations
 
@@ -15,32 +15,42 @@ from services.scheduler.owned_tasks import OwnedTasks
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
-# Completions are counted over this sliding window for completed_per_s.
+# Completions and submissions are counted over this sliding window (completed_per_s, submitted_per_s).
 RATE_WINDOW_S = 60.0
 # How long "this tenant has no queued counter" is believed before the key is looked up again.
 TENANT_KEY_MISSING_TTL_S = 5.0
 
 
-class CompletionRates:
-    def __init__(self, metrics: SchedulerMetrics) -> None:
-        self._metrics = metrics
-        self._completions: dict[str, deque[float]] = {}
+class EventRates:
+    """Events per model per second over a sliding window of RATE_WINDOW_S."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, deque[float]] = {}
         self._started = time.monotonic()
 
-    def completed(self, model_name: str) -> None:
-        self._completions.setdefault(model_name, deque()).append(time.monotonic())
-        self._metrics.completed.labels(model=model_name).inc()
+    def add(self, model_name: str) -> None:
+        self._events.setdefault(model_name, deque()).append(time.monotonic())
 
     def per_s(self, model_name: str) -> float:
-        """Results received per second over the last RATE_WINDOW_S (or since start, if shorter)."""
+        """Events per second over the last RATE_WINDOW_S (or since start, if shorter)."""
         now = time.monotonic()
-        times = self._completions.get(model_name)
+        times = self._events.get(model_name)
         if not times:
             return 0.0
         while times and times[0] < now - RATE_WINDOW_S:
             times.popleft()
         span = min(RATE_WINDOW_S, max(now - self._started, 1.0))
         return len(times) / span
+
+
+class CompletionRates(EventRates):
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        super().__init__()
+        self._metrics = metrics
+
+    def completed(self, model_name: str) -> None:
+        self.add(model_name)
+        self._metrics.completed.labels(model=model_name).inc()
 
 
 class TenantQueueCounts:

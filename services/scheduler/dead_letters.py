@@ -166,6 +166,15 @@ class DeadLetterStore:
             letters += page
         return letters
 
+    async def count(self, *, model_name: str = "") -> int:
+        """How many dead letters there are (of the model)."""
+        if not model_name:
+            info = await self._js.stream_info(self._stream)
+            return int(info.state.messages)
+        subject = dead_subject(model_name)
+        info = await self._js.stream_info(self._stream, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+
     async def delete(self, sequence: int) -> bool:
         try:
             return await self._js.delete_msg(self._stream, sequence)

@@ -1,7 +1,7 @@
 """The dispatch loop of one model.
 
-It runs only while a connected batcher has a credit for the model and the model's queue is not
-paused. With credits reserved it chooses the next jobs at that moment (no-wait pulls of at most
+It runs only while a connected batcher has a credit for the model, the model's queue is not
+paused and the scheduler is not draining. With credits reserved it chooses the next jobs at that moment (no-wait pulls of at most
 that many messages, weighted across priorities: see services.scheduler.priority), so a job is
 never taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
 until a queued notice for the model rings the doorbell (asyncinfer.queued_notice), or until the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import structlog
 
@@ -46,6 +47,8 @@ class ModelDispatcher:
         queued_records: QueuedRecords,
         supervisor: Supervisor,
         resumed: asyncio.Event | None = None,
+        undrained: asyncio.Event | None = None,
+        on_queued: Callable[[str], None] | None = None,
     ) -> None:
         self.model_name = queues.model_name
         self._supervisor = supervisor
@@ -54,7 +57,12 @@ class ModelDispatcher:
         self._batchers = batchers
         self._flow = flow
         self._poll_interval_s = poll_interval_s
-        self._resumed = resumed
+        # Both set while dispatching may go on: the model is not paused, the scheduler not draining.
+        self._gates = tuple(gate for gate in (resumed, undrained) if gate is not None)
+        self._on_queued = on_queued
+        # Set between rounds: `settled` waits on it, so that a drain knows no pull is under way.
+        self._between_rounds = asyncio.Event()
+        self._between_rounds.set()
         self._queued_records = queued_records
         self._doorbell = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -83,6 +91,10 @@ class ModelDispatcher:
             self._subscription = None
         await self._queues.close()
 
+    async def settled(self) -> None:
+        """Returns once no round is under way (a round that had begun has dispatched what it pulled)."""
+        await self._between_rounds.wait()
+
     async def _ring(self, msg: Msg) -> None:
         try:
             key, revision, record_data = decode_queued_notice(msg.data)
@@ -90,6 +102,8 @@ class ModelDispatcher:
             log.warning("queued_notice_malformed", subject=msg.subject)
         else:
             self._queued_records.put(key, revision, record_data)
+            if self._on_queued is not None:
+                self._on_queued(self.model_name)
         self.wake(msg.subject)
 
     def wake(self, subject: str) -> None:
@@ -103,36 +117,48 @@ class ModelDispatcher:
     async def _run(self) -> None:
         credit = self._batchers.credit_event(self.model_name)
         while await self._wait(credit):
-            if self._resumed is not None and not self._resumed.is_set():
-                await self._wait(self._resumed)
+            closed = next((gate for gate in self._gates if not gate.is_set()), None)
+            if closed is not None:
+                await self._wait(closed)
                 continue
-            # Reserve the credits first, then pull at most that many: nothing is taken from the
-            # queue without somewhere to run it. Pulling several at once (rather than one per
-            # round trip) is what lets the batcher form batches under load.
-            sessions: list[BatcherSession] = []
-            while len(sessions) < MAX_PULL_PER_ROUND:
-                session = self._batchers.reserve(self.model_name)
-                if session is None:
-                    break
-                sessions.append(session)
-            if not sessions:
-                continue
-            self._doorbell.clear()
+            self._between_rounds.clear()
             try:
-                msgs = await self._queues.pull_next(len(sessions))
-            except Exception:
-                log.exception("pull_failed", model=self.model_name)
-                msgs = []
-            for session in sessions[len(msgs) :]:
-                self._batchers.release(session, self.model_name)
-            if not msgs:
+                idle = await self._round()
+            finally:
+                self._between_rounds.set()
+            if idle:
                 await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
-                continue
-            pairs = list(zip(msgs, sessions, strict=False))
-            sent = await asyncio.gather(*(self._flow.dispatch(msg, session) for msg, session in pairs))
-            for (_msg, session), was_sent in zip(pairs, sent, strict=True):
-                if not was_sent:
-                    self._batchers.release(session, self.model_name)
+
+    async def _round(self) -> bool:
+        """Reserves credits, pulls at most that many jobs and dispatches them; True when the
+        queues had nothing to give."""
+        # Reserve the credits first, then pull at most that many: nothing is taken from the
+        # queue without somewhere to run it. Pulling several at once (rather than one per
+        # round trip) is what lets the batcher form batches under load.
+        sessions: list[BatcherSession] = []
+        while len(sessions) < MAX_PULL_PER_ROUND:
+            session = self._batchers.reserve(self.model_name)
+            if session is None:
+                break
+            sessions.append(session)
+        if not sessions:
+            return False
+        self._doorbell.clear()
+        try:
+            msgs = await self._queues.pull_next(len(sessions))
+        except Exception:
+            log.exception("pull_failed", model=self.model_name)
+            msgs = []
+        for session in sessions[len(msgs) :]:
+            self._batchers.release(session, self.model_name)
+        if not msgs:
+            return True
+        pairs = list(zip(msgs, sessions, strict=False))
+        sent = await asyncio.gather(*(self._flow.dispatch(msg, session) for msg, session in pairs))
+        for (_msg, session), was_sent in zip(pairs, sent, strict=True):
+            if not was_sent:
+                self._batchers.release(session, self.model_name)
+        return False
 
     async def _wait(self, event: asyncio.Event, *, timeout_s: float | None = None) -> bool:
         """Waits for the event (or the timeout); False once stopping."""

@@ -74,6 +74,12 @@ class SchedulerMetrics:
             "asyncinfer_queue_paused", "1 while the model's queue is paused.", ["model"], registry=registry
         )
 
+        self.draining = Gauge(
+            "asyncinfer_scheduler_draining",
+            "1 while this scheduler is draining (it dispatches nothing until undrained).",
+            registry=registry,
+        )
+
     def job_transition(self, model_name: str, state: str) -> None:
         self.jobs.labels(model=model_name, state=state).inc()
 
@@ -90,3 +96,4 @@ class SchedulerMetrics:
             self.desired_batchers.labels(model=model).set(snapshot.desired_batchers)
             self.free_credits.labels(model=model).set(snapshot.free_credits)
             self.paused.labels(model=model).set(1 if snapshot.paused else 0)
+            self.draining.set(1 if snapshot.draining else 0)

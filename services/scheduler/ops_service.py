@@ -1,6 +1,9 @@
-"""OpsService: queue statistics, dead letters, pause/resume and drain, for operators (grpcurl)
-and autoscalers. Protobuf stays here; the work is done by the stats reader, the dead-letter store,
-`replay`, the pause state and the app's drain."""
+"""OpsService: queue statistics, dead letters, pause/resume and drain/undrain, for operators
+(grpcurl) and autoscalers. Protobuf stays here; the work is done by the stats reader, the
+dead-letter store, `replay`, the pause state and the app's drain.
+
+Every answer says what happened (grpcurl leaves out fields at their defaults, so an answer of
+zeros alone would print `{}`): the queue's state, and counts that are present even when 0."""
 
 from __future__ import annotations
 
@@ -53,8 +56,19 @@ def snapshot_to_proto(snapshot: ModelQueueSnapshot) -> ops_service_pb2.ModelQueu
         free_credits=snapshot.free_credits,
         desired_batchers=snapshot.desired_batchers,
         completed_per_second=snapshot.completed_per_s,
+        submitted_per_second=snapshot.submitted_per_s,
         paused=snapshot.paused,
+        draining=snapshot.draining,
+        state=queue_state(paused=snapshot.paused, draining=snapshot.draining),
     )
+
+
+def queue_state(*, paused: bool, draining: bool) -> ops_service_pb2.QueueState.ValueType:
+    if paused:
+        return ops_service_pb2.QUEUE_STATE_PAUSED
+    if draining:
+        return ops_service_pb2.QUEUE_STATE_DRAINING
+    return ops_service_pb2.QUEUE_STATE_DISPATCHING
 
 
 def _error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
@@ -98,6 +112,7 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         js: JetStreamContext,
         pauses: PauseState,
         drain: Callable[[float], Awaitable[int]],
+        undrain: Callable[[], bool],
         scheduler_id: str,
     ) -> None:
         self._config = config
@@ -108,6 +123,7 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         self._js = js
         self._pauses = pauses
         self._drain = drain
+        self._undrain = undrain
         self._scheduler_id = scheduler_id
         self._model_names = frozenset(m.name for m in config.models)
 
@@ -142,7 +158,9 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         page = letters[:size]
         next_token = str(page[-1].sequence) if len(letters) > size else ""
         return ops_service_pb2.ListDeadLettersResponse(
-            dead_letters=[dead_letter_to_proto(letter) for letter in page], next_page_token=next_token
+            dead_letters=[dead_letter_to_proto(letter) for letter in page],
+            next_page_token=next_token,
+            total=await self._letters.count(model_name=request.model_name),
         )
 
     async def GetDeadLetter(
@@ -175,7 +193,8 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         self, request: ops_service_pb2.ReplayDeadLettersRequest, context: Context
     ) -> ops_service_pb2.ReplayDeadLettersResponse:
         letters = await self._selected(list(request.sequences), request.all, request.model_name)
-        replayed = 0
+        job_ids: list[str] = []
+        skipped = 0
         for letter in letters:
             try:
                 await replay(
@@ -188,10 +207,16 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
                 log.warning(
                     "dead_letter_not_replayed", sequence=letter.sequence, job_id=letter.job_id, error=error.message
                 )
+                skipped += 1
                 continue
-            replayed += 1
+            job_ids.append(letter.job_id)
             log.info("dead_letter_replayed", sequence=letter.sequence, job_id=letter.job_id, model=letter.model_name)
-        return ops_service_pb2.ReplayDeadLettersResponse(replayed=replayed)
+        return ops_service_pb2.ReplayDeadLettersResponse(
+            replayed=len(job_ids),
+            job_ids=job_ids,
+            skipped=skipped,
+            remaining=await self._letters.count(model_name=request.model_name),
+        )
 
     async def PurgeDeadLetters(
         self, request: ops_service_pb2.PurgeDeadLettersRequest, context: Context
@@ -203,21 +228,37 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
             letters = await self._selected(list(request.sequences), request.all, request.model_name)
             purged = sum([await self._letters.delete(letter.sequence) for letter in letters])
         log.info("dead_letters_purged", purged=purged, model=request.model_name or None)
-        return ops_service_pb2.PurgeDeadLettersResponse(purged=purged)
+        return ops_service_pb2.PurgeDeadLettersResponse(
+            purged=purged, remaining=await self._letters.count(model_name=request.model_name)
+        )
 
     async def PauseQueue(
         self, request: ops_service_pb2.PauseQueueRequest, context: Context
     ) -> ops_service_pb2.PauseQueueResponse:
         self._known_model(request.model_name, required=True)
         await self._pauses.pause(request.model_name, by=self._scheduler_id)
-        return ops_service_pb2.PauseQueueResponse(paused=True)
+        return ops_service_pb2.PauseQueueResponse(
+            paused=True,
+            model_name=request.model_name,
+            state=ops_service_pb2.QUEUE_STATE_PAUSED,
+            queued=await self._queued(request.model_name),
+        )
 
     async def ResumeQueue(
         self, request: ops_service_pb2.ResumeQueueRequest, context: Context
     ) -> ops_service_pb2.ResumeQueueResponse:
         self._known_model(request.model_name, required=True)
         await self._pauses.resume(request.model_name)
-        return ops_service_pb2.ResumeQueueResponse(paused=False)
+        snapshot = (await self._stats.snapshot(request.model_name))[0]
+        return ops_service_pb2.ResumeQueueResponse(
+            paused=False,
+            model_name=request.model_name,
+            state=queue_state(paused=False, draining=snapshot.draining),
+            queued=snapshot.depth,
+        )
+
+    async def _queued(self, model_name: str) -> int:
+        return sum(s.depth for s in await self._stats.snapshot(model_name))
 
     async def Drain(self, request: ops_service_pb2.DrainRequest, context: Context) -> ops_service_pb2.DrainResponse:
         timeout_s = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else DEFAULT_DRAIN_TIMEOUT_S
@@ -226,4 +267,13 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout_s = min(timeout_s, max(remaining - 0.1, 0.0))
-        return ops_service_pb2.DrainResponse(in_flight=await self._drain(timeout_s))
+        in_flight = await self._drain(timeout_s)
+        return ops_service_pb2.DrainResponse(
+            in_flight=in_flight, state=ops_service_pb2.QUEUE_STATE_DRAINING, drained=in_flight == 0
+        )
+
+    async def Undrain(
+        self, request: ops_service_pb2.UndrainRequest, context: Context
+    ) -> ops_service_pb2.UndrainResponse:
+        was_draining = self._undrain()
+        return ops_service_pb2.UndrainResponse(state=ops_service_pb2.QUEUE_STATE_DISPATCHING, was_draining=was_draining)

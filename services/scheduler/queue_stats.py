@@ -5,7 +5,13 @@ The desired batcher count (the autoscaler's signal): zero when nothing waits or 
 zero); otherwise enough batchers to clear the backlog (waiting + in flight) within
 `autoscale_target_drain_s` at the throughput one batcher was measured to give
 (completed_per_s / connected batchers), at least one. Before anything was measured (no batcher
-yet, or none finished anything), one, or the batchers connected.
+yet, or none finished anything), one, or the batchers connected. While the queue is held (paused,
+or the scheduler draining) its waiting jobs do not count, since nothing will run them: only the
+jobs in flight do, and never more batchers than are connected (an autoscaler must not scale up a
+queue nobody may dispatch from, and may scale it to zero once its jobs in flight are done).
+
+The submission rate counts the queued notices heard (asyncinfer.queued_notice: one per submitted
+job, and one per replayed dead letter); a notice lost on the way is a job missing from the rate.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class ModelQueueSnapshot:
     paused: bool = False
     completed_per_s: float = 0.0
     updated_at: float = 0.0
+    draining: bool = False
+    submitted_per_s: float = 0.0
 
     @property
     def depth(self) -> int:
@@ -68,16 +76,23 @@ class ModelQueueSnapshot:
             completed_per_s=self.completed_per_s,
             paused=self.paused,
             desired_batchers=self.desired_batchers,
+            draining=self.draining,
         )
 
 
-def desired_batchers(*, backlog: int, connected: int, completed_per_s: float, target_drain_s: float) -> int:
+def desired_batchers(
+    *, waiting: int, in_flight: int, connected: int, completed_per_s: float, target_drain_s: float, held: bool = False
+) -> int:
+    """`held`: the queue is paused or its scheduler draining (see the module's docstring)."""
+    backlog = in_flight if held else waiting + in_flight
     if backlog <= 0:
         return 0
     if connected <= 0 or completed_per_s <= 0:
-        return max(1, connected)
-    per_batcher = completed_per_s / connected
-    return max(1, math.ceil(backlog / (per_batcher * target_drain_s)))
+        wanted = max(1, connected)
+    else:
+        per_batcher = completed_per_s / connected
+        wanted = max(1, math.ceil(backlog / (per_batcher * target_drain_s)))
+    return min(wanted, connected) if held else wanted
 
 
 class QueueStatsReader:
@@ -90,6 +105,8 @@ class QueueStatsReader:
         in_flight_count: Callable[[str], int],
         completed_per_s: Callable[[str], float],
         is_paused: Callable[[str], bool],
+        submitted_per_s: Callable[[str], float],
+        is_draining: Callable[[], bool],
     ) -> None:
         self._js = js
         self._config = config
@@ -97,6 +114,8 @@ class QueueStatsReader:
         self._in_flight_count = in_flight_count
         self._completed_per_s = completed_per_s
         self._is_paused = is_paused
+        self._submitted_per_s = submitted_per_s
+        self._is_draining = is_draining
 
     async def snapshot(self, model_name: str = "") -> list[ModelQueueSnapshot]:
         """Every configured model (or just model_name); unknown names give an empty list."""
@@ -108,6 +127,8 @@ class QueueStatsReader:
         sessions = self._batchers.serving(model.name)
         in_flight = self._in_flight_count(model.name)
         rate = self._completed_per_s(model.name)
+        paused = self._is_paused(model.name)
+        draining = self._is_draining()
         return ModelQueueSnapshot(
             model_name=model.name,
             priorities=tuple(queued),
@@ -115,14 +136,18 @@ class QueueStatsReader:
             connected_batchers=len(sessions),
             free_credits=self._batchers.free_credits(model.name),
             desired_batchers=desired_batchers(
-                backlog=sum(q.depth for q in queued) + in_flight,
+                waiting=sum(q.depth for q in queued),
+                in_flight=in_flight,
                 connected=len(sessions),
                 completed_per_s=rate,
                 target_drain_s=self._config.scheduler.autoscale_target_drain_s,
+                held=paused or draining,
             ),
-            paused=self._is_paused(model.name),
+            paused=paused,
             completed_per_s=rate,
             updated_at=time.time(),
+            draining=draining,
+            submitted_per_s=self._submitted_per_s(model.name),
         )
 
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:
