@@ -157,7 +157,9 @@ class JobSubmitter:
             callback=request.callback,
             input_ref=request.input_blob,
         )
-        bound = log.bind(job_id=record.job_id, model=record.model_name, tenant=tenant)
+        # Not log.bind(): binding costs on every submit (2% of the gateway's CPU in a bulk burst,
+        # py-spy) even when nothing is logged; the few lines below name the job themselves.
+        about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
         give_up_at = time.monotonic() + self._config.gateway.enqueue_retry_s
         envelope = WorkEnvelope(
             job_id=record.job_id,
@@ -189,7 +191,7 @@ class JobSubmitter:
                 ),
             )
         except NATS_FAILURES as exc:
-            bound.warning("enqueue_failed", error=str(exc))
+            log.warning("enqueue_failed", error=str(exc), **about)
             raise Unavailable(
                 f"the job could not be queued ({exc}); it was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",
@@ -199,7 +201,7 @@ class JobSubmitter:
         try:
             created = await self._create_record(record, give_up_at, data)
         except Unavailable as exc:
-            bound.warning("record_create_failed", error=exc.message)
+            log.warning("record_create_failed", error=exc.message, **about)
             raise Unavailable(
                 f"the job could not be recorded ({exc.message}); it was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",
@@ -207,7 +209,7 @@ class JobSubmitter:
             ) from exc
         # (A record found by a retry is this submit's own write: the same data.)
         await announce_queued(self._nc, created, data)
-        bound.info("job_submitted", priority=created.priority.value)
+        log.info("job_submitted", priority=created.priority.value, **about)
         return created
 
     async def _create_record(self, record: JobRecord, give_up_at: float, data: bytes) -> JobRecord:
