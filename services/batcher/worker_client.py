@@ -146,16 +146,16 @@ class WorkerClient:
                 stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
                 self._session = _WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
                 await self._session.run()
-            log.warning("scheduler closed the work stream", scheduler=self._address)
+            log.warning("work_stream_closed_by_scheduler", scheduler=self._address)
         except grpc.aio.AioRpcError as error:
             log.warning(
-                "work stream failed",
+                "work_stream_failed",
                 scheduler=self._address,
                 code=error.code().name,
                 details=error.details(),
             )
         except Exception:
-            log.exception("work stream failed", scheduler=self._address)
+            log.exception("work_stream_failed", scheduler=self._address)
 
 
 class _StreamEnded(Exception):
@@ -277,7 +277,7 @@ class _WorkSession:
             self._cancel(response.cancel)
         elif kind == "welcome":
             self._batches = self._work_batches and response.welcome.takes_batches
-            log.info("connected to scheduler", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
+            log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
 
     def _top_up(self, model_name: str) -> None:
         """Grants credits up to the model's free slots, counting credits not yet used."""
@@ -300,7 +300,7 @@ class _WorkSession:
         try:
             item = self._submit(order)
         except AsyncInferError as error:
-            job_log.info("work order rejected", reason=error.reason, error=error.message)
+            job_log.info("work_order_rejected", reason=error.reason, error=error.message)
             if not _is_shutdown(error):  # unanswered: re-queued when the stream closes
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
@@ -344,29 +344,29 @@ class _WorkSession:
         finally:
             self._orders.pop(key, None)
         if item.future.cancelled():
-            job_log.info("work order dropped before it ran")
+            job_log.info("work_order_dropped_before_run")
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
             return
         error = item.future.exception()
         if isinstance(error, AsyncInferError) and _is_shutdown(error):
             # Not the job's fault: it goes back to the queue when the stream closes, without
             # spending an attempt on a failure.
-            job_log.info("work order abandoned at shutdown")
+            job_log.info("work_order_abandoned_at_shutdown")
         elif isinstance(error, AsyncInferError):
-            job_log.info("work order failed", reason=error.reason, error=error.message)
+            job_log.info("work_order_failed", reason=error.reason, error=error.message)
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
         elif error is not None:
             raise error
         else:
             outcome = item.future.result()
-            job_log.debug("work order done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
+            job_log.debug("work_order_done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
             self._send_result(order, outcome=outcome)
 
     def _cancel(self, cancel: worker_service_pb2.CancelOrder) -> None:
         item = self._orders.get((cancel.job_id, cancel.attempt))
         # Dropping resolves the item's future; its order task then answers dropped=true.
         if item is not None and item.cancel():
-            log.info("work order cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+            log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
 
     def _send_result(
         self,
