@@ -107,7 +107,7 @@ async def run_until_stopped(
             app = await starter()
             started.append(app)
             app.supervisor.on_failure(stop.fail)
-        if on_started is not None and stop.exit_code == EXIT_STOPPED:
+        if on_started is not None and not stop.event.is_set():  # no banner for a process already stopping
             on_started(started)
         await stop.wait()
     finally:
