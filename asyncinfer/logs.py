@@ -29,19 +29,19 @@ def renders_for_people(config: LoggingConfig) -> bool:
 
 def configure_logging(config: LoggingConfig, *, service: str) -> None:
     level = _LEVELS[config.level]
-    renderer: structlog.typing.Processor
     tail: list[structlog.typing.Processor]
     if renders_for_people(config):
-        # The console renderer formats exceptions itself (format_exc_info would turn them into a string first).
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-        tail = [renderer]
+        # Local wall-clock time and the service in brackets after the event, as a person reads a
+        # terminal; the console renderer formats exceptions itself (no format_exc_info).
+        stamp = structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False)
+        tail = [_service_as_logger_name, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
     else:
-        renderer = structlog.processors.JSONRenderer()
-        tail = [structlog.processors.format_exc_info, renderer]
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+        tail = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        stamp,
     ]
     structlog.configure(
         processors=[*shared, structlog.processors.StackInfoRenderer(), *tail],
@@ -62,6 +62,20 @@ def configure_logging(config: LoggingConfig, *, service: str) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(logging.WARNING)
+
+
+def _service_as_logger_name(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """The console renderer shows `logger_name` in brackets after the event: the service's name
+    (a library's line keeps its logger's name, and the service that was running, if known)."""
+    service = event_dict.pop("service", None)
+    if service is not None:
+        if "logger_name" in event_dict:
+            event_dict["service"] = service
+        else:
+            event_dict["logger_name"] = service
+    return event_dict
 
 
 def service_context(service: str) -> contextvars.Context:

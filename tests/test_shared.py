@@ -269,5 +269,5 @@ def test_logs_are_console_lines_on_a_terminal_and_json_otherwise() -> None:
             os.close(terminal)
     text = re.sub(r"\x1b\[[0-9;]*m", "", written.decode())
     assert "{" not in text, text
-    assert re.search(r"\[warning\s*\] something_happened\s+n=1 service=gateway", text), text
+    assert re.search(r"\[warning\s*\] something_happened\s+\[gateway\]\s+n=1", text), text
     assert "from a library" in text
