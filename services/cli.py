@@ -82,6 +82,8 @@ def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
 
 
 async def run_service(name: str, config: Config) -> int:
+    raise_if_busy(service_ports(config, name), hint="Is this service running already?")
+
     def started(apps: Sequence[App]) -> None:
         tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
@@ -115,25 +117,31 @@ def check_up_exposure(config: Config) -> None:
             )
 
 
+def service_ports(config: Config, name: str) -> list[PortUse]:
+    """The ports one service listens on, with the settings they come from."""
+    section: Any = getattr(config, name)
+    return [
+        PortUse(f"{name}.port", section.host, section.port),
+        PortUse(f"{name}.metrics_port", section.host, section.metrics_port),
+    ]
+
+
 def up_ports(config: Config) -> list[PortUse]:
     """Every port `up` listens on, with the setting it comes from."""
+    embedded = config.embedded_nats
     uses = [
-        PortUse("embedded_nats.port", config.embedded_nats.host, config.embedded_nats.port),
-        PortUse("embedded_nats.monitor_port", config.embedded_nats.host, config.embedded_nats.monitor_port),
+        PortUse("embedded_nats.port", embedded.host, embedded.port),
+        PortUse("embedded_nats.monitor_port", embedded.host, embedded.monitor_port),
     ]
     for name in SERVICES:
-        section: Any = getattr(config, name)
-        uses += [
-            PortUse(f"{name}.port", section.host, section.port),
-            PortUse(f"{name}.metrics_port", section.host, section.metrics_port),
-        ]
+        uses += service_ports(config, name)
     return uses
 
 
-def check_up_ports(config: Config) -> None:
-    """ConfigError, in one line naming them, when a port `up` needs is taken (by a second `up`, say):
-    found before anything starts, rather than as a nats-server that exits or a bind traceback."""
-    busy = busy_ports(up_ports(config))
+def raise_if_busy(uses: list[PortUse], *, hint: str) -> None:
+    """ConfigError, in one line naming them, when a port about to be listened on is taken: found
+    before anything starts, rather than as a nats-server that exits or a gRPC bind traceback."""
+    busy = busy_ports(uses)
     if not busy:
         return
     in_use = [str(port.use) for port in busy if port.why == IN_USE]
@@ -141,8 +149,8 @@ def check_up_ports(config: Config) -> None:
     found = ([f"already in use: {', '.join(in_use)}"] if in_use else []) + other
     section, key = busy[0].use.setting.split(".")
     raise ConfigError(
-        f"cannot start, {'; '.join(found)}. Is another `asyncinfer up` running? Stop it, or give this one other "
-        f"ports in its configuration file or environment (ASYNCINFER_{section.upper()}__{key.upper()}=...)."
+        f"cannot start, {'; '.join(found)}. {hint} Stop it, or give this one other ports in its configuration "
+        f"file or environment (ASYNCINFER_{section.upper()}__{key.upper()}=...)."
     )
 
 
@@ -226,7 +234,7 @@ async def run_up(config: Config) -> int:
     """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
     first and stops last; each service's log lines name it."""
     check_up_exposure(config)
-    check_up_ports(config)
+    raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
     stop = StopSignal()
     nats = EmbeddedNats(config, stop)
     state: dict[str, App] = {}
