@@ -84,7 +84,8 @@ class NatsServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise Unavailable(f"nats-server exited with {self.process.returncode} (port {self.port} in use?)")
+                where = f"its log: {self.log_file}" if self.log_file else f"port {self.port} in use?"
+                raise Unavailable(f"nats-server exited with {self.process.returncode} as it started ({where})")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
                     if sock.recv(4).startswith(b"INFO"):
