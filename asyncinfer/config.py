@@ -378,7 +378,9 @@ class WebhooksConfig(_Section):
 
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
-    format: Literal["json", "console"] = Field("json", description="json (one object a line) or console.")
+    format: Literal["auto", "json", "console"] = Field(
+        "auto", description="json (one object a line), console, or auto: console when stderr is a terminal, else json."
+    )
 
 
 DEMO_MODEL = ModelConfig(

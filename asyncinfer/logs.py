@@ -1,8 +1,15 @@
-"""structlog set-up: one JSON object per line (or console output for people), with context bound
-per job (job_id, tenant, model, attempt) through `structlog.contextvars` or `log.bind`."""
+"""structlog set-up: one JSON object per line for machines, console lines for people, with context
+bound per job (job_id, tenant, model, attempt) through `structlog.contextvars` or `log.bind`.
+
+Every line names the service that logged it (`service`): a process running one service binds it
+once; `asyncinfer up`, which runs them all in one process, runs each service's start and stop in a
+context of its own (`service_context`), which the tasks they start inherit. Event names are
+snake_case (`model_loaded`), as a log query would spell them.
+"""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import sys
 
@@ -13,26 +20,67 @@ from asyncinfer.config import LoggingConfig
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
+def renders_for_people(config: LoggingConfig) -> bool:
+    """Console lines when asked, or by default (`auto`) when stderr is a terminal; else JSON."""
+    if config.format == "auto":
+        return sys.stderr.isatty()
+    return config.format == "console"
+
+
 def configure_logging(config: LoggingConfig, *, service: str) -> None:
     level = _LEVELS[config.level]
-    renderer: structlog.typing.Processor = (
-        structlog.processors.JSONRenderer()
-        if config.format == "json"
-        else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
-    )
+    tail: list[structlog.typing.Processor]
+    if renders_for_people(config):
+        # Local wall-clock time and the service in brackets after the event, as a person reads a
+        # terminal; the console renderer formats exceptions itself (no format_exc_info).
+        stamp = structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False)
+        tail = [_service_as_logger_name, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    else:
+        stamp = structlog.processors.TimeStamper(fmt="iso", utc=True)
+        tail = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        stamp,
+    ]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.StackInfoRenderer(),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
+        processors=[*shared, structlog.processors.StackInfoRenderer(), *tail],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
-    # Libraries that log through the standard library (nats, grpc) go to stderr at WARNING and up.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s %(message)s")
+    # Libraries that log through the standard library (nats, grpc) go to stderr at WARNING and up,
+    # rendered as our own lines are (one JSON object a line, or console lines).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(logging.WARNING)
+
+
+def _service_as_logger_name(
+    _logger: object, _method: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    """The console renderer shows `logger_name` in brackets after the event: the service's name
+    (a library's line keeps its logger's name, and the service that was running, if known)."""
+    service = event_dict.pop("service", None)
+    if service is not None:
+        if "logger_name" in event_dict:
+            event_dict["service"] = service
+        else:
+            event_dict["logger_name"] = service
+    return event_dict
+
+
+def service_context(service: str) -> contextvars.Context:
+    """A copy of the current context in which log lines name `service`; run a service's start and
+    stop in it (`asyncio.create_task(app.start(), context=...)`) and the tasks they start inherit it."""
+    context = contextvars.copy_context()
+    context.run(structlog.contextvars.bind_contextvars, service=service)
+    return context

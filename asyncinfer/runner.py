@@ -5,7 +5,9 @@ owns its background loops (the services' XxxApp classes). Stopping is ordered an
 first SIGINT/SIGTERM stops intake and drains within the grace period; a second one is ignored while
 that runs (the bounded grace ends it anyway). A background loop that dies stops the process the
 same way, and the process exits with EXIT_LOOP_DIED: a service with a dead dispatcher or feed
-looks alive but does nothing, so it is better restarted (by systemd, Kubernetes, compose).
+looks alive but does nothing, so it is better restarted (by systemd, Kubernetes, compose). A
+process the apps depend on that exits (the embedded nats-server of `asyncinfer up`) stops it the
+same way, with EXIT_UNAVAILABLE (`StopSignal.abort`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ log = structlog.get_logger("asyncinfer.runner")
 EXIT_STOPPED = 0
 # sysexits.h's EX_SOFTWARE: an internal error, here a background loop that raised.
 EXIT_LOOP_DIED = 70
+# sysexits.h's EX_UNAVAILABLE: a process the apps need (the embedded nats-server) exited.
+EXIT_UNAVAILABLE = 69
 
 
 class App(Protocol):
@@ -36,12 +40,13 @@ class App(Protocol):
 
 
 class StopSignal:
-    """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by `set()` (for
-    tests and embedding)."""
+    """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by a dependency that
+    went away (`abort`), or by `set()` (for tests and embedding). `exit_code` is the process's."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.failure: LoopDied | None = None
+        self.exit_code = EXIT_STOPPED
         self._installed: list[signal.Signals] = []
 
     def install(self) -> None:
@@ -61,7 +66,16 @@ class StopSignal:
     def fail(self, failure: LoopDied) -> None:
         if self.failure is None:
             self.failure = failure
-            log.error("stopping", reason=str(failure))
+            if self.exit_code == EXIT_STOPPED:  # not already stopping for an abort's reason
+                self.exit_code = EXIT_LOOP_DIED
+                log.error("stopping", reason=str(failure))
+        self.event.set()
+
+    def abort(self, reason: str, *, exit_code: int = EXIT_UNAVAILABLE) -> None:
+        """Stops for a reason outside the apps' loops (one error line); the first reason wins."""
+        if self.exit_code == EXIT_STOPPED:
+            self.exit_code = exit_code
+            log.error("stopping", reason=reason)
         self.event.set()
 
     def uninstall(self) -> None:
@@ -83,7 +97,8 @@ async def run_until_stopped(
 ) -> int:
     """Starts each app in order (a starter may use what earlier ones bound, e.g. their ports),
     waits for a stop signal or a dead loop, then stops the started ones in reverse order. The
-    process's exit code: EXIT_STOPPED after a signal, EXIT_LOOP_DIED after a dead loop."""
+    process's exit code: EXIT_STOPPED after a signal, EXIT_LOOP_DIED after a dead loop, the
+    abort's code after `stop.abort`."""
     stop = stop or StopSignal()
     stop.install()
     started: list[App] = []
@@ -92,7 +107,7 @@ async def run_until_stopped(
             app = await starter()
             started.append(app)
             app.supervisor.on_failure(stop.fail)
-        if on_started is not None and stop.failure is None:
+        if on_started is not None and not stop.event.is_set():  # no banner for a process already stopping
             on_started(started)
         await stop.wait()
     finally:
@@ -102,4 +117,4 @@ async def run_until_stopped(
             except Exception:
                 log.exception("stop_failed", app=type(app).__name__)
         stop.uninstall()
-    return EXIT_LOOP_DIED if stop.failure is not None else EXIT_STOPPED
+    return stop.exit_code

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import contextvars
 import shutil
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
 import uvloop
 
 from asyncinfer import cli as client_cli
@@ -33,8 +36,10 @@ from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.gc_tuning import tune_for_serving
-from asyncinfer.logs import configure_logging
-from asyncinfer.runner import App, run_until_stopped
+from asyncinfer.logs import configure_logging, service_context
+from asyncinfer.ports import IN_USE, PortUse, busy_ports
+from asyncinfer.runner import EXIT_UNAVAILABLE, App, StopSignal, run_until_stopped
+from asyncinfer.supervision import Supervisor
 
 SHUTDOWN_GRACE_S = 10.0
 
@@ -77,6 +82,8 @@ def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
 
 
 async def run_service(name: str, config: Config) -> int:
+    raise_if_busy(service_ports(config, name), hint="Is this service running already?")
+
     def started(apps: Sequence[App]) -> None:
         tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
@@ -110,31 +117,139 @@ def check_up_exposure(config: Config) -> None:
             )
 
 
-async def run_up(config: Config) -> int:
-    """The whole stack in one process, on the embedded nats-server; the exit code."""
-    from asyncinfer.embedded_nats import NatsServerProcess
+def service_ports(config: Config, name: str) -> list[PortUse]:
+    """The ports one service listens on, with the settings they come from."""
+    section: Any = getattr(config, name)
+    return [
+        PortUse(f"{name}.port", section.host, section.port),
+        PortUse(f"{name}.metrics_port", section.host, section.metrics_port),
+    ]
 
-    check_up_exposure(config)
+
+def up_ports(config: Config) -> list[PortUse]:
+    """Every port `up` listens on, with the setting it comes from."""
     embedded = config.embedded_nats
-    store = Path(embedded.store_dir)
-    nats = NatsServerProcess(
-        store_dir=store,
-        host=embedded.host,
-        port=embedded.port,
-        monitor_port=embedded.monitor_port,
-        log_file=store.parent / "nats-server.log",
+    uses = [
+        PortUse("embedded_nats.port", embedded.host, embedded.port),
+        PortUse("embedded_nats.monitor_port", embedded.host, embedded.monitor_port),
+    ]
+    for name in SERVICES:
+        uses += service_ports(config, name)
+    return uses
+
+
+def raise_if_busy(uses: list[PortUse], *, hint: str) -> None:
+    """ConfigError, in one line naming them, when a port about to be listened on is taken: found
+    before anything starts, rather than as a nats-server that exits or a gRPC bind traceback."""
+    busy = busy_ports(uses)
+    if not busy:
+        return
+    in_use = [str(port.use) for port in busy if port.why == IN_USE]
+    other = [str(port) for port in busy if port.why != IN_USE]
+    found = ([f"already in use: {', '.join(in_use)}"] if in_use else []) + other
+    section, key = busy[0].use.setting.split(".")
+    raise ConfigError(
+        f"cannot start, {'; '.join(found)}. {hint} Stop it, or give this one other ports in its configuration "
+        f"file or environment (ASYNCINFER_{section.upper()}__{key.upper()}=...)."
     )
-    await asyncio.to_thread(nats.start)
-    config = config.replace(nats={"url": nats.url})
+
+
+class InContext:
+    """A service app whose start and stop run in a logging context of their own (the service's
+    name on each line); what they start inherits it."""
+
+    def __init__(self, app: App, context: contextvars.Context) -> None:
+        self.app = app
+        self.supervisor = app.supervisor
+        self.port = 0
+        self.metrics_port = 0
+        self._context = context
+
+    async def start(self) -> None:
+        await asyncio.create_task(self.app.start(), context=self._context)
+        self.port = self.app.port
+        self.metrics_port = int(getattr(self.app, "metrics_port", 0))
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await asyncio.create_task(self.app.stop(grace_s), context=self._context)
+
+
+class EmbeddedNats:
+    """The embedded nats-server as the first app `up` starts, so it is stopped last, after the
+    services that use it. If it exits on its own (killed, its store's disk full) `up` stops, with
+    EXIT_UNAVAILABLE: the services would only retry a server that is gone."""
+
+    def __init__(self, config: Config, stop: StopSignal) -> None:
+        from asyncinfer.embedded_nats import NatsServerProcess
+
+        embedded = config.embedded_nats
+        store = Path(embedded.store_dir)
+        self.server = NatsServerProcess(
+            store_dir=store,
+            host=embedded.host,
+            port=embedded.port,
+            monitor_port=embedded.monitor_port,
+            log_file=store.parent / "nats-server.log",
+        )
+        self.supervisor = Supervisor("nats")
+        self.port = 0
+        self._stop_signal = stop
+        self._stopping = False
+        self._watch: asyncio.Task[None] | None = None
+        self._context = service_context("nats")
+        self._log = structlog.get_logger("asyncinfer.embedded_nats")
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.server.start)
+        self.port = self.server.port
+        assert self.server.process is not None
+        self._context.run(
+            self._log.info,
+            "nats_server_started",
+            url=self.server.url,
+            pid=self.server.process.pid,
+            store=str(self.server.store_dir),
+            log_file=str(self.server.log_file),
+        )
+        self._watch = asyncio.create_task(self._watch_exit(), name="nats-server-watch", context=self._context)
+
+    async def _watch_exit(self) -> None:
+        code = await self.server.wait_exited()
+        if not self._stopping:
+            self._stop_signal.abort(
+                f"the embedded nats-server exited (exit code {code}; its log: {self.server.log_file})",
+                exit_code=EXIT_UNAVAILABLE,
+            )
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self._stopping = True
+        await self.server.astop()
+        if self._watch is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        self._context.run(self._log.info, "nats_server_stopped")
+
+
+async def run_up(config: Config) -> int:
+    """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
+    first and stops last; each service's log lines name it."""
+    check_up_exposure(config)
+    raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
+    stop = StopSignal()
+    nats = EmbeddedNats(config, stop)
     state: dict[str, App] = {}
+
+    async def start_nats() -> App:
+        await nats.start()
+        return nats
 
     def make(name: str) -> Callable[[], Awaitable[App]]:
         async def start() -> App:
-            cfg = config
+            cfg = config.replace(nats={"url": nats.server.url})
             if name == "batcher" and "scheduler" in state:
                 sched = state["scheduler"]
-                cfg = config.replace(batcher={"scheduler_address": f"{config.scheduler.host}:{sched.port}"})
-            app = SERVICES[name](cfg)
+                cfg = cfg.replace(batcher={"scheduler_address": f"{config.scheduler.host}:{sched.port}"})
+            app = InContext(SERVICES[name](cfg), service_context(name))
             await app.start()
             state[name] = app
             return app
@@ -143,14 +258,17 @@ async def run_up(config: Config) -> int:
 
     def started(_apps: Sequence[App]) -> None:
         tune_for_serving()
-        print(_banner(config, state, nats.url), flush=True)
+        print(_banner(config, state, nats.server.url), flush=True)
 
     try:
         return await run_until_stopped(
-            [make("gateway"), make("scheduler"), make("batcher")], grace_s=SHUTDOWN_GRACE_S, on_started=started
+            [start_nats, make("gateway"), make("scheduler"), make("batcher")],
+            grace_s=SHUTDOWN_GRACE_S,
+            on_started=started,
+            stop=stop,
         )
     finally:
-        await nats.astop()
+        await nats.server.astop()  # stopped already, unless a start failed before NATS was an app
         print("asyncinfer stopped", flush=True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -108,3 +109,24 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
         os.close(write_end)
     assert done.returncode == 141, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_service_whose_port_is_taken_says_so_in_one_line(config_file: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        env = {**os.environ, "ASYNCINFER_SCHEDULER__PORT": str(busy), "ASYNCINFER_SCHEDULER__METRICS_PORT": "0"}
+        done = subprocess.run(
+            [str(BIN / "asyncinfer"), "scheduler", "--config", str(config_file)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert f"already in use: 127.0.0.1:{busy} (scheduler.port)" in done.stderr
+    assert "ASYNCINFER_SCHEDULER__PORT=" in done.stderr
+    assert done.stdout == ""

@@ -4,8 +4,17 @@ against a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import pty
+import re
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +29,7 @@ from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
+from asyncinfer.ports import IN_USE, PortUse, busy_ports
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
@@ -163,3 +173,101 @@ async def test_a_connected_client_reconnects_past_the_first_connects_attempts(
         await nc.flush(timeout=5)
     finally:
         await nc.close()
+
+
+async def test_closing_a_connection_warns_of_nothing_but_losing_the_server_does(
+    nats_server: NatsServerProcess, config: Config
+) -> None:
+    closed = await connect(config.nats, name="test")
+    with structlog.testing.capture_logs() as logs:
+        await closed.close()
+    assert [entry for entry in logs if entry["log_level"] != "debug"] == []
+
+    lost = await connect(config.nats, name="test")
+    try:
+        with structlog.testing.capture_logs() as logs:
+            nats_server.stop()
+            await until(lambda: any(entry["event"] == "nats_disconnected" for entry in logs))
+        assert any(entry["log_level"] == "warning" and entry["event"] == "nats_disconnected" for entry in logs)
+    finally:
+        await lost.close()
+
+
+def _listener(port: int = 0) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+@pytest.mark.unit
+def test_busy_ports_finds_listeners_and_ports_configured_twice() -> None:
+    with _listener() as taken, _listener() as free_later:
+        taken_port, free_port_ = taken.getsockname()[1], free_later.getsockname()[1]
+        free_later.close()
+        uses = [
+            PortUse("a.port", "127.0.0.1", taken_port),
+            PortUse("b.port", "127.0.0.1", free_port_),
+            PortUse("c.port", "127.0.0.1", free_port_),
+            PortUse("d.port", "127.0.0.1", 0),  # any free port: never busy
+        ]
+        busy = busy_ports(uses)
+    assert [(b.use.setting, b.why) for b in busy] == [("a.port", IN_USE), ("c.port", "configured twice (also b.port)")]
+    assert busy_ports(uses[1:2]) == []  # the probe let go of what it bound
+
+
+@pytest.mark.unit
+def test_busy_ports_does_not_count_a_port_a_stopped_server_left_in_time_wait() -> None:
+    # A stack stopped a moment ago leaves its servers' ends of closed connections in TIME_WAIT;
+    # the servers rebind such a port (SO_REUSEADDR) and the check must not refuse it either.
+    with _listener() as server:
+        port = server.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = server.accept()
+            accepted.close()  # the server side closes first: its end goes to TIME_WAIT
+            client.recv(1)
+    assert busy_ports([PortUse("gateway.port", "127.0.0.1", port)]) == []
+
+
+LOG_ONE_LINE = """
+from asyncinfer.config import LoggingConfig
+from asyncinfer.logs import configure_logging
+import logging, structlog
+configure_logging(LoggingConfig(format="auto"), service="gateway")
+structlog.get_logger("t").warning("something_happened", n=1)
+logging.getLogger("grpc").warning("from a library")
+"""
+
+
+def test_logs_are_console_lines_on_a_terminal_and_json_otherwise() -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    piped = subprocess.run(
+        [sys.executable, "-c", LOG_ONE_LINE], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    lines = [json.loads(line) for line in piped.stderr.splitlines()]
+    assert [(line["event"], line["service"], line["level"]) for line in lines] == [
+        ("something_happened", "gateway", "warning"),
+        ("from a library", "gateway", "warning"),
+    ]
+
+    controller, terminal = pty.openpty()
+    try:
+        on_terminal = subprocess.run(
+            [sys.executable, "-c", LOG_ONE_LINE], stderr=terminal, env=env, timeout=60, check=True
+        )
+        assert on_terminal.returncode == 0
+        os.close(terminal)
+        terminal = -1
+        written = b""
+        with contextlib.suppress(OSError):  # EIO once the terminal's other end is closed
+            while chunk := os.read(controller, 4096):
+                written += chunk
+    finally:
+        os.close(controller)
+        if terminal != -1:
+            os.close(terminal)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", written.decode())
+    assert "{" not in text, text
+    assert re.search(r"\[warning\s*\] something_happened\s+\[gateway\]\s+n=1", text), text
+    assert "from a library" in text

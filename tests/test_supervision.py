@@ -17,7 +17,7 @@ from structlog.testing import capture_logs
 
 from asyncinfer.config import Config
 from asyncinfer.queues import paused_key
-from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, StopSignal, run_until_stopped
+from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, EXIT_UNAVAILABLE, StopSignal, run_until_stopped
 from asyncinfer.supervision import LoopDied, Supervisor
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
@@ -182,6 +182,47 @@ async def test_a_stop_signal_ends_run_until_stopped_with_exit_code_0() -> None:
         WAIT_S,
     )
     assert (code, stopped) == (EXIT_STOPPED, ["only"])
+
+
+async def test_an_abort_stops_every_app_in_reverse_order_with_its_exit_code() -> None:
+    # `asyncinfer up` aborts when its embedded nats-server exits: the loops that die of it while
+    # the apps stop neither change the exit code nor log a second "stopping".
+    stopped: list[str] = []
+    first, second = FakeApp("first", stopped), FakeApp("second", stopped)
+    stop = StopSignal()
+    announced: list[str] = []
+
+    def started(_apps: Any) -> None:
+        announced.append("banner")
+        stop.abort("the embedded nats-server exited (exit code -9)")
+        stop.fail(LoopDied(owner="first", loop="feed", error=Broken("its connection is gone")))
+
+    with capture_logs() as logs:
+        code = await asyncio.wait_for(
+            run_until_stopped([_starter(first), _starter(second)], grace_s=1.0, on_started=started, stop=stop),
+            WAIT_S,
+        )
+    assert code == EXIT_UNAVAILABLE
+    assert stopped == ["second", "first"]
+    assert announced == ["banner"]
+    assert [(e["event"], e["log_level"]) for e in logs if e["log_level"] == "error"] == [("stopping", "error")]
+
+
+async def test_no_banner_for_a_process_stopped_while_it_started() -> None:
+    stopped: list[str] = []
+    stop = StopSignal()
+    announced: list[str] = []
+
+    async def start_then_signal() -> Any:
+        app = FakeApp("only", stopped)
+        await app.start()
+        stop.set()  # Ctrl-C while it was starting (a model loading, say)
+        return app
+
+    code = await asyncio.wait_for(
+        run_until_stopped([start_then_signal], grace_s=1.0, on_started=announced.append, stop=stop), WAIT_S
+    )
+    assert (code, stopped, announced) == (EXIT_STOPPED, ["only"], [])
 
 
 async def test_a_loop_dying_in_a_real_scheduler_stops_it_with_a_failure_exit_code(

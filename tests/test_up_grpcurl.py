@@ -1,9 +1,13 @@
 """The README's path, for real: `asyncinfer up` as a subprocess (embedded nats-server, gateway,
 scheduler, batcher), driven with the real grpcurl binary; then Ctrl-C, and a second `up` on the
-same store still knows the job."""
+same store still knows the job.
+
+`up` runs in a session of its own, and Ctrl-C is a SIGINT to its process group, as a terminal sends
+it. Its stderr (JSON lines: it is not a terminal) is kept in a file, for the tests that read it."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncinfer.embedded_nats import free_port
+from asyncinfer.embedded_nats import free_port, pid_alive
 
 BIN = Path(sys.executable).parent
 GRPCURL = str(BIN / "grpcurl")
@@ -44,6 +48,19 @@ class UpProcess:
     batcher: str
     metrics: int
     lines: queue.Queue[str | None]
+    stderr: Path
+
+    def logs(self) -> list[dict[str, object]]:
+        """Its log lines so far, each a JSON object (a line that is not one fails the test)."""
+        return [json.loads(line) for line in self.stderr.read_text().splitlines() if line.strip()]
+
+    def nats_pid(self) -> int:
+        """The process ID of its embedded nats-server (it logs it once started)."""
+        started = [entry for entry in self.logs() if entry["event"] == "nats_server_started"]
+        assert len(started) == 1, started
+        pid = started[0]["pid"]
+        assert isinstance(pid, int)
+        return pid
 
     def rest_of_output(self) -> str:
         """What it printed after the banner, up to its exit."""
@@ -79,16 +96,22 @@ metrics_port = 0
     return path, ports
 
 
+_RUNS = itertools.count(1)
+
+
 def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> UpProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
-        cwd=cwd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )
+    stderr = cwd / f"up-{next(_RUNS)}.stderr"
+    with stderr.open("w") as err:
+        process = subprocess.Popen(
+            [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            start_new_session=True,  # as a shell runs a foreground job: Ctrl-C reaches its group
+        )
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -106,7 +129,9 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> UpProcess:
         except queue.Empty:
             continue
         if line is None:
-            raise AssertionError(f"asyncinfer up exited early with {process.wait()}: {''.join(banner)}")
+            raise AssertionError(
+                f"asyncinfer up exited early with {process.wait()}: {''.join(banner)}{stderr.read_text()}"
+            )
         banner.append(line)
         if line.startswith("Ctrl-C"):
             break
@@ -121,20 +146,41 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> UpProcess:
         batcher=f"127.0.0.1:{ports['batcher']}",
         metrics=ports["metrics"],
         lines=lines,
+        stderr=stderr,
     )
 
 
+def ctrl_c(up: UpProcess) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the foreground process group (up's)."""
+    os.killpg(up.process.pid, signal.SIGINT)
+
+
 def stop(up: UpProcess) -> int:
-    up.process.send_signal(signal.SIGINT)
+    ctrl_c(up)
     return up.process.wait(timeout=60)
 
 
 def close(up: UpProcess) -> None:
+    """Kills what is left: `up`, and its nats-server (in a session of its own, so not with it)."""
+    nats_pids = [entry["pid"] for entry in _quiet_logs(up) if entry.get("event") == "nats_server_started"]
     if up.process.poll() is None:
         up.process.kill()
         up.process.wait()
+    for pid in nats_pids:
+        if isinstance(pid, int) and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
     if up.process.stdout is not None:
         up.process.stdout.close()
+
+
+def _quiet_logs(up: UpProcess) -> list[dict[str, object]]:
+    found = []
+    for line in up.stderr.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
 
 
 def grpcurl(*args: str, data: str | None = None) -> subprocess.CompletedProcess[str]:

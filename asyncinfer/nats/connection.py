@@ -41,6 +41,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
                 gave_up.set()
 
     async def on_disconnected() -> None:
+        if client.is_closed:  # our own close() (nats-py marks it closed before calling back): no news
+            log.debug("nats_closed")
+            return
         log.warning("nats_disconnected")
 
     async def on_reconnected() -> None:

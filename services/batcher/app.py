@@ -97,7 +97,7 @@ class BatcherApp:
             )
             await self._worker.start()
         log.info(
-            "batcher serving",
+            "batcher_started",
             batcher_id=self.batcher_id,
             port=self.port,
             metrics_port=self.metrics_port,
@@ -115,13 +115,13 @@ class BatcherApp:
             await backend.start()
         except Exception as exc:
             reason = exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
-            log.error("model failed to load", model=model.name, loader=model.loader, reason=reason)
+            log.error("model_load_failed", model=model.name, loader=model.loader, reason=reason)
             self.load_failures[model.name] = reason
             self.metrics.set_model_ready(model.name, False)
             if backend is not None:
                 await backend.aclose()
             return None
-        log.info("model loaded", model=model.name, version=model.version, backend=model.backend, loader=model.loader)
+        log.info("model_loaded", model=model.name, version=model.version, backend=model.backend, loader=model.loader)
         return backend
 
     async def stop(self, grace_s: float = 5.0) -> None:
@@ -151,4 +151,4 @@ class BatcherApp:
         for backend in self._backends:
             await backend.aclose()
         self._backends.clear()
-        log.info("batcher stopped", batcher_id=self.batcher_id)
+        log.info("batcher_stopped", batcher_id=self.batcher_id)

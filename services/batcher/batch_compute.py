@@ -86,7 +86,7 @@ class BatchRunner:
             fail(batch, Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
             raise
         except Exception as exc:  # assembling failed: not a fault of any one item
-            log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
+            log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
             fail(batch, ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}"))
             return
         finally:
@@ -99,7 +99,7 @@ class BatchRunner:
         if failed:
             first = next(result.error for result in ran if result.error is not None)
             log.warning(
-                "batch failed" if len(batch) == 1 else "batch failed; its items were re-run apart",
+                "batch_failed" if len(batch) == 1 else "batch_failed_items_rerun_apart",
                 model=self.name,
                 items=len(batch),
                 failed_items=failed,
@@ -192,5 +192,5 @@ class BatchRunner:
     def _model_error(self, exc: Exception, batch: list[PendingItem]) -> AsyncInferError:
         if isinstance(exc, AsyncInferError):
             return exc
-        log.exception("batch failed unexpectedly", model=self.name, items=len(batch))
+        log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
         return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")

@@ -173,7 +173,7 @@ class BatchingEngine:
             for task in late:
                 task.cancel()
             if late:
-                log.warning("batches still computing at shutdown were abandoned", batches=len(late))
+                log.warning("batches_abandoned_at_shutdown", batches=len(late))
                 await asyncio.gather(*late, return_exceptions=True)
         if self._executor is not None:
             # A computing thread cannot be interrupted; do not wait for abandoned ones.
@@ -190,4 +190,4 @@ class BatchingEngine:
             try:
                 listener(model_name)
             except Exception:
-                log.exception("slot listener failed", model=model_name)
+                log.exception("slot_listener_failed", model=model_name)

@@ -133,7 +133,7 @@ class WorkSession:
             self._cancel(response.cancel)
         elif kind == "welcome":
             self._batches = self._work_batches and response.welcome.takes_batches
-            log.info("connected to scheduler", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
+            log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
 
     def _top_up(self, model_name: str) -> None:
         """Grants credits up to the model's free slots, counting credits not yet used."""
@@ -156,7 +156,7 @@ class WorkSession:
         try:
             item = submit_order(self._engine, order)
         except AsyncInferError as error:
-            job_log.info("work order rejected", reason=error.reason, error=error.message)
+            job_log.info("work_order_rejected", reason=error.reason, error=error.message)
             if not is_shutdown(error):  # unanswered: re-queued when the stream closes
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
@@ -178,29 +178,29 @@ class WorkSession:
         finally:
             self._orders.pop(key, None)
         if item.future.cancelled():
-            job_log.info("work order dropped before it ran")
+            job_log.info("work_order_dropped_before_run")
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
             return
         error = item.future.exception()
         if isinstance(error, AsyncInferError) and is_shutdown(error):
             # Not the job's fault: it goes back to the queue when the stream closes, without
             # spending an attempt on a failure.
-            job_log.info("work order abandoned at shutdown")
+            job_log.info("work_order_abandoned_at_shutdown")
         elif isinstance(error, AsyncInferError):
-            job_log.info("work order failed", reason=error.reason, error=error.message)
+            job_log.info("work_order_failed", reason=error.reason, error=error.message)
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
         elif error is not None:
             raise error
         else:
             outcome = item.future.result()
-            job_log.debug("work order done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
+            job_log.debug("work_order_done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
             self._send_result(order, outcome=outcome)
 
     def _cancel(self, cancel: worker_service_pb2.CancelOrder) -> None:
         item = self._orders.get((cancel.job_id, cancel.attempt))
         # Dropping resolves the item's future; its order task then answers dropped=true.
         if item is not None and item.cancel():
-            log.info("work order cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+            log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
 
     def _send_result(
         self,

@@ -108,16 +108,16 @@ class WorkerClient:
                 stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
                 self._session = WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
                 await self._session.run()
-            log.warning("scheduler closed the work stream", scheduler=self._address)
+            log.warning("work_stream_closed_by_scheduler", scheduler=self._address)
         except grpc.aio.AioRpcError as error:
             log.warning(
-                "work stream failed",
+                "work_stream_failed",
                 scheduler=self._address,
                 code=error.code().name,
                 details=error.details(),
             )
         except Exception:
-            log.exception("work stream failed", scheduler=self._address)
+            log.exception("work_stream_failed", scheduler=self._address)
 
 
 class _StreamEnded(Exception):

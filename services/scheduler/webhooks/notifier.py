@@ -35,7 +35,7 @@ from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState
-from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg, NatsTimeoutError
+from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import (
@@ -133,7 +133,10 @@ class Notifier:
             with attempt:
                 try:
                     return await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-                except NatsTimeoutError:
+                except TimeoutError:
+                    # Nothing came within FETCH_WAIT_S: an idle feed, not a failure. nats-py raises
+                    # its own TimeoutError or asyncio's (the builtin) for it, depending on where
+                    # the wait ended; catching the builtin catches both.
                     return []
                 except NATS_FAILURES as exc:
                     log.warning("webhook_feed_fetch_failed", error=str(exc))

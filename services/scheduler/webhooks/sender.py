@@ -35,7 +35,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats import JetStreamContext, Msg, NatsTimeoutError
+from asyncinfer.nats import JetStreamContext, Msg
 from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
@@ -144,7 +144,10 @@ class Sender:
             with attempt:
                 try:
                     return await subscription.fetch(up_to, timeout=FETCH_WAIT_S)
-                except NatsTimeoutError:
+                except TimeoutError:
+                    # Nothing came within FETCH_WAIT_S: an idle stream, not a failure. nats-py raises
+                    # its own TimeoutError or asyncio's (the builtin) for it, depending on where
+                    # the wait ended; catching the builtin catches both.
                     return []
                 except NATS_FAILURES as exc:
                     log.warning("webhook_fetch_failed", error=str(exc))

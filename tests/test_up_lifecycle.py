@@ -1,0 +1,177 @@
+"""`asyncinfer up` starts only when it can start whole, stops quietly, and does not outlive its NATS.
+
+- A busy port (a second `up`, or anything else listening) is named in one line before anything
+  starts: no nats-server, no store, no traceback, a non-zero exit.
+- Ctrl-C (SIGINT to its process group, as a terminal sends it) stops the services in reverse
+  order, NATS last, within a few seconds, exit 0, without a warning or an error line.
+- Its embedded nats-server dying stops `up` with EXIT_UNAVAILABLE and one error line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.embedded_nats import pid_alive
+from asyncinfer.runner import EXIT_UNAVAILABLE
+from tests.test_up_grpcurl import (
+    BIN,
+    SUBMIT_BODY,
+    UpProcess,
+    close,
+    ctrl_c,
+    grpcurl,
+    json_stream,
+    start_up,
+    write_config,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+SERVICES = {"up", "nats", "gateway", "scheduler", "batcher"}
+SNAKE_CASE = re.compile(r"^[a-z][a-z0-9_]*$")
+# services/scheduler/webhooks/sender.py still takes an idle fetch's asyncio TimeoutError for a NATS
+# failure (warns, then stamina warns of the retry); the notifier's copy of that code is fixed. Until
+# the sender's is (another change), its two lines, which come or not depending on timing, are
+# tolerated here, and only they.
+STOPPED_WITHIN_S = 5.0
+
+
+def listening(port: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen()
+    return sock
+
+
+def run_up_once(config_path: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[UpProcess]:
+    config_path, ports = write_config(tmp_path)
+    running = start_up(config_path, ports, tmp_path)
+    try:
+        yield running
+    finally:
+        close(running)
+
+
+def set_in_section(text: str, section: str, key: str, value: int) -> str:
+    """The TOML text with `key = value` in `[section]` (which write_config writes with that key)."""
+    pattern = re.compile(rf"(^\[{section}\]\n(?:(?!\[).*\n)*?){key} = .*$", re.MULTILINE)
+    changed, count = pattern.subn(rf"\g<1>{key} = {value}", text)
+    assert count == 1, (section, key)
+    return changed
+
+
+@pytest.mark.parametrize(
+    ("section", "key"), [("embedded_nats", "monitor_port"), ("gateway", "port"), ("batcher", "metrics_port")]
+)
+def test_a_busy_port_is_named_in_one_line_and_nothing_starts(tmp_path: Path, section: str, key: str) -> None:
+    # Something else listens on the port this setting asks for; taken before the other ports are
+    # chosen, so none of them can be the same port.
+    holder = listening(0)
+    busy_port = holder.getsockname()[1]
+    config_path, _ports = write_config(tmp_path)
+    try:
+        config_path.write_text(set_in_section(config_path.read_text(), section, key, busy_port))
+        done = run_up_once(config_path, tmp_path)
+    finally:
+        holder.close()
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"already in use: 127.0.0.1:{busy_port} ({section}.{key})" in lines[0]
+    assert done.stdout == ""  # no banner, not even "asyncinfer stopped": nothing had started
+    assert not (tmp_path / "data").exists()  # no nats-server ran: no store, no nats-server.log
+
+
+def test_a_second_up_exits_at_once_and_the_first_runs_on(up: UpProcess, tmp_path: Path) -> None:
+    # The same configuration from another folder, with its own store: every port is the first's.
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    config_path = tmp_path / "asyncinfer.toml"
+    second = other / "asyncinfer.toml"
+    second.write_text(config_path.read_text().replace(str(tmp_path / "data"), str(other / "data")))
+
+    done = run_up_once(second, other)
+
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert "embedded_nats.port" in done.stderr
+    assert "gateway.port" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (other / "data").exists()
+    # The first one was not disturbed: it still serves, and no second scheduler or batcher joined it.
+    assert up.process.poll() is None
+    submitted = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY)
+    assert submitted.returncode == 0, submitted.stderr
+    assert sum(entry["event"] == "batcher_connected" for entry in up.logs()) == 1
+
+
+def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
+    # A job through first, so that every connection has been used when Ctrl-C comes. (Waited for:
+    # one dispatched in the millisecond the batcher begins to stop comes back to the queue, with
+    # the scheduler's batcher_lost_with_jobs warning; that race is not what this test is about.)
+    submitted = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job"]["job_id"]
+    watched = grpcurl(up.gateway, "asyncinfer.v1.JobService/WatchJob", data=json.dumps({"job_id": job_id}))
+    assert json_stream(watched.stdout)[-1]["job"]["state"] == "JOB_STATE_SUCCEEDED"  # type: ignore[index]
+    nats_pid = up.nats_pid()
+
+    began = time.monotonic()
+    ctrl_c(up)
+    code = up.process.wait(timeout=60)
+    took_s = time.monotonic() - began
+
+    assert code == 0
+    assert took_s < STOPPED_WITHIN_S, took_s
+    assert "asyncinfer stopped" in up.rest_of_output()
+    assert not pid_alive(nats_pid)
+    logs = up.logs()  # every line is JSON (no stray library line, no traceback)
+    loud = [e for e in logs if e["level"] not in ("debug", "info")]
+    assert loud == [], loud
+    assert {e["service"] for e in logs} == SERVICES  # each line names who logged it, and all did
+    names = {str(e["event"]) for e in logs}
+    assert all(SNAKE_CASE.match(name) for name in names), sorted(names)
+    order = [str(e["event"]) for e in logs]
+    stops = ["batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
+    assert all(event in order for event in stops), order
+    assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
+
+
+def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
+    nats_pid = up.nats_pid()
+    os.kill(nats_pid, signal.SIGKILL)
+
+    code = up.process.wait(timeout=30)
+
+    assert code == EXIT_UNAVAILABLE
+    assert "asyncinfer stopped" in up.rest_of_output()
+    # One line says why it stops, before anything else goes wrong; what the services then log of
+    # a NATS that is gone (reconnect attempts, a stats round that fails) are its consequences.
+    errors = [e for e in up.logs() if e["level"] == "error"]
+    assert errors, up.stderr.read_text()
+    assert errors[0]["service"] == "nats"
+    assert "nats-server exited" in str(errors[0]["reason"])
+    assert [e for e in errors if e["service"] in ("up", "nats")] == errors[:1]
