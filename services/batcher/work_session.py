@@ -152,22 +152,21 @@ class WorkSession:
         model_name = order.model_name
         if model_name in self._unused_credits:
             self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
-        job_log = log.bind(job_id=order.job_id, attempt=order.attempt, model=model_name, tenant=order.tenant)
         try:
             item = submit_order(self._engine, order)
         except AsyncInferError as error:
-            job_log.info("work_order_rejected", reason=error.reason, error=error.message)
+            log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
             if not is_shutdown(error):  # unanswered: re-queued when the stream closes
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return
         key = (order.job_id, order.attempt)
         self._orders[key] = item
-        task = asyncio.create_task(self._finish(order, item, job_log), name=f"order-{order.job_id}")
+        task = asyncio.create_task(self._finish(order, item), name=f"order-{order.job_id}")
         self._order_tasks.add(task)
         task.add_done_callback(self._order_tasks.discard)
 
-    async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem, job_log: Any) -> None:
+    async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem) -> None:
         key = (order.job_id, order.attempt)
         try:
             # wait() rather than await: a dropped item must not look like this task's cancellation.
@@ -178,22 +177,21 @@ class WorkSession:
         finally:
             self._orders.pop(key, None)
         if item.future.cancelled():
-            job_log.info("work_order_dropped_before_run")
+            log.info("work_order_dropped_before_run", **_about(order))
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
             return
         error = item.future.exception()
         if isinstance(error, AsyncInferError) and is_shutdown(error):
             # Not the job's fault: it goes back to the queue when the stream closes, without
             # spending an attempt on a failure.
-            job_log.info("work_order_abandoned_at_shutdown")
+            log.info("work_order_abandoned_at_shutdown", **_about(order))
         elif isinstance(error, AsyncInferError):
-            job_log.info("work_order_failed", reason=error.reason, error=error.message)
+            log.info("work_order_failed", reason=error.reason, error=error.message, **_about(order))
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
         elif error is not None:
             raise error
         else:
             outcome = item.future.result()
-            job_log.debug("work_order_done", batch_size=outcome.batch_items, compute_s=outcome.compute_s)
             self._send_result(order, outcome=outcome)
 
     def _cancel(self, cancel: worker_service_pb2.CancelOrder) -> None:
@@ -230,3 +228,9 @@ class WorkSession:
             self._filling_bytes += sum(t.nbytes for t in outcome.outputs)
         if request is not None:
             self._send(request)
+
+
+def _about(order: worker_service_pb2.WorkOrder) -> dict[str, object]:
+    """What a log line about an order names. Not log.bind() per order: binding costs on every order
+    even when nothing is logged (a successful order logs nothing at info)."""
+    return {"job_id": order.job_id, "attempt": order.attempt, "model": order.model_name, "tenant": order.tenant}
