@@ -24,9 +24,14 @@ import uvloop
 from nats.js import api
 
 from asyncinfer.gc_tuning import tune_for_serving
+from asyncinfer.v1 import job_pb2, job_service_pb2
 
 SERVICE = "bench.Echo"
 METHOD = f"/{SERVICE}/Call"
+# A unary call that parses a SubmitJobRequest and answers a canned SubmitJobResponse: the trivial
+# server that does what SubmitJob must do at the edge (parse the same request, answer a job), and
+# nothing else (issue 14's unary reference).
+PARSE_METHOD = f"/{SERVICE}/ParseSubmit"
 # A bidirectional stream answering each message with b"ok": the ceiling for any per-message stream
 # API (SubmitJobs) here, as Call is for unary ones.
 STREAM_METHOD = f"/{SERVICE}/Stream"
@@ -38,6 +43,17 @@ Handler = Callable[[bytes, grpc.aio.ServicerContext[bytes, bytes]], Awaitable[by
 
 async def _call(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
     return b"ok"
+
+
+_CANNED = job_service_pb2.SubmitJobResponse(
+    job=job_pb2.Job(job_id="01000000-0000-7000-8000-000000000000", state=job_pb2.JOB_STATE_QUEUED)
+)
+
+
+async def _parse_submit(
+    request: job_service_pb2.SubmitJobRequest, context: grpc.aio.ServicerContext[bytes, bytes]
+) -> job_service_pb2.SubmitJobResponse:
+    return _CANNED
 
 
 async def _stream(
@@ -76,6 +92,11 @@ async def serve(port: int, nats_url: str = "") -> None:
         SERVICE,
         {
             "Call": grpc.unary_unary_rpc_method_handler(call),
+            "ParseSubmit": grpc.unary_unary_rpc_method_handler(
+                _parse_submit,
+                request_deserializer=job_service_pb2.SubmitJobRequest.FromString,
+                response_serializer=job_service_pb2.SubmitJobResponse.SerializeToString,
+            ),
             "Stream": grpc.stream_stream_rpc_method_handler(_stream),
         },
     )

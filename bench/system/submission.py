@@ -386,6 +386,7 @@ class Measured:
     echo: dict[int, list[Window]] = field(default_factory=dict)
     stream: dict[int, list[Window]] = field(default_factory=dict)
     grouped: list[Window] = field(default_factory=list)  # SubmitJobs, JOBS_PER_MESSAGE jobs per message
+    parse: list[Window] = field(default_factory=list)  # the trivial server parsing a SubmitJobRequest, top clients
     echo_stream: list[Window] = field(default_factory=list)  # 1 stream
     stream_unavailable: str = ""
     nats: dict[str, list[float]] = field(default_factory=dict)
@@ -452,6 +453,15 @@ async def measure(
             async def call_echo() -> Any:
                 return await echo_call(ping)
 
+            parse_call = echo_channel.unary_unary(
+                echo_server.PARSE_METHOD,
+                request_serializer=job_service_pb2.SubmitJobRequest.SerializeToString,
+                response_deserializer=job_service_pb2.SubmitJobResponse.FromString,
+            )
+
+            async def call_parse() -> Any:
+                return await parse_call(request)
+
             echo_publish_call = echo_publish_channel.unary_unary(echo_server.METHOD)
 
             async def call_echo_publish() -> Any:
@@ -468,6 +478,8 @@ async def measure(
                     echo_cpu = echo.cpu_seconds()
                     echo_window = await closed_loop(call_echo, concurrency, sizes)
                     out.echo.setdefault(concurrency, []).append(echo_window)
+                    if concurrency == CONCURRENCY[-1]:
+                        out.parse.append(await closed_loop(call_parse, concurrency, sizes))
                     if concurrency == CONCURRENCY[-1]:
                         used = echo.cpu_seconds() - echo_cpu
                         out.echo_cpu_us_per_call.append(used / max(echo_window.total, 1) * 1e6)
@@ -662,7 +674,22 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
     stream_vs_celery = stream_best / celery
     grouped = med([w.rate for w in out.grouped])
     grouped_vs_celery = grouped / celery
+    vs_parse = submit_top / med([w.rate for w in out.parse])
+    rows.append(
+        row(
+            f"trivial grpc.aio call parsing the same SubmitJobRequest, {top} clients",
+            [w.rate for w in out.parse],
+            "calls/s",
+            "issue 14's unary reference",
+        )
+    )
     ratios = [
+        ratio(
+            f"unary SubmitJob / a trivial grpc.aio server parsing the same request, {top} clients",
+            vs_parse,
+            "≥ 0.45",
+            met(vs_parse, vs_parse >= 0.45),
+        ),
         ratio(
             f"SubmitJobs, {JOBS_PER_MESSAGE} jobs per message, accepted jobs/s (not a ratio)",
             grouped,
