@@ -7,8 +7,9 @@
                                            the client commands (asyncinfer.commands; exit codes in
                                            asyncinfer/commands/output.py)
 
-The installed `asyncinfer` command is services.cli, which adds the commands that start servers
-(up, gateway, scheduler, batcher) to this parser: shared code never imports the services.
+`python -m asyncinfer` runs this. The installed `asyncinfer` command is services.cli, which adds the
+commands that start servers (up, gateway, scheduler, batcher) to this parser: shared code never
+imports the services.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import os
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 from asyncinfer import commands as client_commands
 from asyncinfer.api_keys import hash_key
@@ -27,6 +29,10 @@ from asyncinfer.webhook_secrets import new_secret
 
 PROG = "asyncinfer"
 DESCRIPTION = "The `asyncinfer` command."
+CLIENT_ONLY_EPILOG = (
+    "This is the client CLI (`python -m asyncinfer`): the commands that start servers (up, gateway, scheduler, "
+    "batcher) are in the installed `asyncinfer` command."
+)
 
 SubParsers = argparse._SubParsersAction  # argparse has no public name for it
 
@@ -34,8 +40,17 @@ SubParsers = argparse._SubParsersAction  # argparse has no public name for it
 def new_parser() -> tuple[argparse.ArgumentParser, SubParsers[argparse.ArgumentParser]]:
     """The top-level parser (with the client options) and its subcommands, still empty."""
     parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     client_commands.add_client_options(parser, top_level=True)
     return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def package_version() -> str:
+    """The installed distribution's version ("unknown" from a source tree that is not installed)."""
+    try:
+        return metadata.version("asyncinfer")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def add_tool_commands(commands: SubParsers[argparse.ArgumentParser]) -> None:
@@ -50,6 +65,7 @@ def add_tool_commands(commands: SubParsers[argparse.ArgumentParser]) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The client-only parser: the tool commands and the client commands."""
     parser, commands = new_parser()
+    parser.epilog = CLIENT_ONLY_EPILOG
     add_tool_commands(commands)
     client_commands.register(commands)
     return parser
@@ -91,7 +107,7 @@ def exit_quietly_on_broken_pipe(run: Callable[[], int]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The client-only command (`python -m asyncinfer.cli`)."""
+    """The client-only command (`python -m asyncinfer`, or `python -m asyncinfer.cli`)."""
     return exit_quietly_on_broken_pipe(lambda: run_command(build_parser().parse_args(argv)))
 
 
