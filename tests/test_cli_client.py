@@ -329,7 +329,14 @@ async def test_dlq_and_stats(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> N
     code, out, err = await cli("dlq", "list")
     assert code == 0, err
     assert "no dead letters" in out
-    code, out, err = await cli("dlq", "purge", "--all", "--json")
+    # Without a terminal to ask on, purge --all refuses unless told --yes (an answer on stdin is no answer).
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    code, out, err = await cli("dlq", "purge", "--all")
+    assert (code, out) == (2, ""), err
+    assert (
+        err == "asyncinfer: dlq purge --all deletes every dead letter and there is no terminal to ask on: add --yes\n"
+    )
+    code, out, err = await cli("dlq", "purge", "--all", "--yes", "--json")
     assert code == 0, err
     assert json.loads(out) == {"purged": 0, "remaining": 0}
     code, _, err = await cli("dlq", "replay")

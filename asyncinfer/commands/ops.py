@@ -44,6 +44,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         sub.add_argument("sequences", nargs="*", type=int, metavar="SEQUENCE")
         sub.add_argument("--all", action="store_true", help="every dead letter (of --model, when given)")
         sub.add_argument("--model", default="", help="with --all: only this model's")
+        if name == "purge":
+            sub.add_argument(
+                "-y", "--yes", action="store_true", help="with --all: do not ask first (needed without a terminal)"
+            )
         add_options(sub)
         sub.set_defaults(handler=dlq_replay if name == "replay" else dlq_purge)
 
@@ -196,8 +200,22 @@ async def dlq_replay(args: argparse.Namespace, options: Options) -> int:
     return EXIT_OK
 
 
+def _confirmed_purge_all(model: str) -> bool:
+    """Asks on the terminal before every dead letter (of a model) is deleted; without a terminal a
+    usage error: a script says --yes."""
+    what = f"every dead letter of {model}" if model else "every dead letter"
+    if not sys.stdin.isatty():
+        raise UsageError(f"dlq purge --all deletes {what} and there is no terminal to ask on: add --yes")
+    sys.stderr.write(f"delete {what}? This cannot be undone. [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
+
+
 async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
     sequences, every, model = _selection(args)
+    if every and not args.yes and not _confirmed_purge_all(model):
+        print("nothing purged", flush=True)
+        return EXIT_OK
     request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
     response = await _ops_call(options, lambda stub, t: stub.PurgeDeadLetters(request, timeout=t))
     if options.json:
