@@ -146,14 +146,13 @@ async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monke
     code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3]]")
     assert code == 4
     assert out == ""
-    assert "INVALID_ARGUMENT" in err
+    assert err.startswith("asyncinfer: error: INVALID_ARGUMENT: "), err  # the reason repeats the code: once
     assert "inputs[0].shape" in err
     assert "[-1, 4]" in err
     # An unknown job: NOT_FOUND (3).
     code, _, err = await cli("get", new_job_id())
     assert code == 3
-    assert "NOT_FOUND" in err
-    assert "JOB_NOT_FOUND" in err
+    assert err.startswith("asyncinfer: error: NOT_FOUND JOB_NOT_FOUND: "), err  # a reason of its own: both
     # Malformed arguments never reach the gateway: usage error (2).
     code, _, err = await cli("submit", "demo", "--input", "x=[1,2")
     assert code == 2

@@ -66,10 +66,15 @@ def exit_code_for(code: grpc.StatusCode) -> int:
     return _EXIT_BY_CODE.get(code, EXIT_OTHER)
 
 
+def code_and_reason(code: str, reason: str) -> str:
+    """`CODE REASON`, or the code alone where the reason only repeats it (INVALID_ARGUMENT's) or is empty."""
+    return code if reason in ("", code) else f"{code} {reason}"
+
+
 def report_error(error: AsyncInferClientError, stream: TextIO | None = None) -> int:
     """The error on stderr (code and reason, then one line per field violation); its exit code."""
     out = stream or sys.stderr
-    print(f"asyncinfer: error: {error.code.name} {error.reason}: {error.message}", file=out)
+    print(f"asyncinfer: error: {code_and_reason(error.code.name, error.reason)}: {error.message}", file=out)
     for violation in error.violations:
         print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
     if error.retry_after_s is not None:
@@ -216,10 +221,11 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
     if job.labels:
         lines.append("labels      " + ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())))
     if job.error is not None:
-        lines.append(f"error       {job.error.code.name} {job.error.reason}: {job.error.message}")
+        lines.append(f"error       {code_and_reason(job.error.code.name, job.error.reason)}: {job.error.message}")
         lines += _violations(job.error.violations)
     elif job.last_error is not None:
-        lines.append(f"last error  {job.last_error.code.name} {job.last_error.reason}: {job.last_error.message}")
+        last = job.last_error
+        lines.append(f"last error  {code_and_reason(last.code.name, last.reason)}: {last.message}")
     if job.result_ref is not None:
         lines.append(f"result      {job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")
     for name, array in (outputs if outputs is not None else job.outputs).items():
