@@ -5,6 +5,7 @@ where the test needs one."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pty
 import select
@@ -13,7 +14,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from tests.stack import Stack
+from asyncinfer.config import DEMO_MODEL, Config
+from services.batcher.models.demo import FAILING_MODEL_MESSAGE
+from tests.stack import StartStack
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -83,9 +86,69 @@ def purge_all_on_a_terminal(scheduler: str, answer: str) -> tuple[int, str, str]
     return process.returncode, out, shown.decode()
 
 
-async def test_purge_all_asks_on_a_terminal_and_does_only_on_yes(stack: Stack) -> None:
-    code, out, shown = await asyncio.to_thread(purge_all_on_a_terminal, "127.0.0.1:1", "n")
+def test_purge_all_asks_on_a_terminal_and_no_purges_nothing() -> None:
+    code, out, shown = purge_all_on_a_terminal("127.0.0.1:1", "n")
     assert (code, out) == (0, "nothing purged\n"), shown  # nothing was called: no scheduler listens there
     assert "delete every dead letter? This cannot be undone. [y/N] " in shown
-    code, out, shown = await asyncio.to_thread(purge_all_on_a_terminal, stack.ops_address, "y")
-    assert (code, out) == (0, "purged 0 dead letter(s); 0 left\n"), shown
+
+
+async def cli(*argv: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "asyncinfer",
+        *argv,
+        cwd=REPO,
+        env=ENV,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Config, start_stack: StartStack) -> None:
+    failing = DEMO_MODEL.model_copy(
+        update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model", "max_attempts": 1}
+    )
+    stack = await start_stack(config.replace(models=[DEMO_MODEL, failing]))
+    where = ["--gateway", stack.address, "--scheduler", stack.ops_address, "--timeout", "20"]
+    code, out, err = await cli("submit", "failing", "-i", "x=[[1,2,3,4]]", "--priority", "high", "--wait", *where)
+    assert code == 1, err  # FAILED
+    for _ in range(100):
+        code, out, err = await cli("dlq", "list", "--json", *where)
+        if out:
+            break
+        await asyncio.sleep(0.1)
+    (listed,) = [json.loads(line) for line in out.splitlines()]
+    sequence = str(listed["sequence"])
+
+    code, out, err = await cli("dlq", "show", sequence, *where)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "model       failing" in lines
+    assert "reason      MAX_ATTEMPTS" in lines
+    (last_error,) = [line for line in lines if line.startswith("last error")]
+    assert last_error.startswith("last error  INTERNAL MODEL_ERROR: "), out  # the code's name, not 13
+    assert FAILING_MODEL_MESSAGE in last_error
+    assert "{'code'" not in out, "no Python repr"
+    assert '                {"name": "x", "datatype": "FP32", "shape": [1, 4]}' in lines, out  # one input a line
+    request = json.loads(out[out.index("request     ") + len("request     ") :])
+    assert request == {
+        "model": "failing",
+        "model_version": "1",
+        "priority": "HIGH",
+        "max_attempts": 1,
+        "execution_timeout_s": 60.0,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4]}],
+    }
+    code, out, err = await cli("dlq", "show", sequence, "--json", *where)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["original_request"] == request
+    assert shown["last_error"]["code"] == "INTERNAL"
+
+    code, out, terminal = await asyncio.to_thread(purge_all_on_a_terminal, stack.ops_address, "y")
+    assert (code, out) == (0, "purged 1 dead letter(s); 0 left\n"), terminal

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -16,11 +17,13 @@ from datetime import UTC, datetime
 from typing import Any, TypeVar
 
 import grpc
+import msgspec
 from grpc import aio
 
 from asyncinfer.client.errors import from_rpc_error
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.options import Options
-from asyncinfer.commands.output import EXIT_OK, UsageError, print_json, table
+from asyncinfer.commands.output import EXIT_OK, UsageError, code_and_reason, print_json, table
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
@@ -114,8 +117,67 @@ def dead_letter_json(letter: ops_service_pb2.DeadLetter) -> dict[str, Any]:
         "dead_time": letter.dead_time.ToDatetime(UTC).isoformat() if letter.HasField("dead_time") else None,
     }
     if letter.original_request:
-        data["original_request_bytes"] = len(letter.original_request)
+        data["original_request"] = original_request_json(letter.original_request)
     return data
+
+
+def original_request_json(original: bytes) -> dict[str, Any]:
+    """The dead letter's work message as what was asked: model, priority, the inputs' names,
+    datatypes and shapes (not their values), or where they are when they were stored apart."""
+    try:
+        envelope = decode_envelope(original)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return {"undecodable_bytes": len(original)}
+    request: dict[str, Any] = {"model": envelope.model_name}
+    if envelope.model_version:
+        request["model_version"] = envelope.model_version
+    request["priority"] = envelope.priority.value
+    request["max_attempts"] = envelope.max_attempts
+    if envelope.deadline is not None:
+        request["deadline"] = datetime.fromtimestamp(envelope.deadline, UTC).isoformat()
+    if envelope.execution_timeout_s is not None:
+        request["execution_timeout_s"] = envelope.execution_timeout_s
+    request["inputs"] = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in envelope.inputs]
+    if envelope.input_ref is not None:
+        request["inputs_stored_apart"] = {"ref": envelope.input_ref.ref, "bytes": envelope.input_ref.size_bytes}
+    return request
+
+
+def dead_letter_text(letter: dict[str, Any]) -> str:
+    """`dlq show` for a person: aligned lines, the error in words, the request as indented JSON."""
+    lines = [
+        f"sequence    {letter['sequence']}",
+        f"job         {letter['job_id']}",
+        f"tenant      {letter['tenant']}",
+        f"model       {letter['model_name']}",
+        f"reason      {letter['reason']}",
+        f"attempts    {letter['attempts']}",
+        f"dead        {letter['dead_time'] or '-'}",
+    ]
+    error = letter["last_error"]
+    if error is not None:
+        lines.append(f"last error  {code_and_reason(error['code'], error['reason'])}: {error['message']}")
+        lines += [f"              {v['field']}: {v['description']}" for v in error["violations"]]
+    if "original_request" in letter:
+        body = _request_json_lines(letter["original_request"])
+        lines += ["request     " + body[0], *(" " * 12 + line for line in body[1:])]
+    return "\n".join(lines)
+
+
+def _request_json_lines(request: dict[str, Any]) -> list[str]:
+    """The request as indented JSON, one input to a line."""
+
+    def dumps(value: Any) -> str:
+        return json.dumps(value, ensure_ascii=False)
+
+    fields: list[str] = []
+    for key, value in request.items():
+        if key == "inputs" and value:
+            items = ",\n".join(f"    {dumps(item)}" for item in value)
+            fields.append(f'  "inputs": [\n{items}\n  ]')
+        else:
+            fields.append(f"  {dumps(key)}: {dumps(value)}")
+    return ["{", *",\n".join(fields).split("\n"), "}"]
 
 
 # -- dlq ----------------------------------------------------------------------------------------
@@ -168,8 +230,7 @@ async def dlq_show(args: argparse.Namespace, options: Options) -> int:
     if options.json:
         print_json(letter)
     else:
-        for key, value in letter.items():
-            print(f"{key:<24}{value}", flush=True)
+        print(dead_letter_text(letter), flush=True)
     return EXIT_OK
 
 
