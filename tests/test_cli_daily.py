@@ -38,6 +38,11 @@ def test_version_prints_the_package_version() -> None:
     done = run_cli("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"asyncinfer {metadata.version('asyncinfer')}"
+    # The installed command (services.cli, with the server commands) says the same.
+    script = Path(sys.executable).parent / "asyncinfer"
+    if script.exists():
+        installed = subprocess.run([script, "--version"], env=ENV, capture_output=True, text=True, timeout=60)
+        assert (installed.returncode, installed.stdout) == (0, done.stdout), installed.stderr
 
 
 def test_python_m_asyncinfer_is_the_client_cli_and_says_where_the_servers_are() -> None:
