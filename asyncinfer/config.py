@@ -3,7 +3,8 @@ start-up. `asyncinfer config` prints the complete file with every key, its defau
 
 Environment overrides: ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
 ASYNCINFER_NATS__URL=nats://nats:4222. Values are read as JSON when they parse as JSON (numbers,
-booleans, lists), else as strings. Models are declared in the file only.
+booleans, lists), else as strings. Models are declared in the file only (`asyncinfer up` adds its
+sample models when the file declares none: services/cli.py with_up_defaults).
 """
 
 from __future__ import annotations
@@ -392,6 +393,21 @@ DEMO_MODEL = ModelConfig(
     inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 4)),),
     outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, 4)),),
 )
+# The sample model that fails on demand, served by `asyncinfer up` beside the demo model when its
+# file declares no models (so that the dead-letter recipes have something to act on): the demo's
+# signature and y = 2x + 1, but a job whose x has a row starting with a negative number fails with
+# MODEL_ERROR (retriable) on each of its 2 attempts, 0.2 s apart, and is dead-lettered in about a
+# second.
+FLAKY_MODEL = ModelConfig.model_validate(
+    {
+        **DEMO_MODEL.model_dump(),
+        "name": "flaky",
+        "loader": "services.batcher.models.demo:build_flaky_model",
+        "max_attempts": 2,
+        "retry_backoff_base_s": 0.2,
+        "retry_backoff_max_s": 1.0,
+    }
+)
 
 
 class Config(_Section):
@@ -402,7 +418,11 @@ class Config(_Section):
     batcher: BatcherConfig = Field(default_factory=BatcherConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    models: tuple[ModelConfig, ...] = Field((DEMO_MODEL,), description="The models served.")
+    models: tuple[ModelConfig, ...] = Field(
+        (DEMO_MODEL,),
+        description="The models served. `asyncinfer up`, given a file that declares none, serves the demo model "
+        "and `flaky`, which fails on demand (README: Operations).",
+    )
 
     @model_validator(mode="after")
     def _orphan_grace_covers_enqueue_retries(self) -> Config:

@@ -33,7 +33,7 @@ import uvloop
 
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
-from asyncinfer.config import Config, load_config
+from asyncinfer.config import FLAKY_MODEL, Config, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging, service_context
@@ -230,11 +230,47 @@ class EmbeddedNats:
         self._context.run(self._log.info, "nats_server_stopped")
 
 
+def dev_secret_file(config: Config) -> Path:
+    """Where `up` keeps the webhook secret it generated: beside the JetStream store."""
+    return Path(config.embedded_nats.store_dir).parent / "webhook-secret"
+
+
+def with_up_defaults(config: Config) -> Config:
+    """What `up` adds to the configuration it was given, so that the README's recipes run as they
+    stand on a stack started without a file:
+
+    - the models, when the file declares none: the demo model and `flaky`, the sample model that
+      fails on demand (asyncinfer.config.FLAKY_MODEL), for the dead-letter recipes;
+    - a webhook signing secret for the default tenant, when no API keys are configured (so the
+      gateway is on loopback, `check_up_exposure`) and that tenant has none: generated once and
+      kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
+      receiver can verify with it; the banner prints it. With API keys, secrets are the
+      operator's to configure."""
+    if "models" not in config.model_fields_set:
+        config = config.replace(models=[*config.models, FLAKY_MODEL])
+    tenant = config.gateway.default_tenant
+    if not config.gateway.api_keys and config.webhooks.secret_for(tenant) is None:
+        from asyncinfer.webhook_secrets import new_secret
+
+        path = dev_secret_file(config)
+        secret = path.read_text().strip() if path.exists() else ""
+        if not secret:
+            secret = new_secret()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(secret + "\n")
+        secrets = [entry.model_dump() for entry in config.webhooks.secrets]
+        config = config.replace(webhooks={"secrets": [*secrets, {"tenant": tenant, "secret": secret}]})
+    return config
+
+
 async def run_up(config: Config) -> int:
     """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
     first and stops last; each service's log lines name it."""
     check_up_exposure(config)
     raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
+    given = config
+    config = with_up_defaults(config)
     stop = StopSignal()
     nats = EmbeddedNats(config, stop)
     state: dict[str, App] = {}
@@ -258,7 +294,7 @@ async def run_up(config: Config) -> int:
 
     def started(_apps: Sequence[App]) -> None:
         tune_for_serving()
-        print(_banner(config, state, nats.server.url), flush=True)
+        print(_banner(config, state, nats.server.url, dev_secret=config.webhooks != given.webhooks), flush=True)
 
     try:
         return await run_until_stopped(
@@ -272,7 +308,7 @@ async def run_up(config: Config) -> int:
         print("asyncinfer stopped", flush=True)
 
 
-def _banner(config: Config, apps: dict[str, App], nats_url: str) -> str:
+def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: bool = False) -> str:
     gateway = f"{config.gateway.host}:{apps['gateway'].port}"
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
     batcher = f"{config.batcher.host}:{apps['batcher'].port}"
@@ -290,6 +326,15 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str) -> str:
         port = getattr(apps[name], "metrics_port", 0)
         if port:
             lines.append(f"  metrics ({name}){' ' * (22 - len(name))}http://{config.gateway.host}:{port}/metrics")
+    tenant = config.gateway.default_tenant
+    if dev_secret:
+        label = f"webhook secret ({tenant})"
+        lines.append(
+            f"  {label:<31}{config.webhooks.secret_for(tenant)}  "
+            f"(generated for this loopback stack, kept in {dev_secret_file(config)})"
+        )
+    if config.model("flaky") == FLAKY_MODEL:
+        lines.append(f"  {'flaky':<31}fails on demand: a job whose x has a row starting below 0 is dead-lettered")
     if demo is not None:
         grpcurl = _grpcurl_command()
         body = (

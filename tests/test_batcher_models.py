@@ -6,20 +6,22 @@ from __future__ import annotations
 import asyncio
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from asyncinfer.config import DEMO_MODEL, BatcherConfig, ModelConfig
-from asyncinfer.errors import ConfigError
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, BatcherConfig, ModelConfig
+from asyncinfer.errors import ConfigError, ModelError
 from asyncinfer.tensors import Tensor
 from services.batcher.backends.loading import load_backend
 from services.batcher.backends.minilm import MINILM_MODEL, MiniLMBackend, model_dir
 from services.batcher.backends.torch_backend import TorchBackend, resolve_device
 from services.batcher.engine import BatchingEngine
-from services.batcher.models.demo import build_demo_model
+from services.batcher.models.demo import FLAKY_MODEL_MESSAGE, build_demo_model, build_flaky_model
 
 TEXTS = [
     "The batcher packs queued jobs into batches.",
@@ -133,3 +135,19 @@ def test_model_config_rules() -> None:
         name="m", backend="triton", triton_url="h:1", inputs=DEMO_MODEL.inputs, outputs=DEMO_MODEL.outputs
     )
     assert remote.loader == ""
+
+
+async def test_the_flaky_sample_model_fails_only_the_jobs_that_ask_to(make_engine: Callable[..., Any]) -> None:
+    """`flaky` (served by `asyncinfer up`, issue 18) computes the demo's y = 2x + 1 unless a row of
+    x starts below 0; then that job fails with MODEL_ERROR (retriable: its 2 attempts are spent,
+    then it is dead-lettered), and the jobs beside it still succeed."""
+    assert (FLAKY_MODEL.max_attempts, FLAKY_MODEL.signature) == (2, DEMO_MODEL.signature)
+    engine = await make_engine(build_flaky_model(), name="flaky")
+    good = [Tensor.from_numpy("x", np.array([[1, 2, 3, 4]], np.float32))]
+    bad = [Tensor.from_numpy("x", np.array([[5, 6, 7, 8], [-1, 2, 3, 4]], np.float32))]
+    outcomes = await asyncio.gather(engine.infer("flaky", good), engine.infer("flaky", bad), return_exceptions=True)
+    assert not isinstance(outcomes[0], BaseException)
+    (y,) = outcomes[0].outputs
+    np.testing.assert_array_equal(y.to_numpy(), [[3, 5, 7, 9]])
+    assert isinstance(outcomes[1], ModelError)
+    assert FLAKY_MODEL_MESSAGE in outcomes[1].message

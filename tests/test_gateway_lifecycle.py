@@ -39,6 +39,7 @@ from tests.kv_helpers import kv_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+    from tests.stack import StartStack
 
 WORK = "WORK"
 TENANT = "default"
@@ -488,6 +489,18 @@ async def test_waiting_reasons_follow_the_snapshot(gw: Harness) -> None:
     watch.cancel()
 
 
+async def test_a_fresh_job_on_an_idle_batcher_does_not_wait_for_capacity(start_stack: StartStack) -> None:
+    """Issue 18: a job submitted to an idle stack said WAITING_FOR_CAPACITY; the scheduler's
+    snapshot has the batcher's free slots, so the job is only being dispatched: no reason."""
+    stack = await start_stack()
+    view = stack.gateway.queue_view
+    await wait_for(lambda: (s := view.snapshot(DEMO)) is not None and s.connected_batchers > 0, timeout_s=10.0)
+    assert view.snapshot(DEMO).free_credits > 0  # type: ignore[union-attr]
+    job = (await stack.jobs.SubmitJob(submit_request())).job
+    assert job.state == job_pb2.JOB_STATE_QUEUED
+    assert job.queue.waiting_reason == job_pb2.WAITING_REASON_UNSPECIFIED
+
+
 async def test_position_and_estimated_start_come_from_the_snapshot(gw: Harness) -> None:
     job = await gw.submit()
     created = job.create_time.ToNanoseconds() / 1e9
@@ -567,3 +580,9 @@ def test_waiting_reason_precedence() -> None:
     assert waiting_reason(record_at(1.0), draining, paused=True, now=now) == WaitingReason.PAUSED
     stale = replace(draining, updated_at=now - 60.0)  # no scheduler reports the model any more
     assert waiting_reason(record_at(1.0), stale, paused=False, now=now) == WaitingReason.NO_WORKER
+    # A batcher with free slots for it: about to be dispatched, no reason to wait (issue 18).
+    idle = replace(fresh, free_credits=2, priorities={Priority.NORMAL.value: PriorityQueueSnapshot(2, 0.0)})
+    assert waiting_reason(record_at(now), idle, paused=False, now=now) == WaitingReason.DISPATCHING
+    assert waiting_reason(record_at(now + 1), idle, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
+    assert waiting_reason(record_at(now), replace(idle, paused=True), paused=False, now=now) == WaitingReason.PAUSED
+    assert waiting_reason(retried, idle, paused=False, now=now) == WaitingReason.RETRY_BACKOFF

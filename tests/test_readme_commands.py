@@ -10,14 +10,15 @@ Each command must exit 0, or the code its comment gives (`exits 67`). A grpcurl 
 empty (`{}`): answers say what happened.
 
 Placeholders, as the README documents them: `JOB_ID` is the job ID the block's last submit answered;
-`SEQ` a sequence the last ListDeadLetters answered. What runs before the README, and what does not
-run, is named below (SETUP, NOT_RUN, and the one URL that needs DNS: CALLBACK_URL). The Python SDK
-example is a ```python block, not a shell one (tests/test_client_sdk.py covers the SDK).
+`SEQ` a sequence the last ListDeadLetters answered. What does not run is named below (NOT_RUN, and
+the one URL that needs DNS: CALLBACK_URL). Nothing runs before the README: the stack is `up` as a
+newcomer has it (no models in its file, so the sample models `demo` and `flaky`; no webhook secret,
+so the one `up` generates), and the README's own lines make the dead letter its recipes act on.
+The Python SDK example is a ```python block, not a shell one (tests/test_client_sdk.py covers the SDK).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -47,10 +48,6 @@ NOT_RUN = {
 # resolve (a machine without DNS, like CI's), the test puts this loopback URL in its place (the
 # test's stack allows 127.0.0.1 in webhooks.allowed_networks) and says so in the test's output.
 CALLBACK_URL = "https://example.com/hook"
-# Before the README: one job of a model that always fails, max_attempts 1, so that the dead-letter
-# lines have a dead letter to act on (a fresh stack has none).
-SETUP = "a dead letter: one job of the test's `failing` model (services.batcher.models.demo:build_failing_model)"
-WEBHOOK_SECRET = "whsec_Z5oJBt2vOI9gO7WFYlCPtQwgqVDWoCQYawi4RVCTbXE="
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 VARIABLE_LINE = re.compile(r"^(export\s+)?([A-Z_][A-Z0-9_]*=\S+\s+)*[A-Z_][A-Z0-9_]*=\S+\s*(#.*)?$")
 ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
@@ -127,8 +124,6 @@ def resolves(host: str) -> bool:
 
 def write_config(tmp_path: Path) -> tuple[Path, dict[str, int]]:
     ports = {name: free_port() for name in ("nats", "gateway", "scheduler", "batcher")}
-    signature = """inputs = [{ name = "x", datatype = "FP32", shape = [-1, 4] }]
-outputs = [{ name = "y", datatype = "FP32", shape = [-1, 4] }]"""
     path = tmp_path / "asyncinfer.toml"
     path.write_text(
         f"""
@@ -150,21 +145,7 @@ port = {ports["batcher"]}
 metrics_port = 0
 
 [webhooks]
-secrets = [{{ tenant = "default", secret = "{WEBHOOK_SECRET}" }}]
 allowed_networks = ["127.0.0.1/32"]
-
-[[models]]
-name = "demo"
-loader = "services.batcher.models.demo:build_demo_model"
-max_batch_size = 32
-max_queue_delay_ms = 2.0
-{signature}
-
-[[models]]
-name = "failing"
-loader = "services.batcher.models.demo:build_failing_model"
-max_attempts = 1
-{signature}
 """
     )
     return path, ports
@@ -181,27 +162,9 @@ def up(tmp_path: Path) -> Iterator[UpProcess]:
         close(running)
 
 
-def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
-    grpcurl_bin = str(Path(sys.executable).parent / "grpcurl")
-    return subprocess.run([grpcurl_bin, "-plaintext", *args], capture_output=True, text=True, timeout=60, check=False)
-
-
-def make_dead_letter(up: UpProcess) -> None:
-    body = {
-        "model_name": "failing",
-        "max_attempts": 1,
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "contents": {"fp32_contents": [1, 2, 3, 4]}}],
-    }
-    submitted = grpcurl("-d", json.dumps(body), up.gateway, "asyncinfer.v1.JobService/SubmitJob")
-    assert submitted.returncode == 0, submitted.stderr
-    job_id = json.loads(submitted.stdout)["job"]["job_id"]
-    watched = grpcurl("-d", json.dumps({"job_id": job_id}), up.gateway, "asyncinfer.v1.JobService/WatchJob")
-    assert watched.returncode == 0, watched.stderr
-    assert '"JOB_STATE_FAILED"' in watched.stdout, watched.stdout
-
-
 def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path: Path) -> None:
-    make_dead_letter(up)  # SETUP
+    assert "flaky" in up.banner  # the sample models, as a file without models gets them
+    assert "webhook secret (default)" in up.banner  # generated: the webhook example needs one
     workdir = tmp_path / "readme"
     workdir.mkdir()
     (workdir / ".venv").symlink_to(sys.prefix)  # `.venv/bin/grpcurl`, `.venv/bin/asyncinfer`
@@ -209,6 +172,7 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
     callback_url = CALLBACK_URL if resolves("example.com") else f"http://127.0.0.1:{free_port()}/hook"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
     ran: list[str] = []
+    dead_letters: list[str] = []  # what ListDeadLetters answered
     for block in shell_blocks(README.read_text()):
         variables = [ADDRESS.sub(lambda m: addresses[DEFAULT_PORTS[int(m.group(1))]], line) for line in block.variables]
         job_id: str | None = None
@@ -238,8 +202,11 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
             if "ListDeadLetters" in line:
                 found = re.search(r'"sequence":\s*"?(\d+)', done.stdout)
                 sequence = found.group(1) if found else None
+                dead_letters.append(done.stdout)
             ran.append(command.line)
     assert len(ran) >= 30
     assert any("OpsService/Undrain" in line for line in ran)
+    # The README's own flaky job was the dead letter its recipes listed, showed and replayed.
+    assert any('"flaky"' in answer and "MODEL_ERROR" in answer for answer in dead_letters), dead_letters
     if callback_url != CALLBACK_URL:
         print(f"example.com does not resolve here: the webhook example ran with {callback_url}")

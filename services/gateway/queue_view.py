@@ -33,6 +33,9 @@ class WaitingReason:
     PAUSED = "PAUSED"
     RETRY_BACKOFF = "RETRY_BACKOFF"
     DRAINING = "DRAINING"
+    # No reason to wait: a batcher has a free slot for it, so it is about to be dispatched (the
+    # proto's WAITING_REASON_UNSPECIFIED, which grpcurl omits and the SDK reads as None).
+    DISPATCHING = "UNSPECIFIED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +53,8 @@ def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused:
     """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
     DRAINING (the scheduler reporting the model is draining), then NO_WORKER (no scheduler reports
     the model, or no batcher serves it), then RETRY_BACKOFF (a failed attempt is waiting out its
-    delay), else WAITING_FOR_CAPACITY."""
+    delay), then none (DISPATCHING: the snapshot's free credits outnumber the jobs ahead of it, as
+    for a fresh job on an idle batcher), else WAITING_FOR_CAPACITY."""
     fresh = is_fresh(snapshot, now)
     if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
@@ -60,6 +64,8 @@ def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused:
         return WaitingReason.NO_WORKER
     if record.attempt > 0 and record.last_error is not None:
         return WaitingReason.RETRY_BACKOFF
+    if snapshot.free_credits > jobs_ahead(record, snapshot):
+        return WaitingReason.DISPATCHING
     return WaitingReason.WAITING_FOR_CAPACITY
 
 
@@ -95,7 +101,7 @@ def standing(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool,
     position = jobs_ahead(record, snapshot if is_fresh(snapshot, now) else None)
     estimate: float | None = None
     rate = snapshot.completed_per_s if snapshot is not None else 0.0
-    if reason == WaitingReason.WAITING_FOR_CAPACITY and rate > 0:
+    if reason in (WaitingReason.WAITING_FOR_CAPACITY, WaitingReason.DISPATCHING) and rate > 0:
         estimate = now + position / rate
     return QueueStanding(position=position, waiting_reason=reason, estimated_start_time=estimate)
 

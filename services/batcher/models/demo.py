@@ -3,6 +3,8 @@
 Signature (see `asyncinfer.config.DEMO_MODEL`): FP32 input `x` of shape [-1, 4] -> FP32 output `y`
 of shape [-1, 4], with y = 2 * x + 1 element-wise. Two variants with the same signature let tests
 exercise other paths: `build_failing_model` raises in forward (model errors),
+`build_flaky_model` (the `flaky` model `asyncinfer up` serves, `asyncinfer.config.FLAKY_MODEL`)
+raises only when a row's first value is negative, so that anyone can make a dead letter on demand,
 `build_slow_model` takes SLOW_MODEL_DELAY_S per batch (work still computing at shutdown), and
 `build_gated_model` computes only while the process-wide GATE is set (tests hold a batch in
 flight with it, so that the next items stay queued).
@@ -16,6 +18,7 @@ import time
 import torch
 
 FAILING_MODEL_MESSAGE = "the failing demo model always fails"
+FLAKY_MODEL_MESSAGE = "the flaky sample model fails on demand: a row of x starts with a negative number"
 SLOW_MODEL_DELAY_S = 0.3
 GATE = threading.Event()
 GATE.set()
@@ -32,6 +35,16 @@ class AffineDemo(torch.nn.Module):
 class FailingDemo(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(FAILING_MODEL_MESSAGE)
+
+
+class FlakyDemo(AffineDemo):
+    """y = 2x + 1, unless a row's first value is negative: then the batch raises (a MODEL_ERROR,
+    retriable; the batcher reruns the batch's jobs apart, so only the jobs with such a row fail)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] < 0).any()):
+            raise RuntimeError(FLAKY_MODEL_MESSAGE)
+        return super().forward(x)
 
 
 class SlowDemo(AffineDemo):
@@ -52,6 +65,10 @@ def build_demo_model() -> torch.nn.Module:
 
 def build_failing_model() -> torch.nn.Module:
     return FailingDemo()
+
+
+def build_flaky_model() -> torch.nn.Module:
+    return FlakyDemo()
 
 
 def build_slow_model() -> torch.nn.Module:
