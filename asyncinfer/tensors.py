@@ -12,6 +12,7 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -227,3 +228,35 @@ def validate_inputs(
                 FieldViolation(field, f"batch dimension {rows} exceeds the model's max_batch_size {max_batch_size}")
             )
     return violations
+
+
+_FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
+_INT_DATATYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
+
+
+def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
+    """`value` (a numpy array, a list, a scalar) as an array of the signature's `datatype`, where
+    that loses nothing: integers and floats to FP16/FP32/FP64, integers to an integer type they
+    fit in, booleans to BOOL, strings and bytes to BYTES (as they are). None where it would (a
+    float to INT64, a value out of range) or where `value` is no array at all: leave it as it is,
+    for the gateway to refuse or accept. Shared by the SDK and the CLI."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):
+        return None
+    kind = array.dtype.kind
+    if datatype == "BYTES":
+        return array if kind in ("U", "S") else None
+    target = NUMPY_DTYPES.get(datatype)
+    if target is None:
+        return None
+    if array.dtype == target:
+        return array
+    if datatype in _FLOAT_DATATYPES and kind in ("i", "u", "f"):
+        return array.astype(target)
+    if datatype in _INT_DATATYPES and kind in ("i", "u"):
+        info = np.iinfo(target.str)
+        if array.size and (int(array.min()) < info.min or int(array.max()) > info.max):
+            return None
+        return array.astype(target)
+    return None

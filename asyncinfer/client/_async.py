@@ -24,7 +24,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar, cast
@@ -48,10 +48,12 @@ from asyncinfer.client._convert import (
 from asyncinfer.client._retry import Deadline, RetryPolicy
 from asyncinfer.client.errors import (
     AsyncInferClientError,
+    DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
     JobFailedError,
     UnavailableError,
+    UnimplementedError,
     from_rpc_error,
     make_error,
 )
@@ -67,6 +69,7 @@ from asyncinfer.client.types import (
     Priority,
 )
 from asyncinfer.tensor_codec import to_input_proto
+from asyncinfer.tensors import Tensor, TensorSpec, typed_as
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 
 T = TypeVar("T")
@@ -132,6 +135,13 @@ class AsyncClient:
         )
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
+        # Input specs by model, from ListModels: fetched on the first submit with inputs, asked
+        # again only for a model not listed before (once per model name), never again from a
+        # gateway without ListModels.
+        self._input_specs: dict[str, dict[str, TensorSpec]] | None = None
+        self._unlisted: set[str] = set()
+        self._list_models_unimplemented = False
+        self._specs_lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self._channel.close(None)
@@ -195,9 +205,12 @@ class AsyncClient:
     ) -> Job:
         """Queues a job on `model` and returns it (QUEUED) as soon as it is durably queued.
 
-        `inputs` maps input names to arrays (numpy arrays or anything `numpy.asarray` takes; the
-        dtype picks the datatype, so pass float32 for FP32), or is a list of `Tensor`s; or give
-        `input_ref` from `upload`. `deadline` / `queue_ttl_s`: it expires unless started by then.
+        `inputs` maps input names to arrays (numpy arrays or anything `numpy.asarray` takes,
+        such as nested lists), or is a list of `Tensor`s; or give `input_ref` from `upload`.
+        Arrays and lists are typed by the model's signature where nothing is lost (ints and floats
+        to FP16/FP32/FP64, ints to an integer type they fit, bools to BOOL, strings to BYTES), as
+        the gateway's ListModels says (asked once per client); a `Tensor` is sent as it is.
+        `deadline` / `queue_ttl_s`: it expires unless started by then.
 
         Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
         that retrying after UNAVAILABLE or a lost answer cannot queue the job twice. Pass your own
@@ -223,6 +236,7 @@ class AsyncClient:
 
     async def submit_request(self, request: JobRequest, *, timeout_s: float | None = None) -> Job:
         """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
+        request = await self._typed(request, timeout_s)
         message = submit_request_to_proto(with_idempotency_key(request))
 
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
@@ -230,6 +244,54 @@ class AsyncClient:
 
         response = await self._call(invoke, self._deadline(timeout_s))
         return job_from_proto(response.job)
+
+    async def _typed(self, request: JobRequest, timeout_s: float | None) -> JobRequest:
+        """The request with each input given as an array or plain values (not a `Tensor`) typed
+        by the model's signature where that loses nothing (a list of ints or a float64 array for
+        an FP32 input: float32); anything else is left as it is, for the gateway to judge."""
+        inputs = request.inputs
+        if not isinstance(inputs, Mapping) or not inputs:
+            return request
+        specs = await self._specs(request.model, timeout_s)
+        if not specs:
+            return request
+        typed: dict[str, Any] = {}
+        for name, value in inputs.items():
+            spec = specs.get(name)
+            array = None if spec is None or isinstance(value, Tensor) else typed_as(value, spec.datatype)
+            typed[name] = value if array is None else array
+        return replace(request, inputs=typed)
+
+    async def _specs(self, model: str, timeout_s: float | None) -> dict[str, TensorSpec]:
+        """The model's input specs by name (cached; {} for a model the gateway does not list)."""
+        async with self._specs_lock:
+            known = self._input_specs
+            if not self._list_models_unimplemented and (
+                known is None or (model not in known and model not in self._unlisted)
+            ):
+                try:
+                    # One attempt: when the gateway is unavailable the submit's own retries wait.
+                    models = await self._models(timeout_s, retry=False)
+                except UnimplementedError:
+                    self._list_models_unimplemented = True
+                except AsyncInferClientError as error:
+                    # Typing is a convenience: the submit goes on with the inputs as given (and a
+                    # gateway that was unavailable is asked again on the next submit).
+                    if self.retry.retriable(error) or isinstance(error, DeadlineExceededError):
+                        return {}
+                else:
+                    specs: dict[str, dict[str, TensorSpec]] = {}
+                    for info in models:
+                        specs.setdefault(info.name, {spec.name: spec for spec in info.inputs})
+                    self._input_specs = specs
+                if self._input_specs is None:
+                    self._input_specs = {}
+                if model not in self._input_specs:
+                    self._unlisted.add(model)
+            return (self._input_specs or {}).get(model, {})
+
+    async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> JobRequest:
+        return await self._typed(await anext(source), None)
 
     async def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         """The job as it stands now. NotFoundError for an unknown job (reason JOB_NOT_FOUND) or one
@@ -273,12 +335,15 @@ class AsyncClient:
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         """The models the gateway accepts jobs for, with their signatures and job defaults."""
+        return await self._models(timeout_s, retry=True)
+
+    async def _models(self, timeout_s: float | None, *, retry: bool) -> list[ModelInfo]:
         message = job_service_pb2.ListModelsRequest()
 
         async def invoke(remaining: float | None) -> job_service_pb2.ListModelsResponse:
             return await self._stub.ListModels(message, timeout=remaining, metadata=self._metadata)
 
-        return models_from_proto(await self._call(invoke, self._deadline(timeout_s)))
+        return models_from_proto(await self._call(invoke, self._deadline(timeout_s), retry=retry))
 
     async def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
         """Cancels a queued or running job; returns it CANCELED, CANCELLING (running: it ends
@@ -525,7 +590,7 @@ class AsyncClient:
             """Takes the next request from the caller's iterator into `pending`; False at its end."""
             nonlocal next_index, source_done, source_error, pull
             if pull is None:
-                pull = asyncio.create_task(_next_item(source))
+                pull = asyncio.create_task(self._next_typed(source))
             try:
                 request = await asyncio.shield(pull)
                 pull = None
@@ -560,7 +625,7 @@ class AsyncClient:
                 # Whatever the iterator has ready now joins this message; nothing waits for more.
                 while len(group) < items_per_message and len(pending) < window and not source_done:
                     if pull is None:
-                        pull = asyncio.create_task(_next_item(source))
+                        pull = asyncio.create_task(self._next_typed(source))
                     await asyncio.sleep(0)  # one step: a ready iterator has its next item now
                     if not pull.done() or not await take():
                         break
@@ -701,10 +766,6 @@ class AsyncClient:
         content = await self._call(invoke, Deadline(timeout_s))
         outputs = tensor_pb2.InferOutputs.FromString(content)
         return tensors_to_arrays(outputs.outputs, "outputs")
-
-
-async def _next_item(source: AsyncGenerator[T, None]) -> T:
-    return await anext(source)
 
 
 async def _finish(writer: asyncio.Task[None]) -> None:

@@ -27,7 +27,7 @@ from asyncinfer.client import AsyncClient, Callback, CallbackEvent, JobRequest, 
 from asyncinfer.commands.output import UsageError
 from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec, typed_as
 
 REQUEST_KEYS = frozenset(
     {
@@ -170,10 +170,10 @@ def to_array(
     try:
         if isinstance(value, np.ndarray):
             array: npt.NDArray[Any] = value
-            target = NUMPY_DTYPES.get(wanted or "")
             # Cast a file's array to the signature's datatype only where no value is lost in kind.
-            if target is not None and array.dtype != target and np.can_cast(array.dtype, target, "same_kind"):
-                array = array.astype(target)
+            typed = typed_as(array, wanted) if wanted else None
+            if typed is not None:
+                array = typed
         else:
             wanted = wanted or _infer_datatype(value)
             if wanted == "BYTES":

@@ -1,0 +1,139 @@
+"""The SDK types plain lists and arrays of another dtype by the model's signature (ListModels,
+fetched once per client), as the CLI does; an explicit Tensor is sent as it is (issue 18)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobRequest, NotFoundError
+from asyncinfer.config import Config
+from asyncinfer.tensors import Tensor, typed_as
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from tests.stack import Stack, ThreadedStack
+
+
+@pytest.fixture
+def threaded_full_stack(config: Config) -> Iterator[ThreadedStack]:
+    """The whole stack on its own loop in a thread: the test itself is synchronous."""
+    with ThreadedStack(config) as running:
+        yield running
+
+
+def _count_list_models(client: AsyncClient) -> list[int]:
+    """Counts the ListModels calls the client's stub makes."""
+    calls = [0]
+    stub = client._stub
+    original = stub.ListModels
+
+    def counting(*args: Any, **options: Any) -> Any:
+        calls[0] += 1
+        return original(*args, **options)
+
+    stub.ListModels = counting  # type: ignore[method-assign]
+    return calls
+
+
+def test_sync_run_takes_a_plain_list(threaded_full_stack: ThreadedStack) -> None:
+    with Client(threaded_full_stack.stack.address) as client:
+        outputs = client.run("demo", {"x": [[1, 2, 3, 4]]}, timeout_s=30)
+        np.testing.assert_array_equal(outputs["y"], np.array([[3, 5, 7, 9]], np.float32))
+        assert outputs["y"].dtype == np.float32
+        floats = client.run("demo", {"x": [[0.5, 1, 2, 3]]}, timeout_s=30)
+        np.testing.assert_array_equal(floats["y"], np.array([[2, 3, 5, 7]], np.float32))
+
+
+async def test_float64_and_int_arrays_are_typed_and_computed(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        x64 = np.array([[1.5, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float64)
+        outputs = await client.run("demo", {"x": x64}, timeout_s=30)
+        np.testing.assert_array_equal(outputs["y"], (2 * x64 + 1).astype(np.float32))
+        ints = await client.run("demo", {"x": np.arange(4, dtype=np.int64).reshape(1, 4)}, timeout_s=30)
+        np.testing.assert_array_equal(ints["y"], np.array([[1, 3, 5, 7]], np.float32))
+
+
+async def test_explicit_tensors_and_unsafe_values_are_still_refused(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        with pytest.raises(InvalidArgumentError, match="FP32"):
+            await client.submit("demo", [Tensor.from_numpy("x", np.ones((1, 4), np.int64))])
+        with pytest.raises(InvalidArgumentError, match="FP32"):
+            await client.submit("demo", {"x": [["a", "b", "c", "d"]]})  # strings are no numbers
+        with pytest.raises(InvalidArgumentError, match="FP32"):
+            await client.submit("demo", {"x": [[True, False, True, False]]})  # nor are booleans
+
+
+async def test_the_signature_is_fetched_once_for_many_submits(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        calls = _count_list_models(client)
+        jobs = [await client.submit("demo", {"x": [[i, 1, 2, 3]]}) for i in range(5)]
+        results = [
+            r async for r in client.bulk(JobRequest(model="demo", inputs={"x": [[i, 0, 0, 0]]}) for i in range(20))
+        ]
+        assert all(r.error is None and r.job is not None for r in results), [r.error for r in results if r.error]
+        assert calls == [1]
+        done = await client.wait_jobs(jobs, timeout_s=30)
+        assert all(isinstance(job, Job) and job.succeeded for job in done.values())
+
+        # A model the gateway does not list is asked about once more, then left alone.
+        for _ in range(3):
+            with pytest.raises(NotFoundError):
+                await client.submit("no-such-model", {"x": [[1, 2, 3, 4]]})
+        assert calls == [2]
+        # Tensors and input references need no signature.
+        await client.submit("demo", [Tensor.from_numpy("x", np.ones((1, 4), np.float32))])
+        assert calls == [2]
+
+
+def test_typed_as_converts_only_what_loses_nothing() -> None:
+    assert typed_as([[1, 2]], "FP32").dtype == np.float32  # type: ignore[union-attr]
+    assert typed_as(np.ones(2), "FP16").dtype == np.float16  # type: ignore[union-attr]
+    assert typed_as([3, -4], "INT32").dtype == np.int32  # type: ignore[union-attr]
+    assert typed_as(np.array([7], np.int32), "INT64").dtype == np.int64  # type: ignore[union-attr]
+    assert typed_as([True], "BOOL").dtype == np.bool_  # type: ignore[union-attr]
+    assert typed_as(["a", "b"], "BYTES") is not None
+    assert typed_as([1.5], "INT64") is None
+    assert typed_as([2**40], "INT32") is None
+    assert typed_as([-1], "UINT8") is None
+    assert typed_as([True], "FP32") is None
+    assert typed_as(["a"], "FP32") is None
+    assert typed_as([[1, 2], [3]], "FP32") is None  # ragged: not an array
+
+
+class NoListModelsGateway(job_service_pb2_grpc.JobServiceServicer):
+    """A gateway too old for ListModels: it records the datatypes submitted."""
+
+    def __init__(self) -> None:
+        self.list_models_calls = 0
+        self.datatypes: list[str] = []
+
+    async def ListModels(self, request: Any, context: Any) -> Any:
+        self.list_models_calls += 1
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no ListModels here")
+
+    async def SubmitJob(self, request: Any, context: Any) -> Any:
+        self.datatypes.extend(t.datatype for t in request.inputs)
+        response = job_service_pb2.SubmitJobResponse()
+        response.job.job_id = f"job-{len(self.datatypes)}"
+        response.job.state = job_pb2.JOB_STATE_QUEUED
+        return response
+
+
+async def test_a_gateway_without_list_models_gets_the_inputs_as_before() -> None:
+    gateway = NoListModelsGateway()
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            await client.submit("demo", {"x": [[1, 2, 3, 4]]})
+            await client.submit("demo", {"x": np.ones((1, 4))})
+            await client.submit("other", {"x": [[1.5]]})
+    finally:
+        await server.stop(0)
+    assert gateway.datatypes == ["INT64", "FP64", "FP64"]
+    assert gateway.list_models_calls == 1, "asked once, never again"
