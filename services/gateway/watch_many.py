@@ -87,9 +87,13 @@ async def watch_ids(
                 watching.discard(key)
         if first:
             yield first
+        # A job's deadline is fixed at submit: only the jobs that have one are ever looked at for
+        # expiry (not every watched job at every change).
+        deadlined = {key for key in watching if latest[key].deadline is not None}
         while watching:
             changes: list[JobChange] = []
-            for update in await _next_updates(queue, _until_first_deadline(latest, watching, expiry)):
+            deadlined &= watching
+            for update in await _next_updates(queue, _until_first_deadline(latest, deadlined, expiry)):
                 if update is None:
                     raise _closed("jobs")
                 if update.key not in watching or (change := _change(update, latest, ids_by_key)) is None:
@@ -97,7 +101,8 @@ async def watch_ids(
                 changes.append(change)
                 if change.record is None or change.record.state.is_terminal:
                     watching.discard(update.key)
-            changes += await _expire_overdue(latest, watching, expiry, ids_by_key)
+            if deadlined:
+                changes += await _expire_overdue(latest, deadlined & watching, watching, expiry, ids_by_key)
             if changes:
                 yield changes
     finally:
@@ -119,20 +124,25 @@ def _change(update: RecordUpdate, latest: dict[str, JobRecord], ids_by_key: Mapp
     return JobChange(job_id, record=update.record)
 
 
-def _until_first_deadline(latest: Mapping[str, JobRecord], watching: set[str], expiry: Expiry) -> float | None:
-    deadlines = [
-        r.deadline for k, r in latest.items() if k in watching and r.state is JobState.QUEUED and r.deadline is not None
-    ]
+def _until_first_deadline(latest: Mapping[str, JobRecord], deadlined: set[str], expiry: Expiry) -> float | None:
+    """Seconds until the first deadline of a watched queued job (`deadlined`: the watched jobs
+    that have one); None when there is none."""
+    deadlines = [r.deadline for k in deadlined if (r := latest[k]).state is JobState.QUEUED and r.deadline is not None]
     return max(min(deadlines) - expiry.clock(), 0.0) if deadlines else None
 
 
 async def _expire_overdue(
-    latest: dict[str, JobRecord], watching: set[str], expiry: Expiry, ids_by_key: Mapping[str, str]
+    latest: dict[str, JobRecord],
+    deadlined: set[str],
+    watching: set[str],
+    expiry: Expiry,
+    ids_by_key: Mapping[str, str],
 ) -> list[JobChange]:
-    """Queued jobs whose deadline has passed become EXPIRED (or whatever won instead)."""
+    """Queued jobs (of `deadlined`, the watched ones with a deadline) whose deadline has passed
+    become EXPIRED (or whatever won instead)."""
     now = expiry.clock()
     changes: list[JobChange] = []
-    for key in [k for k in watching if is_overdue(latest[k], now)]:
+    for key in [k for k in deadlined if is_overdue(latest[k], now)]:
         settled = await expiry.settle(latest[key])
         if settled is None:
             changes.append(JobChange(ids_by_key[key], error=job_not_found(ids_by_key[key])))
