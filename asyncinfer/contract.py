@@ -41,7 +41,7 @@ OBJECTS_BUCKET = "blobs"  # NatsConfig.objects_bucket: Object Store of large inp
 
 # --- subjects ---------------------------------------------------------------------------------
 
-WORK_SUBJECT_PREFIX = "asyncinfer.work"  # .<model>.<priority>: the WORK stream
+WORK_SUBJECT_PREFIX = "asyncinfer.work"  # .<model>.<priority>.<tenant>.<job_id>: the WORK stream
 QUEUED_SUBJECT_PREFIX = "asyncinfer.queued"  # .<model>.<priority>: core NATS, queued notices
 CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"  # .<model>: core NATS, cancel notices
 DEAD_SUBJECT_PREFIX = "asyncinfer.dead"  # .<model>: the DEAD_LETTERS stream
@@ -62,7 +62,31 @@ CANCEL_SUBJECTS = f"{CANCEL_SUBJECT_PREFIX}.*"  # every model's cancel notices (
 
 
 def work_subject(model_name: str, priority: Priority) -> str:
+    """The queue of one (model, priority): its work consumer takes this subject and every job's
+    under it. (Before one subject per job, every message of the queue was published here.)"""
     return f"{WORK_SUBJECT_PREFIX}.{model_name}.{priority.subject_token}"
+
+
+def job_work_subject(model_name: str, priority: Priority, tenant: str, job_id: str) -> str:
+    """A job's own work subject: its work message is its QUEUED record, read back by this subject."""
+    return f"{work_subject(model_name, priority)}.{tenant}.{job_id}"
+
+
+def work_filters(model_name: str, priority: Priority) -> list[str]:
+    """What the (model, priority) work consumer takes: every job's subject, and the queue's own
+    subject for messages published before subjects were per job."""
+    queue = work_subject(model_name, priority)
+    return [queue, f"{queue}.>"]
+
+
+def job_work_lookup(tenant: str, job_id: str) -> str:
+    """The subject filter that finds a job's work message without knowing its model or priority."""
+    return f"{WORK_SUBJECT_PREFIX}.*.*.{tenant}.{job_id}"
+
+
+def tenant_work_subjects(tenant: str) -> str:
+    """Every queued job's work subject of one tenant (what ListJobs scans for QUEUED jobs)."""
+    return f"{WORK_SUBJECT_PREFIX}.*.*.{tenant}.*"
 
 
 def queued_subject(model_name: str, priority: Priority) -> str:

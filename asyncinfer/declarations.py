@@ -6,7 +6,7 @@ scheduler owns the consumers.
 from __future__ import annotations
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import WORK_SUBJECTS, work_subject
+from asyncinfer.contract import WORK_SUBJECTS, work_filters
 from asyncinfer.contract import work_consumer_name as work_consumer_name
 from asyncinfer.jobs import Priority
 from asyncinfer.nats import JetStreamContext, api
@@ -18,7 +18,7 @@ async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
     """The WorkQueue stream of queued jobs: a message leaves it when its job's result is stored."""
     stream = api.StreamConfig(
         name=config.work_stream,
-        description="asyncinfer queued jobs, one subject per model and priority",
+        description="asyncinfer queued jobs, one subject per job under one per model and priority",
         subjects=[WORK_SUBJECTS],
         retention=api.RetentionPolicy.WORK_QUEUE,
         storage=api.StorageType.FILE,
@@ -47,14 +47,16 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBuck
 async def ensure_work_consumer(
     js: JetStreamContext, config: NatsConfig, *, model_name: str, priority: Priority, ack_wait_s: float
 ) -> str:
-    """The durable pull consumer of one (model, priority) subject; returns its name.
+    """The durable pull consumer of one (model, priority) queue; returns its name. It takes every
+    job's subject under the queue's and the queue's own (messages from before subjects were per
+    job); a consumer declared with the queue's subject alone is updated to both.
 
     MaxAckPending is raised far above the default 1000, at which delivery silently stops: the
     scheduler, not the consumer, bounds what is in flight (by batcher credits)."""
     name = work_consumer_name(model_name, priority)
     consumer = api.ConsumerConfig(
         durable_name=name,
-        filter_subject=work_subject(model_name, priority),
+        filter_subjects=work_filters(model_name, priority),
         ack_policy=api.AckPolicy.EXPLICIT,
         deliver_policy=api.DeliverPolicy.ALL,
         ack_wait=ack_wait_s,

@@ -1,6 +1,10 @@
 """Job records in the jobs KV bucket, as domain `JobRecord`s — the one place that reads and writes
 them, for the gateway and the scheduler alike.
 
+A queued job's record is its work message (asyncinfer.jobs.WorkEnvelope.is_record): a submit
+makes one durable write. Its first transition creates it in the bucket, and a read of a job the
+bucket does not hold looks for its work message by the job's own subject (read at revision 0).
+
 Every write is a create or a compare-and-set on the revision the caller read, so two writers (a
 cancel and a completion, two schedulers) can never both win; `transition` re-reads and decides
 again when it loses. NATS failures surface as `Unavailable`.
@@ -19,12 +23,14 @@ import asyncio
 import math
 from collections.abc import Callable
 
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
-from asyncinfer.contract import KV_OPERATION_HEADER
+from asyncinfer.contract import KV_OPERATION_HEADER, job_work_lookup
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
-from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
+from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
+from asyncinfer.nats.streams import last_message
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -36,13 +42,47 @@ Decide = Callable[[JobRecord], JobRecord | None]
 
 
 class JobStore:
-    def __init__(self, bucket: KvBucket) -> None:
+    def __init__(self, bucket: KvBucket, *, work_stream: str) -> None:
         self._bucket = bucket
         self._kv = bucket.kv
+        self._work_stream = work_stream
 
     async def get(self, key: str) -> JobRecord | None:
-        """The record at `key`, or None when there is none (never written, deleted or purged, or
-        only the marker its expiry left)."""
+        """The job's record, or None when there is none (never submitted, deleted or purged, or
+        only the marker its expiry left): from the bucket, else (still queued, the key never
+        written) from its work message. A job that leaves the queue between the two reads has
+        been written to the bucket by then (the work message goes only after its result is
+        stored): read again. A removed record is never read from a work message that is left."""
+        try:
+            last = await kv_last_write(self._bucket, key)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the job record: {exc}") from exc
+        if last is not None:
+            data, revision = last
+            return decode_record(data, revision=revision) if data else None
+        queued = await self.queued(key)
+        if queued is not None:
+            return queued
+        return await self.recorded(key)
+
+    async def queued(self, key: str) -> JobRecord | None:
+        """The QUEUED record that the job's work message is, or None when it has none (or the
+        message is a replay's, or one from before messages were records)."""
+        tenant, _, job_id = key.partition(".")
+        try:
+            data = await last_message(self._bucket.js, self._work_stream, job_work_lookup(tenant, job_id))
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the queued job: {exc}") from exc
+        if not data:
+            return None
+        try:
+            envelope = decode_envelope(data)
+        except (ValueError, KeyError, TypeError):
+            return None
+        return envelope.queued_record() if envelope.is_record else None
+
+    async def recorded(self, key: str) -> JobRecord | None:
+        """The record in the bucket at `key`, or None (see get)."""
         try:
             latest = await kv_latest(self._bucket, key)
         except NATS_FAILURES as exc:
@@ -103,7 +143,11 @@ class JobStore:
     async def transition(self, record: JobRecord, decide: Decide) -> tuple[JobRecord | None, bool]:
         """Compare-and-set of decide(record); on a lost race, re-reads and decides again.
 
-        Returns the latest record (None if it is gone) and whether this call wrote it."""
+        Returns the latest record (None if it is gone) and whether this call wrote it.
+
+        A record at revision 0 (a queued job's work message) is written by a create. A create that
+        loses finds what won in the bucket; when the bucket holds nothing there (the winner's
+        retention passed and only its marker is left) the job is gone."""
         current: JobRecord | None = record
         while current is not None:
             new = decide(current)
@@ -112,7 +156,7 @@ class JobStore:
             try:
                 return await self.replace(new), True
             except KeyWrongLastSequenceError:
-                current = await self.get(current.key)
+                current = await (self.recorded(current.key) if current.revision == 0 else self.get(current.key))
         return None, False
 
 

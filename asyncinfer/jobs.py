@@ -15,6 +15,7 @@ from typing import Any
 # Named in asyncinfer.contract; re-exported for their callers here.
 from asyncinfer.contract import WORK_SUBJECT_PREFIX as WORK_SUBJECT_PREFIX
 from asyncinfer.contract import job_key as job_key
+from asyncinfer.contract import job_work_subject as job_work_subject
 from asyncinfer.contract import work_subject as work_subject
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument
 from asyncinfer.tensors import Tensor
@@ -150,7 +151,12 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(JobRecord))
 
 @dataclass(frozen=True, slots=True)
 class WorkEnvelope:
-    """What a WORK message carries: enough to run the job without reading its record."""
+    """What a WORK message carries: enough to run the job without reading its record.
+
+    A submit's message is also the job's QUEUED record (`is_record`): the record's fields ride
+    with the inputs, and the jobs bucket holds the job only from its first transition (the
+    RUNNING write, or a cancel or expiry while queued), each a create that exactly one writer
+    wins. A replay's message is not (its record, with its history, is in the bucket)."""
 
     job_id: str
     tenant: str
@@ -163,11 +169,60 @@ class WorkEnvelope:
     input_ref: BlobRef | None = None
     deadline: float | None = None
     execution_timeout_s: float | None = None
+    is_record: bool = False
+    result_retention_s: float = 0.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+    idempotency_key: str = ""
+    callback: CallbackSpec | None = None
 
     @property
     def subject(self) -> str:
-        return work_subject(self.model_name, self.priority)
+        return job_work_subject(self.model_name, self.priority, self.tenant, self.job_id)
 
     @property
     def key(self) -> str:
         return job_key(self.tenant, self.job_id)
+
+    def queued_record(self) -> JobRecord:
+        """The QUEUED record this message is (is_record), at revision 0: not yet in the bucket, so
+        the first write of it is a create."""
+        return JobRecord(
+            job_id=self.job_id,
+            tenant=self.tenant,
+            model_name=self.model_name,
+            model_version=self.model_version,
+            state=JobState.QUEUED,
+            priority=self.priority,
+            create_time=self.create_time,
+            update_time=self.create_time,
+            max_attempts=self.max_attempts,
+            result_retention_s=self.result_retention_s,
+            labels=self.labels,
+            idempotency_key=self.idempotency_key,
+            deadline=self.deadline,
+            execution_timeout_s=self.execution_timeout_s,
+            input_ref=self.input_ref,
+            callback=self.callback,
+        )
+
+
+def queued_envelope(record: JobRecord, inputs: tuple[Tensor, ...]) -> WorkEnvelope:
+    """The work message of a new job: its QUEUED `record` with the `inputs` to run."""
+    return WorkEnvelope(
+        job_id=record.job_id,
+        tenant=record.tenant,
+        model_name=record.model_name,
+        model_version=record.model_version,
+        priority=record.priority,
+        create_time=record.create_time,
+        max_attempts=record.max_attempts,
+        inputs=inputs,
+        input_ref=record.input_ref,
+        deadline=record.deadline,
+        execution_timeout_s=record.execution_timeout_s,
+        is_record=True,
+        result_retention_s=record.result_retention_s,
+        labels=record.labels,
+        idempotency_key=record.idempotency_key,
+        callback=record.callback,
+    )

@@ -234,7 +234,9 @@ async def measure(watchers: int, per_job: int, config: Config, tmp: Path) -> Out
     gateway, port, metrics_port = start_gateway(config, tmp)
     nc = await connect(config.nats, name="watch-bench")
     try:
-        store = JobStore(await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket))
+        store = JobStore(
+            await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream
+        )
         warm_up, records = await make_jobs(store, WARM_UP_JOBS), await make_jobs(store, jobs)
 
         # A few watches opened and run to the end first, so that lazily built state is not counted.

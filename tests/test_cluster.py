@@ -196,7 +196,7 @@ async def assert_feeds_recovered(gateway: GatewayApp, nc: NatsClient, config: Co
 
     # A record only this test writes (no work message: the scheduler never sees it), watched
     # while the test changes it.
-    store = JobStore(await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket))
+    store = JobStore(await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream)
     now = time.time()
     record = await store.create(
         JobRecord(

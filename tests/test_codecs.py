@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope, tenant_of_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
-from asyncinfer.jobs import BlobRef, JobError, JobRecord, JobState, Priority, WorkEnvelope
+from asyncinfer.jobs import BlobRef, JobError, JobRecord, JobState, Priority, WorkEnvelope, queued_envelope
 from asyncinfer.queues import (
     CancelNotice,
     PriorityQueueSnapshot,
@@ -141,7 +141,7 @@ CASES: list[tuple[str, Any, Any, Any, bytes, int, Any]] = [
         encode_envelope,
         decode_envelope,
         v0.ENVELOPE_INLINE,
-        1,
+        2,
         old_readers.decode_envelope,
     ),
     (
@@ -150,7 +150,7 @@ CASES: list[tuple[str, Any, Any, Any, bytes, int, Any]] = [
         encode_envelope,
         decode_envelope,
         v0.ENVELOPE_REF,
-        1,
+        2,
         old_readers.decode_envelope,
     ),
     # Still written as version 0: the previous release's readers refuse a `v` in these.
@@ -214,6 +214,41 @@ def test_the_previous_release_reads_what_this_one_writes(
     """A rolling upgrade runs both releases at once: the old readers (copied verbatim) read every
     payload this release writes."""
     assert old_reader(encode(value)) == value, what
+
+
+def test_a_submits_work_message_is_its_queued_record() -> None:
+    """Version 2: a submit's message carries the record's own fields, and reads back as the QUEUED
+    record at revision 0 (the previous release reads the rest of it as before)."""
+    record = FULL.evolve(
+        state=JobState.QUEUED,
+        attempt=0,
+        update_time=FULL.create_time,
+        start_time=None,
+        end_time=None,
+        queue_duration_s=None,
+        run_duration_s=None,
+        batch=None,
+        error=None,
+        last_error=None,
+        outputs=(),
+        result_ref=None,
+        batcher_id="",
+        revision=0,
+    )
+    envelope = queued_envelope(record, ENVELOPE_INLINE.inputs)
+    data = encode_envelope(envelope)
+    assert version_of(data) == 2
+    decoded = decode_envelope(data)
+    assert decoded == envelope
+    assert decoded.is_record
+    assert decoded.queued_record() == record
+    assert (
+        decoded.subject
+        == f"asyncinfer.work.{record.model_name}.{record.priority.subject_token}.{record.tenant}.{record.job_id}"
+    )
+    old = old_readers.decode_envelope(data)
+    assert (old.job_id, old.inputs, old.max_attempts) == (record.job_id, ENVELOPE_INLINE.inputs, record.max_attempts)
+    assert not decode_envelope(encode_envelope(ENVELOPE_REF)).is_record
 
 
 def test_an_unknown_field_from_a_newer_writer_is_ignored() -> None:

@@ -29,7 +29,7 @@ from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.app import GatewayApp
-from tests.kv_helpers import kv_keys
+from tests.kv_helpers import job_record, kv_keys
 from tests.nats_probes import StreamUnavailable
 
 if TYPE_CHECKING:
@@ -110,16 +110,15 @@ async def kv(js: JetStreamContext, gateway: GatewayApp, config: Config) -> KeyVa
     return await js.key_value(config.nats.jobs_bucket)
 
 
-async def read_record(kv: KeyValue, job_id: str) -> JobRecord:
-    entry = await kv.get(job_key(TENANT, job_id))
-    assert entry.value is not None
-    assert entry.revision is not None
-    return decode_record(entry.value, revision=entry.revision)
+async def read_record(js: JetStreamContext, job_id: str) -> JobRecord:
+    record = await job_record(js, job_key(TENANT, job_id))
+    assert record is not None
+    return record
 
 
-async def advance(kv: KeyValue, job_id: str, **changes: Any) -> JobRecord:
+async def advance(js: JetStreamContext, kv: KeyValue, job_id: str, **changes: Any) -> JobRecord:
     """What the scheduler does: read, change, compare-and-set on the revision read."""
-    current = await read_record(kv, job_id)
+    current = await read_record(js, job_id)
     changed = current.evolve(update_time=time.time(), **changes)
     revision = await kv.update(changed.key, encode_record(changed), last=current.revision)
     return changed.evolve(revision=revision)
@@ -137,20 +136,21 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
     assert job.state == job_pb2.JOB_STATE_QUEUED
     assert job.priority == job_pb2.PRIORITY_NORMAL
     assert (job.model_name, job.model_version, job.attempt, job.max_attempts) == ("demo", "1", 0, 3)
-    assert job.revision > 0
+    assert job.revision == 0  # its record is its work message: nothing is in the jobs bucket yet
     assert job.labels["team"] == "ml"
     assert job.execution_timeout.seconds == 60
     assert not job.HasField("end_time")
     assert not job.HasField("expire_time")
 
-    record = await read_record(kv, job.job_id)
+    record = await read_record(js, job.job_id)
     assert record.state is JobState.QUEUED
     assert record.revision == job.revision
     assert record.attempt == 0
     assert record.tenant == TENANT
 
     assert await work_messages(js) == 1
-    message = await js.get_last_msg(WORK, "asyncinfer.work.demo.normal")
+    assert await kv_keys(js, "jobs") == []  # one durable write per submit
+    message = await js.get_last_msg(WORK, f"asyncinfer.work.demo.normal.{TENANT}.{job.job_id}")
     assert message.headers is not None
     assert message.headers["Nats-Msg-Id"] == job.job_id
     # The routing facts travel in headers, so that nothing parses the payload to route the job.
@@ -165,7 +165,7 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
 
     high = await stub.SubmitJob(submit_request(priority=job_pb2.PRIORITY_HIGH))
     assert high.job.priority == job_pb2.PRIORITY_HIGH
-    message = await js.get_last_msg(WORK, "asyncinfer.work.demo.high")
+    message = await js.get_last_msg(WORK, "asyncinfer.work.demo.high.>")
     assert message.headers is not None
     assert message.headers["Nats-Msg-Id"] == high.job.job_id
     assert message.headers[PRIORITY_HEADER] == "HIGH"
@@ -173,7 +173,7 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
 
 
 async def test_submit_announces_the_queued_record_once_it_is_written(
-    stub: JobStub, nc: NatsClient, kv: KeyValue
+    js: JetStreamContext, stub: JobStub, nc: NatsClient, kv: KeyValue
 ) -> None:
     notices: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
 
@@ -186,14 +186,13 @@ async def test_submit_announces_the_queued_record_once_it_is_written(
     subject, payload = await asyncio.wait_for(notices.get(), 5.0)
     assert subject == "asyncinfer.queued.demo.high"
     key, revision, data = decode_queued_notice(payload)
-    stored = await kv.get(key)
     assert key == job_key(TENANT, job.job_id)
-    assert revision == job.revision == stored.revision
-    assert data == stored.value  # the record exactly as written
+    assert revision == job.revision == 0  # the record is the work message
+    assert decode_record(data, revision) == await read_record(js, job.job_id)
     assert decode_record(data, revision).state is JobState.QUEUED
 
 
-async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> None:
+async def test_submit_options_reach_the_record(js: JetStreamContext, stub: JobStub, kv: KeyValue) -> None:
     before = time.time()
     request = submit_request(max_attempts=5)
     request.queue_ttl.FromSeconds(30)
@@ -202,7 +201,7 @@ async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> N
     request.callback.url = "http://127.0.0.1:9/hook"
     request.callback.events.append(job_pb2.CALLBACK_EVENT_COMPLETED)
     job = (await stub.SubmitJob(request)).job
-    record = await read_record(kv, job.job_id)
+    record = await read_record(js, job.job_id)
     assert record.deadline is not None
     assert before + 30 <= record.deadline <= time.time() + 30
     assert (record.execution_timeout_s, record.result_retention_s, record.max_attempts) == (7, 3600, 5)
@@ -212,15 +211,16 @@ async def test_submit_options_reach_the_record(stub: JobStub, kv: KeyValue) -> N
     assert job.deadline.ToNanoseconds() / 1e9 == pytest.approx(record.deadline, abs=1e-6)
 
 
-async def test_get_job_returns_the_record_then_the_outputs(stub: JobStub, kv: KeyValue) -> None:
+async def test_get_job_returns_the_record_then_the_outputs(js: JetStreamContext, stub: JobStub, kv: KeyValue) -> None:
     job = (await stub.SubmitJob(submit_request())).job
     got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
     assert got == job
 
     now = time.time()
     outputs = (Tensor.from_numpy("y", np.array([[0.5, 1.5, 2.5, 3.5]], np.float32)),)
-    await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=now, queue_duration_s=0.25)
+    await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=now, queue_duration_s=0.25)
     done = await advance(
+        js,
         kv,
         job.job_id,
         state=JobState.SUCCEEDED,
@@ -243,19 +243,21 @@ async def test_get_job_returns_the_record_then_the_outputs(stub: JobStub, kv: Ke
     assert got.expire_time.ToSeconds() == int(now + 1 + done.result_retention_s)
 
 
-async def test_watch_streams_every_change_until_terminal(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
+async def test_watch_streams_every_change_until_terminal(
+    js: JetStreamContext, stub: JobStub, kv: KeyValue, gateway: GatewayApp
+) -> None:
     job = (await stub.SubmitJob(submit_request())).job
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
     first = await next_job(call)
     assert first.state == job_pb2.JOB_STATE_QUEUED
     assert first.revision == job.revision
 
-    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=time.time())
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1, start_time=time.time())
     second = await next_job(call)
     assert second.state == job_pb2.JOB_STATE_RUNNING
     assert second.revision == running.revision
 
-    succeeded = await advance(kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    succeeded = await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
     third = await next_job(call)
     assert third.state == job_pb2.JOB_STATE_SUCCEEDED
     assert third.revision == succeeded.revision
@@ -271,12 +273,14 @@ async def test_watch_streams_every_change_until_terminal(stub: JobStub, kv: KeyV
     assert gateway.watch_hub.watcher_count == 0
 
 
-async def test_watch_resumes_mid_flight_and_skips_what_was_seen(stub: JobStub, kv: KeyValue) -> None:
+async def test_watch_resumes_mid_flight_and_skips_what_was_seen(
+    js: JetStreamContext, stub: JobStub, kv: KeyValue
+) -> None:
     job = (await stub.SubmitJob(submit_request())).job
-    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=running.revision))
     # Nothing is newer than after_revision yet: the next message must be the next change.
-    await advance(kv, job.job_id, state=JobState.FAILED, end_time=time.time())
+    await advance(js, kv, job.job_id, state=JobState.FAILED, end_time=time.time())
     responses = [response async for response in call]
     assert [r.job.state for r in responses] == [job_pb2.JOB_STATE_FAILED]
 
@@ -326,10 +330,10 @@ async def test_the_watch_feed_runs_only_while_someone_watches(
         await asyncio.sleep(0.01)
 
     # A change made while the feed is off is read by the next watch; later ones come by the feed.
-    running = await advance(kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
     resumed = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision))
     assert (await next_job(resumed)).revision == running.revision
-    succeeded = await advance(kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    succeeded = await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
     last = await next_job(resumed)
     assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
 
@@ -544,27 +548,31 @@ async def test_publish_is_retried_until_the_stream_answers(
     await js.add_stream(stream.config)
     job = (await submit).job
     assert job.state == job_pb2.JOB_STATE_QUEUED
-    assert (await read_record(kv, job.job_id)).state is JobState.QUEUED
+    assert (await read_record(js, job.job_id)).state is JobState.QUEUED
     assert await work_messages(js) == 1
 
 
 async def test_a_submit_whose_caller_left_is_seen_through(
     stub: JobStub, nc: NatsClient, js: JetStreamContext, kv: KeyValue, gateway: GatewayApp, config: Config
 ) -> None:
-    """A caller that gives up mid-publish must not leave a QUEUED record without a work message."""
+    """A caller that gives up mid-publish: the submit is seen through, and its job is queued (its
+    work message, which is its record) once the stream answers."""
     stream = await js.stream_info(WORK)
     await js.delete_stream(WORK)
     down = await StreamUnavailable.on(nc, list(stream.config.subjects or []))
     call = stub.SubmitJob(submit_request())
-    await down.wait_for(2)  # the publish is being retried (the record comes after it)
+    await down.wait_for(2)  # the publish is being retried
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
     await down.close()
     await js.add_stream(stream.config)
     await gateway.stop(grace_s=1)  # waits for the orphaned submit to finish
-    (key,) = await kv_keys(js, config.nats.jobs_bucket)
-    assert (await read_record(kv, key.split(".", 1)[1])).state is JobState.QUEUED
+    assert await kv_keys(js, config.nats.jobs_bucket) == []
+    message = await js.get_last_msg(WORK, "asyncinfer.work.>")
+    assert message.data is not None
+    envelope = decode_envelope(message.data)
+    assert (await read_record(js, envelope.job_id)).state is JobState.QUEUED
     assert await work_messages(js) == 1
 
 

@@ -82,7 +82,9 @@ class Harness:
         self.stub = stub
         self.js = js
         self.jobs = jobs
-        self.store = JobStore(KvBucket(name=app.config.nats.jobs_bucket, kv=jobs, js=js))
+        self.store = JobStore(
+            KvBucket(name=app.config.nats.jobs_bucket, kv=jobs, js=js), work_stream=app.config.nats.work_stream
+        )
         self.queues = queues
 
     async def submit(self, **fields: Any) -> job_pb2.Job:

@@ -207,9 +207,10 @@ async def test_another_tenants_jobs_are_never_listed_nor_read(config: Config, nc
         assert tenant_filter_subject(config.nats.jobs_bucket, "globex") == f"$KV.{config.nats.jobs_bucket}.globex.>"
         lister = JobLister(
             nc.jetstream(),
-            JobStore(jobs),
-            Expiry(JobStore(jobs)),
+            JobStore(jobs, work_stream=config.nats.work_stream),
+            Expiry(JobStore(jobs, work_stream=config.nats.work_stream)),
             bucket=config.nats.jobs_bucket,
+            work_stream=config.nats.work_stream,
             max_page_bytes=1 << 20,
         )
         assert await lister.tenant_job_ids("globex") == sorted(globex, reverse=True)
@@ -241,7 +242,12 @@ async def test_the_key_scan_waits_for_every_key_the_server_already_pushed(
     assert (await stub.ListJobs(listing())).jobs == []  # the gateway made the bucket; tenant "default" has none
     jobs = await open_kv_bucket(js, config.nats.jobs_bucket)
     lister = JobLister(
-        js, JobStore(jobs), Expiry(JobStore(jobs)), bucket=config.nats.jobs_bucket, max_page_bytes=1 << 20
+        js,
+        JobStore(jobs, work_stream=config.nats.work_stream),
+        Expiry(JobStore(jobs, work_stream=config.nats.work_stream)),
+        bucket=config.nats.jobs_bucket,
+        work_stream=config.nats.work_stream,
+        max_page_bytes=1 << 20,
     )
     for _ in range(20):
         assert await lister.tenant_job_ids("scan") == ids

@@ -14,11 +14,11 @@ import pytest
 from prometheus_client import generate_latest
 
 from asyncinfer.codecs.envelope import encode_envelope
-from asyncinfer.codecs.record import decode_record, encode_record
+from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
-from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, work_subject
+from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, queued_envelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
 from asyncinfer.queued_notice import announce_queued
@@ -34,6 +34,7 @@ from asyncinfer.v1 import (
 )
 from services.scheduler.app import SchedulerApp
 from services.scheduler.work_queue import PullInbox
+from tests.kv_helpers import job_record
 
 MODEL = "demo"
 TENANT = "default"
@@ -64,9 +65,12 @@ async def enqueue(
     with_record: bool = True,
     announce: bool = True,
     age_s: float = 0.0,
+    legacy: bool = False,
 ) -> str:
-    """Queues a job as the gateway does (the work message, the QUEUED record, the queued notice;
-    `announce=False`: no notice, as from a gateway whose notice was lost)."""
+    """Queues a job as the gateway does: one work message that is the QUEUED record, then the
+    queued notice (`announce=False`: no notice, as from a gateway whose notice was lost).
+    `legacy=True`: as a gateway from before messages were records did, a work message on the
+    queue's own subject and the record in the bucket (`with_record=False`: none, an orphan)."""
     job_id = new_job_id()
     now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
@@ -81,13 +85,20 @@ async def enqueue(
         "deadline": deadline,
         "execution_timeout_s": execution_timeout_s,
     }
-    envelope = WorkEnvelope(**common, inputs=(x,))
+    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
+    data = encode_record(record)
+    if not legacy:
+        assert with_record, "a submit's work message is its record"
+        envelope = queued_envelope(record, (x,))
+        await nc.jetstream().publish(envelope.subject, encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
+        if announce:
+            await announce_queued(nc, record, data)
+        return job_id
+    legacy_envelope = WorkEnvelope(**common, inputs=(x,))
     await nc.jetstream().publish(
-        work_subject(MODEL, priority), encode_envelope(envelope), headers={"Nats-Msg-Id": job_id}
+        work_subject(MODEL, priority), encode_envelope(legacy_envelope), headers={"Nats-Msg-Id": job_id}
     )
     if with_record:
-        record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
-        data = encode_record(record)
         revision = await kv.create(job_key(tenant, job_id), data)
         if announce:
             await announce_queued(nc, record.evolve(revision=revision), data)
@@ -117,18 +128,19 @@ async def pull_until(nc: NatsClient, stream: str, consumer: str, timeout_s: floa
     return pulled[0]
 
 
-async def read_record(kv: KeyValue, job_id: str) -> JobRecord:
-    entry = await kv.get(job_key(TENANT, job_id))
-    assert entry.value is not None
-    return decode_record(entry.value, entry.revision or 0)
+async def read_record(js: JetStreamContext, job_id: str) -> JobRecord:
+    """The job's record as the gateway reads it: from the bucket, or (queued) its work message."""
+    record = await job_record(js, job_key(TENANT, job_id))
+    assert record is not None, f"job {job_id} has no record"
+    return record
 
 
-async def wait_state(kv: KeyValue, job_id: str, state: JobState, timeout_s: float = 5.0) -> JobRecord:
+async def wait_state(js: JetStreamContext, job_id: str, state: JobState, timeout_s: float = 5.0) -> JobRecord:
     async def reached() -> bool:
-        return (await read_record(kv, job_id)).state == state
+        return (await read_record(js, job_id)).state == state
 
     await until(reached, timeout_s)
-    return await read_record(kv, job_id)
+    return await read_record(js, job_id)
 
 
 async def work_messages(js: JetStreamContext, config: Config) -> int:
@@ -305,7 +317,7 @@ async def test_nothing_is_dispatched_without_a_credit(
         await batcher.next_order(timeout_s=0.4)
     info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
     assert info.num_pending == 1  # not even pulled: no prefetch
-    assert (await read_record(kv, job_id)).state == JobState.QUEUED
+    assert (await read_record(js, job_id)).state == JobState.QUEUED
     await batcher.grant(1)
     order = await batcher.next_order()
     assert order.job_id == job_id
@@ -330,7 +342,7 @@ async def test_a_batcher_that_takes_batches_gets_orders_together_and_answers_tog
         assert sum(len(m.orders) for m in batcher.order_messages) == 6
         await batcher.answer_together(orders, credits=6)
         for order in orders:
-            done = await wait_state(kv, order.job_id, JobState.SUCCEEDED)
+            done = await wait_state(js, order.job_id, JobState.SUCCEEDED)
             (value,) = {v for row in done.outputs[0].to_numpy().tolist() for v in row}
             assert value == 2 * float(job_ids.index(order.job_id))
             assert done.batch is not None
@@ -358,12 +370,12 @@ async def test_job_runs_to_succeeded_and_its_message_is_acked(
     assert (order.job_id, order.attempt, order.model_name, order.tenant) == (job_id, 1, MODEL, TENANT)
     assert order.priority == job_pb2.PRIORITY_HIGH
     assert order.execution_timeout.ToSeconds() == 60
-    running = await read_record(kv, job_id)
+    running = await read_record(js, job_id)
     assert running.state == JobState.RUNNING
     assert running.attempt == 1
     assert running.queue_duration_s is not None
     await batcher.answer(order)
-    done = await wait_state(kv, job_id, JobState.SUCCEEDED)
+    done = await wait_state(js, job_id, JobState.SUCCEEDED)
     assert done.attempt == 1
     assert [t.to_numpy().tolist() for t in done.outputs] == [[[3.0, 3.0, 3.0, 3.0]]]
     assert done.batch is not None
@@ -400,7 +412,7 @@ async def test_high_priority_goes_first_with_one_credit(
 
 
 async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
-    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     first = await batchers("b1")
     await first.grant(1)
@@ -409,7 +421,7 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
     assert order1.attempt == 1
     await first.break_stream()
     # Back in the queue at once (no AckWait), with why.
-    queued = await wait_state(kv, job_id, JobState.QUEUED, timeout_s=2.0)
+    queued = await wait_state(js, job_id, JobState.QUEUED, timeout_s=2.0)
     assert queued.last_error is not None
     assert queued.last_error.reason == "WORKER_LOST"
     assert queued.attempt == 1
@@ -429,11 +441,11 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
         return app.batchers.free_credits(MODEL) == 1
 
     await until(credit_counted)
-    record = await read_record(kv, job_id)
+    record = await read_record(js, job_id)
     assert (record.state, record.attempt) == (JobState.RUNNING, 2)
 
     await second.answer(order2)
-    done = await wait_state(kv, job_id, JobState.SUCCEEDED)
+    done = await wait_state(js, job_id, JobState.SUCCEEDED)
     assert done.attempt == 2
     assert done.batch is not None
     assert done.batch.batcher_id == "b2"
@@ -454,7 +466,7 @@ async def test_non_retriable_error_fails_the_job(
         retriable=False,
     )
     await batcher.fail(order, error)
-    failed = await wait_state(kv, job_id, JobState.FAILED)
+    failed = await wait_state(js, job_id, JobState.FAILED)
     assert failed.error is not None
     assert (failed.error.code, failed.error.reason, failed.error.message) == (3, "INVALID_INPUT", "x must be finite")
     assert [v.field for v in failed.error.violations] == ["inputs[0]"]
@@ -467,7 +479,7 @@ async def test_non_retriable_error_fails_the_job(
 
 
 async def test_retriable_error_requeues_with_backoff_then_runs_again(
-    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
     await batcher.grant(2)
@@ -476,14 +488,14 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
     error = error_pb2.ErrorStatus(code=14, reason="MODEL_ERROR", message="CUDA hiccup", retriable=True)
     failed_at = time.monotonic()
     await batcher.fail(order1, error)
-    queued = await wait_state(kv, job_id, JobState.QUEUED)
+    queued = await wait_state(js, job_id, JobState.QUEUED)
     assert queued.last_error is not None
     assert queued.last_error.reason == "MODEL_ERROR"
     order2 = await batcher.next_order(timeout_s=5.0)
     assert time.monotonic() - failed_at >= 0.45  # waited out the 1 s backoff (with equal jitter: 0.5-1 s)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
     await batcher.fail(order2, error)  # the last attempt: no more retries
-    failed = await wait_state(kv, job_id, JobState.FAILED)
+    failed = await wait_state(js, job_id, JobState.FAILED)
     assert failed.error is not None
     assert failed.error.reason == "MODEL_ERROR"
     assert failed.attempt == 2
@@ -492,11 +504,11 @@ async def test_retriable_error_requeues_with_backoff_then_runs_again(
 async def test_orphan_message_is_dropped_after_its_grace(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
-    """A work message whose record never came (the gateway died between publish and record) is
-    dropped once older than orphan_message_grace_s, without using up the credit."""
+    """A message of an older gateway whose record never came (it died between publish and record)
+    is dropped once older than orphan_message_grace_s, without using up the credit."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    await enqueue(nc, kv, with_record=False, age_s=config.scheduler.orphan_message_grace_s + 1)
+    await enqueue(nc, kv, legacy=True, with_record=False, age_s=config.scheduler.orphan_message_grace_s + 1)
 
     async def removed() -> bool:
         return await work_messages(js, config) == 0
@@ -510,11 +522,11 @@ async def test_orphan_message_is_dropped_after_its_grace(
 async def test_young_message_waits_for_its_record(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
-    """The gateway publishes before it writes the record: a message that arrives first is kept
-    and runs once its record exists."""
+    """An older gateway published before it wrote the record: a message that arrives first is kept
+    and runs once its record exists (a rolling upgrade runs both kinds of gateway)."""
     batcher = await batchers("b1")
     await batcher.grant(1)
-    job_id = await enqueue(nc, kv, with_record=False)
+    job_id = await enqueue(nc, kv, legacy=True, with_record=False)
 
     async def pulled() -> bool:
         info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
@@ -590,7 +602,7 @@ async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetS
         await scheduler.stop(grace_s=0.1)  # idempotent
     finally:
         await batcher.close()
-    record = await read_record(kv, job_id)
+    record = await read_record(js, job_id)
     assert record.state == JobState.QUEUED
     assert record.last_error is not None
     assert record.last_error.reason == "SCHEDULER_STOPPING"
@@ -615,7 +627,7 @@ async def noted(records: Any, key: str) -> bool:
 
 
 async def test_a_job_without_a_queued_notice_is_found_by_the_poll(
-    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     """The notice is a hint: a job whose notice was lost runs all the same (the poll interval
     finds it and the record is read)."""
@@ -624,41 +636,40 @@ async def test_a_job_without_a_queued_notice_is_found_by_the_poll(
     job_id = await enqueue(nc, kv, announce=False)
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 1)
-    assert (await read_record(kv, job_id)).state == JobState.RUNNING
+    assert (await read_record(js, job_id)).state == JobState.RUNNING
 
 
-async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_again(
+async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
+    """A submit's work message is its QUEUED record: dispatched without reading anything, the
+    RUNNING write being the record's create. A job cancelled while queued (the cancel created the
+    record first) loses that create; the dispatch reads what won and runs nothing."""
     store: Any = app.flow._store
-    real_get = store.get
     reads: list[str] = []
+    for name in ("get", "recorded", "queued"):
+        real = getattr(store, name)
 
-    async def counting_get(key: str) -> JobRecord | None:
-        reads.append(key)
-        return await real_get(key)
+        async def counting(key: str, real: Any = real) -> JobRecord | None:
+            reads.append(key)
+            return await real(key)
 
-    store.get = counting_get
+        setattr(store, name, counting)
     batcher = await batchers("b1")
-    # A job announced and still as announced: dispatched on the notice's record, never read.
-    # (The credit comes once the notice is in: the poll could otherwise pull the message first.)
-    announced: Any = app.flow._queued_records
     fresh = await enqueue(nc, kv)
-    await until(lambda: noted(announced, job_key(TENANT, fresh)))
     await batcher.grant(1)
     order = await batcher.next_order()
     assert order.job_id == fresh
-    assert job_key(TENANT, fresh) not in reads
-    assert (await read_record(kv, fresh)).state == JobState.RUNNING
-    # A job announced, then cancelled before any credit: the notice's record is stale, the
-    # RUNNING write loses its compare-and-set, the record is read and nothing runs.
+    assert reads == []
+    running = await read_record(js, fresh)
+    assert (running.state, running.attempt) == (JobState.RUNNING, 1)
     stale = await enqueue(nc, kv)
     key = job_key(TENANT, stale)
-    queued = await read_record(kv, stale)
+    queued = await read_record(js, stale)
+    assert (queued.state, queued.revision) == (JobState.QUEUED, 0)
     now = time.time()
-    canceled = queued.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
-    await kv.update(key, encode_record(canceled), last=queued.revision)
-    await until(lambda: noted(announced, key))
+    await kv.create(key, encode_record(queued.evolve(state=JobState.CANCELED, end_time=now, update_time=now)))
+    reads.clear()
     await batcher.grant(1)
 
     async def acked() -> bool:
@@ -667,6 +678,29 @@ async def test_the_announced_record_spares_the_read_and_a_stale_one_is_read_agai
 
     await until(acked)
     assert key in reads
-    assert (await read_record(kv, stale)).state == JobState.CANCELED
+    assert (await read_record(js, stale)).state == JobState.CANCELED
     with pytest.raises(TimeoutError):
         await batcher.next_order(timeout_s=0.2)
+
+
+async def test_a_replays_notice_spares_the_read(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A message whose record is in the bucket (a replay's, an older gateway's) is dispatched on
+    the record its queued notice carried, without reading it."""
+    store: Any = app.flow._store
+    real_recorded = store.recorded
+    reads: list[str] = []
+
+    async def counting(key: str) -> JobRecord | None:
+        reads.append(key)
+        return await real_recorded(key)
+
+    store.recorded = counting
+    announced: Any = app.flow._queued_records
+    batcher = await batchers("b1")
+    job_id = await enqueue(nc, kv, legacy=True)
+    await until(lambda: noted(announced, job_key(TENANT, job_id)))
+    await batcher.grant(1)
+    assert (await batcher.next_order()).job_id == job_id
+    assert job_key(TENANT, job_id) not in reads

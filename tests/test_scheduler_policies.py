@@ -17,11 +17,12 @@ from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, work_subject
+from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyNotFoundError, KeyValue, NotFoundError
 from asyncinfer.nats.kv import KvBucket
@@ -173,7 +174,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
         assert (order.job_id, order.attempt) == (job_id, attempt)
         await batcher.fail(order, MODEL_ERROR)
         await batcher.grant(1)
-    failed = await wait_state(h.kv, job_id, JobState.FAILED)
+    failed = await wait_state(h.js, job_id, JobState.FAILED)
     assert failed.error is not None
     assert failed.error.reason == "MODEL_ERROR"
     assert "gave up after 2 attempts" in failed.error.message
@@ -220,12 +221,14 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 3)  # the fencing token keeps counting
     # The re-published message carries the routing headers (the letter kept only the payload).
-    again = await h.js.get_last_msg(config.nats.work_stream, work_subject(MODEL, requeued.priority))
+    again = await h.js.get_last_msg(config.nats.work_stream, job_work_subject(MODEL, requeued.priority, TENANT, job_id))
     assert again.headers is not None
+    assert again.data is not None
+    assert not decode_envelope(again.data).is_record  # the record, with its history, is in the bucket
     assert (again.headers[TENANT_HEADER], again.headers[JOB_ID_HEADER]) == (TENANT, job_id)
     assert again.headers[PRIORITY_HEADER] == requeued.priority.value
     await batcher.answer(order)
-    done = await wait_state(h.kv, job_id, JobState.SUCCEEDED)
+    done = await wait_state(h.js, job_id, JobState.SUCCEEDED)
     assert done.max_attempts == 4  # a fresh budget of the job's own max_attempts
     assert done.last_error is not None
     assert done.last_error.reason == "MODEL_ERROR"
@@ -242,7 +245,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
         await batcher.fail(order, MODEL_ERROR)
         await batcher.grant(1)
     for job in dead:
-        await wait_state(h.kv, job, JobState.FAILED)
+        await wait_state(h.js, job, JobState.FAILED)
     first_page = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(page_size=2))
     assert len(first_page.dead_letters) == 2
     assert first_page.next_page_token
@@ -294,13 +297,13 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
     poison = await enqueue(h.nc, h.kv, value=poison_value)
     others += [await enqueue(h.nc, h.kv, value=float(i % 7)) for i in range(250)]
 
-    dead = await wait_state(h.kv, poison, JobState.FAILED, timeout_s=20)
+    dead = await wait_state(h.js, poison, JobState.FAILED, timeout_s=20)
     assert dead.attempt == 3
     assert dead.error is not None
     assert dead.error.reason == "MODEL_ERROR"
 
     async def all_done() -> bool:
-        states = [(await read_record(h.kv, job)).state for job in others]
+        states = [(await read_record(h.js, job)).state for job in others]
         return all(s == JobState.SUCCEEDED for s in states)
 
     await until(all_done, timeout_s=30)
@@ -310,7 +313,7 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
 
     fixed.set()
     assert (await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(all=True))).replayed == 1
-    replayed = await wait_state(h.kv, poison, JobState.SUCCEEDED)
+    replayed = await wait_state(h.js, poison, JobState.SUCCEEDED)
     assert replayed.attempt == 4
     await h.work_empty()
     print(f"poison: 500 jobs + 1 poison done in {elapsed:.2f} s")
@@ -323,7 +326,7 @@ async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, co
     order = await batcher.next_order()
     invalid = error_pb2.ErrorStatus(code=3, reason="INVALID_INPUT", message="NaN", retriable=False)
     await batcher.fail(order, invalid)
-    failed = await wait_state(h.kv, job_id, JobState.FAILED)
+    failed = await wait_state(h.js, job_id, JobState.FAILED)
     assert (failed.attempt, failed.error.reason if failed.error else None) == (1, "INVALID_INPUT")
     await h.work_empty()
     assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
@@ -343,7 +346,7 @@ async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: S
 
     await until(passed)
     await batcher.grant(1)
-    record = await wait_state(h.kv, expired, JobState.EXPIRED)
+    record = await wait_state(h.js, expired, JobState.EXPIRED)
     assert record.error is not None
     assert record.error.reason == "DEADLINE_EXCEEDED"
     assert record.attempt == 0
@@ -361,7 +364,7 @@ async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(sta
     assert order.execution_timeout.ToMilliseconds() == 300
     cancel = await batcher.next_cancel()
     assert (cancel.job_id, cancel.attempt) == (job_id, 1)
-    record = await wait_state(h.kv, job_id, JobState.TIMED_OUT)
+    record = await wait_state(h.js, job_id, JobState.TIMED_OUT)
     assert record.error is not None
     assert record.error.reason == "EXECUTION_TIMEOUT"
     await h.work_empty()
@@ -372,7 +375,7 @@ async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(sta
         return h.app.batchers.free_credits(MODEL) == 1
 
     await until(credit_counted)
-    assert (await read_record(h.kv, job_id)).state == JobState.TIMED_OUT
+    assert (await read_record(h.js, job_id)).state == JobState.TIMED_OUT
 
 
 async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, config: Config) -> None:
@@ -385,7 +388,7 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
     assert (second.job_id, second.attempt) == (job_id, 2)
     await batcher.answer(first)  # the late first attempt is discarded ...
     await batcher.answer(second)  # ... the second one counts
-    done = await wait_state(h.kv, job_id, JobState.SUCCEEDED)
+    done = await wait_state(h.js, job_id, JobState.SUCCEEDED)
     assert done.attempt == 2
     assert done.last_error is not None
     assert done.last_error.reason == "EXECUTION_TIMEOUT"
@@ -394,7 +397,7 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
     await batcher.grant(1)
     doomed = await enqueue(h.nc, h.kv, execution_timeout_s=0.2, max_attempts=1)
     await batcher.next_order()
-    record = await wait_state(h.kv, doomed, JobState.TIMED_OUT)
+    record = await wait_state(h.js, doomed, JobState.TIMED_OUT)
     assert record.error is not None
     assert record.error.reason == "EXECUTION_TIMEOUT"
     (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters
@@ -406,7 +409,9 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
 
 async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
     """What the gateway's CancelJob does: QUEUED -> CANCELED, RUNNING -> CANCELLING + a notice."""
-    store = JobStore(KvBucket(name=h.app.config.nats.jobs_bucket, kv=h.kv, js=h.js))
+    store = JobStore(
+        KvBucket(name=h.app.config.nats.jobs_bucket, kv=h.kv, js=h.js), work_stream=h.app.config.nats.work_stream
+    )
     record = await store.get(job_key(TENANT, job_id))
     assert record is not None
     now = time.time()
@@ -437,7 +442,7 @@ async def test_cancel_of_a_queued_job_means_it_never_runs(start: Start, config: 
     kept = await enqueue(h.nc, h.kv)
     order = await batcher.next_order()
     assert order.job_id == kept
-    assert (await read_record(h.kv, canceled)).state == JobState.CANCELED
+    assert (await read_record(h.js, canceled)).state == JobState.CANCELED
 
 
 async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, config: Config) -> None:
@@ -450,7 +455,7 @@ async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, con
     assert (cancel.job_id, cancel.attempt) == (job_id, 1)
     dropped = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
     await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
-    record = await wait_state(h.kv, job_id, JobState.CANCELED)
+    record = await wait_state(h.js, job_id, JobState.CANCELED)
     assert record.outputs == ()
     await h.work_empty()
 
@@ -460,7 +465,7 @@ async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, con
     await cancel_as_gateway(h, late)
     await batcher.next_cancel()
     await batcher.answer(order)
-    record = await wait_state(h.kv, late, JobState.CANCELED)
+    record = await wait_state(h.js, late, JobState.CANCELED)
     assert record.outputs == ()
     await h.work_empty()
 
@@ -545,7 +550,7 @@ async def test_drain_stops_dispatch_waits_for_jobs_in_flight_and_undrain_resumes
     assert answer.drained
     assert answer.state == ops_service_pb2.QUEUE_STATE_DRAINING
     drained_at = time.time()
-    await wait_state(h.kv, running, JobState.SUCCEEDED)
+    await wait_state(h.js, running, JobState.SUCCEEDED)
 
     async def held() -> bool:
         snapshot = await h.snapshot()
@@ -561,7 +566,7 @@ async def test_drain_stops_dispatch_waits_for_jobs_in_flight_and_undrain_resumes
 
     await until(held)  # after the drain: the queued job and a credit, both left unspent
     assert batcher.orders.empty()
-    assert (await read_record(h.kv, queued)).state == JobState.QUEUED
+    assert (await read_record(h.js, queued)).state == JobState.QUEUED
     stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
     assert stats.draining
     assert not stats.paused
@@ -584,7 +589,7 @@ async def test_drain_stops_dispatch_waits_for_jobs_in_flight_and_undrain_resumes
     order = await batcher.next_order()
     assert order.job_id == queued
     await batcher.answer(order)
-    await wait_state(h.kv, queued, JobState.SUCCEEDED)
+    await wait_state(h.js, queued, JobState.SUCCEEDED)
     stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
     assert not stats.draining
     assert stats.state == ops_service_pb2.QUEUE_STATE_DISPATCHING
@@ -648,7 +653,7 @@ async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, 
     await enqueue(h.nc, h.kv, tenant="other")  # a tenant without a counter: none is created
     await batcher.grant(2)
     for job in jobs:
-        await wait_state(h.kv, job, JobState.SUCCEEDED)
+        await wait_state(h.js, job, JobState.SUCCEEDED)
 
     async def counted_down() -> bool:
         return decode_count((await h.queues.get(tenant_key(TENANT))).value) == 0
@@ -716,10 +721,10 @@ async def test_priority_under_saturation_high_waits_far_less_and_low_completes(s
         high.append(await enqueue(h.nc, h.kv, priority=Priority.HIGH))
         await asyncio.sleep(0.01)  # arrivals spread over the run, not a sync wait
     for job in low:
-        await wait_state(h.kv, job, JobState.SUCCEEDED, timeout_s=30)
+        await wait_state(h.js, job, JobState.SUCCEEDED, timeout_s=30)
     waits: dict[Priority, list[float]] = {}
     for priority, jobs in ((Priority.HIGH, high), (Priority.LOW, low)):
-        records = [await read_record(h.kv, job) for job in jobs]
+        records = [await read_record(h.js, job) for job in jobs]
         assert all(r.state == JobState.SUCCEEDED for r in records)
         waits[priority] = [r.queue_duration_s or 0.0 for r in records]
     high_mean, low_mean = statistics.mean(waits[Priority.HIGH]), statistics.mean(waits[Priority.LOW])

@@ -16,7 +16,7 @@ from asyncinfer.contract import TENANT_HEADER, routing_headers
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import Msg
+from asyncinfer.nats import Msg, api
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queued_records import QueuedRecords
@@ -173,3 +173,31 @@ def test_the_tenant_comes_from_the_routing_header_else_from_the_envelope() -> No
     assert tenant_of(Msg(_client=None, subject="s", data=data, headers={"Nats-Msg-Id": "j"})) == "payload-tenant"
     assert tenant_of(Msg(_client=None, subject="s", data=data)) == "payload-tenant"
     assert tenant_of(Msg(_client=None, subject="s", data=b"junk")) == ""
+
+
+async def test_a_queue_consumer_takes_job_subjects_and_an_old_one_is_updated(nc: NatsClient, config: Config) -> None:
+    """A submit publishes on the job's own subject (asyncinfer.work.<model>.<priority>.<tenant>.<job_id>)
+    so that its message, which is its record, can be read back; the queue's consumer takes those
+    and the queue's own subject (messages from before). A consumer declared the old way (the
+    queue's subject alone, as a previous release did) is updated in place, keeping its place."""
+    js = nc.jetstream()
+    await ensure_work_stream(js, config.nats)
+    queue = work_subject(MODEL, Priority.NORMAL)
+    name = "work-demo-normal"
+    await js.add_consumer(
+        config.nats.work_stream,
+        api.ConsumerConfig(durable_name=name, filter_subject=queue, ack_policy=api.AckPolicy.EXPLICIT),
+    )
+    await js.publish(queue, b"old")
+    await ensure_work_consumer(js, config.nats, model_name=MODEL, priority=Priority.NORMAL, ack_wait_s=30)
+    info = await js.consumer_info(config.nats.work_stream, name)
+    assert info.config.filter_subjects == [queue, f"{queue}.>"]
+    assert not info.config.filter_subject
+    await js.publish(f"{queue}.acme.job-1", b"new")
+    await js.publish(f"{work_subject(MODEL, Priority.HIGH)}.acme.job-2", b"another queue")
+    inbox = PullInbox(nc)
+    try:
+        pulled = await inbox.pull(config.nats.work_stream, name, 5)
+    finally:
+        await inbox.close()
+    assert [m.data for m in pulled] == [b"old", b"new"]

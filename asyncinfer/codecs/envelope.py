@@ -1,12 +1,15 @@
-"""The work envelope's codec (the WORK stream, `asyncinfer.work.<model>.<priority>`): what the
-gateway publishes for a job and the scheduler decodes to dispatch it.
+"""The work envelope's codec (the WORK stream, `asyncinfer.work.<model>.<priority>.<tenant>.<job_id>`):
+what the gateway publishes for a job and the scheduler decodes to dispatch it.
 
 Routing does not need the payload: the message's headers carry the tenant, job ID, priority and
 model (`asyncinfer.contract.routing_headers`). `tenant_of_envelope` is the fallback for a message
 from a gateway that predates those headers: it reads the one field and skips the rest (inline
 tensors may be megabytes of base64) without decoding it.
 
-Version 1: version 0's fields with `v` first and every default left out."""
+Version 1: version 0's fields with `v` first and every default left out.
+Version 2: version 1's, and the QUEUED record's own fields (`is_record`, `result_retention_s`,
+`labels`, `idempotency_key`, `callback`): a submit's message is the job's QUEUED record. A version 1
+message is read with is_record false (its record was written to the jobs bucket)."""
 
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ from asyncinfer.codecs.parts import (
     tensors_from_wire,
     tensors_to_wire,
 )
-from asyncinfer.jobs import Priority, WorkEnvelope
+from asyncinfer.codecs.record import CallbackWire
+from asyncinfer.jobs import CallbackSpec, Priority, WorkEnvelope
 
-VERSION = 1
+VERSION = 2
 
 
 class EnvelopeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -38,6 +42,11 @@ class EnvelopeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_ref: BlobRefWire | None = None
     deadline: float | None = None
     execution_timeout_s: float | None = None
+    is_record: bool = False
+    result_retention_s: float | None = None
+    labels: dict[str, str] = {}
+    idempotency_key: str = ""
+    callback: CallbackWire | None = None
 
 
 class _EnvelopeTenant(msgspec.Struct):
@@ -65,6 +74,11 @@ def encode_envelope(envelope: WorkEnvelope) -> bytes:
             input_ref=blob_to_wire(e.input_ref),
             deadline=e.deadline,
             execution_timeout_s=e.execution_timeout_s,
+            is_record=e.is_record,
+            result_retention_s=e.result_retention_s if e.is_record else None,
+            labels=dict(e.labels),
+            idempotency_key=e.idempotency_key,
+            callback=None if e.callback is None else CallbackWire(e.callback.url, e.callback.events),
         )
     )
 
@@ -84,6 +98,11 @@ def decode_envelope(data: bytes) -> WorkEnvelope:
         input_ref=blob_from_wire(w.input_ref),
         deadline=w.deadline,
         execution_timeout_s=w.execution_timeout_s,
+        is_record=w.is_record,
+        result_retention_s=w.result_retention_s or 0.0,
+        labels=w.labels,
+        idempotency_key=w.idempotency_key,
+        callback=None if w.callback is None else CallbackSpec(w.callback.url, w.callback.events),
     )
 
 

@@ -154,8 +154,8 @@ async def kv_latest(
     js: JetStreamContext, *, stream: str, subject_prefix: str, key: str, timeout_s: float
 ) -> tuple[bytes, int] | None:
     """(value, revision) of the key's latest write, as `KeyValue.get` finds it (the same
-    STREAM.MSG.GET, not a direct get), cheaper (see the module); None when it has none, or when
-    that write is a delete or purge, or a server-placed delete marker (empty body)."""
+    STREAM.MSG.GET, not a direct get), cheaper (see the module); None when it has none; an empty
+    value when that write is a delete or purge, or a server-placed delete marker (empty body)."""
     if not nats.js.kv._is_key_valid(key):
         raise nats.js.errors.InvalidKeyError(key)
     context: Any = js
@@ -175,13 +175,14 @@ async def kv_latest(
     message = answer["message"]
     if message.get("subject") != subject:
         return None
+    revision = int(message["seq"])
     stored_headers = message.get("hdrs")
     if stored_headers and _kv_operation(base64.b64decode(stored_headers)) in KV_REMOVALS:
-        return None
+        return b"", revision
     data = message.get("data")
     if not data:
-        return None
-    return base64.b64decode(data), int(message["seq"])
+        return b"", revision
+    return base64.b64decode(data), revision
 
 
 def _kv_operation(headers: bytes) -> str | None:

@@ -48,17 +48,27 @@ async def kv_latest(bucket: KvBucket, key: str) -> tuple[bytes, int] | None:
     """(value, revision) of the key's latest write; None when it has none, or when that write is a
     delete or purge, or a server-placed delete marker (empty body). InvalidKeyError for a key
     KeyValue would refuse."""
+    last = await kv_last_write(bucket, key)
+    return last if last is not None and last[0] else None
+
+
+async def kv_last_write(bucket: KvBucket, key: str) -> tuple[bytes, int] | None:
+    """(value, revision) of the key's latest write, None when the key has never been written; the
+    value is empty when that write removed it (a delete or purge, or a server-placed delete
+    marker)."""
     if _fastpath.FASTPATH_ENABLED:
         return await _fastpath.kv_latest(
             bucket.js, stream=bucket.stream, subject_prefix=bucket.subject_prefix, key=key, timeout_s=bucket.timeout_s
         )
     try:
         entry = await bucket.kv.get(key)
-    except KeyNotFoundError:  # also what a deleted or purged key raises
+    except KeyNotFoundError as exc:
+        # KeyValue.get raises this for a delete or purge too, carrying the removal's entry.
+        removal = exc.entry
+        return (b"", removal.revision or 0) if removal is not None else None
+    if entry.revision is None:  # a revision it always has
         return None
-    if not entry.value or entry.revision is None:  # a delete marker's empty body; a revision it always has
-        return None
-    return entry.value, entry.revision
+    return entry.value or b"", entry.revision
 
 
 async def kv_put_expecting(

@@ -75,6 +75,24 @@ async def publish_durably(
     return await retry_transient(attempt, retry_for_s=retry_for_s, what=f"publish {subject}")
 
 
+async def last_message(js: JetStreamContext, stream: str, subject: str) -> bytes | None:
+    """The payload of the stream's last message on `subject` (wildcards allowed), or None when it
+    has none. Read from the stream's leader (STREAM.MSG.GET, not a direct get, which a replica may
+    answer before it has the message), so a message whose publish was acknowledged is found."""
+    try:
+        message = await js.get_last_msg(stream, subject)
+    except NotFoundError:
+        return None
+    return message.data or b""
+
+
+async def stream_subjects(js: JetStreamContext, stream: str, subjects_filter: str) -> list[str]:
+    """The subjects of the stream's messages that match `subjects_filter` (the server answers at
+    most 100,000 of them in one stream info)."""
+    info = await js.stream_info(stream, subjects_filter=subjects_filter)
+    return list(info.state.subjects or {})
+
+
 async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry_for_s: float) -> None:
     """A stream of ours, created with `stream` unless it exists (an existing one is left as it is)."""
     name = stream.name

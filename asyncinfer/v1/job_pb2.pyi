@@ -433,7 +433,9 @@ class Job(_message.Message):
     idempotency_key: _builtins.str
     """The idempotency key it was submitted with, if any."""
     revision: _builtins.int
-    """The record's revision; WatchJob can resume after it."""
+    """The record's revision; WatchJob can resume after it. 0 while the job is queued and nothing has
+    happened to it yet (its record is its work message); every change after that has a higher one.
+    """
     batcher_id: _builtins.str
     """The batcher its latest attempt was dispatched to (set when the attempt starts, kept after it):
     where a RUNNING job runs. Empty before its first start.

@@ -1,25 +1,37 @@
-"""A/B of one batcher setting through the whole system, in one run on one machine: the e2e
-section's bursts (unary SubmitJob then GetJob per job; the batch APIs) against two stacks that
-differ in that setting alone, alternated round by round so that a busy moment spreads over both.
+"""A/B through the whole system, in one run on one machine: the e2e section's bursts (unary
+SubmitJob then GetJob per job; the batch APIs) and a back-to-back round trip against two stacks
+that differ in one setting, or in the code they run, alternated round by round so that a busy
+moment spreads over both.
 
     .venv/bin/python -m bench.system.ab --setting batcher.work_batches [--rounds 3] [--burst 3000]
+    .venv/bin/python -m bench.system.ab --revisions REV_A REV_B --name one_write [--title ...]
 
-A is the setting false, B true (the default):
+With --setting, A is the setting false, B true (the default):
 - batcher.work_batches: the WorkerService stream one message per order / result / credit, against
   WorkOrders and WorkUpdates (work moving a batch at a time).
-Writes bench/results/ab_<key>.{json,md}.
+With --revisions, A's and B's services run from a worktree of each git revision (made in a temp
+dir, removed after), sharing this checkout's virtual environment and benchmark code.
+Writes bench/results/ab_<key or name>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 import uvloop
 
 from asyncinfer.v1 import job_service_pb2_grpc
-from bench.system.common import ProcessGroup, log, ratio, row, summarize, write_results
+from bench.system.common import ROOT, ProcessGroup, log, ratio, row, summarize, write_results
 from bench.system.e2e import Burst, Stack, batch_burst, burst, run_one, system_cpu_ms_per_job
 
 TITLES = {
@@ -27,68 +39,130 @@ TITLES = {
 }
 
 
-async def measure(stack: Stack, count: int) -> tuple[Burst, Burst]:
+ROUND_TRIPS = 200
+
+
+async def measure(stack: Stack, count: int) -> tuple[Burst, Burst, float]:
+    """The unary burst, the batch-API burst, and the p50 of back-to-back round trips in ms."""
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         for _ in range(20):  # warm-up; the first one also waits for the batcher's credits
             await run_one(stub, timeout_s=120)
         unary = await burst(stub, stack, count)
         batched = await batch_burst(stub, stack, count)
-    return unary, batched
+        trips = []
+        for _ in range(ROUND_TRIPS):
+            started = time.perf_counter()
+            await run_one(stub)
+            trips.append((time.perf_counter() - started) * 1e3)
+    return unary, batched, statistics.median(trips)
+
+
+@contextlib.contextmanager
+def worktrees(revisions: list[str]) -> Iterator[list[Path]]:
+    """A detached worktree of each revision, removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
+        paths = []
+        try:
+            for n, revision in enumerate(revisions):
+                path = Path(tmp) / f"tree-{n}"
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(path), revision],
+                    check=True,
+                    capture_output=True,
+                )
+                paths.append(path)
+            yield paths
+        finally:
+            for path in paths:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--setting", choices=sorted(TITLES), required=True)
+    chosen = parser.add_mutually_exclusive_group(required=True)
+    chosen.add_argument("--setting", choices=sorted(TITLES))
+    chosen.add_argument("--revisions", nargs=2, metavar=("A", "B"), help="two git revisions")
+    parser.add_argument("--name", default="revisions", help="with --revisions: bench/results/ab_<name>")
+    parser.add_argument("--title", default="", help="with --revisions: what the two revisions differ in")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst", type=int, default=3000)
     args = parser.parse_args()
-    section_name, key = args.setting.split(".")
-    section = f"ab_{key}"
-    setups = {f"A: {args.setting} = false": False, f"B: {args.setting} = true": True}
-    found: dict[str, list[tuple[Burst, Burst]]] = {name: [] for name in setups}
+    with contextlib.ExitStack() as stack_of_trees:
+        if args.setting:
+            section_name, key = args.setting.split(".")
+            section, title = f"ab_{key}", TITLES[args.setting]
+            setups: dict[str, dict[str, Any]] = {
+                f"A: {args.setting} = false": {section_name: {key: False}},
+                f"B: {args.setting} = true": {section_name: {key: True}},
+            }
+        else:
+            trees = stack_of_trees.enter_context(worktrees(args.revisions))
+            section, title = f"ab_{args.name}", args.title or " vs ".join(args.revisions)
+            setups = {
+                f"{ab}: {revision}": {"source": tree}
+                for ab, revision, tree in zip("AB", args.revisions, trees, strict=True)
+            }
+        found = run_rounds(setups, args.rounds, args.burst)
+        report(section, title, found, args.rounds, args.burst)
+
+
+def run_rounds(
+    setups: dict[str, dict[str, Any]], rounds: int, count: int
+) -> dict[str, list[tuple[Burst, Burst, float]]]:
+    found: dict[str, list[tuple[Burst, Burst, float]]] = {name: [] for name in setups}
     with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        for round_number in range(1, args.rounds + 1):
-            for name, value in setups.items():
-                stack = Stack(group, name=f"nats-{round_number}-{value}", **{section_name: {key: value}})
-                unary, batched = runner.run(measure(stack, args.burst))
+        for round_number in range(1, rounds + 1):
+            for n, (name, options) in enumerate(setups.items()):
+                stack = Stack(group, name=f"nats-{round_number}-{n}", **options)
+                unary, batched, trip_ms = runner.run(measure(stack, count))
                 stack.stop_services()
-                found[name].append((unary, batched))
+                found[name].append((unary, batched, trip_ms))
                 log(
                     f"round {round_number}, {name}: unary {unary.collected_rate:.0f}/s, batch APIs "
-                    f"{batched.collected_rate:.0f}/s; CPU per job {system_cpu_ms_per_job([unary], args.burst)[0]:.2f} / "
-                    f"{system_cpu_ms_per_job([batched], args.burst)[0]:.2f} ms"
+                    f"{batched.collected_rate:.0f}/s; CPU per job {system_cpu_ms_per_job([unary], count)[0]:.2f} / "
+                    f"{system_cpu_ms_per_job([batched], count)[0]:.2f} ms; round trip p50 {trip_ms:.2f} ms"
                 )
+    return found
+
+
+def report(
+    section: str, title: str, found: dict[str, list[tuple[Burst, Burst, float]]], rounds: int, count: int
+) -> None:
     rows = []
     medians: dict[str, dict[str, float]] = {}
-    for name, pairs in found.items():
-        unary = [u for u, _ in pairs]
-        batched = [b for _, b in pairs]
+    for name, triples in found.items():
+        unary = [u for u, _, _ in triples]
+        batched = [b for _, b, _ in triples]
         figures = {
+            "round trip back to back (SubmitJob -> WatchJob terminal) p50, ms": [t for _, _, t in triples],
             "unary burst, completed jobs/s": [b.collected_rate for b in unary],
             "batch-API burst, completed jobs/s": [b.collected_rate for b in batched],
-            "CPU per job, unary burst (4 processes), ms": system_cpu_ms_per_job(unary, args.burst),
-            "CPU per job, batch-API burst (4 processes), ms": system_cpu_ms_per_job(batched, args.burst),
-            "scheduler CPU per job, unary burst, ms": [b.cpu_s["scheduler"] / args.burst * 1e3 for b in unary],
-            "batcher CPU per job, unary burst, ms": [b.cpu_s["batcher"] / args.burst * 1e3 for b in unary],
+            "CPU per job, unary burst (4 processes), ms": system_cpu_ms_per_job(unary, count),
+            "CPU per job, batch-API burst (4 processes), ms": system_cpu_ms_per_job(batched, count),
+            "gateway CPU per job, unary burst, ms": [b.cpu_s["gateway"] / count * 1e3 for b in unary],
+            "scheduler CPU per job, unary burst, ms": [b.cpu_s["scheduler"] / count * 1e3 for b in unary],
+            "batcher CPU per job, unary burst, ms": [b.cpu_s["batcher"] / count * 1e3 for b in unary],
+            "nats-server CPU per job, unary burst, ms": [b.cpu_s["nats-server"] / count * 1e3 for b in unary],
         }
         medians[name] = {}
         for label, values in figures.items():
             unit = "ms" if "ms" in label else "jobs/s"
             rows.append(row(f"{name}: {label}", values, unit))
             medians[name][label] = float(summarize(values)["value"])
-    a, b = (medians[name] for name in setups)
+    a, b = (medians[name] for name in found)
     ratios = [
         ratio(f"B / A: {label}", b[label] / a[label], "for the decision", None)
         for label in a
         if a[label] == a[label] and a[label] > 0
     ]
     notes = [
-        f"{args.rounds} rounds, each a fresh stack per setup (nats-server, gateway, scheduler, batcher as processes), "
-        f"A then B; per stack 20 warm-up jobs, a unary burst of {args.burst} (64 in flight, then GetJob per job) "
-        "and a batch-API burst of the same size. The no-op model makes every figure the system's own cost.",
+        f"{rounds} rounds, each a fresh stack per setup (nats-server, gateway, scheduler, batcher as processes), "
+        f"A then B; per stack 20 warm-up jobs, a unary burst of {count} (64 in flight, then GetJob per job), "
+        f"a batch-API burst of the same size, then {ROUND_TRIPS} round trips one after another (SubmitJob, then "
+        "WatchJob to the terminal state). The no-op model makes every figure the system's own cost.",
     ]
-    write_results(section, f"A/B: {TITLES[args.setting]}", rows, ratios, notes)
+    write_results(section, f"A/B: {title}", rows, ratios, notes)
     log(f"wrote bench/results/{section}.md")
 
 

@@ -250,8 +250,10 @@ class ProcessGroup:
         env: dict[str, str] | None = None,
         timeout_s: float = 120.0,
         profile_path: Path | None = None,
+        cwd: Path | None = None,
     ) -> Child:
-        """Starts argv (cwd = the repository root, its own session) and waits until ready(child)."""
+        """Starts argv (cwd = the repository root unless given, its own session) and waits until
+        ready(child)."""
         log_path = self.tmp / f"{name}.log"
         full_env = {**os.environ, **(env or {})}
         if profile_path is not None:
@@ -263,7 +265,7 @@ class ProcessGroup:
             ]  # fmt: skip
         with log_path.open("ab") as out:
             process = subprocess.Popen(
-                list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=full_env, start_new_session=True
+                list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=cwd or ROOT, env=full_env, start_new_session=True
             )
         child = Child(name, process, log_path, port=port, profile_path=profile_path)
         self.children.append(child)
@@ -288,9 +290,11 @@ class ProcessGroup:
         env: dict[str, str] | None = None,
         profile_path: Path | None = None,
         label: str = "",
+        source: Path | None = None,
     ) -> Child:
         """An asyncinfer service (gateway, scheduler or batcher) as its own process, configured by a
-        TOML file rendered from `config` (its port chosen here when the config says 0)."""
+        TOML file rendered from `config` (its port chosen here when the config says 0); `source`:
+        run the code of that tree (another revision's worktree) instead of this one."""
         section: Any = getattr(config, name)
         port = section.port or free_port()
         config = config.replace(**{name: {"port": port}})
@@ -299,7 +303,13 @@ class ProcessGroup:
         config_path.write_text(render_default_config(config))
         argv = [PYTHON, "-m", "services.cli", name, "--config", str(config_path)]
         return self.command(
-            label, argv, ready=lambda c: grpc_serving(c.address), port=port, env=env, profile_path=profile_path
+            label,
+            argv,
+            ready=lambda c: grpc_serving(c.address),
+            port=port,
+            env=env,
+            profile_path=profile_path,
+            cwd=source,
         )
 
     def redis(self) -> Child:

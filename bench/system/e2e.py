@@ -155,6 +155,7 @@ class Stack:
         name: str = "nats",
         batcher: dict[str, Any] | None = None,
         gateway: dict[str, Any] | None = None,
+        source: Path | None = None,
     ) -> None:
         self.group = group
         self.nats = group.nats("nats-profiled" if profile_dir else name)
@@ -168,10 +169,10 @@ class Stack:
         def profile(name: str) -> Path | None:
             return profile_dir / f"{name}.txt" if profile_dir and name in profiled else None
 
-        self.gateway = group.service("gateway", self.config, profile_path=profile("gateway"))
-        self.scheduler = group.service("scheduler", self.config, profile_path=profile("scheduler"))
+        self.gateway = group.service("gateway", self.config, profile_path=profile("gateway"), source=source)
+        self.scheduler = group.service("scheduler", self.config, profile_path=profile("scheduler"), source=source)
         batcher_config = self.config.replace(batcher={"scheduler_address": self.scheduler.address})
-        self.batcher = group.service("batcher", batcher_config, profile_path=profile("batcher"))
+        self.batcher = group.service("batcher", batcher_config, profile_path=profile("batcher"), source=source)
 
     @property
     def services(self) -> dict[str, Child]:

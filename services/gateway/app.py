@@ -88,7 +88,7 @@ class GatewayApp:
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
-        records = JobStore(await ensure_jobs_bucket(js, cfg.nats))
+        records = JobStore(await ensure_jobs_bucket(js, cfg.nats), work_stream=cfg.nats.work_stream)
         queues_bucket = await ensure_queues_bucket(js, cfg.nats)
         claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
@@ -96,11 +96,13 @@ class GatewayApp:
         expiry = Expiry(
             records, on_expired=lambda record: self.metrics.expired_on_read.labels(model=record.model_name).inc()
         )
-        self._hub = WatchHub(js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry, supervisor=self.supervisor)
+        self._hub = WatchHub(
+            self._nc, js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry, supervisor=self.supervisor
+        )
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
         admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
-        self._submitter = JobSubmitter(cfg, records, self._nc, admission, claim_check=claim_check)
+        self._submitter = JobSubmitter(cfg, self._nc, admission, claim_check=claim_check)
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
         )

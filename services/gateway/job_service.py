@@ -88,6 +88,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             records,
             expiry,
             bucket=config.nats.jobs_bucket,
+            work_stream=config.nats.work_stream,
             max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
         )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)

@@ -1,7 +1,10 @@
 """ListJobs: the caller's own jobs, newest first, filtered by state, model and labels, paged.
 
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
-newest first. A page (1) scans the tenant's keys with an ephemeral ordered consumer whose filter
+newest first. A job still queued has no key yet: its work message is its record, so the tenant's
+job IDs are its keys and its queued jobs' work subjects ("asyncinfer.work.*.*.<tenant>.*", from the
+work stream's subject index: one stream info, up to 100,000 of them). A page (1) scans the
+tenant's keys with an ephemeral ordered consumer whose filter
 subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject): the server
 filters, so another tenant's records are never delivered, let alone read. nats-py's
 `KeyValue.keys(filters=...)` would not do: it watches every key of the bucket and filters by
@@ -35,12 +38,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from asyncinfer.contract import kv_stream, kv_subject, kv_subject_prefix, tenant_keys
+from asyncinfer.contract import kv_stream, kv_subject, kv_subject_prefix, tenant_keys, tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.transitions import Expiry
 
@@ -150,16 +154,36 @@ def tenant_filter_subject(bucket: str, tenant: str) -> str:
 
 class JobLister:
     def __init__(
-        self, js: JetStreamContext, records: JobStore, expiry: Expiry, *, bucket: str, max_page_bytes: int
+        self,
+        js: JetStreamContext,
+        records: JobStore,
+        expiry: Expiry,
+        *,
+        bucket: str,
+        work_stream: str,
+        max_page_bytes: int,
     ) -> None:
         self._js = js
+        self._work_stream = work_stream
         self._max_page_bytes = max_page_bytes
         self._records = records
         self._expiry = expiry
         self._bucket = bucket
 
     async def tenant_job_ids(self, tenant: str) -> list[str]:
-        """The tenant's job IDs with a live record, newest first (headers-only scan of its keys)."""
+        """The tenant's job IDs with a live record, newest first: its keys and its queued jobs."""
+        queued = await self._queued_job_ids(tenant)
+        return sorted(set(await self._recorded_job_ids(tenant)) | queued, reverse=True)
+
+    async def _queued_job_ids(self, tenant: str) -> set[str]:
+        try:
+            subjects = await stream_subjects(self._js, self._work_stream, tenant_work_subjects(tenant))
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot list the jobs: {exc}") from exc
+        return {job_id for subject in subjects if is_job_id(job_id := subject.rpartition(".")[2])}
+
+    async def _recorded_job_ids(self, tenant: str) -> set[str]:
+        """The job IDs of the tenant's keys with a live record (a headers-only scan)."""
         prefix = kv_subject_prefix(self._bucket) + job_key(tenant, "")
         ids: set[str] = set()
         scanned = asyncio.Event()
@@ -201,7 +225,7 @@ class JobLister:
                 await subscription.unsubscribe()
             except NATS_FAILURES as exc:  # the consumer goes away by itself once inactive
                 log.warning("list_unsubscribe_failed", error=str(exc))
-        return sorted(ids, reverse=True)
+        return ids
 
     async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
         record = await self._records.get(job_key(tenant, job_id))

@@ -1,11 +1,10 @@
 """Accepting a job: validate the request (submit_request.py), admit it (model queue depth, tenant
-quota), publish its work message, then store its record (QUEUED) and announce it. Acceptance
-means durably queued.
+quota), publish its work message, which is its QUEUED record, and announce it. Acceptance means
+durably queued: one durable write per job.
 
-Through a NATS leader election (a cluster node died) both writes are retried for
-`gateway.enqueue_retry_s` under the same job ID: the record's key is the job ID (a create that
-landed before its answer was lost is found on the next try) and the publish carries the job ID as
-Nats-Msg-Id (a publish that landed is dropped as a duplicate, and its retry still gets an ack).
+Through a NATS leader election (a cluster node died) the publish is retried for
+`gateway.enqueue_retry_s` under the same job ID, which it carries as Nats-Msg-Id: a publish that
+landed before its answer was lost is dropped as a duplicate, and its retry still gets an ack.
 
 No protobuf here: the servicer converts `SubmitJobRequest` into a `SubmitRequest` first.
 """
@@ -19,15 +18,14 @@ from collections.abc import Callable
 
 import structlog
 
-from asyncinfer.backoff import retry
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import routing_headers
 from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
-from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, JobState, WorkEnvelope, work_subject
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably
 from asyncinfer.queued_notice import announce_queued
@@ -40,12 +38,11 @@ log = structlog.get_logger("asyncinfer.gateway")
 
 
 class JobSubmitter:
-    """Validates, admits, records and enqueues jobs."""
+    """Validates, admits and enqueues jobs."""
 
     def __init__(
         self,
         config: Config,
-        records: JobStore,
         nc: NatsClient,
         admission: Admission,
         *,
@@ -54,7 +51,6 @@ class JobSubmitter:
     ) -> None:
         self._config = config
         self._claim_check = claim_check
-        self._records = records
         self._nc = nc
         self._js = nc.jetstream()
         self._admission = admission
@@ -130,8 +126,9 @@ class JobSubmitter:
         try:
             return await self._enqueue(request, model, tenant=tenant, now=now, job_id=job_id)
         except BaseException:
-            # Not accepted: no record was written (a work message may be left, which the
-            # scheduler drops as an orphan).
+            # Not accepted. (A publish whose every answer was lost for enqueue_retry_s may still
+            # have landed: its job then runs although its caller was told UNAVAILABLE, the
+            # ambiguity of any lost acknowledgement; an idempotency key makes the retry safe.)
             self._admission.release_model_slot(model, slot)
             await self._admission.release_tenant_slot(tenant)
             raise
@@ -160,32 +157,17 @@ class JobSubmitter:
         # Not log.bind(): binding costs on every submit (2% of the gateway's CPU in a bulk burst,
         # py-spy) even when nothing is logged; the few lines below name the job themselves.
         about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
-        give_up_at = time.monotonic() + self._config.gateway.enqueue_retry_s
-        envelope = WorkEnvelope(
-            job_id=record.job_id,
-            tenant=tenant,
-            model_name=record.model_name,
-            model_version=record.model_version,
-            priority=record.priority,
-            create_time=record.create_time,
-            max_attempts=record.max_attempts,
-            inputs=request.inputs,
-            input_ref=request.input_blob,
-            deadline=record.deadline,
-            execution_timeout_s=record.execution_timeout_s,
-        )
-        # The work message first, then the record. A crash between the two leaves a message
-        # without a record, which the scheduler drops once it is older than its grace period
-        # (nobody was told the job was accepted); the other order would leave a QUEUED record
-        # that nothing will ever run. The scheduler waits briefly for a record it cannot find yet.
+        # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
+        # jobs bucket holds the job from its first transition on.
+        envelope = queued_envelope(record, request.inputs)
         try:
             await publish_durably(
                 self._js,
-                work_subject(record.model_name, record.priority),
+                envelope.subject,
                 encode_envelope(envelope),
                 stream=self._config.nats.work_stream,
                 msg_id=record.job_id,
-                retry_for_s=max(give_up_at - time.monotonic(), 0.0),
+                retry_for_s=self._config.gateway.enqueue_retry_s,
                 headers=routing_headers(
                     tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
                 ),
@@ -197,38 +179,6 @@ class JobSubmitter:
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
-        data = encode_record(record)
-        try:
-            created = await self._create_record(record, give_up_at, data)
-        except Unavailable as exc:
-            log.warning("record_create_failed", error=exc.message, **about)
-            raise Unavailable(
-                f"the job could not be recorded ({exc.message}); it was not accepted, submit it again",
-                reason="ENQUEUE_FAILED",
-                metadata={"job_id": record.job_id},
-            ) from exc
-        # (A record found by a retry is this submit's own write: the same data.)
-        await announce_queued(self._nc, created, data)
-        log.info("job_submitted", priority=created.priority.value, **about)
-        return created
-
-    async def _create_record(self, record: JobRecord, give_up_at: float, data: bytes) -> JobRecord:
-        """Creates the record, retrying through NATS failures until give_up_at. A create whose
-        answer was lost may have landed: the key is this job's own, so a record found there is it."""
-        first = True
-
-        async def attempt() -> JobRecord:
-            nonlocal first
-            if not first:
-                existing = await self._records.get(record.key)
-                if existing is not None:
-                    return existing
-            first = False
-            return await self._records.create(record, data=data)
-
-        return await retry(
-            attempt,
-            on=Unavailable,
-            retry_for_s=max(give_up_at - time.monotonic(), 0.0),
-            what=f"create the record of {record.job_id}",
-        )
+        await announce_queued(self._nc, record, encode_record(record))
+        log.info("job_submitted", priority=record.priority.value, **about)
+        return record

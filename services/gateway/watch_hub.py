@@ -10,6 +10,11 @@ watcher reads the record, so nothing falls between) and stops once none has watc
 whether or not anyone watched, which is most of the time for clients that poll or take webhooks.
 A watched QUEUED job with a deadline is expired by the watch itself when the deadline passes
 (`Expiry`), so the watcher sees EXPIRED on time even if no scheduler pulls the job.
+
+A new job's QUEUED record is its work message, not a write to the bucket: while a label selector
+watches (WatchJobs), the hub also hears the queued notices (asyncinfer.queued_notice, core NATS)
+so that the selector sees jobs from their submit on. A watch of given jobs reads a queued job's
+record itself, so only selectors need them.
 """
 
 from __future__ import annotations
@@ -22,11 +27,13 @@ from dataclasses import dataclass
 import structlog
 
 from asyncinfer.codecs.record import decode_record
-from asyncinfer.contract import kv_stream, kv_subject_prefix
+from asyncinfer.contract import QUEUED_SUBJECT_PREFIX, kv_stream, kv_subject_prefix
 from asyncinfer.errors import InvalidArgument, Unavailable
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
-from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, Subscription
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.gateway.transitions import Expiry
 
@@ -50,6 +57,7 @@ IDLE_STOP_S = 10.0
 class WatchHub:
     def __init__(
         self,
+        nc: NatsClient,
         js: JetStreamContext,
         records: JobStore,
         *,
@@ -58,6 +66,7 @@ class WatchHub:
         supervisor: Supervisor,
         idle_stop_s: float = IDLE_STOP_S,
     ) -> None:
+        self._nc = nc
         self._js = js
         self._supervisor = supervisor
         self._records = records
@@ -68,6 +77,7 @@ class WatchHub:
         # Label-selector watches (WatchJobs): per tenant, each queue with the labels it selects.
         self._selectors: dict[str, dict[WatcherQueue, dict[str, str]]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
+        self._notices: Subscription | None = None
         self._feed_lock = asyncio.Lock()
         self._idle_stop_s = idle_stop_s
         self._idle_since: float | None = None  # loop time the last watcher left; None: watched
@@ -127,8 +137,31 @@ class WatchHub:
                 deliver_policy=DeliverPolicy.NEW,
             )
 
+    async def ensure_notices(self) -> None:
+        """Hears queued notices too (for label selectors), until the feed stops."""
+        async with self._feed_lock:
+            if self._notices is None and not self._closed:
+                self._notices = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.>", cb=self._on_notice)
+
+    async def _on_notice(self, msg: Msg) -> None:
+        if not self._selectors:
+            return
+        try:
+            key, revision, data = decode_queued_notice(msg.data)
+            if key.partition(".")[0] not in self._selectors:
+                return
+            record = decode_record(data, revision=revision)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("watch_bad_notice", subject=msg.subject, error=str(exc))
+            return
+        self._to_selectors(RecordUpdate(revision, record, key), key)
+
     async def _unsubscribe(self) -> None:
         """Unsubscribes and deletes the consumer (the server would only drop it some seconds later)."""
+        notices, self._notices = self._notices, None
+        if notices is not None:
+            with contextlib.suppress(Exception):
+                await notices.unsubscribe()
         if self._subscription is None:
             return
         subscription, self._subscription = self._subscription, None
@@ -174,10 +207,17 @@ class WatchHub:
         update = RecordUpdate(revision, record, key)
         for queue in queues or ():
             queue.put_nowait(update)
-        if selectors and record is not None:
-            for queue, labels in selectors.items():
-                if all(record.labels.get(name) == value for name, value in labels.items()):
-                    queue.put_nowait(update)
+        if selectors:
+            self._to_selectors(update, key)
+
+    def _to_selectors(self, update: RecordUpdate, key: str) -> None:
+        record = update.record
+        selectors = self._selectors.get(key.partition(".")[0])
+        if not selectors or record is None:
+            return
+        for queue, labels in selectors.items():
+            if all(record.labels.get(name) == value for name, value in labels.items()):
+                queue.put_nowait(update)
 
     def register(self, key: str, queue: WatcherQueue | None = None) -> WatcherQueue:
         """Queues every change of the record at `key` (on a new queue, or the one given)."""
@@ -237,7 +277,9 @@ class WatchHub:
                     f"after_revision {after_revision} is ahead of the job's revision {current.revision}"
                 )
             last_sent = after_revision
-            if current.revision > last_sent:
+            # after_revision 0 sends the current record first, whatever its revision (a queued
+            # job's is 0: its record is its work message, not yet in the bucket).
+            if current.revision > last_sent or not after_revision:
                 yield current
                 last_sent = current.revision
             latest = current

@@ -161,6 +161,7 @@ async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) ->
     queue = hub.register_selector(tenant, dict(labels))
     try:
         await hub.ensure_feed()
+        await hub.ensure_notices()
         while True:
             changes: list[JobChange] = []
             for update in await _next_updates(queue, None):

@@ -16,11 +16,11 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
-from asyncinfer.contract import CANCEL_SUBJECTS, snapshot_key
+from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import PRIORITIES_BY_RANK, WORK_SUBJECT_PREFIX, Priority
+from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg, Subscription
@@ -115,7 +115,7 @@ class SchedulerApp:
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
-        store = JobStore(kv)
+        store = JobStore(kv, work_stream=config.nats.work_stream)
         blobs = await ensure_objects_bucket(js, config.nats)
         queued_records = QueuedRecords()
         self._flow = flow = JobFlow(
@@ -249,11 +249,13 @@ class SchedulerApp:
             await dispatcher.stop()
 
     def _wake_dispatcher(self, subject: str) -> None:
-        """A message was put back on `subject` (asyncinfer.work.<model>.<priority>)."""
-        model_name = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").rpartition(".")[0]
+        """A message was put back on `subject` (a job's work subject, or its queue's)."""
+        # asyncinfer.work.<model>.<priority>[.<tenant>.<job_id>]
+        model_name, _, rest = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").partition(".")
+        priority_token = rest.partition(".")[0]
         for dispatcher in self._dispatchers:
             if dispatcher.model_name == model_name:
-                dispatcher.wake(subject)
+                dispatcher.wake(priority_token)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

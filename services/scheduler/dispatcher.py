@@ -101,14 +101,17 @@ class ModelDispatcher:
         except ValueError:
             log.warning("queued_notice_malformed", subject=msg.subject)
         else:
-            self._queued_records.put(key, revision, record_data)
+            # A submit's notice (revision 0) announces a record its work message carries itself:
+            # only a replay's (the record in the bucket) saves the dispatch a read.
+            if revision:
+                self._queued_records.put(key, revision, record_data)
             if self._on_queued is not None:
                 self._on_queued(self.model_name)
         self.wake(msg.subject)
 
     def wake(self, subject: str) -> None:
-        """A message was published to (or put back on) the queue that `subject` names (a work
-        subject or a queued notice's, ending in the priority): it is worth asking again."""
+        """A message was published to (or put back on) the queue that `subject` names (a queued
+        notice's subject, or the priority's token alone): it is worth asking again."""
         priority = PRIORITY_BY_SUBJECT_TOKEN.get(subject.rpartition(".")[2])
         if priority is not None:
             self._queues.note_publish(priority)

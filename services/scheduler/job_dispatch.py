@@ -33,12 +33,19 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
-# Pauses while waiting for a record that the gateway is writing right after its publish. An idle
+# Pauses while waiting for a record that an older gateway writes right after its publish. An idle
 # scheduler is woken by that very publish and pulls the message while the gateway is still waiting
 # for the publish's ack before it sends the record: the record is usually there a millisecond or
 # two later, so the first pauses are short (a coarser first pause was most of the queued time of a
 # job at light load); the total stays about what it was (~60 ms) before a nak.
 RECORD_WAITS_S = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03)
+
+
+def _first_delivery(msg: Msg) -> bool:
+    try:
+        return msg.metadata.num_delivered <= 1
+    except Exception:  # no JetStream reply subject: take the safe path (read the record)
+        return False
 
 
 class JobDispatch:
@@ -85,20 +92,32 @@ class JobDispatch:
             return False
 
     async def _record_of(self, msg: Msg, envelope: WorkEnvelope, job_log: JobLog) -> JobRecord | None:
-        """The job's record. The gateway publishes the work message before it writes the record,
-        so a very young message may arrive first: wait a moment for it. A message whose record never
-        came (its submit failed or the gateway died in between; nobody was told it was accepted) is
-        dropped once it is older than orphan_message_grace_s. A queued notice may have brought
-        the record already."""
+        """The job's record. A submit's message is the QUEUED record itself: on its first delivery
+        the RUNNING write is the record's create (which a cancel or expiry may have won: the write
+        then reads what won). Redelivered, the bucket has the record if any write was made.
+
+        A replay's message (or one from before messages were records) has its record in the
+        bucket; a replay's queued notice may have brought it already. Such a message from a
+        gateway that wrote the record after its publish may arrive first: wait a moment for the
+        record, and drop a message whose record never came once it is older than
+        orphan_message_grace_s (its submit failed; nobody was told it was accepted)."""
+        if envelope.is_record:
+            if _first_delivery(msg):
+                return envelope.queued_record()
+            record = await self._store.get(envelope.key)
+            if record is None:
+                job_log.error("job_record_missing")
+                await quietly(msg.term())
+            return record
         record = self._queued_records.take(envelope.key)
         if record is not None:
             return record
-        record = await self._store.get(envelope.key)
+        record = await self._store.recorded(envelope.key)
         for pause_s in RECORD_WAITS_S:
             if record is not None:
                 return record
             await asyncio.sleep(pause_s)
-            record = await self._store.get(envelope.key)
+            record = await self._store.recorded(envelope.key)
         if record is not None:
             return record
         age_s = time.time() - envelope.create_time

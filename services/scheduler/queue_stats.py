@@ -25,8 +25,8 @@ from datetime import UTC, datetime
 
 from asyncinfer import queues
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.contract import work_consumer_name
-from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority, work_subject
+from asyncinfer.contract import work_consumer_name, work_filters
+from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import JetStreamContext, NotFoundError
 from services.scheduler.batchers import BatcherRegistry
 
@@ -162,7 +162,7 @@ class QueueStatsReader:
                 first = await self._js.get_msg(
                     stream,
                     seq=info.delivered.stream_seq + 1,
-                    subject=work_subject(model_name, priority),
+                    subject=work_filters(model_name, priority)[-1],  # every job's subject
                     next=True,
                 )
             except NotFoundError:

@@ -2,7 +2,7 @@
 
 Order, so that a crash anywhere loses nothing and runs nothing twice: the record goes back to
 QUEUED first (compare-and-set from FAILED/TIMED_OUT, so two operators replaying at once replay it
-once), then the original work message is published again with `Nats-Msg-Id:
+once), then the original work message (no longer as the job's record) is published again with `Nats-Msg-Id:
 <job_id>.replay.<dead-letter sequence>` (a retried publish is dropped as a duplicate), then the dead
 letter is deleted. If the publish fails, the record is put back as it was.
 
@@ -14,17 +14,19 @@ passed makes the replayed job EXPIRED at dispatch.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import structlog
 
 from asyncinfer import lifecycle
+from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, job_key, work_subject
+from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import publish_durably
@@ -67,8 +69,10 @@ async def replay(
     try:
         await publish_durably(
             js,
-            work_subject(envelope.model_name, envelope.priority),
-            letter.original,
+            envelope.subject,
+            # The original message, but not as the job's record: that is in the jobs bucket now,
+            # with its history.
+            encode_envelope(dataclasses.replace(envelope, is_record=False)),
             stream=config.nats.work_stream,
             msg_id=replay_msg_id(letter.job_id, letter.sequence),
             retry_for_s=PUBLISH_RETRY_FOR_S,
