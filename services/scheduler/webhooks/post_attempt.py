@@ -34,8 +34,8 @@ def retry_after_s(value: str | None, *, now: float) -> float | None:
 
 
 class DeliveryPoster:
-    """Makes delivery attempts, counting each by outcome in `attempts` (2xx, 3xx, 4xx, 5xx, 410,
-    error, refused)."""
+    """Makes delivery attempts, counting each by outcome in `attempts` (2XX, 3XX, 4XX, 5XX, 410,
+    ERROR, REFUSED)."""
 
     def __init__(self, settings: WebhooksConfig, attempts: Counter, *, clock: Callable[[], float]) -> None:
         self._settings = settings
@@ -48,13 +48,13 @@ class DeliveryPoster:
         attempt was refused before any request."""
         secret = self._settings.secret_for(delivery.tenant)
         if secret is None:
-            self._attempts.labels(outcome="refused").inc()
+            self._attempts.labels(outcome="REFUSED").inc()
             return -1, "the tenant has no webhook secret configured any more (webhooks.secrets)", None
         try:
             url = parse_callback_url(delivery.url)
             addresses = await vetted_addresses(url, self._allowed)
         except RefusedUrl as exc:
-            self._attempts.labels(outcome="refused").inc()
+            self._attempts.labels(outcome="REFUSED").inc()
             return -1, f"refused: {exc}", None
         body = delivery.body.encode()
         timestamp = int(self._clock())
@@ -72,10 +72,10 @@ class DeliveryPoster:
             except HttpFailure as exc:
                 errors.append(f"{address}: {exc}")
         if response is None:
-            self._attempts.labels(outcome="error").inc()
+            self._attempts.labels(outcome="ERROR").inc()
             return 0, "; ".join(errors) or "no answer", None
         code = response.status
-        self._attempts.labels(outcome="410" if code == 410 else f"{code // 100}xx").inc()
+        self._attempts.labels(outcome="410" if code == 410 else f"{code // 100}XX").inc()
         if 200 <= code < 300:
             return code, "", None
         if 300 <= code < 400:

@@ -59,7 +59,7 @@ class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.attempts = Counter(
             "asyncinfer_webhook_attempts",
-            "Webhook delivery attempts, by outcome (2xx, 3xx, 4xx, 5xx, 410, error, refused).",
+            "Webhook delivery attempts, by outcome (2XX, 3XX, 4XX, 5XX, 410, ERROR, REFUSED).",
             ["outcome"],
             registry=registry,
         )
