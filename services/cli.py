@@ -5,6 +5,7 @@
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
+    asyncinfer completion bash|zsh|fish    a tab-completion script for the shell
     asyncinfer gateway|scheduler|batcher [--config FILE]
                                            one service in this process, against an external NATS
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
@@ -393,9 +394,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command != "up" and args.command not in SERVICES:
-        return client_cli.run_command(args)
+        return client_cli.run_command(args, parser)
     if (missing := missing_for(args.command)) is not None:
         print(f"asyncinfer: {missing}", file=sys.stderr)
         return 2

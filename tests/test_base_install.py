@@ -142,6 +142,9 @@ def test_the_client_cli_runs_and_a_server_command_names_its_extra(base_venv: Pat
     assert listed.returncode == 0, listed.stderr
     as_module = run(base_venv / "bin" / "python", "-m", "asyncinfer", "--version", cwd=tmp_path, env=clean_env())
     assert as_module.returncode == 0, as_module.stderr
+    completes = run(command, "completion", "bash", cwd=tmp_path, env=clean_env())
+    assert completes.returncode == 0, completes.stderr
+    assert "submit" in completes.stdout
     up = run(command, "up", cwd=tmp_path, env=clean_env())
     assert up.returncode == 2
     assert "pip install 'asyncinfer[all]'" in up.stderr
