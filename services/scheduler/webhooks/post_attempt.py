@@ -16,7 +16,7 @@ from prometheus_client import Counter
 from asyncinfer.config import WebhooksConfig
 from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery
-from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, post
+from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, WebhookHttp
 from services.scheduler.webhooks.signing import signed_headers
 
 
@@ -42,6 +42,10 @@ class DeliveryPoster:
         self._allowed = parse_networks(settings.allowed_networks)
         self._attempts = attempts
         self._clock = clock
+        self._http = WebhookHttp()
+
+    async def close(self) -> None:
+        await self._http.close()
 
     async def post(self, delivery: Delivery) -> tuple[int, str, float | None]:
         """(status code, error, Retry-After s); the code is 0 when no answer came, -1 when the
@@ -67,7 +71,7 @@ class DeliveryPoster:
             if remaining <= 0:
                 break
             try:
-                response = await post(url, address, headers=headers, body=body, timeout_s=remaining)
+                response = await self._http.post(url, address, headers=headers, body=body, timeout_s=remaining)
                 break
             except HttpFailure as exc:
                 errors.append(f"{address}: {exc}")

@@ -121,6 +121,7 @@ class Sender:
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
+        await self._poster.close()
 
     async def _run(self) -> None:
         assert self._subscription is not None
