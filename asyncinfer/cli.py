@@ -3,6 +3,7 @@
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
+    asyncinfer completion bash|zsh|fish    a tab-completion script for the shell (asyncinfer.completion)
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
                                            the client commands (asyncinfer.commands; exit codes in
                                            asyncinfer/commands/output.py)
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from importlib import metadata
 
 from asyncinfer import commands as client_commands
+from asyncinfer import completion
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import render_default_config
 from asyncinfer.webhook_secrets import new_secret
@@ -54,12 +56,20 @@ def package_version() -> str:
 
 
 def add_tool_commands(commands: SubParsers[argparse.ArgumentParser]) -> None:
-    """config, hash-key and webhook-secret."""
+    """config, hash-key, webhook-secret and completion."""
     commands.add_parser("config", help="print the complete commented configuration")
     hash_key_command = commands.add_parser("hash-key", help="print the SHA-256 of an API key for gateway.api_keys")
     hash_key_command.add_argument("key", help="the API key, or - to read it from stdin (keeps it out of shell history)")
     webhook_secret = commands.add_parser("webhook-secret", help="print a fresh webhook signing secret (whsec_)")
     webhook_secret.add_argument("--tenant", default="default", help="the tenant it signs for (default: default)")
+    completion_command = commands.add_parser(
+        "completion",
+        help="print a tab-completion script for bash, zsh or fish",
+        description="bash: source <(asyncinfer completion bash), or save it in ~/.local/share/bash-completion/"
+        "completions/asyncinfer. zsh: save it as _asyncinfer in a folder of $fpath. fish: asyncinfer completion "
+        "fish | source, or save it as ~/.config/fish/completions/asyncinfer.fish.",
+    )
+    completion_command.add_argument("shell", choices=completion.SHELLS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,10 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Runs a tool or client command; its exit code."""
+def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Runs a tool or client command (parsed by parser, which `completion` describes); its exit code."""
     if client_commands.is_client_command(args):
         return client_commands.run(args)
+    if args.command == "completion":
+        sys.stdout.write(completion.script(parser, args.shell))
+        return 0
     if args.command == "config":
         sys.stdout.write(render_default_config())
         return 0
@@ -108,7 +121,8 @@ def exit_quietly_on_broken_pipe(run: Callable[[], int]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The client-only command (`python -m asyncinfer`, or `python -m asyncinfer.cli`)."""
-    return exit_quietly_on_broken_pipe(lambda: run_command(build_parser().parse_args(argv)))
+    parser = build_parser()
+    return exit_quietly_on_broken_pipe(lambda: run_command(parser.parse_args(argv), parser))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from asyncinfer.grpc_errors import ErrorMappingGenericHandler, wrap_method_handler
+from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -34,6 +35,7 @@ class GrpcServer:
         service_names: Iterable[str],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Iterable[aio.ServerInterceptor[Any, Any]] = (),
+        rpc_metrics: RpcMetrics | None = None,
     ) -> None:
         self._host = host
         self._requested_port = port
@@ -51,7 +53,7 @@ class GrpcServer:
         self.server = aio.server(interceptors=interceptors or None, options=options)
         self.health = health_aio.HealthServicer()
         # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
-        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server)))
+        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -88,16 +90,24 @@ class GrpcServer:
 
 class _ErrorMappingRegistrar:
     """Stands in for the aio.Server while servicers register: every method handler they add
-    is wrapped (once) so that AsyncInferError becomes a rich status."""
+    is wrapped (once) so that AsyncInferError becomes a rich status, and counted in the RPC
+    metrics (outside the mapping, so that they see the status it sets)."""
 
-    def __init__(self, server: aio.Server) -> None:
+    def __init__(self, server: aio.Server, rpc_metrics: RpcMetrics | None) -> None:
         self._server = server
+        self._metrics = rpc_metrics
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        self._server.add_generic_rpc_handlers([ErrorMappingGenericHandler(h) for h in handlers])
+        mapped: list[grpc.GenericRpcHandler[Any, Any]] = [ErrorMappingGenericHandler(h) for h in handlers]
+        if self._metrics is not None:
+            mapped = [MetricsGenericHandler(h, self._metrics) for h in mapped]
+        self._server.add_generic_rpc_handlers(mapped)
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
         wrapped = {name: wrap_method_handler(handler) for name, handler in method_handlers.items()}
+        if self._metrics is not None:
+            metrics = self._metrics
+            wrapped = {name: metrics.wrap(f"/{service_name}/{name}", h) for name, h in wrapped.items()}
         self._server.add_registered_method_handlers(service_name, wrapped)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:

@@ -236,7 +236,12 @@ def give_up(record: JobRecord, event: GiveUp, now: float) -> Outcome:
     if record.state not in (JobState.RUNNING, JobState.QUEUED):
         return _refuse(record, Refused.NOT_RUNNING)
     batch = event.batch if event.batch is not None else record.batch
-    return record.evolve(state=event.state, error=event.error, end_time=now, update_time=now, batch=batch)
+    # An attempt that ran and failed for good keeps its run time, as one that finished does.
+    ran = record.state is JobState.RUNNING
+    run_duration_s = max(now - (record.start_time or now), 0.0) if ran else record.run_duration_s
+    return record.evolve(
+        state=event.state, error=event.error, end_time=now, update_time=now, batch=batch, run_duration_s=run_duration_s
+    )
 
 
 def cancel(record: JobRecord, event: Cancel, now: float) -> Outcome:

@@ -5,6 +5,7 @@
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
+    asyncinfer completion bash|zsh|fish    a tab-completion script for the shell
     asyncinfer gateway|scheduler|batcher [--config FILE]
                                            one service in this process, against an external NATS
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
@@ -13,7 +14,8 @@
 
 This module sits above the services (it starts them); the client side, which needs no service
 code, is asyncinfer.cli. Services are imported lazily: the gateway and the scheduler run without
-torch installed.
+torch installed, and the base install (no nats-py, no uvloop) runs the client commands
+(services.server_extras names the extra a server command lacks).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-import uvloop
 
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
@@ -40,6 +41,7 @@ from asyncinfer.logs import configure_logging, service_context
 from asyncinfer.ports import IN_USE, PortUse, busy_ports
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, StopSignal, run_until_stopped
 from asyncinfer.supervision import Supervisor
+from services.server_extras import missing_for
 
 SHUTDOWN_GRACE_S = 10.0
 
@@ -369,6 +371,8 @@ def _grpcurl_command() -> str:
 def _run(main: Coroutine[Any, Any, int]) -> int:
     """asyncio.run on uvloop: per-call gRPC aio work is most of a service's CPU, and uvloop's loop
     takes 10-15% off it (measured on the batcher benchmark)."""
+    import uvloop  # the server extra's: the base install runs the client commands without it
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
 
@@ -390,9 +394,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command != "up" and args.command not in SERVICES:
-        return client_cli.run_command(args)
+        return client_cli.run_command(args, parser)
+    if (missing := missing_for(args.command)) is not None:
+        print(f"asyncinfer: {missing}", file=sys.stderr)
+        return 2
     try:
         config = load_config(args.config)
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)

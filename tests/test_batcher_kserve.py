@@ -154,7 +154,7 @@ async def test_health_is_serving_and_metrics_are_exported(
     url = f"http://127.0.0.1:{app.metrics_port}/metrics"
     body = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     assert 'asyncinfer_batch_size_sum{model="demo"} 3.0' in body
-    assert 'asyncinfer_batcher_items_total{model="demo",outcome="ok"} 1.0' in body
+    assert 'asyncinfer_batcher_items_total{model="demo",outcome="OK"} 1.0' in body
     assert 'asyncinfer_batch_compute_seconds_count{model="demo"} 1.0' in body
     assert 'asyncinfer_batcher_queue_depth{model="demo"} 0.0' in body
 

@@ -212,7 +212,7 @@ async def test_metrics_describe_each_batch(make_engine: Callable[..., Any]) -> N
     assert sample("asyncinfer_batch_queue_wait_seconds_count") == 1
     assert sample("asyncinfer_batch_compute_seconds_count") == 1
     assert sample("asyncinfer_batcher_rows_total") == 2
-    assert registry.get_sample_value("asyncinfer_batcher_items_total", {"model": "demo", "outcome": "ok"}) == 1
+    assert registry.get_sample_value("asyncinfer_batcher_items_total", {"model": "demo", "outcome": "OK"}) == 1
 
 
 def test_bucket_bounds() -> None:

@@ -11,8 +11,10 @@ import asyncio
 import io
 import json
 import os
+import re
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +50,44 @@ class ThreadStream(io.TextIOBase):
         return False
 
 
-class Cli:
-    """Runs `asyncinfer ...` in a worker thread and returns (exit code, stdout, stderr)."""
+class TerminalStream(ThreadStream):
+    """A ThreadStream that is a terminal (live lines and progress bars draw on it), which a test can
+    wait on until a CLI thread's output shows something (woken by each write, not polled)."""
 
-    def __init__(self, stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, underlying: Any) -> None:
+        super().__init__(underlying)
+        self.written = threading.Condition()
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        count = super().write(text)
+        with self.written:
+            self.written.notify_all()
+        return count
+
+    def wait_until(self, shows: Callable[[str], bool], timeout_s: float = 20.0) -> str:
+        """Blocks until a CLI thread's output so far satisfies `shows`; that output."""
+        found: list[str] = []
+
+        def seen() -> bool:
+            found[:] = [b.getvalue() for b in list(self.buffers.values()) if shows(b.getvalue())]
+            return bool(found)
+
+        with self.written:
+            assert self.written.wait_for(seen, timeout_s), "the CLI never showed it"
+        return found[0]
+
+
+class Cli:
+    """Runs `asyncinfer ...` in a worker thread and returns (exit code, stdout, stderr); `terminal`
+    makes that stream a terminal (TerminalStream)."""
+
+    def __init__(self, stack: Stack, monkeypatch: pytest.MonkeyPatch, *, terminal: str = "") -> None:
         self.stack = stack
-        self.stdout = ThreadStream(sys.stdout)
-        self.stderr = ThreadStream(sys.stderr)
+        self.stdout = (TerminalStream if terminal == "stdout" else ThreadStream)(sys.stdout)
+        self.stderr = (TerminalStream if terminal == "stderr" else ThreadStream)(sys.stderr)
         monkeypatch.setattr(sys, "stdout", self.stdout)
         monkeypatch.setattr(sys, "stderr", self.stderr)
 
@@ -302,7 +335,16 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     summary = json.loads(stdout)
     assert summary["submitted"] == 0, summary
     kept_lines = {json.loads(line)["line"] for line in kept}
-    assert summary["already_done"] == len(set(valid) | kept_lines), "finished, or accepted and known"
+    # What earlier runs did counts: the lines with a result are done before, the others accepted
+    # before (waited for now); invalid and refused lines are counted whichever run found them.
+    assert summary["already_done"] == len(kept_lines), summary
+    assert summary["accepted_before"] == len(set(valid) - kept_lines), summary
+    assert (summary["invalid"], summary["refused"]) == (len(not_json), len(refused)), summary
+    assert summary["succeeded"] == len(valid), summary
+    code, stdout, err = await cli("bulk", str(source), "--model", "demo")
+    assert code == 1, err
+    assert f"({len(not_json)} invalid, {len(refused)} refused), 0 pending" in stdout, stdout
+    assert "200 done before, 0 accepted before" in stdout, stdout
     check_results(out, valid, not_json, refused)
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
 
@@ -316,6 +358,47 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     assert summary["deduplicated"] == len(valid), summary
     check_results(out, valid, not_json, refused)
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
+
+
+async def test_bulk_on_a_paused_queue_shows_its_wait_bar_at_once(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    cli = Cli(stack, monkeypatch, terminal="stderr")
+    code, _, err = await cli("queue", "pause", "demo")
+    assert code == 0, err
+    source = tmp_path / "paused.jsonl"
+    source.write_text("".join(json.dumps({"inputs": {"x": [[n, 0, 0, 0]]}}) + "\n" for n in range(3)))
+    bulk = asyncio.create_task(cli("bulk", str(source), "--model", "demo", "--json"))
+    shown = await asyncio.to_thread(cli.stderr.wait_until, lambda text: "wait   [" in text)
+    assert "0/3" in shown.split("wait   [")[-1], shown
+    assert "submit [" in shown  # and the submit bar before it, finished
+    assert not bulk.done()
+    code, _, err = await cli("queue", "resume", "demo")
+    assert code == 0, err
+    code, stdout, err = await bulk
+    assert code == 0, err
+    assert json.loads(stdout)["succeeded"] == 3
+
+
+async def test_watch_on_a_terminal_ticks_while_the_job_waits(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cli = Cli(idle_stack, monkeypatch, terminal="stdout")
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
+    assert code == 0, err
+    job_id = out.strip()
+    watch = asyncio.create_task(cli("watch", job_id))
+
+    def clock_moved(text: str) -> bool:  # two readings of the clock, the job still QUEUED
+        readings = {m.group(1) for m in re.finditer(r"QUEUED.*?\((\d+\.\d) s\)", text)}
+        return len(readings) >= 2
+
+    await asyncio.to_thread(cli.stdout.wait_until, clock_moved)
+    assert not watch.done()
+    await idle_stack.start_batcher()
+    code, out, err = await watch
+    assert code == 0, err
+    assert "SUCCEEDED" in out
 
 
 # -- dlq, stats ----------------------------------------------------------------------------------

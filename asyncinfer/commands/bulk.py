@@ -102,19 +102,36 @@ def _read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
                 yield entry
 
 
+# How a line ended, as its entry in the results file says.
+SUCCEEDED, NOT_SUCCEEDED, INVALID, REFUSED = "succeeded", "not_succeeded", "invalid", "refused"
+INVALID_LINE = "INVALID_LINE"
+
+
+def outcome_of(entry: dict[str, Any]) -> str:
+    """SUCCEEDED, NOT_SUCCEEDED (a job that did not succeed, or whose result is gone), INVALID (not a
+    request) or REFUSED (the gateway did not accept it)."""
+    if entry.get("state") == "SUCCEEDED":
+        return SUCCEEDED
+    if "job_id" in entry or "state" in entry:
+        return NOT_SUCCEEDED
+    error = entry.get("error")
+    return INVALID if isinstance(error, dict) and error.get("reason") == INVALID_LINE else REFUSED
+
+
 @dataclass
 class Journal:
-    """The results file and the state file: what is finished, what is accepted and by which job."""
+    """The results file and the state file: what is finished (and how), what is accepted and by
+    which job. Both cover every run so far, so a resumed run's summary counts what earlier runs did."""
 
     out: Path
     results: TextIO
     state: TextIO
-    finished: dict[int, bool] = field(default_factory=dict)  # line -> succeeded
+    finished: dict[int, str] = field(default_factory=dict)  # line -> outcome_of its entry
     accepted: dict[int, tuple[str, str]] = field(default_factory=dict)  # line -> (job_id, digest)
 
     @classmethod
     def open(cls, out: Path) -> Journal:
-        finished = {e["line"]: e.get("state") == "SUCCEEDED" for e in _read_json_lines(out)}
+        finished = {e["line"]: outcome_of(e) for e in _read_json_lines(out)}
         accepted = {
             e["line"]: (str(e["job_id"]), str(e.get("digest", "")))
             for e in _read_json_lines(state_path(out))
@@ -148,15 +165,18 @@ class Journal:
         self.state.flush()
 
     def record_result(self, entry: dict[str, Any]) -> None:
-        self.finished[entry["line"]] = entry.get("state") == "SUCCEEDED"
+        self.finished[entry["line"]] = outcome_of(entry)
         self.results.write(json.dumps(entry, separators=(",", ":"), ensure_ascii=False) + "\n")
         self.results.flush()
 
 
 @dataclass
 class Counts:
+    """This run's counts (the journal has the totals)."""
+
     lines: int = 0
-    already_done: int = 0
+    already_done: int = 0  # lines with a result before this run
+    accepted_before: int = 0  # lines accepted before this run, without a result yet: waited for now
     submitted: int = 0
     deduplicated: int = 0
     refused: int = 0
@@ -167,7 +187,7 @@ class Counts:
 def _usage_error_entry(line: int, message: str) -> dict[str, Any]:
     return {
         "line": line,
-        "error": {"code": "INVALID_ARGUMENT", "reason": "INVALID_LINE", "message": message, "violations": []},
+        "error": {"code": "INVALID_ARGUMENT", "reason": INVALID_LINE, "message": message, "violations": []},
     }
 
 
@@ -194,33 +214,41 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
                 await _wait_phase(client, journal, args.concurrency, options.timeout_s, counts)
     finally:
         journal.close()
-    succeeded = sum(1 for ok in journal.finished.values() if ok)
-    summary = {
-        "out": str(out),
-        "lines": counts.lines,
-        "finished": len(journal.finished),
-        "succeeded": succeeded,
-        "not_succeeded": len(journal.finished) - succeeded,
-        "pending": counts.lines - len(journal.finished),
-        "submitted": counts.submitted,
-        "deduplicated": counts.deduplicated,
-        "refused": counts.refused,
-        "invalid": counts.invalid,
-        "already_done": counts.already_done,
-    }
+    summary = bulk_summary(out, counts, journal)
     if options.json:
         print_json(summary)
     else:
         print(
-            f"{counts.lines} lines: {succeeded} succeeded, {summary['not_succeeded']} did not "
-            f"({counts.invalid} invalid, {counts.refused} refused), {summary['pending']} pending; "
+            f"{counts.lines} lines: {summary['succeeded']} succeeded, {summary['not_succeeded']} did not "
+            f"({summary['invalid']} invalid, {summary['refused']} refused), {summary['pending']} pending; "
             f"{counts.submitted} submitted now ({counts.deduplicated} already queued), "
-            f"{counts.already_done} done before. Results: {out}",
+            f"{counts.already_done} done before, {counts.accepted_before} accepted before. Results: {out}",
             flush=True,
         )
     if summary["not_succeeded"]:
         return EXIT_JOB_NOT_SUCCEEDED
     return EXIT_OK
+
+
+def bulk_summary(out: Path, counts: Counts, journal: Journal) -> dict[str, Any]:
+    """What every run so far did (succeeded, invalid, refused, ...: from the results file) and what
+    this one did (submitted, deduplicated, already_done, accepted_before)."""
+    outcomes = list(journal.finished.values())
+    succeeded = outcomes.count(SUCCEEDED)
+    return {
+        "out": str(out),
+        "lines": counts.lines,
+        "finished": len(outcomes),
+        "succeeded": succeeded,
+        "not_succeeded": len(outcomes) - succeeded,
+        "pending": counts.lines - len(outcomes),
+        "submitted": counts.submitted,
+        "deduplicated": counts.deduplicated,
+        "refused": outcomes.count(REFUSED),
+        "invalid": outcomes.count(INVALID),
+        "already_done": counts.already_done,
+        "accepted_before": counts.accepted_before,
+    }
 
 
 async def _submit_phase(
@@ -244,9 +272,13 @@ async def _submit_phase(
                     continue
                 digest = line_digest(text)
                 known = journal.accepted.get(number)
-                if number in journal.finished or (known is not None and known[1] == digest):
+                if number in journal.finished:
                     counts.already_done += 1
-                    bar.advance()
+                    bar.skip()
+                    continue
+                if known is not None and known[1] == digest:
+                    counts.accepted_before += 1
+                    bar.skip()
                     continue
                 try:
                     request = request_from_json(

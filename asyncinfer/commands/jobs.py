@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -209,13 +210,28 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
     return EXIT_OK
 
 
+# How often the live status line's clock is redrawn while nothing changes (a job waiting in a queue).
+WATCH_TICK_S = 0.5
+
+
 async def watch_command(args: argparse.Namespace, options: Options) -> int:
-    """JSON lines, one per change; on a terminal, one status line rewritten in place; otherwise one
-    plain line per change. Then the finished job."""
+    """JSON lines, one per change; on a terminal, one status line rewritten in place, its clock
+    ticking while the job waits; otherwise one plain line per change. Then the finished job."""
     live = StatusLine(sys.stdout) if sys.stdout.isatty() and not options.json else None
     started = time.monotonic()
     last: Job | None = None
+
+    def show_live() -> None:
+        if live is not None and last is not None:
+            live.show(f"{job_summary(last)}  ({time.monotonic() - started:.1f} s)")
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(WATCH_TICK_S)
+            show_live()
+
     async with options.client() as client:
+        ticker = asyncio.create_task(tick()) if live is not None else None
         try:
             async with contextlib.aclosing(client.watch(args.job_id, timeout_s=options.timeout_s)) as updates:
                 async for update in updates:
@@ -223,12 +239,16 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
                     if options.json:
                         print_json(job_json(update))
                     elif live is not None:
-                        live.show(f"{job_summary(update)}  ({time.monotonic() - started:.1f} s)")
+                        show_live()
                     else:
                         stamp = update.update_time or update.create_time
                         prefix = stamp.astimezone().strftime("%H:%M:%S.%f")[:-3] + "  " if stamp else ""
                         print(prefix + job_summary(update), flush=True)
         finally:
+            if ticker is not None:
+                ticker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ticker
             if live is not None:
                 live.close()
         if last is None:

@@ -23,7 +23,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, TextIO
 
@@ -246,34 +246,51 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
 
 class ProgressBar:
     """`label [#####.....] 120/200 60% 35/s ETA 3s` redrawn in place on stderr, at most 10 times a
-    second; silent unless stderr is a terminal (so logs and pipes stay clean)."""
+    second; silent unless stderr is a terminal (so logs and pipes stay clean). It is drawn at once
+    (a wait on a paused queue shows 0/N, not nothing), and the rate counts only the work done now:
+    `skip` advances past what an earlier run did without counting it."""
 
     WIDTH = 30
 
-    def __init__(self, label: str, total: int | None, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int | None,
+        stream: TextIO | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.label = label
         self.total = total
         self.done = 0
+        self.skipped = 0
         self.note = ""
         self._stream = stream or sys.stderr
         self.enabled = self._stream.isatty()
-        self._started = time.monotonic()
+        self._clock = clock
+        self._started = clock()
         self._drawn = 0.0
+        self._draw(self._started)
 
     def advance(self, count: int = 1, note: str | None = None) -> None:
         self.done += count
         if note is not None:
             self.note = note
-        now = time.monotonic()
+        now = self._clock()
         if now - self._drawn >= 0.1 or (self.total is not None and self.done >= self.total):
             self._draw(now)
+
+    def skip(self, count: int = 1) -> None:
+        """Past `count` items done before (a resumed run's): shown as done, not in the rate."""
+        self.skipped += count
+        self.advance(count)
 
     def _draw(self, now: float) -> None:
         if not self.enabled:
             return
         self._drawn = now
         elapsed = max(now - self._started, 1e-6)
-        rate = self.done / elapsed
+        rate = (self.done - self.skipped) / elapsed
         if self.total:
             fraction = min(self.done / self.total, 1.0)
             filled = int(fraction * self.WIDTH)
@@ -292,7 +309,7 @@ class ProgressBar:
 
     def close(self) -> None:
         if self.enabled:
-            self._draw(time.monotonic())
+            self._draw(self._clock())
             self._stream.write("\n")
             self._stream.flush()
 

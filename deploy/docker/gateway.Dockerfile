@@ -11,7 +11,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY asyncinfer ./asyncinfer
 COPY services ./services
-RUN /opt/venv/bin/pip install .
+RUN /opt/venv/bin/pip install ".[server]"
 
 FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \

@@ -74,6 +74,7 @@ class BatcherApp:
             port=batcher.port,
             add_servicers=lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
+            rpc_metrics=self.metrics.rpc,
         )
         await self._server.start()
         self.port = self._server.port

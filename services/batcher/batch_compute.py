@@ -117,7 +117,7 @@ class BatchRunner:
                 1 for item, result in zip(batch, ran, strict=True) if result.error is None and not item.future.done()
             )
             if ok:
-                self._metrics.count_items("ok", ok)
+                self._metrics.count_items("OK", ok)
         for item, result in zip(batch, ran, strict=True):
             if item.future.done():
                 continue

@@ -8,6 +8,9 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from asyncinfer.metrics import register_build_info
+from asyncinfer.rpc_metrics import RpcMetrics
+
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -15,6 +18,8 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 class BatcherMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        register_build_info(registry, "batcher")
+        self.rpc = RpcMetrics(registry)
         self.batch_size = Histogram(
             "asyncinfer_batch_size",
             "Rows in each batch computed.",
@@ -58,7 +63,7 @@ class BatcherMetrics:
         )
         self.items = Counter(
             "asyncinfer_batcher_items_total",
-            "Items that left the batcher, by outcome (ok, model_error, expired, cancelled, shutdown, error).",
+            "Items that left the batcher, by outcome (OK, MODEL_ERROR, EXPIRED, CANCELED, SHUTDOWN, ERROR).",
             ["model", "outcome"],
             registry=registry,
         )

@@ -37,17 +37,17 @@ SlotListener = Callable[[str], None]
 
 def _outcome_label(future: asyncio.Future[InferOutcome]) -> str:
     if future.cancelled():
-        return "cancelled"
+        return "CANCELED"
     error = future.exception()
     if error is None:
-        return "ok"
+        return "OK"
     if isinstance(error, ModelError):
-        return "model_error"
+        return "MODEL_ERROR"
     if isinstance(error, DeadlineExceeded):
-        return "expired"
+        return "EXPIRED"
     if isinstance(error, Unavailable):
-        return "shutdown"
-    return "error"
+        return "SHUTDOWN"
+    return "ERROR"
 
 
 class ModelQueue:
@@ -133,7 +133,7 @@ class ModelQueue:
         if item.timer is not None:
             item.timer.cancel()
         outcome = _outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
-        if self._metrics is not None and outcome != "ok":  # ok items are counted per batch
+        if self._metrics is not None and outcome != "OK":  # OK items are counted per batch
             self._metrics.count_items(outcome)
         if not item.started:
             # A dropped item leaves a stale entry in the queue; let the former purge it.

@@ -93,9 +93,7 @@ class GatewayApp:
         claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
-        expiry = Expiry(
-            records, on_expired=lambda record: self.metrics.expired_on_read.labels(model=record.model_name).inc()
-        )
+        expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
         self._hub = WatchHub(
             self._nc, js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry, supervisor=self.supervisor
         )
@@ -125,6 +123,7 @@ class GatewayApp:
             add_servicers=lambda server: job_service_pb2_grpc.add_JobServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
+            rpc_metrics=self.metrics.rpc,
         )
         await self._server.start()
         self.port = self._server.port

@@ -209,6 +209,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
                 self._records, self._nc, record, reason=request.reason, now=self._expiry.clock()
             )
             outcome = record.state.value
+            self._metrics.job_timings.observe(record)  # terminal (CANCELED) when the job was queued
         except AsyncInferError as error:
             outcome = error.reason
             raise

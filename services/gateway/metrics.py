@@ -6,9 +6,17 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from asyncinfer.jobs import JobRecord
+from asyncinfer.metrics import JobTimings, register_build_info
+from asyncinfer.rpc_metrics import RpcMetrics
+
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        register_build_info(registry, "gateway")
+        self.rpc = RpcMetrics(registry)
+        # The jobs the gateway ends: a cancel of a queued job, an expiry found on a read.
+        self.job_timings = JobTimings(registry)
         self.jobs_submitted = Counter(
             "asyncinfer_jobs_submitted", "Jobs accepted (durably queued).", ["model", "priority"], registry=registry
         )
@@ -35,6 +43,10 @@ class GatewayMetrics:
             "asyncinfer_submit_seconds", "SubmitJob handling time (validate, record, enqueue).", registry=registry
         )
         self.watchers = Gauge("asyncinfer_watchers", "Open WatchJob streams.", registry=registry)
+
+    def expired_on_read_of(self, record: JobRecord) -> None:
+        self.expired_on_read.labels(model=record.model_name).inc()
+        self.job_timings.observe(record)
 
     def count_watchers(self, count: Callable[[], int]) -> None:
         self.watchers.set_function(count)

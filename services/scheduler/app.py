@@ -164,6 +164,7 @@ class SchedulerApp:
             add_servicers=add_servicers,
             service_names=SERVICE_NAMES,
             max_message_bytes=work_message_bytes(config),
+            rpc_metrics=self.metrics.rpc,
         )
         await self._server.start()
         self.port = self._server.port

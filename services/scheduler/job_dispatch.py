@@ -151,7 +151,7 @@ class JobDispatch:
             return False
         if latest.state != JobState.RUNNING or not written:
             if written:
-                self._metrics.job_transition(latest.model_name, latest.state)
+                self._metrics.job_transition(latest)
             job_log.info("job_not_runnable", state=latest.state.value)
             await msg.ack()
             return False
@@ -170,7 +170,7 @@ class JobDispatch:
             error = job_errors.worker_lost(session.batcher_id, latest.attempt)
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
             return False
-        self._metrics.job_transition(latest.model_name, JobState.RUNNING)
+        self._metrics.job_transition(latest)
         order = self._order(envelope, latest)
         session.send(order)
         job = InFlightJob(

@@ -1,4 +1,7 @@
-"""The scheduler's Prometheus metrics, on a registry of its own (several apps share a process)."""
+"""The scheduler's Prometheus metrics, on a registry of its own (several apps share a process).
+
+Rates are counters' (`rate(asyncinfer_results_total[1m])` is the results per second), not gauges:
+the per-second figures GetQueueStats and the `stats` screen show are the queue snapshot's."""
 
 from __future__ import annotations
 
@@ -6,12 +9,18 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from asyncinfer.jobs import JobRecord
+from asyncinfer.metrics import JobTimings, register_build_info
+from asyncinfer.rpc_metrics import RpcMetrics
 from services.scheduler.queue_stats import ModelQueueSnapshot
 
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        register_build_info(registry, "scheduler")
+        self.rpc = RpcMetrics(registry)
+        self.job_timings = JobTimings(registry)
         self.jobs = Counter(
             "asyncinfer_jobs",
             "Job state transitions made by the scheduler.",
@@ -52,12 +61,6 @@ class SchedulerMetrics:
         self.completed = Counter(
             "asyncinfer_results", "Results received from batchers (any outcome).", ["model"], registry=registry
         )
-        self.completed_rate = Gauge(
-            "asyncinfer_completed_per_second",
-            "Results per second over the last minute.",
-            ["model"],
-            registry=registry,
-        )
         self.desired_batchers = Gauge(
             "asyncinfer_desired_batchers",
             "Batchers wanted to clear the backlog at the measured throughput (the autoscaling signal).",
@@ -80,8 +83,10 @@ class SchedulerMetrics:
             registry=registry,
         )
 
-    def job_transition(self, model_name: str, state: str) -> None:
-        self.jobs.labels(model=model_name, state=state).inc()
+    def job_transition(self, record: JobRecord) -> None:
+        """A record the scheduler wrote: counted by its new state, and timed once terminal."""
+        self.jobs.labels(model=record.model_name, state=record.state.value).inc()
+        self.job_timings.observe(record)
 
     def observe(self, snapshots: Iterable[ModelQueueSnapshot]) -> None:
         for snapshot in snapshots:
@@ -92,7 +97,6 @@ class SchedulerMetrics:
                 self.queue_oldest_age.labels(**labels).set(queue.oldest_age_s or 0.0)
             self.jobs_in_flight.labels(model=model).set(snapshot.in_flight)
             self.connected_batchers.labels(model=model).set(snapshot.connected_batchers)
-            self.completed_rate.labels(model=model).set(snapshot.completed_per_s)
             self.desired_batchers.labels(model=model).set(snapshot.desired_batchers)
             self.free_credits.labels(model=model).set(snapshot.free_credits)
             self.paused.labels(model=model).set(1 if snapshot.paused else 0)

@@ -131,7 +131,7 @@ class Settlement:
             await msg.term()
             return
         if written:
-            self._metrics.job_transition(latest.model_name, latest.state)
+            self._metrics.job_transition(latest)
             job_log.info("job_finished", state=latest.state.value)
         if latest.state.is_terminal:
             await msg.ack()
@@ -188,7 +188,7 @@ class Settlement:
         try:
             latest, written = await self._store.transition(running, lifecycle.decider(event, time.time()))
             if latest is not None and written:
-                self._metrics.job_transition(latest.model_name, latest.state)
+                self._metrics.job_transition(latest)
                 job_log.info("job_requeued", state=latest.state.value, reason=error.reason, delay_s=delay_s)
         finally:
             if latest is not None and latest.state.is_terminal:

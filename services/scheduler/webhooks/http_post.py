@@ -1,27 +1,36 @@
-"""A minimal HTTP/1.1 POST for webhooks, on asyncio streams, so that the request goes to the
-address that was vetted (never one resolved again behind our back) and nothing is done that a
-webhook must not do: redirects are never followed (a 3xx is just a status), no proxies from the
-environment, no cookies, no connection reuse.
+"""The webhook sender's HTTP POST, on aiohttp, so that the request goes to the address that was
+vetted (never one resolved again behind our back) and nothing is done that a webhook must not do:
+redirects are never followed (a 3xx is just a status), no proxies from the environment, no
+cookies, no connection reuse (a kept connection would skip the next attempt's vetting).
 
-The request names the URL's host (Host header, TLS SNI and certificate check via server_hostname)
-while the TCP connection goes to the given address. Only the status line and headers are read
-(bounded); the body is ignored and the connection closed.
+The pinning: the session's resolver answers every lookup with the address the caller vetted for
+this request (a context variable set around the request, so one session serves every attempt),
+with no DNS cache, and refuses a lookup that has none. The request still names the URL's host
+(Host header, TLS SNI and the certificate check). Only the status and headers are read (bounded);
+the body is ignored and the connection closed. `bench/webhook_post_bench.py` measures it against
+the hand-written asyncio-streams client it replaced (bench/results/webhook_post.md).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import contextvars
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from yarl import URL
 
 from asyncinfer.webhook_urls import CallbackUrl, IPAddress
 
 USER_AGENT = "asyncinfer-webhooks/1"
 MAX_HEADER_LINE_BYTES = 8 * 1024
 MAX_HEADER_LINES = 100
-CLOSE_TIMEOUT_S = 1.0
+
+# The vetted address of the request being made in this task (and the tasks it starts).
+_PINNED: contextvars.ContextVar[IPAddress | None] = contextvars.ContextVar("webhook_address", default=None)
 
 
 class HttpFailure(Exception):
@@ -34,40 +43,99 @@ class HttpResponse:
     headers: Mapping[str, str]  # names lower-cased; a repeated header keeps its last value
 
 
-def _request(url: CallbackUrl, headers: Mapping[str, str], body: bytes) -> bytes:
-    lines = [
-        f"POST {url.target} HTTP/1.1",
-        f"Host: {url.host_header}",
-        f"User-Agent: {USER_AGENT}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        *(f"{name}: {value}" for name, value in headers.items()),
-    ]
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+class PinnedResolver(AbstractResolver):
+    """Resolves every host to the address vetted for the current request; never asks DNS."""
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        address = _PINNED.get()
+        if address is None:
+            raise OSError(f"no vetted address for {host}: webhook requests go only to vetted addresses")
+        return [
+            ResolveResult(
+                hostname=host,
+                host=str(address),
+                port=port,
+                family=socket.AF_INET6 if address.version == 6 else socket.AF_INET,
+                proto=0,
+                flags=socket.AI_NUMERICHOST,
+            )
+        ]
+
+    async def close(self) -> None:
+        return None
 
 
-async def _read_head(reader: asyncio.StreamReader) -> HttpResponse:
-    while True:
-        status_line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
-        version, _, rest = status_line.partition(" ")
-        code = rest[:3]
-        if not version.startswith("HTTP/1.") or not code.isdigit():
-            raise HttpFailure(f"not an HTTP/1.x response: {status_line[:80]!r}")
-        headers: dict[str, str] = {}
-        for _ in range(MAX_HEADER_LINES):
-            line = (await reader.readline()).decode("latin-1").rstrip("\r\n")
-            if not line:
-                break
-            name, sep, value = line.partition(":")
-            if sep:
-                headers[name.strip().lower()] = value.strip()
-        else:
-            raise HttpFailure(f"more than {MAX_HEADER_LINES} response headers")
-        status = int(code)
-        if 100 <= status < 200:  # interim (100 Continue): the final answer follows
-            continue
-        return HttpResponse(status=status, headers=headers)
+class WebhookHttp:
+    """One aiohttp session for every attempt (made on first use, in the running loop); close it."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._default_tls: ssl.SSLContext | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(resolver=PinnedResolver(), use_dns_cache=False, force_close=True, limit=0)
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,  # no proxies from the environment
+                auto_decompress=False,
+                skip_auto_headers=("Accept", "Accept-Encoding"),
+                max_line_size=MAX_HEADER_LINE_BYTES,
+                max_field_size=MAX_HEADER_LINE_BYTES,
+                max_headers=MAX_HEADER_LINES,
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def post(
+        self,
+        url: CallbackUrl,
+        address: IPAddress,
+        *,
+        headers: Mapping[str, str],
+        body: bytes,
+        timeout_s: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> HttpResponse:
+        """POSTs `body` to `url` over a connection to `address`; the status and headers of the
+        answer. Raises HttpFailure when no answer came within timeout_s."""
+        session = self._open()
+        tls: ssl.SSLContext | bool = True
+        if url.tls:
+            if ssl_context is None and self._default_tls is None:
+                self._default_tls = ssl.create_default_context()
+            tls = ssl_context or self._default_tls or True
+        request_headers = {"User-Agent": USER_AGENT, "Content-Type": "application/json", **headers}
+        token = _PINNED.set(address)
+        try:
+            async with session.post(
+                URL(f"{url.scheme}://{url.host_header}{url.target}", encoded=True),
+                data=body,
+                headers=request_headers,
+                allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ssl=tls,
+            ) as response:
+                return HttpResponse(status=response.status, headers={k.lower(): v for k, v in response.headers.items()})
+        except TimeoutError:  # asyncio's, and aiohttp's timeouts derive from it
+            raise HttpFailure(f"no answer within {timeout_s:g} s") from None
+        except (aiohttp.ClientSSLError, ssl.SSLError) as exc:
+            raise HttpFailure(f"TLS failed: {getattr(exc, 'reason', None) or exc}") from None
+        except aiohttp.ClientConnectorError as exc:
+            raise HttpFailure(f"cannot connect: {exc.os_error.strerror or exc.os_error}") from None
+        except (aiohttp.ClientResponseError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            raise HttpFailure(f"malformed response: {exc}") from None
+        except (aiohttp.ClientError, OSError) as exc:
+            raise HttpFailure(f"no usable response: {exc}") from None
+        finally:
+            _PINNED.reset(token)
 
 
 async def post(
@@ -79,33 +147,9 @@ async def post(
     timeout_s: float,
     ssl_context: ssl.SSLContext | None = None,
 ) -> HttpResponse:
-    """POSTs `body` to `url` over a connection to `address`; the status and headers of the answer.
-    Raises HttpFailure when no answer came within timeout_s."""
-    context = (ssl_context or ssl.create_default_context()) if url.tls else None
-    writer: asyncio.StreamWriter | None = None
+    """One POST on a session of its own (for a caller without a WebhookHttp to keep)."""
+    http = WebhookHttp()
     try:
-        async with asyncio.timeout(timeout_s):
-            reader, writer = await asyncio.open_connection(
-                host=str(address),
-                port=url.port,
-                ssl=context,
-                server_hostname=url.host if context is not None else None,
-                limit=MAX_HEADER_LINE_BYTES,
-            )
-            writer.write(_request(url, headers, body))
-            await writer.drain()
-            return await _read_head(reader)
-    except TimeoutError:
-        raise HttpFailure(f"no answer within {timeout_s:g} s") from None
-    except ssl.SSLError as exc:
-        raise HttpFailure(f"TLS failed: {exc.reason or exc}") from None
-    except (ValueError, asyncio.LimitOverrunError, asyncio.IncompleteReadError) as exc:
-        raise HttpFailure(f"malformed response: {exc}") from None
-    except OSError as exc:
-        raise HttpFailure(f"cannot connect: {exc.strerror or exc}") from None
+        return await http.post(url, address, headers=headers, body=body, timeout_s=timeout_s, ssl_context=ssl_context)
     finally:
-        if writer is not None:
-            writer.close()
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(CLOSE_TIMEOUT_S):
-                    await writer.wait_closed()
+        await http.close()

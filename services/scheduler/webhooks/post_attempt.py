@@ -16,7 +16,7 @@ from prometheus_client import Counter
 from asyncinfer.config import WebhooksConfig
 from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery
-from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, post
+from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, WebhookHttp
 from services.scheduler.webhooks.signing import signed_headers
 
 
@@ -34,27 +34,31 @@ def retry_after_s(value: str | None, *, now: float) -> float | None:
 
 
 class DeliveryPoster:
-    """Makes delivery attempts, counting each by outcome in `attempts` (2xx, 3xx, 4xx, 5xx, 410,
-    error, refused)."""
+    """Makes delivery attempts, counting each by outcome in `attempts` (2XX, 3XX, 4XX, 5XX, 410,
+    ERROR, REFUSED)."""
 
     def __init__(self, settings: WebhooksConfig, attempts: Counter, *, clock: Callable[[], float]) -> None:
         self._settings = settings
         self._allowed = parse_networks(settings.allowed_networks)
         self._attempts = attempts
         self._clock = clock
+        self._http = WebhookHttp()
+
+    async def close(self) -> None:
+        await self._http.close()
 
     async def post(self, delivery: Delivery) -> tuple[int, str, float | None]:
         """(status code, error, Retry-After s); the code is 0 when no answer came, -1 when the
         attempt was refused before any request."""
         secret = self._settings.secret_for(delivery.tenant)
         if secret is None:
-            self._attempts.labels(outcome="refused").inc()
+            self._attempts.labels(outcome="REFUSED").inc()
             return -1, "the tenant has no webhook secret configured any more (webhooks.secrets)", None
         try:
             url = parse_callback_url(delivery.url)
             addresses = await vetted_addresses(url, self._allowed)
         except RefusedUrl as exc:
-            self._attempts.labels(outcome="refused").inc()
+            self._attempts.labels(outcome="REFUSED").inc()
             return -1, f"refused: {exc}", None
         body = delivery.body.encode()
         timestamp = int(self._clock())
@@ -67,15 +71,15 @@ class DeliveryPoster:
             if remaining <= 0:
                 break
             try:
-                response = await post(url, address, headers=headers, body=body, timeout_s=remaining)
+                response = await self._http.post(url, address, headers=headers, body=body, timeout_s=remaining)
                 break
             except HttpFailure as exc:
                 errors.append(f"{address}: {exc}")
         if response is None:
-            self._attempts.labels(outcome="error").inc()
+            self._attempts.labels(outcome="ERROR").inc()
             return 0, "; ".join(errors) or "no answer", None
         code = response.status
-        self._attempts.labels(outcome="410" if code == 410 else f"{code // 100}xx").inc()
+        self._attempts.labels(outcome="410" if code == 410 else f"{code // 100}XX").inc()
         if 200 <= code < 300:
             return code, "", None
         if 300 <= code < 400:

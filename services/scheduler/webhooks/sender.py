@@ -59,7 +59,7 @@ class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.attempts = Counter(
             "asyncinfer_webhook_attempts",
-            "Webhook delivery attempts, by outcome (2xx, 3xx, 4xx, 5xx, 410, error, refused).",
+            "Webhook delivery attempts, by outcome (2XX, 3XX, 4XX, 5XX, 410, ERROR, REFUSED).",
             ["outcome"],
             registry=registry,
         )
@@ -121,6 +121,7 @@ class Sender:
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
+        await self._poster.close()
 
     async def _run(self) -> None:
         assert self._subscription is not None

@@ -1,0 +1,55 @@
+"""The CLI's progress bar (asyncinfer.commands.output.ProgressBar): drawn at once, and a resumed
+run's rate counts only the work done now."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from asyncinfer.commands.output import ProgressBar
+
+pytestmark = pytest.mark.unit
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def last_frame(self) -> str:
+        return self.getvalue().split("\r\x1b[2K")[-1]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_bar_is_drawn_before_anything_is_done() -> None:
+    terminal = Terminal()
+    ProgressBar("wait  ", 30, terminal, clock=Clock())
+    assert "wait   [" in terminal.last_frame()
+    assert "0/30" in terminal.last_frame()
+
+
+def test_skipped_items_show_as_done_but_not_in_the_rate() -> None:
+    terminal, clock = Terminal(), Clock()
+    bar = ProgressBar("submit", 2_000, terminal, clock=clock)
+    bar.skip(1_500)  # done by an earlier run: skipped in no time
+    clock.now += 2.0
+    bar.advance(100)
+    frame = terminal.last_frame()
+    assert "1600/2000" in frame
+    assert " 50/s" in frame  # 100 in 2 s, not 1,600
+    assert "ETA 8s" in frame  # 400 left at 50/s
+
+
+def test_nothing_is_written_to_a_pipe() -> None:
+    pipe = io.StringIO()
+    bar = ProgressBar("wait  ", 3, pipe)
+    bar.advance()
+    bar.close()
+    assert pipe.getvalue() == ""
