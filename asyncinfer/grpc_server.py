@@ -1,6 +1,7 @@
 """Building gRPC servers the same way in every service: health checking, reflection (so grpcurl
-works without proto files), AsyncInferError mapped to rich statuses, and an ordered, idempotent
-stop."""
+works without proto files), AsyncInferError mapped to rich statuses, TLS when credentials are
+given, API key roles checked by an AccessGuard (asyncinfer.access; health and reflection stay
+open), and an ordered, idempotent stop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from asyncinfer.access import AccessGuard
 from asyncinfer.grpc_errors import ErrorMappingGenericHandler, wrap_method_handler
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
@@ -34,8 +36,11 @@ class GrpcServer:
         service_names: Iterable[str],
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Iterable[aio.ServerInterceptor[Any, Any]] = (),
+        credentials: grpc.ServerCredentials | None = None,
+        guard: AccessGuard | None = None,
     ) -> None:
         self._host = host
+        self._credentials = credentials
         self._requested_port = port
         self._service_names = tuple(service_names)
         options: list[tuple[str, Any]] = [
@@ -51,7 +56,7 @@ class GrpcServer:
         self.server = aio.server(interceptors=interceptors or None, options=options)
         self.health = health_aio.HealthServicer()
         # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
-        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server)))
+        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, guard)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -64,7 +69,11 @@ class GrpcServer:
         return f"{self._host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        address = f"{self._host}:{self._requested_port}"
+        if self._credentials is not None:
+            self.port = self.server.add_secure_port(address, self._credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {self._host}:{self._requested_port}")
         await self.server.start()
@@ -90,14 +99,21 @@ class _ErrorMappingRegistrar:
     """Stands in for the aio.Server while servicers register: every method handler they add
     is wrapped (once) so that AsyncInferError becomes a rich status."""
 
-    def __init__(self, server: aio.Server) -> None:
+    def __init__(self, server: aio.Server, guard: AccessGuard | None) -> None:
         self._server = server
+        self._guard = guard
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        self._server.add_generic_rpc_handlers([ErrorMappingGenericHandler(h) for h in handlers])
+        guard = self._guard
+        guarded = [guard.wrap_generic(h) for h in handlers] if guard is not None else list(handlers)
+        self._server.add_generic_rpc_handlers([ErrorMappingGenericHandler(h) for h in guarded])
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
-        wrapped = {name: wrap_method_handler(handler) for name, handler in method_handlers.items()}
+        guard = self._guard
+        wrapped = {
+            name: wrap_method_handler(guard.wrap(service_name, name, handler) if guard is not None else handler)
+            for name, handler in method_handlers.items()
+        }
         self._server.add_registered_method_handlers(service_name, wrapped)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
