@@ -9,6 +9,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -95,3 +96,15 @@ class TestCA:
         cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, key_file)
         return Pem(cert_file=str(cert_file), key_file=str(key_file))
+
+
+def channel_credentials(ca_file: str, client: Pem | None = None) -> grpc.ChannelCredentials:
+    """A channel that trusts `ca_file`, presenting `client`'s certificate when given."""
+    ca = Path(ca_file).read_bytes()
+    if client is None:
+        return grpc.ssl_channel_credentials(root_certificates=ca)
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca,
+        private_key=Path(client.key_file).read_bytes(),
+        certificate_chain=Path(client.cert_file).read_bytes(),
+    )

@@ -27,6 +27,7 @@ log = structlog.get_logger("asyncinfer.nats")
 
 FIRST_CONNECT_ATTEMPTS = 3
 RECONNECT_WAIT_S = 0.5
+ABANDON_WAIT_S = 2.0
 
 
 async def connect(config: NatsConfig, *, name: str) -> Client:
@@ -90,11 +91,13 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
 
 
 async def _abandon(client: Client, connecting: asyncio.Future[None]) -> None:
-    """Stops a first connect and releases what it holds."""
+    """Stops a first connect and releases what it holds. The connection is closed first: a connect
+    cancelled while it waits for a silent server's INFO does not end until its socket does."""
     connecting.cancel()
-    await asyncio.wait((connecting,))  # its own cancellation is not ours to raise
     with contextlib.suppress(Exception):
-        await client.close()
+        async with asyncio.timeout(ABANDON_WAIT_S):
+            await client.close()
+    await asyncio.wait((connecting,), timeout=ABANDON_WAIT_S)  # its own cancellation is not ours to raise
 
 
 def _explain(failure: Exception | str) -> str:
