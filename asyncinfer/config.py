@@ -35,7 +35,26 @@ class _Section(BaseModel):
 class NatsConfig(_Section):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
-    credentials_file: str | None = Field(None, description="A NATS .creds file, when the server needs one.")
+    credentials_file: str | None = Field(
+        None, description="A NATS .creds file (a user JWT and its NKey seed), when the server needs one."
+    )
+    user: str | None = Field(None, description="NATS user name (with password or password_file).")
+    password: str | None = Field(None, description="NATS password inline; prefer password_file.")
+    password_file: str | None = Field(None, description="A file holding the NATS password (a mounted Secret).")
+    token: str | None = Field(None, description="NATS authentication token inline; prefer token_file.")
+    token_file: str | None = Field(None, description="A file holding the NATS token (a mounted Secret).")
+    nkey_seed_file: str | None = Field(
+        None, description="A file holding the NATS user's NKey seed (needs the `nkeys` package)."
+    )
+    tls_ca_file: str | None = Field(
+        None,
+        description="PEM CA bundle that verifies the NATS server; setting it (or a tls:// URL) turns TLS on. "
+        "Unset with a tls:// URL: the system's CAs.",
+    )
+    tls_cert_file: str | None = Field(
+        None, description="PEM client certificate, for a NATS server that verifies clients (with tls_key_file)."
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
     work_stream: str = Field(contract.WORK_STREAM, description="The WorkQueue stream holding queued jobs.")
     dead_letter_stream: str = Field(contract.DEAD_LETTER_STREAM, description="The stream of jobs that failed for good.")
     jobs_bucket: str = Field(contract.JOBS_BUCKET, description="The KV bucket holding job records.")
@@ -75,16 +94,29 @@ class EmbeddedNatsConfig(_Section):
 
 
 class ApiKeyConfig(_Section):
-    tenant: str = Field(description="The tenant whose jobs this key reaches.")
+    role: Literal["tenant", "ops", "batcher"] = Field(
+        "tenant",
+        description="What the key may call: tenant (JobService on the gateway, that tenant's jobs only), ops "
+        "(OpsService on the scheduler, and the batcher's KServe API) or batcher (WorkerService on the scheduler).",
+    )
+    tenant: str = Field("", description="The tenant whose jobs this key reaches (role tenant only).")
     sha256: str = Field(description="SHA-256 of the key, 64 lowercase hex digits (`asyncinfer hash-key KEY`).")
     name: str = Field("", description="What the key is for (shown nowhere secret; for operators).")
 
     @field_validator("tenant")
     @classmethod
     def _valid_tenant(cls, value: str) -> str:
-        if not NAME_PATTERN.match(value):
+        if value and not NAME_PATTERN.match(value):
             raise ValueError("tenant names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
         return value
+
+    @model_validator(mode="after")
+    def _tenant_for_tenant_role(self) -> ApiKeyConfig:
+        if self.role == "tenant" and not self.tenant:
+            raise ValueError("a key of role tenant needs its tenant")
+        if self.role != "tenant" and self.tenant:
+            raise ValueError(f"a key of role {self.role} reaches no tenant's jobs: leave tenant out")
+        return self
 
     @field_validator("sha256")
     @classmethod
@@ -97,6 +129,14 @@ class ApiKeyConfig(_Section):
 class GatewayConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the public JobService binds.")
     port: int = Field(50051, ge=0, le=65535, description="Port of the public JobService.")
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate (chain) the JobService serves TLS with (with tls_key_file); unset: plaintext.",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."
+    )
     metrics_port: int = Field(9101, ge=0, le=65535, description="Prometheus metrics port (0: off).")
     max_request_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Largest SubmitJob request accepted; larger inputs go through UploadInput."
@@ -123,9 +163,10 @@ class GatewayConfig(_Section):
     )
     api_keys: tuple[ApiKeyConfig, ...] = Field(
         (),
-        description="API keys, stored hashed, each mapping to a tenant, e.g. "
-        '[{ tenant = "acme", sha256 = "<64 hex>", name = "ci" }]. Empty: no authentication, every caller is '
-        "default_tenant, and the gateway binds only to loopback.",
+        description="API keys of the whole stack (every service reads this list), stored hashed, each with a role, "
+        'e.g. [{ tenant = "acme", sha256 = "<64 hex>", name = "ci" }, { role = "ops", sha256 = "<64 hex>" }]. '
+        "Once any key is set, every API of every service but health needs a key of its role. Empty: no "
+        "authentication, every caller is default_tenant, and the gateway binds only to loopback.",
     )
 
     @model_validator(mode="after")
@@ -139,6 +180,14 @@ class GatewayConfig(_Section):
 class SchedulerConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the WorkerService and OpsService bind.")
     port: int = Field(50052, ge=0, le=65535, description="Port batchers connect to (and grpcurl uses for ops).")
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate (chain) the WorkerService and OpsService serves TLS with (with tls_key_file); unset: plaintext.",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."
+    )
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus metrics port (0: off).")
     scheduler_id: str = Field("", description="Name in logs and welcomes; empty: host name and process ID.")
     ack_wait_s: float = Field(
@@ -181,11 +230,34 @@ class SchedulerConfig(_Section):
 class BatcherConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the KServe v2 inference API binds.")
     port: int = Field(50053, ge=0, le=65535, description="Port of the KServe v2 GRPCInferenceService.")
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM certificate (chain) the KServe v2 API serves TLS with (with tls_key_file); unset: plaintext.",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
+    tls_client_ca_file: str | None = Field(
+        None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."
+    )
     metrics_port: int = Field(9103, ge=0, le=65535, description="Prometheus metrics port (0: off).")
     batcher_id: str = Field("", description="Name in logs and hellos; empty: host name and process ID.")
     scheduler_address: str | None = Field(
         "127.0.0.1:50052", description="The scheduler to take work from (host:port); empty: standalone only."
     )
+    scheduler_tls: bool = Field(
+        False, description="Connect to the scheduler over TLS (on by itself when scheduler_ca_file is set)."
+    )
+    scheduler_ca_file: str | None = Field(
+        None, description="PEM CA bundle that verifies the scheduler's certificate (unset: the system's CAs)."
+    )
+    scheduler_cert_file: str | None = Field(
+        None, description="PEM client certificate for a scheduler that requires mutual TLS (with scheduler_key_file)."
+    )
+    scheduler_key_file: str | None = Field(None, description="PEM private key of scheduler_cert_file.")
+    api_key: str | None = Field(
+        None,
+        description="The key (role batcher) sent on WorkerService when API keys are configured; prefer api_key_file.",
+    )
+    api_key_file: str | None = Field(None, description="A file holding api_key (a mounted Secret).")
     reconnect_delay_s: float = Field(
         1.0, gt=0, description="Longest wait between reconnects to the scheduler (they start at 0.1 s and double)."
     )

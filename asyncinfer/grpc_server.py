@@ -1,6 +1,7 @@
 """Building gRPC servers the same way in every service: health checking, reflection (so grpcurl
-works without proto files), AsyncInferError mapped to rich statuses, and an ordered, idempotent
-stop."""
+works without proto files), AsyncInferError mapped to rich statuses, TLS when credentials are
+given, API key roles checked by an AccessGuard (asyncinfer.access; health and reflection stay
+open), and an ordered, idempotent stop."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from asyncinfer.access import AccessGuard
 from asyncinfer.grpc_errors import ErrorMappingGenericHandler, wrap_method_handler
 from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
@@ -36,8 +38,11 @@ class GrpcServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         interceptors: Iterable[aio.ServerInterceptor[Any, Any]] = (),
         rpc_metrics: RpcMetrics | None = None,
+        credentials: grpc.ServerCredentials | None = None,
+        guard: AccessGuard | None = None,
     ) -> None:
         self._host = host
+        self._credentials = credentials
         self._requested_port = port
         self._service_names = tuple(service_names)
         options: list[tuple[str, Any]] = [
@@ -53,7 +58,7 @@ class GrpcServer:
         self.server = aio.server(interceptors=interceptors or None, options=options)
         self.health = health_aio.HealthServicer()
         # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
-        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics)))
+        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics, guard)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -66,7 +71,11 @@ class GrpcServer:
         return f"{self._host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(f"{self._host}:{self._requested_port}")
+        address = f"{self._host}:{self._requested_port}"
+        if self._credentials is not None:
+            self.port = self.server.add_secure_port(address, self._credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {self._host}:{self._requested_port}")
         await self.server.start()
@@ -93,18 +102,26 @@ class _ErrorMappingRegistrar:
     is wrapped (once) so that AsyncInferError becomes a rich status, and counted in the RPC
     metrics (outside the mapping, so that they see the status it sets)."""
 
-    def __init__(self, server: aio.Server, rpc_metrics: RpcMetrics | None) -> None:
+    def __init__(self, server: aio.Server, rpc_metrics: RpcMetrics | None, guard: AccessGuard | None) -> None:
         self._server = server
         self._metrics = rpc_metrics
+        self._guard = guard
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
-        mapped: list[grpc.GenericRpcHandler[Any, Any]] = [ErrorMappingGenericHandler(h) for h in handlers]
+        # The key check innermost, then the error mapping, then the metrics (which see the final code).
+        guard = self._guard
+        guarded = [guard.wrap_generic(h) for h in handlers] if guard is not None else list(handlers)
+        mapped: list[grpc.GenericRpcHandler[Any, Any]] = [ErrorMappingGenericHandler(h) for h in guarded]
         if self._metrics is not None:
             mapped = [MetricsGenericHandler(h, self._metrics) for h in mapped]
         self._server.add_generic_rpc_handlers(mapped)
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
-        wrapped = {name: wrap_method_handler(handler) for name, handler in method_handlers.items()}
+        guard = self._guard
+        wrapped = {
+            name: wrap_method_handler(guard.wrap(service_name, name, handler) if guard is not None else handler)
+            for name, handler in method_handlers.items()
+        }
         if self._metrics is not None:
             metrics = self._metrics
             wrapped = {name: metrics.wrap(f"/{service_name}/{name}", h) for name, h in wrapped.items()}

@@ -88,6 +88,28 @@ class StopSignal:
         await self.event.wait()
 
 
+async def _unless_stopped(starting: Awaitable[App], stop: StopSignal) -> App | None:
+    """The started app, or None when the stop signal comes first: the start is cancelled (an app's
+    start undoes what it began when cancelled), so a start-up that hangs (an unreachable
+    dependency) still honours SIGTERM and SIGINT."""
+    task = asyncio.ensure_future(starting)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait((task, stopping), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        stopping.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled() and task.exception() is None:
+        return task.result()  # it finished as it was cancelled: stopped with the others
+    return None
+
+
 async def run_until_stopped(
     starters: Sequence[Callable[[], Awaitable[App]]],
     *,
@@ -104,7 +126,9 @@ async def run_until_stopped(
     started: list[App] = []
     try:
         for starter in starters:
-            app = await starter()
+            app = await _unless_stopped(starter(), stop)
+            if app is None:  # a signal came while it started: it undid its own start
+                break
             started.append(app)
             app.supervisor.on_failure(stop.fail)
         if on_started is not None and not stop.event.is_set():  # no banner for a process already stopping

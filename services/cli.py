@@ -247,9 +247,12 @@ def with_up_defaults(config: Config) -> Config:
       gateway is on loopback, `check_up_exposure`) and that tenant has none: generated once and
       kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
       receiver can verify with it; the banner prints it. With API keys, secrets are the
-      operator's to configure."""
+      operator's to configure;
+    - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`)."""
     if "models" not in config.model_fields_set:
         config = config.replace(models=[*config.models, FLAKY_MODEL])
+    if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):
+        config = with_own_batcher_key(config)
     tenant = config.gateway.default_tenant
     if not config.gateway.api_keys and config.webhooks.secret_for(tenant) is None:
         from asyncinfer.webhook_secrets import new_secret
@@ -264,6 +267,19 @@ def with_up_defaults(config: Config) -> Config:
         secrets = [entry.model_dump() for entry in config.webhooks.secrets]
         config = config.replace(webhooks={"secrets": [*secrets, {"tenant": tenant, "secret": secret}]})
     return config
+
+
+def with_own_batcher_key(config: Config) -> Config:
+    """With API keys, the scheduler takes only batchers with a key of role batcher: `up` makes one
+    for its own batcher, for this run only (its hash joins the key list; nothing is written)."""
+    import secrets
+
+    from asyncinfer.api_keys import hash_key
+
+    key = secrets.token_urlsafe(32)
+    keys = [entry.model_dump() for entry in config.gateway.api_keys]
+    own = {"role": "batcher", "sha256": hash_key(key), "name": "asyncinfer up's batcher"}
+    return config.replace(gateway={"api_keys": [*keys, own]}, batcher={"api_key": key})
 
 
 async def run_up(config: Config) -> int:

@@ -35,6 +35,9 @@ CHUNK = 256 * 1024
 ROWS_3MB = 3 * 1024 * 1024 // 16  # FP32 rows of 4: 16 bytes a row
 
 
+BATCHER_KEY = "claim-check-batcher-key"
+
+
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
@@ -45,9 +48,12 @@ def claim_check_config(config: Config, **gateway: Any) -> Config:
             "api_keys": [
                 {"tenant": "acme", "sha256": hash_key(ACME)},
                 {"tenant": "globex", "sha256": hash_key(GLOBEX)},
+                # With keys, the scheduler takes only batchers with a key of role batcher.
+                {"role": "batcher", "sha256": hash_key(BATCHER_KEY)},
             ],
             **gateway,
         },
+        batcher={"api_key": BATCHER_KEY},
         scheduler={"inline_result_max_bytes": 1024},
         models=[{**DEMO_MODEL.model_dump(), "max_batch_size": 2 * ROWS_3MB}],
     )

@@ -12,7 +12,7 @@ dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive f
 `AsyncInferClientError`. Protobuf stays inside the SDK.
 """
 
-from asyncinfer.client._async import AsyncClient
+from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client._sync import Client
 from asyncinfer.client.errors import (
@@ -89,4 +89,5 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "WaitingReason",
+    "tls_credentials",
 ]

@@ -85,6 +85,26 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 
+def tls_credentials(
+    *,
+    ca_file: str | os.PathLike[str] | None = None,
+    cert_file: str | os.PathLike[str] | None = None,
+    key_file: str | os.PathLike[str] | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS channel credentials from PEM files: the CA that verifies the server (None: the system's
+    CAs) and, for mutual TLS, a client certificate and its key (both or neither)."""
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("tls_cert_file and tls_key_file go together: give both or neither")
+    ca = Path(ca_file).read_bytes() if ca_file else None
+    if cert_file and key_file:
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca,
+            private_key=Path(key_file).read_bytes(),
+            certificate_chain=Path(cert_file).read_bytes(),
+        )
+    return grpc.ssl_channel_credentials(root_certificates=ca)
+
+
 def _job_id(job: JobLike) -> str:
     return job.job_id if isinstance(job, Job) else job
 
@@ -110,7 +130,9 @@ class AsyncClient:
     ...     done.outputs["y"]
 
     `target` is a gRPC target ("host:port", "dns:///gateway:50051"). `credentials` switches to
-    TLS (`grpc.ssl_channel_credentials()`). `api_key` is sent as `authorization: Bearer <key>`.
+    TLS (`grpc.ssl_channel_credentials()`); so do `tls_ca_file` (PEM CA bundle that verifies the
+    gateway) and `tls_cert_file` with `tls_key_file` (a client certificate, for a gateway that
+    requires mutual TLS). `api_key` is sent as `authorization: Bearer <key>`.
     The client owns one channel; `close()` it (or use `async with`).
     """
 
@@ -123,8 +145,13 @@ class AsyncClient:
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls_ca_file: str | os.PathLike[str] | None = None,
+        tls_cert_file: str | os.PathLike[str] | None = None,
+        tls_key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         options = [*_CHANNEL_OPTIONS, *channel_options]
+        if credentials is None and (tls_ca_file or tls_cert_file or tls_key_file):
+            credentials = tls_credentials(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
         if credentials is not None:
             self._channel = aio.secure_channel(target, credentials, options=options)
         else:

@@ -58,6 +58,9 @@ class Client:
         retry: RetryPolicy | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
+        tls_ca_file: str | os.PathLike[str] | None = None,
+        tls_cert_file: str | os.PathLike[str] | None = None,
+        tls_key_file: str | os.PathLike[str] | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncinfer-client", daemon=True)
@@ -73,6 +76,9 @@ class Client:
                 retry=retry,
                 credentials=credentials,
                 channel_options=channel_options,
+                tls_ca_file=tls_ca_file,
+                tls_cert_file=tls_cert_file,
+                tls_key_file=tls_key_file,
             )
 
         self._client = self._run(make())

@@ -25,7 +25,7 @@ EXIT_CODES_HELP = (
 
 
 def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
-    """--gateway, --scheduler, --api-key, --timeout, --json and --config. They are accepted both
+    """--gateway, --scheduler, --api-key, --ops-key, --tls-*, --timeout, --json and --config. They are accepted both
     before the command (`asyncinfer --json get ID`) and after it (`asyncinfer get ID --json`): on
     subcommands they default to SUPPRESS so that they do not overwrite what was given before."""
     default = None if top_level else argparse.SUPPRESS
@@ -46,6 +46,27 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
         f"default {DEFAULT_SCHEDULER})",
     )
     group.add_argument("--api-key", metavar="KEY", default=default, help="API key (env ASYNCINFER_API_KEY)")
+    group.add_argument(
+        "--ops-key",
+        metavar="KEY",
+        default=default,
+        help="API key of role ops, for dlq, queue and stats (env ASYNCINFER_OPS_KEY; default: --api-key)",
+    )
+    group.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        default=default,
+        help="TLS: PEM CA bundle that verifies the gateway and the scheduler (env ASYNCINFER_TLS_CA_FILE)",
+    )
+    group.add_argument(
+        "--tls-cert",
+        metavar="FILE",
+        default=default,
+        help="TLS: PEM client certificate, for mutual TLS (env ASYNCINFER_TLS_CERT_FILE; with --tls-key)",
+    )
+    group.add_argument(
+        "--tls-key", metavar="FILE", default=default, help="TLS: its private key (env ASYNCINFER_TLS_KEY_FILE)"
+    )
     group.add_argument(
         "--timeout",
         metavar="SECONDS",

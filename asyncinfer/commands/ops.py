@@ -20,6 +20,7 @@ import grpc
 import msgspec
 from grpc import aio
 
+from asyncinfer.access import bearer_metadata
 from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.options import Options
@@ -83,12 +84,31 @@ async def _ops_call(
     options: Options, call: Callable[[ops_service_pb2_grpc.OpsServiceAsyncStub, float], Awaitable[T]]
 ) -> T:
     """One OpsService call on a fresh channel; a failure raises the SDK's typed error."""
-    async with aio.insecure_channel(options.scheduler) as channel:
+    credentials = options.credentials()
+    key = options.ops_key or options.api_key
+    interceptors: Any = [_WithKey(key)] if key else None
+    channel = (
+        aio.secure_channel(options.scheduler, credentials, interceptors=interceptors)
+        if credentials is not None
+        else aio.insecure_channel(options.scheduler, interceptors=interceptors)
+    )
+    async with channel:
         stub: ops_service_pb2_grpc.OpsServiceAsyncStub = ops_service_pb2_grpc.OpsServiceStub(channel)
         try:
             return await call(stub, options.call_timeout_s)
         except grpc.RpcError as rpc_error:
             raise from_rpc_error(rpc_error) from rpc_error
+
+
+class _WithKey(aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
+    """Adds the ops key to every call (every OpsService method is unary)."""
+
+    def __init__(self, key: str) -> None:
+        self._metadata = bearer_metadata(key)
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        metadata = (*tuple(client_call_details.metadata or ()), *self._metadata)
+        return await continuation(client_call_details._replace(metadata=aio.Metadata(*metadata)), request)
 
 
 def _seconds(duration: Any) -> float:

@@ -1,5 +1,5 @@
-"""The options every client command shares (--gateway, --scheduler, --api-key, --timeout, --json,
---config), as the handlers receive them."""
+"""The options every client command shares (--gateway, --scheduler, --api-key, --ops-key, --tls-ca,
+--tls-cert, --tls-key, --timeout, --json, --config), as the handlers receive them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncinfer.client import AsyncClient
+import grpc
+
+from asyncinfer.client import AsyncClient, tls_credentials
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
@@ -24,6 +26,10 @@ class Options:
     gateway: str
     scheduler: str
     api_key: str | None
+    ops_key: str | None  # sent to the OpsService (dlq, queue, stats); api_key when not given
+    tls_ca_file: str | None
+    tls_cert_file: str | None
+    tls_key_file: str | None
     timeout_s: float | None  # None: unary calls take DEFAULT_CALL_TIMEOUT_S, waits are unbounded
     json: bool
     config: Path | None
@@ -36,6 +42,10 @@ class Options:
             or os.environ.get("ASYNCINFER_SCHEDULER_ADDRESS")
             or DEFAULT_SCHEDULER,
             api_key=getattr(args, "api_key", None) or os.environ.get("ASYNCINFER_API_KEY") or None,
+            ops_key=getattr(args, "ops_key", None) or os.environ.get("ASYNCINFER_OPS_KEY") or None,
+            tls_ca_file=getattr(args, "tls_ca", None) or os.environ.get("ASYNCINFER_TLS_CA_FILE") or None,
+            tls_cert_file=getattr(args, "tls_cert", None) or os.environ.get("ASYNCINFER_TLS_CERT_FILE") or None,
+            tls_key_file=getattr(args, "tls_key", None) or os.environ.get("ASYNCINFER_TLS_KEY_FILE") or None,
             timeout_s=getattr(args, "timeout", None),
             json=bool(getattr(args, "json", False)),
             config=getattr(args, "config", None),
@@ -45,9 +55,21 @@ class Options:
     def call_timeout_s(self) -> float:
         return self.timeout_s if self.timeout_s is not None else DEFAULT_CALL_TIMEOUT_S
 
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca_file or self.tls_cert_file or self.tls_key_file)
+
+    def credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials when a --tls-* option is given (the same CA for gateway and scheduler)."""
+        if not self.tls:
+            return None
+        return tls_credentials(ca_file=self.tls_ca_file, cert_file=self.tls_cert_file, key_file=self.tls_key_file)
+
     def client(self) -> AsyncClient:
         """A client of the gateway; make it inside the running event loop, and close it."""
-        return AsyncClient(self.gateway, api_key=self.api_key, timeout_s=self.call_timeout_s)
+        return AsyncClient(
+            self.gateway, api_key=self.api_key, timeout_s=self.call_timeout_s, credentials=self.credentials()
+        )
 
 
 Handler = Callable[[argparse.Namespace, Options], Coroutine[Any, Any, int]]

@@ -4,25 +4,30 @@ nats-py has one setting for both: with unlimited reconnect attempts it retries t
 connect forever too, so a wrong URL would hang start-up. Here the client is connected with
 unlimited attempts, and the first connect is abandoned once it has failed FIRST_CONNECT_ATTEMPTS
 times per server (nats-py reports each failed attempt to the error callback; each is bounded by
-`connect_timeout_s`), which raises Unavailable.
+`connect_timeout_s`), which raises Unavailable. A server whose TLS certificate cannot be
+verified is given up on at its first failure (retrying cannot fix it, and nats-py's later attempts
+may not report at all), and the whole first connect is bounded by a deadline besides.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from typing import Any
 
 import structlog
 from nats.aio.client import Client
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.errors import Unavailable
+from asyncinfer.errors import ConfigError, Unavailable
+from asyncinfer.tls import client_ssl_context, read_secret
 
 log = structlog.get_logger("asyncinfer.nats")
 
 FIRST_CONNECT_ATTEMPTS = 3
 RECONNECT_WAIT_S = 0.5
+ABANDON_WAIT_S = 2.0
 
 
 async def connect(config: NatsConfig, *, name: str) -> Client:
@@ -33,11 +38,13 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     connected = False
     gave_up = asyncio.Event()
 
+    attempts = FIRST_CONNECT_ATTEMPTS * max(1, len(servers))
+
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=str(exc))
         if not connected:
             first_connect_failures.append(exc)
-            if len(first_connect_failures) >= FIRST_CONNECT_ATTEMPTS * max(1, len(servers)):
+            if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError):
                 gave_up.set()
 
     async def on_disconnected() -> None:
@@ -60,12 +67,12 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         "disconnected_cb": on_disconnected,
         "reconnected_cb": on_reconnected,
     }
-    if config.credentials_file:
-        options["user_credentials"] = config.credentials_file
+    options.update(security_options(config))
     connecting = asyncio.ensure_future(client.connect(**options))
     giving_up = asyncio.ensure_future(gave_up.wait())
+    deadline_s = attempts * (config.connect_timeout_s + RECONNECT_WAIT_S) + config.connect_timeout_s
     try:
-        await asyncio.wait((connecting, giving_up), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((connecting, giving_up), timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
         await _abandon(client, connecting)
         raise
@@ -73,7 +80,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         giving_up.cancel()
     if not connecting.done():
         await _abandon(client, connecting)
-        raise Unavailable(f"cannot connect to NATS at {config.url}: {first_connect_failures[-1]}")
+        last = first_connect_failures[-1] if first_connect_failures else f"no answer within {deadline_s:g}s"
+        raise Unavailable(f"cannot connect to NATS at {config.url}: {_explain(last)}")
     failure = connecting.exception()
     if failure is not None:  # nats raises several unrelated types here
         await _abandon(client, connecting)
@@ -83,8 +91,69 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
 
 
 async def _abandon(client: Client, connecting: asyncio.Future[None]) -> None:
-    """Stops a first connect and releases what it holds."""
+    """Stops a first connect and releases what it holds. The connection is closed first: a connect
+    cancelled while it waits for a silent server's INFO does not end until its socket does."""
     connecting.cancel()
-    await asyncio.wait((connecting,))  # its own cancellation is not ours to raise
     with contextlib.suppress(Exception):
-        await client.close()
+        async with asyncio.timeout(ABANDON_WAIT_S):
+            await client.close()
+    await asyncio.wait((connecting,), timeout=ABANDON_WAIT_S)  # its own cancellation is not ours to raise
+
+
+def _explain(failure: Exception | str) -> str:
+    if isinstance(failure, ssl.SSLCertVerificationError):
+        return (
+            f"the server's TLS certificate cannot be verified ({failure.verify_message}); set nats.tls_ca_file "
+            "to the CA that signed it"
+        )
+    if isinstance(failure, ssl.SSLError):
+        return f"TLS failed ({failure}); check nats.tls_ca_file, tls_cert_file and tls_key_file"
+    return str(failure)
+
+
+def security_options(config: NatsConfig) -> dict[str, Any]:
+    """nats-py's connect options for TLS and credentials, from files read now (ConfigError names a
+    bad one). TLS is on when a CA or client certificate is configured or a URL says tls://."""
+    options: dict[str, Any] = {}
+    wants_tls = any(u.strip().startswith("tls://") for u in config.url.split(","))
+    if wants_tls or config.tls_ca_file or config.tls_cert_file:
+        options["tls"] = client_ssl_context(
+            "nats", ca_file=config.tls_ca_file, cert_file=config.tls_cert_file, key_file=config.tls_key_file
+        )
+    password = read_secret(config.password, config.password_file, "nats.password")
+    token = read_secret(config.token, config.token_file, "nats.token")
+    given = [
+        name
+        for name, value in (
+            ("user", config.user),
+            ("token", token),
+            ("nkey_seed_file", config.nkey_seed_file),
+            ("credentials_file", config.credentials_file),
+        )
+        if value
+    ]
+    if len(given) > 1:
+        raise ConfigError(f"nats: give one way of authenticating, not {' and '.join(given)}")
+    if password and not config.user:
+        raise ConfigError("nats.password needs nats.user")
+    if config.user:
+        options["user"] = config.user
+        if password:
+            options["password"] = password
+    if token:
+        options["token"] = token
+    if config.nkey_seed_file:
+        _readable(config.nkey_seed_file, "nats.nkey_seed_file")
+        options["nkeys_seed"] = config.nkey_seed_file
+    if config.credentials_file:
+        _readable(config.credentials_file, "nats.credentials_file")
+        options["user_credentials"] = config.credentials_file
+    return options
+
+
+def _readable(path: str, key: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path!r}: {exc.strerror or exc}") from None

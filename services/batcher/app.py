@@ -11,19 +11,25 @@ import structlog
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2_grpc
 
+from asyncinfer.access import AccessGuard, KeyRing
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import server_credentials
 from services.batcher.backends import ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
-from services.batcher.worker_client import WorkerClient
+from services.batcher.worker_client import WorkerClient, WorkerSecurity
 
 log = structlog.get_logger("asyncinfer.batcher")
+
+# KServe's liveness and readiness probes stay open, like grpc health; every other method (ModelInfer
+# above all: it runs outside every quota) takes a key of role ops once API keys are configured.
+OPEN_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
 
 
 class BatcherApp:
@@ -60,6 +66,9 @@ class BatcherApp:
 
     async def _start(self) -> None:
         batcher = self.config.batcher
+        # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
+        tls = server_credentials("batcher", batcher)
+        worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
         for model in self.config.models:
             backend = await self._load(model)
             if backend is not None:
@@ -75,6 +84,8 @@ class BatcherApp:
             add_servicers=lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             rpc_metrics=self.metrics.rpc,
+            credentials=tls,
+            guard=AccessGuard(KeyRing(self.config.gateway.api_keys), {SERVICE_NAME: "ops"}, OPEN_METHODS),
         )
         await self._server.start()
         self.port = self._server.port
@@ -87,7 +98,7 @@ class BatcherApp:
         await asyncio.to_thread(self._metrics_server.start)
         self.metrics_port = self._metrics_server.port
 
-        if batcher.scheduler_address:
+        if batcher.scheduler_address and worker_security is not None:
             self._worker = WorkerClient(
                 address=batcher.scheduler_address,
                 batcher_id=self.batcher_id,
@@ -95,6 +106,7 @@ class BatcherApp:
                 reconnect_delay_s=batcher.reconnect_delay_s,
                 work_batches=batcher.work_batches,
                 supervisor=self.supervisor,
+                security=worker_security,
             )
             await self._worker.start()
         log.info(

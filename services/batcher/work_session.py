@@ -40,8 +40,10 @@ class WorkSession:
         engine: BatchingEngine,
         *,
         work_batches: bool,
+        metadata: tuple[tuple[str, str], ...] = (),
     ) -> None:
         self._stub = stub
+        self._metadata = metadata
         self._work_batches = work_batches
         self._batcher_id = batcher_id
         self._engine = engine
@@ -79,7 +81,7 @@ class WorkSession:
         # Requests are written by a task this session owns, not pulled from an async generator
         # by grpc's own consumer task: that task and generator cannot be stopped from here, and
         # were left pending (then destroyed by the garbage collector) each time the stream broke.
-        call = self._stub.Connect()  # type: ignore[call-arg]  # the stubs miss the write() style
+        call = self._stub.Connect(metadata=self._metadata or None)  # type: ignore[call-arg]  # the stubs miss the write() style
         writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
             hello = worker_hello(self._engine, self._batcher_id, takes_batches=self._work_batches)

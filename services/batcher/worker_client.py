@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
+from asyncinfer.access import bearer_metadata
 from asyncinfer.backoff import retrying
+from asyncinfer.config import BatcherConfig
 from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import channel_credentials, read_secret
 from asyncinfer.v1 import worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine
 from services.batcher.work_session import WorkSession
@@ -27,6 +31,28 @@ log = structlog.get_logger("asyncinfer.batcher.worker")
 
 FIRST_RECONNECT_DELAY_S = 0.1
 STABLE_SESSION_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSecurity:
+    """How the work stream reaches the scheduler: TLS credentials (None: plaintext) and the call
+    metadata carrying the batcher's API key (empty without one)."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    metadata: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_config(cls, batcher: BatcherConfig) -> WorkerSecurity:
+        credentials = None
+        if batcher.scheduler_tls or batcher.scheduler_ca_file or batcher.scheduler_cert_file:
+            credentials = channel_credentials(
+                ca_file=batcher.scheduler_ca_file,
+                cert_file=batcher.scheduler_cert_file,
+                key_file=batcher.scheduler_key_file,
+                key="batcher.scheduler",
+            )
+        key = read_secret(batcher.api_key, batcher.api_key_file, "batcher.api_key")
+        return cls(credentials=credentials, metadata=bearer_metadata(key))
 
 
 class WorkerClient:
@@ -41,8 +67,10 @@ class WorkerClient:
         reconnect_delay_s: float,
         supervisor: Supervisor,
         work_batches: bool = True,
+        security: WorkerSecurity | None = None,
     ) -> None:
         self._address = address
+        self._security = security or WorkerSecurity()
         self._supervisor = supervisor
         self._work_batches = work_batches
         self._batcher_id = batcher_id
@@ -104,9 +132,21 @@ class WorkerClient:
             # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
             # a trusted peer, bounds them with its own server's send limit.
             options = [("grpc.max_receive_message_length", -1)]
-            async with grpc.aio.insecure_channel(self._address, options=options) as channel:
+            credentials = self._security.credentials
+            channel = (
+                grpc.aio.secure_channel(self._address, credentials, options=options)
+                if credentials is not None
+                else grpc.aio.insecure_channel(self._address, options=options)
+            )
+            async with channel:
                 stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-                self._session = WorkSession(stub, self._batcher_id, self._engine, work_batches=self._work_batches)
+                self._session = WorkSession(
+                    stub,
+                    self._batcher_id,
+                    self._engine,
+                    work_batches=self._work_batches,
+                    metadata=self._security.metadata,
+                )
                 await self._session.run()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)
         except grpc.aio.AioRpcError as error:

@@ -17,6 +17,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import server_credentials
 from asyncinfer.v1 import job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
@@ -85,6 +86,7 @@ class GatewayApp:
         cfg = self.config
         # Before anything connects or binds: an open gateway must not serve even for a moment.
         require_auth_beyond_loopback("the gateway", cfg.gateway.host, cfg.gateway.api_keys)
+        tls = server_credentials("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
@@ -124,6 +126,7 @@ class GatewayApp:
             service_names=[SERVICE_NAME],
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
             rpc_metrics=self.metrics.rpc,
+            credentials=tls,
         )
         await self._server.start()
         self.port = self._server.port

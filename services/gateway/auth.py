@@ -6,15 +6,14 @@ this machine can connect: `require_auth_beyond_loopback` refuses such a start be
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 from collections.abc import Iterable
 
-from asyncinfer.api_keys import hash_key
+from asyncinfer.access import KeyRing
 from asyncinfer.config import ApiKeyConfig
-from asyncinfer.errors import ConfigError, Unauthenticated
+from asyncinfer.errors import ConfigError
 
-BEARER = "bearer "
+SERVICE_NAME = "asyncinfer.v1.JobService"
 
 
 def is_loopback(host: str) -> bool:
@@ -38,32 +37,18 @@ def require_auth_beyond_loopback(what: str, host: str, api_keys: Iterable[ApiKey
 
 
 class Authenticator:
-    """Maps the `authorization: Bearer <key>` metadata of a call to the caller's tenant."""
+    """Maps the `authorization: Bearer <key>` metadata of a call to the caller's tenant: a key of
+    role tenant (asyncinfer.access); a key of another role is PERMISSION_DENIED here."""
 
     def __init__(self, api_keys: Iterable[ApiKeyConfig], default_tenant: str) -> None:
-        self._keys = tuple((key.sha256.encode(), key.tenant) for key in api_keys)
+        self._keys = KeyRing(api_keys)
         self._default_tenant = default_tenant
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return self._keys.enabled
 
     def tenant(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
-        if not self._keys:
+        if not self._keys.enabled:
             return self._default_tenant
-        values = [value for name, value in metadata if name.lower() == "authorization"]
-        if not values:
-            raise Unauthenticated("missing API key: send metadata 'authorization: Bearer <key>'")
-        value = values[0]
-        text = value.decode(errors="replace") if isinstance(value, bytes) else value
-        if not text[: len(BEARER)].lower() == BEARER or not text[len(BEARER) :].strip():
-            raise Unauthenticated("the authorization metadata must be 'Bearer <key>'")
-        digest = hash_key(text[len(BEARER) :].strip()).encode()
-        tenant: str | None = None
-        # Every configured digest is compared, in constant time each, so timing says nothing of which matched.
-        for known, owner in self._keys:
-            if hmac.compare_digest(digest, known):
-                tenant = owner
-        if tenant is None:
-            raise Unauthenticated("invalid API key")
-        return tenant
+        return self._keys.require(metadata, "tenant", SERVICE_NAME).tenant

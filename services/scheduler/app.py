@@ -14,6 +14,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
+from asyncinfer.access import AccessGuard, KeyRing, Role
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
@@ -27,6 +28,7 @@ from asyncinfer.nats import KeyValue, Msg, Subscription
 from asyncinfer.nats.connection import connect
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import server_credentials
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
@@ -47,6 +49,8 @@ from services.scheduler.worker_service import WorkerService
 log = structlog.get_logger("asyncinfer.scheduler")
 
 SERVICE_NAMES = ("asyncinfer.v1.WorkerService", "asyncinfer.v1.OpsService")
+# With API keys configured: batchers connect with a key of role batcher, operators call with one of role ops.
+ROLES: dict[str, Role] = {"asyncinfer.v1.WorkerService": "batcher", "asyncinfer.v1.OpsService": "ops"}
 
 
 class SchedulerApp:
@@ -101,6 +105,7 @@ class SchedulerApp:
     async def _start(self) -> None:
         config = self.config
         settings = config.scheduler
+        tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.scheduler_id)
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
@@ -165,6 +170,8 @@ class SchedulerApp:
             service_names=SERVICE_NAMES,
             max_message_bytes=work_message_bytes(config),
             rpc_metrics=self.metrics.rpc,
+            credentials=tls,
+            guard=AccessGuard(KeyRing(config.gateway.api_keys), ROLES),
         )
         await self._server.start()
         self.port = self._server.port

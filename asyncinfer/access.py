@@ -1,0 +1,151 @@
+"""Who may call what: API keys (stored as SHA-256 digests, `gateway.api_keys`, one list for the
+whole stack) carry a role, and each service takes one role:
+
+- tenant: the gateway's JobService, that tenant's jobs only;
+- ops: the scheduler's OpsService, and the batcher's KServe v2 API;
+- batcher: the scheduler's WorkerService.
+
+With no key configured nothing is checked (the services then bind only to loopback where that is
+enforced). With any key configured, every method of a guarded service needs a key of its role:
+UNAUTHENTICATED without a valid key, PERMISSION_DENIED with a key of another role. Health
+checking and reflection are served outside the guard (probes and grpcurl's schema lookups carry no
+key). `AccessGuard` wraps each method handler once, at registration (as asyncinfer.grpc_errors
+does), so the check costs one hash and a few comparisons a call.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Literal
+
+import grpc
+
+from asyncinfer.api_keys import hash_key
+from asyncinfer.config import ApiKeyConfig
+from asyncinfer.errors import PermissionDenied, Unauthenticated
+
+Role = Literal["tenant", "ops", "batcher"]
+BEARER = "bearer "
+Metadata = Iterable[tuple[str, str | bytes]]
+
+
+def bearer_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries an API key (none without one)."""
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+class KeyRing:
+    """The configured keys, compared by digest in constant time each."""
+
+    def __init__(self, api_keys: Iterable[ApiKeyConfig]) -> None:
+        self._keys = tuple((key.sha256.encode(), key) for key in api_keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def identify(self, metadata: Metadata) -> ApiKeyConfig:
+        """The configured key the call carries; Unauthenticated without one."""
+        values = [value for name, value in metadata if name.lower() == "authorization"]
+        if not values:
+            raise Unauthenticated("missing API key: send metadata 'authorization: Bearer <key>'")
+        value = values[0]
+        text = value.decode(errors="replace") if isinstance(value, bytes) else value
+        if not text[: len(BEARER)].lower() == BEARER or not text[len(BEARER) :].strip():
+            raise Unauthenticated("the authorization metadata must be 'Bearer <key>'")
+        digest = hash_key(text[len(BEARER) :].strip()).encode()
+        found: ApiKeyConfig | None = None
+        # Every configured digest is compared, so timing says nothing of which matched.
+        for known, key in self._keys:
+            if hmac.compare_digest(digest, known):
+                found = key
+        if found is None:
+            raise Unauthenticated("invalid API key")
+        return found
+
+    def require(self, metadata: Metadata, role: Role, service: str) -> ApiKeyConfig:
+        """The caller's key, which must have `role`; PermissionDenied for a key of another role."""
+        key = self.identify(metadata)
+        if key.role != role:
+            raise PermissionDenied(
+                f"{service} takes keys of role {role}; this key's role is {key.role}",
+                reason="WRONG_KEY_ROLE",
+                metadata={"required_role": role, "key_role": key.role},
+            )
+        return key
+
+
+class AccessGuard:
+    """Checks the caller's key before each method of the guarded services runs.
+
+    `roles` maps a full service name to the role it takes; `open_methods` lists full method names
+    (`/package.Service/Method`) served without a key (e.g. KServe's ServerLive, a liveness probe)."""
+
+    def __init__(self, keys: KeyRing, roles: Mapping[str, Role], open_methods: Iterable[str] = ()) -> None:
+        self._keys = keys
+        self._roles = dict(roles)
+        self._open = frozenset(open_methods)
+
+    @property
+    def enabled(self) -> bool:
+        return self._keys.enabled
+
+    def wrap(self, service: str, method: str, handler: Any) -> Any:
+        """The handler of `/service/method`, checking the key first (unchanged when open)."""
+        role = self._roles.get(service)
+        if handler is None or role is None or not self._keys.enabled or f"/{service}/{method}" in self._open:
+            return handler
+        keys = self._keys
+
+        def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            keys.require(context.invocation_metadata() or (), role, service)
+
+        return _guarded(handler, check)
+
+    def wrap_generic(self, handler: grpc.GenericRpcHandler[Any, Any]) -> grpc.GenericRpcHandler[Any, Any]:
+        return _GuardedGenericHandler(handler, self)
+
+
+def _guarded(handler: Any, check: Callable[[Any], None]) -> Any:
+    def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def call(request: Any, context: Any) -> Any:
+            check(context)
+            return await behavior(request, context)
+
+        return call
+
+    def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        async def call(request: Any, context: Any) -> AsyncIterator[Any]:
+            check(context)
+            async for response in behavior(request, context):
+                yield response
+
+        return call
+
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, unary),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, streaming),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, streaming),
+    )
+    for attr, make, wrap in kinds:
+        behavior = getattr(handler, attr)
+        if behavior:
+            return make(
+                wrap(behavior),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+    return handler
+
+
+class _GuardedGenericHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], guard: AccessGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        handler = self._inner.service(handler_call_details)
+        service, _, method = handler_call_details.method.removeprefix("/").partition("/")
+        return self._guard.wrap(service, method, handler)
