@@ -58,7 +58,19 @@ docs: $(STAMP)
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
-pytest: $(STAMP) $(NODE_STAMP)
+# The shells the completion tests source their scripts in (tests/test_cli_completion.py), installed
+# here when missing and running as root; without them those tests fail rather than skip.
+SHELLS_STAMP := $(VENV)/.shells
+$(SHELLS_STAMP): $(STAMP)
+	@for shell in zsh fish; do \
+		if ! command -v $$shell >/dev/null; then \
+			if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$shell; \
+			else echo "$$shell is missing (the completion tests need it): run 'sudo apt-get install -y $$shell'"; fi; \
+		fi; \
+	done
+	touch $@
+
+pytest: $(STAMP) $(NODE_STAMP) $(SHELLS_STAMP)
 	$(PY) -m pytest -m "not unit"
 
 # The NATS-heavy tests again with the NATS adapter's fast path off (asyncinfer/nats/_fastpath.py), so

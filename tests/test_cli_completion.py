@@ -4,7 +4,6 @@ subcommands of dlq and queue), and, where the shell is installed, completes them
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,7 +56,6 @@ def test_an_unknown_shell_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -
     assert "bash" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="bash is not installed")
 def test_bash_completes_subcommands_once_sourced(tmp_path: Path) -> None:
     path = tmp_path / "asyncinfer.bash"
     path.write_text(script("bash"))
@@ -76,7 +74,6 @@ COMP_WORDS=(asyncinfer submit --prio); COMP_CWORD=2; _shtab_asyncinfer; echo "op
     assert "option: --priority" in lines
 
 
-@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
 def test_zsh_reads_the_script(tmp_path: Path) -> None:
     path = tmp_path / "_asyncinfer"
     path.write_text(script("zsh"))
@@ -84,7 +81,6 @@ def test_zsh_reads_the_script(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.skipif(shutil.which("fish") is None, reason="fish is not installed")
 def test_fish_completes_subcommands_options_and_choices(tmp_path: Path) -> None:
     path = tmp_path / "asyncinfer.fish"
     path.write_text(script("fish"))
