@@ -83,6 +83,7 @@ RECORD_WAITS_S = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03)
 LEAVE_FOR_S = 1.0
 # build_slow's time per batch.
 SLOW_BATCH_S = 0.02
+SLOWER_BATCH_S = 0.2
 
 
 @dataclass(slots=True)
@@ -324,11 +325,19 @@ class ModelPuller:
             ),
             return_exceptions=True,
         )
-        for held, outcome in zip(group, written, strict=True):
+        for held, event, outcome in zip(group, events, written, strict=True):
             self.held.pop(held.record.job_id, None)
             if isinstance(outcome, BaseException):
+                log.warning("direct_pull_settle_failed", job_id=held.record.job_id, error=repr(outcome))
                 continue  # NATS trouble: the message comes back after AckWait
             latest, _ = outcome
+            if isinstance(event, lifecycle.Drop) and latest is not None and not latest.state.is_terminal:
+                # The Drop ended nothing on the record held here (a cancel's CANCELLING is written
+                # elsewhere, so the refusal came before any compare-and-set): put the job back, as
+                # the scheduler's settlement does; that write finds the CANCELLING and cancels.
+                requeue = lifecycle.Requeue(attempt=held.record.attempt, error=job_errors.dropped_unrun(), refund=True)
+                self._own(self._end(latest, held.msg, requeue))
+                continue
             if latest is not None and latest.state.is_terminal:
                 await quietly(held.msg.ack())  # a publish: no answer is awaited
             elif latest is not None and latest.state is JobState.QUEUED:
@@ -363,17 +372,27 @@ class ModelPuller:
             await quietly(held.msg.in_progress())
 
 
+def _sleeping_identity(batch_s: float) -> Any:
+    import torch
+
+    class SleepingIdentity(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(batch_s)
+            return x
+
+    return SleepingIdentity()
+
+
 def build_slow() -> Any:
     """The no-op model taking SLOW_BATCH_S per batch (a loader, for the kill check: the killed
     batcher must be holding work when it dies)."""
-    import torch
+    return _sleeping_identity(SLOW_BATCH_S)
 
-    class SlowIdentity(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            time.sleep(SLOW_BATCH_S)
-            return x
 
-    return SlowIdentity()
+def build_slower() -> Any:
+    """The no-op model taking SLOWER_BATCH_S per batch (for the cancel check: jobs wait their turn
+    in the engine, RUNNING, long enough to be cancelled there)."""
+    return _sleeping_identity(SLOWER_BATCH_S)
 
 
 class DirectPullApp:

@@ -18,8 +18,9 @@ per process from /proc over each burst.
   (default 4 s) with in-progress acks every `--renew-s` (default 1 s): the lease a direct-pull
   design needs so that a killed batcher's jobs run elsewhere within 5 s, priced into B's figures.
 
-`--kill-check` adds, after the rounds, B with two direct-pull batchers: a batch-API burst, one
-batcher killed (SIGKILL) mid-way, and how long its jobs took to start again on the other.
+`--checks` adds, after the rounds, B's guarantees exercised: cancel of running jobs, a paused
+queue, and two direct-pull batchers with one killed (SIGKILL) mid-burst (how long its jobs took to
+start again on the other).
 
 Writes bench/results/direct_pull.{json,md}.
 """
@@ -37,7 +38,7 @@ import grpc
 import uvloop
 
 from asyncinfer.config import render_default_config
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, ops_service_pb2, ops_service_pb2_grpc
 from bench.system.common import (
     PYTHON,
     Child,
@@ -53,7 +54,7 @@ from bench.system.common import (
     summarize,
     write_results,
 )
-from bench.system.direct_pull import SLOW_BATCH_S
+from bench.system.direct_pull import SLOW_BATCH_S, SLOWER_BATCH_S
 from bench.system.e2e import (
     JOBS_PER_SUBMIT_MESSAGE,
     SUBMIT_CONCURRENCY,
@@ -80,6 +81,9 @@ ADOPT_ABOVE = 1.20
 # The kill check's victim dies once this many of its jobs were seen RUNNING.
 KILL_AFTER_RUNNING = 20
 WATCH_OPEN_S = 0.5
+PAUSE_SETTLE_S = 0.5
+PAUSED_FOR_S = 1.0
+CANCEL_CHECK_JOBS = 200
 
 
 class DirectStack(Stack):
@@ -188,12 +192,90 @@ async def kill_check(stack: DirectStack, count: int) -> dict[str, float]:
         await submitting
     again = [seconds(j.start_time) - killed_at for j in finals.values() if j.attempt >= 2]
     return {
-        "jobs whose attempt the kill cut (they ran again)": float(len(again)),
-        "slowest of them, kill -> started again, s": max(again) if again else float("nan"),
-        "last job's end after the kill, s": max(seconds(j.end_time) for j in finals.values()) - killed_at,
-        "jobs not SUCCEEDED": float(sum(1 for j in finals.values() if j.state != job_pb2.JOB_STATE_SUCCEEDED)),
-        "jobs without a terminal state": float(len(submitted) - len(finals)),
+        "kill: jobs whose attempt the kill cut (they ran again)": float(len(again)),
+        "kill: slowest of them, kill -> started again, s": max(again) if again else float("nan"),
+        "kill: last job's end after the kill, s": max(seconds(j.end_time) for j in finals.values()) - killed_at,
+        "kill: jobs not SUCCEEDED": float(sum(1 for j in finals.values() if j.state != job_pb2.JOB_STATE_SUCCEEDED)),
+        "kill: jobs without a terminal state": float(len(submitted) - len(finals)),
     }
+
+
+async def cancel_and_pause_check(stack: DirectStack, count: int) -> dict[str, float]:
+    """On one direct-pull batcher with the slowed model. Cancel: `count` jobs submitted in one
+    go (they are pulled and written RUNNING at once, then wait their turn in the engine), then
+    the last half cancelled at once; reported: how many were RUNNING when cancelled, how many of
+    those ended CANCELED (the rest had a result first), and the slowest cancel -> CANCELED.
+    Pause: the queue paused through the control plane's OpsService, jobs submitted, and how many
+    started while it was paused; then resumed, and how long until all had ended."""
+    request = submit_request()
+    found: dict[str, float] = {}
+    async with (
+        grpc.aio.insecure_channel(stack.gateway.address) as channel,
+        grpc.aio.insecure_channel(stack.scheduler.address) as ops_channel,
+    ):
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        ops = ops_service_pb2_grpc.OpsServiceStub(ops_channel)
+        for _ in range(20):
+            await run_one(stub, timeout_s=120)
+
+        async def submit_all(n: int) -> list[str]:
+            items = [job_service_pb2.SubmitJobsItem(job=request, correlation_id=str(i)) for i in range(n)]
+
+            async def messages() -> Any:
+                for first in range(0, n, JOBS_PER_SUBMIT_MESSAGE):
+                    yield job_service_pb2.SubmitJobsRequest(items=items[first : first + JOBS_PER_SUBMIT_MESSAGE])
+
+            return [a.job.job_id async for r in stub.SubmitJobs(messages()) for a in r.answers if a.HasField("job")]
+
+        async def finals_of(job_ids: list[str]) -> dict[str, job_pb2.Job]:
+            finals: dict[str, job_pb2.Job] = {}
+            async for response in stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=job_ids), timeout=120):
+                for change in response.changes:
+                    if change.HasField("job") and change.job.state in TERMINAL:
+                        finals[change.job_id] = change.job
+            return finals
+
+        job_ids = await submit_all(count)
+        cancelled_at: dict[str, float] = {}
+        running: set[str] = set()
+
+        async def cancel(job_id: str) -> None:
+            try:
+                answer = await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="bench"))
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.FAILED_PRECONDITION:  # it had ended already
+                    raise
+                return
+            cancelled_at[job_id] = time.time()
+            if answer.job.state == job_pb2.JOB_STATE_CANCELLING:
+                running.add(job_id)
+
+        await asyncio.gather(*(cancel(job_id) for job_id in job_ids[count // 2 :]))
+        finals = await finals_of(job_ids)
+        ended = [finals[j] for j in running if j in finals]
+        canceled = [j for j in ended if j.state == job_pb2.JOB_STATE_CANCELED]
+        found["cancel: jobs RUNNING when cancelled"] = float(len(running))
+        found["cancel: of those, ended CANCELED"] = float(len(canceled))
+        found["cancel: of those, ended otherwise (a result came first)"] = float(len(ended) - len(canceled))
+        found["cancel: slowest cancel -> CANCELED, s"] = max(
+            (seconds(j.end_time) - cancelled_at[j.job_id] for j in canceled), default=float("nan")
+        )
+
+        await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="noop"))
+        await asyncio.sleep(PAUSE_SETTLE_S)  # the pause reaches the batcher's watch of the queues bucket
+        paused_ids = await submit_all(JOBS_PER_SUBMIT_MESSAGE)
+        await asyncio.sleep(PAUSED_FOR_S)
+        records = await stub.GetJobs(job_service_pb2.GetJobsRequest(job_ids=paused_ids))
+        found["pause: jobs started while paused"] = float(
+            sum(1 for r in records.results if r.job.state != job_pb2.JOB_STATE_QUEUED)
+        )
+        resumed_at = time.time()
+        await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="noop"))
+        paused_finals = await finals_of(paused_ids)
+        found["pause: resume -> the last job ended, s"] = max(seconds(j.end_time) for j in paused_finals.values()) - (
+            resumed_at
+        )
+    return found
 
 
 def cpu_ms(bursts: list[Burst], process: str, count: int) -> list[float]:
@@ -207,14 +289,18 @@ def main() -> None:
     parser.add_argument("--light", type=int, default=300, help="jobs one at a time, per stack")
     parser.add_argument("--ack-wait-s", type=float, default=4.0, help="B's AckWait")
     parser.add_argument("--renew-s", type=float, default=1.0, help="B's in-progress ack interval")
-    parser.add_argument("--kill-check", action="store_true", help="also kill a direct-pull batcher mid-burst")
+    parser.add_argument(
+        "--checks",
+        action="store_true",
+        help="also B's guarantee checks: a batcher killed mid-burst, cancel of running jobs, pause",
+    )
     parser.add_argument("--smoke", action="store_true", help="1 round, 300 jobs, 30 light: checks the script")
     args = parser.parse_args()
     if args.smoke:
         args.rounds, args.burst, args.light = 1, 300, 30
     found: dict[str, list[tuple[Burst, Burst, list[float]]]] = {A_NAME: [], B_NAME: []}
     loads = [load_average()[0]]
-    killed: dict[str, float] = {}
+    checks: dict[str, float] = {}
     with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for round_number in range(1, args.rounds + 1):
             for name in (A_NAME, B_NAME):
@@ -235,26 +321,30 @@ def main() -> None:
                     f"{system_cpu_ms_per_job([unary], args.burst)[0]:.2f} / "
                     f"{system_cpu_ms_per_job([batched], args.burst)[0]:.2f} ms; failed {unary.failed}+{batched.failed}"
                 )
-        if args.kill_check:
+        if args.checks:
+            slow = {"loader": "bench.system.direct_pull:build_slow"}
+            stack = DirectStack(group, name="nats-cancel", ack_wait_s=args.ack_wait_s, renew_s=args.renew_s, model=slow)
+            checks.update(runner.run(cancel_and_pause_check(stack, CANCEL_CHECK_JOBS)))
+            stack.stop_services()
             stack = DirectStack(
                 group,
                 name="nats-kill",
                 ack_wait_s=args.ack_wait_s,
                 renew_s=args.renew_s,
                 batchers=2,
-                model={"loader": "bench.system.direct_pull:build_slow"},
+                model=slow,
             )
-            killed = runner.run(kill_check(stack, args.burst))
+            checks.update(runner.run(kill_check(stack, args.burst)))
             stack.stop_services()
-            log("kill check: " + ", ".join(f"{k} {v:.2f}" for k, v in killed.items()))
-    report(found, args, loads, killed)
+            log("checks: " + ", ".join(f"{k} {v:.2f}" for k, v in checks.items()))
+    report(found, args, loads, checks)
 
 
 def report(
     found: dict[str, list[tuple[Burst, Burst, list[float]]]],
     args: argparse.Namespace,
     loads: list[float],
-    killed: dict[str, float],
+    checks: dict[str, float],
 ) -> None:
     n = args.burst
     rows = []
@@ -278,9 +368,9 @@ def report(
             unit = "ms" if label.endswith("ms") else "jobs" if label.startswith("jobs") else "jobs/s"
             rows.append(row(f"{name}: {label}", values, unit))
             medians[name][label] = float(summarize(values)["value"])
-    for label, value in killed.items():
+    for label, value in checks.items():
         unit = "s" if label.endswith(", s") else "jobs"
-        rows.append(row(f"kill check (B, 2 batchers, one killed): {label}", [value], unit))
+        rows.append(row(f"B's checks: {label}", [value], unit))
     a, b = medians[A_NAME], medians[B_NAME]
     ratios = []
     for label in ("unary burst, completed jobs/s", "batch-API burst, completed jobs/s"):
@@ -309,12 +399,18 @@ def report(
         "gain is an upper bound of what a full direct-pull batcher would measure.",
         "Load average (1 min) before the run and after each stack: " + ", ".join(f"{v:.2f}" for v in loads) + ".",
     ]
-    if killed:
+    if checks:
         notes.append(
-            "Kill check: B with two direct-pull batchers and the no-op model slowed to "
-            f"{SLOW_BATCH_S * 1e3:.0f} ms per batch (so that the victim holds work when it dies), a batch-API burst, one batcher killed with SIGKILL once "
-            f"{KILL_AFTER_RUNNING} of its jobs were seen RUNNING; its jobs come back when their AckWait lapses (no in-progress ack renews "
-            "them) and the other batcher's RUNNING compare-and-set takes the record over (attempt 2)."
+            "B's checks (--checks), each on a fresh B stack with the no-op model slowed so that work is held when "
+            f"it matters. Cancel ({SLOWER_BATCH_S * 1e3:.0f} ms per batch): "
+            f"{CANCEL_CHECK_JOBS} jobs submitted, the last half cancelled at once (the batcher hears the cancel "
+            "notices itself and drops a held item not yet started; the Drop, or the Finish of one that ran, "
+            "writes CANCELED on the CANCELLING record). Pause: PauseQueue on the control plane's OpsService, "
+            f"{JOBS_PER_SUBMIT_MESSAGE} jobs submitted, {PAUSED_FOR_S:g} s later how many started, then "
+            f"ResumeQueue. Kill ({SLOW_BATCH_S * 1e3:.0f} ms per batch): two direct-pull batchers, a batch-API burst, the first killed with SIGKILL "
+            f"once {KILL_AFTER_RUNNING} of its jobs were seen RUNNING; its jobs come back when their AckWait "
+            "lapses (nothing renews them) and the other batcher's RUNNING compare-and-set takes the record over "
+            "(attempt 2)."
         )
     write_results(
         SECTION,
