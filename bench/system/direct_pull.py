@@ -24,10 +24,10 @@ no WorkerService stream) with the scheduler's data path moved in, a group of job
   not started is dropped (then CANCELED by the Drop), one running ends CANCELED by the Finish;
 - pause: the queues bucket's `paused.<model>` keys (services.scheduler.pauses.PauseState).
 
-What the prototype leaves out (the decision in docs/ARCHITECTURE.md prices each): dead letters and
-retries (a job whose attempts are spent, or that failed retriably, is left to AckWait, i.e. to the
-control plane), execution timeouts, claim-check inputs and large results, the tenants' queued
-counters, drain, metrics. None of them runs on the measured path of a no-op burst.
+What the prototype leaves out (the decision in docs/ARCHITECTURE.md prices each): retries (a model
+error ends the job FAILED) and dead letters (a job whose attempts are spent is left to AckWait, i.e.
+to the control plane), execution timeouts, claim-check inputs and large results (an output over
+the inline limit is stored inline all the same), the tenants' queued counters, drain, metrics. None of them runs on the measured path of a no-op burst.
 
 Importing services.scheduler from here is a prototype's shortcut: adopting the design would move
 ModelQueues and the lifecycle glue to shared code (asyncinfer/), as the layering requires.
