@@ -338,6 +338,43 @@ async def test_the_watch_feed_runs_only_while_someone_watches(
     assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
 
 
+async def test_a_watch_right_after_its_submit_starts_without_a_read(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """While the feed runs, a job this gateway just queued is watched from the record it kept
+    (services.gateway.recent_records): the client's round trip, SubmitJob then WatchJob, makes no
+    read. A job that changed meanwhile, unwatched, is read as before."""
+    hub = gateway.watch_hub
+    other = (await stub.SubmitJob(submit_request())).job
+    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
+    assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
+    store: Any = hub._records
+    real_get = store.get
+    reads: list[str] = []
+
+    async def counting_get(key: str) -> JobRecord | None:
+        reads.append(key)
+        return await real_get(key)
+
+    store.get = counting_get
+    job = (await stub.SubmitJob(submit_request())).job
+    watch = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision))
+    first = await next_job(watch)
+    assert (first.state, first.revision) == (job_pb2.JOB_STATE_QUEUED, 0)
+    assert first == job
+    assert reads == []
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    assert (await next_job(watch)).revision == running.revision
+    watch.cancel()
+    # Unwatched, it changes again: the next watch reads it.
+    succeeded = await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    await wait_for(lambda: hub.recent.latest(job_key(TENANT, job.job_id)) is None)
+    again = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    assert (await next_job(again)).revision == succeeded.revision
+    assert reads == [job_key(TENANT, job.job_id)]
+    keep_feeding.cancel()
+
+
 async def test_deleted_record_ends_the_watch_with_not_found(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
     job = (await stub.SubmitJob(submit_request())).job
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))

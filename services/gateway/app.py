@@ -102,7 +102,7 @@ class GatewayApp:
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
         admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
-        self._submitter = JobSubmitter(cfg, self._nc, admission, claim_check=claim_check)
+        self._submitter = JobSubmitter(cfg, self._nc, admission, claim_check=claim_check, recent=self._hub.recent)
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
         )

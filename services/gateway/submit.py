@@ -32,6 +32,7 @@ from asyncinfer.queued_notice import announce_queued
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
+from services.gateway.recent_records import RecentRecords
 from services.gateway.submit_request import SubmitRequest, validate_submit
 
 log = structlog.get_logger("asyncinfer.gateway")
@@ -48,7 +49,9 @@ class JobSubmitter:
         *,
         clock: Callable[[], float] = time.time,
         claim_check: ClaimCheck | None = None,
+        recent: RecentRecords | None = None,
     ) -> None:
+        self._recent = recent
         self._config = config
         self._claim_check = claim_check
         self._nc = nc
@@ -160,6 +163,8 @@ class JobSubmitter:
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         envelope = queued_envelope(record, request.inputs)
+        if self._recent is not None:
+            self._recent.expect(record.key)
         try:
             await publish_durably(
                 self._js,
@@ -172,13 +177,19 @@ class JobSubmitter:
                     tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
                 ),
             )
-        except NATS_FAILURES as exc:
+        except BaseException as exc:
+            if self._recent is not None:
+                self._recent.forget(record.key)
+            if not isinstance(exc, NATS_FAILURES):
+                raise
             log.warning("enqueue_failed", error=str(exc), **about)
             raise Unavailable(
                 f"the job could not be queued ({exc}); it was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
+        if self._recent is not None:
+            self._recent.queued(record)
         await announce_queued(self._nc, record, encode_record(record))
         log.info("job_submitted", priority=record.priority.value, **about)
         return record

@@ -35,6 +35,7 @@ from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamCon
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
+from services.gateway.recent_records import RecentRecords
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.watch")
@@ -78,6 +79,8 @@ class WatchHub:
         self._selectors: dict[str, dict[WatcherQueue, dict[str, str]]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
         self._notices: Subscription | None = None
+        # The jobs this gateway queued while the feed runs (see services.gateway.recent_records).
+        self.recent = RecentRecords()
         self._feed_lock = asyncio.Lock()
         self._idle_stop_s = idle_stop_s
         self._idle_since: float | None = None  # loop time the last watcher left; None: watched
@@ -129,6 +132,7 @@ class WatchHub:
             # DeliverPolicy.NEW: watches read the current record themselves after this, so only
             # later changes matter. An ordered consumer is ephemeral, in memory, and resumes after
             # the last sequence it saw.
+            self.recent.feed_started()  # before: what the submits expect from now on is in the feed
             self._subscription = await self._js.subscribe(
                 f"{self._subject_prefix}>",
                 stream=kv_stream(self._bucket),
@@ -165,6 +169,7 @@ class WatchHub:
         if self._subscription is None:
             return
         subscription, self._subscription = self._subscription, None
+        self.recent.feed_stopped()
         try:
             consumer = (await subscription.consumer_info()).name
             await subscription.unsubscribe()
@@ -194,6 +199,8 @@ class WatchHub:
         queues = self._watchers.get(key)
         selectors = self._selectors.get(key.partition(".")[0]) if self._selectors else None
         if not queues and not selectors:
+            # Unwatched: not decoded. A job queued here that changed is read by its next watch.
+            self.recent.forget(key)
             return
         revision = msg.metadata.sequence.stream
         headers = msg.headers or {}
@@ -205,6 +212,7 @@ class WatchHub:
                 log.error("watch_bad_record", key=key, revision=revision, error=str(exc))
                 return
         update = RecordUpdate(revision, record, key)
+        self.recent.changed(key, record)
         for queue in queues or ():
             queue.put_nowait(update)
         if selectors:
@@ -267,7 +275,8 @@ class WatchHub:
         queue = self.register(key)
         try:
             await self.ensure_feed()  # before the read: a change after it is then in the feed
-            current = await self._records.get(key)
+            # A job this gateway queued a moment ago is known without a read (recent_records).
+            current = self.recent.latest(key) or await self._records.get(key)
             if current is not None:
                 current = await self._expiry.settle(current)
             if current is None:
