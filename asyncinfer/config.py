@@ -196,6 +196,12 @@ class SchedulerConfig(_Section):
     lease_renew_interval_s: float = Field(
         10.0, gt=0, description="How often in-progress acks renew the leases of dispatched jobs."
     )
+    hold_pulls_open: bool = Field(
+        True,
+        description="While a model's queues are empty and a batcher has a credit, hold a pull open on each "
+        "priority's queue (for up to poll_interval_ms), so that a job is delivered to the scheduler as the "
+        "stream stores it, rather than a queued notice and a pull later.",
+    )
     poll_interval_ms: float = Field(
         250.0,
         gt=0,

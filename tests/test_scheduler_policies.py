@@ -734,3 +734,51 @@ async def test_priority_under_saturation_high_waits_far_less_and_low_completes(s
         f"LOW mean {low_mean * 1000:.0f} ms (max {max(waits[Priority.LOW]) * 1000:.0f} ms), all 200 LOW done"
     )
     assert high_mean * 10 < low_mean
+
+
+async def test_an_idle_scheduler_holds_pulls_open_and_puts_back_what_it_may_not_run(
+    start: Start, config: Config
+) -> None:
+    """With a credit and empty queues, a pull is held open on each priority's queue: a job arrives
+    the moment it is stored, with no queued notice and long before the poll interval. One that
+    arrives at a held pull as the model is paused is put back, still counted in the queue's
+    depth, and runs after the resume."""
+    tuned = tune(config)
+    h = await start(tuned.replace(scheduler={"poll_interval_ms": 5_000.0, "hold_pulls_open": True}))
+    batcher = await h.batcher(credits=1)
+    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    held: Any = dispatcher._held
+
+    async def holding() -> bool:
+        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    await until(holding)
+    started = time.monotonic()
+    job_id = await enqueue(h.nc, h.kv, announce=False)  # no notice: only the held pull can see it
+    order = await batcher.next_order(timeout_s=5)
+    assert order.job_id == job_id
+    assert time.monotonic() - started < 2.0, "found by the held pull, not the 5 s poll"
+    await batcher.answer(order)
+    await wait_state(h.js, job_id, JobState.SUCCEEDED)
+    await batcher.grant(1)
+    await until(holding)
+    # Paused while its pulls are held open: what they bring is put back, not run.
+    await h.queues.put("paused.demo", b"{}")
+    await until(lambda: _true_if(h.app.metrics, "asyncinfer_queue_paused"))
+    parked = await enqueue(h.nc, h.kv, priority=Priority.LOW, announce=False)
+
+    async def put_back() -> bool:
+        snapshot = await h.snapshot()
+        return (
+            dispatcher.queues.put_back_count(Priority.LOW) == 1
+            and snapshot is not None
+            and snapshot.depth(Priority.LOW) == 1
+            and snapshot.in_flight == 0
+        )
+
+    await until(put_back)
+    assert batcher.orders.empty()
+    await h.queues.delete("paused.demo")
+    order = await batcher.next_order(timeout_s=30)
+    assert order.job_id == parked
+    assert dispatcher.queues.put_back_count(Priority.LOW) == 0

@@ -8,7 +8,9 @@ moment spreads over both.
 
 With --setting, A is the setting false, B true (the default):
 - batcher.work_batches: the WorkerService stream one message per order / result / credit, against
-  WorkOrders and WorkUpdates (work moving a batch at a time).
+  WorkOrders and WorkUpdates (work moving a batch at a time);
+- scheduler.hold_pulls_open: an idle dispatcher woken by a queued notice that then pulls, against
+  one holding a pull open on each priority's queue (services/scheduler/held_pulls.py).
 With --revisions, A's and B's services run from a worktree of each git revision (made in a temp
 dir, removed after), sharing this checkout's virtual environment and benchmark code.
 Writes bench/results/ab_<key or name>.{json,md}.
@@ -36,6 +38,7 @@ from bench.system.e2e import Burst, Stack, batch_burst, burst, run_one, system_c
 
 TITLES = {
     "batcher.work_batches": "the WorkerService stream, one message per item vs batches",
+    "scheduler.hold_pulls_open": "an idle scheduler woken by queued notices vs pulls held open",
 }
 
 

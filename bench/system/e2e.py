@@ -155,6 +155,7 @@ class Stack:
         name: str = "nats",
         batcher: dict[str, Any] | None = None,
         gateway: dict[str, Any] | None = None,
+        scheduler: dict[str, Any] | None = None,
         source: Path | None = None,
     ) -> None:
         self.group = group
@@ -164,6 +165,7 @@ class Stack:
             models=[noop_model_config()],
             batcher={"torch_threads": 1, **(batcher or {})},
             **({"gateway": gateway} if gateway else {}),
+            **({"scheduler": scheduler} if scheduler else {}),
         )
 
         def profile(name: str) -> Path | None:

@@ -141,6 +141,7 @@ class SchedulerApp:
             submitted_per_s=self._submissions.per_s,
             is_paused=pauses.is_paused,
             is_draining=lambda: self.draining,
+            put_back_count=self._put_back_count,
         )
         workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
         ops = OpsService(
@@ -198,6 +199,7 @@ class SchedulerApp:
                 resumed=pauses.resumed(model.name),
                 undrained=self._undrained,
                 on_queued=self._submissions.add,
+                hold_pulls_open=settings.hold_pulls_open,
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
@@ -255,6 +257,9 @@ class SchedulerApp:
     async def _stop_dispatching(self) -> None:
         for dispatcher in self._dispatchers:
             await dispatcher.stop()
+
+    def _put_back_count(self, model_name: str, priority: Priority) -> int:
+        return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)
 
     def _wake_dispatcher(self, subject: str) -> None:
         """A message was put back on `subject` (a job's work subject, or its queue's)."""

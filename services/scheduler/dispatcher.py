@@ -6,24 +6,27 @@ that many messages, weighted across priorities: see services.scheduler.priority)
 never taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
 until a queued notice for the model rings the doorbell (asyncinfer.queued_notice), or until the
 poll interval passes (which catches redeliveries, delayed retries, messages published while it was
-down and any whose notice was lost).
+down and any whose notice was lost). With `hold_pulls_open`, an idle dispatcher also holds a pull
+open on each priority's queue meanwhile (services.scheduler.held_pulls), so that a job reaches it
+as the stream stores it rather than a notice and a pull later.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 
 from asyncinfer.contract import queued_subjects
-from asyncinfer.jobs import PRIORITIES_BY_RANK
+from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, Subscription
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
+from services.scheduler.held_pulls import HeldPulls
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.work_queue import ModelQueues
@@ -49,6 +52,7 @@ class ModelDispatcher:
         resumed: asyncio.Event | None = None,
         undrained: asyncio.Event | None = None,
         on_queued: Callable[[str], None] | None = None,
+        hold_pulls_open: bool = False,
     ) -> None:
         self.model_name = queues.model_name
         self._supervisor = supervisor
@@ -60,14 +64,17 @@ class ModelDispatcher:
         # Both set while dispatching may go on: the model is not paused, the scheduler not draining.
         self._gates = tuple(gate for gate in (resumed, undrained) if gate is not None)
         self._on_queued = on_queued
-        # Set between rounds: `settled` waits on it, so that a drain knows no pull is under way.
+        # Set while no round (and no held pull's dispatch) is under way: `settled` waits on it, so
+        # that a drain knows no pull is under way.
         self._between_rounds = asyncio.Event()
         self._between_rounds.set()
+        self._rounds_under_way = 0
         self._queued_records = queued_records
         self._doorbell = asyncio.Event()
         self._stopping = asyncio.Event()
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._held = HeldPulls(queues, hold_s=poll_interval_s, deliver=self._deliver_held) if hold_pulls_open else None
 
     async def start(self) -> None:
         # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
@@ -85,6 +92,8 @@ class ModelDispatcher:
         self._stopping.set()
         if self._task is not None:
             await self._task
+        if self._held is not None:
+            await self._held.settled()  # what they bring now is put back
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
@@ -92,8 +101,11 @@ class ModelDispatcher:
         await self._queues.close()
 
     async def settled(self) -> None:
-        """Returns once no round is under way (a round that had begun has dispatched what it pulled)."""
+        """Returns once no round is under way (a round that had begun has dispatched what it pulled)
+        and no pull is held open."""
         await self._between_rounds.wait()
+        if self._held is not None:
+            await self._held.settled()
 
     async def _ring(self, msg: Msg) -> None:
         try:
@@ -115,6 +127,8 @@ class ModelDispatcher:
         priority = PRIORITY_BY_SUBJECT_TOKEN.get(subject.rpartition(".")[2])
         if priority is not None:
             self._queues.note_publish(priority)
+            if self._held is not None and self._held.holding(priority):
+                return  # the held pull brings it
         self._doorbell.set()
 
     async def _run(self) -> None:
@@ -124,12 +138,11 @@ class ModelDispatcher:
             if closed is not None:
                 await self._wait(closed)
                 continue
-            self._between_rounds.clear()
-            try:
+            with self._under_way():
                 idle = await self._round()
-            finally:
-                self._between_rounds.set()
             if idle:
+                if self._held is not None:
+                    self._held.open()
                 await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
 
     async def _round(self) -> bool:
@@ -162,6 +175,34 @@ class ModelDispatcher:
             if not was_sent:
                 self._batchers.release(session, self.model_name)
         return False
+
+    async def _deliver_held(self, msg: Msg, priority: Priority) -> None:
+        """Dispatches a message a held pull brought, or puts it back when it cannot run here now."""
+        closed = self._stopping.is_set() or any(not gate.is_set() for gate in self._gates)
+        session = None if closed else self._batchers.reserve(self.model_name)
+        if session is None:
+            self._queues.note_publish(priority)
+            self._queues.put_back(priority)  # still counted in the queue's depth
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            self._doorbell.set()  # the loop goes to wait on what held it (a pause ends, a credit comes)
+            return
+        self._queues.selector.charge(priority, 1)
+        with self._under_way():
+            if not await self._flow.dispatch(msg, session):
+                self._batchers.release(session, self.model_name)
+        self._doorbell.set()  # a job came: there may be more
+
+    @contextlib.contextmanager
+    def _under_way(self) -> Iterator[None]:
+        self._rounds_under_way += 1
+        self._between_rounds.clear()
+        try:
+            yield
+        finally:
+            self._rounds_under_way -= 1
+            if not self._rounds_under_way:
+                self._between_rounds.set()
 
     async def _wait(self, event: asyncio.Event, *, timeout_s: float | None = None) -> bool:
         """Waits for the event (or the timeout); False once stopping."""

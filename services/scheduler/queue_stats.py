@@ -107,7 +107,9 @@ class QueueStatsReader:
         is_paused: Callable[[str], bool],
         submitted_per_s: Callable[[str], float],
         is_draining: Callable[[], bool],
+        put_back_count: Callable[[str, Priority], int] = lambda _model, _priority: 0,
     ) -> None:
+        self._put_back_count = put_back_count
         self._js = js
         self._config = config
         self._batchers = batchers
@@ -153,7 +155,9 @@ class QueueStatsReader:
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:
         stream = self._config.nats.work_stream
         info = await self._js.consumer_info(stream, work_consumer_name(model_name, priority))
-        depth = info.num_pending or 0
+        # Pulled and put back by this scheduler (services.scheduler.held_pulls): waiting, though
+        # the consumer counts them as delivered.
+        depth = (info.num_pending or 0) + self._put_back_count(model_name, priority)
         oldest_age_s: float | None = None
         oldest_create_time: float | None = None
         if depth and info.delivered is not None:

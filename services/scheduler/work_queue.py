@@ -139,12 +139,29 @@ class ModelQueues:
         self.selector = selector
         self._tenants = {p: TenantRoundRobin() for p in PRIORITIES_BY_RANK}
         self._inbox = PullInbox(nc)
+        # One per priority: held pulls (services.scheduler.held_pulls) wait side by side.
+        self._hold_inboxes = {p: PullInbox(nc) for p in PRIORITIES_BY_RANK}
         self._empty_for_s = empty_for_s
         self._clock = clock
         self._empty_until: dict[Priority, float] = {}
         # Publishes seen per priority: a publish seen while a pull was out may have missed it.
         self._publishes = dict.fromkeys(PRIORITIES_BY_RANK, 0)
         self._pulled_at = dict.fromkeys(PRIORITIES_BY_RANK, 0)
+        # Messages this scheduler pulled and put back (a nak): waiting again, but the consumer
+        # counts them as delivered, not pending, until they are pulled again (first, before new ones).
+        self._put_back = dict.fromkeys(PRIORITIES_BY_RANK, 0)
+
+    def put_back(self, priority: Priority) -> None:
+        """A message of the priority's queue was pulled and put back (nak) without running."""
+        self._put_back[priority] += 1
+
+    def put_back_count(self, priority: Priority) -> int:
+        return self._put_back[priority]
+
+    def _pulled(self, priority: Priority, msgs: list[Msg]) -> list[Msg]:
+        if msgs and self._put_back[priority]:
+            self._put_back[priority] = max(0, self._put_back[priority] - len(msgs))
+        return msgs
 
     def note_publish(self, priority: Priority) -> None:
         """A message was published to (or put back on) the priority's queue."""
@@ -169,7 +186,7 @@ class ModelQueues:
             # not applied yet; a publish seen on core NATS before the stream stored it): hold one
             # message's pull open briefly rather than sleep a whole poll interval.
             msgs = await self._inbox.pull(self._stream, self.consumers[priority], 1, wait_s=STORE_WAIT_S)
-        return msgs
+        return self._pulled(priority, msgs)
 
     async def pull_next(self, count: int = 1) -> list[Msg]:
         """The next `count` jobs to run (fewer when fewer wait), chosen now."""
@@ -196,5 +213,13 @@ class ModelQueues:
                 chosen += picked
         return chosen
 
+    async def hold(self, priority: Priority, wait_s: float) -> list[Msg]:
+        """The priority's next message once it is stored, or [] after wait_s (a pull held open)."""
+        return self._pulled(
+            priority, await self._hold_inboxes[priority].pull(self._stream, self.consumers[priority], 1, wait_s=wait_s)
+        )
+
     async def close(self) -> None:
         await self._inbox.close()
+        for inbox in self._hold_inboxes.values():
+            await inbox.close()
