@@ -93,9 +93,9 @@ def _filters(ctx: Context, query: Mapping[str, str]) -> str:
     sizes = "".join(
         f"<option{' selected' if str(n) == query.get('page_size', '50') else ''}>{n}</option>" for n in PAGE_SIZES
     )
-    tenant = f" of {ui.h(ctx.tenant)}" if ctx.tenant else ""
+    whose = f"Tenant {ui.h(ctx.tenant)}'s jobs" if ctx.tenant else "The jobs the console's key reaches"
     return (
-        f'<p>The jobs{tenant} the console\'s key reaches, newest first.</p><form method="get" action="/jobs">'
+        f'<p>{whose}, newest first.</p><form method="get" action="/jobs">'
         f'state <select name="state"><option value="">any</option>{options}</select> '
         f'model <input name="model" size="12" value="{ui.h(query.get("model", ""))}"> '
         f'labels <input name="label" size="24" placeholder="key=value, key2=value2" value="{ui.h(query.get("label", ""))}"> '
