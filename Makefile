@@ -58,14 +58,15 @@ docs: $(STAMP)
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
-# The shells the completion tests source their scripts in (tests/test_cli_completion.py), installed
-# here when missing and running as root; without them those tests fail rather than skip.
+# The shells the completion tests source their scripts in (tests/test_cli_completion.py), and the
+# headless chromium the console's tests drive (tests/test_console.py), installed here when missing
+# and running as root; without them those tests fail rather than skip.
 SHELLS_STAMP := $(VENV)/.shells
 $(SHELLS_STAMP): $(STAMP)
-	@for shell in zsh fish; do \
-		if ! command -v $$shell >/dev/null; then \
-			if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq $$shell; \
-			else echo "$$shell is missing (the completion tests need it): run 'sudo apt-get install -y $$shell'"; fi; \
+	@for tool in zsh fish chromium; do \
+		if ! command -v $$tool >/dev/null; then \
+			if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$tool; \
+			else echo "$$tool is missing (tests need it): run 'sudo apt-get install -y $$tool'"; fi; \
 		fi; \
 	done
 	touch $@

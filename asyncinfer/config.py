@@ -276,6 +276,43 @@ class BatcherConfig(_Section):
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
 
 
+class ConsoleConfig(_Section):
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the web console (HTTP) binds. It shows what its keys reach to whoever reaches it: "
+        "beyond loopback, put it behind a network policy or an authenticating proxy.",
+    )
+    port: int = Field(8070, ge=0, le=65535, description="Port of the web console (`asyncinfer up` prints its URL).")
+    gateway_address: str = Field(
+        "127.0.0.1:50051", description="The gateway whose JobService the console reads (host:port; `up`: its own)."
+    )
+    scheduler_address: str = Field(
+        "127.0.0.1:50052", description="The scheduler whose OpsService the console reads (host:port; `up`: its own)."
+    )
+    tls_ca_file: str | None = Field(
+        None, description="PEM CA bundle that verifies the gateway and the scheduler; setting it turns TLS on for both."
+    )
+    tenant_key: str | None = Field(
+        None, description="The key (role tenant) whose jobs the console shows, with API keys; prefer tenant_key_file."
+    )
+    tenant_key_file: str | None = Field(None, description="A file holding tenant_key (a mounted Secret).")
+    ops_key: str | None = Field(
+        None,
+        description="The key (role ops) for the queues and dead letters, with API keys; it also allows replay, "
+        "purge, pause and resume from the console unless read_only. Prefer ops_key_file.",
+    )
+    ops_key_file: str | None = Field(None, description="A file holding ops_key (a mounted Secret).")
+    read_only: bool = Field(
+        False,
+        description="Offer no action (replay, purge, pause, resume) even with an ops key. Without an ops key the "
+        "console acts only on a stack without API keys and only when it binds loopback, as `asyncinfer up`'s does.",
+    )
+    stats_interval_s: float = Field(
+        2.0, gt=0, description="How often the console samples GetQueueStats for its live pages and plots."
+    )
+    history_s: float = Field(600.0, gt=0, description="How much of those samples the plots show (kept in memory).")
+
+
 class TensorSpecConfig(_Section):
     name: str = Field(description="Tensor name.")
     datatype: str = Field(description="KServe v2 datatype: FP32, INT64, BYTES, ...")
@@ -494,6 +531,7 @@ class Config(_Section):
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     batcher: BatcherConfig = Field(default_factory=BatcherConfig)
+    console: ConsoleConfig = Field(default_factory=ConsoleConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = Field(

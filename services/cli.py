@@ -1,13 +1,14 @@
 """The `asyncinfer` command.
 
     asyncinfer up [--config FILE]          everything on one machine: embedded nats-server, gateway,
-                                           scheduler and a batcher with the configured models
+                                           scheduler, a batcher with the configured models, the console
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
     asyncinfer completion bash|zsh|fish    a tab-completion script for the shell
     asyncinfer gateway|scheduler|batcher [--config FILE]
                                            one service in this process, against an external NATS
+    asyncinfer console [--config FILE]     the web console alone, against a gateway and a scheduler
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
                                            the client commands (asyncinfer.commands; exit codes in
                                            asyncinfer/commands/output.py)
@@ -67,10 +68,18 @@ def _batcher(config: Config) -> App:
     return app
 
 
+def _console(config: Config) -> App:
+    from services.console.app import ConsoleApp
+
+    app: App = ConsoleApp(config)
+    return app
+
+
 SERVICES: dict[str, Callable[[Config], App]] = {
     "gateway": _gateway,
     "scheduler": _scheduler,
     "batcher": _batcher,
+    "console": _console,
 }
 
 
@@ -110,22 +119,24 @@ def check_up_exposure(config: Config) -> None:
         ("scheduler", config.scheduler.host),
         ("batcher", config.batcher.host),
         ("embedded_nats", config.embedded_nats.host),
+        ("console", config.console.host),
     ):
         if not is_loopback(host):
             raise ConfigError(
                 f"`asyncinfer up` binds every port but the gateway's to loopback: {what}.host is {host!r}, and "
-                f"the {what}'s API has no authentication. Set {what}.host to 127.0.0.1 (run services apart, "
+                f"the {what} has no authentication of its own. Set {what}.host to 127.0.0.1 (run services apart, "
                 "on a private network, to spread them over machines)."
             )
 
 
 def service_ports(config: Config, name: str) -> list[PortUse]:
-    """The ports one service listens on, with the settings they come from."""
+    """The ports one service listens on, with the settings they come from (the console has no
+    metrics port)."""
     section: Any = getattr(config, name)
-    return [
-        PortUse(f"{name}.port", section.host, section.port),
-        PortUse(f"{name}.metrics_port", section.host, section.metrics_port),
-    ]
+    uses = [PortUse(f"{name}.port", section.host, section.port)]
+    if hasattr(section, "metrics_port"):
+        uses.append(PortUse(f"{name}.metrics_port", section.host, section.metrics_port))
+    return uses
 
 
 def up_ports(config: Config) -> list[PortUse]:
@@ -303,6 +314,14 @@ async def run_up(config: Config) -> int:
             if name == "batcher" and "scheduler" in state:
                 sched = state["scheduler"]
                 cfg = cfg.replace(batcher={"scheduler_address": f"{config.scheduler.host}:{sched.port}"})
+            if name == "console":  # the stack's own gateway and scheduler, on the ports they bound
+                gateway, sched = state["gateway"], state["scheduler"]
+                cfg = cfg.replace(
+                    console={
+                        "gateway_address": f"{config.gateway.host}:{gateway.port}",
+                        "scheduler_address": f"{config.scheduler.host}:{sched.port}",
+                    }
+                )
             app = InContext(SERVICES[name](cfg), service_context(name))
             await app.start()
             state[name] = app
@@ -316,7 +335,7 @@ async def run_up(config: Config) -> int:
 
     try:
         return await run_until_stopped(
-            [start_nats, make("gateway"), make("scheduler"), make("batcher")],
+            [start_nats, make("gateway"), make("scheduler"), make("batcher"), make("console")],
             grace_s=SHUTDOWN_GRACE_S,
             on_started=started,
             stop=stop,
@@ -337,6 +356,7 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: 
         f"  JobService (gateway)           {gateway}",
         f"  OpsService, WorkerService      {scheduler}",
         f"  KServe v2 inference (batcher)  {batcher}",
+        f"  web console                    http://{config.console.host}:{apps['console'].port}/",
         f"  NATS JetStream                 {nats_url}  (store: {config.embedded_nats.store_dir})",
         f"  models                         {models}",
     ]
@@ -399,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", type=Path, help="configuration file (TOML); see `asyncinfer config`")
     client_cli.add_tool_commands(commands)
     for name in SERVICES:
-        sub = commands.add_parser(name, help=f"run the {name} alone against an external NATS")
+        against = "the gateway and the scheduler" if name == "console" else "an external NATS"
+        sub = commands.add_parser(name, help=f"run the {name} alone against {against}")
         sub.add_argument("--config", type=Path, help="configuration file (TOML)")
     client_commands.register(commands)
     return parser

@@ -14,6 +14,7 @@ _BATCHER = (*_SERVER, "torch", "tritonclient")
 NEEDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "gateway": ("server", _SERVER),
     "scheduler": ("server", _SERVER),
+    "console": ("server", _SERVER),
     "batcher": ("batcher", _BATCHER),
     "up": ("all", _BATCHER),
 }

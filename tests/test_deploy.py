@@ -259,6 +259,9 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
     for name, deployment in deployments.items():
         if name == "triton":
             continue
+        if name == "console":
+            check_console(main, services, deployment)
+            continue
         service = service_of(name)
         cfg = main if service != "batcher" else pool_config(docs, deployment, tmp_path)
         section = getattr(cfg, service)
@@ -282,6 +285,25 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
     assert pooled == {m.name for m in main.models}, "every model needs a batcher pool, and only configured ones"
 
 
+def check_console(main: Config, services: dict[str, dict[str, Any]], deployment: dict[str, Any]) -> None:
+    """The console: the gateway image running `console`, on its HTTP port (probes on /healthz),
+    pointed at the gateway's and the scheduler's Services, its keys from the Secret."""
+    console = container(deployment)
+    assert console["image"].rsplit(":", 1)[0].endswith("asyncinfer/gateway")  # the server extra, no torch
+    assert console["args"][0] == "console"
+    assert main.console.host == "0.0.0.0"
+    assert {p["name"]: p["containerPort"] for p in console["ports"]} == {"http": main.console.port}
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert console[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    for service, address in (("gateway", main.console.gateway_address), ("scheduler", main.console.scheduler_address)):
+        assert address == f"{service}:{services[service]['spec']['ports'][0]['port']}"
+    assert services["console"]["spec"]["ports"][0]["port"] == main.console.port
+    assert services["console"]["spec"]["type"] == "ClusterIP"
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in console["env"]}
+    assert set(env) == {"ASYNCINFER_CONSOLE__TENANT_KEY", "ASYNCINFER_CONSOLE__OPS_KEY"}
+    assert all(ref["name"] == "asyncinfer-secrets" and ref["key"] == name for name, ref in env.items())
+
+
 def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -> None:
     docs = render("local")
     (secret,) = of_kind(docs, "Secret").values()
@@ -291,9 +313,17 @@ def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -
 
     assert [k.sha256 for k in cfg.gateway.api_keys] == [hash_key("asyncinfer-local-demo-key")]
     assert cfg.webhooks.secret_for("demo") is not None
-    gateway_env = {e["name"]: e for e in container(of_kind(docs, "Deployment")["gateway"])["env"]}
-    assert set(gateway_env) == set(environ)
-    for env in gateway_env.values():
+    # The console's key is the demo tenant's (and it has no ops key: read-only).
+    assert cfg.console.tenant_key is not None
+    (console_key,) = [k for k in cfg.gateway.api_keys if k.sha256 == hash_key(cfg.console.tenant_key)]
+    assert console_key.tenant == "demo"
+    assert cfg.console.ops_key is None
+    deployments = of_kind(docs, "Deployment")
+    gateway_env = {e["name"]: e for e in container(deployments["gateway"])["env"]}
+    console_env = {e["name"]: e for e in container(deployments["console"])["env"]}
+    assert set(gateway_env) == {k for k in environ if not k.startswith("ASYNCINFER_CONSOLE__")}
+    assert set(environ) - set(gateway_env) <= set(console_env)
+    for env in (*gateway_env.values(), *console_env.values()):
         assert env["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
 
 
@@ -395,7 +425,7 @@ def test_network_policies_open_only_the_gateway_to_everyone(overlay: str) -> Non
 
     assert allowed_from("gateway", 50051) == [None]
     for name in pods:
-        for port in (4222, 6222, 50052, 50053, 8001):
+        for port in (4222, 6222, 50052, 50053, 8001, 8070):
             assert None not in allowed_from(name, port), (name, port)
     # Only the services reach NATS's client port; batchers only the scheduler.
     nats_peers = [p["podSelector"] for p in allowed_from("nats", 4222) if p and "podSelector" in p]
@@ -403,12 +433,17 @@ def test_network_policies_open_only_the_gateway_to_everyone(overlay: str) -> Non
     assert sorted(nats_clients) == ["gateway", "nats", "scheduler"]
     scheduler_peers = [p["podSelector"] for p in allowed_from("scheduler", 50052) if p and "podSelector" in p]
     scheduler_clients = [n for n in pods if any(_selects(selector, pods[n]) for selector in scheduler_peers)]
-    assert all(n.startswith("batcher-") for n in scheduler_clients)
+    assert all(n.startswith("batcher-") or n == "console" for n in scheduler_clients)
+    assert "console" in scheduler_clients  # it reads the OpsService
     assert scheduler_clients
+    # The console (no login of its own) only to ops.
+    console_peers = allowed_from("console", 8070)
+    assert console_peers
+    assert all(p and ("podSelector" in p or "namespaceSelector" in p) for p in console_peers)
     # Prometheus may scrape every metrics port; KEDA may read NATS's monitoring port.
     monitoring = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     for name, _labels in pods.items():
-        if name == "nats":
+        if name in ("nats", "console"):  # the console has no metrics port
             continue
         port = int(
             of_kind(docs, "Deployment")[name]["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"]

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("asyncinfer", "services")
 GENERATED = ROOT / "asyncinfer" / "v1"
-SERVICES = ("services.gateway", "services.scheduler", "services.batcher")
+SERVICES = ("services.gateway", "services.scheduler", "services.batcher", "services.console")
 
 
 @dataclass(frozen=True, slots=True)

@@ -144,6 +144,9 @@ metrics_port = 0
 port = {ports["batcher"]}
 metrics_port = 0
 
+[console]
+port = 0
+
 [webhooks]
 allowed_networks = ["127.0.0.1/32"]
 """

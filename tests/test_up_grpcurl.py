@@ -91,6 +91,9 @@ metrics_port = {ports["metrics"]}
 [batcher]
 port = {ports["batcher"]}
 metrics_port = 0
+
+[console]
+port = 0
 """
     )
     return path, ports

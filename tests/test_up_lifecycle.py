@@ -37,7 +37,7 @@ from tests.test_up_grpcurl import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
-SERVICES = {"up", "nats", "gateway", "scheduler", "batcher"}
+SERVICES = {"up", "nats", "gateway", "scheduler", "batcher", "console"}
 SNAKE_CASE = re.compile(r"^[a-z][a-z0-9_]*$")
 # services/scheduler/webhooks/sender.py still takes an idle fetch's asyncio TimeoutError for a NATS
 # failure (warns, then stamina warns of the retry); the notifier's copy of that code is fixed. Until
@@ -155,7 +155,7 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     names = {str(e["event"]) for e in logs}
     assert all(SNAKE_CASE.match(name) for name in names), sorted(names)
     order = [str(e["event"]) for e in logs]
-    stops = ["batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
+    stops = ["console_stopped", "batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
     assert all(event in order for event in stops), order
     assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
 

@@ -21,6 +21,7 @@ from asyncinfer.config import (
     DEMO_MODEL,
     BatcherConfig,
     Config,
+    ConsoleConfig,
     GatewayConfig,
     LoggingConfig,
     ModelConfig,
@@ -71,6 +72,8 @@ def cluster_config(models: tuple[ModelConfig, ...]) -> Config:
         gateway=GatewayConfig(host="0.0.0.0"),
         scheduler=SchedulerConfig(host="0.0.0.0"),
         batcher=BatcherConfig(host="0.0.0.0", scheduler_address="scheduler:50052"),
+        # The console's keys come from the Secret (ASYNCINFER_CONSOLE__TENANT_KEY, _OPS_KEY).
+        console=ConsoleConfig(host="0.0.0.0", gateway_address="gateway:50051", scheduler_address="scheduler:50052"),
         logging=LoggingConfig(level="info", format="json"),
         models=models,
     )

@@ -1,0 +1,148 @@
+"""The console as a service app (asyncinfer.runner's App): an aiohttp server of server-rendered
+pages, the Backend's two gRPC channels, and one background loop sampling the queues.
+
+Who may act: replay, purge, pause and resume are offered when the console holds an ops key, or when
+the stack has no API keys at all and the console binds loopback (`asyncinfer up` without keys,
+where every local caller may use the OpsService anyway); never with `console.read_only`."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import structlog
+from aiohttp import web
+
+from asyncinfer.api_keys import hash_key
+from asyncinfer.config import Config
+from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import read_secret
+from services.console import html as ui
+from services.console.backend import Backend
+from services.console.context import Context
+from services.console.history import QueueHistory
+from services.console.pages_jobs import job_page, jobs_page, models_page
+from services.console.pages_ops import (
+    dead_letter_action,
+    dead_letter_page,
+    dead_letters_page,
+    queue_action,
+    queues_page,
+)
+
+log = structlog.get_logger("asyncinfer.console")
+Page = Callable[[Context, web.Request], Awaitable[web.Response]]
+# Inline styles and the one inline script (by its hash); nothing from elsewhere, no framing.
+CSP = (
+    f"default-src 'none'; script-src '{ui.SCRIPT_HASH}'; style-src 'unsafe-inline'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@web.middleware
+async def _headers(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    response = await handler(request)
+    response.headers["Content-Security-Policy"] = CSP
+    response.headers["X-Content-Type-Options"] = "nosniff"
+    response.headers["Referrer-Policy"] = "no-referrer"
+    response.headers["Cache-Control"] = "no-store"
+    return response
+
+
+async def _health(_request: web.Request) -> web.Response:
+    return web.Response(text="ok\n")
+
+
+async def _home(_request: web.Request) -> web.Response:
+    raise web.HTTPFound("/queues")
+
+
+class ConsoleApp:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.supervisor = Supervisor("console")
+        self.port = 0
+        self.writable = False
+        self._backend: Backend | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = self.config.console.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{shown}:{self.port}/"
+
+    def _tenant(self) -> str:
+        """The tenant the console's key reaches, when this configuration lists the keys."""
+        gateway, console = self.config.gateway, self.config.console
+        if not gateway.api_keys:
+            return gateway.default_tenant
+        key = read_secret(console.tenant_key, console.tenant_key_file, "console.tenant_key")
+        digest = hash_key(key) if key else ""
+        return next((k.tenant for k in gateway.api_keys if k.sha256 == digest and k.role == "tenant"), "")
+
+    async def start(self) -> None:
+        console = self.config.console
+        backend = self._backend = Backend(console)
+        try:
+            self.writable = not console.read_only and (
+                backend.has_ops_key or (not self.config.gateway.api_keys and is_loopback(console.host))
+            )
+            history = QueueHistory(console.history_s)
+            ctx = Context(
+                backend=backend,
+                history=history,
+                csrf=secrets.token_urlsafe(24),
+                writable=self.writable,
+                tenant=self._tenant(),
+                stats_interval_s=console.stats_interval_s,
+            )
+            app = web.Application(middlewares=[_headers], client_max_size=64 * 1024)
+            pages: list[tuple[str, str, Page]] = [
+                ("GET", "/models", models_page),
+                ("GET", "/jobs", jobs_page),
+                ("GET", "/jobs/{job_id}", job_page),
+                ("GET", "/queues", queues_page),
+                ("POST", "/queues/{action:pause|resume}", queue_action),
+                ("GET", "/dead-letters", dead_letters_page),
+                ("GET", "/dead-letters/{sequence}", dead_letter_page),
+                ("POST", "/dead-letters/{action:replay|purge}", dead_letter_action),
+            ]
+            for method, path, handler in pages:
+                app.router.add_route(method, path, partial(handler, ctx))
+            app.router.add_get("/", _home)
+            app.router.add_get("/healthz", _health)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, console.host, console.port)
+            await site.start()
+            self.port = int(self._runner.addresses[0][1])
+            self.supervisor.start("console-sampler", history.sample_forever(backend.queues, console.stats_interval_s))
+        except BaseException:
+            await self.stop(0)
+            raise
+        log.info("console_started", url=self.url, writable=self.writable)
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        self.supervisor.begin_stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.supervisor.stop()  # the sampler
+        if self._backend is not None:
+            await self._backend.close()
+            self._backend = None
+            log.info("console_stopped")

@@ -1,0 +1,194 @@
+"""The console's one way to the stack: the gateway's JobService and the scheduler's OpsService,
+over their public gRPC APIs, with the keys the console is configured with. Protobuf stays here:
+pages get the SDK's `Job` and `ModelInfo`, and the small frozen dataclasses below."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from asyncinfer.access import bearer_metadata
+from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
+from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
+from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error
+from asyncinfer.commands.ops import dead_letter_json
+from asyncinfer.config import ConsoleConfig
+from asyncinfer.tls import read_secret
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, ops_service_pb2, ops_service_pb2_grpc
+
+T = TypeVar("T")
+CALL_TIMEOUT_S = 10.0
+PRIORITIES = {job_pb2.PRIORITY_HIGH: "HIGH", job_pb2.PRIORITY_NORMAL: "NORMAL", job_pb2.PRIORITY_LOW: "LOW"}
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityQueue:
+    priority: str
+    depth: int
+    oldest_age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelQueues:
+    model_name: str
+    state: str
+    priorities: tuple[PriorityQueue, ...]
+    in_flight: int
+    connected_batchers: int
+    free_credits: int
+    desired_batchers: int
+    submitted_per_second: float
+    completed_per_second: float
+
+    @property
+    def depth(self) -> int:
+        return sum(p.depth for p in self.priorities)
+
+
+@dataclass(frozen=True, slots=True)
+class JobsPage:
+    jobs: tuple[Job, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettersPage:
+    letters: tuple[dict[str, Any], ...]  # asyncinfer.commands.ops.dead_letter_json's form
+    next_page_token: str
+    total: int | None
+
+
+class Backend:
+    """One channel to the gateway and one to the scheduler, for the console's lifetime. Failures
+    raise the SDK's typed errors (`AsyncInferClientError`), which the pages show."""
+
+    def __init__(self, config: ConsoleConfig) -> None:
+        credentials = tls_credentials(ca_file=config.tls_ca_file) if config.tls_ca_file else None
+        self._gateway = _channel(config.gateway_address, credentials)
+        self._scheduler = _channel(config.scheduler_address, credentials)
+        self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway)
+        self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler)
+        self._tenant = bearer_metadata(read_secret(config.tenant_key, config.tenant_key_file, "console.tenant_key"))
+        ops_key = read_secret(config.ops_key, config.ops_key_file, "console.ops_key")
+        self._ops_metadata = bearer_metadata(ops_key)
+        self.has_ops_key = ops_key is not None
+
+    async def close(self) -> None:
+        await self._gateway.close(None)
+        await self._scheduler.close(None)
+
+    # -- JobService ------------------------------------------------------------------------
+
+    async def models(self) -> list[ModelInfo]:
+        request = job_service_pb2.ListModelsRequest()
+        answer = await _call(self._jobs.ListModels(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return models_from_proto(answer)
+
+    async def list_jobs(
+        self,
+        *,
+        states: Sequence[JobState] = (),
+        model: str = "",
+        labels: Mapping[str, str] | None = None,
+        page_size: int = 50,
+        page_token: str = "",
+    ) -> JobsPage:
+        request = job_service_pb2.ListJobsRequest(
+            page_size=page_size,
+            page_token=page_token,
+            states=[state_to_proto(state) for state in states],
+            model_name=model,
+            labels=dict(labels or {}),
+        )
+        answer = await _call(self._jobs.ListJobs(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return JobsPage(tuple(job_from_proto(job) for job in answer.jobs), answer.next_page_token)
+
+    async def job(self, job_id: str) -> Job:
+        request = job_service_pb2.GetJobRequest(job_id=job_id)
+        answer = await _call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return job_from_proto(answer.job)
+
+    # -- OpsService ------------------------------------------------------------------------
+
+    async def queues(self) -> list[ModelQueues]:
+        request = ops_service_pb2.GetQueueStatsRequest()
+        answer = await _call(self._ops.GetQueueStats(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        return [_model_queues(model) for model in answer.models]
+
+    async def dead_letters(self, *, model: str = "", page_size: int = 50, page_token: str = "") -> DeadLettersPage:
+        request = ops_service_pb2.ListDeadLettersRequest(model_name=model, page_size=page_size, page_token=page_token)
+        answer = await _call(self._ops.ListDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        total = answer.total if answer.HasField("total") else None
+        return DeadLettersPage(tuple(dead_letter_json(d) for d in answer.dead_letters), answer.next_page_token, total)
+
+    async def dead_letter(self, sequence: int) -> dict[str, Any]:
+        request = ops_service_pb2.GetDeadLetterRequest(sequence=sequence)
+        answer = await _call(self._ops.GetDeadLetter(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        return dead_letter_json(answer.dead_letter)
+
+    async def replay(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
+        request = ops_service_pb2.ReplayDeadLettersRequest(sequences=sequences, all=every, model_name=model)
+        answer = await _call(self._ops.ReplayDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        said = f"replayed {answer.replayed}" + (f", skipped {answer.skipped}" if answer.skipped else "")
+        return said + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
+
+    async def purge(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
+        request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
+        answer = await _call(self._ops.PurgeDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        return f"purged {answer.purged}" + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
+
+    async def pause(self, model: str, *, paused: bool) -> str:
+        if paused:
+            pause = ops_service_pb2.PauseQueueRequest(model_name=model)
+            answer: Any = await _call(self._ops.PauseQueue(pause, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        else:
+            resume = ops_service_pb2.ResumeQueueRequest(model_name=model)
+            answer = await _call(self._ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        queued = f", {answer.queued} queued" if answer.HasField("queued") else ""
+        return f"{model}: {_queue_state(answer.state)}{queued}"
+
+
+def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> aio.Channel:
+    if credentials is not None:
+        return aio.secure_channel(target, credentials)
+    return aio.insecure_channel(target)
+
+
+async def _call(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.RpcError as rpc_error:
+        error: AsyncInferClientError = from_rpc_error(rpc_error)
+        raise error from rpc_error
+
+
+def _queue_state(state: int) -> str:
+    if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
+        return "unknown"
+    name: str = ops_service_pb2.QueueState.Name(state)  # type: ignore[arg-type]
+    return name.removeprefix("QUEUE_STATE_").lower()
+
+
+def _model_queues(model: ops_service_pb2.ModelQueueStats) -> ModelQueues:
+    return ModelQueues(
+        model_name=model.model_name,
+        state=_queue_state(model.state),
+        priorities=tuple(
+            PriorityQueue(
+                priority=PRIORITIES.get(p.priority, "NORMAL"),
+                depth=p.depth,
+                oldest_age_s=p.oldest_age.seconds + p.oldest_age.nanos / 1e9,
+            )
+            for p in model.priorities
+        ),
+        in_flight=model.in_flight,
+        connected_batchers=model.connected_batchers,
+        free_credits=model.free_credits,
+        desired_batchers=model.desired_batchers,
+        submitted_per_second=model.submitted_per_second,
+        completed_per_second=model.completed_per_second,
+    )

@@ -1,0 +1,198 @@
+"""HTML for the console, written in Python (no template engine, nothing to download): the page
+frame, tables, forms, and the plots as inline SVG. Every value that comes from the stack goes
+through `h` (html.escape); functions here return HTML, so their results are not escaped again.
+
+The page's one script (allowed by its hash in the Content-Security-Policy, `SCRIPT_HASH`) refreshes each element with `data-refresh` (a URL returning that element's
+new inner HTML) every `data-every` milliseconds; an answer with `X-Console-Final: 1` ends it (a
+job that reached its end). It also asks before a form with `data-confirm` is sent."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from urllib.parse import urlencode
+
+STYLE = """
+body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
+header{background:#1d2330;color:#fff;padding:8px 20px;display:flex;gap:18px;align-items:center}
+header a{color:#cfd8e8;text-decoration:none}header a:hover{color:#fff}header b{margin-right:12px}
+main{padding:16px 20px;max-width:1200px}h1{font-size:20px;margin:4px 0 12px}h2{font-size:16px;margin:18px 0 8px}
+table{border-collapse:collapse;background:#fff;margin-bottom:12px}
+th,td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}th{background:#eef1f5}
+td.n{text-align:right;font-variant-numeric:tabular-nums}
+.state{font-weight:600}.SUCCEEDED{color:#137333}.FAILED,.TIMED_OUT{color:#b3261e}.RUNNING{color:#0b57d0}
+.QUEUED{color:#8a5a00}.CANCELED,.CANCELLING,.EXPIRED{color:#5f6368}
+.note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}
+.error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0}
+form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px solid #dde1e8;padding:8px}
+.charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #dde1e8}
+"""
+
+SCRIPT = """
+for (const el of document.querySelectorAll('[data-refresh]')) {
+  const every = Number(el.dataset.every || 2000);
+  const tick = async () => {
+    try {
+      const r = await fetch(el.dataset.refresh, {headers: {'X-Console-Fragment': '1'}});
+      if (r.ok) { el.innerHTML = await r.text(); el.dataset.refreshed = String(Date.now()); }
+      if (r.headers.get('X-Console-Final') === '1') return;
+    } catch (e) {}
+    setTimeout(tick, every);
+  };
+  setTimeout(tick, every);
+}
+document.addEventListener('submit', (event) => {
+  const ask = event.target.dataset && event.target.dataset.confirm;
+  if (ask && !window.confirm(ask)) event.preventDefault();
+});
+"""
+
+SCRIPT_HASH = "sha256-" + base64.b64encode(hashlib.sha256(SCRIPT.encode()).digest()).decode()
+COLORS = ("#0b57d0", "#e8710a", "#137333", "#b3261e", "#7b1fa2", "#00838f", "#5f6368")
+NAV = (("/queues", "Queues"), ("/jobs", "Jobs"), ("/dead-letters", "Dead letters"), ("/models", "Models"))
+
+
+def h(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def url(path: str, **query: str) -> str:
+    kept = {k: v for k, v in query.items() if v}
+    return path + ("?" + urlencode(kept) if kept else "")
+
+
+def page(title: str, body: str, *, message: str = "") -> str:
+    nav = "".join(f'<a href="{href}">{h(name)}</a>' for href, name in NAV)
+    note = f'<div class="note" id="message">{h(message)}</div>' if message else ""
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{h(title)} · asyncinfer</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
+        f"<body><header><b>asyncinfer console</b>{nav}</header><main><h1>{h(title)}</h1>{note}{body}</main>"
+        f"<script>{SCRIPT}</script></body></html>"
+    )
+
+
+def error_box(error: object) -> str:
+    return f'<div class="error">{h(error)}</div>'
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Iterable[int] = (), id_: str = "") -> str:
+    """`rows` hold HTML already (escape the cells with `h`); columns in `numeric` align right."""
+    right = set(numeric)
+    head = "".join(f"<th>{h(name)}</th>" for name in headers)
+    body = "".join(
+        "<tr>" + "".join(f"<td{' class=n' if i in right else ''}>{cell}</td>" for i, cell in enumerate(row)) + "</tr>"
+        for row in rows
+    )
+    if not body:
+        body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
+    ident = f' id="{h(id_)}"' if id_ else ""
+    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def fields(pairs: Iterable[tuple[str, str]]) -> str:
+    """A two-column table of name, HTML value."""
+    return table(("field", "value"), ([h(name), value] for name, value in pairs))
+
+
+def state(name: str) -> str:
+    return f'<span class="state {h(name)}">{h(name)}</span>'
+
+
+def post_button(action: str, label: str, csrf: str, hidden: Mapping[str, str] | None = None, confirm: str = "") -> str:
+    inputs = "".join(f'<input type="hidden" name="{h(k)}" value="{h(v)}">' for k, v in (hidden or {}).items())
+    ask = f' data-confirm="{h(confirm)}"' if confirm else ""
+    return (
+        f'<form class="inline" method="post" action="{h(action)}"{ask}><input type="hidden" name="csrf" '
+        f'value="{h(csrf)}">{inputs}<button type="submit">{h(label)}</button></form>'
+    )
+
+
+def when(moment: datetime | None) -> str:
+    return h(moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC") if moment else "-"
+
+
+def seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return h(f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
+
+
+# -- plots -------------------------------------------------------------------------------------
+
+
+def line_chart(
+    title: str, series: Mapping[str, Sequence[tuple[float, float]]], *, now: float, span_s: float, unit: str
+) -> str:
+    """One polyline per series over the last `span_s` seconds; y from 0 to the largest value."""
+    width, height, left, bottom, top = 520, 200, 44, 22, 26
+    plot_w, plot_h = width - left - 10, height - top - bottom
+    peak = max((v for points in series.values() for _, v in points), default=0.0)
+    y_max = _nice(peak)
+    parts = [
+        f'<svg role="img" aria-label="{h(title)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
+        f'<text x="{left}" y="16" font-size="13" font-weight="600">{h(title)}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#999"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#999"/>',
+        f'<text x="{left - 4}" y="{top + 4}" font-size="11" text-anchor="end">{h(_short(y_max))}</text>',
+        f'<text x="{left - 4}" y="{top + plot_h}" font-size="11" text-anchor="end">0</text>',
+        f'<text x="{left}" y="{height - 6}" font-size="11">-{h(round(span_s / 60))} min</text>',
+        f'<text x="{left + plot_w}" y="{height - 6}" font-size="11" text-anchor="end">now ({h(unit)})</text>',
+    ]
+    for index, (name, points) in enumerate(sorted(series.items())):
+        color = COLORS[index % len(COLORS)]
+        coords = " ".join(
+            f"{left + plot_w * (1 - min(now - t, span_s) / span_s):.1f},{top + plot_h * (1 - v / y_max):.1f}"
+            for t, v in points
+        )
+        if coords:
+            parts.append(
+                f'<polyline class="series" data-series="{h(name)}" fill="none" stroke="{color}" '
+                f'stroke-width="2" points="{coords}"/>'
+            )
+        parts.append(
+            f'<text x="{left + 8 + 110 * index}" y="{top + 12}" font-size="11" fill="{color}">{h(name)}</text>'
+        )
+    if not series:
+        parts.append(f'<text x="{left + 10}" y="{top + plot_h / 2}" font-size="12" fill="#777">no samples yet</text>')
+    return "".join(parts) + "</svg>"
+
+
+def timeline(bars: Sequence[tuple[str, float, float, str]], *, total_s: float) -> str:
+    """Horizontal bars (label, start s, end s, color) on one time axis from 0 to `total_s`."""
+    width, row, left = 640, 26, 90
+    plot_w = width - left - 70
+    span = total_s if total_s > 0 else 1.0
+    height = row * len(bars) + 24
+    parts = [f'<svg role="img" aria-label="timeline" width="{width}" height="{height}" viewBox="0 0 {width} {height}">']
+    for index, (label, start, end, color) in enumerate(bars):
+        y = 6 + row * index
+        x = left + plot_w * start / span
+        w = max(plot_w * (end - start) / span, 2.0)
+        parts.append(f'<text x="6" y="{y + 14}" font-size="12">{h(label)}</text>')
+        parts.append(
+            f'<rect class="bar" data-bar="{h(label)}" x="{x:.1f}" y="{y}" width="{w:.1f}" height="18" '
+            f'fill="{color}" rx="3"/>'
+        )
+        parts.append(f'<text x="{x + w + 4:.1f}" y="{y + 14}" font-size="11">{seconds(end - start)}</text>')
+    parts.append(f'<text x="{left}" y="{height - 4}" font-size="11">0</text>')
+    parts.append(
+        f'<text x="{left + plot_w}" y="{height - 4}" font-size="11" text-anchor="end">{seconds(total_s)}</text>'
+    )
+    return "".join(parts) + "</svg>"
+
+
+def _nice(peak: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten at or above `peak` (at least 1)."""
+    if peak <= 1:
+        return 1.0
+    power = 10.0 ** math.floor(math.log10(peak))
+    return next(float(m * power) for m in (1, 2, 5, 10) if m * power >= peak)
+
+
+def _short(value: float) -> str:
+    return f"{value:g}"

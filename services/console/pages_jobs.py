@@ -1,0 +1,220 @@
+"""The JobService pages: the models served, a tenant's jobs (filters, paging) and one job's page
+(record, attempts, timings, waiting reason, batch, webhook deliveries, timeline), live while it runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from asyncinfer.client import Job, JobState
+from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from services.console import html as ui
+from services.console.context import Context, fragment_or_page, message_of
+
+PAGE_SIZES = (20, 50, 100, 200)
+TIMELINE_COLORS = {"queued": "#f0b429", "running": "#0b57d0"}
+END_COLORS = {JobState.SUCCEEDED: "#137333", JobState.FAILED: "#b3261e", JobState.TIMED_OUT: "#b3261e"}
+
+
+async def models_page(ctx: Context, request: web.Request) -> web.Response:
+    try:
+        models = await ctx.backend.models()
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, "Models", ui.error_box(error), status=502)
+    rows = [
+        [
+            ui.h(m.name),
+            ui.h(m.version or "-"),
+            ui.h(", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in m.inputs)),
+            ui.h(", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in m.outputs)),
+            ui.h(m.max_batch_size),
+            ui.h(f"{m.default_max_attempts} (at most {m.max_attempts_limit})"),
+            ui.seconds(m.default_execution_timeout_s),
+            f'<a href="{ui.url("/jobs", model=m.name)}">jobs</a>',
+        ]
+        for m in models
+    ]
+    headers = ("model", "version", "inputs", "outputs", "max rows", "attempts", "execution timeout", "")
+    return fragment_or_page(request, "Models", ui.table(headers, rows, numeric=(4,), id_="models"))
+
+
+def _labels(text: str) -> dict[str, str]:
+    """`key=value, key2=value2` from the filter box (a part without `=` is ignored)."""
+    pairs = (part.partition("=") for part in text.split(","))
+    return {key.strip(): value.strip() for key, sep, value in pairs if sep and key.strip()}
+
+
+async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
+    query = request.query
+    state, model, label = query.get("state", ""), query.get("model", ""), query.get("label", "")
+    token = query.get("page_token", "")
+    size = int(query["page_size"]) if query.get("page_size", "").isdigit() else 50
+    try:
+        states = (JobState(state),) if state else ()
+    except ValueError:
+        states = ()
+    try:
+        found = await ctx.backend.list_jobs(
+            states=states, model=model, labels=_labels(label), page_size=size, page_token=token
+        )
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=502)
+    now = time.time()
+    rows = [_job_row(job, now) for job in found.jobs]
+    headers = ("job", "state", "model", "priority", "attempt", "labels", "created", "queued", "ran")
+    listing = ui.table(headers, rows, numeric=(4, 7, 8), id_="jobs")
+    links = []
+    filters = {"state": state, "model": model, "label": label, "page_size": str(size) if size != 50 else ""}
+    if token:
+        links.append(f'<a href="{ui.h(ui.url("/jobs", **filters))}">first page</a>')
+    if found.next_page_token:
+        more = ui.url("/jobs", **filters, page_token=found.next_page_token)
+        links.append(f'<a id="next-page" href="{ui.h(more)}">next page</a>')
+    body = listing + " · ".join(links)
+    if request.headers.get("X-Console-Fragment"):
+        return web.Response(text=body, content_type="text/html")
+    # The first page follows new jobs; later pages stay put (their token is a position).
+    live = "" if token else f' data-refresh="{ui.h(ui.url("/jobs", **filters))}" data-every="2000"'
+    return web.Response(
+        text=ui.page(
+            "Jobs", _filters(ctx, query) + f'<div id="jobs-live"{live}>{body}</div>', message=message_of(request)
+        ),
+        content_type="text/html",
+    )
+
+
+def _filters(ctx: Context, query: Mapping[str, str]) -> str:
+    state = query.get("state", "")
+    options = "".join(
+        f'<option value="{s.value}"{" selected" if s.value == state else ""}>{s.value}</option>' for s in JobState
+    )
+    sizes = "".join(
+        f"<option{' selected' if str(n) == query.get('page_size', '50') else ''}>{n}</option>" for n in PAGE_SIZES
+    )
+    whose = f"Tenant {ui.h(ctx.tenant)}'s jobs" if ctx.tenant else "The jobs the console's key reaches"
+    return (
+        f'<p>{whose}, newest first.</p><form method="get" action="/jobs">'
+        f'state <select name="state"><option value="">any</option>{options}</select> '
+        f'model <input name="model" size="12" value="{ui.h(query.get("model", ""))}"> '
+        f'labels <input name="label" size="24" placeholder="key=value, key2=value2" value="{ui.h(query.get("label", ""))}"> '
+        f'per page <select name="page_size">{sizes}</select> <button type="submit">filter</button></form>'
+    )
+
+
+def _job_row(job: Job, now: float) -> list[str]:
+    labels = ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
+    return [
+        f'<a href="/jobs/{ui.h(job.job_id)}">{ui.h(job.job_id)}</a>',
+        ui.state(job.state.value),
+        ui.h(job.model_name),
+        ui.h(job.priority.value),
+        ui.h(f"{job.attempt}/{job.max_attempts}"),
+        ui.h(labels or "-"),
+        ui.when(job.create_time),
+        ui.seconds(job.queue_duration_s),
+        ui.seconds(job.run_duration_s),
+    ]
+
+
+async def job_page(ctx: Context, request: web.Request) -> web.Response:
+    job_id = request.match_info["job_id"]
+    title = f"Job {job_id}"
+    try:
+        job = await ctx.backend.job(job_id)
+    except NotFoundError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=502)
+    body = job_details(job, time.time())
+    if request.headers.get("X-Console-Fragment"):
+        response = web.Response(text=body, content_type="text/html")
+        if job.done:
+            response.headers["X-Console-Final"] = "1"
+        return response
+    live = "" if job.done else f' data-refresh="/jobs/{ui.h(job_id)}" data-every="1000"'
+    return web.Response(
+        text=ui.page(title, f'<div id="job"{live}>{body}</div>', message=message_of(request)),
+        content_type="text/html",
+    )
+
+
+def job_details(job: Job, now: float) -> str:
+    record = [
+        ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
+        ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
+        ("priority", ui.h(job.priority.value)),
+        ("attempt", ui.h(f"{job.attempt} of {job.max_attempts}")),
+        ("labels", ui.h(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
+        ("idempotency key", ui.h(job.idempotency_key or "-")),
+        ("batcher", ui.h(job.batcher_id or "-")),
+        ("created", ui.when(job.create_time)),
+        ("started (latest attempt)", ui.when(job.start_time)),
+        ("ended", ui.when(job.end_time)),
+        ("updated", ui.when(job.update_time)),
+        ("queued for", ui.seconds(job.queue_duration_s)),
+        ("ran for", ui.seconds(job.run_duration_s)),
+        ("deadline", ui.when(job.deadline)),
+        ("execution timeout", ui.seconds(job.execution_timeout_s)),
+        ("kept until", ui.when(job.expire_time)),
+        ("revision", ui.h(job.revision)),
+    ]
+    if job.queue is not None and job.state is JobState.QUEUED:
+        reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
+        record += [
+            ("queue position", ui.h(f"{job.queue.position} ahead")),
+            ("waiting reason", ui.h(reason)),
+            ("expected start", ui.when(job.queue.estimated_start_time)),
+        ]
+    for name, error in (("error", job.error), ("previous attempt's error", job.last_error)):
+        if error is not None:
+            record.append((name, ui.h(f"{error.code.name} {error.reason}: {error.message}")))
+    if job.outputs:
+        shapes = ", ".join(f"{name} {list(array.shape)} {array.dtype}" for name, array in job.outputs.items())
+        record.append(("outputs", ui.h(shapes)))
+    if job.result_ref is not None:
+        record.append(("result stored apart", ui.h(f"{job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")))
+    parts = [ui.fields(record), "<h2>Timeline</h2>", _timeline(job, now)]
+    if job.batch is not None:
+        batch = [
+            ("batcher", ui.h(job.batch.batcher_id)),
+            ("jobs in the batch", ui.h(job.batch.batch_size)),
+            ("compute", ui.seconds(job.batch.compute_duration_s)),
+        ]
+        parts += ["<h2>The batch it ran in</h2>", ui.fields(batch)]
+    if job.callback is not None:
+        events = ", ".join(e.value for e in job.callback.events) or "the terminal ones"
+        parts.append(f"<h2>Webhook</h2><p>{ui.h(job.callback.url)} ({ui.h(events)})</p>")
+        rows = [
+            [
+                ui.h(d.webhook_id),
+                ui.h(d.event.value if d.event else "-"),
+                ui.h(d.state.value if d.state else "-"),
+                ui.h(d.attempts),
+                ui.when(d.last_attempt_time),
+                ui.h(d.last_status_code or "-"),
+                ui.h(d.last_error or "-"),
+                ui.when(d.next_attempt_time),
+            ]
+            for d in job.callback_deliveries
+        ]
+        headers = ("webhook id", "event", "state", "attempts", "last attempt", "status", "last error", "next attempt")
+        parts.append(ui.table(headers, rows, numeric=(3,), id_="deliveries"))
+    return "".join(parts)
+
+
+def _timeline(job: Job, now: float) -> str:
+    """Queued from creation to the latest start (earlier attempts and their backoffs included),
+    running from that start to the end, or to now while it lasts."""
+    if job.create_time is None:
+        return "<p>-</p>"
+    created = job.create_time.timestamp()
+    end = job.end_time.timestamp() if job.end_time else now
+    bars: list[tuple[str, float, float, str]] = []
+    started = job.start_time.timestamp() if job.start_time else None
+    bars.append(("queued", 0.0, (started if started is not None else end) - created, TIMELINE_COLORS["queued"]))
+    if started is not None and job.state is not JobState.QUEUED:
+        color = END_COLORS.get(job.state, TIMELINE_COLORS["running"]) if job.done else TIMELINE_COLORS["running"]
+        bars.append(("running" if not job.done else job.state.value.lower(), started - created, end - created, color))
+    return ui.timeline(bars, total_s=max(end - created, 0.0))

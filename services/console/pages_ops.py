@@ -1,0 +1,209 @@
+"""The OpsService pages: the queues (live, with their throughput and depth over the last minutes)
+and the dead letters (inspect; replay, purge, pause and resume when the console may act)."""
+
+from __future__ import annotations
+
+import json
+import time
+from urllib.parse import quote
+
+from aiohttp import web
+
+from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from services.console import html as ui
+from services.console.backend import ModelQueues
+from services.console.context import Context, fragment_or_page, message_of
+
+
+async def queues_page(ctx: Context, request: web.Request) -> web.Response:
+    try:
+        queues = await ctx.backend.queues()
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, "Queues", ui.error_box(error), status=502)
+    body = _queues(ctx, queues)
+    if request.headers.get("X-Console-Fragment"):
+        return web.Response(text=body, content_type="text/html")
+    every = max(int(ctx.stats_interval_s * 1000), 500)
+    live = f'<div id="queues" data-refresh="/queues" data-every="{every}">{body}</div>'
+    return web.Response(text=ui.page("Queues", live, message=message_of(request)), content_type="text/html")
+
+
+def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
+    models = []
+    for q in queues:
+        oldest = max((p.oldest_age_s for p in q.priorities), default=0.0)
+        actions = ""
+        if ctx.writable:
+            paused = q.state == "paused"
+            verb = "resume" if paused else "pause"
+            actions = ui.post_button(f"/queues/{verb}", verb, ctx.csrf, {"model": q.model_name})
+        models.append(
+            [
+                ui.h(q.model_name),
+                ui.h(q.state),
+                ui.h(q.depth),
+                ui.seconds(oldest) if q.depth else "-",
+                ui.h(q.in_flight),
+                ui.h(f"{q.submitted_per_second:.1f}"),
+                ui.h(f"{q.completed_per_second:.1f}"),
+                ui.h(q.connected_batchers),
+                ui.h(q.free_credits),
+                ui.h(q.desired_batchers),
+                actions,
+            ]
+        )
+    headers = (
+        "model",
+        "state",
+        "queued",
+        "oldest",
+        "in flight",
+        "submitted/s",
+        "completed/s",
+        "batchers",
+        "free capacity",
+        "desired batchers",
+        "",
+    )
+    per_priority = [
+        [ui.h(q.model_name), ui.h(p.priority), ui.h(p.depth), ui.seconds(p.oldest_age_s) if p.depth else "-"]
+        for q in queues
+        for p in q.priorities
+    ]
+    history = ctx.history
+    now = time.time()
+    depth = {m: [(s.at, float(s.depth)) for s in samples] for m, samples in history.models.items()}
+    done = {m: [(s.at, s.completed_per_second) for s in samples] for m, samples in history.models.items()}
+    # The span grows with the samples, from a minute up to the history kept.
+    oldest = min((samples[0].at for samples in history.models.values() if samples), default=now)
+    span_s = min(history.keep_s, max(60.0, now - oldest))
+    charts = (
+        '<div class="charts">'
+        + ui.line_chart("completed jobs per second", done, now=now, span_s=span_s, unit="jobs/s")
+        + ui.line_chart("queued jobs", depth, now=now, span_s=span_s, unit="jobs")
+        + "</div>"
+    )
+    stale = ui.error_box(f"sampling failed: {history.error}") if history.error else ""
+    sampled = time.strftime("%H:%M:%S", time.gmtime(now))
+    return (
+        ui.table(headers, models, numeric=range(2, 10), id_="queue-models")
+        + "<h2>Per priority</h2>"
+        + ui.table(("model", "priority", "queued", "oldest"), per_priority, numeric=(2, 3), id_="queue-priorities")
+        + f"<h2>The last minutes</h2>{stale}{charts}<p>as of {sampled} UTC</p>"
+    )
+
+
+async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
+    model, token = request.query.get("model", ""), request.query.get("page_token", "")
+    try:
+        found = await ctx.backend.dead_letters(model=model, page_token=token)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, "Dead letters", ui.error_box(error), status=502)
+    rows = []
+    for letter in found.letters:
+        last = letter["last_error"]
+        rows.append(
+            [
+                f'<a href="/dead-letters/{ui.h(letter["sequence"])}">{ui.h(letter["sequence"])}</a>',
+                f'<a href="/jobs/{ui.h(letter["job_id"])}">{ui.h(letter["job_id"])}</a>',
+                ui.h(letter["tenant"]),
+                ui.h(letter["model_name"]),
+                ui.h(letter["reason"]),
+                ui.h(letter["attempts"]),
+                ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-"),
+                ui.h(letter["dead_time"] or "-"),
+            ]
+        )
+    headers = ("sequence", "job", "tenant", "model", "reason", "attempts", "last error", "dead since")
+    total = f"{found.total} in all" if found.total is not None else ""
+    scope = f" of {model}" if model else ""
+    actions = ""
+    if ctx.writable and found.letters:
+        every = {"all": "true", "model": model}
+        actions = (
+            ui.post_button("/dead-letters/replay", f"replay every dead letter{scope}", ctx.csrf, every)
+            + " "
+            + ui.post_button(
+                "/dead-letters/purge",
+                f"purge every dead letter{scope}",
+                ctx.csrf,
+                every,
+                confirm=f"Delete every dead letter{scope}? This cannot be undone.",
+            )
+        )
+    more = ""
+    if found.next_page_token:
+        more = f'<a id="next-page" href="{ui.h(ui.url("/dead-letters", model=model, page_token=found.next_page_token))}">next page</a>'
+    body = (
+        f'<form method="get" action="/dead-letters">model <input name="model" value="{ui.h(model)}"> '
+        f'<button type="submit">filter</button></form><p>{ui.h(total)}</p>'
+        + ui.table(headers, rows, numeric=(0, 5), id_="dead-letters")
+        + more
+        + f"<p>{actions}</p>"
+    )
+    return fragment_or_page(request, "Dead letters", body)
+
+
+async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
+    raw = request.match_info["sequence"]
+    title = f"Dead letter {raw}"
+    if not raw.isdigit():
+        return fragment_or_page(request, title, ui.error_box("a dead letter's sequence is a number"), status=404)
+    try:
+        letter = await ctx.backend.dead_letter(int(raw))
+    except NotFoundError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=404)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=502)
+    last = letter["last_error"]
+    record = [
+        ("job", f'<a href="/jobs/{ui.h(letter["job_id"])}">{ui.h(letter["job_id"])}</a>'),
+        ("tenant", ui.h(letter["tenant"])),
+        ("model", ui.h(letter["model_name"])),
+        ("reason", ui.h(letter["reason"])),
+        ("attempts", ui.h(letter["attempts"])),
+        ("last error", ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-")),
+        ("dead since", ui.h(letter["dead_time"] or "-")),
+    ]
+    request_json = json.dumps(letter.get("original_request", {}), indent=2, ensure_ascii=False)
+    actions = ""
+    if ctx.writable:
+        one = {"sequence": str(letter["sequence"])}
+        actions = (
+            ui.post_button("/dead-letters/replay", "replay", ctx.csrf, one)
+            + " "
+            + ui.post_button("/dead-letters/purge", "purge", ctx.csrf, one, confirm="Delete this dead letter?")
+        )
+    else:
+        actions = '<span class="note">read-only: replay and purge need the console to hold an ops key</span>'
+    body = ui.fields(record) + f"<h2>The original request</h2><pre>{ui.h(request_json)}</pre><p>{actions}</p>"
+    return fragment_or_page(request, title, body)
+
+
+async def dead_letter_action(ctx: Context, request: web.Request) -> web.Response:
+    form = {k: str(v) for k, v in (await request.post()).items()}
+    refused = ctx.check_form(form)
+    if refused is not None:
+        return refused
+    sequences = [int(s) for s in form.get("sequence", "").split(",") if s.strip().isdigit()]
+    every, model = form.get("all") == "true", form.get("model", "")
+    try:
+        if request.match_info["action"] == "replay":
+            said = await ctx.backend.replay(sequences, every=every, model=model)
+        else:
+            said = await ctx.backend.purge(sequences, every=every, model=model)
+    except AsyncInferClientError as error:
+        said = f"refused: {error}"
+    raise web.HTTPSeeOther(f"/dead-letters?message={quote(said)}")
+
+
+async def queue_action(ctx: Context, request: web.Request) -> web.Response:
+    form = {k: str(v) for k, v in (await request.post()).items()}
+    refused = ctx.check_form(form)
+    if refused is not None:
+        return refused
+    try:
+        said = await ctx.backend.pause(form.get("model", ""), paused=request.match_info["action"] == "pause")
+    except AsyncInferClientError as error:
+        said = f"refused: {error}"
+    raise web.HTTPSeeOther(f"/queues?message={quote(said)}")

@@ -1,0 +1,256 @@
+"""The web console in a real headless chromium (tests/browser.py) against a live stack
+(tests/stack.py, in this process; and `asyncinfer up` as a process): what a person sees on each
+page, checked in the page's rendered text and SVG. Screenshots go to test-artifacts/console/
+(ignored by git) and stay there after the run."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+
+from asyncinfer.api_keys import hash_key
+from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from services.console.app import ConsoleApp
+from tests.browser import Browser
+from tests.stack import Stack, StartStack
+from tests.test_up_grpcurl import close, start_up, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "console"
+TENANT_KEY, OPS_KEY, BATCHER_KEY = "console-tenant-key", "console-ops-key", "console-batcher-key"
+X = {"x": np.array([[1, 2, 3, 4]], np.float32)}
+FAILING_X = {"x": np.array([[-1, 2, 3, 4]], np.float32)}  # flaky fails a row starting below 0
+
+StartConsole = Callable[..., Awaitable[ConsoleApp]]
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[Browser]:
+    async with Browser.launch(tmp_path / "chromium") as running:
+        yield running
+
+
+@pytest.fixture
+async def start_console() -> AsyncIterator[StartConsole]:
+    """Starts consoles against a stack (with console settings added); all stopped at the end."""
+    started: list[ConsoleApp] = []
+
+    async def start(stack: Stack, **console: object) -> ConsoleApp:
+        settings = {
+            "port": 0,
+            "gateway_address": stack.address,
+            "scheduler_address": stack.ops_address,
+            "stats_interval_s": 0.3,
+            **console,
+        }
+        app = ConsoleApp(stack.config.replace(console=settings))
+        await app.start()
+        started.append(app)
+        return app
+
+    yield start
+    for app in reversed(started):
+        await app.stop()
+
+
+def keyed(config: Config, tmp_path: Path) -> Config:
+    """A stack with API keys (tenant acme, an ops key, the batcher's), serving demo and flaky."""
+    key_file = tmp_path / "batcher-key"
+    key_file.write_text(BATCHER_KEY)
+    return config.replace(
+        gateway={
+            "api_keys": [
+                {"tenant": "acme", "sha256": hash_key(TENANT_KEY)},
+                {"role": "ops", "sha256": hash_key(OPS_KEY)},
+                {"role": "batcher", "sha256": hash_key(BATCHER_KEY)},
+            ]
+        },
+        batcher={"api_key_file": str(key_file)},
+        models=[DEMO_MODEL, FLAKY_MODEL],
+    )
+
+
+async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
+    stack: Stack, start_console: StartConsole, browser: Browser
+) -> None:
+    console = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        done = await client.wait(await client.submit("demo", X, labels={"team": "search"}), timeout_s=30)
+    assert done.state is JobState.SUCCEEDED
+
+    await browser.goto(console.url + "jobs")
+    await browser.wait_for_text(done.job_id, "#jobs")
+    row = await browser.evaluate(
+        f"[...document.querySelectorAll('#jobs tr')].find(r => r.innerText.includes('{done.job_id}')).innerText"
+    )
+    assert "SUCCEEDED" in row
+    assert "demo" in row
+    assert "team=search" in row
+    await browser.screenshot(ARTIFACTS / "jobs.png")
+
+    # The filters: a state it is not in hides it; its label finds it.
+    await browser.goto(console.url + "jobs?state=FAILED")
+    assert done.job_id not in await browser.text("#jobs")
+    await browser.goto(console.url + "jobs?label=team%3Dsearch&state=SUCCEEDED&model=demo")
+    await browser.wait_for_text(done.job_id, "#jobs")
+
+    # Its page: the record, the batch it ran in, and its timeline (queued, then succeeded).
+    await browser.click_and_load(f"a[href='/jobs/{done.job_id}']")
+    text = await browser.text("#job")
+    assert "SUCCEEDED" in text
+    assert "The batch it ran in" in text
+    assert "jobs in the batch" in text
+    bars = await browser.evaluate("[...document.querySelectorAll('#job rect.bar')].map(b => b.dataset.bar)")
+    assert bars == ["queued", "succeeded"]
+    await browser.screenshot(ARTIFACTS / "job.png")
+
+
+async def test_a_job_page_follows_the_job_live_and_the_queue_is_resumed_from_the_console(
+    stack: Stack, start_console: StartConsole, browser: Browser
+) -> None:
+    console = await start_console(stack)  # no API keys, on loopback: it may act
+    assert console.writable
+    await browser.goto(console.url + "queues")
+    await browser.wait_for_text("demo", "#queue-models")
+    await browser.click_and_load("#queue-models form[action='/queues/pause'] button")
+    await browser.wait_for_text("demo: paused", "#message")
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", X)
+        await browser.goto(console.url + f"jobs/{job.job_id}")
+        await browser.wait_for_text("QUEUED", "#job")
+        await browser.wait_for_text("PAUSED", "#job")  # its waiting reason
+        await browser.screenshot(ARTIFACTS / "job-waiting.png")
+
+        # Resumed in another tab (a plain form post), the open job page turns SUCCEEDED by itself.
+        await resume_in_the_console(console, "demo")
+        await browser.wait_for_text("SUCCEEDED", "#job", timeout_s=20)
+        assert (await client.get(job)).state is JobState.SUCCEEDED
+    assert "(live)" not in await browser.text("#job")
+    await browser.screenshot(ARTIFACTS / "job-done.png")
+
+
+async def resume_in_the_console(console: ConsoleApp, model: str) -> None:
+    """What the queue page's resume button posts, with the page's own form token."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(console.url + "queues") as page:
+            found = re.search(r'name="csrf" value="([^"]+)"', await page.text())
+        assert found is not None
+        form = {"csrf": found.group(1), "model": model}
+        async with session.post(console.url + "queues/resume", data=form) as answer:
+            assert answer.status == 200, await answer.text()
+            assert f"{model}: dispatching" in await answer.text()
+
+
+async def test_a_dead_letter_is_replayed_from_its_page(
+    config: Config, tmp_path: Path, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    ops_key_file = tmp_path / "ops-key"
+    ops_key_file.write_text(OPS_KEY + "\n")
+    stack = await start_stack(keyed(config, tmp_path))
+    console = await start_console(stack, tenant_key=TENANT_KEY, ops_key_file=str(ops_key_file))
+    assert console.writable
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        failed = await client.wait(await client.submit("flaky", FAILING_X), timeout_s=30)
+    assert failed.state is JobState.FAILED
+
+    await browser.goto(console.url + "dead-letters?model=flaky")
+    await browser.wait_for_text(failed.job_id, "#dead-letters")
+    link = "#dead-letters a[href^='/dead-letters/']"
+    sequence = await browser.evaluate(f'document.querySelector("{link}").innerText')
+    await browser.click_and_load(link)
+    page = await browser.text()
+    assert failed.job_id in page
+    assert "MODEL_ERROR" in page
+    assert '"model": "flaky"' in page  # the original request
+    await browser.screenshot(ARTIFACTS / "dead-letter.png")
+
+    await browser.click_and_load("form[action='/dead-letters/replay'] button")
+    await browser.wait_for_text("replayed 1", "#message")
+    await browser.screenshot(ARTIFACTS / "dead-letter-replayed.png")
+    # The job ran again (flaky fails it again): a new dead letter of the same job, the old one gone.
+    for _ in range(50):
+        await browser.goto(console.url + "dead-letters?model=flaky")
+        sequences = await browser.evaluate(
+            "[...document.querySelectorAll('#dead-letters tbody tr')]"
+            f".filter(r => r.innerText.includes('{failed.job_id}')).map(r => r.cells[0].innerText)"
+        )
+        if sequences and sequence not in sequences:
+            break
+        await browser.wait_for("new Promise(r => setTimeout(() => r(true), 200))")
+    assert sequences
+    assert sequence not in sequences
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        again = await client.get(failed.job_id)
+    assert again.attempt > failed.attempt
+
+    # A console that holds the ops key but is read-only shows the letter without the buttons and
+    # refuses a replay posted anyway.
+    viewer = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY, read_only=True)
+    assert not viewer.writable
+    await browser.goto(viewer.url + f"dead-letters/{sequences[0]}")
+    await browser.wait_for_text("read-only")
+    assert not await browser.evaluate("!!document.querySelector(\"form[action='/dead-letters/replay']\")")
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(viewer.url + "dead-letters/replay", data={"sequence": sequences[0]}) as answer,
+    ):
+        assert answer.status == 403
+
+
+async def test_the_queue_page_updates_after_jobs_are_submitted(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    stack = await start_stack(config.replace(scheduler={"queue_stats_interval_s": 0.1}), batcher=False)
+    console = await start_console(stack)
+    await browser.goto(console.url + "queues")
+    await browser.wait_for_text("demo", "#queue-models")
+    depth = "document.querySelector('#queue-models tbody tr').cells[2].innerText"
+    assert await browser.evaluate(depth) == "0"
+
+    async with AsyncClient(stack.address) as client:
+        jobs = [await client.submit("demo", X) for _ in range(5)]
+        # No reload: the page's refresh brings the depth, and the depth plot draws it.
+        await browser.wait_for(f"{depth} === '5'", what="5 queued on the queue page")
+        await browser.wait_for(
+            "[...document.querySelectorAll('svg[aria-label=\"queued jobs\"] polyline')]"
+            ".some(p => p.dataset.series === 'demo' && p.getAttribute('points').split(' ').length > 1)",
+            what="the demo series in the queue-depth plot",
+        )
+        await browser.screenshot(ARTIFACTS / "queues-waiting.png")
+
+        await stack.start_batcher()
+        await client.wait_jobs([job.job_id for job in jobs], timeout_s=30)
+        await browser.wait_for(f"{depth} === '0'", what="the queue drained on the queue page")
+    batchers = "document.querySelector('#queue-models tbody tr').cells[7].innerText"
+    assert await browser.evaluate(batchers) == "1"
+    await browser.screenshot(ARTIFACTS / "queues-drained.png")
+
+
+def test_up_prints_the_console_url_and_serves_the_models(tmp_path: Path) -> None:
+    import asyncio
+
+    config_path, ports = write_config(tmp_path)
+    up = start_up(config_path, ports, tmp_path)
+    try:
+        found = re.search(r"web console\s+(http://127\.0\.0\.1:\d+/)", up.banner)
+        assert found is not None, up.banner
+
+        async def look() -> str:
+            async with Browser.launch(tmp_path / "chromium") as browser:
+                await browser.goto(found.group(1) + "models")
+                await browser.wait_for_text("flaky", "#models")
+                await browser.screenshot(ARTIFACTS / "up-models.png")
+                return await browser.text("#models")
+
+        models = asyncio.run(look())
+        assert "demo" in models
+        assert "x FP32 [-1, 4]" in models
+    finally:
+        close(up)
