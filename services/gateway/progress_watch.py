@@ -10,8 +10,8 @@ What a watcher is sent (`ProgressFilter`, pure): reports of the attempt its late
 each newer than the last one sent (a report of an older attempt, or one that arrives after a newer
 one, is dropped); a report that comes before the RUNNING record of its attempt waits for it and
 goes with it. A record's own progress (kept by the scheduler now and then, and with the terminal
-state) goes with that record when it is newer than what was sent, so the terminal message carries
-the last progress even if its notice was missed.
+state) goes with that record when it is newer than what was sent; the terminal message always carries
+the last progress (the one the terminal write kept), even if its notice was missed.
 """
 
 from __future__ import annotations
@@ -64,6 +64,10 @@ class ProgressFilter:
     def on_record(self, record: JobRecord) -> ProgressReport | None:
         """The progress to send with this record, if any."""
         self.latest = record
+        kept = record_progress(record)
+        if record.state.is_terminal and kept is not None and not (self.sent and self.sent.is_newer_than(kept)):
+            self.sent = kept
+            return kept  # the end carries its last progress, even when it was sent already
         best = None
         for report in (record_progress(record), self.held):
             fits = report is not None and report.attempt == record.attempt and report.is_newer_than(self.sent)

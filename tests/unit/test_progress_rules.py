@@ -5,6 +5,7 @@ keeps the latest on the record (services.scheduler.progress_relay)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -43,7 +44,9 @@ def report(attempt: int, step: int, fraction: float = 0.5) -> ProgressReport:
 async def test_a_thousand_reports_from_a_thread_send_a_few_the_latest_last() -> None:
     sent: list[tuple[float, ProgressUpdate]] = []
     interval_s = 0.05
-    channel = ItemProgress(lambda update: sent.append((time.monotonic(), update)), interval_s=interval_s, max_bytes=1024)
+    channel = ItemProgress(
+        lambda update: sent.append((time.monotonic(), update)), interval_s=interval_s, max_bytes=1024
+    )
 
     def model() -> None:
         for step in range(1, 1001):
@@ -53,15 +56,15 @@ async def test_a_thousand_reports_from_a_thread_send_a_few_the_latest_last() -> 
     started = time.monotonic()
     thread = threading.Thread(target=model)
     thread.start()
-    while thread.is_alive():
-        await asyncio.sleep(0.01)
+    await asyncio.to_thread(thread.join)  # the loop runs meanwhile: it sends what is due
     elapsed = time.monotonic() - started
     channel.close()  # the item ended: what waits goes now
     assert 2 <= len(sent) <= elapsed / interval_s + 2
     assert [u.step for _at, u in sent] == list(range(1, len(sent) + 1))
     fractions = [u.fraction for _at, u in sent]
-    assert fractions == sorted(fractions) and fractions[-1] == 1.0
-    gaps = [b - a for (a, _), (b, _) in zip(sent, sent[1:-1], strict=False)]
+    assert fractions == sorted(fractions)
+    assert fractions[-1] == 1.0
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(sent[:-1])]  # the last one went at close
     assert all(gap >= interval_s * 0.9 for gap in gaps)
     channel.offer(0.1, "after the end", ())
     await asyncio.sleep(interval_s * 2)
@@ -72,7 +75,9 @@ async def test_rows_of_one_item_report_together_and_big_outputs_are_left_out() -
     sent: list[ProgressUpdate] = []
     channel = ItemProgress(sent.append, interval_s=0.0, max_bytes=64)
     other: list[ProgressUpdate] = []
-    reporter = ProgressReporter([(channel, 2), (None, 1), (ItemProgress(other.append, interval_s=0.0, max_bytes=64), 1)])
+    reporter = ProgressReporter(
+        [(channel, 2), (None, 1), (ItemProgress(other.append, interval_s=0.0, max_bytes=64), 1)]
+    )
     assert reporter.rows == 4
     reporter.report(0, fraction=1.0, outputs={"w": np.ones(2, dtype=np.float32)})
     reporter.report(2, fraction=0.5)  # nobody listens to row 2's item
@@ -104,7 +109,8 @@ def test_a_watcher_gets_the_running_attempts_reports_in_order() -> None:
 def test_the_record_keeps_the_latest_of_its_own_attempt() -> None:
     running = record(JobState.RUNNING, 2)
     kept = keep_progress(report(2, 5))(running)
-    assert kept is not None and kept.progress == report(2, 5)
+    assert kept is not None
+    assert kept.progress == report(2, 5)
     assert keep_progress(report(2, 4))(kept) is None  # older
     assert keep_progress(report(1, 9))(running) is None  # another attempt
     assert keep_progress(report(2, 6))(record(JobState.SUCCEEDED, 2)) is None  # it ended
