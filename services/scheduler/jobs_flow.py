@@ -67,6 +67,7 @@ class JobFlow:
             leases=self._leases,
             tasks=self._tasks,
             record_interval_s=config.scheduler.progress_record_interval_s,
+            record_outputs_max_bytes=config.scheduler.inline_result_max_bytes,
         )
         self._settlement = Settlement(
             store=store,

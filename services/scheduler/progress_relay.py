@@ -13,11 +13,14 @@ one older than what was relayed already. The rest is:
   that nothing waits for (dispatch and results never block on it; one at a time per job; a lost
   race with a terminal write is decided again on what won, and refused), and (b) with the
   attempt's terminal write (`with_progress`, in Settlement), so a finished job's record holds its
-  last progress. GetJob shows the record's.
+  last progress. GetJob shows the record's. Partial outputs over `inline_result_max_bytes` are
+  left out of what the record keeps (the notices carry them), so a record stays well under NATS's
+  message size with its own inline result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -72,7 +75,9 @@ class ProgressRelay:
         leases: Leases,
         tasks: OwnedTasks,
         record_interval_s: float,
+        record_outputs_max_bytes: int,
     ) -> None:
+        self._record_outputs_max_bytes = record_outputs_max_bytes
         self._nc = nc
         self._store = store
         self._leases = leases
@@ -83,7 +88,10 @@ class ProgressRelay:
         """Publishes the report of the attempt in flight and keeps it (see the module's doc)."""
         if not report.is_newer_than(job.progress):
             return
-        job.progress = report
+        kept = report
+        if report.outputs and sum(t.nbytes for t in report.outputs) > self._record_outputs_max_bytes:
+            kept = dataclasses.replace(report, outputs=())
+        job.progress = kept  # what the record will keep
         if self._nc is not None:
             await announce_progress(self._nc, job.record.tenant, job.job_id, report)
         if (
@@ -92,7 +100,7 @@ class ProgressRelay:
             and time.monotonic() - job.progress_written_at >= self._record_interval_s
         ):
             job.progress_writing = True
-            self._tasks.spawn(self._write(job, report))
+            self._tasks.spawn(self._write(job, kept))
 
     async def _write(self, job: InFlightJob, report: ProgressReport) -> None:
         try:
