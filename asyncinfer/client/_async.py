@@ -328,7 +328,8 @@ class AsyncClient:
         async def invoke(remaining: float | None) -> job_service_pb2.GetJobResponse:
             return await self._stub.GetJob(message, timeout=remaining, metadata=self._metadata)
 
-        return job_from_proto((await self._call(invoke, self._deadline(timeout_s))).job)
+        response = await self._call(invoke, self._deadline(timeout_s))
+        return job_from_proto(response.job, response.progress if response.HasField("progress") else None)
 
     async def get_jobs(
         self, jobs: Iterable[JobLike], *, timeout_s: float | None = None

@@ -125,7 +125,8 @@ class BatchInfo:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class JobProgress:
-    """Progress a model reported while running (WatchJob only)."""
+    """Progress a model reported while running: each WatchJob message's, and the latest kept on
+    the record (GetJob)."""
 
     fraction: float | None
     message: str

@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from asyncinfer.errors import FieldViolation
-from asyncinfer.jobs import BlobRef, JobError
+from asyncinfer.jobs import BlobRef, JobError, ProgressReport
 from asyncinfer.tensors import Tensor
 
 
@@ -30,6 +30,14 @@ class ErrorWire(msgspec.Struct):
     message: str
     violations: tuple[tuple[str, str], ...] = ()
     retriable: bool = False
+
+
+class ProgressWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    attempt: int
+    step: int
+    fraction: float | None = None
+    message: str = ""
+    outputs: tuple[TensorWire, ...] = ()
 
 
 def tensors_to_wire(tensors: tuple[Tensor, ...]) -> tuple[TensorWire, ...]:
@@ -60,3 +68,27 @@ def error_from_wire(wire: ErrorWire | None) -> JobError | None:
         return None
     violations = tuple(FieldViolation(f, d) for f, d in wire.violations)
     return JobError(wire.code, wire.reason, wire.message, violations, wire.retriable)
+
+
+def progress_to_wire(report: ProgressReport | None) -> ProgressWire | None:
+    if report is None:
+        return None
+    return ProgressWire(
+        attempt=report.attempt,
+        step=report.step,
+        fraction=report.fraction,
+        message=report.message,
+        outputs=tensors_to_wire(report.outputs),
+    )
+
+
+def progress_from_wire(wire: ProgressWire | None) -> ProgressReport | None:
+    if wire is None:
+        return None
+    return ProgressReport(
+        attempt=wire.attempt,
+        step=wire.step,
+        fraction=wire.fraction,
+        message=wire.message,
+        outputs=tensors_from_wire(wire.outputs),
+    )

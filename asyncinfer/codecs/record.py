@@ -2,7 +2,8 @@
 goes through here, on the gateway and the scheduler alike.
 
 Version 1: version 0's fields (the same names, order and types) with `v` first and every default
-left out (version 0 always wrote `attempt` and `outputs`; its readers took them as optional)."""
+left out (version 0 always wrote `attempt` and `outputs`; its readers took them as optional).
+Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import msgspec
 from asyncinfer.codecs.parts import (
     BlobRefWire,
     ErrorWire,
+    ProgressWire,
     TensorWire,
     blob_from_wire,
     blob_to_wire,
     error_from_wire,
     error_to_wire,
+    progress_from_wire,
+    progress_to_wire,
     tensors_from_wire,
     tensors_to_wire,
 )
@@ -64,6 +68,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_ref: BlobRefWire | None = None
     callback: CallbackWire | None = None
     batcher_id: str = ""
+    progress: ProgressWire | None = None  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -103,6 +108,7 @@ def encode_record(record: JobRecord) -> bytes:
             input_ref=blob_to_wire(r.input_ref),
             callback=None if callback is None else CallbackWire(callback.url, callback.events),
             batcher_id=r.batcher_id,
+            progress=progress_to_wire(r.progress),
         )
     )
 
@@ -139,5 +145,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         input_ref=blob_from_wire(w.input_ref),
         callback=None if callback is None else CallbackSpec(callback.url, callback.events),
         batcher_id=w.batcher_id,
+        progress=progress_from_wire(w.progress),
         revision=revision,
     )

@@ -320,16 +320,25 @@ class GetJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def job(self) -> _job_pb2.Job: ...
+    @_builtins.property
+    def progress(self) -> Global___JobProgress:
+        """The latest progress its model reported, as kept on the record (written at most every
+        scheduler.progress_record_interval_s while it runs, and with its terminal state); unset when
+        its latest attempt reported none.
+        """
+
     def __init__(
         self,
         *,
         job: _job_pb2.Job | None = ...,
+        progress: Global___JobProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "progress", b"progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

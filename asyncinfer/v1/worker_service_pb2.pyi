@@ -5,6 +5,7 @@ isort:skip_file
 
 from asyncinfer.v1 import error_pb2 as _error_pb2
 from asyncinfer.v1 import job_pb2 as _job_pb2
+from asyncinfer.v1 import job_service_pb2 as _job_service_pb2
 from asyncinfer.v1 import tensor_pb2 as _tensor_pb2
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
@@ -216,29 +217,70 @@ Global___WorkOrders: _TypeAlias = WorkOrders  # noqa: Y015
 
 @_typing.final
 class WorkUpdates(_message.Message):
-    """Results first, then credits."""
+    """Progress first, then results, then credits: an item's last progress goes before its result."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RESULTS_FIELD_NUMBER: _builtins.int
     CREDITS_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkResult]: ...
     @_builtins.property
     def credits(self) -> _containers.RepeatedCompositeFieldContainer[Global___CreditGrant]: ...
+    @_builtins.property
+    def progress(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkProgress]:
+        """Progress of running items: at most one per item per the batcher's progress interval, the
+        latest report (only to a scheduler whose welcome takes batches).
+        """
+
     def __init__(
         self,
         *,
         results: _abc.Iterable[Global___WorkResult] | None = ...,
         credits: _abc.Iterable[Global___CreditGrant] | None = ...,
+        progress: _abc.Iterable[Global___WorkProgress] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "results", b"results"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credits", b"credits", "progress", b"progress", "results", b"results"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkUpdates: _TypeAlias = WorkUpdates  # noqa: Y015
+
+@_typing.final
+class WorkProgress(_message.Message):
+    """What a running item's model reported last."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    STEP_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    attempt: _builtins.int
+    """Fencing token: progress of an attempt that is not the one in flight is dropped."""
+    step: _builtins.int
+    """Counts this attempt's reports sent, from 1: later ones are higher."""
+    @_builtins.property
+    def progress(self) -> _job_service_pb2.JobProgress: ...
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        attempt: _builtins.int = ...,
+        step: _builtins.int = ...,
+        progress: _job_service_pb2.JobProgress | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "job_id", b"job_id", "progress", b"progress", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkProgress: _TypeAlias = WorkProgress  # noqa: Y015
 
 @_typing.final
 class CreditGrant(_message.Message):

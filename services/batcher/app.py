@@ -107,6 +107,8 @@ class BatcherApp:
                 work_batches=batcher.work_batches,
                 supervisor=self.supervisor,
                 security=worker_security,
+                progress_interval_s=batcher.progress_interval_ms / 1000,
+                progress_max_bytes=batcher.progress_max_bytes,
             )
             await self._worker.start()
         log.info(

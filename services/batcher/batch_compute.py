@@ -21,9 +21,10 @@ from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, ModelError, Unavailable
 from asyncinfer.tensors import Tensor
 from services.batcher.assemble import assemble, split
-from services.batcher.backends import ModelBackend
+from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import ModelMetrics
+from services.batcher.progress import ProgressReporter
 
 # The engine's logger, as before the engine was split: its records keep their logger name.
 log = structlog.get_logger("asyncinfer.batcher.engine")
@@ -141,7 +142,7 @@ class BatchRunner:
         signature = self.backend.signature
         assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
         try:
-            outputs = self.backend.infer_batch(assembled.arrays)
+            outputs = self._infer(batch, assembled.arrays)
             ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
             error = self._model_error(exc, batch)
@@ -158,10 +159,18 @@ class BatchRunner:
         signature = self.backend.signature
         try:
             assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-            outputs = self.backend.infer_batch(assembled.arrays)
+            outputs = self._infer(batch, assembled.arrays)
             return succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
             return self._isolate(batch, self._model_error(exc, batch))
+
+    def _infer(self, batch: list[PendingItem], arrays: Arrays) -> Arrays:
+        """The model's call on one (sub-)batch, with a reporter of its items' progress when the
+        model reports any."""
+        if not self.backend.reports_progress:
+            return self.backend.infer_batch(arrays)
+        reporter = ProgressReporter([(item.progress, item.rows) for item in batch])
+        return self.backend.infer_batch_reporting(arrays, reporter)
 
     async def compute_async(self, batch: list[PendingItem]) -> Computed:
         started = time.perf_counter()

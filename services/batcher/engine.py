@@ -50,6 +50,7 @@ from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_queue import ModelQueue, SlotListener
+from services.batcher.progress import ItemProgress
 
 __all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome", "PendingItem"]
 
@@ -98,6 +99,10 @@ class BatchingEngine:
         """Items this model can take now (its queue limit less the items waiting or computing)."""
         return self._queue(model_name).free_slots if self._accepting else 0
 
+    def reports_progress(self, model_name: str) -> bool:
+        """Whether the model reports progress (worth a channel per item: see progress.py)."""
+        return self._queue(model_name).backend.reports_progress
+
     def queue_depth(self, model_name: str) -> int:
         return self._queue(model_name).depth
 
@@ -128,10 +133,12 @@ class BatchingEngine:
         *,
         timeout_s: float | None = None,
         priority: Priority = Priority.NORMAL,
+        progress: ItemProgress | None = None,
     ) -> PendingItem:
         """Validates and queues one item; its future resolves with an InferOutcome or an
         AsyncInferError. Raises at once (nothing queued) for an unknown model, invalid inputs, a
-        full queue, a deadline already passed, or a stopping engine."""
+        full queue, a deadline already passed, or a stopping engine. The model's progress reports
+        for it go to `progress` (the caller closes it when the item ends)."""
         queue = self._queue(model_name)
         if not self._accepting:
             if self._stopping:
@@ -140,7 +147,9 @@ class BatchingEngine:
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
-        return queue.submit(inputs, timeout_s, priority)
+        item = queue.submit(inputs, timeout_s, priority)
+        item.progress = progress
+        return item
 
     async def infer(
         self,

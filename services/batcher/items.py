@@ -21,6 +21,7 @@ from asyncinfer.errors import ConfigError
 from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor
 from services.batcher.backends import Arrays, ModelBackend
+from services.batcher.progress import ItemProgress
 
 PRIORITY_RANK = {Priority.HIGH: 0, Priority.NORMAL: 1, Priority.LOW: 2}
 
@@ -49,6 +50,7 @@ class PendingItem:
         "inputs",
         "length",
         "priority",
+        "progress",
         "real_units",
         "rows",
         "sort_key",
@@ -79,6 +81,7 @@ class PendingItem:
         self.real_units = 0  # elements or tokens of real data (for padding waste)
         self.started = False
         self.timer: asyncio.TimerHandle | None = None
+        self.progress: ItemProgress | None = None  # set by a caller that listens to its progress
         self.sort_key = (PRIORITY_RANK[priority], math.inf if expires_at is None else expires_at, seq)
 
     def cancel(self) -> bool:

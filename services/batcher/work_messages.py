@@ -19,6 +19,7 @@ from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
+from services.batcher.progress import ItemProgress
 
 # Failures that the same order would meet again on any attempt.
 _NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled)
@@ -58,8 +59,10 @@ def worker_hello(engine: BatchingEngine, batcher_id: str, *, takes_batches: bool
     return worker_service_pb2.WorkerHello(batcher_id=batcher_id, models=models, takes_batches=takes_batches)
 
 
-def submit_order(engine: BatchingEngine, order: worker_service_pb2.WorkOrder) -> PendingItem:
-    """The order's item in the engine; raises (NotFound, FailedPrecondition, the engine's own
+def submit_order(
+    engine: BatchingEngine, order: worker_service_pb2.WorkOrder, progress: ItemProgress | None = None
+) -> PendingItem:
+    """The order's item in the engine (its progress reported to `progress`); raises (NotFound, FailedPrecondition, the engine's own
     refusals) when it cannot run here."""
     if not engine.has_model(order.model_name):
         raise NotFound(f"model {order.model_name!r} is not served here", reason="MODEL_NOT_FOUND")
@@ -80,4 +83,5 @@ def submit_order(engine: BatchingEngine, order: worker_service_pb2.WorkOrder) ->
         inputs,
         timeout_s=timeout_s,
         priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
+        progress=progress,
     )

@@ -6,7 +6,10 @@ WorkOrder. Orders run concurrently, each in a task the session owns; when the st
 are cancelled, unanswered (the scheduler re-queues them).
 
 Results and credits are written into the WorkUpdates message being filled while it waits in the
-outbox, so the per-result path is a few field writes, with no queue or task of its own.
+outbox, so the per-result path is a few field writes, with no queue or task of its own. So is the
+progress of orders whose model reports it (services.batcher.progress: at most one per order per
+progress interval, the latest report; an order's last one goes in before its result). Progress
+goes only to a scheduler whose welcome takes batches.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
+from services.batcher.progress import ItemProgress, ProgressUpdate
 from services.batcher.work_messages import error_status, is_shutdown, submit_order, worker_hello
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
@@ -41,8 +45,12 @@ class WorkSession:
         *,
         work_batches: bool,
         metadata: tuple[tuple[str, str], ...] = (),
+        progress_interval_s: float = 0.15,
+        progress_max_bytes: int = 256 * 1024,
     ) -> None:
         self._stub = stub
+        self._progress_interval_s = progress_interval_s
+        self._progress_max_bytes = progress_max_bytes
         self._metadata = metadata
         self._work_batches = work_batches
         self._batcher_id = batcher_id
@@ -154,8 +162,15 @@ class WorkSession:
         model_name = order.model_name
         if model_name in self._unused_credits:
             self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
+        progress = None
+        if self._batches and self._engine.has_model(model_name) and self._engine.reports_progress(model_name):
+            progress = ItemProgress(
+                lambda update: self._send_progress(order, update),
+                interval_s=self._progress_interval_s,
+                max_bytes=self._progress_max_bytes,
+            )
         try:
-            item = submit_order(self._engine, order)
+            item = submit_order(self._engine, order, progress)
         except AsyncInferError as error:
             log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
             if not is_shutdown(error):  # unanswered: re-queued when the stream closes
@@ -178,6 +193,8 @@ class WorkSession:
             raise
         finally:
             self._orders.pop(key, None)
+            if item.progress is not None:
+                item.progress.close()  # its last report goes before the result
         if item.future.cancelled():
             log.info("work_order_dropped_before_run", **_about(order))
             self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
@@ -201,6 +218,16 @@ class WorkSession:
         # Dropping resolves the item's future; its order task then answers dropped=true.
         if item is not None and item.cancel():
             log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+
+    def _send_progress(self, order: worker_service_pb2.WorkOrder, update: ProgressUpdate) -> None:
+        if not (self._open and self._batches):
+            return
+        sent = self._updates().progress.add(job_id=order.job_id, attempt=order.attempt, step=update.step)
+        report = sent.progress
+        report.fraction = -1.0 if update.fraction is None else update.fraction
+        report.message = update.message
+        report.partial_outputs.extend(to_output_proto(t, raw=True) for t in update.outputs)
+        self._filling_bytes += sum(t.nbytes for t in update.outputs)
 
     def _send_result(
         self,

@@ -68,7 +68,11 @@ class WorkerClient:
         supervisor: Supervisor,
         work_batches: bool = True,
         security: WorkerSecurity | None = None,
+        progress_interval_s: float = 0.15,
+        progress_max_bytes: int = 256 * 1024,
     ) -> None:
+        self._progress_interval_s = progress_interval_s
+        self._progress_max_bytes = progress_max_bytes
         self._address = address
         self._security = security or WorkerSecurity()
         self._supervisor = supervisor
@@ -146,6 +150,8 @@ class WorkerClient:
                     self._engine,
                     work_batches=self._work_batches,
                     metadata=self._security.metadata,
+                    progress_interval_s=self._progress_interval_s,
+                    progress_max_bytes=self._progress_max_bytes,
                 )
                 await self._session.run()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)

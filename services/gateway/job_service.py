@@ -31,6 +31,7 @@ from services.gateway.convert import job_to_proto, models_to_proto, submit_reque
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
 from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
@@ -81,6 +82,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._claim_check = claim_check
         self._callback_deliveries = callback_deliveries
         self._idempotent = idempotent
+        self.progress_feed = ProgressFeed(nc)
         # Converted watch messages of recent record changes, oldest first (see _watch_response).
         self._watch_responses: dict[tuple[str, int], job_service_pb2.WatchJobResponse] = {}
         self._lister = JobLister(
@@ -146,7 +148,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         job = self._job(record)
         if self._callback_deliveries is not None:
             job.callback_deliveries.extend(await self._callback_deliveries.for_job(record))
-        return job_service_pb2.GetJobResponse(job=job)
+        progress = record_progress(record)
+        if progress is None:
+            return job_service_pb2.GetJobResponse(job=job)
+        return job_service_pb2.GetJobResponse(job=job, progress=progress_to_proto(progress))
 
     async def GetJobs(
         self, request: job_service_pb2.GetJobsRequest, context: Context
@@ -169,9 +174,14 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if not is_job_id(request.job_id):
             raise job_not_found(request.job_id)
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
-        async with contextlib.aclosing(self._hub.watch(tenant, request.job_id, request.after_revision)) as updates:
-            async for record in updates:
-                yield self._watch_response(record)
+        updates = watch_with_progress(self._hub, self.progress_feed, tenant, request.job_id, request.after_revision)
+        async with contextlib.aclosing(updates) as watched:
+            async for record, progress in watched:
+                response = self._watch_response(record)
+                if progress is not None:
+                    # Not the shared message: that one goes to every watcher of the change.
+                    response = job_service_pb2.WatchJobResponse(job=response.job, progress=progress_to_proto(progress))
+                yield response
 
     async def WatchJobs(
         self, request: job_service_pb2.WatchJobsRequest, context: Context

@@ -48,6 +48,14 @@ class RecordUpdate:
     key: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Aside(RecordUpdate):
+    """Not a change of the record: something a watch passes on as it comes, between the changes
+    (a running job's progress: services.gateway.progress_watch puts these on a watch's queue)."""
+
+    item: object = None
+
+
 # Queued to every watcher when the hub stops.
 _HUB_CLOSED = None
 WatcherQueue = asyncio.Queue[RecordUpdate | None]
@@ -266,13 +274,16 @@ class WatchHub:
             self._idle_since = asyncio.get_running_loop().time()
             self._became_idle.set()
 
-    async def watch(self, tenant: str, job_id: str, after_revision: int = 0) -> AsyncGenerator[JobRecord, None]:
+    async def watch(
+        self, tenant: str, job_id: str, after_revision: int = 0, queue: WatcherQueue | None = None
+    ) -> AsyncGenerator[JobRecord | Aside, None]:
         """The current record (if newer than after_revision), then every change, until a terminal
-        state. NotFound for an unknown job or when its record is deleted."""
+        state; an Aside put on the watch's queue (the one given) is passed on as it comes. NotFound
+        for an unknown job or when its record is deleted."""
         if self._closed:
             raise Unavailable("the gateway is shutting down; watch again elsewhere")
         key = job_key(tenant, job_id)
-        queue = self.register(key)
+        queue = self.register(key, queue)
         try:
             await self.ensure_feed()  # before the read: a change after it is then in the feed
             # A job this gateway queued a moment ago is known without a read (recent_records).
@@ -299,6 +310,9 @@ class WatchHub:
                         f"the gateway is shutting down; watch again with after_revision={last_sent}",
                         metadata={"after_revision": str(last_sent)},
                     )
+                if isinstance(update, Aside):
+                    yield update
+                    continue
                 if update.revision <= last_sent:
                     continue
                 if update.record is None:

@@ -131,6 +131,7 @@ class SchedulerApp:
             queues_kv=queues_kv,
             claim_check=ClaimCheckIO(blobs, config),
             queued_records=queued_records,
+            nc=nc,
         )
         self._stats = stats = QueueStatsReader(
             js=js,

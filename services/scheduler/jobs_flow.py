@@ -4,6 +4,7 @@ object the dispatcher, the WorkerService and the app talk to. It only wires the 
 - job_dispatch.py: a pulled message -> the RUNNING record -> a work order on a batcher;
 - leases.py: the attempts in flight, their in-progress acks, execution timeouts, fencing;
 - settlement.py: an attempt's end -> the record -> the ack (retries, dead letters, put-backs);
+- progress_relay.py: a running attempt's progress -> the gateways (and now and then the record);
 - completions.py: completion rates and the tenants' queued counters.
 
 Which state a job moves to is never decided here or there: asyncinfer.lifecycle decides, on the
@@ -21,6 +22,7 @@ import structlog
 from asyncinfer import job_errors
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg
 from asyncinfer.queues import CancelNotice
 from services.scheduler.batchers import BatcherSession
@@ -29,9 +31,10 @@ from services.scheduler.completions import CompletionRates, TenantQueueCounts
 from services.scheduler.dead_letters import DeadLetterStore
 from services.scheduler.job_dispatch import JobDispatch
 from services.scheduler.leases import InFlightJob, Leases
-from services.scheduler.messages import CancelOrder, WorkResult
+from services.scheduler.messages import CancelOrder, WorkProgress, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.owned_tasks import OwnedTasks
+from services.scheduler.progress_relay import ProgressRelay
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import Settlement
 
@@ -50,6 +53,7 @@ class JobFlow:
         rng: random.Random | None = None,
         claim_check: ClaimCheckIO | None = None,
         queued_records: QueuedRecords | None = None,
+        nc: NatsClient | None = None,
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -57,6 +61,14 @@ class JobFlow:
         self._tasks = OwnedTasks("scheduler-jobs")
         self._leases = Leases()
         self._rates = CompletionRates(metrics)
+        self._progress = ProgressRelay(
+            nc=nc,
+            store=store,
+            leases=self._leases,
+            tasks=self._tasks,
+            record_interval_s=config.scheduler.progress_record_interval_s,
+            record_outputs_max_bytes=config.scheduler.inline_result_max_bytes,
+        )
         self._settlement = Settlement(
             store=store,
             config=config,
@@ -115,6 +127,14 @@ class JobFlow:
             # The record stays RUNNING and the message unacked: it comes back after AckWait and
             # the next attempt takes the record over.
             job.log.exception("result_not_stored")
+
+    async def handle_progress(self, session: BatcherSession, progress: WorkProgress) -> None:
+        """Relays the progress of the attempt in flight on `session`; any other is dropped."""
+        job = self._leases.fenced(session, progress.job_id, progress.report.attempt)
+        if job is None:
+            log.debug("stale_progress_dropped", job_id=progress.job_id, attempt=progress.report.attempt)
+            return
+        await self._progress.relay(job, progress.report)
 
     # --- attempts that end without an answer ----------------------------------------------------
 

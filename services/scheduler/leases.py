@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobRecord, ProgressReport
 from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 
@@ -38,6 +38,11 @@ class InFlightJob:
     log: structlog.typing.FilteringBoundLogger
     timeout_s: float | None = None
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+    # The latest progress its batcher sent, and when it was last written to the record
+    # (services.scheduler.progress_relay).
+    progress: ProgressReport | None = field(default=None, repr=False)
+    progress_written_at: float = field(default_factory=time.monotonic, repr=False)
+    progress_writing: bool = field(default=False, repr=False)
 
 
 class Leases:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from asyncinfer.jobs import BlobRef, JobError, Priority
+from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
 from asyncinfer.tensors import Tensor
 
 
@@ -41,6 +41,14 @@ class WorkResult:
     batch_size: int = 0
     compute_s: float = 0.0
     dropped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkProgress:
+    """What a running order's model reported last (its attempt and step are in `report`)."""
+
+    job_id: str
+    report: ProgressReport
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,14 @@ import structlog
 from asyncinfer import job_errors, lifecycle
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState
+from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, ProgressReport
 from asyncinfer.nats import Msg
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.leases import InFlightJob
 from services.scheduler.messages import WorkResult
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.progress_relay import with_progress
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
@@ -81,7 +82,7 @@ class Settlement:
             event = lifecycle.Finish(attempt=job.attempt, state=JobState.FAILED, error=error, batch=batch)
         else:
             event = lifecycle.Finish(attempt=job.attempt, state=JobState.SUCCEEDED, outputs=result.outputs, batch=batch)
-        await self.end(job.record, job.msg, job.log, event, now)
+        await self.end(job.record, job.msg, job.log, event, now, progress=job.progress)
 
     async def failed_attempt(
         self, job: InFlightJob, error: JobError, *, final_state: JobState, result: WorkResult | None = None
@@ -101,7 +102,7 @@ class Settlement:
         match decision:
             case lifecycle.EndJob(state=state, error=final_error):
                 event = lifecycle.Finish(attempt=job.attempt, state=state, error=final_error, batch=batch)
-                await self.end(job.record, job.msg, job.log, event, time.time())
+                await self.end(job.record, job.msg, job.log, event, time.time(), progress=job.progress)
             case lifecycle.RetryAfter(delay_s=delay_s):
                 self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
                 await self.requeue(job.record, job.msg, job.log, error, delay_s=delay_s)
@@ -119,8 +120,19 @@ class Settlement:
 
     # --- the writes -----------------------------------------------------------------------------
 
-    async def end(self, record: JobRecord, msg: Msg, job_log: JobLog, event: lifecycle.Finish, now: float) -> None:
-        latest, written = await self._store.transition(record, lifecycle.decider(event, now))
+    async def end(
+        self,
+        record: JobRecord,
+        msg: Msg,
+        job_log: JobLog,
+        event: lifecycle.Finish,
+        now: float,
+        *,
+        progress: ProgressReport | None = None,
+    ) -> None:
+        """The attempt's terminal write (with its latest progress), then the ack."""
+        decide = with_progress(lifecycle.decider(event, now), progress)
+        latest, written = await self._store.transition(record, decide)
         await self.settle(msg, latest, written, job_log)
 
     async def settle(self, msg: Msg, latest: JobRecord | None, written: bool, job_log: JobLog) -> None:

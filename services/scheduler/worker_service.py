@@ -16,13 +16,21 @@ import grpc
 import structlog
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
-from asyncinfer.jobs import JobError, Priority
+from asyncinfer.jobs import JobError, Priority, ProgressReport
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
-from services.scheduler.messages import CancelOrder, CreditGrant, ServedModel, WorkerHello, WorkOrder, WorkResult
+from services.scheduler.messages import (
+    CancelOrder,
+    CreditGrant,
+    ServedModel,
+    WorkerHello,
+    WorkOrder,
+    WorkProgress,
+    WorkResult,
+)
 
 # Orders gathered into one WorkOrders message stop at about this many bytes of inputs (a message
 # always holds at least one order); the rest go in the next one.
@@ -100,6 +108,24 @@ def result_from_proto(message: worker_service_pb2.WorkResult) -> WorkResult:
         compute_s=message.compute_duration.seconds + message.compute_duration.nanos / 1e9,
         dropped=message.dropped and error is None,
     )
+
+
+def progress_from_proto(message: worker_service_pb2.WorkProgress) -> WorkProgress:
+    """A batcher's progress report; partial outputs it cannot decode are left out of it."""
+    progress = message.progress
+    try:
+        outputs = tuple(decode_tensors(progress.partial_outputs, "progress.partial_outputs"))
+    except InvalidArgument as exc:
+        log.warning("progress_outputs_invalid", job_id=message.job_id, error=exc.message)
+        outputs = ()
+    report = ProgressReport(
+        attempt=message.attempt,
+        step=message.step,
+        fraction=progress.fraction if progress.fraction >= 0 else None,
+        message=progress.message,
+        outputs=outputs,
+    )
+    return WorkProgress(job_id=message.job_id, report=report)
 
 
 def order_to_proto(order: WorkOrder) -> worker_service_pb2.WorkOrder:
@@ -233,6 +259,9 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     storing.add(task)
                     task.add_done_callback(storing.discard)
                 elif kind == "updates":
+                    # Progress first: an item's last report is published before its result is stored.
+                    for progress in request.updates.progress:
+                        await self._flow.handle_progress(session, progress_from_proto(progress))
                     for result in request.updates.results:
                         await slots.acquire()
                         task = asyncio.create_task(store(result_from_proto(result)))

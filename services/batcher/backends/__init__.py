@@ -4,18 +4,23 @@ A backend takes one batch as numpy arrays keyed by input name (the batch dimensi
 returns numpy arrays keyed by output name. A synchronous backend's `infer_batch` blocks (the
 engine calls it in a worker thread, never on the event loop); an asynchronous one
 (`runs_async`, e.g. a remote Triton) is awaited on the event loop. Text models also report each
-row's token length so the engine can bucket and count batches in tokens.
+row's token length so the engine can bucket and count batches in tokens. A backend that
+`reports_progress` is called with `infer_batch_reporting`, whose reporter
+(services.batcher.progress) takes each row's progress and partial outputs while it runs.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
 from asyncinfer.errors import ModelError
 from asyncinfer.tensors import ModelSignature, datatype_of
+
+if TYPE_CHECKING:
+    from services.batcher.progress import ProgressReporter
 
 Arrays = dict[str, npt.NDArray[np.generic]]
 
@@ -38,6 +43,15 @@ class ModelBackend:
         """Computes one batch (blocking); raises ModelError when the model fails or answers
         off-signature."""
         raise NotImplementedError
+
+    @property
+    def reports_progress(self) -> bool:
+        """Whether `infer_batch_reporting` reports progress (else it is `infer_batch`)."""
+        return False
+
+    def infer_batch_reporting(self, inputs: Arrays, progress: ProgressReporter) -> Arrays:
+        """`infer_batch`, reporting each row's progress to `progress` as it goes (blocking)."""
+        return self.infer_batch(inputs)
 
     async def infer_batch_async(self, inputs: Arrays) -> Arrays:
         """Computes one batch on the event loop (backends with `runs_async`)."""

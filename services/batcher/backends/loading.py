@@ -24,8 +24,18 @@ def _minilm_l6(model: ModelConfig, torch_threads: int) -> ModelBackend:
     return MiniLMBackend.load_builtin(model, torch_device_for(model, torch_threads=torch_threads))
 
 
+def _minilm_l6_doc(model: ModelConfig, torch_threads: int) -> ModelBackend:
+    from services.batcher.backends.minilm_doc import MiniLMDocBackend
+    from services.batcher.backends.torch_backend import torch_device_for
+
+    return MiniLMDocBackend.load_builtin(model, torch_device_for(model, torch_threads=torch_threads))
+
+
 # Built-in model name -> its loader (model, torch_threads) -> backend.
-BUILTIN_MODELS: dict[str, Callable[[ModelConfig, int], ModelBackend]] = {"minilm-l6": _minilm_l6}
+BUILTIN_MODELS: dict[str, Callable[[ModelConfig, int], ModelBackend]] = {
+    "minilm-l6": _minilm_l6,
+    "minilm-l6-doc": _minilm_l6_doc,
+}
 
 
 def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:

