@@ -1,9 +1,12 @@
-"""Typed configuration: one TOML file, overridable by environment variables, validated once at
-start-up. `asyncinfer config` prints the complete file with every key, its default and its meaning.
+"""Typed configuration: one TOML file, overridable by environment variables and a secrets
+directory's files, validated once at start-up. `asyncinfer config` prints the complete file with
+every key, its default and its meaning.
 
-Environment overrides: ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
-ASYNCINFER_NATS__URL=nats://nats:4222. Values are read as JSON when they parse as JSON (numbers,
-booleans, lists), else as strings. Models are declared in the file only (`asyncinfer up` adds its
+Overrides (read by pydantic-settings in asyncinfer/config_overlay.py), the later on top:
+a file `<section>__<key>` in $ASYNCINFER_SECRETS_DIR (a mounted Secret), then an environment
+variable ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
+ASYNCINFER_NATS__URL=nats://nats:4222. Lists and tables are read as JSON, `null` as unset, the rest
+as text that validation converts. Models are declared in the file only (`asyncinfer up` adds its
 sample models when the file declares none: services/cli.py with_up_defaults).
 """
 
@@ -596,8 +599,15 @@ class Config(_Section):
         return Config.model_validate(data)
 
 
-def load_config(path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> Config:
-    """Reads the file (if any), applies environment overrides, validates; ConfigError says what is wrong."""
+def load_config(
+    path: str | Path | None = None, environ: Mapping[str, str] | None = None, *, secrets_dir: str | Path | None = None
+) -> Config:
+    """Reads the file (if any), lays the secrets directory's values over it (`secrets_dir`, else
+    $ASYNCINFER_SECRETS_DIR; none when neither is set), then the environment's, and validates;
+    ConfigError says what is wrong (asyncinfer/config_overlay.py reads the overlays)."""
+    from asyncinfer import config_overlay  # pydantic-settings: not needed to print the CLI's --help
+
+    environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -606,18 +616,13 @@ def load_config(path: str | Path | None = None, environ: Mapping[str, str] | Non
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    for key, raw in (os.environ if environ is None else environ).items():
-        if not key.startswith(ENV_PREFIX) or "__" not in key:
-            continue
-        section, _, name = key[len(ENV_PREFIX) :].lower().partition("__")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        data.setdefault(section, {})
-        if not isinstance(data[section], dict):
-            raise ConfigError(f"{key} overrides a key of [{section}], which is not a section")
-        data[section][name] = value
+    secrets_dir = secrets_dir or environ.get(config_overlay.SECRETS_DIR_VARIABLE) or None
+    for overlay in config_overlay.overlays(Config, environ, secrets_dir):
+        for section, values in overlay.items():
+            data.setdefault(section, {})
+            if not isinstance(data[section], dict):
+                raise ConfigError(f"[{section}] is overridden key by key, but the file sets {section} to a value")
+            data[section].update(values)
     try:
         return Config.model_validate(data)
     except ValidationError as exc:

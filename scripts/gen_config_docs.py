@@ -25,6 +25,7 @@ from asyncinfer.config import (  # noqa: E402
     TensorSpecConfig,
     WebhookSecretConfig,
 )
+from asyncinfer.config_overlay import SECRETS_DIR_VARIABLE  # noqa: E402
 
 TARGET = ROOT / "docs" / "CONFIGURATION.md"
 
@@ -66,9 +67,18 @@ def render() -> str:
         "Generated from `asyncinfer/config.py` by `scripts/gen_config_docs.py`; do not edit by hand.",
         "",
         "One TOML file (`asyncinfer config` prints it complete, with every default), passed with `--config FILE`.",
-        f"Any key of a section can be overridden by an environment variable `{ENV_PREFIX}<SECTION>__<KEY>`; values",
-        "are read as JSON when they parse as JSON (numbers, booleans, lists, objects), else as strings — so",
-        '`ASYNCINFER_GATEWAY__API_KEYS=\'[{"tenant": "acme", "sha256": "..."}]\'` works. Models are declared in',
+        "Two overlays are laid over the file, each key on its own, and read by pydantic-settings:",
+        "",
+        f"- an environment variable `{ENV_PREFIX}<SECTION>__<KEY>` per key (the column below), on top of everything;",
+        f"- the files of a secrets directory, named by `${SECRETS_DIR_VARIABLE}` (for example `/run/secrets`, or where a",
+        "  Kubernetes Secret is mounted): a file `<section>__<key>` (or `ASYNCINFER_<SECTION>__<KEY>`, so that the",
+        "  Secret that fills the environment can be mounted as files instead) holds that key's value, e.g.",
+        "  `gateway__api_keys` or `nats__password`; surrounding whitespace is dropped. Other names (`tls.crt`)",
+        "  are left alone; a `<section>__<key>` name that names no section stops start-up.",
+        "",
+        "So the order is: defaults, the file, the secrets directory, the environment. A value is read by its key's",
+        'type: lists and tables as JSON (`ASYNCINFER_GATEWAY__API_KEYS=\'[{"tenant": "acme", "sha256": "..."}]\'`),',
+        "`null` as unset, anything else as text that validation converts (`6000`, `true`). Models are declared in",
         "the file only. Everything is validated once at start-up; a bad value stops the process with a message",
         "that names the key.",
         "",

@@ -111,6 +111,11 @@ class Cli:
         return await asyncio.to_thread(self._run, [*options, *argv])
 
 
+def without_ansi(text: str) -> str:
+    """What a terminal shows of `text`, less its colours and cursor controls."""
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text)
+
+
 def json_lines(text: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
@@ -369,9 +374,10 @@ async def test_bulk_on_a_paused_queue_shows_its_wait_bar_at_once(
     source = tmp_path / "paused.jsonl"
     source.write_text("".join(json.dumps({"inputs": {"x": [[n, 0, 0, 0]]}}) + "\n" for n in range(3)))
     bulk = asyncio.create_task(cli("bulk", str(source), "--model", "demo", "--json"))
-    shown = await asyncio.to_thread(cli.stderr.wait_until, lambda text: "wait   [" in text)
-    assert "0/3" in shown.split("wait   [")[-1], shown
-    assert "submit [" in shown  # and the submit bar before it, finished
+    # The bars are drawn by rich: colours and a carriage return before each redraw.
+    shown = await asyncio.to_thread(cli.stderr.wait_until, lambda text: "wait   ━" in without_ansi(text))
+    assert "0/3" in without_ansi(shown).split("wait   ━")[-1], shown
+    assert "submit ━" in without_ansi(shown)  # and the submit bar before it, finished
     assert not bulk.done()
     code, _, err = await cli("queue", "resume", "demo")
     assert code == 0, err
@@ -383,6 +389,7 @@ async def test_bulk_on_a_paused_queue_shows_its_wait_bar_at_once(
 async def test_watch_on_a_terminal_ticks_while_the_job_waits(
     idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # a terminal wide enough for the status line (rich wraps a longer one)
     cli = Cli(idle_stack, monkeypatch, terminal="stdout")
     code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
     assert code == 0, err

@@ -32,8 +32,8 @@ from asyncinfer.commands.output import (
     job_summary,
     job_text,
     print_json,
+    print_table,
     report_error,
-    table,
 )
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
@@ -303,7 +303,7 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
                 labels_text = ",".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
                 rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
     if not options.json:
-        print(table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows), flush=True)
+        print_table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows)
     return EXIT_OK
 
 
@@ -324,5 +324,5 @@ async def models_command(args: argparse.Namespace, options: Options) -> int:
         [m.name, m.version, _specs(m.inputs), _specs(m.outputs), str(m.max_batch_size), str(m.default_max_attempts)]
         for m in models
     ]
-    print(table(["MODEL", "VERSION", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows), flush=True)
+    print_table(["MODEL", "VERSION", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows)
     return EXIT_OK

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import msgspec
@@ -24,8 +24,21 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.options import Options
-from asyncinfer.commands.output import EXIT_OK, UsageError, code_and_reason, print_json, table
+from asyncinfer.commands.output import (
+    EXIT_OK,
+    UsageError,
+    code_and_reason,
+    console,
+    print_json,
+    print_table,
+    rich_table,
+    table,
+)
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
+
+if TYPE_CHECKING:
+    from rich.console import RenderableType
+    from rich.live import Live
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 T = TypeVar("T")
@@ -239,7 +252,7 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
         ]
         for d in letters
     ]
-    print(table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "DEAD", "LAST ERROR"], rows), flush=True)
+    print_table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "DEAD", "LAST ERROR"], rows)
     return EXIT_OK
 
 
@@ -390,7 +403,8 @@ def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
     }
 
 
-def stats_table(models: list[dict[str, Any]]) -> str:
+def stats_rows(models: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The stats screen's headers and rows, one row a model."""
     rows: list[list[str]] = []
     for model in models:
         depth = sum(q["depth"] for q in model["queues"])
@@ -422,27 +436,52 @@ def stats_table(models: list[dict[str, Any]]) -> str:
         "IN/S",
         "OUT/S",
     ]
-    return table(headers, rows)
+    return headers, rows
+
+
+def stats_table(models: list[dict[str, Any]]) -> str:
+    """The stats as plain aligned text (a pipe's, a file's)."""
+    return table(*stats_rows(models))
+
+
+def stats_screen(models: list[dict[str, Any]], scheduler: str, now: str) -> RenderableType:
+    """What the live stats screen shows: a title line, then the table drawn by rich."""
+    from rich.console import Group
+    from rich.text import Text
+
+    title = Text(f"asyncinfer queues at {scheduler}  {now}  (Ctrl-C to stop)\n")
+    return Group(title, rich_table(*stats_rows(models)))
 
 
 async def stats_command(args: argparse.Namespace, options: Options) -> int:
+    """JSON lines, or the table; on a terminal a screen redrawn in place every --interval (a
+    rich Live, drawn when told: no refresh thread), left showing the last one on Ctrl-C."""
     if args.interval <= 0:
         raise UsageError("--interval must be positive")
-    live = sys.stdout.isatty() and not options.json and not args.once
+    live: Live | None = None
+    if sys.stdout.isatty() and not options.json and not args.once:
+        from rich.live import Live
+
+        live = Live(console=console(sys.stdout), auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+        live.start()
     request = ops_service_pb2.GetQueueStatsRequest(model_name=args.model)
-    while True:
-        started = time.monotonic()
-        response = await _ops_call(options, lambda stub, t: stub.GetQueueStats(request, timeout=t))
-        models = [model_stats_json(m) for m in response.models]
-        now = datetime.now().astimezone().strftime("%H:%M:%S")
-        if options.json:
-            print_json({"time": datetime.now(UTC).isoformat(), "models": models})
-        elif live:
-            sys.stdout.write(f"\x1b[H\x1b[2Jasyncinfer queues at {options.scheduler}  {now}  (Ctrl-C to stop)\n\n")
-            sys.stdout.write(stats_table(models) + "\n")
-            sys.stdout.flush()
-        else:
-            print(stats_table(models) + ("" if args.once else "\n"), flush=True)
-        if args.once:
-            return EXIT_OK
-        await asyncio.sleep(max(args.interval - (time.monotonic() - started), 0.0))
+    try:
+        while True:
+            started = time.monotonic()
+            response = await _ops_call(options, lambda stub, t: stub.GetQueueStats(request, timeout=t))
+            models = [model_stats_json(m) for m in response.models]
+            if options.json:
+                print_json({"time": datetime.now(UTC).isoformat(), "models": models})
+            elif live is not None:
+                now = datetime.now().astimezone().strftime("%H:%M:%S")
+                live.update(stats_screen(models, options.scheduler, now), refresh=True)
+            elif args.once:
+                print_table(*stats_rows(models))
+            else:
+                print(stats_table(models) + "\n", flush=True)
+            if args.once:
+                return EXIT_OK
+            await asyncio.sleep(max(args.interval - (time.monotonic() - started), 0.0))
+    finally:
+        if live is not None:
+            live.stop()

@@ -1,5 +1,6 @@
-"""What the client commands print: exit codes, errors on stderr, jobs as text or JSON, and a
-small progress bar.
+"""What the client commands print: exit codes, errors on stderr, jobs as text or JSON, tables,
+progress bars and live lines. On a terminal tables, bars and live lines are drawn by rich; on a
+pipe or a file the output is plain, aligned text (tables) or nothing (bars).
 
 Exit codes (stable; scripts may rely on them):
 
@@ -21,11 +22,12 @@ import dataclasses
 import enum
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 import numpy as np
@@ -33,6 +35,11 @@ import numpy as np
 from asyncinfer.client import AsyncInferClientError, Job, JobError
 from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import datatype_of
+
+if TYPE_CHECKING:  # rich is imported where a terminal is drawn on: the CLI's start-up does not pay for it
+    from rich.console import Console
+    from rich.progress import Progress, Task
+    from rich.table import Table
 
 EXIT_OK = 0
 EXIT_JOB_NOT_SUCCEEDED = 1
@@ -235,20 +242,64 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
+    """Aligned plain columns: what a pipe, a file or a script gets (the same on every version)."""
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     return "\n".join(lines)
 
 
+# Cells a column is right-aligned for on a terminal when all of its cells look like them: counts,
+# rates, durations ("1.5s"), or nothing ("-").
+_NUMERIC = re.compile(r"^(-|[0-9][0-9.,]*\s?[a-z/%]{0,3})$")
+
+
+def console(stream: TextIO) -> Console:
+    """A rich Console on `stream` (which is a terminal: the callers check), highlighting nothing
+    but what they style themselves; it honours NO_COLOR, TERM=dumb and COLUMNS."""
+    from rich.console import Console
+
+    return Console(file=stream, highlight=False)
+
+
+def rich_table(headers: list[str], rows: list[list[str]]) -> Table:
+    """The same table for a terminal: a bold header rule, numbers right-aligned, cells not
+    wrapped (a narrow terminal cuts them with an ellipsis rather than breaking a job ID) but in
+    the last column (labels, an error message), which wraps within its width."""
+    from rich import box
+    from rich.table import Table
+
+    grid = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, header_style="bold")
+    for i, header in enumerate(headers):
+        numeric = bool(rows) and all(_NUMERIC.match(row[i]) for row in rows)
+        last = i == len(headers) - 1
+        grid.add_column(
+            header, justify="right" if numeric else "left", no_wrap=not last, overflow="fold" if last else "ellipsis"
+        )
+    for row in rows:
+        grid.add_row(*row)
+    return grid
+
+
+def print_table(headers: list[str], rows: list[list[str]], stream: TextIO | None = None) -> None:
+    """`table` on a pipe or a file, exactly; a rich table on a terminal."""
+    out = stream or sys.stdout
+    if out.isatty():
+        console(out).print(rich_table(headers, rows))
+    else:
+        out.write(table(headers, rows) + "\n")
+    out.flush()
+
+
 # -- progress -----------------------------------------------------------------------------------
 
 
 class ProgressBar:
-    """`label [#####.....] 120/200 60% 35/s ETA 3s` redrawn in place on stderr, at most 10 times a
-    second; silent unless stderr is a terminal (so logs and pipes stay clean). It is drawn at once
-    (a wait on a paused queue shows 0/N, not nothing), and the rate counts only the work done now:
-    `skip` advances past what an earlier run did without counting it."""
+    """`label ━━━━━━━━━━━━━━━━━╺━━━━━━━━━━━━ 120/200  60% 35/s ETA 3s`, a rich Progress redrawn in
+    place on stderr, at most 10 times a second; silent unless stderr is a terminal (so logs and
+    pipes stay clean). It is drawn at once (a wait on a paused queue shows 0/N, not nothing), and
+    the rate counts only the work done now: `skip` advances past what an earlier run did without
+    counting it (rich's own speed column would count it: the rate and ETA columns are ours)."""
 
     WIDTH = 30
 
@@ -270,6 +321,11 @@ class ProgressBar:
         self._clock = clock
         self._started = clock()
         self._drawn = 0.0
+        self._progress: Progress | None = None
+        if self.enabled:
+            self._progress = _progress(self._stream, clock, self.WIDTH)
+            self._task = self._progress.add_task(label, total=total, skipped=0, note="")
+            self._progress.start()
         self._draw(self._started)
 
     def advance(self, count: int = 1, note: str | None = None) -> None:
@@ -286,44 +342,71 @@ class ProgressBar:
         self.advance(count)
 
     def _draw(self, now: float) -> None:
-        if not self.enabled:
+        if self._progress is None:
             return
         self._drawn = now
-        elapsed = max(now - self._started, 1e-6)
-        rate = (self.done - self.skipped) / elapsed
-        if self.total:
-            fraction = min(self.done / self.total, 1.0)
-            filled = int(fraction * self.WIDTH)
-            left = (self.total - self.done) / rate if rate > 0 else math.inf
-            eta = f" ETA {left:.0f}s" if math.isfinite(left) and self.done < self.total else ""
-            text = (
-                f"{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] {self.done}/{self.total} "
-                f"{fraction:4.0%} {rate:.0f}/s{eta}"
-            )
-        else:
-            text = f"{self.label} {self.done} {rate:.0f}/s"
-        if self.note:
-            text += f"  {self.note}"
-        self._stream.write("\r\x1b[2K" + text)
-        self._stream.flush()
+        self._progress.update(self._task, completed=self.done, skipped=self.skipped, note=self.note, refresh=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self._progress is not None:
             self._draw(self._clock())
-            self._stream.write("\n")
-            self._stream.flush()
+            self._progress.stop()  # leaves the last frame, and a newline after it
+            self._progress = None
+
+
+def _rate(task: Task) -> float:
+    """Items a second done by this run: a resumed run's skipped items are not its work."""
+    done = task.completed - float(task.fields.get("skipped", 0))
+    return done / max(task.elapsed or 0.0, 1e-6)
+
+
+def _progress(stream: TextIO, clock: Callable[[], float], width: int) -> Progress:
+    """A rich Progress drawn only when told (`refresh=True`): no refresh thread writing to the
+    stream behind the command's back, and a clock the tests can hold still."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TaskProgressColumn, TextColumn
+    from rich.text import Text
+
+    class Rate(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            return Text(f"{_rate(task):.0f}/s")
+
+    class Eta(ProgressColumn):
+        def render(self, task: Task) -> Text:
+            rate = _rate(task)
+            if task.total is None or rate <= 0 or task.completed >= task.total:
+                return Text("")
+            return Text(f"ETA {(task.total - task.completed) / rate:.0f}s")
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(bar_width=width),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        Rate(),
+        Eta(),
+        TextColumn("{task.fields[note]}"),
+        console=console(stream),
+        auto_refresh=False,
+        get_time=clock,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )
 
 
 class StatusLine:
-    """One line rewritten in place on a terminal (watch's live state)."""
+    """One status rewritten in place on a terminal (watch's live state): a rich Live, which
+    rewrites it whole even where it is wider than the terminal and wraps."""
 
     def __init__(self, stream: TextIO) -> None:
-        self._stream = stream
+        from rich.live import Live
+
+        self._live = Live(console=console(stream), auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+        self._live.start()
 
     def show(self, text: str) -> None:
-        self._stream.write("\r\x1b[2K" + text)
-        self._stream.flush()
+        from rich.text import Text
+
+        self._live.update(Text(text), refresh=True)
 
     def close(self) -> None:
-        self._stream.write("\n")
-        self._stream.flush()
+        self._live.stop()  # the last status stays, with a newline after it

@@ -1,9 +1,10 @@
-"""The CLI's progress bar (asyncinfer.commands.output.ProgressBar): drawn at once, and a resumed
-run's rate counts only the work done now."""
+"""The CLI's progress bar (asyncinfer.commands.output.ProgressBar, drawn by rich): drawn at once,
+and a resumed run's rate counts only the work done now."""
 
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 
@@ -17,7 +18,8 @@ class Terminal(io.StringIO):
         return True
 
     def last_frame(self) -> str:
-        return self.getvalue().split("\r\x1b[2K")[-1]
+        """The bar as last drawn, without its colours (rich rewrites the line after a carriage return)."""
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", self.getvalue()).rstrip("\n").split("\r")[-1]
 
 
 class Clock:
@@ -31,7 +33,7 @@ class Clock:
 def test_the_bar_is_drawn_before_anything_is_done() -> None:
     terminal = Terminal()
     ProgressBar("wait  ", 30, terminal, clock=Clock())
-    assert "wait   [" in terminal.last_frame()
+    assert terminal.last_frame().startswith("wait   ━")
     assert "0/30" in terminal.last_frame()
 
 
@@ -45,6 +47,21 @@ def test_skipped_items_show_as_done_but_not_in_the_rate() -> None:
     assert "1600/2000" in frame
     assert " 50/s" in frame  # 100 in 2 s, not 1,600
     assert "ETA 8s" in frame  # 400 left at 50/s
+    assert " 80%" in frame
+
+
+def test_closing_leaves_the_last_frame_and_a_new_line() -> None:
+    terminal, clock = Terminal(), Clock()
+    bar = ProgressBar("wait  ", 2, terminal, clock=clock)
+    clock.now += 1.0
+    bar.advance(2, note="2 succeeded")
+    bar.close()
+    assert terminal.getvalue().endswith("\n\x1b[?25h")  # and the cursor shown again
+    frame = terminal.last_frame()
+    assert "2/2" in frame
+    assert "100%" in frame
+    assert "ETA" not in frame
+    assert frame.rstrip().endswith("2 succeeded")
 
 
 def test_nothing_is_written_to_a_pipe() -> None:

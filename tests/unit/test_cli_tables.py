@@ -1,0 +1,145 @@
+"""The CLI's tables (asyncinfer.commands.output): plain aligned text on a pipe, exactly as scripts
+read it; on a terminal a rich table, here the stats screen's."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from asyncinfer.commands.ops import stats_rows, stats_screen, stats_table
+from asyncinfer.commands.output import print_table, rich_table
+
+pytestmark = pytest.mark.unit
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+MODELS: list[dict[str, Any]] = [
+    {
+        "model_name": "demo",
+        "paused": False,
+        "draining": False,
+        "state": "dispatching",
+        "in_flight": 2,
+        "connected_batchers": 1,
+        "free_credits": 30,
+        "desired_batchers": 1,
+        "submitted_per_second": 12.5,
+        "completed_per_second": 11.0,
+        "queues": [
+            {"priority": "HIGH", "depth": 1, "oldest_age_s": 0.4},
+            {"priority": "NORMAL", "depth": 4, "oldest_age_s": 1.25},
+            {"priority": "LOW", "depth": 0, "oldest_age_s": None},
+        ],
+    },
+    {
+        "model_name": "flaky",
+        "paused": True,
+        "draining": False,
+        "state": "paused",
+        "in_flight": 0,
+        "connected_batchers": 1,
+        "free_credits": 32,
+        "desired_batchers": 0,
+        "submitted_per_second": 0.0,
+        "completed_per_second": 0.0,
+        "queues": [{"priority": "NORMAL", "depth": 30, "oldest_age_s": 12.0}],
+    },
+]
+
+
+class Pipe(io.StringIO):
+    def isatty(self) -> bool:
+        return False
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_pipe_gets_the_plain_table_exactly() -> None:
+    pipe = Pipe()
+    print_table(*stats_rows(MODELS), pipe)
+    assert pipe.getvalue() == stats_table(MODELS) + "\n"
+    lines = pipe.getvalue().splitlines()
+    assert lines[0].split() == [
+        "MODEL", "QUEUED", "BY", "PRIORITY", "OLDEST", "IN", "FLIGHT", "BATCHERS", "WANTED", "CREDITS", "IN/S", "OUT/S",
+    ]  # fmt: skip
+    assert lines[1].split() == ["demo", "5", "H:1", "N:4", "L:0", "1.2s", "2", "1", "1", "30", "12.5", "11.0"]
+    assert lines[2].split()[:3] == ["flaky", "(paused)", "30"]
+    assert "\x1b" not in pipe.getvalue()
+
+
+def test_a_terminal_gets_the_stats_table_drawn_by_rich() -> None:
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, width=120, color_system="standard").print(rich_table(*stats_rows(MODELS)))
+    drawn = out.getvalue()
+    assert "\x1b[1m" in drawn  # the header in bold
+    lines = ANSI.sub("", drawn).splitlines()
+    assert lines[0].split()[:2] == ["MODEL", "QUEUED"]
+    assert set(lines[1].strip()) == {"─"}  # the rule under the header
+    demo, flaky = lines[2], lines[3]
+    assert demo.split()[:2] == ["demo", "5"]
+    assert flaky.startswith("flaky (paused)")
+    # Numbers are right-aligned: the queue depths end where their header does.
+    end = lines[0].index("QUEUED") + len("QUEUED")
+    assert demo[:end].endswith(" 5")
+    assert flaky[:end].endswith(" 30")
+
+
+def test_the_live_stats_screen_has_its_title_then_the_table() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    console.print(stats_screen(MODELS, "127.0.0.1:50052", "12:00:00"))
+    lines = ANSI.sub("", out.getvalue()).splitlines()
+    assert lines[0] == "asyncinfer queues at 127.0.0.1:50052  12:00:00  (Ctrl-C to stop)"
+    assert lines[2].split()[0] == "MODEL"
+
+
+def test_print_table_on_a_terminal_draws_with_rich_and_keeps_long_ids_whole() -> None:
+    terminal = Terminal()
+    job_id = "0193f1a2-7c3e-7d4a-9b1e-2f3a4b5c6d7e"
+    print_table(["JOB_ID", "STATE", "LABELS"], [[job_id, "QUEUED", "suite=cli,run=1"]], terminal)
+    text = ANSI.sub("", terminal.getvalue())
+    assert "─" in text
+    assert job_id in text
+
+
+class Stop(Exception):
+    """Ends the endless stats loop from its fake scheduler (as Ctrl-C would)."""
+
+
+async def test_the_live_stats_screen_redraws_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncinfer.commands import ops
+    from asyncinfer.commands.options import Options
+    from asyncinfer.v1 import job_pb2, ops_service_pb2
+
+    depths = iter([3, 7])
+
+    async def fake_call(options: Options, call: Any) -> ops_service_pb2.GetQueueStatsResponse:
+        depth = next(depths, None)
+        if depth is None:
+            raise Stop
+        priority = ops_service_pb2.PriorityQueueStats(priority=job_pb2.PRIORITY_NORMAL, depth=depth)
+        return ops_service_pb2.GetQueueStatsResponse(
+            models=[ops_service_pb2.ModelQueueStats(model_name="demo", priorities=[priority])]
+        )
+
+    terminal = Terminal()
+    monkeypatch.setattr(ops, "_ops_call", fake_call)
+    monkeypatch.setattr(ops.sys, "stdout", terminal)
+    options = Options.from_args(argparse.Namespace(scheduler="127.0.0.1:50052", json=False))
+    with pytest.raises(Stop):
+        await ops.stats_command(argparse.Namespace(interval=0.01, model="", once=False), options)
+    drawn = terminal.getvalue()
+    first, _, second = drawn.partition("\x1b[2K\x1b[1A")  # the second frame starts by going back up over the first
+    assert second, drawn
+    assert "\x1b[2J" not in drawn  # in place, not by clearing the screen
+    assert re.search(r"demo\s+3\s", ANSI.sub("", first))
+    assert re.search(r"demo\s+7\s", ANSI.sub("", second))
+    assert drawn.endswith("\x1b[?25h")  # the cursor shown again when it stops
