@@ -147,7 +147,10 @@ class GatewayConfig(_Section):
     max_result_retention_s: float = Field(30 * 86400.0, gt=0, description="The longest retention a caller may ask.")
     default_tenant: str = Field("default", description="The tenant of callers when no API keys are configured.")
     max_queued_per_tenant: int = Field(
-        0, ge=0, description="Most queued jobs one tenant may have; past it RESOURCE_EXHAUSTED (0: no limit)."
+        0,
+        ge=0,
+        description="Most unfinished jobs (queued, running or waiting to retry) one tenant may have, counted from "
+        "the work stream; past it RESOURCE_EXHAUSTED TENANT_QUOTA_EXCEEDED (0: no limit).",
     )
     enqueue_retry_s: float = Field(
         10.0,

@@ -85,7 +85,8 @@ def job_work_lookup(tenant: str, job_id: str) -> str:
 
 
 def tenant_work_subjects(tenant: str) -> str:
-    """Every queued job's work subject of one tenant (what ListJobs scans for QUEUED jobs)."""
+    """Every unfinished job's work subject of one tenant (what ListJobs scans for QUEUED jobs, and
+    what the gateway counts against `max_queued_per_tenant`)."""
     return f"{WORK_SUBJECT_PREFIX}.*.*.{tenant}.*"
 
 
@@ -130,6 +131,10 @@ def consumer_next_subject(stream: str, consumer: str) -> str:
 
 def stream_purge_subject(stream: str) -> str:
     return f"{JS_API_PREFIX}.STREAM.PURGE.{stream}"
+
+
+def stream_info_subject(stream: str) -> str:
+    return f"{JS_API_PREFIX}.STREAM.INFO.{stream}"
 
 
 # --- consumers (durable names) ----------------------------------------------------------------
@@ -179,7 +184,6 @@ def routing_headers(*, tenant: str, job_id: str, priority: Priority, model_name:
 
 # queues bucket: a snapshot's key is the bare model name (one token); these have two.
 PAUSED_KEY_PREFIX = "paused."
-TENANT_COUNT_KEY_PREFIX = "tenant."
 # webhooks bucket.
 DELIVERIES_KEY_PREFIX = "job."
 DISABLED_URL_KEY_PREFIX = "disabled."
@@ -206,10 +210,6 @@ def snapshot_key(model_name: str) -> str:
 
 def paused_key(model_name: str) -> str:
     return f"{PAUSED_KEY_PREFIX}{model_name}"
-
-
-def tenant_count_key(tenant: str) -> str:
-    return f"{TENANT_COUNT_KEY_PREFIX}{tenant}"
 
 
 def deliveries_key(tenant: str, job_id: str) -> str:

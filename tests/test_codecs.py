@@ -25,10 +25,8 @@ from asyncinfer.queues import (
     CancelNotice,
     PriorityQueueSnapshot,
     QueueSnapshot,
-    decode_count,
     decode_pause,
     decode_snapshot,
-    encode_count,
     encode_pause,
     encode_snapshot,
 )
@@ -273,14 +271,6 @@ def test_tensor_data_is_base64_so_nats_kv_get_stays_readable() -> None:
     data = encode_record(FULL)
     assert json.loads(data)["outputs"][1]["data"] == "AQAAAGE="
     assert data.isascii() or "é" in data.decode()
-
-
-def test_tenant_counts_are_json_numbers_as_they_were_decimal() -> None:
-    assert encode_count(7) == b"7" == v0.TENANT_COUNT
-    assert decode_count(v0.TENANT_COUNT) == 7
-    assert decode_count(None) == 0
-    assert decode_count(b"-3") == 0
-    assert decode_count(b"garbage") == 0
 
 
 def test_pause_round_trip_and_version_0() -> None:

@@ -128,7 +128,6 @@ class SchedulerApp:
             config=config,
             metrics=self.metrics,
             dead_letters=letters,
-            queues_kv=queues_kv,
             claim_check=ClaimCheckIO(blobs, config),
             queued_records=queued_records,
         )

@@ -22,7 +22,6 @@ from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
-from services.scheduler.completions import TenantQueueCounts
 from services.scheduler.leases import InFlightJob, Leases
 from services.scheduler.messages import CancelOrder, WorkOrder
 from services.scheduler.metrics import SchedulerMetrics
@@ -57,7 +56,6 @@ class JobDispatch:
         metrics: SchedulerMetrics,
         leases: Leases,
         settlement: Settlement,
-        tenant_counts: TenantQueueCounts,
         queued_records: QueuedRecords,
         claim_check: ClaimCheckIO | None,
         on_timeout: Callable[[InFlightJob], None],
@@ -67,7 +65,6 @@ class JobDispatch:
         self._metrics = metrics
         self._leases = leases
         self._settlement = settlement
-        self._tenant_counts = tenant_counts
         self._queued_records = queued_records
         self._claim_check = claim_check
         self._on_timeout = on_timeout
@@ -140,8 +137,6 @@ class JobDispatch:
             job_log.error("job_record_missing")
             await msg.term()
             return False
-        if record.attempt == 0:
-            self._tenant_counts.left_queue(record.tenant)
         refusal = None if written else lifecycle.dispatch(latest, event, now)
         if isinstance(refusal, lifecycle.Refusal) and refusal.reason is lifecycle.Refused.ATTEMPTS_SPENT:
             if latest.state == JobState.RUNNING:
