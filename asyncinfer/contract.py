@@ -184,6 +184,7 @@ def routing_headers(*, tenant: str, job_id: str, priority: Priority, model_name:
 
 # queues bucket: a snapshot's key is the bare model name (one token); these have two.
 PAUSED_KEY_PREFIX = "paused."
+SCHEDULER_KEY_PREFIX = "scheduler."
 # webhooks bucket.
 DELIVERIES_KEY_PREFIX = "job."
 DISABLED_URL_KEY_PREFIX = "disabled."
@@ -210,6 +211,11 @@ def snapshot_key(model_name: str) -> str:
 
 def paused_key(model_name: str) -> str:
     return f"{PAUSED_KEY_PREFIX}{model_name}"
+
+
+def scheduler_key(run: str) -> str:
+    """A running scheduler instance's heartbeat (its run ID is one token)."""
+    return f"{SCHEDULER_KEY_PREFIX}{run}"
 
 
 def deliveries_key(tenant: str, job_id: str) -> str:

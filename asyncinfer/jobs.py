@@ -131,6 +131,12 @@ class JobRecord:
     callback: CallbackSpec | None = None
     # The batcher the latest attempt was dispatched to (set at its start, kept after it).
     batcher_id: str = ""
+    # The scheduler instance ("<name>/<run>") that dispatched the latest attempt, and the ack
+    # subject of the work message's delivery it holds: while the job is RUNNING, a scheduler that
+    # finds that instance gone naks the message there, so the job runs again at once rather than
+    # after AckWait (services.scheduler.lease_reclaim). Kept after the attempt; read only then.
+    dispatched_by: str = ""
+    lease_subject: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 

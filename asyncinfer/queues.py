@@ -88,13 +88,13 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
         js,
         config,
         bucket=config.queues_bucket,
-        description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
+        description="asyncinfer queue snapshots, pauses and scheduler heartbeats",
     )
 
 
 # --- codec --------------------------------------------------------------------------------------
 # Codecs of what the queues bucket holds (queue snapshots at `<model>`, pauses at
-# `paused.<model>`, tenant counts at `tenant.<tenant>`) and of the cancel notice (core NATS,
+# `paused.<model>`; heartbeats at `scheduler.<run>` are plain text) and of the cancel notice (core NATS,
 # `asyncinfer.control.cancel.<model>`).
 #
 # Every form reads `v` (missing: version 0). Snapshots and cancel notices are still written as
@@ -102,9 +102,7 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
 # `Type(**fields)`, which refuses a field it does not know, so a `v` would make an older gateway
 # blind to snapshots and an older scheduler deaf to cancels during a rolling upgrade. Once no
 # process of that release is left, a change to them writes version 1. Pauses (nobody reads their
-# value) are written as version 1. A tenant count is a bare JSON number, which is what version 0's
-# decimal ASCII already was: it has no room for `v`, and needs none (a count that meant something
-# else would live under another key prefix).
+# value) are written as version 1.
 
 SNAPSHOT_VERSION = 0
 CANCEL_NOTICE_VERSION = 0

@@ -374,3 +374,13 @@ def test_a_codec_imports_first_without_a_cycle(module: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_running_records_lease_round_trips_and_the_previous_release_reads_it() -> None:
+    lease = "$JS.ACK.WORK.work-demo-normal.1.42.40.1700000000000000000.3"
+    running = dataclasses.replace(
+        MINIMAL, state=JobState.RUNNING, attempt=1, dispatched_by="host:7001/ab12", lease_subject=lease
+    )
+    data = encode_record(running)
+    assert decode_record(data) == running
+    assert old_readers.decode_record(data) == dataclasses.replace(running, dispatched_by="", lease_subject="")

@@ -184,8 +184,8 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
         figures["batcher_restart_s"] = time.monotonic() - killed
         figures["batcher_recovery_s"] = await succeeded_since(time.monotonic()) - killed
 
-        # 2. The scheduler dies with jobs in flight (leases held), and comes back; its jobs return
-        # after ack_wait.
+        # 2. The scheduler dies with jobs in flight (leases held), and comes back; it returns its
+        # predecessor's jobs at once (services.scheduler.lease_reclaim), not after ack_wait.
         await accepted(900)
         killed = time.monotonic()
         running_at_scheduler_kill = running()

@@ -64,6 +64,8 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     input_ref: BlobRefWire | None = None
     callback: CallbackWire | None = None
     batcher_id: str = ""
+    dispatched_by: str = ""
+    lease_subject: str = ""
 
 
 _encoder = msgspec.json.Encoder()
@@ -103,6 +105,8 @@ def encode_record(record: JobRecord) -> bytes:
             input_ref=blob_to_wire(r.input_ref),
             callback=None if callback is None else CallbackWire(callback.url, callback.events),
             batcher_id=r.batcher_id,
+            dispatched_by=r.dispatched_by,
+            lease_subject=r.lease_subject,
         )
     )
 
@@ -139,5 +143,7 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         input_ref=blob_from_wire(w.input_ref),
         callback=None if callback is None else CallbackSpec(callback.url, callback.events),
         batcher_id=w.batcher_id,
+        dispatched_by=w.dispatched_by,
+        lease_subject=w.lease_subject,
         revision=revision,
     )

@@ -117,6 +117,32 @@ async def count_subjects(nc: Client, stream: str, subjects_filter: str, *, timeo
     return answer.total
 
 
+async def nak_delivery(nc: Client, ack_subject: str) -> None:
+    """Naks a delivered message by its ack subject, whoever received it: JetStream redelivers it
+    at once (if that delivery is still the one pending; otherwise the nak is ignored)."""
+    await nc.publish(ack_subject, b"-NAK")
+
+
+async def messages_between(
+    js: JetStreamContext, stream: str, subjects_filter: str, *, first_seq: int, last_seq: int
+) -> list[tuple[int, str]]:
+    """(sequence, subject) of the stream's messages from first_seq to last_seq that match
+    `subjects_filter`, one STREAM.MSG.GET each (next by subject, from the leader). The payloads
+    come along; this is for the few messages a consumer has delivered and not had acked."""
+    found: list[tuple[int, str]] = []
+    seq = max(first_seq, 1)
+    while seq <= last_seq:
+        try:
+            message = await js.get_msg(stream, seq=seq, subject=subjects_filter, next=True)
+        except NotFoundError:
+            break
+        if message.seq is None or message.seq > last_seq or message.subject is None:
+            break
+        found.append((message.seq, message.subject))
+        seq = message.seq + 1
+    return found
+
+
 async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry_for_s: float) -> None:
     """A stream of ours, created with `stream` unless it exists (an existing one is left as it is)."""
     name = stream.name

@@ -59,7 +59,9 @@ class JobDispatch:
         queued_records: QueuedRecords,
         claim_check: ClaimCheckIO | None,
         on_timeout: Callable[[InFlightJob], None],
+        instance_id: str = "",
     ) -> None:
+        self._instance_id = instance_id
         self._store = store
         self._config = config
         self._metrics = metrics
@@ -131,7 +133,9 @@ class JobDispatch:
         if record is None:
             return False
         now = time.time()
-        event = lifecycle.Dispatch(batcher_id=session.batcher_id)
+        event = lifecycle.Dispatch(
+            batcher_id=session.batcher_id, scheduler=self._instance_id, lease_subject=msg.reply or ""
+        )
         latest, written = await self._store.transition(record, lifecycle.decider(event, now))
         if latest is None:
             job_log.error("job_record_missing")

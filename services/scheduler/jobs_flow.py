@@ -49,6 +49,7 @@ class JobFlow:
         rng: random.Random | None = None,
         claim_check: ClaimCheckIO | None = None,
         queued_records: QueuedRecords | None = None,
+        instance_id: str = "",
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -73,6 +74,7 @@ class JobFlow:
             queued_records=self._queued_records,
             claim_check=claim_check,
             on_timeout=self._on_timeout,
+            instance_id=instance_id,
         )
 
     @property
