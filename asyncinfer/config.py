@@ -150,7 +150,10 @@ class GatewayConfig(_Section):
     max_result_retention_s: float = Field(30 * 86400.0, gt=0, description="The longest retention a caller may ask.")
     default_tenant: str = Field("default", description="The tenant of callers when no API keys are configured.")
     max_queued_per_tenant: int = Field(
-        0, ge=0, description="Most queued jobs one tenant may have; past it RESOURCE_EXHAUSTED (0: no limit)."
+        0,
+        ge=0,
+        description="Most unfinished jobs (queued, running or waiting to retry) one tenant may have, counted from "
+        "the work stream; past it RESOURCE_EXHAUSTED TENANT_QUOTA_EXCEEDED (0: no limit).",
     )
     enqueue_retry_s: float = Field(
         10.0,
@@ -163,6 +166,29 @@ class GatewayConfig(_Section):
     )
     default_upload_retention_s: float = Field(
         86400.0, gt=0, description="How long an uploaded input is kept when no job uses it."
+    )
+    upload_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An UploadInput stream that sends nothing for this long is ended DEADLINE_EXCEEDED "
+        "(UPLOAD_IDLE) and nothing of it is kept.",
+    )
+    max_open_uploads_per_tenant: int = Field(
+        32,
+        ge=0,
+        description="Most UploadInput streams one tenant may have open; past it RESOURCE_EXHAUSTED (0: no limit).",
+    )
+    max_watches_per_tenant: int = Field(
+        10_000,
+        ge=0,
+        description="Most WatchJob and WatchJobs streams one tenant may have open on one gateway; past it "
+        "RESOURCE_EXHAUSTED TOO_MANY_WATCHES (0: no limit).",
+    )
+    max_watches_per_connection: int = Field(
+        5_000,
+        ge=0,
+        description="Most WatchJob and WatchJobs streams open on one client connection (0: no limit); "
+        "WatchJobs watches up to 10,000 jobs on one stream.",
     )
     api_keys: tuple[ApiKeyConfig, ...] = Field(
         (),

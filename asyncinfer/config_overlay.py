@@ -28,8 +28,11 @@ from pydantic_settings import (
 from pydantic_settings.exceptions import SettingsError
 from pydantic_settings.sources.utils import parse_env_vars
 
-from asyncinfer.config import ENV_PREFIX
 from asyncinfer.errors import ConfigError
+
+# asyncinfer.config.ENV_PREFIX (tests/unit/test_config_overlay.py checks they agree): not imported
+# from there, which imports this module (lazily) to load the configuration.
+ENV_PREFIX = "ASYNCINFER_"
 
 DELIMITER = "__"
 SECRETS_DIR_VARIABLE = "ASYNCINFER_SECRETS_DIR"

@@ -86,7 +86,8 @@ def job_work_lookup(tenant: str, job_id: str) -> str:
 
 
 def tenant_work_subjects(tenant: str) -> str:
-    """Every queued job's work subject of one tenant (what ListJobs scans for QUEUED jobs)."""
+    """Every unfinished job's work subject of one tenant (what ListJobs scans for QUEUED jobs, and
+    what the gateway counts against `max_queued_per_tenant`)."""
     return f"{WORK_SUBJECT_PREFIX}.*.*.{tenant}.*"
 
 
@@ -139,6 +140,10 @@ def stream_purge_subject(stream: str) -> str:
     return f"{JS_API_PREFIX}.STREAM.PURGE.{stream}"
 
 
+def stream_info_subject(stream: str) -> str:
+    return f"{JS_API_PREFIX}.STREAM.INFO.{stream}"
+
+
 # --- consumers (durable names) ----------------------------------------------------------------
 
 WORK_CONSUMER_PREFIX = "work"  # -<model>-<priority>: one per (model, priority) on WORK
@@ -186,7 +191,7 @@ def routing_headers(*, tenant: str, job_id: str, priority: Priority, model_name:
 
 # queues bucket: a snapshot's key is the bare model name (one token); these have two.
 PAUSED_KEY_PREFIX = "paused."
-TENANT_COUNT_KEY_PREFIX = "tenant."
+SCHEDULER_KEY_PREFIX = "scheduler."
 # webhooks bucket.
 DELIVERIES_KEY_PREFIX = "job."
 DISABLED_URL_KEY_PREFIX = "disabled."
@@ -215,8 +220,9 @@ def paused_key(model_name: str) -> str:
     return f"{PAUSED_KEY_PREFIX}{model_name}"
 
 
-def tenant_count_key(tenant: str) -> str:
-    return f"{TENANT_COUNT_KEY_PREFIX}{tenant}"
+def scheduler_key(run: str) -> str:
+    """A running scheduler instance's heartbeat (its run ID is one token)."""
+    return f"{SCHEDULER_KEY_PREFIX}{run}"
 
 
 def deliveries_key(tenant: str, job_id: str) -> str:

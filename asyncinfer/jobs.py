@@ -149,6 +149,12 @@ class JobRecord:
     batcher_id: str = ""
     # The latest progress kept (services.scheduler.progress_relay: not every report is written).
     progress: ProgressReport | None = None
+    # The scheduler instance ("<name>/<run>") that dispatched the latest attempt, and the ack
+    # subject of the work message's delivery it holds: while the job is RUNNING, a scheduler that
+    # finds that instance gone naks the message there, so the job runs again at once rather than
+    # after AckWait (services.scheduler.lease_reclaim). Kept after the attempt; read only then.
+    dispatched_by: str = ""
+    lease_subject: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 

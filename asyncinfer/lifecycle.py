@@ -64,9 +64,12 @@ Outcome = JobRecord | Refusal
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
-    """A scheduler pulled the job's message and means to run it on `batcher_id`."""
+    """A scheduler pulled the job's message and means to run it on `batcher_id`; `scheduler` is
+    that scheduler's instance, `lease_subject` the ack subject of the message's delivery."""
 
     batcher_id: str
+    scheduler: str = ""
+    lease_subject: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +180,8 @@ def dispatch(record: JobRecord, event: Dispatch, now: float) -> Outcome:
         queue_duration_s=max(now - record.create_time, 0.0),
         update_time=now,
         batcher_id=event.batcher_id,
+        dispatched_by=event.scheduler,
+        lease_subject=event.lease_subject,
     )
 
 

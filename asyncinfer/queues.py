@@ -11,12 +11,9 @@
 - Cancellation of a running job: after the gateway moves the record to CANCELLING it publishes a
   `CancelNotice` on the core subject `cancel_subject(model)`; every scheduler hears it, and the one
   that dispatched the job tells its batcher to drop it.
-- Per-tenant admission (`GatewayConfig.max_queued_per_tenant`): the KV key `tenant.<tenant>` in the
-  same bucket counts the tenant's jobs that are queued and not yet dispatched: the gateway adds one
-  (compare-and-set) before it publishes a job, the scheduler takes one away when a job leaves the
-  queue for the first time (dispatched, expired or canceled while queued). Only kept while the limit
-  is configured. The value is the count as a JSON number, i.e. in decimal ASCII (`encode_count` /
-  `decode_count`).
+- Per-tenant admission (`GatewayConfig.max_queued_per_tenant`) keeps nothing here: the gateway
+  counts the tenant's subjects in the work stream (services.gateway.tenant_quota). Keys
+  `tenant.<tenant>` that older releases kept in this bucket are no longer read or written.
 - Dead letters (`NatsConfig.dead_letter_stream`, subjects `asyncinfer.dead.<model>`) are the
   scheduler's own; the gateway only sees their effect: the record is FAILED (or TIMED_OUT) with
   its error, and back to QUEUED when an operator replays it.
@@ -34,34 +31,11 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.contract import CANCEL_SUBJECT_PREFIX as CANCEL_SUBJECT_PREFIX
 from asyncinfer.contract import cancel_subject as cancel_subject
 from asyncinfer.contract import paused_key as paused_key
-from asyncinfer.contract import tenant_count_key
 from asyncinfer.jobs import Priority
-from asyncinfer.nats import JetStreamContext, KeyDeletedError, KeyNotFoundError, KeyValue, KeyWrongLastSequenceError
+from asyncinfer.nats import JetStreamContext, KeyValue
 from asyncinfer.nats.streams import ensure_kv_bucket
 
 SNAPSHOT_STALE_S = 15.0
-tenant_key = tenant_count_key  # its name here before asyncinfer.contract
-
-
-async def take_from_tenant_count(kv: KeyValue, tenant: str, *, max_rounds: int = 16) -> int | None:
-    """One job of the tenant left the queue: the count goes down by one (never below zero).
-    Nothing happens when the key does not exist (no per-tenant limit configured); returns the new
-    count, or None then."""
-    key = tenant_key(tenant)
-    for _ in range(max_rounds):
-        try:
-            entry = await kv.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            return None
-        if entry.revision is None:
-            return None
-        count = max(decode_count(entry.value) - 1, 0)
-        try:
-            await kv.update(key, encode_count(count), last=entry.revision)
-        except KeyWrongLastSequenceError:
-            continue
-        return count
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,13 +88,13 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
         js,
         config,
         bucket=config.queues_bucket,
-        description="asyncinfer queue snapshots, pauses and per-tenant queued counts",
+        description="asyncinfer queue snapshots, pauses and scheduler heartbeats",
     )
 
 
 # --- codec --------------------------------------------------------------------------------------
 # Codecs of what the queues bucket holds (queue snapshots at `<model>`, pauses at
-# `paused.<model>`, tenant counts at `tenant.<tenant>`) and of the cancel notice (core NATS,
+# `paused.<model>`; heartbeats at `scheduler.<run>` are plain text) and of the cancel notice (core NATS,
 # `asyncinfer.control.cancel.<model>`).
 #
 # Every form reads `v` (missing: version 0). Snapshots and cancel notices are still written as
@@ -128,9 +102,7 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
 # `Type(**fields)`, which refuses a field it does not know, so a `v` would make an older gateway
 # blind to snapshots and an older scheduler deaf to cancels during a rolling upgrade. Once no
 # process of that release is left, a change to them writes version 1. Pauses (nobody reads their
-# value) are written as version 1. A tenant count is a bare JSON number, which is what version 0's
-# decimal ASCII already was: it has no room for `v`, and needs none (a count that meant something
-# else would live under another key prefix).
+# value) are written as version 1.
 
 SNAPSHOT_VERSION = 0
 CANCEL_NOTICE_VERSION = 0
@@ -177,7 +149,6 @@ _encoder = msgspec.json.Encoder()
 _snapshot_decoder = msgspec.json.Decoder(SnapshotWire)
 _cancel_decoder = msgspec.json.Decoder(CancelNoticeWire)
 _pause_decoder = msgspec.json.Decoder(PauseWire)
-_count_decoder = msgspec.json.Decoder(int)
 
 
 def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
@@ -235,15 +206,3 @@ def encode_pause(*, paused_at: float, by: str) -> bytes:
 
 def decode_pause(data: bytes) -> PauseWire:
     return _pause_decoder.decode(data)
-
-
-def encode_count(count: int) -> bytes:
-    return _encoder.encode(count)
-
-
-def decode_count(data: bytes | None) -> int:
-    """The count at a tenant key; 0 for no value or one that is not a count (never below 0)."""
-    try:
-        return max(_count_decoder.decode(data or b"0"), 0)
-    except msgspec.DecodeError:
-        return 0

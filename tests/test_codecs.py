@@ -25,10 +25,8 @@ from asyncinfer.queues import (
     CancelNotice,
     PriorityQueueSnapshot,
     QueueSnapshot,
-    decode_count,
     decode_pause,
     decode_snapshot,
-    encode_count,
     encode_pause,
     encode_snapshot,
 )
@@ -275,14 +273,6 @@ def test_tensor_data_is_base64_so_nats_kv_get_stays_readable() -> None:
     assert data.isascii() or "é" in data.decode()
 
 
-def test_tenant_counts_are_json_numbers_as_they_were_decimal() -> None:
-    assert encode_count(7) == b"7" == v0.TENANT_COUNT
-    assert decode_count(v0.TENANT_COUNT) == 7
-    assert decode_count(None) == 0
-    assert decode_count(b"-3") == 0
-    assert decode_count(b"garbage") == 0
-
-
 def test_pause_round_trip_and_version_0() -> None:
     pause = decode_pause(encode_pause(paused_at=1.5, by="ops"))
     assert (pause.v, pause.paused_at, pause.by) == (1, 1.5, "ops")
@@ -384,3 +374,13 @@ def test_a_codec_imports_first_without_a_cycle(module: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_running_records_lease_round_trips_and_the_previous_release_reads_it() -> None:
+    lease = "$JS.ACK.WORK.work-demo-normal.1.42.40.1700000000000000000.3"
+    running = dataclasses.replace(
+        MINIMAL, state=JobState.RUNNING, attempt=1, dispatched_by="host:7001/ab12", lease_subject=lease
+    )
+    data = encode_record(running)
+    assert decode_record(data) == running
+    assert old_readers.decode_record(data) == dataclasses.replace(running, dispatched_by="", lease_subject="")

@@ -12,13 +12,8 @@ stream), so a job whose SUCCEEDED record was written twice would show two SUCCEE
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,71 +26,14 @@ from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.jobs import JobState
 from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from tests.processes import Service, until
 
-BIN = Path(sys.executable).parent
 JOBS = 2000
 SUBMITTERS = 8
 ACK_WAIT_S = 3.0
 # About 100 submissions/s in all: 2,000 take ~20 s, long enough for three kills and restarts.
 SUBMIT_PAUSE_S = 0.07
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(100)]
-
-
-async def until(condition: Callable[[], bool], timeout_s: float) -> None:
-    """Polls a condition until it holds (bounded)."""
-    give_up_at = time.monotonic() + timeout_s
-    while True:
-        if condition():
-            return
-        if time.monotonic() > give_up_at:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
-
-
-class Service:
-    """One service process, restartable on the same port."""
-
-    def __init__(self, name: str, config_file: Path, log_dir: Path, port: int) -> None:
-        self.name = name
-        self.port = port
-        self._config_file = config_file
-        self._log_dir = log_dir
-        self._process: subprocess.Popen[str] | None = None
-        self.starts = 0
-
-    async def start(self) -> None:
-        process = await asyncio.to_thread(self._spawn)
-        assert process.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 60)
-        assert f"serving on 127.0.0.1:{self.port}" in line, (self.name, line)
-
-    def _spawn(self) -> subprocess.Popen[str]:
-        self.starts += 1
-        log = open(self._log_dir / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 - closed below
-        process = subprocess.Popen(
-            [str(BIN / "asyncinfer"), self.name, "--config", str(self._config_file)],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ},
-        )
-        log.close()
-        self._process = process
-        return process
-
-    def kill(self) -> None:
-        assert self._process is not None
-        self._process.send_signal(signal.SIGKILL)
-        self._process.wait()
-        if self._process.stdout is not None:
-            self._process.stdout.close()
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
-        if self._process is not None and self._process.stdout is not None:
-            self._process.stdout.close()
 
 
 @dataclass
@@ -246,8 +184,8 @@ async def test_kill_batcher_scheduler_gateway_nothing_lost_nothing_twice(
         figures["batcher_restart_s"] = time.monotonic() - killed
         figures["batcher_recovery_s"] = await succeeded_since(time.monotonic()) - killed
 
-        # 2. The scheduler dies with jobs in flight (leases held), and comes back; its jobs return
-        # after ack_wait.
+        # 2. The scheduler dies with jobs in flight (leases held), and comes back; it returns its
+        # predecessor's jobs at once (services.scheduler.lease_reclaim), not after ack_wait.
         await accepted(900)
         killed = time.monotonic()
         running_at_scheduler_kill = running()

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from asyncinfer.config import Config
+from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FailedPrecondition
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.job_store import JobStore
@@ -22,6 +23,7 @@ from asyncinfer.jobs import JobError, JobRecord, JobState, Priority, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError, Msg
 from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.streams import count_subjects
 from asyncinfer.queues import (
     CancelNotice,
     PriorityQueueSnapshot,
@@ -29,7 +31,6 @@ from asyncinfer.queues import (
     cancel_subject,
     encode_snapshot,
     paused_key,
-    tenant_key,
 )
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway import transitions
@@ -416,38 +417,57 @@ async def test_concurrent_submits_cannot_overshoot_the_model_limit(config: Confi
         await app.stop(grace_s=1)
 
 
-async def test_tenant_quota_counts_in_the_queues_bucket(config: Config, nc: NatsClient) -> None:
+async def test_tenant_quota_counts_the_tenants_work_messages(config: Config, nc: NatsClient) -> None:
     app, channel, gw = await start_harness(config.replace(gateway={"max_queued_per_tenant": 2}), nc)
     try:
         await gw.put_snapshot(snapshot(rate=4.0))
+        first = await gw.submit()
         await gw.submit()
-        await gw.submit()
-        entry = await gw.queues.get(tenant_key(TENANT))
-        assert entry.value == b"2"
+        assert await count_subjects(nc, WORK, tenant_work_subjects(TENANT), timeout_s=2.0) == 2
         # 2 queued, limit 2: 1 over, at 4 jobs/s: 0.25 s, raised to the 1 s minimum.
         await assert_refused(gw, "TENANT_QUOTA_EXCEEDED", retry_s=1.0)
-        assert (await gw.queues.get(tenant_key(TENANT))).value == b"2"
 
-        # The scheduler dispatched one: the tenant may queue one more.
-        await gw.queues.update(tenant_key(TENANT), b"1", last=entry.revision)
+        # The first job ended (its message left the stream): the tenant may queue one more. The
+        # count is the stream's, so nothing had to be told.
+        await gw.js.purge_stream(WORK, subject=f"asyncinfer.work.*.*.{TENANT}.{first.job_id}")
         await gw.submit()
-        assert (await gw.queues.get(tenant_key(TENANT))).value == b"2"
+        await assert_refused(gw, "TENANT_QUOTA_EXCEEDED", retry_s=1.0)
     finally:
         await channel.close(None)
         await app.stop(grace_s=1)
 
 
-async def test_tenant_count_is_rolled_back_when_the_job_is_not_queued(config: Config, nc: NatsClient) -> None:
-    limited = config.replace(gateway={"max_queued_per_tenant": 5, "enqueue_retry_s": 0.2})
+async def test_concurrent_submits_cannot_overshoot_the_tenant_limit(config: Config, nc: NatsClient) -> None:
+    app, channel, gw = await start_harness(config.replace(gateway={"max_queued_per_tenant": 7}), nc)
+    try:
+        for _ in range(3):  # a read, then submits admitted on it
+            await gw.submit()
+        results = await asyncio.gather(*(gw.submit() for _ in range(40)), return_exceptions=True)
+        accepted = [r for r in results if isinstance(r, job_pb2.Job)]
+        refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(accepted) == 4
+        assert {r.code() for r in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert await count_subjects(nc, WORK, tenant_work_subjects(TENANT), timeout_s=2.0) == 7
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
+async def test_a_submit_that_is_not_queued_leaves_no_count_behind(config: Config, nc: NatsClient) -> None:
+    limited = config.replace(gateway={"max_queued_per_tenant": 3, "enqueue_retry_s": 0.2})
     app, channel, gw = await start_harness(limited, nc)
     try:
         await gw.submit()
-        assert (await gw.queues.get(tenant_key(TENANT))).value == b"1"
+        stream = await gw.js.stream_info(WORK)
         await gw.js.delete_stream(WORK)
-        with pytest.raises(grpc.aio.AioRpcError) as info:
+        for _ in range(3):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await gw.submit()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        await gw.js.add_stream(stream.config)
+        for _ in range(3):
             await gw.submit()
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert (await gw.queues.get(tenant_key(TENANT))).value == b"1"
+        await assert_refused(gw, "TENANT_QUOTA_EXCEEDED", retry_s=5.0)
     finally:
         await channel.close(None)
         await app.stop(grace_s=1)

@@ -24,17 +24,14 @@ from asyncinfer.contract import JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyNotFoundError, KeyValue, NotFoundError
+from asyncinfer.nats import KeyValue, NotFoundError
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.queues import (
     CancelNotice,
     QueueSnapshot,
     cancel_subject,
-    decode_count,
     decode_snapshot,
-    encode_count,
-    tenant_key,
 )
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
@@ -644,23 +641,15 @@ def test_desired_batchers_of_held_and_open_queues() -> None:
     )
 
 
-async def test_snapshot_rates_desired_batchers_and_tenant_counter(start: Start, config: Config) -> None:
+async def test_snapshot_rates_and_desired_batchers(start: Start, config: Config) -> None:
     h = await start(tune(config))
-    await h.queues.put(tenant_key(TENANT), encode_count(5))  # as the gateway keeps it
     batcher = await h.batcher()
     batcher.serve(batcher.answer)
     jobs = [await enqueue(h.nc, h.kv) for _ in range(5)]
-    await enqueue(h.nc, h.kv, tenant="other")  # a tenant without a counter: none is created
+    await enqueue(h.nc, h.kv, tenant="other")
     await batcher.grant(2)
     for job in jobs:
         await wait_state(h.js, job, JobState.SUCCEEDED)
-
-    async def counted_down() -> bool:
-        return decode_count((await h.queues.get(tenant_key(TENANT))).value) == 0
-
-    await until(counted_down)
-    with pytest.raises(KeyNotFoundError):
-        await h.queues.get(tenant_key("other"))
     stats = (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())).models[0]
     assert stats.completed_per_second > 0
     # Six jobs queued with a notice each (issue 18: IN/S was always 0).

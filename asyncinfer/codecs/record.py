@@ -69,6 +69,8 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     callback: CallbackWire | None = None
     batcher_id: str = ""
     progress: ProgressWire | None = None  # added in version 1 (a default: older readers skip it)
+    dispatched_by: str = ""
+    lease_subject: str = ""
 
 
 _encoder = msgspec.json.Encoder()
@@ -109,6 +111,8 @@ def encode_record(record: JobRecord) -> bytes:
             callback=None if callback is None else CallbackWire(callback.url, callback.events),
             batcher_id=r.batcher_id,
             progress=progress_to_wire(r.progress),
+            dispatched_by=r.dispatched_by,
+            lease_subject=r.lease_subject,
         )
     )
 
@@ -146,5 +150,7 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         callback=None if callback is None else CallbackSpec(callback.url, callback.events),
         batcher_id=w.batcher_id,
         progress=progress_from_wire(w.progress),
+        dispatched_by=w.dispatched_by,
+        lease_subject=w.lease_subject,
         revision=revision,
     )

@@ -71,6 +71,14 @@ async def kv_last_write(bucket: KvBucket, key: str) -> tuple[bytes, int] | None:
     return entry.value or b"", entry.revision
 
 
+async def kv_put_with_ttl(bucket: KvBucket, key: str, value: bytes, *, ttl_s: int) -> int:
+    """Writes `value` at the key, to be removed by the server ttl_s seconds later (unless written
+    again); the new revision."""
+    return await js_publish(
+        bucket.js, bucket.subject_prefix + key, value, timeout_s=bucket.timeout_s, headers={MSG_TTL: str(ttl_s)}
+    )
+
+
 async def kv_put_expecting(
     bucket: KvBucket, key: str, value: bytes, *, last_revision: int, ttl_s: int | None = None
 ) -> int:

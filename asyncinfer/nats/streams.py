@@ -8,17 +8,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
+import msgspec
 import nats.errors
 import structlog
+from nats.aio.client import Client
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import APIError, BucketNotFoundError, NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER
+from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, stream_info_subject
 from asyncinfer.nats.requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -91,6 +93,54 @@ async def stream_subjects(js: JetStreamContext, stream: str, subjects_filter: st
     most 100,000 of them in one stream info)."""
     info = await js.stream_info(stream, subjects_filter=subjects_filter)
     return list(info.state.subjects or {})
+
+
+class _SubjectsTotal(msgspec.Struct):
+    total: int = 0
+    error: dict[str, Any] | None = None
+
+
+# Past every page: the server then answers the number of matching subjects and none of them.
+_PAST_EVERY_PAGE = 1 << 31
+
+
+async def count_subjects(nc: Client, stream: str, subjects_filter: str, *, timeout_s: float) -> int:
+    """How many distinct subjects of the stream's messages match `subjects_filter`, without the
+    list: a stream info asking for the subjects at an offset past the last one carries their
+    total only (~1 KB whatever the count; the server's cost grows with the count: ~0.5 ms at
+    100, ~1.2 ms at 1,000, ~7 ms at 10,000 on a 2-core machine)."""
+    request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": _PAST_EVERY_PAGE})
+    reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
+    answer = msgspec.json.decode(reply.data, type=_SubjectsTotal)
+    if answer.error is not None:
+        APIError.from_error(answer.error)  # raises: NotFoundError for a missing stream, and so on
+    return answer.total
+
+
+async def nak_delivery(nc: Client, ack_subject: str) -> None:
+    """Naks a delivered message by its ack subject, whoever received it: JetStream redelivers it
+    at once (if that delivery is still the one pending; otherwise the nak is ignored)."""
+    await nc.publish(ack_subject, b"-NAK")
+
+
+async def messages_between(
+    js: JetStreamContext, stream: str, subjects_filter: str, *, first_seq: int, last_seq: int
+) -> list[tuple[int, str]]:
+    """(sequence, subject) of the stream's messages from first_seq to last_seq that match
+    `subjects_filter`, one STREAM.MSG.GET each (next by subject, from the leader). The payloads
+    come along; this is for the few messages a consumer has delivered and not had acked."""
+    found: list[tuple[int, str]] = []
+    seq = max(first_seq, 1)
+    while seq <= last_seq:
+        try:
+            message = await js.get_msg(stream, seq=seq, subject=subjects_filter, next=True)
+        except NotFoundError:
+            break
+        if message.seq is None or message.seq > last_seq or message.subject is None:
+            break
+        found.append((message.seq, message.subject))
+        seq = message.seq + 1
+    return found
 
 
 async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry_for_s: float) -> None:

@@ -2,10 +2,8 @@
 
 - Per model (ModelConfig.max_queue_depth): against `QueueView.estimated_depth`, in memory: the
   scheduler's snapshot plus what this gateway queued since, so the hot path reads no KV.
-- Per tenant (GatewayConfig.max_queued_per_tenant): the `tenant.<tenant>` counter in the queues
-  bucket (see asyncinfer.queues; a decimal count), raised by compare-and-set before the job is
-  published and lowered again here if it is not; the scheduler lowers it when a job leaves the
-  queue. This costs a KV read and write per submit, only while the limit is configured.
+- Per tenant (GatewayConfig.max_queued_per_tenant): the tenant's unfinished jobs, counted from
+  the work stream's subjects (services.gateway.tenant_quota): nothing kept, so nothing drifts.
 
 Past a limit: RESOURCE_EXHAUSTED with a RetryInfo delay estimated from the model's measured
 throughput (how long until enough jobs have left the queue), never below MIN_RETRY_AFTER_S.
@@ -13,27 +11,17 @@ throughput (how long until enough jobs have left the queue), never below MIN_RET
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-
-import structlog
-
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import ResourceExhausted, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyValue, KeyWrongLastSequenceError
-from asyncinfer.queues import decode_count, encode_count, tenant_key
 from services.gateway.queue_view import QueueView
-
-log = structlog.get_logger("asyncinfer.gateway.admission")
+from services.gateway.tenant_quota import TenantQuota, TenantSlot
 
 MIN_RETRY_AFTER_S = 1.0
 MAX_RETRY_AFTER_S = 300.0
 # When no throughput is measured (no batcher yet, or no scheduler), a delay that lets a
 # scale-from-zero start rather than one computed from nothing.
 UNKNOWN_RATE_RETRY_AFTER_S = 5.0
-# Compare-and-set rounds before giving up on a counter that many gateways update at once.
-MAX_COUNTER_ROUNDS = 50
 
 
 def retry_after_s(excess_jobs: int, completed_per_s: float) -> float:
@@ -44,9 +32,9 @@ def retry_after_s(excess_jobs: int, completed_per_s: float) -> float:
 
 
 class Admission:
-    def __init__(self, view: QueueView, queues: KeyValue, *, max_queued_per_tenant: int) -> None:
+    def __init__(self, view: QueueView, tenants: TenantQuota | None, *, max_queued_per_tenant: int) -> None:
         self._view = view
-        self._queues = queues
+        self._tenants = tenants if max_queued_per_tenant else None
         self._max_per_tenant = max_queued_per_tenant
 
     def _rate(self, model_name: str) -> float:
@@ -75,59 +63,30 @@ class Admission:
 
     @property
     def limits_tenants(self) -> bool:
-        return self._max_per_tenant > 0
+        return self._tenants is not None
 
-    async def reserve_tenant_slot(self, tenant: str, model: ModelConfig) -> None:
-        """Adds one to the tenant's queued count, or raises TENANT_QUOTA_EXCEEDED (Unavailable
-        when NATS cannot be reached). A no-op without a limit."""
-        if not self._max_per_tenant:
-            return
-        limit = self._max_per_tenant
-
-        def over_quota(count: int) -> ResourceExhausted:
-            delay = retry_after_s(count - limit + 1, self._rate(model.name))
-            return ResourceExhausted(
-                f"tenant {tenant!r} has {count} jobs queued, at its limit of {limit} "
-                f"(max_queued_per_tenant); try again in {delay:.0f} s",
-                retry_after_s=delay,
-                reason="TENANT_QUOTA_EXCEEDED",
-                metadata={"tenant": tenant, "queued": str(count), "limit": str(limit)},
-            )
-
-        await self._update_count(tenant, +1, refuse=lambda count: over_quota(count) if count >= limit else None)
-
-    async def release_tenant_slot(self, tenant: str) -> None:
-        """Takes back a reservation whose job was not queued. Best effort: a failure is logged
-        (the count then stays one too high until the scheduler's next correction)."""
-        if not self._max_per_tenant:
-            return
+    async def reserve_tenant_slot(self, tenant: str, model: ModelConfig) -> TenantSlot | None:
+        """Counts the job against its tenant's quota, or raises TENANT_QUOTA_EXCEEDED (Unavailable
+        when NATS cannot be reached); the slot is ended with `end_tenant_slot` once the job is
+        published or not. None without a limit."""
+        if self._tenants is None:
+            return None
         try:
-            await self._update_count(tenant, -1, refuse=lambda count: None)
-        except Unavailable as exc:
-            log.error("tenant_count_not_released", tenant=tenant, error=exc.message)
+            admitted = await self._tenants.admit(tenant)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the tenant's queued count: {exc}") from exc
+        if isinstance(admitted, TenantSlot):
+            return admitted
+        limit = self._max_per_tenant
+        delay = retry_after_s(admitted - limit + 1, self._rate(model.name))
+        raise ResourceExhausted(
+            f"tenant {tenant!r} has {admitted} jobs queued, at its limit of {limit} "
+            f"(max_queued_per_tenant); try again in {delay:.0f} s",
+            retry_after_s=delay,
+            reason="TENANT_QUOTA_EXCEEDED",
+            metadata={"tenant": tenant, "queued": str(admitted), "limit": str(limit)},
+        )
 
-    async def _update_count(
-        self, tenant: str, delta: int, *, refuse: Callable[[int], ResourceExhausted | None]
-    ) -> None:
-        key = tenant_key(tenant)
-        for _ in range(MAX_COUNTER_ROUNDS):
-            try:
-                try:
-                    entry = await self._queues.get(key)
-                    count, revision = decode_count(entry.value), entry.revision
-                except (KeyNotFoundError, KeyDeletedError):
-                    count, revision = 0, None
-                error = refuse(count)
-                if error is not None:
-                    raise error
-                value = encode_count(max(count + delta, 0))
-                if revision is None:
-                    await self._queues.create(key, value)
-                else:
-                    await self._queues.update(key, value, last=revision)
-                return
-            except KeyWrongLastSequenceError:
-                await asyncio.sleep(0)  # another gateway or the scheduler wrote first: read again
-            except NATS_FAILURES as exc:
-                raise Unavailable(f"cannot update the tenant's queued count: {exc}") from exc
-        raise Unavailable(f"the queued count of tenant {tenant!r} is too contended; try again")
+    def end_tenant_slot(self, slot: TenantSlot | None) -> None:
+        if slot is not None and self._tenants is not None:
+            self._tenants.end(slot)

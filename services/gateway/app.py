@@ -30,6 +30,7 @@ from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
 from services.gateway.submit import JobSubmitter
+from services.gateway.tenant_quota import TenantQuota
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 
@@ -91,7 +92,7 @@ class GatewayApp:
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
         records = JobStore(await ensure_jobs_bucket(js, cfg.nats), work_stream=cfg.nats.work_stream)
-        queues_bucket = await ensure_queues_bucket(js, cfg.nats)
+        await ensure_queues_bucket(js, cfg.nats)  # the queue view reads it
         claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
@@ -101,7 +102,11 @@ class GatewayApp:
         )
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)
-        admission = Admission(self._queues, queues_bucket, max_queued_per_tenant=cfg.gateway.max_queued_per_tenant)
+        limit = cfg.gateway.max_queued_per_tenant
+        tenants = TenantQuota(
+            self._nc, work_stream=cfg.nats.work_stream, limit=limit, read_retry_s=cfg.gateway.enqueue_retry_s
+        )
+        admission = Admission(self._queues, tenants, max_queued_per_tenant=limit)
         self._submitter = JobSubmitter(cfg, self._nc, admission, claim_check=claim_check, recent=self._hub.recent)
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js

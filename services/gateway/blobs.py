@@ -31,11 +31,12 @@ from asyncinfer.blobs import (
     upload_too_large,
 )
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobRecord, JobState
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.gateway.stream_limits import StreamCounts
 
 # ReadResult sends inline results in pieces of this size, like stored ones (the store's chunks).
 INLINE_CHUNK_BYTES = 128 * 1024
@@ -76,14 +77,38 @@ class ClaimCheck:
         self._store = store
         self._config = config
         self._clock = clock
+        self._idle_s = config.gateway.upload_idle_timeout_s
+        self._uploads = StreamCounts(
+            "upload", reason="TOO_MANY_UPLOADS", per_tenant=config.gateway.max_open_uploads_per_tenant
+        )
 
     # --- UploadInput ------------------------------------------------------------------------
 
     async def upload(
         self, requests: AsyncIterator[job_service_pb2.UploadInputRequest], *, tenant: str
     ) -> job_service_pb2.UploadInputResponse:
+        """Counted against the tenant's open uploads; a stream idle for upload_idle_timeout_s ends
+        DEADLINE_EXCEEDED (UPLOAD_IDLE), and what it had sent is purged (BlobStore.put)."""
+        with self._uploads.hold(tenant, ""):
+            return await self._upload(requests, tenant=tenant)
+
+    async def _next(
+        self, requests: AsyncIterator[job_service_pb2.UploadInputRequest]
+    ) -> job_service_pb2.UploadInputRequest | None:
+        try:
+            async with asyncio.timeout(self._idle_s):
+                return await anext(requests, None)
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the upload sent nothing for {self._idle_s:g} s (gateway.upload_idle_timeout_s); nothing was kept",
+                reason="UPLOAD_IDLE",
+            ) from None
+
+    async def _upload(
+        self, requests: AsyncIterator[job_service_pb2.UploadInputRequest], *, tenant: str
+    ) -> job_service_pb2.UploadInputResponse:
         limit = self._config.gateway.max_upload_bytes
-        first = await anext(requests, None)
+        first = await self._next(requests)
         if first is None or not first.HasField("metadata"):
             message = "the first message must carry metadata (size_bytes, sha256, retention); chunks follow"
             raise InvalidArgument(message, [FieldViolation("metadata", message)])
@@ -107,7 +132,7 @@ class ClaimCheck:
 
         async def chunks() -> AsyncIterator[bytes]:
             yield first.chunk
-            async for request in requests:
+            while (request := await self._next(requests)) is not None:
                 if request.HasField("metadata"):
                     message = "only the first message carries metadata"
                     raise InvalidArgument(message, [FieldViolation("metadata", message)])

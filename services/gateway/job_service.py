@@ -29,10 +29,11 @@ from services.gateway.bulk import submit_stream
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
-from services.gateway.list_jobs import JobLister, list_query_from_proto
+from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
 from services.gateway.queue_view import QueueView
+from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
 from services.gateway.transitions import Expiry
@@ -53,6 +54,8 @@ def resolve_tenant(context: Context, authenticator: Authenticator) -> str:
 # Watch messages kept for sharing between the watchers of one change: enough for every job changing
 # within the moment it takes to fan one change out.
 WATCH_RESPONSES_CACHED = 1024
+# ... and at most about this many bytes of outputs among them (they outlive the watches).
+WATCH_RESPONSES_CACHED_BYTES = 16 * 1024 * 1024
 
 
 class JobService(job_service_pb2_grpc.JobServiceServicer):
@@ -85,6 +88,13 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self.progress_feed = ProgressFeed(nc)
         # Converted watch messages of recent record changes, oldest first (see _watch_response).
         self._watch_responses: dict[tuple[str, int], job_service_pb2.WatchJobResponse] = {}
+        self._watch_response_bytes: dict[tuple[str, int], int] = {}
+        self._watches = StreamCounts(
+            "watch",
+            reason="TOO_MANY_WATCHES",
+            per_tenant=config.gateway.max_watches_per_tenant,
+            per_connection=config.gateway.max_watches_per_connection,
+        )
         self._lister = JobLister(
             nc.jetstream(),
             records,
@@ -174,23 +184,27 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if not is_job_id(request.job_id):
             raise job_not_found(request.job_id)
         # aclosing: a cancelled call closes the watch (and frees its queue) at once, not at GC.
-        updates = watch_with_progress(self._hub, self.progress_feed, tenant, request.job_id, request.after_revision)
-        async with contextlib.aclosing(updates) as watched:
-            async for record, progress in watched:
-                response = self._watch_response(record)
-                if progress is not None:
-                    # Not the shared message: that one goes to every watcher of the change.
-                    response = job_service_pb2.WatchJobResponse(job=response.job, progress=progress_to_proto(progress))
-                yield response
+        with self._watches.hold(tenant, context.peer()):
+            updates = watch_with_progress(self._hub, self.progress_feed, tenant, request.job_id, request.after_revision)
+            async with contextlib.aclosing(updates) as watched:
+                async for record, progress in watched:
+                    response = self._watch_response(record)
+                    if progress is not None:
+                        # Not the shared message: that one goes to every watcher of the change.
+                        response = job_service_pb2.WatchJobResponse(
+                            job=response.job, progress=progress_to_proto(progress)
+                        )
+                    yield response
 
     async def WatchJobs(
         self, request: job_service_pb2.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)
-        changes = watched_changes(request, tenant, self._hub, self._records, self._expiry)
-        async with contextlib.aclosing(changes) as batches:
-            async for batch in batches:
-                yield watch_jobs_response(batch, self._watch_response)
+        with self._watches.hold(tenant, context.peer()):
+            changes = watched_changes(request, tenant, self._hub, self._records, self._expiry)
+            async with contextlib.aclosing(changes) as batches:
+                async for batch in batches:
+                    yield watch_jobs_response(batch, self._watch_response)
 
     def _watch_response(self, record: JobRecord) -> job_service_pb2.WatchJobResponse:
         """The message for one record change. Every watcher of a job gets the same change at
@@ -203,8 +217,13 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if response is None:
             response = job_service_pb2.WatchJobResponse(job=self._job(record))
             self._watch_responses[cache_key] = response
-            if len(self._watch_responses) > WATCH_RESPONSES_CACHED:
-                del self._watch_responses[next(iter(self._watch_responses))]  # the oldest
+            self._watch_response_bytes[cache_key] = estimated_bytes(record)
+            while len(self._watch_responses) > 1 and (
+                len(self._watch_responses) > WATCH_RESPONSES_CACHED
+                or sum(self._watch_response_bytes.values()) > WATCH_RESPONSES_CACHED_BYTES
+            ):
+                oldest = next(iter(self._watch_responses))
+                del self._watch_responses[oldest], self._watch_response_bytes[oldest]
         return response
 
     async def CancelJob(

@@ -139,7 +139,9 @@ async def watch_with_progress(
     """The hub's watch of the job (records), with its progress between: (the latest record, the
     progress to send with it or None)."""
     key = job_key(tenant, job_id)
-    queue: WatcherQueue = asyncio.Queue()
+    # The newest of each kind waits (watcher_queue): a slow watcher gets the latest progress and
+    # the latest record, in the order they last came.
+    queue = WatcherQueue()
     feed.register(key, queue)
     progress = ProgressFilter()
     try:

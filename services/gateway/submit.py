@@ -66,8 +66,7 @@ class JobSubmitter:
 
         Once admitted, a job is seen through even if the caller goes away: a submit cancelled
         between the publish and the record would leave an orphan work message (dropped later by
-        the scheduler) for a job its caller may still be waiting on, or a tenant count never
-        taken back. `drain` awaits those still running."""
+        the scheduler) for a job its caller may still be waiting on. `drain` awaits those still running."""
         now = self._clock()
         if request.input_ref:
             request = await self._read_input_ref(request, tenant=tenant)
@@ -122,7 +121,7 @@ class JobSubmitter:
     ) -> JobRecord:
         slot = self._admission.reserve_model_slot(model)
         try:
-            await self._admission.reserve_tenant_slot(tenant, model)
+            tenant_slot = await self._admission.reserve_tenant_slot(tenant, model)
         except BaseException:
             self._admission.release_model_slot(model, slot)
             raise
@@ -133,8 +132,9 @@ class JobSubmitter:
             # have landed: its job then runs although its caller was told UNAVAILABLE, the
             # ambiguity of any lost acknowledgement; an idempotency key makes the retry safe.)
             self._admission.release_model_slot(model, slot)
-            await self._admission.release_tenant_slot(tenant)
             raise
+        finally:
+            self._admission.end_tenant_slot(tenant_slot)
 
     async def _enqueue(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str

@@ -37,6 +37,7 @@ from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.gateway.recent_records import RecentRecords
 from services.gateway.transitions import Expiry
+from services.gateway.watcher_queue import LatestQueue
 
 log = structlog.get_logger("asyncinfer.gateway.watch")
 
@@ -58,7 +59,8 @@ class Aside(RecordUpdate):
 
 # Queued to every watcher when the hub stops.
 _HUB_CLOSED = None
-WatcherQueue = asyncio.Queue[RecordUpdate | None]
+# Newest update per job only: a slow watcher is owed the latest record, not every copy.
+WatcherQueue = LatestQueue[RecordUpdate]
 # The feed stops after this long without a watcher (restarting it costs one consumer creation).
 IDLE_STOP_S = 10.0
 
@@ -237,9 +239,8 @@ class WatchHub:
 
     def register(self, key: str, queue: WatcherQueue | None = None) -> WatcherQueue:
         """Queues every change of the record at `key` (on a new queue, or the one given)."""
-        # Unbounded: a job changes state a handful of times, so a slow client holds little.
         if queue is None:
-            queue = asyncio.Queue()
+            queue = WatcherQueue()
         self._watchers.setdefault(key, set()).add(queue)
         self._idle_since = None
         return queue
@@ -255,7 +256,7 @@ class WatchHub:
 
     def register_selector(self, tenant: str, labels: dict[str, str]) -> WatcherQueue:
         """Queues every change of the tenant's records that carry all of `labels`."""
-        queue: WatcherQueue = asyncio.Queue()
+        queue = WatcherQueue()
         self._selectors.setdefault(tenant, {})[queue] = dict(labels)
         self._idle_since = None
         return queue

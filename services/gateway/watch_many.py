@@ -63,7 +63,7 @@ async def watch_ids(
     unique = list(dict.fromkeys(job_ids))
     unknown = [JobChange(job_id, error=job_not_found(job_id)) for job_id in unique if not is_job_id(job_id)]
     ids_by_key = {job_key(tenant, job_id): job_id for job_id in unique if is_job_id(job_id)}
-    queue: WatcherQueue = asyncio.Queue()
+    queue = WatcherQueue()
     for key in ids_by_key:
         hub.register(key, queue)
     watching = set(ids_by_key)

@@ -26,6 +26,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg, Subscription
 from asyncinfer.nats.connection import connect
+from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
@@ -35,7 +36,9 @@ from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, Clai
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
+from services.scheduler.instances import SchedulerInstance, stable_name
 from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.lease_reclaim import LeaseReclaimer
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
@@ -68,6 +71,7 @@ class SchedulerApp:
         self._flow: JobFlow | None = None
         self._stats: QueueStatsReader | None = None
         self._queues_kv: KeyValue | None = None
+        self._instance: SchedulerInstance | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
         # Set while dispatching, cleared by a drain (until undrain).
@@ -117,6 +121,10 @@ class SchedulerApp:
                 )
         await ensure_dead_letter_stream(js, config.nats)
         self._queues_kv = queues_kv = await ensure_queues_bucket(js, config.nats)
+        self._instance = instance = SchedulerInstance(
+            stable_name(config), KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
+        )
+        await instance.beat()
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
@@ -128,10 +136,10 @@ class SchedulerApp:
             config=config,
             metrics=self.metrics,
             dead_letters=letters,
-            queues_kv=queues_kv,
             claim_check=ClaimCheckIO(blobs, config),
             queued_records=queued_records,
             nc=nc,
+            instance_id=instance.id,
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -205,6 +213,8 @@ class SchedulerApp:
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
         flow.on_put_back = self._wake_dispatcher
+        self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
+        self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
         self._sweeper = BlobSweeper(blobs, self.supervisor, interval_s=self._blob_sweep_interval_s)
@@ -308,6 +318,8 @@ class SchedulerApp:
         if self._pauses is not None:
             await self._pauses.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
+        if self._instance is not None:
+            await self._instance.end()
         self._metrics_server.stop()
         if self._nc is not None and not self._nc.is_closed:
             try:

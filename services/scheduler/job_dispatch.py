@@ -22,7 +22,6 @@ from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
-from services.scheduler.completions import TenantQueueCounts
 from services.scheduler.leases import InFlightJob, Leases
 from services.scheduler.messages import CancelOrder, WorkOrder
 from services.scheduler.metrics import SchedulerMetrics
@@ -57,17 +56,17 @@ class JobDispatch:
         metrics: SchedulerMetrics,
         leases: Leases,
         settlement: Settlement,
-        tenant_counts: TenantQueueCounts,
         queued_records: QueuedRecords,
         claim_check: ClaimCheckIO | None,
         on_timeout: Callable[[InFlightJob], None],
+        instance_id: str = "",
     ) -> None:
+        self._instance_id = instance_id
         self._store = store
         self._config = config
         self._metrics = metrics
         self._leases = leases
         self._settlement = settlement
-        self._tenant_counts = tenant_counts
         self._queued_records = queued_records
         self._claim_check = claim_check
         self._on_timeout = on_timeout
@@ -134,14 +133,14 @@ class JobDispatch:
         if record is None:
             return False
         now = time.time()
-        event = lifecycle.Dispatch(batcher_id=session.batcher_id)
+        event = lifecycle.Dispatch(
+            batcher_id=session.batcher_id, scheduler=self._instance_id, lease_subject=msg.reply or ""
+        )
         latest, written = await self._store.transition(record, lifecycle.decider(event, now))
         if latest is None:
             job_log.error("job_record_missing")
             await msg.term()
             return False
-        if record.attempt == 0:
-            self._tenant_counts.left_queue(record.tenant)
         refusal = None if written else lifecycle.dispatch(latest, event, now)
         if isinstance(refusal, lifecycle.Refusal) and refusal.reason is lifecycle.Refused.ATTEMPTS_SPENT:
             if latest.state == JobState.RUNNING:

@@ -23,11 +23,11 @@ from asyncinfer import job_errors
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyValue, Msg
+from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
-from services.scheduler.completions import CompletionRates, TenantQueueCounts
+from services.scheduler.completions import CompletionRates
 from services.scheduler.dead_letters import DeadLetterStore
 from services.scheduler.job_dispatch import JobDispatch
 from services.scheduler.leases import InFlightJob, Leases
@@ -49,11 +49,11 @@ class JobFlow:
         config: Config,
         metrics: SchedulerMetrics,
         dead_letters: DeadLetterStore,
-        queues_kv: KeyValue | None = None,
         rng: random.Random | None = None,
         claim_check: ClaimCheckIO | None = None,
         queued_records: QueuedRecords | None = None,
         nc: NatsClient | None = None,
+        instance_id: str = "",
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -83,10 +83,10 @@ class JobFlow:
             metrics=metrics,
             leases=self._leases,
             settlement=self._settlement,
-            tenant_counts=TenantQueueCounts(queues_kv, self._tasks),
             queued_records=self._queued_records,
             claim_check=claim_check,
             on_timeout=self._on_timeout,
+            instance_id=instance_id,
         )
 
     @property

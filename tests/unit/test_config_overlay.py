@@ -117,3 +117,9 @@ def test_a_secret_file_that_names_no_section_stops_start_up(tmp_path: Path) -> N
     (tmp_path / "gateway__port").write_text("0x10")
     with pytest.raises(ConfigError, match=r"gateway\.port: Input should be a valid integer"):
         load_config(environ={}, secrets_dir=tmp_path)
+
+
+def test_the_overlay_reads_the_configurations_prefix() -> None:
+    from asyncinfer import config, config_overlay
+
+    assert config_overlay.ENV_PREFIX == config.ENV_PREFIX

@@ -1,0 +1,77 @@
+"""Which scheduler instances run: each names itself "<name>/<run>" (its stable name: the
+configured scheduler_id, else host and port; and a run ID new at every start) on the RUNNING
+records it writes, and keeps a heartbeat key `scheduler.<run>` in the queues bucket that the server
+removes HEARTBEAT_TTL_S after its last write (a graceful stop deletes it).
+
+An instance named on a record no longer runs when it has this instance's name and another run (it
+is the process this one replaced: same host and port, or same configured ID), or when its
+heartbeat is gone. Neither misjudges a running one: a name is one process's at a time (a port is),
+and a heartbeat is rewritten well within its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+
+import structlog
+
+from asyncinfer.config import Config
+from asyncinfer.contract import scheduler_key
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_with_ttl
+
+log = structlog.get_logger("asyncinfer.scheduler.instances")
+
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5  # whole seconds: the Nats-TTL header's unit
+
+
+def stable_name(config: Config) -> str | None:
+    """The name a restarted scheduler has again: its configured ID, else host and port; None for
+    port 0 (a new port at every start, so no restart shares it)."""
+    settings = config.scheduler
+    if settings.scheduler_id:
+        return settings.scheduler_id
+    return f"{socket.gethostname()}:{settings.port}" if settings.port else None
+
+
+class SchedulerInstance:
+    def __init__(self, name: str | None, queues: KvBucket) -> None:
+        self.run = secrets.token_hex(8)
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{self.run}"
+        self.id = f"{self.name}/{self.run}"
+        self._queues = queues
+
+    async def beat(self) -> None:
+        await kv_put_with_ttl(self._queues, scheduler_key(self.run), self.id.encode(), ttl_s=HEARTBEAT_TTL_S)
+
+    async def heartbeat(self) -> None:
+        """Beats until cancelled (a failed beat is retried at the next interval)."""
+        while True:
+            try:
+                await self.beat()
+            except NATS_FAILURES as exc:
+                log.warning("scheduler_heartbeat_failed", error=str(exc))
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    async def end(self) -> None:
+        """A graceful stop: the heartbeat goes now, not after its TTL."""
+        try:
+            await self._queues.kv.delete(scheduler_key(self.run))
+        except NATS_FAILURES as exc:
+            log.warning("scheduler_heartbeat_not_deleted", error=str(exc))
+
+    async def is_gone(self, instance_id: str) -> bool:
+        """Whether the instance named on a record no longer runs ("" or unreadable: unknown, so
+        not gone: its job waits out AckWait as before)."""
+        name, _, run = instance_id.rpartition("/")
+        if not name or not run:
+            return False
+        if run == self.run:
+            return False
+        if name == self.name:
+            return True
+        return await kv_latest(self._queues, scheduler_key(run)) is None
