@@ -6,6 +6,7 @@ Every stranded job runs again within 5 s of the kill and ends once, SUCCEEDED.""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -118,3 +119,38 @@ def test_a_lease_is_matched_to_its_message_by_stream_sequence() -> None:
     assert not LeaseReclaimer._holds(held(v1), 43)
     assert not LeaseReclaimer._holds(held(v1, JobState.QUEUED), 42)
     assert not LeaseReclaimer._holds(held(""), 42)
+
+
+def test_a_scheduler_start_up_that_hangs_honours_sigterm(tmp_path: Path) -> None:
+    """Start-up steps honour a stop signal: a "NATS" that accepts and never answers keeps the
+    scheduler connecting; SIGTERM ends it at once, exit status 0."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    config_file = tmp_path / "scheduler.toml"
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        config_file.write_text(
+            f'[nats]\nurl = "nats://127.0.0.1:{silent.getsockname()[1]}"\nconnect_timeout_s = 60.0\n'
+            "[scheduler]\nport = 0\nmetrics_port = 0\n"
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "scheduler", "--config", str(config_file)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )
+        try:
+            silent.settimeout(30.0)
+            silent.accept()[0].close()  # connecting: start-up is under way
+            sent = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            process.communicate(timeout=10.0)
+            assert time.monotonic() - sent < 10.0
+        finally:
+            process.kill()
+    assert process.returncode == 0

@@ -8,6 +8,9 @@ STATUS_HEADER = "Status"
 NO_RESPONDERS_STATUS = "503"
 # JSStreamWrongLastSequenceErrF, JSStreamWrongLastSequenceConstantErr: a compare-and-set lost.
 WRONG_LAST_SEQUENCE_CODES = (10071, 10164)
+# A full store: JSInsufficientResourcesErr, JSMemoryResourcesExceededErr, JSStorageResourcesExceededErr,
+# and a stream at its max_msgs, max_bytes or max_msgs_per_subject with DiscardNew.
+STORE_FULL_CODES = (10023, 10028, 10047, 10076, 10077, 10078)
 EXPECTED_LAST_SUBJECT_SEQUENCE = "Nats-Expected-Last-Subject-Sequence"
 MSG_TTL = "Nats-TTL"
 

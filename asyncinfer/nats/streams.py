@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
 from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, stream_info_subject
+from asyncinfer.nats.protocol import STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -37,6 +38,43 @@ TRANSIENT_JS_ERRORS: tuple[type[Exception], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
 )
+
+
+class StoreFullError(APIError):
+    """JetStream refused a write for want of space (a stream at its limits with DiscardNew, or the
+    server's or account's storage used up). Not transient: retrying at once only waits. Still a
+    NATS error to code that catches those (NATS_FAILURES)."""
+
+    def __init__(self, description: str, *, code: int | None = None, err_code: int | None = None) -> None:
+        super().__init__(code=code, description=description, err_code=err_code)
+        self.description: str = description
+
+
+def store_full(exc: BaseException) -> StoreFullError | None:
+    """The StoreFullError `exc` stands for, if it is one (nats-py raises these as a 503 or 400)."""
+    if isinstance(exc, StoreFullError):
+        return exc
+    if isinstance(exc, APIError) and exc.err_code in STORE_FULL_CODES:
+        return StoreFullError(exc.description or "insufficient resources", code=exc.code, err_code=exc.err_code)
+    return None
+
+
+async def store_has_room(js: JetStreamContext, stream: str, *, headroom_bytes: int) -> bool:
+    """Whether the stream, and the account's JetStream storage, have headroom_bytes to spare (what
+    a health probe asks while writes fail for want of space; True where there is no limit)."""
+    info = await js.stream_info(stream)
+    config, state = info.config, info.state
+    max_bytes = config.max_bytes or 0
+    # A stream smaller than a few requests: a quarter of it is room enough.
+    if max_bytes > 0 and state.bytes + min(headroom_bytes, max_bytes // 4) > max_bytes:
+        return False
+    if config.max_msgs is not None and config.max_msgs > 0 and state.messages + 1 > config.max_msgs:
+        return False
+    account = await js.account_info()
+    limit = account.limits.max_storage
+    return not (limit is not None and limit > 0 and account.storage + headroom_bytes > limit)
+
+
 # One attempt of a retried JetStream request; leader elections take a few seconds, so several
 # short attempts beat one long one.
 ATTEMPT_TIMEOUT_S = 2.0
@@ -50,7 +88,13 @@ async def retry_transient(operation: Callable[[float], Awaitable[T]], *, retry_f
 
     async def attempt() -> T:
         remaining = give_up_at - time.monotonic()
-        return await operation(max(min(ATTEMPT_TIMEOUT_S, remaining), 0.1))
+        try:
+            return await operation(max(min(ATTEMPT_TIMEOUT_S, remaining), 0.1))
+        except APIError as exc:
+            full = store_full(exc)
+            if full is not None:  # a 503 like an election's, but it will not pass in seconds
+                raise full from exc
+            raise
 
     return await retry(attempt, on=TRANSIENT_JS_ERRORS, retry_for_s=retry_for_s, what=what)
 

@@ -129,7 +129,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchJob(self, request, context):
-        """The current record first, then every change, until a terminal state.
+        """The current record first, then every change, until a terminal state. A client that reads
+        slower than the job changes gets the latest record, not every revision in between.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,7 +141,7 @@ class JobServiceServicer:
         every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
         the others go on). With a label selector instead: every change, from now on, of the caller's
         jobs that carry all of its labels, until the client ends the stream. Changes that come
-        together travel in one message.
+        together travel in one message; a slow reader gets each job's latest record.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

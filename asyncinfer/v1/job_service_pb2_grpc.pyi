@@ -48,13 +48,15 @@ class JobServiceStub:
     job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
     """
     WatchJob: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]
-    """The current record first, then every change, until a terminal state."""
+    """The current record first, then every change, until a terminal state. A client that reads
+    slower than the job changes gets the latest record, not every revision in between.
+    """
     WatchJobs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]
     """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
     every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
     the others go on). With a label selector instead: every change, from now on, of the caller's
     jobs that carry all of its labels, until the client ends the stream. Changes that come
-    together travel in one message.
+    together travel in one message; a slow reader gets each job's latest record.
     """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a queued or running job."""
@@ -89,13 +91,15 @@ class JobServiceAsyncStub(JobServiceStub):
     job of the caller's gets its NOT_FOUND in its own answer; the call itself succeeds.
     """
     WatchJob: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]  # type: ignore[assignment]
-    """The current record first, then every change, until a terminal state."""
+    """The current record first, then every change, until a terminal state. A client that reads
+    slower than the job changes gets the latest record, not every revision in between.
+    """
     WatchJobs: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]  # type: ignore[assignment]
     """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
     every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
     the others go on). With a label selector instead: every change, from now on, of the caller's
     jobs that carry all of its labels, until the client ends the stream. Changes that come
-    together travel in one message.
+    together travel in one message; a slow reader gets each job's latest record.
     """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a queued or running job."""
@@ -157,7 +161,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _job_service_pb2.WatchJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.WatchJobResponse], _abc.AsyncIterator[_job_service_pb2.WatchJobResponse]]:
-        """The current record first, then every change, until a terminal state."""
+        """The current record first, then every change, until a terminal state. A client that reads
+        slower than the job changes gets the latest record, not every revision in between.
+        """
 
     @_abc_1.abstractmethod
     def WatchJobs(
@@ -169,7 +175,7 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
         the others go on). With a label selector instead: every change, from now on, of the caller's
         jobs that carry all of its labels, until the client ends the stream. Changes that come
-        together travel in one message.
+        together travel in one message; a slow reader gets each job's latest record.
         """
 
     @_abc_1.abstractmethod

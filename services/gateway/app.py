@@ -29,6 +29,7 @@ from services.gateway.idempotency import IdempotentSubmitter
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_view import QueueView
+from services.gateway.store_health import StoreHealth
 from services.gateway.submit import JobSubmitter
 from services.gateway.tenant_quota import TenantQuota
 from services.gateway.transitions import Expiry
@@ -41,6 +42,9 @@ SERVICE_NAME = "asyncinfer.v1.JobService"
 MESSAGE_HEADROOM_BYTES = 1024 * 1024
 
 log = structlog.get_logger("asyncinfer.gateway")
+
+# Room a health probe wants in the work stream before it says SERVING again after a full store.
+STORE_HEADROOM_BYTES = 64 * 1024
 
 
 class GatewayApp:
@@ -107,7 +111,12 @@ class GatewayApp:
             self._nc, work_stream=cfg.nats.work_stream, limit=limit, read_retry_s=cfg.gateway.enqueue_retry_s
         )
         admission = Admission(self._queues, tenants, max_queued_per_tenant=limit)
-        self._submitter = JobSubmitter(cfg, self._nc, admission, claim_check=claim_check, recent=self._hub.recent)
+        store_health = StoreHealth(
+            js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
+        )
+        self._submitter = JobSubmitter(
+            cfg, self._nc, admission, claim_check=claim_check, recent=self._hub.recent, store_health=store_health
+        )
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
         )
@@ -134,6 +143,7 @@ class GatewayApp:
             credentials=tls,
         )
         await self._server.start()
+        store_health.serve_on(self._server)
         self.port = self._server.port
         self._metrics_server.start()
         self.metrics_port = self._metrics_server.port

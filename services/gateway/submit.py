@@ -27,12 +27,13 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.streams import publish_durably
+from asyncinfer.nats.streams import publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
 from services.gateway.recent_records import RecentRecords
+from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.submit_request import SubmitRequest, validate_submit
 
 log = structlog.get_logger("asyncinfer.gateway")
@@ -50,8 +51,10 @@ class JobSubmitter:
         clock: Callable[[], float] = time.time,
         claim_check: ClaimCheck | None = None,
         recent: RecentRecords | None = None,
+        store_health: StoreHealth | None = None,
     ) -> None:
         self._recent = recent
+        self._store_health = store_health
         self._config = config
         self._claim_check = claim_check
         self._nc = nc
@@ -180,6 +183,12 @@ class JobSubmitter:
         except BaseException as exc:
             if self._recent is not None:
                 self._recent.forget(record.key)
+            full = store_full(exc)
+            if full is not None:
+                log.warning("enqueue_refused_store_full", error=full.description, **about)
+                if self._store_health is not None:
+                    self._store_health.refused(full)
+                raise store_full_error(full) from exc
             if not isinstance(exc, NATS_FAILURES):
                 raise
             log.warning("enqueue_failed", error=str(exc), **about)
@@ -188,6 +197,8 @@ class JobSubmitter:
                 reason="ENQUEUE_FAILED",
                 metadata={"job_id": record.job_id},
             ) from exc
+        if self._store_health is not None:
+            self._store_health.wrote()
         if self._recent is not None:
             self._recent.queued(record)
         await announce_queued(self._nc, record, encode_record(record))
