@@ -32,6 +32,7 @@ from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.app import GatewayApp
+from services.gateway.watch_one import watch_job
 from tests.stack import StartStack
 
 if TYPE_CHECKING:
@@ -212,7 +213,7 @@ async def assert_feeds_recovered(gateway: GatewayApp, nc: NatsClient, config: Co
             result_retention_s=60,
         )
     )
-    updates = gateway.watch_hub.watch(record.tenant, record.job_id)
+    updates = watch_job(gateway.watch_hub, record.tenant, record.job_id)
     try:
         assert (await anext(updates)).state is JobState.QUEUED
         await store.replace(record.evolve(state=JobState.CANCELED, end_time=time.time()))

@@ -172,7 +172,9 @@ async def test_progress_of_a_superseded_attempt_never_reaches_a_watcher(
     await batcher.connect(takes_batches=True)
     await batcher.grant(4)
     request = x_request("demo")
-    request.execution_timeout.FromMilliseconds(400)
+    # Long enough that attempt 2 outlives the test's steps on a loaded machine (a slow watcher gets
+    # only the latest record: were attempt 2 to time out too, it could skip attempt 2 altogether).
+    request.execution_timeout.FromMilliseconds(2000)
     job = (await stack.jobs.SubmitJob(request)).job
     published: list[str] = []  # what the scheduler relays: its fencing alone drops "stale"
 

@@ -30,6 +30,7 @@ from asyncinfer.progress_notice import decode_progress_notice
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.v1 import job_service_pb2
 from services.gateway.watch_hub import Aside, WatcherQueue, WatchHub
+from services.gateway.watch_one import watch_job
 
 log = structlog.get_logger("asyncinfer.gateway.progress")
 
@@ -146,7 +147,7 @@ async def watch_with_progress(
     progress = ProgressFilter()
     try:
         await feed.ensure()
-        async with contextlib.aclosing(hub.watch(tenant, job_id, after_revision, queue)) as updates:
+        async with contextlib.aclosing(watch_job(hub, tenant, job_id, after_revision, queue)) as updates:
             async for update in updates:
                 if isinstance(update, Aside):
                     latest = progress.latest

@@ -1,15 +1,11 @@
 """WatchJob fan-out: one ordered JetStream subscription per gateway process on the jobs bucket's
-update subjects, dispatched to per-watcher queues, instead of one consumer per watcher.
-
-A watch registers its queue before it reads the current record, so no change can fall between the
-read and the first queued update; revisions (the KV stream sequence) drop what was already sent.
+update subjects, dispatched to per-watcher queues, instead of one consumer per watcher. The
+watches themselves are services.gateway.watch_one (WatchJob) and watch_many (WatchJobs).
 
 The subscription runs only while someone watches: it starts with the first watcher (before that
 watcher reads the record, so nothing falls between) and stops once none has watched for
 `idle_stop_s`. Without it, every gateway would read every record write of every job (three per job)
 whether or not anyone watched, which is most of the time for clients that poll or take webhooks.
-A watched QUEUED job with a deadline is expired by the watch itself when the deadline passes
-(`Expiry`), so the watcher sees EXPIRED on time even if no scheduler pulls the job.
 
 A new job's QUEUED record is its work message, not a write to the bucket: while a label selector
 watches (WatchJobs), the hub also hears the queued notices (asyncinfer.queued_notice, core NATS)
@@ -21,16 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import structlog
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.contract import QUEUED_SUBJECT_PREFIX, kv_stream, kv_subject_prefix
-from asyncinfer.errors import InvalidArgument, Unavailable
-from asyncinfer.job_store import JobStore, job_not_found
-from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, Subscription
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queued_notice import decode_queued_notice
@@ -105,6 +99,14 @@ class WatchHub:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def records(self) -> JobStore:
+        return self._records
+
+    @property
+    def expiry(self) -> Expiry:
+        return self._expiry
 
     @property
     def feeding(self) -> bool:
@@ -274,65 +276,3 @@ class WatchHub:
         if not self._watchers and not self._selectors:
             self._idle_since = asyncio.get_running_loop().time()
             self._became_idle.set()
-
-    async def watch(
-        self, tenant: str, job_id: str, after_revision: int = 0, queue: WatcherQueue | None = None
-    ) -> AsyncGenerator[JobRecord | Aside, None]:
-        """The current record (if newer than after_revision), then every change, until a terminal
-        state; an Aside put on the watch's queue (the one given) is passed on as it comes. NotFound
-        for an unknown job or when its record is deleted."""
-        if self._closed:
-            raise Unavailable("the gateway is shutting down; watch again elsewhere")
-        key = job_key(tenant, job_id)
-        queue = self.register(key, queue)
-        try:
-            await self.ensure_feed()  # before the read: a change after it is then in the feed
-            # A job this gateway queued a moment ago is known without a read (recent_records).
-            current = self.recent.latest(key) or await self._records.get(key)
-            if current is not None:
-                current = await self._expiry.settle(current)
-            if current is None:
-                raise await self._records.not_found(key, job_id)
-            if after_revision > current.revision:
-                raise InvalidArgument(
-                    f"after_revision {after_revision} is ahead of the job's revision {current.revision}"
-                )
-            last_sent = after_revision
-            # after_revision 0 sends the current record first, whatever its revision (a queued
-            # job's is 0: its record is its work message, not yet in the bucket).
-            if current.revision > last_sent or not after_revision:
-                yield current
-                last_sent = current.revision
-            latest = current
-            while not latest.state.is_terminal:
-                update = await self._next_update(queue, latest)
-                if update is _HUB_CLOSED:
-                    raise Unavailable(
-                        f"the gateway is shutting down; watch again with after_revision={last_sent}",
-                        metadata={"after_revision": str(last_sent)},
-                    )
-                if isinstance(update, Aside):
-                    yield update
-                    continue
-                if update.revision <= last_sent:
-                    continue
-                if update.record is None:
-                    raise job_not_found(job_id)
-                yield update.record
-                last_sent = update.revision
-                latest = update.record
-        finally:
-            self.unregister(key, queue)
-
-    async def _next_update(self, queue: WatcherQueue, latest: JobRecord) -> RecordUpdate | None:
-        """The next update from the feed; when a queued job's deadline comes first, the record
-        after expiring it (or what won instead)."""
-        if latest.state is not JobState.QUEUED or latest.deadline is None:
-            return await queue.get()
-        try:
-            async with asyncio.timeout(max(latest.deadline - self._expiry.clock(), 0.0)):
-                return await queue.get()
-        except TimeoutError:
-            pass
-        settled = await self._expiry.settle(latest)
-        return RecordUpdate(settled.revision if settled is not None else latest.revision + 1, settled)
