@@ -24,6 +24,7 @@ import grpc
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import ApiKeyConfig
 from asyncinfer.errors import PermissionDenied, Unauthenticated
+from asyncinfer.grpc_handlers import rewrap
 
 Role = Literal["tenant", "ops", "batcher"]
 BEARER = "bearer "
@@ -123,21 +124,7 @@ def _guarded(handler: Any, check: Callable[[Any], None]) -> Any:
 
         return call
 
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, unary),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, unary),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, streaming),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, streaming),
-    )
-    for attr, make, wrap in kinds:
-        behavior = getattr(handler, attr)
-        if behavior:
-            return make(
-                wrap(behavior),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-    return handler
+    return rewrap(handler, lambda behavior, _requests, responses: (streaming if responses else unary)(behavior))
 
 
 class _GuardedGenericHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]

@@ -26,6 +26,7 @@ from grpc_status import rpc_status
 
 from asyncinfer.error_bounds import clip_error
 from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhausted
+from asyncinfer.grpc_handlers import rewrap
 
 ERROR_DOMAIN = "asyncinfer.dev"
 log = structlog.get_logger("asyncinfer.grpc")
@@ -150,21 +151,12 @@ def wrap_method_handler(handler: Any) -> Any:
     """The same method handler (or None), its behaviour mapping AsyncInferError to a rich status."""
     if handler is None:
         return None
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_unary, False),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_unary, True),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream, False),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream, True),
-    )
-    for attr, make, wrap, streaming_requests in kinds:
-        behavior = getattr(handler, attr)
-        if behavior:
-            return make(
-                wrap(behavior, streaming_requests=streaming_requests),
-                request_deserializer=_tolerant(handler.request_deserializer),
-                response_serializer=handler.response_serializer,
-            )
-    return handler
+
+    def wrap(behavior: Any, streaming_requests: bool, streaming_responses: bool) -> Any:
+        wrapper = _wrap_stream if streaming_responses else _wrap_unary
+        return wrapper(behavior, streaming_requests=streaming_requests)
+
+    return rewrap(handler, wrap, request_deserializer=_tolerant(handler.request_deserializer))
 
 
 class ErrorMappingGenericHandler(grpc.GenericRpcHandler):  # type: ignore[type-arg]

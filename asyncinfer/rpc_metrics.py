@@ -21,6 +21,8 @@ import grpc
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from asyncinfer.grpc_handlers import rewrap
+
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0, 300.0)
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
@@ -57,21 +59,9 @@ class RpcMetrics:
             return None
         service, _, method = full_method.lstrip("/").partition("/")
         record = _Recorder(self, service, method)
-        kinds = (
-            ("unary_unary", grpc.unary_unary_rpc_method_handler, record.unary),
-            ("stream_unary", grpc.stream_unary_rpc_method_handler, record.unary),
-            ("unary_stream", grpc.unary_stream_rpc_method_handler, record.stream),
-            ("stream_stream", grpc.stream_stream_rpc_method_handler, record.stream),
+        return rewrap(
+            handler, lambda behavior, _requests, responses: (record.stream if responses else record.unary)(behavior)
         )
-        for attr, make, wrap in kinds:
-            behavior = getattr(handler, attr)
-            if behavior:
-                return make(
-                    wrap(behavior),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
 
 
 class _Recorder:
