@@ -403,16 +403,27 @@ class AsyncClient:
         job_id = _job_id(job)
         deadline = Deadline(timeout_s)
         last_revision = after_revision
+        seen = False  # a record was yielded: a reopened watch's first record may repeat it
         attempt = 0
         while True:
             attempt += 1
             request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
             call = self._stub.WatchJob(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None
+            first = True
             try:
                 async for response in call:
                     snapshot = job_from_proto(response.job, response.progress)
+                    # after_revision 0 sends the current record whatever its revision, and a
+                    # job still queued has revision 0: the reopened watch repeats it.
+                    repeated = (
+                        seen and first and snapshot.revision <= last_revision and not response.HasField("progress")
+                    )
+                    first = False
+                    if repeated:
+                        continue
                     last_revision = max(last_revision, snapshot.revision)
+                    seen = True
                     attempt = 0
                     yield snapshot
                     if snapshot.done:
