@@ -151,6 +151,7 @@ class SchedulerApp:
             is_paused=pauses.is_paused,
             is_draining=lambda: self.draining,
             put_back_count=self._put_back_count,
+            batch_sizes=flow.batch_sizes,
         )
         workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
         ops = OpsService(

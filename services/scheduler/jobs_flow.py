@@ -35,6 +35,7 @@ from services.scheduler.messages import CancelOrder, WorkProgress, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.owned_tasks import OwnedTasks
 from services.scheduler.progress_relay import ProgressRelay
+from services.scheduler.queue_stats import BatchSizeCount
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import Settlement
 
@@ -120,7 +121,7 @@ class JobFlow:
             return
         self._leases.release(job)
         if not result.dropped:
-            self._rates.completed(job.model_name)
+            self._rates.completed(job.model_name, result.batch_size)
         try:
             await self._settlement.result(job, result)
         except Exception:
@@ -200,6 +201,9 @@ class JobFlow:
 
     def completed_per_s(self, model_name: str) -> float:
         return self._rates.per_s(model_name)
+
+    def batch_sizes(self, model_name: str) -> tuple[BatchSizeCount, ...]:
+        return self._rates.batch_sizes.distribution(model_name)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         return await self._leases.wait_idle(timeout_s)
