@@ -352,7 +352,9 @@ class AsyncClient:
             again: list[str] = []
             for result in (await self._call(invoke, deadline)).results:
                 if result.HasField("job"):
-                    found[result.job_id] = job_from_proto(result.job)
+                    found[result.job_id] = job_from_proto(
+                        result.job, result.progress if result.HasField("progress") else None
+                    )
                 elif result.error.reason == "ANSWER_FULL":
                     again.append(result.job_id)
                 else:
@@ -466,7 +468,9 @@ class AsyncClient:
                     attempt = 0
                     for change in response.changes:
                         if change.HasField("job"):
-                            snapshot = job_from_proto(change.job)
+                            snapshot = job_from_proto(
+                                change.job, change.progress if change.HasField("progress") else None
+                            )
                             if snapshot.done:
                                 done.add(change.job_id)
                             yield snapshot

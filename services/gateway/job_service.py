@@ -171,11 +171,15 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             request.job_ids, tenant, self._job_or_error, budget_bytes=self._config.gateway.max_request_bytes
         )
 
-    async def _job_or_error(self, tenant: str, job_id: str) -> job_pb2.Job | AsyncInferError:
+    async def _job_or_error(
+        self, tenant: str, job_id: str
+    ) -> tuple[job_pb2.Job, job_service_pb2.JobProgress | None] | AsyncInferError:
         try:
-            return self._job(await self._record(tenant, job_id))
+            record = await self._record(tenant, job_id)
         except AsyncInferError as error:
             return error
+        progress = record_progress(record)
+        return self._job(record), None if progress is None else progress_to_proto(progress)
 
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
