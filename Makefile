@@ -72,7 +72,7 @@ $(SHELLS_STAMP): $(STAMP)
 	touch $@
 
 pytest: $(STAMP) $(NODE_STAMP) $(SHELLS_STAMP)
-	$(PY) -m pytest -m "not unit"
+	$(PY) -m pytest -m "not unit" --durations=25
 
 # The NATS-heavy tests again with the NATS adapter's fast path off (asyncinfer/nats/_fastpath.py), so
 # the public-API fallback a newer nats-py would get is tested too: requests and KV, the connect, the
