@@ -7,7 +7,7 @@ a file `<section>__<key>` in $ASYNCINFER_SECRETS_DIR (a mounted Secret), then an
 variable ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
 ASYNCINFER_NATS__URL=nats://nats:4222. Lists and tables are read as JSON, `null` as unset, the rest
 as text that validation converts. Models are declared in the file only (`asyncinfer up` adds its
-sample models when the file declares none: services/cli.py with_up_defaults).
+embedders and sample models when the file declares none: services/cli.py with_up_defaults).
 """
 
 from __future__ import annotations
@@ -574,6 +574,33 @@ FLAKY_MODEL = ModelConfig.model_validate(
     }
 )
 
+# The built-in text embedders (services/batcher/backends/minilm.py and minilm_doc.py), declared
+# here without torch so that `asyncinfer up` (services/cli.py with_up_defaults) can serve them
+# beside the demo model: all-MiniLM-L6-v2 on sentences, and the same model on long documents.
+MINILM_EMBEDDING_DIM = 384
+MINILM_MODEL = ModelConfig(
+    name="minilm-l6",
+    loader="builtin:minilm-l6",
+    max_batch_size=64,
+    max_queue_delay_ms=5.0,
+    cost="tokens",
+    max_batch_cost=4096,
+    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
+    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, MINILM_EMBEDDING_DIM)),),
+)
+MINILM_DOC_MODEL = ModelConfig(
+    name="minilm-l6-doc",
+    loader="builtin:minilm-l6-doc",
+    max_batch_size=8,
+    max_queue_delay_ms=5.0,
+    cost="tokens",
+    max_batch_cost=65536,
+    length_buckets=(256, 1024, 4096, 16384),
+    default_execution_timeout_s=600.0,
+    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
+    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, MINILM_EMBEDDING_DIM)),),
+)
+
 
 class Config(_Section):
     nats: NatsConfig = Field(default_factory=NatsConfig)
@@ -586,8 +613,9 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     models: tuple[ModelConfig, ...] = Field(
         (DEMO_MODEL,),
-        description="The models served. `asyncinfer up`, given a file that declares none, serves the demo model "
-        "and `flaky`, which fails on demand (README: Operations).",
+        description="The models served. `asyncinfer up`, given a file that declares none, serves the text "
+        "embedders minilm-l6 and minilm-l6-doc, the demo model and `flaky`, which fails on demand (README: "
+        "Operations).",
     )
 
     @model_validator(mode="after")
