@@ -685,7 +685,7 @@ class Config(_Section):
     models: tuple[ModelConfig, ...] = Field(
         (DEMO_MODEL,),
         description="The models served. `asyncinfer up`, given a file that declares none, serves the text "
-        "embedders minilm-l6 and minilm-l6-doc, the demo model and `flaky`, which fails on demand (README: "
+        "embedders minilm-l6, minilm-l6-doc and minilm-l6-doc-pipeline, the demo model and `flaky`, which fails on demand (README: "
         "Operations).",
     )
 

@@ -35,7 +35,7 @@ import structlog
 
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
-from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_MODEL, Config, load_config
+from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging, service_context
@@ -252,8 +252,9 @@ def with_up_defaults(config: Config) -> Config:
     """What `up` adds to the configuration it was given, so that the README's recipes run as they
     stand on a stack started without a file:
 
-    - the models, when the file declares none: the sentence embedder `minilm-l6` and the document
-      embedder `minilm-l6-doc` (asyncinfer.config.MINILM_MODEL, MINILM_DOC_MODEL), the demo model, and
+    - the models, when the file declares none: the sentence embedder `minilm-l6`, the document
+      embedder `minilm-l6-doc` and the same as a pipeline, `minilm-l6-doc-pipeline`
+      (asyncinfer.config.MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE), the demo model, and
       `flaky`, the sample model that fails on demand (asyncinfer.config.FLAKY_MODEL), for the
       dead-letter recipes;
     - a webhook signing secret for the default tenant, when no API keys are configured (so the
@@ -263,7 +264,8 @@ def with_up_defaults(config: Config) -> Config:
       operator's to configure;
     - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`)."""
     if "models" not in config.model_fields_set:
-        config = config.replace(models=[MINILM_MODEL, MINILM_DOC_MODEL, *config.models, FLAKY_MODEL])
+        embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
+        config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
     if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):
         config = with_own_batcher_key(config)
     tenant = config.gateway.default_tenant

@@ -273,8 +273,15 @@ def test_up_serves_a_job_through_grpcurl(up_process: tuple[UpProcess, Path, dict
 
     # The default stack serves the sentence embedder, the document embedder and the demo model.
     served = json.loads(grpcurl(up.gateway, "asyncinfer.v1.JobService/ListModels", data="{}").stdout)
-    assert {"minilm-l6", "minilm-l6-doc", "demo", "flaky"} <= {m["name"] for m in served["models"]}
-    for model, body in (("minilm-l6-doc", DOC_SUBMIT_BODY), ("demo", SUBMIT_BODY)):
+    assert {"minilm-l6", "minilm-l6-doc", "minilm-l6-doc-pipeline", "demo", "flaky"} <= {
+        m["name"] for m in served["models"]
+    }
+    pipeline_body = DOC_SUBMIT_BODY.replace('"minilm-l6-doc"', '"minilm-l6-doc-pipeline"')
+    for model, body in (
+        ("minilm-l6-doc", DOC_SUBMIT_BODY),
+        ("minilm-l6-doc-pipeline", pipeline_body),
+        ("demo", SUBMIT_BODY),
+    ):
         submitted = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=body)
         assert submitted.returncode == 0, (model, submitted.stderr)
         other = json.loads(submitted.stdout)["job"]["job_id"]
