@@ -29,6 +29,7 @@ from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
 
 ENV_PREFIX = "ASYNCINFER_"
 SHA256_HEX_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
 
 class _Section(BaseModel):
@@ -499,6 +500,15 @@ class ModelConfig(_Section):
     def _valid_name(cls, value: str) -> str:
         if not NAME_PATTERN.match(value):
             raise ValueError("model names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        # Checked with the file, by every service: a typo fails at start-up, not as a batcher whose
+        # model will not load (whether CUDA is there is the batcher's to find: resolve_device).
+        if not DEVICE_PATTERN.match(value):
+            raise ValueError(f"device {value!r} is not auto, cpu, cuda or cuda:N")
         return value
 
     @model_validator(mode="after")
