@@ -208,3 +208,18 @@ async def test_the_document_pipeline_matches_minilm_l6_doc() -> None:
         assert runner.last_runs[1].batch_rows == 4
     finally:
         await engine.stop(grace_s=1.0)
+
+
+async def test_a_pipeline_whose_step_model_did_not_load_does_not_serve(config: Any) -> None:
+    """The other models serve; the pipeline is a load failure that names its missing step model."""
+    from services.batcher.app import BatcherApp
+
+    broken_gated = GATED.model_copy(update={"loader": "services.batcher.models.demo:no_such_factory"})
+    app = BatcherApp(config.replace(models=(DEMO_MODEL, broken_gated, TWICE)))
+    await app.start()
+    try:
+        assert app.engine.has_model("demo")
+        assert not app.engine.has_model("twice")
+        assert "its step models ['gated'] are not served here" in app.load_failures["twice"]
+    finally:
+        await app.stop(grace_s=1.0)
