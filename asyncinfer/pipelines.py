@@ -12,18 +12,53 @@ step gives is known only when it runs (the batcher checks it then).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from asyncinfer.config import ModelConfig, TensorSpecConfig
+# What the checks read of asyncinfer.config's ModelConfig, PipelineStepConfig and TensorSpecConfig
+# (which call them: config imports this module, not the other way round).
 
 
-def check_pipeline(pipeline: ModelConfig, models: Mapping[str, ModelConfig]) -> None:
+class Spec(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def datatype(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+class Step(Protocol):
+    @property
+    def model(self) -> str: ...
+    @property
+    def inputs(self) -> Mapping[str, str]: ...
+    @property
+    def outputs(self) -> Mapping[str, str]: ...
+    @property
+    def label(self) -> str: ...
+
+
+class Model(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def inputs(self) -> Sequence[Spec]: ...
+    @property
+    def outputs(self) -> Sequence[Spec]: ...
+    @property
+    def steps(self) -> Sequence[Step]: ...
+
+
+# A tensor's datatype and shape, as far as the configuration knows it.
+Known = tuple[str, tuple[int, ...]]
+
+
+def check_pipeline(pipeline: Model, models: Mapping[str, Model]) -> None:
     """ValueError naming the first thing wrong with the pipeline's steps."""
     where = f"pipeline {pipeline.name!r}"
-    # Tensor name -> its spec (None: a function step's output, known only at run time).
-    known: dict[str, TensorSpecConfig | None] = {spec.name: spec for spec in pipeline.inputs}
+    # Tensor name -> its datatype and shape (None: a function step's output, known only at run time).
+    known: dict[str, Known | None] = {spec.name: (spec.datatype, spec.shape) for spec in pipeline.inputs}
     for number, step in enumerate(pipeline.steps, start=1):
         at = f"{where} step {number} ({step.label})"
         missing = sorted(source for source in step.inputs.values() if source not in known)
@@ -35,38 +70,39 @@ def check_pipeline(pipeline: ModelConfig, models: Mapping[str, ModelConfig]) -> 
                 raise ValueError(f"{at}: no model {step.model!r} is declared")
             if model.steps:
                 raise ValueError(f"{at}: {step.model!r} is a pipeline itself (pipelines do not nest)")
-            wanted = {spec.name: spec for spec in model.inputs}
+            wanted = {spec.name: (spec.datatype, spec.shape) for spec in model.inputs}
             if set(step.inputs) != set(wanted):
                 raise ValueError(f"{at} maps inputs {sorted(step.inputs)}, but {step.model!r} takes {sorted(wanted)}")
             for name, source in step.inputs.items():
                 have = known[source]
                 if have is not None and not _fits(have, wanted[name]):
                     raise ValueError(
-                        f"{at}: {source!r} is {have.datatype} {list(have.shape)}, but {step.model!r} takes "
-                        f"{wanted[name].datatype} {list(wanted[name].shape)} as {name!r}"
+                        f"{at}: {source!r} is {_said(have)}, but {step.model!r} takes {_said(wanted[name])} as {name!r}"
                     )
-            given = {spec.name: spec for spec in model.outputs}
+            given = {spec.name: (spec.datatype, spec.shape) for spec in model.outputs}
             unknown = sorted(set(step.outputs) - set(given))
             if unknown:
                 raise ValueError(f"{at} keeps outputs {unknown}, which {step.model!r} does not give")
         for output, name in step.outputs.items():
             if name in known:
                 raise ValueError(f"{at} names an output {name!r}, which the pipeline already has")
-            known[name] = given[output].model_copy(update={"name": name}) if step.model else None
+            known[name] = given[output] if step.model else None
     for spec in pipeline.outputs:
         if spec.name not in known:
             raise ValueError(f"{where}: its output {spec.name!r} is given by no step")
-        have = known[spec.name]
-        if have is not None and not _fits(have, spec):
-            raise ValueError(
-                f"{where}: its output {spec.name!r} is {have.datatype} {list(have.shape)}, but it declares "
-                f"{spec.datatype} {list(spec.shape)}"
-            )
+        have, declared = known[spec.name], (spec.datatype, spec.shape)
+        if have is not None and not _fits(have, declared):
+            raise ValueError(f"{where}: its output {spec.name!r} is {_said(have)}, but it declares {_said(declared)}")
 
 
-def _fits(have: TensorSpecConfig, want: TensorSpecConfig) -> bool:
-    """Whether a tensor of spec `have` always fits `want`: the same datatype and rank, and each
+def _fits(have: Known, want: Known) -> bool:
+    """Whether a tensor of `have` always fits `want`: the same datatype and rank, and each
     non-batch dimension equal or free (-1) in `want`."""
-    if have.datatype != want.datatype or len(have.shape) != len(want.shape):
+    (have_type, have_shape), (want_type, want_shape) = have, want
+    if have_type != want_type or len(have_shape) != len(want_shape):
         return False
-    return all(w in (-1, h) for h, w in zip(have.shape[1:], want.shape[1:], strict=True))
+    return all(w in (-1, h) for h, w in zip(have_shape[1:], want_shape[1:], strict=True))
+
+
+def _said(known: Known) -> str:
+    return f"{known[0]} {list(known[1])}"

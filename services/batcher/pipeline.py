@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import structlog
@@ -39,8 +39,24 @@ from asyncinfer.tensors import Tensor, validate_inputs
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.progress import ItemProgress, ProgressUpdate
 
-if TYPE_CHECKING:
-    from services.batcher.engine import BatchingEngine
+
+class StepEngine(Protocol):
+    """What a pipeline uses of the BatchingEngine that holds it (engine.py imports this module)."""
+
+    def submit(
+        self,
+        model_name: str,
+        inputs: Sequence[Tensor],
+        *,
+        timeout_s: float | None = None,
+        priority: Priority = Priority.NORMAL,
+        progress: ItemProgress | None = None,
+    ) -> PendingItem: ...
+
+    def model_config(self, model_name: str) -> ModelConfig: ...
+
+    def reports_progress(self, model_name: str) -> bool: ...
+
 
 log = structlog.get_logger("asyncinfer.batcher.pipeline")
 
@@ -60,7 +76,7 @@ class StepRun:
 class PipelineRunner:
     """The items in flight of one pipeline model."""
 
-    def __init__(self, config: ModelConfig, engine: BatchingEngine, on_item_done: Callable[[str], None]) -> None:
+    def __init__(self, config: ModelConfig, engine: StepEngine, on_item_done: Callable[[str], None]) -> None:
         from services.batcher.backends.torch_backend import import_factory
 
         self.config = config
