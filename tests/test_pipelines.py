@@ -223,3 +223,66 @@ async def test_a_pipeline_whose_step_model_did_not_load_does_not_serve(config: A
         assert "its step models ['gated'] are not served here" in app.load_failures["twice"]
     finally:
         await app.stop(grace_s=1.0)
+
+
+@pytest.fixture
+async def engine() -> Any:
+    """An engine alone (no NATS): the gated, progress and demo models and two pipelines on them."""
+    from asyncinfer.config import BatcherConfig
+    from services.batcher.backends.loading import load_backend
+    from services.batcher.engine import BatchingEngine
+
+    progress = DEMO_MODEL.model_copy(
+        update={"name": "progress", "loader": "services.batcher.models.demo:build_progress_model"}
+    )
+    reporting = TWICE.model_copy(
+        update={"name": "reporting", "steps": (TWICE.steps[0].model_copy(update={"model": "progress"}), TWICE.steps[1])}
+    )
+    built = BatchingEngine()
+    for model in (DEMO_MODEL, GATED, progress):
+        built.add_model(model, await asyncio.to_thread(load_backend, model, BatcherConfig()))
+    built.add_pipeline(TWICE)
+    built.add_pipeline(reporting)
+    GATE.set()
+    await built.start()
+    try:
+        yield built
+    finally:
+        GATE.set()
+        await built.stop(grace_s=1.0)
+
+
+def x_tensor(value: float) -> list[Tensor]:
+    return [Tensor.from_numpy("x", np.array([[value, value + 1, value + 2, value + 3]], dtype=np.float32))]
+
+
+async def test_a_jobs_deadline_applies_to_its_first_step(engine: Any) -> None:
+    from asyncinfer.errors import DeadlineExceeded
+
+    GATE.clear()
+    first = engine.submit("twice", x_tensor(0.0))
+    computing = GATED.max_queue_size - 1
+    await until(lambda: engine.free_slots("gated") == computing and engine.queue_depth("gated") == 0, "first step")
+    late = engine.submit("twice", x_tensor(1.0), timeout_s=0.2)
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(late.future, 30)  # it expired waiting in the first step's queue
+    GATE.set()
+    outcome = await asyncio.wait_for(first.future, 30)
+    np.testing.assert_allclose(outcome.outputs[0].to_numpy(), [[3.0, 7.0, 11.0, 15.0]])
+
+
+async def test_a_reporting_steps_progress_is_folded_into_the_pipelines(engine: Any) -> None:
+    from services.batcher.progress import ItemProgress, ProgressUpdate
+
+    updates: list[ProgressUpdate] = []
+    channel = ItemProgress(updates.append, interval_s=0.0, max_bytes=0)
+    item = engine.submit("reporting", x_tensor(1.0), progress=channel)
+    await asyncio.wait_for(item.future, 60)
+    channel.close()
+    fractions = [u.fraction for u in updates]
+    assert fractions == sorted(fractions), fractions
+    assert fractions[-1] == 1.0
+    inside = [u for u in updates if u.fraction is not None and 0.0 < u.fraction < 0.5]
+    assert inside, "the first step's own progress shows as part of the pipeline's first half"
+    assert all(u.message.startswith("step 1 of 2: progress: step ") for u in inside)
+    assert updates[-1].message == "2 of 2 steps done"
