@@ -4,7 +4,9 @@ of several jobs, seen in the batcher's batch-size metrics and in the job records
 job (one record, QUEUED -> RUNNING -> SUCCEEDED) with the last step's mapped outputs and the share
 of its steps done as progress; a failing step fails its job with the step named; a cancel reaches
 a job whose step waits in its model's queue; the gateway validates a submit against the pipeline's
-inputs; and the document embedder pipeline (chunk -> minilm-l6 -> pool) against minilm-l6-doc."""
+inputs; a pipeline whose step model did not load does not serve. On an engine alone: a job's
+deadline applies to its first step; a reporting step's progress is folded into the pipeline's; and
+the document embedder pipeline (chunk -> minilm-l6 -> pool) against minilm-l6-doc."""
 
 from __future__ import annotations
 
