@@ -96,10 +96,6 @@ class PipelineRunner:
     def free_slots(self) -> int:
         return max(self.config.max_queue_size - self.held, 0)
 
-    @property
-    def step_models(self) -> list[str]:
-        return [step.model for step in self.config.steps if step.model]
-
     def submit(
         self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority, progress: ItemProgress | None
     ) -> PendingItem:
