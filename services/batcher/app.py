@@ -13,7 +13,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
@@ -70,11 +70,16 @@ class BatcherApp:
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
         for model in self.config.models:
+            if model.steps:
+                continue
             backend = await self._load(model)
             if backend is not None:
                 self._backends.append(backend)
                 self.engine.add_model(model, backend)
                 self.metrics.set_model_ready(model.name, True)
+        for model in self.config.models:
+            if model.steps:
+                self._add_pipeline(model)
         await self.engine.start()
 
         servicer = KServeServicer(self.engine, self.load_failures)
@@ -120,6 +125,22 @@ class BatcherApp:
             scheduler=batcher.scheduler_address or None,
             failed_models=self.load_failures or None,
         )
+
+    def _add_pipeline(self, model: ModelConfig) -> None:
+        """A pipeline serves when every model of its steps loaded here; else it is a load failure
+        that names them. A function step that cannot be imported is one too."""
+        missing = [step.model for step in model.steps if step.model and not self.engine.has_model(step.model)]
+        try:
+            if missing:
+                raise ConfigError(f"pipeline {model.name!r}: its step models {missing} are not served here")
+            self.engine.add_pipeline(model)
+        except ConfigError as exc:
+            log.error("model_load_failed", model=model.name, reason=exc.message)
+            self.load_failures[model.name] = exc.message
+            self.metrics.set_model_ready(model.name, False)
+            return
+        log.info("pipeline_added", model=model.name, steps=[step.label for step in model.steps])
+        self.metrics.set_model_ready(model.name, True)
 
     async def _load(self, model: ModelConfig) -> ModelBackend | None:
         """The model's backend, started; None (and the reason in load_failures) when it cannot
