@@ -29,6 +29,7 @@ from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
+from asyncinfer.tracing import trace_id_of
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -159,10 +160,13 @@ class JobSubmitter:
             execution_timeout_s=request.execution_timeout_s or model.default_execution_timeout_s,
             callback=request.callback,
             input_ref=request.input_blob,
+            traceparent=request.traceparent,
         )
         # Not log.bind(): binding costs on every submit (2% of the gateway's CPU in a bulk burst,
         # py-spy) even when nothing is logged; the few lines below name the job themselves.
         about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
+        if record.traceparent:
+            about["trace_id"] = trace_id_of(record.traceparent)
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         envelope = queued_envelope(record, request.inputs)

@@ -1,0 +1,204 @@
+"""Traces (asyncinfer.tracing) against a real stack: real NATS, the gateway, the scheduler and a
+batcher in this process, each with its own TracerProvider, and OpenTelemetry's in-memory exporter
+on all three. A job submitted with a W3C traceparent is one trace, the caller's, with spans from
+the three services; a batch span links every job it held; the trace ID is on the Job and in the
+job's log lines; with tracing off nothing of it exists."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+import structlog
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from asyncinfer.config import Config
+from asyncinfer.jobs import JobRecord
+from asyncinfer.tracing import Tracing, trace_id_of
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from tests.kv_helpers import job_record
+from tests.stack import Stack, StartStack
+from tests.test_end_to_end import demo_request
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+CALLER = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
+SERVICES = {"asyncinfer-gateway", "asyncinfer-scheduler", "asyncinfer-batcher"}
+
+
+@pytest.fixture
+def traced(config: Config) -> Config:
+    return config.replace(tracing={"enabled": True})
+
+
+def export_spans(stack: Stack) -> InMemorySpanExporter:
+    """One in-memory exporter on the three services' providers (after they started: nothing is
+    traced before the first submit)."""
+    exporter = InMemorySpanExporter()
+    assert stack.batcher is not None
+    for app in (stack.gateway, stack.scheduler, stack.batcher):
+        app.tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    """The result_commit span ends after the terminal write that a watcher already saw."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for spans"
+        await asyncio.sleep(0.01)
+
+
+async def finished(stack: Stack, job_id: str) -> job_pb2.Job:
+    """The job once terminal (its watch ends then), as GetJob shows it."""
+    async for _update in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):
+        pass
+    return (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+
+def service_of(span: ReadableSpan) -> str:
+    return str(span.resource.attributes["service.name"])
+
+
+def hex_id(value: int, digits: int) -> str:
+    return f"{value:0{digits}x}"
+
+
+def parent_of(span: ReadableSpan) -> str:
+    """The span ID of its parent, in hex ("" for a root)."""
+    return "" if span.parent is None else hex_id(span.parent.span_id, 16)
+
+
+async def stored(stack: Stack, job_id: str) -> JobRecord:
+    """The job's record as the jobs bucket holds it."""
+    nats = stack.config.nats
+    record = await job_record(
+        stack.nc.jetstream(), f"default.{job_id}", bucket=nats.jobs_bucket, work_stream=nats.work_stream
+    )
+    assert record is not None
+    return record
+
+
+async def test_a_job_is_one_trace_across_the_three_services(traced: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(traced)
+    exporter = export_spans(stack)
+    with structlog.testing.capture_logs() as logs:
+        submitted = await stack.jobs.SubmitJob(demo_request([[1, 2, 3, 4]]), metadata=(("traceparent", CALLER),))
+        job = await finished(stack, submitted.job.job_id)
+        await wait_for(lambda: any(s.name == "result_commit" for s in exporter.get_finished_spans()))
+    assert job.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert submitted.job.trace_id == job.trace_id == TRACE_ID  # the caller's trace, on the Job
+
+    spans = [s for s in exporter.get_finished_spans() if s.name != "batch"]
+    assert {s.context.trace_id for s in spans} == {int(TRACE_ID, 16)}, "one trace: the caller's"
+    by_name = {s.name: s for s in spans}
+    assert set(by_name) == {"submit", "queued", "dispatch", "compute", "result_commit"}
+    assert {service_of(s) for s in spans} == SERVICES
+    assert service_of(by_name["submit"]) == "asyncinfer-gateway"
+    assert {service_of(by_name[n]) for n in ("queued", "dispatch", "result_commit")} == {"asyncinfer-scheduler"}
+    assert service_of(by_name["compute"]) == "asyncinfer-batcher"
+    # The chain of parents: caller -> submit -> (queued, dispatch -> compute, result_commit).
+    submit = by_name["submit"]
+    assert parent_of(submit) == "00f067aa0ba902b7"
+    assert (submit.attributes or {})["asyncinfer.job_id"] == job.job_id
+    for name in ("queued", "dispatch", "result_commit"):
+        assert parent_of(by_name[name]) == hex_id(submit.context.span_id, 16), name
+    assert parent_of(by_name["compute"]) == hex_id(by_name["dispatch"].context.span_id, 16)
+
+    # The trace ID in every line about the job, from each service that logs one.
+    about = [line for line in logs if line.get("job_id") == job.job_id]
+    events = {line["event"] for line in about}
+    assert {"job_submitted", "job_dispatched", "job_finished"} <= events
+    assert all(line.get("trace_id") == TRACE_ID for line in about), about
+
+    # And on the record as stored (the scheduler wrote RUNNING and SUCCEEDED from the message's).
+    record = await stored(stack, job.job_id)
+    assert trace_id_of(record.traceparent) == TRACE_ID
+
+
+async def test_a_batch_span_links_every_job_it_held(traced: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(traced, batcher=False)
+    submitted = [
+        (await stack.jobs.SubmitJob(demo_request([[float(i)] * 4]))).job.job_id for i in range(6)
+    ]  # no traceparent: each job a new trace of its own
+    await stack.start_batcher()  # the six are dispatched together and batch together
+    exporter = export_spans(stack)
+    jobs = [await finished(stack, job_id) for job_id in submitted]
+    await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == len(jobs))
+    assert len({job.trace_id for job in jobs}) == len(jobs), "one trace per job"
+
+    spans = exporter.get_finished_spans()
+    batches = {s.context.span_id: s for s in spans if s.name == "batch"}
+    dispatches = {s.context.trace_id: s for s in spans if s.name == "dispatch"}
+    computes = [s for s in spans if s.name == "compute"]
+    assert len(computes) == len(jobs)
+    held: dict[int, set[int]] = {span_id: set() for span_id in batches}
+    for compute in computes:
+        (link,) = compute.links  # back to its batch
+        held[link.context.span_id].add(compute.context.trace_id)
+    for span_id, batch in batches.items():
+        assert service_of(batch) == "asyncinfer-batcher"
+        assert batch.context.trace_id not in dispatches, "a batch is a trace of its own"
+        linked = {(link.context.trace_id, link.context.span_id) for link in batch.links}
+        # Every job it held, by the dispatch span its compute continues.
+        assert linked == {(trace_id, dispatches[trace_id].context.span_id) for trace_id in held[span_id]}
+        assert (batch.attributes or {})["asyncinfer.batch_items"] == len(batch.links)
+    assert max(len(b.links) for b in batches.values()) > 1, "jobs queued together should share a batch"
+    for job in jobs:
+        (compute,) = [s for s in computes if hex_id(s.context.trace_id, 32) == job.trace_id]
+        assert len(batches[compute.links[0].context.span_id].links) == job.batch.batch_size
+
+
+async def test_tracing_off_makes_no_spans_and_no_trace_fields(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(config)
+    assert stack.batcher is not None
+    assert not any(app.tracing.enabled for app in (stack.gateway, stack.scheduler, stack.batcher))
+    with structlog.testing.capture_logs() as logs:
+        submitted = await stack.jobs.SubmitJob(demo_request([[1, 2, 3, 4]]), metadata=(("traceparent", CALLER),))
+        job = await finished(stack, submitted.job.job_id)
+    assert job.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert job.trace_id == submitted.job.trace_id == ""
+    assert not any("trace_id" in line for line in logs)
+    assert (await stored(stack, job.job_id)).traceparent == ""
+
+
+async def test_a_malformed_traceparent_starts_a_new_trace(traced: Config, start_stack: StartStack) -> None:
+    """W3C: a traceparent that cannot be parsed is ignored, never a failed request."""
+    stack = await start_stack(traced)
+    exporter = export_spans(stack)
+    submitted = await stack.jobs.SubmitJob(demo_request([[1, 2, 3, 4]]), metadata=(("traceparent", "garbage"),))
+    job = await finished(stack, submitted.job.job_id)
+    assert job.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert len(job.trace_id) == 32
+    assert job.trace_id != TRACE_ID
+    await wait_for(lambda: any(s.name == "result_commit" for s in exporter.get_finished_spans()))
+    (submit,) = [s for s in exporter.get_finished_spans() if s.name == "submit"]
+    assert submit.parent is None
+    assert hex_id(submit.context.trace_id, 32) == job.trace_id
+
+
+async def test_an_invalid_submit_is_a_failed_span(traced: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(traced)
+    exporter = export_spans(stack)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stack.jobs.SubmitJob(demo_request([[1, 2, 3]]), metadata=(("traceparent", CALLER),))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (submit,) = exporter.get_finished_spans()
+    assert submit.name == "submit"
+    assert not submit.status.is_ok
+    assert hex_id(submit.context.trace_id, 32) == TRACE_ID
+
+
+def test_tracing_off_is_the_default_and_needs_no_provider() -> None:
+    tracing = Tracing.start(Config().tracing, service="gateway")
+    assert not tracing.enabled
+    tracing.shutdown()  # nothing to flush
+
+
+def test_trace_ids_of_traceparents() -> None:
+    assert trace_id_of(CALLER) == TRACE_ID
+    assert trace_id_of("") == trace_id_of("garbage") == trace_id_of("00-abc-def-01") == ""
