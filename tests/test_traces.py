@@ -7,8 +7,9 @@ job's log lines; with tracing off nothing of it exists."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
@@ -17,13 +18,17 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.tracing import Tracing, trace_id_of
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from tests import codec_v0_readers as old_readers
 from tests.kv_helpers import job_record
 from tests.stack import Stack, StartStack
 from tests.test_end_to_end import demo_request
+from tests.test_record_codec import MINIMAL
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -202,3 +207,38 @@ def test_tracing_off_is_the_default_and_needs_no_provider() -> None:
 def test_trace_ids_of_traceparents() -> None:
     assert trace_id_of(CALLER) == TRACE_ID
     assert trace_id_of("") == trace_id_of("garbage") == trace_id_of("00-abc-def-01") == ""
+
+
+def test_the_traceparent_rides_on_the_record_and_its_work_message_and_old_readers_skip_it() -> None:
+    traced_record = dataclasses.replace(MINIMAL, traceparent=CALLER)
+    data = encode_record(traced_record)
+    assert decode_record(data) == traced_record
+    assert old_readers.decode_record(data) == MINIMAL  # the previous release reads the rest
+    assert b"traceparent" not in encode_record(MINIMAL)  # untraced: not a byte more
+    queued = dataclasses.replace(traced_record, state=JobState.QUEUED, attempt=0)
+    envelope = queued_envelope(queued, ())
+    message = decode_envelope(encode_envelope(envelope))
+    assert message.traceparent == CALLER
+    assert message.queued_record().traceparent == CALLER
+    assert b"traceparent" not in encode_envelope(queued_envelope(MINIMAL, ()))
+
+
+async def test_a_bulk_streams_traceparent_is_the_parent_of_each_jobs_submit(
+    traced: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(traced)
+    exporter = export_spans(stack)
+    items = [job_service_pb2.SubmitJobsItem(job=demo_request([[float(i)] * 4])) for i in range(3)]
+
+    async def requests() -> AsyncIterator[job_service_pb2.SubmitJobsRequest]:
+        yield job_service_pb2.SubmitJobsRequest(items=items)
+
+    (response,) = [r async for r in stack.jobs.SubmitJobs(requests(), metadata=(("traceparent", CALLER),))]
+    jobs = [answer.job for answer in response.answers]
+    assert [job.trace_id for job in jobs] == [TRACE_ID] * 3
+    for job in jobs:
+        await finished(stack, job.job_id)
+    await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == 3)
+    submits = [s for s in exporter.get_finished_spans() if s.name == "submit"]
+    assert {(s.attributes or {})["asyncinfer.job_id"] for s in submits} == {job.job_id for job in jobs}
+    assert {parent_of(s) for s in submits} == {"00f067aa0ba902b7"}
