@@ -27,14 +27,16 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from asyncinfer.config import TracingConfig
+from asyncinfer.contract import TRACEPARENT_HEADER
 from asyncinfer.errors import ConfigError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-# The W3C header, and the gRPC metadata key (lower case, as gRPC hands metadata over).
-TRACEPARENT = "traceparent"
+# The W3C header: the gRPC metadata key (lower case, as gRPC hands metadata over) and the work
+# message's NATS header.
+TRACEPARENT = TRACEPARENT_HEADER
 OTLP_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 AttributeValue = str | int | float | bool

@@ -21,7 +21,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
-from asyncinfer.jobs import JobRecord, JobState, queued_envelope
+from asyncinfer.contract import TRACEPARENT_HEADER, job_work_subject
+from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
 from asyncinfer.tracing import Tracing, trace_id_of
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from tests import codec_v0_readers as old_readers
@@ -130,11 +131,16 @@ async def test_a_batch_span_links_every_job_it_held(traced: Config, start_stack:
     submitted = [
         (await stack.jobs.SubmitJob(demo_request([[float(i)] * 4]))).job.job_id for i in range(6)
     ]  # no traceparent: each job a new trace of its own
+    # The work message carries the trace context in a header too (for NATS tooling).
+    subject = job_work_subject("demo", Priority.NORMAL, "default", submitted[0])
+    message = await stack.nc.jetstream().get_last_msg(traced.nats.work_stream, subject)
+    assert trace_id_of((message.headers or {})[TRACEPARENT_HEADER]) != ""
     await stack.start_batcher()  # the six are dispatched together and batch together
     exporter = export_spans(stack)
     jobs = [await finished(stack, job_id) for job_id in submitted]
     await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == len(jobs))
     assert len({job.trace_id for job in jobs}) == len(jobs), "one trace per job"
+    assert trace_id_of(message.headers[TRACEPARENT_HEADER]) == jobs[0].trace_id
 
     spans = exporter.get_finished_spans()
     batches = {s.context.span_id: s for s in spans if s.name == "batch"}

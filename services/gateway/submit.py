@@ -21,7 +21,7 @@ import structlog
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.contract import routing_headers
+from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
@@ -172,6 +172,11 @@ class JobSubmitter:
         envelope = queued_envelope(record, request.inputs)
         if self._recent is not None:
             self._recent.expect(record.key)
+        headers = routing_headers(
+            tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
+        )
+        if record.traceparent:  # also readable by NATS tooling without decoding the record
+            headers[TRACEPARENT_HEADER] = record.traceparent
         try:
             await publish_durably(
                 self._js,
@@ -180,9 +185,7 @@ class JobSubmitter:
                 stream=self._config.nats.work_stream,
                 msg_id=record.job_id,
                 retry_for_s=self._config.gateway.enqueue_retry_s,
-                headers=routing_headers(
-                    tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
-                ),
+                headers=headers,
             )
         except BaseException as exc:
             if self._recent is not None:
