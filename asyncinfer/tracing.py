@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from asyncinfer.config import TracingConfig
 from asyncinfer.contract import TRACEPARENT_HEADER
 from asyncinfer.errors import ConfigError
@@ -33,6 +35,8 @@ from asyncinfer.errors import ConfigError
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
     from opentelemetry.trace import Span, Tracer
+
+log = structlog.get_logger("asyncinfer.tracing")
 
 # The W3C header: the gRPC metadata key (lower case, as gRPC hands metadata over) and the work
 # message's NATS header.
@@ -60,10 +64,11 @@ class Tracing:
     """One service's tracer. `Tracing.off()` when tracing is not configured: `enabled` is False
     and nothing else may be called."""
 
-    def __init__(self, provider: TracerProvider | None = None) -> None:
+    def __init__(self, provider: TracerProvider | None = None, *, otlp_endpoint: str = "") -> None:
         self._provider = provider
         self._tracer: Tracer | None = None if provider is None else provider.get_tracer("asyncinfer")
         self.enabled = provider is not None
+        self.otlp_endpoint = otlp_endpoint  # where spans are exported ("": nowhere, or off)
 
     @classmethod
     def off(cls) -> Tracing:
@@ -95,7 +100,8 @@ class Tracing:
 
             # Batched, in the SDK's own thread: exporting never runs on the event loop.
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
-        return cls(provider)
+        log.info("tracing_on", service=service, otlp_endpoint=endpoint or None, sample_ratio=config.sample_ratio)
+        return cls(provider, otlp_endpoint=endpoint)
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
         """Another destination for this service's spans (the tests' in-memory exporter)."""

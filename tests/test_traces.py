@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 import structlog
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -248,3 +249,50 @@ async def test_a_bulk_streams_traceparent_is_the_parent_of_each_jobs_submit(
     submits = [s for s in exporter.get_finished_spans() if s.name == "submit"]
     assert {(s.attributes or {})["asyncinfer.job_id"] for s in submits} == {job.job_id for job in jobs}
     assert {parent_of(s) for s in submits} == {"00f067aa0ba902b7"}
+
+
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC receiver: what a Collector or Jaeger is to the exporter."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, str]] = []  # (service.name, span name, trace ID hex)
+
+    async def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: object
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        for resource_spans in request.resource_spans:
+            attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    self.spans.append((attributes["service.name"], span.name, span.trace_id.hex()))
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def test_spans_are_exported_over_otlp_when_an_endpoint_is_configured(
+    traced: Config, start_stack: StartStack
+) -> None:
+    collector = Collector()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        stack = await start_stack(traced.replace(tracing={"otlp_endpoint": f"http://127.0.0.1:{port}"}))
+        submitted = await stack.jobs.SubmitJob(demo_request([[1, 2, 3, 4]]), metadata=(("traceparent", CALLER),))
+        await finished(stack, submitted.job.job_id)
+        await stack.stop()  # flushes each service's exporter
+    finally:
+        await server.stop(None)
+    in_trace = {(service, name) for service, name, trace_id in collector.spans if trace_id == TRACE_ID}
+    assert {service for service, _ in in_trace} == SERVICES
+    assert {name for _, name in in_trace} == {"submit", "queued", "dispatch", "compute", "result_commit"}
+
+
+def test_the_standard_otlp_endpoint_variable_is_honoured() -> None:
+    """No endpoint configured: $OTEL_EXPORTER_OTLP_ENDPOINT names one (spans are made either way)."""
+    config = Config().tracing.model_copy(update={"enabled": True})
+    for environ, exports in (({}, False), ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317"}, True)):
+        tracing = Tracing.start(config, service="scheduler", environ=environ)
+        assert tracing.enabled
+        assert tracing.otlp_endpoint == ("http://127.0.0.1:4317" if exports else "")
+        tracing.shutdown()
