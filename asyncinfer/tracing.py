@@ -52,6 +52,11 @@ def trace_id_of(traceparent: str) -> str:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
+def trace_fields(traceparent: str) -> dict[str, str]:
+    """What a log line about a traced job adds (`trace_id`); nothing for an untraced one."""
+    return {"trace_id": trace_id_of(traceparent)} if traceparent else {}
+
+
 def traceparent_in(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
     """The caller's traceparent in gRPC invocation metadata ("" when it sent none)."""
     for key, value in metadata or ():

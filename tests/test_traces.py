@@ -296,3 +296,14 @@ def test_the_standard_otlp_endpoint_variable_is_honoured() -> None:
         assert tracing.enabled
         assert tracing.otlp_endpoint == ("http://127.0.0.1:4317" if exports else "")
         tracing.shutdown()
+
+
+async def test_a_canceled_jobs_lines_carry_its_trace_id(traced: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(traced, batcher=False)  # no batcher: it stays queued
+    submitted = await stack.jobs.SubmitJob(demo_request([[1, 2, 3, 4]]), metadata=(("traceparent", CALLER),))
+    with structlog.testing.capture_logs() as logs:
+        canceled = await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=submitted.job.job_id))
+    assert canceled.job.state == job_pb2.JOB_STATE_CANCELED
+    assert canceled.job.trace_id == TRACE_ID
+    (line,) = [line for line in logs if line["event"] == "job_cancel_requested"]
+    assert line["trace_id"] == TRACE_ID

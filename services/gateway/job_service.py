@@ -17,7 +17,7 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.tracing import Tracing
+from asyncinfer.tracing import Tracing, trace_fields
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
@@ -136,9 +136,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
 
     async def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str = "") -> SubmitOutcome:
         """One submit, unary or an item of SubmitJobs, counted in the metrics (and traced: submit_tracing.py)."""
-        if self._tracing.enabled:
-            return await traced_submit(self._tracing, self._submit_as, request, tenant, caller)
-        return await self._submit_as(request, tenant, "")
+        return await traced_submit(self._tracing, self._submit_as, request, tenant, caller)
 
     async def _submit_as(self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str) -> SubmitOutcome:
         started = time.perf_counter()
@@ -254,7 +252,8 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise
         finally:
             self._metrics.cancels.labels(model=model_label, outcome=outcome).inc()
-        log.info("job_cancel_requested", job_id=record.job_id, model=record.model_name, state=record.state.value)
+        about = {"job_id": record.job_id, "model": record.model_name, **trace_fields(record.traceparent)}
+        log.info("job_cancel_requested", **about, state=record.state.value)
         return job_service_pb2.CancelJobResponse(job=self._job(record))
 
     async def SubmitJobs(

@@ -29,7 +29,7 @@ from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
-from asyncinfer.tracing import trace_id_of
+from asyncinfer.tracing import trace_fields
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -166,7 +166,7 @@ class JobSubmitter:
         # py-spy) even when nothing is logged; the few lines below name the job themselves.
         about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
         if record.traceparent:
-            about["trace_id"] = trace_id_of(record.traceparent)
+            about.update(trace_fields(record.traceparent))
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         envelope = queued_envelope(record, request.inputs)

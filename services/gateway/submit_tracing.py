@@ -1,6 +1,6 @@
 """The gateway's span of a submit (asyncinfer.tracing): `submit`, a child of the caller's
 traceparent (gRPC metadata), whose own traceparent the job's record carries on to the scheduler.
-Only called when tracing is on: off, a submit builds nothing of it."""
+Off, a submit builds nothing of it: no metadata scan, no span, an empty traceparent."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ async def traced_submit(
     tenant: str,
     caller_trace: str,
 ) -> SubmitOutcome:
+    """`submit`, in a span when tracing is on."""
+    if not tracing.enabled:
+        return await submit(request, tenant, "")
     attributes = {"asyncinfer.model": request.model_name, "asyncinfer.tenant": tenant}
     with tracing.span("submit", parent=caller_trace, server=True, attributes=attributes) as span:
         outcome = await submit(request, tenant, span.traceparent)
