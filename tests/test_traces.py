@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
@@ -307,3 +308,15 @@ async def test_a_canceled_jobs_lines_carry_its_trace_id(traced: Config, start_st
     assert canceled.job.trace_id == TRACE_ID
     (line,) = [line for line in logs if line["event"] == "job_cancel_requested"]
     assert line["trace_id"] == TRACE_ID
+
+
+async def test_the_sdk_sends_a_traceparent_and_shows_the_trace_id(traced: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(traced)
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": [[1.0, 2.0, 3.0, 4.0]]}, traceparent=CALLER)
+        assert job.trace_id == TRACE_ID
+        done = await client.wait(job)
+        assert done.trace_id == TRACE_ID
+        untraced = await client.submit("demo", {"x": [[1.0, 2.0, 3.0, 4.0]]})
+        assert len(untraced.trace_id) == 32  # a trace of its own
+        assert untraced.trace_id != TRACE_ID
