@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
-from asyncinfer.config import Config
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.contract import TRACEPARENT_HEADER, job_work_subject
 from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
 from asyncinfer.tracing import Tracing, trace_id_of
@@ -320,3 +320,23 @@ async def test_the_sdk_sends_a_traceparent_and_shows_the_trace_id(traced: Config
         untraced = await client.submit("demo", {"x": [[1.0, 2.0, 3.0, 4.0]]})
         assert len(untraced.trace_id) == 32  # a trace of its own
         assert untraced.trace_id != TRACE_ID
+
+
+async def test_a_retried_jobs_attempts_are_all_in_its_one_trace(traced: Config, start_stack: StartStack) -> None:
+    models = [DEMO_MODEL.model_dump(), FLAKY_MODEL.model_dump()]  # flaky: a row below 0 fails, 2 attempts
+    stack = await start_stack(traced.replace(models=models))
+    exporter = export_spans(stack)
+    request = demo_request([[-1, 0, 0, 0]])
+    request.model_name = "flaky"
+    submitted = await stack.jobs.SubmitJob(request, metadata=(("traceparent", CALLER),))
+    job = await finished(stack, submitted.job.job_id)
+    assert job.state == job_pb2.JOB_STATE_FAILED
+    assert job.attempt == 2
+    await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == 2)
+    spans = [s for s in exporter.get_finished_spans() if s.name != "batch"]
+    assert {s.context.trace_id for s in spans} == {int(TRACE_ID, 16)}
+    names = sorted(s.name for s in spans)
+    assert names == sorted(["submit", *["queued", "dispatch", "compute", "result_commit"] * 2])
+    attempts = sorted((s.attributes or {})["asyncinfer.attempt"] for s in spans if s.name == "queued")
+    assert attempts == [1, 2]
+    assert all((s.attributes or {})["asyncinfer.failed"] for s in spans if s.name == "compute")
