@@ -37,7 +37,7 @@ from services.gateway.queue_view import QueueView
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
-from services.gateway.submit_tracing import caller_trace, traced_submit
+from services.gateway.submit_tracing import Submit, caller_trace, traced_submit
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 
@@ -134,9 +134,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise await self._records.not_found(key, job_id)
         return record
 
-    async def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str = "") -> SubmitOutcome:
+    def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str = "") -> Submit:
         """One submit, unary or an item of SubmitJobs, counted in the metrics (and traced: submit_tracing.py)."""
-        return await traced_submit(self._tracing, self._submit_as, request, tenant, caller)
+        return traced_submit(self._tracing, self._submit_as, request, tenant, caller)
 
     async def _submit_as(self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str) -> SubmitOutcome:
         started = time.perf_counter()
@@ -158,7 +158,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.SubmitJobRequest, context: Context
     ) -> job_service_pb2.SubmitJobResponse:
         tenant = resolve_tenant(context, self._authenticator)
-        outcome = await self._submit(request, tenant, caller_trace(self._tracing, context.invocation_metadata()))
+        outcome = await self._submit(request, tenant, caller_trace(self._tracing, context))
         return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
@@ -260,7 +260,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request_iterator: AsyncIterator[job_service_pb2.SubmitJobsRequest], context: Context
     ) -> AsyncIterator[job_service_pb2.SubmitJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)  # once, before any request is read
-        caller = caller_trace(self._tracing, context.invocation_metadata())  # each item's span's parent
+        caller = caller_trace(self._tracing, context)  # the parent of each item's span
         responses = submit_stream(request_iterator, lambda request: self._submit(request, tenant, caller), self._job)
         async with contextlib.aclosing(responses) as answers:
             async for answer in answers:
