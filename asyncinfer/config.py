@@ -598,6 +598,33 @@ class WebhooksConfig(_Section):
         return None
 
 
+class TracingConfig(_Section):
+    enabled: bool = Field(
+        False,
+        description="OpenTelemetry traces of every job, from the caller's traceparent through the gateway, the "
+        "scheduler and the batcher (off: no span is made and nothing is added per job).",
+    )
+    otlp_endpoint: str = Field(
+        "",
+        description="Where spans are exported, over OTLP/gRPC: an OpenTelemetry Collector or Jaeger, e.g. "
+        "http://localhost:4317 (http: plaintext, https: TLS). Empty: $OTEL_EXPORTER_OTLP_ENDPOINT when set, "
+        "else spans are made (trace IDs on records and log lines) but not exported.",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="The share of new traces recorded; a caller's traceparent decides for its own trace "
+        "(its sampled flag is followed).",
+    )
+    service_name: str = Field(
+        "asyncinfer",
+        min_length=1,
+        description="Each service's spans carry service.name <service_name>-gateway, -scheduler or -batcher "
+        "and service.namespace <service_name>.",
+    )
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     format: Literal["auto", "json", "console"] = Field(
@@ -692,6 +719,7 @@ class Config(_Section):
     console: ConsoleConfig = Field(default_factory=ConsoleConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     models: tuple[ModelConfig, ...] = Field(
         (DEMO_MODEL,),
         description="The models served. `asyncinfer up`, given a file that declares none, serves the text "

@@ -18,6 +18,7 @@ from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
@@ -39,7 +40,8 @@ class BatcherApp:
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
         self.supervisor = Supervisor("batcher")
-        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor)
+        self.tracing = Tracing.start(config.tracing, service="batcher")
+        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
         self.port = 0
         self.metrics_port = 0
         self._backends: list[ModelBackend] = []
@@ -184,6 +186,7 @@ class BatcherApp:
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         for backend in self._backends:
             await backend.aclose()
         self._backends.clear()

@@ -45,6 +45,7 @@ from asyncinfer.errors import DeadlineExceeded, NotFound, Unavailable
 from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
 from services.batcher.items import InferOutcome, PendingItem
@@ -64,8 +65,16 @@ class BatchingEngine:
     Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
     loop, and `await stop(grace_s)` once."""
 
-    def __init__(self, *, metrics: BatcherMetrics | None = None, supervisor: Supervisor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        metrics: BatcherMetrics | None = None,
+        supervisor: Supervisor | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._metrics = metrics
+        # Spans of the batches that hold traced jobs (batch_tracing.py); off: none, nothing per item.
+        self.tracing = tracing or Tracing.off()
         # The batcher app's, which stops the process when a batch former dies; an engine of its own
         # (in tests, benchmarks) still has its formers' deaths logged at once.
         self._supervisor = supervisor or Supervisor("batching-engine")
@@ -82,7 +91,7 @@ class BatchingEngine:
             raise RuntimeError("models are added before the engine starts")
         if config.name in self._queues:
             raise ValueError(f"model {config.name!r} added twice")
-        self._queues[config.name] = ModelQueue(config, backend, self._metrics, self._notify_slot_freed)
+        self._queues[config.name] = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
 
     def add_pipeline(self, config: ModelConfig) -> None:
         """A model declared as steps of models added here (their queues run its steps)."""

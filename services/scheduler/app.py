@@ -30,6 +30,7 @@ from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
@@ -65,6 +66,7 @@ class SchedulerApp:
         self.metrics = SchedulerMetrics(CollectorRegistry())
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
+        self.tracing = Tracing.start(config.tracing, service="scheduler")
         self.port = 0
         self.metrics_port = 0
         self._nc: NatsClient | None = None
@@ -140,6 +142,7 @@ class SchedulerApp:
             queued_records=queued_records,
             nc=nc,
             instance_id=instance.id,
+            tracing=self.tracing,
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -322,6 +325,7 @@ class SchedulerApp:
         if self._instance is not None:
             await self._instance.end()
         self._metrics_server.stop()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()
