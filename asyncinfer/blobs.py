@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -147,6 +147,20 @@ def object_name(tenant: str, ref: str) -> str:
     return contract.object_name(tenant, ref)
 
 
+def chunks_name(tenant: str, ref: str) -> str:
+    """A new object's chunk name (its meta's `nuid`; the chunks go on `$O.<bucket>.C.<name>`).
+    An upload's carries its tenant (`in.<tenant>.<nuid>`), so that the tenant's stored uploads are
+    a subject filter away (`input_chunks_filter`) and counted from the stream itself; readers take
+    the name from the meta, whatever its tokens (nats-py's and the Go client's alike)."""
+    nuid = CHUNK_NAMES.next().decode()
+    return f"{INPUT_KIND}.{tenant}.{nuid}" if ref.startswith(INPUT_KIND + "/") else nuid
+
+
+def input_chunks_filter(bucket: str, tenant: str) -> str:
+    """Every chunk of the tenant's uploads (those stored since chunk names carry the tenant)."""
+    return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=f"{INPUT_KIND}.{tenant}.*")
+
+
 def _meta_subject(bucket: str, name: str) -> str:
     return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
 
@@ -201,14 +215,17 @@ class BlobStore:
         max_bytes: int,
         expected_sha256: str = "",
         expected_size: int | None = None,
+        before_commit: Callable[[], Awaitable[None]] | None = None,
     ) -> BlobRef:
         """Streams `chunks` into the object `ref` of `tenant`, replacing any object of that name.
 
         Raises InvalidArgument (UPLOAD_TOO_LARGE past max_bytes, SHA256_MISMATCH, SIZE_MISMATCH)
         and Unavailable when NATS fails; in every failure, and on cancellation, the chunks
-        written so far are purged and no meta is written."""
+        written so far are purged and no meta is written. `before_commit` runs once every chunk
+        is stored and before the meta makes the object visible; what it raises refuses the
+        object the same way."""
         name = object_name(tenant, ref)
-        nuid = CHUNK_NAMES.next().decode()
+        nuid = chunks_name(tenant, ref)
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         digest = hashlib.sha256()
         total = 0
@@ -247,6 +264,8 @@ class BlobStore:
             if expected_sha256 and expected_sha256 != sha256:
                 message = f"the content's SHA-256 is {sha256}, not the declared {expected_sha256}; nothing was kept"
                 raise InvalidArgument(message, [FieldViolation("metadata.sha256", message)], reason="SHA256_MISMATCH")
+            if before_commit is not None:
+                await before_commit()
             previous = await self._info_or_none(name)
             info = api.ObjectInfo(
                 name=name,
@@ -355,6 +374,25 @@ class BlobStore:
         info = await self._info_or_none(object_name(tenant, ref))
         if info is not None:
             await self._remove(info)
+
+    async def delete_live(self, tenant: str, ref: str) -> BlobRef:
+        """Deletes the tenant's object (expired or not) and returns what it was; NotFound when the
+        tenant has none of that name (or it is already deleted). An extension racing the
+        tombstone wins its compare-and-set or loses it, and the delete looks again."""
+        name = object_name(tenant, ref)
+        while True:
+            info = await self._info_or_none(name)
+            if info is None or info.deleted:
+                raise blob_not_found(ref)
+            try:
+                await self._remove(info)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    continue
+                raise Unavailable(f"cannot delete the object: {exc}") from exc
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot delete the object: {exc}") from exc
+            return info.ref
 
     async def sweep(self, now: float | None = None) -> int:
         """Deletes every object past its expiry (and finishes deletes a crash interrupted); how

@@ -173,6 +173,13 @@ class GatewayConfig(_Section):
         description="An UploadInput stream that sends nothing for this long is ended DEADLINE_EXCEEDED "
         "(UPLOAD_IDLE) and nothing of it is kept.",
     )
+    max_stored_upload_bytes_per_tenant: int = Field(
+        0,
+        ge=0,
+        description="Most bytes of uploaded inputs one tenant may keep in the claim-check store, counted from the "
+        "store itself in whole 128 KiB chunks; an upload that would pass it is refused RESOURCE_EXHAUSTED "
+        "TENANT_STORAGE_EXCEEDED and nothing of it is kept (0: no limit). DeleteInput frees room at once.",
+    )
     max_open_uploads_per_tenant: int = Field(
         32,
         ge=0,

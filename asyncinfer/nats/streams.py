@@ -161,6 +161,34 @@ async def count_subjects(nc: Client, stream: str, subjects_filter: str, *, timeo
     return answer.total
 
 
+class _SubjectsPage(msgspec.Struct):
+    class State(msgspec.Struct):
+        subjects: dict[str, int] | None = None
+
+    state: State | None = None
+    total: int = 0
+    offset: int = 0
+    error: dict[str, Any] | None = None
+
+
+async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeout_s: float) -> int:
+    """How many of the stream's messages have a subject matching `subjects_filter`: the sum of
+    the per-subject counts a stream info lists, page by page (the server lists at most 100,000
+    subjects in one answer), so exact whatever the number of subjects."""
+    counted, offset = 0, 0
+    while True:
+        request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": offset})
+        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
+        page = msgspec.json.decode(reply.data, type=_SubjectsPage)
+        if page.error is not None:
+            APIError.from_error(page.error)  # raises
+        subjects = (page.state.subjects if page.state is not None else None) or {}
+        counted += sum(subjects.values())
+        offset += len(subjects)
+        if not subjects or offset >= page.total:
+            return counted
+
+
 async def nak_delivery(nc: Client, ack_subject: str) -> None:
     """Naks a delivered message by its ack subject, whoever received it: JetStream redelivers it
     at once (if that delivery is still the one pending; otherwise the nak is ignored)."""

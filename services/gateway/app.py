@@ -33,6 +33,7 @@ from services.gateway.store_health import StoreHealth
 from services.gateway.submit import JobSubmitter
 from services.gateway.tenant_quota import TenantQuota
 from services.gateway.transitions import Expiry
+from services.gateway.upload_storage import UploadStorage
 from services.gateway.watch_hub import WatchHub
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
@@ -97,7 +98,10 @@ class GatewayApp:
         await ensure_work_stream(js, cfg.nats)
         records = JobStore(await ensure_jobs_bucket(js, cfg.nats), work_stream=cfg.nats.work_stream)
         await ensure_queues_bucket(js, cfg.nats)  # the queue view reads it
-        claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
+        storage = UploadStorage(
+            self._nc, bucket=cfg.nats.objects_bucket, limit_bytes=cfg.gateway.max_stored_upload_bytes_per_tenant
+        )
+        claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg, storage=storage)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
