@@ -11,6 +11,7 @@ concurrent uploads never leave more than the limit stored."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -144,3 +145,21 @@ async def test_concurrent_uploads_never_store_past_the_limit(gateway_only: Stack
     accepted = outcomes.count("OK")
     assert 1 <= accepted <= LIMIT // CHUNK_BYTES, outcomes
     assert await stored_chunks(stack, "acme") == accepted  # refused ones left nothing
+
+
+async def test_the_sweeper_purges_chunks_a_crashed_upload_left_and_keeps_live_ones(gateway_only: Stack) -> None:
+    """A gateway killed mid-upload leaves chunks no meta names: counted against the tenant until
+    the sweeper purges them once they have been idle for its bound; a live upload is kept."""
+    stack = gateway_only
+    live = await upload(stack.jobs, inputs_bytes(np.ones((2, 4))))
+    bucket = stack.config.nats.objects_bucket
+    for _ in range(2):
+        await stack.nc.jetstream().publish(f"$O.{bucket}.C.in.acme.CRASHEDUPLOAD", b"\x00" * 1000)
+    assert await stored_chunks(stack, "acme") == 3
+
+    store = stack.blobs
+    assert await store.sweep(orphans_after_s=300) == 0  # written just now: maybe still streaming
+    assert await stored_chunks(stack, "acme") == 3
+    assert await store.sweep(time.time() + 301, orphans_after_s=300) == 1
+    assert await stored_chunks(stack, "acme") == 1
+    assert (await store.info("acme", live.ref, now=time.time())).ref.sha256 == live.sha256

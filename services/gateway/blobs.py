@@ -33,9 +33,11 @@ from asyncinfer.blobs import (
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobRecord, JobState
+from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.upload_storage import UploadStorage
 
@@ -80,11 +82,13 @@ class ClaimCheck:
         config: Config,
         *,
         storage: UploadStorage | None = None,
+        store_health: StoreHealth | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._config = config
         self._storage = storage
+        self._store_health = store_health
         self._clock = clock
         self._idle_s = config.gateway.upload_idle_timeout_s
         self._uploads = StreamCounts(
@@ -99,7 +103,13 @@ class ClaimCheck:
         """Counted against the tenant's open uploads; a stream idle for upload_idle_timeout_s ends
         DEADLINE_EXCEEDED (UPLOAD_IDLE), and what it had sent is purged (BlobStore.put)."""
         with self._uploads.hold(tenant, ""):
-            return await self._upload(requests, tenant=tenant)
+            try:
+                return await self._upload(requests, tenant=tenant)
+            except StoreFullError as full:
+                what = "nothing of the upload was kept"
+                if self._store_health is not None:
+                    raise self._store_health.refusal(full, what=what) from None
+                raise store_full_error(full, what=what) from None
 
     async def _next(
         self, requests: AsyncIterator[job_service_pb2.UploadInputRequest]
