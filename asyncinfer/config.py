@@ -58,6 +58,13 @@ class NatsConfig(_Section):
         None, description="PEM client certificate, for a NATS server that verifies clients (with tls_key_file)."
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    inbox_prefix: str = Field(
+        "_INBOX",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Prefix of this connection's reply subjects. Where NATS permissions separate the services "
+        "(asyncinfer.nats_users), each gets its own (_INBOX_gateway, _INBOX_scheduler), so that no other user "
+        "may read its replies.",
+    )
     work_stream: str = Field(contract.WORK_STREAM, description="The WorkQueue stream holding queued jobs.")
     dead_letter_stream: str = Field(contract.DEAD_LETTER_STREAM, description="The stream of jobs that failed for good.")
     jobs_bucket: str = Field(contract.JOBS_BUCKET, description="The KV bucket holding job records.")

@@ -17,8 +17,10 @@ What each service may touch (ARCHITECTURE.md "The contract in NATS" names every 
   dead-letters, replays, purges and sends webhooks), and nothing else of the server's.
 
 JetStream's API is allowed per stream (`$JS.API.<ACTION>.<stream>...`), not as `$JS.API.>`, so a
-service can neither read nor create a stream outside its list. Replies come to `_INBOX.>`
-(nats-py's default inbox prefix), and JetStream's flow-control and acknowledgement subjects are
+service can neither read nor create a stream outside its list. Replies (and the deliveries of
+ordered consumers: KV watches, object reads) come to each service's own inbox prefix
+(`INBOX_PREFIXES`, the service's `nats.inbox_prefix`), never to the shared `_INBOX.>`, so no
+other user may subscribe to them. JetStream's flow-control and acknowledgement subjects are
 allowed per stream as well.
 
 `authorization_block` renders the nats-server configuration (tests/nats_auth.py writes one for a
@@ -34,7 +36,14 @@ from dataclasses import dataclass, field
 from asyncinfer import contract
 from asyncinfer.config import NatsConfig
 
-INBOX = "_INBOX.>"
+# Each service's `nats.inbox_prefix` where these permissions apply (not under `_INBOX.`: a user
+# allowed `_INBOX.>` would match it).
+INBOX_PREFIXES = {"gateway": "_INBOX_gateway", "scheduler": "_INBOX_scheduler"}
+
+
+def _inbox(service: str) -> str:
+    return f"{INBOX_PREFIXES[service]}.>"
+
 
 # The JetStream API requests a service makes of one of its streams (`$JS.API.<action>.<stream>`),
 # and of that stream's consumers (`$JS.API.<action>.<stream>.<consumer>...`).
@@ -109,7 +118,7 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
         _kv(nats.idempotency_bucket),
         _objects(nats.objects_bucket),
     ]
-    subscribe = [INBOX, f"{contract.PROGRESS_SUBJECT_PREFIX}.>", f"{contract.QUEUED_SUBJECT_PREFIX}.>"]
+    subscribe = [_inbox("gateway"), f"{contract.PROGRESS_SUBJECT_PREFIX}.>", f"{contract.QUEUED_SUBJECT_PREFIX}.>"]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 
@@ -140,7 +149,7 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
         ),
         _objects(nats.objects_bucket),
     ]
-    subscribe = [INBOX, f"{contract.QUEUED_SUBJECT_PREFIX}.>", f"{contract.CANCEL_SUBJECT_PREFIX}.>"]
+    subscribe = [_inbox("scheduler"), f"{contract.QUEUED_SUBJECT_PREFIX}.>", f"{contract.CANCEL_SUBJECT_PREFIX}.>"]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 

@@ -11,7 +11,14 @@ from pathlib import Path
 
 from asyncinfer.config import Config, NatsConfig
 from asyncinfer.embedded_nats import NatsServerProcess
-from asyncinfer.nats_users import NatsUser, Permissions, authorization_block, new_user_nkey, service_permissions
+from asyncinfer.nats_users import (
+    INBOX_PREFIXES,
+    NatsUser,
+    Permissions,
+    authorization_block,
+    new_user_nkey,
+    service_permissions,
+)
 
 STRANGER, STRANGER_PASSWORD = "stranger", "stranger-password"
 ANYTHING = Permissions(publish=(">",), subscribe=(">",))
@@ -57,7 +64,10 @@ class PerServiceNats:
     def settings(self, service: str) -> dict[str, object]:
         """The `[nats]` settings of one service (or of `test`)."""
         assert self.server is not None, "start it first"
-        return {"url": self.server.url, "nkey_seed_file": str(self.seed_files[service])}
+        settings: dict[str, object] = {"url": self.server.url, "nkey_seed_file": str(self.seed_files[service])}
+        if service in INBOX_PREFIXES:
+            settings["inbox_prefix"] = INBOX_PREFIXES[service]
+        return settings
 
     def config_of(self, base: Config, service: str) -> Config:
         return base.replace(nats=self.settings(service))

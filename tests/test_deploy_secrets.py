@@ -24,6 +24,7 @@ import jsonschema
 import pytest
 
 from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.nats_users import INBOX_PREFIXES
 from tests.certs import TestCA
 from tests.test_deploy import (
     K8S,
@@ -158,6 +159,7 @@ def test_the_services_load_their_configuration_with_the_mounted_files(overlay: s
         if service in NATS_SERVICES:
             assert cfg.nats.tls_ca_file == f"{SECRET_DIR}/tls/ca.crt"
             assert cfg.nats.nkey_seed_file == f"{SECRET_DIR}/nats/seed"
+            assert cfg.nats.inbox_prefix == INBOX_PREFIXES[service]  # what its NATS user may subscribe to
         if service == "batcher":
             assert cfg.batcher.scheduler_ca_file == f"{SECRET_DIR}/tls/ca.crt"
             assert cfg.batcher.api_key_file == f"{SECRET_DIR}/keys/key"

@@ -3,7 +3,8 @@ service connects as its own NKey user (asyncinfer.nats_users) and the whole stac
 uploaded inputs, a large result, watches, ListJobs, a cancel, OpsService, a dead letter replayed;
 the server logs no permission violation. A user that is none of the services (a batcher pod's
 or a tenant's NATS login) is refused every read and write of the jobs bucket, and so is a
-connection without credentials; the gateway's own user may not take work off the queue."""
+connection without credentials; it hears none of the services' replies or records (each service
+has its own inbox prefix); the gateway's own user may not take work off the queue."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats_users import new_user_nkey
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
@@ -88,12 +90,28 @@ async def test_the_stack_runs_with_one_nats_user_per_service(users: PerServiceNa
 async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, start_stack: StartStack) -> None:
     base = base_config()
     stack = await start_stack(users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"))
+    anonymous = Config().replace(nats={"url": users.settings("test")["url"], "connect_timeout_s": 1.0}).nats
+    stranger_config = anonymous.model_copy(update={"user": STRANGER, "password": STRANGER_PASSWORD})
+    stranger: NatsClient = await connect(stranger_config, name="stranger")
+    # Listening where replies and watch deliveries would go if the services shared `_INBOX`, and
+    # on the records' own subjects (refused: a subscription violation).
+    overheard: list[str] = []
+
+    async def heard(msg: Msg) -> None:
+        overheard.append(msg.subject)
+
+    await stranger.subscribe("_INBOX.>", cb=heard)
+    await stranger.subscribe("$KV.jobs.>", cb=heard)
+    await stranger.flush()
     async with AsyncClient(stack.address) as client:
         job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
         await client.wait(job, timeout_s=30)
+        listed = [j.job_id async for j in client.list()]
+    assert job.job_id in listed
+    await stranger.flush()
+    assert overheard == [], "the services' replies, deliveries and records reached another user"
 
     # No credentials at all: refused at connect.
-    anonymous = Config().replace(nats={"url": users.settings("test")["url"], "connect_timeout_s": 1.0}).nats
     with pytest.raises(Unavailable):
         await connect(anonymous, name="anonymous")
 
@@ -103,8 +121,6 @@ async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, st
     with pytest.raises(Unavailable):
         await connect(anonymous.model_copy(update={"nkey_seed_file": str(unknown_seed)}), name="unknown")
 
-    stranger_config = anonymous.model_copy(update={"user": STRANGER, "password": STRANGER_PASSWORD})
-    stranger: NatsClient = await connect(stranger_config, name="stranger")
     try:
         js = stranger.jetstream(timeout=2.0)
         key = f"default.{job.job_id}"
@@ -124,6 +140,7 @@ async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, st
     assert any("STREAM.INFO.KV_jobs" in line for line in violations), violations
     assert any("DIRECT.GET.KV_jobs" in line for line in violations), violations
     assert any('"$KV.jobs.' in line for line in violations), violations
+    assert any("Subscription Violation" in line and "$KV.jobs.>" in line for line in violations), violations
 
 
 async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_stack: StartStack) -> None:
