@@ -8,7 +8,7 @@ has its own inbox prefix); the gateway's own user may not take work off the queu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -25,6 +25,7 @@ from asyncinfer.nats_users import new_user_nkey
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from tests.nats_auth import STRANGER, STRANGER_PASSWORD, PerServiceNats
 from tests.stack import StartStack
+from tests.test_webhooks import SECRET, Receiver, all_final, submit, until, webhook_config
 
 pytestmark = pytest.mark.timeout(120)
 FAILING_X = {"x": np.array([[-1, 2, 3, 4]], np.float32)}  # flaky fails a row starting below 0
@@ -40,6 +41,17 @@ def users(tmp_path: Path) -> Iterator[PerServiceNats]:
         nats.stop()
 
 
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    """A webhook receiver (tests/test_webhooks.py's), verifying signatures."""
+    server = Receiver(SECRET)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
 def base_config() -> Config:
     return Config().replace(
         gateway={"port": 0, "metrics_port": 0},
@@ -50,9 +62,15 @@ def base_config() -> Config:
     )
 
 
-async def test_the_stack_runs_with_one_nats_user_per_service(users: PerServiceNats, start_stack: StartStack) -> None:
-    base = base_config()
+async def test_the_stack_runs_with_one_nats_user_per_service(
+    users: PerServiceNats, start_stack: StartStack, receiver: Receiver
+) -> None:
+    base = webhook_config(base_config())
     stack = await start_stack(users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"))
+    # A signed webhook: the scheduler's delivery streams and bucket, the gateway's status reads.
+    hooked = await submit(stack, receiver.url("/done"))
+    await receiver.wait_for("/done", 1)
+    await until(stack, hooked, all_final(1))
     async with AsyncClient(stack.address) as client:
         small = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
         ref = await client.upload_inputs({"x": np.ones((32, 4), np.float32)})
