@@ -354,6 +354,12 @@ class ConsoleConfig(_Section):
     tls_ca_file: str | None = Field(
         None, description="PEM CA bundle that verifies the gateway and the scheduler; setting it turns TLS on for both."
     )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM client certificate the console presents (with tls_key_file), for a scheduler or gateway that "
+        "requires mutual TLS (tls_client_ca_file).",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
     tenant_key: str | None = Field(
         None, description="The key (role tenant) whose jobs the console shows, with API keys; prefer tenant_key_file."
     )

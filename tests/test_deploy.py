@@ -277,6 +277,8 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
             assert command[:2] == ["python", "/opt/asyncinfer/healthcheck.py"], (name, probe)
             assert command[-1] == f"localhost:{section.port}", (name, probe)
             assert command[command.index("--ca") + 1] == f"{SECRET_DIR}/tls/ca.crt", (name, probe)
+            if service == "scheduler":  # it requires client certificates: its probe presents its own
+                assert command[command.index("--cert") + 1] == f"{SECRET_DIR}/tls/tls.crt", (name, probe)
         if service == "batcher":
             assert cfg.batcher.scheduler_address == f"scheduler:{scheduler_port}"
             for model in cfg.models:  # the pool's model is the one the gateway validates against

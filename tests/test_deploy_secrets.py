@@ -162,12 +162,16 @@ def test_the_services_load_their_configuration_with_the_mounted_files(overlay: s
             assert cfg.nats.inbox_prefix == INBOX_PREFIXES[service]  # what its NATS user may subscribe to
         if service == "batcher":
             assert cfg.batcher.scheduler_ca_file == f"{SECRET_DIR}/tls/ca.crt"
+            assert cfg.batcher.scheduler_cert_file == f"{SECRET_DIR}/tls/tls.crt"  # mutual TLS
+            assert cfg.batcher.scheduler_key_file == f"{SECRET_DIR}/tls/tls.key"
             assert cfg.batcher.api_key_file == f"{SECRET_DIR}/keys/key"
             assert cfg.gateway.api_keys, "the stack's key list: the scheduler checks the batcher's key"
         if service == "scheduler":
             assert cfg.gateway.api_keys
+            assert cfg.scheduler.tls_client_ca_file == f"{SECRET_DIR}/tls/ca.crt"  # mutual TLS
         if service == "console":
             assert cfg.console.tls_ca_file == f"{SECRET_DIR}/tls/ca.crt"
+            assert cfg.console.tls_cert_file == f"{SECRET_DIR}/tls/tls.crt"
 
 
 @functools.cache
@@ -208,9 +212,9 @@ def test_cert_manager_issues_a_certificate_for_what_each_service_is_dialled_at(o
     for secret, hosts in dialled.items():
         for host in hosts:
             assert covers(by_secret[secret]["dnsNames"], host), (overlay, secret, host)
-    # Routes and the batchers' work stream authenticate with their certificates.
-    assert "client auth" in by_secret["nats-tls"]["usages"]
-    assert "client auth" in by_secret["batcher-tls"]["usages"]
+    # Routes, and every client of the scheduler (which requires certificates), authenticate with theirs.
+    for secret in ("nats-tls", "batcher-tls", "console-tls", "scheduler-tls", "ops-tls"):
+        assert "client auth" in by_secret[secret]["usages"], secret
 
 
 def test_the_cert_manager_schema_rejects_a_misspelt_field() -> None:
