@@ -15,8 +15,9 @@ Two checks, so that the limit holds across concurrent uploads and several gatewa
 - before the upload is made visible (its meta written), a read issued after its last chunk was
   acknowledged must fit. Every upload's chunks are stored before its own last read, so of two
   uploads that both become visible the later read counted both: the tenant never holds more than
-  the limit in visible uploads. (Two that race near the limit may both be refused; each caller is
-  told how much is stored.)
+  the limit in visible uploads. (Uploads that race near the limit may all be refused, each
+  counting the others' chunks in flight; each caller is told how much is stored, and one at a
+  time they take the room that is left.)
 
 Uploads stored before chunk names carried the tenant are not counted (they expire within their
 retention).
