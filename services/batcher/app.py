@@ -13,11 +13,12 @@ from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
@@ -39,7 +40,8 @@ class BatcherApp:
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
         self.supervisor = Supervisor("batcher")
-        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor)
+        self.tracing = Tracing.start(config.tracing, service="batcher")
+        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
         self.port = 0
         self.metrics_port = 0
         self._backends: list[ModelBackend] = []
@@ -70,11 +72,16 @@ class BatcherApp:
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
         for model in self.config.models:
+            if model.steps:
+                continue
             backend = await self._load(model)
             if backend is not None:
                 self._backends.append(backend)
                 self.engine.add_model(model, backend)
                 self.metrics.set_model_ready(model.name, True)
+        for model in self.config.models:
+            if model.steps:
+                self._add_pipeline(model)
         await self.engine.start()
 
         servicer = KServeServicer(self.engine, self.load_failures)
@@ -121,6 +128,22 @@ class BatcherApp:
             failed_models=self.load_failures or None,
         )
 
+    def _add_pipeline(self, model: ModelConfig) -> None:
+        """A pipeline serves when every model of its steps loaded here; else it is a load failure
+        that names them. A function step that cannot be imported is one too."""
+        missing = [step.model for step in model.steps if step.model and not self.engine.has_model(step.model)]
+        try:
+            if missing:
+                raise ConfigError(f"pipeline {model.name!r}: its step models {missing} are not served here")
+            self.engine.add_pipeline(model)
+        except ConfigError as exc:
+            log.error("model_load_failed", model=model.name, reason=exc.message)
+            self.load_failures[model.name] = exc.message
+            self.metrics.set_model_ready(model.name, False)
+            return
+        log.info("pipeline_added", model=model.name, steps=[step.label for step in model.steps])
+        self.metrics.set_model_ready(model.name, True)
+
     async def _load(self, model: ModelConfig) -> ModelBackend | None:
         """The model's backend, started; None (and the reason in load_failures) when it cannot
         serve. Only a configuration error or a failing loader counts as a load failure."""
@@ -163,6 +186,7 @@ class BatcherApp:
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         for backend in self._backends:
             await backend.aclose()
         self._backends.clear()

@@ -45,11 +45,13 @@ from asyncinfer.errors import DeadlineExceeded, NotFound, Unavailable
 from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_queue import ModelQueue, SlotListener
+from services.batcher.pipeline import PipelineRunner
 from services.batcher.progress import ItemProgress
 
 __all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome", "PendingItem"]
@@ -63,12 +65,22 @@ class BatchingEngine:
     Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
     loop, and `await stop(grace_s)` once."""
 
-    def __init__(self, *, metrics: BatcherMetrics | None = None, supervisor: Supervisor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        metrics: BatcherMetrics | None = None,
+        supervisor: Supervisor | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._metrics = metrics
+        # Spans of the batches that hold traced jobs (batch_tracing.py); off: none, nothing per item.
+        self.tracing = tracing or Tracing.off()
         # The batcher app's, which stops the process when a batch former dies; an engine of its own
         # (in tests, benchmarks) still has its formers' deaths logged at once.
         self._supervisor = supervisor or Supervisor("batching-engine")
         self._queues: dict[str, ModelQueue] = {}
+        # Models declared as steps of others (services/batcher/pipeline.py): no queue of their own.
+        self._pipelines: dict[str, PipelineRunner] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
         self._accepting = False
@@ -79,32 +91,49 @@ class BatchingEngine:
             raise RuntimeError("models are added before the engine starts")
         if config.name in self._queues:
             raise ValueError(f"model {config.name!r} added twice")
-        self._queues[config.name] = ModelQueue(config, backend, self._metrics, self._notify_slot_freed)
+        self._queues[config.name] = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
+
+    def add_pipeline(self, config: ModelConfig) -> None:
+        """A model declared as steps of models added here (their queues run its steps)."""
+        if self._executor is not None:
+            raise RuntimeError("models are added before the engine starts")
+        if config.name in self._queues or config.name in self._pipelines:
+            raise ValueError(f"model {config.name!r} added twice")
+        self._pipelines[config.name] = PipelineRunner(config, self, self._notify_slot_freed)
 
     @property
     def model_names(self) -> list[str]:
-        return list(self._queues)
+        return [*self._queues, *self._pipelines]
 
     @property
     def accepting(self) -> bool:
         return self._accepting
 
     def model_config(self, model_name: str) -> ModelConfig:
-        return self._queue(model_name).config
+        pipeline = self._pipelines.get(model_name)
+        return pipeline.config if pipeline is not None else self._queue(model_name).config
 
     def has_model(self, model_name: str) -> bool:
-        return model_name in self._queues
+        return model_name in self._queues or model_name in self._pipelines
 
     def free_slots(self, model_name: str) -> int:
         """Items this model can take now (its queue limit less the items waiting or computing)."""
-        return self._queue(model_name).free_slots if self._accepting else 0
+        if not self._accepting:
+            return 0
+        pipeline = self._pipelines.get(model_name)
+        return pipeline.free_slots if pipeline is not None else self._queue(model_name).free_slots
 
     def reports_progress(self, model_name: str) -> bool:
-        """Whether the model reports progress (worth a channel per item: see progress.py)."""
-        return self._queue(model_name).backend.reports_progress
+        """Whether the model reports progress (worth a channel per item: see progress.py); a
+        pipeline reports its steps."""
+        return model_name in self._pipelines or self._queue(model_name).backend.reports_progress
 
     def queue_depth(self, model_name: str) -> int:
-        return self._queue(model_name).depth
+        pipeline = self._pipelines.get(model_name)
+        return pipeline.held if pipeline is not None else self._queue(model_name).depth
+
+    def pipeline(self, model_name: str) -> PipelineRunner | None:
+        return self._pipelines.get(model_name)
 
     def add_slot_listener(self, listener: SlotListener) -> Callable[[], None]:
         """Calls `listener(model_name)` on the event loop each time an item leaves a model (its
@@ -139,11 +168,17 @@ class BatchingEngine:
         AsyncInferError. Raises at once (nothing queued) for an unknown model, invalid inputs, a
         full queue, a deadline already passed, or a stopping engine. The model's progress reports
         for it go to `progress` (the caller closes it when the item ends)."""
-        queue = self._queue(model_name)
+        pipeline = self._pipelines.get(model_name)
+        queue = self._queue(model_name) if pipeline is None else None
         if not self._accepting:
             if self._stopping:
                 raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
             raise Unavailable("batcher not started", reason="BATCHER_UNAVAILABLE")
+        if queue is None:
+            assert pipeline is not None
+            if timeout_s is not None and timeout_s <= 0:
+                raise DeadlineExceeded("the item's deadline passed before it was queued")
+            return pipeline.submit(inputs, timeout_s, priority, progress)
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
@@ -184,6 +219,7 @@ class BatchingEngine:
             if late:
                 log.warning("batches_abandoned_at_shutdown", batches=len(late))
                 await asyncio.gather(*late, return_exceptions=True)
+        await asyncio.gather(*(pipeline.close() for pipeline in self._pipelines.values()))
         if self._executor is not None:
             # A computing thread cannot be interrupted; do not wait for abandoned ones.
             self._executor.shutdown(wait=False, cancel_futures=True)

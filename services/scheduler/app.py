@@ -30,6 +30,7 @@ from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import (
@@ -71,6 +72,7 @@ class SchedulerApp:
         self.metrics = SchedulerMetrics(CollectorRegistry())
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
+        self.tracing = Tracing.start(config.tracing, service="scheduler")
         self.port = 0
         self.metrics_port = 0
         self._nc: NatsClient | None = None
@@ -146,6 +148,7 @@ class SchedulerApp:
             queued_records=queued_records,
             nc=nc,
             instance_id=instance.id,
+            tracing=self.tracing,
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -157,6 +160,7 @@ class SchedulerApp:
             is_paused=pauses.is_paused,
             is_draining=lambda: self.draining,
             put_back_count=self._put_back_count,
+            batch_sizes=flow.batch_sizes,
         )
         workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
         ops = OpsService(
@@ -329,6 +333,7 @@ class SchedulerApp:
         if self._instance is not None:
             await self._instance.end()
         self._metrics_server.stop()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()

@@ -20,6 +20,7 @@ from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
+from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
 from services.scheduler.batchers import BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.leases import InFlightJob, Leases
@@ -60,8 +61,10 @@ class JobDispatch:
         claim_check: ClaimCheckIO | None,
         on_timeout: Callable[[InFlightJob], None],
         instance_id: str = "",
+        tracing: Tracing | None = None,
     ) -> None:
         self._instance_id = instance_id
+        self._tracing = tracing or Tracing.off()
         self._store = store
         self._config = config
         self._metrics = metrics
@@ -81,7 +84,11 @@ class JobDispatch:
             await quietly(msg.term())
             return False
         job_log = log.bind(job_id=envelope.job_id, model=envelope.model_name, tenant=envelope.tenant)
+        if envelope.traceparent:
+            job_log = job_log.bind(trace_id=trace_id_of(envelope.traceparent))
         try:
+            if self._tracing.enabled and envelope.traceparent:
+                return await self._traced_dispatch(msg, envelope, session, job_log)
             return await self._dispatch(msg, envelope, session, job_log)
         except Exception:
             # NATS trouble mid-way: the message comes back after a pause, and the record (if
@@ -89,6 +96,17 @@ class JobDispatch:
             job_log.exception("dispatch_failed")
             await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
             return False
+
+    async def _traced_dispatch(
+        self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog
+    ) -> bool:
+        """_dispatch in a `dispatch` span, a child of the job's submit span (the record's
+        traceparent); the work order carries the span on to the batcher."""
+        attributes = {"asyncinfer.job_id": envelope.job_id, "asyncinfer.model": envelope.model_name}
+        with self._tracing.span("dispatch", parent=envelope.traceparent, attributes=attributes) as span:
+            sent = await self._dispatch(msg, envelope, session, job_log, trace=span.traceparent)
+            span.set("asyncinfer.sent", sent)
+            return sent
 
     async def _record_of(self, msg: Msg, envelope: WorkEnvelope, job_log: JobLog) -> JobRecord | None:
         """The job's record. A submit's message is the QUEUED record itself: on its first delivery
@@ -128,7 +146,9 @@ class JobDispatch:
             await quietly(msg.term())
         return None
 
-    async def _dispatch(self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog) -> bool:
+    async def _dispatch(
+        self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog, *, trace: str = ""
+    ) -> bool:
         record = await self._record_of(msg, envelope, job_log)
         if record is None:
             return False
@@ -155,6 +175,14 @@ class JobDispatch:
             await msg.ack()
             return False
         job_log = job_log.bind(attempt=latest.attempt)
+        if trace:  # the wait that ended here: from the job's (re)queueing to its RUNNING write
+            queued: dict[str, AttributeValue] = {
+                "asyncinfer.job_id": latest.job_id,
+                "asyncinfer.attempt": latest.attempt,
+            }
+            self._tracing.record(
+                "queued", parent=envelope.traceparent, start_s=record.update_time, end_s=now, attributes=queued
+            )
         if record.state == JobState.RUNNING:
             self._metrics.lease_expiries.labels(model=latest.model_name).inc()
             job_log.warning("lease_expired", previous_attempt=record.attempt)
@@ -170,7 +198,7 @@ class JobDispatch:
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
             return False
         self._metrics.job_transition(latest)
-        order = self._order(envelope, latest)
+        order = self._order(envelope, latest, trace)
         session.send(order)
         job = InFlightJob(
             job_id=envelope.job_id,
@@ -200,7 +228,7 @@ class JobDispatch:
         event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)
         await self._settlement.end(running, msg, job_log, event, time.time())
 
-    def _order(self, envelope: WorkEnvelope, record: JobRecord) -> WorkOrder:
+    def _order(self, envelope: WorkEnvelope, record: JobRecord, trace: str) -> WorkOrder:
         timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
         if timeout_s is None:
             model = self._config.model(envelope.model_name)
@@ -216,4 +244,5 @@ class JobDispatch:
             input_ref=envelope.input_ref,
             deadline=envelope.deadline,
             execution_timeout_s=timeout_s,
+            traceparent=trace,
         )
