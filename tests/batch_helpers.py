@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf import duration_pb2
@@ -56,13 +56,20 @@ def create_request(ref: str, **fields: Any) -> batch_service_pb2.CreateBatchRequ
     return request
 
 
-async def wait_ended(stub: BatchServiceAsyncStub, batch_id: str, timeout_s: float = 60.0) -> batch_service_pb2.Batch:
-    """The batch once terminal, read through WatchBatch."""
+async def wait_until(
+    stub: BatchServiceAsyncStub, batch_id: str, done: Callable[[batch_service_pb2.Batch], bool], timeout_s: float = 60.0
+) -> batch_service_pb2.Batch:
+    """The first state of the batch, read through WatchBatch, for which `done` holds."""
     async with asyncio.timeout(timeout_s):
         async for update in stub.WatchBatch(batch_service_pb2.WatchBatchRequest(batch_id=batch_id)):
-            if update.batch.state in TERMINAL:
+            if done(update.batch):
                 return update.batch
-    raise AssertionError("the watch ended before the batch did")
+    raise AssertionError("the watch ended first")
+
+
+async def wait_ended(stub: BatchServiceAsyncStub, batch_id: str, timeout_s: float = 60.0) -> batch_service_pb2.Batch:
+    """The batch once terminal."""
+    return await wait_until(stub, batch_id, lambda batch: batch.state in TERMINAL, timeout_s)
 
 
 async def read_file(stub: BatchServiceAsyncStub, batch_id: str, which: int) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
-from nats.js.errors import KeyWrongLastSequenceError, NoKeysError
+from nats.js.errors import KeyWrongLastSequenceError
 
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
@@ -83,10 +83,17 @@ class BatchStore:
 
     async def keys(self, tenant: str | None = None) -> list[tuple[str, str]]:
         """(tenant, batch_id) of every batch record (of one tenant, when given)."""
+        # Not KeyValue.keys: its filters are substrings of the keys, not subjects.
+        keys = []
         try:
-            keys = await self._bucket.kv.keys(filters=[f"{tenant or '*'}.*"])
-        except NoKeysError:
-            return []
+            watcher = await self._bucket.kv.watch(f"{tenant or '*'}.*", ignore_deletes=True, meta_only=True)
+            try:
+                async for entry in watcher:
+                    if entry is None:  # the end of what the bucket holds now
+                        break
+                    keys.append(entry.key)
+            finally:
+                await watcher.stop()
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list batches: {exc}") from exc
         pairs = []
