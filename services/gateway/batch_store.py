@@ -93,7 +93,7 @@ class BatchStore:
                         break
                     keys.append(entry.key)
             finally:
-                await watcher.stop()
+                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list batches: {exc}") from exc
         pairs = []
