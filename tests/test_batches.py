@@ -4,8 +4,10 @@ chunks of more records than the model's max_batch_size."""
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
+import numpy as np
 import pytest
 
 from asyncinfer.config import DEMO_MODEL, Config
@@ -119,3 +121,20 @@ async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_st
     assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == [
         r["custom_id"] for i, r in enumerate(records) if i != 137
     ]
+
+
+async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    x = np.arange(150 * 4, dtype=np.float32).reshape(150, 4)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, buffer.getvalue())))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert batch.input_format == batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED  # detected, not given
+    lines = await outputs(stub, batch.batch_id)
+    assert [line["custom_id"] for line in lines] == [str(i) for i in range(150)]
+    assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
