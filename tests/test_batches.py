@@ -4,14 +4,18 @@ chunks of more records than the model's max_batch_size."""
 
 from __future__ import annotations
 
+import asyncio
 import io
+from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
+from prometheus_client import generate_latest
 
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.v1 import batch_service_pb2
+from asyncinfer.v1 import batch_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from tests.batch_helpers import (
     batches_stub,
     create_request,
@@ -21,8 +25,9 @@ from tests.batch_helpers import (
     outputs,
     upload,
     wait_ended,
+    wait_until,
 )
-from tests.stack import StartStack
+from tests.stack import Stack, StartStack
 
 
 def batch_config(config: Config, **batches: Any) -> Config:
@@ -138,3 +143,32 @@ async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
     lines = await outputs(stub, batch.batch_id)
     assert [line["custom_id"] for line in lines] == [str(i) for i in range(150)]
     assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
+
+
+async def desired_batchers_become(stack: Stack, wanted: Callable[[int], bool]) -> None:
+    """Polls the scheduler's queue stats (refreshed every few seconds; no event says so)."""
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel, asyncio.timeout(30):
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        while True:
+            stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="demo"))
+            if wanted(stats.models[0].desired_batchers):
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_a_batch_alone_scales_batchers_from_zero_and_back_and_is_counted(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(batch_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    await desired_batchers_become(stack, lambda n: n == 0)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(300)))))
+    await wait_until(stub, created.batch.batch_id, lambda b: b.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
+    await desired_batchers_become(stack, lambda n: n >= 1)
+    await stack.start_batcher()
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.request_counts.completed == 300
+    await desired_batchers_become(stack, lambda n: n == 0)
+    scraped = generate_latest(stack.gateway.registry).decode()
+    assert 'asyncinfer_batch_records_total{model="demo",outcome="completed"} 300.0' in scraped
+    assert 'asyncinfer_batches_ended_total{model="demo",state="COMPLETED"} 1.0' in scraped

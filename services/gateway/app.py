@@ -24,6 +24,7 @@ from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
 from services.gateway.auth import require_auth_beyond_loopback
 from services.gateway.batch_driver import BatchDriver
+from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_service import BatchService
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
@@ -149,6 +150,7 @@ class GatewayApp:
             expiry=expiry,
             submitter=self._submitter,
             nc=self._nc,
+            metrics=BatchMetrics(self.registry),
         )
         batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
 

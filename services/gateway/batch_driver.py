@@ -30,6 +30,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from services.gateway import transitions
+from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer, objects_expire_at
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.submit import JobSubmitter
@@ -53,6 +54,7 @@ class BatchDriver:
         expiry: Expiry,
         submitter: JobSubmitter,
         nc: NatsClient,
+        metrics: BatchMetrics | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -66,6 +68,10 @@ class BatchDriver:
         self._clock = clock
         self._driven: set[tuple[str, str]] = set()
         self._wake = asyncio.Event()
+        self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch(lambda: list(self._seen.values()))
 
     def drive(self, tenant: str, batch_id: str) -> None:
         """Takes a batch on at once (a new one, or one just cancelled)."""
@@ -83,6 +89,7 @@ class BatchDriver:
                 try:
                     if await self.tick(tenant, batch_id):
                         self._driven.discard((tenant, batch_id))
+                        self._seen.pop((tenant, batch_id), None)
                 except BatchConflict:
                     continue  # another gateway wrote first: read again next tick
                 except (AsyncInferError, OSError) as exc:
@@ -116,18 +123,19 @@ class BatchDriver:
         record = await self._store.get(tenant, batch_id)
         if record is None or record.state.is_terminal:
             return True
+        self._seen[(tenant, batch_id)] = record
         now = self._clock()
         model = self._config.model(record.model_name)
         if record.state is BatchState.VALIDATING:
             if model is None:  # the configuration changed since the batch was accepted
                 failed = record.evolve(state=BatchState.FAILED, failure_message="the model is no longer served")
-                await self._store.write(failed.evolve(end_time=now))
+                await self._write(record, failed.evolve(end_time=now))
                 return True
             if now >= record.expires_at:
-                await self._store.write(batches.finish(record.evolve(state=BatchState.EXPIRED), now=now))
+                await self._write(record, batches.finish(record.evolve(state=BatchState.EXPIRED), now=now))
                 return True
             prepared = await self._preparer.prepare(record, model, now=now)
-            written = await self._store.write(prepared)
+            written = await self._write(record, prepared)
             log.info("batch_prepared", batch_id=batch_id, state=written.state.value, chunks=len(written.chunks))
             return written.state.is_terminal
         updated = await self._settle(record)
@@ -141,7 +149,7 @@ class BatchDriver:
         if batches.finished(updated):
             updated = batches.finish(updated, now=now)
         if updated != record:
-            written = await self._store.write(updated)
+            written = await self._write(record, updated)
             if written.state.is_terminal:
                 counts = written.counts
                 log.info(
@@ -153,6 +161,13 @@ class BatchDriver:
                 )
             return written.state.is_terminal
         return False
+
+    async def _write(self, before: BatchRecord, after: BatchRecord) -> BatchRecord:
+        written = await self._store.write(after)
+        self._seen[(after.tenant, after.batch_id)] = written
+        if self._metrics is not None:
+            self._metrics.wrote(before, written)
+        return written
 
     def _job_key(self, record: BatchRecord, chunk: Chunk) -> str:
         return job_key(record.tenant, chunk_job_id(record.batch_id, chunk.start, chunk.end))
