@@ -180,15 +180,88 @@ class ChunkBuilder:
         return ready
 
 
+def _check_array(spec: TensorSpec, array: npt.NDArray[Any], fmt: InputFormat) -> npt.NDArray[Any]:
+    """The array typed by the signature; RecordInvalid when it does not fit."""
+    if spec.datatype == "BYTES":
+        array = array.astype(object) if array.dtype.kind in ("U", "S", "O") else array
+        array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(array)
+    else:
+        typed = typed_as(array, spec.datatype)
+        if typed is None:
+            raise RecordInvalid(f"array {spec.name!r} must be {spec.datatype}, got {array.dtype}")
+        array = typed
+    if array.ndim != len(spec.shape) or any(
+        want != -1 and got != want for got, want in zip(array.shape[1:], spec.shape[1:], strict=True)
+    ):
+        raise RecordInvalid(
+            f"array {spec.name!r} of the {fmt.value} file must have shape {list(spec.shape)} (first dimension "
+            f"the record), got {list(array.shape)}"
+        )
+    return array
+
+
+def _single_input(signature: ModelSignature) -> TensorSpec:
+    if len(signature.inputs) != 1:
+        names = ", ".join(s.name for s in signature.inputs)
+        raise RecordInvalid(f"an NPY file holds one array; the model takes several inputs ({names}): use NPZ")
+    return signature.inputs[0]
+
+
+@dataclass(frozen=True, slots=True)
+class NpyLayout:
+    """Where an NPY file's rows are: after `offset` bytes, `row_bytes` each, `rows` of them."""
+
+    offset: int
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def array(self, data: bytes | bytearray | memoryview, rows: int) -> npt.NDArray[Any]:
+        return np.frombuffer(data, dtype=self.dtype, count=rows * int(np.prod(self.row_shape, dtype=np.int64))).reshape(
+            (rows, *self.row_shape)
+        )
+
+
+def npy_layout(head: bytes, signature: ModelSignature) -> NpyLayout | None:
+    """The layout of an NPY file from its first bytes, checked against the signature, for reading
+    its rows as they stream in; None where it cannot be streamed (Fortran order, an object dtype, a
+    header past `head`): read it whole then. RecordInvalid when it does not fit the model."""
+    spec = _single_input(signature)
+    buffer = io.BytesIO(head)
+    try:
+        # numpy's format helpers are untyped.
+        version = np.lib.format.read_magic(buffer)  # type: ignore[no-untyped-call]
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(buffer)  # type: ignore[no-untyped-call]
+    except (ValueError, OSError, EOFError):
+        return None
+    if fortran_order or dtype.hasobject or not shape:
+        return None
+    _check_array(spec, np.zeros((0, *shape[1:]), dtype=dtype), InputFormat.NPY)
+    return NpyLayout(offset=buffer.tell(), rows=int(shape[0]), row_shape=tuple(shape[1:]), dtype=dtype)
+
+
+def npy_chunk(
+    layout: NpyLayout, data: bytes | bytearray | memoryview, start: int, signature: ModelSignature
+) -> ChunkReady:
+    """The rows in `data` (whole rows of an NPY file, from record `start`) as a chunk."""
+    spec = signature.inputs[0]
+    rows = len(data) // layout.row_bytes
+    array = _check_array(spec, layout.array(data, rows), InputFormat.NPY)
+    entries = [IndexEntry(i + 1, str(i)) for i in range(start, start + rows)]
+    return ChunkReady(start, start + rows, [Tensor.from_numpy(spec.name, array, spec.datatype)], entries)
+
+
 def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature) -> Arrays:
     """The arrays of an NPY or NPZ file, checked against the signature as a whole (first
     dimension the record); RecordInvalid when they do not fit."""
     try:
         if fmt is InputFormat.NPY:
-            if len(signature.inputs) != 1:
-                names = ", ".join(s.name for s in signature.inputs)
-                raise RecordInvalid(f"an NPY file holds one array; the model takes several inputs ({names}): use NPZ")
-            loaded: dict[str, Any] = {signature.inputs[0].name: np.load(io.BytesIO(data), allow_pickle=False)}
+            loaded: dict[str, Any] = {_single_input(signature).name: np.load(io.BytesIO(data), allow_pickle=False)}
         else:
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 loaded = {name: npz[name] for name in npz.files}
@@ -198,23 +271,7 @@ def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature) -> Ar
     for spec in signature.inputs:
         if spec.name not in loaded:
             raise RecordInvalid(f"the {fmt.value} file has no array {spec.name!r}")
-        array = loaded[spec.name]
-        if spec.datatype == "BYTES":
-            array = array.astype(object) if array.dtype.kind in ("U", "S", "O") else array
-            array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(array)
-        else:
-            typed = typed_as(array, spec.datatype)
-            if typed is None:
-                raise RecordInvalid(f"array {spec.name!r} must be {spec.datatype}, got {array.dtype}")
-            array = typed
-        if array.ndim != len(spec.shape) or any(
-            want != -1 and got != want for got, want in zip(array.shape[1:], spec.shape[1:], strict=True)
-        ):
-            raise RecordInvalid(
-                f"array {spec.name!r} must have shape {list(spec.shape)} (first dimension the record), "
-                f"got {list(array.shape)}"
-            )
-        arrays[spec.name] = array
+        arrays[spec.name] = _check_array(spec, loaded[spec.name], fmt)
     if len({a.shape[0] for a in arrays.values()}) > 1:
         raise RecordInvalid("the arrays disagree on the number of records")
     return arrays

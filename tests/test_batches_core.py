@@ -18,6 +18,8 @@ from asyncinfer.batch_inputs import (
     array_chunks,
     array_inputs,
     detect_format,
+    npy_chunk,
+    npy_layout,
     parse_line,
 )
 from asyncinfer.batches import (
@@ -226,3 +228,21 @@ def test_npy_and_npz_files_are_records_along_the_first_dimension() -> None:
     np.save(wrong, np.zeros((3, 5), dtype=np.float32))
     with pytest.raises(RecordInvalid, match="must have shape"):
         array_inputs(wrong.getvalue(), InputFormat.NPY, SIGNATURE)
+
+
+def test_an_npy_file_streams_row_by_row_from_its_header() -> None:
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    data = buffer.getvalue()
+    layout = npy_layout(data[:200], SIGNATURE)
+    assert layout is not None
+    assert (layout.rows, layout.row_bytes) == (10, 16)
+    body = data[layout.offset :]
+    first, second = npy_chunk(layout, body[:64], 0, SIGNATURE), npy_chunk(layout, body[64:], 4, SIGNATURE)
+    assert [(first.start, first.end), (second.start, second.end)] == [(0, 4), (4, 10)]
+    assert np.array_equal(np.concatenate([first.tensors[0].to_numpy(), second.tensors[0].to_numpy()]), x)
+    assert [e.custom_id for e in second.entries] == [str(i) for i in range(4, 10)]
+    fortran = io.BytesIO()
+    np.save(fortran, np.asfortranarray(x))
+    assert npy_layout(fortran.getvalue(), SIGNATURE) is None  # read whole instead

@@ -20,10 +20,13 @@ from asyncinfer.batch_inputs import (
     ChunkBuilder,
     ChunkReady,
     IndexEntry,
+    NpyLayout,
     RecordInvalid,
     array_chunks,
     array_inputs,
     detect_format,
+    npy_chunk,
+    npy_layout,
     parse_line,
 )
 from asyncinfer.batches import (
@@ -230,6 +233,9 @@ class Preparer:
         chunks = self._store.chunks(record.tenant, record.input_ref)
         first = await anext(chunks, b"")
         fmt = record.input_format or detect_format(first)
+        layout = npy_layout(first, model.signature) if fmt is InputFormat.NPY else None
+        if layout is not None:
+            return await self._read_npy(record, layout, first, chunks, model, index)
         if fmt is not InputFormat.JSONL:
             data = bytearray(first)
             async for piece in chunks:
@@ -258,6 +264,39 @@ class Preparer:
         last = builder.close()
         if last is not None:
             prepared.chunks.append(await self._store_chunk(record, last, index))
+        return prepared
+
+    async def _read_npy(
+        self,
+        record: BatchRecord,
+        layout: NpyLayout,
+        first: bytes,
+        rest: AsyncIterator[bytes],
+        model: ModelConfig,
+        index: StreamedObject,
+    ) -> Prepared:
+        """An NPY file's rows as they stream in, a chunk at a time (memory: one chunk)."""
+        prepared = Prepared(total=layout.rows)
+        chunk_bytes = self._config.chunk_records * layout.row_bytes
+        buffer = bytearray(first[layout.offset :])
+        start = 0
+
+        async def store(data: bytes) -> None:
+            nonlocal start
+            ready = await asyncio.to_thread(npy_chunk, layout, data, start, model.signature)
+            prepared.chunks.append(await self._store_chunk(record, ready, index))
+            start = ready.end
+
+        async for piece in rest:
+            buffer += piece
+            while len(buffer) >= chunk_bytes:
+                await store(bytes(buffer[:chunk_bytes]))
+                del buffer[:chunk_bytes]
+        whole = len(buffer) - len(buffer) % layout.row_bytes if layout.row_bytes else 0
+        if whole:
+            await store(bytes(buffer[:whole]))
+        if start != layout.rows:
+            raise RecordInvalid(f"the NPY file holds {start} of the {layout.rows} records its header says")
         return prepared
 
     async def _lines(
