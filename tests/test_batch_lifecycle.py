@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import batch_service_pb2
 from services.batcher.models import demo
+from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from tests.batch_helpers import (
     batches_stub,
     create_request,
@@ -119,3 +121,19 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     rest = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_token=listed.next_page_token))
     assert [b.batch_id for b in rest.batches] == [first.batch.batch_id]
     assert rest.next_page_token == ""
+
+
+async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    ghost = new_job_id()
+    assert await store.claim("default", "nightly-3", ghost) == ghost  # as if its gateway died right here
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-3")
+    )
+    assert not created.deduplicated
+    assert created.batch.batch_id != ghost
+    assert (await wait_ended(stub, created.batch.batch_id)).request_counts.completed == 5

@@ -27,6 +27,9 @@ from services.gateway.batch_store import BatchConflict, BatchStore
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
+# How long a create waits for the batch that claimed its idempotency key to be written.
+CLAIM_WAIT_STEPS = 50
+CLAIM_WAIT_STEP_S = 0.1
 
 
 def batch_not_found(batch_id: str) -> NotFound:
@@ -75,16 +78,29 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if record.idempotency_key:
             holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id)
             if holder != record.batch_id:
-                # The first batch may not be written yet (its create is a moment behind its claim).
-                for _ in range(50):
-                    first = await self._store.get(tenant, holder)
-                    if first is not None:
-                        return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
-                    await asyncio.sleep(0.1)
-                raise batch_not_found(holder)
+                first = await self._first_of_key(tenant, holder)
+                if first is not None:
+                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+                # Claimed by a create whose gateway died before it wrote the batch: this one runs.
+                holder = await self._store.take_over(tenant, record.idempotency_key, holder, record.batch_id)
+                if holder != record.batch_id:
+                    first = await self._first_of_key(tenant, holder)
+                    if first is None:
+                        raise batch_not_found(holder)
+                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        """The batch holding an idempotency key, waited for a moment: its create writes it just
+        after its claim."""
+        for _ in range(CLAIM_WAIT_STEPS):
+            first = await self._store.get(tenant, batch_id)
+            if first is not None:
+                return first
+            await asyncio.sleep(CLAIM_WAIT_STEP_S)
+        return None
 
     async def GetBatch(
         self, request: batch_service_pb2.GetBatchRequest, context: Context

@@ -15,7 +15,7 @@ from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import ensure_kv_bucket
+from asyncinfer.nats.streams import ensure_kv_bucket, stream_subjects
 
 
 class BatchConflict(Exception):
@@ -81,21 +81,31 @@ class BatchStore:
             except NATS_FAILURES as exc:
                 raise Unavailable(f"cannot claim the idempotency key: {exc}") from exc
 
+    async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str) -> str:
+        """Moves the key's claim from `holder` (a batch that was never written: its gateway died
+        between the claim and the record) to `batch_id`; the claim's batch ID after the move (a
+        racing create's, if it moved it first)."""
+        key = _claim_key(tenant, idempotency_key)
+        latest = await kv_latest(self._bucket, key)
+        if latest is None or latest[0].decode() != holder:
+            return latest[0].decode() if latest is not None else await self.claim(tenant, idempotency_key, batch_id)
+        try:
+            await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=latest[1])
+            return batch_id
+        except KeyWrongLastSequenceError:
+            moved = await kv_latest(self._bucket, key)
+            return moved[0].decode() if moved is not None else batch_id
+
     async def keys(self, tenant: str | None = None) -> list[tuple[str, str]]:
         """(tenant, batch_id) of every batch record (of one tenant, when given)."""
-        # Not KeyValue.keys: its filters are substrings of the keys, not subjects.
-        keys = []
+        # The stream's subjects, not KeyValue.keys: its filters are substrings of the keys, and a
+        # watch's end marker can come before every key has been delivered.
+        prefix = self._bucket.subject_prefix
         try:
-            watcher = await self._bucket.kv.watch(f"{tenant or '*'}.*", ignore_deletes=True, meta_only=True)
-            try:
-                async for entry in watcher:
-                    if entry is None:  # the end of what the bucket holds now
-                        break
-                    keys.append(entry.key)
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]  # nats-py leaves it untyped
+            subjects = await stream_subjects(self._bucket.js, self._bucket.stream, f"{prefix}{tenant or '*'}.*")
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list batches: {exc}") from exc
+        keys = [subject.removeprefix(prefix) for subject in subjects]
         pairs = []
         for key in keys:
             owner, _, batch_id = key.partition(".")
