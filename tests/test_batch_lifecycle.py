@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+import grpc
 import pytest
 
+from asyncinfer.access import bearer_metadata
+from asyncinfer.api_keys import hash_key
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.ids import new_job_id
-from asyncinfer.v1 import batch_service_pb2
+from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from tests.batch_helpers import (
@@ -137,3 +140,39 @@ async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_
     assert not created.deduplicated
     assert created.batch.batch_id != ghost
     assert (await wait_ended(stub, created.batch.batch_id)).request_counts.completed == 5
+
+
+async def test_a_tenant_sees_only_its_own_batches_and_uploads(config: Config, start_stack: StartStack) -> None:
+    keys = [{"tenant": "acme", "sha256": hash_key("acme-key")}, {"tenant": "globex", "sha256": hash_key("globex-key")}]
+    secured = lifecycle_config(config).replace(
+        gateway={"api_keys": [*keys, {"role": "batcher", "sha256": hash_key("batcher-key")}]},
+        batcher={"api_key": "batcher-key"},
+    )
+    stack = await start_stack(secured)
+    stub = batches_stub(stack.channel)
+    acme, globex = bearer_metadata("acme-key"), bearer_metadata("globex-key")
+    data = jsonl(demo_records(5))
+
+    async def acme_upload() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata(), chunk=data)
+
+    ref = (await stack.jobs.UploadInput(acme_upload(), metadata=acme)).ref.ref
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.CreateBatch(create_request(ref), metadata=globex)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    created = await stub.CreateBatch(create_request(ref), metadata=acme)
+    batch_id = created.batch.batch_id
+    for call in (
+        stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id), metadata=globex),
+        stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id), metadata=globex),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as hidden:
+            await call
+        assert hidden.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(), metadata=globex)
+    assert list(listed.batches) == []
+    with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+        await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id))
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    got = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id), metadata=acme)
+    assert got.batch.batch_id == batch_id
