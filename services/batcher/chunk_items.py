@@ -55,11 +55,12 @@ class ChunkItem:
         return any(part.started for part in self.parts)
 
     def cancel(self) -> bool:
-        """Drops the parts not yet started; True when the chunk was dropped (none had started)."""
+        """Drops the parts not yet started, and with them the chunk (a part computing finishes
+        unanswered); True when the chunk was dropped, False when every part had started."""
         if self.future.done():
             return False
         dropped = [part.cancel() for part in self.parts]
-        if all(dropped):
+        if any(dropped):
             self.future.cancel()
             return True
         return False
