@@ -6,8 +6,8 @@ Per model: nats-server, gateway, scheduler and batcher as their own processes; t
 uploaded (the MLP 512→2048→2048→512: an NPY of N FP32 records, default 200,000; minilm-l6: a JSONL
 of N texts of mixed length, default 5,000), a batch created over it, and followed to its end.
 Measured: records/s of the run (IN_PROGRESS to its end, and from CreateBatch), against direct
-torch over the same records at the model's max_batch_size with the same torch threads, the
-services stopped; JetStream bytes stored per record (every stream's bytes, before and after);
+torch over the same records at the model's max_batch_size with the same torch threads, run just
+before the services start and just after they stop (the ratio is to the mean of the two); JetStream bytes stored per record (every stream's bytes, before and after);
 each service's RSS sampled during the run (start, peak, end); and interactive jobs (one record,
 NORMAL priority, SubmitJob + WatchJob) sent one at a time during the batch: their latency against
 one chunk's compute at the direct rate.
@@ -41,9 +41,10 @@ from asyncinfer.v1 import (
 from bench.batcher_bench import MODELS, make_texts
 from bench.batcher_models import minilm_config, mlp_config
 from bench.system.backlog_tools import batcher_config, services_config, wait_batchers
-from bench.system.common import RESULTS, ProcessGroup, log, machine_facts
+from bench.system.common import RESULTS, ProcessGroup, cpu_seconds, log, machine_facts
 
 CHUNK_RECORDS = 2048
+IDLE_WINDOW_S = 5.0
 TERMINAL = {
     batch_service_pb2.BATCH_STATE_COMPLETED,
     batch_service_pb2.BATCH_STATE_FAILED,
@@ -149,6 +150,9 @@ async def measure(model: str, records: int) -> dict[str, Any]:
     data, raw = mlp_file(records) if model == "mlp" else minilm_file(records)
     chunk = CHUNK_RECORDS if model == "mlp" else 256
     result: dict[str, Any] = {"model": model, "records": records, "file_bytes": len(data), "chunk_records": chunk}
+    # Direct torch before and after the services run: on a shared machine the load moves, and the
+    # mean of the two brackets the system's run.
+    direct_before = await asyncio.to_thread(direct_rate, model, raw, max_batch)
     with ProcessGroup() as group:
         nats = group.nats()
         config = services_config(
@@ -165,6 +169,11 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             jobs = job_service_pb2_grpc.JobServiceStub(channel)
             batches = batch_service_pb2_grpc.BatchServiceStub(channel)
             await jobs.SubmitJob(interactive_request(model, config_model.name))  # warm-up
+            idle_before = {name: child.cpu_seconds() for name, child in children.items()}
+            await asyncio.sleep(IDLE_WINDOW_S)  # what the services spend with nothing to do, per second
+            result["idle_cpu_per_s"] = {
+                n: round((c.cpu_seconds() - idle_before[n]) / IDLE_WINDOW_S, 3) for n, c in children.items()
+            }
             upload_started = time.perf_counter()
             ref = await upload(jobs, data)
             result["upload_s"] = time.perf_counter() - upload_started
@@ -172,6 +181,7 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             rss: dict[str, list[int]] = {}
             sampler = asyncio.create_task(sample_rss(children, stop, rss))
             cpu_before = {name: child.cpu_seconds() for name, child in children.items()}
+            nats_cpu_before = cpu_seconds(nats.process.pid) if nats.process is not None else 0.0
             created_at = time.perf_counter()
             created = await batches.CreateBatch(
                 batch_service_pb2.CreateBatchRequest(model_name=config_model.name, input_ref=ref)
@@ -185,6 +195,8 @@ async def measure(model: str, records: int) -> dict[str, Any]:
                     break
             result["create_to_end_s"] = time.perf_counter() - created_at
             result["cpu_s"] = {n: round(c.cpu_seconds() - cpu_before[n], 2) for n, c in children.items()}
+            if nats.process is not None:
+                result["cpu_s"]["nats-server"] = round(cpu_seconds(nats.process.pid) - nats_cpu_before, 2)
             stop.set()
             latencies = await waits
             await sampler
@@ -202,7 +214,9 @@ async def measure(model: str, records: int) -> dict[str, Any]:
         rss_mib={n: [round(v[0] / 2**20), round(max(v) / 2**20), round(v[-1] / 2**20)] for n, v in rss.items() if v},
         interactive_s=latencies,
     )
-    result["direct_records_per_s"] = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    direct_after = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    result["direct_before_after"] = [direct_before, direct_after]
+    result["direct_records_per_s"] = (direct_before + direct_after) / 2
     result["ratio"] = result["records_per_s"] / result["direct_records_per_s"]
     result["chunk_compute_s"] = chunk / result["direct_records_per_s"]
     return result
@@ -214,7 +228,7 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
         "",
         f"Machine: {facts}",
         "",
-        "| model | records | chunk | records/s (run) | from create | direct torch | ratio (>= 0.8) | stored B/record "
+        "| model | records | chunk | records/s (run) | from create | direct torch (before, after) | ratio to their mean (>= 0.8) | stored B/record "
         "(input B/record) | RSS MiB start/peak/end | interactive p50 / max s | one chunk's compute s | CPU s "
         "from create |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -224,7 +238,8 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
         rss = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r["rss_mib"].items())
         lines.append(
             f"| {r['model']} | {r['records']} | {r['chunk_records']} | {r['records_per_s']:.0f} | "
-            f"{r['records_per_s_from_create']:.0f} | {r['direct_records_per_s']:.0f} | {r['ratio']:.2f} | "
+            f"{r['records_per_s_from_create']:.0f} | {r['direct_before_after'][0]:.0f}, {r['direct_before_after'][1]:.0f} | "
+            f"{r['ratio']:.2f} | "
             f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | "
             f"{statistics.median(waits):.2f} / {max(waits):.2f} | {r['chunk_compute_s']:.2f} | "
             f"{', '.join(f'{n} {v}' for n, v in r['cpu_s'].items())} |"

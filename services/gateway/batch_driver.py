@@ -24,7 +24,7 @@ import structlog
 
 from asyncinfer import batches
 from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, chunk_job_id
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, job_key
@@ -68,6 +68,7 @@ class BatchDriver:
         self._clock = clock
         self._driven: set[tuple[str, str]] = set()
         self._wake = asyncio.Event()
+        self._preparing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
         self._metrics = metrics
         if metrics is not None:
@@ -79,6 +80,15 @@ class BatchDriver:
         self._wake.set()
 
     async def run(self) -> None:
+        try:
+            await self._drive()
+        finally:
+            # Preparations are this loop's: stopped with it (a later driver prepares again).
+            for task in self._preparing.values():
+                task.cancel()
+            await asyncio.gather(*self._preparing.values(), return_exceptions=True)
+
+    async def _drive(self) -> None:
         next_adopt = 0.0
         while True:
             now = time.monotonic()
@@ -134,10 +144,13 @@ class BatchDriver:
             if now >= record.expires_at:
                 await self._write(record, batches.finish(record.evolve(state=BatchState.EXPIRED), now=now))
                 return True
-            prepared = await self._preparer.prepare(record, model, now=now)
-            written = await self._write(record, prepared)
-            log.info("batch_prepared", batch_id=batch_id, state=written.state.value, chunks=len(written.chunks))
-            return written.state.is_terminal
+            key = (tenant, batch_id)
+            if key not in self._preparing:
+                # Reading a large file takes a while: beside the ticks of the other batches.
+                task = asyncio.create_task(self._prepare(record, model, now=now), name=f"batch-prepare-{batch_id}")
+                self._preparing[key] = task
+                task.add_done_callback(lambda _task: self._prepared(key))
+            return False
         updated = await self._settle(record)
         if updated.state is BatchState.CANCELLING:
             updated = batches.skip_waiting(updated, code="CANCELLED", message=CANCELLED_MESSAGE)
@@ -161,6 +174,24 @@ class BatchDriver:
                 )
             return written.state.is_terminal
         return False
+
+    def _prepared(self, key: tuple[str, str]) -> None:
+        self._preparing.pop(key, None)
+        self._wake.set()  # its next step at once
+
+    async def _prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> None:
+        try:
+            prepared = await self._preparer.prepare(record, model, now=now)
+            written = await self._write(record, prepared)
+        except BatchConflict:
+            return  # cancelled meanwhile, or another gateway prepared it first: the next tick sees
+        except (AsyncInferError, OSError) as exc:
+            log.warning("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant, error=str(exc))
+            return
+        except Exception:
+            log.exception("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant)
+            return
+        log.info("batch_prepared", batch_id=record.batch_id, state=written.state.value, chunks=len(written.chunks))
 
     async def _write(self, before: BatchRecord, after: BatchRecord) -> BatchRecord:
         written = await self._store.write(after)
