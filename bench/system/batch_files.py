@@ -137,6 +137,27 @@ async def interactive(jobs: Any, request: job_service_pb2.SubmitJobRequest, stop
     return latencies
 
 
+async def chunk_timeline(jobs: Any, batch_id: str) -> dict[str, float]:
+    """Where a chunk's time went, over the batch's chunk jobs: queued (submit to dispatch), run
+    (dispatch to result stored), the batcher's compute of it, and the batcher's idle time between
+    one chunk's end and the next one's start (a bubble the pipeline did not fill)."""
+    listed = await jobs.ListJobs(job_service_pb2.ListJobsRequest(page_size=1000, labels={"asyncinfer-batch": batch_id}))
+    chunks = sorted(listed.jobs, key=lambda j: j.start_time.ToNanoseconds())
+    if not chunks:
+        return {}
+    starts = [j.start_time.ToNanoseconds() / 1e9 for j in chunks]
+    ends = [j.end_time.ToNanoseconds() / 1e9 for j in chunks]
+    gaps = [max(b - a, 0.0) for a, b in zip(ends, starts[1:], strict=False)]
+    return {
+        "chunks": len(chunks),
+        "queue_s_mean": statistics.mean(j.queue_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "run_s_mean": statistics.mean(j.run_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "compute_s_mean": statistics.mean(j.batch.compute_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "first_start_to_last_end_s": max(ends) - min(starts),
+        "gaps_s_sum": sum(gaps),
+    }
+
+
 async def sample_rss(children: dict[str, Any], stop: asyncio.Event, into: dict[str, list[int]]) -> None:
     while not stop.is_set():
         for name, child in children.items():
@@ -194,6 +215,7 @@ async def measure(model: str, records: int) -> dict[str, Any]:
                 if batch.state in TERMINAL:
                     break
             result["create_to_end_s"] = time.perf_counter() - created_at
+            result["chunk_timeline"] = await chunk_timeline(jobs, created.batch.batch_id)
             result["cpu_s"] = {n: round(c.cpu_seconds() - cpu_before[n], 2) for n, c in children.items()}
             if nats.process is not None:
                 result["cpu_s"]["nats-server"] = round(cpu_seconds(nats.process.pid) - nats_cpu_before, 2)
