@@ -95,6 +95,9 @@ class NatsConfig(_Section):
     webhooks_bucket: str = Field(
         contract.WEBHOOKS_BUCKET, description="The KV bucket of webhook delivery outcomes per job, and disabled URLs."
     )
+    batches_bucket: str = Field(
+        contract.BATCHES_BUCKET, description="The KV bucket of batch records (BatchService), keyed <tenant>.<batch_id>."
+    )
 
 
 class EmbeddedNatsConfig(_Section):
@@ -337,6 +340,33 @@ class BatcherConfig(_Section):
         "message still go): progress travels on core NATS, whose messages are at most 1 MiB by default.",
     )
     shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
+
+
+class BatchesConfig(_Section):
+    """Batch jobs over files (BatchService, docs/BATCHES.md), driven by every gateway."""
+
+    chunk_records: int = Field(
+        1024, gt=0, description="Records per chunk: the unit of work that runs as one job on the WORK queues."
+    )
+    chunks_in_flight: int = Field(
+        8, gt=0, description="Chunks of one batch queued or running at once (the rest wait in its plan)."
+    )
+    max_invalid_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="A batch whose share of lines failing validation is above this ends FAILED (below, each "
+        "bad line is one line of the error file).",
+    )
+    max_splits: int = Field(
+        512, ge=0, description="Failed chunks split in halves per batch (poison isolation) before failures are final."
+    )
+    drive_interval_s: float = Field(0.2, gt=0, description="How often a gateway looks at the batches it drives.")
+    adopt_interval_s: float = Field(
+        5.0, gt=0, description="How often a gateway looks for running batches that no gateway drives (one died)."
+    )
+    default_completion_window_s: float = Field(86400.0, gt=0, description="A batch's completion window when unset.")
+    max_completion_window_s: float = Field(7 * 86400.0, gt=0, description="The longest completion window accepted.")
 
 
 class ConsoleConfig(_Section):
@@ -737,6 +767,7 @@ class Config(_Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     batcher: BatcherConfig = Field(default_factory=BatcherConfig)
     console: ConsoleConfig = Field(default_factory=ConsoleConfig)
+    batches: BatchesConfig = Field(default_factory=BatchesConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)

@@ -37,6 +37,7 @@ JOBS_BUCKET = "jobs"  # NatsConfig.jobs_bucket: KV of job records
 QUEUES_BUCKET = "queues"  # NatsConfig.queues_bucket: KV of snapshots, pauses, tenant counts
 IDEMPOTENCY_BUCKET = "idempotency"  # NatsConfig.idempotency_bucket: KV of idempotency claims
 WEBHOOKS_BUCKET = "webhooks"  # NatsConfig.webhooks_bucket: KV of delivery status, disabled URLs
+BATCHES_BUCKET = "batches"  # NatsConfig.batches_bucket: KV of batch records
 OBJECTS_BUCKET = "blobs"  # NatsConfig.objects_bucket: Object Store of large inputs and results
 
 # --- subjects ---------------------------------------------------------------------------------

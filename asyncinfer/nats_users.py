@@ -9,7 +9,7 @@ batcher pod, which runs model code, holds nothing that opens NATS.
 What each service may touch (ARCHITECTURE.md "The contract in NATS" names every subject):
 
 - gateway: publishes work messages and queued/cancel notices; writes job records, idempotency
-  claims and uploaded inputs; reads queue snapshots and pauses, webhook delivery status, the work
+  claims, batch records (its batch driver) and uploaded inputs (and a batch's chunk objects); reads queue snapshots and pauses, webhook delivery status, the work
   stream (queue positions, ListJobs of queued jobs, tenant counts) and the job records' feed;
   hears progress notices. It may not pull or acknowledge work (`$JS.API.CONSUMER.MSG.NEXT.WORK.*`,
   `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
@@ -102,6 +102,7 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
     streams_write = (
         contract.kv_stream(nats.jobs_bucket),
         contract.kv_stream(nats.idempotency_bucket),
+        contract.kv_stream(nats.batches_bucket),  # batch records, written by the gateways' batch drivers
         _objects_stream(nats.objects_bucket),
     )
     api: list[str] = []
@@ -116,6 +117,7 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
         f"{contract.CANCEL_SUBJECT_PREFIX}.>",
         _kv(nats.jobs_bucket),
         _kv(nats.idempotency_bucket),
+        _kv(nats.batches_bucket),
         _objects(nats.objects_bucket),
     ]
     subscribe = [_inbox("gateway"), f"{contract.PROGRESS_SUBJECT_PREFIX}.>", f"{contract.QUEUED_SUBJECT_PREFIX}.>"]

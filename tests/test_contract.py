@@ -136,7 +136,7 @@ def test_the_config_defaults_are_the_contracts() -> None:
 
 def test_the_config_keys_in_the_streams_table_exist() -> None:
     keys = re.findall(r"`nats\.([a-z_]+)`", contract_section())
-    assert len(keys) == 8
+    assert len(keys) == 9
     for key in keys:
         assert key in NatsConfig.model_fields, key
 

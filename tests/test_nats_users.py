@@ -8,6 +8,8 @@ has its own inbox prefix); the gateway's own user may not take work off the queu
 
 from __future__ import annotations
 
+import io
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -102,6 +104,14 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
             assert replayed
         again = await client.wait(poison.job_id, timeout_s=30)
         assert again.state.name == "FAILED", again
+        # A batch over a file: the batches bucket, its chunk objects and chunk jobs.
+        lines = [json.dumps({"custom_id": f"r{i}", "inputs": {"x": [float(i)] * 4}}) for i in range(40)]
+        batch = await client.create_batch(("\n".join(lines) + "\n").encode(), "demo")
+        ended = await client.wait_batch(batch, timeout_s=60)
+        assert ended.state == "COMPLETED", ended
+        out = io.BytesIO()
+        await client.download(ended, out)
+        assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [f"r{i}" for i in range(40)]
     assert users.violations() == []
 
 

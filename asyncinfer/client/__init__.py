@@ -15,6 +15,7 @@ dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive f
 from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client._sync import Client
+from asyncinfer.client.batches import Batch, BatchError
 from asyncinfer.client.errors import (
     AlreadyExistsError,
     AsyncInferClientError,
@@ -57,6 +58,8 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncClient",
     "AsyncInferClientError",
+    "Batch",
+    "BatchError",
     "BatchInfo",
     "BlobRef",
     "BulkResult",

@@ -10,6 +10,7 @@ exponential backoff and jitter, within both the `RetryPolicy`'s attempts and the
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import os
@@ -46,6 +47,7 @@ from asyncinfer.client._convert import (
     with_idempotency_key,
 )
 from asyncinfer.client._retry import Deadline, RetryPolicy
+from asyncinfer.client.batches import Batch, BatchCalls, write_file
 from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
@@ -784,6 +786,55 @@ class AsyncClient:
 
         response = await self._call(invoke, Deadline(timeout_s), retry=retriable)
         return BlobRef(ref=response.ref.ref, size_bytes=response.ref.size_bytes, sha256=response.ref.sha256)
+
+    # -- batches over files (asyncinfer.client.batches) ------------------------------------------
+
+    @property
+    def _batch_calls(self) -> BatchCalls:
+        return BatchCalls(self._channel, self._metadata, lambda invoke: self._call(invoke, self._deadline(None)))
+
+    async def create_batch(
+        self,
+        data: bytes | str | os.PathLike[str] | BinaryIO,
+        model: str,
+        *,
+        upload_timeout_s: float | None = None,
+        **options: Any,
+    ) -> Batch:
+        """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
+        VALIDATING); `options` are BatchCalls.create's (version, input_format, priority,
+        completion_window_s, max_attempts, labels, callback_url, idempotency_key)."""
+        ref = await self.upload(data, timeout_s=upload_timeout_s)
+        return await self._batch_calls.create(ref.ref, model, **options)
+
+    async def get_batch(self, batch: Batch | str) -> Batch:
+        return await self._batch_calls.get(batch)
+
+    async def cancel_batch(self, batch: Batch | str) -> Batch:
+        """Stops the batch's chunks (CANCELLING, then CANCELLED); what finished is kept."""
+        return await self._batch_calls.cancel(batch)
+
+    async def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
+        """One page of the caller's batches, newest first, and the next page's token ("" at the end)."""
+        return await self._batch_calls.list(page_size=page_size, page_token=page_token)
+
+    def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
+        """The batch now, then each change of state or progress, until it ends."""
+        return self._batch_calls.watch(batch, timeout_s=timeout_s)
+
+    async def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
+        last = batch if isinstance(batch, Batch) else None
+        async for update in self.watch_batch(batch, timeout_s=timeout_s):
+            last = update
+        assert last is not None
+        return last
+
+    async def download(
+        self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output"
+    ) -> int:
+        """Writes the batch's output file (JSONL in input order), or with file="errors" its error
+        file, to a path or a binary file; the bytes written."""
+        return await write_file(self._batch_calls.download(batch, file), target)
 
     async def upload_inputs(
         self, inputs: Inputs, *, retention_s: float | None = None, timeout_s: float | None = None

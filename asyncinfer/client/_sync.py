@@ -11,6 +11,7 @@ to pytest-asyncio. Each `Client` owns one daemon thread and one channel; `close(
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import os
 import threading
@@ -24,6 +25,7 @@ import numpy.typing as npt
 
 from asyncinfer.client._async import AsyncClient, JobLike
 from asyncinfer.client._retry import RetryPolicy
+from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.client.types import (
     BlobRef,
@@ -271,3 +273,30 @@ class Client:
 
     def read_result(self, job: JobLike, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
         return self._run(self._client.read_result(job, timeout_s=timeout_s))
+
+    # -- batches over files ---------------------------------------------------------------------
+
+    def create_batch(self, data: bytes | str | os.PathLike[str] | BinaryIO, model: str, **options: Any) -> Batch:
+        return self._run(self._client.create_batch(data, model, **options))
+
+    def get_batch(self, batch: Batch | str) -> Batch:
+        return self._run(self._client.get_batch(batch))
+
+    def cancel_batch(self, batch: Batch | str) -> Batch:
+        return self._run(self._client.cancel_batch(batch))
+
+    def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
+        return self._run(self._client.list_batches(page_size=page_size, page_token=page_token))
+
+    def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Iterator[Batch]:
+        async def updates() -> AsyncGenerator[Batch, None]:
+            async for update in self._client.watch_batch(batch, timeout_s=timeout_s):
+                yield update
+
+        return self._iterate(updates())
+
+    def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
+        return self._run(self._client.wait_batch(batch, timeout_s=timeout_s))
+
+    def download(self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output") -> int:
+        return self._run(self._client.download(batch, target, file=file))

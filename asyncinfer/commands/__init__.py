@@ -1,5 +1,5 @@
 """The client commands of `asyncinfer`, for people and scripts: submit, get, watch, cancel, list,
-bulk (JobService on the gateway) and dlq, stats (OpsService on the scheduler).
+bulk (JobService on the gateway), batch (BatchService on the gateway) and dlq, stats (OpsService on the scheduler).
 
 Each module registers its subcommands on the `asyncinfer` parser and gives each a coroutine
 handler `(args, options) -> exit code`; `run` runs the handler and turns errors into the exit codes
@@ -13,7 +13,7 @@ import asyncio
 import sys
 
 from asyncinfer.client import AsyncInferClientError
-from asyncinfer.commands import bulk, jobs, ops
+from asyncinfer.commands import batches, bulk, jobs, ops
 from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
 from asyncinfer.commands.output import EXIT_INTERRUPTED, EXIT_USAGE, UsageError, report_error
 
@@ -84,7 +84,7 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the client commands to `asyncinfer`'s subcommands."""
-    for module in (jobs, bulk, ops):
+    for module in (jobs, bulk, batches, ops):
         module.register(commands, add_client_options)
 
 

@@ -27,9 +27,17 @@ from typing import Any
 
 from bench.system.common import PYTHON, RESULTS, ROOT, fmt, load_average, log, machine_facts, sigterm_raises
 
-SECTIONS = ("submission", "e2e", "batching", "backlog", "watches", "recovery")
+SECTIONS = ("submission", "e2e", "batching", "backlog", "watches", "recovery", "batch_files")
 # Budgets of the full run (bench_common.md); a section gets twice its budget before it is stopped.
-BUDGET_S = {"submission": 240, "e2e": 180, "batching": 240, "backlog": 240, "watches": 120, "recovery": 120}
+BUDGET_S = {
+    "submission": 240,
+    "e2e": 180,
+    "batching": 240,
+    "backlog": 240,
+    "watches": 120,
+    "recovery": 120,
+    "batch_files": 900,
+}
 QUICK_TIMEOUT_S = 300
 
 

@@ -48,6 +48,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
+from services.batcher.chunk_items import ChunkItem, part_rows, take_rows
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_queue import ModelQueue, SlotListener
@@ -185,6 +186,38 @@ class BatchingEngine:
         item = queue.submit(inputs, timeout_s, priority)
         item.progress = progress
         return item
+
+    def submit_chunk(
+        self,
+        model_name: str,
+        inputs: Sequence[Tensor],
+        *,
+        timeout_s: float | None = None,
+        priority: Priority = Priority.LOW,
+    ) -> ChunkItem:
+        """A batch's chunk (more rows than max_batch_size) as parts of at most max_batch_size
+        rows, queued like items (services.batcher.chunk_items); raises as `submit` does."""
+        queue = self._queue(model_name)
+        if not self._accepting:
+            raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
+        queue.check(inputs, any_rows=True)
+        if timeout_s is not None and timeout_s <= 0:
+            raise DeadlineExceeded("the item's deadline passed before it was queued")
+        rows = inputs[0].batch_size
+        order = None
+        lengths = queue.backend.token_lengths({t.name: t.to_numpy() for t in inputs})
+        if lengths is not None and len(lengths) == rows:
+            order = sorted(range(rows), key=lengths.__getitem__)
+        parts: list[PendingItem] = []
+        try:
+            for part in part_rows(rows, queue.config.max_batch_size, order):
+                sliced = [take_rows(t, part) for t in inputs]
+                parts.append(queue.submit(sliced, timeout_s, priority, part_of_chunk=True))
+        except BaseException:
+            for queued in parts:
+                queued.cancel()
+            raise
+        return ChunkItem(parts, order)
 
     async def infer(
         self,

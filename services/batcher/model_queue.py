@@ -97,8 +97,12 @@ class ModelQueue:
         self._executor = executor
         self._former = supervisor.start(f"batcher-{self.name}", self._form_batches())
 
-    def submit(self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority) -> PendingItem:
-        if self.held >= self.config.max_queue_size:
+    def submit(
+        self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority, *, part_of_chunk: bool = False
+    ) -> PendingItem:
+        # A chunk's parts were bought with one credit: they may pass the limit (which then holds
+        # back further credits until they are done).
+        if self.held >= self.config.max_queue_size and not part_of_chunk:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
                 reason="BATCHER_QUEUE_FULL",
@@ -142,11 +146,13 @@ class ModelQueue:
             self._changed.set()
         self._on_item_done(self.name)
 
-    def check(self, inputs: Sequence[Tensor]) -> None:
-        """InvalidArgument unless the inputs fit the model's signature."""
-        if self._fast_check(inputs):
+    def check(self, inputs: Sequence[Tensor], *, any_rows: bool = False) -> None:
+        """InvalidArgument unless the inputs fit the model's signature (with any number of rows
+        for a batch's chunk)."""
+        if not any_rows and self._fast_check(inputs):
             return
-        violations = validate_inputs(inputs, self.backend.signature, max_batch_size=self.config.max_batch_size)
+        max_rows = 0 if any_rows else self.config.max_batch_size
+        violations = validate_inputs(inputs, self.backend.signature, max_batch_size=max_rows)
         if violations:
             first = violations[0]
             raise InvalidArgument(f"invalid inputs: {first.field}: {first.description}", violations)

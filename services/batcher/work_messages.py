@@ -18,6 +18,7 @@ from asyncinfer.errors import (
 from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2
+from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
 from services.batcher.progress import ItemProgress
 
@@ -61,7 +62,7 @@ def worker_hello(engine: BatchingEngine, batcher_id: str, *, takes_batches: bool
 
 def submit_order(
     engine: BatchingEngine, order: worker_service_pb2.WorkOrder, progress: ItemProgress | None = None
-) -> PendingItem:
+) -> PendingItem | ChunkItem:
     """The order's item in the engine (its progress reported to `progress`); raises (NotFound, FailedPrecondition, the engine's own
     refusals) when it cannot run here."""
     if not engine.has_model(order.model_name):
@@ -78,6 +79,15 @@ def submit_order(
         )
     inputs = decode_tensors(order.inputs)
     timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
+    max_rows = engine.model_config(order.model_name).max_batch_size
+    if inputs and max_rows > 0 and inputs[0].batch_size > max_rows:
+        # A batch's chunk (docs/BATCHES.md): the gateway checked each of its records.
+        return engine.submit_chunk(
+            order.model_name,
+            inputs,
+            timeout_s=timeout_s,
+            priority=ORDER_PRIORITIES.get(order.priority, Priority.LOW),
+        )
     return engine.submit(
         order.model_name,
         inputs,

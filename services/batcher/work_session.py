@@ -23,6 +23,7 @@ from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.tracing import trace_fields
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
+from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
 from services.batcher.progress import ItemProgress, ProgressUpdate
 from services.batcher.work_messages import error_status, is_shutdown, submit_order, worker_hello
@@ -59,7 +60,7 @@ class WorkSession:
         # None ends the request stream (a half-close).
         self._outbox: asyncio.Queue[worker_service_pb2.ConnectRequest | None] = asyncio.Queue()
         self._unused_credits = dict.fromkeys(engine.model_names, 0)
-        self._orders: dict[OrderKey, PendingItem] = {}
+        self._orders: dict[OrderKey, PendingItem | ChunkItem] = {}
         self._order_tasks: set[asyncio.Task[None]] = set()
         self._open = True
         self._granting = True
@@ -186,7 +187,7 @@ class WorkSession:
         self._order_tasks.add(task)
         task.add_done_callback(self._order_tasks.discard)
 
-    async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem) -> None:
+    async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem | ChunkItem) -> None:
         key = (order.job_id, order.attempt)
         try:
             # wait() rather than await: a dropped item must not look like this task's cancellation.

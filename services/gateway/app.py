@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
@@ -21,10 +22,15 @@ from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
-from asyncinfer.v1 import job_service_pb2_grpc
+from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
 from services.gateway.auth import require_auth_beyond_loopback
+from services.gateway.batch_driver import BatchDriver
+from services.gateway.batch_metrics import BatchMetrics
+from services.gateway.batch_prepare import Preparer
+from services.gateway.batch_service import BatchService
+from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from services.gateway.blobs import ClaimCheck
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.claims import ensure_idempotency_bucket
@@ -40,6 +46,7 @@ from services.gateway.upload_storage import UploadStorage
 from services.gateway.watch_hub import WatchHub
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
+BATCH_SERVICE_NAME = "asyncinfer.v1.BatchService"
 # Room above max_request_bytes so that a request slightly over the limit reaches our own check
 # (with a clear message) rather than gRPC's; it also bounds responses, and records (with their
 # inline results) stay under NATS's 1 MB max payload.
@@ -108,9 +115,8 @@ class GatewayApp:
         store_health = StoreHealth(
             js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
         )
-        claim_check = ClaimCheck(
-            await ensure_objects_bucket(js, cfg.nats), cfg, storage=storage, store_health=store_health
-        )
+        blob_store = await ensure_objects_bucket(js, cfg.nats)
+        claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
@@ -144,16 +150,34 @@ class GatewayApp:
             callback_deliveries=CallbackDeliveries(await ensure_webhooks_bucket(js, cfg.nats)),
             tracing=self.tracing,
         )
+        batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
+        driver = BatchDriver(
+            cfg,
+            batch_store,
+            Preparer(blob_store, cfg.batches, max_upload_bytes=cfg.gateway.max_upload_bytes),
+            records=records,
+            expiry=expiry,
+            submitter=self._submitter,
+            nc=self._nc,
+            metrics=BatchMetrics(self.registry),
+        )
+        batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
+
+        def add_servicers(server: grpc.aio.Server) -> None:
+            job_service_pb2_grpc.add_JobServiceServicer_to_server(servicer, server)
+            batch_service_pb2_grpc.add_BatchServiceServicer_to_server(batch_servicer, server)
+
         self._server = GrpcServer(
             host=cfg.gateway.host,
             port=cfg.gateway.port,
-            add_servicers=lambda server: job_service_pb2_grpc.add_JobServiceServicer_to_server(servicer, server),
-            service_names=[SERVICE_NAME],
+            add_servicers=add_servicers,
+            service_names=[SERVICE_NAME, BATCH_SERVICE_NAME],
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
         )
         await self._server.start()
+        self.supervisor.start("gateway-batch-driver", driver.run())
         store_health.serve_on(self._server)
         self.port = self._server.port
         self._metrics_server.start()

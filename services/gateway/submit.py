@@ -92,6 +92,14 @@ class JobSubmitter:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
+    async def enqueue_prepared(
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, job_id: str
+    ) -> JobRecord:
+        """A job whose inputs its caller checked and stored itself (a batch's chunk, whose rows
+        pass max_batch_size: services.gateway.batch_driver), admitted and queued as `submit`
+        does, under the caller's job ID."""
+        return await self._admit_and_enqueue(request, model, tenant=tenant, now=self._clock(), job_id=job_id)
+
     async def _read_input_ref(self, request: SubmitRequest, *, tenant: str) -> SubmitRequest:
         """The request with the caller's upload decoded into its inputs, validated like inline
         ones next (NotFound for another tenant's, unknown or expired refs)."""

@@ -1,0 +1,287 @@
+"""A batch's input file into chunks: JSONL lines (one record each) or NPY/NPZ arrays (first
+dimension the record) checked against the model's signature, and the valid records gathered into
+chunk tensors in input order. Pure (no NATS): the gateway's batch preparation feeds it the file's
+bytes and stores what comes out.
+
+A JSONL record is `{"custom_id": "...", "inputs": {"<input>": <JSON value>}}`, each value typed by
+the signature with the record's own batch dimension (1: a record is one row) included (`{"x": [[1, 2, 3, 4]]}`
+for an input of shape [-1, 4]); a value one dimension short is taken as that one row. BYTES values are
+strings. A line that does not fit is one error line, never a failed batch.
+
+Records that may share a chunk have the same non-batch shapes; a record whose shapes differ from
+the chunk's closes it, so a chunk's tensors are plain concatenations along the batch dimension.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from asyncinfer.batches import ErrorLine, InputFormat
+from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, typed_as
+
+NPY_MAGIC = b"\x93NUMPY"
+ZIP_MAGIC = b"PK\x03\x04"
+MAX_CUSTOM_ID_BYTES = 512
+
+Arrays = dict[str, npt.NDArray[Any]]
+
+
+def detect_format(head: bytes) -> InputFormat:
+    if head.startswith(NPY_MAGIC):
+        return InputFormat.NPY
+    if head.startswith(ZIP_MAGIC):
+        return InputFormat.NPZ
+    return InputFormat.JSONL
+
+
+class RecordInvalid(ValueError):
+    """Why one record does not fit the signature."""
+
+
+@dataclass(slots=True)
+class IndexEntry:
+    """What the output and error files need of a valid record: its line and custom_id."""
+
+    line: int
+    custom_id: str
+
+
+def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
+    if spec.datatype == "BYTES":
+        array = np.asarray(value, dtype=object)
+        if array.size and not all(isinstance(v, str) for v in array.reshape(-1)):
+            raise RecordInvalid(f"input {spec.name!r} is BYTES: give strings")
+        array = np.vectorize(lambda v: v.encode(), otypes=[object])(array) if array.size else array
+    else:
+        typed = typed_as(value, spec.datatype)
+        if typed is None:
+            raise RecordInvalid(f"input {spec.name!r} must be {spec.datatype} numbers")
+        array = typed
+    if array.ndim == len(spec.shape) - 1:
+        array = array[None]
+    if array.ndim != len(spec.shape) or any(
+        want != -1 and got != want for got, want in zip(array.shape, spec.shape, strict=True)
+    ):
+        raise RecordInvalid(
+            f"input {spec.name!r} must have shape {list(spec.shape)} (-1: any; the record's own batch "
+            f"dimension first), got {list(array.shape)}"
+        )
+    if array.shape[0] != 1:
+        raise RecordInvalid(
+            f"input {spec.name!r} has {array.shape[0]} rows: a record is one row (its batch dimension is 1); "
+            "give each row its own line"
+        )
+    return array
+
+
+def check_record(arrays: dict[str, Any], signature: ModelSignature) -> Arrays:
+    """The record's inputs as arrays of the signature's types; RecordInvalid when they do not fit."""
+    if not isinstance(arrays, dict):
+        raise RecordInvalid('"inputs" must be an object of input names to values')
+    names = {spec.name for spec in signature.inputs}
+    unknown = sorted(set(arrays) - names)
+    if unknown:
+        raise RecordInvalid(f"unknown input {unknown[0]!r}; the model takes: {', '.join(sorted(names))}")
+    typed: Arrays = {}
+    for spec in signature.inputs:
+        if spec.name not in arrays:
+            raise RecordInvalid(f"missing input {spec.name!r}")
+        try:
+            typed[spec.name] = _typed(spec, arrays[spec.name])
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, RecordInvalid):
+                raise
+            raise RecordInvalid(f"input {spec.name!r}: {exc}") from None
+    return typed
+
+
+def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[IndexEntry, Arrays] | ErrorLine:
+    """One JSONL line: its record, or its error line."""
+    custom_id = ""
+    try:
+        value = json.loads(text)
+        if not isinstance(value, dict):
+            raise RecordInvalid("a line must be a JSON object")
+        raw_id = value.get("custom_id", "")
+        custom_id = raw_id if isinstance(raw_id, str) else str(raw_id)
+        if len(custom_id.encode()) > MAX_CUSTOM_ID_BYTES:
+            custom_id = custom_id[:64]
+            raise RecordInvalid(f"custom_id is over {MAX_CUSTOM_ID_BYTES} bytes")
+        if "inputs" not in value:
+            raise RecordInvalid('a line needs "inputs"')
+        arrays = check_record(value["inputs"], signature)
+    except RecordInvalid as exc:
+        return ErrorLine(line, custom_id, "INVALID_ARGUMENT", str(exc))
+    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+        return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc}")
+    return IndexEntry(line, custom_id), arrays
+
+
+@dataclass(slots=True)
+class ChunkReady:
+    """A chunk's records, ready to store: [start, end) and its tensors."""
+
+    start: int
+    end: int
+    tensors: list[Tensor]
+    entries: list[IndexEntry]
+
+
+@dataclass(slots=True)
+class ChunkBuilder:
+    """Gathers valid records into chunks of at most chunk_records, in order."""
+
+    signature: ModelSignature
+    chunk_records: int
+    next_record: int = 0
+    _start: int = 0
+    _shapes: tuple[tuple[int, ...], ...] | None = None
+    _parts: dict[str, list[npt.NDArray[Any]]] = field(default_factory=dict)
+    _entries: list[IndexEntry] = field(default_factory=list)
+
+    def add(self, entry: IndexEntry, arrays: Arrays) -> ChunkReady | None:
+        """Adds a record; the chunk it closed, if it closed one (by size, or by a change of
+        shapes: then the record opens the next chunk)."""
+        shapes = tuple(arrays[s.name].shape[1:] for s in self.signature.inputs)
+        closed = None
+        if self._shapes is not None and shapes != self._shapes:
+            closed = self.close()
+        if not self._entries:
+            self._start = self.next_record
+            self._shapes = shapes
+        for name, array in arrays.items():
+            self._parts.setdefault(name, []).append(array)
+        self._entries.append(entry)
+        self.next_record += 1
+        if closed is None and len(self._entries) >= self.chunk_records:
+            closed = self.close()
+        return closed
+
+    def close(self) -> ChunkReady | None:
+        if not self._entries:
+            return None
+        tensors = []
+        for spec in self.signature.inputs:
+            parts = self._parts[spec.name]
+            tensors.append(
+                Tensor.from_numpy(spec.name, np.concatenate(parts) if len(parts) > 1 else parts[0], spec.datatype)
+            )
+        ready = ChunkReady(self._start, self.next_record, tensors, self._entries)
+        self._parts = {}
+        self._entries = []
+        self._shapes = None
+        return ready
+
+
+def _check_array(spec: TensorSpec, array: npt.NDArray[Any], fmt: InputFormat) -> npt.NDArray[Any]:
+    """The array typed by the signature; RecordInvalid when it does not fit."""
+    if spec.datatype == "BYTES":
+        array = array.astype(object) if array.dtype.kind in ("U", "S", "O") else array
+        array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(array)
+    else:
+        typed = typed_as(array, spec.datatype)
+        if typed is None:
+            raise RecordInvalid(f"array {spec.name!r} must be {spec.datatype}, got {array.dtype}")
+        array = typed
+    if array.ndim != len(spec.shape) or any(
+        want != -1 and got != want for got, want in zip(array.shape[1:], spec.shape[1:], strict=True)
+    ):
+        raise RecordInvalid(
+            f"array {spec.name!r} of the {fmt.value} file must have shape {list(spec.shape)} (first dimension "
+            f"the record), got {list(array.shape)}"
+        )
+    return array
+
+
+def _single_input(signature: ModelSignature) -> TensorSpec:
+    if len(signature.inputs) != 1:
+        names = ", ".join(s.name for s in signature.inputs)
+        raise RecordInvalid(f"an NPY file holds one array; the model takes several inputs ({names}): use NPZ")
+    return signature.inputs[0]
+
+
+@dataclass(frozen=True, slots=True)
+class NpyLayout:
+    """Where an NPY file's rows are: after `offset` bytes, `row_bytes` each, `rows` of them."""
+
+    offset: int
+    rows: int
+    row_shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def array(self, data: bytes | bytearray | memoryview, rows: int) -> npt.NDArray[Any]:
+        return np.frombuffer(data, dtype=self.dtype, count=rows * int(np.prod(self.row_shape, dtype=np.int64))).reshape(
+            (rows, *self.row_shape)
+        )
+
+
+def npy_layout(head: bytes, signature: ModelSignature) -> NpyLayout | None:
+    """The layout of an NPY file from its first bytes, checked against the signature, for reading
+    its rows as they stream in; None where it cannot be streamed (Fortran order, an object dtype, a
+    header past `head`): read it whole then. RecordInvalid when it does not fit the model."""
+    spec = _single_input(signature)
+    buffer = io.BytesIO(head)
+    try:
+        # numpy's format helpers are untyped.
+        version = np.lib.format.read_magic(buffer)  # type: ignore[no-untyped-call]
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(buffer)  # type: ignore[no-untyped-call]
+    except (ValueError, OSError, EOFError):
+        return None
+    if fortran_order or dtype.hasobject or not shape:
+        return None
+    _check_array(spec, np.zeros((0, *shape[1:]), dtype=dtype), InputFormat.NPY)
+    return NpyLayout(offset=buffer.tell(), rows=int(shape[0]), row_shape=tuple(shape[1:]), dtype=dtype)
+
+
+def npy_chunk(
+    layout: NpyLayout, data: bytes | bytearray | memoryview, start: int, signature: ModelSignature
+) -> ChunkReady:
+    """The rows in `data` (whole rows of an NPY file, from record `start`) as a chunk."""
+    spec = signature.inputs[0]
+    rows = len(data) // layout.row_bytes
+    array = _check_array(spec, layout.array(data, rows), InputFormat.NPY)
+    entries = [IndexEntry(i + 1, str(i)) for i in range(start, start + rows)]
+    return ChunkReady(start, start + rows, [Tensor.from_numpy(spec.name, array, spec.datatype)], entries)
+
+
+def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature) -> Arrays:
+    """The arrays of an NPY or NPZ file, checked against the signature as a whole (first
+    dimension the record); RecordInvalid when they do not fit."""
+    try:
+        if fmt is InputFormat.NPY:
+            loaded: dict[str, Any] = {_single_input(signature).name: np.load(io.BytesIO(data), allow_pickle=False)}
+        else:
+            with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+                loaded = {name: npz[name] for name in npz.files}
+    except (ValueError, OSError, EOFError) as exc:
+        raise RecordInvalid(f"not a readable {fmt.value} file: {exc}") from None
+    arrays: Arrays = {}
+    for spec in signature.inputs:
+        if spec.name not in loaded:
+            raise RecordInvalid(f"the {fmt.value} file has no array {spec.name!r}")
+        arrays[spec.name] = _check_array(spec, loaded[spec.name], fmt)
+    if len({a.shape[0] for a in arrays.values()}) > 1:
+        raise RecordInvalid("the arrays disagree on the number of records")
+    return arrays
+
+
+def array_chunks(arrays: Arrays, signature: ModelSignature, chunk_records: int) -> Iterator[ChunkReady]:
+    """The records of checked arrays as chunks (custom_id: the record's index)."""
+    count = next(iter(arrays.values())).shape[0]
+    for start in range(0, count, chunk_records):
+        end = min(start + chunk_records, count)
+        tensors = [Tensor.from_numpy(s.name, arrays[s.name][start:end], s.datatype) for s in signature.inputs]
+        entries = [IndexEntry(i + 1, str(i)) for i in range(start, end)]
+        yield ChunkReady(start, end, tensors, entries)

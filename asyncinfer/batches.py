@@ -1,0 +1,312 @@
+"""Batch jobs as the domain sees them (docs/BATCHES.md): states, request counts, the chunk plan and
+its pure transitions. No NATS and no protobuf: the gateway's batch driver reads a record, asks
+these functions what follows from what its chunks' jobs say, and writes the answer back with a
+compare-and-set.
+
+Records are numbered 0..n-1 in input order (valid ones only: a line that fails validation is an
+error line at once and never gets a number). A chunk is a range [start, end) of records that runs
+as one job; chunks stay sorted by start, so the output in chunk order is the input order. A chunk
+whose job fails is split in two (a bisection), so a poison record ends alone in a chunk of one and
+goes to the error file by itself while its neighbours succeed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from asyncinfer.ids import job_id_time_ms
+from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
+
+# At most this many errors are kept in the record (GetBatch's first_errors); the rest are only in
+# the error file.
+FIRST_ERRORS_KEPT = 10
+RECORD_VERSION = 1
+
+
+class BatchState(enum.StrEnum):
+    VALIDATING = "VALIDATING"
+    IN_PROGRESS = "IN_PROGRESS"
+    FINALIZING = "FINALIZING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    EXPIRED = "EXPIRED"
+    CANCELLING = "CANCELLING"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in (BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED)
+
+
+class ChunkStatus(enum.StrEnum):
+    WAITING = "W"  # planned, its job not submitted yet
+    QUEUED = "Q"  # its job submitted (queued or running)
+    DONE = "D"  # its job succeeded: its outputs are in the job's result
+    FAILED = "F"  # its records failed (a chunk of one, or past the split limit)
+    SPLIT = "S"  # failed and replaced by its two halves
+    SKIPPED = "X"  # never ran to the end: the batch was cancelled or expired
+
+
+class InputFormat(enum.StrEnum):
+    JSONL = "JSONL"
+    NPY = "NPY"
+    NPZ = "NPZ"
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorLine:
+    """One line of the error file."""
+
+    line: int  # 1-based input line (record index + 1 for arrays)
+    custom_id: str
+    code: str  # a canonical gRPC code name
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    start: int
+    end: int
+    status: ChunkStatus = ChunkStatus.WAITING
+    # Set for FAILED and SKIPPED: why its records did not run.
+    code: str = ""
+    message: str = ""
+
+    @property
+    def records(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCounts:
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRecord:
+    """A batch's record in the batches bucket. Times are Unix seconds."""
+
+    batch_id: str
+    tenant: str
+    model_name: str
+    model_version: str
+    input_ref: str
+    input_format: InputFormat | None  # None: detect from the content
+    state: BatchState
+    priority: Priority
+    max_attempts: int
+    create_time: float
+    expires_at: float
+    result_retention_s: float
+    labels: Mapping[str, str] = field(default_factory=dict)
+    idempotency_key: str = ""
+    callback: CallbackSpec | None = None
+    chunks: tuple[Chunk, ...] = ()
+    invalid_lines: int = 0  # lines that failed validation (in the errors object)
+    total: int = 0  # lines (JSONL) or records (arrays) in the input, once validated
+    splits: int = 0
+    first_errors: tuple[ErrorLine, ...] = ()
+    failure_message: str = ""
+    in_progress_time: float | None = None
+    finalizing_time: float | None = None
+    end_time: float | None = None
+    # Not stored: the KV revision it was read at.
+    revision: int = 0
+
+    def evolve(self, **changes: Any) -> BatchRecord:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def counts(self) -> RequestCounts:
+        completed = sum(c.records for c in self.chunks if c.status is ChunkStatus.DONE)
+        failed = sum(c.records for c in self.chunks if c.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED))
+        return RequestCounts(total=self.total, completed=completed, failed=failed + self.invalid_lines)
+
+    @property
+    def live_chunks(self) -> tuple[Chunk, ...]:
+        """The chunks of the plan as it stands (split ones replaced by their halves)."""
+        return tuple(c for c in self.chunks if c.status is not ChunkStatus.SPLIT)
+
+
+def chunk_job_id(batch_id: str, start: int, end: int) -> str:
+    """The job ID of a chunk: a UUIDv7 with the batch's time and bits derived from the range, the
+    same on every driver, so that a chunk submitted twice (a driver killed between the publish and
+    the record's write) is one job."""
+    digest = int.from_bytes(hashlib.sha256(f"{batch_id}:{start}:{end}".encode()).digest()[:10], "big")
+    ms = job_id_time_ms(batch_id)
+    value = (ms & ((1 << 48) - 1)) << 80 | 0x7 << 76 | (digest >> 62 & 0xFFF) << 64 | 0b10 << 62
+    value |= digest & ((1 << 62) - 1)
+    return str(uuid.UUID(int=value))
+
+
+def derived_ref(kind: str, batch_id: str, what: str) -> str:
+    """A claim-check reference ("in/<uuid7>") for one of the batch's own objects (a chunk's inputs,
+    the record index, the validation errors), derived from the batch and what it holds."""
+    digest = hashlib.sha256(f"{batch_id}:{what}".encode()).hexdigest()
+    base = chunk_job_id(batch_id, int(digest[:8], 16), int(digest[8:16], 16))
+    return f"{kind}/{base}"
+
+
+def plan_chunks(runs: Sequence[tuple[int, int]], chunk_records: int) -> tuple[Chunk, ...]:
+    """Chunks of at most chunk_records over runs of records that may share a chunk (records of
+    one run have the same non-batch shapes), in order."""
+    chunks: list[Chunk] = []
+    for start, end in runs:
+        for first in range(start, end, chunk_records):
+            chunks.append(Chunk(first, min(first + chunk_records, end)))
+    return tuple(chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOutcome:
+    """What a chunk's job says, for `settle_chunks`: its terminal state and error."""
+
+    start: int
+    state: JobState
+    error: JobError | None = None
+
+
+def _code_name(error: JobError | None, state: JobState) -> str:
+    if error is None:
+        return {JobState.EXPIRED: "DEADLINE_EXCEEDED", JobState.CANCELED: "CANCELLED"}.get(state, "UNKNOWN")
+    for code in grpc.StatusCode:
+        if code.value[0] == error.code:
+            return str(code.name)
+    return "UNKNOWN"
+
+
+def settle_chunks(record: BatchRecord, outcomes: Sequence[ChunkOutcome], *, max_splits: int) -> BatchRecord:
+    """The record with each ended chunk job's outcome applied: DONE, SKIPPED (cancelled or expired
+    before it ran), or, for a failure, split into halves (WAITING) while the chunk has more than
+    one record and the batch is under max_splits, else FAILED."""
+    by_start = {o.start: o for o in outcomes}
+    chunks: list[Chunk] = []
+    splits = record.splits
+    for chunk in record.chunks:
+        outcome = by_start.get(chunk.start) if chunk.status is ChunkStatus.QUEUED else None
+        if outcome is None:
+            chunks.append(chunk)
+            continue
+        if outcome.state is JobState.SUCCEEDED:
+            chunks.append(dataclasses.replace(chunk, status=ChunkStatus.DONE))
+            continue
+        code = _code_name(outcome.error, outcome.state)
+        message = outcome.error.message if outcome.error is not None else f"the chunk's job ended {outcome.state}"
+        if outcome.state in (JobState.CANCELED, JobState.EXPIRED):
+            chunks.append(dataclasses.replace(chunk, status=ChunkStatus.SKIPPED, code=code, message=message))
+        elif chunk.records > 1 and splits < max_splits:
+            middle = chunk.start + chunk.records // 2
+            splits += 1
+            chunks.append(dataclasses.replace(chunk, status=ChunkStatus.SPLIT))
+            chunks.extend((Chunk(chunk.start, middle), Chunk(middle, chunk.end)))
+        else:
+            chunks.append(dataclasses.replace(chunk, status=ChunkStatus.FAILED, code=code, message=message))
+    return record.evolve(chunks=tuple(chunks), splits=splits)
+
+
+def mark_submitted(record: BatchRecord, starts: Sequence[int]) -> BatchRecord:
+    wanted = set(starts)
+    chunks = tuple(
+        dataclasses.replace(c, status=ChunkStatus.QUEUED)
+        if c.start in wanted and c.status is ChunkStatus.WAITING
+        else c
+        for c in record.chunks
+    )
+    return record.evolve(chunks=chunks)
+
+
+def skip_waiting(record: BatchRecord, *, code: str, message: str) -> BatchRecord:
+    """Every chunk not yet submitted marked SKIPPED (cancelled, or past the completion window)."""
+    chunks = tuple(
+        dataclasses.replace(c, status=ChunkStatus.SKIPPED, code=code, message=message)
+        if c.status is ChunkStatus.WAITING
+        else c
+        for c in record.chunks
+    )
+    return record.evolve(chunks=chunks)
+
+
+def to_submit(record: BatchRecord, *, window: int) -> tuple[Chunk, ...]:
+    """The waiting chunks to submit now: enough for `window` chunks queued or running at once (so
+    a large batch holds a bounded share of the queue), in order."""
+    queued = sum(1 for c in record.chunks if c.status is ChunkStatus.QUEUED)
+    room = max(window - queued, 0)
+    return tuple(c for c in record.chunks if c.status is ChunkStatus.WAITING)[:room]
+
+
+def finished(record: BatchRecord) -> bool:
+    return not any(c.status in (ChunkStatus.WAITING, ChunkStatus.QUEUED) for c in record.chunks)
+
+
+def end_state(record: BatchRecord, *, now: float) -> BatchState:
+    """The terminal state of a batch whose chunks have all ended."""
+    if record.state is BatchState.CANCELLING:
+        return BatchState.CANCELLED
+    if any(c.status is ChunkStatus.SKIPPED for c in record.chunks) or now >= record.expires_at:
+        return BatchState.EXPIRED
+    return BatchState.COMPLETED
+
+
+def finish(record: BatchRecord, *, now: float) -> BatchRecord:
+    return record.evolve(state=end_state(record, now=now), finalizing_time=now, end_time=now)
+
+
+def progress_rate(record: BatchRecord, *, now: float) -> tuple[float, float | None]:
+    """Records done per second since the batch started running, and when it should finish at that
+    rate (None when unknown or ended)."""
+    started = record.in_progress_time
+    if started is None:
+        return 0.0, None
+    until = record.end_time if record.end_time is not None else now
+    counts = record.counts
+    rate = counts.completed / (until - started) if until > started else 0.0
+    if record.state.is_terminal or rate <= 0:
+        return rate, None
+    remaining = counts.total - counts.completed - counts.failed
+    return rate, now + remaining / rate
+
+
+# --- the record's codec (versioned JSON, like the job records) ---------------------------------
+
+
+def encode_batch(record: BatchRecord) -> bytes:
+    data = dataclasses.asdict(record)
+    data.pop("revision")
+    data["v"] = RECORD_VERSION
+    data["chunks"] = [[c.start, c.end, c.status.value, c.code, c.message] for c in record.chunks]
+    data["first_errors"] = [[e.line, e.custom_id, e.code, e.message] for e in record.first_errors]
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def decode_batch(data: bytes, revision: int = 0) -> BatchRecord:
+    raw = json.loads(data)
+    raw.pop("v", None)
+    callback = raw.pop("callback")
+    return BatchRecord(
+        **{
+            **raw,
+            "input_format": InputFormat(raw["input_format"]) if raw["input_format"] else None,
+            "state": BatchState(raw["state"]),
+            "priority": Priority(raw["priority"]),
+            "labels": dict(raw["labels"]),
+            "callback": CallbackSpec(callback["url"], tuple(callback["events"])) if callback else None,
+            "chunks": tuple(Chunk(s, e, ChunkStatus(st), code, msg) for s, e, st, code, msg in raw["chunks"]),
+            "first_errors": tuple(ErrorLine(*e) for e in raw["first_errors"]),
+        },
+        revision=revision,
+    )
+
+
+def merge_first_errors(kept: Sequence[ErrorLine], more: Sequence[ErrorLine]) -> tuple[ErrorLine, ...]:
+    return tuple(sorted([*kept, *more], key=lambda e: e.line)[:FIRST_ERRORS_KEPT])

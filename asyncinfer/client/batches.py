@@ -1,0 +1,220 @@
+"""Batch jobs over files in the SDK (BatchService, docs/BATCHES.md): `Batch`, what a batch is as
+the SDK gives it, and the calls behind AsyncClient's `create_batch`, `get_batch`, `watch_batch`,
+`cancel_batch`, `list_batches` and `download`, written once here over the client's channel, its
+metadata and its retrying `_call`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+
+from google.protobuf import duration_pb2
+
+from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
+
+if TYPE_CHECKING:
+    from asyncinfer.v1.batch_service_pb2_grpc import BatchServiceAsyncStub
+
+T = TypeVar("T")
+Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
+
+TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "EXPIRED", "CANCELLED"})
+_PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
+_FORMATS = {
+    "JSONL": batch_service_pb2.BATCH_INPUT_FORMAT_JSONL,
+    "NPY": batch_service_pb2.BATCH_INPUT_FORMAT_NPY,
+    "NPZ": batch_service_pb2.BATCH_INPUT_FORMAT_NPZ,
+}
+FILES = {"output": batch_service_pb2.BATCH_FILE_OUTPUT, "errors": batch_service_pb2.BATCH_FILE_ERRORS}
+
+
+@dataclass(frozen=True, slots=True)
+class BatchError:
+    line: int
+    custom_id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch as it stands: state (VALIDATING, IN_PROGRESS, COMPLETED, FAILED, EXPIRED,
+    CANCELLING, CANCELLED), request counts, progress and the first errors."""
+
+    batch_id: str
+    state: str
+    model_name: str
+    total: int
+    completed: int
+    failed: int
+    records_per_second: float
+    chunks_total: int
+    chunks_done: int
+    create_time: datetime | None
+    expires_at: datetime | None
+    end_time: datetime | None = None
+    estimated_finish_time: datetime | None = None
+    failure_message: str = ""
+    first_errors: tuple[BatchError, ...] = ()
+    labels: Mapping[str, str] = field(default_factory=dict)
+    deduplicated: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+def _time(message: Any, name: str) -> datetime | None:
+    if not message.HasField(name):
+        return None
+    return datetime.fromtimestamp(getattr(message, name).ToNanoseconds() / 1e9, UTC)
+
+
+def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = False) -> Batch:
+    counts = batch.request_counts
+    return Batch(
+        batch_id=batch.batch_id,
+        state=batch_service_pb2.BatchState.Name(batch.state).removeprefix("BATCH_STATE_"),
+        model_name=batch.model_name,
+        total=counts.total,
+        completed=counts.completed,
+        failed=counts.failed,
+        records_per_second=batch.records_per_second,
+        chunks_total=batch.chunks_total,
+        chunks_done=batch.chunks_done,
+        create_time=_time(batch, "create_time"),
+        expires_at=_time(batch, "expires_at"),
+        end_time=_time(batch, "end_time"),
+        estimated_finish_time=_time(batch, "estimated_finish_time"),
+        failure_message=batch.failure_message,
+        first_errors=tuple(BatchError(e.line, e.custom_id, e.code, e.message) for e in batch.first_errors),
+        labels=dict(batch.labels),
+        deduplicated=deduplicated,
+    )
+
+
+def _batch_id(batch: Batch | str) -> str:
+    return batch if isinstance(batch, str) else batch.batch_id
+
+
+class BatchCalls:
+    """The BatchService calls of one AsyncClient (its channel, metadata and retrying call)."""
+
+    def __init__(self, channel: Any, metadata: tuple[tuple[str, str], ...], call: Call) -> None:
+        self._stub: BatchServiceAsyncStub = batch_service_pb2_grpc.BatchServiceStub(channel)
+        self._metadata = metadata
+        self._call = call
+
+    async def create(
+        self,
+        input_ref: str,
+        model: str,
+        *,
+        version: str = "",
+        input_format: str | None = None,
+        priority: str | None = None,
+        completion_window_s: float | None = None,
+        max_attempts: int = 0,
+        labels: Mapping[str, str] | None = None,
+        callback_url: str | None = None,
+        idempotency_key: str = "",
+    ) -> Batch:
+        request = batch_service_pb2.CreateBatchRequest(
+            model_name=model,
+            model_version=version,
+            input_ref=input_ref,
+            input_format=_FORMATS[input_format.upper()]
+            if input_format
+            else batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED,
+            priority=_PRIORITIES[priority.upper()] if priority else job_pb2.PRIORITY_UNSPECIFIED,
+            max_attempts=max_attempts,
+            labels=dict(labels or {}),
+            idempotency_key=idempotency_key,
+        )
+        if completion_window_s is not None:
+            window = duration_pb2.Duration()
+            window.FromNanoseconds(round(completion_window_s * 1e9))
+            request.completion_window.CopyFrom(window)
+        if callback_url:
+            request.callback.url = callback_url
+
+        async def invoke(remaining: float | None) -> batch_service_pb2.CreateBatchResponse:
+            return await self._stub.CreateBatch(request, timeout=remaining, metadata=self._metadata)
+
+        response = await self._call(invoke)
+        return batch_from_proto(response.batch, deduplicated=response.deduplicated)
+
+    async def get(self, batch: Batch | str) -> Batch:
+        request = batch_service_pb2.GetBatchRequest(batch_id=_batch_id(batch))
+
+        async def invoke(remaining: float | None) -> batch_service_pb2.GetBatchResponse:
+            return await self._stub.GetBatch(request, timeout=remaining, metadata=self._metadata)
+
+        return batch_from_proto((await self._call(invoke)).batch)
+
+    async def cancel(self, batch: Batch | str) -> Batch:
+        request = batch_service_pb2.CancelBatchRequest(batch_id=_batch_id(batch))
+
+        async def invoke(remaining: float | None) -> batch_service_pb2.CancelBatchResponse:
+            return await self._stub.CancelBatch(request, timeout=remaining, metadata=self._metadata)
+
+        return batch_from_proto((await self._call(invoke)).batch)
+
+    async def list(self, *, page_size: int = 0, page_token: str = "") -> tuple[list[Batch], str]:
+        request = batch_service_pb2.ListBatchesRequest(page_size=page_size, page_token=page_token)
+
+        async def invoke(remaining: float | None) -> batch_service_pb2.ListBatchesResponse:
+            return await self._stub.ListBatches(request, timeout=remaining, metadata=self._metadata)
+
+        response = await self._call(invoke)
+        return [batch_from_proto(b) for b in response.batches], response.next_page_token
+
+    async def watch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
+        """The batch now, then each change, until it ends; a broken stream is opened again."""
+        batch_id = _batch_id(batch)
+        async with asyncio.timeout(timeout_s):
+            while True:
+                last: Batch | None = None
+                try:
+                    call = self._stub.WatchBatch(
+                        batch_service_pb2.WatchBatchRequest(batch_id=batch_id), metadata=self._metadata
+                    )
+                    async for update in call:
+                        last = batch_from_proto(update.batch)
+                        yield last
+                        if last.done:
+                            return
+                except Exception as exc:  # grpc.aio.AioRpcError: UNAVAILABLE across a gateway restart
+                    code = getattr(exc, "code", lambda: None)()
+                    if code is None or code.name not in ("UNAVAILABLE", "INTERNAL"):
+                        raise
+                    await asyncio.sleep(0.5)
+
+    async def download(self, batch: Batch | str, file: str = "output") -> AsyncIterator[bytes]:
+        """The batch's output (or error) file, in pieces."""
+        request = batch_service_pb2.ReadBatchFileRequest(batch_id=_batch_id(batch), file=FILES[file])
+        async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata):
+            yield piece.chunk
+
+
+async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str] | BinaryIO) -> int:
+    """Writes the pieces to a path or a binary file; the bytes written."""
+    written = 0
+    if isinstance(target, str | os.PathLike):
+        out = await asyncio.to_thread(Path(target).open, "wb")
+        try:
+            async for piece in pieces:
+                await asyncio.to_thread(out.write, piece)
+                written += len(piece)
+        finally:
+            await asyncio.to_thread(out.close)
+        return written
+    async for piece in pieces:
+        target.write(piece)
+        written += len(piece)
+    return written

@@ -1,0 +1,223 @@
+"""batch create|get|watch|cancel|list|download: batch jobs over files, against the gateway's
+BatchService (docs/BATCHES.md). `batch create FILE --model M --wait --out results.jsonl` uploads
+the file (a progress bar of the bytes sent), creates the batch, follows it (a progress bar of the
+records done) and downloads its output and error files."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO, cast
+
+from asyncinfer.client import AsyncClient, Batch
+from asyncinfer.commands.options import Options
+from asyncinfer.commands.output import (
+    EXIT_JOB_NOT_SUCCEEDED,
+    EXIT_OK,
+    ProgressBar,
+    print_json,
+    print_table,
+    to_json,
+)
+
+AddOptions = Callable[[argparse.ArgumentParser], None]
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
+    batch = commands.add_parser("batch", help="batch jobs over files (create, get, watch, cancel, list, download)")
+    verbs = batch.add_subparsers(dest="batch_command", metavar="COMMAND", required=True)
+
+    create = verbs.add_parser(
+        "create",
+        help="upload a file of records and run it as a batch",
+        description='Upload FILE (JSONL: one {"custom_id": ..., "inputs": {...}} a line; or NPY/NPZ arrays whose '
+        "first dimension is the record) and create a batch over it. Prints the batch ID, or with --wait follows it "
+        "to the end (exit 1 unless COMPLETED) and writes --out and --errors.",
+    )
+    create.add_argument("file", type=Path)
+    create.add_argument("--model", required=True)
+    create.add_argument("--version", default="", help="the model version (default: the one served)")
+    create.add_argument("--format", choices=["jsonl", "npy", "npz"], help="the file's format (default: detected)")
+    create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
+    create.add_argument("--window", type=float, metavar="SECONDS", help="completion window (default 24 h)")
+    create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
+    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    create.add_argument("--idempotency-key", default="", metavar="KEY", help="creating again with it runs nothing new")
+    create.add_argument("--wait", action="store_true", help="follow the batch to its end")
+    create.add_argument("--out", type=Path, help="with --wait: write the output file here")
+    create.add_argument("--errors", type=Path, help="with --wait: write the error file here")
+    add_options(create)
+    create.set_defaults(handler=create_command)
+
+    for name, handler, text in (
+        ("get", get_command, "show a batch"),
+        ("watch", watch_command, "follow a batch's progress to its end"),
+        ("cancel", cancel_command, "cancel a batch (what finished is kept)"),
+    ):
+        verb = verbs.add_parser(name, help=text)
+        verb.add_argument("batch_id")
+        add_options(verb)
+        verb.set_defaults(handler=handler)
+
+    listing = verbs.add_parser("list", help="the caller's batches, newest first")
+    listing.add_argument("--limit", type=int, default=20, metavar="N")
+    add_options(listing)
+    listing.set_defaults(handler=list_command)
+
+    download = verbs.add_parser("download", help="write a batch's output (and error) file")
+    download.add_argument("batch_id")
+    download.add_argument("--out", type=Path, help="the output file (default: stdout)")
+    download.add_argument("--errors", type=Path, help="also write the error file here")
+    add_options(download)
+    download.set_defaults(handler=download_command)
+
+
+def batch_summary(batch: Batch) -> str:
+    rate = f"  {batch.records_per_second:.0f} records/s" if batch.records_per_second else ""
+    failed = f"  {batch.failed} failed" if batch.failed else ""
+    note = f"  {batch.failure_message}" if batch.failure_message else ""
+    return f"{batch.batch_id}  {batch.state}  {batch.completed}/{batch.total} done{failed}{rate}{note}"
+
+
+def _print(batch: Batch, options: Options) -> None:
+    if options.json:
+        print_json(to_json(batch))
+    else:
+        print(batch_summary(batch), flush=True)
+
+
+class _CountingReader(io.RawIOBase):
+    """A file whose reads advance a progress bar (the upload's)."""
+
+    def __init__(self, inner: BinaryIO, bar: ProgressBar) -> None:
+        self._inner = inner
+        self._bar = bar
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._inner.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._inner.read(size)
+        self._bar.advance(len(data))
+        return data
+
+
+async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
+    bar: ProgressBar | None = None
+    try:
+        async for update in client.watch_batch(batch, timeout_s=options.timeout_s):
+            batch = update
+            if options.json:
+                print_json(to_json(update))
+                continue
+            if bar is None and update.total:
+                bar = ProgressBar("records", update.total)
+            if bar is not None:
+                bar.advance(update.completed + update.failed - bar.done, note=update.state)
+    finally:
+        if bar is not None:
+            bar.close()
+    return batch
+
+
+async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None) -> None:
+    if out is not None:
+        await client.download(batch, out)
+    else:
+        await client.download(batch, cast(BinaryIO, sys.stdout.buffer))
+    if errors is not None:
+        await client.download(batch, errors, file="errors")
+
+
+async def create_command(args: argparse.Namespace, options: Options) -> int:
+    labels = dict(label.split("=", 1) for label in args.label)
+    size = args.file.stat().st_size
+    async with options.client() as client:
+        bar = ProgressBar("upload", size)
+        with args.file.open("rb") as raw, contextlib.closing(_CountingReader(raw, bar)) as reader:
+            try:
+                batch = await client.create_batch(
+                    cast(BinaryIO, reader),
+                    args.model,
+                    version=args.version,
+                    input_format=args.format,
+                    priority=args.priority,
+                    completion_window_s=args.window,
+                    max_attempts=args.max_attempts,
+                    labels=labels,
+                    idempotency_key=args.idempotency_key,
+                )
+            finally:
+                bar.close()
+        if not args.wait:
+            if options.json:
+                print_json(to_json(batch))
+            else:
+                print(batch.batch_id)
+            return EXIT_OK
+        batch = await _follow(client, batch, options)
+        if not options.json:
+            print(batch_summary(batch), flush=True)
+        if args.out is not None:
+            await client.download(batch, args.out)
+        if args.errors is not None:
+            await client.download(batch, args.errors, file="errors")
+    return EXIT_OK if batch.state == "COMPLETED" else EXIT_JOB_NOT_SUCCEEDED
+
+
+async def get_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        batch = await client.get_batch(args.batch_id)
+    _print(batch, options)
+    if not options.json:
+        for error in batch.first_errors:
+            print(f"  line {error.line} {error.custom_id!r}: {error.code} {error.message}")
+    return EXIT_OK
+
+
+async def watch_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        batch = await _follow(client, await client.get_batch(args.batch_id), options)
+    if not options.json:
+        print(batch_summary(batch), flush=True)
+    return EXIT_OK if batch.state == "COMPLETED" else EXIT_JOB_NOT_SUCCEEDED
+
+
+async def cancel_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        _print(await client.cancel_batch(args.batch_id), options)
+    return EXIT_OK
+
+
+async def list_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        batches, _ = await client.list_batches(page_size=min(max(args.limit, 1), 100))
+    if options.json:
+        for batch in batches:
+            print_json(to_json(batch))
+        return EXIT_OK
+    rows: list[list[Any]] = [
+        [b.batch_id, b.state, b.model_name, f"{b.completed}/{b.total}", str(b.failed), f"{b.records_per_second:.0f}"]
+        for b in batches
+    ]
+    print_table(["BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S"], rows)
+    return EXIT_OK
+
+
+async def download_command(args: argparse.Namespace, options: Options) -> int:
+    async with options.client() as client:
+        await _download(client, args.batch_id, args.out, args.errors)
+    return EXIT_OK

@@ -1,0 +1,301 @@
+"""Batch jobs over files (issue 15), against direct batched torch in the same run.
+
+    .venv/bin/python -m bench.system.batch_files [--quick] [--models mlp,minilm] [--records N] [--texts N]
+
+Per model: nats-server, gateway, scheduler and batcher as their own processes; the file is
+uploaded (the MLP 512→2048→2048→512: an NPY of N FP32 records, default 200,000; minilm-l6: a JSONL
+of N texts of mixed length, default 5,000), a batch created over it, and followed to its end.
+Measured: records/s of the run (IN_PROGRESS to its end, and from CreateBatch), against direct
+torch over the same records at the model's max_batch_size with the same torch threads, run just
+before the services start and just after they stop (the ratio is to the mean of the two); JetStream bytes stored per record (every stream's bytes, before and after);
+each service's RSS sampled during the run (start, peak, end); and interactive jobs (one record,
+NORMAL priority, SubmitJob + WatchJob) sent one at a time during the batch: their latency against
+one chunk's compute at the direct rate.
+
+Writes bench/results/batch_files.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from asyncinfer.nats.connection import connect
+from asyncinfer.v1 import (
+    batch_service_pb2,
+    batch_service_pb2_grpc,
+    job_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    tensor_pb2,
+)
+from bench.batcher_bench import MODELS, make_texts
+from bench.batcher_models import minilm_config, mlp_config
+from bench.system.backlog_tools import batcher_config, services_config, wait_batchers
+from bench.system.common import RESULTS, ProcessGroup, cpu_seconds, log, machine_facts
+
+CHUNK_RECORDS = 2048
+IDLE_WINDOW_S = 5.0
+TERMINAL = {
+    batch_service_pb2.BATCH_STATE_COMPLETED,
+    batch_service_pb2.BATCH_STATE_FAILED,
+    batch_service_pb2.BATCH_STATE_EXPIRED,
+    batch_service_pb2.BATCH_STATE_CANCELLED,
+}
+JOB_TERMINAL = {job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_EXPIRED}
+
+
+def mlp_file(count: int) -> tuple[bytes, np.ndarray[Any, Any]]:
+    x = np.random.default_rng(0).standard_normal((count, 512), dtype=np.float32)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    return buffer.getvalue(), x
+
+
+def minilm_file(count: int) -> tuple[bytes, list[str]]:
+    texts = make_texts(count, seed=11)
+    lines = (json.dumps({"custom_id": f"t{i}", "inputs": {"text": [t]}}) for i, t in enumerate(texts))
+    return ("\n".join(lines) + "\n").encode(), texts
+
+
+def direct_rate(model: str, data: Any, batch_size: int) -> float:
+    """Records/s of the model called directly on the same records, batch_size at a time."""
+    import torch
+
+    if model == "mlp":
+        from bench.batcher_models import build_mlp
+
+        mlp = build_mlp()
+        x = torch.from_numpy(data)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for start in range(0, len(x), batch_size):
+                mlp(x[start : start + batch_size])
+        return len(x) / (time.perf_counter() - started)
+    from asyncinfer.config import BatcherConfig
+    from services.batcher.backends.loading import load_backend
+
+    backend = load_backend(minilm_config(batch_size, 5.0), BatcherConfig())
+    texts = np.array([t.encode() for t in data], dtype=np.object_)
+    started = time.perf_counter()
+    for start in range(0, len(texts), batch_size):
+        backend.infer_batch({"text": texts[start : start + batch_size]})
+    return len(texts) / (time.perf_counter() - started)
+
+
+async def stored_bytes(nats_url: str) -> int:
+    """Bytes in every JetStream stream (work, records, objects, batches)."""
+    from asyncinfer.config import NatsConfig
+
+    nc = await connect(NatsConfig(url=nats_url), name="bench-bytes")
+    try:
+        js = nc.jetstream()
+        return sum((s.state.bytes or 0) for s in await js.streams_info())
+    finally:
+        await nc.close()
+
+
+async def upload(jobs: Any, data: bytes) -> str:
+    async def requests() -> Any:
+        yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata(size_bytes=len(data)))
+        for start in range(0, len(data), 1 << 20):
+            yield job_service_pb2.UploadInputRequest(chunk=data[start : start + (1 << 20)])
+
+    return (await jobs.UploadInput(requests())).ref.ref
+
+
+def interactive_request(model: str, name: str) -> job_service_pb2.SubmitJobRequest:
+    if model == "mlp":
+        x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 512])
+        x.raw_contents = np.ones((1, 512), dtype="<f4").tobytes()
+        return job_service_pb2.SubmitJobRequest(model_name=name, inputs=[x], priority=job_pb2.PRIORITY_NORMAL)
+    t = tensor_pb2.InferInputTensor(name="text", datatype="BYTES", shape=[1])
+    t.contents.bytes_contents.append(b"an interactive request while the batch runs")
+    return job_service_pb2.SubmitJobRequest(model_name=name, inputs=[t], priority=job_pb2.PRIORITY_NORMAL)
+
+
+async def interactive(jobs: Any, request: job_service_pb2.SubmitJobRequest, stop: asyncio.Event) -> list[float]:
+    """Latencies (s) of one interactive job at a time until `stop`."""
+    latencies = []
+    while not stop.is_set():
+        started = time.perf_counter()
+        job = (await jobs.SubmitJob(request)).job
+        async for update in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)):
+            if update.job.state in JOB_TERMINAL:
+                break
+        latencies.append(time.perf_counter() - started)
+        await asyncio.sleep(0.5)
+    return latencies
+
+
+async def chunk_timeline(jobs: Any, batch_id: str) -> dict[str, float]:
+    """Where a chunk's time went, over the batch's chunk jobs: queued (submit to dispatch), run
+    (dispatch to result stored), the batcher's compute of it, and the batcher's idle time between
+    one chunk's end and the next one's start (a bubble the pipeline did not fill)."""
+    listed = await jobs.ListJobs(job_service_pb2.ListJobsRequest(page_size=1000, labels={"asyncinfer-batch": batch_id}))
+    chunks = sorted(listed.jobs, key=lambda j: j.start_time.ToNanoseconds())
+    if not chunks:
+        return {}
+    starts = [j.start_time.ToNanoseconds() / 1e9 for j in chunks]
+    ends = [j.end_time.ToNanoseconds() / 1e9 for j in chunks]
+    gaps = [max(b - a, 0.0) for a, b in zip(ends, starts[1:], strict=False)]
+    return {
+        "chunks": len(chunks),
+        "queue_s_mean": statistics.mean(j.queue_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "run_s_mean": statistics.mean(j.run_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "compute_s_mean": statistics.mean(j.batch.compute_duration.ToNanoseconds() / 1e9 for j in chunks),
+        "first_start_to_last_end_s": max(ends) - min(starts),
+        "gaps_s_sum": sum(gaps),
+    }
+
+
+async def sample_rss(children: dict[str, Any], stop: asyncio.Event, into: dict[str, list[int]]) -> None:
+    while not stop.is_set():
+        for name, child in children.items():
+            into.setdefault(name, []).append(child.rss_bytes())
+        await asyncio.sleep(0.5)
+
+
+async def measure(model: str, records: int) -> dict[str, Any]:
+    max_batch, delay_ms, _threads = MODELS[model]
+    config_model = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
+    data, raw = mlp_file(records) if model == "mlp" else minilm_file(records)
+    chunk = CHUNK_RECORDS if model == "mlp" else 256
+    result: dict[str, Any] = {"model": model, "records": records, "file_bytes": len(data), "chunk_records": chunk}
+    # Direct torch before and after the services run: on a shared machine the load moves, and the
+    # mean of the two brackets the system's run.
+    direct_before = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    with ProcessGroup() as group:
+        nats = group.nats()
+        config = services_config(
+            nats.url,
+            [config_model],
+            batches={"chunk_records": chunk, "chunks_in_flight": 4, "drive_interval_s": 0.05},
+            gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
+        )
+        children = {"gateway": group.service("gateway", config), "scheduler": group.service("scheduler", config)}
+        children["batcher"] = group.service("batcher", batcher_config(config, children["scheduler"].address))
+        await wait_batchers(children["scheduler"].address, config_model.name, 1)
+        before = await stored_bytes(nats.url)
+        async with grpc.aio.insecure_channel(children["gateway"].address) as channel:
+            jobs = job_service_pb2_grpc.JobServiceStub(channel)
+            batches = batch_service_pb2_grpc.BatchServiceStub(channel)
+            await jobs.SubmitJob(interactive_request(model, config_model.name))  # warm-up
+            idle_before = {name: child.cpu_seconds() for name, child in children.items()}
+            await asyncio.sleep(IDLE_WINDOW_S)  # what the services spend with nothing to do, per second
+            result["idle_cpu_per_s"] = {
+                n: round((c.cpu_seconds() - idle_before[n]) / IDLE_WINDOW_S, 3) for n, c in children.items()
+            }
+            upload_started = time.perf_counter()
+            ref = await upload(jobs, data)
+            result["upload_s"] = time.perf_counter() - upload_started
+            stop = asyncio.Event()
+            rss: dict[str, list[int]] = {}
+            sampler = asyncio.create_task(sample_rss(children, stop, rss))
+            cpu_before = {name: child.cpu_seconds() for name, child in children.items()}
+            nats_cpu_before = cpu_seconds(nats.process.pid) if nats.process is not None else 0.0
+            created_at = time.perf_counter()
+            created = await batches.CreateBatch(
+                batch_service_pb2.CreateBatchRequest(model_name=config_model.name, input_ref=ref)
+            )
+            waits = asyncio.create_task(interactive(jobs, interactive_request(model, config_model.name), stop))
+            async for update in batches.WatchBatch(
+                batch_service_pb2.WatchBatchRequest(batch_id=created.batch.batch_id)
+            ):
+                batch = update.batch
+                if batch.state in TERMINAL:
+                    break
+            result["create_to_end_s"] = time.perf_counter() - created_at
+            result["chunk_timeline"] = await chunk_timeline(jobs, created.batch.batch_id)
+            result["cpu_s"] = {n: round(c.cpu_seconds() - cpu_before[n], 2) for n, c in children.items()}
+            if nats.process is not None:
+                result["cpu_s"]["nats-server"] = round(cpu_seconds(nats.process.pid) - nats_cpu_before, 2)
+            stop.set()
+            latencies = await waits
+            await sampler
+            after = await stored_bytes(nats.url)
+        log(f"{model}: batch {batch_service_pb2.BatchState.Name(batch.state)} {batch.request_counts.completed} done")
+    run_s = (batch.end_time.ToNanoseconds() - batch.in_progress_time.ToNanoseconds()) / 1e9
+    result.update(
+        state=batch_service_pb2.BatchState.Name(batch.state),
+        completed=batch.request_counts.completed,
+        run_s=run_s,
+        records_per_s=batch.request_counts.completed / run_s,
+        records_per_s_from_create=batch.request_counts.completed / result["create_to_end_s"],
+        stored_bytes_per_record=(after - before) / records,
+        input_bytes_per_record=len(data) / records,
+        rss_mib={n: [round(v[0] / 2**20), round(max(v) / 2**20), round(v[-1] / 2**20)] for n, v in rss.items() if v},
+        interactive_s=latencies,
+    )
+    direct_after = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    result["direct_before_after"] = [direct_before, direct_after]
+    result["direct_records_per_s"] = (direct_before + direct_after) / 2
+    result["ratio"] = result["records_per_s"] / result["direct_records_per_s"]
+    result["chunk_compute_s"] = chunk / result["direct_records_per_s"]
+    return result
+
+
+def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
+    lines = [
+        "# Batch jobs over files (bench/system/batch_files.py)",
+        "",
+        f"Machine: {facts}",
+        "",
+        "| model | records | chunk | records/s (run) | from create | direct torch (before, after) | ratio to their mean (>= 0.8) | stored B/record "
+        "(input B/record) | RSS MiB start/peak/end | interactive p50 / max s | one chunk's compute s | CPU s "
+        "from create |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        waits = r["interactive_s"] or [float("nan")]
+        rss = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r["rss_mib"].items())
+        lines.append(
+            f"| {r['model']} | {r['records']} | {r['chunk_records']} | {r['records_per_s']:.0f} | "
+            f"{r['records_per_s_from_create']:.0f} | {r['direct_before_after'][0]:.0f}, {r['direct_before_after'][1]:.0f} | "
+            f"{r['ratio']:.2f} | "
+            f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | "
+            f"{statistics.median(waits):.2f} / {max(waits):.2f} | {r['chunk_compute_s']:.2f} | "
+            f"{', '.join(f'{n} {v}' for n, v in r['cpu_s'].items())} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for model in args.models.split(","):
+        count = (args.records if model == "mlp" else args.texts) // (20 if args.quick else 1)
+        log(f"{model}: {count} records")
+        results.append(await measure(model, count))
+        log(json.dumps({k: v for k, v in results[-1].items() if k != "interactive_s"}))
+    return results
+
+
+def write(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    facts = machine_facts()
+    out = {"quick": args.quick, "machine": facts, "results": results}
+    Path(RESULTS / "batch_files.json").write_text(json.dumps(out, indent=2) + "\n")
+    Path(RESULTS / "batch_files.md").write_text(markdown(results, facts))
+    print(markdown(results, facts))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a twentieth of the records, to check the script")
+    parser.add_argument("--models", default="mlp,minilm")
+    parser.add_argument("--records", type=int, default=200_000, help="MLP records (NPY)")
+    parser.add_argument("--texts", type=int, default=5_000, help="minilm texts (JSONL)")
+    args = parser.parse_args()
+    write(asyncio.run(run(args)), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The protobuf edge of BatchService: CreateBatchRequest into a new BatchRecord (with its checks),
+BatchRecord into `Batch`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from asyncinfer.batches import BatchRecord, BatchState, InputFormat, progress_rate
+from asyncinfer.blobs import INPUT_KIND
+from asyncinfer.config import Config
+from asyncinfer.errors import FieldViolation, InvalidArgument
+from asyncinfer.jobs import CallbackSpec, Priority
+from asyncinfer.v1 import batch_service_pb2, job_pb2
+from services.gateway.submit_request import MAX_IDEMPOTENCY_KEY_BYTES, _label_violations, resolve_model
+
+_STATE_TO_PROTO = {state: batch_service_pb2.BatchState.Value(f"BATCH_STATE_{state.value}") for state in BatchState}
+_FORMAT_FROM_PROTO = {
+    batch_service_pb2.BATCH_INPUT_FORMAT_JSONL: InputFormat.JSONL,
+    batch_service_pb2.BATCH_INPUT_FORMAT_NPY: InputFormat.NPY,
+    batch_service_pb2.BATCH_INPUT_FORMAT_NPZ: InputFormat.NPZ,
+}
+_FORMAT_TO_PROTO = {fmt: value for value, fmt in _FORMAT_FROM_PROTO.items()}
+_PRIORITY_FROM_PROTO = {
+    job_pb2.PRIORITY_UNSPECIFIED: Priority.LOW,  # a batch gives way to interactive jobs by default
+    job_pb2.PRIORITY_HIGH: Priority.HIGH,
+    job_pb2.PRIORITY_NORMAL: Priority.NORMAL,
+    job_pb2.PRIORITY_LOW: Priority.LOW,
+}
+_PRIORITY_TO_PROTO = {p: v for v, p in _PRIORITY_FROM_PROTO.items() if v != job_pb2.PRIORITY_UNSPECIFIED}
+OUTPUT_FILE = "output"
+ERROR_FILE = "errors"
+
+
+def _invalid(violations: list[FieldViolation]) -> InvalidArgument:
+    first = violations[0]
+    return InvalidArgument(f"invalid batch: {first.field}: {first.description}", violations)
+
+
+def batch_from_request(
+    request: batch_service_pb2.CreateBatchRequest, config: Config, *, tenant: str, batch_id: str, now: float
+) -> BatchRecord:
+    """The new batch (VALIDATING); NotFound for an unknown model, InvalidArgument with every
+    violation found."""
+    model = resolve_model(config, request.model_name, request.model_version)
+    settings = config.batches
+    violations: list[FieldViolation] = []
+    if not request.input_ref.startswith(INPUT_KIND + "/"):
+        violations.append(FieldViolation("input_ref", "give the ref UploadInput returned for the file"))
+    window_s = settings.default_completion_window_s
+    if request.HasField("completion_window"):
+        window_s = request.completion_window.ToNanoseconds() / 1e9
+        if not 0 < window_s <= settings.max_completion_window_s:
+            violations.append(
+                FieldViolation(
+                    "completion_window",
+                    f"must be positive and at most {settings.max_completion_window_s:g} s "
+                    "(batches.max_completion_window_s)",
+                )
+            )
+    if request.input_format and request.input_format not in _FORMAT_FROM_PROTO:
+        violations.append(FieldViolation("input_format", f"unknown input format {request.input_format}"))
+    if request.priority not in _PRIORITY_FROM_PROTO:
+        violations.append(FieldViolation("priority", f"unknown priority {request.priority}"))
+    if not 0 <= request.max_attempts <= model.max_attempts_limit:
+        violations.append(
+            FieldViolation("max_attempts", f"must be between 1 and {model.max_attempts_limit} (0: the model's default)")
+        )
+    if len(request.idempotency_key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
+        violations.append(FieldViolation("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8)"))
+    labels: Mapping[str, str] = dict(request.labels)
+    violations += _label_violations(labels)
+    callback = None
+    if request.HasField("callback"):
+        if not request.callback.url.startswith(("https://", "http://")):
+            violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
+        callback = CallbackSpec(url=request.callback.url)
+    if violations:
+        raise _invalid(violations)
+    return BatchRecord(
+        batch_id=batch_id,
+        tenant=tenant,
+        model_name=model.name,
+        model_version=model.version,
+        input_ref=request.input_ref,
+        input_format=_FORMAT_FROM_PROTO.get(request.input_format),
+        state=BatchState.VALIDATING,
+        priority=_PRIORITY_FROM_PROTO[request.priority],
+        max_attempts=request.max_attempts or model.max_attempts,
+        create_time=now,
+        expires_at=now + window_s,
+        result_retention_s=config.gateway.default_result_retention_s,
+        labels=labels,
+        idempotency_key=request.idempotency_key,
+        callback=callback,
+    )
+
+
+def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batch:
+    counts = record.counts
+    batch = batch_service_pb2.Batch(
+        batch_id=record.batch_id,
+        state=_STATE_TO_PROTO[record.state],
+        model_name=record.model_name,
+        model_version=record.model_version,
+        input_ref=record.input_ref,
+        input_format=_FORMAT_TO_PROTO[record.input_format]
+        if record.input_format
+        else batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED,
+        priority=_PRIORITY_TO_PROTO[record.priority],
+        max_attempts=record.max_attempts,
+        labels=dict(record.labels),
+        idempotency_key=record.idempotency_key,
+        request_counts=batch_service_pb2.BatchRequestCounts(
+            total=counts.total, completed=counts.completed, failed=counts.failed
+        ),
+        first_errors=[
+            batch_service_pb2.BatchError(line=e.line, custom_id=e.custom_id, code=e.code, message=e.message)
+            for e in record.first_errors
+        ],
+        failure_message=record.failure_message,
+        chunks_total=len(record.live_chunks),
+        chunks_done=sum(1 for c in record.live_chunks if c.status.value in "DFX"),
+    )
+    batch.create_time.FromNanoseconds(round(record.create_time * 1e9))
+    batch.expires_at.FromNanoseconds(round(record.expires_at * 1e9))
+    for field, value in (
+        ("in_progress_time", record.in_progress_time),
+        ("finalizing_time", record.finalizing_time),
+        ("end_time", record.end_time),
+    ):
+        if value is not None:
+            getattr(batch, field).FromNanoseconds(round(value * 1e9))
+    rate, finish = progress_rate(record, now=now)
+    batch.records_per_second = rate
+    if finish is not None:
+        batch.estimated_finish_time.FromNanoseconds(round(finish * 1e9))
+    if (record.state.is_terminal and record.state is not BatchState.FAILED) or record.invalid_lines:
+        batch.output_ref.ref = f"batches/{record.batch_id}/{OUTPUT_FILE}"
+        batch.error_ref.ref = f"batches/{record.batch_id}/{ERROR_FILE}"
+    if record.callback is not None:
+        batch.callback.url = record.callback.url
+    return batch

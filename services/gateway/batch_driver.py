@@ -1,0 +1,271 @@
+"""The batch driver: a loop in every gateway that moves each running batch on (docs/BATCHES.md).
+
+Each tick, per batch: VALIDATING is prepared (services.gateway.batch_prepare); otherwise the jobs
+of its queued chunks are read, their outcomes applied (asyncinfer.batches.settle_chunks: done,
+skipped, or split in halves), waiting chunks submitted up to batches.chunks_in_flight, a
+cancelled batch's jobs cancelled, a batch past its completion window stopped from submitting; and
+once no chunk is left waiting or queued the batch takes its terminal state. The record is then
+written with one compare-and-set: a driver that lost the race (another gateway drives the same
+batch) reads again next tick. What a tick does is derived from durable state alone (the record,
+the chunks' jobs, whose IDs follow from the batch and the range), so a gateway killed at any
+point leaves nothing that the next tick of any gateway cannot finish: a chunk submitted twice is
+one job (the same ID; Nats-Msg-Id and the existing record), a chunk's outputs are read from its
+job's result only when the files are read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import structlog
+
+from asyncinfer import batches
+from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, chunk_job_id
+from asyncinfer.config import Config, ModelConfig
+from asyncinfer.errors import AsyncInferError, FailedPrecondition
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.nats import Client as NatsClient
+from services.gateway import transitions
+from services.gateway.batch_metrics import BatchMetrics
+from services.gateway.batch_prepare import Preparer, objects_expire_at
+from services.gateway.batch_store import BatchConflict, BatchStore
+from services.gateway.submit import JobSubmitter
+from services.gateway.submit_request import SubmitRequest
+from services.gateway.transitions import Expiry
+
+log = structlog.get_logger("asyncinfer.gateway.batches")
+
+CANCELLED_MESSAGE = "the batch was cancelled before this record ran"
+EXPIRED_MESSAGE = "the batch's completion window passed before this record ran"
+
+
+class BatchDriver:
+    def __init__(
+        self,
+        config: Config,
+        store: BatchStore,
+        preparer: Preparer,
+        *,
+        records: JobStore,
+        expiry: Expiry,
+        submitter: JobSubmitter,
+        nc: NatsClient,
+        metrics: BatchMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._settings = config.batches
+        self._store = store
+        self._preparer = preparer
+        self._records = records
+        self._expiry = expiry
+        self._submitter = submitter
+        self._nc = nc
+        self._clock = clock
+        self._driven: set[tuple[str, str]] = set()
+        self._wake = asyncio.Event()
+        self._preparing: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.watch(lambda: list(self._seen.values()))
+
+    def drive(self, tenant: str, batch_id: str) -> None:
+        """Takes a batch on at once (a new one, or one just cancelled)."""
+        self._driven.add((tenant, batch_id))
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            await self._drive()
+        finally:
+            # Preparations are this loop's: stopped with it (a later driver prepares again).
+            for task in self._preparing.values():
+                task.cancel()
+            await asyncio.gather(*self._preparing.values(), return_exceptions=True)
+
+    async def _drive(self) -> None:
+        next_adopt = 0.0
+        while True:
+            now = time.monotonic()
+            if now >= next_adopt:
+                next_adopt = now + self._settings.adopt_interval_s
+                await self._adopt()
+            for tenant, batch_id in list(self._driven):
+                try:
+                    if await self.tick(tenant, batch_id):
+                        self._driven.discard((tenant, batch_id))
+                        self._seen.pop((tenant, batch_id), None)
+                except BatchConflict:
+                    continue  # another gateway wrote first: read again next tick
+                except (AsyncInferError, OSError) as exc:
+                    log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
+                except Exception:
+                    log.exception("batch_tick_failed", batch_id=batch_id, tenant=tenant)
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(self._settings.drive_interval_s):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _adopt(self) -> None:
+        """Batches that no gateway may be driving (a new gateway, or another one died): every
+        record not yet terminal."""
+        try:
+            keys = await self._store.keys()
+        except AsyncInferError as exc:
+            log.warning("batch_adopt_failed", error=str(exc))
+            return
+        for tenant, batch_id in keys:
+            if (tenant, batch_id) in self._driven:
+                continue
+            record = await self._store.get(tenant, batch_id)
+            if record is not None and not record.state.is_terminal:
+                self._driven.add((tenant, batch_id))
+
+    async def tick(self, tenant: str, batch_id: str) -> bool:
+        """One step of the batch; True when it is terminal (nothing left to drive)."""
+        record = await self._store.get(tenant, batch_id)
+        if record is None or record.state.is_terminal:
+            return True
+        self._seen[(tenant, batch_id)] = record
+        now = self._clock()
+        model = self._config.model(record.model_name)
+        if record.state is BatchState.VALIDATING:
+            if model is None:  # the configuration changed since the batch was accepted
+                failed = record.evolve(state=BatchState.FAILED, failure_message="the model is no longer served")
+                await self._write(record, failed.evolve(end_time=now))
+                return True
+            if now >= record.expires_at:
+                await self._write(record, batches.finish(record.evolve(state=BatchState.EXPIRED), now=now))
+                return True
+            key = (tenant, batch_id)
+            if key not in self._preparing:
+                # Reading a large file takes a while: beside the ticks of the other batches.
+                task = asyncio.create_task(self._prepare(record, model, now=now), name=f"batch-prepare-{batch_id}")
+                self._preparing[key] = task
+                task.add_done_callback(lambda _task: self._prepared(key))
+            return False
+        updated = await self._settle(record)
+        if updated.state is BatchState.CANCELLING:
+            updated = batches.skip_waiting(updated, code="CANCELLED", message=CANCELLED_MESSAGE)
+            await self._cancel_jobs(updated)
+        elif now >= updated.expires_at:
+            updated = batches.skip_waiting(updated, code="DEADLINE_EXCEEDED", message=EXPIRED_MESSAGE)
+        elif model is not None:
+            updated = await self._submit(updated, model_rows=model.max_batch_size)
+        if batches.finished(updated):
+            updated = batches.finish(updated, now=now)
+        if updated != record:
+            written = await self._write(record, updated)
+            if written.state.is_terminal:
+                counts = written.counts
+                log.info(
+                    "batch_ended",
+                    batch_id=batch_id,
+                    state=written.state.value,
+                    completed=counts.completed,
+                    failed=counts.failed,
+                )
+            return written.state.is_terminal
+        return False
+
+    def _prepared(self, key: tuple[str, str]) -> None:
+        self._preparing.pop(key, None)
+        self._wake.set()  # its next step at once
+
+    async def _prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> None:
+        try:
+            prepared = await self._preparer.prepare(record, model, now=now)
+            written = await self._write(record, prepared)
+        except BatchConflict:
+            return  # cancelled meanwhile, or another gateway prepared it first: the next tick sees
+        except (AsyncInferError, OSError) as exc:
+            log.warning("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant, error=str(exc))
+            return
+        except Exception:
+            log.exception("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant)
+            return
+        log.info("batch_prepared", batch_id=record.batch_id, state=written.state.value, chunks=len(written.chunks))
+
+    async def _write(self, before: BatchRecord, after: BatchRecord) -> BatchRecord:
+        written = await self._store.write(after)
+        self._seen[(after.tenant, after.batch_id)] = written
+        if self._metrics is not None:
+            self._metrics.wrote(before, written)
+        return written
+
+    def _job_key(self, record: BatchRecord, chunk: Chunk) -> str:
+        return job_key(record.tenant, chunk_job_id(record.batch_id, chunk.start, chunk.end))
+
+    async def _job(self, record: BatchRecord, chunk: Chunk) -> JobRecord | None:
+        job = await self._records.get(self._job_key(record, chunk))
+        return await self._expiry.settle(job) if job is not None else None
+
+    async def _settle(self, record: BatchRecord) -> BatchRecord:
+        queued = [c for c in record.chunks if c.status is ChunkStatus.QUEUED]
+        jobs = await asyncio.gather(*(self._job(record, c) for c in queued))
+        outcomes = []
+        lost = []
+        for chunk, job in zip(queued, jobs, strict=True):
+            if job is None:
+                lost.append(chunk.start)  # never published (a driver died in between): again
+            elif job.state.is_terminal:
+                outcomes.append(ChunkOutcome(chunk.start, job.state, job.error))
+        settled = batches.settle_chunks(record, outcomes, max_splits=self._settings.max_splits)
+        if lost:
+            starts = set(lost)
+            settled = settled.evolve(
+                chunks=tuple(
+                    Chunk(c.start, c.end) if c.start in starts and c.status is ChunkStatus.QUEUED else c
+                    for c in settled.chunks
+                )
+            )
+        return settled
+
+    async def _submit(self, record: BatchRecord, *, model_rows: int) -> BatchRecord:
+        """Submits the waiting chunks the window has room for; those refused (a full queue) wait."""
+        submitted = []
+        for chunk in batches.to_submit(record, window=self._settings.chunks_in_flight):
+            job_id = chunk_job_id(record.batch_id, chunk.start, chunk.end)
+            if await self._records.get(job_key(record.tenant, job_id)) is None:
+                try:
+                    await self._submit_chunk(record, chunk, job_id, model_rows=model_rows)
+                except AsyncInferError as exc:
+                    log.info("batch_chunk_deferred", batch_id=record.batch_id, reason=exc.reason, error=exc.message)
+                    break
+            submitted.append(chunk.start)
+        return batches.mark_submitted(record, submitted) if submitted else record
+
+    async def _submit_chunk(self, record: BatchRecord, chunk: Chunk, job_id: str, *, model_rows: int) -> None:
+        model = self._config.model(record.model_name)
+        assert model is not None
+        blob = await self._preparer.chunk_blob(record, chunk)
+        parts = max(-(-chunk.records // max(model_rows, 1)), 1)
+        request = SubmitRequest(
+            model_name=record.model_name,
+            model_version=record.model_version,
+            input_blob=blob,
+            priority=record.priority,
+            deadline=record.expires_at,
+            execution_timeout_s=model.default_execution_timeout_s * parts,
+            result_retention_s=objects_expire_at(record) - self._clock(),
+            max_attempts=record.max_attempts or model.max_attempts,
+            labels={"asyncinfer-batch": record.batch_id, "asyncinfer-chunk": f"{chunk.start}-{chunk.end}"},
+        )
+        await self._submitter.enqueue_prepared(request, model, tenant=record.tenant, job_id=job_id)
+
+    async def _cancel_jobs(self, record: BatchRecord) -> None:
+        for chunk in record.chunks:
+            if chunk.status is not ChunkStatus.QUEUED:
+                continue
+            job = await self._job(record, chunk)
+            if job is None or job.state.is_terminal or job.state.value == "CANCELLING":
+                continue
+            with contextlib.suppress(FailedPrecondition):  # it ended first: its outcome is read next tick
+                await transitions.cancel(self._records, self._nc, job, reason="batch cancelled", now=self._clock())

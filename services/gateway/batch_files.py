@@ -1,0 +1,136 @@
+"""A batch's output and error files, written as they are read (ReadBatchFile): the index of valid
+records walked once in order beside the chunks, each DONE chunk's outputs read from its job's
+result (inline in the record, or its stored object) one chunk at a time. So the output is in input
+order by construction, nothing is copied at finalizing, and memory holds one chunk's outputs.
+
+Output lines: `{"custom_id": "...", "outputs": {"<output>": <JSON value>}}` (each value with the
+record's batch dimension of 1). Error lines: `{"line", "custom_id", "code", "message"}`: first the
+lines that failed validation (the object written at preparation), then the records of chunks that
+failed or never ran, in input order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from asyncinfer.batches import BatchRecord, Chunk, ChunkStatus, ErrorLine, chunk_job_id
+from asyncinfer.blobs import BlobStore
+from asyncinfer.errors import AsyncInferError, NotFound
+from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobState, job_key
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import tensor_pb2
+from services.gateway.batch_prepare import error_line_bytes, errors_ref, index_ref
+
+PIECE_BYTES = 128 * 1024
+
+
+class DataLoss(AsyncInferError):
+    """What a batch's file is written from is gone (its retention passed, or it was deleted)."""
+
+    code = grpc.StatusCode.DATA_LOSS
+    default_reason = "BATCH_DATA_LOST"
+
+
+MAX_RESULT_BYTES = 1 << 34
+
+
+async def _lines(store: BlobStore, tenant: str, ref: str) -> AsyncIterator[bytes]:
+    carry = b""
+    async for piece in store.chunks(tenant, ref):
+        lines = (carry + piece).split(b"\n")
+        carry = lines.pop()
+        for line in lines:
+            yield line
+    if carry:
+        yield carry
+
+
+async def _entries(store: BlobStore, record: BatchRecord) -> AsyncIterator[tuple[int, str]]:
+    async for line in _lines(store, record.tenant, index_ref(record.batch_id)):
+        number, custom_id = json.loads(line)
+        yield number, custom_id
+
+
+def _json_value(array: Any) -> Any:
+    if array.dtype == object:
+        return [_json_value(v) if isinstance(v, np.ndarray) else v.decode("utf-8", "replace") for v in array]
+    return array.tolist()
+
+
+async def _chunk_outputs(store: BlobStore, records: JobStore, record: BatchRecord, chunk: Chunk) -> list[Tensor]:
+    job_id = chunk_job_id(record.batch_id, chunk.start, chunk.end)
+    job = await records.get(job_key(record.tenant, job_id))
+    if job is None or job.state is not JobState.SUCCEEDED:
+        raise DataLoss(
+            f"the result of chunk {chunk.start}-{chunk.end} (job {job_id}) is gone", reason="BATCH_RESULT_GONE"
+        )
+    if job.result_ref is None:
+        return list(job.outputs)
+    _, data = await store.read(record.tenant, job.result_ref.ref, max_bytes=MAX_RESULT_BYTES)
+    return decode_tensors(tensor_pb2.InferOutputs.FromString(bytes(data)).outputs, "outputs")
+
+
+def _output_lines(tensors: list[Tensor], entries: list[tuple[int, str]]) -> bytes:
+    arrays = {t.name: t.to_numpy() for t in tensors}
+    out = []
+    for row, (_, custom_id) in enumerate(entries):
+        outputs = {name: _json_value(array[row : row + 1]) for name, array in arrays.items()}
+        out.append(json.dumps({"custom_id": custom_id, "outputs": outputs}, separators=(",", ":")))
+    return ("\n".join(out) + "\n").encode() if out else b""
+
+
+async def _take(entries: AsyncIterator[tuple[int, str]], count: int) -> list[tuple[int, str]]:
+    taken = []
+    for _ in range(count):
+        entry = await anext(entries, None)
+        if entry is None:
+            raise DataLoss("the batch's record index is shorter than its plan", reason="BATCH_INDEX_SHORT")
+        taken.append(entry)
+    return taken
+
+
+async def output_file(store: BlobStore, records: JobStore, record: BatchRecord) -> AsyncIterator[bytes]:
+    if not record.chunks:
+        return
+    entries = _entries(store, record)
+    buffer = bytearray()
+    for chunk in sorted(record.live_chunks, key=lambda c: c.start):
+        taken = await _take(entries, chunk.records)
+        if chunk.status is not ChunkStatus.DONE:
+            continue
+        buffer += _output_lines(await _chunk_outputs(store, records, record, chunk), taken)
+        while len(buffer) >= PIECE_BYTES:
+            yield bytes(buffer[:PIECE_BYTES])
+            del buffer[:PIECE_BYTES]
+    if buffer:
+        yield bytes(buffer)
+
+
+async def error_file(store: BlobStore, record: BatchRecord) -> AsyncIterator[bytes]:
+    try:
+        async for piece in store.chunks(record.tenant, errors_ref(record.batch_id)):
+            yield piece
+    except NotFound:
+        pass  # a batch that failed before it was read has no validation errors
+    if not record.chunks:
+        return
+    entries = _entries(store, record)
+    buffer = bytearray()
+    for chunk in sorted(record.live_chunks, key=lambda c: c.start):
+        taken = await _take(entries, chunk.records)
+        if chunk.status not in (ChunkStatus.FAILED, ChunkStatus.SKIPPED):
+            continue
+        for line, custom_id in taken:
+            buffer += error_line_bytes(ErrorLine(line, custom_id, chunk.code, chunk.message))
+        if len(buffer) >= PIECE_BYTES:
+            yield bytes(buffer)
+            buffer.clear()
+    if buffer:
+        yield bytes(buffer)

@@ -1,0 +1,321 @@
+"""VALIDATING → IN_PROGRESS: a batch's uploaded file read (JSONL in pieces, NPY/NPZ whole), checked
+record by record (asyncinfer.batch_inputs) and stored as the batch's own objects: one InferInputs
+per chunk (what its job's input_ref names), the index of valid records (line, custom_id, rows:
+what the output file is written from) and the validation errors (the error file's first part).
+Each object is streamed into the store as it is made, so memory holds one chunk at a time.
+
+Everything here is derived from the input alone, under names derived from the batch
+(asyncinfer.batches.derived_ref): a gateway killed half-way leaves objects that the next one
+writes again, identically, before the single record write that moves the batch on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from asyncinfer.batch_inputs import (
+    ChunkBuilder,
+    ChunkReady,
+    IndexEntry,
+    NpyLayout,
+    RecordInvalid,
+    array_chunks,
+    array_inputs,
+    detect_format,
+    npy_chunk,
+    npy_layout,
+    parse_line,
+)
+from asyncinfer.batches import (
+    BatchRecord,
+    BatchState,
+    Chunk,
+    ChunkStatus,
+    ErrorLine,
+    InputFormat,
+    derived_ref,
+    merge_first_errors,
+)
+from asyncinfer.blobs import BlobStore, parse_inputs
+from asyncinfer.config import BatchesConfig, ModelConfig
+from asyncinfer.errors import NotFound
+from asyncinfer.jobs import BlobRef
+from asyncinfer.tensor_codec import decode_tensors, to_input_proto
+from asyncinfer.tensors import ModelSignature, Tensor
+from asyncinfer.v1 import tensor_pb2
+
+INDEX = "index"
+ERRORS = "errors"
+
+
+def chunk_ref(batch_id: str, start: int, end: int) -> str:
+    return derived_ref("in", batch_id, f"chunk:{start}:{end}")
+
+
+def index_ref(batch_id: str) -> str:
+    return derived_ref("in", batch_id, INDEX)
+
+
+def errors_ref(batch_id: str) -> str:
+    return derived_ref("in", batch_id, ERRORS)
+
+
+def objects_expire_at(record: BatchRecord) -> float:
+    return record.expires_at + record.result_retention_s
+
+
+class StreamedObject:
+    """An object written while it is being made: pieces go through a small queue into one put."""
+
+    def __init__(self, store: BlobStore, tenant: str, ref: str, *, expires_at: float, max_bytes: int) -> None:
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=8)
+        self._buffer = bytearray()
+        self._task = asyncio.ensure_future(
+            store.put(tenant, ref, self._pieces(), expires_at=expires_at, max_bytes=max_bytes)
+        )
+
+    async def _pieces(self) -> AsyncIterator[bytes]:
+        while (piece := await self._queue.get()) is not None:
+            yield piece
+
+    async def write(self, data: bytes) -> None:
+        self._buffer += data
+        if len(self._buffer) >= 64 * 1024:
+            await self._put(bytes(self._buffer))
+            self._buffer.clear()
+
+    async def _put(self, piece: bytes) -> None:
+        put = asyncio.ensure_future(self._queue.put(piece))
+        done, _ = await asyncio.wait([put, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if put not in done:  # the put failed: say why
+            put.cancel()
+            await self._task
+
+    async def close(self) -> BlobRef:
+        if self._buffer:
+            await self._put(bytes(self._buffer))
+        await self._queue.put(None)
+        return await self._task
+
+    async def abort(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+@dataclass(slots=True)
+class Prepared:
+    chunks: list[Chunk] = field(default_factory=list)
+    total: int = 0
+    invalid: int = 0
+    first_errors: tuple[ErrorLine, ...] = ()
+
+
+def _index_lines(entries: list[IndexEntry]) -> bytes:
+    return "".join(json.dumps([e.line, e.custom_id]) + "\n" for e in entries).encode()
+
+
+def error_line_bytes(error: ErrorLine) -> bytes:
+    line = {"line": error.line, "custom_id": error.custom_id, "code": error.code, "message": error.message}
+    return (json.dumps(line) + "\n").encode()
+
+
+def _chunk_bytes(ready: ChunkReady) -> bytes:
+    return tensor_pb2.InferInputs(inputs=[to_input_proto(t) for t in ready.tensors]).SerializeToString()
+
+
+def _parent_of(record: BatchRecord, chunk: Chunk) -> Chunk | None:
+    """The smallest split chunk that holds `chunk` (the one it was cut from)."""
+    holders = [
+        c
+        for c in record.chunks
+        if c.status is ChunkStatus.SPLIT and c.start <= chunk.start and chunk.end <= c.end and c != chunk
+    ]
+    return min(holders, key=lambda c: c.records) if holders else None
+
+
+def _cut(data: bytearray, first: int, last: int) -> bytes:
+    """Records [first, last) of a stored chunk's InferInputs (a record is one row)."""
+    message = parse_inputs(data)
+    tensors = decode_tensors(message.inputs, "chunk")
+    cut = [Tensor.from_numpy(t.name, t.to_numpy()[first:last], t.datatype) for t in tensors]
+    return tensor_pb2.InferInputs(inputs=[to_input_proto(t) for t in cut]).SerializeToString()
+
+
+def _parse_piece(
+    lines: list[bytes], first_line: int, signature: ModelSignature, builder: ChunkBuilder
+) -> tuple[list[ChunkReady], list[ErrorLine], int]:
+    """In a worker thread: a run of lines into the chunks they closed, their errors, and how many
+    non-blank lines they held."""
+    ready: list[ChunkReady] = []
+    errors: list[ErrorLine] = []
+    counted = 0
+    for offset, text in enumerate(lines):
+        if not text.strip():
+            continue
+        counted += 1
+        parsed = parse_line(first_line + offset, text, signature)
+        if isinstance(parsed, ErrorLine):
+            errors.append(parsed)
+            continue
+        closed = builder.add(*parsed)
+        if closed is not None:
+            ready.append(closed)
+    return ready, errors, counted
+
+
+class Preparer:
+    def __init__(self, store: BlobStore, config: BatchesConfig, *, max_upload_bytes: int) -> None:
+        self._store = store
+        self._config = config
+        self._max_bytes = max_upload_bytes
+
+    async def prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> BatchRecord:
+        """The record moved on: IN_PROGRESS with its chunk plan, or FAILED (unreadable input, or
+        too many invalid lines)."""
+        tenant, expires = record.tenant, objects_expire_at(record)
+        index = StreamedObject(self._store, tenant, index_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
+        errors = StreamedObject(self._store, tenant, errors_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
+        try:
+            prepared = await self._read(record, model, index, errors)
+            await index.close()
+            await errors.close()
+        except (RecordInvalid, NotFound) as exc:  # NotFound: the upload is gone (expired)
+            await index.abort()
+            await errors.abort()
+            return record.evolve(state=BatchState.FAILED, failure_message=str(exc), end_time=now)
+        except BaseException:
+            await index.abort()
+            await errors.abort()
+            raise
+        changes = {
+            "chunks": tuple(prepared.chunks),
+            "total": prepared.total,
+            "invalid_lines": prepared.invalid,
+            "first_errors": merge_first_errors((), prepared.first_errors),
+            "in_progress_time": now,
+        }
+        if prepared.total and prepared.invalid / prepared.total > self._config.max_invalid_fraction:
+            message = (
+                f"{prepared.invalid} of {prepared.total} lines failed validation, over the allowed fraction "
+                f"{self._config.max_invalid_fraction:g} (batches.max_invalid_fraction); see the error file"
+            )
+            return record.evolve(**changes, state=BatchState.FAILED, failure_message=message, end_time=now)
+        return record.evolve(**changes, state=BatchState.IN_PROGRESS)
+
+    async def chunk_blob(self, record: BatchRecord, chunk: Chunk) -> BlobRef:
+        """The stored inputs of a chunk; a half of a split chunk is cut from its parent's first."""
+        ref = chunk_ref(record.batch_id, chunk.start, chunk.end)
+        try:
+            return (await self._store.info(record.tenant, ref)).ref
+        except NotFound:
+            parent = _parent_of(record, chunk)
+            if parent is None:
+                raise
+        parent_ref = chunk_ref(record.batch_id, parent.start, parent.end)
+        _, data = await self._store.read(record.tenant, parent_ref, max_bytes=self._max_bytes)
+        cut = await asyncio.to_thread(_cut, data, chunk.start - parent.start, chunk.end - parent.start)
+        return await self._store.put_bytes(record.tenant, ref, cut, expires_at=objects_expire_at(record))
+
+    async def _store_chunk(self, record: BatchRecord, ready: ChunkReady, index: StreamedObject) -> Chunk:
+        data = await asyncio.to_thread(_chunk_bytes, ready)
+        ref = chunk_ref(record.batch_id, ready.start, ready.end)
+        await self._store.put_bytes(record.tenant, ref, data, expires_at=objects_expire_at(record))
+        await index.write(_index_lines(ready.entries))
+        return Chunk(ready.start, ready.end)
+
+    async def _read(
+        self, record: BatchRecord, model: ModelConfig, index: StreamedObject, errors: StreamedObject
+    ) -> Prepared:
+        prepared = Prepared()
+        chunks = self._store.chunks(record.tenant, record.input_ref)
+        first = await anext(chunks, b"")
+        fmt = record.input_format or detect_format(first)
+        layout = npy_layout(first, model.signature) if fmt is InputFormat.NPY else None
+        if layout is not None:
+            return await self._read_npy(record, layout, first, chunks, model, index)
+        if fmt is not InputFormat.JSONL:
+            data = bytearray(first)
+            async for piece in chunks:
+                data += piece
+            arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature)
+            del data
+            for ready in array_chunks(arrays, model.signature, self._config.chunk_records):
+                prepared.chunks.append(await self._store_chunk(record, ready, index))
+                prepared.total = ready.end
+            return prepared
+        builder = ChunkBuilder(model.signature, self._config.chunk_records)
+        carry = b""
+        line = 1
+
+        async def pieces() -> AsyncIterator[bytes]:
+            yield first
+            async for piece in chunks:
+                yield piece
+
+        async for piece in pieces():
+            lines = (carry + piece).split(b"\n")
+            carry = lines.pop()
+            line = await self._lines(record, model, lines, line, builder, prepared, index, errors)
+        if carry:
+            await self._lines(record, model, [carry], line, builder, prepared, index, errors)
+        last = builder.close()
+        if last is not None:
+            prepared.chunks.append(await self._store_chunk(record, last, index))
+        return prepared
+
+    async def _read_npy(
+        self,
+        record: BatchRecord,
+        layout: NpyLayout,
+        first: bytes,
+        rest: AsyncIterator[bytes],
+        model: ModelConfig,
+        index: StreamedObject,
+    ) -> Prepared:
+        """An NPY file's rows as they stream in, a chunk at a time (memory: one chunk)."""
+        prepared = Prepared(total=layout.rows)
+        chunk_bytes = self._config.chunk_records * layout.row_bytes
+        buffer = bytearray(first[layout.offset :])
+        start = 0
+
+        async def store(data: bytes) -> None:
+            nonlocal start
+            ready = await asyncio.to_thread(npy_chunk, layout, data, start, model.signature)
+            prepared.chunks.append(await self._store_chunk(record, ready, index))
+            start = ready.end
+
+        async for piece in rest:
+            buffer += piece
+            while len(buffer) >= chunk_bytes:
+                await store(bytes(buffer[:chunk_bytes]))
+                del buffer[:chunk_bytes]
+        whole = len(buffer) - len(buffer) % layout.row_bytes if layout.row_bytes else 0
+        if whole:
+            await store(bytes(buffer[:whole]))
+        if start != layout.rows:
+            raise RecordInvalid(f"the NPY file holds {start} of the {layout.rows} records its header says")
+        return prepared
+
+    async def _lines(
+        self,
+        record: BatchRecord,
+        model: ModelConfig,
+        lines: list[bytes],
+        line: int,
+        builder: ChunkBuilder,
+        prepared: Prepared,
+        index: StreamedObject,
+        errors: StreamedObject,
+    ) -> int:
+        ready, bad, counted = await asyncio.to_thread(_parse_piece, lines, line, model.signature, builder)
+        prepared.total += counted
+        prepared.invalid += len(bad)
+        if bad:
+            prepared.first_errors = merge_first_errors(prepared.first_errors, bad)
+            await errors.write(b"".join(error_line_bytes(e) for e in bad))
+        for closed in ready:
+            prepared.chunks.append(await self._store_chunk(record, closed, index))
+        return line + len(lines)

@@ -1,0 +1,189 @@
+"""The BatchService servicer: converts at the edge (batch_convert.py), keeps the records in their
+bucket (batch_store.py), hands new and cancelled batches to this gateway's driver
+(batch_driver.py), and streams the files (batch_files.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from asyncinfer.batches import BatchRecord, BatchState
+from asyncinfer.blobs import BlobStore
+from asyncinfer.config import Config
+from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.job_store import JobStore
+from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
+from services.gateway.auth import Authenticator
+from services.gateway.batch_convert import batch_from_request, batch_to_proto
+from services.gateway.batch_driver import BatchDriver
+from services.gateway.batch_files import error_file, output_file
+from services.gateway.batch_store import BatchConflict, BatchStore
+
+Context = grpc.aio.ServicerContext[Any, Any]
+DEFAULT_PAGE_SIZE = 20
+MAX_PAGE_SIZE = 100
+# How long a create waits for the batch that claimed its idempotency key to be written.
+CLAIM_WAIT_STEPS = 50
+CLAIM_WAIT_STEP_S = 0.1
+
+
+def batch_not_found(batch_id: str) -> NotFound:
+    return NotFound(f"no batch {batch_id[:64]!r}", reason="BATCH_NOT_FOUND", metadata={"batch_id": batch_id[:64]})
+
+
+class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
+    def __init__(
+        self,
+        config: Config,
+        store: BatchStore,
+        driver: BatchDriver,
+        *,
+        blobs: BlobStore,
+        records: JobStore,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._driver = driver
+        self._blobs = blobs
+        self._records = records
+        self._clock = clock
+        self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
+
+    def _tenant(self, context: Context) -> str:
+        return self._authenticator.tenant(context.invocation_metadata() or ())
+
+    def _proto(self, record: BatchRecord) -> batch_service_pb2.Batch:
+        return batch_to_proto(record, now=self._clock())
+
+    async def _read(self, tenant: str, batch_id: str) -> BatchRecord:
+        if not is_job_id(batch_id):
+            raise batch_not_found(batch_id)
+        record = await self._store.get(tenant, batch_id)
+        if record is None:
+            raise batch_not_found(batch_id)
+        return record
+
+    async def CreateBatch(
+        self, request: batch_service_pb2.CreateBatchRequest, context: Context
+    ) -> batch_service_pb2.CreateBatchResponse:
+        tenant = self._tenant(context)
+        record = batch_from_request(request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock())
+        await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
+        if record.idempotency_key:
+            holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id)
+            if holder != record.batch_id:
+                first = await self._first_of_key(tenant, holder)
+                if first is not None:
+                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+                # Claimed by a create whose gateway died before it wrote the batch: this one runs.
+                holder = await self._store.take_over(tenant, record.idempotency_key, holder, record.batch_id)
+                if holder != record.batch_id:
+                    first = await self._first_of_key(tenant, holder)
+                    if first is None:
+                        raise batch_not_found(holder)
+                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+        written = await self._store.write(record)
+        self._driver.drive(tenant, written.batch_id)
+        return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        """The batch holding an idempotency key, waited for a moment: its create writes it just
+        after its claim."""
+        for _ in range(CLAIM_WAIT_STEPS):
+            first = await self._store.get(tenant, batch_id)
+            if first is not None:
+                return first
+            await asyncio.sleep(CLAIM_WAIT_STEP_S)
+        return None
+
+    async def GetBatch(
+        self, request: batch_service_pb2.GetBatchRequest, context: Context
+    ) -> batch_service_pb2.GetBatchResponse:
+        return batch_service_pb2.GetBatchResponse(
+            batch=self._proto(await self._read(self._tenant(context), request.batch_id))
+        )
+
+    async def WatchBatch(
+        self, request: batch_service_pb2.WatchBatchRequest, context: Context
+    ) -> AsyncIterator[batch_service_pb2.WatchBatchResponse]:
+        """The batch now, then each change (its state, counts or chunks), read every drive interval."""
+        tenant = self._tenant(context)
+        record = await self._read(tenant, request.batch_id)
+        yield batch_service_pb2.WatchBatchResponse(batch=self._proto(record))
+        revision = record.revision
+        while not record.state.is_terminal:
+            await asyncio.sleep(self._config.batches.drive_interval_s)
+            latest = await self._store.get(tenant, request.batch_id)
+            if latest is None:
+                return
+            record = latest
+            if record.revision != revision:
+                revision = record.revision
+                yield batch_service_pb2.WatchBatchResponse(batch=self._proto(record))
+
+    async def CancelBatch(
+        self, request: batch_service_pb2.CancelBatchRequest, context: Context
+    ) -> batch_service_pb2.CancelBatchResponse:
+        tenant = self._tenant(context)
+        while True:
+            record = await self._read(tenant, request.batch_id)
+            if record.state.is_terminal:
+                raise FailedPrecondition(
+                    f"batch {record.batch_id} already ended ({record.state.value}); there is nothing to cancel",
+                    reason="BATCH_ALREADY_ENDED",
+                    metadata={"batch_id": record.batch_id, "state": record.state.value},
+                )
+            if record.state is BatchState.CANCELLING:
+                break
+            try:
+                record = await self._store.write(record.evolve(state=BatchState.CANCELLING))
+                break
+            except BatchConflict:
+                continue  # the driver wrote first: decide again on what it wrote
+        self._driver.drive(tenant, record.batch_id)
+        return batch_service_pb2.CancelBatchResponse(batch=self._proto(record))
+
+    async def ListBatches(
+        self, request: batch_service_pb2.ListBatchesRequest, context: Context
+    ) -> batch_service_pb2.ListBatchesResponse:
+        tenant = self._tenant(context)
+        if not 0 <= request.page_size <= MAX_PAGE_SIZE:
+            message = f"page_size must be between 1 and {MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE})"
+            raise InvalidArgument(message, [FieldViolation("page_size", message)])
+        size = request.page_size or DEFAULT_PAGE_SIZE
+        ids = sorted((batch_id for _, batch_id in await self._store.keys(tenant)), reverse=True)
+        if request.page_token:
+            ids = [batch_id for batch_id in ids if batch_id < request.page_token]
+        page = ids[:size]
+        records = [r for r in await asyncio.gather(*(self._store.get(tenant, b) for b in page)) if r is not None]
+        return batch_service_pb2.ListBatchesResponse(
+            batches=[self._proto(r) for r in records], next_page_token=page[-1] if len(ids) > size else ""
+        )
+
+    async def ReadBatchFile(
+        self, request: batch_service_pb2.ReadBatchFileRequest, context: Context
+    ) -> AsyncIterator[batch_service_pb2.ReadBatchFileResponse]:
+        tenant = self._tenant(context)
+        record = await self._read(tenant, request.batch_id)
+        if request.file not in (batch_service_pb2.BATCH_FILE_OUTPUT, batch_service_pb2.BATCH_FILE_ERRORS):
+            message = "file must be BATCH_FILE_OUTPUT or BATCH_FILE_ERRORS"
+            raise InvalidArgument(message, [FieldViolation("file", message)])
+        if record.state in (BatchState.VALIDATING,):
+            raise FailedPrecondition(
+                f"batch {record.batch_id} is still VALIDATING: its files start once it runs",
+                reason="BATCH_NOT_STARTED",
+                metadata={"batch_id": record.batch_id},
+            )
+        pieces = (
+            output_file(self._blobs, self._records, record)
+            if request.file == batch_service_pb2.BATCH_FILE_OUTPUT
+            else error_file(self._blobs, record)
+        )
+        async for piece in pieces:
+            yield batch_service_pb2.ReadBatchFileResponse(chunk=piece)

@@ -1,0 +1,114 @@
+"""Batch records in their KV bucket (asyncinfer.batches holds the record and its codec): keyed
+`<tenant>.<batch_id>`, every write a compare-and-set on the revision read, so two gateways driving
+one batch never both win a transition. An idempotency key claims `<tenant>.key.<sha256(key)>` in
+the same bucket, created atomically, holding the batch ID it stands for."""
+
+from __future__ import annotations
+
+import hashlib
+
+from nats.js.errors import KeyWrongLastSequenceError
+
+from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
+from asyncinfer.config import NatsConfig
+from asyncinfer.errors import Unavailable
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
+from asyncinfer.nats.streams import ensure_kv_bucket, stream_subjects
+
+
+class BatchConflict(Exception):
+    """Another writer changed the record since it was read."""
+
+
+def batch_key(tenant: str, batch_id: str) -> str:
+    return f"{tenant}.{batch_id}"
+
+
+def _claim_key(tenant: str, idempotency_key: str) -> str:
+    return f"{tenant}.key.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+
+
+async def ensure_batches_bucket(js: JetStreamContext, config: NatsConfig) -> KvBucket:
+    kv = await ensure_kv_bucket(
+        js, config, bucket=config.batches_bucket, description="asyncinfer batch records, keyed <tenant>.<batch_id>"
+    )
+    return KvBucket(name=config.batches_bucket, kv=kv, js=js)
+
+
+class BatchStore:
+    def __init__(self, bucket: KvBucket) -> None:
+        self._bucket = bucket
+
+    async def get(self, tenant: str, batch_id: str) -> BatchRecord | None:
+        try:
+            latest = await kv_latest(self._bucket, batch_key(tenant, batch_id))
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the batch: {exc}") from exc
+        if latest is None:
+            return None
+        data, revision = latest
+        return decode_batch(data, revision)
+
+    async def write(self, record: BatchRecord) -> BatchRecord:
+        """Writes the record over the revision it was read at (0: creates it); BatchConflict
+        when another writer was first."""
+        try:
+            revision = await kv_put_expecting(
+                self._bucket,
+                batch_key(record.tenant, record.batch_id),
+                encode_batch(record),
+                last_revision=record.revision,
+            )
+        except KeyWrongLastSequenceError as exc:
+            raise BatchConflict(record.batch_id) from exc
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot write the batch: {exc}") from exc
+        return record.evolve(revision=revision)
+
+    async def claim(self, tenant: str, idempotency_key: str, batch_id: str) -> str:
+        """The batch ID that holds the key: `batch_id` when this call claimed it, else the first's."""
+        key = _claim_key(tenant, idempotency_key)
+        while True:
+            try:
+                await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=0)
+                return batch_id
+            except KeyWrongLastSequenceError:
+                latest = await kv_latest(self._bucket, key)
+                if latest is not None:
+                    return latest[0].decode()
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot claim the idempotency key: {exc}") from exc
+
+    async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str) -> str:
+        """Moves the key's claim from `holder` (a batch that was never written: its gateway died
+        between the claim and the record) to `batch_id`; the claim's batch ID after the move (a
+        racing create's, if it moved it first)."""
+        key = _claim_key(tenant, idempotency_key)
+        latest = await kv_latest(self._bucket, key)
+        if latest is None or latest[0].decode() != holder:
+            return latest[0].decode() if latest is not None else await self.claim(tenant, idempotency_key, batch_id)
+        try:
+            await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=latest[1])
+            return batch_id
+        except KeyWrongLastSequenceError:
+            moved = await kv_latest(self._bucket, key)
+            return moved[0].decode() if moved is not None else batch_id
+
+    async def keys(self, tenant: str | None = None) -> list[tuple[str, str]]:
+        """(tenant, batch_id) of every batch record (of one tenant, when given)."""
+        # The stream's subjects, not KeyValue.keys: its filters are substrings of the keys, and a
+        # watch's end marker can come before every key has been delivered.
+        prefix = self._bucket.subject_prefix
+        try:
+            subjects = await stream_subjects(self._bucket.js, self._bucket.stream, f"{prefix}{tenant or '*'}.*")
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot list batches: {exc}") from exc
+        keys = [subject.removeprefix(prefix) for subject in subjects]
+        pairs = []
+        for key in keys:
+            owner, _, batch_id = key.partition(".")
+            if batch_id and "." not in batch_id:
+                pairs.append((owner, batch_id))
+        return pairs

@@ -1,0 +1,76 @@
+"""The batch commands and SDK calls (issue 15) against the real in-process stack: `asyncinfer batch
+create FILE --model demo --wait --out --errors` as a subprocess, then get, list and download; the
+SDK's create_batch, watch_batch and download."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config
+from tests.batch_helpers import demo_records, jsonl
+from tests.stack import StartStack
+
+CLI = [sys.executable, "-m", "asyncinfer"]
+
+
+async def cli(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 90)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def small_batches(config: Config) -> Config:
+    return config.replace(batches={"chunk_records": 40, "drive_interval_s": 0.05})
+
+
+async def test_batch_create_wait_writes_the_output_and_error_files(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await start_stack(small_batches(config))
+    records = demo_records(100)
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(records) + b"not json\n")
+    out, errors = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
+    code, printed, stderr = await cli(
+        "batch", "create", str(source), "--model", "demo", "--wait", "--out", str(out), "--errors", str(errors),
+        "--gateway", stack.address,
+    )  # fmt: skip
+    assert code == 0, stderr
+    assert "COMPLETED  100/101 done  1 failed" in printed
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+    assert [json.loads(line)["line"] for line in errors.read_text().splitlines()] == [101]
+    batch_id = printed.split()[0]
+
+    code, printed, stderr = await cli("batch", "get", batch_id, "--json", "--gateway", stack.address)
+    assert code == 0, stderr
+    got = json.loads(printed)
+    assert (got["state"], got["completed"], got["failed"]) == ("COMPLETED", 100, 1)
+    code, printed, _ = await cli("batch", "list", "--gateway", stack.address)
+    assert batch_id in printed
+    code, printed, _ = await cli("batch", "download", batch_id, "--gateway", stack.address)
+    assert [json.loads(line)["custom_id"] for line in printed.splitlines()] == [r["custom_id"] for r in records]
+
+
+async def test_the_sdk_creates_watches_and_downloads_a_batch(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    stack = await start_stack(small_batches(config))
+    async with AsyncClient(stack.address) as client:
+        batch = await client.create_batch(jsonl(demo_records(120)), "demo", labels={"run": "nightly"})
+        assert batch.state == "VALIDATING"
+        seen = [update async for update in client.watch_batch(batch)]
+        assert seen[-1].state == "COMPLETED"
+        assert seen[-1].completed == 120
+        assert [u.completed for u in seen] == sorted(u.completed for u in seen)  # progress only grows
+        written = await client.download(batch, tmp_path / "out.jsonl")
+        assert written == (tmp_path / "out.jsonl").stat().st_size
+        assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 120
+        assert (await client.get_batch(batch.batch_id)).labels == {"run": "nightly"}

@@ -1,0 +1,178 @@
+"""A batch's lifecycle beyond a plain run (issue 15), against the real stack: cancelling keeps what
+finished, a batch past its completion window ends EXPIRED with what was done delivered, a repeated
+create with the same idempotency key returns the first batch, and ListBatches pages newest first."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from asyncinfer.access import bearer_metadata
+from asyncinfer.api_keys import hash_key
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.v1 import batch_service_pb2, job_service_pb2
+from services.batcher.models import demo
+from services.gateway.batch_store import BatchStore, ensure_batches_bucket
+from tests.batch_helpers import (
+    batches_stub,
+    create_request,
+    demo_records,
+    errors,
+    jsonl,
+    outputs,
+    upload,
+    wait_ended,
+    wait_until,
+)
+from tests.stack import StartStack
+
+GATED = {**DEMO_MODEL.model_dump(), "name": "gated", "loader": "services.batcher.models.demo:build_gated_model"}
+
+
+def lifecycle_config(config: Config, **batches: Any) -> Config:
+    return config.replace(
+        batches={"chunk_records": 50, "chunks_in_flight": 2, "drive_interval_s": 0.05, **batches},
+        models=[DEMO_MODEL.model_dump(), GATED],
+    )
+
+
+@pytest.fixture
+def gate() -> Iterator[None]:
+    """The gated model computes only while the gate is open: closed here, opened at the end."""
+    demo.GATE.clear()
+    try:
+        yield
+    finally:
+        demo.GATE.set()
+
+
+def assert_every_record_once(batch: batch_service_pb2.Batch, out: list[Any], bad: list[Any], total: int) -> None:
+    counts = batch.request_counts
+    assert counts.total == total
+    assert counts.completed + counts.failed == total
+    assert len(out) == counts.completed
+    assert len(bad) == counts.failed
+    ids = [line["custom_id"] for line in out] + [line["custom_id"] for line in bad]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(total))
+
+
+async def test_cancelling_a_batch_stops_its_chunks_and_keeps_what_finished(
+    config: Config, start_stack: StartStack, gate: None
+) -> None:
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(400))), model_name="gated")
+    )
+    batch_id = created.batch.batch_id
+
+    await wait_until(stub, batch_id, lambda batch: batch.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
+    cancelled = await stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id))
+    assert cancelled.batch.state == batch_service_pb2.BATCH_STATE_CANCELLING
+    demo.GATE.set()  # the chunk computing finishes; the one queued behind it is cancelled
+    batch = await wait_ended(stub, batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_CANCELLED
+    out, bad = await outputs(stub, batch_id), await errors(stub, batch_id)
+    assert_every_record_once(batch, out, bad, 400)
+    assert batch.request_counts.failed >= 300  # at most 2 chunks of 50 were let in before the cancel
+    assert {line["code"] for line in bad} == {"CANCELLED"}
+
+
+async def test_a_batch_past_its_completion_window_ends_expired_with_what_was_done(
+    config: Config, start_stack: StartStack, gate: None
+) -> None:
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(300))), model_name="gated", completion_window_s=1.5)
+    )
+    batch_id = created.batch.batch_id
+    expires_at = created.batch.expires_at.ToNanoseconds() / 1e9
+    await asyncio.sleep(max(expires_at - time.time(), 0.0) + 0.2)  # the window is wall-clock time
+    demo.GATE.set()
+    batch = await wait_ended(stub, batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_EXPIRED
+    out, bad = await outputs(stub, batch_id), await errors(stub, batch_id)
+    assert_every_record_once(batch, out, bad, 300)
+    assert batch.request_counts.failed >= 200
+    assert {line["code"] for line in bad} == {"DEADLINE_EXCEEDED"}
+
+
+async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(10)))
+    first, second = await asyncio.gather(
+        stub.CreateBatch(create_request(ref, idempotency_key="nightly-1")),
+        stub.CreateBatch(create_request(ref, idempotency_key="nightly-1")),
+    )
+    assert first.batch.batch_id == second.batch.batch_id
+    assert sorted([first.deduplicated, second.deduplicated]) == [False, True]
+    other = await stub.CreateBatch(create_request(ref, idempotency_key="nightly-2"))
+    assert other.batch.batch_id != first.batch.batch_id
+    assert (await wait_ended(stub, first.batch.batch_id)).request_counts.completed == 10
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_size=1))
+    assert [b.batch_id for b in listed.batches] == [other.batch.batch_id]
+    rest = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_token=listed.next_page_token))
+    assert [b.batch_id for b in rest.batches] == [first.batch.batch_id]
+    assert rest.next_page_token == ""
+
+
+async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    ghost = new_job_id()
+    assert await store.claim("default", "nightly-3", ghost) == ghost  # as if its gateway died right here
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-3")
+    )
+    assert not created.deduplicated
+    assert created.batch.batch_id != ghost
+    assert (await wait_ended(stub, created.batch.batch_id)).request_counts.completed == 5
+
+
+async def test_a_tenant_sees_only_its_own_batches_and_uploads(config: Config, start_stack: StartStack) -> None:
+    keys = [{"tenant": "acme", "sha256": hash_key("acme-key")}, {"tenant": "globex", "sha256": hash_key("globex-key")}]
+    secured = lifecycle_config(config).replace(
+        gateway={"api_keys": [*keys, {"role": "batcher", "sha256": hash_key("batcher-key")}]},
+        batcher={"api_key": "batcher-key"},
+    )
+    stack = await start_stack(secured)
+    stub = batches_stub(stack.channel)
+    acme, globex = bearer_metadata("acme-key"), bearer_metadata("globex-key")
+    data = jsonl(demo_records(5))
+
+    async def acme_upload() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata(), chunk=data)
+
+    ref = (await stack.jobs.UploadInput(acme_upload(), metadata=acme)).ref.ref
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.CreateBatch(create_request(ref), metadata=globex)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    created = await stub.CreateBatch(create_request(ref), metadata=acme)
+    batch_id = created.batch.batch_id
+    for call in (
+        stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id), metadata=globex),
+        stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id), metadata=globex),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as hidden:
+            await call
+        assert hidden.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(), metadata=globex)
+    assert list(listed.batches) == []
+    with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+        await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id))
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    got = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id), metadata=acme)
+    assert got.batch.batch_id == batch_id

@@ -1,0 +1,67 @@
+"""A batch's chunk in the batching engine (services/batcher/chunk_items.py): more rows than
+max_batch_size, computed as parts of at most max_batch_size rows, answered as one outcome in input
+order; a text model's rows sorted by length first and put back; a failing part fails the chunk."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from asyncinfer.config import DEMO_MODEL
+from asyncinfer.errors import ModelError
+from asyncinfer.jobs import Priority
+from asyncinfer.tensors import Tensor
+from services.batcher.backends import Arrays
+from services.batcher.backends.torch_backend import TorchBackend
+from services.batcher.engine import BatchingEngine
+from services.batcher.models.demo import AffineDemo, FailingDemo
+
+
+def rows(count: int) -> list[Tensor]:
+    return [Tensor.from_numpy("x", np.arange(count * 4, dtype=np.float32).reshape(count, 4))]
+
+
+async def test_a_chunk_runs_as_parts_of_max_batch_size_and_answers_in_order(make_engine: Any) -> None:
+    engine = await make_engine(AffineDemo(), max_batch_size=8)
+    item = engine.submit_chunk("demo", rows(30), priority=Priority.LOW)
+    assert [part.rows for part in item.parts] == [8, 8, 8, 6]
+    outcome = await item.future
+    x = rows(30)[0].to_numpy()
+    assert np.array_equal(outcome.outputs[0].to_numpy(), 2 * x + 1)
+    assert outcome.batch_size <= 8
+
+
+class ByLength(TorchBackend):
+    """The demo model as a 'text' model whose token lengths fall with x's first value."""
+
+    def token_lengths(self, inputs: Arrays) -> list[int] | None:
+        return [int(1000 - v) for v in inputs["x"][:, 0]]
+
+
+async def test_a_text_chunk_is_sorted_by_length_and_put_back_in_input_order() -> None:
+    config = DEMO_MODEL.model_copy(update={"max_batch_size": 4})
+    engine = BatchingEngine()
+    engine.add_model(config, ByLength(config.name, AffineDemo(), config.signature, torch.device("cpu")))
+    await engine.start()
+    try:
+        item = engine.submit_chunk("demo", rows(10))
+        assert item.parts[0].inputs["x"].to_numpy()[0, 0] == 36.0  # the longest-first row went last
+        outcome = await item.future
+        assert np.array_equal(outcome.outputs[0].to_numpy(), 2 * rows(10)[0].to_numpy() + 1)
+    finally:
+        await engine.stop(grace_s=1.0)
+
+
+async def test_a_failing_part_fails_the_chunk_and_a_dropped_chunk_runs_nothing(make_engine: Any) -> None:
+    engine = await make_engine(FailingDemo(), max_batch_size=8)
+    with pytest.raises(ModelError):
+        await engine.submit_chunk("demo", rows(20)).future
+    queued = await make_engine(AffineDemo(), max_batch_size=8, max_inflight_batches=1, max_queue_delay_ms=1000.0)
+    blocker = queued.submit("demo", rows(1))
+    chunk = queued.submit_chunk("demo", rows(20))
+    assert chunk.cancel()  # its parts wait behind the blocker's batch (at most one of them beside it)
+    assert chunk.future.cancelled()
+    await blocker.future

@@ -1,0 +1,174 @@
+"""Batch jobs over files (issue 15), end to end against a real nats-server, the real gateway,
+scheduler and batcher: a JSONL upload in, its output in input order and its error file out, with
+chunks of more records than the model's max_batch_size."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.v1 import batch_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from tests.batch_helpers import (
+    batches_stub,
+    create_request,
+    demo_records,
+    errors,
+    jsonl,
+    outputs,
+    upload,
+    wait_ended,
+    wait_until,
+)
+from tests.stack import Stack, StartStack
+
+
+def batch_config(config: Config, **batches: Any) -> Config:
+    return config.replace(
+        batches={"chunk_records": 100, "drive_interval_s": 0.05, **batches},
+        models=[
+            DEMO_MODEL.model_dump(),
+            {
+                **DEMO_MODEL.model_dump(),
+                "name": "flaky",
+                "loader": "services.batcher.models.demo:build_flaky_model",
+                "max_attempts": 1,
+            },
+        ],
+    )
+
+
+def expected_y(record: dict[str, Any]) -> list[float]:
+    (row,) = record["inputs"]["x"]
+    return [2 * v + 1 for v in row]
+
+
+async def test_a_jsonl_batch_runs_in_chunks_and_its_output_keeps_input_order(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    records = demo_records(450)  # 5 chunks of up to 100, each more rows than max_batch_size 32
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(records))))
+    assert created.batch.state == batch_service_pb2.BATCH_STATE_VALIDATING
+    assert created.batch.priority == 3  # LOW by default
+
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (450, 450, 0)
+    assert batch.chunks_total == 5
+    assert batch.chunks_done == 5
+    lines = await outputs(stub, batch.batch_id)
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+    for line, record in zip(lines, records, strict=True):
+        (y,) = line["outputs"]["y"]
+        assert y == pytest.approx(expected_y(record))
+    assert await errors(stub, batch.batch_id) == []
+    got = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch.batch_id))
+    assert got.batch.request_counts.completed == 450
+    assert got.batch.records_per_second > 0
+
+
+async def test_a_bad_line_is_one_error_line_and_the_rest_run(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    records: list[Any] = demo_records(120)
+    records[3] = {"custom_id": "short", "inputs": {"x": [[1, 2, 3]]}}
+    records[50] = {"custom_id": "unknown-input", "inputs": {"z": [[1, 2, 3, 4]]}}
+    data = jsonl(records).replace(b'"custom_id": "r77"', b'"custom_id": "r77",,')  # not JSON
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (120, 117, 3)
+    bad = await errors(stub, batch.batch_id)
+    assert [(e["line"], e["custom_id"], e["code"]) for e in bad] == [
+        (4, "short", "INVALID_ARGUMENT"),
+        (51, "unknown-input", "INVALID_ARGUMENT"),
+        (78, "", "INVALID_ARGUMENT"),
+    ]
+    assert [e.line for e in batch.first_errors] == [4, 51, 78]
+    good = [r["custom_id"] for i, r in enumerate(records) if i not in (3, 50, 77)]
+    assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == good
+
+
+async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(batch_config(config, max_invalid_fraction=0.1))
+    stub = batches_stub(stack.channel)
+    data = jsonl(demo_records(10)) + b"nonsense\n" * 5
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
+    assert "5 of 15 lines failed validation" in batch.failure_message
+    assert len(await errors(stub, batch.batch_id)) == 5
+
+
+async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    records = [{"custom_id": f"r{i}", "inputs": {"x": [[1.0, i, i, i]]}} for i in range(300)]
+    records[137]["inputs"]["x"] = [[-1.0, 0, 0, 0]]  # the flaky model fails on a negative first value
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(records)), model_name="flaky", max_attempts=1)
+    )
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (299, 1)
+    bad = await errors(stub, batch.batch_id)
+    assert [(e["line"], e["custom_id"]) for e in bad] == [(138, "r137")]
+    assert "negative" in bad[0]["message"]
+    assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == [
+        r["custom_id"] for i, r in enumerate(records) if i != 137
+    ]
+
+
+async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    x = np.arange(150 * 4, dtype=np.float32).reshape(150, 4)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, buffer.getvalue())))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert batch.input_format == batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED  # detected, not given
+    lines = await outputs(stub, batch.batch_id)
+    assert [line["custom_id"] for line in lines] == [str(i) for i in range(150)]
+    assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
+
+
+async def desired_batchers_become(stack: Stack, wanted: Callable[[int], bool]) -> None:
+    """Polls the scheduler's queue stats (refreshed every few seconds; no event says so)."""
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel, asyncio.timeout(30):
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        while True:
+            stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="demo"))
+            if wanted(stats.models[0].desired_batchers):
+                return
+            await asyncio.sleep(0.1)
+
+
+async def test_a_batch_alone_scales_batchers_from_zero_and_back_and_is_counted(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(batch_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    await desired_batchers_become(stack, lambda n: n == 0)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(300)))))
+    await wait_until(stub, created.batch.batch_id, lambda b: b.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
+    await desired_batchers_become(stack, lambda n: n >= 1)
+    await stack.start_batcher()
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.request_counts.completed == 300
+    await desired_batchers_become(stack, lambda n: n == 0)
+    scraped = generate_latest(stack.gateway.registry).decode()
+    assert 'asyncinfer_batch_records_total{model="demo",outcome="completed"} 300.0' in scraped
+    assert 'asyncinfer_batches_ended_total{model="demo",state="COMPLETED"} 1.0' in scraped

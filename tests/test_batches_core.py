@@ -1,0 +1,248 @@
+"""The pure core of batch jobs (asyncinfer.batches, asyncinfer.batch_inputs): chunk plans and their
+transitions, the record's codec, chunk job IDs, and input parsing. No server."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from asyncinfer import batches
+from asyncinfer.batch_inputs import (
+    ChunkBuilder,
+    RecordInvalid,
+    array_chunks,
+    array_inputs,
+    detect_format,
+    npy_chunk,
+    npy_layout,
+    parse_line,
+)
+from asyncinfer.batches import (
+    BatchRecord,
+    BatchState,
+    Chunk,
+    ChunkOutcome,
+    ChunkStatus,
+    ErrorLine,
+    InputFormat,
+    chunk_job_id,
+)
+from asyncinfer.config import DEMO_MODEL
+from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
+from asyncinfer.tensors import ModelSignature, TensorSpec
+
+pytestmark = pytest.mark.unit
+
+SIGNATURE = DEMO_MODEL.signature
+TEXT = ModelSignature(inputs=(TensorSpec("text", "BYTES", (-1,)),), outputs=(TensorSpec("e", "FP32", (-1, 2)),))
+
+
+def record(chunks: tuple[Chunk, ...] = (), **changes: object) -> BatchRecord:
+    base = BatchRecord(
+        batch_id=new_job_id(),
+        tenant="acme",
+        model_name="demo",
+        model_version="1",
+        input_ref="in/x",
+        input_format=None,
+        state=BatchState.IN_PROGRESS,
+        priority=Priority.LOW,
+        max_attempts=1,
+        create_time=100.0,
+        expires_at=200.0,
+        result_retention_s=60.0,
+        chunks=chunks,
+        total=sum(c.records for c in chunks),
+    )
+    return base.evolve(**changes)
+
+
+def queued(*ranges: tuple[int, int]) -> tuple[Chunk, ...]:
+    return tuple(Chunk(s, e, ChunkStatus.QUEUED) for s, e in ranges)
+
+
+MODEL_ERROR = JobError(code=13, reason="MODEL_ERROR", message="boom")
+
+
+def test_a_succeeded_chunk_is_done_and_counted() -> None:
+    settled = batches.settle_chunks(
+        record(queued((0, 10), (10, 20))), [ChunkOutcome(0, JobState.SUCCEEDED)], max_splits=5
+    )
+    assert [c.status for c in settled.chunks] == [ChunkStatus.DONE, ChunkStatus.QUEUED]
+    assert settled.counts.completed == 10
+    assert not batches.finished(settled)
+
+
+def test_a_failed_chunk_splits_in_halves_until_one_record_fails_alone() -> None:
+    current = record(queued((0, 8)))
+    poison = 5
+    while not batches.finished(current):
+        current = batches.mark_submitted(current, [c.start for c in batches.to_submit(current, window=100)])
+        outcomes = [
+            ChunkOutcome(c.start, JobState.FAILED, MODEL_ERROR)
+            if c.start <= poison < c.end
+            else ChunkOutcome(c.start, JobState.SUCCEEDED)
+            for c in current.chunks
+            if c.status is ChunkStatus.QUEUED
+        ]
+        current = batches.settle_chunks(current, outcomes, max_splits=100)
+    failed = [c for c in current.live_chunks if c.status is ChunkStatus.FAILED]
+    assert [(c.start, c.end, c.code) for c in failed] == [(5, 6, "INTERNAL")]
+    assert current.counts.completed == 7
+    assert current.splits == 3  # log2(8)
+    starts = [c.start for c in current.live_chunks]
+    assert starts == sorted(starts)
+
+
+def test_past_the_split_limit_a_failed_chunk_fails_whole() -> None:
+    settled = batches.settle_chunks(
+        record(queued((0, 8))), [ChunkOutcome(0, JobState.FAILED, MODEL_ERROR)], max_splits=0
+    )
+    assert [(c.status, c.records) for c in settled.chunks] == [(ChunkStatus.FAILED, 8)]
+    assert settled.counts.failed == 8
+
+
+def test_cancelled_and_expired_chunks_are_skipped_not_split() -> None:
+    settled = batches.settle_chunks(
+        record(queued((0, 4), (4, 8))),
+        [ChunkOutcome(0, JobState.CANCELED), ChunkOutcome(4, JobState.EXPIRED)],
+        max_splits=10,
+    )
+    assert [(c.status, c.code) for c in settled.chunks] == [
+        (ChunkStatus.SKIPPED, "CANCELLED"),
+        (ChunkStatus.SKIPPED, "DEADLINE_EXCEEDED"),
+    ]
+    assert batches.end_state(settled, now=150.0) is BatchState.EXPIRED
+
+
+def test_the_window_bounds_the_chunks_in_flight() -> None:
+    plan = record((*queued((0, 1)), Chunk(1, 2), Chunk(2, 3), Chunk(3, 4)))
+    assert [c.start for c in batches.to_submit(plan, window=3)] == [1, 2]
+    assert batches.to_submit(plan, window=1) == ()
+
+
+def test_a_cancelled_batch_ends_cancelled_and_keeps_its_done_chunks() -> None:
+    plan = record((Chunk(0, 5, ChunkStatus.DONE), Chunk(5, 10)), state=BatchState.CANCELLING)
+    skipped = batches.skip_waiting(plan, code="CANCELLED", message="cancelled")
+    assert batches.finished(skipped)
+    ended = batches.finish(skipped, now=150.0)
+    assert ended.state is BatchState.CANCELLED
+    assert (ended.counts.completed, ended.counts.failed) == (5, 5)
+
+
+def test_progress_rate_and_estimate() -> None:
+    plan = record((Chunk(0, 50, ChunkStatus.DONE), Chunk(50, 100, ChunkStatus.QUEUED)), in_progress_time=100.0)
+    rate, finish = batches.progress_rate(plan, now=110.0)
+    assert rate == pytest.approx(5.0)
+    assert finish == pytest.approx(120.0)
+
+
+@given(st.integers(0, 10**6), st.integers(1, 10**4))
+def test_chunk_job_ids_are_uuid7_and_the_same_on_every_driver(start: int, size: int) -> None:
+    batch_id = "01a23228-043a-76e1-aa02-d43dbcf6731a"
+    job_id = chunk_job_id(batch_id, start, start + size)
+    assert is_job_id(job_id)
+    assert job_id == chunk_job_id(batch_id, start, start + size)
+    assert job_id != chunk_job_id(batch_id, start, start + size + 1)
+
+
+def test_the_record_codec_round_trips() -> None:
+    original = record(
+        (Chunk(0, 3, ChunkStatus.FAILED, "INTERNAL", "boom"), Chunk(3, 6, ChunkStatus.SPLIT)),
+        labels={"team": "x"},
+        callback=CallbackSpec("https://example.com/hook"),
+        first_errors=(ErrorLine(2, "b", "INVALID_ARGUMENT", "bad"),),
+        input_format=InputFormat.NPZ,
+        in_progress_time=101.5,
+    )
+    assert batches.decode_batch(batches.encode_batch(original), 7) == original.evolve(revision=7)
+
+
+@given(st.lists(st.sampled_from(["ok", "bad", "blank"]), max_size=40), st.integers(1, 7))
+def test_parsing_keeps_every_valid_record_once_in_order(kinds: list[str], chunk_records: int) -> None:
+    builder = ChunkBuilder(SIGNATURE, chunk_records)
+    chunks, bad = [], []
+    for line, kind in enumerate(kinds, start=1):
+        text = {"ok": json.dumps({"custom_id": f"c{line}", "inputs": {"x": [line, 0, 0, 0]}}), "bad": "{", "blank": ""}
+        if kind == "blank":
+            continue
+        parsed = parse_line(line, text[kind].encode(), SIGNATURE)
+        if isinstance(parsed, ErrorLine):
+            bad.append(parsed.line)
+        elif (closed := builder.add(*parsed)) is not None:
+            chunks.append(closed)
+    if (last := builder.close()) is not None:
+        chunks.append(last)
+    assert bad == [i for i, k in enumerate(kinds, start=1) if k == "bad"]
+    ids = [e.custom_id for c in chunks for e in c.entries]
+    assert ids == [f"c{i}" for i, k in enumerate(kinds, start=1) if k == "ok"]
+    assert all(0 < c.end - c.start <= chunk_records for c in chunks)
+    for c in chunks:
+        x = c.tensors[0].to_numpy()
+        assert x.shape == (c.end - c.start, 4)
+        assert list(x[:, 0]) == [float(e.line) for e in c.entries]
+
+
+def test_lines_that_do_not_fit_say_why() -> None:
+    def error(text: str) -> str:
+        parsed = parse_line(1, text.encode(), SIGNATURE)
+        assert isinstance(parsed, ErrorLine)
+        return parsed.message
+
+    assert "must have shape" in error('{"custom_id": "a", "inputs": {"x": [[1, 2]]}}')
+    assert "one row" in error('{"custom_id": "a", "inputs": {"x": [[1, 2, 3, 4], [1, 2, 3, 4]]}}')
+    assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
+    assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
+    assert "not a JSON line" in error("{nope")
+
+
+def test_a_change_of_shape_closes_the_chunk() -> None:
+    builder = ChunkBuilder(TEXT, 10)
+    parsed = [parse_line(i, json.dumps({"inputs": {"text": [f"t{i}"]}}).encode(), TEXT) for i in range(3)]
+    for entry in parsed:
+        assert not isinstance(entry, ErrorLine)
+        assert builder.add(*entry) is None
+    closed = builder.close()
+    assert closed is not None
+    assert closed.tensors[0].to_numpy().tolist() == [b"t0", b"t1", b"t2"]
+
+
+def test_npy_and_npz_files_are_records_along_the_first_dimension() -> None:
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    npy, npz = io.BytesIO(), io.BytesIO()
+    np.save(npy, x)
+    np.savez(npz, x=x)
+    assert detect_format(npy.getvalue()) is InputFormat.NPY
+    assert detect_format(npz.getvalue()) is InputFormat.NPZ
+    for data, fmt in ((npy.getvalue(), InputFormat.NPY), (npz.getvalue(), InputFormat.NPZ)):
+        chunks = list(array_chunks(array_inputs(data, fmt, SIGNATURE), SIGNATURE, 4))
+        assert [(c.start, c.end) for c in chunks] == [(0, 4), (4, 8), (8, 10)]
+        assert np.array_equal(np.concatenate([c.tensors[0].to_numpy() for c in chunks]), x)
+    wrong = io.BytesIO()
+    np.save(wrong, np.zeros((3, 5), dtype=np.float32))
+    with pytest.raises(RecordInvalid, match="must have shape"):
+        array_inputs(wrong.getvalue(), InputFormat.NPY, SIGNATURE)
+
+
+def test_an_npy_file_streams_row_by_row_from_its_header() -> None:
+    x = np.arange(40, dtype=np.float32).reshape(10, 4)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    data = buffer.getvalue()
+    layout = npy_layout(data[:200], SIGNATURE)
+    assert layout is not None
+    assert (layout.rows, layout.row_bytes) == (10, 16)
+    body = data[layout.offset :]
+    first, second = npy_chunk(layout, body[:64], 0, SIGNATURE), npy_chunk(layout, body[64:], 4, SIGNATURE)
+    assert [(first.start, first.end), (second.start, second.end)] == [(0, 4), (4, 10)]
+    assert np.array_equal(np.concatenate([first.tensors[0].to_numpy(), second.tensors[0].to_numpy()]), x)
+    assert [e.custom_id for e in second.entries] == [str(i) for i in range(4, 10)]
+    fortran = io.BytesIO()
+    np.save(fortran, np.asfortranarray(x))
+    assert npy_layout(fortran.getvalue(), SIGNATURE) is None  # read whole instead
