@@ -279,3 +279,17 @@ async def test_the_health_check_speaks_tls(tmp_path: Path) -> None:
         assert not serving, said
     finally:
         await server.stop(0)
+
+
+def test_every_generated_config_file_is_fresh() -> None:
+    """The TOML files and nats.conf the manifests mount are what generate_config.py writes now (a
+    new config key or NATS permission shows up here, not first in a cluster)."""
+    spec = importlib.util.spec_from_file_location("generate_config", K8S / "generate_config.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    files = module.generated_files()
+    assert len(files) >= 5
+    stale = [str(path.relative_to(K8S)) for path, text in files.items() if path.read_text() != text]
+    assert stale == [], "run: .venv/bin/python deploy/k8s/generate_config.py"

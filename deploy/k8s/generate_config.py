@@ -1,7 +1,7 @@
 """Writes the TOML files the Kubernetes manifests mount, from asyncinfer's own renderer (the same
 text `asyncinfer config` prints), with the cluster's addresses filled in:
 
-    .venv/bin/python deploy/k8s/generate_config.py
+    .venv/bin/python deploy/k8s/generate_config.py [--check]
 
 - base/config/asyncinfer.toml: the gateway's and the scheduler's file (every model: the gateway
   validates inputs against all of them, the scheduler serves all their queues);
@@ -20,6 +20,7 @@ ASYNCINFER_WEBHOOKS__SECRETS, JSON) or as mounted files under /var/run/secrets/a
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from asyncinfer.config import (
@@ -148,7 +149,8 @@ def render(models: tuple[ModelConfig, ...], purpose: str) -> str:
     return header + render_default_config(cluster_config(models))
 
 
-def main() -> None:
+def generated_files() -> dict[Path, str]:
+    """Each generated file's path and the text it should hold."""
     files = {
         HERE / "base/config/asyncinfer.toml": render(POOLS, "gateway and scheduler: every model"),
         HERE / "components/triton/asyncinfer.toml": render(
@@ -161,6 +163,17 @@ def main() -> None:
     for model in POOLS:
         files[HERE / f"base/config/batcher-{model.name}.toml"] = render((model,), f"the {model.name} batcher pool")
     files[HERE / "base/config/nats.conf"] = nats_conf()
+    return files
+
+
+def main() -> None:
+    """Writes the files; with --check, writes nothing and exits 1 naming those that differ."""
+    files = generated_files()
+    if "--check" in sys.argv[1:]:
+        stale = [path for path, text in files.items() if not path.exists() or path.read_text() != text]
+        for path in stale:
+            print(f"stale: {path.relative_to(HERE)} (run: .venv/bin/python deploy/k8s/generate_config.py)")
+        sys.exit(1 if stale else 0)
     for path, text in files.items():
         path.write_text(text)
         print(f"wrote {path.relative_to(HERE)}")
