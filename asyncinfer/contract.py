@@ -38,6 +38,7 @@ QUEUES_BUCKET = "queues"  # NatsConfig.queues_bucket: KV of snapshots, pauses, t
 IDEMPOTENCY_BUCKET = "idempotency"  # NatsConfig.idempotency_bucket: KV of idempotency claims
 WEBHOOKS_BUCKET = "webhooks"  # NatsConfig.webhooks_bucket: KV of delivery status, disabled URLs
 OBJECTS_BUCKET = "blobs"  # NatsConfig.objects_bucket: Object Store of large inputs and results
+MODELS_BUCKET = "models"  # NatsConfig.models_bucket: KV registry of the model versions batchers serve
 
 # --- subjects ---------------------------------------------------------------------------------
 
@@ -231,6 +232,12 @@ def deliveries_key(tenant: str, job_id: str) -> str:
 
 def disabled_url_key(tenant: str, url: str) -> str:
     return f"{DISABLED_URL_KEY_PREFIX}{tenant}.{hashlib.sha256(url.encode()).hexdigest()}"
+
+
+def model_version_key(model_name: str, version: str, batcher_key: str) -> str:
+    """One batcher's entry for one model version in the models bucket (batcher_key: the
+    batcher's ID as one token, `model_registry.batcher_token`)."""
+    return f"{model_name}.{version}.{batcher_key}"
 
 
 def object_name(tenant: str, ref: str) -> str:

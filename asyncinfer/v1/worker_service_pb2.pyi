@@ -34,6 +34,7 @@ class ConnectRequest(_message.Message):
     CREDIT_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     UPDATES_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___WorkerHello:
         """First message: who the batcher is and what it serves."""
@@ -50,6 +51,12 @@ class ConnectRequest(_message.Message):
     def updates(self) -> Global___WorkUpdates:
         """Several results and credit grants (only to a scheduler whose welcome takes batches)."""
 
+    @_builtins.property
+    def models(self) -> Global___ServedModels:
+        """The models served changed (a version loaded, loading or unloaded): the whole list, as in
+        hello. Orders for a version no longer listed stop; its in-flight orders still finish.
+        """
+
     def __init__(
         self,
         *,
@@ -57,16 +64,37 @@ class ConnectRequest(_message.Message):
         credit: Global___CreditGrant | None = ...,
         result: Global___WorkResult | None = ...,
         updates: Global___WorkUpdates | None = ...,
+        models: Global___ServedModels | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "models", b"models", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "models", b"models", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result", "updates"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result", "updates", "models"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class ServedModels(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ServedModel] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServedModels: _TypeAlias = ServedModels  # noqa: Y015
 
 @_typing.final
 class ConnectResponse(_message.Message):
@@ -142,25 +170,41 @@ Global___WorkerHello: _TypeAlias = WorkerHello  # noqa: Y015
 
 @_typing.final
 class ServedModel(_message.Message):
+    """One version of a model (a batcher lists each version it serves or is loading)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     model_version: _builtins.str
     max_batch_size: _builtins.int
     """The batcher's batch limit for this model (for capacity estimates)."""
+    state: _job_service_pb2.ModelVersionState.ValueType
+    """LOADING (announced, takes no work yet) or READY; unspecified means READY."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_job_service_pb2.TensorSpec]:
+        """The version's signature (empty from batchers before versions: the scheduler's configuration's)."""
+
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_job_service_pb2.TensorSpec]: ...
     def __init__(
         self,
         *,
         model_name: _builtins.str = ...,
         model_version: _builtins.str = ...,
         max_batch_size: _builtins.int = ...,
+        inputs: _abc.Iterable[_job_service_pb2.TensorSpec] | None = ...,
+        outputs: _abc.Iterable[_job_service_pb2.TensorSpec] | None = ...,
+        state: _job_service_pb2.ModelVersionState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "model_name", b"model_name", "model_version", b"model_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "max_batch_size", b"max_batch_size", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -5,7 +5,9 @@ carries. Plain functions, so a session calls them once per order with no extra l
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
+from asyncinfer.config import ModelConfig
 from asyncinfer.errors import (
     AsyncInferError,
     Cancelled,
@@ -17,7 +19,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2
+from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
 from services.batcher.progress import ItemProgress
 
@@ -47,16 +49,41 @@ def is_shutdown(error: AsyncInferError) -> bool:
     return isinstance(error, Unavailable) and error.reason == SHUTDOWN_REASON
 
 
-def worker_hello(engine: BatchingEngine, batcher_id: str, *, takes_batches: bool) -> worker_service_pb2.WorkerHello:
-    models = []
-    for name in engine.model_names:
-        config = engine.model_config(name)
-        models.append(
-            worker_service_pb2.ServedModel(
-                model_name=name, model_version=config.version, max_batch_size=config.max_batch_size
-            )
+def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -> list[worker_service_pb2.ServedModel]:
+    """Every version the engine serves (READY), then those `loading` (LOADING: no work yet)."""
+
+    def served(
+        config: ModelConfig, state: job_service_pb2.ModelVersionState.ValueType
+    ) -> worker_service_pb2.ServedModel:
+        signature = config.signature
+        return worker_service_pb2.ServedModel(
+            model_name=config.name,
+            model_version=config.version,
+            max_batch_size=config.max_batch_size,
+            inputs=[
+                job_service_pb2.TensorSpec(name=t.name, datatype=t.datatype, shape=t.shape) for t in signature.inputs
+            ],
+            outputs=[
+                job_service_pb2.TensorSpec(name=t.name, datatype=t.datatype, shape=t.shape) for t in signature.outputs
+            ],
+            state=state,
         )
-    return worker_service_pb2.WorkerHello(batcher_id=batcher_id, models=models, takes_batches=takes_batches)
+
+    models = [
+        served(engine.model_config(name, version), job_service_pb2.MODEL_VERSION_STATE_READY)
+        for name in engine.model_names
+        for version in engine.versions(name)
+    ]
+    models += [served(config, job_service_pb2.MODEL_VERSION_STATE_LOADING) for config in loading]
+    return models
+
+
+def worker_hello(
+    engine: BatchingEngine, batcher_id: str, *, takes_batches: bool, loading: Iterable[ModelConfig] = ()
+) -> worker_service_pb2.WorkerHello:
+    return worker_service_pb2.WorkerHello(
+        batcher_id=batcher_id, models=served_models(engine, loading), takes_batches=takes_batches
+    )
 
 
 def submit_order(
@@ -64,14 +91,8 @@ def submit_order(
 ) -> PendingItem:
     """The order's item in the engine (its progress reported to `progress`); raises (NotFound, FailedPrecondition, the engine's own
     refusals) when it cannot run here."""
-    if not engine.has_model(order.model_name):
+    if not engine.has_model(order.model_name) and not engine.has_model(order.model_name, order.model_version):
         raise NotFound(f"model {order.model_name!r} is not served here", reason="MODEL_NOT_FOUND")
-    version = engine.model_config(order.model_name).version
-    if order.model_version and order.model_version != version:
-        raise NotFound(
-            f"model {order.model_name!r} has no version {order.model_version!r} (served: {version!r})",
-            reason="MODEL_VERSION_NOT_FOUND",
-        )
     if order.input_ref:
         raise FailedPrecondition(
             "claim-check inputs (input_ref) are not supported by this batcher yet", reason="INPUT_REF_UNSUPPORTED"
@@ -84,4 +105,5 @@ def submit_order(
         timeout_s=timeout_s,
         priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
         progress=progress,
+        version=order.model_version,
     )

@@ -15,16 +15,18 @@ goes only to a scheduler whose welcome takes batches.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
 
+from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
 from services.batcher.progress import ItemProgress, ProgressUpdate
-from services.batcher.work_messages import error_status, is_shutdown, submit_order, worker_hello
+from services.batcher.work_messages import error_status, is_shutdown, served_models, submit_order, worker_hello
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
 
@@ -47,7 +49,9 @@ class WorkSession:
         metadata: tuple[tuple[str, str], ...] = (),
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
+        loading: Iterable[ModelConfig] = (),
     ) -> None:
+        self._loading = tuple(loading)
         self._stub = stub
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
@@ -73,6 +77,19 @@ class WorkSession:
     def stop_granting(self) -> None:
         self._granting = False
 
+    def models_changed(self, loading: Iterable[ModelConfig] = ()) -> None:
+        """Tells the scheduler the versions served now (and those loading), then offers credits for
+        any model that is new here. Sent before the engine retires a version, so that the
+        scheduler stops sending it orders while its last ones still run."""
+        self._send(
+            worker_service_pb2.ConnectRequest(
+                models=worker_service_pb2.ServedModels(models=served_models(self._engine, loading))
+            )
+        )
+        for model_name in self._engine.model_names:
+            self._unused_credits.setdefault(model_name, 0)
+            self._top_up(model_name)
+
     async def drain(self) -> None:
         """Waits for every order to be answered, half-closes, and waits for the scheduler to end
         the stream."""
@@ -92,7 +109,9 @@ class WorkSession:
         call = self._stub.Connect(metadata=self._metadata or None)  # type: ignore[call-arg]  # the stubs miss the write() style
         writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
-            hello = worker_hello(self._engine, self._batcher_id, takes_batches=self._work_batches)
+            hello = worker_hello(
+                self._engine, self._batcher_id, takes_batches=self._work_batches, loading=self._loading
+            )
             self._send(worker_service_pb2.ConnectRequest(hello=hello))
             for model_name in self._unused_credits:
                 self._top_up(model_name)
@@ -163,7 +182,12 @@ class WorkSession:
         if model_name in self._unused_credits:
             self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
         progress = None
-        if self._batches and self._engine.has_model(model_name) and self._engine.reports_progress(model_name):
+        version = order.model_version
+        if (
+            self._batches
+            and self._engine.has_model(model_name, version)
+            and self._engine.reports_progress(model_name, version)
+        ):
             progress = ItemProgress(
                 lambda update: self._send_progress(order, update),
                 interval_s=self._progress_interval_s,

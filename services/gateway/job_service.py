@@ -104,7 +104,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
         )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
-        self._models = models_to_proto(config.models)  # the configuration does not change while serving
+        self._catalog = submitter.catalog
 
     def _model_label(self, model_name: str) -> str:
         # Unknown names would otherwise let callers mint label values without bound.
@@ -276,7 +276,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.ListModelsRequest, context: Context
     ) -> job_service_pb2.ListModelsResponse:
         resolve_tenant(context, self._authenticator)  # a caller without a key learns nothing
-        return self._models
+        return models_to_proto(self._catalog.listings())
 
     async def ReadResult(
         self, request: job_service_pb2.ReadResultRequest, context: Context

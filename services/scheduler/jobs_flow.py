@@ -25,7 +25,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
-from services.scheduler.batchers import BatcherSession
+from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.completions import CompletionRates
 from services.scheduler.dead_letters import DeadLetterStore
@@ -54,6 +54,7 @@ class JobFlow:
         queued_records: QueuedRecords | None = None,
         nc: NatsClient | None = None,
         instance_id: str = "",
+        batchers: BatcherRegistry | None = None,
     ) -> None:
         self._store = store
         self._metrics = metrics
@@ -87,6 +88,7 @@ class JobFlow:
             claim_check=claim_check,
             on_timeout=self._on_timeout,
             instance_id=instance_id,
+            batchers=batchers,
         )
 
     @property

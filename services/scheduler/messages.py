@@ -7,14 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
-from asyncinfer.tensors import Tensor
+from asyncinfer.tensors import ModelSignature, Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
+    """One version of a model a batcher serves (ready) or is loading (not ready: no work yet)."""
+
     model_name: str
     model_version: str
     max_batch_size: int
+    ready: bool = True
+    signature: ModelSignature | None = None  # None from a batcher that does not send it
 
 
 @dataclass(frozen=True, slots=True)

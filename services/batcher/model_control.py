@@ -1,0 +1,183 @@
+"""Loading, replacing and unloading model versions while the batcher serves (hot updates): the
+KServe repository API (kserve_repository.py), a reload of the configuration file (SIGHUP) and the
+scheduler's model controls all come here.
+
+`apply(name, versions)` makes the versions a model serves exactly `versions` (Triton's
+load_model with a config: the loaded versions become the ones it declares):
+- a new version is announced LOADING, loaded (in a thread), started and warmed up with one
+  batch of made-up inputs before the engine gives it work, then announced READY;
+- a loaded version whose configuration changed is replaced the same way: the new one takes every
+  item from the moment it is ready, the old one finishes what it holds;
+- a version no longer declared is announced gone first (the scheduler stops sending it orders),
+  then retired: what it holds finishes on it, then its backend is closed.
+A version that fails to load or warm up is reported UNAVAILABLE with the reason (`failures`) and
+the rest go on; the version it would have replaced keeps serving. One change at a time per
+batcher (a lock), so that two reloads never race on the same version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import structlog
+
+from asyncinfer.config import BatcherConfig, ModelConfig
+from asyncinfer.errors import AsyncInferError, ModelError
+from asyncinfer.tensors import NUMPY_DTYPES
+from services.batcher.backends import Arrays, ModelBackend
+from services.batcher.backends.loading import load_backend
+from services.batcher.engine import BatchingEngine
+
+log = structlog.get_logger("asyncinfer.batcher.models")
+
+Announce = Callable[[Sequence[ModelConfig]], None]
+
+
+def warm_up_inputs(config: ModelConfig) -> Arrays:
+    """One row of each input, every variable dimension 1: zeros, or a short text for BYTES."""
+    arrays: Arrays = {}
+    for spec in config.signature.inputs:
+        shape = tuple(1 if d == -1 else d for d in spec.shape)
+        shape = (1, *shape[1:])
+        if spec.datatype == "BYTES":
+            arrays[spec.name] = np.full(shape, b"warm up", dtype=object)
+        else:
+            arrays[spec.name] = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
+    return arrays
+
+
+async def warm_up(config: ModelConfig, backend: ModelBackend) -> None:
+    """Runs one batch through the backend (the first batch pays for lazy initialisation, kernel
+    selection, a remote model's first call), so that the first job does not."""
+    inputs = warm_up_inputs(config)
+    try:
+        if backend.runs_async:
+            await backend.infer_batch_async(inputs)
+        else:
+            await asyncio.to_thread(backend.infer_batch, inputs)
+    except ModelError as exc:
+        # Made-up inputs are not every model's (a model may refuse zeros): the model answered,
+        # which is what warming up is for. Triton fails the load instead, on warm-up samples the
+        # model's author gives; ours are not the author's.
+        log.warning("model_warm_up_refused", model=config.name, version=config.version, error=exc.message)
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
+
+
+class ModelControl:
+    def __init__(self, engine: BatchingEngine, batcher: BatcherConfig, *, linger_s: float = 1.0) -> None:
+        self._engine = engine
+        self._batcher = batcher
+        self._linger_s = linger_s
+        self._lock = asyncio.Lock()
+        self._backends: dict[tuple[str, str], ModelBackend] = {}
+        self.loading: dict[tuple[str, str], ModelConfig] = {}
+        # (model, version) -> why it is not served (failed to load or to warm up).
+        self.failures: dict[tuple[str, str], str] = {}
+        self._announce: Announce = lambda _loading: None
+
+    def on_change(self, announce: Announce) -> None:
+        """`announce(loading)` is called after every change to what is served (or loading)."""
+        self._announce = announce
+
+    def _changed(self) -> None:
+        self._announce(list(self.loading.values()))
+
+    @property
+    def backends(self) -> list[ModelBackend]:
+        return list(self._backends.values())
+
+    async def load(self, config: ModelConfig) -> ModelBackend | None:
+        """The version's backend, loaded, started and warmed up; None (and the reason in
+        `failures`) when it cannot serve."""
+        key = (config.name, config.version)
+        backend: ModelBackend | None = None
+        try:
+            backend = await asyncio.to_thread(load_backend, config, self._batcher)
+            await backend.start()
+            await warm_up(config, backend)
+        except Exception as exc:
+            reason = _reason(exc)
+            log.error("model_load_failed", model=config.name, version=config.version, reason=reason)
+            self.failures[key] = reason
+            if backend is not None:
+                await backend.aclose()
+            return None
+        self.failures.pop(key, None)
+        log.info("model_loaded", model=config.name, version=config.version, backend=config.backend)
+        return backend
+
+    async def load_at_start(self, models: Iterable[ModelConfig]) -> None:
+        """Loads every declared version before the engine starts (nothing is announced yet)."""
+        for model in models:
+            for config in model.version_configs():
+                backend = await self.load(config)
+                if backend is not None:
+                    self._backends[(config.name, config.version)] = backend
+                    self._engine.add_model(config, backend)
+
+    async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
+        """Makes the model's versions exactly `versions` (empty: unloads the model)."""
+        async with self._lock:
+            wanted = {c.version: c for c in versions}
+            changes = [
+                c
+                for c in versions
+                if not self._engine.has_model(model_name, c.version)
+                or self._engine.model_config(model_name, c.version) != c
+                or (model_name, c.version) in self.failures
+            ]
+            for config in changes:
+                self.loading[(model_name, config.version)] = config
+            if changes:
+                self._changed()
+            await asyncio.gather(*(self._load_one(c) for c in changes))
+            for version in self._engine.versions(model_name):
+                if version not in wanted:
+                    await self._unload_one(model_name, version)
+            for key in [k for k in self.failures if k[0] == model_name and k[1] not in wanted]:
+                del self.failures[key]
+
+    async def _load_one(self, config: ModelConfig) -> None:
+        key = (config.name, config.version)
+        try:
+            backend = await self.load(config)
+        finally:
+            self.loading.pop(key, None)
+        if backend is None:
+            self._changed()
+            return
+        if self._engine.has_model(config.name, config.version):
+            old = self._backends.get(key)
+            self._backends[key] = backend
+            self._changed()
+            log.info("model_version_replaced", model=config.name, version=config.version)
+            await self._engine.retire(
+                config.name, config.version, linger_s=self._linger_s, replacement=(config, backend)
+            )
+            if old is not None:
+                await old.aclose()
+            return
+        self._backends[key] = backend
+        self._engine.add_model(config, backend)
+        self._changed()
+
+    async def _unload_one(self, model_name: str, version: str) -> None:
+        backend = self._backends.pop((model_name, version), None)
+        # Withdrawn first and announced, so that the scheduler sends it nothing more while what
+        # it holds finishes.
+        queue = self._engine.withdraw(model_name, version)
+        self._changed()
+        await self._engine.finish_retiring(queue, linger_s=self._linger_s)
+        log.info("model_unloaded", model=model_name, version=version)
+        if backend is not None:
+            await backend.aclose()
+
+    async def close(self) -> None:
+        for backend in self._backends.values():
+            await backend.aclose()
+        self._backends.clear()
