@@ -86,7 +86,11 @@ class WorkSession:
                 models=worker_service_pb2.ServedModels(models=served_models(self._engine, loading))
             )
         )
-        for model_name in self._engine.model_names:
+        served = self._engine.model_names
+        for model_name in [name for name in self._unused_credits if name not in served]:
+            # The scheduler drops a model's credits when no version of it is served any more.
+            del self._unused_credits[model_name]
+        for model_name in served:
             self._unused_credits.setdefault(model_name, 0)
             self._top_up(model_name)
 

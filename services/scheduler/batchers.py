@@ -140,7 +140,7 @@ class BatcherRegistry:
 
     def release(self, session: BatcherSession, model_name: str) -> None:
         """Gives back a reserved credit that was not used (nothing to dispatch)."""
-        if not session.closed:
+        if not session.closed and model_name in session.credits:  # not a model the batcher has since unloaded
             session.credits[model_name] += 1
             self._refresh(model_name)
 
