@@ -99,14 +99,11 @@ async def run_service(name: str, config: Config, config_path: Path | None = None
     def make() -> App:
         return _batcher(config, config_path) if name == "batcher" else SERVICES[name](config)
 
-
     def started(apps: Sequence[App]) -> None:
         tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
 
-    return await run_until_stopped(
-        [_starter(make)], grace_s=SHUTDOWN_GRACE_S, on_started=started
-    )
+    return await run_until_stopped([_starter(make)], grace_s=SHUTDOWN_GRACE_S, on_started=started)
 
 
 def _host(config: Config, name: str) -> str:
