@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 from asyncinfer.client import AsyncClient, Job, NotFoundError
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_service_pb2
+from services.batcher.models.demo import GATE
 from tests.stack import Stack, StartStack
 from tests.test_model_versions import EXPECTED, V2_LOADER, X, demo, with_models
 
@@ -192,3 +193,35 @@ async def test_2000_jobs_while_v1_is_replaced_by_v2(v1_stack: Stack) -> None:
         assert ran_on.get("default->2", 0) > 0
         assert ran_on.get("1->1", 0) > 0
         assert ran_on.get("2->2", 0) > 0
+
+
+async def test_a_replaced_version_finishes_its_in_flight_batch_on_the_old_model(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Version 1 is replaced (same version, new weights: the v2 factory) while a batch of it is
+    computing: that batch ends with the old model's answer, every later job gets the new one."""
+    gated = demo(versions=("1",)).model_copy(update={"loader": "services.batcher.models.demo:build_gated_model"})
+    stack = await start_stack(with_models(config, gated))
+    assert stack.batcher is not None
+    kserve_client = kserve(stack)
+    GATE.clear()
+    try:
+        async with AsyncClient(stack.address) as client:
+            held = await client.submit("demo", {"x": X}, model_version="1")
+            async for update in client.watch(held, timeout_s=WAIT_S):
+                if update.state.value == "RUNNING":
+                    break
+            await kserve_client.load_model("demo", config=load_config_json(version_table("1", V2_LOADER)))
+            after = await client.submit("demo", {"x": X}, model_version="1")
+            after_done = await client.wait(after, timeout_s=WAIT_S)
+            np.testing.assert_allclose(after_done.outputs["y"], EXPECTED["2"])  # the new weights
+            assert (await client.get(held)).state.value == "RUNNING"  # still computing on the old model
+            GATE.set()
+            held_done = await client.wait(held, timeout_s=WAIT_S)
+            assert held_done.succeeded
+            assert held_done.attempt == 1
+            np.testing.assert_allclose(held_done.outputs["y"], EXPECTED["1"])  # the old weights
+            await stack.batcher.models.drained()
+    finally:
+        GATE.set()
+        await kserve_client.close()

@@ -7,9 +7,10 @@ load_model with a config: the loaded versions become the ones it declares):
 - a new version is announced LOADING, loaded (in a thread), started and warmed up with one
   batch of made-up inputs before the engine gives it work, then announced READY;
 - a loaded version whose configuration changed is replaced the same way: the new one takes every
-  item from the moment it is ready, the old one finishes what it holds;
+  item from the moment it is ready, the old one finishes what it holds (in the background);
 - a version no longer declared is announced gone first (the scheduler stops sending it orders),
-  then retired: what it holds finishes on it, then its backend is closed.
+  then retired: what it holds finishes on it (in the background), then its backend is closed.
+`apply` returns once the change is in effect for new work; `drained` waits for the old ones.
 A version that fails to load or warm up is reported UNAVAILABLE with the reason (`failures`) and
 the rest go on; the version it would have replaced keeps serving. One change at a time per
 batcher (a lock), so that two reloads never race on the same version.
@@ -29,6 +30,7 @@ from asyncinfer.tensors import NUMPY_DTYPES
 from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
+from services.batcher.model_queue import ModelQueue
 
 log = structlog.get_logger("asyncinfer.batcher.models")
 
@@ -79,6 +81,7 @@ class ModelControl:
         # (model, version) -> why it is not served (failed to load or to warm up).
         self.failures: dict[tuple[str, str], str] = {}
         self._announce: Announce = lambda _loading: None
+        self._draining: set[asyncio.Task[None]] = set()
 
     def on_change(self, announce: Announce) -> None:
         """`announce(loading)` is called after every change to what is served (or loading)."""
@@ -127,7 +130,7 @@ class ModelControl:
             changes = [
                 c
                 for c in versions
-                if not self._engine.has_model(model_name, c.version)
+                if c.version not in self._engine.versions(model_name)
                 or self._engine.model_config(model_name, c.version) != c
                 or (model_name, c.version) in self.failures
             ]
@@ -151,16 +154,15 @@ class ModelControl:
         if backend is None:
             self._changed()
             return
-        if self._engine.has_model(config.name, config.version):
+        if config.version in self._engine.versions(config.name):
             old = self._backends.get(key)
             self._backends[key] = backend
+            # The new one takes every item from now on; the old one finishes what it holds.
+            queue = self._engine.withdraw(config.name, config.version)
+            self._engine.add_model(config, backend)
             self._changed()
             log.info("model_version_replaced", model=config.name, version=config.version)
-            await self._engine.retire(
-                config.name, config.version, linger_s=self._linger_s, replacement=(config, backend)
-            )
-            if old is not None:
-                await old.aclose()
+            self._drain_in_background(queue, old)
             return
         self._backends[key] = backend
         self._engine.add_model(config, backend)
@@ -172,12 +174,34 @@ class ModelControl:
         # it holds finishes.
         queue = self._engine.withdraw(model_name, version)
         self._changed()
-        await self._engine.finish_retiring(queue, linger_s=self._linger_s)
-        log.info("model_unloaded", model=model_name, version=version)
-        if backend is not None:
-            await backend.aclose()
+        log.info("model_unloading", model=model_name, version=version)
+        self._drain_in_background(queue, backend)
+
+    def _drain_in_background(self, queue: ModelQueue, backend: ModelBackend | None) -> None:
+        """What a withdrawn version holds finishes on it, then its backend is closed: a task this
+        object owns (`drained` waits for them, `close` ends them)."""
+
+        async def drain() -> None:
+            try:
+                await self._engine.finish_retiring(queue, linger_s=self._linger_s)
+                log.info("model_unloaded", model=queue.name, version=queue.config.version)
+            finally:  # also when the batcher stops first
+                if backend is not None:
+                    await backend.aclose()
+
+        task = asyncio.create_task(drain(), name=f"drain-{queue.name}-{queue.config.version}")
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    async def drained(self) -> None:
+        """Returns once every withdrawn version has finished what it held and is closed."""
+        while self._draining:
+            await asyncio.gather(*self._draining, return_exceptions=True)
 
     async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
         for backend in self._backends.values():
             await backend.aclose()
         self._backends.clear()
