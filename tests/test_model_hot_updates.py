@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import aio as triton
@@ -18,7 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from asyncinfer.client import AsyncClient, Job, NotFoundError
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.v1 import job_service_pb2
+from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.batcher.models.demo import GATE
 from tests.stack import Stack, StartStack
 from tests.test_model_versions import EXPECTED, V2_LOADER, X, demo, with_models
@@ -225,3 +226,54 @@ async def test_a_replaced_version_finishes_its_in_flight_batch_on_the_old_model(
     finally:
         GATE.set()
         await kserve_client.close()
+
+
+async def test_ops_service_loads_and_unloads_across_the_pool(
+    config: Config, start_stack: StartStack, batchers: Callable[..., Any]
+) -> None:
+    """OpsService.LoadModel / UnloadModel reach every batcher connected to the scheduler."""
+    stack = await start_stack(with_models(config, demo(versions=("1",))), batcher=False)
+    pool = [await batchers(stack, name, demo(versions=("1",))) for name in ("pool-a", "pool-b")]
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+
+    async def both_connected() -> bool:  # a batcher's stream opens after its start returns
+        return (await listed_versions(stack)).get("1", (0, ()))[1] == ("pool-a", "pool-b")
+
+    try:
+        await until(both_connected)
+        both = load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", V2_LOADER))
+        loaded = await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", config_json=both))
+        assert sorted((o.batcher_id, o.ok) for o in loaded.outcomes) == [("pool-a", True), ("pool-b", True)]
+        await until(lambda: ready(stack, "2"))
+        listed = await listed_versions(stack)
+        assert listed["2"][1] == ("pool-a", "pool-b")
+        async with AsyncClient(stack.address) as client:
+            jobs = [await client.submit("demo", {"x": X}, model_version="2") for _ in range(20)]
+            done = await client.wait_jobs(jobs, timeout_s=WAIT_S)
+            assert all(d.succeeded and d.model_version == "2" for d in done.values())
+            assert {d.batcher_id for d in done.values()} <= {"pool-a", "pool-b"}
+
+        unloaded = await ops.UnloadModel(ops_service_pb2.UnloadModelRequest(model_name="demo", model_version="1"))
+        assert all(o.ok for o in unloaded.outcomes)
+        assert all(app.engine.versions("demo") == ["2"] for app in pool)
+
+        async def v1_unavailable() -> bool:
+            return (await listed_versions(stack))["1"][0] == job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE
+
+        await until(v1_unavailable)
+
+        refused = await ops.LoadModel(
+            ops_service_pb2.LoadModelRequest(
+                model_name="demo", config_json=json.dumps({"loader": "no.such:factory"}), batcher_ids=["pool-a"]
+            )
+        )
+        (outcome,) = refused.outcomes
+        assert not outcome.ok
+        assert outcome.error.reason == "MODEL_LOAD_FAILED"
+        assert pool[0].engine.versions("demo") == ["2"]  # what ran keeps running
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", batcher_ids=["nobody"]))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await channel.close()

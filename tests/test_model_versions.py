@@ -8,7 +8,7 @@ The demo model's version 2 computes y = 3x + 1 (version 1: 2x + 1), so outputs s
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,6 @@ import pytest
 from asyncinfer.client import AsyncClient, NotFoundError
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig
 from asyncinfer.v1 import job_service_pb2
-from services.batcher.app import BatcherApp
 from tests.stack import Stack, StartStack
 
 V2_LOADER = "services.batcher.models.demo:build_demo_v2_model"
@@ -37,25 +36,6 @@ def demo(*, versions: tuple[str, ...] = ("1", "2"), default_version: str = "") -
 
 def with_models(config: Config, *models: ModelConfig) -> Config:
     return config.replace(models=[m.model_dump() for m in models])
-
-
-@pytest.fixture
-async def batchers(start_stack: StartStack) -> AsyncIterator[Callable[..., Any]]:
-    """Starts batchers (each with its own models) against a stack's scheduler; all stopped at the end."""
-    started: list[BatcherApp] = []
-
-    async def start(stack: Stack, batcher_id: str, *models: ModelConfig) -> BatcherApp:
-        config = with_models(stack.config, *models).replace(
-            batcher={"scheduler_address": stack.ops_address, "batcher_id": batcher_id}
-        )
-        app = BatcherApp(config)
-        await app.start()
-        started.append(app)
-        return app
-
-    yield start
-    for app in reversed(started):
-        await app.stop(1.0)
 
 
 async def versions_listed(client: AsyncClient, stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:

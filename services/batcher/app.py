@@ -46,7 +46,7 @@ class BatcherApp:
         self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor)
         self.port = 0
         self.metrics_port = 0
-        self.models = ModelControl(self.engine, config.batcher)
+        self.models = ModelControl(self.engine, config.batcher, repository=self._repository)
         # Model name -> why it failed to load; those models answer UNAVAILABLE with the reason.
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
@@ -115,6 +115,7 @@ class BatcherApp:
                 security=worker_security,
                 progress_interval_s=batcher.progress_interval_ms / 1000,
                 progress_max_bytes=batcher.progress_max_bytes,
+                models=self.models,
             )
             await self._worker.start()
             self.models.on_change(self._worker.models_changed)

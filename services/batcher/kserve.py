@@ -23,8 +23,8 @@ from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensor
 from asyncinfer.tensors import Tensor
 from services.batcher.engine import BatchingEngine
-from services.batcher.kserve_repository import Repository, RepositoryServicer
-from services.batcher.model_control import ModelControl
+from services.batcher.kserve_repository import RepositoryServicer
+from services.batcher.model_control import ModelControl, Repository
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 SERVER_NAME = "asyncinfer-batcher"

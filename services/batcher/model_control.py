@@ -12,20 +12,25 @@ load_model with a config: the loaded versions become the ones it declares):
   then retired: what it holds finishes on it (in the background), then its backend is closed.
 `apply` returns once the change is in effect for new work; `drained` waits for the old ones.
 A version that fails to load or warm up is reported UNAVAILABLE with the reason (`failures`) and
-the rest go on; the version it would have replaced keeps serving. One change at a time per
+the rest go on; the version it would have replaced keeps serving, and no version is unloaded by
+that change. One change at a time per
 batcher (a lock), so that two reloads never race on the same version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import structlog
+from pydantic import ValidationError
 
 from asyncinfer.config import BatcherConfig, ModelConfig
-from asyncinfer.errors import AsyncInferError, ModelError
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ModelError, NotFound, Unavailable
+from asyncinfer.jobs import NAME_PATTERN
 from asyncinfer.tensors import NUMPY_DTYPES
 from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.backends.loading import load_backend
@@ -35,6 +40,8 @@ from services.batcher.model_queue import ModelQueue
 log = structlog.get_logger("asyncinfer.batcher.models")
 
 Announce = Callable[[Sequence[ModelConfig]], None]
+# The model tables the repository (the configuration file) declares now.
+Repository = Callable[[], Sequence[ModelConfig]]
 
 
 def warm_up_inputs(config: ModelConfig) -> Arrays:
@@ -70,8 +77,28 @@ def _reason(exc: BaseException) -> str:
     return exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
 
 
+def parse_model_json(text: str, field: str = "config") -> dict[str, Any]:
+    """A model table given as JSON (load_model's config, LoadModel's config_json)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field} is not JSON: {exc}", [FieldViolation(field, str(exc))]) from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{field} must be a JSON object", [FieldViolation(field, "give a model table")])
+    return data
+
+
 class ModelControl:
-    def __init__(self, engine: BatchingEngine, batcher: BatcherConfig, *, linger_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        engine: BatchingEngine,
+        batcher: BatcherConfig,
+        *,
+        linger_s: float = 1.0,
+        repository: Repository | None = None,
+    ) -> None:
+        """`repository`: the model tables the configuration file declares now (re-read per call)."""
+        self._repository = repository
         self._engine = engine
         self._batcher = batcher
         self._linger_s = linger_s
@@ -93,6 +120,58 @@ class ModelControl:
     @property
     def backends(self) -> list[ModelBackend]:
         return list(self._backends.values())
+
+    # --- load_model / unload_model (KServe's repository API, the scheduler's model controls) ----
+
+    def declared(self, name: str) -> list[ModelConfig]:
+        for model in self._repository() if self._repository is not None else ():
+            if model.name == name:
+                return list(model.version_configs())
+        return []
+
+    def versions_to_load(self, name: str, override: dict[str, Any] | None) -> list[ModelConfig]:
+        """The versions a load makes the model serve: the repository's (override None), or the
+        override's model table laid over the repository's table (or the default version served
+        now), its `versions` and `default_version` replaced."""
+        declared = self.declared(name)
+        if override is None:
+            if not declared:
+                raise NotFound(f"the repository declares no model {name!r}", reason="MODEL_NOT_FOUND")
+            return declared
+        if declared:
+            base = declared[0].model_dump()
+        elif self._engine.has_model(name):
+            base = self._engine.model_config(name).model_dump()
+        else:
+            base = {}
+        data = {**base, "versions": (), "default_version": "", **override, "name": name}
+        try:
+            return list(ModelConfig.model_validate(data).version_configs())
+        except ValidationError as exc:
+            violations = [
+                FieldViolation(f"config.{'.'.join(str(p) for p in e['loc'])}", e["msg"])
+                for e in exc.errors(include_url=False)
+            ]
+            raise InvalidArgument(f"invalid model config: {violations[0].description}", violations) from None
+
+    async def load_model(self, name: str, override: dict[str, Any] | None = None) -> None:
+        """Loads the model's versions (see versions_to_load); Unavailable when one did not load."""
+        if not NAME_PATTERN.match(name):
+            raise InvalidArgument(f"invalid model name {name[:64]!r}", [FieldViolation("model_name", "")])
+        await self.apply(name, self.versions_to_load(name, override))
+        failed = {v: r for (n, v), r in self.failures.items() if n == name}
+        if failed:
+            detail = "; ".join(f"version {v}: {r}" for v, r in failed.items())
+            raise Unavailable(f"model {name!r} did not load: {detail}", reason="MODEL_LOAD_FAILED")
+
+    async def unload_model(self, name: str, version: str = "") -> None:
+        """Unloads the model (or one version of it); NotFound when it is not loaded here."""
+        served = self._engine.versions(name)
+        if not served or (version and version not in served):
+            which = f"model {name!r}" + (f" version {version!r}" if version else "")
+            raise NotFound(f"{which} is not loaded here", reason="MODEL_NOT_FOUND")
+        keep = [self._engine.model_config(name, v) for v in served if version and v != version]
+        await self.apply(name, keep)
 
     async def load(self, config: ModelConfig) -> ModelBackend | None:
         """The version's backend, loaded, started and warmed up; None (and the reason in
@@ -139,6 +218,9 @@ class ModelControl:
             if changes:
                 self._changed()
             await asyncio.gather(*(self._load_one(c) for c in changes))
+            if any((model_name, c.version) in self.failures for c in changes):
+                # Like Triton, a load that fails leaves what served serving: nothing is unloaded.
+                return
             for version in self._engine.versions(model_name):
                 if version not in wanted:
                     await self._unload_one(model_name, version)

@@ -13,6 +13,7 @@ from asyncinfer.errors import (
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
+    FieldViolation,
     InvalidArgument,
     NotFound,
     Unavailable,
@@ -21,6 +22,7 @@ from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
+from services.batcher.model_control import ModelControl, parse_model_json
 from services.batcher.progress import ItemProgress
 
 # Failures that the same order would meet again on any attempt.
@@ -107,3 +109,23 @@ def submit_order(
         progress=progress,
         version=order.model_version,
     )
+
+
+async def run_control(
+    models: ModelControl | None, control: worker_service_pb2.ModelControl
+) -> worker_service_pb2.ConnectRequest:
+    """Carries out a scheduler's model control (OpsService.LoadModel / UnloadModel) and answers it."""
+    result = worker_service_pb2.ModelControlResult(request_id=control.request_id)
+    try:
+        if models is None:
+            raise FailedPrecondition("this batcher has no model control", reason="MODEL_CONTROL_UNAVAILABLE")
+        if control.action == worker_service_pb2.MODEL_CONTROL_ACTION_LOAD:
+            override = parse_model_json(control.config_json, "config_json") if control.config_json else None
+            await models.load_model(control.model_name, override)
+        elif control.action == worker_service_pb2.MODEL_CONTROL_ACTION_UNLOAD:
+            await models.unload_model(control.model_name, control.model_version)
+        else:
+            raise InvalidArgument("unknown model control action", [FieldViolation("action", "LOAD or UNLOAD")])
+    except AsyncInferError as error:
+        result.error.CopyFrom(error_status(error))
+    return worker_service_pb2.ConnectRequest(control_result=result)

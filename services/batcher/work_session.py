@@ -15,7 +15,7 @@ goes only to a scheduler whose welcome takes batches.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import structlog
@@ -25,8 +25,16 @@ from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
+from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress, ProgressUpdate
-from services.batcher.work_messages import error_status, is_shutdown, served_models, submit_order, worker_hello
+from services.batcher.work_messages import (
+    error_status,
+    is_shutdown,
+    run_control,
+    served_models,
+    submit_order,
+    worker_hello,
+)
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
 
@@ -50,8 +58,10 @@ class WorkSession:
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
         loading: Iterable[ModelConfig] = (),
+        models: ModelControl | None = None,
     ) -> None:
         self._loading = tuple(loading)
+        self._models = models
         self._stub = stub
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
@@ -164,6 +174,8 @@ class WorkSession:
             self._accept(response.order)
         elif kind == "cancel":
             self._cancel(response.cancel)
+        elif kind == "control":
+            self._spawn(self._control(response.control), f"control-{response.control.model_name}")
         elif kind == "welcome":
             self._batches = self._work_batches and response.welcome.takes_batches
             log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
@@ -205,11 +217,17 @@ class WorkSession:
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return
-        key = (order.job_id, order.attempt)
-        self._orders[key] = item
-        task = asyncio.create_task(self._finish(order, item), name=f"order-{order.job_id}")
+        self._orders[(order.job_id, order.attempt)] = item
+        self._spawn(self._finish(order, item), f"order-{order.job_id}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """A task of this session (cancelled when the stream breaks, awaited by drain)."""
+        task = asyncio.create_task(work, name=name)
         self._order_tasks.add(task)
         task.add_done_callback(self._order_tasks.discard)
+
+    async def _control(self, control: worker_service_pb2.ModelControl) -> None:
+        self._send(await run_control(self._models, control))
 
     async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem) -> None:
         key = (order.job_id, order.attempt)

@@ -26,6 +26,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import channel_credentials, read_secret
 from asyncinfer.v1 import worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine
+from services.batcher.model_control import ModelControl
 from services.batcher.work_session import WorkSession
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
@@ -71,7 +72,9 @@ class WorkerClient:
         security: WorkerSecurity | None = None,
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
+        models: ModelControl | None = None,
     ) -> None:
+        self._models = models
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
         self._address = address
@@ -162,6 +165,7 @@ class WorkerClient:
                     progress_interval_s=self._progress_interval_s,
                     progress_max_bytes=self._progress_max_bytes,
                     loading=self._loading,
+                    models=self._models,
                 )
                 await self._session.run()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)

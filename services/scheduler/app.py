@@ -41,6 +41,7 @@ from services.scheduler.instances import SchedulerInstance, stable_name
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.lease_reclaim import LeaseReclaimer
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.model_controls import ModelControls
 from services.scheduler.model_registry_writer import ModelRegistryWriter
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
@@ -161,8 +162,13 @@ class SchedulerApp:
             KvBucket(name=config.nats.models_bucket, kv=models_kv, js=js), self.batchers
         )
         self.supervisor.start("scheduler-model-registry", registry.run())
+        controls = ModelControls(self.batchers)
         workers = WorkerService(
-            scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow, on_models=registry.changed
+            scheduler_id=self.scheduler_id,
+            batchers=self.batchers,
+            flow=flow,
+            on_models=registry.changed,
+            controls=controls,
         )
         ops = OpsService(
             config=config,
@@ -175,6 +181,7 @@ class SchedulerApp:
             drain=self.drain,
             undrain=self.undrain,
             scheduler_id=self.scheduler_id,
+            controls=controls,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)

@@ -11,7 +11,7 @@ import asyncio
 import itertools
 
 from asyncinfer.errors import InvalidArgument
-from services.scheduler.messages import CancelOrder, ServedModel, WorkerHello, WorkOrder
+from services.scheduler.messages import CancelOrder, ModelControlOrder, ServedModel, WorkerHello, WorkOrder
 
 _session_numbers = itertools.count(1)
 
@@ -32,7 +32,7 @@ class BatcherSession:
         self.credits: dict[str, int] = {}
         self.serve(hello.models)
         self.in_flight: set[str] = set()
-        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | None] = asyncio.Queue()
+        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | ModelControlOrder | None] = asyncio.Queue()
         self.closed = False
 
     def __repr__(self) -> str:
@@ -58,7 +58,7 @@ class BatcherSession:
     def serves(self, model_name: str, version: str) -> bool:
         return version in self.versions.get(model_name, ())
 
-    def send(self, order: WorkOrder | CancelOrder) -> None:
+    def send(self, order: WorkOrder | CancelOrder | ModelControlOrder) -> None:
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")
         self.outbound.put_nowait(order)

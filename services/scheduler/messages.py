@@ -75,3 +75,14 @@ class CancelOrder:
 
     job_id: str
     attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelControlOrder:
+    """Load (or replace) or unload a model's versions on a batcher (OpsService.LoadModel / UnloadModel)."""
+
+    request_id: int
+    action: str  # LOAD or UNLOAD
+    model_name: str
+    config_json: str = ""
+    model_version: str = ""

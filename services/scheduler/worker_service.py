@@ -25,12 +25,14 @@ from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.messages import (
     CancelOrder,
     CreditGrant,
+    ModelControlOrder,
     ServedModel,
     WorkerHello,
     WorkOrder,
     WorkProgress,
     WorkResult,
 )
+from services.scheduler.model_controls import ModelControls
 
 # Orders gathered into one WorkOrders message stop at about this many bytes of inputs (a message
 # always holds at least one order); the rest go in the next one.
@@ -173,6 +175,24 @@ def _single(message: WorkOrder | CancelOrder) -> worker_service_pb2.ConnectRespo
     return worker_service_pb2.ConnectResponse(order=order_to_proto(message))
 
 
+def _control(message: ModelControlOrder) -> worker_service_pb2.ConnectResponse:
+    action = CONTROL_ACTIONS[message.action]
+    control = worker_service_pb2.ModelControl(
+        request_id=message.request_id,
+        model_name=message.model_name,
+        action=action,
+        config_json=message.config_json,
+        model_version=message.model_version,
+    )
+    return worker_service_pb2.ConnectResponse(control=control)
+
+
+CONTROL_ACTIONS = {
+    "LOAD": worker_service_pb2.MODEL_CONTROL_ACTION_LOAD,
+    "UNLOAD": worker_service_pb2.MODEL_CONTROL_ACTION_UNLOAD,
+}
+
+
 def _add_to_batch(batch: worker_service_pb2.WorkOrders, message: WorkOrder | CancelOrder | None) -> bool:
     """Adds one outbound message; True when it was the end of the stream."""
     if message is None:
@@ -199,12 +219,14 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
         batchers: BatcherRegistry,
         flow: JobFlow,
         on_models: Callable[[BatcherSession], None] | None = None,
+        controls: ModelControls | None = None,
     ) -> None:
         """`on_models(session)`: told when a session starts, changes what it serves, and ends."""
         self._scheduler_id = scheduler_id
         self._batchers = batchers
         self._flow = flow
         self._on_models = on_models
+        self._controls = controls
 
     async def Connect(
         self,
@@ -227,6 +249,9 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                 welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id, takes_batches=True)
             )
             while (message := await session.outbound.get()) is not None:
+                if isinstance(message, ModelControlOrder):
+                    yield _control(message)
+                    continue
                 if not session.takes_batches:
                     yield _single(message)
                     continue
@@ -235,14 +260,20 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                 batch = worker_service_pb2.WorkOrders()
                 ended = _add_to_batch(batch, message)
                 budget_bytes = ORDERS_MESSAGE_BYTES - _order_bytes(message)
+                control = None
                 while not ended and budget_bytes > 0 and not session.outbound.empty():
                     message = session.outbound.get_nowait()
                     if message is None:
                         ended = True
                         break
+                    if isinstance(message, ModelControlOrder):
+                        control = message  # goes on its own, after the orders before it
+                        break
                     _add_to_batch(batch, message)
                     budget_bytes -= _order_bytes(message)
                 yield worker_service_pb2.ConnectResponse(orders=batch)
+                if control is not None:
+                    yield _control(control)
                 if ended:
                     break
         finally:
@@ -250,6 +281,8 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
             self._flow.batcher_lost(session)
             if self._on_models is not None:
                 self._on_models(session)
+            if self._controls is not None:
+                self._controls.session_ended(session)
             reader.cancel()
             outcome = (await asyncio.gather(reader, return_exceptions=True))[0]
             session_log.info("batcher_disconnected")
@@ -304,6 +337,11 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     )
                     if self._on_models is not None:
                         self._on_models(session)
+                elif kind == "control_result":
+                    answer = request.control_result
+                    error = error_from_proto(answer.error) if answer.HasField("error") else None
+                    if self._controls is not None:
+                        self._controls.answered(session, answer.request_id, error)
                 elif kind == "hello":
                     raise FailedPrecondition("hello was already received on this stream")
                 else:
