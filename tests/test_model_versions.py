@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.client import AsyncClient, NotFoundError
+from asyncinfer.client import AsyncClient, NotFoundError, WaitingReason
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig
 from asyncinfer.v1 import job_service_pb2
 from tests.stack import Stack, StartStack
@@ -116,6 +116,8 @@ async def test_a_job_pinned_to_an_unserved_version_waits_for_a_batcher_serving_i
         still = await client.get(waiting)
         assert still.state.value == "QUEUED"
         assert still.attempt == 0
+        assert still.queue is not None
+        assert still.queue.waiting_reason == WaitingReason.NO_VERSION
         listed = await versions_listed(client, stack)
         assert listed["2"] == (job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE, ())
 

@@ -4,6 +4,7 @@ Errors are raised as asyncinfer errors; the server's interceptor turns them into
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +33,7 @@ from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
-from services.gateway.queue_view import QueueView
+from services.gateway.queue_view import QueueView, WaitingReason
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
@@ -111,7 +112,15 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         return model_name if self._config.model(model_name) else "unknown"
 
     def _job(self, record: JobRecord) -> job_pb2.Job:
-        return job_to_proto(record, self._queues.standing(record))
+        standing = self._queues.standing(record)
+        if (
+            standing is not None
+            and record.model_version
+            and standing.waiting_reason not in (WaitingReason.PAUSED, WaitingReason.DRAINING)
+            and not self._catalog.serves(record.model_name, record.model_version)
+        ):
+            standing = dataclasses.replace(standing, waiting_reason=WaitingReason.NO_VERSION, estimated_start_time=None)
+        return job_to_proto(record, standing)
 
     async def _read(self, context: Context, job_id: str) -> JobRecord:
         """The caller's job as it stands now (EXPIRED if its queue deadline passed)."""

@@ -81,6 +81,10 @@ class ModelCatalog:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("model_registry_entry_unreadable", key=key, error=str(exc))
 
+    def serves(self, model_name: str, version: str) -> bool:
+        """Whether some batcher serves the version now (as registered)."""
+        return any(e.version == version and e.state == READY for e in self.registered(model_name))
+
     def registered(self, model_name: str) -> list[RegisteredVersion]:
         return [e for e in self._entries.values() if e.model_name == model_name]
 
