@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NODE_STAMP := node_modules/.installed
 
-.PHONY: up test test-unit lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest pytest-nats-fallback bench bench-batcher bench-watch clean
+.PHONY: up test test-unit lint typecheck protos protos-check docs docs-check buf-lint buf-breaking pytest pytest-nats-fallback bench bench-batcher bench-gpu bench-watch clean
 
 up: $(STAMP)
 	$(VENV)/bin/asyncinfer up $(if $(CONFIG),--config $(CONFIG))
@@ -72,7 +72,7 @@ $(SHELLS_STAMP): $(STAMP)
 	touch $@
 
 pytest: $(STAMP) $(NODE_STAMP) $(SHELLS_STAMP)
-	$(PY) -m pytest -m "not unit"
+	$(PY) -m pytest -m "not unit" --durations=25
 
 # The NATS-heavy tests again with the NATS adapter's fast path off (asyncinfer/nats/_fastpath.py), so
 # the public-API fallback a newer nats-py would get is tested too: requests and KV, the connect, the
@@ -99,6 +99,11 @@ bench: $(STAMP)
 # Batcher vs Triton (PyTriton) vs direct torch vs the gRPC ceiling (about 5 minutes; run on an idle machine).
 bench-batcher: $(STAMP)
 	$(PY) bench/batcher_bench.py
+
+# The batcher on a CUDA GPU against PyTriton on the same GPU, under 10 minutes (bench/README.md);
+# writes bench/results/gpu.md. Installs nothing: the GPU machine may be offline.
+bench-gpu:
+	PYTHON=$(PY) bench/gpu.sh
 
 # WatchJob fan-out: gateway memory per watcher and change-to-message delay at 2,000 and 10,000
 # concurrent watches (about 2 minutes); writes bench/results/watch.md.

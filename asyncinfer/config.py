@@ -7,7 +7,7 @@ a file `<section>__<key>` in $ASYNCINFER_SECRETS_DIR (a mounted Secret), then an
 variable ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
 ASYNCINFER_NATS__URL=nats://nats:4222. Lists and tables are read as JSON, `null` as unset, the rest
 as text that validation converts. Models are declared in the file only (`asyncinfer up` adds its
-sample models when the file declares none: services/cli.py with_up_defaults).
+embedders and sample models when the file declares none: services/cli.py with_up_defaults).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
 
 ENV_PREFIX = "ASYNCINFER_"
 SHA256_HEX_PATTERN = re.compile(r"^[0-9a-f]{64}$")
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
 
 class _Section(BaseModel):
@@ -417,6 +418,44 @@ def version_order(version: str) -> tuple[int, int, str]:
     return (1, int(version), "") if version.isdigit() else (0, 0, version)
 
 
+class PipelineStepConfig(_Section):
+    model: str = Field(
+        "",
+        description="The model this step runs: each job's step is an item of that model's own queue, so the steps "
+        "of many jobs (and that model's own jobs) share its batches. It must be served by the same batcher (a "
+        "pipeline runs where its models are, as a Triton ensemble does) and not be a pipeline itself.",
+    )
+    function: str = Field(
+        "",
+        description="Instead of a model: `package.module:function`, numpy arrays by name -> numpy arrays by name, "
+        "run on one job's tensors at a time in a worker thread (unbatched): the glue between models that changes "
+        "the number of rows, such as splitting documents into windows or pooling the windows' embeddings.",
+    )
+    name: str = Field("", description="The step's name in errors and progress (empty: its model or function).")
+    inputs: dict[str, str] = Field(
+        description="Each input of the step's model (or argument of its function) -> the tensor it takes: an input "
+        "of the pipeline or a name an earlier step's outputs mapping gave."
+    )
+    outputs: dict[str, str] = Field(
+        description="Each output of the step's model (or function) that is kept -> its name for the later steps "
+        "and the pipeline's outputs."
+    )
+
+    @model_validator(mode="after")
+    def _model_or_function(self) -> PipelineStepConfig:
+        if bool(self.model) == bool(self.function):
+            raise ValueError("a pipeline step names either a model or a function")
+        if self.function and ":" not in self.function:
+            raise ValueError("a step's function is 'package.module:function'")
+        if not self.outputs:
+            raise ValueError("a pipeline step keeps at least one output")
+        return self
+
+    @property
+    def label(self) -> str:
+        return self.name or self.model or self.function
+
+
 class ModelConfig(_Section):
     name: str = Field(description="Model name, as clients ask for it (letters, digits, '-' and '_').")
     version: str = Field("1", description="Model version.")
@@ -492,6 +531,12 @@ class ModelConfig(_Section):
         description="The version a job that names none runs on, chosen at its dispatch. Empty: the highest version "
         "a batcher serves then (Triton's `latest` policy; numeric order when versions are numbers).",
     )
+    steps: tuple[PipelineStepConfig, ...] = Field(
+        (),
+        description="A pipeline (Triton's ensembles, Celery's chains): the model is these steps, run in order as "
+        "one job; `inputs` and `outputs` name the tensors the first steps take and the last ones give (loader "
+        "and backend unused). Progress is the share of steps done; a failing step fails the job, named.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -500,8 +545,19 @@ class ModelConfig(_Section):
             raise ValueError("model names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
         return value
 
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        # Checked with the file, by every service: a typo fails at start-up, not as a batcher whose
+        # model will not load (whether CUDA is there is the batcher's to find: resolve_device).
+        if not DEVICE_PATTERN.match(value):
+            raise ValueError(f"device {value!r} is not auto, cpu, cuda or cuda:N")
+        return value
+
     @model_validator(mode="after")
     def _valid_backend(self) -> ModelConfig:
+        if self.steps:
+            return self  # a pipeline: its steps' models have the backends (Config._valid_pipelines)
         if self.backend == "torch":
             module, sep, attr = self.loader.partition(":")
             if not sep or not module or not attr:
@@ -615,6 +671,33 @@ class WebhooksConfig(_Section):
         return None
 
 
+class TracingConfig(_Section):
+    enabled: bool = Field(
+        False,
+        description="OpenTelemetry traces of every job, from the caller's traceparent through the gateway, the "
+        "scheduler and the batcher (off: no span is made and nothing is added per job).",
+    )
+    otlp_endpoint: str = Field(
+        "",
+        description="Where spans are exported, over OTLP/gRPC: an OpenTelemetry Collector or Jaeger, e.g. "
+        "http://localhost:4317 (http: plaintext, https: TLS). Empty: $OTEL_EXPORTER_OTLP_ENDPOINT when set, "
+        "else spans are made (trace IDs on records and log lines) but not exported.",
+    )
+    sample_ratio: float = Field(
+        1.0,
+        ge=0.0,
+        le=1.0,
+        description="The share of new traces recorded; a caller's traceparent decides for its own trace "
+        "(its sampled flag is followed).",
+    )
+    service_name: str = Field(
+        "asyncinfer",
+        min_length=1,
+        description="Each service's spans carry service.name <service_name>-gateway, -scheduler or -batcher "
+        "and service.namespace <service_name>.",
+    )
+
+
 class LoggingConfig(_Section):
     level: Literal["debug", "info", "warning", "error"] = Field("info", description="Lowest level logged.")
     format: Literal["auto", "json", "console"] = Field(
@@ -647,6 +730,58 @@ FLAKY_MODEL = ModelConfig.model_validate(
     }
 )
 
+# The built-in text embedders (services/batcher/backends/minilm.py and minilm_doc.py), declared
+# here without torch so that `asyncinfer up` (services/cli.py with_up_defaults) can serve them
+# beside the demo model: all-MiniLM-L6-v2 on sentences, and the same model on long documents.
+MINILM_EMBEDDING_DIM = 384
+MINILM_MODEL = ModelConfig(
+    name="minilm-l6",
+    loader="builtin:minilm-l6",
+    max_batch_size=64,
+    max_queue_delay_ms=5.0,
+    cost="tokens",
+    max_batch_cost=4096,
+    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
+    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, MINILM_EMBEDDING_DIM)),),
+)
+MINILM_DOC_MODEL = ModelConfig(
+    name="minilm-l6-doc",
+    loader="builtin:minilm-l6-doc",
+    max_batch_size=8,
+    max_queue_delay_ms=5.0,
+    cost="tokens",
+    max_batch_cost=65536,
+    length_buckets=(256, 1024, 4096, 16384),
+    default_execution_timeout_s=600.0,
+    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
+    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, MINILM_EMBEDDING_DIM)),),
+)
+# minilm-l6-doc as a pipeline (ModelConfig.steps): documents cut into windows, the windows embedded
+# by minilm-l6 in its own batches (with the windows of other jobs, and minilm-l6's own jobs), the
+# windows' embeddings pooled per document (services/batcher/models/doc_pipeline.py).
+MINILM_DOC_PIPELINE = ModelConfig(
+    name="minilm-l6-doc-pipeline",
+    max_batch_size=8,
+    default_execution_timeout_s=600.0,
+    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
+    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, MINILM_EMBEDDING_DIM)),),
+    steps=(
+        PipelineStepConfig(
+            name="chunk",
+            function="services.batcher.models.doc_pipeline:chunk",
+            inputs={"text": "text"},
+            outputs={"windows": "windows", "document": "document"},
+        ),
+        PipelineStepConfig(model="minilm-l6", inputs={"text": "windows"}, outputs={"embedding": "window_embeddings"}),
+        PipelineStepConfig(
+            name="pool",
+            function="services.batcher.models.doc_pipeline:pool",
+            inputs={"embeddings": "window_embeddings", "document": "document"},
+            outputs={"embedding": "embedding"},
+        ),
+    ),
+)
+
 
 class Config(_Section):
     nats: NatsConfig = Field(default_factory=NatsConfig)
@@ -657,10 +792,12 @@ class Config(_Section):
     console: ConsoleConfig = Field(default_factory=ConsoleConfig)
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
     models: tuple[ModelConfig, ...] = Field(
         (DEMO_MODEL,),
-        description="The models served. `asyncinfer up`, given a file that declares none, serves the demo model "
-        "and `flaky`, which fails on demand (README: Operations).",
+        description="The models served. `asyncinfer up`, given a file that declares none, serves the text "
+        "embedders minilm-l6, minilm-l6-doc and minilm-l6-doc-pipeline, the demo model and `flaky`, which fails on demand (README: "
+        "Operations).",
     )
 
     @model_validator(mode="after")
@@ -678,6 +815,15 @@ class Config(_Section):
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"models declared twice: {duplicates}")
+        return self
+
+    @model_validator(mode="after")
+    def _valid_pipelines(self) -> Config:
+        from asyncinfer.pipelines import check_pipeline
+
+        for model in self.models:
+            if model.steps:
+                check_pipeline(model, {m.name: m for m in self.models})
         return self
 
     def model(self, name: str) -> ModelConfig | None:

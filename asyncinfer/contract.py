@@ -176,6 +176,9 @@ MODEL_HEADER = "Asyncinfer-Model"
 # On an Object Store meta message: when the object expires (Unix seconds) and its SHA-256 (hex).
 EXPIRES_HEADER = "Asyncinfer-Expires-At"
 SHA256_HEADER = "Asyncinfer-Sha256"
+# W3C trace context (its own name, as the spec spells it): on a traced job's work message, the
+# submit span's traceparent, the same as the record it carries (asyncinfer.tracing).
+TRACEPARENT_HEADER = "traceparent"
 
 
 def routing_headers(*, tenant: str, job_id: str, priority: Priority, model_name: str) -> dict[str, str]:

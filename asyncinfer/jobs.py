@@ -155,6 +155,9 @@ class JobRecord:
     # after AckWait (services.scheduler.lease_reclaim). Kept after the attempt; read only then.
     dispatched_by: str = ""
     lease_subject: str = ""
+    # The W3C traceparent of the job's submit span (asyncinfer.tracing), "" when tracing was off:
+    # the scheduler's spans continue it, and its trace ID is on the Job and the job's log lines.
+    traceparent: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 
@@ -198,6 +201,7 @@ class WorkEnvelope:
     labels: Mapping[str, str] = field(default_factory=dict)
     idempotency_key: str = ""
     callback: CallbackSpec | None = None
+    traceparent: str = ""  # the QUEUED record's (is_record)
 
     @property
     def subject(self) -> str:
@@ -227,6 +231,7 @@ class WorkEnvelope:
             execution_timeout_s=self.execution_timeout_s,
             input_ref=self.input_ref,
             callback=self.callback,
+            traceparent=self.traceparent,
         )
 
 
@@ -249,4 +254,5 @@ def queued_envelope(record: JobRecord, inputs: tuple[Tensor, ...]) -> WorkEnvelo
         labels=record.labels,
         idempotency_key=record.idempotency_key,
         callback=record.callback,
+        traceparent=record.traceparent,
     )

@@ -121,14 +121,16 @@ def direct(model: str, batch_size: int, window_s: float) -> Window:
     import torch
 
     if model == "mlp":
-        from bench.batcher_models import build_mlp
+        from bench.batcher_models import build_mlp, torch_device
 
-        mlp = build_mlp()
+        device = torch_device()
+        mlp = build_mlp().to(device)
         x = torch.randn(batch_size, 512)
 
         def step() -> None:
+            # Host to device and back, as a server does per batch.
             with torch.inference_mode():
-                mlp(x)
+                mlp(x.to(device)).cpu()
     else:
         from asyncinfer.config import BatcherConfig
         from bench.batcher_models import minilm_config

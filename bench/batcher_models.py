@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from asyncinfer.config import ModelConfig, TensorSpecConfig
@@ -28,6 +30,20 @@ def build_mlp() -> torch.nn.Module:
     return MLP().eval()
 
 
+def bench_device() -> str:
+    """The device every server and direct run of the benchmark uses: $BENCH_DEVICE (bench/gpu.sh
+    sets cuda), else the batcher's default (auto: CUDA when present)."""
+    return os.environ.get("BENCH_DEVICE", "auto")
+
+
+def torch_device() -> torch.device:
+    """bench_device() as torch names it (auto resolved)."""
+    device = bench_device()
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def mlp_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
     return ModelConfig(
         name="mlp",
@@ -38,6 +54,7 @@ def mlp_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
         # One batch at a time, like the single model instance Triton gets: on a small CPU machine
         # a second batch computing beside the first only splits the cores, and closes small.
         max_inflight_batches=1,
+        device=bench_device(),
         inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 512)),),
         outputs=(TensorSpecConfig(name="y", datatype="FP32", shape=(-1, 512)),),
     )
@@ -52,5 +69,6 @@ def minilm_config(max_batch_size: int, delay_ms: float) -> ModelConfig:
             "max_queue_delay_ms": delay_ms,
             "max_queue_size": 1024,
             "max_inflight_batches": 1,
+            "device": bench_device(),
         }
     )

@@ -176,14 +176,15 @@ def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> No
         inputs = [Tensor(name="x", dtype=np.float32, shape=(4,))]
         outputs = [Tensor(name="y", dtype=np.float32, shape=(4,))]
     elif model == "mlp":
-        from bench.batcher_models import build_mlp
+        from bench.batcher_models import build_mlp, torch_device
 
-        mlp = build_mlp()
+        device = torch_device()  # $BENCH_DEVICE: the GPU benchmark runs both servers on CUDA
+        mlp = build_mlp().to(device)
 
         @batch  # type: ignore[misc]
         def infer(x: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
             with torch.inference_mode():
-                return {"y": mlp(torch.from_numpy(x)).numpy()}
+                return {"y": mlp(torch.from_numpy(x).to(device)).cpu().numpy()}
 
         inputs = [Tensor(name="x", dtype=np.float32, shape=(512,))]
         outputs = [Tensor(name="y", dtype=np.float32, shape=(512,))]

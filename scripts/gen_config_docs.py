@@ -22,6 +22,7 @@ from asyncinfer.config import (  # noqa: E402
     ApiKeyConfig,
     Config,
     ModelConfig,
+    PipelineStepConfig,
     TensorSpecConfig,
     WebhookSecretConfig,
 )
@@ -33,6 +34,7 @@ TARGET = ROOT / "docs" / "CONFIGURATION.md"
 TABLES: dict[str, type[BaseModel]] = {
     "[[models]]": ModelConfig,
     "models.inputs / models.outputs": TensorSpecConfig,
+    "models.steps": PipelineStepConfig,
     "gateway.api_keys": ApiKeyConfig,
     "webhooks.secrets": WebhookSecretConfig,
 }

@@ -35,7 +35,7 @@ import structlog
 
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
-from asyncinfer.config import FLAKY_MODEL, Config, load_config
+from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging, service_context
@@ -254,8 +254,11 @@ def with_up_defaults(config: Config) -> Config:
     """What `up` adds to the configuration it was given, so that the README's recipes run as they
     stand on a stack started without a file:
 
-    - the models, when the file declares none: the demo model and `flaky`, the sample model that
-      fails on demand (asyncinfer.config.FLAKY_MODEL), for the dead-letter recipes;
+    - the models, when the file declares none: the sentence embedder `minilm-l6`, the document
+      embedder `minilm-l6-doc` and the same as a pipeline, `minilm-l6-doc-pipeline`
+      (asyncinfer.config.MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE), the demo model, and
+      `flaky`, the sample model that fails on demand (asyncinfer.config.FLAKY_MODEL), for the
+      dead-letter recipes;
     - a webhook signing secret for the default tenant, when no API keys are configured (so the
       gateway is on loopback, `check_up_exposure`) and that tenant has none: generated once and
       kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
@@ -263,7 +266,8 @@ def with_up_defaults(config: Config) -> Config:
       operator's to configure;
     - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`)."""
     if "models" not in config.model_fields_set:
-        config = config.replace(models=[*config.models, FLAKY_MODEL])
+        embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
+        config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
     if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):
         config = with_own_batcher_key(config)
     tenant = config.gateway.default_tenant
@@ -352,7 +356,6 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: 
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
     batcher = f"{config.batcher.host}:{apps['batcher'].port}"
     models = ", ".join(m.name for m in config.models)
-    demo = config.model("demo")
     lines = [
         "asyncinfer is up",
         f"  JobService (gateway)           {gateway}",
@@ -375,12 +378,9 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: 
         )
     if config.model("flaky") == FLAKY_MODEL:
         lines.append(f"  {'flaky':<31}fails on demand: a job whose x has a row starting below 0 is dead-lettered")
-    if demo is not None:
+    body = _first_submit_body(config)
+    if body is not None:
         grpcurl = _grpcurl_command()
-        body = (
-            '{"model_name":"demo","inputs":[{"name":"x","datatype":"FP32","shape":[1,4],'
-            '"contents":{"fp32_contents":[1,2,3,4]}}]}'
-        )
         lines += [
             "",
             "Submit a job, then fetch it (replace JOB_ID):",
@@ -390,6 +390,28 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: 
         ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)
+
+
+# The banner's (and the README's) first job: one sentence to embed, "The quick brown fox jumps over the
+# lazy dog." (BYTES contents are base64 in grpcurl's JSON).
+EMBED_SUBMIT_BODY = (
+    '{"model_name":"minilm-l6","inputs":[{"name":"text","datatype":"BYTES","shape":[1],'
+    '"contents":{"bytes_contents":["VGhlIHF1aWNrIGJyb3duIGZveCBqdW1wcyBvdmVyIHRoZSBsYXp5IGRvZy4="]}}]}'
+)
+DEMO_SUBMIT_BODY = (
+    '{"model_name":"demo","inputs":[{"name":"x","datatype":"FP32","shape":[1,4],'
+    '"contents":{"fp32_contents":[1,2,3,4]}}]}'
+)
+
+
+def _first_submit_body(config: Config) -> str | None:
+    """The job the banner shows: a sentence to embed where the stack serves minilm-l6 (as `up`
+    does by default), else the demo model's y = 2x + 1 where it serves that; else none."""
+    if config.model("minilm-l6") == MINILM_MODEL:
+        return EMBED_SUBMIT_BODY
+    if config.model("demo") is not None:
+        return DEMO_SUBMIT_BODY
+    return None
 
 
 def _grpcurl_command() -> str:

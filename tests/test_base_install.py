@@ -25,7 +25,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVER_ONLY = ("torch", "nats", "uvloop", "prometheus_client", "stamina", "tritonclient", "aiohttp")
+SERVER_ONLY = ("torch", "nats", "uvloop", "prometheus_client", "stamina", "tritonclient", "aiohttp", "opentelemetry")
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -230,6 +230,12 @@ async def test_the_queue_page_updates_after_jobs_are_submitted(
         await browser.wait_for(f"{depth} === '0'", what="the queue drained on the queue page")
     batchers = "document.querySelector('#queue-models tbody tr').cells[7].innerText"
     assert await browser.evaluate(batchers) == "1"
+    # The batch-size plot: the five jobs ran in batches whose sizes times counts make five.
+    bars = "[...document.querySelectorAll('svg[aria-label=\"demo: batch sizes, last minute\"] rect.bar')]"
+    await browser.wait_for(
+        f"{bars}.reduce((n, b) => n + Number(b.dataset.bar) * Number(b.dataset.value), 0) === 5",
+        what="the five jobs in the batch-size plot",
+    )
     await browser.screenshot(ARTIFACTS / "queues-drained.png")
 
 

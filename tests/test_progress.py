@@ -163,6 +163,46 @@ async def test_get_job_shows_the_latest_while_it_runs(config: Config, start_stac
     assert 3 <= writes.of(config.nats.jobs_bucket, job.job_id) <= elapsed / 0.3 + 3
 
 
+async def test_get_jobs_and_watch_jobs_carry_the_progress_the_records_keep(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The batch reads show what GetJob shows: WatchJobs' changes carry each record's kept
+    progress (a running one now and then, the terminal one its last), and GetJobs the latest."""
+    stack = await start_stack(progress_config(config, progress_record_interval_s=0.2))
+    jobs = [(await stack.jobs.SubmitJob(x_request("progress"))).job for _ in range(2)]
+    ids = [job.job_id for job in jobs]
+    running: dict[str, list[float]] = {job_id: [] for job_id in ids}
+    finished: dict[str, job_service_pb2.WatchJobsChange] = {}
+
+    async def watch() -> None:
+        async for response in stack.jobs.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=ids)):
+            for change in response.changes:
+                if change.job.state == job_pb2.JOB_STATE_RUNNING and change.HasField("progress"):
+                    running[change.job_id].append(change.progress.fraction)
+                elif change.job.state == job_pb2.JOB_STATE_SUCCEEDED:
+                    finished[change.job_id] = change
+            if len(finished) == len(ids):
+                return
+
+    await asyncio.wait_for(watch(), 60)
+    for job_id in ids:
+        assert all(0 < f < 1.0 for f in running[job_id]), running
+        assert finished[job_id].progress.fraction == 1.0
+        assert finished[job_id].progress.message == f"step {PROGRESS_STEPS} of {PROGRESS_STEPS}"
+    assert any(running.values()), "no running record with its progress reached the watch"
+    got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[*ids, ids[0]]))
+    assert [r.job_id for r in got.results] == [*ids, ids[0]]
+    for result in got.results:
+        assert result.job.state == job_pb2.JOB_STATE_SUCCEEDED
+        assert result.progress.fraction == 1.0
+    plain = (await stack.jobs.SubmitJob(x_request("demo"))).job
+    async for update in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=plain.job_id)):
+        if update.job.state == job_pb2.JOB_STATE_SUCCEEDED:
+            break
+    (result,) = (await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[plain.job_id]))).results
+    assert not result.HasField("progress")  # a model that reports nothing has none
+
+
 async def test_progress_of_a_superseded_attempt_never_reaches_a_watcher(
     config: Config, start_stack: StartStack
 ) -> None:

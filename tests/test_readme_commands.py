@@ -12,7 +12,7 @@ empty (`{}`): answers say what happened.
 Placeholders, as the README documents them: `JOB_ID` is the job ID the block's last submit answered;
 `SEQ` a sequence the last ListDeadLetters answered. What does not run is named below (NOT_RUN, and
 the one URL that needs DNS: CALLBACK_URL). Nothing runs before the README: the stack is `up` as a
-newcomer has it (no models in its file, so the sample models `demo` and `flaky`; no webhook secret,
+newcomer has it (no models in its file, so minilm-l6, minilm-l6-doc and the sample models `demo` and `flaky`; no webhook secret,
 so the one `up` generates), and the README's own lines make the dead letter its recipes act on.
 The Python SDK example is a ```python block, not a shell one (tests/test_client_sdk.py covers the SDK).
 """

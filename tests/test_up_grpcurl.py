@@ -7,8 +7,10 @@ it. Its stderr (JSON lines: it is not a terminal) is kept in a file, for the tes
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
+import math
 import os
 import queue
 import signal
@@ -31,6 +33,19 @@ SUBMIT_BODY = json.dumps(
     {
         "model_name": "demo",
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "contents": {"fp32_contents": [1, 2, 3, 4]}}],
+    }
+)
+DOC_SUBMIT_BODY = json.dumps(
+    {
+        "model_name": "minilm-l6-doc",
+        "inputs": [
+            {
+                "name": "text",
+                "datatype": "BYTES",
+                "shape": [1],
+                "contents": {"bytes_contents": [base64.b64encode(b"A long document. " * 200).decode()]},
+            }
+        ],
     }
 )
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
@@ -248,10 +263,30 @@ def test_up_serves_a_job_through_grpcurl(up_process: tuple[UpProcess, Path, dict
     assert states[-1] == "JOB_STATE_SUCCEEDED"
     assert states == sorted(states, key=["JOB_STATE_QUEUED", "JOB_STATE_RUNNING", "JOB_STATE_SUCCEEDED"].index)
 
+    # It embedded a sentence: one L2-normalised 384-dimensional embedding.
     got = grpcurl(up.gateway, "asyncinfer.v1.JobService/GetJob", data=json.dumps({"job_id": job_id}))
     record = json.loads(got.stdout)["job"]
     assert record["state"] == "JOB_STATE_SUCCEEDED"
-    assert record["outputs"][0]["contents"]["fp32_contents"] == [3, 5, 7, 9]
+    (embedding,) = record["outputs"]
+    assert (embedding["name"], embedding["shape"]) == ("embedding", ["1", "384"])
+    assert math.isclose(math.hypot(*embedding["contents"]["fp32_contents"]), 1.0, rel_tol=1e-4)
+
+    # The default stack serves the sentence embedder, the document embedder and the demo model.
+    served = json.loads(grpcurl(up.gateway, "asyncinfer.v1.JobService/ListModels", data="{}").stdout)
+    assert {"minilm-l6", "minilm-l6-doc", "minilm-l6-doc-pipeline", "demo", "flaky"} <= {
+        m["name"] for m in served["models"]
+    }
+    pipeline_body = DOC_SUBMIT_BODY.replace('"minilm-l6-doc"', '"minilm-l6-doc-pipeline"')
+    for model, body in (
+        ("minilm-l6-doc", DOC_SUBMIT_BODY),
+        ("minilm-l6-doc-pipeline", pipeline_body),
+        ("demo", SUBMIT_BODY),
+    ):
+        submitted = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=body)
+        assert submitted.returncode == 0, (model, submitted.stderr)
+        other = json.loads(submitted.stdout)["job"]["job_id"]
+        watched = grpcurl(up.gateway, "asyncinfer.v1.JobService/WatchJob", data=json.dumps({"job_id": other}))
+        assert json_stream(watched.stdout)[-1]["job"]["state"] == "JOB_STATE_SUCCEEDED", (model, watched.stdout)  # type: ignore[index]
 
     invalid = grpcurl(
         up.gateway,
@@ -265,7 +300,7 @@ def test_up_serves_a_job_through_grpcurl(up_process: tuple[UpProcess, Path, dict
 
     stats = grpcurl(up.scheduler, "asyncinfer.v1.OpsService/GetQueueStats", data="{}")
     assert stats.returncode == 0, stats.stderr
-    assert json.loads(stats.stdout)["models"][0]["model_name"] == "demo"
+    assert {m["model_name"] for m in json.loads(stats.stdout)["models"]} >= {"minilm-l6", "minilm-l6-doc", "demo"}
 
     with urllib.request.urlopen(f"http://127.0.0.1:{up.metrics}/metrics", timeout=10) as response:
         metrics = response.read().decode()

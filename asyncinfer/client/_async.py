@@ -229,6 +229,7 @@ class AsyncClient:
         callback: Callback | str | None = None,
         max_attempts: int = 0,
         timeout_s: float | None = None,
+        traceparent: str = "",
     ) -> Job:
         """Queues a job on `model` and returns it (QUEUED) as soon as it is durably queued.
 
@@ -243,6 +244,9 @@ class AsyncClient:
         that retrying after UNAVAILABLE or a lost answer cannot queue the job twice. Pass your own
         key to make resubmitting from another process (or after a crash) safe as well; a second
         submit with a used key returns the first job.
+
+        `traceparent`: a W3C trace context (`00-<trace id>-<span id>-<flags>`) for the job's trace to
+        continue, when the gateway traces jobs (`Job.trace_id` is then that trace's).
         """
         request = JobRequest(
             model=model,
@@ -259,15 +263,18 @@ class AsyncClient:
             callback=Callback(callback) if isinstance(callback, str) else callback,
             max_attempts=max_attempts,
         )
-        return await self.submit_request(request, timeout_s=timeout_s)
+        return await self.submit_request(request, timeout_s=timeout_s, traceparent=traceparent)
 
-    async def submit_request(self, request: JobRequest, *, timeout_s: float | None = None) -> Job:
+    async def submit_request(
+        self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = ""
+    ) -> Job:
         """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
         request = await self._typed(request, timeout_s)
         message = submit_request_to_proto(with_idempotency_key(request))
+        metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
 
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
-            return await self._stub.SubmitJob(message, timeout=remaining, metadata=self._metadata)
+            return await self._stub.SubmitJob(message, timeout=remaining, metadata=metadata)
 
         response = await self._call(invoke, self._deadline(timeout_s))
         return job_from_proto(response.job)
@@ -352,7 +359,9 @@ class AsyncClient:
             again: list[str] = []
             for result in (await self._call(invoke, deadline)).results:
                 if result.HasField("job"):
-                    found[result.job_id] = job_from_proto(result.job)
+                    found[result.job_id] = job_from_proto(
+                        result.job, result.progress if result.HasField("progress") else None
+                    )
                 elif result.error.reason == "ANSWER_FULL":
                     again.append(result.job_id)
                 else:
@@ -466,7 +475,9 @@ class AsyncClient:
                     attempt = 0
                     for change in response.changes:
                         if change.HasField("job"):
-                            snapshot = job_from_proto(change.job)
+                            snapshot = job_from_proto(
+                                change.job, change.progress if change.HasField("progress") else None
+                            )
                             if snapshot.done:
                                 done.add(change.job_id)
                             yield snapshot

@@ -174,6 +174,7 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
         callback_deliveries=tuple(_delivery(d) for d in message.callback_deliveries),
         progress=job_progress,
         batcher_id=message.batcher_id,
+        trace_id=message.trace_id,
     )
 
 

@@ -172,6 +172,8 @@ class Job:
     progress: JobProgress | None = None
     # The batcher its latest attempt was dispatched to: where a RUNNING job runs.
     batcher_id: str = ""
+    # Its OpenTelemetry trace ID when the gateway traces jobs (the caller's, given a traceparent).
+    trace_id: str = ""
 
     @property
     def done(self) -> bool:

@@ -9,7 +9,8 @@ tensors may be megabytes of base64) without decoding it.
 Version 1: version 0's fields with `v` first and every default left out.
 Version 2: version 1's, and the QUEUED record's own fields (`is_record`, `result_retention_s`,
 `labels`, `idempotency_key`, `callback`): a submit's message is the job's QUEUED record. A version 1
-message is read with is_record false (its record was written to the jobs bucket)."""
+message is read with is_record false (its record was written to the jobs bucket). Added since, with
+a default: `traceparent` (the record's, when tracing is on)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class EnvelopeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     labels: dict[str, str] = {}
     idempotency_key: str = ""
     callback: CallbackWire | None = None
+    traceparent: str = ""
 
 
 class _EnvelopeTenant(msgspec.Struct):
@@ -79,6 +81,7 @@ def encode_envelope(envelope: WorkEnvelope) -> bytes:
             labels=dict(e.labels),
             idempotency_key=e.idempotency_key,
             callback=None if e.callback is None else CallbackWire(e.callback.url, e.callback.events),
+            traceparent=e.traceparent,
         )
     )
 
@@ -103,6 +106,7 @@ def decode_envelope(data: bytes) -> WorkEnvelope:
         labels=w.labels,
         idempotency_key=w.idempotency_key,
         callback=None if w.callback is None else CallbackSpec(w.callback.url, w.callback.events),
+        traceparent=w.traceparent,
     )
 
 

@@ -3,7 +3,8 @@ goes through here, on the gateway and the scheduler alike.
 
 Version 1: version 0's fields (the same names, order and types) with `v` first and every default
 left out (version 0 always wrote `attempt` and `outputs`; its readers took them as optional).
-Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept)."""
+Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept),
+`traceparent` (the submit span's W3C trace context, when tracing is on)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     progress: ProgressWire | None = None  # added in version 1 (a default: older readers skip it)
     dispatched_by: str = ""
     lease_subject: str = ""
+    traceparent: str = ""  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -113,6 +115,7 @@ def encode_record(record: JobRecord) -> bytes:
             progress=progress_to_wire(r.progress),
             dispatched_by=r.dispatched_by,
             lease_subject=r.lease_subject,
+            traceparent=r.traceparent,
         )
     )
 
@@ -152,5 +155,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         progress=progress_from_wire(w.progress),
         dispatched_by=w.dispatched_by,
         lease_subject=w.lease_subject,
+        traceparent=w.traceparent,
         revision=revision,
     )

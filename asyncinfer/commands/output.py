@@ -222,6 +222,8 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
         lines.append(f"durations   queued {_seconds(job.queue_duration_s)}, ran {_seconds(job.run_duration_s)}")
     if job.batcher_id:
         lines.append(f"{'runs on' if job.state.value == 'RUNNING' else 'ran on':<12}{job.batcher_id}")
+    if job.trace_id:  # to find the job's trace in Jaeger or any OpenTelemetry backend
+        lines.append(f"trace       {job.trace_id}")
     if job.queue is not None and not job.done:
         reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
         lines.append(f"queue       position {job.queue.position}, waiting: {reason}")

@@ -427,6 +427,7 @@ class Job(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     CALLBACK_DELIVERIES_FIELD_NUMBER: _builtins.int
     BATCHER_ID_FIELD_NUMBER: _builtins.int
+    TRACE_ID_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Time-sortable ID (UUIDv7, canonical text form)."""
     model_name: _builtins.str
@@ -447,6 +448,10 @@ class Job(_message.Message):
     batcher_id: _builtins.str
     """The batcher its latest attempt was dispatched to (set when the attempt starts, kept after it):
     where a RUNNING job runs. Empty before its first start.
+    """
+    trace_id: _builtins.str
+    """The job's OpenTelemetry trace ID (32 hex digits) when the gateway traces jobs (tracing.enabled):
+    the caller's own when it sent a W3C traceparent in its SubmitJob metadata. Empty otherwise.
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -559,10 +564,11 @@ class Job(_message.Message):
         revision: _builtins.int = ...,
         callback_deliveries: _abc.Iterable[Global___CallbackDelivery] | None = ...,
         batcher_id: _builtins.str = ...,
+        trace_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "callback", b"callback", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "input_ref", b"input_ref", "last_error", b"last_error", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "run_duration", b"run_duration", "start_time", b"start_time", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "trace_id", b"trace_id", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -421,6 +421,7 @@ class GetJobsResult(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     @_builtins.property
     def job(self) -> _job_pb2.Job:
@@ -432,16 +433,21 @@ class GetJobsResult(_message.Message):
         result's retention passed.
         """
 
+    @_builtins.property
+    def progress(self) -> Global___JobProgress:
+        """The latest progress kept on its record, as GetJob's `progress`; unset when none."""
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         job: _job_pb2.Job | None = ...,
         error: _error_pb2.ErrorStatus | None = ...,
+        progress: Global___JobProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id", "progress", b"progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -575,6 +581,7 @@ class WatchJobsChange(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     JOB_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     @_builtins.property
     def job(self) -> _job_pb2.Job:
@@ -584,16 +591,24 @@ class WatchJobsChange(_message.Message):
     def error(self) -> _error_pb2.ErrorStatus:
         """For a watched ID that names no job of the caller's, or whose record was deleted: NOT_FOUND."""
 
+    @_builtins.property
+    def progress(self) -> Global___JobProgress:
+        """The progress kept on the record as of this change (written at most every
+        scheduler.progress_record_interval_s while it runs, and with its terminal state); unset when
+        none. WatchJob streams every report live; WatchJobs carries what the records keep.
+        """
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         job: _job_pb2.Job | None = ...,
         error: _error_pb2.ErrorStatus | None = ...,
+        progress: Global___JobProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "job", b"job", "job_id", b"job_id", "progress", b"progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

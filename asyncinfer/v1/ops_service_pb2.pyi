@@ -104,6 +104,7 @@ class ModelQueueStats(_message.Message):
     PAUSED_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    BATCH_SIZES_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     in_flight: _builtins.int
     """Jobs dispatched and not finished."""
@@ -125,6 +126,12 @@ class ModelQueueStats(_message.Message):
     """PAUSED, DRAINING (paused first when both) or DISPATCHING."""
     @_builtins.property
     def priorities(self) -> _containers.RepeatedCompositeFieldContainer[Global___PriorityQueueStats]: ...
+    @_builtins.property
+    def batch_sizes(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchSizeCount]:
+        """The jobs completed over the last minute by the size of the batch each ran in, smallest size
+        first (this scheduler's view: each scheduler counts what its batchers returned to it).
+        """
+
     def __init__(
         self,
         *,
@@ -139,14 +146,45 @@ class ModelQueueStats(_message.Message):
         paused: _builtins.bool = ...,
         draining: _builtins.bool = ...,
         state: Global___QueueState.ValueType = ...,
+        batch_sizes: _abc.Iterable[Global___BatchSizeCount] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "draining", b"draining", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "state", b"state", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_sizes", b"batch_sizes", "completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "draining", b"draining", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "state", b"state", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelQueueStats: _TypeAlias = ModelQueueStats  # noqa: Y015
+
+@_typing.final
+class BatchSizeCount(_message.Message):
+    """Jobs that ran in batches of one size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    BATCHES_FIELD_NUMBER: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
+    batch_size: _builtins.int
+    """Jobs in the batch."""
+    batches: _builtins.int
+    """Batches of that size: the jobs counted divided by the size, rounded, at least one."""
+    jobs: _builtins.int
+    """Jobs completed in batches of that size."""
+    def __init__(
+        self,
+        *,
+        batch_size: _builtins.int = ...,
+        batches: _builtins.int = ...,
+        jobs: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_size", b"batch_size", "batches", b"batches", "jobs", b"jobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchSizeCount: _TypeAlias = BatchSizeCount  # noqa: Y015
 
 @_typing.final
 class PriorityQueueStats(_message.Message):

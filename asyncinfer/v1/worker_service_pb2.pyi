@@ -453,6 +453,7 @@ class WorkOrder(_message.Message):
     DEADLINE_FIELD_NUMBER: _builtins.int
     EXECUTION_TIMEOUT_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     """Fencing token: the result must carry the same attempt."""
@@ -462,6 +463,10 @@ class WorkOrder(_message.Message):
     input_ref: _builtins.str
     """Set instead of inputs when they are in the claim-check store."""
     tenant: _builtins.str
+    traceparent: _builtins.str
+    """The W3C traceparent of the scheduler's dispatch span, when the job is traced: the batcher's
+    compute span continues it. Empty when tracing is off.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.InferInputTensor]:
         """Inputs, raw_contents filled."""
@@ -487,10 +492,11 @@ class WorkOrder(_message.Message):
         deadline: _timestamp_pb2.Timestamp | None = ...,
         execution_timeout: _duration_pb2.Duration | None = ...,
         tenant: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "execution_timeout", b"execution_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

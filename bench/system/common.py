@@ -234,8 +234,10 @@ class ProcessGroup:
         if child in self.children:
             self.children.remove(child)
 
-    def nats(self, name: str = "nats") -> NatsServerProcess:
-        server = NatsServerProcess(store_dir=self.tmp / name, log_file=self.tmp / f"{name}.log")
+    def nats(self, name: str = "nats", monitor_port: int = 0) -> NatsServerProcess:
+        server = NatsServerProcess(
+            store_dir=self.tmp / name, log_file=self.tmp / f"{name}.log", monitor_port=monitor_port
+        )
         self.nats_servers.append(server)
         server.start()
         return server
@@ -300,7 +302,7 @@ class ProcessGroup:
         config = config.replace(**{name: {"port": port}})
         label = label or name
         config_path = self.tmp / f"{label}.toml"
-        config_path.write_text(render_default_config(config))
+        config_path.write_text(render_default_config(config) if source is None else render_changed_keys(config))
         argv = [PYTHON, "-m", "services.cli", name, "--config", str(config_path)]
         return self.command(
             label,
@@ -324,6 +326,32 @@ class ProcessGroup:
             "--dir", str(workdir), "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
         ]  # fmt: skip
         return self.command("redis", argv, ready=lambda c: redis_ping(c.port), port=port)
+
+
+def render_changed_keys(config: Config) -> str:
+    """TOML of the keys that differ from their defaults (and the models in full): what an older
+    revision's services accept, when this checkout's config has sections and keys theirs lacks."""
+    lines: list[str] = []
+    for name in type(config).model_fields:
+        if name == "models":
+            continue
+        changed = getattr(config, name).model_dump(exclude_defaults=True, mode="json")
+        if changed:
+            lines.append(f"[{name}]")
+            lines.extend(f"{key} = {_toml_inline(value)}" for key, value in changed.items())
+    for model in config.models:
+        lines.append("[[models]]")
+        for key, value in model.model_dump(exclude_defaults=True, mode="json").items():
+            lines.append(f"{key} = {_toml_inline(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_inline(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_inline(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_inline(v) for v in value) + "]"
+    return json.dumps(value)
 
 
 def grpc_serving(address: str) -> bool:

@@ -157,9 +157,10 @@ class Stack:
         gateway: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
         source: Path | None = None,
+        monitor_port: int = 0,
     ) -> None:
         self.group = group
-        self.nats = group.nats("nats-profiled" if profile_dir else name)
+        self.nats = group.nats("nats-profiled" if profile_dir else name, monitor_port=monitor_port)
         self.config = bench_config(
             self.nats.url,
             models=[noop_model_config()],

@@ -16,11 +16,12 @@ from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing
 from asyncinfer.config import Config, ModelConfig, load_config
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
@@ -43,7 +44,8 @@ class BatcherApp:
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
         self.supervisor = Supervisor("batcher")
-        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor)
+        self.tracing = Tracing.start(config.tracing, service="batcher")
+        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
         self.port = 0
         self.metrics_port = 0
         self.models = ModelControl(self.engine, config.batcher, repository=self._repository)
@@ -77,10 +79,15 @@ class BatcherApp:
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
         await self.models.load_at_start(self.config.models)
         for model in self.config.models:
+            if model.steps:
+                continue
             reasons = [r for (name, _v), r in self.models.failures.items() if name == model.name]
             if reasons:
                 self.load_failures[model.name] = reasons[0]
             self.metrics.set_model_ready(model.name, not reasons)
+        for model in self.config.models:
+            if model.steps:
+                self._add_pipeline(model)
         await self.engine.start()
 
         servicer = KServeServicer(self.engine, self.load_failures, self.models, self._repository)
@@ -132,6 +139,22 @@ class BatcherApp:
             failed_models=self.load_failures or None,
         )
 
+    def _add_pipeline(self, model: ModelConfig) -> None:
+        """A pipeline serves when every model of its steps loaded here; else it is a load failure
+        that names them. A function step that cannot be imported is one too."""
+        missing = [step.model for step in model.steps if step.model and not self.engine.has_model(step.model)]
+        try:
+            if missing:
+                raise ConfigError(f"pipeline {model.name!r}: its step models {missing} are not served here")
+            self.engine.add_pipeline(model)
+        except ConfigError as exc:
+            log.error("model_load_failed", model=model.name, reason=exc.message)
+            self.load_failures[model.name] = exc.message
+            self.metrics.set_model_ready(model.name, False)
+            return
+        log.info("pipeline_added", model=model.name, steps=[step.label for step in model.steps])
+        self.metrics.set_model_ready(model.name, True)
+
     def _repository(self) -> tuple[ModelConfig, ...]:
         """The models the configuration file declares now (re-read: the file is the model
         repository, as Triton's is its folder)."""
@@ -140,7 +163,8 @@ class BatcherApp:
     async def reload(self) -> None:
         """Reads the configuration file again and makes the models served what it declares:
         new versions loaded (and warmed up) before they take work, changed ones replaced, those
-        no longer declared unloaded once what they hold has finished (model_control.py)."""
+        no longer declared unloaded once what they hold has finished (model_control.py).
+        Pipelines are fixed at start-up: a reload leaves them (and their step models) as they are."""
         if self.config_path is None:
             return
         try:
@@ -148,8 +172,11 @@ class BatcherApp:
         except AsyncInferError as exc:
             log.error("reload_failed", reason=exc.message, path=str(self.config_path))
             return
-        declared = {model.name: list(model.version_configs()) for model in config.models}
-        names = list(dict.fromkeys([*declared, *self.engine.model_names]))
+        declared = {model.name: list(model.version_configs()) for model in config.models if not model.steps}
+        fixed = {step.model for model in self.config.models for step in model.steps} | {
+            model.name for model in self.config.models if model.steps
+        }
+        names = [n for n in dict.fromkeys([*declared, *self.engine.model_names]) if n not in fixed]
         log.info("reload_started", path=str(self.config_path), models=names)
         for name in names:
             await self.models.apply(name, declared.get(name, []))
@@ -194,5 +221,6 @@ class BatcherApp:
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         await self.models.close()
         log.info("batcher_stopped", batcher_id=self.batcher_id)

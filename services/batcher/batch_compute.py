@@ -20,8 +20,10 @@ import structlog
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, ModelError, Unavailable
 from asyncinfer.tensors import Tensor
+from asyncinfer.tracing import Tracing
 from services.batcher.assemble import assemble, split
 from services.batcher.backends import Arrays, ModelBackend
+from services.batcher.batch_tracing import trace_batch
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import ModelMetrics
 from services.batcher.progress import ProgressReporter
@@ -67,8 +69,10 @@ class BatchRunner:
         shaper: ItemShaper,
         metrics: ModelMetrics | None,
         free_slot: Callable[[asyncio.Task[None]], None],
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._tracing = tracing or Tracing.off()
         self.backend = backend
         self.name = config.name
         self._shaper = shaper
@@ -95,6 +99,8 @@ class BatchRunner:
             task = asyncio.current_task()
             if task is not None:
                 self._free_slot(task)
+        if self._tracing.enabled:
+            trace_batch(self._tracing, self.name, batch, [result.error is not None for result in ran], compute_s)
         rows = sum(item.rows for item in batch)
         failed = sum(1 for result in ran if result.error is not None)
         if failed:

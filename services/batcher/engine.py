@@ -45,11 +45,13 @@ from asyncinfer.errors import DeadlineExceeded, NotFound, Unavailable
 from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_queue import ModelQueue, SlotListener
+from services.batcher.pipeline import PipelineRunner
 from services.batcher.progress import ItemProgress
 
 __all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome", "PendingItem"]
@@ -66,8 +68,16 @@ class BatchingEngine:
     credits the scheduler gets per model), each has its own queue, batches and backend, so a
     batch never mixes versions and a retired version's batches finish on it."""
 
-    def __init__(self, *, metrics: BatcherMetrics | None = None, supervisor: Supervisor | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        metrics: BatcherMetrics | None = None,
+        supervisor: Supervisor | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self._metrics = metrics
+        # Spans of the batches that hold traced jobs (batch_tracing.py); off: none, nothing per item.
+        self.tracing = tracing or Tracing.off()
         # The batcher app's, which stops the process when a batch former dies; an engine of its own
         # (in tests, benchmarks) still has its formers' deaths logged at once.
         self._supervisor = supervisor or Supervisor("batching-engine")
@@ -75,6 +85,8 @@ class BatchingEngine:
         # `_retiring` until the items it holds resolve.
         self._queues: dict[str, dict[str, ModelQueue]] = {}
         self._retiring: list[ModelQueue] = []
+        # Models declared as steps of others (services/batcher/pipeline.py): no queue of their own.
+        self._pipelines: dict[str, PipelineRunner] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
         self._executors: list[ThreadPoolExecutor] = []
@@ -86,7 +98,7 @@ class BatchingEngine:
         versions = self._queues.setdefault(config.name, {})
         if config.version in versions:
             raise ValueError(f"model {config.name!r} version {config.version!r} added twice")
-        queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed)
+        queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
         versions[config.version] = queue
         if self._executor is not None:
             executor = ThreadPoolExecutor(
@@ -96,27 +108,16 @@ class BatchingEngine:
             queue.start(executor, self._supervisor)
             self._notify_slot_freed(config.name)
 
-    async def retire(
-        self,
-        model_name: str,
-        version: str,
-        *,
-        linger_s: float = 1.0,
-        replacement: tuple[ModelConfig, ModelBackend] | None = None,
-    ) -> ModelBackend:
-        """Takes a version out of service, or hands it to `replacement` (the same version, newly
-        loaded, which takes every item from now on): the old one is no longer announced nor chosen
-        by default, the items it holds (waiting or computing) finish on it, and an order that names
-        it still runs on it until it has held nothing for `linger_s` (orders already on their
-        way); then its queue stops. Returns its backend, for the caller to close."""
-        queue = self.withdraw(model_name, version)
-        if replacement is not None:
-            self.add_model(*replacement)
-        await self.finish_retiring(queue, linger_s=linger_s)
-        return queue.backend
+    def add_pipeline(self, config: ModelConfig) -> None:
+        """A model declared as steps of models added here (their queues run its steps)."""
+        if self._executor is not None:
+            raise RuntimeError("pipelines are added before the engine starts")
+        if config.name in self._queues or config.name in self._pipelines:
+            raise ValueError(f"model {config.name!r} added twice")
+        self._pipelines[config.name] = PipelineRunner(config, self, self._notify_slot_freed)
 
     def withdraw(self, model_name: str, version: str) -> ModelQueue:
-        """The first half of `retire`: the version leaves service (and `versions`) now."""
+        """Takes a version out of service (and out of `versions`) now; `finish_retiring` ends it."""
         versions = self._queues.get(model_name, {})
         queue = versions.pop(version, None)
         if queue is None:
@@ -127,8 +128,8 @@ class BatchingEngine:
         return queue
 
     async def finish_retiring(self, queue: ModelQueue, *, linger_s: float) -> None:
-        """The second half of `retire`: waits until the withdrawn queue has held nothing for
-        linger_s, then stops it."""
+        """Lets a withdrawn version finish what it holds (waiting or computing; an order that names
+        it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops."""
         loop = asyncio.get_running_loop()
         quiet_since: float | None = None
         while True:
@@ -144,11 +145,15 @@ class BatchingEngine:
 
     @property
     def model_names(self) -> list[str]:
-        return list(self._queues)
+        return [*self._queues, *self._pipelines]
+
+    def pipeline(self, model_name: str) -> PipelineRunner | None:
+        return self._pipelines.get(model_name)
 
     def versions(self, model_name: str) -> list[str]:
         """The versions of the model in service here (not those retiring), oldest declared first."""
-        return list(self._queues.get(model_name, {}))
+        pipeline = self._pipelines.get(model_name)
+        return [pipeline.config.version] if pipeline is not None else list(self._queues.get(model_name, {}))
 
     def default_version(self, model_name: str) -> str:
         """The version an item that names none runs on: the model's default_version when served,
@@ -165,9 +170,13 @@ class BatchingEngine:
         return self._accepting
 
     def model_config(self, model_name: str, version: str = "") -> ModelConfig:
-        return self._queue(model_name, version).config
+        pipeline = self._pipelines.get(model_name)
+        return pipeline.config if pipeline is not None else self._queue(model_name, version).config
 
     def has_model(self, model_name: str, version: str = "") -> bool:
+        pipeline = self._pipelines.get(model_name)
+        if pipeline is not None:
+            return not version or version == pipeline.config.version
         if not version:
             return model_name in self._queues
         return version in self._queues.get(model_name, {}) or self._find_retiring(model_name, version) is not None
@@ -175,6 +184,9 @@ class BatchingEngine:
     def free_slots(self, model_name: str) -> int:
         """Items this model can take now: the smallest queue limit of its versions less the items
         all of them hold (waiting or computing), so that an order for any version fits."""
+        pipeline = self._pipelines.get(model_name)
+        if pipeline is not None:
+            return pipeline.free_slots if self._accepting else 0
         versions = self._queues.get(model_name)
         if not self._accepting or not versions:
             return 0
@@ -183,10 +195,14 @@ class BatchingEngine:
         return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
 
     def reports_progress(self, model_name: str, version: str = "") -> bool:
-        """Whether the model reports progress (worth a channel per item: see progress.py)."""
-        return self._queue(model_name, version).backend.reports_progress
+        """Whether the model reports progress (worth a channel per item: see progress.py); a
+        pipeline reports its steps."""
+        return model_name in self._pipelines or self._queue(model_name, version).backend.reports_progress
 
     def queue_depth(self, model_name: str) -> int:
+        pipeline = self._pipelines.get(model_name)
+        if pipeline is not None:
+            return pipeline.held
         return sum(q.depth for q in self._queues.get(model_name, {}).values())
 
     def add_slot_listener(self, listener: SlotListener) -> Callable[[], None]:
@@ -232,11 +248,17 @@ class BatchingEngine:
         queued) for an unknown model or version, invalid inputs, a full queue, a deadline already
         passed, or a stopping engine. The model's progress reports for it go to `progress` (the
         caller closes it when the item ends)."""
-        queue = self._queue(model_name, version)
+        pipeline = self._pipelines.get(model_name)
+        queue = self._queue(model_name, version) if pipeline is None else None
         if not self._accepting:
             if self._stopping:
                 raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
             raise Unavailable("batcher not started", reason="BATCHER_UNAVAILABLE")
+        if queue is None:
+            assert pipeline is not None
+            if timeout_s is not None and timeout_s <= 0:
+                raise DeadlineExceeded("the item's deadline passed before it was queued")
+            return pipeline.submit(inputs, timeout_s, priority, progress)
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
@@ -279,6 +301,7 @@ class BatchingEngine:
             if late:
                 log.warning("batches_abandoned_at_shutdown", batches=len(late))
                 await asyncio.gather(*late, return_exceptions=True)
+        await asyncio.gather(*(pipeline.close() for pipeline in self._pipelines.values()))
         if self._executor is not None:
             # A computing thread cannot be interrupted; do not wait for abandoned ones.
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -57,6 +57,7 @@ class PendingItem:
         "started",
         "submitted_at",
         "timer",
+        "trace",
     )
 
     def __init__(
@@ -78,6 +79,8 @@ class PendingItem:
         self.group: Group = ()
         self.cost = self.rows
         self.length = 0  # longest row, in the unit buckets are counted in (0: not variable)
+        # The work order's traceparent (its dispatch span) when the batcher traces jobs, else "".
+        self.trace = ""
         self.real_units = 0  # elements or tokens of real data (for padding waste)
         self.started = False
         self.timer: asyncio.TimerHandle | None = None

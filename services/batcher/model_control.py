@@ -196,6 +196,8 @@ class ModelControl:
     async def load_at_start(self, models: Iterable[ModelConfig]) -> None:
         """Loads every declared version before the engine starts (nothing is announced yet)."""
         for model in models:
+            if model.steps:
+                continue  # a pipeline: its step models are loaded, the app adds it (engine.add_pipeline)
             for config in model.version_configs():
                 backend = await self.load(config)
                 if backend is not None:

@@ -26,6 +26,7 @@ from asyncinfer.errors import (
 from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor, validate_inputs
+from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, BatchRunner, Computed, fail
 from services.batcher.fast_check import FastCheck
@@ -59,6 +60,7 @@ class ModelQueue:
         backend: ModelBackend,
         metrics: BatcherMetrics | None,
         on_item_done: SlotListener,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -81,7 +83,7 @@ class ModelQueue:
         self._executor: ThreadPoolExecutor | None = None
         self._delay_s = config.max_queue_delay_ms / 1000.0
         self._preferred = sorted(set(config.preferred_batch_sizes), reverse=True)
-        self._runner = BatchRunner(config, backend, self._shaper, self._metrics, self._free_slot)
+        self._runner = BatchRunner(config, backend, self._shaper, self._metrics, self._free_slot, tracing)
 
     @property
     def depth(self) -> int:

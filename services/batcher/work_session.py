@@ -23,6 +23,7 @@ import structlog
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
+from asyncinfer.tracing import trace_fields
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
 from services.batcher.model_control import ModelControl
@@ -211,6 +212,8 @@ class WorkSession:
             )
         try:
             item = submit_order(self._engine, order, progress)
+            if self._engine.tracing.enabled:
+                item.trace = order.traceparent
         except AsyncInferError as error:
             log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
             if not is_shutdown(error):  # unanswered: re-queued when the stream closes
@@ -308,4 +311,5 @@ class WorkSession:
 def _about(order: worker_service_pb2.WorkOrder) -> dict[str, object]:
     """What a log line about an order names. Not log.bind() per order: binding costs on every order
     even when nothing is logged (a successful order logs nothing at info)."""
-    return {"job_id": order.job_id, "attempt": order.attempt, "model": order.model_name, "tenant": order.tenant}
+    about = {"job_id": order.job_id, "attempt": order.attempt, "model": order.model_name, "tenant": order.tenant}
+    return {**about, **trace_fields(order.traceparent)}

@@ -43,6 +43,8 @@ class ModelQueues:
     desired_batchers: int
     submitted_per_second: float
     completed_per_second: float
+    # (batch size, batches, jobs) over the last minute, smallest size first.
+    batch_sizes: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def depth(self) -> int:
@@ -191,4 +193,5 @@ def _model_queues(model: ops_service_pb2.ModelQueueStats) -> ModelQueues:
         desired_batchers=model.desired_batchers,
         submitted_per_second=model.submitted_per_second,
         completed_per_second=model.completed_per_second,
+        batch_sizes=tuple((c.batch_size, c.batches, c.jobs) for c in model.batch_sizes),
     )

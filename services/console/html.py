@@ -162,6 +162,36 @@ def line_chart(
     return "".join(parts) + "</svg>"
 
 
+def bar_chart(title: str, bars: Sequence[tuple[str, float]], *, unit: str, x_label: str) -> str:
+    """Vertical bars (label, value), in the order given; y from 0 to the largest value."""
+    width, height, left, bottom, top = 520, 200, 44, 34, 26
+    plot_w, plot_h = width - left - 10, height - top - bottom
+    y_max = _nice(max((v for _, v in bars), default=0.0))
+    parts = [
+        f'<svg role="img" aria-label="{h(title)}" width="{width}" height="{height}" viewBox="0 0 {width} {height}">',
+        f'<text x="{left}" y="16" font-size="13" font-weight="600">{h(title)}</text>',
+        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#999"/>',
+        f'<text x="{left - 4}" y="{top + 4}" font-size="11" text-anchor="end">{h(_short(y_max))}</text>',
+        f'<text x="{left - 4}" y="{top + plot_h}" font-size="11" text-anchor="end">0</text>',
+        f'<text x="{left + plot_w}" y="{height - 4}" font-size="11" text-anchor="end">{h(x_label)} ({h(unit)})</text>',
+    ]
+    slot = plot_w / max(len(bars), 1)
+    bar_w = min(slot * 0.7, 36.0)
+    for index, (label, value) in enumerate(bars):
+        bar_h = plot_h * value / y_max
+        middle = left + slot * (index + 0.5)
+        parts.append(
+            f'<rect class="bar" data-bar="{h(label)}" data-value="{h(_short(value))}" x="{middle - bar_w / 2:.1f}" '
+            f'y="{top + plot_h - bar_h:.1f}" width="{bar_w:.1f}" height="{bar_h:.1f}" fill="{COLORS[0]}"/>'
+        )
+        parts.append(
+            f'<text x="{middle:.1f}" y="{top + plot_h + 13}" font-size="11" text-anchor="middle">{h(label)}</text>'
+        )
+    if not bars:
+        parts.append(f'<text x="{left + 10}" y="{top + plot_h / 2}" font-size="12" fill="#777">nothing ran yet</text>')
+    return "".join(parts) + "</svg>"
+
+
 def timeline(bars: Sequence[tuple[str, float, float, str]], *, total_s: float) -> str:
     """Horizontal bars (label, start s, end s, color) on one time axis from 0 to `total_s`."""
     width, row, left = 640, 26, 90

@@ -81,6 +81,15 @@ def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
         '<div class="charts">'
         + ui.line_chart("completed jobs per second", done, now=now, span_s=span_s, unit="jobs/s")
         + ui.line_chart("queued jobs", depth, now=now, span_s=span_s, unit="jobs")
+        + "".join(
+            ui.bar_chart(
+                f"{q.model_name}: batch sizes, last minute",
+                [(str(size), float(batches)) for size, batches, _ in q.batch_sizes],
+                unit="batches",
+                x_label="jobs per batch",
+            )
+            for q in queues
+        )
         + "</div>"
     )
     stale = ui.error_box(f"sampling failed: {history.error}") if history.error else ""

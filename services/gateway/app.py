@@ -4,6 +4,8 @@ loop (the watch feed's idle stop) runs under the app's supervisor."""
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 from prometheus_client import CollectorRegistry
 
@@ -19,6 +21,7 @@ from asyncinfer.nats.connection import connect
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
@@ -55,6 +58,7 @@ class GatewayApp:
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.supervisor = Supervisor("gateway")
+        self.tracing = Tracing.start(config.tracing, service="gateway")
         self._metrics_server = MetricsServer(self.registry, config.gateway.host, config.gateway.metrics_port)
         self._nc: NatsClient | None = None
         self._hub: WatchHub | None = None
@@ -144,6 +148,7 @@ class GatewayApp:
             metrics=self.metrics,
             claim_check=claim_check,
             callback_deliveries=CallbackDeliveries(await ensure_webhooks_bucket(js, cfg.nats)),
+            tracing=self.tracing,
         )
         self._server = GrpcServer(
             host=cfg.gateway.host,
@@ -183,6 +188,7 @@ class GatewayApp:
             await self._catalog.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         self._metrics_server.stop()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()

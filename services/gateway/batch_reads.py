@@ -13,7 +13,9 @@ from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, 
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from asyncinfer.v1.job_service_pb2 import JobProgress
 from services.gateway.bulk import error_status
+from services.gateway.progress_watch import progress_to_proto, record_progress
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import JobChange, watch_ids, watch_labels
@@ -24,8 +26,9 @@ MAX_IDS_PER_READ = 1000
 # The most job IDs one WatchJobs stream may watch.
 MAX_IDS_PER_WATCH = 10_000
 
-# (tenant, job ID) -> the job as it stands, or why it cannot be read.
-ReadJob = Callable[[str, str], Awaitable[job_pb2.Job | AsyncInferError]]
+# (tenant, job ID) -> the job as it stands with the progress its record keeps, or why it cannot
+# be read.
+ReadJob = Callable[[str, str], Awaitable[tuple[job_pb2.Job, JobProgress | None] | AsyncInferError]]
 
 
 async def get_jobs(
@@ -51,11 +54,14 @@ async def get_jobs(
         if isinstance(answer, AsyncInferError):
             result.error.CopyFrom(error_status(answer))
         else:
-            size = answer.ByteSize()
+            job, progress = answer
+            size = job.ByteSize() + (progress.ByteSize() if progress is not None else 0)
             if response.results and size > budget:
                 result.error.CopyFrom(error_status(_answer_full(job_id)))
             else:
-                result.job.CopyFrom(answer)
+                result.job.CopyFrom(job)
+                if progress is not None:
+                    result.progress.CopyFrom(progress)
                 budget -= size
         response.results.append(result)
     return response
@@ -101,6 +107,9 @@ def watch_jobs_response(
         message = response.changes.add(job_id=change.job_id)
         if change.record is not None:
             message.job.CopyFrom(watch_response(change.record).job)
+            progress = record_progress(change.record)
+            if progress is not None:
+                message.progress.CopyFrom(progress_to_proto(progress))
         elif change.error is not None:
             message.error.CopyFrom(error_status(change.error))
     return response

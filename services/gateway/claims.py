@@ -95,7 +95,7 @@ def request_fingerprint(request: SubmitRequest) -> str:
     """SHA-256 over every domain field of the request but the key itself (so fields added later
     count too). A deadline derived from a queue TTL differs on every retry: the TTL counts instead."""
     fields = _canonical(request)
-    del fields["idempotency_key"]
+    del fields["idempotency_key"], fields["traceparent"]  # a retry is a new trace of the same request
     if request.queue_ttl_s is not None:
         del fields["deadline"]
     encoded = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)

@@ -10,6 +10,7 @@ from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
+from asyncinfer.tracing import trace_id_of
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 from services.gateway.model_catalog import ModelListing
 from services.gateway.queue_view import QueueStanding
@@ -80,9 +81,12 @@ def _checked_duration(duration: duration_pb2.Duration, field: str, violations: l
     return value
 
 
-def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now: float) -> SubmitRequest:
+def submit_request_from_proto(
+    request: job_service_pb2.SubmitJobRequest, *, now: float, traceparent: str = ""
+) -> SubmitRequest:
     """Raises InvalidArgument for what cannot be mapped (bad tensors, an unknown priority, both a
-    deadline and a queue TTL); the semantic checks are `submit_request.validate_submit`'s."""
+    deadline and a queue TTL); the semantic checks are `submit_request.validate_submit`'s.
+    `traceparent`: the gateway's submit span, when it traces jobs."""
     violations: list[FieldViolation] = []
     priority = _PRIORITY_FROM_PROTO.get(request.priority)
     if priority is None:
@@ -142,6 +146,7 @@ def submit_request_from_proto(request: job_service_pb2.SubmitJobRequest, *, now:
         max_attempts=request.max_attempts,
         labels=dict(request.labels),
         callback=callback,
+        traceparent=traceparent,
     )
 
 
@@ -174,6 +179,8 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
         revision=record.revision,
         batcher_id=record.batcher_id,
     )
+    if record.traceparent:
+        job.trace_id = trace_id_of(record.traceparent)
     job.create_time.FromNanoseconds(round(record.create_time * 1e9))
     job.update_time.FromNanoseconds(round(record.update_time * 1e9))
     job.result_retention.FromNanoseconds(round(record.result_retention_s * 1e9))

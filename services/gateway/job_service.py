@@ -18,6 +18,7 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.tracing import Tracing, trace_fields
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import transitions
 from services.gateway.auth import Authenticator
@@ -37,6 +38,7 @@ from services.gateway.queue_view import QueueView, WaitingReason
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
+from services.gateway.submit_tracing import Submit, caller_trace, traced_submit
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 
@@ -74,8 +76,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         claim_check: ClaimCheck | None = None,
         callback_deliveries: CallbackDeliveries | None = None,
         idempotent: IdempotentSubmitter,
+        tracing: Tracing | None = None,
     ) -> None:
         self._config = config
+        self._tracing = tracing or Tracing.off()
         self._submitter = submitter
         self._records = records
         self._hub = hub
@@ -139,13 +143,16 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise await self._records.not_found(key, job_id)
         return record
 
-    async def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str) -> SubmitOutcome:
-        """One submit, unary or an item of SubmitJobs, counted in the metrics."""
+    def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str = "") -> Submit:
+        """One submit, unary or an item of SubmitJobs, counted in the metrics (and traced: submit_tracing.py)."""
+        return traced_submit(self._tracing, self._submit_as, request, tenant, caller)
+
+    async def _submit_as(self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str) -> SubmitOutcome:
         started = time.perf_counter()
         model_label = self._model_label(request.model_name)
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
-            submit = submit_request_from_proto(request, now=time.time())
+            submit = submit_request_from_proto(request, now=time.time(), traceparent=trace)
             outcome = await self._idempotent.submit(submit, tenant=tenant)
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
@@ -159,7 +166,8 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: job_service_pb2.SubmitJobRequest, context: Context
     ) -> job_service_pb2.SubmitJobResponse:
-        outcome = await self._submit(request, resolve_tenant(context, self._authenticator))
+        tenant = resolve_tenant(context, self._authenticator)
+        outcome = await self._submit(request, tenant, caller_trace(self._tracing, context))
         return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
@@ -180,11 +188,15 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             request.job_ids, tenant, self._job_or_error, budget_bytes=self._config.gateway.max_request_bytes
         )
 
-    async def _job_or_error(self, tenant: str, job_id: str) -> job_pb2.Job | AsyncInferError:
+    async def _job_or_error(
+        self, tenant: str, job_id: str
+    ) -> tuple[job_pb2.Job, job_service_pb2.JobProgress | None] | AsyncInferError:
         try:
-            return self._job(await self._record(tenant, job_id))
+            record = await self._record(tenant, job_id)
         except AsyncInferError as error:
             return error
+        progress = record_progress(record)
+        return self._job(record), None if progress is None else progress_to_proto(progress)
 
     async def WatchJob(
         self, request: job_service_pb2.WatchJobRequest, context: Context
@@ -253,14 +265,16 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise
         finally:
             self._metrics.cancels.labels(model=model_label, outcome=outcome).inc()
-        log.info("job_cancel_requested", job_id=record.job_id, model=record.model_name, state=record.state.value)
+        about = {"job_id": record.job_id, "model": record.model_name, **trace_fields(record.traceparent)}
+        log.info("job_cancel_requested", **about, state=record.state.value)
         return job_service_pb2.CancelJobResponse(job=self._job(record))
 
     async def SubmitJobs(
         self, request_iterator: AsyncIterator[job_service_pb2.SubmitJobsRequest], context: Context
     ) -> AsyncIterator[job_service_pb2.SubmitJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)  # once, before any request is read
-        responses = submit_stream(request_iterator, lambda request: self._submit(request, tenant), self._job)
+        caller = caller_trace(self._tracing, context)  # the parent of each item's span
+        responses = submit_stream(request_iterator, lambda request: self._submit(request, tenant, caller), self._job)
         async with contextlib.aclosing(responses) as answers:
             async for answer in answers:
                 yield answer

@@ -21,7 +21,7 @@ import structlog
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.contract import routing_headers
+from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
@@ -29,6 +29,7 @@ from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
+from asyncinfer.tracing import trace_fields
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -164,15 +165,23 @@ class JobSubmitter:
             execution_timeout_s=request.execution_timeout_s or model.default_execution_timeout_s,
             callback=request.callback,
             input_ref=request.input_blob,
+            traceparent=request.traceparent,
         )
         # Not log.bind(): binding costs on every submit (2% of the gateway's CPU in a bulk burst,
         # py-spy) even when nothing is logged; the few lines below name the job themselves.
         about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
+        if record.traceparent:
+            about.update(trace_fields(record.traceparent))
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         envelope = queued_envelope(record, request.inputs)
         if self._recent is not None:
             self._recent.expect(record.key)
+        headers = routing_headers(
+            tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
+        )
+        if record.traceparent:  # also readable by NATS tooling without decoding the record
+            headers[TRACEPARENT_HEADER] = record.traceparent
         try:
             await publish_durably(
                 self._js,
@@ -181,9 +190,7 @@ class JobSubmitter:
                 stream=self._config.nats.work_stream,
                 msg_id=record.job_id,
                 retry_for_s=self._config.gateway.enqueue_retry_s,
-                headers=routing_headers(
-                    tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
-                ),
+                headers=headers,
             )
         except BaseException as exc:
             if self._recent is not None:

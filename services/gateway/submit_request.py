@@ -44,6 +44,9 @@ class SubmitRequest:
     max_attempts: int = 0  # 0: the model's default
     labels: Mapping[str, str] = field(default_factory=dict)
     callback: CallbackSpec | None = None
+    # The submit span's W3C traceparent when the gateway traces jobs (asyncinfer.tracing): not
+    # what the caller asked for, so a repeated submit's fingerprint leaves it out.
+    traceparent: str = ""
 
 
 def check_request_size(size_bytes: int, limit_bytes: int) -> None:

@@ -27,6 +27,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queues import CancelNotice, cancel_subject
+from asyncinfer.tracing import trace_fields
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -62,7 +63,8 @@ class Expiry:
     async def settle(self, record: JobRecord) -> JobRecord | None:
         latest, wrote = await expire_if_overdue(self._records, record, self.clock())
         if wrote and latest is not None:
-            log.info("job_expired_on_read", job_id=latest.job_id, model=latest.model_name, tenant=latest.tenant)
+            about = {"job_id": latest.job_id, "model": latest.model_name, "tenant": latest.tenant}
+            log.info("job_expired_on_read", **about, **trace_fields(latest.traceparent))
             self._on_expired(latest)
         return latest
 
@@ -96,5 +98,6 @@ async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason
             await nc.publish(cancel_subject(latest.model_name), notice.encode())
         except NATS_FAILURES as exc:
             # The record says CANCELLING; the scheduler also finds that when the result comes.
-            log.warning("cancel_notice_not_sent", job_id=latest.job_id, model=latest.model_name, error=str(exc))
+            about = {"job_id": latest.job_id, "model": latest.model_name, **trace_fields(latest.traceparent)}
+            log.warning("cancel_notice_not_sent", **about, error=str(exc))
     return latest

@@ -31,6 +31,7 @@ from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
+from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
@@ -68,6 +69,7 @@ class SchedulerApp:
         self.metrics = SchedulerMetrics(CollectorRegistry())
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
+        self.tracing = Tracing.start(config.tracing, service="scheduler")
         self.port = 0
         self.metrics_port = 0
         self._nc: NatsClient | None = None
@@ -145,6 +147,7 @@ class SchedulerApp:
             nc=nc,
             instance_id=instance.id,
             batchers=self.batchers,
+            tracing=self.tracing,
         )
         self._stats = stats = QueueStatsReader(
             js=js,
@@ -156,6 +159,7 @@ class SchedulerApp:
             is_paused=pauses.is_paused,
             is_draining=lambda: self.draining,
             put_back_count=self._put_back_count,
+            batch_sizes=flow.batch_sizes,
         )
         models_kv = await ensure_models_bucket(js, config.nats)
         self._models_registry = registry = ModelRegistryWriter(
@@ -341,6 +345,7 @@ class SchedulerApp:
         if self._instance is not None:
             await self._instance.end()
         self._metrics_server.stop()
+        await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None and not self._nc.is_closed:
             try:
                 await self._nc.drain()

@@ -1,5 +1,5 @@
 """Bookkeeping beside the lifecycle: completion and submission rates (for queue stats and
-autoscaling)."""
+autoscaling), and the sizes of the batches the jobs completed in (for the console's plot)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections import deque
 import structlog
 
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.queue_stats import BatchSizeCount
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
@@ -38,11 +39,47 @@ class EventRates:
         return len(times) / span
 
 
+class BatchSizes:
+    """Per model, the jobs completed over the last RATE_WINDOW_S by the size of the batch each ran
+    in, kept as one count per size per whole second (memory bounded by the window, not the rate)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, deque[tuple[int, dict[int, int]]]] = {}
+
+    def add(self, model_name: str, batch_size: int) -> None:
+        if batch_size <= 0:
+            return
+        second = int(time.monotonic())
+        buckets = self._seconds.setdefault(model_name, deque())
+        if not buckets or buckets[-1][0] != second:
+            buckets.append((second, {}))
+        counts = buckets[-1][1]
+        counts[batch_size] = counts.get(batch_size, 0) + 1
+
+    def distribution(self, model_name: str) -> tuple[BatchSizeCount, ...]:
+        """Smallest size first."""
+        buckets = self._seconds.get(model_name)
+        if not buckets:
+            return ()
+        oldest = int(time.monotonic() - RATE_WINDOW_S)
+        while buckets and buckets[0][0] < oldest:
+            buckets.popleft()
+        jobs: dict[int, int] = {}
+        for _, counts in buckets:
+            for size, n in counts.items():
+                jobs[size] = jobs.get(size, 0) + n
+        return tuple(
+            BatchSizeCount(batch_size=size, batches=max(1, round(n / size)), jobs=n) for size, n in sorted(jobs.items())
+        )
+
+
 class CompletionRates(EventRates):
     def __init__(self, metrics: SchedulerMetrics) -> None:
         super().__init__()
         self._metrics = metrics
+        self.batch_sizes = BatchSizes()
 
-    def completed(self, model_name: str) -> None:
+    def completed(self, model_name: str, batch_size: int = 0) -> None:
         self.add(model_name)
+        self.batch_sizes.add(model_name, batch_size)
         self._metrics.completed.labels(model=model_name).inc()

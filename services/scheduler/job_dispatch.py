@@ -20,6 +20,7 @@ from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
+from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
 from services.scheduler import version_routing
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
@@ -62,11 +63,13 @@ class JobDispatch:
         on_timeout: Callable[[InFlightJob], None],
         instance_id: str = "",
         batchers: BatcherRegistry | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         """`batchers`: routes each job to a batcher that serves its version (version_routing.py);
         None: the reserved batcher runs it, whatever it serves."""
         self._batchers = batchers
         self._instance_id = instance_id
+        self._tracing = tracing or Tracing.off()
         self._store = store
         self._config = config
         self._metrics = metrics
@@ -86,7 +89,11 @@ class JobDispatch:
             await quietly(msg.term())
             return False
         job_log = log.bind(job_id=envelope.job_id, model=envelope.model_name, tenant=envelope.tenant)
+        if envelope.traceparent:
+            job_log = job_log.bind(trace_id=trace_id_of(envelope.traceparent))
         try:
+            if self._tracing.enabled and envelope.traceparent:
+                return await self._traced_dispatch(msg, envelope, session, job_log)
             return await self._dispatch(msg, envelope, session, job_log)
         except Exception:
             # NATS trouble mid-way: the message comes back after a pause, and the record (if
@@ -94,6 +101,17 @@ class JobDispatch:
             job_log.exception("dispatch_failed")
             await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
             return False
+
+    async def _traced_dispatch(
+        self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog
+    ) -> bool:
+        """_dispatch in a `dispatch` span, a child of the job's submit span (the record's
+        traceparent); the work order carries the span on to the batcher."""
+        attributes = {"asyncinfer.job_id": envelope.job_id, "asyncinfer.model": envelope.model_name}
+        with self._tracing.span("dispatch", parent=envelope.traceparent, attributes=attributes) as span:
+            sent = await self._dispatch(msg, envelope, session, job_log, trace=span.traceparent)
+            span.set("asyncinfer.sent", sent)
+            return sent
 
     async def _record_of(self, msg: Msg, envelope: WorkEnvelope, job_log: JobLog) -> JobRecord | None:
         """The job's record. A submit's message is the QUEUED record itself: on its first delivery
@@ -133,7 +151,9 @@ class JobDispatch:
             await quietly(msg.term())
         return None
 
-    async def _dispatch(self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog) -> bool:
+    async def _dispatch(
+        self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog, *, trace: str = ""
+    ) -> bool:
         record = await self._record_of(msg, envelope, job_log)
         if record is None:
             return False
@@ -151,13 +171,13 @@ class JobDispatch:
                 # Another batcher's credit was taken: the reserved one goes back to the dispatcher.
                 sent = False
                 try:
-                    sent = await self._run(msg, envelope, routed.session, job_log, record, routed.version)
+                    sent = await self._run(msg, envelope, routed.session, job_log, record, routed.version, trace)
                 finally:
                     if not sent:
                         self._batchers.release(routed.session, envelope.model_name)
                 return False
             version = routed.version
-        return await self._run(msg, envelope, session, job_log, record, version)
+        return await self._run(msg, envelope, session, job_log, record, version, trace)
 
     async def _run(
         self,
@@ -167,6 +187,7 @@ class JobDispatch:
         job_log: JobLog,
         record: JobRecord,
         version: str,
+        trace: str,
     ) -> bool:
         now = time.time()
         event = lifecycle.Dispatch(
@@ -194,6 +215,14 @@ class JobDispatch:
             await msg.ack()
             return False
         job_log = job_log.bind(attempt=latest.attempt)
+        if trace:  # the wait that ended here: from the job's (re)queueing to its RUNNING write
+            queued: dict[str, AttributeValue] = {
+                "asyncinfer.job_id": latest.job_id,
+                "asyncinfer.attempt": latest.attempt,
+            }
+            self._tracing.record(
+                "queued", parent=envelope.traceparent, start_s=record.update_time, end_s=now, attributes=queued
+            )
         if record.state == JobState.RUNNING:
             self._metrics.lease_expiries.labels(model=latest.model_name).inc()
             job_log.warning("lease_expired", previous_attempt=record.attempt)
@@ -209,7 +238,7 @@ class JobDispatch:
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
             return False
         self._metrics.job_transition(latest)
-        order = self._order(envelope, latest, version)
+        order = self._order(envelope, latest, version, trace)
         session.send(order)
         job = InFlightJob(
             job_id=envelope.job_id,
@@ -239,7 +268,7 @@ class JobDispatch:
         event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)
         await self._settlement.end(running, msg, job_log, event, time.time())
 
-    def _order(self, envelope: WorkEnvelope, record: JobRecord, version: str) -> WorkOrder:
+    def _order(self, envelope: WorkEnvelope, record: JobRecord, version: str, trace: str) -> WorkOrder:
         timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
         if timeout_s is None:
             model = self._config.model(envelope.model_name)
@@ -255,4 +284,5 @@ class JobDispatch:
             input_ref=envelope.input_ref,
             deadline=envelope.deadline,
             execution_timeout_s=timeout_s,
+            traceparent=trace,
         )

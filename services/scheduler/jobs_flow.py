@@ -25,6 +25,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
+from asyncinfer.tracing import AttributeValue, Tracing
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.completions import CompletionRates
@@ -35,6 +36,7 @@ from services.scheduler.messages import CancelOrder, WorkProgress, WorkResult
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.owned_tasks import OwnedTasks
 from services.scheduler.progress_relay import ProgressRelay
+from services.scheduler.queue_stats import BatchSizeCount
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import Settlement
 
@@ -55,8 +57,10 @@ class JobFlow:
         nc: NatsClient | None = None,
         instance_id: str = "",
         batchers: BatcherRegistry | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self._store = store
+        self._tracing = tracing or Tracing.off()
         self._metrics = metrics
         self._queued_records = QueuedRecords() if queued_records is None else queued_records
         self._tasks = OwnedTasks("scheduler-jobs")
@@ -89,6 +93,7 @@ class JobFlow:
             on_timeout=self._on_timeout,
             instance_id=instance_id,
             batchers=batchers,
+            tracing=self._tracing,
         )
 
     @property
@@ -122,13 +127,23 @@ class JobFlow:
             return
         self._leases.release(job)
         if not result.dropped:
-            self._rates.completed(job.model_name)
+            self._rates.completed(job.model_name, result.batch_size)
         try:
-            await self._settlement.result(job, result)
+            if self._tracing.enabled and job.record.traceparent:
+                await self._traced_result(job, result)
+            else:
+                await self._settlement.result(job, result)
         except Exception:
             # The record stays RUNNING and the message unacked: it comes back after AckWait and
             # the next attempt takes the record over.
             job.log.exception("result_not_stored")
+
+    async def _traced_result(self, job: InFlightJob, result: WorkResult) -> None:
+        """The result's commit (the terminal write or the retry, then the ack) in a span, a child
+        of the job's submit span."""
+        attributes: dict[str, AttributeValue] = {"asyncinfer.job_id": job.job_id, "asyncinfer.attempt": job.attempt}
+        with self._tracing.span("result_commit", parent=job.record.traceparent, attributes=attributes):
+            await self._settlement.result(job, result)
 
     async def handle_progress(self, session: BatcherSession, progress: WorkProgress) -> None:
         """Relays the progress of the attempt in flight on `session`; any other is dropped."""
@@ -202,6 +217,9 @@ class JobFlow:
 
     def completed_per_s(self, model_name: str) -> float:
         return self._rates.per_s(model_name)
+
+    def batch_sizes(self, model_name: str) -> tuple[BatchSizeCount, ...]:
+        return self._rates.batch_sizes.distribution(model_name)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         return await self._leases.wait_idle(timeout_s)

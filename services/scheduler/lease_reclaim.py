@@ -30,6 +30,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import messages_between, nak_delivery
+from asyncinfer.tracing import trace_fields
 from services.scheduler.instances import HEARTBEAT_TTL_S, SchedulerInstance
 
 log = structlog.get_logger("asyncinfer.scheduler.lease_reclaim")
@@ -98,7 +99,8 @@ class LeaseReclaimer:
         if not await self._instance.is_gone(record.dispatched_by):
             return False
         await nak_delivery(self._nc, record.lease_subject)
-        log.info("lease_returned", job_id=record.job_id, attempt=record.attempt, held_by=record.dispatched_by)
+        about = {"job_id": record.job_id, "attempt": record.attempt, **trace_fields(record.traceparent)}
+        log.info("lease_returned", **about, held_by=record.dispatched_by)
         return True
 
     @staticmethod

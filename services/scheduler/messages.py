@@ -67,6 +67,7 @@ class WorkOrder:
     input_ref: BlobRef | None = None
     deadline: float | None = None
     execution_timeout_s: float | None = None
+    traceparent: str = ""  # the dispatch span's, when the job is traced
 
 
 @dataclass(frozen=True, slots=True)

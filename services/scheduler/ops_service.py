@@ -62,6 +62,10 @@ def snapshot_to_proto(snapshot: ModelQueueSnapshot) -> ops_service_pb2.ModelQueu
         paused=snapshot.paused,
         draining=snapshot.draining,
         state=queue_state(paused=snapshot.paused, draining=snapshot.draining),
+        batch_sizes=[
+            ops_service_pb2.BatchSizeCount(batch_size=c.batch_size, batches=c.batches, jobs=c.jobs)
+            for c in snapshot.batch_sizes
+        ],
     )
 
 

@@ -41,6 +41,13 @@ class PriorityQueueSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchSizeCount:
+    batch_size: int
+    batches: int  # batches of that size (its jobs / the size, rounded: each job counts 1/size)
+    jobs: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModelQueueSnapshot:
     model_name: str
     priorities: tuple[PriorityQueueSnapshot, ...]
@@ -53,6 +60,8 @@ class ModelQueueSnapshot:
     updated_at: float = 0.0
     draining: bool = False
     submitted_per_s: float = 0.0
+    # Jobs completed over the last minute by the size of the batch each ran in.
+    batch_sizes: tuple[BatchSizeCount, ...] = ()
 
     @property
     def depth(self) -> int:
@@ -108,8 +117,10 @@ class QueueStatsReader:
         submitted_per_s: Callable[[str], float],
         is_draining: Callable[[], bool],
         put_back_count: Callable[[str, Priority], int] = lambda _model, _priority: 0,
+        batch_sizes: Callable[[str], tuple[BatchSizeCount, ...]] = lambda _model: (),
     ) -> None:
         self._put_back_count = put_back_count
+        self._batch_sizes = batch_sizes
         self._js = js
         self._config = config
         self._batchers = batchers
@@ -150,6 +161,7 @@ class QueueStatsReader:
             updated_at=time.time(),
             draining=draining,
             submitted_per_s=self._submitted_per_s(model.name),
+            batch_sizes=self._batch_sizes(model.name),
         )
 
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:

@@ -163,6 +163,8 @@ def fill_order(message: worker_service_pb2.WorkOrder, order: WorkOrder) -> None:
         message.deadline.FromNanoseconds(round(order.deadline * 1e9))
     if order.execution_timeout_s is not None:
         message.execution_timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
+    if order.traceparent:
+        message.traceparent = order.traceparent
 
 
 # --- batches of outbound messages -----------------------------------------------------------------

@@ -20,24 +20,14 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from asyncinfer.config import ModelConfig, TensorSpecConfig
+from asyncinfer.config import MINILM_EMBEDDING_DIM, MINILM_MODEL, ModelConfig
 from asyncinfer.errors import ConfigError, ModelError
 from services.batcher.backends import Arrays, check_outputs
 from services.batcher.backends.torch_backend import TorchBackend
 
 MAX_TOKENS = 256
-EMBEDDING_DIM = 384
-
-MINILM_MODEL = ModelConfig(
-    name="minilm-l6",
-    loader="builtin:minilm-l6",
-    max_batch_size=64,
-    max_queue_delay_ms=5.0,
-    cost="tokens",
-    max_batch_cost=4096,
-    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
-    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, EMBEDDING_DIM)),),
-)
+__all__ = ["MINILM_MODEL", "MiniLMBackend", "MiniLMEncoder", "model_dir"]
+EMBEDDING_DIM = MINILM_EMBEDDING_DIM
 
 
 def model_dir() -> Path:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.nn import functional
 
-from asyncinfer.config import ModelConfig, TensorSpecConfig
+from asyncinfer.config import MINILM_DOC_MODEL
 from asyncinfer.errors import ModelError
 from services.batcher.backends import Arrays, check_outputs
 from services.batcher.backends.minilm import EMBEDDING_DIM, MAX_TOKENS, MiniLMBackend, _texts
@@ -30,19 +30,7 @@ from services.batcher.progress import ProgressReporter
 # Tokens of a window, less [CLS] and [SEP]: a window is one full minilm-l6 input.
 WINDOW_TOKENS = MAX_TOKENS - 2
 WINDOWS_OUTPUT = "window_embeddings"
-
-MINILM_DOC_MODEL = ModelConfig(
-    name="minilm-l6-doc",
-    loader="builtin:minilm-l6-doc",
-    max_batch_size=8,
-    max_queue_delay_ms=5.0,
-    cost="tokens",
-    max_batch_cost=65536,
-    length_buckets=(256, 1024, 4096, 16384),
-    default_execution_timeout_s=600.0,
-    inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=(-1,)),),
-    outputs=(TensorSpecConfig(name="embedding", datatype="FP32", shape=(-1, EMBEDDING_DIM)),),
-)
+__all__ = ["MINILM_DOC_MODEL", "MiniLMDocBackend"]
 
 
 class MiniLMDocBackend(MiniLMBackend):

@@ -1,0 +1,203 @@
+"""OpenTelemetry traces of jobs: one trace per job, from the caller's W3C `traceparent` through the
+gateway, the scheduler and the batcher.
+
+The trace context travels as a W3C traceparent string (`00-<trace id>-<span id>-<flags>`): in the
+caller's gRPC metadata, on the job's record (which the work message is, so NATS carries it with the
+record), and on the work order to the batcher (`WorkOrder.traceparent`). Each hop starts its spans
+as children of the one it was handed:
+
+    gateway    submit                         (parent: the caller's traceparent, if any)
+    scheduler    queued, dispatch, result_commit   (parent: submit, from the record)
+    batcher        compute                    (parent: dispatch, from the order; linked to the batch)
+    batcher    batch                          (a trace of its own, linking every job it held)
+
+Each service has a TracerProvider of its own (not the global one), so that `asyncinfer up` and the
+tests, which run all three in one process, still name each span's service (`service.name`).
+
+Off (the default) costs nothing per job: `Tracing.off()` makes no provider, callers check
+`enabled` before building anything, and opentelemetry is not even imported (it is the `tracing`
+extra; a base or server install runs without it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from asyncinfer.config import TracingConfig
+from asyncinfer.contract import TRACEPARENT_HEADER
+from asyncinfer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+    from opentelemetry.trace import Span, Tracer
+
+log = structlog.get_logger("asyncinfer.tracing")
+
+# The W3C header: the gRPC metadata key (lower case, as gRPC hands metadata over) and the work
+# message's NATS header.
+TRACEPARENT = TRACEPARENT_HEADER
+OTLP_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+AttributeValue = str | int | float | bool
+
+
+def trace_id_of(traceparent: str) -> str:
+    """The trace ID (32 hex digits) of a W3C traceparent; "" when there is none."""
+    parts = traceparent.split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
+
+
+def trace_fields(traceparent: str) -> dict[str, str]:
+    """What a log line about a traced job adds (`trace_id`); nothing for an untraced one."""
+    return {"trace_id": trace_id_of(traceparent)} if traceparent else {}
+
+
+def traceparent_in(metadata: Iterable[tuple[str, str | bytes]] | None) -> str:
+    """The caller's traceparent in gRPC invocation metadata ("" when it sent none)."""
+    for key, value in metadata or ():
+        if key == TRACEPARENT and isinstance(value, str):
+            return value
+    return ""
+
+
+class Tracing:
+    """One service's tracer. `Tracing.off()` when tracing is not configured: `enabled` is False
+    and nothing else may be called."""
+
+    def __init__(self, provider: TracerProvider | None = None, *, otlp_endpoint: str = "") -> None:
+        self._provider = provider
+        self._tracer: Tracer | None = None if provider is None else provider.get_tracer("asyncinfer")
+        self.enabled = provider is not None
+        self.otlp_endpoint = otlp_endpoint  # where spans are exported ("": nowhere, or off)
+
+    @classmethod
+    def off(cls) -> Tracing:
+        return cls()
+
+    @classmethod
+    def start(cls, config: TracingConfig, *, service: str, environ: Mapping[str, str] | None = None) -> Tracing:
+        """The service's tracer per `config` (off unless enabled), exporting over OTLP/gRPC to
+        `otlp_endpoint` or $OTEL_EXPORTER_OTLP_ENDPOINT when either is set."""
+        if not config.enabled:
+            return cls.off()
+        try:
+            from opentelemetry.sdk.resources import Resource
+            from opentelemetry.sdk.trace import TracerProvider
+            from opentelemetry.sdk.trace.export import BatchSpanProcessor
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        except ImportError as exc:
+            raise ConfigError(
+                f"tracing.enabled needs OpenTelemetry: pip install 'asyncinfer[tracing]' ({exc})"
+            ) from exc
+        resource = Resource.create(
+            {"service.name": f"{config.service_name}-{service}", "service.namespace": config.service_name}
+        )
+        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+        environ = os.environ if environ is None else environ
+        endpoint = config.otlp_endpoint or environ.get(OTLP_ENDPOINT_VARIABLE, "")
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            # Batched, in the SDK's own thread: exporting never runs on the event loop.
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        log.info("tracing_on", service=service, otlp_endpoint=endpoint or None, sample_ratio=config.sample_ratio)
+        return cls(provider, otlp_endpoint=endpoint)
+
+    def add_span_processor(self, processor: SpanProcessor) -> None:
+        """Another destination for this service's spans (the tests' in-memory exporter)."""
+        assert self._provider is not None, "tracing is off"
+        self._provider.add_span_processor(processor)
+
+    def shutdown(self) -> None:
+        """Flushes and stops the exporters (blocking: call it off the event loop). Idempotent."""
+        if self._provider is not None:
+            self._provider.shutdown()
+
+    @contextmanager
+    def span(
+        self,
+        name: str,
+        *,
+        parent: str = "",
+        server: bool = False,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> Iterator[TraceSpan]:
+        """A span around the block, a child of `parent` (a traceparent; "": a new trace). An
+        exception leaving the block is recorded on it and marks it failed."""
+        from opentelemetry.trace import SpanKind, use_span
+
+        assert self._tracer is not None, "tracing is off"
+        span = self._tracer.start_span(
+            name,
+            context=_context_of(parent),
+            kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
+            attributes=attributes,
+        )
+        with use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
+            yield TraceSpan(span)
+
+    def record(
+        self,
+        name: str,
+        *,
+        parent: str = "",
+        start_s: float,
+        end_s: float,
+        attributes: Mapping[str, AttributeValue] | None = None,
+        links: Sequence[str] = (),
+    ) -> str:
+        """A span that already happened (Unix seconds), a child of `parent` ("": a new trace),
+        linked to the spans `links` (traceparents). Returns its own traceparent."""
+        from opentelemetry.trace import Link
+
+        assert self._tracer is not None, "tracing is off"
+        span_links = [Link(_span_context_of(link)) for link in links if link]
+        span = self._tracer.start_span(
+            name,
+            context=_context_of(parent),
+            attributes=attributes,
+            links=span_links,
+            start_time=round(start_s * 1e9),
+        )
+        span.end(end_time=round(end_s * 1e9))
+        return TraceSpan(span).traceparent
+
+
+class TraceSpan:
+    """A span in progress, as callers see it: its traceparent (what the next hop continues) and
+    its attributes."""
+
+    __slots__ = ("_span",)
+
+    def __init__(self, span: Span) -> None:
+        self._span = span
+
+    @property
+    def traceparent(self) -> str:
+        context = self._span.get_span_context()
+        return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+    def set(self, key: str, value: AttributeValue) -> None:
+        self._span.set_attribute(key, value)
+
+
+def _context_of(traceparent: str) -> Any:
+    """The OpenTelemetry context whose current span is the one `traceparent` names; an empty
+    context (a new trace) for "" or a malformed one (W3C: ignore it, never fail the request)."""
+    from opentelemetry.context import Context
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    if not traceparent:
+        return Context()
+    return TraceContextTextMapPropagator().extract({TRACEPARENT: traceparent}, context=Context())
+
+
+def _span_context_of(traceparent: str) -> Any:
+    from opentelemetry.trace import get_current_span
+
+    return get_current_span(_context_of(traceparent)).get_span_context()

@@ -1,0 +1,290 @@
+"""Pipelines end to end, on real NATS, the real gRPC servers and the real batcher (tests/stack.py):
+many concurrent pipeline jobs whose steps batch together across jobs (a step's batch holds items
+of several jobs, seen in the batcher's batch-size metrics and in the job records), each job one
+job (one record, QUEUED -> RUNNING -> SUCCEEDED) with the last step's mapped outputs and the share
+of its steps done as progress; a failing step fails its job with the step named; a cancel reaches
+a job whose step waits in its model's queue; the gateway validates a submit against the pipeline's
+inputs; a pipeline whose step model did not load does not serve. On an engine alone: a job's
+deadline applies to its first step; a reporting step's progress is folded into the pipeline's; and
+the document embedder pipeline (chunk -> minilm-l6 -> pool) against minilm-l6-doc."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.config import DEMO_MODEL, ModelConfig
+from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
+from tests.stack import Stack, StartStack
+
+pytestmark = pytest.mark.timeout(180)
+
+GATED = DEMO_MODEL.model_copy(
+    update={"name": "gated", "loader": "services.batcher.models.demo:build_gated_model", "max_batch_size": 64}
+)
+FAILING = DEMO_MODEL.model_copy(
+    update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model", "max_attempts": 1}
+)
+# y = 2(2x + 1) + 1 = 4x + 3: the gated demo model, then the demo model.
+TWICE = ModelConfig.model_validate(
+    {
+        "name": "twice",
+        "max_queue_size": 256,
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+        "steps": [
+            {"model": "gated", "inputs": {"x": "x"}, "outputs": {"y": "once"}},
+            {"model": "demo", "inputs": {"x": "once"}, "outputs": {"y": "y"}},
+        ],
+    }
+)
+BROKEN = TWICE.model_copy(
+    update={
+        "name": "broken",
+        "max_attempts": 1,
+        "steps": (TWICE.steps[0], TWICE.steps[1].model_copy(update={"model": "failing", "name": "second"})),
+    }
+)
+JOBS = 24
+
+
+def x_request(model: str, value: float) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([value, value + 1, value + 2, value + 3])
+    return job_service_pb2.SubmitJobRequest(model_name=model, inputs=[x])
+
+
+async def until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
+    """Polls `condition()` until it holds, bounded (the engine's state changes on this loop, and
+    it has no event to wait on from outside)."""
+    give_up_at = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < give_up_at, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def watch(stack: Stack, job_id: str) -> list[job_service_pb2.WatchJobResponse]:
+    seen = []
+    async for response in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):
+        seen.append(response)
+    return seen
+
+
+def batch_rows(stack: Stack, model: str) -> tuple[float, float]:
+    """The batcher's histogram of rows per batch of `model`: (batches, rows)."""
+    assert stack.batcher is not None
+    registry = stack.batcher.registry
+    count = registry.get_sample_value("asyncinfer_batch_size_count", {"model": model}) or 0.0
+    total = registry.get_sample_value("asyncinfer_batch_size_sum", {"model": model}) or 0.0
+    return count, total
+
+
+@pytest.fixture
+async def gated_stack(config: Any, start_stack: StartStack) -> Any:
+    GATE.set()
+    stack = await start_stack(
+        config.replace(models=(DEMO_MODEL, GATED, FAILING, TWICE, BROKEN), batcher={"progress_interval_ms": 0.0})
+    )
+    try:
+        yield stack
+    finally:
+        GATE.set()
+
+
+async def test_steps_of_many_jobs_batch_together(gated_stack: Stack) -> None:
+    stack = gated_stack
+    assert stack.batcher is not None
+    engine = stack.batcher.engine
+    runner = engine.pipeline("twice")
+    assert runner is not None
+    GATE.clear()  # the first step's first batch computes until the gate opens: the rest queue behind it
+    jobs = [(await stack.jobs.SubmitJob(x_request("twice", float(i)))).job for i in range(JOBS)]
+    assert {job.state for job in jobs} == {job_pb2.JOB_STATE_QUEUED}
+    watched = asyncio.create_task(watch(stack, jobs[-1].job_id))
+    # Every job is running in the batcher, and most wait in the first step's queue.
+    await until(lambda: runner.held == JOBS and engine.queue_depth("gated") >= JOBS // 2, "jobs queued in the step")
+    GATE.set()
+    seen = await asyncio.wait_for(watched, 60)
+
+    answers = [await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id)) for job in jobs]
+    records = [answer.job for answer in answers]
+    for i, record in enumerate(records):
+        assert record.state == job_pb2.JOB_STATE_SUCCEEDED, record
+        (y,) = decode_tensors(record.outputs)
+        assert y.name == "y"
+        np.testing.assert_allclose(y.to_numpy(), 4 * np.array([[i, i + 1, i + 2, i + 3]], dtype=np.float32) + 3)
+    # A batch of the first step held items of several jobs (one row each): the one after the gate
+    # opened took every job waiting then.
+    batches, rows = batch_rows(stack, "gated")
+    assert rows == JOBS
+    assert batches < JOBS / 2, batches
+    # ... and so did the second step's, which the first step's batch handed its items to at once:
+    # the records carry the last step's batch.
+    assert max(record.batch.batch_size for record in records) > 1
+    # One job, one record: QUEUED, RUNNING, progress as steps are done, SUCCEEDED.
+    states = [r.job.state for r in seen]
+    assert states[-1] == job_pb2.JOB_STATE_SUCCEEDED
+    assert job_pb2.JOB_STATE_RUNNING in states
+    fractions = [r.progress.fraction for r in seen if r.HasField("progress")]
+    assert fractions == sorted(fractions), fractions
+    assert fractions[-1] == 1.0
+    assert set(fractions) <= {0.0, 0.5, 1.0}
+    assert answers[-1].progress.message == "2 of 2 steps done"
+
+
+async def test_a_failing_step_fails_the_job_with_the_step_named(gated_stack: Stack) -> None:
+    stack = gated_stack
+    job = (await stack.jobs.SubmitJob(x_request("broken", 1.0))).job
+    seen = await asyncio.wait_for(watch(stack, job.job_id), 60)
+    final = seen[-1].job
+    assert final.state == job_pb2.JOB_STATE_FAILED
+    assert final.error.reason == "MODEL_ERROR"
+    assert "pipeline 'broken' step 2 (second)" in final.error.message
+    assert FAILING_MODEL_MESSAGE in final.error.message
+
+
+async def test_a_cancel_reaches_a_job_whose_step_waits_in_its_models_queue(gated_stack: Stack) -> None:
+    stack = gated_stack
+    assert stack.batcher is not None
+    engine = stack.batcher.engine
+    GATE.clear()
+    first = (await stack.jobs.SubmitJob(x_request("twice", 0.0))).job
+    computing = GATED.max_queue_size - 1
+    await until(
+        lambda: engine.free_slots("gated") == computing and engine.queue_depth("gated") == 0, "the first job's step"
+    )
+    second = (await stack.jobs.SubmitJob(x_request("twice", 1.0))).job
+    await until(lambda: engine.queue_depth("gated") == 1, "the second job's step queued")
+    await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=second.job_id, reason="not needed"))
+    canceled = await asyncio.wait_for(watch(stack, second.job_id), 60)
+    assert canceled[-1].job.state == job_pb2.JOB_STATE_CANCELED
+    await until(lambda: engine.queue_depth("gated") == 0, "the dropped step purged")
+    GATE.set()
+    done = await asyncio.wait_for(watch(stack, first.job_id), 60)
+    assert done[-1].job.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert batch_rows(stack, "gated") == (1.0, 1.0)  # the canceled job's step never ran
+
+
+async def test_the_gateway_validates_a_pipeline_submit_against_its_inputs(gated_stack: Stack) -> None:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 3])
+    x.contents.fp32_contents.extend([1.0, 2.0, 3.0])
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await gated_stack.jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="twice", inputs=[x]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_the_document_pipeline_matches_minilm_l6_doc() -> None:
+    """chunk -> minilm-l6 -> pool, straight through an engine, against minilm-l6-doc on the same
+    documents; a document of more windows than minilm-l6's max_batch_size runs as several items."""
+    from asyncinfer.config import MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, BatcherConfig
+    from services.batcher.backends.loading import load_backend
+    from services.batcher.engine import BatchingEngine
+
+    engine = BatchingEngine()
+    minilm = MINILM_MODEL.model_copy(update={"max_batch_size": 4})  # a 9-window document: 3 items
+    for model in (minilm, MINILM_DOC_MODEL):
+        engine.add_model(model, await asyncio.to_thread(load_backend, model, BatcherConfig()))
+    engine.add_pipeline(MINILM_DOC_PIPELINE)
+    await engine.start()
+    try:
+        sentence = "Pipelines run each step through its own model's batching queue, unbelievably. "
+        documents = [sentence * 150, "A short one.", "", sentence * 3]
+        text = [Tensor.from_numpy("text", np.array([d.encode() for d in documents], dtype=np.object_))]
+        piped, whole = await asyncio.gather(
+            engine.infer("minilm-l6-doc-pipeline", text), engine.infer("minilm-l6-doc", text)
+        )
+        (a,), (b,) = piped.outputs, whole.outputs
+        assert a.shape == b.shape == (4, 384)
+        cosines = (a.to_numpy() * b.to_numpy()).sum(axis=1)  # both L2-normalised
+        assert np.all(cosines > 0.999), cosines
+        runner = engine.pipeline("minilm-l6-doc-pipeline")
+        assert runner is not None
+        assert runner.last_runs[1].batch_rows == 4
+    finally:
+        await engine.stop(grace_s=1.0)
+
+
+async def test_a_pipeline_whose_step_model_did_not_load_does_not_serve(config: Any) -> None:
+    """The other models serve; the pipeline is a load failure that names its missing step model."""
+    from services.batcher.app import BatcherApp
+
+    broken_gated = GATED.model_copy(update={"loader": "services.batcher.models.demo:no_such_factory"})
+    app = BatcherApp(config.replace(models=(DEMO_MODEL, broken_gated, TWICE)))
+    await app.start()
+    try:
+        assert app.engine.has_model("demo")
+        assert not app.engine.has_model("twice")
+        assert "its step models ['gated'] are not served here" in app.load_failures["twice"]
+    finally:
+        await app.stop(grace_s=1.0)
+
+
+@pytest.fixture
+async def engine() -> Any:
+    """An engine alone (no NATS): the gated, progress and demo models and two pipelines on them."""
+    from asyncinfer.config import BatcherConfig
+    from services.batcher.backends.loading import load_backend
+    from services.batcher.engine import BatchingEngine
+
+    progress = DEMO_MODEL.model_copy(
+        update={"name": "progress", "loader": "services.batcher.models.demo:build_progress_model"}
+    )
+    reporting = TWICE.model_copy(
+        update={"name": "reporting", "steps": (TWICE.steps[0].model_copy(update={"model": "progress"}), TWICE.steps[1])}
+    )
+    built = BatchingEngine()
+    for model in (DEMO_MODEL, GATED, progress):
+        built.add_model(model, await asyncio.to_thread(load_backend, model, BatcherConfig()))
+    built.add_pipeline(TWICE)
+    built.add_pipeline(reporting)
+    GATE.set()
+    await built.start()
+    try:
+        yield built
+    finally:
+        GATE.set()
+        await built.stop(grace_s=1.0)
+
+
+def x_tensor(value: float) -> list[Tensor]:
+    return [Tensor.from_numpy("x", np.array([[value, value + 1, value + 2, value + 3]], dtype=np.float32))]
+
+
+async def test_a_jobs_deadline_applies_to_its_first_step(engine: Any) -> None:
+    from asyncinfer.errors import DeadlineExceeded
+
+    GATE.clear()
+    first = engine.submit("twice", x_tensor(0.0))
+    computing = GATED.max_queue_size - 1
+    await until(lambda: engine.free_slots("gated") == computing and engine.queue_depth("gated") == 0, "first step")
+    late = engine.submit("twice", x_tensor(1.0), timeout_s=0.2)
+    with pytest.raises(DeadlineExceeded):
+        await asyncio.wait_for(late.future, 30)  # it expired waiting in the first step's queue
+    GATE.set()
+    outcome = await asyncio.wait_for(first.future, 30)
+    np.testing.assert_allclose(outcome.outputs[0].to_numpy(), [[3.0, 7.0, 11.0, 15.0]])
+
+
+async def test_a_reporting_steps_progress_is_folded_into_the_pipelines(engine: Any) -> None:
+    from services.batcher.progress import ItemProgress, ProgressUpdate
+
+    updates: list[ProgressUpdate] = []
+    channel = ItemProgress(updates.append, interval_s=0.0, max_bytes=0)
+    item = engine.submit("reporting", x_tensor(1.0), progress=channel)
+    await asyncio.wait_for(item.future, 60)
+    channel.close()
+    fractions = [u.fraction for u in updates]
+    assert fractions == sorted(fractions), fractions
+    assert fractions[-1] == 1.0
+    inside = [u for u in updates if u.fraction is not None and 0.0 < u.fraction < 0.5]
+    assert inside, "the first step's own progress shows as part of the pipeline's first half"
+    assert all(u.message.startswith("step 1 of 2: progress: step ") for u in inside)
+    assert updates[-1].message == "2 of 2 steps done"
