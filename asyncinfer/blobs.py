@@ -27,7 +27,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -59,7 +59,7 @@ from asyncinfer.nats import (
     NotFoundError,
     api,
 )
-from asyncinfer.nats.streams import retry_transient
+from asyncinfer.nats.streams import retry_transient, store_full
 from asyncinfer.v1 import tensor_pb2
 
 log = structlog.get_logger("asyncinfer.blobs")
@@ -147,6 +147,20 @@ def object_name(tenant: str, ref: str) -> str:
     return contract.object_name(tenant, ref)
 
 
+def chunks_name(tenant: str, ref: str) -> str:
+    """A new object's chunk name (its meta's `nuid`; the chunks go on `$O.<bucket>.C.<name>`).
+    An upload's carries its tenant (`in.<tenant>.<nuid>`), so that the tenant's stored uploads are
+    a subject filter away (`input_chunks_filter`) and counted from the stream itself; readers take
+    the name from the meta, whatever its tokens (nats-py's and the Go client's alike)."""
+    nuid = CHUNK_NAMES.next().decode()
+    return f"{INPUT_KIND}.{tenant}.{nuid}" if ref.startswith(INPUT_KIND + "/") else nuid
+
+
+def input_chunks_filter(bucket: str, tenant: str) -> str:
+    """Every chunk of the tenant's uploads (those stored since chunk names carry the tenant)."""
+    return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=f"{INPUT_KIND}.{tenant}.*")
+
+
 def _meta_subject(bucket: str, name: str) -> str:
     return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
 
@@ -201,14 +215,17 @@ class BlobStore:
         max_bytes: int,
         expected_sha256: str = "",
         expected_size: int | None = None,
+        before_commit: Callable[[], Awaitable[None]] | None = None,
     ) -> BlobRef:
         """Streams `chunks` into the object `ref` of `tenant`, replacing any object of that name.
 
-        Raises InvalidArgument (UPLOAD_TOO_LARGE past max_bytes, SHA256_MISMATCH, SIZE_MISMATCH)
-        and Unavailable when NATS fails; in every failure, and on cancellation, the chunks
-        written so far are purged and no meta is written."""
+        Raises InvalidArgument (UPLOAD_TOO_LARGE past max_bytes, SHA256_MISMATCH, SIZE_MISMATCH),
+        StoreFullError when JetStream has no room, and Unavailable when NATS fails otherwise; in every failure, and on cancellation, the chunks
+        written so far are purged and no meta is written. `before_commit` runs once every chunk
+        is stored and before the meta makes the object visible; what it raises refuses the
+        object the same way."""
         name = object_name(tenant, ref)
-        nuid = CHUNK_NAMES.next().decode()
+        nuid = chunks_name(tenant, ref)
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         digest = hashlib.sha256()
         total = 0
@@ -247,6 +264,8 @@ class BlobStore:
             if expected_sha256 and expected_sha256 != sha256:
                 message = f"the content's SHA-256 is {sha256}, not the declared {expected_sha256}; nothing was kept"
                 raise InvalidArgument(message, [FieldViolation("metadata.sha256", message)], reason="SHA256_MISMATCH")
+            if before_commit is not None:
+                await before_commit()
             previous = await self._info_or_none(name)
             info = api.ObjectInfo(
                 name=name,
@@ -265,6 +284,9 @@ class BlobStore:
         except BaseException as exc:
             await asyncio.gather(*pending, return_exceptions=True)
             await self._purge_quietly(chunk_subject)
+            full = store_full(exc)
+            if full is not None:  # no room: not worth retrying at once (the caller says so)
+                raise full from exc
             if isinstance(exc, NATS_FAILURES):
                 raise Unavailable(f"cannot store the object: {exc}") from exc
             raise
@@ -356,12 +378,47 @@ class BlobStore:
         if info is not None:
             await self._remove(info)
 
-    async def sweep(self, now: float | None = None) -> int:
+    async def delete_live(self, tenant: str, ref: str) -> BlobRef:
+        """Deletes the tenant's object (expired or not) and returns what it was; NotFound when the
+        tenant has none of that name (or it is already deleted). An extension racing the
+        tombstone wins its compare-and-set or loses it, and the delete looks again."""
+        name = object_name(tenant, ref)
+        while True:
+            info = await self._info_or_none(name)
+            if info is None or info.deleted:
+                raise blob_not_found(ref)
+            try:
+                await self._remove(info)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    continue
+                if store_full(exc) is None:
+                    raise Unavailable(f"cannot delete the object: {exc}") from exc
+                # No room for a tombstone, which is when room is most wanted: purges need none.
+                # Chunks first, so that a crash between the two leaves a meta (which reads as
+                # corrupt and is deleted again or swept), never chunks nothing names.
+                try:
+                    await self._purge_object(info)
+                except NATS_FAILURES as purge_failed:
+                    raise Unavailable(f"cannot delete the object: {purge_failed}") from purge_failed
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot delete the object: {exc}") from exc
+            return info.ref
+
+    async def sweep(self, now: float | None = None, *, orphans_after_s: float | None = None) -> int:
         """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
-        many were removed."""
+        many were removed. With `orphans_after_s`, also the chunks of uploads that never got a
+        meta (a gateway killed mid-upload) and saw no chunk for that long: they would count
+        against their tenant's stored bytes for ever."""
         now = time.time() if now is None else now
         removed = 0
-        for info in await self._list():
+        # The chunk subjects are listed before the metas, so an upload made visible meanwhile has
+        # its meta in the list (and one made visible later wrote its last chunk just now).
+        chunk_subjects = await self._input_chunk_subjects() if orphans_after_s is not None else []
+        metas = await self._list()
+        if orphans_after_s is not None:
+            removed += await self._purge_orphans(chunk_subjects, {info.nuid for info in metas}, now, orphans_after_s)
+        for info in metas:
             if not (info.deleted or info.expired(now)):
                 continue
             try:
@@ -373,11 +430,37 @@ class BlobStore:
             removed += 1
         return removed
 
+    async def _input_chunk_subjects(self) -> list[str]:
+        info = await self._js.stream_info(
+            self.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=f"{INPUT_KIND}.>")
+        )
+        return list(info.state.subjects or {})
+
+    async def _purge_orphans(self, subjects: list[str], named: set[str], now: float, idle_s: float) -> int:
+        prefix = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj="")
+        purged = 0
+        for subject in subjects:
+            if subject.removeprefix(prefix) in named:
+                continue
+            try:
+                last = await self._js.get_last_msg(self.stream, subject)
+            except NotFoundError:
+                continue
+            if last.time is None or now - last.time.timestamp() < idle_s:
+                continue  # an upload still streaming, or just made visible
+            await self._js.purge_stream(self.stream, subject=subject)
+            log.warning("blob_orphan_chunks_purged", subject=subject)
+            purged += 1
+        return purged
+
     async def _remove(self, info: BlobInfo) -> None:
         """A tombstone first (compare-and-set, so an extension made meanwhile wins), then the
         chunks, then the meta subject itself: nothing of the object is left in the stream."""
         if not info.deleted:
             await self._rewrite_meta(info, deleted=True)
+        await self._purge_object(info)
+
+    async def _purge_object(self, info: BlobInfo) -> None:
         await self._js.purge_stream(
             self.stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
         )

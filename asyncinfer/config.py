@@ -59,6 +59,13 @@ class NatsConfig(_Section):
         None, description="PEM client certificate, for a NATS server that verifies clients (with tls_key_file)."
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    inbox_prefix: str = Field(
+        "_INBOX",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Prefix of this connection's reply subjects. Where NATS permissions separate the services "
+        "(asyncinfer.nats_users), each gets its own (_INBOX_gateway, _INBOX_scheduler), so that no other user "
+        "may read its replies.",
+    )
     work_stream: str = Field(contract.WORK_STREAM, description="The WorkQueue stream holding queued jobs.")
     dead_letter_stream: str = Field(contract.DEAD_LETTER_STREAM, description="The stream of jobs that failed for good.")
     jobs_bucket: str = Field(contract.JOBS_BUCKET, description="The KV bucket holding job records.")
@@ -177,6 +184,13 @@ class GatewayConfig(_Section):
         gt=0,
         description="An UploadInput stream that sends nothing for this long is ended DEADLINE_EXCEEDED "
         "(UPLOAD_IDLE) and nothing of it is kept.",
+    )
+    max_stored_upload_bytes_per_tenant: int = Field(
+        0,
+        ge=0,
+        description="Most bytes of uploaded inputs one tenant may keep in the claim-check store, counted from the "
+        "store itself in whole 128 KiB chunks; an upload that would pass it is refused RESOURCE_EXHAUSTED "
+        "TENANT_STORAGE_EXCEEDED and nothing of it is kept (0: no limit). DeleteInput frees room at once.",
     )
     max_open_uploads_per_tenant: int = Field(
         32,
@@ -345,6 +359,12 @@ class ConsoleConfig(_Section):
     tls_ca_file: str | None = Field(
         None, description="PEM CA bundle that verifies the gateway and the scheduler; setting it turns TLS on for both."
     )
+    tls_cert_file: str | None = Field(
+        None,
+        description="PEM client certificate the console presents (with tls_key_file), for a scheduler or gateway that "
+        "requires mutual TLS (tls_client_ca_file).",
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
     tenant_key: str | None = Field(
         None, description="The key (role tenant) whose jobs the console shows, with API keys; prefer tenant_key_file."
     )

@@ -57,6 +57,9 @@ def _all_under(prefix: str) -> str:
     return f"{prefix}.>"
 
 
+# A gateway's probe of a full store: a write no consumer takes (one token where a queue has two),
+# gone in a second (Nats-TTL).
+STORE_PROBE_SUBJECT = f"{WORK_SUBJECT_PREFIX}.store-probe"
 WORK_SUBJECTS = _all_under(WORK_SUBJECT_PREFIX)
 DEAD_SUBJECTS = _all_under(DEAD_SUBJECT_PREFIX)
 WEBHOOK_SUBJECTS = _all_under(WEBHOOK_SUBJECT_PREFIX)

@@ -1,7 +1,8 @@
 """The `asyncinfer` command.
 
-    asyncinfer up [--config FILE]          everything on one machine: embedded nats-server, gateway,
+    asyncinfer up [--config FILE] [--dev-tls] everything on one machine: embedded nats-server, gateway,
                                            scheduler, a batcher with the configured models, the console
+                                           (--dev-tls: all on TLS, a local development CA)
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
@@ -112,11 +113,18 @@ def _host(config: Config, name: str) -> str:
 
 
 def check_up_exposure(config: Config) -> None:
-    """`up` binds beyond loopback only where callers authenticate: the gateway with API keys; the
-    scheduler's, the batcher's and NATS's ports have no authentication, so they stay on loopback."""
+    """`up` binds beyond loopback only where callers authenticate over TLS: the gateway with API
+    keys and a certificate (`up --dev-tls`, or gateway.tls_cert_file); the scheduler's, the batcher's
+    and NATS's ports stay on loopback."""
     from services.gateway.auth import is_loopback, require_auth_beyond_loopback
 
     require_auth_beyond_loopback("the gateway", config.gateway.host, config.gateway.api_keys)
+    if not is_loopback(config.gateway.host) and not config.gateway.tls_cert_file:
+        raise ConfigError(
+            f"`asyncinfer up` stays on loopback without TLS: gateway.host is {config.gateway.host!r}, so API keys "
+            "would travel in cleartext. Run `asyncinfer up --dev-tls` (a local development CA), or set "
+            "gateway.tls_cert_file and tls_key_file."
+        )
     for what, host in (
         ("scheduler", config.scheduler.host),
         ("batcher", config.batcher.host),
@@ -194,7 +202,7 @@ class EmbeddedNats:
     services that use it. If it exits on its own (killed, its store's disk full) `up` stops, with
     EXIT_UNAVAILABLE: the services would only retry a server that is gone."""
 
-    def __init__(self, config: Config, stop: StopSignal) -> None:
+    def __init__(self, config: Config, stop: StopSignal, *, extra_args: tuple[str, ...] = ()) -> None:
         from asyncinfer.embedded_nats import NatsServerProcess
 
         embedded = config.embedded_nats
@@ -205,6 +213,7 @@ class EmbeddedNats:
             port=embedded.port,
             monitor_port=embedded.monitor_port,
             log_file=store.parent / "nats-server.log",
+            extra_args=extra_args,
         )
         self.supervisor = Supervisor("nats")
         self.port = 0
@@ -299,15 +308,23 @@ def with_own_batcher_key(config: Config) -> Config:
     return config.replace(gateway={"api_keys": [*keys, own]}, batcher={"api_key": key})
 
 
-async def run_up(config: Config) -> int:
+async def run_up(config: Config, *, tls: bool = False) -> int:
     """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
-    first and stops last; each service's log lines name it."""
+    first and stops last; each service's log lines name it. With `tls`, every server and the
+    embedded NATS speak TLS with a local development CA (services/dev_ca.py)."""
+    nats_args: tuple[str, ...] = ()
+    ca_file: str | None = None
+    if tls:
+        from services.dev_ca import bound_hosts, dev_tls_dir, ensure_dev_tls, nats_server_args, with_dev_tls
+
+        dev = await asyncio.to_thread(ensure_dev_tls, dev_tls_dir(config), bound_hosts(config))
+        config, nats_args, ca_file = with_dev_tls(config, dev), nats_server_args(dev), str(dev.ca_file)
     check_up_exposure(config)
     raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
     given = config
     config = with_up_defaults(config)
     stop = StopSignal()
-    nats = EmbeddedNats(config, stop)
+    nats = EmbeddedNats(config, stop, extra_args=nats_args)
     state: dict[str, App] = {}
 
     async def start_nats() -> App:
@@ -337,7 +354,10 @@ async def run_up(config: Config) -> int:
 
     def started(_apps: Sequence[App]) -> None:
         tune_for_serving()
-        print(_banner(config, state, nats.server.url, dev_secret=config.webhooks != given.webhooks), flush=True)
+        print(
+            _banner(config, state, nats.server.url, dev_secret=config.webhooks != given.webhooks, ca_file=ca_file),
+            flush=True,
+        )
 
     try:
         return await run_until_stopped(
@@ -351,7 +371,9 @@ async def run_up(config: Config) -> int:
         print("asyncinfer stopped", flush=True)
 
 
-def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: bool = False) -> str:
+def _banner(
+    config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: bool = False, ca_file: str | None = None
+) -> str:
     gateway = f"{config.gateway.host}:{apps['gateway'].port}"
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
     batcher = f"{config.batcher.host}:{apps['batcher'].port}"
@@ -376,17 +398,20 @@ def _banner(config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: 
             f"  {label:<31}{config.webhooks.secret_for(tenant)}  "
             f"(generated for this loopback stack, kept in {dev_secret_file(config)})"
         )
+    if ca_file is not None:
+        lines.append(f"  {'TLS (development CA)':<31}{ca_file}  (clients: --tls-ca {ca_file})")
     if config.model("flaky") == FLAKY_MODEL:
         lines.append(f"  {'flaky':<31}fails on demand: a job whose x has a row starting below 0 is dead-lettered")
     body = _first_submit_body(config)
     if body is not None:
         grpcurl = _grpcurl_command()
+        transport = f"-cacert {ca_file}" if ca_file is not None else "-plaintext"
         lines += [
             "",
             "Submit a job, then fetch it (replace JOB_ID):",
-            f"  {grpcurl} -plaintext -d '{body}' {gateway} asyncinfer.v1.JobService/SubmitJob",
-            f"""  {grpcurl} -plaintext -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/GetJob""",
-            f"""  {grpcurl} -plaintext -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/WatchJob""",
+            f"  {grpcurl} {transport} -d '{body}' {gateway} asyncinfer.v1.JobService/SubmitJob",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/GetJob""",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/WatchJob""",
         ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)
@@ -441,6 +466,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser, commands = client_cli.new_parser()
     up = commands.add_parser("up", help="run everything on this machine (embedded nats-server)")
     up.add_argument("--config", type=Path, help="configuration file (TOML); see `asyncinfer config`")
+    up.add_argument(
+        "--dev-tls",
+        action="store_true",
+        help="every server and NATS on TLS, with a local development CA kept beside the store (clients: --tls-ca)",
+    )
     client_cli.add_tool_commands(commands)
     for name in SERVICES:
         against = "the gateway and the scheduler" if name == "console" else "an external NATS"
@@ -466,7 +496,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         config = load_config(args.config)
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)
         if args.command == "up":
-            return _run(run_up(config))
+            return _run(run_up(config, tls=args.dev_tls))
         return _run(run_service(args.command, config, args.config))
     except AsyncInferError as exc:
         print(f"asyncinfer: {exc.message}", file=sys.stderr)

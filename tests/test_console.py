@@ -107,6 +107,7 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     assert "SUCCEEDED" in text
     assert "The batch it ran in" in text
     assert "jobs in the batch" in text
+    assert "trace ID\t-" in text  # tracing is off in this stack: no trace to look up
     bars = await browser.evaluate("[...document.querySelectorAll('#job rect.bar')].map(b => b.dataset.bar)")
     assert bars == ["queued", "succeeded"]
     await browser.screenshot(ARTIFACTS / "job.png")

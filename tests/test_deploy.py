@@ -49,6 +49,7 @@ OVERLAYS = ("local", "production", "production-prometheus", "production-triton")
 KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version()))
 SERVICES = {"gateway": 50051, "scheduler": 50052, "batcher": 50053}
 METRICS_PORTS = {"gateway": 9101, "scheduler": 9102, "batcher": 9103}
+SECRET_DIR = "/var/run/secrets/asyncinfer"  # where the services mount their Secrets
 SECRET_ENV = {
     "ASYNCINFER_GATEWAY__API_KEYS": json.dumps([{"tenant": "acme", "sha256": "0" * 64}]),
     "ASYNCINFER_WEBHOOKS__SECRETS": json.dumps([{"tenant": "acme", "secret": "whsec_" + "A" * 44}]),
@@ -148,8 +149,8 @@ def test_overlay_validates_against_the_kubernetes_schemas(overlay: str) -> None:
     docs = render(overlay)
     checked = 0
     for doc in docs:
-        if doc["apiVersion"].startswith("keda.sh/"):
-            continue  # a CRD: checked against KEDA's schema below
+        if doc["apiVersion"].startswith(("keda.sh/", "cert-manager.io/")):
+            continue  # CRDs: checked against KEDA's and cert-manager's schemas below
         for version in KUBERNETES_VERSIONS:
             errors = kubernetes_errors(doc, version)
             assert not errors, f"{overlay}: {doc['kind']}/{doc['metadata']['name']} (Kubernetes {version}): {errors}"
@@ -271,7 +272,13 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == str(section.metrics_port)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert container(deployment)[probe]["grpc"]["port"] == section.port, (name, probe)
+            # grpc.health.v1 over TLS (Kubernetes' own gRPC probes speak no TLS): the image's check.
+            command = container(deployment)[probe]["exec"]["command"]
+            assert command[:2] == ["python", "/opt/asyncinfer/healthcheck.py"], (name, probe)
+            assert command[-1] == f"localhost:{section.port}", (name, probe)
+            assert command[command.index("--ca") + 1] == f"{SECRET_DIR}/tls/ca.crt", (name, probe)
+            if service == "scheduler":  # it requires client certificates: its probe presents its own
+                assert command[command.index("--cert") + 1] == f"{SECRET_DIR}/tls/tls.crt", (name, probe)
         if service == "batcher":
             assert cfg.batcher.scheduler_address == f"scheduler:{scheduler_port}"
             for model in cfg.models:  # the pool's model is the one the gateway validates against
@@ -299,19 +306,22 @@ def check_console(main: Config, services: dict[str, dict[str, Any]], deployment:
         assert address == f"{service}:{services[service]['spec']['ports'][0]['port']}"
     assert services["console"]["spec"]["ports"][0]["port"] == main.console.port
     assert services["console"]["spec"]["type"] == "ClusterIP"
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in console["env"]}
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in console["env"] if "valueFrom" in e}
     assert set(env) == {"ASYNCINFER_CONSOLE__TENANT_KEY", "ASYNCINFER_CONSOLE__OPS_KEY"}
     assert all(ref["name"] == "asyncinfer-secrets" and ref["key"] == name for name, ref in env.items())
 
 
 def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -> None:
     docs = render("local")
-    (secret,) = of_kind(docs, "Secret").values()
+    secret = of_kind(docs, "Secret")["asyncinfer-secrets"]
     environ = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     cfg = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path, environ)
     from asyncinfer.api_keys import hash_key
 
-    assert [k.sha256 for k in cfg.gateway.api_keys] == [hash_key("asyncinfer-local-demo-key")]
+    assert [k.sha256 for k in cfg.gateway.api_keys if k.role == "tenant"] == [hash_key("asyncinfer-local-demo-key")]
+    # The batchers' key (mounted from its own Secret) is the list's batcher key.
+    batcher_key = base64.b64decode(of_kind(docs, "Secret")["asyncinfer-batcher-key"]["data"]["key"]).decode()
+    assert [k.sha256 for k in cfg.gateway.api_keys if k.role == "batcher"] == [hash_key(batcher_key)]
     assert cfg.webhooks.secret_for("demo") is not None
     # The console's key is the demo tenant's (and it has no ops key: read-only).
     assert cfg.console.tenant_key is not None
@@ -319,8 +329,8 @@ def test_the_local_secret_holds_valid_keys_and_webhook_secrets(tmp_path: Path) -
     assert console_key.tenant == "demo"
     assert cfg.console.ops_key is None
     deployments = of_kind(docs, "Deployment")
-    gateway_env = {e["name"]: e for e in container(deployments["gateway"])["env"]}
-    console_env = {e["name"]: e for e in container(deployments["console"])["env"]}
+    gateway_env = {e["name"]: e for e in container(deployments["gateway"])["env"] if "valueFrom" in e}
+    console_env = {e["name"]: e for e in container(deployments["console"])["env"] if "valueFrom" in e}
     assert set(gateway_env) == {k for k in environ if not k.startswith("ASYNCINFER_CONSOLE__")}
     assert set(environ) - set(gateway_env) <= set(console_env)
     for env in (*gateway_env.values(), *console_env.values()):
@@ -335,17 +345,33 @@ def test_production_expects_the_secret_instead_of_committing_one() -> None:
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "asyncinfer-secrets", "key": "ASYNCINFER_GATEWAY__API_KEYS"}
 
 
+def nats_conf(docs: tuple[dict[str, Any], ...]) -> str:
+    (conf,) = [d["data"]["nats.conf"] for d in of_kind(docs, "ConfigMap").values() if "nats.conf" in d.get("data", {})]
+    return conf
+
+
 def test_nats_server_accepts_the_cluster_configuration(tmp_path: Path) -> None:
+    from asyncinfer.nats_users import new_user_nkey
+    from tests.certs import TestCA
+
     nats = of_kind(render("production"), "StatefulSet")["nats"]
-    (conf,) = [
-        d["data"]["nats.conf"]
-        for d in of_kind(render("production"), "ConfigMap").values()
-        if "nats.conf" in d.get("data", {})
-    ]
+    conf = nats_conf(render("production"))
+    # The certificate files the pods mount (nats-tls), made here; the NKeys the Secret gives.
+    ca = TestCA(tmp_path / "pki")
+    pem = ca.issue("nats")
+    tls = tmp_path / "nats-tls"
+    tls.mkdir()
+    for name, source in (("tls.crt", pem.cert_file), ("tls.key", pem.key_file), ("ca.crt", ca.ca_file)):
+        (tls / name).write_bytes(Path(source).read_bytes())
     path = tmp_path / "nats.conf"
-    path.write_text(conf)
+    path.write_text(conf.replace("/etc/nats-tls/", f"{tls}/"))
     binary = find_nats_server()
-    env = {**os.environ, "SERVER_NAME": "nats-0"}
+    env = {
+        **os.environ,
+        "SERVER_NAME": "nats-0",
+        "GATEWAY_NKEY": new_user_nkey()[1],
+        "SCHEDULER_NKEY": new_user_nkey()[1],
+    }
     out = subprocess.run(
         [binary, "-t", "-c", str(path)], capture_output=True, text=True, env=env, timeout=30, check=False
     )

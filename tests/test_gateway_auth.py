@@ -172,7 +172,11 @@ def test_addresses_beyond_loopback(host: str) -> None:
 def test_up_keeps_unauthenticated_ports_on_loopback() -> None:
     check_up_exposure(Config())
     keys = [{"tenant": "acme", "sha256": hash_key(ACME_KEY)}]
-    check_up_exposure(Config().replace(gateway={"host": "0.0.0.0", "api_keys": keys}))
+    tls = {"tls_cert_file": "server.pem", "tls_key_file": "server-key.pem"}
+    check_up_exposure(Config().replace(gateway={"host": "0.0.0.0", "api_keys": keys, **tls}))
+    # Keys alone are not enough beyond loopback: they would travel in cleartext (issue 17).
+    with pytest.raises(ConfigError, match="stays on loopback without TLS"):
+        check_up_exposure(Config().replace(gateway={"host": "0.0.0.0", "api_keys": keys}))
     with pytest.raises(ConfigError, match="without API keys"):
         check_up_exposure(Config().replace(gateway={"host": "0.0.0.0"}))
     for section in ("scheduler", "batcher", "embedded_nats"):

@@ -592,6 +592,7 @@ def test_the_gateway_still_serves_a_submit_after_hostile_rpcs(gateway: Gateway) 
         ("unary_unary", "CancelJob"),
         ("unary_unary", "ListJobs"),
         ("unary_unary", "ListModels"),
+        ("unary_unary", "DeleteInput"),
         ("unary_stream", "WatchJob"),
         ("unary_stream", "ReadResult"),
     ]:

@@ -186,7 +186,9 @@ async def test_get_jobs_and_watch_jobs_carry_the_progress_the_records_keep(
 
     await asyncio.wait_for(watch(), 60)
     for job_id in ids:
-        assert all(0 < f < 1.0 for f in running[job_id]), running
+        # A running record may already hold the last step's report (1.0) before the end's write.
+        assert all(0 < f <= 1.0 for f in running[job_id]), running
+        assert running[job_id] == sorted(running[job_id])
         assert finished[job_id].progress.fraction == 1.0
         assert finished[job_id].progress.message == f"step {PROGRESS_STEPS} of {PROGRESS_STEPS}"
     assert any(running.values()), "no running record with its progress reached the watch"

@@ -244,3 +244,29 @@ def test_tls_files_are_checked_at_start_up(tmp_path: Path) -> None:
             "gateway", gateway.model_copy(update={"tls_cert_file": str(tmp_path / "x"), "tls_key_file": "y"})
         )
     assert server_credentials("gateway", gateway) is None
+
+
+async def test_the_console_reaches_a_mutual_tls_scheduler_with_its_client_certificate(
+    tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess, start_stack: StartStack
+) -> None:
+    from asyncinfer.client import AsyncInferClientError
+    from asyncinfer.config import ConsoleConfig
+    from services.console.backend import Backend
+
+    stack = await start_stack(tls_config(tmp_path, ca, tls_nats), batcher=False)
+    console = ca.issue("console")
+    addresses = {"gateway_address": f"localhost:{stack.gateway.port}", "scheduler_address": stack.ops_address}
+    with_cert = Backend(
+        ConsoleConfig(
+            tls_ca_file=ca.ca_file, tls_cert_file=console.cert_file, tls_key_file=console.key_file, **addresses
+        )
+    )
+    without = Backend(ConsoleConfig(tls_ca_file=ca.ca_file, **addresses))
+    try:
+        assert [q.model_name for q in await with_cert.queues()] == ["demo"]
+        assert await without.models()  # the gateway does not require a client certificate
+        with pytest.raises(AsyncInferClientError):
+            await without.queues()  # the scheduler does
+    finally:
+        await with_cert.close()
+        await without.close()

@@ -117,12 +117,12 @@ port = 0
 _RUNS = itertools.count(1)
 
 
-def start_up(config_path: Path, ports: dict[str, int], cwd: Path) -> UpProcess:
+def start_up(config_path: Path, ports: dict[str, int], cwd: Path, *, args: tuple[str, ...] = ()) -> UpProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stderr = cwd / f"up-{next(_RUNS)}.stderr"
     with stderr.open("w") as err:
         process = subprocess.Popen(
-            [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+            [str(BIN / "asyncinfer"), "up", "--config", str(config_path), *args],
             cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=err,

@@ -792,6 +792,19 @@ class AsyncClient:
         content = tensor_pb2.InferInputs(inputs=[to_input_proto(t) for t in input_tensors(inputs)]).SerializeToString()
         return await self.upload(content, retention_s=retention_s, timeout_s=timeout_s)
 
+    async def delete_input(self, ref: str | BlobRef, *, timeout_s: float | None = None) -> BlobRef:
+        """Deletes one of your uploads before its retention ends (its bytes stop counting against
+        your stored-upload limit at once) and returns what it was. NotFoundError when you have no
+        such upload; a queued job that still refers to it fails at dispatch with INPUT_NOT_FOUND.
+        A retry after a lost answer may find it gone and raise NotFoundError."""
+        request = job_service_pb2.DeleteInputRequest(ref=ref.ref if isinstance(ref, BlobRef) else ref)
+
+        async def invoke(remaining: float | None) -> job_service_pb2.DeleteInputResponse:
+            return await self._stub.DeleteInput(request, timeout=remaining, metadata=self._metadata)
+
+        response = await self._call(invoke, Deadline(timeout_s))
+        return BlobRef(ref=response.ref.ref, size_bytes=response.ref.size_bytes, sha256=response.ref.sha256)
+
     async def read_result(self, job: JobLike, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
         """A large result (a job with `result_ref`), streamed back in chunks, as name -> array.
         The content is checked against the reference's SHA-256; a broken stream reads again."""

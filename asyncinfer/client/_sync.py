@@ -266,5 +266,8 @@ class Client:
     ) -> BlobRef:
         return self._run(self._client.upload_inputs(inputs, retention_s=retention_s, timeout_s=timeout_s))
 
+    def delete_input(self, ref: str | BlobRef, *, timeout_s: float | None = None) -> BlobRef:
+        return self._run(self._client.delete_input(ref, timeout_s=timeout_s))
+
     def read_result(self, job: JobLike, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
         return self._run(self._client.read_result(job, timeout_s=timeout_s))

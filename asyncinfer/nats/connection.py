@@ -66,6 +66,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         "error_cb": on_error,
         "disconnected_cb": on_disconnected,
         "reconnected_cb": on_reconnected,
+        "inbox_prefix": config.inbox_prefix,
     }
     options.update(security_options(config))
     connecting = asyncio.ensure_future(client.connect(**options))

@@ -20,7 +20,7 @@ from nats.js.kv import KeyValue
 
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, stream_info_subject
+from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, MSG_TTL_HEADER, stream_info_subject
 from asyncinfer.nats.protocol import STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
 
@@ -59,20 +59,39 @@ def store_full(exc: BaseException) -> StoreFullError | None:
     return None
 
 
-async def store_has_room(js: JetStreamContext, stream: str, *, headroom_bytes: int) -> bool:
+async def store_has_room(
+    js: JetStreamContext, stream: str, *, headroom_bytes: int, probe_subject: str | None = None
+) -> bool:
     """Whether the stream, and the account's JetStream storage, have headroom_bytes to spare (what
-    a health probe asks while writes fail for want of space; True where there is no limit)."""
+    a health probe asks while writes fail for want of space; True where there is no limit).
+
+    With `probe_subject` (a subject of `stream` no consumer takes; the stream must allow
+    per-message TTLs), the answer is also a real write of that many bytes, gone in a second: the
+    server's own limit (`max_file_store`, a full disk) is not one its API reports, and a store
+    full there looks roomy by every figure above."""
     info = await js.stream_info(stream)
     config, state = info.config, info.state
     max_bytes = config.max_bytes or 0
     # A stream smaller than a few requests: a quarter of it is room enough.
-    if max_bytes > 0 and state.bytes + min(headroom_bytes, max_bytes // 4) > max_bytes:
+    wanted = min(headroom_bytes, max_bytes // 4) if max_bytes > 0 else headroom_bytes
+    if max_bytes > 0 and state.bytes + wanted > max_bytes:
         return False
     if config.max_msgs is not None and config.max_msgs > 0 and state.messages + 1 > config.max_msgs:
         return False
     account = await js.account_info()
     limit = account.limits.max_storage
-    return not (limit is not None and limit > 0 and account.storage + headroom_bytes > limit)
+    if limit is not None and limit > 0 and account.storage + headroom_bytes > limit:
+        return False
+    if probe_subject is None:
+        return True
+    headers = {EXPECTED_STREAM_HEADER: stream, MSG_TTL_HEADER: "1s"}
+    try:
+        await js_publish(js, probe_subject, bytes(wanted), timeout_s=ATTEMPT_TIMEOUT_S, headers=headers)
+    except APIError as exc:
+        if store_full(exc) is not None:
+            return False
+        raise
+    return True
 
 
 # One attempt of a retried JetStream request; leader elections take a few seconds, so several
@@ -159,6 +178,34 @@ async def count_subjects(nc: Client, stream: str, subjects_filter: str, *, timeo
     if answer.error is not None:
         APIError.from_error(answer.error)  # raises: NotFoundError for a missing stream, and so on
     return answer.total
+
+
+class _SubjectsPage(msgspec.Struct):
+    class State(msgspec.Struct):
+        subjects: dict[str, int] | None = None
+
+    state: State | None = None
+    total: int = 0
+    offset: int = 0
+    error: dict[str, Any] | None = None
+
+
+async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeout_s: float) -> int:
+    """How many of the stream's messages have a subject matching `subjects_filter`: the sum of
+    the per-subject counts a stream info lists, page by page (the server lists at most 100,000
+    subjects in one answer), so exact whatever the number of subjects."""
+    counted, offset = 0, 0
+    while True:
+        request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": offset})
+        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
+        page = msgspec.json.decode(reply.data, type=_SubjectsPage)
+        if page.error is not None:
+            APIError.from_error(page.error)  # raises
+        subjects = (page.state.subjects if page.state is not None else None) or {}
+        counted += sum(subjects.values())
+        offset += len(subjects)
+        if not subjects or offset >= page.total:
+            return counted
 
 
 async def nak_delivery(nc: Client, ack_subject: str) -> None:

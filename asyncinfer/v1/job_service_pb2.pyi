@@ -901,6 +901,48 @@ class ReadResultResponse(_message.Message):
 Global___ReadResultResponse: _TypeAlias = ReadResultResponse  # noqa: Y015
 
 @_typing.final
+class DeleteInputRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    ref: _builtins.str
+    """UploadInputResponse.ref.ref ("in/<id>")."""
+    def __init__(
+        self,
+        *,
+        ref: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteInputRequest: _TypeAlias = DeleteInputRequest  # noqa: Y015
+
+@_typing.final
+class DeleteInputResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ref(self) -> _job_pb2.BlobRef:
+        """What was deleted: its reference, size and SHA-256."""
+
+    def __init__(
+        self,
+        *,
+        ref: _job_pb2.BlobRef | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteInputResponse: _TypeAlias = DeleteInputResponse  # noqa: Y015
+
+@_typing.final
 class ListModelsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -86,6 +86,11 @@ class JobServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.FromString,
                 _registered_method=True)
+        self.DeleteInput = channel.unary_unary(
+                '/asyncinfer.v1.JobService/DeleteInput',
+                request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/asyncinfer.v1.JobService/ListModels',
                 request_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ListModelsRequest.SerializeToString,
@@ -175,6 +180,16 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteInput(self, request, context):
+        """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
+        longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
+        has no such upload (another tenant's is not there). A job still queued that refers to it
+        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListModels(self, request, context):
         """The models this gateway accepts jobs for, with their signatures and job defaults: what a
         client needs to build valid inputs without the server's configuration.
@@ -235,6 +250,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ReadResult,
                     request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.SerializeToString,
+            ),
+            'DeleteInput': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteInput,
+                    request_deserializer=asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -514,6 +534,33 @@ class JobService:
             '/asyncinfer.v1.JobService/ReadResult',
             asyncinfer_dot_v1_dot_job__service__pb2.ReadResultRequest.SerializeToString,
             asyncinfer_dot_v1_dot_job__service__pb2.ReadResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteInput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.JobService/DeleteInput',
+            asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_job__service__pb2.DeleteInputResponse.FromString,
             options,
             channel_credentials,
             insecure,

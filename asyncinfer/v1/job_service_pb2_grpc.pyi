@@ -66,6 +66,12 @@ class JobServiceStub:
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _grpc.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]
     """Streams back a large result in chunks."""
+    DeleteInput: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.DeleteInputRequest, _job_service_pb2.DeleteInputResponse]
+    """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
+    longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
+    has no such upload (another tenant's is not there). A job still queued that refers to it
+    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]
     """The models this gateway accepts jobs for, with their signatures and job defaults: what a
     client needs to build valid inputs without the server's configuration.
@@ -109,6 +115,12 @@ class JobServiceAsyncStub(JobServiceStub):
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _aio.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]  # type: ignore[assignment]
     """Streams back a large result in chunks."""
+    DeleteInput: _aio.UnaryUnaryMultiCallable[_job_service_pb2.DeleteInputRequest, _job_service_pb2.DeleteInputResponse]  # type: ignore[assignment]
+    """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
+    longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
+    has no such upload (another tenant's is not there). A job still queued that refers to it
+    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+    """
     ListModels: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The models this gateway accepts jobs for, with their signatures and job defaults: what a
     client needs to build valid inputs without the server's configuration.
@@ -209,6 +221,18 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.ReadResultResponse], _abc.AsyncIterator[_job_service_pb2.ReadResultResponse]]:
         """Streams back a large result in chunks."""
+
+    @_abc_1.abstractmethod
+    def DeleteInput(
+        self,
+        request: _job_service_pb2.DeleteInputRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.DeleteInputResponse, _abc.Awaitable[_job_service_pb2.DeleteInputResponse]]:
+        """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
+        longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
+        has no such upload (another tenant's is not there). A job still queued that refers to it
+        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+        """
 
     @_abc_1.abstractmethod
     def ListModels(

@@ -69,7 +69,11 @@ class Backend:
     raise the SDK's typed errors (`AsyncInferClientError`), which the pages show."""
 
     def __init__(self, config: ConsoleConfig) -> None:
-        credentials = tls_credentials(ca_file=config.tls_ca_file) if config.tls_ca_file else None
+        credentials = (
+            tls_credentials(ca_file=config.tls_ca_file, cert_file=config.tls_cert_file, key_file=config.tls_key_file)
+            if config.tls_ca_file
+            else None
+        )
         self._gateway = _channel(config.gateway_address, credentials)
         self._scheduler = _channel(config.scheduler_address, credentials)
         self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway)

@@ -149,6 +149,8 @@ def job_details(job: Job, now: float) -> str:
         ("labels", ui.h(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),
+        # The job's OpenTelemetry trace (tracing.enabled): look it up in the trace backend.
+        ("trace ID", ui.h(job.trace_id or "-")),
         ("created", ui.when(job.create_time)),
         ("started (latest attempt)", ui.when(job.start_time)),
         ("ended", ui.when(job.end_time)),

@@ -38,6 +38,7 @@ from services.gateway.store_health import StoreHealth
 from services.gateway.submit import JobSubmitter
 from services.gateway.tenant_quota import TenantQuota
 from services.gateway.transitions import Expiry
+from services.gateway.upload_storage import UploadStorage
 from services.gateway.watch_hub import WatchHub
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
@@ -104,7 +105,15 @@ class GatewayApp:
         await ensure_work_stream(js, cfg.nats)
         records = JobStore(await ensure_jobs_bucket(js, cfg.nats), work_stream=cfg.nats.work_stream)
         await ensure_queues_bucket(js, cfg.nats)  # the queue view reads it
-        claim_check = ClaimCheck(await ensure_objects_bucket(js, cfg.nats), cfg)
+        storage = UploadStorage(
+            self._nc, bucket=cfg.nats.objects_bucket, limit_bytes=cfg.gateway.max_stored_upload_bytes_per_tenant
+        )
+        store_health = StoreHealth(
+            js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
+        )
+        claim_check = ClaimCheck(
+            await ensure_objects_bucket(js, cfg.nats), cfg, storage=storage, store_health=store_health
+        )
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
@@ -118,9 +127,6 @@ class GatewayApp:
             self._nc, work_stream=cfg.nats.work_stream, limit=limit, read_retry_s=cfg.gateway.enqueue_retry_s
         )
         admission = Admission(self._queues, tenants, max_queued_per_tenant=limit)
-        store_health = StoreHealth(
-            js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
-        )
         await ensure_models_bucket(js, cfg.nats)
         self._catalog = ModelCatalog(cfg, js)
         await self._catalog.start()

@@ -33,10 +33,13 @@ from asyncinfer.blobs import (
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobRecord, JobState
+from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.stream_limits import StreamCounts
+from services.gateway.upload_storage import UploadStorage
 
 # ReadResult sends inline results in pieces of this size, like stored ones (the store's chunks).
 INLINE_CHUNK_BYTES = 128 * 1024
@@ -73,9 +76,19 @@ def input_expiry(
 
 
 class ClaimCheck:
-    def __init__(self, store: BlobStore, config: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: BlobStore,
+        config: Config,
+        *,
+        storage: UploadStorage | None = None,
+        store_health: StoreHealth | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self._store = store
         self._config = config
+        self._storage = storage
+        self._store_health = store_health
         self._clock = clock
         self._idle_s = config.gateway.upload_idle_timeout_s
         self._uploads = StreamCounts(
@@ -90,7 +103,13 @@ class ClaimCheck:
         """Counted against the tenant's open uploads; a stream idle for upload_idle_timeout_s ends
         DEADLINE_EXCEEDED (UPLOAD_IDLE), and what it had sent is purged (BlobStore.put)."""
         with self._uploads.hold(tenant, ""):
-            return await self._upload(requests, tenant=tenant)
+            try:
+                return await self._upload(requests, tenant=tenant)
+            except StoreFullError as full:
+                what = "nothing of the upload was kept"
+                if self._store_health is not None:
+                    raise self._store_health.refusal(full, what=what) from None
+                raise store_full_error(full, what=what) from None
 
     async def _next(
         self, requests: AsyncIterator[job_service_pb2.UploadInputRequest]
@@ -130,12 +149,22 @@ class ClaimCheck:
         if violations:
             raise InvalidArgument(f"invalid upload: {violations[0].field}: {violations[0].description}", violations)
 
+        storage = self._storage if self._storage is not None and self._storage.enabled else None
+        stored_at_start = 0
+        if storage is not None:
+            stored_at_start = await storage.stored_bytes(tenant)
+            storage.check(tenant, stored_at_start, metadata.size_bytes)
+
         async def chunks() -> AsyncIterator[bytes]:
+            sent = len(first.chunk)
             yield first.chunk
             while (request := await self._next(requests)) is not None:
                 if request.HasField("metadata"):
                     message = "only the first message carries metadata"
                     raise InvalidArgument(message, [FieldViolation("metadata", message)])
+                sent += len(request.chunk)
+                if storage is not None:  # refused as it passes the limit, not once it is stored
+                    storage.check(tenant, stored_at_start, sent)
                 yield request.chunk
 
         ref = await self._store.put(
@@ -146,6 +175,7 @@ class ClaimCheck:
             max_bytes=limit,
             expected_sha256=sha256,
             expected_size=metadata.size_bytes or None,
+            before_commit=(lambda: storage.check_committed(tenant)) if storage is not None else None,
         )
         return job_service_pb2.UploadInputResponse(
             ref=job_pb2.BlobRef(ref=ref.ref, size_bytes=ref.size_bytes, sha256=ref.sha256)
@@ -171,6 +201,16 @@ class ClaimCheck:
         except InvalidArgument as exc:
             raise InvalidArgument(f"the uploaded inputs are invalid: {exc.message}", exc.violations) from None
         return InputsByRef(ref=info.ref, inputs=inputs)
+
+    async def delete_input(self, tenant: str, ref: str) -> job_service_pb2.DeleteInputResponse:
+        """Deletes the caller's upload: NotFound (INPUT_NOT_FOUND) for a ref the tenant has not
+        got, a result's ref included (results go with their jobs)."""
+        if not ref.startswith(INPUT_KIND + "/"):
+            raise blob_not_found(ref, "input")
+        deleted = await self._store.delete_live(tenant, ref)
+        return job_service_pb2.DeleteInputResponse(
+            ref=job_pb2.BlobRef(ref=deleted.ref, size_bytes=deleted.size_bytes, sha256=deleted.sha256)
+        )
 
     async def keep_for(self, tenant: str, ref: BlobRef, expires_at: float) -> None:
         """Extends the upload's expiry for a job that uses it (never shortens it)."""

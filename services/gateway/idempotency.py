@@ -61,6 +61,7 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError
+from asyncinfer.nats.streams import store_full
 from services.gateway.claims import Claim, ClaimStore, claim_ttl_s, request_fingerprint
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
@@ -188,6 +189,9 @@ class IdempotentSubmitter:
         except KeyWrongLastSequenceError:
             return None
         except NATS_FAILURES as exc:
+            full = store_full(exc)
+            if full is not None:  # no room for the claim: the same answer as no room for the job
+                raise self._submitter.store_refusal(full) from exc
             raise Unavailable(
                 f"cannot record the idempotency key ({exc}); the job was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",

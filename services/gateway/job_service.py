@@ -295,6 +295,13 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             raise Unimplemented("UploadInput needs the claim-check store, which this gateway has not set up")
         return await self._claim_check.upload(request_iterator, tenant=resolve_tenant(context, self._authenticator))
 
+    async def DeleteInput(
+        self, request: job_service_pb2.DeleteInputRequest, context: Context
+    ) -> job_service_pb2.DeleteInputResponse:
+        if self._claim_check is None:
+            raise Unimplemented("DeleteInput needs the claim-check store, which this gateway has not set up")
+        return await self._claim_check.delete_input(resolve_tenant(context, self._authenticator), request.ref)
+
     async def ListModels(
         self, request: job_service_pb2.ListModelsRequest, context: Context
     ) -> job_service_pb2.ListModelsResponse:

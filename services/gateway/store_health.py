@@ -5,7 +5,9 @@ server's or account's storage used up: `StoreFullError`) is answered at once RES
 STORE_FULL, rather than retried for enqueue_retry_s as a leader election would be, and nothing of it
 is left behind (the message is the submit's one durable write). From then on health says
 NOT_SERVING, so that load balancers and probes send traffic elsewhere, until a write succeeds again
-or a probe (every PROBE_INTERVAL_S) finds room in the stream and the account for a request.
+or a probe (every PROBE_INTERVAL_S) finds room in the stream and the account for a request, and
+then writes a request's worth (STORE_PROBE_SUBJECT, gone in a second): a server whose own store
+limit or disk is full reports no limit reached, and only a write tells.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 
 import structlog
 
+from asyncinfer.contract import STORE_PROBE_SUBJECT
 from asyncinfer.errors import ResourceExhausted
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.nats import JetStreamContext
@@ -27,9 +30,9 @@ PROBE_INTERVAL_S = 1.0
 RETRY_AFTER_S = 5.0
 
 
-def store_full_error(error: StoreFullError) -> ResourceExhausted:
+def store_full_error(error: StoreFullError, *, what: str = "nothing was queued") -> ResourceExhausted:
     return ResourceExhausted(
-        f"the job store is full ({error.description}); nothing was queued, try again later",
+        f"the job store is full ({error.description}); {what}, try again later",
         retry_after_s=RETRY_AFTER_S,
         reason="STORE_FULL",
         metadata={"cause": error.description},
@@ -53,6 +56,11 @@ class StoreHealth:
     def serve_on(self, server: GrpcServer) -> None:
         self._server = server
         self._supervisor.start("store-health", self._watch())
+
+    def refusal(self, error: StoreFullError, *, what: str = "nothing was queued") -> ResourceExhausted:
+        """What the caller of a write refused for want of space is answered (and health follows)."""
+        self.refused(error)
+        return store_full_error(error, what=what)
 
     def refused(self, error: StoreFullError) -> None:
         """A write was refused for want of space."""
@@ -87,7 +95,9 @@ class StoreHealth:
 
     async def _probe(self) -> None:
         try:
-            if await store_has_room(self._js, self._work_stream, headroom_bytes=self._headroom_bytes):
+            if await store_has_room(
+                self._js, self._work_stream, headroom_bytes=self._headroom_bytes, probe_subject=STORE_PROBE_SUBJECT
+            ):
                 log.info("store_has_room_again")
                 self.wrote()
         except Exception as exc:  # NATS itself may be down: stay NOT_SERVING, probe again

@@ -22,12 +22,12 @@ from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
-from asyncinfer.errors import Unavailable
+from asyncinfer.errors import ResourceExhausted, Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.streams import publish_durably, store_full
+from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.tracing import trace_fields
 from services.gateway.admission import Admission
@@ -67,6 +67,12 @@ class JobSubmitter:
         self._admission = admission
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
+
+    def store_refusal(self, full: StoreFullError) -> ResourceExhausted:
+        """A submit's write (its work message, or its idempotency claim) refused for want of space."""
+        if self._store_health is not None:
+            return self._store_health.refusal(full)
+        return store_full_error(full)
 
     async def submit(self, request: SubmitRequest, *, tenant: str, job_id: str = "") -> JobRecord:
         """The new job's record (QUEUED, with its revision), once it is durably queued. Raises
@@ -198,9 +204,7 @@ class JobSubmitter:
             full = store_full(exc)
             if full is not None:
                 log.warning("enqueue_refused_store_full", error=full.description, **about)
-                if self._store_health is not None:
-                    self._store_health.refused(full)
-                raise store_full_error(full) from exc
+                raise self.store_refusal(full) from exc
             if not isinstance(exc, NATS_FAILURES):
                 raise
             log.warning("enqueue_failed", error=str(exc), **about)

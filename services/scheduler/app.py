@@ -34,7 +34,13 @@ from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry
-from services.scheduler.blobs import DEFAULT_SWEEP_INTERVAL_S, BlobSweeper, ClaimCheckIO, work_message_bytes
+from services.scheduler.blobs import (
+    DEFAULT_SWEEP_INTERVAL_S,
+    BlobSweeper,
+    ClaimCheckIO,
+    orphan_age_s,
+    work_message_bytes,
+)
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
@@ -239,7 +245,9 @@ class SchedulerApp:
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
-        self._sweeper = BlobSweeper(blobs, self.supervisor, interval_s=self._blob_sweep_interval_s)
+        self._sweeper = BlobSweeper(
+            blobs, self.supervisor, interval_s=self._blob_sweep_interval_s, orphans_after_s=orphan_age_s(config)
+        )
         self._sweeper.start()
         self._metrics_server.start()
         self.metrics_port = self._metrics_server.port

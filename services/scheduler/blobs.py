@@ -24,6 +24,14 @@ from asyncinfer.v1 import tensor_pb2
 log = structlog.get_logger("asyncinfer.scheduler.blobs")
 
 DEFAULT_SWEEP_INTERVAL_S = 60.0
+# An upload's chunks without a meta are an orphan once no chunk came for this many times the
+# gateway's idle-upload timeout (a live upload sends one at least that often), and at least:
+ORPHAN_IDLE_FACTOR = 4
+MIN_ORPHAN_AGE_S = 300.0
+
+
+def orphan_age_s(config: Config) -> float:
+    return max(ORPHAN_IDLE_FACTOR * config.gateway.upload_idle_timeout_s, MIN_ORPHAN_AGE_S)
 
 
 def _job_error(error: AsyncInferError, *, retriable: bool) -> JobError:
@@ -89,11 +97,17 @@ class BlobSweeper:
     """Deletes expired claim-check objects every interval_s (a supervised loop; `stop` awaits it)."""
 
     def __init__(
-        self, store: BlobStore, supervisor: Supervisor, *, interval_s: float = DEFAULT_SWEEP_INTERVAL_S
+        self,
+        store: BlobStore,
+        supervisor: Supervisor,
+        *,
+        interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
+        orphans_after_s: float | None = None,
     ) -> None:
         self._store = store
         self._supervisor = supervisor
         self._interval_s = interval_s
+        self._orphans_after_s = orphans_after_s
         self._task: asyncio.Task[None] | None = None
         self.swept = 0
 
@@ -112,7 +126,7 @@ class BlobSweeper:
         while True:
             await asyncio.sleep(self._interval_s)
             try:
-                removed = await self._store.sweep()
+                removed = await self._store.sweep(orphans_after_s=self._orphans_after_s)
             except Exception:
                 log.exception("blob_sweep_failed")
                 continue

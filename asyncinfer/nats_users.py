@@ -1,0 +1,204 @@
+"""The NATS users of a deployment and what each may publish and subscribe to: one user per service
+that talks to NATS, each allowed only the subjects of the streams and buckets it uses.
+
+Who needs NATS at all: the gateway and the scheduler. The batcher and the console do not (the
+batcher talks gRPC to the scheduler, the console gRPC to the gateway and the scheduler), so they
+get no NATS user: with authorization on, a connection without credentials is refused, and a
+batcher pod, which runs model code, holds nothing that opens NATS.
+
+What each service may touch (ARCHITECTURE.md "The contract in NATS" names every subject):
+
+- gateway: publishes work messages and queued/cancel notices; writes job records, idempotency
+  claims and uploaded inputs; reads queue snapshots and pauses, webhook delivery status, the work
+  stream (queue positions, ListJobs of queued jobs, tenant counts) and the job records' feed;
+  hears progress notices. It may not pull or acknowledge work (`$JS.API.CONSUMER.MSG.NEXT.WORK.*`,
+  `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
+- scheduler: everything of the stack's streams and buckets (it pulls, leases, stores results,
+  dead-letters, replays, purges and sends webhooks), and nothing else of the server's.
+
+JetStream's API is allowed per stream (`$JS.API.<ACTION>.<stream>...`), not as `$JS.API.>`, so a
+service can neither read nor create a stream outside its list. Replies (and the deliveries of
+ordered consumers: KV watches, object reads) come to each service's own inbox prefix
+(`INBOX_PREFIXES`, the service's `nats.inbox_prefix`), never to the shared `_INBOX.>`, so no
+other user may subscribe to them. JetStream's flow-control and acknowledgement subjects are
+allowed per stream as well.
+
+`authorization_block` renders the nats-server configuration (tests/nats_auth.py writes one for a
+test server; deploy/k8s/generate_config.py writes the cluster's, whose credentials are NKeys read
+from the environment: the public keys alone, none of them secret)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from asyncinfer import contract
+from asyncinfer.config import NatsConfig
+
+# Each service's `nats.inbox_prefix` where these permissions apply (not under `_INBOX.`: a user
+# allowed `_INBOX.>` would match it).
+INBOX_PREFIXES = {"gateway": "_INBOX_gateway", "scheduler": "_INBOX_scheduler"}
+
+
+def _inbox(service: str) -> str:
+    return f"{INBOX_PREFIXES[service]}.>"
+
+
+# The JetStream API requests a service makes of one of its streams (`$JS.API.<action>.<stream>`),
+# and of that stream's consumers (`$JS.API.<action>.<stream>.<consumer>...`).
+_STREAM_ACTIONS = ("STREAM.INFO", "STREAM.CREATE", "STREAM.UPDATE", "STREAM.MSG.GET", "DIRECT.GET")
+_STREAM_WRITE_ACTIONS = ("STREAM.PURGE", "STREAM.MSG.DELETE")
+_CONSUMER_ACTIONS = ("CONSUMER.CREATE", "CONSUMER.DURABLE.CREATE", "CONSUMER.INFO", "CONSUMER.DELETE")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Permissions:
+    """What one NATS user may publish to and subscribe to (allow lists: everything else is denied)."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    deny_publish: tuple[str, ...] = field(default=())
+    deny_subscribe: tuple[str, ...] = field(default=())
+
+    def as_config(self) -> dict[str, object]:
+        publish: dict[str, object] = {"allow": list(self.publish)}
+        subscribe: dict[str, object] = {"allow": list(self.subscribe)}
+        if self.deny_publish:
+            publish["deny"] = list(self.deny_publish)
+        if self.deny_subscribe:
+            subscribe["deny"] = list(self.deny_subscribe)
+        return {"publish": publish, "subscribe": subscribe}
+
+
+def _stream_api(stream: str, *, write: bool, pull: bool) -> list[str]:
+    subjects = ["$JS.API.INFO"]
+    for action in _STREAM_ACTIONS:
+        subjects += [f"$JS.API.{action}.{stream}", f"$JS.API.{action}.{stream}.>"]
+    if write:
+        subjects += [f"$JS.API.{action}.{stream}" for action in _STREAM_WRITE_ACTIONS]
+    for action in _CONSUMER_ACTIONS:
+        subjects += [f"$JS.API.{action}.{stream}", f"$JS.API.{action}.{stream}.>"]
+    subjects.append(f"$JS.FC.{stream}.>")
+    if pull:  # pull requests and acknowledgements: who takes work off the stream
+        subjects += [f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>", f"$JS.ACK.{stream}.>"]
+    return subjects
+
+
+def _kv(bucket: str) -> str:
+    return f"{contract.KV_SUBJECT_PREFIX}.{bucket}.>"
+
+
+def _objects(bucket: str) -> str:
+    return f"$O.{bucket}.>"
+
+
+def _objects_stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def gateway_permissions(nats: NatsConfig) -> Permissions:
+    streams_read = (nats.work_stream, contract.kv_stream(nats.queues_bucket), contract.kv_stream(nats.webhooks_bucket))
+    streams_write = (
+        contract.kv_stream(nats.jobs_bucket),
+        contract.kv_stream(nats.idempotency_bucket),
+        _objects_stream(nats.objects_bucket),
+    )
+    api: list[str] = []
+    for stream in streams_read:
+        api += _stream_api(stream, write=False, pull=False)
+    for stream in streams_write:
+        api += _stream_api(stream, write=True, pull=False)
+    publish = [
+        *_unique(api),
+        contract.WORK_SUBJECTS,
+        f"{contract.QUEUED_SUBJECT_PREFIX}.>",
+        f"{contract.CANCEL_SUBJECT_PREFIX}.>",
+        _kv(nats.jobs_bucket),
+        _kv(nats.idempotency_bucket),
+        _objects(nats.objects_bucket),
+    ]
+    subscribe = [_inbox("gateway"), f"{contract.PROGRESS_SUBJECT_PREFIX}.>", f"{contract.QUEUED_SUBJECT_PREFIX}.>"]
+    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
+
+
+def scheduler_permissions(nats: NatsConfig) -> Permissions:
+    streams = (
+        nats.work_stream,
+        nats.dead_letter_stream,
+        nats.webhooks_stream,
+        *(
+            contract.kv_stream(bucket)
+            for bucket in (nats.jobs_bucket, nats.queues_bucket, nats.idempotency_bucket, nats.webhooks_bucket)
+        ),
+        _objects_stream(nats.objects_bucket),
+    )
+    api: list[str] = []
+    for stream in streams:
+        api += _stream_api(stream, write=True, pull=True)
+    publish = [
+        *_unique(api),
+        contract.WORK_SUBJECTS,
+        contract.DEAD_SUBJECTS,
+        contract.WEBHOOK_SUBJECTS,
+        f"{contract.QUEUED_SUBJECT_PREFIX}.>",  # a retried or replayed job is queued again
+        f"{contract.PROGRESS_SUBJECT_PREFIX}.>",
+        *(
+            _kv(bucket)
+            for bucket in (nats.jobs_bucket, nats.queues_bucket, nats.idempotency_bucket, nats.webhooks_bucket)
+        ),
+        _objects(nats.objects_bucket),
+    ]
+    subscribe = [_inbox("scheduler"), f"{contract.QUEUED_SUBJECT_PREFIX}.>", f"{contract.CANCEL_SUBJECT_PREFIX}.>"]
+    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
+
+
+def service_permissions(nats: NatsConfig) -> dict[str, Permissions]:
+    """Each NATS-using service's permissions, by service name."""
+    return {"gateway": gateway_permissions(nats), "scheduler": scheduler_permissions(nats)}
+
+
+def _unique(subjects: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(subjects))
+
+
+@dataclass(frozen=True, kw_only=True)
+class NatsUser:
+    """One user entry: a credential (an NKey public key, or user and password) and permissions.
+    A value starting with `$` is written bare: nats-server reads it from its environment."""
+
+    permissions: Permissions
+    nkey: str | None = None
+    user: str | None = None
+    password: str | None = None
+
+    def as_config(self) -> str:
+        fields: list[str] = []
+        for name in ("nkey", "user", "password"):
+            value = getattr(self, name)
+            if value is not None:
+                fields.append(f"{name}: {value if value.startswith('$') else json.dumps(value)}")
+        fields.append(f"permissions: {json.dumps(self.permissions.as_config())}")
+        return "{ " + ", ".join(fields) + " }"
+
+
+def authorization_block(users: Mapping[str, NatsUser]) -> str:
+    """A nats-server `authorization { users = [...] }` block (one line per user, led by a comment
+    naming its service). nats-server's config format reads JSON values as they are."""
+    lines = ["authorization {", "  users = ["]
+    for service, user in users.items():
+        lines.append(f"    # {service}")
+        lines.append(f"    {user.as_config()}")
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def new_user_nkey() -> tuple[str, str]:
+    """A fresh NATS user NKey: (seed, public key). The seed is the secret the service holds (its
+    `nats.nkey_seed_file`); the public key is what the server's configuration lists."""
+    import os
+
+    import nkeys  # the server extra's; imported here so that the config renderer needs nothing more
+
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed.decode(), nkeys.from_seed(bytearray(seed)).public_key.decode()

@@ -1,0 +1,213 @@
+"""A local development CA for `asyncinfer up --dev-tls`: the whole stack on TLS on one machine, with a CA
+made here, kept beside the JetStream store and reused by the next `up` (so a client trusts it once).
+
+Files (`<store parent>/tls/`): ca.pem (give it to clients: `--tls-ca`, grpcurl's `-cacert`),
+ca-key.pem, and server.pem / server-key.pem, one certificate for every server `up` runs (gateway,
+scheduler, batcher, the embedded nats-server), valid for localhost, 127.0.0.1 and ::1 and the hosts
+they are configured to bind. Keys are written 0600. The server certificate is made again when it
+is near its end or does not name a configured host; the CA lives ten years. A development CA on a
+laptop is not a production PKI: its key is a file in the working directory.
+
+`with_dev_tls` points every server, client and the embedded NATS at these files.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from asyncinfer.config import Config
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePrivateKey
+    from cryptography.x509 import Certificate
+
+CA_VALID_DAYS = 3650
+SERVER_VALID_DAYS = 90
+RENEW_WITHIN_DAYS = 7
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+@dataclass(frozen=True, slots=True)
+class DevTls:
+    directory: Path
+
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "ca.pem"
+
+    @property
+    def ca_key_file(self) -> Path:
+        return self.directory / "ca-key.pem"
+
+    @property
+    def cert_file(self) -> Path:
+        return self.directory / "server.pem"
+
+    @property
+    def key_file(self) -> Path:
+        return self.directory / "server-key.pem"
+
+
+def dev_tls_dir(config: Config) -> Path:
+    return Path(config.embedded_nats.store_dir).parent / "tls"
+
+
+def bound_hosts(config: Config) -> list[str]:
+    """The names the server certificate must carry: loopback, and every host a server binds
+    (an unspecified address such as 0.0.0.0 names no host: clients dial a real one)."""
+    hosts = list(LOOPBACK_NAMES)
+    for host in (config.gateway.host, config.scheduler.host, config.batcher.host, config.embedded_nats.host):
+        if host and host not in hosts and host not in ("0.0.0.0", "::"):
+            hosts.append(host)
+    return hosts
+
+
+def ensure_dev_tls(directory: Path, hosts: Iterable[str], *, now: datetime.datetime | None = None) -> DevTls:
+    """The CA and server certificate in `directory`: reused while valid, made when missing."""
+    from cryptography import x509  # the embedded extra's: only `up --dev-tls` needs it
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    now = now or datetime.datetime.now(datetime.UTC)
+    tls = DevTls(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    names = list(dict.fromkeys(hosts))
+    ca_cert, ca_key = None, None
+    if tls.ca_file.exists() and tls.ca_key_file.exists():
+        ca_cert = x509.load_pem_x509_certificate(tls.ca_file.read_bytes())
+        loaded = serialization.load_pem_private_key(tls.ca_key_file.read_bytes(), password=None)
+        ca_key = loaded if isinstance(loaded, ec.EllipticCurvePrivateKey) else None
+        if ca_cert.not_valid_after_utc - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):
+            ca_cert, ca_key = None, None
+    made_ca = ca_cert is None
+    if ca_cert is None or ca_key is None:
+        ca_cert, ca_key = _new_ca(now)
+        _write_key(ca_key, tls.ca_key_file)
+        tls.ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    if made_ca or not _server_cert_fits(tls, ca_cert, names, now):
+        cert, key = _new_server_cert(ca_cert, ca_key, names, now)
+        _write_key(key, tls.key_file)
+        tls.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return tls
+
+
+def with_dev_tls(config: Config, tls: DevTls) -> Config:
+    """Every server of `up` on TLS with the dev certificate, and every client trusting the dev CA."""
+    cert, key, ca = str(tls.cert_file), str(tls.key_file), str(tls.ca_file)
+    server = {"tls_cert_file": cert, "tls_key_file": key}
+    return config.replace(
+        gateway=server,
+        scheduler=server,
+        batcher={**server, "scheduler_ca_file": ca},
+        console={"tls_ca_file": ca},
+        nats={"tls_ca_file": ca},
+    )
+
+
+def nats_server_args(tls: DevTls) -> tuple[str, ...]:
+    """The embedded nats-server's flags for TLS on its client port."""
+    return ("--tls", "--tlscert", str(tls.cert_file), "--tlskey", str(tls.key_file))
+
+
+def _server_cert_fits(tls: DevTls, ca_cert: Certificate, names: list[str], now: datetime.datetime) -> bool:
+    from cryptography import x509
+
+    if not (tls.cert_file.exists() and tls.key_file.exists()):
+        return False
+    cert = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+    if cert.issuer != ca_cert.subject or cert.not_valid_after_utc - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):
+        return False
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    have = {str(n) for n in sans.get_values_for_type(x509.DNSName)}
+    have |= {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+    return all(_canonical(name) in have for name in names)
+
+
+def _canonical(name: str) -> str:
+    try:
+        return str(ipaddress.ip_address(name))
+    except ValueError:
+        return name
+
+
+def _new_ca(now: datetime.datetime) -> tuple[Certificate, EllipticCurvePrivateKey]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "asyncinfer up development CA")])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _new_server_cert(
+    ca_cert: Certificate, ca_key: EllipticCurvePrivateKey, names: list[str], now: datetime.datetime
+) -> tuple[Certificate, EllipticCurvePrivateKey]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    alt_names: list[x509.GeneralName] = []
+    for name in names:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(name)))
+        except ValueError:
+            alt_names.append(x509.DNSName(name))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "asyncinfer up")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=SERVER_VALID_DAYS))
+        .add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return cert, key
+
+
+def _write_key(key: EllipticCurvePrivateKey, path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )

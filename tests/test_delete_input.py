@@ -1,0 +1,172 @@
+"""Issue 17: DeleteInput and per-tenant limits on stored upload bytes, against a real nats-server.
+
+DeleteInput removes the caller's own upload, chunks and meta (NOT_FOUND for another tenant's, a
+missing one, a result's ref, or a second delete); a queued job whose input was deleted fails at
+dispatch with INPUT_NOT_FOUND (FAILED, not retried) while the others run. With
+`max_stored_upload_bytes_per_tenant` an upload that would pass the limit is refused
+RESOURCE_EXHAUSTED TENANT_STORAGE_EXCEEDED with the figures, leaves nothing behind, and the
+count is the store's own: a delete makes room at once, other tenants are not affected, and
+concurrent uploads never leave more than the limit stored."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.blobs import CHUNK_BYTES, input_chunks_filter
+from asyncinfer.config import Config
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.nats.streams import count_messages
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from tests.stack import Stack, StartStack
+from tests.test_claim_check import (
+    ACME,
+    GLOBEX,
+    bearer,
+    by_ref,
+    claim_check_config,
+    finish,
+    inputs_bytes,
+    objects_stream_state,
+    reason_of,
+    rpc_error,
+    upload,
+)
+
+pytestmark = pytest.mark.timeout(90)
+LIMIT = 4 * CHUNK_BYTES  # 512 KiB
+
+
+def delete(stack: Stack, ref: str, key: str = ACME) -> object:
+    return stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref), metadata=bearer(key))
+
+
+async def stored_chunks(stack: Stack, tenant: str) -> int:
+    bucket = stack.config.nats.objects_bucket
+    return await count_messages(stack.nc, f"OBJ_{bucket}", input_chunks_filter(bucket, tenant), timeout_s=2.0)
+
+
+@pytest.fixture
+async def gateway_only(config: Config, start_stack: StartStack) -> Stack:
+    limited = claim_check_config(config, max_upload_bytes=1024 * 1024, max_stored_upload_bytes_per_tenant=LIMIT)
+    return await start_stack(limited, scheduler=False, batcher=False)
+
+
+async def test_delete_input_removes_the_callers_own_upload(gateway_only: Stack) -> None:
+    stack = gateway_only
+    data = inputs_bytes(np.ones((20_000, 4)))  # ~320 KB: three chunks
+    ref = await upload(stack.jobs, data)
+    assert await stored_chunks(stack, "acme") == 3
+
+    # Not another tenant's, not a result's ref, not a made-up one: NOT_FOUND, and nothing deleted.
+    for key, candidate in ((GLOBEX, ref.ref), (ACME, "out/" + ref.ref[3:]), (ACME, "in/nope"), (ACME, "")):
+        error = await rpc_error(delete(stack, candidate, key))
+        assert error.code() == grpc.StatusCode.NOT_FOUND, candidate
+        assert reason_of(error) == "INPUT_NOT_FOUND"
+    assert await stored_chunks(stack, "acme") == 3
+
+    deleted = (await delete(stack, ref.ref)).ref  # type: ignore[attr-defined]
+    assert (deleted.ref, deleted.size_bytes, deleted.sha256) == (ref.ref, ref.size_bytes, ref.sha256)
+    assert await objects_stream_state(stack.nc, stack.config) == (0, 0), "chunks and meta gone"
+    again = await rpc_error(delete(stack, ref.ref))
+    assert again.code() == grpc.StatusCode.NOT_FOUND
+    submit = await rpc_error(stack.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME)))
+    assert (submit.code(), reason_of(submit)) == (grpc.StatusCode.NOT_FOUND, "INPUT_NOT_FOUND")
+
+
+async def test_a_queued_job_whose_input_was_deleted_fails_at_dispatch(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(claim_check_config(config), batcher=False)
+    kept = await upload(stack.jobs, inputs_bytes(np.ones((2, 4))))
+    doomed = await upload(stack.jobs, inputs_bytes(np.ones((3, 4))))
+    good = (await stack.jobs.SubmitJob(by_ref(kept.ref), metadata=bearer(ACME))).job
+    orphan = (await stack.jobs.SubmitJob(by_ref(doomed.ref), metadata=bearer(ACME))).job
+    await delete(stack, doomed.ref)  # type: ignore[misc]
+    await stack.start_batcher()
+    failed = await asyncio.wait_for(finish(stack.jobs, orphan.job_id), 30)
+    assert failed.state == job_pb2.JOB_STATE_FAILED
+    assert failed.error.reason == "INPUT_NOT_FOUND"
+    assert failed.attempt == 1, "a deleted input is final: not retried"
+    assert (await asyncio.wait_for(finish(stack.jobs, good.job_id), 30)).state == job_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_uploads_past_the_tenants_stored_bytes_are_refused(gateway_only: Stack) -> None:
+    stack = gateway_only
+    two_chunks = inputs_bytes(np.ones((12_000, 4)))  # ~192 KB
+    first = await upload(stack.jobs, two_chunks)
+    await upload(stack.jobs, two_chunks)
+    assert await stored_chunks(stack, "acme") == 4  # the limit, exactly
+    before = await objects_stream_state(stack.nc, stack.config)
+
+    # Declared, and streamed without a declared size: both refused, nothing kept.
+    for size in (len(two_chunks), 0):
+        error = await rpc_error(upload(stack.jobs, two_chunks, size=size))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        status = status_details(error)
+        assert status is not None
+        details = unpack_details(status)
+        assert details["ErrorInfo"].reason == "TENANT_STORAGE_EXCEEDED"
+        assert details["ErrorInfo"].metadata["stored_bytes"] == str(LIMIT)
+        assert details["ErrorInfo"].metadata["limit_bytes"] == str(LIMIT)
+        assert "RetryInfo" in details
+        assert "DeleteInput" in (error.details() or "")
+        assert await objects_stream_state(stack.nc, stack.config) == before
+
+    # Another tenant has its own room.
+    await upload(stack.jobs, two_chunks, key=GLOBEX)
+    # A delete makes room at once.
+    await delete(stack, first.ref)  # type: ignore[misc]
+    assert await stored_chunks(stack, "acme") == 2
+    await upload(stack.jobs, two_chunks)
+
+
+async def test_concurrent_uploads_never_store_past_the_limit(gateway_only: Stack) -> None:
+    stack = gateway_only
+    one_chunk = inputs_bytes(np.ones((4_000, 4)))  # 64 KB: one chunk each
+
+    async def slow_upload() -> str:
+        async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+            yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata())
+            await asyncio.sleep(0)
+            yield job_service_pb2.UploadInputRequest(chunk=one_chunk)
+
+        try:
+            reply = await stack.jobs.UploadInput(requests(), metadata=bearer(ACME))
+        except grpc.aio.AioRpcError as error:
+            return reason_of(error)
+        return "OK" if reply.ref.ref else "?"
+
+    outcomes = await asyncio.gather(*(slow_upload() for _ in range(12)))
+    assert set(outcomes) <= {"OK", "TENANT_STORAGE_EXCEEDED"}, outcomes
+    accepted = outcomes.count("OK")
+    # Never past the limit. (Uploads racing near it may all be refused: each counts the others'
+    # chunks in flight; on a loaded machine all twelve were once.)
+    assert accepted <= LIMIT // CHUNK_BYTES, outcomes
+    assert await stored_chunks(stack, "acme") == accepted  # refused ones left nothing
+    # Nobody is locked out: one at a time, the room left is taken, then refused.
+    for _ in range(LIMIT // CHUNK_BYTES - accepted):
+        assert await slow_upload() == "OK"
+    assert await slow_upload() == "TENANT_STORAGE_EXCEEDED"
+    assert await stored_chunks(stack, "acme") == LIMIT // CHUNK_BYTES
+
+
+async def test_the_sweeper_purges_chunks_a_crashed_upload_left_and_keeps_live_ones(gateway_only: Stack) -> None:
+    """A gateway killed mid-upload leaves chunks no meta names: counted against the tenant until
+    the sweeper purges them once they have been idle for its bound; a live upload is kept."""
+    stack = gateway_only
+    live = await upload(stack.jobs, inputs_bytes(np.ones((2, 4))))
+    bucket = stack.config.nats.objects_bucket
+    for _ in range(2):
+        await stack.nc.jetstream().publish(f"$O.{bucket}.C.in.acme.CRASHEDUPLOAD", b"\x00" * 1000)
+    assert await stored_chunks(stack, "acme") == 3
+
+    store = stack.blobs
+    assert await store.sweep(orphans_after_s=300) == 0  # written just now: maybe still streaming
+    assert await stored_chunks(stack, "acme") == 3
+    assert await store.sweep(time.time() + 301, orphans_after_s=300) == 1
+    assert await stored_chunks(stack, "acme") == 1
+    assert (await store.info("acme", live.ref, now=time.time())).ref.sha256 == live.sha256

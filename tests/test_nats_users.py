@@ -1,0 +1,175 @@
+"""Issue 17: NATS permissions per service, against a real nats-server with authorization on. Each
+service connects as its own NKey user (asyncinfer.nats_users) and the whole stack runs: inline and
+uploaded inputs, a large result, watches, ListJobs, a cancel, OpsService, a dead letter replayed;
+the server logs no permission violation. A user that is none of the services (a batcher pod's
+or a tenant's NATS login) is refused every read and write of the jobs bucket, and so is a
+connection without credentials; it hears none of the services' replies or records (each service
+has its own inbox prefix); the gateway's own user may not take work off the queue."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.errors import Unavailable
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg
+from asyncinfer.nats.connection import connect
+from asyncinfer.nats_users import new_user_nkey
+from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
+from tests.nats_auth import STRANGER, STRANGER_PASSWORD, PerServiceNats
+from tests.stack import StartStack
+from tests.test_webhooks import SECRET, Receiver, all_final, submit, until, webhook_config
+
+pytestmark = pytest.mark.timeout(120)
+FAILING_X = {"x": np.array([[-1, 2, 3, 4]], np.float32)}  # flaky fails a row starting below 0
+
+
+@pytest.fixture
+def users(tmp_path: Path) -> Iterator[PerServiceNats]:
+    nats = PerServiceNats(tmp_path / "nats-users")
+    nats.start()
+    try:
+        yield nats
+    finally:
+        nats.stop()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    """A webhook receiver (tests/test_webhooks.py's), verifying signatures."""
+    server = Receiver(SECRET)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def base_config() -> Config:
+    return Config().replace(
+        gateway={"port": 0, "metrics_port": 0},
+        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0, "inline_result_max_bytes": 256},
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+        logging={"level": "warning", "format": "console"},
+        models=[DEMO_MODEL, FLAKY_MODEL],
+    )
+
+
+async def test_the_stack_runs_with_one_nats_user_per_service(
+    users: PerServiceNats, start_stack: StartStack, receiver: Receiver
+) -> None:
+    base = webhook_config(base_config())
+    stack = await start_stack(users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"))
+    # A signed webhook: the scheduler's delivery streams and bucket, the gateway's status reads.
+    hooked = await submit(stack, receiver.url("/done"))
+    await receiver.wait_for("/done", 1)
+    await until(stack, hooked, all_final(1))
+    async with AsyncClient(stack.address) as client:
+        small = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
+        ref = await client.upload_inputs({"x": np.ones((32, 4), np.float32)})
+        large = await client.submit("demo", input_ref=ref)
+        done = await client.wait(small, timeout_s=30)
+        assert done.state.name == "SUCCEEDED", done
+        big = await client.wait(large, timeout_s=30)
+        assert big.state.name == "SUCCEEDED", big
+        assert big.result_ref, "a result above inline_result_max_bytes goes to the object store"
+        assert (await client.read_result(big))["y"].shape == (32, 4)
+        listed = [job.job_id async for job in client.list()]
+        assert {small.job_id, large.job_id} <= set(listed)
+        poison = await client.wait(await client.submit("flaky", FAILING_X), timeout_s=30)
+        assert poison.state.name == "FAILED", poison
+        async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+            ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+            stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())
+            assert stats.models
+            paused = await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="demo"))
+            assert paused
+            queued = await client.submit("demo", {"x": np.ones((1, 4), np.float32)})
+            assert (await client.cancel(queued)).state.name in ("CANCELED", "CANCELLING")
+            await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
+            (letter,) = (await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters
+            await ops.GetDeadLetter(ops_service_pb2.GetDeadLetterRequest(sequence=letter.sequence))
+            replayed = await ops.ReplayDeadLetters(
+                ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence])
+            )
+            assert replayed
+        again = await client.wait(poison.job_id, timeout_s=30)
+        assert again.state.name == "FAILED", again
+    assert users.violations() == []
+
+
+async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, start_stack: StartStack) -> None:
+    base = base_config()
+    stack = await start_stack(users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"))
+    anonymous = Config().replace(nats={"url": users.settings("test")["url"], "connect_timeout_s": 1.0}).nats
+    stranger_config = anonymous.model_copy(update={"user": STRANGER, "password": STRANGER_PASSWORD})
+    stranger: NatsClient = await connect(stranger_config, name="stranger")
+    # Listening where replies and watch deliveries would go if the services shared `_INBOX`, and
+    # on the records' own subjects (refused: a subscription violation).
+    overheard: list[str] = []
+
+    async def heard(msg: Msg) -> None:
+        overheard.append(msg.subject)
+
+    await stranger.subscribe("_INBOX.>", cb=heard)
+    await stranger.subscribe("$KV.jobs.>", cb=heard)
+    await stranger.flush()
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
+        await client.wait(job, timeout_s=30)
+        listed = [j.job_id async for j in client.list()]
+    assert job.job_id in listed
+    await stranger.flush()
+    assert overheard == [], "the services' replies, deliveries and records reached another user"
+
+    # No credentials at all: refused at connect.
+    with pytest.raises(Unavailable):
+        await connect(anonymous, name="anonymous")
+
+    # An NKey the server does not list: refused as well.
+    unknown_seed = users.directory / "unknown.nk"
+    unknown_seed.write_text(new_user_nkey()[0])
+    with pytest.raises(Unavailable):
+        await connect(anonymous.model_copy(update={"nkey_seed_file": str(unknown_seed)}), name="unknown")
+
+    try:
+        js = stranger.jetstream(timeout=2.0)
+        key = f"default.{job.job_id}"
+        # Reads: the bucket's stream info, a direct get, a watch of its subjects.
+        for read in (
+            lambda: js.stream_info(f"KV_{base.nats.jobs_bucket}"),
+            lambda: stranger.request(f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.{key}", b"", timeout=2.0),
+        ):
+            with pytest.raises(Exception):  # noqa: B017,PT011 - a permission error or a timeout, per API
+                await read()
+        # Writes: a forged record published straight to its subject.
+        with pytest.raises(Exception):  # noqa: B017,PT011
+            await js.publish(f"$KV.jobs.{key}", b"forged", timeout=2.0)
+    finally:
+        await stranger.close()
+    violations = users.violations()
+    assert any("STREAM.INFO.KV_jobs" in line for line in violations), violations
+    assert any("DIRECT.GET.KV_jobs" in line for line in violations), violations
+    assert any('"$KV.jobs.' in line for line in violations), violations
+    assert any("Subscription Violation" in line and "$KV.jobs.>" in line for line in violations), violations
+
+
+async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_stack: StartStack) -> None:
+    base = base_config()
+    await start_stack(
+        users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"), batcher=False
+    )
+    gateway = await connect(Config().replace(nats=users.settings("gateway")).nats, name="gateway-as-thief")
+    try:
+        with pytest.raises(Exception):  # noqa: B017,PT011
+            await gateway.request("$JS.API.CONSUMER.MSG.NEXT.WORK.work-demo-normal", b'{"batch": 1}', timeout=2.0)
+    finally:
+        await gateway.close()
+    assert any("CONSUMER.MSG.NEXT.WORK" in line for line in users.violations())

@@ -1,0 +1,142 @@
+"""Issue 17: a full store under nats-server itself (tests/test_store_full.py fills one stream; here the
+server's whole JetStream file store is tiny, `max_file_store`, as on a volume that fills up).
+
+Uploads fill part of the store, submits fill the rest. Then: SubmitJob and UploadInput answer
+RESOURCE_EXHAUSTED STORE_FULL at once with the server's reason; nothing is half-written (every
+work message is an accepted job, readable by GetJob, and no idempotency claim or upload chunk is
+left of a refused call); health says NOT_SERVING while writes fail. An operator's DeleteInput of
+the uploads gives room back: health SERVING again, submits accepted, and once a batcher runs
+every accepted job SUCCEEDED."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2
+
+from asyncinfer.config import Config
+from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.v1 import job_pb2, job_service_pb2
+from tests.stack import StartStack
+from tests.test_claim_check import inputs_bytes, objects_stream_state, upload
+from tests.test_store_full import health_of, submit_request, wait_health
+
+pytestmark = pytest.mark.timeout(120)
+STORE_BYTES = 2 * 1024 * 1024
+
+
+@pytest.fixture
+def small_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    conf = tmp_path / "small.conf"
+    conf.write_text(f"jetstream {{ max_file_store: {STORE_BYTES} }}\n")
+    server = NatsServerProcess(
+        store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log", extra_args=("-c", str(conf))
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def store_full_reason(error: grpc.aio.AioRpcError) -> str:
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error.details()
+    status = status_details(error)
+    assert status is not None
+    info = unpack_details(status)["ErrorInfo"]
+    assert info.reason == "STORE_FULL", info
+    return str(info.metadata["cause"])
+
+
+async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
+    small_nats: NatsServerProcess, start_stack: StartStack
+) -> None:
+    config = Config().replace(
+        nats={"url": small_nats.url},
+        gateway={"port": 0, "metrics_port": 0},
+        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0},
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+        logging={"level": "warning", "format": "console"},
+    )
+    stack = await start_stack(config, batcher=False)
+    js = stack.nc.jetstream()
+    jobs = stack.jobs
+    health = stack.channel
+    assert health is not None
+
+    # A quarter of the store in uploads (an operator will delete them to make room).
+    uploads = [await upload(jobs, inputs_bytes(np.ones((8_000, 4)))) for _ in range(4)]  # ~128 KB each
+    # Submits until the store refuses one.
+    accepted: list[str] = []
+    refused: grpc.aio.AioRpcError | None = None
+    while refused is None and len(accepted) < 2_000:
+        try:
+            reply = await jobs.SubmitJob(submit_request(idempotency_key=f"k-{len(accepted)}"))
+            accepted.append(reply.job.job_id)
+        except grpc.aio.AioRpcError as error:
+            refused = error
+    assert refused is not None, "the store never filled"
+    cause = store_full_reason(refused)
+    assert "resources" in cause or "exceeded" in cause, cause
+
+    # Fast, every time, and for uploads too; nothing of the refused calls stays.
+    work = (await js.stream_info(config.nats.work_stream)).state.messages
+    objects_before = await objects_stream_state(stack.nc, config)
+    timings = []
+    for attempt in range(3):
+        began = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as again:
+            await jobs.SubmitJob(submit_request(idempotency_key=f"refused-{attempt}"))
+        timings.append(time.monotonic() - began)
+        store_full_reason(again.value)
+    began = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as upload_refused:
+        await upload(jobs, inputs_bytes(np.ones((8_000, 4))))
+    timings.append(time.monotonic() - began)
+    store_full_reason(upload_refused.value)
+    assert max(timings) < 2.0, timings  # not enqueue_retry_s (10 s)
+    assert (await js.stream_info(config.nats.work_stream)).state.messages == work == len(accepted)
+    assert await objects_stream_state(stack.nc, config) == objects_before
+    claims = await js.key_value(config.nats.idempotency_bucket)
+    keys = set(await claims.keys()) if work else set()
+    assert not any("refused" in key for key in keys)  # claims are hashed: none beyond the accepted ones
+    assert len(keys) <= len(accepted)
+    # Every work message is an accepted job's QUEUED record, and every accepted job reads back.
+    for start in range(0, len(accepted), 1000):
+        got = await jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=accepted[start : start + 1000]))
+        assert {r.job.state for r in got.results} == {job_pb2.JOB_STATE_QUEUED}
+    await wait_health(health, health_pb2.HealthCheckResponse.NOT_SERVING, 5.0)
+    # ... and stays so while the store is still full (its probe runs every second).
+    for _ in range(10):
+        await asyncio.sleep(0.25)
+        assert await health_of(health) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+    # Room again: the uploads deleted. Health SERVING from the probe, a submit accepted.
+    for ref in uploads:
+        await jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref.ref))
+    back_s = await wait_health(health, health_pb2.HealthCheckResponse.SERVING, 10.0)
+    accepted.append((await jobs.SubmitJob(submit_request(idempotency_key="after"))).job.job_id)
+
+    # And every accepted job runs to its end once a batcher is there.
+    await stack.start_batcher()
+
+    async def finished(job_id: str) -> int:
+        while True:
+            state = (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.state
+            if state not in (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING):
+                return state
+            await asyncio.sleep(0.2)
+
+    states = await asyncio.wait_for(asyncio.gather(*(finished(j) for j in accepted)), 90)
+    assert set(states) == {job_pb2.JOB_STATE_SUCCEEDED}
+    print(
+        f"server store full: {len(accepted) - 1} accepted, refusals in {max(timings) * 1000:.0f} ms, "
+        f"SERVING {back_s:.2f} s after room, every accepted job SUCCEEDED"
+    )

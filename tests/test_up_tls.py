@@ -1,0 +1,71 @@
+"""Issue 17: `asyncinfer up --dev-tls` runs the whole stack on TLS with a local development CA made
+beside the store (services/dev_ca.py) and reused by the next run; without TLS, `up` keeps the
+gateway on loopback (tests/test_gateway_auth.py)."""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cryptography import x509
+
+from asyncinfer.client import AsyncClient, UnavailableError
+from services.dev_ca import RENEW_WITHIN_DAYS, SERVER_VALID_DAYS, ensure_dev_tls
+from tests.test_up_grpcurl import close, start_up, stop, write_config
+
+
+def sans(cert_file: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {str(n) for n in names.get_values_for_type(x509.DNSName)} | {
+        str(ip) for ip in names.get_values_for_type(x509.IPAddress)
+    }
+
+
+@pytest.mark.unit
+def test_the_development_ca_is_made_once_and_reused(tmp_path: Path) -> None:
+    tls = ensure_dev_tls(tmp_path / "tls", ["localhost", "127.0.0.1", "::1"])
+    assert sans(tls.cert_file) == {"localhost", "127.0.0.1", "::1"}
+    for key in (tls.key_file, tls.ca_key_file):
+        assert key.stat().st_mode & 0o777 == 0o600
+    # The CA loads as a trust anchor; the server certificate is its.
+    ssl.create_default_context(cafile=str(tls.ca_file))
+    issued = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+    issued.verify_directly_issued_by(x509.load_pem_x509_certificate(tls.ca_file.read_bytes()))
+    ca, cert = tls.ca_file.read_bytes(), tls.cert_file.read_bytes()
+    again = ensure_dev_tls(tmp_path / "tls", ["localhost", "127.0.0.1", "::1"])
+    assert (again.ca_file.read_bytes(), again.cert_file.read_bytes()) == (ca, cert), "reused"
+    # A new host, or a certificate near its end: a new server certificate from the same CA.
+    wider = ensure_dev_tls(tmp_path / "tls", ["localhost", "127.0.0.1", "::1", "devbox.lan"])
+    assert "devbox.lan" in sans(wider.cert_file)
+    assert wider.ca_file.read_bytes() == ca
+    before = wider.cert_file.read_bytes()
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=SERVER_VALID_DAYS - RENEW_WITHIN_DAYS + 1)
+    renewed = ensure_dev_tls(tmp_path / "tls", ["localhost"], now=later)
+    assert renewed.cert_file.read_bytes() != before
+    assert renewed.ca_file.read_bytes() == ca
+
+
+@pytest.mark.timeout(180)
+async def test_up_with_tls_serves_everything_over_tls(tmp_path: Path) -> None:
+    config_path, ports = write_config(tmp_path)
+    up = start_up(config_path, ports, tmp_path, args=("--dev-tls",))
+    try:
+        ca_file = tmp_path / "data" / "tls" / "ca.pem"
+        assert f"-cacert {ca_file}" in up.banner
+        assert "-plaintext" not in up.banner
+        async with AsyncClient(up.gateway, tls_ca_file=str(ca_file)) as client:
+            job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
+            done = await client.wait(job, timeout_s=60)  # the batcher reached the scheduler over TLS
+        assert done.state.name == "SUCCEEDED", done
+        async with AsyncClient(up.gateway, timeout_s=3) as plaintext:
+            with pytest.raises(UnavailableError):
+                await plaintext.models()
+        assert stop(up) == 0
+    finally:
+        close(up)
+    # The embedded NATS spoke TLS too: its log says so.
+    assert "TLS required for client connections" in (tmp_path / "data" / "nats-server.log").read_text()
