@@ -16,7 +16,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,6 +71,10 @@ class NatsConfig(_Section):
     jobs_bucket: str = Field(contract.JOBS_BUCKET, description="The KV bucket holding job records.")
     queues_bucket: str = Field(
         contract.QUEUES_BUCKET, description="The KV bucket of queue snapshots, pauses and per-tenant queued counts."
+    )
+    models_bucket: str = Field(
+        contract.MODELS_BUCKET,
+        description="The KV registry of model versions: which batchers serve (or load) each, with its signature.",
     )
     replicas: int = Field(1, ge=1, le=5, description="Replicas of every stream and bucket (3 on a cluster).")
     duplicate_window_s: float = Field(
@@ -435,6 +439,35 @@ class TensorSpecConfig(_Section):
         return TensorSpec(name=self.name, datatype=self.datatype, shape=self.shape)
 
 
+class ModelVersionConfig(_Section):
+    """One more version of a model (ModelConfig.versions): what differs from the model's own table."""
+
+    version: str = Field(description="The version's name, e.g. 2.")
+    backend: Literal["torch", "triton"] | None = Field(None, description="As the model's; unset: the model's.")
+    loader: str | None = Field(None, description="As the model's; unset: the model's.")
+    device: str | None = Field(None, description="As the model's; unset: the model's.")
+    triton_url: str | None = Field(None, description="As the model's; unset: the model's.")
+    triton_model_name: str | None = Field(None, description="As the model's; unset: the model's.")
+    triton_model_version: str | None = Field(None, description="As the model's; unset: the model's.")
+    max_batch_size: int | None = Field(None, ge=1, description="As the model's; unset: the model's.")
+    max_queue_delay_ms: float | None = Field(None, ge=0, description="As the model's; unset: the model's.")
+    max_inflight_batches: int | None = Field(None, ge=1, description="As the model's; unset: the model's.")
+    inputs: tuple[TensorSpecConfig, ...] | None = Field(None, description="As the model's; unset: the model's.")
+    outputs: tuple[TensorSpecConfig, ...] | None = Field(None, description="As the model's; unset: the model's.")
+
+    @field_validator("version")
+    @classmethod
+    def _valid_version(cls, value: str) -> str:
+        if not NAME_PATTERN.match(value):
+            raise ValueError("versions are 1-64 letters, digits, '-' or '_'")
+        return value
+
+
+def version_order(version: str) -> tuple[int, int, str]:
+    """Sort key of versions: numbers numerically and above names (so "10" > "9" > "beta")."""
+    return (1, int(version), "") if version.isdigit() else (0, 0, version)
+
+
 class PipelineStepConfig(_Section):
     model: str = Field(
         "",
@@ -538,6 +571,16 @@ class ModelConfig(_Section):
     )
     inputs: tuple[TensorSpecConfig, ...] = Field(description="The model's inputs.")
     outputs: tuple[TensorSpecConfig, ...] = Field(description="The model's outputs.")
+    versions: tuple[ModelVersionConfig, ...] = Field(
+        (),
+        description="More versions served beside `version`, side by side: each a table of what differs from this "
+        'one, e.g. [[models.versions]] version = "2", loader = "..." (docs/MODEL_VERSIONS.md).',
+    )
+    default_version: str = Field(
+        "",
+        description="The version a job that names none runs on, chosen at its dispatch. Empty: the highest version "
+        "a batcher serves then (Triton's `latest` policy; numeric order when versions are numbers).",
+    )
     steps: tuple[PipelineStepConfig, ...] = Field(
         (),
         description="A pipeline (Triton's ensembles, Celery's chains): the model is these steps, run in order as "
@@ -580,7 +623,37 @@ class ModelConfig(_Section):
             raise ValueError("length_buckets must be positive and increasing")
         if self.cost not in ("rows", "tokens") and ":" not in self.cost:
             raise ValueError("cost must be rows, tokens or 'package.module:function'")
+        versions = [self.version, *(v.version for v in self.versions)]
+        if len(set(versions)) != len(versions):
+            raise ValueError(f"model {self.name!r} declares a version twice: {versions}")
+        if self.default_version and self.default_version not in versions:
+            raise ValueError(f"default_version {self.default_version!r} is not one of the versions {versions}")
         return self
+
+    def version_configs(self) -> tuple[ModelConfig, ...]:
+        """Every declared version as a whole model configuration (this one first, then each of
+        `versions` laid over it), ordered as declared."""
+        return (self.model_copy(update={"versions": ()}), *(self.with_version(v) for v in self.versions))
+
+    def with_version(self, version: ModelVersionConfig) -> ModelConfig:
+        data = {**self.model_dump(), "versions": (), "default_version": ""}
+        data.update(version.model_dump(exclude_none=True))
+        # Each version's table keeps the model's default_version (the engine reads it there).
+        return ModelConfig.model_validate(data).model_copy(update={"default_version": self.default_version})
+
+    def default_among(self, served: Iterable[str]) -> str:
+        """The version a job that names none runs on, given the versions served now: the
+        configured default_version, else the highest served, else the highest declared."""
+        if self.default_version:
+            return self.default_version
+        candidates = list(served) or [self.version, *(v.version for v in self.versions)]
+        return max(candidates, key=version_order)
+
+    def declared_version(self, version: str) -> ModelConfig | None:
+        for config in self.version_configs():
+            if config.version == version:
+                return config
+        return None
 
     @property
     def signature(self) -> ModelSignature:
@@ -868,7 +941,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, BaseModel):
-        return _toml_value(value.model_dump())
+        return _toml_value(value.model_dump(exclude_none=True))
     if isinstance(value, dict):
         return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
     raise TypeError(f"cannot render {value!r} as TOML")

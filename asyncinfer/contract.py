@@ -39,6 +39,7 @@ IDEMPOTENCY_BUCKET = "idempotency"  # NatsConfig.idempotency_bucket: KV of idemp
 WEBHOOKS_BUCKET = "webhooks"  # NatsConfig.webhooks_bucket: KV of delivery status, disabled URLs
 BATCHES_BUCKET = "batches"  # NatsConfig.batches_bucket: KV of batch records
 OBJECTS_BUCKET = "blobs"  # NatsConfig.objects_bucket: Object Store of large inputs and results
+MODELS_BUCKET = "models"  # NatsConfig.models_bucket: KV registry of the model versions batchers serve
 
 # --- subjects ---------------------------------------------------------------------------------
 
@@ -238,6 +239,12 @@ def deliveries_key(tenant: str, job_id: str) -> str:
 
 def disabled_url_key(tenant: str, url: str) -> str:
     return f"{DISABLED_URL_KEY_PREFIX}{tenant}.{hashlib.sha256(url.encode()).hexdigest()}"
+
+
+def model_version_key(model_name: str, version: str, batcher_key: str) -> str:
+    """One batcher's entry for one model version in the models bucket (batcher_key: the
+    batcher's ID as one token, `model_registry.batcher_token`)."""
+    return f"{model_name}.{version}.{batcher_key}"
 
 
 def object_name(tenant: str, ref: str) -> str:

@@ -70,6 +70,8 @@ class Dispatch:
     batcher_id: str
     scheduler: str = ""
     lease_subject: str = ""
+    # The version it runs on (the one it asked for, or the model's default now); empty: unchanged.
+    model_version: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +184,7 @@ def dispatch(record: JobRecord, event: Dispatch, now: float) -> Outcome:
         batcher_id=event.batcher_id,
         dispatched_by=event.scheduler,
         lease_subject=event.lease_subject,
+        model_version=event.model_version or record.model_version,
     )
 
 

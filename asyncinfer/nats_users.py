@@ -10,7 +10,8 @@ What each service may touch (ARCHITECTURE.md "The contract in NATS" names every 
 
 - gateway: publishes work messages and queued/cancel notices; writes job records, idempotency
   claims, batch records (its batch driver) and uploaded inputs (and a batch's chunk objects); reads queue snapshots and pauses, webhook delivery status, the work
-  stream (queue positions, ListJobs of queued jobs, tenant counts) and the job records' feed;
+  stream (queue positions, ListJobs of queued jobs, tenant counts), the model registry and the
+  job records' feed;
   hears progress notices. It may not pull or acknowledge work (`$JS.API.CONSUMER.MSG.NEXT.WORK.*`,
   `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
 - scheduler: everything of the stack's streams and buckets (it pulls, leases, stores results,
@@ -98,7 +99,12 @@ def _objects_stream(bucket: str) -> str:
 
 
 def gateway_permissions(nats: NatsConfig) -> Permissions:
-    streams_read = (nats.work_stream, contract.kv_stream(nats.queues_bucket), contract.kv_stream(nats.webhooks_bucket))
+    streams_read = (
+        nats.work_stream,
+        contract.kv_stream(nats.queues_bucket),
+        contract.kv_stream(nats.webhooks_bucket),
+        contract.kv_stream(nats.models_bucket),  # the model registry the gateway learns versions from
+    )
     streams_write = (
         contract.kv_stream(nats.jobs_bucket),
         contract.kv_stream(nats.idempotency_bucket),
@@ -131,7 +137,13 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
         nats.webhooks_stream,
         *(
             contract.kv_stream(bucket)
-            for bucket in (nats.jobs_bucket, nats.queues_bucket, nats.idempotency_bucket, nats.webhooks_bucket)
+            for bucket in (
+                nats.jobs_bucket,
+                nats.queues_bucket,
+                nats.idempotency_bucket,
+                nats.webhooks_bucket,
+                nats.models_bucket,
+            )
         ),
         _objects_stream(nats.objects_bucket),
     )
@@ -147,7 +159,13 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
         f"{contract.PROGRESS_SUBJECT_PREFIX}.>",
         *(
             _kv(bucket)
-            for bucket in (nats.jobs_bucket, nats.queues_bucket, nats.idempotency_bucket, nats.webhooks_bucket)
+            for bucket in (
+                nats.jobs_bucket,
+                nats.queues_bucket,
+                nats.idempotency_bucket,
+                nats.webhooks_bucket,
+                nats.models_bucket,  # the model registry: what its batchers serve
+            )
         ),
         _objects(nats.objects_bucket),
     ]

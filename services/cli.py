@@ -62,10 +62,11 @@ def _scheduler(config: Config) -> App:
     return app
 
 
-def _batcher(config: Config) -> App:
+def _batcher(config: Config, config_path: Path | None = None) -> App:
     from services.batcher.app import BatcherApp
 
-    app: App = BatcherApp(config)
+    # With its file, SIGHUP reloads the models it declares (docs/MODEL_VERSIONS.md).
+    app: App = BatcherApp(config, config_path=config_path)
     return app
 
 
@@ -93,16 +94,17 @@ def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
     return start
 
 
-async def run_service(name: str, config: Config) -> int:
+async def run_service(name: str, config: Config, config_path: Path | None = None) -> int:
     raise_if_busy(service_ports(config, name), hint="Is this service running already?")
+
+    def make() -> App:
+        return _batcher(config, config_path) if name == "batcher" else SERVICES[name](config)
 
     def started(apps: Sequence[App]) -> None:
         tune_for_serving()
         print(f"asyncinfer {name} serving on {_host(config, name)}:{apps[0].port}", flush=True)
 
-    return await run_until_stopped(
-        [_starter(lambda: SERVICES[name](config))], grace_s=SHUTDOWN_GRACE_S, on_started=started
-    )
+    return await run_until_stopped([_starter(make)], grace_s=SHUTDOWN_GRACE_S, on_started=started)
 
 
 def _host(config: Config, name: str) -> str:
@@ -495,7 +497,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)
         if args.command == "up":
             return _run(run_up(config, tls=args.dev_tls))
-        return _run(run_service(args.command, config))
+        return _run(run_service(args.command, config, args.config))
     except AsyncInferError as exc:
         print(f"asyncinfer: {exc.message}", file=sys.stderr)
         return 2

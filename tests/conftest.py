@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelConfig
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
+from services.batcher.app import BatcherApp
 from tests.stack import Stack, StartStack
 
 
@@ -115,3 +116,23 @@ async def stack(start_stack: StartStack) -> Stack:
 async def idle_stack(start_stack: StartStack) -> Stack:
     """No batcher: jobs stay QUEUED until the test starts one (`start_batcher`)."""
     return await start_stack(batcher=False)
+
+
+@pytest.fixture
+async def batchers(start_stack: StartStack) -> AsyncIterator[Callable[..., Any]]:
+    """Starts batchers, each with its own models, against a stack's scheduler (`await
+    batchers(stack, batcher_id, *models)`); all stopped at the end."""
+    started: list[BatcherApp] = []
+
+    async def start(stack: Stack, batcher_id: str, *models: ModelConfig) -> BatcherApp:
+        config = stack.config.replace(models=[m.model_dump() for m in models]).replace(
+            batcher={"scheduler_address": stack.ops_address, "batcher_id": batcher_id}
+        )
+        app = BatcherApp(config)
+        await app.start()
+        started.append(app)
+        return app
+
+    yield start
+    for app in reversed(started):
+        await app.stop(1.0)

@@ -4,6 +4,7 @@ module in its own process): start-up checks, batches forwarded, Triton errors ma
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -15,13 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tritonclient.grpc import aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
+from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
 from asyncinfer.errors import DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
 from asyncinfer.tensors import Tensor
+from asyncinfer.v1.job_service_pb2 import ListModelsRequest
 from services.batcher.app import BatcherApp
 from services.batcher.backends.triton_backend import map_triton_error
+from tests.stack import StartStack
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ROOT / "bench" / "batcher_servers.py"
@@ -139,3 +144,41 @@ def test_triton_status_codes_map_to_item_errors() -> None:
     error = mapped("StatusCode.INTERNAL")
     assert isinstance(error, ModelError)
     assert "boom" in error.message
+
+
+async def test_a_version_served_by_triton_is_hot_loaded_beside_a_torch_one(
+    triton_url: str, config: Config, start_stack: StartStack
+) -> None:
+    """Issue 16: tritonclient's load_model on the batcher adds version 2 of the demo model, served
+    by the real Triton (warmed up through it before it takes work), beside the torch version 1;
+    jobs pinned to each run on theirs, and unloading version 1 leaves version 2 serving the rest."""
+    stack = await start_stack(config.replace(models=[DEMO_MODEL.model_dump()]))
+    assert stack.batcher is not None
+    triton_version = {"version": "2", "backend": "triton", "loader": "", "triton_url": triton_url}
+    client = triton_aio.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    try:
+        await client.load_model(
+            "demo",
+            config=json.dumps({"version": "1", "versions": [{**triton_version, "triton_model_name": "affine"}]}),
+        )
+        assert (await client.get_model_metadata("demo")).versions == ["1", "2"]
+        assert stack.batcher.engine.model_config("demo", "2").backend == "triton"
+        async with AsyncClient(stack.address) as jobs:
+            for _ in range(100):  # the gateway learns version 2 from the registry
+                if "2" in {v.version for v in (await stack.jobs.ListModels(ListModelsRequest())).models[0].versions}:
+                    break
+                await asyncio.sleep(0.05)
+            pinned = [await jobs.submit("demo", {"x": np.ones((1, 4), np.float32)}, model_version=v) for v in "12" * 10]
+            done = await jobs.wait_jobs(pinned, timeout_s=60)
+            assert sorted(d.model_version for d in done.values()) == ["1"] * 10 + ["2"] * 10
+            assert all(d.succeeded for d in done.values())
+            assert all(d.outputs["y"].tolist() == [[3.0] * 4] for d in done.values())
+            await client.load_model(
+                "demo", config=json.dumps({**triton_version, "triton_model_name": "affine", "versions": []})
+            )
+            assert stack.batcher.engine.versions("demo") == ["2"]
+            rest = await jobs.wait(await jobs.submit("demo", {"x": np.ones((1, 4), np.float32)}), timeout_s=60)
+            assert rest.succeeded
+            assert rest.model_version == "2"
+    finally:
+        await client.close()

@@ -132,11 +132,13 @@ def test_the_config_defaults_are_the_contracts() -> None:
     assert config.idempotency_bucket == contract.IDEMPOTENCY_BUCKET
     assert config.webhooks_bucket == contract.WEBHOOKS_BUCKET
     assert config.objects_bucket == contract.OBJECTS_BUCKET
+    assert config.models_bucket == contract.MODELS_BUCKET
+    assert config.batches_bucket == contract.BATCHES_BUCKET
 
 
 def test_the_config_keys_in_the_streams_table_exist() -> None:
     keys = re.findall(r"`nats\.([a-z_]+)`", contract_section())
-    assert len(keys) == 9
+    assert len(keys) == 10
     for key in keys:
         assert key in NatsConfig.model_fields, key
 

@@ -135,7 +135,8 @@ async def test_submit_queues_the_job_at_once(stub: JobStub, js: JetStreamContext
     assert is_job_id(job.job_id)
     assert job.state == job_pb2.JOB_STATE_QUEUED
     assert job.priority == job_pb2.PRIORITY_NORMAL
-    assert (job.model_name, job.model_version, job.attempt, job.max_attempts) == ("demo", "1", 0, 3)
+    # No version asked: the model's default is chosen at dispatch (docs/MODEL_VERSIONS.md), not here.
+    assert (job.model_name, job.model_version, job.attempt, job.max_attempts) == ("demo", "", 0, 3)
     assert job.revision == 0  # its record is its work message: nothing is in the jobs bucket yet
     assert job.labels["team"] == "ml"
     assert job.execution_timeout.seconds == 60

@@ -51,6 +51,7 @@ class WaitingReason(enum.StrEnum):
     PAUSED = "PAUSED"
     RETRY_BACKOFF = "RETRY_BACKOFF"
     DRAINING = "DRAINING"
+    NO_VERSION = "NO_VERSION"  # pinned to a model version no batcher serves now
 
 
 class CallbackEvent(enum.StrEnum):

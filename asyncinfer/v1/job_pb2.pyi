@@ -111,6 +111,10 @@ class _WaitingReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Waiting
     """Waiting out a retry backoff."""
     WAITING_REASON_DRAINING: _WaitingReason.ValueType  # 5
     """The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
+    WAITING_REASON_NO_VERSION: _WaitingReason.ValueType  # 6
+    """The job is pinned to a model version that no batcher serves now: it waits until one does
+    (docs/MODEL_VERSIONS.md).
+    """
 
 class WaitingReason(_WaitingReason, metaclass=_WaitingReasonEnumTypeWrapper):
     """Why a queued job has not started yet."""
@@ -126,6 +130,10 @@ WAITING_REASON_RETRY_BACKOFF: WaitingReason.ValueType  # 4
 """Waiting out a retry backoff."""
 WAITING_REASON_DRAINING: WaitingReason.ValueType  # 5
 """The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
+WAITING_REASON_NO_VERSION: WaitingReason.ValueType  # 6
+"""The job is pinned to a model version that no batcher serves now: it waits until one does
+(docs/MODEL_VERSIONS.md).
+"""
 Global___WaitingReason: _TypeAlias = WaitingReason  # noqa: Y015
 
 class _CallbackEvent:

@@ -12,6 +12,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -22,6 +23,31 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ModelVersionState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ModelVersionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelVersionState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MODEL_VERSION_STATE_UNSPECIFIED: _ModelVersionState.ValueType  # 0
+    MODEL_VERSION_STATE_LOADING: _ModelVersionState.ValueType  # 1
+    """A batcher loads and warms it up; it takes no work yet."""
+    MODEL_VERSION_STATE_READY: _ModelVersionState.ValueType  # 2
+    """At least one batcher serves it."""
+    MODEL_VERSION_STATE_UNAVAILABLE: _ModelVersionState.ValueType  # 3
+    """Declared or registered, but no batcher serves it now (reason says why); jobs for it wait."""
+
+class ModelVersionState(_ModelVersionState, metaclass=_ModelVersionStateEnumTypeWrapper): ...
+
+MODEL_VERSION_STATE_UNSPECIFIED: ModelVersionState.ValueType  # 0
+MODEL_VERSION_STATE_LOADING: ModelVersionState.ValueType  # 1
+"""A batcher loads and warms it up; it takes no work yet."""
+MODEL_VERSION_STATE_READY: ModelVersionState.ValueType  # 2
+"""At least one batcher serves it."""
+MODEL_VERSION_STATE_UNAVAILABLE: ModelVersionState.ValueType  # 3
+"""Declared or registered, but no batcher serves it now (reason says why); jobs for it wait."""
+Global___ModelVersionState: _TypeAlias = ModelVersionState  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):
@@ -965,6 +991,8 @@ class ModelInfo(_message.Message):
     DEFAULT_MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     MAX_ATTEMPTS_LIMIT_FIELD_NUMBER: _builtins.int
     DEFAULT_EXECUTION_TIMEOUT_FIELD_NUMBER: _builtins.int
+    DEFAULT_VERSION_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     version: _builtins.str
     """The version served (SubmitJobRequest.model_version may be empty or this)."""
@@ -974,6 +1002,8 @@ class ModelInfo(_message.Message):
     """Attempts a job gets when SubmitJobRequest.max_attempts is 0."""
     max_attempts_limit: _builtins.int
     """The most attempts a job may ask for."""
+    default_version: _builtins.str
+    """The version a job that names none runs on now (chosen again at each job's dispatch)."""
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]:
         """Inputs a job must give: shapes are full (batch dimension first), -1 for any size."""
@@ -986,6 +1016,12 @@ class ModelInfo(_message.Message):
     def default_execution_timeout(self) -> _duration_pb2.Duration:
         """How long one attempt may run when the job does not say; unset means no limit."""
 
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelVersionInfo]:
+        """Every version declared or registered, with its state and the batchers serving it; the
+        fields above describe the default version.
+        """
+
     def __init__(
         self,
         *,
@@ -997,14 +1033,59 @@ class ModelInfo(_message.Message):
         default_max_attempts: _builtins.int = ...,
         max_attempts_limit: _builtins.int = ...,
         default_execution_timeout: _duration_pb2.Duration | None = ...,
+        default_version: _builtins.str = ...,
+        versions: _abc.Iterable[Global___ModelVersionInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["default_execution_timeout", b"default_execution_timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_execution_timeout", b"default_execution_timeout", "default_max_attempts", b"default_max_attempts", "inputs", b"inputs", "max_attempts_limit", b"max_attempts_limit", "max_batch_size", b"max_batch_size", "name", b"name", "outputs", b"outputs", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["default_execution_timeout", b"default_execution_timeout", "default_max_attempts", b"default_max_attempts", "default_version", b"default_version", "inputs", b"inputs", "max_attempts_limit", b"max_attempts_limit", "max_batch_size", b"max_batch_size", "name", b"name", "outputs", b"outputs", "version", b"version", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class ModelVersionInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BATCHERS_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    state: Global___ModelVersionState.ValueType
+    reason: _builtins.str
+    """Why it is UNAVAILABLE (or what it waits for while LOADING)."""
+    max_batch_size: _builtins.int
+    @_builtins.property
+    def batchers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The batchers that serve it (READY) or load it (LOADING)."""
+
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        state: Global___ModelVersionState.ValueType = ...,
+        reason: _builtins.str = ...,
+        batchers: _abc.Iterable[_builtins.str] | None = ...,
+        inputs: _abc.Iterable[Global___TensorSpec] | None = ...,
+        outputs: _abc.Iterable[Global___TensorSpec] | None = ...,
+        max_batch_size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batchers", b"batchers", "inputs", b"inputs", "max_batch_size", b"max_batch_size", "outputs", b"outputs", "reason", b"reason", "state", b"state", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelVersionInfo: _TypeAlias = ModelVersionInfo  # noqa: Y015
 
 @_typing.final
 class TensorSpec(_message.Message):

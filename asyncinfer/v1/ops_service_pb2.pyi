@@ -664,3 +664,142 @@ class UndrainResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UndrainResponse: _TypeAlias = UndrainResponse  # noqa: Y015
+
+@_typing.final
+class LoadModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    BATCHER_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    config_json: _builtins.str
+    """The model as JSON: a [[models]] table (version, loader, versions, ...), laid over each
+    batcher's own table for the model; its versions become the ones the batchers serve. Empty:
+    each batcher reads its configuration file again for the model.
+    """
+    @_builtins.property
+    def batcher_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Only these batchers (empty: every batcher connected to this scheduler)."""
+
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration:
+        """How long to wait for the batchers' answers (unset: 120 s)."""
+
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        config_json: _builtins.str = ...,
+        batcher_ids: _abc.Iterable[_builtins.str] | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_ids", b"batcher_ids", "config_json", b"config_json", "model_name", b"model_name", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadModelRequest: _TypeAlias = LoadModelRequest  # noqa: Y015
+
+@_typing.final
+class LoadModelResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelControlOutcome]: ...
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___ModelControlOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadModelResponse: _TypeAlias = LoadModelResponse  # noqa: Y015
+
+@_typing.final
+class UnloadModelRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    BATCHER_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    model_version: _builtins.str
+    """Only this version (empty: every version of the model)."""
+    @_builtins.property
+    def batcher_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def timeout(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        batcher_ids: _abc.Iterable[_builtins.str] | None = ...,
+        timeout: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_ids", b"batcher_ids", "model_name", b"model_name", "model_version", b"model_version", "timeout", b"timeout"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadModelRequest: _TypeAlias = UnloadModelRequest  # noqa: Y015
+
+@_typing.final
+class UnloadModelResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelControlOutcome]: ...
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___ModelControlOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadModelResponse: _TypeAlias = UnloadModelResponse  # noqa: Y015
+
+@_typing.final
+class ModelControlOutcome(_message.Message):
+    """One batcher's answer to a model control."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCHER_ID_FIELD_NUMBER: _builtins.int
+    OK_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    batcher_id: _builtins.str
+    ok: _builtins.bool
+    @_builtins.property
+    def error(self) -> _error_pb2.ErrorStatus:
+        """Why it failed (empty when ok)."""
+
+    def __init__(
+        self,
+        *,
+        batcher_id: _builtins.str = ...,
+        ok: _builtins.bool = ...,
+        error: _error_pb2.ErrorStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "error", b"error", "ok", b"ok"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelControlOutcome: _TypeAlias = ModelControlOutcome  # noqa: Y015

@@ -80,6 +80,16 @@ class OpsServiceStub:
                 request_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.SerializeToString,
                 response_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.FromString,
                 _registered_method=True)
+        self.LoadModel = channel.unary_unary(
+                '/asyncinfer.v1.OpsService/LoadModel',
+                request_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelResponse.FromString,
+                _registered_method=True)
+        self.UnloadModel = channel.unary_unary(
+                '/asyncinfer.v1.OpsService/UnloadModel',
+                request_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelRequest.SerializeToString,
+                response_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelResponse.FromString,
+                _registered_method=True)
 
 
 class OpsServiceServicer:
@@ -150,6 +160,23 @@ class OpsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadModel(self, request, context):
+        """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
+        named), as tritonclient's load_model does on one: new versions are warmed up before they take
+        work, a replaced version's in-flight batches finish on it. Answers once each batcher has.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadModel(self, request, context):
+        """Unloads a model, or one version of it, on every batcher connected to this scheduler (or those
+        named); what the batchers hold of it finishes first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OpsServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -197,6 +224,16 @@ def add_OpsServiceServicer_to_server(servicer, server):
                     servicer.Undrain,
                     request_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.FromString,
                     response_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.SerializeToString,
+            ),
+            'LoadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadModel,
+                    request_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelResponse.SerializeToString,
+            ),
+            'UnloadModel': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadModel,
+                    request_deserializer=asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelRequest.FromString,
+                    response_serializer=asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -443,6 +480,60 @@ class OpsService:
             '/asyncinfer.v1.OpsService/Undrain',
             asyncinfer_dot_v1_dot_ops__service__pb2.UndrainRequest.SerializeToString,
             asyncinfer_dot_v1_dot_ops__service__pb2.UndrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.OpsService/LoadModel',
+            asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_ops__service__pb2.LoadModelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadModel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/asyncinfer.v1.OpsService/UnloadModel',
+            asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelRequest.SerializeToString,
+            asyncinfer_dot_v1_dot_ops__service__pb2.UnloadModelResponse.FromString,
             options,
             channel_credentials,
             insecure,

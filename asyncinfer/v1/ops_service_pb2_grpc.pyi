@@ -53,6 +53,15 @@ class OpsServiceStub:
     """
     Undrain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]
     """Ends a drain: this scheduler dispatches again."""
+    LoadModel: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.LoadModelRequest, _ops_service_pb2.LoadModelResponse]
+    """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
+    named), as tritonclient's load_model does on one: new versions are warmed up before they take
+    work, a replaced version's in-flight batches finish on it. Answers once each batcher has.
+    """
+    UnloadModel: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.UnloadModelRequest, _ops_service_pb2.UnloadModelResponse]
+    """Unloads a model, or one version of it, on every batcher connected to this scheduler (or those
+    named); what the batchers hold of it finishes first.
+    """
 
 @_typing.type_check_only
 class OpsServiceAsyncStub(OpsServiceStub):
@@ -79,6 +88,15 @@ class OpsServiceAsyncStub(OpsServiceStub):
     """
     Undrain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]  # type: ignore[assignment]
     """Ends a drain: this scheduler dispatches again."""
+    LoadModel: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.LoadModelRequest, _ops_service_pb2.LoadModelResponse]  # type: ignore[assignment]
+    """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
+    named), as tritonclient's load_model does on one: new versions are warmed up before they take
+    work, a replaced version's in-flight batches finish on it. Answers once each batcher has.
+    """
+    UnloadModel: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.UnloadModelRequest, _ops_service_pb2.UnloadModelResponse]  # type: ignore[assignment]
+    """Unloads a model, or one version of it, on every batcher connected to this scheduler (or those
+    named); what the batchers hold of it finishes first.
+    """
 
 class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
     """Operating the queues, served by the scheduler; meant for grpcurl and dashboards."""
@@ -156,5 +174,26 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.UndrainResponse, _abc.Awaitable[_ops_service_pb2.UndrainResponse]]:
         """Ends a drain: this scheduler dispatches again."""
+
+    @_abc_1.abstractmethod
+    def LoadModel(
+        self,
+        request: _ops_service_pb2.LoadModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ops_service_pb2.LoadModelResponse, _abc.Awaitable[_ops_service_pb2.LoadModelResponse]]:
+        """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
+        named), as tritonclient's load_model does on one: new versions are warmed up before they take
+        work, a replaced version's in-flight batches finish on it. Answers once each batcher has.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadModel(
+        self,
+        request: _ops_service_pb2.UnloadModelRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ops_service_pb2.UnloadModelResponse, _abc.Awaitable[_ops_service_pb2.UnloadModelResponse]]:
+        """Unloads a model, or one version of it, on every batcher connected to this scheduler (or those
+        named); what the batchers hold of it finishes first.
+        """
 
 def add_OpsServiceServicer_to_server(servicer: OpsServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -13,6 +13,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -24,6 +25,23 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ModelControlAction:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ModelControlActionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelControlAction.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MODEL_CONTROL_ACTION_UNSPECIFIED: _ModelControlAction.ValueType  # 0
+    MODEL_CONTROL_ACTION_LOAD: _ModelControlAction.ValueType  # 1
+    MODEL_CONTROL_ACTION_UNLOAD: _ModelControlAction.ValueType  # 2
+
+class ModelControlAction(_ModelControlAction, metaclass=_ModelControlActionEnumTypeWrapper): ...
+
+MODEL_CONTROL_ACTION_UNSPECIFIED: ModelControlAction.ValueType  # 0
+MODEL_CONTROL_ACTION_LOAD: ModelControlAction.ValueType  # 1
+MODEL_CONTROL_ACTION_UNLOAD: ModelControlAction.ValueType  # 2
+Global___ModelControlAction: _TypeAlias = ModelControlAction  # noqa: Y015
+
 @_typing.final
 class ConnectRequest(_message.Message):
     """Batcher -> scheduler."""
@@ -34,6 +52,8 @@ class ConnectRequest(_message.Message):
     CREDIT_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     UPDATES_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
+    CONTROL_RESULT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___WorkerHello:
         """First message: who the batcher is and what it serves."""
@@ -50,6 +70,16 @@ class ConnectRequest(_message.Message):
     def updates(self) -> Global___WorkUpdates:
         """Several results and credit grants (only to a scheduler whose welcome takes batches)."""
 
+    @_builtins.property
+    def models(self) -> Global___ServedModels:
+        """The models served changed (a version loaded, loading or unloaded): the whole list, as in
+        hello. Orders for a version no longer listed stop; its in-flight orders still finish.
+        """
+
+    @_builtins.property
+    def control_result(self) -> Global___ModelControlResult:
+        """The answer to a ModelControl."""
+
     def __init__(
         self,
         *,
@@ -57,16 +87,38 @@ class ConnectRequest(_message.Message):
         credit: Global___CreditGrant | None = ...,
         result: Global___WorkResult | None = ...,
         updates: Global___WorkUpdates | None = ...,
+        models: Global___ServedModels | None = ...,
+        control_result: Global___ModelControlResult | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["control_result", b"control_result", "credit", b"credit", "hello", b"hello", "message", b"message", "models", b"models", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit", b"credit", "hello", b"hello", "message", b"message", "result", b"result", "updates", b"updates"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_result", b"control_result", "credit", b"credit", "hello", b"hello", "message", b"message", "models", b"models", "result", b"result", "updates", b"updates"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result", "updates"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "credit", "result", "updates", "models", "control_result"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class ServedModels(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODELS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
+    def __init__(
+        self,
+        *,
+        models: _abc.Iterable[Global___ServedModel] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServedModels: _TypeAlias = ServedModels  # noqa: Y015
 
 @_typing.final
 class ConnectResponse(_message.Message):
@@ -78,6 +130,7 @@ class ConnectResponse(_message.Message):
     ORDER_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     ORDERS_FIELD_NUMBER: _builtins.int
+    CONTROL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___WorkerWelcome:
         """Answer to hello."""
@@ -94,6 +147,10 @@ class ConnectResponse(_message.Message):
     def orders(self) -> Global___WorkOrders:
         """Several work orders and cancels (only to a batcher whose hello takes batches)."""
 
+    @_builtins.property
+    def control(self) -> Global___ModelControl:
+        """Load, replace or unload a model's versions (OpsService.LoadModel / UnloadModel)."""
+
     def __init__(
         self,
         *,
@@ -101,16 +158,77 @@ class ConnectResponse(_message.Message):
         order: Global___WorkOrder | None = ...,
         cancel: Global___CancelOrder | None = ...,
         orders: Global___WorkOrders | None = ...,
+        control: Global___ModelControl | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "control", b"control", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "control", b"control", "message", b"message", "order", b"order", "orders", b"orders", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "order", "cancel", "orders"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "order", "cancel", "orders", "control"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class ModelControl(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    ACTION_FIELD_NUMBER: _builtins.int
+    CONFIG_JSON_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    """Echoed in the result."""
+    model_name: _builtins.str
+    action: Global___ModelControlAction.ValueType
+    """LOAD: config_json (a model table as JSON; empty: the batcher's file). UNLOAD: model_version
+    (empty: every version).
+    """
+    config_json: _builtins.str
+    model_version: _builtins.str
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        model_name: _builtins.str = ...,
+        action: Global___ModelControlAction.ValueType = ...,
+        config_json: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "config_json", b"config_json", "model_name", b"model_name", "model_version", b"model_version", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelControl: _TypeAlias = ModelControl  # noqa: Y015
+
+@_typing.final
+class ModelControlResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.int
+    @_builtins.property
+    def error(self) -> _error_pb2.ErrorStatus:
+        """Unset when it succeeded."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.int = ...,
+        error: _error_pb2.ErrorStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelControlResult: _TypeAlias = ModelControlResult  # noqa: Y015
 
 @_typing.final
 class WorkerHello(_message.Message):
@@ -142,25 +260,41 @@ Global___WorkerHello: _TypeAlias = WorkerHello  # noqa: Y015
 
 @_typing.final
 class ServedModel(_message.Message):
+    """One version of a model (a batcher lists each version it serves or is loading)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     model_version: _builtins.str
     max_batch_size: _builtins.int
     """The batcher's batch limit for this model (for capacity estimates)."""
+    state: _job_service_pb2.ModelVersionState.ValueType
+    """LOADING (announced, takes no work yet) or READY; unspecified means READY."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_job_service_pb2.TensorSpec]:
+        """The version's signature (empty from batchers before versions: the scheduler's configuration's)."""
+
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_job_service_pb2.TensorSpec]: ...
     def __init__(
         self,
         *,
         model_name: _builtins.str = ...,
         model_version: _builtins.str = ...,
         max_batch_size: _builtins.int = ...,
+        inputs: _abc.Iterable[_job_service_pb2.TensorSpec] | None = ...,
+        outputs: _abc.Iterable[_job_service_pb2.TensorSpec] | None = ...,
+        state: _job_service_pb2.ModelVersionState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "model_name", b"model_name", "model_version", b"model_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["inputs", b"inputs", "max_batch_size", b"max_batch_size", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

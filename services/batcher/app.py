@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import threading
+from pathlib import Path
 
 import structlog
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing
-from asyncinfer.config import Config, ModelConfig
+from asyncinfer.config import Config, ModelConfig, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
-from services.batcher.backends import ModelBackend
-from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
+from services.batcher.model_control import ModelControl
 from services.batcher.worker_client import WorkerClient, WorkerSecurity
 
 log = structlog.get_logger("asyncinfer.batcher")
@@ -34,8 +36,10 @@ OPEN_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
 
 
 class BatcherApp:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, config_path: Path | None = None) -> None:
+        """`config_path`: the file `reload` reads again (on SIGHUP, when given)."""
         self.config = config
+        self.config_path = config_path
         self.batcher_id = config.batcher.batcher_id or f"{socket.gethostname()}-{os.getpid()}"
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
@@ -44,9 +48,11 @@ class BatcherApp:
         self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
         self.port = 0
         self.metrics_port = 0
-        self._backends: list[ModelBackend] = []
+        self.models = ModelControl(self.engine, config.batcher, repository=self._repository)
         # Model name -> why it failed to load; those models answer UNAVAILABLE with the reason.
         self.load_failures: dict[str, str] = {}
+        self._reloads: set[asyncio.Task[None]] = set()
+        self._sighup = False
         self._server: GrpcServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._worker: WorkerClient | None = None
@@ -71,20 +77,20 @@ class BatcherApp:
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
+        await self.models.load_at_start(self.config.models)
         for model in self.config.models:
             if model.steps:
                 continue
-            backend = await self._load(model)
-            if backend is not None:
-                self._backends.append(backend)
-                self.engine.add_model(model, backend)
-                self.metrics.set_model_ready(model.name, True)
+            reasons = [r for (name, _v), r in self.models.failures.items() if name == model.name]
+            if reasons:
+                self.load_failures[model.name] = reasons[0]
+            self.metrics.set_model_ready(model.name, not reasons)
         for model in self.config.models:
             if model.steps:
                 self._add_pipeline(model)
         await self.engine.start()
 
-        servicer = KServeServicer(self.engine, self.load_failures)
+        servicer = KServeServicer(self.engine, self.load_failures, self.models, self._repository)
         self._server = GrpcServer(
             host=batcher.host,
             port=batcher.port,
@@ -116,8 +122,13 @@ class BatcherApp:
                 security=worker_security,
                 progress_interval_s=batcher.progress_interval_ms / 1000,
                 progress_max_bytes=batcher.progress_max_bytes,
+                models=self.models,
             )
             await self._worker.start()
+            self.models.on_change(self._worker.models_changed)
+        if self.config_path is not None and threading.current_thread() is threading.main_thread():
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+            self._sighup = True
         log.info(
             "batcher_started",
             batcher_id=self.batcher_id,
@@ -144,23 +155,42 @@ class BatcherApp:
         log.info("pipeline_added", model=model.name, steps=[step.label for step in model.steps])
         self.metrics.set_model_ready(model.name, True)
 
-    async def _load(self, model: ModelConfig) -> ModelBackend | None:
-        """The model's backend, started; None (and the reason in load_failures) when it cannot
-        serve. Only a configuration error or a failing loader counts as a load failure."""
-        backend: ModelBackend | None = None
+    def _repository(self) -> tuple[ModelConfig, ...]:
+        """The models the configuration file declares now (re-read: the file is the model
+        repository, as Triton's is its folder)."""
+        return (load_config(self.config_path) if self.config_path is not None else self.config).models
+
+    async def reload(self) -> None:
+        """Reads the configuration file again and makes the models served what it declares:
+        new versions loaded (and warmed up) before they take work, changed ones replaced, those
+        no longer declared unloaded once what they hold has finished (model_control.py).
+        Pipelines are fixed at start-up: a reload leaves them (and their step models) as they are."""
+        if self.config_path is None:
+            return
         try:
-            backend = await asyncio.to_thread(load_backend, model, self.config.batcher)
-            await backend.start()
-        except Exception as exc:
-            reason = exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
-            log.error("model_load_failed", model=model.name, loader=model.loader, reason=reason)
-            self.load_failures[model.name] = reason
-            self.metrics.set_model_ready(model.name, False)
-            if backend is not None:
-                await backend.aclose()
-            return None
-        log.info("model_loaded", model=model.name, version=model.version, backend=model.backend, loader=model.loader)
-        return backend
+            config = load_config(self.config_path)
+        except AsyncInferError as exc:
+            log.error("reload_failed", reason=exc.message, path=str(self.config_path))
+            return
+        declared = {model.name: list(model.version_configs()) for model in config.models if not model.steps}
+        fixed = {step.model for model in self.config.models for step in model.steps} | {
+            model.name for model in self.config.models if model.steps
+        }
+        names = [n for n in dict.fromkeys([*declared, *self.engine.model_names]) if n not in fixed]
+        log.info("reload_started", path=str(self.config_path), models=names)
+        for name in names:
+            await self.models.apply(name, declared.get(name, []))
+        self.load_failures.clear()
+        for (name, _version), reason in self.models.failures.items():
+            self.load_failures.setdefault(name, reason)
+        log.info("reload_done", models={n: self.engine.versions(n) for n in self.engine.model_names})
+
+    def _on_sighup(self) -> None:
+        if self._stopped:
+            return
+        task = asyncio.create_task(self.reload(), name="batcher-reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops offering credits, stops the server (running calls get the grace period),
@@ -170,6 +200,11 @@ class BatcherApp:
         if self._stopped:
             return
         self._stopped = True
+        if self._sighup:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        for task in list(self._reloads):
+            task.cancel()
+        await asyncio.gather(*self._reloads, return_exceptions=True)
         self.supervisor.begin_stop()
         deadline = asyncio.get_running_loop().time() + grace_s
         if self._worker is not None:
@@ -187,7 +222,5 @@ class BatcherApp:
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
-        for backend in self._backends:
-            await backend.aclose()
-        self._backends.clear()
+        await self.models.close()
         log.info("batcher_stopped", batcher_id=self.batcher_id)

@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
-from asyncinfer.config import ModelConfig
+from asyncinfer.config import ModelConfig, version_order
 from asyncinfer.errors import DeadlineExceeded, NotFound, Unavailable
 from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
@@ -61,10 +61,13 @@ log = structlog.get_logger("asyncinfer.batcher.engine")
 
 
 class BatchingEngine:
-    """The batching engine of every model the batcher serves.
+    """The batching engine of every model (and every version of it) the batcher serves.
 
-    Usage: `add_model(...)` for each model, `await start()`, then `submit`/`infer` from the event
-    loop, and `await stop(grace_s)` once."""
+    Usage: `add_model(...)` for each model version, `await start()`, then `submit`/`infer` from
+    the event loop, and `await stop(grace_s)` once. Versions may be added (`add_model`, started at
+    once) and retired (`retire`) while it runs: the versions of one model share its slots (the
+    credits the scheduler gets per model), each has its own queue, batches and backend, so a
+    batch never mixes versions and a retired version's batches finish on it."""
 
     def __init__(
         self,
@@ -79,66 +82,134 @@ class BatchingEngine:
         # The batcher app's, which stops the process when a batch former dies; an engine of its own
         # (in tests, benchmarks) still has its formers' deaths logged at once.
         self._supervisor = supervisor or Supervisor("batching-engine")
-        self._queues: dict[str, ModelQueue] = {}
+        # Model name -> version -> its queue; a retiring version leaves `_queues` and waits in
+        # `_retiring` until the items it holds resolve.
+        self._queues: dict[str, dict[str, ModelQueue]] = {}
+        self._retiring: list[ModelQueue] = []
         # Models declared as steps of others (services/batcher/pipeline.py): no queue of their own.
         self._pipelines: dict[str, PipelineRunner] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
+        self._executors: list[ThreadPoolExecutor] = []
         self._accepting = False
         self._stopping = False
 
     def add_model(self, config: ModelConfig, backend: ModelBackend) -> None:
+        """Adds a model version; once the engine runs, it takes items at once (warm it up first)."""
+        versions = self._queues.setdefault(config.name, {})
+        if config.version in versions:
+            raise ValueError(f"model {config.name!r} version {config.version!r} added twice")
+        queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
+        versions[config.version] = queue
         if self._executor is not None:
-            raise RuntimeError("models are added before the engine starts")
-        if config.name in self._queues:
-            raise ValueError(f"model {config.name!r} added twice")
-        self._queues[config.name] = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
+            executor = ThreadPoolExecutor(
+                max_workers=config.max_inflight_batches, thread_name_prefix=f"batcher-{config.name}"
+            )
+            self._executors.append(executor)
+            queue.start(executor, self._supervisor)
+            self._notify_slot_freed(config.name)
 
     def add_pipeline(self, config: ModelConfig) -> None:
         """A model declared as steps of models added here (their queues run its steps)."""
         if self._executor is not None:
-            raise RuntimeError("models are added before the engine starts")
+            raise RuntimeError("pipelines are added before the engine starts")
         if config.name in self._queues or config.name in self._pipelines:
             raise ValueError(f"model {config.name!r} added twice")
         self._pipelines[config.name] = PipelineRunner(config, self, self._notify_slot_freed)
+
+    def withdraw(self, model_name: str, version: str) -> ModelQueue:
+        """Takes a version out of service (and out of `versions`) now; `finish_retiring` ends it."""
+        versions = self._queues.get(model_name, {})
+        queue = versions.pop(version, None)
+        if queue is None:
+            raise NotFound(f"model {model_name!r} has no version {version!r} here", reason="MODEL_VERSION_NOT_FOUND")
+        if not versions:
+            del self._queues[model_name]
+        self._retiring.append(queue)
+        return queue
+
+    async def finish_retiring(self, queue: ModelQueue, *, linger_s: float) -> None:
+        """Lets a withdrawn version finish what it holds (waiting or computing; an order that names
+        it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops."""
+        loop = asyncio.get_running_loop()
+        quiet_since: float | None = None
+        while True:
+            if queue.held:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = loop.time()
+            elif loop.time() - quiet_since >= linger_s:
+                break
+            await asyncio.sleep(0.05)
+        self._retiring.remove(queue)
+        await queue.stop_intake()
 
     @property
     def model_names(self) -> list[str]:
         return [*self._queues, *self._pipelines]
 
+    def pipeline(self, model_name: str) -> PipelineRunner | None:
+        return self._pipelines.get(model_name)
+
+    def versions(self, model_name: str) -> list[str]:
+        """The versions of the model in service here (not those retiring), oldest declared first."""
+        pipeline = self._pipelines.get(model_name)
+        return [pipeline.config.version] if pipeline is not None else list(self._queues.get(model_name, {}))
+
+    def default_version(self, model_name: str) -> str:
+        """The version an item that names none runs on: the model's default_version when served,
+        else the highest version served."""
+        versions = self._queues.get(model_name)
+        if not versions:
+            raise NotFound(f"model {model_name!r} is not served here", reason="MODEL_NOT_FOUND")
+        first = next(iter(versions.values())).config
+        chosen = first.default_among(versions)
+        return chosen if chosen in versions else max(versions, key=version_order)
+
     @property
     def accepting(self) -> bool:
         return self._accepting
 
-    def model_config(self, model_name: str) -> ModelConfig:
+    def model_config(self, model_name: str, version: str = "") -> ModelConfig:
         pipeline = self._pipelines.get(model_name)
-        return pipeline.config if pipeline is not None else self._queue(model_name).config
+        return pipeline.config if pipeline is not None else self._queue(model_name, version).config
 
-    def has_model(self, model_name: str) -> bool:
-        return model_name in self._queues or model_name in self._pipelines
+    def has_model(self, model_name: str, version: str = "") -> bool:
+        pipeline = self._pipelines.get(model_name)
+        if pipeline is not None:
+            return not version or version == pipeline.config.version
+        if not version:
+            return model_name in self._queues
+        return version in self._queues.get(model_name, {}) or self._find_retiring(model_name, version) is not None
 
     def free_slots(self, model_name: str) -> int:
-        """Items this model can take now (its queue limit less the items waiting or computing)."""
-        if not self._accepting:
-            return 0
+        """Items this model can take now: the smallest queue limit of its versions less the items
+        all of them hold (waiting or computing), so that an order for any version fits."""
         pipeline = self._pipelines.get(model_name)
-        return pipeline.free_slots if pipeline is not None else self._queue(model_name).free_slots
+        if pipeline is not None:
+            return pipeline.free_slots if self._accepting else 0
+        versions = self._queues.get(model_name)
+        if not self._accepting or not versions:
+            return 0
+        held = sum(q.held for q in versions.values())
+        held += sum(q.held for q in self._retiring if q.name == model_name)
+        return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
 
-    def reports_progress(self, model_name: str) -> bool:
+    def reports_progress(self, model_name: str, version: str = "") -> bool:
         """Whether the model reports progress (worth a channel per item: see progress.py); a
         pipeline reports its steps."""
-        return model_name in self._pipelines or self._queue(model_name).backend.reports_progress
+        return model_name in self._pipelines or self._queue(model_name, version).backend.reports_progress
 
     def queue_depth(self, model_name: str) -> int:
         pipeline = self._pipelines.get(model_name)
-        return pipeline.held if pipeline is not None else self._queue(model_name).depth
-
-    def pipeline(self, model_name: str) -> PipelineRunner | None:
-        return self._pipelines.get(model_name)
+        if pipeline is not None:
+            return pipeline.held
+        return sum(q.depth for q in self._queues.get(model_name, {}).values())
 
     def add_slot_listener(self, listener: SlotListener) -> Callable[[], None]:
         """Calls `listener(model_name)` on the event loop each time an item leaves a model (its
-        slot is free again). Returns a function that removes the listener."""
+        slot is free again), and when a model gains a version. Returns a function that removes the
+        listener."""
         self._listeners.append(listener)
 
         def remove() -> None:
@@ -147,12 +218,19 @@ class BatchingEngine:
 
         return remove
 
+    def _all_queues(self) -> list[ModelQueue]:
+        return [q for versions in self._queues.values() for q in versions.values()] + list(self._retiring)
+
+    def _find_retiring(self, model_name: str, version: str) -> ModelQueue | None:
+        return next((q for q in self._retiring if q.name == model_name and q.config.version == version), None)
+
     async def start(self) -> None:
         if self._executor is not None:
             return
-        workers = max(sum(q.config.max_inflight_batches for q in self._queues.values()), 1)
+        queues = self._all_queues()
+        workers = max(sum(q.config.max_inflight_batches for q in queues), 1)
         self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="batcher-compute")
-        for queue in self._queues.values():
+        for queue in queues:
             queue.start(self._executor, self._supervisor)
         self._accepting = True
 
@@ -164,13 +242,15 @@ class BatchingEngine:
         timeout_s: float | None = None,
         priority: Priority = Priority.NORMAL,
         progress: ItemProgress | None = None,
+        version: str = "",
     ) -> PendingItem:
-        """Validates and queues one item; its future resolves with an InferOutcome or an
-        AsyncInferError. Raises at once (nothing queued) for an unknown model, invalid inputs, a
-        full queue, a deadline already passed, or a stopping engine. The model's progress reports
-        for it go to `progress` (the caller closes it when the item ends)."""
+        """Validates and queues one item on the version named (empty: the model's default); its
+        future resolves with an InferOutcome or an AsyncInferError. Raises at once (nothing
+        queued) for an unknown model or version, invalid inputs, a full queue, a deadline already
+        passed, or a stopping engine. The model's progress reports for it go to `progress` (the
+        caller closes it when the item ends)."""
         pipeline = self._pipelines.get(model_name)
-        queue = self._queue(model_name) if pipeline is None else None
+        queue = self._queue(model_name, version) if pipeline is None else None
         if not self._accepting:
             if self._stopping:
                 raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
@@ -194,10 +274,12 @@ class BatchingEngine:
         *,
         timeout_s: float | None = None,
         priority: Priority = Priority.LOW,
+        version: str = "",
     ) -> ChunkItem:
         """A batch's chunk (more rows than max_batch_size) as parts of at most max_batch_size
-        rows, queued like items (services.batcher.chunk_items); raises as `submit` does."""
-        queue = self._queue(model_name)
+        rows, queued like items (services.batcher.chunk_items) on the version named (empty: the
+        default); raises as `submit` does."""
+        queue = self._queue(model_name, version)
         if not self._accepting:
             raise Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON)
         queue.check(inputs, any_rows=True)
@@ -226,10 +308,11 @@ class BatchingEngine:
         *,
         timeout_s: float | None = None,
         priority: Priority = Priority.NORMAL,
+        version: str = "",
     ) -> InferOutcome:
         """Runs one item through its model's batches. Cancelling the caller drops the item if its
         batch has not started."""
-        item = self.submit(model_name, inputs, timeout_s=timeout_s, priority=priority)
+        item = self.submit(model_name, inputs, timeout_s=timeout_s, priority=priority, version=version)
         try:
             return await item.future
         finally:
@@ -242,9 +325,10 @@ class BatchingEngine:
             return
         self._stopping = True
         self._accepting = False
-        for queue in self._queues.values():
+        queues = self._all_queues()
+        for queue in queues:
             await queue.stop_intake()
-        running = [task for queue in self._queues.values() for task in queue.running_batches()]
+        running = [task for queue in queues for task in queue.running_batches()]
         if running:
             _done, late = await asyncio.wait(running, timeout=grace_s)
             for task in late:
@@ -256,12 +340,24 @@ class BatchingEngine:
         if self._executor is not None:
             # A computing thread cannot be interrupted; do not wait for abandoned ones.
             self._executor.shutdown(wait=False, cancel_futures=True)
+        for executor in self._executors:
+            executor.shutdown(wait=False, cancel_futures=True)
 
-    def _queue(self, model_name: str) -> ModelQueue:
-        try:
-            return self._queues[model_name]
-        except KeyError:
-            raise NotFound(f"model {model_name!r} is not served here", reason="MODEL_NOT_FOUND") from None
+    def _queue(self, model_name: str, version: str = "") -> ModelQueue:
+        versions = self._queues.get(model_name)
+        if not version:
+            if not versions:
+                raise NotFound(f"model {model_name!r} is not served here", reason="MODEL_NOT_FOUND")
+            return versions[self.default_version(model_name)]
+        queue = (versions or {}).get(version) or self._find_retiring(model_name, version)
+        if queue is None:
+            served = ", ".join(self.versions(model_name)) or "none"
+            # Retriable: an order may name a version that this batcher has just unloaded (or not yet loaded).
+            raise Unavailable(
+                f"model {model_name!r} version {version!r} is not served here (served: {served})",
+                reason="MODEL_VERSION_NOT_SERVED",
+            )
+        return queue
 
     def _notify_slot_freed(self, model_name: str) -> None:
         for listener in list(self._listeners):

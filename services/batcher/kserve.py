@@ -2,8 +2,10 @@
 any v2 client work against it unchanged. Requests go through the same engine as scheduled work.
 
 Like Triton, answers carry outputs in `raw_output_contents` (what tritonclient's `as_numpy`
-reads). RPCs not implemented here (shared memory, repository, statistics, streaming) answer
-UNIMPLEMENTED from the generated base class.
+reads). A model's versions are served side by side: a request that names no version runs on the
+model's default (its default_version, else the highest served). The repository RPCs (load, unload,
+index) are kserve_repository.py's. RPCs not implemented here (shared memory, statistics,
+streaming) answer UNIMPLEMENTED from the generated base class.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensor
 from asyncinfer.tensors import Tensor
 from services.batcher.engine import BatchingEngine
+from services.batcher.kserve_repository import RepositoryServicer
+from services.batcher.model_control import ModelControl, Repository
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 SERVER_NAME = "asyncinfer-batcher"
@@ -93,31 +97,33 @@ def request_timeout_s(request: service_pb2.ModelInferRequest, context: Context) 
     return remaining
 
 
-class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
-    def __init__(self, engine: BatchingEngine, load_failures: Mapping[str, str] | None = None) -> None:
+class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        engine: BatchingEngine,
+        load_failures: Mapping[str, str] | None = None,
+        models: ModelControl | None = None,
+        repository: Repository | None = None,
+    ) -> None:
         self._engine = engine
-        self._load_failures = dict(load_failures or {})
-        # Looked up per request: the served models' configs and declared output names.
-        self._served = {name: engine.model_config(name) for name in engine.model_names}
-        self._outputs = {
-            name: tuple(spec.name for spec in config.signature.outputs) for name, config in self._served.items()
-        }
+        # The app's own mapping (not a copy): a reload updates it.
+        self._load_failures = load_failures if load_failures is not None else {}
+        self._models = models
+        self._repository = repository
 
     def _model(self, name: str, version: str) -> ModelConfig:
-        config = self._served.get(name)
-        if config is not None and (not version or version == config.version):
-            return config
+        """The version asked for (empty: the model's default), looked up per request: versions
+        come and go while the batcher serves."""
+        if self._engine.has_model(name, version) if version else self._engine.has_model(name):
+            return self._engine.model_config(name, version)
         if name in self._load_failures:
             raise Unavailable(f"model {name!r} failed to load: {self._load_failures[name]}", reason="MODEL_LOAD_FAILED")
         if not self._engine.has_model(name):
             raise NotFound(f"model {name!r} is not served here", reason="MODEL_NOT_FOUND")
-        config = self._engine.model_config(name)
-        if version and version != config.version:
-            raise NotFound(
-                f"model {name!r} has no version {version!r} (served: {config.version!r})",
-                reason="MODEL_VERSION_NOT_FOUND",
-            )
-        return config
+        served = ", ".join(self._engine.versions(name))
+        raise NotFound(
+            f"model {name!r} has no version {version!r} (served: {served})", reason="MODEL_VERSION_NOT_FOUND"
+        )
 
     async def ServerLive(
         self, request: service_pb2.ServerLiveRequest, context: Context
@@ -137,12 +143,11 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
     async def ModelReady(
         self, request: service_pb2.ModelReadyRequest, context: Context
     ) -> service_pb2.ModelReadyResponse:
-        # Like Triton: an unknown model is simply not ready.
-        config = self._engine.model_config(request.name) if self._engine.has_model(request.name) else None
-        ready = (
-            config is not None and (not request.version or request.version == config.version) and self._engine.accepting
+        # Like Triton: an unknown model (or version) is simply not ready.
+        served = self._engine.has_model(request.name) and (
+            not request.version or request.version in self._engine.versions(request.name)
         )
-        return service_pb2.ModelReadyResponse(ready=ready)
+        return service_pb2.ModelReadyResponse(ready=served and self._engine.accepting)
 
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: Context
@@ -152,7 +157,8 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
         Meta = service_pb2.ModelMetadataResponse.TensorMetadata
         return service_pb2.ModelMetadataResponse(
             name=config.name,
-            versions=[config.version],
+            # Every version served, when no version is asked for (Triton lists the available ones).
+            versions=[config.version] if request.version else self._engine.versions(config.name),
             platform=PLATFORMS.get(config.backend, config.backend),
             inputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.inputs],
             outputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.outputs],
@@ -162,7 +168,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
         self, request: service_pb2.ModelInferRequest, context: Context
     ) -> service_pb2.ModelInferResponse:
         config = self._model(request.model_name, request.model_version)
-        declared = self._outputs[config.name]
+        declared = tuple(spec.name for spec in config.signature.outputs)
         requested = [output.name for output in request.outputs]
         unknown = [
             FieldViolation(f"outputs[{i}].name", f"unknown output {name!r}; the model has: {', '.join(declared)}")
@@ -177,6 +183,7 @@ class KServeServicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ig
             inputs,
             timeout_s=request_timeout_s(request, context),
             priority=request_priority(request),
+            version=config.version,
         )
         response = service_pb2.ModelInferResponse(model_name=config.name, model_version=config.version, id=request.id)
         for tensor in outcome.outputs:

@@ -5,21 +5,25 @@ carries. Plain functions, so a session calls them once per order with no extra l
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
+from asyncinfer.config import ModelConfig
 from asyncinfer.errors import (
     AsyncInferError,
     Cancelled,
     DeadlineExceeded,
     FailedPrecondition,
+    FieldViolation,
     InvalidArgument,
     NotFound,
     Unavailable,
 )
 from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2
+from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
+from services.batcher.model_control import ModelControl, parse_model_json
 from services.batcher.progress import ItemProgress
 
 # Failures that the same order would meet again on any attempt.
@@ -48,16 +52,41 @@ def is_shutdown(error: AsyncInferError) -> bool:
     return isinstance(error, Unavailable) and error.reason == SHUTDOWN_REASON
 
 
-def worker_hello(engine: BatchingEngine, batcher_id: str, *, takes_batches: bool) -> worker_service_pb2.WorkerHello:
-    models = []
-    for name in engine.model_names:
-        config = engine.model_config(name)
-        models.append(
-            worker_service_pb2.ServedModel(
-                model_name=name, model_version=config.version, max_batch_size=config.max_batch_size
-            )
+def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -> list[worker_service_pb2.ServedModel]:
+    """Every version the engine serves (READY), then those `loading` (LOADING: no work yet)."""
+
+    def served(
+        config: ModelConfig, state: job_service_pb2.ModelVersionState.ValueType
+    ) -> worker_service_pb2.ServedModel:
+        signature = config.signature
+        return worker_service_pb2.ServedModel(
+            model_name=config.name,
+            model_version=config.version,
+            max_batch_size=config.max_batch_size,
+            inputs=[
+                job_service_pb2.TensorSpec(name=t.name, datatype=t.datatype, shape=t.shape) for t in signature.inputs
+            ],
+            outputs=[
+                job_service_pb2.TensorSpec(name=t.name, datatype=t.datatype, shape=t.shape) for t in signature.outputs
+            ],
+            state=state,
         )
-    return worker_service_pb2.WorkerHello(batcher_id=batcher_id, models=models, takes_batches=takes_batches)
+
+    models = [
+        served(engine.model_config(name, version), job_service_pb2.MODEL_VERSION_STATE_READY)
+        for name in engine.model_names
+        for version in engine.versions(name)
+    ]
+    models += [served(config, job_service_pb2.MODEL_VERSION_STATE_LOADING) for config in loading]
+    return models
+
+
+def worker_hello(
+    engine: BatchingEngine, batcher_id: str, *, takes_batches: bool, loading: Iterable[ModelConfig] = ()
+) -> worker_service_pb2.WorkerHello:
+    return worker_service_pb2.WorkerHello(
+        batcher_id=batcher_id, models=served_models(engine, loading), takes_batches=takes_batches
+    )
 
 
 def submit_order(
@@ -65,21 +94,15 @@ def submit_order(
 ) -> PendingItem | ChunkItem:
     """The order's item in the engine (its progress reported to `progress`); raises (NotFound, FailedPrecondition, the engine's own
     refusals) when it cannot run here."""
-    if not engine.has_model(order.model_name):
+    if not engine.has_model(order.model_name) and not engine.has_model(order.model_name, order.model_version):
         raise NotFound(f"model {order.model_name!r} is not served here", reason="MODEL_NOT_FOUND")
-    version = engine.model_config(order.model_name).version
-    if order.model_version and order.model_version != version:
-        raise NotFound(
-            f"model {order.model_name!r} has no version {order.model_version!r} (served: {version!r})",
-            reason="MODEL_VERSION_NOT_FOUND",
-        )
     if order.input_ref:
         raise FailedPrecondition(
             "claim-check inputs (input_ref) are not supported by this batcher yet", reason="INPUT_REF_UNSUPPORTED"
         )
     inputs = decode_tensors(order.inputs)
     timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
-    max_rows = engine.model_config(order.model_name).max_batch_size
+    max_rows = engine.model_config(order.model_name, order.model_version).max_batch_size
     if inputs and max_rows > 0 and inputs[0].batch_size > max_rows:
         # A batch's chunk (docs/BATCHES.md): the gateway checked each of its records.
         return engine.submit_chunk(
@@ -87,6 +110,7 @@ def submit_order(
             inputs,
             timeout_s=timeout_s,
             priority=ORDER_PRIORITIES.get(order.priority, Priority.LOW),
+            version=order.model_version,
         )
     return engine.submit(
         order.model_name,
@@ -94,4 +118,25 @@ def submit_order(
         timeout_s=timeout_s,
         priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
         progress=progress,
+        version=order.model_version,
     )
+
+
+async def run_control(
+    models: ModelControl | None, control: worker_service_pb2.ModelControl
+) -> worker_service_pb2.ConnectRequest:
+    """Carries out a scheduler's model control (OpsService.LoadModel / UnloadModel) and answers it."""
+    result = worker_service_pb2.ModelControlResult(request_id=control.request_id)
+    try:
+        if models is None:
+            raise FailedPrecondition("this batcher has no model control", reason="MODEL_CONTROL_UNAVAILABLE")
+        if control.action == worker_service_pb2.MODEL_CONTROL_ACTION_LOAD:
+            override = parse_model_json(control.config_json, "config_json") if control.config_json else None
+            await models.load_model(control.model_name, override)
+        elif control.action == worker_service_pb2.MODEL_CONTROL_ACTION_UNLOAD:
+            await models.unload_model(control.model_name, control.model_version)
+        else:
+            raise InvalidArgument("unknown model control action", [FieldViolation("action", "LOAD or UNLOAD")])
+    except AsyncInferError as error:
+        result.error.CopyFrom(error_status(error))
+    return worker_service_pb2.ConnectRequest(control_result=result)

@@ -15,18 +15,28 @@ goes only to a scheduler whose welcome takes batches.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import structlog
 
+from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.tracing import trace_fields
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
+from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress, ProgressUpdate
-from services.batcher.work_messages import error_status, is_shutdown, submit_order, worker_hello
+from services.batcher.work_messages import (
+    error_status,
+    is_shutdown,
+    run_control,
+    served_models,
+    submit_order,
+    worker_hello,
+)
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
 
@@ -49,7 +59,11 @@ class WorkSession:
         metadata: tuple[tuple[str, str], ...] = (),
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
+        loading: Iterable[ModelConfig] = (),
+        models: ModelControl | None = None,
     ) -> None:
+        self._loading = tuple(loading)
+        self._models = models
         self._stub = stub
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
@@ -75,6 +89,23 @@ class WorkSession:
     def stop_granting(self) -> None:
         self._granting = False
 
+    def models_changed(self, loading: Iterable[ModelConfig] = ()) -> None:
+        """Tells the scheduler the versions served now (and those loading), then offers credits for
+        any model that is new here. Sent before the engine retires a version, so that the
+        scheduler stops sending it orders while its last ones still run."""
+        self._send(
+            worker_service_pb2.ConnectRequest(
+                models=worker_service_pb2.ServedModels(models=served_models(self._engine, loading))
+            )
+        )
+        served = self._engine.model_names
+        for model_name in [name for name in self._unused_credits if name not in served]:
+            # The scheduler drops a model's credits when no version of it is served any more.
+            del self._unused_credits[model_name]
+        for model_name in served:
+            self._unused_credits.setdefault(model_name, 0)
+            self._top_up(model_name)
+
     async def drain(self) -> None:
         """Waits for every order to be answered, half-closes, and waits for the scheduler to end
         the stream."""
@@ -94,7 +125,9 @@ class WorkSession:
         call = self._stub.Connect(metadata=self._metadata or None)  # type: ignore[call-arg]  # the stubs miss the write() style
         writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
-            hello = worker_hello(self._engine, self._batcher_id, takes_batches=self._work_batches)
+            hello = worker_hello(
+                self._engine, self._batcher_id, takes_batches=self._work_batches, loading=self._loading
+            )
             self._send(worker_service_pb2.ConnectRequest(hello=hello))
             for model_name in self._unused_credits:
                 self._top_up(model_name)
@@ -143,6 +176,8 @@ class WorkSession:
             self._accept(response.order)
         elif kind == "cancel":
             self._cancel(response.cancel)
+        elif kind == "control":
+            self._spawn(self._control(response.control), f"control-{response.control.model_name}")
         elif kind == "welcome":
             self._batches = self._work_batches and response.welcome.takes_batches
             log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
@@ -165,7 +200,12 @@ class WorkSession:
         if model_name in self._unused_credits:
             self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
         progress = None
-        if self._batches and self._engine.has_model(model_name) and self._engine.reports_progress(model_name):
+        version = order.model_version
+        if (
+            self._batches
+            and self._engine.has_model(model_name, version)
+            and self._engine.reports_progress(model_name, version)
+        ):
             progress = ItemProgress(
                 lambda update: self._send_progress(order, update),
                 interval_s=self._progress_interval_s,
@@ -181,11 +221,17 @@ class WorkSession:
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return
-        key = (order.job_id, order.attempt)
-        self._orders[key] = item
-        task = asyncio.create_task(self._finish(order, item), name=f"order-{order.job_id}")
+        self._orders[(order.job_id, order.attempt)] = item
+        self._spawn(self._finish(order, item), f"order-{order.job_id}")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """A task of this session (cancelled when the stream breaks, awaited by drain)."""
+        task = asyncio.create_task(work, name=name)
         self._order_tasks.add(task)
         task.add_done_callback(self._order_tasks.discard)
+
+    async def _control(self, control: worker_service_pb2.ModelControl) -> None:
+        self._send(await run_control(self._models, control))
 
     async def _finish(self, order: worker_service_pb2.WorkOrder, item: PendingItem | ChunkItem) -> None:
         key = (order.job_id, order.attempt)

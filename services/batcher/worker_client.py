@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -20,11 +21,12 @@ import structlog
 
 from asyncinfer.access import bearer_metadata
 from asyncinfer.backoff import retrying
-from asyncinfer.config import BatcherConfig
+from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import channel_credentials, read_secret
 from asyncinfer.v1 import worker_service_pb2_grpc
 from services.batcher.engine import BatchingEngine
+from services.batcher.model_control import ModelControl
 from services.batcher.work_session import WorkSession
 
 log = structlog.get_logger("asyncinfer.batcher.worker")
@@ -70,7 +72,9 @@ class WorkerClient:
         security: WorkerSecurity | None = None,
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
+        models: ModelControl | None = None,
     ) -> None:
+        self._models = models
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
         self._address = address
@@ -82,11 +86,19 @@ class WorkerClient:
         self._reconnect_delay_s = reconnect_delay_s
         self._task: asyncio.Task[None] | None = None
         self._session: WorkSession | None = None
+        self._loading: tuple[ModelConfig, ...] = ()
         self._stopping = False
 
     async def start(self) -> None:
         if self._task is None:
             self._task = self._supervisor.start("batcher-worker-client", self._run())
+
+    def models_changed(self, loading: Iterable[ModelConfig] = ()) -> None:
+        """Announces the versions served now (and those loading) on the open stream; a new stream
+        says hello with them anyway."""
+        self._loading = tuple(loading)
+        if self._session is not None:
+            self._session.models_changed(self._loading)
 
     def stop_granting(self) -> None:
         """Offers no more credits (the first step of shutdown) and does not reconnect."""
@@ -152,6 +164,8 @@ class WorkerClient:
                     metadata=self._security.metadata,
                     progress_interval_s=self._progress_interval_s,
                     progress_max_bytes=self._progress_max_bytes,
+                    loading=self._loading,
+                    models=self._models,
                 )
                 await self._session.run()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)

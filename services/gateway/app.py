@@ -16,6 +16,7 @@ from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from asyncinfer.queues import ensure_queues_bucket
@@ -37,6 +38,7 @@ from services.gateway.claims import ensure_idempotency_bucket
 from services.gateway.idempotency import IdempotentSubmitter
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_catalog import ModelCatalog
 from services.gateway.queue_view import QueueView
 from services.gateway.store_health import StoreHealth
 from services.gateway.submit import JobSubmitter
@@ -69,6 +71,7 @@ class GatewayApp:
         self._nc: NatsClient | None = None
         self._hub: WatchHub | None = None
         self._queues: QueueView | None = None
+        self._catalog: ModelCatalog | None = None
         self._submitter: JobSubmitter | None = None
         self._idempotent: IdempotentSubmitter | None = None
         self._server: GrpcServer | None = None
@@ -130,8 +133,17 @@ class GatewayApp:
             self._nc, work_stream=cfg.nats.work_stream, limit=limit, read_retry_s=cfg.gateway.enqueue_retry_s
         )
         admission = Admission(self._queues, tenants, max_queued_per_tenant=limit)
+        await ensure_models_bucket(js, cfg.nats)
+        self._catalog = ModelCatalog(cfg, js)
+        await self._catalog.start()
         self._submitter = JobSubmitter(
-            cfg, self._nc, admission, claim_check=claim_check, recent=self._hub.recent, store_health=store_health
+            cfg,
+            self._nc,
+            admission,
+            claim_check=claim_check,
+            recent=self._hub.recent,
+            store_health=store_health,
+            catalog=self._catalog,
         )
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
@@ -202,6 +214,8 @@ class GatewayApp:
             await self._submitter.drain()  # submits whose callers left, each bounded
         if self._queues is not None:
             await self._queues.stop()
+        if self._catalog is not None:
+            await self._catalog.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         self._metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported

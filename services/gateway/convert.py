@@ -6,13 +6,13 @@ from collections.abc import Iterable
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from asyncinfer.config import ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
 from asyncinfer.tracing import trace_id_of
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
+from services.gateway.model_catalog import ModelListing
 from services.gateway.queue_view import QueueStanding
 from services.gateway.submit_request import SubmitRequest
 
@@ -228,25 +228,45 @@ def _blob_to_proto(blob: BlobRef) -> job_pb2.BlobRef:
     return job_pb2.BlobRef(ref=blob.ref, size_bytes=blob.size_bytes, sha256=blob.sha256)
 
 
-def models_to_proto(models: Iterable[ModelConfig]) -> job_service_pb2.ListModelsResponse:
-    """What ListModels answers: each model's signature and job defaults, from the configuration."""
+_VERSION_STATES = {
+    "READY": job_service_pb2.MODEL_VERSION_STATE_READY,
+    "LOADING": job_service_pb2.MODEL_VERSION_STATE_LOADING,
+    "UNAVAILABLE": job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE,
+}
+
+
+def models_to_proto(listings: Iterable[ModelListing]) -> job_service_pb2.ListModelsResponse:
+    """What ListModels answers: each model's default version's signature and job defaults, then
+    every version with its state and the batchers serving it."""
 
     def specs(tensors: Iterable[TensorSpec]) -> list[job_service_pb2.TensorSpec]:
         return [job_service_pb2.TensorSpec(name=t.name, datatype=t.datatype, shape=t.shape) for t in tensors]
 
     response = job_service_pb2.ListModelsResponse()
-    for model in models:
+    for listing in listings:
+        model = listing.default
         signature = model.signature
-        response.models.append(
-            job_service_pb2.ModelInfo(
-                name=model.name,
-                version=model.version,
-                inputs=specs(signature.inputs),
-                outputs=specs(signature.outputs),
-                max_batch_size=model.max_batch_size,
-                default_max_attempts=model.max_attempts,
-                max_attempts_limit=model.max_attempts_limit,
-                default_execution_timeout=_duration(model.default_execution_timeout_s),
-            )
+        info = job_service_pb2.ModelInfo(
+            name=model.name,
+            version=model.version,
+            inputs=specs(signature.inputs),
+            outputs=specs(signature.outputs),
+            max_batch_size=model.max_batch_size,
+            default_max_attempts=model.max_attempts,
+            max_attempts_limit=model.max_attempts_limit,
+            default_execution_timeout=_duration(model.default_execution_timeout_s),
+            default_version=model.version,
         )
+        for version in listing.versions:
+            config = version.config
+            info.versions.add(
+                version=config.version,
+                state=_VERSION_STATES[version.state],
+                reason=version.reason,
+                batchers=version.batchers,
+                inputs=specs(config.signature.inputs),
+                outputs=specs(config.signature.outputs),
+                max_batch_size=config.max_batch_size,
+            )
+        response.models.append(info)
     return response

@@ -132,12 +132,12 @@ class IdempotentSubmitter:
         fingerprint = request_fingerprint(request)
         now = self._clock()
         try:
-            model = resolve_model(self._config, request.model_name, request.model_version)
+            model = resolve_model(self._config, request.model_name, request.model_version, self._submitter.catalog)
             if not request.input_ref:
                 # Inline requests are checked before claiming, so invalid ones write nothing; one
                 # with an input_ref is checked by the submitter once it has read the upload (an
                 # invalid one then releases its claim).
-                validate_submit(request, self._config, now=now)
+                validate_submit(request, self._config, now=now, catalog=self._submitter.catalog)
         except AsyncInferError:
             # A retry of an accepted request may have become invalid since (its deadline passed):
             # it still names the first job.

@@ -4,6 +4,7 @@ Errors are raised as asyncinfer errors; the server's interceptor turns them into
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,7 +34,7 @@ from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
-from services.gateway.queue_view import QueueView
+from services.gateway.queue_view import QueueView, WaitingReason
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
@@ -108,14 +109,22 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
         )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
-        self._models = models_to_proto(config.models)  # the configuration does not change while serving
+        self._catalog = submitter.catalog
 
     def _model_label(self, model_name: str) -> str:
         # Unknown names would otherwise let callers mint label values without bound.
         return model_name if self._config.model(model_name) else "unknown"
 
     def _job(self, record: JobRecord) -> job_pb2.Job:
-        return job_to_proto(record, self._queues.standing(record))
+        standing = self._queues.standing(record)
+        if (
+            standing is not None
+            and record.model_version
+            and standing.waiting_reason not in (WaitingReason.PAUSED, WaitingReason.DRAINING)
+            and not self._catalog.serves(record.model_name, record.model_version)
+        ):
+            standing = dataclasses.replace(standing, waiting_reason=WaitingReason.NO_VERSION, estimated_start_time=None)
+        return job_to_proto(record, standing)
 
     async def _read(self, context: Context, job_id: str) -> JobRecord:
         """The caller's job as it stands now (EXPIRED if its queue deadline passed)."""
@@ -297,7 +306,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.ListModelsRequest, context: Context
     ) -> job_service_pb2.ListModelsResponse:
         resolve_tenant(context, self._authenticator)  # a caller without a key learns nothing
-        return self._models
+        return models_to_proto(self._catalog.listings())
 
     async def ReadResult(
         self, request: job_service_pb2.ReadResultRequest, context: Context

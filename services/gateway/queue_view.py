@@ -33,6 +33,7 @@ class WaitingReason:
     PAUSED = "PAUSED"
     RETRY_BACKOFF = "RETRY_BACKOFF"
     DRAINING = "DRAINING"
+    NO_VERSION = "NO_VERSION"
     # No reason to wait: a batcher has a free slot for it, so it is about to be dispatched (the
     # proto's WAITING_REASON_UNSPECIFIED, which grpcurl omits and the SDK reads as None).
     DISPATCHING = "UNSPECIFIED"

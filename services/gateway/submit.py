@@ -33,6 +33,7 @@ from asyncinfer.tracing import trace_fields
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
+from services.gateway.model_catalog import ModelCatalog
 from services.gateway.recent_records import RecentRecords
 from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.submit_request import SubmitRequest, validate_submit
@@ -53,7 +54,10 @@ class JobSubmitter:
         claim_check: ClaimCheck | None = None,
         recent: RecentRecords | None = None,
         store_health: StoreHealth | None = None,
+        catalog: ModelCatalog | None = None,
     ) -> None:
+        # The models and versions accepted: the configuration's, and those registered.
+        self.catalog = catalog or ModelCatalog(config)
         self._recent = recent
         self._store_health = store_health
         self._config = config
@@ -80,7 +84,7 @@ class JobSubmitter:
         now = self._clock()
         if request.input_ref:
             request = await self._read_input_ref(request, tenant=tenant)
-        model = validate_submit(request, self._config, now=now)
+        model = validate_submit(request, self._config, now=now, catalog=self.catalog)
         if request.callback is not None:  # resolves the URL's host: after the cheap checks
             await check_callback(request.callback, self._config.webhooks, tenant=tenant)
         if request.input_blob is not None:
@@ -161,7 +165,8 @@ class JobSubmitter:
             job_id=job_id,
             tenant=tenant,
             model_name=model.name,
-            model_version=model.version,
+            # Only what was asked: a job that names no version gets the default at its dispatch.
+            model_version=request.model_version,
             state=JobState.QUEUED,
             priority=request.priority,
             create_time=now,

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unimplemented
+from asyncinfer.errors import FieldViolation, InvalidArgument, Unimplemented
 from asyncinfer.jobs import BlobRef, CallbackSpec, Priority
 from asyncinfer.tensors import Tensor, validate_inputs
+from services.gateway.model_catalog import ModelCatalog
 
 MAX_LABELS = 16
 MAX_LABEL_KEY_BYTES = 63
@@ -57,24 +58,10 @@ def check_request_size(size_bytes: int, limit_bytes: int) -> None:
         raise InvalidArgument(message, [FieldViolation("inputs", message)], reason="REQUEST_TOO_LARGE")
 
 
-def resolve_model(config: Config, name: str, version: str) -> ModelConfig:
-    if not name:
-        raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
-    model = config.model(name)
-    known = ", ".join(sorted(m.name for m in config.models)) or "none"
-    if model is None:
-        raise NotFound(
-            f"unknown model {name[:64]!r}; the models served are: {known}",
-            reason="MODEL_NOT_FOUND",
-            metadata={"model": name[:64], "known_models": known},
-        )
-    if version and version != model.version:
-        raise NotFound(
-            f"model {name!r} has no version {version[:64]!r}; it serves version {model.version!r}",
-            reason="MODEL_VERSION_NOT_FOUND",
-            metadata={"model": name, "version": version[:64]},
-        )
-    return model
+def resolve_model(config: Config, name: str, version: str, catalog: ModelCatalog | None = None) -> ModelConfig:
+    """The version a submit runs on (empty: the model's default now), from the catalog (the
+    configuration and the registered versions), or from the configuration alone."""
+    return (catalog or ModelCatalog(config)).resolve(name, version)
 
 
 def _label_violations(labels: Mapping[str, str]) -> list[FieldViolation]:
@@ -116,10 +103,12 @@ def _option_violations(request: SubmitRequest, config: Config, now: float) -> li
     return violations
 
 
-def validate_submit(request: SubmitRequest, config: Config, *, now: float) -> ModelConfig:
-    """The model the request runs on; raises NotFound, Unimplemented or InvalidArgument (with every
-    violation found)."""
-    model = resolve_model(config, request.model_name, request.model_version)
+def validate_submit(
+    request: SubmitRequest, config: Config, *, now: float, catalog: ModelCatalog | None = None
+) -> ModelConfig:
+    """The model version the request is validated against (the one it names, or the default
+    now); raises NotFound, Unimplemented or InvalidArgument (with every violation found)."""
+    model = resolve_model(config, request.model_name, request.model_version, catalog)
     if request.input_ref and request.input_blob is None:
         raise Unimplemented("input_ref needs the claim-check store, which this gateway has not set up")
     violations = _option_violations(request, config, now) + _label_violations(request.labels)

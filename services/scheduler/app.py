@@ -23,6 +23,7 @@ from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg, Subscription
 from asyncinfer.nats.connection import connect
@@ -47,6 +48,8 @@ from services.scheduler.instances import SchedulerInstance, stable_name
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.lease_reclaim import LeaseReclaimer
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.model_controls import ModelControls
+from services.scheduler.model_registry_writer import ModelRegistryWriter
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
 from services.scheduler.priority import PrioritySelector
@@ -80,6 +83,7 @@ class SchedulerApp:
         self._stats: QueueStatsReader | None = None
         self._queues_kv: KeyValue | None = None
         self._instance: SchedulerInstance | None = None
+        self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
         # Set while dispatching, cleared by a drain (until undrain).
@@ -148,6 +152,7 @@ class SchedulerApp:
             queued_records=queued_records,
             nc=nc,
             instance_id=instance.id,
+            batchers=self.batchers,
             tracing=self.tracing,
         )
         self._stats = stats = QueueStatsReader(
@@ -162,7 +167,19 @@ class SchedulerApp:
             put_back_count=self._put_back_count,
             batch_sizes=flow.batch_sizes,
         )
-        workers = WorkerService(scheduler_id=self.scheduler_id, batchers=self.batchers, flow=flow)
+        models_kv = await ensure_models_bucket(js, config.nats)
+        self._models_registry = registry = ModelRegistryWriter(
+            KvBucket(name=config.nats.models_bucket, kv=models_kv, js=js), self.batchers
+        )
+        self.supervisor.start("scheduler-model-registry", registry.run())
+        controls = ModelControls(self.batchers)
+        workers = WorkerService(
+            scheduler_id=self.scheduler_id,
+            batchers=self.batchers,
+            flow=flow,
+            on_models=registry.changed,
+            controls=controls,
+        )
         ops = OpsService(
             config=config,
             stats=stats,
@@ -174,6 +191,7 @@ class SchedulerApp:
             drain=self.drain,
             undrain=self.undrain,
             scheduler_id=self.scheduler_id,
+            controls=controls,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)
@@ -330,6 +348,8 @@ class SchedulerApp:
         if self._pauses is not None:
             await self._pauses.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
+        if self._models_registry is not None:
+            await self._models_registry.clear()
         if self._instance is not None:
             await self._instance.end()
         self._metrics_server.stop()

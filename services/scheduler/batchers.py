@@ -11,7 +11,7 @@ import asyncio
 import itertools
 
 from asyncinfer.errors import InvalidArgument
-from services.scheduler.messages import CancelOrder, ServedModel, WorkerHello, WorkOrder
+from services.scheduler.messages import CancelOrder, ModelControlOrder, ServedModel, WorkerHello, WorkOrder
 
 _session_numbers = itertools.count(1)
 
@@ -25,16 +25,40 @@ class BatcherSession:
         self.takes_batches = hello.takes_batches
         # A batcher that reconnects keeps its ID but gets a new session.
         self.session_number = next(_session_numbers)
-        self.models: dict[str, ServedModel] = {m.model_name: m for m in hello.models}
-        self.credits: dict[str, int] = dict.fromkeys(self.models, 0)
+        self.models: dict[str, ServedModel] = {}
+        # Model name -> the versions it serves (ready); `announced` also holds those loading.
+        self.versions: dict[str, frozenset[str]] = {}
+        self.announced: tuple[ServedModel, ...] = ()
+        self.credits: dict[str, int] = {}
+        self.serve(hello.models)
         self.in_flight: set[str] = set()
-        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | None] = asyncio.Queue()
+        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | ModelControlOrder | None] = asyncio.Queue()
         self.closed = False
 
     def __repr__(self) -> str:
         return f"BatcherSession({self.batcher_id!r}#{self.session_number})"
 
-    def send(self, order: WorkOrder | CancelOrder) -> None:
+    def serve(self, served: tuple[ServedModel, ...]) -> set[str]:
+        """What the batcher serves now (hello, or a later change); the model names whose
+        versions changed. A model it no longer serves loses its credits."""
+        ready = [m for m in served if m.ready]
+        versions: dict[str, set[str]] = {}
+        for model in ready:
+            versions.setdefault(model.model_name, set()).add(model.model_version)
+        new_versions = {name: frozenset(v) for name, v in versions.items()}
+        changed = {n for n in set(new_versions) | set(self.versions) if new_versions.get(n) != self.versions.get(n)}
+        self.announced = served
+        self.versions = new_versions
+        self.models = {}
+        for model in ready:
+            self.models.setdefault(model.model_name, model)
+        self.credits = {name: self.credits.get(name, 0) for name in self.models}
+        return changed
+
+    def serves(self, model_name: str, version: str) -> bool:
+        return version in self.versions.get(model_name, ())
+
+    def send(self, order: WorkOrder | CancelOrder | ModelControlOrder) -> None:
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")
         self.outbound.put_nowait(order)
@@ -68,6 +92,30 @@ class BatcherRegistry:
         for model_name in session.models:
             self._refresh(model_name)
 
+    def serve(self, session: BatcherSession, served: tuple[ServedModel, ...]) -> None:
+        """The session's batcher serves these versions now (a version loaded, loading or gone)."""
+        before = set(session.models)
+        session.serve(served)
+        for model_name in before | set(session.models):
+            self._refresh(model_name)
+
+    def served_versions(self, model_name: str) -> set[str]:
+        """The versions of the model that some open session serves."""
+        return {v for s in self._sessions if not s.closed for v in s.versions.get(model_name, ())}
+
+    def reserve_serving(self, model_name: str, version: str) -> BatcherSession | None:
+        """Takes one credit from the open session with the most free credits for the model among
+        those that serve `version`."""
+        best: BatcherSession | None = None
+        for session in self._sessions:
+            free = session.credits.get(model_name, 0)
+            if free > 0 and session.serves(model_name, version) and (best is None or free > best.credits[model_name]):
+                best = session
+        if best is not None:
+            best.credits[model_name] -= 1
+            self._refresh(model_name)
+        return best
+
     def grant(self, session: BatcherSession, model_name: str, credits: int) -> None:
         if model_name not in session.models:
             raise InvalidArgument(f"credit for model {model_name!r}, which the batcher did not announce in hello")
@@ -92,7 +140,7 @@ class BatcherRegistry:
 
     def release(self, session: BatcherSession, model_name: str) -> None:
         """Gives back a reserved credit that was not used (nothing to dispatch)."""
-        if not session.closed:
+        if not session.closed and model_name in session.credits:  # not a model the batcher has since unloaded
             session.credits[model_name] += 1
             self._refresh(model_name)
 

@@ -21,7 +21,8 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
 from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
-from services.scheduler.batchers import BatcherSession
+from services.scheduler import version_routing
+from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.leases import InFlightJob, Leases
 from services.scheduler.messages import CancelOrder, WorkOrder
@@ -61,8 +62,12 @@ class JobDispatch:
         claim_check: ClaimCheckIO | None,
         on_timeout: Callable[[InFlightJob], None],
         instance_id: str = "",
+        batchers: BatcherRegistry | None = None,
         tracing: Tracing | None = None,
     ) -> None:
+        """`batchers`: routes each job to a batcher that serves its version (version_routing.py);
+        None: the reserved batcher runs it, whatever it serves."""
+        self._batchers = batchers
         self._instance_id = instance_id
         self._tracing = tracing or Tracing.off()
         self._store = store
@@ -153,8 +158,43 @@ class JobDispatch:
         if record is None:
             return False
         now = time.time()
+        version = envelope.model_version
+        runnable = record.state in (JobState.QUEUED, JobState.RUNNING)
+        if self._batchers is not None and runnable and (record.deadline is None or now < record.deadline):
+            routed = version_routing.route(self._batchers, self._config, envelope.model_name, version, session)
+            if isinstance(routed, version_routing.Waiting):
+                if _first_delivery(msg):
+                    job_log.info("job_waits_for_version", version=routed.version, reason=routed.reason)
+                await quietly(msg.nak(delay=routed.delay_s))
+                return False
+            if routed.session is not session:
+                # Another batcher's credit was taken: the reserved one goes back to the dispatcher.
+                sent = False
+                try:
+                    sent = await self._run(msg, envelope, routed.session, job_log, record, routed.version, trace)
+                finally:
+                    if not sent:
+                        self._batchers.release(routed.session, envelope.model_name)
+                return False
+            version = routed.version
+        return await self._run(msg, envelope, session, job_log, record, version, trace)
+
+    async def _run(
+        self,
+        msg: Msg,
+        envelope: WorkEnvelope,
+        session: BatcherSession,
+        job_log: JobLog,
+        record: JobRecord,
+        version: str,
+        trace: str,
+    ) -> bool:
+        now = time.time()
         event = lifecycle.Dispatch(
-            batcher_id=session.batcher_id, scheduler=self._instance_id, lease_subject=msg.reply or ""
+            batcher_id=session.batcher_id,
+            scheduler=self._instance_id,
+            lease_subject=msg.reply or "",
+            model_version=version,
         )
         latest, written = await self._store.transition(record, lifecycle.decider(event, now))
         if latest is None:
@@ -198,7 +238,7 @@ class JobDispatch:
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
             return False
         self._metrics.job_transition(latest)
-        order = self._order(envelope, latest, trace)
+        order = self._order(envelope, latest, version, trace)
         session.send(order)
         job = InFlightJob(
             job_id=envelope.job_id,
@@ -228,7 +268,7 @@ class JobDispatch:
         event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)
         await self._settlement.end(running, msg, job_log, event, time.time())
 
-    def _order(self, envelope: WorkEnvelope, record: JobRecord, trace: str) -> WorkOrder:
+    def _order(self, envelope: WorkEnvelope, record: JobRecord, version: str, trace: str) -> WorkOrder:
         timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
         if timeout_s is None:
             model = self._config.model(envelope.model_name)
@@ -237,7 +277,7 @@ class JobDispatch:
             job_id=envelope.job_id,
             attempt=record.attempt,
             model_name=envelope.model_name,
-            model_version=envelope.model_version,
+            model_version=version,
             priority=envelope.priority,
             tenant=envelope.tenant,
             inputs=envelope.inputs,

@@ -26,7 +26,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
 from asyncinfer.tracing import AttributeValue, Tracing
-from services.scheduler.batchers import BatcherSession
+from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.completions import CompletionRates
 from services.scheduler.dead_letters import DeadLetterStore
@@ -56,6 +56,7 @@ class JobFlow:
         queued_records: QueuedRecords | None = None,
         nc: NatsClient | None = None,
         instance_id: str = "",
+        batchers: BatcherRegistry | None = None,
         tracing: Tracing | None = None,
     ) -> None:
         self._store = store
@@ -91,6 +92,7 @@ class JobFlow:
             claim_check=claim_check,
             on_timeout=self._on_timeout,
             instance_id=instance_id,
+            batchers=batchers,
             tracing=self._tracing,
         )
 

@@ -7,14 +7,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
-from asyncinfer.tensors import Tensor
+from asyncinfer.tensors import ModelSignature, Tensor
 
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
+    """One version of a model a batcher serves (ready) or is loading (not ready: no work yet)."""
+
     model_name: str
     model_version: str
     max_batch_size: int
+    ready: bool = True
+    signature: ModelSignature | None = None  # None from a batcher that does not send it
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,3 +76,14 @@ class CancelOrder:
 
     job_id: str
     attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelControlOrder:
+    """Load (or replace) or unload a model's versions on a batcher (OpsService.LoadModel / UnloadModel)."""
+
+    request_id: int
+    action: str  # LOAD or UNLOAD
+    model_name: str
+    config_json: str = ""
+    model_version: str = ""

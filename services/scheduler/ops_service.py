@@ -22,6 +22,8 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+from services.scheduler.model_controls import ModelControls
+from services.scheduler.model_ops import ModelOps
 from services.scheduler.pauses import PauseState
 from services.scheduler.queue_stats import ModelQueueSnapshot, QueueStatsReader
 from services.scheduler.replay import replay
@@ -104,7 +106,7 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
     return message
 
 
-class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
+class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
     def __init__(
         self,
         *,
@@ -118,7 +120,10 @@ class OpsService(ops_service_pb2_grpc.OpsServiceServicer):
         drain: Callable[[float], Awaitable[int]],
         undrain: Callable[[], bool],
         scheduler_id: str,
+        controls: ModelControls | None = None,
     ) -> None:
+        self._controls = controls
+        self._error_to_proto = _error_to_proto
         self._config = config
         self._stats = stats
         self._letters = letters

@@ -10,7 +10,7 @@ unregistered and its in-flight jobs go back to the queue at once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 import structlog
@@ -18,19 +18,21 @@ import structlog
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import JobError, Priority, ProgressReport
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
-from asyncinfer.tensors import Tensor
-from asyncinfer.v1 import error_pb2, job_pb2, worker_service_pb2, worker_service_pb2_grpc
+from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
+from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.messages import (
     CancelOrder,
     CreditGrant,
+    ModelControlOrder,
     ServedModel,
     WorkerHello,
     WorkOrder,
     WorkProgress,
     WorkResult,
 )
+from services.scheduler.model_controls import ModelControls
 
 # Orders gathered into one WorkOrders message stop at about this many bytes of inputs (a message
 # always holds at least one order); the rest go in the next one.
@@ -62,12 +64,24 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
     if violations:
         raise InvalidArgument(f"invalid hello: {violations[0].field}: {violations[0].description}", violations)
     return WorkerHello(
-        batcher_id=message.batcher_id,
-        models=tuple(
-            ServedModel(model_name=m.model_name, model_version=m.model_version, max_batch_size=m.max_batch_size)
-            for m in message.models
-        ),
-        takes_batches=message.takes_batches,
+        batcher_id=message.batcher_id, models=served_from_proto(message.models), takes_batches=message.takes_batches
+    )
+
+
+def served_from_proto(models: Iterable[worker_service_pb2.ServedModel]) -> tuple[ServedModel, ...]:
+    def specs(tensors: Iterable[job_service_pb2.TensorSpec]) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(name=t.name, datatype=t.datatype, shape=tuple(t.shape)) for t in tensors)
+
+    return tuple(
+        ServedModel(
+            model_name=m.model_name,
+            model_version=m.model_version,
+            max_batch_size=m.max_batch_size,
+            ready=m.state != job_service_pb2.MODEL_VERSION_STATE_LOADING,
+            signature=ModelSignature(inputs=specs(m.inputs), outputs=specs(m.outputs)) if m.inputs else None,
+        )
+        for m in models
+        if m.model_name
     )
 
 
@@ -163,6 +177,24 @@ def _single(message: WorkOrder | CancelOrder) -> worker_service_pb2.ConnectRespo
     return worker_service_pb2.ConnectResponse(order=order_to_proto(message))
 
 
+def _control(message: ModelControlOrder) -> worker_service_pb2.ConnectResponse:
+    action = CONTROL_ACTIONS[message.action]
+    control = worker_service_pb2.ModelControl(
+        request_id=message.request_id,
+        model_name=message.model_name,
+        action=action,
+        config_json=message.config_json,
+        model_version=message.model_version,
+    )
+    return worker_service_pb2.ConnectResponse(control=control)
+
+
+CONTROL_ACTIONS = {
+    "LOAD": worker_service_pb2.MODEL_CONTROL_ACTION_LOAD,
+    "UNLOAD": worker_service_pb2.MODEL_CONTROL_ACTION_UNLOAD,
+}
+
+
 def _add_to_batch(batch: worker_service_pb2.WorkOrders, message: WorkOrder | CancelOrder | None) -> bool:
     """Adds one outbound message; True when it was the end of the stream."""
     if message is None:
@@ -182,10 +214,21 @@ def _order_bytes(message: WorkOrder | CancelOrder | None) -> int:
 
 
 class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
-    def __init__(self, *, scheduler_id: str, batchers: BatcherRegistry, flow: JobFlow) -> None:
+    def __init__(
+        self,
+        *,
+        scheduler_id: str,
+        batchers: BatcherRegistry,
+        flow: JobFlow,
+        on_models: Callable[[BatcherSession], None] | None = None,
+        controls: ModelControls | None = None,
+    ) -> None:
+        """`on_models(session)`: told when a session starts, changes what it serves, and ends."""
         self._scheduler_id = scheduler_id
         self._batchers = batchers
         self._flow = flow
+        self._on_models = on_models
+        self._controls = controls
 
     async def Connect(
         self,
@@ -199,13 +242,18 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
         session = BatcherSession(hello_from_proto(first.hello))
         self._batchers.register(session)
         session_log = log.bind(batcher_id=session.batcher_id, session=session.session_number)
-        session_log.info("batcher_connected", models=sorted(session.models))
+        session_log.info("batcher_connected", versions={n: sorted(v) for n, v in session.versions.items()})
+        if self._on_models is not None:
+            self._on_models(session)
         reader = asyncio.create_task(self._read(session, requests), name=f"worker-reader-{session.batcher_id}")
         try:
             yield worker_service_pb2.ConnectResponse(
                 welcome=worker_service_pb2.WorkerWelcome(scheduler_id=self._scheduler_id, takes_batches=True)
             )
             while (message := await session.outbound.get()) is not None:
+                if isinstance(message, ModelControlOrder):
+                    yield _control(message)
+                    continue
                 if not session.takes_batches:
                     yield _single(message)
                     continue
@@ -214,19 +262,29 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                 batch = worker_service_pb2.WorkOrders()
                 ended = _add_to_batch(batch, message)
                 budget_bytes = ORDERS_MESSAGE_BYTES - _order_bytes(message)
+                control = None
                 while not ended and budget_bytes > 0 and not session.outbound.empty():
                     message = session.outbound.get_nowait()
                     if message is None:
                         ended = True
                         break
+                    if isinstance(message, ModelControlOrder):
+                        control = message  # goes on its own, after the orders before it
+                        break
                     _add_to_batch(batch, message)
                     budget_bytes -= _order_bytes(message)
                 yield worker_service_pb2.ConnectResponse(orders=batch)
+                if control is not None:
+                    yield _control(control)
                 if ended:
                     break
         finally:
             self._batchers.unregister(session)
             self._flow.batcher_lost(session)
+            if self._on_models is not None:
+                self._on_models(session)
+            if self._controls is not None:
+                self._controls.session_ended(session)
             reader.cancel()
             outcome = (await asyncio.gather(reader, return_exceptions=True))[0]
             session_log.info("batcher_disconnected")
@@ -272,6 +330,20 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     for grant in request.updates.credits:
                         credit = credit_from_proto(grant)
                         self._batchers.grant(session, credit.model_name, credit.credits)
+                elif kind == "models":
+                    self._batchers.serve(session, served_from_proto(request.models.models))
+                    log.info(
+                        "batcher_models_changed",
+                        batcher_id=session.batcher_id,
+                        versions={n: sorted(v) for n, v in session.versions.items()},
+                    )
+                    if self._on_models is not None:
+                        self._on_models(session)
+                elif kind == "control_result":
+                    answer = request.control_result
+                    error = error_from_proto(answer.error) if answer.HasField("error") else None
+                    if self._controls is not None:
+                        self._controls.answered(session, answer.request_id, error)
                 elif kind == "hello":
                     raise FailedPrecondition("hello was already received on this stream")
                 else:

@@ -1,7 +1,7 @@
 """The demo model: tiny, deterministic and fast, for tests, demos and smoke checks.
 
 Signature (see `asyncinfer.config.DEMO_MODEL`): FP32 input `x` of shape [-1, 4] -> FP32 output `y`
-of shape [-1, 4], with y = 2 * x + 1 element-wise. Two variants with the same signature let tests
+of shape [-1, 4], with y = 2 * x + 1 element-wise (`build_demo_v2_model`, a second version: y = 3x + 1). Variants with the same signature let tests
 exercise other paths: `build_failing_model` raises in forward (model errors),
 `build_flaky_model` (the `flaky` model `asyncinfer up` serves, `asyncinfer.config.FLAKY_MODEL`)
 raises only when a row's first value is negative, so that anyone can make a dead letter on demand,
@@ -63,8 +63,20 @@ class GatedDemo(AffineDemo):
         return super().forward(x)
 
 
+class AffineDemoV2(torch.nn.Module):
+    """Version 2 of the demo model (docs/MODEL_VERSIONS.md): the same signature, y = 3x + 1, so
+    that a job's outputs say which version ran it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 3.0 * x + 1.0
+
+
 def build_demo_model() -> torch.nn.Module:
     return AffineDemo()
+
+
+def build_demo_v2_model() -> torch.nn.Module:
+    return AffineDemoV2()
 
 
 def build_failing_model() -> torch.nn.Module:

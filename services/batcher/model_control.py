@@ -1,0 +1,291 @@
+"""Loading, replacing and unloading model versions while the batcher serves (hot updates): the
+KServe repository API (kserve_repository.py), a reload of the configuration file (SIGHUP) and the
+scheduler's model controls all come here.
+
+`apply(name, versions)` makes the versions a model serves exactly `versions` (Triton's
+load_model with a config: the loaded versions become the ones it declares):
+- a new version is announced LOADING, loaded (in a thread), started and warmed up with one
+  batch of made-up inputs before the engine gives it work, then announced READY;
+- a loaded version whose configuration changed is replaced the same way: the new one takes every
+  item from the moment it is ready, the old one finishes what it holds (in the background);
+- a version no longer declared is announced gone first (the scheduler stops sending it orders),
+  then retired: what it holds finishes on it (in the background), then its backend is closed.
+`apply` returns once the change is in effect for new work; `drained` waits for the old ones.
+A version that fails to load or warm up is reported UNAVAILABLE with the reason (`failures`) and
+the rest go on; the version it would have replaced keeps serving, and no version is unloaded by
+that change. One change at a time per
+batcher (a lock), so that two reloads never race on the same version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+from pydantic import ValidationError
+
+from asyncinfer.config import BatcherConfig, ModelConfig
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ModelError, NotFound, Unavailable
+from asyncinfer.jobs import NAME_PATTERN
+from asyncinfer.tensors import NUMPY_DTYPES
+from services.batcher.backends import Arrays, ModelBackend
+from services.batcher.backends.loading import load_backend
+from services.batcher.engine import BatchingEngine
+from services.batcher.model_queue import ModelQueue
+
+log = structlog.get_logger("asyncinfer.batcher.models")
+
+Announce = Callable[[Sequence[ModelConfig]], None]
+# The model tables the repository (the configuration file) declares now.
+Repository = Callable[[], Sequence[ModelConfig]]
+
+
+def warm_up_inputs(config: ModelConfig) -> Arrays:
+    """One row of each input, every variable dimension 1: zeros, or a short text for BYTES."""
+    arrays: Arrays = {}
+    for spec in config.signature.inputs:
+        shape = tuple(1 if d == -1 else d for d in spec.shape)
+        shape = (1, *shape[1:])
+        if spec.datatype == "BYTES":
+            arrays[spec.name] = np.full(shape, b"warm up", dtype=object)
+        else:
+            arrays[spec.name] = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
+    return arrays
+
+
+async def warm_up(config: ModelConfig, backend: ModelBackend) -> None:
+    """Runs one batch through the backend (the first batch pays for lazy initialisation, kernel
+    selection, a remote model's first call), so that the first job does not."""
+    inputs = warm_up_inputs(config)
+    try:
+        if backend.runs_async:
+            await backend.infer_batch_async(inputs)
+        else:
+            await asyncio.to_thread(backend.infer_batch, inputs)
+    except ModelError as exc:
+        # Made-up inputs are not every model's (a model may refuse zeros): the model answered,
+        # which is what warming up is for. Triton fails the load instead, on warm-up samples the
+        # model's author gives; ours are not the author's.
+        log.warning("model_warm_up_refused", model=config.name, version=config.version, error=exc.message)
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
+
+
+def parse_model_json(text: str, field: str = "config") -> dict[str, Any]:
+    """A model table given as JSON (load_model's config, LoadModel's config_json)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{field} is not JSON: {exc}", [FieldViolation(field, str(exc))]) from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{field} must be a JSON object", [FieldViolation(field, "give a model table")])
+    return data
+
+
+class ModelControl:
+    def __init__(
+        self,
+        engine: BatchingEngine,
+        batcher: BatcherConfig,
+        *,
+        linger_s: float = 1.0,
+        repository: Repository | None = None,
+    ) -> None:
+        """`repository`: the model tables the configuration file declares now (re-read per call)."""
+        self._repository = repository
+        self._engine = engine
+        self._batcher = batcher
+        self._linger_s = linger_s
+        self._lock = asyncio.Lock()
+        self._backends: dict[tuple[str, str], ModelBackend] = {}
+        self.loading: dict[tuple[str, str], ModelConfig] = {}
+        # (model, version) -> why it is not served (failed to load or to warm up).
+        self.failures: dict[tuple[str, str], str] = {}
+        self._announce: Announce = lambda _loading: None
+        self._draining: set[asyncio.Task[None]] = set()
+
+    def on_change(self, announce: Announce) -> None:
+        """`announce(loading)` is called after every change to what is served (or loading)."""
+        self._announce = announce
+
+    def _changed(self) -> None:
+        self._announce(list(self.loading.values()))
+
+    @property
+    def backends(self) -> list[ModelBackend]:
+        return list(self._backends.values())
+
+    # --- load_model / unload_model (KServe's repository API, the scheduler's model controls) ----
+
+    def declared(self, name: str) -> list[ModelConfig]:
+        for model in self._repository() if self._repository is not None else ():
+            if model.name == name:
+                return list(model.version_configs())
+        return []
+
+    def versions_to_load(self, name: str, override: dict[str, Any] | None) -> list[ModelConfig]:
+        """The versions a load makes the model serve: the repository's (override None), or the
+        override's model table laid over the repository's table (or the default version served
+        now), its `versions` and `default_version` replaced."""
+        declared = self.declared(name)
+        if override is None:
+            if not declared:
+                raise NotFound(f"the repository declares no model {name!r}", reason="MODEL_NOT_FOUND")
+            return declared
+        if declared:
+            base = declared[0].model_dump()
+        elif self._engine.has_model(name):
+            base = self._engine.model_config(name).model_dump()
+        else:
+            base = {}
+        data = {**base, "versions": (), "default_version": "", **override, "name": name}
+        try:
+            return list(ModelConfig.model_validate(data).version_configs())
+        except ValidationError as exc:
+            violations = [
+                FieldViolation(f"config.{'.'.join(str(p) for p in e['loc'])}", e["msg"])
+                for e in exc.errors(include_url=False)
+            ]
+            raise InvalidArgument(f"invalid model config: {violations[0].description}", violations) from None
+
+    async def load_model(self, name: str, override: dict[str, Any] | None = None) -> None:
+        """Loads the model's versions (see versions_to_load); Unavailable when one did not load."""
+        if not NAME_PATTERN.match(name):
+            raise InvalidArgument(f"invalid model name {name[:64]!r}", [FieldViolation("model_name", "")])
+        await self.apply(name, self.versions_to_load(name, override))
+        failed = {v: r for (n, v), r in self.failures.items() if n == name}
+        if failed:
+            detail = "; ".join(f"version {v}: {r}" for v, r in failed.items())
+            raise Unavailable(f"model {name!r} did not load: {detail}", reason="MODEL_LOAD_FAILED")
+
+    async def unload_model(self, name: str, version: str = "") -> None:
+        """Unloads the model (or one version of it); NotFound when it is not loaded here."""
+        served = self._engine.versions(name)
+        if not served or (version and version not in served):
+            which = f"model {name!r}" + (f" version {version!r}" if version else "")
+            raise NotFound(f"{which} is not loaded here", reason="MODEL_NOT_FOUND")
+        keep = [self._engine.model_config(name, v) for v in served if version and v != version]
+        await self.apply(name, keep)
+
+    async def load(self, config: ModelConfig) -> ModelBackend | None:
+        """The version's backend, loaded, started and warmed up; None (and the reason in
+        `failures`) when it cannot serve."""
+        key = (config.name, config.version)
+        backend: ModelBackend | None = None
+        try:
+            backend = await asyncio.to_thread(load_backend, config, self._batcher)
+            await backend.start()
+            await warm_up(config, backend)
+        except Exception as exc:
+            reason = _reason(exc)
+            log.error("model_load_failed", model=config.name, version=config.version, reason=reason)
+            self.failures[key] = reason
+            if backend is not None:
+                await backend.aclose()
+            return None
+        self.failures.pop(key, None)
+        log.info("model_loaded", model=config.name, version=config.version, backend=config.backend)
+        return backend
+
+    async def load_at_start(self, models: Iterable[ModelConfig]) -> None:
+        """Loads every declared version before the engine starts (nothing is announced yet)."""
+        for model in models:
+            if model.steps:
+                continue  # a pipeline: its step models are loaded, the app adds it (engine.add_pipeline)
+            for config in model.version_configs():
+                backend = await self.load(config)
+                if backend is not None:
+                    self._backends[(config.name, config.version)] = backend
+                    self._engine.add_model(config, backend)
+
+    async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
+        """Makes the model's versions exactly `versions` (empty: unloads the model)."""
+        async with self._lock:
+            wanted = {c.version: c for c in versions}
+            changes = [
+                c
+                for c in versions
+                if c.version not in self._engine.versions(model_name)
+                or self._engine.model_config(model_name, c.version) != c
+                or (model_name, c.version) in self.failures
+            ]
+            for config in changes:
+                self.loading[(model_name, config.version)] = config
+            if changes:
+                self._changed()
+            await asyncio.gather(*(self._load_one(c) for c in changes))
+            if any((model_name, c.version) in self.failures for c in changes):
+                # Like Triton, a load that fails leaves what served serving: nothing is unloaded.
+                return
+            for version in self._engine.versions(model_name):
+                if version not in wanted:
+                    await self._unload_one(model_name, version)
+            for key in [k for k in self.failures if k[0] == model_name and k[1] not in wanted]:
+                del self.failures[key]
+
+    async def _load_one(self, config: ModelConfig) -> None:
+        key = (config.name, config.version)
+        try:
+            backend = await self.load(config)
+        finally:
+            self.loading.pop(key, None)
+        if backend is None:
+            self._changed()
+            return
+        if config.version in self._engine.versions(config.name):
+            old = self._backends.get(key)
+            self._backends[key] = backend
+            # The new one takes every item from now on; the old one finishes what it holds.
+            queue = self._engine.withdraw(config.name, config.version)
+            self._engine.add_model(config, backend)
+            self._changed()
+            log.info("model_version_replaced", model=config.name, version=config.version)
+            self._drain_in_background(queue, old)
+            return
+        self._backends[key] = backend
+        self._engine.add_model(config, backend)
+        self._changed()
+
+    async def _unload_one(self, model_name: str, version: str) -> None:
+        backend = self._backends.pop((model_name, version), None)
+        # Withdrawn first and announced, so that the scheduler sends it nothing more while what
+        # it holds finishes.
+        queue = self._engine.withdraw(model_name, version)
+        self._changed()
+        log.info("model_unloading", model=model_name, version=version)
+        self._drain_in_background(queue, backend)
+
+    def _drain_in_background(self, queue: ModelQueue, backend: ModelBackend | None) -> None:
+        """What a withdrawn version holds finishes on it, then its backend is closed: a task this
+        object owns (`drained` waits for them, `close` ends them)."""
+
+        async def drain() -> None:
+            try:
+                await self._engine.finish_retiring(queue, linger_s=self._linger_s)
+                log.info("model_unloaded", model=queue.name, version=queue.config.version)
+            finally:  # also when the batcher stops first
+                if backend is not None:
+                    await backend.aclose()
+
+        task = asyncio.create_task(drain(), name=f"drain-{queue.name}-{queue.config.version}")
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    async def drained(self) -> None:
+        """Returns once every withdrawn version has finished what it held and is closed."""
+        while self._draining:
+            await asyncio.gather(*self._draining, return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
+        for backend in self._backends.values():
+            await backend.aclose()
+        self._backends.clear()

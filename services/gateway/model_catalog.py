@@ -1,0 +1,164 @@
+"""The models SubmitJob accepts and ListModels shows: the gateway's configuration (the models and
+versions it declares) plus the versions batchers have registered (asyncinfer.model_registry: the
+models bucket, kept current by one ordered consumer, so nothing is read per request).
+
+A model name must be declared in the gateway's configuration (its queues, limits and defaults are
+configured there); its versions are those declared and those any batcher serves or loads now,
+with the signature that batcher announced. A submit that names no version is validated against
+the model's default version now (default_version, else the highest version served: the same rule
+the scheduler applies at dispatch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import structlog
+
+from asyncinfer.config import Config, ModelConfig, TensorSpecConfig, version_order
+from asyncinfer.contract import kv_stream, kv_subject_prefix
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
+from asyncinfer.model_registry import LOADING, READY, UNAVAILABLE, RegisteredVersion, decode_registered
+from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.tensors import TensorSpec
+
+log = structlog.get_logger("asyncinfer.gateway.models")
+
+
+@dataclass(frozen=True, slots=True)
+class VersionListing:
+    config: ModelConfig  # the version's signature and limits (declared, or as registered)
+    state: str  # READY, LOADING or UNAVAILABLE
+    reason: str
+    batchers: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelListing:
+    default: ModelConfig
+    versions: tuple[VersionListing, ...]
+
+
+def _spec_configs(specs: Iterable[TensorSpec]) -> tuple[TensorSpecConfig, ...]:
+    return tuple(TensorSpecConfig(name=t.name, datatype=t.datatype, shape=t.shape) for t in specs)
+
+
+class ModelCatalog:
+    def __init__(self, config: Config, js: JetStreamContext | None = None) -> None:
+        self._config = config
+        self._js = js
+        self._prefix = kv_subject_prefix(config.nats.models_bucket)
+        self._entries: dict[str, RegisteredVersion] = {}
+        self._subscription: JetStreamContext.PushSubscription | None = None
+
+    async def start(self) -> None:
+        if self._js is None:
+            return
+        self._subscription = await self._js.subscribe(
+            f"{self._prefix}>",
+            stream=kv_stream(self._config.nats.models_bucket),
+            cb=self._on_update,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        )
+
+    async def stop(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except Exception as exc:  # the connection may already be gone
+                log.warning("model_catalog_unsubscribe_failed", error=str(exc))
+
+    async def _on_update(self, msg: Msg) -> None:
+        key = msg.subject.removeprefix(self._prefix)
+        if KV_OP in (msg.headers or {}) or not msg.data:
+            self._entries.pop(key, None)
+            return
+        try:
+            self._entries[key] = decode_registered(msg.data)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.error("model_registry_entry_unreadable", key=key, error=str(exc))
+
+    def serves(self, model_name: str, version: str) -> bool:
+        """Whether some batcher serves the version now (as registered)."""
+        return any(e.version == version and e.state == READY for e in self.registered(model_name))
+
+    def registered(self, model_name: str) -> list[RegisteredVersion]:
+        return [e for e in self._entries.values() if e.model_name == model_name]
+
+    def _registered_config(self, model: ModelConfig, version: str) -> ModelConfig | None:
+        entry = next((e for e in self.registered(model.name) if e.version == version and e.signature), None)
+        if entry is None or entry.signature is None:
+            return None
+        return model.model_copy(
+            update={
+                "version": version,
+                "versions": (),
+                "inputs": _spec_configs(entry.signature.inputs),
+                "outputs": _spec_configs(entry.signature.outputs),
+                "max_batch_size": entry.max_batch_size or model.max_batch_size,
+            }
+        )
+
+    def version_config(self, model: ModelConfig, version: str) -> ModelConfig | None:
+        return model.declared_version(version) or self._registered_config(model, version)
+
+    def default_version(self, model: ModelConfig) -> str:
+        ready = {e.version for e in self.registered(model.name) if e.state == READY}
+        return model.default_among(ready)
+
+    def resolve(self, name: str, version: str) -> ModelConfig:
+        """The version a submit runs on (empty: the default now), as a whole model config; raises
+        InvalidArgument or NotFound."""
+        if not name:
+            raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
+        model = self._config.model(name)
+        if model is None:
+            known = ", ".join(sorted(m.name for m in self._config.models)) or "none"
+            raise NotFound(
+                f"unknown model {name[:64]!r}; the models served are: {known}",
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": name[:64], "known_models": known},
+            )
+        chosen = version or self.default_version(model)
+        config = self.version_config(model, chosen)
+        if config is not None:
+            return config
+        if not version:  # a default that nothing declares nor serves: validate against the model's own table
+            return model.version_configs()[0]
+        known = ", ".join(self.versions(model))
+        raise NotFound(
+            f"model {name!r} has no version {version[:64]!r}; its versions are: {known}",
+            reason="MODEL_VERSION_NOT_FOUND",
+            metadata={"model": name, "version": version[:64], "known_versions": known},
+        )
+
+    def versions(self, model: ModelConfig) -> list[str]:
+        declared = [c.version for c in model.version_configs()]
+        registered = {e.version for e in self.registered(model.name)}
+        return declared + sorted(registered - set(declared), key=version_order)
+
+    def listings(self) -> list[ModelListing]:
+        listings = []
+        for model in self._config.models:
+            entries = self.registered(model.name)
+            versions = []
+            for version in self.versions(model):
+                config = self.version_config(model, version)
+                if config is None:
+                    continue
+                mine = [e for e in entries if e.version == version]
+                ready = sorted(e.batcher_id for e in mine if e.state == READY)
+                loading = sorted(e.batcher_id for e in mine if e.state == LOADING)
+                if ready:
+                    state, reason, batchers = READY, "", ready
+                elif loading:
+                    state, reason, batchers = LOADING, "a batcher is loading and warming it up", loading
+                else:
+                    state, reason, batchers = UNAVAILABLE, "no batcher serves it", []
+                versions.append(VersionListing(config=config, state=state, reason=reason, batchers=tuple(batchers)))
+            default = self.version_config(model, self.default_version(model)) or model.version_configs()[0]
+            listings.append(ModelListing(default=default, versions=tuple(versions)))
+        return listings

@@ -1,0 +1,279 @@
+"""Hot updates (issue 16, item 2) on the real stack: tritonclient's load_model / unload_model /
+get_model_repository_index against the batcher's KServe API, with no service restarted; the
+gateway learns a version it does not declare from the registry; a replaced version's in-flight
+work finishes on the old backend; and 2,000 jobs run while v1 is replaced by v2, none failing,
+each on the version it asked for (or the default at its dispatch, which its record names)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import aio as triton
+from tritonclient.utils import InferenceServerException
+
+from asyncinfer.client import AsyncClient, Job, NotFoundError
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.batcher.models.demo import GATE
+from tests.stack import Stack, StartStack
+from tests.test_model_versions import EXPECTED, V2_LOADER, X, demo, with_models
+
+WAIT_S = 60.0
+TOTAL_JOBS = 2000
+IN_FLIGHT = 64
+
+
+def version_table(version: str, loader: str) -> dict[str, Any]:
+    return {"version": version, "loader": loader}
+
+
+def load_config_json(*versions: dict[str, Any]) -> str:
+    """A load_model config: the model's own table is the first version, the rest its `versions`."""
+    first, *rest = versions
+    return json.dumps({**first, "versions": rest})
+
+
+async def listed_versions(stack: Stack) -> dict[str, tuple[int, tuple[str, ...]]]:
+    answer = await stack.jobs.ListModels(job_service_pb2.ListModelsRequest())
+    (model,) = answer.models
+    return {v.version: (v.state, tuple(v.batchers)) for v in model.versions}
+
+
+async def until(check: Callable[[], Any], timeout_s: float = WAIT_S) -> None:
+    """Polls an async condition (the registry reaches the gateway through NATS: no event to await)."""
+    async with asyncio.timeout(timeout_s):
+        while not await check():  # noqa: ASYNC110 - a condition on other services' state, no event to await
+            await asyncio.sleep(0.05)
+
+
+async def ready(stack: Stack, version: str) -> bool:
+    listed = await listed_versions(stack)
+    return version in listed and listed[version][0] == job_service_pb2.MODEL_VERSION_STATE_READY
+
+
+async def gone(stack: Stack, version: str) -> bool:
+    listed = await listed_versions(stack)
+    return version not in listed
+
+
+@pytest.fixture
+async def v1_stack(config: Config, start_stack: StartStack) -> Stack:
+    """Gateway, scheduler and batcher that all declare only version 1 of the demo model."""
+    return await start_stack(with_models(config, demo(versions=("1",))))
+
+
+def kserve(stack: Stack) -> triton.InferenceServerClient:
+    assert stack.batcher is not None
+    return triton.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+
+
+async def test_load_and_unload_a_version_through_tritonclient(v1_stack: Stack) -> None:
+    stack = v1_stack
+    client = kserve(stack)
+    try:
+        # Version 2 is in no file: loaded from load_model's config, beside version 1.
+        await client.load_model(
+            "demo", config=load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", V2_LOADER))
+        )
+        assert (await client.get_model_metadata("demo")).versions == ["1", "2"]
+        assert await client.is_model_ready("demo", "2")
+        index = {(m.name, m.version): m.state for m in (await client.get_model_repository_index()).models}
+        assert index == {("demo", "1"): "READY", ("demo", "2"): "READY"}
+        # The gateway learns it from the registry and accepts jobs pinned to it.
+        await until(lambda: ready(stack, "2"))
+        async with AsyncClient(stack.address) as jobs:
+            done = await jobs.wait(await jobs.submit("demo", {"x": X}, model_version="2"), timeout_s=WAIT_S)
+            assert done.succeeded
+            np.testing.assert_allclose(done.outputs["y"], EXPECTED["2"])
+
+            # Back to version 1 alone: version 2 is unloaded, and gone from the gateway.
+            await client.load_model("demo", config=load_config_json(version_table("1", DEMO_MODEL.loader)))
+            assert not await client.is_model_ready("demo", "2")
+            await until(lambda: gone(stack, "2"))
+            with pytest.raises(NotFoundError):
+                await jobs.submit("demo", {"x": X}, model_version="2")
+
+            # unload_model takes the whole model; load_model without a config reads the file again.
+            await client.unload_model("demo")
+            assert not await client.is_model_ready("demo")
+            with pytest.raises(InferenceServerException):
+                await client.get_model_metadata("demo")
+            await client.load_model("demo")
+            assert (await client.get_model_metadata("demo")).versions == ["1"]
+            again = await jobs.wait(await jobs.submit("demo", {"x": X}), timeout_s=WAIT_S)
+            assert again.succeeded
+            np.testing.assert_allclose(again.outputs["y"], EXPECTED["1"])
+    finally:
+        await client.close()
+
+
+async def test_a_bad_config_is_refused_and_what_runs_keeps_running(v1_stack: Stack) -> None:
+    client = kserve(v1_stack)
+    try:
+        with pytest.raises(InferenceServerException, match="did not load"):
+            await client.load_model("demo", config=load_config_json(version_table("1", "no.such.module:factory")))
+        # The version it would have replaced still serves.
+        assert await client.is_model_ready("demo", "1")
+        with pytest.raises(InferenceServerException, match=r"INVALID_ARG|invalid"):
+            await client.load_model("demo", config=json.dumps({"max_batch_size": 0}))
+    finally:
+        await client.close()
+
+
+async def test_2000_jobs_while_v1_is_replaced_by_v2(v1_stack: Stack) -> None:
+    """v1 serves; jobs flow (unpinned and pinned to v1); v2 is loaded beside it (warmed up before
+    it takes work) and jobs pinned to v2 join; the jobs pinned to v1 stop coming and v1 is
+    unloaded while the rest flow. No job fails, each ran on its version: the one it asked for, or
+    the default at its dispatch, which its outputs confirm."""
+    stack = v1_stack
+    kserve_client = kserve(stack)
+    submitted: list[tuple[str, Job]] = []  # (version asked for, job)
+    phase = {"pinned": ["1"]}
+    v1_asked = [0]  # submits pinned to v1 begun (some may still be on their way when the phase ends)
+    stop = asyncio.Event()
+
+    async with AsyncClient(stack.address) as client:
+
+        async def submit_one(index: int) -> None:
+            choices = ["", *phase["pinned"]]
+            asked = choices[index % len(choices)]
+            v1_asked[0] += asked == "1"
+            job = await client.submit("demo", {"x": X}, model_version=asked)
+            submitted.append((asked, job))
+
+        async def produce() -> None:
+            index = 0
+            while index < TOTAL_JOBS and not stop.is_set():
+                batch = range(index, min(index + IN_FLIGHT, TOTAL_JOBS))
+                await asyncio.gather(*(submit_one(i) for i in batch))
+                index = batch.stop
+
+        producer = asyncio.create_task(produce())
+        try:
+            await until(lambda: asyncio.sleep(0, len(submitted) >= 300))
+            await kserve_client.load_model(
+                "demo", config=load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", V2_LOADER))
+            )
+            await until(lambda: ready(stack, "2"))
+            phase["pinned"] = ["2"]  # v1 pins stop; v2 pins start
+
+            def v1_submitted() -> list[Job]:
+                return [job for asked, job in submitted if asked == "1"]
+
+            await until(lambda: asyncio.sleep(0, len(v1_submitted()) == v1_asked[0]))
+            pinned_v1 = v1_submitted()
+            await client.wait_jobs(pinned_v1, timeout_s=WAIT_S)
+            assert len(submitted) < TOTAL_JOBS, "the load finished before the swap: nothing tested under load"
+            await kserve_client.load_model("demo", config=load_config_json(version_table("2", V2_LOADER)))
+            await asyncio.wait_for(producer, WAIT_S)
+        finally:
+            stop.set()
+            await asyncio.gather(producer, return_exceptions=True)
+            await kserve_client.close()
+
+        assert len(submitted) == TOTAL_JOBS
+        done = await client.wait_jobs([job for _asked, job in submitted], timeout_s=WAIT_S)
+        ran_on: dict[str, int] = {}
+        for asked, job in submitted:
+            finished = done[job.job_id]
+            assert finished.succeeded, (finished.state, finished.error)
+            assert finished.attempt == 1
+            if asked:
+                assert finished.model_version == asked
+            np.testing.assert_allclose(finished.outputs["y"], EXPECTED[finished.model_version])
+            key = f"{asked or 'default'}->{finished.model_version}"
+            ran_on[key] = ran_on.get(key, 0) + 1
+        # Unpinned jobs ran on v1 before v2 was ready and on v2 after; some of each.
+        assert ran_on.get("default->1", 0) > 0
+        assert ran_on.get("default->2", 0) > 0
+        assert ran_on.get("1->1", 0) > 0
+        assert ran_on.get("2->2", 0) > 0
+
+
+async def test_a_replaced_version_finishes_its_in_flight_batch_on_the_old_model(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Version 1 is replaced (same version, new weights: the v2 factory) while a batch of it is
+    computing: that batch ends with the old model's answer, every later job gets the new one."""
+    gated = demo(versions=("1",)).model_copy(update={"loader": "services.batcher.models.demo:build_gated_model"})
+    stack = await start_stack(with_models(config, gated))
+    assert stack.batcher is not None
+    kserve_client = kserve(stack)
+    GATE.clear()
+    try:
+        async with AsyncClient(stack.address) as client:
+            held = await client.submit("demo", {"x": X}, model_version="1")
+            async for update in client.watch(held, timeout_s=WAIT_S):
+                if update.state.value == "RUNNING":
+                    break
+            await kserve_client.load_model("demo", config=load_config_json(version_table("1", V2_LOADER)))
+            after = await client.submit("demo", {"x": X}, model_version="1")
+            after_done = await client.wait(after, timeout_s=WAIT_S)
+            np.testing.assert_allclose(after_done.outputs["y"], EXPECTED["2"])  # the new weights
+            assert (await client.get(held)).state.value == "RUNNING"  # still computing on the old model
+            GATE.set()
+            held_done = await client.wait(held, timeout_s=WAIT_S)
+            assert held_done.succeeded
+            assert held_done.attempt == 1
+            np.testing.assert_allclose(held_done.outputs["y"], EXPECTED["1"])  # the old weights
+            await stack.batcher.models.drained()
+    finally:
+        GATE.set()
+        await kserve_client.close()
+
+
+async def test_ops_service_loads_and_unloads_across_the_pool(
+    config: Config, start_stack: StartStack, batchers: Callable[..., Any]
+) -> None:
+    """OpsService.LoadModel / UnloadModel reach every batcher connected to the scheduler."""
+    stack = await start_stack(with_models(config, demo(versions=("1",))), batcher=False)
+    pool = [await batchers(stack, name, demo(versions=("1",))) for name in ("pool-a", "pool-b")]
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+
+    async def both_connected() -> bool:  # a batcher's stream opens after its start returns
+        return (await listed_versions(stack)).get("1", (0, ()))[1] == ("pool-a", "pool-b")
+
+    try:
+        await until(both_connected)
+        both = load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", V2_LOADER))
+        loaded = await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", config_json=both))
+        assert sorted((o.batcher_id, o.ok) for o in loaded.outcomes) == [("pool-a", True), ("pool-b", True)]
+        await until(lambda: ready(stack, "2"))
+        listed = await listed_versions(stack)
+        assert listed["2"][1] == ("pool-a", "pool-b")
+        async with AsyncClient(stack.address) as client:
+            jobs = [await client.submit("demo", {"x": X}, model_version="2") for _ in range(20)]
+            done = await client.wait_jobs(jobs, timeout_s=WAIT_S)
+            assert all(d.succeeded and d.model_version == "2" for d in done.values())
+            assert {d.batcher_id for d in done.values()} <= {"pool-a", "pool-b"}
+
+        unloaded = await ops.UnloadModel(ops_service_pb2.UnloadModelRequest(model_name="demo", model_version="1"))
+        assert all(o.ok for o in unloaded.outcomes)
+        assert all(app.engine.versions("demo") == ["2"] for app in pool)
+
+        async def v1_unavailable() -> bool:
+            return (await listed_versions(stack))["1"][0] == job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE
+
+        await until(v1_unavailable)
+
+        refused = await ops.LoadModel(
+            ops_service_pb2.LoadModelRequest(
+                model_name="demo", config_json=json.dumps({"loader": "no.such:factory"}), batcher_ids=["pool-a"]
+            )
+        )
+        (outcome,) = refused.outcomes
+        assert not outcome.ok
+        assert outcome.error.reason == "MODEL_LOAD_FAILED"
+        assert pool[0].engine.versions("demo") == ["2"]  # what ran keeps running
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", batcher_ids=["nobody"]))
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        await channel.close()
