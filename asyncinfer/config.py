@@ -7,7 +7,7 @@ a file `<section>__<key>` in $ASYNCINFER_SECRETS_DIR (a mounted Secret), then an
 variable ASYNCINFER_<SECTION>__<KEY>=value, e.g. ASYNCINFER_GATEWAY__PORT=6000 or
 ASYNCINFER_NATS__URL=nats://nats:4222. Lists and tables are read as JSON, `null` as unset, the rest
 as text that validation converts. Models are declared in the file only (`asyncinfer up` adds its
-embedders and sample models when the file declares none: services/cli.py with_up_defaults).
+embedders and sample models when the file declares none: services/up/defaults.py with_up_defaults).
 """
 
 from __future__ import annotations
@@ -781,7 +781,7 @@ FLAKY_MODEL = ModelConfig.model_validate(
 )
 
 # The built-in text embedders (services/batcher/backends/minilm.py and minilm_doc.py), declared
-# here without torch so that `asyncinfer up` (services/cli.py with_up_defaults) can serve them
+# here without torch so that `asyncinfer up` (services/up/defaults.py with_up_defaults) can serve them
 # beside the demo model: all-MiniLM-L6-v2 on sentences, and the same model on long documents.
 MINILM_EMBEDDING_DIM = 384
 MINILM_MODEL = ModelConfig(

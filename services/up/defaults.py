@@ -1,0 +1,62 @@
+"""What `up` adds to the configuration it was given (the shipped models, a development webhook
+secret, its own batcher's key)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config
+
+
+def dev_secret_file(config: Config) -> Path:
+    """Where `up` keeps the webhook secret it generated: beside the JetStream store."""
+    return Path(config.embedded_nats.store_dir).parent / "webhook-secret"
+
+
+def with_up_defaults(config: Config) -> Config:
+    """What `up` adds to the configuration it was given, so that the README's recipes run as they
+    stand on a stack started without a file:
+
+    - the models, when the file declares none: the sentence embedder `minilm-l6`, the document
+      embedder `minilm-l6-doc` and the same as a pipeline, `minilm-l6-doc-pipeline`
+      (asyncinfer.config.MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE), the demo model, and
+      `flaky`, the sample model that fails on demand (asyncinfer.config.FLAKY_MODEL), for the
+      dead-letter recipes;
+    - a webhook signing secret for the default tenant, when no API keys are configured (so the
+      gateway is on loopback, `check_up_exposure`) and that tenant has none: generated once and
+      kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
+      receiver can verify with it; the banner prints it. With API keys, secrets are the
+      operator's to configure;
+    - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`)."""
+    if "models" not in config.model_fields_set:
+        embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
+        config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
+    if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):
+        config = with_own_batcher_key(config)
+    tenant = config.gateway.default_tenant
+    if not config.gateway.api_keys and config.webhooks.secret_for(tenant) is None:
+        from asyncinfer.webhook_secrets import new_secret
+
+        path = dev_secret_file(config)
+        secret = path.read_text().strip() if path.exists() else ""
+        if not secret:
+            secret = new_secret()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(mode=0o600)
+            path.write_text(secret + "\n")
+        secrets = [entry.model_dump() for entry in config.webhooks.secrets]
+        config = config.replace(webhooks={"secrets": [*secrets, {"tenant": tenant, "secret": secret}]})
+    return config
+
+
+def with_own_batcher_key(config: Config) -> Config:
+    """With API keys, the scheduler takes only batchers with a key of role batcher: `up` makes one
+    for its own batcher, for this run only (its hash joins the key list; nothing is written)."""
+    import secrets
+
+    from asyncinfer.api_keys import hash_key
+
+    key = secrets.token_urlsafe(32)
+    keys = [entry.model_dump() for entry in config.gateway.api_keys]
+    own = {"role": "batcher", "sha256": hash_key(key), "name": "asyncinfer up's batcher"}
+    return config.replace(gateway={"api_keys": [*keys, own]}, batcher={"api_key": key})

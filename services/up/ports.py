@@ -1,0 +1,81 @@
+"""The ports `up` and a lone service listen on, checked before anything starts, and where `up`
+may bind at all (loopback, but for a gateway whose callers authenticate over TLS)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncinfer.config import Config
+from asyncinfer.errors import ConfigError
+from asyncinfer.ports import IN_USE, PortUse, busy_ports
+from services.apps import SERVICES
+
+
+def service_host(config: Config, name: str) -> str:
+    section: Any = getattr(config, name)
+    return str(section.host)
+
+
+def check_up_exposure(config: Config) -> None:
+    """`up` binds beyond loopback only where callers authenticate over TLS: the gateway with API
+    keys and a certificate (`up --dev-tls`, or gateway.tls_cert_file); the scheduler's, the batcher's
+    and NATS's ports stay on loopback."""
+    from services.gateway.auth import is_loopback, require_auth_beyond_loopback
+
+    require_auth_beyond_loopback("the gateway", config.gateway.host, config.gateway.api_keys)
+    if not is_loopback(config.gateway.host) and not config.gateway.tls_cert_file:
+        raise ConfigError(
+            f"`asyncinfer up` stays on loopback without TLS: gateway.host is {config.gateway.host!r}, so API keys "
+            "would travel in cleartext. Run `asyncinfer up --dev-tls` (a local development CA), or set "
+            "gateway.tls_cert_file and tls_key_file."
+        )
+    for what, host in (
+        ("scheduler", config.scheduler.host),
+        ("batcher", config.batcher.host),
+        ("embedded_nats", config.embedded_nats.host),
+        ("console", config.console.host),
+    ):
+        if not is_loopback(host):
+            raise ConfigError(
+                f"`asyncinfer up` binds every port but the gateway's to loopback: {what}.host is {host!r}, and "
+                f"the {what} has no authentication of its own. Set {what}.host to 127.0.0.1 (run services apart, "
+                "on a private network, to spread them over machines)."
+            )
+
+
+def service_ports(config: Config, name: str) -> list[PortUse]:
+    """The ports one service listens on, with the settings they come from (the console has no
+    metrics port)."""
+    section: Any = getattr(config, name)
+    uses = [PortUse(f"{name}.port", section.host, section.port)]
+    if hasattr(section, "metrics_port"):
+        uses.append(PortUse(f"{name}.metrics_port", section.host, section.metrics_port))
+    return uses
+
+
+def up_ports(config: Config) -> list[PortUse]:
+    """Every port `up` listens on, with the setting it comes from."""
+    embedded = config.embedded_nats
+    uses = [
+        PortUse("embedded_nats.port", embedded.host, embedded.port),
+        PortUse("embedded_nats.monitor_port", embedded.host, embedded.monitor_port),
+    ]
+    for name in SERVICES:
+        uses += service_ports(config, name)
+    return uses
+
+
+def raise_if_busy(uses: list[PortUse], *, hint: str) -> None:
+    """ConfigError, in one line naming them, when a port about to be listened on is taken: found
+    before anything starts, rather than as a nats-server that exits or a gRPC bind traceback."""
+    busy = busy_ports(uses)
+    if not busy:
+        return
+    in_use = [str(port.use) for port in busy if port.why == IN_USE]
+    other = [str(port) for port in busy if port.why != IN_USE]
+    found = ([f"already in use: {', '.join(in_use)}"] if in_use else []) + other
+    section, key = busy[0].use.setting.split(".")
+    raise ConfigError(
+        f"cannot start, {'; '.join(found)}. {hint} Stop it, or give this one other ports in its configuration "
+        f"file or environment (ASYNCINFER_{section.upper()}__{key.upper()}=...)."
+    )
