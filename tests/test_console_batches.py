@@ -6,20 +6,23 @@ cancelled from its page. Screenshots go to test-artifacts/console/."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
 
+from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_until
 from tests.browser import Browser
 from tests.stack import StartStack
-from tests.test_console import ARTIFACTS, StartConsole
+from tests.test_console import ARTIFACTS, OPS_KEY, TENANT_KEY, StartConsole, keyed
 from tests.test_console import browser as browser_fixture
 from tests.test_console import start_console as start_console_fixture
 
 pytestmark = pytest.mark.timeout(120)
 RECORDS = 300
+MISSING = "01a2325c-0000-7000-8000-000000000000"
 # The console tests' fixtures, under the names the tests ask for.
 browser = browser_fixture
 start_console = start_console_fixture
@@ -95,15 +98,19 @@ async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_comp
 
 
 async def test_a_batch_that_cannot_finish_is_cancelled_from_its_page(
-    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+    config: Config, tmp_path: Path, start_stack: StartStack, start_console: StartConsole, browser: Browser
 ) -> None:
-    stack = await start_stack(batch_config(config), batcher=False)  # nothing runs its chunks
-    console = await start_console(stack)
+    # API keys: the console reads and cancels acme's batches with acme's key, and may act (ops key).
+    stack = await start_stack(batch_config(keyed(config, tmp_path)), batcher=False)  # nothing runs its chunks
+    console = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY)
     assert console.writable
-    stub = batches_stub(stack.channel)
-    ref = await upload(stack.jobs, jsonl(demo_records(RECORDS)))
-    batch_id = (await stub.CreateBatch(create_request(ref))).batch.batch_id
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        batch_id = (await client.create_batch(jsonl(demo_records(RECORDS)), "demo")).batch_id
+        other = (await client.create_batch(jsonl(demo_records(RECORDS)), "demo")).batch_id
 
+    await browser.goto(console.url + "batches")
+    await browser.wait_for_text(batch_id, "#batches")
+    assert "Tenant acme's batches" in await browser.text()
     await browser.goto(console.url + f"batches/{batch_id}")
     await browser.wait_for_text("IN_PROGRESS", "#batch")
     await browser.wait_for_text("cancel batch", "#batch")
@@ -116,6 +123,7 @@ async def test_a_batch_that_cannot_finish_is_cancelled_from_its_page(
     assert "cancel batch" not in text
     await browser.screenshot(ARTIFACTS / "batch-cancelled.png")
 
+    # Its error file: every record, not run.
     href = await browser.evaluate("document.querySelector('#download-errors').getAttribute('href')")
     async with aiohttp.ClientSession() as session, session.get(console.url + href.lstrip("/")) as answer:
         assert answer.status == 200
@@ -123,14 +131,17 @@ async def test_a_batch_that_cannot_finish_is_cancelled_from_its_page(
     assert len(errors) == RECORDS
     assert {e["code"] for e in errors} == {"CANCELLED"}
 
-    # A read-only console shows the batch without the button and refuses a cancel posted anyway.
-    other = (await stub.CreateBatch(create_request(ref))).batch.batch_id
-    viewer = await start_console(stack, read_only=True)
+    # A read-only console shows the other batch without the button and refuses a cancel posted anyway.
+    viewer = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY, read_only=True)
     await browser.goto(viewer.url + f"batches/{other}")
     await browser.wait_for_text("read-only", "#batch")
+    assert "IN_PROGRESS" in await browser.text("#batch")
     assert not await browser.evaluate("!!document.querySelector(\"#batch form[action$='/cancel']\")")
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(viewer.url + f"batches/{other}/cancel", data={"csrf": "x"}) as answer,
-    ):
-        assert answer.status == 403
+    async with aiohttp.ClientSession() as session:
+        async with session.post(viewer.url + f"batches/{other}/cancel", data={"csrf": "x"}) as answer:
+            assert answer.status == 403
+        # A batch that is not there is a page that says so.
+        async with session.get(viewer.url + f"batches/{MISSING}") as answer:
+            assert answer.status == 404
+    await browser.goto(viewer.url + f"batches/{MISSING}")
+    await browser.wait_for_text(f"no batch '{MISSING}'")
