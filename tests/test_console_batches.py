@@ -86,6 +86,7 @@ async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_comp
     async with aiohttp.ClientSession() as session, session.get(console.url + href.lstrip("/")) as answer:
         assert answer.status == 200
         assert answer.headers["Content-Disposition"] == f'attachment; filename="batch-{batch_id}-output.jsonl"'
+        assert answer.headers["Transfer-Encoding"] == "chunked"  # streamed as read, not held whole
         lines = [json.loads(line) for line in (await answer.text()).splitlines() if line]
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
     assert lines[1]["outputs"]["y"] == [[3.0, 4.0, -1.0, 3.0]]  # the demo model's 2x + 1 of record r1
