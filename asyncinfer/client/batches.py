@@ -63,6 +63,19 @@ class Batch:
     first_errors: tuple[BatchError, ...] = ()
     labels: Mapping[str, str] = field(default_factory=dict)
     deduplicated: bool = False
+    # The rest of what GetBatch gives (the console's batch page shows all of it).
+    model_version: str = ""
+    priority: str = ""
+    input_ref: str = ""
+    input_format: str = ""
+    max_attempts: int = 0
+    idempotency_key: str = ""
+    in_progress_time: datetime | None = None
+    finalizing_time: datetime | None = None
+    # Set once the batch is terminal (or has invalid lines): read them with `download`.
+    output_ref: str = ""
+    error_ref: str = ""
+    callback_url: str = ""
 
     @property
     def done(self) -> bool:
@@ -95,6 +108,19 @@ def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = Fal
         first_errors=tuple(BatchError(e.line, e.custom_id, e.code, e.message) for e in batch.first_errors),
         labels=dict(batch.labels),
         deduplicated=deduplicated,
+        model_version=batch.model_version,
+        priority=job_pb2.Priority.Name(batch.priority).removeprefix("PRIORITY_") if batch.priority else "",
+        input_ref=batch.input_ref,
+        input_format=batch_service_pb2.BatchInputFormat.Name(batch.input_format).removeprefix("BATCH_INPUT_FORMAT_")
+        if batch.input_format
+        else "",
+        max_attempts=batch.max_attempts,
+        idempotency_key=batch.idempotency_key,
+        in_progress_time=_time(batch, "in_progress_time"),
+        finalizing_time=_time(batch, "finalizing_time"),
+        output_ref=batch.output_ref.ref,
+        error_ref=batch.error_ref.ref,
+        callback_url=batch.callback.url,
     )
 
 

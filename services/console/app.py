@@ -1,7 +1,7 @@
 """The console as a service app (asyncinfer.runner's App): an aiohttp server of server-rendered
 pages, the Backend's two gRPC channels, and one background loop sampling the queues.
 
-Who may act: replay, purge, pause and resume are offered when the console holds an ops key, or when
+Who may act: replay, purge, pause, resume and a batch's cancel are offered when the console holds an ops key, or when
 the stack has no API keys at all and the console binds loopback (`asyncinfer up` without keys,
 where every local caller may use the OpsService anyway); never with `console.read_only`."""
 
@@ -23,6 +23,7 @@ from services.console import html as ui
 from services.console.backend import Backend
 from services.console.context import Context
 from services.console.history import QueueHistory
+from services.console.pages_batches import batch_cancel, batch_file, batch_page, batches_page
 from services.console.pages_jobs import job_page, jobs_page, models_page
 from services.console.pages_ops import (
     dead_letter_action,
@@ -33,7 +34,7 @@ from services.console.pages_ops import (
 )
 
 log = structlog.get_logger("asyncinfer.console")
-Page = Callable[[Context, web.Request], Awaitable[web.Response]]
+Page = Callable[[Context, web.Request], Awaitable[web.StreamResponse]]
 # Inline styles and the one inline script (by its hash); nothing from elsewhere, no framing.
 CSP = (
     f"default-src 'none'; script-src '{ui.SCRIPT_HASH}'; style-src 'unsafe-inline'; img-src 'self' data:; "
@@ -55,6 +56,8 @@ async def _headers(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     response = await handler(request)
+    if response.prepared:  # a download streamed as it is read sets its own headers before it starts
+        return response
     response.headers["Content-Security-Policy"] = CSP
     response.headers["X-Content-Type-Options"] = "nosniff"
     response.headers["Referrer-Policy"] = "no-referrer"
@@ -115,6 +118,10 @@ class ConsoleApp:
                 ("GET", "/models", models_page),
                 ("GET", "/jobs", jobs_page),
                 ("GET", "/jobs/{job_id}", job_page),
+                ("GET", "/batches", batches_page),
+                ("GET", "/batches/{batch_id}", batch_page),
+                ("POST", "/batches/{batch_id}/cancel", batch_cancel),
+                ("GET", "/batches/{batch_id}/files/{file:output|errors}", batch_file),
                 ("GET", "/queues", queues_page),
                 ("POST", "/queues/{action:pause|resume}", queue_action),
                 ("GET", "/dead-letters", dead_letters_page),

@@ -1,10 +1,11 @@
-"""The console's one way to the stack: the gateway's JobService and the scheduler's OpsService,
-over their public gRPC APIs, with the keys the console is configured with. Protobuf stays here:
-pages get the SDK's `Job` and `ModelInfo`, and the small frozen dataclasses below."""
+"""The console's one way to the stack: the gateway's JobService and BatchService and the
+scheduler's OpsService, over their public gRPC APIs, with the keys the console is configured with.
+Protobuf stays here: pages get the SDK's `Job`, `Batch` and `ModelInfo`, and the small frozen
+dataclasses below."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -14,11 +15,20 @@ from grpc import aio
 from asyncinfer.access import bearer_metadata
 from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
+from asyncinfer.client.batches import FILES, Batch, batch_from_proto
 from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
 from asyncinfer.tls import read_secret
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.v1 import (
+    batch_service_pb2,
+    batch_service_pb2_grpc,
+    job_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    ops_service_pb2,
+    ops_service_pb2_grpc,
+)
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 10.0
@@ -58,6 +68,12 @@ class JobsPage:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchesPage:
+    batches: tuple[Batch, ...]
+    next_page_token: str
+
+
+@dataclass(frozen=True, slots=True)
 class DeadLettersPage:
     letters: tuple[dict[str, Any], ...]  # asyncinfer.commands.ops.dead_letter_json's form
     next_page_token: str
@@ -77,6 +93,7 @@ class Backend:
         self._gateway = _channel(config.gateway_address, credentials)
         self._scheduler = _channel(config.scheduler_address, credentials)
         self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway)
+        self._batches = batch_service_pb2_grpc.BatchServiceStub(self._gateway)
         self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler)
         self._tenant = bearer_metadata(read_secret(config.tenant_key, config.tenant_key_file, "console.tenant_key"))
         ops_key = read_secret(config.ops_key, config.ops_key_file, "console.ops_key")
@@ -117,6 +134,34 @@ class Backend:
         request = job_service_pb2.GetJobRequest(job_id=job_id)
         answer = await _call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
         return job_from_proto(answer.job)
+
+    # -- BatchService (the tenant's key: batches are per tenant) ----------------------------
+
+    async def list_batches(self, *, page_size: int = 20, page_token: str = "") -> BatchesPage:
+        request = batch_service_pb2.ListBatchesRequest(page_size=page_size, page_token=page_token)
+        answer = await _call(self._batches.ListBatches(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return BatchesPage(tuple(batch_from_proto(b) for b in answer.batches), answer.next_page_token)
+
+    async def batch(self, batch_id: str) -> Batch:
+        request = batch_service_pb2.GetBatchRequest(batch_id=batch_id)
+        answer = await _call(self._batches.GetBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return batch_from_proto(answer.batch)
+
+    async def cancel_batch(self, batch_id: str) -> Batch:
+        request = batch_service_pb2.CancelBatchRequest(batch_id=batch_id)
+        answer = await _call(self._batches.CancelBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return batch_from_proto(answer.batch)
+
+    async def batch_file(self, batch_id: str, file: str) -> AsyncGenerator[bytes, None]:
+        """The batch's `output` or `errors` file, piece by piece as the gateway streams it (no
+        deadline: a large file takes as long as it takes; a broken stream raises)."""
+        request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=FILES[file])
+        try:
+            async for piece in self._batches.ReadBatchFile(request, metadata=self._tenant):
+                yield piece.chunk
+        except grpc.RpcError as rpc_error:
+            error: AsyncInferClientError = from_rpc_error(rpc_error)
+            raise error from rpc_error
 
     # -- OpsService ------------------------------------------------------------------------
 

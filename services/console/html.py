@@ -26,6 +26,9 @@ th,td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:to
 td.n{text-align:right;font-variant-numeric:tabular-nums}
 .state{font-weight:600}.SUCCEEDED{color:#137333}.FAILED,.TIMED_OUT{color:#b3261e}.RUNNING{color:#0b57d0}
 .QUEUED{color:#8a5a00}.CANCELED,.CANCELLING,.EXPIRED{color:#5f6368}
+.COMPLETED{color:#137333}.IN_PROGRESS{color:#0b57d0}.VALIDATING,.FINALIZING{color:#8a5a00}.CANCELLED{color:#5f6368}
+.progress{display:inline-flex;width:160px;height:12px;background:#e3e7ee;border-radius:6px;overflow:hidden;
+vertical-align:middle}.progress .ok{background:#137333}.progress .bad{background:#b3261e}
 .note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}
 .error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0}
 form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px solid #dde1e8;padding:8px}
@@ -53,7 +56,13 @@ document.addEventListener('submit', (event) => {
 
 SCRIPT_HASH = "sha256-" + base64.b64encode(hashlib.sha256(SCRIPT.encode()).digest()).decode()
 COLORS = ("#0b57d0", "#e8710a", "#137333", "#b3261e", "#7b1fa2", "#00838f", "#5f6368")
-NAV = (("/queues", "Queues"), ("/jobs", "Jobs"), ("/dead-letters", "Dead letters"), ("/models", "Models"))
+NAV = (
+    ("/queues", "Queues"),
+    ("/jobs", "Jobs"),
+    ("/batches", "Batches"),
+    ("/dead-letters", "Dead letters"),
+    ("/models", "Models"),
+)
 
 
 def h(value: object) -> str:
@@ -109,6 +118,17 @@ def post_button(action: str, label: str, csrf: str, hidden: Mapping[str, str] | 
     return (
         f'<form class="inline" method="post" action="{h(action)}"{ask}><input type="hidden" name="csrf" '
         f'value="{h(csrf)}">{inputs}<button type="submit">{h(label)}</button></form>'
+    )
+
+
+def progress(completed: int, failed: int, total: int) -> str:
+    """A bar of the records done (green) and failed (red) out of `total`, and its percent."""
+    share = (completed + failed) / total if total else 0.0
+    ok, bad = (100 * completed / total, 100 * failed / total) if total else (0.0, 0.0)
+    return (
+        f'<span style="white-space:nowrap"><span class="progress" role="progressbar" aria-valuenow="{share * 100:.0f}" aria-valuemin="0" '
+        f'aria-valuemax="100"><span class="ok" style="width:{ok:.1f}%"></span>'
+        f'<span class="bad" style="width:{bad:.1f}%"></span></span> {share * 100:.0f}%</span>'
     )
 
 

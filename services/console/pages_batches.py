@@ -1,0 +1,205 @@
+"""The BatchService pages: the tenant's batches (newest first, paged, live on the first page), one
+batch's page (everything GetBatch gives, its progress live while it runs, a cancel button when the
+console may act) and its output and error files streamed to the browser as downloads."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import quote
+
+from aiohttp import web
+
+from asyncinfer.client import Batch
+from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from services.console import html as ui
+from services.console.context import Context, fragment_or_page, message_of
+
+PAGE_SIZE = 20
+# Batch IDs are UUIDv7s; anything else is not one (and must not reach a header or a file name).
+BATCH_ID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
+FILE_NAMES = {"output": "output", "errors": "errors"}
+
+
+async def batches_page(ctx: Context, request: web.Request) -> web.Response:
+    token = request.query.get("page_token", "")
+    whose = f"Tenant {ui.h(ctx.tenant)}'s batches" if ctx.tenant else "The batches the console's key reaches"
+    intro = f"<p>{whose}, newest first.</p>"
+    try:
+        found = await ctx.backend.list_batches(page_size=PAGE_SIZE, page_token=token)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, "Batches", intro + ui.error_box(error), status=502)
+    headers = ("batch", "state", "model", "done", "failed", "total", "progress", "records/s", "created", "finish")
+    listing = ui.table(headers, [_batch_row(b) for b in found.batches], numeric=(3, 4, 5, 7), id_="batches")
+    links = []
+    if token:
+        links.append('<a href="/batches">first page</a>')
+    if found.next_page_token:
+        more = ui.url("/batches", page_token=found.next_page_token)
+        links.append(f'<a id="next-page" href="{ui.h(more)}">next page</a>')
+    body = listing + " · ".join(links)
+    if request.headers.get("X-Console-Fragment"):
+        return web.Response(text=body, content_type="text/html")
+    # The first page follows new batches and their progress; later pages stay put.
+    live = "" if token else ' data-refresh="/batches" data-every="2000"'
+    return web.Response(
+        text=ui.page("Batches", intro + f'<div id="batches-live"{live}>{body}</div>', message=message_of(request)),
+        content_type="text/html",
+    )
+
+
+def _batch_row(batch: Batch) -> list[str]:
+    return [
+        f'<a href="/batches/{ui.h(batch.batch_id)}">{ui.h(batch.batch_id)}</a>',
+        ui.state(batch.state),
+        ui.h(batch.model_name),
+        ui.h(batch.completed),
+        ui.h(batch.failed),
+        ui.h(batch.total or "-"),
+        ui.progress(batch.completed, batch.failed, batch.total),
+        _rate(batch),
+        ui.when(batch.create_time),
+        _finish(batch),
+    ]
+
+
+def _rate(batch: Batch) -> str:
+    return ui.h(f"{batch.records_per_second:.1f}") if batch.records_per_second else "-"
+
+
+def _finish(batch: Batch) -> str:
+    """When it ended, or when it should at its rate (`~` marks the estimate)."""
+    if batch.end_time is not None:
+        return "ended " + ui.when(batch.end_time)
+    if batch.estimated_finish_time is not None:
+        return "~" + ui.when(batch.estimated_finish_time)
+    return "-"
+
+
+async def batch_page(ctx: Context, request: web.Request) -> web.Response:
+    batch_id = request.match_info["batch_id"]
+    title = f"Batch {batch_id}"
+    try:
+        batch = await ctx.backend.batch(batch_id)
+    except NotFoundError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=502)
+    body = batch_details(ctx, batch)
+    if request.headers.get("X-Console-Fragment"):
+        response = web.Response(text=body, content_type="text/html")
+        if batch.done:
+            response.headers["X-Console-Final"] = "1"
+        return response
+    live = "" if batch.done else f' data-refresh="/batches/{ui.h(batch_id)}" data-every="1000"'
+    return web.Response(
+        text=ui.page(title, f'<div id="batch"{live}>{body}</div>', message=message_of(request)),
+        content_type="text/html",
+    )
+
+
+def batch_details(ctx: Context, batch: Batch) -> str:
+    labels = ", ".join(f"{k}={v}" for k, v in sorted(batch.labels.items()))
+    record = [
+        ("state", ui.state(batch.state) + ("" if batch.done else " (live)")),
+        (
+            "progress",
+            ui.progress(batch.completed, batch.failed, batch.total)
+            + ui.h(f" {batch.completed} done, {batch.failed} failed of {batch.total or '?'}"),
+        ),
+        ("records/s", _rate(batch)),
+        ("chunks", ui.h(f"{batch.chunks_done} of {batch.chunks_total} ended")),
+        ("model", ui.h(f"{batch.model_name} {batch.model_version}".strip())),
+        ("priority", ui.h(batch.priority or "-")),
+        ("max attempts per chunk", ui.h(batch.max_attempts or "the model's default")),
+        ("labels", ui.h(labels or "-")),
+        ("idempotency key", ui.h(batch.idempotency_key or "-")),
+        ("input", ui.h(f"{batch.input_ref} ({batch.input_format or 'format from the content'})")),
+        ("output file", ui.h(batch.output_ref or "-")),
+        ("error file", ui.h(batch.error_ref or "-")),
+        ("webhook", ui.h(batch.callback_url or "-")),
+        ("created", ui.when(batch.create_time)),
+        ("in progress since", ui.when(batch.in_progress_time)),
+        ("finalizing since", ui.when(batch.finalizing_time)),
+        ("ended", ui.when(batch.end_time)),
+        ("estimated finish", ui.when(batch.estimated_finish_time) if not batch.done else "-"),
+        ("expires (completion window)", ui.when(batch.expires_at)),
+    ]
+    if batch.failure_message:
+        record.append(("failure", ui.h(batch.failure_message)))
+    parts = [ui.fields(record)]
+    if batch.done and (batch.output_ref or batch.error_ref):
+        downloads = [
+            f'<a id="download-{name}" href="/batches/{ui.h(batch.batch_id)}/files/{name}" download>{label}</a>'
+            for name, label, ref in (
+                ("output", "output file (JSONL)", batch.output_ref),
+                ("errors", "error file (JSONL)", batch.error_ref),
+            )
+            if ref
+        ]
+        parts.append("<h2>Files</h2><p>" + " · ".join(downloads) + "</p>")
+    if batch.first_errors:
+        rows = [[ui.h(e.line), ui.h(e.custom_id or "-"), ui.h(e.code), ui.h(e.message)] for e in batch.first_errors]
+        parts += ["<h2>First errors</h2>", ui.table(("line", "custom id", "code", "message"), rows, id_="errors")]
+    if not batch.done and batch.state != "CANCELLING":
+        if ctx.writable:
+            action = f"/batches/{batch.batch_id}/cancel"
+            ask = "Cancel this batch? What finished is kept; the rest ends in the error file."
+            parts.append("<p>" + ui.post_button(action, "cancel batch", ctx.csrf, confirm=ask) + "</p>")
+        else:
+            parts.append('<p class="note">read-only: cancelling needs a console that may act</p>')
+    return "".join(parts)
+
+
+async def batch_cancel(ctx: Context, request: web.Request) -> web.Response:
+    form = {k: str(v) for k, v in (await request.post()).items()}
+    refused = ctx.check_form(form)
+    if refused is not None:
+        return refused
+    batch_id = request.match_info["batch_id"]
+    try:
+        batch = await ctx.backend.cancel_batch(batch_id)
+        said = f"cancelling: {batch.state}"
+    except AsyncInferClientError as error:
+        said = f"refused: {error}"
+    raise web.HTTPSeeOther(f"/batches/{quote(batch_id)}?message={quote(said)}")
+
+
+async def batch_file(ctx: Context, request: web.Request) -> web.StreamResponse:
+    """The file as the gateway streams it, piece by piece: memory stays one piece whatever the size.
+    The first piece is read before the answer starts, so a refusal is still an error page."""
+    batch_id, which = request.match_info["batch_id"], request.match_info["file"]
+    title = f"Batch {batch_id}"
+    if not BATCH_ID.match(batch_id):
+        return fragment_or_page(request, title, ui.error_box("not a batch ID"), status=404)
+    pieces = ctx.backend.batch_file(batch_id, which)
+    try:
+        first = await anext(pieces, b"")
+    except NotFoundError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=404)
+    except AsyncInferClientError as error:
+        return fragment_or_page(request, title, ui.error_box(error), status=502)
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "application/jsonl",
+            "Content-Disposition": f'attachment; filename="batch-{batch_id}-{FILE_NAMES[which]}.jsonl"',
+            # The console's middleware cannot add headers to an answer already started.
+            "Content-Security-Policy": "default-src 'none'",
+            "X-Content-Type-Options": "nosniff",
+            "Cache-Control": "no-store",
+        }
+    )
+    await response.prepare(request)
+    try:
+        await response.write(first)
+        async for piece in pieces:
+            await response.write(piece)
+    except AsyncInferClientError:
+        # Headers are gone already: cutting the connection short is how the browser hears of it
+        # (the download shows as failed rather than as a complete, truncated file).
+        if request.transport is not None:
+            request.transport.close()
+        return response
+    finally:
+        await pieces.aclose()
+    await response.write_eof()
+    return response

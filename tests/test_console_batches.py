@@ -1,0 +1,148 @@
+"""The console's batch pages (issue 19) in a real headless chromium against a live stack: a batch
+created a moment earlier on the batches page, its own page following it to COMPLETED with no
+reload, its output file downloaded in input order, and a batch that cannot finish (no batcher)
+cancelled from its page. Screenshots go to test-artifacts/console/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_until
+from tests.browser import Browser
+from tests.stack import StartStack
+from tests.test_console import ARTIFACTS, OPS_KEY, TENANT_KEY, StartConsole, keyed
+from tests.test_console import browser as browser_fixture
+from tests.test_console import start_console as start_console_fixture
+
+pytestmark = pytest.mark.timeout(120)
+RECORDS = 300
+MISSING = "01a2325c-0000-7000-8000-000000000000"
+# The console tests' fixtures, under the names the tests ask for.
+browser = browser_fixture
+start_console = start_console_fixture
+
+
+def batch_config(config: Config) -> Config:
+    return config.replace(batches={"chunk_records": 50, "drive_interval_s": 0.05})
+
+
+async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_completed(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    # No batcher yet: the batch waits IN_PROGRESS until one starts, with the page open.
+    stack = await start_stack(batch_config(config), batcher=False)
+    console = await start_console(stack)
+    stub = batches_stub(stack.channel)
+    records = demo_records(RECORDS)
+    request = create_request(await upload(stack.jobs, jsonl(records)), labels={"team": "search"})
+    batch_id = (await stub.CreateBatch(request)).batch.batch_id
+    await wait_until(stub, batch_id, lambda batch: batch.request_counts.total == RECORDS)
+
+    await browser.goto(console.url + "batches")
+    await browser.wait_for_text(batch_id, "#batches")
+    row = await browser.evaluate(
+        f"[...document.querySelectorAll('#batches tbody tr')].find(r => r.innerText.includes('{batch_id}'))"
+        ".innerText.split('\\t')"
+    )
+    assert row[1] == "IN_PROGRESS"
+    assert row[2] == "demo"
+    assert row[3:6] == ["0", "0", str(RECORDS)]  # done, failed, total
+    assert row[6].strip() == "0%"
+    await browser.screenshot(ARTIFACTS / "batches.png")
+
+    await browser.click_and_load(f"#batches a[href='/batches/{batch_id}']")
+    text = await browser.text("#batch")
+    assert "IN_PROGRESS (live)" in text
+    assert f"0 done, 0 failed of {RECORDS}" in text
+    assert "team=search" in text
+    assert "cancel batch" in text  # loopback, no API keys: the console may act
+    assert not await browser.evaluate("!!document.querySelector('#download-output')")  # not before the end
+    await browser.evaluate("window.stillTheSamePage = true")
+    await browser.screenshot(ARTIFACTS / "batch-waiting.png")
+
+    # A batcher comes: the open page counts up to the end by itself.
+    await stack.start_batcher()
+    await browser.wait_for_text("COMPLETED", "#batch", timeout_s=60)
+    text = await browser.text("#batch")
+    assert f"{RECORDS} done, 0 failed of {RECORDS}" in text
+    assert "100%" in text
+    assert "(live)" not in text
+    assert "cancel batch" not in text
+    assert await browser.evaluate("window.stillTheSamePage === true")  # no reload
+    rate = await browser.evaluate(
+        "[...document.querySelectorAll('#batch tr')].find(r => r.cells[0].innerText === 'records/s').cells[1].innerText"
+    )
+    assert float(rate) > 0
+    await browser.screenshot(ARTIFACTS / "batch-completed.png")
+
+    # The download link streams the output file: one line per record, in input order.
+    href = await browser.evaluate("document.querySelector('#download-output').getAttribute('href')")
+    async with aiohttp.ClientSession() as session, session.get(console.url + href.lstrip("/")) as answer:
+        assert answer.status == 200
+        assert answer.headers["Content-Disposition"] == f'attachment; filename="batch-{batch_id}-output.jsonl"'
+        assert answer.headers["Transfer-Encoding"] == "chunked"  # streamed as read, not held whole
+        lines = [json.loads(line) for line in (await answer.text()).splitlines() if line]
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+    assert lines[1]["outputs"]["y"] == [[3.0, 4.0, -1.0, 3.0]]  # the demo model's 2x + 1 of record r1
+
+    # Back on the list, the batch shows completed.
+    await browser.goto(console.url + "batches")
+    row_text = f"[...document.querySelectorAll('#batches tbody tr')].find(r => r.innerText.includes('{batch_id}'))"
+    assert "COMPLETED" in await browser.evaluate(f"{row_text}.innerText")
+    assert "100%" in await browser.evaluate(f"{row_text}.innerText")
+
+
+async def test_a_batch_that_cannot_finish_is_cancelled_from_its_page(
+    config: Config, tmp_path: Path, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    # API keys: the console reads and cancels acme's batches with acme's key, and may act (ops key).
+    stack = await start_stack(batch_config(keyed(config, tmp_path)), batcher=False)  # nothing runs its chunks
+    console = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY)
+    assert console.writable
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        batch_id = (await client.create_batch(jsonl(demo_records(RECORDS)), "demo")).batch_id
+        other = (await client.create_batch(jsonl(demo_records(RECORDS)), "demo")).batch_id
+
+    await browser.goto(console.url + "batches")
+    await browser.wait_for_text(batch_id, "#batches")
+    assert "Tenant acme's batches" in await browser.text()
+    await browser.goto(console.url + f"batches/{batch_id}")
+    await browser.wait_for_text("IN_PROGRESS", "#batch")
+    await browser.wait_for_text("cancel batch", "#batch")
+    await browser.evaluate("window.confirm = () => true")  # the person says yes to the question
+    await browser.click_and_load("#batch form[action$='/cancel'] button")
+    await browser.wait_for_text("cancelling: CANCELLING", "#message")
+    await browser.wait_for_text("CANCELLED", "#batch", timeout_s=30)
+    text = await browser.text("#batch")
+    assert f"0 done, {RECORDS} failed of {RECORDS}" in text
+    assert "cancel batch" not in text
+    await browser.screenshot(ARTIFACTS / "batch-cancelled.png")
+
+    # Its error file: every record, not run.
+    href = await browser.evaluate("document.querySelector('#download-errors').getAttribute('href')")
+    async with aiohttp.ClientSession() as session, session.get(console.url + href.lstrip("/")) as answer:
+        assert answer.status == 200
+        errors = [json.loads(line) for line in (await answer.text()).splitlines() if line]
+    assert len(errors) == RECORDS
+    assert {e["code"] for e in errors} == {"CANCELLED"}
+
+    # A read-only console shows the other batch without the button and refuses a cancel posted anyway.
+    viewer = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY, read_only=True)
+    await browser.goto(viewer.url + f"batches/{other}")
+    await browser.wait_for_text("read-only", "#batch")
+    assert "IN_PROGRESS" in await browser.text("#batch")
+    assert not await browser.evaluate("!!document.querySelector(\"#batch form[action$='/cancel']\")")
+    async with aiohttp.ClientSession() as session:
+        async with session.post(viewer.url + f"batches/{other}/cancel", data={"csrf": "x"}) as answer:
+            assert answer.status == 403
+        # A batch that is not there is a page that says so.
+        async with session.get(viewer.url + f"batches/{MISSING}") as answer:
+            assert answer.status == 404
+    await browser.goto(viewer.url + f"batches/{MISSING}")
+    await browser.wait_for_text(f"no batch '{MISSING}'")
