@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import hashlib
 
-from nats.js.errors import KeyWrongLastSequenceError
-
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats import JetStreamContext, KeyWrongLastSequenceError
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
 from asyncinfer.nats.streams import ensure_kv_bucket, stream_subjects
 

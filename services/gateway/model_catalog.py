@@ -48,7 +48,7 @@ class ModelCatalog:
     def __init__(self, config: Config, js: JetStreamContext | None = None) -> None:
         self._config = config
         self._js = js
-        self._prefix = kv_subject_prefix(config.nats.models_bucket)
+        self._subject_prefix = kv_subject_prefix(config.nats.models_bucket)
         self._entries: dict[str, RegisteredVersion] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
 
@@ -56,7 +56,7 @@ class ModelCatalog:
         if self._js is None:
             return
         self._subscription = await self._js.subscribe(
-            f"{self._prefix}>",
+            f"{self._subject_prefix}>",
             stream=kv_stream(self._config.nats.models_bucket),
             cb=self._on_update,
             ordered_consumer=True,
@@ -72,7 +72,7 @@ class ModelCatalog:
                 log.warning("model_catalog_unsubscribe_failed", error=str(exc))
 
     async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._prefix)
+        key = msg.subject.removeprefix(self._subject_prefix)
         if KV_OP in (msg.headers or {}) or not msg.data:
             self._entries.pop(key, None)
             return
