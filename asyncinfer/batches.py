@@ -121,6 +121,9 @@ class BatchRecord:
     in_progress_time: float | None = None
     finalizing_time: float | None = None
     end_time: float | None = None
+    # The terminal webhook is on the WEBHOOKS stream (asyncinfer.batch_webhooks): set by the write
+    # after the enqueue, so a driver that finds a terminal record without it enqueues again.
+    callback_enqueued: bool = False
     # Not stored: the KV revision it was read at.
     revision: int = 0
 

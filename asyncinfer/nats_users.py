@@ -119,6 +119,7 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
     publish = [
         *_unique(api),
         contract.WORK_SUBJECTS,
+        contract.WEBHOOK_SUBJECTS,  # a batch's terminal webhook, enqueued by its batch driver
         f"{contract.QUEUED_SUBJECT_PREFIX}.>",
         f"{contract.CANCEL_SUBJECT_PREFIX}.>",
         _kv(nats.jobs_bucket),

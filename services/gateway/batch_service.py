@@ -23,6 +23,7 @@ from services.gateway.batch_convert import batch_from_request, batch_to_proto
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_files import error_file, output_file
 from services.gateway.batch_store import BatchConflict, BatchStore
+from services.gateway.callbacks import check_callback
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
@@ -75,6 +76,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         tenant = self._tenant(context)
         record = batch_from_request(request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock())
         await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
+        if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
+            await check_callback(record.callback, self._config.webhooks, tenant=tenant)
         if record.idempotency_key:
             holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id)
             if holder != record.batch_id:
