@@ -131,6 +131,7 @@ def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batc
         failure_message=record.failure_message,
         chunks_total=len(record.live_chunks),
         chunks_done=sum(1 for c in record.live_chunks if c.status.value in "DFX"),
+        revision=record.revision,
     )
     batch.create_time.FromNanoseconds(round(record.create_time * 1e9))
     batch.expires_at.FromNanoseconds(round(record.expires_at * 1e9))

@@ -41,6 +41,10 @@ class BatchStore:
     def __init__(self, bucket: KvBucket) -> None:
         self._bucket = bucket
 
+    @property
+    def bucket(self) -> KvBucket:
+        return self._bucket
+
     async def get(self, tenant: str, batch_id: str) -> BatchRecord | None:
         try:
             latest = await kv_latest(self._bucket, batch_key(tenant, batch_id))
