@@ -144,6 +144,7 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
                 nats.idempotency_bucket,
                 nats.webhooks_bucket,
                 nats.models_bucket,
+                nats.batches_bucket,  # read only (a headers-only watch: batches' planned chunks)
             )
         ),
         _objects_stream(nats.objects_bucket),
