@@ -10,7 +10,9 @@ batch) reads again next tick. What a tick does is derived from durable state alo
 the chunks' jobs, whose IDs follow from the batch and the range), so a gateway killed at any
 point leaves nothing that the next tick of any gateway cannot finish: a chunk submitted twice is
 one job (the same ID; Nats-Msg-Id and the existing record), a chunk's outputs are read from its
-job's result only when the files are read.
+job's result only when the files are read. The winner of a terminal write enqueues the batch's
+webhook (services.gateway.batch_callbacks); a terminal record whose webhook is not known to be
+enqueued is taken on again by the adoption pass.
 """
 
 from __future__ import annotations
