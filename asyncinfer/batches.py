@@ -121,6 +121,9 @@ class BatchRecord:
     in_progress_time: float | None = None
     finalizing_time: float | None = None
     end_time: float | None = None
+    # The terminal webhook is on the WEBHOOKS stream (asyncinfer.batch_webhooks): set by the write
+    # after the enqueue, so a driver that finds a terminal record without it enqueues again.
+    callback_enqueued: bool = False
     # Not stored: the KV revision it was read at.
     revision: int = 0
 
@@ -283,6 +286,10 @@ def progress_rate(record: BatchRecord, *, now: float) -> tuple[float, float | No
 def encode_batch(record: BatchRecord) -> bytes:
     data = dataclasses.asdict(record)
     data.pop("revision")
+    if not record.callback_enqueued:
+        # Left out unless set: a gateway of the release before it refuses a field it does not know,
+        # so only batches with a callback that ended carry it.
+        data.pop("callback_enqueued")
     data["v"] = RECORD_VERSION
     data["chunks"] = [[c.start, c.end, c.status.value, c.code, c.message] for c in record.chunks]
     data["first_errors"] = [[e.line, e.custom_id, e.code, e.message] for e in record.first_errors]

@@ -119,6 +119,7 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
     publish = [
         *_unique(api),
         contract.WORK_SUBJECTS,
+        contract.WEBHOOK_SUBJECTS,  # a batch's terminal webhook, enqueued by its batch driver
         f"{contract.QUEUED_SUBJECT_PREFIX}.>",
         f"{contract.CANCEL_SUBJECT_PREFIX}.>",
         _kv(nats.jobs_bucket),
@@ -143,6 +144,7 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
                 nats.idempotency_bucket,
                 nats.webhooks_bucket,
                 nats.models_bucket,
+                nats.batches_bucket,  # read only (a headers-only watch: batches' planned chunks)
             )
         ),
         _objects_stream(nats.objects_bucket),

@@ -80,12 +80,18 @@ async def kv_put_with_ttl(bucket: KvBucket, key: str, value: bytes, *, ttl_s: in
 
 
 async def kv_put_expecting(
-    bucket: KvBucket, key: str, value: bytes, *, last_revision: int, ttl_s: int | None = None
+    bucket: KvBucket,
+    key: str,
+    value: bytes,
+    *,
+    last_revision: int,
+    ttl_s: int | None = None,
+    extra_headers: dict[str, str] | None = None,
 ) -> int:
     """Writes `value` only if the key's latest revision is `last_revision` (0: the key has no
-    history at all), with a per-message TTL when given; the new revision. Raises
-    KeyWrongLastSequenceError when the key has moved on."""
-    headers = {EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
+    history at all), with a per-message TTL and headers of the caller's when given; the new
+    revision. Raises KeyWrongLastSequenceError when the key has moved on."""
+    headers = {**(extra_headers or {}), EXPECTED_LAST_SUBJECT_SEQUENCE: str(last_revision)}
     if ttl_s is not None:
         headers[MSG_TTL] = str(ttl_s)
     return await js_publish(bucket.js, bucket.subject_prefix + key, value, timeout_s=bucket.timeout_s, headers=headers)

@@ -27,6 +27,7 @@ from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
 from services.gateway.auth import require_auth_beyond_loopback
+from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
@@ -172,6 +173,7 @@ class GatewayApp:
             submitter=self._submitter,
             nc=self._nc,
             metrics=BatchMetrics(self.registry),
+            callbacks=BatchCallbacks(js, cfg),
         )
         batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
 

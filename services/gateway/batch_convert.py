@@ -5,13 +5,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from asyncinfer.batch_webhooks import ERROR_FILE as ERROR_FILE
+from asyncinfer.batch_webhooks import OUTPUT_FILE as OUTPUT_FILE
+from asyncinfer.batch_webhooks import error_ref, has_files, output_ref
 from asyncinfer.batches import BatchRecord, BatchState, InputFormat, progress_rate
 from asyncinfer.blobs import INPUT_KIND
 from asyncinfer.config import Config
 from asyncinfer.errors import FieldViolation, InvalidArgument
-from asyncinfer.jobs import CallbackSpec, Priority
+from asyncinfer.jobs import Priority
 from asyncinfer.v1 import batch_service_pb2, job_pb2
-from services.gateway.submit_request import MAX_IDEMPOTENCY_KEY_BYTES, _label_violations, resolve_model
+from asyncinfer.webhook_status import CallbackEvent
+from services.gateway.convert import callback_from_proto
+from services.gateway.submit_request import (
+    MAX_IDEMPOTENCY_KEY_BYTES,
+    _label_violations,
+    callback_url_violations,
+    resolve_model,
+)
 
 _STATE_TO_PROTO = {state: batch_service_pb2.BatchState.Value(f"BATCH_STATE_{state.value}") for state in BatchState}
 _FORMAT_FROM_PROTO = {
@@ -27,8 +37,6 @@ _PRIORITY_FROM_PROTO = {
     job_pb2.PRIORITY_LOW: Priority.LOW,
 }
 _PRIORITY_TO_PROTO = {p: v for v, p in _PRIORITY_FROM_PROTO.items() if v != job_pb2.PRIORITY_UNSPECIFIED}
-OUTPUT_FILE = "output"
-ERROR_FILE = "errors"
 
 
 def _invalid(violations: list[FieldViolation]) -> InvalidArgument:
@@ -71,9 +79,12 @@ def batch_from_request(
     violations += _label_violations(labels)
     callback = None
     if request.HasField("callback"):
-        if not request.callback.url.startswith(("https://", "http://")):
-            violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
-        callback = CallbackSpec(url=request.callback.url)
+        callback, callback_violations = callback_from_proto(request.callback)
+        violations += callback_url_violations(callback.url) + callback_violations
+        if CallbackEvent.RUNNING.value in callback.events:
+            violations.append(
+                FieldViolation("callback.events", "a batch sends only its end (COMPLETED, FAILED, CANCELED)")
+            )
     if violations:
         raise _invalid(violations)
     return BatchRecord(
@@ -120,6 +131,7 @@ def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batc
         failure_message=record.failure_message,
         chunks_total=len(record.live_chunks),
         chunks_done=sum(1 for c in record.live_chunks if c.status.value in "DFX"),
+        revision=record.revision,
     )
     batch.create_time.FromNanoseconds(round(record.create_time * 1e9))
     batch.expires_at.FromNanoseconds(round(record.expires_at * 1e9))
@@ -134,9 +146,9 @@ def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batc
     batch.records_per_second = rate
     if finish is not None:
         batch.estimated_finish_time.FromNanoseconds(round(finish * 1e9))
-    if (record.state.is_terminal and record.state is not BatchState.FAILED) or record.invalid_lines:
-        batch.output_ref.ref = f"batches/{record.batch_id}/{OUTPUT_FILE}"
-        batch.error_ref.ref = f"batches/{record.batch_id}/{ERROR_FILE}"
+    if has_files(record):
+        batch.output_ref.ref = output_ref(record)
+        batch.error_ref.ref = error_ref(record)
     if record.callback is not None:
         batch.callback.url = record.callback.url
     return batch

@@ -10,7 +10,9 @@ batch) reads again next tick. What a tick does is derived from durable state alo
 the chunks' jobs, whose IDs follow from the batch and the range), so a gateway killed at any
 point leaves nothing that the next tick of any gateway cannot finish: a chunk submitted twice is
 one job (the same ID; Nats-Msg-Id and the existing record), a chunk's outputs are read from its
-job's result only when the files are read.
+job's result only when the files are read. The winner of a terminal write enqueues the batch's
+webhook (services.gateway.batch_callbacks); a terminal record whose webhook is not known to be
+enqueued is taken on again by the adoption pass.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 import structlog
 
 from asyncinfer import batches
+from asyncinfer.batch_webhooks import callback_due
 from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, chunk_job_id
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
@@ -30,6 +33,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from services.gateway import transitions
+from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer, objects_expire_at
 from services.gateway.batch_store import BatchConflict, BatchStore
@@ -55,6 +59,7 @@ class BatchDriver:
         submitter: JobSubmitter,
         nc: NatsClient,
         metrics: BatchMetrics | None = None,
+        callbacks: BatchCallbacks | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -65,6 +70,7 @@ class BatchDriver:
         self._expiry = expiry
         self._submitter = submitter
         self._nc = nc
+        self._callbacks = callbacks
         self._clock = clock
         self._driven: set[tuple[str, str]] = set()
         self._wake = asyncio.Event()
@@ -125,25 +131,27 @@ class BatchDriver:
             if (tenant, batch_id) in self._driven:
                 continue
             record = await self._store.get(tenant, batch_id)
-            if record is not None and not record.state.is_terminal:
+            # A terminal one whose webhook is not known to be enqueued: its gateway died between.
+            if record is not None and (not record.state.is_terminal or callback_due(record)):
                 self._driven.add((tenant, batch_id))
 
     async def tick(self, tenant: str, batch_id: str) -> bool:
         """One step of the batch; True when it is terminal (nothing left to drive)."""
         record = await self._store.get(tenant, batch_id)
-        if record is None or record.state.is_terminal:
+        if record is None:
             return True
+        if record.state.is_terminal:
+            return await self._ended(record)
         self._seen[(tenant, batch_id)] = record
         now = self._clock()
         model = self._config.model(record.model_name)
         if record.state is BatchState.VALIDATING:
             if model is None:  # the configuration changed since the batch was accepted
                 failed = record.evolve(state=BatchState.FAILED, failure_message="the model is no longer served")
-                await self._write(record, failed.evolve(end_time=now))
-                return True
+                return await self._ended(await self._write(record, failed.evolve(end_time=now)))
             if now >= record.expires_at:
-                await self._write(record, batches.finish(record.evolve(state=BatchState.EXPIRED), now=now))
-                return True
+                expired = batches.finish(record.evolve(state=BatchState.EXPIRED), now=now)
+                return await self._ended(await self._write(record, expired))
             key = (tenant, batch_id)
             if key not in self._preparing:
                 # Reading a large file takes a while: beside the ticks of the other batches.
@@ -172,8 +180,18 @@ class BatchDriver:
                     completed=counts.completed,
                     failed=counts.failed,
                 )
-            return written.state.is_terminal
+                return await self._ended(written)
         return False
+
+    async def _ended(self, record: BatchRecord) -> bool:
+        """After the batch's terminal write (this gateway's, or one whose writer died before the
+        webhook was enqueued): enqueues its webhook, then records that. True when nothing is left."""
+        if self._callbacks is None or not callback_due(record):
+            return True
+        await self._callbacks.enqueue(record)  # Unavailable: this batch is tried again next tick
+        with contextlib.suppress(BatchConflict):  # another driver recorded it first
+            await self._write(record, record.evolve(callback_enqueued=True))
+        return True
 
     def _prepared(self, key: tuple[str, str]) -> None:
         self._preparing.pop(key, None)

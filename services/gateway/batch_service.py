@@ -23,6 +23,8 @@ from services.gateway.batch_convert import batch_from_request, batch_to_proto
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_files import error_file, output_file
 from services.gateway.batch_store import BatchConflict, BatchStore
+from services.gateway.batch_watch import watch_batch
+from services.gateway.callbacks import check_callback
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
@@ -75,6 +77,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         tenant = self._tenant(context)
         record = batch_from_request(request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock())
         await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
+        if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
+            await check_callback(record.callback, self._config.webhooks, tenant=tenant)
         if record.idempotency_key:
             holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id)
             if holder != record.batch_id:
@@ -112,19 +116,27 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
     async def WatchBatch(
         self, request: batch_service_pb2.WatchBatchRequest, context: Context
     ) -> AsyncIterator[batch_service_pb2.WatchBatchResponse]:
-        """The batch now, then each change (its state, counts or chunks), read every drive interval."""
+        """The batch now (unless not newer than after_revision), then each write (its state,
+        counts or chunks) as it is made (batch_watch.py), until the batch is terminal."""
         tenant = self._tenant(context)
-        record = await self._read(tenant, request.batch_id)
-        yield batch_service_pb2.WatchBatchResponse(batch=self._proto(record))
-        revision = record.revision
-        while not record.state.is_terminal:
-            await asyncio.sleep(self._config.batches.drive_interval_s)
-            latest = await self._store.get(tenant, request.batch_id)
-            if latest is None:
-                return
-            record = latest
-            if record.revision != revision:
-                revision = record.revision
+        if not is_job_id(request.batch_id):  # before it names a subject: no wildcard gets through
+            raise batch_not_found(request.batch_id)
+        async with watch_batch(self._store.bucket, tenant, request.batch_id) as updates:
+            # Subscribed first, so no write falls between this read and the feed.
+            record = await self._read(tenant, request.batch_id)
+            if request.after_revision > record.revision:
+                message = f"after_revision {request.after_revision} is ahead of the batch's revision {record.revision}"
+                raise InvalidArgument(message, [FieldViolation("after_revision", message)])
+            if record.revision > request.after_revision or not request.after_revision:
+                yield batch_service_pb2.WatchBatchResponse(batch=self._proto(record))
+            sent = record.revision
+            while not record.state.is_terminal:
+                latest = await updates.next()
+                if latest is None:  # deleted
+                    return
+                if latest.revision <= sent:
+                    continue  # the feed's first message: the record already sent
+                record, sent = latest, latest.revision
                 yield batch_service_pb2.WatchBatchResponse(batch=self._proto(record))
 
     async def CancelBatch(

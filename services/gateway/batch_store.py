@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, encode_planned, planned_chunks
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import Unavailable
@@ -29,15 +30,17 @@ def _claim_key(tenant: str, idempotency_key: str) -> str:
 
 
 async def ensure_batches_bucket(js: JetStreamContext, config: NatsConfig) -> KvBucket:
-    kv = await ensure_kv_bucket(
-        js, config, bucket=config.batches_bucket, description="asyncinfer batch records, keyed <tenant>.<batch_id>"
-    )
+    kv = await ensure_kv_bucket(js, config, bucket=config.batches_bucket, description=BATCHES_BUCKET_DESCRIPTION)
     return KvBucket(name=config.batches_bucket, kv=kv, js=js)
 
 
 class BatchStore:
     def __init__(self, bucket: KvBucket) -> None:
         self._bucket = bucket
+
+    @property
+    def bucket(self) -> KvBucket:
+        return self._bucket
 
     async def get(self, tenant: str, batch_id: str) -> BatchRecord | None:
         try:
@@ -58,6 +61,8 @@ class BatchStore:
                 batch_key(record.tenant, record.batch_id),
                 encode_batch(record),
                 last_revision=record.revision,
+                # What the scheduler's autoscaling signal counts (asyncinfer.batch_plans).
+                extra_headers={PLANNED_HEADER: encode_planned(planned_chunks(record))},
             )
         except KeyWrongLastSequenceError as exc:
             raise BatchConflict(record.batch_id) from exc

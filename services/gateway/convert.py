@@ -117,13 +117,8 @@ def submit_request_from_proto(
     )
     callback: CallbackSpec | None = None
     if request.HasField("callback"):
-        events = []
-        for event in request.callback.events:
-            if event not in job_pb2.CallbackEvent.values() or event == job_pb2.CALLBACK_EVENT_UNSPECIFIED:
-                violations.append(FieldViolation("callback.events", f"unknown callback event {event}"))
-            else:
-                events.append(job_pb2.CallbackEvent.Name(event).removeprefix(_CALLBACK_EVENT_PREFIX))
-        callback = CallbackSpec(url=request.callback.url, events=tuple(events))
+        callback, callback_violations = callback_from_proto(request.callback)
+        violations += callback_violations
     try:
         inputs = tuple(decode_tensors(request.inputs, "inputs"))
     except InvalidArgument as exc:
@@ -270,3 +265,16 @@ def models_to_proto(listings: Iterable[ModelListing]) -> job_service_pb2.ListMod
             )
         response.models.append(info)
     return response
+
+
+def callback_from_proto(callback: job_pb2.Callback) -> tuple[CallbackSpec, list[FieldViolation]]:
+    """The callback (its events as CallbackEvent names) and what is wrong with its events (a job's
+    and a batch's callback alike; the URL is checked by submit_request.callback_url_violations)."""
+    events = []
+    violations = []
+    for event in callback.events:
+        if event not in job_pb2.CallbackEvent.values() or event == job_pb2.CALLBACK_EVENT_UNSPECIFIED:
+            violations.append(FieldViolation("callback.events", f"unknown callback event {event}"))
+        else:
+            events.append(job_pb2.CallbackEvent.Name(event).removeprefix(_CALLBACK_EVENT_PREFIX))
+    return CallbackSpec(url=callback.url, events=tuple(events)), violations

@@ -93,14 +93,19 @@ def _option_violations(request: SubmitRequest, config: Config, now: float) -> li
     if request.max_attempts < 0:
         violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
     if request.callback is not None:
-        try:
-            url = urlsplit(request.callback.url)
-            absolute = url.scheme in ("https", "http") and bool(url.hostname)
-        except ValueError:  # e.g. an unclosed IPv6 bracket
-            absolute = False
-        if not absolute:
-            violations.append(FieldViolation("callback.url", "must be an absolute https (or http) URL"))
+        violations += callback_url_violations(request.callback.url)
     return violations
+
+
+def callback_url_violations(url: str) -> list[FieldViolation]:
+    """The form check of a callback URL (a job's or a batch's); its addresses are checked later
+    (services.gateway.callbacks.check_callback)."""
+    try:
+        parts = urlsplit(url)
+        absolute = parts.scheme in ("https", "http") and bool(parts.hostname)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        absolute = False
+    return [] if absolute else [FieldViolation("callback.url", "must be an absolute https (or http) URL")]
 
 
 def validate_submit(

@@ -33,6 +33,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
+from services.scheduler.batch_plans import BatchPlans
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import (
     DEFAULT_SWEEP_INTERVAL_S,
@@ -81,6 +82,7 @@ class SchedulerApp:
         self._nc: NatsClient | None = None
         self._flow: JobFlow | None = None
         self._stats: QueueStatsReader | None = None
+        self._batch_plans: BatchPlans | None = None
         self._queues_kv: KeyValue | None = None
         self._instance: SchedulerInstance | None = None
         self._models_registry: ModelRegistryWriter | None = None
@@ -155,9 +157,12 @@ class SchedulerApp:
             batchers=self.batchers,
             tracing=self.tracing,
         )
+        self._batch_plans = batch_plans = BatchPlans(js, config.nats.batches_bucket)
+        await batch_plans.start(config.nats)
         self._stats = stats = QueueStatsReader(
             js=js,
             config=config,
+            planned_chunks=batch_plans.planned,
             batchers=self.batchers,
             in_flight_count=flow.in_flight_count,
             completed_per_s=flow.completed_per_s,
@@ -347,6 +352,8 @@ class SchedulerApp:
             await self._webhooks.stop(grace_s)
         if self._pauses is not None:
             await self._pauses.stop()
+        if self._batch_plans is not None:
+            await self._batch_plans.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._models_registry is not None:
             await self._models_registry.clear()

@@ -9,6 +9,8 @@ yet, or none finished anything), one, or the batchers connected. While the queue
 or the scheduler draining) its waiting jobs do not count, since nothing will run them: only the
 jobs in flight do, and never more batchers than are connected (an autoscaler must not scale up a
 queue nobody may dispatch from, and may scale it to zero once its jobs in flight are done).
+Running batches' chunks not yet queued as jobs (services.scheduler.batch_plans) count as waiting
+jobs, up to `batches.chunks_in_flight` more batchers per batch (a batch runs no more at once).
 
 The submission rate counts the queued notices heard (asyncinfer.queued_notice: one per submitted
 job, and one per replayed dead letter); a notice lost on the way is a job missing from the rate.
@@ -90,10 +92,38 @@ class ModelQueueSnapshot:
 
 
 def desired_batchers(
-    *, waiting: int, in_flight: int, connected: int, completed_per_s: float, target_drain_s: float, held: bool = False
+    *,
+    waiting: int,
+    in_flight: int,
+    connected: int,
+    completed_per_s: float,
+    target_drain_s: float,
+    held: bool = False,
+    planned: int = 0,
+    planned_batches: int = 0,
+    chunks_in_flight: int = 0,
 ) -> int:
-    """`held`: the queue is paused or its scheduler draining (see the module's docstring)."""
+    """`held`: the queue is paused or its scheduler draining (see the module's docstring).
+    `planned`: chunks of `planned_batches` running batches not yet queued as jobs, each a job to
+    come; since a batch keeps at most `chunks_in_flight` chunks queued or running, they add at
+    most that many batchers per batch to what the queue alone asks for."""
     backlog = in_flight if held else waiting + in_flight
+    if not held and planned > 0:
+        alone = desired_batchers(
+            waiting=waiting,
+            in_flight=in_flight,
+            connected=connected,
+            completed_per_s=completed_per_s,
+            target_drain_s=target_drain_s,
+        )
+        wanted = desired_batchers(
+            waiting=waiting + planned,
+            in_flight=in_flight,
+            connected=connected,
+            completed_per_s=completed_per_s,
+            target_drain_s=target_drain_s,
+        )
+        return min(wanted, alone + planned_batches * max(chunks_in_flight, 1))
     if backlog <= 0:
         return 0
     if connected <= 0 or completed_per_s <= 0:
@@ -118,7 +148,9 @@ class QueueStatsReader:
         is_draining: Callable[[], bool],
         put_back_count: Callable[[str, Priority], int] = lambda _model, _priority: 0,
         batch_sizes: Callable[[str], tuple[BatchSizeCount, ...]] = lambda _model: (),
+        planned_chunks: Callable[[str], tuple[int, int]] = lambda _model: (0, 0),
     ) -> None:
+        self._planned_chunks = planned_chunks
         self._put_back_count = put_back_count
         self._batch_sizes = batch_sizes
         self._js = js
@@ -142,6 +174,7 @@ class QueueStatsReader:
         rate = self._completed_per_s(model.name)
         paused = self._is_paused(model.name)
         draining = self._is_draining()
+        planned, planned_batches = self._planned_chunks(model.name)
         return ModelQueueSnapshot(
             model_name=model.name,
             priorities=tuple(queued),
@@ -155,6 +188,9 @@ class QueueStatsReader:
                 completed_per_s=rate,
                 target_drain_s=self._config.scheduler.autoscale_target_drain_s,
                 held=paused or draining,
+                planned=planned,
+                planned_batches=planned_batches,
+                chunks_in_flight=self._config.batches.chunks_in_flight,
             ),
             paused=paused,
             completed_per_s=rate,

@@ -1,9 +1,6 @@
-"""What a WEBHOOKS message carries (one delivery: the event, where to send it, the exact body),
-and the thin JSON body itself.
-
-The body is built once, when the event is enqueued, and sent unchanged on every attempt (only
-`webhook-timestamp` and the signature change), so a receiver that deduplicates by `webhook-id`
-sees one event. It is a summary, never the outputs:
+"""The thin JSON body of a job's webhook (the WEBHOOKS message that carries it, Delivery and its
+codec, is shared with the gateway's batch callbacks: asyncinfer.webhook_delivery). It is a
+summary, never the outputs:
 
     {"type": "job.completed", "timestamp": "2025-01-01T12:00:00.123456Z",
      "data": {"job_id": ..., "model_name": ..., "model_version": ..., "state": "SUCCEEDED",
@@ -17,17 +14,19 @@ sees one event. It is a summary, never the outputs:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 import grpc
-import msgspec
 
-# Named in asyncinfer.contract; re-exported for its callers here.
+# Named in asyncinfer.contract and asyncinfer.webhook_delivery; re-exported for their callers here.
 from asyncinfer.contract import WEBHOOK_SUBJECT_PREFIX as WEBHOOK_SUBJECT_PREFIX
-from asyncinfer.contract import webhook_subject
 from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.webhook_delivery import CODEC_VERSION as CODEC_VERSION
+from asyncinfer.webhook_delivery import Delivery as Delivery
+from asyncinfer.webhook_delivery import DeliveryWire as DeliveryWire
+from asyncinfer.webhook_delivery import decode_delivery as decode_delivery
+from asyncinfer.webhook_delivery import encode_delivery as encode_delivery
+from asyncinfer.webhook_delivery import rfc3339 as _rfc3339
 from asyncinfer.webhook_status import CallbackEvent
 
 EVENT_TYPES = {
@@ -37,82 +36,6 @@ EVENT_TYPES = {
     CallbackEvent.CANCELED: "job.canceled",
 }
 _CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    webhook_id: str
-    tenant: str
-    job_id: str
-    event: CallbackEvent
-    job_attempt: int
-    url: str
-    body: str  # the exact JSON text sent
-    ttl_s: float  # how long the job's delivery status is kept after each write
-
-    @property
-    def subject(self) -> str:
-        return webhook_subject(self.tenant)
-
-
-# --- codec -------------------------------------------------------------------------------------
-
-# Read with `v` (missing: version 0); still written as version 0 (no `v`): the release before the
-# versioned codecs reads a delivery with `Delivery(**fields)`, which refuses a field it does not
-# know, and its sender drops (terms) what it cannot read, so a `v` would lose webhooks while
-# schedulers of both releases run. Once none of that release is left, a change writes version 1.
-CODEC_VERSION = 0
-
-
-class DeliveryWire(msgspec.Struct, kw_only=True, omit_defaults=True):
-    v: int = 0  # missing: version 0
-    webhook_id: str
-    tenant: str
-    job_id: str
-    event: CallbackEvent
-    job_attempt: int
-    url: str
-    body: str
-    ttl_s: float
-
-
-_encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(DeliveryWire)
-
-
-def encode_delivery(delivery: Delivery) -> bytes:
-    d = delivery
-    return _encoder.encode(
-        DeliveryWire(
-            v=CODEC_VERSION,
-            webhook_id=d.webhook_id,
-            tenant=d.tenant,
-            job_id=d.job_id,
-            event=d.event,
-            job_attempt=d.job_attempt,
-            url=d.url,
-            body=d.body,
-            ttl_s=d.ttl_s,
-        )
-    )
-
-
-def decode_delivery(data: bytes) -> Delivery:
-    w = _decoder.decode(data)
-    return Delivery(
-        webhook_id=w.webhook_id,
-        tenant=w.tenant,
-        job_id=w.job_id,
-        event=w.event,
-        job_attempt=w.job_attempt,
-        url=w.url,
-        body=w.body,
-        ttl_s=w.ttl_s,
-    )
-
-
-def _rfc3339(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
 
 
 def event_body(record: JobRecord, event: CallbackEvent) -> str:

@@ -1,0 +1,82 @@
+"""WatchBatch on the batches bucket's watch (services/gateway/batch_watch.py): every distinct state
+of a batch arrives, in order (a short-lived one too, which a read on a timer could step over),
+the watch ends at the terminal state, and it resumes after a revision."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.v1 import batch_service_pb2
+from services.batcher.models import demo
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
+from tests.stack import StartStack
+from tests.test_batch_lifecycle import GATED, gate
+
+__all__ = ["gate"]  # the fixture, used by name
+S = batch_service_pb2
+ORDER = [S.BATCH_STATE_VALIDATING, S.BATCH_STATE_IN_PROGRESS, S.BATCH_STATE_COMPLETED]
+
+
+def watch_config(config: Config) -> Config:
+    return config.replace(batches={"chunk_records": 50, "chunks_in_flight": 2}, models=[DEMO_MODEL.model_dump(), GATED])
+
+
+async def watched(stub: object, batch_id: str, after_revision: int = 0) -> list[S.Batch]:
+    async with asyncio.timeout(60):
+        request = S.WatchBatchRequest(batch_id=batch_id, after_revision=after_revision)
+        return [update.batch async for update in stub.WatchBatch(request)]  # type: ignore[attr-defined]
+
+
+def distinct_states(updates: list[S.Batch]) -> list[int]:
+    states: list[int] = []
+    for batch in updates:
+        if not states or states[-1] != batch.state:
+            states.append(batch.state)
+    return states
+
+
+async def test_the_watch_yields_every_distinct_state_in_order_and_ends(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(watch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(5)))
+    for _ in range(3):  # a small batch is IN_PROGRESS for about one drive interval (0.2 s)
+        created = await stub.CreateBatch(create_request(ref))
+        updates = await watched(stub, created.batch.batch_id)
+        states = distinct_states(updates)
+        assert states in (ORDER, ORDER[1:]), states
+        assert len(states) == len({*states})  # no state comes back
+        revisions = [u.revision for u in updates]
+        assert revisions == sorted(revisions)
+        assert len(set(revisions)) == len(revisions)
+        assert updates[-1].request_counts.completed == 5
+
+
+async def test_the_watch_resumes_after_a_revision(config: Config, start_stack: StartStack, gate: None) -> None:
+    stack = await start_stack(watch_config(config))
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(100))), model_name="gated")
+    )
+    batch_id = created.batch.batch_id
+    async with asyncio.timeout(60):
+        async for update in stub.WatchBatch(S.WatchBatchRequest(batch_id=batch_id)):
+            if update.batch.state == S.BATCH_STATE_IN_PROGRESS:
+                running = update.batch
+                break
+    demo.GATE.set()
+    rest = await watched(stub, batch_id, after_revision=running.revision)
+    assert rest
+    assert all(u.revision > running.revision for u in rest)
+    assert rest[-1].state == S.BATCH_STATE_COMPLETED
+    ended = await watched(stub, batch_id)  # a terminal batch: the batch now, and the watch ends
+    assert [u.state for u in ended] == [S.BATCH_STATE_COMPLETED]
+    with pytest.raises(grpc.aio.AioRpcError) as ahead:
+        await watched(stub, batch_id, after_revision=ended[0].revision + 100)
+    assert ahead.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as wildcard:
+        await watched(stub, ">")
+    assert wildcard.value.code() == grpc.StatusCode.NOT_FOUND

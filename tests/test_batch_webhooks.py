@@ -1,0 +1,187 @@
+"""A batch's terminal callback (issue 15) through the whole stack to a real HTTP receiver that
+verifies every signature with `standardwebhooks`: one signed delivery per batch end (completed,
+cancelled), none when none was asked, a URL refused at CreateBatch as a job's is, and one
+delivery when the gateway that wrote the end died before enqueueing it (another driver enqueues
+it; enqueues from several drivers are one)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from asyncinfer.batches import BatchState
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.jobs import CallbackSpec
+from asyncinfer.v1 import batch_service_pb2, job_pb2
+from asyncinfer.webhook_status import DeliveryState, ensure_webhooks_bucket, read_deliveries
+from services.batcher.models import demo
+from services.gateway.batch_callbacks import BatchCallbacks
+from services.gateway.batch_store import BatchStore, ensure_batches_bucket
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_ended, wait_until
+from tests.stack import Stack, StartStack
+from tests.test_batch_lifecycle import GATED, gate
+from tests.test_webhooks import SECRET, Receiver, webhook_config
+
+__all__ = ["gate"]  # the fixture, used by name
+WAIT_S = 30.0
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[Receiver]:
+    server = Receiver(SECRET)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def batch_config(config: Config) -> Config:
+    return webhook_config(config).replace(
+        batches={"chunk_records": 50, "chunks_in_flight": 2, "drive_interval_s": 0.05, "adopt_interval_s": 0.2},
+        models=[DEMO_MODEL.model_dump(), GATED],
+    )
+
+
+def callback(url: str, *events: int) -> job_pb2.Callback:
+    return job_pb2.Callback(url=url, events=events)
+
+
+async def settled(stack: Stack, batch_id: str) -> None:
+    """Until the batch's delivery is final and nothing is left on the WEBHOOKS stream (so a
+    duplicate, had one been enqueued, would have been sent by now)."""
+    js = stack.nc.jetstream()
+    kv = await ensure_webhooks_bucket(js, stack.config.nats)
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            entry = await read_deliveries(kv, "default", batch_id)
+            info = await js.stream_info(stack.config.nats.webhooks_stream)
+            if entry.deliveries and all(d.state.is_final for d in entry.deliveries) and info.state.messages == 0:
+                assert [d.state for d in entry.deliveries] == [DeliveryState.DELIVERED]
+                return
+            await asyncio.sleep(0.05)
+
+
+def verified(received: Any) -> dict[str, Any]:
+    assert not isinstance(received.verified, Exception), received.verified
+    body: dict[str, Any] = json.loads(received.body)
+    return body
+
+
+async def test_a_completed_batch_sends_one_signed_webhook_with_its_state(
+    config: Config, start_stack: StartStack, receiver: Receiver
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(120)))
+    created = await stub.CreateBatch(create_request(ref, callback=callback(receiver.url("/done")), labels={"k": "v"}))
+    silent = await stub.CreateBatch(create_request(ref))  # no callback: nothing is sent
+    batch_id = created.batch.batch_id
+    batch = await wait_ended(stub, batch_id)
+    await wait_ended(stub, silent.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+
+    [received] = await receiver.wait_for("/done", 1)
+    await settled(stack, batch_id)
+    assert len(receiver.received) == 1  # once, and nothing for the batch without a callback
+    body = verified(received)
+    assert received.headers["webhook-id"] == f"msg_batch_{batch_id}_end"
+    assert body["type"] == "batch.completed"
+    data = body["data"]
+    assert data["batch_id"] == batch_id
+    assert data["state"] == "COMPLETED"
+    assert data["request_counts"] == {"total": 120, "completed": 120, "failed": 0}
+    assert data["output_ref"] == batch.output_ref.ref
+    assert data["error_ref"] == batch.error_ref.ref
+    assert data["labels"] == {"k": "v"}
+    assert data["fetch"] == {"rpc": "asyncinfer.v1.BatchService/GetBatch", "batch_id": batch_id}
+    assert {"create_time", "in_progress_time", "finalizing_time", "end_time", "expires_at"} <= data.keys()
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    record = await store.get("default", batch_id)
+    assert record is not None
+    assert record.callback_enqueued
+    unasked = await store.get("default", silent.batch.batch_id)
+    assert unasked is not None
+    assert unasked.callback is None
+    assert not unasked.callback_enqueued
+
+
+async def test_a_cancelled_batch_sends_its_cancelled_webhook(
+    config: Config, start_stack: StartStack, receiver: Receiver, gate: None
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(300)))
+    created = await stub.CreateBatch(
+        create_request(ref, model_name="gated", callback=callback(receiver.url("/cancel")))
+    )
+    batch_id = created.batch.batch_id
+    await wait_until(stub, batch_id, lambda b: b.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
+    await stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id))
+    demo.GATE.set()
+    batch = await wait_ended(stub, batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_CANCELLED
+    [received] = await receiver.wait_for("/cancel", 1)
+    await settled(stack, batch_id)
+    assert len(receiver.at("/cancel")) == 1
+    data = verified(received)["data"]
+    assert verified(received)["type"] == "batch.cancelled"
+    assert data["state"] == "CANCELLED"
+    counts = data["request_counts"]
+    assert counts["total"] == 300
+    assert counts["completed"] + counts["failed"] == 300
+    assert counts["failed"] > 0
+
+
+async def test_a_batch_end_whose_webhook_was_not_enqueued_is_enqueued_once_by_another_driver(
+    config: Config, start_stack: StartStack, receiver: Receiver
+) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(10)))
+    # A finished batch (its ID's records ran) ...
+    created = await stub.CreateBatch(create_request(ref))
+    done = await wait_ended(stub, created.batch.batch_id)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    finished = await store.get("default", done.batch_id)
+    assert finished is not None
+    # ... copied as the terminal write of a batch with a callback whose gateway died right after it.
+    orphan = finished.evolve(batch_id=new_job_id(), revision=0, callback=CallbackSpec(url=receiver.url("/orphan")))
+    assert orphan.state is BatchState.COMPLETED
+    written = await store.write(orphan)
+    # Two more gateways enqueue it too (each saw the terminal record without callback_enqueued).
+    callbacks = BatchCallbacks(stack.nc.jetstream(), stack.config)
+    await asyncio.gather(callbacks.enqueue(written), callbacks.enqueue(written))
+
+    [received] = await receiver.wait_for("/orphan", 1)
+    await settled(stack, orphan.batch_id)
+    async with asyncio.timeout(WAIT_S):  # the adopting driver records the enqueue
+        while True:
+            record = await store.get("default", orphan.batch_id)
+            if record is not None and record.callback_enqueued:
+                break
+            await asyncio.sleep(0.05)
+    assert len(receiver.at("/orphan")) == 1
+    assert verified(received)["data"]["batch_id"] == orphan.batch_id
+    assert abs(int(received.headers["webhook-timestamp"]) - time.time()) < 60
+
+
+async def test_a_callback_url_refused_for_jobs_is_refused_for_batches(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(1)))
+    for url, events in (
+        ("http://10.1.2.3/hook", ()),  # outside webhooks.allowed_networks
+        ("not a url", ()),
+        ("http://127.0.0.1:9/hook", (job_pb2.CALLBACK_EVENT_RUNNING,)),  # a batch sends only its end
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateBatch(create_request(ref, callback=callback(url, *events)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, url
