@@ -21,7 +21,7 @@ class BatchPlans:
     def __init__(self, js: JetStreamContext, bucket: str) -> None:
         self._js = js
         self._bucket = bucket
-        self._prefix = kv_subject_prefix(bucket)
+        self._subject_prefix = kv_subject_prefix(bucket)
         self._planned: dict[str, PlannedChunks] = {}  # batch key -> its planned chunks (> 0 only)
         self._subscription: JetStreamContext.PushSubscription | None = None
 
@@ -29,7 +29,7 @@ class BatchPlans:
         # Declared here too: the scheduler may start before any gateway made it.
         await ensure_kv_bucket(self._js, config, bucket=self._bucket, description=BATCHES_BUCKET_DESCRIPTION)
         self._subscription = await self._js.subscribe(
-            f"{self._prefix}*.*",  # batch records only: idempotency claims are <tenant>.key.<hash>
+            f"{self._subject_prefix}*.*",  # batch records only: idempotency claims are <tenant>.key.<hash>
             stream=kv_stream(self._bucket),
             cb=self._on_write,
             ordered_consumer=True,
@@ -46,7 +46,7 @@ class BatchPlans:
                 log.warning("batch_plans_unsubscribe_failed", error=str(exc))
 
     async def _on_write(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._prefix)
+        key = msg.subject.removeprefix(self._subject_prefix)
         headers = msg.headers or {}
         value = headers.get(PLANNED_HEADER)
         if KV_OP in headers or value is None:  # deleted, or written by a release without it
