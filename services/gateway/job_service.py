@@ -112,8 +112,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self._catalog = submitter.catalog
 
     def _model_label(self, model_name: str) -> str:
-        # Unknown names would otherwise let callers mint label values without bound.
-        return model_name if self._config.model(model_name) else "unknown"
+        # Unknown names would otherwise let callers mint label values without bound (names learnt
+        # from the registry come from batchers, not callers).
+        return model_name if self._catalog.model(model_name) else "unknown"
 
     def _job(self, record: JobRecord) -> job_pb2.Job:
         standing = self._queues.standing(record)

@@ -2,8 +2,10 @@
 versions it declares) plus the versions batchers have registered (asyncinfer.model_registry: the
 models bucket, kept current by one ordered consumer, so nothing is read per request).
 
-A model name must be declared in the gateway's configuration (its queues, limits and defaults are
-configured there); its versions are those declared and those any batcher serves or loads now,
+A model name is one the gateway's configuration declares, or one a batcher has registered that it
+does not (a model loaded at runtime: learnt with the signature announced, and the job defaults of
+a `[[models]]` table; remembered until the gateway stops, so that jobs can still queue for it while
+no batcher serves it). Its versions are those declared and those any batcher serves or loads now,
 with the signature that batcher announced. A submit that names no version is validated against
 the model's default version now (default_version, else the highest version served: the same rule
 the scheduler applies at dispatch).
@@ -24,6 +26,8 @@ from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.tensors import TensorSpec
 
 log = structlog.get_logger("asyncinfer.gateway.models")
+
+_NO_LOADER = "asyncinfer.model_registry:registered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +54,8 @@ class ModelCatalog:
         self._js = js
         self._subject_prefix = kv_subject_prefix(config.nats.models_bucket)
         self._entries: dict[str, RegisteredVersion] = {}
+        # Model names no file declares, learnt from the registry: name -> its last registered table.
+        self._learnt: dict[str, ModelConfig] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
@@ -77,9 +83,46 @@ class ModelCatalog:
             self._entries.pop(key, None)
             return
         try:
-            self._entries[key] = decode_registered(msg.data)
+            entry = self._entries[key] = decode_registered(msg.data)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("model_registry_entry_unreadable", key=key, error=str(exc))
+            return
+        if self._config.model(entry.model_name) is None:
+            self._learn(entry.model_name)
+
+    def _learn(self, name: str) -> None:
+        """Remembers an undeclared model as its highest registered version (ready ones first)."""
+        entries = [e for e in self.registered(name) if e.signature is not None]
+        ready = [e for e in entries if e.state == READY] or entries
+        if not ready:
+            return
+        entry = max(ready, key=lambda e: version_order(e.version))
+        assert entry.signature is not None
+        try:
+            model = ModelConfig(
+                name=name,
+                version=entry.version,
+                # The gateway runs nothing (the loader is the batcher's): a placeholder passes the
+                # torch backend's check, and is cleared below.
+                loader=_NO_LOADER,
+                inputs=_spec_configs(entry.signature.inputs),
+                outputs=_spec_configs(entry.signature.outputs),
+                **({"max_batch_size": entry.max_batch_size} if entry.max_batch_size else {}),
+            ).model_copy(update={"loader": ""})
+        except ValueError as exc:  # pydantic's ValidationError: a name or signature no table accepts
+            log.error("model_registry_entry_refused", model=name[:64], error=str(exc))
+            return
+        if name not in self._learnt:
+            log.info("model_learnt_from_registry", model=name, version=entry.version)
+        self._learnt[name] = model
+
+    def model(self, name: str) -> ModelConfig | None:
+        """The model's table: declared in the file, or learnt from the registry."""
+        return self._config.model(name) or self._learnt.get(name)
+
+    def models(self) -> list[ModelConfig]:
+        declared = {m.name for m in self._config.models}
+        return list(self._config.models) + [m for n, m in sorted(self._learnt.items()) if n not in declared]
 
     def serves(self, model_name: str, version: str) -> bool:
         """Whether some batcher serves the version now (as registered)."""
@@ -114,9 +157,9 @@ class ModelCatalog:
         InvalidArgument or NotFound."""
         if not name:
             raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
-        model = self._config.model(name)
+        model = self.model(name)
         if model is None:
-            known = ", ".join(sorted(m.name for m in self._config.models)) or "none"
+            known = ", ".join(sorted(m.name for m in self.models())) or "none"
             raise NotFound(
                 f"unknown model {name[:64]!r}; the models served are: {known}",
                 reason="MODEL_NOT_FOUND",
@@ -142,7 +185,7 @@ class ModelCatalog:
 
     def listings(self) -> list[ModelListing]:
         listings = []
-        for model in self._config.models:
+        for model in self.models():
             entries = self.registered(model.name)
             versions = []
             for version in self.versions(model):

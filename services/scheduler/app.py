@@ -18,10 +18,10 @@ from asyncinfer.access import AccessGuard, KeyRing, Role
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
-from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
+from asyncinfer.jobs import Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
@@ -56,6 +56,7 @@ from services.scheduler.pauses import PauseState
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.queued_records import QueuedRecords
+from services.scheduler.runtime_models import RuntimeModels, declare_consumers
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
@@ -129,10 +130,7 @@ class SchedulerApp:
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
         for model in config.models:
-            for priority in PRIORITIES_BY_RANK:
-                await ensure_work_consumer(
-                    js, config.nats, model_name=model.name, priority=priority, ack_wait_s=settings.ack_wait_s
-                )
+            await declare_consumers(js, config.nats, model.name, ack_wait_s=settings.ack_wait_s)
         await ensure_dead_letter_stream(js, config.nats)
         self._queues_kv = queues_kv = await ensure_queues_bucket(js, config.nats)
         self._instance = instance = SchedulerInstance(
@@ -159,9 +157,14 @@ class SchedulerApp:
         )
         self._batch_plans = batch_plans = BatchPlans(js, config.nats.batches_bucket)
         await batch_plans.start(config.nats)
+
+        runtime = RuntimeModels(  # model names no file declares (start_dispatcher: below)
+            config, self.batchers, js=js, start_dispatcher=lambda name: start_dispatcher(name)
+        )
         self._stats = stats = QueueStatsReader(
             js=js,
             config=config,
+            runtime_models=lambda: runtime.names,
             planned_chunks=batch_plans.planned,
             batchers=self.batchers,
             in_flight_count=flow.in_flight_count,
@@ -182,7 +185,7 @@ class SchedulerApp:
             scheduler_id=self.scheduler_id,
             batchers=self.batchers,
             flow=flow,
-            on_models=registry.changed,
+            on_models=runtime.chained(registry.changed),
             controls=controls,
         )
         ops = OpsService(
@@ -197,6 +200,7 @@ class SchedulerApp:
             undrain=self.undrain,
             scheduler_id=self.scheduler_id,
             controls=controls,
+            knows_model=runtime.knows,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)
@@ -223,13 +227,16 @@ class SchedulerApp:
             Priority.NORMAL: settings.weight_normal,
             Priority.LOW: settings.weight_low,
         }
-        for model in config.models:
+
+        async def start_dispatcher(model_name: str) -> None:
+            if self._stopping is not None:  # a model learnt at runtime as the scheduler stops
+                return
             dispatcher = ModelDispatcher(
                 nc=nc,
                 queues=ModelQueues(
                     nc,
                     config.nats.work_stream,
-                    model.name,
+                    model_name,
                     PrioritySelector(weights, settings.aging_s),
                     empty_for_s=settings.poll_interval_ms / 1000.0,
                 ),
@@ -238,13 +245,17 @@ class SchedulerApp:
                 poll_interval_s=settings.poll_interval_ms / 1000.0,
                 queued_records=queued_records,
                 supervisor=self.supervisor,
-                resumed=pauses.resumed(model.name),
+                resumed=pauses.resumed(model_name),
                 undrained=self._undrained,
                 on_queued=self._submissions.add,
                 hold_pulls_open=settings.hold_pulls_open,
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
+
+        for model in config.models:
+            await start_dispatcher(model.name)
+        self.supervisor.start("scheduler-runtime-models", runtime.run())
         flow.on_put_back = self._wake_dispatcher
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())

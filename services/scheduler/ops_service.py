@@ -121,8 +121,11 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         undrain: Callable[[], bool],
         scheduler_id: str,
         controls: ModelControls | None = None,
+        knows_model: Callable[[str], bool] | None = None,
     ) -> None:
         self._controls = controls
+        # Configured names, plus those learnt from batchers at runtime (services.scheduler.runtime_models).
+        self._knows_model = knows_model
         self._error_to_proto = _error_to_proto
         self._config = config
         self._stats = stats
@@ -139,7 +142,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
     def _known_model(self, model_name: str, *, required: bool = False) -> None:
         if required and not model_name:
             raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model")])
-        if model_name and model_name not in self._model_names:
+        known = model_name in self._model_names or (self._knows_model is not None and self._knows_model(model_name))
+        if model_name and not known:
             raise NotFound(f"model {model_name!r} is not configured", reason="MODEL_NOT_FOUND")
 
     async def GetQueueStats(

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from asyncinfer import queues
-from asyncinfer.config import Config, ModelConfig
+from asyncinfer.config import Config
 from asyncinfer.contract import work_consumer_name, work_filters
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import JetStreamContext, NotFoundError
@@ -149,7 +149,9 @@ class QueueStatsReader:
         put_back_count: Callable[[str, Priority], int] = lambda _model, _priority: 0,
         batch_sizes: Callable[[str], tuple[BatchSizeCount, ...]] = lambda _model: (),
         planned_chunks: Callable[[str], tuple[int, int]] = lambda _model: (0, 0),
+        runtime_models: Callable[[], Iterable[str]] = lambda: (),
     ) -> None:
+        self._runtime_models = runtime_models  # names learnt from batchers (services.scheduler.runtime_models)
         self._planned_chunks = planned_chunks
         self._put_back_count = put_back_count
         self._batch_sizes = batch_sizes
@@ -163,24 +165,25 @@ class QueueStatsReader:
         self._is_draining = is_draining
 
     async def snapshot(self, model_name: str = "") -> list[ModelQueueSnapshot]:
-        """Every configured model (or just model_name); unknown names give an empty list."""
-        models = [m for m in self._config.models if not model_name or m.name == model_name]
-        return list(await asyncio.gather(*(self._model_snapshot(m) for m in models)))
+        """Every configured or learnt model (or just model_name); unknown names give an empty list."""
+        names = [m.name for m in self._config.models] + list(self._runtime_models())
+        models = [n for n in names if not model_name or n == model_name]
+        return list(await asyncio.gather(*(self._model_snapshot(n) for n in models)))
 
-    async def _model_snapshot(self, model: ModelConfig) -> ModelQueueSnapshot:
-        queued = await asyncio.gather(*(self._queue(model.name, p) for p in PRIORITIES_BY_RANK))
-        sessions = self._batchers.serving(model.name)
-        in_flight = self._in_flight_count(model.name)
-        rate = self._completed_per_s(model.name)
-        paused = self._is_paused(model.name)
+    async def _model_snapshot(self, name: str) -> ModelQueueSnapshot:
+        queued = await asyncio.gather(*(self._queue(name, p) for p in PRIORITIES_BY_RANK))
+        sessions = self._batchers.serving(name)
+        in_flight = self._in_flight_count(name)
+        rate = self._completed_per_s(name)
+        paused = self._is_paused(name)
         draining = self._is_draining()
-        planned, planned_batches = self._planned_chunks(model.name)
+        planned, planned_batches = self._planned_chunks(name)
         return ModelQueueSnapshot(
-            model_name=model.name,
+            model_name=name,
             priorities=tuple(queued),
             in_flight=in_flight,
             connected_batchers=len(sessions),
-            free_credits=self._batchers.free_credits(model.name),
+            free_credits=self._batchers.free_credits(name),
             desired_batchers=desired_batchers(
                 waiting=sum(q.depth for q in queued),
                 in_flight=in_flight,
@@ -196,8 +199,8 @@ class QueueStatsReader:
             completed_per_s=rate,
             updated_at=time.time(),
             draining=draining,
-            submitted_per_s=self._submitted_per_s(model.name),
-            batch_sizes=self._batch_sizes(model.name),
+            submitted_per_s=self._submitted_per_s(name),
+            batch_sizes=self._batch_sizes(name),
         )
 
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:

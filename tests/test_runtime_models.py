@@ -1,0 +1,101 @@
+"""A model *name* no file declares, loaded on a batcher at runtime (issue 16, item 2's last gap), on
+the real stack with no service restarted: the scheduler learns it from the batcher's announcement
+(consumers, dispatcher, queue stats), the gateway from the registry (submits, ListModels); once it
+is unloaded everywhere a new job of it waits QUEUED with a waiting reason, and runs when it is
+loaded again."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+from tritonclient.grpc import aio as triton
+
+from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from tests.stack import Stack, StartStack
+from tests.test_model_hot_updates import until
+from tests.test_model_versions import EXPECTED, X, demo, with_models
+
+WAIT_S = 60.0
+NEW_MODEL = "fresh"
+# A whole model table as JSON: the batcher's file has no table of this name to lay it over.
+NEW_MODEL_TABLE = json.dumps(
+    {
+        "version": "1",
+        "loader": DEMO_MODEL.loader,
+        "inputs": [s.model_dump() for s in DEMO_MODEL.inputs],
+        "outputs": [s.model_dump() for s in DEMO_MODEL.outputs],
+        "versions": [],
+    }
+)
+
+
+async def listed(stack: Stack) -> dict[str, dict[str, int]]:
+    """ListModels: model -> version -> state."""
+    answer = await stack.jobs.ListModels(job_service_pb2.ListModelsRequest())
+    return {m.name: {v.version: v.state for v in m.versions} for m in answer.models}
+
+
+async def test_a_model_name_in_no_file_is_loaded_served_unloaded_and_loaded_again(
+    config: Config, start_stack: StartStack
+) -> None:
+    stack = await start_stack(with_models(config, demo(versions=("1",))))
+    assert stack.batcher is not None
+    kserve = triton.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+
+    async def ready() -> bool:
+        return (await listed(stack)).get(NEW_MODEL, {}).get("1") == job_service_pb2.MODEL_VERSION_STATE_READY
+
+    async def in_queue_stats() -> bool:
+        stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=NEW_MODEL))
+        return [(m.model_name, m.connected_batchers) for m in stats.models] == [(NEW_MODEL, 1)]
+
+    try:
+        async with AsyncClient(stack.address) as client:
+            await kserve.load_model(NEW_MODEL, config=NEW_MODEL_TABLE)
+            assert await kserve.is_model_ready(NEW_MODEL, "1")
+            await until(ready, WAIT_S)
+            await until(in_queue_stats, WAIT_S)
+
+            done = await client.wait(await client.submit(NEW_MODEL, {"x": X}), timeout_s=WAIT_S)
+            assert done.succeeded
+            assert done.model_version == "1"
+            np.testing.assert_allclose(done.outputs["y"], EXPECTED["1"])
+            assert set(await listed(stack)) == {"demo", NEW_MODEL}
+            everything = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())
+            assert {m.model_name for m in everything.models} == {"demo", NEW_MODEL}
+
+            # Unloaded everywhere: a new job is accepted and waits, with a reason, never lost.
+            await kserve.unload_model(NEW_MODEL)
+
+            async def unavailable() -> bool:
+                versions = (await listed(stack)).get(NEW_MODEL, {})
+                return versions.get("1") == job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE
+
+            await until(unavailable, WAIT_S)
+            waiting = await client.submit(NEW_MODEL, {"x": X})
+
+            async def waits_with_a_reason() -> bool:
+                job = await client.get(waiting)
+                assert job.state == JobState.QUEUED
+                return (
+                    job.queue is not None
+                    and job.queue.waiting_reason is not None
+                    and (job.queue.waiting_reason.value in {"NO_WORKER", "NO_VERSION"})
+                )
+
+            await until(waits_with_a_reason, WAIT_S)
+
+            # Loaded again: the job that waited runs.
+            await kserve.load_model(NEW_MODEL, config=NEW_MODEL_TABLE)
+            again = await client.wait(waiting, timeout_s=WAIT_S)
+            assert again.succeeded
+            np.testing.assert_allclose(again.outputs["y"], EXPECTED["1"])
+    finally:
+        await kserve.close()
+        await channel.close()
