@@ -99,3 +99,30 @@ async def test_a_model_name_in_no_file_is_loaded_served_unloaded_and_loaded_agai
     finally:
         await kserve.close()
         await channel.close()
+
+
+async def test_ops_service_loads_a_new_model_name_across_the_pool(config: Config, start_stack: StartStack) -> None:
+    """OpsService.LoadModel with a name no file declares: served through the scheduler's batchers."""
+    stack = await start_stack(with_models(config, demo(versions=("1",))))
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+
+    async def ready() -> bool:
+        return (await listed(stack)).get(NEW_MODEL, {}).get("1") == job_service_pb2.MODEL_VERSION_STATE_READY
+
+    async def connected() -> bool:  # the batcher's stream opens after its start returns
+        return (await listed(stack))["demo"].get("1") == job_service_pb2.MODEL_VERSION_STATE_READY
+
+    try:
+        await until(connected, WAIT_S)
+        loaded = await ops.LoadModel(
+            ops_service_pb2.LoadModelRequest(model_name=NEW_MODEL, config_json=NEW_MODEL_TABLE)
+        )
+        assert [o.ok for o in loaded.outcomes] == [True]
+        await until(ready, WAIT_S)
+        async with AsyncClient(stack.address) as client:
+            jobs = [await client.submit(NEW_MODEL, {"x": X}) for _ in range(10)]
+            done = await client.wait_jobs(jobs, timeout_s=WAIT_S)
+            assert all(d.succeeded for d in done.values())
+    finally:
+        await channel.close()
