@@ -526,6 +526,12 @@ class ModelConfig(_Section):
     triton_model_name: str = Field("", description="triton backend: the model's name there (empty: this name).")
     triton_model_version: str = Field("", description="triton backend: the model's version there (empty: latest).")
     max_batch_size: int = Field(32, ge=1, description="Most rows in one batch (and in one job).")
+    warm_up: bool = Field(
+        True,
+        description="Run one batch of made-up inputs through a newly loaded version before it takes work (as "
+        "Triton's model_warmup), so the first job does not pay for lazy initialisation; false for a model that "
+        "must not see made-up inputs.",
+    )
     max_queue_delay_ms: float = Field(
         2.0,
         ge=0,

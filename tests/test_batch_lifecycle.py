@@ -32,7 +32,13 @@ from tests.batch_helpers import (
 )
 from tests.stack import StartStack
 
-GATED = {**DEMO_MODEL.model_dump(), "name": "gated", "loader": "services.batcher.models.demo:build_gated_model"}
+# No warm-up: its made-up batch would wait on the closed gate (GATE_TIMEOUT_S) before the model serves.
+GATED = {
+    **DEMO_MODEL.model_dump(),
+    "name": "gated",
+    "loader": "services.batcher.models.demo:build_gated_model",
+    "warm_up": False,
+}
 
 
 def lifecycle_config(config: Config, **batches: Any) -> Config:

@@ -181,7 +181,8 @@ class ModelControl:
         try:
             backend = await asyncio.to_thread(load_backend, config, self._batcher)
             await backend.start()
-            await warm_up(config, backend)
+            if config.warm_up:
+                await warm_up(config, backend)
         except Exception as exc:
             reason = _reason(exc)
             log.error("model_load_failed", model=config.name, version=config.version, reason=reason)
