@@ -63,6 +63,16 @@ class GatedDemo(AffineDemo):
         return super().forward(x)
 
 
+# Batches the counting model has computed in this process (tests: a warm-up is one of them).
+COUNTED_BATCHES: list[int] = []
+
+
+class CountingDemo(AffineDemo):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        COUNTED_BATCHES.append(int(x.shape[0]))
+        return super().forward(x)
+
+
 class AffineDemoV2(torch.nn.Module):
     """Version 2 of the demo model (docs/MODEL_VERSIONS.md): the same signature, y = 3x + 1, so
     that a job's outputs say which version ran it."""
@@ -93,6 +103,10 @@ def build_slow_model() -> torch.nn.Module:
 
 def build_gated_model() -> torch.nn.Module:
     return GatedDemo()
+
+
+def build_counting_model() -> torch.nn.Module:
+    return CountingDemo()
 
 
 PROGRESS_STEPS = 1000
