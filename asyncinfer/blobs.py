@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -37,9 +38,9 @@ import structlog
 
 from asyncinfer import contract
 from asyncinfer.config import NatsConfig
+from asyncinfer.contract import CHUNK_SEQUENCES_HEADER, ROLLUP_HEADER
 from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTED_LAST_SUBJECT_SEQUENCE
 from asyncinfer.contract import EXPIRES_HEADER as EXPIRES_HEADER
-from asyncinfer.contract import ROLLUP_HEADER
 from asyncinfer.contract import SHA256_HEADER as SHA256_HEADER
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.ids import is_job_id, new_job_id
@@ -98,6 +99,30 @@ def new_input_ref() -> str:
 
 def result_ref(job_id: str) -> str:
     return f"{RESULT_KIND}/{job_id}"
+
+
+def sequence_runs(sequences: list[int]) -> str:
+    """Stream sequences as runs, "first+count,…" (one run for an object written alone)."""
+    runs: list[list[int]] = []
+    for sequence in sequences:
+        if runs and runs[-1][0] + runs[-1][1] == sequence:
+            runs[-1][1] += 1
+        else:
+            runs.append([sequence, 1])
+    return ",".join(f"{first}+{count}" for first, count in runs)
+
+
+def chunk_sequences(info: BlobInfo) -> list[int] | None:
+    """The object's chunk sequences from its meta, in order; None for an object written without
+    them (or unreadable ones): such an object is read by walking its chunks."""
+    runs = ((info.meta.get("headers") or {}).get(CHUNK_SEQUENCES_HEADER) or [""])[0]
+    try:
+        sequences = [
+            first + k for first, count in (map(int, run.split("+")) for run in runs.split(",")) for k in range(count)
+        ]
+    except ValueError:
+        return None
+    return sequences if len(sequences) == int(info.meta.get("chunks") or -1) else None
 
 
 def is_sha256_hex(text: str) -> bool:
@@ -231,6 +256,7 @@ class BlobStore:
         total = 0
         count = 0
         pending: list[asyncio.Task[api.PubAck]] = []
+        sequences: list[int] = []
         buffer = bytearray()
 
         async def send(payload: bytes) -> None:
@@ -240,7 +266,7 @@ class BlobStore:
             if len(pending) >= PUBLISH_WINDOW:
                 # Shielded: a publish cancelled after it was sent may still land, and then the
                 # purge below could miss it; every publish is seen through to its ack instead.
-                await asyncio.shield(pending[0])
+                sequences.append((await asyncio.shield(pending[0])).seq)
                 pending.pop(0)
 
         try:
@@ -255,7 +281,7 @@ class BlobStore:
                     del buffer[:CHUNK_BYTES]
             if buffer:
                 await send(bytes(buffer))
-            await asyncio.shield(asyncio.gather(*pending))
+            sequences.extend(ack.seq for ack in await asyncio.shield(asyncio.gather(*pending)))
             pending.clear()
             sha256 = digest.hexdigest()
             if expected_size is not None and expected_size != total:
@@ -275,7 +301,11 @@ class BlobStore:
                 chunks=count,
                 mtime=datetime.now(UTC).isoformat(),
                 digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
-                headers={EXPIRES_HEADER: [repr(expires_at)], SHA256_HEADER: [sha256]},
+                headers={
+                    EXPIRES_HEADER: [repr(expires_at)],
+                    SHA256_HEADER: [sha256],
+                    CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)],
+                },
                 options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
             )
             await self._js.publish(
@@ -315,7 +345,7 @@ class BlobStore:
             raise blob_expired(ref)
         return info
 
-    async def chunks(self, tenant: str, ref: str) -> AsyncIterator[bytes]:
+    async def chunks(self, tenant: str, ref: str) -> AsyncGenerator[bytes]:
         """The object's chunks in order, one request per chunk (so a slow reader holds one chunk,
         not a subscription's backlog); raises DataLoss at the end if the content does not match
         its size and digest."""
@@ -353,6 +383,56 @@ class BlobStore:
         async for chunk in self._chunks_of(info):
             data += chunk
         return info, data
+
+    async def read_range(self, tenant: str, ref: str, offset: int, length: int, *, sha256: str = "") -> bytes:
+        """Bytes [offset, offset + length) of the object: only the chunks the range covers, by
+        their sequences (an object without them is walked from its start). The object's digest
+        covers it whole, so a range is checked by each chunk's subject and size (and JetStream's
+        own per-message checksum); `sha256`, when given, must still be the object's (NotFound,
+        BLOB_CHANGED, when it was replaced)."""
+        info = await self.info(tenant, ref)
+        if sha256 and info.ref.sha256 != sha256:
+            raise NotFound(f"the object {ref!r} changed since it was named", reason="BLOB_CHANGED")
+        if offset < 0 or length < 0 or offset + length > info.ref.size_bytes:
+            raise InvalidArgument(
+                f"bytes {offset}:{offset + length} are past the object's {info.ref.size_bytes}", reason="RANGE_INVALID"
+            )
+        if length == 0:
+            return b""
+        chunk_bytes = int((info.meta.get("options") or {}).get("max_chunk_size") or CHUNK_BYTES)
+        first, last = offset // chunk_bytes, (offset + length - 1) // chunk_bytes
+        sequences = chunk_sequences(info)
+        if sequences is None:
+            pieces = []
+            async with contextlib.aclosing(_numbered(self._chunks_of(info))) as numbered:
+                async for k, chunk in numbered:
+                    if first <= k <= last:
+                        pieces.append(chunk)
+                    if k >= last:
+                        break
+        else:
+            subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+            pieces = []
+            for start in range(first, last + 1, PUBLISH_WINDOW):
+                # A window of gets at once: the round trips overlap, memory holds the range.
+                window = sequences[start : min(start + PUBLISH_WINDOW, last + 1)]
+                pieces += await asyncio.gather(*(self._chunk_at(subject, s) for s in window))
+        data = b"".join(pieces)
+        skip = offset - first * chunk_bytes
+        if len(data) < skip + length:
+            raise BlobCorrupt(f"the stored object {ref!r} is shorter than its size")
+        return data[skip : skip + length]
+
+    async def _chunk_at(self, subject: str, sequence: int) -> bytes:
+        try:
+            msg = await self._js.get_msg(self.stream, seq=sequence, direct=True)
+        except NotFoundError:
+            raise BlobCorrupt(f"a chunk of {subject!r} is gone (sequence {sequence})") from None
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the object: {exc}") from exc
+        if msg.subject != subject:
+            raise BlobCorrupt(f"sequence {sequence} is not a chunk of {subject!r}")
+        return msg.data or b""
 
     # --- expiry -----------------------------------------------------------------------------
 
@@ -519,6 +599,13 @@ class BlobStore:
         except Exception as exc:
             # Chunks without a meta are invisible to the sweeper: say so loudly.
             log.error("blob_chunks_not_purged", subject=subject, error=str(exc))
+
+
+async def _numbered(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[int, bytes]]:
+    k = 0
+    async for chunk in chunks:
+        yield k, chunk
+        k += 1
 
 
 def _parse_meta(data: bytes, sequence: int) -> BlobInfo | None:

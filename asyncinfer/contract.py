@@ -180,6 +180,9 @@ MODEL_HEADER = "Asyncinfer-Model"
 # On an Object Store meta message: when the object expires (Unix seconds) and its SHA-256 (hex).
 EXPIRES_HEADER = "Asyncinfer-Expires-At"
 SHA256_HEADER = "Asyncinfer-Sha256"
+# ... and the stream sequences of its chunks, as runs "first+count,first+count" (chunk k is the k-th
+# of them), so a byte range is read by sequence without walking the chunks before it.
+CHUNK_SEQUENCES_HEADER = "Asyncinfer-Chunk-Sequences"
 # W3C trace context (its own name, as the spec spells it): on a traced job's work message, the
 # submit span's traceparent, the same as the record it carries (asyncinfer.tracing).
 TRACEPARENT_HEADER = "traceparent"

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import batch_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.gateway.batch_prepare import chunk_ref
 from tests.batch_helpers import (
     batches_stub,
     create_request,
@@ -139,10 +140,38 @@ async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
     created = await stub.CreateBatch(create_request(await upload(stack.jobs, buffer.getvalue())))
     batch = await wait_ended(stub, created.batch.batch_id)
     assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
-    assert batch.input_format == batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED  # detected, not given
+    assert batch.input_format == batch_service_pb2.BATCH_INPUT_FORMAT_NPY  # not given: detected, then reported
     lines = await outputs(stub, batch.batch_id)
     assert [line["custom_id"] for line in lines] == [str(i) for i in range(150)]
     assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
+
+
+async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_isolates_a_poison_row(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Chunks of an NPY file are descriptors naming rows of the upload (no copy of the records),
+    read across the upload's 128 KiB pieces, converted to the model's FP32, and split like any
+    chunk when one row is poison."""
+    stack = await start_stack(batch_config(config, chunk_records=3000))
+    stub = batches_stub(stack.channel)
+    x = np.random.default_rng(3).uniform(0, 1, (20_000, 4))  # float64: 640 KB, five pieces of the upload
+    x[12_345, 0] = -1.0  # the flaky model fails on a negative first value
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, buffer.getvalue()), model_name="flaky", max_attempts=1)
+    )
+    batch = await wait_ended(stub, created.batch.batch_id, timeout_s=120)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (19_999, 1)
+    bad = await errors(stub, batch.batch_id)
+    assert [(e["line"], e["custom_id"]) for e in bad] == [(12_346, "12345")]
+    lines = await outputs(stub, batch.batch_id)
+    kept = np.delete(x, 12_345, axis=0).astype(np.float32)
+    assert [line["custom_id"] for line in lines] == [str(i) for i in range(20_000) if i != 12_345]
+    assert np.allclose(np.array([line["outputs"]["y"][0] for line in lines]), 2 * kept + 1)
+    descriptor = await stack.blobs.info("default", chunk_ref(batch.batch_id, 3000, 6000))
+    assert descriptor.ref.size_bytes < 1024  # a range of the upload, not its 96,000 bytes of rows
 
 
 async def desired_batchers_become(stack: Stack, wanted: Callable[[int], bool]) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from asyncinfer.batches import BatchRecord, Chunk, ChunkStatus, ErrorLine, chunk_job_id
+from asyncinfer.batches import BatchRecord, Chunk, ChunkStatus, ErrorLine, InputFormat, chunk_job_id
 from asyncinfer.blobs import BlobStore
 from asyncinfer.errors import AsyncInferError, NotFound
 from asyncinfer.job_store import JobStore
@@ -53,6 +53,11 @@ async def _lines(store: BlobStore, tenant: str, ref: str) -> AsyncIterator[bytes
 
 
 async def _entries(store: BlobStore, record: BatchRecord) -> AsyncIterator[tuple[int, str]]:
+    if record.input_format in (InputFormat.NPY, InputFormat.NPZ):
+        # An array file's index is implicit: record i is line i + 1, custom_id "i" (none stored).
+        for i in range(record.total):
+            yield i + 1, str(i)
+        return
     async for line in _lines(store, record.tenant, index_ref(record.batch_id)):
         number, custom_id = json.loads(line)
         yield number, custom_id

@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from asyncinfer import ranged_inputs
 from asyncinfer.batch_inputs import (
     ChunkBuilder,
     ChunkReady,
@@ -25,7 +26,6 @@ from asyncinfer.batch_inputs import (
     array_chunks,
     array_inputs,
     detect_format,
-    npy_chunk,
     npy_layout,
     parse_line,
 )
@@ -43,11 +43,13 @@ from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import BatchesConfig, ModelConfig
 from asyncinfer.errors import NotFound
 from asyncinfer.jobs import BlobRef
+from asyncinfer.ranged_inputs import RangedInputs
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import ModelSignature, Tensor
 from asyncinfer.v1 import tensor_pb2
 
 INDEX = "index"
+DESCRIPTOR_WINDOW = 16
 ERRORS = "errors"
 
 
@@ -111,6 +113,7 @@ class Prepared:
     total: int = 0
     invalid: int = 0
     first_errors: tuple[ErrorLine, ...] = ()
+    input_format: InputFormat | None = None
 
 
 def _index_lines(entries: list[IndexEntry]) -> bytes:
@@ -137,7 +140,10 @@ def _parent_of(record: BatchRecord, chunk: Chunk) -> Chunk | None:
 
 
 def _cut(data: bytearray, first: int, last: int) -> bytes:
-    """Records [first, last) of a stored chunk's InferInputs (a record is one row)."""
+    """Records [first, last) of a stored chunk's InferInputs (a record is one row), or of its
+    range of an NPY upload."""
+    if ranged_inputs.is_ranged(data):
+        return ranged_inputs.decode(data).narrowed(first, last).encode()
     message = parse_inputs(data)
     tensors = decode_tensors(message.inputs, "chunk")
     cut = [Tensor.from_numpy(t.name, t.to_numpy()[first:last], t.datatype) for t in tensors]
@@ -196,6 +202,7 @@ class Preparer:
             "invalid_lines": prepared.invalid,
             "first_errors": merge_first_errors((), prepared.first_errors),
             "in_progress_time": now,
+            "input_format": prepared.input_format or record.input_format,
         }
         if prepared.total and prepared.invalid / prepared.total > self._config.max_invalid_fraction:
             message = (
@@ -219,11 +226,12 @@ class Preparer:
         cut = await asyncio.to_thread(_cut, data, chunk.start - parent.start, chunk.end - parent.start)
         return await self._store.put_bytes(record.tenant, ref, cut, expires_at=objects_expire_at(record))
 
-    async def _store_chunk(self, record: BatchRecord, ready: ChunkReady, index: StreamedObject) -> Chunk:
+    async def _store_chunk(self, record: BatchRecord, ready: ChunkReady, index: StreamedObject | None) -> Chunk:
         data = await asyncio.to_thread(_chunk_bytes, ready)
         ref = chunk_ref(record.batch_id, ready.start, ready.end)
         await self._store.put_bytes(record.tenant, ref, data, expires_at=objects_expire_at(record))
-        await index.write(_index_lines(ready.entries))
+        if index is not None:
+            await index.write(_index_lines(ready.entries))
         return Chunk(ready.start, ready.end)
 
     async def _read(
@@ -233,9 +241,11 @@ class Preparer:
         chunks = self._store.chunks(record.tenant, record.input_ref)
         first = await anext(chunks, b"")
         fmt = record.input_format or detect_format(first)
+        prepared.input_format = fmt
         layout = npy_layout(first, model.signature) if fmt is InputFormat.NPY else None
         if layout is not None:
-            return await self._read_npy(record, layout, first, chunks, model, index)
+            await chunks.aclose()  # the header is all it reads
+            return await self._plan_npy(record, layout, model, prepared)
         if fmt is not InputFormat.JSONL:
             data = bytearray(first)
             async for piece in chunks:
@@ -243,7 +253,8 @@ class Preparer:
             arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature)
             del data
             for ready in array_chunks(arrays, model.signature, self._config.chunk_records):
-                prepared.chunks.append(await self._store_chunk(record, ready, index))
+                # An array file's index is implicit (record i: line i + 1, custom_id "i"): none stored.
+                prepared.chunks.append(await self._store_chunk(record, ready, None))
                 prepared.total = ready.end
             return prepared
         builder = ChunkBuilder(model.signature, self._config.chunk_records)
@@ -266,37 +277,47 @@ class Preparer:
             prepared.chunks.append(await self._store_chunk(record, last, index))
         return prepared
 
-    async def _read_npy(
-        self,
-        record: BatchRecord,
-        layout: NpyLayout,
-        first: bytes,
-        rest: AsyncIterator[bytes],
-        model: ModelConfig,
-        index: StreamedObject,
+    async def _plan_npy(
+        self, record: BatchRecord, layout: NpyLayout, model: ModelConfig, prepared: Prepared
     ) -> Prepared:
-        """An NPY file's rows as they stream in, a chunk at a time (memory: one chunk)."""
-        prepared = Prepared(total=layout.rows)
-        chunk_bytes = self._config.chunk_records * layout.row_bytes
-        buffer = bytearray(first[layout.offset :])
-        start = 0
-
-        async def store(data: bytes) -> None:
-            nonlocal start
-            ready = await asyncio.to_thread(npy_chunk, layout, data, start, model.signature)
-            prepared.chunks.append(await self._store_chunk(record, ready, index))
-            start = ready.end
-
-        async for piece in rest:
-            buffer += piece
-            while len(buffer) >= chunk_bytes:
-                await store(bytes(buffer[:chunk_bytes]))
-                del buffer[:chunk_bytes]
-        whole = len(buffer) - len(buffer) % layout.row_bytes if layout.row_bytes else 0
-        if whole:
-            await store(bytes(buffer[:whole]))
-        if start != layout.rows:
-            raise RecordInvalid(f"the NPY file holds {start} of the {layout.rows} records its header says")
+        """An NPY file's chunks as ranges of its rows in the upload (asyncinfer.ranged_inputs):
+        its header and size are read, its body is not (nor copied). The upload is kept as long as
+        the batch's own objects, since its chunks read it."""
+        info = await self._store.info(record.tenant, record.input_ref)
+        held = (info.ref.size_bytes - layout.offset) // layout.row_bytes if layout.row_bytes else layout.rows
+        if held != layout.rows:
+            raise RecordInvalid(f"the NPY file holds {held} of the {layout.rows} records its header says")
+        await self._store.extend(record.tenant, record.input_ref, objects_expire_at(record))
+        spec = model.signature.inputs[0]
+        whole = RangedInputs(
+            source=record.input_ref,
+            source_sha256=info.ref.sha256,
+            offset=layout.offset,
+            first=0,
+            rows=layout.rows,
+            row_shape=layout.row_shape,
+            dtype=layout.dtype.str,
+            name=spec.name,
+            datatype=spec.datatype,
+        )
+        step = self._config.chunk_records
+        ranges = [(start, min(start + step, layout.rows)) for start in range(0, layout.rows, step)]
+        expires = objects_expire_at(record)
+        for window in range(0, len(ranges), DESCRIPTOR_WINDOW):
+            # Small objects: a window of puts at once, so a million records' plan takes a moment.
+            await asyncio.gather(
+                *(
+                    self._store.put_bytes(
+                        record.tenant,
+                        chunk_ref(record.batch_id, a, b),
+                        whole.narrowed(a, b).encode(),
+                        expires_at=expires,
+                    )
+                    for a, b in ranges[window : window + DESCRIPTOR_WINDOW]
+                )
+            )
+        prepared.chunks.extend(Chunk(a, b) for a, b in ranges)
+        prepared.total = layout.rows
         return prepared
 
     async def _lines(

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import structlog
 from google.protobuf.message import DecodeError
 
+from asyncinfer import ranged_inputs
 from asyncinfer.blobs import BlobCorrupt, BlobStore, parse_inputs, result_ref
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
@@ -57,9 +58,12 @@ class ClaimCheckIO:
             return envelope
         try:
             _, data = await self._store.read(envelope.tenant, ref.ref, max_bytes=self._config.gateway.max_upload_bytes)
-            message = await asyncio.to_thread(parse_inputs, data)
-            del data
-            inputs = tuple(decode_tensors(message.inputs, "input_ref.inputs"))
+            if ranged_inputs.is_ranged(data):
+                inputs = await self._read_range(envelope.tenant, ranged_inputs.decode(data))
+            else:
+                message = await asyncio.to_thread(parse_inputs, data)
+                del data
+                inputs = tuple(decode_tensors(message.inputs, "input_ref.inputs"))
         except DecodeError:
             error = InvalidArgument("the uploaded content is not an InferInputs message", reason="INPUT_REF_UNREADABLE")
             return _job_error(error, retriable=False)
@@ -82,6 +86,13 @@ class ClaimCheckIO:
             deadline=envelope.deadline,
             execution_timeout_s=envelope.execution_timeout_s,
         )
+
+    async def _read_range(self, tenant: str, ranged: ranged_inputs.RangedInputs) -> tuple[Tensor, ...]:
+        """A batch chunk named as rows of its NPY upload (asyncinfer.ranged_inputs)."""
+        data = await self._store.read_range(
+            tenant, ranged.source, ranged.byte_offset, ranged.byte_length, sha256=ranged.source_sha256
+        )
+        return tuple(ranged.tensors(data))
 
     async def store_result(self, record: JobRecord, outputs: Sequence[Tensor], now: float) -> BlobRef:
         """Stores the outputs as a serialized InferOutputs, kept until the job's end plus its

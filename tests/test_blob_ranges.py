@@ -1,0 +1,99 @@
+"""BlobStore.read_range against a real nats-server: a byte range read by its chunks' sequences
+(recorded in the meta when the object is written), across chunk boundaries, with objects written
+at the same time interleaving their chunks; and by walking the chunks for an object whose meta has
+no sequences (one written before they were recorded)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from asyncinfer.blobs import CHUNK_BYTES, BlobStore, ensure_objects_bucket, new_input_ref, sequence_runs
+from asyncinfer.config import Config
+from asyncinfer.contract import CHUNK_SEQUENCES_HEADER
+from asyncinfer.errors import InvalidArgument, NotFound
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.ranged_inputs import RangedInputs, decode, is_ranged
+
+SIZE = 5 * CHUNK_BYTES + 1000
+
+
+def content(seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+
+
+async def store_of(nc: NatsClient, config: Config) -> BlobStore:
+    return await ensure_objects_bucket(nc.jetstream(), config.nats)
+
+
+def test_sequences_are_written_as_runs() -> None:
+    assert sequence_runs([5, 6, 7, 10, 11, 20]) == "5+3,10+2,20+1"
+    assert sequence_runs([]) == ""
+
+
+async def test_ranges_read_only_what_they_cover_even_when_objects_interleave(nc: NatsClient, config: Config) -> None:
+    store = await store_of(nc, config)
+    later = time.time() + 3600
+
+    async def slowly(data: bytes) -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 50_000):
+            yield data[start : start + 50_000]
+            await asyncio.sleep(0)  # the two puts take turns, so their chunks interleave in the stream
+
+    a, b = content(1), content(2)
+    ref_a, ref_b = new_input_ref(), new_input_ref()
+    await asyncio.gather(
+        store.put("t", ref_a, slowly(a), expires_at=later, max_bytes=SIZE),
+        store.put("t", ref_b, slowly(b), expires_at=later, max_bytes=SIZE),
+    )
+    info = await store.info("t", ref_a)
+    runs = info.meta["headers"][CHUNK_SEQUENCES_HEADER][0]
+    assert len(runs.split(",")) > 1  # interleaved: more than one run of sequences
+    for offset, length in [(0, 10), (CHUNK_BYTES - 3, 7), (CHUNK_BYTES * 2 + 5, CHUNK_BYTES * 2), (SIZE - 100, 100)]:
+        assert await store.read_range("t", ref_a, offset, length) == a[offset : offset + length]
+        assert await store.read_range("t", ref_b, offset, length) == b[offset : offset + length]
+    assert await store.read_range("t", ref_a, 17, 0) == b""
+    with pytest.raises(InvalidArgument):
+        await store.read_range("t", ref_a, SIZE - 10, 11)
+    with pytest.raises(NotFound) as changed:
+        await store.read_range("t", ref_a, 0, 10, sha256="0" * 64)
+    assert changed.value.reason == "BLOB_CHANGED"
+
+
+async def test_an_object_without_sequences_is_read_by_walking_its_chunks(nc: NatsClient, config: Config) -> None:
+    store = await store_of(nc, config)
+    data = content(3)
+    old = new_input_ref()
+    await store.put_bytes("t", old, data, expires_at=time.time() + 3600)
+    info = await store.info("t", old)
+    meta = dict(info.meta)
+    meta["headers"] = {k: v for k, v in meta["headers"].items() if k != CHUNK_SEQUENCES_HEADER}
+    # The meta as an older writer left it (rolled up over the current one, as every meta write is).
+    meta_subject = f"$O.{store.bucket}.M.{base64.urlsafe_b64encode(info.name.encode()).decode()}"
+    await nc.jetstream().publish(meta_subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+    assert CHUNK_SEQUENCES_HEADER not in (await store.info("t", old)).meta["headers"]
+    offset, length = CHUNK_BYTES * 3 - 1, CHUNK_BYTES + 2
+    assert await store.read_range("t", old, offset, length) == data[offset : offset + length]
+
+
+def test_a_range_descriptor_round_trips_narrows_and_converts() -> None:
+    whole = RangedInputs("in/x", "ab" * 32, 128, 0, 10, (4,), "<f8", "x", "FP32")
+    half = whole.narrowed(5, 10)
+    assert (half.first, half.rows, half.byte_offset, half.byte_length) == (5, 5, 128 + 5 * 32, 5 * 32)
+    encoded = half.encode()
+    assert is_ranged(encoded)
+    assert decode(encoded) == half
+    rows = np.arange(20, dtype="<f8").reshape(5, 4)
+    (tensor,) = half.tensors(rows.tobytes())
+    assert tensor.datatype == "FP32"
+    assert np.array_equal(tensor.to_numpy(), rows.astype(np.float32))
+    with pytest.raises(InvalidArgument):
+        half.tensors(rows.tobytes()[:-1])
+    with pytest.raises(ValueError, match="not within"):
+        whole.narrowed(3, 11)
