@@ -165,6 +165,12 @@ async def sample_rss(children: dict[str, Any], stop: asyncio.Event, into: dict[s
         await asyncio.sleep(0.5)
 
 
+def rss_by_quarter(samples: list[int]) -> list[int]:
+    """RSS (MiB) at a quarter, half, three quarters and the end of the run: flat once warm means
+    memory bounded by what is in flight, not growing with the records done."""
+    return [round(samples[min(len(samples) - 1, len(samples) * q // 4)] / 2**20) for q in (1, 2, 3, 4)]
+
+
 async def measure(model: str, records: int) -> dict[str, Any]:
     max_batch, delay_ms, _threads = MODELS[model]
     config_model = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
@@ -234,6 +240,7 @@ async def measure(model: str, records: int) -> dict[str, Any]:
         stored_bytes_per_record=(after - before) / records,
         input_bytes_per_record=len(data) / records,
         rss_mib={n: [round(v[0] / 2**20), round(max(v) / 2**20), round(v[-1] / 2**20)] for n, v in rss.items() if v},
+        rss_mib_by_quarter={n: rss_by_quarter(v) for n, v in rss.items() if v},
         interactive_s=latencies,
     )
     direct_after = await asyncio.to_thread(direct_rate, model, raw, max_batch)
@@ -251,18 +258,19 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
         f"Machine: {facts}",
         "",
         "| model | records | chunk | records/s (run) | from create | direct torch (before, after) | ratio to their mean (>= 0.8) | stored B/record "
-        "(input B/record) | RSS MiB start/peak/end | interactive p50 / max s | one chunk's compute s | CPU s "
-        "from create |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "(input B/record) | RSS MiB start/peak/end | RSS MiB at 1/4, 1/2, 3/4, end | interactive p50 / max s | "
+        "one chunk's compute s | CPU s from create |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         waits = r["interactive_s"] or [float("nan")]
         rss = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r["rss_mib"].items())
+        quarters = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r.get("rss_mib_by_quarter", {}).items())
         lines.append(
             f"| {r['model']} | {r['records']} | {r['chunk_records']} | {r['records_per_s']:.0f} | "
             f"{r['records_per_s_from_create']:.0f} | {r['direct_before_after'][0]:.0f}, {r['direct_before_after'][1]:.0f} | "
             f"{r['ratio']:.2f} | "
-            f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | "
+            f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | {quarters} | "
             f"{statistics.median(waits):.2f} / {max(waits):.2f} | {r['chunk_compute_s']:.2f} | "
             f"{', '.join(f'{n} {v}' for n, v in r['cpu_s'].items())} |"
         )

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import structlog
 
 from asyncinfer.config import Config, ModelConfig, TensorSpecConfig, version_order
-from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
 from asyncinfer.model_registry import LOADING, READY, UNAVAILABLE, RegisteredVersion, decode_registered
-from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
 from asyncinfer.tensors import TensorSpec
 
 log = structlog.get_logger("asyncinfer.gateway.models")
@@ -51,41 +51,29 @@ def _spec_configs(specs: Iterable[TensorSpec]) -> tuple[TensorSpecConfig, ...]:
 class ModelCatalog:
     def __init__(self, config: Config, js: JetStreamContext | None = None) -> None:
         self._config = config
-        self._js = js
-        self._subject_prefix = kv_subject_prefix(config.nats.models_bucket)
         self._entries: dict[str, RegisteredVersion] = {}
         # Model names no file declares, learnt from the registry: name -> its last registered table.
         self._learnt: dict[str, ModelConfig] = {}
-        self._subscription: JetStreamContext.PushSubscription | None = None
-
-    async def start(self) -> None:
-        if self._js is None:
-            return
-        self._subscription = await self._js.subscribe(
-            f"{self._subject_prefix}>",
-            stream=kv_stream(self._config.nats.models_bucket),
-            cb=self._on_update,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+        self._watch = (
+            KeyWatch(js, config.nats.models_bucket, self._on_update, name="model_catalog") if js is not None else None
         )
 
-    async def stop(self) -> None:
-        subscription, self._subscription = self._subscription, None
-        if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:  # the connection may already be gone
-                log.warning("model_catalog_unsubscribe_failed", error=str(exc))
+    async def start(self) -> None:
+        if self._watch is not None:
+            await self._watch.start()
 
-    async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._subject_prefix)
-        if KV_OP in (msg.headers or {}) or not msg.data:
-            self._entries.pop(key, None)
+    async def stop(self) -> None:
+        if self._watch is not None:
+            await self._watch.stop()
+
+    def _on_update(self, update: KeyUpdate) -> None:
+        if update.removed:
+            self._entries.pop(update.key, None)
             return
         try:
-            entry = self._entries[key] = decode_registered(msg.data)
+            entry = self._entries[update.key] = decode_registered(update.value)
         except (ValueError, KeyError, TypeError) as exc:
-            log.error("model_registry_entry_unreadable", key=key, error=str(exc))
+            log.error("model_registry_entry_unreadable", key=update.key, error=str(exc))
             return
         if self._config.model(entry.model_name) is None:
             self._learn(entry.model_name)

@@ -10,8 +10,8 @@ import structlog
 
 from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, PlannedChunks, decode_planned
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import kv_stream, kv_subject_prefix
-from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
 from asyncinfer.nats.streams import ensure_kv_bucket
 
 log = structlog.get_logger("asyncinfer.scheduler.batch_plans")
@@ -21,47 +21,33 @@ class BatchPlans:
     def __init__(self, js: JetStreamContext, bucket: str) -> None:
         self._js = js
         self._bucket = bucket
-        self._subject_prefix = kv_subject_prefix(bucket)
         self._planned: dict[str, PlannedChunks] = {}  # batch key -> its planned chunks (> 0 only)
-        self._subscription: JetStreamContext.PushSubscription | None = None
+        # Batch records only (idempotency claims are <tenant>.key.<hash>), their headers only.
+        self._watch = KeyWatch(js, bucket, self._on_write, keys="*.*", headers_only=True, name="batch_plans")
 
     async def start(self, config: NatsConfig) -> None:
         # Declared here too: the scheduler may start before any gateway made it.
         await ensure_kv_bucket(self._js, config, bucket=self._bucket, description=BATCHES_BUCKET_DESCRIPTION)
-        self._subscription = await self._js.subscribe(
-            f"{self._subject_prefix}*.*",  # batch records only: idempotency claims are <tenant>.key.<hash>
-            stream=kv_stream(self._bucket),
-            cb=self._on_write,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            headers_only=True,
-        )
+        await self._watch.start()
 
     async def stop(self) -> None:
-        subscription, self._subscription = self._subscription, None
-        if subscription is not None:
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:  # the connection may already be gone
-                log.warning("batch_plans_unsubscribe_failed", error=str(exc))
+        await self._watch.stop()
 
-    async def _on_write(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._subject_prefix)
-        headers = msg.headers or {}
-        value = headers.get(PLANNED_HEADER)
-        if KV_OP in headers or value is None:  # deleted, or written by a release without it
-            self._planned.pop(key, None)
+    def _on_write(self, update: KeyUpdate) -> None:
+        value = update.headers.get(PLANNED_HEADER)
+        if update.removed or value is None:  # deleted, or written by a release without it
+            self._planned.pop(update.key, None)
             return
         try:
             planned = decode_planned(value)
         except ValueError as exc:
-            log.warning("batch_plan_unreadable", key=key, error=str(exc))
-            self._planned.pop(key, None)
+            log.warning("batch_plan_unreadable", key=update.key, error=str(exc))
+            self._planned.pop(update.key, None)
             return
         if planned.chunks > 0:
-            self._planned[key] = planned
+            self._planned[update.key] = planned
         else:
-            self._planned.pop(key, None)
+            self._planned.pop(update.key, None)
 
     def planned(self, model_name: str) -> tuple[int, int]:
         """(chunks planned and not yet queued, batches that hold them) of the model."""

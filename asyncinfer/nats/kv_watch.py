@@ -1,0 +1,82 @@
+"""A watch of a KV bucket's keys as plain updates: the latest write of every key, then every write,
+through one ordered push consumer (nats-py remakes it on a gap), so a reader keeps a local view of
+the bucket current without reading per request. What nats-py's messages are (subjects, the
+KV-Operation header, headers-only delivery) stays here; callers get `KeyUpdate`s."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
+from nats.js.kv import KV_OP
+
+from asyncinfer.nats.protocol import kv_stream, kv_subject_prefix
+
+log = structlog.get_logger("asyncinfer.nats.kv_watch")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyUpdate:
+    key: str
+    value: bytes  # empty when headers_only, or when the write removed the key
+    headers: Mapping[str, str]
+    removed: bool  # a delete or purge (or a server-placed marker), not a value
+
+
+class KeyWatch:
+    """Calls `on_update` with each update of the keys matching `keys` (a subject pattern under the
+    bucket: ">" for all of them), in order; `stop` ends it."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        bucket: str,
+        on_update: Callable[[KeyUpdate], Awaitable[None] | None],
+        *,
+        keys: str = ">",
+        headers_only: bool = False,
+        name: str,
+    ) -> None:
+        self._js = js
+        self._bucket = bucket
+        self._on_update = on_update
+        self._keys = keys
+        self._headers_only = headers_only
+        self._name = name
+        self._subject_prefix = kv_subject_prefix(bucket)
+        self._subscription: JetStreamContext.PushSubscription | None = None
+
+    async def start(self) -> None:
+        self._subscription = await self._js.subscribe(
+            self._subject_prefix + self._keys,
+            stream=kv_stream(self._bucket),
+            cb=self._deliver,
+            ordered_consumer=True,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            headers_only=self._headers_only,
+        )
+
+    async def stop(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except Exception as exc:  # the connection may already be gone
+                log.warning("kv_watch_unsubscribe_failed", watch=self._name, error=str(exc))
+
+    async def _deliver(self, msg: Msg) -> None:
+        headers = dict(msg.headers or {})
+        removed = KV_OP in headers or (not self._headers_only and not msg.data)
+        update = KeyUpdate(
+            key=msg.subject.removeprefix(self._subject_prefix),
+            value=b"" if removed else (msg.data or b""),
+            headers=headers,
+            removed=removed,
+        )
+        result = self._on_update(update)
+        if result is not None:
+            await result
