@@ -12,7 +12,7 @@ failed or never ran, in input order.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -101,21 +101,35 @@ async def _take(entries: AsyncIterator[tuple[int, str]], count: int) -> list[tup
     return taken
 
 
-async def output_file(store: BlobStore, records: JobStore, record: BatchRecord) -> AsyncIterator[bytes]:
+async def _chunk_lines(
+    store: BlobStore,
+    record: BatchRecord,
+    wanted: Callable[[Chunk], bool],
+    lines: Callable[[Chunk, list[tuple[int, str]]], Awaitable[bytes]],
+) -> AsyncIterator[bytes]:
+    """The lines of the chunks `wanted`, in input order, in pieces of PIECE_BYTES: the index is
+    walked beside every live chunk (a chunk not wanted still takes its entries)."""
     if not record.chunks:
         return
     entries = _entries(store, record)
     buffer = bytearray()
     for chunk in sorted(record.live_chunks, key=lambda c: c.start):
         taken = await _take(entries, chunk.records)
-        if chunk.status is not ChunkStatus.DONE:
+        if not wanted(chunk):
             continue
-        buffer += _output_lines(await _chunk_outputs(store, records, record, chunk), taken)
+        buffer += await lines(chunk, taken)
         while len(buffer) >= PIECE_BYTES:
             yield bytes(buffer[:PIECE_BYTES])
             del buffer[:PIECE_BYTES]
     if buffer:
         yield bytes(buffer)
+
+
+def output_file(store: BlobStore, records: JobStore, record: BatchRecord) -> AsyncIterator[bytes]:
+    async def lines(chunk: Chunk, taken: list[tuple[int, str]]) -> bytes:
+        return _output_lines(await _chunk_outputs(store, records, record, chunk), taken)
+
+    return _chunk_lines(store, record, lambda chunk: chunk.status is ChunkStatus.DONE, lines)
 
 
 async def error_file(store: BlobStore, record: BatchRecord) -> AsyncIterator[bytes]:
@@ -124,18 +138,13 @@ async def error_file(store: BlobStore, record: BatchRecord) -> AsyncIterator[byt
             yield piece
     except NotFound:
         pass  # a batch that failed before it was read has no validation errors
-    if not record.chunks:
-        return
-    entries = _entries(store, record)
-    buffer = bytearray()
-    for chunk in sorted(record.live_chunks, key=lambda c: c.start):
-        taken = await _take(entries, chunk.records)
-        if chunk.status not in (ChunkStatus.FAILED, ChunkStatus.SKIPPED):
-            continue
-        for line, custom_id in taken:
-            buffer += error_line_bytes(ErrorLine(line, custom_id, chunk.code, chunk.message))
-        if len(buffer) >= PIECE_BYTES:
-            yield bytes(buffer)
-            buffer.clear()
-    if buffer:
-        yield bytes(buffer)
+
+    async def lines(chunk: Chunk, taken: list[tuple[int, str]]) -> bytes:
+        return b"".join(
+            error_line_bytes(ErrorLine(line, custom_id, chunk.code, chunk.message)) for line, custom_id in taken
+        )
+
+    async for piece in _chunk_lines(
+        store, record, lambda chunk: chunk.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED), lines
+    ):
+        yield piece
