@@ -7,12 +7,12 @@ an invalid inline request before it claims a key, the submitter on every request
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import FieldViolation, InvalidArgument, Unimplemented
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, Unimplemented
 from asyncinfer.jobs import BlobRef, CallbackSpec, Priority
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.gateway.model_catalog import ModelCatalog
@@ -135,3 +135,18 @@ def validate_submit(
         first = violations[0]
         raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)
     return model
+
+
+def validate_each(
+    requests: Sequence[SubmitRequest], config: Config, *, now: float, catalog: ModelCatalog | None = None
+) -> list[ModelConfig | AsyncInferError]:
+    """`validate_submit` for each request of a SubmitJobs message: its model version, or the
+    error it would have raised, in order (one invalid request does not fail the others)."""
+    catalog = catalog or ModelCatalog(config)
+    checked: list[ModelConfig | AsyncInferError] = []
+    for request in requests:
+        try:
+            checked.append(validate_submit(request, config, now=now, catalog=catalog))
+        except AsyncInferError as error:
+            checked.append(error)
+    return checked
