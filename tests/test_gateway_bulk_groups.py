@@ -15,7 +15,8 @@ import pytest
 from asyncinfer.config import Config
 from asyncinfer.contract import JOB_ID_HEADER
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.gateway.app import GatewayApp
 from tests.test_gateway import fp32_input, submit_request
 from tests.test_gateway_auth import serve
 
@@ -171,7 +172,10 @@ async def test_the_tenant_quota_reached_mid_message_refuses_only_the_items_past_
     config: Config, nc: NatsClient
 ) -> None:
     async for stub in serve(config.replace(gateway={"max_queued_per_tenant": 4})):
-        got = await submit_messages(stub, message(plain(0)), message(*(plain(i) for i in range(1, 7))))
+        # The first message answered first, so its job is counted once (in the stream) by the reads
+        # the second one's items make, not also as a publish in flight.
+        got = await submit_messages(stub, message(plain(0)))
+        got += await submit_messages(stub, message(*(plain(i) for i in range(1, 7))))
         assert [a.HasField("job") for a in got] == [True, True, True, True, False, False, False]
         for answer in got[4:]:
             assert (answer.error.code, answer.error.reason) == (RESOURCE_EXHAUSTED, "TENANT_QUOTA_EXCEEDED")
@@ -189,3 +193,34 @@ async def test_stream_indexes_count_jobs_across_messages_of_both_kinds(stub: Job
     assert (responses[1].index, responses[1].correlation_id) == (3, "single")
     assert [a.index for a in responses[2].answers] == [4, 5]
     assert len(await queued_job_ids(nc)) == 6
+
+
+async def test_grouped_jobs_are_counted_as_single_submits_are(config: Config) -> None:
+    app = GatewayApp(config)
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_service_pb2_grpc.JobServiceStub(channel)
+            got = await submit_messages(
+                stub,
+                message(
+                    plain(0),
+                    submit_request(priority=job_pb2.PRIORITY_LOW),
+                    submit_request(model_name="no-such-model"),
+                    plain(1),
+                    submit_request(inputs=[]),
+                    submit_request(idempotency_key="counted-by-its-own-submit"),
+                    plain(2),
+                ),
+            )
+        assert [a.HasField("job") for a in got] == [True, True, False, True, False, True, True]
+        sample = app.registry.get_sample_value
+        assert sample("asyncinfer_jobs_submitted_total", {"model": "demo", "priority": "NORMAL"}) == 4
+        assert sample("asyncinfer_jobs_submitted_total", {"model": "demo", "priority": "LOW"}) == 1
+        unknown = {"model": "unknown", "code": "NOT_FOUND", "reason": "MODEL_NOT_FOUND"}
+        assert sample("asyncinfer_submit_rejected_total", unknown) == 1
+        invalid = {"model": "demo", "code": "INVALID_ARGUMENT", "reason": "INVALID_ARGUMENT"}
+        assert sample("asyncinfer_submit_rejected_total", invalid) == 1
+        assert sample("asyncinfer_submit_seconds_count") == 7
+    finally:
+        await app.stop(grace_s=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
@@ -104,17 +105,23 @@ class MessageSubmitter:
         own: dict[int, asyncio.Task[SubmitOutcome]],
         elapsed_s: float,
     ) -> None:
-        """The metrics of the grouped jobs, as a single submit counts them (submit_one counts its own)."""
+        """The metrics of the grouped jobs, as a single submit counts them (submit_one counts its
+        own), each counter's labels looked up once per message rather than once per job."""
+        submitted: Counter[tuple[str, str]] = Counter()
+        rejected: Counter[tuple[str, str, str]] = Counter()
         for index, (job, outcome) in enumerate(zip(jobs, outcomes, strict=True)):
             if index in own:
                 continue
-            model_label = self._model_label(job.model_name)
             self._metrics.submit_seconds.observe(elapsed_s)
             if isinstance(outcome, SubmitOutcome):
-                self._metrics.jobs_submitted.labels(model=model_label, priority=outcome.record.priority.value).inc()
+                submitted[job.model_name, outcome.record.priority.value] += 1
             elif isinstance(outcome, AsyncInferError):
-                labels = {"model": model_label, "code": outcome.code.name, "reason": outcome.reason}
-                self._metrics.submit_rejected.labels(**labels).inc()
+                rejected[job.model_name, outcome.code.name, outcome.reason] += 1
+        for (model_name, priority), count in submitted.items():
+            self._metrics.jobs_submitted.labels(model=self._model_label(model_name), priority=priority).inc(count)
+        for (model_name, code, reason), count in rejected.items():
+            labels = {"model": self._model_label(model_name), "code": code, "reason": reason}
+            self._metrics.submit_rejected.labels(**labels).inc(count)
 
 
 async def _after(
