@@ -16,6 +16,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import JOB_ID_HEADER
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.gateway import bulk_message
 from services.gateway.app import GatewayApp
 from tests.test_gateway import fp32_input, submit_request
 from tests.test_gateway_auth import serve
@@ -224,3 +225,20 @@ async def test_grouped_jobs_are_counted_as_single_submits_are(config: Config) ->
         assert sample("asyncinfer_submit_seconds_count") == 7
     finally:
         await app.stop(grace_s=1)
+
+
+async def test_a_message_larger_than_a_group_is_taken_a_group_at_a_time(
+    stub: JobStub, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bulk_message, "MAX_GROUP", 7)
+    jobs = [plain(i) for i in range(20)]
+    jobs[2] = jobs[12] = submit_request(idempotency_key="across-groups")
+    jobs[9] = submit_request(inputs=[])
+    got = await submit_messages(stub, message(*jobs))
+    assert [a.index for a in got] == list(range(20))
+    assert got[9].error.code == INVALID_ARGUMENT
+    assert (got[12].job.job_id, got[12].deduplicated) == (got[2].job.job_id, True)
+    accepted = [a.job.job_id for i, a in enumerate(got) if i not in (9, 12)]
+    assert all(accepted)
+    # (The keyed job's claim comes first, so its work message may land after its group's.)
+    assert sorted(await queued_job_ids(nc)) == sorted(accepted)

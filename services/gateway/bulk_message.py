@@ -32,6 +32,8 @@ from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest, check_request_size
 
 SubmitOne = Callable[[job_service_pb2.SubmitJobRequest], Coroutine[Any, Any, SubmitOutcome]]
+# The most jobs submitted (and writes in flight) at once for one message.
+MAX_GROUP = 1000
 
 
 def needs_own_submit(job: job_service_pb2.SubmitJobRequest) -> bool:
@@ -58,7 +60,17 @@ class MessageSubmitter:
     async def submit(
         self, jobs: Sequence[job_service_pb2.SubmitJobRequest], tenant: str, submit_one: SubmitOne
     ) -> list[ItemOutcome]:
-        """Each job's outcome or error, in order."""
+        """Each job's outcome or error, in order. A message of more than MAX_GROUP jobs is taken
+        MAX_GROUP at a time, one group after the other: what is in flight stays bounded whatever
+        a message holds."""
+        outcomes: list[ItemOutcome] = []
+        for start in range(0, len(jobs), MAX_GROUP):
+            outcomes += await self._submit_group(jobs[start : start + MAX_GROUP], tenant, submit_one)
+        return outcomes
+
+    async def _submit_group(
+        self, jobs: Sequence[job_service_pb2.SubmitJobRequest], tenant: str, submit_one: SubmitOne
+    ) -> list[ItemOutcome]:
         started = time.perf_counter()
         outcomes: list[ItemOutcome | None] = [None] * len(jobs)
         own: dict[int, asyncio.Task[SubmitOutcome]] = {}
