@@ -26,9 +26,10 @@ from asyncinfer.nats import (
     requests,
 )
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting, open_kv_bucket
 from asyncinfer.nats.requests import js_publish, pending_request_count, request
-from asyncinfer.nats.streams import DurableMessage, StoreFullError, publish_durably_many
+from asyncinfer.nats.streams import StoreFullError
 
 
 @pytest.fixture

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -23,7 +22,7 @@ from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
 from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, MSG_TTL_HEADER, stream_info_subject
 from asyncinfer.nats.protocol import STORE_FULL_CODES
-from asyncinfer.nats.requests import js_publish, js_publish_many
+from asyncinfer.nats.requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
 
@@ -139,66 +138,6 @@ async def publish_durably(
         return await js_publish(js, subject, payload, timeout_s=timeout_s, headers=all_headers)
 
     return await retry_transient(attempt, retry_for_s=retry_for_s, what=f"publish {subject}")
-
-
-@dataclass(frozen=True, slots=True)
-class DurableMessage:
-    """One message of a pipelined durable publish (`publish_durably_many`)."""
-
-    subject: str
-    payload: bytes
-    msg_id: str
-    headers: dict[str, str] = field(default_factory=dict)
-
-
-async def publish_durably_many(
-    js: JetStreamContext, messages: Sequence[DurableMessage], *, stream: str, retry_for_s: float
-) -> list[int | Exception]:
-    """`publish_durably` for each message, as one pipelined group: every message is written to
-    the connection before any acknowledgement is awaited (one flush, not one per message), then
-    the acknowledgements are awaited together. Each result is the message's stream sequence or
-    its error, in order (a StoreFullError where the store refused it for want of space).
-
-    A message whose first attempt met a transient error (an election, a reconnect, a timeout) is
-    retried on its own by `publish_durably` for what is left of retry_for_s, under the same
-    Nats-Msg-Id: one stored before its acknowledgement was lost is then dropped as a duplicate."""
-    give_up_at = time.monotonic() + retry_for_s
-    publishes = [
-        (m.subject, m.payload, {**m.headers, MSG_ID_HEADER: m.msg_id, EXPECTED_STREAM_HEADER: stream}) for m in messages
-    ]
-    first = await js_publish_many(js, publishes, timeout_s=max(min(ATTEMPT_TIMEOUT_S, retry_for_s), 0.1))
-    results: list[int | Exception] = []
-    again: list[int] = []
-    for index, result in enumerate(first):
-        if isinstance(result, Exception):
-            full = store_full(result)
-            if full is not None:
-                result = full
-            elif isinstance(result, TRANSIENT_JS_ERRORS):
-                again.append(index)
-        results.append(result)
-    remaining_s = give_up_at - time.monotonic()
-    if again and remaining_s > 0:
-        retried = await asyncio.gather(
-            *(
-                publish_durably(
-                    js,
-                    messages[i].subject,
-                    messages[i].payload,
-                    stream=stream,
-                    msg_id=messages[i].msg_id,
-                    retry_for_s=remaining_s,
-                    headers=messages[i].headers,
-                )
-                for i in again
-            ),
-            return_exceptions=True,
-        )
-        for i, outcome in zip(again, retried, strict=True):
-            if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
-                raise outcome
-            results[i] = outcome
-    return results
 
 
 async def last_message(js: JetStreamContext, stream: str, subject: str) -> bytes | None:

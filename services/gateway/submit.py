@@ -26,7 +26,8 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.streams import DurableMessage, StoreFullError, publish_durably, publish_durably_many, store_full
+from asyncinfer.nats.groups import DurableMessage, publish_durably_many
+from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry

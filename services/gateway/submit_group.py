@@ -19,7 +19,7 @@ from typing import Protocol
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.jobs import JobRecord
-from asyncinfer.nats.streams import DurableMessage
+from asyncinfer.nats.groups import DurableMessage
 from services.gateway.admission import Admission
 from services.gateway.submit_request import SubmitRequest
 from services.gateway.tenant_quota import TenantSlot

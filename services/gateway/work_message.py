@@ -10,7 +10,7 @@ from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.jobs import JobRecord, JobState, queued_envelope
-from asyncinfer.nats.streams import DurableMessage
+from asyncinfer.nats.groups import DurableMessage
 from asyncinfer.tracing import trace_fields
 from services.gateway.submit_request import SubmitRequest
 
