@@ -21,12 +21,15 @@ from asyncinfer.nats import (
     NatsTimeoutError,
     NoRespondersError,
     NoStreamResponseError,
+    _fastpath,
     api,
     requests,
 )
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting, open_kv_bucket
 from asyncinfer.nats.requests import js_publish, pending_request_count, request
+from asyncinfer.nats.streams import StoreFullError
 
 
 @pytest.fixture
@@ -110,6 +113,89 @@ async def test_a_cancelled_request_leaves_nothing_behind(nc: NatsClient) -> None
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    assert pending_request_count(nc) == 0
+
+
+# Both implementations of a pipelined group, whichever this run binds `js_publish_many` to.
+PUBLISH_MANY = pytest.mark.parametrize(
+    "publish_many",
+    [
+        pytest.param(
+            _fastpath.js_publish_many,
+            marks=pytest.mark.skipif(
+                bool(_fastpath._missing_private_names()), reason="this nats-py lacks what the fast path uses"
+            ),
+        ),
+        requests.public_js_publish_many,
+    ],
+    ids=["fast", "public"],
+)
+
+
+@PUBLISH_MANY
+async def test_a_group_is_all_sent_before_any_answer_is_awaited(nc: NatsClient, publish_many: Any) -> None:
+    """A responder that answers nobody until it has heard the whole group: a group sent one
+    publish per answer would never complete (and time out)."""
+    count = 50
+    heard: list[Any] = []
+
+    async def answer_when_all_heard(msg: Any) -> None:
+        heard.append(msg)
+        if len(heard) == count:
+            for n, held in enumerate(heard):
+                await held.respond(b'{"stream": "G", "seq": %d}' % (n + 1))
+
+    await nc.subscribe("group.>", cb=answer_when_all_heard)
+    publishes = [(f"group.{i}", b"x", {"n": str(i)}) for i in range(count)]
+    results = await publish_many(nc.jetstream(), publishes, timeout_s=30)
+    assert results == list(range(1, count + 1))
+    assert [h.headers["n"] for h in heard] == [str(i) for i in range(count)]  # sent in order
+    assert pending_request_count(nc) == 0
+
+
+@PUBLISH_MANY
+async def test_a_group_answers_each_publish_with_its_own_sequence_or_error(
+    nc: NatsClient, stream: str, publish_many: Any
+) -> None:
+    expect = "Nats-Expected-Last-Subject-Sequence"
+    results = await publish_many(
+        nc.jetstream(),
+        [
+            ("req.a", b"one", {"Nats-Msg-Id": "g1"}),
+            ("nothing.listens.here", b"x", None),
+            ("req.a", b"one again", {"Nats-Msg-Id": "g1"}),  # a duplicate: the first one's sequence
+            ("req.b", b"x", {"Nats-Expected-Stream": "ANOTHER"}),
+            ("req.c", b"x", {expect: "7"}),
+            ("req.d", b"two", None),
+        ],
+        timeout_s=5,
+    )
+    assert results[0] == 1
+    assert isinstance(results[1], NoStreamResponseError)
+    assert results[2] == 1
+    assert isinstance(results[3], APIError)
+    assert results[3].code == 400
+    assert isinstance(results[4], KeyWrongLastSequenceError)
+    assert results[5] == 2
+    assert (await nc.jetstream().stream_info(stream)).state.messages == 2
+    assert pending_request_count(nc) == 0
+
+
+async def test_a_durable_group_retries_what_met_no_stream_and_maps_a_full_store(nc: NatsClient) -> None:
+    js = nc.jetstream()
+    await js.add_stream(api.StreamConfig(name="TINY", subjects=["tiny.>"], max_msgs=2, discard=api.DiscardPolicy.NEW))
+    messages = [DurableMessage(f"tiny.{i}", b"x", msg_id=f"t{i}") for i in range(3)]
+    messages.append(DurableMessage("tiny.0", b"x", msg_id="t0"))  # a duplicate of the first: no room needed
+    results = await publish_durably_many(js, messages, stream="TINY", retry_for_s=0.5)
+    assert results[:2] == [1, 2]
+    assert isinstance(results[2], StoreFullError)
+    assert results[3] == 1
+    # The wrong stream's subject: retried for retry_for_s, then its error, the others unharmed.
+    results = await publish_durably_many(
+        js, [DurableMessage("nowhere.0", b"x", msg_id="n0"), messages[0]], stream="TINY", retry_for_s=0.3
+    )
+    assert isinstance(results[0], NoStreamResponseError)
+    assert results[1] == 1
     assert pending_request_count(nc) == 0
 
 

@@ -2,8 +2,8 @@
 
 Everything else imports nats-py's types and errors from here, and calls the adapter's modules for
 what it does with them: `connection` (connecting), `streams` (declaring streams and buckets,
-durable publishes, retries of transient JetStream errors), `requests` (requests and JetStream
-publishes on the hot paths) and `kv` (the raw read and compare-and-set of one KV key). Only
+durable publishes, retries of transient JetStream errors), `groups` (durable publishes in pipelined
+groups), `requests` (requests and JetStream publishes on the hot paths) and `kv` (the raw read and compare-and-set of one KV key). Only
 `_fastpath` touches nats-py's private names; it checks nats-py's version at import and the rest
 falls back to nats-py's public API without it (see `asyncinfer.nats._fastpath`).
 

@@ -37,6 +37,7 @@ import importlib.metadata
 import json
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import nats.errors
@@ -141,6 +142,11 @@ async def js_publish(
         msg = await request(context._nc, subject, payload, timeout_s=timeout_s, headers=headers)
     except nats.errors.NoRespondersError as exc:
         raise nats.js.errors.NoStreamResponseError from exc
+    return _stream_sequence(msg)
+
+
+def _stream_sequence(msg: Msg) -> int:
+    """The sequence a JetStream publish's answer reports, or the error it stands for (raised)."""
     answer = json.loads(msg.data)
     error = answer.get("error")
     if error is not None:
@@ -148,6 +154,72 @@ async def js_publish(
             raise KeyWrongLastSequenceError(description=error.get("description"))
         APIError.from_error(error)  # raises
     return int(answer["seq"])
+
+
+# One publish of a pipelined group: (subject, payload, headers).
+Publish = tuple[str, bytes, "dict[str, str] | None"]
+
+
+def _expire_all(futures: list[asyncio.Future[Msg]]) -> None:
+    for future in futures:
+        _expire(future)
+
+
+async def js_publish_many(
+    js: JetStreamContext, publishes: Sequence[Publish], *, timeout_s: float
+) -> list[int | Exception]:
+    """`js_publish` for each of `publishes`, pipelined: every message is written to the
+    connection before any answer is awaited (nats-py's flusher then sends them in one write), and
+    the answers are awaited together, under one timer. Each result is the publish's sequence or
+    its error (as `js_publish` raises it), in order."""
+    context: Any = js
+    client: Any = context._nc
+    if not client._resp_sub_prefix:
+        await client._init_request_sub()
+    loop = asyncio.get_running_loop()
+    prefix = client._resp_sub_prefix.decode()
+    responses: dict[str, asyncio.Future[Msg]] = client._resp_map
+    futures: list[asyncio.Future[Msg]] = []
+    tokens: list[str] = []
+    timer = loop.call_later(timeout_s, _expire_all, futures)
+    unsent: Exception | None = None
+    try:
+        for subject, payload, headers in publishes:
+            token = client._nuid.next().decode()
+            future: asyncio.Future[Msg] = loop.create_future()
+            responses[token] = future
+            tokens.append(token)
+            futures.append(future)
+            try:
+                await context._nc.publish(subject, payload, reply=prefix + token, headers=headers)
+            except Exception as exc:  # the connection closed or is draining: this and the rest are not sent
+                unsent = exc
+                future.cancel()
+                break
+        answers = await asyncio.gather(*futures[: len(futures) - (unsent is not None)], return_exceptions=True)
+    finally:
+        timer.cancel()
+        for token in tokens:
+            responses.pop(token, None)
+    results: list[int | Exception] = []
+    for answer in answers:
+        results.append(_sequence_or_error(answer))
+    if unsent is not None:
+        results += [unsent] * (len(publishes) - len(results))
+    return results
+
+
+def _sequence_or_error(answer: Msg | BaseException) -> int | Exception:
+    if isinstance(answer, BaseException):
+        if not isinstance(answer, Exception):
+            raise answer
+        return answer
+    if answer.headers and answer.headers.get(STATUS_HEADER) == NO_RESPONDERS_STATUS:
+        return nats.js.errors.NoStreamResponseError()
+    try:
+        return _stream_sequence(answer)
+    except Exception as exc:
+        return exc
 
 
 async def kv_latest(

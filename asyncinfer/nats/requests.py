@@ -10,6 +10,9 @@ The choice is made once, at import; `FASTPATH_ENABLED` and `FASTPATH_REASON` say
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -46,11 +49,34 @@ async def public_js_publish(
     return ack.seq
 
 
+async def public_js_publish_many(
+    js: JetStreamContext, publishes: Sequence[_fastpath.Publish], *, timeout_s: float
+) -> list[int | Exception]:
+    # Each publish a task of its own; they all run in the same turn of the loop, so their
+    # messages still leave in one flush before any answer is awaited.
+    answers = await asyncio.gather(
+        *(
+            public_js_publish(js, subject, payload, timeout_s=timeout_s, headers=headers)
+            for subject, payload, headers in publishes
+        ),
+        return_exceptions=True,
+    )
+    results: list[int | Exception] = []
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+            raise answer
+        results.append(answer)
+    return results
+
+
 # Bound once, so a call costs no more than the implementation it reaches. `request`: the answer
 # to a request on core NATS. `js_publish`: the stream sequence a JetStream publish was stored at
 # (for a duplicate within the stream's duplicate window, the sequence of the first).
 request = _fastpath.request if FASTPATH_ENABLED else public_request
 js_publish = _fastpath.js_publish if FASTPATH_ENABLED else public_js_publish
+# `js_publish_many`: `js_publish` for a group of publishes, pipelined (all written before any answer
+# is awaited); each publish's sequence or error, in order.
+js_publish_many = _fastpath.js_publish_many if FASTPATH_ENABLED else public_js_publish_many
 
 
 def pending_request_count(nc: Client) -> int:

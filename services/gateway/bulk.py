@@ -1,10 +1,14 @@
 """SubmitJobs: bulk submission over one bidirectional stream, one answer per request, in order.
 
-Several submits run at once (up to `window`), so a stream is not one NATS round trip per record,
-while answers still leave in request order: a reader task reads requests, starts each submit as a
-task and queues it; the response side awaits the queued tasks in order. When `window` submits are
-in flight the reader stops reading, gRPC flow control stops the client, and memory stays bounded
-however large the client's file.
+Several submits run at once (up to `window` one-job messages, and up to MAX_JOBS_IN_FLIGHT jobs
+in all), so a stream is not one NATS round trip per record, while answers still leave in request
+order: a reader task reads requests, starts each one-job submit, or each many-jobs message's
+submit as one, as a task and queues it; the response side awaits the queued tasks in order. When
+the window is full the reader stops reading, gRPC flow control stops the client, and memory stays
+bounded however large the client's file.
+
+A many-jobs message is submitted as a group (`SubmitMany`: bulk_message.py): its jobs validated
+together and their writes published as one pipelined group, each still answered on its own.
 
 An item that fails (invalid, unknown model, over a quota) answers an ErrorStatus for that item and
 the stream goes on; only a failure of the stream itself (the client cancelled, the gateway stops)
@@ -15,7 +19,7 @@ be queued); its answer is lost, which an idempotency key makes safe to retry.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +36,14 @@ from services.gateway.idempotency import SubmitOutcome
 log = structlog.get_logger("asyncinfer.gateway.bulk")
 
 DEFAULT_WINDOW = 128
+# Jobs in flight on one stream, whatever the messages carry: enough for several many-jobs
+# messages at once, so one message's acks are awaited while the next is read and published.
+MAX_JOBS_IN_FLIGHT = 1024
 
 SubmitOne = Callable[[job_service_pb2.SubmitJobRequest], Coroutine[Any, Any, SubmitOutcome]]
+# Each job's outcome (or error), in order.
+ItemOutcome = SubmitOutcome | Exception
+SubmitMany = Callable[[Sequence[job_service_pb2.SubmitJobRequest]], Coroutine[Any, Any, list[ItemOutcome]]]
 ToJob = Callable[[JobRecord], job_pb2.Job]
 
 
@@ -61,28 +71,49 @@ class _End:
     error: BaseException | None = None
 
 
-# (index, correlation_id, the submit, its place in a many-jobs message: None for a one-job
-# message, else whether it is that message's last item).
-_Item = tuple[int, str, "asyncio.Task[SubmitOutcome]", bool | None]
+@dataclass(frozen=True, slots=True)
+class _One:
+    """A one-job message's submit."""
+
+    index: int
+    correlation_id: str
+    task: asyncio.Task[SubmitOutcome]
+
+
+@dataclass(frozen=True, slots=True)
+class _Many:
+    """A many-jobs message's submit: its first job's index on the stream, its items' correlation
+    IDs, and the jobs it holds of the stream's MAX_JOBS_IN_FLIGHT."""
+
+    index: int
+    correlation_ids: tuple[str, ...]
+    task: asyncio.Task[list[ItemOutcome]]
+    units: int
 
 
 async def _read(
     requests: AsyncIterator[job_service_pb2.SubmitJobsRequest],
     submit_one: SubmitOne,
-    pending: asyncio.Queue[_Item | _End],
+    submit_many: SubmitMany,
+    pending: asyncio.Queue[_One | _Many | _End],
+    room: asyncio.Semaphore,
 ) -> None:
     index = 0
     try:
         async for request in requests:
             if not request.items:
-                await pending.put((index, request.correlation_id, _start(submit_one, request.job), None))
+                await room.acquire()
+                # Blocks while the window is full: backpressure to the client.
+                await pending.put(_One(index, request.correlation_id, _start(submit_one(request.job))))
                 index += 1
                 continue
-            last = len(request.items) - 1
-            for position, item in enumerate(request.items):
-                # Blocks while the window is full: backpressure to the client.
-                await pending.put((index, item.correlation_id, _start(submit_one, item.job), position == last))
-                index += 1
+            units = min(len(request.items), MAX_JOBS_IN_FLIGHT)
+            for _ in range(units):
+                await room.acquire()
+            jobs = [item.job for item in request.items]
+            task = _start(submit_many(jobs))
+            await pending.put(_Many(index, tuple(item.correlation_id for item in request.items), task, units))
+            index += len(jobs)
     except asyncio.CancelledError:
         raise  # the response side is gone; nobody reads the queue any more
     except Exception as error:
@@ -91,14 +122,14 @@ async def _read(
     await pending.put(_End())
 
 
-def _start(submit_one: SubmitOne, request: job_service_pb2.SubmitJobRequest) -> asyncio.Task[SubmitOutcome]:
-    task = asyncio.create_task(submit_one(request))
+def _start(submit: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    task = asyncio.create_task(submit)
     # Outcomes are read by the response side; one it never reads (the stream ended) is not an error.
     task.add_done_callback(_retrieve)
     return task
 
 
-def _retrieve(task: asyncio.Task[SubmitOutcome]) -> None:
+def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
 
@@ -107,37 +138,51 @@ def _answer(
     response: job_service_pb2.SubmitJobsResponse | job_service_pb2.SubmitJobsAnswer,
     index: int,
     correlation_id: str,
-    task: asyncio.Task[SubmitOutcome],
+    outcome: SubmitOutcome | BaseException,
     to_job: ToJob,
 ) -> None:
     """Fills in the answer for one job (the fields of a one-job response and of an answer agree)."""
     response.correlation_id = correlation_id
     response.index = index
-    error = task.exception()
-    if error is None:
-        outcome = task.result()
+    if isinstance(outcome, SubmitOutcome):
         response.job.CopyFrom(to_job(outcome.record))
         response.deduplicated = outcome.deduplicated
-    elif isinstance(error, AsyncInferError):
-        response.error.CopyFrom(error_status(error))
+    elif isinstance(outcome, AsyncInferError):
+        response.error.CopyFrom(error_status(outcome))
     else:
-        log.error("bulk_item_failed", index=index, error=repr(error), exc_info=error)
+        log.error("bulk_item_failed", index=index, error=repr(outcome), exc_info=outcome)
         response.error.CopyFrom(_internal())
+
+
+def _outcome(task: asyncio.Task[SubmitOutcome]) -> SubmitOutcome | BaseException:
+    error = task.exception()
+    return task.result() if error is None else error
+
+
+def _outcomes(task: asyncio.Task[list[ItemOutcome]], count: int) -> Sequence[SubmitOutcome | BaseException]:
+    error = task.exception()
+    if error is not None:  # the message's submit failed as a whole: every item says so
+        return [error] * count
+    outcomes = task.result()
+    if len(outcomes) != count:
+        return [RuntimeError(f"{len(outcomes)} outcomes for {count} jobs")] * count
+    return outcomes
 
 
 async def submit_stream(
     requests: AsyncIterator[job_service_pb2.SubmitJobsRequest],
     submit_one: SubmitOne,
+    submit_many: SubmitMany,
     to_job: ToJob,
     *,
     window: int = DEFAULT_WINDOW,
 ) -> AsyncGenerator[job_service_pb2.SubmitJobsResponse, None]:
-    """One SubmitJobsResponse per request, in request order, with up to about `window` submits
-    in flight."""
-    pending: asyncio.Queue[_Item | _End] = asyncio.Queue(maxsize=max(window - 1, 1))
-    reader = asyncio.create_task(_read(requests, submit_one, pending))
-    current: asyncio.Task[SubmitOutcome] | None = None
-    answers: job_service_pb2.SubmitJobsResponse | None = None  # a many-jobs message's, being filled
+    """One SubmitJobsResponse per request, in request order, with up to about `window` one-job
+    submits in flight, and MAX_JOBS_IN_FLIGHT jobs in all."""
+    pending: asyncio.Queue[_One | _Many | _End] = asyncio.Queue(maxsize=max(window - 1, 1))
+    room = asyncio.Semaphore(MAX_JOBS_IN_FLIGHT)
+    reader = asyncio.create_task(_read(requests, submit_one, submit_many, pending, room))
+    current: asyncio.Task[Any] | None = None
     try:
         while True:
             item = await pending.get()
@@ -145,28 +190,28 @@ async def submit_stream(
                 if item.error is not None:
                     raise item.error
                 return
-            index, correlation_id, current, last_in_message = item
+            current = item.task
             await asyncio.wait((current,))  # its outcome, success or error, without raising here
-            if last_in_message is None:
-                response = job_service_pb2.SubmitJobsResponse()
-                _answer(response, index, correlation_id, current, to_job)
-                yield response
-                continue
-            if answers is None:
-                answers = job_service_pb2.SubmitJobsResponse()
-            _answer(answers.answers.add(), index, correlation_id, current, to_job)
-            if last_in_message:
-                yield answers
-                answers = None
+            response = job_service_pb2.SubmitJobsResponse()
+            if isinstance(item, _One):
+                _answer(response, item.index, item.correlation_id, _outcome(item.task), to_job)
+                room.release()
+            else:
+                outcomes = _outcomes(item.task, len(item.correlation_ids))
+                for n, (correlation_id, outcome) in enumerate(zip(item.correlation_ids, outcomes, strict=True)):
+                    _answer(response.answers.add(), item.index + n, correlation_id, outcome, to_job)
+                for _ in range(item.units):
+                    room.release()
+            yield response
     finally:
         reader.cancel()
-        left: list[asyncio.Task[object]] = [reader]
+        left: list[asyncio.Task[Any]] = [reader]
         if current is not None and not current.done():
             current.cancel()  # the submit itself is shielded and seen through
             left.append(current)
         while not pending.empty():
             item = pending.get_nowait()
             if not isinstance(item, _End):
-                item[2].cancel()  # the submit itself is shielded and seen through
-                left.append(item[2])
+                item.task.cancel()  # the submit itself is shielded and seen through
+                left.append(item.task)
         await asyncio.gather(*left, return_exceptions=True)

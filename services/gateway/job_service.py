@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -27,7 +27,8 @@ from services.gateway.auth import Authenticator
 from services.gateway.batch_reads import MAX_IDS_PER_READ as MAX_IDS_PER_READ
 from services.gateway.batch_reads import get_jobs, watch_jobs_response, watched_changes
 from services.gateway.blobs import ClaimCheck
-from services.gateway.bulk import submit_stream
+from services.gateway.bulk import ItemOutcome, submit_stream
+from services.gateway.bulk_message import MessageSubmitter
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
@@ -110,6 +111,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         )
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
         self._catalog = submitter.catalog
+        self._message_submitter = MessageSubmitter(config, submitter, metrics, self._model_label, self._tracing)
 
     def _model_label(self, model_name: str) -> str:
         # Unknown names would otherwise let callers mint label values without bound (names learnt
@@ -275,7 +277,14 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_service_pb2.SubmitJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)  # once, before any request is read
         caller = caller_trace(self._tracing, context)  # the parent of each item's span
-        responses = submit_stream(request_iterator, lambda request: self._submit(request, tenant, caller), self._job)
+
+        def submit_one(request: job_service_pb2.SubmitJobRequest) -> Submit:
+            return self._submit(request, tenant, caller)
+
+        def submit_many(jobs: Sequence[job_service_pb2.SubmitJobRequest]) -> Coroutine[Any, Any, list[ItemOutcome]]:
+            return self._message_submitter.submit(jobs, tenant, submit_one)
+
+        responses = submit_stream(request_iterator, submit_one, submit_many, self._job)
         async with contextlib.aclosing(responses) as answers:
             async for answer in answers:
                 yield answer

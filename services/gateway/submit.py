@@ -1,6 +1,7 @@
 """Accepting a job: validate the request (submit_request.py), admit it (model queue depth, tenant
 quota), publish its work message, which is its QUEUED record, and announce it. Acceptance means
-durably queued: one durable write per job.
+durably queued: one durable write per job. The jobs of one SubmitJobs message are admitted in
+order and their writes published as one pipelined group (submit_group.py).
 
 Through a NATS leader election (a cluster node died) the publish is retried for
 `gateway.enqueue_retry_s` under the same job ID, which it carries as Nats-Msg-Id: a publish that
@@ -14,29 +15,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import structlog
 
-from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import ResourceExhausted, Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.jobs import JobRecord, JobState, queued_envelope
+from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
-from asyncinfer.tracing import trace_fields
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.recent_records import RecentRecords
 from services.gateway.store_health import StoreHealth, store_full_error
-from services.gateway.submit_request import SubmitRequest, validate_submit
+from services.gateway.submit_group import admit_and_enqueue_group
+from services.gateway.submit_request import SubmitRequest, validate_each, validate_submit
+from services.gateway.work_message import job_about, queued_record, work_message
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -67,6 +68,7 @@ class JobSubmitter:
         self._admission = admission
         self._clock = clock
         self._tasks: set[asyncio.Task[JobRecord]] = set()
+        self._group_tasks: set[asyncio.Task[list[JobRecord | Exception]]] = set()
 
     def store_refusal(self, full: StoreFullError) -> ResourceExhausted:
         """A submit's write (its work message, or its idempotency claim) refused for want of space."""
@@ -95,6 +97,37 @@ class JobSubmitter:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
+
+    async def submit_many(self, requests: Sequence[SubmitRequest], *, tenant: str) -> list[JobRecord | Exception]:
+        """`submit` for each of a SubmitJobs message's requests, their work messages published as
+        one pipelined group (submit_group.py); each one's record or error, in order. For inline
+        requests without a callback: what needs a read first (an upload, a callback's host)
+        goes through `submit`."""
+        now = self._clock()
+        checked = validate_each(requests, self._config, now=now, catalog=self.catalog)
+        task = asyncio.create_task(
+            admit_and_enqueue_group(self, self._admission, requests, checked, tenant=tenant, now=now)
+        )
+        self._group_tasks.add(task)
+        task.add_done_callback(self._group_tasks.discard)
+        return await asyncio.shield(task)
+
+    def group_message(
+        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float
+    ) -> tuple[JobRecord, DurableMessage]:
+        """A new job's record and work message, expected by the recent records from now on."""
+        record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=new_job_id())
+        if self._recent is not None:
+            self._recent.expect(record.key)
+        return record, work_message(record, request)
+
+    async def publish_group(self, messages: Sequence[DurableMessage]) -> list[int | Exception]:
+        return await publish_durably_many(
+            self._js,
+            messages,
+            stream=self._config.nats.work_stream,
+            retry_for_s=self._config.gateway.enqueue_retry_s,
+        )
 
     async def enqueue_prepared(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, job_id: str
@@ -135,8 +168,8 @@ class JobSubmitter:
 
     async def drain(self) -> None:
         """Waits for submits whose callers went away (each bounded by enqueue_retry_s)."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks or self._group_tasks:
+            await asyncio.gather(*self._tasks, *self._group_tasks, return_exceptions=True)
 
     async def _admit_and_enqueue(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
@@ -161,70 +194,56 @@ class JobSubmitter:
     async def _enqueue(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
     ) -> JobRecord:
-        record = JobRecord(
-            job_id=job_id,
-            tenant=tenant,
-            model_name=model.name,
-            # Only what was asked: a job that names no version gets the default at its dispatch.
-            model_version=request.model_version,
-            state=JobState.QUEUED,
-            priority=request.priority,
-            create_time=now,
-            update_time=now,
-            max_attempts=request.max_attempts or model.max_attempts,
-            result_retention_s=request.result_retention_s or self._config.gateway.default_result_retention_s,
-            labels=dict(request.labels),
-            idempotency_key=request.idempotency_key,
-            deadline=request.deadline,
-            execution_timeout_s=request.execution_timeout_s or model.default_execution_timeout_s,
-            callback=request.callback,
-            input_ref=request.input_blob,
-            traceparent=request.traceparent,
-        )
-        # Not log.bind(): binding costs on every submit (2% of the gateway's CPU in a bulk burst,
-        # py-spy) even when nothing is logged; the few lines below name the job themselves.
-        about = {"job_id": record.job_id, "model": record.model_name, "tenant": tenant}
-        if record.traceparent:
-            about.update(trace_fields(record.traceparent))
+        record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=job_id)
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
-        envelope = queued_envelope(record, request.inputs)
+        message = work_message(record, request)
         if self._recent is not None:
             self._recent.expect(record.key)
-        headers = routing_headers(
-            tenant=tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
-        )
-        if record.traceparent:  # also readable by NATS tooling without decoding the record
-            headers[TRACEPARENT_HEADER] = record.traceparent
         try:
             await publish_durably(
                 self._js,
-                envelope.subject,
-                encode_envelope(envelope),
+                message.subject,
+                message.payload,
                 stream=self._config.nats.work_stream,
-                msg_id=record.job_id,
+                msg_id=message.msg_id,
                 retry_for_s=self._config.gateway.enqueue_retry_s,
-                headers=headers,
+                headers=message.headers,
             )
         except BaseException as exc:
-            if self._recent is not None:
-                self._recent.forget(record.key)
-            full = store_full(exc)
-            if full is not None:
-                log.warning("enqueue_refused_store_full", error=full.description, **about)
-                raise self.store_refusal(full) from exc
-            if not isinstance(exc, NATS_FAILURES):
+            error = self.not_queued(record, exc)
+            if error is exc:
                 raise
-            log.warning("enqueue_failed", error=str(exc), **about)
-            raise Unavailable(
-                f"the job could not be queued ({exc}); it was not accepted, submit it again",
-                reason="ENQUEUE_FAILED",
-                metadata={"job_id": record.job_id},
-            ) from exc
+            raise error from exc
+        await self.queued(record)
+        return record
+
+    def not_queued(self, record: JobRecord, exc: BaseException) -> BaseException:
+        """What a submit whose work message failed answers (the error to raise from `exc`)."""
+        self.abandon(record)
+        full = store_full(exc)
+        if full is not None:
+            log.warning("enqueue_refused_store_full", error=full.description, **job_about(record))
+            return self.store_refusal(full)
+        if not isinstance(exc, NATS_FAILURES):
+            return exc
+        log.warning("enqueue_failed", error=str(exc), **job_about(record))
+        return Unavailable(
+            f"the job could not be queued ({exc}); it was not accepted, submit it again",
+            reason="ENQUEUE_FAILED",
+            metadata={"job_id": record.job_id},
+        )
+
+    def abandon(self, record: JobRecord) -> None:
+        """A job that will not be queued by this submit: the recent records stop expecting it."""
+        if self._recent is not None:
+            self._recent.forget(record.key)
+
+    async def queued(self, record: JobRecord) -> None:
+        """After a job's work message was acknowledged: noted, and announced to the schedulers."""
         if self._store_health is not None:
             self._store_health.wrote()
         if self._recent is not None:
             self._recent.queued(record)
         await announce_queued(self._nc, record, encode_record(record))
-        log.info("job_submitted", priority=record.priority.value, **about)
-        return record
+        log.info("job_submitted", priority=record.priority.value, **job_about(record))

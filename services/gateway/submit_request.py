@@ -7,14 +7,14 @@ an invalid inline request before it claims a key, the submitter on every request
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from asyncinfer.config import Config, ModelConfig
-from asyncinfer.errors import FieldViolation, InvalidArgument, Unimplemented
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, Unimplemented
 from asyncinfer.jobs import BlobRef, CallbackSpec, Priority
-from asyncinfer.tensors import Tensor, validate_inputs
+from asyncinfer.tensors import ModelSignature, Tensor, validate_inputs
 from services.gateway.model_catalog import ModelCatalog
 
 MAX_LABELS = 16
@@ -109,11 +109,21 @@ def callback_url_violations(url: str) -> list[FieldViolation]:
 
 
 def validate_submit(
-    request: SubmitRequest, config: Config, *, now: float, catalog: ModelCatalog | None = None
+    request: SubmitRequest,
+    config: Config,
+    *,
+    now: float,
+    catalog: ModelCatalog | None = None,
+    resolved: tuple[ModelConfig, ModelSignature] | None = None,
 ) -> ModelConfig:
     """The model version the request is validated against (the one it names, or the default
-    now); raises NotFound, Unimplemented or InvalidArgument (with every violation found)."""
-    model = resolve_model(config, request.model_name, request.model_version, catalog)
+    now); raises NotFound, Unimplemented or InvalidArgument (with every violation found).
+    `resolved`: that version and its signature, when the caller has them already."""
+    if resolved is None:
+        model = resolve_model(config, request.model_name, request.model_version, catalog)
+        signature = model.signature
+    else:
+        model, signature = resolved
     if request.input_ref and request.input_blob is None:
         raise Unimplemented("input_ref needs the claim-check store, which this gateway has not set up")
     violations = _option_violations(request, config, now) + _label_violations(request.labels)
@@ -130,8 +140,37 @@ def validate_submit(
     if not request.inputs:
         violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
     else:
-        violations += validate_inputs(request.inputs, model.signature, max_batch_size=model.max_batch_size)
+        violations += validate_inputs(request.inputs, signature, max_batch_size=model.max_batch_size)
     if violations:
         first = violations[0]
         raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)
     return model
+
+
+def validate_each(
+    requests: Sequence[SubmitRequest], config: Config, *, now: float, catalog: ModelCatalog | None = None
+) -> list[ModelConfig | AsyncInferError]:
+    """`validate_submit` for each request of a SubmitJobs message: its model version, or the
+    error it would have raised, in order (one invalid request does not fail the others). Each
+    (model, version) named is resolved once for the message, with its signature: resolving
+    copies the model's configuration, about half of what validating a small request costs."""
+    catalog = catalog or ModelCatalog(config)
+    resolved: dict[tuple[str, str], tuple[ModelConfig, ModelSignature] | AsyncInferError] = {}
+    checked: list[ModelConfig | AsyncInferError] = []
+    for request in requests:
+        named = (request.model_name, request.model_version)
+        model = resolved.get(named)
+        if model is None:
+            try:
+                found = resolve_model(config, request.model_name, request.model_version, catalog)
+                model = resolved[named] = (found, found.signature)
+            except AsyncInferError as error:
+                model = resolved[named] = error
+        if isinstance(model, AsyncInferError):
+            checked.append(model)
+            continue
+        try:
+            checked.append(validate_submit(request, config, now=now, catalog=catalog, resolved=model))
+        except AsyncInferError as error:
+            checked.append(error)
+    return checked
