@@ -4,6 +4,8 @@ order; a text model's rows sorted by length first and put back; a failing part f
 
 from __future__ import annotations
 
+import asyncio
+import math
 from typing import Any
 
 import numpy as np
@@ -65,3 +67,22 @@ async def test_a_failing_part_fails_the_chunk_and_a_dropped_chunk_runs_nothing(m
     assert chunk.cancel()  # its parts wait behind the blocker's batch (at most one of them beside it)
     assert chunk.future.cancelled()
     await blocker.future
+
+
+async def test_chunks_of_one_deadline_are_computed_one_after_the_other_in_arrival_order(make_engine: Any) -> None:
+    """A batch's chunks share its expiry; turned into the engine's clock at different moments it
+    differs by microseconds, which must not interleave their parts (every chunk would then end
+    near the last one, and the batch's window would refill in bursts)."""
+    engine = await make_engine(AffineDemo(), max_batch_size=4, max_inflight_batches=1)
+    loop = asyncio.get_running_loop()
+    # One absolute deadline, well inside a millisecond of the engine's clock, seen a little earlier by each
+    # later chunk (as reading two clocks at different moments does): 10 us apart.
+    deadline = math.floor((loop.time() + 3600) * 1000) / 1000 + 0.0002
+    ended: list[int] = []
+    items = []
+    for index in range(5):
+        item = engine.submit_chunk("demo", rows(16), timeout_s=deadline - loop.time() - index * 1e-5)
+        item.future.add_done_callback(lambda _f, index=index: ended.append(index))
+        items.append(item)
+    await asyncio.gather(*(item.future for item in items))
+    assert ended == [0, 1, 2, 3, 4]

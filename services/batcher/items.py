@@ -39,6 +39,9 @@ class InferOutcome:
     queue_s: float = 0.0  # how long this item waited for its batch to start
 
 
+DEADLINE_DIGITS = 3  # milliseconds
+
+
 class PendingItem:
     """One submitted item: the future its caller awaits, and whether its batch has started."""
 
@@ -85,7 +88,12 @@ class PendingItem:
         self.started = False
         self.timer: asyncio.TimerHandle | None = None
         self.progress: ItemProgress | None = None  # set by a caller that listens to its progress
-        self.sort_key = (PRIORITY_RANK[priority], math.inf if expires_at is None else expires_at, seq)
+        # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one
+        # absolute deadline (a batch's expiry, shared by all its chunks) turned into loop time at
+        # different moments differs by microseconds, which would otherwise order the parts of
+        # different chunks at random and leave every chunk half done until the last part.
+        deadline = math.inf if expires_at is None else round(expires_at, DEADLINE_DIGITS)
+        self.sort_key = (PRIORITY_RANK[priority], deadline, seq)
 
     def cancel(self) -> bool:
         """Drops the item unless its batch has started; True when it was dropped."""
