@@ -84,5 +84,6 @@ async def test_chunks_of_one_deadline_are_computed_one_after_the_other_in_arriva
         item = engine.submit_chunk("demo", rows(16), timeout_s=deadline - loop.time() - index * 1e-5)
         item.future.add_done_callback(lambda _f, index=index: ended.append(index))
         items.append(item)
+        assert len({part.expires_at for part in item.parts}) == 1  # cutting the parts takes a while
     await asyncio.gather(*(item.future for item in items))
     assert ended == [0, 1, 2, 3, 4]

@@ -291,10 +291,12 @@ class BatchingEngine:
         if lengths is not None and len(lengths) == rows:
             order = sorted(range(rows), key=lengths.__getitem__)
         parts: list[PendingItem] = []
+        # One expiry for every part (cutting the parts takes a while).
+        expires_at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         try:
             for part in part_rows(rows, queue.config.max_batch_size, order):
                 sliced = [take_rows(t, part) for t in inputs]
-                parts.append(queue.submit(sliced, timeout_s, priority, part_of_chunk=True))
+                parts.append(queue.submit(sliced, timeout_s, priority, part_of_chunk=True, expires_at=expires_at))
         except BaseException:
             for queued in parts:
                 queued.cancel()

@@ -98,8 +98,17 @@ class ModelQueue:
         self._former = supervisor.start(f"batcher-{self.name}", self._form_batches())
 
     def submit(
-        self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority, *, part_of_chunk: bool = False
+        self,
+        inputs: Sequence[Tensor],
+        timeout_s: float | None,
+        priority: Priority,
+        *,
+        part_of_chunk: bool = False,
+        expires_at: float | None = None,
     ) -> PendingItem:
+        """Queues one item; it expires timeout_s from now, or at `expires_at` (loop time) when
+        given: the parts of one chunk share the chunk's expiry, so none of them sorts after the
+        parts of a chunk that came later."""
         # A chunk's parts were bought with one credit: they may pass the limit (which then holds
         # back further credits until they are done).
         if self.held >= self.config.max_queue_size and not part_of_chunk:
@@ -116,7 +125,8 @@ class ModelQueue:
             by_name = {t.name: t for t in inputs}
             ordered = {name: by_name[name] for name in self._input_names}
         future: asyncio.Future[InferOutcome] = loop.create_future()
-        expires_at = None if timeout_s is None else now + timeout_s
+        if expires_at is None and timeout_s is not None:
+            expires_at = now + timeout_s
         item = PendingItem(
             ordered, future, submitted_at=now, expires_at=expires_at, priority=priority, seq=next(self._seq)
         )
