@@ -131,6 +131,12 @@ class BatchRecord:
         return dataclasses.replace(self, **changes)
 
     @property
+    def kept_until(self) -> float:
+        """Until when the batch's objects, its chunks' results and its record are kept (its files
+        readable): the end of its completion window plus the result retention."""
+        return self.expires_at + self.result_retention_s
+
+    @property
     def counts(self) -> RequestCounts:
         completed = sum(c.records for c in self.chunks if c.status is ChunkStatus.DONE)
         failed = sum(c.records for c in self.chunks if c.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED))

@@ -16,6 +16,7 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.ids import new_job_id
+from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
@@ -130,6 +131,23 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     rest = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_token=listed.next_page_token))
     assert [b.batch_id for b in rest.batches] == [first.batch.batch_id]
     assert rest.next_page_token == ""
+    # The ended record and its key's claim are kept as long as the batch's files, then removed by
+    # the server (per-message TTLs), so the bucket does not grow with every batch ever run.
+    ended = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=first.batch.batch_id))
+    kept_for = ended.batch.expires_at.ToSeconds() + config.gateway.default_result_retention_s - time.time()
+    bucket = f"KV_{config.nats.batches_bucket}"
+    record = await stack.nc.jetstream().get_last_msg(
+        bucket, f"$KV.{config.nats.batches_bucket}.default.{first.batch.batch_id}"
+    )
+    assert record.headers is not None
+    assert abs(int(record.headers["Nats-TTL"]) - kept_for) < 60
+    prefix = f"$KV.{config.nats.batches_bucket}.default.key."
+    claim_subjects = await stream_subjects(stack.nc.jetstream(), bucket, prefix + "*")
+    claims = [await stack.nc.jetstream().get_last_msg(bucket, subject) for subject in claim_subjects]
+    claims = [m for m in claims if m.data == first.batch.batch_id.encode()]
+    assert len(claims) == 1
+    assert claims[0].headers is not None
+    assert abs(int(claims[0].headers["Nats-TTL"]) - kept_for) < 60
 
 
 async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(
@@ -139,7 +157,8 @@ async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_
     stub = batches_stub(stack.channel)
     store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
     ghost = new_job_id()
-    assert await store.claim("default", "nightly-3", ghost) == ghost  # as if its gateway died right here
+    # As if its gateway died right here:
+    assert await store.claim("default", "nightly-3", ghost, until=time.time() + 3600) == ghost
     created = await stub.CreateBatch(
         create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-3")
     )

@@ -35,7 +35,7 @@ from asyncinfer.nats import Client as NatsClient
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_metrics import BatchMetrics
-from services.gateway.batch_prepare import Preparer, objects_expire_at
+from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest
@@ -272,7 +272,7 @@ class BatchDriver:
             priority=record.priority,
             deadline=record.expires_at,
             execution_timeout_s=model.default_execution_timeout_s * parts,
-            result_retention_s=objects_expire_at(record) - self._clock(),
+            result_retention_s=record.kept_until - self._clock(),
             max_attempts=record.max_attempts or model.max_attempts,
             labels={"asyncinfer-batch": record.batch_id, "asyncinfer-chunk": f"{chunk.start}-{chunk.end}"},
         )

@@ -65,10 +65,6 @@ def errors_ref(batch_id: str) -> str:
     return derived_ref("in", batch_id, ERRORS)
 
 
-def objects_expire_at(record: BatchRecord) -> float:
-    return record.expires_at + record.result_retention_s
-
-
 class StreamedObject:
     """An object written while it is being made: pieces go through a small queue into one put."""
 
@@ -181,7 +177,7 @@ class Preparer:
     async def prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> BatchRecord:
         """The record moved on: IN_PROGRESS with its chunk plan, or FAILED (unreadable input, or
         too many invalid lines)."""
-        tenant, expires = record.tenant, objects_expire_at(record)
+        tenant, expires = record.tenant, record.kept_until
         index = StreamedObject(self._store, tenant, index_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
         errors = StreamedObject(self._store, tenant, errors_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
         try:
@@ -224,12 +220,12 @@ class Preparer:
         parent_ref = chunk_ref(record.batch_id, parent.start, parent.end)
         _, data = await self._store.read(record.tenant, parent_ref, max_bytes=self._max_bytes)
         cut = await asyncio.to_thread(_cut, data, chunk.start - parent.start, chunk.end - parent.start)
-        return await self._store.put_bytes(record.tenant, ref, cut, expires_at=objects_expire_at(record))
+        return await self._store.put_bytes(record.tenant, ref, cut, expires_at=record.kept_until)
 
     async def _store_chunk(self, record: BatchRecord, ready: ChunkReady, index: StreamedObject | None) -> Chunk:
         data = await asyncio.to_thread(_chunk_bytes, ready)
         ref = chunk_ref(record.batch_id, ready.start, ready.end)
-        await self._store.put_bytes(record.tenant, ref, data, expires_at=objects_expire_at(record))
+        await self._store.put_bytes(record.tenant, ref, data, expires_at=record.kept_until)
         if index is not None:
             await index.write(_index_lines(ready.entries))
         return Chunk(ready.start, ready.end)
@@ -287,7 +283,7 @@ class Preparer:
         held = (info.ref.size_bytes - layout.offset) // layout.row_bytes if layout.row_bytes else layout.rows
         if held != layout.rows:
             raise RecordInvalid(f"the NPY file holds {held} of the {layout.rows} records its header says")
-        await self._store.extend(record.tenant, record.input_ref, objects_expire_at(record))
+        await self._store.extend(record.tenant, record.input_ref, record.kept_until)
         spec = model.signature.inputs[0]
         whole = RangedInputs(
             source=record.input_ref,
@@ -302,7 +298,7 @@ class Preparer:
         )
         step = self._config.chunk_records
         ranges = [(start, min(start + step, layout.rows)) for start in range(0, layout.rows, step)]
-        expires = objects_expire_at(record)
+        expires = record.kept_until
         for window in range(0, len(ranges), DESCRIPTOR_WINDOW):
             # Small objects: a window of puts at once, so a million records' plan takes a moment.
             await asyncio.gather(

@@ -80,13 +80,15 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
         if record.idempotency_key:
-            holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id)
+            holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id, until=record.kept_until)
             if holder != record.batch_id:
                 first = await self._first_of_key(tenant, holder)
                 if first is not None:
                     return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
                 # Claimed by a create whose gateway died before it wrote the batch: this one runs.
-                holder = await self._store.take_over(tenant, record.idempotency_key, holder, record.batch_id)
+                holder = await self._store.take_over(
+                    tenant, record.idempotency_key, holder, record.batch_id, until=record.kept_until
+                )
                 if holder != record.batch_id:
                     first = await self._first_of_key(tenant, holder)
                     if first is None:

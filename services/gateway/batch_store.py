@@ -6,6 +6,8 @@ the same bucket, created atomically, holding the batch ID it stands for."""
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 
 from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, encode_planned, planned_chunks
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
@@ -19,6 +21,11 @@ from asyncinfer.nats.streams import ensure_kv_bucket, stream_subjects
 
 class BatchConflict(Exception):
     """Another writer changed the record since it was read."""
+
+
+def ttl_until(when: float) -> int:
+    """A per-message TTL (whole seconds, at least one) that removes a write at `when`."""
+    return max(math.ceil(when - time.time()), 1)
 
 
 def batch_key(tenant: str, batch_id: str) -> str:
@@ -54,13 +61,16 @@ class BatchStore:
 
     async def write(self, record: BatchRecord) -> BatchRecord:
         """Writes the record over the revision it was read at (0: creates it); BatchConflict
-        when another writer was first."""
+        when another writer was first. A terminal record is written with a TTL: it is removed
+        when its files can no longer be read (BatchRecord.kept_until), so the bucket does not grow with every
+        batch ever run."""
         try:
             revision = await kv_put_expecting(
                 self._bucket,
                 batch_key(record.tenant, record.batch_id),
                 encode_batch(record),
                 last_revision=record.revision,
+                ttl_s=ttl_until(record.kept_until) if record.state.is_terminal else None,
                 # What the scheduler's autoscaling signal counts (asyncinfer.batch_plans).
                 extra_headers={PLANNED_HEADER: encode_planned(planned_chunks(record))},
             )
@@ -70,12 +80,14 @@ class BatchStore:
             raise Unavailable(f"cannot write the batch: {exc}") from exc
         return record.evolve(revision=revision)
 
-    async def claim(self, tenant: str, idempotency_key: str, batch_id: str) -> str:
-        """The batch ID that holds the key: `batch_id` when this call claimed it, else the first's."""
+    async def claim(self, tenant: str, idempotency_key: str, batch_id: str, *, until: float) -> str:
+        """The batch ID that holds the key: `batch_id` when this call claimed it, else the first's.
+        The claim is removed at `until` (the batch's kept_until: a key is remembered as long as
+        its batch)."""
         key = _claim_key(tenant, idempotency_key)
         while True:
             try:
-                await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=0)
+                await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=0, ttl_s=ttl_until(until))
                 return batch_id
             except KeyWrongLastSequenceError:
                 latest = await kv_latest(self._bucket, key)
@@ -84,16 +96,20 @@ class BatchStore:
             except NATS_FAILURES as exc:
                 raise Unavailable(f"cannot claim the idempotency key: {exc}") from exc
 
-    async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str) -> str:
+    async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str, *, until: float) -> str:
         """Moves the key's claim from `holder` (a batch that was never written: its gateway died
         between the claim and the record) to `batch_id`; the claim's batch ID after the move (a
         racing create's, if it moved it first)."""
         key = _claim_key(tenant, idempotency_key)
         latest = await kv_latest(self._bucket, key)
         if latest is None or latest[0].decode() != holder:
-            return latest[0].decode() if latest is not None else await self.claim(tenant, idempotency_key, batch_id)
+            if latest is not None:
+                return latest[0].decode()
+            return await self.claim(tenant, idempotency_key, batch_id, until=until)
         try:
-            await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=latest[1])
+            await kv_put_expecting(
+                self._bucket, key, batch_id.encode(), last_revision=latest[1], ttl_s=ttl_until(until)
+            )
             return batch_id
         except KeyWrongLastSequenceError:
             moved = await kv_latest(self._bucket, key)
