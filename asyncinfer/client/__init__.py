@@ -12,6 +12,7 @@ dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive f
 `AsyncInferClientError`. Protobuf stays inside the SDK.
 """
 
+from asyncinfer.batches import BatchState
 from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client._sync import Client
@@ -61,6 +62,7 @@ __all__ = [
     "Batch",
     "BatchError",
     "BatchInfo",
+    "BatchState",
     "BlobRef",
     "BulkResult",
     "Callback",

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
 from google.protobuf import duration_pb2
 
+from asyncinfer.batches import BatchState
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
 if TYPE_CHECKING:
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
 
-TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "EXPIRED", "CANCELLED"})
 _PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
 _FORMATS = {
     "JSONL": batch_service_pb2.BATCH_INPUT_FORMAT_JSONL,
@@ -47,7 +47,7 @@ class Batch:
     CANCELLING, CANCELLED), request counts, progress and the first errors."""
 
     batch_id: str
-    state: str
+    state: BatchState  # a StrEnum: it compares equal to its name, as Job.state does
     model_name: str
     total: int
     completed: int
@@ -79,7 +79,7 @@ class Batch:
 
     @property
     def done(self) -> bool:
-        return self.state in TERMINAL_STATES
+        return self.state.is_terminal
 
 
 def _time(message: Any, name: str) -> datetime | None:
@@ -88,11 +88,18 @@ def _time(message: Any, name: str) -> datetime | None:
     return datetime.fromtimestamp(getattr(message, name).ToNanoseconds() / 1e9, UTC)
 
 
+def _state(batch: batch_service_pb2.Batch) -> BatchState:
+    try:
+        return BatchState(batch_service_pb2.BatchState.Name(batch.state).removeprefix("BATCH_STATE_"))
+    except ValueError:  # UNSPECIFIED, or a state newer than this SDK (as job_from_proto refuses it)
+        raise ValueError(f"batch {batch.batch_id} has an unknown state {batch.state}") from None
+
+
 def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = False) -> Batch:
     counts = batch.request_counts
     return Batch(
         batch_id=batch.batch_id,
-        state=batch_service_pb2.BatchState.Name(batch.state).removeprefix("BATCH_STATE_"),
+        state=_state(batch),
         model_name=batch.model_name,
         total=counts.total,
         completed=counts.completed,

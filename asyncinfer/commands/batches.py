@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from asyncinfer.client import AsyncClient, Batch
+from asyncinfer.client import AsyncClient, Batch, BatchState
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
@@ -175,7 +175,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
             await client.download(batch, args.out)
         if args.errors is not None:
             await client.download(batch, args.errors, file="errors")
-    return EXIT_OK if batch.state == "COMPLETED" else EXIT_JOB_NOT_SUCCEEDED
+    return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
 
 
 async def get_command(args: argparse.Namespace, options: Options) -> int:
@@ -193,7 +193,7 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
         batch = await _follow(client, await client.get_batch(args.batch_id), options)
     if not options.json:
         print(batch_summary(batch), flush=True)
-    return EXIT_OK if batch.state == "COMPLETED" else EXIT_JOB_NOT_SUCCEEDED
+    return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
 
 
 async def cancel_command(args: argparse.Namespace, options: Options) -> int:
