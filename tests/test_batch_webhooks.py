@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,20 +26,10 @@ from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_ended, wait_until
 from tests.stack import Stack, StartStack
 from tests.test_batch_lifecycle import GATED, gate
-from tests.test_webhooks import SECRET, Receiver, webhook_config
+from tests.webhook_receiver import Receiver, receiver, webhook_config
 
-__all__ = ["gate"]  # the fixture, used by name
+__all__ = ["gate", "receiver"]  # the fixtures, used by name
 WAIT_S = 30.0
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    server = Receiver(SECRET)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 def batch_config(config: Config) -> Config:

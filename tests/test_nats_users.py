@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -27,8 +27,10 @@ from asyncinfer.nats_users import new_user_nkey
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from tests.nats_auth import STRANGER, STRANGER_PASSWORD, PerServiceNats
 from tests.stack import StartStack
-from tests.test_webhooks import SECRET, Receiver, all_final, submit, until, webhook_config
+from tests.test_webhooks import all_final, submit, until
+from tests.webhook_receiver import Receiver, receiver, webhook_config
 
+__all__ = ["receiver"]  # the fixture, used by name
 pytestmark = pytest.mark.timeout(120)
 FAILING_X = {"x": np.array([[-1, 2, 3, 4]], np.float32)}  # flaky fails a row starting below 0
 
@@ -41,17 +43,6 @@ def users(tmp_path: Path) -> Iterator[PerServiceNats]:
         yield nats
     finally:
         nats.stop()
-
-
-@pytest.fixture
-async def receiver() -> AsyncIterator[Receiver]:
-    """A webhook receiver (tests/test_webhooks.py's), verifying signatures."""
-    server = Receiver(SECRET)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 def base_config() -> Config:
