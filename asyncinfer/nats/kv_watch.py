@@ -5,7 +5,7 @@ KV-Operation header, headers-only delivery) stays here; callers get `KeyUpdate`s
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import structlog
@@ -28,14 +28,14 @@ class KeyUpdate:
 
 
 class KeyWatch:
-    """Calls `on_update` with each update of the keys matching `keys` (a subject pattern under the
-    bucket: ">" for all of them), in order; `stop` ends it."""
+    """Calls `on_update` (on the event loop: keep it quick) with each update of the keys matching
+    `keys` (a subject pattern under the bucket: ">" for all of them), in order; `stop` ends it."""
 
     def __init__(
         self,
         js: JetStreamContext,
         bucket: str,
-        on_update: Callable[[KeyUpdate], Awaitable[None] | None],
+        on_update: Callable[[KeyUpdate], None],
         *,
         keys: str = ">",
         headers_only: bool = False,
@@ -77,6 +77,4 @@ class KeyWatch:
             headers=headers,
             removed=removed,
         )
-        result = self._on_update(update)
-        if result is not None:
-            await result
+        self._on_update(update)

@@ -92,7 +92,8 @@ class ClaimCheckIO:
         data = await self._store.read_range(
             tenant, ranged.source, ranged.byte_offset, ranged.byte_length, sha256=ranged.source_sha256
         )
-        return tuple(ranged.tensors(data))
+        # Off the loop: a file whose dtype differs from the model's is converted (MBs per chunk).
+        return tuple(await asyncio.to_thread(ranged.tensors, data))
 
     async def store_result(self, record: JobRecord, outputs: Sequence[Tensor], now: float) -> BlobRef:
         """Stores the outputs as a serialized InferOutputs, kept until the job's end plus its
