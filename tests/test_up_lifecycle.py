@@ -175,3 +175,6 @@ def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     assert errors[0]["service"] == "nats"
     assert "nats-server exited" in str(errors[0]["reason"])
     assert [e for e in errors if e["service"] in ("up", "nats")] == errors[:1]
+    # The scheduler saw NATS was gone and did not wait out a request timeout per registry entry
+    # (one per model) and its heartbeat, which took a stop past 30 s on a slow machine.
+    assert any(e["event"] == "stopping_without_nats" and e["service"] == "scheduler" for e in up.logs())

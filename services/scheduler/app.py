@@ -312,8 +312,8 @@ class SchedulerApp:
         return was_draining
 
     async def _stop_dispatching(self) -> None:
-        for dispatcher in self._dispatchers:
-            await dispatcher.stop()
+        # Together: each waits for its round's pull, which with NATS gone lasts its timeout.
+        await asyncio.gather(*(dispatcher.stop() for dispatcher in self._dispatchers))
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
         return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)
@@ -366,9 +366,12 @@ class SchedulerApp:
         if self._batch_plans is not None:
             await self._batch_plans.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
-        if self._models_registry is not None:
+        nats_connected = self._nc is not None and self._nc.is_connected
+        if not nats_connected:  # the entries and the heartbeat expire with their TTLs
+            log.warning("stopping_without_nats", scheduler_id=self.scheduler_id)
+        elif self._models_registry is not None:
             await self._models_registry.clear()
-        if self._instance is not None:
+        if nats_connected and self._instance is not None:
             await self._instance.end()
         self._metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported

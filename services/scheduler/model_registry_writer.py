@@ -63,10 +63,7 @@ class ModelRegistryWriter:
         await asyncio.gather(
             *(kv_put_with_ttl(self._bucket, k, encode_registered(e), ttl_s=ENTRY_TTL_S) for k, e in entries.items())
         )
-        gone = self._written - set(entries)
-        for key in gone:
-            with contextlib.suppress(*NATS_FAILURES):
-                await self._bucket.kv.delete(key)
+        await self._delete(self._written - set(entries))
         self._written = set(entries)
 
     async def run(self) -> None:
@@ -85,7 +82,16 @@ class ModelRegistryWriter:
 
     async def clear(self) -> None:
         """Deletes this scheduler's entries (a graceful stop)."""
-        for key in self._written:
+        await self._delete(self._written)
+        self._written = set()
+
+    async def _delete(self, keys: set[str]) -> None:
+        """Together, not one after another: with NATS gone each waits out its request timeout, and
+        one key after another made a stop last a timeout per model (an entry not deleted expires
+        with its TTL)."""
+
+        async def delete(key: str) -> None:
             with contextlib.suppress(*NATS_FAILURES):
                 await self._bucket.kv.delete(key)
-        self._written = set()
+
+        await asyncio.gather(*(delete(key) for key in keys))

@@ -59,7 +59,10 @@ class PullInbox:
         available messages, then, when fewer than asked, a 404/408 status that ends the batch; no
         status follows `count` messages). With `wait_s`, the server holds the pull until `count`
         messages came or wait_s passed (then 408)."""
-        if count <= 0:
+        if count <= 0 or not self._nc.is_connected:
+            # While the connection is down a pull request would wait in nats-py's buffer and its
+            # answer out the timeout: a round would last a timeout per priority, and so would a
+            # stop. The dispatcher asks again at its next poll.
             return []
         async with self._lock:
             if self._subscription is None:
