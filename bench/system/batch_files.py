@@ -12,7 +12,8 @@ each service's RSS sampled during the run (start, peak, end); and interactive jo
 NORMAL priority, SubmitJob + WatchJob) sent one at a time during the batch: their latency against
 one chunk's compute at the direct rate.
 
-Writes bench/results/batch_files.json and .md.
+Writes bench/results/batch_files.json and .md. BENCH_BATCHER_ENV=NAME=VALUE[,NAME=VALUE] sets
+environment variables for the batcher's process alone (an A/B of, say, OMP_WAIT_POLICY).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -189,7 +191,10 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
         )
         children = {"gateway": group.service("gateway", config), "scheduler": group.service("scheduler", config)}
-        children["batcher"] = group.service("batcher", batcher_config(config, children["scheduler"].address))
+        batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
+        children["batcher"] = group.service(
+            "batcher", batcher_config(config, children["scheduler"].address), env=batcher_env
+        )
         await wait_batchers(children["scheduler"].address, config_model.name, 1)
         before = await stored_bytes(nats.url)
         async with grpc.aio.insecure_channel(children["gateway"].address) as channel:
