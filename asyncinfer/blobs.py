@@ -26,32 +26,37 @@ import base64
 import contextlib
 import hashlib
 import json
-import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import grpc
 import structlog
 
-from asyncinfer import contract
+from asyncinfer.blob_meta import (
+    CHUNK_BYTES,
+    INPUT_KIND,
+    BlobCorrupt,
+    BlobInfo,
+    blob_expired,
+    blob_not_found,
+    chunk_sequences,
+    chunks_name,
+    meta_subject,
+    object_name,
+    parse_meta,
+    sequence_runs,
+    upload_too_large,
+)
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import CHUNK_SEQUENCES_HEADER, ROLLUP_HEADER
+from asyncinfer.contract import CHUNK_SEQUENCES_HEADER, EXPIRES_HEADER, ROLLUP_HEADER, SHA256_HEADER
 from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTED_LAST_SUBJECT_SEQUENCE
-from asyncinfer.contract import EXPIRES_HEADER as EXPIRES_HEADER
-from asyncinfer.contract import SHA256_HEADER as SHA256_HEADER
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
-from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.jobs import BlobRef
 from asyncinfer.nats import (
-    NUID,
     OBJ_ALL_META_PRE_TEMPLATE,
     OBJ_CHUNKS_PRE_TEMPLATE,
-    OBJ_DEFAULT_CHUNK_SIZE,
     OBJ_DIGEST_TEMPLATE,
-    OBJ_META_PRE_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
     APIError,
     JetStreamContext,
@@ -65,139 +70,18 @@ from asyncinfer.v1 import tensor_pb2
 
 log = structlog.get_logger("asyncinfer.blobs")
 
-CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
-INPUT_KIND = "in"
-RESULT_KIND = "out"
 # Chunk publishes awaiting their ack at once: enough to hide the round trip, few enough to bound memory.
 PUBLISH_WINDOW = 8
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 LIST_IDLE_TIMEOUT_S = 2.0
-_REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")
-_SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
-# Names of objects' chunk subjects, as nats-py's object store makes them (random prefix, then a count).
-CHUNK_NAMES = NUID()
-
-
-class BlobCorrupt(AsyncInferError):
-    """A stored object does not match its recorded size or digest."""
-
-    code = grpc.StatusCode.DATA_LOSS
-    default_reason = "BLOB_CORRUPT"
 
 
 def parse_inputs(data: bytearray) -> tensor_pb2.InferInputs:
     """An uploaded InferInputs, parsed in place (protobuf reads any buffer; its stub says bytes).
     Raises DecodeError. Slow for large inputs: run it in a thread."""
     return tensor_pb2.InferInputs.FromString(data)  # type: ignore[arg-type]
-
-
-def new_input_ref() -> str:
-    return f"{INPUT_KIND}/{new_job_id()}"
-
-
-def result_ref(job_id: str) -> str:
-    return f"{RESULT_KIND}/{job_id}"
-
-
-def sequence_runs(sequences: list[int]) -> str:
-    """Stream sequences as runs, "first+count,…" (one run for an object written alone)."""
-    runs: list[list[int]] = []
-    for sequence in sequences:
-        if runs and runs[-1][0] + runs[-1][1] == sequence:
-            runs[-1][1] += 1
-        else:
-            runs.append([sequence, 1])
-    return ",".join(f"{first}+{count}" for first, count in runs)
-
-
-def chunk_sequences(info: BlobInfo) -> list[int] | None:
-    """The object's chunk sequences from its meta, in order; None for an object written without
-    them (or unreadable ones): such an object is read by walking its chunks."""
-    runs = ((info.meta.get("headers") or {}).get(CHUNK_SEQUENCES_HEADER) or [""])[0]
-    try:
-        sequences = [
-            first + k for first, count in (map(int, run.split("+")) for run in runs.split(",")) for k in range(count)
-        ]
-    except ValueError:
-        return None
-    return sequences if len(sequences) == int(info.meta.get("chunks") or -1) else None
-
-
-def is_sha256_hex(text: str) -> bool:
-    return bool(_SHA256_PATTERN.match(text))
-
-
-@dataclass(frozen=True, slots=True)
-class BlobInfo:
-    """What the meta message says about a stored object."""
-
-    name: str
-    ref: BlobRef
-    nuid: str
-    expires_at: float | None
-    deleted: bool
-    meta_sequence: int
-    meta: dict[str, Any]
-
-    def expired(self, now: float) -> bool:
-        return self.expires_at is not None and now >= self.expires_at
-
-
-def _what(ref: str) -> str:
-    return "result" if ref.startswith(RESULT_KIND + "/") else "input"
-
-
-def blob_not_found(ref: str, what: str = "") -> NotFound:
-    what = what or _what(ref)
-    return NotFound(f"{what} {ref[:80]!r} not found", reason=f"{what.upper()}_NOT_FOUND", metadata={"ref": ref[:80]})
-
-
-def blob_expired(ref: str) -> NotFound:
-    what = _what(ref)
-    return NotFound(
-        f"{what} {ref!r} expired (its retention passed) and is being deleted",
-        reason=f"{what.upper()}_EXPIRED",
-        metadata={"ref": ref},
-    )
-
-
-def object_name(tenant: str, ref: str) -> str:
-    """The object's name for the caller's tenant; NotFound for anything that is not a reference
-    this store hands out (so odd text never reaches NATS as a subject)."""
-    match = _REF_PATTERN.match(ref)
-    if match is None or not is_job_id(match.group(2)):
-        raise blob_not_found(ref)
-    return contract.object_name(tenant, ref)
-
-
-def chunks_name(tenant: str, ref: str) -> str:
-    """A new object's chunk name (its meta's `nuid`; the chunks go on `$O.<bucket>.C.<name>`).
-    An upload's carries its tenant (`in.<tenant>.<nuid>`), so that the tenant's stored uploads are
-    a subject filter away (`input_chunks_filter`) and counted from the stream itself; readers take
-    the name from the meta, whatever its tokens (nats-py's and the Go client's alike)."""
-    nuid = CHUNK_NAMES.next().decode()
-    return f"{INPUT_KIND}.{tenant}.{nuid}" if ref.startswith(INPUT_KIND + "/") else nuid
-
-
-def input_chunks_filter(bucket: str, tenant: str) -> str:
-    """Every chunk of the tenant's uploads (those stored since chunk names carry the tenant)."""
-    return OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=f"{INPUT_KIND}.{tenant}.*")
-
-
-def _meta_subject(bucket: str, name: str) -> str:
-    return OBJ_META_PRE_TEMPLATE.format(bucket=bucket, obj=base64.urlsafe_b64encode(name.encode()).decode())
-
-
-def upload_too_large(limit_bytes: int, seen_bytes: int, *, declared: bool) -> InvalidArgument:
-    what = "declares" if declared else "streamed"
-    message = (
-        f"the upload {what} {seen_bytes} bytes, over the limit of {limit_bytes} bytes "
-        "(gateway.max_upload_bytes); nothing was kept"
-    )
-    field = "metadata.size_bytes" if declared else "chunk"
-    return InvalidArgument(message, [FieldViolation(field, message)], reason="UPLOAD_TOO_LARGE")
 
 
 async def ensure_objects_bucket(js: JetStreamContext, config: NatsConfig) -> BlobStore:
@@ -309,7 +193,7 @@ class BlobStore:
                 options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
             )
             await self._js.publish(
-                _meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
+                meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
             )
         except BaseException as exc:
             await asyncio.gather(*pending, return_exceptions=True)
@@ -546,7 +430,7 @@ class BlobStore:
         await self._js.purge_stream(
             self.stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
         )
-        await self._js.purge_stream(self.stream, subject=_meta_subject(self.bucket, info.name))
+        await self._js.purge_stream(self.stream, subject=meta_subject(self.bucket, info.name))
         log.info("blob_deleted", name=info.name, size_bytes=info.ref.size_bytes)
 
     # --- meta messages ----------------------------------------------------------------------
@@ -558,16 +442,16 @@ class BlobStore:
         if expires_at is not None:
             obj["headers"] = {**(obj.get("headers") or {}), EXPIRES_HEADER: [repr(expires_at)]}
         headers: dict[str, Any] = {**ROLLUP_HEADERS, EXPECTED_LAST_SUBJECT_SEQUENCE: str(info.meta_sequence)}
-        await self._js.publish(_meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
+        await self._js.publish(meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
 
     async def _info_or_none(self, name: str) -> BlobInfo | None:
         try:
-            msg = await self._js.get_last_msg(self.stream, _meta_subject(self.bucket, name))
+            msg = await self._js.get_last_msg(self.stream, meta_subject(self.bucket, name))
         except NotFoundError:
             return None
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the object's metadata: {exc}") from exc
-        return _parse_meta(msg.data or b"", msg.seq or 0)
+        return parse_meta(msg.data or b"", msg.seq or 0)
 
     async def _list(self) -> list[BlobInfo]:
         """Every object's latest meta (deleted ones included), via an ordered consumer."""
@@ -586,7 +470,7 @@ class BlobStore:
                     msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
                 except NatsTimeoutError:
                     break  # purged between the look and the subscribe: nothing more to see
-                parsed = _parse_meta(msg.data, msg.metadata.sequence.stream)
+                parsed = parse_meta(msg.data, msg.metadata.sequence.stream)
                 if parsed is not None:
                     found.append(parsed)
                 if msg.metadata.num_pending == 0:
@@ -608,25 +492,3 @@ async def _numbered(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[int, b
     async for chunk in chunks:
         yield k, chunk
         k += 1
-
-
-def _parse_meta(data: bytes, sequence: int) -> BlobInfo | None:
-    try:
-        obj = json.loads(data)
-        name = obj["name"]
-    except (ValueError, KeyError, TypeError):
-        log.warning("blob_meta_unreadable", sequence=sequence)
-        return None
-    headers = obj.get("headers") or {}
-    expires = headers.get(EXPIRES_HEADER) or [None]
-    sha = headers.get(SHA256_HEADER) or [""]
-    _, _, ref = name.partition("/")
-    return BlobInfo(
-        name=name,
-        ref=BlobRef(ref=ref, size_bytes=int(obj.get("size") or 0), sha256=str(sha[0])),
-        nuid=str(obj.get("nuid") or ""),
-        expires_at=float(expires[0]) if expires[0] is not None else None,
-        deleted=bool(obj.get("deleted")),
-        meta_sequence=sequence,
-        meta=obj,
-    )

@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from asyncinfer.blobs import CHUNK_BYTES, BlobStore, ensure_objects_bucket, new_input_ref, sequence_runs
+from asyncinfer.blob_meta import CHUNK_BYTES, new_input_ref, sequence_runs
+from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CHUNK_SEQUENCES_HEADER
 from asyncinfer.errors import InvalidArgument, NotFound

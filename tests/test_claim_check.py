@@ -17,7 +17,7 @@ import pytest
 from google.protobuf import duration_pb2
 
 from asyncinfer.api_keys import hash_key
-from asyncinfer.blobs import new_input_ref
+from asyncinfer.blob_meta import new_input_ref
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details

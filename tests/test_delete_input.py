@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from asyncinfer.blobs import CHUNK_BYTES, input_chunks_filter
+from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import count_messages

@@ -9,7 +9,7 @@ from asyncinfer.batch_webhooks import ERROR_FILE as ERROR_FILE
 from asyncinfer.batch_webhooks import OUTPUT_FILE as OUTPUT_FILE
 from asyncinfer.batch_webhooks import error_ref, has_files, output_ref
 from asyncinfer.batches import BatchRecord, BatchState, InputFormat, progress_rate
-from asyncinfer.blobs import INPUT_KIND
+from asyncinfer.blob_meta import INPUT_KIND
 from asyncinfer.config import Config
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import Priority

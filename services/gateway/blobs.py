@@ -21,15 +21,8 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from asyncinfer.blobs import (
-    INPUT_KIND,
-    BlobStore,
-    blob_not_found,
-    is_sha256_hex,
-    new_input_ref,
-    parse_inputs,
-    upload_too_large,
-)
+from asyncinfer.blob_meta import INPUT_KIND, blob_not_found, is_sha256_hex, new_input_ref, upload_too_large
+from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobRecord, JobState

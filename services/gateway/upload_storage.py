@@ -25,7 +25,7 @@ retention).
 
 from __future__ import annotations
 
-from asyncinfer.blobs import CHUNK_BYTES, input_chunks_filter
+from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
 from asyncinfer.errors import ResourceExhausted
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import count_messages, retry_transient

@@ -13,7 +13,8 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from asyncinfer import ranged_inputs
-from asyncinfer.blobs import BlobCorrupt, BlobStore, parse_inputs, result_ref
+from asyncinfer.blob_meta import BlobCorrupt, result_ref
+from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
