@@ -75,6 +75,9 @@ PUBLISH_WINDOW = 8
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 LIST_IDLE_TIMEOUT_S = 2.0
+# The listing's ephemeral consumer is deleted this soon after its subscription ends (the server's
+# default is 5 s): a sweeper run every 50 ms, as in tests, kept ~100 of them alive on the stream.
+LIST_CONSUMER_INACTIVE_S = 1.0
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
 
 
@@ -461,7 +464,10 @@ class BlobStore:
         except NotFoundError:
             return []
         sub = await self._js.subscribe(
-            subject, ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT
+            subject,
+            ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            inactive_threshold=LIST_CONSUMER_INACTIVE_S,
         )
         found: list[BlobInfo] = []
         try:
