@@ -14,9 +14,11 @@ from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import TENANT_HEADER, routing_headers
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
+from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, api
+from asyncinfer.nats.connection import connect
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.queued_records import QueuedRecords
@@ -201,3 +203,24 @@ async def test_a_queue_consumer_takes_job_subjects_and_an_old_one_is_updated(nc:
     finally:
         await inbox.close()
     assert [m.data for m in pulled] == [b"old", b"new"]
+
+
+async def test_a_pull_while_the_connection_is_down_returns_at_once(
+    config: Config, nats_server: NatsServerProcess
+) -> None:
+    # Else it waits out its timeout in nats-py's buffer: a scheduler's round lasted a timeout per
+    # priority, and so did its stop when NATS had died.
+    nc = await connect(config.nats, name="test-down")  # its own: the fixture's drain needs a server
+    try:
+        names = await consumers(nc, config)
+        nats_server.kill()
+        for _ in range(500):
+            if not nc.is_connected:
+                break
+            await asyncio.sleep(0.01)
+        assert not nc.is_connected
+        inbox = PullInbox(nc)
+        pull = inbox.pull(config.nats.work_stream, names[Priority.NORMAL], 4, timeout_s=60.0, wait_s=60.0)
+        assert await asyncio.wait_for(pull, 10.0) == []
+    finally:
+        await nc.close()
