@@ -16,12 +16,14 @@ from prometheus_client import generate_latest
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import cancel_subject
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, queued_envelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
 from asyncinfer.queued_notice import announce_queued
+from asyncinfer.queues import CancelNotice
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import (
@@ -157,6 +159,7 @@ class FakeBatcher:
         # No request iterator: the test writes each request with call.write().
         self._call = self._stub.Connect()  # type: ignore[call-arg]
         self.orders: asyncio.Queue[worker_service_pb2.WorkOrder] = asyncio.Queue()
+        self.cancels: asyncio.Queue[worker_service_pb2.CancelOrder] = asyncio.Queue()
         self.order_messages: list[worker_service_pb2.WorkOrders] = []  # batches received (takes_batches)
         self.welcome: asyncio.Future[worker_service_pb2.WorkerWelcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
@@ -180,10 +183,14 @@ class FakeBatcher:
                 self.welcome.set_result(response.welcome)
             elif kind == "order":
                 self.orders.put_nowait(response.order)
+            elif kind == "cancel":
+                self.cancels.put_nowait(response.cancel)
             elif kind == "orders":
                 self.order_messages.append(response.orders)
                 for order in response.orders.orders:
                     self.orders.put_nowait(order)
+                for cancel in response.orders.cancels:
+                    self.cancels.put_nowait(cancel)
 
     async def grant(self, credits: int = 1, *, model_name: str = MODEL) -> None:
         credit = worker_service_pb2.CreditGrant(model_name=model_name, credits=credits)
@@ -644,7 +651,8 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
 ) -> None:
     """A submit's work message is its QUEUED record: dispatched without reading anything, the
     RUNNING write being the record's create. A job cancelled while queued (the cancel created the
-    record first) loses that create; the dispatch reads what won and runs nothing."""
+    record first, and announced it as the gateway does) loses that create; the dispatch reads
+    what won and runs nothing."""
     store: Any = app.flow._store
     reads: list[str] = []
     for name in ("get", "recorded", "queued"):
@@ -669,6 +677,12 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
     assert (queued.state, queued.revision) == (JobState.QUEUED, 0)
     now = time.time()
     await kv.create(key, encode_record(queued.evolve(state=JobState.CANCELED, end_time=now, update_time=now)))
+    await nc.publish(cancel_subject(MODEL), CancelNotice(job_id=stale, tenant=TENANT, model_name=MODEL).encode())
+
+    async def heard() -> bool:
+        return app.flow.cancel_heard(stale)
+
+    await until(heard)
     reads.clear()
     await batcher.grant(1)
 
@@ -681,6 +695,45 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
     assert (await read_record(js, stale)).state == JobState.CANCELED
     with pytest.raises(TimeoutError):
         await batcher.next_order(timeout_s=0.2)
+
+
+async def test_an_order_sent_before_a_refused_running_write_is_cancelled_and_its_answer_dropped(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A queued job's order goes out before its RUNNING write is answered. When the write loses
+    (here: a cancel that won without its notice, as from a gateway that predates it, or a notice
+    core NATS lost), the order is cancelled, the batcher's answer is dropped, and the job stays
+    CANCELED with its message acked; the credit it took is spent, and the next job runs."""
+    batcher = await batchers("b1")
+    stale = await enqueue(nc, kv)
+    queued = await read_record(js, stale)
+    now = time.time()
+    canceled = queued.evolve(state=JobState.CANCELED, end_time=now, update_time=now)
+    await kv.create(job_key(TENANT, stale), encode_record(canceled))
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == stale
+    cancel = await asyncio.wait_for(batcher.cancels.get(), 5.0)
+    assert (cancel.job_id, cancel.attempt) == (stale, order.attempt)
+    await batcher.answer(order)  # computed anyway (it had started): dropped
+
+    async def acked() -> bool:
+        info = await js.consumer_info(config.nats.work_stream, "work-demo-normal")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await until(acked)
+    after = await read_record(js, stale)
+    assert (after.state, after.outputs) == (JobState.CANCELED, canceled.outputs)
+    fresh = await enqueue(nc, kv)
+    await batcher.grant(1)  # what the batcher gives back once the dropped order's slot is free
+    next_order = await batcher.next_order()
+    assert next_order.job_id == fresh
+    await batcher.answer(next_order)
+
+    async def succeeded() -> bool:
+        return (await read_record(js, fresh)).state == JobState.SUCCEEDED
+
+    await until(succeeded)
 
 
 async def test_a_replays_notice_spares_the_read(

@@ -405,7 +405,8 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
 
 
 async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
-    """What the gateway's CancelJob does: QUEUED -> CANCELED, RUNNING -> CANCELLING + a notice."""
+    """What the gateway's CancelJob does: QUEUED -> CANCELED, RUNNING -> CANCELLING, and a notice;
+    for a queued job, returns once the scheduler heard it."""
     store = JobStore(
         KvBucket(name=h.app.config.nats.jobs_bucket, kv=h.kv, js=h.js), work_stream=h.app.config.nats.work_stream
     )
@@ -423,9 +424,14 @@ async def cancel_as_gateway(h: Harness, job_id: str) -> JobRecord:
     latest, written = await store.transition(record, cancel)
     assert latest is not None
     assert written
-    if latest.state == JobState.CANCELLING:
-        notice = CancelNotice(job_id=job_id, tenant=TENANT, model_name=MODEL)
-        await h.nc.publish(cancel_subject(MODEL), notice.encode())
+    notice = CancelNotice(job_id=job_id, tenant=TENANT, model_name=MODEL)
+    await h.nc.publish(cancel_subject(MODEL), notice.encode())  # a queued job's cancel is announced too
+    if latest.state == JobState.CANCELED:
+
+        async def heard() -> bool:  # a dispatch that came first would send its order early
+            return h.app.flow.cancel_heard(job_id)
+
+        await until(heard)
     return latest
 
 

@@ -90,9 +90,11 @@ async def cancel(records: JobStore, nc: NatsClient, record: JobRecord, *, reason
         # Ended before this cancel: a completion that won the race, an earlier cancel, or the
         # deadline (expired just now by this call).
         raise already_finished(latest)
-    if latest.state is JobState.CANCELLING:
+    if latest.state is JobState.CANCELLING or wrote:
         # Sent again on a repeated cancel too: core NATS delivers at most once, and schedulers
-        # ignore notices for jobs they do not run, so a repeat only helps.
+        # ignore notices for jobs they do not run, so a repeat only helps. A queued job's cancel
+        # (CANCELED at once) is announced too: a scheduler that pulls its message then sends no
+        # order ahead of the RUNNING write the cancel has won (services.scheduler.job_dispatch).
         notice = CancelNotice(job_id=latest.job_id, tenant=latest.tenant, model_name=latest.model_name)
         try:
             await nc.publish(cancel_subject(latest.model_name), notice.encode())

@@ -116,6 +116,13 @@ class JobFlow:
     async def handle_result(self, session: BatcherSession, result: WorkResult) -> None:
         job = self._leases.fenced(session, result.job_id, result.attempt)
         if job is None:
+            # Its order may have gone out before its RUNNING write was answered (job_dispatch.py).
+            await self._leases.settled_before(result.job_id, result.attempt)
+            job = self._leases.fenced(session, result.job_id, result.attempt)
+        if job is None and self._leases.was_abandoned(result.job_id, result.attempt):
+            log.debug("abandoned_attempt_answered", job_id=result.job_id, attempt=result.attempt)
+            return
+        if job is None:
             held = self._leases.jobs.get(result.job_id)
             log.warning(
                 "stale_result_discarded",
@@ -197,8 +204,13 @@ class JobFlow:
             job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         self._tasks.spawn(self._settlement.timed_out(job))
 
+    def cancel_heard(self, job_id: str) -> bool:
+        """Whether this scheduler heard a cancel of a job it does not run (lately)."""
+        return self._leases.cancel_heard(job_id)
+
     def cancel(self, notice: CancelNotice) -> None:
-        """A job was moved to CANCELLING: if it runs here, its batcher is told to drop it."""
+        """A job was cancelled (CANCELLING, or CANCELED while queued): if it runs here, its
+        batcher is told to drop it; else it is remembered (a dispatch under way, or to come)."""
         job = self._leases.jobs.get(notice.job_id)
         if job is None:
             self._leases.remember_cancel(notice.job_id)

@@ -10,6 +10,7 @@ execution-timeout timer. A result is accepted only from the session and attempt 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,7 +49,12 @@ class InFlightJob:
 class Leases:
     def __init__(self) -> None:
         self.jobs: dict[str, InFlightJob] = {}
-        self._pending_cancels: dict[str, float] = {}
+        # Oldest first (a cancel heard again moves to the end): expired ones go from the front.
+        self._pending_cancels: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Attempts whose order went out before their RUNNING write was answered (job_dispatch.py):
+        # a result that comes first waits for the write; one of an abandoned attempt is expected.
+        self._arriving: dict[tuple[str, int], asyncio.Event] = {}
+        self._abandoned: dict[tuple[str, int], float] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -95,15 +101,52 @@ class Leases:
             self.release(job)
         return jobs
 
+    def expect(self, job_id: str, attempt: int) -> None:
+        """An order went out for this attempt before its RUNNING write was answered."""
+        self._arriving[(job_id, attempt)] = asyncio.Event()
+
+    def expected(self, job_id: str, attempt: int, *, held: bool) -> None:
+        """The attempt's write was answered: held (in `jobs`), or abandoned (its order cancelled,
+        whatever its batcher still answers is dropped quietly)."""
+        arriving = self._arriving.pop((job_id, attempt), None)
+        if arriving is not None:
+            arriving.set()
+        if not held:
+            cutoff = time.monotonic() - PENDING_CANCEL_TTL_S
+            for stale in [k for k, at in self._abandoned.items() if at < cutoff]:
+                del self._abandoned[stale]
+            self._abandoned[(job_id, attempt)] = time.monotonic()
+
+    async def settled_before(self, job_id: str, attempt: int) -> None:
+        """Returns once the attempt's RUNNING write was answered (at once unless it is pending)."""
+        arriving = self._arriving.get((job_id, attempt))
+        if arriving is not None:
+            await arriving.wait()
+
+    def was_abandoned(self, job_id: str, attempt: int) -> bool:
+        return (job_id, attempt) in self._abandoned
+
     def remember_cancel(self, job_id: str) -> None:
-        """A cancel for a job not in flight here: maybe being dispatched right now."""
-        cutoff = time.monotonic() - PENDING_CANCEL_TTL_S
-        for stale in [j for j, at in self._pending_cancels.items() if at < cutoff]:
-            del self._pending_cancels[stale]
-        self._pending_cancels[job_id] = time.monotonic()
+        """A cancel for a job not in flight here: maybe being dispatched right now, or queued."""
+        now = time.monotonic()
+        self._forget_cancels_before(now - PENDING_CANCEL_TTL_S)
+        self._pending_cancels[job_id] = now
+        self._pending_cancels.move_to_end(job_id)
+
+    def _forget_cancels_before(self, cutoff: float) -> None:
+        while self._pending_cancels:
+            job_id, at = next(iter(self._pending_cancels.items()))
+            if at >= cutoff:
+                return
+            del self._pending_cancels[job_id]
 
     def take_pending_cancel(self, job_id: str) -> bool:
         return self._pending_cancels.pop(job_id, None) is not None
+
+    def cancel_heard(self, job_id: str) -> bool:
+        """Whether a cancel of the job was heard lately (and not yet taken)."""
+        at = self._pending_cancels.get(job_id)
+        return at is not None and at >= time.monotonic() - PENDING_CANCEL_TTL_S
 
     async def renew(self) -> None:
         """One round of in-progress acks for every job in flight (fire-and-forget publishes)."""
