@@ -288,11 +288,12 @@ class JobDispatch:
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
             return False
         if sent is not None and sent.attempt != latest.attempt:
-            # Not the attempt the order named (not expected of a QUEUED record): that one is
-            # cancelled, and the attempt written gets its own order.
+            # The write was decided on a newer record than the order (another writer came
+            # between): the order is cancelled (by _run) and the job goes straight back, rather
+            # than a second order on the credit the first one spent.
             job_log.warning("dispatch_attempt_mismatch", sent_attempt=sent.attempt)
-            session.send(CancelOrder(job_id=sent.job_id, attempt=sent.attempt))
-            sent = None
+            await self._settlement.requeue(latest, msg, job_log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
+            return False
         self._metrics.job_transition(latest)
         order = sent or self._order(envelope, latest, version, trace)
         if sent is None:

@@ -14,6 +14,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -54,7 +55,7 @@ class Leases:
         # Attempts whose order went out before their RUNNING write was answered (job_dispatch.py):
         # a result that comes first waits for the write; one of an abandoned attempt is expected.
         self._arriving: dict[tuple[str, int], asyncio.Event] = {}
-        self._abandoned: dict[tuple[str, int], float] = {}
+        self._abandoned: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -112,10 +113,9 @@ class Leases:
         if arriving is not None:
             arriving.set()
         if not held:
-            cutoff = time.monotonic() - PENDING_CANCEL_TTL_S
-            for stale in [k for k, at in self._abandoned.items() if at < cutoff]:
-                del self._abandoned[stale]
-            self._abandoned[(job_id, attempt)] = time.monotonic()
+            now = time.monotonic()
+            _forget_before(self._abandoned, now - PENDING_CANCEL_TTL_S)
+            self._abandoned[(job_id, attempt)] = now
 
     async def settled_before(self, job_id: str, attempt: int) -> None:
         """Returns once the attempt's RUNNING write was answered (at once unless it is pending)."""
@@ -129,16 +129,9 @@ class Leases:
     def remember_cancel(self, job_id: str) -> None:
         """A cancel for a job not in flight here: maybe being dispatched right now, or queued."""
         now = time.monotonic()
-        self._forget_cancels_before(now - PENDING_CANCEL_TTL_S)
+        _forget_before(self._pending_cancels, now - PENDING_CANCEL_TTL_S)
         self._pending_cancels[job_id] = now
         self._pending_cancels.move_to_end(job_id)
-
-    def _forget_cancels_before(self, cutoff: float) -> None:
-        while self._pending_cancels:
-            job_id, at = next(iter(self._pending_cancels.items()))
-            if at >= cutoff:
-                return
-            del self._pending_cancels[job_id]
 
     def take_pending_cancel(self, job_id: str) -> bool:
         return self._pending_cancels.pop(job_id, None) is not None
@@ -166,3 +159,12 @@ class Leases:
         except TimeoutError:
             return False
         return True
+
+
+def _forget_before(remembered: collections.OrderedDict[Any, float], cutoff: float) -> None:
+    """Drops the entries remembered before `cutoff` (oldest first: the front)."""
+    while remembered:
+        key, at = next(iter(remembered.items()))
+        if at >= cutoff:
+            return
+        del remembered[key]
