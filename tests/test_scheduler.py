@@ -16,12 +16,13 @@ from prometheus_client import generate_latest
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
-from asyncinfer.contract import cancel_subject
+from asyncinfer.contract import cancel_subject, progress_subject
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, queued_envelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
+from asyncinfer.progress_notice import decode_progress_notice
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.queues import CancelNotice
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
@@ -225,6 +226,14 @@ class FakeBatcher:
                 batch_size=len(orders),
             )
         updates.credits.add(model_name=MODEL, credits=credits)
+        await self._call.write(worker_service_pb2.ConnectRequest(updates=updates))
+
+    async def report(self, order: worker_service_pb2.WorkOrder, message: str, *, step: int = 1) -> None:
+        """One progress report of the order's attempt."""
+        updates = worker_service_pb2.WorkUpdates()
+        sent = updates.progress.add(job_id=order.job_id, attempt=order.attempt, step=step)
+        sent.progress.fraction = 0.5
+        sent.progress.message = message
         await self._call.write(worker_service_pb2.ConnectRequest(updates=updates))
 
     async def fail(self, order: worker_service_pb2.WorkOrder, error: error_pb2.ErrorStatus) -> None:
@@ -734,6 +743,51 @@ async def test_an_order_sent_before_a_refused_running_write_is_cancelled_and_its
         return (await read_record(js, fresh)).state == JobState.SUCCEEDED
 
     await until(succeeded)
+
+
+async def test_progress_reported_before_the_running_write_is_answered_is_relayed(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """The order goes out before the RUNNING write is answered, so a batcher can report progress
+    inside that window: the report waits for the write (as a result does) and is relayed, and
+    the attempt's terminal write keeps it."""
+    store: Any = app.flow._store
+    real_transition = store.transition
+    held = asyncio.Event()
+    release = asyncio.Event()
+
+    async def holding_the_first_write(*args: Any, **kwargs: Any) -> Any:
+        if not held.is_set():
+            held.set()
+            await release.wait()
+        return await real_transition(*args, **kwargs)
+
+    store.transition = holding_the_first_write
+    batcher = await batchers("b1")
+    job_id = await enqueue(nc, kv)
+    relayed: asyncio.Queue[str] = asyncio.Queue()
+
+    async def heard(msg: Msg) -> None:
+        relayed.put_nowait(decode_progress_notice(msg.data)[1].message)
+
+    await nc.subscribe(progress_subject(TENANT, job_id), cb=heard)
+    await nc.flush()
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+    await asyncio.wait_for(held.wait(), 5.0)  # the RUNNING write is still unanswered
+    await batcher.report(order, "before the write")
+    await batcher.answer(order)
+    release.set()
+    assert await asyncio.wait_for(relayed.get(), 5.0) == "before the write"
+
+    async def succeeded() -> bool:
+        return (await read_record(js, job_id)).state == JobState.SUCCEEDED
+
+    await until(succeeded)
+    done = await read_record(js, job_id)
+    assert done.progress is not None
+    assert done.progress.message == "before the write"
 
 
 async def test_a_replays_notice_spares_the_read(

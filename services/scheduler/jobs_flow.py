@@ -156,6 +156,12 @@ class JobFlow:
         """Relays the progress of the attempt in flight on `session`; any other is dropped."""
         job = self._leases.fenced(session, progress.job_id, progress.report.attempt)
         if job is None:
+            # As with a result: its order may have gone out before its RUNNING write was answered.
+            # Awaited here, in the session's read loop, so it is relayed before the attempt's result
+            # is stored; the wait is one KV write at most, and only for an attempt still pending.
+            await self._leases.settled_before(progress.job_id, progress.report.attempt)
+            job = self._leases.fenced(session, progress.job_id, progress.report.attempt)
+        if job is None:
             log.debug("stale_progress_dropped", job_id=progress.job_id, attempt=progress.report.attempt)
             return
         await self._progress.relay(job, progress.report)
