@@ -14,6 +14,8 @@ only the poll interval.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import structlog
 
 # Named in asyncinfer.contract; the prefix is re-exported for its callers here.
@@ -21,8 +23,11 @@ from asyncinfer.contract import QUEUED_SUBJECT_PREFIX as QUEUED_SUBJECT_PREFIX
 from asyncinfer.contract import queued_subject
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.requests import publish_all
 
 log = structlog.get_logger("asyncinfer.queued_notice")
+
+Encode = Callable[[JobRecord], bytes]
 
 
 def encode_queued_notice(key: str, revision: int, record_data: bytes) -> bytes:
@@ -49,3 +54,21 @@ async def announce_queued(nc: NatsClient, record: JobRecord, record_data: bytes)
         )
     except Exception as exc:  # a hint: nothing is lost without it
         log.debug("queued_notice_not_sent", job_id=record.job_id, error=str(exc))
+
+
+async def announce_queued_many(nc: NatsClient, records: Sequence[JobRecord], encode: Encode) -> None:
+    """`announce_queued` for each record (its data `encode(record)`), the notices sent in one
+    write. Never raises."""
+    try:
+        await publish_all(
+            nc,
+            [
+                (
+                    queued_subject(record.model_name, record.priority),
+                    encode_queued_notice(record.key, record.revision, encode(record)),
+                )
+                for record in records
+            ],
+        )
+    except Exception as exc:  # a hint: nothing is lost without it
+        log.debug("queued_notices_not_sent", jobs=len(records), error=str(exc))

@@ -20,7 +20,8 @@ GENERATED = ROOT / "asyncinfer" / "v1"
 # `self._js`, `self._stream` and `self._timeout` are not nats-py's, hence `(?<!self)`; nothing of
 # ours is called `_pre` or `_prefix`.
 PRIVATE_NATS_PY = re.compile(
-    r"\b(_resp_map|_resp_sub_prefix|_init_request_sub|_nuid|_is_key_valid)\b"
+    r"\b(_resp_map|_resp_sub_prefix|_init_request_sub|_nuid|_is_key_valid|_send_command|_flush_pending"
+    r"|_flush_queue|_pending_data_size|_max_pending_size|_max_payload|_skip_subject_validation)\b"
     r"|\._(pre|prefix)\b"
     r"|(?<!self)\._(nc|js|stream|timeout|direct)\b"
     r"|\.options\["

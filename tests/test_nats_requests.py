@@ -16,6 +16,8 @@ import pytest
 
 from asyncinfer.nats import (
     APIError,
+    BadHeaderError,
+    BadSubjectError,
     InvalidKeyError,
     KeyWrongLastSequenceError,
     NatsTimeoutError,
@@ -179,6 +181,76 @@ async def test_a_group_answers_each_publish_with_its_own_sequence_or_error(
     assert results[5] == 2
     assert (await nc.jetstream().stream_info(stream)).state.messages == 2
     assert pending_request_count(nc) == 0
+
+
+@PUBLISH_MANY
+async def test_a_group_delivers_what_nats_py_publishes_and_refuses_what_it_refuses(
+    nc: NatsClient, publish_many: Any
+) -> None:
+    """The fast path builds each HPUB itself: a subscriber gets the same payload and headers as from
+    nats-py's own publish (values trimmed, CR/LF turned to spaces, an empty key skipped), and a
+    subject or header nats-py refuses is refused the same way, with what came before it still sent."""
+    heard: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def echo(msg: Any) -> None:
+        heard.put_nowait(msg)
+        if msg.reply:
+            await msg.respond(b'{"stream": "G", "seq": 1}')
+
+    await nc.subscribe("same.>", cb=echo)
+    headers = {"Plain": "v", "Spaced": "  padded  ", "Broken": "a\r\nb", " ": "skipped", "Nats-Msg-Id": "m-1"}
+    payload = bytes(range(256)) * 4
+    await nc.publish("same.public", payload, headers=dict(headers))
+    public = await asyncio.wait_for(heard.get(), 5)
+    assert await publish_many(nc.jetstream(), [("same.group", payload, dict(headers))], timeout_s=5) == [1]
+    grouped = await asyncio.wait_for(heard.get(), 5)
+    assert grouped.data == public.data == payload
+    assert grouped.headers == public.headers
+    assert grouped.headers["Broken"] == "a  b"
+    for bad in (("same.with space", b"x", None), ("same.x", b"x", {"bad key": "v"})):
+        with pytest.raises((BadSubjectError, BadHeaderError)) as public_error:
+            await nc.publish(bad[0], bad[1], headers=bad[2])
+        results = await publish_many(nc.jetstream(), [("same.before", b"ok", None), bad], timeout_s=5)
+        assert results[0] == 1
+        assert type(results[1]) is type(public_error.value)
+        assert (await asyncio.wait_for(heard.get(), 5)).subject == "same.before"
+    assert heard.empty()
+    if publish_many is _fastpath.js_publish_many:
+        # nats-py's own request leaves the future of a publish it refused in its response map.
+        assert pending_request_count(nc) == 0
+
+
+@pytest.mark.parametrize(
+    "publish_all",
+    [
+        pytest.param(
+            _fastpath.publish_all,
+            marks=pytest.mark.skipif(
+                bool(_fastpath._missing_private_names()), reason="this nats-py lacks what the fast path uses"
+            ),
+        ),
+        requests.public_publish_all,
+    ],
+    ids=["fast", "public"],
+)
+async def test_publish_all_sends_in_order_up_to_what_nats_py_refuses(nc: NatsClient, publish_all: Any) -> None:
+    heard: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def hear(msg: Any) -> None:
+        heard.put_nowait(msg)
+
+    await nc.subscribe("all.>", cb=hear)
+    await publish_all(nc, [("all.a", b"1"), ("all.b", b""), ("all.c", b"3" * 5000)])
+    got = [await asyncio.wait_for(heard.get(), 5) for _ in range(3)]
+    assert [(m.subject, m.data, m.reply, m.headers) for m in got] == [
+        ("all.a", b"1", "", None),
+        ("all.b", b"", "", None),
+        ("all.c", b"3" * 5000, "", None),
+    ]
+    with pytest.raises(BadSubjectError):
+        await publish_all(nc, [("all.d", b"4"), ("all bad", b"x"), ("all.e", b"5")])
+    await nc.publish("all.z", b"after")
+    assert [(await asyncio.wait_for(heard.get(), 5)).subject for _ in range(2)] == ["all.d", "all.z"]  # no all.e
 
 
 async def test_a_durable_group_retries_what_met_no_stream_and_maps_a_full_store(nc: NatsClient) -> None:

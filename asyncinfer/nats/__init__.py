@@ -15,7 +15,13 @@ from __future__ import annotations
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import ConnectionReconnectingError, NoRespondersError, StaleConnectionError
+from nats.errors import (
+    BadHeaderError,
+    BadSubjectError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+    StaleConnectionError,
+)
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
@@ -56,6 +62,8 @@ __all__ = [
     "OBJ_META_PRE_TEMPLATE",
     "OBJ_STREAM_TEMPLATE",
     "APIError",
+    "BadHeaderError",
+    "BadSubjectError",
     "BucketNotFoundError",
     "Client",
     "ConnectionReconnectingError",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.metadata
+import itertools
 import json
 import os
 import re
@@ -57,7 +58,20 @@ from asyncinfer.nats.protocol import (
 SWITCH_VARIABLE = "ASYNCINFER_NATS_FASTPATH"
 WRITTEN_AGAINST = (2, 16)
 # The private names used below, checked at import.
-CLIENT_PRIVATE_NAMES = ("_resp_map", "_resp_sub_prefix", "_init_request_sub", "_nuid")
+CLIENT_PRIVATE_NAMES = (
+    "_resp_map",
+    "_resp_sub_prefix",
+    "_init_request_sub",
+    # publish_command, send_commands: what Client.publish checks and where it queues a command
+    "_send_command",
+    "_flush_pending",
+    "_flush_queue",
+    "_pending_data_size",
+    "_max_pending_size",
+    "_max_payload",
+    "_skip_subject_validation",
+    "stats",
+)
 JETSTREAM_PRIVATE_NAMES = ("_nc", "_prefix", "_timeout")
 KV_MODULE_PRIVATE_NAMES = ("_is_key_valid",)
 KV_OP_HEADER = nats.js.kv.KV_OP.encode()
@@ -96,6 +110,16 @@ def _decide() -> tuple[bool, str]:
 FASTPATH_ENABLED, FASTPATH_REASON = _decide()
 
 
+# nats-py's response callback takes everything after the prefix as the token. Its own requests'
+# tokens are a 22-character NUID and 4 hex digits; these are "-" and a counter, unique in the
+# process (so on every connection) and never one of those: a NUID has no "-".
+_TOKENS = itertools.count()
+
+
+def _next_token() -> str:
+    return f"-{next(_TOKENS)}"
+
+
 def _expire(future: asyncio.Future[Msg]) -> None:
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())
@@ -108,16 +132,15 @@ async def request(
     client: Any = nc
     if not client._resp_sub_prefix:
         await client._init_request_sub()
-    # nats-py's response callback takes everything after the prefix as the token; a NUID is unique
-    # per connection, so no random suffix is needed.
-    token = client._nuid.next().decode()
+    token = _next_token()
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Msg] = loop.create_future()
     responses: dict[str, asyncio.Future[Msg]] = client._resp_map
     responses[token] = future
     timer = loop.call_later(timeout_s, _expire, future)
     try:
-        await nc.publish(subject, payload, reply=client._resp_sub_prefix.decode() + token, headers=headers)
+        reply = client._resp_sub_prefix.decode() + token
+        await send_commands(client, [publish_command(client, subject, reply, payload, headers)], len(payload))
         msg = await future
     finally:
         timer.cancel()
@@ -145,15 +168,44 @@ async def js_publish(
     return _stream_sequence(msg)
 
 
+# The sequence in a publish's answer without a JSON parse: a JSON string cannot hold `"seq":`
+# unescaped (its quotes would be \"), so the first match is the key's.
+_ACK_SEQUENCE = re.compile(rb'"seq":\s*(\d+)')
+
+
 def _stream_sequence(msg: Msg) -> int:
     """The sequence a JetStream publish's answer reports, or the error it stands for (raised)."""
-    answer = json.loads(msg.data)
+    data = msg.data
+    if b'"error"' not in data:
+        found = _ACK_SEQUENCE.search(data)
+        if found is not None:
+            return int(found.group(1))
+    answer = json.loads(data)
     error = answer.get("error")
     if error is not None:
         if error.get("err_code") in WRONG_LAST_SEQUENCE_CODES:
             raise KeyWrongLastSequenceError(description=error.get("description"))
         APIError.from_error(error)  # raises
     return int(answer["seq"])
+
+
+async def publish_all(nc: Client, messages: Sequence[tuple[str, bytes]]) -> None:
+    """Core NATS publishes (no reply, no headers), every one in the same write: `nc.publish` for
+    each, as one command. What comes before a message nats-py would refuse is still sent."""
+    commands: list[bytes] = []
+    payload_bytes = 0
+    refused: Exception | None = None
+    for subject, payload in messages:
+        try:
+            commands.append(publish_command(nc, subject, "", payload, None))
+        except Exception as exc:
+            refused = exc
+            break
+        payload_bytes += len(payload)
+    if commands:
+        await send_commands(nc, commands, payload_bytes)
+    if refused is not None:
+        raise refused
 
 
 # One publish of a pipelined group: (subject, payload, headers).
@@ -163,6 +215,87 @@ Publish = tuple[str, bytes, "dict[str, str] | None"]
 def _expire_all(futures: list[asyncio.Future[Msg]]) -> None:
     for future in futures:
         _expire(future)
+
+
+def _fail_all(futures: list[asyncio.Future[Msg]], error: Exception) -> None:
+    for future in futures:
+        if not future.done():
+            future.set_exception(error)
+
+
+# As nats-py checks a header key and a subject (Client._send_publish, _validate_subject).
+_HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_SUBJECT_INVALID = re.compile(r"[ \t\r\n]")
+_VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
+# Each header key as checked ("Key: "): the keys are the code's own few names.
+_HEADER_PREFIXES: dict[str, str] = {}
+_HEADER_PREFIXES_MAX = 256
+
+
+def _header_block(headers: dict[str, str]) -> bytes:
+    """The NATS/1.0 header block nats-py builds for `headers` (keys checked, values trimmed and
+    CR/LF turned to spaces), each key checked once per process and the block encoded at once."""
+    lines = ["NATS/1.0"]
+    for name, value in headers.items():
+        prefix = _HEADER_PREFIXES.get(name)
+        if prefix is None:
+            key = name.strip()
+            if not key:
+                continue  # skipped, as nats-py does
+            if not _HEADER_KEY.fullmatch(key):
+                raise nats.errors.BadHeaderError(key)
+            prefix = key + ": "
+            if len(_HEADER_PREFIXES) < _HEADER_PREFIXES_MAX:
+                _HEADER_PREFIXES[name] = prefix
+        value = value.strip()
+        if "\r" in value or "\n" in value:
+            value = value.translate(_VALUE_NEWLINES)
+        lines.append(prefix + value)
+    lines += ("", "")
+    return "\r\n".join(lines).encode()
+
+
+def publish_command(client: Any, subject: str, reply: str, payload: bytes, headers: dict[str, str] | None) -> bytes:
+    """The PUB or HPUB protocol command that `Client.publish(subject, payload, reply=reply,
+    headers=headers)` would queue, after the same checks (raising what it raises)."""
+    if not client._skip_subject_validation and (
+        not subject or _SUBJECT_INVALID.search(subject) or (reply and _SUBJECT_INVALID.search(reply))
+    ):
+        raise nats.errors.BadSubjectError
+    if len(payload) > client._max_payload:
+        raise nats.errors.MaxPayloadError
+    if headers is None:
+        if not reply:
+            return b"PUB %s %d\r\n%s\r\n" % (subject.encode(), len(payload), payload)
+        return b"PUB %s %s %d\r\n%s\r\n" % (subject.encode(), reply.encode(), len(payload), payload)
+    block = _header_block(headers)
+    return b"HPUB %s %s%d %d\r\n%s%s\r\n" % (
+        subject.encode(),
+        reply.encode() + b" " if reply else b"",
+        len(block),
+        len(block) + len(payload),
+        block,
+        payload,
+    )
+
+
+async def send_commands(client: Any, commands: list[bytes], payload_bytes: int) -> None:
+    """Queues publish commands built by `publish_command` as one write: what `Client.publish`
+    does per message (its connection checks, stats and flush), once for all of them."""
+    if client.is_closed:
+        raise nats.errors.ConnectionClosedError
+    if client.is_draining_pubs:
+        raise nats.errors.ConnectionDrainingError
+    data = b"".join(commands)
+    if not client.is_connected and (
+        client._max_pending_size <= 0 or len(data) + client._pending_data_size > client._max_pending_size
+    ):
+        raise nats.errors.OutboundBufferLimitError
+    client.stats["out_msgs"] += len(commands)
+    client.stats["out_bytes"] += payload_bytes
+    await client._send_command(data)
+    if client._flush_queue is not None and client._flush_queue.empty():
+        await client._flush_pending()
 
 
 async def js_publish_many(
@@ -183,20 +316,27 @@ async def js_publish_many(
     tokens: list[str] = []
     timer = loop.call_later(timeout_s, _expire_all, futures)
     unsent: Exception | None = None
+    commands: list[bytes] = []
+    payload_bytes = 0
     try:
         for subject, payload, headers in publishes:
-            token = client._nuid.next().decode()
+            token = _next_token()
+            try:
+                commands.append(publish_command(client, subject, prefix + token, payload, headers))
+                payload_bytes += len(payload)
+            except Exception as exc:  # refused as Client.publish would: this and the rest are not sent
+                unsent = exc
+                break
             future: asyncio.Future[Msg] = loop.create_future()
             responses[token] = future
             tokens.append(token)
             futures.append(future)
+        if commands:
             try:
-                await context._nc.publish(subject, payload, reply=prefix + token, headers=headers)
-            except Exception as exc:  # the connection closed or is draining: this and the rest are not sent
-                unsent = exc
-                future.cancel()
-                break
-        answers = await asyncio.gather(*futures[: len(futures) - (unsent is not None)], return_exceptions=True)
+                await send_commands(client, commands, payload_bytes)
+            except Exception as exc:  # the connection closed or is draining: none was sent
+                _fail_all(futures, exc)
+        answers = await asyncio.gather(*futures, return_exceptions=True)
     finally:
         timer.cancel()
         for token in tokens:

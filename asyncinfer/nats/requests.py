@@ -69,6 +69,11 @@ async def public_js_publish_many(
     return results
 
 
+async def public_publish_all(nc: Client, messages: Sequence[tuple[str, bytes]]) -> None:
+    for subject, payload in messages:
+        await nc.publish(subject, payload)
+
+
 # Bound once, so a call costs no more than the implementation it reaches. `request`: the answer
 # to a request on core NATS. `js_publish`: the stream sequence a JetStream publish was stored at
 # (for a duplicate within the stream's duplicate window, the sequence of the first).
@@ -77,6 +82,9 @@ js_publish = _fastpath.js_publish if FASTPATH_ENABLED else public_js_publish
 # `js_publish_many`: `js_publish` for a group of publishes, pipelined (all written before any answer
 # is awaited); each publish's sequence or error, in order.
 js_publish_many = _fastpath.js_publish_many if FASTPATH_ENABLED else public_js_publish_many
+# `publish_all`: core NATS publishes (no reply, no headers) in one write; raises what `nc.publish`
+# raises for the first it refuses, after sending those before it.
+publish_all = _fastpath.publish_all if FASTPATH_ENABLED else public_publish_all
 
 
 def pending_request_count(nc: Client) -> int:

@@ -38,7 +38,7 @@ class GroupWriter(Protocol):
 
     def abandon(self, record: JobRecord) -> None: ...
 
-    async def queued(self, record: JobRecord) -> None: ...
+    async def queued_many(self, records: Sequence[JobRecord]) -> None: ...
 
 
 async def admit_and_enqueue_group(
@@ -91,10 +91,9 @@ async def admit_and_enqueue_group(
                 admission.release_model_slot(model, slot)
                 answer = submitter.not_queued(record, outcome)
                 results[index] = answer if isinstance(answer, Exception) else outcome
-        for index, _, _ in admitted:
-            queued = results[index]
-            if isinstance(queued, JobRecord):
-                await submitter.queued(queued)  # the notices go out together too: one flush
+        queued = [done for index, _, _ in admitted if isinstance(done := results[index], JobRecord)]
+        if queued:
+            await submitter.queued_many(queued)  # the notices go out together too: one write
     finally:
         if unsettled:  # cancelled or failed before the acks came: nothing is answered accepted
             for (_, model, slot), record in zip(admitted, records, strict=True):
