@@ -47,7 +47,10 @@ def configure_logging(config: LoggingConfig, *, service: str) -> None:
         processors=[*shared, structlog.processors.StackInfoRenderer(), *tail],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
+        # Configured once per process, before anything logs: each module's logger is built on its
+        # first call and kept (uncached, every call rebuilt it: 5.4 us for a line filtered out,
+        # 2.0 cached; the gateway makes one per submitted job).
+        cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(service=service)
     # Libraries that log through the standard library (nats, grpc) go to stderr at WARNING and up,

@@ -8,6 +8,8 @@ inside them, so raw bytes are passed in explicitly.
 
 from __future__ import annotations
 
+import array
+import sys
 from typing import Any, Protocol
 
 import numpy as np
@@ -40,6 +42,15 @@ _NARROW_RANGES: dict[str, tuple[int, int]] = {
     "UINT16": (0, 2**16 - 1),
 }
 
+# Typed contents packed by array.array rather than numpy: for the few values a request carries it
+# is faster (four FP32: 2.0 against 5.4 us). Only where the host's layout is the wire's (little-
+# endian, the same item size) and the field's own type already bounds every value.
+_ARRAY_TYPECODES: dict[str, str] = {
+    datatype: code
+    for datatype, code in {"FP32": "f", "FP64": "d", "INT32": "i", "INT64": "q", "UINT32": "I", "UINT64": "Q"}.items()
+    if sys.byteorder == "little" and array.array(code).itemsize == NUMPY_DTYPES[datatype].itemsize
+}
+
 
 class TensorMessage(Protocol):
     name: str
@@ -62,7 +73,7 @@ def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) 
         )
     shape = tuple(int(d) for d in message.shape)
     # ListFields lists only the non-empty fields: one call instead of a look at each of twelve.
-    filled = sorted(descriptor.name for descriptor, _ in message.contents.ListFields())
+    filled = message.contents.ListFields()
     if raw:
         if filled:
             raise InvalidArgument(
@@ -71,7 +82,7 @@ def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) 
             )
         return Tensor(name=message.name, datatype=datatype, shape=shape, data=raw if type(raw) is bytes else bytes(raw))
     expected_field = CONTENTS_FIELD.get(datatype)
-    wrong = [name for name in filled if name != expected_field]
+    wrong = sorted(name for descriptor, _ in filled if (name := descriptor.name) != expected_field)
     if wrong:
         raise InvalidArgument(
             f"{field}.contents: {wrong[0]} does not carry {datatype}",
@@ -89,8 +100,11 @@ def decode_tensor(message: TensorMessage, field: str, raw: bytes | None = None) 
     else:
         values = getattr(message.contents, expected_field)
         dtype = NUMPY_DTYPES[datatype]
+        typecode = _ARRAY_TYPECODES.get(datatype)
         try:
-            if datatype in _NARROW_RANGES:
+            if typecode is not None:
+                data = array.array(typecode, values).tobytes()
+            elif datatype in _NARROW_RANGES:
                 # Checked rather than left to numpy, which wraps (300 becomes 44 in INT8).
                 low, high = _NARROW_RANGES[datatype]
                 wide = np.asarray(values, dtype=np.int64)

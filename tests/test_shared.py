@@ -31,7 +31,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
 from asyncinfer.ports import IN_USE, PortUse, busy_ports
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
-from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, validate_inputs
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
 
 
@@ -56,6 +56,33 @@ def test_tensor_round_trips_numpy_and_protobuf() -> None:
     assert texts.to_numpy().tolist() == [b"a", "b\u00e9".encode()]
     out = to_output_proto(texts)
     assert list(out.contents.bytes_contents) == [b"a", "b\u00e9".encode()]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("datatype", "field", "values"),
+    [
+        ("FP32", "fp32_contents", [0.0, -1.5, 3.4e38, float("inf"), 1e-45]),
+        ("FP64", "fp64_contents", [0.0, -1.5, 1.7e308, 5e-324]),
+        ("INT32", "int_contents", [0, -(2**31), 2**31 - 1]),
+        ("INT64", "int64_contents", [0, -(2**63), 2**63 - 1]),
+        ("UINT32", "uint_contents", [0, 2**32 - 1]),
+        ("UINT64", "uint64_contents", [0, 2**64 - 1]),
+        ("INT8", "int_contents", [-128, 127]),
+        ("UINT16", "uint_contents", [0, 65535]),
+        ("BOOL", "bool_contents", [True, False]),
+    ],
+)
+def test_typed_contents_decode_to_the_little_endian_bytes_numpy_writes(
+    datatype: str, field: str, values: list[float]
+) -> None:
+    """Typed contents are packed by array.array where it can (tensor_codec): the bytes are numpy's."""
+    message = tensor_pb2.InferInputTensor(name="x", datatype=datatype, shape=[len(values)])
+    getattr(message.contents, field).extend(values)
+    (tensor,) = decode_tensors([message])
+    stored = list(getattr(message.contents, field))  # as the field holds them (FP32: rounded)
+    assert tensor.data == np.asarray(stored, dtype=NUMPY_DTYPES[datatype]).tobytes()
+    assert tensor.to_numpy().tolist() == np.asarray(stored, dtype=NUMPY_DTYPES[datatype]).tolist()
 
 
 @pytest.mark.unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
@@ -29,12 +30,25 @@ _STATE_TO_PROTO: dict[JobState, job_pb2.JobState.ValueType] = {
 _PRIORITY_TO_PROTO: dict[Priority, job_pb2.Priority.ValueType] = {
     p: job_pb2.Priority.Value(f"PRIORITY_{p.value}") for p in Priority
 }
+# queue_view.WaitingReason's names are the proto's without the prefix.
+_WAITING_REASON_TO_PROTO: dict[str, job_pb2.WaitingReason.ValueType] = {
+    name.removeprefix("WAITING_REASON_"): value for name, value in job_pb2.WaitingReason.items()
+}
 
 
 def _timestamp(seconds: float) -> timestamp_pb2.Timestamp:
     stamp = timestamp_pb2.Timestamp()
     stamp.FromNanoseconds(round(seconds * 1e9))
     return stamp
+
+
+def _set_time(field: Any, seconds: float) -> None:
+    """`field.FromNanoseconds(round(seconds * 1e9))` for a Timestamp, or a Duration of at least
+    zero (for which both normalize alike), without its Python-level call: 1.4 against 1.9 us."""
+    if seconds < 0:
+        field.FromNanoseconds(round(seconds * 1e9))
+        return
+    field.seconds, field.nanos = divmod(round(seconds * 1e9), 1_000_000_000)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -176,26 +190,26 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
     )
     if record.traceparent:
         job.trace_id = trace_id_of(record.traceparent)
-    job.create_time.FromNanoseconds(round(record.create_time * 1e9))
-    job.update_time.FromNanoseconds(round(record.update_time * 1e9))
-    job.result_retention.FromNanoseconds(round(record.result_retention_s * 1e9))
+    _set_time(job.create_time, record.create_time)
+    _set_time(job.update_time, record.update_time)
+    _set_time(job.result_retention, record.result_retention_s)
     if record.start_time is not None:
-        job.start_time.FromNanoseconds(round(record.start_time * 1e9))
+        _set_time(job.start_time, record.start_time)
     if record.end_time is not None:
-        job.end_time.FromNanoseconds(round(record.end_time * 1e9))
-        job.expire_time.FromNanoseconds(round((record.end_time + record.result_retention_s) * 1e9))
+        _set_time(job.end_time, record.end_time)
+        _set_time(job.expire_time, record.end_time + record.result_retention_s)
     if record.queue_duration_s is not None:
-        job.queue_duration.FromNanoseconds(round(record.queue_duration_s * 1e9))
+        _set_time(job.queue_duration, record.queue_duration_s)
     if record.run_duration_s is not None:
-        job.run_duration.FromNanoseconds(round(record.run_duration_s * 1e9))
+        _set_time(job.run_duration, record.run_duration_s)
     if record.deadline is not None:
-        job.deadline.FromNanoseconds(round(record.deadline * 1e9))
+        _set_time(job.deadline, record.deadline)
     if record.execution_timeout_s is not None:
-        job.execution_timeout.FromNanoseconds(round(record.execution_timeout_s * 1e9))
+        _set_time(job.execution_timeout, record.execution_timeout_s)
     if record.batch is not None:
         job.batch.batcher_id = record.batch.batcher_id
         job.batch.batch_size = record.batch.batch_size
-        job.batch.compute_duration.FromNanoseconds(round(record.batch.compute_s * 1e9))
+        _set_time(job.batch.compute_duration, record.batch.compute_s)
     if record.error is not None:
         job.error.CopyFrom(error_to_proto(record.error))
     if record.last_error is not None:
@@ -206,7 +220,7 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
         job.input_ref.CopyFrom(_blob_to_proto(record.input_ref))
     if standing is not None:
         job.queue.position = standing.position
-        job.queue.waiting_reason = job_pb2.WaitingReason.Value(f"WAITING_REASON_{standing.waiting_reason}")
+        job.queue.waiting_reason = _WAITING_REASON_TO_PROTO[standing.waiting_reason]
         if standing.estimated_start_time is not None:
             job.queue.estimated_start_time.CopyFrom(_timestamp(standing.estimated_start_time))
     if record.callback is not None:
