@@ -48,10 +48,8 @@ async def announce_queued(nc: NatsClient, record: JobRecord, record_data: bytes)
     """Sends the notice for `record` (as written: `record_data`, at `record.revision`). Never
     raises: the job is queued whether or not a scheduler hears of it this way."""
     try:
-        await nc.publish(
-            queued_subject(record.model_name, record.priority),
-            encode_queued_notice(record.key, record.revision, record_data),
-        )
+        subject = queued_subject(record.model_name, record.priority)
+        await publish_all(nc, [(subject, encode_queued_notice(record.key, record.revision, record_data))])
     except Exception as exc:  # a hint: nothing is lost without it
         log.debug("queued_notice_not_sent", job_id=record.job_id, error=str(exc))
 
