@@ -4,6 +4,7 @@ to their filters, and never another tenant's records."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -13,6 +14,7 @@ import pytest
 
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import kv_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
@@ -251,3 +253,19 @@ async def test_the_key_scan_waits_for_every_key_the_server_already_pushed(
     )
     for _ in range(20):
         assert await lister.tenant_job_ids("scan") == ids
+
+
+async def test_a_listings_consumer_is_gone_soon_after_the_call(stub: JobStub, nc: NatsClient, config: Config) -> None:
+    """Each ListJobs scans the keys through an ephemeral consumer: it is deleted by the server
+    within SCAN_CONSUMER_INACTIVE_S of the call, not the server's default 5 s, so a client
+    paging fast does not keep a crowd of them alive."""
+    await submit_many(stub, [submit_request() for _ in range(3)])
+    js = nc.jetstream()
+    stream = kv_stream(config.nats.jobs_bucket)
+    before = (await js.stream_info(stream)).state.consumer_count
+    for _ in range(4):
+        await stub.ListJobs(listing(2))
+    ended = time.monotonic()
+    while (await js.stream_info(stream)).state.consumer_count > before:
+        assert time.monotonic() - ended < 4.0, "the listings' consumers outlived the call by 4 s"
+        await asyncio.sleep(0.1)

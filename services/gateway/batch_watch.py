@@ -27,6 +27,8 @@ from services.gateway.batch_store import batch_key
 
 log = structlog.get_logger("asyncinfer.gateway.batches")
 
+WATCH_CONSUMER_INACTIVE_S = 1.0
+
 
 class BatchUpdates:
     """The writes of one batch record, as they come (None once the record is deleted)."""
@@ -71,6 +73,9 @@ async def watch_batch(bucket: KvBucket, tenant: str, batch_id: str) -> AsyncIter
             cb=updates.on_msg,
             ordered_consumer=True,
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            # Gone this long after the watch ends (the server's default is 5 s); while it runs,
+            # its subscription is the interest that keeps it.
+            inactive_threshold=WATCH_CONSUMER_INACTIVE_S,
         )
     except NATS_FAILURES as exc:
         raise Unavailable(f"cannot watch the batch: {exc}") from exc
