@@ -118,20 +118,25 @@ async def test_a_cancelled_request_leaves_nothing_behind(nc: NatsClient) -> None
     assert pending_request_count(nc) == 0
 
 
-# Both implementations of a pipelined group, whichever this run binds `js_publish_many` to.
-PUBLISH_MANY = pytest.mark.parametrize(
-    "publish_many",
-    [
-        pytest.param(
-            _fastpath.js_publish_many,
-            marks=pytest.mark.skipif(
-                bool(_fastpath._missing_private_names()), reason="this nats-py lacks what the fast path uses"
+def both_paths(name: str, fast: Any, public: Any) -> Any:
+    """Parametrizes `name` with the fast and the public implementation, whichever this run binds."""
+    return pytest.mark.parametrize(
+        name,
+        [
+            pytest.param(
+                fast,
+                marks=pytest.mark.skipif(
+                    bool(_fastpath._missing_private_names()), reason="this nats-py lacks what the fast path uses"
+                ),
             ),
-        ),
-        requests.public_js_publish_many,
-    ],
-    ids=["fast", "public"],
-)
+            public,
+        ],
+        ids=["fast", "public"],
+    )
+
+
+# Both implementations of a pipelined group.
+PUBLISH_MANY = both_paths("publish_many", _fastpath.js_publish_many, requests.public_js_publish_many)
 
 
 @PUBLISH_MANY
@@ -220,19 +225,7 @@ async def test_a_group_delivers_what_nats_py_publishes_and_refuses_what_it_refus
         assert pending_request_count(nc) == 0
 
 
-@pytest.mark.parametrize(
-    "publish_all",
-    [
-        pytest.param(
-            _fastpath.publish_all,
-            marks=pytest.mark.skipif(
-                bool(_fastpath._missing_private_names()), reason="this nats-py lacks what the fast path uses"
-            ),
-        ),
-        requests.public_publish_all,
-    ],
-    ids=["fast", "public"],
-)
+@both_paths("publish_all", _fastpath.publish_all, requests.public_publish_all)
 async def test_publish_all_sends_in_order_up_to_what_nats_py_refuses(nc: NatsClient, publish_all: Any) -> None:
     heard: asyncio.Queue[Any] = asyncio.Queue()
 
