@@ -14,7 +14,7 @@ the size limit and the SHA-256 are checked on the way, and on any refusal or err
 subject is purged and no meta is written, so nothing partial is left.
 
 Expiry lives in the meta's headers (`Asyncinfer-Expires-At`, Unix seconds). Reads refuse an
-object past it (…_EXPIRED) and `sweep` deletes such objects. Extending and sweeping are
+object past it (…_EXPIRED) and the sweep (asyncinfer.blob_sweep) deletes such objects. Extending and sweeping are
 compare-and-set on the meta message's subject sequence, so a sweep can never delete an object
 that a submit has just extended, and a submit can never extend one the sweep has just deleted.
 """
@@ -35,7 +35,6 @@ import structlog
 
 from asyncinfer.blob_meta import (
     CHUNK_BYTES,
-    INPUT_KIND,
     BlobCorrupt,
     BlobInfo,
     blob_expired,
@@ -54,14 +53,12 @@ from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTE
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.jobs import BlobRef
 from asyncinfer.nats import (
-    OBJ_ALL_META_PRE_TEMPLATE,
     OBJ_CHUNKS_PRE_TEMPLATE,
     OBJ_DIGEST_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
     APIError,
     JetStreamContext,
     NatsError,
-    NatsTimeoutError,
     NotFoundError,
     api,
 )
@@ -74,10 +71,6 @@ log = structlog.get_logger("asyncinfer.blobs")
 PUBLISH_WINDOW = 8
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
-LIST_IDLE_TIMEOUT_S = 2.0
-# The listing's ephemeral consumer is deleted this soon after its subscription ends (the server's
-# default is 5 s): a sweeper run every 50 ms, as in tests, kept ~100 of them alive on the stream.
-LIST_CONSUMER_INACTIVE_S = 1.0
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
 
 
@@ -114,6 +107,11 @@ class BlobStore:
         self._js = js
         self.bucket = bucket
         self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+
+    @property
+    def js(self) -> JetStreamContext:
+        """The JetStream context it reads and writes through (the sweep's: asyncinfer.blob_sweep)."""
+        return self._js
 
     # --- writing ----------------------------------------------------------------------------
 
@@ -345,7 +343,7 @@ class BlobStore:
     async def delete(self, tenant: str, ref: str) -> None:
         info = await self._info_or_none(object_name(tenant, ref))
         if info is not None:
-            await self._remove(info)
+            await self.remove(info)
 
     async def delete_live(self, tenant: str, ref: str) -> BlobRef:
         """Deletes the tenant's object (expired or not) and returns what it was; NotFound when the
@@ -357,7 +355,7 @@ class BlobStore:
             if info is None or info.deleted:
                 raise blob_not_found(ref)
             try:
-                await self._remove(info)
+                await self.remove(info)
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     continue
@@ -374,55 +372,7 @@ class BlobStore:
                 raise Unavailable(f"cannot delete the object: {exc}") from exc
             return info.ref
 
-    async def sweep(self, now: float | None = None, *, orphans_after_s: float | None = None) -> int:
-        """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
-        many were removed. With `orphans_after_s`, also the chunks of uploads that never got a
-        meta (a gateway killed mid-upload) and saw no chunk for that long: they would count
-        against their tenant's stored bytes for ever."""
-        now = time.time() if now is None else now
-        removed = 0
-        # The chunk subjects are listed before the metas, so an upload made visible meanwhile has
-        # its meta in the list (and one made visible later wrote its last chunk just now).
-        chunk_subjects = await self._input_chunk_subjects() if orphans_after_s is not None else []
-        metas = await self._list()
-        if orphans_after_s is not None:
-            removed += await self._purge_orphans(chunk_subjects, {info.nuid for info in metas}, now, orphans_after_s)
-        for info in metas:
-            if not (info.deleted or info.expired(now)):
-                continue
-            try:
-                await self._remove(info)
-            except APIError as exc:
-                if exc.err_code == WRONG_LAST_SEQUENCE:
-                    continue  # extended (or replaced) meanwhile: it lives on
-                raise
-            removed += 1
-        return removed
-
-    async def _input_chunk_subjects(self) -> list[str]:
-        info = await self._js.stream_info(
-            self.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=f"{INPUT_KIND}.>")
-        )
-        return list(info.state.subjects or {})
-
-    async def _purge_orphans(self, subjects: list[str], named: set[str], now: float, idle_s: float) -> int:
-        prefix = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj="")
-        purged = 0
-        for subject in subjects:
-            if subject.removeprefix(prefix) in named:
-                continue
-            try:
-                last = await self._js.get_last_msg(self.stream, subject)
-            except NotFoundError:
-                continue
-            if last.time is None or now - last.time.timestamp() < idle_s:
-                continue  # an upload still streaming, or just made visible
-            await self._js.purge_stream(self.stream, subject=subject)
-            log.warning("blob_orphan_chunks_purged", subject=subject)
-            purged += 1
-        return purged
-
-    async def _remove(self, info: BlobInfo) -> None:
+    async def remove(self, info: BlobInfo) -> None:
         """A tombstone first (compare-and-set, so an extension made meanwhile wins), then the
         chunks, then the meta subject itself: nothing of the object is left in the stream."""
         if not info.deleted:
@@ -455,35 +405,6 @@ class BlobStore:
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the object's metadata: {exc}") from exc
         return parse_meta(msg.data or b"", msg.seq or 0)
-
-    async def _list(self) -> list[BlobInfo]:
-        """Every object's latest meta (deleted ones included), via an ordered consumer."""
-        subject = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=self.bucket)
-        try:
-            await self._js.get_last_msg(self.stream, subject)
-        except NotFoundError:
-            return []
-        sub = await self._js.subscribe(
-            subject,
-            ordered_consumer=True,
-            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            inactive_threshold=LIST_CONSUMER_INACTIVE_S,
-        )
-        found: list[BlobInfo] = []
-        try:
-            while True:
-                try:
-                    msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
-                except NatsTimeoutError:
-                    break  # purged between the look and the subscribe: nothing more to see
-                parsed = parse_meta(msg.data, msg.metadata.sequence.stream)
-                if parsed is not None:
-                    found.append(parsed)
-                if msg.metadata.num_pending == 0:
-                    break
-        finally:
-            await sub.unsubscribe()
-        return found
 
     async def _purge_quietly(self, subject: str) -> None:
         try:

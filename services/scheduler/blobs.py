@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from asyncinfer import ranged_inputs
 from asyncinfer.blob_meta import BlobCorrupt, result_ref
+from asyncinfer.blob_sweep import sweep
 from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
@@ -139,7 +140,7 @@ class BlobSweeper:
         while True:
             await asyncio.sleep(self._interval_s)
             try:
-                removed = await self._store.sweep(orphans_after_s=self._orphans_after_s)
+                removed = await sweep(self._store, orphans_after_s=self._orphans_after_s)
             except Exception:
                 log.exception("blob_sweep_failed")
                 continue

@@ -1,0 +1,112 @@
+"""The object store's sweep: deletes every object past its expiry, finishes the deletes a crash
+interrupted, and purges the chunks of uploads that never got a meta (asyncinfer.blobs writes
+the layout; the scheduler's sweeper, services.scheduler.blobs, runs this on a timer).
+
+Removing is the store's compare-and-set (`BlobStore.remove`: a tombstone on the meta's subject
+sequence first), so a sweep can never delete an object that a submit has just extended.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from asyncinfer.blob_meta import INPUT_KIND, BlobInfo, parse_meta
+from asyncinfer.blobs import WRONG_LAST_SEQUENCE, BlobStore
+from asyncinfer.nats import (
+    OBJ_ALL_META_PRE_TEMPLATE,
+    OBJ_CHUNKS_PRE_TEMPLATE,
+    APIError,
+    NatsTimeoutError,
+    NotFoundError,
+    api,
+)
+
+log = structlog.get_logger("asyncinfer.blobs")
+
+LIST_IDLE_TIMEOUT_S = 2.0
+# The listing's ephemeral consumer is deleted this soon after its subscription ends (the server's
+# default is 5 s): a sweeper run every 50 ms, as in tests, kept ~100 of them alive on the stream.
+LIST_CONSUMER_INACTIVE_S = 1.0
+
+
+async def sweep(store: BlobStore, now: float | None = None, *, orphans_after_s: float | None = None) -> int:
+    """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
+    many were removed. With `orphans_after_s`, also the chunks of uploads that never got a
+    meta (a gateway killed mid-upload) and saw no chunk for that long: they would count
+    against their tenant's stored bytes for ever."""
+    now = time.time() if now is None else now
+    removed = 0
+    # The chunk subjects are listed before the metas, so an upload made visible meanwhile has
+    # its meta in the list (and one made visible later wrote its last chunk just now).
+    chunk_subjects = await _input_chunk_subjects(store) if orphans_after_s is not None else []
+    metas = await list_objects(store)
+    if orphans_after_s is not None:
+        removed += await _purge_orphans(store, chunk_subjects, {info.nuid for info in metas}, now, orphans_after_s)
+    for info in metas:
+        if not (info.deleted or info.expired(now)):
+            continue
+        try:
+            await store.remove(info)
+        except APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                continue  # extended (or replaced) meanwhile: it lives on
+            raise
+        removed += 1
+    return removed
+
+
+async def list_objects(store: BlobStore) -> list[BlobInfo]:
+    """Every object's latest meta (deleted ones included), via an ordered consumer."""
+    subject = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=store.bucket)
+    try:
+        await store.js.get_last_msg(store.stream, subject)
+    except NotFoundError:
+        return []
+    sub = await store.js.subscribe(
+        subject,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=LIST_CONSUMER_INACTIVE_S,
+    )
+    found: list[BlobInfo] = []
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
+            except NatsTimeoutError:
+                break  # purged between the look and the subscribe: nothing more to see
+            parsed = parse_meta(msg.data, msg.metadata.sequence.stream)
+            if parsed is not None:
+                found.append(parsed)
+            if msg.metadata.num_pending == 0:
+                break
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+async def _input_chunk_subjects(store: BlobStore) -> list[str]:
+    info = await store.js.stream_info(
+        store.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj=f"{INPUT_KIND}.>")
+    )
+    return list(info.state.subjects or {})
+
+
+async def _purge_orphans(store: BlobStore, subjects: list[str], named: set[str], now: float, idle_s: float) -> int:
+    prefix = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj="")
+    purged = 0
+    for subject in subjects:
+        if subject.removeprefix(prefix) in named:
+            continue
+        try:
+            last = await store.js.get_last_msg(store.stream, subject)
+        except NotFoundError:
+            continue
+        if last.time is None or now - last.time.timestamp() < idle_s:
+            continue  # an upload still streaming, or just made visible
+        await store.js.purge_stream(store.stream, subject=subject)
+        log.warning("blob_orphan_chunks_purged", subject=subject)
+        purged += 1
+    return purged
