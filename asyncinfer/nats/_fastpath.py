@@ -10,6 +10,11 @@ dataclass built from the answer. Here a request is one future in nats-py's own r
 same wildcard inbox subscription that `Client.request` uses) and one C-level timer
 (`loop.call_later`) for its timeout. Measured on the 2-core machine, 128 concurrent publishers in
 one process: 53 us of client CPU per publish instead of 95 us (17,600/s instead of 10,500/s).
+The PUB/HPUB command itself is built here too (`publish_command`: the checks `Client.publish`
+makes, header keys checked once per process, the header block encoded at once) and a group's
+commands are queued as one write (`send_commands`); a request's token is a counter, not a NUID,
+and a publish's answer is read for its sequence without a JSON parse: 55 -> 30 us per publish in
+100-message groups (session 11).
 A KV read (every dispatch and every GetJob reads a job record) is the same STREAM.MSG.GET request
 that `KeyValue.get` sends, without its email.parser header parsing and dataclasses: the one
 header that matters, KV-Operation, is found by a byte scan.

@@ -1,4 +1,5 @@
-"""Requests and JetStream publishes, as the services' hot paths make them: on the fast path
+"""Requests, JetStream publishes and core-NATS notices (`publish_all`), as the services' hot paths
+make them: on the fast path
 (`asyncinfer.nats._fastpath`, about half the client CPU per call) when it is enabled, on nats-py's
 public `Client.request` / `JetStreamContext.publish` otherwise. Both raise the same errors:
 `nats.errors.TimeoutError`, `NoRespondersError` (a request) or `NoStreamResponseError` (a
