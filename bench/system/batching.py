@@ -5,7 +5,11 @@ for its result (WatchJob until a terminal state), against, in the same run:
 - direct batched torch at the batch size the system achieved (its mean batch, from the batcher's
   Prometheus metrics), in the bench process: the physical limit; target >= 80% of it;
 - the same batcher's own synchronous KServe v2 ModelInfer path (tritonclient.grpc.aio) at the
-  same concurrency.
+  same concurrency;
+- the same jobs through the batch APIs ("bulk"): the same number of jobs in flight, as clients that
+  each submit JOBS_PER_MESSAGE jobs in one SubmitJobs message and wait for them on one WatchJobs
+  stream (what issue 14 builds for clients with many jobs), also against direct torch at the batch
+  it achieves.
 
 nats-server, gateway, scheduler and batcher run as separate processes; the clients in the bench
 process. Models, batch limits and torch threads are bench/batcher_bench.py's (MODELS).
@@ -38,6 +42,9 @@ from bench.system.backlog_tools import Results, batcher_config, services_config,
 from bench.system.common import ProcessGroup, cpu_seconds, matplotlib_pyplot, plot_path
 
 CONCURRENCY = (32, 128)
+# The batch-API clients' jobs per SubmitJobs message: CONCURRENCY jobs in flight are
+# CONCURRENCY / JOBS_PER_MESSAGE clients.
+JOBS_PER_MESSAGE = 16
 TERMINAL = {
     job_pb2.JOB_STATE_SUCCEEDED,
     job_pb2.JOB_STATE_FAILED,
@@ -85,6 +92,40 @@ def job_call(stub: job_service_pb2_grpc.JobServiceStub, model: str) -> Any:
                 break
         if final is None or final.state != job_pb2.JOB_STATE_SUCCEEDED:
             raise RuntimeError(f"job {job.job_id} ended {final.state if final else 'unseen'}: {final}")
+
+    return call
+
+
+def job_bulk_call(stub: job_service_pb2_grpc.JobServiceStub, model: str, per_call: int) -> Any:
+    """One batch-API client step: `per_call` jobs in one SubmitJobs message, then one WatchJobs
+    stream until every one has ended; each must have SUCCEEDED."""
+    requests = job_requests(model)
+    counter = [0]
+
+    async def call(_index: int) -> None:
+        items = []
+        for _ in range(per_call):
+            counter[0] += 1
+            items.append(job_service_pb2.SubmitJobsItem(job=requests[counter[0] % len(requests)]))
+
+        async def message() -> Any:
+            yield job_service_pb2.SubmitJobsRequest(items=items)
+
+        job_ids = []
+        async for response in stub.SubmitJobs(message(), timeout=120):
+            for answer in response.answers:
+                if not answer.HasField("job"):
+                    raise RuntimeError(f"a job was refused: {answer.error}")
+                job_ids.append(answer.job.job_id)
+        open_ids = set(job_ids)
+        async for response in stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=job_ids), timeout=120):
+            for change in response.changes:
+                if change.HasField("job") and change.job.state in TERMINAL:
+                    if change.job.state != job_pb2.JOB_STATE_SUCCEEDED:
+                        raise RuntimeError(f"job {change.job_id} ended {change.job.state}")
+                    open_ids.discard(change.job_id)
+            if not open_ids:
+                break
 
     return call
 
@@ -139,15 +180,16 @@ async def drive(call: Any, concurrency: int, window_s: float, warmup_s: float = 
 @dataclass
 class Measured:
     model: str
-    setup: str  # "system" | "kserve" | "direct"
-    concurrency: int
+    setup: str  # "system" | "bulk" | "kserve" | "direct"
+    concurrency: int  # clients, or jobs in flight ("bulk"), or the batch ("direct")
     windows: list[Window] = field(default_factory=list)
     mean_batch: float = float("nan")
     batch_histogram: dict[float, float] = field(default_factory=dict)
     cpu_share: dict[str, float] = field(default_factory=dict)
+    items_per_call: int = 1  # a window counts calls; "bulk" calls carry JOBS_PER_MESSAGE items
 
     def rates(self) -> list[float]:
-        return [w.rate for w in self.windows]
+        return [w.rate * self.items_per_call for w in self.windows]
 
     def median_rate(self) -> float:
         return float(np.median(self.rates())) if self.windows else float("nan")
@@ -162,16 +204,18 @@ async def measure(
     window_s: float,
     metrics_port: int,
     processes: dict[str, int],
+    *,
+    items_per_call: int = 1,
 ) -> Measured:
     name = batcher_name(model)
-    result = Measured(model, setup, concurrency)
+    result = Measured(model, setup, concurrency, items_per_call=items_per_call)
     before = batch_totals(metrics_port, name)
     hist_before = batch_histogram(metrics_port, name)
     cpu_before = {p: cpu_seconds(pid) for p, pid in processes.items()}
     cpu_before["bench clients"] = time.process_time()
     started = time.monotonic()
     for _ in range(runs):
-        result.windows.append(await drive(call, concurrency, window_s, warmup_s=1.0))
+        result.windows.append(await drive(call, concurrency // items_per_call, window_s, warmup_s=1.0))
     elapsed = time.monotonic() - started
     after = batch_totals(metrics_port, name)
     hist_after = batch_histogram(metrics_port, name)
@@ -219,6 +263,21 @@ async def measure_model(model: str, args: argparse.Namespace) -> list[Measured]:
                 measured.append(
                     await measure(call, model, "system", concurrency, args.runs, args.window, metrics_port, processes)
                 )
+            bulk = job_bulk_call(stub, model, JOBS_PER_MESSAGE)
+            for concurrency in args.concurrency:
+                measured.append(
+                    await measure(
+                        bulk,
+                        model,
+                        "bulk",
+                        concurrency,
+                        args.runs,
+                        args.window,
+                        metrics_port,
+                        processes,
+                        items_per_call=JOBS_PER_MESSAGE,
+                    )
+                )
         client = triton.InferenceServerClient(batcher.address)
         try:
             kserve = infer_call(client, model, batcher_name(model), False)
@@ -236,8 +295,12 @@ async def measure_model(model: str, args: argparse.Namespace) -> list[Measured]:
     default_threads = torch.get_num_threads()
     torch.set_num_threads(torch_threads or default_threads)
     try:
-        for system in [m for m in measured if m.setup == "system"]:
+        done: set[int] = set()
+        for system in [m for m in measured if m.setup in ("system", "bulk")]:
             size = max(1, round(system.mean_batch))
+            if size in done:
+                continue
+            done.add(size)
             row = Measured(model, "direct", size)
             row.windows = [await asyncio.to_thread(direct, model, size, args.window) for _ in range(args.runs)]
             row.mean_batch = size
@@ -252,16 +315,22 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
     for m in measured:
         what = {
             "system": f"async jobs, {m.concurrency} clients (SubmitJob + WatchJob)",
+            "bulk": (
+                f"async jobs, {m.concurrency} in flight as {m.concurrency // m.items_per_call} clients of "
+                f"SubmitJobs ({m.items_per_call} jobs a message) + WatchJobs"
+            ),
             "kserve": f"batcher KServe ModelInfer, {m.concurrency} clients",
             "direct": f"direct torch, batch {m.concurrency}",
         }[m.setup]
         note = f"mean batch {m.mean_batch:.1f}; p50 {np.median([w.p50_ms for w in m.windows]):.1f} ms, p99 " + (
             f"{np.median([w.p99_ms for w in m.windows]):.1f} ms"
         )
+        if m.setup == "bulk":
+            note += " (per message)"
         if m.setup == "direct":
             note = f"per batch: p50 {np.median([w.p50_ms for w in m.windows]):.1f} ms"
         results.row(f"{m.model}: {what}", m.rates(), "items/s", note)
-    for system in [m for m in measured if m.setup == "system"]:
+    for system in [m for m in measured if m.setup in ("system", "bulk")]:
         size = max(1, round(system.mean_batch))
         direct_row = next(
             m for m in measured if m.setup == "direct" and m.model == system.model and m.concurrency == size
@@ -275,15 +344,25 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
             None,
         )
         value = _div(system.median_rate(), direct_row.median_rate())
-        results.ratio(
-            f"{system.model} at {system.concurrency} clients: system / direct torch at batch {size}",
-            value,
-            ">= 0.80",
-            value >= 0.80,
-        )
+        if system.setup == "system":
+            results.ratio(
+                f"{system.model} at {system.concurrency} clients: system / direct torch at batch {size}",
+                value,
+                ">= 0.80",
+                value >= 0.80,
+            )
+        else:
+            results.ratio(
+                f"{system.model}, {system.concurrency} jobs in flight through the batch APIs: system / direct "
+                f"torch at batch {size}",
+                value,
+                ">= 0.80",
+                value >= 0.80,
+            )
+        who = f"{system.concurrency} clients" if system.setup == "system" else f"{system.concurrency} jobs in flight"
         if kserve is not None:
             results.ratio(
-                f"{system.model} at {system.concurrency} clients: system / batcher's KServe path",
+                f"{system.model} at {who}: {system.setup} / batcher's KServe path at {system.concurrency} clients",
                 _div(system.median_rate(), kserve.median_rate()),
                 "for information (the synchronous path's figure at the same concurrency)",
                 None,
@@ -296,7 +375,7 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
             per_job_ms = _div(services_cpu, system.median_rate()) * 1000
             compute_ms = _div(1.0, direct_row.median_rate()) * 1000
             results.note(
-                f"{system.model} at {system.concurrency} clients through the system, CPU-seconds per second by "
+                f"{system.model} at {who} through the system ({system.setup}), CPU-seconds per second by "
                 f"process: {shares} (the machine has {os.cpu_count()} CPUs): {per_job_ms:.1f} ms of service CPU "
                 f"per job, against {compute_ms:.2f} ms of direct torch time per item at batch {size}."
             )
@@ -321,7 +400,11 @@ def plot(measured: list[Measured], models: list[str]) -> list[Path]:
     plt = matplotlib_pyplot()
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for setup, label in (("system", "async jobs (whole system)"), ("kserve", "batcher KServe (sync)")):
+        for setup, label in (
+            ("system", "async jobs (whole system)"),
+            ("bulk", "async jobs, batch APIs (jobs in flight)"),
+            ("kserve", "batcher KServe (sync)"),
+        ):
             rows = [m for m in measured if m.model == model and m.setup == setup]
             ax.errorbar(
                 [m.concurrency for m in rows],
@@ -346,7 +429,7 @@ def plot(measured: list[Measured], models: list[str]) -> list[Path]:
 
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for m in [m for m in measured if m.model == model and m.setup in ("system", "kserve")]:
+        for m in [m for m in measured if m.model == model and m.setup in ("system", "bulk", "kserve")]:
             bounds = sorted(b for b in m.batch_histogram if b != float("inf"))
             counts, previous = [], 0.0
             for bound in bounds:
