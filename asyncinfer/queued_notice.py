@@ -14,9 +14,11 @@ only the poll interval.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import structlog
+
+from asyncinfer.codecs.record import encode_record
 
 # Named in asyncinfer.contract; the prefix is re-exported for its callers here.
 from asyncinfer.contract import QUEUED_SUBJECT_PREFIX as QUEUED_SUBJECT_PREFIX
@@ -26,8 +28,6 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.requests import publish_all
 
 log = structlog.get_logger("asyncinfer.queued_notice")
-
-Encode = Callable[[JobRecord], bytes]
 
 
 def encode_queued_notice(key: str, revision: int, record_data: bytes) -> bytes:
@@ -44,26 +44,16 @@ def decode_queued_notice(payload: bytes) -> tuple[str, int, bytes]:
     return key.decode(), int(revision), data
 
 
-async def announce_queued(nc: NatsClient, record: JobRecord, record_data: bytes) -> None:
-    """Sends the notice for `record` (as written: `record_data`, at `record.revision`). Never
-    raises: the job is queued whether or not a scheduler hears of it this way."""
-    try:
-        subject = queued_subject(record.model_name, record.priority)
-        await publish_all(nc, [(subject, encode_queued_notice(record.key, record.revision, record_data))])
-    except Exception as exc:  # a hint: nothing is lost without it
-        log.debug("queued_notice_not_sent", job_id=record.job_id, error=str(exc))
-
-
-async def announce_queued_many(nc: NatsClient, records: Sequence[JobRecord], encode: Encode) -> None:
-    """`announce_queued` for each record (its data `encode(record)`), the notices sent in one
-    write. Never raises."""
+async def announce_queued(nc: NatsClient, records: Sequence[JobRecord]) -> None:
+    """Sends the notice of each record (as written, at its revision), all in one write. Never
+    raises: the jobs are queued whether or not a scheduler hears of them this way."""
     try:
         await publish_all(
             nc,
             [
                 (
                     queued_subject(record.model_name, record.priority),
-                    encode_queued_notice(record.key, record.revision, encode(record)),
+                    encode_queued_notice(record.key, record.revision, encode_record(record)),
                 )
                 for record in records
             ],

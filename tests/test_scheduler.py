@@ -95,7 +95,7 @@ async def enqueue(
         envelope = queued_envelope(record, (x,))
         await nc.jetstream().publish(envelope.subject, encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
         if announce:
-            await announce_queued(nc, record, data)
+            await announce_queued(nc, [record])
         return job_id
     legacy_envelope = WorkEnvelope(**common, inputs=(x,))
     await nc.jetstream().publish(
@@ -104,7 +104,7 @@ async def enqueue(
     if with_record:
         revision = await kv.create(job_key(tenant, job_id), data)
         if announce:
-            await announce_queued(nc, record.evolve(revision=revision), data)
+            await announce_queued(nc, [record.evolve(revision=revision)])
     return job_id
 
 

@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import ResourceExhausted, Unavailable
 from asyncinfer.ids import new_job_id
@@ -28,7 +27,7 @@ from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
-from asyncinfer.queued_notice import announce_queued, announce_queued_many
+from asyncinfer.queued_notice import announce_queued
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -241,14 +240,13 @@ class JobSubmitter:
 
     async def queued(self, record: JobRecord) -> None:
         """After a job's work message was acknowledged: noted, and announced to the schedulers."""
-        self._noted(record)
-        await announce_queued(self._nc, record, encode_record(record))
+        await self.queued_many([record])
 
     async def queued_many(self, records: Sequence[JobRecord]) -> None:
         """`queued` for each of a group's jobs, the notices sent in one write."""
         for record in records:
             self._noted(record)
-        await announce_queued_many(self._nc, records, encode_record)
+        await announce_queued(self._nc, records)
 
     def _noted(self, record: JobRecord) -> None:
         if self._store_health is not None:

@@ -21,7 +21,6 @@ import structlog
 
 from asyncinfer import lifecycle
 from asyncinfer.codecs.envelope import encode_envelope
-from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
@@ -92,6 +91,6 @@ async def replay(
             # QUEUED without a work message: it needs an operator (the dead letter is kept).
             log.error("replay_not_reverted", job_id=letter.job_id, error=str(revert_error))
         raise Unavailable(f"the job could not be queued again: {exc}") from exc
-    await announce_queued(nc, queued, encode_record(queued))
+    await announce_queued(nc, [queued])
     await letters.delete(letter.sequence)
     return queued
