@@ -35,6 +35,7 @@ from asyncinfer.config import Config, load_config
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging
+from asyncinfer.malloc_tuning import keep_large_buffers
 from asyncinfer.runner import App, run_until_stopped
 from services.apps import SERVICES, make_batcher
 from services.server_extras import missing_for
@@ -66,9 +67,11 @@ async def run_service(name: str, config: Config, config_path: Path | None = None
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
     """asyncio.run on uvloop: per-call gRPC aio work is most of a service's CPU, and uvloop's loop
-    takes 10-15% off it (measured on the batcher benchmark)."""
+    takes 10-15% off it (measured on the batcher benchmark). malloc keeps large buffers for reuse
+    (asyncinfer.malloc_tuning: page faults were a third of the scheduler's CPU on a file batch)."""
     import uvloop  # the server extra's: the base install runs the client commands without it
 
+    keep_large_buffers()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
 
