@@ -330,7 +330,12 @@ class BatcherConfig(_Section):
         description="Several work orders and results per message on the scheduler's work stream, when the scheduler "
         "takes them (false: one per message).",
     )
-    torch_threads: int = Field(0, ge=0, description="torch intra-op threads on CPU (0: torch's default).")
+    torch_threads: int = Field(
+        0,
+        ge=0,
+        description="torch intra-op threads on CPU (0: torch's default, one per core; or, when a torch model computes "
+        "N > 1 batches at once, cores // N, so that the batches share the cores rather than each spinning on all).",
+    )
     progress_interval_ms: float = Field(
         150.0,
         ge=0,
@@ -561,8 +566,10 @@ class ModelConfig(_Section):
     max_inflight_batches: int = Field(
         1,
         ge=1,
-        description="Batches computed at once. 1 suits CPU torch (a second batch would only split the cores and "
-        "close small); 2 or more overlap data movement with compute on a GPU or hide a remote Triton's latency.",
+        description="Batches computed at once. 1: a lone batch has every core (the least latency at light load); 2 on "
+        "CPU torch computes two batches at once on half the cores each (the most throughput for full batches, such "
+        "as a file batch's chunks: 1.4x on 2 cores); 2 or more overlap data movement with compute on a GPU or hide "
+        "a remote Triton's latency.",
     )
     default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
     max_attempts: int = Field(3, ge=1, description="Attempts a job gets for retriable failures by default.")

@@ -22,6 +22,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
+from services.batcher.backends.loading import torch_threads_for
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
@@ -48,7 +49,11 @@ class BatcherApp:
         self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
         self.port = 0
         self.metrics_port = 0
-        self.models = ModelControl(self.engine, config.batcher, repository=self._repository)
+        cores = len(os.sched_getaffinity(0))
+        batcher = config.batcher.model_copy(
+            update={"torch_threads": torch_threads_for(config.batcher, config.models, cores)}
+        )
+        self.models = ModelControl(self.engine, batcher, repository=self._repository)
         # Model name -> why it failed to load; those models answer UNAVAILABLE with the reason.
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()

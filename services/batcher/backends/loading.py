@@ -8,7 +8,7 @@ Triton models needs no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.errors import ConfigError
@@ -56,3 +56,20 @@ def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:
     from services.batcher.backends.torch_backend import load_torch_backend
 
     return load_torch_backend(model, torch_threads=batcher.torch_threads)
+
+
+def torch_threads_for(batcher: BatcherConfig, models: Iterable[ModelConfig], cores: int) -> int:
+    """The torch intra-op threads a batcher sets for its process (0: torch's default, one per core).
+
+    `torch_threads` when configured. Otherwise, when a torch model computes several batches at once
+    (max_inflight_batches N > 1), each batch gets its share of the cores, cores // N (at least 1):
+    N batches at torch's default would run N threads per core, and torch's threads spin at every
+    op's barrier while the others hold the cores. Measured on 2 cores (bench/results/
+    batch_files_ab.md): an MLP file batch with two batches at once on one thread each ran at 6,400
+    records/s against 4,400 for one batch at a time on two threads, with a third less batcher CPU.
+    The number is the process's (torch has one pool): the largest N of the models declared at start."""
+    if batcher.torch_threads:
+        return batcher.torch_threads
+    versions = [v for m in models if not m.steps for v in m.version_configs()]
+    at_once = max((v.max_inflight_batches for v in versions if v.backend == "torch"), default=1)
+    return max(1, cores // at_once) if at_once > 1 else 0
