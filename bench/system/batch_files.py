@@ -6,8 +6,12 @@ Per model: nats-server, gateway, scheduler and batcher as their own processes; t
 uploaded (the MLP 512→2048→2048→512: an NPY of N FP32 records, default 200,000; minilm-l6: a JSONL
 of N texts of mixed length, default 5,000), a batch created over it, and followed to its end.
 Measured: records/s of the run (IN_PROGRESS to its end, and from CreateBatch), against direct
-torch over the same records at the model's max_batch_size with the same torch threads, run just
-before the services start and just after they stop (the ratio is to the mean of the two); JetStream bytes stored per record (every stream's bytes, before and after);
+torch over the same records at the model's max_batch_size with torch's default threads, run just
+before the services start and just after they stop (the ratio is to the mean of the two), and for
+the MLP against a second reference run after them: the same batches on two threads calling the
+model at once, torch at one thread each (on 2 cores the faster way to call torch directly, and the
+way the batcher computes the MLP here: BATCH_INFLIGHT); JetStream bytes stored per record (every
+stream's bytes, before and after);
 each service's RSS sampled during the run (start, peak, end); and interactive jobs (one record,
 NORMAL priority, SubmitJob + WatchJob) sent one at a time during the batch: their latency against
 one chunk's compute at the direct rate.
@@ -25,6 +29,7 @@ import json
 import os
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +48,13 @@ from asyncinfer.v1 import (
 from bench.batcher_bench import MODELS, make_texts
 from bench.batcher_models import minilm_config, mlp_config
 from bench.system.backlog_tools import batcher_config, services_config, wait_batchers
-from bench.system.common import RESULTS, ProcessGroup, cpu_seconds, log, machine_facts
+from bench.system.common import RESULTS, ProcessGroup, cpu_seconds, log, machine_facts, page_faults
 
 CHUNK_RECORDS = 2048
+# Batches a model computes at once here: the MLP as docs/BATCHES.md advises for file batches on
+# CPU (two batches at once, torch's threads split between them by the batcher: 1.4x one batch on
+# every core, bench/results/batch_files_ab.md); minilm one at a time, as it ships.
+BATCH_INFLIGHT = {"mlp": 2, "minilm": 1}
 IDLE_WINDOW_S = 5.0
 TERMINAL = {
     batch_service_pb2.BATCH_STATE_COMPLETED,
@@ -67,6 +76,52 @@ def minilm_file(count: int) -> tuple[bytes, list[str]]:
     texts = make_texts(count, seed=11)
     lines = (json.dumps({"custom_id": f"t{i}", "inputs": {"text": [t]}}) for i, t in enumerate(texts))
     return ("\n".join(lines) + "\n").encode(), texts
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceVariant:
+    """How the services run in one measurement (an A/B changes one of these): the batcher's torch
+    threads (0: torch's default) and batches computed at once, environment variables for the
+    service processes (BENCH_BATCHER_ENV adds the batcher's own), and the tree whose code they run
+    (None: this one; another revision's worktree for an A/B of code)."""
+
+    label: str = "shipped"
+    torch_threads: int = 0
+    inflight_batches: int | None = None  # None: BATCH_INFLIGHT's
+    service_env: tuple[tuple[str, str], ...] = ()
+    source: Path | None = None
+
+
+def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
+    """MLP records/s with `streams` threads each calling the model on its own share of the records,
+    torch at one intra-op thread each: the other way to spend the cores on independent batches."""
+    import threading
+
+    import torch
+
+    from bench.batcher_models import build_mlp
+
+    mlp = build_mlp()
+    x = torch.from_numpy(data)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    starts = list(range(0, len(x), batch_size))
+
+    def work(k: int) -> None:
+        with torch.inference_mode():
+            for start in starts[k::streams]:
+                mlp(x[start : start + batch_size])
+
+    workers = [threading.Thread(target=work, args=(k,)) for k in range(streams)]
+    try:
+        started = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return len(x) / (time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 def direct_rate(model: str, data: Any, batch_size: int) -> float:
@@ -173,12 +228,21 @@ def rss_by_quarter(samples: list[int]) -> list[int]:
     return [round(samples[min(len(samples) - 1, len(samples) * q // 4)] / 2**20) for q in (1, 2, 3, 4)]
 
 
-async def measure(model: str, records: int) -> dict[str, Any]:
+async def measure(model: str, records: int, variant: ServiceVariant = ServiceVariant()) -> dict[str, Any]:
     max_batch, delay_ms, _threads = MODELS[model]
     config_model = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
+    at_once = BATCH_INFLIGHT[model] if variant.inflight_batches is None else variant.inflight_batches
+    config_model = config_model.model_copy(update={"max_inflight_batches": at_once})
     data, raw = mlp_file(records) if model == "mlp" else minilm_file(records)
     chunk = CHUNK_RECORDS if model == "mlp" else 256
-    result: dict[str, Any] = {"model": model, "records": records, "file_bytes": len(data), "chunk_records": chunk}
+    result: dict[str, Any] = {
+        "model": model,
+        "variant": variant.label,
+        "records": records,
+        "file_bytes": len(data),
+        "chunk_records": chunk,
+        "max_inflight_batches": at_once,
+    }
     # Direct torch before and after the services run: on a shared machine the load moves, and the
     # mean of the two brackets the system's run.
     direct_before = await asyncio.to_thread(direct_rate, model, raw, max_batch)
@@ -190,10 +254,16 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             batches={"chunk_records": chunk},  # the rest as users get it: 8 chunks in flight, a 0.2 s tick
             gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
         )
-        children = {"gateway": group.service("gateway", config), "scheduler": group.service("scheduler", config)}
+        service_env = dict(variant.service_env)
+        children = {
+            "gateway": group.service("gateway", config, env=service_env, source=variant.source),
+            "scheduler": group.service("scheduler", config, env=service_env, source=variant.source),
+        }
         batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
+        batcher = batcher_config(config, children["scheduler"].address)
+        batcher = batcher.replace(batcher={"torch_threads": variant.torch_threads})
         children["batcher"] = group.service(
-            "batcher", batcher_config(config, children["scheduler"].address), env=batcher_env
+            "batcher", batcher, env={**service_env, **batcher_env}, source=variant.source
         )
         await wait_batchers(children["scheduler"].address, config_model.name, 1)
         before = await stored_bytes(nats.url)
@@ -213,6 +283,7 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             rss: dict[str, list[int]] = {}
             sampler = asyncio.create_task(sample_rss(children, stop, rss))
             cpu_before = {name: child.cpu_seconds() for name, child in children.items()}
+            faults_before = {name: page_faults(child.pid) for name, child in children.items()}
             nats_cpu_before = cpu_seconds(nats.process.pid) if nats.process is not None else 0.0
             created_at = time.perf_counter()
             created = await batches.CreateBatch(
@@ -228,6 +299,7 @@ async def measure(model: str, records: int) -> dict[str, Any]:
             result["create_to_end_s"] = time.perf_counter() - created_at
             result["chunk_timeline"] = await chunk_timeline(jobs, created.batch.batch_id)
             result["cpu_s"] = {n: round(c.cpu_seconds() - cpu_before[n], 2) for n, c in children.items()}
+            result["page_faults"] = {n: page_faults(c.pid) - faults_before[n] for n, c in children.items()}
             if nats.process is not None:
                 result["cpu_s"]["nats-server"] = round(cpu_seconds(nats.process.pid) - nats_cpu_before, 2)
             stop.set()
@@ -249,6 +321,10 @@ async def measure(model: str, records: int) -> dict[str, Any]:
         interactive_s=latencies,
     )
     direct_after = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    if model == "mlp":
+        # The same records on two streams of one thread each: on 2 cores the faster way to run
+        # independent batches directly, so a second reference beside torch's default.
+        result["direct_two_streams_records_per_s"] = await asyncio.to_thread(direct_streams_rate, raw, max_batch, 2)
     result["direct_before_after"] = [direct_before, direct_after]
     result["direct_records_per_s"] = (direct_before + direct_after) / 2
     result["ratio"] = result["records_per_s"] / result["direct_records_per_s"]
@@ -262,19 +338,23 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
         "",
         f"Machine: {facts}",
         "",
-        "| model | records | chunk | records/s (run) | from create | direct torch (before, after) | ratio to their mean (>= 0.8) | stored B/record "
+        "| model | records | chunk | batches at once | records/s (run) | from create | direct torch (before, after) | "
+        "ratio to their mean (>= 0.8) | direct torch, two streams of one thread | ratio to it | stored B/record "
         "(input B/record) | RSS MiB start/peak/end | RSS MiB at 1/4, 1/2, 3/4, end | interactive p50 / max s | "
         "one chunk's compute s | CPU s from create |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         waits = r["interactive_s"] or [float("nan")]
         rss = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r["rss_mib"].items())
+        two = r.get("direct_two_streams_records_per_s")
+        streams = f"{two:.0f} | {r['records_per_s'] / two:.2f}" if two else "- | -"
         quarters = ", ".join(f"{n} {'/'.join(map(str, v))}" for n, v in r.get("rss_mib_by_quarter", {}).items())
         lines.append(
-            f"| {r['model']} | {r['records']} | {r['chunk_records']} | {r['records_per_s']:.0f} | "
+            f"| {r['model']} | {r['records']} | {r['chunk_records']} | {r.get('max_inflight_batches', 1)} | "
+            f"{r['records_per_s']:.0f} | "
             f"{r['records_per_s_from_create']:.0f} | {r['direct_before_after'][0]:.0f}, {r['direct_before_after'][1]:.0f} | "
-            f"{r['ratio']:.2f} | "
+            f"{r['ratio']:.2f} | {streams} | "
             f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | {quarters} | "
             f"{statistics.median(waits):.2f} / {max(waits):.2f} | {r['chunk_compute_s']:.2f} | "
             f"{', '.join(f'{n} {v}' for n, v in r['cpu_s'].items())} |"

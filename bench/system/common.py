@@ -114,6 +114,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def page_faults(pid: int) -> int:
+    """Minor page faults a process has taken so far (0 when it is gone): each first touch of a
+    fresh page, ~5 us of system time on this machine kind."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0
+    return int(fields[7])
+
+
 def children_of(pid: int) -> list[int]:
     found: list[int] = []
     with contextlib.suppress(FileNotFoundError):
@@ -338,7 +348,8 @@ def render_changed_keys(config: Config) -> str:
         changed = getattr(config, name).model_dump(exclude_defaults=True, mode="json")
         if changed:
             lines.append(f"[{name}]")
-            lines.extend(f"{key} = {_toml_inline(value)}" for key, value in changed.items())
+            # TOML has no null: a key set to None is left out (the other revision's default).
+            lines.extend(f"{key} = {_toml_inline(value)}" for key, value in changed.items() if value is not None)
     for model in config.models:
         lines.append("[[models]]")
         for key, value in model.model_dump(exclude_defaults=True, mode="json").items():

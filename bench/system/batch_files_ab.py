@@ -1,0 +1,101 @@
+"""A/B of how the services run an MLP file batch (issue 15's MLP target), variants alternated round
+by round in one run, each round a fresh stack (bench.system.batch_files.measure).
+
+    .venv/bin/python -m bench.system.batch_files_ab [--records N] [--rounds N] [--variants a,b,...]
+
+Variants (bench.system.batch_files.ServiceVariant):
+- base: the services of another revision (--base-tree, a worktree: `git worktree add /tmp/wt-base
+  REV`), as they start there;
+- this: the services of this tree, as they start, one batch at a time;
+- two-streams: this tree's batcher computing two batches at once (max_inflight_batches 2), torch's
+  threads split between them by the batcher (services/batcher/backends/loading.py).
+
+Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
+the ratio to direct torch (both references), each process's CPU seconds and page faults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.system.batch_files import ServiceVariant, measure
+from bench.system.common import RESULTS, log, machine_facts
+
+
+def variants(base_tree: Path | None) -> dict[str, ServiceVariant]:
+    return {
+        "base": ServiceVariant(label="base", inflight_batches=1, source=base_tree),
+        "this": ServiceVariant(label="this", inflight_batches=1),
+        # torch's threads left to the batcher: two batches at once get one thread each on 2 cores.
+        "two-streams": ServiceVariant(label="two-streams", inflight_batches=2),
+    }
+
+
+def base_revision(tree: Path | None) -> str:
+    if tree is None:
+        return "this tree"
+    done = subprocess.run(["git", "-C", str(tree), "log", "-1", "--format=%h"], capture_output=True, text=True)
+    return done.stdout.strip() or str(tree)
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
+
+
+def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], records: int, base: str) -> str:
+    lines = [
+        "# A/B: how the services run an MLP file batch (bench/system/batch_files_ab.py)",
+        "",
+        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each; base: {base}.",
+        f"Machine: {facts}",
+        "",
+        "| variant | rounds | records/s | / direct torch (default threads) | / direct torch (two streams of one thread) "
+        "| CPU s gateway / scheduler / batcher / nats-server | page faults gateway / scheduler / batcher |",
+        "|---|---:|---|---|---|---|---|",
+    ]
+    for label, results in rows.items():
+        cpu = {n: statistics.median(r["cpu_s"][n] for r in results) for n in results[0]["cpu_s"]}
+        faults = {n: statistics.median(r["page_faults"][n] for r in results) for n in results[0]["page_faults"]}
+        lines.append(
+            f"| {label} | {len(results)} | {spread([r['records_per_s'] for r in results])} "
+            f"| {spread([r['ratio'] for r in results])} "
+            f"| {spread([r['records_per_s'] / r['direct_two_streams_records_per_s'] for r in results])} "
+            f"| {' / '.join(f'{cpu[n]:.2f}' for n in ('gateway', 'scheduler', 'batcher', 'nats-server'))} "
+            f"| {' / '.join(f'{faults[n]:,.0f}' for n in ('gateway', 'scheduler', 'batcher'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants.split(",")}
+    for round_number in range(args.rounds):
+        for name in rows:
+            log(f"round {round_number + 1}/{args.rounds}: {name}")
+            result = await measure("mlp", args.records, variants(args.base_tree)[name])
+            rows[name].append(result)
+            log(json.dumps({k: result[k] for k in ("records_per_s", "ratio", "cpu_s", "page_faults")}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--variants", default="base,this,two-streams")
+    parser.add_argument("--base-tree", type=Path, help="the worktree the base variant runs")
+    args = parser.parse_args()
+    rows = asyncio.run(run(args))
+    facts = machine_facts()
+    (RESULTS / "batch_files_ab.json").write_text(json.dumps({"machine": facts, "rows": rows}, indent=2) + "\n")
+    Path(RESULTS / "batch_files_ab.md").write_text(markdown(rows, facts, args.records, base_revision(args.base_tree)))
+    print(markdown(rows, facts, args.records, base_revision(args.base_tree)))
+
+
+if __name__ == "__main__":
+    main()
