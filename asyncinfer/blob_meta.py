@@ -29,6 +29,9 @@ from asyncinfer.nats import NUID, OBJ_CHUNKS_PRE_TEMPLATE, OBJ_DEFAULT_CHUNK_SIZ
 log = structlog.get_logger("asyncinfer.blobs")
 
 CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
+# A result's chunks, written whole by the scheduler: fewer, larger messages (a 4 MiB batch-chunk
+# result is 8 publishes, not 32); under NATS's default max_payload of 1 MiB.
+RESULT_CHUNK_BYTES = 512 * 1024
 INPUT_KIND = "in"
 RESULT_KIND = "out"
 _REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")

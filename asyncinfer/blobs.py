@@ -126,6 +126,7 @@ class BlobStore:
         expected_sha256: str = "",
         expected_size: int | None = None,
         before_commit: Callable[[], Awaitable[None]] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> BlobRef:
         """Streams `chunks` into the object `ref` of `tenant`, replacing any object of that name.
 
@@ -133,7 +134,8 @@ class BlobStore:
         StoreFullError when JetStream has no room, and Unavailable when NATS fails otherwise; in every failure, and on cancellation, the chunks
         written so far are purged and no meta is written. `before_commit` runs once every chunk
         is stored and before the meta makes the object visible; what it raises refuses the
-        object the same way."""
+        object the same way. `chunk_bytes`: the size of its stored chunks (its meta says so to
+        readers)."""
         name = object_name(tenant, ref)
         nuid = chunks_name(tenant, ref)
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
@@ -160,10 +162,13 @@ class BlobStore:
                 if total > max_bytes:
                     raise upload_too_large(max_bytes, total, declared=False)
                 digest.update(piece)
+                if not buffer and len(piece) == chunk_bytes:
+                    await send(bytes(piece))  # a whole chunk as given: one copy, not three
+                    continue
                 buffer += piece
-                while len(buffer) >= CHUNK_BYTES:
-                    await send(bytes(buffer[:CHUNK_BYTES]))
-                    del buffer[:CHUNK_BYTES]
+                while len(buffer) >= chunk_bytes:
+                    await send(bytes(buffer[:chunk_bytes]))
+                    del buffer[:chunk_bytes]
             if buffer:
                 await send(bytes(buffer))
             sequences.extend(ack.seq for ack in await asyncio.shield(asyncio.gather(*pending)))
@@ -191,7 +196,7 @@ class BlobStore:
                     SHA256_HEADER: [sha256],
                     CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)],
                 },
-                options=api.ObjectMetaOptions(max_chunk_size=CHUNK_BYTES),
+                options=api.ObjectMetaOptions(max_chunk_size=chunk_bytes),
             )
             await self._js.publish(
                 meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
@@ -209,14 +214,18 @@ class BlobStore:
             await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=previous.nuid))
         return BlobRef(ref=ref, size_bytes=total, sha256=sha256)
 
-    async def put_bytes(self, tenant: str, ref: str, data: bytes, *, expires_at: float) -> BlobRef:
+    async def put_bytes(
+        self, tenant: str, ref: str, data: bytes, *, expires_at: float, chunk_bytes: int = CHUNK_BYTES
+    ) -> BlobRef:
         view = memoryview(data)
 
         async def pieces() -> AsyncIterator[memoryview]:
-            for start in range(0, len(view), CHUNK_BYTES):
-                yield view[start : start + CHUNK_BYTES]
+            for start in range(0, len(view), chunk_bytes):
+                yield view[start : start + chunk_bytes]
 
-        return await self.put(tenant, ref, pieces(), expires_at=expires_at, max_bytes=len(data))
+        return await self.put(
+            tenant, ref, pieces(), expires_at=expires_at, max_bytes=len(data), chunk_bytes=chunk_bytes
+        )
 
     # --- reading ----------------------------------------------------------------------------
 

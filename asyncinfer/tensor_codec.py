@@ -152,18 +152,26 @@ def fill_contents(contents: Any, tensor: Tensor) -> None:
 
 
 def to_output_proto(tensor: Tensor, *, raw: bool = False) -> tensor_pb2.InferOutputTensor:
-    message = tensor_pb2.InferOutputTensor(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
-    if raw or tensor.datatype not in CONTENTS_FIELD:
-        message.raw_contents = tensor.data
-    else:
-        fill_contents(message.contents, tensor)
+    message = tensor_pb2.InferOutputTensor()
+    fill_tensor_proto(message, tensor, raw=raw)
     return message
 
 
 def to_input_proto(tensor: Tensor, *, raw: bool = True) -> tensor_pb2.InferInputTensor:
-    message = tensor_pb2.InferInputTensor(name=tensor.name, datatype=tensor.datatype, shape=tensor.shape)
+    message = tensor_pb2.InferInputTensor()
+    fill_tensor_proto(message, tensor, raw=raw)
+    return message
+
+
+def fill_tensor_proto(
+    message: tensor_pb2.InferInputTensor | tensor_pb2.InferOutputTensor, tensor: Tensor, *, raw: bool
+) -> None:
+    """Fills an empty message in place: one added to a repeated field with `add()` is not copied
+    again, as `extend` would copy it (a batch chunk's tensors are megabytes)."""
+    message.name = tensor.name
+    message.datatype = tensor.datatype
+    message.shape.extend(tensor.shape)
     if raw or tensor.datatype not in CONTENTS_FIELD:
         message.raw_contents = tensor.data
     else:
         fill_contents(message.contents, tensor)
-    return message

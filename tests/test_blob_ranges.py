@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from asyncinfer.blob_meta import CHUNK_BYTES, new_input_ref, sequence_runs
+from asyncinfer.blob_meta import CHUNK_BYTES, RESULT_CHUNK_BYTES, new_input_ref, sequence_runs
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CHUNK_SEQUENCES_HEADER
@@ -98,3 +98,19 @@ def test_a_range_descriptor_round_trips_narrows_and_converts() -> None:
         half.tensors(rows.tobytes()[:-1])
     with pytest.raises(ValueError, match="not within"):
         whole.narrowed(3, 11)
+
+
+async def test_an_object_of_larger_chunks_reads_back_whole_and_by_range(nc: NatsClient, config: Config) -> None:
+    # Results are stored in RESULT_CHUNK_BYTES chunks; readers take the size from the meta.
+    store = await store_of(nc, config)
+    data = np.random.default_rng(3).integers(0, 256, 3 * RESULT_CHUNK_BYTES + 77, dtype=np.uint8).tobytes()
+    ref = new_input_ref()
+    stored = await store.put_bytes("t", ref, data, expires_at=time.time() + 3600, chunk_bytes=RESULT_CHUNK_BYTES)
+    assert stored.size_bytes == len(data)
+    info = await store.info("t", ref)
+    assert info.meta["options"]["max_chunk_size"] == RESULT_CHUNK_BYTES
+    assert info.meta["chunks"] == 4  # three whole chunks and the rest, not 13 of CHUNK_BYTES
+    _, whole = await store.read("t", ref, max_bytes=len(data))
+    assert bytes(whole) == data
+    offset = RESULT_CHUNK_BYTES - 5
+    assert await store.read_range("t", ref, offset, RESULT_CHUNK_BYTES) == data[offset : offset + RESULT_CHUNK_BYTES]

@@ -8,7 +8,9 @@ Variants (bench.system.batch_files.ServiceVariant):
   REV`), as they start there;
 - this: the services of this tree, as they start, one batch at a time;
 - two-streams: this tree's batcher computing two batches at once (max_inflight_batches 2), torch's
-  threads split between them by the batcher (services/batcher/backends/loading.py).
+  threads split between them by the batcher (services/batcher/backends/loading.py);
+- base-two-streams: the base revision's services computing two batches at once (its batcher must
+  split torch's threads too: b00ce92 or later).
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -34,6 +36,7 @@ def variants(base_tree: Path | None) -> dict[str, ServiceVariant]:
         "this": ServiceVariant(label="this", inflight_batches=1),
         # torch's threads left to the batcher: two batches at once get one thread each on 2 cores.
         "two-streams": ServiceVariant(label="two-streams", inflight_batches=2),
+        "base-two-streams": ServiceVariant(label="base-two-streams", inflight_batches=2, source=base_tree),
     }
 
 
@@ -89,11 +92,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default="base,this,two-streams")
     parser.add_argument("--base-tree", type=Path, help="the worktree the base variant runs")
+    parser.add_argument("--name", default="batch_files_ab", help="the results' file name, without suffix")
     args = parser.parse_args()
     rows = asyncio.run(run(args))
     facts = machine_facts()
-    (RESULTS / "batch_files_ab.json").write_text(json.dumps({"machine": facts, "rows": rows}, indent=2) + "\n")
-    Path(RESULTS / "batch_files_ab.md").write_text(markdown(rows, facts, args.records, base_revision(args.base_tree)))
+    (RESULTS / f"{args.name}.json").write_text(json.dumps({"machine": facts, "rows": rows}, indent=2) + "\n")
+    Path(RESULTS / f"{args.name}.md").write_text(markdown(rows, facts, args.records, base_revision(args.base_tree)))
     print(markdown(rows, facts, args.records, base_revision(args.base_tree)))
 
 

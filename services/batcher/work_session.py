@@ -22,7 +22,7 @@ import structlog
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
-from asyncinfer.tensor_codec import to_output_proto
+from asyncinfer.tensor_codec import fill_tensor_proto, to_output_proto
 from asyncinfer.tracing import trace_fields
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.chunk_items import ChunkItem
@@ -301,7 +301,8 @@ class WorkSession:
         if error is not None:
             result.error.CopyFrom(error_status(error))
         if outcome is not None:
-            result.outputs.extend(to_output_proto(t, raw=True) for t in outcome.outputs)
+            for tensor in outcome.outputs:
+                fill_tensor_proto(result.outputs.add(), tensor, raw=True)
             result.batch_size = outcome.batch_items
             result.compute_duration.FromNanoseconds(round(outcome.compute_s * 1e9))
             self._filling_bytes += sum(t.nbytes for t in outcome.outputs)

@@ -13,7 +13,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from asyncinfer import ranged_inputs
-from asyncinfer.blob_meta import BlobCorrupt, result_ref
+from asyncinfer.blob_meta import RESULT_CHUNK_BYTES, BlobCorrupt, result_ref
 from asyncinfer.blob_sweep import sweep
 from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config
@@ -103,7 +103,11 @@ class ClaimCheckIO:
         (the result is then not stored and the attempt's message comes back)."""
         data = await asyncio.to_thread(_encode_outputs, outputs)
         return await self._store.put_bytes(
-            record.tenant, result_ref(record.job_id), data, expires_at=now + record.result_retention_s
+            record.tenant,
+            result_ref(record.job_id),
+            data,
+            expires_at=now + record.result_retention_s,
+            chunk_bytes=RESULT_CHUNK_BYTES,
         )
 
 

@@ -17,7 +17,7 @@ import structlog
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import JobError, Priority, ProgressReport
-from asyncinfer.tensor_codec import decode_tensors, to_input_proto
+from asyncinfer.tensor_codec import decode_tensors, fill_tensor_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2, worker_service_pb2_grpc
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
@@ -155,7 +155,8 @@ def fill_order(message: worker_service_pb2.WorkOrder, order: WorkOrder) -> None:
     message.model_name = order.model_name
     message.model_version = order.model_version
     message.priority = PRIORITY_TO_PROTO[order.priority]
-    message.inputs.extend(to_input_proto(t) for t in order.inputs)
+    for tensor in order.inputs:
+        fill_tensor_proto(message.inputs.add(), tensor, raw=True)
     message.tenant = order.tenant
     if order.input_ref is not None:
         message.input_ref = order.input_ref.ref
