@@ -11,6 +11,9 @@ VMs (1,024 faults, ~6 ms, per fresh 4 MiB). Measured on an MLP file batch of 100
 rounds alternated with the code before (bench/results/batch_files_ab.md, medians): the scheduler
 took 265,519 faults and 4.13 CPU-s, with these settings 31,267 and 3.27; the batcher 156,394 and
 40,709. The gateway took ~73,000 faults during the 200 MB upload without them, ~8,000 with them.
+Where messages are small (the no-op job bursts and round trips of bench/system/ab.py, 6 alternated
+rounds, bench/results/ab_malloc_only_2.md) nothing measurable changed: with/without 0.96-1.00 in
+jobs/s and round trip, 0.98-1.03 in CPU per job.
 
 The cost: up to TRIM_THRESHOLD_BYTES of freed memory may stay in each malloc arena instead of going
 back to the kernel, so a service's RSS keeps its peak after a burst of large messages (it does not
