@@ -25,6 +25,8 @@ import structlog
 log = structlog.get_logger("asyncinfer.supervision")
 
 STOP_TIMEOUT_S = 5.0
+# How long a stop waits on a cancelled loop before cancelling it again.
+RECANCEL_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +94,16 @@ class Supervisor:
         """Cancels the loops still running, last started first, and waits for them, within
         stop_timeout_s in all (a loop that ignores cancellation is logged and left). Idempotent."""
         self.begin_stop()
-        deadline = asyncio.get_running_loop().time() + self._stop_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._stop_timeout_s
         for task, name in reversed(list(self._running.items())):
-            task.cancel()
-            left_s = max(deadline - asyncio.get_running_loop().time(), 0.0)
-            _done, pending = await asyncio.wait({task}, timeout=left_s)
-            if pending:
+            # A cancellation can be lost: Python 3.11's asyncio.wait_for swallows it when the
+            # future it waits on completes at the same moment (gh-86296; nats-py's requests wait
+            # so), and the loop then goes on. So it is cancelled again until it ends or time is up.
+            while not task.done() and loop.time() < deadline:
+                task.cancel()
+                await asyncio.wait({task}, timeout=min(deadline - loop.time(), RECANCEL_S))
+            if not task.done():
                 log.warning("loop_did_not_stop", owner=self.owner, loop=name, timeout_s=self._stop_timeout_s)
 
     async def _guard(self, name: str, loop: Coroutine[Any, Any, None]) -> None:

@@ -112,6 +112,32 @@ async def test_stop_is_bounded_when_a_loop_ignores_cancellation() -> None:
     await task
 
 
+async def test_stop_cancels_again_a_loop_that_lost_its_first_cancellation() -> None:
+    # As a loop inside Python 3.11's asyncio.wait_for does when the awaited future completes at
+    # the moment of the cancel (gh-86296): the lease reclaimer's NATS request once did, and the
+    # scheduler's stop waited out the whole timeout with the loop still running.
+    supervisor = Supervisor("test", stop_timeout_s=3.0)
+    running = asyncio.Event()
+    cancels: list[int] = []
+
+    async def loses_one() -> None:
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancels.append(1)  # the first one is lost: the loop goes on
+        await asyncio.Event().wait()
+
+    task = supervisor.start("loses-one", loses_one())
+    await asyncio.wait_for(running.wait(), WAIT_S)
+    with capture_logs() as logs:
+        await asyncio.wait_for(supervisor.stop(), WAIT_S)
+    assert task.done()
+    assert cancels == [1]
+    assert supervisor.loop_names == []
+    assert not [entry for entry in logs if entry["event"] == "loop_did_not_stop"]
+
+
 async def test_a_loop_that_raises_during_shutdown_is_not_a_failure() -> None:
     supervisor = Supervisor("test")
     go = asyncio.Event()
