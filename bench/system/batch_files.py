@@ -80,15 +80,12 @@ def minilm_file(count: int) -> tuple[bytes, list[str]]:
 
 @dataclass(frozen=True, kw_only=True)
 class ServiceVariant:
-    """How the services run in one measurement (an A/B changes one of these): the batcher's torch
-    threads (0: torch's default) and batches computed at once, environment variables for the
-    service processes (BENCH_BATCHER_ENV adds the batcher's own), and the tree whose code they run
-    (None: this one; another revision's worktree for an A/B of code)."""
+    """How the services run in one measurement (an A/B changes one of these): the batches the
+    model computes at once (torch's threads then split by the batcher), and the tree whose code
+    they run (None: this one; another revision's worktree for an A/B of code)."""
 
     label: str = "shipped"
-    torch_threads: int = 0
     inflight_batches: int | None = None  # None: BATCH_INFLIGHT's
-    service_env: tuple[tuple[str, str], ...] = ()
     source: Path | None = None
 
 
@@ -254,17 +251,13 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             batches={"chunk_records": chunk},  # the rest as users get it: 8 chunks in flight, a 0.2 s tick
             gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
         )
-        service_env = dict(variant.service_env)
         children = {
-            "gateway": group.service("gateway", config, env=service_env, source=variant.source),
-            "scheduler": group.service("scheduler", config, env=service_env, source=variant.source),
+            "gateway": group.service("gateway", config, source=variant.source),
+            "scheduler": group.service("scheduler", config, source=variant.source),
         }
         batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
         batcher = batcher_config(config, children["scheduler"].address)
-        batcher = batcher.replace(batcher={"torch_threads": variant.torch_threads})
-        children["batcher"] = group.service(
-            "batcher", batcher, env={**service_env, **batcher_env}, source=variant.source
-        )
+        children["batcher"] = group.service("batcher", batcher, env=batcher_env, source=variant.source)
         await wait_batchers(children["scheduler"].address, config_model.name, 1)
         before = await stored_bytes(nats.url)
         async with grpc.aio.insecure_channel(children["gateway"].address) as channel:

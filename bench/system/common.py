@@ -105,23 +105,25 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command's name (field 3 on), or None when the process is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (0 when it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    fields = _stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def page_faults(pid: int) -> int:
     """Minor page faults a process has taken so far (0 when it is gone): each first touch of a
     fresh page, ~5 us of system time on this machine kind."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0
-    return int(fields[7])
+    fields = _stat_fields(pid)
+    return 0 if fields is None else int(fields[7])
 
 
 def children_of(pid: int) -> list[int]:

@@ -65,8 +65,9 @@ def torch_threads_for(batcher: BatcherConfig, models: Iterable[ModelConfig], cor
     (max_inflight_batches N > 1), each batch gets its share of the cores, cores // N (at least 1):
     N batches at torch's default would run N threads per core, and torch's threads spin at every
     op's barrier while the others hold the cores. Measured on 2 cores (bench/results/
-    batch_files_ab.md): an MLP file batch with two batches at once on one thread each ran at 6,400
-    records/s against 4,400 for one batch at a time on two threads, with a third less batcher CPU.
+    batch_files_ab.md, 3 alternated rounds): an MLP file batch with two batches at once on one thread
+    each ran at 7,304 records/s against 5,007 for one batch at a time on two threads, the batcher's
+    CPU 20.9 against 31.7 s.
     The number is the process's (torch has one pool): the largest N of the models declared at start."""
     if batcher.torch_threads:
         return batcher.torch_threads
