@@ -29,7 +29,7 @@ from asyncinfer.nats import Msg, Subscription
 from asyncinfer.progress_notice import decode_progress_notice
 from asyncinfer.tensor_codec import to_output_proto
 from asyncinfer.v1 import job_service_pb2
-from services.gateway.watch_hub import Aside, WatcherQueue, WatchHub
+from services.gateway.watch_hub import Aside, RecordUpdate, WatcherQueue, WatchHub
 from services.gateway.watch_one import watch_job
 
 log = structlog.get_logger("asyncinfer.gateway.progress")
@@ -131,7 +131,15 @@ class ProgressFeed:
             return
         aside = Aside(revision=-1, record=None, item=report)
         for queue in queues:
-            queue.put_nowait(aside)
+            queue.put_nowait(aside, keeps=_keeps_newer_progress)
+
+
+def _keeps_newer_progress(waiting: RecordUpdate, notice: RecordUpdate) -> bool:
+    """Whether a waiting progress notice stays in place of one that came after it: it does when it
+    is of a later attempt or step (a notice of a superseded attempt, relayed late or forged, must
+    not displace the fresh one that a slow watcher has not read yet)."""
+    held, came = getattr(waiting, "item", None), getattr(notice, "item", None)
+    return isinstance(held, ProgressReport) and isinstance(came, ProgressReport) and held.is_newer_than(came)
 
 
 async def watch_with_progress(

@@ -11,6 +11,7 @@ waiting. The interface is asyncio.Queue's, as much of it as the hub and its watc
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
 
@@ -28,11 +29,17 @@ class LatestQueue(Generic[T]):
         self._closed = False
         self._readable = asyncio.Event()
 
-    def put_nowait(self, item: T | None) -> None:
+    def put_nowait(self, item: T | None, *, keeps: Callable[[T, T], bool] | None = None) -> None:
+        """Queue the item in place of the one waiting in its slot, unless `keeps(waiting, item)`
+        says the waiting one is to stay (it is newer: updates that come by different paths, such
+        as progress notices, can arrive out of their order)."""
         if item is None:
             self._closed = True
         else:
             slot = (type(item), item.key)
+            waiting = self._waiting.get(slot)
+            if waiting is not None and keeps is not None and keeps(waiting, item):
+                return
             self._waiting.pop(slot, None)  # the newest goes to the back
             self._waiting[slot] = item
         self._readable.set()

@@ -12,9 +12,14 @@ import time
 import numpy as np
 import pytest
 
-from asyncinfer.jobs import JobRecord, JobState, Priority, ProgressReport
+from asyncinfer.contract import progress_subject
+from asyncinfer.jobs import JobRecord, JobState, Priority, ProgressReport, job_key
+from asyncinfer.nats import Msg
+from asyncinfer.progress_notice import encode_progress_notice
 from services.batcher.progress import ItemProgress, ProgressReporter, ProgressUpdate
-from services.gateway.progress_watch import ProgressFilter, record_progress
+from services.gateway.progress_watch import ProgressFeed, ProgressFilter, record_progress
+from services.gateway.watch_hub import Aside, WatcherQueue
+from services.gateway.watcher_queue import LatestQueue
 from services.scheduler.progress_relay import keep_progress, with_progress
 
 pytestmark = pytest.mark.unit
@@ -121,3 +126,26 @@ def test_the_record_keeps_the_latest_of_its_own_attempt() -> None:
     assert with_progress(finish, report(2, 7))(running).progress == report(2, 7)  # type: ignore[union-attr]
     assert with_progress(finish, report(1, 7))(running).progress is None  # type: ignore[union-attr]
     assert record_progress(record(JobState.QUEUED, 3, report(2, 7))) is None  # shown for its attempt only
+
+
+async def test_a_late_notice_of_an_older_attempt_does_not_displace_a_waiting_newer_one() -> None:
+    """Notices come by different paths (the scheduler's relay, or forged on the subject), so an old
+    attempt's can arrive after the new one's while the watcher has not read it: the new one stays
+    (CI on 1856037 lost attempt 2's "fresh" this way, and the watcher waited for it in vain)."""
+    feed = ProgressFeed(nc=None)  # type: ignore[arg-type]  # _on_notice alone: no subscription
+    queue: WatcherQueue = LatestQueue()
+    feed.register(job_key("t", "j"), queue)
+
+    def notice(progress: ProgressReport) -> Msg:
+        return Msg(None, subject=progress_subject("t", "j"), data=encode_progress_notice("j", progress))  # type: ignore[arg-type]
+
+    await feed._on_notice(notice(report(2, 1)))
+    await feed._on_notice(notice(report(1, 99)))  # older attempt, later
+    waiting = queue.get_nowait()
+    assert isinstance(waiting, Aside)
+    assert waiting.item == report(2, 1)
+    assert queue.empty()
+    await feed._on_notice(notice(report(2, 2)))  # a later step takes the place
+    await feed._on_notice(notice(report(3, 1)))
+    assert [u.item for u in (queue.get_nowait(),) if isinstance(u, Aside)] == [report(3, 1)]
+    assert queue.empty()
