@@ -59,8 +59,9 @@ def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], recor
         f"Machine: {facts}",
         "",
         "| variant | rounds | records/s | / direct torch (default threads) | / direct torch (two streams of one thread) "
-        "| CPU s gateway / scheduler / batcher / nats-server | page faults gateway / scheduler / batcher |",
-        "|---|---:|---|---|---|---|---|",
+        "| CPU s gateway / scheduler / batcher / nats-server | page faults gateway / scheduler / batcher "
+        "| interactive jobs: count, p50 s, max s (one chunk's compute s) |",
+        "|---|---:|---|---|---|---|---|---|",
     ]
     for label, results in rows.items():
         cpu = {n: statistics.median(r["cpu_s"][n] for r in results) for n in results[0]["cpu_s"]}
@@ -70,9 +71,20 @@ def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], recor
             f"| {spread([r['ratio'] for r in results])} "
             f"| {spread([r['records_per_s'] / r['direct_two_streams_records_per_s'] for r in results])} "
             f"| {' / '.join(f'{cpu[n]:.2f}' for n in ('gateway', 'scheduler', 'batcher', 'nats-server'))} "
-            f"| {' / '.join(f'{faults[n]:,.0f}' for n in ('gateway', 'scheduler', 'batcher'))} |"
+            f"| {' / '.join(f'{faults[n]:,.0f}' for n in ('gateway', 'scheduler', 'batcher'))} "
+            f"| {interactive_summary(results)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def interactive_summary(results: list[dict[str, Any]]) -> str:
+    """The interactive jobs sent during the rounds' batches (one at a time, 0.5 s apart): how many,
+    their median and worst wait, beside the median of one chunk's compute (the target's bound)."""
+    waits = [s for r in results for s in r["interactive_s"]]
+    if not waits:
+        return "none"
+    chunk_s = statistics.median(r["chunk_compute_s"] for r in results)
+    return f"{len(waits)}, {statistics.median(waits):.2f}, {max(waits):.2f} ({chunk_s:.2f})"
 
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
