@@ -380,6 +380,22 @@ async def test_stop_answers_orders_in_flight_and_leaves_queued_ones_unanswered(
     assert len(fake.connections) == 1  # no reconnect after stop
 
 
+async def test_stop_keeps_to_the_configured_grace_when_the_caller_allows_more(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    """`batcher.shutdown_grace_s` bounds a stop: the process runner gives every service the same
+    grace (10 s), and a batch still computing when the batcher's own runs out is abandoned."""
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    app.config = app.config.replace(batcher={"shutdown_grace_s": 0.05})
+    await hold_patient_busy(connection, app)
+    try:
+        await asyncio.wait_for(app.stop(grace_s=3_600.0), timeout=WAIT_S)
+    finally:
+        GATE.set()
+    assert ("blocker", 1) not in connection.results  # abandoned: the scheduler re-queues it
+
+
 async def test_a_scheduler_restart_leaves_no_pending_task_behind(
     scheduler: tuple[FakeScheduler, int], app: BatcherApp
 ) -> None:

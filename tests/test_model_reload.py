@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -41,17 +41,19 @@ def spawn_batcher(file: Path, log_path: Path) -> subprocess.Popen[str]:
 
 
 @pytest.fixture
-def batcher_process() -> Iterator[list[subprocess.Popen[str]]]:
+async def batcher_process() -> AsyncIterator[list[subprocess.Popen[str]]]:
+    """Stops the batchers started, waiting on a thread: the stack's scheduler runs on this event
+    loop, and must answer a batcher's half-close for it to exit before its grace runs out."""
     started: list[subprocess.Popen[str]] = []
     yield started
     for process in started:
         if process.poll() is None:
             process.terminate()
             try:
-                process.wait(timeout=20)
+                await asyncio.to_thread(process.wait, timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
-                process.wait(timeout=10)
+                await asyncio.to_thread(process.wait, timeout=10)
         if process.stdout is not None:
             process.stdout.close()
 

@@ -201,10 +201,12 @@ class BatcherApp:
         """Stops offering credits, stops the server (running calls get the grace period),
         finishes in-flight batches within the grace period and fails the rest, sends the
         scheduler the answers it is owed and closes the work stream, then releases the models.
-        Idempotent."""
+        The grace is the caller's or `batcher.shutdown_grace_s`, whichever is shorter (the
+        process runner gives every service the same bound). Idempotent."""
         if self._stopped:
             return
         self._stopped = True
+        grace_s = min(grace_s, self.config.batcher.shutdown_grace_s)
         if self._sighup:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         for task in list(self._reloads):
