@@ -348,7 +348,11 @@ class BatcherConfig(_Section):
         description="Partial outputs of one progress report past this size are left out of it (its fraction and "
         "message still go): progress travels on core NATS, whose messages are at most 1 MiB by default.",
     )
-    shutdown_grace_s: float = Field(10.0, ge=0, description="How long in-flight batches may finish on shutdown.")
+    shutdown_grace_s: float = Field(
+        10.0,
+        ge=0,
+        description="How long in-flight batches may finish on shutdown (under `up`: at most 10 s, the stack's grace).",
+    )
 
 
 class BatchesConfig(_Section):

@@ -62,7 +62,9 @@ async def run_service(name: str, config: Config, config_path: Path | None = None
         tune_for_serving()
         print(f"asyncinfer {name} serving on {service_host(config, name)}:{apps[0].port}", flush=True)
 
-    return await run_until_stopped([_starter(make)], grace_s=SHUTDOWN_GRACE_S, on_started=started)
+    # A batcher alone is given its own grace (in-flight batches may outlast the other services' 10 s).
+    grace_s = config.batcher.shutdown_grace_s if name == "batcher" else SHUTDOWN_GRACE_S
+    return await run_until_stopped([_starter(make)], grace_s=grace_s, on_started=started)
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
