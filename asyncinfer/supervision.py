@@ -16,7 +16,7 @@ loop that returns on its own has simply finished.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,31 @@ log = structlog.get_logger("asyncinfer.supervision")
 STOP_TIMEOUT_S = 5.0
 # How long a stop waits on a cancelled loop before cancelling it again.
 RECANCEL_S = 0.1
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[Any]], *, timeout_s: float = STOP_TIMEOUT_S
+) -> set[asyncio.Task[Any]]:
+    """Cancels the tasks and waits for them to end, within timeout_s in all; those still running
+    then (a task that ignores cancellation) are returned, not awaited.
+
+    A cancellation can be lost: Python 3.11's asyncio.wait_for swallows it when the future it
+    waits on completes at the same moment (gh-86296; every nats-py request waits so), and a loop
+    then goes on as if nothing happened, so a plain `cancel(); await task` can wait for ever (CI
+    once hung 120 s stopping the blob sweeper, which makes several requests every 50 ms in tests).
+    So each task still running is cancelled again every RECANCEL_S. Exceptions are the caller's
+    to read from the tasks (`asyncio.gather(..., return_exceptions=True)` after this, say)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        left_s = deadline - loop.time()
+        if left_s <= 0:
+            break
+        _done, pending = await asyncio.wait(pending, timeout=min(left_s, RECANCEL_S))
+    return pending
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +122,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._stop_timeout_s
         for task, name in reversed(list(self._running.items())):
-            # A cancellation can be lost: Python 3.11's asyncio.wait_for swallows it when the
-            # future it waits on completes at the same moment (gh-86296; nats-py's requests wait
-            # so), and the loop then goes on. So it is cancelled again until it ends or time is up.
-            while not task.done() and loop.time() < deadline:
-                task.cancel()
-                await asyncio.wait({task}, timeout=min(deadline - loop.time(), RECANCEL_S))
-            if not task.done():
+            if await cancel_and_wait([task], timeout_s=max(0.0, deadline - loop.time())):
                 log.warning("loop_did_not_stop", owner=self.owner, loop=name, timeout_s=self._stop_timeout_s)
 
     async def _guard(self, name: str, loop: Coroutine[Any, Any, None]) -> None:

@@ -7,6 +7,8 @@ The `unit` marker (the fast tier, `pytest -m unit`) says so of a test, and is ch
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,7 +105,27 @@ async def start_stack(config: Config) -> AsyncIterator[StartStack]:
         yield start
     finally:
         for running in reversed(started):
-            await running.stop()
+            await stop_or_show_what_hangs(running)
+
+
+STACK_STOP_LIMIT_S = 60.0  # under pytest-timeout's 120 s, so a hung stop says where it hangs
+
+
+async def stop_or_show_what_hangs(running: Stack) -> None:
+    """Stops the stack; one that has not stopped within STACK_STOP_LIMIT_S fails the test with
+    every task's stack printed. (pytest-timeout's dump shows only threads, and an event loop that
+    waits on a hung coroutine shows as a thread in select.)"""
+    stopping = asyncio.create_task(running.stop())
+    await asyncio.wait({stopping}, timeout=STACK_STOP_LIMIT_S)
+    if stopping.done():
+        stopping.result()
+        return
+    for task in asyncio.all_tasks():
+        if task is not asyncio.current_task():
+            print(f"--- {task.get_name()}", file=sys.stderr)
+            task.print_stack(file=sys.stderr)
+    stopping.cancel()
+    pytest.fail(f"the stack did not stop within {STACK_STOP_LIMIT_S:g} s (every task's stack is on stderr)")
 
 
 @pytest.fixture

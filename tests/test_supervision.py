@@ -19,6 +19,7 @@ from asyncinfer.config import Config
 from asyncinfer.queues import paused_key
 from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, EXIT_UNAVAILABLE, StopSignal, run_until_stopped
 from asyncinfer.supervision import LoopDied, Supervisor
+from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
 
@@ -136,6 +137,35 @@ async def test_stop_cancels_again_a_loop_that_lost_its_first_cancellation() -> N
     assert cancels == [1]
     assert supervisor.loop_names == []
     assert not [entry for entry in logs if entry["event"] == "loop_did_not_stop"]
+
+
+async def test_the_blob_sweeper_stops_though_a_sweep_lost_its_cancellation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sweeper makes several NATS requests every interval (every 50 ms in tests); one whose
+    # answer came as it was cancelled lost the cancellation (gh-86296), the loop went on, and the
+    # scheduler's stop waited on it until CI's 120 s timeout. Its stop cancels until it ends.
+    sweeping = asyncio.Event()
+    cancels: list[int] = []
+
+    async def sweep_losing_a_cancel(store: Any, **options: Any) -> int:
+        sweeping.set()
+        if cancels:
+            await asyncio.Event().wait()  # the next cancellation is not lost
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancels.append(1)  # lost, as in wait_for when its future completes at that moment
+        return 0
+
+    monkeypatch.setattr(scheduler_blobs, "sweep", sweep_losing_a_cancel)
+    supervisor = Supervisor("test")
+    sweeper = scheduler_blobs.BlobSweeper(None, supervisor, interval_s=0.01)  # type: ignore[arg-type]
+    sweeper.start()
+    await asyncio.wait_for(sweeping.wait(), WAIT_S)
+    stopping = asyncio.create_task(sweeper.stop())
+    await asyncio.wait({stopping}, timeout=WAIT_S)
+    assert stopping.done(), "the stop waits on a sweep loop that goes on"
+    assert cancels == [1]
+    assert supervisor.loop_names == []
 
 
 async def test_a_loop_that_raises_during_shutdown_is_not_a_failure() -> None:

@@ -29,7 +29,7 @@ from asyncinfer.nats import KeyValue, Msg, Subscription
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
@@ -350,9 +350,7 @@ class SchedulerApp:
             await self._flow.return_all()
         if self._sweeper is not None:
             await self._sweeper.stop()
-        for loop in self._loops:
-            loop.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        await cancel_and_wait(self._loops)
         for session in self.batchers.sessions:
             self.batchers.unregister(session)
         if self._server is not None:

@@ -6,7 +6,6 @@ job's result retention after its end), and a sweeper deletes objects whose expir
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Sequence
 
 import structlog
@@ -19,7 +18,7 @@ from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import tensor_pb2
@@ -134,11 +133,8 @@ class BlobSweeper:
             self._task = self._supervisor.start("scheduler-blob-sweeper", self._run())
 
     async def stop(self) -> None:
-        if self._task is None:
-            return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        if self._task is not None:
+            await cancel_and_wait([self._task])
 
     async def _run(self) -> None:
         while True:

@@ -13,7 +13,7 @@ from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
 from asyncinfer.contract import paused_key
 from asyncinfer.nats import KeyValue
 from asyncinfer.queues import encode_pause
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, cancel_and_wait
 
 log = structlog.get_logger("asyncinfer.scheduler.pauses")
 
@@ -36,8 +36,7 @@ class PauseState:
             with contextlib.suppress(Exception):
                 await self._watcher.stop()  # type: ignore[no-untyped-call]
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
 
     def is_paused(self, model_name: str) -> bool:
         return model_name in self._paused

@@ -37,7 +37,7 @@ from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg
 from asyncinfer.nats.streams import publish_durably
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.webhook_status import (
     EVENT_OF_STATE,
     CallbackEvent,
@@ -104,9 +104,7 @@ class Notifier:
                 self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()

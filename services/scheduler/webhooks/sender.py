@@ -36,7 +36,7 @@ from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import JetStreamContext, Msg
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
 from services.scheduler.webhooks.post_attempt import DeliveryPoster
@@ -110,9 +110,7 @@ class Sender:
         (NAKed: they come back at once, to this or another scheduler)."""
         self._closing = True
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait([self._task])
         if self._deliveries:
             _done, pending = await asyncio.wait(set(self._deliveries), timeout=grace_s)
             for task in pending:
