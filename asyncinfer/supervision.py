@@ -39,10 +39,11 @@ async def cancel_and_wait(
     waits on completes at the same moment (gh-86296; every nats-py request waits so), and a loop
     then goes on as if nothing happened, so a plain `cancel(); await task` can wait for ever (CI
     once hung 120 s stopping the blob sweeper, which makes several requests every 50 ms in tests).
-    So each task still running is cancelled again every RECANCEL_S. Exceptions are the caller's
-    to read from the tasks (`asyncio.gather(..., return_exceptions=True)` after this, say)."""
+    So each task still running is cancelled again every RECANCEL_S. The exceptions of those that
+    ended are retrieved, not raised: a task being stopped has nothing left to say."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    tasks = list(tasks)
     pending = {task for task in tasks if not task.done()}
     while pending:
         for task in pending:
@@ -51,6 +52,9 @@ async def cancel_and_wait(
         if left_s <= 0:
             break
         _done, pending = await asyncio.wait(pending, timeout=min(left_s, RECANCEL_S))
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
     return pending
 
 

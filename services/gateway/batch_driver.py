@@ -32,6 +32,7 @@ from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.supervision import cancel_and_wait
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_metrics import BatchMetrics
@@ -90,9 +91,7 @@ class BatchDriver:
             await self._drive()
         finally:
             # Preparations are this loop's: stopped with it (a later driver prepares again).
-            for task in self._preparing.values():
-                task.cancel()
-            await asyncio.gather(*self._preparing.values(), return_exceptions=True)
+            await cancel_and_wait(self._preparing.values())
 
     async def _drive(self) -> None:
         next_adopt = 0.0

@@ -44,6 +44,7 @@ from asyncinfer.config import BatchesConfig, ModelConfig
 from asyncinfer.errors import NotFound
 from asyncinfer.jobs import BlobRef
 from asyncinfer.ranged_inputs import RangedInputs
+from asyncinfer.supervision import cancel_and_wait
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import ModelSignature, Tensor
 from asyncinfer.v1 import tensor_pb2
@@ -99,8 +100,7 @@ class StreamedObject:
         return await self._task
 
     async def abort(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait([self._task])  # its object-store writes can lose one cancellation
 
 
 @dataclass(slots=True)
