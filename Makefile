@@ -51,9 +51,11 @@ protos: $(STAMP)
 protos-check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
 
-# The configuration reference (docs/CONFIGURATION.md) is generated from the typed config.
+# The configuration reference (docs/CONFIGURATION.md) and the TOML files the Kubernetes manifests
+# mount (deploy/k8s, checked by tests/test_deploy_secrets.py) are generated from the typed config.
 docs: $(STAMP)
 	$(PY) scripts/gen_config_docs.py
+	$(PY) deploy/k8s/generate_config.py
 
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
