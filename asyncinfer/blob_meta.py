@@ -34,7 +34,8 @@ CHUNK_BYTES = OBJ_DEFAULT_CHUNK_SIZE
 RESULT_CHUNK_BYTES = 512 * 1024
 INPUT_KIND = "in"
 RESULT_KIND = "out"
-_REF_PATTERN = re.compile(r"^(in|out)/([0-9a-f-]{36})$")
+# in/<id>, out/<job_id>, and out/<job_id>.<attempt> (outputs a batcher stored: attempt_result_ref).
+_REF_PATTERN = re.compile(r"^(in/([0-9a-f-]{36})|out/([0-9a-f-]{36})(\.[1-9][0-9]{0,8})?)$")
 _SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 # Names of objects' chunk subjects, as nats-py's object store makes them (random prefix, then a count).
 CHUNK_NAMES = NUID()
@@ -53,6 +54,12 @@ def new_input_ref() -> str:
 
 def result_ref(job_id: str) -> str:
     return f"{RESULT_KIND}/{job_id}"
+
+
+def attempt_result_ref(job_id: str, attempt: int) -> str:
+    """The object a batcher stores an attempt's outputs in (batcher.claim_check_io): one per
+    attempt, so a late attempt that was fenced off cannot replace the one a record names."""
+    return f"{RESULT_KIND}/{job_id}.{attempt}"
 
 
 def sequence_runs(sequences: list[int]) -> str:
@@ -121,7 +128,7 @@ def object_name(tenant: str, ref: str) -> str:
     """The object's name for the caller's tenant; NotFound for anything that is not a reference
     this store hands out (so odd text never reaches NATS as a subject)."""
     match = _REF_PATTERN.match(ref)
-    if match is None or not is_job_id(match.group(2)):
+    if match is None or not is_job_id(match.group(2) or match.group(3)):
         raise blob_not_found(ref)
     return contract.object_name(tenant, ref)
 

@@ -330,6 +330,14 @@ class BatcherConfig(_Section):
         description="Several work orders and results per message on the scheduler's work stream, when the scheduler "
         "takes them (false: one per message).",
     )
+    claim_check_io: bool = Field(
+        False,
+        description="Read claim-checked inputs (uploads, a file batch's chunk rows) from the object store and store "
+        "large outputs there over this batcher's own NATS connection (the nats section), instead of the scheduler "
+        "moving those bytes through the work stream: for many or GPU batchers behind one scheduler, not for "
+        "batchers sharing a few CPU cores with the stack (docs/BATCHES.md). Needs a NATS user that may read and "
+        "write nats.objects_bucket.",
+    )
     torch_threads: int = Field(
         0,
         ge=0,

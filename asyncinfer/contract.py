@@ -251,7 +251,8 @@ def model_version_key(model_name: str, version: str, batcher_key: str) -> str:
 
 
 def object_name(tenant: str, ref: str) -> str:
-    """An Object Store object's name: the tenant, then the ref callers see (in/<id>, out/<job_id>)."""
+    """An Object Store object's name: the tenant, then the ref callers see (in/<id>, out/<job_id>,
+    or out/<job_id>.<attempt> for outputs a batcher stored itself)."""
     return f"{tenant}/{ref}"
 
 

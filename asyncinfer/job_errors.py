@@ -96,6 +96,11 @@ def result_too_large(size_bytes: int, limit_bytes: int) -> JobError:
     )
 
 
+def invalid_result(message: str) -> JobError:
+    """A batcher's answer this scheduler cannot take (a batcher bug, not the caller's)."""
+    return job_error(grpc.StatusCode.INTERNAL, "INVALID_RESULT", message)
+
+
 def gave_up(last_error: JobError | None, attempts: int) -> JobError:
     """The final error of a dead-lettered job: its last error, marked final."""
     base = last_error or job_error(grpc.StatusCode.ABORTED, MAX_ATTEMPTS, "attempts spent")

@@ -15,7 +15,7 @@ import pytest
 
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
-from asyncinfer.v1 import batch_service_pb2, job_service_pb2_grpc
+from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.batch_helpers import TERMINAL, batches_stub, create_request, jsonl, outputs, upload
 from tests.processes import Service
 
@@ -23,7 +23,7 @@ RECORDS = 960
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-def crash_config(nats_url: str, ports: dict[str, int]) -> Config:
+def crash_config(nats_url: str, ports: dict[str, int], *, claim_check_io: bool = False) -> Config:
     config = Config()
     # 0.3 s per batch of up to 32 rows: a chunk of 64 takes 0.6 s, the batch ~9 s of compute.
     model = {**config.models[0].model_dump(), "loader": "services.batcher.models.demo:build_slow_model"}
@@ -36,6 +36,8 @@ def crash_config(nats_url: str, ports: dict[str, int]) -> Config:
             "ack_wait_s": 3.0,
             "lease_renew_interval_s": 1.0,
             "poll_interval_ms": 50.0,
+            # A chunk's outputs (64 rows of 16 B) are an object: the batcher's, with claim_check_io.
+            "inline_result_max_bytes": 512,
         },
         batcher={
             "port": ports["batcher"],
@@ -43,6 +45,7 @@ def crash_config(nats_url: str, ports: dict[str, int]) -> Config:
             "scheduler_address": f"127.0.0.1:{ports['scheduler']}",
             "reconnect_delay_s": 0.2,
             "shutdown_grace_s": 1.0,
+            "claim_check_io": claim_check_io,
         },
         batches={"chunk_records": 64, "chunks_in_flight": 3, "drive_interval_s": 0.1, "adopt_interval_s": 0.5},
         logging={"level": "warning", "format": "json"},
@@ -74,12 +77,14 @@ async def reached(
             await asyncio.sleep(0.1)
 
 
+@pytest.mark.parametrize("claim_check_io", [False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
 async def test_kill_batcher_scheduler_gateway_mid_batch_every_record_once(
-    nats_server: NatsServerProcess, tmp_path: Path
+    nats_server: NatsServerProcess, tmp_path: Path, claim_check_io: bool
 ) -> None:
     ports = {name: free_port() for name in ("gateway", "scheduler", "batcher")}
     config_file = tmp_path / "asyncinfer.toml"
-    config_file.write_text(render_default_config(crash_config(nats_server.url, ports)))
+    config = crash_config(nats_server.url, ports, claim_check_io=claim_check_io)
+    config_file.write_text(render_default_config(config))
     services = {name: Service(name, config_file, tmp_path, ports[name]) for name in ports}
     records = [{"custom_id": f"r{i}", "inputs": {"x": [[i, 1, 2, 3]]}} for i in range(RECORDS)]
     try:
@@ -97,9 +102,17 @@ async def test_kill_batcher_scheduler_gateway_mid_batch_every_record_once(
             assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED, batch.failure_message
             assert (batch.request_counts.completed, batch.request_counts.failed) == (RECORDS, 0)
             lines = await outputs(batches_stub(channel), batch_id)
+            chunks = await job_service_pb2_grpc.JobServiceStub(channel).ListJobs(
+                job_service_pb2.ListJobsRequest(page_size=100, labels={"asyncinfer-batch": batch_id})
+            )
     finally:
         for service in services.values():
             service.stop()
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+    # Who stored each chunk's outputs: the scheduler names them after the job, a batcher after the
+    # attempt (out/<job_id>.<attempt>).
+    names = [job.result_ref.ref for job in chunks.jobs if job.state == job_pb2.JOB_STATE_SUCCEEDED]
+    assert len(names) == RECORDS // 64
+    assert all(("." in name) == claim_check_io for name in names), names
     for i, line in enumerate(lines):
         assert line["outputs"]["y"] == [[2.0 * i + 1, 3.0, 5.0, 7.0]], json.dumps(line)

@@ -4,6 +4,7 @@ this file): hello, credits, results, errors, cancellation and reconnection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -115,10 +116,9 @@ class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
         connection.close()  # the batcher half-closed: end the stream, as a scheduler does
 
 
-@pytest.fixture
-async def scheduler(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeScheduler, int]]:
-    """A fake scheduler; parametrized indirectly with True, one whose welcome takes batches."""
-    fake = FakeScheduler(takes_batches=getattr(request, "param", False))
+@contextlib.asynccontextmanager
+async def serving(fake: FakeScheduler) -> AsyncIterator[tuple[FakeScheduler, int]]:
+    """The fake scheduler on a port of its own, for the time of the block."""
     server = grpc.aio.server()
     worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -128,6 +128,13 @@ async def scheduler(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeS
         yield fake, port
     finally:
         await server.stop(0)
+
+
+@pytest.fixture
+async def scheduler(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeScheduler, int]]:
+    """A fake scheduler; parametrized indirectly with True, one whose welcome takes batches."""
+    async with serving(FakeScheduler(takes_batches=getattr(request, "param", False))) as served:
+        yield served
 
 
 @pytest.fixture

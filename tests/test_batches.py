@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.v1 import batch_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.v1 import batch_service_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.gateway.batch_prepare import chunk_ref
 from tests.batch_helpers import (
     batches_stub,
@@ -146,13 +146,18 @@ async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
     assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
 
 
+@pytest.mark.parametrize("claim_check_io", [False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
 async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_isolates_a_poison_row(
-    config: Config, start_stack: StartStack
+    config: Config, start_stack: StartStack, claim_check_io: bool
 ) -> None:
     """Chunks of an NPY file are descriptors naming rows of the upload (no copy of the records),
     read across the upload's 128 KiB pieces, converted to the model's FP32, and split like any
-    chunk when one row is poison."""
-    stack = await start_stack(batch_config(config, chunk_records=3000))
+    chunk when one row is poison; read by the scheduler, or by a batcher with claim_check_io,
+    which then also stores each chunk's outputs (over the 1 KiB kept inline) itself."""
+    stack_config = batch_config(config, chunk_records=3000).replace(
+        batcher={"claim_check_io": claim_check_io}, scheduler={"inline_result_max_bytes": 1024}
+    )
+    stack = await start_stack(stack_config)
     stub = batches_stub(stack.channel)
     x = np.random.default_rng(3).uniform(0, 1, (20_000, 4))  # float64: 640 KB, five pieces of the upload
     x[12_345, 0] = -1.0  # the flaky model fails on a negative first value
@@ -172,6 +177,13 @@ async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_iso
     assert np.allclose(np.array([line["outputs"]["y"][0] for line in lines]), 2 * kept + 1)
     descriptor = await stack.blobs.info("default", chunk_ref(batch.batch_id, 3000, 6000))
     assert descriptor.ref.size_bytes < 1024  # a range of the upload, not its 96,000 bytes of rows
+    chunks = await stack.jobs.ListJobs(
+        job_service_pb2.ListJobsRequest(page_size=100, labels={"asyncinfer-batch": batch.batch_id})
+    )
+    stored = {job.result_ref.ref.rpartition("/")[2] for job in chunks.jobs if job.result_ref.ref}
+    assert len(stored) >= 6, "every whole chunk's outputs are an object"
+    # The scheduler names a result after its job; a batcher after the attempt it ran.
+    assert all(name.endswith(".1") == claim_check_io for name in stored)
 
 
 async def desired_batchers_become(stack: Stack, wanted: Callable[[int], bool]) -> None:

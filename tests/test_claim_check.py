@@ -135,9 +135,12 @@ async def finish(jobs: JobStub, job_id: str, key: str = ACME) -> job_pb2.Job:
     return last
 
 
-@pytest.fixture
-async def full(config: Config, start_stack: StartStack) -> Stack:
-    return await start_stack(claim_check_config(config))
+@pytest.fixture(params=[False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
+async def full(config: Config, start_stack: StartStack, request: pytest.FixtureRequest) -> Stack:
+    """The whole stack; its batcher reads inputs and stores results itself (batcher.claim_check_io)
+    or leaves that to the scheduler."""
+    stack_config = claim_check_config(config)
+    return await start_stack(stack_config.replace(batcher={"claim_check_io": request.param}))
 
 
 @pytest.fixture
@@ -173,7 +176,9 @@ async def test_a_3mb_upload_runs_by_reference_and_its_large_result_reads_back(fu
     done = await finish(jobs, submitted.job_id)
     assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done.error
     assert not done.outputs, "a result over inline_result_max_bytes is not inline"
-    assert done.result_ref.ref == f"out/{done.job_id}"
+    # The scheduler stores it as the job's; a batcher with claim_check_io as the attempt's.
+    by_batcher = full.config.batcher.claim_check_io
+    assert done.result_ref.ref == (f"out/{done.job_id}.1" if by_batcher else f"out/{done.job_id}")
 
     result_ref, result, messages = await read_result(jobs, done.job_id)
     assert messages > 1, "a large result comes back in chunks"

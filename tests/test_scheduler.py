@@ -166,12 +166,13 @@ class FakeBatcher:
         self._reader: asyncio.Task[None] | None = None
 
     async def connect(
-        self, max_batch_size: int = 8, *, takes_batches: bool = False
+        self, max_batch_size: int = 8, *, takes_batches: bool = False, reads_claim_checks: bool = False
     ) -> worker_service_pb2.WorkerWelcome:
         hello = worker_service_pb2.WorkerHello(
             batcher_id=self.batcher_id,
             models=[worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=max_batch_size)],
             takes_batches=takes_batches,
+            reads_claim_checks=reads_claim_checks,
         )
         await self._call.write(worker_service_pb2.ConnectRequest(hello=hello))
         self._reader = asyncio.create_task(self._read())
@@ -235,6 +236,11 @@ class FakeBatcher:
         sent.progress.fraction = 0.5
         sent.progress.message = message
         await self._call.write(worker_service_pb2.ConnectRequest(updates=updates))
+
+    async def answer_stored(self, order: worker_service_pb2.WorkOrder, ref: job_pb2.BlobRef) -> None:
+        """A result whose outputs the batcher stored itself (batcher.claim_check_io)."""
+        result = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, output_ref=ref, batch_size=1)
+        await self._call.write(worker_service_pb2.ConnectRequest(result=result))
 
     async def fail(self, order: worker_service_pb2.WorkOrder, error: error_pb2.ErrorStatus) -> None:
         result = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, error=error)
@@ -407,6 +413,44 @@ async def test_job_runs_to_succeeded_and_its_message_is_acked(
     exposition = generate_latest(app.metrics.registry).decode()
     assert 'asyncinfer_jobs_total{model="demo",state="RUNNING"} 1.0' in exposition
     assert 'asyncinfer_jobs_total{model="demo",state="SUCCEEDED"} 1.0' in exposition
+
+
+async def test_a_batcher_that_reads_claim_checks_is_told_where_to_store_outputs_and_its_ref_is_checked(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, nc: NatsClient
+) -> None:
+    """To a batcher whose hello says it reads claim checks, an order says over how many bytes its
+    outputs are stored and under which name (the attempt's); a result naming that object ends the
+    job with it as result_ref, and one naming any other object fails the attempt: a batcher cannot
+    point a job at an object its order did not name."""
+    batcher = FakeBatcher(app.port, "reader")
+    try:
+        await batcher.connect(reads_claim_checks=True)
+        await batcher.grant(2)
+        stored_id = await enqueue(nc, kv)
+        order = await batcher.next_order()
+        assert order.job_id == stored_id
+        assert order.store_outputs_over_bytes == config.scheduler.inline_result_max_bytes
+        assert order.output_name == f"out/{stored_id}.1"
+        assert order.result_retention.ToSeconds() == 3600
+        await wait_state(js, stored_id, JobState.RUNNING)
+        ref = job_pb2.BlobRef(ref=order.output_name, size_bytes=1_000_000, sha256="ab" * 32)
+        await batcher.answer_stored(order, ref)
+        done = await wait_state(js, stored_id, JobState.SUCCEEDED)
+        assert done.result_ref is not None
+        assert (done.result_ref.ref, done.result_ref.size_bytes) == (f"out/{stored_id}.1", 1_000_000)
+        assert not done.outputs
+
+        elsewhere_id = await enqueue(nc, kv)
+        order = await batcher.next_order()
+        await wait_state(js, elsewhere_id, JobState.RUNNING)
+        other = job_pb2.BlobRef(ref=f"out/{stored_id}.1", size_bytes=10, sha256="cd" * 32)
+        await batcher.answer_stored(order, other)
+        failed = await wait_state(js, elsewhere_id, JobState.FAILED)
+        assert failed.error is not None
+        assert failed.error.reason == "INVALID_RESULT"
+        assert failed.result_ref is None
+    finally:
+        await batcher.close()
 
 
 async def test_high_priority_goes_first_with_one_credit(

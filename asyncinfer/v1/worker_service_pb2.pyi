@@ -237,10 +237,16 @@ class WorkerHello(_message.Message):
     BATCHER_ID_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
     TAKES_BATCHES_FIELD_NUMBER: _builtins.int
+    READS_CLAIM_CHECKS_FIELD_NUMBER: _builtins.int
     batcher_id: _builtins.str
     """Unique per batcher process."""
     takes_batches: _builtins.bool
     """The batcher reads WorkOrders messages."""
+    reads_claim_checks: _builtins.bool
+    """The batcher reads an order's claim-checked input (input_ref: an upload, or a batch chunk's
+    rows) from the object store itself, and stores outputs over the order's
+    store_outputs_over_bytes there too (WorkResult.output_ref): batcher.claim_check_io.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
     def __init__(
@@ -249,10 +255,11 @@ class WorkerHello(_message.Message):
         batcher_id: _builtins.str = ...,
         models: _abc.Iterable[Global___ServedModel] | None = ...,
         takes_batches: _builtins.bool = ...,
+        reads_claim_checks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "models", b"models", "takes_batches", b"takes_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "models", b"models", "reads_claim_checks", b"reads_claim_checks", "takes_batches", b"takes_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -454,6 +461,9 @@ class WorkOrder(_message.Message):
     EXECUTION_TIMEOUT_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    STORE_OUTPUTS_OVER_BYTES_FIELD_NUMBER: _builtins.int
+    OUTPUT_NAME_FIELD_NUMBER: _builtins.int
+    RESULT_RETENTION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     """Fencing token: the result must carry the same attempt."""
@@ -467,6 +477,12 @@ class WorkOrder(_message.Message):
     """The W3C traceparent of the scheduler's dispatch span, when the job is traced: the batcher's
     compute span continues it. Empty when tracing is off.
     """
+    store_outputs_over_bytes: _builtins.int
+    """To a batcher that reads claim checks: outputs over this many bytes are stored as the object
+    output_name (kept for result_retention from the job's end) and the result carries its
+    reference instead. 0: outputs always come back in the result.
+    """
+    output_name: _builtins.str
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.InferInputTensor]:
         """Inputs, raw_contents filled."""
@@ -479,6 +495,8 @@ class WorkOrder(_message.Message):
     def execution_timeout(self) -> _duration_pb2.Duration:
         """Longest the run may take."""
 
+    @_builtins.property
+    def result_retention(self) -> _duration_pb2.Duration: ...
     def __init__(
         self,
         *,
@@ -493,10 +511,13 @@ class WorkOrder(_message.Message):
         execution_timeout: _duration_pb2.Duration | None = ...,
         tenant: _builtins.str = ...,
         traceparent: _builtins.str = ...,
+        store_outputs_over_bytes: _builtins.int = ...,
+        output_name: _builtins.str = ...,
+        result_retention: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "execution_timeout", b"execution_timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "execution_timeout", b"execution_timeout", "result_retention", b"result_retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "output_name", b"output_name", "priority", b"priority", "result_retention", b"result_retention", "store_outputs_over_bytes", b"store_outputs_over_bytes", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -513,6 +534,7 @@ class WorkResult(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _builtins.int
     COMPUTE_DURATION_FIELD_NUMBER: _builtins.int
     DROPPED_FIELD_NUMBER: _builtins.int
+    OUTPUT_REF_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     batch_size: _builtins.int
@@ -529,6 +551,10 @@ class WorkResult(_message.Message):
 
     @_builtins.property
     def compute_duration(self) -> _duration_pb2.Duration: ...
+    @_builtins.property
+    def output_ref(self) -> _job_pb2.BlobRef:
+        """Set instead of outputs when the batcher stored them (the order's output_name)."""
+
     def __init__(
         self,
         *,
@@ -539,10 +565,11 @@ class WorkResult(_message.Message):
         batch_size: _builtins.int = ...,
         compute_duration: _duration_pb2.Duration | None = ...,
         dropped: _builtins.bool = ...,
+        output_ref: _job_pb2.BlobRef | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["compute_duration", b"compute_duration", "error", b"error"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["compute_duration", b"compute_duration", "error", b"error", "output_ref", b"output_ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch_size", b"batch_size", "compute_duration", b"compute_duration", "dropped", b"dropped", "error", b"error", "job_id", b"job_id", "outputs", b"outputs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch_size", b"batch_size", "compute_duration", b"compute_duration", "dropped", b"dropped", "error", b"error", "job_id", b"job_id", "output_ref", b"output_ref", "outputs", b"outputs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

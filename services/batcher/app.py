@@ -23,6 +23,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from services.batcher.backends.loading import torch_threads_for
+from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
@@ -61,6 +62,7 @@ class BatcherApp:
         self._server: GrpcServer | None = None
         self._metrics_server: MetricsServer | None = None
         self._worker: WorkerClient | None = None
+        self._claim_checks: ClaimChecks | None = None
         self._started = False
         self._stopped = False
 
@@ -117,6 +119,8 @@ class BatcherApp:
         self.metrics_port = self._metrics_server.port
 
         if batcher.scheduler_address and worker_security is not None:
+            if batcher.claim_check_io:
+                self._claim_checks = await ClaimChecks.connect(self.config, self.batcher_id)
             self._worker = WorkerClient(
                 address=batcher.scheduler_address,
                 batcher_id=self.batcher_id,
@@ -128,6 +132,7 @@ class BatcherApp:
                 progress_interval_s=batcher.progress_interval_ms / 1000,
                 progress_max_bytes=batcher.progress_max_bytes,
                 models=self.models,
+                claim_checks=self._claim_checks,
             )
             await self._worker.start()
             self.models.on_change(self._worker.models_changed)
@@ -226,6 +231,8 @@ class BatcherApp:
             # Every item has resolved by now; send the answers and close the stream.
             await self._worker.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
+        if self._claim_checks is not None:  # after the work stream: its last results stored their outputs
+            await self._claim_checks.close()
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.stop)
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported

@@ -5,7 +5,7 @@ carries. Plain functions, so a session calls them once per order with no extra l
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import (
@@ -20,6 +20,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.jobs import Priority
 from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
@@ -82,25 +83,38 @@ def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -
 
 
 def worker_hello(
-    engine: BatchingEngine, batcher_id: str, *, takes_batches: bool, loading: Iterable[ModelConfig] = ()
+    engine: BatchingEngine,
+    batcher_id: str,
+    *,
+    takes_batches: bool,
+    loading: Iterable[ModelConfig] = (),
+    reads_claim_checks: bool = False,
 ) -> worker_service_pb2.WorkerHello:
     return worker_service_pb2.WorkerHello(
-        batcher_id=batcher_id, models=served_models(engine, loading), takes_batches=takes_batches
+        batcher_id=batcher_id,
+        models=served_models(engine, loading),
+        takes_batches=takes_batches,
+        reads_claim_checks=reads_claim_checks,
     )
 
 
 def submit_order(
-    engine: BatchingEngine, order: worker_service_pb2.WorkOrder, progress: ItemProgress | None = None
+    engine: BatchingEngine,
+    order: worker_service_pb2.WorkOrder,
+    progress: ItemProgress | None = None,
+    read_inputs: Sequence[Tensor] | None = None,
 ) -> PendingItem | ChunkItem:
-    """The order's item in the engine (its progress reported to `progress`); raises (NotFound, FailedPrecondition, the engine's own
-    refusals) when it cannot run here."""
+    """The order's item in the engine (its progress reported to `progress`); `read_inputs`: its
+    inputs as read from the claim-check store (services.batcher.claim_checks). Raises (NotFound,
+    FailedPrecondition, the engine's own refusals) when it cannot run here."""
     if not engine.has_model(order.model_name) and not engine.has_model(order.model_name, order.model_version):
         raise NotFound(f"model {order.model_name!r} is not served here", reason="MODEL_NOT_FOUND")
-    if order.input_ref:
+    if order.input_ref and read_inputs is None:
         raise FailedPrecondition(
-            "claim-check inputs (input_ref) are not supported by this batcher yet", reason="INPUT_REF_UNSUPPORTED"
+            "this batcher does not read claim-checked inputs (input_ref): batcher.claim_check_io is off",
+            reason="INPUT_REF_UNSUPPORTED",
         )
-    inputs = decode_tensors(order.inputs)
+    inputs = decode_tensors(order.inputs) if read_inputs is None else list(read_inputs)
     timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
     max_rows = engine.model_config(order.model_name, order.model_version).max_batch_size
     if inputs and max_rows > 0 and inputs[0].batch_size > max_rows:

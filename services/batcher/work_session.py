@@ -10,6 +10,10 @@ outbox, so the per-result path is a few field writes, with no queue or task of i
 progress of orders whose model reports it (services.batcher.progress: at most one per order per
 progress interval, the latest report; an order's last one goes in before its result). Progress
 goes only to a scheduler whose welcome takes batches.
+
+With `claim_checks` (batcher.claim_check_io) an order that names its input by reference is read
+from the object store in its own task first (its credit counts as used meanwhile), and outputs
+over the order's threshold are stored there; the result then carries their reference.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ import structlog
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
+from asyncinfer.jobs import BlobRef
 from asyncinfer.tensor_codec import fill_tensor_proto, to_output_proto
+from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import trace_fields
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.chunk_items import ChunkItem
+from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
 from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress, ProgressUpdate
@@ -61,7 +68,12 @@ class WorkSession:
         progress_max_bytes: int = 256 * 1024,
         loading: Iterable[ModelConfig] = (),
         models: ModelControl | None = None,
+        claim_checks: ClaimChecks | None = None,
     ) -> None:
+        self._claim_checks = claim_checks
+        # Orders whose inputs are being read (claim_checks), per model, and those cancelled meanwhile.
+        self._reading: dict[str, set[OrderKey]] = {}
+        self._cancelled_while_reading: set[OrderKey] = set()
         self._loading = tuple(loading)
         self._models = models
         self._stub = stub
@@ -126,7 +138,11 @@ class WorkSession:
         writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
             hello = worker_hello(
-                self._engine, self._batcher_id, takes_batches=self._work_batches, loading=self._loading
+                self._engine,
+                self._batcher_id,
+                takes_batches=self._work_batches,
+                loading=self._loading,
+                reads_claim_checks=self._claim_checks is not None,
             )
             self._send(worker_service_pb2.ConnectRequest(hello=hello))
             for model_name in self._unused_credits:
@@ -186,7 +202,8 @@ class WorkSession:
         """Grants credits up to the model's free slots, counting credits not yet used."""
         if not (self._open and self._granting) or model_name not in self._unused_credits:
             return
-        wanted = self._engine.free_slots(model_name) - self._unused_credits[model_name]
+        reading = len(self._reading.get(model_name, ()))  # orders that will take a slot once read
+        wanted = self._engine.free_slots(model_name) - self._unused_credits[model_name] - reading
         if wanted > 0:
             self._unused_credits[model_name] += wanted
             if self._batches:
@@ -199,6 +216,49 @@ class WorkSession:
         model_name = order.model_name
         if model_name in self._unused_credits:
             self._unused_credits[model_name] = max(self._unused_credits[model_name] - 1, 0)
+        if order.input_ref and self._claim_checks is not None:
+            self._reading.setdefault(model_name, set()).add((order.job_id, order.attempt))
+            self._spawn(self._read_then_submit(order, self._claim_checks), f"order-{order.job_id}")
+            return
+        self._submit(order)
+
+    async def _read_then_submit(self, order: worker_service_pb2.WorkOrder, claim_checks: ClaimChecks) -> None:
+        key = (order.job_id, order.attempt)
+        try:
+            inputs = await claim_checks.read(order)
+        except AsyncInferError as error:
+            self._reading_done(order)
+            log.info("work_order_input_unreadable", reason=error.reason, error=error.message, **_about(order))
+            self._send_result(order, error=error)
+            self._top_up(order.model_name)
+            return
+        except BaseException:
+            self._reading_done(order)
+            raise
+        self._reading_done(order)
+        if key in self._cancelled_while_reading:
+            self._cancelled_while_reading.discard(key)
+            log.info("work_order_dropped_before_run", **_about(order))
+            self._send_result(order, error=Cancelled("cancelled before it ran"), dropped=True)
+            self._top_up(order.model_name)
+            return
+        item = self._submit(order, inputs, spawn=False)  # in the same step: its slot is taken at once
+        if item is not None:
+            await self._finish(order, item)
+
+    def _reading_done(self, order: worker_service_pb2.WorkOrder) -> None:
+        self._reading.get(order.model_name, set()).discard((order.job_id, order.attempt))
+
+    def _submit(
+        self,
+        order: worker_service_pb2.WorkOrder,
+        read_inputs: tuple[Tensor, ...] | None = None,
+        *,
+        spawn: bool = True,
+    ) -> PendingItem | ChunkItem | None:
+        """Puts the order in the engine (its answer awaited by a task of its own when `spawn`);
+        the item, or None when the engine refused it (answered here)."""
+        model_name = order.model_name
         progress = None
         version = order.model_version
         if (
@@ -212,7 +272,7 @@ class WorkSession:
                 max_bytes=self._progress_max_bytes,
             )
         try:
-            item = submit_order(self._engine, order, progress)
+            item = submit_order(self._engine, order, progress, read_inputs)
             if self._engine.tracing.enabled:
                 item.trace = order.traceparent
         except AsyncInferError as error:
@@ -220,9 +280,11 @@ class WorkSession:
             if not is_shutdown(error):  # unanswered: re-queued when the stream closes
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
-            return
+            return None
         self._orders[(order.job_id, order.attempt)] = item
-        self._spawn(self._finish(order, item), f"order-{order.job_id}")
+        if spawn:
+            self._spawn(self._finish(order, item), f"order-{order.job_id}")
+        return item
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         """A task of this session (cancelled when the stream breaks, awaited by drain)."""
@@ -261,10 +323,23 @@ class WorkSession:
             raise error
         else:
             outcome = item.future.result()
+            if self._claim_checks is not None and self._claim_checks.stores(order, outcome.outputs):
+                try:
+                    stored = await self._claim_checks.store(order, outcome.outputs)
+                except AsyncInferError as store_error:
+                    log.warning("work_order_outputs_not_stored", error=store_error.message, **_about(order))
+                    self._send_result(order, error=store_error)
+                    return
+                self._send_result(order, outcome=outcome, stored=stored)
+                return
             self._send_result(order, outcome=outcome)
 
     def _cancel(self, cancel: worker_service_pb2.CancelOrder) -> None:
-        item = self._orders.get((cancel.job_id, cancel.attempt))
+        key = (cancel.job_id, cancel.attempt)
+        if any(key in reading for reading in self._reading.values()):
+            self._cancelled_while_reading.add(key)  # answered dropped once its read ends
+            return
+        item = self._orders.get(key)
         # Dropping resolves the item's future; its order task then answers dropped=true.
         if item is not None and item.cancel():
             log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
@@ -286,6 +361,7 @@ class WorkSession:
         outcome: InferOutcome | None = None,
         error: AsyncInferError | None = None,
         dropped: bool = False,
+        stored: BlobRef | None = None,
     ) -> None:
         if not self._open:
             return
@@ -301,11 +377,16 @@ class WorkSession:
         if error is not None:
             result.error.CopyFrom(error_status(error))
         if outcome is not None:
-            for tensor in outcome.outputs:
-                fill_tensor_proto(result.outputs.add(), tensor, raw=True)
+            if stored is not None:
+                result.output_ref.ref = stored.ref
+                result.output_ref.size_bytes = stored.size_bytes
+                result.output_ref.sha256 = stored.sha256
+            else:
+                for tensor in outcome.outputs:
+                    fill_tensor_proto(result.outputs.add(), tensor, raw=True)
+                self._filling_bytes += sum(t.nbytes for t in outcome.outputs)
             result.batch_size = outcome.batch_items
             result.compute_duration.FromNanoseconds(round(outcome.compute_s * 1e9))
-            self._filling_bytes += sum(t.nbytes for t in outcome.outputs)
         if request is not None:
             self._send(request)
 

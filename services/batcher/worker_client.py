@@ -25,6 +25,7 @@ from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import channel_credentials, read_secret
 from asyncinfer.v1 import worker_service_pb2_grpc
+from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine
 from services.batcher.model_control import ModelControl
 from services.batcher.work_session import WorkSession
@@ -73,7 +74,9 @@ class WorkerClient:
         progress_interval_s: float = 0.15,
         progress_max_bytes: int = 256 * 1024,
         models: ModelControl | None = None,
+        claim_checks: ClaimChecks | None = None,
     ) -> None:
+        self._claim_checks = claim_checks
         self._models = models
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
@@ -166,6 +169,7 @@ class WorkerClient:
                     progress_max_bytes=self._progress_max_bytes,
                     loading=self._loading,
                     models=self._models,
+                    claim_checks=self._claim_checks,
                 )
                 await self._session.run()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)

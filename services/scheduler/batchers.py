@@ -23,6 +23,8 @@ class BatcherSession:
     def __init__(self, hello: WorkerHello) -> None:
         self.batcher_id = hello.batcher_id
         self.takes_batches = hello.takes_batches
+        # It reads input refs and stores large outputs itself (batcher.claim_check_io).
+        self.reads_claim_checks = hello.reads_claim_checks
         # A batcher that reconnects keeps its ID but gets a new session.
         self.session_number = next(_session_numbers)
         self.models: dict[str, ServedModel] = {}

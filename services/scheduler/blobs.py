@@ -9,19 +9,16 @@ import asyncio
 from collections.abc import Sequence
 
 import structlog
-from google.protobuf.message import DecodeError
 
-from asyncinfer import ranged_inputs
-from asyncinfer.blob_meta import RESULT_CHUNK_BYTES, BlobCorrupt, result_ref
+from asyncinfer.blob_meta import result_ref
 from asyncinfer.blob_sweep import sweep
-from asyncinfer.blobs import BlobStore, parse_inputs
+from asyncinfer.blobs import BlobStore
+from asyncinfer.claim_check_io import read_inputs, store_outputs
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
 from asyncinfer.supervision import Supervisor, cancel_and_wait
-from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
-from asyncinfer.v1 import tensor_pb2
 
 log = structlog.get_logger("asyncinfer.scheduler.blobs")
 
@@ -40,12 +37,9 @@ def _job_error(error: AsyncInferError, *, retriable: bool) -> JobError:
     return JobError.from_exception(error, retriable=retriable)
 
 
-def _encode_outputs(outputs: Sequence[Tensor]) -> bytes:
-    return tensor_pb2.InferOutputs(outputs=[to_output_proto(t, raw=True) for t in outputs]).SerializeToString()
-
-
 class ClaimCheckIO:
-    """Reads inputs and stores results for the job flow."""
+    """Reads inputs and stores results for the job flow (for batchers that do not: see
+    batcher.claim_check_io)."""
 
     def __init__(self, store: BlobStore, config: Config) -> None:
         self._store = store
@@ -58,22 +52,12 @@ class ClaimCheckIO:
         if ref is None:
             return envelope
         try:
-            _, data = await self._store.read(envelope.tenant, ref.ref, max_bytes=self._config.gateway.max_upload_bytes)
-            if ranged_inputs.is_ranged(data):
-                inputs = await self._read_range(envelope.tenant, ranged_inputs.decode(data))
-            else:
-                message = await asyncio.to_thread(parse_inputs, data)
-                del data
-                inputs = tuple(decode_tensors(message.inputs, "input_ref.inputs"))
-        except DecodeError:
-            error = InvalidArgument("the uploaded content is not an InferInputs message", reason="INPUT_REF_UNREADABLE")
-            return _job_error(error, retriable=False)
+            inputs = await read_inputs(
+                self._store, envelope.tenant, ref.ref, max_bytes=self._config.gateway.max_upload_bytes
+            )
         except (NotFound, InvalidArgument) as exc:
             return _job_error(exc, retriable=False)
-        except BlobCorrupt as exc:
-            # Possibly a replica that was behind: worth another attempt.
-            return _job_error(exc, retriable=True)
-        except AsyncInferError as exc:
+        except AsyncInferError as exc:  # BlobCorrupt (maybe a replica behind) and NATS trouble
             return _job_error(exc, retriable=True)
         return WorkEnvelope(
             job_id=envelope.job_id,
@@ -83,30 +67,21 @@ class ClaimCheckIO:
             priority=envelope.priority,
             create_time=envelope.create_time,
             max_attempts=envelope.max_attempts,
-            inputs=inputs,  # the order carries tensors: the batcher knows no object store
+            inputs=inputs,  # the order carries tensors: this batcher reads no object store
             deadline=envelope.deadline,
             execution_timeout_s=envelope.execution_timeout_s,
         )
-
-    async def _read_range(self, tenant: str, ranged: ranged_inputs.RangedInputs) -> tuple[Tensor, ...]:
-        """A batch chunk named as rows of its NPY upload (asyncinfer.ranged_inputs)."""
-        data = await self._store.read_range(
-            tenant, ranged.source, ranged.byte_offset, ranged.byte_length, sha256=ranged.source_sha256
-        )
-        # Off the loop: a file whose dtype differs from the model's is converted (MBs per chunk).
-        return tuple(await asyncio.to_thread(ranged.tensors, data))
 
     async def store_result(self, record: JobRecord, outputs: Sequence[Tensor], now: float) -> BlobRef:
         """Stores the outputs as a serialized InferOutputs, kept until the job's end plus its
         retention; the record then carries only the reference. Raises Unavailable on NATS trouble
         (the result is then not stored and the attempt's message comes back)."""
-        data = await asyncio.to_thread(_encode_outputs, outputs)
-        return await self._store.put_bytes(
+        return await store_outputs(
+            self._store,
             record.tenant,
             result_ref(record.job_id),
-            data,
+            outputs,
             expires_at=now + record.result_retention_s,
-            chunk_bytes=RESULT_CHUNK_BYTES,
         )
 
 

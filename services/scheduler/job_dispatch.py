@@ -15,6 +15,7 @@ from collections.abc import Callable
 import structlog
 
 from asyncinfer import job_errors, lifecycle
+from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
@@ -208,7 +209,7 @@ class JobDispatch:
         expected = lifecycle.dispatch(record, event, now)
         if not (isinstance(expected, JobRecord) and self._sends_early(record, expected, envelope, session)):
             return await self._write_and_send(msg, envelope, session, job_log, record, event, now, trace, None)
-        order = self._order(envelope, expected, version, trace)
+        order = self._order(envelope, expected, version, trace, session)
         self._leases.expect(envelope.job_id, order.attempt)
         session.send(order)
         held = False
@@ -226,7 +227,8 @@ class JobDispatch:
         return (
             record.state == JobState.QUEUED
             and expected.state == JobState.RUNNING
-            and envelope.input_ref is None  # a claim-checked input is read after the write
+            # A claim-checked input is read here after the write, unless the batcher reads it.
+            and (envelope.input_ref is None or self._batcher_reads(session))
             and not session.closed
             and not self._leases.cancel_heard(envelope.job_id)  # the cancel has likely won the write
         )
@@ -276,7 +278,7 @@ class JobDispatch:
         if record.state == JobState.RUNNING:
             self._metrics.lease_expiries.labels(model=latest.model_name).inc()
             job_log.warning("lease_expired", previous_attempt=record.attempt)
-        if envelope.input_ref is not None and self._claim_check is not None:
+        if envelope.input_ref is not None and self._claim_check is not None and not self._batcher_reads(session):
             resolved = await self._claim_check.resolve(envelope)
             if isinstance(resolved, JobError):
                 await self._input_unusable(latest, msg, job_log, resolved)
@@ -295,7 +297,7 @@ class JobDispatch:
             await self._settlement.requeue(latest, msg, job_log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
             return False
         self._metrics.job_transition(latest)
-        order = sent or self._order(envelope, latest, version, trace)
+        order = sent or self._order(envelope, latest, version, trace, session)
         if sent is None:
             session.send(order)
         job = InFlightJob(
@@ -326,11 +328,18 @@ class JobDispatch:
         event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)
         await self._settlement.end(running, msg, job_log, event, time.time())
 
-    def _order(self, envelope: WorkEnvelope, record: JobRecord, version: str, trace: str) -> WorkOrder:
+    def _batcher_reads(self, session: BatcherSession) -> bool:
+        """Whether the batcher moves the claim-checked bytes itself (batcher.claim_check_io)."""
+        return session.reads_claim_checks and self._claim_check is not None
+
+    def _order(
+        self, envelope: WorkEnvelope, record: JobRecord, version: str, trace: str, session: BatcherSession
+    ) -> WorkOrder:
         timeout_s = record.execution_timeout_s or envelope.execution_timeout_s
         if timeout_s is None:
             model = self._config.model(envelope.model_name)
             timeout_s = model.default_execution_timeout_s if model is not None else None
+        stores = self._batcher_reads(session)
         return WorkOrder(
             job_id=envelope.job_id,
             attempt=record.attempt,
@@ -343,4 +352,7 @@ class JobDispatch:
             deadline=envelope.deadline,
             execution_timeout_s=timeout_s,
             traceparent=trace,
+            store_outputs_over_bytes=self._config.scheduler.inline_result_max_bytes if stores else 0,
+            output_name=attempt_result_ref(envelope.job_id, record.attempt) if stores else "",
+            result_retention_s=record.result_retention_s if stores else 0.0,
         )

@@ -26,6 +26,7 @@ class WorkerHello:
     batcher_id: str
     models: tuple[ServedModel, ...]
     takes_batches: bool = False  # reads several orders per message
+    reads_claim_checks: bool = False  # reads input refs and stores large outputs itself
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +46,7 @@ class WorkResult:
     batch_size: int = 0
     compute_s: float = 0.0
     dropped: bool = False
+    output_ref: BlobRef | None = None  # the outputs, stored by the batcher (its order's output_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +70,11 @@ class WorkOrder:
     deadline: float | None = None
     execution_timeout_s: float | None = None
     traceparent: str = ""  # the dispatch span's, when the job is traced
+    # To a batcher that reads claim checks: outputs over this many bytes are stored by it as the
+    # object output_name, kept result_retention_s after the job's end (0: never).
+    store_outputs_over_bytes: int = 0
+    output_name: str = ""
+    result_retention_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

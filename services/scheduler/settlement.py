@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from asyncinfer import job_errors, lifecycle
+from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.config import Config
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, ProgressReport
@@ -73,7 +74,18 @@ class Settlement:
         size = sum(t.nbytes for t in result.outputs)
         limit = self._config.scheduler.inline_result_max_bytes
         batch = batch_info(job, result)
-        if size > limit and self._claim_check is not None:
+        if result.output_ref is not None:
+            # Stored by the batcher (batcher.claim_check_io), under the name its order gave.
+            if result.output_ref.ref != attempt_result_ref(job.job_id, job.attempt):
+                error = job_errors.invalid_result(
+                    f"output_ref {result.output_ref.ref!r} is not the order's output_name"
+                )
+                event = lifecycle.Finish(attempt=job.attempt, state=JobState.FAILED, error=error, batch=batch)
+            else:
+                event = lifecycle.Finish(
+                    attempt=job.attempt, state=JobState.SUCCEEDED, result_ref=result.output_ref, batch=batch
+                )
+        elif size > limit and self._claim_check is not None:
             # Too big for the record: stored as an object, the record keeps the reference.
             stored = await self._claim_check.store_result(job.record, result.outputs, now)
             event = lifecycle.Finish(attempt=job.attempt, state=JobState.SUCCEEDED, result_ref=stored, batch=batch)

@@ -16,7 +16,7 @@ import grpc
 import structlog
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
-from asyncinfer.jobs import JobError, Priority, ProgressReport
+from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
 from asyncinfer.tensor_codec import decode_tensors, fill_tensor_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2, worker_service_pb2_grpc
@@ -64,7 +64,10 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
     if violations:
         raise InvalidArgument(f"invalid hello: {violations[0].field}: {violations[0].description}", violations)
     return WorkerHello(
-        batcher_id=message.batcher_id, models=served_from_proto(message.models), takes_batches=message.takes_batches
+        batcher_id=message.batcher_id,
+        models=served_from_proto(message.models),
+        takes_batches=message.takes_batches,
+        reads_claim_checks=message.reads_claim_checks,
     )
 
 
@@ -121,7 +124,15 @@ def result_from_proto(message: worker_service_pb2.WorkResult) -> WorkResult:
         batch_size=message.batch_size,
         compute_s=message.compute_duration.seconds + message.compute_duration.nanos / 1e9,
         dropped=message.dropped and error is None,
+        output_ref=_output_ref(message) if error is None else None,
     )
+
+
+def _output_ref(message: worker_service_pb2.WorkResult) -> BlobRef | None:
+    if not message.HasField("output_ref"):
+        return None
+    ref = message.output_ref
+    return BlobRef(ref=ref.ref, size_bytes=ref.size_bytes, sha256=ref.sha256)
 
 
 def progress_from_proto(message: worker_service_pb2.WorkProgress) -> WorkProgress:
@@ -166,6 +177,10 @@ def fill_order(message: worker_service_pb2.WorkOrder, order: WorkOrder) -> None:
         message.execution_timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
     if order.traceparent:
         message.traceparent = order.traceparent
+    if order.store_outputs_over_bytes:
+        message.store_outputs_over_bytes = order.store_outputs_over_bytes
+        message.output_name = order.output_name
+        message.result_retention.FromNanoseconds(round(order.result_retention_s * 1e9))
 
 
 # --- batches of outbound messages -----------------------------------------------------------------
