@@ -81,11 +81,14 @@ def minilm_file(count: int) -> tuple[bytes, list[str]]:
 @dataclass(frozen=True, kw_only=True)
 class ServiceVariant:
     """How the services run in one measurement (an A/B changes one of these): the batches the
-    model computes at once (torch's threads then split by the batcher), and the tree whose code
-    they run (None: this one; another revision's worktree for an A/B of code)."""
+    model computes at once (torch's threads then split by the batcher), whether the batcher reads
+    the chunks' rows and stores their outputs itself (`batcher.claim_check_io`: off as it ships;
+    set only when True, so an older tree's configuration stays valid), and the tree whose code they
+    run (None: this one; another revision's worktree for an A/B of code)."""
 
     label: str = "shipped"
     inflight_batches: int | None = None  # None: BATCH_INFLIGHT's
+    claim_check_io: bool = False
     source: Path | None = None
 
 
@@ -239,6 +242,7 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         "file_bytes": len(data),
         "chunk_records": chunk,
         "max_inflight_batches": at_once,
+        "claim_check_io": variant.claim_check_io,
     }
     # Direct torch before and after the services run: on a shared machine the load moves, and the
     # mean of the two brackets the system's run.
@@ -257,6 +261,8 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         }
         batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
         batcher = batcher_config(config, children["scheduler"].address)
+        if variant.claim_check_io:
+            batcher = batcher.replace(batcher={"claim_check_io": True})
         children["batcher"] = group.service("batcher", batcher, env=batcher_env, source=variant.source)
         await wait_batchers(children["scheduler"].address, config_model.name, 1)
         before = await stored_bytes(nats.url)

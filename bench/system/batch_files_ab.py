@@ -10,7 +10,9 @@ Variants (bench.system.batch_files.ServiceVariant):
 - two-streams: this tree's batcher computing two batches at once (max_inflight_batches 2), torch's
   threads split between them by the batcher (services/batcher/backends/loading.py);
 - base-two-streams: the base revision's services computing two batches at once (its batcher must
-  split torch's threads too: b00ce92 or later).
+  split torch's threads too: b00ce92 or later);
+- two-streams-claim-check-io: as two-streams, with the batcher reading the chunks' rows and storing
+  their outputs itself (`batcher.claim_check_io`; the others leave that to the scheduler, as it ships).
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -36,6 +38,9 @@ def variants(base_tree: Path | None) -> dict[str, ServiceVariant]:
         "this": ServiceVariant(label="this", inflight_batches=1),
         # torch's threads left to the batcher: two batches at once get one thread each on 2 cores.
         "two-streams": ServiceVariant(label="two-streams", inflight_batches=2),
+        "two-streams-claim-check-io": ServiceVariant(
+            label="two-streams-claim-check-io", inflight_batches=2, claim_check_io=True
+        ),
         "base-two-streams": ServiceVariant(label="base-two-streams", inflight_batches=2, source=base_tree),
     }
 
