@@ -332,7 +332,7 @@ class BatcherConfig(_Section):
     )
     claim_check_io: bool = Field(
         False,
-        description="Read claim-checked inputs (uploads, a file batch's chunk rows) from the object store and store "
+        description="Experimental. Read claim-checked inputs (uploads, a file batch's chunk rows) from the object store and store "
         "large outputs there over this batcher's own NATS connection (the nats section), instead of the scheduler "
         "moving those bytes through the work stream: for many or GPU batchers behind one scheduler, not for "
         "batchers sharing a few CPU cores with the stack (docs/BATCHES.md). Needs a NATS user that may read and "

@@ -110,9 +110,11 @@ async def test_kill_batcher_scheduler_gateway_mid_batch_every_record_once(
             service.stop()
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
     # Who stored each chunk's outputs: the scheduler names them after the job, a batcher after the
-    # attempt (out/<job_id>.<attempt>).
+    # attempt (out/<job_id>.<attempt>). A chunk whose attempts the kills all took fails and is split
+    # in halves (docs/BATCHES.md), whose 32-row outputs stay inline: hence "at least half".
     names = [job.result_ref.ref for job in chunks.jobs if job.state == job_pb2.JOB_STATE_SUCCEEDED]
-    assert len(names) == RECORDS // 64
-    assert all(("." in name) == claim_check_io for name in names), names
+    stored = [name for name in names if name]
+    assert len(stored) >= RECORDS // 64 // 2, names
+    assert all(("." in name) == claim_check_io for name in stored), stored
     for i, line in enumerate(lines):
         assert line["outputs"]["y"] == [[2.0 * i + 1, 3.0, 5.0, 7.0]], json.dumps(line)
