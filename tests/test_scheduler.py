@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
+from structlog.testing import capture_logs
 
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
@@ -451,6 +452,40 @@ async def test_a_batcher_that_reads_claim_checks_is_told_where_to_store_outputs_
         assert failed.result_ref is None
     finally:
         await batcher.close()
+
+
+async def test_a_nak_for_a_live_attempts_message_does_not_run_the_job_again(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """nats-server applies a nak by stream sequence, to whichever delivery is pending: a reclaim
+    sweep's nak sent for a delivery that has since been redelivered (services.scheduler.lease_reclaim)
+    sends the running attempt's message back. The scheduler holding the attempt adopts it: no second
+    order, the attempt ends as attempt 1, and its ack goes to the delivery pending."""
+    batcher = await batchers("b1")
+    await batcher.grant(2)  # a credit to spare: without the adoption the redelivery runs at once
+    job_id = await enqueue(nc, kv)
+    order = await batcher.next_order()
+    running = await wait_state(js, job_id, JobState.RUNNING)
+    with capture_logs() as logs:
+        await nc.publish(running.lease_subject, b"-NAK")  # as a sweep's would
+        await nc.flush()
+
+        async def handled() -> bool:  # adopted, or (without the adoption) run as attempt 2
+            adopted = any(entry["event"] == "live_attempt_redelivered" for entry in logs)
+            return adopted or (await read_record(js, job_id)).attempt > 1
+
+        await until(handled)
+    assert (await read_record(js, job_id)).attempt == 1, "the redelivery of a live attempt is not a new attempt"
+    assert batcher.orders.empty()
+    await batcher.answer(order)
+    done = await wait_state(js, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 1
+
+    async def acked() -> bool:
+        return await work_messages(js, config) == 0
+
+    await until(acked)
+    assert batcher.orders.empty()
 
 
 async def test_high_priority_goes_first_with_one_credit(

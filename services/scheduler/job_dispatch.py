@@ -158,6 +158,8 @@ class JobDispatch:
         record = await self._record_of(msg, envelope, job_log)
         if record is None:
             return False
+        if self._adopts_redelivery(msg, record, job_log):
+            return False
         now = time.time()
         version = envelope.model_version
         runnable = record.state in (JobState.QUEUED, JobState.RUNNING)
@@ -179,6 +181,24 @@ class JobDispatch:
                 return False
             version = routed.version
         return await self._run(msg, envelope, session, job_log, record, version, trace)
+
+    def _adopts_redelivery(self, msg: Msg, record: JobRecord, job_log: JobLog) -> bool:
+        """Whether `msg` is the message of an attempt running here under a live lease, delivered
+        again: the attempt keeps running, and its renewals and final ack go to this delivery. A nak
+        names its message by stream sequence, so nats-server applies one sent for an older delivery
+        to the one pending now (services.scheduler.lease_reclaim: a sweep's nak that lost a race with
+        AckWait's redelivery and this scheduler's dispatch); counting that as a lapsed lease spent an
+        attempt of a job that was running fine (CI's kill -9 batch test, once three of three)."""
+        held = self._leases.jobs.get(record.job_id)
+        if (
+            held is None
+            or held.attempt != record.attempt
+            or record.state not in (JobState.RUNNING, JobState.CANCELLING)
+        ):
+            return False
+        held.msg = msg
+        job_log.warning("live_attempt_redelivered", attempt=record.attempt)
+        return True
 
     async def _run(
         self,

@@ -8,8 +8,14 @@ up to the last delivered: a WorkQueue stream keeps only unacked ones), reads the
 naks every one whose RUNNING (or CANCELLING) attempt is held by an instance that no longer runs
 (services.scheduler.instances). JetStream redelivers them at once; the next dispatch counts the
 lapsed attempt as it does after AckWait (lifecycle.dispatch), and a late result of the old attempt
-is fenced out. A nak on a delivery that is no longer the pending one is ignored by the server, so
-a race with AckWait or with another scheduler's sweep costs nothing.
+is fenced out. A nak names its message by stream sequence: nats-server applies it to the delivery
+pending now, even one made after the delivery it was sent for (checked against nats-server 2.15:
+tests/test_scheduler.py). So a sweep that read a record held by a dead instance, and naks after
+AckWait's redelivery has already started the next attempt here, sends that message back once more;
+the dispatcher holding the attempt adopts the redelivery (job_dispatch: `live_attempt_redelivered`)
+rather than counting a lapsed lease. Another scheduler that gets it cannot tell it from a lapsed
+lease, and spends an attempt: the race needs a sweep and a redelivery in the same few
+milliseconds.
 
 It runs once at start (for the process this one replaced) and again after the heartbeat TTL (for
 instances elsewhere whose heartbeat has lapsed since), in the background: start-up does not wait
