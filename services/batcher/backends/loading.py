@@ -58,10 +58,32 @@ def load_backend(model: ModelConfig, batcher: BatcherConfig) -> ModelBackend:
     return load_torch_backend(model, torch_threads=batcher.torch_threads)
 
 
-def torch_threads_for(batcher: BatcherConfig, models: Iterable[ModelConfig], cores: int) -> int:
+def cuda_present() -> bool:
+    """Whether torch is installed here and sees a CUDA device (False without torch: a batcher
+    serving only Triton models needs none)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def torch_threads_for(
+    batcher: BatcherConfig,
+    models: Iterable[ModelConfig],
+    cores: int,
+    *,
+    cuda_available: Callable[[], bool] = cuda_present,
+) -> int:
     """The torch intra-op threads a batcher sets for its process (0: torch's default, one per core).
 
-    `torch_threads` when configured. Otherwise, when a torch model computes several batches at once
+    `torch_threads` when configured. Otherwise one when every torch model computes on a GPU: the
+    CPU pool then has only the host's side of each batch to do (a copy in, a copy out), and its
+    threads spin at every op's barrier. Measured on an H200 with 16 cores (an MLP file batch of
+    100,000 records through the whole system, two batches at once, alternated, bench/results/
+    batch_files_ab_gpu_threads.md): the batcher's CPU 20.1 and 22.5 s at 8 threads a batch against
+    2.2 and 2.2 s at one, 45,527 and 45,380 against 51,909 and 51,458 records/s.
+    Otherwise, when a torch model computes several batches at once
     (max_inflight_batches N > 1), each batch gets its share of the cores, cores // N (at least 1):
     N batches at torch's default would run N threads per core, and torch's threads spin at every
     op's barrier while the others hold the cores. Measured on 2 cores (bench/results/
@@ -72,5 +94,12 @@ def torch_threads_for(batcher: BatcherConfig, models: Iterable[ModelConfig], cor
     if batcher.torch_threads:
         return batcher.torch_threads
     versions = [v for m in models if not m.steps for v in m.version_configs()]
-    at_once = max((v.max_inflight_batches for v in versions if v.backend == "torch"), default=1)
+    on_torch = [v for v in versions if v.backend == "torch"]
+    if on_torch and all(_on_gpu(v.device, cuda_available) for v in on_torch):
+        return 1
+    at_once = max((v.max_inflight_batches for v in on_torch), default=1)
     return max(1, cores // at_once) if at_once > 1 else 0
+
+
+def _on_gpu(device: str, cuda_available: Callable[[], bool]) -> bool:
+    return device.startswith("cuda") or (device == "auto" and cuda_available())
