@@ -99,9 +99,10 @@ def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
 
     import torch
 
-    from bench.batcher_models import build_mlp
+    from bench.batcher_models import build_mlp, torch_device
 
-    mlp = build_mlp()
+    device = torch_device()  # $BENCH_DEVICE, as the batcher's model (each batch copied from the host)
+    mlp = build_mlp().to(device)
     x = torch.from_numpy(data)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -110,7 +111,7 @@ def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
     def work(k: int) -> None:
         with torch.inference_mode():
             for start in starts[k::streams]:
-                mlp(x[start : start + batch_size])
+                mlp(x[start : start + batch_size].to(device)).cpu()
 
     workers = [threading.Thread(target=work, args=(k,)) for k in range(streams)]
     try:
@@ -129,14 +130,16 @@ def direct_rate(model: str, data: Any, batch_size: int) -> float:
     import torch
 
     if model == "mlp":
-        from bench.batcher_models import build_mlp
+        from bench.batcher_models import build_mlp, torch_device
 
-        mlp = build_mlp()
+        device = torch_device()  # $BENCH_DEVICE, as the batcher's model (each batch copied from the host)
+        mlp = build_mlp().to(device)
         x = torch.from_numpy(data)
-        started = time.perf_counter()
         with torch.inference_mode():
+            mlp(x[:batch_size].to(device)).cpu()  # warm-up (CUDA's first call initialises it)
+            started = time.perf_counter()
             for start in range(0, len(x), batch_size):
-                mlp(x[start : start + batch_size])
+                mlp(x[start : start + batch_size].to(device)).cpu()
         return len(x) / (time.perf_counter() - started)
     from asyncinfer.config import BatcherConfig
     from services.batcher.backends.loading import load_backend
@@ -147,6 +150,12 @@ def direct_rate(model: str, data: Any, batch_size: int) -> float:
     for start in range(0, len(texts), batch_size):
         backend.infer_batch({"text": texts[start : start + batch_size]})
     return len(texts) / (time.perf_counter() - started)
+
+
+def batches_overrides() -> dict[str, float]:
+    """The `batches` settings BENCH_BATCHES=NAME=VALUE[,NAME=VALUE] sets for a run (numbers)."""
+    pairs = (item.split("=", 1) for item in os.environ.get("BENCH_BATCHES", "").split(",") if item)
+    return {name: float(value) for name, value in pairs}
 
 
 async def stored_bytes(nats_url: str) -> int:
@@ -243,6 +252,7 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         "chunk_records": chunk,
         "max_inflight_batches": at_once,
         "claim_check_io": variant.claim_check_io,
+        "batches_overrides": batches_overrides(),
     }
     # Direct torch before and after the services run: on a shared machine the load moves, and the
     # mean of the two brackets the system's run.
@@ -252,7 +262,9 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         config = services_config(
             nats.url,
             [config_model],
-            batches={"chunk_records": chunk},  # the rest as users get it: 8 chunks in flight, a 0.2 s tick
+            # The rest as users get it (8 chunks in flight, a 0.2 s tick) unless BENCH_BATCHES says
+            # otherwise (NAME=VALUE,...: a GPU's batcher empties a window of 8 faster than that tick).
+            batches={"chunk_records": chunk, **batches_overrides()},
             gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
         )
         children = {

