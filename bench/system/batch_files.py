@@ -27,6 +27,7 @@ import asyncio
 import io
 import json
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -84,12 +85,17 @@ class ServiceVariant:
     model computes at once (torch's threads then split by the batcher), whether the batcher reads
     the chunks' rows and stores their outputs itself (`batcher.claim_check_io`: off as it ships;
     set only when True, so an older tree's configuration stays valid), and the tree whose code they
-    run (None: this one; another revision's worktree for an A/B of code)."""
+    run (None: this one; another revision's worktree for an A/B of code), how many batchers serve
+    the model (several per GPU: one event loop each), and the model's loader (bench.batcher_models:
+    build_light measures the services' own cost per record; direct torch still runs the MLP)."""
 
     label: str = "shipped"
     inflight_batches: int | None = None  # None: BATCH_INFLIGHT's
     claim_check_io: bool = False
     source: Path | None = None
+    batchers: int = 1
+    loader: str | None = None
+    switch_interval_s: float | None = None  # the batcher's sys.setswitchinterval (None: Python's 5 ms)
 
 
 def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
@@ -150,6 +156,39 @@ def direct_rate(model: str, data: Any, batch_size: int) -> float:
     for start in range(0, len(texts), batch_size):
         backend.infer_batch({"text": texts[start : start + batch_size]})
     return len(texts) / (time.perf_counter() - started)
+
+
+def profile_path(variant: ServiceVariant, service: str) -> Path | None:
+    """Where a py-spy profile of the service goes when BENCH_PROFILE_DIR names a folder (the first
+    batcher only): <folder>/<variant>-<service>-<n>.txt, n counting the variant's rounds."""
+    folder = os.environ.get("BENCH_PROFILE_DIR")
+    if not folder:
+        return None
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{variant.label}-{service}")
+    taken = len(list(Path(folder).glob(f"{stem}-*.txt")))
+    return Path(folder) / f"{stem}-{taken + 1}.txt"
+
+
+def switch_interval_site(folder: Path, interval_s: float) -> str:
+    """A PYTHONPATH whose sitecustomize sets the GIL switch interval at start (then the inherited
+    PYTHONPATH, which a GPU machine's wheels need)."""
+    site = folder / "switch-interval"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.setswitchinterval({interval_s!r})\n")
+    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def fold_batchers(result: dict[str, Any], batchers: int) -> None:
+    """Several batchers' CPU seconds and page faults summed under "batcher" (each kept too)."""
+    if batchers < 2:
+        return
+    for key in ("cpu_s", "page_faults"):
+        each = [result[key][n] for n in result[key] if n.startswith("batcher")]
+        result[key]["batcher"] = round(sum(each), 2)
+        for n in [n for n in result[key] if n.startswith("batcher-")]:
+            del result[key][n]
+        result[f"{key}_each_batcher"] = each
 
 
 def batches_overrides() -> dict[str, float]:
@@ -241,7 +280,9 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
     max_batch, delay_ms, _threads = MODELS[model]
     config_model = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
     at_once = BATCH_INFLIGHT[model] if variant.inflight_batches is None else variant.inflight_batches
-    config_model = config_model.model_copy(update={"max_inflight_batches": at_once})
+    config_model = config_model.model_copy(
+        update={"max_inflight_batches": at_once, **({"loader": variant.loader} if variant.loader else {})}
+    )
     data, raw = mlp_file(records) if model == "mlp" else minilm_file(records)
     chunk = CHUNK_RECORDS if model == "mlp" else 256
     result: dict[str, Any] = {
@@ -252,6 +293,8 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         "chunk_records": chunk,
         "max_inflight_batches": at_once,
         "claim_check_io": variant.claim_check_io,
+        "batchers": variant.batchers,
+        "loader": config_model.loader,
         "batches_overrides": batches_overrides(),
     }
     # Direct torch before and after the services run: on a shared machine the load moves, and the
@@ -269,14 +312,27 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         )
         children = {
             "gateway": group.service("gateway", config, source=variant.source),
-            "scheduler": group.service("scheduler", config, source=variant.source),
+            "scheduler": group.service(
+                "scheduler", config, source=variant.source, profile_path=profile_path(variant, "scheduler")
+            ),
         }
         batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
-        batcher = batcher_config(config, children["scheduler"].address)
-        if variant.claim_check_io:
-            batcher = batcher.replace(batcher={"claim_check_io": True})
-        children["batcher"] = group.service("batcher", batcher, env=batcher_env, source=variant.source)
-        await wait_batchers(children["scheduler"].address, config_model.name, 1)
+        if variant.switch_interval_s is not None:
+            batcher_env["PYTHONPATH"] = switch_interval_site(group.tmp, variant.switch_interval_s)
+        for number in range(variant.batchers):
+            batcher = batcher_config(config, children["scheduler"].address, batcher_id=f"batcher-{number}")
+            if variant.claim_check_io:
+                batcher = batcher.replace(batcher={"claim_check_io": True})
+            label = "batcher" if number == 0 else f"batcher-{number}"
+            children[label] = group.service(
+                "batcher",
+                batcher,
+                env=batcher_env,
+                source=variant.source,
+                label=label,
+                profile_path=profile_path(variant, "batcher") if number == 0 else None,
+            )
+        await wait_batchers(children["scheduler"].address, config_model.name, variant.batchers)
         before = await stored_bytes(nats.url)
         async with grpc.aio.insecure_channel(children["gateway"].address) as channel:
             jobs = job_service_pb2_grpc.JobServiceStub(channel)
@@ -311,6 +367,7 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             result["chunk_timeline"] = await chunk_timeline(jobs, created.batch.batch_id)
             result["cpu_s"] = {n: round(c.cpu_seconds() - cpu_before[n], 2) for n, c in children.items()}
             result["page_faults"] = {n: page_faults(c.pid) - faults_before[n] for n, c in children.items()}
+            fold_batchers(result, variant.batchers)
             if nats.process is not None:
                 result["cpu_s"]["nats-server"] = round(cpu_seconds(nats.process.pid) - nats_cpu_before, 2)
             stop.set()

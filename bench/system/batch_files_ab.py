@@ -11,8 +11,11 @@ Variants (bench.system.batch_files.ServiceVariant):
   threads split between them by the batcher (services/batcher/backends/loading.py);
 - base-two-streams: the base revision's services computing two batches at once (its batcher must
   split torch's threads too: b00ce92 or later);
-- two-streams-claim-check-io: as two-streams, with the batcher reading the chunks' rows and storing
-  their outputs itself (`batcher.claim_check_io`; the others leave that to the scheduler, as it ships).
+- modifiers after a '+' (variant()): claim-check-io, the batcher reading the chunks' rows and
+  storing their outputs itself (`batcher.claim_check_io`; otherwise the scheduler does, as it
+  ships); light, a model of the MLP's signature at almost no compute (what the services cost per
+  record); N-batchers, N batchers serving the model; switch-Nus, the batcher's GIL switch interval
+  (sys.setswitchinterval; Python's default is 5,000 us). E.g. two-streams+claim-check-io+4-batchers.
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 from pathlib import Path
@@ -32,17 +36,35 @@ from bench.system.batch_files import ServiceVariant, measure
 from bench.system.common import RESULTS, log, machine_facts
 
 
-def variants(base_tree: Path | None) -> dict[str, ServiceVariant]:
-    return {
-        "base": ServiceVariant(label="base", inflight_batches=1, source=base_tree),
-        "this": ServiceVariant(label="this", inflight_batches=1),
+def variant(name: str, base_tree: Path | None) -> ServiceVariant:
+    """The variant a name says: a stem (base, this, two-streams, base-two-streams) and modifiers
+    after it, each introduced by '+': claim-check-io, light (bench.batcher_models:build_light, the
+    services' own cost per record), <N>-batchers (N batchers serving the model), e.g.
+    two-streams+claim-check-io+4-batchers. The older name two-streams-claim-check-io still works."""
+    name = name.replace("two-streams-claim-check-io", "two-streams+claim-check-io")
+    stem, *modifiers = name.split("+")
+    stems = {
+        "base": {"inflight_batches": 1, "source": base_tree},
+        "this": {"inflight_batches": 1},
         # torch's threads left to the batcher: two batches at once get one thread each on 2 cores.
-        "two-streams": ServiceVariant(label="two-streams", inflight_batches=2),
-        "two-streams-claim-check-io": ServiceVariant(
-            label="two-streams-claim-check-io", inflight_batches=2, claim_check_io=True
-        ),
-        "base-two-streams": ServiceVariant(label="base-two-streams", inflight_batches=2, source=base_tree),
+        "two-streams": {"inflight_batches": 2},
+        "base-two-streams": {"inflight_batches": 2, "source": base_tree},
     }
+    if stem not in stems:
+        raise SystemExit(f"unknown variant {name!r}: its stem is one of {sorted(stems)}")
+    settings: dict[str, Any] = {"label": name, **stems[stem]}
+    for modifier in modifiers:
+        if modifier == "claim-check-io":
+            settings["claim_check_io"] = True
+        elif modifier == "light":
+            settings["loader"] = "bench.batcher_models:build_light"
+        elif (count := re.fullmatch(r"(\d+)-batchers", modifier)) is not None:
+            settings["batchers"] = int(count.group(1))
+        elif (interval := re.fullmatch(r"switch-(\d+)us", modifier)) is not None:
+            settings["switch_interval_s"] = int(interval.group(1)) / 1e6
+        else:
+            raise SystemExit(f"unknown modifier {modifier!r} in variant {name!r}")
+    return ServiceVariant(**settings)
 
 
 def base_revision(tree: Path | None) -> str:
@@ -97,7 +119,7 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     for round_number in range(args.rounds):
         for name in rows:
             log(f"round {round_number + 1}/{args.rounds}: {name}")
-            result = await measure("mlp", args.records, variants(args.base_tree)[name])
+            result = await measure("mlp", args.records, variant(name, args.base_tree))
             rows[name].append(result)
             log(json.dumps({k: result[k] for k in ("records_per_s", "ratio", "cpu_s", "page_faults")}))
     return rows

@@ -272,7 +272,7 @@ class ProcessGroup:
         full_env = {**os.environ, **(env or {})}
         if profile_path is not None:
             argv = [
-                str(Path(PYTHON).parent / "py-spy"),
+                which("py-spy") or "py-spy",
                 "record", "--format", "raw", "--rate", "200",
                 *(PROFILE_FLAGS if "--native" in PROFILE_FLAGS else ["--nonblocking", *PROFILE_FLAGS]),
                 "-o", str(profile_path), "--", *argv,
