@@ -158,7 +158,7 @@ class MiniLMBackend(TorchBackend):
             for row, encoding in enumerate(encodings):
                 ids[row, : len(encoding.ids)] = encoding.ids
                 attention[row, : len(encoding.ids)] = 1
-            with torch.inference_mode():
+            with torch.inference_mode(), self._own_stream():
                 embeddings = self.forward({"ids": self.to_device(ids), "attention": self.to_device(attention)})
                 result = embeddings.to("cpu").numpy()
         except Exception as exc:

@@ -95,6 +95,6 @@ class MiniLMDocBackend(MiniLMBackend):
             tokens = [self._cls, *window, self._sep]
             ids[row, : len(tokens)] = tokens
             attention[row, : len(tokens)] = 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self._own_stream():
             embeddings = self.forward({"ids": self.to_device(ids), "attention": self.to_device(attention)})
             return embeddings.to("cpu").numpy()  # type: ignore[no-any-return]
