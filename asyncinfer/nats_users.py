@@ -4,7 +4,12 @@ that talks to NATS, each allowed only the subjects of the streams and buckets it
 Who needs NATS at all: the gateway and the scheduler. The batcher and the console do not (the
 batcher talks gRPC to the scheduler, the console gRPC to the gateway and the scheduler), so they
 get no NATS user: with authorization on, a connection without credentials is refused, and a
-batcher pod, which runs model code, holds nothing that opens NATS.
+batcher pod, which runs model code, holds nothing that opens NATS. The one exception is a batcher
+with `batcher.claim_check_io` (it reads its orders' inputs from the objects bucket and stores
+large outputs there itself, docs/BATCHES.md): `batcher_permissions` is its user, asked for with
+`service_permissions(..., batcher=True)`. It reaches the objects bucket and nothing else, so model
+code that takes it can read and replace stored objects (every tenant's uploads and results), but
+not see or change a job, a queue or a record.
 
 What each service may touch (ARCHITECTURE.md "The contract in NATS" names every subject):
 
@@ -16,6 +21,9 @@ What each service may touch (ARCHITECTURE.md "The contract in NATS" names every 
   `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
 - scheduler: everything of the stack's streams and buckets (it pulls, leases, stores results,
   dead-letters, replays, purges and sends webhooks), and nothing else of the server's.
+- batcher (claim_check_io only): reads objects (their meta by subject, their chunks by sequence),
+  writes output objects (chunks, then the meta) and purges the chunks of a failed or replaced one.
+  It may not create, change or read the info of any stream, nor consume from one.
 
 JetStream's API is allowed per stream (`$JS.API.<ACTION>.<stream>...`), not as `$JS.API.>`, so a
 service can neither read nor create a stream outside its list. Replies (and the deliveries of
@@ -39,7 +47,7 @@ from asyncinfer.config import NatsConfig
 
 # Each service's `nats.inbox_prefix` where these permissions apply (not under `_INBOX.`: a user
 # allowed `_INBOX.>` would match it).
-INBOX_PREFIXES = {"gateway": "_INBOX_gateway", "scheduler": "_INBOX_scheduler"}
+INBOX_PREFIXES = {"gateway": "_INBOX_gateway", "scheduler": "_INBOX_scheduler", "batcher": "_INBOX_batcher"}
 
 
 def _inbox(service: str) -> str:
@@ -175,9 +183,26 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 
-def service_permissions(nats: NatsConfig) -> dict[str, Permissions]:
-    """Each NATS-using service's permissions, by service name."""
-    return {"gateway": gateway_permissions(nats), "scheduler": scheduler_permissions(nats)}
+def batcher_permissions(nats: NatsConfig) -> Permissions:
+    """A batcher with `batcher.claim_check_io`: the objects bucket's reads and writes, nothing more."""
+    stream = _objects_stream(nats.objects_bucket)
+    publish = [
+        f"$JS.API.DIRECT.GET.{stream}",  # a chunk by sequence
+        f"$JS.API.DIRECT.GET.{stream}.>",  # an object's meta by subject
+        f"$JS.API.STREAM.MSG.GET.{stream}",  # the same where direct gets are off
+        f"$JS.API.STREAM.PURGE.{stream}",  # the chunks of a failed or replaced output
+        _objects(nats.objects_bucket),  # output chunks and meta
+    ]
+    return Permissions(publish=tuple(publish), subscribe=(_inbox("batcher"),))
+
+
+def service_permissions(nats: NatsConfig, *, batcher: bool = False) -> dict[str, Permissions]:
+    """Each NATS-using service's permissions, by service name; with `batcher`, the user of
+    batchers that move their orders' claim-checked bytes themselves (`batcher.claim_check_io`)."""
+    services = {"gateway": gateway_permissions(nats), "scheduler": scheduler_permissions(nats)}
+    if batcher:
+        services["batcher"] = batcher_permissions(nats)
+    return services
 
 
 def _unique(subjects: Iterable[str]) -> list[str]:

@@ -37,7 +37,7 @@ class PerServiceNats:
     def write_config(self) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         users: dict[str, NatsUser] = {}
-        for service, permissions in {**service_permissions(self.nats), "test": ANYTHING}.items():
+        for service, permissions in {**service_permissions(self.nats, batcher=True), "test": ANYTHING}.items():
             seed, public = new_user_nkey()
             seed_file = self.directory / f"{service}.nk"
             seed_file.write_text(seed + "\n")

@@ -3,7 +3,8 @@ to it, all in the test's process against the test's nats-server (tests/conftest.
 reverse order.
 
 What tests vary is the configuration (`config`, and `scheduler_config` for a scheduler that sees
-another one, as after a change the gateway has not made), which parts run (`start(scheduler=...,
+another one, as after a change the gateway has not made; `batcher_config` for a batcher's own, as
+its NATS user), which parts run (`start(scheduler=...,
 batcher=...)`; `start_batcher()` later) and the claim-check sweep interval. Started, it holds a
 JobService channel (`jobs`), a NATS connection of the test's own (`nc`) and the claim-check store
 (`blobs`). `ThreadedStack` runs one on its own event loop for synchronous tests.
@@ -50,9 +51,11 @@ class Stack:
         config: Config,
         *,
         scheduler_config: Config | None = None,
+        batcher_config: Config | None = None,
         blob_sweep_interval_s: float | None = None,
     ) -> None:
         self.config = config
+        self._batcher_config = batcher_config or config
         self.gateway = GatewayApp(config)
         sweep: dict[str, Any] = (
             {} if blob_sweep_interval_s is None else {"blob_sweep_interval_s": blob_sweep_interval_s}
@@ -109,7 +112,7 @@ class Stack:
         """A batcher connected to this stack's scheduler (one at a time)."""
         assert self._scheduler_started, "a batcher needs the scheduler"
         assert self.batcher is None, "the stack runs one batcher"
-        self.batcher = BatcherApp(self.config.replace(batcher={"scheduler_address": self.ops_address}))
+        self.batcher = BatcherApp(self._batcher_config.replace(batcher={"scheduler_address": self.ops_address}))
         await self.batcher.start()
 
     async def restart_gateway(self, grace_s: float = 1.0) -> None:

@@ -4,7 +4,8 @@ uploaded inputs, a large result, watches, ListJobs, a cancel, OpsService, a dead
 the server logs no permission violation. A user that is none of the services (a batcher pod's
 or a tenant's NATS login) is refused every read and write of the jobs bucket, and so is a
 connection without credentials; it hears none of the services' replies or records (each service
-has its own inbox prefix); the gateway's own user may not take work off the queue."""
+has its own inbox prefix); the gateway's own user may not take work off the queue. A batcher with
+`batcher.claim_check_io` runs as the batcher user, which reaches the objects bucket alone."""
 
 from __future__ import annotations
 
@@ -174,3 +175,52 @@ async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_s
     finally:
         await gateway.close()
     assert any("CONSUMER.MSG.NEXT.WORK" in line for line in users.violations())
+
+
+async def test_a_batcher_that_moves_claim_checks_runs_as_its_own_user_on_the_objects_bucket_alone(
+    users: PerServiceNats, start_stack: StartStack
+) -> None:
+    base = base_config()
+    stack = await start_stack(
+        users.config_of(base, "gateway"),
+        scheduler_config=users.config_of(base, "scheduler"),
+        batcher_config=users.config_of(base.replace(batcher={"claim_check_io": True}), "batcher"),
+    )
+    async with AsyncClient(stack.address) as client:
+        # An uploaded input read by the batcher, its large result stored by it (the attempt's object).
+        ref = await client.upload_inputs({"x": np.ones((32, 4), np.float32)})
+        big = await client.wait(await client.submit("demo", input_ref=ref), timeout_s=30)
+        assert big.state.name == "SUCCEEDED", big
+        assert big.result_ref is not None
+        assert big.result_ref.ref == f"out/{big.job_id}.1", "the batcher stored it"
+        assert (await client.read_result(big))["y"].shape == (32, 4)
+        # A file batch: its chunks' rows read by the batcher.
+        lines = [json.dumps({"custom_id": f"r{i}", "inputs": {"x": [float(i)] * 4}}) for i in range(40)]
+        batch = await client.create_batch(("\n".join(lines) + "\n").encode(), "demo")
+        ended = await client.wait_batch(batch, timeout_s=60)
+        assert ended.state == "COMPLETED", ended
+        out = io.BytesIO()
+        await client.download(ended, out)
+        assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [f"r{i}" for i in range(40)]
+    assert users.violations() == []
+
+    # The batcher's user reaches nothing but the objects bucket: no record, no work, no stream info.
+    batcher = await connect(Config().replace(nats=users.settings("batcher")).nats, name="batcher-as-thief")
+    try:
+        for subject, payload in (
+            (f"$JS.API.DIRECT.GET.KV_jobs.$KV.jobs.default.{big.job_id}", b""),
+            ("$JS.API.CONSUMER.MSG.NEXT.WORK.work-demo-normal", b'{"batch": 1}'),
+            ("$JS.API.STREAM.INFO.OBJ_objects", b""),
+        ):
+            with pytest.raises(Exception):  # noqa: B017,PT011 - a permission error or a timeout, per API
+                await batcher.request(subject, payload, timeout=2.0)
+        # A forged record: the server drops it and logs the violation (asserted below).
+        await batcher.publish(f"$KV.jobs.default.{big.job_id}", b"forged")
+        await batcher.flush(timeout=2)
+    finally:
+        await batcher.close()
+    violations = users.violations()
+    assert any("DIRECT.GET.KV_jobs" in line for line in violations), violations
+    assert any("CONSUMER.MSG.NEXT.WORK" in line for line in violations), violations
+    assert any("STREAM.INFO.OBJ_objects" in line for line in violations), violations
+    assert any('"$KV.jobs.' in line for line in violations), violations
