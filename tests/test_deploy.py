@@ -43,7 +43,10 @@ from tests.stack import Stack, StartStack
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-OVERLAYS = ("local", "production", "production-prometheus", "production-triton")
+OVERLAYS = ("local", "production", "production-prometheus", "production-triton", "production-gpu-batches")
+# Overlays whose batchers move their orders' claim-checked bytes themselves, as NATS users of their
+# own (components/batcher-claim-checks).
+CLAIM_CHECK_BATCHERS = ("production-gpu-batches",)
 # The oldest Kubernetes the manifests target (native gRPC probes are GA since 1.27) and the newest
 # the installed kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.27", kubernetes_validate.utils.major_minor(kubernetes_validate.utils.latest_version()))
@@ -350,12 +353,13 @@ def nats_conf(docs: tuple[dict[str, Any], ...]) -> str:
     return conf
 
 
-def test_nats_server_accepts_the_cluster_configuration(tmp_path: Path) -> None:
+@pytest.mark.parametrize("overlay", ["production", *CLAIM_CHECK_BATCHERS])
+def test_nats_server_accepts_the_cluster_configuration(overlay: str, tmp_path: Path) -> None:
     from asyncinfer.nats_users import new_user_nkey
     from tests.certs import TestCA
 
-    nats = of_kind(render("production"), "StatefulSet")["nats"]
-    conf = nats_conf(render("production"))
+    nats = of_kind(render(overlay), "StatefulSet")["nats"]
+    conf = nats_conf(render(overlay))
     # The certificate files the pods mount (nats-tls), made here; the NKeys the Secret gives.
     ca = TestCA(tmp_path / "pki")
     pem = ca.issue("nats")
@@ -371,6 +375,7 @@ def test_nats_server_accepts_the_cluster_configuration(tmp_path: Path) -> None:
         "SERVER_NAME": "nats-0",
         "GATEWAY_NKEY": new_user_nkey()[1],
         "SCHEDULER_NKEY": new_user_nkey()[1],
+        **({"BATCHER_NKEY": new_user_nkey()[1]} if overlay in CLAIM_CHECK_BATCHERS else {}),
     }
     out = subprocess.run(
         [binary, "-t", "-c", str(path)], capture_output=True, text=True, env=env, timeout=30, check=False
@@ -428,7 +433,7 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
 
-@pytest.mark.parametrize("overlay", ["local", "production-triton"])
+@pytest.mark.parametrize("overlay", ["local", "production-triton", *CLAIM_CHECK_BATCHERS])
 def test_network_policies_open_only_the_gateway_to_everyone(overlay: str) -> None:
     docs = render(overlay)
     policies = of_kind(docs, "NetworkPolicy")
@@ -453,10 +458,12 @@ def test_network_policies_open_only_the_gateway_to_everyone(overlay: str) -> Non
     for name in pods:
         for port in (4222, 6222, 50052, 50053, 8001, 8070):
             assert None not in allowed_from(name, port), (name, port)
-    # Only the services reach NATS's client port; batchers only the scheduler.
+    # Only the services reach NATS's client port; batchers only the scheduler (unless they move
+    # claim-checked bytes themselves).
     nats_peers = [p["podSelector"] for p in allowed_from("nats", 4222) if p and "podSelector" in p]
     nats_clients = [n for n in pods if any(_selects(selector, pods[n]) for selector in nats_peers)]
-    assert sorted(nats_clients) == ["gateway", "nats", "scheduler"]
+    batchers = sorted(n for n in pods if n.startswith("batcher-")) if overlay in CLAIM_CHECK_BATCHERS else []
+    assert sorted(nats_clients) == sorted(["gateway", "nats", "scheduler", *batchers])
     scheduler_peers = [p["podSelector"] for p in allowed_from("scheduler", 50052) if p and "podSelector" in p]
     scheduler_clients = [n for n in pods if any(_selects(selector, pods[n]) for selector in scheduler_peers)]
     assert all(n.startswith("batcher-") or n == "console" for n in scheduler_clients)

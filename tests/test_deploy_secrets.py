@@ -3,7 +3,8 @@ mounted Secrets, never in a ConfigMap. For every overlay: every file a service i
 in a Secret volume; every Secret a workload needs is made by the overlay, issued by a cert-manager
 Certificate, or one of the few the README says to create; no ConfigMap holds a private key, an
 NKey seed, a webhook secret or a password; each service mounts only its own certificate and NATS
-seed (the batchers and the console have no NATS user); cert-manager's Certificates validate and
+seed (the console has no NATS user, nor do batchers but in an overlay whose batchers move
+claim-checked bytes themselves); cert-manager's Certificates validate and
 name what the others dial; the NATS users are asyncinfer.nats_users' (the file is fresh); the
 local overlay's NKey seeds match the public keys NATS is given; the exec health check speaks TLS."""
 
@@ -27,6 +28,7 @@ from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.nats_users import INBOX_PREFIXES
 from tests.certs import TestCA
 from tests.test_deploy import (
+    CLAIM_CHECK_BATCHERS,
     K8S,
     OVERLAYS,
     SECRET_DIR,
@@ -50,6 +52,7 @@ EXPECTED_SECRETS = {
     "nats-gateway-nkey",
     "nats-scheduler-nkey",
     "nats-users",
+    "nats-batcher-nkey",  # with components/batcher-claim-checks
 }
 NATS_TLS_DIR = "/etc/nats-tls"
 # What must never appear in a ConfigMap: private keys, NKey seeds, webhook secrets, passwords.
@@ -61,6 +64,11 @@ SECRET_PATTERNS = (
     re.compile(r"asyncinfer-local-(demo|batcher)-key"),
 )
 NATS_SERVICES = {"gateway", "scheduler"}
+
+
+def nats_services(overlay: str) -> set[str]:
+    """The services that connect to NATS in the overlay (each as its own user)."""
+    return NATS_SERVICES | ({"batcher"} if overlay in CLAIM_CHECK_BATCHERS else set())
 
 
 def workloads(docs: tuple[dict[str, Any], ...]) -> dict[str, dict[str, Any]]:
@@ -117,9 +125,9 @@ def test_every_secret_is_mounted_from_a_secret_and_exists(overlay: str) -> None:
         tls = [s for s in secrets.values() if s.endswith("-tls")]
         assert tls == [f"{service}-tls"], (overlay, name, tls)
         nkeys = sorted(s for s in referenced if s.endswith("-nkey"))
-        assert nkeys == ([f"nats-{service}-nkey"] if service in NATS_SERVICES else []), (overlay, name, nkeys)
+        assert nkeys == ([f"nats-{service}-nkey"] if service in nats_services(overlay) else []), (overlay, name, nkeys)
         assert "asyncinfer-ca" not in referenced
-        if service not in NATS_SERVICES | {"nats"}:
+        if service not in nats_services(overlay) | {"nats"}:
             assert not any(e["name"].startswith("ASYNCINFER_NATS__") for e in c.get("env", [])), name
         for mount in c.get("volumeMounts", []):
             if mount["name"] in secrets:
@@ -156,7 +164,7 @@ def test_the_services_load_their_configuration_with_the_mounted_files(overlay: s
             section = getattr(cfg, service)
             assert section.tls_cert_file == f"{SECRET_DIR}/tls/tls.crt", name
             assert section.tls_key_file == f"{SECRET_DIR}/tls/tls.key", name
-        if service in NATS_SERVICES:
+        if service in nats_services(overlay):
             assert cfg.nats.tls_ca_file == f"{SECRET_DIR}/tls/ca.crt"
             assert cfg.nats.nkey_seed_file == f"{SECRET_DIR}/nats/seed"
             assert cfg.nats.inbox_prefix == INBOX_PREFIXES[service]  # what its NATS user may subscribe to
@@ -165,6 +173,7 @@ def test_the_services_load_their_configuration_with_the_mounted_files(overlay: s
             assert cfg.batcher.scheduler_cert_file == f"{SECRET_DIR}/tls/tls.crt"  # mutual TLS
             assert cfg.batcher.scheduler_key_file == f"{SECRET_DIR}/tls/tls.key"
             assert cfg.batcher.api_key_file == f"{SECRET_DIR}/keys/key"
+            assert cfg.batcher.claim_check_io is (overlay in CLAIM_CHECK_BATCHERS)
             assert cfg.gateway.api_keys, "the stack's key list: the scheduler checks the batcher's key"
         if service == "scheduler":
             assert cfg.gateway.api_keys
@@ -243,6 +252,14 @@ def test_the_nats_users_are_asyncinfer_nats_users_and_the_file_is_fresh() -> Non
         if "secretKeyRef" in e.get("valueFrom", {})
     }
     assert env == {k: {"name": "nats-users", "key": k} for k in ("GATEWAY_NKEY", "SCHEDULER_NKEY")}
+    # With the batchers' user: the component's file, and the public key from the same Secret.
+    for overlay in CLAIM_CHECK_BATCHERS:
+        conf = nats_conf(render(overlay))
+        assert conf == module.nats_conf(batcher=True), "run deploy/k8s/generate_config.py"
+        assert "nkey: $BATCHER_NKEY" in conf
+        nats = of_kind(render(overlay), "StatefulSet")["nats"]
+        refs = [e["valueFrom"]["secretKeyRef"] for e in container(nats)["env"] if e["name"] == "BATCHER_NKEY"]
+        assert refs == [{"name": "nats-users", "key": "BATCHER_NKEY"}]
 
 
 def test_the_local_nkey_seeds_are_the_users_nats_is_given() -> None:
