@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -217,15 +217,42 @@ class BlobStore:
     async def put_bytes(
         self, tenant: str, ref: str, data: bytes, *, expires_at: float, chunk_bytes: int = CHUNK_BYTES
     ) -> BlobRef:
-        view = memoryview(data)
+        return await self.put_pieces(tenant, ref, [data], expires_at=expires_at, chunk_bytes=chunk_bytes)
 
-        async def pieces() -> AsyncIterator[memoryview]:
-            for start in range(0, len(view), chunk_bytes):
-                yield view[start : start + chunk_bytes]
+    async def put_pieces(
+        self,
+        tenant: str,
+        ref: str,
+        pieces: Sequence[bytes],
+        *,
+        expires_at: float,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> BlobRef:
+        """Stores the pieces, joined, as the object `ref`: each stored chunk is a view of one
+        piece where it lies within one (copied once, into the chunk), joined only where it
+        spans two."""
+        total = sum(len(piece) for piece in pieces)
 
-        return await self.put(
-            tenant, ref, pieces(), expires_at=expires_at, max_bytes=len(data), chunk_bytes=chunk_bytes
-        )
+        async def chunks() -> AsyncIterator[bytes | memoryview]:
+            pending: list[memoryview] = []
+            pending_bytes = 0
+            for piece in pieces:
+                view = memoryview(piece)
+                while view:
+                    take = min(len(view), chunk_bytes - pending_bytes)
+                    if not pending and take == chunk_bytes:
+                        yield view[:take]
+                    else:
+                        pending.append(view[:take])
+                        pending_bytes += take
+                        if pending_bytes == chunk_bytes:
+                            yield b"".join(pending)
+                            pending, pending_bytes = [], 0
+                    view = view[take:]
+            if pending:
+                yield b"".join(pending)
+
+        return await self.put(tenant, ref, chunks(), expires_at=expires_at, max_bytes=total, chunk_bytes=chunk_bytes)
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -278,9 +305,7 @@ class BlobStore:
             data += chunk
         return info, data
 
-    async def read_range(
-        self, tenant: str, ref: str, offset: int, length: int, *, sha256: str = ""
-    ) -> bytes | memoryview:
+    async def read_range(self, tenant: str, ref: str, offset: int, length: int, *, sha256: str = "") -> bytes:
         """Bytes [offset, offset + length) of the object: only the chunks the range covers, by
         their sequences (an object without them is walked from its start). The object's digest
         covers it whole, so a range is checked by each chunk's subject and size (and JetStream's
@@ -313,11 +338,14 @@ class BlobStore:
                 # A window of gets at once: the round trips overlap, memory holds the range.
                 window = sequences[start : min(start + PUBLISH_WINDOW, last + 1)]
                 pieces += await asyncio.gather(*(self._chunk_at(subject, s) for s in window))
-        data = b"".join(pieces)
         skip = offset - first * chunk_bytes
-        if len(data) < skip + length:
+        if sum(len(piece) for piece in pieces) < skip + length:
             raise BlobCorrupt(f"the stored object {ref!r} is shorter than its size")
-        return memoryview(data)[skip : skip + length]  # a view: the range is not copied again
+        # The range alone, joined from views of its chunks: one copy (a batch chunk's rows are MBs).
+        views = [memoryview(piece) for piece in pieces]
+        views[0] = views[0][skip:]
+        views[-1] = views[-1][: len(views[-1]) - (sum(len(v) for v in views) - length)]
+        return b"".join(views)
 
     async def _chunk_at(self, subject: str, sequence: int) -> bytes:
         try:

@@ -19,9 +19,9 @@ from asyncinfer.blob_meta import RESULT_CHUNK_BYTES
 from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.errors import InvalidArgument
 from asyncinfer.jobs import BlobRef
-from asyncinfer.tensor_codec import decode_tensors, to_output_proto
+from asyncinfer.outputs_wire import infer_outputs_pieces
+from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
-from asyncinfer.v1 import tensor_pb2
 
 T = TypeVar("T")
 
@@ -55,10 +55,6 @@ async def read_inputs(
     return tuple(decode_tensors(message.inputs, "input_ref.inputs"))
 
 
-def encode_outputs(outputs: Sequence[Tensor]) -> bytes:
-    return tensor_pb2.InferOutputs(outputs=[to_output_proto(t, raw=True) for t in outputs]).SerializeToString()
-
-
 async def store_outputs(
     store: BlobStore,
     tenant: str,
@@ -66,9 +62,10 @@ async def store_outputs(
     outputs: Sequence[Tensor],
     *,
     expires_at: float,
-    executor: Executor | None = None,
 ) -> BlobRef:
-    """Stores the outputs as a serialized InferOutputs named `name`, kept until `expires_at` (the
-    encoding runs on `executor`)."""
-    data = await _off_loop(executor, encode_outputs, outputs)
-    return await store.put_bytes(tenant, name, data, expires_at=expires_at, chunk_bytes=RESULT_CHUNK_BYTES)
+    """Stores the outputs as a serialized InferOutputs named `name`, kept until `expires_at`. The
+    message is written around the tensors' data (asyncinfer.outputs_wire), which is copied once,
+    into the stored chunks: no encoding step to move off the loop."""
+    return await store.put_pieces(
+        tenant, name, infer_outputs_pieces(outputs), expires_at=expires_at, chunk_bytes=RESULT_CHUNK_BYTES
+    )

@@ -86,6 +86,9 @@ class RangedInputs:
         typed = typed_as(array, self.datatype)
         if typed is None:
             raise InvalidArgument(f"the file's {self.dtype} rows are not {self.datatype}", reason="INPUT_RANGE_DTYPE")
+        if typed is array and isinstance(data, bytes):
+            # Already the model's dtype (typed_as gave the array back): the bytes as they are, not copied again.
+            return [Tensor(name=self.name, datatype=self.datatype, shape=typed.shape, data=data)]
         return [Tensor.from_numpy(self.name, typed, self.datatype)]
 
 

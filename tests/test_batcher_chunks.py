@@ -87,3 +87,14 @@ async def test_chunks_of_one_deadline_are_computed_one_after_the_other_in_arriva
         assert len({part.expires_at for part in item.parts}) == 1  # cutting the parts takes a while
     await asyncio.gather(*(item.future for item in items))
     assert ended == [0, 1, 2, 3, 4]
+
+
+def test_parts_whose_outputs_differ_in_shape_fail_the_chunk_as_a_model_error() -> None:
+    from services.batcher.chunk_items import _concatenated
+
+    parts = [Tensor.from_numpy("y", np.ones((2, 4), np.float32)), Tensor.from_numpy("y", np.ones((3, 5), np.float32))]
+    with pytest.raises(ModelError, match="different shapes"):
+        _concatenated("y", parts)
+    joined = _concatenated("y", [parts[0], Tensor.from_numpy("y", np.zeros((3, 4), np.float32))])
+    assert joined.shape == (5, 4)
+    assert np.array_equal(joined.to_numpy(), np.vstack([np.ones((2, 4)), np.zeros((3, 4))]))

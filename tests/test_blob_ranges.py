@@ -98,6 +98,13 @@ def test_a_range_descriptor_round_trips_narrows_and_converts() -> None:
         half.tensors(rows.tobytes()[:-1])
     with pytest.raises(ValueError, match="not within"):
         whole.narrowed(3, 11)
+    # Rows already of the model's dtype are the tensor's data as they came, not a copy.
+    same = RangedInputs("in/x", "ab" * 32, 128, 0, 5, (4,), "<f4", "x", "FP32")
+    data = rows.astype("<f4").tobytes()
+    (as_read,) = same.tensors(data)
+    assert as_read.data is data
+    assert as_read.shape == (5, 4)
+    assert np.array_equal(as_read.to_numpy(), rows.astype(np.float32))
 
 
 async def test_an_object_of_larger_chunks_reads_back_whole_and_by_range(nc: NatsClient, config: Config) -> None:

@@ -299,7 +299,9 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
     }
     # Direct torch before and after the services run: on a shared machine the load moves, and the
     # mean of the two brackets the system's run.
-    direct_before = await asyncio.to_thread(direct_rate, model, raw, max_batch)
+    # A light model's run measures the services alone: no direct reference (nan).
+    direct = (lambda: float("nan")) if variant.loader else (lambda: direct_rate(model, raw, max_batch))
+    direct_before = await asyncio.to_thread(direct)
     with ProcessGroup() as group:
         nats = group.nats()
         config = services_config(
@@ -388,8 +390,8 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         rss_mib_by_quarter={n: rss_by_quarter(v) for n, v in rss.items() if v},
         interactive_s=latencies,
     )
-    direct_after = await asyncio.to_thread(direct_rate, model, raw, max_batch)
-    if model == "mlp":
+    direct_after = await asyncio.to_thread(direct)
+    if model == "mlp" and not variant.loader:
         # The same records on two streams of one thread each: on 2 cores the faster way to run
         # independent batches directly, so a second reference beside torch's default.
         result["direct_two_streams_records_per_s"] = await asyncio.to_thread(direct_streams_rate, raw, max_batch, 2)

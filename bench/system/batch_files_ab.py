@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -96,7 +97,7 @@ def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], recor
         lines.append(
             f"| {label} | {len(results)} | {spread([r['records_per_s'] for r in results])} "
             f"| {spread([r['ratio'] for r in results])} "
-            f"| {spread([r['records_per_s'] / r['direct_two_streams_records_per_s'] for r in results])} "
+            f"| {spread([r['records_per_s'] / r.get('direct_two_streams_records_per_s', math.nan) for r in results])} "
             f"| {' / '.join(f'{cpu[n]:.2f}' for n in ('gateway', 'scheduler', 'batcher', 'nats-server'))} "
             f"| {' / '.join(f'{faults[n]:,.0f}' for n in ('gateway', 'scheduler', 'batcher'))} "
             f"| {interactive_summary(results)} |"

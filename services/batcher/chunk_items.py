@@ -101,7 +101,11 @@ class ChunkItem:
         names = [t.name for t in outcomes[0].outputs]
         outputs: list[Tensor] = []
         for index, name in enumerate(names):
-            arrays: list[Any] = [outcome.outputs[index].to_numpy() for outcome in outcomes]
+            parts = [outcome.outputs[index] for outcome in outcomes]
+            if self._order is None and parts[0].datatype != "BYTES":
+                outputs.append(_concatenated(name, parts))
+                continue
+            arrays: list[Any] = [part.to_numpy() for part in parts]
             try:
                 joined = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
             except ValueError as exc:
@@ -118,3 +122,15 @@ class ChunkItem:
             compute_s=sum(o.compute_s for o in outcomes),
             queue_s=min(o.queue_s for o in outcomes),
         )
+
+
+def _concatenated(name: str, parts: Sequence[Tensor]) -> Tensor:
+    """The parts' rows one after the other, their bytes joined (one copy: numpy's concatenate
+    and then the tensor's bytes would be two, of a chunk's megabytes)."""
+    rest = parts[0].shape[1:]
+    if any(len(part.shape) < 1 or part.shape[1:] != rest or part.datatype != parts[0].datatype for part in parts):
+        shapes = [part.shape for part in parts]
+        raise ModelError(f"the chunk's parts gave outputs {name!r} of different shapes: {shapes}")
+    rows = sum(part.shape[0] for part in parts)
+    data = parts[0].data if len(parts) == 1 else b"".join(part.data for part in parts)
+    return Tensor(name=name, datatype=parts[0].datatype, shape=(rows, *rest), data=data)

@@ -8,8 +8,8 @@ bench/results/batch_files_ab_batcher_io.md).
 The scheduler still owns the job: it fences the result (a late attempt's answer is dropped; its
 object, named per attempt, is swept at its expiry) and writes the record that names the object.
 
-Decoding rows and encoding outputs (MiBs per chunk) run on one thread of this object's own rather
-than asyncio's pool: each pool thread's allocations come from a malloc arena of its own, and
+Decoding rows (MiBs per chunk) runs on one thread of this object's own rather than asyncio's pool
+(outputs need no encoding step: asyncinfer.outputs_wire): each pool thread's allocations come from a malloc arena of its own, and
 spread over several threads a chunk's buffers were fresh pages again and again (the batcher took
 72,000-110,000 page faults per 100,000 MLP records this way, ~33,000 with one arena).
 """
@@ -82,7 +82,6 @@ class ClaimChecks:
                 order.output_name,
                 outputs,
                 expires_at=time.time() + retention_s,
-                executor=self._executor,
             )
         except AsyncInferError:
             raise
