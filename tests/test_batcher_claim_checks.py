@@ -26,21 +26,14 @@ from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, tensor_pb2, worker_service_pb2
 from services.batcher.app import BatcherApp
-from tests.test_batcher_worker import FakeScheduler, serving
+from tests.test_batcher_worker import FakeScheduler, batcher_under_test, serving
 
 TENANT = "acme"
 
 
 def batcher_config(config: Config, port: int, *, claim_check_io: bool) -> Config:
     return config.replace(
-        batcher={
-            "port": 0,
-            "metrics_port": 0,
-            "scheduler_address": f"127.0.0.1:{port}",
-            "batcher_id": "batcher-under-test",
-            "reconnect_delay_s": 0.05,
-            "claim_check_io": claim_check_io,
-        },
+        batcher={**batcher_under_test(port), "claim_check_io": claim_check_io},
         models=[DEMO_MODEL],
     )
 

@@ -137,17 +137,22 @@ async def scheduler(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeS
         yield served
 
 
+def batcher_under_test(port: int) -> dict[str, object]:
+    """The batcher section of a batcher served by the fake scheduler on `port`."""
+    return {
+        "port": 0,
+        "metrics_port": 0,
+        "scheduler_address": f"127.0.0.1:{port}",
+        "batcher_id": "batcher-under-test",
+        "reconnect_delay_s": 0.05,
+    }
+
+
 @pytest.fixture
 async def app(scheduler: tuple[FakeScheduler, int]) -> AsyncIterator[BatcherApp]:
     _, port = scheduler
     config = Config().replace(
-        batcher={
-            "port": 0,
-            "metrics_port": 0,
-            "scheduler_address": f"127.0.0.1:{port}",
-            "batcher_id": "batcher-under-test",
-            "reconnect_delay_s": 0.05,
-        },
+        batcher=batcher_under_test(port),
         logging={"level": "warning", "format": "console"},
         models=[
             DEMO_MODEL,

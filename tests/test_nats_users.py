@@ -46,6 +46,17 @@ def users(tmp_path: Path) -> Iterator[PerServiceNats]:
         nats.stop()
 
 
+async def run_file_batch(client: AsyncClient, records: int = 40) -> None:
+    """A JSONL batch on demo, to the end: COMPLETED, its output in input order."""
+    lines = [json.dumps({"custom_id": f"r{i}", "inputs": {"x": [float(i)] * 4}}) for i in range(records)]
+    batch = await client.create_batch(("\n".join(lines) + "\n").encode(), "demo")
+    ended = await client.wait_batch(batch, timeout_s=60)
+    assert ended.state == "COMPLETED", ended
+    out = io.BytesIO()
+    await client.download(ended, out)
+    assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [f"r{i}" for i in range(records)]
+
+
 def base_config() -> Config:
     return Config().replace(
         gateway={"port": 0, "metrics_port": 0},
@@ -97,13 +108,7 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
         again = await client.wait(poison.job_id, timeout_s=30)
         assert again.state.name == "FAILED", again
         # A batch over a file: the batches bucket, its chunk objects and chunk jobs.
-        lines = [json.dumps({"custom_id": f"r{i}", "inputs": {"x": [float(i)] * 4}}) for i in range(40)]
-        batch = await client.create_batch(("\n".join(lines) + "\n").encode(), "demo")
-        ended = await client.wait_batch(batch, timeout_s=60)
-        assert ended.state == "COMPLETED", ended
-        out = io.BytesIO()
-        await client.download(ended, out)
-        assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [f"r{i}" for i in range(40)]
+        await run_file_batch(client)
     assert users.violations() == []
 
 
@@ -195,13 +200,7 @@ async def test_a_batcher_that_moves_claim_checks_runs_as_its_own_user_on_the_obj
         assert big.result_ref.ref == f"out/{big.job_id}.1", "the batcher stored it"
         assert (await client.read_result(big))["y"].shape == (32, 4)
         # A file batch: its chunks' rows read by the batcher.
-        lines = [json.dumps({"custom_id": f"r{i}", "inputs": {"x": [float(i)] * 4}}) for i in range(40)]
-        batch = await client.create_batch(("\n".join(lines) + "\n").encode(), "demo")
-        ended = await client.wait_batch(batch, timeout_s=60)
-        assert ended.state == "COMPLETED", ended
-        out = io.BytesIO()
-        await client.download(ended, out)
-        assert [json.loads(line)["custom_id"] for line in out.getvalue().splitlines()] == [f"r{i}" for i in range(40)]
+        await run_file_batch(client)
     assert users.violations() == []
 
     # The batcher's user reaches nothing but the objects bucket: no record, no work, no stream info.

@@ -3,15 +3,16 @@ an order names by reference (an upload, or a file batch's chunk of rows) and sto
 the order's `store_outputs_over_bytes` as the object its `output_name` names, so that a chunk's
 bytes cross loopback once each way (NATS to the batcher, the batcher to NATS) rather than also
 through the scheduler and the work stream (docs/BATCHES.md; measured in
-bench/results/batch_files_ab_batcher_io.md).
+bench/results/batch_files_ab_claim_check_io.md and, on a GPU, batch_files_ab_gpu_batchers.md).
 
 The scheduler still owns the job: it fences the result (a late attempt's answer is dropped; its
 object, named per attempt, is swept at its expiry) and writes the record that names the object.
 
 Decoding rows (MiBs per chunk) runs on one thread of this object's own rather than asyncio's pool
-(outputs need no encoding step: asyncinfer.outputs_wire): each pool thread's allocations come from a malloc arena of its own, and
-spread over several threads a chunk's buffers were fresh pages again and again (the batcher took
-72,000-110,000 page faults per 100,000 MLP records this way, ~33,000 with one arena).
+(outputs need no encoding step: asyncinfer.outputs_wire). Each pool thread's allocations come from
+a malloc arena of its own, and spread over several threads a chunk's buffers were fresh pages
+again and again (the batcher took 72,000-110,000 page faults per 100,000 MLP records this way,
+~33,000 with one arena).
 """
 
 from __future__ import annotations
