@@ -36,6 +36,7 @@ class Connection:
     results: dict[tuple[str, int], worker_service_pb2.WorkResult] = field(default_factory=dict)
     answers: int = 0  # results received, counting repeats
     update_sizes: list[int] = field(default_factory=list)  # results per WorkUpdates message
+    update_credits: list[int] = field(default_factory=list)  # credits granted per WorkUpdates message
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
 
     def send(self, message: worker_service_pb2.ConnectResponse) -> None:
@@ -105,6 +106,7 @@ class FakeScheduler(worker_service_pb2_grpc.WorkerServiceServicer):
                 elif kind == "updates":
                     assert self.takes_batches, "WorkUpdates sent to a scheduler that did not take them"
                     connection.update_sizes.append(len(request.updates.results))
+                    connection.update_credits.append(sum(grant.credits for grant in request.updates.credits))
                     for result in request.updates.results:
                         connection.results[(result.job_id, result.attempt)] = result
                         connection.answers += 1
@@ -285,6 +287,27 @@ async def test_orders_in_one_message_are_answered_once_each_in_batches(
     # The eight demo items ran as one batch and their results were ready together.
     assert max(connection.update_sizes) > 1
     await connection.wait_for(lambda: connection.credits["demo"] == max_queue_size + len(xs))
+
+
+@pytest.mark.parametrize("scheduler", [True], indirect=True)
+async def test_a_result_rides_with_the_credit_its_item_freed(
+    scheduler: tuple[FakeScheduler, int], app: BatcherApp
+) -> None:
+    """A finished item frees its slot a step before its order task answers it; the answer goes in
+    the same WorkUpdates message as the credit rather than in a second one written after it (a
+    round trip's result would wait for that write)."""
+    fake, _ = scheduler
+    connection = await fake.next_connection(1)
+    max_queue_size = app.config.models[0].max_queue_size
+    await connection.wait_for(lambda: connection.credits.get("demo") == max_queue_size)
+    for round_number in range(3):
+        seen = len(connection.update_sizes)
+        connection.send(order(f"alone-{round_number}", np.ones((1, 4), dtype=np.float32)))
+        await connection.result(f"alone-{round_number}")
+        granted = max_queue_size + round_number + 1
+        await connection.wait_for(lambda granted=granted: connection.credits["demo"] == granted)
+        assert connection.update_sizes[seen:] == [1]
+        assert connection.update_credits[seen:] == [1]
 
 
 async def test_an_invalid_order_fails_without_retry(scheduler: tuple[FakeScheduler, int], app: BatcherApp) -> None:

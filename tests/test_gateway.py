@@ -344,7 +344,8 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
 ) -> None:
     """While the feed runs, a job this gateway just queued is watched from the record it kept
     (services.gateway.recent_records): the client's round trip, SubmitJob then WatchJob, makes no
-    read. A job that changed meanwhile, unwatched, is read as before."""
+    read, also when the job started RUNNING before its watch came (the feed's change is kept for
+    it). A job that ended meanwhile, unwatched, is read as before (a terminal record is not kept)."""
     hub = gateway.watch_hub
     other = (await stub.SubmitJob(submit_request())).job
     keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
@@ -373,6 +374,17 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     again = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
     assert (await next_job(again)).revision == succeeded.revision
     assert reads == [job_key(TENANT, job.job_id)]
+    again.cancel()
+    # Started before its watch came: the watch starts from the RUNNING change, without a read.
+    started = (await stub.SubmitJob(submit_request())).job
+    running = await advance(js, kv, started.job_id, state=JobState.RUNNING, attempt=1)
+    key = job_key(TENANT, started.job_id)
+    await wait_for(lambda: (kept := hub.recent.latest(key)) is not None and kept.revision == running.revision)
+    late = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=started.job_id, after_revision=started.revision))
+    first = await next_job(late)
+    assert (first.state, first.revision) == (job_pb2.JOB_STATE_RUNNING, running.revision)
+    assert reads == [job_key(TENANT, job.job_id)]
+    late.cancel()
     keep_feeding.cancel()
 
 

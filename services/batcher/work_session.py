@@ -164,6 +164,10 @@ class WorkSession:
         """Sends the outbox in order; None half-closes the stream."""
         while (message := await self._outbox.get()) is not None:
             if message is self._filling:
+                # One loop iteration before it closes, for what the same step made ready: a
+                # finished item frees its credit a step before its order task answers it, and
+                # the answer then rides with the credit instead of waiting for its write.
+                await asyncio.sleep(0)
                 self._filling = None  # closed: what comes next goes in a new one
             await call.write(message)
         await call.done_writing()

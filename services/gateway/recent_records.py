@@ -4,8 +4,9 @@ reading it (a queued job's read is two: the jobs bucket, then its work message).
 
 Kept only while the watch feed runs (services.gateway.watch_hub), and only from before the
 publish on: a job's entry is made before its work message is published, a change the feed brings
-for it replaces the entry while someone watches it and ends it otherwise (the hub does not decode
-changes nobody watches), and the submit fills in its QUEUED record only if nothing came first. So
+for it replaces the entry (the hub decodes the changes of jobs held here even when nobody watches
+them yet: the RUNNING change usually arrives before the client's WatchJob, which then starts from
+it instead of a read), and the submit fills in its QUEUED record only if nothing came first. So
 an entry is never older than what the feed has delivered, which is what a read would give a
 watcher that registered before it (the watch's own guarantee). A terminal change ends the entry
 (a watch then reads the record, outputs and all: the entries stay small), as does the feed
@@ -52,6 +53,10 @@ class RecentRecords:
         key = record.key
         if key in self._records and self._records[key] is _NOTHING_YET:
             self._records[key] = record
+
+    def holds(self, key: str) -> bool:
+        """Whether the key's changes are kept here (a job this gateway just queued)."""
+        return key in self._records
 
     def forget(self, key: str) -> None:
         """Its submit failed."""

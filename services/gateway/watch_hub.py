@@ -210,10 +210,8 @@ class WatchHub:
         key = msg.subject.removeprefix(self._subject_prefix)
         queues = self._watchers.get(key)
         selectors = self._selectors.get(key.partition(".")[0]) if self._selectors else None
-        if not queues and not selectors:
-            # Unwatched: not decoded. A job queued here that changed is read by its next watch.
-            self.recent.forget(key)
-            return
+        if not queues and not selectors and not self.recent.holds(key):
+            return  # unwatched and not just queued here: not decoded
         revision = msg.metadata.sequence.stream
         headers = msg.headers or {}
         record: JobRecord | None = None
