@@ -388,6 +388,44 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     keep_feeding.cancel()
 
 
+async def test_a_watch_of_many_jobs_just_queued_starts_without_reads(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """WatchJobs by IDs starts from the records kept for the jobs this gateway just queued, as
+    WatchJob does (a RUNNING change that came first included); the others are read."""
+    hub = gateway.watch_hub
+    other = (await stub.SubmitJob(submit_request())).job
+    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
+    assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
+    store: Any = hub._records
+    real_get = store.get
+    reads: list[str] = []
+
+    async def counting_get(key: str) -> JobRecord | None:
+        reads.append(key)
+        return await real_get(key)
+
+    store.get = counting_get
+    jobs = [(await stub.SubmitJob(submit_request())).job for _ in range(3)]
+    running = await advance(js, kv, jobs[0].job_id, state=JobState.RUNNING, attempt=1)
+    key = job_key(TENANT, jobs[0].job_id)
+    await wait_for(lambda: (kept := hub.recent.latest(key)) is not None and kept.revision == running.revision)
+    ended = await advance(js, kv, jobs[1].job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    await wait_for(lambda: hub.recent.latest(job_key(TENANT, jobs[1].job_id)) is None)
+    call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[job.job_id for job in jobs]))
+    first = await asyncio.wait_for(call.read(), 5.0)
+    assert isinstance(first, job_service_pb2.WatchJobsResponse)
+    states = {change.job_id: (change.job.state, change.job.revision) for change in first.changes}
+    assert states == {
+        jobs[0].job_id: (job_pb2.JOB_STATE_RUNNING, running.revision),
+        jobs[1].job_id: (job_pb2.JOB_STATE_SUCCEEDED, ended.revision),
+        jobs[2].job_id: (job_pb2.JOB_STATE_QUEUED, 0),
+    }
+    assert reads == [job_key(TENANT, jobs[1].job_id)]  # the ended job's record is not kept
+    call.cancel()
+    keep_feeding.cancel()
+
+
 async def test_deleted_record_ends_the_watch_with_not_found(stub: JobStub, kv: KeyValue, gateway: GatewayApp) -> None:
     job = (await stub.SubmitJob(submit_request())).job
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))

@@ -69,7 +69,12 @@ async def watch_ids(
     watching = set(ids_by_key)
     try:
         await hub.ensure_feed()  # before the reads: a change after them is then in the feed
-        currents = await asyncio.gather(*(records.get(key) for key in ids_by_key))
+        # A job this gateway just queued starts from the record kept for it (as WatchJob does,
+        # services.gateway.recent_records); the rest are read.
+        kept = {key: hub.recent.latest(key) for key in ids_by_key}
+        unkept = [key for key, record in kept.items() if record is None]
+        read = dict(zip(unkept, await asyncio.gather(*(records.get(key) for key in unkept)), strict=True))
+        currents = [kept[key] or read[key] for key in ids_by_key]
         latest: dict[str, JobRecord] = {}
         first: list[JobChange] = list(unknown)
         for key, record in zip(ids_by_key, currents, strict=True):
