@@ -12,13 +12,15 @@ import itertools
 
 from asyncinfer.errors import InvalidArgument
 from services.scheduler.messages import CancelOrder, ModelControlOrder, ServedModel, WorkerHello, WorkOrder
+from services.scheduler.outbound import OutboundQueue
 
 _session_numbers = itertools.count(1)
 
 
 class BatcherSession:
     """One Connect stream. Its outbound queue is drained by the stream's response iterator; None
-    in the queue ends the stream."""
+    in the queue ends the stream. A work order overtakes the lower-priority ones queued before it
+    (services.scheduler.outbound)."""
 
     def __init__(self, hello: WorkerHello) -> None:
         self.batcher_id = hello.batcher_id
@@ -34,7 +36,7 @@ class BatcherSession:
         self.credits: dict[str, int] = {}
         self.serve(hello.models)
         self.in_flight: set[str] = set()
-        self.outbound: asyncio.Queue[WorkOrder | CancelOrder | ModelControlOrder | None] = asyncio.Queue()
+        self.outbound = OutboundQueue()
         self.closed = False
 
     def __repr__(self) -> str:
