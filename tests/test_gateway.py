@@ -339,14 +339,8 @@ async def test_the_watch_feed_runs_only_while_someone_watches(
     assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
 
 
-async def test_a_watch_right_after_its_submit_starts_without_a_read(
-    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
-) -> None:
-    """While the feed runs, a job this gateway just queued is watched from the record it kept
-    (services.gateway.recent_records): the client's round trip, SubmitJob then WatchJob, makes no
-    read, also when the job started RUNNING before its watch came (the feed's change is kept for
-    it). A job that ended meanwhile, unwatched, is read as before (a terminal record is not kept)."""
-    hub = gateway.watch_hub
+async def feeding_and_counting_reads(stub: JobStub, hub: Any) -> tuple[Any, list[str]]:
+    """A watch that keeps the hub's feed running, and the keys the hub reads from the bucket from now on."""
     other = (await stub.SubmitJob(submit_request())).job
     keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
     assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
@@ -359,6 +353,18 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
         return await real_get(key)
 
     store.get = counting_get
+    return keep_feeding, reads
+
+
+async def test_a_watch_right_after_its_submit_starts_without_a_read(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """While the feed runs, a job this gateway just queued is watched from the record it kept
+    (services.gateway.recent_records): the client's round trip, SubmitJob then WatchJob, makes no
+    read, also when the job started RUNNING before its watch came (the feed's change is kept for
+    it). A job that ended meanwhile, unwatched, is read as before (a terminal record is not kept)."""
+    hub = gateway.watch_hub
+    keep_feeding, reads = await feeding_and_counting_reads(stub, hub)
     job = (await stub.SubmitJob(submit_request())).job
     watch = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision))
     first = await next_job(watch)
@@ -394,18 +400,7 @@ async def test_a_watch_of_many_jobs_just_queued_starts_without_reads(
     """WatchJobs by IDs starts from the records kept for the jobs this gateway just queued, as
     WatchJob does (a RUNNING change that came first included); the others are read."""
     hub = gateway.watch_hub
-    other = (await stub.SubmitJob(submit_request())).job
-    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
-    assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
-    store: Any = hub._records
-    real_get = store.get
-    reads: list[str] = []
-
-    async def counting_get(key: str) -> JobRecord | None:
-        reads.append(key)
-        return await real_get(key)
-
-    store.get = counting_get
+    keep_feeding, reads = await feeding_and_counting_reads(stub, hub)
     jobs = [(await stub.SubmitJob(submit_request())).job for _ in range(3)]
     running = await advance(js, kv, jobs[0].job_id, state=JobState.RUNNING, attempt=1)
     key = job_key(TENANT, jobs[0].job_id)
