@@ -336,7 +336,8 @@ class BatcherConfig(_Section):
         "large outputs there over this batcher's own NATS connection (the nats section), instead of the scheduler "
         "moving those bytes through the work stream: faster file batches (docs/BATCHES.md: 1.10x the MLP batch on "
         "2 CPU cores; 4 batchers on one GPU ran a file batch 3.2x as fast as one) and interactive jobs that no "
-        "longer wait behind a chunk's megabytes. Off by default: the batcher then holds NATS credentials. With "
+        "longer wait behind a chunk's megabytes. Off by default (asyncinfer up turns it on unless its file says otherwise: "
+        "its batcher runs in the process that holds them anyway): the batcher then holds NATS credentials. With "
         "NATS authorization on it needs the batcher user of asyncinfer.nats_users (the objects bucket alone; "
         "nats.inbox_prefix _INBOX_batcher).",
     )

@@ -13,7 +13,7 @@ def dev_secret_file(config: Config) -> Path:
     return Path(config.embedded_nats.store_dir).parent / "webhook-secret"
 
 
-def with_up_defaults(config: Config) -> Config:
+def with_up_defaults(config: Config, *, loaded: Config | None = None) -> Config:
     """What `up` adds to the configuration it was given, so that the README's recipes run as they
     stand on a stack started without a file:
 
@@ -27,8 +27,19 @@ def with_up_defaults(config: Config) -> Config:
       kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
       receiver can verify with it; the banner prints it. With API keys, secrets are the
       operator's to configure;
-    - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`)."""
-    if "models" not in config.model_fields_set:
+    - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`);
+    - its batcher moving claim-checked bytes itself (`batcher.claim_check_io`), unless the file
+      says otherwise: off by default elsewhere because it gives a batcher NATS credentials, but
+      `up`'s batcher runs in the process that holds them anyway, and a file batch's chunks then
+      skip the work stream (docs/BATCHES.md).
+
+    What the file set is read from `loaded`, the configuration as loaded (default: `config`):
+    `Config.replace` marks every setting set, so after `up --dev-tls` made its changes the
+    defaults must still be decided on the file as written."""
+    loaded = config if loaded is None else loaded
+    if "claim_check_io" not in loaded.batcher.model_fields_set:
+        config = config.replace(batcher={"claim_check_io": True})
+    if "models" not in loaded.model_fields_set:
         embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
         config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
     if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):

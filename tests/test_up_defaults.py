@@ -1,0 +1,39 @@
+"""What `up` adds to the configuration it was given (services/up/defaults.py), decided on the file as
+written even after `up --dev-tls` replaced settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncinfer.config import FLAKY_MODEL, Config, load_config
+from services.dev_ca import DevTls, with_dev_tls
+from services.up.defaults import with_up_defaults
+
+pytestmark = pytest.mark.unit
+
+
+def load_config_file(tmp_path: Path, extra: str = "") -> Config:
+    path = tmp_path / "asyncinfer.toml"
+    path.write_text(f'[embedded_nats]\nstore_dir = "{tmp_path / "data" / "nats"}"\n{extra}')
+    return load_config(path, environ={})
+
+
+def test_up_batcher_moves_claim_checked_bytes_unless_the_file_says_otherwise(tmp_path: Path) -> None:
+    config = load_config_file(tmp_path)
+    assert not config.batcher.claim_check_io  # off by default elsewhere
+    assert with_up_defaults(config).batcher.claim_check_io
+    chosen = load_config_file(tmp_path, "[batcher]\nclaim_check_io = false\n")
+    assert not with_up_defaults(chosen).batcher.claim_check_io
+
+
+def test_defaults_are_decided_on_the_file_as_loaded_after_dev_tls(tmp_path: Path) -> None:
+    config = load_config_file(tmp_path)
+    tls = DevTls(tmp_path / "tls")
+    with_tls = with_dev_tls(config, tls)
+    assert "models" in with_tls.model_fields_set  # replace() marks every setting set
+    upped = with_up_defaults(with_tls, loaded=config)
+    assert FLAKY_MODEL.name in {model.name for model in upped.models}
+    assert upped.batcher.claim_check_io
+    assert upped.gateway.tls_cert_file == str(tls.cert_file)
