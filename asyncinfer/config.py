@@ -913,14 +913,35 @@ class Config(_Section):
 
     def replace(self, **sections: Any) -> Config:
         """A copy with whole sections or fields of sections replaced, e.g.
-        replace(gateway={"port": 0})."""
+        replace(gateway={"port": 0}). The copy knows which settings were set as this one does,
+        plus those replaced (`model_fields_set`: what a file or caller chose, as `up`'s defaults
+        ask), though it is validated from a dump of every setting."""
         data = self.model_dump()
         for section, values in sections.items():
             if isinstance(values, Mapping) and isinstance(data.get(section), dict):
                 data[section] = {**data[section], **values}
             else:
                 data[section] = values
-        return Config.model_validate(data)
+        copy = Config.model_validate(data)
+        _keep_fields_set(copy, self, sections)
+        return copy
+
+
+def _keep_fields_set(copy: BaseModel, original: BaseModel, replaced: Mapping[str, Any]) -> None:
+    """`copy` (validated from a full dump, so every setting looks set) told which settings were
+    set: the original's, and those replaced; for each section too (a section replaced whole has
+    every field set)."""
+    object.__setattr__(copy, "__pydantic_fields_set__", original.model_fields_set | set(replaced))
+    for name in type(copy).model_fields:
+        section, before = getattr(copy, name), getattr(original, name)
+        if not (isinstance(section, BaseModel) and isinstance(before, BaseModel)):
+            continue
+        values = replaced.get(name)
+        if isinstance(values, Mapping):
+            chosen = set(values)
+        else:
+            chosen = set(type(section).model_fields) if name in replaced else set()
+        object.__setattr__(section, "__pydantic_fields_set__", before.model_fields_set | chosen)
 
 
 def load_config(

@@ -1,5 +1,5 @@
 """What `up` adds to the configuration it was given (services/up/defaults.py), decided on the file as
-written even after `up --dev-tls` replaced settings."""
+written even after `up --dev-tls` replaced settings (Config.replace keeps what was set)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,22 @@ def test_up_batcher_moves_claim_checked_bytes_unless_the_file_says_otherwise(tmp
     assert not with_up_defaults(chosen).batcher.claim_check_io
 
 
-def test_defaults_are_decided_on_the_file_as_loaded_after_dev_tls(tmp_path: Path) -> None:
+def test_replace_keeps_what_the_file_set_plus_what_it_replaces(tmp_path: Path) -> None:
+    config = load_config_file(tmp_path, "[batcher]\nport = 9999\n")
+    copy = config.replace(gateway={"port": 1}, batcher={"claim_check_io": False})
+    assert "models" not in copy.model_fields_set
+    assert {"embedded_nats", "gateway", "batcher"} <= copy.model_fields_set
+    assert copy.gateway.model_fields_set == {"port"}
+    assert copy.batcher.model_fields_set == {"port", "claim_check_io"}
+    assert (copy.gateway.port, copy.batcher.port, copy.batcher.claim_check_io) == (1, 9999, False)
+
+
+def test_defaults_are_decided_on_the_file_as_written_after_dev_tls(tmp_path: Path) -> None:
     config = load_config_file(tmp_path)
     tls = DevTls(tmp_path / "tls")
     with_tls = with_dev_tls(config, tls)
-    assert "models" in with_tls.model_fields_set  # replace() marks every setting set
-    upped = with_up_defaults(with_tls, loaded=config)
+    assert "models" not in with_tls.model_fields_set  # the TLS settings do not look like declared models
+    upped = with_up_defaults(with_tls)
     assert FLAKY_MODEL.name in {model.name for model in upped.models}
     assert upped.batcher.claim_check_io
     assert upped.gateway.tls_cert_file == str(tls.cert_file)

@@ -13,7 +13,7 @@ def dev_secret_file(config: Config) -> Path:
     return Path(config.embedded_nats.store_dir).parent / "webhook-secret"
 
 
-def with_up_defaults(config: Config, *, loaded: Config | None = None) -> Config:
+def with_up_defaults(config: Config) -> Config:
     """What `up` adds to the configuration it was given, so that the README's recipes run as they
     stand on a stack started without a file:
 
@@ -33,13 +33,11 @@ def with_up_defaults(config: Config, *, loaded: Config | None = None) -> Config:
       `up`'s batcher runs in the process that holds them anyway, and a file batch's chunks then
       skip the work stream (docs/BATCHES.md).
 
-    What the file set is read from `loaded`, the configuration as loaded (default: `config`):
-    `Config.replace` marks every setting set, so after `up --dev-tls` made its changes the
-    defaults must still be decided on the file as written."""
-    loaded = config if loaded is None else loaded
-    if "claim_check_io" not in loaded.batcher.model_fields_set:
+    What the file set is `model_fields_set`, which `Config.replace` keeps (so `up --dev-tls`'s
+    changes do not make the file look as if it declared models)."""
+    if "claim_check_io" not in config.batcher.model_fields_set:
         config = config.replace(batcher={"claim_check_io": True})
-    if "models" not in loaded.model_fields_set:
+    if "models" not in config.model_fields_set:
         embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
         config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
     if config.gateway.api_keys and not (config.batcher.api_key or config.batcher.api_key_file):

@@ -107,7 +107,6 @@ async def run_up(config: Config, *, tls: bool = False) -> int:
     embedded NATS speak TLS with a local development CA (services/dev_ca.py)."""
     nats_args: tuple[str, ...] = ()
     ca_file: str | None = None
-    loaded = config
     if tls:
         from services.dev_ca import bound_hosts, dev_tls_dir, ensure_dev_tls, nats_server_args, with_dev_tls
 
@@ -116,7 +115,7 @@ async def run_up(config: Config, *, tls: bool = False) -> int:
     check_up_exposure(config)
     raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
     given = config
-    config = with_up_defaults(config, loaded=loaded)
+    config = with_up_defaults(config)
     stop = StopSignal()
     nats = EmbeddedNats(config, stop, extra_args=nats_args)
     state: dict[str, App] = {}
