@@ -362,7 +362,8 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     """While the feed runs, a job this gateway just queued is watched from the record it kept
     (services.gateway.recent_records): the client's round trip, SubmitJob then WatchJob, makes no
     read, also when the job started RUNNING before its watch came (the feed's change is kept for
-    it). A job that ended meanwhile, unwatched, is read as before (a terminal record is not kept)."""
+    it), or ended SUCCEEDED. A job that ended FAILED, unwatched, is read as before: an operator's
+    Replay may queue it again."""
     hub = gateway.watch_hub
     keep_feeding, reads = await feeding_and_counting_reads(stub, hub)
     job = (await stub.SubmitJob(submit_request())).job
@@ -374,11 +375,11 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
     assert (await next_job(watch)).revision == running.revision
     watch.cancel()
-    # Unwatched, it changes again: the next watch reads it.
-    succeeded = await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    # Unwatched, it fails: the next watch reads it.
+    failed = await advance(js, kv, job.job_id, state=JobState.FAILED, end_time=time.time())
     await wait_for(lambda: hub.recent.latest(job_key(TENANT, job.job_id)) is None)
     again = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
-    assert (await next_job(again)).revision == succeeded.revision
+    assert (await next_job(again)).revision == failed.revision
     assert reads == [job_key(TENANT, job.job_id)]
     again.cancel()
     # Started before its watch came: the watch starts from the RUNNING change, without a read.
@@ -389,8 +390,57 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     late = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=started.job_id, after_revision=started.revision))
     first = await next_job(late)
     assert (first.state, first.revision) == (job_pb2.JOB_STATE_RUNNING, running.revision)
-    assert reads == [job_key(TENANT, job.job_id)]
     late.cancel()
+    # Ended SUCCEEDED before its watch came: the watch has the final record, without a read.
+    succeeded = await advance(js, kv, started.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    await wait_for(lambda: (kept := hub.recent.latest(key)) is not None and kept.revision == succeeded.revision)
+    ended = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=started.job_id))
+    last = await next_job(ended)
+    assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
+    assert reads == [job_key(TENANT, job.job_id)]
+    keep_feeding.cancel()
+
+
+async def test_a_poll_for_a_finished_job_is_answered_without_a_read(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """GetJob and GetJobs answer a job this gateway queued that ended SUCCEEDED (or CANCELED,
+    EXPIRED) from the feed's record: the unary client's poll for its result makes no read. Its
+    outputs come whole; a job still running, or one that FAILED, is read; so is a finished job
+    once its record is deleted."""
+    hub = gateway.watch_hub
+    keep_feeding, reads = await feeding_and_counting_reads(stub, hub)
+    done, running_job, failed_job = [(await stub.SubmitJob(submit_request())).job for _ in range(3)]
+    outputs = (Tensor.from_numpy("out", np.arange(4, dtype=np.float32)),)
+    await advance(js, kv, done.job_id, state=JobState.RUNNING, attempt=1)
+    succeeded = await advance(js, kv, done.job_id, state=JobState.SUCCEEDED, end_time=time.time(), outputs=outputs)
+    await advance(js, kv, running_job.job_id, state=JobState.RUNNING, attempt=1)
+    failed = await advance(js, kv, failed_job.job_id, state=JobState.FAILED, end_time=time.time())
+    done_key = job_key(TENANT, done.job_id)
+    await wait_for(lambda: (kept := hub.recent.finished(done_key)) is not None and kept.revision == succeeded.revision)
+    await wait_for(lambda: hub.recent.latest(job_key(TENANT, failed_job.job_id)) is None)
+    got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=done.job_id))).job
+    assert (got.state, got.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
+    assert decode_tensors(got.outputs, "outputs") == list(outputs)
+    assert reads == []
+    many = await stub.GetJobs(
+        job_service_pb2.GetJobsRequest(job_ids=[done.job_id, running_job.job_id, failed_job.job_id])
+    )
+    states = [(result.job.job_id, result.job.state) for result in many.results]
+    assert states == [
+        (done.job_id, job_pb2.JOB_STATE_SUCCEEDED),
+        (running_job.job_id, job_pb2.JOB_STATE_RUNNING),
+        (failed_job.job_id, job_pb2.JOB_STATE_FAILED),
+    ]
+    assert many.results[2].job.revision == failed.revision
+    assert sorted(reads) == sorted([job_key(TENANT, running_job.job_id), job_key(TENANT, failed_job.job_id)])
+    # Deleted: the kept record goes with it, and GetJob reads (and finds nothing).
+    await kv.delete(done_key)
+    await wait_for(lambda: hub.recent.finished(done_key) is None)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.GetJob(job_service_pb2.GetJobRequest(job_id=done.job_id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert reads.count(done_key) == 1
     keep_feeding.cancel()
 
 
@@ -405,7 +455,7 @@ async def test_a_watch_of_many_jobs_just_queued_starts_without_reads(
     running = await advance(js, kv, jobs[0].job_id, state=JobState.RUNNING, attempt=1)
     key = job_key(TENANT, jobs[0].job_id)
     await wait_for(lambda: (kept := hub.recent.latest(key)) is not None and kept.revision == running.revision)
-    ended = await advance(js, kv, jobs[1].job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    ended = await advance(js, kv, jobs[1].job_id, state=JobState.FAILED, end_time=time.time())
     await wait_for(lambda: hub.recent.latest(job_key(TENANT, jobs[1].job_id)) is None)
     call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[job.job_id for job in jobs]))
     first = await asyncio.wait_for(call.read(), 5.0)
@@ -413,10 +463,10 @@ async def test_a_watch_of_many_jobs_just_queued_starts_without_reads(
     states = {change.job_id: (change.job.state, change.job.revision) for change in first.changes}
     assert states == {
         jobs[0].job_id: (job_pb2.JOB_STATE_RUNNING, running.revision),
-        jobs[1].job_id: (job_pb2.JOB_STATE_SUCCEEDED, ended.revision),
+        jobs[1].job_id: (job_pb2.JOB_STATE_FAILED, ended.revision),
         jobs[2].job_id: (job_pb2.JOB_STATE_QUEUED, 0),
     }
-    assert reads == [job_key(TENANT, jobs[1].job_id)]  # the ended job's record is not kept
+    assert reads == [job_key(TENANT, jobs[1].job_id)]  # the failed job's record is not kept
     call.cancel()
     keep_feeding.cancel()
 

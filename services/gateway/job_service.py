@@ -139,6 +139,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if not is_job_id(job_id):
             raise job_not_found(job_id)
         key = job_key(tenant, job_id)
+        # A job this gateway queued that has ended is answered from the feed's record (recent_records).
+        finished = self._hub.recent.finished(key)
+        if finished is not None:
+            return finished
         record = await self._records.get(key)
         if record is not None:
             record = await self._expiry.settle(record)

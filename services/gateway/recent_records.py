@@ -8,37 +8,56 @@ for it replaces the entry (the hub decodes the changes of jobs held here even wh
 them yet: the RUNNING change usually arrives before the client's WatchJob, which then starts from
 it instead of a read), and the submit fills in its QUEUED record only if nothing came first. So
 an entry is never older than what the feed has delivered, which is what a read would give a
-watcher that registered before it (the watch's own guarantee). A terminal change ends the entry
-(a watch then reads the record, outputs and all: the entries stay small), as does the feed
-stopping; the oldest go first past `capacity`.
+watcher that registered before it (the watch's own guarantee). The oldest go first past `capacity`.
+
+A final change (SUCCEEDED, CANCELED, EXPIRED) moves the entry among the finished records, which
+GetJob and GetJobs answer from too (the unary client's poll for its result, no read): such a
+record never changes again, so the one kept is the one a read would return — until the record is
+deleted (the feed's change removes it) or its retention ends (not answered past
+`end_time + result_retention_s`). FAILED and TIMED_OUT are not kept: an operator's Replay may
+queue the job again (asyncinfer.lifecycle.REPLAYABLE), and a GetJob after it must see that.
+They are bounded by count (`capacity`) and by their encoded bytes (`finished_bytes`; a record
+larger than a quarter of it is not kept), the oldest going first. The feed stopping clears all.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from asyncinfer.jobs import JobRecord
+from asyncinfer.lifecycle import REPLAYABLE
 
 DEFAULT_CAPACITY = 4096
+DEFAULT_FINISHED_BYTES = 16 * 1024 * 1024
 _NOTHING_YET = None
 
 
 class RecentRecords:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY, finished_bytes: int = DEFAULT_FINISHED_BYTES) -> None:
         self._capacity = capacity
         self._records: OrderedDict[str, JobRecord | None] = OrderedDict()
+        # Terminal records, each with its encoded size.
+        self._finished: OrderedDict[str, tuple[JobRecord, int]] = OrderedDict()
+        self._finished_bytes = 0
+        self._max_finished_bytes = finished_bytes
         self._feeding = False
 
     def __len__(self) -> int:
         return len(self._records)
 
     def feed_started(self) -> None:
-        self._records.clear()
+        self._clear()
         self._feeding = True
 
     def feed_stopped(self) -> None:
         self._feeding = False
+        self._clear()
+
+    def _clear(self) -> None:
         self._records.clear()
+        self._finished.clear()
+        self._finished_bytes = 0
 
     def expect(self, key: str) -> None:
         """A job is about to be queued (before its publish)."""
@@ -55,22 +74,53 @@ class RecentRecords:
             self._records[key] = record
 
     def holds(self, key: str) -> bool:
-        """Whether the key's changes are kept here (a job this gateway just queued)."""
-        return key in self._records
+        """Whether the key's changes are kept here (a job this gateway just queued, or its finished record)."""
+        return key in self._records or key in self._finished
 
     def forget(self, key: str) -> None:
         """Its submit failed."""
         self._records.pop(key, None)
 
-    def changed(self, key: str, record: JobRecord | None) -> None:
-        """A change the feed brought (None: the record was deleted)."""
+    def changed(self, key: str, record: JobRecord | None, size: int = 0) -> None:
+        """A change the feed brought (None: the record was deleted), `size` its encoded bytes."""
+        if key in self._finished:
+            self._drop_finished(key)
         if key not in self._records:
             return
         if record is None or record.state.is_terminal:
             del self._records[key]
+            if record is not None and record.state not in REPLAYABLE:
+                self._keep_finished(key, record, size)
         else:
             self._records[key] = record
 
     def latest(self, key: str) -> JobRecord | None:
         """The job's latest record known here, or None (not kept: read it)."""
-        return self._records.get(key) if self._feeding else None
+        if not self._feeding:
+            return None
+        return self._records.get(key) or self.finished(key)
+
+    def finished(self, key: str, now: float | None = None) -> JobRecord | None:
+        """The job's terminal record if kept here and still retained, or None (read it)."""
+        kept = self._finished.get(key) if self._feeding else None
+        if kept is None:
+            return None
+        record = kept[0]
+        ended = record.end_time if record.end_time is not None else record.update_time
+        if (time.time() if now is None else now) >= ended + record.result_retention_s:
+            self._drop_finished(key)
+            return None
+        return record
+
+    def _keep_finished(self, key: str, record: JobRecord, size: int) -> None:
+        if size * 4 > self._max_finished_bytes:
+            return
+        self._finished[key] = (record, size)
+        self._finished_bytes += size
+        while len(self._finished) > self._capacity or self._finished_bytes > self._max_finished_bytes:
+            _, (_, dropped) = self._finished.popitem(last=False)
+            self._finished_bytes -= dropped
+
+    def _drop_finished(self, key: str) -> None:
+        _, size = self._finished.pop(key)
+        self._finished_bytes -= size

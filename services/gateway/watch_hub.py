@@ -222,7 +222,7 @@ class WatchHub:
                 log.error("watch_bad_record", key=key, revision=revision, error=str(exc))
                 return
         update = RecordUpdate(revision, record, key)
-        self.recent.changed(key, record)
+        self.recent.changed(key, record, len(msg.data))
         for queue in queues or ():
             queue.put_nowait(update)
         if selectors:
