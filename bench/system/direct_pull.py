@@ -413,7 +413,7 @@ class DirectPullApp:
         self._nc = nc = await connect(config.nats, name=f"direct-pull-{self.batcher.batcher_id}")
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
-        store = JobStore(await ensure_jobs_bucket(js, config.nats))
+        store = JobStore(await ensure_jobs_bucket(js, config.nats), work_stream=config.nats.work_stream)
         for model in config.models:
             for priority in PRIORITIES_BY_RANK:
                 await ensure_work_consumer(
