@@ -14,13 +14,23 @@ import pytest
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
+from asyncinfer.blob_meta import new_input_ref
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import cancel_subject, progress_subject
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
-from asyncinfer.jobs import JobRecord, JobState, Priority, WorkEnvelope, job_key, queued_envelope, work_subject
+from asyncinfer.jobs import (
+    BlobRef,
+    JobRecord,
+    JobState,
+    Priority,
+    WorkEnvelope,
+    job_key,
+    queued_envelope,
+    work_subject,
+)
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
 from asyncinfer.progress_notice import decode_progress_notice
@@ -503,6 +513,58 @@ async def test_high_priority_goes_first_with_one_credit(
     await batcher.grant(1)
     second = await batcher.next_order()
     assert second.job_id == low
+
+
+async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A dispatcher round waits for its dispatches, but not for one that goes on to read a
+    claim-checked input (a file batch's chunk: megabytes; here a read the test holds): a job
+    queued meanwhile is dispatched at once on another credit, rather than after the read
+    (session 17: an interactive job waited 0.18 s for a round of eight chunks' reads). The held
+    dispatch then ends as it would have: its input, never uploaded, fails the job."""
+    claim_check: Any = app.flow._dispatch._claim_check
+    real_resolve = claim_check.resolve
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held_resolve(envelope: WorkEnvelope) -> Any:
+        entered.set()
+        await release.wait()
+        return await real_resolve(envelope)
+
+    claim_check.resolve = held_resolve
+    batcher = await batchers("b1")
+    now = time.time()
+    by_ref = JobRecord(
+        job_id=new_job_id(),
+        tenant=TENANT,
+        model_name=MODEL,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=Priority.LOW,
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=3600.0,
+        input_ref=BlobRef(ref=new_input_ref(), size_bytes=16, sha256="00" * 32),
+    )
+    envelope = queued_envelope(by_ref, ())
+    await js.publish(envelope.subject, encode_envelope(envelope), headers={"Nats-Msg-Id": by_ref.job_id})
+    await batcher.grant(2)
+    await asyncio.wait_for(entered.wait(), 5.0)
+    queued_behind = await enqueue(nc, kv, priority=Priority.NORMAL)
+    order = await batcher.next_order()
+    assert order.job_id == queued_behind
+    assert not release.is_set()
+    await batcher.answer(order)
+    await wait_state(js, queued_behind, JobState.SUCCEEDED)
+    release.set()
+    failed = await wait_state(js, by_ref.job_id, JobState.FAILED)
+    assert failed.error is not None
+    assert failed.error.reason == "INPUT_NOT_FOUND"
+    # Its credit came back: the next job runs on it.
+    after = await enqueue(nc, kv)
+    assert (await batcher.next_order()).job_id == after
 
 
 async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
