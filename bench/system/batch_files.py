@@ -228,16 +228,26 @@ def interactive_request(model: str, name: str) -> job_service_pb2.SubmitJobReque
     return job_service_pb2.SubmitJobRequest(model_name=name, inputs=[t], priority=job_pb2.PRIORITY_NORMAL)
 
 
-async def interactive(jobs: Any, request: job_service_pb2.SubmitJobRequest, stop: asyncio.Event) -> list[float]:
-    """Latencies (s) of one interactive job at a time until `stop`."""
+async def interactive(
+    jobs: Any, request: job_service_pb2.SubmitJobRequest, stop: asyncio.Event
+) -> list[tuple[float, dict[str, float]]]:
+    """One interactive job at a time until `stop`: each one's latency (s), and where its time went
+    (its record's queue and run durations, its batch's compute; the rest is the calls' own time)."""
     latencies = []
     while not stop.is_set():
         started = time.perf_counter()
         job = (await jobs.SubmitJob(request)).job
+        final = job
         async for update in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)):
             if update.job.state in JOB_TERMINAL:
+                final = update.job
                 break
-        latencies.append(time.perf_counter() - started)
+        spent = {
+            "queue_s": final.queue_duration.ToNanoseconds() / 1e9,
+            "run_s": final.run_duration.ToNanoseconds() / 1e9,
+            "compute_s": final.batch.compute_duration.ToNanoseconds() / 1e9,
+        }
+        latencies.append((time.perf_counter() - started, spent))
         await asyncio.sleep(0.5)
     return latencies
 
@@ -388,7 +398,10 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         input_bytes_per_record=len(data) / records,
         rss_mib={n: [round(v[0] / 2**20), round(max(v) / 2**20), round(v[-1] / 2**20)] for n, v in rss.items() if v},
         rss_mib_by_quarter={n: rss_by_quarter(v) for n, v in rss.items() if v},
-        interactive_s=latencies,
+        interactive_s=[latency for latency, _ in latencies],
+        # Where the slowest one's time went: queued (submit to dispatch), run (dispatch to result
+        # stored), of which its batch's compute.
+        interactive_slowest=max(latencies, key=lambda pair: pair[0])[1] if latencies else {},
     )
     direct_after = await asyncio.to_thread(direct)
     if model == "mlp" and not variant.loader:
@@ -410,7 +423,8 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
         "",
         "| model | records | chunk | batches at once | records/s (run) | from create | direct torch (before, after) | "
         "ratio to their mean (>= 0.8) | direct torch, two streams of one thread | ratio to it | stored B/record "
-        "(input B/record) | RSS MiB start/peak/end | RSS MiB at 1/4, 1/2, 3/4, end | interactive p50 / max s | "
+        "(input B/record) | RSS MiB start/peak/end | RSS MiB at 1/4, 1/2, 3/4, end | interactive p50 / max s "
+        "(the slowest: queued / run / its batch's compute s) | "
         "one chunk's compute s | CPU s from create |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -426,10 +440,17 @@ def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
             f"{r['records_per_s_from_create']:.0f} | {r['direct_before_after'][0]:.0f}, {r['direct_before_after'][1]:.0f} | "
             f"{r['ratio']:.2f} | {streams} | "
             f"{r['stored_bytes_per_record']:.0f} ({r['input_bytes_per_record']:.0f}) | {rss} | {quarters} | "
-            f"{statistics.median(waits):.2f} / {max(waits):.2f} | {r['chunk_compute_s']:.2f} | "
+            f"{statistics.median(waits):.2f} / {max(waits):.2f}{slowest_spent(r)} | {r['chunk_compute_s']:.2f} | "
             f"{', '.join(f'{n} {v}' for n, v in r['cpu_s'].items())} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def slowest_spent(result: dict[str, Any]) -> str:
+    spent = result.get("interactive_slowest") or {}
+    if not spent:
+        return ""
+    return f" ({spent['queue_s']:.3f} / {spent['run_s']:.3f} / {spent['compute_s']:.3f})"
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
