@@ -80,11 +80,13 @@ async def enqueue(
     announce: bool = True,
     age_s: float = 0.0,
     legacy: bool = False,
+    input_ref: BlobRef | None = None,
 ) -> str:
     """Queues a job as the gateway does: one work message that is the QUEUED record, then the
     queued notice (`announce=False`: no notice, as from a gateway whose notice was lost).
     `legacy=True`: as a gateway from before messages were records did, a work message on the
-    queue's own subject and the record in the bucket (`with_record=False`: none, an orphan)."""
+    queue's own subject and the record in the bucket (`with_record=False`: none, an orphan).
+    `input_ref`: its input claim-checked, as an uploaded object (none inline)."""
     job_id = new_job_id()
     now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
@@ -99,11 +101,11 @@ async def enqueue(
         "deadline": deadline,
         "execution_timeout_s": execution_timeout_s,
     }
-    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0)
+    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0, input_ref=input_ref)
     data = encode_record(record)
     if not legacy:
         assert with_record, "a submit's work message is its record"
-        envelope = queued_envelope(record, (x,))
+        envelope = queued_envelope(record, () if input_ref is not None else (x,))
         await nc.jetstream().publish(envelope.subject, encode_envelope(envelope), headers={"Nats-Msg-Id": job_id})
         if announce:
             await announce_queued(nc, [record])
@@ -534,22 +536,8 @@ async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
 
     claim_check.resolve = held_resolve
     batcher = await batchers("b1")
-    now = time.time()
-    by_ref = JobRecord(
-        job_id=new_job_id(),
-        tenant=TENANT,
-        model_name=MODEL,
-        model_version="1",
-        state=JobState.QUEUED,
-        priority=Priority.LOW,
-        create_time=now,
-        update_time=now,
-        max_attempts=3,
-        result_retention_s=3600.0,
-        input_ref=BlobRef(ref=new_input_ref(), size_bytes=16, sha256="00" * 32),
-    )
-    envelope = queued_envelope(by_ref, ())
-    await js.publish(envelope.subject, encode_envelope(envelope), headers={"Nats-Msg-Id": by_ref.job_id})
+    unread = BlobRef(ref=new_input_ref(), size_bytes=16, sha256="00" * 32)  # never uploaded
+    by_ref = await enqueue(nc, kv, priority=Priority.LOW, input_ref=unread)
     await batcher.grant(2)
     await asyncio.wait_for(entered.wait(), 5.0)
     queued_behind = await enqueue(nc, kv, priority=Priority.NORMAL)
@@ -559,7 +547,7 @@ async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
     await batcher.answer(order)
     await wait_state(js, queued_behind, JobState.SUCCEEDED)
     release.set()
-    failed = await wait_state(js, by_ref.job_id, JobState.FAILED)
+    failed = await wait_state(js, by_ref, JobState.FAILED)
     assert failed.error is not None
     assert failed.error.reason == "INPUT_NOT_FOUND"
     # Its credit came back: the next job runs on it.
