@@ -8,7 +8,9 @@ until a queued notice for the model rings the doorbell (asyncinfer.queued_notice
 poll interval passes (which catches redeliveries, delayed retries, messages published while it was
 down and any whose notice was lost). With `hold_pulls_open`, an idle dispatcher also holds a pull
 open on each priority's queue meanwhile (services.scheduler.held_pulls), so that a job reaches it
-as the stream stores it rather than a notice and a pull later.
+as the stream stores it rather than a notice and a pull later. A round waits for its dispatches
+before the next pull, except a dispatch that reads a claim-checked input first (a file batch's
+chunk): that one goes on alone, owned here, and `stop` and `settled` wait for it.
 """
 
 from __future__ import annotations
