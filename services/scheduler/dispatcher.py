@@ -32,6 +32,7 @@ from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.held_pulls import HeldPulls
 from services.scheduler.job_dispatch import INPUT_READ_STARTED
 from services.scheduler.jobs_flow import JobFlow
+from services.scheduler.owned_tasks import OwnedTasks
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.work_queue import ModelQueues
 
@@ -97,8 +98,8 @@ class ModelDispatcher:
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
         self._held = HeldPulls(queues, hold_s=poll_interval_s, deliver=self._deliver_held) if hold_pulls_open else None
-        # Dispatches their round stopped waiting for (reading an input: see _round), awaited by stop().
-        self._outlasting: set[asyncio.Task[None]] = set()
+        # A round's dispatches, some of which outlast it (reading an input: see _round).
+        self._dispatches = OwnedTasks(f"dispatch-{self.model_name}")
 
     async def start(self) -> None:
         # Queued notices ring the doorbell: they are sent once the job can be pulled (a core
@@ -116,7 +117,7 @@ class ModelDispatcher:
         self._stopping.set()
         if self._task is not None:
             await self._task
-        await asyncio.gather(*self._outlasting, return_exceptions=True)
+        await self._dispatches.close()
         if self._held is not None:
             await self._held.settled()  # what they bring now is put back
         if self._subscription is not None:
@@ -200,18 +201,9 @@ class ModelDispatcher:
         # published meanwhile is not held behind it (session 17: an interactive job waited 0.18 s
         # for a round of eight chunks' reads).
         waiting = RoundWait(len(msgs))
-        dispatches = [
-            asyncio.create_task(
-                self._dispatch(msg, session, functools.partial(waiting.leave, index)),
-                name=f"dispatch-{self.model_name}",
-            )
-            for index, (msg, session) in enumerate(zip(msgs, sessions, strict=False))
-        ]
-        await waiting.wait()
-        for task in dispatches:
-            if not task.done():  # under way until it ends (see _dispatch)
-                self._outlasting.add(task)
-                task.add_done_callback(self._outlasted)
+        for index, (msg, session) in enumerate(zip(msgs, sessions, strict=False)):
+            self._dispatches.spawn(self._dispatch(msg, session, functools.partial(waiting.leave, index)))
+        await waiting.wait()  # one still reading its input stays under way until it ends (_dispatch)
         return False
 
     async def _dispatch(self, msg: Msg, session: BatcherSession, leave_round: Callable[[], None]) -> None:
@@ -223,11 +215,6 @@ class ModelDispatcher:
                     self._batchers.release(session, self.model_name)
             finally:
                 leave_round()
-
-    def _outlasted(self, task: asyncio.Task[None]) -> None:  # its owner: stop() awaits it
-        self._outlasting.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("dispatch_crashed", model=self.model_name, error=repr(task.exception()))
 
     async def _deliver_held(self, msg: Msg, priority: Priority) -> None:
         """Dispatches a message a held pull brought, or puts it back when it cannot run here now."""

@@ -36,15 +36,15 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
+# Set by a dispatcher round in each of its dispatches' own context (services.scheduler.dispatcher):
+# called when the dispatch goes on to read a claim-checked input, so that the round stops waiting
+# for it. A contextvar rather than a parameter through the five calls between the two.
+INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_read_started", default=None)
 # Pauses while waiting for a record that an older gateway writes right after its publish. An idle
 # scheduler is woken by that very publish and pulls the message while the gateway is still waiting
 # for the publish's ack before it sends the record: the record is usually there a millisecond or
 # two later, so the first pauses are short (a coarser first pause was most of the queued time of a
 # job at light load); the total stays about what it was (~60 ms) before a nak.
-# Set by a dispatcher round in each of its dispatches' own context (services.scheduler.dispatcher):
-# called when the dispatch goes on to read a claim-checked input, so that the round stops waiting
-# for it. A contextvar rather than a parameter through the five calls between the two.
-INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_read_started", default=None)
 RECORD_WAITS_S = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03)
 
 
