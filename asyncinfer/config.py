@@ -253,6 +253,15 @@ class SchedulerConfig(_Section):
         "priority's queue (for up to poll_interval_ms), so that a job is delivered to the scheduler as the "
         "stream stores it, rather than a queued notice and a pull later.",
     )
+    dispatch_linger_ms: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="Under a steady stream of jobs (two dispatch rounds in a row found jobs already waiting), "
+        "wait this long after a round of fewer than 8 jobs before pulling again, so that jobs arriving one at "
+        "a time are dispatched and batched together (less CPU per job). A job at light load never waits for "
+        "it; one that arrives during it waits at most this long. 0: off.",
+    )
     poll_interval_ms: float = Field(
         250.0,
         gt=0,

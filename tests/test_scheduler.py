@@ -517,6 +517,32 @@ async def test_high_priority_goes_first_with_one_credit(
     assert second.job_id == low
 
 
+async def test_jobs_one_at_a_time_are_not_held_by_the_dispatch_linger(
+    config: Config, js: JetStreamContext, nc: NatsClient
+) -> None:
+    """The linger (scheduler.dispatch_linger_ms) is for a stream of jobs that outpaces the rounds:
+    a client that queues each job once the one before it has ended (a round trip) finds every job
+    dispatched at once, with a linger of a second configured, and no round lingers."""
+    scheduler = SchedulerApp(config.replace(scheduler={"dispatch_linger_ms": 1000.0}))
+    await scheduler.start()
+    batcher = FakeBatcher(scheduler.port, "b1")
+    try:
+        await batcher.connect()
+        await batcher.grant(20)
+        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+        for _ in range(8):
+            job_id = await enqueue(nc, kv)
+            order = await batcher.next_order(timeout_s=0.5)  # a linger would hold it for up to 1 s
+            assert order.job_id == job_id
+            await batcher.answer(order)
+            await wait_state(js, job_id, JobState.SUCCEEDED)
+        exposition = generate_latest(scheduler.metrics.registry).decode()
+        assert "asyncinfer_dispatch_lingers_total{" not in exposition
+    finally:
+        await batcher.close()
+        await scheduler.stop(grace_s=1.0)
+
+
 async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:

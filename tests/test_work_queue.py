@@ -116,6 +116,28 @@ async def test_a_queue_found_empty_is_asked_again_after_a_publish_or_the_interva
     await queues.close()
 
 
+async def test_a_pull_says_whether_it_found_jobs_already_waiting(nc: NatsClient, config: Config) -> None:
+    """What the dispatcher's linger reads (services.scheduler.dispatch_linger): jobs that were
+    waiting when the pull asked mean a stream that outpaces the rounds; an empty pull does not."""
+    await consumers(nc, config)
+    queues = ModelQueues(
+        nc, config.nats.work_stream, MODEL, PrioritySelector(dict.fromkeys(PRIORITIES_BY_RANK, 1), aging_s=60.0)
+    )
+    assert await queues.pull_next(4) == []
+    assert not queues.found_waiting
+    js = nc.jetstream()
+    for n in range(2):
+        await js.publish(work_subject(MODEL, Priority.NORMAL), b"job %d" % n)
+    taken = await queues.pull_next(4)
+    assert [m.data for m in taken] == [b"job 0", b"job 1"]
+    assert queues.found_waiting
+    assert await queues.pull_next(4) == []
+    assert not queues.found_waiting
+    for msg in taken:
+        await msg.ack()
+    await queues.close()
+
+
 def record(job_id: str) -> JobRecord:
     now = time.time()
     return JobRecord(

@@ -249,6 +249,8 @@ class SchedulerApp:
                 undrained=self._undrained,
                 on_queued=self._submissions.add,
                 hold_pulls_open=settings.hold_pulls_open,
+                linger_s=settings.dispatch_linger_ms / 1000.0,
+                on_linger=self._count_linger,
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
@@ -314,6 +316,9 @@ class SchedulerApp:
     async def _stop_dispatching(self) -> None:
         # Together: each waits for its round's pull, which with NATS gone lasts its timeout.
         await asyncio.gather(*(dispatcher.stop() for dispatcher in self._dispatchers))
+
+    def _count_linger(self, model_name: str) -> None:
+        self.metrics.dispatch_lingers.labels(model=model_name).inc()
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
         return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)

@@ -8,7 +8,9 @@ until a queued notice for the model rings the doorbell (asyncinfer.queued_notice
 poll interval passes (which catches redeliveries, delayed retries, messages published while it was
 down and any whose notice was lost). With `hold_pulls_open`, an idle dispatcher also holds a pull
 open on each priority's queue meanwhile (services.scheduler.held_pulls), so that a job reaches it
-as the stream stores it rather than a notice and a pull later. A round waits for its dispatches
+as the stream stores it rather than a notice and a pull later. Under a steady stream of jobs that
+outpaces its rounds, a small round is followed by a short wait (`dispatch_linger_ms`,
+services.scheduler.dispatch_linger), so that jobs arriving one at a time go out together. A round waits for its dispatches
 before the next pull, except a dispatch that reads a claim-checked input first (a file batch's
 chunk): that one goes on alone, owned here, and `stop` and `settled` wait for it.
 """
@@ -29,6 +31,7 @@ from asyncinfer.nats import Msg, Subscription
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
+from services.scheduler.dispatch_linger import DispatchLinger
 from services.scheduler.held_pulls import HeldPulls
 from services.scheduler.job_dispatch import INPUT_READ_STARTED
 from services.scheduler.jobs_flow import JobFlow
@@ -76,6 +79,8 @@ class ModelDispatcher:
         undrained: asyncio.Event | None = None,
         on_queued: Callable[[str], None] | None = None,
         hold_pulls_open: bool = False,
+        linger_s: float = 0.0,
+        on_linger: Callable[[str], None] | None = None,
     ) -> None:
         self.model_name = queues.model_name
         self._supervisor = supervisor
@@ -97,6 +102,8 @@ class ModelDispatcher:
         self._stopping = asyncio.Event()
         self._subscription: Subscription | None = None
         self._task: asyncio.Task[None] | None = None
+        self._linger = DispatchLinger(linger_s)
+        self._on_linger = on_linger
         self._held = HeldPulls(queues, hold_s=poll_interval_s, deliver=self._deliver_held) if hold_pulls_open else None
         # A round's dispatches, some of which outlast it (reading an input: see _round).
         self._dispatches = OwnedTasks(f"dispatch-{self.model_name}")
@@ -165,15 +172,20 @@ class ModelDispatcher:
                 await self._wait(closed)
                 continue
             with self._under_way():
-                idle = await self._round()
-            if idle:
+                pulled = await self._round()
+            linger_s = self._linger.after_round(pulled or 0, self._queues.found_waiting)
+            if linger_s:
+                if self._on_linger is not None:
+                    self._on_linger(self.model_name)
+                await self._wait(self._stopping, timeout_s=linger_s)
+            if pulled == 0:
                 if self._held is not None:
                     self._held.open()
                 await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
 
-    async def _round(self) -> bool:
-        """Reserves credits, pulls at most that many jobs and dispatches them; True when the
-        queues had nothing to give."""
+    async def _round(self) -> int | None:
+        """Reserves credits, pulls at most that many jobs and dispatches them; how many it
+        pulled (0: the queues had nothing to give; None: no credit was left)."""
         # Reserve the credits first, then pull at most that many: nothing is taken from the
         # queue without somewhere to run it. Pulling several at once (rather than one per
         # round trip) is what lets the batcher form batches under load.
@@ -184,7 +196,7 @@ class ModelDispatcher:
                 break
             sessions.append(session)
         if not sessions:
-            return False
+            return None
         self._doorbell.clear()
         try:
             msgs = await self._queues.pull_next(len(sessions))
@@ -194,7 +206,7 @@ class ModelDispatcher:
         for session in sessions[len(msgs) :]:
             self._batchers.release(session, self.model_name)
         if not msgs:
-            return True
+            return 0
         # The round waits for its dispatches (the jobs published meanwhile are then pulled
         # together), except one that goes on to read a claim-checked input (a file batch's chunk:
         # megabytes, tens to hundreds of ms): that one goes on alone, so that a job of any priority
@@ -204,7 +216,7 @@ class ModelDispatcher:
         for index, (msg, session) in enumerate(zip(msgs, sessions, strict=False)):
             self._dispatches.spawn(self._dispatch(msg, session, functools.partial(waiting.leave, index)))
         await waiting.wait()  # one still reading its input stays under way until it ends (_dispatch)
-        return False
+        return len(msgs)
 
     async def _dispatch(self, msg: Msg, session: BatcherSession, leave_round: Callable[[], None]) -> None:
         """One job of a round, its credit given back when it was not sent (dispatch never raises)."""

@@ -58,6 +58,13 @@ class SchedulerMetrics:
             ["model"],
             registry=registry,
         )
+        self.dispatch_lingers = Counter(
+            "asyncinfer_dispatch_lingers",
+            "Dispatch rounds followed by a short wait (scheduler.dispatch_linger_ms) so that a steady stream "
+            "of jobs is dispatched together.",
+            ["model"],
+            registry=registry,
+        )
         self.completed = Counter(
             "asyncinfer_results", "Results received from batchers (any outcome).", ["model"], registry=registry
         )

@@ -153,6 +153,9 @@ class ModelQueues:
         # Messages this scheduler pulled and put back (a nak): waiting again, but the consumer
         # counts them as delivered, not pending, until they are pulled again (first, before new ones).
         self._put_back = dict.fromkeys(PRIORITIES_BY_RANK, 0)
+        # Whether the last pull_next found jobs already waiting, not only one it waited for
+        # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
+        self.found_waiting = False
 
     def put_back(self, priority: Priority) -> None:
         """A message of the priority's queue was pulled and put back (nak) without running."""
@@ -184,6 +187,8 @@ class ModelQueues:
         rung = self._publishes[priority] != self._pulled_at[priority]
         self._pulled_at[priority] = self._publishes[priority]
         msgs = await self._inbox.pull(self._stream, self.consumers[priority], count)
+        if msgs:
+            self.found_waiting = True
         if not msgs and rung:
             # A wake can come before its message can be pulled (an immediate nak the server has
             # not applied yet; a publish seen on core NATS before the stream stored it): hold one
@@ -194,6 +199,7 @@ class ModelQueues:
     async def pull_next(self, count: int = 1) -> list[Msg]:
         """The next `count` jobs to run (fewer when fewer wait), chosen now."""
         chosen: list[Msg] = []
+        self.found_waiting = False
         eligible = {p for p in PRIORITIES_BY_RANK if not self.known_empty(p)}
         while len(chosen) < count and eligible:
             plan = self.selector.plan(count - len(chosen), eligible)
