@@ -401,6 +401,37 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     keep_feeding.cancel()
 
 
+async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """The feed's consumer delivers only the changes stored after it was made: a job queued while
+    it is being made, that changes before it exists, is not kept (its watch reads it and starts
+    from the change), rather than kept at QUEUED with the change never coming."""
+    hub = gateway.watch_hub
+    making, made = asyncio.Event(), asyncio.Event()
+    subscribe = hub._js.subscribe
+
+    async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
+        making.set()
+        await made.wait()
+        return await subscribe(*args, **kwargs)
+
+    hub._js.subscribe = slow_subscribe  # type: ignore[method-assign]
+    other = (await stub.SubmitJob(submit_request())).job
+    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
+    first_of_other = asyncio.create_task(next_job(keep_feeding))  # it starts the feed
+    await asyncio.wait_for(making.wait(), 5.0)
+    job = (await stub.SubmitJob(submit_request())).job
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    made.set()
+    assert (await first_of_other).job_id == other.job_id
+    watch = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision))
+    first = await next_job(watch)
+    assert (first.state, first.revision) == (job_pb2.JOB_STATE_RUNNING, running.revision)
+    watch.cancel()
+    keep_feeding.cancel()
+
+
 async def test_a_poll_for_a_finished_job_is_answered_without_a_read(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
 ) -> None:

@@ -144,7 +144,6 @@ class WatchHub:
             # DeliverPolicy.NEW: watches read the current record themselves after this, so only
             # later changes matter. An ordered consumer is ephemeral, in memory, and resumes after
             # the last sequence it saw.
-            self.recent.feed_started()  # before: what the submits expect from now on is in the feed
             self._subscription = await self._js.subscribe(
                 f"{self._subject_prefix}>",
                 stream=kv_stream(self._bucket),
@@ -152,6 +151,9 @@ class WatchHub:
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.NEW,
             )
+            # After: only a job queued once the consumer exists has every change in the feed. One
+            # queued while it was being made could change before it, unseen: that one is read.
+            self.recent.feed_started()
 
     async def ensure_notices(self) -> None:
         """Hears queued notices too (for label selectors), until the feed stops."""
