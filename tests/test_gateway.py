@@ -310,25 +310,32 @@ async def test_cancelled_watch_frees_its_queue(stub: JobStub, gateway: GatewayAp
     await wait_for(lambda: gateway.watch_hub.watcher_count == 0)
 
 
-async def test_the_watch_feed_runs_only_while_someone_watches(
+async def test_the_watch_feed_runs_only_while_someone_watches_or_jobs_are_queued_here(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
 ) -> None:
     hub = gateway.watch_hub
     hub._idle_stop_s = 0.05  # instead of 10 s
     stream = f"KV_{config.nats.jobs_bucket}"
-    job = (await stub.SubmitJob(submit_request())).job
-    assert not hub.feeding  # nobody has watched: record writes are not read at all
+
+    async def consumer_deleted() -> None:  # deleted, not left to time out
+        deadline = time.monotonic() + 5
+        while (await js.stream_info(stream)).state.consumer_count:
+            assert time.monotonic() < deadline, "the feed's consumer was not deleted"
+            await asyncio.sleep(0.01)
+
+    assert not hub.feeding  # nothing queued, nobody watching: record writes are not read at all
     assert (await js.stream_info(stream)).state.consumer_count == 0
+    job = (await stub.SubmitJob(submit_request())).job
+    await wait_for(lambda: hub.feeding)  # a submit starts it: its job's changes come next
+    await wait_for(lambda: not hub.feeding)  # and it stops once nothing is queued or watched
+    await consumer_deleted()
 
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
     assert (await next_job(call)).state == job_pb2.JOB_STATE_QUEUED
     assert hub.feeding
     call.cancel()
     await wait_for(lambda: not hub.feeding)
-    deadline = time.monotonic() + 5
-    while (await js.stream_info(stream)).state.consumer_count:  # deleted, not left to time out
-        assert time.monotonic() < deadline, "the feed's consumer was not deleted"
-        await asyncio.sleep(0.01)
+    await consumer_deleted()
 
     # A change made while the feed is off is read by the next watch; later ones come by the feed.
     running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
@@ -399,6 +406,36 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
     assert reads == [job_key(TENANT, job.job_id)]
     keep_feeding.cancel()
+
+
+async def test_jobs_queued_here_keep_the_feed_running_for_their_polls(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+) -> None:
+    """A client that submits and then polls with GetJob, never watching: its submits keep the feed
+    running, so its polls for finished jobs are answered without reads. The job queued as the
+    feed started is read."""
+    hub = gateway.watch_hub
+    store: Any = hub._records
+    real_get = store.get
+    reads: list[str] = []
+
+    async def counting_get(key: str) -> JobRecord | None:
+        reads.append(key)
+        return await real_get(key)
+
+    store.get = counting_get
+    first = (await stub.SubmitJob(submit_request())).job
+    await wait_for(lambda: hub.feeding)
+    jobs = [first, *[(await stub.SubmitJob(submit_request())).job for _ in range(3)]]
+    for job in jobs:
+        await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+        await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    for job in jobs[1:]:
+        await wait_for(lambda job=job: hub.recent.finished(job_key(TENANT, job.job_id)) is not None)
+    for job in jobs:
+        got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
+        assert got.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert reads == [job_key(TENANT, first.job_id)]
 
 
 async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(
