@@ -310,7 +310,7 @@ async def test_cancelled_watch_frees_its_queue(stub: JobStub, gateway: GatewayAp
     await wait_for(lambda: gateway.watch_hub.watcher_count == 0)
 
 
-async def test_the_watch_feed_runs_only_while_someone_watches_or_jobs_are_queued_here(
+async def test_the_watch_feed_runs_only_while_someone_watches_or_polls(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
 ) -> None:
     hub = gateway.watch_hub
@@ -323,11 +323,12 @@ async def test_the_watch_feed_runs_only_while_someone_watches_or_jobs_are_queued
             assert time.monotonic() < deadline, "the feed's consumer was not deleted"
             await asyncio.sleep(0.01)
 
-    assert not hub.feeding  # nothing queued, nobody watching: record writes are not read at all
-    assert (await js.stream_info(stream)).state.consumer_count == 0
     job = (await stub.SubmitJob(submit_request())).job
-    await wait_for(lambda: hub.feeding)  # a submit starts it: its job's changes come next
-    await wait_for(lambda: not hub.feeding)  # and it stops once nothing is queued or watched
+    assert not hub.feeding  # nobody watches or polls: record writes are not read at all
+    assert (await js.stream_info(stream)).state.consumer_count == 0
+    await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))
+    await wait_for(lambda: hub.feeding)  # a poll starts it: the next jobs' polls need no read
+    await wait_for(lambda: not hub.feeding)  # and it stops once nobody polls or watches
     await consumer_deleted()
 
     call = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
@@ -408,12 +409,12 @@ async def test_a_watch_right_after_its_submit_starts_without_a_read(
     keep_feeding.cancel()
 
 
-async def test_jobs_queued_here_keep_the_feed_running_for_their_polls(
+async def test_a_clients_polls_keep_the_feed_running_for_the_jobs_it_queues_next(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
 ) -> None:
-    """A client that submits and then polls with GetJob, never watching: its submits keep the feed
-    running, so its polls for finished jobs are answered without reads. The job queued as the
-    feed started is read."""
+    """A client that submits and then polls with GetJob, never watching: its first poll starts the
+    feed, so its polls for the jobs it queues after that are answered without reads. The job
+    queued before the feed ran is read."""
     hub = gateway.watch_hub
     store: Any = hub._records
     real_get = store.get
@@ -425,6 +426,7 @@ async def test_jobs_queued_here_keep_the_feed_running_for_their_polls(
 
     store.get = counting_get
     first = (await stub.SubmitJob(submit_request())).job
+    assert (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=first.job_id))).job.job_id == first.job_id
     await wait_for(lambda: hub.feeding)
     jobs = [first, *[(await stub.SubmitJob(submit_request())).job for _ in range(3)]]
     for job in jobs:
@@ -435,7 +437,7 @@ async def test_jobs_queued_here_keep_the_feed_running_for_their_polls(
     for job in jobs:
         got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
         assert got.state == job_pb2.JOB_STATE_SUCCEEDED
-    assert reads == [job_key(TENANT, first.job_id)]
+    assert reads == [job_key(TENANT, first.job_id)] * 2  # its first poll, and its last
 
 
 async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(

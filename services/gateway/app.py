@@ -143,7 +143,6 @@ class GatewayApp:
             admission,
             claim_check=claim_check,
             recent=self._hub.recent,
-            feed_wanted=self._hub.note_submits,
             store_health=store_health,
             catalog=self._catalog,
         )

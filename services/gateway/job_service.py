@@ -178,6 +178,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
+        self._hub.note_polls()
         record = await self._read(context, request.job_id)
         job = self._job(record)
         if self._callback_deliveries is not None:
@@ -191,6 +192,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.GetJobsRequest, context: Context
     ) -> job_service_pb2.GetJobsResponse:
         tenant = resolve_tenant(context, self._authenticator)
+        self._hub.note_polls()
         return await get_jobs(
             request.job_ids, tenant, self._job_or_error, budget_bytes=self._config.gateway.max_request_bytes
         )

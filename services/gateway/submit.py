@@ -53,16 +53,12 @@ class JobSubmitter:
         clock: Callable[[], float] = time.time,
         claim_check: ClaimCheck | None = None,
         recent: RecentRecords | None = None,
-        feed_wanted: Callable[[], None] | None = None,
         store_health: StoreHealth | None = None,
         catalog: ModelCatalog | None = None,
     ) -> None:
         # The models and versions accepted: the configuration's, and those registered.
         self.catalog = catalog or ModelCatalog(config)
         self._recent = recent
-        # Called as jobs are queued: their changes are what this gateway's clients ask about next
-        # (services.gateway.watch_hub.WatchHub.note_submits).
-        self._feed_wanted = feed_wanted
         self._store_health = store_health
         self._config = config
         self._claim_check = claim_check
@@ -122,8 +118,6 @@ class JobSubmitter:
         record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=new_job_id())
         if self._recent is not None:
             self._recent.expect(record.key)
-        if self._feed_wanted is not None:
-            self._feed_wanted()
         return record, work_message(record, request)
 
     async def publish_group(self, messages: Sequence[DurableMessage]) -> list[int | Exception]:
@@ -205,8 +199,6 @@ class JobSubmitter:
         message = work_message(record, request)
         if self._recent is not None:
             self._recent.expect(record.key)
-        if self._feed_wanted is not None:
-            self._feed_wanted()
         try:
             await publish_durably(
                 self._js,
