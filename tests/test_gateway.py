@@ -441,21 +441,20 @@ async def test_a_clients_polls_keep_the_feed_running_for_the_jobs_it_queues_next
 
 
 async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(
-    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The feed's consumer delivers only the changes stored after it was made: a job queued while
     it is being made, that changes before it exists, is not kept (its watch reads it and starts
     from the change), rather than kept at QUEUED with the change never coming."""
-    hub = gateway.watch_hub
     making, made = asyncio.Event(), asyncio.Event()
-    subscribe = hub._js.subscribe
+    subscribe = JetStreamContext.subscribe
 
-    async def slow_subscribe(*args: Any, **kwargs: Any) -> Any:
-        making.set()
+    async def slow_subscribe(self: JetStreamContext, *args: Any, **kwargs: Any) -> Any:
+        making.set()  # the feed's consumer is being made (the only subscribe of this test)
         await made.wait()
-        return await subscribe(*args, **kwargs)
+        return await subscribe(self, *args, **kwargs)
 
-    hub._js.subscribe = slow_subscribe  # type: ignore[method-assign]
+    monkeypatch.setattr(JetStreamContext, "subscribe", slow_subscribe)
     other = (await stub.SubmitJob(submit_request())).job
     keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
     first_of_other = asyncio.create_task(next_job(keep_feeding))  # it starts the feed
