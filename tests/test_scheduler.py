@@ -543,6 +543,32 @@ async def test_jobs_one_at_a_time_are_not_held_by_the_dispatch_linger(
         await scheduler.stop(grace_s=1.0)
 
 
+async def test_a_stream_of_jobs_outpacing_the_rounds_is_dispatched_with_lingers_and_each_job_once(
+    config: Config, js: JetStreamContext, nc: NatsClient
+) -> None:
+    """Jobs queued one at a time faster than the dispatcher's rounds (a burst of unary submits):
+    rounds find them waiting, the dispatcher lingers between small rounds (counted), and every job
+    is still dispatched once."""
+    scheduler = SchedulerApp(config.replace(scheduler={"dispatch_linger_ms": 5.0}))
+    await scheduler.start()
+    batcher = FakeBatcher(scheduler.port, "b1")
+    try:
+        await batcher.connect(takes_batches=True)
+        await batcher.grant(400)
+        kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+        job_ids = [await enqueue(nc, kv) for _ in range(300)]
+        orders = [await batcher.next_order() for _ in job_ids]
+        assert sorted(order.job_id for order in orders) == sorted(job_ids)
+        assert batcher.orders.empty()
+        exposition = generate_latest(scheduler.metrics.registry).decode()
+        lingers = [line for line in exposition.splitlines() if line.startswith("asyncinfer_dispatch_lingers_total{")]
+        assert lingers, exposition
+        assert float(lingers[0].rsplit(" ", 1)[1]) > 0
+    finally:
+        await batcher.close()
+        await scheduler.stop(grace_s=1.0)
+
+
 async def test_a_chunks_input_read_does_not_hold_back_a_job_queued_behind_it(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
