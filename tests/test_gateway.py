@@ -347,11 +347,8 @@ async def test_the_watch_feed_runs_only_while_someone_watches_or_polls(
     assert (last.state, last.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
 
 
-async def feeding_and_counting_reads(stub: JobStub, hub: Any) -> tuple[Any, list[str]]:
-    """A watch that keeps the hub's feed running, and the keys the hub reads from the bucket from now on."""
-    other = (await stub.SubmitJob(submit_request())).job
-    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
-    assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
+def counting_reads(hub: Any) -> list[str]:
+    """The keys the hub reads from the bucket from now on."""
     store: Any = hub._records
     real_get = store.get
     reads: list[str] = []
@@ -361,7 +358,15 @@ async def feeding_and_counting_reads(stub: JobStub, hub: Any) -> tuple[Any, list
         return await real_get(key)
 
     store.get = counting_get
-    return keep_feeding, reads
+    return reads
+
+
+async def feeding_and_counting_reads(stub: JobStub, hub: Any) -> tuple[Any, list[str]]:
+    """A watch that keeps the hub's feed running, and the keys the hub reads from the bucket from now on."""
+    other = (await stub.SubmitJob(submit_request())).job
+    keep_feeding = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=other.job_id))
+    assert (await next_job(keep_feeding)).state == job_pb2.JOB_STATE_QUEUED
+    return keep_feeding, counting_reads(hub)
 
 
 async def test_a_watch_right_after_its_submit_starts_without_a_read(
@@ -416,15 +421,7 @@ async def test_a_clients_polls_keep_the_feed_running_for_the_jobs_it_queues_next
     feed, so its polls for the jobs it queues after that are answered without reads. The job
     queued before the feed ran is read."""
     hub = gateway.watch_hub
-    store: Any = hub._records
-    real_get = store.get
-    reads: list[str] = []
-
-    async def counting_get(key: str) -> JobRecord | None:
-        reads.append(key)
-        return await real_get(key)
-
-    store.get = counting_get
+    reads = counting_reads(hub)
     first = (await stub.SubmitJob(submit_request())).job
     assert (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=first.job_id))).job.job_id == first.job_id
     await wait_for(lambda: hub.feeding)

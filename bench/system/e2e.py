@@ -204,12 +204,10 @@ async def run_one(stub: job_service_pb2_grpc.JobServiceStub, timeout_s: float = 
     raise RuntimeError(f"the watch of {job.job_id} ended before the job did")
 
 
-async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: int) -> Burst:
+async def submit_unary(stub: job_service_pb2_grpc.JobServiceStub, count: int) -> list[str]:
+    """Submits `count` no-op jobs with unary SubmitJob calls, SUBMIT_CONCURRENCY in flight; their IDs."""
     request = submit_request()
     job_ids: list[str] = [""] * count
-    cpu_before = stack.cpu()
-    started_wall = time.time()
-    started = time.perf_counter()
     next_index = 0
 
     async def submitter() -> None:
@@ -220,12 +218,14 @@ async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: 
             job_ids[index] = (await stub.SubmitJob(request)).job.job_id
 
     await asyncio.gather(*(submitter() for _ in range(SUBMIT_CONCURRENCY)))
-    submitted = time.perf_counter()
-    async for update in stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_ids[-1])):
-        if update.job.state in TERMINAL:
-            break
-    finals: list[job_pb2.Job | None] = [None] * count
-    pending = list(range(count))
+    return job_ids
+
+
+async def collect_finals(stub: job_service_pb2_grpc.JobServiceStub, job_ids: list[str]) -> list[job_pb2.Job]:
+    """Each job's final record, by GetJob (COLLECT_CONCURRENCY in flight; the jobs not finished yet
+    are polled again 10 ms later), in the order of `job_ids`."""
+    finals: list[job_pb2.Job | None] = [None] * len(job_ids)
+    pending = list(range(len(job_ids)))
     while pending:
         still: list[int] = []
         queue = list(pending)
@@ -243,9 +243,21 @@ async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: 
         pending = still
         if pending:
             await asyncio.sleep(0.01)
+    return [job for job in finals if job is not None]
+
+
+async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: int) -> Burst:
+    cpu_before = stack.cpu()
+    started_wall = time.time()
+    started = time.perf_counter()
+    job_ids = await submit_unary(stub, count)
+    submitted = time.perf_counter()
+    async for update in stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_ids[-1])):
+        if update.job.state in TERMINAL:
+            break
+    jobs = await collect_finals(stub, job_ids)
     collected = time.perf_counter()
     cpu_after = stack.cpu()
-    jobs = [j for j in finals if j is not None]
     failed = sum(1 for j in jobs if j.state != job_pb2.JOB_STATE_SUCCEEDED)
     last_end = max(seconds(j.end_time) for j in jobs)
     return Burst(

@@ -28,7 +28,7 @@ import uvloop
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from bench.system.ab import worktrees
 from bench.system.common import ProcessGroup, log, ratio, row, summarize, write_results
-from bench.system.e2e import COLLECT_CONCURRENCY, SUBMIT_CONCURRENCY, TERMINAL, Stack, submit_request
+from bench.system.e2e import TERMINAL, Stack, collect_finals, submit_request, submit_unary
 
 Stub = job_service_pb2_grpc.JobServiceStub
 PROCESSES = ("gateway", "scheduler", "batcher", "nats-server")
@@ -47,41 +47,6 @@ async def poll_to_end(stub: Stub, job_id: str, interval_s: float, timeout_s: flo
         await asyncio.sleep(interval_s)
 
 
-async def submit_all(stub: Stub, count: int) -> list[str]:
-    request = submit_request()
-    job_ids = [""] * count
-    next_index = 0
-
-    async def submitter() -> None:
-        nonlocal next_index
-        while next_index < count:
-            index = next_index
-            next_index += 1
-            job_ids[index] = (await stub.SubmitJob(request)).job.job_id
-
-    await asyncio.gather(*(submitter() for _ in range(SUBMIT_CONCURRENCY)))
-    return job_ids
-
-
-async def collect(stub: Stub, job_ids: list[str]) -> None:
-    pending = list(job_ids)
-    while pending:
-        still: list[str] = []
-        queue = list(pending)
-
-        async def collector(queue: list[str] = queue, still: list[str] = still) -> None:
-            while queue:
-                job_id = queue.pop()
-                job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
-                if job.state not in TERMINAL:
-                    still.append(job_id)
-
-        await asyncio.gather(*(collector() for _ in range(COLLECT_CONCURRENCY)))
-        pending = still
-        if pending:
-            await asyncio.sleep(0.01)
-
-
 async def measure(stack: Stack, count: int) -> dict[str, float]:
     found: dict[str, float] = {}
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -91,12 +56,12 @@ async def measure(stack: Stack, count: int) -> dict[str, float]:
         await asyncio.sleep(WARM_UP_S)  # no call that reads: the feed stays off in both
         for phase in ("submit only", "submit then poll"):
             cpu_before, started = stack.cpu(), time.perf_counter()
-            job_ids = await submit_all(stub, count)
+            job_ids = await submit_unary(stub, count)
             submitted = time.perf_counter()
             if phase == "submit only":
                 await poll_to_end(stub, job_ids[-1], 0.01)
             else:
-                await collect(stub, job_ids)
+                await collect_finals(stub, job_ids)
             ended, cpu_after = time.perf_counter(), stack.cpu()
             found[f"{phase}: jobs/s (first submit -> last job ended, or every result collected)"] = count / (
                 ended - started
