@@ -314,7 +314,8 @@ async def test_the_watch_feed_runs_only_while_someone_watches_or_polls(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
 ) -> None:
     hub = gateway.watch_hub
-    hub._idle_stop_s = 0.05  # instead of 10 s
+    assert hub._idle_stop_s == config.gateway.watch_feed_idle_s == 10.0
+    hub._idle_stop_s = 0.05  # instead of gateway.watch_feed_idle_s's 10 s
     stream = f"KV_{config.nats.jobs_bucket}"
 
     async def consumer_deleted() -> None:  # deleted, not left to time out

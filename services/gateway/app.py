@@ -125,7 +125,13 @@ class GatewayApp:
         await self._queues.start()
         expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
         self._hub = WatchHub(
-            self._nc, js, records, bucket=cfg.nats.jobs_bucket, expiry=expiry, supervisor=self.supervisor
+            self._nc,
+            js,
+            records,
+            bucket=cfg.nats.jobs_bucket,
+            expiry=expiry,
+            supervisor=self.supervisor,
+            idle_stop_s=cfg.gateway.watch_feed_idle_s,
         )
         await self._hub.start()
         self.metrics.count_watchers(lambda: self.watch_hub.watcher_count)

@@ -2,10 +2,12 @@
 update subjects, dispatched to per-watcher queues, instead of one consumer per watcher. The
 watches themselves are services.gateway.watch_one (WatchJob) and watch_many (WatchJobs).
 
-The subscription runs only while someone watches: it starts with the first watcher (before that
-watcher reads the record, so nothing falls between) and stops once none has watched for
-`idle_stop_s`. Without it, every gateway would read every record write of every job (three per job)
-whether or not anyone watched, which is most of the time for clients that poll or take webhooks.
+The subscription runs only while someone watches or polls: it starts with the first watcher (before
+that watcher reads the record, so nothing falls between) or poll (`note_polls`), and stops once none
+has watched or polled for `idle_stop_s` (`gateway.watch_feed_idle_s`). Otherwise every gateway would
+read every record write of every job (two per job) whether or not anyone asked, which is most of the
+time for clients that take webhooks: a feed running for them costs about a fifth of their jobs/s
+(session 18, bench/results/ab_feed_for_submits.md).
 
 A new job's QUEUED record is its work message, not a write to the bucket: while a label selector
 watches (WatchJobs), the hub also hears the queued notices (asyncinfer.queued_notice, core NATS)
@@ -164,7 +166,7 @@ class WatchHub:
         """A client polls (GetJob, GetJobs): the feed keeps the final records of the jobs queued
         here from now on, and their polls are answered without a read each. So the feed runs
         while anyone polls, as while anyone watches: started in the background when it is off (the
-        jobs queued before it are read), and stopped IDLE_STOP_S after the last poll or watch.
+        jobs queued before it are read), and stopped `idle_stop_s` after the last poll or watch.
         Not while jobs are only queued: for a client that never asks (results by webhook) the feed
         costs, and saves nothing (session 18: 0.79x the jobs/s of a submit-only burst)."""
         if self._closed:
