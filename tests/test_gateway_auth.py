@@ -102,6 +102,27 @@ async def test_a_missing_or_wrong_key_is_unauthenticated(keyed: JobStub, metadat
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_an_unauthenticated_poll_does_not_start_the_watch_feed(config: Config) -> None:
+    """Polls keep the gateway's watch feed running (every job's changes read: a cost for clients
+    that only submit), so only a caller with a key starts it."""
+    app = GatewayApp(with_keys(config))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_service_pb2_grpc.JobServiceStub(channel)
+            for call in (
+                stub.GetJob(job_service_pb2.GetJobRequest(job_id=new_job_id()), metadata=bearer("not-a-key")),
+                stub.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[new_job_id()]), metadata=bearer("not-a-key")),
+            ):
+                assert (await rpc_error(call)).code() == grpc.StatusCode.UNAUTHENTICATED
+            assert app.watch_hub._feed_start is None
+            job = (await stub.SubmitJob(submit_request(), metadata=bearer(ACME_KEY))).job
+            await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id), metadata=bearer(ACME_KEY))
+            assert app.watch_hub._feed_start is not None  # a poll with a key starts it
+    finally:
+        await app.stop(grace_s=1)
+
+
 async def test_a_key_reaches_its_own_jobs_and_the_scheme_is_case_insensitive(keyed: JobStub) -> None:
     job = (await keyed.SubmitJob(submit_request(), metadata=bearer(ACME_KEY))).job
     got = await keyed.GetJob(

@@ -178,8 +178,8 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
-        self._hub.note_polls()
         record = await self._read(context, request.job_id)
+        self._hub.note_polls()  # after the caller is known: an unauthenticated call keeps nothing running
         job = self._job(record)
         if self._callback_deliveries is not None:
             job.callback_deliveries.extend(await self._callback_deliveries.for_job(record))
