@@ -8,6 +8,7 @@ import asyncio
 import time
 
 import pytest
+from structlog.testing import capture_logs
 
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
@@ -136,6 +137,36 @@ async def test_a_pull_says_whether_it_found_jobs_already_waiting(nc: NatsClient,
     for msg in taken:
         await msg.ack()
     await queues.close()
+
+
+class LostConnection:
+    """A client whose connection was lost a moment ago, before nats-py noticed: still "connected",
+    its write to the closed transport raising as uvloop's does."""
+
+    is_connected = True
+
+    def new_inbox(self) -> str:
+        return "_INBOX.lost"
+
+    async def subscribe(self, subject: str) -> LostConnection:
+        self.subject = subject
+        return self
+
+    async def unsubscribe(self) -> None:
+        pass
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+
+@pytest.mark.unit
+async def test_a_pull_on_a_connection_lost_a_moment_ago_pulls_nothing_and_raises_nothing() -> None:
+    """What `up` saw when its nats-server died: a round's pull raised, logged as the scheduler's
+    error before `up` said why it stops. It is a warning now, and the round finds nothing."""
+    inbox = PullInbox(LostConnection())  # type: ignore[arg-type]
+    with capture_logs() as logs:
+        assert await inbox.pull("WORK", "work-demo-normal", 4) == []
+    assert [(e["event"], e["log_level"]) for e in logs] == [("pull_not_sent", "warning")]
 
 
 def record(job_id: str) -> JobRecord:

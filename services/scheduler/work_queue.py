@@ -78,6 +78,14 @@ class PullInbox:
             msgs: list[Msg] = []
             try:
                 await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
+            except RuntimeError as exc:
+                # The connection was lost a moment ago and nats-py has not noticed yet: its write to
+                # the closed transport raises this (uvloop). As while disconnected: nothing pulled,
+                # and no error of its own (the loss is logged where it is handled; `up` stops on it).
+                log.warning("pull_not_sent", stream=stream, consumer=consumer, error=str(exc))
+                await self._abandon()
+                return []
+            try:
                 while len(msgs) < count:
                     reply = await subscription.next_msg(timeout=timeout_s)
                     status = (reply.headers or {}).get("Status")
