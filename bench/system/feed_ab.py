@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import grpc
 import uvloop
@@ -76,6 +77,20 @@ async def measure(stack: Stack, count: int) -> dict[str, float]:
     return found
 
 
+def rows_and_ratios(results: dict[str, list[dict[str, float]]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per setup (A, then B) and figure, a row of its rounds; per figure, B's median over A's."""
+    rows, medians = [], {}
+    for name, rounds in results.items():
+        medians[name] = {}
+        for label in rounds[0]:
+            values = [r[label] for r in rounds]
+            rows.append(row(f"{name}: {label}", values, "ms" if label.endswith("ms") else "jobs/s"))
+            medians[name][label] = float(summarize(values)["value"])
+    a, b = medians.values()
+    ratios = [ratio(f"B / A: {label}", b[label] / a[label], "for the decision", None) for label in a if a[label] > 0]
+    return rows, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--revisions", nargs=2, metavar=("A", "B"), required=True)
@@ -103,15 +118,7 @@ def main() -> None:
                     + " / ".join(f"{found[k]:.2f}" for k in found if "4 processes" in k)
                     + " ms"
                 )
-    rows, medians = [], {}
-    for name, rounds in results.items():
-        medians[name] = {}
-        for label in rounds[0]:
-            values = [r[label] for r in rounds]
-            rows.append(row(f"{name}: {label}", values, "ms" if label.endswith("ms") else "jobs/s"))
-            medians[name][label] = float(summarize(values)["value"])
-    a, b = medians.values()
-    ratios = [ratio(f"B / A: {label}", b[label] / a[label], "for the decision", None) for label in a if a[label] > 0]
+    rows, ratios = rows_and_ratios(results)
     notes = [
         f"{args.rounds} rounds, each a fresh stack per revision, A then B; bursts of {args.burst} no-op jobs. "
         + (__doc__ or "").split("\n\n")[2].replace("\n", " ")

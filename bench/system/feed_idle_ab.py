@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from typing import Any
 
 import grpc
 import uvloop
 
-from bench.system.common import ProcessGroup, log, ratio, row, summarize, write_results
+from bench.system.common import ProcessGroup, log, write_results
 from bench.system.e2e import Stack, collect_finals, submit_request, submit_unary
-from bench.system.feed_ab import PROCESSES, WARM_UP_S, Stub, poll_to_end
+from bench.system.feed_ab import PROCESSES, WARM_UP_S, Stub, poll_to_end, rows_and_ratios
 
 POLL_BURST = 1000
 POLLS = 3
@@ -83,16 +82,7 @@ def main() -> None:
                 stack.stop_services()
                 results.setdefault(name, []).append(found)
                 log(f"round {number}, {name}: " + "; ".join(f"{k} {v:.2f}" for k, v in found.items()))
-    rows: list[dict[str, Any]] = []
-    medians: dict[str, dict[str, float]] = {}
-    for name, rounds in results.items():
-        medians[name] = {}
-        for label in rounds[0]:
-            values = [r[label] for r in rounds]
-            rows.append(row(f"{name}: {label}", values, "ms" if label.endswith("ms") else "jobs/s"))
-            medians[name][label] = float(summarize(values)["value"])
-    a, b = medians.values()
-    ratios = [ratio(f"B / A: {label}", b[label] / a[label], "for the decision", None) for label in a if a[label] > 0]
+    rows, ratios = rows_and_ratios(results)
     notes = [
         f"{args.rounds} rounds, a fresh stack per setting, A then B; gaps of {args.gap_s:g} s between the poller's "
         f"bursts, {args.quiet_s:g} s before the submit-only client. "
