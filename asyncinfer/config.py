@@ -214,6 +214,13 @@ class GatewayConfig(_Section):
         description="Most WatchJob and WatchJobs streams one tenant may have open on one gateway; past it "
         "RESOURCE_EXHAUSTED TOO_MANY_WATCHES (0: no limit).",
     )
+    max_submit_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="Longest a SubmitJob may hold its answer for the job to end (its `wait` field, as "
+        "Replicate's Prefer: wait): a longer wait is cut to this, and the answer is then the job as it is. "
+        "A waiting call counts among the tenant's and the connection's watches. 0: SubmitJob never waits.",
+    )
     max_watches_per_connection: int = Field(
         5_000,
         ge=0,

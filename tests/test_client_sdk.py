@@ -39,6 +39,7 @@ from asyncinfer.client import (
 from asyncinfer.config import Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.stack import Stack, StartStack, ThreadedStack
+from tests.test_gateway import wait_for
 
 X = np.array([[1, 2, 3, 4], [0, 0, 0, -1]], dtype=np.float32)
 FAST_RETRY = RetryPolicy(max_attempts=60, initial_backoff_s=0.02, max_backoff_s=0.2)
@@ -92,6 +93,31 @@ async def test_run_returns_outputs_and_get_reads_the_same_job(stack: Stack) -> N
     assert again.revision == done.revision
     assert again.state is JobState.SUCCEEDED
     np.testing.assert_array_equal(again.outputs["y"], done.outputs["y"])
+
+
+def rpcs(stack: Stack, method: str) -> float:
+    labels = {"service": "asyncinfer.v1.JobService", "method": method, "code": "OK"}
+    return stack.gateway.registry.get_sample_value("asyncinfer_rpc_server_handled_total", labels) or 0.0
+
+
+async def test_run_of_a_short_job_is_one_call(stack: Stack) -> None:
+    """`run` asks SubmitJob to wait for the job's end (the gateway holds its answer): a job that
+    ends within the call's deadline costs one call, and no WatchJob."""
+    async with AsyncClient(stack.address) as client:
+        outputs = await client.run("demo", {"x": X}, timeout_s=30)
+    np.testing.assert_array_equal(outputs["y"], expected_y(X))
+    assert (rpcs(stack, "SubmitJob"), rpcs(stack, "WatchJob")) == (1, 0)
+
+
+async def test_run_of_a_job_that_outlasts_its_submit_watches_it_to_its_end(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address, timeout_s=0.5) as client:  # each call's deadline
+        running = asyncio.ensure_future(client.run("demo", {"x": X}, timeout_s=30))
+        await wait_for(lambda: rpcs(idle_stack, "SubmitJob") == 1)  # answered QUEUED, once its wait passed
+        assert not running.done()
+        await idle_stack.start_batcher()
+        outputs = await asyncio.wait_for(running, 30)
+    np.testing.assert_array_equal(outputs["y"], expected_y(X))
+    assert rpcs(idle_stack, "WatchJob") >= 1
 
 
 async def test_watch_yields_queued_running_succeeded_in_order(idle_stack: Stack) -> None:

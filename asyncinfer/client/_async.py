@@ -232,6 +232,7 @@ class AsyncClient:
         max_attempts: int = 0,
         timeout_s: float | None = None,
         traceparent: str = "",
+        wait_s: float | None = None,
     ) -> Job:
         """Queues a job on `model` and returns it (QUEUED) as soon as it is durably queued.
 
@@ -249,6 +250,10 @@ class AsyncClient:
 
         `traceparent`: a W3C trace context (`00-<trace id>-<span id>-<flags>`) for the job's trace to
         continue, when the gateway traces jobs (`Job.trace_id` is then that trace's).
+
+        `wait_s`: the gateway holds its answer until the job ends or this long passes (at most
+        its gateway.max_submit_wait_s, 60 s by default, and within `timeout_s`), in one call; the
+        job returned is then finished (`job.done`) or as it stood, to `wait` for as usual.
         """
         request = JobRequest(
             model=model,
@@ -265,14 +270,16 @@ class AsyncClient:
             callback=Callback(callback) if isinstance(callback, str) else callback,
             max_attempts=max_attempts,
         )
-        return await self.submit_request(request, timeout_s=timeout_s, traceparent=traceparent)
+        return await self.submit_request(request, timeout_s=timeout_s, traceparent=traceparent, wait_s=wait_s)
 
     async def submit_request(
-        self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = ""
+        self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = "", wait_s: float | None = None
     ) -> Job:
         """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
         request = await self._typed(request, timeout_s)
         message = submit_request_to_proto(with_idempotency_key(request))
+        if wait_s:
+            message.wait.FromNanoseconds(int(wait_s * 1e9))
         metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
 
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
@@ -536,10 +543,14 @@ class AsyncClient:
     ) -> dict[str, npt.NDArray[np.generic]]:
         """Submits, waits and returns the outputs (read with `read_result` when large);
         JobFailedError when the job ends in any state but SUCCEEDED. `timeout_s` bounds the whole
-        run; submit options are those of `submit`."""
+        run; submit options are those of `submit`. A job that ends within the submit's own
+        deadline is answered by that one call (the gateway holds its answer: `submit`'s `wait_s`);
+        a longer one is then watched to its end."""
         deadline = Deadline(timeout_s)
-        job = await self.submit(model, inputs, timeout_s=_unary_budget(deadline, self.timeout_s), **submit_options)
-        done = await self.wait(job, timeout_s=deadline.remaining())
+        budget = _unary_budget(deadline, self.timeout_s)
+        submit_options.setdefault("wait_s", budget)  # the gateway ends the wait before the call's deadline
+        job = await self.submit(model, inputs, timeout_s=budget, **submit_options)
+        done = job if job.done else await self.wait(job, timeout_s=deadline.remaining())
         if not done.succeeded:
             raise JobFailedError(done)
         return await self.outputs(done, timeout_s=deadline.remaining())

@@ -158,6 +158,7 @@ class Client:
         max_attempts: int = 0,
         timeout_s: float | None = None,
         traceparent: str = "",
+        wait_s: float | None = None,
     ) -> Job:
         """See `AsyncClient.submit` (an idempotency key is generated when none is given)."""
         return self._run(
@@ -177,11 +178,16 @@ class Client:
                 max_attempts=max_attempts,
                 timeout_s=timeout_s,
                 traceparent=traceparent,
+                wait_s=wait_s,
             )
         )
 
-    def submit_request(self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = "") -> Job:
-        return self._run(self._client.submit_request(request, timeout_s=timeout_s, traceparent=traceparent))
+    def submit_request(
+        self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = "", wait_s: float | None = None
+    ) -> Job:
+        return self._run(
+            self._client.submit_request(request, timeout_s=timeout_s, traceparent=traceparent, wait_s=wait_s)
+        )
 
     def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         return self._run(self._client.get(job, timeout_s=timeout_s))

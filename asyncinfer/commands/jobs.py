@@ -171,8 +171,11 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
         if args.upload and request.inputs is not None:
             ref = await client.upload_inputs(request.inputs, retention_s=request.retention_s)
             request = dataclasses.replace(request, inputs=None, input_ref=ref.ref)
+        started = time.monotonic()  # --timeout bounds the whole wait
+        wait_s = min(client.timeout_s, options.timeout_s or client.timeout_s) if args.wait else None
         try:
-            job = await client.submit_request(request)
+            # With --wait the gateway holds its answer for the job's end (one call for a short job).
+            job = await client.submit_request(request, wait_s=wait_s)
         except ValueError as exc:  # contradictory fields the SDK refuses before sending
             raise UsageError(str(exc)) from None
         if not args.wait:
@@ -181,7 +184,8 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
             else:
                 print(job.job_id, flush=True)
             return EXIT_OK
-        done = await client.wait(job, timeout_s=options.timeout_s)
+        left_s = None if options.timeout_s is None else max(options.timeout_s - (time.monotonic() - started), 0.001)
+        done = job if job.done else await client.wait(job, timeout_s=left_s)
         return await _show_finished(client, done, options)
 
 

@@ -86,6 +86,7 @@ class SubmitJobRequest(_message.Message):
     CALLBACK_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    WAIT_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The model to run; must be declared in the configuration."""
     model_version: _builtins.str
@@ -126,6 +127,16 @@ class SubmitJobRequest(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Free-form labels (at most 16; keys and values at most 63 and 256 bytes)."""
 
+    @_builtins.property
+    def wait(self) -> _duration_pb2.Duration:
+        """SubmitJob only: hold the answer until the job ends or this long passes, then answer with the
+        job as it is then (a finished job with its outputs, or one still QUEUED or RUNNING to watch or
+        poll as usual). The job is durably queued before the wait begins and is not affected by how
+        the wait ends. Cut to the gateway's gateway.max_submit_wait_s (60 s by default), and ended
+        early enough for the answer to beat the call's deadline. Unset or zero: answered once queued.
+        Set on a SubmitJobs item: INVALID_ARGUMENT (watch those jobs with WatchJobs).
+        """
+
     def __init__(
         self,
         *,
@@ -142,10 +153,11 @@ class SubmitJobRequest(_message.Message):
         callback: _job_pb2.Callback | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         max_attempts: _builtins.int = ...,
+        wait: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "queue_ttl", b"queue_ttl", "result_retention", b"result_retention"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "queue_ttl", b"queue_ttl", "result_retention", b"result_retention", "wait", b"wait"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "inputs", b"inputs", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "queue_ttl", b"queue_ttl", "result_retention", b"result_retention"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "inputs", b"inputs", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "priority", b"priority", "queue_ttl", b"queue_ttl", "result_retention", b"result_retention", "wait", b"wait"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -117,6 +117,8 @@ class Measured:
     bursts: list[Burst] = field(default_factory=list)
     batch_bursts: list[Burst] = field(default_factory=list)  # SubmitJobs of 100 jobs each, then WatchJobs
     end_to_end_ms: list[list[float]] = field(default_factory=list)  # per run
+    # The same round trip in one call: SubmitJob with `wait` (the gateway holds the answer), per run.
+    one_call_ms: list[list[float]] = field(default_factory=list)
     added_ms: list[list[float]] = field(default_factory=list)
     compute_ms: list[list[float]] = field(default_factory=list)
     submit_ms: list[list[float]] = field(default_factory=list)
@@ -318,8 +320,17 @@ async def light_load(stub: job_service_pb2_grpc.JobServiceStub, count: int, out:
     submit: list[float] = []
     queued: list[float] = []
     ran: list[float] = []
+    one_call: list[float] = []
     request = submit_request()
+    waiting = submit_request()
+    waiting.wait.FromSeconds(10)
     for _ in range(count):
+        # Alternated with the two-call round trip below, so that both see the same machine.
+        t0 = time.perf_counter()
+        answer = (await stub.SubmitJob(waiting, timeout=30)).job
+        one_call.append((time.perf_counter() - t0) * 1e3)
+        if answer.state != job_pb2.JOB_STATE_SUCCEEDED:
+            raise RuntimeError(f"a one-call job did not succeed within its wait: {answer}")
         t0 = time.perf_counter()
         job = (await stub.SubmitJob(request)).job
         t1 = time.perf_counter()
@@ -341,6 +352,7 @@ async def light_load(stub: job_service_pb2_grpc.JobServiceStub, count: int, out:
         queued.append(seconds(final.queue_duration) * 1e3)
         ran.append(seconds(final.run_duration) * 1e3)
     out.end_to_end_ms.append(end_to_end)
+    out.one_call_ms.append(one_call)
     out.added_ms.append(added)
     out.compute_ms.append(compute)
     out.submit_ms.append(submit)
@@ -465,7 +477,8 @@ async def measure_stack(
                 await js.purge_stream("KV_jobs")
                 await light_load(stub, sizes.light, out)
                 log(
-                    f"run {run}: light load: end to end p50 {percentile(out.end_to_end_ms[-1], 50):.2f} ms, added p50 "
+                    f"run {run}: light load: end to end p50 {percentile(out.end_to_end_ms[-1], 50):.2f} ms "
+                    f"(one call {percentile(out.one_call_ms[-1], 50):.2f} ms), added p50 "
                     f"{percentile(out.added_ms[-1], 50):.2f} ms, model p50 {percentile(out.compute_ms[-1], 50):.3f} ms"
                 )
                 await js.purge_stream("KV_jobs")
@@ -563,6 +576,12 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
         ),
         row("light load: end to end p50 (SubmitJob -> WatchJob SUCCEEDED)", per_run(out.end_to_end_ms, 50), "ms"),
         row("light load: end to end p99", per_run(out.end_to_end_ms, 99), "ms"),
+        row(
+            "light load: end to end p50, one call (SubmitJob with wait: the answer is the finished job)",
+            per_run(out.one_call_ms, 50),
+            "ms",
+            "alternated with the two-call round trip above",
+        ),
         row("light load: added latency p50 (end to end - model time)", per_run(out.added_ms, 50), "ms"),
         row("light load: added latency p99", per_run(out.added_ms, 99), "ms"),
         row("light load: model time p50 (batch compute_duration)", per_run(out.compute_ms, 50), "ms"),
@@ -597,6 +616,7 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
     added = med(per_run(out.added_ms, 50))
     vs_celery, batched_vs_celery = ours / celery, ours_batched / celery
     round_trip = med(per_run(out.end_to_end_ms, 50)) / med(per_run(out.celery_round_trip_ms, 50))
+    one_call_vs_celery = med(per_run(out.one_call_ms, 50)) / med(per_run(out.celery_round_trip_ms, 50))
     cpu_ms_per_job = system_cpu_ms_per_job(out.bursts, n)
     cpu_ms_per_batched_job = system_cpu_ms_per_job(out.batch_bursts, n)
     rows.append(row("CPU per job, unary burst: gateway + scheduler + batcher + nats-server", cpu_ms_per_job, "ms"))
@@ -622,6 +642,13 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             round_trip,
             "≤ 1.5",
             at_most(round_trip, 1.5),
+        ),
+        ratio(
+            "round trip in one call p50 (SubmitJob with wait) / Celery apply_async().get() p50 (not the target's "
+            "measure, which is the two calls above)",
+            one_call_vs_celery,
+            "for reference",
+            None,
         ),
         ratio("median added latency at light load, ms (not a ratio)", added, "≤ 5 ms", at_most(added, 5.0)),
         ratio(

@@ -95,13 +95,32 @@ def _checked_duration(duration: duration_pb2.Duration, field: str, violations: l
     return value
 
 
+def submit_wait_s(request: job_service_pb2.SubmitJobRequest) -> float:
+    """How long a SubmitJob asks to hold its answer for the job to end (0: not at all), from a
+    request `submit_request_from_proto` accepted with `wait_allowed`."""
+    if not request.HasField("wait"):
+        return 0.0
+    return max(request.wait.seconds + request.wait.nanos / 1e9, 0.0)
+
+
 def submit_request_from_proto(
-    request: job_service_pb2.SubmitJobRequest, *, now: float, traceparent: str = ""
+    request: job_service_pb2.SubmitJobRequest, *, now: float, traceparent: str = "", wait_allowed: bool = False
 ) -> SubmitRequest:
     """Raises InvalidArgument for what cannot be mapped (bad tensors, an unknown priority, both a
-    deadline and a queue TTL); the semantic checks are `submit_request.validate_submit`'s.
+    deadline and a queue TTL, a negative wait, or a wait where none is allowed: a SubmitJobs
+    item); the semantic checks are `submit_request.validate_submit`'s.
     `traceparent`: the gateway's submit span, when it traces jobs."""
     violations: list[FieldViolation] = []
+    if request.HasField("wait"):
+        wait = _checked_duration(request.wait, "wait", violations)
+        if not wait_allowed:
+            violations.append(
+                FieldViolation(
+                    "wait", "only SubmitJob waits for its job; watch a SubmitJobs stream's jobs with WatchJobs"
+                )
+            )
+        elif wait is not None and wait < 0:
+            violations.append(FieldViolation("wait", "must not be negative"))
     priority = _PRIORITY_FROM_PROTO.get(request.priority)
     if priority is None:
         violations.append(FieldViolation("priority", f"unknown priority {request.priority}"))

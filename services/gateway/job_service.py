@@ -30,7 +30,7 @@ from services.gateway.blobs import ClaimCheck
 from services.gateway.bulk import ItemOutcome, submit_stream
 from services.gateway.bulk_message import MessageSubmitter
 from services.gateway.callbacks import CallbackDeliveries
-from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto
+from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto, submit_wait_s
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
@@ -40,6 +40,7 @@ from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
 from services.gateway.submit_tracing import Submit, caller_trace, traced_submit
+from services.gateway.submit_wait import wait_budget_s, wait_for_end
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 
@@ -151,15 +152,24 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         return record
 
     def _submit(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str = "") -> Submit:
-        """One submit, unary or an item of SubmitJobs, counted in the metrics (and traced: submit_tracing.py)."""
+        """One item of SubmitJobs, counted in the metrics (and traced: submit_tracing.py)."""
         return traced_submit(self._tracing, self._submit_as, request, tenant, caller)
 
-    async def _submit_as(self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str) -> SubmitOutcome:
+    def _submit_unary(self, request: job_service_pb2.SubmitJobRequest, tenant: str, caller: str) -> Submit:
+        """`_submit` for a SubmitJob, whose request may ask to wait (submit_wait.py)."""
+        return traced_submit(self._tracing, self._submit_waitable, request, tenant, caller)
+
+    def _submit_waitable(self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str) -> Submit:
+        return self._submit_as(request, tenant, trace, wait_allowed=True)
+
+    async def _submit_as(
+        self, request: job_service_pb2.SubmitJobRequest, tenant: str, trace: str, *, wait_allowed: bool = False
+    ) -> SubmitOutcome:
         started = time.perf_counter()
         model_label = self._model_label(request.model_name)
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
-            submit = submit_request_from_proto(request, now=time.time(), traceparent=trace)
+            submit = submit_request_from_proto(request, now=time.time(), traceparent=trace, wait_allowed=wait_allowed)
             outcome = await self._idempotent.submit(submit, tenant=tenant)
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()
@@ -174,8 +184,20 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.SubmitJobRequest, context: Context
     ) -> job_service_pb2.SubmitJobResponse:
         tenant = resolve_tenant(context, self._authenticator)
-        outcome = await self._submit(request, tenant, caller_trace(self._tracing, context))
-        return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
+        caller = caller_trace(self._tracing, context)
+        budget_s = wait_budget_s(
+            submit_wait_s(request), self._config.gateway.max_submit_wait_s, context.time_remaining()
+        )
+        if budget_s <= 0:
+            outcome = await self._submit_unary(request, tenant, caller)
+            return job_service_pb2.SubmitJobResponse(job=self._job(outcome.record), deduplicated=outcome.deduplicated)
+        # A waiting call holds a watch: counted (and refused past the limits) before the job is accepted.
+        with self._watches.hold(tenant, context.peer()):
+            await self._hub.ensure_feed_quietly()  # first: the job's changes then come without a read
+            outcome = await self._submit_unary(request, tenant, caller)
+            record = await wait_for_end(self._hub, outcome.record, budget_s)
+        self._metrics.submit_waits.labels(outcome="ended" if record.state.is_terminal else "wait_passed").inc()
+        return job_service_pb2.SubmitJobResponse(job=self._job(record), deduplicated=outcome.deduplicated)
 
     async def GetJob(self, request: job_service_pb2.GetJobRequest, context: Context) -> job_service_pb2.GetJobResponse:
         record = await self._read(context, request.job_id)

@@ -42,6 +42,13 @@ class GatewayMetrics:
         self.submit_seconds = Histogram(
             "asyncinfer_submit_seconds", "SubmitJob handling time (validate, record, enqueue).", registry=registry
         )
+        self.submit_waits = Counter(
+            "asyncinfer_submit_waits",
+            "SubmitJob calls that held their answer for the job (the wait field), by how the wait ended: "
+            "ended (the answer is the finished job) or wait_passed (the job as it stood).",
+            ["outcome"],
+            registry=registry,
+        )
         self.watchers = Gauge("asyncinfer_watchers", "Open WatchJob streams.", registry=registry)
 
     def expired_on_read_of(self, record: JobRecord) -> None:

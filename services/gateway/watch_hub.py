@@ -162,6 +162,17 @@ class WatchHub:
             # queued while it was being made could change before it, unseen: that one is read.
             self.recent.feed_started()
 
+    async def ensure_feed_quietly(self) -> None:
+        """`ensure_feed` for a caller that can do without it (a read serves it instead): a
+        failure to start it is logged, not raised. With nobody watching, its idle time counts from
+        now (a watch that follows keeps it running)."""
+        try:
+            await self.ensure_feed()
+        except Exception as exc:
+            log.warning("watch_feed_start_failed", error=str(exc))
+        if not self._closed:
+            self._note_if_idle()
+
     def note_polls(self) -> None:
         """A client polls (GetJob, GetJobs): the feed keeps the final records of the jobs queued
         here from now on, and their polls are answered without a read each. So the feed runs
@@ -177,10 +188,7 @@ class WatchHub:
             self._note_if_idle()  # its idle time counts from now
 
     async def _start_feed_for_polls(self) -> None:
-        try:
-            await self.ensure_feed()
-        except Exception as exc:  # reads serve the polls meanwhile; the next poll or watch tries again
-            log.warning("watch_feed_start_failed", error=str(exc))
+        await self.ensure_feed_quietly()  # reads serve the polls meanwhile; the next poll or watch tries again
 
     async def ensure_notices(self) -> None:
         """Hears queued notices too (for label selectors), until the feed stops."""
