@@ -100,7 +100,7 @@ HOP_PACE_S = 0.015
 HOP_CALLS = 200
 # A job's critical path at light load, in one-way hops (see the report's note).
 GRPC_HOPS = 6
-NATS_HOPS = 12
+NATS_HOPS = 4
 
 
 @dataclass
@@ -698,9 +698,11 @@ def report(out: Measured, sizes: Sizes, quick: bool) -> None:
             f"What bounds the light-load latency: a job's critical path is a chain of {GRPC_HOPS + NATS_HOPS} "
             f"one-way hops between processes (or threads): {GRPC_HOPS} over gRPC or to a thread (client -> gateway, "
             "scheduler -> batcher, the batcher's loop -> its compute thread and back, batcher -> scheduler, "
-            f"gateway -> client) and {NATS_HOPS} through NATS (the gateway's work publish and record write, each a "
-            "round trip; its queued notice, gateway -> NATS -> scheduler; the scheduler's pull and RUNNING "
-            "compare-and-set, 2 each; its result write; NATS -> the gateway's watch feed). Between jobs every process sleeps, and waking one costs here: a trivial gRPC "
+            f"gateway -> client) and {NATS_HOPS} through NATS (the gateway's work publish, which the scheduler's "
+            "held pull delivers; its terminal write, which the gateway's watch feed delivers; the RUNNING "
+            'compare-and-set goes beside the order, off the path; docs/ARCHITECTURE.md, "Hops"). The one-call '
+            "round trip (SubmitJob with wait) takes the same hops, less the client's WatchJob call. Between jobs "
+            "every process sleeps, and waking one costs here: a trivial gRPC "
             f"round trip paced like the jobs takes {med(grpc_paced):.2f} ms "
             f"(back to back {med(out.hop_ms.get('gRPC call, back to back', [math.nan])):.2f} ms), an awaited "
             f"JetStream publish {med(nats_paced):.2f} ms (back to back "
