@@ -4,7 +4,7 @@ that differ in one setting, or in the code they run, alternated round by round s
 moment spreads over both.
 
     .venv/bin/python -m bench.system.ab --setting batcher.work_batches [--rounds 3] [--burst 3000]
-    .venv/bin/python -m bench.system.ab --revisions REV_A REV_B --name one_write [--title ...]
+    .venv/bin/python -m bench.system.ab --revisions REV_A REV_B --name one_write [--title ...] [--quiet-first S]
 
 With --setting, A is the setting false, B true (the default):
 - batcher.work_batches: the WorkerService stream one message per order / result / credit, against
@@ -13,6 +13,9 @@ With --setting, A is the setting false, B true (the default):
   one holding a pull open on each priority's queue (services/scheduler/held_pulls.py).
 With --revisions, A's and B's services run from a worktree of each git revision (made in a temp
 dir, removed after), sharing this checkout's virtual environment and benchmark code.
+--quiet-first S: S seconds without a call between the warm-up and the unary burst, longer than the
+gateway's watch feed outlives the last watch (gateway.watch_feed_idle_s, 10 s): the e2e section's
+second and third runs, whose unary bursts start after ~15 s of Celery and the hop references.
 Writes bench/results/ab_<key or name>.{json,md}.
 """
 
@@ -45,12 +48,13 @@ TITLES = {
 ROUND_TRIPS = 200
 
 
-async def measure(stack: Stack, count: int) -> tuple[Burst, Burst, float]:
+async def measure(stack: Stack, count: int, quiet_s: float = 0.0) -> tuple[Burst, Burst, float]:
     """The unary burst, the batch-API burst, and the p50 of back-to-back round trips in ms."""
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         for _ in range(20):  # warm-up; the first one also waits for the batcher's credits
             await run_one(stub, timeout_s=120)
+        await asyncio.sleep(quiet_s)
         unary = await burst(stub, stack, count)
         batched = await batch_burst(stub, stack, count)
         trips = []
@@ -90,6 +94,7 @@ def main() -> None:
     parser.add_argument("--title", default="", help="with --revisions: what the two revisions differ in")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst", type=int, default=3000)
+    parser.add_argument("--quiet-first", type=float, default=0.0, metavar="S", help="seconds without a call first")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack_of_trees:
         if args.setting:
@@ -106,19 +111,19 @@ def main() -> None:
                 f"{ab}: {revision}": {"source": tree}
                 for ab, revision, tree in zip("AB", args.revisions, trees, strict=True)
             }
-        found = run_rounds(setups, args.rounds, args.burst)
-        report(section, title, found, args.rounds, args.burst)
+        found = run_rounds(setups, args.rounds, args.burst, args.quiet_first)
+        report(section, title, found, args.rounds, args.burst, args.quiet_first)
 
 
 def run_rounds(
-    setups: dict[str, dict[str, Any]], rounds: int, count: int
+    setups: dict[str, dict[str, Any]], rounds: int, count: int, quiet_s: float = 0.0
 ) -> dict[str, list[tuple[Burst, Burst, float]]]:
     found: dict[str, list[tuple[Burst, Burst, float]]] = {name: [] for name in setups}
     with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         for round_number in range(1, rounds + 1):
             for n, (name, options) in enumerate(setups.items()):
                 stack = Stack(group, name=f"nats-{round_number}-{n}", **options)
-                unary, batched, trip_ms = runner.run(measure(stack, count))
+                unary, batched, trip_ms = runner.run(measure(stack, count, quiet_s))
                 stack.stop_services()
                 found[name].append((unary, batched, trip_ms))
                 log(
@@ -130,7 +135,12 @@ def run_rounds(
 
 
 def report(
-    section: str, title: str, found: dict[str, list[tuple[Burst, Burst, float]]], rounds: int, count: int
+    section: str,
+    title: str,
+    found: dict[str, list[tuple[Burst, Burst, float]]],
+    rounds: int,
+    count: int,
+    quiet_s: float = 0.0,
 ) -> None:
     rows = []
     medians: dict[str, dict[str, float]] = {}
@@ -161,7 +171,9 @@ def report(
     ]
     notes = [
         f"{rounds} rounds, each a fresh stack per setup (nats-server, gateway, scheduler, batcher as processes), "
-        f"A then B; per stack 20 warm-up jobs, a unary burst of {count} (64 in flight, then GetJob per job), "
+        f"A then B; per stack 20 warm-up jobs, "
+        + (f"then {quiet_s:g} s without a call (the gateway's watch feed stops), " if quiet_s else "")
+        + f"a unary burst of {count} (64 in flight, then GetJob per job), "
         f"a batch-API burst of the same size, then {ROUND_TRIPS} round trips one after another (SubmitJob, then "
         "WatchJob to the terminal state). The no-op model makes every figure the system's own cost.",
     ]
