@@ -176,7 +176,9 @@ class GatewayConfig(_Section):
         description="How long the gateway keeps reading every job's changes (its watch feed) after the last "
         "WatchJob, WatchJobs, GetJob or GetJobs. While it reads them, polls for the jobs it queued are "
         "answered without a read (a client that submits then polls: 1.18x its jobs/s); a client that only "
-        "submits pays for it (0.79x its jobs/s while the feed runs). Longer suits clients that poll less often.",
+        "submits pays for it (0.79x its jobs/s while the feed runs). When a poll or watch starts it again, it "
+        "resumes where it stopped if fewer than 8,192 changes came since, so the jobs queued meanwhile are "
+        "answered without reads too. Longer suits clients that poll less often.",
     )
     enqueue_retry_s: float = Field(
         10.0,

@@ -28,7 +28,9 @@ from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.gateway import watch_hub
 from services.gateway.app import GatewayApp
+from services.gateway.recent_records import FeedState
 from tests.kv_helpers import job_record, kv_keys
 from tests.nats_probes import StreamUnavailable
 
@@ -436,6 +438,47 @@ async def test_a_clients_polls_keep_the_feed_running_for_the_jobs_it_queues_next
         got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
         assert got.state == job_pb2.JOB_STATE_SUCCEEDED
     assert reads == [job_key(TENANT, first.job_id)] * 2  # its first poll, and its last
+
+
+async def test_a_stopped_feed_resumes_with_the_changes_it_missed(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client polls, goes quiet for longer than the feed outlives a poll, queues more jobs that
+    end while nobody watches, and polls for them: the feed resumes where it stopped, replaying what
+    it missed, so once it caught up those polls are answered without reads. With more changes
+    missed than REPLAY_MAX_CHANGES it starts afresh instead, and they are read."""
+    hub = gateway.watch_hub
+    hub._idle_stop_s = 0.05  # instead of gateway.watch_feed_idle_s's 10 s
+    reads = counting_reads(hub)
+
+    async def quiet_then_jobs_ended_unwatched(count: int) -> list[job_pb2.Job]:
+        await wait_for(lambda: not hub.feeding)
+        jobs = [(await stub.SubmitJob(submit_request())).job for _ in range(count)]
+        for job in jobs:
+            await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+            await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+        return jobs
+
+    async def poll(job: job_pb2.Job) -> None:
+        got = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))).job
+        assert got.state == job_pb2.JOB_STATE_SUCCEEDED
+
+    first = (await stub.SubmitJob(submit_request())).job
+    await stub.GetJob(job_service_pb2.GetJobRequest(job_id=first.job_id))  # starts the feed
+    await wait_for(lambda: hub.feeding)
+    jobs = await quiet_then_jobs_ended_unwatched(3)
+    await poll(jobs[0])  # the feed is off: read; and it resumes
+    await wait_for(lambda: hub.recent.state is FeedState.LIVE)
+    for job in jobs[1:]:
+        await poll(job)
+    assert reads == [job_key(TENANT, job.job_id) for job in (first, jobs[0])]
+
+    monkeypatch.setattr(watch_hub, "REPLAY_MAX_CHANGES", 3)
+    more = await quiet_then_jobs_ended_unwatched(2)  # 4 changes missed
+    await poll(more[0])
+    await wait_for(lambda: hub.feeding)
+    await poll(more[1])
+    assert reads[2:] == [job_key(TENANT, job.job_id) for job in more]
 
 
 async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from asyncinfer.jobs import JobRecord, JobState, Priority
-from services.gateway.recent_records import RecentRecords
+from services.gateway.recent_records import FeedState, RecentRecords
 
 pytestmark = pytest.mark.unit
 
@@ -110,12 +110,56 @@ def test_kept_records_are_bounded_by_bytes_oldest_first() -> None:
     assert kept == [False, True, True, True, True]
 
 
-def test_the_feed_stopping_forgets_everything() -> None:
+def test_a_feed_started_afresh_forgets_everything() -> None:
     recent = feeding()
     final = record("a", JobState.SUCCEEDED)
     queued_then(recent, final)
     recent.feed_stopped()
-    assert recent.finished(final.key, now=NOW) is None
-    recent.feed_started()
+    assert recent.finished(final.key, now=NOW) is None  # off: nothing is answered
+    recent.feed_started(stream_last_seq=20)
     assert recent.finished(final.key, now=NOW) is None
     assert len(recent) == 0
+    assert recent.resume_from() == 21
+
+
+def test_a_resumed_feed_answers_the_jobs_queued_while_it_was_off_once_caught_up() -> None:
+    """Stopped at sequence 10; a job queued meanwhile ran and ended at 12 and 14; the feed
+    resumes from 11 with the stream at 14: while it replays, a kept record may be older than the
+    bucket, so only finished records are answered; caught up, everything is."""
+    recent = feeding()
+    before = record("before", JobState.SUCCEEDED)
+    queued_then(recent, before)
+    running = record("running", JobState.RUNNING)
+    recent.expect(running.key)
+    recent.changed(running.key, running)
+    recent.seen(10)
+    recent.feed_stopped()
+    meanwhile = record("meanwhile", JobState.SUCCEEDED)
+    recent.expect(meanwhile.key)  # queued while the feed was off
+    recent.queued(record("meanwhile", JobState.QUEUED))
+    assert recent.latest(meanwhile.key) is None
+    assert recent.resume_from() == 11
+    recent.resume(stream_last_seq=14)
+    assert recent.state is FeedState.CATCHING_UP
+    assert recent.finished(before.key, now=NOW) is before  # final: never changes again
+    assert recent.latest(running.key) is None  # maybe older than the bucket: read
+    recent.changed(meanwhile.key, record("meanwhile", JobState.RUNNING))
+    recent.seen(12)
+    assert recent.latest(meanwhile.key) is None
+    recent.changed(meanwhile.key, meanwhile)
+    recent.seen(14)
+    assert recent.state is FeedState.LIVE
+    assert recent.finished(meanwhile.key, now=NOW) is meanwhile
+    assert recent.latest(running.key) is running
+
+
+def test_a_feed_resumed_with_nothing_missed_is_live_at_once() -> None:
+    recent = feeding()
+    recent.seen(10)
+    recent.feed_stopped()
+    recent.resume(stream_last_seq=10)
+    assert recent.state is FeedState.LIVE
+
+
+def test_a_feed_that_never_ran_cannot_resume() -> None:
+    assert RecentRecords().resume_from() == 0

@@ -17,11 +17,22 @@ deleted (the feed's change removes it) or its retention ends (not answered past
 `end_time + result_retention_s`). FAILED and TIMED_OUT are not kept: an operator's Replay may
 queue the job again (asyncinfer.lifecycle.REPLAYABLE), and a GetJob after it must see that.
 They are bounded by count (`capacity`) and by their encoded bytes (`finished_bytes`; a record
-larger than a quarter of it is not kept), the oldest going first. The feed stopping clears all.
+larger than a quarter of it is not kept), the oldest going first.
+
+While the feed is off (nobody watched or polled for a while) nothing is answered from here, but the
+entries stay, the jobs queued meanwhile are still expected, and the last stream sequence the feed
+brought is remembered. The feed then resumes from the next sequence when few enough changes came
+since (`resume_from`, `resume`: the hub decides): the changes it missed come first, in order, and
+each one lands here as it would have live, so a client that queued jobs while nobody watched and
+polls for them later is answered without a read each. Until the replay has reached the stream's
+last sequence at the restart (`caught_up`) an entry may be older than the bucket: only the
+finished records are answered then (a terminal record never changes again), and a watch reads.
+When the feed starts afresh instead (no resume: `feed_started`), everything kept is forgotten.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import OrderedDict
 
@@ -33,6 +44,12 @@ DEFAULT_FINISHED_BYTES = 16 * 1024 * 1024
 _NOTHING_YET = None
 
 
+class FeedState(enum.Enum):
+    OFF = "off"  # nothing is answered from here
+    CATCHING_UP = "catching_up"  # resumed, replaying what it missed: finished records only
+    LIVE = "live"
+
+
 class RecentRecords:
     def __init__(self, capacity: int = DEFAULT_CAPACITY, finished_bytes: int = DEFAULT_FINISHED_BYTES) -> None:
         self._capacity = capacity
@@ -41,18 +58,46 @@ class RecentRecords:
         self._finished: OrderedDict[str, tuple[JobRecord, int]] = OrderedDict()
         self._finished_bytes = 0
         self._max_finished_bytes = finished_bytes
-        self._feeding = False
+        self._state = FeedState.OFF
+        self._last_seen = 0  # the last stream sequence the feed brought (or the stream stood at)
+        self._has_run = False
+        self._catch_up_to = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def feed_started(self) -> None:
+    @property
+    def state(self) -> FeedState:
+        return self._state
+
+    def feed_started(self, stream_last_seq: int = 0) -> None:
+        """The feed starts afresh (from the next change on), the stream standing at
+        `stream_last_seq`: what was kept is forgotten."""
         self._clear()
-        self._feeding = True
+        self._state = FeedState.LIVE
+        self._last_seen = stream_last_seq
+        self._has_run = True
+
+    def resume_from(self) -> int:
+        """The stream sequence a resumed feed starts from (the one after the last it brought), or
+        0 when it cannot resume (it never ran)."""
+        return self._last_seen + 1 if self._has_run else 0
+
+    def resume(self, stream_last_seq: int) -> None:
+        """The feed resumed from `resume_from()`, the stream then standing at `stream_last_seq`:
+        entries are answered again once the replay reaches it."""
+        self._catch_up_to = stream_last_seq
+        self._state = FeedState.CATCHING_UP if stream_last_seq > self._last_seen else FeedState.LIVE
+
+    def seen(self, sequence: int) -> None:
+        """The feed brought the stream's message `sequence` (held here or not)."""
+        self._last_seen = sequence
+        if self._state is FeedState.CATCHING_UP and sequence >= self._catch_up_to:
+            self._state = FeedState.LIVE
 
     def feed_stopped(self) -> None:
-        self._feeding = False
-        self._clear()
+        """Nothing is answered from here until the feed runs again; the entries stay for a resume."""
+        self._state = FeedState.OFF
 
     def _clear(self) -> None:
         self._records.clear()
@@ -60,9 +105,7 @@ class RecentRecords:
         self._finished_bytes = 0
 
     def expect(self, key: str) -> None:
-        """A job is about to be queued (before its publish)."""
-        if not self._feeding:
-            return
+        """A job is about to be queued (before its publish); also while the feed is off, for a resume."""
         self._records[key] = _NOTHING_YET
         if len(self._records) > self._capacity:
             self._records.popitem(last=False)
@@ -95,14 +138,15 @@ class RecentRecords:
             self._records[key] = record
 
     def latest(self, key: str) -> JobRecord | None:
-        """The job's latest record known here, or None (not kept: read it)."""
-        if not self._feeding:
+        """The job's latest record known here, or None (not kept, or not known to be the latest:
+        read it)."""
+        if self._state is not FeedState.LIVE:
             return None
         return self._records.get(key) or self.finished(key)
 
     def finished(self, key: str, now: float | None = None) -> JobRecord | None:
         """The job's terminal record if kept here and still retained, or None (read it)."""
-        kept = self._finished.get(key) if self._feeding else None
+        kept = self._finished.get(key) if self._state is not FeedState.OFF else None
         if kept is None:
             return None
         record = kept[0]

@@ -7,7 +7,10 @@ that watcher reads the record, so nothing falls between) or poll (`note_polls`),
 has watched or polled for `idle_stop_s` (`gateway.watch_feed_idle_s`). Otherwise every gateway would
 read every record write of every job (two per job) whether or not anyone asked, which is most of the
 time for clients that take webhooks: a feed running for them costs about a fifth of their jobs/s
-(session 18, bench/results/ab_feed_for_submits.md).
+(session 18, bench/results/ab_feed_for_submits.md). A stopped feed resumes where it stopped when
+it starts again, replaying the changes it missed (at most REPLAY_MAX_CHANGES), so the jobs queued
+while nobody watched or polled are known without a read each (services.gateway.recent_records;
+session 19, bench/results/ab_feed_resume.md).
 
 A new job's QUEUED record is its work message, not a write to the bucket: while a label selector
 watches (WatchJobs), the hub also hears the queued notices (asyncinfer.queued_notice, core NATS)
@@ -27,11 +30,11 @@ from asyncinfer.codecs.record import decode_record
 from asyncinfer.contract import QUEUED_SUBJECT_PREFIX, kv_stream, kv_subject_prefix
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord
-from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, Subscription
+from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, Subscription, api
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
-from services.gateway.recent_records import RecentRecords
+from services.gateway.recent_records import DEFAULT_CAPACITY, RecentRecords
 from services.gateway.transitions import Expiry
 from services.gateway.watcher_queue import LatestQueue
 
@@ -59,6 +62,11 @@ _HUB_CLOSED = None
 WatcherQueue = LatestQueue[RecordUpdate]
 # The feed stops after this long without a watcher (restarting it costs one consumer creation).
 IDLE_STOP_S = 10.0
+# A stopped feed resumes where it stopped, replaying the changes it missed, when there are fewer than
+# this (about two per job queued meanwhile, for as many jobs as the recent records keep); past it the
+# replay would cost more than the reads it saves (every change is read, of any gateway's job), and
+# the feed starts afresh.
+REPLAY_MAX_CHANGES = 2 * DEFAULT_CAPACITY
 
 
 class WatchHub:
@@ -148,19 +156,35 @@ class WatchHub:
         async with self._feed_lock:
             if self._subscription is not None or self._closed:
                 return
+            stream = kv_stream(self._bucket)
+            stream_last_seq = (await self._js.stream_info(stream)).state.last_seq
+            resume_from = self.recent.resume_from()
+            if resume_from and stream_last_seq - resume_from < REPLAY_MAX_CHANGES:
+                # The changes since it stopped first (recent_records: the jobs queued meanwhile
+                # are then known without a read each), then on as live.
+                self._subscription = await self._subscribe(DeliverPolicy.BY_START_SEQUENCE, resume_from)
+                self.recent.resume(stream_last_seq)
+                log.info("watch_feed_resumed", changes_missed=max(stream_last_seq - resume_from + 1, 0))
+                return
             # DeliverPolicy.NEW: watches read the current record themselves after this, so only
-            # later changes matter. An ordered consumer is ephemeral, in memory, and resumes after
-            # the last sequence it saw.
-            self._subscription = await self._js.subscribe(
-                f"{self._subject_prefix}>",
-                stream=kv_stream(self._bucket),
-                cb=self._on_update,
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.NEW,
-            )
+            # later changes matter.
+            self._subscription = await self._subscribe(DeliverPolicy.NEW)
             # After: only a job queued once the consumer exists has every change in the feed. One
             # queued while it was being made could change before it, unseen: that one is read.
-            self.recent.feed_started()
+            self.recent.feed_started(stream_last_seq)
+
+    async def _subscribe(
+        self, policy: DeliverPolicy, start_sequence: int | None = None
+    ) -> JetStreamContext.PushSubscription:
+        # An ordered consumer is ephemeral, in memory, and resumes after the last sequence it saw.
+        return await self._js.subscribe(
+            f"{self._subject_prefix}>",
+            stream=kv_stream(self._bucket),
+            cb=self._on_update,
+            ordered_consumer=True,
+            deliver_policy=policy,
+            config=None if start_sequence is None else api.ConsumerConfig(opt_start_seq=start_sequence),
+        )
 
     async def ensure_feed_quietly(self) -> None:
         """`ensure_feed` for a caller that can do without it (a read serves it instead): a
@@ -245,11 +269,12 @@ class WatchHub:
 
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(self._subject_prefix)
+        revision = msg.metadata.sequence.stream
+        self.recent.seen(revision)
         queues = self._watchers.get(key)
         selectors = self._selectors.get(key.partition(".")[0]) if self._selectors else None
         if not queues and not selectors and not self.recent.holds(key):
             return  # unwatched and not just queued here: not decoded
-        revision = msg.metadata.sequence.stream
         headers = msg.headers or {}
         record: JobRecord | None = None
         if KV_OP not in headers and KV_MARKER_REASON not in headers:
