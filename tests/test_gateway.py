@@ -19,6 +19,7 @@ from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import JOB_ID_HEADER, MODEL_HEADER, PRIORITY_HEADER, TENANT_HEADER
+from asyncinfer.declarations import ensure_jobs_bucket
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import BatchInfo, JobRecord, JobState, job_key
@@ -479,6 +480,34 @@ async def test_a_stopped_feed_resumes_with_the_changes_it_missed(
     await wait_for(lambda: hub.feeding)
     await poll(more[1])
     assert reads[2:] == [job_key(TENANT, job.job_id) for job in more]
+
+
+async def test_a_feed_does_not_resume_into_a_bucket_made_anew(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
+) -> None:
+    """An operator deleted and made the jobs bucket again while the feed was off: its sequences
+    start over, so a resume from where the feed stopped would skip the new bucket's first changes
+    (here a job's whole run, queued while the feed was off) and keep it at QUEUED. The feed starts
+    afresh instead, and the job is read."""
+    hub = gateway.watch_hub
+    hub._idle_stop_s = 0.05
+    job = (await stub.SubmitJob(submit_request())).job
+    await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))  # starts the feed
+    await wait_for(lambda: hub.feeding)
+    await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    await wait_for(lambda: hub.recent.resume_from() == 3)  # the feed brought both changes
+    await wait_for(lambda: not hub.feeding)
+    await js.delete_stream(f"KV_{config.nats.jobs_bucket}")
+    await ensure_jobs_bucket(js, config.nats)
+    early = (await stub.SubmitJob(submit_request())).job  # expected by the recent records, feed off
+    await advance(js, kv, early.job_id, state=JobState.RUNNING, attempt=1)
+    succeeded = await advance(js, kv, early.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    assert succeeded.revision == 2  # the new bucket's sequences, up to where the old feed stopped
+    watch = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=early.job_id))
+    first = await asyncio.wait_for(next_job(watch), 5)
+    assert (first.state, first.revision) == (job_pb2.JOB_STATE_SUCCEEDED, succeeded.revision)
+    assert hub.feeding
 
 
 async def test_a_job_queued_while_the_feed_starts_is_read_not_taken_from_the_feed(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 from dataclasses import dataclass
 
 import structlog
@@ -95,6 +96,7 @@ class WatchHub:
         self._notices: Subscription | None = None
         # The jobs this gateway queued while the feed runs (see services.gateway.recent_records).
         self.recent = RecentRecords()
+        self._stream_created: datetime.datetime | None = None  # the bucket's stream, when the feed last started
         self._feed_lock = asyncio.Lock()
         self._idle_stop_s = idle_stop_s
         self._idle_since: float | None = None  # loop time the last watcher left; None: watched
@@ -156,10 +158,13 @@ class WatchHub:
         async with self._feed_lock:
             if self._subscription is not None or self._closed:
                 return
-            stream = kv_stream(self._bucket)
-            stream_last_seq = (await self._js.stream_info(stream)).state.last_seq
+            info = await self._js.stream_info(kv_stream(self._bucket))
+            stream_last_seq = info.state.last_seq
             resume_from = self.recent.resume_from()
-            if resume_from and stream_last_seq - resume_from < REPLAY_MAX_CHANGES:
+            # Not into a bucket made anew since (deleted and declared again): its sequences start over.
+            same_stream = info.created == self._stream_created and resume_from <= stream_last_seq + 1
+            self._stream_created = info.created
+            if resume_from and same_stream and stream_last_seq - resume_from < REPLAY_MAX_CHANGES:
                 # The changes since it stopped first (recent_records: the jobs queued meanwhile
                 # are then known without a read each), then on as live.
                 self._subscription = await self._subscribe(DeliverPolicy.BY_START_SEQUENCE, resume_from)
