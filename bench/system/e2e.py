@@ -15,7 +15,7 @@ bench.system.noop_model, with the product's batching defaults: max batch 32, del
   end_time (the system alone);
 - light load: one job at a time, SubmitJob then WatchJob (after the submit's revision) until
   SUCCEEDED; added latency = client-observed end to end minus the model's time (the record's
-  batch.compute_duration);
+  batch.compute_duration); alternated with the same round trip in one call (SubmitJob with wait);
 - CPU seconds per 1,000 jobs of every process during the bursts (from /proc), which names the
   busiest process; then a last burst with the three services under py-spy (sampling, not timed)
   gives that process's top functions;
