@@ -5,6 +5,7 @@ fast path, and with ASYNCINFER_NATS_FASTPATH=0 (make pytest-nats-fallback) on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import os
 import subprocess
@@ -13,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.transport import TcpTransport
 
+from asyncinfer.config import Config
 from asyncinfer.nats import (
     APIError,
     BadHeaderError,
@@ -23,11 +26,13 @@ from asyncinfer.nats import (
     NatsTimeoutError,
     NoRespondersError,
     NoStreamResponseError,
+    UnexpectedEOF,
     _fastpath,
     api,
     requests,
 )
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connect
 from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting, open_kv_bucket
 from asyncinfer.nats.requests import js_publish, pending_request_count, request
@@ -295,6 +300,39 @@ async def test_kv_compare_and_set_loses_to_a_newer_write(bucket: KvBucket) -> No
     with pytest.raises(KeyWrongLastSequenceError):
         await kv_put_expecting(bucket, "t.a", b"stale", last_revision=first)
     assert await kv_latest(bucket, "t.a") == (b"v2", first + 1)
+
+
+async def test_a_publish_on_a_connection_lost_a_moment_ago_raises_a_nats_error(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-py's flusher ends when its socket write raises (uvloop's RuntimeError on a transport
+    that has just closed); every publish then writes inline and raised that RuntimeError, past the
+    callers that handle NATS errors, until nats-py noticed the loss. On the fast path it is a NATS
+    error (UnexpectedEOF). The closed transport is played by a write that raises."""
+    nc = await connect(config.nats, name="test")
+    real_writelines = TcpTransport.writelines
+
+    def closed(self: TcpTransport, payload: Any) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+    monkeypatch.setattr(TcpTransport, "writelines", closed)
+    raised: BaseException | None = None
+    try:
+        for _ in range(100):  # the first publishes only queue their bytes; the flusher's write then fails
+            try:
+                await nc.publish("anything", b"x")
+            except BaseException as exc:
+                raised = exc
+                break
+            await asyncio.sleep(0)
+    finally:
+        monkeypatch.setattr(TcpTransport, "writelines", real_writelines)
+        with contextlib.suppress(Exception):
+            await nc.close()
+    if requests.FASTPATH_ENABLED:
+        assert isinstance(raised, UnexpectedEOF), raised
+    else:  # nats-py's own behaviour, which the scheduler's pull handles (tests/test_work_queue.py)
+        assert isinstance(raised, RuntimeError), raised
 
 
 SWITCH = "ASYNCINFER_NATS_FASTPATH"

@@ -21,6 +21,7 @@ from nats.errors import (
     ConnectionReconnectingError,
     NoRespondersError,
     StaleConnectionError,
+    UnexpectedEOF,
 )
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -84,5 +85,6 @@ __all__ = [
     "ServiceUnavailableError",
     "StaleConnectionError",
     "Subscription",
+    "UnexpectedEOF",
     "api",
 ]

@@ -411,6 +411,26 @@ def _kv_operation(headers: bytes) -> str | None:
     return None
 
 
+def closed_transport_errors(nc: Client) -> None:
+    """Makes a publish that meets a connection lost a moment ago raise a NATS error, as one made
+    while nats-py knows it is disconnected does not raise at all. nats-py's flusher task ends when
+    its write to the socket raises (uvloop's RuntimeError on a transport that has just closed), and
+    until its reader notices the loss every publish, request and flush writes inline and raises
+    that RuntimeError: past callers that handle NATS errors, into a task that dies of it (session
+    18 saw the scheduler's pull log an error as `up`'s nats-server was killed). Here it is nats-py's
+    UnexpectedEOF, which they handle; nats-py reconnects as always."""
+    client: Any = nc
+    flush_pending = client._flush_pending
+
+    async def flush_pending_or_eof(force_flush: bool = False) -> Any:
+        try:
+            return await flush_pending(force_flush)
+        except RuntimeError as exc:  # the write to a closed transport (or a closed loop): not sent
+            raise nats.errors.UnexpectedEOF from exc
+
+    client._flush_pending = flush_pending_or_eof
+
+
 def pending_request_count(nc: Client) -> int:
     """Response futures the client holds for requests in flight, fast or public (nats-py's
     `Client.request` keeps them in the same private map): what the tests check is left empty.

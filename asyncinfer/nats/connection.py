@@ -21,6 +21,7 @@ from nats.aio.client import Client
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
+from asyncinfer.nats import _fastpath
 from asyncinfer.tls import client_ssl_context, read_secret
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -34,6 +35,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     """Connects with reconnects on; Unavailable if the server cannot be reached at all."""
     servers = [u.strip() for u in config.url.split(",") if u.strip()]
     client = Client()
+    if _fastpath.FASTPATH_ENABLED:
+        _fastpath.closed_transport_errors(client)
     first_connect_failures: list[Exception] = []
     connected = False
     gave_up = asyncio.Event()

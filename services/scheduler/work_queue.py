@@ -24,7 +24,7 @@ from asyncinfer.codecs.envelope import tenant_of_envelope
 from asyncinfer.contract import TENANT_HEADER, consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import Msg, NatsTimeoutError, Subscription
+from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 log = structlog.get_logger("asyncinfer.scheduler.queue")
@@ -78,10 +78,12 @@ class PullInbox:
             msgs: list[Msg] = []
             try:
                 await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
-            except RuntimeError as exc:
+            except (RuntimeError, UnexpectedEOF) as exc:
                 # The connection was lost a moment ago and nats-py has not noticed yet: its write to
-                # the closed transport raises this (uvloop). As while disconnected: nothing pulled,
-                # and no error of its own (the loss is logged where it is handled; `up` stops on it).
+                # the closed transport raises this (uvloop's RuntimeError; UnexpectedEOF on the fast
+                # path, asyncinfer.nats._fastpath.closed_transport_errors). As while disconnected:
+                # nothing pulled, and no error of its own (the loss is logged where it is handled;
+                # `up` stops on it).
                 log.warning("pull_not_sent", stream=stream, consumer=consumer, error=str(exc))
                 await self._abandon()
                 return []
