@@ -6,6 +6,8 @@ for its result (WatchJob until a terminal state), against, in the same run:
   Prometheus metrics), in the bench process: the physical limit; target >= 80% of it;
 - the same batcher's own synchronous KServe v2 ModelInfer path (tritonclient.grpc.aio) at the
   same concurrency;
+- the same clients making one call per job ("one_call"): SubmitJob with `wait`, whose answer is the
+  finished job (Replicate's Prefer: wait), for information beside the two-call clients;
 - the same jobs through the batch APIs ("bulk"): the same number of jobs in flight, as clients that
   each submit JOBS_PER_MESSAGE jobs in one SubmitJobs message and wait for them on one WatchJobs
   stream (what issue 14 builds for clients with many jobs), also against direct torch at the batch
@@ -96,6 +98,26 @@ def job_call(stub: job_service_pb2_grpc.JobServiceStub, model: str) -> Any:
     return call
 
 
+def job_wait_call(stub: job_service_pb2_grpc.JobServiceStub, model: str) -> Any:
+    """One client step in one call: SubmitJob with `wait`, answered with the finished job; it must
+    have SUCCEEDED."""
+    requests = []
+    for request in job_requests(model):
+        waiting = job_service_pb2.SubmitJobRequest()
+        waiting.CopyFrom(request)
+        waiting.wait.FromSeconds(60)
+        requests.append(waiting)
+    counter = [0]
+
+    async def call(_index: int) -> None:
+        counter[0] += 1
+        job = (await stub.SubmitJob(requests[counter[0] % len(requests)], timeout=120)).job
+        if job.state != job_pb2.JOB_STATE_SUCCEEDED:
+            raise RuntimeError(f"job {job.job_id} answered {job.state}: {job}")
+
+    return call
+
+
 def job_bulk_call(stub: job_service_pb2_grpc.JobServiceStub, model: str, per_call: int) -> Any:
     """One batch-API client step: `per_call` jobs in one SubmitJobs message, then one WatchJobs
     stream until every one has ended; each must have SUCCEEDED."""
@@ -180,7 +202,7 @@ async def drive(call: Any, concurrency: int, window_s: float, warmup_s: float = 
 @dataclass
 class Measured:
     model: str
-    setup: str  # "system" | "bulk" | "kserve" | "direct"
+    setup: str  # "system" | "one_call" | "bulk" | "kserve" | "direct"
     concurrency: int  # clients, or jobs in flight ("bulk"), or the batch ("direct")
     windows: list[Window] = field(default_factory=list)
     mean_batch: float = float("nan")
@@ -263,6 +285,13 @@ async def measure_model(model: str, args: argparse.Namespace) -> list[Measured]:
                 measured.append(
                     await measure(call, model, "system", concurrency, args.runs, args.window, metrics_port, processes)
                 )
+            one_call = job_wait_call(stub, model)
+            for concurrency in args.concurrency:
+                measured.append(
+                    await measure(
+                        one_call, model, "one_call", concurrency, args.runs, args.window, metrics_port, processes
+                    )
+                )
             bulk = job_bulk_call(stub, model, JOBS_PER_MESSAGE)
             for concurrency in args.concurrency:
                 measured.append(
@@ -296,7 +325,7 @@ async def measure_model(model: str, args: argparse.Namespace) -> list[Measured]:
     torch.set_num_threads(torch_threads or default_threads)
     try:
         done: set[int] = set()
-        for system in [m for m in measured if m.setup in ("system", "bulk")]:
+        for system in [m for m in measured if m.setup in ("system", "one_call", "bulk")]:
             size = max(1, round(system.mean_batch))
             if size in done:
                 continue
@@ -315,6 +344,7 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
     for m in measured:
         what = {
             "system": f"async jobs, {m.concurrency} clients (SubmitJob + WatchJob)",
+            "one_call": f"async jobs, {m.concurrency} clients (SubmitJob with wait: one call)",
             "bulk": (
                 f"async jobs, {m.concurrency} in flight as {m.concurrency // m.items_per_call} clients of "
                 f"SubmitJobs ({m.items_per_call} jobs a message) + WatchJobs"
@@ -330,7 +360,7 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
         if m.setup == "direct":
             note = f"per batch: p50 {np.median([w.p50_ms for w in m.windows]):.1f} ms"
         results.row(f"{m.model}: {what}", m.rates(), "items/s", note)
-    for system in [m for m in measured if m.setup in ("system", "bulk")]:
+    for system in [m for m in measured if m.setup in ("system", "one_call", "bulk")]:
         size = max(1, round(system.mean_batch))
         direct_row = next(
             m for m in measured if m.setup == "direct" and m.model == system.model and m.concurrency == size
@@ -351,6 +381,14 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
                 ">= 0.80",
                 value >= 0.80,
             )
+        elif system.setup == "one_call":
+            results.ratio(
+                f"{system.model} at {system.concurrency} clients in one call each (SubmitJob with wait): system / "
+                f"direct torch at batch {size}",
+                value,
+                "for information (the target's clients are the two-call ones above)",
+                None,
+            )
         else:
             results.ratio(
                 f"{system.model}, {system.concurrency} jobs in flight through the batch APIs: system / direct "
@@ -359,7 +397,7 @@ def report(measured: list[Measured], results: Results, args: argparse.Namespace)
                 ">= 0.80",
                 value >= 0.80,
             )
-        who = f"{system.concurrency} clients" if system.setup == "system" else f"{system.concurrency} jobs in flight"
+        who = f"{system.concurrency} jobs in flight" if system.setup == "bulk" else f"{system.concurrency} clients"
         if kserve is not None:
             results.ratio(
                 f"{system.model} at {who}: {system.setup} / batcher's KServe path at {system.concurrency} clients",
@@ -402,6 +440,7 @@ def plot(measured: list[Measured], models: list[str]) -> list[Path]:
     for ax, model in zip(axes[0], models, strict=True):
         for setup, label in (
             ("system", "async jobs (whole system)"),
+            ("one_call", "async jobs, one call each (SubmitJob with wait)"),
             ("bulk", "async jobs, batch APIs (jobs in flight)"),
             ("kserve", "batcher KServe (sync)"),
         ):
@@ -429,7 +468,7 @@ def plot(measured: list[Measured], models: list[str]) -> list[Path]:
 
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
-        for m in [m for m in measured if m.model == model and m.setup in ("system", "bulk", "kserve")]:
+        for m in [m for m in measured if m.model == model and m.setup in ("system", "one_call", "bulk", "kserve")]:
             bounds = sorted(b for b in m.batch_histogram if b != float("inf"))
             counts, previous = [], 0.0
             for bound in bounds:
