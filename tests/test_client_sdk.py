@@ -117,7 +117,7 @@ async def test_run_of_a_short_job_is_one_call(stack: Stack) -> None:
 
 
 async def test_run_of_a_job_that_outlasts_its_submit_watches_it_to_its_end(idle_stack: Stack) -> None:
-    async with AsyncClient(idle_stack.address, timeout_s=0.5) as client:  # each call's deadline
+    async with AsyncClient(idle_stack.address, timeout_s=2.0) as client:  # each call's deadline
         running = asyncio.ensure_future(client.run("demo", {"x": X}, timeout_s=30))
         await wait_for(lambda: rpcs(idle_stack, "SubmitJob") == 1)  # answered QUEUED, once its wait passed
         assert not running.done()

@@ -252,7 +252,8 @@ class AsyncClient:
         continue, when the gateway traces jobs (`Job.trace_id` is then that trace's).
 
         `wait_s`: the gateway holds its answer until the job ends or this long passes (at most
-        its gateway.max_submit_wait_s, 60 s by default, and within `timeout_s`), in one call; the
+        its gateway.max_submit_wait_s, 60 s by default, and leaving the answer a quarter of
+        `timeout_s`, at most a second, before the call's deadline), in one call; the
         job returned is then finished (`job.done`) or as it stood, to `wait` for as usual.
         """
         request = JobRequest(
@@ -279,7 +280,8 @@ class AsyncClient:
         request = await self._typed(request, timeout_s)
         message = submit_request_to_proto(with_idempotency_key(request))
         if wait_s:
-            message.wait.FromNanoseconds(int(wait_s * 1e9))
+            call_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+            message.wait.FromNanoseconds(int(min(wait_s, _wait_within(call_timeout_s)) * 1e9))
         metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
 
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
@@ -548,7 +550,7 @@ class AsyncClient:
         a longer one is then watched to its end."""
         deadline = Deadline(timeout_s)
         budget = _unary_budget(deadline, self.timeout_s)
-        submit_options.setdefault("wait_s", budget)  # the gateway ends the wait before the call's deadline
+        submit_options.setdefault("wait_s", budget)  # cut to leave the answer its time (submit_request)
         job = await self.submit(model, inputs, timeout_s=budget, **submit_options)
         done = job if job.done else await self.wait(job, timeout_s=deadline.remaining())
         if not done.succeeded:
@@ -903,6 +905,13 @@ async def _finish(writer: asyncio.Task[None]) -> None:
     error = writer.exception()
     if error is not None and not isinstance(error, grpc.RpcError | asyncio.InvalidStateError | aio.UsageError):
         raise error
+
+
+def _wait_within(call_timeout_s: float) -> float:
+    """How long a SubmitJob whose call has `call_timeout_s` asks the gateway to wait: its answer
+    then leaves a quarter of the call's time (at most a second) before the deadline, so that on a
+    busy machine it still arrives in time (the gateway's own margin, 0.1 s, is the last resort)."""
+    return max(call_timeout_s - min(call_timeout_s / 4, 1.0), 0.0)
 
 
 def _unary_budget(deadline: Deadline, default_s: float) -> float:
