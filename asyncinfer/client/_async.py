@@ -910,7 +910,7 @@ async def _finish(writer: asyncio.Task[None]) -> None:
 def _wait_within(call_timeout_s: float) -> float:
     """How long a SubmitJob whose call has `call_timeout_s` asks the gateway to wait: its answer
     then leaves a quarter of the call's time (at most a second) before the deadline, so that on a
-    busy machine it still arrives in time (the gateway's own margin, 0.1 s, is the last resort)."""
+    busy machine it still arrives in time (the gateway's own margin, 0.25 s, is the last resort)."""
     return max(call_timeout_s - min(call_timeout_s / 4, 1.0), 0.0)
 
 

@@ -25,9 +25,9 @@ from services.gateway.watch_one import watch_job
 
 log = structlog.get_logger("asyncinfer.gateway")
 
-# The answer must leave this long before the call's deadline (or at half the time left, when less
-# remains): serializing it and crossing the network take a moment.
-ANSWER_MARGIN_S = 0.1
+# The answer must leave this long before the call's deadline (or with a quarter of the time left,
+# when less remains): serializing it and crossing the network take a moment, longer on a busy machine.
+ANSWER_MARGIN_S = 0.25
 
 
 def wait_budget_s(asked_s: float, max_s: float, time_remaining_s: float | None) -> float:
@@ -36,7 +36,7 @@ def wait_budget_s(asked_s: float, max_s: float, time_remaining_s: float | None) 
     the call has none)."""
     budget = min(asked_s, max_s)
     if time_remaining_s is not None:
-        budget = min(budget, time_remaining_s - min(ANSWER_MARGIN_S, time_remaining_s / 2))
+        budget = min(budget, time_remaining_s - min(ANSWER_MARGIN_S, time_remaining_s / 4))
     return max(budget, 0.0)
 
 
