@@ -411,7 +411,13 @@ class BatchesConfig(_Section):
     max_splits: int = Field(
         512, ge=0, description="Failed chunks split in halves per batch (poison isolation) before failures are final."
     )
-    drive_interval_s: float = Field(0.2, gt=0, description="How often a gateway looks at the batches it drives.")
+    drive_interval_s: float = Field(
+        0.2,
+        gt=0,
+        description="How often a gateway reads the chunk jobs of every batch it drives. Between, a chunk's end is "
+        "heard from the gateway's record feed and its slot refilled at once; the reads take over what the feed "
+        "cannot say (a chunk submitted before this gateway adopted the batch).",
+    )
     adopt_interval_s: float = Field(
         5.0, gt=0, description="How often a gateway looks for running batches that no gateway drives (one died)."
     )

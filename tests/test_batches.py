@@ -77,6 +77,24 @@ async def test_a_jsonl_batch_runs_in_chunks_and_its_output_keeps_input_order(
     assert got.batch.records_per_second > 0
 
 
+async def test_a_chunk_that_ends_frees_its_slot_at_once_not_at_the_next_tick(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The driver hears each chunk job end from the gateway's watch feed and submits the next
+    chunk then: with one chunk in flight and a tick a minute apart, five chunks run in seconds
+    (read only at the ticks, each chunk after the first would wait for one: four minutes)."""
+    stack = await start_stack(batch_config(config, drive_interval_s=60.0, chunks_in_flight=1))
+    stub = batches_stub(stack.channel)
+    records = demo_records(450)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(records))))
+
+    batch = await wait_ended(stub, created.batch.batch_id, timeout_s=30.0)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.chunks_total, batch.chunks_done, batch.request_counts.completed) == (5, 5, 450)
+    lines = await outputs(stub, batch.batch_id)
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+
+
 async def test_a_bad_line_is_one_error_line_and_the_rest_run(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(batch_config(config))
     stub = batches_stub(stack.channel)

@@ -35,6 +35,7 @@ from services.gateway.batch_service import BatchService
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from services.gateway.blobs import ClaimCheck
 from services.gateway.callbacks import CallbackDeliveries
+from services.gateway.chunk_ends import ChunkEnds
 from services.gateway.claims import ensure_idempotency_bucket
 from services.gateway.idempotency import IdempotentSubmitter
 from services.gateway.job_service import JobService
@@ -180,6 +181,7 @@ class GatewayApp:
             nc=self._nc,
             metrics=BatchMetrics(self.registry),
             callbacks=BatchCallbacks(js, cfg),
+            chunk_ends=ChunkEnds(self._hub),
         )
         batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
 

@@ -38,6 +38,7 @@ from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchConflict, BatchStore
+from services.gateway.chunk_ends import BatchKey, ChunkEnds
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest
 from services.gateway.transitions import Expiry
@@ -61,6 +62,7 @@ class BatchDriver:
         nc: NatsClient,
         metrics: BatchMetrics | None = None,
         callbacks: BatchCallbacks | None = None,
+        chunk_ends: ChunkEnds | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -72,8 +74,10 @@ class BatchDriver:
         self._submitter = submitter
         self._nc = nc
         self._callbacks = callbacks
+        self._chunk_ends = chunk_ends
         self._clock = clock
-        self._driven: set[tuple[str, str]] = set()
+        self._driven: set[BatchKey] = set()
+        self._due: set[BatchKey] = set()  # batches whose next tick is at once (new, cancelled, prepared)
         self._wake = asyncio.Event()
         self._preparing: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
@@ -84,36 +88,63 @@ class BatchDriver:
     def drive(self, tenant: str, batch_id: str) -> None:
         """Takes a batch on at once (a new one, or one just cancelled)."""
         self._driven.add((tenant, batch_id))
+        self._due.add((tenant, batch_id))
         self._wake.set()
 
     async def run(self) -> None:
+        hearing = None
+        if self._chunk_ends is not None:
+            hearing = asyncio.create_task(self._hear_chunk_ends(self._chunk_ends), name="batch-chunk-ends")
         try:
             await self._drive()
         finally:
             # Preparations are this loop's: stopped with it (a later driver prepares again).
-            await cancel_and_wait(self._preparing.values())
+            await cancel_and_wait([*self._preparing.values(), *([hearing] if hearing is not None else [])])
+
+    async def _hear_chunk_ends(self, chunk_ends: ChunkEnds) -> None:
+        try:
+            await chunk_ends.run(self._wake.set)
+        except Exception:  # the ticks read every chunk from now on
+            log.exception("batch_chunk_ends_failed")
 
     async def _drive(self) -> None:
         next_adopt = 0.0
+        next_full = 0.0
         while True:
+            # Cleared before the ticks: a wake during them (a batch prepared, a chunk ended) is
+            # another round at once.
+            self._wake.clear()
             now = time.monotonic()
             if now >= next_adopt:
                 next_adopt = now + self._settings.adopt_interval_s
                 await self._adopt()
+            every_batch = now >= next_full
+            if every_batch:
+                next_full = now + self._settings.drive_interval_s
+            due, self._due = self._due, set()
+            with_ends = self._chunk_ends.batches_with_ends if self._chunk_ends is not None else set()
             for tenant, batch_id in list(self._driven):
+                key = (tenant, batch_id)
+                full = every_batch or key in due
+                if not full and key not in with_ends:
+                    continue
                 try:
-                    if await self.tick(tenant, batch_id):
-                        self._driven.discard((tenant, batch_id))
-                        self._seen.pop((tenant, batch_id), None)
+                    # Between full ticks, a batch only settles the chunk ends it heard (no reads).
+                    if await self.tick(tenant, batch_id, full=full):
+                        self._driven.discard(key)
+                        self._seen.pop(key, None)
+                        if self._chunk_ends is not None:
+                            self._chunk_ends.forget_batch(key)
                 except BatchConflict:
                     continue  # another gateway wrote first: read again next tick
                 except (AsyncInferError, OSError) as exc:
                     log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
                 except Exception:
                     log.exception("batch_tick_failed", batch_id=batch_id, tenant=tenant)
-            self._wake.clear()
+            if self._wake.is_set():
+                continue
             try:
-                async with asyncio.timeout(self._settings.drive_interval_s):
+                async with asyncio.timeout(max(next_full - time.monotonic(), 0.0)):
                     await self._wake.wait()
             except TimeoutError:
                 pass
@@ -134,8 +165,11 @@ class BatchDriver:
             if record is not None and (not record.state.is_terminal or callback_due(record)):
                 self._driven.add((tenant, batch_id))
 
-    async def tick(self, tenant: str, batch_id: str) -> bool:
-        """One step of the batch; True when it is terminal (nothing left to drive)."""
+    async def tick(self, tenant: str, batch_id: str, *, full: bool = True) -> bool:
+        """One step of the batch; True when it is terminal (nothing left to drive). A full tick
+        reads every queued chunk's job; otherwise only the chunk ends heard are settled."""
+        if self._chunk_ends is not None:
+            self._chunk_ends.take((tenant, batch_id))
         record = await self._store.get(tenant, batch_id)
         if record is None:
             return True
@@ -158,7 +192,7 @@ class BatchDriver:
                 self._preparing[key] = task
                 task.add_done_callback(lambda _task: self._prepared(key))
             return False
-        updated = await self._settle(record)
+        updated = await self._settle(record, full=full)
         if updated.state is BatchState.CANCELLING:
             updated = batches.skip_waiting(updated, code="CANCELLED", message=CANCELLED_MESSAGE)
             await self._cancel_jobs(updated)
@@ -194,6 +228,7 @@ class BatchDriver:
 
     def _prepared(self, key: tuple[str, str]) -> None:
         self._preparing.pop(key, None)
+        self._due.add(key)
         self._wake.set()  # its next step at once
 
     async def _prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> None:
@@ -224,16 +259,28 @@ class BatchDriver:
         job = await self._records.get(self._job_key(record, chunk))
         return await self._expiry.settle(job) if job is not None else None
 
-    async def _settle(self, record: BatchRecord) -> BatchRecord:
+    async def _settle(self, record: BatchRecord, *, full: bool = True) -> BatchRecord:
         queued = [c for c in record.chunks if c.status is ChunkStatus.QUEUED]
-        jobs = await asyncio.gather(*(self._job(record, c) for c in queued))
+        ends = self._chunk_ends
+        heard = [ends.ended(self._job_key(record, c)) if ends is not None else None for c in queued]
+        unheard = [c for c, job in zip(queued, heard, strict=True) if job is None]
+        read = await asyncio.gather(*(self._job(record, c) for c in unheard)) if full else []
+        known: list[tuple[Chunk, JobRecord | None]] = [(c, j) for c, j in zip(queued, heard, strict=True) if j]
+        known += zip(unheard, read, strict=False)  # nothing read between full ticks
         outcomes = []
         lost = []
-        for chunk, job in zip(queued, jobs, strict=True):
+        for chunk, job in known:
+            key = self._job_key(record, chunk)
             if job is None:
                 lost.append(chunk.start)  # never published (a driver died in between): again
             elif job.state.is_terminal:
                 outcomes.append(ChunkOutcome(chunk.start, job.state, job.error))
+                if ends is not None:
+                    ends.forget(key)
+            elif ends is not None and not ends.watching(key):
+                # Submitted before this gateway drove the batch: heard from now on (a change
+                # before this is read by the next full tick).
+                await ends.watch(key, (record.tenant, record.batch_id))
         settled = batches.settle_chunks(record, outcomes, max_splits=self._settings.max_splits)
         if lost:
             starts = set(lost)
@@ -250,11 +297,16 @@ class BatchDriver:
         submitted = []
         for chunk in batches.to_submit(record, window=self._settings.chunks_in_flight):
             job_id = chunk_job_id(record.batch_id, chunk.start, chunk.end)
-            if await self._records.get(job_key(record.tenant, job_id)) is None:
+            key = job_key(record.tenant, job_id)
+            if self._chunk_ends is not None:  # before the submit: its end is heard, however soon
+                await self._chunk_ends.watch(key, (record.tenant, record.batch_id))
+            if await self._records.get(key) is None:
                 try:
                     await self._submit_chunk(record, chunk, job_id, model_rows=model_rows)
                 except AsyncInferError as exc:
                     log.info("batch_chunk_deferred", batch_id=record.batch_id, reason=exc.reason, error=exc.message)
+                    if self._chunk_ends is not None:
+                        self._chunk_ends.forget(key)
                     break
             submitted.append(chunk.start)
         return batches.mark_submitted(record, submitted) if submitted else record
