@@ -12,12 +12,15 @@
 # are installed into /tmp/site first, offline.
 # Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2; 0: no system run), GPU_BATCH_VARIANTS
 # (two-streams,two-streams-claim-check-io; bench/system/batch_files_ab.py's names, e.g.
-# two-streams+claim-check-io+4-batchers), GPU_BATCH_NAME (batch_files_ab_gpu); BENCH_BATCHES
+# two-streams+claim-check-io+4-batchers), GPU_BATCH_NAME (batch_files_ab_gpu), GPU_BATCH_BASE_TREE
+# (the base variants' tree: another revision's files, e.g. `git archive REV | tar -x -C DIR`); BENCH_BATCHES
 # (bench/system/batch_files.py) passes batch settings, e.g. chunks_in_flight=32,drive_interval_s=0.05;
 # GPU_BATCH_PROFILE=1 records py-spy profiles of the scheduler and the first batcher (py-spy must
 # be installed or among the wheels, and allowed to read its children) into $OUT/profiles;
 # GPU_BACKEND_OVERHEAD=1 first runs bench/backend_overhead.py (the torch backend against a direct
-# call, in one process) on the GPU.
+# call, in one process) on the GPU. GPU_MPS=1 runs the batch under NVIDIA's Multi-Process Service
+# (nvidia-cuda-mps-control started for the run and stopped after it), so several batchers' kernels
+# share the GPU instead of being time-sliced between their contexts; exit 5 where it cannot start.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -44,8 +47,16 @@ if [[ "${GPU_BATCH_PROFILE:-0}" == 1 ]]; then
   fi
 fi
 [[ "${GPU_BATCH_ROUNDS:-2}" == 0 ]] && exit 0
+if [[ "${GPU_MPS:-0}" == 1 ]]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/asyncinfer-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/asyncinfer-mps/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "bench/gpu_batch_files.sh: MPS did not start"; exit 5; }
+  trap 'echo quit | nvidia-cuda-mps-control; cat "$CUDA_MPS_LOG_DIRECTORY"/control.log 2>/dev/null | tail -5' EXIT
+  "$PY" -c 'import torch; torch.ones(1, device="cuda"); print("MPS: a client started")' || exit 5
+fi
 "$PY" -m bench.system.batch_files_ab --records "${GPU_BATCH_RECORDS:-100000}" --rounds "${GPU_BATCH_ROUNDS:-2}" \
-  --variants "${GPU_BATCH_VARIANTS:-two-streams,two-streams-claim-check-io}" --name "$NAME"
+  --variants "${GPU_BATCH_VARIANTS:-two-streams,two-streams-claim-check-io}" --name "$NAME" \
+  ${GPU_BATCH_BASE_TREE:+--base-tree "$GPU_BATCH_BASE_TREE"}
 status=$?
 if [[ -n "${OUT:-}" ]]; then
   cp "bench/results/$NAME.md" "bench/results/$NAME.json" "$OUT"/ 2>/dev/null
