@@ -399,17 +399,7 @@ class BatchesConfig(_Section):
         1024, gt=0, description="Records per chunk: the unit of work that runs as one job on the WORK queues."
     )
     chunks_in_flight: int = Field(
-        8,
-        gt=0,
-        description="Chunks of one batch queued or running at once (the rest wait in its plan), at least: "
-        "see chunks_per_batcher.",
-    )
-    chunks_per_batcher: int = Field(
-        3,
-        ge=0,
-        description="More chunks in flight when more batchers serve the batch's model: this many per batcher "
-        "connected (the scheduler's queue snapshot), when that is above chunks_in_flight, so that each batcher "
-        "has chunks computing and one waiting however many serve the model. 0: chunks_in_flight alone.",
+        8, gt=0, description="Chunks of one batch queued or running at once (the rest wait in its plan)."
     )
     max_invalid_fraction: float = Field(
         0.5,

@@ -14,7 +14,6 @@ import pytest
 
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
-from asyncinfer.batches import ChunkStatus
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats.streams import stream_subjects
@@ -90,38 +89,6 @@ async def test_cancelling_a_batch_stops_its_chunks_and_keeps_what_finished(
     assert_every_record_once(batch, out, bad, 400)
     assert batch.request_counts.failed >= 300  # at most 2 chunks of 50 were let in before the cancel
     assert {line["code"] for line in bad} == {"CANCELLED"}
-
-
-async def test_a_batch_keeps_chunks_in_flight_for_each_batcher_serving_its_model(
-    config: Config, start_stack: StartStack, gate: None
-) -> None:
-    """With one chunk in flight configured and three per batcher, a batch whose model one batcher
-    serves keeps three chunks queued or running once the scheduler's snapshot counts that
-    batcher, never more; then it finishes as usual."""
-    stack = await start_stack(
-        lifecycle_config(config, chunks_in_flight=1, chunks_per_batcher=3).replace(
-            scheduler={"queue_stats_interval_s": 0.1}
-        )
-    )
-    stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
-    created = await stub.CreateBatch(
-        create_request(await upload(stack.jobs, jsonl(demo_records(400))), model_name="gated")
-    )
-    batch_id = created.batch.batch_id
-    most = 0
-    async with asyncio.timeout(30):
-        async for _ in stub.WatchBatch(batch_service_pb2.WatchBatchRequest(batch_id=batch_id)):
-            record = await store.get("default", batch_id)
-            assert record is not None
-            most = max(most, sum(1 for c in record.chunks if c.status is ChunkStatus.QUEUED))
-            if most >= 3:
-                break
-    demo.GATE.set()
-    batch = await wait_ended(stub, batch_id)
-    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
-    assert batch.request_counts.completed == 400
-    assert most == 3
 
 
 async def test_a_batch_past_its_completion_window_ends_expired_with_what_was_done(

@@ -32,12 +32,10 @@ from asyncinfer.batches import (
     InputFormat,
     chunk_job_id,
 )
-from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.config import DEMO_MODEL
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
-from asyncinfer.queues import QueueSnapshot
 from asyncinfer.tensors import ModelSignature, TensorSpec
-from services.gateway.batch_driver import BatchDriver
 
 pytestmark = pytest.mark.unit
 
@@ -248,38 +246,3 @@ def test_an_npy_file_streams_row_by_row_from_its_header() -> None:
     fortran = io.BytesIO()
     np.save(fortran, np.asfortranarray(x))
     assert npy_layout(fortran.getvalue(), SIGNATURE) is None  # read whole instead
-
-
-@pytest.mark.parametrize(
-    ("batchers", "per_batcher", "age_s", "window"),
-    [
-        (0, 3, 0.0, 8),  # no batcher counted: chunks_in_flight
-        (2, 3, 0.0, 8),  # 6 < 8
-        (4, 3, 0.0, 12),
-        (8, 3, 0.0, 24),
-        (8, 0, 0.0, 8),  # chunks_per_batcher 0: off
-        (8, 3, 3600.0, 8),  # a stale snapshot counts nothing
-    ],
-)
-def test_a_batch_window_grows_with_the_batchers_serving_its_model(
-    batchers: int, per_batcher: int, age_s: float, window: int
-) -> None:
-    now = 1_000_000.0
-
-    class Queues:
-        def snapshot(self, model_name: str) -> QueueSnapshot:
-            return QueueSnapshot(model_name=model_name, updated_at=now - age_s, connected_batchers=batchers)
-
-    config = Config().replace(batches={"chunks_in_flight": 8, "chunks_per_batcher": per_batcher})
-    driver = BatchDriver(
-        config,
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        records=None,  # type: ignore[arg-type]
-        expiry=None,  # type: ignore[arg-type]
-        submitter=None,  # type: ignore[arg-type]
-        nc=None,  # type: ignore[arg-type]
-        queues=Queues(),  # type: ignore[arg-type]
-        clock=lambda: now,
-    )
-    assert driver.window("demo") == window

@@ -182,7 +182,6 @@ class GatewayApp:
             metrics=BatchMetrics(self.registry),
             callbacks=BatchCallbacks(js, cfg),
             chunk_ends=ChunkEnds(self._hub),
-            queues=self._queues,
         )
         batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
 

@@ -39,7 +39,6 @@ from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.chunk_ends import BatchKey, ChunkEnds
-from services.gateway.queue_view import QueueView, is_fresh
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest
 from services.gateway.transitions import Expiry
@@ -64,7 +63,6 @@ class BatchDriver:
         metrics: BatchMetrics | None = None,
         callbacks: BatchCallbacks | None = None,
         chunk_ends: ChunkEnds | None = None,
-        queues: QueueView | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -77,7 +75,6 @@ class BatchDriver:
         self._nc = nc
         self._callbacks = callbacks
         self._chunk_ends = chunk_ends
-        self._queues = queues
         self._clock = clock
         self._driven: set[BatchKey] = set()
         self._due: set[BatchKey] = set()  # batches whose next tick is at once (new, cancelled, prepared)
@@ -298,7 +295,7 @@ class BatchDriver:
     async def _submit(self, record: BatchRecord, *, model_rows: int) -> BatchRecord:
         """Submits the waiting chunks the window has room for; those refused (a full queue) wait."""
         submitted = []
-        for chunk in batches.to_submit(record, window=self.window(record.model_name)):
+        for chunk in batches.to_submit(record, window=self._settings.chunks_in_flight):
             job_id = chunk_job_id(record.batch_id, chunk.start, chunk.end)
             key = job_key(record.tenant, job_id)
             if self._chunk_ends is not None:  # before the submit: its end is heard, however soon
@@ -313,18 +310,6 @@ class BatchDriver:
                     break
             submitted.append(chunk.start)
         return batches.mark_submitted(record, submitted) if submitted else record
-
-    def window(self, model_name: str) -> int:
-        """Chunks of a batch of this model in flight at once: `chunks_in_flight`, or
-        `chunks_per_batcher` for each batcher the scheduler's latest snapshot counts, the larger
-        (several batchers on one GPU each want chunks computing and one waiting)."""
-        window = self._settings.chunks_in_flight
-        per_batcher = self._settings.chunks_per_batcher
-        if per_batcher and self._queues is not None:
-            snapshot = self._queues.snapshot(model_name)
-            if snapshot is not None and is_fresh(snapshot, self._clock()):
-                window = max(window, per_batcher * snapshot.connected_batchers)
-        return window
 
     async def _submit_chunk(self, record: BatchRecord, chunk: Chunk, job_id: str, *, model_rows: int) -> None:
         model = self._config.model(record.model_name)

@@ -10,9 +10,7 @@ or the scheduler draining) its waiting jobs do not count, since nothing will run
 jobs in flight do, and never more batchers than are connected (an autoscaler must not scale up a
 queue nobody may dispatch from, and may scale it to zero once its jobs in flight are done).
 Running batches' chunks not yet queued as jobs (services.scheduler.batch_plans) count as waiting
-jobs, up to `batches.chunks_in_flight` more batchers per batch (a batch runs no more at once, unless
-more batchers are connected: the gateway's window is then `chunks_per_batcher` per batcher, and its
-queued chunks count as the queue's own).
+jobs, up to `batches.chunks_in_flight` more batchers per batch (a batch runs no more at once).
 
 The submission rate counts the queued notices heard (asyncinfer.queued_notice: one per submitted
 job, and one per replayed dead letter); a notice lost on the way is a job missing from the rate.
