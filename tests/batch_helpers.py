@@ -4,10 +4,12 @@ for a batch to end, and reading its files back."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from google.protobuf import duration_pb2
 
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_service_pb2
@@ -85,3 +87,20 @@ async def outputs(stub: BatchServiceAsyncStub, batch_id: str) -> list[dict[str, 
 
 async def errors(stub: BatchServiceAsyncStub, batch_id: str) -> list[dict[str, Any]]:
     return await read_file(stub, batch_id, batch_service_pb2.BATCH_FILE_ERRORS)
+
+
+async def npz_output(stub: BatchServiceAsyncStub, batch_id: str) -> dict[str, Any]:
+    """The batch's output as arrays (BATCH_FILE_OUTPUT_NPZ), read with numpy.load."""
+    data = bytearray()
+    request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=batch_service_pb2.BATCH_FILE_OUTPUT_NPZ)
+    async for piece in stub.ReadBatchFile(request):
+        data += piece.chunk
+    with np.load(io.BytesIO(bytes(data)), allow_pickle=False) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def npy_bytes(array: Any) -> bytes:
+    """The array as an NPY file's bytes (an array batch's upload)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()

@@ -9,9 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
-from tests.batch_helpers import demo_records, jsonl
+from tests.batch_helpers import demo_records, jsonl, npy_bytes
 from tests.stack import StartStack
 
 CLI = [sys.executable, "-m", "asyncinfer"]
@@ -74,3 +76,23 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
         assert written == (tmp_path / "out.jsonl").stat().st_size
         assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 120
         assert (await client.get_batch(batch.batch_id)).labels == {"run": "nightly"}
+
+
+async def test_the_output_of_an_array_batch_comes_back_as_arrays(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """An NPY batch's output through the SDK (output_arrays) and the CLI (`--out x.npz`): y = 2x + 1
+    row by row, every record succeeded."""
+    stack = await start_stack(small_batches(config))
+    x = np.arange(100 * 4, dtype=np.float32).reshape(100, 4)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.wait_batch(await client.create_batch(npy_bytes(x), "demo"))
+        assert batch.state == "COMPLETED"
+        arrays = await client.output_arrays(batch)
+    assert np.array_equal(arrays["y"], 2 * x + 1)
+    assert arrays["succeeded"].all()
+    out = tmp_path / "results.npz"
+    code, _, stderr = await cli("batch", "download", batch.batch_id, "--out", str(out), "--gateway", stack.address)
+    assert code == 0, stderr
+    with np.load(out) as archive:
+        assert np.array_equal(archive["y"], 2 * x + 1)

@@ -23,6 +23,7 @@ from tests.batch_helpers import (
     demo_records,
     errors,
     jsonl,
+    npz_output,
     outputs,
     upload,
     wait_ended,
@@ -75,6 +76,10 @@ async def test_a_jsonl_batch_runs_in_chunks_and_its_output_keeps_input_order(
     got = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch.batch_id))
     assert got.batch.request_counts.completed == 450
     assert got.batch.records_per_second > 0
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await npz_output(stub, batch.batch_id)  # its records are known by custom_id: JSONL only
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "NPZ_OUTPUT_NEEDS_ARRAY_INPUT" in str(refused.value.trailing_metadata())
 
 
 async def test_a_chunk_that_ends_frees_its_slot_at_once_not_at_the_next_tick(
@@ -193,6 +198,17 @@ async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_iso
     kept = np.delete(x, 12_345, axis=0).astype(np.float32)
     assert [line["custom_id"] for line in lines] == [str(i) for i in range(20_000) if i != 12_345]
     assert np.allclose(np.array([line["outputs"]["y"][0] for line in lines]), 2 * kept + 1)
+    # The same outputs as arrays: every row in input order, the poison row zeros and not succeeded.
+    arrays = await npz_output(stub, batch.batch_id)
+    assert sorted(arrays) == ["succeeded", "y"]
+    succeeded = np.ones(20_000, dtype=np.bool_)
+    succeeded[12_345] = False
+    assert np.array_equal(arrays["succeeded"], succeeded)
+    expected = 2 * x.astype(np.float32) + 1
+    expected[12_345] = 0
+    assert arrays["y"].dtype == np.float32
+    assert arrays["y"].shape == (20_000, 4)
+    assert np.allclose(arrays["y"], expected)
     descriptor = await stack.blobs.info("default", chunk_ref(batch.batch_id, 3000, 6000))
     assert descriptor.ref.size_bytes < 1024  # a range of the upload, not its 96,000 bytes of rows
     chunks = await stack.jobs.ListJobs(

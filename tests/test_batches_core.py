@@ -36,6 +36,8 @@ from asyncinfer.config import DEMO_MODEL
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
 from asyncinfer.tensors import ModelSignature, TensorSpec
+from services.gateway.batch_files import PIECE_BYTES
+from services.gateway.batch_npz import ArchiveSink
 
 pytestmark = pytest.mark.unit
 
@@ -246,3 +248,16 @@ def test_an_npy_file_streams_row_by_row_from_its_header() -> None:
     fortran = io.BytesIO()
     np.save(fortran, np.asfortranarray(x))
     assert npy_layout(fortran.getvalue(), SIGNATURE) is None  # read whole instead
+
+
+def test_an_npz_output_is_sent_in_pieces_under_the_message_limit() -> None:
+    """A chunk's rows are MBs: what the archive writer gathered goes out in pieces of at most
+    PIECE_BYTES, in order (one piece over gRPC's 4 MiB message limit ended a read)."""
+    sink = ArchiveSink()
+    data = bytes(range(256)) * (6 * 4096)  # 6 MiB
+    sink.write(data[:100])
+    sink.write(data[100:])
+    pieces = sink.take()
+    assert max(len(piece) for piece in pieces) <= PIECE_BYTES
+    assert b"".join(pieces) == data
+    assert sink.take() == []

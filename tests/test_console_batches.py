@@ -5,15 +5,17 @@ cancelled from its page. Screenshots go to test-artifacts/console/."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import aiohttp
+import numpy as np
 import pytest
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
-from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_until
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, npy_bytes, upload, wait_until
 from tests.browser import Browser
 from tests.stack import StartStack
 from tests.test_console import ARTIFACTS, OPS_KEY, TENANT_KEY, StartConsole, keyed
@@ -90,6 +92,7 @@ async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_comp
         lines = [json.loads(line) for line in (await answer.text()).splitlines() if line]
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
     assert lines[1]["outputs"]["y"] == [[3.0, 4.0, -1.0, 3.0]]  # the demo model's 2x + 1 of record r1
+    assert not await browser.evaluate("!!document.querySelector('#download-npz')")  # a JSONL input: JSONL only
 
     # Back on the list, the batch shows completed.
     await browser.goto(console.url + "batches")
@@ -146,3 +149,27 @@ async def test_a_batch_that_cannot_finish_is_cancelled_from_its_page(
             assert answer.status == 404
     await browser.goto(viewer.url + f"batches/{MISSING}")
     await browser.wait_for_text(f"no batch '{MISSING}'")
+
+
+async def test_an_array_batch_offers_its_outputs_as_arrays(
+    config: Config, start_stack: StartStack, start_console: StartConsole
+) -> None:
+    """An NPY batch's page links its outputs as NPZ as well, served as the gateway streams it."""
+    stack = await start_stack(batch_config(config))
+    console = await start_console(stack)
+    x = np.arange(120 * 4, dtype=np.float32).reshape(120, 4)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.wait_batch(await client.create_batch(npy_bytes(x), "demo"))
+    assert batch.state == "COMPLETED"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(console.url + f"batches/{batch.batch_id}") as answer:
+            page = await answer.text()
+        assert f'href="/batches/{batch.batch_id}/files/npz"' in page
+        async with session.get(console.url + f"batches/{batch.batch_id}/files/npz") as answer:
+            assert answer.status == 200
+            disposition = f'attachment; filename="batch-{batch.batch_id}-output.npz"'
+            assert answer.headers["Content-Disposition"] == disposition
+            data = await answer.read()
+    with np.load(io.BytesIO(data)) as archive:
+        assert np.array_equal(archive["y"], 2 * x + 1)
+        assert archive["succeeded"].all()

@@ -13,6 +13,7 @@ import asyncio
 import builtins
 import contextlib
 import hashlib
+import io
 import os
 from collections import deque
 from collections.abc import (
@@ -846,8 +847,22 @@ class AsyncClient:
         self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output"
     ) -> int:
         """Writes the batch's output file (JSONL in input order), or with file="errors" its error
-        file, to a path or a binary file; the bytes written."""
+        file, or with file="npz" the NPZ archive of a batch over an NPY or NPZ file (see
+        `output_arrays`), to a path or a binary file; the bytes written."""
         return await write_file(self._batch_calls.download(batch, file), target)
+
+    async def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:
+        """The outputs of a batch over an NPY or NPZ file as arrays, in memory: "succeeded" (a bool
+        per record) and one array per model output, first dimension every record in input order
+        (a record that did not succeed is a row of zeros; `download(..., file="errors")` says
+        why). FailedPreconditionError for a batch over a JSONL file, or a model whose outputs are
+        not one numeric shape per record. For outputs larger than memory, `download(file="npz")`
+        to a path and `numpy.load(path, mmap_mode=...)` on its members."""
+        buffer = io.BytesIO()
+        await write_file(self._batch_calls.download(batch, "npz"), buffer)
+        buffer.seek(0)
+        with np.load(buffer, allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
 
     async def upload_inputs(
         self, inputs: Inputs, *, retention_s: float | None = None, timeout_s: float | None = None

@@ -306,3 +306,6 @@ class Client:
 
     def download(self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output") -> int:
         return self._run(self._client.download(batch, target, file=file))
+
+    def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:
+        return self._run(self._client.output_arrays(batch))

@@ -30,7 +30,12 @@ _FORMATS = {
     "NPY": batch_service_pb2.BATCH_INPUT_FORMAT_NPY,
     "NPZ": batch_service_pb2.BATCH_INPUT_FORMAT_NPZ,
 }
-FILES = {"output": batch_service_pb2.BATCH_FILE_OUTPUT, "errors": batch_service_pb2.BATCH_FILE_ERRORS}
+# download(file=...): the JSONL output, the error file, or the NPZ archive of a batch over an array file.
+FILES = {
+    "output": batch_service_pb2.BATCH_FILE_OUTPUT,
+    "errors": batch_service_pb2.BATCH_FILE_ERRORS,
+    "npz": batch_service_pb2.BATCH_FILE_OUTPUT_NPZ,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +234,9 @@ class BatchCalls:
                     await asyncio.sleep(0.5)
 
     async def download(self, batch: Batch | str, file: str = "output") -> AsyncIterator[bytes]:
-        """The batch's output (or error) file, in pieces."""
+        """The batch's output (or error, or NPZ) file, in pieces."""
+        if file not in FILES:
+            raise ValueError(f"file must be one of {sorted(FILES)}, not {file!r}")
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=_batch_id(batch), file=FILES[file])
         async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata):
             yield piece.chunk

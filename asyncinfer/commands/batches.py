@@ -48,7 +48,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     create.add_argument("--idempotency-key", default="", metavar="KEY", help="creating again with it runs nothing new")
     create.add_argument("--wait", action="store_true", help="follow the batch to its end")
-    create.add_argument("--out", type=Path, help="with --wait: write the output file here")
+    create.add_argument(
+        "--out", type=Path, help="with --wait: write the output file here (a name ending .npz: the output as arrays)"
+    )
     create.add_argument("--errors", type=Path, help="with --wait: write the error file here")
     add_options(create)
     create.set_defaults(handler=create_command)
@@ -70,7 +72,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
 
     download = verbs.add_parser("download", help="write a batch's output (and error) file")
     download.add_argument("batch_id")
-    download.add_argument("--out", type=Path, help="the output file (default: stdout)")
+    download.add_argument(
+        "--out",
+        type=Path,
+        help="the output file (default: stdout); a name ending .npz gets the output as arrays (NPY or NPZ input)",
+    )
     download.add_argument("--errors", type=Path, help="also write the error file here")
     add_options(download)
     download.set_defaults(handler=download_command)
@@ -135,7 +141,8 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
 
 async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None) -> None:
     if out is not None:
-        await client.download(batch, out)
+        # A name ending .npz: the arrays (a batch over an NPY or NPZ file), not JSONL lines.
+        await client.download(batch, out, file="npz" if out.suffix.lower() == ".npz" else "output")
     else:
         await client.download(batch, cast(BinaryIO, sys.stdout.buffer))
     if errors is not None:

@@ -97,6 +97,12 @@ class _BatchFileEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_BatchFile.V
     """JSONL, one line per record that succeeded, in input order: {"custom_id", "outputs"}."""
     BATCH_FILE_ERRORS: _BatchFile.ValueType  # 2
     """JSONL, one line per record that did not: {"line", "custom_id", "code", "message"}."""
+    BATCH_FILE_OUTPUT_NPZ: _BatchFile.ValueType  # 3
+    """For a batch over an NPY or NPZ file: an NPZ archive (numpy.load) of `succeeded`, a bool per
+    record, and one array per model output whose first dimension is every record in input order
+    (a record that did not succeed is a row of zeros; the error file says why). FAILED_PRECONDITION
+    for a JSONL input, or a model whose outputs are not one numeric shape per record.
+    """
 
 class BatchFile(_BatchFile, metaclass=_BatchFileEnumTypeWrapper): ...
 
@@ -105,6 +111,12 @@ BATCH_FILE_OUTPUT: BatchFile.ValueType  # 1
 """JSONL, one line per record that succeeded, in input order: {"custom_id", "outputs"}."""
 BATCH_FILE_ERRORS: BatchFile.ValueType  # 2
 """JSONL, one line per record that did not: {"line", "custom_id", "code", "message"}."""
+BATCH_FILE_OUTPUT_NPZ: BatchFile.ValueType  # 3
+"""For a batch over an NPY or NPZ file: an NPZ archive (numpy.load) of `succeeded`, a bool per
+record, and one array per model output whose first dimension is every record in input order
+(a record that did not succeed is a row of zeros; the error file says why). FAILED_PRECONDITION
+for a JSONL input, or a model whose outputs are not one numeric shape per record.
+"""
 Global___BatchFile: _TypeAlias = BatchFile  # noqa: Y015
 
 @_typing.final

@@ -386,6 +386,8 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             latencies = await waits
             await sampler
             after = await stored_bytes(nats.url)
+            if os.environ.get("BENCH_READ_OUTPUTS") == "1":
+                result["read_outputs"] = await read_outputs(batches, created.batch.batch_id, children["gateway"])
         log(f"{model}: batch {batch_service_pb2.BatchState.Name(batch.state)} {batch.request_counts.completed} done")
     run_s = (batch.end_time.ToNanoseconds() - batch.in_progress_time.ToNanoseconds()) / 1e9
     result.update(
@@ -413,6 +415,31 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
     result["ratio"] = result["records_per_s"] / result["direct_records_per_s"]
     result["chunk_compute_s"] = chunk / result["direct_records_per_s"]
     return result
+
+
+async def read_outputs(
+    batches: batch_service_pb2_grpc.BatchServiceStub, batch_id: str, gateway: Any
+) -> dict[str, dict[str, float]]:
+    """BENCH_READ_OUTPUTS=1: the batch's output read whole as NPZ and as JSONL (ReadBatchFile),
+    each its seconds, bytes and the gateway's CPU seconds."""
+    read: dict[str, dict[str, float]] = {}
+    for name, which in (
+        ("npz", batch_service_pb2.BATCH_FILE_OUTPUT_NPZ),
+        ("jsonl", batch_service_pb2.BATCH_FILE_OUTPUT),
+    ):
+        cpu_before = gateway.cpu_seconds()
+        started = time.perf_counter()
+        size = 0
+        request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=which)
+        async for piece in batches.ReadBatchFile(request):
+            size += len(piece.chunk)
+        read[name] = {
+            "s": round(time.perf_counter() - started, 3),
+            "bytes": size,
+            "gateway_cpu_s": round(gateway.cpu_seconds() - cpu_before, 2),
+        }
+        log(f"read the output as {name}: {read[name]}")
+    return read
 
 
 def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:

@@ -121,7 +121,7 @@ class ConsoleApp:
                 ("GET", "/batches", batches_page),
                 ("GET", "/batches/{batch_id}", batch_page),
                 ("POST", "/batches/{batch_id}/cancel", batch_cancel),
-                ("GET", "/batches/{batch_id}/files/{file:output|errors}", batch_file),
+                ("GET", "/batches/{batch_id}/files/{file:output|errors|npz}", batch_file),
                 ("GET", "/queues", queues_page),
                 ("POST", "/queues/{action:pause|resume}", queue_action),
                 ("GET", "/dead-letters", dead_letters_page),

@@ -153,7 +153,7 @@ class Backend:
         return batch_from_proto(answer.batch)
 
     async def batch_file(self, batch_id: str, file: str) -> AsyncGenerator[bytes, None]:
-        """The batch's `output` or `errors` file, piece by piece as the gateway streams it (no
+        """The batch's `output`, `errors` or `npz` file, piece by piece as the gateway streams it (no
         deadline: a large file takes as long as it takes; a broken stream raises)."""
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=FILES[file])
         try:

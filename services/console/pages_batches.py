@@ -17,7 +17,12 @@ from services.console.context import Context, fragment_or_page, message_of
 PAGE_SIZE = 20
 # Batch IDs are UUIDv7s; anything else is not one (and must not reach a header or a file name).
 BATCH_ID = re.compile(r"^[0-9a-fA-F-]{1,64}$")
-FILE_NAMES = {"output": "output", "errors": "errors"}
+# The files a batch's page offers: name in the URL -> (file name's stem and extension, content type).
+FILE_NAMES = {
+    "output": ("output.jsonl", "application/jsonl"),
+    "errors": ("errors.jsonl", "application/jsonl"),
+    "npz": ("output.npz", "application/octet-stream"),
+}
 
 
 async def batches_page(ctx: Context, request: web.Request) -> web.Response:
@@ -132,6 +137,8 @@ def batch_details(ctx: Context, batch: Batch) -> str:
             f'<a id="download-{name}" href="/batches/{ui.h(batch.batch_id)}/files/{name}" download>{label}</a>'
             for name, label, ref in (
                 ("output", "output file (JSONL)", batch.output_ref),
+                # A batch over an array file also gives its outputs as arrays (numpy.load).
+                ("npz", "outputs as arrays (NPZ)", batch.output_ref if batch.input_format in ("NPY", "NPZ") else ""),
                 ("errors", "error file (JSONL)", batch.error_ref),
             )
             if ref
@@ -178,10 +185,11 @@ async def batch_file(ctx: Context, request: web.Request) -> web.StreamResponse:
         return fragment_or_page(request, title, ui.error_box(error), status=404)
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=502)
+    file_name, content_type = FILE_NAMES[which]
     response = web.StreamResponse(
         headers={
-            "Content-Type": "application/jsonl",
-            "Content-Disposition": f'attachment; filename="batch-{batch_id}-{FILE_NAMES[which]}.jsonl"',
+            "Content-Type": content_type,
+            "Content-Disposition": f'attachment; filename="batch-{batch_id}-{file_name}"',
             # The console's middleware cannot add headers to an answer already started.
             "Content-Security-Policy": "default-src 'none'",
             "X-Content-Type-Options": "nosniff",

@@ -69,7 +69,7 @@ def _json_value(array: Any) -> Any:
     return array.tolist()
 
 
-async def _chunk_outputs(store: BlobStore, records: JobStore, record: BatchRecord, chunk: Chunk) -> list[Tensor]:
+async def chunk_outputs(store: BlobStore, records: JobStore, record: BatchRecord, chunk: Chunk) -> list[Tensor]:
     job_id = chunk_job_id(record.batch_id, chunk.start, chunk.end)
     job = await records.get(job_key(record.tenant, job_id))
     if job is None or job.state is not JobState.SUCCEEDED:
@@ -127,7 +127,7 @@ async def _chunk_lines(
 
 def output_file(store: BlobStore, records: JobStore, record: BatchRecord) -> AsyncIterator[bytes]:
     async def lines(chunk: Chunk, taken: list[tuple[int, str]]) -> bytes:
-        return _output_lines(await _chunk_outputs(store, records, record, chunk), taken)
+        return _output_lines(await chunk_outputs(store, records, record, chunk), taken)
 
     return _chunk_lines(store, record, lambda chunk: chunk.status is ChunkStatus.DONE, lines)
 

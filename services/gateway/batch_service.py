@@ -22,6 +22,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.batch_convert import batch_from_request, batch_to_proto
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_files import error_file, output_file
+from services.gateway.batch_npz import output_npz, refuse_npz
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
@@ -32,6 +33,12 @@ MAX_PAGE_SIZE = 100
 # How long a create waits for the batch that claimed its idempotency key to be written.
 CLAIM_WAIT_STEPS = 50
 CLAIM_WAIT_STEP_S = 0.1
+
+READABLE_FILES = (
+    batch_service_pb2.BATCH_FILE_OUTPUT,
+    batch_service_pb2.BATCH_FILE_ERRORS,
+    batch_service_pb2.BATCH_FILE_OUTPUT_NPZ,
+)
 
 
 def batch_not_found(batch_id: str) -> NotFound:
@@ -185,8 +192,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
     ) -> AsyncIterator[batch_service_pb2.ReadBatchFileResponse]:
         tenant = self._tenant(context)
         record = await self._read(tenant, request.batch_id)
-        if request.file not in (batch_service_pb2.BATCH_FILE_OUTPUT, batch_service_pb2.BATCH_FILE_ERRORS):
-            message = "file must be BATCH_FILE_OUTPUT or BATCH_FILE_ERRORS"
+        if request.file not in READABLE_FILES:
+            message = "file must be BATCH_FILE_OUTPUT, BATCH_FILE_ERRORS or BATCH_FILE_OUTPUT_NPZ"
             raise InvalidArgument(message, [FieldViolation("file", message)])
         if record.state in (BatchState.VALIDATING,):
             raise FailedPrecondition(
@@ -194,10 +201,14 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 reason="BATCH_NOT_STARTED",
                 metadata={"batch_id": record.batch_id},
             )
-        pieces = (
-            output_file(self._blobs, self._records, record)
-            if request.file == batch_service_pb2.BATCH_FILE_OUTPUT
-            else error_file(self._blobs, record)
-        )
+        if request.file == batch_service_pb2.BATCH_FILE_OUTPUT_NPZ:
+            refused = refuse_npz(record)
+            if refused is not None:
+                raise refused
+            pieces = output_npz(self._blobs, self._records, record, self._config.model(record.model_name))
+        elif request.file == batch_service_pb2.BATCH_FILE_OUTPUT:
+            pieces = output_file(self._blobs, self._records, record)
+        else:
+            pieces = error_file(self._blobs, record)
         async for piece in pieces:
             yield batch_service_pb2.ReadBatchFileResponse(chunk=piece)
