@@ -13,7 +13,7 @@ import numpy as np
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
-from tests.batch_helpers import demo_records, jsonl, npy_bytes
+from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
 
 CLI = [sys.executable, "-m", "asyncinfer"]
@@ -81,14 +81,17 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
 async def test_the_output_of_an_array_batch_comes_back_as_arrays(
     config: Config, start_stack: StartStack, tmp_path: Path
 ) -> None:
-    """An NPY batch's output through the SDK (output_arrays) and the CLI (`--out x.npz`): y = 2x + 1
-    row by row, every record succeeded."""
+    """An array batch through the SDK (an array in, output_arrays out; arrays by input name make an
+    NPZ file) and the CLI (`--out x.npz`): y = 2x + 1 row by row, every record succeeded."""
     stack = await start_stack(small_batches(config))
     x = np.arange(100 * 4, dtype=np.float32).reshape(100, 4)
     async with AsyncClient(stack.address) as client:
-        batch = await client.wait_batch(await client.create_batch(npy_bytes(x), "demo"))
-        assert batch.state == "COMPLETED"
+        batch = await client.wait_batch(await client.create_batch(x, "demo"))  # the array, as an NPY file
+        assert (batch.state, batch.input_format) == ("COMPLETED", "NPY")
         arrays = await client.output_arrays(batch)
+        by_name = await client.wait_batch(await client.create_batch({"x": x[:10]}, "demo"))  # an NPZ file
+        assert (by_name.state, by_name.input_format) == ("COMPLETED", "NPZ")
+        assert np.array_equal((await client.output_arrays(by_name))["y"], 2 * x[:10] + 1)
     assert np.array_equal(arrays["y"], 2 * x + 1)
     assert arrays["succeeded"].all()
     out = tmp_path / "results.npz"

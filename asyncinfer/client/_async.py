@@ -87,6 +87,9 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.primary_user_agent", "asyncinfer-python"),
 )
 
+# What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
+BatchData = bytes | str | os.PathLike[str] | BinaryIO | npt.NDArray[Any] | Mapping[str, npt.ArrayLike]
+
 
 def tls_credentials(
     *,
@@ -809,7 +812,7 @@ class AsyncClient:
 
     async def create_batch(
         self,
-        data: bytes | str | os.PathLike[str] | BinaryIO,
+        data: BatchData,
         model: str,
         *,
         upload_timeout_s: float | None = None,
@@ -817,7 +820,18 @@ class AsyncClient:
     ) -> Batch:
         """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
         VALIDATING); `options` are BatchCalls.create's (version, input_format, priority,
-        completion_window_s, max_attempts, labels, callback_url, idempotency_key)."""
+        completion_window_s, max_attempts, labels, callback_url, idempotency_key). `data` may
+        also be an array (uploaded as an NPY file: one record per row, the model's only input)
+        or a mapping of input name to array (an NPZ file), held in memory once more as a file;
+        `output_arrays` then reads the outputs back as arrays."""
+        if isinstance(data, np.ndarray):
+            buffer = io.BytesIO()
+            np.save(buffer, data, allow_pickle=False)
+            data = buffer.getvalue()
+        elif isinstance(data, Mapping):
+            buffer = io.BytesIO()
+            np.savez(buffer, **{name: np.asarray(array) for name, array in data.items()})
+            data = buffer.getvalue()
         ref = await self.upload(data, timeout_s=upload_timeout_s)
         return await self._batch_calls.create(ref.ref, model, **options)
 

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.client._async import AsyncClient, JobLike
+from asyncinfer.client._async import AsyncClient, BatchData, JobLike
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
@@ -282,7 +282,7 @@ class Client:
 
     # -- batches over files ---------------------------------------------------------------------
 
-    def create_batch(self, data: bytes | str | os.PathLike[str] | BinaryIO, model: str, **options: Any) -> Batch:
+    def create_batch(self, data: BatchData, model: str, **options: Any) -> Batch:
         return self._run(self._client.create_batch(data, model, **options))
 
     def get_batch(self, batch: Batch | str) -> Batch:
