@@ -35,8 +35,8 @@ from asyncinfer.batches import (
 from asyncinfer.config import DEMO_MODEL
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
-from asyncinfer.tensors import ModelSignature, TensorSpec
-from services.gateway.batch_files import PIECE_BYTES
+from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
+from services.gateway.batch_files import PIECE_BYTES, output_lines
 from services.gateway.batch_npz import ArchiveSink
 
 pytestmark = pytest.mark.unit
@@ -261,3 +261,15 @@ def test_an_npz_output_is_sent_in_pieces_under_the_message_limit() -> None:
     assert max(len(piece) for piece in pieces) <= PIECE_BYTES
     assert b"".join(pieces) == data
     assert sink.take() == []
+
+
+def test_output_lines_keep_each_records_batch_dimension_and_write_valid_json() -> None:
+    """A JSONL output line per record: numbers as they are (a NaN as null: JSON has none), text
+    decoded, each value with the record's batch dimension of 1."""
+    y = Tensor.from_numpy("y", np.array([[1.5, float("nan")], [0.00001, -2.0]], dtype=np.float32), "FP32")
+    label = Tensor.from_numpy("label", np.array([b"cat", "caf\u00e9".encode()], dtype=np.object_), "BYTES")
+    lines = [json.loads(line) for line in output_lines([y, label], [(1, "a"), (2, "b")]).splitlines()]
+    assert lines[0] == {"custom_id": "a", "outputs": {"y": [[1.5, None]], "label": ["cat"]}}
+    assert lines[1]["custom_id"] == "b"
+    assert lines[1]["outputs"]["label"] == ["caf\u00e9"]
+    assert lines[1]["outputs"]["y"] == [[pytest.approx(0.00001), -2.0]]
