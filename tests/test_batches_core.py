@@ -273,3 +273,19 @@ def test_output_lines_keep_each_records_batch_dimension_and_write_valid_json() -
     assert lines[1]["custom_id"] == "b"
     assert lines[1]["outputs"]["label"] == ["caf\u00e9"]
     assert lines[1]["outputs"]["y"] == [[pytest.approx(0.00001), -2.0]]
+
+
+def test_a_line_json_dumps_wrote_with_nan_is_still_a_record() -> None:
+    """Lines are decoded by msgspec, which refuses NaN and Infinity; Python's json.dumps writes
+    them, so such a line is read by Python's json as before, and a broken line is still an error."""
+    entry_and_arrays = parse_line(
+        3, json.dumps({"custom_id": "n", "inputs": {"x": [[float("nan"), 1, 2, 3]]}}).encode(), SIGNATURE
+    )
+    assert not isinstance(entry_and_arrays, ErrorLine)
+    entry, arrays = entry_and_arrays
+    assert entry.custom_id == "n"
+    assert np.isnan(arrays["x"][0, 0])
+    assert arrays["x"][0, 1:].tolist() == [1, 2, 3]
+    broken = parse_line(4, b'{"custom_id": "b", "inputs": ', SIGNATURE)
+    assert isinstance(broken, ErrorLine)
+    assert broken.message.startswith("not a JSON line")
