@@ -39,6 +39,11 @@ def batch_config(config: Config, **batches: Any) -> Config:
             DEMO_MODEL.model_dump(),
             {
                 **DEMO_MODEL.model_dump(),
+                "name": "masked",
+                "outputs": [{**DEMO_MODEL.outputs[0].model_dump(), "name": "succeeded"}],
+            },
+            {
+                **DEMO_MODEL.model_dump(),
                 "name": "flaky",
                 "loader": "services.batcher.models.demo:build_flaky_model",
                 "max_attempts": 1,
@@ -167,6 +172,14 @@ async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
     lines = await outputs(stub, batch.batch_id)
     assert [line["custom_id"] for line in lines] == [str(i) for i in range(150)]
     assert np.array_equal(np.array([line["outputs"]["y"][0] for line in lines]), 2 * x + 1)
+
+    # A model whose output is named like the archive's mask has no NPZ output (its mask would hide it).
+    named = await stub.CreateBatch(create_request(await upload(stack.jobs, buffer.getvalue()), model_name="masked"))
+    assert (await wait_ended(stub, named.batch.batch_id)).state == batch_service_pb2.BATCH_STATE_COMPLETED
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await npz_output(stub, named.batch.batch_id)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "NPZ_OUTPUT_NOT_ARRAYS" in str(refused.value.trailing_metadata())
 
 
 @pytest.mark.parametrize("claim_check_io", [False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])

@@ -105,6 +105,15 @@ def _unarrayable(model: str, why: str) -> FailedPrecondition:
 async def _output_shapes(
     store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None
 ) -> list[OutputShape]:
+    shapes = await _shapes_of_outputs(store, records, record, model)
+    if any(shape.name == SUCCEEDED for shape in shapes):
+        raise _unarrayable(record.model_name, f"output is named {SUCCEEDED!r}, as the archive's mask of records")
+    return shapes
+
+
+async def _shapes_of_outputs(
+    store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None
+) -> list[OutputShape]:
     done = next((c for c in sorted(record.live_chunks, key=lambda c: c.start) if c.status is ChunkStatus.DONE), None)
     if done is not None:
         return [_shape_of(t, record.model_name) for t in await chunk_outputs(store, records, record, done)]
