@@ -37,6 +37,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     client = Client()
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
+        _fastpath.larger_reads()
     first_connect_failures: list[Exception] = []
     connected = False
     gave_up = asyncio.Event()
