@@ -33,42 +33,25 @@ from tests.test_gateway import (
     wait_for,
     work_messages,
 )
+from tests.test_gateway import channel as channel_fixture
+from tests.test_gateway import gateway as gateway_fixture
+from tests.test_gateway import js as js_fixture
+from tests.test_gateway import kv as kv_fixture
+from tests.test_gateway import stub as stub_fixture
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
 
 TENANT = "default"
+# The gateway tests' fixtures (a gateway alone on the test's NATS, a stub on it, the jobs bucket), under
+# the names the tests ask for; `config` stays this module's (conftest's), without their webhook secret.
+gateway, channel, stub, js, kv = gateway_fixture, channel_fixture, stub_fixture, js_fixture, kv_fixture
 
 
 def waiting(seconds: float, **fields: Any) -> job_service_pb2.SubmitJobRequest:
     request = submit_request(**fields)
     request.wait.CopyFrom(duration_pb2.Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
     return request
-
-
-@pytest.fixture
-async def gateway(config: Config) -> AsyncIterator[GatewayApp]:
-    app = await start_gateway(config)
-    try:
-        yield app
-    finally:
-        await app.stop(grace_s=1)
-
-
-@pytest.fixture
-async def stub(gateway: GatewayApp) -> AsyncIterator[JobStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        yield job_stub(channel)
-
-
-@pytest.fixture
-def js(nc: NatsClient) -> JetStreamContext:
-    return nc.jetstream()
-
-
-@pytest.fixture
-async def kv(js: JetStreamContext, gateway: GatewayApp, config: Config) -> KeyValue:
-    return await js.key_value(config.nats.jobs_bucket)
 
 
 async def queued_ids(nc: NatsClient) -> asyncio.Queue[str]:
