@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -28,29 +27,19 @@ from services.gateway.claims import Claim, request_fingerprint
 from services.gateway.convert import submit_request_from_proto
 from services.gateway.idempotency import TAKEOVER_MARGIN_S, claim_key
 from tests.nats_probes import RequestsSeen
+from tests.test_gateway import channel as channel_fixture
 from tests.test_gateway import fp32_input, job_stub, submit_request, violations_of
+from tests.test_gateway import gateway as gateway_fixture
+from tests.test_gateway import stub as stub_fixture
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, with_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
 
 TENANT = "default"
-
-
-@pytest.fixture
-async def gateway(config: Config) -> AsyncIterator[GatewayApp]:
-    app = GatewayApp(config)
-    await app.start()
-    try:
-        yield app
-    finally:
-        await app.stop(grace_s=1)
-
-
-@pytest.fixture
-async def stub(gateway: GatewayApp) -> AsyncIterator[JobStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
-        yield job_stub(channel)
+# The gateway tests' fixtures (a gateway alone on the test's NATS, a stub on it), under the names the
+# tests ask for; `config` stays this module's (conftest's).
+gateway, channel, stub = gateway_fixture, channel_fixture, stub_fixture
 
 
 @pytest.fixture
