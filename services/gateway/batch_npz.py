@@ -103,20 +103,23 @@ def _unarrayable(model: str, why: str) -> FailedPrecondition:
 
 
 async def _output_shapes(
-    store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None
+    store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None, first: dict[int, list[Tensor]]
 ) -> list[OutputShape]:
-    shapes = await _shapes_of_outputs(store, records, record, model)
+    """Each output's shape, from the first DONE chunk's outputs (kept in `first`, by the chunk's
+    start, for its rows: read once) or, with none done, the model's signature."""
+    shapes = await _shapes_of_outputs(store, records, record, model, first)
     if any(shape.name == SUCCEEDED for shape in shapes):
         raise _unarrayable(record.model_name, f"output is named {SUCCEEDED!r}, as the archive's mask of records")
     return shapes
 
 
 async def _shapes_of_outputs(
-    store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None
+    store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None, first: dict[int, list[Tensor]]
 ) -> list[OutputShape]:
     done = next((c for c in sorted(record.live_chunks, key=lambda c: c.start) if c.status is ChunkStatus.DONE), None)
     if done is not None:
-        return [_shape_of(t, record.model_name) for t in await chunk_outputs(store, records, record, done)]
+        first[done.start] = await chunk_outputs(store, records, record, done)
+        return [_shape_of(t, record.model_name) for t in first[done.start]]
     if model is None:
         return []  # nothing ran and the model is gone: `succeeded` alone says so
     shapes = []
@@ -146,7 +149,8 @@ async def output_npz(
     store: BlobStore, records: JobStore, record: BatchRecord, model: ModelConfig | None
 ) -> AsyncIterator[bytes]:
     """The archive's bytes in pieces of at most PIECE_BYTES (see the module)."""
-    shapes = await _output_shapes(store, records, record, model)
+    first: dict[int, list[Tensor]] = {}
+    shapes = await _output_shapes(store, records, record, model, first)
     chunks = sorted(record.live_chunks, key=lambda c: c.start)
     sink = ArchiveSink()
     archive = zipfile.ZipFile(sink, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
@@ -165,7 +169,8 @@ async def output_npz(
                 if chunk.start > written:  # rows no chunk holds (none should): zeros
                     _write_zeros(member, (chunk.start - written) * shape.row_bytes)
                 if chunk.status is ChunkStatus.DONE:
-                    member.write(await _rows(store, records, record, chunk, index, shape))
+                    outputs = first.get(chunk.start) or await chunk_outputs(store, records, record, chunk)
+                    member.write(_rows(record, chunk, outputs, index, shape))
                 else:
                     _write_zeros(member, chunk.records * shape.row_bytes)
                 written = max(written, chunk.end)
@@ -179,10 +184,7 @@ async def output_npz(
         yield piece
 
 
-async def _rows(
-    store: BlobStore, records: JobStore, record: BatchRecord, chunk: Chunk, index: int, shape: OutputShape
-) -> bytes:
-    outputs = await chunk_outputs(store, records, record, chunk)
+def _rows(record: BatchRecord, chunk: Chunk, outputs: list[Tensor], index: int, shape: OutputShape) -> bytes:
     tensor = outputs[index] if index < len(outputs) else None
     if (
         tensor is None
