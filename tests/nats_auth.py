@@ -6,6 +6,7 @@ stack's, as a batcher pod's or a tenant's stolen NATS login would."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,3 +77,13 @@ class PerServiceNats:
         """The server's log lines of refused publishes and subscriptions."""
         log = self.directory / "nats.log"
         return [line for line in log.read_text().splitlines() if "Violation" in line] if log.exists() else []
+
+    async def violation(self, text: str, timeout_s: float = 10.0) -> str:
+        """The first logged violation holding `text`, once the server has logged it. A refused
+        publish is logged when the server reads it, which a client's flush does not wait for:
+        nats-py writes its PING straight to the socket, ahead of the publishes still queued for
+        its flusher, so the PONG can come first (CI once read the log in between)."""
+        async with asyncio.timeout(timeout_s):
+            while not (found := [line for line in self.violations() if text in line]):  # noqa: ASYNC110 - a log file, no event
+                await asyncio.sleep(0.05)
+        return found[0]
