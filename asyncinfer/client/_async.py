@@ -829,8 +829,15 @@ class AsyncClient:
             np.save(buffer, data, allow_pickle=False)
             data = buffer.getvalue()
         elif isinstance(data, Mapping):
+            arrays = {name: np.asarray(array) for name, array in data.items()}
+            for name, array in arrays.items():
+                if array.dtype.hasobject:  # np.savez would pickle it, which the gateway refuses to load
+                    raise ValueError(
+                        f"input {name!r} is an array of Python objects ({array.dtype}): a batch's arrays are "
+                        "numeric or fixed-width strings (for text, numpy.str_ or bytes_ arrays)"
+                    )
             buffer = io.BytesIO()
-            np.savez(buffer, **{name: np.asarray(array) for name, array in data.items()})
+            np.savez(buffer, **arrays)
             data = buffer.getvalue()
         ref = await self.upload(data, timeout_s=upload_timeout_s)
         return await self._batch_calls.create(ref.ref, model, **options)

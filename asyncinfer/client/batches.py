@@ -243,16 +243,28 @@ class BatchCalls:
 
 
 async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str] | BinaryIO) -> int:
-    """Writes the pieces to a path or a binary file; the bytes written."""
+    """Writes the pieces to a path or a binary file; the bytes written.
+
+    A path is written whole or not at all: the pieces go to `<path>.part` beside it, renamed over
+    the path once the last piece is in, and removed if the stream breaks (a gateway gone mid-way,
+    an NPZ output refused at a chunk whose shape differs), so a file at the path is always a
+    complete one (curl's and wget's `.part` rule)."""
     written = 0
     if isinstance(target, str | os.PathLike):
-        out = await asyncio.to_thread(Path(target).open, "wb")
+        path = Path(target)
+        part = path.with_name(path.name + ".part")
+        out = await asyncio.to_thread(part.open, "wb")
         try:
-            async for piece in pieces:
-                await asyncio.to_thread(out.write, piece)
-                written += len(piece)
-        finally:
-            await asyncio.to_thread(out.close)
+            try:
+                async for piece in pieces:
+                    await asyncio.to_thread(out.write, piece)
+                    written += len(piece)
+            finally:
+                await asyncio.to_thread(out.close)
+            await asyncio.to_thread(os.replace, part, path)
+        except BaseException:
+            await asyncio.to_thread(part.unlink, missing_ok=True)
+            raise
         return written
     async for piece in pieces:
         target.write(piece)
