@@ -62,6 +62,7 @@ from asyncinfer.nats import (
     NotFoundError,
     api,
 )
+from asyncinfer.nats.requests import js_publish
 from asyncinfer.nats.streams import retry_transient, store_full
 from asyncinfer.v1 import tensor_pb2
 
@@ -69,6 +70,9 @@ log = structlog.get_logger("asyncinfer.blobs")
 
 # Chunk publishes awaiting their ack at once: enough to hide the round trip, few enough to bound memory.
 PUBLISH_WINDOW = 8
+# A stored chunk's publish waits this long for its ack: nats-py's JetStream default, which the
+# chunks were published under before they went through the adapter (asyncinfer.nats.requests).
+CHUNK_PUBLISH_TIMEOUT_S = 5.0
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -142,18 +146,19 @@ class BlobStore:
         digest = hashlib.sha256()
         total = 0
         count = 0
-        pending: list[asyncio.Task[api.PubAck]] = []
+        pending: list[asyncio.Task[int]] = []
         sequences: list[int] = []
         buffer = bytearray()
 
-        async def send(payload: bytes) -> None:
+        async def send(payload: bytes | memoryview) -> None:
             nonlocal count
-            pending.append(asyncio.ensure_future(self._js.publish(chunk_subject, payload)))
+            publish = js_publish(self._js, chunk_subject, payload, timeout_s=CHUNK_PUBLISH_TIMEOUT_S)
+            pending.append(asyncio.ensure_future(publish))
             count += 1
             if len(pending) >= PUBLISH_WINDOW:
                 # Shielded: a publish cancelled after it was sent may still land, and then the
                 # purge below could miss it; every publish is seen through to its ack instead.
-                sequences.append((await asyncio.shield(pending[0])).seq)
+                sequences.append(await asyncio.shield(pending[0]))
                 pending.pop(0)
 
         try:
@@ -162,16 +167,22 @@ class BlobStore:
                 if total > max_bytes:
                     raise upload_too_large(max_bytes, total, declared=False)
                 digest.update(piece)
-                if not buffer and len(piece) == chunk_bytes:
-                    await send(bytes(piece))  # a whole chunk as given: one copy, not three
-                    continue
-                buffer += piece
+                view = memoryview(piece)
+                if not buffer and _immutable(piece):
+                    # Whole chunks as views of the piece: each is copied once, into its PUB
+                    # command, when its publish runs (the piece cannot change before then).
+                    while len(view) >= chunk_bytes:
+                        await send(view[:chunk_bytes])
+                        view = view[chunk_bytes:]
+                buffer += view
                 while len(buffer) >= chunk_bytes:
-                    await send(bytes(buffer[:chunk_bytes]))
+                    with memoryview(buffer) as whole:
+                        stored = bytes(whole[:chunk_bytes])
+                    await send(stored)
                     del buffer[:chunk_bytes]
             if buffer:
                 await send(bytes(buffer))
-            sequences.extend(ack.seq for ack in await asyncio.shield(asyncio.gather(*pending)))
+            sequences.extend(await asyncio.shield(asyncio.gather(*pending)))
             pending.clear()
             sha256 = digest.hexdigest()
             if expected_size is not None and expected_size != total:
@@ -449,6 +460,13 @@ class BlobStore:
         except Exception as exc:
             # Chunks without a meta are invisible to the sweeper: say so loudly.
             log.error("blob_chunks_not_purged", subject=subject, error=str(exc))
+
+
+def _immutable(piece: bytes | memoryview) -> bool:
+    """Whether nothing can change the piece's bytes: bytes, or a read-only view of bytes."""
+    if isinstance(piece, memoryview):
+        return piece.readonly and isinstance(piece.obj, bytes)
+    return isinstance(piece, bytes)
 
 
 async def _numbered(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[int, bytes]]:

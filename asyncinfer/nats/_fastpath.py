@@ -135,9 +135,11 @@ def _expire(future: asyncio.Future[Msg]) -> None:
 
 
 async def request(
-    nc: Client, subject: str, payload: bytes, *, timeout_s: float, headers: dict[str, str] | None = None
+    nc: Client, subject: str, payload: bytes | memoryview, *, timeout_s: float, headers: dict[str, str] | None = None
 ) -> Msg:
-    """`nc.request(subject, payload, timeout=timeout_s, headers=headers)`, cheaper (see the module)."""
+    """`nc.request(subject, payload, timeout=timeout_s, headers=headers)`, cheaper (see the module).
+    A memoryview payload is copied once, into the command, when the call sends it: its bytes must
+    not change until then."""
     client: Any = nc
     if not client._resp_sub_prefix:
         await client._init_request_sub()
@@ -162,7 +164,7 @@ async def request(
 async def js_publish(
     js: JetStreamContext,
     subject: str,
-    payload: bytes,
+    payload: bytes | memoryview,
     *,
     timeout_s: float,
     headers: dict[str, str] | None = None,
@@ -264,7 +266,9 @@ def _header_block(headers: dict[str, str]) -> bytes:
     return "\r\n".join(lines).encode()
 
 
-def publish_command(client: Any, subject: str, reply: str, payload: bytes, headers: dict[str, str] | None) -> bytes:
+def publish_command(
+    client: Any, subject: str, reply: str, payload: bytes | memoryview, headers: dict[str, str] | None
+) -> bytes:
     """The PUB or HPUB protocol command that `Client.publish(subject, payload, reply=reply,
     headers=headers)` would queue, after the same checks (raising what it raises)."""
     if not client._skip_subject_validation and (

@@ -35,13 +35,13 @@ async def public_request(
 async def public_js_publish(
     js: JetStreamContext,
     subject: str,
-    payload: bytes,
+    payload: bytes | memoryview,
     *,
     timeout_s: float,
     headers: dict[str, str] | None = None,
 ) -> int:
     try:
-        ack = await js.publish(subject, payload, timeout=timeout_s, headers=headers)
+        ack = await js.publish(subject, bytes(payload), timeout=timeout_s, headers=headers)
     except APIError as exc:
         # KeyValue.update maps these the same way; JetStreamContext.publish leaves them a BadRequest.
         if exc.err_code in WRONG_LAST_SEQUENCE_CODES:
