@@ -11,7 +11,8 @@
 # first, offline: bench/gpu_prepare.sh [BASE_REVISION] makes them here (23 MB, this venv's versions
 # for the device image's Python 3.12) and exports a base revision for GPU_BATCH_BASE_TREE; a device
 # call then carries [".whl", ".base-tree"].
-# Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2; 0: no system run), GPU_BATCH_VARIANTS
+# Settings: GPU_BATCH_RECORDS (100000), GPU_BATCH_ROUNDS (2; 0: no system run), GPU_BATCH_WARMUP_ROUNDS
+# (1: a round of every variant first, not counted; 0 saves its device time), GPU_BATCH_VARIANTS
 # (two-streams,two-streams-claim-check-io; bench/system/batch_files_ab.py's names, e.g.
 # two-streams+claim-check-io+4-batchers), GPU_BATCH_NAME (batch_files_ab_gpu), GPU_BATCH_BASE_TREE
 # (the base variants' tree: another revision's files, e.g. `git archive REV | tar -x -C DIR`); BENCH_BATCHES
@@ -56,6 +57,7 @@ if [[ "${GPU_MPS:-0}" == 1 ]]; then
   "$PY" -c 'import torch; torch.ones(1, device="cuda"); print("MPS: a client started")' || exit 5
 fi
 "$PY" -m bench.system.batch_files_ab --records "${GPU_BATCH_RECORDS:-100000}" --rounds "${GPU_BATCH_ROUNDS:-2}" \
+  --warmup-rounds "${GPU_BATCH_WARMUP_ROUNDS:-1}" \
   --variants "${GPU_BATCH_VARIANTS:-two-streams,two-streams-claim-check-io}" --name "$NAME" \
   ${GPU_BATCH_BASE_TREE:+--base-tree "$GPU_BATCH_BASE_TREE"}
 status=$?

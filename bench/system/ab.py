@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--burst", type=int, default=3000)
     parser.add_argument("--quiet-first", type=float, default=0.0, metavar="S", help="seconds without a call first")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of both setups first, not counted")
     args = parser.parse_args()
     with contextlib.ExitStack() as stack_of_trees:
         if args.setting:
@@ -111,23 +112,26 @@ def main() -> None:
                 f"{ab}: {revision}": {"source": tree}
                 for ab, revision, tree in zip("AB", args.revisions, trees, strict=True)
             }
-        found = run_rounds(setups, args.rounds, args.burst, args.quiet_first)
-        report(section, title, found, args.rounds, args.burst, args.quiet_first)
+        found = run_rounds(setups, args.rounds, args.burst, args.quiet_first, args.warmup_rounds)
+        report(section, title, found, args.rounds, args.burst, args.quiet_first, args.warmup_rounds)
 
 
 def run_rounds(
-    setups: dict[str, dict[str, Any]], rounds: int, count: int, quiet_s: float = 0.0
+    setups: dict[str, dict[str, Any]], rounds: int, count: int, quiet_s: float = 0.0, warmup_rounds: int = 0
 ) -> dict[str, list[tuple[Burst, Burst, float]]]:
+    """Each setup once per round, in order; the first `warmup_rounds` rounds are not counted (a
+    run's first minute is its slowest, which would count against whichever setup goes first)."""
     found: dict[str, list[tuple[Burst, Burst, float]]] = {name: [] for name in setups}
     with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        for round_number in range(1, rounds + 1):
+        for round_number in range(1 - warmup_rounds, rounds + 1):
             for n, (name, options) in enumerate(setups.items()):
-                stack = Stack(group, name=f"nats-{round_number}-{n}", **options)
+                stack = Stack(group, name=f"nats-{round_number + warmup_rounds}-{n}", **options)
                 unary, batched, trip_ms = runner.run(measure(stack, count, quiet_s))
                 stack.stop_services()
-                found[name].append((unary, batched, trip_ms))
+                if round_number > 0:
+                    found[name].append((unary, batched, trip_ms))
                 log(
-                    f"round {round_number}, {name}: unary {unary.collected_rate:.0f}/s, batch APIs "
+                    f"round {round_number if round_number > 0 else 'warm-up (not counted)'}, {name}: unary {unary.collected_rate:.0f}/s, batch APIs "
                     f"{batched.collected_rate:.0f}/s; CPU per job {system_cpu_ms_per_job([unary], count)[0]:.2f} / "
                     f"{system_cpu_ms_per_job([batched], count)[0]:.2f} ms; round trip p50 {trip_ms:.2f} ms"
                 )
@@ -141,6 +145,7 @@ def report(
     rounds: int,
     count: int,
     quiet_s: float = 0.0,
+    warmup_rounds: int = 0,
 ) -> None:
     rows = []
     medians: dict[str, dict[str, float]] = {}
@@ -171,7 +176,9 @@ def report(
     ]
     notes = [
         f"{rounds} rounds, each a fresh stack per setup (nats-server, gateway, scheduler, batcher as processes), "
-        f"A then B; per stack 20 warm-up jobs, "
+        f"A then B"
+        + (f", after {warmup_rounds} uncounted round(s) of both" if warmup_rounds else "")
+        + "; per stack 20 warm-up jobs, "
         + (f"then {quiet_s:g} s without a call (the gateway's watch feed stops), " if quiet_s else "")
         + f"a unary burst of {count} (64 in flight, then GetJob per job), "
         f"a batch-API burst of the same size, then {ROUND_TRIPS} round trips one after another (SubmitJob, then "

@@ -96,6 +96,7 @@ class ServiceVariant:
     batchers: int = 1
     loader: str | None = None
     switch_interval_s: float | None = None  # the batcher's sys.setswitchinterval (None: Python's 5 ms)
+    max_batch: int | None = None  # the model's max_batch_size, and direct torch's batch (None: MODELS')
 
 
 def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
@@ -288,6 +289,7 @@ def rss_by_quarter(samples: list[int]) -> list[int]:
 
 async def measure(model: str, records: int, variant: ServiceVariant = ServiceVariant()) -> dict[str, Any]:
     max_batch, delay_ms, _threads = MODELS[model]
+    max_batch = variant.max_batch or max_batch
     config_model = (mlp_config if model == "mlp" else minilm_config)(max_batch, delay_ms)
     at_once = BATCH_INFLIGHT[model] if variant.inflight_batches is None else variant.inflight_batches
     config_model = config_model.model_copy(

@@ -1,7 +1,7 @@
 """A/B of how the services run an MLP file batch (issue 15's MLP target), variants alternated round
 by round in one run, each round a fresh stack (bench.system.batch_files.measure).
 
-    .venv/bin/python -m bench.system.batch_files_ab [--records N] [--rounds N] [--variants a,b,...]
+    .venv/bin/python -m bench.system.batch_files_ab [--records N] [--rounds N] [--warmup-rounds N] [--variants a,b,...]
 
 Variants (bench.system.batch_files.ServiceVariant):
 - base: the services of another revision (--base-tree, a worktree: `git worktree add /tmp/wt-base
@@ -15,7 +15,8 @@ Variants (bench.system.batch_files.ServiceVariant):
   storing their outputs itself (`batcher.claim_check_io`; otherwise the scheduler does, as it
   ships); light, a model of the MLP's signature at almost no compute (what the services cost per
   record); N-batchers, N batchers serving the model; switch-Nus, the batcher's GIL switch interval
-  (sys.setswitchinterval; Python's default is 5,000 us). E.g. two-streams+claim-check-io+4-batchers.
+  (sys.setswitchinterval; Python's default is 5,000 us); batch-N, the model's max_batch_size N (and
+  direct torch's batch: MODELS' otherwise). E.g. two-streams+claim-check-io+4-batchers.
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -61,6 +62,8 @@ def variant(name: str, base_tree: Path | None) -> ServiceVariant:
             settings["loader"] = "bench.batcher_models:build_light"
         elif (count := re.fullmatch(r"(\d+)-batchers", modifier)) is not None:
             settings["batchers"] = int(count.group(1))
+        elif (size := re.fullmatch(r"batch-(\d+)", modifier)) is not None:
+            settings["max_batch"] = int(size.group(1))
         elif (interval := re.fullmatch(r"switch-(\d+)us", modifier)) is not None:
             settings["switch_interval_s"] = int(interval.group(1)) / 1e6
         else:
@@ -83,7 +86,8 @@ def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], recor
     lines = [
         "# A/B: how the services run an MLP file batch (bench/system/batch_files_ab.py)",
         "",
-        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each; base: {base}.",
+        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each, after uncounted "
+        f"warm-up rounds; base: {base}.",
         f"Machine: {facts}",
         "",
         "| variant | rounds | records/s | / direct torch (default threads) | / direct torch (two streams of one thread) "
@@ -117,6 +121,14 @@ def interactive_summary(results: list[dict[str, Any]]) -> str:
 
 async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in args.variants.split(",")}
+    # Uncounted rounds first: a run's first minute is its slowest (session 21: a first round at
+    # 44,000-45,000 light-model records/s against 58,000-72,000 after), which would count against
+    # whichever variant goes first.
+    for round_number in range(args.warmup_rounds):
+        for name in rows:
+            log(f"warm-up round {round_number + 1}/{args.warmup_rounds} (not counted): {name}")
+            result = await measure("mlp", args.records, variant(name, args.base_tree))
+            log(json.dumps({k: result[k] for k in ("records_per_s", "ratio")}))
     for round_number in range(args.rounds):
         for name in rows:
             log(f"round {round_number + 1}/{args.rounds}: {name}")
@@ -130,6 +142,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of every variant run first, not counted")
     parser.add_argument("--variants", default="base,this,two-streams")
     parser.add_argument("--base-tree", type=Path, help="the worktree the base variant runs")
     parser.add_argument("--name", default="batch_files_ab", help="the results' file name, without suffix")
