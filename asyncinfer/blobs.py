@@ -163,11 +163,11 @@ class BlobStore:
 
         try:
             async for piece in chunks:
-                total += len(piece)
+                view = memoryview(piece).cast("B")  # bytes, whatever the view's item type
+                total += view.nbytes
                 if total > max_bytes:
                     raise upload_too_large(max_bytes, total, declared=False)
-                digest.update(piece)
-                view = memoryview(piece)
+                digest.update(view)
                 if not buffer and _immutable(piece):
                     # Whole chunks as views of the piece: each is copied once, into its PUB
                     # command, when its publish runs (the piece cannot change before then).

@@ -121,3 +121,26 @@ async def test_an_object_of_larger_chunks_reads_back_whole_and_by_range(nc: Nats
     assert bytes(whole) == data
     offset = RESULT_CHUNK_BYTES - 5
     assert await store.read_range("t", ref, offset, RESULT_CHUNK_BYTES) == data[offset : offset + RESULT_CHUNK_BYTES]
+
+
+async def test_a_put_stores_what_it_was_given_whatever_the_pieces(nc: NatsClient, config: Config) -> None:
+    """Whole chunks of bytes go as views (copied once, into their publishes, which run later); a
+    bytearray is copied when given, so its owner changing it afterwards changes nothing stored; an
+    array's view counts its bytes, not its items."""
+    store = await store_of(nc, config)
+    whole = content(3)[: 2 * CHUNK_BYTES]
+    given = content(4)[: 2 * CHUNK_BYTES + 1000]
+    changing = bytearray(given)
+    floats = np.arange(CHUNK_BYTES // 4 + 10, dtype=np.float32)  # more than a chunk, not a whole number of them
+
+    async def pieces() -> AsyncIterator[bytes | memoryview]:
+        yield memoryview(whole)  # two whole chunks, as views
+        yield changing  # whole chunks too, but of a buffer its owner may change
+        changing[:] = bytes(len(changing))  # the owner reuses it before the publishes have run
+        yield memoryview(floats)  # items of 4 bytes
+
+    expected = whole + given + floats.tobytes()
+    ref = new_input_ref()
+    stored = await store.put("t", ref, pieces(), expires_at=time.time() + 3600, max_bytes=len(expected))
+    assert stored.size_bytes == len(expected)
+    assert await store.read_range("t", ref, 0, len(expected)) == expected
