@@ -99,3 +99,13 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
     assert code == 0, stderr
     with np.load(out) as archive:
         assert np.array_equal(archive["y"], 2 * x + 1)
+    # And in one command: create, wait, and the arrays written where --out names an .npz.
+    source, created = tmp_path / "x.npy", tmp_path / "created.npz"
+    np.save(source, x)
+    code, _, stderr = await cli(
+        "batch", "create", str(source), "--model", "demo", "--wait", "--out", str(created), "--gateway", stack.address
+    )  # fmt: skip
+    assert code == 0, stderr
+    with np.load(created) as archive:
+        assert np.array_equal(archive["y"], 2 * x + 1)
+        assert archive["succeeded"].all()

@@ -139,10 +139,15 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
     return batch
 
 
+def _output_file(out: Path) -> str:
+    """The output file a path asks for: a name ending .npz, the arrays (a batch over an NPY or NPZ
+    file), not JSONL lines."""
+    return "npz" if out.suffix.lower() == ".npz" else "output"
+
+
 async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None) -> None:
     if out is not None:
-        # A name ending .npz: the arrays (a batch over an NPY or NPZ file), not JSONL lines.
-        await client.download(batch, out, file="npz" if out.suffix.lower() == ".npz" else "output")
+        await client.download(batch, out, file=_output_file(out))
     else:
         await client.download(batch, cast(BinaryIO, sys.stdout.buffer))
     if errors is not None:
@@ -179,7 +184,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         if not options.json:
             print(batch_summary(batch), flush=True)
         if args.out is not None:
-            await client.download(batch, args.out)
+            await client.download(batch, args.out, file=_output_file(args.out))
         if args.errors is not None:
             await client.download(batch, args.errors, file="errors")
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
