@@ -59,6 +59,10 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     assert batch_id in printed
     code, printed, _ = await cli("batch", "download", batch_id, "--gateway", stack.address)
     assert [json.loads(line)["custom_id"] for line in printed.splitlines()] == [r["custom_id"] for r in records]
+    again = tmp_path / "errors-again.jsonl"
+    code, printed, stderr = await cli("batch", "download", batch_id, "--errors", str(again), "--gateway", stack.address)
+    assert (code, printed) == (0, ""), stderr  # the error file alone: no output lines on stdout
+    assert again.read_bytes() == errors.read_bytes()
 
 
 async def test_the_sdk_creates_watches_and_downloads_a_batch(

@@ -75,7 +75,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     download.add_argument(
         "--out",
         type=Path,
-        help="the output file (default: stdout); a name ending .npz gets the output as arrays (NPY or NPZ input)",
+        help="the output file (default: stdout, unless --errors alone is given); a name ending .npz gets the output as arrays (NPY or NPZ input)",
     )
     download.add_argument("--errors", type=Path, help="also write the error file here")
     add_options(download)
@@ -146,9 +146,11 @@ def _output_file(out: Path) -> str:
 
 
 async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None) -> None:
+    """The output to --out, or to stdout when neither file is named (asking for the error file
+    alone writes that file alone), and the error file to --errors."""
     if out is not None:
         await client.download(batch, out, file=_output_file(out))
-    else:
+    elif errors is None:
         await client.download(batch, cast(BinaryIO, sys.stdout.buffer))
     if errors is not None:
         await client.download(batch, errors, file="errors")
