@@ -7,10 +7,11 @@ progress bar on stderr when it is a terminal:
 1. submit: the lines stream through SubmitJobs (a bounded window in flight);
 2. wait: the accepted jobs are watched on WatchJobs streams (10,000 jobs each) until they end.
 
-Every line ends with one line in the results file (--out, default FILE.results.jsonl), in the
-order lines finish: {"line": N, "job_id", "state", "outputs"} for a job, {"line": N, "error":
-{"code", "reason", "message", "violations"}} for a line that is not valid JSON or that the gateway
-refused (with "state" and "error" for a job that failed).
+Every line ends with one line in the results file (--out; by default beside FILE, its .jsonl
+turned into .results.jsonl: requests.jsonl -> requests.results.jsonl), in the order lines finish:
+{"line": N, "job_id", "state", "outputs"} for a job, {"line": N, "error": {"code", "reason",
+"message", "violations"}} for a line that is not valid JSON or that the gateway refused (with
+"state" and "error" for a job that failed).
 
 Resuming. Beside the results file, a state file (RESULTS.state) records each accepted line's job
 ID as soon as the gateway answers. A re-run skips lines that already have a result, waits for the
@@ -58,7 +59,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bulk.add_argument("file", type=Path, help="JSON lines, one request each")
-    bulk.add_argument("--out", type=Path, help="results file (default: FILE with .results.jsonl)")
+    bulk.add_argument("--out", type=Path, help="results file (default: requests.jsonl -> requests.results.jsonl)")
     bulk.add_argument("--model", default="", help="the model of lines that name none")
     bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
     bulk.add_argument("--concurrency", type=int, default=64, help="large results read at once (default 64)")
