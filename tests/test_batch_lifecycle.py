@@ -15,6 +15,7 @@ import pytest
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
@@ -123,6 +124,23 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     )
     assert first.batch.batch_id == second.batch.batch_id
     assert sorted([first.deduplicated, second.deduplicated]) == [False, True]
+    # The same key for another file, or other labels: refused, not quietly the first batch.
+    another_file = await upload(stack.jobs, jsonl(demo_records(3)))
+    for unlike, request in [
+        ("input_ref", create_request(another_file, idempotency_key="nightly-1")),
+        ("labels", create_request(ref, idempotency_key="nightly-1", labels={"run": "other"})),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateBatch(request)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        status = status_details(refused.value)
+        assert status is not None
+        info = unpack_details(status)["ErrorInfo"]
+        assert (info.reason, info.metadata["batch_id"], info.metadata["fields"]) == (
+            "IDEMPOTENCY_KEY_REUSED",
+            first.batch.batch_id,
+            unlike,
+        )
     other = await stub.CreateBatch(create_request(ref, idempotency_key="nightly-2"))
     assert other.batch.batch_id != first.batch.batch_id
     assert (await wait_ended(stub, first.batch.batch_id)).request_counts.completed == 10

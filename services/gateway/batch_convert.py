@@ -39,6 +39,37 @@ _PRIORITY_FROM_PROTO = {
 _PRIORITY_TO_PROTO = {p: v for v, p in _PRIORITY_FROM_PROTO.items() if v != job_pb2.PRIORITY_UNSPECIFIED}
 
 
+def fields_unlike(
+    request: batch_service_pb2.CreateBatchRequest, candidate: BatchRecord, first: BatchRecord
+) -> list[str]:
+    """The fields in which a create that reuses an idempotency key asks for something other than
+    the batch holding the key (`candidate`: the batch this create would have made). A field the
+    create left to its default is compared only where the default cannot have changed since the
+    first create (a model's default version or attempts can, by a hot update), and a format the
+    first create left to detection only once it was detected."""
+    unlike = []
+    if candidate.model_name != first.model_name:
+        unlike.append("model_name")
+    if request.model_version and candidate.model_version != first.model_version:
+        unlike.append("model_version")
+    if candidate.input_ref != first.input_ref:
+        unlike.append("input_ref")
+    if None not in (candidate.input_format, first.input_format) and candidate.input_format is not first.input_format:
+        unlike.append("input_format")
+    if candidate.priority is not first.priority:
+        unlike.append("priority")
+    if request.max_attempts and candidate.max_attempts != first.max_attempts:
+        unlike.append("max_attempts")
+    window_s, first_window_s = candidate.expires_at - candidate.create_time, first.expires_at - first.create_time
+    if request.HasField("completion_window") and abs(window_s - first_window_s) > 1e-3:
+        unlike.append("completion_window")
+    if dict(candidate.labels) != dict(first.labels):
+        unlike.append("labels")
+    if candidate.callback != first.callback:
+        unlike.append("callback")
+    return unlike
+
+
 def _invalid(violations: list[FieldViolation]) -> InvalidArgument:
     first = violations[0]
     return InvalidArgument(f"invalid batch: {first.field}: {first.description}", violations)

@@ -14,18 +14,19 @@ import grpc
 from asyncinfer.batches import BatchRecord, BatchState
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
-from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from asyncinfer.errors import AlreadyExists, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
 from services.gateway.auth import Authenticator
-from services.gateway.batch_convert import batch_from_request, batch_to_proto
+from services.gateway.batch_convert import batch_from_request, batch_to_proto, fields_unlike
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_files import error_file, output_file
 from services.gateway.batch_npz import output_npz, refuse_npz
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
+from services.gateway.idempotency import KEY_REUSED_REASON
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
@@ -91,7 +92,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             if holder != record.batch_id:
                 first = await self._first_of_key(tenant, holder)
                 if first is not None:
-                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+                    return self._deduplicated(request, record, first)
                 # Claimed by a create whose gateway died before it wrote the batch: this one runs.
                 holder = await self._store.take_over(
                     tenant, record.idempotency_key, holder, record.batch_id, until=record.kept_until
@@ -100,10 +101,26 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     first = await self._first_of_key(tenant, holder)
                     if first is None:
                         raise batch_not_found(holder)
-                    return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+                    return self._deduplicated(request, record, first)
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    def _deduplicated(
+        self, request: batch_service_pb2.CreateBatchRequest, record: BatchRecord, first: BatchRecord
+    ) -> batch_service_pb2.CreateBatchResponse:
+        """The batch holding the key, for a create that asks for the same batch; ALREADY_EXISTS
+        for one that asks for another (as SubmitJob answers a key reused with another request): a
+        retry must not quietly get a batch over another file."""
+        unlike = fields_unlike(request, record, first)
+        if unlike:
+            raise AlreadyExists(
+                f"idempotency key {record.idempotency_key[:64]!r} was already used for batch {first.batch_id} "
+                f"with a different request ({', '.join(unlike)}); use a new key for a new batch",
+                reason=KEY_REUSED_REASON,
+                metadata={"batch_id": first.batch_id, "fields": ",".join(unlike)},
+            )
+        return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
 
     async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """The batch holding an idempotency key, waited for a moment: its create writes it just
