@@ -192,8 +192,11 @@ class ChunkBuilder:
         return ready
 
 
-def _check_array(spec: TensorSpec, array: npt.NDArray[Any], fmt: InputFormat) -> npt.NDArray[Any]:
-    """The array typed by the signature; RecordInvalid when it does not fit."""
+def _check_array(
+    spec: TensorSpec, array: npt.NDArray[Any], fmt: InputFormat, *, file_shape: tuple[int, ...] | None = None
+) -> npt.NDArray[Any]:
+    """The array typed by the signature; RecordInvalid when it does not fit. `file_shape`: the
+    whole array's, named in the refusal where `array` is a part of it (its header's rows, none read)."""
     if spec.datatype == "BYTES":
         array = array.astype(object) if array.dtype.kind in ("U", "S", "O") else array
         array = np.vectorize(lambda v: v.encode() if isinstance(v, str) else v, otypes=[object])(array)
@@ -207,7 +210,7 @@ def _check_array(spec: TensorSpec, array: npt.NDArray[Any], fmt: InputFormat) ->
     ):
         raise RecordInvalid(
             f"array {spec.name!r} of the {fmt.value} file must have shape {list(spec.shape)} (first dimension "
-            f"the record), got {list(array.shape)}"
+            f"the record), got {list(array.shape if file_shape is None else file_shape)}"
         )
     return array
 
@@ -253,7 +256,7 @@ def npy_layout(head: bytes, signature: ModelSignature) -> NpyLayout | None:
         return None
     if fortran_order or dtype.hasobject or not shape:
         return None
-    _check_array(spec, np.zeros((0, *shape[1:]), dtype=dtype), InputFormat.NPY)
+    _check_array(spec, np.zeros((0, *shape[1:]), dtype=dtype), InputFormat.NPY, file_shape=tuple(shape))
     return NpyLayout(offset=buffer.tell(), rows=int(shape[0]), row_shape=tuple(shape[1:]), dtype=dtype)
 
 

@@ -248,6 +248,10 @@ def test_an_npy_file_streams_row_by_row_from_its_header() -> None:
     fortran = io.BytesIO()
     np.save(fortran, np.asfortranarray(x))
     assert npy_layout(fortran.getvalue(), SIGNATURE) is None  # read whole instead
+    wrong = io.BytesIO()
+    np.save(wrong, np.zeros((10, 5), dtype=np.float32))
+    with pytest.raises(RecordInvalid, match=r"must have shape \[-1, 4\] .* got \[10, 5\]$"):
+        npy_layout(wrong.getvalue()[:200], SIGNATURE)  # the file's shape, though no row was read
 
 
 def test_an_npz_output_is_sent_in_pieces_under_the_message_limit() -> None:
