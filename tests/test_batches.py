@@ -138,6 +138,21 @@ async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: St
     assert len(await errors(stub, batch.batch_id)) == 5
 
 
+async def test_a_file_without_records_fails_the_batch(config: Config, start_stack: StartStack) -> None:
+    """Blank lines only, or an array of no rows: FAILED, saying so (a batch of nothing is almost
+    always the wrong file; OpenAI's Batch API fails it as `empty_file`)."""
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    empty_npy = io.BytesIO()
+    np.save(empty_npy, np.zeros((0, 4), dtype=np.float32))
+    for data, named in ((b"\n\n", "JSONL"), (empty_npy.getvalue(), "NPY")):
+        created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
+        batch = await wait_ended(stub, created.batch.batch_id)
+        assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
+        assert batch.failure_message == f"the {named} file holds no records"
+        assert batch.request_counts.total == 0
+
+
 async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(batch_config(config))
     stub = batches_stub(stack.channel)

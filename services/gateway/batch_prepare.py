@@ -192,15 +192,22 @@ class Preparer:
             await index.abort()
             await errors.abort()
             raise
+        input_format = prepared.input_format or record.input_format
         changes = {
             "chunks": tuple(prepared.chunks),
             "total": prepared.total,
             "invalid_lines": prepared.invalid,
             "first_errors": merge_first_errors((), prepared.first_errors),
             "in_progress_time": now,
-            "input_format": prepared.input_format or record.input_format,
+            "input_format": input_format,
         }
-        if prepared.total and prepared.invalid / prepared.total > self._config.max_invalid_fraction:
+        if not prepared.total:
+            # As OpenAI's Batch API fails an empty file (`empty_file`): a batch of nothing is
+            # almost always the wrong file, and COMPLETED 0/0 would hide it.
+            named = input_format.value if input_format is not None else "input"
+            message = f"the {named} file holds no records"
+            return record.evolve(**changes, state=BatchState.FAILED, failure_message=message, end_time=now)
+        if prepared.invalid / prepared.total > self._config.max_invalid_fraction:
             message = (
                 f"{prepared.invalid} of {prepared.total} lines failed validation, over the allowed fraction "
                 f"{self._config.max_invalid_fraction:g} (batches.max_invalid_fraction); see the error file"
