@@ -82,7 +82,7 @@ pytest: $(STAMP) $(NODE_STAMP) $(SHELLS_STAMP)
 # (its services inherit the variable). About a minute and a half on 2 cores.
 NATS_FALLBACK_TESTS := tests/test_nats_requests.py tests/test_shared.py tests/test_gateway.py \
 	tests/test_gateway_lifecycle.py tests/test_retention.py tests/test_scheduler.py \
-	tests/test_scheduler_policies.py tests/test_crash.py
+	tests/test_scheduler_policies.py tests/test_crash.py tests/test_blob_ranges.py
 
 pytest-nats-fallback: $(STAMP) $(NODE_STAMP)
 	ASYNCINFER_NATS_FASTPATH=0 $(PY) -m pytest $(NATS_FALLBACK_TESTS)

@@ -62,7 +62,7 @@ from asyncinfer.nats import (
     NotFoundError,
     api,
 )
-from asyncinfer.nats.requests import js_publish
+from asyncinfer.nats.requests import direct_get, js_publish
 from asyncinfer.nats.streams import retry_transient, store_full
 from asyncinfer.v1 import tensor_pb2
 
@@ -73,6 +73,7 @@ PUBLISH_WINDOW = 8
 # A stored chunk's publish waits this long for its ack: nats-py's JetStream default, which the
 # chunks were published under before they went through the adapter (asyncinfer.nats.requests).
 CHUNK_PUBLISH_TIMEOUT_S = 5.0
+CHUNK_READ_TIMEOUT_S = 5.0  # a chunk's direct get, likewise
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -292,15 +293,16 @@ class BlobStore:
         sequence = 1
         while total < info.ref.size_bytes:
             try:
-                msg = await self._js.get_msg(self.stream, seq=sequence, subject=subject, next=True, direct=True)
+                _, found, data = await direct_get(
+                    self._js, self.stream, seq=sequence, next_by_subject=subject, timeout_s=CHUNK_READ_TIMEOUT_S
+                )
             except NotFoundError:
                 break
             except NATS_FAILURES as exc:
                 raise Unavailable(f"cannot read the object: {exc}") from exc
-            data = msg.data or b""
             digest.update(data)
             total += len(data)
-            sequence = (msg.seq or sequence) + 1
+            sequence = found + 1
             yield data
         if total != info.ref.size_bytes or digest.hexdigest() != info.ref.sha256:
             raise BlobCorrupt(f"the stored object {info.ref.ref!r} is incomplete or corrupt")
@@ -360,14 +362,14 @@ class BlobStore:
 
     async def _chunk_at(self, subject: str, sequence: int) -> bytes:
         try:
-            msg = await self._js.get_msg(self.stream, seq=sequence, direct=True)
+            found, _, data = await direct_get(self._js, self.stream, seq=sequence, timeout_s=CHUNK_READ_TIMEOUT_S)
         except NotFoundError:
             raise BlobCorrupt(f"a chunk of {subject!r} is gone (sequence {sequence})") from None
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the object: {exc}") from exc
-        if msg.subject != subject:
+        if found != subject:
             raise BlobCorrupt(f"sequence {sequence} is not a chunk of {subject!r}")
-        return msg.data or b""
+        return data
 
     # --- expiry -----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from asyncinfer.nats import (
     NatsTimeoutError,
     NoRespondersError,
     NoStreamResponseError,
+    NotFoundError,
     UnexpectedEOF,
     _fastpath,
     api,
@@ -274,6 +275,32 @@ async def bucket(nc: NatsClient) -> KvBucket:
     js = nc.jetstream()
     await js.create_key_value(bucket="records", history=1, direct=False)
     return await open_kv_bucket(js, "records")
+
+
+DIRECT_GET = both_paths("direct_get", _fastpath.direct_get, requests.public_direct_get)
+
+
+@DIRECT_GET
+async def test_a_direct_get_reads_a_message_by_sequence_or_the_next_on_a_subject(
+    nc: NatsClient, direct_get: Any
+) -> None:
+    """What BlobStore reads an object's chunks with: by sequence, or the first at or after one on a
+    subject; NotFoundError past the end, as nats-py's get_msg(direct=True) raises."""
+    js = nc.jetstream()
+    await js.add_stream(api.StreamConfig(name="DIRECT", subjects=["direct.>"], allow_direct=True))
+    for n, subject in enumerate(["direct.a", "direct.b", "direct.a"]):
+        await js.publish(subject, b"payload %d" % n)
+    assert await direct_get(js, "DIRECT", seq=2, timeout_s=5) == ("direct.b", 2, b"payload 1")
+    assert await direct_get(js, "DIRECT", seq=2, next_by_subject="direct.a", timeout_s=5) == (
+        "direct.a",
+        3,
+        b"payload 2",
+    )
+    with pytest.raises(NotFoundError):
+        await direct_get(js, "DIRECT", seq=4, timeout_s=5)
+    with pytest.raises(NotFoundError):
+        await direct_get(js, "DIRECT", seq=4, next_by_subject="direct.a", timeout_s=5)
+    assert pending_request_count(nc) == 0
 
 
 async def test_kv_reads_the_latest_write_and_nothing_after_a_delete_or_purge(bucket: KvBucket) -> None:

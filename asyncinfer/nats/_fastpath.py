@@ -19,6 +19,11 @@ A KV read (every dispatch and every GetJob reads a job record) is the same STREA
 that `KeyValue.get` sends, without its email.parser header parsing and dataclasses: the one
 header that matters, KV-Operation, is found by a byte scan.
 
+An object's chunk (`direct_get`, 8 to 32 reads per MB of a file batch's rows and results) is one
+such request, its JSON written by hand, without `get_msg`'s `RawStreamMsg`: reading 48 ranges of
+4 MiB of 128 KiB chunks cost the client 0.43-0.45 CPU-s against 0.45-0.48 (session 21, 2 cores);
+most of a read's cost is nats-py's reading and parsing of the bytes, which this does not touch.
+
 Same semantics as the public calls they replace: `nats.errors.TimeoutError` when no answer comes
 in time, `NoRespondersError` when nothing serves the subject (a stream without a leader), the
 JetStream API errors as nats-py raises them (`APIError.from_error`), `KeyWrongLastSequenceError`
@@ -373,6 +378,36 @@ def _sequence_or_error(answer: Msg | BaseException) -> int | Exception:
         return _stream_sequence(answer)
     except Exception as exc:
         return exc
+
+
+# A stored message's subject and sequence in a direct get's answer (nats-py's Header names).
+SUBJECT_HEADER = "Nats-Subject"
+SEQUENCE_HEADER = "Nats-Sequence"
+NOT_FOUND_STATUS = "404"
+
+
+async def direct_get(
+    js: JetStreamContext, stream: str, *, seq: int, next_by_subject: str = "", timeout_s: float
+) -> tuple[str, int, bytes]:
+    """The (subject, sequence, data) of `js.get_msg(stream, seq=seq, subject=next_by_subject,
+    next=bool(next_by_subject), direct=True)`, cheaper (see the module): one request on the fast
+    path, its JSON built by hand and nothing lifted into a RawStreamMsg. An object's chunks are
+    read this way, 8 to 32 per MB. `nats.js.errors.NotFoundError` where there is no such message,
+    the JetStream API error nats-py raises for any other status."""
+    context: Any = js
+    if next_by_subject:
+        payload = json.dumps({"seq": seq, "next_by_subj": next_by_subject}).encode()
+    else:
+        payload = b'{"seq":%d}' % seq
+    msg = await request(context._nc, f"{context._prefix}.DIRECT.GET.{stream}", payload, timeout_s=timeout_s)
+    headers = msg.headers or {}
+    if not msg.data:
+        status = headers.get(STATUS_HEADER)
+        if status == NOT_FOUND_STATUS:
+            raise nats.js.errors.NotFoundError
+        if status:
+            raise APIError.from_msg(msg)
+    return headers.get(SUBJECT_HEADER, ""), int(headers.get(SEQUENCE_HEADER) or seq), msg.data or b""
 
 
 async def kv_latest(

@@ -70,6 +70,17 @@ async def public_js_publish_many(
     return results
 
 
+async def public_direct_get(
+    js: JetStreamContext, stream: str, *, seq: int, next_by_subject: str = "", timeout_s: float
+) -> tuple[str, int, bytes]:
+    # The context's own timeout bounds it (nats-py's get_msg takes none).
+    if next_by_subject:
+        raw = await js.get_msg(stream, seq=seq, subject=next_by_subject, next=True, direct=True)
+    else:
+        raw = await js.get_msg(stream, seq=seq, direct=True)
+    return raw.subject or "", raw.seq or seq, raw.data or b""
+
+
 async def public_publish_all(nc: Client, messages: Sequence[tuple[str, bytes]]) -> None:
     for subject, payload in messages:
         await nc.publish(subject, payload)
@@ -83,6 +94,9 @@ js_publish = _fastpath.js_publish if FASTPATH_ENABLED else public_js_publish
 # `js_publish_many`: `js_publish` for a group of publishes, pipelined (all written before any answer
 # is awaited); each publish's sequence or error, in order.
 js_publish_many = _fastpath.js_publish_many if FASTPATH_ENABLED else public_js_publish_many
+# `direct_get`: (subject, sequence, data) of the stream's message at `seq`, or of the first at or
+# after it on `next_by_subject`, by a direct get; NotFoundError when there is none.
+direct_get = _fastpath.direct_get if FASTPATH_ENABLED else public_direct_get
 # `publish_all`: core NATS publishes (no reply, no headers) in one write; raises what `nc.publish`
 # raises for the first it refuses, after sending those before it.
 publish_all = _fastpath.publish_all if FASTPATH_ENABLED else public_publish_all
