@@ -121,8 +121,10 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
         value = _decoded(text)
         if not isinstance(value, dict):
             raise RecordInvalid("a line must be a JSON object")
-        raw_id = value.get("custom_id", "")
-        custom_id = raw_id if isinstance(raw_id, str) else str(raw_id)
+        raw_id = value.get("custom_id")
+        # Without one (absent, null or ""), the record's line: the output file, which holds only the
+        # records that succeeded, is joined to the input by custom_id.
+        custom_id = str(line) if raw_id is None or raw_id == "" else raw_id if isinstance(raw_id, str) else str(raw_id)
         if len(custom_id.encode()) > MAX_CUSTOM_ID_BYTES:
             custom_id = custom_id[:64]
             raise RecordInvalid(f"custom_id is over {MAX_CUSTOM_ID_BYTES} bytes")

@@ -204,6 +204,20 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "not a JSON line" in error("{nope")
 
 
+def test_a_record_without_a_custom_id_is_known_by_its_line() -> None:
+    """The output holds only the records that succeeded and is joined to the input by custom_id,
+    so a record that gives none (absent, null or "") gets its line number; a number is its text."""
+    for field, expected in (
+        ("", "7"),
+        (', "custom_id": null', "7"),
+        (', "custom_id": ""', "7"),
+        (', "custom_id": 42', "42"),
+    ):
+        parsed = parse_line(7, ('{"inputs": {"x": [[1, 2, 3, 4]]}' + field + "}").encode(), SIGNATURE)
+        assert not isinstance(parsed, ErrorLine)
+        assert parsed[0].custom_id == expected
+
+
 def test_a_change_of_shape_closes_the_chunk() -> None:
     builder = ChunkBuilder(TEXT, 10)
     parsed = [parse_line(i, json.dumps({"inputs": {"text": [f"t{i}"]}}).encode(), TEXT) for i in range(3)]
