@@ -6,6 +6,7 @@ records done) and downloads its output and error files."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import io
 import sys
@@ -19,6 +20,7 @@ from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
     EXIT_OK,
     ProgressBar,
+    UsageError,
     print_json,
     print_table,
     to_json,
@@ -158,6 +160,8 @@ async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, e
 
 async def create_command(args: argparse.Namespace, options: Options) -> int:
     labels = dict(label.split("=", 1) for label in args.label)
+    if not await asyncio.to_thread(args.file.is_file):
+        raise UsageError(f"no such file: {args.file}")
     size = args.file.stat().st_size
     async with options.client() as client:
         bar = ProgressBar("upload", size)
