@@ -116,11 +116,17 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
 
 
 async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path: Path) -> None:
-    """No traceback: a missing input is a usage error (2), a download to a folder that is not
-    there says so (6); neither needs a gateway to find out."""
+    """No traceback: a missing input or a label without '=' is a usage error (2), a download to a
+    folder that is not there says so (6); none needs a gateway to find out."""
     missing = tmp_path / "missing.jsonl"
     code, _, stderr = await cli("batch", "create", str(missing), "--model", "demo", "--gateway", "127.0.0.1:1")
     assert (code, stderr.strip()) == (2, f"asyncinfer: no such file: {missing}")
+    present = tmp_path / "records.jsonl"
+    present.write_bytes(jsonl(demo_records(1)))
+    code, _, stderr = await cli(
+        "batch", "create", str(present), "--model", "demo", "--label", "nightly", "--gateway", "127.0.0.1:1"
+    )  # fmt: skip
+    assert (code, stderr.strip()) == (2, "asyncinfer: --label must look like KEY=VALUE, got 'nightly'")
     out = tmp_path / "no-such-folder" / "results.jsonl"
     code, _, stderr = await cli(
         "batch", "download", "01a2488d-5587-770c-ba2e-e4d6ee785b4f", "--out", str(out), "--gateway", "127.0.0.1:1"

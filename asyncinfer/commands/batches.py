@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState
+from asyncinfer.commands.inputs import parse_key_values
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
@@ -47,7 +48,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
     create.add_argument("--window", type=float, metavar="SECONDS", help="completion window (default 24 h)")
     create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
-    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
     create.add_argument("--idempotency-key", default="", metavar="KEY", help="creating again with it runs nothing new")
     create.add_argument("--wait", action="store_true", help="follow the batch to its end")
     create.add_argument(
@@ -159,7 +160,7 @@ async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, e
 
 
 async def create_command(args: argparse.Namespace, options: Options) -> int:
-    labels = dict(label.split("=", 1) for label in args.label)
+    labels = parse_key_values(args.label, "--label")
     if not await asyncio.to_thread(args.file.is_file):
         raise UsageError(f"no such file: {args.file}")
     size = args.file.stat().st_size
