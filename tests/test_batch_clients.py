@@ -127,6 +127,11 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
         "batch", "create", str(present), "--model", "demo", "--label", "nightly", "--gateway", "127.0.0.1:1"
     )  # fmt: skip
     assert (code, stderr.strip()) == (2, "asyncinfer: --label must look like KEY=VALUE, got 'nightly'")
+    code, _, stderr = await cli(
+        "batch", "create", str(present), "--model", "demo", "--out", str(tmp_path / "o.jsonl"), "--gateway", "127.0.0.1:1"
+    )  # fmt: skip
+    assert code == 2, stderr
+    assert "add --wait" in stderr  # --out would never be written
     out = tmp_path / "no-such-folder" / "results.jsonl"
     code, _, stderr = await cli(
         "batch", "download", "01a2488d-5587-770c-ba2e-e4d6ee785b4f", "--out", str(out), "--gateway", "127.0.0.1:1"

@@ -49,7 +49,12 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--window", type=float, metavar="SECONDS", help="completion window (default 24 h)")
     create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
-    create.add_argument("--idempotency-key", default="", metavar="KEY", help="creating again with it runs nothing new")
+    create.add_argument(
+        "--idempotency-key",
+        default="",
+        metavar="KEY",
+        help="creating the same batch again with it runs nothing new (another file or settings under it: refused)",
+    )
     create.add_argument("--wait", action="store_true", help="follow the batch to its end")
     create.add_argument(
         "--out", type=Path, help="with --wait: write the output file here (a name ending .npz: the output as arrays)"
@@ -161,6 +166,8 @@ async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, e
 
 async def create_command(args: argparse.Namespace, options: Options) -> int:
     labels = parse_key_values(args.label, "--label")
+    if not args.wait and (args.out is not None or args.errors is not None):
+        raise UsageError("--out and --errors are written once the batch ends: add --wait, or use `batch download`")
     if not await asyncio.to_thread(args.file.is_file):
         raise UsageError(f"no such file: {args.file}")
     size = args.file.stat().st_size
