@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from asyncinfer.client import AsyncClient
+from asyncinfer.client.errors import FailedPreconditionError, NotFoundError
 from asyncinfer.config import Config
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
@@ -80,6 +82,15 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
         assert written == (tmp_path / "out.jsonl").stat().st_size
         assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 120
         assert (await client.get_batch(batch.batch_id)).labels == {"run": "nightly"}
+        # Refusals come as the SDK's errors, the streaming calls' as every other call's.
+        with pytest.raises(FailedPreconditionError, match="NPZ_OUTPUT_NEEDS_ARRAY_INPUT"):
+            await client.output_arrays(batch)  # a JSONL batch's output is JSONL
+        unknown = "01a2488d-5587-770c-ba2e-e4d6ee785b4f"
+        with pytest.raises(NotFoundError):
+            await client.download(unknown, tmp_path / "never.jsonl")
+        with pytest.raises(NotFoundError):
+            await client.wait_batch(unknown)
+        assert not (tmp_path / "never.jsonl").exists()
 
 
 async def test_the_output_of_an_array_batch_comes_back_as_arrays(

@@ -13,9 +13,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
 
+import grpc
 from google.protobuf import duration_pb2
 
 from asyncinfer.batches import BatchState
+from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
 if TYPE_CHECKING:
@@ -227,10 +229,9 @@ class BatchCalls:
                         yield last
                         if last.done:
                             return
-                except Exception as exc:  # grpc.aio.AioRpcError: UNAVAILABLE across a gateway restart
-                    code = getattr(exc, "code", lambda: None)()
-                    if code is None or code.name not in ("UNAVAILABLE", "INTERNAL"):
-                        raise
+                except grpc.RpcError as exc:  # UNAVAILABLE across a gateway restart: opened again
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                        raise from_rpc_error(exc) from exc
                     await asyncio.sleep(0.5)
 
     async def download(self, batch: Batch | str, file: str = "output") -> AsyncIterator[bytes]:
@@ -238,8 +239,11 @@ class BatchCalls:
         if file not in FILES:
             raise ValueError(f"file must be one of {sorted(FILES)}, not {file!r}")
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=_batch_id(batch), file=FILES[file])
-        async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata):
-            yield piece.chunk
+        try:
+            async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata):
+                yield piece.chunk
+        except grpc.RpcError as exc:  # the SDK's errors, as every other call raises them
+            raise from_rpc_error(exc) from exc
 
 
 async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str] | BinaryIO) -> int:
