@@ -12,9 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from asyncinfer.blob_meta import input_chunks_filter
 from asyncinfer.client import AsyncClient
 from asyncinfer.client.errors import FailedPreconditionError, NotFoundError
 from asyncinfer.config import Config
+from asyncinfer.nats.streams import count_messages
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
 
@@ -91,6 +93,30 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
         with pytest.raises(NotFoundError):
             await client.wait_batch(unknown)
         assert not (tmp_path / "never.jsonl").exists()
+
+
+async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, start_stack: StartStack) -> None:
+    """The SDK uploads the file, then creates the batch. A create that is refused (an unknown model)
+    deletes that upload, and one answered by an earlier batch under the same idempotency key
+    (which reads its own upload of the same file) deletes the new one: neither is left counting
+    against the tenant's stored uploads."""
+    stack = await start_stack(small_batches(config))
+    bucket = stack.config.nats.objects_bucket
+
+    async def stored_chunks() -> int:
+        return await count_messages(stack.nc, f"OBJ_{bucket}", input_chunks_filter(bucket, "default"), timeout_s=2.0)
+
+    data = jsonl(demo_records(50))
+    async with AsyncClient(stack.address) as client:
+        first = await client.wait_batch(await client.create_batch(data, "demo", idempotency_key="nightly"))
+        assert first.completed == 50
+        stored = await stored_chunks()  # its upload, and the files its run wrote beside it
+        again = await client.create_batch(data, "demo", idempotency_key="nightly")
+        assert (again.batch_id, again.deduplicated) == (first.batch_id, True)
+        assert await stored_chunks() == stored
+        with pytest.raises(NotFoundError, match="MODEL_NOT_FOUND"):
+            await client.create_batch(data, "no-such-model")
+        assert await stored_chunks() == stored
 
 
 async def test_the_output_of_an_array_batch_comes_back_as_arrays(

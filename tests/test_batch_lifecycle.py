@@ -124,6 +124,11 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     )
     assert first.batch.batch_id == second.batch.batch_id
     assert sorted([first.deduplicated, second.deduplicated]) == [False, True]
+    # A retry that uploaded the same file again (another ref, the same bytes): the same batch.
+    again = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(10))), idempotency_key="nightly-1")
+    )
+    assert (again.batch.batch_id, again.deduplicated) == (first.batch.batch_id, True)
     # The same key for another file, or other labels: refused, not quietly the first batch.
     another_file = await upload(stack.jobs, jsonl(demo_records(3)))
     for unlike, request in [

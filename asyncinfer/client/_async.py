@@ -840,7 +840,22 @@ class AsyncClient:
             np.savez(buffer, **arrays)
             data = buffer.getvalue()
         ref = await self.upload(data, timeout_s=upload_timeout_s)
-        return await self._batch_calls.create(ref.ref, model, **options)
+        try:
+            batch = await self._batch_calls.create(ref.ref, model, **options)
+        except AsyncInferClientError as refused:
+            # The upload was this call's own: a refused create (an unknown model, a bad option)
+            # would leave it counting against the tenant's stored uploads until its retention ends.
+            # (A create whose answer was lost may have made the batch: UNAVAILABLE and
+            # DEADLINE_EXCEEDED keep the upload, which that batch reads.)
+            if not isinstance(refused, UnavailableError | DeadlineExceededError):
+                with contextlib.suppress(AsyncInferClientError):
+                    await self.delete_input(ref)
+            raise
+        if batch.deduplicated and batch.input_ref != ref.ref:
+            # A retry under an idempotency key: the batch reads the first upload, not this one.
+            with contextlib.suppress(AsyncInferClientError):
+                await self.delete_input(ref)
+        return batch
 
     async def get_batch(self, batch: Batch | str) -> Batch:
         return await self._batch_calls.get(batch)

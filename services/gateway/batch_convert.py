@@ -40,19 +40,25 @@ _PRIORITY_TO_PROTO = {p: v for v, p in _PRIORITY_FROM_PROTO.items() if v != job_
 
 
 def fields_unlike(
-    request: batch_service_pb2.CreateBatchRequest, candidate: BatchRecord, first: BatchRecord
+    request: batch_service_pb2.CreateBatchRequest,
+    candidate: BatchRecord,
+    first: BatchRecord,
+    *,
+    same_input: bool | None = None,
 ) -> list[str]:
     """The fields in which a create that reuses an idempotency key asks for something other than
     the batch holding the key (`candidate`: the batch this create would have made). A field the
     create left to its default is compared only where the default cannot have changed since the
     first create (a model's default version or attempts can, by a hot update), and a format the
-    first create left to detection only once it was detected."""
+    first create left to detection only once it was detected. `same_input`: whether two different
+    refs hold the same content (a retry that uploaded the file again), as the caller found it;
+    None compares the refs."""
     unlike = []
     if candidate.model_name != first.model_name:
         unlike.append("model_name")
     if request.model_version and candidate.model_version != first.model_version:
         unlike.append("model_version")
-    if candidate.input_ref != first.input_ref:
+    if not (candidate.input_ref == first.input_ref if same_input is None else same_input):
         unlike.append("input_ref")
     if None not in (candidate.input_format, first.input_format) and candidate.input_format is not first.input_format:
         unlike.append("input_format")

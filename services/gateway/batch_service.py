@@ -92,7 +92,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             if holder != record.batch_id:
                 first = await self._first_of_key(tenant, holder)
                 if first is not None:
-                    return self._deduplicated(request, record, first)
+                    return await self._deduplicated(request, record, first)
                 # Claimed by a create whose gateway died before it wrote the batch: this one runs.
                 holder = await self._store.take_over(
                     tenant, record.idempotency_key, holder, record.batch_id, until=record.kept_until
@@ -101,18 +101,22 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     first = await self._first_of_key(tenant, holder)
                     if first is None:
                         raise batch_not_found(holder)
-                    return self._deduplicated(request, record, first)
+                    return await self._deduplicated(request, record, first)
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
 
-    def _deduplicated(
+    async def _deduplicated(
         self, request: batch_service_pb2.CreateBatchRequest, record: BatchRecord, first: BatchRecord
     ) -> batch_service_pb2.CreateBatchResponse:
         """The batch holding the key, for a create that asks for the same batch; ALREADY_EXISTS
         for one that asks for another (as SubmitJob answers a key reused with another request): a
-        retry must not quietly get a batch over another file."""
-        unlike = fields_unlike(request, record, first)
+        retry must not quietly get a batch over another file. A retry that uploaded the same file
+        again names another ref with the same content (SHA-256 and size): the same batch."""
+        same_input = None
+        if record.input_ref != first.input_ref:
+            same_input = await self._same_content(record.tenant, record.input_ref, first.input_ref)
+        unlike = fields_unlike(request, record, first, same_input=same_input)
         if unlike:
             raise AlreadyExists(
                 f"idempotency key {record.idempotency_key[:64]!r} was already used for batch {first.batch_id} "
@@ -121,6 +125,14 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 metadata={"batch_id": first.batch_id, "fields": ",".join(unlike)},
             )
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
+
+    async def _same_content(self, tenant: str, ref: str, other: str) -> bool:
+        """Whether two uploads hold the same bytes; False when the other one is gone."""
+        try:
+            mine, theirs = await self._blobs.info(tenant, ref), await self._blobs.info(tenant, other)
+        except NotFound:
+            return False
+        return (mine.ref.sha256, mine.ref.size_bytes) == (theirs.ref.sha256, theirs.ref.size_bytes)
 
     async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """The batch holding an idempotency key, waited for a moment: its create writes it just
