@@ -9,14 +9,16 @@ import json
 import sys
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from asyncinfer.blob_meta import input_chunks_filter
 from asyncinfer.client import AsyncClient
-from asyncinfer.client.errors import FailedPreconditionError, NotFoundError
+from asyncinfer.client.errors import DeadlineExceededError, FailedPreconditionError, NotFoundError
 from asyncinfer.config import Config
 from asyncinfer.nats.streams import count_messages
+from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
 
@@ -117,6 +119,27 @@ async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, star
         with pytest.raises(NotFoundError, match="MODEL_NOT_FOUND"):
             await client.create_batch(data, "no-such-model")
         assert await stored_chunks() == stored
+
+
+async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(config: Config, start_stack: StartStack) -> None:
+    """As a job's watch does: the batch carries on (here its model's queue is paused), the SDK
+    raises DeadlineExceededError and the CLI exits 5 saying so."""
+    stack = await start_stack(small_batches(config))
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="demo"))
+        async with AsyncClient(stack.address) as client:
+            batch = await client.create_batch(jsonl(demo_records(10)), "demo")
+            with pytest.raises(DeadlineExceededError):
+                await client.wait_batch(batch, timeout_s=0.5)
+            code, _, stderr = await cli(
+                "batch", "watch", batch.batch_id, "--timeout", "0.5", "--gateway", stack.address
+            )
+            assert code == 5, stderr
+            assert "DEADLINE_EXCEEDED" in stderr
+            assert "Traceback" not in stderr
+            await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
+            assert (await client.wait_batch(batch, timeout_s=60)).completed == 10
 
 
 async def test_the_output_of_an_array_batch_comes_back_as_arrays(

@@ -17,6 +17,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from asyncinfer.batches import BatchState
+from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from asyncinfer.v1.batch_service_pb2_grpc import BatchServiceAsyncStub
 
 T = TypeVar("T")
+RECONNECT_S = 0.5  # a watch broken by a gateway restart is opened again this much later
 Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
 
 _PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
@@ -215,24 +217,26 @@ class BatchCalls:
         return [batch_from_proto(b) for b in response.batches], response.next_page_token
 
     async def watch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
-        """The batch now, then each change, until it ends; a broken stream is opened again."""
+        """The batch now, then each change, until it ends; a broken stream is opened again.
+        DeadlineExceededError when `timeout_s` passes first (the batch carries on), as a job's
+        watch raises: the limit is each stream's gRPC deadline, not a cancel of the caller's task."""
         batch_id = _batch_id(batch)
-        async with asyncio.timeout(timeout_s):
-            while True:
-                last: Batch | None = None
-                try:
-                    call = self._stub.WatchBatch(
-                        batch_service_pb2.WatchBatchRequest(batch_id=batch_id), metadata=self._metadata
-                    )
-                    async for update in call:
-                        last = batch_from_proto(update.batch)
-                        yield last
-                        if last.done:
-                            return
-                except grpc.RpcError as exc:  # UNAVAILABLE across a gateway restart: opened again
-                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-                        raise from_rpc_error(exc) from exc
-                    await asyncio.sleep(0.5)
+        deadline = Deadline(timeout_s)
+        request = batch_service_pb2.WatchBatchRequest(batch_id=batch_id)
+        while True:
+            try:
+                call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
+                async for update in call:
+                    last = batch_from_proto(update.batch)
+                    yield last
+                    if last.done:
+                        return
+            except grpc.RpcError as exc:  # UNAVAILABLE across a gateway restart: opened again
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                    raise from_rpc_error(exc) from exc
+                if not deadline.allows_sleep(RECONNECT_S):
+                    raise deadline.exceeded(f"the watch of batch {batch_id}") from exc
+                await asyncio.sleep(RECONNECT_S)
 
     async def download(self, batch: Batch | str, file: str = "output") -> AsyncIterator[bytes]:
         """The batch's output (or error, or NPZ) file, in pieces."""

@@ -15,7 +15,14 @@ import sys
 from asyncinfer.client import AsyncInferClientError
 from asyncinfer.commands import batches, bulk, jobs, ops
 from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
-from asyncinfer.commands.output import EXIT_INTERRUPTED, EXIT_OTHER, EXIT_USAGE, UsageError, report_error
+from asyncinfer.commands.output import (
+    EXIT_INTERRUPTED,
+    EXIT_OTHER,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    UsageError,
+    report_error,
+)
 
 EXIT_CODES_HELP = (
     "exit codes: 0 ok, 1 a job ended other than SUCCEEDED, 2 usage error, 3 not found, 4 invalid argument, "
@@ -103,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except AsyncInferClientError as exc:
         return report_error(exc)
+    except TimeoutError:  # a wait bounded by --timeout (asyncio's; an OSError too, so first)
+        print("asyncinfer: timed out (--timeout)", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     except OSError as exc:  # a file it reads or writes (--out on a full disk, a folder not there)
         print(f"asyncinfer: {exc}", file=sys.stderr)
         return EXIT_OTHER
