@@ -5,6 +5,7 @@ pickle are refused before anything is uploaded."""
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -49,3 +50,18 @@ async def test_a_mapping_with_an_object_array_is_refused_before_any_upload() -> 
     async with AsyncClient("127.0.0.1:1") as client:
         with pytest.raises(ValueError, match="input 'text' is an array of Python objects"):
             await client.create_batch({"text": np.array(["a", 1], dtype=object)}, "demo")
+
+
+async def test_a_download_to_a_device_or_fifo_writes_into_it_and_leaves_it_one(tmp_path: Path) -> None:
+    """`--out /dev/null` must not replace /dev/null with a file: a path that is not a regular file
+    is written as it is, without a .part renamed over it (here a FIFO, read as it is written)."""
+    fifo = tmp_path / "results.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # so that the writer's open does not block
+    try:
+        assert await write_file(pieces(b"abc", b"def"), fifo) == 6
+        assert os.read(reader, 100) == b"abcdef"
+    finally:
+        os.close(reader)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["results.fifo"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -256,25 +257,47 @@ async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str
     A path is written whole or not at all: the pieces go to `<path>.part` beside it, renamed over
     the path once the last piece is in, and removed if the stream breaks (a gateway gone mid-way,
     an NPZ output refused at a chunk whose shape differs), so a file at the path is always a
-    complete one (curl's and wget's `.part` rule)."""
-    written = 0
-    if isinstance(target, str | os.PathLike):
-        path = Path(target)
-        part = path.with_name(path.name + ".part")
-        out = await asyncio.to_thread(part.open, "wb")
+    complete one (curl's and wget's `.part` rule). A path that is a device, a FIFO or a socket
+    (`/dev/null`, `/dev/stdout`) is written as it is: a file renamed over it would replace it."""
+    if not isinstance(target, str | os.PathLike):
+        return await _write_all(pieces, target, threaded=False)
+    path = Path(target)
+    if await asyncio.to_thread(_special, path):
+        out = await asyncio.to_thread(path.open, "wb")
         try:
-            try:
-                async for piece in pieces:
-                    await asyncio.to_thread(out.write, piece)
-                    written += len(piece)
-            finally:
-                await asyncio.to_thread(out.close)
-            await asyncio.to_thread(os.replace, part, path)
-        except BaseException:
-            await asyncio.to_thread(part.unlink, missing_ok=True)
-            raise
-        return written
+            return await _write_all(pieces, out)
+        finally:
+            await asyncio.to_thread(out.close)
+    part = path.with_name(path.name + ".part")
+    out = await asyncio.to_thread(part.open, "wb")
+    try:
+        try:
+            written = await _write_all(pieces, out)
+        finally:
+            await asyncio.to_thread(out.close)
+        await asyncio.to_thread(os.replace, part, path)
+    except BaseException:
+        await asyncio.to_thread(part.unlink, missing_ok=True)
+        raise
+    return written
+
+
+async def _write_all(pieces: AsyncIterator[bytes], out: BinaryIO, *, threaded: bool = True) -> int:
+    """Each piece written in order (a file's writes off the loop); the bytes written."""
+    written = 0
     async for piece in pieces:
-        target.write(piece)
+        if threaded:
+            await asyncio.to_thread(out.write, piece)
+        else:
+            out.write(piece)
         written += len(piece)
     return written
+
+
+def _special(path: Path) -> bool:
+    """Whether the path exists and is not a regular file (a device, a FIFO, a socket)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return False
+    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
