@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,6 +66,17 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     assert batch_id in printed
     code, printed, _ = await cli("batch", "download", batch_id, "--gateway", stack.address)
     assert [json.loads(line)["custom_id"] for line in printed.splitlines()] == [r["custom_id"] for r in records]
+    # Into a reader that is gone (`... | head -1`): quietly, with the SIGPIPE exit code.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        closed = await asyncio.create_subprocess_exec(
+            *CLI, "batch", "download", batch_id, "--gateway", stack.address, stdout=write_end, stderr=asyncio.subprocess.PIPE
+        )  # fmt: skip
+        _, err = await asyncio.wait_for(closed.communicate(), 90)
+    finally:
+        os.close(write_end)
+    assert (closed.returncode, err.decode()) == (141, "")
     again = tmp_path / "errors-again.jsonl"
     code, printed, stderr = await cli("batch", "download", batch_id, "--errors", str(again), "--gateway", stack.address)
     assert (code, printed) == (0, ""), stderr  # the error file alone: no output lines on stdout

@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except AsyncInferClientError as exc:
         return report_error(exc)
+    except BrokenPipeError:  # `asyncinfer batch download ID | head`: exit_quietly_on_broken_pipe's
+        raise
     except TimeoutError:  # a wait bounded by --timeout (asyncio's; an OSError too, so first)
         print("asyncinfer: timed out (--timeout)", file=sys.stderr)
         return EXIT_UNAVAILABLE
