@@ -107,6 +107,21 @@ def test_a_range_descriptor_round_trips_narrows_and_converts() -> None:
     assert np.array_equal(as_read.to_numpy(), rows.astype(np.float32))
 
 
+def test_a_range_of_text_rows_is_one_bytes_value_per_element() -> None:
+    """An NPY file of numpy text (<U) or bytes (S) for a BYTES input: its rows are fixed-width
+    characters, not BYTES' length-prefixed serialization, so each element becomes its value (text as
+    UTF-8), as a JSONL record's strings do."""
+    texts = np.array([["hello world"], ["é ✓"], ["a"]])  # shape (3, 1), <U11
+    for rows, expected in (
+        (texts, [[b"hello world"], ["é ✓".encode()], [b"a"]]),
+        (np.array([[b"ab"], [b"c"]]), [[b"ab"], [b"c"]]),
+    ):
+        ranged = RangedInputs("in/x", "ab" * 32, 128, 0, len(rows), (1,), rows.dtype.str, "text", "BYTES")
+        (tensor,) = ranged.tensors(rows.tobytes())
+        assert tensor.datatype == "BYTES"
+        assert tensor.to_numpy().tolist() == expected
+
+
 async def test_an_object_of_larger_chunks_reads_back_whole_and_by_range(nc: NatsClient, config: Config) -> None:
     # Results are stored in RESULT_CHUNK_BYTES chunks; readers take the size from the meta.
     store = await store_of(nc, config)
