@@ -138,6 +138,30 @@ async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: St
     assert len(await errors(stub, batch.batch_id)) == 5
 
 
+async def test_an_input_format_the_file_is_not_fails_the_batch_saying_what_it_is(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A declared input_format that the file's first bytes contradict: FAILED, naming both, rather
+    than every NPY byte failing as a JSONL line or numpy's own parse error."""
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    npy = io.BytesIO()
+    np.save(npy, np.ones((5, 4), dtype=np.float32))
+    cases = [
+        (npy.getvalue(), batch_service_pb2.BATCH_INPUT_FORMAT_JSONL, "input_format says JSONL, but the file is NPY"),
+        (
+            jsonl(demo_records(5)),
+            batch_service_pb2.BATCH_INPUT_FORMAT_NPY,
+            "input_format says NPY, but the file is not",
+        ),
+    ]
+    for data, declared, said in cases:
+        created = await stub.CreateBatch(create_request(await upload(stack.jobs, data), input_format=declared))
+        batch = await wait_ended(stub, created.batch.batch_id)
+        assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
+        assert batch.failure_message.startswith(said), batch.failure_message
+
+
 async def test_a_file_without_records_fails_the_batch(config: Config, start_stack: StartStack) -> None:
     """Blank lines only, or an array of no rows: FAILED, saying so (a batch of nothing is almost
     always the wrong file; OpenAI's Batch API fails it as `empty_file`)."""

@@ -112,6 +112,13 @@ class Prepared:
     input_format: InputFormat | None = None
 
 
+def _content(found: InputFormat) -> str:
+    """What a file is by its first bytes, for a refusal."""
+    if found is not InputFormat.JSONL:
+        return f"{found.value} (by its first bytes)"
+    return "not NPY or NPZ (it does not start with either's magic bytes): JSONL, or no array file"
+
+
 def _index_lines(entries: list[IndexEntry]) -> bytes:
     return "".join(json.dumps([e.line, e.custom_id]) + "\n" for e in entries).encode()
 
@@ -243,7 +250,14 @@ class Preparer:
         prepared = Prepared()
         chunks = self._store.chunks(record.tenant, record.input_ref)
         first = await anext(chunks, b"")
-        fmt = record.input_format or detect_format(first)
+        found = detect_format(first)
+        fmt = record.input_format or found
+        if fmt is not found:
+            # input_format says one thing, the file's first bytes another (an NPY or NPZ magic, or
+            # none where one is wanted; a JSONL line cannot start with either): say so, rather
+            # than fail every line as JSON or report numpy's parse error.
+            await chunks.aclose()
+            raise RecordInvalid(f"input_format says {fmt.value}, but the file is {_content(found)}")
         prepared.input_format = fmt
         layout = npy_layout(first, model.signature) if fmt is InputFormat.NPY else None
         if layout is not None:
