@@ -86,19 +86,12 @@ class RangedInputs:
         typed = typed_as(array, self.datatype)
         if typed is None:
             raise InvalidArgument(f"the file's {self.dtype} rows are not {self.datatype}", reason="INPUT_RANGE_DTYPE")
-        if self.datatype == "BYTES":
-            # Fixed-width text or bytes (numpy's <U and S): each element one BYTES value, text as
-            # UTF-8, as a JSONL record's strings are; the raw rows are no BYTES serialization.
-            values = np.vectorize(_as_bytes, otypes=[object])(typed)
-            return [Tensor.from_numpy(self.name, values, self.datatype)]
-        if typed is array and isinstance(data, bytes):
+        if typed is array and isinstance(data, bytes) and self.datatype != "BYTES":
             # Already the model's dtype (typed_as gave the array back): the bytes as they are, not copied again.
+            # Not for BYTES: fixed-width text or bytes rows (numpy's <U and S) are no BYTES
+            # serialization; from_numpy makes each element one value, text as UTF-8.
             return [Tensor(name=self.name, datatype=self.datatype, shape=typed.shape, data=data)]
         return [Tensor.from_numpy(self.name, typed, self.datatype)]
-
-
-def _as_bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def is_ranged(data: bytes | bytearray | memoryview) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from asyncinfer.batches import BatchRecord, BatchState
+from asyncinfer.blob_meta import BlobInfo
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
 from asyncinfer.errors import AlreadyExists, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
@@ -84,7 +85,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
     ) -> batch_service_pb2.CreateBatchResponse:
         tenant = self._tenant(context)
         record = batch_from_request(request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock())
-        await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
+        upload = await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
         if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
         if record.idempotency_key:
@@ -92,7 +93,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             if holder != record.batch_id:
                 first = await self._first_of_key(tenant, holder)
                 if first is not None:
-                    return await self._deduplicated(request, record, first)
+                    return await self._deduplicated(request, record, first, upload)
                 # Claimed by a create whose gateway died before it wrote the batch: this one runs.
                 holder = await self._store.take_over(
                     tenant, record.idempotency_key, holder, record.batch_id, until=record.kept_until
@@ -101,13 +102,13 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     first = await self._first_of_key(tenant, holder)
                     if first is None:
                         raise batch_not_found(holder)
-                    return await self._deduplicated(request, record, first)
+                    return await self._deduplicated(request, record, first, upload)
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
 
     async def _deduplicated(
-        self, request: batch_service_pb2.CreateBatchRequest, record: BatchRecord, first: BatchRecord
+        self, request: batch_service_pb2.CreateBatchRequest, record: BatchRecord, first: BatchRecord, upload: BlobInfo
     ) -> batch_service_pb2.CreateBatchResponse:
         """The batch holding the key, for a create that asks for the same batch; ALREADY_EXISTS
         for one that asks for another (as SubmitJob answers a key reused with another request): a
@@ -115,7 +116,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         again names another ref with the same content (SHA-256 and size): the same batch."""
         same_input = None
         if record.input_ref != first.input_ref:
-            same_input = await self._same_content(record.tenant, record.input_ref, first.input_ref)
+            same_input = await self._same_content(upload, first)
         unlike = fields_unlike(request, record, first, same_input=same_input)
         if unlike:
             raise AlreadyExists(
@@ -126,13 +127,14 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             )
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(first), deduplicated=True)
 
-    async def _same_content(self, tenant: str, ref: str, other: str) -> bool:
-        """Whether two uploads hold the same bytes; False when the other one is gone."""
+    async def _same_content(self, upload: BlobInfo, first: BatchRecord) -> bool:
+        """Whether this create's upload holds the bytes the first batch's does; False when that
+        one is gone."""
         try:
-            mine, theirs = await self._blobs.info(tenant, ref), await self._blobs.info(tenant, other)
+            theirs = await self._blobs.info(first.tenant, first.input_ref)
         except NotFound:
             return False
-        return (mine.ref.sha256, mine.ref.size_bytes) == (theirs.ref.sha256, theirs.ref.size_bytes)
+        return (upload.ref.sha256, upload.ref.size_bytes) == (theirs.ref.sha256, theirs.ref.size_bytes)
 
     async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
         """The batch holding an idempotency key, waited for a moment: its create writes it just
