@@ -82,12 +82,15 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):,.2f} ({min(values):,.2f}-{max(values):,.2f})"
 
 
-def markdown(rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], records: int, base: str) -> str:
+def markdown(
+    rows: dict[str, list[dict[str, Any]]], facts: dict[str, Any], records: int, base: str, warmup_rounds: int = 0
+) -> str:
     lines = [
         "# A/B: how the services run an MLP file batch (bench/system/batch_files_ab.py)",
         "",
-        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each, after uncounted "
-        f"warm-up rounds; base: {base}.",
+        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each"
+        + (f", after {warmup_rounds} uncounted warm-up round(s) of each" if warmup_rounds else "")
+        + f"; base: {base}.",
         f"Machine: {facts}",
         "",
         "| variant | rounds | records/s | / direct torch (default threads) | / direct torch (two streams of one thread) "
@@ -150,8 +153,10 @@ def main() -> None:
     rows = asyncio.run(run(args))
     facts = machine_facts()
     (RESULTS / f"{args.name}.json").write_text(json.dumps({"machine": facts, "rows": rows}, indent=2) + "\n")
-    Path(RESULTS / f"{args.name}.md").write_text(markdown(rows, facts, args.records, base_revision(args.base_tree)))
-    print(markdown(rows, facts, args.records, base_revision(args.base_tree)))
+    Path(RESULTS / f"{args.name}.md").write_text(
+        markdown(rows, facts, args.records, base_revision(args.base_tree), args.warmup_rounds)
+    )
+    print(markdown(rows, facts, args.records, base_revision(args.base_tree), args.warmup_rounds))
 
 
 if __name__ == "__main__":
