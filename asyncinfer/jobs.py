@@ -56,6 +56,13 @@ class Priority(enum.StrEnum):
 
 PRIORITIES_BY_RANK = (Priority.HIGH, Priority.NORMAL, Priority.LOW)
 
+# Labels the system sets on the jobs it makes: a batch's chunk jobs name their batch and their
+# record range. A caller's own label keys may not start with the prefix (INVALID_ARGUMENT), so a
+# user's job is never taken for a chunk, nor hidden from ListJobs as one.
+RESERVED_LABEL_PREFIX = "asyncinfer-"
+BATCH_LABEL = "asyncinfer-batch"
+CHUNK_LABEL = "asyncinfer-chunk"
+
 
 @dataclass(frozen=True, slots=True)
 class JobError:

@@ -17,7 +17,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import kv_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, JobState, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.tensors import Tensor
@@ -184,6 +184,54 @@ async def test_pages_of_large_results_stay_under_the_message_limit(config: Confi
         assert [job_id for page in pages for job_id in page] == sorted(ids, reverse=True)
         one = await stub.ListJobs(listing(1))
         assert [list(output.shape) for output in one.jobs[0].outputs] == [[1, 300_000]]  # outputs are listed
+
+
+async def test_a_batchs_chunk_jobs_are_listed_only_when_asked_for_by_its_label(
+    stub: JobStub, nc: NatsClient, config: Config
+) -> None:
+    # Thousands of a large file's chunk jobs would bury the caller's own jobs in `asyncinfer list`
+    # and the console; a batch's own tools ask for them by its label.
+    mine = await submit_many(stub, [submit_request() for _ in range(3)])
+    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    chunks = []
+    for start in range(0, 5 * 1024, 1024):
+        record = JobRecord(
+            job_id=new_job_id(),
+            tenant="default",
+            model_name="demo",
+            model_version="1",
+            state=JobState.SUCCEEDED,
+            priority=Priority.LOW,
+            create_time=time.time(),
+            update_time=time.time(),
+            max_attempts=3,
+            result_retention_s=3600.0,
+            labels={BATCH_LABEL: "the-batch", CHUNK_LABEL: f"{start}-{start + 1024}"},
+        )
+        await kv.create(record.key, encode_record(record))
+        chunks.append(record.job_id)
+
+    async def ids(**fields: Any) -> list[str]:
+        return [job_id for page in await list_all(stub, listing(2, **fields)) for job_id in page]
+
+    assert await ids() == sorted(mine, reverse=True)  # pages of 2 skip the newer chunks
+    assert await ids(states=[job_pb2.JOB_STATE_SUCCEEDED]) == []
+    assert await ids(labels={BATCH_LABEL: "the-batch"}) == sorted(chunks, reverse=True)
+    assert await ids(labels={BATCH_LABEL: "another-batch"}) == []
+
+
+async def test_label_keys_of_the_system_are_refused_on_submit(stub: JobStub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request(labels={BATCH_LABEL: "mine"}))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    field, description = violations_of(info.value)[1][0]
+    assert field == "labels['asyncinfer-batch']"
+    assert "reserved" in description
+    assert await ids_listed(stub) == []  # nothing was queued
+
+
+async def ids_listed(stub: JobStub) -> list[str]:
+    return [job.job_id for job in (await stub.ListJobs(listing())).jobs]
 
 
 async def test_deleted_records_are_not_listed(stub: JobStub, nc: NatsClient, config: Config) -> None:

@@ -170,7 +170,9 @@ class CreateBatchRequest(_message.Message):
         """The batch ends EXPIRED this long after it was created; unset means 24 h."""
 
     @_builtins.property
-    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Free-form labels, as a job's (keys starting with "asyncinfer-" are reserved)."""
+
     @_builtins.property
     def callback(self) -> _job_pb2.Callback:
         """A webhook for the batch's terminal event."""

@@ -125,7 +125,9 @@ class SubmitJobRequest(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Free-form labels (at most 16; keys and values at most 63 and 256 bytes)."""
+        """Free-form labels (at most 16; keys and values at most 63 and 256 bytes; keys starting with
+        "asyncinfer-" are reserved for the labels the system sets).
+        """
 
     @_builtins.property
     def wait(self) -> _duration_pb2.Duration:
@@ -744,7 +746,9 @@ class ListJobsRequest(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """Only jobs carrying all these labels."""
+        """Only jobs carrying all these labels. {"asyncinfer-batch": <batch ID>} lists that batch's
+        chunk jobs, which are left out otherwise.
+        """
 
     def __init__(
         self,

@@ -160,7 +160,8 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListJobs(self, request, context):
-        """The caller's own jobs, newest first, filtered and paged.
+        """The caller's own jobs, newest first, filtered and paged. A batch's chunk jobs (label
+        asyncinfer-batch) are listed only when the labels filter names asyncinfer-batch.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

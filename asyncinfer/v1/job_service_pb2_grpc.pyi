@@ -61,7 +61,9 @@ class JobServiceStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a queued or running job."""
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
-    """The caller's own jobs, newest first, filtered and paged."""
+    """The caller's own jobs, newest first, filtered and paged. A batch's chunk jobs (label
+    asyncinfer-batch) are listed only when the labels filter names asyncinfer-batch.
+    """
     UploadInput: _grpc.StreamUnaryMultiCallable[_job_service_pb2.UploadInputRequest, _job_service_pb2.UploadInputResponse]
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _grpc.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]
@@ -110,7 +112,9 @@ class JobServiceAsyncStub(JobServiceStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a queued or running job."""
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
-    """The caller's own jobs, newest first, filtered and paged."""
+    """The caller's own jobs, newest first, filtered and paged. A batch's chunk jobs (label
+    asyncinfer-batch) are listed only when the labels filter names asyncinfer-batch.
+    """
     UploadInput: _aio.StreamUnaryMultiCallable[_job_service_pb2.UploadInputRequest, _job_service_pb2.UploadInputResponse]  # type: ignore[assignment]
     """Streams a large input into the claim-check store; returns a reference for SubmitJob."""
     ReadResult: _aio.UnaryStreamMultiCallable[_job_service_pb2.ReadResultRequest, _job_service_pb2.ReadResultResponse]  # type: ignore[assignment]
@@ -204,7 +208,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _job_service_pb2.ListJobsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.ListJobsResponse, _abc.Awaitable[_job_service_pb2.ListJobsResponse]]:
-        """The caller's own jobs, newest first, filtered and paged."""
+        """The caller's own jobs, newest first, filtered and paged. A batch's chunk jobs (label
+        asyncinfer-batch) are listed only when the labels filter names asyncinfer-batch.
+        """
 
     @_abc_1.abstractmethod
     def UploadInput(

@@ -30,7 +30,7 @@ from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, Chu
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
 from services.gateway import transitions
@@ -325,7 +325,7 @@ class BatchDriver:
             execution_timeout_s=model.default_execution_timeout_s * parts,
             result_retention_s=record.kept_until - self._clock(),
             max_attempts=record.max_attempts or model.max_attempts,
-            labels={"asyncinfer-batch": record.batch_id, "asyncinfer-chunk": f"{chunk.start}-{chunk.end}"},
+            labels={BATCH_LABEL: record.batch_id, CHUNK_LABEL: f"{chunk.start}-{chunk.end}"},
         )
         await self._submitter.enqueue_prepared(request, model, tenant=record.tenant, job_id=job_id)
 

@@ -1,4 +1,5 @@
-"""ListJobs: the caller's own jobs, newest first, filtered by state, model and labels, paged.
+"""ListJobs: the caller's own jobs, newest first, filtered by state, model and labels, paged. A
+batch's chunk jobs are left out unless the labels filter names their batch label.
 
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
 newest first. A job still queued has no key yet: its work message is its record, so the tenant's
@@ -42,7 +43,7 @@ from asyncinfer.contract import kv_stream, kv_subject, kv_subject_prefix, tenant
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, JobState, job_key
+from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
@@ -72,6 +73,10 @@ class ListQuery:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def matches(self, record: JobRecord) -> bool:
+        # A batch's chunk jobs are its own business (thousands for a large file): listed only when
+        # the caller asks for a batch's, by its label, as the batch's own tests and tools do.
+        if BATCH_LABEL in record.labels and BATCH_LABEL not in self.labels:
+            return False
         if self.states and record.state not in self.states:
             return False
         if self.model_name and record.model_name != self.model_name:

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, Unimplemented
-from asyncinfer.jobs import BlobRef, CallbackSpec, Priority
+from asyncinfer.jobs import RESERVED_LABEL_PREFIX, BlobRef, CallbackSpec, Priority
 from asyncinfer.tensors import ModelSignature, Tensor, validate_inputs
 from services.gateway.model_catalog import ModelCatalog
 
@@ -71,6 +71,13 @@ def _label_violations(labels: Mapping[str, str]) -> list[FieldViolation]:
     for key, value in labels.items():
         if not key or len(key.encode()) > MAX_LABEL_KEY_BYTES:
             violations.append(FieldViolation(f"labels[{key[:64]!r}]", f"label keys are 1-{MAX_LABEL_KEY_BYTES} bytes"))
+        elif key.startswith(RESERVED_LABEL_PREFIX):
+            violations.append(
+                FieldViolation(
+                    f"labels[{key[:64]!r}]",
+                    f"label keys starting with {RESERVED_LABEL_PREFIX!r} are reserved for the labels the system sets",
+                )
+            )
         if len(value.encode()) > MAX_LABEL_VALUE_BYTES:
             violations.append(
                 FieldViolation(f"labels[{key[:64]!r}]", f"label values are at most {MAX_LABEL_VALUE_BYTES} bytes")
