@@ -53,6 +53,8 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     )  # fmt: skip
     assert code == 0, stderr
     assert "COMPLETED  100/101 done  1 failed" in printed
+    # stderr is a pipe here, where the progress bar is silent: the follow's lines say how it went.
+    assert "COMPLETED  100/101 done  1 failed" in stderr.splitlines()[-1]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
     assert [json.loads(line)["line"] for line in errors.read_text().splitlines()] == [101]

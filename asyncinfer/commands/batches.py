@@ -9,10 +9,13 @@ import argparse
 import asyncio
 import contextlib
 import io
+import math
 import sys
+import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TextIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState
 from asyncinfer.commands.inputs import parse_key_values
@@ -28,6 +31,7 @@ from asyncinfer.commands.output import (
 )
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
+PROGRESS_LINE_EVERY_S = 10.0
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
@@ -129,13 +133,36 @@ class _CountingReader(io.RawIOBase):
         return data
 
 
+class _ProgressLines:
+    """Where the bar would be silent (stderr is a log or a pipe, not a terminal): one timestamped
+    line per state change and at most one every PROGRESS_LINE_EVERY_S while it runs, so that a
+    long batch in a CI log shows it is alive."""
+
+    def __init__(self, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._clock = clock
+        self._state: BatchState | None = None
+        self._shown_at = -math.inf
+
+    def show(self, batch: Batch) -> None:
+        now = self._clock()
+        if batch.state == self._state and now - self._shown_at < PROGRESS_LINE_EVERY_S:
+            return
+        self._state, self._shown_at = batch.state, now
+        print(f"{datetime.now().strftime('%H:%M:%S')}  {batch_summary(batch)}", file=self._stream, flush=True)
+
+
 async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
     bar: ProgressBar | None = None
+    lines = None if sys.stderr.isatty() else _ProgressLines(sys.stderr)
     try:
         async for update in client.watch_batch(batch, timeout_s=options.timeout_s):
             batch = update
             if options.json:
                 print_json(to_json(update))
+                continue
+            if lines is not None:
+                lines.show(update)
                 continue
             if bar is None and update.total:
                 bar = ProgressBar("records", update.total)

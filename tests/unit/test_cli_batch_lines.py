@@ -1,0 +1,63 @@
+"""`batch watch` and `batch create --wait` where stderr is not a terminal (a CI log, a pipe): the
+progress bar is silent there, so the follow prints one line per state change and at most one
+every PROGRESS_LINE_EVERY_S while the batch runs."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from asyncinfer.client import Batch, BatchState
+from asyncinfer.commands.batches import PROGRESS_LINE_EVERY_S, _ProgressLines
+
+pytestmark = pytest.mark.unit
+
+
+def batch(state: BatchState, completed: int) -> Batch:
+    return Batch(
+        batch_id="b1",
+        state=state,
+        model_name="demo",
+        total=1000,
+        completed=completed,
+        failed=0,
+        records_per_second=0.0,
+        chunks_total=1,
+        chunks_done=0,
+        create_time=None,
+        expires_at=None,
+    )
+
+
+def test_a_line_per_state_change_and_at_most_one_per_interval_while_it_runs() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    lines = _ProgressLines(out, clock=lambda: now[0])
+    lines.show(batch(BatchState.VALIDATING, 0))
+    lines.show(batch(BatchState.IN_PROGRESS, 0))
+    for done in range(100, 1000, 100):  # updates every second: one line at the interval
+        now[0] += 1.0
+        lines.show(batch(BatchState.IN_PROGRESS, done))
+    now[0] += 0.5
+    lines.show(batch(BatchState.COMPLETED, 1000))  # a change is shown at once
+    shown = [line.split("  ", 1)[1] for line in out.getvalue().splitlines()]
+    assert PROGRESS_LINE_EVERY_S == 10.0
+    assert shown == [
+        "b1  VALIDATING  0/1000 done",
+        "b1  IN_PROGRESS  0/1000 done",
+        "b1  COMPLETED  1000/1000 done",
+    ]
+
+
+def test_a_running_batch_is_shown_again_once_the_interval_passes() -> None:
+    now = [0.0]
+    out = io.StringIO()
+    more = _ProgressLines(out, clock=lambda: now[0])
+    more.show(batch(BatchState.IN_PROGRESS, 0))
+    now[0] += PROGRESS_LINE_EVERY_S
+    more.show(batch(BatchState.IN_PROGRESS, 500))
+    assert [line.split("  ", 1)[1] for line in out.getvalue().splitlines()] == [
+        "b1  IN_PROGRESS  0/1000 done",
+        "b1  IN_PROGRESS  500/1000 done",
+    ]
