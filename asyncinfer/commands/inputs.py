@@ -213,14 +213,27 @@ def inputs_from_arguments(
         name, sep, text = item.partition("=")
         if not sep or not name:
             raise UsageError(f"--input must look like NAME=VALUE, NAME=@file.npy or NAME=@-, got {item!r}")
+        spec = signatures.spec(model, name)
+        datatype = per_input.get(name, every)
         arrays[name] = to_array(
             name,
-            read_value(text, f"--input {name}"),
-            spec=signatures.spec(model, name),
-            datatype=per_input.get(name, every),
+            _text_or_value(text, f"--input {name}", bytes_input=(datatype or (spec and spec.datatype)) == "BYTES"),
+            spec=spec,
+            datatype=datatype,
             shape=shape_by_input.get(name),
         )
     return arrays
+
+
+def _text_or_value(text: str, where: str, *, bytes_input: bool) -> Any:
+    """read_value's, except that for a text (BYTES) input a value that is not JSON is the text
+    itself: `-i text=hello` as well as `-i 'text="hello"'` or `-i 'text=["a", "b"]'`."""
+    if bytes_input and not text.startswith("@"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+    return read_value(text, where)
 
 
 def _shape(text: str, name: str) -> list[int]:
