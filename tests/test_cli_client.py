@@ -328,6 +328,8 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     assert summary["deduplicated"] == 0
     assert summary["invalid"] == len(not_json)
     assert summary["refused"] == len(refused)
+    assert summary["jobs_not_succeeded"] == 0
+    assert summary["not_succeeded"] == len(not_json) + len(refused)
     check_results(out, valid, not_json, refused)
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
 
@@ -348,7 +350,9 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     assert summary["succeeded"] == len(valid), summary
     code, stdout, err = await cli("bulk", str(source), "--model", "demo")
     assert code == 1, err
-    assert f"({len(not_json)} invalid, {len(refused)} refused), 0 pending" in stdout, stdout
+    assert (
+        f"({len(not_json)} invalid, {len(refused)} refused, 0 queued and ended unsuccessfully), 0 pending" in stdout
+    ), stdout
     assert "200 done before, 0 accepted before" in stdout, stdout
     check_results(out, valid, not_json, refused)
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)

@@ -221,7 +221,8 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
     else:
         print(
             f"{counts.lines} lines: {summary['succeeded']} succeeded, {summary['not_succeeded']} did not "
-            f"({summary['invalid']} invalid, {summary['refused']} refused), {summary['pending']} pending; "
+            f"({summary['invalid']} invalid, {summary['refused']} refused, {summary['jobs_not_succeeded']} queued "
+            f"and ended unsuccessfully), {summary['pending']} pending; "
             f"{counts.submitted} submitted now ({counts.deduplicated} already queued), "
             f"{counts.already_done} done before, {counts.accepted_before} accepted before. Results: {out}",
             flush=True,
@@ -247,6 +248,7 @@ def bulk_summary(out: Path, counts: Counts, journal: Journal) -> dict[str, Any]:
         "deduplicated": counts.deduplicated,
         "refused": outcomes.count(REFUSED),
         "invalid": outcomes.count(INVALID),
+        "jobs_not_succeeded": outcomes.count(NOT_SUCCEEDED),  # queued, then FAILED, CANCELED, ...
         "already_done": counts.already_done,
         "accepted_before": counts.accepted_before,
     }
