@@ -970,6 +970,55 @@ async def test_progress_reported_before_the_running_write_is_answered_is_relayed
     assert done.progress.message == "before the write"
 
 
+async def test_a_stale_notice_is_not_taken_for_a_redelivered_replay(
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A replay's notice is published after its message, so the replay may be dispatched (on a
+    read) before the notice comes; the notice then stayed, and the job's retry took it: an early
+    order for an attempt the write had moved past, run by the batcher and then refused, its
+    attempt refunded (seen under `up`: a replayed job ran 5 attempts of a budget of 4, the third
+    twice). A redelivery now reads the record, and only a submit's own message sends early."""
+    announced: Any = app.flow._queued_records
+    batcher = await batchers("b1")
+    job_id = await enqueue(nc, kv, legacy=True, max_attempts=2)  # its record in the bucket, as a replay's
+    key = job_key(TENANT, job_id)
+    queued = await read_record(js, job_id)
+    await until(lambda: noted(announced, key))
+    await batcher.grant(2)
+    first = await batcher.next_order()
+    assert (first.job_id, first.attempt) == (job_id, 1)
+    announced.put(key, queued.revision, encode_record(queued))  # the late notice: attempt 0, QUEUED
+    error = error_pb2.ErrorStatus(code=14, reason="MODEL_ERROR", message="CUDA hiccup", retriable=True)
+    await batcher.fail(first, error)
+    second = await batcher.next_order(timeout_s=5.0)
+    assert (second.job_id, second.attempt) == (job_id, 2)
+    await batcher.answer(second)
+    done = await wait_state(js, job_id, JobState.SUCCEEDED)
+    assert (done.attempt, done.max_attempts) == (2, 2)  # no attempt refunded for a refused early order
+    assert key not in announced
+
+
+async def test_an_order_goes_early_only_on_a_submits_own_record(
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A notice's record may be older than the bucket's on the first delivery too (a job replayed
+    again, whose earlier notice came late): the dispatch writes first and orders the attempt the
+    write made, instead of an early order the write refuses."""
+    announced: Any = app.flow._queued_records
+    batcher = await batchers("b1")
+    job_id = await enqueue(nc, kv, legacy=True, max_attempts=3)
+    key = job_key(TENANT, job_id)
+    await until(lambda: noted(announced, key))  # the notice's record: attempt 0
+    queued = await read_record(js, job_id)
+    await kv.update(key, encode_record(queued.evolve(attempt=1)), last=queued.revision)  # the bucket moved on
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt) == (job_id, 2)
+    await batcher.answer(order)
+    done = await wait_state(js, job_id, JobState.SUCCEEDED)
+    assert (done.attempt, done.max_attempts) == (2, 3)
+
+
 async def test_a_replays_notice_spares_the_read(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:

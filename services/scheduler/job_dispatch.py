@@ -137,8 +137,10 @@ class JobDispatch:
                 job_log.error("job_record_missing")
                 await quietly(msg.term())
             return record
+        # A notice is for its message's first delivery: one that came after the dispatch read the
+        # record (it is published after the message) is stale by the next delivery (a retry).
         record = self._queued_records.take(envelope.key)
-        if record is not None:
+        if record is not None and _first_delivery(msg):
             return record
         record = await self._store.recorded(envelope.key)
         for pause_s in RECORD_WAITS_S:
@@ -250,7 +252,10 @@ class JobDispatch:
         self, record: JobRecord, expected: JobRecord, envelope: WorkEnvelope, session: BatcherSession
     ) -> bool:
         return (
-            record.state == JobState.QUEUED
+            # The record a submit's message carries is the job's on its first delivery; one from a
+            # notice may be older than the bucket's, and the order would be for a spent attempt.
+            envelope.is_record
+            and record.state == JobState.QUEUED
             and expected.state == JobState.RUNNING
             # A claim-checked input is read here after the write, unless the batcher reads it.
             and (envelope.input_ref is None or self._batcher_reads(session))

@@ -1,8 +1,11 @@
 """The records that queued notices carried (asyncinfer.queued_notice), kept until a dispatch takes
 them, so the dispatch need not read the record back.
 
-A record taken here may be stale (the job was cancelled since): the RUNNING write is a
-compare-and-set on the notice's revision, which then fails and reads the record afresh."""
+A record taken here may be stale (the job was cancelled since, or the notice came after its
+dispatch had read the record): the RUNNING write is a compare-and-set on the notice's revision,
+which then fails and reads the record afresh, and no order goes out before that write
+(job_dispatch.py sends early only on a submit's own message). A notice is taken on its message's
+first delivery only."""
 
 from __future__ import annotations
 
