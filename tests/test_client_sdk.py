@@ -170,6 +170,9 @@ async def test_errors_are_typed_with_reasons_and_violations(stack: Stack) -> Non
         assert invalid.value.code is grpc.StatusCode.INVALID_ARGUMENT
         assert invalid.value.violations, "field violations from google.rpc.BadRequest"
         assert any(v.field.startswith("inputs[0]") for v in invalid.value.violations)
+        # The reason is left out where it only repeats the code, as the CLI prints it.
+        assert str(invalid.value).startswith("INVALID_ARGUMENT: invalid request: inputs[0].shape")
+        assert str(not_found.value).startswith("NOT_FOUND MODEL_NOT_FOUND: unknown model")
 
         with pytest.raises(NotFoundError) as unknown_job:
             await client.get("0190b8e4-7c1a-7d3e-8f00-000000000000")

@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 
+def code_and_reason(code: str, reason: str) -> str:
+    """`CODE REASON`, or the code alone where the reason only repeats it (INVALID_ARGUMENT's) or is empty."""
+    return code if reason in ("", code) else f"{code} {reason}"
+
+
 class AsyncInferClientError(Exception):
     """Root of every error the SDK raises."""
 
@@ -56,7 +61,7 @@ class AsyncInferClientError(Exception):
         self.metadata: dict[str, str] = dict(metadata or {})
 
     def __str__(self) -> str:
-        text = f"{self.code.name} {self.reason}: {self.message}"
+        text = f"{code_and_reason(self.code.name, self.reason)}: {self.message}"
         if self.violations:
             text += "".join(f"\n  {v.field}: {v.description}" for v in self.violations)
         return text

@@ -21,13 +21,12 @@ import msgspec
 from grpc import aio
 
 from asyncinfer.access import bearer_metadata
-from asyncinfer.client.errors import from_rpc_error
+from asyncinfer.client.errors import code_and_reason, from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_OK,
     UsageError,
-    code_and_reason,
     console,
     print_json,
     print_table,

@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 
 from asyncinfer.client import AsyncInferClientError, Job, JobError
+from asyncinfer.client.errors import code_and_reason
 from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import datatype_of
 
@@ -71,11 +72,6 @@ class UsageError(Exception):
 
 def exit_code_for(code: grpc.StatusCode) -> int:
     return _EXIT_BY_CODE.get(code, EXIT_OTHER)
-
-
-def code_and_reason(code: str, reason: str) -> str:
-    """`CODE REASON`, or the code alone where the reason only repeats it (INVALID_ARGUMENT's) or is empty."""
-    return code if reason in ("", code) else f"{code} {reason}"
 
 
 def report_error(error: AsyncInferClientError, stream: TextIO | None = None) -> int:
