@@ -169,6 +169,12 @@ class ModelSignature:
     outputs: tuple[TensorSpec, ...]
 
 
+def _lacks_batch_dimension(got: Sequence[int], want: Sequence[int]) -> bool:
+    """Whether a shape is the signature's without its first (batch) dimension: one item sent
+    without the dimension that counts items, the commonest shape mistake."""
+    return len(got) == len(want) - 1 and all(w == -1 or g == w for g, w in zip(got, want[1:], strict=True))
+
+
 def validate_inputs(
     tensors: Sequence[Tensor],
     signature: ModelSignature,
@@ -204,12 +210,11 @@ def validate_inputs(
         if len(tensor.shape) != len(spec.shape) or any(
             want != -1 and got != want for got, want in zip(tensor.shape, spec.shape, strict=False)
         ):
-            violations.append(
-                FieldViolation(
-                    f"{path}.shape",
-                    f"input {spec.name!r} must have shape {list(spec.shape)} (-1: any), got {list(tensor.shape)}",
-                )
-            )
+            message = f"input {spec.name!r} must have shape {list(spec.shape)} (-1: any), got {list(tensor.shape)}"
+            if _lacks_batch_dimension(tensor.shape, spec.shape):
+                one = [1, *tensor.shape]
+                message += f": the first dimension counts the items; one item is shape {one}"
+            violations.append(FieldViolation(f"{path}.shape", message))
             continue
         size_violations = check_data_size(tensor, path)
         violations.extend(size_violations)

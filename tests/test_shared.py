@@ -96,6 +96,10 @@ def test_invalid_tensors_name_the_field() -> None:
     assert fields == ["inputs[0].contents.int64_contents", "inputs[1].datatype"]
 
 
+def good_m() -> Tensor:
+    return Tensor.from_numpy("m", np.zeros(2, np.int64))
+
+
 @pytest.mark.unit
 def test_validate_inputs_reports_each_problem() -> None:
     signature = ModelSignature(
@@ -115,6 +119,16 @@ def test_validate_inputs_reports_each_problem() -> None:
     problems = validate_inputs([too_big, wrong_shape], signature, max_batch_size=8)
     assert any("max_batch_size 8" in v.description for v in problems)
     assert any(v.field == "inputs[1].shape" for v in problems)
+    # One item without its batch dimension (the SDK's and grpcurl's commonest mistake) is named.
+    (lacking,) = validate_inputs(
+        [Tensor.from_numpy("x", np.zeros(4, np.float32)), good_m()], signature, max_batch_size=8
+    )
+    assert lacking.description == (
+        "input 'x' must have shape [-1, 4] (-1: any), got [4]: the first dimension counts the items; "
+        "one item is shape [1, 4]"
+    )
+    (other,) = validate_inputs([Tensor.from_numpy("x", np.zeros(5, np.float32)), good_m()], signature, max_batch_size=8)
+    assert other.description == "input 'x' must have shape [-1, 4] (-1: any), got [5]"
 
 
 @pytest.mark.unit
