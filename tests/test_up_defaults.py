@@ -47,3 +47,15 @@ def test_defaults_are_decided_on_the_file_as_written_after_dev_tls(tmp_path: Pat
     assert FLAKY_MODEL.name in {model.name for model in upped.models}
     assert upped.batcher.claim_check_io
     assert upped.gateway.tls_cert_file == str(tls.cert_file)
+
+
+def test_up_on_loopback_lets_webhooks_reach_a_receiver_on_this_machine(tmp_path: Path) -> None:
+    config = load_config_file(tmp_path)
+    assert config.webhooks.allowed_networks == ()  # elsewhere loopback URLs are refused
+    assert with_up_defaults(config).webhooks.allowed_networks == ("127.0.0.0/8", "::1/128")
+    chosen = load_config_file(tmp_path, '[webhooks]\nallowed_networks = ["10.0.0.0/8"]\n')
+    assert with_up_defaults(chosen).webhooks.allowed_networks == ("10.0.0.0/8",)
+    keyed = load_config_file(
+        tmp_path, '[[gateway.api_keys]]\nsha256 = "' + "a" * 64 + '"\nname = "k"\ntenant = "acme"\n'
+    )
+    assert with_up_defaults(keyed).webhooks.allowed_networks == ()  # callers are not all on this machine

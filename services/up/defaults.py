@@ -7,6 +7,9 @@ from pathlib import Path
 
 from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config
 
+# Where a receiver on this machine listens: what `up` on loopback lets webhooks reach.
+LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
+
 
 def dev_secret_file(config: Config) -> Path:
     """Where `up` keeps the webhook secret it generated: beside the JetStream store."""
@@ -27,6 +30,10 @@ def with_up_defaults(config: Config) -> Config:
       kept in `dev_secret_file` (mode 0600), so that it stays the same across restarts and a
       receiver can verify with it; the banner prints it. With API keys, secrets are the
       operator's to configure;
+    - webhooks to loopback (a receiver on this machine), under the same condition (no API keys,
+      so the gateway is on loopback and every caller is already on this machine) and unless the
+      file sets `webhooks.allowed_networks`: anywhere else a loopback URL is refused, which left
+      the generated secret nothing to verify on a laptop;
     - with API keys, a key of role batcher for its own batcher (`with_own_batcher_key`);
     - its batcher moving claim-checked bytes itself (`batcher.claim_check_io`), unless the file
       says otherwise: off by default elsewhere because it gives a batcher NATS credentials, but
@@ -55,6 +62,8 @@ def with_up_defaults(config: Config) -> Config:
             path.write_text(secret + "\n")
         secrets = [entry.model_dump() for entry in config.webhooks.secrets]
         config = config.replace(webhooks={"secrets": [*secrets, {"tenant": tenant, "secret": secret}]})
+    if not config.gateway.api_keys and "allowed_networks" not in config.webhooks.model_fields_set:
+        config = config.replace(webhooks={"allowed_networks": list(LOOPBACK_NETWORKS)})
     return config
 
 
