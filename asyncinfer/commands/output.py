@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import grpc
 import numpy as np
 
-from asyncinfer.client import AsyncInferClientError, Job, JobError
+from asyncinfer.client import AsyncInferClientError, CallbackDelivery, Job, JobError
 from asyncinfer.client.errors import code_and_reason
 from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import datatype_of
@@ -233,10 +233,25 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
         lines.append(f"last error  {code_and_reason(last.code.name, last.reason)}: {last.message}")
     if job.result_ref is not None:
         lines.append(f"result      {job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")
+    if job.callback is not None:
+        lines.append(f"callback    {job.callback.url}")
+        lines += [f"  webhook   {_delivery(d)}" for d in job.callback_deliveries]
     for name, array in (outputs if outputs is not None else job.outputs).items():
         body = np.array2string(array, threshold=64, separator=", ")
         lines.append(f"output      {name} {array_json(array)['datatype']} {list(array.shape)}: {body}")
     return "\n".join(lines)
+
+
+def _delivery(delivery: CallbackDelivery) -> str:
+    """`COMPLETED DELIVERED (HTTP 200, 1 attempt)`; a failing one says why and when it tries next."""
+    event = delivery.event.value if delivery.event else "?"
+    state = delivery.state.value if delivery.state else "?"
+    attempts = f"{delivery.attempts} attempt{'s' if delivery.attempts != 1 else ''}"
+    outcome = delivery.last_error or (f"HTTP {delivery.last_status_code}" if delivery.last_status_code else "")
+    details = [outcome, attempts] if outcome else [attempts]
+    if delivery.next_attempt_time is not None:
+        details.append(f"next {_time(delivery.next_attempt_time)}")
+    return f"{event} {state} ({', '.join(details)})"
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:

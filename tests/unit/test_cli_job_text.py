@@ -1,0 +1,66 @@
+"""`asyncinfer get JOB_ID` as text: a job with a callback shows its URL and each delivery (event,
+state, HTTP status, attempts, and for a failing one its error and next try), which only --json
+showed before."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from asyncinfer.client import (
+    Callback,
+    CallbackDelivery,
+    CallbackDeliveryState,
+    CallbackEvent,
+    Job,
+    JobState,
+    Priority,
+)
+from asyncinfer.commands.output import job_text
+
+pytestmark = pytest.mark.unit
+
+
+def delivery(state: CallbackDeliveryState, **fields: object) -> CallbackDelivery:
+    values: dict[str, object] = {
+        "webhook_id": "msg_1",
+        "event": CallbackEvent.COMPLETED,
+        "state": state,
+        "attempts": 1,
+        "last_attempt_time": None,
+        "last_status_code": 0,
+        "last_error": "",
+        "next_attempt_time": None,
+        **fields,
+    }
+    return CallbackDelivery(**values)  # type: ignore[arg-type]
+
+
+def test_a_jobs_callback_and_its_deliveries_are_shown() -> None:
+    job = Job(
+        job_id="j1",
+        model_name="demo",
+        model_version="1",
+        state=JobState.SUCCEEDED,
+        priority=Priority.NORMAL,
+        attempt=1,
+        max_attempts=3,
+        revision=7,
+        callback=Callback("http://127.0.0.1:8765/hook"),
+        callback_deliveries=(
+            delivery(CallbackDeliveryState.DELIVERED, last_status_code=200),
+            delivery(
+                CallbackDeliveryState.PENDING,
+                event=CallbackEvent.RUNNING,
+                attempts=2,
+                last_status_code=503,
+                last_error="HTTP 503",
+                next_attempt_time=datetime(2026, 12, 6, 1, 40, tzinfo=UTC),
+            ),
+        ),
+    )
+    lines = job_text(job).splitlines()
+    at = lines.index("callback    http://127.0.0.1:8765/hook")
+    assert lines[at + 1] == "  webhook   COMPLETED DELIVERED (HTTP 200, 1 attempt)"
+    assert lines[at + 2].startswith("  webhook   RUNNING PENDING (HTTP 503, 2 attempts, next 2026-12-06T01:40")
