@@ -29,6 +29,7 @@ from asyncinfer.client import (
     JobRequest,
     JobState,
     ModelInfo,
+    ModelVersion,
     NotFoundError,
     Priority,
     RetryPolicy,
@@ -388,6 +389,16 @@ async def test_models_describe_what_the_gateway_serves(idle_stack: Stack) -> Non
         default_max_attempts=demo.max_attempts,
         max_attempts_limit=demo.max_attempts_limit,
         default_execution_timeout_s=demo.default_execution_timeout_s,
+        versions=(
+            ModelVersion(
+                version=demo.version,
+                state="UNAVAILABLE",  # this stack has no batcher
+                reason="no batcher serves it",
+                inputs=demo.signature.inputs,
+                outputs=demo.signature.outputs,
+                max_batch_size=demo.max_batch_size,
+            ),
+        ),
     )
     assert models[0].input("x") == TensorSpec("x", "FP32", (-1, 4))
     assert models[0].input("nope") is None

@@ -8,6 +8,9 @@ The demo model's version 2 computes y = 3x + 1 (version 1: 2x + 1), so outputs s
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +76,34 @@ async def test_versions_side_by_side_pinned_and_default(config: Config, start_st
         with pytest.raises(NotFoundError) as info:
             await client.submit("demo", {"x": X}, model_version="7")
         assert info.value.reason == "MODEL_VERSION_NOT_FOUND"
+
+
+async def test_the_cli_pins_a_version_and_lists_every_version(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(with_models(config, demo()))
+
+    async def cli(*args: str) -> tuple[int, str, str]:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "asyncinfer", *args, "--gateway", stack.address,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode is not None
+        return process.returncode, out.decode(), err.decode()
+
+    for version in ("1", "2"):
+        code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", "--version", version, "--wait", "--json")
+        assert code == 0, err
+        job = json.loads(out)
+        assert job["model_version"] == version
+        np.testing.assert_allclose(job["outputs"]["y"]["data"], EXPECTED[version])
+    code, out, err = await cli("models")
+    assert code == 0, err
+    header, row = out.splitlines()
+    assert header.split()[:3] == ["MODEL", "DEFAULT", "VERSIONS"]
+    assert row.split()[:4] == ["demo", "2", "1,", "2"]  # the default, then every version served
+    code, out, err = await cli("models", "--json")
+    (model,) = json.loads(out)
+    assert [(v["version"], v["state"]) for v in model["versions"]] == [("1", "READY"), ("2", "READY")]
 
 
 async def test_configured_default_version(config: Config, start_stack: StartStack) -> None:

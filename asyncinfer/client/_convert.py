@@ -27,6 +27,7 @@ from asyncinfer.client.types import (
     JobProgress,
     JobRequest,
     ModelInfo,
+    ModelVersion,
     QueuePosition,
     WaitingReason,
 )
@@ -248,6 +249,18 @@ def models_from_proto(message: job_service_pb2.ListModelsResponse) -> list[Model
             default_max_attempts=m.default_max_attempts,
             max_attempts_limit=m.max_attempts_limit,
             default_execution_timeout_s=_seconds(m, "default_execution_timeout"),
+            versions=tuple(
+                ModelVersion(
+                    version=v.version,
+                    state=job_service_pb2.ModelVersionState.Name(v.state).removeprefix("MODEL_VERSION_STATE_"),
+                    reason=v.reason,
+                    batchers=tuple(v.batchers),
+                    inputs=specs(v.inputs),
+                    outputs=specs(v.outputs),
+                    max_batch_size=v.max_batch_size,
+                )
+                for v in m.versions
+            ),
         )
         for m in message.models
     ]

@@ -227,9 +227,25 @@ class BulkResult:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelVersion:
+    """One version of a model: LOADING (a batcher warms it up), READY (served), UNAVAILABLE
+    (declared or registered, served by no batcher now: `reason`; jobs pinned to it wait)."""
+
+    version: str
+    state: str
+    reason: str = ""
+    batchers: tuple[str, ...] = ()
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    max_batch_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """A model the gateway accepts jobs for (`AsyncClient.models`). Shapes are full, batch
-    dimension first, -1 for any size; `max_batch_size` bounds the rows of one job's inputs."""
+    dimension first, -1 for any size; `max_batch_size` bounds the rows of one job's inputs.
+    The fields describe `version`, the one a job that names none runs on now; `versions` lists
+    every version (a job pins one with `model_version`)."""
 
     name: str
     version: str
@@ -239,6 +255,7 @@ class ModelInfo:
     default_max_attempts: int
     max_attempts_limit: int
     default_execution_timeout_s: float | None
+    versions: tuple[ModelVersion, ...] = ()
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)

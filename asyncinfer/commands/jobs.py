@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority, TensorSpec
+from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, ModelInfo, Priority, TensorSpec
 from asyncinfer.commands.inputs import (
     Signatures,
     inputs_from_arguments,
@@ -56,6 +56,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "--datatype", action="append", default=[], metavar="[NAME=]TYPE", help="datatype of an input (FP32, ...)"
     )
     submit.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2", help="reshape an input")
+    submit.add_argument(
+        "--version", default="", metavar="V", help="run on this model version (default: the model's default)"
+    )
     submit.add_argument("--priority", choices=[p.value for p in Priority], type=str.upper)
     submit.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
     submit.add_argument("--idempotency-key", default="", metavar="KEY", help="resubmitting with it queues nothing new")
@@ -134,6 +137,7 @@ def build_request(args: argparse.Namespace, signatures: Signatures) -> JobReques
     if args.priority:
         changes["priority"] = Priority(args.priority)
     for flag, field in (
+        ("version", "model_version"),
         ("idempotency_key", "idempotency_key"),
         ("queue_ttl", "queue_ttl_s"),
         ("execution_timeout", "execution_timeout_s"),
@@ -318,6 +322,14 @@ def _specs(specs: tuple[TensorSpec, ...]) -> str:
     return ", ".join(f"{s.name} {s.datatype}[{','.join(str(d) for d in s.shape)}]" for s in specs)
 
 
+def _versions(model: ModelInfo) -> str:
+    """Every version, those not READY with their state: `1, 2, 3 (loading)`. The columns after it
+    describe the default version; `--json` has each version's own."""
+    if not model.versions:
+        return model.version
+    return ", ".join(v.version if v.state == "READY" else f"{v.version} ({v.state.lower()})" for v in model.versions)
+
+
 async def models_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
         models = await client.models()
@@ -325,8 +337,16 @@ async def models_command(args: argparse.Namespace, options: Options) -> int:
         print_json([dataclasses.asdict(model) for model in models])
         return EXIT_OK
     rows = [
-        [m.name, m.version, _specs(m.inputs), _specs(m.outputs), str(m.max_batch_size), str(m.default_max_attempts)]
+        [
+            m.name,
+            m.version,
+            _versions(m),
+            _specs(m.inputs),
+            _specs(m.outputs),
+            str(m.max_batch_size),
+            str(m.default_max_attempts),
+        ]
         for m in models
     ]
-    print_table(["MODEL", "VERSION", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows)
+    print_table(["MODEL", "DEFAULT", "VERSIONS", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows)
     return EXIT_OK
