@@ -7,6 +7,7 @@ and minilm-l6-doc's windows and pooled embedding match transformers run on the s
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,6 +124,25 @@ async def test_a_watcher_sees_a_few_progress_messages_in_order_before_the_end(
     # Nothing per step in the bucket: its RUNNING write and its terminal one.
     await stack.nc.flush()
     assert writes.of(config.nats.jobs_bucket, job.job_id) == 2
+
+
+async def test_the_clis_watch_stamps_each_progress_line_when_heard(config: Config, start_stack: StartStack) -> None:
+    """`asyncinfer watch` on a pipe prints a line per change: a progress report (the record
+    unchanged) is stamped when it came, not with the record's RUNNING write as every one was."""
+    stack = await start_stack(progress_config(config))
+    job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncinfer", "watch", job.job_id, "--gateway", stack.address,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 0, err.decode()
+    lines = [line for line in out.decode().splitlines() if "  RUNNING  " in line]
+    stamps = [line.split()[0] for line in lines]
+    assert len(lines) >= 3, lines  # RUNNING, then its progress
+    assert "step" in lines[-1], lines
+    assert stamps == sorted(stamps)
+    assert len(set(stamps)) >= 3, stamps  # the model runs ~1 s, reporting every 150 ms
 
 
 async def test_items_of_one_batch_report_independently(config: Config, start_stack: StartStack) -> None:

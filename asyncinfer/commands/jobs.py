@@ -10,6 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -243,13 +244,16 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
         try:
             async with contextlib.aclosing(client.watch(args.job_id, timeout_s=options.timeout_s)) as updates:
                 async for update in updates:
-                    last = update
+                    previous, last = last, update
                     if options.json:
                         print_json(job_json(update))
                     elif live is not None:
                         show_live()
                     else:
-                        stamp = update.update_time or update.create_time
+                        # A progress report comes with the record unchanged (its revision): it is
+                        # stamped when heard, not with the record's last write.
+                        progress = previous is not None and previous.revision == update.revision
+                        stamp = datetime.now(UTC) if progress else (update.update_time or update.create_time)
                         prefix = stamp.astimezone().strftime("%H:%M:%S.%f")[:-3] + "  " if stamp else ""
                         print(prefix + job_summary(update), flush=True)
         finally:
