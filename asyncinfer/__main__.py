@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import asyncinfer.grpc_logging  # noqa: F401  (before grpc is imported: see the module)
 from asyncinfer.cli import main
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import asyncinfer.grpc_logging  # noqa: F401  (before grpc is imported: see the module)
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config

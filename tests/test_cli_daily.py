@@ -14,8 +14,12 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import grpc
+
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.embedded_nats import free_port
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE
+from services.dev_ca import ensure_dev_tls
 from tests.stack import StartStack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -157,3 +161,46 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
 
     code, out, terminal = await asyncio.to_thread(purge_all_on_a_terminal, stack.ops_address, "y")
     assert (code, out) == (0, "purged 1 dead letter(s); 0 left\n"), terminal
+
+
+async def cli_async(*argv: str) -> tuple[int, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncinfer", *argv, cwd=REPO, env=ENV,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, err.decode()
+
+
+async def test_a_connection_error_says_what_to_check_and_nothing_else(tmp_path: Path) -> None:
+    """gRPC's text names no cause ('Socket closed', 'Method not found!'), and its C core printed a
+    'Handshake failed' line per retry on a TLS mismatch: each case ends in the error and one hint."""
+    tls = ensure_dev_tls(tmp_path / "tls", ["127.0.0.1"])
+    plain, secure = grpc.aio.server(), grpc.aio.server()
+    plain_port = plain.add_insecure_port("127.0.0.1:0")
+    credentials = grpc.ssl_server_credentials([(tls.key_file.read_bytes(), tls.cert_file.read_bytes())])
+    secure_port = secure.add_secure_port("127.0.0.1:0", credentials)
+    closed_port = free_port()
+    await plain.start()
+    await secure.start()
+    try:
+        cases = {
+            "TLS handshake failed": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway", f"127.0.0.1:{plain_port}",
+                                     "--tls-ca", str(tls.ca_file)),
+            "if it is on TLS, give --tls-ca": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway",
+                                              f"127.0.0.1:{secure_port}"),
+            "serves another service": ("dlq", "list", "--scheduler", f"127.0.0.1:{plain_port}"),
+            "is the stack up": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway", f"127.0.0.1:{closed_port}"),
+        }  # fmt: skip
+        for hint, argv in cases.items():
+            code, err = await cli_async(*argv, "--timeout", "3")
+            lines = err.splitlines()
+            assert code in (5, 6), err
+            assert len(lines) == 2, err  # the error and the hint: no gRPC core log lines
+            assert lines[0].startswith("asyncinfer: error: "), err
+            assert lines[1].startswith("asyncinfer:   hint: "), err
+            assert hint in lines[1], err
+    finally:
+        await plain.stop(None)
+        await secure.stop(None)

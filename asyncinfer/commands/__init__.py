@@ -14,6 +14,7 @@ import sys
 
 from asyncinfer.client import AsyncInferClientError
 from asyncinfer.commands import batches, bulk, jobs, ops
+from asyncinfer.commands.hints import connection_hint
 from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
 from asyncinfer.commands.output import (
     EXIT_INTERRUPTED,
@@ -101,15 +102,18 @@ def is_client_command(args: argparse.Namespace) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Runs a client command's handler; its exit code."""
+    options = Options.from_args(args)
     try:
-        options = Options.from_args(args)
         handler: Handler = args.handler
         return asyncio.run(handler(args, options))
     except UsageError as exc:
         print(f"asyncinfer: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except AsyncInferClientError as exc:
-        return report_error(exc)
+        code = report_error(exc)
+        if (hint := connection_hint(exc, options)) is not None:
+            print(f"asyncinfer:   hint: {hint}", file=sys.stderr)
+        return code
     except BrokenPipeError:  # `asyncinfer batch download ID | head`: exit_quietly_on_broken_pipe's
         raise
     except TimeoutError:  # a wait bounded by --timeout (asyncio's; an OSError too, so first)

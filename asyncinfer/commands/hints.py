@@ -1,0 +1,34 @@
+"""One line of advice after a connection error the CLI cannot fix itself: nothing listening, a
+TLS mismatch either way, or an address that serves another service. gRPC's own text for these
+("failed to connect to all addresses ... Socket closed", "Method not found!") names no cause."""
+
+from __future__ import annotations
+
+import grpc
+
+from asyncinfer.client import AsyncInferClientError
+from asyncinfer.commands.options import Options
+
+DEV_CA = ".asyncinfer/tls/ca.pem"
+
+
+def connection_hint(error: AsyncInferClientError, options: Options) -> str | None:
+    addresses = f"--gateway is {options.gateway}, --scheduler {options.scheduler}"
+    if error.code is grpc.StatusCode.UNIMPLEMENTED and "Method not found" in error.message:
+        return (
+            "that address serves another service: --gateway takes the gateway's JobService, --scheduler the "
+            f"scheduler's OpsService (dlq, queue, stats); {addresses}"
+        )
+    if error.code is not grpc.StatusCode.UNAVAILABLE:
+        return None
+    text = error.message
+    if "Connection refused" in text:
+        return f"nothing listens there: is the stack up (`asyncinfer up`)? {addresses}"
+    if "handshake failed" in text.lower() and options.tls_ca_file:
+        return (
+            f"the TLS handshake failed: is the server on TLS (`asyncinfer up --dev-tls`), and is --tls-ca "
+            f"({options.tls_ca_file}) the CA that signed its certificate?"
+        )
+    if "Socket closed" in text and not options.tls_ca_file:
+        return f"the server closed the connection: if it is on TLS, give --tls-ca FILE (`up --dev-tls`'s: {DEV_CA})"
+    return None
