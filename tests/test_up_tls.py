@@ -57,6 +57,7 @@ async def test_up_with_tls_serves_everything_over_tls(tmp_path: Path) -> None:
         ca_file = tmp_path / "data" / "tls" / "ca.pem"
         assert f"-cacert {ca_file}" in up.banner
         assert "-plaintext" not in up.banner
+        assert "NATS JetStream                 tls://127.0.0.1:" in up.banner
         assert "flaky" in up.banner  # the sample models, as without TLS: the file declares none
         async with AsyncClient(up.gateway, tls_ca_file=str(ca_file)) as client:
             job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})

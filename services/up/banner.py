@@ -25,7 +25,9 @@ def banner(
         f"  OpsService, WorkerService      {scheduler}",
         f"  KServe v2 inference (batcher)  {batcher}",
         f"  web console                    http://{config.console.host}:{apps['console'].port}/",
-        f"  NATS JetStream                 {nats_url}  (store: {config.embedded_nats.store_dir})",
+        # On TLS a client must start with it (nats-py's tls://; the nats CLI's --tlsca with the CA below).
+        f"  NATS JetStream                 {nats_url.replace('nats://', 'tls://', 1) if ca_file else nats_url}"
+        f"  (store: {config.embedded_nats.store_dir})",
         f"  models                         {models}",
     ]
     for name in ("gateway", "scheduler", "batcher"):
