@@ -145,6 +145,29 @@ async def test_the_clis_watch_stamps_each_progress_line_when_heard(config: Confi
     assert len(set(stamps)) >= 3, stamps  # the model runs ~1 s, reporting every 150 ms
 
 
+async def test_a_model_stops_working_on_a_job_cancelled_while_it_runs(config: Config, start_stack: StartStack) -> None:
+    """A running job cannot leave its batch, but a model that reports progress is told
+    (`progress.cancelled(row)`) and stops early: the last step it reported is far from the end,
+    where before it ran every step and reported the last one just before its (dropped) result."""
+    stack = await start_stack(progress_config(config))
+    job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+    steps: list[int] = []
+    final = None
+    async for response in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)):
+        if response.HasField("progress"):
+            (step,) = decode_tensors(response.progress.partial_outputs)
+            steps.append(int(step.to_numpy()[0]))
+            if len(steps) == 1:  # it runs: cancel it
+                await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job.job_id))
+        if response.job.state in (job_pb2.JOB_STATE_CANCELED, job_pb2.JOB_STATE_SUCCEEDED):
+            final = response.job
+            break
+    assert final is not None
+    assert final.state == job_pb2.JOB_STATE_CANCELED
+    assert steps, "it reported before the cancel"
+    assert max(steps) < PROGRESS_STEPS / 2, steps  # ~1 s of steps: it stopped soon after the cancel
+
+
 async def test_items_of_one_batch_report_independently(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(progress_config(config))
     jobs = [(await stack.jobs.SubmitJob(x_request("progress", rows=rows))).job for rows in (1, 2, 1)]

@@ -279,7 +279,7 @@ class PipelineRunner:
             done = index + (update.fraction or 0.0)
             self._report(item, done / total, f"{prefix}: {update.message}" if update.message else prefix)
 
-        return ItemProgress(deliver, interval_s=0.0, max_bytes=0)
+        return ItemProgress(deliver, interval_s=0.0, max_bytes=0, parent=item.progress)
 
 
 def _rows(inputs: list[Tensor], start: int, stop: int) -> list[Tensor]:

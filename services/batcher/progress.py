@@ -10,6 +10,12 @@ of its latest report. Partial outputs are the outputs so far: each report replac
 model that streams pieces reports everything it has, as minilm-l6-doc reports every window's
 embedding so far), so whatever report a reader gets is whole.
 
+Cancellation: a job cancelled while its batch runs cannot be taken out of the batch, but a model
+that reports progress can stop working on it: `progress.cancelled(row)` turns True once the row's
+item was cancelled (its channel's `cancel`, from the work session on the scheduler's cancel), as
+Triton's Python backend offers `request.is_cancelled()`. The row's outputs are then dropped, so a
+model that stops early may leave them as they are.
+
 Rate limit: an item's reports go to its channel (`ItemProgress`), which keeps only the latest and
 hands it on, on the event loop, at most once per `interval_s`; the one waiting when the item ends
 goes at once, before its result (`close`). A report costs the model's thread a lock and, at most
@@ -52,6 +58,7 @@ class ItemProgress:
     on the event loop) at most once per `interval_s`."""
 
     __slots__ = (
+        "_cancelled",
         "_closed",
         "_deliver",
         "_interval_s",
@@ -59,6 +66,7 @@ class ItemProgress:
         "_lock",
         "_loop",
         "_max_bytes",
+        "_parent",
         "_pending",
         "_scheduled",
         "_step",
@@ -67,9 +75,18 @@ class ItemProgress:
     )
 
     def __init__(
-        self, deliver: Deliver, *, interval_s: float, max_bytes: int, loop: asyncio.AbstractEventLoop | None = None
+        self,
+        deliver: Deliver,
+        *,
+        interval_s: float,
+        max_bytes: int,
+        loop: asyncio.AbstractEventLoop | None = None,
+        parent: ItemProgress | None = None,
     ) -> None:
         self._deliver = deliver
+        # A pipeline step's channel: cancelled when the pipeline's item is.
+        self._parent = parent
+        self._cancelled = False
         self._interval_s = interval_s
         self._max_bytes = max_bytes
         self._loop = loop or asyncio.get_running_loop()
@@ -85,6 +102,16 @@ class ItemProgress:
     @property
     def steps_sent(self) -> int:
         return self._step
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether the item was cancelled while it runs (read from the model's thread: a plain
+        attribute, set once)."""
+        return self._cancelled or (self._parent is not None and self._parent.cancelled)
+
+    def cancel(self) -> None:
+        """The item's job was cancelled while its batch runs (on the event loop)."""
+        self._cancelled = True
 
     def offer(self, fraction: float | None, message: str, outputs: tuple[Tensor, ...]) -> None:
         """Keeps the report as the latest (any thread); schedules its sending if none is."""
@@ -176,6 +203,12 @@ class ProgressReporter:
                 fraction = sum(self._fractions[first : first + rows]) / rows
         tensors = tuple(Tensor.from_numpy(name, _host_array(value)) for name, value in (outputs or {}).items())
         channel.offer(fraction, message, tensors)
+
+    def cancelled(self, row: int) -> bool:
+        """Whether `row`'s job was cancelled while this batch runs: a model may stop working on it
+        (its outputs are dropped). False for rows no one listens to."""
+        channel = self._rows[row][0]
+        return channel is not None and channel.cancelled
 
     def report_all(self, fraction: float | None = None, message: str = "") -> None:
         """The same progress for every row (a model whose rows advance together)."""

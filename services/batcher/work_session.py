@@ -344,9 +344,15 @@ class WorkSession:
             self._cancelled_while_reading.add(key)  # answered dropped once its read ends
             return
         item = self._orders.get(key)
+        if item is None:
+            return
         # Dropping resolves the item's future; its order task then answers dropped=true.
-        if item is not None and item.cancel():
+        if item.cancel():
             log.info("work_order_cancelled", job_id=cancel.job_id, attempt=cancel.attempt)
+        elif item.progress is not None:
+            # Its batch runs: a model that reports progress may stop working on it (progress.py).
+            item.progress.cancel()
+            log.info("work_order_cancel_signalled", job_id=cancel.job_id, attempt=cancel.attempt)
 
     def _send_progress(self, order: worker_service_pb2.WorkOrder, update: ProgressUpdate) -> None:
         if not (self._open and self._batches):

@@ -149,3 +149,17 @@ async def test_a_late_notice_of_an_older_attempt_does_not_displace_a_waiting_new
     await feed._on_notice(notice(report(3, 1)))
     assert [u.item for u in (queue.get_nowait(),) if isinstance(u, Aside)] == [report(3, 1)]
     assert queue.empty()
+
+
+async def test_a_cancel_reaches_the_rows_of_its_item_and_a_pipeline_steps_channel() -> None:
+    def channel(parent: ItemProgress | None = None) -> ItemProgress:
+        return ItemProgress(lambda update: None, interval_s=0.0, max_bytes=0, parent=parent)
+
+    first, second = channel(), channel()
+    step = channel(parent=second)  # a pipeline's step model reports through its own channel
+    reporter = ProgressReporter([(first, 2), (None, 1), (second, 1)])
+    second.cancel()
+    assert [reporter.cancelled(row) for row in range(4)] == [False, False, False, True]
+    assert step.cancelled
+    first.cancel()
+    assert [reporter.cancelled(row) for row in range(4)] == [True, True, False, True]  # no one listens to row 2

@@ -10,7 +10,8 @@ empty document is one empty window.
 While it runs it reports, per document and per window done: the fraction of its windows done, a
 message ("window 3 of 7"), and the partial output `window_embeddings` (FP32 [windows done, 384],
 every window so far, so any report a watcher gets is whole). The windows of a batch's documents
-run together, window index by window index, so each document advances on its own.
+run together, window index by window index, so each document advances on its own. A document whose
+job was cancelled while the batch runs (`progress.cancelled`) gets no more windows embedded.
 """
 
 from __future__ import annotations
@@ -67,7 +68,11 @@ class MiniLMDocBackend(MiniLMBackend):
             documents = [self.windows(text) for text in _texts(inputs[self._input])]
             done = [np.zeros((len(windows), EMBEDDING_DIM), dtype=np.float32) for windows in documents]
             for index in range(max(len(windows) for windows in documents)):
-                rows = [row for row, windows in enumerate(documents) if len(windows) > index]
+                rows = [
+                    row for row, windows in enumerate(documents) if len(windows) > index and not progress.cancelled(row)
+                ]
+                if not rows:
+                    break  # every document with more windows was cancelled
                 embedded = self._embed([documents[row][index] for row in rows])
                 for row, embedding in zip(rows, embedded, strict=True):
                     done[row][index] = embedding

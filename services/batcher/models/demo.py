@@ -116,11 +116,14 @@ PROGRESS_STEP_S = 0.001
 class ProgressDemo(AffineDemo):
     """y = 2x + 1, computed in PROGRESS_STEPS steps of about PROGRESS_STEP_S each, reporting every
     row's progress at every step with a partial output `step` (INT64 [1]): a model that reports far
-    more often than progress is sent (tests count what reaches a watcher)."""
+    more often than progress is sent (tests count what reaches a watcher). It stops early once
+    every row's job was cancelled (`progress.cancelled`)."""
 
     def forward(self, x: torch.Tensor, progress: ProgressReporter | None = None) -> torch.Tensor:
         for step in range(1, PROGRESS_STEPS + 1):
             time.sleep(PROGRESS_STEP_S)
+            if progress is not None and all(progress.cancelled(row) for row in range(x.shape[0])):
+                break
             if progress is not None:
                 done = np.array([step], dtype=np.int64)
                 for row in range(x.shape[0]):
