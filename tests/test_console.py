@@ -259,5 +259,6 @@ def test_up_prints_the_console_url_and_serves_the_models(tmp_path: Path) -> None
         models = asyncio.run(look())
         assert "demo" in models
         assert "x FP32 [-1, 4]" in models
+        assert "versions" in models  # every version beside the default
     finally:
         close(up)

@@ -259,3 +259,11 @@ class ModelInfo:
 
     def input(self, name: str) -> TensorSpec | None:
         return next((spec for spec in self.inputs if spec.name == name), None)
+
+    @property
+    def versions_summary(self) -> str:
+        """Every version, those not READY with their state: `1, 2, 3 (loading)` (`version` alone
+        from a gateway that lists none)."""
+        if not self.versions:
+            return self.version
+        return ", ".join(v.version if v.state == "READY" else f"{v.version} ({v.state.lower()})" for v in self.versions)

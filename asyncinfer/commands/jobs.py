@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, ModelInfo, Priority, TensorSpec
+from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority, TensorSpec
 from asyncinfer.commands.inputs import (
     Signatures,
     inputs_from_arguments,
@@ -326,14 +326,6 @@ def _specs(specs: tuple[TensorSpec, ...]) -> str:
     return ", ".join(f"{s.name} {s.datatype}[{','.join(str(d) for d in s.shape)}]" for s in specs)
 
 
-def _versions(model: ModelInfo) -> str:
-    """Every version, those not READY with their state: `1, 2, 3 (loading)`. The columns after it
-    describe the default version; `--json` has each version's own."""
-    if not model.versions:
-        return model.version
-    return ", ".join(v.version if v.state == "READY" else f"{v.version} ({v.state.lower()})" for v in model.versions)
-
-
 async def models_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
         models = await client.models()
@@ -344,7 +336,7 @@ async def models_command(args: argparse.Namespace, options: Options) -> int:
         [
             m.name,
             m.version,
-            _versions(m),
+            m.versions_summary,  # the columns after it describe the default version
             _specs(m.inputs),
             _specs(m.outputs),
             str(m.max_batch_size),

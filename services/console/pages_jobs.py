@@ -27,6 +27,7 @@ async def models_page(ctx: Context, request: web.Request) -> web.Response:
         [
             ui.h(m.name),
             ui.h(m.version or "-"),
+            ui.h(m.versions_summary or "-"),
             ui.h(", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in m.inputs)),
             ui.h(", ".join(f"{t.name} {t.datatype} {list(t.shape)}" for t in m.outputs)),
             ui.h(m.max_batch_size),
@@ -36,8 +37,8 @@ async def models_page(ctx: Context, request: web.Request) -> web.Response:
         ]
         for m in models
     ]
-    headers = ("model", "version", "inputs", "outputs", "max rows", "attempts", "execution timeout", "")
-    return fragment_or_page(request, "Models", ui.table(headers, rows, numeric=(4,), id_="models"))
+    headers = ("model", "default", "versions", "inputs", "outputs", "max rows", "attempts", "execution timeout", "")
+    return fragment_or_page(request, "Models", ui.table(headers, rows, numeric=(5,), id_="models"))
 
 
 def _labels(text: str) -> dict[str, str]:

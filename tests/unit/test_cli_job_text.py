@@ -4,6 +4,7 @@ showed before."""
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -15,6 +16,8 @@ from asyncinfer.client import (
     CallbackEvent,
     Job,
     JobState,
+    ModelInfo,
+    ModelVersion,
     Priority,
 )
 from asyncinfer.commands.output import job_text
@@ -64,3 +67,12 @@ def test_a_jobs_callback_and_its_deliveries_are_shown() -> None:
     at = lines.index("callback    http://127.0.0.1:8765/hook")
     assert lines[at + 1] == "  webhook   COMPLETED DELIVERED (HTTP 200, 1 attempt)"
     assert lines[at + 2].startswith("  webhook   RUNNING PENDING (HTTP 503, 2 attempts, next 2026-12-06T01:40")
+
+
+def test_a_models_versions_read_in_one_cell() -> None:
+    model = ModelInfo("demo", "2", (), (), 32, 3, 10, None)
+    assert model.versions_summary == "2"  # a gateway that lists no versions
+    listed = dataclasses.replace(
+        model, versions=(ModelVersion("1", "READY"), ModelVersion("2", "READY"), ModelVersion("3", "LOADING"))
+    )
+    assert listed.versions_summary == "1, 2, 3 (loading)"
