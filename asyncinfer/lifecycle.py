@@ -144,21 +144,30 @@ def _refuse(record: JobRecord, reason: Refused) -> Refusal:
     return Refusal(reason=reason, state=record.state)
 
 
-def _canceled(record: JobRecord, now: float, batch: BatchInfo | None = None) -> JobRecord:
+def _canceled(record: JobRecord, now: float, batch: BatchInfo | None = None, *, ran: bool = False) -> JobRecord:
     """A cancel asked while the attempt ran wins over the attempt's next event (the error the
-    cancel wrote stays)."""
+    cancel wrote stays). `ran`: the event is the running attempt's own, which keeps its run time
+    (as a finish or a give-up does)."""
+    run_duration_s = max(now - (record.start_time or now), 0.0) if ran else record.run_duration_s
     return record.evolve(
-        state=JobState.CANCELED, end_time=now, update_time=now, batch=batch if batch is not None else record.batch
+        state=JobState.CANCELED,
+        end_time=now,
+        update_time=now,
+        batch=batch if batch is not None else record.batch,
+        run_duration_s=run_duration_s,
     )
 
 
-def _attempt_event(record: JobRecord, attempt: int, now: float, batch: BatchInfo | None = None) -> Outcome | None:
+def _attempt_event(
+    record: JobRecord, attempt: int, now: float, batch: BatchInfo | None = None, *, ran: bool = False
+) -> Outcome | None:
     """What every event of a running attempt shares: fencing, then the cancel that came first.
-    None when the event's own rule decides."""
+    None when the event's own rule decides. `ran`: the event says the attempt computed (its
+    result or its failure), so a cancel that wins keeps its run time."""
     if record.attempt != attempt:
         return _refuse(record, Refused.STALE_ATTEMPT)
     if record.state is JobState.CANCELLING:
-        return _canceled(record, now, batch)
+        return _canceled(record, now, batch, ran=ran)
     return None
 
 
@@ -197,7 +206,7 @@ def spent_attempt_error(record: JobRecord) -> JobError | None:
 
 
 def finish(record: JobRecord, event: Finish, now: float) -> Outcome:
-    shared = _attempt_event(record, event.attempt, now, event.batch)
+    shared = _attempt_event(record, event.attempt, now, event.batch, ran=True)
     if shared is not None:
         return shared
     if record.state is not JobState.RUNNING:
@@ -237,7 +246,7 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
 
 
 def give_up(record: JobRecord, event: GiveUp, now: float) -> Outcome:
-    shared = _attempt_event(record, event.attempt, now)
+    shared = _attempt_event(record, event.attempt, now, ran=True)
     if shared is not None:
         return shared
     # QUEUED too: a job found with no attempt left at dispatch is given up from the queue.

@@ -309,12 +309,17 @@ def test_cancel_of_a_queued_job_ends_it_and_of_a_running_one_asks_it_to_stop() -
 
 
 def test_a_result_after_a_cancel_is_discarded_and_the_cancel_error_kept() -> None:
-    cancelling = lifecycle.apply(queued(state=R, attempt=1), lifecycle.Cancel(reason="stop"), 1_001.0)
+    running = queued(state=R, attempt=1, start_time=1_000.5)
+    cancelling = lifecycle.apply(running, lifecycle.Cancel(reason="stop"), 1_001.0)
     assert isinstance(cancelling, JobRecord)
     done = lifecycle.apply(cancelling, lifecycle.Finish(attempt=1, state=S, outputs=(OUTPUT,)), 1_002.0)
     assert isinstance(done, JobRecord)
     assert (done.state, done.outputs, done.end_time) == (CED, (), 1_002.0)
     assert done.error == cancelling.error
+    assert done.run_duration_s == 1.5  # the attempt ran until its answer, as a finished one counts
+    dropped = lifecycle.apply(cancelling, lifecycle.Drop(attempt=1), 1_001.5)
+    assert isinstance(dropped, JobRecord)
+    assert (dropped.state, dropped.run_duration_s) == (CED, None)  # dropped unrun: it did not run
 
 
 def test_a_large_result_is_kept_by_reference_only() -> None:
