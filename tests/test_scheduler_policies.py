@@ -15,6 +15,7 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
+from structlog.testing import capture_logs
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
 from asyncinfer.codecs.envelope import decode_envelope
@@ -365,14 +366,17 @@ async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(sta
     assert record.error is not None
     assert record.error.reason == "EXECUTION_TIMEOUT"
     await h.work_empty()
-    await batcher.answer(order)  # too late: fenced out
-    await batcher.grant(1)
+    with capture_logs() as logs:
+        await batcher.answer(order)  # too late: fenced out
+        await batcher.grant(1)
 
-    async def credit_counted() -> bool:
-        return h.app.batchers.free_credits(MODEL) == 1
+        async def credit_counted() -> bool:
+            return h.app.batchers.free_credits(MODEL) == 1
 
-    await until(credit_counted)
+        await until(credit_counted)
     assert (await read_record(h.js, job_id)).state == JobState.TIMED_OUT
+    # An answer the timeout's cancel expected is dropped quietly, not warned of as stale.
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == []
 
 
 async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, config: Config) -> None:

@@ -206,6 +206,8 @@ class JobFlow:
         )
 
     def _on_timeout(self, job: InFlightJob) -> None:
+        # Its answer may still come (a model that does not stop at the cancel): expected, not stale.
+        self._leases.abandon(job.job_id, job.attempt)
         if not job.session.closed:
             job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         self._tasks.spawn(self._settlement.timed_out(job))

@@ -113,9 +113,14 @@ class Leases:
         if arriving is not None:
             arriving.set()
         if not held:
-            now = time.monotonic()
-            _forget_before(self._abandoned, now - PENDING_CANCEL_TTL_S)
-            self._abandoned[(job_id, attempt)] = now
+            self.abandon(job_id, attempt)
+
+    def abandon(self, job_id: str, attempt: int) -> None:
+        """Whatever the attempt's batcher still answers is dropped quietly: its order was
+        cancelled here (its RUNNING write lost, or it ran past its execution timeout)."""
+        now = time.monotonic()
+        _forget_before(self._abandoned, now - PENDING_CANCEL_TTL_S)
+        self._abandoned[(job_id, attempt)] = now
 
     async def settled_before(self, job_id: str, attempt: int) -> None:
         """Returns once the attempt's RUNNING write was answered (at once unless it is pending)."""
