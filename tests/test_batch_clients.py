@@ -133,6 +133,14 @@ async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, star
         with pytest.raises(NotFoundError, match="MODEL_NOT_FOUND"):
             await client.create_batch(data, "no-such-model")
         assert await stored_chunks() == stored
+        # An option the request cannot carry fails before anything is uploaded.
+        with pytest.raises(ValueError, match="unknown priority 'urgent'"):
+            await client.create_batch(data, "demo", priority="urgent")
+        with pytest.raises(ValueError, match="unknown input_format 'csv'"):
+            await client.create_batch(data, "demo", input_format="csv")
+        with pytest.raises(TypeError):
+            await client.create_batch(data, "demo", bogus=1)
+        assert await stored_chunks() == stored
 
 
 async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(config: Config, start_stack: StartStack) -> None:

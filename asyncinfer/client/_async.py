@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import enum
 import hashlib
 import io
 import os
@@ -29,7 +30,7 @@ from collections.abc import (
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 import grpc
 import numpy as np
@@ -48,7 +49,7 @@ from asyncinfer.client._convert import (
     with_idempotency_key,
 )
 from asyncinfer.client._retry import Deadline, RetryPolicy
-from asyncinfer.client.batches import Batch, BatchCalls, write_file
+from asyncinfer.client.batches import Batch, BatchCalls, create_batch_request, write_file
 from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
@@ -75,7 +76,11 @@ from asyncinfer.tensor_codec import to_input_proto
 from asyncinfer.tensors import Tensor, TensorSpec, typed_as
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 
+if TYPE_CHECKING:
+    from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub
+
 T = TypeVar("T")
+E = TypeVar("E", bound=enum.StrEnum)
 JobLike = Job | str
 UPLOAD_CHUNK_BYTES = 1 << 20
 
@@ -111,6 +116,22 @@ def tls_credentials(
     return grpc.ssl_channel_credentials(root_certificates=ca)
 
 
+def _enum(kind: type[E], value: E | str, what: str) -> E:
+    """A Priority or JobState from itself or its name in any case ("high", "HIGH")."""
+    try:
+        return kind(value.upper() if isinstance(value, str) else value)
+    except ValueError:
+        raise ValueError(f"unknown {what} {value!r}; one of {', '.join(m.value for m in kind)}") from None
+
+
+def _job_ids(jobs: Iterable[JobLike]) -> list[str]:
+    """The distinct job IDs of many jobs, in order; one ID alone is a TypeError (a string is an
+    iterable of characters, each of which would be looked up)."""
+    if isinstance(jobs, str | Job):
+        raise TypeError(f"pass many jobs as a list (e.g. [{jobs!r}]), not one job")
+    return list(dict.fromkeys(_job_id(job) for job in jobs))
+
+
 def _job_id(job: JobLike) -> str:
     return job.job_id if isinstance(job, Job) else job
 
@@ -134,6 +155,9 @@ class AsyncClient:
     ...     job = await client.submit("demo", {"x": np.ones((1, 4), np.float32)})
     ...     done = await client.wait(job)
     ...     done.outputs["y"]
+
+    Make it inside a running event loop (a coroutine): grpc.aio binds the channel to the loop
+    current at creation. The blocking `Client` has no such rule.
 
     `target` is a gRPC target ("host:port", "dns:///gateway:50051"). `credentials` switches to
     TLS (`grpc.ssl_channel_credentials()`); so do `tls_ca_file` (PEM CA bundle that verifies the
@@ -162,10 +186,16 @@ class AsyncClient:
             self._channel = aio.secure_channel(target, credentials, options=options)
         else:
             self._channel = aio.insecure_channel(target, options=options)
-        self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
+        self._job_stub: JobServiceAsyncStub = job_service_pb2_grpc.JobServiceStub(self._channel)
         self._metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {api_key}"),) if api_key is not None else ()
         )
+        # Made once, with the channel: grpcio 1.85 crashes the process (a segfault or an abort)
+        # when a stub made on a closed channel is called.
+        self._batches = BatchCalls(
+            self._channel, self._metadata, lambda invoke: self._call(invoke, self._deadline(None))
+        )
+        self._closed = False
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         # Input specs by model, from ListModels: fetched on the first submit with inputs, asked
@@ -177,7 +207,15 @@ class AsyncClient:
         self._specs_lock = asyncio.Lock()
 
     async def close(self) -> None:
+        """Closes the channel; a call after it raises RuntimeError. Idempotent."""
+        self._closed = True
         await self._channel.close(None)
+
+    @property
+    def _stub(self) -> JobServiceAsyncStub:
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        return self._job_stub
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -265,7 +303,7 @@ class AsyncClient:
             inputs=inputs,
             input_ref=input_ref.ref if isinstance(input_ref, BlobRef) else input_ref,
             model_version=model_version,
-            priority=Priority(priority) if priority is not None else None,
+            priority=_enum(Priority, priority, "priority") if priority is not None else None,
             idempotency_key=idempotency_key,
             labels=dict(labels or {}),
             deadline=deadline,
@@ -361,7 +399,7 @@ class AsyncClient:
         answer that reached its size limit is asked for again, so every ID gets its job."""
         deadline = self._deadline(timeout_s)
         found: dict[str, Job | AsyncInferClientError] = {}
-        pending = list(dict.fromkeys(_job_id(job) for job in jobs))
+        pending = _job_ids(jobs)
         while pending:
             batch, pending = pending[:GET_JOBS_MAX_IDS], pending[GET_JOBS_MAX_IDS:]
             message = job_service_pb2.GetJobsRequest(job_ids=batch)
@@ -419,11 +457,14 @@ class AsyncClient:
     async def watch(
         self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None
     ) -> AsyncGenerator[Job, None]:
-        """The job now, then each change, ending after a terminal state.
+        """The job now, then each change, ending after a terminal state. With `after_revision` (a
+        revision seen before) only the changes after it: nothing when the job ended at it.
 
         A broken stream (the gateway restarting, a network blip) is reopened with
         `after_revision`, so no change is lost or repeated. `timeout_s` bounds the whole watch
         (default: none); when it passes, DeadlineExceededError."""
+        if after_revision < 0:
+            raise ValueError(f"after_revision is a record revision (0 or more), got {after_revision}")
         job_id = _job_id(job)
         deadline = Deadline(timeout_s)
         last_revision = after_revision
@@ -452,6 +493,10 @@ class AsyncClient:
                     yield snapshot
                     if snapshot.done:
                         return
+                if first and last_revision:
+                    # Ended OK with nothing newer: the gateway ends a watch only once the job is
+                    # terminal, here at the revision already seen (`after_revision` was its last).
+                    return
                 error: AsyncInferClientError = UnavailableError(
                     "the watch ended before the job did", code=grpc.StatusCode.UNAVAILABLE
                 )
@@ -473,7 +518,7 @@ class AsyncClient:
         on. With `labels` instead: every change, from now on, of your jobs that carry all of them,
         until you stop iterating or `timeout_s` passes. A broken stream is reopened (the jobs not
         yet terminal are sent again as they stand, so a change is never lost)."""
-        ids = list(dict.fromkeys(_job_id(job) for job in jobs))
+        ids = _job_ids(jobs)
         deadline = Deadline(timeout_s)
         done: set[str] = set()
         attempt = 0
@@ -517,7 +562,7 @@ class AsyncClient:
         """Waits until every job is terminal, on one WatchJobs stream per 10,000 jobs; each job ID
         mapped to its final Job (or the error for it: NotFoundError). DeadlineExceededError when
         `timeout_s` passes first."""
-        ids = list(dict.fromkeys(_job_id(job) for job in jobs))
+        ids = _job_ids(jobs)
         found: dict[str, Job | AsyncInferClientError] = {}
 
         async def watch(chunk: list[str]) -> None:
@@ -581,7 +626,7 @@ class AsyncClient:
         is one call with its own `timeout_s`). `limit` stops after that many jobs."""
         base = job_service_pb2.ListJobsRequest(
             page_size=page_size,
-            states=[state_to_proto(JobState(s)) for s in states],
+            states=[state_to_proto(_enum(JobState, s, "state")) for s in states],
             model_name=model,
             labels=dict(labels or {}),
         )
@@ -625,6 +670,8 @@ class AsyncClient:
         without queuing anything twice (the answer for a resent request that had been queued says
         `deduplicated`). A refused item is a result with `error`, not an exception. An exception
         raised by your iterator is raised here after the answers for what was already sent."""
+        if window < 1:
+            raise ValueError(f"window is the most requests in flight, at least 1; got {window}")
         source = _aiter(requests)
         try:
             bulk = self._bulk(
@@ -766,6 +813,8 @@ class AsyncClient:
         the claim-check store and returns its reference, for `submit(input_ref=...)`. See
         `upload_inputs` to upload arrays. Bytes, paths and seekable files are uploaded again from
         the start when the stream breaks; other files are not retried."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
         metadata = job_service_pb2.UploadInputMetadata()
         if retention_s is not None:
             metadata.retention.CopyFrom(duration_to_proto(retention_s))
@@ -793,13 +842,27 @@ class AsyncClient:
                     stream.seek(start)
                 return _file_chunks(stream, chunk_bytes)
 
+        read_errors: list[Exception] = []
+
         async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
             yield job_service_pb2.UploadInputRequest(metadata=metadata)
-            async for chunk in make_chunks():
-                yield job_service_pb2.UploadInputRequest(chunk=chunk)
+            try:
+                async for chunk in make_chunks():
+                    yield job_service_pb2.UploadInputRequest(chunk=chunk)
+            except Exception as exc:
+                read_errors.append(exc)
+                raise
 
         async def invoke(remaining: float | None) -> job_service_pb2.UploadInputResponse:
-            return await self._stub.UploadInput(requests(), timeout=remaining, metadata=self._metadata)
+            try:
+                return await self._stub.UploadInput(requests(), timeout=remaining, metadata=self._metadata)
+            except (asyncio.CancelledError, grpc.RpcError):
+                # grpc.aio cancels the call when reading the data fails: the read's error is the
+                # caller's (an OSError of its file), unless this task itself is being cancelled.
+                task = asyncio.current_task()
+                if read_errors and not (task is not None and task.cancelling()):
+                    raise read_errors[-1] from None
+                raise
 
         response = await self._call(invoke, Deadline(timeout_s), retry=retriable)
         return BlobRef(ref=response.ref.ref, size_bytes=response.ref.size_bytes, sha256=response.ref.sha256)
@@ -808,7 +871,9 @@ class AsyncClient:
 
     @property
     def _batch_calls(self) -> BatchCalls:
-        return BatchCalls(self._channel, self._metadata, lambda invoke: self._call(invoke, self._deadline(None)))
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        return self._batches
 
     async def create_batch(
         self,
@@ -819,7 +884,7 @@ class AsyncClient:
         **options: Any,
     ) -> Batch:
         """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
-        VALIDATING); `options` are BatchCalls.create's (version, input_format, priority,
+        VALIDATING); `options` are `create_batch_request`'s (version, input_format, priority,
         completion_window_s, max_attempts, labels, callback_url, idempotency_key). `data` may
         also be an array (uploaded as an NPY file: one record per row, the model's only input)
         or a mapping of input name to array (an NPZ file), held in memory once more as a file;
@@ -839,9 +904,11 @@ class AsyncClient:
             buffer = io.BytesIO()
             np.savez(buffer, **arrays)
             data = buffer.getvalue()
+        request = create_batch_request("", model, **options)  # a bad option fails before the upload
         ref = await self.upload(data, timeout_s=upload_timeout_s)
+        request.input_ref = ref.ref
         try:
-            batch = await self._batch_calls.create(ref.ref, model, **options)
+            batch = await self._batch_calls.create(request)
         except AsyncInferClientError as refused:
             # The upload was this call's own: a refused create (an unknown model, a bad option)
             # would leave it counting against the tenant's stored uploads until its retention ends.

@@ -180,8 +180,12 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
 
 
 def input_tensors(inputs: Inputs) -> list[Tensor]:
+    """Name -> array (or a `Tensor`, sent as it is under that name), or a list of Tensors."""
     if isinstance(inputs, Mapping):
-        return [Tensor.from_numpy(name, array) for name, array in inputs.items()]
+        return [
+            replace(value, name=name) if isinstance(value, Tensor) else Tensor.from_numpy(name, value)
+            for name, value in inputs.items()
+        ]
     return list(inputs)
 
 
@@ -199,6 +203,8 @@ def with_idempotency_key(request: JobRequest) -> JobRequest:
 def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobRequest:
     if request.inputs is not None and request.input_ref:
         raise ValueError("give inputs or input_ref, not both")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in request.labels.items()):
+        raise TypeError(f"labels map strings to strings, got {dict(request.labels)!r}")
     if request.deadline is not None and request.queue_ttl_s is not None:
         raise ValueError("give a deadline or a queue_ttl_s, not both")
     message = job_service_pb2.SubmitJobRequest(

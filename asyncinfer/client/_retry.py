@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, DeadlineExceededError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,7 +30,11 @@ class RetryPolicy:
     def retriable(self, error: AsyncInferClientError) -> bool:
         if error.code is grpc.StatusCode.UNAVAILABLE:
             return True
-        return self.retry_resource_exhausted and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        return (
+            self.retry_resource_exhausted
+            and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+            and error.reason != MESSAGE_TOO_LARGE  # a request over the message limit stays over it
+        )
 
     def backoff_s(self, attempt: int, error: AsyncInferClientError) -> float:
         ceiling = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** max(attempt - 1, 0))

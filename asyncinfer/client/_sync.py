@@ -14,6 +14,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -94,15 +95,24 @@ class Client:
         if self._closed:
             coroutine.close()
             raise RuntimeError("the client is closed")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        ended = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await coroutine
+            finally:
+                ended.set()
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
         try:
             return future.result()
         except BaseException:
-            # KeyboardInterrupt or the like in the caller: stop the call instead of leaving it running.
+            # KeyboardInterrupt or the like in the caller: stop the call instead of leaving it
+            # running, and wait (a while) for it to stop: the future says cancelled at once, its
+            # task only once it has unwound (a generator stepped by it is then free to close).
             if not future.done():
                 future.cancel()
-                with contextlib.suppress(Exception):  # whatever it ended with, the caller's error wins
-                    future.result(timeout=5.0)
+                ended.wait(timeout=5.0)
             raise
 
     def _iterate(self, generator: AsyncGenerator[T, None]) -> Iterator[T]:
@@ -120,7 +130,11 @@ class Client:
                 yield item  # type: ignore[misc]
         finally:
             if not self._closed:
-                self._run(generator.aclose())
+                if sys.exc_info()[1] is None:
+                    self._run(generator.aclose())
+                else:
+                    with contextlib.suppress(Exception):  # the error under way (Ctrl-C, a break) wins
+                        self._run(generator.aclose())
 
     def close(self) -> None:
         """Closes the channel and stops the thread; idempotent."""

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from asyncinfer.v1.batch_service_pb2_grpc import BatchServiceAsyncStub
 
 T = TypeVar("T")
+C = TypeVar("C")
 RECONNECT_S = 0.5  # a watch broken by a gateway restart is opened again this much later
 Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
 
@@ -145,6 +146,51 @@ def _batch_id(batch: Batch | str) -> str:
     return batch if isinstance(batch, str) else batch.batch_id
 
 
+def _choice(value: str, choices: Mapping[str, C], what: str) -> C:
+    try:
+        return choices[value.upper()]
+    except KeyError:
+        raise ValueError(f"unknown {what} {value!r}; one of {', '.join(sorted(choices))}") from None
+
+
+def create_batch_request(
+    input_ref: str,
+    model: str,
+    *,
+    version: str = "",
+    input_format: str | None = None,
+    priority: str | None = None,
+    completion_window_s: float | None = None,
+    max_attempts: int = 0,
+    labels: Mapping[str, str] | None = None,
+    callback_url: str | None = None,
+    idempotency_key: str = "",
+) -> batch_service_pb2.CreateBatchRequest:
+    """A CreateBatch request; ValueError or TypeError for options it cannot carry (checked
+    before anything is uploaded: `AsyncClient.create_batch` builds it first)."""
+    if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+        raise TypeError("labels map strings to strings")
+    request = batch_service_pb2.CreateBatchRequest(
+        model_name=model,
+        model_version=version,
+        input_ref=input_ref,
+        input_format=_choice(input_format, _FORMATS, "input_format")
+        if input_format
+        else batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED,
+        priority=_choice(priority, _PRIORITIES, "priority") if priority else job_pb2.PRIORITY_UNSPECIFIED,
+        max_attempts=max_attempts,
+        labels=dict(labels or {}),
+        idempotency_key=idempotency_key,
+    )
+    if completion_window_s is not None:
+        window = duration_pb2.Duration()
+        window.FromNanoseconds(round(completion_window_s * 1e9))
+        request.completion_window.CopyFrom(window)
+    if callback_url:
+        request.callback.url = callback_url
+    return request
+
+
 class BatchCalls:
     """The BatchService calls of one AsyncClient (its channel, metadata and retrying call)."""
 
@@ -153,38 +199,8 @@ class BatchCalls:
         self._metadata = metadata
         self._call = call
 
-    async def create(
-        self,
-        input_ref: str,
-        model: str,
-        *,
-        version: str = "",
-        input_format: str | None = None,
-        priority: str | None = None,
-        completion_window_s: float | None = None,
-        max_attempts: int = 0,
-        labels: Mapping[str, str] | None = None,
-        callback_url: str | None = None,
-        idempotency_key: str = "",
-    ) -> Batch:
-        request = batch_service_pb2.CreateBatchRequest(
-            model_name=model,
-            model_version=version,
-            input_ref=input_ref,
-            input_format=_FORMATS[input_format.upper()]
-            if input_format
-            else batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED,
-            priority=_PRIORITIES[priority.upper()] if priority else job_pb2.PRIORITY_UNSPECIFIED,
-            max_attempts=max_attempts,
-            labels=dict(labels or {}),
-            idempotency_key=idempotency_key,
-        )
-        if completion_window_s is not None:
-            window = duration_pb2.Duration()
-            window.FromNanoseconds(round(completion_window_s * 1e9))
-            request.completion_window.CopyFrom(window)
-        if callback_url:
-            request.callback.url = callback_url
+    async def create(self, request: batch_service_pb2.CreateBatchRequest) -> Batch:
+        """CreateBatch with a request from `create_batch_request`."""
 
         async def invoke(remaining: float | None) -> batch_service_pb2.CreateBatchResponse:
             return await self._stub.CreateBatch(request, timeout=remaining, metadata=self._metadata)

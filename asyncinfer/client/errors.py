@@ -165,6 +165,10 @@ def make_error(
     )
 
 
+# The reason given to gRPC's "Received message larger than max" (no ErrorInfo of the gateway's).
+MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+
+
 def from_rpc_error(error: grpc.RpcError) -> AsyncInferClientError:
     """The typed error for a failed call, with the details of its rich status."""
     code: grpc.StatusCode = error.code()
@@ -186,6 +190,10 @@ def from_rpc_error(error: grpc.RpcError) -> AsyncInferClientError:
             violations = tuple(FieldViolation(v.field, v.description) for v in bad.field_violations)
         if (retry := details.get("RetryInfo")) is not None:
             retry_after_s = retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and not reason and "larger than max" in message:
+        # gRPC's own transport limit (the gateway's max message size): sending it again cannot help.
+        reason = MESSAGE_TOO_LARGE
+        message += "; send large inputs with upload() or upload_inputs() and submit(input_ref=...)"
     return make_error(
         code, message, reason=reason, violations=violations, retry_after_s=retry_after_s, metadata=metadata
     )

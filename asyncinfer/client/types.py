@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # A job's inputs: name -> array (anything numpy.asarray accepts), or ready-made tensors.
-Inputs = Mapping[str, npt.ArrayLike] | tuple[Tensor, ...] | list[Tensor]
+Inputs = Mapping[str, npt.ArrayLike | Tensor] | tuple[Tensor, ...] | list[Tensor]
 
 
 class WaitingReason(enum.StrEnum):

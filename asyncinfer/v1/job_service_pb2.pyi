@@ -475,7 +475,10 @@ class WatchJobRequest(_message.Message):
     AFTER_REVISION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     after_revision: _builtins.int
-    """Resume: send only changes with a revision above this one (0 sends the current record first)."""
+    """Resume: send only changes with a revision above this one (0 sends the current record first).
+    The stream ends (OK) only once the job is terminal: with nothing sent when its terminal
+    revision is this one.
+    """
     def __init__(
         self,
         *,

@@ -1,0 +1,143 @@
+"""The SDK at its edges, found by using it as a user would (session 22): a closed client, a file
+that fails while it uploads, Ctrl-C in the blocking client's bulk, a watch resumed at a finished
+job's last revision, a request over the gateway's message limit, and arguments given loosely
+(priority and state names in any case, a Tensor in an inputs mapping) or wrongly (one job ID where
+many are taken, non-string labels, a window of 0). Real gateway, real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from asyncinfer.client import AsyncClient, JobRequest, JobState, ResourceExhaustedError
+from asyncinfer.client._retry import RetryPolicy
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE
+from asyncinfer.tensors import Tensor
+from tests.stack import Stack
+
+REPO = Path(__file__).resolve().parents[1]
+X = np.ones((1, 4), np.float32)
+
+
+async def test_a_closed_client_says_so_and_the_process_lives(idle_stack: Stack) -> None:
+    client = AsyncClient(idle_stack.address)
+    await client.close()
+    # A batch call made a new stub on the closed channel, which crashed grpcio 1.85 (a segfault).
+    for call in (client.get_batch("b"), client.get("j"), client.list_batches()):
+        with pytest.raises(RuntimeError, match="the client is closed"):
+            await call
+    with pytest.raises(RuntimeError, match="the client is closed"):
+        client.watch_batch("b")
+    await client.close()  # idempotent
+
+
+class FailingFile(io.RawIOBase):
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        raise OSError("disk on fire")
+
+
+async def test_an_upload_whose_file_fails_raises_the_files_error(idle_stack: Stack) -> None:
+    async with AsyncClient(idle_stack.address) as client:
+        with pytest.raises(OSError, match="disk on fire"):  # was a bare CancelledError
+            await client.upload(FailingFile())
+        with pytest.raises(ValueError, match="chunk_bytes"):
+            await client.upload(b"abc", chunk_bytes=0)
+
+
+async def test_a_watch_resumed_at_a_finished_jobs_last_revision_ends_at_once(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        done = await client.wait(await client.submit("demo", {"x": X}))
+        assert done.succeeded
+        seen = [job async for job in client.watch(done, after_revision=done.revision, timeout_s=5)]
+        assert seen == []  # was UNAVAILABLE after ~1 s of reopening
+        with pytest.raises(ValueError, match="after_revision"):
+            await anext(client.watch(done, after_revision=-1))
+
+
+async def test_a_request_over_the_message_limit_is_not_sent_again(idle_stack: Stack) -> None:
+    attempts = 0
+
+    class Counting(RetryPolicy):
+        def backoff_s(self, attempt: int, error: object) -> float:
+            nonlocal attempts
+            attempts += 1
+            return 0.0
+
+    async with AsyncClient(idle_stack.address, retry=Counting(retry_resource_exhausted=True)) as client:
+        limit = idle_stack.config.gateway.max_request_bytes
+        with pytest.raises(ResourceExhaustedError) as info:
+            await client.submit("demo", {"x": np.ones((limit // 8, 4), np.float32)})
+    assert info.value.reason == MESSAGE_TOO_LARGE
+    assert "upload" in info.value.message
+    assert attempts == 0
+
+
+async def test_loose_arguments_are_taken_and_wrong_ones_refused_clearly(stack: Stack) -> None:
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": X}, priority="high")
+        assert job.priority.value == "HIGH"
+        tensor = Tensor.from_numpy("ignored", X)  # its name is the mapping's
+        outputs = await client.run("demo", {"x": tensor})
+        np.testing.assert_allclose(outputs["y"], 2 * X + 1)
+        await client.wait(job)
+        listed = [j async for j in client.list(states=["succeeded"], limit=5)]
+        assert listed
+        assert all(j.state is JobState.SUCCEEDED for j in listed)
+        with pytest.raises(ValueError, match="unknown priority 'urgent'"):
+            await client.submit("demo", {"x": X}, priority="urgent")
+        with pytest.raises(TypeError, match="as a list"):
+            await client.get_jobs(job.job_id)
+        with pytest.raises(TypeError, match="labels map strings to strings"):
+            await client.submit("demo", {"x": X}, labels={"a": 1})  # type: ignore[dict-item]
+        with pytest.raises(ValueError, match="window"):
+            async for _ in client.bulk([JobRequest("demo", {"x": X})], window=0):
+                pass
+
+
+def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt(stack: Stack) -> None:
+    """The blocking client's iterators: the interrupted step was not awaited, so closing the
+    generator found it still running (RuntimeError: aclose(): asynchronous generator is already
+    running) and that replaced the KeyboardInterrupt."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, threading
+        from asyncinfer.client import Client, JobRequest
+        with Client({stack.address!r}) as client:
+            threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            try:
+                for _ in client.bulk(JobRequest("demo", {{"x": [[1, 2, 3, 4]]}}) for _ in range(200_000)):
+                    pass
+            except KeyboardInterrupt:
+                print("KeyboardInterrupt")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "KeyboardInterrupt", done.stderr
+    assert "RuntimeError" not in done.stderr, done.stderr
+
+
+async def test_a_reading_cancelled_by_its_caller_stays_a_cancellation(idle_stack: Stack) -> None:
+    """The upload's own error wins over grpc's cancel, but a caller's cancel stays one."""
+    async with AsyncClient(idle_stack.address) as client:
+        task = asyncio.create_task(client.upload(b"x" * (8 << 20), chunk_bytes=1024))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
