@@ -205,6 +205,23 @@ async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monke
     assert "UNAVAILABLE" in err
 
 
+async def test_a_wait_cut_short_still_names_the_job_it_queued(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit --wait` whose wait ends first (here --timeout; Ctrl-C the same): the job was
+    queued, so its ID is on stderr with how to follow it. Before, nothing named it."""
+    cli = Cli(idle_stack, monkeypatch)
+    code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]", "--wait", "--timeout", "1")
+    assert (code, out) == (5, "")
+    queued_line, error_line = err.splitlines()
+    job_id = queued_line.split()[2]
+    assert queued_line == f"asyncinfer: job {job_id} was queued and goes on; follow it with `asyncinfer watch {job_id}`"
+    assert error_line.startswith(f"asyncinfer: error: DEADLINE_EXCEEDED: the watch of job {job_id} (it goes on)")
+    code, out, err = await cli("get", job_id, "--json")
+    assert code == 0, err
+    assert json.loads(out)["state"] == "QUEUED"
+
+
 # -- watch, cancel, list -------------------------------------------------------------------------
 
 

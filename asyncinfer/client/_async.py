@@ -502,6 +502,9 @@ class AsyncClient:
                 )
             except grpc.RpcError as rpc_error:
                 error, cause = from_rpc_error(rpc_error), rpc_error
+                if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
+                    # This watch's own limit (grpc's text is "Stream removed"): the job goes on.
+                    error = deadline.exceeded(f"the watch of job {job_id} (it goes on)")
             finally:
                 call.cancel()
             await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)

@@ -66,7 +66,7 @@ class Deadline:
 
     def exceeded(self, what: str) -> DeadlineExceededError:
         return DeadlineExceededError(
-            f"{what} did not complete within {self.timeout_s:g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED
+            f"{what} did not complete within {self.timeout_s:.3g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED
         )
 
     def allows_sleep(self, seconds: float) -> bool:

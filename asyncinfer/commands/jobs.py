@@ -177,10 +177,11 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
             ref = await client.upload_inputs(request.inputs, retention_s=request.retention_s)
             request = dataclasses.replace(request, inputs=None, input_ref=ref.ref)
         started = time.monotonic()  # --timeout bounds the whole wait
-        wait_s = min(client.timeout_s, options.timeout_s or client.timeout_s) if args.wait else None
         try:
-            # With --wait the gateway holds its answer for the job's end (one call for a short job).
-            job = await client.submit_request(request, wait_s=wait_s)
+            # Not the gateway's held answer (SubmitJob's wait): the job's ID must reach the user
+            # however the wait ends (Ctrl-C, --timeout), and a held call that is interrupted has
+            # no answer to print. A process's start costs far more than the second call.
+            job = await client.submit_request(request)
         except ValueError as exc:  # contradictory fields the SDK refuses before sending
             raise UsageError(str(exc)) from None
         if not args.wait:
@@ -190,7 +191,15 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
                 print(job.job_id, flush=True)
             return EXIT_OK
         left_s = None if options.timeout_s is None else max(options.timeout_s - (time.monotonic() - started), 0.001)
-        done = job if job.done else await client.wait(job, timeout_s=left_s)
+        try:
+            done = job if job.done else await client.wait(job, timeout_s=left_s)
+        except BaseException:
+            print(
+                f"asyncinfer: job {job.job_id} was queued and goes on; follow it with `asyncinfer watch {job.job_id}`",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         return await _show_finished(client, done, options)
 
 
