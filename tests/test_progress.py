@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import kv_subject, progress_subject
 from asyncinfer.jobs import ProgressReport, job_key
@@ -166,6 +167,30 @@ async def test_a_model_stops_working_on_a_job_cancelled_while_it_runs(config: Co
     assert final.state == job_pb2.JOB_STATE_CANCELED
     assert steps, "it reported before the cancel"
     assert max(steps) < PROGRESS_STEPS / 2, steps  # ~1 s of steps: it stopped soon after the cancel
+
+
+async def test_the_sdks_watch_keeps_the_latest_progress_on_every_running_snapshot(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The scheduler keeps the progress on the record every progress_record_interval_s; the
+    message of that write carries no progress when the watcher has it already. The SDK's snapshot
+    still holds it (before, a consumer saw the progress vanish for one message, and the CLI
+    printed a bare line with an old time)."""
+    stack = await start_stack(progress_config(config, progress_record_interval_s=0.3))
+    job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+    raw = asyncio.create_task(watch_all(stack.jobs, job.job_id))
+    async with AsyncClient(stack.address) as client:
+        snapshots = [snapshot async for snapshot in client.watch(job.job_id, timeout_s=60)]
+    seen = await asyncio.wait_for(raw, 60)
+    first_report = next(i for i, s in enumerate(seen) if s.progress is not None)
+    bare = [s for s in seen[first_report:] if s.state == job_pb2.JOB_STATE_RUNNING and s.progress is None]
+    assert bare, "the record's own progress writes came as messages without progress"
+    reported = [s for s in snapshots if s.progress is not None]
+    assert reported
+    after_first = snapshots[snapshots.index(reported[0]) :]
+    assert all(s.progress is not None for s in after_first), [(s.state, s.revision) for s in after_first]
+    fractions = [s.progress.fraction for s in after_first if s.progress is not None]
+    assert fractions == sorted(fractions)
 
 
 async def test_items_of_one_batch_report_independently(config: Config, start_stack: StartStack) -> None:

@@ -67,6 +67,7 @@ from asyncinfer.client.types import (
     Callback,
     Inputs,
     Job,
+    JobProgress,
     JobRequest,
     JobState,
     ModelInfo,
@@ -458,7 +459,9 @@ class AsyncClient:
         self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None
     ) -> AsyncGenerator[Job, None]:
         """The job now, then each change, ending after a terminal state. With `after_revision` (a
-        revision seen before) only the changes after it: nothing when the job ended at it.
+        revision seen before) only the changes after it: nothing when the job ended at it. A model
+        that reports progress adds a snapshot per report (`progress`); a running job's snapshot
+        carries the latest progress of its attempt, whatever message brought it.
 
         A broken stream (the gateway restarting, a network blip) is reopened with
         `after_revision`, so no change is lost or repeated. `timeout_s` bounds the whole watch
@@ -469,6 +472,7 @@ class AsyncClient:
         deadline = Deadline(timeout_s)
         last_revision = after_revision
         seen = False  # a record was yielded: a reopened watch's first record may repeat it
+        progress: tuple[int, JobProgress] | None = None  # the latest, and the attempt it is of
         attempt = 0
         while True:
             attempt += 1
@@ -487,6 +491,12 @@ class AsyncClient:
                     first = False
                     if repeated:
                         continue
+                    if snapshot.progress is not None:
+                        progress = (snapshot.attempt, snapshot.progress)
+                    elif progress is not None and progress[0] == snapshot.attempt and not snapshot.done:
+                        # A message of the record alone (its state, or the scheduler keeping the
+                        # progress every few seconds): the latest progress still holds.
+                        snapshot = replace(snapshot, progress=progress[1])
                     last_revision = max(last_revision, snapshot.revision)
                     seen = True
                     attempt = 0

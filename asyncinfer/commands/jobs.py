@@ -238,6 +238,7 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
     live = StatusLine(sys.stdout) if sys.stdout.isatty() and not options.json else None
     started = time.monotonic()
     last: Job | None = None
+    printed = ""  # the last line printed (a message that changes nothing shown is not repeated)
 
     def show_live() -> None:
         if live is not None and last is not None:
@@ -258,13 +259,14 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
                         print_json(job_json(update))
                     elif live is not None:
                         show_live()
-                    else:
-                        # A progress report comes with the record unchanged (its revision): it is
-                        # stamped when heard, not with the record's last write.
-                        progress = previous is not None and previous.revision == update.revision
-                        stamp = datetime.now(UTC) if progress else (update.update_time or update.create_time)
+                    elif (summary := job_summary(update)) != printed:
+                        # A change of state is stamped with its record's time; anything else
+                        # (a progress report, the record keeping it) when it is heard.
+                        moved = previous is None or (previous.state, previous.attempt) != (update.state, update.attempt)
+                        stamp = (update.update_time or update.create_time) if moved else datetime.now(UTC)
                         prefix = stamp.astimezone().strftime("%H:%M:%S.%f")[:-3] + "  " if stamp else ""
-                        print(prefix + job_summary(update), flush=True)
+                        print(prefix + summary, flush=True)
+                        printed = summary
         finally:
             if ticker is not None:
                 ticker.cancel()

@@ -505,7 +505,10 @@ class WatchJobResponse(_message.Message):
 
     @_builtins.property
     def progress(self) -> Global___JobProgress:
-        """Progress reported by the model, where it reports any."""
+        """Progress reported by the model, where it reports any: set on a report's message, and on a
+        record's when the record keeps newer progress than this watch was sent (the terminal
+        message always carries the last); unset otherwise, the last one sent still holding.
+        """
 
     def __init__(
         self,
