@@ -92,6 +92,16 @@ class JobStore:
         data, revision = latest
         return decode_record(data, revision=revision)
 
+    async def drop_work_message(self, key: str) -> None:
+        """Purges the job's work message: for a job whose record in the bucket ended while it was
+        queued (cancelled), whose message would otherwise count as queued until a dispatch pulls
+        it. Never for a job that may run: the message is what runs it again after a lapsed lease."""
+        tenant, _, job_id = key.partition(".")
+        try:
+            await self._bucket.js.purge_stream(self._work_stream, subject=job_work_lookup(tenant, job_id))
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot drop the job's work message: {exc}") from exc
+
     async def not_found(self, key: str, job_id: str) -> NotFound:
         """The NOT_FOUND for a job with no record: JOB_RETENTION_PASSED while the delete marker
         left by its expiry lives, else JOB_NOT_FOUND."""

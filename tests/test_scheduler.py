@@ -18,7 +18,7 @@ from asyncinfer.blob_meta import new_input_ref
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
-from asyncinfer.contract import cancel_subject, progress_subject
+from asyncinfer.contract import cancel_subject, job_work_lookup, job_work_subject, progress_subject
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import (
@@ -841,9 +841,11 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
     """A submit's work message is its QUEUED record: dispatched without reading anything, the
     RUNNING write being the record's create. A job cancelled while queued (the cancel created the
     record first, and announced it as the gateway does) loses that create; the dispatch reads
-    what won and runs nothing."""
+    what won and runs nothing. (The announced cancel also drops the message: here that drop is
+    held back, as when a dispatch pulls the message first.)"""
     store: Any = app.flow._store
     reads: list[str] = []
+    dropped: list[str] = []
     for name in ("get", "recorded", "queued"):
         real = getattr(store, name)
 
@@ -852,6 +854,11 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
             return await real(key)
 
         setattr(store, name, counting)
+
+    async def held_back(key: str) -> None:
+        dropped.append(key)
+
+    store.drop_work_message = held_back
     batcher = await batchers("b1")
     fresh = await enqueue(nc, kv)
     await batcher.grant(1)
@@ -881,6 +888,11 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
 
     await until(acked)
     assert key in reads
+
+    async def drop_asked() -> bool:
+        return dropped == [key]
+
+    await until(drop_asked)
     assert (await read_record(js, stale)).state == JobState.CANCELED
     with pytest.raises(TimeoutError):
         await batcher.next_order(timeout_s=0.2)
@@ -1017,6 +1029,31 @@ async def test_an_order_goes_early_only_on_a_submits_own_record(
     await batcher.answer(order)
     done = await wait_state(js, job_id, JobState.SUCCEEDED)
     assert (done.attempt, done.max_attempts) == (2, 3)
+
+
+async def test_a_job_cancelled_while_queued_leaves_the_queue_at_once(
+    app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, nc: NatsClient
+) -> None:
+    """Its work message was left until a dispatch pulled it: counted meanwhile as queued (the
+    queue's depth, the desired batchers, the tenant's queued jobs), for as long as its queue was
+    paused or backed up. On the cancel's notice the scheduler drops it; a job still CANCELLING
+    (running on another scheduler's batcher) keeps its message. No batcher: nothing dispatches."""
+    cancelled, cancelling, kept = [await enqueue(nc, kv) for _ in range(3)]
+    assert await work_messages(js, config) == 3
+    for job_id, state in ((cancelled, JobState.CANCELED), (cancelling, JobState.CANCELLING)):
+        record = await read_record(js, job_id)
+        await kv.create(job_key(TENANT, job_id), encode_record(record.evolve(state=state, update_time=time.time())))
+        await nc.publish(cancel_subject(MODEL), CancelNotice(job_id=job_id, tenant=TENANT, model_name=MODEL).encode())
+
+    async def one_dropped() -> bool:
+        return await work_messages(js, config) == 2
+
+    await until(one_dropped)
+    queued = await js.stream_info(config.nats.work_stream, subjects_filter=job_work_lookup(TENANT, "*"))
+    assert set(queued.state.subjects or {}) == {
+        job_work_subject(MODEL, Priority.NORMAL, TENANT, job_id) for job_id in (cancelling, kept)
+    }
+    assert (await read_record(js, cancelled)).state is JobState.CANCELED  # the record stays
 
 
 async def test_a_replays_notice_spares_the_read(

@@ -21,7 +21,9 @@ import structlog
 
 from asyncinfer import job_errors
 from asyncinfer.config import Config
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
@@ -222,10 +224,25 @@ class JobFlow:
         job = self._leases.jobs.get(notice.job_id)
         if job is None:
             self._leases.remember_cancel(notice.job_id)
+            self._tasks.spawn(self._drop_cancelled_message(notice))
             return
         job.log.info("job_cancel_sent", batcher_id=job.session.batcher_id)
         if not job.session.closed:
             job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
+
+    async def _drop_cancelled_message(self, notice: CancelNotice) -> None:
+        """A job cancelled while queued (CANCELED at once) leaves its work message in the stream
+        until a dispatch pulls and drops it: counted meanwhile in its queue's depth, the desired
+        batchers and its tenant's queued jobs (a paused queue, a backlog, a cancelled file batch's
+        thousand chunks). Its message goes now. One still CANCELLING runs somewhere: its attempt's
+        end settles it. (Every scheduler hears the notice; the purge is idempotent.)"""
+        key = job_key(notice.tenant, notice.job_id)
+        try:
+            record = await self._store.recorded(key)
+            if record is not None and record.state is JobState.CANCELED:
+                await self._store.drop_work_message(key)
+        except AsyncInferError as exc:  # a dispatch drops it later, as before
+            log.info("cancelled_message_not_dropped", job_id=notice.job_id, error=exc.message)
 
     # --- leases, rates and shutdown ---------------------------------------------------------------
 
