@@ -114,6 +114,9 @@ def _decoded(text: bytes) -> Any:
         return json.loads(text)
 
 
+_LINE_FIELDS = frozenset({"custom_id", "inputs"})
+
+
 def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[IndexEntry, Arrays] | ErrorLine:
     """One JSONL line: its record, or its error line."""
     custom_id = ""
@@ -128,6 +131,10 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
         if len(custom_id.encode()) > MAX_CUSTOM_ID_BYTES:
             custom_id = custom_id[:64]
             raise RecordInvalid(f"custom_id is over {MAX_CUSTOM_ID_BYTES} bytes")
+        if unknown := value.keys() - _LINE_FIELDS:
+            # A typo ("custom-id") would otherwise pass silently, and a "model" would be taken as
+            # choosing one when the batch's model runs every line.
+            raise RecordInvalid(f"unknown field {sorted(unknown)[0]!r} (a line has custom_id and inputs)")
         if "inputs" not in value:
             raise RecordInvalid('a line needs "inputs"')
         arrays = check_record(value["inputs"], signature)

@@ -100,6 +100,11 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
         assert written == (tmp_path / "out.jsonl").stat().st_size
         assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 120
         assert (await client.get_batch(batch.batch_id)).labels == {"run": "nightly"}
+        # Cancelling a batch that ended returns it as it is (as cancelling a finished job does).
+        ended = await client.cancel_batch(batch)
+        assert (ended.batch_id, ended.state, ended.completed) == (batch.batch_id, "COMPLETED", 120)
+        code, printed, stderr = await cli("batch", "cancel", batch.batch_id, "--gateway", stack.address)
+        assert (code, printed.split()[:2]) == (0, [batch.batch_id, "COMPLETED"]), stderr
         # Refusals come as the SDK's errors, the streaming calls' as every other call's.
         with pytest.raises(FailedPreconditionError, match="NPZ_OUTPUT_NEEDS_ARRAY_INPUT"):
             await client.output_arrays(batch)  # a JSONL batch's output is JSONL

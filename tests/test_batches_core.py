@@ -202,6 +202,11 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
     assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
     assert "not a JSON line" in error("{nope")
+    # Another field is a mistake to name, not to skip: a typo of custom_id, or a bulk line's model.
+    assert error('{"custom-id": "a", "inputs": {"x": [[1, 2, 3, 4]]}}') == (
+        "unknown field 'custom-id' (a line has custom_id and inputs)"
+    )
+    assert "unknown field 'model'" in error('{"model": "other", "inputs": {"x": [[1, 2, 3, 4]]}}')
 
 
 def test_a_record_without_a_custom_id_is_known_by_its_line() -> None:

@@ -941,8 +941,15 @@ class AsyncClient:
         return await self._batch_calls.get(batch)
 
     async def cancel_batch(self, batch: Batch | str) -> Batch:
-        """Stops the batch's chunks (CANCELLING, then CANCELLED); what finished is kept."""
-        return await self._batch_calls.cancel(batch)
+        """Stops the batch's chunks (CANCELLING, then CANCELLED); what finished is kept. Safe to
+        repeat, as `cancel` is: a batch that had ended (FAILED_PRECONDITION BATCH_ALREADY_ENDED)
+        is returned as it is."""
+        try:
+            return await self._batch_calls.cancel(batch)
+        except FailedPreconditionError as error:
+            if error.reason != "BATCH_ALREADY_ENDED":
+                raise
+        return await self._batch_calls.get(batch)
 
     async def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
         """One page of the caller's batches, newest first, and the next page's token ("" at the end)."""

@@ -28,7 +28,7 @@ from asyncinfer.commands.output import (
 EXIT_CODES_HELP = (
     "exit codes: 0 ok, 1 a job ended other than SUCCEEDED, 2 usage error, 3 not found, 4 invalid argument, "
     "5 unavailable / deadline exceeded / resource exhausted, 6 other error, 7 unauthenticated / permission "
-    "denied, 130 interrupted"
+    "denied, 130 interrupted, 141 the output's reader went away (| head)"
 )
 
 
@@ -39,7 +39,7 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
     default = None if top_level else argparse.SUPPRESS
     if not top_level:
         parser.epilog = EXIT_CODES_HELP
-    group = parser.add_argument_group("client options (submit, get, watch, cancel, list, bulk, dlq, stats)")
+    group = parser.add_argument_group("client options (every command but the servers')")
     group.add_argument(
         "--gateway",
         metavar="ADDR",
@@ -50,7 +50,7 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
         "--scheduler",
         metavar="ADDR",
         default=default,
-        help=f"the scheduler's OpsService, for dlq and stats (env ASYNCINFER_SCHEDULER_ADDRESS; "
+        help=f"the scheduler's OpsService, for dlq, queue and stats (env ASYNCINFER_SCHEDULER_ADDRESS; "
         f"default {DEFAULT_SCHEDULER})",
     )
     group.add_argument("--api-key", metavar="KEY", default=default, help="API key (env ASYNCINFER_API_KEY)")
@@ -80,7 +80,8 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
         metavar="SECONDS",
         type=float,
         default=default,
-        help=f"deadline of each call (default {DEFAULT_CALL_TIMEOUT_S:g}); also bounds waits (default: none)",
+        help=f"seconds each call may take (default {DEFAULT_CALL_TIMEOUT_S:g}), and a wait (--wait, watch): "
+        "unbounded unless given",
     )
     group.add_argument(
         "--json",

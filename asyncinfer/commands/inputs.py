@@ -226,14 +226,25 @@ def inputs_from_arguments(
 
 
 def _text_or_value(text: str, where: str, *, bytes_input: bool) -> Any:
-    """read_value's, except that for a text (BYTES) input a value that is not JSON is the text
-    itself: `-i text=hello` as well as `-i 'text="hello"'` or `-i 'text=["a", "b"]'`."""
-    if bytes_input and not text.startswith("@"):
+    """read_value's, except for a text (BYTES) input: a value that is not JSON is the text itself
+    (`-i text=hello` as well as `-i 'text="hello"'` or `-i 'text=["a", "b"]'`), and a file that is
+    not .npy or .json is one text, whole (`-i text=@doc.txt`)."""
+    if not bytes_input:
+        return read_value(text, where)
+    if not text.startswith("@"):
         try:
             return json.loads(text)
         except json.JSONDecodeError:
             return text
-    return read_value(text, where)
+    path = Path(text[1:])
+    if text == "@-" or path.suffix in (".npy", ".json"):
+        return read_value(text, where)
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is not UTF-8 text: {exc}") from None
 
 
 def _shape(text: str, name: str) -> list[int]:

@@ -45,7 +45,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "submit",
         help="queue a job (inline values, a JSON request file, or stdin)",
         description="Queue a job. Prints its ID (or, with --wait, the finished job). Values: --input x=[[1,2,3,4]] "
-        "(JSON), x=@file.npy, x=@file.json, x=@- (stdin), for a text (BYTES) input also text=hello; or a whole JSON request with --request FILE (- : stdin), "
+        "(JSON), x=@file.npy, x=@file.json, x=@- (stdin), for a text (BYTES) input also text=hello and text=@doc.txt (the file, whole); or a whole JSON request with --request FILE (- : stdin), "
         'e.g. {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}. Datatypes and shapes come from the model\'s '
         "signature (as the gateway's ListModels gives it, or --config's) where it is known, else from --datatype or "
         "the values.",
