@@ -154,6 +154,9 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     rest = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_token=listed.next_page_token))
     assert [b.batch_id for b in rest.batches] == [first.batch.batch_id]
     assert rest.next_page_token == ""
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # it listed the first page again
+        await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_token="garbage"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # The ended record and its key's claim are kept as long as the batch's files, then removed by
     # the server (per-message TTLs), so the bucket does not grow with every batch ever run.
     ended = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=first.batch.batch_id))

@@ -209,6 +209,9 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             message = f"page_size must be between 1 and {MAX_PAGE_SIZE} (0: {DEFAULT_PAGE_SIZE})"
             raise InvalidArgument(message, [FieldViolation("page_size", message)])
         size = request.page_size or DEFAULT_PAGE_SIZE
+        if request.page_token and not is_job_id(request.page_token):  # a token is the last batch ID of a page
+            message = "invalid page_token: not a token from ListBatches"
+            raise InvalidArgument(message, [FieldViolation("page_token", message)], reason="INVALID_PAGE_TOKEN")
         ids = sorted((batch_id for _, batch_id in await self._store.keys(tenant)), reverse=True)
         if request.page_token:
             ids = [batch_id for batch_id in ids if batch_id < request.page_token]
