@@ -155,6 +155,26 @@ async def test_bad_page_tokens_are_invalid_argument(stub: JobStub) -> None:
     assert following.jobs[0].job_id < page.jobs[0].job_id
 
 
+async def store_succeeded(kv: Any, **fields: Any) -> str:
+    """A SUCCEEDED record of the default tenant written straight to the bucket; its job ID."""
+    now = time.time()
+    record = JobRecord(
+        job_id=new_job_id(),
+        tenant="default",
+        model_name="demo",
+        model_version="1",
+        state=JobState.SUCCEEDED,
+        priority=fields.pop("priority", Priority.NORMAL),
+        create_time=now,
+        update_time=now,
+        max_attempts=3,
+        result_retention_s=3600.0,
+        **fields,
+    )
+    await kv.create(record.key, encode_record(record))
+    return record.job_id
+
+
 async def test_pages_of_large_results_stay_under_the_message_limit(config: Config, nc: NatsClient) -> None:
     # Inline outputs of 300 kB each (as the scheduler stores results up to its inline limit): with a
     # 700 kB budget two fit a page, whatever page_size asks.
@@ -162,23 +182,8 @@ async def test_pages_of_large_results_stay_under_the_message_limit(config: Confi
         kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
         ids = []
         for _ in range(5):
-            job_id = new_job_id()
             output = Tensor("y", "UINT8", (1, 300_000), bytes(300_000))
-            record = JobRecord(
-                job_id=job_id,
-                tenant="default",
-                model_name="demo",
-                model_version="1",
-                state=JobState.SUCCEEDED,
-                priority=Priority.NORMAL,
-                create_time=time.time(),
-                update_time=time.time(),
-                max_attempts=3,
-                result_retention_s=3600.0,
-                outputs=(output,),
-            )
-            await kv.create(record.key, encode_record(record))
-            ids.append(job_id)
+            ids.append(await store_succeeded(kv, outputs=(output,)))
         pages = await list_all(stub, listing(10))
         assert [len(page) for page in pages] == [2, 2, 1]
         assert [job_id for page in pages for job_id in page] == sorted(ids, reverse=True)
@@ -195,21 +200,8 @@ async def test_a_batchs_chunk_jobs_are_listed_only_when_asked_for_by_its_label(
     kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
     chunks = []
     for start in range(0, 5 * 1024, 1024):
-        record = JobRecord(
-            job_id=new_job_id(),
-            tenant="default",
-            model_name="demo",
-            model_version="1",
-            state=JobState.SUCCEEDED,
-            priority=Priority.LOW,
-            create_time=time.time(),
-            update_time=time.time(),
-            max_attempts=3,
-            result_retention_s=3600.0,
-            labels={BATCH_LABEL: "the-batch", CHUNK_LABEL: f"{start}-{start + 1024}"},
-        )
-        await kv.create(record.key, encode_record(record))
-        chunks.append(record.job_id)
+        labels = {BATCH_LABEL: "the-batch", CHUNK_LABEL: f"{start}-{start + 1024}"}
+        chunks.append(await store_succeeded(kv, priority=Priority.LOW, labels=labels))
 
     async def ids(**fields: Any) -> list[str]:
         return [job_id for page in await list_all(stub, listing(2, **fields)) for job_id in page]
