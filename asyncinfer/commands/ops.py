@@ -146,7 +146,9 @@ def dead_letter_json(letter: ops_service_pb2.DeadLetter) -> dict[str, Any]:
         "reason": letter.reason,
         "attempts": letter.attempts,
         "last_error": _error(letter.last_error) if letter.HasField("last_error") else None,
-        "dead_time": letter.dead_time.ToDatetime(UTC).isoformat() if letter.HasField("dead_time") else None,
+        "dead_time": letter.dead_time.ToDatetime(UTC).isoformat(timespec="milliseconds")
+        if letter.HasField("dead_time")
+        else None,
     }
     if letter.original_request:
         data["original_request"] = original_request_json(letter.original_request)

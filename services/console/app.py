@@ -14,6 +14,7 @@ from functools import partial
 
 import structlog
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import Config
@@ -65,6 +66,23 @@ async def _headers(
     return response
 
 
+def loopback_hosts_only(bound_to_loopback: bool) -> Middleware:
+    """On a loopback bind, a request must name a loopback host: a page a browser fetched from
+    another site, its name re-pointed at 127.0.0.1 (DNS rebinding), names that site, and would
+    otherwise read the form token and act (a keyless loopback console may act)."""
+
+    @web.middleware
+    async def check(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if bound_to_loopback and not is_loopback(request.url.host or ""):
+            body = ui.error_box("this console answers only to localhost, 127.0.0.1 or [::1]")
+            return web.Response(text=ui.page("Not allowed", body), status=421, content_type="text/html")
+        return await handler(request)
+
+    return check
+
+
 async def _health(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
@@ -113,7 +131,9 @@ class ConsoleApp:
                 tenant=self._tenant(),
                 stats_interval_s=console.stats_interval_s,
             )
-            app = web.Application(middlewares=[_headers], client_max_size=64 * 1024)
+            app = web.Application(
+                middlewares=[_headers, loopback_hosts_only(is_loopback(console.host))], client_max_size=64 * 1024
+            )
             pages: list[tuple[str, str, Page]] = [
                 ("GET", "/models", models_page),
                 ("GET", "/jobs", jobs_page),

@@ -133,7 +133,7 @@ class Backend:
     async def job(self, job_id: str) -> Job:
         request = job_service_pb2.GetJobRequest(job_id=job_id)
         answer = await _call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
-        return job_from_proto(answer.job)
+        return job_from_proto(answer.job, answer.progress if answer.HasField("progress") else None)
 
     # -- BatchService (the tenant's key: batches are per tenant) ----------------------------
 

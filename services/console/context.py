@@ -5,8 +5,10 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
+import grpc
 from aiohttp import web
 
+from asyncinfer.client import AsyncInferClientError
 from services.console import html as ui
 from services.console.backend import Backend
 from services.console.history import QueueHistory
@@ -28,10 +30,40 @@ class Context:
         if not self.writable:
             body = ui.error_box("this console is read-only: it holds no ops key, or console.read_only is set")
             return web.Response(text=ui.page("Not allowed", body), status=403, content_type="text/html")
-        if not hmac.compare_digest(form.get("csrf", ""), self.csrf):
+        # As bytes: compare_digest refuses str with non-ASCII characters (a 500 for a hand-made form).
+        if not hmac.compare_digest(form.get("csrf", "").encode(), self.csrf.encode()):
             body = ui.error_box("the form is stale or came from another site: reload the page and try again")
             return web.Response(text=ui.page("Not allowed", body), status=403, content_type="text/html")
         return None
+
+
+# What a refused call says to the browser: the caller's mistake is theirs (4xx), only trouble
+# reaching a service is a bad gateway.
+_STATUS_BY_CODE = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 409,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+}
+
+
+def status_of(error: AsyncInferClientError) -> int:
+    """The HTTP status of a page that shows `error`."""
+    return _STATUS_BY_CODE.get(error.code, 502)
+
+
+def count_param(text: str, *, default: int, most: int) -> int | None:
+    """A count from a query or form field: ASCII digits (str.isdigit takes '²', which int() refuses)
+    up to `most`; `default` when empty; None when it is not one."""
+    if not text:
+        return default
+    if not (text.isascii() and text.isdigit()) or len(text) > 18 or int(text) > most:
+        return None
+    return int(text)
 
 
 def message_of(request: web.Request) -> str:

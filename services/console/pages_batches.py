@@ -12,7 +12,7 @@ from aiohttp import web
 from asyncinfer.client import Batch
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from services.console import html as ui
-from services.console.context import Context, fragment_or_page, message_of
+from services.console.context import Context, fragment_or_page, message_of, status_of
 
 PAGE_SIZE = 20
 # Batch IDs are UUIDv7s; anything else is not one (and must not reach a header or a file name).
@@ -32,7 +32,7 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         found = await ctx.backend.list_batches(page_size=PAGE_SIZE, page_token=token)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Batches", intro + ui.error_box(error), status=502)
+        return fragment_or_page(request, "Batches", intro + ui.error_box(error), status=status_of(error))
     headers = ("batch", "state", "model", "done", "failed", "total", "progress", "records/s", "created", "finish")
     listing = ui.table(headers, [_batch_row(b) for b in found.batches], numeric=(3, 4, 5, 7), id_="batches")
     links = []
@@ -88,7 +88,7 @@ async def batch_page(ctx: Context, request: web.Request) -> web.Response:
     except NotFoundError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, title, ui.error_box(error), status=502)
+        return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     body = batch_details(ctx, batch)
     if request.headers.get("X-Console-Fragment"):
         response = web.Response(text=body, content_type="text/html")
@@ -184,7 +184,7 @@ async def batch_file(ctx: Context, request: web.Request) -> web.StreamResponse:
     except NotFoundError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=404)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, title, ui.error_box(error), status=502)
+        return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     file_name, content_type = FILE_NAMES[which]
     response = web.StreamResponse(
         headers={

@@ -11,7 +11,7 @@ from aiohttp import web
 from asyncinfer.client import Job, JobState
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from services.console import html as ui
-from services.console.context import Context, fragment_or_page, message_of
+from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
 
 PAGE_SIZES = (20, 50, 100, 200)
 TIMELINE_COLORS = {"queued": "#f0b429", "running": "#0b57d0"}
@@ -22,7 +22,7 @@ async def models_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         models = await ctx.backend.models()
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Models", ui.error_box(error), status=502)
+        return fragment_or_page(request, "Models", ui.error_box(error), status=status_of(error))
     rows = [
         [
             ui.h(m.name),
@@ -51,17 +51,18 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     query = request.query
     state, model, label = query.get("state", ""), query.get("model", ""), query.get("label", "")
     token = query.get("page_token", "")
-    size = int(query["page_size"]) if query.get("page_size", "").isdigit() else 50
-    try:
-        states = (JobState(state),) if state else ()
-    except ValueError:
-        states = ()
+    size = count_param(query.get("page_size", ""), default=50, most=1000)
+    known = {s.value: s for s in JobState}
+    if size is None or size == 0 or (state and state.upper() not in known):
+        wrong = f"unknown state {state!r}" if size else "page_size is a number of jobs, 1 to 1,000"
+        return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(wrong), status=400)
+    states = (known[state.upper()],) if state else ()
     try:
         found = await ctx.backend.list_jobs(
             states=states, model=model, labels=_labels(label), page_size=size, page_token=token
         )
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=502)
+        return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=status_of(error))
     now = time.time()
     rows = [_job_row(job, now) for job in found.jobs]
     headers = ("job", "state", "model", "priority", "attempt", "labels", "created", "queued", "ran")
@@ -89,11 +90,13 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
 def _filters(ctx: Context, query: Mapping[str, str]) -> str:
     state = query.get("state", "")
     options = "".join(
-        f'<option value="{s.value}"{" selected" if s.value == state else ""}>{s.value}</option>' for s in JobState
+        f'<option value="{s.value}"{" selected" if s.value == state.upper() else ""}>{s.value}</option>'
+        for s in JobState
     )
-    sizes = "".join(
-        f"<option{' selected' if str(n) == query.get('page_size', '50') else ''}>{n}</option>" for n in PAGE_SIZES
-    )
+    # The size in use is always an option (a link may carry one the list does not offer).
+    size = query.get("page_size", "") or "50"
+    offered = sorted({*PAGE_SIZES, int(size)}) if size.isascii() and size.isdigit() and len(size) < 6 else PAGE_SIZES
+    sizes = "".join(f"<option{' selected' if str(n) == size else ''}>{n}</option>" for n in offered)
     whose = f"Tenant {ui.h(ctx.tenant)}'s jobs" if ctx.tenant else "The jobs the console's key reaches"
     return (
         f'<p>{whose}, newest first.</p><form method="get" action="/jobs">'
@@ -114,7 +117,7 @@ def _job_row(job: Job, now: float) -> list[str]:
         ui.h(f"{job.attempt}/{job.max_attempts}"),
         ui.h(labels or "-"),
         ui.when(job.create_time),
-        ui.seconds(job.queue_duration_s),
+        ui.seconds(_queued_so_far(job, now)),
         ui.seconds(job.run_duration_s),
     ]
 
@@ -127,7 +130,7 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
     except NotFoundError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, title, ui.error_box(error), status=502)
+        return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     body = job_details(job, time.time())
     if request.headers.get("X-Console-Fragment"):
         response = web.Response(text=body, content_type="text/html")
@@ -156,7 +159,7 @@ def job_details(job: Job, now: float) -> str:
         ("started (latest attempt)", ui.when(job.start_time)),
         ("ended", ui.when(job.end_time)),
         ("updated", ui.when(job.update_time)),
-        ("queued for", ui.seconds(job.queue_duration_s)),
+        ("queued for", ui.seconds(_queued_so_far(job, now))),
         ("ran for", ui.seconds(job.run_duration_s)),
         ("deadline", ui.when(job.deadline)),
         ("execution timeout", ui.seconds(job.execution_timeout_s)),
@@ -173,13 +176,16 @@ def job_details(job: Job, now: float) -> str:
     for name, error in (("error", job.error), ("previous attempt's error", job.last_error)):
         if error is not None:
             record.append((name, ui.h(f"{error.code.name} {error.reason}: {error.message}")))
+    if job.progress is not None:  # the latest the record keeps (every few seconds while it runs)
+        done = "" if job.progress.fraction is None else f"{job.progress.fraction:.0%} "
+        record.append(("progress", ui.h(f"{done}{job.progress.message}".strip() or "-")))
     if job.outputs:
         shapes = ", ".join(f"{name} {list(array.shape)} {array.dtype}" for name, array in job.outputs.items())
         record.append(("outputs", ui.h(shapes)))
     if job.result_ref is not None:
         record.append(("result stored apart", ui.h(f"{job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")))
     parts = [ui.fields(record), "<h2>Timeline</h2>", _timeline(job, now)]
-    if job.batch is not None:
+    if job.batch is not None and job.batch.batch_size:  # a job that never computed has an empty one
         batch = [
             ("batcher", ui.h(job.batch.batcher_id)),
             ("jobs in the batch", ui.h(job.batch.batch_size)),
@@ -205,6 +211,13 @@ def job_details(job: Job, now: float) -> str:
         headers = ("webhook id", "event", "state", "attempts", "last attempt", "status", "last error", "next attempt")
         parts.append(ui.table(headers, rows, numeric=(3,), id_="deliveries"))
     return "".join(parts)
+
+
+def _queued_so_far(job: Job, now: float) -> float | None:
+    """Its queue time, or while it waits the time so far."""
+    if job.queue_duration_s is not None or job.state is not JobState.QUEUED or job.create_time is None:
+        return job.queue_duration_s
+    return max(now - job.create_time.timestamp(), 0.0)
 
 
 def _timeline(job: Job, now: float) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime
+from typing import Any
 from urllib.parse import quote
 
 from aiohttp import web
@@ -12,14 +14,17 @@ from aiohttp import web
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from services.console import html as ui
 from services.console.backend import ModelQueues
-from services.console.context import Context, fragment_or_page, message_of
+from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
+
+# A stream sequence is a uint64; past this it is no sequence a dead letter has.
+MAX_SEQUENCE = 2**63 - 1
 
 
 async def queues_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         queues = await ctx.backend.queues()
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Queues", ui.error_box(error), status=502)
+        return fragment_or_page(request, "Queues", ui.error_box(error), status=status_of(error))
     body = _queues(ctx, queues)
     if request.headers.get("X-Console-Fragment"):
         return web.Response(text=body, content_type="text/html")
@@ -107,7 +112,8 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         found = await ctx.backend.dead_letters(model=model, page_token=token)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Dead letters", ui.error_box(error), status=502)
+        box = _dead_letter_filter(model) + ui.error_box(error)  # the filter stays, to correct it
+        return fragment_or_page(request, "Dead letters", box, status=status_of(error))
     rows = []
     for letter in found.letters:
         last = letter["last_error"]
@@ -120,7 +126,7 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
                 ui.h(letter["reason"]),
                 ui.h(letter["attempts"]),
                 ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-"),
-                ui.h(letter["dead_time"] or "-"),
+                _dead_since(letter),
             ]
         )
     headers = ("sequence", "job", "tenant", "model", "reason", "attempts", "last error", "dead since")
@@ -144,8 +150,8 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
     if found.next_page_token:
         more = f'<a id="next-page" href="{ui.h(ui.url("/dead-letters", model=model, page_token=found.next_page_token))}">next page</a>'
     body = (
-        f'<form method="get" action="/dead-letters">model <input name="model" value="{ui.h(model)}"> '
-        f'<button type="submit">filter</button></form><p>{ui.h(total)}</p>'
+        _dead_letter_filter(model)
+        + f"<p>{ui.h(total)}</p>"
         + ui.table(headers, rows, numeric=(0, 5), id_="dead-letters")
         + more
         + f"<p>{actions}</p>"
@@ -153,17 +159,31 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
     return fragment_or_page(request, "Dead letters", body)
 
 
+def _dead_since(letter: dict[str, Any]) -> str:
+    """When it died, as every page shows a time."""
+    dead = letter["dead_time"]
+    return ui.when(datetime.fromisoformat(dead)) if dead else "-"
+
+
+def _dead_letter_filter(model: str) -> str:
+    return (
+        f'<form method="get" action="/dead-letters">model <input name="model" value="{ui.h(model)}"> '
+        f'<button type="submit">filter</button></form>'
+    )
+
+
 async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
     raw = request.match_info["sequence"]
     title = f"Dead letter {raw}"
-    if not raw.isdigit():
+    sequence = count_param(raw, default=0, most=MAX_SEQUENCE)
+    if not sequence:
         return fragment_or_page(request, title, ui.error_box("a dead letter's sequence is a number"), status=404)
     try:
-        letter = await ctx.backend.dead_letter(int(raw))
+        letter = await ctx.backend.dead_letter(sequence)
     except NotFoundError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=404)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, title, ui.error_box(error), status=502)
+        return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     last = letter["last_error"]
     record = [
         ("job", f'<a href="/jobs/{ui.h(letter["job_id"])}">{ui.h(letter["job_id"])}</a>'),
@@ -172,7 +192,7 @@ async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
         ("reason", ui.h(letter["reason"])),
         ("attempts", ui.h(letter["attempts"])),
         ("last error", ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-")),
-        ("dead since", ui.h(letter["dead_time"] or "-")),
+        ("dead since", _dead_since(letter)),
     ]
     request_json = json.dumps(letter.get("original_request", {}), indent=2, ensure_ascii=False)
     actions = ""
@@ -194,7 +214,8 @@ async def dead_letter_action(ctx: Context, request: web.Request) -> web.Response
     refused = ctx.check_form(form)
     if refused is not None:
         return refused
-    sequences = [int(s) for s in form.get("sequence", "").split(",") if s.strip().isdigit()]
+    given = [count_param(s.strip(), default=0, most=MAX_SEQUENCE) for s in form.get("sequence", "").split(",")]
+    sequences = [s for s in given if s]
     every, model = form.get("all") == "true", form.get("model", "")
     try:
         if request.match_info["action"] == "replay":
@@ -203,7 +224,7 @@ async def dead_letter_action(ctx: Context, request: web.Request) -> web.Response
             said = await ctx.backend.purge(sequences, every=every, model=model)
     except AsyncInferClientError as error:
         said = f"refused: {error}"
-    raise web.HTTPSeeOther(f"/dead-letters?message={quote(said)}")
+    raise web.HTTPSeeOther(ui.url("/dead-letters", model=model, message=said))  # back to the view it came from
 
 
 async def queue_action(ctx: Context, request: web.Request) -> web.Response:
