@@ -250,6 +250,9 @@ def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
     except (ValueError, TypeError):
         return None
     kind = array.dtype.kind
+    if array.size == 0 and kind == "f" and array.dtype == np.float64 and datatype == "BYTES":
+        # An empty list is float64 to numpy: typed, the gateway names the real problem (no item).
+        return np.asarray(value, dtype=np.bytes_)
     if datatype == "BYTES":
         return array if kind in ("U", "S") else None
     target = NUMPY_DTYPES.get(datatype)

@@ -101,6 +101,11 @@ def test_typed_as_converts_only_what_loses_nothing() -> None:
     assert typed_as([True], "FP32") is None
     assert typed_as(["a"], "FP32") is None
     assert typed_as([[1, 2], [3]], "FP32") is None  # ragged: not an array
+    # No texts at all: numpy makes [] float64, which the gateway named as the wrong datatype
+    # instead of the real problem (no item); typed as text, the gateway says that.
+    empty = typed_as([], "BYTES")
+    assert empty is not None
+    assert (empty.shape, empty.dtype.kind) == ((0,), "S")
 
 
 class NoListModelsGateway(job_service_pb2_grpc.JobServiceServicer):
