@@ -411,7 +411,9 @@ async def test_stop_answers_orders_in_flight_and_leaves_queued_ones_unanswered(
     result = await connection.result("in-flight")
     (y,) = decode_tensors(result.outputs, "outputs")
     np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
-    assert ("queued", 1) not in connection.results  # the scheduler re-queues it when the stream ends
+    queued = await connection.result("queued")
+    assert queued.dropped  # it never ran: the scheduler puts it back with its attempt given back
+    assert not queued.HasField("error")  # an error would be taken as the attempt's outcome
     assert len(fake.connections) == 1  # no reconnect after stop
 
 

@@ -540,7 +540,9 @@ class WorkResult(_message.Message):
     batch_size: _builtins.int
     """Items in the batch it ran in, and the batch's compute time."""
     dropped: _builtins.bool
-    """Set when the item was dropped (cancelled or expired) before it ran."""
+    """Set when the item was dropped before it ran: cancelled or expired (with that error), or left
+    by a batcher that stops (without an error: it goes back to the queue, its attempt given back).
+    """
     @_builtins.property
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.InferOutputTensor]:
         """Outputs on success, raw_contents filled."""

@@ -99,7 +99,12 @@ class WorkSession:
         self._filling_bytes = 0
 
     def stop_granting(self) -> None:
+        """The batcher stops: no more credits, and the scheduler is told that it serves nothing
+        now, so that it drops the credits it holds here and sends no more orders (one already on
+        its way is answered dropped, its attempt given back). Its orders in flight still end here."""
         self._granting = False
+        if self._open:
+            self._send(worker_service_pb2.ConnectRequest(models=worker_service_pb2.ServedModels()))
 
     def models_changed(self, loading: Iterable[ModelConfig] = ()) -> None:
         """Tells the scheduler the versions served now (and those loading), then offers credits for
@@ -281,7 +286,9 @@ class WorkSession:
                 item.trace = order.traceparent
         except AsyncInferError as error:
             log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
-            if not is_shutdown(error):  # unanswered: re-queued when the stream closes
+            if is_shutdown(error):  # it never ran: back to the queue with its attempt given back
+                self._send_result(order, dropped=True)
+            else:
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return None
@@ -317,9 +324,12 @@ class WorkSession:
             return
         error = item.future.exception()
         if isinstance(error, AsyncInferError) and is_shutdown(error):
-            # Not the job's fault: it goes back to the queue when the stream closes, without
-            # spending an attempt on a failure.
-            log.info("work_order_abandoned_at_shutdown", **_about(order))
+            # Unrun (the engine stops): answered as dropped, so that the scheduler puts it back
+            # with its attempt given back. Left unanswered, the stream's end put it back as
+            # its batcher lost, spending the attempt: a job of max_attempts 1 failed at a rollout.
+            log.info("work_order_abandoned_at_shutdown", started=item.started, **_about(order))
+            if not item.started:  # one abandoned mid-batch (the grace ran out) did run: left to the stream's end
+                self._send_result(order, dropped=True)  # no error: one would count as the attempt's
         elif isinstance(error, AsyncInferError):
             log.info("work_order_failed", reason=error.reason, error=error.message, **_about(order))
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
