@@ -87,6 +87,12 @@ class GrpcServer:
         for name in self._service_names:
             await self.health.set(name, status)
 
+    async def begin_shutdown(self) -> None:
+        """Health NOT_SERVING (for good), the server still answering: for a service that has
+        work to finish before it stops its server, so that probes and load balancers move on at
+        the start of its stop, not at its end."""
+        await self.health.enter_graceful_shutdown()
+
     async def stop(self, grace_s: float) -> None:
         """Stops intake (health NOT_SERVING, then no new RPCs), lets running RPCs finish within
         grace_s, then cancels them. Idempotent."""

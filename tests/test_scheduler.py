@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
@@ -1054,6 +1055,31 @@ async def test_a_job_cancelled_while_queued_leaves_the_queue_at_once(
         job_work_subject(MODEL, Priority.NORMAL, TENANT, job_id) for job_id in (cancelling, kept)
     }
     assert (await read_record(js, cancelled)).state is JobState.CANCELED  # the record stays
+
+
+async def test_a_stopping_scheduler_says_not_serving_while_it_waits_for_its_jobs(
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """Its stop waits up to its grace for the jobs in flight, and only then stops its server;
+    health said SERVING for that whole wait (an operator's pass: ~10 s), so probes and load
+    balancers kept sending to it. It says NOT_SERVING from the stop's start."""
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    await enqueue(nc, kv)
+    order = await batcher.next_order()  # held unanswered: the stop waits for it
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest()
+        assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+        stopping = asyncio.create_task(app.stop(grace_s=5.0))
+
+        async def not_serving() -> bool:
+            return (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        await until(not_serving)
+        assert not stopping.done()  # still waiting for the job in flight
+        await batcher.answer(order)
+        await asyncio.wait_for(stopping, 10)
 
 
 async def test_a_replays_notice_spares_the_read(

@@ -343,6 +343,9 @@ class SchedulerApp:
 
     async def _stop(self, grace_s: float) -> None:
         self.supervisor.begin_stop()
+        if self._server is not None:
+            # NOT_SERVING now: the wait for jobs in flight below may take the whole grace.
+            await self._server.begin_shutdown()
         await self._stop_dispatching()
         if self._cancels is not None:
             try:
