@@ -784,6 +784,15 @@ async def test_queue_stats_report_depth_per_priority_and_batchers(
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert (await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
 
+        async def nats_gone(model_name: str = "") -> Any:
+            raise TimeoutError("nats: timeout")  # what a read gives while NATS is away
+
+        app._stats.snapshot = nats_gone  # type: ignore[method-assign]
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # was UNKNOWN, with a traceback in the log
+            await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "cannot read the queues: nats: timeout" in (info.value.details() or "")
+
 
 async def test_stop_returns_in_flight_jobs_to_the_queue(config: Config, js: JetStreamContext, nc: NatsClient) -> None:
     scheduler = SchedulerApp(config)

@@ -7,7 +7,8 @@ zeros alone would print `{}`): the queue's state, and counts that are present ev
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import grpc
@@ -15,8 +16,8 @@ import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound
-from asyncinfer.job_store import JobStore
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
+from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
@@ -106,6 +107,16 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
     return message
 
 
+@contextlib.contextmanager
+def nats_unavailable(what: str) -> Iterator[None]:
+    """A NATS outage as UNAVAILABLE (`what: <the error>`), as every other read says it; unmapped
+    it was UNKNOWN with a traceback in the log (the console's queue page during an outage)."""
+    try:
+        yield
+    except NATS_FAILURES as exc:
+        raise Unavailable(f"{what}: {exc}") from exc
+
+
 class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
     def __init__(
         self,
@@ -150,7 +161,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self, request: ops_service_pb2.GetQueueStatsRequest, context: Context
     ) -> ops_service_pb2.GetQueueStatsResponse:
         self._known_model(request.model_name)
-        snapshots = await self._stats.snapshot(request.model_name)
+        with nats_unavailable("cannot read the queues"):
+            snapshots = await self._stats.snapshot(request.model_name)
         return ops_service_pb2.GetQueueStatsResponse(models=[snapshot_to_proto(s) for s in snapshots])
 
     async def ListDeadLetters(
@@ -167,13 +179,15 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
                 "page_token is not one this service gave", [FieldViolation("page_token", "not a page token")]
             ) from None
         # One more than asked says whether there is a next page.
-        letters = await self._letters.page(model_name=request.model_name, after=after, limit=size + 1)
+        with nats_unavailable("cannot read the dead letters"):
+            letters = await self._letters.page(model_name=request.model_name, after=after, limit=size + 1)
+            total = await self._letters.count(model_name=request.model_name)
         page = letters[:size]
         next_token = str(page[-1].sequence) if len(letters) > size else ""
         return ops_service_pb2.ListDeadLettersResponse(
             dead_letters=[dead_letter_to_proto(letter) for letter in page],
             next_page_token=next_token,
-            total=await self._letters.count(model_name=request.model_name),
+            total=total,
         )
 
     async def GetDeadLetter(
@@ -183,7 +197,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         return ops_service_pb2.GetDeadLetterResponse(dead_letter=dead_letter_to_proto(letter, with_original=True))
 
     async def _get(self, sequence: int) -> DeadLetter:
-        letter = await self._letters.get(sequence) if sequence > 0 else None
+        with nats_unavailable("cannot read the dead letter"):
+            letter = await self._letters.get(sequence) if sequence > 0 else None
         if letter is None:
             raise NotFound(f"no dead letter with sequence {sequence}", reason="DEAD_LETTER_NOT_FOUND")
         return letter
