@@ -29,15 +29,17 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 import asyncinfer.grpc_logging  # noqa: F401  (before grpc is imported: see the module)
 from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging
 from asyncinfer.malloc_tuning import keep_large_buffers
-from asyncinfer.runner import App, run_until_stopped
+from asyncinfer.runner import EXIT_UNAVAILABLE, App, run_until_stopped
 from services.apps import SERVICES, make_batcher
 from services.server_extras import missing_for
 from services.up.ports import raise_if_busy, service_host, service_ports
@@ -109,15 +111,24 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if (missing := missing_for(args.command)) is not None:
         print(f"asyncinfer: {missing}", file=sys.stderr)
         return 2
+    logging = False
     try:
         config = load_config(args.config)
         configure_logging(config.logging, service="up" if args.command == "up" else args.command)
+        logging = True
         if args.command == "up":
             return _run(run_up(config, tls=args.dev_tls))
         return _run(run_service(args.command, config, args.config))
     except AsyncInferError as exc:
+        unavailable = isinstance(exc, Unavailable)
+        if logging and unavailable:
+            # After the service's own start lines, the cause as an event too, for a log pipeline
+            # that reads only the JSON lines (a configuration mistake stays one line).
+            structlog.get_logger("asyncinfer.cli").error("start_failed", reason=exc.reason, error=exc.message)
         print(f"asyncinfer: {exc.message}", file=sys.stderr)
-        return 2
+        # NATS (or another service) not there yet is not a configuration mistake: an orchestrator
+        # restarts on 69 (sysexits' EX_UNAVAILABLE, as `up` exits when its nats-server goes away).
+        return EXIT_UNAVAILABLE if unavailable else 2
     except KeyboardInterrupt:  # a signal before the handlers were installed
         return 130
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -130,3 +131,30 @@ def test_a_service_whose_port_is_taken_says_so_in_one_line(config_file: Path) ->
     assert f"already in use: 127.0.0.1:{busy} (scheduler.port)" in done.stderr
     assert "ASYNCINFER_SCHEDULER__PORT=" in done.stderr
     assert done.stdout == ""
+
+
+def test_a_service_that_cannot_reach_nats_exits_unavailable(config_file: Path) -> None:
+    """Not the usage/configuration code 2: an orchestrator tells "NATS not up yet" (69, sysexits'
+    EX_UNAVAILABLE, as `up` uses) from a mistake, and the log pipeline gets the cause as an event."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # bound, never listening: connections are refused
+        env = {
+            **os.environ,
+            "ASYNCINFER_NATS__URL": f"nats://127.0.0.1:{port}",
+            "ASYNCINFER_SCHEDULER__PORT": "0",
+            "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
+        }
+        done = subprocess.run(
+            [str(BIN / "asyncinfer"), "scheduler", "--config", str(config_file)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 69, done.stderr
+    *events, last = done.stderr.splitlines()
+    assert last == f"asyncinfer: cannot connect to NATS at nats://127.0.0.1:{port}: [Errno 111] Connection refused"
+    failed = json.loads(events[-1])
+    assert (failed["event"], failed["level"], failed["reason"]) == ("start_failed", "error", "UNAVAILABLE")
