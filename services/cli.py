@@ -8,7 +8,7 @@
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
     asyncinfer completion bash|zsh|fish    a tab-completion script for the shell
     asyncinfer gateway|scheduler|batcher [--config FILE]
-                                           one service in this process, against an external NATS
+                                           one service in this process (gateway and scheduler against an external NATS, a batcher against its scheduler)
     asyncinfer console [--config FILE]     the web console alone, against a gateway and a scheduler
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
                                            the client commands (asyncinfer.commands; exit codes in
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     client_cli.add_tool_commands(commands)
     for name in SERVICES:
-        against = "the gateway and the scheduler" if name == "console" else "an external NATS"
+        against = {"console": "the gateway and the scheduler", "batcher": "its scheduler"}.get(name, "an external NATS")
         sub = commands.add_parser(name, help=f"run the {name} alone against {against}")
         sub.add_argument("--config", type=Path, help="configuration file (TOML)")
     client_commands.register(commands)
