@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -105,32 +104,61 @@ async def test_loose_arguments_are_taken_and_wrong_ones_refused_clearly(stack: S
                 pass
 
 
-def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt(stack: Stack) -> None:
+async def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt() -> None:
     """The blocking client's iterators: the interrupted step was not awaited, so closing the
     generator found it still running (RuntimeError: aclose(): asynchronous generator is already
-    running) and that replaced the KeyboardInterrupt."""
+    running) and that replaced the KeyboardInterrupt. The script's own gateway never answers its
+    SubmitJobs, so the step is always under way when the interrupt comes; a hang dumps its threads."""
     script = textwrap.dedent(
-        f"""
-        import os, signal, threading
+        """
+        import asyncio, faulthandler, os, signal, threading
+        import grpc
         from asyncinfer.client import Client, JobRequest
-        with Client({stack.address!r}) as client:
-            threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        from asyncinfer.v1 import job_service_pb2_grpc
+
+        faulthandler.dump_traceback_later(45, exit=True)
+
+        class Silent(job_service_pb2_grpc.JobServiceServicer):
+            async def ListModels(self, request, context):
+                await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no ListModels")
+
+            async def SubmitJobs(self, requests, context):
+                await asyncio.Event().wait()  # never answers
+                yield
+
+        loop = asyncio.new_event_loop()
+        started = threading.Event()
+        port = []
+
+        async def serve():
+            server = grpc.aio.server()
+            job_service_pb2_grpc.add_JobServiceServicer_to_server(Silent(), server)
+            port.append(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            started.set()
+            await server.wait_for_termination()
+
+        threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True).start()
+        started.wait()
+        with Client(f"127.0.0.1:{port[0]}") as client:
+            timer = threading.Timer(0.7, lambda: os.kill(os.getpid(), signal.SIGINT))
+            timer.daemon = True
+            timer.start()
             try:
-                for _ in client.bulk(JobRequest("demo", {{"x": [[1, 2, 3, 4]]}}) for _ in range(200_000)):
+                for _ in client.bulk(JobRequest("demo", {"x": [[1, 2, 3, 4]]}) for _ in range(10)):
                     pass
             except KeyboardInterrupt:
                 print("KeyboardInterrupt")
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script,
         env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.stdout.strip() == "KeyboardInterrupt", done.stderr
-    assert "RuntimeError" not in done.stderr, done.stderr
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert out.decode().strip() == "KeyboardInterrupt", err.decode()
+    assert "RuntimeError" not in err.decode(), err.decode()
 
 
 async def test_a_reading_cancelled_by_its_caller_stays_a_cancellation(idle_stack: Stack) -> None:
