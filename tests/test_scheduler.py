@@ -21,6 +21,7 @@ from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import cancel_subject, job_work_lookup, job_work_subject, progress_subject
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
+from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import (
     BlobRef,
@@ -1089,6 +1090,34 @@ async def test_a_stopping_scheduler_says_not_serving_while_it_waits_for_its_jobs
         assert not stopping.done()  # still waiting for the job in flight
         await batcher.answer(order)
         await asyncio.wait_for(stopping, 10)
+
+
+async def test_a_result_not_stored_while_nats_is_away_is_one_warning(
+    app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """An outage is expected: each result it could not store was an error with a traceback (an
+    operator's pass: 48 of them in a 10-s outage). It is a warning saying why; the job's
+    recovery is unchanged (its message comes back after AckWait)."""
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    await enqueue(nc, kv)
+    order = await batcher.next_order()
+
+    async def nats_away(job: Any, result: Any) -> None:
+        raise Unavailable("cannot update the job record: nats: timeout")
+
+    app.flow._settlement.result = nats_away  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        await batcher.answer(order)
+
+        async def logged() -> bool:
+            return any(e["event"] == "result_not_stored" for e in logs)
+
+        await until(logged)
+    (entry,) = [e for e in logs if e["event"] == "result_not_stored"]
+    assert entry["log_level"] == "warning"
+    assert entry["error"] == "cannot update the job record: nats: timeout"
+    assert "exc_info" not in entry
 
 
 async def test_a_replays_notice_spares_the_read(

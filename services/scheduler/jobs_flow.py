@@ -21,7 +21,7 @@ import structlog
 
 from asyncinfer import job_errors
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError
+from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobState, job_key
 from asyncinfer.nats import Client as NatsClient
@@ -142,10 +142,13 @@ class JobFlow:
                 await self._traced_result(job, result)
             else:
                 await self._settlement.result(job, result)
+        except Unavailable as exc:
+            # NATS away (an outage, a failover): expected, and said in one line. The record stays
+            # RUNNING and the message unacked: it comes back after AckWait and the next attempt
+            # takes the record over.
+            job.log.warning("result_not_stored", error=exc.message)
         except Exception:
-            # The record stays RUNNING and the message unacked: it comes back after AckWait and
-            # the next attempt takes the record over.
-            job.log.exception("result_not_stored")
+            job.log.exception("result_not_stored")  # the same recovery; a traceback, being unexpected
 
     async def _traced_result(self, job: InFlightJob, result: WorkResult) -> None:
         """The result's commit (the terminal write or the retry, then the ack) in a span, a child
