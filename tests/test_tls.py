@@ -146,7 +146,7 @@ async def test_nats_over_tls_needs_the_ca_and_credentials(
     # Without the CA: a clear error at once, not a hang.
     started = time.monotonic()
     unverified = config.nats.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 2.0})
-    with pytest.raises(Unavailable, match=r"cannot be verified.*nats\.tls_ca_file"):
+    with pytest.raises(ConfigError, match=r"cannot be verified.*nats\.tls_ca_file"):  # not a retry's matter
         await connect(unverified, name="test")
     assert time.monotonic() - started < 2.0
     # A wrong password, and a missing password file, are refused too.
@@ -164,7 +164,7 @@ async def test_a_gateway_with_an_unverifiable_tls_nats_fails_fast(
     config = tls_config(tmp_path, ca, tls_nats)
     app = GatewayApp(config.replace(nats={"tls_ca_file": None}))
     started = time.monotonic()
-    with pytest.raises(Unavailable, match="TLS certificate cannot be verified"):
+    with pytest.raises(ConfigError, match="TLS certificate cannot be verified"):
         await app.start()
     assert time.monotonic() - started < config.nats.connect_timeout_s
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import concurrent.futures
 import contextlib
 import os
 import sys
@@ -41,6 +42,10 @@ from asyncinfer.client.types import (
 )
 
 T = TypeVar("T")
+
+
+# How often a blocked call wakes to let a pending signal (Ctrl-C) be raised.
+WAIT_SLICE_S = 0.2
 
 
 class Client:
@@ -105,7 +110,15 @@ class Client:
 
         future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
         try:
-            return future.result()
+            while True:
+                # In slices: Ctrl-C (SIGINT) reaches Python's handler in whichever thread the
+                # kernel picks, and a main thread blocked in one long wait would not run it until
+                # the call ended (a bulk never did). Woken every slice, it raises at once.
+                try:
+                    return future.result(timeout=WAIT_SLICE_S)
+                except concurrent.futures.TimeoutError:
+                    if future.done():  # the call's own outcome (a TimeoutError of its own included)
+                        return future.result()
         except BaseException:
             # KeyboardInterrupt or the like in the caller: stop the call instead of leaving it
             # running, and wait (a while) for it to stop: the future says cancelled at once, its

@@ -86,6 +86,10 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     if not connecting.done():
         await _abandon(client, connecting)
         last = first_connect_failures[-1] if first_connect_failures else f"no answer within {deadline_s:g}s"
+        if isinstance(last, ssl.SSLError):
+            # A certificate this configuration cannot verify: waiting or restarting will not help
+            # (a server exits 2 for it, 69 for a NATS that is not there yet).
+            raise ConfigError(f"cannot connect to NATS at {config.url}: {_explain(last)}")
         raise Unavailable(f"cannot connect to NATS at {config.url}: {_explain(last)}")
     failure = connecting.exception()
     if failure is not None:  # nats raises several unrelated types here
