@@ -119,6 +119,9 @@ async def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt() -> 
         from asyncinfer.v1 import job_service_pb2_grpc
 
         faulthandler.dump_traceback_later(20, exit=True)
+        # As an interactive shell leaves it: a process started in the background of a script
+        # (a CI runner) inherits SIGINT ignored, and Python then installs no handler for it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         class Silent(job_service_pb2_grpc.JobServiceServicer):
             async def ListModels(self, request, context):
