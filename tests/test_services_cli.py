@@ -112,20 +112,25 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
     assert "Traceback" not in done.stderr
 
 
+def run_scheduler(config_file: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`asyncinfer scheduler` run to its end (one that cannot start ends at once)."""
+    return subprocess.run(
+        [str(BIN / "asyncinfer"), "scheduler", "--config", str(config_file)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_a_service_whose_port_is_taken_says_so_in_one_line(config_file: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         busy = holder.getsockname()[1]
         env = {**os.environ, "ASYNCINFER_SCHEDULER__PORT": str(busy), "ASYNCINFER_SCHEDULER__METRICS_PORT": "0"}
-        done = subprocess.run(
-            [str(BIN / "asyncinfer"), "scheduler", "--config", str(config_file)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=False,
-        )
+        done = run_scheduler(config_file, env)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [done.stderr.strip()]
     assert f"already in use: 127.0.0.1:{busy} (scheduler.port)" in done.stderr
@@ -145,14 +150,7 @@ def test_a_service_that_cannot_reach_nats_exits_unavailable(config_file: Path) -
             "ASYNCINFER_SCHEDULER__PORT": "0",
             "ASYNCINFER_SCHEDULER__METRICS_PORT": "0",
         }
-        done = subprocess.run(
-            [str(BIN / "asyncinfer"), "scheduler", "--config", str(config_file)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-            check=False,
-        )
+        done = run_scheduler(config_file, env)
     assert done.returncode == 69, done.stderr
     *events, last = done.stderr.splitlines()
     assert last == f"asyncinfer: cannot connect to NATS at nats://127.0.0.1:{port}: [Errno 111] Connection refused"

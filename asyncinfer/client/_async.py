@@ -43,6 +43,7 @@ from asyncinfer.client._convert import (
     input_tensors,
     job_from_proto,
     models_from_proto,
+    named,
     state_to_proto,
     submit_request_to_proto,
     tensors_to_arrays,
@@ -119,10 +120,7 @@ def tls_credentials(
 
 def _enum(kind: type[E], value: E | str, what: str) -> E:
     """A Priority or JobState from itself or its name in any case ("high", "HIGH")."""
-    try:
-        return kind(value.upper() if isinstance(value, str) else value)
-    except ValueError:
-        raise ValueError(f"unknown {what} {value!r}; one of {', '.join(m.value for m in kind)}") from None
+    return named(value, {member.value: member for member in kind}, what)
 
 
 def _job_ids(jobs: Iterable[JobLike]) -> list[str]:

@@ -38,6 +38,15 @@ from asyncinfer.tensors import Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
 E = TypeVar("E", bound=enum.Enum)
+C = TypeVar("C")
+
+
+def named(value: str, choices: Mapping[str, C], what: str) -> C:
+    """The choice `value` names, in any case ("high", "HIGH"); ValueError listing them otherwise."""
+    try:
+        return choices[value.upper()]
+    except KeyError:
+        raise ValueError(f"unknown {what} {value!r}; one of {', '.join(sorted(choices))}") from None
 
 
 def _enum_from_proto(enum_cls: type[E], proto_enum: Any, value: int, prefix: str) -> E | None:

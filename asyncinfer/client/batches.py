@@ -18,6 +18,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from asyncinfer.batches import BatchState
+from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
     from asyncinfer.v1.batch_service_pb2_grpc import BatchServiceAsyncStub
 
 T = TypeVar("T")
-C = TypeVar("C")
 RECONNECT_S = 0.5  # a watch broken by a gateway restart is opened again this much later
 Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
 
@@ -146,13 +146,6 @@ def _batch_id(batch: Batch | str) -> str:
     return batch if isinstance(batch, str) else batch.batch_id
 
 
-def _choice(value: str, choices: Mapping[str, C], what: str) -> C:
-    try:
-        return choices[value.upper()]
-    except KeyError:
-        raise ValueError(f"unknown {what} {value!r}; one of {', '.join(sorted(choices))}") from None
-
-
 def create_batch_request(
     input_ref: str,
     model: str,
@@ -174,10 +167,10 @@ def create_batch_request(
         model_name=model,
         model_version=version,
         input_ref=input_ref,
-        input_format=_choice(input_format, _FORMATS, "input_format")
+        input_format=named(input_format, _FORMATS, "input_format")
         if input_format
         else batch_service_pb2.BATCH_INPUT_FORMAT_UNSPECIFIED,
-        priority=_choice(priority, _PRIORITIES, "priority") if priority else job_pb2.PRIORITY_UNSPECIFIED,
+        priority=named(priority, _PRIORITIES, "priority") if priority else job_pb2.PRIORITY_UNSPECIFIED,
         max_attempts=max_attempts,
         labels=dict(labels or {}),
         idempotency_key=idempotency_key,

@@ -14,6 +14,7 @@ from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
 
 PAGE_SIZES = (20, 50, 100, 200)
+MAX_PAGE_SIZE = 1000  # ListJobs' own most
 TIMELINE_COLORS = {"queued": "#f0b429", "running": "#0b57d0"}
 END_COLORS = {JobState.SUCCEEDED: "#137333", JobState.FAILED: "#b3261e", JobState.TIMED_OUT: "#b3261e"}
 
@@ -51,7 +52,7 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     query = request.query
     state, model, label = query.get("state", ""), query.get("model", ""), query.get("label", "")
     token = query.get("page_token", "")
-    size = count_param(query.get("page_size", ""), default=50, most=1000)
+    size = count_param(query.get("page_size", ""), default=50, most=MAX_PAGE_SIZE)
     known = {s.value: s for s in JobState}
     if size is None or size == 0 or (state and state.upper() not in known):
         wrong = f"unknown state {state!r}" if size else "page_size is a number of jobs, 1 to 1,000"
@@ -94,9 +95,9 @@ def _filters(ctx: Context, query: Mapping[str, str]) -> str:
         for s in JobState
     )
     # The size in use is always an option (a link may carry one the list does not offer).
-    size = query.get("page_size", "") or "50"
-    offered = sorted({*PAGE_SIZES, int(size)}) if size.isascii() and size.isdigit() and len(size) < 6 else PAGE_SIZES
-    sizes = "".join(f"<option{' selected' if str(n) == size else ''}>{n}</option>" for n in offered)
+    used = count_param(query.get("page_size", ""), default=50, most=MAX_PAGE_SIZE)
+    offered = sorted({*PAGE_SIZES, used}) if used else PAGE_SIZES
+    sizes = "".join(f"<option{' selected' if n == used else ''}>{n}</option>" for n in offered)
     whose = f"Tenant {ui.h(ctx.tenant)}'s jobs" if ctx.tenant else "The jobs the console's key reaches"
     return (
         f'<p>{whose}, newest first.</p><form method="get" action="/jobs">'
