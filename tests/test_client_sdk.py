@@ -375,6 +375,44 @@ async def test_bulk_carries_on_across_a_gateway_restart(config: Config, start_st
     assert len(listed) == 10, "nothing was queued twice"
 
 
+async def test_a_bulk_and_a_watch_outlast_a_gateway_away_for_seconds(config: Config, start_stack: StartStack) -> None:
+    # The default policy's 6 attempts give up within ~3 s; a stream that was answering is reopened
+    # for RetryPolicy.stream_resume_s (30 s) after it broke: a restart or a one-replica rollout.
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    away = asyncio.Event()
+    back = asyncio.Event()
+
+    async def requests() -> AsyncIterator[JobRequest]:
+        for i in range(6):
+            if i == 3:
+                await back.wait()
+            yield JobRequest(model="demo", inputs={"x": X * i}, correlation_id=f"row-{i}")
+
+    async def outage() -> None:
+        await away.wait()
+        await stack.restart_gateway(0.2, away_s=4.0)
+        back.set()
+
+    async with AsyncClient(stack.address) as client:
+        watched = await client.submit("demo", {"x": X})
+        updates = client.watch(watched, timeout_s=60)
+        assert (await anext(updates)).state is JobState.QUEUED
+        restart = asyncio.create_task(outage())
+        results: list[BulkResult] = []
+        async for result in client.bulk(requests(), timeout_s=60):
+            results.append(result)
+            if len(results) == 3:
+                away.set()
+        await restart
+        await stack.start_batcher()
+        states = [update.state async for update in updates]
+        listed = [job async for job in client.list(model="demo")]
+    assert [r.correlation_id for r in results] == [f"row-{i}" for i in range(6)]
+    assert all(r.accepted for r in results)
+    assert len(listed) == 7, "every request queued once"
+    assert states[-1] is JobState.SUCCEEDED
+
+
 async def test_models_describe_what_the_gateway_serves(idle_stack: Stack) -> None:
     async with AsyncClient(idle_stack.address) as client:
         models = await client.models()

@@ -49,7 +49,7 @@ from asyncinfer.client._convert import (
     tensors_to_arrays,
     with_idempotency_key,
 )
-from asyncinfer.client._retry import Deadline, RetryPolicy
+from asyncinfer.client._retry import Deadline, RetryPolicy, StreamBreaks
 from asyncinfer.client.batches import Batch, BatchCalls, create_batch_request, write_file
 from asyncinfer.client.errors import (
     AsyncInferClientError,
@@ -228,10 +228,16 @@ class AsyncClient:
         return Deadline(self.timeout_s if timeout_s is None else timeout_s)
 
     async def _backoff_or_raise(
-        self, error: AsyncInferClientError, attempt: int, deadline: Deadline, cause: BaseException | None
+        self,
+        error: AsyncInferClientError,
+        attempt: int,
+        deadline: Deadline,
+        cause: BaseException | None,
+        broken_at: float | None = None,
     ) -> None:
-        """Sleeps before attempt `attempt + 1`, or raises `error` when that is not allowed."""
-        if not self.retry.retriable(error) or attempt >= self.retry.max_attempts:
+        """Sleeps before attempt `attempt + 1`, or raises `error` when that is not allowed.
+        `broken_at`: when a stream that had been answering broke (RetryPolicy.stream_resume_s)."""
+        if not self.retry.retriable(error) or not self.retry.allows_attempt(attempt, broken_at):
             raise error from cause
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
@@ -472,6 +478,7 @@ class AsyncClient:
         seen = False  # a record was yielded: a reopened watch's first record may repeat it
         progress: tuple[int, JobProgress] | None = None  # the latest, and the attempt it is of
         attempt = 0
+        breaks = StreamBreaks()
         while True:
             attempt += 1
             request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
@@ -498,6 +505,7 @@ class AsyncClient:
                     last_revision = max(last_revision, snapshot.revision)
                     seen = True
                     attempt = 0
+                    breaks.answered()
                     yield snapshot
                     if snapshot.done:
                         return
@@ -515,7 +523,7 @@ class AsyncClient:
                     error = deadline.exceeded(f"the watch of job {job_id} (it goes on)")
             finally:
                 call.cancel()
-            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
 
     async def watch_jobs(
         self,
@@ -533,6 +541,7 @@ class AsyncClient:
         deadline = Deadline(timeout_s)
         done: set[str] = set()
         attempt = 0
+        breaks = StreamBreaks()
         while True:
             attempt += 1
             watching = [job_id for job_id in ids if job_id not in done]
@@ -544,6 +553,7 @@ class AsyncClient:
             try:
                 async for response in call:
                     attempt = 0
+                    breaks.answered()
                     for change in response.changes:
                         if change.HasField("job"):
                             snapshot = job_from_proto(
@@ -565,7 +575,7 @@ class AsyncClient:
                 error, cause = from_rpc_error(rpc_error), rpc_error
             finally:
                 call.cancel()
-            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
 
     async def wait_jobs(
         self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
@@ -703,6 +713,7 @@ class AsyncClient:
         source_done = False
         source_error: BaseException | None = None
         attempt = 0
+        breaks = StreamBreaks()
         # The pull from the caller's iterator runs in its own task, shielded: when a broken stream
         # cancels the writer, a pull in progress carries on for the next stream's writer instead of
         # having CancelledError thrown into the caller's iterator.
@@ -782,6 +793,7 @@ class AsyncClient:
                                 )
                             item = pending.popleft()
                             attempt = 0
+                            breaks.answered()
                             yield BulkResult(
                                 index=item.index,
                                 correlation_id=answer.correlation_id,
@@ -802,7 +814,7 @@ class AsyncClient:
                 finally:
                     call.cancel()
                     await _finish(writer)
-                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause)
+                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
         finally:
             if pull is not None:
                 pull.cancel()

@@ -19,13 +19,20 @@ class RetryPolicy:
     UNAVAILABLE is always retriable (the gateway restarting, a load balancer between pods, NATS
     failing over). RESOURCE_EXHAUSTED is retried when `retry_resource_exhausted` is set, waiting at
     least the server's RetryInfo delay. Attempt n (1-based) waits a random time in
-    [0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))] ("full jitter")."""
+    [0, min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))] ("full jitter").
+
+    A long stream that was answering (a bulk, a watch) and then breaks is reopened for up to
+    `stream_resume_s` after the break, beyond `max_attempts`: a gateway restarting, or a rolling
+    update of a single replica, takes seconds, and the stream's caller is part-way through work
+    it would otherwise start again. A call that never got an answer fails after `max_attempts`
+    (within ~3 s by default), so a wrong address is still said at once. 0 turns the resume off."""
 
     max_attempts: int = 6
     initial_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
     retry_resource_exhausted: bool = True
+    stream_resume_s: float = 30.0
 
     def retriable(self, error: AsyncInferClientError) -> bool:
         if error.code is grpc.StatusCode.UNAVAILABLE:
@@ -36,6 +43,13 @@ class RetryPolicy:
             and error.reason != MESSAGE_TOO_LARGE  # a request over the message limit stays over it
         )
 
+    def allows_attempt(self, attempt: int, broken_at: float | None) -> bool:
+        """Whether attempt `attempt + 1` may follow; `broken_at` is when a stream that had been
+        answering broke (monotonic seconds), None for a call that has not been answered."""
+        if attempt < self.max_attempts:
+            return True
+        return broken_at is not None and time.monotonic() - broken_at < self.stream_resume_s
+
     def backoff_s(self, attempt: int, error: AsyncInferClientError) -> float:
         ceiling = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** max(attempt - 1, 0))
         delay = random.uniform(0.0, ceiling)
@@ -44,7 +58,26 @@ class RetryPolicy:
         return delay
 
 
-NO_RETRY = RetryPolicy(max_attempts=1)
+class StreamBreaks:
+    """When a long stream that had been answering broke: `broken_at` is None until its first
+    answer and after each later one, and the time of the first failure since then otherwise
+    (what `RetryPolicy.allows_attempt` measures the resume from)."""
+
+    def __init__(self) -> None:
+        self._answered = False
+        self.broken_at: float | None = None
+
+    def answered(self) -> None:
+        self._answered = True
+        self.broken_at = None
+
+    def broke(self) -> float | None:
+        if self._answered and self.broken_at is None:
+            self.broken_at = time.monotonic()
+        return self.broken_at
+
+
+NO_RETRY = RetryPolicy(max_attempts=1, stream_resume_s=0.0)
 
 
 class Deadline:
