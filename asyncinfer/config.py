@@ -18,7 +18,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -1028,13 +1028,25 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot render {value!r} as TOML")
 
 
+def _unset_placeholder(annotation: Any) -> str:
+    kinds = [kind for kind in get_args(annotation) if kind is not type(None)]
+    for kind in kinds:
+        if get_origin(kind) is Literal:
+            return _toml_value(get_args(kind)[0])
+        if kind in (int, float, bool):
+            return _toml_value(kind())
+    return '""'
+
+
 def _render_section(lines: list[str], section: BaseModel) -> None:
     for name, info in type(section).model_fields.items():
         if info.description:
             lines.append(f"# {info.description}")
         value = getattr(section, name)
         if value is None:
-            lines.append(f"# {name} = ")
+            # Unset: a placeholder of the key's type, so that the line uncommented still parses
+            # (an empty string reads as unset).
+            lines.append(f"# {name} = {_unset_placeholder(info.annotation)}")
         elif value == ():
             # Commented out, so that a user may add the entries as tables ([[gateway.api_keys]])
             # without first deleting a conflicting `name = []` line.
