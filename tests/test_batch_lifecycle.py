@@ -90,6 +90,9 @@ async def test_cancelling_a_batch_stops_its_chunks_and_keeps_what_finished(
     assert_every_record_once(batch, out, bad, 400)
     assert batch.request_counts.failed >= 300  # at most 2 chunks of 50 were let in before the cancel
     assert {line["code"] for line in bad} == {"CANCELLED"}
+    assert [(e.line, e.custom_id, e.code) for e in batch.first_errors] == [
+        (line["line"], line["custom_id"], "CANCELLED") for line in bad[:10]
+    ], "the first errors are the error file's first lines"
 
 
 async def test_a_batch_past_its_completion_window_ends_expired_with_what_was_done(
@@ -110,6 +113,7 @@ async def test_a_batch_past_its_completion_window_ends_expired_with_what_was_don
     assert_every_record_once(batch, out, bad, 300)
     assert batch.request_counts.failed >= 200
     assert {line["code"] for line in bad} == {"DEADLINE_EXCEEDED"}
+    assert [e.custom_id for e in batch.first_errors] == [line["custom_id"] for line in bad[:10]]
 
 
 async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(

@@ -191,6 +191,9 @@ async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_st
     bad = await errors(stub, batch.batch_id)
     assert [(e["line"], e["custom_id"]) for e in bad] == [(138, "r137")]
     assert "negative" in bad[0]["message"]
+    assert [(e.line, e.custom_id, e.code) for e in batch.first_errors] == [(138, "r137", bad[0]["code"])], (
+        "GetBatch's first errors name a record that failed when run, as the error file does"
+    )
     assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == [
         r["custom_id"] for i, r in enumerate(records) if i != 137
     ]

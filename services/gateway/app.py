@@ -182,6 +182,7 @@ class GatewayApp:
             metrics=BatchMetrics(self.registry),
             callbacks=BatchCallbacks(js, cfg),
             chunk_ends=ChunkEnds(self._hub),
+            blobs=blob_store,
         )
         batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
 

@@ -27,6 +27,7 @@ import structlog
 from asyncinfer import batches
 from asyncinfer.batch_webhooks import callback_due
 from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, chunk_job_id
+from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.job_store import JobStore
@@ -35,6 +36,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
+from services.gateway.batch_files import first_run_errors
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchConflict, BatchStore
@@ -63,6 +65,7 @@ class BatchDriver:
         metrics: BatchMetrics | None = None,
         callbacks: BatchCallbacks | None = None,
         chunk_ends: ChunkEnds | None = None,
+        blobs: BlobStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -75,6 +78,7 @@ class BatchDriver:
         self._nc = nc
         self._callbacks = callbacks
         self._chunk_ends = chunk_ends
+        self._blobs = blobs
         self._clock = clock
         self._driven: set[BatchKey] = set()
         self._due: set[BatchKey] = set()  # batches whose next tick is at once (new, cancelled, prepared)
@@ -201,7 +205,7 @@ class BatchDriver:
         elif model is not None:
             updated = await self._submit(updated, model_rows=model.max_batch_size)
         if batches.finished(updated):
-            updated = batches.finish(updated, now=now)
+            updated = batches.finish(await self._with_run_errors(updated), now=now)
         if updated != record:
             written = await self._write(record, updated)
             if written.state.is_terminal:
@@ -225,6 +229,21 @@ class BatchDriver:
         with contextlib.suppress(BatchConflict):  # another driver recorded it first
             await self._write(record, record.evolve(callback_enqueued=True))
         return True
+
+    async def _with_run_errors(self, record: BatchRecord) -> BatchRecord:
+        """The record's first errors with those of its records that failed when run, were cancelled
+        or expired (GetBatch's `first_errors`, in line order, as the error file has them): the
+        preparation knew only the lines that failed validation."""
+        if self._blobs is None:
+            return record
+        try:
+            found = await first_run_errors(self._blobs, record, batches.FIRST_ERRORS_KEPT)
+        except (AsyncInferError, OSError) as exc:  # the files still say it all; the batch ends anyway
+            log.warning("batch_first_errors_unread", batch_id=record.batch_id, tenant=record.tenant, error=str(exc))
+            return record
+        if not found:
+            return record
+        return record.evolve(first_errors=batches.merge_first_errors(record.first_errors, found))
 
     def _prepared(self, key: tuple[str, str]) -> None:
         self._preparing.pop(key, None)

@@ -11,8 +11,9 @@ failed or never ran, in input order.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -54,7 +55,7 @@ async def _lines(store: BlobStore, tenant: str, ref: str) -> AsyncIterator[bytes
         yield carry
 
 
-async def _entries(store: BlobStore, record: BatchRecord) -> AsyncIterator[tuple[int, str]]:
+async def _entries(store: BlobStore, record: BatchRecord) -> AsyncGenerator[tuple[int, str], None]:
     if record.input_format in (InputFormat.NPY, InputFormat.NPZ):
         # An array file's index is implicit: record i is line i + 1, custom_id "i" (none stored).
         for i in range(record.total):
@@ -144,6 +145,28 @@ def output_file(store: BlobStore, records: JobStore, record: BatchRecord) -> Asy
     return _chunk_lines(store, record, lambda chunk: chunk.status is ChunkStatus.DONE, lines)
 
 
+def _ran_and_failed(chunk: Chunk) -> bool:
+    """A chunk whose records are the error file's second part: failed when run, cancelled or expired."""
+    return chunk.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED)
+
+
+async def first_run_errors(store: BlobStore, record: BatchRecord, limit: int) -> tuple[ErrorLine, ...]:
+    """The first `limit` lines of the error file's second part (records that failed when run, were
+    cancelled or expired), in input order, with the index walked only as far as they go."""
+    chunks = sorted(record.live_chunks, key=lambda c: c.start)
+    if limit <= 0 or not any(_ran_and_failed(c) for c in chunks):
+        return ()
+    found: list[ErrorLine] = []
+    async with contextlib.aclosing(_entries(store, record)) as entries:
+        for chunk in chunks:
+            taken = await _take(entries, chunk.records)
+            if _ran_and_failed(chunk):
+                found += (ErrorLine(line, custom_id, chunk.code, chunk.message) for line, custom_id in taken)
+                if len(found) >= limit:
+                    break
+    return tuple(found[:limit])
+
+
 async def error_file(store: BlobStore, record: BatchRecord) -> AsyncIterator[bytes]:
     try:
         async for piece in store.chunks(record.tenant, errors_ref(record.batch_id)):
@@ -156,7 +179,5 @@ async def error_file(store: BlobStore, record: BatchRecord) -> AsyncIterator[byt
             error_line_bytes(ErrorLine(line, custom_id, chunk.code, chunk.message)) for line, custom_id in taken
         )
 
-    async for piece in _chunk_lines(
-        store, record, lambda chunk: chunk.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED), lines
-    ):
+    async for piece in _chunk_lines(store, record, _ran_and_failed, lines):
         yield piece
