@@ -13,11 +13,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import structlog
 
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
+from services.batcher import worker_client
 from services.batcher.app import BatcherApp
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
 
@@ -464,3 +466,45 @@ async def test_a_scheduler_restart_leaves_no_pending_task_behind(
     finally:
         loop.set_exception_handler(previous)
     assert not [c for c in reported if "destroyed" in str(c.get("message", ""))], reported
+
+
+class RefusingScheduler(FakeScheduler):
+    """Answers every Connect with UNAVAILABLE at once, counting them: a scheduler that cannot serve."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refused = 0
+
+    async def Connect(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], context: Any
+    ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
+        self.refused += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "not serving")
+        yield worker_service_pb2.ConnectResponse()  # pragma: no cover (a generator; never reached)
+
+
+async def test_a_scheduler_that_stays_unreachable_is_logged_once_then_now_and_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reconnecting every 50 ms here (every second by default), a line per failure would flood the log.
+    monkeypatch.setattr(worker_client, "FAILURE_LOG_INTERVAL_S", 0.5)
+    async with serving(RefusingScheduler()) as (refusing, port):
+        config = Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL])
+        batcher = BatcherApp(config)
+        with structlog.testing.capture_logs() as logs:
+            await batcher.start()
+            try:
+
+                def failures() -> list[dict[str, Any]]:
+                    return [entry for entry in logs if entry["event"] == "work_stream_failed"]
+
+                await poll(lambda: len(failures()) >= 2)
+                attempts = refusing.refused
+            finally:
+                await batcher.stop(grace_s=1.0)
+    first, second = failures()[:2]
+    assert "attempts" not in first, "the first failure is logged at once, as it is"
+    assert first["scheduler"] == f"127.0.0.1:{port}"
+    assert second["attempts"] > 2, "the next says how many failed since"
+    assert second["failing_for_s"] >= 0.5
+    assert len(failures()) < attempts / 2

@@ -95,6 +95,7 @@ class WorkSession:
         # the WorkUpdates message being filled, which is in the outbox already: whatever is
         # ready when the writer gets to it goes together, and a lone result goes at once.
         self._batches = False
+        self.welcomed = False  # the scheduler answered the hello: the stream was up
         self._filling: worker_service_pb2.ConnectRequest | None = None
         self._filling_bytes = 0
 
@@ -204,6 +205,7 @@ class WorkSession:
         elif kind == "control":
             self._spawn(self._control(response.control), f"control-{response.control.model_name}")
         elif kind == "welcome":
+            self.welcomed = True
             self._batches = self._work_batches and response.welcome.takes_batches
             log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
 

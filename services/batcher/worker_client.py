@@ -34,6 +34,9 @@ log = structlog.get_logger("asyncinfer.batcher.worker")
 
 FIRST_RECONNECT_DELAY_S = 0.1
 STABLE_SESSION_S = 5.0
+# While the scheduler stays unreachable, a failed attempt is logged at most this often (the first
+# at once): reconnecting every second, it would otherwise be a line a second.
+FAILURE_LOG_INTERVAL_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,7 @@ class WorkerClient:
         self._session: WorkSession | None = None
         self._loading: tuple[ModelConfig, ...] = ()
         self._stopping = False
+        self._outage = _Outage()
 
     async def start(self) -> None:
         if self._task is None:
@@ -146,7 +150,9 @@ class WorkerClient:
                 raise _StreamEnded
 
     async def _stream_once(self) -> None:
-        """One work stream, from connecting until it ends (each way it ends is logged)."""
+        """One work stream, from connecting until it ends (each way it ends is logged; a scheduler
+        that stays unreachable, every FAILURE_LOG_INTERVAL_S)."""
+        session: WorkSession | None = None
         try:
             # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
             # a trusted peer, bounds them with its own server's send limit.
@@ -159,7 +165,7 @@ class WorkerClient:
             )
             async with channel:
                 stub = worker_service_pb2_grpc.WorkerServiceStub(channel)
-                self._session = WorkSession(
+                self._session = session = WorkSession(
                     stub,
                     self._batcher_id,
                     self._engine,
@@ -172,16 +178,46 @@ class WorkerClient:
                     claim_checks=self._claim_checks,
                 )
                 await self._session.run()
+            self._outage.ended()
             log.warning("work_stream_closed_by_scheduler", scheduler=self._address)
         except grpc.aio.AioRpcError as error:
-            log.warning(
-                "work_stream_failed",
-                scheduler=self._address,
-                code=error.code().name,
-                details=error.details(),
-            )
+            if session is not None and session.welcomed:
+                self._outage.ended()  # the stream was up: this failure starts a new outage
+            if (repeat := self._outage.failed()) is not None:
+                log.warning(
+                    "work_stream_failed",
+                    scheduler=self._address,
+                    code=error.code().name,
+                    details=error.details(),
+                    **repeat,
+                )
         except Exception:
             log.exception("work_stream_failed", scheduler=self._address)
+
+
+class _Outage:
+    """Failed attempts to reach the scheduler since the stream was last up: the first is logged,
+    then one every FAILURE_LOG_INTERVAL_S with how many failed and for how long."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._failures = 0
+        self._logged_at = 0.0
+
+    def ended(self) -> None:
+        self._since = None
+
+    def failed(self) -> dict[str, float] | None:
+        """The fields to log this failure with, or None to leave it unlogged."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since, self._failures, self._logged_at = now, 1, now
+            return {}
+        self._failures += 1
+        if now - self._logged_at < FAILURE_LOG_INTERVAL_S:
+            return None
+        self._logged_at = now
+        return {"attempts": self._failures, "failing_for_s": round(now - self._since, 1)}
 
 
 class _StreamEnded(Exception):
