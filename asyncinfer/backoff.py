@@ -14,6 +14,7 @@ lives in `asyncinfer.lifecycle`, not here.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,14 @@ import stamina
 import structlog
 
 log = structlog.get_logger("asyncinfer.backoff")
+
+# stamina's own hooks log every scheduled retry as a warning ("stamina.retry_scheduled", naming
+# the block only as "<context block>"): a batcher waiting for its scheduler wrote one a second.
+# Each loop here says what it retries itself (the first failure, then now and then), so only
+# stamina's Prometheus counter (stamina_retries_total) is kept.
+stamina.instrumentation.set_on_retry_hooks(
+    [stamina.instrumentation.PrometheusOnRetryHook] if importlib.util.find_spec("prometheus_client") else []
+)
 
 T = TypeVar("T")
 

@@ -39,10 +39,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SERVICES = {"up", "nats", "gateway", "scheduler", "batcher", "console"}
 SNAKE_CASE = re.compile(r"^[a-z][a-z0-9_]*$")
-# services/scheduler/webhooks/sender.py still takes an idle fetch's asyncio TimeoutError for a NATS
-# failure (warns, then stamina warns of the retry); the notifier's copy of that code is fixed. Until
-# the sender's is (another change), its two lines, which come or not depending on timing, are
-# tolerated here, and only they.
 STOPPED_WITHIN_S = 5.0
 
 
