@@ -150,9 +150,11 @@ class Tracing:
         end_s: float,
         attributes: Mapping[str, AttributeValue] | None = None,
         links: Sequence[str] = (),
+        error: str = "",
     ) -> str:
         """A span that already happened (Unix seconds), a child of `parent` ("": a new trace),
-        linked to the spans `links` (traceparents). Returns its own traceparent."""
+        linked to the spans `links` (traceparents); `error`: it failed, and why. Returns its own
+        traceparent."""
         from opentelemetry.trace import Link
 
         assert self._tracer is not None, "tracing is off"
@@ -164,8 +166,11 @@ class Tracing:
             links=span_links,
             start_time=round(start_s * 1e9),
         )
+        recorded = TraceSpan(span)
+        if error:
+            recorded.fail(error)
         span.end(end_time=round(end_s * 1e9))
-        return TraceSpan(span).traceparent
+        return recorded.traceparent
 
 
 class TraceSpan:
@@ -184,6 +189,12 @@ class TraceSpan:
 
     def set(self, key: str, value: AttributeValue) -> None:
         self._span.set_attribute(key, value)
+
+    def fail(self, description: str) -> None:
+        """Marks the span failed (status ERROR), as a trace viewer shows and searches it."""
+        from opentelemetry.trace import Status, StatusCode
+
+        self._span.set_status(Status(StatusCode.ERROR, description))
 
 
 def _context_of(traceparent: str) -> Any:

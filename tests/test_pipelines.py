@@ -288,3 +288,56 @@ async def test_a_reporting_steps_progress_is_folded_into_the_pipelines(engine: A
     assert inside, "the first step's own progress shows as part of the pipeline's first half"
     assert all(u.message.startswith("step 1 of 2: progress: step ") for u in inside)
     assert updates[-1].message == "2 of 2 steps done"
+
+
+def as_int64(arrays: dict[str, Any]) -> dict[str, Any]:
+    """A function step whose output the next model (FP32) does not take."""
+    return {"y": arrays["x"].astype(np.int64)}
+
+
+def gives_another_name(arrays: dict[str, Any]) -> dict[str, Any]:
+    return {"z": arrays["x"]}
+
+
+@pytest.mark.parametrize(
+    ("steps", "says"),
+    [
+        (
+            [
+                {"function": "tests.test_pipelines:as_int64", "inputs": {"x": "x"}, "outputs": {"y": "mid"}},
+                {"model": "demo", "inputs": {"x": "mid"}, "outputs": {"y": "y"}},
+            ],
+            "step 2 (demo): invalid inputs",
+        ),
+        (
+            [{"function": "tests.test_pipelines:gives_another_name", "inputs": {"x": "x"}, "outputs": {"y": "y"}}],
+            "gave no output 'y' (it gave ['z'])",
+        ),
+    ],
+    ids=["wrong-datatype", "missing-output"],
+)
+async def test_a_step_that_does_not_fit_the_wiring_is_a_final_failed_precondition(
+    steps: list[dict[str, Any]], says: str
+) -> None:
+    """The caller's input passed the pipeline's signature: a step refusing what an earlier step gave
+    is the pipeline's configuration, not an invalid request, and no retry helps."""
+    from asyncinfer.config import BatcherConfig
+    from asyncinfer.errors import FailedPrecondition
+    from services.batcher.backends.loading import load_backend
+    from services.batcher.engine import BatchingEngine
+    from services.batcher.work_messages import error_status
+
+    miswired = ModelConfig.model_validate({**TWICE.model_dump(exclude={"steps"}), "name": "miswired", "steps": steps})
+    built = BatchingEngine()
+    built.add_model(DEMO_MODEL, await asyncio.to_thread(load_backend, DEMO_MODEL, BatcherConfig()))
+    built.add_pipeline(miswired)
+    await built.start()
+    try:
+        with pytest.raises(FailedPrecondition) as failed:
+            await asyncio.wait_for(built.submit("miswired", x_tensor(1.0)).future, 30)
+    finally:
+        await built.stop(grace_s=1.0)
+    assert failed.value.reason == "PIPELINE_STEP_MISMATCH"
+    assert says in failed.value.message
+    assert "pipeline 'miswired'" in failed.value.message
+    assert not error_status(failed.value).retriable

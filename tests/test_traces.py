@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
@@ -340,3 +341,32 @@ async def test_a_retried_jobs_attempts_are_all_in_its_one_trace(traced: Config, 
     attempts = sorted((s.attributes or {})["asyncinfer.attempt"] for s in spans if s.name == "queued")
     assert attempts == [1, 2]
     assert all((s.attributes or {})["asyncinfer.failed"] for s in spans if s.name == "compute")
+    # Failed attempts are failed spans, as a trace viewer shows and searches them.
+    failed = [s for s in spans if s.name in ("compute", "result_commit")]
+    assert all(s.status.status_code is StatusCode.ERROR for s in failed), [(s.name, s.status) for s in failed]
+    assert all((s.attributes or {})["asyncinfer.error_reason"] == "MODEL_ERROR" for s in failed if s.name != "compute")
+    assert all(s.status.status_code is StatusCode.UNSET for s in spans if s.name in ("submit", "queued", "dispatch"))
+
+
+async def test_a_pipeline_jobs_trace_shows_each_steps_compute(traced: Config, start_stack: StartStack) -> None:
+    twice = {
+        **DEMO_MODEL.model_dump(include={"inputs", "outputs"}),
+        "name": "twice",
+        "steps": [
+            {"model": "demo", "inputs": {"x": "x"}, "outputs": {"y": "once"}},
+            {"model": "demo", "inputs": {"x": "once"}, "outputs": {"y": "y"}},
+        ],
+    }
+    stack = await start_stack(traced.replace(models=[DEMO_MODEL.model_dump(), twice]))
+    exporter = export_spans(stack)
+    request = demo_request([[1, 2, 3, 4]])
+    request.model_name = "twice"
+    submitted = await stack.jobs.SubmitJob(request, metadata=(("traceparent", CALLER),))
+    job = await finished(stack, submitted.job.job_id)
+    assert job.state == job_pb2.JOB_STATE_SUCCEEDED
+    await wait_for(lambda: any(s.name == "result_commit" for s in exporter.get_finished_spans()))
+    spans = [s for s in exporter.get_finished_spans() if s.context.trace_id == int(TRACE_ID, 16)]
+    (dispatch,) = [s for s in spans if s.name == "dispatch"]
+    computes = [s for s in spans if s.name == "compute"]
+    assert len(computes) == 2, "one per step"
+    assert {parent_of(s) for s in computes} == {hex_id(dispatch.context.span_id, 16)}

@@ -36,5 +36,11 @@ def trace_batch(
                 "asyncinfer.failed": item_failed,
             }
             tracing.record(
-                "compute", parent=item.trace, start_s=start_s, end_s=end_s, attributes=attributes, links=[batch_trace]
+                "compute",
+                parent=item.trace,
+                start_s=start_s,
+                end_s=end_s,
+                attributes=attributes,
+                links=[batch_trace],
+                error="its batch failed" if item_failed else "",
             )

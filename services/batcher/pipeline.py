@@ -9,7 +9,9 @@ model's max_batch_size (a document cut into many windows); function steps run in
 The first step's item carries the job's deadline (a job that never started expires, as any item
 does); its priority goes to every step. While it runs, the pipeline reports the share of its steps
 done (with the fraction a reporting step model gives). A failing step fails the item, its error
-naming the step. Cancelling the item (a cancel order, a caller gone, shutdown) cancels the task,
+naming the step (a step that does not fit the pipeline's wiring, as a function that gives another
+datatype than the next model takes, is FAILED_PRECONDITION: not the caller's input, and no retry
+helps). Each step's item carries the job's trace, so its compute shows in the job's trace. Cancelling the item (a cancel order, a caller gone, shutdown) cancels the task,
 which drops the step's items that have not started.
 """
 
@@ -29,6 +31,7 @@ from asyncinfer.config import ModelConfig, PipelineStepConfig
 from asyncinfer.errors import (
     AsyncInferError,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     ModelError,
     ResourceExhausted,
@@ -38,6 +41,9 @@ from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.progress import ItemProgress, ProgressUpdate
+
+# A step refused what the pipeline gave it, or did not give what the pipeline takes from it.
+STEP_MISMATCH = "PIPELINE_STEP_MISMATCH"
 
 
 class StepEngine(Protocol):
@@ -176,8 +182,10 @@ class PipelineRunner:
             runs.append(run)
             for output, name in step.outputs.items():
                 if output not in outputs:
-                    raise ModelError(
-                        f"pipeline {self.name!r} step {index + 1} ({step.label}) gave no output {output!r}"
+                    raise FailedPrecondition(
+                        f"pipeline {self.name!r} step {index + 1} ({step.label}) gave no output {output!r} "
+                        f"(it gave {sorted(outputs)}): the pipeline's configuration does not fit its step",
+                        reason=STEP_MISMATCH,
                     )
                 tensors[name] = dataclasses.replace(outputs[output], name=name)
         self._report(item, 1.0, f"{total} of {total} steps done")
@@ -205,7 +213,9 @@ class PipelineRunner:
         submitted: list[PendingItem] = []
         try:
             for piece in pieces:
-                submitted.append(await self._submit(step.model, piece, timeout_s, item.priority, step_progress))
+                part = await self._submit(step.model, piece, timeout_s, item.priority, step_progress)
+                part.trace = item.trace  # the job's dispatch span: its trace shows each step's compute
+                submitted.append(part)
             await asyncio.wait([part.future for part in submitted])
             outcomes = [part.future.result() for part in submitted]  # the first error raises
         finally:
@@ -287,10 +297,15 @@ def _rows(inputs: list[Tensor], start: int, stop: int) -> list[Tensor]:
 
 
 def _named(error: AsyncInferError, pipeline: str, index: int, step: PipelineStepConfig) -> AsyncInferError:
-    """The step's error with the step named, of the same kind (an invalid input stays invalid)."""
+    """The step's error with the step named. A step's inputs are the pipeline's own (checked
+    against its signature before it ran) or an earlier step's outputs, so a step refusing its
+    inputs is the pipeline's configuration, not the caller's request: FAILED_PRECONDITION, which
+    no retry changes, rather than the INVALID_ARGUMENT that would blame the caller."""
     message = f"pipeline {pipeline!r} step {index + 1} ({step.label}): {error.message}"
     if isinstance(error, InvalidArgument):
-        return InvalidArgument(message, error.violations, reason=error.reason)
+        return FailedPrecondition(message, reason=STEP_MISMATCH)
+    if isinstance(error, FailedPrecondition):
+        return FailedPrecondition(message, reason=error.reason)
     if isinstance(error, ModelError):
         return ModelError(message, reason=error.reason)
     return ModelError(message)

@@ -154,7 +154,11 @@ class JobFlow:
         """The result's commit (the terminal write or the retry, then the ack) in a span, a child
         of the job's submit span."""
         attributes: dict[str, AttributeValue] = {"asyncinfer.job_id": job.job_id, "asyncinfer.attempt": job.attempt}
-        with self._tracing.span("result_commit", parent=job.record.traceparent, attributes=attributes):
+        if result.error is not None:
+            attributes["asyncinfer.error_reason"] = result.error.reason
+        with self._tracing.span("result_commit", parent=job.record.traceparent, attributes=attributes) as span:
+            if result.error is not None:  # the attempt failed (retried or final: the next span says)
+                span.fail(f"{result.error.reason}: {result.error.message}")
             await self._settlement.result(job, result)
 
     async def handle_progress(self, session: BatcherSession, progress: WorkProgress) -> None:
