@@ -22,7 +22,8 @@ extra; a base or server install runs without it).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from asyncinfer.errors import ConfigError
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.export import SpanExporter
     from opentelemetry.trace import Span, Tracer
 
 log = structlog.get_logger("asyncinfer.tracing")
@@ -44,6 +46,10 @@ TRACEPARENT = TRACEPARENT_HEADER
 OTLP_ENDPOINT_VARIABLE = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
 AttributeValue = str | int | float | bool
+
+# How long a stopping service gives its exporter to send the spans it holds: past it, the exporter
+# stops retrying (a collector that is away) and the spans are dropped.
+SHUTDOWN_EXPORT_S = 2.0
 
 
 def trace_id_of(traceparent: str) -> str:
@@ -74,6 +80,7 @@ class Tracing:
         self._tracer: Tracer | None = None if provider is None else provider.get_tracer("asyncinfer")
         self.enabled = provider is not None
         self.otlp_endpoint = otlp_endpoint  # where spans are exported ("": nowhere, or off)
+        self._stop_exporting: Callable[[], None] | None = None
 
     @classmethod
     def off(cls) -> Tracing:
@@ -100,13 +107,15 @@ class Tracing:
         provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
         environ = os.environ if environ is None else environ
         endpoint = config.otlp_endpoint or environ.get(OTLP_ENDPOINT_VARIABLE, "")
+        exporter = None
         if endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+            exporter = _service_exporter(endpoint, service=service)
             # Batched, in the SDK's own thread: exporting never runs on the event loop.
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+            provider.add_span_processor(BatchSpanProcessor(exporter))
         log.info("tracing_on", service=service, otlp_endpoint=endpoint or None, sample_ratio=config.sample_ratio)
-        return cls(provider, otlp_endpoint=endpoint)
+        tracing = cls(provider, otlp_endpoint=endpoint)
+        tracing._stop_exporting = exporter.shutdown if exporter is not None else None
+        return tracing
 
     def add_span_processor(self, processor: SpanProcessor) -> None:
         """Another destination for this service's spans (the tests' in-memory exporter)."""
@@ -114,9 +123,21 @@ class Tracing:
         self._provider.add_span_processor(processor)
 
     def shutdown(self) -> None:
-        """Flushes and stops the exporters (blocking: call it off the event loop). Idempotent."""
-        if self._provider is not None:
+        """Flushes and stops the exporters (blocking: call it off the event loop), within about
+        SHUTDOWN_EXPORT_S: a collector that is away would otherwise hold the service's stop for
+        the exporter's retries (~10 s each). Idempotent."""
+        if self._provider is None:
+            return
+        give_up = None
+        if self._stop_exporting is not None:
+            give_up = threading.Timer(SHUTDOWN_EXPORT_S, self._stop_exporting)
+            give_up.daemon = True
+            give_up.start()
+        try:
             self._provider.shutdown()
+        finally:
+            if give_up is not None:
+                give_up.cancel()
 
     @contextmanager
     def span(
@@ -195,6 +216,30 @@ class TraceSpan:
         from opentelemetry.trace import Status, StatusCode
 
         self._span.set_status(Status(StatusCode.ERROR, description))
+
+
+def _service_exporter(endpoint: str, *, service: str) -> SpanExporter:
+    """An OTLP/gRPC exporter whose lines name the service (its export thread binds it: a thread
+    does not inherit the context the service was started in) and whose shutdown may come twice
+    (once from Tracing.shutdown's time limit, once from the SDK) without a warning."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    class ServiceExporter(OTLPSpanExporter):
+        _bound = False
+        _stopped = False
+
+        def export(self, spans: Any) -> Any:
+            if not self._bound:
+                structlog.contextvars.bind_contextvars(service=service)
+                self._bound = True
+            return super().export(spans)
+
+        def shutdown(self, *args: Any, **kwargs: Any) -> None:
+            if not self._stopped:
+                self._stopped = True
+                super().shutdown(*args, **kwargs)
+
+    return ServiceExporter(endpoint=endpoint)
 
 
 def _context_of(traceparent: str) -> Any:

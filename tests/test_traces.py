@@ -26,7 +26,7 @@ from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.contract import TRACEPARENT_HEADER, job_work_subject
 from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
-from asyncinfer.tracing import Tracing, trace_id_of
+from asyncinfer.tracing import SHUTDOWN_EXPORT_S, Tracing, trace_id_of
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from tests import codec_v0_readers as old_readers
 from tests.kv_helpers import job_record
@@ -298,6 +298,21 @@ def test_the_standard_otlp_endpoint_variable_is_honoured() -> None:
         assert tracing.enabled
         assert tracing.otlp_endpoint == ("http://127.0.0.1:4317" if exports else "")
         tracing.shutdown()
+
+
+def test_a_collector_that_is_away_holds_a_stop_for_seconds_not_for_the_exporters_retries() -> None:
+    """The OTLP exporter retries a refused export for up to 10 s; a stopping service gives the
+    spans it holds SHUTDOWN_EXPORT_S, then drops them (`up` stopped in 12 s, service by service)."""
+    from tests.test_client_sdk import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    config = Config().tracing.model_copy(update={"enabled": True, "otlp_endpoint": endpoint})
+    tracing = Tracing.start(config, service="gateway")
+    with tracing.span("submit"):
+        pass
+    started = time.monotonic()
+    tracing.shutdown()
+    assert time.monotonic() - started < SHUTDOWN_EXPORT_S + 3.0
 
 
 async def test_a_canceled_jobs_lines_carry_its_trace_id(traced: Config, start_stack: StartStack) -> None:
