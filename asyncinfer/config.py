@@ -1003,10 +1003,18 @@ def load_config(
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors(include_url=False)
-        )
-        raise ConfigError(f"invalid configuration: {problems}") from None
+        raise ConfigError(f"invalid configuration: {_problems(exc)}") from None
+
+
+def _problems(error: ValidationError) -> str:
+    """Each problem as `location: message`; a check of the whole file (no location) as its message,
+    without pydantic's "Value error, " prefix."""
+    problems = []
+    for err in error.errors(include_url=False):
+        message = str(err["msg"]).removeprefix("Value error, ")
+        location = ".".join(str(p) for p in err["loc"])
+        problems.append(f"{location}: {message}" if location else message)
+    return "; ".join(problems)
 
 
 # --- the commented default file --------------------------------------------------------------

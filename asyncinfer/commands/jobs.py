@@ -228,6 +228,18 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
     return EXIT_OK
 
 
+def line_stamp(previous: Job | None, update: Job, last: datetime | None, now: datetime) -> datetime | None:
+    """The time a watch line shows. A change of state is stamped with its record's time; anything
+    else (a progress report, the record keeping it) when it is heard. Never before the line above:
+    the last progress line, heard after the model finished, would otherwise be stamped after the
+    SUCCEEDED printed below it."""
+    moved = previous is None or (previous.state, previous.attempt) != (update.state, update.attempt)
+    stamp = (update.update_time or update.create_time) if moved else now
+    if stamp is not None and last is not None:
+        return max(stamp, last)
+    return stamp
+
+
 # How often the live status line's clock is redrawn while nothing changes (a job waiting in a queue).
 WATCH_TICK_S = 0.5
 
@@ -239,6 +251,7 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
     started = time.monotonic()
     last: Job | None = None
     printed = ""  # the last line printed (a message that changes nothing shown is not repeated)
+    last_stamp: datetime | None = None  # its time
 
     def show_live() -> None:
         if live is not None and last is not None:
@@ -260,10 +273,8 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
                     elif live is not None:
                         show_live()
                     elif (summary := job_summary(update)) != printed:
-                        # A change of state is stamped with its record's time; anything else
-                        # (a progress report, the record keeping it) when it is heard.
-                        moved = previous is None or (previous.state, previous.attempt) != (update.state, update.attempt)
-                        stamp = (update.update_time or update.create_time) if moved else datetime.now(UTC)
+                        stamp = line_stamp(previous, update, last_stamp, datetime.now(UTC))
+                        last_stamp = stamp or last_stamp
                         prefix = stamp.astimezone().strftime("%H:%M:%S.%f")[:-3] + "  " if stamp else ""
                         print(prefix + summary, flush=True)
                         printed = summary

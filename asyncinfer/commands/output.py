@@ -223,6 +223,9 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
     if job.queue is not None and not job.done:
         reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
         lines.append(f"queue       position {job.queue.position}, waiting: {reason}")
+    if job.progress is not None and not job.done:
+        done = f"{job.progress.fraction:.0%}" if job.progress.fraction is not None else ""
+        lines.append(f"progress    {'  '.join(part for part in (done, job.progress.message) if part) or '-'}")
     if job.labels:
         lines.append("labels      " + ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())))
     if job.error is not None:

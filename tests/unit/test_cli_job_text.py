@@ -15,6 +15,7 @@ from asyncinfer.client import (
     CallbackDeliveryState,
     CallbackEvent,
     Job,
+    JobProgress,
     JobState,
     ModelInfo,
     ModelVersion,
@@ -76,3 +77,45 @@ def test_a_models_versions_read_in_one_cell() -> None:
         model, versions=(ModelVersion("1", "READY"), ModelVersion("2", "READY"), ModelVersion("3", "LOADING"))
     )
     assert listed.versions_summary == "1, 2, 3 (loading)"
+
+
+def test_a_running_jobs_progress_is_shown() -> None:
+    job = Job(
+        job_id="j2",
+        model_name="minilm-l6-doc",
+        model_version="1",
+        state=JobState.RUNNING,
+        priority=Priority.NORMAL,
+        attempt=1,
+        max_attempts=3,
+        revision=3,
+        progress=JobProgress(fraction=0.39, message="window 47 of 119", partial_outputs={}),
+    )
+    assert "progress    39%  window 47 of 119" in job_text(job).splitlines()
+    finished = dataclasses.replace(job, state=JobState.SUCCEEDED)
+    assert not any(line.startswith("progress") for line in job_text(finished).splitlines())
+
+
+def test_watch_lines_are_stamped_in_the_order_they_are_printed() -> None:
+    from datetime import timedelta
+
+    from asyncinfer.commands.jobs import line_stamp
+
+    ended = datetime(2026, 12, 6, 4, 14, 17, 502000, tzinfo=UTC)
+    running = Job(
+        job_id="j3",
+        model_name="minilm-l6-doc",
+        model_version="1",
+        state=JobState.RUNNING,
+        priority=Priority.NORMAL,
+        attempt=1,
+        max_attempts=3,
+        revision=3,
+        update_time=ended - timedelta(seconds=5),
+    )
+    heard = ended + timedelta(milliseconds=14)  # the last progress report, heard after the end
+    progress_stamp = line_stamp(running, running, running.update_time, heard)
+    assert progress_stamp == heard
+    succeeded = dataclasses.replace(running, state=JobState.SUCCEEDED, update_time=ended)
+    assert line_stamp(running, succeeded, progress_stamp, heard) == heard, "not before the line above"
+    assert line_stamp(None, running, None, heard) == running.update_time, "a state is stamped with its record's time"

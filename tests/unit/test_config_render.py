@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from asyncinfer.config import Config, render_default_config
+from asyncinfer.config import Config, load_config, render_default_config
+from asyncinfer.errors import ConfigError
 
 pytestmark = pytest.mark.unit
 
@@ -31,3 +33,16 @@ def unset_as_none(value: object) -> object:
     if isinstance(value, list | tuple):
         return [unset_as_none(item) for item in value] or None
     return None if value == "" else value
+
+
+def test_a_problem_of_the_whole_file_reads_without_an_empty_location(tmp_path: Path) -> None:
+    path = tmp_path / "asyncinfer.toml"
+    path.write_text(
+        '[[models]]\nname = "twice"\ninputs = [{ name = "x", datatype = "FP32", shape = [-1, 4] }]\n'
+        'outputs = [{ name = "y", datatype = "FP32", shape = [-1, 4] }]\n'
+        'steps = [{ model = "demo", inputs = { x = "x" }, outputs = { y = "y" } }]\n'
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(path, environ={})
+    assert str(refused.value).startswith("invalid configuration: pipeline 'twice' step 1 (demo): no model 'demo'")
+    assert "Value error" not in str(refused.value)
