@@ -577,6 +577,13 @@ class ModelConfig(_Section):
     triton_url: str = Field("", description="triton backend: the Triton server's gRPC address (host:port).")
     triton_model_name: str = Field("", description="triton backend: the model's name there (empty: this name).")
     triton_model_version: str = Field("", description="triton backend: the model's version there (empty: latest).")
+    triton_outage_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="triton backend: how long a batch waits for a Triton server it cannot reach (restarting, a "
+        "rolling update) before its items fail UNAVAILABLE, and at start-up how long the batcher waits for the "
+        "server to be reachable and ready. Jobs meanwhile stay RUNNING (the batch) or QUEUED (the rest).",
+    )
     max_batch_size: int = Field(32, ge=1, description="Most rows in one batch (and in one job).")
     warm_up: bool = Field(
         True,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 from tritonclient.grpc import aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
@@ -154,7 +155,7 @@ async def test_a_version_served_by_triton_is_hot_loaded_beside_a_torch_one(
     jobs pinned to each run on theirs, and unloading version 1 leaves version 2 serving the rest."""
     stack = await start_stack(config.replace(models=[DEMO_MODEL.model_dump()]))
     assert stack.batcher is not None
-    triton_version = {"version": "2", "backend": "triton", "loader": "", "triton_url": triton_url}
+    triton_version = {"version": "2", "backend": "triton", "loader": "", "triton_url": triton_url, "max_batch_size": 8}
     client = triton_aio.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
     try:
         await client.load_model(
@@ -182,3 +183,100 @@ async def test_a_version_served_by_triton_is_hot_loaded_beside_a_torch_one(
             assert rest.model_version == "2"
     finally:
         await client.close()
+
+
+class TritonOutage:
+    """A TCP proxy in front of the module's Triton: `down()` refuses new connections and drops the
+    open ones (a Triton restarting, a pod rolled over), `up()` forwards again on the same port."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._target = (host, int(port))
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()
+
+    async def up(self) -> str:
+        self._server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return f"127.0.0.1:{self.port}"
+
+    async def down(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._open):
+            writer.close()
+        self._open.clear()
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
+        self._open |= {writer, upstream_writer}
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+
+async def logged(logs: list[dict[str, object]], event: str) -> None:
+    for _ in range(1000):
+        if any(entry["event"] == event for entry in logs):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never logged: {event}")
+
+
+async def test_a_triton_outage_is_waited_out_at_start_up_and_by_a_batch(triton_url: str) -> None:
+    """Triton restarting (or not up yet when the batcher starts) holds the batch, and the start,
+    for up to triton_outage_wait_s, instead of failing every queued job's attempts in seconds."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    await outage.down()
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[remote(url, warm_up=False)]
+        )
+    )
+    try:
+        with structlog.testing.capture_logs() as logs:
+            starting = asyncio.create_task(batcher.start())
+            await logged(logs, "triton_unreachable")
+            assert not starting.done()
+            await outage.up()
+            await asyncio.wait_for(starting, 30)
+        assert batcher.load_failures == {}
+        assert batcher.engine.model_names == ["remote"]
+
+        with structlog.testing.capture_logs() as logs:
+            await outage.down()
+            computing = asyncio.create_task(batcher.engine.infer("remote", x(2.0)))
+            await logged(logs, "triton_unreachable")
+            assert not computing.done()
+            await outage.up()
+            outcome = await asyncio.wait_for(computing, 30)
+            await logged(logs, "triton_reachable_again")
+        assert outcome.outputs[0].to_numpy().tolist() == [[5.0] * 4]
+    finally:
+        await batcher.stop(grace_s=1.0)
+        await outage.down()
+
+
+async def test_a_max_batch_size_over_tritons_is_refused_at_start_up(triton_url: str) -> None:
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+            models=[remote(triton_url, name="toobig", max_batch_size=32)],
+        )
+    )
+    await batcher.start()
+    try:
+        assert "takes batches of at most 8 rows" in batcher.load_failures["toobig"]
+    finally:
+        await batcher.stop(grace_s=1.0)
