@@ -662,6 +662,14 @@ class ModelConfig(_Section):
             raise ValueError("model names are 1-64 letters, digits, '-' or '_', starting with a letter or digit")
         return value
 
+    @field_validator("version")
+    @classmethod
+    def _valid_version(cls, value: str) -> str:
+        # As a [[models.versions]] entry's: it is a token of NATS subjects and keys (the registry).
+        if not NAME_PATTERN.match(value):
+            raise ValueError("versions are 1-64 letters, digits, '-' or '_'")
+        return value
+
     @field_validator("device")
     @classmethod
     def _valid_device(cls, value: str) -> str:

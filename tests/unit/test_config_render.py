@@ -1,4 +1,5 @@
-"""`asyncinfer config`'s TOML: every line is valid TOML uncommented, and reads back unchanged."""
+"""The configuration as a file: `asyncinfer config`'s TOML (every line valid uncommented, read back
+unchanged), its problems as read (a whole-file problem without an empty location), a model's version."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
-from asyncinfer.config import Config, load_config, render_default_config
+from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, load_config, render_default_config
 from asyncinfer.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -46,3 +48,11 @@ def test_a_problem_of_the_whole_file_reads_without_an_empty_location(tmp_path: P
         load_config(path, environ={})
     assert str(refused.value).startswith("invalid configuration: pipeline 'twice' step 1 (demo): no model 'demo'")
     assert "Value error" not in str(refused.value)
+
+
+@pytest.mark.parametrize("version", ["v 3", "1.0", "*", ""])
+def test_a_models_own_version_is_checked_as_its_versions_entries_are(version: str) -> None:
+    # A version is a token of NATS subjects and registry keys: "v 3" loaded, then failed every
+    # registry write (the gateway never learnt it).
+    with pytest.raises(ValidationError, match="versions are 1-64 letters"):
+        ModelConfig.model_validate({**DEMO_MODEL.model_dump(), "version": version})
