@@ -18,7 +18,8 @@ def banner(
     gateway = f"{config.gateway.host}:{apps['gateway'].port}"
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
     batcher = f"{config.batcher.host}:{apps['batcher'].port}"
-    models = ", ".join(m.name for m in config.models)
+    failed: dict[str, str] = getattr(apps["batcher"], "load_failures", {})
+    models = ", ".join(m.name for m in config.models if m.name not in failed)
     lines = [
         "asyncinfer is up",
         f"  JobService (gateway)           {gateway}",
@@ -28,8 +29,11 @@ def banner(
         # On TLS a client must start with it (nats-py's tls://; the nats CLI's --tlsca with the CA below).
         f"  NATS JetStream                 {nats_url.replace('nats://', 'tls://', 1) if ca_file else nats_url}"
         f"  (store: {config.embedded_nats.store_dir})",
-        f"  models                         {models}",
+        f"  models                         {models or '(none loaded)'}",
     ]
+    for name, reason in failed.items():  # its jobs would wait for a batcher that serves it
+        short = reason if len(reason) <= 100 else reason[:99] + "…"
+        lines.append(f"  {'NOT LOADED: ' + name:<31}{short}")
     for name in ("gateway", "scheduler", "batcher"):
         port = getattr(apps[name], "metrics_port", 0)
         if port:
