@@ -215,3 +215,17 @@ async def test_priority_parameter_is_read_like_triton(client: triton.InferenceSe
         "LOW",
     ]
     assert request_priority(service_pb2.ModelInferRequest()).value == "NORMAL"
+
+
+async def test_model_config_reads_as_tritons_for_the_same_model(client: triton.InferenceServerClient) -> None:
+    """perf_analyzer and clients that size their requests read it (it answered UNIMPLEMENTED)."""
+    config = (await client.get_model_config("demo", as_json=True))["config"]
+    assert config["name"] == "demo"
+    assert config["max_batch_size"] == DEMO_MODEL.max_batch_size
+    assert config["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": ["4"]}]
+    assert config["output"] == [{"name": "y", "data_type": "TYPE_FP32", "dims": ["4"]}]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == str(
+        round(DEMO_MODEL.max_queue_delay_ms * 1000)
+    )
+    with pytest.raises(InferenceServerException, match="not served"):
+        await client.get_model_config("nope")

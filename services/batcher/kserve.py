@@ -4,8 +4,10 @@ any v2 client work against it unchanged. Requests go through the same engine as 
 Like Triton, answers carry outputs in `raw_output_contents` (what tritonclient's `as_numpy`
 reads). A model's versions are served side by side: a request that names no version runs on the
 model's default (its default_version, else the highest served). The repository RPCs (load, unload,
-index) are kserve_repository.py's. RPCs not implemented here (shared memory, statistics,
-streaming) answer UNIMPLEMENTED from the generated base class.
+index) are kserve_repository.py's. ModelConfig answers as Triton's would for the same model
+(max_batch_size, the inputs and outputs without their batch dimension, the dynamic batcher's
+settings), which perf_analyzer and clients that size their requests read. RPCs not implemented
+here (shared memory, statistics, streaming) answer UNIMPLEMENTED from the generated base class.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from importlib import metadata
 from typing import Any
 
 import grpc
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
@@ -63,6 +65,20 @@ def decode_infer_inputs(request: service_pb2.ModelInferRequest) -> list[Tensor]:
     if violations:
         raise InvalidArgument(f"invalid inputs: {violations[0].field}: {violations[0].description}", violations)
     return tensors
+
+
+def _triton_tensor(name: str, datatype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    """A tensor as Triton's model configuration has it: its dims without the batch dimension (the
+    model batches); a tensor of one value per row is dims [1] reshaped to [] (Triton's rule: dims
+    are never empty)."""
+    fields: dict[str, Any] = {
+        "name": name,
+        "data_type": model_config_pb2.DataType.Value("TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"),
+        "dims": list(shape[1:]) or [1],
+    }
+    if not shape[1:]:
+        fields["reshape"] = model_config_pb2.ModelTensorReshape(shape=[])
+    return fields
 
 
 def request_priority(request: service_pb2.ModelInferRequest) -> Priority:
@@ -162,6 +178,30 @@ class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceSe
             platform=PLATFORMS.get(config.backend, config.backend),
             inputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.inputs],
             outputs=[Meta(name=s.name, datatype=s.datatype, shape=s.shape) for s in signature.outputs],
+        )
+
+    async def ModelConfig(
+        self, request: service_pb2.ModelConfigRequest, context: Context
+    ) -> service_pb2.ModelConfigResponse:
+        config = self._model(request.name, request.version)
+        signature = config.signature
+        return service_pb2.ModelConfigResponse(
+            config=model_config_pb2.ModelConfig(
+                name=config.name,
+                platform=PLATFORMS.get(config.backend, config.backend),
+                max_batch_size=config.max_batch_size,
+                input=[
+                    model_config_pb2.ModelInput(**_triton_tensor(s.name, s.datatype, s.shape)) for s in signature.inputs
+                ],
+                output=[
+                    model_config_pb2.ModelOutput(**_triton_tensor(s.name, s.datatype, s.shape))
+                    for s in signature.outputs
+                ],
+                dynamic_batching=model_config_pb2.ModelDynamicBatching(
+                    preferred_batch_size=list(config.preferred_batch_sizes),
+                    max_queue_delay_microseconds=round(config.max_queue_delay_ms * 1000),
+                ),
+            )
         )
 
     async def ModelInfer(
