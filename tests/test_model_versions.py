@@ -114,6 +114,23 @@ async def test_configured_default_version(config: Config, start_stack: StartStac
         np.testing.assert_allclose(done.outputs["y"], EXPECTED["1"])
 
 
+async def test_an_unpinned_job_waiting_for_an_unserved_default_version_says_so(
+    config: Config, start_stack: StartStack, batchers: Callable[..., Any]
+) -> None:
+    # default_version fixes where unpinned jobs run: with it unserved (unloaded in a rollout) they
+    # wait, and the reason says so (it read "-", the job seeming about to start).
+    stack = await start_stack(with_models(config, demo(default_version="2")), batcher=False)
+    await batchers(stack, "only-v1", demo(versions=("1",)))
+    async with AsyncClient(stack.address) as client:
+        assert (await client.run("demo", {"x": X}, model_version="1", timeout_s=WAIT_S))["y"].tolist() == (
+            EXPECTED["1"].tolist()
+        )
+        waiting = await client.get(await client.submit("demo", {"x": X}))
+        assert waiting.state.value == "QUEUED"
+        assert waiting.queue is not None
+        assert waiting.queue.waiting_reason == WaitingReason.NO_VERSION
+
+
 async def test_jobs_go_only_to_batchers_serving_their_version(
     config: Config, start_stack: StartStack, batchers: Callable[..., Any]
 ) -> None:

@@ -121,11 +121,16 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
 
     def _job(self, record: JobRecord) -> job_pb2.Job:
         standing = self._queues.standing(record)
+        if standing is None:
+            return job_to_proto(record, standing)
+        # The version it waits for: its own, or a default_version the configuration fixes (which
+        # keeps unpinned jobs queued while nothing serves it, as after its version was unloaded).
+        model = self._catalog.model(record.model_name)
+        version = record.model_version or (model.default_version if model is not None else "")
         if (
-            standing is not None
-            and record.model_version
+            version
             and standing.waiting_reason not in (WaitingReason.PAUSED, WaitingReason.DRAINING)
-            and not self._catalog.serves(record.model_name, record.model_version)
+            and not self._catalog.serves(record.model_name, version)
         ):
             standing = dataclasses.replace(standing, waiting_reason=WaitingReason.NO_VERSION, estimated_start_time=None)
         return job_to_proto(record, standing)
