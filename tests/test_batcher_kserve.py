@@ -7,6 +7,7 @@ import asyncio
 import socket
 import urllib.request
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,7 +16,7 @@ import tritonclient.grpc.aio as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.config import DEMO_MODEL, Config, load_config, render_default_config
 from services.batcher.app import BatcherApp
 
 
@@ -229,3 +230,26 @@ async def test_model_config_reads_as_tritons_for_the_same_model(client: triton.I
     )
     with pytest.raises(InferenceServerException, match="not served"):
         await client.get_model_config("nope")
+
+
+async def test_a_repository_file_made_invalid_lists_what_serves_and_refuses_loads_clearly(tmp_path: Path) -> None:
+    """The file is the repository: edited into an invalid one (before a SIGHUP that will refuse it),
+    the index still lists what serves, and a load says FAILED_PRECONDITION (not INTERNAL)."""
+    file = tmp_path / "batcher.toml"
+    config = Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None})
+    file.write_text(render_default_config(config))
+    batcher = BatcherApp(load_config(file), config_path=file)
+    await batcher.start()
+    client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+    try:
+        file.write_text(render_default_config(config).replace('name = "demo"', 'name = "not a name"', 1))
+        index = await client.get_model_repository_index(as_json=True)
+        assert {"name": "demo", "version": "1", "state": "READY"} in index["models"]
+        with pytest.raises(InferenceServerException) as refused:
+            await client.load_model("demo")
+        assert refused.value.status() == "StatusCode.FAILED_PRECONDITION"
+        assert "what was loaded goes on serving" in str(refused.value.message())
+        assert await client.is_model_ready("demo")
+    finally:
+        await client.close()
+        await batcher.stop(grace_s=1.0)

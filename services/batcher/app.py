@@ -16,7 +16,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing
 from asyncinfer.config import Config, ModelConfig, load_config
-from asyncinfer.errors import AsyncInferError, ConfigError
+from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
@@ -167,8 +167,18 @@ class BatcherApp:
 
     def _repository(self) -> tuple[ModelConfig, ...]:
         """The models the configuration file declares now (re-read: the file is the model
-        repository, as Triton's is its folder)."""
-        return (load_config(self.config_path) if self.config_path is not None else self.config).models
+        repository, as Triton's is its folder). A file made invalid since is the caller's to fix,
+        not an internal error: FAILED_PRECONDITION, saying that what serves goes on serving."""
+        if self.config_path is None:
+            return self.config.models
+        try:
+            return load_config(self.config_path).models
+        except ConfigError as exc:
+            raise FailedPrecondition(
+                f"the batcher's file {str(self.config_path)!r} (its model repository) is invalid now; "
+                f"what was loaded goes on serving: {exc.message}",
+                reason="MODEL_REPOSITORY_INVALID",
+            ) from None
 
     async def reload(self) -> None:
         """Reads the configuration file again and makes the models served what it declares:

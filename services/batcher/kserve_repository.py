@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2
 
-from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
+from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from services.batcher.engine import BatchingEngine
 from services.batcher.model_control import ModelControl, Repository, parse_model_json
 
@@ -69,7 +69,11 @@ class RepositoryServicer:
         Index = service_pb2.RepositoryIndexResponse.ModelIndex
         rows: dict[tuple[str, str], tuple[str, str]] = {}
         if self._repository is not None and not request.ready:
-            for model in self._repository():
+            try:
+                declared = self._repository()
+            except FailedPrecondition:
+                declared = ()  # a file made invalid since: what serves is listed all the same
+            for model in declared:
                 for config in model.version_configs():
                     rows[(model.name, config.version)] = ("UNAVAILABLE", "unloaded")
         if self._models is not None:
