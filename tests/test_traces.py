@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from asyncinfer.client import AsyncClient
+from asyncinfer.client import AsyncClient, JobRequest
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
@@ -336,6 +336,9 @@ async def test_the_sdk_sends_a_traceparent_and_shows_the_trace_id(traced: Config
         untraced = await client.submit("demo", {"x": [[1.0, 2.0, 3.0, 4.0]]})
         assert len(untraced.trace_id) == 32  # a trace of its own
         assert untraced.trace_id != TRACE_ID
+        requests = [JobRequest(model="demo", inputs={"x": [[float(i)] * 4]}) for i in range(3)]
+        bulked = [result async for result in client.bulk(requests, traceparent=CALLER)]
+        assert [r.job.trace_id for r in bulked if r.job] == [TRACE_ID] * 3, "the stream's trace, as submit's"
 
 
 async def test_a_retried_jobs_attempts_are_all_in_its_one_trace(traced: Config, start_stack: StartStack) -> None:

@@ -680,6 +680,7 @@ class AsyncClient:
         window: int = 256,
         items_per_message: int = 64,
         timeout_s: float | None = None,
+        traceparent: str = "",
     ) -> AsyncGenerator[BulkResult, None]:
         """Streams `requests` through SubmitJobs and yields one `BulkResult` per request, in order.
 
@@ -690,13 +691,19 @@ class AsyncClient:
         when the stream breaks (UNAVAILABLE) the unanswered requests are sent again on a new stream
         without queuing anything twice (the answer for a resent request that had been queued says
         `deduplicated`). A refused item is a result with `error`, not an exception. An exception
-        raised by your iterator is raised here after the answers for what was already sent."""
+        raised by your iterator is raised here after the answers for what was already sent.
+        `traceparent`: a W3C trace context for the stream; each job's trace is a child of it (as
+        `submit`'s)."""
         if window < 1:
             raise ValueError(f"window is the most requests in flight, at least 1; got {window}")
         source = _aiter(requests)
         try:
             bulk = self._bulk(
-                source, window=window, items_per_message=max(items_per_message, 1), deadline=Deadline(timeout_s)
+                source,
+                window=window,
+                items_per_message=max(items_per_message, 1),
+                deadline=Deadline(timeout_s),
+                metadata=(*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata,
             )
             async with contextlib.aclosing(bulk) as results:
                 async for result in results:
@@ -705,7 +712,13 @@ class AsyncClient:
             await source.aclose()
 
     async def _bulk(
-        self, source: AsyncGenerator[JobRequest, None], *, window: int, items_per_message: int, deadline: Deadline
+        self,
+        source: AsyncGenerator[JobRequest, None],
+        *,
+        window: int,
+        items_per_message: int,
+        deadline: Deadline,
+        metadata: tuple[tuple[str, str], ...],
     ) -> AsyncGenerator[BulkResult, None]:
         pending: deque[_Pending] = deque()
         space = asyncio.Event()
@@ -774,7 +787,7 @@ class AsyncClient:
         try:
             while True:
                 attempt += 1
-                call = self._stub.SubmitJobs(None, timeout=deadline.remaining(), metadata=self._metadata)
+                call = self._stub.SubmitJobs(None, timeout=deadline.remaining(), metadata=metadata)
                 writer = asyncio.create_task(write(call))
                 first_index = pending[0].index if pending else next_index
                 cause: BaseException | None = None

@@ -281,10 +281,17 @@ class Client:
         window: int = 256,
         items_per_message: int = 64,
         timeout_s: float | None = None,
+        traceparent: str = "",
     ) -> Iterator[BulkResult]:
         """See `AsyncClient.bulk`. `requests` is iterated on the client's thread."""
         return self._iterate(
-            self._client.bulk(requests, window=window, items_per_message=items_per_message, timeout_s=timeout_s)
+            self._client.bulk(
+                requests,
+                window=window,
+                items_per_message=items_per_message,
+                timeout_s=timeout_s,
+                traceparent=traceparent,
+            )
         )
 
     def upload(
