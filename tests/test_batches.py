@@ -197,6 +197,18 @@ async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_st
     assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == [
         r["custom_id"] for i, r in enumerate(records) if i != 137
     ]
+    # The bisection's failed chunk jobs are dead letters; replaying one would run records whose
+    # batch has ended (its result read by nobody): refused, and skipped by "all".
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        letters = (await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name="flaky"))).dead_letters
+        assert letters, "each failed chunk job is a dead letter"
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letters[0].sequence]))
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "error file" in (refused.value.details() or "")
+        every = await ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(all=True, model_name="flaky"))
+        assert (every.replayed, every.skipped) == (0, len(letters))
 
 
 async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(

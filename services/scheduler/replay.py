@@ -4,7 +4,8 @@ Order, so that a crash anywhere loses nothing and runs nothing twice: the record
 QUEUED first (compare-and-set from FAILED/TIMED_OUT, so two operators replaying at once replay it
 once), then the original work message (no longer as the job's record) is published again with `Nats-Msg-Id:
 <job_id>.replay.<dead-letter sequence>` (a retried publish is dropped as a duplicate), then the dead
-letter is deleted. If the publish fails, the record is put back as it was.
+letter is deleted. If the publish fails, the record is put back as it was. A file batch's chunk
+job is not replayed: its batch has taken its failure over (FAILED_PRECONDITION; `all` skips it).
 
 Attempts: `attempt` keeps counting (it is the fencing token, so it never goes back); the job gets
 a fresh budget instead: max_attempts becomes attempt + its original per-job max_attempts (capped by
@@ -25,7 +26,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import publish_durably
@@ -52,6 +53,14 @@ async def replay(
         raise NotFound(
             f"job {letter.job_id} has no record any more (its retention passed); purge the dead letter",
             reason="JOB_NOT_FOUND",
+        )
+    if CHUNK_LABEL in record.labels:
+        # Its batch took the failure over (bisection, then the error file): run again, the chunk's
+        # result would be read by nobody.
+        raise FailedPrecondition(
+            f"job {letter.job_id} is a chunk of file batch {record.labels.get(BATCH_LABEL, '?')}: its failed "
+            "records are in the batch's error file; create a batch of them to run them again",
+            reason="BATCH_CHUNK_NOT_REPLAYABLE",
         )
     model = config.model(letter.model_name)
     limit = model.max_attempts_limit if model is not None else envelope.max_attempts
