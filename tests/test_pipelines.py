@@ -126,6 +126,11 @@ async def test_steps_of_many_jobs_batch_together(gated_stack: Stack) -> None:
     batches, rows = batch_rows(stack, "gated")
     assert rows == JOBS
     assert batches < JOBS / 2, batches
+    # The pipeline's own jobs are counted by outcome, as a model's (a dashboard's items panel).
+    items = stack.batcher.registry.get_sample_value(
+        "asyncinfer_batcher_items_total", {"model": "twice", "outcome": "OK"}
+    )
+    assert items == JOBS
     # ... and so did the second step's, which the first step's batch handed its items to at once:
     # the records carry the last step's batch.
     assert max(record.batch.batch_size for record in records) > 1

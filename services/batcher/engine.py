@@ -115,7 +115,7 @@ class BatchingEngine:
             raise RuntimeError("pipelines are added before the engine starts")
         if config.name in self._queues or config.name in self._pipelines:
             raise ValueError(f"model {config.name!r} added twice")
-        self._pipelines[config.name] = PipelineRunner(config, self, self._notify_slot_freed)
+        self._pipelines[config.name] = PipelineRunner(config, self, self._notify_slot_freed, self._metrics)
 
     def withdraw(self, model_name: str, version: str) -> ModelQueue:
         """Takes a version out of service (and out of `versions`) now; `finish_retiring` ends it."""

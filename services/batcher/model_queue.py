@@ -36,7 +36,7 @@ from services.batcher.metrics import BatcherMetrics, ModelMetrics
 SlotListener = Callable[[str], None]
 
 
-def _outcome_label(future: asyncio.Future[InferOutcome]) -> str:
+def outcome_label(future: asyncio.Future[InferOutcome]) -> str:
     if future.cancelled():
         return "CANCELED"
     error = future.exception()
@@ -148,7 +148,7 @@ class ModelQueue:
         self.held -= 1
         if item.timer is not None:
             item.timer.cancel()
-        outcome = _outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
+        outcome = outcome_label(item.future)  # also marks an error retrieved when nobody awaits it
         if self._metrics is not None and outcome != "OK":  # OK items are counted per batch
             self._metrics.count_items(outcome)
         if not item.started:

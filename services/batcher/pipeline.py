@@ -40,6 +40,8 @@ from asyncinfer.errors import (
 from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor, validate_inputs
 from services.batcher.items import InferOutcome, PendingItem
+from services.batcher.metrics import BatcherMetrics
+from services.batcher.model_queue import outcome_label
 from services.batcher.progress import ItemProgress, ProgressUpdate
 
 # A step refused what the pipeline gave it, or did not give what the pipeline takes from it.
@@ -82,7 +84,13 @@ class StepRun:
 class PipelineRunner:
     """The items in flight of one pipeline model."""
 
-    def __init__(self, config: ModelConfig, engine: StepEngine, on_item_done: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        engine: StepEngine,
+        on_item_done: Callable[[str], None],
+        metrics: BatcherMetrics | None = None,
+    ) -> None:
         from services.batcher.backends.torch_backend import import_factory
 
         self.config = config
@@ -90,6 +98,9 @@ class PipelineRunner:
         self.held = 0
         self._engine = engine
         self._on_item_done = on_item_done
+        # Its jobs by outcome, as a model's (asyncinfer_batcher_items_total{model=<pipeline>}); its
+        # steps' batches are their models'.
+        self._metrics = metrics.for_model(config.name) if metrics is not None else None
         self._seq = itertools.count()
         self._tasks: set[asyncio.Task[None]] = set()
         self._functions: dict[int, StepFunction] = {
@@ -130,12 +141,15 @@ class PipelineRunner:
         task = asyncio.create_task(self._run(item), name=f"pipeline-{self.name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        future.add_done_callback(lambda _f: self._item_done(task))
+        future.add_done_callback(lambda done: self._item_done(task, done))
         return item
 
-    def _item_done(self, task: asyncio.Task[None]) -> None:
+    def _item_done(self, task: asyncio.Task[None], future: asyncio.Future[InferOutcome]) -> None:
         self.held -= 1
         task.cancel()  # a no-op once it finished; else it was cancelled or failed from outside
+        outcome = outcome_label(future)  # also marks an error retrieved when nobody awaits it
+        if self._metrics is not None:
+            self._metrics.count_items(outcome)
         self._on_item_done(self.name)
 
     async def close(self) -> None:
