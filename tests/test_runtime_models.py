@@ -6,15 +6,21 @@ loaded again."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import grpc
 import numpy as np
+import pytest
 from tritonclient.grpc import aio as triton
+from tritonclient.utils import InferenceServerException
 
-from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.client import AsyncClient, JobState, NotFoundError
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.contract import kv_stream, kv_subject_prefix
+from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from tests.runtime_model_gate import LOADING_MAY_FAIL
 from tests.stack import Stack, StartStack
 from tests.test_model_hot_updates import until
 from tests.test_model_versions import EXPECTED, X, demo, with_models
@@ -133,3 +139,39 @@ async def test_ops_service_loads_a_new_model_name_across_the_pool(config: Config
             assert all(d.succeeded for d in done.values())
     finally:
         await channel.close()
+
+
+async def test_a_new_model_name_whose_load_fails_is_not_learnt(config: Config, start_stack: StartStack) -> None:
+    """It was listed (unavailable) and took jobs that waited for ever, for a model never served."""
+    stack = await start_stack(with_models(config, demo(versions=("1",))))
+    assert stack.batcher is not None
+    kserve = triton.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    broken = json.loads(NEW_MODEL_TABLE) | {"loader": "tests.runtime_model_gate:failing_after_its_announcement"}
+    prefix = kv_subject_prefix(config.nats.models_bucket)
+    LOADING_MAY_FAIL.clear()
+    try:
+        loading = asyncio.create_task(kserve.load_model("broken", config=json.dumps(broken)))
+
+        async def announced() -> bool:
+            js = stack.nc.jetstream()
+            return bool(await stream_subjects(js, kv_stream(config.nats.models_bucket), f"{prefix}broken.>"))
+
+        await until(announced, WAIT_S)  # the registry holds it, LOADING
+        LOADING_MAY_FAIL.set()
+        with pytest.raises(InferenceServerException):
+            await loading
+        # The registry's changes reach the gateway in order: once a later load is listed, the
+        # failed one's were heard.
+        await kserve.load_model(NEW_MODEL, config=NEW_MODEL_TABLE)
+
+        async def ready() -> bool:
+            return (await listed(stack)).get(NEW_MODEL, {}).get("1") == job_service_pb2.MODEL_VERSION_STATE_READY
+
+        await until(ready, WAIT_S)
+        assert "broken" not in await listed(stack)
+        async with AsyncClient(stack.address) as client:
+            with pytest.raises(NotFoundError):
+                await client.submit("broken", {"x": X})
+    finally:
+        LOADING_MAY_FAIL.set()
+        await kserve.close()

@@ -3,9 +3,9 @@ versions it declares) plus the versions batchers have registered (asyncinfer.mod
 models bucket, kept current by one ordered consumer, so nothing is read per request).
 
 A model name is one the gateway's configuration declares, or one a batcher has registered that it
-does not (a model loaded at runtime: learnt with the signature announced, and the job defaults of
-a `[[models]]` table; remembered until the gateway stops, so that jobs can still queue for it while
-no batcher serves it). Its versions are those declared and those any batcher serves or loads now,
+does not (a model loaded at runtime: learnt once a batcher serves it, with the signature announced
+and the job defaults of a `[[models]]` table; remembered until the gateway stops, so that jobs can
+still queue for it while no batcher serves it; a name only loading is not learnt yet). Its versions are those declared and those any batcher serves or loads now,
 with the signature that batcher announced. A submit that names no version is validated against
 the model's default version now (default_version, else the highest version served: the same rule
 the scheduler applies at dispatch).
@@ -79,9 +79,10 @@ class ModelCatalog:
             self._learn(entry.model_name)
 
     def _learn(self, name: str) -> None:
-        """Remembers an undeclared model as its highest registered version (ready ones first)."""
-        entries = [e for e in self.registered(name) if e.signature is not None]
-        ready = [e for e in entries if e.state == READY] or entries
+        """Remembers an undeclared model as its highest ready version. A name only loading is not
+        learnt yet: a load that fails would otherwise leave a model that takes jobs and that no
+        batcher ever served (they would wait for ever)."""
+        ready = [e for e in self.registered(name) if e.signature is not None and e.state == READY]
         if not ready:
             return
         entry = max(ready, key=lambda e: version_order(e.version))
