@@ -66,6 +66,9 @@ async def list_objects(store: BlobStore) -> list[BlobInfo]:
         return []
     sub = await store.js.subscribe(
         subject,
+        # Named, so that nats-py does not look the stream up by subject ($JS.API.STREAM.NAMES):
+        # the services' NATS users may not (asyncinfer.nats_users), and the sweep failed on it.
+        stream=store.stream,
         ordered_consumer=True,
         deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
         inactive_threshold=LIST_CONSUMER_INACTIVE_S,

@@ -9,6 +9,7 @@ has its own inbox prefix); the gateway's own user may not take work off the queu
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from collections.abc import Iterator
@@ -28,6 +29,7 @@ from asyncinfer.nats_users import new_user_nkey
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from tests.nats_auth import STRANGER, STRANGER_PASSWORD, PerServiceNats
 from tests.stack import StartStack
+from tests.test_claim_check import objects_stream_state
 from tests.test_webhooks import all_final, submit, until
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
@@ -71,7 +73,9 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
     users: PerServiceNats, start_stack: StartStack, receiver: Receiver
 ) -> None:
     base = webhook_config(base_config())
-    stack = await start_stack(users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"))
+    stack = await start_stack(
+        users.config_of(base, "gateway"), scheduler_config=users.config_of(base, "scheduler"), blob_sweep_interval_s=0.1
+    )
     # A signed webhook: the scheduler's delivery streams and bucket, the gateway's status reads.
     hooked = await submit(stack, receiver.url("/done"))
     await receiver.wait_for("/done", 1)
@@ -109,6 +113,17 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
         assert again.state.name == "FAILED", again
         # A batch over a file: the batches bucket, its chunk objects and chunk jobs.
         await run_file_batch(client)
+        # The scheduler's sweep of expired uploads (it failed on every run, looking a stream up by
+        # subject, and expired uploads stayed, counted against their tenant's storage).
+        before = await objects_stream_state(stack.nc, stack.config)
+        await client.upload_inputs({"x": np.ones((4, 4), np.float32)}, retention_s=0.3)
+        assert await objects_stream_state(stack.nc, stack.config) != before
+        for _ in range(200):  # the sweep runs every 0.1 s; the upload expires after 0.3 s
+            if await objects_stream_state(stack.nc, stack.config) == before:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the expired upload was never swept")
     assert users.violations() == []
 
 
