@@ -43,6 +43,9 @@ NOT_RUN = {
     "make up": "starts the stack on the default ports and runs until Ctrl-C; this test starts the same "
     "stack (`asyncinfer up`, which `make up` runs) on free ports instead",
     "make test": "the whole suite, of which this test is a part",
+    "LD_LIBRARY_PATH=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var(\"LIBDIR\"))') "
+    ".venv/bin/python bench/batcher_servers.py pytriton 8001 affine 8 20": "starts a Triton server (PyTriton) "
+    "and runs until Ctrl-C; tests/test_batcher_triton.py starts the same server the same way, on a free port",
 }
 # The webhook example's URL: the gateway resolves its host at submit. Where example.com does not
 # resolve (a machine without DNS, like CI's), the test puts this loopback URL in its place (the
