@@ -5,8 +5,8 @@ whole stack) carry a role, and each service takes one role:
 - ops: the scheduler's OpsService, and the batcher's KServe v2 API;
 - batcher: the scheduler's WorkerService.
 
-With no key configured nothing is checked (the services then bind only to loopback where that is
-enforced). With any key configured, every method of a guarded service needs a key of its role:
+With no key configured nothing is checked, so a service then binds only to loopback
+(`require_keys_beyond_loopback`, at every service's start). With any key configured, every method of a guarded service needs a key of its role:
 UNAUTHENTICATED without a valid key, PERMISSION_DENIED with a key of another role. Health
 checking and reflection are served outside the guard (probes and grpcurl's schema lookups carry no
 key). `AccessGuard` wraps each method handler once, at registration (as asyncinfer.grpc_errors
@@ -16,6 +16,7 @@ does), so the check costs one hash and a few comparisons a call.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal
 
@@ -23,12 +24,34 @@ import grpc
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import ApiKeyConfig
-from asyncinfer.errors import PermissionDenied, Unauthenticated
+from asyncinfer.errors import ConfigError, PermissionDenied, Unauthenticated
 from asyncinfer.grpc_handlers import rewrap
 
 Role = Literal["tenant", "ops", "batcher"]
 BEARER = "bearer "
 Metadata = Iterable[tuple[str, str | bytes]]
+
+
+def is_loopback(host: str) -> bool:
+    """True when an address binds only this machine (127.0.0.0/8, ::1, localhost)."""
+    host = host.strip().removeprefix("[").removesuffix("]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
+
+
+def require_keys_beyond_loopback(section: str, host: str, api_keys: Iterable[ApiKeyConfig], exposes: str) -> None:
+    """Refuses (ConfigError, before anything binds) a service bound beyond loopback with no API
+    key configured: `exposes` says what anyone who reaches it could then do."""
+    if not is_loopback(host) and not tuple(api_keys):
+        raise ConfigError(
+            f"the {section} would bind {host!r}, beyond loopback, without API keys: anyone who can reach it "
+            f"could {exposes}. Add [[gateway.api_keys]] entries (the keys of the whole stack, each with its "
+            f"role; `asyncinfer hash-key KEY`) or set {section}.host to 127.0.0.1."
+        )
 
 
 def bearer_metadata(key: str | None) -> tuple[tuple[str, str], ...]:

@@ -510,9 +510,14 @@ class ModelVersionConfig(_Section):
     @field_validator("version")
     @classmethod
     def _valid_version(cls, value: str) -> str:
-        if not NAME_PATTERN.match(value):
-            raise ValueError("versions are 1-64 letters, digits, '-' or '_'")
-        return value
+        return checked_version(value)
+
+
+def checked_version(value: str) -> str:
+    """A model version: a token of NATS subjects and registry keys."""
+    if not NAME_PATTERN.match(value):
+        raise ValueError("versions are 1-64 letters, digits, '-' or '_'")
+    return value
 
 
 def version_order(version: str) -> tuple[int, int, str]:
@@ -665,10 +670,7 @@ class ModelConfig(_Section):
     @field_validator("version")
     @classmethod
     def _valid_version(cls, value: str) -> str:
-        # As a [[models.versions]] entry's: it is a token of NATS subjects and keys (the registry).
-        if not NAME_PATTERN.match(value):
-            raise ValueError("versions are 1-64 letters, digits, '-' or '_'")
-        return value
+        return checked_version(value)  # as a [[models.versions]] entry's
 
     @field_validator("device")
     @classmethod

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 from referencing import Registry, Resource
 
+from asyncinfer.access import KeyRing, bearer_metadata
 from asyncinfer.config import Config, load_config
 from asyncinfer.declarations import work_consumer_name
 from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_port
@@ -539,8 +540,13 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
             assert (path.parent / host).is_file(), host
             environ = {k: str(v) for k, v in svc["environment"].items()}
             cfg = load_config(path.parent / host, environ=environ)
-            if name == "gateway":
-                assert cfg.gateway.api_keys  # it binds 0.0.0.0: keys are required
+            # Each binds 0.0.0.0 (the network between containers): keys are required to start.
+            assert cfg.gateway.api_keys, name
+            assert getattr(cfg, name).host == "0.0.0.0"
+            if name == "batcher":  # its own key, of role batcher, for the scheduler's WorkerService
+                assert cfg.batcher.api_key is not None
+                own = KeyRing(cfg.gateway.api_keys).identify(bearer_metadata(cfg.batcher.api_key))
+                assert own.role == "batcher"
             if name != "batcher":
                 assert cfg.nats.url == "nats://nats:4222"
                 assert cfg.nats.replicas == 1

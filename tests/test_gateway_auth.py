@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from asyncinfer.access import is_loopback
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import ConfigError
@@ -17,7 +18,6 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.cli import main
 from services.gateway.app import GatewayApp
-from services.gateway.auth import is_loopback
 from services.up.ports import check_up_exposure
 
 if TYPE_CHECKING:
@@ -176,6 +176,22 @@ async def test_an_open_gateway_beyond_loopback_refuses_to_start(config: Config) 
         await app.start()
     assert app.port == 0  # refused before binding anything
     await app.stop()
+
+
+async def test_an_open_scheduler_or_batcher_beyond_loopback_refuses_to_start(config: Config) -> None:
+    """Their OpsService and KServe API are as open as the gateway's JobService without keys, and more:
+    a model load runs any code its loader names (a security pass loaded os:abort remotely)."""
+    from services.batcher.app import BatcherApp
+    from services.scheduler.app import SchedulerApp
+
+    scheduler = SchedulerApp(config.replace(scheduler={"host": "0.0.0.0"}))
+    with pytest.raises(ConfigError, match=r"the scheduler would bind '0\.0\.0\.0', beyond loopback, without API keys"):
+        await scheduler.start()
+    assert scheduler.port == 0
+    batcher = BatcherApp(config.replace(batcher={"host": "0.0.0.0", "scheduler_address": None}))
+    with pytest.raises(ConfigError, match="load new ones"):
+        await batcher.start()
+    assert batcher.port == 0
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2_grpc
 
-from asyncinfer.access import AccessGuard, KeyRing
+from asyncinfer.access import AccessGuard, KeyRing, require_keys_beyond_loopback
 from asyncinfer.config import Config, ModelConfig, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
 from asyncinfer.grpc_server import GrpcServer
@@ -35,6 +35,8 @@ log = structlog.get_logger("asyncinfer.batcher")
 # KServe's liveness and readiness probes stay open, like grpc health; every other method (ModelInfer
 # above all: it runs outside every quota) takes a key of role ops once API keys are configured.
 OPEN_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
+# What anyone who reached a batcher with no key could do (require_keys_beyond_loopback).
+BATCHER_EXPOSES = "run its models, and load new ones (a loader names any code the batcher will run)"
 
 
 class BatcherApp:
@@ -81,6 +83,7 @@ class BatcherApp:
 
     async def _start(self) -> None:
         batcher = self.config.batcher
+        require_keys_beyond_loopback("batcher", batcher.host, self.config.gateway.api_keys, BATCHER_EXPOSES)
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None

@@ -10,6 +10,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
+from asyncinfer.access import require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
@@ -26,7 +27,7 @@ from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from services.gateway.admission import Admission
-from services.gateway.auth import require_auth_beyond_loopback
+from services.gateway.auth import GATEWAY_EXPOSES
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_metrics import BatchMetrics
@@ -107,7 +108,7 @@ class GatewayApp:
     async def _start(self) -> None:
         cfg = self.config
         # Before anything connects or binds: an open gateway must not serve even for a moment.
-        require_auth_beyond_loopback("the gateway", cfg.gateway.host, cfg.gateway.api_keys)
+        require_keys_beyond_loopback("gateway", cfg.gateway.host, cfg.gateway.api_keys, GATEWAY_EXPOSES)
         tls = server_credentials("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()

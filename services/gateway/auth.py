@@ -1,39 +1,22 @@
 """Who is calling: API keys (stored as SHA-256 digests in the configuration) map callers to tenants.
 
 With no keys configured every caller is the default tenant, which is only safe while nothing beyond
-this machine can connect: `require_auth_beyond_loopback` refuses such a start before anything binds.
+this machine can connect: `asyncinfer.access.require_keys_beyond_loopback` refuses such a start before
+anything binds.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 
 from asyncinfer.access import KeyRing
 from asyncinfer.config import ApiKeyConfig
-from asyncinfer.errors import ConfigError
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
 
 
-def is_loopback(host: str) -> bool:
-    """True when an address binds only this machine (127.0.0.0/8, ::1, localhost)."""
-    host = host.strip().removeprefix("[").removesuffix("]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost may resolve anywhere
-        return False
-
-
-def require_auth_beyond_loopback(what: str, host: str, api_keys: Iterable[ApiKeyConfig]) -> None:
-    if not is_loopback(host) and not tuple(api_keys):
-        raise ConfigError(
-            f"{what} would bind {host!r}, beyond loopback, without API keys: anyone who can reach it could "
-            "submit, read and cancel every job. Add [[gateway.api_keys]] entries (`asyncinfer hash-key KEY`) "
-            "or bind 127.0.0.1."
-        )
+# What anyone who reached a gateway with no key could do (asyncinfer.access.require_keys_beyond_loopback).
+GATEWAY_EXPOSES = "submit, read and cancel every job"
 
 
 class Authenticator:

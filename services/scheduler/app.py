@@ -14,7 +14,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from asyncinfer.access import AccessGuard, KeyRing, Role
+from asyncinfer.access import AccessGuard, KeyRing, Role, require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
@@ -64,6 +64,11 @@ from services.scheduler.worker_service import WorkerService
 log = structlog.get_logger("asyncinfer.scheduler")
 
 SERVICE_NAMES = ("asyncinfer.v1.WorkerService", "asyncinfer.v1.OpsService")
+# What anyone who reached a scheduler with no key could do (require_keys_beyond_loopback).
+SCHEDULER_EXPOSES = (
+    "read every tenant's dead letters (their inputs), replay or purge them, pause and drain queues, take "
+    "work as a batcher, and load models into its batchers (a loader names any code they will run)"
+)
 # With API keys configured: batchers connect with a key of role batcher, operators call with one of role ops.
 ROLES: dict[str, Role] = {"asyncinfer.v1.WorkerService": "batcher", "asyncinfer.v1.OpsService": "ops"}
 
@@ -124,6 +129,7 @@ class SchedulerApp:
     async def _start(self) -> None:
         config = self.config
         settings = config.scheduler
+        require_keys_beyond_loopback("scheduler", settings.host, config.gateway.api_keys, SCHEDULER_EXPOSES)
         tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.scheduler_id)
         js = nc.jetstream()

@@ -20,9 +20,10 @@ def check_up_exposure(config: Config) -> None:
     """`up` binds beyond loopback only where callers authenticate over TLS: the gateway with API
     keys and a certificate (`up --dev-tls`, or gateway.tls_cert_file); the scheduler's, the batcher's
     and NATS's ports stay on loopback."""
-    from services.gateway.auth import is_loopback, require_auth_beyond_loopback
+    from asyncinfer.access import is_loopback, require_keys_beyond_loopback
+    from services.gateway.auth import GATEWAY_EXPOSES
 
-    require_auth_beyond_loopback("the gateway", config.gateway.host, config.gateway.api_keys)
+    require_keys_beyond_loopback("gateway", config.gateway.host, config.gateway.api_keys, GATEWAY_EXPOSES)
     if not is_loopback(config.gateway.host) and not config.gateway.tls_cert_file:
         raise ConfigError(
             f"`asyncinfer up` stays on loopback without TLS: gateway.host is {config.gateway.host!r}, so API keys "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 
@@ -41,16 +42,23 @@ def delivery(state: CallbackDeliveryState, **fields: object) -> CallbackDelivery
     return CallbackDelivery(**values)  # type: ignore[arg-type]
 
 
+def a_job(**fields: Any) -> Job:
+    values: dict[str, Any] = {
+        "job_id": "j1",
+        "model_name": "demo",
+        "model_version": "1",
+        "state": JobState.SUCCEEDED,
+        "priority": Priority.NORMAL,
+        "attempt": 1,
+        "max_attempts": 3,
+        "revision": 7,
+        **fields,
+    }
+    return Job(**values)
+
+
 def test_a_jobs_callback_and_its_deliveries_are_shown() -> None:
-    job = Job(
-        job_id="j1",
-        model_name="demo",
-        model_version="1",
-        state=JobState.SUCCEEDED,
-        priority=Priority.NORMAL,
-        attempt=1,
-        max_attempts=3,
-        revision=7,
+    job = a_job(
         callback=Callback("http://127.0.0.1:8765/hook"),
         callback_deliveries=(
             delivery(CallbackDeliveryState.DELIVERED, last_status_code=200),
@@ -80,15 +88,8 @@ def test_a_models_versions_read_in_one_cell() -> None:
 
 
 def test_a_running_jobs_progress_is_shown() -> None:
-    job = Job(
-        job_id="j2",
-        model_name="minilm-l6-doc",
-        model_version="1",
+    job = a_job(
         state=JobState.RUNNING,
-        priority=Priority.NORMAL,
-        attempt=1,
-        max_attempts=3,
-        revision=3,
         progress=JobProgress(fraction=0.39, message="window 47 of 119", partial_outputs={}),
     )
     assert "progress    39%  window 47 of 119" in job_text(job).splitlines()
@@ -102,15 +103,8 @@ def test_watch_lines_are_stamped_in_the_order_they_are_printed() -> None:
     from asyncinfer.commands.jobs import line_stamp
 
     ended = datetime(2026, 12, 6, 4, 14, 17, 502000, tzinfo=UTC)
-    running = Job(
-        job_id="j3",
-        model_name="minilm-l6-doc",
-        model_version="1",
+    running = a_job(
         state=JobState.RUNNING,
-        priority=Priority.NORMAL,
-        attempt=1,
-        max_attempts=3,
-        revision=3,
         update_time=ended - timedelta(seconds=5),
     )
     heard = ended + timedelta(milliseconds=14)  # the last progress report, heard after the end
