@@ -764,7 +764,9 @@ class WebhooksConfig(_Section):
     secrets: tuple[WebhookSecretConfig, ...] = Field(
         (),
         description='Per-tenant signing secrets, e.g. [{ tenant = "acme", secret = "whsec_..." }]. A tenant '
-        "without one cannot ask for webhooks (FAILED_PRECONDITION).",
+        "without one cannot ask for webhooks (FAILED_PRECONDITION). To rotate one, list the new secret beside "
+        "the old: every delivery is signed with each (Standard Webhooks' space-separated signatures, which a "
+        "receiver checks against the secret it has), and once receivers have the new one, remove the old.",
     )
     allowed_networks: tuple[str, ...] = Field(
         (),
@@ -777,6 +779,13 @@ class WebhooksConfig(_Section):
     backoff_base_s: float = Field(5.0, gt=0, description="First retry delay; doubles per attempt, with jitter.")
     backoff_max_s: float = Field(3600.0, gt=0, description="The longest delay between two attempts.")
     request_timeout_s: float = Field(15.0, gt=0, description="Timeout of one delivery attempt.")
+    disabled_for_s: float = Field(
+        7 * 86400.0,
+        ge=0,
+        description="How long a URL that answered 410 Gone stays disabled for its tenant (its deliveries end "
+        "DISABLED without a request); then it is tried again. 0: until the key disabled.<tenant>.<URL's "
+        "SHA-256> is deleted from the webhooks bucket.",
+    )
     max_concurrent_deliveries: int = Field(32, ge=1, description="Deliveries in flight at once per scheduler.")
 
     @field_validator("allowed_networks")
@@ -792,10 +801,13 @@ class WebhooksConfig(_Section):
         return value
 
     def secret_for(self, tenant: str) -> str | None:
-        for entry in self.secrets:
-            if entry.tenant == tenant:
-                return entry.secret
-        return None
+        """The tenant's first listed secret (None without one)."""
+        secrets = self.secrets_for(tenant)
+        return secrets[0] if secrets else None
+
+    def secrets_for(self, tenant: str) -> tuple[str, ...]:
+        """Every secret listed for the tenant, in order: a delivery is signed with each (rotation)."""
+        return tuple(entry.secret for entry in self.secrets if entry.tenant == tenant)
 
 
 class TracingConfig(_Section):

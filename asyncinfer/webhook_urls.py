@@ -36,6 +36,11 @@ class RefusedUrl(ValueError):
     """The URL may not be called; the message says why, in words for the caller."""
 
 
+class Unresolved(RefusedUrl):
+    """The host does not resolve now: refused at submit (a typo is the caller's to fix), but only
+    a failed attempt at send time (a resolver down or timing out, a record being changed)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CallbackUrl:
     """A checked URL, split into what an HTTP request needs."""
@@ -139,7 +144,7 @@ async def resolve(host: str, port: int, *, timeout_s: float = RESOLVE_TIMEOUT_S)
         async with asyncio.timeout(timeout_s):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, TimeoutError) as exc:
-        raise RefusedUrl(f"the host {host!r} does not resolve ({exc})") from None
+        raise Unresolved(f"the host {host!r} does not resolve ({exc})") from None
     addresses: list[IPAddress] = []
     for _family, _type, _proto, _canonical, sockaddr in infos:
         # IPv6 sockaddrs may carry a zone ("fe80::1%eth0"); the zone never makes an address public.
@@ -147,7 +152,7 @@ async def resolve(host: str, port: int, *, timeout_s: float = RESOLVE_TIMEOUT_S)
         if address not in addresses:
             addresses.append(address)
     if not addresses:
-        raise RefusedUrl(f"the host {host!r} does not resolve")
+        raise Unresolved(f"the host {host!r} does not resolve")
     return addresses
 
 

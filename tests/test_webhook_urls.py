@@ -237,3 +237,51 @@ def test_body_is_a_thin_summary() -> None:
     }
     running = json.loads(event_body(record, CallbackEvent.RUNNING))
     assert (running["type"], running["data"]["state"]) == ("job.running", "RUNNING")
+
+
+async def test_a_host_that_does_not_resolve_at_send_time_is_a_failed_attempt_not_a_refusal() -> None:
+    """It resolved at submit; a resolver that fails or times out later is retried (the delivery
+    ended FAILED after one attempt)."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from asyncinfer.config import WebhooksConfig
+    from asyncinfer.webhook_delivery import Delivery
+    from services.scheduler.webhooks.post_attempt import DeliveryPoster
+
+    settings = WebhooksConfig(secrets=[{"tenant": "acme", "secret": new_secret()}])
+    attempts = Counter("attempts", "", ["outcome"], registry=CollectorRegistry())
+    poster = DeliveryPoster(settings, attempts, clock=time.time)
+    delivery = Delivery(
+        webhook_id="msg_1",
+        tenant="acme",
+        job_id="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
+        event=CallbackEvent.COMPLETED,
+        job_attempt=1,
+        url="https://no-such-host.invalid/hook",
+        body="{}",
+        ttl_s=60.0,
+    )
+    try:
+        code, error, retry_after = await poster.post(delivery)
+    finally:
+        await poster.close()
+    assert code == 0, "no answer: retried with backoff, as a refused connection is"
+    assert "does not resolve" in error
+    assert retry_after is None
+
+
+def test_a_rotation_signs_with_every_secret_and_a_receiver_with_either_verifies() -> None:
+    """Two secrets listed for a tenant (old and new): the header carries both signatures, as
+    Standard Webhooks allows; a second entry for a tenant was ignored before."""
+    from asyncinfer.config import WebhooksConfig
+
+    old, new = new_secret(), new_secret()
+    settings = WebhooksConfig(secrets=[{"tenant": "acme", "secret": new}, {"tenant": "acme", "secret": old}])
+    assert settings.secrets_for("acme") == (new, old)
+    body = b'{"type":"job.completed","data":{"job_id":"x"}}'
+    headers = signed_headers(settings.secrets_for("acme"), "msg_1", int(time.time()), body)
+    assert len(headers["webhook-signature"].split(" ")) == 2
+    assert Webhook(old).verify(body, headers) == json.loads(body)
+    assert Webhook(new).verify(body, headers) == json.loads(body)
+    with pytest.raises(Exception, match=r"(?i)signature"):
+        Webhook(new_secret()).verify(body, headers)

@@ -15,7 +15,9 @@ import pytest
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.nats import KeyNotFoundError
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from asyncinfer.webhook_status import disabled_key
 from tests.stack import Stack, StartStack
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
@@ -202,6 +204,29 @@ async def test_gone_disables_the_url_for_the_tenant(stack: Stack, receiver: Rece
     assert delivery.attempts == 0, "a disabled URL is not called again"
     assert "410" in delivery.last_error
     assert len(receiver.at("/gone")) == 1
+
+
+async def test_a_gone_url_is_called_again_once_its_disabled_time_passes(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    # One 410 (a proxy during a deploy) disabled the URL for good, with nothing to turn it back on.
+    running = await start_stack(webhook_config(config, disabled_for_s=1.0))
+    receiver.scripts["/gone-for-now"] = [(410, {})]  # then 200
+    first = await submit(running, receiver.url("/gone-for-now"))
+    assert (await until(running, first, all_final(1))).callback_deliveries[0].state == DISABLED
+    bucket = await running.nc.jetstream().key_value(running.config.nats.webhooks_bucket)
+    for _ in range(100):  # the server removes the key after its TTL (whole seconds)
+        try:
+            await bucket.get(disabled_key("default", receiver.url("/gone-for-now")))
+        except KeyNotFoundError:
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError("the disabled URL's key outlived its TTL")
+    again = await submit(running, receiver.url("/gone-for-now"))
+    (delivery,) = (await until(running, again, all_final(1))).callback_deliveries
+    assert delivery.state == DELIVERED
+    assert len(receiver.at("/gone-for-now")) == 2
 
 
 async def test_gives_up_after_the_retry_horizon(config: Config, receiver: Receiver, start_stack: StartStack) -> None:

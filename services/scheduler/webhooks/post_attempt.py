@@ -14,7 +14,7 @@ from collections.abc import Callable
 from prometheus_client import Counter
 
 from asyncinfer.config import WebhooksConfig
-from asyncinfer.webhook_urls import RefusedUrl, parse_callback_url, parse_networks, vetted_addresses
+from asyncinfer.webhook_urls import RefusedUrl, Unresolved, parse_callback_url, parse_networks, vetted_addresses
 from services.scheduler.webhooks.deliveries import Delivery
 from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, WebhookHttp
 from services.scheduler.webhooks.signing import signed_headers
@@ -50,19 +50,24 @@ class DeliveryPoster:
     async def post(self, delivery: Delivery) -> tuple[int, str, float | None]:
         """(status code, error, Retry-After s); the code is 0 when no answer came, -1 when the
         attempt was refused before any request."""
-        secret = self._settings.secret_for(delivery.tenant)
-        if secret is None:
+        secrets = self._settings.secrets_for(delivery.tenant)
+        if not secrets:
             self._attempts.labels(outcome="REFUSED").inc()
             return -1, "the tenant has no webhook secret configured any more (webhooks.secrets)", None
         try:
             url = parse_callback_url(delivery.url)
             addresses = await vetted_addresses(url, self._allowed)
+        except Unresolved as exc:
+            # It resolved when the job was submitted: a resolver that fails or times out now is
+            # retried, as a connection that fails is (not the end of the delivery).
+            self._attempts.labels(outcome="ERROR").inc()
+            return 0, str(exc), None
         except RefusedUrl as exc:
             self._attempts.labels(outcome="REFUSED").inc()
             return -1, f"refused: {exc}", None
         body = delivery.body.encode()
         timestamp = int(self._clock())
-        headers = signed_headers(secret, delivery.webhook_id, timestamp, body)
+        headers = signed_headers(secrets, delivery.webhook_id, timestamp, body)
         errors: list[str] = []
         response: HttpResponse | None = None
         deadline = time.monotonic() + self._settings.request_timeout_s

@@ -3,8 +3,8 @@ each HTTP attempt), records each attempt in the job's status entry, and acks (do
 delay (retry later).
 
 - Success is a 2xx answer, nothing else. Redirects are never followed: a 3xx is a failed attempt.
-- 410 Gone disables the URL for the tenant (a `disabled.` key); this and every later delivery to
-  it become DISABLED without a request.
+- 410 Gone disables the URL for the tenant (a `disabled.` key, for webhooks.disabled_for_s: 7
+  days); this and every later delivery to it meanwhile become DISABLED without a request.
 - Other answers, timeouts and connection failures are retried with exponential backoff and full
   jitter: the n-th failure waits uniform(0, min(backoff_max_s, backoff_base_s * 2^(n-1))), or the
   receiver's Retry-After when that is longer (capped at backoff_max_s). The last retry is moved to
@@ -233,7 +233,12 @@ class Sender:
         if 200 <= code < 300:
             status = replace(status, state=DeliveryState.DELIVERED, last_error="")
         elif code == 410:
-            await self._store.disable(delivery.tenant, delivery.url, reason=f"410 Gone to {delivery.webhook_id}")
+            await self._store.disable(
+                delivery.tenant,
+                delivery.url,
+                reason=f"410 Gone to {delivery.webhook_id}",
+                for_s=self._settings.disabled_for_s,
+            )
             status = replace(status, state=DeliveryState.DISABLED)
         elif code < 0:  # refused before any request
             status = replace(status, state=DeliveryState.FAILED, last_status_code=0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 from asyncinfer.webhook_secrets import secret_key
 
@@ -18,9 +19,12 @@ def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(digest).decode("ascii")
 
 
-def signed_headers(secret: str, webhook_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+def signed_headers(secret: str | Sequence[str], webhook_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """The headers of one attempt; with several secrets (a rotation), one signature per secret,
+    space-separated, as Standard Webhooks specifies: a receiver accepts any that it can verify."""
+    secrets = [secret] if isinstance(secret, str) else list(secret)
     return {
         "webhook-id": webhook_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": sign(secret, webhook_id, timestamp, body),
+        "webhook-signature": " ".join(sign(s, webhook_id, timestamp, body) for s in secrets),
     }

@@ -67,8 +67,13 @@ class StatusStore:
             raise Unavailable(f"cannot read the disabled URLs: {exc}") from exc
         return entry.value is not None
 
-    async def disable(self, tenant: str, url: str, *, reason: str) -> None:
+    async def disable(self, tenant: str, url: str, *, reason: str, for_s: float) -> None:
+        """Records the URL as disabled for the tenant, for `for_s` (0: until the key is deleted)."""
         try:
-            await self._kv.put(disabled_key(tenant, url), reason.encode())
+            await self._js.publish(
+                self._subject_prefix + disabled_key(tenant, url),
+                reason.encode(),
+                msg_ttl=max(for_s, 1.0) if for_s > 0 else None,
+            )
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot record the disabled URL: {exc}") from exc
