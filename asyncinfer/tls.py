@@ -38,7 +38,17 @@ def _pair(cert_file: str | None, key_file: str | None, cert_key: str, key_key: s
         raise ConfigError(f"{cert_key} and {key_key} go together: set both or neither")
     if not cert_file or not key_file:
         return None
-    return read_bytes(cert_file, cert_key), read_bytes(key_file, key_key)
+    cert, key = read_bytes(cert_file, cert_key), read_bytes(key_file, key_key)
+    # Checked here, where the files can be named: gRPC takes any bytes and fails later, a server
+    # with "Failed to bind to address" (as if the port were taken), a client at its handshake.
+    try:
+        ssl.create_default_context().load_cert_chain(cert_file, key_file)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"{cert_key} {cert_file!r} and {key_key} {key_file!r} are not a PEM certificate and its private key "
+            f"({exc.reason or exc})"
+        ) from None
+    return cert, key
 
 
 class ServerTlsSection(Protocol):

@@ -246,6 +246,28 @@ def test_tls_files_are_checked_at_start_up(tmp_path: Path) -> None:
     assert server_credentials("gateway", gateway) is None
 
 
+def test_a_key_that_is_not_the_certificates_is_named_at_start_up(ca: TestCA) -> None:
+    """A mismatched pair (or a file that is no PEM) failed later, as "Failed to bind to address"."""
+    from asyncinfer.tls import server_credentials
+
+    one, other = ca.issue("one"), ca.issue("other")
+    gateway = Config().gateway
+    with pytest.raises(ConfigError, match="are not a PEM certificate and its private key"):
+        server_credentials(
+            "gateway", gateway.model_copy(update={"tls_cert_file": one.cert_file, "tls_key_file": other.key_file})
+        )
+    with pytest.raises(ConfigError, match=r"gateway\.tls_cert_file"):
+        server_credentials(
+            "gateway", gateway.model_copy(update={"tls_cert_file": ca.ca_file + ".x", "tls_key_file": one.key_file})
+        )
+    not_pem = gateway.model_copy(update={"tls_cert_file": one.key_file, "tls_key_file": one.key_file})
+    with pytest.raises(ConfigError, match="not a PEM certificate"):
+        server_credentials("gateway", not_pem)
+    assert server_credentials(
+        "gateway", gateway.model_copy(update={"tls_cert_file": one.cert_file, "tls_key_file": one.key_file})
+    )
+
+
 async def test_the_console_reaches_a_mutual_tls_scheduler_with_its_client_certificate(
     tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess, start_stack: StartStack
 ) -> None:
