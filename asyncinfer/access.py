@@ -21,11 +21,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mappin
 from typing import Any, Literal
 
 import grpc
+import structlog
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import ApiKeyConfig
 from asyncinfer.errors import ConfigError, PermissionDenied, Unauthenticated
 from asyncinfer.grpc_handlers import rewrap
+
+log = structlog.get_logger("asyncinfer.access")
 
 Role = Literal["tenant", "ops", "batcher"]
 BEARER = "bearer "
@@ -43,14 +46,27 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def require_keys_beyond_loopback(section: str, host: str, api_keys: Iterable[ApiKeyConfig], exposes: str) -> None:
+def require_keys_beyond_loopback(
+    section: str, host: str, api_keys: Iterable[ApiKeyConfig], exposes: str, *, tls: bool
+) -> None:
     """Refuses (ConfigError, before anything binds) a service bound beyond loopback with no API
-    key configured: `exposes` says what anyone who reaches it could then do."""
-    if not is_loopback(host) and not tuple(api_keys):
+    key configured: `exposes` says what anyone who reaches it could then do. With keys but no TLS
+    of its own, a warning: the keys cross the network in cleartext unless TLS ends in front of it
+    (a load balancer, a service mesh), which the service cannot see."""
+    if is_loopback(host):
+        return
+    if not tuple(api_keys):
         raise ConfigError(
             f"the {section} would bind {host!r}, beyond loopback, without API keys: anyone who can reach it "
             f"could {exposes}. Add [[gateway.api_keys]] entries (the keys of the whole stack, each with its "
             f"role; `asyncinfer hash-key KEY`) or set {section}.host to 127.0.0.1."
+        )
+    if not tls:
+        log.warning(
+            "api_keys_in_cleartext",
+            host=host,
+            hint=f"callers' API keys reach this {section} unencrypted unless TLS ends in front of it; "
+            f"set {section}.tls_cert_file and tls_key_file otherwise",
         )
 
 

@@ -254,3 +254,23 @@ def test_keys_from_environment() -> None:
     environ = {"ASYNCINFER_GATEWAY__API_KEYS": f'[{{"tenant": "acme", "sha256": "{hash_key(ACME_KEY)}"}}]'}
     loaded = load_config(None, environ=environ)
     assert loaded.gateway.api_keys[0].tenant == "acme"
+
+
+@pytest.mark.unit
+def test_keys_beyond_loopback_without_tls_are_warned_of() -> None:
+    """A standalone service with keys and no certificate of its own serves them in cleartext unless
+    TLS ends in front of it; it says so (it was silent)."""
+    import structlog
+
+    from asyncinfer.access import require_keys_beyond_loopback
+    from asyncinfer.config import ApiKeyConfig
+
+    keys = [ApiKeyConfig(role="ops", sha256="a" * 64)]
+    with structlog.testing.capture_logs() as logs:
+        require_keys_beyond_loopback("scheduler", "0.0.0.0", keys, "do things", tls=False)
+        require_keys_beyond_loopback("scheduler", "0.0.0.0", keys, "do things", tls=True)
+        require_keys_beyond_loopback("scheduler", "127.0.0.1", keys, "do things", tls=False)
+    assert [entry["event"] for entry in logs] == ["api_keys_in_cleartext"]
+    assert "scheduler.tls_cert_file" in logs[0]["hint"]
+    with pytest.raises(ConfigError, match="without API keys: anyone who can reach it could do things"):
+        require_keys_beyond_loopback("scheduler", "0.0.0.0", [], "do things", tls=True)

@@ -83,7 +83,9 @@ class BatcherApp:
 
     async def _start(self) -> None:
         batcher = self.config.batcher
-        require_keys_beyond_loopback("batcher", batcher.host, self.config.gateway.api_keys, BATCHER_EXPOSES)
+        require_keys_beyond_loopback(
+            "batcher", batcher.host, self.config.gateway.api_keys, BATCHER_EXPOSES, tls=bool(batcher.tls_cert_file)
+        )
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None

@@ -108,7 +108,9 @@ class GatewayApp:
     async def _start(self) -> None:
         cfg = self.config
         # Before anything connects or binds: an open gateway must not serve even for a moment.
-        require_keys_beyond_loopback("gateway", cfg.gateway.host, cfg.gateway.api_keys, GATEWAY_EXPOSES)
+        require_keys_beyond_loopback(
+            "gateway", cfg.gateway.host, cfg.gateway.api_keys, GATEWAY_EXPOSES, tls=bool(cfg.gateway.tls_cert_file)
+        )
         tls = server_credentials("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()

@@ -129,7 +129,9 @@ class SchedulerApp:
     async def _start(self) -> None:
         config = self.config
         settings = config.scheduler
-        require_keys_beyond_loopback("scheduler", settings.host, config.gateway.api_keys, SCHEDULER_EXPOSES)
+        require_keys_beyond_loopback(
+            "scheduler", settings.host, config.gateway.api_keys, SCHEDULER_EXPOSES, tls=bool(settings.tls_cert_file)
+        )
         tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.scheduler_id)
         js = nc.jetstream()

@@ -23,7 +23,8 @@ def check_up_exposure(config: Config) -> None:
     from asyncinfer.access import is_loopback, require_keys_beyond_loopback
     from services.gateway.auth import GATEWAY_EXPOSES
 
-    require_keys_beyond_loopback("gateway", config.gateway.host, config.gateway.api_keys, GATEWAY_EXPOSES)
+    # `up` refuses keys in cleartext itself (below), rather than warning of them.
+    require_keys_beyond_loopback("gateway", config.gateway.host, config.gateway.api_keys, GATEWAY_EXPOSES, tls=True)
     if not is_loopback(config.gateway.host) and not config.gateway.tls_cert_file:
         raise ConfigError(
             f"`asyncinfer up` stays on loopback without TLS: gateway.host is {config.gateway.host!r}, so API keys "
