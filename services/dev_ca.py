@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +58,36 @@ def dev_tls_dir(config: Config) -> Path:
     return Path(config.embedded_nats.store_dir).parent / "tls"
 
 
+UNSPECIFIED = ("0.0.0.0", "::", "[::]")
+
+
 def bound_hosts(config: Config) -> list[str]:
-    """The names the server certificate must carry: loopback, and every host a server binds
-    (an unspecified address such as 0.0.0.0 names no host: clients dial a real one)."""
+    """The names the server certificate must carry: loopback, and every host a server binds. An
+    unspecified address (0.0.0.0) names no host: clients dial this machine by its name or one of
+    its addresses, so those are named (a certificate for loopback alone failed every remote
+    client's hostname check)."""
     hosts = list(LOOPBACK_NAMES)
     for host in (config.gateway.host, config.scheduler.host, config.batcher.host, config.embedded_nats.host):
-        if host and host not in hosts and host not in ("0.0.0.0", "::"):
-            hosts.append(host)
+        if not host:
+            continue
+        names = this_machine() if host in UNSPECIFIED else [host]
+        hosts += [name for name in names if name not in hosts]
     return hosts
+
+
+def this_machine() -> list[str]:
+    """This machine's host name, its fully qualified name, and the addresses they resolve to."""
+    names = list(dict.fromkeys(name for name in (socket.gethostname(), socket.getfqdn()) if name))
+    for name in list(names):
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+        except OSError:
+            continue
+        for info in infos:
+            address = str(info[4][0]).split("%", 1)[0]
+            if address not in names:
+                names.append(address)
+    return names
 
 
 def ensure_dev_tls(directory: Path, hosts: Iterable[str], *, now: datetime.datetime | None = None) -> DevTls:

@@ -49,6 +49,23 @@ def test_the_development_ca_is_made_once_and_reused(tmp_path: Path) -> None:
     assert renewed.ca_file.read_bytes() == ca
 
 
+@pytest.mark.unit
+def test_a_gateway_bound_to_every_address_gets_a_certificate_for_this_machines_names(tmp_path: Path) -> None:
+    """0.0.0.0 names no host: remote clients dial the machine by name or address, which a certificate
+    for loopback alone failed (Hostname Verification Check failed)."""
+    import socket
+
+    from asyncinfer.config import Config
+    from services.dev_ca import bound_hosts
+
+    hosts = bound_hosts(Config().replace(gateway={"host": "0.0.0.0"}))
+    assert socket.gethostname() in hosts
+    assert {"localhost", "127.0.0.1", "::1"} <= set(hosts)
+    assert "0.0.0.0" not in hosts
+    assert socket.gethostname() in sans(ensure_dev_tls(tmp_path / "tls", hosts).cert_file)
+    assert bound_hosts(Config()) == ["localhost", "127.0.0.1", "::1"], "loopback alone: loopback names alone"
+
+
 @pytest.mark.timeout(180)
 async def test_up_with_tls_serves_everything_over_tls(tmp_path: Path) -> None:
     config_path, ports = write_config(tmp_path)

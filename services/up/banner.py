@@ -9,6 +9,7 @@ from pathlib import Path
 
 from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config
 from asyncinfer.runner import App
+from services.dev_ca import UNSPECIFIED
 from services.up.defaults import dev_secret_file
 
 
@@ -53,12 +54,16 @@ def banner(
     if body is not None:
         grpcurl = _grpcurl_command()
         transport = f"-cacert {ca_file}" if ca_file is not None else "-plaintext"
+        if config.gateway.api_keys:  # every call needs one: the command says where it goes
+            transport += " -H 'authorization: Bearer YOUR_KEY'"
+        # Bound to every address, it is reached here on loopback (which its certificate names).
+        target = f"127.0.0.1:{apps['gateway'].port}" if config.gateway.host in UNSPECIFIED else gateway
         lines += [
             "",
             "Submit a job, then fetch it (replace JOB_ID):",
-            f"  {grpcurl} {transport} -d '{body}' {gateway} asyncinfer.v1.JobService/SubmitJob",
-            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/GetJob""",
-            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {gateway} asyncinfer.v1.JobService/WatchJob""",
+            f"  {grpcurl} {transport} -d '{body}' {target} asyncinfer.v1.JobService/SubmitJob",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {target} asyncinfer.v1.JobService/GetJob""",
+            f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {target} asyncinfer.v1.JobService/WatchJob""",
         ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)

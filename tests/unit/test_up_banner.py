@@ -31,3 +31,14 @@ def test_the_banner_names_the_models_that_did_not_load() -> None:
 
     every = banner(config, apps(load_failures={}), "nats://127.0.0.1:4222")
     assert "NOT LOADED" not in every
+
+
+def test_a_gateway_on_every_address_with_keys_is_shown_reachable_with_its_key() -> None:
+    from asyncinfer.api_keys import hash_key
+
+    keys = [{"tenant": "acme", "sha256": hash_key("k")}]
+    config = Config().replace(gateway={"host": "0.0.0.0", "api_keys": keys})
+    text = banner(config, apps(load_failures={}), "nats://127.0.0.1:4222", ca_file="ca.pem")
+    submit = next(line for line in text.splitlines() if "JobService/SubmitJob" in line)
+    assert " 127.0.0.1:1 " in submit, "0.0.0.0 is no address to dial"
+    assert "-cacert ca.pem -H 'authorization: Bearer YOUR_KEY'" in submit
