@@ -3,6 +3,7 @@
     asyncinfer config                      the complete commented configuration, every key with its default
     asyncinfer hash-key KEY|-              the SHA-256 to put in gateway.api_keys for an API key (- : stdin)
     asyncinfer webhook-secret [--tenant T] a fresh whsec_ webhook signing secret and its configuration line
+    asyncinfer nats-users DIR [--batcher]  one NKey seed per service in DIR, and the nats-server users block
     asyncinfer completion bash|zsh|fish    a tab-completion script for the shell (asyncinfer.completion)
     asyncinfer submit|get|watch|cancel|list|bulk|dlq|stats ...
                                            the client commands (asyncinfer.commands; exit codes in
@@ -62,6 +63,17 @@ def add_tool_commands(commands: SubParsers[argparse.ArgumentParser]) -> None:
     hash_key_command.add_argument("key", help="the API key, or - to read it from stdin (keeps it out of shell history)")
     webhook_secret = commands.add_parser("webhook-secret", help="print a fresh webhook signing secret (whsec_)")
     webhook_secret.add_argument("--tenant", default="default", help="the tenant it signs for (default: default)")
+    nats_users = commands.add_parser(
+        "nats-users",
+        help="write one NATS NKey seed per service and print the nats-server users block",
+        description="Writes DIR/gateway.nk and DIR/scheduler.nk (with --batcher, DIR/batcher.nk too: batchers "
+        "with batcher.claim_check_io), 0600, keeping any that exist, and prints the nats-server `authorization` "
+        "block that lets each service do exactly what it needs (asyncinfer.nats_users), then each service's "
+        "nats settings. Stream and bucket names come from --config (default: the defaults).",
+    )
+    nats_users.add_argument("directory", help="where the seed files go (a Secret's mount, say)")
+    nats_users.add_argument("--batcher", action="store_true", help="a user for batchers that move claim checks")
+    nats_users.add_argument("--config", help="the services' configuration file (its nats section)")
     completion_command = commands.add_parser(
         "completion",
         help="print a tab-completion script for bash, zsh or fish",
@@ -97,10 +109,36 @@ def run_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         print("# add to the [webhooks] section (the receiver verifies signatures with the same secret):")
         print(f'# secrets = [{{ tenant = "{args.tenant}", secret = "{secret}" }}]')
         return 0
+    if args.command == "nats-users":
+        return _nats_users(args)
     if args.command == "hash-key":
         print(hash_key(sys.stdin.readline().strip() if args.key == "-" else args.key))
         return 0
     raise AssertionError(f"not a tool or client command: {args.command!r}")  # the parser allows no other
+
+
+def _nats_users(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from asyncinfer.config import load_config
+    from asyncinfer.errors import ConfigError
+    from asyncinfer.nats_users import INBOX_PREFIXES, authorization_block, users_with_seeds
+
+    try:
+        nats = load_config(args.config).nats
+        users, seeds = users_with_seeds(Path(args.directory), nats, batcher=args.batcher)
+    except (ConfigError, OSError) as exc:
+        print(f"asyncinfer: error: {exc}", file=sys.stderr)
+        return 2
+    print("# Add to the nats-server configuration (public keys only; the seeds stay with the services):")
+    sys.stdout.write(authorization_block(users))
+    print("# Each service's own settings (a service with another's seed or inbox prefix is refused):")
+    for service, path in seeds.items():
+        section = "ASYNCINFER_NATS__"
+        print(
+            f"#   {service}: {section}NKEY_SEED_FILE={path.resolve()} {section}INBOX_PREFIX={INBOX_PREFIXES[service]}"
+        )
+    return 0
 
 
 # `asyncinfer list | head`: the reader went away; the shell's code for a process ended by SIGPIPE.

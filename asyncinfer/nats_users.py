@@ -34,13 +34,15 @@ allowed per stream as well.
 
 `authorization_block` renders the nats-server configuration (tests/nats_auth.py writes one for a
 test server; deploy/k8s/generate_config.py writes the cluster's, whose credentials are NKeys read
-from the environment: the public keys alone, none of them secret)."""
+from the environment: the public keys alone, none of them secret); `asyncinfer nats-users DIR`
+(`users_with_seeds`) writes one NKey seed per service and prints the block, for a server run by hand."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from asyncinfer import contract
 from asyncinfer.config import NatsConfig
@@ -249,3 +251,25 @@ def new_user_nkey() -> tuple[str, str]:
 
     seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
     return seed.decode(), nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+def users_with_seeds(
+    directory: Path, nats: NatsConfig, *, batcher: bool = False
+) -> tuple[dict[str, NatsUser], dict[str, Path]]:
+    """Each service's NATS user with an NKey, and the seed file it holds (`<service>.nk` in the
+    directory, written 0600; an existing one is kept, so running it again changes no credential)."""
+    import nkeys  # the server extra's, as new_user_nkey's
+
+    directory.mkdir(parents=True, exist_ok=True)
+    users: dict[str, NatsUser] = {}
+    seeds: dict[str, Path] = {}
+    for service, permissions in service_permissions(nats, batcher=batcher).items():
+        path = directory / f"{service}.nk"
+        if not path.exists():
+            seed, _public = new_user_nkey()
+            path.touch(mode=0o600)
+            path.write_text(seed + "\n")
+        public = nkeys.from_seed(bytearray(path.read_text().strip().encode())).public_key.decode()
+        users[service] = NatsUser(permissions=permissions, nkey=public)
+        seeds[service] = path
+    return users, seeds

@@ -21,7 +21,7 @@ import pytest
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
-from asyncinfer.errors import Unavailable
+from asyncinfer.errors import ConfigError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connect
@@ -151,14 +151,14 @@ async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, st
     await stranger.flush()
     assert overheard == [], "the services' replies, deliveries and records reached another user"
 
-    # No credentials at all: refused at connect.
-    with pytest.raises(Unavailable):
+    # No credentials at all: refused at connect, as a configuration error (not an outage to wait out).
+    with pytest.raises(ConfigError, match="refused this connection's credentials"):
         await connect(anonymous, name="anonymous")
 
     # An NKey the server does not list: refused as well.
     unknown_seed = users.directory / "unknown.nk"
     unknown_seed.write_text(new_user_nkey()[0])
-    with pytest.raises(Unavailable):
+    with pytest.raises(ConfigError, match="refused this connection's credentials"):
         await connect(anonymous.model_copy(update={"nkey_seed_file": str(unknown_seed)}), name="unknown")
 
     try:
@@ -235,3 +235,40 @@ async def test_a_batcher_that_moves_claim_checks_runs_as_its_own_user_on_the_obj
         await batcher.close()
     for refused in ("DIRECT.GET.KV_jobs", "CONSUMER.MSG.NEXT.WORK", "STREAM.INFO.OBJ_objects", '"$KV.jobs.'):
         await users.violation(refused)  # TimeoutError when the server never logged it
+
+
+async def test_the_nats_users_command_writes_seeds_and_a_block_a_server_runs_the_stack_with(
+    tmp_path: Path, start_stack: StartStack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`asyncinfer nats-users DIR`: an operator outside Kubernetes had to write Python for this."""
+    from asyncinfer.cli import main
+    from asyncinfer.embedded_nats import NatsServerProcess
+    from asyncinfer.nats_users import INBOX_PREFIXES
+
+    seeds = tmp_path / "seeds"
+    assert main(["nats-users", str(seeds)]) == 0
+    printed = capsys.readouterr().out
+    assert sorted(p.name for p in seeds.iterdir()) == ["gateway.nk", "scheduler.nk"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in seeds.iterdir())
+    assert f"INBOX_PREFIX={INBOX_PREFIXES['scheduler']}" in printed
+    conf = tmp_path / "nats.conf"
+    conf.write_text(printed)  # its comments are nats-server's too
+    log = tmp_path / "nats.log"
+    server = NatsServerProcess(store_dir=tmp_path / "store", log_file=log, extra_args=("-c", str(conf)))
+    server.start()
+    try:
+
+        def of(service: str) -> Config:
+            settings = {"nkey_seed_file": str(seeds / f"{service}.nk"), "inbox_prefix": INBOX_PREFIXES[service]}
+            return base_config().replace(nats={"url": server.url, **settings})
+
+        stack = await start_stack(of("gateway"), scheduler_config=of("scheduler"))
+        async with AsyncClient(stack.address) as client:
+            done = await client.wait(await client.submit("demo", {"x": np.ones((2, 4), np.float32)}), timeout_s=30)
+        assert done.state.name == "SUCCEEDED", done
+        assert [line for line in log.read_text().splitlines() if "Violation" in line] == []
+    finally:
+        server.stop()
+    capsys.readouterr()  # the stack's own lines
+    assert main(["nats-users", str(seeds)]) == 0
+    assert capsys.readouterr().out == printed, "run again, it keeps the seeds: the same users"

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from asyncinfer.client import AsyncClient, UnavailableError
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
-from asyncinfer.errors import ConfigError, Unavailable
+from asyncinfer.errors import ConfigError
 from asyncinfer.nats.connection import connect
 from services.gateway.app import GatewayApp
 from tests.certs import TestCA, channel_credentials
@@ -149,10 +149,11 @@ async def test_nats_over_tls_needs_the_ca_and_credentials(
     with pytest.raises(ConfigError, match=r"cannot be verified.*nats\.tls_ca_file"):  # not a retry's matter
         await connect(unverified, name="test")
     assert time.monotonic() - started < 2.0
-    # A wrong password, and a missing password file, are refused too.
+    # A wrong password, and a missing password file, are refused too: configuration errors (exit 2),
+    # not an outage (exit 69, which an orchestrator answers by restarting it in a loop).
     wrong = tmp_path / "wrong"
     wrong.write_text("not-it")
-    with pytest.raises(Unavailable):
+    with pytest.raises(ConfigError, match="refused this connection's credentials"):
         await connect(config.nats.model_copy(update={"password_file": str(wrong), "connect_timeout_s": 1.0}), name="t")
     with pytest.raises(ConfigError, match=r"nats\.password_file"):
         await connect(config.nats.model_copy(update={"password_file": str(tmp_path / "none")}), name="t")

@@ -18,6 +18,7 @@ from typing import Any
 
 import structlog
 from nats.aio.client import Client
+from nats.errors import AuthorizationError
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
@@ -48,7 +49,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         log.warning("nats_error", error=str(exc))
         if not connected:
             first_connect_failures.append(exc)
-            if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError):
+            if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError) or _login_refused(exc):
                 gave_up.set()
 
     async def on_disconnected() -> None:
@@ -83,6 +84,16 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         raise
     finally:
         giving_up.cancel()
+    failed = connecting.done() and not connecting.cancelled() and connecting.exception() is not None
+    seen = [*first_connect_failures, *([connecting.exception()] if failed else [])]
+    if any(_login_refused(failure) for failure in seen):
+        # The server is there and said no to these credentials: a configuration error (exit 2), not
+        # an outage to wait out (exit 69 restarts it in a loop).
+        await _abandon(client, connecting)
+        raise ConfigError(
+            f"NATS at {config.url} refused this connection's credentials (authorization violation): check "
+            "nats.user and password(_file), token(_file), nkey_seed_file or credentials_file"
+        )
     if not connecting.done():
         await _abandon(client, connecting)
         last = first_connect_failures[-1] if first_connect_failures else f"no answer within {deadline_s:g}s"
@@ -107,6 +118,12 @@ async def _abandon(client: Client, connecting: asyncio.Future[None]) -> None:
         async with asyncio.timeout(ABANDON_WAIT_S):
             await client.close()
     await asyncio.wait((connecting,), timeout=ABANDON_WAIT_S)  # its own cancellation is not ours to raise
+
+
+def _login_refused(failure: BaseException | None) -> bool:
+    """The server's -ERR 'Authorization Violation': nats-py makes it an AuthorizationError only
+    when the text is lower case, and nats-server 2.x capitalises it (a plain nats Error)."""
+    return isinstance(failure, AuthorizationError) or "authorization violation" in str(failure).lower()
 
 
 def _explain(failure: Exception | str) -> str:
