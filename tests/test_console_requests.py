@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,7 +17,7 @@ from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, Config
 from services.console.app import ConsoleApp
 from tests.stack import StartStack
-from tests.test_console import X
+from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
 from tests.test_progress import PROGRESS_MODEL
 
@@ -105,3 +107,16 @@ async def test_a_running_jobs_page_shows_its_progress(
     status, page = await get(http, console, f"/jobs/{job.job_id}")
     assert status == 200
     assert re.search(r"<td>progress</td><td>\d+% step \d+ of 1000<", page), page
+
+
+async def test_a_console_with_a_tenant_key_alone_opens_on_the_jobs(
+    config: Config, tmp_path: Path, start_stack: StartStack, start_console: Any, http: aiohttp.ClientSession
+) -> None:
+    """The queues need an ops key where keys are on: it opened on a page saying UNAUTHENTICATED."""
+    stack = await start_stack(keyed(config, tmp_path))
+    tenant_only = await start_console(stack, tenant_key=TENANT_KEY)
+    with_ops = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY)
+    for console, home in ((tenant_only, "/jobs"), (with_ops, "/queues")):
+        async with http.get(console.url, allow_redirects=False) as answer:
+            assert answer.status == 302
+            assert answer.headers["Location"] == home

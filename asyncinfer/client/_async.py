@@ -921,7 +921,7 @@ class AsyncClient:
     ) -> Batch:
         """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
         VALIDATING); `options` are `create_batch_request`'s (version, input_format, priority,
-        completion_window_s, max_attempts, labels, callback_url, idempotency_key). `data` may
+        completion_window_s, max_attempts, labels, callback or callback_url, idempotency_key). `data` may
         also be an array (uploaded as an NPY file: one record per row, the model's only input)
         or a mapping of input name to array (an NPZ file), held in memory once more as a file;
         `output_arrays` then reads the outputs back as arrays."""

@@ -21,6 +21,7 @@ from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import from_rpc_error
+from asyncinfer.client.types import Callback
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
 if TYPE_CHECKING:
@@ -158,9 +159,16 @@ def create_batch_request(
     labels: Mapping[str, str] | None = None,
     callback_url: str | None = None,
     idempotency_key: str = "",
+    callback: Callback | str | None = None,
 ) -> batch_service_pb2.CreateBatchRequest:
     """A CreateBatch request; ValueError or TypeError for options it cannot carry (checked
-    before anything is uploaded: `AsyncClient.create_batch` builds it first)."""
+    before anything is uploaded: `AsyncClient.create_batch` builds it first). `callback` is
+    `submit`'s (a URL, or a Callback whose URL is taken: a batch has one event, its end), or
+    `callback_url`."""
+    if callback is not None:
+        if callback_url:
+            raise ValueError("give callback or callback_url, not both")
+        callback_url = callback if isinstance(callback, str) else callback.url
     if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise TypeError("labels map strings to strings")
     request = batch_service_pb2.CreateBatchRequest(

@@ -87,8 +87,8 @@ async def _health(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-async def _home(_request: web.Request) -> web.Response:
-    raise web.HTTPFound("/queues")
+async def _home(home: str, _request: web.Request) -> web.Response:
+    raise web.HTTPFound(home)
 
 
 class ConsoleApp:
@@ -150,7 +150,10 @@ class ConsoleApp:
             ]
             for method, path, handler in pages:
                 app.router.add_route(method, path, partial(handler, ctx))
-            app.router.add_get("/", _home)
+            # The queues need the ops role where keys are on: a console holding a tenant key alone
+            # opens on that tenant's jobs (it opened on a page that said UNAUTHENTICATED).
+            reaches_ops = backend.has_ops_key or not self.config.gateway.api_keys
+            app.router.add_get("/", partial(_home, "/queues" if reaches_ops else "/jobs"))
             app.router.add_get("/healthz", _health)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await self._runner.setup()
