@@ -285,3 +285,17 @@ def test_a_rotation_signs_with_every_secret_and_a_receiver_with_either_verifies(
     assert Webhook(new).verify(body, headers) == json.loads(body)
     with pytest.raises(Exception, match=r"(?i)signature"):
         Webhook(new_secret()).verify(body, headers)
+
+
+def test_allowed_networks_that_reach_the_cloud_metadata_address_are_warned_of() -> None:
+    import structlog
+    from prometheus_client import CollectorRegistry, Counter
+
+    from asyncinfer.config import WebhooksConfig
+    from services.scheduler.webhooks.post_attempt import DeliveryPoster
+
+    for networks, warned in ((["0.0.0.0/0"], True), (["169.254.0.0/16"], True), (["10.0.0.0/8"], False), ([], False)):
+        attempts = Counter("attempts", "", ["outcome"], registry=CollectorRegistry())
+        with structlog.testing.capture_logs() as logs:
+            DeliveryPoster(WebhooksConfig(allowed_networks=networks), attempts, clock=time.time)
+        assert any(e["event"] == "webhooks_may_reach_cloud_metadata" for e in logs) == warned, networks

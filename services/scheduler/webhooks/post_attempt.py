@@ -8,9 +8,11 @@ this module holds the network and nothing of the state.
 from __future__ import annotations
 
 import email.utils
+import ipaddress
 import time
 from collections.abc import Callable
 
+import structlog
 from prometheus_client import Counter
 
 from asyncinfer.config import WebhooksConfig
@@ -18,6 +20,11 @@ from asyncinfer.webhook_urls import RefusedUrl, Unresolved, parse_callback_url, 
 from services.scheduler.webhooks.deliveries import Delivery
 from services.scheduler.webhooks.http_post import HttpFailure, HttpResponse, WebhookHttp
 from services.scheduler.webhooks.signing import signed_headers
+
+# The link-local address where clouds serve instance metadata (and credentials).
+CLOUD_METADATA = "169.254.169.254"
+
+log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
 
 def retry_after_s(value: str | None, *, now: float) -> float | None:
@@ -40,6 +47,15 @@ class DeliveryPoster:
     def __init__(self, settings: WebhooksConfig, attempts: Counter, *, clock: Callable[[], float]) -> None:
         self._settings = settings
         self._allowed = parse_networks(settings.allowed_networks)
+        metadata = ipaddress.ip_address(CLOUD_METADATA)
+        if any(metadata in network for network in self._allowed):
+            # Allowed on purpose perhaps, but worth one line: a tenant's callback URL could then
+            # read the cloud's instance metadata (credentials) through this scheduler.
+            log.warning(
+                "webhooks_may_reach_cloud_metadata",
+                allowed_networks=list(settings.allowed_networks),
+                hint=f"webhooks.allowed_networks includes {CLOUD_METADATA}; allow narrower networks",
+            )
         self._attempts = attempts
         self._clock = clock
         self._http = WebhookHttp()
