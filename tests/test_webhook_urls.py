@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import random
@@ -245,22 +246,13 @@ async def test_a_host_that_does_not_resolve_at_send_time_is_a_failed_attempt_not
     from prometheus_client import CollectorRegistry, Counter
 
     from asyncinfer.config import WebhooksConfig
-    from asyncinfer.webhook_delivery import Delivery
     from services.scheduler.webhooks.post_attempt import DeliveryPoster
+    from tests.test_codecs import DELIVERY
 
     settings = WebhooksConfig(secrets=[{"tenant": "acme", "secret": new_secret()}])
     attempts = Counter("attempts", "", ["outcome"], registry=CollectorRegistry())
     poster = DeliveryPoster(settings, attempts, clock=time.time)
-    delivery = Delivery(
-        webhook_id="msg_1",
-        tenant="acme",
-        job_id="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
-        event=CallbackEvent.COMPLETED,
-        job_attempt=1,
-        url="https://no-such-host.invalid/hook",
-        body="{}",
-        ttl_s=60.0,
-    )
+    delivery = dataclasses.replace(DELIVERY, url="https://no-such-host.invalid/hook")  # tenant acme's
     try:
         code, error, retry_after = await poster.post(delivery)
     finally:
