@@ -280,8 +280,8 @@ def console(stream: TextIO) -> Console:
 
 def rich_table(headers: list[str], rows: list[list[str]]) -> Table:
     """The same table for a terminal: a bold header rule, numbers right-aligned, cells not
-    wrapped (a narrow terminal cuts them with an ellipsis rather than breaking a job ID) but in
-    the last column (labels, an error message), which wraps within its width."""
+    wrapped but in the last column (labels, an error message), which wraps within its width
+    (print_table uses it only where every other column fits whole)."""
     from rich import box
     from rich.table import Table
 
@@ -298,13 +298,25 @@ def rich_table(headers: list[str], rows: list[list[str]]) -> Table:
 
 
 def print_table(headers: list[str], rows: list[list[str]], stream: TextIO | None = None) -> None:
-    """`table` on a pipe or a file, exactly; a rich table on a terminal."""
+    """`table` on a pipe or a file, exactly; a rich table on a terminal wide enough for every
+    column but the last (which folds), else `table` too: a rich table squeezed into a narrow
+    terminal cut job IDs with an ellipsis (the one thing a user copies) and broke headers (RECOR /
+    DS/S); the plain table keeps every cell whole and lets the terminal wrap its lines."""
     out = stream or sys.stdout
     if out.isatty():
-        console(out).print(rich_table(headers, rows))
-    else:
-        out.write(table(headers, rows) + "\n")
+        screen = console(out)
+        if _fixed_width(headers, rows) <= screen.width:
+            screen.print(rich_table(headers, rows))
+            out.flush()
+            return
+    out.write(table(headers, rows) + "\n")
     out.flush()
+
+
+def _fixed_width(headers: list[str], rows: list[list[str]]) -> int:
+    """The characters every column but the last needs whole, with the gaps between columns."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers[:-1])]
+    return sum(widths) + 2 * len(widths) + len(headers[-1])
 
 
 # -- progress -----------------------------------------------------------------------------------

@@ -143,3 +143,24 @@ async def test_the_live_stats_screen_redraws_in_place(monkeypatch: pytest.Monkey
     assert re.search(r"demo\s+3\s", ANSI.sub("", first))
     assert re.search(r"demo\s+7\s", ANSI.sub("", second))
     assert drawn.endswith("\x1b[?25h")  # the cursor shown again when it stops
+
+
+def test_a_narrow_terminal_keeps_job_ids_and_headers_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 80 columns `list` cut the job ID (the one thing a user copies) and `batch list` broke its
+    header as RECOR / DS/S: too narrow for the rich table, the plain one is printed, every cell whole."""
+    job_id = "01a249bf-1e8a-71f0-a661-1de997fd6a5b"
+    headers = ["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"]
+    rows = [[job_id, "minilm-l6-doc-pipeline", "SUCCEEDED", "NORMAL", "2026-12-06 05:06:31", "suite=sdk"]]
+    for width in (80, 200):
+        out = Terminal()
+        monkeypatch.setenv("COLUMNS", str(width))
+        print_table(headers, rows, out)
+        text = ANSI.sub("", out.getvalue())
+        assert job_id in text
+        assert "2026-12-06 05:06:31" in text
+        assert text.split()[:2] == ["JOB_ID", "MODEL"]
+    batch = ["BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S"]
+    out = Terminal()
+    monkeypatch.setenv("COLUMNS", "80")
+    print_table(batch, [[job_id, "IN_PROGRESS", "demo", "1", "0", "9.5"]], out)
+    assert "RECORDS/S" in out.getvalue()
