@@ -386,6 +386,26 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
 
 
+async def test_bulk_reads_piped_lines_and_a_second_pipe_resumes(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`jq ... | asyncinfer bulk - --out results.jsonl` (it said "no such file: -")."""
+    cli = Cli(stack, monkeypatch)
+    lines = "".join(json.dumps({"inputs": {"x": [[i, 0, 0, 0]]}, "labels": {"piped": "t"}}) + "\n" for i in range(5))
+    out = tmp_path / "piped.results.jsonl"
+    code, _, err = await cli("bulk", "-", "--model", "demo")
+    assert code == 2
+    assert "needs --out" in err
+    for _ in range(2):  # the same lines again: resumed, nothing queued twice
+        monkeypatch.setattr(sys, "stdin", io.StringIO(lines))
+        code, stdout, err = await cli("bulk", "-", "--model", "demo", "--out", str(out), "--json")
+        assert code == 0, err
+        assert json.loads(stdout)["succeeded"] == 5
+    assert sorted(json.loads(line)["line"] for line in out.read_text().splitlines()) == [1, 2, 3, 4, 5]
+    assert await count_jobs(stack, labels={"piped": "t"}) == 5
+    assert not (tmp_path / "piped.results.jsonl.stdin").exists(), "the spooled lines are not left behind"
+
+
 async def test_bulk_on_a_paused_queue_shows_its_wait_bar_at_once(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
 """`asyncinfer bulk FILE.jsonl`: many jobs from a JSON-lines file, resumable.
 
+(`asyncinfer bulk - --out RESULTS`: the lines from stdin; a re-run with the same --out resumes.)
 Each non-blank line is a request as `submit --request` takes it (`{"model": "demo", "inputs":
 {"x": [[1, 2, 3, 4]]}}`; `--model` names the model for lines without one). Two phases, each with a
 progress bar on stderr when it is a terminal:
@@ -30,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,7 +60,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         description=(__doc__ or "").split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bulk.add_argument("file", type=Path, help="JSON lines, one request each")
+    bulk.add_argument("file", type=Path, help="JSON lines, one request each; - reads them from stdin (with --out)")
     bulk.add_argument("--out", type=Path, help="results file (default: requests.jsonl -> requests.results.jsonl)")
     bulk.add_argument("--model", default="", help="the model of lines that name none")
     bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
@@ -199,12 +201,40 @@ def _count_lines(path: Path) -> int:
 
 async def bulk_command(args: argparse.Namespace, options: Options) -> int:
     path: Path = args.file
-    if not await asyncio.to_thread(path.is_file):
-        raise UsageError(f"no such file: {path}")
     if args.window < 1 or args.concurrency < 1:
         raise UsageError("--window and --concurrency must be at least 1")
-    out: Path = args.out or default_out(path)
-    input_id = hashlib.sha256(str(await asyncio.to_thread(path.resolve)).encode()).hexdigest()[:16]
+    spooled: Path | None = None
+    if str(path) == "-":
+        # Piped lines (`jq ... | asyncinfer bulk - --out r.jsonl`): kept in a file beside the
+        # results while the run lasts, as the submit phase reads its input twice (a count for the
+        # progress bar, then the lines). The run is named by its results file, so piping the same
+        # lines again resumes it, as a file's path does.
+        if args.out is None:
+            raise UsageError("bulk - (lines from stdin) needs --out: the results file, which a re-run resumes")
+        out: Path = args.out
+        spooled = path = await asyncio.to_thread(_spool_stdin, out)
+        input_name = f"stdin:{await asyncio.to_thread(out.resolve)}"
+    else:
+        if not await asyncio.to_thread(path.is_file):
+            raise UsageError(f"no such file: {path}")
+        out = args.out or default_out(path)
+        input_name = str(await asyncio.to_thread(path.resolve))
+    try:
+        return await _bulk(args, options, path, out, hashlib.sha256(input_name.encode()).hexdigest()[:16])
+    finally:
+        if spooled is not None:
+            spooled.unlink(missing_ok=True)
+
+
+def _spool_stdin(out: Path) -> Path:
+    spool = out.with_name(out.name + ".stdin")
+    with spool.open("w", encoding="utf-8") as copy:
+        for line in sys.stdin:
+            copy.write(line)
+    return spool
+
+
+async def _bulk(args: argparse.Namespace, options: Options, path: Path, out: Path, input_id: str) -> int:
     counts = Counts(lines=await asyncio.to_thread(_count_lines, path))
     journal = Journal.open(out)
     try:

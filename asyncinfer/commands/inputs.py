@@ -270,7 +270,7 @@ def request_from_json(
         raise UsageError(f"unknown request fields: {', '.join(unknown)} (known: {', '.join(sorted(REQUEST_KEYS))})")
     model = str(data.get("model") or data.get("model_name") or default_model)
     if not model:
-        raise UsageError('the request names no model (give "model" or the MODEL argument)')
+        raise UsageError('the request names no model (give "model" in it, or the model on the command line)')
     raw_inputs = data.get("inputs")
     inputs: dict[str, npt.NDArray[Any]] | None = None
     if isinstance(raw_inputs, list):
