@@ -21,6 +21,7 @@ import ipaddress
 import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -39,6 +40,11 @@ class RefusedUrl(ValueError):
 class Unresolved(RefusedUrl):
     """The host does not resolve now: refused at submit (a typo is the caller's to fix), but only
     a failed attempt at send time (a resolver down or timing out, a record being changed)."""
+
+
+class ResolverFailed(Unresolved):
+    """The resolver gave no answer (a temporary failure, a timeout), which says nothing of the
+    host: at submit, UNAVAILABLE (try again), not a refusal of the URL."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +139,27 @@ def is_allowed_address(address: IPAddress, allowed: Sequence[IPNetwork]) -> bool
     return _is_public(address)
 
 
+async def _getaddrinfo(host: str, port: int) -> list[Any]:
+    """The event loop's resolver (a seam: tests make it fail as a resolver can)."""
+    return await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
 async def resolve(host: str, port: int, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> list[IPAddress]:
     """The addresses `host` resolves to now, in the resolver's order; an address literal is itself.
     Raises RefusedUrl when it does not resolve."""
     literal = _address_literal(host)
     if literal is not None:
         return [literal]
-    loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout_s):
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, TimeoutError) as exc:
+            infos = await _getaddrinfo(host, port)
+    except TimeoutError:
+        raise ResolverFailed(f"the resolver did not answer for the host {host!r} within {timeout_s:g} s") from None
+    except socket.gaierror as exc:
+        if exc.errno == socket.EAI_AGAIN:  # "Temporary failure in name resolution"
+            raise ResolverFailed(f"the host {host!r} could not be resolved now ({exc})") from None
+        raise Unresolved(f"the host {host!r} does not resolve ({exc})") from None
+    except OSError as exc:
         raise Unresolved(f"the host {host!r} does not resolve ({exc})") from None
     addresses: list[IPAddress] = []
     for _family, _type, _proto, _canonical, sockaddr in infos:

@@ -291,3 +291,31 @@ def test_allowed_networks_that_reach_the_cloud_metadata_address_are_warned_of() 
         with structlog.testing.capture_logs() as logs:
             DeliveryPoster(WebhooksConfig(allowed_networks=networks), attempts, clock=time.time)
         assert any(e["event"] == "webhooks_may_reach_cloud_metadata" for e in logs) == warned, networks
+
+
+async def test_a_resolver_without_an_answer_at_submit_is_unavailable_not_a_refused_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A temporary resolver failure said INVALID_ARGUMENT CALLBACK_URL_REFUSED, which no retry
+    follows; a host that does not exist stays a refusal."""
+    import socket
+
+    from asyncinfer import webhook_urls
+    from asyncinfer.config import WebhooksConfig
+    from asyncinfer.errors import InvalidArgument, Unavailable
+    from services.gateway.callbacks import check_callback
+
+    settings = WebhooksConfig(secrets=[{"tenant": "acme", "secret": new_secret()}])
+    callback = CallbackSpec(url="https://hooks.example.com/done")
+
+    async def resolver_says(errno: int, *_args: object) -> list[object]:
+        raise socket.gaierror(errno, "from the resolver")
+
+    monkeypatch.setattr(webhook_urls, "_getaddrinfo", lambda *a: resolver_says(socket.EAI_AGAIN))
+    with pytest.raises(Unavailable) as unavailable:
+        await check_callback(callback, settings, tenant="acme")
+    assert unavailable.value.reason == "CALLBACK_URL_UNRESOLVED"
+    monkeypatch.setattr(webhook_urls, "_getaddrinfo", lambda *a: resolver_says(socket.EAI_NONAME))
+    with pytest.raises(InvalidArgument) as refused:
+        await check_callback(callback, settings, tenant="acme")
+    assert refused.value.reason == "CALLBACK_URL_REFUSED"

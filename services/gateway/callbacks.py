@@ -7,17 +7,17 @@ from __future__ import annotations
 from google.protobuf import timestamp_pb2
 
 from asyncinfer.config import WebhooksConfig
-from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.jobs import CallbackSpec, JobRecord
 from asyncinfer.nats import KeyValue
 from asyncinfer.v1 import job_pb2
 from asyncinfer.webhook_status import JobDeliveries, read_deliveries
-from asyncinfer.webhook_urls import RefusedUrl, check_callback_url, parse_networks
+from asyncinfer.webhook_urls import RefusedUrl, ResolverFailed, check_callback_url, parse_networks
 
 
 async def check_callback(callback: CallbackSpec, config: WebhooksConfig, *, tenant: str) -> None:
     """Raises FailedPrecondition when the tenant cannot sign webhooks, InvalidArgument (on
-    `callback.url`) when the URL may not be called."""
+    `callback.url`) when the URL may not be called, Unavailable when the resolver gave no answer."""
     if config.secret_for(tenant) is None:
         raise FailedPrecondition(
             f"tenant {tenant!r} has no webhook signing secret, so it cannot ask for callbacks: run "
@@ -28,6 +28,9 @@ async def check_callback(callback: CallbackSpec, config: WebhooksConfig, *, tena
         )
     try:
         await check_callback_url(callback.url, parse_networks(config.allowed_networks))
+    except ResolverFailed as exc:
+        # No answer from the resolver says nothing of the URL: the caller tries again (retriable).
+        raise Unavailable(f"callback.url: {exc}; try again", reason="CALLBACK_URL_UNRESOLVED") from None
     except RefusedUrl as exc:
         raise InvalidArgument(
             f"invalid request: callback.url: {exc}",
