@@ -19,8 +19,9 @@ import pytest
 from asyncinfer.client import AsyncClient, JobRequest, JobState, ResourceExhaustedError
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE
+from asyncinfer.config import Config
 from asyncinfer.tensors import Tensor
-from tests.stack import Stack
+from tests.stack import Stack, StartStack
 
 REPO = Path(__file__).resolve().parents[1]
 X = np.ones((1, 4), np.float32)
@@ -175,3 +176,15 @@ async def test_a_reading_cancelled_by_its_caller_stays_a_cancellation(idle_stack
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_one_text_for_a_model_of_one_text_per_item_is_one_item(config: Config, start_stack: StartStack) -> None:
+    """`client.run("minilm-l6", {"text": "hello"})` was refused (shape [] for [-1]) while the CLI's
+    `-i text=hello` worked."""
+    from asyncinfer.config import MINILM_MODEL
+
+    stack = await start_stack(config.replace(models=[MINILM_MODEL.model_dump()]), batcher=False)
+    async with AsyncClient(stack.address) as client:
+        for text in ("hello", b"hello"):
+            job = await client.submit("minilm-l6", {"text": text})
+            assert job.state is JobState.QUEUED

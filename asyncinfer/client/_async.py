@@ -350,6 +350,13 @@ class AsyncClient:
         typed: dict[str, Any] = {}
         for name, value in inputs.items():
             spec = specs.get(name)
+            if (
+                spec is not None
+                and spec.datatype == "BYTES"
+                and len(spec.shape) == 1
+                and isinstance(value, str | bytes)
+            ):
+                value = [value]  # one text for a model of one text per item: one item (as the CLI's -i text=...)
             array = None if spec is None or isinstance(value, Tensor) else typed_as(value, spec.datatype)
             typed[name] = value if array is None else array
         return replace(request, inputs=typed)
