@@ -83,6 +83,11 @@ async def test_cancelling_a_batch_stops_its_chunks_and_keeps_what_finished(
     await wait_until(stub, batch_id, lambda batch: batch.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
     cancelled = await stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id))
     assert cancelled.batch.state == batch_service_pb2.BATCH_STATE_CANCELLING
+    # Its files are whole only once it ends: a download now is refused (it gave part of them).
+    with pytest.raises(grpc.aio.AioRpcError) as running:
+        await outputs(stub, batch_id)
+    assert running.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "BATCH_NOT_ENDED" in str(running.value.trailing_metadata())
     demo.GATE.set()  # the chunk computing finishes; the one queued behind it is cancelled
     batch = await wait_ended(stub, batch_id)
     assert batch.state == batch_service_pb2.BATCH_STATE_CANCELLED

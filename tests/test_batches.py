@@ -160,6 +160,11 @@ async def test_an_input_format_the_file_is_not_fails_the_batch_saying_what_it_is
         batch = await wait_ended(stub, created.batch.batch_id)
         assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
         assert batch.failure_message.startswith(said), batch.failure_message
+    # Its NPZ output: refused as a failed batch's (it said "reads a JSONL file" of the NPY one).
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await npz_output(stub, batch.batch_id)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "FAILED before any record ran" in (refused.value.details() or "")
 
 
 async def test_a_file_without_records_fails_the_batch(config: Config, start_stack: StartStack) -> None:

@@ -26,7 +26,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from asyncinfer.batches import BatchRecord, Chunk, ChunkStatus, InputFormat
+from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkStatus, InputFormat
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import FailedPrecondition
@@ -52,6 +52,12 @@ class OutputShape:
 
 def refuse_npz(record: BatchRecord) -> FailedPrecondition | None:
     """Why this batch's output cannot be an NPZ archive, or None."""
+    if record.state is BatchState.FAILED and not record.chunks:
+        return FailedPrecondition(
+            f"batch {record.batch_id} FAILED before any record ran ({record.failure_message}): it has no outputs",
+            reason="BATCH_FAILED",
+            metadata={"batch_id": record.batch_id},
+        )
     if record.input_format not in (InputFormat.NPY, InputFormat.NPZ):
         return FailedPrecondition(
             f"batch {record.batch_id} reads a JSONL file: its records are known by custom_id, "

@@ -229,11 +229,17 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if request.file not in READABLE_FILES:
             message = "file must be BATCH_FILE_OUTPUT, BATCH_FILE_ERRORS or BATCH_FILE_OUTPUT_NPZ"
             raise InvalidArgument(message, [FieldViolation("file", message)])
-        if record.state in (BatchState.VALIDATING,):
+        if not record.state.is_terminal:
+            # A running batch's files would be partial: a download that succeeds with part of the
+            # records (an NPZ's missing rows read as failed ones) passed for the whole (OpenAI's
+            # Batch API has no output file before the end either).
+            counts = record.counts
             raise FailedPrecondition(
-                f"batch {record.batch_id} is still VALIDATING: its files start once it runs",
-                reason="BATCH_NOT_STARTED",
-                metadata={"batch_id": record.batch_id},
+                f"batch {record.batch_id} is {record.state.value} ({counts.completed + counts.failed} of "
+                f"{counts.total} records done): its files are whole once it ends; watch it (WatchBatch, "
+                "`asyncinfer batch watch`), or cancel it to end it with what is done",
+                reason="BATCH_NOT_ENDED",
+                metadata={"batch_id": record.batch_id, "state": record.state.value},
             )
         if request.file == batch_service_pb2.BATCH_FILE_OUTPUT_NPZ:
             refused = refuse_npz(record)
