@@ -126,8 +126,20 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
             raise RecordInvalid("a line must be a JSON object")
         raw_id = value.get("custom_id")
         # Without one (absent, null or ""), the record's line: the output file, which holds only the
-        # records that succeeded, is joined to the input by custom_id.
-        custom_id = str(line) if raw_id is None or raw_id == "" else raw_id if isinstance(raw_id, str) else str(raw_id)
+        # records that succeeded, is joined to the input by custom_id. An integer reads as its
+        # digits; another kind is refused (Python's str() made true "True" and an object "{'a': 1}",
+        # which nothing joins back).
+        if raw_id is None or raw_id == "":
+            custom_id = str(line)
+        elif isinstance(raw_id, str):
+            custom_id = raw_id
+        elif isinstance(raw_id, int) and not isinstance(raw_id, bool):
+            custom_id = str(raw_id)
+        else:
+            custom_id = str(line)
+            raise RecordInvalid(
+                f"custom_id must be a string (or an integer), got {type(raw_id).__name__}: {raw_id!r}"[:200]
+            )
         if len(custom_id.encode()) > MAX_CUSTOM_ID_BYTES:
             custom_id = custom_id[:64]
             raise RecordInvalid(f"custom_id is over {MAX_CUSTOM_ID_BYTES} bytes")
@@ -140,7 +152,9 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
         arrays = check_record(value["inputs"], signature)
     except RecordInvalid as exc:
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", str(exc))
-    except ValueError as exc:  # json.JSONDecodeError, UnicodeDecodeError
+    except json.JSONDecodeError as exc:  # its "line 1" is within the line: the column says where
+        return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc.msg} at column {exc.colno}")
+    except ValueError as exc:  # UnicodeDecodeError
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc}")
     return IndexEntry(line, custom_id), arrays
 

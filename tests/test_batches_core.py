@@ -201,7 +201,7 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "one row" in error('{"custom_id": "a", "inputs": {"x": [[1, 2, 3, 4], [1, 2, 3, 4]]}}')
     assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
     assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
-    assert "not a JSON line" in error("{nope")
+    assert error("{nope") == "not a JSON line: Expecting property name enclosed in double quotes at column 2"
     # Another field is a mistake to name, not to skip: a typo of custom_id, or a bulk line's model.
     assert error('{"custom-id": "a", "inputs": {"x": [[1, 2, 3, 4]]}}') == (
         "unknown field 'custom-id' (a line has custom_id and inputs)"
@@ -221,6 +221,12 @@ def test_a_record_without_a_custom_id_is_known_by_its_line() -> None:
         parsed = parse_line(7, ('{"inputs": {"x": [[1, 2, 3, 4]]}' + field + "}").encode(), SIGNATURE)
         assert not isinstance(parsed, ErrorLine)
         assert parsed[0].custom_id == expected
+    # Another kind is refused: Python's str() made true "True" and an object "{'a': 1}".
+    for other in ("true", "1.5", '{"a": 1}', "[1]"):
+        refused = parse_line(7, ('{"inputs": {"x": [[1, 2, 3, 4]]}, "custom_id": ' + other + "}").encode(), SIGNATURE)
+        assert isinstance(refused, ErrorLine), other
+        assert refused.message.startswith("custom_id must be a string (or an integer)"), refused.message
+        assert refused.custom_id == "7"
 
 
 def test_a_change_of_shape_closes_the_chunk() -> None:
