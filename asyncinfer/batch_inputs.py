@@ -64,7 +64,8 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
     else:
         typed = typed_as(value, spec.datatype)
         if typed is None:
-            raise RecordInvalid(f"input {spec.name!r} must be {spec.datatype} numbers")
+            within = " within its range" if spec.datatype.startswith("FP") else ""
+            raise RecordInvalid(f"input {spec.name!r} must be {spec.datatype} numbers{within}")
         array = typed
     if array.ndim == len(spec.shape) - 1:
         array = array[None]

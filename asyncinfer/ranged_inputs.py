@@ -85,7 +85,10 @@ class RangedInputs:
         array = np.frombuffer(data, dtype=np.dtype(self.dtype)).reshape((self.rows, *self.row_shape))
         typed = typed_as(array, self.datatype)
         if typed is None:
-            raise InvalidArgument(f"the file's {self.dtype} rows are not {self.datatype}", reason="INPUT_RANGE_DTYPE")
+            raise InvalidArgument(
+                f"the file's {self.dtype} rows do not fit {self.datatype} (a value past its range)",
+                reason="INPUT_RANGE_DTYPE",
+            )
         if typed is array and isinstance(data, bytes) and self.datatype != "BYTES":
             # Already the model's dtype (typed_as gave the array back): the bytes as they are, not copied again.
             # Not for BYTES: fixed-width text or bytes rows (numpy's <U and S) are no BYTES

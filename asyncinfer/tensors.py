@@ -241,8 +241,8 @@ _INT_DATATYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16"
 
 def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
     """`value` (a numpy array, a list, a scalar) as an array of the signature's `datatype`, where
-    that loses nothing: integers and floats to FP16/FP32/FP64, integers to an integer type they
-    fit in, booleans to BOOL, strings and bytes to BYTES (as they are). None where it would (a
+    that loses nothing but precision: integers and floats to FP16/FP32/FP64 within the type's
+    range (rounded to its precision, as any float is), integers to an integer type they fit in, booleans to BOOL, strings and bytes to BYTES (as they are). None where it would (a
     float to INT64, a value out of range) or where `value` is no array at all: leave it as it is,
     for the gateway to refuse or accept. Shared by the SDK and the CLI."""
     try:
@@ -261,7 +261,11 @@ def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
     if array.dtype == target:
         return array
     if datatype in _FLOAT_DATATYPES and kind in ("i", "u", "f"):
-        return array.astype(target)
+        with np.errstate(over="ignore"):  # measured below: a value past the type's range
+            cast = array.astype(target)
+        if array.size and bool(np.any(np.isinf(cast) & ~np.isinf(array))):
+            return None  # 1e300 as FP32 is inf: that loses the value (a model would compute on inf)
+        return cast
     if datatype in _INT_DATATYPES and kind in ("i", "u"):
         info = np.iinfo(target.str)
         if array.size and (int(array.min()) < info.min or int(array.max()) > info.max):

@@ -201,6 +201,7 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "one row" in error('{"custom_id": "a", "inputs": {"x": [[1, 2, 3, 4], [1, 2, 3, 4]]}}')
     assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
     assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
+    assert error('{"inputs": {"x": [[1e300, 2, 3, 4]]}}') == "input 'x' must be FP32 numbers within its range"
     assert error("{nope") == "not a JSON line: Expecting property name enclosed in double quotes at column 2"
     # Another field is a mistake to name, not to skip: a typo of custom_id, or a bulk line's model.
     assert error('{"custom-id": "a", "inputs": {"x": [[1, 2, 3, 4]]}}') == (

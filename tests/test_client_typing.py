@@ -101,6 +101,11 @@ def test_typed_as_converts_only_what_loses_nothing() -> None:
     assert typed_as([True], "FP32") is None
     assert typed_as(["a"], "FP32") is None
     assert typed_as([[1, 2], [3]], "FP32") is None  # ragged: not an array
+    # Past the type's range the value is lost (1e300 as FP32 is inf): left for the gateway to refuse.
+    assert typed_as([[1e300, 2.0]], "FP32") is None
+    assert typed_as([70000], "FP16") is None
+    assert typed_as([float("inf"), 1.0], "FP32") is not None, "an infinity given is kept"
+    assert typed_as([[3.4e38]], "FP32") is not None
     # No texts at all: numpy makes [] float64, which the gateway named as the wrong datatype
     # instead of the real problem (no item); typed as text, the gateway says that.
     empty = typed_as([], "BYTES")
