@@ -148,7 +148,9 @@ async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, star
         assert await stored_chunks() == stored
 
 
-async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(config: Config, start_stack: StartStack) -> None:
+async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
     """As a job's watch does: the batch carries on (here its model's queue is paused), the SDK
     raises DeadlineExceededError and the CLI exits 5 saying so."""
     stack = await start_stack(small_batches(config))
@@ -165,6 +167,14 @@ async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(config: Confi
             assert code == 5, stderr
             assert "DEADLINE_EXCEEDED" in stderr
             assert "Traceback" not in stderr
+            # `create --wait` cut short (its --timeout here, as Ctrl-C does) names the batch that goes on.
+            source = tmp_path / "records.jsonl"
+            source.write_bytes(jsonl(demo_records(3)))
+            code, _, stderr = await cli(
+                "batch", "create", str(source), "--model", "demo", "--wait", "--timeout", "1", "--gateway", stack.address
+            )  # fmt: skip
+            assert code == 5, stderr
+            assert "goes on; follow it with `asyncinfer batch watch " in stderr, stderr
             await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
             assert (await client.wait_batch(batch, timeout_s=60)).completed == 10
 
@@ -181,6 +191,8 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
         assert (batch.state, batch.input_format) == ("COMPLETED", "NPY")
         arrays = await client.output_arrays(batch)
         by_name = await client.wait_batch(await client.create_batch({"x": x[:10]}, "demo"))  # an NPZ file
+        as_lists = await client.wait_batch(await client.create_batch(x[:3].tolist(), "demo"))  # rows as lists
+        assert (as_lists.state, as_lists.input_format, as_lists.completed) == ("COMPLETED", "NPY", 3)
         assert (by_name.state, by_name.input_format) == ("COMPLETED", "NPZ")
         assert np.array_equal((await client.output_arrays(by_name))["y"], 2 * x[:10] + 1)
     assert np.array_equal(arrays["y"], 2 * x + 1)
@@ -208,6 +220,15 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     missing = tmp_path / "missing.jsonl"
     code, _, stderr = await cli("batch", "create", str(missing), "--model", "demo", "--gateway", "127.0.0.1:1")
     assert (code, stderr.strip()) == (2, f"asyncinfer: no such file: {missing}")
+    code, _, stderr = await cli("batch", "create", str(tmp_path), "--model", "demo", "--gateway", "127.0.0.1:1")
+    assert (code, stderr.strip()) == (2, f"asyncinfer: a directory, not a file: {tmp_path}")
+    for window in ("nan", "inf", "0"):  # nan and inf were tracebacks
+        code, _, stderr = await cli(
+            "batch", "create", str(missing), "--model", "demo", "--window", window, "--gateway", "127.0.0.1:1"
+        )  # fmt: skip
+        assert code == 2, stderr
+        assert "give a positive number of seconds" in stderr
+        assert "Traceback" not in stderr
     present = tmp_path / "records.jsonl"
     present.write_bytes(jsonl(demo_records(1)))
     code, _, stderr = await cli(

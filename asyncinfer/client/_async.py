@@ -95,7 +95,16 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 )
 
 # What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
-BatchData = bytes | str | os.PathLike[str] | BinaryIO | npt.NDArray[Any] | Mapping[str, npt.ArrayLike]
+BatchData = (
+    bytes
+    | str
+    | os.PathLike[str]
+    | BinaryIO
+    | npt.NDArray[Any]
+    | list[Any]
+    | tuple[Any, ...]
+    | Mapping[str, npt.ArrayLike]
+)
 
 
 def tls_credentials(
@@ -932,6 +941,10 @@ class AsyncClient:
         also be an array (uploaded as an NPY file: one record per row, the model's only input)
         or a mapping of input name to array (an NPZ file), held in memory once more as a file;
         `output_arrays` then reads the outputs back as arrays."""
+        if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
+            data = np.asarray(data)
+            if data.dtype.hasobject:
+                raise ValueError("rows given as lists must make a numeric array (numpy.asarray(rows))")
         if isinstance(data, np.ndarray):
             buffer = io.BytesIO()
             np.save(buffer, data, allow_pickle=False)

@@ -50,7 +50,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--version", default="", help="the model version (default: the one served)")
     create.add_argument("--format", choices=["jsonl", "npy", "npz"], help="the file's format (default: detected)")
     create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
-    create.add_argument("--window", type=float, metavar="SECONDS", help="completion window (default 24 h)")
+    create.add_argument("--window", type=_positive_seconds, metavar="SECONDS", help="completion window (default 24 h)")
     create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
     create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
     create.add_argument(
@@ -167,11 +167,28 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
             if bar is None and update.total:
                 bar = ProgressBar("records", update.total)
             if bar is not None:
-                bar.advance(update.completed + update.failed - bar.done, note=update.state)
+                # Records done: those that failed (or were given up at the end of a window) are in
+                # the note and the summary, not the bar, whose rate would count them as computed.
+                bar.advance(update.completed - bar.done, note=_note(update))
     finally:
         if bar is not None:
             bar.close()
     return batch
+
+
+def _note(batch: Batch) -> str:
+    return f"{batch.state.value}, {batch.failed} failed" if batch.failed else batch.state.value
+
+
+def _positive_seconds(text: str) -> float:
+    """--window: a positive, finite number of seconds (nan and inf were tracebacks)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"give a positive number of seconds, not {text!r}")
+    return value
 
 
 def _output_file(out: Path) -> str:
@@ -196,7 +213,8 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
     if not args.wait and (args.out is not None or args.errors is not None):
         raise UsageError("--out and --errors are written once the batch ends: add --wait, or use `batch download`")
     if not await asyncio.to_thread(args.file.is_file):
-        raise UsageError(f"no such file: {args.file}")
+        what = "a directory, not a file" if await asyncio.to_thread(args.file.is_dir) else "no such file"
+        raise UsageError(f"{what}: {args.file}")
     size = args.file.stat().st_size
     async with options.client() as client:
         bar = ProgressBar("upload", size)
@@ -221,7 +239,16 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
             else:
                 print(batch.batch_id)
             return EXIT_OK
-        batch = await _follow(client, batch, options)
+        try:
+            batch = await _follow(client, batch, options)
+        except BaseException:  # Ctrl-C, --timeout, a gateway gone for good: the batch goes on
+            print(
+                f"asyncinfer: batch {batch.batch_id} goes on; follow it with `asyncinfer batch watch "
+                f"{batch.batch_id}` (then `batch download`), or stop it with `asyncinfer batch cancel {batch.batch_id}`",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise
         if not options.json:
             print(batch_summary(batch), flush=True)
         if args.out is not None:
