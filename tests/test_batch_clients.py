@@ -175,6 +175,15 @@ async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(
             )  # fmt: skip
             assert code == 5, stderr
             assert "goes on; follow it with `asyncinfer batch watch " in stderr, stderr
+            code, printed, stderr = await cli("batch", "get", batch.batch_id, "--gateway", stack.address)
+            assert code == 0, stderr
+            assert "  chunks 0/1 done" in printed  # a running batch's chunks (only --json had them)
+            for made in ("", "earlier"):  # a create answered by an earlier batch says so
+                code, _, stderr = await cli(
+                    "batch", "create", str(source), "--model", "demo", "--idempotency-key", "k", "--gateway", stack.address
+                )  # fmt: skip
+                assert code == 0, stderr
+                assert ("made earlier under this idempotency key" in stderr) == bool(made), stderr
             await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
             assert (await client.wait_batch(batch, timeout_s=60)).completed == 10
 

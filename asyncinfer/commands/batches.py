@@ -233,6 +233,12 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
                 )
             finally:
                 bar.close()
+        if batch.deduplicated:
+            print(
+                f"asyncinfer: batch {batch.batch_id} was made earlier under this idempotency key (its {batch.state}); "
+                "nothing new was queued",
+                file=sys.stderr,
+            )
         if not args.wait:
             if options.json:
                 print_json(to_json(batch))
@@ -262,6 +268,10 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
         batch = await client.get_batch(args.batch_id)
     _print(batch, options)
+    if not options.json and not batch.done and batch.chunks_total:
+        finish = batch.estimated_finish_time
+        eta = f", finishing about {finish.astimezone().strftime('%H:%M:%S')}" if finish is not None else ""
+        print(f"  chunks {batch.chunks_done}/{batch.chunks_total} done{eta}")
     if not options.json:
         for error in batch.first_errors:
             print(f"  line {error.line} {error.custom_id!r}: {error.code} {error.message}")
@@ -284,7 +294,9 @@ async def cancel_command(args: argparse.Namespace, options: Options) -> int:
 
 async def list_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
-        batches, _ = await client.list_batches(page_size=min(max(args.limit, 1), 100))
+        batches, more = await client.list_batches(page_size=min(max(args.limit, 1), 100))
+    if more:  # said beside the list, not in it (a script reads stdout)
+        print(f"asyncinfer: more batches than these {len(batches)}; --limit shows up to 100", file=sys.stderr)
     if options.json:
         for batch in batches:
             print_json(to_json(batch))
