@@ -160,10 +160,18 @@ async def _expire_overdue(
     return changes
 
 
+# Jobs whose last revision a label watch keeps (its oldest forgotten first): bounded memory per stream.
+SELECTOR_REVISIONS_KEPT = 10_000
+
+
 async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) -> AsyncGenerator[list[JobChange], None]:
     if hub.closed:
         raise _closed("labels")
     queue = hub.register_selector(tenant, dict(labels))
+    # The last revision sent of each job still changing: a job's QUEUED comes as a core-NATS notice
+    # and its later changes on the records' feed, two paths, so its notice can arrive after its
+    # RUNNING change; a change no newer than one sent is dropped (a client saw RUNNING, then QUEUED).
+    sent: dict[str, int] = {}
     try:
         await hub.ensure_feed()
         await hub.ensure_notices()
@@ -172,8 +180,17 @@ async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) ->
             for update in await _next_updates(queue, None):
                 if update is None:
                     raise _closed("labels")
-                if update.record is not None:  # a deleted record no longer shows its labels
-                    changes.append(JobChange(update.record.job_id, record=update.record))
+                record = update.record
+                if record is None:  # a deleted record no longer shows its labels
+                    continue
+                if record.revision <= sent.get(record.key, -1):
+                    continue
+                sent.pop(record.key, None)
+                if not record.state.is_terminal:  # a terminal job changes no more (but by a replay: newer)
+                    sent[record.key] = record.revision
+                    if len(sent) > SELECTOR_REVISIONS_KEPT:
+                        del sent[next(iter(sent))]  # the job that changed least recently
+                changes.append(JobChange(record.job_id, record=record))
             if changes:
                 yield changes
     finally:
