@@ -138,7 +138,7 @@ class ClaimCheck:
             retention_s = metadata.retention.ToNanoseconds() / 1e9
             longest = self._config.gateway.max_result_retention_s
             if not 0 < retention_s <= longest:
-                violations.append(FieldViolation("metadata.retention", f"must be positive and at most {longest:g} s"))
+                violations.append(FieldViolation("metadata.retention", f"must be positive and at most {longest:.0f} s"))
         if violations:
             raise InvalidArgument(f"invalid upload: {violations[0].field}: {violations[0].description}", violations)
 

@@ -96,7 +96,7 @@ def _option_violations(request: SubmitRequest, config: Config, now: float) -> li
     if retention is not None and retention <= 0:
         violations.append(FieldViolation("result_retention", "must be positive"))
     elif retention is not None and retention > limit:
-        violations.append(FieldViolation("result_retention", f"at most {limit:g} s (gateway.max_result_retention_s)"))
+        violations.append(FieldViolation("result_retention", f"at most {limit:.0f} s (gateway.max_result_retention_s)"))
     if request.max_attempts < 0:
         violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
     if request.callback is not None:
