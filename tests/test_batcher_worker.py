@@ -469,17 +469,20 @@ async def test_a_scheduler_restart_leaves_no_pending_task_behind(
 
 
 class RefusingScheduler(FakeScheduler):
-    """Answers every Connect with UNAVAILABLE at once, counting them: a scheduler that cannot serve."""
+    """Answers every Connect with `code` (having read the hello), counting them: a scheduler that
+    cannot serve, or refuses this batcher."""
 
-    def __init__(self) -> None:
+    def __init__(self, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
         super().__init__()
+        self.code = code
         self.refused = 0
 
     async def Connect(  # type: ignore[override]
         self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], context: Any
     ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
         self.refused += 1
-        await context.abort(grpc.StatusCode.UNAVAILABLE, "not serving")
+        await anext(aiter(request_iterator))
+        await context.abort(self.code, "refused")
         yield worker_service_pb2.ConnectResponse()  # pragma: no cover (a generator; never reached)
 
 
@@ -508,3 +511,17 @@ async def test_a_scheduler_that_stays_unreachable_is_logged_once_then_now_and_th
     assert second["attempts"] > 2, "the next says how many failed since"
     assert second["failing_for_s"] >= 0.5
     assert len(failures()) < attempts / 2
+
+
+async def test_a_scheduler_that_refuses_this_batchers_key_is_said_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(RefusingScheduler(grpc.StatusCode.UNAUTHENTICATED)) as (_refusing, port):
+        batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
+        with structlog.testing.capture_logs() as logs:
+            await batcher.start()
+            try:
+                await poll(lambda: any(e["event"] == "work_stream_failed" for e in logs))
+            finally:
+                await batcher.stop(grace_s=1.0)
+    (first,) = [e for e in logs if e["event"] == "work_stream_failed"][:1]
+    assert first["code"] == "UNAUTHENTICATED"
+    assert "set batcher.api_key" in first["hint"]

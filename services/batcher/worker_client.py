@@ -184,15 +184,27 @@ class WorkerClient:
             if session is not None and session.welcomed:
                 self._outage.ended()  # the stream was up: this failure starts a new outage
             if (repeat := self._outage.failed()) is not None:
+                code = error.code()
+                hint = _REFUSALS.get(code)
                 log.warning(
                     "work_stream_failed",
                     scheduler=self._address,
-                    code=error.code().name,
+                    code=code.name,
                     details=error.details(),
+                    **({"hint": hint} if hint else {}),
                     **repeat,
                 )
         except Exception:
             log.exception("work_stream_failed", scheduler=self._address)
+
+
+# What a refusal of the work stream says of this batcher's configuration (the scheduler is up).
+_REFUSALS = {
+    grpc.StatusCode.UNAUTHENTICATED: "the scheduler refused this batcher's key: set batcher.api_key (or "
+    "api_key_file) to a key of role batcher in the scheduler's gateway.api_keys",
+    grpc.StatusCode.PERMISSION_DENIED: "this batcher's key is not of role batcher (the scheduler's WorkerService "
+    "takes no other)",
+}
 
 
 class _Outage:
