@@ -513,7 +513,7 @@ async def test_a_scheduler_that_stays_unreachable_is_logged_once_then_now_and_th
     assert len(failures()) < attempts / 2
 
 
-async def test_a_scheduler_that_refuses_this_batchers_key_is_said_to(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_scheduler_that_refuses_this_batchers_key_is_said_to() -> None:
     async with serving(RefusingScheduler(grpc.StatusCode.UNAUTHENTICATED)) as (_refusing, port):
         batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
         with structlog.testing.capture_logs() as logs:
