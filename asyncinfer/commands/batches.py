@@ -235,8 +235,8 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
                 bar.close()
         if batch.deduplicated:
             print(
-                f"asyncinfer: batch {batch.batch_id} was made earlier under this idempotency key (its {batch.state}); "
-                "nothing new was queued",
+                f"asyncinfer: batch {batch.batch_id} was made earlier under this idempotency key (it is "
+                f"{batch.state}); nothing new was queued",
                 file=sys.stderr,
             )
         if not args.wait:
