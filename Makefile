@@ -67,7 +67,7 @@ SHELLS_STAMP := $(VENV)/.shells
 $(SHELLS_STAMP): $(STAMP)
 	@for tool in zsh fish chromium; do \
 		if ! command -v $$tool >/dev/null; then \
-			if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$tool; \
+			if [ "$$(id -u)" = 0 ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$tool; \
 			else echo "$$tool is missing (tests need it): run 'sudo apt-get install -y $$tool'"; fi; \
 		fi; \
 	done

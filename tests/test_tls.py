@@ -112,11 +112,17 @@ async def test_clients_without_the_ca_or_a_client_certificate_are_refused(
 ) -> None:
     config = tls_config(tmp_path, ca, tls_nats)
     stack = await start_stack(config, batcher=False)
-    # Plaintext to a TLS gateway, and TLS that trusts only the system's CAs: both refused.
-    for options in ({}, {"credentials": grpc.ssl_channel_credentials()}):
+    # Plaintext to a TLS gateway, and TLS that trusts only the system's CAs: both refused, each with
+    # a hint on what to check (gRPC's own text, "Socket closed" or "Handshake failed", names no cause).
+    hints = {"plaintext": "if the server is on TLS, give tls_ca_file=", "tls": "did tls_ca_file's CA sign"}
+    for kind, options in (("plaintext", {}), ("tls", {"credentials": grpc.ssl_channel_credentials()})):
         async with AsyncClient(stack.address, timeout_s=3, **options) as client:
-            with pytest.raises(UnavailableError):
+            with pytest.raises(UnavailableError) as refused:
                 await client.models()
+        assert refused.value.hint is not None, (kind, str(refused.value))
+        assert hints[kind] in refused.value.hint, (kind, str(refused.value))
+        assert str(refused.value).endswith(f"\n  hint: {refused.value.hint}")
+        assert "hint" not in refused.value.message  # the CLI prints the message and a hint of its own
     # The scheduler requires a client certificate: the CA alone is not enough.
     health = health_pb2.HealthCheckRequest()
     without_cert = channel_credentials(ca.ca_file)

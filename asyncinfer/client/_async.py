@@ -61,6 +61,7 @@ from asyncinfer.client.errors import (
     UnimplementedError,
     from_rpc_error,
     make_error,
+    with_connection_hint,
 )
 from asyncinfer.client.types import (
     BlobRef,
@@ -190,6 +191,7 @@ class AsyncClient:
         options = [*_CHANNEL_OPTIONS, *channel_options]
         if credentials is None and (tls_ca_file or tls_cert_file or tls_key_file):
             credentials = tls_credentials(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
+        self._tls = credentials is not None
         if credentials is not None:
             self._channel = aio.secure_channel(target, credentials, options=options)
         else:
@@ -247,10 +249,10 @@ class AsyncClient:
         """Sleeps before attempt `attempt + 1`, or raises `error` when that is not allowed.
         `broken_at`: when a stream that had been answering broke (RetryPolicy.stream_resume_s)."""
         if not self.retry.retriable(error) or not self.retry.allows_attempt(attempt, broken_at):
-            raise error from cause
+            raise with_connection_hint(error, tls=self._tls) from cause
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
-            raise error from cause
+            raise with_connection_hint(error, tls=self._tls) from cause
         await asyncio.sleep(delay)
 
     async def _call(
@@ -265,7 +267,7 @@ class AsyncClient:
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 if not retry:
-                    raise error from rpc_error
+                    raise with_connection_hint(error, tls=self._tls) from rpc_error
                 await self._backoff_or_raise(error, attempt, deadline, rpc_error)
 
     # -- jobs -------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "from_rpc_error",
+    "with_connection_hint",
 ]
 
 
@@ -59,11 +60,15 @@ class AsyncInferClientError(Exception):
         self.violations = violations
         self.retry_after_s = retry_after_s
         self.metadata: dict[str, str] = dict(metadata or {})
+        # What to check, where gRPC's text names no cause (with_connection_hint); not part of `message`.
+        self.hint: str | None = None
 
     def __str__(self) -> str:
         text = f"{code_and_reason(self.code.name, self.reason)}: {self.message}"
         if self.violations:
             text += "".join(f"\n  {v.field}: {v.description}" for v in self.violations)
+        if self.hint:
+            text += f"\n  hint: {self.hint}"
         return text
 
 
@@ -167,6 +172,26 @@ def make_error(
 
 # The reason given to gRPC's "Received message larger than max" (no ErrorInfo of the gateway's).
 MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
+
+
+# `asyncinfer up --dev-tls`'s CA, relative to where `up` ran (the CLI's hint names it too).
+DEV_CA = ".asyncinfer/tls/ca.pem"
+
+
+def with_connection_hint(error: AsyncInferClientError, *, tls: bool) -> AsyncInferClientError:
+    """`error` with a `hint`, a sentence on what to check, where gRPC's own text names no cause: a plaintext
+    channel to a TLS server reads "Socket closed", a TLS channel to a plaintext one (or with the wrong
+    CA) "Handshake failed". Other errors are returned as they are."""
+    if error.code is not grpc.StatusCode.UNAVAILABLE:
+        return error
+    if not tls and "Socket closed" in error.message:
+        hint = f"if the server is on TLS, give tls_ca_file= (`asyncinfer up --dev-tls`'s CA: {DEV_CA})"
+    elif tls and "handshake failed" in error.message.lower():
+        hint = "the TLS handshake failed: is the server on TLS, and did tls_ca_file's CA sign its certificate?"
+    else:
+        return error
+    error.hint = hint
+    return error
 
 
 def from_rpc_error(error: grpc.RpcError) -> AsyncInferClientError:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import grpc
 
 from asyncinfer.client import AsyncInferClientError
+from asyncinfer.client.errors import DEV_CA
 from asyncinfer.commands.options import Options
-
-DEV_CA = ".asyncinfer/tls/ca.pem"
 
 
 def connection_hint(error: AsyncInferClientError, options: Options) -> str | None:
