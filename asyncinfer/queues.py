@@ -43,6 +43,10 @@ class PriorityQueueSnapshot:
     depth: int = 0
     # create_time (Unix seconds) of the oldest waiting job, None when empty or unknown.
     oldest_create_time: float | None = None
+    # ... and of the newest one: the waiting jobs lie between the two (a queue paused while a burst
+    # came in holds jobs created within a second of each other, read a minute later). None when
+    # unknown, as in a snapshot from the release before it: then the snapshot's time stands for it.
+    newest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +106,9 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
 # `Type(**fields)`, which refuses a field it does not know, so a `v` would make an older gateway
 # blind to snapshots and an older scheduler deaf to cancels during a rolling upgrade. Once no
 # process of that release is left, a change to them writes version 1. Pauses (nobody reads their
-# value) are written as version 1.
+# value) are written as version 1. A field added since (a priority's `newest_create_time`) is
+# optional and skipped by the msgspec readers of the release before, so it keeps version 0: only
+# a reader two releases back, which an upgrade does not meet (README "Upgrading"), would refuse it.
 
 SNAPSHOT_VERSION = 0
 CANCEL_NOTICE_VERSION = 0
@@ -112,6 +118,9 @@ PAUSE_VERSION = 1
 class PrioritySnapshotWire(msgspec.Struct, omit_defaults=True):
     depth: int = 0
     oldest_create_time: float | None = None
+    # Since session 24. The release before reads snapshots with msgspec, which skips a field it
+    # does not know, so it is written in version 0.
+    newest_create_time: float | None = None
 
 
 class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -153,7 +162,10 @@ _pause_decoder = msgspec.json.Decoder(PauseWire)
 
 def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
     s = snapshot
-    priorities = {name: PrioritySnapshotWire(p.depth, p.oldest_create_time) for name, p in s.priorities.items()}
+    priorities = {
+        name: PrioritySnapshotWire(p.depth, p.oldest_create_time, p.newest_create_time)
+        for name, p in s.priorities.items()
+    }
     return _encoder.encode(
         SnapshotWire(
             v=SNAPSHOT_VERSION,
@@ -176,7 +188,10 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
     return QueueSnapshot(
         model_name=w.model_name,
         updated_at=w.updated_at,
-        priorities={name: PriorityQueueSnapshot(p.depth, p.oldest_create_time) for name, p in w.priorities.items()},
+        priorities={
+            name: PriorityQueueSnapshot(p.depth, p.oldest_create_time, p.newest_create_time)
+            for name, p in w.priorities.items()
+        },
         in_flight=w.in_flight,
         connected_batchers=w.connected_batchers,
         free_credits=w.free_credits,

@@ -384,3 +384,36 @@ def test_a_running_records_lease_round_trips_and_the_previous_release_reads_it()
     data = encode_record(running)
     assert decode_record(data) == running
     assert old_readers.decode_record(data) == dataclasses.replace(running, dispatched_by="", lease_subject="")
+
+
+class _Stop33PriorityWire(msgspec.Struct, omit_defaults=True):
+    """asyncinfer.queues' wire types as the release before this one (stop 33, 26c41d1^) has them."""
+
+    depth: int = 0
+    oldest_create_time: float | None = None
+
+
+class _Stop33SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
+    v: int = 0
+    model_name: str
+    updated_at: float
+    priorities: dict[str, _Stop33PriorityWire] = {}
+    in_flight: int = 0
+    connected_batchers: int = 0
+    free_credits: int = 0
+    completed_per_s: float = 0.0
+    paused: bool = False
+    desired_batchers: int = 0
+    draining: bool = False
+
+
+def test_the_release_before_reads_a_snapshot_with_the_newest_time() -> None:
+    """A priority's `newest_create_time` (session 24) is a field the release before skips (its
+    readers are msgspec's). A reader older than the versioned codecs would refuse it: an upgrade
+    from that far back goes through the release before (README "Upgrading")."""
+    burst = dataclasses.replace(SNAPSHOT, priorities={"NORMAL": PriorityQueueSnapshot(5, 100.0, 101.0)})
+    data = encode_snapshot(burst)
+    assert decode_snapshot(data) == burst
+    old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
+    assert (old.model_name, old.updated_at, old.in_flight) == ("demo", 123.5, 3)
+    assert (old.priorities["NORMAL"].depth, old.priorities["NORMAL"].oldest_create_time) == (5, 100.0)

@@ -32,10 +32,17 @@ from asyncinfer.queues import (
     encode_snapshot,
     paused_key,
 )
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from asyncinfer.v1 import (
+    job_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    ops_service_pb2,
+    ops_service_pb2_grpc,
+    tensor_pb2,
+)
 from services.gateway import transitions
 from services.gateway.app import GatewayApp
-from services.gateway.queue_view import WaitingReason, jobs_ahead, waiting_reason
+from services.gateway.queue_view import NEWEST_SLACK_S, WaitingReason, jobs_ahead, waiting_reason
 from tests.kv_helpers import kv_keys
 
 if TYPE_CHECKING:
@@ -585,6 +592,41 @@ def test_jobs_ahead_interpolates_within_the_priority() -> None:
     assert jobs_ahead(record_at(101.0), snap) == 4 + 10  # after the snapshot: all of them ahead
     assert jobs_ahead(record_at(50.0, Priority.LOW), snap) == 14 + 25
     assert jobs_ahead(record_at(50.0), None) == 0
+
+
+@pytest.mark.unit
+def test_jobs_ahead_interpolates_between_the_oldest_and_the_newest() -> None:
+    """A paused queue read long after its burst: the jobs lie between the oldest and the newest,
+    not between the oldest and the snapshot's time (where every one of them read 0)."""
+    burst = PriorityQueueSnapshot(11, 1000.0, 1001.0)  # 11 jobs queued in one second
+    snap = replace(snapshot(updated_at=1060.0), priorities={Priority.NORMAL.value: burst})
+    assert [jobs_ahead(record_at(1000.0 + i / 10), snap) for i in range(11)] == list(range(11))
+    assert jobs_ahead(record_at(999.0), snap) == 0  # a retried job, older than the oldest
+    assert jobs_ahead(record_at(1001.0 + NEWEST_SLACK_S), snap) == 10  # the newest, on another clock
+    assert jobs_ahead(record_at(1030.0), snap) == 11  # queued since the newest: behind all of them
+    assert jobs_ahead(record_at(1061.0), snap) == 11  # after the snapshot
+
+
+async def test_a_paused_queue_places_each_job_of_a_burst(config: Config, start_stack: StartStack) -> None:
+    """Positions in a queue paused while a burst came in, read seconds later, count 0, 1, 2, ... in
+    the order the jobs were queued (each read 0 when the span ran to the snapshot's time)."""
+    stack = await start_stack(config.replace(scheduler={"queue_stats_interval_s": 0.2}), batcher=False)
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
+            ops_service_pb2.PauseQueueRequest(model_name=DEMO)
+        )
+    jobs = [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(8)]
+    last_queued = jobs[-1].create_time.ToNanoseconds() / 1e9
+    view = stack.gateway.queue_view
+
+    def read_late() -> bool:
+        late = view.snapshot(DEMO)
+        return late is not None and late.total_depth == len(jobs) and late.updated_at > last_queued + 1.0
+
+    await wait_for(read_late, timeout_s=10.0)
+    got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[j.job_id for j in jobs]))
+    standings = [(r.job.queue.waiting_reason, r.job.queue.position) for r in got.results]
+    assert standings == [(job_pb2.WAITING_REASON_PAUSED, i) for i in range(len(jobs))]
 
 
 @pytest.mark.unit

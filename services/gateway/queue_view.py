@@ -39,6 +39,11 @@ class WaitingReason:
     DISPATCHING = "UNSPECIFIED"
 
 
+# How far past the newest queued job's time (nats-server's clock) a job's create_time (the gateway's)
+# may be and still be taken as that job: the publish's own round trip and a small clock skew.
+NEWEST_SLACK_S = 0.05
+
+
 @dataclass(frozen=True, slots=True)
 class QueueStanding:
     position: int  # jobs ahead of this one, 0-based
@@ -73,12 +78,13 @@ def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused:
 def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
     """Every job queued at a higher priority, plus an estimate of those ahead within its own.
 
-    The snapshot has each priority's depth and its oldest job's create_time, not the jobs
-    themselves, so the estimate interpolates: the priority's jobs are taken as spread evenly
-    between the oldest one and the snapshot's time, and the job is ahead of the share created
-    after it. A job created after the snapshot is behind all of them; one older than the oldest
-    (a retried job) is first. Scheduling is weighted with aging, so this is the position under
-    strict priority, an upper bound for LOW and a close estimate for HIGH."""
+    The snapshot has each priority's depth and its oldest and newest jobs' create_time, not the
+    jobs themselves, so the estimate interpolates: the priority's jobs are taken as spread evenly
+    between the oldest and the newest (the snapshot's time where a scheduler of the release before
+    does not say), and the job is behind the share created before it. A job created after the newest
+    (or the snapshot) is behind all of them; one older than the oldest (a retried job) is first.
+    Scheduling is weighted with aging, so this is the position under strict priority, an upper
+    bound for LOW and a close estimate for HIGH."""
     if snapshot is None:
         return 0
     rank = PRIORITIES_BY_RANK.index(record.priority)
@@ -91,10 +97,19 @@ def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
     oldest = own.oldest_create_time
     if oldest is None or record.create_time <= oldest:
         return higher
-    span = snapshot.updated_at - oldest
-    fraction = 1.0 if span <= 0 else (record.create_time - oldest) / span
-    # The job itself is one of the `depth`, so at most depth - 1 are ahead of it.
-    return higher + min(int(fraction * own.depth), own.depth - 1)
+    newest = own.newest_create_time
+    if newest is None:
+        span = snapshot.updated_at - oldest
+        fraction = 1.0 if span <= 0 else (record.create_time - oldest) / span
+        # The job itself is one of the `depth`, so at most depth - 1 are ahead of it.
+        return higher + min(int(fraction * own.depth), own.depth - 1)
+    if record.create_time > newest + NEWEST_SLACK_S:
+        return higher + own.depth  # queued after the snapshot read the newest
+    if record.create_time >= newest:
+        # The newest itself (the record's time is the gateway's, the bounds nats-server's).
+        return higher + own.depth - 1
+    fraction = (record.create_time - oldest) / (newest - oldest)
+    return higher + min(round(fraction * (own.depth - 1)), own.depth - 1)
 
 
 def standing(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> QueueStanding:

@@ -40,6 +40,8 @@ class PriorityQueueSnapshot:
     oldest_age_s: float | None
     # Unix seconds the oldest waiting message was queued (None when empty or unknown).
     oldest_create_time: float | None = None
+    # ... and the newest (the last message on the queue's subjects).
+    newest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +80,9 @@ class ModelQueueSnapshot:
             model_name=self.model_name,
             updated_at=self.updated_at,
             priorities={
-                q.priority.value: queues.PriorityQueueSnapshot(depth=q.depth, oldest_create_time=q.oldest_create_time)
+                q.priority.value: queues.PriorityQueueSnapshot(
+                    depth=q.depth, oldest_create_time=q.oldest_create_time, newest_create_time=q.newest_create_time
+                )
                 for q in self.priorities
             },
             in_flight=self.in_flight,
@@ -211,6 +215,7 @@ class QueueStatsReader:
         depth = (info.num_pending or 0) + self._put_back_count(model_name, priority)
         oldest_age_s: float | None = None
         oldest_create_time: float | None = None
+        newest_create_time: float | None = None
         if depth and info.delivered is not None:
             # The oldest waiting message is the first on the subject past the delivered sequence.
             try:
@@ -225,6 +230,21 @@ class QueueStatsReader:
             if first is not None and first.time is not None:
                 oldest_create_time = first.time.timestamp()
                 oldest_age_s = max((datetime.now(UTC) - first.time).total_seconds(), 0.0)
+            if depth > 1:  # where the gateway places a queued job between the two (its position)
+                newest_create_time = await self._newest_create_time(stream, model_name, priority)
         return PriorityQueueSnapshot(
-            priority=priority, depth=depth, oldest_age_s=oldest_age_s, oldest_create_time=oldest_create_time
+            priority=priority,
+            depth=depth,
+            oldest_age_s=oldest_age_s,
+            oldest_create_time=oldest_create_time,
+            newest_create_time=newest_create_time,
         )
+
+    async def _newest_create_time(self, stream: str, model_name: str, priority: Priority) -> float | None:
+        """When the last message on the queue's subjects was published (a waiting job's, as the
+        consumer delivers in order and the queue has more than one waiting)."""
+        try:
+            last = await self._js.get_msg(stream, subject=work_filters(model_name, priority)[-1])
+        except NotFoundError:
+            return None
+        return None if last.time is None else last.time.timestamp()
