@@ -27,6 +27,7 @@ from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.contract import KV_OPERATION_HEADER, job_work_lookup
 from asyncinfer.errors import NotFound, Unavailable
+from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
@@ -179,4 +180,11 @@ def retention_ttl(record: JobRecord) -> int | None:
 
 
 def job_not_found(job_id: str) -> NotFound:
-    return NotFound(f"job {job_id[:64]!r} not found", reason="JOB_NOT_FOUND", metadata={"job_id": job_id[:64]})
+    # Still NOT_FOUND when the text cannot be an ID at all (the contract: an unknown ID is
+    # NOT_FOUND), but saying so: a truncated copy, or a batch's name, reads differently from a job
+    # that has gone.
+    why = "" if is_job_id(job_id) else f": not a job ID (job IDs are UUIDv7, like {EXAMPLE_JOB_ID})"
+    return NotFound(f"job {job_id[:64]!r} not found{why}", reason="JOB_NOT_FOUND", metadata={"job_id": job_id[:64]})
+
+
+EXAMPLE_JOB_ID = "0193a4f2-6c1e-7d3e-8f00-3b5c2a9e41d7"

@@ -178,8 +178,12 @@ async def test_errors_are_typed_with_reasons_and_violations(stack: Stack) -> Non
         with pytest.raises(NotFoundError) as unknown_job:
             await client.get("0190b8e4-7c1a-7d3e-8f00-000000000000")
         assert unknown_job.value.reason == "JOB_NOT_FOUND"
-        with pytest.raises(NotFoundError):
+        assert str(unknown_job.value) == "NOT_FOUND JOB_NOT_FOUND: job '0190b8e4-7c1a-7d3e-8f00-000000000000' not found"
+        with pytest.raises(NotFoundError) as malformed:
             await client.wait("not-a-job-id", timeout_s=5)
+        # Still NOT_FOUND (an unknown ID is), saying why: a truncated copy reads differently from a gone job.
+        assert malformed.value.reason == "JOB_NOT_FOUND"
+        assert "'not-a-job-id' not found: not a job ID (job IDs are UUIDv7, like " in malformed.value.message
 
 
 async def test_run_raises_job_failed_when_the_job_does_not_succeed(idle_stack: Stack) -> None:
