@@ -8,6 +8,7 @@ it, last (`stop`), and watches it (`wait_exited`) so that it notices if it dies 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import shutil
@@ -33,10 +34,20 @@ def find_nats_server() -> str:
     return found
 
 
+# Ports this process was handed lately: the OS may hand the port it just freed out again, and a
+# caller picking several (nats, gateway, scheduler, ...) one after another must get distinct ones.
+_recent_ports: collections.deque[int] = collections.deque(maxlen=256)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on now, and not one this process was handed lately."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _recent_ports:
+            _recent_ports.append(port)
+            return port
 
 
 @dataclass

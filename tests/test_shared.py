@@ -46,6 +46,14 @@ def test_job_ids_are_uuid7_and_sort_by_time() -> None:
 
 
 @pytest.mark.unit
+def test_free_ports_picked_one_after_another_are_distinct() -> None:
+    """The OS may hand out the port it just freed again: a test that picked nats's and the
+    batcher's ports in a row once got the same one twice, and `up` refused the configuration."""
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.unit
 def test_tensor_round_trips_numpy_and_protobuf() -> None:
     x = Tensor.from_numpy("x", np.arange(8, dtype=np.float32).reshape(2, 4))
     typed = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[2, 4])

@@ -138,7 +138,16 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path, *, args: tuple
             lines.put(line)
         lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
+    pumping = threading.Thread(target=pump, daemon=True)
+    pumping.start()
+
+    def close_stdout() -> None:
+        """Closed here, not left to a later test's GC (whose ResourceWarning fails that test)."""
+        process.kill()
+        process.wait()
+        pumping.join(10)  # it reads to the end first
+        process.stdout.close()  # type: ignore[union-attr]
+
     banner: list[str] = []
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -147,14 +156,14 @@ def start_up(config_path: Path, ports: dict[str, int], cwd: Path, *, args: tuple
         except queue.Empty:
             continue
         if line is None:
-            raise AssertionError(
-                f"asyncinfer up exited early with {process.wait()}: {''.join(banner)}{stderr.read_text()}"
-            )
+            code = process.wait()
+            close_stdout()
+            raise AssertionError(f"asyncinfer up exited early with {code}: {''.join(banner)}{stderr.read_text()}")
         banner.append(line)
         if line.startswith("Ctrl-C"):
             break
     else:
-        process.kill()
+        close_stdout()
         raise AssertionError("asyncinfer up did not print its banner in time")
     return UpProcess(
         process=process,
