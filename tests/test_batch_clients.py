@@ -15,13 +15,20 @@ import numpy as np
 import pytest
 
 from asyncinfer.blob_meta import input_chunks_filter
-from asyncinfer.client import AsyncClient
-from asyncinfer.client.errors import DeadlineExceededError, FailedPreconditionError, NotFoundError
+from asyncinfer.client import AsyncClient, Callback
+from asyncinfer.client.batches import create_batch_request
+from asyncinfer.client.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
 from asyncinfer.config import Config
 from asyncinfer.nats.streams import count_messages
-from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.v1 import job_pb2, ops_service_pb2, ops_service_pb2_grpc
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
+from tests.webhook_receiver import webhook_config
 
 CLI = [sys.executable, "-m", "asyncinfer"]
 
@@ -256,3 +263,26 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     assert code == 6, stderr
     assert "Traceback" not in stderr
     assert "No such file or directory" in stderr
+
+
+@pytest.mark.unit
+def test_a_callbacks_events_reach_the_request() -> None:
+    """A Callback's events pick the ends a batch's webhook is sent for (the SDK took only its URL,
+    so `events=[FAILED]` was sent on every end)."""
+    failed_only = create_batch_request("in/x", "demo", callback=Callback("https://h.example/b", events=("FAILED",)))
+    assert failed_only.callback.url == "https://h.example/b"
+    assert list(failed_only.callback.events) == [job_pb2.CALLBACK_EVENT_FAILED]
+    every_end = create_batch_request("in/x", "demo", callback="https://h.example/b")
+    assert list(every_end.callback.events) == []
+    with pytest.raises(ValueError, match="'DONE' is not a valid CallbackEvent"):
+        create_batch_request("in/x", "demo", callback=Callback("https://h.example/b", events=("DONE",)))
+
+
+async def test_a_batch_callback_for_running_is_refused(config: Config, start_stack: StartStack) -> None:
+    """A batch sends only its end: RUNNING among a Callback's events is INVALID_ARGUMENT, through the SDK too."""
+    stack = await start_stack(webhook_config(config))
+    async with AsyncClient(stack.address) as client:
+        with pytest.raises(InvalidArgumentError, match="a batch sends only its end"):
+            await client.create_batch(
+                jsonl(demo_records(2)), "demo", callback=Callback("http://127.0.0.1:9/b", events=("RUNNING",))
+            )

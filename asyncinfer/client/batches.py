@@ -21,7 +21,7 @@ from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import from_rpc_error
-from asyncinfer.client.types import Callback
+from asyncinfer.client.types import Callback, CallbackEvent
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
 if TYPE_CHECKING:
@@ -163,12 +163,16 @@ def create_batch_request(
 ) -> batch_service_pb2.CreateBatchRequest:
     """A CreateBatch request; ValueError or TypeError for options it cannot carry (checked
     before anything is uploaded: `AsyncClient.create_batch` builds it first). `callback` is
-    `submit`'s (a URL, or a Callback whose URL is taken: a batch has one event, its end), or
-    `callback_url`."""
+    `submit`'s (a URL, or a Callback whose `events` pick the ends it is sent for: COMPLETED,
+    FAILED, CANCELED; none: every end), or `callback_url`."""
+    events: tuple[CallbackEvent, ...] = ()
     if callback is not None:
         if callback_url:
             raise ValueError("give callback or callback_url, not both")
-        callback_url = callback if isinstance(callback, str) else callback.url
+        if isinstance(callback, str):
+            callback_url = callback
+        else:
+            callback_url, events = callback.url, tuple(CallbackEvent(e) for e in callback.events)
     if labels is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise TypeError("labels map strings to strings")
     request = batch_service_pb2.CreateBatchRequest(
@@ -189,6 +193,8 @@ def create_batch_request(
         request.completion_window.CopyFrom(window)
     if callback_url:
         request.callback.url = callback_url
+        # RUNNING among them is the gateway's to refuse (INVALID_ARGUMENT), as for any client.
+        request.callback.events.extend(job_pb2.CallbackEvent.Value(f"CALLBACK_EVENT_{e.value}") for e in events)
     return request
 
 
