@@ -46,8 +46,11 @@ def error_ref(record: BatchRecord) -> str:
 
 
 def has_files(record: BatchRecord) -> bool:
-    """Whether the output and error files can be read (GetBatch names them only then)."""
-    return (record.state.is_terminal and record.state is not BatchState.FAILED) or record.invalid_lines > 0
+    """Whether the output and error files can be read (GetBatch names them only then): once the
+    batch has ended (ReadBatchFile refuses before, BATCH_NOT_ENDED), and for a FAILED batch only
+    when lines failed validation (its error file lists them; one whose input could not be read has
+    none)."""
+    return record.state.is_terminal and (record.state is not BatchState.FAILED or record.invalid_lines > 0)
 
 
 def batch_webhook_id(batch_id: str) -> str:

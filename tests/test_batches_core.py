@@ -22,6 +22,7 @@ from asyncinfer.batch_inputs import (
     npy_layout,
     parse_line,
 )
+from asyncinfer.batch_webhooks import error_ref, output_ref
 from asyncinfer.batches import (
     BatchRecord,
     BatchState,
@@ -36,6 +37,7 @@ from asyncinfer.config import DEMO_MODEL
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
+from services.gateway.batch_convert import batch_to_proto
 from services.gateway.batch_files import PIECE_BYTES, output_lines
 from services.gateway.batch_npz import ArchiveSink
 
@@ -319,3 +321,17 @@ def test_a_line_json_dumps_wrote_with_nan_is_still_a_record() -> None:
     broken = parse_line(4, b'{"custom_id": "b", "inputs": ', SIGNATURE)
     assert isinstance(broken, ErrorLine)
     assert broken.message.startswith("not a JSON line")
+
+
+def test_getbatch_names_the_files_once_they_can_be_read() -> None:
+    """ReadBatchFile refuses a batch that has not ended (BATCH_NOT_ENDED), so GetBatch names its
+    files only then (it named them while running once a line had failed validation); a FAILED batch
+    has them only when lines failed validation (its error file lists them)."""
+    running = record(queued((0, 5)), invalid_lines=2)
+    assert not batch_to_proto(running, now=150.0).HasField("output_ref")
+    done = batch_to_proto(running.evolve(state=BatchState.COMPLETED, end_time=160.0), now=170.0)
+    assert (done.output_ref.ref, done.error_ref.ref) == (output_ref(running), error_ref(running))
+    failed_lines = running.evolve(state=BatchState.FAILED, end_time=160.0)
+    assert batch_to_proto(failed_lines, now=170.0).error_ref.ref == error_ref(running)
+    unreadable = record(state=BatchState.FAILED, end_time=160.0)
+    assert not batch_to_proto(unreadable, now=170.0).HasField("error_ref")

@@ -369,7 +369,9 @@ class Batch(_message.Message):
 
     @_builtins.property
     def output_ref(self) -> _job_pb2.BlobRef:
-        """Read with ReadBatchFile (set once the batch is terminal)."""
+        """Read with ReadBatchFile (set once the batch is terminal; for a FAILED batch only when lines
+        failed validation: its error file lists them).
+        """
 
     @_builtins.property
     def error_ref(self) -> _job_pb2.BlobRef: ...
