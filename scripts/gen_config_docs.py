@@ -1,6 +1,6 @@
 """Writes docs/CONFIGURATION.md, the configuration reference, from the typed configuration itself
 (every key, its default, its environment variable, its meaning), so the reference cannot drift
-from the code. `--check` fails when the file is stale (CI runs it through tests/test_docs.py).
+from the code. `--check` fails when the file is stale (`make docs-check`, part of `make test`).
 
     .venv/bin/python scripts/gen_config_docs.py [--check]
 """

@@ -88,15 +88,21 @@ class SubmitJobRequest(_message.Message):
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     WAIT_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
-    """The model to run; must be declared in the configuration."""
+    """The model to run: declared in the configuration, or loaded on a batcher at run time
+    (OpsService.LoadModel).
+    """
     model_version: _builtins.str
-    """The model version; empty means the configured default."""
+    """The model version; empty: chosen at dispatch (the model's default_version, else the highest
+    version a batcher serves).
+    """
     input_ref: _builtins.str
     """A reference returned by UploadInput. Exclusive with inputs."""
     priority: _job_pb2.Priority.ValueType
     """Unspecified means NORMAL."""
     idempotency_key: _builtins.str
-    """A second submit with the same key (per tenant) returns the first job."""
+    """A second submit with the same key (per tenant) and the same request returns the first job
+    (`deduplicated`); with another request under it, ALREADY_EXISTS IDEMPOTENCY_KEY_REUSED.
+    """
     max_attempts: _builtins.int
     """Attempts allowed for retriable failures; 0 means the model's default."""
     @_builtins.property

@@ -152,7 +152,8 @@ async def traced_burst(gateway: Child, stub: Any) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trees", nargs=2, type=Path, metavar=("A_TREE", "B_TREE"))
+    # One metavar: argparse's --help fails on a tuple for a positional (ValueError).
+    parser.add_argument("trees", nargs=2, type=Path, metavar="TREE", help="the A and the B revision's checkouts")
     parser.add_argument("--names", nargs=2, default=("A", "B"))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window-s", type=float, default=3.0)
