@@ -432,6 +432,14 @@ class ConsoleConfig(_Section):
         "beyond loopback, put it behind a network policy or an authenticating proxy.",
     )
     port: int = Field(8070, ge=0, le=65535, description="Port of the web console (`asyncinfer up` prints its URL).")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host names a browser may reach the console by, beyond localhost and IP addresses (which it "
+        "always answers to when it binds beyond loopback): e.g. the name an ingress or a port-forward gives it. A "
+        "request naming another host is refused (421): a page of another site whose name was re-pointed at the "
+        "console (DNS rebinding) would otherwise read it and act with its keys. On loopback it answers only to "
+        "loopback names.",
+    )
     gateway_address: str = Field(
         "127.0.0.1:50051", description="The gateway whose JobService the console reads (host:port; `up`: its own)."
     )

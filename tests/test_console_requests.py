@@ -12,10 +12,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, Config
-from services.console.app import ConsoleApp
+from asyncinfer.errors import ConfigError
+from services.console.app import ConsoleApp, known_hosts_only
 from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
@@ -120,3 +122,50 @@ async def test_a_console_with_a_tenant_key_alone_opens_on_the_jobs(
         async with http.get(console.url, allow_redirects=False) as answer:
             assert answer.status == 302
             assert answer.headers["Location"] == home
+
+
+async def test_beyond_loopback_the_console_answers_only_to_hosts_it_is_known_by(http: aiohttp.ClientSession) -> None:
+    """DNS rebinding against a console bound beyond loopback (0.0.0.0 on Kubernetes, reached by a
+    port-forward): a page of another site whose name now points at it names that site, and read the
+    form token and paused a queue. The policy a 0.0.0.0 bind gets, served here on loopback (tests bind
+    nothing else): localhost, IP addresses and console.allowed_hosts; and no POST from another origin."""
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[known_hosts_only(False, ["Console.Example.com"])])
+    app.router.add_get("/", ok)
+    app.router.add_post("/act", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for host, expected in (
+            (f"attacker.example:{port}", 421),
+            ("console.example.com.attacker.example", 421),
+            (f"localhost:{port}", 200),
+            (f"10.1.2.3:{port}", 200),  # the pod's or the machine's address
+            (f"[fd00::1]:{port}", 200),
+            ("console.example.com", 200),  # an ingress's name, as configured (any case)
+        ):
+            async with http.get(url + "/", headers={"Host": host}) as response:
+                assert response.status == expected, host
+        for origin, expected in (("http://attacker.example", 403), ("https://console.example.com", 200), ("null", 200)):
+            headers = {"Host": "console.example.com", "Origin": origin}
+            async with http.post(url + "/act", headers=headers) as response:
+                assert response.status == expected, origin
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_console_without_keys_refuses_to_bind_beyond_loopback(config: Config) -> None:
+    """The services refuse to bind beyond loopback without API keys; a console holding no key reads a
+    stack without them, and would hand every job and dead letter to whoever reaches it. It refuses
+    before it binds anything."""
+    console = ConsoleApp(config.replace(console={"host": "0.0.0.0", "port": 0}))
+    with pytest.raises(ConfigError, match="beyond loopback, without keys"):
+        await console.start()
+    assert console.port == 0

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from yarl import URL
 
+from asyncinfer.access import is_loopback
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import Config
+from asyncinfer.errors import ConfigError
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import read_secret
 from services.console import html as ui
@@ -43,15 +46,6 @@ CSP = (
 )
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 @web.middleware
 async def _headers(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -66,18 +60,45 @@ async def _headers(
     return response
 
 
-def loopback_hosts_only(bound_to_loopback: bool) -> Middleware:
-    """On a loopback bind, a request must name a loopback host: a page a browser fetched from
-    another site, its name re-pointed at 127.0.0.1 (DNS rebinding), names that site, and would
-    otherwise read the form token and act (a keyless loopback console may act)."""
+def is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip().removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
+
+
+def known_hosts_only(bound_to_loopback: bool, allowed_hosts: Iterable[str]) -> Middleware:
+    """A request must name a host the console is known by. A page a browser fetched from another
+    site, its name re-pointed at the console's address (DNS rebinding), names that site, and could
+    otherwise read the form token and act with the console's keys. On a loopback bind: loopback
+    names only. Beyond it: localhost, IP addresses (a rebinding needs a name) and
+    `console.allowed_hosts`. A POST whose Origin names another host is refused too (a form token
+    that leaked is not enough)."""
+    allowed = {h.strip().lower() for h in allowed_hosts if h.strip()}
+
+    def known(host: str) -> bool:
+        if bound_to_loopback:
+            return is_loopback(host)
+        return is_loopback(host) or is_ip_address(host) or host.lower() in allowed
 
     @web.middleware
     async def check(
         request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
-        if bound_to_loopback and not is_loopback(request.url.host or ""):
-            body = ui.error_box("this console answers only to localhost, 127.0.0.1 or [::1]")
+        host = request.url.host or ""
+        if not known(host):
+            names = (
+                "localhost, 127.0.0.1 or [::1]"
+                if bound_to_loopback
+                else "localhost, an IP address or console.allowed_hosts"
+            )
+            body = ui.error_box(f"this console answers only to {names}, not {host[:100]!r}")
             return web.Response(text=ui.page("Not allowed", body), status=421, content_type="text/html")
+        origin = request.headers.get("Origin")
+        if request.method == "POST" and origin not in (None, "null") and URL(origin).host != host:
+            body = ui.error_box("the form came from another site")
+            return web.Response(text=ui.page("Not allowed", body), status=403, content_type="text/html")
         return await handler(request)
 
     return check
@@ -117,6 +138,16 @@ class ConsoleApp:
 
     async def start(self) -> None:
         console = self.config.console
+        if not is_loopback(console.host) and not (
+            console.tenant_key or console.tenant_key_file or console.ops_key or console.ops_key_file
+        ):
+            # The services refuse to bind beyond loopback without keys (asyncinfer.access); a console
+            # holding none reads a stack that has none, and would hand it to whoever reaches it.
+            raise ConfigError(
+                f"the console would bind {console.host!r}, beyond loopback, without keys: anyone who can reach it "
+                "could read every job and dead letter and act on the queues. Give it console.tenant_key / ops_key "
+                "(the stack's API keys) or set console.host to 127.0.0.1."
+            )
         backend = self._backend = Backend(console)
         try:
             self.writable = not console.read_only and (
@@ -132,7 +163,8 @@ class ConsoleApp:
                 stats_interval_s=console.stats_interval_s,
             )
             app = web.Application(
-                middlewares=[_headers, loopback_hosts_only(is_loopback(console.host))], client_max_size=64 * 1024
+                middlewares=[_headers, known_hosts_only(is_loopback(console.host), console.allowed_hosts)],
+                client_max_size=64 * 1024,
             )
             pages: list[tuple[str, str, Page]] = [
                 ("GET", "/models", models_page),
