@@ -16,7 +16,9 @@ import pytest
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.embedded_nats import free_port
 from services.console.app import ConsoleApp
+from services.gateway.app import GatewayApp
 from tests.browser import Browser
 from tests.stack import Stack, StartStack
 from tests.test_up_grpcurl import close, start_up, write_config
@@ -111,6 +113,50 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     bars = await browser.evaluate("[...document.querySelectorAll('#job rect.bar')].map(b => b.dataset.bar)")
     assert bars == ["queued", "succeeded"]
     await browser.screenshot(ARTIFACTS / "job.png")
+
+
+async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """A helper's console pass, session 24: with the gateway gone, the jobs page kept its rows and said
+    nothing; every refresh swapped the list in again, so a job ID being selected was lost."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    console = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        first = await client.submit("demo", X)
+        await browser.goto(console.url + "jobs")
+        await browser.wait_for_text(first.job_id, "#jobs-live")
+
+        # A selection in the list holds it still; let go, and the new job comes in.
+        select = (
+            "(() => { const cell = [...document.querySelectorAll('#jobs-live a')]"
+            f".find(a => a.innerText.includes('{first.job_id}')); const range = document.createRange();"
+            " range.selectNodeContents(cell); getSelection().removeAllRanges(); getSelection().addRange(range);"
+            " return getSelection().toString(); })()"
+        )
+        assert first.job_id in await browser.evaluate(select)
+        second = await client.submit("demo", X)
+        stamp = await browser.evaluate("document.querySelector('#jobs-live').dataset.refreshed || '0'")
+        await browser.wait_for(
+            f"(document.querySelector('#jobs-live').dataset.refreshed || '0') !== '{stamp}'", what="a refresh"
+        )
+        assert second.job_id not in await browser.text("#jobs-live")
+        assert first.job_id in await browser.evaluate("getSelection().toString()")
+        await browser.evaluate("getSelection().removeAllRanges()")
+        await browser.wait_for_text(second.job_id, "#jobs-live")
+
+    # The gateway goes: the rows stay, under a banner that names what does not answer.
+    await stack.gateway.stop(0)
+    banner = "(document.querySelector('[data-stale]') || {hidden: true})"
+    await browser.wait_for(f"!{banner}.hidden", what="the stale banner")
+    said = await browser.evaluate(f"{banner}.innerText")
+    assert said.startswith("Not updated since "), said
+    assert said.split(": ", 1)[1].startswith(f"UNAVAILABLE: the gateway ({stack.address}) does not answer"), said
+    assert second.job_id in await browser.text("#jobs-live")
+    await browser.screenshot(ARTIFACTS / "jobs-gateway-gone.png")
+    stack.gateway = GatewayApp(stack.config)
+    await stack.gateway.start()
+    await browser.wait_for(f"{banner}.hidden", what="the banner gone once the gateway is back")
 
 
 async def test_a_job_page_follows_the_job_live_and_the_queue_is_resumed_from_the_console(

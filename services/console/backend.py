@@ -90,25 +90,27 @@ class Backend:
             if config.tls_ca_file
             else None
         )
-        self._gateway = _channel(config.gateway_address, credentials)
-        self._scheduler = _channel(config.scheduler_address, credentials)
-        self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway)
-        self._batches = batch_service_pb2_grpc.BatchServiceStub(self._gateway)
-        self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler)
+        self._gateway_channel = _channel(config.gateway_address, credentials)
+        self._scheduler_channel = _channel(config.scheduler_address, credentials)
+        self._gateway = Peer("the gateway", config.gateway_address, "console.tenant_key")
+        self._scheduler = Peer("the scheduler", config.scheduler_address, "console.ops_key")
+        self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway_channel)
+        self._batches = batch_service_pb2_grpc.BatchServiceStub(self._gateway_channel)
+        self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler_channel)
         self._tenant = bearer_metadata(read_secret(config.tenant_key, config.tenant_key_file, "console.tenant_key"))
         ops_key = read_secret(config.ops_key, config.ops_key_file, "console.ops_key")
         self._ops_metadata = bearer_metadata(ops_key)
         self.has_ops_key = ops_key is not None
 
     async def close(self) -> None:
-        await self._gateway.close(None)
-        await self._scheduler.close(None)
+        await self._gateway_channel.close(None)
+        await self._scheduler_channel.close(None)
 
     # -- JobService ------------------------------------------------------------------------
 
     async def models(self) -> list[ModelInfo]:
         request = job_service_pb2.ListModelsRequest()
-        answer = await _call(self._jobs.ListModels(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(self._jobs.ListModels(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
         return models_from_proto(answer)
 
     async def list_jobs(
@@ -127,29 +129,35 @@ class Backend:
             model_name=model,
             labels=dict(labels or {}),
         )
-        answer = await _call(self._jobs.ListJobs(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(self._jobs.ListJobs(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
         return JobsPage(tuple(job_from_proto(job) for job in answer.jobs), answer.next_page_token)
 
     async def job(self, job_id: str) -> Job:
         request = job_service_pb2.GetJobRequest(job_id=job_id)
-        answer = await _call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
         return job_from_proto(answer.job, answer.progress if answer.HasField("progress") else None)
 
     # -- BatchService (the tenant's key: batches are per tenant) ----------------------------
 
     async def list_batches(self, *, page_size: int = 20, page_token: str = "") -> BatchesPage:
         request = batch_service_pb2.ListBatchesRequest(page_size=page_size, page_token=page_token)
-        answer = await _call(self._batches.ListBatches(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._batches.ListBatches(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return BatchesPage(tuple(batch_from_proto(b) for b in answer.batches), answer.next_page_token)
 
     async def batch(self, batch_id: str) -> Batch:
         request = batch_service_pb2.GetBatchRequest(batch_id=batch_id)
-        answer = await _call(self._batches.GetBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._batches.GetBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return batch_from_proto(answer.batch)
 
     async def cancel_batch(self, batch_id: str) -> Batch:
         request = batch_service_pb2.CancelBatchRequest(batch_id=batch_id)
-        answer = await _call(self._batches.CancelBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._batches.CancelBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return batch_from_proto(answer.batch)
 
     async def batch_file(self, batch_id: str, file: str) -> AsyncGenerator[bytes, None]:
@@ -160,45 +168,58 @@ class Backend:
             async for piece in self._batches.ReadBatchFile(request, metadata=self._tenant):
                 yield piece.chunk
         except grpc.RpcError as rpc_error:
-            error: AsyncInferClientError = from_rpc_error(rpc_error)
-            raise error from rpc_error
+            raise self._gateway.explained(from_rpc_error(rpc_error)) from rpc_error
 
     # -- OpsService ------------------------------------------------------------------------
 
     async def queues(self) -> list[ModelQueues]:
         request = ops_service_pb2.GetQueueStatsRequest()
-        answer = await _call(self._ops.GetQueueStats(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        answer = await self._scheduler.call(
+            self._ops.GetQueueStats(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+        )
         return [_model_queues(model) for model in answer.models]
 
     async def dead_letters(self, *, model: str = "", page_size: int = 50, page_token: str = "") -> DeadLettersPage:
         request = ops_service_pb2.ListDeadLettersRequest(model_name=model, page_size=page_size, page_token=page_token)
-        answer = await _call(self._ops.ListDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        answer = await self._scheduler.call(
+            self._ops.ListDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+        )
         total = answer.total if answer.HasField("total") else None
         return DeadLettersPage(tuple(dead_letter_json(d) for d in answer.dead_letters), answer.next_page_token, total)
 
     async def dead_letter(self, sequence: int) -> dict[str, Any]:
         request = ops_service_pb2.GetDeadLetterRequest(sequence=sequence)
-        answer = await _call(self._ops.GetDeadLetter(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        answer = await self._scheduler.call(
+            self._ops.GetDeadLetter(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+        )
         return dead_letter_json(answer.dead_letter)
 
     async def replay(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
         request = ops_service_pb2.ReplayDeadLettersRequest(sequences=sequences, all=every, model_name=model)
-        answer = await _call(self._ops.ReplayDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        answer = await self._scheduler.call(
+            self._ops.ReplayDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+        )
         said = f"replayed {answer.replayed}" + (f", skipped {answer.skipped}" if answer.skipped else "")
         return said + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
 
     async def purge(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
         request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
-        answer = await _call(self._ops.PurgeDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+        answer = await self._scheduler.call(
+            self._ops.PurgeDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+        )
         return f"purged {answer.purged}" + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
 
     async def pause(self, model: str, *, paused: bool) -> str:
         if paused:
             pause = ops_service_pb2.PauseQueueRequest(model_name=model)
-            answer: Any = await _call(self._ops.PauseQueue(pause, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+            answer: Any = await self._scheduler.call(
+                self._ops.PauseQueue(pause, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            )
         else:
             resume = ops_service_pb2.ResumeQueueRequest(model_name=model)
-            answer = await _call(self._ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata))
+            answer = await self._scheduler.call(
+                self._ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            )
         queued = f", {answer.queued} queued" if answer.HasField("queued") else ""
         return f"{model}: {_queue_state(answer.state)}{queued}"
 
@@ -209,12 +230,32 @@ def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> aio.Ch
     return aio.insecure_channel(target)
 
 
-async def _call(call: Awaitable[T]) -> T:
-    try:
-        return await call
-    except grpc.RpcError as rpc_error:
-        error: AsyncInferClientError = from_rpc_error(rpc_error)
-        raise error from rpc_error
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """A service the console calls, named in the errors its calls raise: gRPC's own text ("failed to
+    connect to all addresses", "invalid API key") says neither which service nor which setting."""
+
+    name: str  # "the gateway"
+    address: str
+    key_setting: str  # the console setting whose key this service is called with
+
+    def explained(self, error: AsyncInferClientError) -> AsyncInferClientError:
+        if error.code is grpc.StatusCode.UNAVAILABLE:
+            error.message = f"{self.name} ({self.address}) does not answer: {error.message}"
+        elif error.code is grpc.StatusCode.UNAUTHENTICATED:
+            error.message = f"{self.name} refused this console's {self.key_setting}: {error.message}"
+        elif error.code is grpc.StatusCode.PERMISSION_DENIED:
+            error.message = f"{self.name} does not allow this console's {self.key_setting} that: {error.message}"
+        else:
+            return error
+        error.args = (error.message,)
+        return error
+
+    async def call(self, call: Awaitable[T]) -> T:
+        try:
+            return await call
+        except grpc.RpcError as rpc_error:
+            raise self.explained(from_rpc_error(rpc_error)) from rpc_error
 
 
 def _queue_state(state: int) -> str:

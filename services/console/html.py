@@ -4,7 +4,10 @@ through `h` (html.escape); functions here return HTML, so their results are not 
 
 The page's one script (allowed by its hash in the Content-Security-Policy, `SCRIPT_HASH`) refreshes each element with `data-refresh` (a URL returning that element's
 new inner HTML) every `data-every` milliseconds; an answer with `X-Console-Final: 1` ends it (a
-job that reached its end). It also asks before a form with `data-confirm` is sent."""
+job that reached its end). An answer the same as the one shown, or one that comes while the reader
+selects text in the element, is not swapped in (a selected job ID was lost at every refresh); a
+failed one leaves what is shown under a banner that says since when and why (a page whose gateway
+had gone kept its last numbers and said nothing). It also asks before a form with `data-confirm` is sent."""
 
 from __future__ import annotations
 
@@ -38,12 +41,35 @@ form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px 
 SCRIPT = """
 for (const el of document.querySelectorAll('[data-refresh]')) {
   const every = Number(el.dataset.every || 2000);
+  const banner = document.createElement('div');
+  banner.className = 'error';
+  banner.hidden = true;
+  banner.dataset.stale = '';
+  el.before(banner);
+  let shown = el.innerHTML, since = null;
+  const stale = (why) => {
+    since = since || new Date();
+    banner.textContent = 'Not updated since ' + since.toLocaleTimeString() + ': ' + why;
+    banner.hidden = false;
+  };
   const tick = async () => {
     try {
       const r = await fetch(el.dataset.refresh, {headers: {'X-Console-Fragment': '1'}});
-      if (r.ok) { el.innerHTML = await r.text(); el.dataset.refreshed = String(Date.now()); }
+      const text = await r.text();
+      if (r.ok) {
+        since = null;
+        banner.hidden = true;
+        const sel = document.getSelection();
+        const selecting = sel && !sel.isCollapsed && el.contains(sel.anchorNode);
+        if (text !== shown && !selecting) { el.innerHTML = text; shown = text; }
+        el.dataset.refreshed = String(Date.now());
+      } else {
+        const doc = new DOMParser().parseFromString(text, 'text/html');
+        const said = (doc.querySelector('.error') || doc.body).textContent.trim();
+        stale(said || 'the console answered ' + r.status);
+      }
       if (r.headers.get('X-Console-Final') === '1') return;
-    } catch (e) {}
+    } catch (e) { stale('the console does not answer'); }
     setTimeout(tick, every);
   };
   setTimeout(tick, every);
