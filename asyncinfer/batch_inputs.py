@@ -154,7 +154,9 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
     except RecordInvalid as exc:
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", str(exc))
     except json.JSONDecodeError as exc:  # its "line 1" is within the line: the column says where
-        return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc.msg} at column {exc.colno}")
+        return ErrorLine(
+            line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc.msg.removesuffix(' at')} at column {exc.colno}"
+        )
     except ValueError as exc:  # UnicodeDecodeError
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc}")
     return IndexEntry(line, custom_id), arrays

@@ -9,13 +9,17 @@ import io
 from collections.abc import Callable
 from typing import Any
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.jobs import BATCH_LABEL
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.console.app import ConsoleApp
 from services.gateway.batch_prepare import chunk_ref
 from tests.batch_helpers import (
     batches_stub,
@@ -214,6 +218,29 @@ async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_st
         assert "error file" in (refused.value.details() or "")
         every = await ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(all=True, model_name="flaky"))
         assert (every.replayed, every.skipped) == (0, len(letters))
+        request = ops_service_pb2.GetDeadLetterRequest(sequence=letters[0].sequence)
+        whole = (await ops.GetDeadLetter(request)).dead_letter
+    # `dlq show` names the batch (its labels), and the console's page links it and offers no replay.
+    shown = dead_letter_json(whole)
+    assert shown["original_request"]["labels"][BATCH_LABEL] == batch.batch_id
+    console = ConsoleApp(
+        stack.config.replace(
+            console={"port": 0, "gateway_address": stack.address, "scheduler_address": stack.ops_address}
+        )
+    )
+    await console.start()
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{console.url}dead-letters/{letters[0].sequence}") as page,
+        ):
+            text = await page.text()
+    finally:
+        await console.stop()
+    assert f'href="/batches/{batch.batch_id}"' in text
+    assert "A chunk of a file batch" in text
+    assert "/dead-letters/replay" not in text
+    assert "/dead-letters/purge" in text
 
 
 async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(

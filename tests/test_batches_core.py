@@ -335,3 +335,11 @@ def test_getbatch_names_the_files_once_they_can_be_read() -> None:
     assert batch_to_proto(failed_lines, now=170.0).error_ref.ref == error_ref(running)
     unreadable = record(state=BatchState.FAILED, end_time=160.0)
     assert not batch_to_proto(unreadable, now=170.0).HasField("error_ref")
+
+
+def test_a_broken_json_line_says_where_once() -> None:
+    """json's own message ends in "at" before its position ("Unterminated string starting at"):
+    the error line read "starting at at column 15"."""
+    bad = parse_line(3, b'{"custom_id": "a", "inputs": {"x": "open', SIGNATURE)
+    assert isinstance(bad, ErrorLine)
+    assert bad.message == "not a JSON line: Unterminated string starting at column 36"

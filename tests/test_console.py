@@ -242,13 +242,21 @@ async def test_a_dead_letter_is_replayed_from_its_page(
     viewer = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY, read_only=True)
     assert not viewer.writable
     await browser.goto(viewer.url + f"dead-letters/{sequences[0]}")
-    await browser.wait_for_text("read-only")
+    await browser.wait_for_text("read-only: console.read_only is set")
     assert not await browser.evaluate("!!document.querySelector(\"form[action='/dead-letters/replay']\")")
     async with (
         aiohttp.ClientSession() as session,
         session.post(viewer.url + "dead-letters/replay", data={"sequence": sequences[0]}) as answer,
     ):
         assert answer.status == 403
+
+    # A console whose tenant key does not reach the job names it without a link (its page would
+    # say NOT_FOUND, as if the job were gone).
+    ops_only = await start_console(stack, ops_key=OPS_KEY)
+    await browser.goto(ops_only.url + "dead-letters?model=flaky")
+    await browser.wait_for_text(failed.job_id, "#dead-letters")
+    assert not await browser.evaluate(f"!!document.querySelector(\"#dead-letters a[href='/jobs/{failed.job_id}']\")")
+    assert "(tenant acme: not this console's)" in await browser.text("#dead-letters")
 
 
 async def test_the_queue_page_updates_after_jobs_are_submitted(

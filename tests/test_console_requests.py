@@ -5,8 +5,10 @@ a 500 or a 502 of the caller's own mistake. Plain HTTP against a real console an
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +16,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from asyncinfer.client import AsyncClient
+from asyncinfer.client import AsyncClient, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
 from services.console.app import ConsoleApp, known_hosts_only
+from services.console.pages_jobs import _queued_so_far
 from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
@@ -169,3 +172,19 @@ async def test_a_console_without_keys_refuses_to_bind_beyond_loopback(config: Co
     with pytest.raises(ConfigError, match="beyond loopback, without keys"):
         await console.start()
     assert console.port == 0
+
+
+@pytest.mark.unit
+def test_a_job_cancelled_in_the_queue_shows_how_long_it_waited() -> None:
+    """Its record has no queue duration (it never started): the page said "queued for -" beside a
+    timeline that drew its 3.5 s in the queue."""
+    created = datetime(2026, 1, 1, tzinfo=UTC)
+    job = Job(
+        "j", "demo", "1", JobState.CANCELED, Priority.NORMAL, 0, 3, 2,
+        create_time=created, end_time=created + timedelta(seconds=3.5),
+    )  # fmt: skip
+    assert _queued_so_far(job, now=created.timestamp() + 60) == 3.5
+    waiting = dataclasses.replace(job, state=JobState.QUEUED, end_time=None)
+    assert _queued_so_far(waiting, now=created.timestamp() + 2) == 2.0
+    ran = dataclasses.replace(job, state=JobState.SUCCEEDED, start_time=created, queue_duration_s=0.25)
+    assert _queued_so_far(ran, now=0) == 0.25

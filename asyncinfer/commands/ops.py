@@ -171,6 +171,8 @@ def original_request_json(original: bytes) -> dict[str, Any]:
         request["deadline"] = datetime.fromtimestamp(envelope.deadline, UTC).isoformat()
     if envelope.execution_timeout_s is not None:
         request["execution_timeout_s"] = envelope.execution_timeout_s
+    if envelope.labels:
+        request["labels"] = dict(envelope.labels)
     request["inputs"] = [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in envelope.inputs]
     if envelope.input_ref is not None:
         request["inputs_stored_apart"] = {"ref": envelope.input_ref.ref, "bytes": envelope.input_ref.size_bytes}

@@ -159,6 +159,11 @@ class ConsoleApp:
                 history=history,
                 csrf=secrets.token_urlsafe(24),
                 writable=self.writable,
+                read_only_because=(
+                    "console.read_only is set"
+                    if console.read_only
+                    else "replay, purge, pause and resume need it to hold an ops key (console.ops_key)"
+                ),
                 tenant=self._tenant(),
                 stats_interval_s=console.stats_interval_s,
             )

@@ -24,11 +24,13 @@ class Context:
     writable: bool
     tenant: str
     stats_interval_s: float
+    # Why it is read-only, when it is (said where a button would be).
+    read_only_because: str = ""
 
     def check_form(self, form: dict[str, str]) -> web.Response | None:
         """None when an action may run; otherwise the page that says why not."""
         if not self.writable:
-            body = ui.error_box("this console is read-only: it holds no ops key, or console.read_only is set")
+            body = ui.error_box(f"this console is read-only: {self.read_only_because}")
             return web.Response(text=ui.page("Not allowed", body), status=403, content_type="text/html")
         # As bytes: compare_digest refuses str with non-ASCII characters (a 500 for a hand-made form).
         if not hmac.compare_digest(form.get("csrf", "").encode(), self.csrf.encode()):

@@ -32,7 +32,7 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}
 .COMPLETED{color:#137333}.IN_PROGRESS{color:#0b57d0}.VALIDATING,.FINALIZING{color:#8a5a00}.CANCELLED{color:#5f6368}
 .progress{display:inline-flex;width:160px;height:12px;background:#e3e7ee;border-radius:6px;overflow:hidden;
 vertical-align:middle}.progress .ok{background:#137333}.progress .bad{background:#b3261e}
-.note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}
+.note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}.muted{color:#5f6368}
 .error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0}
 form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px solid #dde1e8;padding:8px}
 .charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #dde1e8}

@@ -215,10 +215,15 @@ def job_details(job: Job, now: float) -> str:
 
 
 def _queued_so_far(job: Job, now: float) -> float | None:
-    """Its queue time, or while it waits the time so far."""
-    if job.queue_duration_s is not None or job.state is not JobState.QUEUED or job.create_time is None:
+    """Its queue time; while it waits, the time so far; for one that ended without starting
+    (cancelled or expired in the queue), the time it waited (its record has no queue duration)."""
+    if job.queue_duration_s is not None or job.create_time is None:
         return job.queue_duration_s
-    return max(now - job.create_time.timestamp(), 0.0)
+    if job.state is JobState.QUEUED:
+        return max(now - job.create_time.timestamp(), 0.0)
+    if job.start_time is None and job.end_time is not None:
+        return max(job.end_time.timestamp() - job.create_time.timestamp(), 0.0)
+    return None
 
 
 def _timeline(job: Job, now: float) -> str:

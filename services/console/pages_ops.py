@@ -12,6 +12,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from services.console import html as ui
 from services.console.backend import ModelQueues
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
@@ -120,7 +121,7 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
         rows.append(
             [
                 f'<a href="/dead-letters/{ui.h(letter["sequence"])}">{ui.h(letter["sequence"])}</a>',
-                f'<a href="/jobs/{ui.h(letter["job_id"])}">{ui.h(letter["job_id"])}</a>',
+                _job_link(ctx, letter),
                 ui.h(letter["tenant"]),
                 ui.h(letter["model_name"]),
                 ui.h(letter["reason"]),
@@ -136,7 +137,13 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
     if ctx.writable and found.letters:
         every = {"all": "true", "model": model}
         actions = (
-            ui.post_button("/dead-letters/replay", f"replay every dead letter{scope}", ctx.csrf, every)
+            ui.post_button(
+                "/dead-letters/replay",
+                f"replay every dead letter{scope}",
+                ctx.csrf,
+                every,
+                confirm=f"Run every dead letter{scope} again, every tenant's (a file batch's chunks are skipped)?",
+            )
             + " "
             + ui.post_button(
                 "/dead-letters/purge",
@@ -157,6 +164,21 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
         + f"<p>{actions}</p>"
     )
     return fragment_or_page(request, "Dead letters", body)
+
+
+def _job_link(ctx: Context, letter: dict[str, Any]) -> str:
+    """The job's page, where this console's tenant key reaches it; another tenant's job is named,
+    not linked (its page would say NOT_FOUND, as if the job were gone)."""
+    job_id = ui.h(letter["job_id"])
+    if letter["tenant"] != ctx.tenant:
+        return f'{job_id} <span class="muted">(tenant {ui.h(letter["tenant"])}: not this console\'s)</span>'
+    return f'<a href="/jobs/{job_id}">{job_id}</a>'
+
+
+def _batch_of(letter: dict[str, Any]) -> str | None:
+    """The file batch whose chunk job this was (its failures went to the batch's error file)."""
+    labels = letter.get("original_request", {}).get("labels", {})
+    return labels.get(BATCH_LABEL) if CHUNK_LABEL in labels else None
 
 
 def _dead_since(letter: dict[str, Any]) -> str:
@@ -185,8 +207,9 @@ async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     last = letter["last_error"]
+    batch_id = _batch_of(letter)
     record = [
-        ("job", f'<a href="/jobs/{ui.h(letter["job_id"])}">{ui.h(letter["job_id"])}</a>'),
+        ("job", _job_link(ctx, letter)),
         ("tenant", ui.h(letter["tenant"])),
         ("model", ui.h(letter["model_name"])),
         ("reason", ui.h(letter["reason"])),
@@ -195,16 +218,23 @@ async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
         ("dead since", _dead_since(letter)),
     ]
     request_json = json.dumps(letter.get("original_request", {}), indent=2, ensure_ascii=False)
+    if batch_id is not None:
+        record.insert(1, ("file batch", f'<a href="/batches/{ui.h(batch_id)}">{ui.h(batch_id)}</a>'))
     actions = ""
     if ctx.writable:
         one = {"sequence": str(letter["sequence"])}
-        actions = (
-            ui.post_button("/dead-letters/replay", "replay", ctx.csrf, one)
-            + " "
-            + ui.post_button("/dead-letters/purge", "purge", ctx.csrf, one, confirm="Delete this dead letter?")
+        # A chunk's records are in its batch's error file: it is not run again (BATCH_CHUNK_NOT_REPLAYABLE).
+        replay = "" if batch_id is not None else ui.post_button("/dead-letters/replay", "replay", ctx.csrf, one) + " "
+        actions = replay + ui.post_button(
+            "/dead-letters/purge", "purge", ctx.csrf, one, confirm="Delete this dead letter?"
         )
     else:
-        actions = '<span class="note">read-only: replay and purge need the console to hold an ops key</span>'
+        actions = f'<span class="note">read-only: {ui.h(ctx.read_only_because)}</span>'
+    if batch_id is not None:
+        actions = (
+            '<p class="note">A chunk of a file batch: its failed records are in the batch\'s error file (make a '
+            "new batch of them to run them again); it is not replayed.</p>" + actions
+        )
     body = ui.fields(record) + f"<h2>The original request</h2><pre>{ui.h(request_json)}</pre><p>{actions}</p>"
     return fragment_or_page(request, title, body)
 
