@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
+from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
@@ -33,6 +35,7 @@ from tests.batch_helpers import (
     wait_until,
 )
 from tests.stack import StartStack
+from tests.test_gateway import wait_for
 
 # No warm-up: its made-up batch would wait on the closed gate (GATE_TIMEOUT_S) before the model serves.
 GATED = {
@@ -236,3 +239,37 @@ async def test_a_tenant_sees_only_its_own_batches_and_uploads(config: Config, st
     assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
     got = await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id), metadata=acme)
     assert got.batch.batch_id == batch_id
+
+
+async def test_plain_jobs_sent_while_a_chunk_overfills_the_batcher_still_run(
+    config: Config, start_stack: StartStack, gate: None
+) -> None:
+    """A helper's operations pass, session 24: a chunk's parts may pass the model's queue limit (one
+    credit bought them all), and the batcher then refused the plain orders the scheduler sent on the
+    credits it had granted before (BATCHER_QUEUE_FULL): each spent an attempt, and with none left the
+    job FAILED and was dead-lettered, though it never ran. A credited order is a promised slot."""
+    small_queue = {**GATED, "max_queue_size": 4, "max_batch_size": 8}
+    stack = await start_stack(
+        config.replace(
+            batches={"chunk_records": 50, "chunks_in_flight": 1, "drive_interval_s": 0.05},
+            models=[DEMO_MODEL.model_dump(), small_queue],
+        )
+    )
+    assert stack.batcher is not None
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, jsonl(demo_records(50))), model_name="gated")
+    )
+    engine = stack.batcher.engine
+    await wait_for(lambda: engine.free_slots("gated") == 0, timeout_s=30)  # the chunk's 7 parts: past the limit of 4
+    async with AsyncClient(stack.address) as client:
+        x = {"x": np.ones((1, 4), np.float32)}
+        jobs = [await client.submit("gated", x, max_attempts=1) for _ in range(3)]
+        # The credits granted before the chunk came are spent on them.
+        await wait_for(lambda: stack.scheduler.batchers.sessions[0].credits.get("gated", 0) == 0, timeout_s=30)
+        demo.GATE.set()
+        finished = await wait_ended(stub, created.batch.batch_id)
+        assert finished.request_counts.completed == 50
+        for job in jobs:
+            ended = await client.wait(job, timeout_s=30)
+            assert ended.state is JobState.SUCCEEDED, ended.error

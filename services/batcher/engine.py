@@ -243,10 +243,12 @@ class BatchingEngine:
         priority: Priority = Priority.NORMAL,
         progress: ItemProgress | None = None,
         version: str = "",
+        credited: bool = False,
     ) -> PendingItem:
         """Validates and queues one item on the version named (empty: the model's default); its
         future resolves with an InferOutcome or an AsyncInferError. Raises at once (nothing
-        queued) for an unknown model or version, invalid inputs, a full queue, a deadline already
+        queued) for an unknown model or version, invalid inputs, a full queue (unless `credited`:
+        a scheduler's work order, sent on a credit this batcher granted), a deadline already
         passed, or a stopping engine. The model's progress reports for it go to `progress` (the
         caller closes it when the item ends)."""
         pipeline = self._pipelines.get(model_name)
@@ -259,11 +261,11 @@ class BatchingEngine:
             assert pipeline is not None
             if timeout_s is not None and timeout_s <= 0:
                 raise DeadlineExceeded("the item's deadline passed before it was queued")
-            return pipeline.submit(inputs, timeout_s, priority, progress)
+            return pipeline.submit(inputs, timeout_s, priority, progress, credited=credited)
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
-        item = queue.submit(inputs, timeout_s, priority)
+        item = queue.submit(inputs, timeout_s, priority, credited=credited)
         item.progress = progress
         return item
 
@@ -296,7 +298,7 @@ class BatchingEngine:
         try:
             for part in part_rows(rows, queue.config.max_batch_size, order):
                 sliced = [take_rows(t, part) for t in inputs]
-                parts.append(queue.submit(sliced, timeout_s, priority, part_of_chunk=True, expires_at=expires_at))
+                parts.append(queue.submit(sliced, timeout_s, priority, credited=True, expires_at=expires_at))
         except BaseException:
             for queued in parts:
                 queued.cancel()

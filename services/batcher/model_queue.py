@@ -103,15 +103,18 @@ class ModelQueue:
         timeout_s: float | None,
         priority: Priority,
         *,
-        part_of_chunk: bool = False,
+        credited: bool = False,
         expires_at: float | None = None,
     ) -> PendingItem:
         """Queues one item; it expires timeout_s from now, or at `expires_at` (loop time) when
         given: the parts of one chunk share the chunk's expiry, so none of them sorts after the
         parts of a chunk that came later."""
-        # A chunk's parts were bought with one credit: they may pass the limit (which then holds
-        # back further credits until they are done).
-        if self.held >= self.config.max_queue_size and not part_of_chunk:
+        # `credited`: a work order the scheduler sent on a credit this batcher granted (a slot
+        # promised), or a part of a chunk's order (its parts were bought with one credit). Either
+        # may pass the limit, which then holds back further credits until they are done; refused,
+        # a plain order sent on a credit granted before a chunk filled the queue was failed and
+        # spent the job's attempt. The limit refuses KServe ModelInfer calls, which come uncredited.
+        if self.held >= self.config.max_queue_size and not credited:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
                 reason="BATCHER_QUEUE_FULL",

@@ -114,9 +114,15 @@ class PipelineRunner:
         return max(self.config.max_queue_size - self.held, 0)
 
     def submit(
-        self, inputs: Sequence[Tensor], timeout_s: float | None, priority: Priority, progress: ItemProgress | None
+        self,
+        inputs: Sequence[Tensor],
+        timeout_s: float | None,
+        priority: Priority,
+        progress: ItemProgress | None,
+        *,
+        credited: bool = False,
     ) -> PendingItem:
-        if self.held >= self.config.max_queue_size:
+        if self.held >= self.config.max_queue_size and not credited:  # as ModelQueue.submit's
             raise ResourceExhausted(
                 f"pipeline {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
                 reason="BATCHER_QUEUE_FULL",

@@ -133,6 +133,7 @@ def submit_order(
         priority=ORDER_PRIORITIES.get(order.priority, Priority.NORMAL),
         progress=progress,
         version=order.model_version,
+        credited=True,  # sent on a credit this batcher granted: its slot was promised
     )
 
 
