@@ -647,7 +647,11 @@ class ModelConfig(_Section):
         "fail", description="A run past its execution timeout: fail (TIMED_OUT) or retry (until max_attempts)."
     )
     max_queue_depth: int = Field(
-        0, ge=0, description="Most jobs queued for this model; past it SubmitJob is RESOURCE_EXHAUSTED (0: no limit)."
+        0,
+        ge=0,
+        description="Most jobs queued (waiting, not running) for this model; past it SubmitJob is RESOURCE_EXHAUSTED "
+        "(0: no limit). A soft limit: each gateway counts the scheduler's last report and what it queued since, and "
+        "reads the count again from the work stream before it refuses.",
     )
     inputs: tuple[TensorSpecConfig, ...] = Field(description="The model's inputs.")
     outputs: tuple[TensorSpecConfig, ...] = Field(description="The model's outputs.")

@@ -12,8 +12,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import numpy as np
 import pytest
 
+from asyncinfer.client import AsyncClient, ResourceExhaustedError, RetryPolicy
 from asyncinfer.config import Config
 from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FailedPrecondition
@@ -394,6 +396,28 @@ async def test_model_queue_limit_counts_the_snapshot_and_recent_submits(config: 
     finally:
         await channel.close(None)
         await app.stop(grace_s=1)
+
+
+async def test_a_model_queue_limit_is_a_depth_not_a_rate(config: Config, start_stack: StartStack) -> None:
+    """A helper's limits pass, session 24: every job queued since the last snapshot counted, run or
+    not, so a model limited to 3 was admitted 3 jobs per snapshot interval however empty its queue
+    (14,505 of 14,805 refused in one run, the queue 0 deep). Before a refusal the gateway reads the
+    count again; a queue that is really full still refuses."""
+    limited = with_queue_limit(config, 3).replace(scheduler={"queue_stats_interval_s": 60.0})
+    stack = await start_stack(limited, batcher=False)
+    await stack.start_batcher()
+    async with AsyncClient(stack.address) as client:
+        for _ in range(10):  # one at a time, each run before the next: never more than 1 queued
+            done = await client.wait(await client.submit(DEMO, {"x": np.ones((1, 4), np.float32)}), timeout_s=30)
+            assert done.state.value == "SUCCEEDED"
+        await stack.batcher.stop(grace_s=1)  # nothing runs now: the queue fills for real
+        stack.batcher = None
+        queued = [await client.submit(DEMO, {"x": np.ones((1, 4), np.float32)}) for _ in range(3)]
+    async with AsyncClient(stack.address, retry=RetryPolicy(retry_resource_exhausted=False)) as once:
+        with pytest.raises(ResourceExhaustedError) as full:
+            await once.submit(DEMO, {"x": np.ones((1, 4), np.float32)})
+    assert full.value.reason == "QUEUE_FULL"
+    assert len(queued) == 3
 
 
 async def test_model_queue_limit_without_a_snapshot_counts_what_this_gateway_queued(

@@ -1,7 +1,9 @@
 """Admission: whether a new job may join its model's queue and its tenant's quota.
 
 - Per model (ModelConfig.max_queue_depth): against `QueueView.estimated_depth`, in memory: the
-  scheduler's snapshot plus what this gateway queued since, so the hot path reads no KV.
+  scheduler's snapshot plus what this gateway queued since, so the hot path reads nothing; before a
+  refusal, the count is read again from the work consumers (`QueueView.confirm_depth`), since the
+  jobs queued since the snapshot may have run already.
 - Per tenant (GatewayConfig.max_queued_per_tenant): the tenant's unfinished jobs, counted from
   the work stream's subjects (services.gateway.tenant_quota): nothing kept, so nothing drifts.
 
@@ -57,6 +59,17 @@ class Admission:
                     metadata={"model": model.name, "queued": str(depth), "limit": str(model.max_queue_depth)},
                 )
         return self._view.reserve(model.name)
+
+    async def admit_to_model(self, model: ModelConfig) -> float:
+        """`reserve_model_slot`, reading the model's queued count again before a refusal: the
+        estimate counts every job queued since the last snapshot, dispatched or not."""
+        try:
+            return self.reserve_model_slot(model)
+        except ResourceExhausted as refused:
+            if refused.reason != "QUEUE_FULL":
+                raise
+        await self._view.confirm_depth(model.name)
+        return self.reserve_model_slot(model)  # synchronous again: the check and the count together
 
     def release_model_slot(self, model: ModelConfig, token: float) -> None:
         self._view.release(model.name, token)

@@ -125,7 +125,7 @@ class GatewayApp:
         )
         blob_store = await ensure_objects_bucket(js, cfg.nats)
         claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health)
-        self._queues = QueueView(js, bucket=cfg.nats.queues_bucket)
+        self._queues = QueueView(js, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
         self._hub = WatchHub(

@@ -9,6 +9,7 @@ waiting reason, computed on read and never stored).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from collections.abc import Callable
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 import structlog
 
 from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
-from asyncinfer.contract import kv_stream, kv_subject_prefix
+from asyncinfer.contract import kv_stream, kv_subject_prefix, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
-from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsError
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
@@ -39,6 +40,9 @@ class WaitingReason:
     DISPATCHING = "UNSPECIFIED"
 
 
+# How long a queued count read from the work consumers (QueueView.confirm_depth) stands before a
+# refusal reads it again.
+CONFIRM_FRESH_S = 0.05
 # How far past the newest queued job's time (nats-server's clock) a job's create_time (the gateway's)
 # may be and still be taken as that job: the publish's own round trip and a small clock skew.
 NEWEST_SLACK_S = 0.05
@@ -127,15 +131,22 @@ class QueueView:
     bucket: `$KV.<bucket>.*` (snapshot keys are the bare model names; the tenant counters, which
     change with every submit, have two tokens and are not delivered) and `$KV.<bucket>.paused.*`."""
 
-    def __init__(self, js: JetStreamContext, *, bucket: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, js: JetStreamContext, *, bucket: str, work_stream: str = "", clock: Callable[[], float] = time.time
+    ) -> None:
         self._js = js
         self._bucket = bucket
+        self._work_stream = work_stream
         self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
         self._snapshots: dict[str, QueueSnapshot] = {}
         self._paused: set[str] = set()
         # Per model: when this gateway queued each job not yet counted by a snapshot.
         self._submitted: dict[str, collections.deque[float]] = {}
+        # Per model: the queued count read from its work consumers (confirm_depth) and when, where
+        # that is newer than the snapshot.
+        self._confirmed: dict[str, tuple[int, float]] = {}
+        self._confirming: dict[str, asyncio.Task[None]] = {}
         self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
@@ -183,6 +194,9 @@ class QueueView:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
         self._snapshots[key] = snapshot
+        confirmed = self._confirmed.get(key)
+        if confirmed is not None and confirmed[1] <= snapshot.updated_at:
+            del self._confirmed[key]
         submitted = self._submitted.get(key)
         # The snapshot counts what was queued before it was taken (clocks of the gateway and
         # scheduler hosts are assumed close; a skew only shifts the estimate by its jobs).
@@ -192,12 +206,65 @@ class QueueView:
     # --- admission ------------------------------------------------------------------------------
 
     def estimated_depth(self, model_name: str) -> int:
-        """The model's queued jobs as last reported, plus those this gateway queued since. Other
-        gateways' recent jobs are missing until the next snapshot, so the limit is soft by
-        (gateways - 1) x (jobs per snapshot interval)."""
+        """The model's queued jobs as last reported (the snapshot, or a newer count read by
+        `confirm_depth`), plus those this gateway queued since. Other gateways' recent jobs are
+        missing until the next report, so the limit is soft by (gateways - 1) x (jobs per snapshot
+        interval). Jobs dispatched since the report still count: `confirm_depth` reads the count
+        again before a refusal."""
         snapshot = self._snapshots.get(model_name)
         reported = snapshot.total_depth if snapshot is not None else 0
+        confirmed = self._confirmed.get(model_name)
+        if confirmed is not None:
+            reported = confirmed[0]
         return reported + len(self._submitted.get(model_name, ()))
+
+    async def confirm_depth(self, model_name: str) -> None:
+        """Reads the model's queued count from its work consumers (each priority's messages
+        pending, and those delivered but not acknowledged less the jobs running as of the last
+        snapshot) and counts from it the jobs queued since. The snapshot comes every
+        `queue_stats_interval_s` and the jobs this gateway queued meanwhile all count until it
+        does, dispatched or not: a model limited to 50 was admitted 50 jobs per snapshot, a
+        throughput cap where its queue was empty. Asked before a refusal; concurrent askers share
+        one read, and a read with nothing queued since counts for CONFIRM_FRESH_S. A count that
+        cannot be read leaves the estimate as it was."""
+        confirmed = self._confirmed.get(model_name)
+        if (
+            confirmed is not None
+            and not self._submitted.get(model_name)
+            and self._clock() - confirmed[1] < CONFIRM_FRESH_S
+        ):
+            return  # a refusal on a count just read, with nothing queued since: it stands
+        reading = self._confirming.get(model_name)
+        if reading is None:
+            reading = self._confirming[model_name] = asyncio.ensure_future(self._read_depth(model_name))
+            reading.add_done_callback(lambda _t: self._confirming.pop(model_name, None))
+        await asyncio.shield(reading)
+
+    async def _read_depth(self, model_name: str) -> None:
+        stamp = self._clock()
+        try:
+            infos = await asyncio.gather(
+                *(
+                    self._js.consumer_info(self._work_stream, work_consumer_name(model_name, p))
+                    for p in PRIORITIES_BY_RANK
+                )
+            )
+        except NatsError as exc:  # not made yet (no scheduler has run), or NATS away: the estimate stands
+            log.debug("queue_depth_unread", model=model_name, error=str(exc))
+            return
+        # Pending: waiting to be delivered. Delivered and not yet acknowledged: running, or held by
+        # a scheduler that put it back (it counts those in its snapshots' depth); less what ran as
+        # of the last snapshot.
+        pending = sum(info.num_pending or 0 for info in infos)
+        unacknowledged = sum(info.num_ack_pending or 0 for info in infos)
+        snapshot = self._snapshots.get(model_name)
+        running = snapshot.in_flight if snapshot is not None else 0
+        self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), stamp)
+        submitted = self._submitted.get(model_name)
+        # Published by the time of the read, so counted in it (a reservation whose publish is still
+        # on its way is missed: the limit is soft by the submits in flight).
+        while submitted and submitted[0] <= stamp:
+            submitted.popleft()
 
     def reserve(self, model_name: str) -> float:
         """Counts a job this gateway is about to queue; returns the token for `release`."""

@@ -173,7 +173,7 @@ class JobSubmitter:
     async def _admit_and_enqueue(
         self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
     ) -> JobRecord:
-        slot = self._admission.reserve_model_slot(model)
+        slot = await self._admission.admit_to_model(model)
         try:
             tenant_slot = await self._admission.reserve_tenant_slot(tenant, model)
         except BaseException:

@@ -65,7 +65,7 @@ async def admit_and_enqueue_group(
                 results.append(model)
                 continue
             try:
-                slot = admission.reserve_model_slot(model)  # synchronous: in this message's order
+                slot = await admission.admit_to_model(model)  # one at a time: in this message's order
             except AsyncInferError as error:
                 results.append(error)
                 continue
