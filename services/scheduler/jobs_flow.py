@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 
 import structlog
@@ -44,6 +45,12 @@ from services.scheduler.settlement import Settlement
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
+# How long a computed result is kept trying to be stored while NATS cannot take it, and the waits
+# between tries (doubling).
+RESULT_STORE_RETRY_S = 120.0
+RESULT_RETRY_FIRST_S = 0.5
+RESULT_RETRY_MAX_S = 5.0
+
 
 class JobFlow:
     def __init__(
@@ -66,6 +73,7 @@ class JobFlow:
         self._metrics = metrics
         self._queued_records = QueuedRecords() if queued_records is None else queued_records
         self._tasks = OwnedTasks("scheduler-jobs")
+        self._closing = False
         self._leases = Leases()
         self._rates = CompletionRates(metrics)
         self._progress = ProgressRelay(
@@ -137,18 +145,49 @@ class JobFlow:
         self._leases.release(job)
         if not result.dropped:
             self._rates.completed(job.model_name, result.batch_size)
+        await self._store_result(job, result)
+
+    async def _store_result(self, job: InFlightJob, result: WorkResult) -> None:
+        """Settles the attempt, trying again while NATS cannot take the write (away, or its store
+        full) for up to RESULT_STORE_RETRY_S, the message kept meanwhile by in-progress acks: a
+        result computed is not thrown away for a moment's outage (it was: the job ran again after
+        AckWait, and one on its last attempt ended FAILED LEASE_EXPIRED though it had succeeded).
+        Past that, or while this scheduler stops, the message comes back after AckWait and the next
+        attempt takes the record over."""
+        delay, given_up_at = RESULT_RETRY_FIRST_S, time.monotonic() + RESULT_STORE_RETRY_S
+        tries = 0
+        while True:
+            tries += 1
+            try:
+                if self._tracing.enabled and job.record.traceparent:
+                    await self._traced_result(job, result)
+                else:
+                    await self._settlement.result(job, result)
+            except Unavailable as exc:
+                # NATS away (an outage, a failover) or its store full: expected, said in a line.
+                if self._closing or time.monotonic() + delay > given_up_at:
+                    job.log.warning("result_not_stored", error=exc.message, tries=tries)
+                    return
+                if tries == 1:
+                    job.log.warning("result_not_stored_yet", error=exc.message, retrying_for_s=RESULT_STORE_RETRY_S)
+                await self._keep_message(job)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESULT_RETRY_MAX_S)
+                continue
+            except Exception:
+                job.log.exception("result_not_stored")  # AckWait's recovery; a traceback, being unexpected
+                return
+            if tries > 1:
+                job.log.info("result_stored", tries=tries)
+            return
+
+    @staticmethod
+    async def _keep_message(job: InFlightJob) -> None:
+        """An in-progress ack: the message is not redelivered while its result waits to be stored."""
         try:
-            if self._tracing.enabled and job.record.traceparent:
-                await self._traced_result(job, result)
-            else:
-                await self._settlement.result(job, result)
-        except Unavailable as exc:
-            # NATS away (an outage, a failover): expected, and said in one line. The record stays
-            # RUNNING and the message unacked: it comes back after AckWait and the next attempt
-            # takes the record over.
-            job.log.warning("result_not_stored", error=exc.message)
-        except Exception:
-            job.log.exception("result_not_stored")  # the same recovery; a traceback, being unexpected
+            await job.msg.in_progress()
+        except Exception as exc:  # NATS away: AckWait runs on; a later try may still land first
+            job.log.debug("in_progress_ack_failed", error=str(exc))
 
     async def _traced_result(self, job: InFlightJob, result: WorkResult) -> None:
         """The result's commit (the terminal write or the retry, then the ack) in a span, a child
@@ -203,7 +242,8 @@ class JobFlow:
 
     async def return_all(self) -> None:
         """Puts everything still in flight back in the queue for another scheduler (on stop);
-        the attempts are given back."""
+        the attempts are given back. A result still trying to be stored gives up at its next try."""
+        self._closing = True
         jobs = self._leases.release_all()
         for job in jobs:
             if not job.session.closed:
