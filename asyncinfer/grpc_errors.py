@@ -122,19 +122,35 @@ async def _checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield _checked(request)
 
 
-def _wrap_unary(behavior: Callable[..., Awaitable[Any]], *, streaming_requests: bool) -> Callable[..., Awaitable[Any]]:
+# What a server says for an exception its handlers did not map themselves (a NATS failure, in the
+# services that use NATS: asyncinfer.nats.failures), or None to let it be UNKNOWN with a traceback.
+Translate = Callable[[Exception], AsyncInferError | None]
+
+
+def _translated(exc: Exception, translate: Translate | None) -> AsyncInferError:
+    error = translate(exc) if translate is not None else None
+    if error is None:
+        raise exc
+    return error
+
+
+def _wrap_unary(
+    behavior: Callable[..., Awaitable[Any]], *, streaming_requests: bool, translate: Translate | None = None
+) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         try:
             request = _checked_stream(request) if streaming_requests else _checked(request)
             return await behavior(request, context)
         except AsyncInferError as error:
             await _abort(context, error)
+        except Exception as exc:
+            await _abort(context, _translated(exc, translate))
 
     return wrapper
 
 
 def _wrap_stream(
-    behavior: Callable[..., AsyncIterator[Any]], *, streaming_requests: bool
+    behavior: Callable[..., AsyncIterator[Any]], *, streaming_requests: bool, translate: Translate | None = None
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
@@ -143,18 +159,21 @@ def _wrap_stream(
                 yield response
         except AsyncInferError as error:
             await _abort(context, error)
+        except Exception as exc:
+            await _abort(context, _translated(exc, translate))
 
     return wrapper
 
 
-def wrap_method_handler(handler: Any) -> Any:
-    """The same method handler (or None), its behaviour mapping AsyncInferError to a rich status."""
+def wrap_method_handler(handler: Any, translate: Translate | None = None) -> Any:
+    """The same method handler (or None), its behaviour mapping AsyncInferError (and what
+    `translate` maps) to a rich status."""
     if handler is None:
         return None
 
     def wrap(behavior: Any, streaming_requests: bool, streaming_responses: bool) -> Any:
         wrapper = _wrap_stream if streaming_responses else _wrap_unary
-        return wrapper(behavior, streaming_requests=streaming_requests)
+        return wrapper(behavior, streaming_requests=streaming_requests, translate=translate)
 
     return rewrap(handler, wrap, request_deserializer=_tolerant(handler.request_deserializer))
 
@@ -163,15 +182,16 @@ class ErrorMappingGenericHandler(grpc.GenericRpcHandler):  # type: ignore[type-a
     """A generic handler whose method handlers map AsyncInferError to rich statuses; each
     method's wrapped handler is built once and reused."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any]) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler[Any, Any], translate: Translate | None = None) -> None:
         self._inner = inner
+        self._translate = translate
         self._wrapped: dict[str, Any] = {}
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> Any:
         method = handler_call_details.method
         handler = self._wrapped.get(method)
         if handler is None:
-            handler = wrap_method_handler(self._inner.service(handler_call_details))
+            handler = wrap_method_handler(self._inner.service(handler_call_details), self._translate)
             if handler is not None:
                 self._wrapped[method] = handler
         return handler

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from asyncinfer.access import AccessGuard
-from asyncinfer.grpc_errors import ErrorMappingGenericHandler, wrap_method_handler
+from asyncinfer.grpc_errors import ErrorMappingGenericHandler, Translate, wrap_method_handler
 from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
@@ -40,6 +40,7 @@ class GrpcServer:
         rpc_metrics: RpcMetrics | None = None,
         credentials: grpc.ServerCredentials | None = None,
         guard: AccessGuard | None = None,
+        translate: Translate | None = None,
     ) -> None:
         self._host = host
         self._credentials = credentials
@@ -58,7 +59,7 @@ class GrpcServer:
         self.server = aio.server(interceptors=interceptors or None, options=options)
         self.health = health_aio.HealthServicer()
         # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
-        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics, guard)))
+        add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics, guard, translate)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
@@ -108,16 +109,25 @@ class _ErrorMappingRegistrar:
     is wrapped (once) so that AsyncInferError becomes a rich status, and counted in the RPC
     metrics (outside the mapping, so that they see the status it sets)."""
 
-    def __init__(self, server: aio.Server, rpc_metrics: RpcMetrics | None, guard: AccessGuard | None) -> None:
+    def __init__(
+        self,
+        server: aio.Server,
+        rpc_metrics: RpcMetrics | None,
+        guard: AccessGuard | None,
+        translate: Translate | None = None,
+    ) -> None:
         self._server = server
         self._metrics = rpc_metrics
         self._guard = guard
+        self._translate = translate
 
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler[Any, Any]]) -> None:
         # The key check innermost, then the error mapping, then the metrics (which see the final code).
         guard = self._guard
         guarded = [guard.wrap_generic(h) for h in handlers] if guard is not None else list(handlers)
-        mapped: list[grpc.GenericRpcHandler[Any, Any]] = [ErrorMappingGenericHandler(h) for h in guarded]
+        mapped: list[grpc.GenericRpcHandler[Any, Any]] = [
+            ErrorMappingGenericHandler(h, self._translate) for h in guarded
+        ]
         if self._metrics is not None:
             mapped = [MetricsGenericHandler(h, self._metrics) for h in mapped]
         self._server.add_generic_rpc_handlers(mapped)
@@ -125,7 +135,9 @@ class _ErrorMappingRegistrar:
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
         guard = self._guard
         wrapped = {
-            name: wrap_method_handler(guard.wrap(service_name, name, handler) if guard is not None else handler)
+            name: wrap_method_handler(
+                guard.wrap(service_name, name, handler) if guard is not None else handler, self._translate
+            )
             for name, handler in method_handlers.items()
         }
         if self._metrics is not None:

@@ -9,15 +9,19 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from nats.js.api import StorageType, StreamConfig
 from nats.js.errors import APIError
+from structlog.testing import capture_logs
 
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.connection import connect
+from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from services.batcher.models import demo
 from tests.stack import StartStack
 from tests.test_batch_lifecycle import GATED, gate
@@ -43,7 +47,13 @@ def small_store(tmp_path: Path) -> Iterator[NatsServerProcess]:
 async def test_a_result_that_found_the_store_full_is_stored_once_there_is_room(
     config: Config, small_store: NatsServerProcess, start_stack: StartStack, gate: None
 ) -> None:
-    stack = await start_stack(config.replace(nats={"url": small_store.url}, models=[DEMO_MODEL.model_dump(), GATED]))
+    stack = await start_stack(
+        config.replace(
+            nats={"url": small_store.url},
+            models=[DEMO_MODEL.model_dump(), GATED],
+            scheduler={"queue_stats_interval_s": 0.2},
+        )
+    )
     nc = await connect(stack.config.nats, name="filler")
     js = nc.jetstream()
     await js.add_stream(StreamConfig(name="FILL", subjects=["fill.>"], storage=StorageType.FILE))
@@ -56,10 +66,22 @@ async def test_a_result_that_found_the_store_full_is_stored_once_there_is_room(
             for size in (256 * 1024, 16 * 1024, 1024, 64):  # to the last byte
                 while await _stored(js, size):
                     pass
-            demo.GATE.set()  # the result comes while nothing more can be written
-            await asyncio.sleep(2.0)  # it tried and failed (the old code gave up there)
-            still = await client.get(job)
-            assert still.state is JobState.RUNNING
+            with capture_logs() as logs:
+                demo.GATE.set()  # the result comes while nothing more can be written
+                await asyncio.sleep(2.0)  # it tried and failed (the old code gave up there)
+                still = await client.get(job)
+                assert still.state is JobState.RUNNING
+                # An operator's call is told why (it answered UNKNOWN, naming nats-py's exception).
+                async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+                    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="demo"))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert unpack_details(status_details(refused.value))["ErrorInfo"].reason == "STORE_FULL"  # type: ignore[arg-type]
+            # The snapshots that cannot be written: a line, not a traceback every 0.2 s.
+            stats = [e for e in logs if e["event"] == "queue_stats_failed"]
+            assert len(stats) == 1, stats
+            assert "exc_info" not in stats[0]
             await js.purge_stream("FILL")
             done = await client.wait(job, timeout_s=30)
     finally:

@@ -20,6 +20,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
+from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
@@ -201,6 +202,7 @@ class GatewayApp:
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
+            translate=nats_failure_status,
         )
         await self._server.start()
         self.supervisor.start("gateway-batch-driver", driver.run())

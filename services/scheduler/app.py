@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -25,8 +26,9 @@ from asyncinfer.jobs import Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyValue, Msg, Subscription
+from asyncinfer.nats import KeyValue, Msg, NatsError, Subscription
 from asyncinfer.nats.connection import connect
+from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
 from asyncinfer.supervision import Supervisor, cancel_and_wait
@@ -62,6 +64,8 @@ from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
 
 log = structlog.get_logger("asyncinfer.scheduler")
+# How often a periodic task that keeps failing on NATS says so again.
+REPEAT_FAILURE_LOG_S = 30.0
 
 SERVICE_NAMES = ("asyncinfer.v1.WorkerService", "asyncinfer.v1.OpsService")
 # What anyone who reached a scheduler with no key could do (require_keys_beyond_loopback).
@@ -227,6 +231,7 @@ class SchedulerApp:
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
             guard=AccessGuard(KeyRing(config.gateway.api_keys), ROLES),
+            translate=nats_failure_status,
         )
         await self._server.start()
         self.port = self._server.port
@@ -413,11 +418,28 @@ class SchedulerApp:
 
     def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         async def loop() -> None:
+            failing_since: float | None = None
+            said_at = 0.0
             while True:
                 await asyncio.sleep(interval_s)
                 try:
                     await action()
+                except (NatsError, TimeoutError) as exc:
+                    # NATS away or its store full: expected, a line now and then rather than a
+                    # traceback every interval (an operator's pass counted 24 in one outage).
+                    now = time.monotonic()
+                    if failing_since is None or now - said_at >= REPEAT_FAILURE_LOG_S:
+                        log.warning(
+                            f"{name}_failed", error=f"{type(exc).__name__}: {exc}", since_s=now - (failing_since or now)
+                        )
+                        said_at = now
+                    failing_since = failing_since or now
+                    continue
                 except Exception:
                     log.exception(f"{name}_failed")
+                    continue
+                if failing_since is not None:
+                    log.info(f"{name}_recovered", after_s=time.monotonic() - failing_since)
+                    failing_since = None
 
         return self.supervisor.start(f"scheduler-{name}", loop())
