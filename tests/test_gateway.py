@@ -756,6 +756,47 @@ async def test_request_over_the_size_limit_names_the_limit(config: Config, nc: N
         await app.stop()
 
 
+async def test_a_request_whose_work_message_nats_would_refuse_is_too_large_not_unavailable(
+    config: Config, nc: NatsClient
+) -> None:
+    """A helper's limits pass, session 24: under gateway.max_request_bytes (4 MiB) but over the NATS
+    server's max_payload (1 MB here, NATS's default), the publish was refused and the caller told
+    UNAVAILABLE ENQUEUE_FAILED "submit it again", which could never work."""
+    (demo,) = config.models
+    wide = {
+        **demo.model_dump(),
+        "name": "wide",
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, -1]}],
+        "max_batch_size": 1,
+    }
+    app = await start_gateway(config.replace(models=[demo.model_dump(), wide]))
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_stub(channel)
+            x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 300_000])
+            x.contents.fp32_contents.extend([0.5] * 300_000)
+            big = submit_request(model_name="wide", inputs=[x])
+            assert big.ByteSize() < 4 * 1024 * 1024  # under gateway.max_request_bytes
+            assert big.ByteSize() * 4 / 3 > 1_048_576  # its tensor as base64: over max_payload
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SubmitJob(big)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "max_payload of 1048576" in (info.value.details() or "")
+            reason, violations = violations_of(info.value)
+            assert (reason, violations[0][0]) == ("REQUEST_TOO_LARGE", "inputs")
+            # In a SubmitJobs message, that job alone is refused.
+            items = [job_service_pb2.SubmitJobsItem(job=j) for j in (submit_request(), big, submit_request())]
+            call = stub.SubmitJobs()
+            await call.write(job_service_pb2.SubmitJobsRequest(items=items))
+            await call.done_writing()
+            answers = [a async for response in call for a in response.answers]
+            assert [a.HasField("job") for a in answers] == [True, False, True]
+            assert answers[1].error.reason == "REQUEST_TOO_LARGE"
+            assert await work_messages(nc.jetstream()) == 2
+    finally:
+        await app.stop()
+
+
 async def test_get_job_of_an_unknown_id_is_not_found(stub: JobStub) -> None:
     for job_id in ("0190b6b4-3a1e-7cc0-8000-000000000000", "not-an-id", "a.>", ""):
         with pytest.raises(grpc.aio.AioRpcError) as info:

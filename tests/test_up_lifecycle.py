@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nats
 import pytest
 
 from asyncinfer.embedded_nats import pid_alive
@@ -122,6 +124,21 @@ def test_a_second_up_exits_at_once_and_the_first_runs_on(up: UpProcess, tmp_path
     submitted = grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY)
     assert submitted.returncode == 0, submitted.stderr
     assert sum(entry["event"] == "batcher_connected" for entry in up.logs()) == 1
+
+
+def test_ups_nats_takes_the_work_message_of_a_4_mib_request(up: UpProcess) -> None:
+    """NATS's default max_payload, 1 MB, refused the work message of a request of 1-4 MiB that the
+    gateway accepts (gateway.max_request_bytes): `up` sets 8 MB, as the cluster's nats.conf does."""
+    (started,) = [entry for entry in up.logs() if entry["event"] == "nats_server_started"]
+
+    async def max_payload() -> int:
+        nc = await nats.connect(str(started["url"]))
+        try:
+            return int(nc.max_payload)
+        finally:
+            await nc.close()
+
+    assert asyncio.run(max_payload()) == 8 * 1024 * 1024
 
 
 def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:

@@ -36,7 +36,7 @@ from services.gateway.recent_records import RecentRecords
 from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.submit_group import admit_and_enqueue_group
 from services.gateway.submit_request import SubmitRequest, validate_each, validate_submit
-from services.gateway.work_message import job_about, queued_record, work_message
+from services.gateway.work_message import check_fits, job_about, queued_record, work_message
 
 log = structlog.get_logger("asyncinfer.gateway")
 
@@ -116,9 +116,11 @@ class JobSubmitter:
     ) -> tuple[JobRecord, DurableMessage]:
         """A new job's record and work message, expected by the recent records from now on."""
         record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=new_job_id())
+        message = work_message(record, request)
+        check_fits(message, self._nc.max_payload)
         if self._recent is not None:
             self._recent.expect(record.key)
-        return record, work_message(record, request)
+        return record, message
 
     async def publish_group(self, messages: Sequence[DurableMessage]) -> list[int | Exception]:
         return await publish_durably_many(
@@ -197,6 +199,7 @@ class JobSubmitter:
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         message = work_message(record, request)
+        check_fits(message, self._nc.max_payload)
         if self._recent is not None:
             self._recent.expect(record.key)
         try:

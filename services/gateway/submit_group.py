@@ -77,7 +77,13 @@ async def admit_and_enqueue_group(
                     raise
                 results.append(error)
                 continue
-            record, message = submitter.group_message(request, model, tenant=tenant, now=now)
+            try:
+                record, message = submitter.group_message(request, model, tenant=tenant, now=now)
+            except AsyncInferError as error:  # over NATS's max_payload: this one alone
+                admission.release_model_slot(model, slot)
+                admission.end_tenant_slot(tenant_slots.pop())
+                results.append(error)
+                continue
             admitted.append((len(results), model, slot))
             records.append(record)
             messages.append(message)

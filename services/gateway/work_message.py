@@ -9,6 +9,7 @@ from __future__ import annotations
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
+from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats.groups import DurableMessage
 from asyncinfer.tracing import trace_fields
@@ -59,3 +60,17 @@ def job_about(record: JobRecord) -> dict[str, str]:
     if record.traceparent:
         about.update(trace_fields(record.traceparent))
     return about
+
+
+def check_fits(message: DurableMessage, max_payload: int) -> None:
+    """Refuses (INVALID_ARGUMENT REQUEST_TOO_LARGE) a work message NATS would refuse: over the
+    server's max_payload (1 MB unless its configuration says more). It was published and
+    refused, and the caller was told UNAVAILABLE "submit it again", which could never work."""
+    headers = sum(len(k) + len(v) + 4 for k, v in (message.headers or {}).items()) + 16
+    size = len(message.payload) + headers
+    if max_payload > 0 and size > max_payload:
+        text = (
+            f"the job's work message would be {size} bytes, over the NATS server's max_payload of {max_payload} "
+            "(its setting; `asyncinfer up` sets 8 MB); send large inputs with UploadInput and pass its input_ref"
+        )
+        raise InvalidArgument(text, [FieldViolation("inputs", text)], reason="REQUEST_TOO_LARGE")

@@ -44,6 +44,9 @@ class InContext:
         await asyncio.create_task(self.app.stop(grace_s), context=self._context)
 
 
+EMBEDDED_MAX_PAYLOAD = "8MB"
+
+
 class EmbeddedNats:
     """The embedded nats-server as the first app `up` starts, so it is stopped last, after the
     services that use it. If it exits on its own (killed, its store's disk full) `up` stops, with
@@ -54,13 +57,17 @@ class EmbeddedNats:
 
         embedded = config.embedded_nats
         store = Path(embedded.store_dir)
+        # As the cluster's nats.conf (deploy/k8s): room for a work message of a 4-MiB request
+        # (gateway.max_request_bytes; its tensors grow by a third as base64). NATS's own default,
+        # 1 MB, refused requests of 1-4 MiB the gateway accepts.
+        self._conf = store.parent / "nats-server.conf"
         self.server = NatsServerProcess(
             store_dir=store,
             host=embedded.host,
             port=embedded.port,
             monitor_port=embedded.monitor_port,
             log_file=store.parent / "nats-server.log",
-            extra_args=extra_args,
+            extra_args=("-c", str(self._conf), *extra_args),
         )
         self.supervisor = Supervisor("nats")
         self.port = 0
@@ -70,7 +77,12 @@ class EmbeddedNats:
         self._context = service_context("nats")
         self._log = structlog.get_logger("asyncinfer.embedded_nats")
 
+    def _write_conf(self) -> None:
+        self._conf.parent.mkdir(parents=True, exist_ok=True)
+        self._conf.write_text(f"max_payload: {EMBEDDED_MAX_PAYLOAD}\n")
+
     async def start(self) -> None:
+        await asyncio.to_thread(self._write_conf)
         await asyncio.to_thread(self.server.start)
         self.port = self.server.port
         assert self.server.process is not None
