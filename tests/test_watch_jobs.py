@@ -12,8 +12,16 @@ import pytest
 
 from asyncinfer.client import AsyncClient, Job, JobState, NotFoundError
 from asyncinfer.ids import new_job_id
+from asyncinfer.job_store import job_not_found
+from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobState as RecordState
+from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.gateway.batch_reads import watch_jobs_responses
+from services.gateway.convert import job_to_proto
+from services.gateway.watch_many import JobChange
 from tests.stack import Stack
+from tests.test_record_codec import MINIMAL
 
 X = np.array([[1, 2, 3, 4]], dtype=np.float32)
 WAIT_S = 30.0
@@ -130,3 +138,24 @@ async def test_ids_or_labels_one_of_the_two(idle_stack: Stack, request_: job_ser
             async for _ in stub.WatchJobs(request_):
                 pass
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.unit
+def test_a_batch_of_changes_is_cut_into_messages_within_the_budget() -> None:
+    """A helper's limits pass, session 24: a WatchJobs message was bounded by its count of changes
+    alone, so 40 finished jobs with 240-KB outputs made a 9.6-MB message, over the gateway's send
+    limit, and the watch failed RESOURCE_EXHAUSTED on every retry. Cut by bytes, as GetJobs is."""
+    output = Tensor.from_numpy("y", np.zeros((1, 25_000), np.float32))  # 100 KB
+    done = MINIMAL.evolve(state=RecordState.SUCCEEDED, outputs=(output,), revision=3)
+    changes = [JobChange(new_job_id(), done.evolve(job_id=f"j{i}")) for i in range(7)]
+    changes.insert(3, JobChange("gone", error=job_not_found("gone")))
+
+    def convert(record: JobRecord) -> job_service_pb2.WatchJobResponse:
+        return job_service_pb2.WatchJobResponse(job=job_to_proto(record))
+
+    responses = watch_jobs_responses(changes, convert, budget_bytes=250_000)
+    # Two 100-KB jobs a message (a third would pass 250 KB); the small error fits beside two.
+    assert [len(r.changes) for r in responses] == [2, 3, 2, 1]
+    assert [c.job_id for r in responses for c in r.changes] == [c.job_id for c in changes]
+    assert all(r.ByteSize() <= 250_000 for r in responses)
+    assert [len(r.changes) for r in watch_jobs_responses(changes[:1], convert, budget_bytes=10)] == [1]

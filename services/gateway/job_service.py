@@ -25,7 +25,7 @@ from services.gateway.auth import Authenticator
 
 # MAX_IDS_PER_READ is re-exported: callers (tests among them) read the GetJobs bound here.
 from services.gateway.batch_reads import MAX_IDS_PER_READ as MAX_IDS_PER_READ
-from services.gateway.batch_reads import get_jobs, watch_jobs_response, watched_changes
+from services.gateway.batch_reads import get_jobs, watch_jobs_responses, watched_changes
 from services.gateway.blobs import ClaimCheck
 from services.gateway.bulk import ItemOutcome, submit_stream
 from services.gateway.bulk_message import MessageSubmitter
@@ -260,8 +260,10 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         with self._watches.hold(tenant, context.peer()):
             changes = watched_changes(request, tenant, self._hub, self._records, self._expiry)
             async with contextlib.aclosing(changes) as batches:
+                budget = self._config.gateway.max_request_bytes
                 async for batch in batches:
-                    yield watch_jobs_response(batch, self._watch_response)
+                    for response in watch_jobs_responses(batch, self._watch_response, budget_bytes=budget):
+                        yield response
 
     def _watch_response(self, record: JobRecord) -> job_service_pb2.WatchJobResponse:
         """The message for one record change. Every watcher of a job gets the same change at
