@@ -799,6 +799,13 @@ class WebhooksConfig(_Section):
         "SHA-256> is deleted from the webhooks bucket.",
     )
     max_concurrent_deliveries: int = Field(32, ge=1, description="Deliveries in flight at once per scheduler.")
+    max_concurrent_per_origin: int = Field(
+        8,
+        ge=1,
+        description="Of those, at most this many to one origin (scheme, host and port) at once; a delivery past it "
+        "waits request_timeout_s without an attempt. A receiver that hangs took every slot, and every other "
+        "receiver's webhooks waited for as long as it hung.",
+    )
 
     @field_validator("allowed_networks")
     @classmethod

@@ -369,3 +369,40 @@ async def test_tenant_without_a_secret_cannot_ask_for_callbacks(config: Config, 
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "asyncinfer webhook-secret" in (info.value.details() or "")
     assert "webhooks.secrets" in (info.value.details() or "")
+
+
+async def test_a_hanging_receiver_gets_its_share_and_the_others_still_get_theirs(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """A helper's limits pass, session 24: one receiver that accepted and never answered held every
+    delivery slot, and another receiver's webhooks waited for as long as it hung (0 attempts in 200 s).
+    Each origin has at most webhooks.max_concurrent_per_origin attempts in flight."""
+    open_now = 0
+    most_open = 0
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now, most_open
+        open_now += 1
+        most_open = max(most_open, open_now)
+        try:
+            await reader.read()  # until the sender gives up (request_timeout_s)
+        finally:
+            open_now -= 1
+            writer.close()
+
+    hanging = await asyncio.start_server(hang, "127.0.0.1", 0)
+    try:
+        port = hanging.sockets[0].getsockname()[1]
+        stack = await start_stack(
+            webhook_config(config, max_concurrent_deliveries=4, max_concurrent_per_origin=2, request_timeout_s=3.0)
+        )
+        for _ in range(12):
+            await submit(stack, f"http://127.0.0.1:{port}/hangs")
+        await asyncio.sleep(1.0)  # the hanging ones have taken what they may
+        healthy = [await submit(stack, receiver.url("/ok")) for _ in range(3)]
+        delivered = await receiver.wait_for("/ok", 3)
+        assert {json.loads(r.body)["data"]["job_id"] for r in delivered} == set(healthy)
+        assert most_open == 2
+    finally:
+        hanging.close()
+        await hanging.wait_closed()

@@ -21,11 +21,13 @@ delay (retry later).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from urllib.parse import urlsplit
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter
@@ -71,6 +73,13 @@ class WebhookMetrics:
         )
 
 
+def _origin(url: str) -> str:
+    """scheme://host:port of a delivery's URL (its receiver)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
+
 class Sender:
     def __init__(
         self,
@@ -98,6 +107,8 @@ class Sender:
         self._deliveries: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         self._closing = False
+        # Attempts in flight per origin (webhooks.max_concurrent_per_origin).
+        self._by_origin: collections.Counter[str] = collections.Counter()
 
     async def start(self) -> None:
         self._subscription = await self._js.pull_subscribe_bind(
@@ -165,6 +176,14 @@ class Sender:
             with contextlib.suppress(Exception):
                 await msg.term()
             return
+        origin = _origin(delivery.url)
+        if self._by_origin[origin] >= self._settings.max_concurrent_per_origin:
+            # That receiver has its share in flight (hanging, perhaps): this one waits, unattempted,
+            # and the slot goes to the next delivery, whoever it is for.
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=self._settings.request_timeout_s)
+            return
+        self._by_origin[origin] += 1
         try:
             delay = await self.attempt(delivery)
         except asyncio.CancelledError:
@@ -181,6 +200,10 @@ class Sender:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=STATUS_RETRY_DELAY_S)
             return
+        finally:
+            self._by_origin[origin] -= 1
+            if self._by_origin[origin] <= 0:
+                del self._by_origin[origin]
         with contextlib.suppress(Exception):
             if delay is None:
                 await msg.ack()
