@@ -22,12 +22,14 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
+from asyncinfer.worker_stream import WORK_MESSAGE_HEADROOM_BYTES, work_message_bytes
 from services.batcher.backends.loading import torch_threads_for
 from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_control import ModelControl
+from services.batcher.work_session import UPDATES_MESSAGE_BYTES
 from services.batcher.worker_client import WorkerClient, WorkerSecurity
 
 log = structlog.get_logger("asyncinfer.batcher")
@@ -138,6 +140,7 @@ class BatcherApp:
                 progress_max_bytes=batcher.progress_max_bytes,
                 models=self.models,
                 claim_checks=self._claim_checks,
+                max_result_bytes=work_message_bytes(self.config) - UPDATES_MESSAGE_BYTES - WORK_MESSAGE_HEADROOM_BYTES,
             )
             await self._worker.start()
             self.models.on_change(self._worker.models_changed)

@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from asyncinfer.config import ModelConfig
-from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded
+from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded, FailedPrecondition
 from asyncinfer.jobs import BlobRef
 from asyncinfer.tensor_codec import fill_tensor_proto, to_output_proto
 from asyncinfer.tensors import Tensor
@@ -69,8 +69,12 @@ class WorkSession:
         loading: Iterable[ModelConfig] = (),
         models: ModelControl | None = None,
         claim_checks: ClaimChecks | None = None,
+        max_result_bytes: int = 0,
     ) -> None:
         self._claim_checks = claim_checks
+        # The most output bytes one result may carry inline: the scheduler's limit for a stream
+        # message (asyncinfer.worker_stream) less the WorkUpdates it may share (0: no check).
+        self._max_result_bytes = max_result_bytes
         # Orders whose inputs are being read (claim_checks), per model, and those cancelled meanwhile.
         self._reading: dict[str, set[OrderKey]] = {}
         self._cancelled_while_reading: set[OrderKey] = set()
@@ -396,6 +400,13 @@ class WorkSession:
         result.job_id = order.job_id
         result.attempt = order.attempt
         result.dropped = dropped
+        if outcome is not None and stored is None and self._max_result_bytes:
+            size = sum(t.nbytes for t in outcome.outputs)
+            if size > self._max_result_bytes:
+                # Sent, it would end the stream (RESOURCE_EXHAUSTED on the scheduler's side) and every
+                # other job on it with WORKER_LOST; as the same output again, the job's next attempt.
+                error, outcome = output_too_large(size, self._max_result_bytes), None
+                log.warning("work_result_too_large", bytes=size, limit=self._max_result_bytes, **_about(order))
         if error is not None:
             result.error.CopyFrom(error_status(error))
         if outcome is not None:
@@ -411,6 +422,15 @@ class WorkSession:
             result.compute_duration.FromNanoseconds(round(outcome.compute_s * 1e9))
         if request is not None:
             self._send(request)
+
+
+def output_too_large(size: int, limit: int) -> FailedPrecondition:
+    """Final: the model's answer to the same input would be as large the next time."""
+    return FailedPrecondition(
+        f"the model's outputs are {size} bytes, over the {limit} a work stream message may carry (set by "
+        "gateway.max_upload_bytes); turn batcher.claim_check_io on to store large outputs apart",
+        reason="OUTPUT_TOO_LARGE",
+    )
 
 
 def _about(order: worker_service_pb2.WorkOrder) -> dict[str, object]:

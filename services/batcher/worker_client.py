@@ -78,8 +78,10 @@ class WorkerClient:
         progress_max_bytes: int = 256 * 1024,
         models: ModelControl | None = None,
         claim_checks: ClaimChecks | None = None,
+        max_result_bytes: int = 0,
     ) -> None:
         self._claim_checks = claim_checks
+        self._max_result_bytes = max_result_bytes
         self._models = models
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
@@ -176,6 +178,7 @@ class WorkerClient:
                     loading=self._loading,
                     models=self._models,
                     claim_checks=self._claim_checks,
+                    max_result_bytes=self._max_result_bytes,
                 )
                 await self._session.run()
             self._outage.ended()

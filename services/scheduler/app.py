@@ -35,6 +35,7 @@ from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
+from asyncinfer.worker_stream import work_message_bytes
 from services.scheduler.batch_plans import BatchPlans
 from services.scheduler.batchers import BatcherRegistry
 from services.scheduler.blobs import (
@@ -42,7 +43,6 @@ from services.scheduler.blobs import (
     BlobSweeper,
     ClaimCheckIO,
     orphan_age_s,
-    work_message_bytes,
 )
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream

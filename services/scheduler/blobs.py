@@ -122,15 +122,3 @@ class BlobSweeper:
             self.swept += removed
             if removed:
                 log.info("blobs_swept", removed=removed)
-
-
-# Work orders carry resolved inputs (up to gateway.max_upload_bytes) and results come back the
-# same way: the scheduler's server and the batcher's channel allow that much, plus framing.
-WORK_MESSAGE_HEADROOM_BYTES = 1024 * 1024
-GRPC_MESSAGE_LIMIT_BYTES = 2**31 - 1
-
-
-def work_message_bytes(config: Config, floor_bytes: int = 64 * 1024 * 1024) -> int:
-    """The max message length both ends of the WorkerService stream use."""
-    wanted = max(floor_bytes, config.gateway.max_upload_bytes + WORK_MESSAGE_HEADROOM_BYTES)
-    return min(wanted, GRPC_MESSAGE_LIMIT_BYTES)
