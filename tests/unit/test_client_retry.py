@@ -15,8 +15,8 @@ pytestmark = pytest.mark.unit
 
 def test_a_call_never_answered_still_gives_up_after_its_attempts() -> None:
     policy = RetryPolicy()
-    assert policy.allows_attempt(5, broken_at=None)
-    assert not policy.allows_attempt(6, broken_at=None), "a wrong address is said within seconds"
+    assert policy.allows_attempt(6, broken_at=None)
+    assert not policy.allows_attempt(7, broken_at=None), "a wrong address is said within seconds"
 
 
 def test_a_stream_that_was_answering_is_reopened_for_its_resume_time() -> None:
