@@ -159,6 +159,24 @@ async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(
     await browser.wait_for(f"{banner}.hidden", what="the banner gone once the gateway is back")
 
 
+async def test_pages_fit_a_phone_and_a_long_label_wraps(
+    stack: Stack, start_console: StartConsole, browser: Browser
+) -> None:
+    """A helper's console pass, session 24: one 256-byte label made the jobs table 4,317 px wide, and
+    at 390 px the navigation and the tables ran off the screen (the page scrolled sideways)."""
+    console = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        await client.submit("demo", X, labels={"note": "x" * 256})
+    await browser.send("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=True)
+    for path in ("jobs", "queues", "batches", "dead-letters", "models"):
+        await browser.goto(console.url + path)
+        width = await browser.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, (path, width)
+    await browser.goto(console.url + "jobs")
+    await browser.screenshot(ARTIFACTS / "jobs-390.png")
+    await browser.send("Emulation.clearDeviceMetricsOverride")
+
+
 async def test_a_job_page_follows_the_job_live_and_the_queue_is_resumed_from_the_console(
     stack: Stack, start_console: StartConsole, browser: Browser
 ) -> None:

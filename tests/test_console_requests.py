@@ -25,8 +25,10 @@ from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
 from tests.test_progress import PROGRESS_MODEL
+from tests.webhook_receiver import Receiver, receiver, webhook_config
 
 pytestmark = pytest.mark.timeout(120)
+__all__ = ["receiver"]  # the fixture, used by name
 
 
 @pytest.fixture
@@ -66,6 +68,7 @@ async def test_hand_made_requests_get_pages_of_the_right_status(
         ("/jobs?page_token=garbage", 400),  # the gateway's INVALID_ARGUMENT, not a bad gateway
         ("/batches?page_token=garbage", 400),
         ("/jobs?state=BOGUS", 400),
+        ("/jobs?label=team", 400),  # not key=value: it was ignored, and the list looked filtered
     ):
         status, page = await get(http, console, path)
         assert status == expected, (path, page[:300])
@@ -188,3 +191,22 @@ def test_a_job_cancelled_in_the_queue_shows_how_long_it_waited() -> None:
     assert _queued_so_far(waiting, now=created.timestamp() + 2) == 2.0
     ran = dataclasses.replace(job, state=JobState.SUCCEEDED, start_time=created, queue_duration_s=0.25)
     assert _queued_so_far(ran, now=0) == 0.25
+
+
+async def test_a_job_page_follows_its_webhook_after_the_job_ended(
+    config: Config, start_stack: StartStack, start_console: object, http: aiohttp.ClientSession, receiver: Receiver
+) -> None:
+    """A helper's console pass, session 24: the page stopped at the job's end, its delivery shown
+    PENDING with a next attempt that never moved while it was retried for days."""
+    receiver.scripts["/hook"] = [(503, {})] * 100
+    stack = await start_stack(webhook_config(config))
+    console = await start_console(stack)  # type: ignore[operator]
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", X, callback=receiver.url("/hook"))
+        await client.wait(job, timeout_s=30)
+        await receiver.wait_for("/hook", 1)
+    status, page = await get(http, console, f"/jobs/{job.job_id}")
+    assert status == 200
+    assert "data-refresh=" in page, "ended, but its webhook is still being tried"
+    async with http.get(f"{console.url}jobs/{job.job_id}", headers={"X-Console-Fragment": "1"}) as fragment:
+        assert "X-Console-Final" not in fragment.headers

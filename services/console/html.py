@@ -21,11 +21,13 @@ from urllib.parse import urlencode
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
-header{background:#1d2330;color:#fff;padding:8px 20px;display:flex;gap:18px;align-items:center}
+header{background:#1d2330;color:#fff;padding:8px 20px;display:flex;flex-wrap:wrap;gap:6px 18px;align-items:center}
 header a{color:#cfd8e8;text-decoration:none}header a:hover{color:#fff}header b{margin-right:12px}
 main{padding:16px 20px;max-width:1200px}h1{font-size:20px;margin:4px 0 12px}h2{font-size:16px;margin:18px 0 8px}
 table{border-collapse:collapse;background:#fff;margin-bottom:12px}
-th,td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}th{background:#eef1f5}
+th,td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#eef1f5}.scroll{overflow-x:auto;max-width:100%}
+.long{display:inline-block;min-width:8em;max-width:40em;overflow-wrap:anywhere}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
 .state{font-weight:600}.SUCCEEDED{color:#137333}.FAILED,.TIMED_OUT{color:#b3261e}.RUNNING{color:#0b57d0}
 .QUEUED{color:#8a5a00}.CANCELED,.CANCELLING,.EXPIRED{color:#5f6368}
@@ -105,10 +107,18 @@ def page(title: str, body: str, *, message: str = "") -> str:
     note = f'<div class="note" id="message">{h(message)}</div>' if message else ""
     return (
         f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{h(title)} · asyncinfer</title>'
-        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{STYLE}</style></head>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><link rel="icon" href="data:,">'
+        f"<style>{STYLE}</style></head>"
         f"<body><header><b>asyncinfer console</b>{nav}</header><main><h1>{h(title)}</h1>{note}{body}</main>"
         f"<script>{SCRIPT}</script></body></html>"
     )
+
+
+def text(value: object) -> str:
+    """A caller's free text (labels, a cancel reason, an error message): escaped, isolated from
+    the text around it (a right-to-left override inside reversed the rest of its cell), and
+    wrapped anywhere past 40em (one 256-byte label made the jobs table 4,317 px wide)."""
+    return f'<bdi class="long">{h(value)}</bdi>'
 
 
 def error_box(error: object) -> str:
@@ -126,7 +136,8 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Ite
     if not body:
         body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
     ident = f' id="{h(id_)}"' if id_ else ""
-    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    # In a box that scrolls sideways: a wide table on a phone scrolls, not the page.
+    return f'<div class="scroll"><table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def fields(pairs: Iterable[tuple[str, str]]) -> str:
@@ -234,7 +245,9 @@ def bar_chart(title: str, bars: Sequence[tuple[str, float]], *, unit: str, x_lab
             f'<text x="{middle:.1f}" y="{top + plot_h + 13}" font-size="11" text-anchor="middle">{h(label)}</text>'
         )
     if not bars:
-        parts.append(f'<text x="{left + 10}" y="{top + plot_h / 2}" font-size="12" fill="#777">nothing ran yet</text>')
+        parts.append(
+            f'<text x="{left + 10}" y="{top + plot_h / 2}" font-size="12" fill="#777">nothing ran in the last minute</text>'
+        )
     return "".join(parts) + "</svg>"
 
 

@@ -130,7 +130,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         ("expires (completion window)", ui.when(batch.expires_at)),
     ]
     if batch.failure_message:
-        record.append(("failure", ui.h(batch.failure_message)))
+        record.append(("failure", ui.text(batch.failure_message)))
     parts = [ui.fields(record)]
     if batch.done and (batch.output_ref or batch.error_ref):
         downloads = [
@@ -145,7 +145,9 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         ]
         parts.append("<h2>Files</h2><p>" + " · ".join(downloads) + "</p>")
     if batch.first_errors:
-        rows = [[ui.h(e.line), ui.h(e.custom_id or "-"), ui.h(e.code), ui.h(e.message)] for e in batch.first_errors]
+        rows = [
+            [ui.h(e.line), ui.text(e.custom_id or "-"), ui.h(e.code), ui.text(e.message)] for e in batch.first_errors
+        ]
         parts += ["<h2>First errors</h2>", ui.table(("line", "custom id", "code", "message"), rows, id_="errors")]
     if not batch.done and batch.state != "CANCELLING":
         if ctx.writable:

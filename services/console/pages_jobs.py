@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 from aiohttp import web
 
-from asyncinfer.client import Job, JobState
+from asyncinfer.client import CallbackDeliveryState, Job, JobState
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
@@ -42,10 +42,13 @@ async def models_page(ctx: Context, request: web.Request) -> web.Response:
     return fragment_or_page(request, "Models", ui.table(headers, rows, numeric=(5,), id_="models"))
 
 
-def _labels(text: str) -> dict[str, str]:
-    """`key=value, key2=value2` from the filter box (a part without `=` is ignored)."""
-    pairs = (part.partition("=") for part in text.split(","))
-    return {key.strip(): value.strip() for key, sep, value in pairs if sep and key.strip()}
+def _labels(text: str) -> dict[str, str] | None:
+    """`key=value, key2=value2` from the filter box; None when a part is not `key=value` (it was
+    ignored, and an unfiltered list looked filtered)."""
+    pairs = [part.partition("=") for part in text.split(",") if part.strip()]
+    if any(not sep or not key.strip() for key, sep, _value in pairs):
+        return None
+    return {key.strip(): value.strip() for key, _sep, value in pairs}
 
 
 async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
@@ -54,14 +57,19 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     token = query.get("page_token", "")
     size = count_param(query.get("page_size", ""), default=50, most=MAX_PAGE_SIZE)
     known = {s.value: s for s in JobState}
-    if size is None or size == 0 or (state and state.upper() not in known):
-        wrong = f"unknown state {state!r}" if size else "page_size is a number of jobs, 1 to 1,000"
+    labels = _labels(label)
+    if size is None or size == 0 or (state and state.upper() not in known) or labels is None:
+        wrong = (
+            "page_size is a number of jobs, 1 to 1,000"
+            if not size
+            else f"unknown state {state!r}"
+            if state and state.upper() not in known
+            else f"labels are key=value, separated by commas: {label[:100]!r}"
+        )
         return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(wrong), status=400)
     states = (known[state.upper()],) if state else ()
     try:
-        found = await ctx.backend.list_jobs(
-            states=states, model=model, labels=_labels(label), page_size=size, page_token=token
-        )
+        found = await ctx.backend.list_jobs(states=states, model=model, labels=labels, page_size=size, page_token=token)
     except AsyncInferClientError as error:
         return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=status_of(error))
     now = time.time()
@@ -116,7 +124,7 @@ def _job_row(job: Job, now: float) -> list[str]:
         ui.h(job.model_name),
         ui.h(job.priority.value),
         ui.h(f"{job.attempt}/{job.max_attempts}"),
-        ui.h(labels or "-"),
+        ui.text(labels) if labels else "-",
         ui.when(job.create_time),
         ui.seconds(_queued_so_far(job, now)),
         ui.seconds(job.run_duration_s),
@@ -133,12 +141,15 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     body = job_details(job, time.time())
+    # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
+    settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
     if request.headers.get("X-Console-Fragment"):
         response = web.Response(text=body, content_type="text/html")
-        if job.done:
+        if settled:
             response.headers["X-Console-Final"] = "1"
         return response
-    live = "" if job.done else f' data-refresh="/jobs/{ui.h(job_id)}" data-every="1000"'
+    every = 5000 if job.done else 1000  # after its end, only its webhooks' next attempts change
+    live = "" if settled else f' data-refresh="/jobs/{ui.h(job_id)}" data-every="{every}"'
     return web.Response(
         text=ui.page(title, f'<div id="job"{live}>{body}</div>', message=message_of(request)),
         content_type="text/html",
@@ -151,7 +162,7 @@ def job_details(job: Job, now: float) -> str:
         ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
         ("priority", ui.h(job.priority.value)),
         ("attempt", ui.h(f"{job.attempt} of {job.max_attempts}")),
-        ("labels", ui.h(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
+        ("labels", ui.text(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),
         # The job's OpenTelemetry trace (tracing.enabled): look it up in the trace backend.
@@ -176,10 +187,10 @@ def job_details(job: Job, now: float) -> str:
         ]
     for name, error in (("error", job.error), ("previous attempt's error", job.last_error)):
         if error is not None:
-            record.append((name, ui.h(f"{error.code.name} {error.reason}: {error.message}")))
+            record.append((name, ui.text(f"{error.code.name} {error.reason}: {error.message}")))
     if job.progress is not None:  # the latest the record keeps (every few seconds while it runs)
         done = "" if job.progress.fraction is None else f"{job.progress.fraction:.0%} "
-        record.append(("progress", ui.h(f"{done}{job.progress.message}".strip() or "-")))
+        record.append(("progress", ui.text(f"{done}{job.progress.message}".strip() or "-")))
     if job.outputs:
         shapes = ", ".join(f"{name} {list(array.shape)} {array.dtype}" for name, array in job.outputs.items())
         record.append(("outputs", ui.h(shapes)))

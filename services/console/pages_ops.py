@@ -153,9 +153,15 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
                 confirm=f"Delete every dead letter{scope}? This cannot be undone.",
             )
         )
-    more = ""
+    links = []
+    if token:
+        links.append(f'<a href="{ui.h(ui.url("/dead-letters", model=model))}">first page</a>')
     if found.next_page_token:
-        more = f'<a id="next-page" href="{ui.h(ui.url("/dead-letters", model=model, page_token=found.next_page_token))}">next page</a>'
+        links.append(
+            f'<a id="next-page" href="{ui.h(ui.url("/dead-letters", model=model, page_token=found.next_page_token))}">'
+            "next page</a>"
+        )
+    more = " · ".join(links)
     body = (
         _dead_letter_filter(model)
         + f"<p>{ui.h(total)}</p>"
