@@ -114,7 +114,7 @@ async def test_a_running_jobs_page_shows_its_progress(
                 break
     status, page = await get(http, console, f"/jobs/{job.job_id}")
     assert status == 200
-    assert re.search(r"<td>progress</td><td>\d+% step \d+ of 1000<", page), page
+    assert re.search(r'<td>progress</td><td><bdi class="long">\d+% step \d+ of 1000<', page), page
 
 
 async def test_a_console_with_a_tenant_key_alone_opens_on_the_jobs(
