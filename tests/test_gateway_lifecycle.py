@@ -433,6 +433,22 @@ async def test_model_queue_limit_without_a_snapshot_counts_what_this_gateway_que
         await app.stop(grace_s=1)
 
 
+async def test_a_full_paused_queue_says_it_is_paused(config: Config, nc: NatsClient) -> None:
+    """Its refusal said "try again in 5 s", which a paused queue cannot keep (a helper's pass)."""
+    app, channel, gw = await start_harness(with_queue_limit(config, 1), nc)
+    try:
+        await gw.queues.put(paused_key(DEMO), b"1")
+        await wait_for(lambda: gw.app.queue_view.is_paused(DEMO))
+        await gw.submit()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await gw.submit()
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "its queue is paused (nothing leaves it until ResumeQueue)" in (info.value.details() or "")
+    finally:
+        await channel.close(None)
+        await app.stop(grace_s=1)
+
+
 async def test_concurrent_submits_cannot_overshoot_the_model_limit(config: Config, nc: NatsClient) -> None:
     app, channel, gw = await start_harness(with_queue_limit(config, 5), nc)
     try:

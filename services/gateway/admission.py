@@ -51,9 +51,15 @@ class Admission:
             if depth >= model.max_queue_depth:
                 excess = depth - model.max_queue_depth + 1
                 delay = retry_after_s(excess, self._rate(model.name))
+                # A paused queue does not drain: "try again in 5 s" promised what it could not keep.
+                when = (
+                    "its queue is paused (nothing leaves it until ResumeQueue)"
+                    if self._view.is_paused(model.name)
+                    else f"try again in {delay:.0f} s"
+                )
                 raise ResourceExhausted(
                     f"model {model.name!r} has {depth} jobs queued, at its limit of {model.max_queue_depth} "
-                    f"(max_queue_depth); try again in {delay:.0f} s",
+                    f"(max_queue_depth); {when}",
                     retry_after_s=delay,
                     reason="QUEUE_FULL",
                     metadata={"model": model.name, "queued": str(depth), "limit": str(model.max_queue_depth)},
