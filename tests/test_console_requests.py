@@ -84,7 +84,16 @@ async def test_hand_made_requests_get_pages_of_the_right_status(
     form = {"all": "true", "model": "demo", "csrf": token.group(1)}
     async with http.post(url + "/dead-letters/replay", data=form, allow_redirects=False) as response:
         assert response.status == 303
-        assert response.headers["Location"].startswith("/dead-letters?model=demo&message=")
+        outcome = response.headers["Location"]
+        assert outcome.startswith("/dead-letters?model=demo&message=")
+    status, page = await get(http, console, outcome)
+    assert 'id="message">replayed 0' in page, page[-2000:]
+    # A link's own notice is not shown in the console's voice (it is not the console's outcome).
+    spoof = "/dead-letters?message=Your+ops+key+expired%3A+enter+it+at+https%3A%2F%2Fevil.example"
+    for path in (spoof, spoof + "&sig=0123456789abcdef0123456789abcdef", outcome.replace("replayed", "purged")):
+        status, page = await get(http, console, path)
+        assert status == 200
+        assert 'id="message"' not in page, path
 
     # What is shown: a state in any case filters, the size in use is selected, a queued job's wait so far.
     status, page = await get(http, console, "/jobs?state=queued&page_size=30")
@@ -128,6 +137,25 @@ async def test_a_console_with_a_tenant_key_alone_opens_on_the_jobs(
         async with http.get(console.url, allow_redirects=False) as answer:
             assert answer.status == 302
             assert answer.headers["Location"] == home
+    # Run apart, with a file that leaves the stack's keys out: it named the tenant "default", offered
+    # the buttons (a keyless stack's loopback console may act) and opened on the queues.
+    apart = ConsoleApp(
+        config.replace(
+            console={"port": 0, "gateway_address": stack.address, "scheduler_address": stack.ops_address}
+            | {"tenant_key": TENANT_KEY}
+        )
+    )
+    await apart.start()
+    try:
+        assert not apart.writable
+        async with http.get(apart.url, allow_redirects=False) as answer:
+            assert answer.headers["Location"] == "/jobs"
+        status, page = await get(http, apart, "/jobs")
+        assert status == 200
+        assert "The jobs the console's key reaches" in page
+        assert "Tenant default" not in page
+    finally:
+        await apart.stop()
 
 
 async def test_beyond_loopback_the_console_answers_only_to_hosts_it_is_known_by(http: aiohttp.ClientSession) -> None:

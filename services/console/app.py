@@ -25,7 +25,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import read_secret
 from services.console import html as ui
 from services.console.backend import Backend
-from services.console.context import Context
+from services.console.context import MESSAGE_KEY, Context
 from services.console.history import QueueHistory
 from services.console.pages_batches import batch_cancel, batch_file, batch_page, batches_page
 from services.console.pages_jobs import job_page, jobs_page, models_page
@@ -127,11 +127,23 @@ class ConsoleApp:
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         return f"http://{shown}:{self.port}/"
 
+    def _holds_a_key(self) -> bool:
+        console = self.config.console
+        return bool(console.tenant_key or console.tenant_key_file or console.ops_key or console.ops_key_file)
+
+    def _keyless_stack(self) -> bool:
+        """The stack has no API keys: this configuration lists none, and the console holds none (run
+        apart, its file may leave the stack's keys out while it holds one of them)."""
+        return not self.config.gateway.api_keys and not self._holds_a_key()
+
     def _tenant(self) -> str:
-        """The tenant the console's key reaches, when this configuration lists the keys."""
+        """The tenant the console's key reaches, when this configuration lists the keys ('' when
+        it cannot tell: the page then says "the jobs the console's key reaches")."""
         gateway, console = self.config.gateway, self.config.console
-        if not gateway.api_keys:
+        if self._keyless_stack():
             return gateway.default_tenant
+        if not gateway.api_keys:
+            return ""
         key = read_secret(console.tenant_key, console.tenant_key_file, "console.tenant_key")
         digest = hash_key(key) if key else ""
         return next((k.tenant for k in gateway.api_keys if k.sha256 == digest and k.role == "tenant"), "")
@@ -151,13 +163,14 @@ class ConsoleApp:
         backend = self._backend = Backend(console)
         try:
             self.writable = not console.read_only and (
-                backend.has_ops_key or (not self.config.gateway.api_keys and is_loopback(console.host))
+                backend.has_ops_key or (self._keyless_stack() and is_loopback(console.host))
             )
             history = QueueHistory(console.history_s)
             ctx = Context(
                 backend=backend,
                 history=history,
                 csrf=secrets.token_urlsafe(24),
+                message_key=secrets.token_bytes(16),
                 writable=self.writable,
                 read_only_because=(
                     "console.read_only is set"
@@ -171,6 +184,7 @@ class ConsoleApp:
                 middlewares=[_headers, known_hosts_only(is_loopback(console.host), console.allowed_hosts)],
                 client_max_size=64 * 1024,
             )
+            app[MESSAGE_KEY] = ctx.message_key
             pages: list[tuple[str, str, Page]] = [
                 ("GET", "/models", models_page),
                 ("GET", "/jobs", jobs_page),
@@ -189,7 +203,7 @@ class ConsoleApp:
                 app.router.add_route(method, path, partial(handler, ctx))
             # The queues need the ops role where keys are on: a console holding a tenant key alone
             # opens on that tenant's jobs (it opened on a page that said UNAUTHENTICATED).
-            reaches_ops = backend.has_ops_key or not self.config.gateway.api_keys
+            reaches_ops = backend.has_ops_key or self._keyless_stack()
             app.router.add_get("/", partial(_home, "/queues" if reaches_ops else "/jobs"))
             app.router.add_get("/healthz", _health)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)

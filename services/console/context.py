@@ -26,6 +26,13 @@ class Context:
     stats_interval_s: float
     # Why it is read-only, when it is (said where a button would be).
     read_only_because: str = ""
+    # Signs the outcome an action redirects with (`outcome`), so that a link cannot make a page
+    # show a notice of its own in the console's voice.
+    message_key: bytes = b""
+
+    def outcome(self, path: str, said: str, **query: str) -> str:
+        """The URL an action redirects to, its outcome `said` in the query, signed."""
+        return ui.url(path, **query, message=said, sig=_signature(self.message_key, said))
 
     def check_form(self, form: dict[str, str]) -> web.Response | None:
         """None when an action may run; otherwise the page that says why not."""
@@ -68,9 +75,22 @@ def count_param(text: str, *, default: int, most: int) -> int | None:
     return int(text)
 
 
+MESSAGE_KEY = web.AppKey("message_key", bytes)
+
+
+def _signature(key: bytes, message: str) -> str:
+    return hmac.new(key, message.encode(), "sha256").hexdigest()[:32]
+
+
 def message_of(request: web.Request) -> str:
-    """The outcome of the action that redirected here (shown escaped, as text)."""
-    return request.query.get("message", "")[:300]
+    """The outcome of the action that redirected here (shown escaped, as text), when this console
+    signed it: `?message=` alone showed any text in the notice box (a link could say "re-enter your
+    ops key at ...")."""
+    message, signature = request.query.get("message", ""), request.query.get("sig", "")
+    key = request.app.get(MESSAGE_KEY)
+    if not message or key is None or not hmac.compare_digest(signature.encode(), _signature(key, message).encode()):
+        return ""
+    return message[:300]
 
 
 def fragment_or_page(

@@ -170,7 +170,7 @@ async def batch_cancel(ctx: Context, request: web.Request) -> web.Response:
         said = f"cancelling: {batch.state}"
     except AsyncInferClientError as error:
         said = f"refused: {error}"
-    raise web.HTTPSeeOther(f"/batches/{quote(batch_id)}?message={quote(said)}")
+    raise web.HTTPSeeOther(ctx.outcome(f"/batches/{quote(batch_id)}", said))
 
 
 async def batch_file(ctx: Context, request: web.Request) -> web.StreamResponse:

@@ -7,7 +7,6 @@ import json
 import time
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote
 
 from aiohttp import web
 
@@ -260,7 +259,7 @@ async def dead_letter_action(ctx: Context, request: web.Request) -> web.Response
             said = await ctx.backend.purge(sequences, every=every, model=model)
     except AsyncInferClientError as error:
         said = f"refused: {error}"
-    raise web.HTTPSeeOther(ui.url("/dead-letters", model=model, message=said))  # back to the view it came from
+    raise web.HTTPSeeOther(ctx.outcome("/dead-letters", said, model=model))  # back to the view it came from
 
 
 async def queue_action(ctx: Context, request: web.Request) -> web.Response:
@@ -272,4 +271,4 @@ async def queue_action(ctx: Context, request: web.Request) -> web.Response:
         said = await ctx.backend.pause(form.get("model", ""), paused=request.match_info["action"] == "pause")
     except AsyncInferClientError as error:
         said = f"refused: {error}"
-    raise web.HTTPSeeOther(f"/queues?message={quote(said)}")
+    raise web.HTTPSeeOther(ctx.outcome("/queues", said))
