@@ -273,4 +273,3 @@ async def test_plain_jobs_sent_while_a_chunk_overfills_the_batcher_still_run(
         for job in jobs:
             ended = await client.wait(job, timeout_s=30)
             assert ended.state is JobState.SUCCEEDED, ended.error
-
