@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import pytest
 
+from asyncinfer.client._convert import error_from_proto
 from asyncinfer.config import Config
 from asyncinfer.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from asyncinfer.errors import FieldViolation as DomainViolation
@@ -145,6 +146,10 @@ def test_error_status_carries_what_a_unary_status_would() -> None:
     assert [(v.field, v.description) for v in invalid.field_violations] == [("inputs", "missing")]
     busy = error_status(ResourceExhausted("full", retry_after_s=3, reason="QUEUE_FULL"))
     assert (busy.code, busy.reason, busy.retriable) == (grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], "QUEUE_FULL", True)
+    # The RetryInfo a unary refusal carries (a helper's limits pass: items had no delay to wait).
+    assert busy.retry_after.ToNanoseconds() == 3_000_000_000
+    assert error_from_proto(busy).retry_after_s == 3.0
+    assert error_from_proto(invalid).retry_after_s is None
     reused = error_status(AlreadyExists("job j1", reason="IDEMPOTENCY_KEY_REUSED"))
     assert (reused.code, reused.message) == (grpc.StatusCode.ALREADY_EXISTS.value[0], "job j1")
 

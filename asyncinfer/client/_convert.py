@@ -96,6 +96,7 @@ def error_from_proto(status: error_pb2.ErrorStatus) -> JobError:
         message=status.message,
         violations=tuple(FieldViolation(v.field, v.description) for v in status.field_violations),
         retriable=status.retriable,
+        retry_after_s=status.retry_after.ToNanoseconds() / 1e9 if status.HasField("retry_after") else None,
     )
 
 

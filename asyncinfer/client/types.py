@@ -77,6 +77,8 @@ class JobError:
     message: str
     violations: tuple[FieldViolation, ...] = ()
     retriable: bool = False
+    # How long the server asks to wait before trying again (a bulk item refused QUEUE_FULL).
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
@@ -32,6 +33,7 @@ class ErrorStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIELD_VIOLATIONS_FIELD_NUMBER: _builtins.int
     RETRIABLE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """The canonical gRPC status code (google.rpc.Code), e.g. 3 for INVALID_ARGUMENT."""
     reason: _builtins.str
@@ -44,6 +46,12 @@ class ErrorStatus(_message.Message):
     def field_violations(self) -> _containers.RepeatedCompositeFieldContainer[Global___FieldViolation]:
         """For invalid input: which fields were wrong and why."""
 
+    @_builtins.property
+    def retry_after(self) -> _duration_pb2.Duration:
+        """When retriable and the server knows: how long to wait before trying again, as a unary call's
+        google.rpc.RetryInfo says (a SubmitJobs item refused QUEUE_FULL or TENANT_QUOTA_EXCEEDED).
+        """
+
     def __init__(
         self,
         *,
@@ -52,10 +60,11 @@ class ErrorStatus(_message.Message):
         message: _builtins.str = ...,
         field_violations: _abc.Iterable[Global___FieldViolation] | None = ...,
         retriable: _builtins.bool = ...,
+        retry_after: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field_violations", b"field_violations", "message", b"message", "reason", b"reason", "retriable", b"retriable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field_violations", b"field_violations", "message", b"message", "reason", b"reason", "retriable", b"retriable", "retry_after", b"retry_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

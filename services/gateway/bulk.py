@@ -48,11 +48,14 @@ ToJob = Callable[[JobRecord], job_pb2.Job]
 
 
 def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
-    """The per-item form of what a unary call would answer as a rich status (no metadata or
-    RetryInfo there: the messages name the job or the delay)."""
+    """The per-item form of what a unary call would answer as a rich status: its RetryInfo delay
+    in `retry_after` (no metadata: the messages name the job)."""
     retriable = isinstance(error, Unavailable | ResourceExhausted)
     # Bounded like a unary call's status: one item can quote thousands of bad tensors.
-    return error_to_proto(JobError.from_exception(clip_error(error), retriable=retriable))
+    status = error_to_proto(JobError.from_exception(clip_error(error), retriable=retriable))
+    if isinstance(error, ResourceExhausted) and error.retry_after_s:
+        status.retry_after.FromNanoseconds(round(error.retry_after_s * 1e9))
+    return status
 
 
 def _internal() -> error_pb2.ErrorStatus:
