@@ -15,12 +15,16 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from asyncinfer.client import AsyncClient, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
 from services.console.app import ConsoleApp, known_hosts_only
-from services.console.pages_jobs import _queued_so_far
+from services.console.backend import JobsPage
+from services.console.context import Context
+from services.console.history import QueueHistory
+from services.console.pages_jobs import _queued_so_far, jobs_page
 from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
@@ -238,3 +242,24 @@ async def test_a_job_page_follows_its_webhook_after_the_job_ended(
     assert "data-refresh=" in page, "ended, but its webhook is still being tried"
     async with http.get(f"{console.url}jobs/{job.job_id}", headers={"X-Console-Fragment": "1"}) as fragment:
         assert "X-Console-Final" not in fragment.headers
+
+
+async def test_a_short_page_with_more_after_it_says_why() -> None:
+    """ListJobs ends a page at 4 MB of records too: 511 rows of the 1,000 asked, and a next link,
+    read as if jobs were missing (a helper's console pass)."""
+
+    class OnePageBackend:
+        async def list_jobs(self, **_asked: Any) -> JobsPage:
+            job = Job("j1", "demo", "1", JobState.QUEUED, Priority.NORMAL, 0, 3, 1)
+            return JobsPage(jobs=(job, dataclasses.replace(job, job_id="j2")), next_page_token="t")
+
+    ctx = Context(
+        backend=OnePageBackend(),  # type: ignore[arg-type]
+        history=QueueHistory(60.0),
+        csrf="c",
+        writable=False,
+        tenant="default",
+        stats_interval_s=1.0,
+    )
+    page = await jobs_page(ctx, make_mocked_request("GET", "/jobs?page_size=50"))
+    assert "2 of the 50 asked fit in one answer; the rest follow" in str(page.text)

@@ -83,6 +83,8 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     if found.next_page_token:
         more = ui.url("/jobs", **filters, page_token=found.next_page_token)
         links.append(f'<a id="next-page" href="{ui.h(more)}">next page</a>')
+        if len(found.jobs) < size:  # ListJobs ends a page at its size limit in bytes, too
+            links.append(f"{len(found.jobs)} of the {size} asked fit in one answer; the rest follow")
     body = listing + " · ".join(links)
     if request.headers.get("X-Console-Fragment"):
         return web.Response(text=body, content_type="text/html")
