@@ -24,6 +24,7 @@ from services.console.app import ConsoleApp, known_hosts_only
 from services.console.backend import JobsPage
 from services.console.context import Context
 from services.console.history import QueueHistory
+from services.console.html import line_chart
 from services.console.pages_jobs import _queued_so_far, jobs_page
 from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
@@ -263,3 +264,14 @@ async def test_a_short_page_with_more_after_it_says_why() -> None:
     )
     page = await jobs_page(ctx, make_mocked_request("GET", "/jobs?page_size=50"))
     assert "2 of the 50 asked fit in one answer; the rest follow" in str(page.text)
+
+
+@pytest.mark.unit
+def test_a_plots_legend_wraps_below_it_for_any_number_of_models() -> None:
+    """Names were placed 110 px apart inside the 520-px plot: long ones overlapped, and past four
+    models they ran off its edge (a helper's console pass)."""
+    series = {f"a-rather-long-model-name-{i}": [(100.0, float(i))] for i in range(6)}
+    chart = line_chart("queued jobs", series, now=100.0, span_s=60.0, unit="jobs")
+    plot, _, legend = chart.partition("</svg>")
+    assert all(f">{name}</text>" not in plot for name in series)
+    assert all(f"&#9632; {name}</span>" in legend for name in series)

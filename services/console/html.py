@@ -37,7 +37,8 @@ vertical-align:middle}.progress .ok{background:#137333}.progress .bad{background
 .note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}.muted{color:#5f6368}
 .error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0}
 form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px solid #dde1e8;padding:8px}
-.charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #dde1e8}
+.charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #dde1e8;max-width:100%;height:auto}
+figure.chart{margin:0;max-width:520px}.legend{font-size:12px;display:flex;flex-wrap:wrap;gap:2px 12px}
 """
 
 SCRIPT = """
@@ -200,6 +201,7 @@ def line_chart(
         f'<text x="{left}" y="{height - 6}" font-size="11">-{h(round(span_s / 60))} min</text>',
         f'<text x="{left + plot_w}" y="{height - 6}" font-size="11" text-anchor="end">now ({h(unit)})</text>',
     ]
+    legend = []
     for index, (name, points) in enumerate(sorted(series.items())):
         color = COLORS[index % len(COLORS)]
         coords = " ".join(
@@ -211,12 +213,13 @@ def line_chart(
                 f'<polyline class="series" data-series="{h(name)}" fill="none" stroke="{color}" '
                 f'stroke-width="2" points="{coords}"/>'
             )
-        parts.append(
-            f'<text x="{left + 8 + 110 * index}" y="{top + 12}" font-size="11" fill="{color}">{h(name)}</text>'
-        )
+        legend.append(f'<span style="color:{color}">&#9632; {h(name)}</span>')
     if not series:
         parts.append(f'<text x="{left + 10}" y="{top + plot_h / 2}" font-size="12" fill="#777">no samples yet</text>')
-    return "".join(parts) + "</svg>"
+    # Below the plot, as text that wraps: in the plot, names 110 px apart overlapped when long, and
+    # past four models ran off its edge.
+    key = f'<div class="legend">{" ".join(legend)}</div>' if legend else ""
+    return f'<figure class="chart">{"".join(parts)}</svg>{key}</figure>'
 
 
 def bar_chart(title: str, bars: Sequence[tuple[str, float]], *, unit: str, x_label: str) -> str:
