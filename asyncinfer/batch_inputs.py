@@ -116,11 +116,18 @@ def _decoded(text: bytes) -> Any:
 
 
 _LINE_FIELDS = frozenset({"custom_id", "inputs"})
+# The longest JSONL line read: four times a SubmitJob request's default limit (4 MiB), room for its
+# tensors as JSON text.
+MAX_LINE_BYTES = 16 * 1024 * 1024
 
 
 def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[IndexEntry, Arrays] | ErrorLine:
     """One JSONL line: its record, or its error line."""
     custom_id = ""
+    if len(text) > MAX_LINE_BYTES:
+        # Not decoded: a line is held about nine times over as Python objects (a 45-MB line took a
+        # gateway from 123 to 529 MB), and one record past a SubmitJob's size is no record to run.
+        return ErrorLine(line, "", "INVALID_ARGUMENT", f"the line is {len(text)} bytes, over {MAX_LINE_BYTES}")
     try:
         value = _decoded(text)
         if not isinstance(value, dict):
@@ -159,6 +166,9 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
         )
     except ValueError as exc:  # UnicodeDecodeError
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", f"not a JSON line: {exc}")
+    except RecursionError:  # nested some thousand levels deep: it escaped, and the batch's preparation
+        # failed and started again, hundreds of times a second, never getting past VALIDATING
+        return ErrorLine(line, custom_id, "INVALID_ARGUMENT", "not a JSON line: nested too deeply")
     return IndexEntry(line, custom_id), arrays
 
 

@@ -5,6 +5,7 @@ create with the same idempotency key returns the first batch, and ListBatches pa
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -17,11 +18,13 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.errors import Unavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
+from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from tests.batch_helpers import (
     batches_stub,
@@ -273,3 +276,23 @@ async def test_plain_jobs_sent_while_a_chunk_overfills_the_batcher_still_run(
         for job in jobs:
             ended = await client.wait(job, timeout_s=30)
             assert ended.state is JobState.SUCCEEDED, ended.error
+
+
+async def test_a_preparation_that_keeps_failing_is_tried_again_with_backoff(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A helper's batch pass, session 24: a preparation that failed (a full store, a line that broke
+    the parser) was started again at once, some 400 times a second, rereading the whole upload."""
+    tries: list[float] = []
+
+    async def store_full(self: Preparer, record: Any, model: Any, *, now: float) -> Any:
+        tries.append(time.monotonic())
+        raise Unavailable("the job store is full")
+
+    monkeypatch.setattr(Preparer, "prepare", store_full)
+    stack = await start_stack(lifecycle_config(config))
+    stub = batches_stub(stack.channel)
+    await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(10)))))
+    await asyncio.sleep(2.0)
+    assert 2 <= len(tries) <= 4, len(tries)  # at 0, 0.5, 1.5 s (doubling waits)
+    assert all(b - a >= 0.45 for a, b in itertools.pairwise(tries))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from asyncinfer import batches
 from asyncinfer.batch_inputs import (
+    MAX_LINE_BYTES,
     ChunkBuilder,
     RecordInvalid,
     array_chunks,
@@ -343,3 +344,16 @@ def test_a_broken_json_line_says_where_once() -> None:
     bad = parse_line(3, b'{"custom_id": "a", "inputs": {"x": "open', SIGNATURE)
     assert isinstance(bad, ErrorLine)
     assert bad.message == "not a JSON line: Unterminated string starting at column 36"
+
+
+def test_a_line_nested_too_deeply_or_too_long_is_an_error_line() -> None:
+    """A helper's batch pass, session 24: a line nested 1,000 levels deep raised RecursionError out of
+    the parser, and the batch's preparation failed and started again some 400 times a second, never
+    leaving VALIDATING; a 45-MB line was decoded whole, taking the gateway from 123 to 529 MB."""
+    deep = parse_line(4, b'{"inputs": {"x": ' + b"[" * 5000 + b"]" * 5000 + b"}}", SIGNATURE)
+    assert isinstance(deep, ErrorLine)
+    assert (deep.line, deep.code, deep.message) == (4, "INVALID_ARGUMENT", "not a JSON line: nested too deeply")
+    long_line = b'{"inputs": {"x": [[' + b"1," * (MAX_LINE_BYTES // 2) + b"1]]}}"
+    too_long = parse_line(5, long_line, SIGNATURE)
+    assert isinstance(too_long, ErrorLine)
+    assert too_long.message == f"the line is {len(long_line)} bytes, over {MAX_LINE_BYTES}"

@@ -23,6 +23,7 @@ from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.connection import connect
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from services.batcher.models import demo
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
 from tests.stack import StartStack
 from tests.test_batch_lifecycle import GATED, gate
 
@@ -96,3 +97,29 @@ async def _stored(js: object, size: int) -> bool:
     except APIError:  # insufficient resources
         return False
     return True
+
+
+async def test_a_batch_created_on_a_full_store_is_resource_exhausted(
+    config: Config, small_store: NatsServerProcess, start_stack: StartStack
+) -> None:
+    """As UploadInput and SubmitJob answer (a helper's batch pass: it was UNAVAILABLE quoting
+    nats-py's exception, which a client retries at once)."""
+    stack = await start_stack(config.replace(nats={"url": small_store.url}))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(5)))
+    nc = await connect(stack.config.nats, name="filler")
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="FILL", subjects=["fill.>"], storage=StorageType.FILE))
+    try:
+        for size in (256 * 1024, 16 * 1024, 1024, 64):
+            while await _stored(js, size):
+                pass
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.CreateBatch(create_request(ref))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert unpack_details(status_details(refused.value))["ErrorInfo"].reason == "STORE_FULL"  # type: ignore[arg-type]
+        await js.purge_stream("FILL")
+        created = await stub.CreateBatch(create_request(ref))
+        assert created.batch.batch_id
+    finally:
+        await nc.close()

@@ -30,7 +30,7 @@ from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, Chu
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
-from asyncinfer.job_store import JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
@@ -48,6 +48,9 @@ from services.gateway.transitions import Expiry
 log = structlog.get_logger("asyncinfer.gateway.batches")
 
 CANCELLED_MESSAGE = "the batch was cancelled before this record ran"
+# The waits before a failed preparation is tried again (doubling).
+PREPARE_RETRY_FIRST_S = 0.5
+PREPARE_RETRY_MAX_S = 30.0
 EXPIRED_MESSAGE = "the batch's completion window passed before this record ran"
 
 
@@ -84,6 +87,10 @@ class BatchDriver:
         self._due: set[BatchKey] = set()  # batches whose next tick is at once (new, cancelled, prepared)
         self._wake = asyncio.Event()
         self._preparing: dict[tuple[str, str], asyncio.Task[None]] = {}
+        # Batches whose preparation failed: how many times in a row, and the time.monotonic() before
+        # which it is not tried again (it was tried again at once, 400 times a second, rereading the
+        # whole upload each time, where its failure stayed: a full store, a line that broke the parser).
+        self._prepare_failed: dict[tuple[str, str], tuple[int, float]] = {}
         self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
         self._metrics = metrics
         if metrics is not None:
@@ -137,6 +144,7 @@ class BatchDriver:
                     if await self.tick(tenant, batch_id, full=full):
                         self._driven.discard(key)
                         self._seen.pop(key, None)
+                        self._prepare_failed.pop(key, None)
                         if self._chunk_ends is not None:
                             self._chunk_ends.forget_batch(key)
                 except BatchConflict:
@@ -190,6 +198,9 @@ class BatchDriver:
                 expired = batches.finish(record.evolve(state=BatchState.EXPIRED), now=now)
                 return await self._ended(await self._write(record, expired))
             key = (tenant, batch_id)
+            backoff = self._prepare_failed.get(key)
+            if backoff is not None and time.monotonic() < backoff[1]:
+                return False
             if key not in self._preparing:
                 # Reading a large file takes a while: beside the ticks of the other batches.
                 task = asyncio.create_task(self._prepare(record, model, now=now), name=f"batch-prepare-{batch_id}")
@@ -251,18 +262,31 @@ class BatchDriver:
         self._wake.set()  # its next step at once
 
     async def _prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> None:
+        key = (record.tenant, record.batch_id)
         try:
             prepared = await self._preparer.prepare(record, model, now=now)
             written = await self._write(record, prepared)
         except BatchConflict:
             return  # cancelled meanwhile, or another gateway prepared it first: the next tick sees
-        except (AsyncInferError, OSError) as exc:
-            log.warning("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant, error=str(exc))
+        except (AsyncInferError, OSError, *NATS_FAILURES) as exc:
+            delay = self._prepare_later(key)
+            log.warning(
+                "batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant, error=str(exc), retry_in_s=delay
+            )
             return
         except Exception:
-            log.exception("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant)
+            delay = self._prepare_later(key)
+            log.exception("batch_prepare_failed", batch_id=record.batch_id, tenant=record.tenant, retry_in_s=delay)
             return
+        self._prepare_failed.pop(key, None)
         log.info("batch_prepared", batch_id=record.batch_id, state=written.state.value, chunks=len(written.chunks))
+
+    def _prepare_later(self, key: tuple[str, str]) -> float:
+        """After a failed preparation: how long until the next (doubling, up to PREPARE_RETRY_MAX_S)."""
+        failures = self._prepare_failed.get(key, (0, 0.0))[0] + 1
+        delay = min(PREPARE_RETRY_FIRST_S * 2.0 ** (failures - 1), PREPARE_RETRY_MAX_S)
+        self._prepare_failed[key] = (failures, time.monotonic() + delay)
+        return delay
 
     async def _write(self, before: BatchRecord, after: BatchRecord) -> BatchRecord:
         written = await self._store.write(after)

@@ -12,11 +12,12 @@ import time
 from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, encode_planned, planned_chunks
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
-from asyncinfer.errors import Unavailable
+from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import JetStreamContext, KeyWrongLastSequenceError
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import ensure_kv_bucket, stream_subjects
+from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stream_subjects
+from services.gateway.store_health import store_full_error
 
 
 class BatchConflict(Exception):
@@ -77,7 +78,7 @@ class BatchStore:
         except KeyWrongLastSequenceError as exc:
             raise BatchConflict(record.batch_id) from exc
         except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot write the batch: {exc}") from exc
+            raise _refusal(exc, "cannot write the batch", "the batch was not written") from exc
         return record.evolve(revision=revision)
 
     async def claim(self, tenant: str, idempotency_key: str, batch_id: str, *, until: float) -> str:
@@ -94,7 +95,7 @@ class BatchStore:
                 if latest is not None:
                     return latest[0].decode()
             except NATS_FAILURES as exc:
-                raise Unavailable(f"cannot claim the idempotency key: {exc}") from exc
+                raise _refusal(exc, "cannot claim the idempotency key", "no batch was created") from exc
 
     async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str, *, until: float) -> str:
         """Moves the key's claim from `holder` (a batch that was never written: its gateway died
@@ -131,3 +132,12 @@ class BatchStore:
             if batch_id and "." not in batch_id:
                 pairs.append((owner, batch_id))
         return pairs
+
+
+def _refusal(exc: BaseException, what: str, outcome: str) -> AsyncInferError:
+    """RESOURCE_EXHAUSTED STORE_FULL for a full store, as UploadInput and SubmitJob answer (it was
+    UNAVAILABLE quoting nats-py's exception, which clients retry at once); UNAVAILABLE otherwise."""
+    full = store_full(exc)
+    if full is not None:
+        return store_full_error(full, what=outcome)
+    return Unavailable(f"{what}: {exc}")
