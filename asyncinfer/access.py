@@ -109,7 +109,7 @@ class KeyRing:
         key = self.identify(metadata)
         if key.role != role:
             raise PermissionDenied(
-                f"{service} takes keys of role {role}; this key's role is {key.role}",
+                f"{service}: keys of role {role} only; this key's role is {key.role}",
                 reason="WRONG_KEY_ROLE",
                 metadata={"required_role": role, "key_role": key.role},
             )

@@ -72,6 +72,12 @@ async def test_each_role_against_each_service(config: Config, tmp_path: Path, st
         async with AsyncClient(stack.address, api_key=key, timeout_s=5) as client:
             with pytest.raises(error):
                 await client.models()
+            if key is not None:  # a BatchService call is told about both of the gateway's services
+                with pytest.raises(error) as refused:
+                    await client.get_batch("0190b8e4-7c1a-7d3e-8f00-000000000000")
+                assert refused.value.message.startswith(
+                    "the gateway's JobService and BatchService: keys of role tenant only; this key's role is "
+                ), refused.value.message
 
     batcher_address = f"127.0.0.1:{stack.batcher.port}"
     async with (

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 from asyncinfer.access import KeyRing
 from asyncinfer.config import ApiKeyConfig
 
-SERVICE_NAME = "asyncinfer.v1.JobService"
+# Who takes tenant keys, as a refusal of another role names it (it said JobService to a BatchService call).
+TENANT_SERVICES = "the gateway's JobService and BatchService"
 
 
 # What anyone who reached a gateway with no key could do (asyncinfer.access.require_keys_beyond_loopback).
@@ -34,4 +35,4 @@ class Authenticator:
     def tenant(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
         if not self._keys.enabled:
             return self._default_tenant
-        return self._keys.require(metadata, "tenant", SERVICE_NAME).tenant
+        return self._keys.require(metadata, "tenant", TENANT_SERVICES).tenant
