@@ -238,6 +238,16 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     assert (code, stderr.strip()) == (2, f"asyncinfer: no such file: {missing}")
     code, _, stderr = await cli("batch", "create", str(tmp_path), "--model", "demo", "--gateway", "127.0.0.1:1")
     assert (code, stderr.strip()) == (2, f"asyncinfer: a directory, not a file: {tmp_path}")
+    # A JSONL batch's output asked as arrays: said before anything is uploaded (it was refused
+    # NPZ_OUTPUT_NEEDS_ARRAY_INPUT once the whole batch had run).
+    records = tmp_path / "records.jsonl"
+    records.write_bytes(jsonl(demo_records(2)))
+    out = tmp_path / "out.npz"
+    code, _, stderr = await cli(
+        "batch", "create", str(records), "--model", "demo", "--wait", "--out", str(out), "--gateway", "127.0.0.1:1"
+    )  # fmt: skip
+    assert code == 2, stderr
+    assert "this file is JSONL: give --out a .jsonl name" in stderr
     for window in ("nan", "inf", "0"):  # nan and inf were tracebacks
         code, _, stderr = await cli(
             "batch", "create", str(missing), "--model", "demo", "--window", window, "--gateway", "127.0.0.1:1"

@@ -208,6 +208,17 @@ async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, e
         await client.download(batch, errors, file="errors")
 
 
+def _holds_arrays(args: argparse.Namespace) -> bool:
+    """Whether the batch's input is NPY or NPZ: --format, else the file's first bytes (NPY's magic
+    number, or a ZIP archive's, which an NPZ is), as the gateway detects it."""
+    if args.format is not None:
+        return bool(args.format in ("npy", "npz"))
+    path: Path = args.file
+    with path.open("rb") as file:
+        head = file.read(6)
+    return head.startswith((b"\x93NUMPY", b"PK\x03\x04"))
+
+
 async def create_command(args: argparse.Namespace, options: Options) -> int:
     labels = parse_key_values(args.label, "--label")
     if not args.wait and (args.out is not None or args.errors is not None):
@@ -215,6 +226,12 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
     if not await asyncio.to_thread(args.file.is_file):
         what = "a directory, not a file" if await asyncio.to_thread(args.file.is_dir) else "no such file"
         raise UsageError(f"{what}: {args.file}")
+    if args.out is not None and _output_file(args.out) == "npz" and not await asyncio.to_thread(_holds_arrays, args):
+        # Refused after the whole batch had run (NPZ_OUTPUT_NEEDS_ARRAY_INPUT): said before the upload.
+        raise UsageError(
+            f"--out {args.out} asks for the output as arrays (.npz), which a batch over NPY or NPZ input has; "
+            "this file is JSONL: give --out a .jsonl name"
+        )
     size = args.file.stat().st_size
     async with options.client() as client:
         bar = ProgressBar("upload", size)
