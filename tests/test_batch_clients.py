@@ -9,13 +9,14 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
 from asyncinfer.blob_meta import input_chunks_filter
-from asyncinfer.client import AsyncClient, Callback
+from asyncinfer.client import AsyncClient, Callback, RetryPolicy
 from asyncinfer.client.batches import create_batch_request
 from asyncinfer.client.errors import (
     DeadlineExceededError,
@@ -296,3 +297,36 @@ async def test_a_batch_callback_for_running_is_refused(config: Config, start_sta
             await client.create_batch(
                 jsonl(demo_records(2)), "demo", callback=Callback("http://127.0.0.1:9/b", events=("RUNNING",))
             )
+
+
+async def test_a_create_whose_answer_was_lost_makes_one_batch(config: Config, start_stack: StartStack) -> None:
+    """A helper's CLI pass, session 24: the SDK sends a create again after UNAVAILABLE, and without an
+    idempotency key the second made a second batch over the same upload, every record run twice.
+    It generates one, as submit does; its own retry is not reported `deduplicated`."""
+    stack = await start_stack(small_batches(config))
+    async with AsyncClient(stack.address, retry=RetryPolicy(initial_backoff_s=0.01)) as client:
+        stub: Any = client._batches._stub
+        real, calls = stub.CreateBatch, []
+
+        def answer_lost_once(request: Any, **kwargs: Any) -> Any:
+            calls.append(request.idempotency_key)
+            call = real(request, **kwargs)
+            if len(calls) > 1:
+                return call
+
+            async def lost() -> Any:
+                await call  # the gateway made the batch; the answer never comes back
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "lost"
+                )
+
+            return lost()
+
+        stub.CreateBatch = answer_lost_once
+        batch = await client.create_batch(jsonl(demo_records(4)), "demo")
+        listed, _ = await client.list_batches()
+    assert len(calls) == 2
+    assert calls[0], "a key was generated"
+    assert calls[0] == calls[1]
+    assert [b.batch_id for b in listed] == [batch.batch_id]
+    assert not batch.deduplicated

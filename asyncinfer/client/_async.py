@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import enum
 import hashlib
 import io
 import os
+import uuid
 from collections import deque
 from collections.abc import (
     AsyncGenerator,
@@ -943,7 +945,8 @@ class AsyncClient:
         completion_window_s, max_attempts, labels, callback or callback_url, idempotency_key). `data` may
         also be an array (uploaded as an NPY file: one record per row, the model's only input)
         or a mapping of input name to array (an NPZ file), held in memory once more as a file;
-        `output_arrays` then reads the outputs back as arrays."""
+        `output_arrays` then reads the outputs back as arrays. Without an `idempotency_key` one is
+        generated (as `submit` does), so that a create sent again after a lost answer makes no second batch."""
         if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
             data = np.asarray(data)
             if data.dtype.hasobject:
@@ -964,6 +967,11 @@ class AsyncClient:
             np.savez(buffer, **arrays)
             data = buffer.getvalue()
         request = create_batch_request("", model, **options)  # a bad option fails before the upload
+        # As submit's: a create whose answer was lost (UNAVAILABLE) is sent again, and without a
+        # key that made a second batch over the same upload, every record run twice.
+        generated_key = not request.idempotency_key
+        if generated_key:
+            request.idempotency_key = str(uuid.uuid4())
         ref = await self.upload(data, timeout_s=upload_timeout_s)
         request.input_ref = ref.ref
         try:
@@ -981,6 +989,8 @@ class AsyncClient:
             # A retry under an idempotency key: the batch reads the first upload, not this one.
             with contextlib.suppress(AsyncInferClientError):
                 await self.delete_input(ref)
+        if generated_key and batch.deduplicated:  # this call's own retry found its first create
+            batch = dataclasses.replace(batch, deduplicated=False)
         return batch
 
     async def get_batch(self, batch: Batch | str) -> Batch:
