@@ -15,7 +15,11 @@ from importlib import metadata
 from pathlib import Path
 
 import grpc
+import pytest
 
+from asyncinfer.client import UnavailableError
+from asyncinfer.commands.hints import connection_hint
+from asyncinfer.commands.options import Options
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.embedded_nats import free_port
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE
@@ -204,3 +208,21 @@ async def test_a_connection_error_says_what_to_check_and_nothing_else(tmp_path: 
     finally:
         await plain.stop(None)
         await secure.stop(None)
+
+
+@pytest.mark.unit
+def test_a_server_that_accepts_and_never_answers_gets_a_hint() -> None:
+    """A helper's CLI pass, session 24: a gateway stopped (SIGSTOP) or wedged behind its port failed
+    with gRPC's "timed out before receiving SETTINGS frame" and no hint."""
+    error = UnavailableError(
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: connection attempt timed out "
+        "before receiving SETTINGS frame",
+        code=grpc.StatusCode.UNAVAILABLE,
+    )
+    options = Options(
+        gateway="127.0.0.1:9", scheduler="127.0.0.1:10", api_key=None, ops_key=None, tls_ca_file=None,
+        tls_cert_file=None, tls_key_file=None, timeout_s=None, json=False, config=None,
+    )  # fmt: skip
+    hint = connection_hint(error, options)
+    assert hint is not None
+    assert hint.startswith("something accepts connections there but does not answer as a gRPC server in time")

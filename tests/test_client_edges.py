@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncinfer.client import AsyncClient, JobRequest, JobState, ResourceExhaustedError
+from asyncinfer.client import NO_RETRY, AsyncClient, JobRequest, JobState, ResourceExhaustedError
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE
 from asyncinfer.config import Config
@@ -188,3 +188,33 @@ async def test_one_text_for_a_model_of_one_text_per_item_is_one_item(config: Con
         for text in ("hello", b"hello"):
             job = await client.submit("minilm-l6", {"text": text})
             assert job.state is JobState.QUEUED
+
+
+async def test_a_gateway_a_few_hundred_ms_away_is_reached_at_the_first_attempt(idle_stack: Stack) -> None:
+    """A helper's CLI pass, session 24: grpc.min_reconnect_backoff_ms = 100 is also the time gRPC
+    gives a connection attempt, so a gateway 300 ms away (an ocean, a VPN) failed UNAVAILABLE
+    ("timed out before receiving SETTINGS frame") at the first attempt, and took seconds of retries."""
+    host, port = idle_stack.address.rsplit(":", 1)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await asyncio.sleep(0.3)  # each way
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(client_reader, server_writer), pipe(server_reader, client_writer))
+
+    proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        far = f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}"
+        async with AsyncClient(far, retry=NO_RETRY, timeout_s=10) as client:
+            assert [m.name for m in await client.models()]
+    finally:
+        proxy.close()

@@ -28,6 +28,11 @@ def connection_hint(error: AsyncInferClientError, options: Options) -> str | Non
             f"the TLS handshake failed: is the server on TLS (`asyncinfer up --dev-tls`), and is --tls-ca "
             f"({options.tls_ca_file}) the CA that signed its certificate?"
         )
+    if "before receiving SETTINGS frame" in text:
+        return (
+            f"something accepts connections there but does not answer as a gRPC server in time: is it the "
+            f"gateway (or the scheduler), and is it running (not stopped or overloaded)? {addresses}"
+        )
     if "Socket closed" in text and not options.tls_ca_file:
         return f"the server closed the connection: if it is on TLS, give --tls-ca FILE (`up --dev-tls`'s: {DEV_CA})"
     return None
