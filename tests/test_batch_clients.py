@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ from asyncinfer.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    UnavailableError,
 )
 from asyncinfer.config import Config
+from asyncinfer.embedded_nats import free_port
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import job_pb2, ops_service_pb2, ops_service_pb2_grpc
 from tests.batch_helpers import demo_records, jsonl
@@ -330,3 +333,21 @@ async def test_a_create_whose_answer_was_lost_makes_one_batch(config: Config, st
     assert calls[0] == calls[1]
     assert [b.batch_id for b in listed] == [batch.batch_id]
     assert not batch.deduplicated
+
+
+async def test_a_batch_watch_gives_up_once_the_gateway_stays_away(config: Config, start_stack: StartStack) -> None:
+    """A helper's CLI pass, session 24: `batch watch` reopened its stream every 0.5 s for ever, silent,
+    against a gateway gone for good; a job's watch gives up RetryPolicy.stream_resume_s after the break."""
+    stack = await start_stack(small_batches(config).replace(gateway={"port": free_port()}), batcher=False)
+    async with AsyncClient(stack.address, retry=RetryPolicy(stream_resume_s=1.0)) as client:
+        batch = await client.create_batch(jsonl(demo_records(3)), "demo")  # no batcher: it stays running
+        updates = client.watch_batch(batch)
+        assert (await anext(updates)).batch_id == batch.batch_id
+        await stack.gateway.stop(0)
+        with pytest.raises(UnavailableError):
+            await asyncio.wait_for(_drain(updates), 15)
+
+
+async def _drain(updates: AsyncIterator[Any]) -> None:
+    async for _ in updates:
+        pass

@@ -206,7 +206,10 @@ class AsyncClient:
         # Made once, with the channel: grpcio 1.85 crashes the process (a segfault or an abort)
         # when a stub made on a closed channel is called.
         self._batches = BatchCalls(
-            self._channel, self._metadata, lambda invoke: self._call(invoke, self._deadline(None))
+            self._channel,
+            self._metadata,
+            lambda invoke: self._call(invoke, self._deadline(None)),
+            resume_s=lambda: self.retry.stream_resume_s,
         )
         self._closed = False
         self.timeout_s = timeout_s

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -201,10 +202,18 @@ def create_batch_request(
 class BatchCalls:
     """The BatchService calls of one AsyncClient (its channel, metadata and retrying call)."""
 
-    def __init__(self, channel: Any, metadata: tuple[tuple[str, str], ...], call: Call) -> None:
+    def __init__(
+        self,
+        channel: Any,
+        metadata: tuple[tuple[str, str], ...],
+        call: Call,
+        resume_s: Callable[[], float] = lambda: 30.0,
+    ) -> None:
         self._stub: BatchServiceAsyncStub = batch_service_pb2_grpc.BatchServiceStub(channel)
         self._metadata = metadata
         self._call = call
+        # How long a broken watch is opened again (the client's RetryPolicy.stream_resume_s).
+        self._resume_s = resume_s
 
     async def create(self, request: batch_service_pb2.CreateBatchRequest) -> Batch:
         """CreateBatch with a request from `create_batch_request`."""
@@ -247,16 +256,23 @@ class BatchCalls:
         batch_id = _batch_id(batch)
         deadline = Deadline(timeout_s)
         request = batch_service_pb2.WatchBatchRequest(batch_id=batch_id)
+        broken_at: float | None = None
         while True:
             try:
                 call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
                 async for update in call:
+                    broken_at = None
                     last = batch_from_proto(update.batch)
                     yield last
                     if last.done:
                         return
             except grpc.RpcError as exc:  # UNAVAILABLE across a gateway restart: opened again
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                    raise from_rpc_error(exc) from exc
+                broken_at = broken_at or time.monotonic()
+                if time.monotonic() - broken_at > self._resume_s():
+                    # As a job's watch: reopened for stream_resume_s after it broke, not forever (a
+                    # gateway gone for good kept `batch watch` silent until it was killed).
                     raise from_rpc_error(exc) from exc
                 if not deadline.allows_sleep(RECONNECT_S):
                     raise deadline.exceeded(f"the watch of batch {batch_id}") from exc
