@@ -218,3 +218,36 @@ async def test_a_gateway_a_few_hundred_ms_away_is_reached_at_the_first_attempt(i
             assert [m.name for m in await client.models()]
     finally:
         proxy.close()
+
+
+FORKED_CHILD = """
+import os, sys
+from asyncinfer.client import Client
+client = Client(sys.argv[1])
+client.models()
+pid = os.fork()
+if pid == 0:
+    try:
+        client.models()
+    except RuntimeError as error:
+        os._exit(0 if "made in the parent of a forked process" in str(error) else 3)
+    os._exit(4)
+_, status = os.waitpid(pid, 0)
+client.close()
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+async def test_a_client_used_in_a_forked_child_says_so(idle_stack: Stack) -> None:
+    """A helper's SDK pass, session 24: a child forked after the sync Client was used (multiprocessing's
+    default on Linux) waited for ever on its first call: the client's loop thread is not copied."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FORKED_CHILD, idle_stack.address, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    finally:
+        if process.returncode is None:  # the child hung (and its parent with it)
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err.decode()[-2000:]

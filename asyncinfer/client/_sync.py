@@ -46,6 +46,11 @@ T = TypeVar("T")
 
 # How often a blocked call wakes to let a pending signal (Ctrl-C) be raised.
 WAIT_SLICE_S = 0.2
+FORKED = (
+    "this Client was made in the parent of a forked process: a process forked after gRPC was used "
+    "cannot use gRPC (its threads are not copied); make clients in each worker started with "
+    "multiprocessing's 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
+)
 
 
 class Client:
@@ -70,6 +75,7 @@ class Client:
         tls_cert_file: str | os.PathLike[str] | None = None,
         tls_key_file: str | os.PathLike[str] | None = None,
     ) -> None:
+        self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="asyncinfer-client", daemon=True)
         self._thread.start()
@@ -100,6 +106,10 @@ class Client:
         if self._closed:
             coroutine.close()
             raise RuntimeError("the client is closed")
+        if os.getpid() != self._pid:
+            # A forked child has no copy of the client's loop thread: a call waited for ever.
+            coroutine.close()
+            raise RuntimeError(FORKED)
         ended = threading.Event()
 
         async def tracked() -> T:
@@ -152,6 +162,9 @@ class Client:
     def close(self) -> None:
         """Closes the channel and stops the thread; idempotent."""
         if self._closed:
+            return
+        if os.getpid() != self._pid:  # a forked child's copy: nothing of it runs here to stop
+            self._closed = True
             return
         try:
             self._run(self._client.close())
