@@ -5,6 +5,7 @@ SDK's create_batch, watch_batch and download."""
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ from asyncinfer.client.errors import (
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.nats.streams import count_messages
-from asyncinfer.v1 import job_pb2, ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
 from tests.webhook_receiver import webhook_config
@@ -351,3 +352,26 @@ async def test_a_batch_watch_gives_up_once_the_gateway_stays_away(config: Config
 async def _drain(updates: AsyncIterator[Any]) -> None:
     async for _ in updates:
         pass
+
+
+async def test_a_download_that_stalls_ends_at_its_timeout() -> None:
+    """A helper's CLI pass, session 24: `batch download --timeout 3` from a gateway that stalled
+    mid-file waited for ever (the read had no deadline); `get` of a large result the same."""
+
+    class Stalling(batch_service_pb2_grpc.BatchServiceServicer):
+        async def ReadBatchFile(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            yield batch_service_pb2.ReadBatchFileResponse(chunk=b'{"custom_id": "1"}\n')
+            await asyncio.Event().wait()  # and nothing more, the stream open
+
+    server = grpc.aio.server()
+    batch_service_pb2_grpc.add_BatchServiceServicer_to_server(Stalling(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            with pytest.raises(DeadlineExceededError):
+                await asyncio.wait_for(
+                    client.download("01a24a3a-cd4b-7284-bc8e-00301d897e79", io.BytesIO(), timeout_s=1.0), 20
+                )
+    finally:
+        await server.stop(None)

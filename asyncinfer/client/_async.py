@@ -1027,12 +1027,18 @@ class AsyncClient:
         return last
 
     async def download(
-        self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output"
+        self,
+        batch: Batch | str,
+        target: str | os.PathLike[str] | BinaryIO,
+        *,
+        file: str = "output",
+        timeout_s: float | None = None,
     ) -> int:
         """Writes the batch's output file (JSONL in input order), or with file="errors" its error
         file, or with file="npz" the NPZ archive of a batch over an NPY or NPZ file (see
-        `output_arrays`), to a path or a binary file; the bytes written."""
-        return await write_file(self._batch_calls.download(batch, file), target)
+        `output_arrays`), to a path or a binary file; the bytes written. `timeout_s`: the most the
+        whole download may take (none by default: a large file takes as long as it takes)."""
+        return await write_file(self._batch_calls.download(batch, file, timeout_s=timeout_s), target)
 
     async def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:
         """The outputs of a batch over an NPY or NPZ file as arrays, in memory: "succeeded" (a bool

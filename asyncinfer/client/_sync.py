@@ -351,8 +351,15 @@ class Client:
     def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
         return self._run(self._client.wait_batch(batch, timeout_s=timeout_s))
 
-    def download(self, batch: Batch | str, target: str | os.PathLike[str] | BinaryIO, *, file: str = "output") -> int:
-        return self._run(self._client.download(batch, target, file=file))
+    def download(
+        self,
+        batch: Batch | str,
+        target: str | os.PathLike[str] | BinaryIO,
+        *,
+        file: str = "output",
+        timeout_s: float | None = None,
+    ) -> int:
+        return self._run(self._client.download(batch, target, file=file, timeout_s=timeout_s))
 
     def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:
         return self._run(self._client.output_arrays(batch))

@@ -278,13 +278,16 @@ class BatchCalls:
                     raise deadline.exceeded(f"the watch of batch {batch_id}") from exc
                 await asyncio.sleep(RECONNECT_S)
 
-    async def download(self, batch: Batch | str, file: str = "output") -> AsyncIterator[bytes]:
-        """The batch's output (or error, or NPZ) file, in pieces."""
+    async def download(
+        self, batch: Batch | str, file: str = "output", *, timeout_s: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """The batch's output (or error, or NPZ) file, in pieces; within `timeout_s` when given (a
+        large file may take long: none by default)."""
         if file not in FILES:
             raise ValueError(f"file must be one of {sorted(FILES)}, not {file!r}")
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=_batch_id(batch), file=FILES[file])
         try:
-            async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata):
+            async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata, timeout=timeout_s):
                 yield piece.chunk
         except grpc.RpcError as exc:  # the SDK's errors, as every other call raises them
             raise from_rpc_error(exc) from exc

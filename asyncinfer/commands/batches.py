@@ -197,15 +197,18 @@ def _output_file(out: Path) -> str:
     return "npz" if out.suffix.lower() == ".npz" else "output"
 
 
-async def _download(client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None) -> None:
+async def _download(
+    client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None, timeout_s: float | None
+) -> None:
     """The output to --out, or to stdout when neither file is named (asking for the error file
-    alone writes that file alone), and the error file to --errors."""
+    alone writes that file alone), and the error file to --errors; each within --timeout when given
+    (a gateway that stalled mid-file kept the command waiting for ever)."""
     if out is not None:
-        await client.download(batch, out, file=_output_file(out))
+        await client.download(batch, out, file=_output_file(out), timeout_s=timeout_s)
     elif errors is None:
-        await client.download(batch, cast(BinaryIO, sys.stdout.buffer))
+        await client.download(batch, cast(BinaryIO, sys.stdout.buffer), timeout_s=timeout_s)
     if errors is not None:
-        await client.download(batch, errors, file="errors")
+        await client.download(batch, errors, file="errors", timeout_s=timeout_s)
 
 
 def _holds_arrays(args: argparse.Namespace) -> bool:
@@ -275,9 +278,9 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         if not options.json:
             print(batch_summary(batch), flush=True)
         if args.out is not None:
-            await client.download(batch, args.out, file=_output_file(args.out))
+            await client.download(batch, args.out, file=_output_file(args.out), timeout_s=options.timeout_s)
         if args.errors is not None:
-            await client.download(batch, args.errors, file="errors")
+            await client.download(batch, args.errors, file="errors", timeout_s=options.timeout_s)
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
 
 
@@ -328,5 +331,5 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
 
 async def download_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
-        await _download(client, args.batch_id, args.out, args.errors)
+        await _download(client, args.batch_id, args.out, args.errors, options.timeout_s)
     return EXIT_OK

@@ -204,7 +204,8 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
 
 
 async def _show_finished(client: AsyncClient, job: Job, options: Options) -> int:
-    outputs = await client.outputs(job) if job.succeeded else {}
+    # Within --timeout when given: a read of a large result that stalled waited for ever.
+    outputs = await client.outputs(job, timeout_s=options.timeout_s) if job.succeeded else {}
     if options.json:
         print_json(job_json(dataclasses.replace(job, outputs=outputs)))
     else:
@@ -220,7 +221,7 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
         job = await client.get(args.job_id)
         outputs: dict[str, np.ndarray[Any, Any]] = {}
         if job.succeeded and not args.no_outputs:
-            outputs = await client.outputs(job)
+            outputs = await client.outputs(job, timeout_s=options.timeout_s)
         if options.json:
             print_json(job_json(dataclasses.replace(job, outputs=outputs)))
         else:
