@@ -596,3 +596,17 @@ async def test_models_lists_the_gateways_and_submit_types_inputs_from_them(
         assert "BYTES" in err, err
     finally:
         await stack.stop()
+
+
+async def test_a_bulk_stopped_by_its_timeout_says_how_to_go_on(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A helper's CLI pass, session 24: an interrupted or timed-out bulk said nothing of what was kept
+    or how to go on (its journal resumes it)."""
+    cli = Cli(idle_stack, monkeypatch)
+    source = tmp_path / "requests.jsonl"
+    source.write_text("".join(json.dumps({"inputs": {"x": [[1, 2, 3, 4]]}}) + "\n" for _ in range(3)))
+    code, _, err = await cli("bulk", str(source), "--model", "demo", "--timeout", "1")  # no batcher: none ends
+    assert code == 5, err
+    assert "stopped with 0 of 3 lines finished; the run is kept in " in err
+    assert "run the same command again to go on" in err

@@ -37,7 +37,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from asyncinfer.client import AsyncClient, AsyncInferClientError, BulkResult, Job, JobRequest, NotFoundError
+from asyncinfer.client import (
+    AsyncClient,
+    AsyncInferClientError,
+    BulkResult,
+    DeadlineExceededError,
+    Job,
+    JobRequest,
+    NotFoundError,
+    UnavailableError,
+)
 from asyncinfer.commands.inputs import Signatures, request_from_json
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
@@ -243,6 +252,16 @@ async def _bulk(args: argparse.Namespace, options: Options, path: Path, out: Pat
             await _submit_phase(client, journal, path, input_id, args.model, signatures, args.window, counts)
             if not args.no_wait:
                 await _wait_phase(client, journal, args.concurrency, options.timeout_s, counts)
+    except (KeyboardInterrupt, asyncio.CancelledError, TimeoutError, DeadlineExceededError, UnavailableError):
+        # Ctrl-C, --timeout, a gateway gone: what is kept, and how to go on (it said nothing)
+        done = len(journal.finished)
+        print(
+            f"asyncinfer: stopped with {done} of {counts.lines} lines finished; the run is kept in {out}: "
+            "run the same command again to go on (nothing accepted is submitted twice)",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise
     finally:
         journal.close()
     summary = bulk_summary(out, counts, journal)
