@@ -3,6 +3,7 @@ transitions, the record's codec, chunk job IDs, and input parsing. No server."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 
@@ -357,3 +358,13 @@ def test_a_line_nested_too_deeply_or_too_long_is_an_error_line() -> None:
     too_long = parse_line(5, long_line, SIGNATURE)
     assert isinstance(too_long, ErrorLine)
     assert too_long.message == f"the line is {len(long_line)} bytes, over {MAX_LINE_BYTES}"
+
+
+def test_a_bytes_output_that_is_not_text_keeps_its_bytes() -> None:
+    """A helper's CLI pass, session 24: decoded with "replace", non-UTF-8 BYTES were lost in the output
+    file, silently ("\\xff\\xfe" became two U+FFFD), where the CLI's JSON writes {"b64": ...}."""
+    raw = b"\xff\xfe\x00bad\xc3("
+    texts = Tensor.from_numpy("t", np.array([[raw], ["caf\u00e9".encode()]], dtype=object))
+    lines = [json.loads(line) for line in output_lines([texts], [(1, "a"), (2, "b")]).splitlines()]
+    assert lines[0]["outputs"]["t"] == [[{"b64": base64.b64encode(raw).decode()}]]
+    assert lines[1]["outputs"]["t"] == [["caf\u00e9"]]

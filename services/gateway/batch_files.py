@@ -11,6 +11,7 @@ failed or never ran, in input order.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -68,8 +69,17 @@ async def _entries(store: BlobStore, record: BatchRecord) -> AsyncGenerator[tupl
 
 def _json_value(array: Any) -> Any:
     if array.dtype == object:
-        return [_json_value(v) if isinstance(v, np.ndarray) else v.decode("utf-8", "replace") for v in array]
+        return [_json_value(v) if isinstance(v, np.ndarray) else _text(v) for v in array]
     return array.tolist()
+
+
+def _text(value: bytes) -> str | dict[str, str]:
+    """A BYTES element as its UTF-8 text, or {"b64": ...} when it is not text, as the CLI writes
+    it (decoded with "replace", such bytes were lost in the output file, silently)."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"b64": base64.b64encode(value).decode()}
 
 
 async def chunk_outputs(store: BlobStore, records: JobStore, record: BatchRecord, chunk: Chunk) -> list[Tensor]:
