@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 from importlib import metadata
@@ -226,3 +227,18 @@ def test_a_server_that_accepts_and_never_answers_gets_a_hint() -> None:
     hint = connection_hint(error, options)
     assert hint is not None
     assert hint.startswith("something accepts connections there but does not answer as a gRPC server in time")
+
+
+async def test_ctrl_c_while_the_command_loads_is_a_quiet_130(tmp_path: Path) -> None:
+    """A helper's CLI pass, session 24: a Ctrl-C in the first second (the imports) printed a traceback
+    of 30-50 lines and could exit 1, which the README gives to a job that did not succeed."""
+    for delay_s in (0.15, 0.3, 0.5):
+        process = await asyncio.create_subprocess_exec(
+            str(Path(sys.executable).parent / "asyncinfer"), "models", "--gateway", "127.0.0.1:1",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+        )  # fmt: skip
+        await asyncio.sleep(delay_s)
+        process.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+        assert process.returncode in (130, -signal.SIGINT), (delay_s, process.returncode, err.decode()[-500:])
+        assert b"Traceback" not in err, (delay_s, err.decode()[-2000:])
