@@ -242,3 +242,46 @@ async def test_ctrl_c_while_the_command_loads_is_a_quiet_130(tmp_path: Path) -> 
         _, err = await asyncio.wait_for(process.communicate(), 60)
         assert process.returncode in (130, -signal.SIGINT), (delay_s, process.returncode, err.decode()[-500:])
         assert b"Traceback" not in err, (delay_s, err.decode()[-2000:])
+
+
+def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str]:
+    """Runs the client command with stdin on a pty, waits until it waits for input (what `asks`
+    shows, else a second), sends one Ctrl-C: (exit code, what the terminal showed)."""
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "asyncinfer", *argv], cwd=REPO, env=ENV, stdin=follower, stdout=subprocess.DEVNULL,
+        stderr=follower, start_new_session=True,
+    )  # fmt: skip
+    os.close(follower)
+    shown = b""
+    try:
+        if asks is not None:
+            while asks not in shown:
+                ready, _, _ = select.select([leader], [], [], 30)
+                assert ready, f"it did not ask; the terminal shows {shown!r}"
+                shown += os.read(leader, 1024)
+        else:
+            select.select([leader], [], [], 1.5)
+        os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+        code = process.wait(timeout=10)
+    finally:
+        process.kill()
+        os.close(leader)
+    return code, shown.decode(errors="replace")
+
+
+@pytest.mark.parametrize(
+    ("argv", "asks"),
+    [
+        (["dlq", "purge", "--all", "--scheduler", "127.0.0.1:1"], b"[y/N]"),
+        (["bulk", "-", "--out", "{tmp}/results.jsonl", "--gateway", "127.0.0.1:1"], None),
+        (["submit", "-f", "-", "--gateway", "127.0.0.1:1"], None),
+    ],
+    ids=["a prompt", "bulk from stdin", "a request from stdin"],
+)
+def test_one_ctrl_c_stops_a_command_waiting_for_input(argv: list[str], asks: bytes | None, tmp_path: Path) -> None:
+    """A helper's CLI pass, session 24: a command reading the terminal took a second Ctrl-C (the read
+    held the event loop), and `bulk -` stopped at none (asyncio.run waited for its reading thread)."""
+    code, shown = waiting_on_a_terminal([a.replace("{tmp}", str(tmp_path)) for a in argv], asks)
+    assert code in (130, -signal.SIGINT), shown
+    assert "Traceback" not in shown, shown

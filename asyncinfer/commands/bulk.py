@@ -58,6 +58,7 @@ from asyncinfer.commands.output import (
     print_json,
     to_json,
 )
+from asyncinfer.commands.stdin import read_stdin
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 
@@ -221,7 +222,7 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
         if args.out is None:
             raise UsageError("bulk - (lines from stdin) needs --out: the results file, which a re-run resumes")
         out: Path = args.out
-        spooled = path = await asyncio.to_thread(_spool_stdin, out)
+        spooled = path = await read_stdin(lambda: _spool_stdin(out))
         input_name = f"stdin:{await asyncio.to_thread(out.resolve)}"
     else:
         if not await asyncio.to_thread(path.is_file):

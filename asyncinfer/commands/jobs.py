@@ -36,6 +36,7 @@ from asyncinfer.commands.output import (
     print_table,
     report_error,
 )
+from asyncinfer.commands.stdin import read_stdin
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 
@@ -113,10 +114,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
 # -- submit -------------------------------------------------------------------------------------
 
 
-def build_request(args: argparse.Namespace, signatures: Signatures) -> JobRequest:
-    """The request the submit arguments describe: the request file (if any), then the flags."""
+def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: str = "") -> JobRequest:
+    """The request the submit arguments describe: the request file (if any; `stdin_text` for -),
+    then the flags."""
     if args.request:
-        text = sys.stdin.read() if args.request == "-" else _read_text(Path(args.request))
+        text = stdin_text if args.request == "-" else _read_text(Path(args.request))
         request = request_from_json(
             read_value_json(text, args.request), signatures=signatures, default_model=args.model
         )
@@ -172,7 +174,8 @@ def _read_text(path: Path) -> str:
 
 async def submit_command(args: argparse.Namespace, options: Options) -> int:
     async with options.client() as client:
-        request = build_request(args, await Signatures.fetch(options.config, client))
+        stdin_text = await read_stdin(sys.stdin.read) if args.request == "-" else ""
+        request = build_request(args, await Signatures.fetch(options.config, client), stdin_text)
         if args.upload and request.inputs is not None:
             ref = await client.upload_inputs(request.inputs, retention_s=request.retention_s)
             request = dataclasses.replace(request, inputs=None, input_ref=ref.ref)

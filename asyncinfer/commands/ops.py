@@ -33,6 +33,7 @@ from asyncinfer.commands.output import (
     rich_table,
     table,
 )
+from asyncinfer.commands.stdin import read_stdin
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 
 if TYPE_CHECKING:
@@ -297,7 +298,7 @@ async def dlq_replay(args: argparse.Namespace, options: Options) -> int:
     return EXIT_OK
 
 
-def _confirmed_purge_all(model: str) -> bool:
+async def _confirmed_purge_all(model: str) -> bool:
     """Asks on the terminal before every dead letter (of a model) is deleted; without a terminal a
     usage error: a script says --yes."""
     what = f"every dead letter of {model}" if model else "every dead letter"
@@ -305,12 +306,12 @@ def _confirmed_purge_all(model: str) -> bool:
         raise UsageError(f"dlq purge --all deletes {what} and there is no terminal to ask on: add --yes")
     sys.stderr.write(f"delete {what}? This cannot be undone. [y/N] ")
     sys.stderr.flush()
-    return sys.stdin.readline().strip().lower() in ("y", "yes")
+    return (await read_stdin(sys.stdin.readline)).strip().lower() in ("y", "yes")
 
 
 async def dlq_purge(args: argparse.Namespace, options: Options) -> int:
     sequences, every, model = _selection(args)
-    if every and not args.yes and not _confirmed_purge_all(model):
+    if every and not args.yes and not await _confirmed_purge_all(model):
         print("nothing purged", flush=True)
         return EXIT_OK
     request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
