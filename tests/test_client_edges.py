@@ -251,3 +251,21 @@ async def test_a_client_used_in_a_forked_child_says_so(idle_stack: Stack) -> Non
             process.kill()
             await process.wait()
     assert process.returncode == 0, err.decode()[-2000:]
+
+
+async def test_closing_the_client_ends_another_tasks_watch_with_a_runtime_error(idle_stack: Stack) -> None:
+    """A helper's SDK pass, session 24: the watch raised a bare CancelledError in a task nobody had
+    cancelled, which TaskGroup and asyncio.run take for a cancel of their own."""
+    client = AsyncClient(idle_stack.address)
+    job = await client.submit("demo", {"x": np.ones((1, 4), np.float32)})  # no batcher: it stays queued
+    seen = asyncio.Event()
+
+    async def watch() -> None:
+        async for _ in client.watch(job, timeout_s=60):
+            seen.set()
+
+    watching = asyncio.create_task(watch())
+    await asyncio.wait_for(seen.wait(), 10)
+    await client.close()
+    with pytest.raises(RuntimeError, match="the client was closed while this call ran"):
+        await asyncio.wait_for(watching, 10)

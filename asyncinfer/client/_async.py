@@ -223,9 +223,18 @@ class AsyncClient:
         self._specs_lock = asyncio.Lock()
 
     async def close(self) -> None:
-        """Closes the channel; a call after it raises RuntimeError. Idempotent."""
+        """Closes the channel; a call after it raises RuntimeError, and so does one in flight
+        (another task's watch, say). Idempotent."""
         self._closed = True
         await self._channel.close(None)
+
+    def _raise_if_closed_meanwhile(self) -> None:
+        """A call cancelled by the channel's close, not by a cancel of its task: RuntimeError (it
+        raised a bare CancelledError in a task nobody cancelled, which TaskGroup and asyncio.run
+        take for a cancel)."""
+        task = asyncio.current_task()
+        if self._closed and (task is None or task.cancelling() == 0):
+            raise RuntimeError("the client was closed while this call ran")
 
     @property
     def _stub(self) -> JobServiceAsyncStub:
@@ -270,6 +279,9 @@ class AsyncClient:
             attempt += 1
             try:
                 return await invoke(deadline.remaining())
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 if not retry:
@@ -541,6 +553,9 @@ class AsyncClient:
                 error: AsyncInferClientError = UnavailableError(
                     "the watch ended before the job did", code=grpc.StatusCode.UNAVAILABLE
                 )
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
             except grpc.RpcError as rpc_error:
                 error, cause = from_rpc_error(rpc_error), rpc_error
                 if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
@@ -596,6 +611,9 @@ class AsyncClient:
                 error: AsyncInferClientError = UnavailableError(
                     "the watch ended before the jobs did", code=grpc.StatusCode.UNAVAILABLE
                 )
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
             except grpc.RpcError as rpc_error:
                 error, cause = from_rpc_error(rpc_error), rpc_error
             finally:
@@ -847,6 +865,9 @@ class AsyncClient:
                     error: AsyncInferClientError = UnavailableError(
                         "SubmitJobs ended before answering every request", code=grpc.StatusCode.UNAVAILABLE
                     )
+                except asyncio.CancelledError:
+                    self._raise_if_closed_meanwhile()
+                    raise
                 except grpc.RpcError as rpc_error:
                     error, cause = from_rpc_error(rpc_error), rpc_error
                 finally:
