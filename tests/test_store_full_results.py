@@ -26,6 +26,7 @@ from services.batcher.models import demo
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
 from tests.stack import StartStack
 from tests.test_batch_lifecycle import GATED, gate
+from tests.test_store_full_server import nats_with_a_store_of
 
 __all__ = ["gate"]  # the fixture, used by name
 STORE_BYTES = 24 * 1024 * 1024
@@ -33,16 +34,8 @@ STORE_BYTES = 24 * 1024 * 1024
 
 @pytest.fixture
 def small_store(tmp_path: Path) -> Iterator[NatsServerProcess]:
-    conf = tmp_path / "nats.conf"
-    conf.write_text(f"jetstream {{ max_file_store: {STORE_BYTES} }}\n")
-    server = NatsServerProcess(
-        store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log", extra_args=("-c", str(conf))
-    )
-    server.start()
-    try:
+    with nats_with_a_store_of(tmp_path, STORE_BYTES) as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def test_a_result_that_found_the_store_full_is_stored_once_there_is_room(

@@ -11,6 +11,7 @@ every accepted job SUCCEEDED."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,10 +35,11 @@ pytestmark = pytest.mark.timeout(120)
 STORE_BYTES = 2 * 1024 * 1024
 
 
-@pytest.fixture
-def small_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
+@contextlib.contextmanager
+def nats_with_a_store_of(tmp_path: Path, store_bytes: int) -> Iterator[NatsServerProcess]:
+    """A nats-server whose whole JetStream file store is `store_bytes` (`max_file_store`)."""
     conf = tmp_path / "small.conf"
-    conf.write_text(f"jetstream {{ max_file_store: {STORE_BYTES} }}\n")
+    conf.write_text(f"jetstream {{ max_file_store: {store_bytes} }}\n")
     server = NatsServerProcess(
         store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log", extra_args=("-c", str(conf))
     )
@@ -46,6 +48,12 @@ def small_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def small_nats(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    with nats_with_a_store_of(tmp_path, STORE_BYTES) as server:
+        yield server
 
 
 def store_full_reason(error: grpc.aio.AioRpcError) -> str:
