@@ -22,8 +22,12 @@ def _interrupted_while_loading(_signum: int, _frame: FrameType | None) -> None:
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, _interrupted_while_loading)
+    # A process started with SIGINT ignored (a background job of a script) keeps ignoring it.
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if not ignored:
+        signal.signal(signal.SIGINT, _interrupted_while_loading)
     from services.cli import main as command
 
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if not ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return command(sys.argv[1:])

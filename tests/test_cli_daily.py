@@ -236,6 +236,7 @@ async def test_ctrl_c_while_the_command_loads_is_a_quiet_130(tmp_path: Path) -> 
         process = await asyncio.create_subprocess_exec(
             str(Path(sys.executable).parent / "asyncinfer"), "models", "--gateway", "127.0.0.1:1",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
+            preexec_fn=_as_a_terminals_foreground_job,
         )  # fmt: skip
         await asyncio.sleep(delay_s)
         process.send_signal(signal.SIGINT)
@@ -250,7 +251,7 @@ def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str
     leader, follower = pty.openpty()
     process = subprocess.Popen(
         [sys.executable, "-m", "asyncinfer", *argv], cwd=REPO, env=ENV, stdin=follower, stdout=subprocess.DEVNULL,
-        stderr=follower, start_new_session=True,
+        stderr=follower, start_new_session=True, preexec_fn=_as_a_terminals_foreground_job,
     )  # fmt: skip
     os.close(follower)
     shown = b""
@@ -266,8 +267,15 @@ def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str
         code = process.wait(timeout=10)
     finally:
         process.kill()
+        process.wait()
         os.close(leader)
     return code, shown.decode(errors="replace")
+
+
+def _as_a_terminals_foreground_job() -> None:
+    """SIGINT as a terminal's foreground job has it: a test run in the background of a script (as CI
+    may be) inherits it ignored, and Python then leaves it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize(
