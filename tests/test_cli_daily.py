@@ -293,3 +293,4 @@ def test_one_ctrl_c_stops_a_command_waiting_for_input(argv: list[str], asks: byt
     code, shown = waiting_on_a_terminal([a.replace("{tmp}", str(tmp_path)) for a in argv], asks)
     assert code in (130, -signal.SIGINT), shown
     assert "Traceback" not in shown, shown
+    assert list(tmp_path.glob("*.stdin")) == [], "bulk's partial copy of its stdin is removed"

@@ -222,7 +222,11 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
         if args.out is None:
             raise UsageError("bulk - (lines from stdin) needs --out: the results file, which a re-run resumes")
         out: Path = args.out
-        spooled = path = await read_stdin(lambda: _spool_stdin(out))
+        try:
+            spooled = path = await read_stdin(lambda: _spool_stdin(out))
+        except BaseException:  # Ctrl-C while the lines come: the partial copy goes too
+            _spool_path(out).unlink(missing_ok=True)
+            raise
         input_name = f"stdin:{await asyncio.to_thread(out.resolve)}"
     else:
         if not await asyncio.to_thread(path.is_file):
@@ -236,8 +240,12 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
             spooled.unlink(missing_ok=True)
 
 
+def _spool_path(out: Path) -> Path:
+    return out.with_name(out.name + ".stdin")
+
+
 def _spool_stdin(out: Path) -> Path:
-    spool = out.with_name(out.name + ".stdin")
+    spool = _spool_path(out)
     with spool.open("w", encoding="utf-8") as copy:
         for line in sys.stdin:
             copy.write(line)

@@ -10,23 +10,19 @@ from typing import Any
 
 import pytest
 
-from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.jobs import JobRecord, JobState
 from services.gateway.watch_hub import RecordUpdate, WatcherQueue
 from services.gateway.watch_many import watch_labels
+from tests.test_record_codec import MINIMAL
 
 pytestmark = pytest.mark.unit
 
-QUEUED = JobRecord(
+QUEUED = MINIMAL.evolve(
     job_id="0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b",
     tenant="acme",
-    model_name="demo",
-    model_version="",
-    state=JobState.QUEUED,
-    priority=Priority.NORMAL,
     create_time=1.0,
     update_time=1.0,
     max_attempts=3,
-    result_retention_s=60.0,
     labels={"run": "nightly"},
 )
 
