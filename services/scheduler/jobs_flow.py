@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import Callable
 
 import structlog
 
 from asyncinfer import job_errors
+from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import JobStore
@@ -46,7 +46,7 @@ from services.scheduler.settlement import Settlement
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
 # How long a computed result is kept trying to be stored while NATS cannot take it, and the waits
-# between tries (doubling).
+# between tries (doubling, asyncinfer.backoff's rule).
 RESULT_STORE_RETRY_S = 120.0
 RESULT_RETRY_FIRST_S = 0.5
 RESULT_RETRY_MAX_S = 5.0
@@ -154,36 +154,49 @@ class JobFlow:
         AckWait, and one on its last attempt ended FAILED LEASE_EXPIRED though it had succeeded).
         Past that, or while this scheduler stops, the message comes back after AckWait and the next
         attempt takes the record over."""
-        delay, given_up_at = RESULT_RETRY_FIRST_S, time.monotonic() + RESULT_STORE_RETRY_S
         tries = 0
-        while True:
-            tries += 1
-            try:
-                if self._tracing.enabled and job.record.traceparent:
-                    await self._traced_result(job, result)
-                else:
-                    await self._settlement.result(job, result)
-            except Unavailable as exc:
-                # NATS away (an outage, a failover) or its store full: expected, said in a line.
-                if self._closing or time.monotonic() + delay > given_up_at:
-                    job.log.warning("result_not_stored", error=exc.message, tries=tries)
-                    return
-                if tries == 1:
-                    job.log.warning("result_not_stored_yet", error=exc.message, retrying_for_s=RESULT_STORE_RETRY_S)
-                await self._keep_message(job)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RESULT_RETRY_MAX_S)
-                continue
-            except Exception:
-                job.log.exception("result_not_stored")  # AckWait's recovery; a traceback, being unexpected
-                return
-            if tries > 1:
-                job.log.info("result_stored", tries=tries)
+        try:
+            async for attempt in retrying(
+                Unavailable,
+                retry_for_s=RESULT_STORE_RETRY_S,
+                first_delay_s=RESULT_RETRY_FIRST_S,
+                max_delay_s=RESULT_RETRY_MAX_S,
+            ):
+                with attempt:
+                    tries += 1
+                    if tries > 1:
+                        if self._closing:
+                            job.log.warning("result_not_stored", reason="the scheduler is stopping", tries=tries - 1)
+                            return
+                        await self._keep_message(job)
+                    try:
+                        await self._settle(job, result)
+                    except Unavailable as exc:
+                        # NATS away (an outage, a failover) or its store full: expected, said in a line.
+                        if tries == 1:
+                            job.log.warning(
+                                "result_not_stored_yet", error=exc.message, retrying_for_s=RESULT_STORE_RETRY_S
+                            )
+                        raise
+        except Unavailable as exc:
+            job.log.warning("result_not_stored", error=exc.message, tries=tries)
             return
+        except Exception:
+            job.log.exception("result_not_stored")  # AckWait's recovery; a traceback, being unexpected
+            return
+        if tries > 1:
+            job.log.info("result_stored", tries=tries)
+
+    async def _settle(self, job: InFlightJob, result: WorkResult) -> None:
+        if self._tracing.enabled and job.record.traceparent:
+            await self._traced_result(job, result)
+        else:
+            await self._settlement.result(job, result)
 
     @staticmethod
     async def _keep_message(job: InFlightJob) -> None:
-        """An in-progress ack: the message is not redelivered while its result waits to be stored."""
+        """An in-progress ack (before each try after the first): the message is not redelivered
+        while its result waits to be stored."""
         try:
             await job.msg.in_progress()
         except Exception as exc:  # NATS away: AckWait runs on; a later try may still land first
