@@ -229,6 +229,12 @@ class GatewayConfig(_Section):
         description="Most WatchJob and WatchJobs streams open on one client connection (0: no limit); "
         "WatchJobs watches up to 10,000 jobs on one stream.",
     )
+    keepalive_s: float = Field(
+        30.0,
+        gt=0,
+        description="Ping each client connection after this long without one; one not answered within as long "
+        "is closed, so a vanished client's watches end (clients may ping every 5 s at the most).",
+    )
     api_keys: tuple[ApiKeyConfig, ...] = Field(
         (),
         description="API keys of the whole stack (every service reads this list), stored hashed, each with a role, "
@@ -290,6 +296,12 @@ class SchedulerConfig(_Section):
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
     )
     queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+    keepalive_s: float = Field(
+        10.0,
+        gt=0,
+        description="Ping each batcher's and client's connection after this long without one; one not answered "
+        "within as long is closed: a batcher that vanished without closing its stream has its jobs run again.",
+    )
     orphan_message_grace_s: float = Field(
         30.0,
         gt=0,
@@ -350,6 +362,13 @@ class BatcherConfig(_Section):
     api_key_file: str | None = Field(None, description="A file holding api_key (a mounted Secret).")
     reconnect_delay_s: float = Field(
         1.0, gt=0, description="Longest wait between reconnects to the scheduler (they start at 0.1 s and double)."
+    )
+    keepalive_s: float = Field(
+        10.0,
+        gt=0,
+        description="Ping the scheduler (and each KServe client) after this long without one; a scheduler that does "
+        "not answer within as long is taken as gone and the batcher connects again. The scheduler accepts a ping "
+        "every 5 s at the most (or every half of its own keepalive_s, where shorter).",
     )
     work_batches: bool = Field(
         True,

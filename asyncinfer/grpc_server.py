@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from asyncinfer.access import AccessGuard
 from asyncinfer.grpc_errors import ErrorMappingGenericHandler, Translate, wrap_method_handler
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
@@ -41,6 +42,7 @@ class GrpcServer:
         credentials: grpc.ServerCredentials | None = None,
         guard: AccessGuard | None = None,
         translate: Translate | None = None,
+        keepalive: Keepalive | None = None,
     ) -> None:
         self._host = host
         self._credentials = credentials
@@ -54,6 +56,7 @@ class GrpcServer:
             # them one at a time): a burst of watches or reconnecting clients would be CANCELLED.
             ("grpc.server.max_pending_requests", 20_000),
             ("grpc.server.max_pending_requests_hard_limit", 40_000),
+            *(keepalive.server_options() if keepalive is not None else ()),
         ]
         interceptors = tuple(interceptors)
         self.server = aio.server(interceptors=interceptors or None, options=options)

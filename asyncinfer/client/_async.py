@@ -77,6 +77,7 @@ from asyncinfer.client.types import (
     ModelInfo,
     Priority,
 )
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.tensor_codec import to_input_proto
 from asyncinfer.tensors import Tensor, TensorSpec, typed_as
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
@@ -174,7 +175,11 @@ class AsyncClient:
     `target` is a gRPC target ("host:port", "dns:///gateway:50051"). `credentials` switches to
     TLS (`grpc.ssl_channel_credentials()`); so do `tls_ca_file` (PEM CA bundle that verifies the
     gateway) and `tls_cert_file` with `tls_key_file` (a client certificate, for a gateway that
-    requires mutual TLS). `api_key` is sent as `authorization: Bearer <key>`.
+    requires mutual TLS). `api_key` is sent as `authorization: Bearer <key>`. While a call is in
+    flight the client pings the gateway every `keepalive_s` (None: never), so a call on a connection
+    that died silently (the gateway's host lost, a NAT that dropped the flow) ends UNAVAILABLE within
+    twice that (and a watch resumes, as after any break) instead of waiting for ever;
+    `channel_options` go before the client's own (gRPC takes the first of a name).
     The client owns one channel; `close()` it (or use `async with`).
     """
 
@@ -190,8 +195,14 @@ class AsyncClient:
         tls_ca_file: str | os.PathLike[str] | None = None,
         tls_cert_file: str | os.PathLike[str] | None = None,
         tls_key_file: str | os.PathLike[str] | None = None,
+        keepalive_s: float | None = 30.0,
     ) -> None:
-        options = [*_CHANNEL_OPTIONS, *channel_options]
+        # gRPC takes the first of two options with the same name: the caller's go first.
+        options = [
+            *channel_options,
+            *_CHANNEL_OPTIONS,
+            *(Keepalive(keepalive_s).client_options() if keepalive_s is not None else ()),
+        ]
         if credentials is None and (tls_ca_file or tls_cert_file or tls_key_file):
             credentials = tls_credentials(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
         self._tls = credentials is not None

@@ -74,6 +74,7 @@ class Client:
         tls_ca_file: str | os.PathLike[str] | None = None,
         tls_cert_file: str | os.PathLike[str] | None = None,
         tls_key_file: str | os.PathLike[str] | None = None,
+        keepalive_s: float | None = 30.0,
     ) -> None:
         self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
@@ -93,6 +94,7 @@ class Client:
                 tls_ca_file=tls_ca_file,
                 tls_cert_file=tls_cert_file,
                 tls_key_file=tls_key_file,
+                keepalive_s=keepalive_s,
             )
 
         self._client = self._run(make())

@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2_grpc
 from asyncinfer.access import AccessGuard, KeyRing, require_keys_beyond_loopback
 from asyncinfer.config import Config, ModelConfig, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.supervision import Supervisor
@@ -113,6 +114,7 @@ class BatcherApp:
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
             guard=AccessGuard(KeyRing(self.config.gateway.api_keys), {SERVICE_NAME: "ops"}, OPEN_METHODS),
+            keepalive=Keepalive(batcher.keepalive_s),
         )
         await self._server.start()
         self.port = self._server.port
@@ -133,6 +135,7 @@ class BatcherApp:
                 batcher_id=self.batcher_id,
                 engine=self.engine,
                 reconnect_delay_s=batcher.reconnect_delay_s,
+                keepalive=Keepalive(batcher.keepalive_s),
                 work_batches=batcher.work_batches,
                 supervisor=self.supervisor,
                 security=worker_security,

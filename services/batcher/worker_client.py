@@ -15,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -22,6 +23,7 @@ import structlog
 from asyncinfer.access import bearer_metadata
 from asyncinfer.backoff import retrying
 from asyncinfer.config import BatcherConfig, ModelConfig
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import channel_credentials, read_secret
 from asyncinfer.v1 import worker_service_pb2_grpc
@@ -79,7 +81,9 @@ class WorkerClient:
         models: ModelControl | None = None,
         claim_checks: ClaimChecks | None = None,
         max_result_bytes: int = 0,
+        keepalive: Keepalive | None = None,
     ) -> None:
+        self._keepalive = keepalive
         self._claim_checks = claim_checks
         self._max_result_bytes = max_result_bytes
         self._models = models
@@ -158,7 +162,11 @@ class WorkerClient:
         try:
             # Work orders carry whole inputs (up to the gateway's upload limit); the scheduler,
             # a trusted peer, bounds them with its own server's send limit.
-            options = [("grpc.max_receive_message_length", -1)]
+            options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", -1)]
+            if self._keepalive is not None:
+                # A scheduler that vanished (its node lost, its pod replaced elsewhere) closes no
+                # connection: without pings this stream would wait for orders for ever.
+                options += self._keepalive.client_options(without_calls=True)
             credentials = self._security.credentials
             channel = (
                 grpc.aio.secure_channel(self._address, credentials, options=options)

@@ -14,6 +14,7 @@ from asyncinfer.access import require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
@@ -203,6 +204,7 @@ class GatewayApp:
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
             translate=nats_failure_status,
+            keepalive=Keepalive(cfg.gateway.keepalive_s),
         )
         await self._server.start()
         self.supervisor.start("gateway-batch-driver", driver.run())

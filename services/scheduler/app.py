@@ -20,6 +20,7 @@ from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import Priority
@@ -232,6 +233,7 @@ class SchedulerApp:
             credentials=tls,
             guard=AccessGuard(KeyRing(config.gateway.api_keys), ROLES),
             translate=nats_failure_status,
+            keepalive=Keepalive(settings.keepalive_s),
         )
         await self._server.start()
         self.port = self._server.port
