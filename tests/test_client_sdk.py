@@ -390,6 +390,14 @@ def test_the_default_policy_waits_out_a_restart_but_not_forever() -> None:
     assert max(sum(w) for w in waits) <= 6.3
 
 
+@pytest.mark.unit
+def test_an_async_client_made_outside_a_running_loop_says_where_to_make_it() -> None:
+    """grpc.aio binds a channel to the loop current at creation: a client made at import time
+    failed only at its first call under asyncio.run(), with "attached to a different loop"."""
+    with pytest.raises(RuntimeError, match="inside a coroutine"):
+        AsyncClient("127.0.0.1:1")
+
+
 async def test_a_submit_outlasts_a_gateway_restart(config: Config, start_stack: StartStack) -> None:
     """Unary calls during a restart (the old gateway gone, the new one 1.5 s later) succeed with the
     default policy, which the README promised."""

@@ -197,6 +197,15 @@ class AsyncClient:
         tls_key_file: str | os.PathLike[str] | None = None,
         keepalive_s: float | None = 30.0,
     ) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            # grpc.aio would bind the channel to whatever loop is current now, and every call made
+            # later under asyncio.run() failed with "attached to a different loop".
+            raise RuntimeError(
+                "make an AsyncClient inside a coroutine (the event loop that will use it is running then: "
+                "e.g. in an async with block, or a web framework's startup hook), or use the blocking Client"
+            ) from None
         # gRPC takes the first of two options with the same name: the caller's go first.
         options = [
             *channel_options,
