@@ -354,6 +354,25 @@ async def test_bulk_sends_the_requests_ready_together_in_one_message() -> None:
     assert len(gateway.jobs_per_message) < 300 / 10
 
 
+async def test_bulk_sends_at_most_the_gateways_limit_of_items_in_a_message() -> None:
+    """The gateway refuses a message of more than 1,000 items (its answer must fit one message):
+    a larger `items_per_message` is taken as 1,000."""
+    gateway = CountingGateway()
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        requests = [JobRequest(model="demo", inputs={"x": X}) for _ in range(2500)]
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            bulk = client.bulk(requests, window=5000, items_per_message=5000, timeout_s=60)
+            results = [r async for r in bulk]
+    finally:
+        await server.stop(0)
+    assert len(results) == 2500
+    assert max(gateway.jobs_per_message) == 1000
+
+
 async def test_bulk_carries_on_across_a_gateway_restart(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
     restarted = asyncio.Event()

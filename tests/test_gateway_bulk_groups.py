@@ -242,3 +242,41 @@ async def test_a_message_larger_than_a_group_is_taken_a_group_at_a_time(
     assert all(accepted)
     # (The keyed job's claim comes first, so its work message may land after its group's.)
     assert sorted(await queued_job_ids(nc)) == sorted(accepted)
+
+
+async def test_a_message_of_too_many_items_ends_the_stream_and_queues_none_of_it(stub: JobStub, nc: NatsClient) -> None:
+    """Its answer is one message, which must fit the send limit: a hostile-input pass (session 25)
+    sent 9,000 small items, all were queued, and the answer (over 5 MiB) never left: the client
+    learnt no job ID. Now a message over 1,000 items is refused whole, after the answers to the
+    messages before it."""
+    first = message(plain(0), plain(1))
+    too_many = message(*(plain(i) for i in range(bulk_message.MAX_GROUP + 1)))
+
+    async def send() -> AsyncIterator[job_service_pb2.SubmitJobsRequest]:
+        yield first
+        yield too_many
+
+    responses: list[job_service_pb2.SubmitJobsResponse] = []
+
+    async def read_all() -> None:
+        async for response in stub.SubmitJobs(send()):
+            responses.append(response)
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await read_all()
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 1000 items per SubmitJobs message" in (refused.value.details() or "")
+    assert "1001" in (refused.value.details() or "")
+    assert [len(r.answers) for r in responses] == [2]
+    assert sorted(await queued_job_ids(nc)) == sorted(a.job.job_id for a in responses[0].answers)
+
+
+async def test_a_message_with_a_job_and_items_ends_the_stream_and_queues_neither(stub: JobStub, nc: NatsClient) -> None:
+    """`job` beside `items` was dropped without an answer (the items were answered)."""
+    both = message(plain(0), plain(1))
+    both.job.CopyFrom(plain(2))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await submit_messages(stub, both)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "one job or items, not both" in (refused.value.details() or "")
+    assert await queued_job_ids(nc) == []

@@ -158,6 +158,7 @@ class _Pending:
 
 # The most IDs one GetJobs call and one WatchJobs stream may carry (the gateway's limits).
 GET_JOBS_MAX_IDS = 1000
+SUBMIT_JOBS_MAX_ITEMS = 1000
 WATCH_JOBS_MAX_IDS = 10_000
 
 
@@ -749,8 +750,8 @@ class AsyncClient:
 
         At most `window` requests are in flight (sent and unanswered), so memory stays bounded
         however long the input. Requests that are ready together travel in one message (up to
-        `items_per_message`; a request that is alone goes at once); 1 sends one per message, for a
-        gateway older than many-jobs messages. Each request without an idempotency key gets a generated one, so
+        `items_per_message`, at most 1,000, the gateway's limit; a request that is alone goes at
+        once); 1 sends one per message, for a gateway older than many-jobs messages. Each request without an idempotency key gets a generated one, so
         when the stream breaks (UNAVAILABLE) the unanswered requests are sent again on a new stream
         without queuing anything twice (the answer for a resent request that had been queued says
         `deduplicated`). A refused item is a result with `error`, not an exception. An exception
@@ -764,7 +765,7 @@ class AsyncClient:
             bulk = self._bulk(
                 source,
                 window=window,
-                items_per_message=max(items_per_message, 1),
+                items_per_message=min(max(items_per_message, 1), SUBMIT_JOBS_MAX_ITEMS),
                 deadline=Deadline(timeout_s),
                 metadata=(*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata,
             )

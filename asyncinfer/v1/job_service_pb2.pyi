@@ -213,7 +213,9 @@ class SubmitJobsRequest(_message.Message):
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___SubmitJobsItem]:
         """Or many jobs in one message (job and correlation_id left unset): answered by one
-        SubmitJobsResponse whose `answers` hold one answer per item, in order.
+        SubmitJobsResponse whose `answers` hold one answer per item, in order. At most 1000 items;
+        a message with more, or with `job` set as well, ends the stream INVALID_ARGUMENT after the
+        answers to the messages before it, and nothing of it is queued.
         """
 
     def __init__(

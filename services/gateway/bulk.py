@@ -27,7 +27,7 @@ import grpc
 import structlog
 
 from asyncinfer.error_bounds import clip_error
-from asyncinfer.errors import AsyncInferError, ResourceExhausted, Unavailable
+from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 from asyncinfer.jobs import JobError, JobRecord
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 from services.gateway.convert import error_to_proto
@@ -39,6 +39,11 @@ DEFAULT_WINDOW = 128
 # Jobs in flight on one stream, whatever the messages carry: enough for several many-jobs
 # messages at once, so one message's acks are awaited while the next is read and published.
 MAX_JOBS_IN_FLIGHT = 1024
+# The most items one message may carry. Its answer is one message too, each item's a job record
+# (a few hundred bytes beyond what the item itself carried), and it must fit the send limit: 9,000
+# small items (657 KB) were all queued and their answer (over 5 MiB) never left, so the client
+# learnt no job ID. 1,000, as GetJobs, keeps an answer within the limit's headroom.
+MAX_ITEMS_PER_MESSAGE = 1000
 
 SubmitOne = Callable[[job_service_pb2.SubmitJobRequest], Coroutine[Any, Any, SubmitOutcome]]
 # Each job's outcome (or error), in order.
@@ -110,6 +115,9 @@ async def _read(
                 await pending.put(_One(index, request.correlation_id, _start(submit_one(request.job))))
                 index += 1
                 continue
+            if (refusal := _refusal(request, index)) is not None:
+                await pending.put(_End(refusal))
+                return
             units = min(len(request.items), MAX_JOBS_IN_FLIGHT)
             for _ in range(units):
                 await room.acquire()
@@ -123,6 +131,25 @@ async def _read(
         await pending.put(_End(error))
         return
     await pending.put(_End())
+
+
+def _refusal(request: job_service_pb2.SubmitJobsRequest, index: int) -> InvalidArgument | None:
+    """Why a many-jobs message cannot be taken, if it cannot: it then ends the stream, after the
+    answers to the messages before it, and nothing of it is queued."""
+    if len(request.items) > MAX_ITEMS_PER_MESSAGE:
+        return InvalidArgument(
+            f"at most {MAX_ITEMS_PER_MESSAGE} items per SubmitJobs message; the message at job index {index} has "
+            f"{len(request.items)} (nothing of it was queued; send them in several messages)",
+            [FieldViolation("items", f"{len(request.items)} items; at most {MAX_ITEMS_PER_MESSAGE}")],
+            reason="TOO_MANY_ITEMS",
+        )
+    if request.HasField("job"):
+        return InvalidArgument(
+            f"a SubmitJobs message carries one job or items, not both; the message at job index {index} has both "
+            "(nothing of it was queued)",
+            [FieldViolation("job", "set with items: put the job among the items")],
+        )
+    return None
 
 
 def _start(submit: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
