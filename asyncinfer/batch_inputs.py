@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import numpy as np
@@ -277,6 +279,15 @@ class NpyLayout:
         )
 
 
+def _npy_header(stream: IO[bytes]) -> tuple[tuple[int, ...], bool, Any]:
+    """An NPY header's shape, Fortran order and dtype (ValueError, OSError or EOFError if it is not one)."""
+    # numpy's format helpers are untyped.
+    version = np.lib.format.read_magic(stream)  # type: ignore[no-untyped-call]
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(stream)  # type: ignore[no-untyped-call]
+    return tuple(shape), bool(fortran_order), dtype
+
+
 def npy_layout(head: bytes, signature: ModelSignature) -> NpyLayout | None:
     """The layout of an NPY file from its first bytes, checked against the signature, for reading
     its rows as they stream in; None where it cannot be streamed (Fortran order, an object dtype, a
@@ -284,10 +295,7 @@ def npy_layout(head: bytes, signature: ModelSignature) -> NpyLayout | None:
     spec = _single_input(signature)
     buffer = io.BytesIO(head)
     try:
-        # numpy's format helpers are untyped.
-        version = np.lib.format.read_magic(buffer)  # type: ignore[no-untyped-call]
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(buffer)  # type: ignore[no-untyped-call]
+        shape, fortran_order, dtype = _npy_header(buffer)
     except (ValueError, OSError, EOFError):
         return None
     if fortran_order or dtype.hasobject or not shape:
@@ -307,17 +315,56 @@ def npy_chunk(
     return ChunkReady(start, start + rows, [Tensor.from_numpy(spec.name, array, spec.datatype)], entries)
 
 
-def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature) -> Arrays:
+def _check_declared(stream: IO[bytes], held: int, what: str) -> None:
+    """RecordInvalid when an NPY header declares more bytes of array than the `held` bytes it
+    comes with: numpy allocates the declared array before it reads a byte (a header of 10^12 rows
+    in a file of a kilobyte left a batch VALIDATING on MemoryError, tried again for its whole
+    window)."""
+    try:
+        shape, _fortran, dtype = _npy_header(stream)
+    except (ValueError, OSError, EOFError) as exc:
+        raise RecordInvalid(f"{what} is not an NPY array: {exc}") from None
+    declared = math.prod(shape) * dtype.itemsize
+    if declared > held - stream.tell():
+        raise RecordInvalid(f"{what} declares shape {list(shape)} of {dtype} ({declared} bytes) but holds fewer")
+
+
+def _check_npz(data: bytes, max_bytes: int) -> None:
+    """RecordInvalid for an NPZ file whose arrays would be larger than `max_bytes` uncompressed, or
+    whose headers declare more than their members hold, before numpy decompresses anything: a
+    199-KiB archive grew the gateway by 201 MiB (a deflate bomb)."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        members = archive.infolist()
+        total = sum(member.file_size for member in members)
+        if total > max_bytes:
+            raise RecordInvalid(
+                f"the NPZ file's arrays are {total} bytes uncompressed; at most {max_bytes} (gateway.max_upload_bytes)"
+            )
+        for member in members:
+            with archive.open(member) as stream:
+                _check_declared(stream, member.file_size, f"the NPZ member {member.filename!r}")
+
+
+def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature, *, max_bytes: int) -> Arrays:
     """The arrays of an NPY or NPZ file, checked against the signature as a whole (first
-    dimension the record); RecordInvalid when they do not fit."""
+    dimension the record); RecordInvalid when they do not fit, or when they would take more than
+    `max_bytes` (NPZ, uncompressed) or more than the file holds (a header's shape)."""
     try:
         if fmt is InputFormat.NPY:
+            _check_declared(io.BytesIO(data), len(data), "the NPY file")
             loaded: dict[str, Any] = {_single_input(signature).name: np.load(io.BytesIO(data), allow_pickle=False)}
         else:
+            _check_npz(data, max_bytes)
             with np.load(io.BytesIO(data), allow_pickle=False) as npz:
                 loaded = {name: npz[name] for name in npz.files}
-    except (ValueError, OSError, EOFError) as exc:
-        raise RecordInvalid(f"not a readable {fmt.value} file: {exc}") from None
+    except RecordInvalid:
+        raise
+    except Exception as exc:
+        # Whatever numpy and zipfile make of a caller's bytes (BadZipFile, a CRC mismatch, an
+        # unsupported compression, a header numpy refuses) is the file's fault: the batch fails
+        # with it. (Only ValueError, OSError and EOFError were caught: the others were taken for a
+        # passing failure and the preparation tried again until the batch's window ended.)
+        raise RecordInvalid(f"not a readable {fmt.value} file: {type(exc).__name__}: {exc}") from None
     arrays: Arrays = {}
     for spec in signature.inputs:
         if spec.name not in loaded:

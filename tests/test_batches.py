@@ -171,6 +171,27 @@ async def test_an_input_format_the_file_is_not_fails_the_batch_saying_what_it_is
     assert "FAILED before any record ran" in (refused.value.details() or "")
 
 
+async def test_an_array_file_numpy_cannot_read_or_too_large_uncompressed_fails_the_batch(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A file that starts like a ZIP and is not one, and an NPZ of zeros larger uncompressed than an
+    upload may be: FAILED at once. (The first stayed VALIDATING, its preparation tried again with a
+    traceback every 30 s until its window ended; the second was decompressed whole.)"""
+    stack = await start_stack(batch_config(config.replace(gateway={"max_upload_bytes": 1 << 20})))
+    stub = batches_stub(stack.channel)
+    bomb = io.BytesIO()
+    np.savez_compressed(bomb, x=np.zeros((100_000, 4), dtype=np.float32))  # 1.6 MB, a few KB compressed
+    cases = [
+        (b"PK\x03\x04" + b"\0" * 64, "not a readable NPZ file: BadZipFile"),
+        (bomb.getvalue(), "the NPZ file's arrays are 1600"),
+    ]
+    for data, said in cases:
+        created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
+        batch = await wait_ended(stub, created.batch.batch_id)
+        assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
+        assert batch.failure_message.startswith(said), batch.failure_message
+
+
 async def test_a_file_without_records_fails_the_batch(config: Config, start_stack: StartStack) -> None:
     """Blank lines only, or an array of no rows: FAILED, saying so (a batch of nothing is almost
     always the wrong file; OpenAI's Batch API fails it as `empty_file`)."""

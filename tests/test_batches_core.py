@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import zipfile
+from typing import Any
 
 import numpy as np
 import pytest
@@ -253,13 +255,53 @@ def test_npy_and_npz_files_are_records_along_the_first_dimension() -> None:
     assert detect_format(npy.getvalue()) is InputFormat.NPY
     assert detect_format(npz.getvalue()) is InputFormat.NPZ
     for data, fmt in ((npy.getvalue(), InputFormat.NPY), (npz.getvalue(), InputFormat.NPZ)):
-        chunks = list(array_chunks(array_inputs(data, fmt, SIGNATURE), SIGNATURE, 4))
+        chunks = list(array_chunks(array_inputs(data, fmt, SIGNATURE, max_bytes=1 << 20), SIGNATURE, 4))
         assert [(c.start, c.end) for c in chunks] == [(0, 4), (4, 8), (8, 10)]
         assert np.array_equal(np.concatenate([c.tensors[0].to_numpy() for c in chunks]), x)
     wrong = io.BytesIO()
     np.save(wrong, np.zeros((3, 5), dtype=np.float32))
     with pytest.raises(RecordInvalid, match="must have shape"):
-        array_inputs(wrong.getvalue(), InputFormat.NPY, SIGNATURE)
+        array_inputs(wrong.getvalue(), InputFormat.NPY, SIGNATURE, max_bytes=1 << 20)
+
+
+def _npz(**arrays: np.ndarray[Any, Any]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def _with_shape(npy: bytes, shape: tuple[int, ...], *, fortran: bool = False) -> bytes:
+    """An NPY file whose header says `shape` (padded to the length of the header it replaces)."""
+    header_len = int.from_bytes(npy[8:10], "little")
+    header = repr({"descr": "<f4", "fortran_order": fortran, "shape": shape}).encode()
+    return npy[:10] + header.ljust(header_len - 1) + b"\n" + npy[10 + header_len :]
+
+
+def test_hostile_array_files_are_refused_as_the_files_fault_before_anything_is_allocated() -> None:
+    """A hostile-input pass (session 25): a 199-KiB NPZ of zeros grew the gateway by 201 MiB (a
+    deflate bomb; 1 GiB uploads are allowed), and files numpy or zipfile refused with another
+    error than ValueError (a ZIP that is not one: BadZipFile; a header declaring 10^12 rows:
+    MemoryError) left their batch VALIDATING, its preparation tried again for its whole window."""
+    bomb = _npz(x=np.zeros((4_000_000, 4), np.float32))  # 64 MB of zeros, ~60 KB compressed
+    assert len(bomb) < 200_000
+    with pytest.raises(RecordInvalid, match=r"uncompressed; at most 1048576 \(gateway.max_upload_bytes\)"):
+        array_inputs(bomb, InputFormat.NPZ, SIGNATURE, max_bytes=1 << 20)
+    assert array_inputs(bomb, InputFormat.NPZ, SIGNATURE, max_bytes=1 << 27)["x"].shape == (4_000_000, 4)
+
+    small = io.BytesIO()
+    np.save(small, np.zeros((2, 4), np.float32))
+    for shape, fortran in (((10**12, 4), False), ((10**12, 4), True)):
+        lying = _with_shape(small.getvalue(), shape, fortran=fortran)
+        with pytest.raises(RecordInvalid, match="declares shape"):
+            array_inputs(lying, InputFormat.NPY, SIGNATURE, max_bytes=1 << 20)
+        archive = io.BytesIO()
+        with zipfile.ZipFile(archive, "w") as zipped:
+            zipped.writestr("x.npy", lying)
+        with pytest.raises(RecordInvalid, match=r"the NPZ member 'x\.npy' declares shape"):
+            array_inputs(archive.getvalue(), InputFormat.NPZ, SIGNATURE, max_bytes=1 << 20)
+
+    with pytest.raises(RecordInvalid, match="not a readable NPZ file: BadZipFile"):
+        array_inputs(b"PK\x03\x04" + b"\0" * 100, InputFormat.NPZ, SIGNATURE, max_bytes=1 << 20)
 
 
 def test_an_npy_file_streams_row_by_row_from_its_header() -> None:

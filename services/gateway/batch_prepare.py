@@ -267,7 +267,7 @@ class Preparer:
             data = bytearray(first)
             async for piece in chunks:
                 data += piece
-            arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature)
+            arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature, max_bytes=self._max_bytes)
             del data
             for ready in array_chunks(arrays, model.signature, self._config.chunk_records):
                 # An array file's index is implicit (record i: line i + 1, custom_id "i"): none stored.
