@@ -122,8 +122,33 @@ async def test_a_bad_config_is_refused_and_what_runs_keeps_running(v1_stack: Sta
         assert await client.is_model_ready("demo", "1")
         with pytest.raises(InferenceServerException, match=r"INVALID_ARG|invalid"):
             await client.load_model("demo", config=json.dumps({"max_batch_size": 0}))
+        # JSON that Python will not read (it escaped as UNKNOWN, with a traceback).
+        for config, said in (("[" * 50_000 + "]" * 50_000, "nested too deeply"), ("1" * 5_000, "digits")):
+            with pytest.raises(InferenceServerException, match=f"INVALID_ARGUMENT.*{said}"):
+                await client.load_model("demo", config=config)
+        assert await client.is_model_ready("demo", "1")
     finally:
         await client.close()
+
+
+async def test_a_config_json_that_cannot_be_read_is_refused_at_once(v1_stack: Stack) -> None:
+    """By the scheduler, before any batcher is asked: one nested 50,000 deep was forwarded, the
+    batcher's control failed unanswered, and LoadModel waited its whole timeout (120 s) to say
+    CONTROL_TIMED_OUT. A model_name that cannot be one says so (it said "model_name is required")."""
+    channel = grpc.aio.insecure_channel(v1_stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+    try:
+        for request, said in (
+            (ops_service_pb2.LoadModelRequest(model_name="demo", config_json="[" * 50_000), "nested too deeply"),
+            (ops_service_pb2.LoadModelRequest(model_name="demo", config_json="[1]"), "must be a JSON object"),
+            (ops_service_pb2.LoadModelRequest(model_name="de mo"), "cannot be a model's name"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await asyncio.wait_for(ops.LoadModel(request), 10.0)
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert said in (refused.value.details() or "")
+    finally:
+        await channel.close()
 
 
 async def test_2000_jobs_while_v1_is_replaced_by_v2(v1_stack: Stack) -> None:

@@ -22,8 +22,9 @@ import grpc
 from tritonclient.grpc import service_pb2
 
 from asyncinfer.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
+from asyncinfer.model_json import parse_model_json
 from services.batcher.engine import BatchingEngine
-from services.batcher.model_control import ModelControl, Repository, parse_model_json
+from services.batcher.model_control import ModelControl, Repository
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

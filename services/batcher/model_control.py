@@ -20,7 +20,6 @@ batcher (a lock), so that two reloads never race on the same version.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -75,17 +74,6 @@ async def warm_up(config: ModelConfig, backend: ModelBackend) -> None:
 
 def _reason(exc: BaseException) -> str:
     return exc.message if isinstance(exc, AsyncInferError) else f"{type(exc).__name__}: {exc}"
-
-
-def parse_model_json(text: str, field: str = "config") -> dict[str, Any]:
-    """A model table given as JSON (load_model's config, LoadModel's config_json)."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidArgument(f"{field} is not JSON: {exc}", [FieldViolation(field, str(exc))]) from None
-    if not isinstance(data, dict):
-        raise InvalidArgument(f"{field} must be a JSON object", [FieldViolation(field, "give a model table")])
-    return data
 
 
 class ModelControl:

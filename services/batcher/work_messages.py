@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
+import structlog
+
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import (
     AsyncInferError,
@@ -19,13 +21,16 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import Priority
+from asyncinfer.model_json import parse_model_json
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
-from services.batcher.model_control import ModelControl, parse_model_json
+from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress
+
+log = structlog.get_logger("asyncinfer.batcher.work_messages")
 
 # Failures that the same order would meet again on any attempt.
 _NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled)
@@ -154,4 +159,9 @@ async def run_control(
             raise InvalidArgument("unknown model control action", [FieldViolation("action", "LOAD or UNLOAD")])
     except AsyncInferError as error:
         result.error.CopyFrom(error_status(error))
+    except Exception as exc:
+        # Answered whatever happened: an unanswered control held OpsService.LoadModel for its
+        # whole timeout (120 s), then said CONTROL_TIMED_OUT.
+        log.exception("model_control_failed", model=control.model_name)
+        result.error.CopyFrom(error_status(AsyncInferError(f"the model control failed: {type(exc).__name__}: {exc}")))
     return worker_service_pb2.ConnectRequest(control_result=result)

@@ -10,6 +10,7 @@ import grpc
 
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.jobs import NAME_PATTERN, JobError
+from asyncinfer.model_json import parse_model_json
 from asyncinfer.v1 import error_pb2, ops_service_pb2
 from services.scheduler.model_controls import ControlOutcome, ModelControls
 
@@ -31,8 +32,13 @@ def _outcomes(
 
 
 def _checked(model_name: str, timeout: Any, has_timeout: bool) -> float:
-    if not NAME_PATTERN.match(model_name):
+    if not model_name:
         raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model")])
+    if not NAME_PATTERN.match(model_name):
+        raise InvalidArgument(
+            f"model_name {model_name[:80]!r} cannot be a model's name",
+            [FieldViolation("model_name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")],
+        )
     timeout_s = timeout.ToNanoseconds() / 1e9 if has_timeout else DEFAULT_CONTROL_TIMEOUT_S
     if timeout_s <= 0:
         raise InvalidArgument("timeout must be positive", [FieldViolation("timeout", "give a positive duration")])
@@ -52,6 +58,8 @@ class ModelOps:
         self, request: ops_service_pb2.LoadModelRequest, context: Context
     ) -> ops_service_pb2.LoadModelResponse:
         timeout_s = _checked(request.model_name, request.timeout, request.HasField("timeout"))
+        if request.config_json:
+            parse_model_json(request.config_json, "config_json")  # refused here at once, not by each batcher
         outcomes = await self._model_controls().run(
             action="LOAD",
             model_name=request.model_name,
