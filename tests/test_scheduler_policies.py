@@ -254,7 +254,15 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert not second_page.next_page_token
     sequences = [d.sequence for d in [*first_page.dead_letters, *second_page.dead_letters]]
     assert first_page.total == second_page.total == 3
-    purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences[:1]))
+    # A token this service cannot have given is INVALID_ARGUMENT (one past JetStream's range was
+    # answered UNAVAILABLE, retriable; " 7", "1_000" and other scripts' digits were taken).
+    for token in ("-5", "18446744073709551616", " 7", "1_000", "\u0661\u0662"):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(page_token=token))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, token
+    # A sequence given twice is one letter (the second delete was answered UNAVAILABLE).
+    twice = [sequences[0], sequences[0]]
+    purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(sequences=twice))
     assert purged.purged == 1
     assert purged.remaining == 2
     purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(all=True, model_name=MODEL))

@@ -26,9 +26,12 @@ from asyncinfer.contract import DEAD_SUBJECT_PREFIX as DEAD_SUBJECT_PREFIX
 from asyncinfer.contract import DEAD_SUBJECTS, dead_letter_msg_id, stream_purge_subject
 from asyncinfer.contract import dead_subject as dead_subject
 from asyncinfer.jobs import JobError, WorkEnvelope
+from asyncinfer.nats import APIError, JetStreamContext, NotFoundError, api
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import JetStreamContext, NotFoundError, api
 from asyncinfer.nats.streams import ensure_stream, publish_durably
+
+# JetStream's answer to a delete of a message that is not there (10057: "no message found").
+NO_MESSAGE_FOUND = 10057
 
 PUBLISH_RETRY_FOR_S = 10.0
 
@@ -180,6 +183,10 @@ class DeadLetterStore:
             return await self._js.delete_msg(self._stream, sequence)
         except NotFoundError:
             return False
+        except APIError as exc:
+            if exc.err_code == NO_MESSAGE_FOUND:  # deleted meanwhile (another purge): gone all the same
+                return False
+            raise
 
     async def purge(self, *, model_name: str = "") -> int:
         """Deletes every letter (of the model); how many were deleted."""

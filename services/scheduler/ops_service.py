@@ -172,12 +172,15 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         if request.page_size < 0:
             raise InvalidArgument("page_size must not be negative", [FieldViolation("page_size", "must be >= 0")])
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        try:
-            after = int(request.page_token) if request.page_token else 0
-        except ValueError:
+        token = request.page_token
+        # A stream sequence, as the last page gave it: digits only (int() also takes " 7", "1_000"
+        # and other scripts' digits), within JetStream's range (a larger one reached NATS, whose
+        # refusal was answered UNAVAILABLE, retriable).
+        if token and not (token.isascii() and token.isdigit() and int(token) < 2**64 - 1):
             raise InvalidArgument(
                 "page_token is not one this service gave", [FieldViolation("page_token", "not a page token")]
-            ) from None
+            )
+        after = int(token) if token else 0
         # One more than asked says whether there is a next page.
         with nats_unavailable("cannot read the dead letters"):
             letters = await self._letters.page(model_name=request.model_name, after=after, limit=size + 1)
@@ -215,7 +218,9 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             raise InvalidArgument(
                 "give the dead letters' sequences, or all = true", [FieldViolation("sequences", "none given")]
             )
-        return [await self._get(sequence) for sequence in sequences]
+        # A sequence given twice is one letter (the second replay found it gone: NOT_REPLAYABLE
+        # after the first had run it; the second purge was answered UNAVAILABLE).
+        return [await self._get(sequence) for sequence in dict.fromkeys(sequences)]
 
     async def ReplayDeadLetters(
         self, request: ops_service_pb2.ReplayDeadLettersRequest, context: Context
