@@ -137,6 +137,10 @@ async def test_ops_service_loads_a_new_model_name_across_the_pool(config: Config
             jobs = [await client.submit(NEW_MODEL, {"x": X}) for _ in range(10)]
             done = await client.wait_jobs(jobs, timeout_s=WAIT_S)
             assert all(d.succeeded for d in done.values())
+            # A file batch too (CreateBatch resolved models from the file alone: NOT_FOUND).
+            batch = await client.create_batch(np.ones((6, 4), np.float32), NEW_MODEL)
+            ended = await client.wait_batch(batch, timeout_s=WAIT_S)
+            assert (ended.state.value, ended.completed) == ("COMPLETED", 6)
     finally:
         await channel.close()
 

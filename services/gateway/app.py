@@ -189,7 +189,9 @@ class GatewayApp:
             chunk_ends=ChunkEnds(self._hub),
             blobs=blob_store,
         )
-        batch_servicer = BatchService(cfg, batch_store, driver, blobs=blob_store, records=records)
+        batch_servicer = BatchService(
+            cfg, batch_store, driver, blobs=blob_store, records=records, catalog=self._catalog
+        )
 
         def add_servicers(server: grpc.aio.Server) -> None:
             job_service_pb2_grpc.add_JobServiceServicer_to_server(servicer, server)

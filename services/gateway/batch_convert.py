@@ -16,6 +16,7 @@ from asyncinfer.jobs import Priority
 from asyncinfer.v1 import batch_service_pb2, job_pb2
 from asyncinfer.webhook_status import CallbackEvent
 from services.gateway.convert import callback_from_proto
+from services.gateway.model_catalog import ModelCatalog
 from services.gateway.submit_request import (
     MAX_IDEMPOTENCY_KEY_BYTES,
     _label_violations,
@@ -82,11 +83,18 @@ def _invalid(violations: list[FieldViolation]) -> InvalidArgument:
 
 
 def batch_from_request(
-    request: batch_service_pb2.CreateBatchRequest, config: Config, *, tenant: str, batch_id: str, now: float
+    request: batch_service_pb2.CreateBatchRequest,
+    config: Config,
+    *,
+    tenant: str,
+    batch_id: str,
+    now: float,
+    catalog: ModelCatalog | None = None,
 ) -> BatchRecord:
     """The new batch (VALIDATING); NotFound for an unknown model, InvalidArgument with every
-    violation found."""
-    model = resolve_model(config, request.model_name, request.model_version)
+    violation found. `catalog`: the models known now, those loaded at runtime too (else the
+    configuration's alone)."""
+    model = resolve_model(config, request.model_name, request.model_version, catalog)
     settings = config.batches
     violations: list[FieldViolation] = []
     if not request.input_ref.startswith(INPUT_KIND + "/"):

@@ -189,7 +189,7 @@ class BatchDriver:
             return await self._ended(record)
         self._seen[(tenant, batch_id)] = record
         now = self._clock()
-        model = self._config.model(record.model_name)
+        model = self._submitter.catalog.model(record.model_name)  # declared, or loaded at runtime
         if record.state is BatchState.VALIDATING:
             if model is None:  # the configuration changed since the batch was accepted
                 failed = record.evolve(state=BatchState.FAILED, failure_message="the model is no longer served")
@@ -355,7 +355,7 @@ class BatchDriver:
         return batches.mark_submitted(record, submitted) if submitted else record
 
     async def _submit_chunk(self, record: BatchRecord, chunk: Chunk, job_id: str, *, model_rows: int) -> None:
-        model = self._config.model(record.model_name)
+        model = self._submitter.catalog.model(record.model_name)  # declared, or loaded at runtime
         assert model is not None
         blob = await self._preparer.chunk_blob(record, chunk)
         parts = max(-(-chunk.records // max(model_rows, 1)), 1)

@@ -28,6 +28,7 @@ from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_REUSED_REASON
+from services.gateway.model_catalog import ModelCatalog
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
@@ -56,9 +57,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         *,
         blobs: BlobStore,
         records: JobStore,
+        catalog: ModelCatalog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
+        # The models known now: declared, or loaded at runtime (OpsService.LoadModel), as a submit's.
+        self._catalog = catalog or ModelCatalog(config)
         self._store = store
         self._driver = driver
         self._blobs = blobs
@@ -84,7 +88,9 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         self, request: batch_service_pb2.CreateBatchRequest, context: Context
     ) -> batch_service_pb2.CreateBatchResponse:
         tenant = self._tenant(context)
-        record = batch_from_request(request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock())
+        record = batch_from_request(
+            request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock(), catalog=self._catalog
+        )
         upload = await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
         if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
@@ -245,7 +251,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             refused = refuse_npz(record)
             if refused is not None:
                 raise refused
-            pieces = output_npz(self._blobs, self._records, record, self._config.model(record.model_name))
+            pieces = output_npz(self._blobs, self._records, record, self._catalog.model(record.model_name))
         elif request.file == batch_service_pb2.BATCH_FILE_OUTPUT:
             pieces = output_file(self._blobs, self._records, record)
         else:
