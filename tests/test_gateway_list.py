@@ -222,6 +222,27 @@ async def test_label_keys_of_the_system_are_refused_on_submit(stub: JobStub) -> 
     assert await ids_listed(stub) == []  # nothing was queued
 
 
+async def test_a_label_selector_no_label_can_match_is_refused_by_listjobs_and_watchjobs(stub: JobStub) -> None:
+    """A hostile-input pass (session 25): an empty key, a 5,000-byte key or 100 labels were taken;
+    WatchJobs then held a watch (of the tenant's) for ever on a selector nothing could match. The
+    reserved keys stay allowed in a selector (a batch's chunk jobs are found by theirs)."""
+    for labels, field in (
+        ({"": "x"}, "labels['']"),
+        ({"k" * 5_000: "x"}, "labels['" + "k" * 64 + "']"),
+        ({f"k{i}": "v" for i in range(100)}, "labels"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as listed:
+            await stub.ListJobs(listing(labels=labels))
+        assert listed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert violations_of(listed.value)[1][0][0] == field
+        with pytest.raises(grpc.aio.AioRpcError) as watched:
+            async for _ in stub.WatchJobs(job_service_pb2.WatchJobsRequest(labels=labels)):
+                pass
+        assert watched.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert violations_of(watched.value)[1][0][0] == field
+    assert (await stub.ListJobs(listing(labels={BATCH_LABEL: "b"}))).jobs == []
+
+
 async def ids_listed(stub: JobStub) -> list[str]:
     return [job.job_id for job in (await stub.ListJobs(listing())).jobs]
 

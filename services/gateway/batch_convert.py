@@ -19,8 +19,8 @@ from services.gateway.convert import callback_from_proto
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.submit_request import (
     MAX_IDEMPOTENCY_KEY_BYTES,
-    _label_violations,
     callback_url_violations,
+    label_violations,
     resolve_model,
 )
 
@@ -121,7 +121,7 @@ def batch_from_request(
     if len(request.idempotency_key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
         violations.append(FieldViolation("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8)"))
     labels: Mapping[str, str] = dict(request.labels)
-    violations += _label_violations(labels)
+    violations += label_violations(labels)
     callback = None
     if request.HasField("callback"):
         callback, callback_violations = callback_from_proto(request.callback)

@@ -16,6 +16,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2
 from asyncinfer.v1.job_service_pb2 import JobProgress
 from services.gateway.bulk import error_status
 from services.gateway.progress_watch import progress_to_proto, record_progress
+from services.gateway.submit_request import label_violations
 from services.gateway.transitions import Expiry
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import JobChange, watch_ids, watch_labels
@@ -92,6 +93,8 @@ def watched_changes(
             f"at most {MAX_IDS_PER_WATCH} job IDs per WatchJobs call; this one has {len(job_ids)}",
             [FieldViolation("job_ids", f"{len(job_ids)} IDs; at most {MAX_IDS_PER_WATCH}")],
         )
+    if violations := label_violations(labels, selector=True):
+        raise InvalidArgument(f"invalid label selector: {violations[0].field}: {violations[0].description}", violations)
     if job_ids:
         return watch_ids(hub, records, expiry, tenant, job_ids)
     return watch_labels(hub, tenant, labels)

@@ -47,6 +47,7 @@ from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.submit_request import label_violations
 from services.gateway.transitions import Expiry
 
 log = structlog.get_logger("asyncinfer.gateway.list")
@@ -136,6 +137,7 @@ def list_query_from_proto(request: job_service_pb2.ListJobsRequest) -> ListQuery
             states.add(JobState(name.removeprefix(_STATE_PREFIX)))
         except ValueError:
             violations.append(FieldViolation("states", f"unknown job state {value}"))
+    violations += label_violations(request.labels, selector=True)
     if violations:
         first = violations[0]
         raise InvalidArgument(f"invalid request: {first.field}: {first.description}", violations)

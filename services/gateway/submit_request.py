@@ -64,14 +64,18 @@ def resolve_model(config: Config, name: str, version: str, catalog: ModelCatalog
     return (catalog or ModelCatalog(config)).resolve(name, version)
 
 
-def _label_violations(labels: Mapping[str, str]) -> list[FieldViolation]:
+def label_violations(labels: Mapping[str, str], *, selector: bool = False) -> list[FieldViolation]:
+    """What is wrong with labels a job or batch is given, or (`selector`) a label selector of
+    ListJobs or WatchJobs: the same limits, and a selector may name the reserved keys (a batch's
+    chunk jobs are found by theirs). A selector that no label can match was taken (a WatchJobs on
+    an empty key held a watch for ever)."""
     violations: list[FieldViolation] = []
     if len(labels) > MAX_LABELS:
         violations.append(FieldViolation("labels", f"at most {MAX_LABELS} labels, got {len(labels)}"))
     for key, value in labels.items():
         if not key or len(key.encode()) > MAX_LABEL_KEY_BYTES:
             violations.append(FieldViolation(f"labels[{key[:64]!r}]", f"label keys are 1-{MAX_LABEL_KEY_BYTES} bytes"))
-        elif key.startswith(RESERVED_LABEL_PREFIX):
+        elif key.startswith(RESERVED_LABEL_PREFIX) and not selector:
             violations.append(
                 FieldViolation(
                     f"labels[{key[:64]!r}]",
@@ -133,7 +137,7 @@ def validate_submit(
         model, signature = resolved
     if request.input_ref and request.input_blob is None:
         raise Unimplemented("input_ref needs the claim-check store, which this gateway has not set up")
-    violations = _option_violations(request, config, now) + _label_violations(request.labels)
+    violations = _option_violations(request, config, now) + label_violations(request.labels)
     if len(request.idempotency_key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
         violations.append(FieldViolation("idempotency_key", f"at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes (UTF-8)"))
     if request.max_attempts < 0 or request.max_attempts > model.max_attempts_limit:
