@@ -25,7 +25,7 @@ from grpc import aio
 from grpc_status import rpc_status
 
 from asyncinfer.error_bounds import clip_error
-from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhausted
+from asyncinfer.errors import AsyncInferError, InvalidArgument, ResourceExhausted, Unimplemented
 from asyncinfer.grpc_handlers import rewrap
 
 ERROR_DOMAIN = "asyncinfer.dev"
@@ -128,6 +128,12 @@ Translate = Callable[[Exception], AsyncInferError | None]
 
 
 def _translated(exc: Exception, translate: Translate | None) -> AsyncInferError:
+    if isinstance(exc, NotImplementedError):
+        # A generated servicer's default for a method the service does not implement (KServe's
+        # shared memory, statistics, trace and log settings): UNIMPLEMENTED, as gRPC says it, with
+        # ErrorInfo and no traceback (each call logged one at error level, and answered
+        # "Unexpected <class 'NotImplementedError'>").
+        return Unimplemented("this server does not implement this method")
     error = translate(exc) if translate is not None else None
     if error is None:
         raise exc

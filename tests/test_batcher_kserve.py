@@ -4,6 +4,7 @@ model: liveness, readiness, metadata, inference, errors, health and metrics."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import urllib.request
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config, load_config, render_default_config
+from asyncinfer.grpc_errors import status_details, unpack_details
 from services.batcher.app import BatcherApp
 
 
@@ -122,7 +124,7 @@ async def test_bad_inputs_are_invalid_argument(client: triton.InferenceServerCli
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
-async def test_typed_contents_are_accepted(app: BatcherApp) -> None:
+async def test_typed_contents_are_accepted(app: BatcherApp, caplog: pytest.LogCaptureFixture) -> None:
     from tritonclient.grpc import service_pb2, service_pb2_grpc
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
@@ -134,9 +136,21 @@ async def test_typed_contents_are_accepted(app: BatcherApp) -> None:
         assert response.id == "typed"
         y = np.frombuffer(response.raw_output_contents[0], dtype="<f4")
         assert y.tolist() == [3.0, 5.0, 7.0, 9.0]
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name="demo"))
-        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # KServe's methods it does not implement: UNIMPLEMENTED with ErrorInfo, no traceback
+        # (each logged one at error level, and said "Unexpected <class 'NotImplementedError'>").
+        with caplog.at_level(logging.ERROR):
+            for call in (
+                stub.ModelStatistics(service_pb2.ModelStatisticsRequest(name="demo")),
+                stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest()),
+                stub.TraceSetting(service_pb2.TraceSettingRequest()),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await call
+                assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                status = status_details(info.value)
+                assert status is not None
+                assert unpack_details(status)["ErrorInfo"].reason == "UNIMPLEMENTED"
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_health_is_serving_and_metrics_are_exported(
