@@ -292,6 +292,7 @@ async def test_watch_resumes_mid_flight_and_skips_what_was_seen(
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await ahead.read()
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert [field for field, _ in violations_of(info.value)[1]] == ["after_revision"]
 
 
 async def wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -695,6 +696,7 @@ async def test_invalid_requests_are_refused_and_nothing_is_queued(
     reason, violations = violations_of(info.value)
     assert reason == "INVALID_ARGUMENT"
     assert any(f.startswith(field) for f, _ in violations), violations
+    assert len(set(violations)) == len(violations), "a violation named twice (a negative max_attempts was)"
     assert await work_messages(js) == 0
     assert await kv_keys(js, config.nats.jobs_bucket) == []  # no record was written either
 

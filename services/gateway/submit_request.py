@@ -101,8 +101,7 @@ def _option_violations(request: SubmitRequest, config: Config, now: float) -> li
         violations.append(FieldViolation("result_retention", "must be positive"))
     elif retention is not None and retention > limit:
         violations.append(FieldViolation("result_retention", f"at most {limit:.0f} s (gateway.max_result_retention_s)"))
-    if request.max_attempts < 0:
-        violations.append(FieldViolation("max_attempts", "must be positive, or 0 for the model's default"))
+    # max_attempts is checked against the model's limit (validate_submit): a negative one was named twice.
     if request.callback is not None:
         violations += callback_url_violations(request.callback.url)
     return violations
@@ -148,7 +147,9 @@ def validate_submit(
                 f"{model.max_attempts}), got {request.max_attempts}",
             )
         )
-    if not request.inputs:
+    if not request.inputs and request.input_ref:
+        violations.append(FieldViolation("input_ref", "the upload holds no inputs"))
+    elif not request.inputs:
         violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
     else:
         violations += validate_inputs(request.inputs, signature, max_batch_size=model.max_batch_size)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 
-from asyncinfer.errors import InvalidArgument, Unavailable
+from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.job_store import job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from services.gateway.watch_hub import Aside, RecordUpdate, WatcherQueue, WatchHub
@@ -37,7 +37,10 @@ async def watch_job(
         if current is None:
             raise await hub.records.not_found(key, job_id)
         if after_revision > current.revision:
-            raise InvalidArgument(f"after_revision {after_revision} is ahead of the job's revision {current.revision}")
+            raise InvalidArgument(
+                f"after_revision {after_revision} is ahead of the job's revision {current.revision}",
+                [FieldViolation("after_revision", f"at most the job's revision, {current.revision}")],
+            )
         last_sent = after_revision
         # after_revision 0 sends the current record first, whatever its revision (a queued
         # job's is 0: its record is its work message, not yet in the bucket).
