@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
 
 from asyncinfer.commands.ops import dead_letter_json
@@ -190,6 +191,35 @@ async def test_an_array_file_numpy_cannot_read_or_too_large_uncompressed_fails_t
         batch = await wait_ended(stub, created.batch.batch_id)
         assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
         assert batch.failure_message.startswith(said), batch.failure_message
+
+
+async def test_a_duration_of_mixed_signs_is_refused_where_submit_refuses_it(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Seconds 5 with nanos -900,000,000 is not a Duration (the protobuf spec: nanos of the
+    seconds' sign); SubmitJob refused it, CreateBatch, UploadInput and Drain took it as 0.1 s."""
+    stack = await start_stack(batch_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    mixed = duration_pb2.Duration(seconds=5, nanos=-900_000_000)
+    ref = await upload(stack.jobs, jsonl(demo_records(1)))
+    request = create_request(ref)
+    request.completion_window.CopyFrom(mixed)
+
+    async def upload_with_mixed_retention() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata(retention=mixed))
+        yield job_service_pb2.UploadInputRequest(chunk=b"x")
+
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        for call, field in (
+            (stub.CreateBatch(request), "completion_window"),
+            (stack.jobs.UploadInput(upload_with_mixed_retention()), "metadata.retention"),
+            (ops.Drain(ops_service_pb2.DrainRequest(timeout=mixed)), "timeout"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert "not a valid duration" in (refused.value.details() or ""), field
 
 
 async def test_a_file_without_records_fails_the_batch(config: Config, start_stack: StartStack) -> None:

@@ -13,6 +13,7 @@ from asyncinfer.blob_meta import INPUT_KIND
 from asyncinfer.config import Config
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import Priority
+from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import batch_service_pb2, job_pb2
 from asyncinfer.webhook_status import CallbackEvent
 from services.gateway.convert import callback_from_proto
@@ -101,8 +102,9 @@ def batch_from_request(
         violations.append(FieldViolation("input_ref", "give the ref UploadInput returned for the file"))
     window_s = settings.default_completion_window_s
     if request.HasField("completion_window"):
-        window_s = request.completion_window.ToNanoseconds() / 1e9
-        if not 0 < window_s <= settings.max_completion_window_s:
+        window = checked_duration(request.completion_window, "completion_window", violations)
+        window_s = window if window is not None else window_s
+        if window is not None and not 0 < window <= settings.max_completion_window_s:
             violations.append(
                 FieldViolation(
                     "completion_window",

@@ -27,6 +27,7 @@ from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobRecord, JobState
 from asyncinfer.nats.streams import StoreFullError
+from asyncinfer.proto_durations import checked_duration
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
@@ -135,9 +136,10 @@ class ClaimCheck:
             violations.append(FieldViolation("metadata.sha256", "must be 64 hex digits (the content's SHA-256)"))
         retention_s = self._config.gateway.default_upload_retention_s
         if metadata.HasField("retention"):
-            retention_s = metadata.retention.ToNanoseconds() / 1e9
+            retention = checked_duration(metadata.retention, "metadata.retention", violations)
+            retention_s = retention if retention is not None else retention_s
             longest = self._config.gateway.max_result_retention_s
-            if not 0 < retention_s <= longest:
+            if retention is not None and not 0 < retention <= longest:
                 violations.append(FieldViolation("metadata.retention", f"must be positive and at most {longest:.0f} s"))
         if violations:
             raise InvalidArgument(f"invalid upload: {violations[0].field}: {violations[0].description}", violations)

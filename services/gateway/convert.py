@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
+from asyncinfer.proto_durations import checked_duration
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
 from asyncinfer.tracing import trace_id_of
@@ -61,7 +62,6 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 # value outside them would be accepted, then fail when the job is turned back into a `Job`.
 _TIMESTAMP_MIN_S = -62_135_596_800
 _TIMESTAMP_MAX_S = 253_402_300_799
-_DURATION_MAX_S = 315_576_000_000
 _NANOS = 1_000_000_000
 
 
@@ -74,21 +74,6 @@ def _checked_timestamp(stamp: timestamp_pb2.Timestamp, field: str, violations: l
                 field,
                 f"not a valid timestamp (seconds {stamp.seconds}, nanos {stamp.nanos}): seconds lie in years "
                 "1-9999 and nanos in 0-999999999",
-            )
-        )
-        return None
-    return value
-
-
-def _checked_duration(duration: duration_pb2.Duration, field: str, violations: list[FieldViolation]) -> float | None:
-    seconds, nanos = duration.seconds, duration.nanos
-    value = seconds + nanos / 1e9
-    if abs(value) > _DURATION_MAX_S or abs(nanos) >= _NANOS or (seconds > 0 > nanos) or (seconds < 0 < nanos):
-        violations.append(
-            FieldViolation(
-                field,
-                f"not a valid duration (seconds {seconds}, nanos {nanos}): at most {_DURATION_MAX_S} s, "
-                "nanos below one second and of the same sign",
             )
         )
         return None
@@ -112,7 +97,7 @@ def submit_request_from_proto(
     `traceparent`: the gateway's submit span, when it traces jobs."""
     violations: list[FieldViolation] = []
     if request.HasField("wait"):
-        wait = _checked_duration(request.wait, "wait", violations)
+        wait = checked_duration(request.wait, "wait", violations)
         if not wait_allowed:
             violations.append(
                 FieldViolation(
@@ -131,7 +116,7 @@ def submit_request_from_proto(
     elif request.HasField("deadline"):
         deadline = _checked_timestamp(request.deadline, "deadline", violations)
     elif request.HasField("queue_ttl"):
-        queue_ttl_s = ttl = _checked_duration(request.queue_ttl, "queue_ttl", violations)
+        queue_ttl_s = ttl = checked_duration(request.queue_ttl, "queue_ttl", violations)
         if ttl is not None and ttl <= 0:
             violations.append(FieldViolation("queue_ttl", "must be positive"))
         elif ttl is not None and now + ttl > _TIMESTAMP_MAX_S:
@@ -139,12 +124,12 @@ def submit_request_from_proto(
         elif ttl is not None:
             deadline = now + ttl
     execution_timeout_s = (
-        _checked_duration(request.execution_timeout, "execution_timeout", violations)
+        checked_duration(request.execution_timeout, "execution_timeout", violations)
         if request.HasField("execution_timeout")
         else None
     )
     result_retention_s = (
-        _checked_duration(request.result_retention, "result_retention", violations)
+        checked_duration(request.result_retention, "result_retention", violations)
         if request.HasField("result_retention")
         else None
     )

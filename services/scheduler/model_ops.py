@@ -11,6 +11,7 @@ import grpc
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.jobs import NAME_PATTERN, JobError
 from asyncinfer.model_json import parse_model_json
+from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import error_pb2, ops_service_pb2
 from services.scheduler.model_controls import ControlOutcome, ModelControls
 
@@ -39,7 +40,11 @@ def _checked(model_name: str, timeout: Any, has_timeout: bool) -> float:
             f"model_name {model_name[:80]!r} cannot be a model's name",
             [FieldViolation("model_name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")],
         )
-    timeout_s = timeout.ToNanoseconds() / 1e9 if has_timeout else DEFAULT_CONTROL_TIMEOUT_S
+    violations: list[FieldViolation] = []
+    given = checked_duration(timeout, "timeout", violations) if has_timeout else None
+    if violations:
+        raise InvalidArgument(f"invalid request: timeout: {violations[0].description}", violations)
+    timeout_s = given if given is not None else DEFAULT_CONTROL_TIMEOUT_S
     if timeout_s <= 0:
         raise InvalidArgument("timeout must be positive", [FieldViolation("timeout", "give a positive duration")])
     return timeout_s

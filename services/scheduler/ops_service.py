@@ -21,6 +21,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
+from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.model_controls import ModelControls
@@ -294,7 +295,11 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         return sum(s.depth for s in await self._stats.snapshot(model_name))
 
     async def Drain(self, request: ops_service_pb2.DrainRequest, context: Context) -> ops_service_pb2.DrainResponse:
-        timeout_s = request.timeout.ToNanoseconds() / 1e9 if request.HasField("timeout") else DEFAULT_DRAIN_TIMEOUT_S
+        violations: list[FieldViolation] = []
+        timeout = checked_duration(request.timeout, "timeout", violations) if request.HasField("timeout") else None
+        if violations:
+            raise InvalidArgument(f"invalid request: timeout: {violations[0].description}", violations)
+        timeout_s = timeout if timeout is not None else DEFAULT_DRAIN_TIMEOUT_S
         if timeout_s < 0:
             raise InvalidArgument("timeout must not be negative", [FieldViolation("timeout", "must be >= 0")])
         remaining = context.time_remaining()
