@@ -39,6 +39,13 @@ class _Section(BaseModel):
 class NatsConfig(_Section):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
+    ping_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="Ping the server this often; after max_outstanding_pings unanswered the server is taken as hung "
+        "and the client moves to another node of the cluster (nats-py's 120 s took minutes to leave a hung node).",
+    )
+    max_outstanding_pings: int = Field(2, ge=1, description="Unanswered pings after which the server is taken as hung.")
     credentials_file: str | None = Field(
         None, description="A NATS .creds file (a user JWT and its NKey seed), when the server needs one."
     )

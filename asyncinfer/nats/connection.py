@@ -65,6 +65,11 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         "servers": servers,
         "name": name,
         "connect_timeout": config.connect_timeout_s,
+        # A node that hangs (SIGSTOP, a stalled disk, a partition) closes nothing: only unanswered
+        # pings tell. With nats-py's 120 s x 2, every service on a hung node stopped for as long as
+        # it hung (60 s in the failover pass, while the other two nodes served).
+        "ping_interval": config.ping_interval_s,
+        "max_outstanding_pings": config.max_outstanding_pings,
         "max_reconnect_attempts": -1,
         "reconnect_time_wait": RECONNECT_WAIT_S,
         "allow_reconnect": True,
