@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import pty
@@ -30,6 +31,7 @@ from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
 from asyncinfer.ports import IN_USE, PortUse, busy_ports
+from asyncinfer.supervision import outcome_seen
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
@@ -320,3 +322,29 @@ def test_logs_are_console_lines_on_a_terminal_and_json_otherwise() -> None:
     assert "{" not in text, text
     assert re.search(r"\[warning\s*\] something_happened\s+\[gateway\]\s+n=1", text), text
     assert "from a library" in text
+
+
+@pytest.mark.unit
+async def test_a_shielded_tasks_failure_its_caller_left_is_not_logged_as_never_retrieved() -> None:
+    """The gateway's submits run shielded from their callers; one whose caller's deadline passed
+    and which then failed (NATS electing a leader) logged "Task exception was never retrieved"
+    with a traceback, ~170 a minute in the failover pass (session 25)."""
+    loop = asyncio.get_running_loop()
+    logged: list[str] = []
+    loop.set_exception_handler(lambda _loop, context: logged.append(context["message"]))
+    try:
+
+        async def fails() -> None:
+            raise RuntimeError("nats: timeout")
+
+        for watched in (False, True):
+            task = asyncio.ensure_future(fails())
+            if watched:
+                task.add_done_callback(outcome_seen)
+            await asyncio.wait([task])
+            del task
+            gc.collect()
+            assert logged == ([] if watched else ["Task exception was never retrieved"])
+            logged.clear()
+    finally:
+        loop.set_exception_handler(None)

@@ -62,6 +62,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.nats.streams import store_full
+from asyncinfer.supervision import outcome_seen
 from services.gateway.claims import Claim, ClaimStore, claim_ttl_s, request_fingerprint
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
@@ -163,6 +164,7 @@ class IdempotentSubmitter:
             # Shielded: a claim must be followed by its job (or released) even if the caller left.
             self._owners.add(owner)
             owner.add_done_callback(self._owners.discard)
+            owner.add_done_callback(outcome_seen)
             record = await asyncio.shield(owner)
             if record is not None:
                 return SubmitOutcome(record)

@@ -28,6 +28,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
+from asyncinfer.supervision import outcome_seen
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -95,6 +96,7 @@ class JobSubmitter:
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(outcome_seen)
         return await asyncio.shield(task)
 
     async def submit_many(self, requests: Sequence[SubmitRequest], *, tenant: str) -> list[JobRecord | Exception]:
@@ -109,6 +111,7 @@ class JobSubmitter:
         )
         self._group_tasks.add(task)
         task.add_done_callback(self._group_tasks.discard)
+        task.add_done_callback(outcome_seen)
         return await asyncio.shield(task)
 
     def group_message(
