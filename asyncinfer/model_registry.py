@@ -90,10 +90,17 @@ def decode_registered(data: bytes) -> RegisteredVersion:
     )
 
 
+# How long the server keeps the delete marker an expired entry leaves (a watcher hears it at once).
+MARKER_TTL_S = 60.0
+
+
 async def ensure_models_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
     return await ensure_kv_bucket(
         js,
         config,
         bucket=config.models_bucket,
         description="asyncinfer registry of model versions and the batchers serving them",
+        # Entries expire by their TTL when the scheduler that wrote them is gone; without a marker
+        # the gateways' watches heard nothing, and a dead batcher's versions stayed READY for good.
+        limit_marker_ttl_s=MARKER_TTL_S,
     )

@@ -4,11 +4,27 @@ callers when keys are configured."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
 from asyncinfer.config import Config
+from asyncinfer.contract import model_version_key
+from asyncinfer.model_registry import (
+    MARKER_TTL_S,
+    READY,
+    RegisteredVersion,
+    batcher_token,
+    encode_registered,
+    ensure_models_bucket,
+)
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.kv import KvBucket, kv_put_with_ttl
+from asyncinfer.nats.streams import ensure_kv_bucket
 from asyncinfer.v1 import job_service_pb2
+from services.gateway.model_catalog import ModelCatalog
+from tests.processes import until
 from tests.test_gateway_auth import ACME_KEY, bearer, serve, with_keys
 from tests.test_gateway_list import two_models
 
@@ -51,3 +67,26 @@ async def test_keys_are_required_when_configured(config: Config) -> None:
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         answer = await stub.ListModels(job_service_pb2.ListModelsRequest(), metadata=bearer(ACME_KEY))
         assert [m.name for m in answer.models] == [m.name for m in config.models]
+
+
+async def test_a_registry_entry_its_ttl_removes_leaves_the_gateways_catalog(config: Config, nc: NatsClient) -> None:
+    """The scheduler that wrote a batcher's entry died: the entry's TTL removes it, and the
+    server's delete marker tells the gateways. The bucket had no markers, so a dead batcher's
+    versions stayed READY in every gateway for good (a first-hour pass, session 25: its jobs were
+    accepted and waited NO_WORKER). A bucket made by the release before gets them at start."""
+    js = nc.jetstream()
+    await ensure_kv_bucket(js, config.nats, bucket=config.nats.models_bucket, description="as a release before made it")
+    await ensure_models_bucket(js, config.nats)
+    info = await js.stream_info(f"KV_{config.nats.models_bucket}")
+    assert info.config.subject_delete_marker_ttl == MARKER_TTL_S
+    catalog = ModelCatalog(config, js)
+    await catalog.start()
+    try:
+        bucket = KvBucket(name=config.nats.models_bucket, kv=await js.key_value(config.nats.models_bucket), js=js)
+        entry = RegisteredVersion("demo", "1", "gone", READY, 8, None, updated_at=time.time())
+        key = model_version_key("demo", "1", batcher_token("gone"))
+        await kv_put_with_ttl(bucket, key, encode_registered(entry), ttl_s=1)
+        await until(lambda: [e.batcher_id for e in catalog.registered("demo")] == ["gone"], timeout_s=5.0)
+        await until(lambda: catalog.registered("demo") == [], timeout_s=10.0)
+    finally:
+        await catalog.stop()

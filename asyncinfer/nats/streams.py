@@ -250,6 +250,17 @@ async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry
     await retry_transient(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
 
 
+async def _add_marker_ttl(js: JetStreamContext, stream: str, marker_ttl_s: float) -> None:
+    """Delete markers on a bucket created without them (a release before asked for none): the
+    server then leaves one when an entry's TTL removes it, which is how watchers hear of it."""
+    info = await js.stream_info(stream)
+    if info.config.subject_delete_marker_ttl:
+        return
+    info.config.subject_delete_marker_ttl = marker_ttl_s
+    await js.update_stream(info.config)
+    log.info("bucket_delete_markers_added", stream=stream, marker_ttl_s=marker_ttl_s)
+
+
 async def ensure_kv_bucket(
     js: JetStreamContext,
     config: NatsConfig,
@@ -265,9 +276,9 @@ async def ensure_kv_bucket(
 
     async def declare(_: float) -> KeyValue:
         try:
-            return await js.key_value(bucket)
+            kv = await js.key_value(bucket)
         except BucketNotFoundError:
-            kv = await js.create_key_value(
+            created = await js.create_key_value(
                 bucket=bucket,
                 description=description,
                 history=1,
@@ -277,7 +288,10 @@ async def ensure_kv_bucket(
                 limit_marker_ttl=limit_marker_ttl_s,
             )
             log.info("bucket_created", bucket=bucket)
-            return kv
+            return created
+        if limit_marker_ttl_s:
+            await _add_marker_ttl(js, f"KV_{bucket}", limit_marker_ttl_s)
+        return kv
 
     # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
     return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")
