@@ -348,3 +348,29 @@ async def wait_until_done(stub: JobStub, job_id: str, *, timeout_s: float) -> jo
             if job.state in (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED):
                 return job
             await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+async def test_keyed_submits_wait_out_the_election_of_the_idempotency_buckets_leader(
+    cluster: NatsCluster, config: Config, start_stack: StartStack
+) -> None:
+    """A submit with an idempotency key (every SDK submit has one) claims its key before its job is
+    queued. The claim was written once: while the bucket's leader was elected (~5 s) every keyed
+    submit was refused UNAVAILABLE at once, where one without a key waited (the failover pass of
+    session 25: up to 437 bulk items refused per event). It now waits as a job's publish does, and
+    each key is still one job."""
+    config = config.replace(nats={"url": cluster.urls, "replicas": 3})
+    await wait_for_jetstream(config)
+    stack = await start_stack(config)
+    stub: JobStub = stack.jobs
+    info = await stack.nc.jetstream().stream_info(f"KV_{config.nats.idempotency_bucket}")
+    assert info.cluster is not None
+    assert info.cluster.leader
+    requests = [demo_request(i) for i in range(5)]
+    for i, request in enumerate(requests):
+        request.idempotency_key = f"election-{i}"
+    cluster.node(info.cluster.leader).kill()
+    accepted = await asyncio.gather(*(stub.SubmitJob(r, timeout=SUBMIT_TIMEOUT_S) for r in requests))
+    again = await asyncio.gather(*(stub.SubmitJob(r, timeout=SUBMIT_TIMEOUT_S) for r in requests))
+    assert [a.job.job_id for a in again] == [a.job.job_id for a in accepted]
+    assert all(a.deduplicated for a in again)

@@ -9,6 +9,7 @@ import hashlib
 import math
 import time
 
+from asyncinfer.backoff import retry
 from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, encode_planned, planned_chunks
 from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
@@ -18,6 +19,9 @@ from asyncinfer.nats import JetStreamContext, KeyWrongLastSequenceError
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
 from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stream_subjects
 from services.gateway.store_health import store_full_error
+
+# How long a batch's idempotency claim waits out NATS (as gateway.enqueue_retry_s, by default).
+CLAIM_RETRY_S = 10.0
 
 
 class BatchConflict(Exception):
@@ -86,16 +90,33 @@ class BatchStore:
         The claim is removed at `until` (the batch's kept_until: a key is remembered as long as
         its batch)."""
         key = _claim_key(tenant, idempotency_key)
+
+        async def attempt() -> str | None:
+            """The key's batch ID after one create, or None when the key vanished meanwhile. A
+            create that landed with its answer lost is refused as not the key's first: the key
+            then names this batch, which is read back."""
+            try:
+                try:
+                    await kv_put_expecting(
+                        self._bucket, key, batch_id.encode(), last_revision=0, ttl_s=ttl_until(until)
+                    )
+                    return batch_id
+                except KeyWrongLastSequenceError:
+                    latest = await kv_latest(self._bucket, key)
+                    return latest[0].decode() if latest is not None else None
+            except NATS_FAILURES as exc:
+                if store_full(exc) is not None:
+                    raise _refusal(exc, "cannot claim the idempotency key", "no batch was created") from exc
+                raise _NotAnswered(str(exc)) from exc
+
         while True:
             try:
-                await kv_put_expecting(self._bucket, key, batch_id.encode(), last_revision=0, ttl_s=ttl_until(until))
-                return batch_id
-            except KeyWrongLastSequenceError:
-                latest = await kv_latest(self._bucket, key)
-                if latest is not None:
-                    return latest[0].decode()
-            except NATS_FAILURES as exc:
-                raise _refusal(exc, "cannot claim the idempotency key", "no batch was created") from exc
+                # Waits out a leader election, as a job's publish does (it was refused at once).
+                holder = await retry(attempt, on=_NotAnswered, retry_for_s=CLAIM_RETRY_S, what="a batch's claim")
+            except _NotAnswered as exc:
+                raise Unavailable(f"cannot claim the idempotency key: {exc}; no batch was created") from exc
+            if holder is not None:
+                return holder
 
     async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str, *, until: float) -> str:
         """Moves the key's claim from `holder` (a batch that was never written: its gateway died
@@ -141,3 +162,7 @@ def _refusal(exc: BaseException, what: str, outcome: str) -> AsyncInferError:
     if full is not None:
         return store_full_error(full, what=outcome)
     return Unavailable(f"{what}: {exc}")
+
+
+class _NotAnswered(Exception):
+    """A claim's write or read that NATS did not answer (a leader election): tried again."""

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from asyncinfer.backoff import retrying
+from asyncinfer.backoff import retry, retrying
 from asyncinfer.config import Config
 
 # Named in asyncinfer.contract; re-exported for its callers here.
@@ -187,22 +187,54 @@ class IdempotentSubmitter:
         """The new job, or None when the key is not as `last_revision` says (another submit
         holds it, or released it since)."""
         try:
-            revision = await self._claims.write(key, claim.encode(), last_revision=last_revision, ttl_s=ttl_s)
-        except KeyWrongLastSequenceError:
-            return None
+            revision = await self._write_claim(key, claim, last_revision=last_revision, ttl_s=ttl_s)
         except NATS_FAILURES as exc:
             full = store_full(exc)
-            if full is not None:  # no room for the claim: the same answer as no room for the job
-                raise self._submitter.store_refusal(full) from exc
+            if full is None:
+                raise
+            raise self._submitter.store_refusal(full) from exc  # no room for the claim: as no room for the job
+        except _ClaimNotAnswered as exc:
             raise Unavailable(
                 f"cannot record the idempotency key ({exc}); the job was not accepted, submit it again",
                 reason="ENQUEUE_FAILED",
             ) from exc
+        if revision is None:
+            return None
         try:
             return await self._submitter.submit(request, tenant=tenant, job_id=claim.job_id)
         except BaseException:
             await self._release(key, tenant, claim.job_id, revision)
             raise
+
+    async def _write_claim(self, key: str, claim: Claim, *, last_revision: int, ttl_s: int) -> int | None:
+        """The claim's revision, or None when another submit holds the key. A write NATS does not
+        answer (a leader election: ~5 s) is tried again for gateway.enqueue_retry_s, as a job's
+        publish is; one that landed with its answer lost is then refused as not the key's last
+        revision, and read back: ours if it names our job. (Tried once, every keyed submit, which
+        is every SDK submit, was refused UNAVAILABLE at once during an election, and CreateBatch.)"""
+        attempts = 0
+
+        async def attempt() -> int | None:
+            nonlocal attempts
+            attempts += 1
+            try:
+                return await self._claims.write(key, claim.encode(), last_revision=last_revision, ttl_s=ttl_s)
+            except KeyWrongLastSequenceError:
+                if attempts == 1:
+                    return None
+                try:
+                    found, _ = await self._claims.read(key)
+                except Unavailable as exc:
+                    raise _ClaimNotAnswered(str(exc)) from exc
+                return found.revision if found is not None and found.job_id == claim.job_id else None
+            except NATS_FAILURES as exc:
+                if store_full(exc) is not None:
+                    raise
+                raise _ClaimNotAnswered(str(exc)) from exc
+
+        return await retry(
+            attempt, on=_ClaimNotAnswered, retry_for_s=self._config.gateway.enqueue_retry_s, what="an idempotency claim"
+        )
 
     async def _release(self, key: str, tenant: str, job_id: str, revision: int) -> None:
         """Frees the key of a job that was not accepted, unless its record exists after all (a
@@ -265,3 +297,7 @@ class IdempotentSubmitter:
             # A live claim holds the key: a different request cannot have it.
             raise key_reused(request.idempotency_key, claim.job_id)
         raise _ClaimHeld(claim.job_id)
+
+
+class _ClaimNotAnswered(Exception):
+    """A claim's write (or its read back) that NATS did not answer: tried again."""
