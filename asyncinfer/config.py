@@ -115,7 +115,9 @@ class EmbeddedNatsConfig(_Section):
     host: str = Field("127.0.0.1", description="Address the embedded nats-server of `asyncinfer up` binds.")
     port: int = Field(4222, ge=0, le=65535, description="Client port of the embedded nats-server.")
     monitor_port: int = Field(8222, ge=0, le=65535, description="HTTP monitoring port (0: off).")
-    store_dir: str = Field(".asyncinfer/nats", description="JetStream store; a second `up` reuses it.")
+    store_dir: str = Field(
+        ".asyncinfer/nats", description="JetStream store; a later `up` reuses it, a second at once is refused."
+    )
 
 
 class ApiKeyConfig(_Section):

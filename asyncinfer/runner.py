@@ -43,15 +43,18 @@ class StopSignal:
     """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by a dependency that
     went away (`abort`), or by `set()` (for tests and embedding). `exit_code` is the process's."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, hangup: bool = False) -> None:
+        """`hangup`: SIGHUP stops too (`asyncinfer up`, whose terminal may close; a batcher run
+        alone with its file reloads on SIGHUP instead)."""
         self.event = asyncio.Event()
         self.failure: LoopDied | None = None
         self.exit_code = EXIT_STOPPED
         self._installed: list[signal.Signals] = []
+        self._signals = (signal.SIGINT, signal.SIGTERM, *((signal.SIGHUP,) if hangup else ()))
 
     def install(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in self._signals:
             loop.add_signal_handler(sig, self._on_signal, sig)
             self._installed.append(sig)
 

@@ -173,6 +173,16 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
 
 
+def test_its_terminal_closing_stops_up_and_its_nats_server(up: UpProcess) -> None:
+    """SIGHUP to its process group, as a terminal that closes sends it: `up` died by it, leaving
+    its nats-server (in a session of its own) running on the ports."""
+    nats_pid = up.nats_pid()
+    os.killpg(up.process.pid, signal.SIGHUP)
+    assert up.process.wait(timeout=60) == 0
+    assert "asyncinfer stopped" in up.rest_of_output()
+    assert not pid_alive(nats_pid)
+
+
 def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     nats_pid = up.nats_pid()
     os.kill(nats_pid, signal.SIGKILL)
@@ -191,3 +201,50 @@ def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     # The scheduler saw NATS was gone and did not wait out a request timeout per registry entry
     # (one per model) and its heartbeat, which took a stop past 30 s on a slow machine.
     assert any(e["event"] == "stopping_without_nats" and e["service"] == "scheduler" for e in up.logs())
+
+
+def test_a_second_up_on_the_same_store_is_refused_naming_the_first(up: UpProcess, tmp_path: Path) -> None:
+    """Given other ports (as the busy-ports message suggested), a second `up` on the same store
+    ran a second nats-server over the first's files ("Stream state outdated ... will rebuild")."""
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    second, _ports = write_config(other)  # ports of its own
+    second.write_text(second.read_text().replace(str(other / "data"), str(tmp_path / "data")))
+
+    done = run_up_once(second, other)
+
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"is in use by another `asyncinfer up` (pid {up.process.pid})" in done.stderr
+    assert up.process.poll() is None
+    assert grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY).returncode == 0
+
+
+def test_a_nats_server_a_killed_up_left_is_stopped_by_the_next_up(tmp_path: Path) -> None:
+    """kill -9 of `up` (or its terminal closed) left its nats-server running on the ports, and the
+    next `up` refused, blaming another `asyncinfer up` that did not exist."""
+    config_path, ports = write_config(tmp_path)
+    first = start_up(config_path, ports, tmp_path)
+    try:
+        left = first.nats_pid()
+        first.process.kill()
+        first.process.wait()
+        assert pid_alive(left)
+    finally:
+        close_pipe_only(first)
+    again = start_up(config_path, ports, tmp_path)
+    try:
+        assert not pid_alive(left)
+        assert any(e["event"] == "stopping_left_nats_server" and e["pid"] == left for e in again.logs())
+        assert grpcurl(again.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY).returncode == 0
+    finally:
+        close(again)
+
+
+def close_pipe_only(up: UpProcess) -> None:
+    """Its output pipe closed once read to the end (the process is dead; its nats-server is left
+    running, unlike with close())."""
+    while up.lines.get(timeout=10) is not None:
+        pass
+    if up.process.stdout is not None:
+        up.process.stdout.close()

@@ -20,6 +20,7 @@ from services.apps import SERVICES
 from services.up.banner import banner
 from services.up.defaults import with_up_defaults
 from services.up.ports import check_up_exposure, raise_if_busy, up_ports
+from services.up.store_lock import StoreLock, pid_file
 
 SHUTDOWN_GRACE_S = 10.0
 
@@ -67,7 +68,8 @@ class EmbeddedNats:
             port=embedded.port,
             monitor_port=embedded.monitor_port,
             log_file=store.parent / "nats-server.log",
-            extra_args=("-c", str(self._conf), *extra_args),
+            # Its pid file tells the next `up` which server a dead one left (store_lock.py).
+            extra_args=("-c", str(self._conf), "-P", str(pid_file(store)), *extra_args),
         )
         self.supervisor = Supervisor("nats")
         self.port = 0
@@ -125,10 +127,24 @@ async def run_up(config: Config, *, tls: bool = False) -> int:
         dev = await asyncio.to_thread(ensure_dev_tls, dev_tls_dir(config), bound_hosts(config))
         config, nats_args, ca_file = with_dev_tls(config, dev), nats_server_args(dev), str(dev.ca_file)
     check_up_exposure(config)
-    raise_if_busy(up_ports(config), hint="Is another `asyncinfer up` running?")
+    lock = StoreLock(Path(config.embedded_nats.store_dir))
+    try:
+        await asyncio.to_thread(lock.acquire_if_used)
+        raise_if_busy(
+            up_ports(config), hint="Is another `asyncinfer up` (on another store) or another program using them?"
+        )
+        await asyncio.to_thread(lock.acquire)
+        return await _run_up(config, given_tls=(nats_args, ca_file))
+    finally:
+        lock.release()
+
+
+async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | None]) -> int:
+    nats_args, ca_file = given_tls
     given = config
     config = with_up_defaults(config)
-    stop = StopSignal()
+    # SIGHUP too: the terminal that ran it closed (it died by it, leaving its nats-server running).
+    stop = StopSignal(hangup=True)
     nats = EmbeddedNats(config, stop, extra_args=nats_args)
     state: dict[str, App] = {}
 
