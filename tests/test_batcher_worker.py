@@ -423,7 +423,9 @@ async def test_stop_keeps_to_the_configured_grace_when_the_caller_allows_more(
     scheduler: tuple[FakeScheduler, int], app: BatcherApp
 ) -> None:
     """`batcher.shutdown_grace_s` bounds a stop: the process runner gives every service the same
-    grace (10 s), and a batch still computing when the batcher's own runs out is abandoned."""
+    grace (10 s), and a batch still computing when the batcher's own runs out is abandoned, and
+    answered dropped: the scheduler puts it back with its attempt given back (it was left to the
+    stream's end, WORKER_LOST, the attempt spent)."""
     fake, _ = scheduler
     connection = await fake.next_connection(1)
     app.config = app.config.replace(batcher={"shutdown_grace_s": 0.05})
@@ -432,7 +434,9 @@ async def test_stop_keeps_to_the_configured_grace_when_the_caller_allows_more(
         await asyncio.wait_for(app.stop(grace_s=3_600.0), timeout=WAIT_S)
     finally:
         GATE.set()
-    assert ("blocker", 1) not in connection.results  # abandoned: the scheduler re-queues it
+    abandoned = await connection.result("blocker")
+    assert abandoned.dropped
+    assert not abandoned.HasField("error")
 
 
 async def test_a_scheduler_restart_leaves_no_pending_task_behind(

@@ -35,6 +35,9 @@ from services.batcher.worker_client import WorkerClient, WorkerSecurity
 
 log = structlog.get_logger("asyncinfer.batcher")
 
+# How long the last answers may take to leave once the grace is spent (the abandoned orders').
+ANSWERS_AFTER_GRACE_S = 1.0
+
 # KServe's liveness and readiness probes stay open, like grpc health; every other method (ModelInfer
 # above all: it runs outside every quota) takes a key of role ops once API keys are configured.
 OPEN_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
@@ -249,8 +252,10 @@ class BatcherApp:
         else:
             await self.engine.stop(grace_s)
         if self._worker is not None:
-            # Every item has resolved by now; send the answers and close the stream.
-            await self._worker.stop(max(deadline - asyncio.get_running_loop().time(), 0.0))
+            # Every item has resolved by now; send the answers and close the stream. A moment
+            # even when the grace is spent: the orders abandoned at its end are answered too.
+            left_s = deadline - asyncio.get_running_loop().time()
+            await self._worker.stop(max(left_s, ANSWERS_AFTER_GRACE_S))
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         if self._claim_checks is not None:  # after the work stream: its last results stored their outputs
             await self._claim_checks.close()

@@ -334,8 +334,10 @@ class WorkSession:
             # with its attempt given back. Left unanswered, the stream's end put it back as
             # its batcher lost, spending the attempt: a job of max_attempts 1 failed at a rollout.
             log.info("work_order_abandoned_at_shutdown", started=item.started, **_about(order))
-            if not item.started:  # one abandoned mid-batch (the grace ran out) did run: left to the stream's end
-                self._send_result(order, dropped=True)  # no error: one would count as the attempt's
+            # No error: one would count as the attempt's. One abandoned mid-batch (its grace ran
+            # out) is given back too: left to the stream's end it was WORKER_LOST, its attempt
+            # spent, so a job longer than the grace was dead-lettered by three Ctrl-Cs of `up`.
+            self._send_result(order, dropped=True)
         elif isinstance(error, AsyncInferError):
             log.info("work_order_failed", reason=error.reason, error=error.message, **_about(order))
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
