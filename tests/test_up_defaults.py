@@ -3,13 +3,18 @@ written even after `up --dev-tls` replaced settings (Config.replace keeps what w
 
 from __future__ import annotations
 
+import contextvars
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from asyncinfer.config import FLAKY_MODEL, Config, load_config
 from services.dev_ca import DevTls, with_dev_tls
+from services.up.banner import banner
 from services.up.defaults import with_up_defaults
+from services.up.stack import InContext
 
 pytestmark = pytest.mark.unit
 
@@ -59,3 +64,23 @@ def test_up_on_loopback_lets_webhooks_reach_a_receiver_on_this_machine(tmp_path:
         tmp_path, '[[gateway.api_keys]]\nsha256 = "' + "a" * 64 + '"\nname = "k"\ntenant = "acme"\n'
     )
     assert with_up_defaults(keyed).webhooks.allowed_networks == ()  # callers are not all on this machine
+
+
+def test_the_banner_names_a_model_that_did_not_load_and_lines_up_its_columns(tmp_path: Path) -> None:
+    """`up` wraps each app (InContext): the banner read the wrapper's load_failures, always none,
+    so a model that failed to load was listed among those served (a first-hour pass, session 25)."""
+    config = with_up_defaults(load_config_file(tmp_path))
+    failing = config.models[0].name
+    apps: dict[str, Any] = {}
+    for name, port in (("gateway", 1), ("scheduler", 2), ("batcher", 3), ("console", 4)):
+        app = SimpleNamespace(port=port, metrics_port=9100 + port, supervisor=None, load_failures={})
+        if name == "batcher":
+            app.load_failures = {failing: "ModuleNotFoundError: No module named 'mypkg'"}
+        apps[name] = InContext(app, contextvars.copy_context())  # type: ignore[arg-type]
+        apps[name].port, apps[name].metrics_port = port, 9100 + port
+    printed = banner(config, apps, "nats://127.0.0.1:4222").splitlines()
+    served = next(line for line in printed if line.startswith("  models "))
+    assert failing not in served.replace(",", " ").split()
+    assert any(line.startswith(f"  NOT LOADED: {failing}") and "mypkg" in line for line in printed)
+    columns = {line.index("http://") for line in printed if "/metrics" in line}
+    assert columns == {next(line for line in printed if "JobService" in line).index("127.0.0.1")}

@@ -19,7 +19,8 @@ def banner(
     gateway = f"{config.gateway.host}:{apps['gateway'].port}"
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
     batcher = f"{config.batcher.host}:{apps['batcher'].port}"
-    failed: dict[str, str] = getattr(apps["batcher"], "load_failures", {})
+    # `up` wraps each app (services/up/stack.py InContext): the batcher's own object has them.
+    failed: dict[str, str] = getattr(getattr(apps["batcher"], "app", apps["batcher"]), "load_failures", {})
     models = ", ".join(m.name for m in config.models if m.name not in failed)
     lines = [
         "asyncinfer is up",
@@ -38,7 +39,7 @@ def banner(
     for name in ("gateway", "scheduler", "batcher"):
         port = getattr(apps[name], "metrics_port", 0)
         if port:
-            lines.append(f"  metrics ({name}){' ' * (22 - len(name))}http://{config.gateway.host}:{port}/metrics")
+            lines.append(f"  {f'metrics ({name})':<31}http://{config.gateway.host}:{port}/metrics")
     tenant = config.gateway.default_tenant
     if dev_secret:
         label = f"webhook secret ({tenant})"
