@@ -29,6 +29,7 @@ from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import streams
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
 from asyncinfer.ports import IN_USE, PortUse, busy_ports
 from asyncinfer.supervision import outcome_seen
@@ -348,3 +349,26 @@ async def test_a_shielded_tasks_failure_its_caller_left_is_not_logged_as_never_r
             logged.clear()
     finally:
         loop.set_exception_handler(None)
+
+
+@pytest.mark.unit
+async def test_a_declaration_waits_out_an_election_then_fails_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service that started as a node was lost (a pod restarted during a failover) had 5 s
+    (nats.connect_timeout_s) to declare its streams, then died with the NATS client's traceback."""
+    monkeypatch.setattr(streams, "DECLARE_RETRY_S", 0.5)
+    calls = 0
+
+    async def elected_on_the_third_try(_timeout_s: float) -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise TimeoutError("nats: timeout")
+        return "declared"
+
+    assert await streams._declared(elected_on_the_third_try, retry_for_s=0.01, what="declare X") == "declared"
+
+    async def never_answers(_timeout_s: float) -> str:
+        raise TimeoutError("nats: timeout")
+
+    with pytest.raises(Unavailable, match=r"cannot declare X: JetStream did not answer for 0.5 s"):
+        await streams._declared(never_answers, retry_for_s=0.01, what="declare X")

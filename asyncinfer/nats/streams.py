@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
 from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, MSG_TTL_HEADER, stream_info_subject
+from asyncinfer.errors import Unavailable
 from asyncinfer.nats.protocol import STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
 
@@ -246,8 +247,25 @@ async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry
             await js.add_stream(stream)
             log.info("stream_created", stream=name)
 
-    # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
-    await retry_transient(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
+    await _declared(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
+
+
+# A declaration at a service's start waits out a leader election this long at the least: a node
+# lost just as a service started (a pod restarted during a failover) outlasted the 5 s it had, and
+# the service died with a traceback, then again on each restart.
+DECLARE_RETRY_S = 30.0
+
+
+async def _declared(operation: Callable[[float], Awaitable[T]], *, retry_for_s: float, what: str) -> T:
+    """retry_transient for a declaration, for DECLARE_RETRY_S at the least; then Unavailable (one
+    line, exit 69), not the NATS client's exception."""
+    try:
+        return await retry_transient(operation, retry_for_s=max(retry_for_s, DECLARE_RETRY_S), what=what)
+    except TRANSIENT_JS_ERRORS as exc:
+        raise Unavailable(
+            f"cannot {what}: JetStream did not answer for {max(retry_for_s, DECLARE_RETRY_S):g} s ({exc!r}); "
+            "is JetStream on (nats-server -js), and has the cluster a leader?"
+        ) from exc
 
 
 async def _add_marker_ttl(js: JetStreamContext, stream: str, marker_ttl_s: float) -> None:
@@ -294,4 +312,4 @@ async def ensure_kv_bucket(
         return kv
 
     # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
-    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")
+    return await _declared(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")
