@@ -6,6 +6,7 @@ snapshots, the tenant counter, and priority under saturation."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,12 +22,14 @@ from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state,
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
-from asyncinfer.contract import JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
+from asyncinfer.contract import DEAD_SUBJECTS, JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
+from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyValue, NotFoundError
+from asyncinfer.nats import KeyValue, NotFoundError, api
 from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.streams import ensure_stream
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.queues import (
     CancelNotice,
@@ -36,7 +39,9 @@ from asyncinfer.queues import (
 )
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
+from services.scheduler import dead_letters
 from services.scheduler.app import SchedulerApp
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers
 
@@ -789,3 +794,32 @@ async def test_an_idle_scheduler_holds_pulls_open_and_puts_back_what_it_may_not_
     order = await batcher.next_order(timeout_s=30)
     assert order.job_id == parked
     assert dispatcher.queues.put_back_count(Priority.LOW) == 0
+
+
+async def test_a_dead_letter_lives_as_long_as_its_jobs_record(
+    nc: NatsClient, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A soak pass (session 25): dead letters, each holding its job's inputs, were kept for ever,
+    long after their jobs' records were gone and a replay was refused. Each now carries the
+    record's retention (plus an hour) as its TTL; a stream made by a release before allows TTLs
+    once a scheduler of this one starts."""
+    js = nc.jetstream()
+    old = api.StreamConfig(name=config.nats.dead_letter_stream, subjects=[DEAD_SUBJECTS])
+    await ensure_stream(js, old, retry_for_s=5.0)
+    await ensure_dead_letter_stream(js, config.nats)
+    assert (await js.stream_info(config.nats.dead_letter_stream)).config.allow_msg_ttl
+    monkeypatch.setattr(dead_letters, "DEAD_LETTER_SLACK_S", 0.0)
+    store = DeadLetterStore(nc, js, config.nats)
+    letter = DeadLetter(
+        job_id=new_job_id(), tenant="t", model_name="demo", reason="MAX_ATTEMPTS", attempts=1,
+        dead_time=time.time(), original=b"inputs",
+    )  # fmt: skip
+    short = await store.add(letter, retention_s=1.0)
+    kept = await store.add(dataclasses.replace(letter, job_id=new_job_id()))  # no retention known: kept
+    assert await store.get(short.sequence) is not None
+
+    async def expired() -> bool:
+        return await store.get(short.sequence) is None
+
+    await until(expired, timeout_s=10.0)
+    assert await store.get(kept.sequence) is not None

@@ -236,16 +236,23 @@ async def messages_between(
 
 
 async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry_for_s: float) -> None:
-    """A stream of ours, created with `stream` unless it exists (an existing one is left as it is)."""
+    """A stream of ours, created with `stream` unless it exists. An existing one is left as it is,
+    but for per-message TTLs, turned on where `stream` asks for them (a release before made the
+    stream without)."""
     name = stream.name
     assert name is not None
 
     async def declare(_: float) -> None:
         try:
-            await js.stream_info(name)
+            info = await js.stream_info(name)
         except NotFoundError:
             await js.add_stream(stream)
             log.info("stream_created", stream=name)
+            return
+        if stream.allow_msg_ttl and not info.config.allow_msg_ttl:
+            info.config.allow_msg_ttl = True
+            await js.update_stream(info.config)
+            log.info("stream_message_ttls_allowed", stream=name)
 
     await _declared(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
 

@@ -12,6 +12,7 @@ again on redelivery, and the stream drops the duplicate.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -23,7 +24,7 @@ from asyncinfer.config import NatsConfig
 
 # Named in asyncinfer.contract; re-exported for their callers here.
 from asyncinfer.contract import DEAD_SUBJECT_PREFIX as DEAD_SUBJECT_PREFIX
-from asyncinfer.contract import DEAD_SUBJECTS, dead_letter_msg_id, stream_purge_subject
+from asyncinfer.contract import DEAD_SUBJECTS, MSG_TTL_HEADER, dead_letter_msg_id, stream_purge_subject
 from asyncinfer.contract import dead_subject as dead_subject
 from asyncinfer.jobs import JobError, WorkEnvelope
 from asyncinfer.nats import APIError, JetStreamContext, NotFoundError, api
@@ -34,6 +35,9 @@ from asyncinfer.nats.streams import ensure_stream, publish_durably
 NO_MESSAGE_FOUND = 10057
 
 PUBLISH_RETRY_FOR_S = 10.0
+# A dead letter outlives its job's record by this much (the record's own retention counts from the
+# job's end; the letter is written just after).
+DEAD_LETTER_SLACK_S = 3600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +120,7 @@ async def ensure_dead_letter_stream(js: JetStreamContext, config: NatsConfig) ->
         storage=api.StorageType.FILE,
         num_replicas=config.replicas,
         duplicate_window=config.duplicate_window_s,
+        allow_msg_ttl=True,  # each letter lives as long as its job's record (DeadLetterStore.add)
     )
     await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
 
@@ -126,7 +131,11 @@ class DeadLetterStore:
         self._js = js
         self._stream = config.dead_letter_stream
 
-    async def add(self, letter: DeadLetter) -> DeadLetter:
+    async def add(self, letter: DeadLetter, *, retention_s: float = 0.0) -> DeadLetter:
+        """Stores the letter for as long as its job's record is kept (`retention_s`, the record's
+        result retention, plus DEAD_LETTER_SLACK_S; 0: for ever): past that a replay is refused
+        (the record is gone), and the letter, which holds the job's inputs, was kept for ever."""
+        headers = {MSG_TTL_HEADER: str(math.ceil(retention_s + DEAD_LETTER_SLACK_S))} if retention_s > 0 else None
         sequence = await publish_durably(
             self._js,
             dead_subject(letter.model_name),
@@ -134,6 +143,7 @@ class DeadLetterStore:
             stream=self._stream,
             msg_id=dead_letter_msg_id(letter.job_id, letter.attempts),
             retry_for_s=PUBLISH_RETRY_FOR_S,
+            headers=headers,
         )
         return replace(letter, sequence=sequence)
 

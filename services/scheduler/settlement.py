@@ -183,7 +183,7 @@ class Settlement:
             original=msg.data,
             last_error=last_error,
         )
-        stored = await self._dead_letters.add(letter)
+        stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
         self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
         job_log.warning(
             "job_dead_lettered",
