@@ -88,10 +88,11 @@ class NatsConfig(_Section):
         120.0, gt=0, description="How long the WORK stream remembers job IDs to drop duplicate publishes."
     )
     expired_job_marker_ttl_s: float = Field(
-        30 * 86400.0,
+        7 * 86400.0,
         ge=1,
         description="How long, after a job's retention passes, reads of it answer JOB_RETENTION_PASSED rather "
-        "than JOB_NOT_FOUND (the delete marker's TTL).",
+        "than JOB_NOT_FOUND (the delete marker's TTL: ~180 B of store per expired job; applied to the bucket at "
+        "each start).",
     )
     idempotency_bucket: str = Field(
         contract.IDEMPOTENCY_BUCKET, description="The KV bucket mapping (tenant, idempotency key) to the first job."

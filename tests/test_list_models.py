@@ -11,6 +11,7 @@ import pytest
 
 from asyncinfer.config import Config
 from asyncinfer.contract import model_version_key
+from asyncinfer.declarations import ensure_jobs_bucket
 from asyncinfer.model_registry import (
     MARKER_TTL_S,
     READY,
@@ -90,3 +91,13 @@ async def test_a_registry_entry_its_ttl_removes_leaves_the_gateways_catalog(conf
         await until(lambda: catalog.registered("demo") == [], timeout_s=10.0)
     finally:
         await catalog.stop()
+
+
+async def test_a_changed_marker_ttl_is_applied_to_the_jobs_bucket_that_exists(config: Config, nc: NatsClient) -> None:
+    """nats.expired_job_marker_ttl_s was read only when the bucket was made: lowered later (its
+    markers held several times the live records' bytes, a soak pass found), it changed nothing."""
+    js = nc.jetstream()
+    await ensure_jobs_bucket(js, config.nats)
+    await ensure_jobs_bucket(js, config.nats.model_copy(update={"expired_job_marker_ttl_s": 600.0}))
+    info = await js.stream_info(f"KV_{config.nats.jobs_bucket}")
+    assert info.config.subject_delete_marker_ttl == 600.0

@@ -275,15 +275,18 @@ async def _declared(operation: Callable[[float], Awaitable[T]], *, retry_for_s: 
         ) from exc
 
 
-async def _add_marker_ttl(js: JetStreamContext, stream: str, marker_ttl_s: float) -> None:
-    """Delete markers on a bucket created without them (a release before asked for none): the
-    server then leaves one when an entry's TTL removes it, which is how watchers hear of it."""
+async def _set_marker_ttl(js: JetStreamContext, stream: str, marker_ttl_s: float) -> None:
+    """The bucket's delete markers live `marker_ttl_s`: set on a bucket created without them (a
+    release before asked for none: the server leaves one when an entry's TTL removes it, which is
+    how watchers hear of it), or made another length (the setting changed: it was ignored on a
+    bucket that existed, silently)."""
     info = await js.stream_info(stream)
-    if info.config.subject_delete_marker_ttl:
+    was = info.config.subject_delete_marker_ttl
+    if was and abs(was - marker_ttl_s) < 1.0:
         return
     info.config.subject_delete_marker_ttl = marker_ttl_s
     await js.update_stream(info.config)
-    log.info("bucket_delete_markers_added", stream=stream, marker_ttl_s=marker_ttl_s)
+    log.info("bucket_delete_marker_ttl_set", stream=stream, marker_ttl_s=marker_ttl_s, was_s=was)
 
 
 async def ensure_kv_bucket(
@@ -315,7 +318,7 @@ async def ensure_kv_bucket(
             log.info("bucket_created", bucket=bucket)
             return created
         if limit_marker_ttl_s:
-            await _add_marker_ttl(js, f"KV_{bucket}", limit_marker_ttl_s)
+            await _set_marker_ttl(js, f"KV_{bucket}", limit_marker_ttl_s)
         return kv
 
     # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
