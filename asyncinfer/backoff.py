@@ -84,7 +84,9 @@ async def retry(
         first_wait_s = min(max_delay_s, first_delay_s + random.uniform(0.0, first_delay_s))
         if time.monotonic() + first_wait_s >= give_up_at:
             raise
-        log.info("retrying", what=what, attempt=1, error=repr(exc))
+        # Debug: a leader election retries every publish in flight (~750 lines per event at
+        # info); the failures that last are said by their callers, once.
+        log.debug("retrying", what=what, attempt=1, error=repr(exc))
     await asyncio.sleep(first_wait_s)
     retries = retrying(
         on,
@@ -98,6 +100,6 @@ async def retry(
             try:
                 return await operation()
             except on as exc:
-                log.info("retrying", what=what, attempt=attempt.num + 1, error=repr(exc))
+                log.debug("retrying", what=what, attempt=attempt.num + 1, error=repr(exc))
                 raise
     raise AssertionError("unreachable: stamina raises the last error")  # pragma: no cover

@@ -460,8 +460,8 @@ class BlobStore:
         try:
             await asyncio.shield(self._js.purge_stream(self.stream, subject=subject))
         except Exception as exc:
-            # Chunks without a meta are invisible to the sweeper: say so loudly.
-            log.error("blob_chunks_not_purged", subject=subject, error=str(exc))
+            # The sweep (asyncinfer/blob_sweep.py) purges chunks whose meta is gone on its next round.
+            log.warning("blob_chunks_not_purged", subject=subject, error=str(exc))
 
 
 def _immutable(piece: bytes | memoryview) -> bool:

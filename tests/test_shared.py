@@ -28,6 +28,7 @@ from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import streams
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
@@ -372,3 +373,16 @@ async def test_a_declaration_waits_out_an_election_then_fails_in_one_line(monkey
 
     with pytest.raises(Unavailable, match=r"cannot declare X: JetStream did not answer for 0.5 s"):
         await streams._declared(never_answers, retry_for_s=0.01, what="declare X")
+
+
+@pytest.mark.unit
+def test_a_throttle_lets_one_line_a_key_through_per_interval_and_counts_the_rest() -> None:
+    """A pull refused while a leader was elected logged ~50 lines a second (a failover pass)."""
+    now = [0.0]
+    throttle = Throttle(5.0, clock=lambda: now[0])
+    assert throttle.allow("a") == 0
+    assert [throttle.allow("a") for _ in range(49)] == [None] * 49
+    assert throttle.allow("b") == 0  # each key on its own
+    now[0] = 5.0
+    assert throttle.allow("a") == 49
+    assert throttle.allow("a") is None

@@ -19,7 +19,7 @@ from asyncinfer import job_errors, lifecycle
 from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config
-from asyncinfer.job_store import JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.nats import Msg
 from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
@@ -101,10 +101,14 @@ class JobDispatch:
             if self._tracing.enabled and envelope.traceparent:
                 return await self._traced_dispatch(msg, envelope, session, job_log)
             return await self._dispatch(msg, envelope, session, job_log)
-        except Exception:
+        except Exception as exc:
             # NATS trouble mid-way: the message comes back after a pause, and the record (if
-            # RUNNING) is taken over by the next attempt.
-            job_log.exception("dispatch_failed")
+            # RUNNING) is taken over by the next attempt. A NATS failure is said in one line (a
+            # leader election logged a traceback per job); anything else is a bug: its traceback.
+            if isinstance(exc, NATS_FAILURES):
+                job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
+            else:
+                job_log.exception("dispatch_failed")
             await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
             return False
 

@@ -23,11 +23,14 @@ import structlog
 from asyncinfer.codecs.envelope import tenant_of_envelope
 from asyncinfer.contract import TENANT_HEADER, consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 log = structlog.get_logger("asyncinfer.scheduler.queue")
+# A pull refused while a leader is elected came ~50 times a second: one line per consumer every 5 s.
+_REFUSALS = Throttle(5.0)
 
 _NO_WAIT_ONE = json.dumps({"batch": 1, "no_wait": True}).encode()
 _EMPTY_STATUSES = frozenset({"404", "408"})
@@ -92,10 +95,16 @@ class PullInbox:
                     reply = await subscription.next_msg(timeout=timeout_s)
                     status = (reply.headers or {}).get("Status")
                     if status is not None:
-                        if status not in _EMPTY_STATUSES:
+                        held = _REFUSALS.allow((consumer, status)) if status not in _EMPTY_STATUSES else None
+                        if held is not None:
                             description = (reply.headers or {}).get("Description", "")
                             log.warning(
-                                "pull_refused", stream=stream, consumer=consumer, status=status, description=description
+                                "pull_refused",
+                                stream=stream,
+                                consumer=consumer,
+                                status=status,
+                                description=description,
+                                **({"more_since_last": held} if held else {}),
                             )
                         break
                     if not reply.reply:
