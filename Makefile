@@ -29,9 +29,12 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
+# The project's own folders: a file a user saves beside them (a README snippet, try.py) is theirs.
+PYTHON_DIRS = asyncinfer services tests bench scripts deploy
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check $(PYTHON_DIRS) pyproject.toml
+	$(VENV)/bin/ruff format --check $(PYTHON_DIRS)
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy asyncinfer services
