@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.jobs import BATCH_LABEL
+from asyncinfer.jobs import BATCH_LABEL, Priority
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.console.app import ConsoleApp
 from services.gateway.batch_prepare import chunk_ref
@@ -34,7 +34,10 @@ from tests.batch_helpers import (
     wait_ended,
     wait_until,
 )
+from tests.processes import until as until_true
 from tests.stack import Stack, StartStack
+from tests.test_gateway import submit_request
+from tests.test_scheduler import until
 
 
 def batch_config(config: Config, **batches: Any) -> Config:
@@ -397,3 +400,34 @@ async def test_a_batch_alone_scales_batchers_from_zero_and_back_and_is_counted(
     scraped = generate_latest(stack.gateway.registry).decode()
     assert 'asyncinfer_batch_records_total{model="demo",outcome="completed"} 300.0' in scraped
     assert 'asyncinfer_batches_ended_total{model="demo",state="COMPLETED"} 1.0' in scraped
+
+
+async def test_a_job_cancelled_while_its_queue_is_paused_leaves_the_queues_depth(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The README's cancel recipe (pause, submit, cancel, resume): the paused scheduler's held pull
+    took the job and put it back, its cancel deleted the message, and the put-back count, which
+    only a pull lowered, kept it in the queue's depth and the desired batchers for good."""
+    stack = await start_stack(config.replace(scheduler={"queue_stats_interval_s": 0.2}))
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        await until_true(lambda: stack.scheduler.batchers.free_credits("demo") > 0, timeout_s=10.0)
+        await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="demo"))
+        submitted = await stack.jobs.SubmitJob(submit_request())
+        await until_put_back(stack, 1)
+        await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=submitted.job.job_id))
+        await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
+
+        async def drained() -> bool:
+            stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="demo"))
+            (model,) = stats.models
+            return sum(p.depth for p in model.priorities) == 0
+
+        await until(drained, timeout_s=10.0)
+
+
+async def until_put_back(stack: Stack, count: int) -> None:
+    def put_back() -> int:
+        return sum(d.queues.put_back_count(p) for d in stack.scheduler._dispatchers for p in Priority)
+
+    await until_true(lambda: put_back() == count, timeout_s=10.0)

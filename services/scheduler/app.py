@@ -274,6 +274,7 @@ class SchedulerApp:
             await start_dispatcher(model.name)
         self.supervisor.start("scheduler-runtime-models", runtime.run())
         flow.on_put_back = self._wake_dispatcher
+        flow.on_message_dropped = self._forget_put_back
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
@@ -337,6 +338,10 @@ class SchedulerApp:
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
         return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)
+
+    def _forget_put_back(self, job_id: str) -> None:
+        for dispatcher in self._dispatchers:
+            dispatcher.queues.forget(job_id)
 
     def _wake_dispatcher(self, subject: str) -> None:
         """A message was put back on `subject` (a job's work subject, or its queue's)."""

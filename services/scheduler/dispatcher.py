@@ -234,7 +234,7 @@ class ModelDispatcher:
         session = None if closed else self._batchers.reserve(self.model_name)
         if session is None:
             self._queues.note_publish(priority)
-            self._queues.put_back(priority)  # still counted in the queue's depth
+            self._queues.put_back(priority, msg)  # still counted in the queue's depth
             with contextlib.suppress(Exception):
                 await msg.nak()
             self._doorbell.set()  # the loop goes to wait on what held it (a pause ends, a credit comes)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import structlog
 
 from asyncinfer.codecs.envelope import tenant_of_envelope
-from asyncinfer.contract import TENANT_HEADER, consumer_next_subject, work_consumer_name
+from asyncinfer.contract import JOB_ID_HEADER, TENANT_HEADER, consumer_next_subject, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client as NatsClient
@@ -169,23 +169,30 @@ class ModelQueues:
         # Publishes seen per priority: a publish seen while a pull was out may have missed it.
         self._publishes = dict.fromkeys(PRIORITIES_BY_RANK, 0)
         self._pulled_at = dict.fromkeys(PRIORITIES_BY_RANK, 0)
-        # Messages this scheduler pulled and put back (a nak): waiting again, but the consumer
-        # counts them as delivered, not pending, until they are pulled again (first, before new ones).
-        self._put_back = dict.fromkeys(PRIORITIES_BY_RANK, 0)
+        # The jobs whose messages this scheduler pulled and put back (a nak): waiting again, but
+        # the consumer counts them as delivered, not pending, until they are pulled again. By job,
+        # not a count: one cancelled meanwhile has its message deleted, never pulled, and a count
+        # kept it in the queue's depth (and the desired batchers) for good.
+        self._put_back: dict[Priority, set[str]] = {p: set() for p in PRIORITIES_BY_RANK}
         # Whether the last pull_next found jobs already waiting, not only one it waited for
         # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
         self.found_waiting = False
 
-    def put_back(self, priority: Priority) -> None:
+    def put_back(self, priority: Priority, msg: Msg) -> None:
         """A message of the priority's queue was pulled and put back (nak) without running."""
-        self._put_back[priority] += 1
+        self._put_back[priority].add(_job_id(msg))
 
     def put_back_count(self, priority: Priority) -> int:
-        return self._put_back[priority]
+        return len(self._put_back[priority])
+
+    def forget(self, job_id: str) -> None:
+        """The job's message is gone (deleted when it was cancelled while queued)."""
+        for jobs in self._put_back.values():
+            jobs.discard(job_id)
 
     def _pulled(self, priority: Priority, msgs: list[Msg]) -> list[Msg]:
         if msgs and self._put_back[priority]:
-            self._put_back[priority] = max(0, self._put_back[priority] - len(msgs))
+            self._put_back[priority].difference_update(_job_id(msg) for msg in msgs)
         return msgs
 
     def note_publish(self, priority: Priority) -> None:
@@ -251,3 +258,8 @@ class ModelQueues:
         await self._inbox.close()
         for inbox in self._hold_inboxes.values():
             await inbox.close()
+
+
+def _job_id(msg: Msg) -> str:
+    """The job a work message is for: its header, else its subject's last token (a job's own)."""
+    return (msg.headers or {}).get(JOB_ID_HEADER) or msg.subject.rsplit(".", 1)[-1]
