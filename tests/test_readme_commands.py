@@ -11,7 +11,7 @@ empty (`{}`): answers say what happened.
 
 Placeholders, as the README documents them: `JOB_ID` is the job ID the block's last submit answered;
 `SEQ` a sequence the last ListDeadLetters answered. What does not run is named below (NOT_RUN, and
-the one URL that needs DNS: CALLBACK_URL). Nothing runs before the README: the stack is `up` as a
+the webhook receiver's URL: CALLBACK_URL). Nothing runs before the README: the stack is `up` as a
 newcomer has it (no models in its file, so minilm-l6, minilm-l6-doc and the sample models `demo` and `flaky`; no webhook secret,
 so the one `up` generates), and the README's own lines make the dead letter its recipes act on.
 The Python SDK example is a ```python block, not a shell one (tests/test_client_sdk.py covers the SDK).
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -46,11 +45,12 @@ NOT_RUN = {
     "LD_LIBRARY_PATH=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var(\"LIBDIR\"))') "
     ".venv/bin/python bench/batcher_servers.py pytriton 8001 affine 8 20": "starts a Triton server (PyTriton) "
     "and runs until Ctrl-C; tests/test_batcher_triton.py starts the same server the same way, on a free port",
+    'python3 -c \'import http.server as h; h.HTTPServer(("127.0.0.1", 8099), type("R", (h.BaseHTTPRequestHandler,), {"do_POST": lambda s: (print(s.rfile.read(int(s.headers["Content-Length"])).decode(), flush=True), s.send_response(204), s.end_headers())})).serve_forever()\' &': "a webhook receiver on a fixed port, left running in the background; "
+    "the test's submit goes to a free loopback port instead (CALLBACK_URL), where nothing answers",
 }
-# The webhook example's URL: the gateway resolves its host at submit. Where example.com does not
-# resolve (a machine without DNS, like CI's), the test puts this loopback URL in its place (the
-# test's stack allows 127.0.0.1 in webhooks.allowed_networks) and says so in the test's output.
-CALLBACK_URL = "https://example.com/hook"
+# The webhook example's URL, the README's receiver's: the test puts a free loopback port in its place
+# (its stack allows 127.0.0.1 in webhooks.allowed_networks), as the receiver is not run.
+CALLBACK_URL = "http://localhost:8099/hook"
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 VARIABLE_LINE = re.compile(r"^(export\s+)?([A-Z_][A-Z0-9_]*=\S+\s+)*[A-Z_][A-Z0-9_]*=\S+\s*(#.*)?$")
 ADDRESS = re.compile(r"127\.0\.0\.1:(\d+)")
@@ -117,14 +117,6 @@ def test_the_readme_has_its_shell_blocks_and_every_command_is_run_or_named() -> 
             assert uses <= defined, f"README.md:{command.number}: {uses - defined} not defined in its block"
 
 
-def resolves(host: str) -> bool:
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError:
-        return False
-    return True
-
-
 def write_config(tmp_path: Path) -> tuple[Path, dict[str, int]]:
     ports = {name: free_port() for name in ("nats", "gateway", "scheduler", "batcher")}
     path = tmp_path / "asyncinfer.toml"
@@ -175,7 +167,7 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
     workdir.mkdir()
     (workdir / ".venv").symlink_to(sys.prefix)  # `.venv/bin/grpcurl`, `.venv/bin/asyncinfer`
     addresses = {"gateway": up.gateway, "scheduler": up.scheduler, "batcher": up.batcher}
-    callback_url = CALLBACK_URL if resolves("example.com") else f"http://127.0.0.1:{free_port()}/hook"
+    callback_url = f"http://127.0.0.1:{free_port()}/hook"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
     ran: list[str] = []
     dead_letters: list[str] = []  # what ListDeadLetters answered
@@ -214,5 +206,3 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
     assert any("OpsService/Undrain" in line for line in ran)
     # The README's own flaky job was the dead letter its recipes listed, showed and replayed.
     assert any('"flaky"' in answer and "MODEL_ERROR" in answer for answer in dead_letters), dead_letters
-    if callback_url != CALLBACK_URL:
-        print(f"example.com does not resolve here: the webhook example ran with {callback_url}")
