@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
+from typing import NoReturn
 
 from asyncinfer import commands as client_commands
 from asyncinfer import completion
@@ -31,7 +34,11 @@ from asyncinfer.config import render_default_config
 from asyncinfer.webhook_secrets import new_secret
 
 PROG = "asyncinfer"
-DESCRIPTION = "The `asyncinfer` command."
+DESCRIPTION = (
+    "Asynchronous ML inference: `asyncinfer up` runs the whole stack on this machine; the other commands are "
+    "its client (submit, watch, bulk, batch ...), its operator's tools (dlq, queue, stats) and its services "
+    "run apart. `asyncinfer COMMAND --help` says more of each."
+)
 CLIENT_ONLY_EPILOG = (
     "This is the client CLI (`python -m asyncinfer`): the commands that start servers (up, gateway, scheduler, "
     "batcher) are in the installed `asyncinfer` command."
@@ -40,12 +47,45 @@ CLIENT_ONLY_EPILOG = (
 SubParsers = argparse._SubParsersAction  # argparse has no public name for it
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """argparse's parser, whose errors suggest the command or option meant (Python 3.11's has no
+    suggest_on_error): `asyncinfer submitt` and `--priorty` were refused with no hint. Its
+    subcommands' parsers are of this class too (add_subparsers makes them of their parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _suggestion(self, message))
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    if (choice := re.search(r"invalid choice: '([^']*)'", message)) is not None:
+        names = [c for a in parser._actions if a.choices for c in a.choices]  # argparse keeps them there
+        close = difflib.get_close_matches(choice.group(1), [str(n) for n in names], n=1)
+    elif (unknown := re.search(r"unrecognized arguments: (.*)", message)) is not None:
+        options = {o for p in _parsers(parser) for a in p._actions for o in a.option_strings}
+        words = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")]
+        close = [m for w in words for m in difflib.get_close_matches(w, sorted(options), n=1)]
+    else:
+        return ""
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The parser and every subcommand's, at any depth."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, SubParsers):
+            for sub in dict.fromkeys(action.choices.values()):
+                found += _parsers(sub)
+    return found
+
+
 def new_parser() -> tuple[argparse.ArgumentParser, SubParsers[argparse.ArgumentParser]]:
     """The top-level parser (with the client options) and its subcommands, still empty."""
-    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    parser: argparse.ArgumentParser = SuggestingParser(prog=PROG, description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     client_commands.add_client_options(parser, top_level=True)
-    return parser, parser.add_subparsers(dest="command", required=True)
+    # COMMAND: the usage line listed every command, and the help listed them twice.
+    return parser, parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
 
 def package_version() -> str:

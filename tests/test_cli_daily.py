@@ -18,11 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 
-from asyncinfer.client import UnavailableError
+from asyncinfer.client import InvalidArgumentError, UnavailableError
 from asyncinfer.commands.hints import connection_hint
 from asyncinfer.commands.options import Options
+from asyncinfer.commands.output import exit_code_for, report_error
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.embedded_nats import free_port
+from asyncinfer.errors import FieldViolation
+from services import cli as services_cli
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE
 from services.dev_ca import ensure_dev_tls
 from tests.stack import StartStack
@@ -294,3 +297,39 @@ def test_one_ctrl_c_stops_a_command_waiting_for_input(argv: list[str], asks: byt
     assert code in (130, -signal.SIGINT), shown
     assert "Traceback" not in shown, shown
     assert list(tmp_path.glob("*.stdin")) == [], "bulk's partial copy of its stdin is removed"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "suggested"),
+    [
+        (["submitt", "demo"], "did you mean 'submit'?"),
+        (["submit", "demo", "-i", "x=[[1,2,3,4]]", "--priorty", "high"], "did you mean '--priority'?"),
+        (["batch", "creat", "f.jsonl"], "did you mean 'create'?"),
+    ],
+)
+def test_a_mistyped_command_or_option_is_told_what_was_meant(
+    argv: list[str], suggested: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A first-hour pass (session 25): `asyncinfer submitt` listed 21 commands and `--priorty`
+    printed the top-level usage, neither with a hint."""
+    with pytest.raises(SystemExit) as exited:
+        services_cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.rstrip().endswith(suggested)
+
+
+@pytest.mark.unit
+def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """The message already says `field: description`: its violation line repeated it."""
+    message = "invalid request: inputs[0].shape: input 'x' must have shape [-1, 4]"
+    error = InvalidArgumentError(
+        message,
+        code=grpc.StatusCode.INVALID_ARGUMENT,
+        violations=(FieldViolation("inputs[0].shape", "input 'x' must have shape [-1, 4]"), FieldViolation("b", "c")),
+    )
+    assert report_error(error) == exit_code_for(grpc.StatusCode.INVALID_ARGUMENT)
+    assert capsys.readouterr().err.splitlines() == [
+        f"asyncinfer: error: INVALID_ARGUMENT: {message}",
+        "asyncinfer:   b: c",
+    ]

@@ -79,7 +79,8 @@ def report_error(error: AsyncInferClientError, stream: TextIO | None = None) -> 
     out = stream or sys.stderr
     print(f"asyncinfer: error: {code_and_reason(error.code.name, error.reason)}: {error.message}", file=out)
     for violation in error.violations:
-        print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
+        if f"{violation.field}: {violation.description}" not in error.message:  # said once, not twice
+            print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
     if error.retry_after_s is not None:
         print(f"asyncinfer:   retry after {error.retry_after_s:g} s", file=out)
     return exit_code_for(error.code)
