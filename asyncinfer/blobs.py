@@ -220,7 +220,7 @@ class BlobStore:
             if full is not None:  # no room: not worth retrying at once (the caller says so)
                 raise full from exc
             if isinstance(exc, NATS_FAILURES):
-                raise Unavailable(f"cannot store the object: {exc}") from exc
+                raise Unavailable(f"cannot store the object: {exc}", reason="NATS_UNAVAILABLE") from exc
             raise
         if previous is not None and previous.nuid != nuid:
             await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=previous.nuid))

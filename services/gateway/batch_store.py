@@ -114,7 +114,9 @@ class BatchStore:
                 # Waits out a leader election, as a job's publish does (it was refused at once).
                 holder = await retry(attempt, on=_NotAnswered, retry_for_s=CLAIM_RETRY_S, what="a batch's claim")
             except _NotAnswered as exc:
-                raise Unavailable(f"cannot claim the idempotency key: {exc}; no batch was created") from exc
+                raise Unavailable(
+                    f"cannot claim the idempotency key: {exc}; no batch was created", reason="NATS_UNAVAILABLE"
+                ) from exc
             if holder is not None:
                 return holder
 

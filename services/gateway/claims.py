@@ -161,7 +161,7 @@ class ClaimStore:
             marker = getattr(exc.entry, "revision", None)
             return None, marker or 0
         except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot read the idempotency key: {exc}") from exc
+            raise Unavailable(f"cannot read the idempotency key: {exc}", reason="NATS_UNAVAILABLE") from exc
         if not entry.value or entry.revision is None:
             return None, entry.revision or 0
         return Claim.decode(entry.value, entry.revision), entry.revision
