@@ -13,7 +13,9 @@ same way, with EXIT_UNAVAILABLE (`StopSignal.abort`).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -28,6 +30,8 @@ EXIT_STOPPED = 0
 EXIT_LOOP_DIED = 70
 # sysexits.h's EX_UNAVAILABLE: a process the apps need (the embedded nats-server) exited.
 EXIT_UNAVAILABLE = 69
+# A second Ctrl-C while `up` stops: at once, as a shell's SIGINT exit (128 + 2).
+EXIT_FORCED = 130
 
 
 class App(Protocol):
@@ -43,9 +47,12 @@ class StopSignal:
     """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by a dependency that
     went away (`abort`), or by `set()` (for tests and embedding). `exit_code` is the process's."""
 
-    def __init__(self, *, hangup: bool = False) -> None:
+    def __init__(self, *, hangup: bool = False, on_force: Callable[[], None] | None = None) -> None:
         """`hangup`: SIGHUP stops too (`asyncinfer up`, whose terminal may close; a batcher run
-        alone with its file reloads on SIGHUP instead)."""
+        alone with its file reloads on SIGHUP instead). `on_force`: a second SIGINT while stopping
+        ends the process at once, after calling it (`up`: its nats-server told to stop); the first
+        says so. Without it a second Ctrl-C was ignored while batches in flight had their grace."""
+        self._on_force = on_force
         self.event = asyncio.Event()
         self.failure: LoopDied | None = None
         self.exit_code = EXIT_STOPPED
@@ -60,7 +67,17 @@ class StopSignal:
 
     def _on_signal(self, sig: signal.Signals) -> None:
         if not self.event.is_set():
-            log.info("stopping", signal=sig.name)
+            if self._on_force is not None:
+                log.info(
+                    "stopping", signal=sig.name, hint="batches in flight may finish first; Ctrl-C again stops at once"
+                )
+            else:
+                log.info("stopping", signal=sig.name)
+        elif self._on_force is not None and sig is signal.SIGINT:
+            self._on_force()
+            log.warning("stopped_at_once", why="a second Ctrl-C", jobs_in_flight="run again once it starts again")
+            sys.stderr.flush()
+            os._exit(EXIT_FORCED)
         self.event.set()
 
     def set(self) -> None:

@@ -24,7 +24,7 @@ import nats
 import pytest
 
 from asyncinfer.embedded_nats import pid_alive
-from asyncinfer.runner import EXIT_UNAVAILABLE
+from asyncinfer.runner import EXIT_FORCED, EXIT_UNAVAILABLE
 from tests.test_up_grpcurl import (
     BIN,
     SUBMIT_BODY,
@@ -171,6 +171,23 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     stops = ["console_stopped", "batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
     assert all(event in order for event in stops), order
     assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
+
+
+def test_a_second_ctrl_c_stops_up_at_once_and_its_nats_server(up: UpProcess) -> None:
+    """While batches in flight have their grace (up to 10 s, silent), a second Ctrl-C was ignored."""
+    nats_pid = up.nats_pid()
+    ctrl_c(up)
+    deadline = time.monotonic() + 10  # the second once the first was taken (two at once are one signal)
+    while not any(e["event"] == "stopping" for e in up.logs()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ctrl_c(up)
+    assert up.process.wait(timeout=30) == EXIT_FORCED
+    assert any(e["event"] == "stopped_at_once" for e in up.logs())
+    deadline = time.monotonic() + 10
+    while pid_alive(nats_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(nats_pid)
+    assert any(e["event"] == "stopping" and "Ctrl-C again" in str(e.get("hint")) for e in up.logs())
 
 
 def test_its_terminal_closing_stops_up_and_its_nats_server(up: UpProcess) -> None:

@@ -106,6 +106,12 @@ class EmbeddedNats:
                 exit_code=EXIT_UNAVAILABLE,
             )
 
+    def terminate(self) -> None:
+        """SIGTERM to the nats-server, not waited for (a forced stop of `up`: it flushes and exits)."""
+        self._stopping = True
+        if self.server.process is not None and self.server.process.poll() is None:
+            self.server.process.terminate()
+
     async def stop(self, grace_s: float = 5.0) -> None:
         self._stopping = True
         await self.server.astop()
@@ -144,7 +150,7 @@ async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | Non
     given = config
     config = with_up_defaults(config)
     # SIGHUP too: the terminal that ran it closed (it died by it, leaving its nats-server running).
-    stop = StopSignal(hangup=True)
+    stop = StopSignal(hangup=True, on_force=lambda: nats.terminate())
     nats = EmbeddedNats(config, stop, extra_args=nats_args)
     state: dict[str, App] = {}
 
