@@ -4,6 +4,7 @@ batcher serving the demo model y = 2x + 1, on a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -336,18 +337,24 @@ class CountingGateway(job_service_pb2_grpc.JobServiceServicer):
             yield response
 
 
-async def test_bulk_sends_the_requests_ready_together_in_one_message() -> None:
+@contextlib.asynccontextmanager
+async def counting_gateway() -> AsyncIterator[tuple[CountingGateway, str]]:
+    """A JobService that answers SubmitJobs and counts the jobs of each message, and its address."""
     gateway = CountingGateway()
     server = grpc.aio.server()
     job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        requests = [JobRequest(model="demo", inputs={"x": X}, correlation_id=f"row-{i}") for i in range(300)]
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            results = [r async for r in client.bulk(requests, window=128, items_per_message=50, timeout_s=30)]
+        yield gateway, f"127.0.0.1:{port}"
     finally:
         await server.stop(0)
+
+
+async def test_bulk_sends_the_requests_ready_together_in_one_message() -> None:
+    async with counting_gateway() as (gateway, address), AsyncClient(address) as client:
+        requests = [JobRequest(model="demo", inputs={"x": X}, correlation_id=f"row-{i}") for i in range(300)]
+        results = [r async for r in client.bulk(requests, window=128, items_per_message=50, timeout_s=30)]
     assert [r.correlation_id for r in results] == [f"row-{i}" for i in range(300)]
     assert sum(gateway.jobs_per_message) == 300
     assert max(gateway.jobs_per_message) == 50, "a list is always ready: its requests go 50 to a message"
@@ -357,18 +364,9 @@ async def test_bulk_sends_the_requests_ready_together_in_one_message() -> None:
 async def test_bulk_sends_at_most_the_gateways_limit_of_items_in_a_message() -> None:
     """The gateway refuses a message of more than 1,000 items (its answer must fit one message):
     a larger `items_per_message` is taken as 1,000."""
-    gateway = CountingGateway()
-    server = grpc.aio.server()
-    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
+    async with counting_gateway() as (gateway, address), AsyncClient(address) as client:
         requests = [JobRequest(model="demo", inputs={"x": X}) for _ in range(2500)]
-        async with AsyncClient(f"127.0.0.1:{port}") as client:
-            bulk = client.bulk(requests, window=5000, items_per_message=5000, timeout_s=60)
-            results = [r async for r in bulk]
-    finally:
-        await server.stop(0)
+        results = [r async for r in client.bulk(requests, window=5000, items_per_message=5000, timeout_s=60)]
     assert len(results) == 2500
     assert max(gateway.jobs_per_message) == 1000
 
