@@ -221,6 +221,9 @@ async def test_a_connected_client_reconnects_past_the_first_connects_attempts(
             # have closed the client after one more than that).
             await until(lambda: nc.is_closed or failed_attempts(logs) > 2 * FIRST_CONNECT_ATTEMPTS)
         assert not nc.is_closed
+        # One warning per kind of failure, the repeats at debug (one a second for as long as it was away).
+        warned = [str(e["error"]) for e in logs if e["event"] == "nats_error" and e["log_level"] == "warning"]
+        assert len(warned) == len(set(warned)), warned
         nats_server.start()
         await until(lambda: nc.is_connected)
         await nc.flush(timeout=5)

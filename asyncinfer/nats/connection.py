@@ -22,6 +22,7 @@ from nats.errors import AuthorizationError
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import _fastpath
 from asyncinfer.tls import client_ssl_context, read_secret
 
@@ -30,6 +31,7 @@ log = structlog.get_logger("asyncinfer.nats")
 FIRST_CONNECT_ATTEMPTS = 3
 RECONNECT_WAIT_S = 0.5
 ABANDON_WAIT_S = 2.0
+ERROR_LOG_INTERVAL_S = 10.0
 
 
 async def connect(config: NatsConfig, *, name: str) -> Client:
@@ -44,9 +46,17 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     gave_up = asyncio.Event()
 
     attempts = FIRST_CONNECT_ATTEMPTS * max(1, len(servers))
+    # A server that is away is tried every RECONNECT_WAIT_S, each failure an error: one warning per
+    # kind every ERROR_LOG_INTERVAL_S (the rest at debug), not one a second for as long as it is away
+    # (~35 lines under `up` after its nats-server died, below the one line saying so).
+    errors = Throttle(ERROR_LOG_INTERVAL_S)
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats_error", error=str(exc))
+        held = errors.allow(str(exc))
+        if held is None:
+            log.debug("nats_error", error=str(exc))
+        else:
+            log.warning("nats_error", error=str(exc), **({"more_since_last": held} if held else {}))
         if not connected:
             first_connect_failures.append(exc)
             if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError) or _login_refused(exc):
