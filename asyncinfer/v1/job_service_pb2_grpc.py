@@ -185,7 +185,8 @@ class JobServiceServicer:
         """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
         longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
         has no such upload (another tenant's is not there). A job still queued that refers to it
-        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried; so do the records not
+        yet run of a batch over an NPY upload (they read its rows): they are error lines.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

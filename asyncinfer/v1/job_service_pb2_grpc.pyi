@@ -72,7 +72,8 @@ class JobServiceStub:
     """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
     longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
     has no such upload (another tenant's is not there). A job still queued that refers to it
-    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried; so do the records not
+    yet run of a batch over an NPY upload (they read its rows): they are error lines.
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]
     """The models this gateway accepts jobs for, with their signatures and job defaults: what a
@@ -123,7 +124,8 @@ class JobServiceAsyncStub(JobServiceStub):
     """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
     longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
     has no such upload (another tenant's is not there). A job still queued that refers to it
-    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+    fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried; so do the records not
+    yet run of a batch over an NPY upload (they read its rows): they are error lines.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListModelsRequest, _job_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The models this gateway accepts jobs for, with their signatures and job defaults: what a
@@ -237,7 +239,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         """Deletes one of the caller's uploads before its retention ends, so that its bytes count no
         longer against the tenant's stored-upload limit. NOT_FOUND (INPUT_NOT_FOUND) when the caller
         has no such upload (another tenant's is not there). A job still queued that refers to it
-        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried.
+        fails when it is dispatched: FAILED with INPUT_NOT_FOUND, not retried; so do the records not
+        yet run of a batch over an NPY upload (they read its rows): they are error lines.
         """
 
     @_abc_1.abstractmethod
