@@ -63,7 +63,7 @@ from asyncinfer.nats import (
     api,
 )
 from asyncinfer.nats.requests import direct_get, js_publish
-from asyncinfer.nats.streams import retry_transient, store_full
+from asyncinfer.nats.streams import declaration, store_full
 from asyncinfer.v1 import tensor_pb2
 
 log = structlog.get_logger("asyncinfer.blobs")
@@ -104,7 +104,7 @@ async def ensure_objects_bucket(js: JetStreamContext, config: NatsConfig) -> Blo
             log.info("bucket_created", bucket=config.objects_bucket)
         return BlobStore(js, config.objects_bucket)
 
-    return await retry_transient(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
+    return await declaration(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
 
 
 class BlobStore:

@@ -11,7 +11,7 @@ from asyncinfer.contract import work_consumer_name as work_consumer_name
 from asyncinfer.jobs import Priority
 from asyncinfer.nats import JetStreamContext, api
 from asyncinfer.nats.kv import KvBucket
-from asyncinfer.nats.streams import ensure_kv_bucket, ensure_stream
+from asyncinfer.nats.streams import declaration, ensure_kv_bucket, ensure_stream
 
 
 async def ensure_work_stream(js: JetStreamContext, config: NatsConfig) -> None:
@@ -65,5 +65,9 @@ async def ensure_work_consumer(
         max_waiting=512,
         num_replicas=config.replicas if config.replicas > 1 else 0,
     )
-    await js.add_consumer(config.work_stream, consumer)
+
+    async def declare(_timeout_s: float) -> None:
+        await js.add_consumer(config.work_stream, consumer)
+
+    await declaration(declare, what=f"declare the {name} consumer")
     return name

@@ -261,7 +261,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert first_page.total == second_page.total == 3
     # A token this service cannot have given is INVALID_ARGUMENT (one past JetStream's range was
     # answered UNAVAILABLE, retriable; " 7", "1_000" and other scripts' digits were taken).
-    for token in ("-5", "18446744073709551616", " 7", "1_000", "\u0661\u0662"):
+    for token in ("-5", "18446744073709551616", " 7", "1_000", "\u0661\u0662", "9" * 5_000):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(page_token=token))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, token

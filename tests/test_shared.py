@@ -369,13 +369,13 @@ async def test_a_declaration_waits_out_an_election_then_fails_in_one_line(monkey
             raise TimeoutError("nats: timeout")
         return "declared"
 
-    assert await streams._declared(elected_on_the_third_try, retry_for_s=0.01, what="declare X") == "declared"
+    assert await streams.declaration(elected_on_the_third_try, retry_for_s=0.01, what="declare X") == "declared"
 
     async def never_answers(_timeout_s: float) -> str:
         raise TimeoutError("nats: timeout")
 
     with pytest.raises(Unavailable, match=r"cannot declare X: JetStream did not answer for 0.5 s"):
-        await streams._declared(never_answers, retry_for_s=0.01, what="declare X")
+        await streams.declaration(never_answers, retry_for_s=0.01, what="declare X")
 
 
 @pytest.mark.unit

@@ -15,6 +15,7 @@ from nats.js.api import DeliverPolicy
 from nats.js.kv import KV_OP
 
 from asyncinfer.nats.protocol import kv_stream, kv_subject_prefix
+from asyncinfer.nats.streams import declaration
 
 log = structlog.get_logger("asyncinfer.nats.kv_watch")
 
@@ -51,14 +52,18 @@ class KeyWatch:
         self._subscription: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
-        self._subscription = await self._js.subscribe(
-            self._subject_prefix + self._keys,
-            stream=kv_stream(self._bucket),
-            cb=self._deliver,
-            ordered_consumer=True,
-            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-            headers_only=self._headers_only,
-        )
+        async def watch(_timeout_s: float) -> JetStreamContext.PushSubscription:
+            return await self._js.subscribe(
+                self._subject_prefix + self._keys,
+                stream=kv_stream(self._bucket),
+                cb=self._deliver,
+                ordered_consumer=True,
+                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                headers_only=self._headers_only,
+            )
+
+        # At start, a leader election may be under way (a node lost as the service started).
+        self._subscription = await declaration(watch, what=f"watch the {self._bucket} bucket")
 
     async def stop(self) -> None:
         subscription, self._subscription = self._subscription, None

@@ -254,7 +254,7 @@ async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry
             await js.update_stream(info.config)
             log.info("stream_message_ttls_allowed", stream=name)
 
-    await _declared(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
+    await declaration(declare, retry_for_s=retry_for_s, what=f"declare the {name} stream")
 
 
 # A declaration at a service's start waits out a leader election this long at the least: a node
@@ -263,9 +263,10 @@ async def ensure_stream(js: JetStreamContext, stream: api.StreamConfig, *, retry
 DECLARE_RETRY_S = 30.0
 
 
-async def _declared(operation: Callable[[float], Awaitable[T]], *, retry_for_s: float, what: str) -> T:
-    """retry_transient for a declaration, for DECLARE_RETRY_S at the least; then Unavailable (one
-    line, exit 69), not the NATS client's exception."""
+async def declaration(operation: Callable[[float], Awaitable[T]], *, what: str, retry_for_s: float = 0.0) -> T:
+    """retry_transient for what a service sets up as it starts (a stream, a bucket, a consumer, a
+    watch), for DECLARE_RETRY_S at the least; then Unavailable (one line, exit 69), not the NATS
+    client's exception."""
     try:
         return await retry_transient(operation, retry_for_s=max(retry_for_s, DECLARE_RETRY_S), what=what)
     except TRANSIENT_JS_ERRORS as exc:
@@ -322,4 +323,4 @@ async def ensure_kv_bucket(
         return kv
 
     # A cluster that is still electing its meta leader answers 503 or not at all for a moment.
-    return await _declared(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")
+    return await declaration(declare, retry_for_s=config.connect_timeout_s, what=f"declare the {bucket} bucket")

@@ -21,6 +21,7 @@ from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
 from asyncinfer.contract import kv_stream, kv_subject_prefix, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
 from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsError
+from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
@@ -151,15 +152,18 @@ class QueueView:
 
     async def start(self) -> None:
         for subject in (f"{self._subject_prefix}*", f"{self._subject_prefix}{PAUSED_PREFIX}*"):
-            self._subscriptions.append(
-                await self._js.subscribe(
+
+            async def watch(_timeout_s: float, subject: str = subject) -> JetStreamContext.PushSubscription:
+                return await self._js.subscribe(
                     subject,
                     stream=kv_stream(self._bucket),
                     cb=self._on_update,
                     ordered_consumer=True,
                     deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                 )
-            )
+
+            # At start, a leader election may be under way (a node lost as the gateway started).
+            self._subscriptions.append(await declaration(watch, what=f"watch {subject}"))
 
     async def stop(self) -> None:
         subscriptions, self._subscriptions = self._subscriptions, []

@@ -177,7 +177,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         # A stream sequence, as the last page gave it: digits only (int() also takes " 7", "1_000"
         # and other scripts' digits), within JetStream's range (a larger one reached NATS, whose
         # refusal was answered UNAVAILABLE, retriable).
-        if token and not (token.isascii() and token.isdigit() and int(token) < 2**64 - 1):
+        if token and not (token.isascii() and token.isdigit() and len(token) <= 20 and int(token) < 2**64 - 1):
             raise InvalidArgument(
                 "page_token is not one this service gave", [FieldViolation("page_token", "not a page token")]
             )
