@@ -289,6 +289,8 @@ class AsyncClient:
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
             raise with_connection_hint(error, tls=self._tls) from cause
+        if self.retry.on_retry is not None:
+            self.retry.on_retry(error, delay)
         await asyncio.sleep(delay)
 
     async def _call(

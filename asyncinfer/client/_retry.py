@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -28,7 +29,10 @@ class RetryPolicy:
     A long stream that was answering (a bulk, a watch) and then breaks is reopened for up to
     `stream_resume_s` after the break, beyond `max_attempts`: a gateway restarting, or a rolling
     update of a single replica, takes seconds, and the stream's caller is part-way through work
-    it would otherwise start again. 0 turns the resume off."""
+    it would otherwise start again. 0 turns the resume off.
+
+    `on_retry(error, delay_s)` is called before each wait (the CLI says once that it is trying
+    again: a gateway that is down was 5-6 s of silence before its error)."""
 
     max_attempts: int = 7
     initial_backoff_s: float = 0.1
@@ -36,6 +40,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     retry_resource_exhausted: bool = True
     stream_resume_s: float = 30.0
+    on_retry: Callable[[AsyncInferClientError, float], None] | None = field(default=None, compare=False)
 
     def retriable(self, error: AsyncInferClientError) -> bool:
         if error.code is grpc.StatusCode.UNAVAILABLE:

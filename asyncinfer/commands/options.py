@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any
 
 import grpc
 
-from asyncinfer.client import AsyncClient, tls_credentials
+from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, tls_credentials
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
@@ -68,8 +69,28 @@ class Options:
     def client(self) -> AsyncClient:
         """A client of the gateway; make it inside the running event loop, and close it."""
         return AsyncClient(
-            self.gateway, api_key=self.api_key, timeout_s=self.call_timeout_s, credentials=self.credentials()
+            self.gateway,
+            api_key=self.api_key,
+            timeout_s=self.call_timeout_s,
+            credentials=self.credentials(),
+            retry=RetryPolicy(on_retry=_say_retrying(self.gateway)),
         )
 
 
 Handler = Callable[[argparse.Namespace, Options], Coroutine[Any, Any, int]]
+
+
+def _say_retrying(address: str) -> Callable[[AsyncInferClientError, float], None]:
+    """Says on stderr, once, that the gateway does not answer and the call is tried again (the
+    SDK's retries were seconds of silence before the error and its hint)."""
+    said = False
+
+    def say(error: AsyncInferClientError, _delay_s: float) -> None:
+        nonlocal said
+        # Only where nothing listens (the stack down, or starting): a TLS mismatch or another
+        # service answers at once, and its hint says what to check.
+        if not said and error.code is grpc.StatusCode.UNAVAILABLE and "Connection refused" in error.message:
+            said = True
+            print(f"asyncinfer: {address} does not answer yet; trying again for a few seconds", file=sys.stderr)
+
+    return say
