@@ -139,7 +139,13 @@ class NatsServerProcess:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether the process runs: a zombie (exited, its parent not yet reaping it, as an orphan's
+    new parent may never do where process 1 is not an init) does not."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, 0)
-        return True
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True  # no /proc (not Linux): as os.kill says
+        return state != "Z"
     return False

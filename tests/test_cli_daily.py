@@ -237,9 +237,8 @@ async def test_ctrl_c_while_the_command_loads_is_a_quiet_130(tmp_path: Path) -> 
     of 30-50 lines and could exit 1, which the README gives to a job that did not succeed."""
     for delay_s in (0.15, 0.3, 0.5):
         process = await asyncio.create_subprocess_exec(
-            str(Path(sys.executable).parent / "asyncinfer"), "models", "--gateway", "127.0.0.1:1",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
-            preexec_fn=_as_a_terminals_foreground_job,
+            *AS_A_TERMINALS_FOREGROUND_JOB, str(Path(sys.executable).parent / "asyncinfer"), "models",
+            "--gateway", "127.0.0.1:1", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=tmp_path,
         )  # fmt: skip
         await asyncio.sleep(delay_s)
         process.send_signal(signal.SIGINT)
@@ -253,8 +252,8 @@ def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str
     shows, else a second), sends one Ctrl-C: (exit code, what the terminal showed)."""
     leader, follower = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "asyncinfer", *argv], cwd=REPO, env=ENV, stdin=follower, stdout=subprocess.DEVNULL,
-        stderr=follower, start_new_session=True, preexec_fn=_as_a_terminals_foreground_job,
+        [*AS_A_TERMINALS_FOREGROUND_JOB, sys.executable, "-m", "asyncinfer", *argv], cwd=REPO, env=ENV,
+        stdin=follower, stdout=subprocess.DEVNULL, stderr=follower, start_new_session=True,
     )  # fmt: skip
     os.close(follower)
     shown = b""
@@ -275,10 +274,15 @@ def waiting_on_a_terminal(argv: list[str], asks: bytes | None) -> tuple[int, str
     return code, shown.decode(errors="replace")
 
 
-def _as_a_terminals_foreground_job() -> None:
-    """SIGINT as a terminal's foreground job has it: a test run in the background of a script (as CI
-    may be) inherits it ignored, and Python then leaves it so."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Runs a command with SIGINT as a terminal's foreground job has it: a test run in the background of
+# a script (as CI may be) inherits it ignored, and Python then leaves it so. A launcher process, not
+# a preexec_fn: that ran Python in a fork of this process, whose gRPC threads were running, and
+# gRPC's fork handlers aborted the child now and then (-6, before its exec: CI, session 25).
+AS_A_TERMINALS_FOREGROUND_JOB = (
+    sys.executable,
+    "-c",
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])",
+)
 
 
 @pytest.mark.parametrize(

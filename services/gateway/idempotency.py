@@ -257,8 +257,10 @@ class IdempotentSubmitter:
         A live claim is read again, backing off, until it goes stale: Unavailable if it has not
         once stale_after_s have passed (its holder's clock is ahead of ours)."""
         try:
+            # Unavailable too: a read of the claim or of its job's record during a leader election
+            # (the first job's answer, to a retry of its submit, was UNAVAILABLE at once).
             async for attempt in retrying(
-                _ClaimHeld,
+                (_ClaimHeld, Unavailable),
                 retry_for_s=self._stale_after_s + 2 * MAX_POLL_S,
                 first_delay_s=FIRST_POLL_S,
                 max_delay_s=MAX_POLL_S,

@@ -20,6 +20,7 @@ from typing import IO
 
 import structlog
 
+from asyncinfer.embedded_nats import pid_alive
 from asyncinfer.errors import ConfigError
 
 log = structlog.get_logger("asyncinfer.up")
@@ -97,9 +98,9 @@ def stop_left_server(store: Path) -> None:
     )
     os.kill(pid, signal.SIGTERM)
     give_up_at = time.monotonic() + LEFT_SERVER_STOP_S
-    while _alive(pid) and time.monotonic() < give_up_at:
+    while pid_alive(pid) and time.monotonic() < give_up_at:
         time.sleep(0.05)
-    if _alive(pid):
+    if pid_alive(pid):
         os.kill(pid, signal.SIGKILL)
     pids.unlink(missing_ok=True)
 
@@ -112,11 +113,3 @@ def _is_our_server(pid: int, pids: Path) -> bool:
     except OSError:
         return False
     return bool(args) and args[0].endswith(b"nats-server") and str(pids).encode() in args
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie has exited (its parent, not us, reaps it)
