@@ -40,13 +40,17 @@ KV_OP_HEADER = KV_OPERATION_HEADER.encode()
 
 # Given the current record, the record to write instead, or None to leave it as it is.
 Decide = Callable[[JobRecord], JobRecord | None]
+# Told of each write `transition` made: the record it replaced, then the one written. Must not block
+# or raise (asyncinfer.claim_lifetimes queues work of its own).
+AfterWrite = Callable[[JobRecord, JobRecord], None]
 
 
 class JobStore:
-    def __init__(self, bucket: KvBucket, *, work_stream: str) -> None:
+    def __init__(self, bucket: KvBucket, *, work_stream: str, after_write: AfterWrite | None = None) -> None:
         self._bucket = bucket
         self._kv = bucket.kv
         self._work_stream = work_stream
+        self.after_write = after_write
 
     async def get(self, key: str) -> JobRecord | None:
         """The job's record, or None when there is none (never submitted, deleted or purged, or
@@ -165,9 +169,13 @@ class JobStore:
             if new is None:
                 return current, False
             try:
-                return await self.replace(new), True
+                written = await self.replace(new)
             except KeyWrongLastSequenceError:
                 current = await (self.recorded(current.key) if current.revision == 0 else self.get(current.key))
+                continue
+            if self.after_write is not None:
+                self.after_write(current, written)
+            return written, True
         return None, False
 
 

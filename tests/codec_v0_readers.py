@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from asyncinfer.errors import FieldViolation
+from asyncinfer.idempotency_claims import Claim
 from asyncinfer.jobs import BatchInfo, BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority, WorkEnvelope
 from asyncinfer.queues import CancelNotice, PriorityQueueSnapshot, QueueSnapshot
 from asyncinfer.tensors import Tensor
 from asyncinfer.webhook_status import CallbackEvent, DeliveryState, DeliveryStatus, JobDeliveries
-from services.gateway.claims import Claim
 from services.scheduler.dead_letters import DeadLetter
 from services.scheduler.webhooks.deliveries import Delivery
 

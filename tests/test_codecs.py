@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from asyncinfer.codecs.envelope import decode_envelope, encode_envelope, tenant_of_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
+from asyncinfer.idempotency_claims import Claim
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, JobState, Priority, WorkEnvelope, queued_envelope
 from asyncinfer.queues import (
     CancelNotice,
@@ -39,7 +40,6 @@ from asyncinfer.webhook_status import (
     decode_deliveries,
     encode_deliveries,
 )
-from services.gateway.claims import Claim
 from services.scheduler.dead_letters import DeadLetter, decode_dead_letter, encode_dead_letter
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery, encode_delivery
 from tests import codec_v0_examples as v0

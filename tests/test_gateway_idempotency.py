@@ -16,6 +16,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.idempotency_claims import KEY_TTL_SLACK_S, Claim
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, job_key
 from asyncinfer.nats import Client as NatsClient
@@ -23,7 +24,7 @@ from asyncinfer.nats import KeyNotFoundError, KeyValue
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway import idempotency
 from services.gateway.app import GatewayApp
-from services.gateway.claims import Claim, request_fingerprint
+from services.gateway.claims import request_fingerprint
 from services.gateway.convert import submit_request_from_proto
 from services.gateway.idempotency import TAKEOVER_MARGIN_S, claim_key
 from tests.nats_probes import RequestsSeen
@@ -278,3 +279,30 @@ async def test_a_retry_after_its_deadline_passed_still_names_the_first_job(stub:
     assert again.job.job_id == first.job.job_id
     assert again.job.state == job_pb2.JOB_STATE_EXPIRED  # settled on read, as GetJob does
     assert await work_messages(nc) == 1
+
+
+async def test_a_keyed_job_cancelled_while_queued_keeps_its_claim_as_long_as_its_record(
+    stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config
+) -> None:
+    # Claimed for a week (no queue deadline); the gateway that cancels the job cuts the claim to the
+    # record's retention plus the slack, and a repeat still gets the job.
+    bucket = config.nats.idempotency_bucket
+    key = claim_key(TENANT, "cancel-me")
+
+    async def claim_ttl_s() -> int:
+        message = await nc.jetstream().get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+        assert message.headers is not None
+        return int(message.headers["Nats-TTL"])
+
+    request = submit_request(idempotency_key="cancel-me")
+    first = await stub.SubmitJob(request)
+    assert await claim_ttl_s() > 7 * 86400
+    await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=first.job.job_id))
+    retention_s = int(config.gateway.default_result_retention_s + KEY_TTL_SLACK_S)
+    deadline = time.monotonic() + 5
+    while await claim_ttl_s() != retention_s:  # rewritten by a worker of the gateway's, off the call
+        assert time.monotonic() < deadline, "the claim's TTL was not cut"
+        await asyncio.sleep(0.02)
+    again = await stub.SubmitJob(request)
+    assert again.deduplicated
+    assert (again.job.job_id, again.job.state) == (first.job.job_id, job_pb2.JOB_STATE_CANCELED)

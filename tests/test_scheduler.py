@@ -83,6 +83,7 @@ async def enqueue(
     age_s: float = 0.0,
     legacy: bool = False,
     input_ref: BlobRef | None = None,
+    idempotency_key: str = "",
 ) -> str:
     """Queues a job as the gateway does: one work message that is the QUEUED record, then the
     queued notice (`announce=False`: no notice, as from a gateway whose notice was lost).
@@ -103,7 +104,14 @@ async def enqueue(
         "deadline": deadline,
         "execution_timeout_s": execution_timeout_s,
     }
-    record = JobRecord(**common, state=JobState.QUEUED, update_time=now, result_retention_s=3600.0, input_ref=input_ref)
+    record = JobRecord(
+        **common,
+        state=JobState.QUEUED,
+        update_time=now,
+        result_retention_s=3600.0,
+        input_ref=input_ref,
+        idempotency_key=idempotency_key,
+    )
     data = encode_record(record)
     if not legacy:
         assert with_record, "a submit's work message is its record"

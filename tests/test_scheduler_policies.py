@@ -22,7 +22,14 @@ from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state,
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
-from asyncinfer.contract import DEAD_SUBJECTS, JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER
+from asyncinfer.contract import DEAD_SUBJECTS, JOB_ID_HEADER, PRIORITY_HEADER, TENANT_HEADER, claim_key
+from asyncinfer.idempotency_claims import (
+    KEY_TTL_SLACK_S,
+    QUEUE_HORIZON_WITHOUT_DEADLINE_S,
+    Claim,
+    ClaimStore,
+    ensure_idempotency_bucket,
+)
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, job_work_subject
@@ -285,6 +292,60 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest())
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def claim_ttl_s(js: Any, config: Config, key: str) -> tuple[int, int]:
+    """The claim's Nats-TTL and revision, as stored."""
+    bucket = config.nats.idempotency_bucket
+    message = await js.get_last_msg(f"KV_{bucket}", f"$KV.{bucket}.{key}")
+    assert message.headers is not None
+    return int(message.headers["Nats-TTL"]), message.seq
+
+
+async def test_a_keyed_jobs_claim_lives_as_long_as_its_record_once_it_ends(start: Start, config: Config) -> None:
+    # The gateway claims a key for a week (a job may wait that long queued); the scheduler that ends
+    # the job cuts the claim to the record's retention plus the slack, and a replay restores the week.
+    h = await start(tune(config))
+    claims = ClaimStore(await ensure_idempotency_bucket(h.js, config.nats), h.js, bucket=config.nats.idempotency_bucket)
+    job_id = await enqueue(h.nc, h.kv, max_attempts=1, idempotency_key="order-7")
+    key = claim_key(TENANT, "order-7")
+    week_s = int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + 3600 + KEY_TTL_SLACK_S)
+    await claims.write(key, Claim(job_id, "f" * 64, time.time()).encode(), last_revision=0, ttl_s=week_s)
+    # A claim a later submit took over (it names another job) is left as it is.
+    other = await enqueue(h.nc, h.kv, max_attempts=1, idempotency_key="order-8")
+    other_key = claim_key(TENANT, "order-8")
+    await claims.write(other_key, Claim(new_job_id(), "f" * 64, time.time()).encode(), last_revision=0, ttl_s=week_s)
+
+    batcher = await h.batcher(credits=2)
+    orders = {order.job_id: order for order in [await batcher.next_order(), await batcher.next_order()]}
+    await batcher.fail(orders[job_id], MODEL_ERROR)
+    await batcher.answer(orders[other])
+    await wait_state(h.js, job_id, JobState.FAILED)
+    await wait_state(h.js, other, JobState.SUCCEEDED)
+    ended_s = int(3600 + KEY_TTL_SLACK_S)  # enqueue's retention, 3600 s
+
+    async def claim_ttl_is(expected_s: int) -> bool:
+        return (await claim_ttl_s(h.js, config, key))[0] == expected_s
+
+    await until(lambda: claim_ttl_is(ended_s))
+    decoded, _ = await claims.read(key)
+    assert decoded is not None
+    assert decoded.job_id == job_id  # the same claim, only its TTL changed
+
+    (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
+    await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
+    replayed = await wait_state(h.js, job_id, JobState.QUEUED)
+    # A week again, with an hour for each attempt of the new budget (the job has no timeout of its own).
+    await until(
+        lambda: claim_ttl_is(
+            int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + replayed.max_attempts * 3600 + 3600 + KEY_TTL_SLACK_S)
+        )
+    )
+    await batcher.grant(1)
+    await batcher.answer(await batcher.next_order())
+    await wait_state(h.js, job_id, JobState.SUCCEEDED)
+    await until(lambda: claim_ttl_is(ended_s))
+    assert (await claim_ttl_s(h.js, config, other_key))[0] == week_s
 
 
 async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_fixes_it(

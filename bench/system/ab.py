@@ -36,6 +36,7 @@ import grpc
 import uvloop
 
 from asyncinfer.v1 import job_service_pb2_grpc
+from bench.system import e2e
 from bench.system.common import ROOT, ProcessGroup, log, ratio, row, summarize, write_results
 from bench.system.e2e import Burst, Stack, batch_burst, burst, run_one, system_cpu_ms_per_job
 
@@ -96,7 +97,9 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=3000)
     parser.add_argument("--quiet-first", type=float, default=0.0, metavar="S", help="seconds without a call first")
     parser.add_argument("--warmup-rounds", type=int, default=1, help="rounds of both setups first, not counted")
+    parser.add_argument("--keyed", action="store_true", help="every submit with a fresh idempotency key (the SDK's)")
     args = parser.parse_args()
+    e2e.KEYED_SUBMITS = args.keyed
     with contextlib.ExitStack() as stack_of_trees:
         if args.setting:
             section_name, key = args.setting.split(".")
@@ -108,6 +111,8 @@ def main() -> None:
         else:
             trees = stack_of_trees.enter_context(worktrees(args.revisions))
             section, title = f"ab_{args.name}", args.title or " vs ".join(args.revisions)
+            if args.keyed:
+                title += " (every submit with an idempotency key of its own, as the SDK's)"
             setups = {
                 f"{ab}: {revision}": {"source": tree}
                 for ab, revision, tree in zip("AB", args.revisions, trees, strict=True)

@@ -36,6 +36,7 @@ import asyncio
 import math
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +146,20 @@ def submit_request() -> job_service_pb2.SubmitJobRequest:
     return job_service_pb2.SubmitJobRequest(model_name="noop", inputs=[x])
 
 
+# Set by bench.system.ab --keyed: every submit carries a fresh idempotency key, as the SDK's do.
+KEYED_SUBMITS = False
+
+
+def keyed(request: job_service_pb2.SubmitJobRequest) -> job_service_pb2.SubmitJobRequest:
+    """`request` as sent: with a fresh idempotency key of its own when KEYED_SUBMITS is set."""
+    if not KEYED_SUBMITS:
+        return request
+    copy = job_service_pb2.SubmitJobRequest()
+    copy.CopyFrom(request)
+    copy.idempotency_key = uuid.uuid4().hex
+    return copy
+
+
 class Stack:
     """nats-server + gateway + scheduler + batcher, each its own process."""
 
@@ -197,7 +212,7 @@ class Stack:
 
 async def run_one(stub: job_service_pb2_grpc.JobServiceStub, timeout_s: float = 30.0) -> job_pb2.Job:
     """Submits one job and watches it to its end; returns the final record."""
-    job = (await stub.SubmitJob(submit_request(), timeout=timeout_s)).job
+    job = (await stub.SubmitJob(keyed(submit_request()), timeout=timeout_s)).job
     async for update in stub.WatchJob(
         job_service_pb2.WatchJobRequest(job_id=job.job_id, after_revision=job.revision), timeout=timeout_s
     ):
@@ -217,7 +232,7 @@ async def submit_unary(stub: job_service_pb2_grpc.JobServiceStub, count: int) ->
         while next_index < count:
             index = next_index
             next_index += 1
-            job_ids[index] = (await stub.SubmitJob(request)).job.job_id
+            job_ids[index] = (await stub.SubmitJob(keyed(request))).job.job_id
 
     await asyncio.gather(*(submitter() for _ in range(SUBMIT_CONCURRENCY)))
     return job_ids
@@ -283,7 +298,10 @@ async def batch_burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, c
         for first in range(0, count, JOBS_PER_SUBMIT_MESSAGE):
             size = min(JOBS_PER_SUBMIT_MESSAGE, count - first)
             yield job_service_pb2.SubmitJobsRequest(
-                items=[job_service_pb2.SubmitJobsItem(job=request, correlation_id=str(first + i)) for i in range(size)]
+                items=[
+                    job_service_pb2.SubmitJobsItem(job=keyed(request), correlation_id=str(first + i))
+                    for i in range(size)
+                ]
             )
 
     job_ids: list[str] = []

@@ -12,10 +12,12 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.access import require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
+from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.idempotency_claims import ClaimStore, ensure_idempotency_bucket
 from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
@@ -39,7 +41,6 @@ from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from services.gateway.blobs import ClaimCheck
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.chunk_ends import ChunkEnds
-from services.gateway.claims import ensure_idempotency_bucket
 from services.gateway.idempotency import IdempotentSubmitter
 from services.gateway.job_service import JobService
 from services.gateway.metrics import GatewayMetrics
@@ -117,7 +118,15 @@ class GatewayApp:
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
-        records = JobStore(await ensure_jobs_bucket(js, cfg.nats), work_stream=cfg.nats.work_stream)
+        claims_kv = await ensure_idempotency_bucket(js, cfg.nats)
+        # A keyed job that this gateway ends (a cancel or an expiry while queued) has its claim cut.
+        claim_lifetimes = ClaimLifetimes(ClaimStore(claims_kv, js, bucket=cfg.nats.idempotency_bucket), self.supervisor)
+        records = JobStore(
+            await ensure_jobs_bucket(js, cfg.nats),
+            work_stream=cfg.nats.work_stream,
+            after_write=claim_lifetimes.after_write,
+        )
+        claim_lifetimes.start()
         await ensure_queues_bucket(js, cfg.nats)  # the queue view reads it
         storage = UploadStorage(
             self._nc, bucket=cfg.nats.objects_bucket, limit_bytes=cfg.gateway.max_stored_upload_bytes_per_tenant
@@ -158,9 +167,7 @@ class GatewayApp:
             store_health=store_health,
             catalog=self._catalog,
         )
-        self._idempotent = IdempotentSubmitter(
-            cfg, self._submitter, records, await ensure_idempotency_bucket(js, cfg.nats), expiry, js=js
-        )
+        self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js)
         servicer = JobService(
             cfg,
             submitter=self._submitter,

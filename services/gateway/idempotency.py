@@ -32,14 +32,15 @@ the margin, since claim_time is the claiming gateway's wall clock).
 
 Lifetime. The entry carries a per-message TTL: the longest the job can live (its queue deadline,
 or QUEUE_HORIZON_WITHOUT_DEADLINE_S without one, plus every attempt's timeout and backoff, plus its
-result retention, plus slack). The TTL only collects garbage: what decides is the record. Once the
-job's record is gone (its retention passed) the entry is a stale claim like any other, so the key
-is free again: keys live exactly as long as their job's record. (A job queued longer than
-QUEUE_HORIZON_WITHOUT_DEADLINE_S without a deadline outlives its claim; a repeat after that would
-make a second job.)
+result retention, plus slack). When the job ends, the service that ends it cuts that TTL to the
+job's retention plus the slack (asyncinfer.claim_lifetimes), and a replay gives the long one back.
+The TTL only collects garbage: what decides is the record. Once the job's record is gone (its
+retention passed) the entry is a stale claim like any other, so the key is free again: keys live
+as long as their job's record. (A job queued longer than QUEUE_HORIZON_WITHOUT_DEADLINE_S without
+a deadline outlives its claim; a repeat after that would make a second job.)
 
-Cost: a keyed submit makes one more KV write than a plain one (the claim); a repeat makes a failed
-write and two reads.
+Cost: a keyed submit makes one more KV write than a plain one (the claim), and a read and a write
+more when it ends (its claim's TTL cut); a repeat makes a failed write and two reads.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ from asyncinfer.config import Config
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import claim_key as claim_key
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
+from asyncinfer.idempotency_claims import Claim, ClaimStore
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.nats.streams import store_full
 from asyncinfer.supervision import outcome_seen
-from services.gateway.claims import Claim, ClaimStore, claim_ttl_s, request_fingerprint
+from services.gateway.claims import claim_ttl_s, request_fingerprint
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
 from services.gateway.transitions import Expiry

@@ -17,11 +17,13 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.access import AccessGuard, KeyRing, Role, require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
+from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.idempotency_claims import ClaimStore, ensure_idempotency_bucket
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import Priority
 from asyncinfer.metrics import MetricsServer
@@ -153,7 +155,13 @@ class SchedulerApp:
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
-        store = JobStore(kv, work_stream=config.nats.work_stream)
+        # A keyed job that this scheduler ends has its idempotency claim cut to its retention.
+        claim_lifetimes = ClaimLifetimes(
+            ClaimStore(await ensure_idempotency_bucket(js, config.nats), js, bucket=config.nats.idempotency_bucket),
+            self.supervisor,
+        )
+        store = JobStore(kv, work_stream=config.nats.work_stream, after_write=claim_lifetimes.after_write)
+        claim_lifetimes.start()
         blobs = await ensure_objects_bucket(js, config.nats)
         queued_records = QueuedRecords()
         self._flow = flow = JobFlow(
