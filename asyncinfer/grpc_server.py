@@ -21,6 +21,11 @@ from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The health service name a liveness probe asks for: SERVING from the start until a stop begins,
+# whatever `set_serving` says of the server (service ""), which a readiness probe asks for. A
+# gateway whose store is full says NOT_SERVING to readiness (send traffic elsewhere), and a restart
+# would not help it: Kubernetes restarted gateways every 30 s while the store stayed full.
+LIVENESS_SERVICE = "asyncinfer.liveness"
 
 
 class GrpcServer:
@@ -83,9 +88,11 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind {self._host}:{self._requested_port}")
         await self.server.start()
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
+        """The server's health ("" and each of its services'), not LIVENESS_SERVICE's."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self.health.set("", status)
         for name in self._service_names:

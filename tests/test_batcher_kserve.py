@@ -19,6 +19,7 @@ from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config, load_config, render_default_config
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.grpc_server import LIVENESS_SERVICE
 from services.batcher.app import BatcherApp
 
 
@@ -187,6 +188,9 @@ async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
             health = health_pb2_grpc.HealthStub(channel)
             reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
             assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Not ready, but alive: a liveness probe does not restart the models that serve.
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
             assert not await client.is_server_ready()

@@ -36,7 +36,7 @@ from asyncinfer.access import KeyRing, bearer_metadata
 from asyncinfer.config import Config, load_config
 from asyncinfer.declarations import work_consumer_name
 from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_port
-from asyncinfer.grpc_server import GrpcServer
+from asyncinfer.grpc_server import LIVENESS_SERVICE, GrpcServer
 from asyncinfer.jobs import Priority
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from tests.stack import Stack, StartStack
@@ -279,7 +279,12 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
             # grpc.health.v1 over TLS (Kubernetes' own gRPC probes speak no TLS): the image's check.
             command = container(deployment)[probe]["exec"]["command"]
             assert command[:2] == ["python", "/opt/asyncinfer/healthcheck.py"], (name, probe)
-            assert command[-1] == f"localhost:{section.port}", (name, probe)
+            # Liveness asks for the service only a stop changes (a full store, a model that failed
+            # to load: NOT_SERVING to readiness, no reason to restart).
+            address_and_service = [f"localhost:{section.port}"]
+            if probe == "livenessProbe":
+                address_and_service.append(LIVENESS_SERVICE)
+            assert command[-len(address_and_service) :] == address_and_service, (name, probe)
             assert command[command.index("--ca") + 1] == f"{SECRET_DIR}/tls/ca.crt", (name, probe)
             if service == "scheduler":  # it requires client certificates: its probe presents its own
                 assert command[command.index("--cert") + 1] == f"{SECRET_DIR}/tls/tls.crt", (name, probe)
@@ -577,6 +582,7 @@ async def test_the_image_healthcheck_follows_grpc_health() -> None:
         await server.set_serving(False)
         serving, said = await asyncio.to_thread(healthcheck.is_serving, address)
         assert (serving, said) == (False, "NOT_SERVING")
+        assert await asyncio.to_thread(healthcheck.main, [address, LIVENESS_SERVICE]) == 0  # not restarted for it
     finally:
         await server.stop(0)
     serving, said = await asyncio.to_thread(healthcheck.is_serving, address, "", 1.0)

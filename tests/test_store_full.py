@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.grpc_server import LIVENESS_SERVICE
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from services.gateway.app import GatewayApp
@@ -28,8 +29,8 @@ def submit_request(**fields: object) -> job_service_pb2.SubmitJobRequest:
     return job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x], **fields)  # type: ignore[arg-type]
 
 
-async def health_of(channel: grpc.aio.Channel) -> int:
-    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+async def health_of(channel: grpc.aio.Channel, service: str = "") -> int:
+    reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
     return reply.status
 
 
@@ -79,6 +80,8 @@ async def test_a_full_store_refuses_at_once_and_health_follows(config: Config, n
         assert max(timings) < 1.0  # not enqueue_retry_s
         assert (await js.stream_info(stream)).state.messages == messages  # nothing half-written
         await wait_health(channel, health_pb2.HealthCheckResponse.NOT_SERVING, 3.0)
+        # Not a reason to restart the gateway: its liveness probe's service stays SERVING.
+        assert await health_of(channel, LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
         # Room again (the jobs ran, say): health SERVING from the probe, submits accepted.
         await js.purge_stream(stream)
