@@ -279,10 +279,10 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
             # grpc.health.v1 over TLS (Kubernetes' own gRPC probes speak no TLS): the image's check.
             command = container(deployment)[probe]["exec"]["command"]
             assert command[:2] == ["python", "/opt/asyncinfer/healthcheck.py"], (name, probe)
-            # Liveness asks for the service only a stop changes (a full store, a model that failed
-            # to load: NOT_SERVING to readiness, no reason to restart).
+            # Startup and liveness ask for the service only a stop changes (a full store, a model
+            # that failed to load: NOT_SERVING to readiness, no reason to restart).
             address_and_service = [f"localhost:{section.port}"]
-            if probe == "livenessProbe":
+            if probe != "readinessProbe":
                 address_and_service.append(LIVENESS_SERVICE)
             assert command[-len(address_and_service) :] == address_and_service, (name, probe)
             assert command[command.index("--ca") + 1] == f"{SECRET_DIR}/tls/ca.crt", (name, probe)
