@@ -19,7 +19,9 @@ def parse_model_json(text: str, field: str = "config") -> dict[str, Any]:
     except (ValueError, RecursionError) as exc:
         # Valid JSON that Python will not read: an integer of more than 4,300 digits, or arrays
         # nested some thousand deep (both escaped as UNKNOWN, and left a LoadModel unanswered).
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        # Python's own message for the integer advises sys.set_int_max_str_digits(), which is no
+        # advice to the caller of an API.
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else "holds a number too long to read"
         raise InvalidArgument(f"{field} cannot be read: {reason}", [FieldViolation(field, reason)]) from None
     if not isinstance(data, dict):
         raise InvalidArgument(f"{field} must be a JSON object", [FieldViolation(field, "give a model table")])
