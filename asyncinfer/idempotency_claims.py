@@ -13,13 +13,14 @@ from typing import Any
 import msgspec
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, kv_subject_prefix
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, MSG_TTL_HEADER, kv_subject_prefix
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import (
     KV_DEL,
     KV_OP,
     APIError,
+    Client,
     JetStreamContext,
     KeyNotFoundError,
     KeyValue,
@@ -56,6 +57,14 @@ class Claim:
     def decode(cls, data: bytes, revision: int) -> Claim:
         w = _claim_decoder.decode(data)
         return cls(w.job_id, w.fingerprint, w.claim_time, revision)
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimWritten:
+    """What a keyed job's record keeps of the claim its submit wrote (asyncinfer.claim_lifetimes)."""
+
+    revision: int
+    fingerprint: str
 
 
 # The claim's codec: version 1 is version 0's fields with `v` first.
@@ -108,6 +117,13 @@ class ClaimStore:
                 raise KeyWrongLastSequenceError(description=exc.description) from exc
             raise
         return ack.seq
+
+    async def write_unanswered(self, nc: Client, key: str, value: bytes, *, last_revision: int, ttl_s: int) -> None:
+        """`write`, published without asking for an answer: one message and no reply to wait for,
+        a fraction of a request's cost on both sides. Whether it landed is not told: the server
+        drops it when the key's last revision is not `last_revision`."""
+        headers = {EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER: str(last_revision), MSG_TTL_HEADER: str(ttl_s)}
+        await nc.publish(f"{self._subject_prefix}{key}", value, headers=headers)
 
     async def remove(self, key: str, revision: int) -> int:
         """Deletes the claim at `revision` (KeyWrongLastSequenceError if it changed since); the

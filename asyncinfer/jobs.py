@@ -165,6 +165,12 @@ class JobRecord:
     # The W3C traceparent of the job's submit span (asyncinfer.tracing), "" when tracing was off:
     # the scheduler's spans continue it, and its trace ID is on the Job and the job's log lines.
     traceparent: str = ""
+    # A keyed job's idempotency claim as its submit wrote it: its revision in the idempotency bucket
+    # and the request's fingerprint, so that whoever ends the job cuts the claim's TTL to the
+    # record's in one write, without reading it (asyncinfer.claim_lifetimes). 0 and "": no key, or
+    # a job submitted by a gateway from before they were kept.
+    claim_revision: int = 0
+    claim_fingerprint: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
 
@@ -209,6 +215,8 @@ class WorkEnvelope:
     idempotency_key: str = ""
     callback: CallbackSpec | None = None
     traceparent: str = ""  # the QUEUED record's (is_record)
+    claim_revision: int = 0  # the QUEUED record's (is_record)
+    claim_fingerprint: str = ""
 
     @property
     def subject(self) -> str:
@@ -239,6 +247,8 @@ class WorkEnvelope:
             input_ref=self.input_ref,
             callback=self.callback,
             traceparent=self.traceparent,
+            claim_revision=self.claim_revision,
+            claim_fingerprint=self.claim_fingerprint,
         )
 
 
@@ -262,4 +272,6 @@ def queued_envelope(record: JobRecord, inputs: tuple[Tensor, ...]) -> WorkEnvelo
         idempotency_key=record.idempotency_key,
         callback=record.callback,
         traceparent=record.traceparent,
+        claim_revision=record.claim_revision,
+        claim_fingerprint=record.claim_fingerprint,
     )

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from asyncinfer.codecs.record import encode_record
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.idempotency_claims import KEY_TTL_SLACK_S, Claim
@@ -297,7 +297,13 @@ async def test_a_keyed_job_cancelled_while_queued_keeps_its_claim_as_long_as_its
     request = submit_request(idempotency_key="cancel-me")
     first = await stub.SubmitJob(request)
     assert await claim_ttl_s() > 7 * 86400
+    claimed = await claims.get(key)
     await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=first.job.job_id))
+    # The record keeps the claim its submit wrote, so the cut needs no read.
+    jobs = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    cancelled = decode_record((await jobs.get(job_key(TENANT, first.job.job_id))).value or b"")
+    assert cancelled.claim_revision == claimed.revision
+    assert cancelled.claim_fingerprint == json.loads(claimed.value or b"{}")["fingerprint"]
     retention_s = int(config.gateway.default_result_retention_s + KEY_TTL_SLACK_S)
     deadline = time.monotonic() + 5
     while await claim_ttl_s() != retention_s:  # rewritten by a worker of the gateway's, off the call

@@ -84,13 +84,15 @@ async def enqueue(
     legacy: bool = False,
     input_ref: BlobRef | None = None,
     idempotency_key: str = "",
+    claim_revision: int = 0,
+    job_id: str = "",
 ) -> str:
     """Queues a job as the gateway does: one work message that is the QUEUED record, then the
     queued notice (`announce=False`: no notice, as from a gateway whose notice was lost).
     `legacy=True`: as a gateway from before messages were records did, a work message on the
     queue's own subject and the record in the bucket (`with_record=False`: none, an orphan).
     `input_ref`: its input claim-checked, as an uploaded object (none inline)."""
-    job_id = new_job_id()
+    job_id = job_id or new_job_id()
     now = time.time() - age_s
     x = Tensor.from_numpy("x", np.full((1, 4), value, np.float32))
     common: dict[str, Any] = {
@@ -111,6 +113,8 @@ async def enqueue(
         result_retention_s=3600.0,
         input_ref=input_ref,
         idempotency_key=idempotency_key,
+        claim_revision=claim_revision,
+        claim_fingerprint="f" * 64 if claim_revision else "",
     )
     data = encode_record(record)
     if not legacy:

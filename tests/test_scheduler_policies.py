@@ -307,45 +307,56 @@ async def test_a_keyed_jobs_claim_lives_as_long_as_its_record_once_it_ends(start
     # the job cuts the claim to the record's retention plus the slack, and a replay restores the week.
     h = await start(tune(config))
     claims = ClaimStore(await ensure_idempotency_bucket(h.js, config.nats), h.js, bucket=config.nats.idempotency_bucket)
-    job_id = await enqueue(h.nc, h.kv, max_attempts=1, idempotency_key="order-7")
-    key = claim_key(TENANT, "order-7")
     week_s = int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + 3600 + KEY_TTL_SLACK_S)
-    await claims.write(key, Claim(job_id, "f" * 64, time.time()).encode(), last_revision=0, ttl_s=week_s)
-    # A claim a later submit took over (it names another job) is left as it is.
-    other = await enqueue(h.nc, h.kv, max_attempts=1, idempotency_key="order-8")
-    other_key = claim_key(TENANT, "order-8")
-    await claims.write(other_key, Claim(new_job_id(), "f" * 64, time.time()).encode(), last_revision=0, ttl_s=week_s)
-
-    batcher = await h.batcher(credits=2)
-    orders = {order.job_id: order for order in [await batcher.next_order(), await batcher.next_order()]}
-    await batcher.fail(orders[job_id], MODEL_ERROR)
-    await batcher.answer(orders[other])
-    await wait_state(h.js, job_id, JobState.FAILED)
-    await wait_state(h.js, other, JobState.SUCCEEDED)
     ended_s = int(3600 + KEY_TTL_SLACK_S)  # enqueue's retention, 3600 s
 
-    async def claim_ttl_is(expected_s: int) -> bool:
+    async def keyed_job(key: str, *, kept: bool = True, claimed_for: str = "") -> tuple[str, str]:
+        """A job queued as a gateway queues a keyed one (its record keeping the claim, or `kept=False`:
+        as an older gateway's, keeping nothing), its claim naming it (or `claimed_for`)."""
+        job_id = new_job_id()
+        claim = Claim(job_id, "f" * 64, time.time()).encode()
+        revision = await claims.write(claim_key(TENANT, key), claim, last_revision=0, ttl_s=week_s)
+        await enqueue(
+            h.nc, h.kv, max_attempts=1, idempotency_key=key, claim_revision=revision if kept else 0, job_id=job_id
+        )
+        if claimed_for:  # taken over: removed, then claimed afresh
+            marker = await claims.remove(claim_key(TENANT, key), revision)
+            taken = Claim(claimed_for, "f" * 64, time.time()).encode()
+            await claims.write(claim_key(TENANT, key), taken, last_revision=marker, ttl_s=week_s)
+        return job_id, claim_key(TENANT, key)
+
+    async def ttl_is(key: str, expected_s: int) -> bool:
         return (await claim_ttl_s(h.js, config, key))[0] == expected_s
 
-    await until(lambda: claim_ttl_is(ended_s))
-    decoded, _ = await claims.read(key)
+    failing, failing_key = await keyed_job("order-7")
+    older, older_key = await keyed_job("order-8", kept=False)  # read, then compare-and-set
+    # A claim a later submit took over (it names another job, at another revision) is left as it is.
+    taken, taken_key = await keyed_job("order-9", claimed_for=new_job_id())
+    batcher = await h.batcher(credits=3)
+    orders = {order.job_id: order for order in [await batcher.next_order() for _ in range(3)]}
+    await batcher.fail(orders[failing], MODEL_ERROR)
+    for job_id in (older, taken):
+        await batcher.answer(orders[job_id])
+    await wait_state(h.js, failing, JobState.FAILED)
+    for key in (failing_key, older_key):
+        await until(lambda key=key: ttl_is(key, ended_s))
+    decoded, _ = await claims.read(failing_key)
     assert decoded is not None
-    assert decoded.job_id == job_id  # the same claim, only its TTL changed
+    assert (decoded.job_id, decoded.fingerprint) == (failing, "f" * 64)  # the same claim, with its new TTL
 
     (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
     await h.ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence]))
-    replayed = await wait_state(h.js, job_id, JobState.QUEUED)
-    # A week again, with an hour for each attempt of the new budget (the job has no timeout of its own).
-    await until(
-        lambda: claim_ttl_is(
-            int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + replayed.max_attempts * 3600 + 3600 + KEY_TTL_SLACK_S)
-        )
-    )
+    replayed = await wait_state(h.js, failing, JobState.QUEUED)
+    # A week again, with an hour for each attempt of the new budget (the job has no timeout of its
+    # own); the replayed record keeps the claim's new revision, so its end cuts it once more.
+    assert await ttl_is(failing_key, int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + 3600 + 3600 + KEY_TTL_SLACK_S))
+    _, revision = await claim_ttl_s(h.js, config, failing_key)
+    assert replayed.claim_revision == revision
     await batcher.grant(1)
     await batcher.answer(await batcher.next_order())
-    await wait_state(h.js, job_id, JobState.SUCCEEDED)
-    await until(lambda: claim_ttl_is(ended_s))
-    assert (await claim_ttl_s(h.js, config, other_key))[0] == week_s
+    await wait_state(h.js, failing, JobState.SUCCEEDED)
+    await until(lambda: ttl_is(failing_key, ended_s))
+    assert (await claim_ttl_s(h.js, config, taken_key))[0] == week_s
 
 
 async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_fixes_it(

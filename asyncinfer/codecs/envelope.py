@@ -10,7 +10,8 @@ Version 1: version 0's fields with `v` first and every default left out.
 Version 2: version 1's, and the QUEUED record's own fields (`is_record`, `result_retention_s`,
 `labels`, `idempotency_key`, `callback`): a submit's message is the job's QUEUED record. A version 1
 message is read with is_record false (its record was written to the jobs bucket). Added since, with
-a default: `traceparent` (the record's, when tracing is on)."""
+a default: `traceparent` (the record's, when tracing is on); `claim_revision` and `claim_fingerprint`
+(the record's: a keyed job's idempotency claim)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class EnvelopeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     idempotency_key: str = ""
     callback: CallbackWire | None = None
     traceparent: str = ""
+    claim_revision: int = 0
+    claim_fingerprint: str = ""
 
 
 class _EnvelopeTenant(msgspec.Struct):
@@ -82,6 +85,8 @@ def encode_envelope(envelope: WorkEnvelope) -> bytes:
             idempotency_key=e.idempotency_key,
             callback=None if e.callback is None else CallbackWire(e.callback.url, e.callback.events),
             traceparent=e.traceparent,
+            claim_revision=e.claim_revision,
+            claim_fingerprint=e.claim_fingerprint,
         )
     )
 
@@ -107,6 +112,8 @@ def decode_envelope(data: bytes) -> WorkEnvelope:
         idempotency_key=w.idempotency_key,
         callback=None if w.callback is None else CallbackSpec(w.callback.url, w.callback.events),
         traceparent=w.traceparent,
+        claim_revision=w.claim_revision,
+        claim_fingerprint=w.claim_fingerprint,
     )
 
 

@@ -4,7 +4,8 @@ goes through here, on the gateway and the scheduler alike.
 Version 1: version 0's fields (the same names, order and types) with `v` first and every default
 left out (version 0 always wrote `attempt` and `outputs`; its readers took them as optional).
 Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept),
-`traceparent` (the submit span's W3C trace context, when tracing is on)."""
+`traceparent` (the submit span's W3C trace context, when tracing is on), `claim_revision` and
+`claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,8 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     dispatched_by: str = ""
     lease_subject: str = ""
     traceparent: str = ""  # added in version 1 (a default: older readers skip it)
+    claim_revision: int = 0  # added in version 1 (defaults: older readers skip them)
+    claim_fingerprint: str = ""
 
 
 _encoder = msgspec.json.Encoder()
@@ -116,6 +119,8 @@ def encode_record(record: JobRecord) -> bytes:
             dispatched_by=r.dispatched_by,
             lease_subject=r.lease_subject,
             traceparent=r.traceparent,
+            claim_revision=r.claim_revision,
+            claim_fingerprint=r.claim_fingerprint,
         )
     )
 
@@ -156,5 +161,7 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         dispatched_by=w.dispatched_by,
         lease_subject=w.lease_subject,
         traceparent=w.traceparent,
+        claim_revision=w.claim_revision,
+        claim_fingerprint=w.claim_fingerprint,
         revision=revision,
     )

@@ -120,7 +120,9 @@ class GatewayApp:
         await ensure_work_stream(js, cfg.nats)
         claims_kv = await ensure_idempotency_bucket(js, cfg.nats)
         # A keyed job that this gateway ends (a cancel or an expiry while queued) has its claim cut.
-        claim_lifetimes = ClaimLifetimes(ClaimStore(claims_kv, js, bucket=cfg.nats.idempotency_bucket), self.supervisor)
+        claim_lifetimes = ClaimLifetimes(
+            ClaimStore(claims_kv, js, bucket=cfg.nats.idempotency_bucket), self._nc, self.supervisor
+        )
         records = JobStore(
             await ensure_jobs_bucket(js, cfg.nats),
             work_stream=cfg.nats.work_stream,

@@ -58,7 +58,7 @@ from asyncinfer.config import Config
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import claim_key as claim_key
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
-from asyncinfer.idempotency_claims import Claim, ClaimStore
+from asyncinfer.idempotency_claims import Claim, ClaimStore, ClaimWritten
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
@@ -203,7 +203,9 @@ class IdempotentSubmitter:
         if revision is None:
             return None
         try:
-            return await self._submitter.submit(request, tenant=tenant, job_id=claim.job_id)
+            return await self._submitter.submit(
+                request, tenant=tenant, job_id=claim.job_id, claim=ClaimWritten(revision, claim.fingerprint)
+            )
         except BaseException:
             await self._release(key, tenant, claim.job_id, revision)
             raise

@@ -21,6 +21,7 @@ import structlog
 
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import ResourceExhausted, Unavailable
+from asyncinfer.idempotency_claims import ClaimWritten
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord
@@ -76,7 +77,9 @@ class JobSubmitter:
             return self._store_health.refusal(full)
         return store_full_error(full)
 
-    async def submit(self, request: SubmitRequest, *, tenant: str, job_id: str = "") -> JobRecord:
+    async def submit(
+        self, request: SubmitRequest, *, tenant: str, job_id: str = "", claim: ClaimWritten | None = None
+    ) -> JobRecord:
         """The new job's record (QUEUED, with its revision), once it is durably queued. Raises
         ResourceExhausted past a limit (nothing queued), Unavailable when NATS fails.
 
@@ -92,7 +95,7 @@ class JobSubmitter:
         if request.input_blob is not None:
             request = await self._hold_input_ref(request, model, tenant=tenant, now=now)
         task = asyncio.create_task(
-            self._admit_and_enqueue(request, model, tenant=tenant, now=now, job_id=job_id or new_job_id())
+            self._admit_and_enqueue(request, model, tenant=tenant, now=now, job_id=job_id or new_job_id(), claim=claim)
         )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -176,7 +179,14 @@ class JobSubmitter:
             await asyncio.gather(*self._tasks, *self._group_tasks, return_exceptions=True)
 
     async def _admit_and_enqueue(
-        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
+        self,
+        request: SubmitRequest,
+        model: ModelConfig,
+        *,
+        tenant: str,
+        now: float,
+        job_id: str,
+        claim: ClaimWritten | None = None,
     ) -> JobRecord:
         slot = await self._admission.admit_to_model(model)
         try:
@@ -185,7 +195,7 @@ class JobSubmitter:
             self._admission.release_model_slot(model, slot)
             raise
         try:
-            return await self._enqueue(request, model, tenant=tenant, now=now, job_id=job_id)
+            return await self._enqueue(request, model, tenant=tenant, now=now, job_id=job_id, claim=claim)
         except BaseException:
             # Not accepted. (A publish whose every answer was lost for enqueue_retry_s may still
             # have landed: its job then runs although its caller was told UNAVAILABLE, the
@@ -196,9 +206,16 @@ class JobSubmitter:
             self._admission.end_tenant_slot(tenant_slot)
 
     async def _enqueue(
-        self, request: SubmitRequest, model: ModelConfig, *, tenant: str, now: float, job_id: str
+        self,
+        request: SubmitRequest,
+        model: ModelConfig,
+        *,
+        tenant: str,
+        now: float,
+        job_id: str,
+        claim: ClaimWritten | None = None,
     ) -> JobRecord:
-        record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=job_id)
+        record = queued_record(request, model, self._config, tenant=tenant, now=now, job_id=job_id, claim=claim)
         # One durable write: the work message is the job's QUEUED record (asyncinfer.jobs); the
         # jobs bucket holds the job from its first transition on.
         message = work_message(record, request)

@@ -10,6 +10,7 @@ from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import FieldViolation, InvalidArgument
+from asyncinfer.idempotency_claims import ClaimWritten
 from asyncinfer.jobs import JobRecord, JobState, queued_envelope
 from asyncinfer.nats.groups import DurableMessage
 from asyncinfer.tracing import trace_fields
@@ -17,9 +18,17 @@ from services.gateway.submit_request import SubmitRequest
 
 
 def queued_record(
-    request: SubmitRequest, model: ModelConfig, config: Config, *, tenant: str, now: float, job_id: str
+    request: SubmitRequest,
+    model: ModelConfig,
+    config: Config,
+    *,
+    tenant: str,
+    now: float,
+    job_id: str,
+    claim: ClaimWritten | None = None,
 ) -> JobRecord:
-    """The job as accepted: QUEUED, with the model's and the gateway's defaults filled in."""
+    """The job as accepted: QUEUED, with the model's and the gateway's defaults filled in, and the
+    idempotency claim its submit wrote, if it has a key."""
     return JobRecord(
         job_id=job_id,
         tenant=tenant,
@@ -39,6 +48,8 @@ def queued_record(
         callback=request.callback,
         input_ref=request.input_blob,
         traceparent=request.traceparent,
+        claim_revision=claim.revision if claim is not None else 0,
+        claim_fingerprint=claim.fingerprint if claim is not None else "",
     )
 
 

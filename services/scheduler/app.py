@@ -158,6 +158,7 @@ class SchedulerApp:
         # A keyed job that this scheduler ends has its idempotency claim cut to its retention.
         claim_lifetimes = ClaimLifetimes(
             ClaimStore(await ensure_idempotency_bucket(js, config.nats), js, bucket=config.nats.idempotency_bucket),
+            nc,
             self.supervisor,
         )
         store = JobStore(kv, work_stream=config.nats.work_stream, after_write=claim_lifetimes.after_write)
@@ -222,6 +223,7 @@ class SchedulerApp:
             scheduler_id=self.scheduler_id,
             controls=controls,
             knows_model=runtime.knows,
+            claims=claim_lifetimes,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)

@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.job_store import NATS_FAILURES, JobStore
@@ -134,8 +135,10 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         scheduler_id: str,
         controls: ModelControls | None = None,
         knows_model: Callable[[str], bool] | None = None,
+        claims: ClaimLifetimes | None = None,
     ) -> None:
         self._controls = controls
+        self._claims = claims
         # Configured names, plus those learnt from batchers at runtime (services.scheduler.runtime_models).
         self._knows_model = knows_model
         self._error_to_proto = _error_to_proto
@@ -232,7 +235,13 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         for letter in letters:
             try:
                 await replay(
-                    letter, store=self._store, letters=self._letters, nc=self._nc, js=self._js, config=self._config
+                    letter,
+                    store=self._store,
+                    letters=self._letters,
+                    nc=self._nc,
+                    js=self._js,
+                    config=self._config,
+                    claims=self._claims,
                 )
             except AsyncInferError as error:
                 if not request.all:

@@ -10,7 +10,8 @@ job is not replayed: its batch has taken its failure over (FAILED_PRECONDITION; 
 Attempts: `attempt` keeps counting (it is the fencing token, so it never goes back); the job gets
 a fresh budget instead: max_attempts becomes attempt + its original per-job max_attempts (capped by
 the model's max_attempts_limit). The error that killed it moves to last_error. A deadline that has
-passed makes the replayed job EXPIRED at dispatch.
+passed makes the replayed job EXPIRED at dispatch. A keyed job's idempotency claim, cut to the job's
+retention when it ended, gets the long TTL of a queued job back first.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import structlog
 
 from asyncinfer import lifecycle
+from asyncinfer.claim_lifetimes import ClaimLifetimes, replayed_ttl_s
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.config import Config
 from asyncinfer.contract import replay_msg_id, routing_headers
@@ -46,6 +48,7 @@ async def replay(
     nc: NatsClient,
     js: JetStreamContext,
     config: Config,
+    claims: ClaimLifetimes | None = None,
 ) -> JobRecord:
     envelope = letter.envelope
     record = await store.get(job_key(letter.tenant, letter.job_id))
@@ -66,8 +69,18 @@ async def replay(
     limit = model.max_attempts_limit if model is not None else envelope.max_attempts
     budget = max(1, min(envelope.max_attempts, limit))
     now = time.time()
+    # A keyed job's claim may have been cut to its retention when it ended: it gets the long TTL of a
+    # job queued anew, and the record its new revision (asyncinfer.claim_lifetimes).
+    claim_revision = record.claim_revision
+    if claims is not None and record.idempotency_key:
+        claim_revision = await claims.renew(record, replayed_ttl_s(record, budget))
+    requeue = lifecycle.decider(lifecycle.Replay(budget=budget), now)
 
-    queued, written = await store.transition(record, lifecycle.decider(lifecycle.Replay(budget=budget), now))
+    def decide(current: JobRecord) -> JobRecord | None:
+        new = requeue(current)
+        return new.evolve(claim_revision=claim_revision) if new is not None else None
+
+    queued, written = await store.transition(record, decide)
     if queued is None or not written:
         state = queued.state.value if queued is not None else "gone"
         raise FailedPrecondition(
