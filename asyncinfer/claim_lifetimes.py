@@ -23,8 +23,11 @@ what a repeat gets is decided by the job's record (services/gateway/idempotency.
 of one claim go to one worker, in the order of their writes.
 
 Cost per keyed job, when it ends: one message published by the service that ends it, and stored.
-The read-and-write form was measured first: ~0.23 ms more scheduler CPU and ~0.14 ms more
-nats-server CPU per keyed job in a unary burst (bench/results/ab_claim_lifetimes.md, a busy machine).
+Measured as an A/B against the release without it, every submit keyed (`bench.system.ab --keyed`, 3
+alternated rounds on the 2-core machine): none that the noise shows (CPU per job 0.89x in the unary
+burst, 0.98x in the batch-API burst; bench/results/ab_claim_lifetimes_one_write.md). The read-and-
+write form, measured first, cost ~0.23 ms more scheduler CPU and ~0.14 ms more nats-server CPU per
+keyed job in a unary burst, 1.36x CPU per job in the batch-API burst (ab_claim_lifetimes.md).
 """
 
 from __future__ import annotations
