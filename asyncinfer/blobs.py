@@ -73,7 +73,13 @@ PUBLISH_WINDOW = 8
 # A stored chunk's publish waits this long for its ack: nats-py's JetStream default, which the
 # chunks were published under before they went through the adapter (asyncinfer.nats.requests).
 CHUNK_PUBLISH_TIMEOUT_S = 5.0
-CHUNK_READ_TIMEOUT_S = 5.0  # a chunk's direct get, likewise
+CHUNK_READ_TIMEOUT_S = 5.0  # a chunk's read from the stream leader, likewise
+# A chunk's direct get, which any replica may answer (allow_direct, set by nats-py on every object
+# store): the server hands a client's request to a random member of the stream's direct-get queue
+# group, local or not, so a replica that hangs (SIGSTOP, a stalled disk) gets a third of them, and
+# one that is behind (just resumed, catching up) answers 404 for chunks the leader acknowledged.
+# Short, because a direct get that fails or misses is asked again of the leader (`_get_chunk`).
+DIRECT_READ_TIMEOUT_S = 1.0
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -293,9 +299,7 @@ class BlobStore:
         sequence = 1
         while total < info.ref.size_bytes:
             try:
-                _, found, data = await direct_get(
-                    self._js, self.stream, seq=sequence, next_by_subject=subject, timeout_s=CHUNK_READ_TIMEOUT_S
-                )
+                _, found, data = await self._get_chunk(sequence, next_by_subject=subject)
             except NotFoundError:
                 break
             except NATS_FAILURES as exc:
@@ -362,7 +366,7 @@ class BlobStore:
 
     async def _chunk_at(self, subject: str, sequence: int) -> bytes:
         try:
-            found, _, data = await direct_get(self._js, self.stream, seq=sequence, timeout_s=CHUNK_READ_TIMEOUT_S)
+            found, _, data = await self._get_chunk(sequence, expect_subject=subject)
         except NotFoundError:
             raise BlobCorrupt(f"a chunk of {subject!r} is gone (sequence {sequence})") from None
         except NATS_FAILURES as exc:
@@ -370,6 +374,32 @@ class BlobStore:
         if found != subject:
             raise BlobCorrupt(f"sequence {sequence} is not a chunk of {subject!r}")
         return data
+
+    async def _get_chunk(
+        self, sequence: int, *, next_by_subject: str = "", expect_subject: str = ""
+    ) -> tuple[str, int, bytes]:
+        """(subject, sequence, data) of the message at `sequence` (or the first at or after it on
+        `next_by_subject`): a direct get first (cheap, any replica), then, when that replica did
+        not answer within DIRECT_READ_TIMEOUT_S, had no such message, or had another subject at
+        that sequence, the same read from the stream's leader (STREAM.MSG.GET), which has every
+        acknowledged write. Raises NotFoundError when the leader has none either, and the NATS
+        errors of the leader's read."""
+        try:
+            found = await direct_get(
+                self._js, self.stream, seq=sequence, next_by_subject=next_by_subject, timeout_s=DIRECT_READ_TIMEOUT_S
+            )
+            if not expect_subject or found[0] == expect_subject:
+                return found
+        except NotFoundError:
+            pass  # a replica behind the leader (or truly none: the leader says which)
+        except NATS_FAILURES:
+            pass  # a replica that hangs, or is busy catching up
+        log.debug("blob_chunk_read_from_leader", stream=self.stream, sequence=sequence)
+        raw = await asyncio.wait_for(
+            self._js.get_msg(self.stream, seq=sequence, subject=next_by_subject or None, next=bool(next_by_subject)),
+            CHUNK_READ_TIMEOUT_S,
+        )
+        return raw.subject or "", raw.seq or sequence, raw.data or b""
 
     # --- expiry -----------------------------------------------------------------------------
 

@@ -10,16 +10,19 @@ import base64
 import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
 
+from asyncinfer import blobs
 from asyncinfer.blob_meta import CHUNK_BYTES, RESULT_CHUNK_BYTES, new_input_ref, sequence_runs
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import CHUNK_SEQUENCES_HEADER
 from asyncinfer.errors import InvalidArgument, NotFound
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import NotFoundError
 from asyncinfer.ranged_inputs import RangedInputs, decode, is_ranged
 
 SIZE = 5 * CHUNK_BYTES + 1000
@@ -159,3 +162,35 @@ async def test_a_put_stores_what_it_was_given_whatever_the_pieces(nc: NatsClient
     stored = await store.put("t", ref, pieces(), expires_at=time.time() + 3600, max_bytes=len(expected))
     assert stored.size_bytes == len(expected)
     assert await store.read_range("t", ref, 0, len(expected)) == expected
+
+
+@pytest.mark.parametrize("replica", ["behind", "hung"])
+async def test_a_chunk_a_replica_cannot_give_is_read_from_the_leader(
+    nc: NatsClient, config: Config, monkeypatch: pytest.MonkeyPatch, replica: str
+) -> None:
+    """Any replica may answer a direct get: one behind the leader (just resumed after a hang) said
+    404 for chunks the leader had acknowledged, and the read failed BLOB_CORRUPT (a gateway refused
+    a valid upload DATA_LOSS); one that hangs let it time out (UNAVAILABLE). In a 3-node run of
+    the cluster pass, 31-34 inputs a run were unusable for a while. Such a miss is read again from
+    the stream's leader. Here every other direct get is that replica's answer."""
+    store = await store_of(nc, config)
+    data = content(3)
+    ref = new_input_ref()
+    await store.put_bytes("t", ref, data, expires_at=time.time() + 3600)
+    real_direct_get = blobs.direct_get
+    calls = 0
+
+    async def flaky_replicas(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls % 2:
+            raise NotFoundError if replica == "behind" else TimeoutError
+        return await real_direct_get(*args, **kwargs)
+
+    monkeypatch.setattr(blobs, "direct_get", flaky_replicas)
+    assert (await store.read("t", ref, max_bytes=SIZE))[1] == data  # walked from its first chunk
+    assert (
+        await store.read_range("t", ref, CHUNK_BYTES - 3, CHUNK_BYTES * 2)
+        == data[CHUNK_BYTES - 3 : CHUNK_BYTES * 3 - 3]
+    )
+    assert calls > 4
