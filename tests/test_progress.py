@@ -426,3 +426,37 @@ async def test_minilm_doc_backend_matches_transformers_on_a_batch(reference: obj
     for row, document in enumerate(documents):
         pooled = reference_windows(reference, document).mean(axis=0)
         np.testing.assert_allclose(out[row], pooled / np.linalg.norm(pooled), atol=2e-5)
+
+
+@pytest.mark.unit
+async def test_a_report_the_model_got_wrong_fails_its_call_saying_what_is_wrong() -> None:
+    """Checked in the model's thread: a message that is not text was a traceback on the event loop
+    for every report (and half a report went out), a row out of range a bare IndexError, an
+    object as an output its repr."""
+    from services.batcher.progress import ItemProgress, ProgressReporter
+
+    channel = ItemProgress(lambda update: None, interval_s=0.0, max_bytes=1 << 20)
+    reporter = ProgressReporter([(channel, 2)])
+    for call, error, said in (
+        (lambda: reporter.report(0, 0.5, message=12345), TypeError, "message must be a str, not int"),  # type: ignore[arg-type]
+        (lambda: reporter.report(99, 0.5), IndexError, "row 99 is not a row of this batch (0 to 1)"),
+        (lambda: reporter.report(0, "half"), TypeError, "fraction must be a number"),  # type: ignore[arg-type]
+        (lambda: reporter.report(0, 0.5, outputs={"y": object()}), TypeError, "output 'y' must be numbers or text"),
+    ):
+        with pytest.raises(error, match=said.replace("(", r"\(").replace(")", r"\)")):
+            call()
+
+
+@pytest.mark.unit
+async def test_a_long_progress_message_is_cut_to_a_status_line() -> None:
+    """A 6 MB message made the job's record unreadable (GetJob over gRPC's limit), and one over
+    NATS's max_payload failed the terminal write: the result was lost."""
+    from services.batcher.progress import MAX_MESSAGE_CHARS, ItemProgress, ProgressReporter, ProgressUpdate
+
+    updates: list[ProgressUpdate] = []
+    channel = ItemProgress(updates.append, interval_s=0.0, max_bytes=1 << 20)
+    ProgressReporter([(channel, 1)]).report(0, 0.5, message="x" * 6_000_000, outputs={"text": np.array(["a"])})
+    channel.close()
+    (update,) = updates
+    assert len(update.message) == MAX_MESSAGE_CHARS
+    assert update.message.endswith("\u2026")

@@ -39,6 +39,12 @@ from asyncinfer.tensors import Tensor
 
 log = structlog.get_logger("asyncinfer.batcher.progress")
 
+# A report's message is a status line: longer ones are cut to this many characters. A 6 MB message
+# rode into the job's record and made it unreadable (GetJob over gRPC's 4 MiB), and a 9 MB one
+# (over NATS's max_payload) failed the terminal write until the job's lease lapsed: a computed
+# result lost. Partial outputs have their own limit (`batcher.progress_max_bytes`).
+MAX_MESSAGE_CHARS = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class ProgressUpdate:
@@ -193,15 +199,26 @@ class ProgressReporter:
     ) -> None:
         """Reports `row`'s progress: `fraction` 0..1 (None: unknown), a short message, and its
         partial outputs so far (name -> tensor or array, this row's alone, any shape)."""
+        # Checked here, in the model's thread, so that a mistake fails the model's call with what
+        # is wrong (it was a traceback on the event loop per report, or a bare IndexError).
+        if isinstance(row, bool) or not isinstance(row, int | np.integer) or not 0 <= row < len(self._rows):
+            raise IndexError(f"progress.report: row {row!r} is not a row of this batch (0 to {len(self._rows) - 1})")
+        if not isinstance(message, str):
+            raise TypeError(f"progress.report: message must be a str, not {type(message).__name__}")
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
         channel, first, rows = self._rows[row]
         if channel is None:
             return
         if fraction is not None:
-            fraction = min(max(float(fraction), 0.0), 1.0)
+            try:
+                fraction = min(max(float(fraction), 0.0), 1.0)
+            except (TypeError, ValueError):
+                raise TypeError(f"progress.report: fraction must be a number, not {fraction!r:.40}") from None
             if rows > 1:
                 self._fractions[row] = fraction
                 fraction = sum(self._fractions[first : first + rows]) / rows
-        tensors = tuple(Tensor.from_numpy(name, _host_array(value)) for name, value in (outputs or {}).items())
+        tensors = tuple(Tensor.from_numpy(name, _output_array(name, value)) for name, value in (outputs or {}).items())
         channel.offer(fraction, message, tensors)
 
     def cancelled(self, row: int) -> bool:
@@ -223,3 +240,12 @@ def _host_array(value: Any) -> np.ndarray[Any, Any]:
     if detach is not None:
         return np.array(detach().to("cpu").numpy())
     return np.array(value)
+
+
+def _output_array(name: str, value: Any) -> np.ndarray[Any, Any]:
+    """`_host_array`, refusing what no output type holds (an object that is not text arrived as
+    its repr, b'<object object at 0x...>')."""
+    array = _host_array(value)
+    if array.dtype == object and not all(isinstance(element, str | bytes) for element in array.flat):
+        raise TypeError(f"progress.report: output {name!r} must be numbers or text, not {type(value).__name__}")
+    return array
