@@ -24,7 +24,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
+import os
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,7 +82,35 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
     keep_large_buffers()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main)
+        code = runner.run(main)
+    return exit_past_stuck_threads(code)
+
+
+# How long a stopped service waits for its other threads to end before it exits without them.
+THREADS_END_WAIT_S = 2.0
+
+
+def exit_past_stuck_threads(code: int) -> int:
+    """`code`, once the process's other threads have ended; if one has not within THREADS_END_WAIT_S,
+    the process exits at once with `code`. A model call that never returns (a hung model) keeps its
+    compute thread, which the batcher's stop abandons, but Python's exit joins every executor's
+    threads: a batcher stopped by SIGTERM, or `up` by Ctrl-C, logged that it had stopped and then
+    never exited."""
+    deadline = time.monotonic() + THREADS_END_WAIT_S
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [
+        t.name for t in threading.enumerate() if t.is_alive() and t is not threading.main_thread() and not t.daemon
+    ]
+    if not stuck:
+        return code
+    structlog.get_logger("asyncinfer.cli").warning(
+        "exiting_without_threads", threads=stuck, why="a model call that never returned (its batch was abandoned)"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +143,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if (missing := missing_for(args.command)) is not None:
         print(f"asyncinfer: {missing}", file=sys.stderr)
         return 2
+    # A model that crashes the process (a segfault in a native extension) leaves every thread's
+    # stack on stderr, naming the model's frame; it left nothing.
+    faulthandler.enable()
     logging = False
     try:
         config = load_config(args.config)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from tests.hanging_models import CRASH_VALUE, HANG_VALUE
 
 BIN = Path(sys.executable).parent
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -156,3 +159,83 @@ def test_a_service_that_cannot_reach_nats_exits_unavailable(config_file: Path) -
     assert last == f"asyncinfer: cannot connect to NATS at nats://127.0.0.1:{port}: [Errno 111] Connection refused"
     failed = json.loads(events[-1])
     assert (failed["event"], failed["level"], failed["reason"]) == ("start_failed", "error", "UNAVAILABLE")
+
+
+def start_misbehaving_batcher(tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    """A batcher alone (no scheduler) serving tests/hanging_models.py's model as "hang"."""
+    port = free_port()
+    config = tmp_path / "hanging.toml"
+    config.write_text(
+        f"""
+[batcher]
+port = {port}
+metrics_port = 0
+scheduler_address = ""
+shutdown_grace_s = 1.0
+
+[[models]]
+name = "hang"
+loader = "tests.hanging_models:build_hanging_model"
+warm_up = false
+inputs = [{{ name = "x", datatype = "FP32", shape = [-1, 4] }}]
+outputs = [{{ name = "y", datatype = "FP32", shape = [-1, 4] }}]
+"""
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    process = subprocess.Popen(
+        [str(BIN / "asyncinfer"), "batcher", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert f"serving on 127.0.0.1:{port}" in line, line
+    return process, port
+
+
+@contextlib.contextmanager
+def infer_future(port: int, first_value: float) -> Iterator[grpc.Future]:
+    """A ModelInfer of one row starting with `first_value`, in flight."""
+    request = service_pb2.ModelInferRequest(model_name="hang")
+    x = request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([first_value, 0, 0, 0])
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer.future(request)
+        yield call
+        call.cancel()
+
+
+def test_a_batcher_whose_model_hangs_still_exits_when_stopped(tmp_path: Path) -> None:
+    """The abandoned batch's compute thread never ends, and Python's exit joins every executor's
+    threads: the batcher logged that it had stopped, and then never exited (nor did `up`)."""
+    process, port = start_misbehaving_batcher(tmp_path)
+    try:
+        with infer_future(port, HANG_VALUE) as hanging:
+            with pytest.raises(grpc.FutureTimeoutError):
+                hanging.result(timeout=1.0)  # computing, for an hour
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(30) == 0
+        _, stderr = process.communicate()
+        assert "exiting_without_threads" in stderr
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_model_that_crashes_its_batcher_leaves_where_it_crashed(tmp_path: Path) -> None:
+    """A segfault in a model (a native extension's bug) ended the batcher with nothing on stderr:
+    nothing named the model or where it was. faulthandler prints every thread's stack."""
+    process, port = start_misbehaving_batcher(tmp_path)
+    try:
+        with infer_future(port, CRASH_VALUE):
+            assert process.wait(30) == -signal.SIGSEGV
+        _, stderr = process.communicate()
+        assert "Fatal Python error: Segmentation fault" in stderr
+        assert "hanging_models.py" in stderr  # the model's own frame
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
