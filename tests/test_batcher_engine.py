@@ -369,3 +369,30 @@ def test_the_configured_demo_model_loads_on_the_auto_device() -> None:
     y = backend.infer_batch({"x": np.ones((2, 4), dtype=np.float32)})["y"]
     np.testing.assert_array_equal(y, np.full((2, 4), 3.0, dtype=np.float32))
     backend.close()
+
+
+async def test_a_batch_whose_answering_fails_still_answers_every_item(
+    make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug past the model's call (answering, metrics, tracing) left the batch's items waiting for
+    ever (until their execution timeout, through the scheduler) with nothing logged."""
+    from services.batcher import batch_compute
+    from services.batcher.batch_compute import BatchRunner
+
+    real_run = BatchRunner.run
+
+    async def broken_run(self: BatchRunner, batch: Any, computing: Any, started: float) -> None:
+        def broken_trace(*args: Any) -> None:
+            raise KeyError("a bug after the compute")
+
+        monkeypatch.setattr(self, "_tracing", type("Tracing", (), {"enabled": True})())
+        monkeypatch.setattr(batch_compute, "trace_batch", broken_trace)
+        await real_run(self, batch, computing, started)
+
+    monkeypatch.setattr(BatchRunner, "run", broken_run)
+    engine = await make_engine(build_demo_model(), max_queue_delay_ms=0.0)
+    with pytest.raises(ModelError, match="the batcher failed to answer the batch: KeyError"):
+        await asyncio.wait_for(engine.infer("demo", rows(1.0)), 5.0)
+    # The slot came back: the model still computes.
+    with pytest.raises(ModelError):
+        await asyncio.wait_for(engine.infer("demo", rows(2.0)), 5.0)

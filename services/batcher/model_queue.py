@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import structlog
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import (
@@ -32,6 +35,8 @@ from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, Batch
 from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics, ModelMetrics
+
+log = structlog.get_logger("asyncinfer.batcher.model_queue")
 
 SlotListener = Callable[[str], None]
 
@@ -194,10 +199,16 @@ class ModelQueue:
             )
             task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
-            task.add_done_callback(self._batch_done)
+            task.add_done_callback(functools.partial(self._batch_done, batch))
 
-    def _batch_done(self, task: asyncio.Task[None]) -> None:
-        self._free_slot(task)
+    def _batch_done(self, batch: list[PendingItem], task: asyncio.Task[None]) -> None:
+        self._free_slot(task)  # freed already when the run got past the model's call
+        if task.cancelled() or (error := task.exception()) is None:
+            return
+        # A bug past the model's call (answering, metrics, tracing): every item still gets an
+        # answer, or its caller would wait out its execution timeout with nothing logged.
+        log.error("batch_run_failed", model=self.name, items=len(batch), exc_info=error)
+        fail(batch, ModelError(f"the batcher failed to answer the batch: {type(error).__name__}: {error}"))
 
     def _free_slot(self, task: asyncio.Task[None]) -> None:
         if self._batches.pop(task, None) is not None:
