@@ -24,3 +24,11 @@ class HangingDemo(torch.nn.Module):
 
 def build_hanging_model() -> torch.nn.Module:
     return HangingDemo()
+
+
+SLOW_LOAD_S = 0.4
+
+
+def build_slow_loading_model() -> torch.nn.Module:
+    time.sleep(SLOW_LOAD_S)  # a loader reading large weights
+    return HangingDemo()

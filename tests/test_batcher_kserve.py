@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from structlog.testing import capture_logs
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config, load_config, render_default_config
@@ -271,3 +272,25 @@ async def test_a_repository_file_made_invalid_lists_what_serves_and_refuses_load
     finally:
         await client.close()
         await batcher.stop(grace_s=1.0)
+
+
+async def test_a_model_that_loads_slowly_says_so_while_it_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loader that took minutes (or never returned) left the batcher and `up` silent, and every
+    model after it waiting, with nothing that named it."""
+    from services.batcher import model_control
+    from tests.hanging_models import SLOW_LOAD_S
+
+    monkeypatch.setattr(model_control, "STILL_LOADING_EVERY_S", 0.1)
+    slow = DEMO_MODEL.model_copy(update={"name": "slow", "loader": "tests.hanging_models:build_slow_loading_model"})
+    config = Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[slow])
+    batcher = BatcherApp(config)
+    with capture_logs() as logs:
+        await batcher.start()
+    try:
+        events = [(e["event"], e.get("model")) for e in logs if str(e["event"]).startswith("model_")]
+        assert events[0] == ("model_loading", "slow")
+        assert ("model_still_loading", "slow") in events
+        (loaded,) = [e for e in logs if e["event"] == "model_loaded"]
+        assert loaded["load_s"] >= SLOW_LOAD_S
+    finally:
+        await batcher.stop(grace_s=1)

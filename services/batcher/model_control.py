@@ -20,6 +20,7 @@ batcher (a lock), so that two reloads never race on the same version.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.model_queue import ModelQueue
+
+# While a model loads, a line this often says which it is and how long it has taken.
+STILL_LOADING_EVERY_S = 10.0
 
 log = structlog.get_logger("asyncinfer.batcher.models")
 
@@ -166,8 +170,10 @@ class ModelControl:
         `failures`) when it cannot serve."""
         key = (config.name, config.version)
         backend: ModelBackend | None = None
+        started = time.monotonic()
+        log.info("model_loading", model=config.name, version=config.version, backend=config.backend)
         try:
-            backend = await asyncio.to_thread(load_backend, config, self._batcher)
+            backend = await self._load_saying_so(config, started)
             await backend.start()
             if config.warm_up:
                 await warm_up(config, backend)
@@ -179,8 +185,33 @@ class ModelControl:
                 await backend.aclose()
             return None
         self.failures.pop(key, None)
-        log.info("model_loaded", model=config.name, version=config.version, backend=config.backend)
+        log.info(
+            "model_loaded",
+            model=config.name,
+            version=config.version,
+            backend=config.backend,
+            load_s=round(time.monotonic() - started, 2),
+        )
         return backend
+
+    async def _load_saying_so(self, config: ModelConfig, started: float) -> ModelBackend:
+        """load_backend in a thread, with a line every STILL_LOADING_EVERY_S while it runs: a
+        loader that takes minutes (or never returns) left `up` and the batcher silent, and every
+        model after it waiting, with nothing that named it."""
+        loading = asyncio.ensure_future(asyncio.to_thread(load_backend, config, self._batcher))
+        try:
+            while True:
+                done, _ = await asyncio.wait({loading}, timeout=STILL_LOADING_EVERY_S)
+                if done:
+                    return loading.result()
+                log.info(
+                    "model_still_loading",
+                    model=config.name,
+                    version=config.version,
+                    waited_s=round(time.monotonic() - started),
+                )
+        finally:
+            loading.cancel()  # a thread cannot be stopped; nothing waits for it any more
 
     async def load_at_start(self, models: Iterable[ModelConfig]) -> None:
         """Loads every declared version before the engine starts (nothing is announced yet)."""
