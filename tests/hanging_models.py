@@ -1,22 +1,26 @@
 """A model that misbehaves on some inputs, loaded by a batcher in a process of its own
-(tests/test_services_cli.py): a row starting with 777 sleeps for an hour, one starting with 666
+(tests/test_services_cli.py, tests/test_model_stuck.py): a row starting with 777 waits an hour (or
+for RELEASE), one starting with 666
 crashes the process (a segfault, as a native extension's bug would), others compute 2x + 1."""
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import torch
 
 HANG_VALUE = 777.0
 CRASH_VALUE = 666.0
+# Set by an in-process test to let a hung call return (in a process of its own, nothing sets it).
+RELEASE = threading.Event()
 
 
 class HangingDemo(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bool((x[:, 0] == HANG_VALUE).any()):
-            time.sleep(3600)
+            RELEASE.wait(3600)
         if bool((x[:, 0] == CRASH_VALUE).any()):
             ctypes.string_at(0)  # reads address 0: SIGSEGV
         return 2.0 * x + 1.0

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from asyncinfer.config import DEMO_MODEL, TensorSpecConfig
 from asyncinfer.errors import (
@@ -396,3 +397,38 @@ async def test_a_batch_whose_answering_fails_still_answers_every_item(
     # The slot came back: the model still computes.
     with pytest.raises(ModelError):
         await asyncio.wait_for(engine.infer("demo", rows(2.0)), 5.0)
+
+
+async def test_a_model_whose_batch_hangs_past_its_timeouts_takes_no_work_until_it_returns(
+    make_engine: Callable[..., Any],
+) -> None:
+    """A model call that hangs kept the model's only slot while the scheduler went on sending it
+    work (its credits unchanged), each job timing out here unstarted, and nothing was logged. Past
+    the longest execution timeout of its items, a batch has overrun: said once, with its thread's
+    stack; with every slot overrun the model is stuck: what waits is given back (answered
+    dropped, its attempt refunded), it takes no work, and its credits come back when it returns."""
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = await make_engine(model, max_queue_delay_ms=0.0, max_inflight_batches=1)
+    with capture_logs() as logs:
+        hung = engine.submit("demo", rows(1.0), run_timeout_s=0.2, credited=True)
+        await wait_entered(model)
+        waiting = [engine.submit("demo", rows(2.0), run_timeout_s=30.0, credited=True) for _ in range(2)]
+        assert engine.free_slots("demo") > 0
+        for item in waiting:
+            with pytest.raises(Unavailable) as given_back:
+                await asyncio.wait_for(item.future, 5.0)
+            assert given_back.value.reason == "MODEL_STUCK"
+        assert engine.free_slots("demo") == 0  # no credits while it hangs
+        with pytest.raises(Unavailable, match="is stuck"):
+            engine.submit("demo", rows(3.0))
+        gate.set()
+        assert (await asyncio.wait_for(hung.future, 5.0)).outputs
+        assert engine.free_slots("demo") > 0
+        outcome = await asyncio.wait_for(engine.infer("demo", rows(4.0)), 5.0)
+        np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), np.full((1, 4), 9.0, np.float32))
+    events = [entry["event"] for entry in logs]
+    for event in ("batch_overran", "model_stuck", "batch_overrun_ended", "model_unstuck"):
+        assert event in events, events
+    (overran,) = [entry for entry in logs if entry["event"] == "batch_overran"]
+    assert "in forward" in overran["stack"]  # where the model's thread waits

@@ -33,6 +33,9 @@ log = structlog.get_logger("asyncinfer.batcher.engine")
 
 SHUTTING_DOWN = "batcher shutting down"
 SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
+# Every in-flight batch of the model has run past its jobs' execution timeouts (a call that does not
+# return): what waits is given back, as at a shutdown (services/batcher/model_queue.py).
+MODEL_STUCK_REASON = "MODEL_STUCK"
 
 
 @dataclass(slots=True)

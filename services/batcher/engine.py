@@ -191,6 +191,8 @@ class BatchingEngine:
         versions = self._queues.get(model_name)
         if not self._accepting or not versions:
             return 0
+        if any(q.stuck for q in versions.values()):
+            return 0  # a version whose batches hang takes no work (credits are per model)
         held = sum(q.held for q in versions.values())
         held += sum(q.held for q in self._retiring if q.name == model_name)
         return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
@@ -244,13 +246,15 @@ class BatchingEngine:
         progress: ItemProgress | None = None,
         version: str = "",
         credited: bool = False,
+        run_timeout_s: float | None = None,
     ) -> PendingItem:
         """Validates and queues one item on the version named (empty: the model's default); its
         future resolves with an InferOutcome or an AsyncInferError. Raises at once (nothing
         queued) for an unknown model or version, invalid inputs, a full queue (unless `credited`:
         a scheduler's work order, sent on a credit this batcher granted), a deadline already
         passed, or a stopping engine. The model's progress reports for it go to `progress` (the
-        caller closes it when the item ends)."""
+        caller closes it when the item ends). `run_timeout_s`: how long its job may compute (its
+        work order's execution timeout), by which a batch that hangs is told apart."""
         pipeline = self._pipelines.get(model_name)
         queue = self._queue(model_name, version) if pipeline is None else None
         if not self._accepting:
@@ -267,6 +271,7 @@ class BatchingEngine:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
         item = queue.submit(inputs, timeout_s, priority, credited=credited)
         item.progress = progress
+        item.run_timeout_s = run_timeout_s
         return item
 
     def submit_chunk(

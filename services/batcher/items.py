@@ -56,6 +56,7 @@ class PendingItem:
         "progress",
         "real_units",
         "rows",
+        "run_timeout_s",
         "sort_key",
         "started",
         "submitted_at",
@@ -88,6 +89,9 @@ class PendingItem:
         self.started = False
         self.timer: asyncio.TimerHandle | None = None
         self.progress: ItemProgress | None = None  # set by a caller that listens to its progress
+        # How long its job may compute (its work order's execution timeout; None: no limit known):
+        # a batch running past the longest of its items' has overrun (model_queue.RunningBatch).
+        self.run_timeout_s: float | None = None
         # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one
         # absolute deadline (a batch's expiry, shared by all its chunks) turned into loop time at
         # different moments differs by microseconds, which would otherwise order the parts of

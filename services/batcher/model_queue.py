@@ -12,8 +12,12 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import sys
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import structlog
 
@@ -31,12 +35,38 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor, validate_inputs
 from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
-from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, BatchRunner, Computed, fail
+from services.batcher.batch_compute import (
+    MODEL_STUCK_REASON,
+    SHUTDOWN_REASON,
+    SHUTTING_DOWN,
+    BatchRunner,
+    Computed,
+    fail,
+)
 from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics, ModelMetrics
 
 log = structlog.get_logger("asyncinfer.batcher.model_queue")
+
+# A batch is overrunning this long past the longest execution timeout of its items, from its start.
+OVERRUN_GRACE_S = 0.5
+STACK_LINES = 12
+
+
+@dataclass(slots=True)
+class RunningBatch:
+    """A batch computing: since when, until when its items may compute (its start plus the longest
+    of their execution timeouts; None: one has none, a KServe call), and the thread computing it
+    (for its stack, if it overruns)."""
+
+    items: list[PendingItem]
+    started_at: float
+    deadline: float | None
+    thread: int | None = None
+    overran: bool = False
+    timer: asyncio.TimerHandle | None = None
+
 
 SlotListener = Callable[[str], None]
 
@@ -84,6 +114,8 @@ class ModelQueue:
         self._changed = asyncio.Event()
         self._slots = asyncio.Semaphore(config.max_inflight_batches)
         self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
+        self._running: dict[asyncio.Task[None], RunningBatch] = {}
+        self._stuck = False
         self._former: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._delay_s = config.max_queue_delay_ms / 1000.0
@@ -96,7 +128,14 @@ class ModelQueue:
 
     @property
     def free_slots(self) -> int:
-        return max(self.config.max_queue_size - self.held, 0)
+        # A stuck model takes no work (no credits): the scheduler's jobs wait in the queue, or go
+        # to a batcher whose model answers, rather than time out here one after another.
+        return 0 if self._stuck else max(self.config.max_queue_size - self.held, 0)
+
+    @property
+    def stuck(self) -> bool:
+        """Every in-flight batch has run past its items' execution deadlines."""
+        return self._stuck
 
     def start(self, executor: ThreadPoolExecutor, supervisor: Supervisor) -> None:
         self._executor = executor
@@ -119,6 +158,9 @@ class ModelQueue:
         # may pass the limit, which then holds back further credits until they are done; refused,
         # a plain order sent on a credit granted before a chunk filled the queue was failed and
         # spent the job's attempt. The limit refuses KServe ModelInfer calls, which come uncredited.
+        if self._stuck:
+            # Given back (a credited order is answered dropped, its attempt refunded).
+            raise self._stuck_error()
         if self.held >= self.config.max_queue_size and not credited:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
@@ -192,17 +234,36 @@ class ModelQueue:
             # The compute is handed to its thread here, in this step, not in the task's first
             # one: that would run only after every callback already queued (answers of the
             # batch that just finished, each a gRPC send), leaving the model idle meanwhile.
+            now = loop.time()
+            timeouts = [item.run_timeout_s for item in batch]
+            longest = None if None in timeouts else max(t for t in timeouts if t is not None)
+            running = RunningBatch(batch, now, None if longest is None else now + longest)
             computing: asyncio.Future[Computed] = (
                 asyncio.ensure_future(runner.compute_async(batch))
                 if self.backend.runs_async
-                else loop.run_in_executor(self._executor, runner.compute, batch)
+                else loop.run_in_executor(self._executor, _on_its_thread, running, runner.compute)
             )
             task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
+            self._running[task] = running
+            if running.deadline is not None:
+                running.timer = loop.call_at(running.deadline + OVERRUN_GRACE_S, self._overran, task)
             task.add_done_callback(functools.partial(self._batch_done, batch))
 
     def _batch_done(self, batch: list[PendingItem], task: asyncio.Task[None]) -> None:
         self._free_slot(task)  # freed already when the run got past the model's call
+        running = self._running.pop(task, None)
+        if running is not None:
+            if running.timer is not None:
+                running.timer.cancel()
+            if running.overran:
+                log.warning(
+                    "batch_overrun_ended",
+                    model=self.name,
+                    items=len(batch),
+                    running_s=round(asyncio.get_running_loop().time() - running.started_at, 1),
+                )
+                self._update_stuck()
         if task.cancelled() or (error := task.exception()) is None:
             return
         # A bug past the model's call (answering, metrics, tracing): every item still gets an
@@ -214,6 +275,53 @@ class ModelQueue:
         if self._batches.pop(task, None) is not None:
             self._slots.release()
             self._changed.set()  # the model may be idle now: a waiting batch can start at once
+
+    def _overran(self, task: asyncio.Task[None]) -> None:
+        """A batch still computing past the longest execution timeout of its items (each has timed
+        out): a model call that hangs. Said once, with where its thread is."""
+        running = self._running.get(task)
+        if running is None:
+            return
+        running.overran = True
+        loop = asyncio.get_running_loop()
+        log.warning(
+            "batch_overran",
+            model=self.name,
+            items=len(running.items),
+            running_s=round(loop.time() - running.started_at, 1),
+            past_deadline_s=round(loop.time() - (running.deadline or loop.time()), 1),
+            stack=_stack_of(running.thread),
+        )
+        self._update_stuck()
+
+    def _update_stuck(self) -> None:
+        """The model is stuck while every in-flight batch has overrun: its waiting items are given
+        back and it takes no work (no credits, no calls) until one of them returns. Before, the
+        scheduler kept sending it work that timed out here, never started, with nothing logged."""
+        overran = sum(1 for running in self._running.values() if running.overran)
+        stuck = overran >= self.config.max_inflight_batches
+        if stuck == self._stuck:
+            return
+        self._stuck = stuck
+        if stuck:
+            log.error(
+                "model_stuck",
+                model=self.name,
+                waiting=self.depth,
+                hint="its model call has not returned past its jobs' execution timeouts; it takes no work until it "
+                "does, and what waits goes back to the queue (see batch_overran for where it is)",
+            )
+            fail(self._waiting, self._stuck_error())
+        else:
+            log.warning("model_unstuck", model=self.name)
+        self._changed.set()
+        self._on_item_done(self.name)  # credits follow free_slots
+
+    def _stuck_error(self) -> Unavailable:
+        return Unavailable(
+            f"model {self.name!r} is stuck: its batches have run past their execution timeouts",
+            reason=MODEL_STUCK_REASON,
+        )
 
     async def _next_batch(self) -> list[PendingItem]:
         loop = asyncio.get_running_loop()
@@ -291,6 +399,19 @@ class ModelQueue:
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:
     return item.sort_key
+
+
+def _on_its_thread(running: RunningBatch, compute: Callable[[list[PendingItem]], Computed]) -> Computed:
+    running.thread = threading.get_ident()
+    return compute(running.items)
+
+
+def _stack_of(thread: int | None) -> str:
+    """Where the thread is now (its innermost STACK_LINES lines), for a batch that overran."""
+    frame = sys._current_frames().get(thread) if thread is not None else None
+    if frame is None:
+        return ""
+    return "".join(traceback.format_stack(frame)[-STACK_LINES:])
 
 
 def _expire(item: PendingItem) -> None:

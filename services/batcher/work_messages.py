@@ -25,6 +25,7 @@ from asyncinfer.model_json import parse_model_json
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
+from services.batcher.batch_compute import MODEL_STUCK_REASON
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
 from services.batcher.model_control import ModelControl
@@ -54,8 +55,10 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
 
 
 def is_shutdown(error: AsyncInferError) -> bool:
-    """The engine refused or dropped the item because it is stopping: not the job's fault."""
-    return isinstance(error, Unavailable) and error.reason == SHUTDOWN_REASON
+    """The engine refused or dropped the item before it ran because it is stopping, or because its
+    model is stuck (every batch past its timeouts): not the job's fault, so its attempt is given
+    back."""
+    return isinstance(error, Unavailable) and error.reason in (SHUTDOWN_REASON, MODEL_STUCK_REASON)
 
 
 def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -> list[worker_service_pb2.ServedModel]:
@@ -139,6 +142,7 @@ def submit_order(
         progress=progress,
         version=order.model_version,
         credited=True,  # sent on a credit this batcher granted: its slot was promised
+        run_timeout_s=order.execution_timeout.ToNanoseconds() / 1e9 if order.HasField("execution_timeout") else None,
     )
 
 

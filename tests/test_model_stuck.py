@@ -1,0 +1,79 @@
+"""A model call that hangs, through the whole stack (tests/stack.py: real NATS, gateway, scheduler,
+batcher): the hung job times out; from then on the model is stuck on that batcher, which takes no
+work for it: jobs sent on its earlier credits are given back (their attempts refunded) and wait in
+the queue, rather than time out one after another unstarted; once the call returns, they run.
+(Jobs already dispatched behind the hung call time out with it: an execution timeout counts from
+dispatch.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from tests.hanging_models import HANG_VALUE, RELEASE
+from tests.stack import StartStack
+
+HANGING_MODEL = DEMO_MODEL.model_copy(
+    update={
+        "name": "hang",
+        "loader": "tests.hanging_models:build_hanging_model",
+        "default_execution_timeout_s": 1.0,
+        "max_inflight_batches": 1,
+        "max_queue_delay_ms": 0.0,
+        "warm_up": False,
+    }
+)
+TERMINAL = {job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_TIMED_OUT}
+
+
+def request(first: float) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([first, 1.0, 1.0, 1.0])
+    return job_service_pb2.SubmitJobRequest(model_name="hang", inputs=[x])
+
+
+@pytest.mark.timeout(90)
+async def test_jobs_behind_a_hung_call_wait_for_it_instead_of_timing_out(
+    config: Config, start_stack: StartStack
+) -> None:
+    RELEASE.clear()
+    stack = await start_stack(config.replace(models=[HANGING_MODEL]))
+    jobs = stack.jobs
+
+    async def state_of(job_id: str) -> job_pb2.Job:
+        return (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    async def until_state(job_id: str, states: set[int], timeout_s: float) -> job_pb2.Job:
+        deadline = time.monotonic() + timeout_s
+        while (job := await state_of(job_id)).state not in states:
+            assert time.monotonic() < deadline, job
+            await asyncio.sleep(0.05)
+        return job
+
+    try:
+        hung = (await jobs.SubmitJob(request(HANG_VALUE))).job.job_id
+        timed_out = await until_state(hung, TERMINAL, 10.0)
+        assert timed_out.state == job_pb2.JOB_STATE_TIMED_OUT
+        assert stack.batcher is not None
+        stuck = stack.batcher.engine.free_slots
+        deadline = time.monotonic() + 5.0
+        while stuck("hang") > 0:  # the batcher finds the call overran (past its timeout, from its start)
+            assert time.monotonic() < deadline, "the model was not found stuck"
+            await asyncio.sleep(0.05)
+        behind = [(await jobs.SubmitJob(request(float(i)))).job.job_id for i in range(3)]
+        # Twice their execution timeout: they have not timed out; they wait in the queue (sent on
+        # the batcher's earlier credits, given back with their attempts refunded).
+        await asyncio.sleep(2.0)
+        for job_id in behind:
+            job = await state_of(job_id)
+            assert job.state not in TERMINAL, job
+        RELEASE.set()
+        for job_id in behind:
+            done = await until_state(job_id, TERMINAL, 30.0)
+            assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done
+    finally:
+        RELEASE.set()
