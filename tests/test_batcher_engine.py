@@ -432,3 +432,20 @@ async def test_a_model_whose_batch_hangs_past_its_timeouts_takes_no_work_until_i
         assert event in events, events
     (overran,) = [entry for entry in logs if entry["event"] == "batch_overran"]
     assert "in forward" in overran["stack"]  # where the model's thread waits
+
+
+async def test_an_item_to_run_alone_is_computed_in_a_batch_of_its_own(make_engine: Callable[..., Any]) -> None:
+    """A job whose previous attempt was lost with its batcher (a crash: it may be what crashed)
+    runs alone, so that a job that crashes the process takes no other job with it (three good jobs
+    were dead-lettered WORKER_LOST with one poison, batched together on every attempt)."""
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = await make_engine(model, max_queue_delay_ms=0.0, max_inflight_batches=1)
+    first = engine.submit("demo", rows(1.0))
+    await wait_entered(model)  # the model is busy: the rest wait and are batched together
+    suspects = [engine.submit("demo", rows(2.0), run_alone=True) for _ in range(2)]
+    others = [engine.submit("demo", rows(3.0)) for _ in range(3)]
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *suspects, *others])), 10.0)
+    assert sorted(model.rows_seen) == [1, 1, 1, 3]
+    assert {float(batch[0, 0]) for batch in model.batches if len(batch) == 1} >= {2.0}

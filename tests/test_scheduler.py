@@ -640,6 +640,9 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
     await second.grant(1)
     order2 = await second.next_order(timeout_s=2.0)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
+    # Lost with its batcher (a crash it may have caused): its next attempt is computed alone.
+    assert not order1.run_alone
+    assert order2.run_alone
 
     # The first batcher comes back and delivers its stale result, then a credit: results and
     # credits on one stream are handled in order, so once the credit counts the result was seen.

@@ -464,6 +464,7 @@ class WorkOrder(_message.Message):
     STORE_OUTPUTS_OVER_BYTES_FIELD_NUMBER: _builtins.int
     OUTPUT_NAME_FIELD_NUMBER: _builtins.int
     RESULT_RETENTION_FIELD_NUMBER: _builtins.int
+    RUN_ALONE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     attempt: _builtins.int
     """Fencing token: the result must carry the same attempt."""
@@ -483,6 +484,10 @@ class WorkOrder(_message.Message):
     reference instead. 0: outputs always come back in the result.
     """
     output_name: _builtins.str
+    run_alone: _builtins.bool
+    """Run it in a batch of its own: its previous attempt was lost with its batcher (a crash the
+    job may have caused), so that a job that crashes the process takes no other job with it.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_tensor_pb2.InferInputTensor]:
         """Inputs, raw_contents filled."""
@@ -514,10 +519,11 @@ class WorkOrder(_message.Message):
         store_outputs_over_bytes: _builtins.int = ...,
         output_name: _builtins.str = ...,
         result_retention: _duration_pb2.Duration | None = ...,
+        run_alone: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "execution_timeout", b"execution_timeout", "result_retention", b"result_retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "output_name", b"output_name", "priority", b"priority", "result_retention", b"result_retention", "store_outputs_over_bytes", b"store_outputs_over_bytes", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "deadline", b"deadline", "execution_timeout", b"execution_timeout", "input_ref", b"input_ref", "inputs", b"inputs", "job_id", b"job_id", "model_name", b"model_name", "model_version", b"model_version", "output_name", b"output_name", "priority", b"priority", "result_retention", b"result_retention", "run_alone", b"run_alone", "store_outputs_over_bytes", b"store_outputs_over_bytes", "tenant", b"tenant", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -247,6 +247,7 @@ class BatchingEngine:
         version: str = "",
         credited: bool = False,
         run_timeout_s: float | None = None,
+        run_alone: bool = False,
     ) -> PendingItem:
         """Validates and queues one item on the version named (empty: the model's default); its
         future resolves with an InferOutcome or an AsyncInferError. Raises at once (nothing
@@ -254,7 +255,8 @@ class BatchingEngine:
         a scheduler's work order, sent on a credit this batcher granted), a deadline already
         passed, or a stopping engine. The model's progress reports for it go to `progress` (the
         caller closes it when the item ends). `run_timeout_s`: how long its job may compute (its
-        work order's execution timeout), by which a batch that hangs is told apart."""
+        work order's execution timeout), by which a batch that hangs is told apart. `run_alone`: in a
+        batch of its own (a job whose previous attempt was lost with its batcher)."""
         pipeline = self._pipelines.get(model_name)
         queue = self._queue(model_name, version) if pipeline is None else None
         if not self._accepting:
@@ -272,6 +274,7 @@ class BatchingEngine:
         item = queue.submit(inputs, timeout_s, priority, credited=credited)
         item.progress = progress
         item.run_timeout_s = run_timeout_s
+        item.run_alone = run_alone
         return item
 
     def submit_chunk(

@@ -56,6 +56,7 @@ class PendingItem:
         "progress",
         "real_units",
         "rows",
+        "run_alone",
         "run_timeout_s",
         "sort_key",
         "started",
@@ -92,6 +93,8 @@ class PendingItem:
         # How long its job may compute (its work order's execution timeout; None: no limit known):
         # a batch running past the longest of its items' has overrun (model_queue.RunningBatch).
         self.run_timeout_s: float | None = None
+        # Computed in a batch of its own (its job's previous attempt was lost with its batcher).
+        self.run_alone = False
         # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one
         # absolute deadline (a batch's expiry, shared by all its chunks) turned into loop time at
         # different moments differs by microseconds, which would otherwise order the parts of

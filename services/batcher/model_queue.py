@@ -353,12 +353,16 @@ class ModelQueue:
         max_rows = self.config.max_batch_size
         max_cost = self.config.max_batch_cost
         ordered = sorted(self._waiting, key=_sort_key)
+        if ordered[0].run_alone:
+            # Its previous attempt was lost with its batcher: if it crashes the process again, it
+            # takes no other job with it.
+            return [ordered[0]], True
         group = ordered[0].group
         batch: list[PendingItem] = []
         rows = cost = 0
         left_out = False
         for item in ordered:
-            if item.group != group:
+            if item.group != group or item.run_alone:
                 continue
             if rows + item.rows > max_rows or (max_cost and batch and cost + item.cost > max_cost):
                 left_out = True

@@ -143,6 +143,7 @@ def submit_order(
         version=order.model_version,
         credited=True,  # sent on a credit this batcher granted: its slot was promised
         run_timeout_s=order.execution_timeout.ToNanoseconds() / 1e9 if order.HasField("execution_timeout") else None,
+        run_alone=order.run_alone,
     )
 
 

@@ -391,4 +391,15 @@ class JobDispatch:
             store_outputs_over_bytes=self._config.scheduler.inline_result_max_bytes if stores else 0,
             output_name=attempt_result_ref(envelope.job_id, record.attempt) if stores else "",
             result_retention_s=record.result_retention_s if stores else 0.0,
+            run_alone=lost_with_its_batcher(record),
         )
+
+
+def lost_with_its_batcher(record: JobRecord) -> bool:
+    """Whether the job's previous attempt ended with its batcher gone (a crash: kill -9, a
+    segfault, the machine). Its next attempt runs in a batch of its own: a job whose input crashes
+    the model's process took the jobs batched with it down on every attempt (three good jobs
+    dead-lettered WORKER_LOST with one poison in a helper's run), where a model that raises is
+    isolated by bisection. An orderly stop gives attempts back and marks nothing."""
+    error = record.last_error
+    return error is not None and error.reason in (job_errors.WORKER_LOST, job_errors.LEASE_EXPIRED)

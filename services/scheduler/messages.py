@@ -75,6 +75,8 @@ class WorkOrder:
     store_outputs_over_bytes: int = 0
     output_name: str = ""
     result_retention_s: float = 0.0
+    # Its previous attempt was lost with its batcher (a crash it may have caused): computed alone.
+    run_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,6 +177,8 @@ def fill_order(message: worker_service_pb2.WorkOrder, order: WorkOrder) -> None:
         message.execution_timeout.FromNanoseconds(round(order.execution_timeout_s * 1e9))
     if order.traceparent:
         message.traceparent = order.traceparent
+    if order.run_alone:
+        message.run_alone = True
     if order.store_outputs_over_bytes:
         message.store_outputs_over_bytes = order.store_outputs_over_bytes
         message.output_name = order.output_name
