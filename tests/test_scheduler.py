@@ -640,9 +640,9 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
     await second.grant(1)
     order2 = await second.next_order(timeout_s=2.0)
     assert (order2.job_id, order2.attempt) == (job_id, 2)
-    # Lost with its batcher (a crash it may have caused): its next attempt is computed alone.
+    # Lost with its batcher once: every job in flight at a crash is, so it is batched as before.
     assert not order1.run_alone
-    assert order2.run_alone
+    assert not order2.run_alone
 
     # The first batcher comes back and delivers its stale result, then a credit: results and
     # credits on one stream are handled in order, so once the credit counts the result was seen.
@@ -662,6 +662,27 @@ async def test_broken_stream_returns_its_job_and_a_late_result_is_discarded(
     assert done.attempt == 2
     assert done.batch is not None
     assert done.batch.batcher_id == "b2"
+
+
+async def test_a_job_lost_with_its_batcher_twice_runs_alone(
+    js: JetStreamContext, app: SchedulerApp, kv: KeyValue, batchers: OpenBatcher, nc: NatsClient
+) -> None:
+    """A job whose input crashes the model's process took the jobs batched with it down on every
+    attempt; lost twice in a row, its next attempt is computed in a batch of its own."""
+    job_id = await enqueue(nc, kv, max_attempts=3)
+    for attempt, name in ((1, "b1"), (2, "b2")):
+        batcher = await batchers(name)
+        await batcher.grant(1)
+        order = await batcher.next_order(timeout_s=2.0)
+        assert (order.job_id, order.attempt, order.run_alone) == (job_id, attempt, False)
+        await batcher.break_stream()
+        await wait_state(js, job_id, JobState.QUEUED, timeout_s=2.0)
+    third = await batchers("b3")
+    await third.grant(1)
+    order = await third.next_order(timeout_s=2.0)
+    assert (order.attempt, order.run_alone) == (3, True)
+    await third.answer(order)
+    assert (await wait_state(js, job_id, JobState.SUCCEEDED)).attempt == 3
 
 
 async def test_non_retriable_error_fails_the_job(

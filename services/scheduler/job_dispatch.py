@@ -396,10 +396,14 @@ class JobDispatch:
 
 
 def lost_with_its_batcher(record: JobRecord) -> bool:
-    """Whether the job's previous attempt ended with its batcher gone (a crash: kill -9, a
-    segfault, the machine). Its next attempt runs in a batch of its own: a job whose input crashes
-    the model's process took the jobs batched with it down on every attempt (three good jobs
-    dead-lettered WORKER_LOST with one poison in a helper's run), where a model that raises is
-    isolated by bisection. An orderly stop gives attempts back and marks nothing."""
+    """Whether the attempt about to start should run in a batch of its own: the job's previous
+    attempt ended with its batcher gone (a crash: kill -9, a segfault, the machine; or its lease
+    lapsed) and it is not its first (`record` is the dispatched record: `attempt` is the one
+    starting). A job whose input crashes the model's process took the jobs batched with it down
+    on every attempt (three good jobs dead-lettered WORKER_LOST with one poison, in a helper's run),
+    where a model that raises is isolated by bisection. Not after a first loss: after any crash
+    every job in flight was lost once, and running them all alone would slow the recovery of a
+    model with large batches many times over (the crash tests' slow model: 0.3 s a batch)."""
     error = record.last_error
-    return error is not None and error.reason in (job_errors.WORKER_LOST, job_errors.LEASE_EXPIRED)
+    lost = error is not None and error.reason in (job_errors.WORKER_LOST, job_errors.LEASE_EXPIRED)
+    return lost and record.attempt >= 3
