@@ -5,6 +5,8 @@ to their filters, and never another tenant's records."""
 from __future__ import annotations
 
 import asyncio
+import json
+import random
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -20,10 +22,13 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, JobState, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.kv import open_kv_bucket
+from asyncinfer.nats.streams import ensure_kv_bucket
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, JobLister, tenant_filter_subject
+from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, MAX_RECORDS_READ_PER_PAGE, JobLister, newest_first
+from services.gateway.tenant_keys import INSERT_AT_MOST, apply_changes, tenant_filter_subject
 from services.gateway.transitions import Expiry
+from tests.nats_probes import RequestsSeen
 from tests.test_gateway import submit_request, violations_of
 from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_keys
 
@@ -330,3 +335,161 @@ async def test_a_listings_consumer_is_gone_soon_after_the_call(stub: JobStub, nc
     while (await js.stream_info(stream)).state.consumer_count > before:
         assert time.monotonic() - ended < 4.0, "the listings' consumers outlived the call by 4 s"
         await asyncio.sleep(0.1)
+
+
+def lister_of(js: Any, config: Config, jobs: Any) -> JobLister:
+    records = JobStore(jobs, work_stream=config.nats.work_stream)
+    return JobLister(
+        js,
+        records,
+        Expiry(records),
+        bucket=config.nats.jobs_bucket,
+        work_stream=config.nats.work_stream,
+        max_page_bytes=1 << 20,
+    )
+
+
+async def key_scans(nc: NatsClient, config: Config, tenant: str) -> tuple[RequestsSeen, RequestsSeen]:
+    """Counts of the scans of every key of `tenant` (each key's last message), and of the listings
+    (at least one request each, whatever the code: the jobs bucket's stream info or a full scan),
+    which a test waits for before it counts the scans."""
+    stream = kv_stream(config.nats.jobs_bucket)
+    filter_subject = tenant_filter_subject(config.nats.jobs_bucket, tenant)
+
+    def full_scan(subject: str, payload: bytes) -> bool:
+        if not subject.startswith(f"$JS.API.CONSUMER.CREATE.{stream}"):
+            return False
+        asked = json.loads(payload)
+        consumer = asked.get("config", {})
+        return bool(
+            filter_subject in (consumer.get("filter_subject"), *consumer.get("filter_subjects", ()))
+            and consumer.get("deliver_policy") == "last_per_subject"
+        )
+
+    full = await RequestsSeen.on(nc, "$JS.API.CONSUMER.CREATE.>", full_scan)
+    listings = await RequestsSeen.on(
+        nc,
+        "$JS.API.>",
+        lambda subject, payload: subject == f"$JS.API.STREAM.INFO.{stream}" or full_scan(subject, payload),
+    )
+    return full, listings
+
+
+async def test_listings_after_the_first_read_only_the_keys_written_since(
+    stub: JobStub, config: Config, nc: NatsClient
+) -> None:
+    """A measurement pass: with 20,000 jobs retained in a tenant every ListJobs scanned all their
+    keys (0.41-0.54 s a call, the gateway's loop held 40-106 ms at a time), and the console's Jobs
+    page asks every few seconds. The gateway keeps a tenant's job IDs: the pages after the first,
+    and the refreshes, read only what was written since, and list the same jobs."""
+    full, listings = await key_scans(nc, config, "default")
+    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    stored = [await store_succeeded(kv) for _ in range(12)]
+    queued = await submit_many(stub, [submit_request() for _ in range(3)])
+    everything = sorted(stored + queued, reverse=True)
+    assert [job_id for page in await list_all(stub, listing(5)) for job_id in page] == everything
+    assert await ids_listed(stub) == everything  # the console's refresh
+    assert await ids_listed(stub) == everything
+    more = [await store_succeeded(kv) for _ in range(2)]
+    await kv.delete(f"default.{stored[0]}")
+    expected = sorted(set(everything) - {stored[0]} | set(more), reverse=True)
+    assert [job_id for page in await list_all(stub, listing(4)) for job_id in page] == expected
+    await listings.wait_for(3 + 2 + 4)  # every listing's request has been seen, so every scan's too
+    assert full.count == 1
+
+
+async def publish_keys(js: Any, bucket: str, tenant: str, ids: list[str]) -> None:
+    for start in range(0, len(ids), 500):
+        acks = [await js.publish_async(f"$KV.{bucket}.{tenant}.{job_id}", b"{}") for job_id in ids[start : start + 500]]
+        for ack in acks:
+            await ack
+
+
+async def test_the_kept_job_ids_follow_writes_deletes_purges_and_expiries(
+    stub: JobStub, config: Config, nc: NatsClient
+) -> None:
+    """What a listing knows of a tenant's keys is brought up to date from the stream: new keys, our
+    deletes and purges, and the marker the server leaves when a record's TTL ends; it lists what a
+    full scan would, without scanning again."""
+    js = nc.jetstream()
+    bucket = config.nats.jobs_bucket
+    ids = sorted((new_job_id() for _ in range(600)), reverse=True)
+    await publish_keys(js, bucket, "scan", ids)
+    full, listings = await key_scans(nc, config, "scan")
+    jobs = await open_kv_bucket(js, bucket)
+    lister = lister_of(js, config, jobs)
+    for _ in range(3):
+        assert await lister.tenant_job_ids("scan") == ids
+    kv = jobs.kv
+    added = [new_job_id() for _ in range(5)]
+    for job_id in added:
+        await kv.put(f"scan.{job_id}", b"{}")
+    await kv.delete(f"scan.{ids[0]}")
+    await kv.purge(f"scan.{ids[1]}")
+    await kv.put(f"scan.{ids[2]}", b"{}")  # rewritten: still there
+    await kv.put("scan.not-a-job-id", b"{}")
+    expiring = new_job_id()
+    await kv.create(f"scan.{expiring}", b"{}", msg_ttl=1.0)
+    expected = sorted(set(ids) - {ids[0], ids[1]} | set(added), reverse=True)
+    assert await lister.tenant_job_ids("scan") == sorted([*expected, expiring], reverse=True)
+    # Until the server has removed the expiring record (a fresh lister scans every key).
+    fresh_scans = 0
+    async with asyncio.timeout(10):
+        while expiring in await lister_of(js, config, jobs).tenant_job_ids("scan"):
+            fresh_scans += 1
+            await asyncio.sleep(0.1)
+    fresh_scans += 1
+    assert await lister.tenant_job_ids("scan") == expected
+    await listings.wait_for(3 + 1 + fresh_scans + 1)
+    assert full.count == 1 + fresh_scans
+    # More than are inserted one at a time.
+    many = [new_job_id() for _ in range(INSERT_AT_MOST + 10)]
+    await publish_keys(js, bucket, "scan", many)
+    assert await lister.tenant_job_ids("scan") == sorted(expected + many, reverse=True)
+    await listings.wait_for(3 + 1 + fresh_scans + 2)
+    assert full.count == 1 + fresh_scans
+
+
+async def test_a_bucket_made_anew_is_scanned_anew(stub: JobStub, config: Config, nc: NatsClient) -> None:
+    js = nc.jetstream()
+    bucket = config.nats.jobs_bucket
+    before = sorted((new_job_id() for _ in range(50)), reverse=True)
+    await publish_keys(js, bucket, "scan", before)
+    jobs = await open_kv_bucket(js, bucket)
+    lister = lister_of(js, config, jobs)
+    assert await lister.tenant_job_ids("scan") == before
+    await js.delete_key_value(bucket)
+    await ensure_kv_bucket(
+        js, config.nats, bucket=bucket, description="jobs", limit_marker_ttl_s=config.nats.expired_job_marker_ttl_s
+    )
+    # More writes than before, so its sequences pass the ones the lister knew.
+    after = sorted((new_job_id() for _ in range(80)), reverse=True)
+    await publish_keys(js, bucket, "scan", after)
+    assert await lister.tenant_job_ids("scan") == after
+
+
+@pytest.mark.unit
+def test_changes_applied_to_the_kept_ids_are_what_a_set_would_hold() -> None:
+    rng = random.Random(7)
+    ids = sorted(new_job_id() for _ in range(400))
+    for size in (0, 1, 10, INSERT_AT_MOST, INSERT_AT_MOST + 1, 1000):
+        kept = list(ids)
+        candidates = ids + [new_job_id() for _ in range(size)]
+        changes = {job_id: rng.random() < 0.6 for job_id in rng.sample(candidates, min(size, len(candidates)))}
+        expected = set(ids)
+        for job_id, live in changes.items():
+            (expected.add if live else expected.discard)(job_id)
+        apply_changes(kept, changes)
+        assert kept == sorted(expected), size
+
+
+@pytest.mark.unit
+def test_the_ids_a_page_reads_are_the_head_of_the_whole_list() -> None:
+    rng = random.Random(11)
+    recorded = sorted(new_job_id() for _ in range(300))
+    queued = set(rng.sample(recorded, 20)) | {new_job_id() for _ in range(30)}
+    whole = sorted(set(recorded) | queued, reverse=True)
+    for after in (None, whole[0], whole[7], whole[150], whole[-1], "0", "z"):
+        older = [job_id for job_id in whole if after is None or job_id < after]
+        for most in (1, 5, 64, 400, MAX_RECORDS_READ_PER_PAGE):
+            assert newest_first(recorded, queued, after, most) == older[:most], (after, most)

@@ -4,10 +4,12 @@ batch's chunk jobs are left out unless the labels filter names their batch label
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
 newest first. A job still queued has no key yet: its work message is its record, so the tenant's
 job IDs are its keys and its queued jobs' work subjects ("asyncinfer.work.*.*.<tenant>.*", from the
-work stream's subject index: one stream info, up to 100,000 of them). A page (1) scans the
-tenant's keys with an ephemeral ordered consumer whose filter
-subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject): the server
-filters, so another tenant's records are never delivered, let alone read. nats-py's
+work stream's subject index: one stream info, up to 100,000 of them). A page (1) takes the
+tenant's keys with a live record from the gateway's TenantKeyIndex (services/gateway/tenant_keys.py):
+the first listing of a tenant scans its keys with an ephemeral ordered consumer whose filter
+subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject), later ones read
+only the keys written since (the same filter, from the next stream sequence); the server filters,
+so another tenant's records are never delivered, let alone read. nats-py's
 `KeyValue.keys(filters=...)` would not do: it watches every key of the bucket and filters by
 substring on the client. Then (2) it reads the records after the cursor, newest first, a chunk at
 a time, and keeps those that match until the page is full, its jobs' inline outputs would pass
@@ -15,11 +17,13 @@ a time, and keeps those that match until the page is full, its jobs' inline outp
 or MAX_RECORDS_READ_PER_PAGE were read (a page may then be short, with a token to go on: AIP-158
 allows it).
 
-Cost: O(the tenant's retained jobs) per page for the key scan (headers only, ~100 bytes a key),
-plus the records read. Fine for thousands of jobs per tenant; for millions the better index is a
-per-tenant, time-partitioned one (e.g. a KV "<tenant>.<hour>.<job_id>" -> state/model/labels
-written with each record), so a page reads only the partitions it needs and filters without
-reading records.
+Cost: a tenant's first listing (and one every tenant_keys.FULL_RESCAN_S) is O(its retained jobs
+and the markers of its expired ones) for the key scan (headers only, ~17 us of the event loop a
+key, in pieces of 20 to ~100 ms: nats-py's parsing); every other page costs the keys written
+since the last, a stream info of each stream, the records read, and a bisect into the index. For
+millions of jobs per tenant the better index is a per-tenant, time-partitioned one (e.g. a KV
+"<tenant>.<hour>.<job_id>" -> state/model/labels written with each record), so a page reads only
+the partitions it needs and filters without reading records.
 
 Page tokens are opaque: base64url of {after: the last job ID returned, filter: a fingerprint of the
 tenant and filters}; a token used with other filters (or by another tenant) is INVALID_ARGUMENT.
@@ -32,25 +36,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import bisect
 import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import structlog
-
-from asyncinfer.contract import kv_stream, kv_subject, kv_subject_prefix, tenant_keys, tenant_work_subjects
+from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
-from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.submit_request import label_violations
+from services.gateway.tenant_keys import TenantKeyIndex
 from services.gateway.transitions import Expiry
-
-log = structlog.get_logger("asyncinfer.gateway.list")
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -58,10 +60,6 @@ MAX_RECORDS_READ_PER_PAGE = 5000
 READ_CHUNK = 64
 # A Job message without its outputs is well under this (labels and strings are bounded).
 RECORD_OVERHEAD_BYTES = 8 * 1024
-SCAN_TIMEOUT_S = 30.0
-# The scan's ephemeral consumer is gone this long after its subscription (its interest) is: a
-# client paging at 20 calls/s kept ~100 of them alive on the jobs stream at the server's 5 s.
-SCAN_CONSUMER_INACTIVE_S = 1.0
 _STATE_PREFIX = "JOB_STATE_"
 
 
@@ -155,9 +153,15 @@ def estimated_bytes(record: JobRecord) -> int:
     return RECORD_OVERHEAD_BYTES + sum(len(tensor.data) for tensor in record.outputs)
 
 
-def tenant_filter_subject(bucket: str, tenant: str) -> str:
-    """The only subjects a listing of `tenant` ever consumes."""
-    return kv_subject(bucket, tenant_keys(tenant))
+def newest_first(recorded: list[str], queued: set[str], after: str | None, most: int) -> list[str]:
+    """The first `most` of the job IDs in `recorded` (ascending) and `queued` older than `after`
+    (all when None), newest first: `sorted(set(recorded) | queued, reverse=True)` after `after`,
+    cut, without sorting or copying the rest of a large tenant's IDs."""
+    end = len(recorded) if after is None else bisect.bisect_left(recorded, after)
+    window = recorded[max(0, end - most) : end]  # the newest `most` of them older than `after`
+    if after is not None:
+        queued = {job_id for job_id in queued if job_id < after}
+    return sorted(queued.union(window), reverse=True)[:most]
 
 
 class JobLister:
@@ -176,12 +180,18 @@ class JobLister:
         self._max_page_bytes = max_page_bytes
         self._records = records
         self._expiry = expiry
-        self._bucket = bucket
+        self._keys = TenantKeyIndex(js, bucket=bucket)
 
     async def tenant_job_ids(self, tenant: str) -> list[str]:
         """The tenant's job IDs with a live record, newest first: its keys and its queued jobs."""
         queued = await self._queued_job_ids(tenant)
-        return sorted(set(await self._recorded_job_ids(tenant)) | queued, reverse=True)
+        return sorted(set(await self._keys.recorded_ids(tenant)) | queued, reverse=True)
+
+    async def _newest_first(self, tenant: str, after: str | None, most: int) -> list[str]:
+        # The queued jobs first: a job that leaves the queue between the two reads has its record
+        # written by then (the work message goes only after the result is stored).
+        queued = await self._queued_job_ids(tenant)
+        return newest_first(await self._keys.recorded_ids(tenant), queued, after, most)
 
     async def _queued_job_ids(self, tenant: str) -> set[str]:
         try:
@@ -190,51 +200,6 @@ class JobLister:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
         return {job_id for subject in subjects if is_job_id(job_id := subject.rpartition(".")[2])}
 
-    async def _recorded_job_ids(self, tenant: str) -> set[str]:
-        """The job IDs of the tenant's keys with a live record (a headers-only scan)."""
-        prefix = kv_subject_prefix(self._bucket) + job_key(tenant, "")
-        ids: set[str] = set()
-        scanned = asyncio.Event()
-
-        async def on_key(msg: Msg) -> None:
-            job_id = msg.subject.removeprefix(prefix)
-            headers = msg.headers or {}
-            # The last message per key: a delete marker (ours or the server's, retention passed) is no job.
-            if KV_OP in headers or KV_MARKER_REASON in headers or not is_job_id(job_id):
-                ids.discard(job_id)
-            else:
-                ids.add(job_id)
-            if msg.metadata.num_pending == 0:
-                scanned.set()
-
-        try:
-            subscription = await self._js.subscribe(
-                tenant_filter_subject(self._bucket, tenant),
-                stream=kv_stream(self._bucket),
-                cb=on_key,
-                ordered_consumer=True,
-                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                headers_only=True,
-                inactive_threshold=SCAN_CONSUMER_INACTIVE_S,
-            )
-        except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        try:
-            info = await subscription.consumer_info()
-            # Nothing ever delivered and nothing pending: the tenant has no keys. (Not the client's
-            # own count: the server may have pushed every key already, the callbacks not yet run.)
-            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                scanned.set()
-            await asyncio.wait_for(scanned.wait(), SCAN_TIMEOUT_S)
-        except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        finally:
-            try:
-                await subscription.unsubscribe()
-            except NATS_FAILURES as exc:  # the consumer goes away by itself once inactive
-                log.warning("list_unsubscribe_failed", error=str(exc))
-        return ids
-
     async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
         record = await self._records.get(job_key(tenant, job_id))
         return None if record is None else await self._expiry.settle(record)
@@ -242,9 +207,9 @@ class JobLister:
     async def page(self, tenant: str, query: ListQuery) -> ListPage:
         fingerprint = query.fingerprint(tenant)
         after = decode_token(query.page_token, fingerprint) if query.page_token else None
-        ids = await self.tenant_job_ids(tenant)
-        if after is not None:
-            ids = [job_id for job_id in ids if job_id < after]
+        # Enough that a page never reaches the end of the list unless it is the end: a page reads
+        # at most MAX_RECORDS_READ_PER_PAGE records, plus the rest of its last chunk.
+        ids = await self._newest_first(tenant, after, MAX_RECORDS_READ_PER_PAGE + READ_CHUNK + 1)
         found: list[JobRecord] = []
         page_bytes = 0
         consumed = 0  # ids[:consumed] were returned or skipped; the token resumes after them
