@@ -23,6 +23,7 @@ from asyncinfer.contract import cancel_subject, job_work_lookup, job_work_subjec
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
+from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import (
     BlobRef,
     JobRecord,
@@ -683,6 +684,42 @@ async def test_a_job_lost_with_its_batcher_twice_runs_alone(
     assert (order.attempt, order.run_alone) == (3, True)
     await third.answer(order)
     assert (await wait_state(js, job_id, JobState.SUCCEEDED)).attempt == 3
+
+
+async def test_a_requeue_waits_out_a_failed_write_rather_than_spend_the_attempt(
+    js: JetStreamContext,
+    app: SchedulerApp,
+    kv: KeyValue,
+    batchers: OpenBatcher,
+    nc: NatsClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A requeue whose record write failed (a leader election) left the record RUNNING; the message,
+    back at once, was taken for a lapsed lease and the attempt spent: a job on its last attempt that
+    its batcher gave back unrun was dead-lettered. The write is tried again."""
+    real_transition = JobStore.transition
+    failures = 0
+
+    async def failing_once(self: JobStore, record: JobRecord, decide: Any) -> Any:
+        nonlocal failures
+        decided = decide(record)
+        if failures == 0 and decided is not None and decided.state is JobState.QUEUED:
+            failures += 1
+            raise Unavailable("no responders: the bucket's leader is being elected")
+        return await real_transition(self, record, decide)
+
+    monkeypatch.setattr(JobStore, "transition", failing_once)
+    job_id = await enqueue(nc, kv, max_attempts=1)
+    batcher = await batchers("b1")
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    given_back = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+    await batcher._call.write(worker_service_pb2.ConnectRequest(result=given_back))
+    await batcher.grant(1)
+    again = await batcher.next_order(timeout_s=5.0)
+    assert (again.job_id, again.attempt, failures) == (job_id, 2, 1)  # refunded: a second attempt
+    await batcher.answer(again)
+    assert (await wait_state(js, job_id, JobState.SUCCEEDED)).max_attempts == 2
 
 
 async def test_non_retriable_error_fails_the_job(

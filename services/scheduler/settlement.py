@@ -17,8 +17,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from asyncinfer import job_errors, lifecycle
+from asyncinfer.backoff import retry
 from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.config import Config
+from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, ProgressReport
 from asyncinfer.nats import Msg
@@ -30,6 +32,8 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.progress_relay import with_progress
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
+# A requeue's record write is tried again for this long at most (half the AckWait, if less).
+REQUEUE_RETRY_S = 10.0
 
 JobLog = structlog.typing.FilteringBoundLogger
 
@@ -209,8 +213,17 @@ class Settlement:
         after delay_s (0: at once). The nak happens even when the record cannot be written."""
         event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund)
         latest: JobRecord | None = None
+
+        async def write() -> tuple[JobRecord | None, bool]:
+            return await self._store.transition(running, lifecycle.decider(event, time.time()))
+
         try:
-            latest, written = await self._store.transition(running, lifecycle.decider(event, time.time()))
+            # Through a leader election (~5 s), within half the message's AckWait: a write given up
+            # left the record RUNNING, so the message, back at once, was taken for a lapsed lease
+            # and the attempt spent (LEASE_EXPIRED), a refund included (a job on its last attempt
+            # was dead-lettered after its batcher gave it back unrun, in a cluster failover run).
+            retry_for_s = min(REQUEUE_RETRY_S, self._config.scheduler.ack_wait_s / 2)
+            latest, written = await retry(write, on=Unavailable, retry_for_s=retry_for_s, what="a requeue")
             if latest is not None and written:
                 self._metrics.job_transition(latest)
                 job_log.info("job_requeued", state=latest.state.value, reason=error.reason, delay_s=delay_s)
