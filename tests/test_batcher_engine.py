@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -449,3 +450,19 @@ async def test_an_item_to_run_alone_is_computed_in_a_batch_of_its_own(make_engin
     await asyncio.wait_for(asyncio.gather(*(i.future for i in [first, *suspects, *others])), 10.0)
     assert sorted(model.rows_seen) == [1, 1, 1, 3]
     assert {float(batch[0, 0]) for batch in model.batches if len(batch) == 1} >= {2.0}
+
+
+async def test_a_model_that_raises_leaves_its_own_traceback_once_per_batch(make_engine: Callable[..., Any]) -> None:
+    """Only the exception's message reached the logs: the model's author could not see where in
+    their code it failed. Its traceback is logged once per failed batch (not per half of its
+    isolation), at most once a minute per model."""
+    engine = await make_engine(RecordingAffine(poison=9.0), max_queue_delay_ms=0.0)
+    with capture_logs() as logs:
+        for _ in range(2):
+            with pytest.raises(ModelError, match="poisoned input"):
+                await engine.infer("demo", rows(9.0))
+    raised = [entry for entry in logs if entry["event"] == "model_raised"]
+    assert len(raised) == 1  # the second within the minute is held back
+    error = raised[0]["exc_info"]
+    assert isinstance(error, ValueError)
+    assert any(frame.name == "forward" for frame in traceback.extract_tb(error.__traceback__))

@@ -19,6 +19,7 @@ import structlog
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, ModelError, Unavailable
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.assemble import assemble, split
@@ -36,6 +37,8 @@ SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
 # Every in-flight batch of the model has run past its jobs' execution timeouts (a call that does not
 # return): what waits is given back, as at a shutdown (services/batcher/model_queue.py).
 MODEL_STUCK_REASON = "MODEL_STUCK"
+# A model's traceback is logged at most this often per model (a broken deploy fails every batch).
+TRACEBACK_INTERVAL_S = 60.0
 
 
 @dataclass(slots=True)
@@ -81,6 +84,7 @@ class BatchRunner:
         self._shaper = shaper
         self._metrics = metrics
         self._free_slot = free_slot
+        self._tracebacks = Throttle(TRACEBACK_INTERVAL_S)
 
     async def run(
         self,
@@ -155,8 +159,18 @@ class BatchRunner:
             ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
             error = self._model_error(exc, batch)
+            self._say_where(exc, batch)
             ran = self._isolate(batch, error)
         return ran, time.perf_counter() - started, assembled.padding_waste
+
+    def _say_where(self, exc: Exception, batch: list[PendingItem]) -> None:
+        """The model's own traceback, once per failed batch (not per half of its isolation), at
+        most once per TRACEBACK_INTERVAL_S per model: its message alone reached the logs, and the
+        model's author could not see where in their code it failed."""
+        held = self._tracebacks.allow(self.name)
+        if held is not None:
+            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            log.warning("model_raised", model=self.name, items=len(batch), held_back=held, exc_info=cause)
 
     def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
         if len(batch) == 1:
@@ -189,7 +203,9 @@ class BatchRunner:
             outputs = await self.backend.infer_batch_async(assembled.arrays)
             ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
-            ran = await self._isolate_async(batch, self._model_error(exc, batch))
+            error = self._model_error(exc, batch)
+            self._say_where(exc, batch)
+            ran = await self._isolate_async(batch, error)
         return ran, time.perf_counter() - started, assembled.padding_waste
 
     async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
