@@ -67,6 +67,13 @@ def outcome_seen(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
+def failure_logged(task: asyncio.Task[Any]) -> None:
+    """A done-callback for a task its owner awaits only at its end (with gather's
+    return_exceptions, which would swallow it): a failure is said at once, with its traceback."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("background_task_failed", task=task.get_name(), exc_info=error)
+
+
 @dataclass(frozen=True, slots=True)
 class LoopDied:
     """A supervised loop raised."""

@@ -18,7 +18,7 @@ from structlog.testing import capture_logs
 from asyncinfer.config import Config
 from asyncinfer.queues import paused_key
 from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, EXIT_UNAVAILABLE, StopSignal, run_until_stopped
-from asyncinfer.supervision import LoopDied, Supervisor
+from asyncinfer.supervision import LoopDied, Supervisor, failure_logged
 from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
@@ -361,3 +361,24 @@ async def test_the_scheduler_command_exits_with_exit_loop_died_when_a_loop_dies(
             process.kill()
             await process.wait()
     assert code == EXIT_LOOP_DIED
+
+
+@pytest.mark.unit
+async def test_a_task_awaited_only_at_its_end_says_its_failure_at_once() -> None:
+    """Tasks their owners gather with return_exceptions only at the end (a work stream's result
+    stores, a model version's drain, a SIGHUP reload) failed without a word until then."""
+
+    async def broken() -> None:
+        raise KeyError("a bug")
+
+    async def fine() -> None:
+        return None
+
+    with capture_logs() as logs:
+        for work in (broken(), fine()):
+            task = asyncio.create_task(work, name=work.__name__)
+            task.add_done_callback(failure_logged)
+            await asyncio.wait([task])
+    (said,) = [entry for entry in logs if entry["event"] == "background_task_failed"]
+    assert said["task"] == "broken"
+    assert isinstance(said["exc_info"], KeyError)

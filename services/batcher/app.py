@@ -20,7 +20,7 @@ from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
-from asyncinfer.supervision import Supervisor
+from asyncinfer.supervision import Supervisor, failure_logged
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.worker_stream import WORK_MESSAGE_HEADROOM_BYTES, work_message_bytes
@@ -225,6 +225,7 @@ class BatcherApp:
         task = asyncio.create_task(self.reload(), name="batcher-reload")
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
+        task.add_done_callback(failure_logged)
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops offering credits, stops the server (running calls get the grace period),

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ModelError, NotFound, Unavailable
 from asyncinfer.jobs import NAME_PATTERN
+from asyncinfer.supervision import failure_logged
 from asyncinfer.tensors import NUMPY_DTYPES
 from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.backends.loading import load_backend
@@ -294,6 +295,7 @@ class ModelControl:
                     await backend.aclose()
 
         task = asyncio.create_task(drain(), name=f"drain-{queue.name}-{queue.config.version}")
+        task.add_done_callback(failure_logged)
         self._draining.add(task)
         task.add_done_callback(self._draining.discard)
 

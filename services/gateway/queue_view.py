@@ -23,6 +23,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
 from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsError
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
+from asyncinfer.supervision import outcome_seen
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
 
@@ -242,6 +243,7 @@ class QueueView:
         if reading is None:
             reading = self._confirming[model_name] = asyncio.ensure_future(self._read_depth(model_name))
             reading.add_done_callback(lambda _t: self._confirming.pop(model_name, None))
+            reading.add_done_callback(outcome_seen)  # its waiter reads it, unless it was cancelled
         await asyncio.shield(reading)
 
     async def _read_depth(self, model_name: str) -> None:

@@ -17,6 +17,7 @@ import structlog
 
 from asyncinfer.errors import AsyncInferError, FailedPrecondition, FieldViolation, InvalidArgument
 from asyncinfer.jobs import BlobRef, JobError, Priority, ProgressReport
+from asyncinfer.supervision import failure_logged
 from asyncinfer.tensor_codec import decode_tensors, fill_tensor_proto
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2, worker_service_pb2_grpc
@@ -336,6 +337,7 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                     task = asyncio.create_task(store(result_from_proto(request.result)))
                     storing.add(task)
                     task.add_done_callback(storing.discard)
+                    task.add_done_callback(failure_logged)
                 elif kind == "updates":
                     # Progress first: an item's last report is published before its result is stored.
                     for progress in request.updates.progress:
@@ -345,6 +347,7 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                         task = asyncio.create_task(store(result_from_proto(result)))
                         storing.add(task)
                         task.add_done_callback(storing.discard)
+                        task.add_done_callback(failure_logged)
                     for grant in request.updates.credits:
                         credit = credit_from_proto(grant)
                         self._batchers.grant(session, credit.model_name, credit.credits)
