@@ -6,9 +6,10 @@ that many messages, weighted across priorities: see services.scheduler.priority)
 never taken from the queue before there is somewhere to run it. When every queue is empty it sleeps
 until a queued notice for the model rings the doorbell (asyncinfer.queued_notice), or until the
 poll interval passes (which catches redeliveries, delayed retries, messages published while it was
-down and any whose notice was lost). With `hold_pulls_open`, an idle dispatcher also holds a pull
-open on each priority's queue meanwhile (services.scheduler.held_pulls), so that a job reaches it
-as the stream stores it rather than a notice and a pull later. Under a steady stream of jobs that
+down and any whose notice was lost). With `hold_pulls_open`, an idle dispatcher instead holds a pull
+open on each priority's queue (services.scheduler.held_pulls), so that a job reaches it as the
+stream stores it rather than a notice and a pull later; while every one is open there is nothing
+to poll for, and it polls again only once one ends (see `_idle`). Under a steady stream of jobs that
 outpaces its rounds, a small round is followed by a short wait (`dispatch_linger_ms`,
 services.scheduler.dispatch_linger), so that jobs arriving one at a time go out together. A round waits for its dispatches
 before the next pull, except a dispatch that reads a claim-checked input first (a file batch's
@@ -32,7 +33,7 @@ from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.dispatch_linger import DispatchLinger
-from services.scheduler.held_pulls import HeldPulls
+from services.scheduler.held_pulls import CONNECTION_CHECK_S, HeldPulls
 from services.scheduler.job_dispatch import INPUT_READ_STARTED
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.owned_tasks import OwnedTasks
@@ -104,7 +105,7 @@ class ModelDispatcher:
         self._task: asyncio.Task[None] | None = None
         self._linger = DispatchLinger(linger_s)
         self._on_linger = on_linger
-        self._held = HeldPulls(queues, hold_s=poll_interval_s, deliver=self._deliver_held) if hold_pulls_open else None
+        self._held = HeldPulls(queues, deliver=self._deliver_held) if hold_pulls_open else None
         # A round's dispatches, some of which outlast it (reading an input: see _round).
         self._dispatches = OwnedTasks(f"dispatch-{self.model_name}")
 
@@ -126,7 +127,7 @@ class ModelDispatcher:
             await self._task
         await self._dispatches.close()
         if self._held is not None:
-            await self._held.settled()  # what they bring now is put back
+            await self._held.close()  # what they brought is put back
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
@@ -134,11 +135,10 @@ class ModelDispatcher:
         await self._queues.close()
 
     async def settled(self) -> None:
-        """Returns once no round is under way (a round that had begun has dispatched what it pulled)
-        and no pull is held open."""
+        """Returns once no round is under way (a round that had begun has dispatched what it pulled),
+        nor a dispatch of what a held pull brought. A pull may still be held open (for up to
+        services.scheduler.held_pulls.HOLD_S): what it brings once dispatching stopped is put back (_deliver_held)."""
         await self._between_rounds.wait()
-        if self._held is not None:
-            await self._held.settled()
 
     async def _ring(self, msg: Msg) -> None:
         try:
@@ -179,9 +179,24 @@ class ModelDispatcher:
                     self._on_linger(self.model_name)
                 await self._wait(self._stopping, timeout_s=linger_s)
             if pulled == 0:
-                if self._held is not None:
-                    self._held.open()
-                await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
+                await self._idle()
+
+    async def _idle(self) -> None:
+        """Waits, after a round found the queues empty, until the doorbell rings or they are worth
+        asking again. While a pull is held open on every priority's queue, whatever a queue gets
+        next reaches one (a job, a redelivery, a retry whose delay passed): no poll, until one
+        ends (it brought a job, expired or was refused) or their connection is lost (looked at
+        every CONNECTION_CHECK_S: no request). Otherwise, or after that, every poll interval as
+        without them (so a pull that cannot be held, NATS away, does not make a loop of rounds)."""
+        held = self._held
+        if held is not None:
+            held.open()
+            while held.holding_all() and not held.one_ended.is_set():
+                if not await self._wait(self._doorbell, held.one_ended, timeout_s=CONNECTION_CHECK_S):
+                    return  # stopping
+                if self._doorbell.is_set():
+                    return
+        await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
 
     async def _round(self) -> int | None:
         """Reserves credits, pulls at most that many jobs and dispatches them; how many it
@@ -231,7 +246,11 @@ class ModelDispatcher:
     async def _deliver_held(self, msg: Msg, priority: Priority) -> None:
         """Dispatches a message a held pull brought, or puts it back when it cannot run here now."""
         closed = self._stopping.is_set() or any(not gate.is_set() for gate in self._gates)
-        session = None if closed else self._batchers.reserve(self.model_name)
+        # A higher priority's queue whose pull is no longer held open may hold jobs that this one
+        # must not overtake: the round's choice (services.scheduler.priority) decides then.
+        rank = PRIORITIES_BY_RANK.index(priority)
+        overtakes = self._held is not None and not all(self._held.holding(p) for p in PRIORITIES_BY_RANK[:rank])
+        session = None if closed or overtakes else self._batchers.reserve(self.model_name)
         if session is None:
             self._queues.note_publish(priority)
             self._queues.put_back(priority, msg)  # still counted in the queue's depth
@@ -256,13 +275,13 @@ class ModelDispatcher:
             if not self._rounds_under_way:
                 self._between_rounds.set()
 
-    async def _wait(self, event: asyncio.Event, *, timeout_s: float | None = None) -> bool:
-        """Waits for the event (or the timeout); False once stopping."""
+    async def _wait(self, *events: asyncio.Event, timeout_s: float | None = None) -> bool:
+        """Waits for one of the events (or the timeout); False once stopping."""
         if self._stopping.is_set():
             return False
-        if event.is_set():
+        if any(event.is_set() for event in events):
             return True
-        waiters = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())}
+        waiters = {asyncio.ensure_future(e.wait()) for e in (*events, self._stopping)}
         try:
             await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -3,14 +3,25 @@
 An idle dispatcher used to wait for a queued notice (the gateway sends it after its publish is
 acknowledged) and then pull the message: two more trips through NATS between the stream storing a
 job and the scheduler holding it. Instead, while a batcher has a credit and the queues are empty,
-a pull of one message waits on each priority's consumer (up to `hold_s`, the poll interval): the
-server hands the job over as it stores it, before the gateway even has its acknowledgement.
+a pull of one message waits on each priority's consumer (up to `HOLD_S`): the server hands the job
+over as it stores it, before the gateway even has its acknowledgement. Whatever a queue gets next
+reaches its held pull (a job, a redelivery after AckWait, a retry whose delay passed), so while
+every priority's pull is held open the dispatcher does not poll; it asks the queues again when one
+ends. A pull lasts HOLD_S rather than the poll interval: 3 requests per model every 30 s while idle,
+not 12 a second (and no polls: another 12).
 
-Every held pull is seen to its end (a message, or the server's 408 when it expires): a pull given
-up early would leave its message with a listener that is gone, back in the queue only after
-AckWait. So a message may arrive when it can no longer run here (no credit left, the model paused,
-the scheduler draining or stopping): it is put back at once (a nak), which is also what keeps
-priorities in order when jobs of two priorities arrive together for one credit.
+A pull sent on a connection that was lost since may be gone with it (a server restarted) or still
+there (the client alone reconnected; its inbox is subscribed again on the new connection, so what
+it brings still arrives): `holding` says no for it, so queued notices ring again and the dispatcher
+polls (it checks every CONNECTION_CHECK_S), and the pull is still seen to its end, its expiry or
+its timeout. Every held pull is seen to its end (a message, or the server's 408 when it expires)
+except at a stop (`close`: a stop cannot wait out a hold): a pull given up early leaves a message
+the server was sending it at that moment with a listener that is gone, back in the queue after
+AckWait, as with a scheduler killed at that moment. A drain
+or a pause does not end them: a message may arrive when it can no longer run here (no credit left,
+the model paused, the scheduler draining or stopping), and is put back at once (a nak). So is one
+of a priority whose higher priorities are not all held open (their queues may hold jobs it must not
+overtake: the held pull was opened when every queue was empty, possibly long before).
 """
 
 from __future__ import annotations
@@ -27,35 +38,65 @@ from services.scheduler.work_queue import ModelQueues
 log = structlog.get_logger("asyncinfer.scheduler.held_pulls")
 
 Deliver = Callable[[Msg, Priority], Awaitable[None]]
+# How long a pull is held open: a request per priority this often while idle. A scheduler whose
+# host hangs (no connection closed) may be handed a job per priority meanwhile (back after AckWait).
+HOLD_S = 30.0
+# How often an idle dispatcher checks that its held pulls' connection was not lost (no request).
+CONNECTION_CHECK_S = 1.0
 
 
 class HeldPulls:
-    def __init__(self, queues: ModelQueues, *, hold_s: float, deliver: Deliver) -> None:
+    def __init__(self, queues: ModelQueues, *, deliver: Deliver, hold_s: float | None = None) -> None:
         self._queues = queues
-        self._hold_s = hold_s
+        self._hold_s = HOLD_S if hold_s is None else hold_s
         self._deliver = deliver
         self._tasks: dict[Priority, asyncio.Task[None]] = {}
+        # The priorities whose pull is out (not yet answered), by the connection it was sent on.
+        self._out: dict[Priority, int] = {}
+        self._closed = False
+        # Set when a held pull ends (whatever brought it to an end), cleared by `open`.
+        self.one_ended = asyncio.Event()
 
     def holding(self, priority: Priority) -> bool:
         """Whether a pull is held open on the priority's queue (a publish to it will be delivered)."""
-        return priority in self._tasks
+        connection = self._queues.connection()
+        return connection >= 0 and self._out.get(priority) == connection
+
+    def holding_all(self) -> bool:
+        return all(self.holding(priority) for priority in PRIORITIES_BY_RANK)
 
     def open(self) -> None:
         """Holds a pull open on every priority's queue that has none."""
+        if self._closed:
+            return
+        self.one_ended.clear()
         for priority in PRIORITIES_BY_RANK:
             if priority not in self._tasks:
+                self._out[priority] = self._queues.connection()
                 self._tasks[priority] = asyncio.create_task(self._hold(priority), name=f"held-pull-{priority.value}")
 
     async def settled(self) -> None:
-        """Returns once no pull is held open (each ends within hold_s), its messages delivered."""
+        """Returns once no pull is held open, its messages delivered."""
         while self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
+    async def close(self) -> None:
+        """Ends the pulls held open now and opens no more; returns once what they brought is
+        delivered (put back: the dispatcher is stopping)."""
+        self._closed = True
+        await self._queues.interrupt_holds()
+        await self.settled()
+
     async def _hold(self, priority: Priority) -> None:
         try:
-            for msg in await self._queues.hold(priority, self._hold_s):
+            try:
+                msgs = await self._queues.hold(priority, self._hold_s)
+            finally:
+                self._out.pop(priority, None)
+            for msg in msgs:
                 await self._deliver(msg, priority)
         except Exception:  # a held pull is an optimisation: the poll finds what it missed
             log.exception("held_pull_failed", model=self._queues.model_name, priority=priority.value)
         finally:
             del self._tasks[priority]
+            self.one_ended.set()

@@ -36,6 +36,8 @@ _NO_WAIT_ONE = json.dumps({"batch": 1, "no_wait": True}).encode()
 _EMPTY_STATUSES = frozenset({"404", "408"})
 # How long a pull may wait for a message it was woken for that cannot be pulled yet.
 STORE_WAIT_S = 0.005
+# The header of the message an inbox sends itself to end the pull it holds open (`interrupt`).
+_INTERRUPT_HEADER = "Asyncinfer-Pull-Interrupted"
 
 
 class PullInbox:
@@ -54,6 +56,8 @@ class PullInbox:
         self._nc = nc
         self._subscription: Subscription | None = None
         self._lock = asyncio.Lock()
+        self._holding = False  # a pull with `wait_s` waits for its answer
+        self._interrupted = False
 
     async def pull(
         self, stream: str, consumer: str, count: int, *, timeout_s: float = 2.0, wait_s: float | None = None
@@ -62,7 +66,7 @@ class PullInbox:
         available messages, then, when fewer than asked, a 404/408 status that ends the batch; no
         status follows `count` messages). With `wait_s`, the server holds the pull until `count`
         messages came or wait_s passed (then 408)."""
-        if count <= 0 or not self._nc.is_connected:
+        if count <= 0 or not self._nc.is_connected or self._interrupted:
             # While the connection is down a pull request would wait in nats-py's buffer and its
             # answer out the timeout: a round would last a timeout per priority, and so would a
             # stop. The dispatcher asks again at its next poll.
@@ -71,6 +75,7 @@ class PullInbox:
             if self._subscription is None:
                 self._subscription = await self._nc.subscribe(self._nc.new_inbox())
             subscription = self._subscription
+            connection = connection_epoch(self._nc)
             if wait_s is not None:
                 request = json.dumps({"batch": count, "expires": int(wait_s * 1e9)}).encode()
                 timeout_s += wait_s
@@ -91,8 +96,15 @@ class PullInbox:
                 await self._abandon()
                 return []
             try:
-                while len(msgs) < count:
-                    reply = await subscription.next_msg(timeout=timeout_s)
+                while len(msgs) < count and not self._interrupted:
+                    self._holding = wait_s is not None
+                    try:
+                        reply = await subscription.next_msg(timeout=timeout_s)
+                    finally:
+                        self._holding = False
+                    if (reply.headers or {}).get(_INTERRUPT_HEADER) is not None:
+                        await self._abandon()  # its answer may still come: not to be read as another's
+                        break
                     status = (reply.headers or {}).get("Status")
                     if status is not None:
                         held = _REFUSALS.allow((consumer, status)) if status not in _EMPTY_STATUSES else None
@@ -113,9 +125,23 @@ class PullInbox:
                     msgs.append(reply)
             except NatsTimeoutError:
                 # A message answered after this returns to the queue when its AckWait passes.
-                log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
+                if connection_epoch(self._nc) == connection:
+                    log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
+                else:  # sent on a connection since lost: the server that had it may be gone
+                    log.info("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
                 await self._abandon()
             return msgs
+
+    async def interrupt(self) -> None:
+        """Ends a pull held open now and any pull after it (a stop cannot wait out a hold): its
+        answer may still come, to an inbox then abandoned, and its message returns to the queue
+        after AckWait, as one delivered to a scheduler killed at that moment."""
+        self._interrupted = True
+        if self._holding and self._subscription is not None and self._nc.is_connected:
+            # next_msg is woken by a message alone: cancelling it could drop one it had taken. (With
+            # NATS away, the pull ends at its timeout: wait_s and 2 s.)
+            with contextlib.suppress(Exception):
+                await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
 
     async def close(self) -> None:
         async with self._lock:
@@ -126,6 +152,11 @@ class PullInbox:
         if subscription is not None:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+
+
+def connection_epoch(nc: NatsClient) -> int:
+    """Which connection the client is on: a different number after a reconnect, -1 while down."""
+    return int(nc.stats["reconnects"]) if nc.is_connected else -1
 
 
 def tenant_of(msg: Msg) -> str:
@@ -155,6 +186,7 @@ class ModelQueues:
         empty_for_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._nc = nc
         self._stream = stream
         self.model_name = model_name
         self.consumers = {p: work_consumer_name(model_name, p) for p in PRIORITIES_BY_RANK}
@@ -249,10 +281,20 @@ class ModelQueues:
         return chosen
 
     async def hold(self, priority: Priority, wait_s: float) -> list[Msg]:
-        """The priority's next message once it is stored, or [] after wait_s (a pull held open)."""
+        """The priority's next message once it is stored, or [] after wait_s (a pull held open),
+        or sooner when `interrupt_holds` ends it."""
         return self._pulled(
             priority, await self._hold_inboxes[priority].pull(self._stream, self.consumers[priority], 1, wait_s=wait_s)
         )
+
+    def connection(self) -> int:
+        """The client's connection_epoch: a pull sent on another one is gone."""
+        return connection_epoch(self._nc)
+
+    async def interrupt_holds(self) -> None:
+        """Ends the pulls held open now, and every later one (see PullInbox.interrupt)."""
+        for inbox in self._hold_inboxes.values():
+            await inbox.interrupt()
 
     async def close(self) -> None:
         await self._inbox.close()
