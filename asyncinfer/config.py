@@ -283,8 +283,9 @@ class SchedulerConfig(_Section):
     hold_pulls_open: bool = Field(
         True,
         description="While a model's queues are empty and a batcher has a credit, hold a pull open on each "
-        "priority's queue (for up to poll_interval_ms), so that a job is delivered to the scheduler as the "
-        "stream stores it, rather than a queued notice and a pull later.",
+        "priority's queue (for up to 30 s, then again), so that a job is delivered to the scheduler as the "
+        "stream stores it, rather than a queued notice and a pull later; while every one is open, the queues "
+        "are not polled.",
     )
     dispatch_linger_ms: float = Field(
         2.0,
@@ -299,8 +300,9 @@ class SchedulerConfig(_Section):
         250.0,
         gt=0,
         description="How often a model's queues are rechecked when no queued notice came for them (finds "
-        "redeliveries, delayed retries and jobs whose notice was lost); a queue found empty is not asked "
-        "again for this long unless a notice for it comes.",
+        "redeliveries, delayed retries and jobs whose notice was lost), unless pulls are held open on every "
+        "priority's queue (hold_pulls_open); a queue found empty is not asked again for this long unless a "
+        "notice for it comes.",
     )
     inline_result_max_bytes: int = Field(
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
