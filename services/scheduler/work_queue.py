@@ -75,7 +75,7 @@ class PullInbox:
             if self._subscription is None:
                 self._subscription = await self._nc.subscribe(self._nc.new_inbox())
             subscription = self._subscription
-            connection = connection_epoch(self._nc)
+            connection = connection_epoch(self._nc) if wait_s is not None else None
             if wait_s is not None:
                 request = json.dumps({"batch": count, "expires": int(wait_s * 1e9)}).encode()
                 timeout_s += wait_s
@@ -125,7 +125,7 @@ class PullInbox:
                     msgs.append(reply)
             except NatsTimeoutError:
                 # A message answered after this returns to the queue when its AckWait passes.
-                if connection_epoch(self._nc) == connection:
+                if connection is None or connection_epoch(self._nc) == connection:
                     log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
                 else:  # sent on a connection since lost: the server that had it may be gone
                     log.info("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
