@@ -283,7 +283,7 @@ class SchedulerConfig(_Section):
     hold_pulls_open: bool = Field(
         True,
         description="While a model's queues are empty and a batcher has a credit, hold a pull open on each "
-        "priority's queue (for up to 30 s, then again), so that a job is delivered to the scheduler as the "
+        "priority's queue (for up to 10 s, then again), so that a job is delivered to the scheduler as the "
         "stream stores it, rather than a queued notice and a pull later; while every one is open, the queues "
         "are not polled.",
     )
