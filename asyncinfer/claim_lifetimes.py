@@ -75,7 +75,7 @@ def rewrite_for(previous: JobRecord, written: JobRecord) -> ClaimRewrite | None:
     if not written.idempotency_key or not written.state.is_terminal or previous.state.is_terminal:
         return None
     kept: tuple[int, Claim] | None = None
-    if written.claim_revision:
+    if written.claim_revision and written.claim_fingerprint:  # else read first: never write it blank
         kept = (written.claim_revision, Claim(written.job_id, written.claim_fingerprint, written.create_time))
     key = claim_key(written.tenant, written.idempotency_key)
     return ClaimRewrite(key, written.job_id, max(1, math.ceil(written.result_retention_s + KEY_TTL_SLACK_S)), kept)
@@ -144,20 +144,24 @@ class ClaimLifetimes:
         self.rewritten += 1
         return True
 
-    async def renew(self, record: JobRecord, ttl_s: int) -> int:
+    async def renew(self, record: JobRecord, ttl_s: int) -> tuple[int, str]:
         """Gives a keyed job's claim `ttl_s` more seconds, before an operator's replay queues the job
-        again (its claim may have been cut when it ended): the claim's new revision, for the
-        replayed record to keep, or the record's own when the claim names another job or cannot be
-        written now (it keeps the TTL it has). Awaited: replays are rare."""
+        again (its claim may have been cut when it ended): the claim's new revision and its
+        fingerprint, for the replayed record to keep (a record from an older gateway, or rewritten
+        by an older scheduler, keeps none: its end would have written the claim with a blank
+        fingerprint, and every repeat of the key was refused ALREADY_EXISTS); or the record's own
+        when the claim names another job or cannot be written now (it keeps the TTL it has).
+        Awaited: replays are rare."""
         key = claim_key(record.tenant, record.idempotency_key)
         try:
             claim, _ = await self._claims.read(key)
             if claim is None or claim.job_id != record.job_id:
-                return record.claim_revision
-            return await self._claims.write(key, claim.encode(), last_revision=claim.revision, ttl_s=ttl_s)
+                return record.claim_revision, record.claim_fingerprint
+            revision = await self._claims.write(key, claim.encode(), last_revision=claim.revision, ttl_s=ttl_s)
+            return revision, claim.fingerprint
         except (Unavailable, *NATS_FAILURES, KeyWrongLastSequenceError) as exc:
             log.warning("claim_not_renewed", job_id=record.job_id, error=str(exc))
-            return record.claim_revision
+            return record.claim_revision, record.claim_fingerprint
 
     def _left(self, why: str, rewrite: ClaimRewrite) -> None:
         self.left += 1

@@ -47,6 +47,10 @@ def test_a_job_whose_record_keeps_its_claim_has_it_rewritten_without_a_read() ->
     rewrite = rewrite_for(record(JobState.RUNNING, claim_revision=7), record(JobState.SUCCEEDED, claim_revision=7))
     assert rewrite is not None
     assert rewrite.written == (7, Claim("j1", "f" * 64, 1.0))  # its revision, and the claim as written
+    # A revision without a fingerprint (an older scheduler's rewrite dropped it): read first, never
+    # written back blank.
+    blank = record(JobState.SUCCEEDED, claim_revision=7).evolve(claim_fingerprint="")
+    assert (rewrite_for(record(JobState.RUNNING), blank) or rewrite).written is None
 
 
 @pytest.mark.parametrize("timeout_s", [None, 30.0])

@@ -337,8 +337,12 @@ async def test_a_keyed_jobs_claim_lives_as_long_as_its_record_once_it_ends(start
     async def ttl_is(key: str, expected_s: int) -> bool:
         return (await claim_ttl_s(h.js, config, key))[0] == expected_s
 
-    failing, failing_key = await keyed_job("order-7")
-    older, older_key = await keyed_job("order-8", kept=False)  # read, then compare-and-set
+    # Queued by an older gateway (its record keeps no claim): its end reads the claim first; its
+    # replay renews it, and the replayed record keeps the claim's revision and fingerprint (a
+    # revision alone made its end write the claim back with a blank fingerprint: every repeat of the
+    # key was refused ALREADY_EXISTS, a mixed-version pass).
+    failing, failing_key = await keyed_job("order-7", kept=False)
+    older, older_key = await keyed_job("order-8")
     # A claim a later submit took over (it names another job, at another revision) is left as it is.
     taken, taken_key = await keyed_job("order-9", claimed_for=new_job_id())
     batcher = await h.batcher(credits=3)
@@ -360,11 +364,14 @@ async def test_a_keyed_jobs_claim_lives_as_long_as_its_record_once_it_ends(start
     # own); the replayed record keeps the claim's new revision, so its end cuts it once more.
     assert await ttl_is(failing_key, int(QUEUE_HORIZON_WITHOUT_DEADLINE_S + 3600 + 3600 + KEY_TTL_SLACK_S))
     _, revision = await claim_ttl_s(h.js, config, failing_key)
-    assert replayed.claim_revision == revision
+    assert (replayed.claim_revision, replayed.claim_fingerprint) == (revision, "f" * 64)
     await batcher.grant(1)
     await batcher.answer(await batcher.next_order())
     await wait_state(h.js, failing, JobState.SUCCEEDED)
     await until(lambda: ttl_is(failing_key, ended_s))
+    after, _ = await claims.read(failing_key)
+    assert after is not None
+    assert (after.job_id, after.fingerprint) == (failing, "f" * 64)
     assert (await claim_ttl_s(h.js, config, taken_key))[0] == week_s
 
 

@@ -71,14 +71,14 @@ async def replay(
     now = time.time()
     # A keyed job's claim may have been cut to its retention when it ended: it gets the long TTL of a
     # job queued anew, and the record its new revision (asyncinfer.claim_lifetimes).
-    claim_revision = record.claim_revision
+    claim = (record.claim_revision, record.claim_fingerprint)
     if claims is not None and record.idempotency_key:
-        claim_revision = await claims.renew(record, replayed_ttl_s(record, budget))
+        claim = await claims.renew(record, replayed_ttl_s(record, budget))
     requeue = lifecycle.decider(lifecycle.Replay(budget=budget), now)
 
     def decide(current: JobRecord) -> JobRecord | None:
         new = requeue(current)
-        return new.evolve(claim_revision=claim_revision) if new is not None else None
+        return new.evolve(claim_revision=claim[0], claim_fingerprint=claim[1]) if new is not None else None
 
     queued, written = await store.transition(record, decide)
     if queued is None or not written:
