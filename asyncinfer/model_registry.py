@@ -5,8 +5,9 @@ and deleted when the batcher leaves or stops serving the version. Gateways watch
 with an entry is accepted by SubmitJob even when the gateway's own file does not declare it, with
 the signature the batcher announced, and ListModels shows each version's state and batchers.
 
-The value is versioned JSON (`v`: 1): model, version, batcher (its ID), state (READY, LOADING),
-max_batch_size, inputs and outputs ([name, datatype, shape] each), updated_at (Unix seconds).
+The value is versioned JSON (`v`: 1): model, version, batcher (its ID), state (READY, LOADING, or
+FAILED with a `reason`: it could not load the version), max_batch_size, inputs and outputs ([name,
+datatype, shape] each; null for FAILED), updated_at (Unix seconds).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ REGISTRY_VERSION = 1
 READY = "READY"
 LOADING = "LOADING"
 UNAVAILABLE = "UNAVAILABLE"
+# A version the batcher was told to serve and could not load (`reason` says why): no work goes to
+# it; a gateway shows it in ListModels. A release before this one skips the entry (an unknown state).
+FAILED = "FAILED"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +36,11 @@ class RegisteredVersion:
     model_name: str
     version: str
     batcher_id: str
-    state: str  # READY or LOADING
+    state: str  # READY, LOADING or FAILED
     max_batch_size: int
     signature: ModelSignature | None
     updated_at: float = 0.0
+    reason: str = ""  # FAILED: why
 
 
 def batcher_token(batcher_id: str) -> str:
@@ -60,6 +65,7 @@ def encode_registered(entry: RegisteredVersion) -> bytes:
             "inputs": _specs(signature.inputs) if signature is not None else None,
             "outputs": _specs(signature.outputs) if signature is not None else None,
             "updated_at": entry.updated_at,
+            **({"reason": entry.reason} if entry.reason else {}),
         },
         separators=(",", ":"),
     ).encode()
@@ -87,6 +93,7 @@ def decode_registered(data: bytes) -> RegisteredVersion:
         max_batch_size=int(raw["max_batch_size"]),
         signature=signature,
         updated_at=float(raw.get("updated_at", 0.0)),
+        reason=str(raw.get("reason", "")),
     )
 
 

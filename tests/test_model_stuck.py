@@ -77,3 +77,25 @@ async def test_jobs_behind_a_hung_call_wait_for_it_instead_of_timing_out(
             assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done
     finally:
         RELEASE.set()
+
+
+@pytest.mark.timeout(60)
+async def test_a_model_that_failed_to_load_says_why_in_list_models(config: Config, start_stack: StartStack) -> None:
+    """Its batcher logged NOT LOADED with the reason, but ListModels said "no batcher serves it" and
+    its jobs waited NO_WORKER with nothing that said why. The batcher tells its scheduler what it
+    could not load, the registry keeps it (state FAILED), and a gateway shows it."""
+    broken = DEMO_MODEL.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    stack = await start_stack(config.replace(models=[DEMO_MODEL, broken]))
+    deadline = time.monotonic() + 20.0
+    while True:
+        listed = await stack.jobs.ListModels(job_service_pb2.ListModelsRequest())
+        (model,) = [m for m in listed.models if m.name == "broken"]
+        (version,) = model.versions
+        if "could not load it" in version.reason:
+            break
+        assert time.monotonic() < deadline, version
+        await asyncio.sleep(0.05)
+    assert version.state == job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE
+    assert "build_nothing" in version.reason
+    (demo,) = [m for m in listed.models if m.name == "demo"]
+    assert [v.state for v in demo.versions] == [job_service_pb2.MODEL_VERSION_STATE_READY]

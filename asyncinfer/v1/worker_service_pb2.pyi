@@ -105,16 +105,22 @@ class ServedModels(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MODELS_FIELD_NUMBER: _builtins.int
+    LOAD_FAILURES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
+    @_builtins.property
+    def load_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelLoadFailure]:
+        """As WorkerHello.load_failures, now."""
+
     def __init__(
         self,
         *,
         models: _abc.Iterable[Global___ServedModel] | None = ...,
+        load_failures: _abc.Iterable[Global___ModelLoadFailure] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["models", b"models"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_failures", b"load_failures", "models", b"models"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -238,6 +244,7 @@ class WorkerHello(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     TAKES_BATCHES_FIELD_NUMBER: _builtins.int
     READS_CLAIM_CHECKS_FIELD_NUMBER: _builtins.int
+    LOAD_FAILURES_FIELD_NUMBER: _builtins.int
     batcher_id: _builtins.str
     """Unique per batcher process."""
     takes_batches: _builtins.bool
@@ -249,6 +256,12 @@ class WorkerHello(_message.Message):
     """
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
+    @_builtins.property
+    def load_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___ModelLoadFailure]:
+        """The versions it was told to serve and could not (failed to load or to warm up), with why:
+        shown by ListModels (a batcher whose every model failed may say hello with these alone).
+        """
+
     def __init__(
         self,
         *,
@@ -256,14 +269,40 @@ class WorkerHello(_message.Message):
         models: _abc.Iterable[Global___ServedModel] | None = ...,
         takes_batches: _builtins.bool = ...,
         reads_claim_checks: _builtins.bool = ...,
+        load_failures: _abc.Iterable[Global___ModelLoadFailure] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "models", b"models", "reads_claim_checks", b"reads_claim_checks", "takes_batches", b"takes_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "load_failures", b"load_failures", "models", b"models", "reads_claim_checks", b"reads_claim_checks", "takes_batches", b"takes_batches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerHello: _TypeAlias = WorkerHello  # noqa: Y015
+
+@_typing.final
+class ModelLoadFailure(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    model_version: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        model_version: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_name", b"model_name", "model_version", b"model_version", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelLoadFailure: _TypeAlias = ModelLoadFailure  # noqa: Y015
 
 @_typing.final
 class ServedModel(_message.Message):

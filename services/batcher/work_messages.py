@@ -90,6 +90,16 @@ def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -
     return models
 
 
+def load_failures(models: ModelControl | None) -> list[worker_service_pb2.ModelLoadFailure]:
+    """The versions that failed to load or warm up here, with why (ListModels shows them)."""
+    if models is None:
+        return []
+    return [
+        worker_service_pb2.ModelLoadFailure(model_name=name, model_version=version, reason=reason[:1024])
+        for (name, version), reason in sorted(models.failures.items())
+    ]
+
+
 def worker_hello(
     engine: BatchingEngine,
     batcher_id: str,
@@ -97,12 +107,14 @@ def worker_hello(
     takes_batches: bool,
     loading: Iterable[ModelConfig] = (),
     reads_claim_checks: bool = False,
+    models: ModelControl | None = None,
 ) -> worker_service_pb2.WorkerHello:
     return worker_service_pb2.WorkerHello(
         batcher_id=batcher_id,
         models=served_models(engine, loading),
         takes_batches=takes_batches,
         reads_claim_checks=reads_claim_checks,
+        load_failures=load_failures(models),
     )
 
 

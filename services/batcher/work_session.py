@@ -39,6 +39,7 @@ from services.batcher.progress import ItemProgress, ProgressUpdate
 from services.batcher.work_messages import (
     error_status,
     is_shutdown,
+    load_failures,
     run_control,
     served_models,
     submit_order,
@@ -117,7 +118,9 @@ class WorkSession:
         scheduler stops sending it orders while its last ones still run."""
         self._send(
             worker_service_pb2.ConnectRequest(
-                models=worker_service_pb2.ServedModels(models=served_models(self._engine, loading))
+                models=worker_service_pb2.ServedModels(
+                    models=served_models(self._engine, loading), load_failures=load_failures(self._models)
+                )
             )
         )
         served = self._engine.model_names
@@ -153,6 +156,7 @@ class WorkSession:
                 takes_batches=self._work_batches,
                 loading=self._loading,
                 reads_claim_checks=self._claim_checks is not None,
+                models=self._models,
             )
             self._send(worker_service_pb2.ConnectRequest(hello=hello))
             for model_name in self._unused_credits:

@@ -20,7 +20,7 @@ import structlog
 
 from asyncinfer.config import Config, ModelConfig, TensorSpecConfig, version_order
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
-from asyncinfer.model_registry import LOADING, READY, UNAVAILABLE, RegisteredVersion, decode_registered
+from asyncinfer.model_registry import FAILED, LOADING, READY, UNAVAILABLE, RegisteredVersion, decode_registered
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
 from asyncinfer.tensors import TensorSpec
@@ -52,6 +52,8 @@ class ModelCatalog:
     def __init__(self, config: Config, js: JetStreamContext | None = None) -> None:
         self._config = config
         self._entries: dict[str, RegisteredVersion] = {}
+        # Versions a batcher could not load, with why: shown by ListModels, never learnt from.
+        self._failed: dict[str, RegisteredVersion] = {}
         # Model names no file declares, learnt from the registry: name -> its last registered table.
         self._learnt: dict[str, ModelConfig] = {}
         self._watch = (
@@ -69,12 +71,19 @@ class ModelCatalog:
     def _on_update(self, update: KeyUpdate) -> None:
         if update.removed:
             self._entries.pop(update.key, None)
+            self._failed.pop(update.key, None)
             return
         try:
-            entry = self._entries[update.key] = decode_registered(update.value)
+            entry = decode_registered(update.value)
         except (ValueError, KeyError, TypeError) as exc:
             log.error("model_registry_entry_unreadable", key=update.key, error=str(exc))
             return
+        if entry.state == FAILED:
+            self._entries.pop(update.key, None)
+            self._failed[update.key] = entry
+            return
+        self._failed.pop(update.key, None)
+        self._entries[update.key] = entry
         if self._config.model(entry.model_name) is None:
             self._learn(entry.model_name)
 
@@ -172,6 +181,19 @@ class ModelCatalog:
         registered = {e.version for e in self.registered(model.name)}
         return declared + sorted(registered - set(declared), key=version_order)
 
+    def _why_unavailable(self, model_name: str, version: str) -> str:
+        """ "no batcher serves it", or why the batchers told to serve it could not (a model that
+        failed to load left jobs waiting NO_WORKER with nothing that said so)."""
+        failed = sorted(
+            (e for e in self._failed.values() if e.model_name == model_name and e.version == version),
+            key=lambda e: e.batcher_id,
+        )
+        if not failed:
+            return "no batcher serves it"
+        first = failed[0]
+        more = f" (and {len(failed) - 1} more batchers)" if len(failed) > 1 else ""
+        return f"batcher {first.batcher_id}{more} could not load it: {first.reason}"
+
     def listings(self) -> list[ModelListing]:
         listings = []
         for model in self.models():
@@ -189,7 +211,7 @@ class ModelCatalog:
                 elif loading:
                     state, reason, batchers = LOADING, "a batcher is loading and warming it up", loading
                 else:
-                    state, reason, batchers = UNAVAILABLE, "no batcher serves it", []
+                    state, reason, batchers = UNAVAILABLE, self._why_unavailable(model.name, version), []
                 versions.append(VersionListing(config=config, state=state, reason=reason, batchers=tuple(batchers)))
             default = self.version_config(model, self.default_version(model)) or model.version_configs()[0]
             listings.append(ModelListing(default=default, versions=tuple(versions)))

@@ -33,6 +33,8 @@ class BatcherSession:
         # Model name -> the versions it serves (ready); `announced` also holds those loading.
         self.versions: dict[str, frozenset[str]] = {}
         self.announced: tuple[ServedModel, ...] = ()
+        # The versions it could not load (the models registry shows them, with why).
+        self.load_failures = hello.load_failures
         self.credits: dict[str, int] = {}
         self.serve(hello.models)
         self.in_flight: set[str] = set()

@@ -22,11 +22,21 @@ class ServedModel:
 
 
 @dataclass(frozen=True, slots=True)
+class LoadFailure:
+    """A version a batcher was told to serve and could not (it failed to load or warm up)."""
+
+    model_name: str
+    model_version: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerHello:
     batcher_id: str
     models: tuple[ServedModel, ...]
     takes_batches: bool = False  # reads several orders per message
     reads_claim_checks: bool = False  # reads input refs and stores large outputs itself
+    load_failures: tuple[LoadFailure, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

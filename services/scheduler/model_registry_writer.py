@@ -18,7 +18,7 @@ import structlog
 
 from asyncinfer.contract import model_version_key
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.model_registry import LOADING, READY, RegisteredVersion, batcher_token, encode_registered
+from asyncinfer.model_registry import FAILED, LOADING, READY, RegisteredVersion, batcher_token, encode_registered
 from asyncinfer.nats.kv import KvBucket, kv_put_with_ttl
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 
@@ -55,6 +55,21 @@ class ModelRegistryWriter:
                     max_batch_size=served.max_batch_size,
                     signature=served.signature,
                     updated_at=now,
+                )
+            for failure in session.load_failures:
+                key = model_version_key(failure.model_name, failure.model_version, batcher_token(session.batcher_id))
+                entries.setdefault(
+                    key,
+                    RegisteredVersion(
+                        model_name=failure.model_name,
+                        version=failure.model_version,
+                        batcher_id=session.batcher_id,
+                        state=FAILED,
+                        max_batch_size=0,
+                        signature=None,
+                        updated_at=now,
+                        reason=failure.reason,
+                    ),
                 )
         return entries
 

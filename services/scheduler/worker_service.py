@@ -26,6 +26,7 @@ from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.messages import (
     CancelOrder,
     CreditGrant,
+    LoadFailure,
     ModelControlOrder,
     ServedModel,
     WorkerHello,
@@ -57,7 +58,7 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
     violations: list[FieldViolation] = []
     if not message.batcher_id:
         violations.append(FieldViolation("hello.batcher_id", "a batcher needs an ID"))
-    if not message.models:
+    if not message.models and not message.load_failures:
         violations.append(FieldViolation("hello.models", "a batcher must serve at least one model"))
     for index, model in enumerate(message.models):
         if not model.model_name:
@@ -69,7 +70,12 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
         models=served_from_proto(message.models),
         takes_batches=message.takes_batches,
         reads_claim_checks=message.reads_claim_checks,
+        load_failures=failures_from_proto(message.load_failures),
     )
+
+
+def failures_from_proto(failures: Iterable[worker_service_pb2.ModelLoadFailure]) -> tuple[LoadFailure, ...]:
+    return tuple(LoadFailure(f.model_name, f.model_version, f.reason[:1024]) for f in failures if f.model_name)
 
 
 def served_from_proto(models: Iterable[worker_service_pb2.ServedModel]) -> tuple[ServedModel, ...]:
@@ -352,6 +358,7 @@ class WorkerService(worker_service_pb2_grpc.WorkerServiceServicer):
                         credit = credit_from_proto(grant)
                         self._batchers.grant(session, credit.model_name, credit.credits)
                 elif kind == "models":
+                    session.load_failures = failures_from_proto(request.models.load_failures)
                     self._batchers.serve(session, served_from_proto(request.models.models))
                     log.info(
                         "batcher_models_changed",
