@@ -103,7 +103,7 @@ class TenantKeyIndex:
         self._js = js
         self._bucket = bucket
         self._stream = kv_stream(bucket)
-        self._prefix = kv_subject_prefix(bucket)
+        self._subject_prefix = kv_subject_prefix(bucket)
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self.counts = ScanCounts()
 
@@ -175,7 +175,7 @@ class TenantKeyIndex:
     async def _scan(self, tenant: str, *, start_seq: int | None) -> tuple[dict[str, bool], int]:
         """Each key's last message (from start_seq on, else all of them): job ID -> a live record,
         in stream order; and the highest sequence delivered (0 for none). Headers only."""
-        prefix = self._prefix + job_key(tenant, "")
+        prefix = self._subject_prefix + job_key(tenant, "")
         changes: dict[str, bool] = {}
         highest = 0
         delivered = 0

@@ -121,6 +121,11 @@ class SchedulerApp:
         return self._flow
 
     @property
+    def nats_connected(self) -> bool:
+        """Whether its NATS connection is up now (tests wait on it across a NATS restart)."""
+        return self._nc is not None and self._nc.is_connected
+
+    @property
     def webhooks(self) -> WebhookService:
         if self._webhooks is None:
             raise RuntimeError("the scheduler has not started")
