@@ -17,6 +17,7 @@ from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.embedded_nats import free_port
+from services.console import pages_jobs
 from services.console.app import ConsoleApp
 from services.gateway.app import GatewayApp
 from tests.browser import Browser
@@ -116,10 +117,15 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
 
 
 async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(
-    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+    config: Config,
+    start_stack: StartStack,
+    start_console: StartConsole,
+    browser: Browser,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A helper's console pass, session 24: with the gateway gone, the jobs page kept its rows and said
     nothing; every refresh swapped the list in again, so a job ID being selected was lost."""
+    monkeypatch.setattr(pages_jobs, "JOBS_REFRESH_MS", 1000)  # the test waits for several refreshes
     stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
     console = await start_console(stack)
     async with AsyncClient(stack.address) as client:
