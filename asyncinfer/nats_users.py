@@ -180,6 +180,10 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
             )
         ),
         _objects(nats.objects_bucket),
+        # Its own inbox: a stop ends a pull held open by waking its inbox's reader with a message
+        # (services.scheduler.work_queue.PullInbox.interrupt). Refused, each stop with NATS users
+        # waited out the hold (10 s). No other service subscribes under this prefix.
+        _inbox("scheduler"),
     ]
     subscribe = [_inbox("scheduler"), f"{contract.QUEUED_SUBJECT_PREFIX}.>", f"{contract.CANCEL_SUBJECT_PREFIX}.>"]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))

@@ -124,6 +124,9 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("the expired upload was never swept")
+    # A stop ends the scheduler's held pulls with a message to its own inbox: refused, every stop
+    # under NATS users waited out the hold (10 s) after a permissions violation.
+    await stack.stop()
     assert users.violations() == []
 
 
