@@ -890,7 +890,7 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     """A measurement pass: an idle scheduler made ~22 pull requests a second per model, a held
     pull on each priority expiring every poll interval and a poll beside them. While a pull is held
     open on every priority's queue, whatever a queue gets reaches one: no poll, and the pulls are
-    held for HOLD_S (30 s). The poll interval here is the test config's 50 ms. A held pull on a
+    held for HOLD_S (10 s). The poll interval here is the test config's 50 ms. A held pull on a
     connection that was lost is gone (the server forgot it): the dispatcher does not stay deaf to
     the queue it held, and holds pulls again on the new connection."""
     h = await start(tune(config))
