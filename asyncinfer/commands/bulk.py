@@ -122,13 +122,16 @@ INVALID_LINE = "INVALID_LINE"
 
 def outcome_of(entry: dict[str, Any]) -> str:
     """SUCCEEDED, NOT_SUCCEEDED (a job that did not succeed, or whose result is gone), INVALID (not a
-    request) or REFUSED (the gateway did not accept it)."""
+    request: not JSON here, or INVALID_ARGUMENT from the gateway) or REFUSED (the gateway did not
+    take a valid request: a quota, a permission, the gateway unavailable past the retries)."""
     if entry.get("state") == "SUCCEEDED":
         return SUCCEEDED
     if "job_id" in entry or "state" in entry:
         return NOT_SUCCEEDED
     error = entry.get("error")
-    return INVALID if isinstance(error, dict) and error.get("reason") == INVALID_LINE else REFUSED
+    if isinstance(error, dict) and (error.get("reason") == INVALID_LINE or error.get("code") == "INVALID_ARGUMENT"):
+        return INVALID
+    return REFUSED
 
 
 @dataclass
@@ -277,17 +280,32 @@ async def _bulk(args: argparse.Namespace, options: Options, path: Path, out: Pat
     if options.json:
         print_json(summary)
     else:
-        print(
-            f"{counts.lines} lines: {summary['succeeded']} succeeded, {summary['not_succeeded']} did not "
-            f"({summary['invalid']} invalid, {summary['refused']} refused, {summary['jobs_not_succeeded']} queued "
-            f"and ended unsuccessfully), {summary['pending']} pending; "
-            f"{counts.submitted} submitted now ({counts.deduplicated} already queued), "
-            f"{counts.already_done} done before, {counts.accepted_before} accepted before. Results: {out}",
-            flush=True,
-        )
+        print(summary_text(summary), flush=True)
     if summary["not_succeeded"]:
         return EXIT_JOB_NOT_SUCCEEDED
     return EXIT_OK
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """Two lines: how every line of the file stands, then what this run did. Counts of zero are left
+    out, past "succeeded" and "submitted", so the common case reads at a glance."""
+
+    def counted(*parts: tuple[int, str]) -> list[str]:
+        return [f"{n:,} {label}" for n, label in parts if n]
+
+    others = counted(
+        (summary["jobs_not_succeeded"], "ended unsuccessfully"),
+        (summary["invalid"], "invalid"),
+        (summary["refused"], "refused"),
+        (summary["pending"], "pending"),
+    )
+    outcome = ", ".join([f"{summary['succeeded']:,} succeeded", *others])
+    submitted = f"{summary['submitted']:,} submitted"
+    if summary["deduplicated"]:
+        submitted += f" ({summary['deduplicated']:,} of them already queued)"
+    before = counted((summary["already_done"], "done before"), (summary["accepted_before"], "accepted before"))
+    this_run = ", ".join([submitted, *before])
+    return f"{summary['lines']:,} lines: {outcome}.\nThis run: {this_run}. Results: {summary['out']}"
 
 
 def bulk_summary(out: Path, counts: Counts, journal: Journal) -> dict[str, Any]:
