@@ -237,7 +237,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         )
     size = args.file.stat().st_size
     async with options.client() as client:
-        bar = ProgressBar("upload", size)
+        bar = ProgressBar("upload", size, in_bytes=True)
         with args.file.open("rb") as raw, contextlib.closing(_CountingReader(raw, bar)) as reader:
             try:
                 batch = await client.create_batch(

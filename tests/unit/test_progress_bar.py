@@ -70,3 +70,15 @@ def test_nothing_is_written_to_a_pipe() -> None:
     bar.advance()
     bar.close()
     assert pipe.getvalue() == ""
+
+
+def test_an_upload_bar_counts_in_bytes() -> None:
+    """An upload's bar says what its numbers are (it showed 12600000/48000000 and 3150000/s)."""
+    terminal, clock = Terminal(), Clock()
+    bar = ProgressBar("upload", 48_000_000, terminal, clock=clock, in_bytes=True)
+    clock.now += 4.0
+    bar.advance(12_600_000)
+    frame = terminal.last_frame()
+    assert "12.6/48.0 MB" in frame, frame
+    assert "3.1 MB/s" in frame, frame
+    assert "ETA 11s" in frame, frame
