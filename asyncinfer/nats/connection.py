@@ -135,6 +135,25 @@ async def _abandon(client: Client, connecting: asyncio.Future[None]) -> None:
     await asyncio.wait((connecting,), timeout=ABANDON_WAIT_S)  # its own cancellation is not ours to raise
 
 
+async def disconnect(client: Client) -> None:
+    """A service's last NATS step at its stop: drain (what it published is flushed, its
+    subscriptions' messages handled), and close whatever the drain's outcome. A drain refused on a
+    connection that is reconnecting (its server gone: `up`'s nats-server killed) left the client
+    reconnecting, its tasks alive, and the process's exit, cancelling them, hung now and then (a
+    cancellation nats-py's reconnect loop swallowed)."""
+    if client.is_closed:
+        return
+    if client.is_connected:
+        try:
+            await client.drain()
+        except Exception as exc:  # a connection lost meanwhile has nothing left to flush
+            log.info("nats_drain_failed", error=str(exc))
+    if not client.is_closed:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(ABANDON_WAIT_S):
+                await client.close()
+
+
 def _login_refused(failure: BaseException | None) -> bool:
     """The server's -ERR 'Authorization Violation': nats-py makes it an AuthorizationError only
     when the text is lower case, and nats-server 2.x capitalises it (a plain nats Error)."""

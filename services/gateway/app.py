@@ -22,7 +22,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.connection import connect
+from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
@@ -248,9 +248,6 @@ class GatewayApp:
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         self._metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
-        if self._nc is not None and not self._nc.is_closed:
-            try:
-                await self._nc.drain()
-            except Exception as exc:  # a connection already lost has nothing left to flush
-                log.warning("nats_drain_failed", error=str(exc))
+        if self._nc is not None:
+            await disconnect(self._nc)
         log.info("gateway_stopped")

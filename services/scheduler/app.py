@@ -30,7 +30,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, Msg, NatsError, Subscription
-from asyncinfer.nats.connection import connect
+from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
@@ -416,11 +416,8 @@ class SchedulerApp:
             await self._instance.end()
         self._metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
-        if self._nc is not None and not self._nc.is_closed:
-            try:
-                await self._nc.drain()
-            except Exception as exc:
-                log.warning("nats_drain_failed", error=str(exc))
+        if self._nc is not None:
+            await disconnect(self._nc)
         log.info("scheduler_stopped", scheduler_id=self.scheduler_id)
 
     async def _observe_queues(self) -> None:

@@ -56,7 +56,7 @@ class PullInbox:
         self._nc = nc
         self._subscription: Subscription | None = None
         self._lock = asyncio.Lock()
-        self._holding = False  # a pull with `wait_s` waits for its answer
+        self._held: asyncio.Future[Msg] | None = None  # the answer a pull with `wait_s` waits for
         self._interrupted = False
 
     async def pull(
@@ -97,11 +97,19 @@ class PullInbox:
                 return []
             try:
                 while len(msgs) < count and not self._interrupted:
-                    self._holding = wait_s is not None
-                    try:
+                    if wait_s is None:
                         reply = await subscription.next_msg(timeout=timeout_s)
-                    finally:
-                        self._holding = False
+                    else:
+                        answer = self._held = asyncio.ensure_future(subscription.next_msg(timeout=timeout_s))
+                        try:
+                            reply = await answer
+                        except asyncio.CancelledError:
+                            if not _ended_by_interrupt(answer):
+                                raise
+                            await self._abandon()
+                            break
+                        finally:
+                            self._held = None
                     if (reply.headers or {}).get(_INTERRUPT_HEADER) is not None:
                         await self._abandon()  # its answer may still come: not to be read as another's
                         break
@@ -127,8 +135,9 @@ class PullInbox:
                 # A message answered after this returns to the queue when its AckWait passes.
                 if connection is None or connection_epoch(self._nc) == connection:
                     log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
-                else:  # sent on a connection since lost: the server that had it may be gone
-                    log.info("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
+                else:  # sent on a connection since lost: the server that had it may be gone (the
+                    # loss is logged once, nats_disconnected; this came once per consumer)
+                    log.debug("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
                 await self._abandon()
             return msgs
 
@@ -137,11 +146,18 @@ class PullInbox:
         answer may still come, to an inbox then abandoned, and its message returns to the queue
         after AckWait, as one delivered to a scheduler killed at that moment."""
         self._interrupted = True
-        if self._holding and self._subscription is not None and self._nc.is_connected:
-            # next_msg is woken by a message alone: cancelling it could drop one it had taken. (With
-            # NATS away, the pull ends at its timeout: wait_s and 2 s.)
+        held, subscription = self._held, self._subscription
+        if held is None or subscription is None:
+            return
+        if self._nc.is_connected:
+            # next_msg is woken by a message: cancelling it could drop one it had taken (back in the
+            # queue only after AckWait).
             with contextlib.suppress(Exception):
-                await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
+                await self._nc.publish(subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
+                return
+        # With NATS away no message can wake it, and none it took could be acked: it is cancelled.
+        # (It waited out its hold and 2 s: a stop after `up`'s nats-server died took ~7 s.)
+        held.cancel()
 
     async def close(self) -> None:
         async with self._lock:
@@ -152,6 +168,12 @@ class PullInbox:
         if subscription is not None:
             with contextlib.suppress(Exception):
                 await subscription.unsubscribe()
+
+
+def _ended_by_interrupt(held: asyncio.Future[Msg]) -> bool:
+    """Whether a held pull's wait was cancelled by `interrupt`, not the pull's own task."""
+    task = asyncio.current_task()
+    return held.cancelled() and (task is None or task.cancelling() == 0)
 
 
 def connection_epoch(nc: NatsClient) -> int:
