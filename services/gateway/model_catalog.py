@@ -52,6 +52,10 @@ class ModelCatalog:
     def __init__(self, config: Config, js: JetStreamContext | None = None) -> None:
         self._config = config
         self._entries: dict[str, RegisteredVersion] = {}
+        # The same entries by model name, then key: every submit and each model of ListModels asks
+        # for one model's entries, which a scan of them all made cost O(models x batchers) each
+        # (ListModels quadratic: 100 ms for 300 models served by 12 batchers).
+        self._by_model: dict[str, dict[str, RegisteredVersion]] = {}
         # Versions a batcher could not load, with why: shown by ListModels, never learnt from.
         self._failed: dict[str, RegisteredVersion] = {}
         # Model names no file declares, learnt from the registry: name -> its last registered table.
@@ -70,7 +74,7 @@ class ModelCatalog:
 
     def _on_update(self, update: KeyUpdate) -> None:
         if update.removed:
-            self._entries.pop(update.key, None)
+            self._forget(update.key)
             self._failed.pop(update.key, None)
             return
         try:
@@ -79,13 +83,25 @@ class ModelCatalog:
             log.error("model_registry_entry_unreadable", key=update.key, error=str(exc))
             return
         if entry.state == FAILED:
-            self._entries.pop(update.key, None)
+            self._forget(update.key)
             self._failed[update.key] = entry
             return
         self._failed.pop(update.key, None)
+        self._forget(update.key)  # a key holds one model's entry, but its value is what says which
         self._entries[update.key] = entry
+        self._by_model.setdefault(entry.model_name, {})[update.key] = entry
         if self._config.model(entry.model_name) is None:
             self._learn(entry.model_name)
+
+    def _forget(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return
+        entries = self._by_model.get(entry.model_name)
+        if entries is not None:
+            entries.pop(key, None)
+            if not entries:
+                del self._by_model[entry.model_name]
 
     def _learn(self, name: str) -> None:
         """Remembers an undeclared model as its highest ready version. A name only loading is not
@@ -127,7 +143,7 @@ class ModelCatalog:
         return any(e.version == version and e.state == READY for e in self.registered(model_name))
 
     def registered(self, model_name: str) -> list[RegisteredVersion]:
-        return [e for e in self._entries.values() if e.model_name == model_name]
+        return list(self._by_model.get(model_name, {}).values())
 
     def _registered_config(self, model: ModelConfig, version: str) -> ModelConfig | None:
         entry = next((e for e in self.registered(model.name) if e.version == version and e.signature), None)
