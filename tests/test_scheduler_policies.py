@@ -54,7 +54,7 @@ from asyncinfer.queues import (
 )
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
-from services.scheduler import dead_letters
+from services.scheduler import dead_letters, held_pulls
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
@@ -934,6 +934,40 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     await batcher.answer(order)
     await batcher.grant(1)
     await until(holding)  # held again, on the new connection
+
+
+async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scale pass (100 idle models): each expiry of the held pulls was followed by a round of
+    no-wait pulls, one per priority, that could find nothing (a queue gets nothing past a pull
+    held open on it): 6 requests per model every HOLD_S rather than 3. Holds of 0.3 s here, so
+    that several expire within the test."""
+    monkeypatch.setattr(held_pulls, "HOLD_S", 0.3)
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=1)
+    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    pulls: Any = dispatcher._held
+
+    async def holding() -> bool:
+        return all(pulls.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    await until(holding)  # past the first round, which found the queues empty
+    subject = consumer_next_subject(config.nats.work_stream, "*")
+    mine = f".work-{MODEL}-"
+    held = await RequestsSeen.on(h.nc, subject, lambda s, data: mine in s and b'"expires"' in data)
+    rounds = await RequestsSeen.on(h.nc, subject, lambda s, data: mine in s and b'"expires"' not in data)
+    try:
+        await held.wait_for(9)  # each priority's pull held three times
+        assert rounds.count == 0, f"{rounds.count} no-wait pulls beside {held.count} held ones"
+        job_id = await enqueue(h.nc, h.kv, announce=False)  # no notice: a held pull brings it
+        order = await batcher.next_order(timeout_s=5)
+        assert order.job_id == job_id
+        await batcher.answer(order)
+        await wait_state(h.js, job_id, JobState.SUCCEEDED)
+    finally:
+        await held.close()
+        await rounds.close()
 
 
 async def _false(predicate: Callable[[], Awaitable[bool]]) -> bool:

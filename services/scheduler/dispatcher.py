@@ -191,12 +191,24 @@ class ModelDispatcher:
         held = self._held
         if held is not None:
             held.open()
-            while held.holding_all() and not held.one_ended.is_set():
-                if not await self._wait(self._doorbell, held.one_ended, timeout_s=CONNECTION_CHECK_S):
-                    return  # stopping
-                if self._doorbell.is_set():
-                    return
+            while True:
+                while held.holding_all() and not held.one_ended.is_set():
+                    if not await self._wait(self._doorbell, held.one_ended, timeout_s=CONNECTION_CHECK_S):
+                        return  # stopping
+                    if self._doorbell.is_set():
+                        return
+                if not held.only_expired() or not self._may_dispatch():
+                    break  # a round decides (or the loop waits for a credit, a resume, an undrain)
+                held.open()  # they expired empty: a round (a pull per priority) would find nothing
         await self._wait(self._doorbell, timeout_s=self._poll_interval_s)
+
+    def _may_dispatch(self) -> bool:
+        """Whether a round could run now: a credit free, the gates open, not stopping."""
+        return (
+            self._batchers.credit_event(self.model_name).is_set()
+            and all(gate.is_set() for gate in self._gates)
+            and not self._stopping.is_set()
+        )
 
     async def _round(self) -> int | None:
         """Reserves credits, pulls at most that many jobs and dispatches them; how many it

@@ -58,6 +58,9 @@ class PullInbox:
         self._lock = asyncio.Lock()
         self._held: asyncio.Future[Msg] | None = None  # the answer a pull with `wait_s` waits for
         self._interrupted = False
+        # Whether the last pull ended on the server's word that nothing was left to give (404/408):
+        # for a held pull, that the queue had nothing for it all along.
+        self.ended_empty = False
 
     async def pull(
         self, stream: str, consumer: str, count: int, *, timeout_s: float = 2.0, wait_s: float | None = None
@@ -71,6 +74,7 @@ class PullInbox:
             # answer out the timeout: a round would last a timeout per priority, and so would a
             # stop. The dispatcher asks again at its next poll.
             return []
+        self.ended_empty = False
         async with self._lock:
             if self._subscription is None:
                 self._subscription = await self._nc.subscribe(self._nc.new_inbox())
@@ -115,6 +119,7 @@ class PullInbox:
                         break
                     status = (reply.headers or {}).get("Status")
                     if status is not None:
+                        self.ended_empty = status in _EMPTY_STATUSES
                         held = _REFUSALS.allow((consumer, status)) if status not in _EMPTY_STATUSES else None
                         if held is not None:
                             description = (reply.headers or {}).get("Description", "")
@@ -308,6 +313,11 @@ class ModelQueues:
         return self._pulled(
             priority, await self._hold_inboxes[priority].pull(self._stream, self.consumers[priority], 1, wait_s=wait_s)
         )
+
+    def hold_expired(self, priority: Priority) -> bool:
+        """Whether the priority's last held pull ended as it expired with nothing (the server's
+        408): nothing reached the queue while it was held."""
+        return self._hold_inboxes[priority].ended_empty
 
     def connection(self) -> int:
         """The client's connection_epoch: a pull sent on another one is gone."""
