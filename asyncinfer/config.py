@@ -892,6 +892,13 @@ class LoggingConfig(_Section):
     format: Literal["auto", "json", "console"] = Field(
         "auto", description="json (one object a line), console, or auto: console when stderr is a terminal, else json."
     )
+    summary_interval_s: float = Field(
+        60.0,
+        ge=0,
+        description="How often the gateway and the scheduler log jobs_summary at info: per model, the jobs accepted, "
+        "dispatched, requeued and ended (by state) since the last one; nothing when there were none. Each job's "
+        "own lines are at debug. 0: never.",
+    )
 
 
 DEMO_MODEL = ModelConfig(

@@ -118,7 +118,8 @@ async def test_a_job_is_one_trace_across_the_three_services(traced: Config, star
         assert parent_of(by_name[name]) == hex_id(submit.context.span_id, 16), name
     assert parent_of(by_name["compute"]) == hex_id(by_name["dispatch"].context.span_id, 16)
 
-    # The trace ID in every line about the job, from each service that logs one.
+    # The trace ID in every line about the job, from each service that logs one (its lifecycle
+    # lines are at debug, which capture_logs keeps: tests configure no level).
     about = [line for line in logs if line.get("job_id") == job.job_id]
     events = {line["event"] for line in about}
     assert {"job_submitted", "job_dispatched", "job_finished"} <= events

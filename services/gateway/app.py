@@ -19,6 +19,7 @@ from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.idempotency_claims import ClaimStore, ensure_idempotency_bucket
 from asyncinfer.job_store import JobStore
+from asyncinfer.jobs import JobRecord
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
@@ -30,6 +31,7 @@ from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
+from asyncinfer.work_summary import WorkSummary
 from services.gateway.admission import Admission
 from services.gateway.auth import GATEWAY_EXPOSES
 from services.gateway.batch_callbacks import BatchCallbacks
@@ -72,6 +74,8 @@ class GatewayApp:
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.supervisor = Supervisor("gateway")
+        interval_s = config.logging.summary_interval_s
+        self.summary = WorkSummary(interval_s) if interval_s > 0 else None
         self.tracing = Tracing.start(config.tracing, service="gateway")
         self._metrics_server = MetricsServer(self.registry, config.gateway.host, config.gateway.metrics_port)
         self._nc: NatsClient | None = None
@@ -140,7 +144,7 @@ class GatewayApp:
         claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
         await self._queues.start()
-        expiry = Expiry(records, on_expired=self.metrics.expired_on_read_of)
+        expiry = Expiry(records, on_expired=self._expired_on_read)
         self._hub = WatchHub(
             self._nc,
             js,
@@ -168,6 +172,7 @@ class GatewayApp:
             recent=self._hub.recent,
             store_health=store_health,
             catalog=self._catalog,
+            summary=self.summary,
         )
         self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js)
         servicer = JobService(
@@ -219,11 +224,18 @@ class GatewayApp:
         )
         await self._server.start()
         self.supervisor.start("gateway-batch-driver", driver.run())
+        if self.summary is not None:
+            self.supervisor.start("gateway-jobs-summary", self.summary.run())
         store_health.serve_on(self._server)
         self.port = self._server.port
         self._metrics_server.start()
         self.metrics_port = self._metrics_server.port
         log.info("gateway_started", address=self._server.address, metrics_port=self.metrics_port)
+
+    def _expired_on_read(self, record: JobRecord) -> None:
+        self.metrics.expired_on_read_of(record)
+        if self.summary is not None:
+            self.summary.count(record.model_name, "expired")
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Ends watches (resumable), stops intake and lets running calls finish within grace_s,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -30,6 +31,7 @@ from asyncinfer.nats.groups import DurableMessage, publish_durably_many
 from asyncinfer.nats.streams import StoreFullError, publish_durably, store_full
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.supervision import outcome_seen
+from asyncinfer.work_summary import WorkSummary
 from services.gateway.admission import Admission
 from services.gateway.blobs import ClaimCheck, check_exclusive_inputs, input_expiry
 from services.gateway.callbacks import check_callback
@@ -57,11 +59,17 @@ class JobSubmitter:
         recent: RecentRecords | None = None,
         store_health: StoreHealth | None = None,
         catalog: ModelCatalog | None = None,
+        summary: WorkSummary | None = None,
     ) -> None:
         # The models and versions accepted: the configuration's, and those registered.
         self.catalog = catalog or ModelCatalog(config)
         self._recent = recent
         self._store_health = store_health
+        self._summary = summary
+        # job_submitted is at debug (at info it was most of the gateway's log; jobs_summary says
+        # how many were accepted instead). Asked once, as logging is configured before a service
+        # starts: a filtered-out call still built the line's fields, ~2 us a job.
+        self._log_each_job = log.is_enabled_for(logging.DEBUG)
         self._config = config
         self._claim_check = claim_check
         self._nc = nc
@@ -276,4 +284,7 @@ class JobSubmitter:
             self._store_health.wrote()
         if self._recent is not None:
             self._recent.queued(record)
-        log.info("job_submitted", priority=record.priority.value, **job_about(record))
+        if self._summary is not None:
+            self._summary.count(record.model_name, "accepted")
+        if self._log_each_job:
+            log.debug("job_submitted", priority=record.priority.value, **job_about(record))

@@ -38,6 +38,7 @@ from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
+from asyncinfer.work_summary import WorkSummary
 from asyncinfer.worker_stream import work_message_bytes
 from services.scheduler.batch_plans import BatchPlans
 from services.scheduler.batchers import BatcherRegistry
@@ -86,7 +87,9 @@ class SchedulerApp:
         self._blob_sweep_interval_s = blob_sweep_interval_s
         self._sweeper: BlobSweeper | None = None
         self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
-        self.metrics = SchedulerMetrics(CollectorRegistry())
+        interval_s = config.logging.summary_interval_s
+        self.summary = WorkSummary(interval_s) if interval_s > 0 else None
+        self.metrics = SchedulerMetrics(CollectorRegistry(), summary=self.summary)
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
         self.tracing = Tracing.start(config.tracing, service="scheduler")
@@ -291,6 +294,8 @@ class SchedulerApp:
         flow.on_put_back = self._wake_dispatcher
         flow.on_message_dropped = self._forget_put_back
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
+        if self.summary is not None:
+            self.supervisor.start("scheduler-jobs-summary", self.summary.run())
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))

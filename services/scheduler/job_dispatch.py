@@ -351,7 +351,8 @@ class JobDispatch:
             job_log.warning("attempt_superseded", old_attempt=superseded.attempt)
         if self._leases.take_pending_cancel(envelope.job_id):
             session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
-        job_log.info("job_dispatched", batcher_id=session.batcher_id, priority=envelope.priority.value)
+        # At debug: a line per job at info was most of the scheduler's log; jobs_summary counts them.
+        job_log.debug("job_dispatched", batcher_id=session.batcher_id, priority=envelope.priority.value)
         return True
 
     async def _input_unusable(self, running: JobRecord, msg: Msg, job_log: JobLog, error: JobError) -> None:

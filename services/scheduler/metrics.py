@@ -9,15 +9,23 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.metrics import JobTimings, register_build_info
 from asyncinfer.rpc_metrics import RpcMetrics
+from asyncinfer.work_summary import WorkSummary
 from services.scheduler.queue_stats import ModelQueueSnapshot
+
+# What jobs_summary calls a record the scheduler wrote, by its new state: made once, not per job.
+SUMMARY_NAMES = {
+    state: {JobState.RUNNING: "dispatched", JobState.QUEUED: "requeued"}.get(state, state.value.lower())
+    for state in JobState
+}
 
 
 class SchedulerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, summary: WorkSummary | None = None) -> None:
         self.registry = registry
+        self.summary = summary
         register_build_info(registry, "scheduler")
         self.rpc = RpcMetrics(registry)
         self.job_timings = JobTimings(registry)
@@ -91,9 +99,12 @@ class SchedulerMetrics:
         )
 
     def job_transition(self, record: JobRecord) -> None:
-        """A record the scheduler wrote: counted by its new state, and timed once terminal."""
+        """A record the scheduler wrote: counted by its new state (for the metric and for the
+        log's jobs_summary), and timed once terminal."""
         self.jobs.labels(model=record.model_name, state=record.state.value).inc()
         self.job_timings.observe(record)
+        if self.summary is not None:
+            self.summary.count(record.model_name, SUMMARY_NAMES[record.state])
 
     def observe(self, snapshots: Iterable[ModelQueueSnapshot]) -> None:
         for snapshot in snapshots:

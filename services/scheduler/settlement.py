@@ -37,6 +37,13 @@ REQUEUE_RETRY_S = 10.0
 
 JobLog = structlog.typing.FilteringBoundLogger
 
+# The ends an operator must see, at info with the job's ID. The rest (a job that succeeded or was
+# canceled) are at debug: a line per job at info was ~850 bytes a job over three services, and
+# jobs_summary counts them instead (asyncinfer/work_summary.py).
+ENDS_TO_SEE = frozenset({JobState.FAILED, JobState.TIMED_OUT, JobState.EXPIRED})
+# Of a failed job's error message, what its line quotes (a model's error can be long).
+ERROR_LOGGED_CHARS = 200
+
 
 def batch_info(job: InFlightJob, result: WorkResult | None) -> BatchInfo | None:
     if result is None:
@@ -160,7 +167,16 @@ class Settlement:
             return
         if written:
             self._metrics.job_transition(latest)
-            job_log.info("job_finished", state=latest.state.value)
+            if latest.state in ENDS_TO_SEE:
+                error = latest.error or latest.last_error
+                job_log.info(
+                    "job_finished",
+                    state=latest.state.value,
+                    reason=error.reason if error else None,
+                    error=error.message[:ERROR_LOGGED_CHARS] if error else None,
+                )
+            else:
+                job_log.debug("job_finished", state=latest.state.value)
         if latest.state.is_terminal:
             await msg.ack()
         else:

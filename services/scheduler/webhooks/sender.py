@@ -285,9 +285,16 @@ class Sender:
         await self._record(delivery, status)
         if status.state.is_final:
             self._metrics.finished.labels(state=status.state.value).inc()
-        bound.info(
-            "webhook_attempted", status_code=code, state=status.state.value, error=error or None, retry_in_s=delay
-        )
+        # A delivery is at debug (at info its line, ~380 bytes, was a third of the log of a job
+        # with a webhook); an attempt that failed is at info, with its retry, and one that gave up
+        # (FAILED, DISABLED) at warning.
+        if status.state is DeliveryState.DELIVERED:
+            say = bound.debug
+        elif status.state is DeliveryState.PENDING:
+            say = bound.info
+        else:
+            say = bound.warning
+        say("webhook_attempted", status_code=code, state=status.state.value, error=error or None, retry_in_s=delay)
         return delay
 
     async def _record(self, delivery: Delivery, status: DeliveryStatus) -> None:
