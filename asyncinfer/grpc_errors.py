@@ -13,7 +13,10 @@ for servers that are not built by `GrpcServer`.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -81,7 +84,30 @@ def unpack_details(status: status_pb2.Status) -> dict[str, Any]:
 _INTERNAL = code_pb2.INTERNAL
 
 
-async def _abort(context: aio.ServicerContext[Any, Any], error: AsyncInferError) -> None:
+# Before a request stream is ended with an error, what its client still sends is read and dropped
+# until it half-closes, pauses DRAIN_GAP_S, or DRAIN_MAX_S passed. grpc's aio client reports a write
+# that fails because the call ended as INTERNAL "Internal error from Core", overwriting the status
+# the server sent (grpc/grpc#36066, open): a bulk submit or an upload with a wrong API key was
+# refused INTERNAL most times, not UNAUTHENTICATED. A client waiting for answers (the SDK's bulk past
+# its window) pauses, so its refusal comes DRAIN_GAP_S later.
+DRAIN_GAP_S = 0.1
+DRAIN_MAX_S = 2.0
+
+
+async def _drain(requests: AsyncIterator[Any]) -> None:
+    deadline = time.monotonic() + DRAIN_MAX_S
+    # StopAsyncIteration (half-closed), TimeoutError (a pause), or a call already broken.
+    with contextlib.suppress(Exception):
+        while (left := deadline - time.monotonic()) > 0:
+            async with asyncio.timeout(min(DRAIN_GAP_S, left)):
+                await anext(requests)
+
+
+async def _abort(
+    context: aio.ServicerContext[Any, Any], error: AsyncInferError, requests: AsyncIterator[Any] | None = None
+) -> None:
+    if requests is not None:
+        await _drain(requests)
     status = to_status(error)
     # abort_with_status exists on aio contexts; grpc-stubs lacks it.
     await context.abort_with_status(status)  # type: ignore[attr-defined]
@@ -144,13 +170,14 @@ def _wrap_unary(
     behavior: Callable[..., Awaitable[Any]], *, streaming_requests: bool, translate: Translate | None = None
 ) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
+        stream = request if streaming_requests else None
         try:
             request = _checked_stream(request) if streaming_requests else _checked(request)
             return await behavior(request, context)
         except AsyncInferError as error:
-            await _abort(context, error)
+            await _abort(context, error, stream)
         except Exception as exc:
-            await _abort(context, _translated(exc, translate))
+            await _abort(context, _translated(exc, translate), stream)
 
     return wrapper
 
@@ -159,14 +186,15 @@ def _wrap_stream(
     behavior: Callable[..., AsyncIterator[Any]], *, streaming_requests: bool, translate: Translate | None = None
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        stream = request if streaming_requests else None
         try:
             request = _checked_stream(request) if streaming_requests else _checked(request)
             async for response in behavior(request, context):
                 yield response
         except AsyncInferError as error:
-            await _abort(context, error)
+            await _abort(context, error, stream)
         except Exception as exc:
-            await _abort(context, _translated(exc, translate))
+            await _abort(context, _translated(exc, translate), stream)
 
     return wrapper
 

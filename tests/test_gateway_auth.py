@@ -274,3 +274,38 @@ def test_keys_beyond_loopback_without_tls_are_warned_of() -> None:
     assert "scheduler.tls_cert_file" in logs[0]["hint"]
     with pytest.raises(ConfigError, match="without API keys: anyone who can reach it could do things"):
         require_keys_beyond_loopback("scheduler", "0.0.0.0", [], "do things", tls=True)
+
+
+async def test_a_stream_refused_while_its_client_still_writes_says_why(config: Config) -> None:
+    """A request stream the gateway refuses (a wrong key) while the client is still writing: grpc's
+    aio client reported its failed write as INTERNAL "Internal error from Core", overwriting the
+    status the gateway sent (grpc/grpc#36066), now and then (once in a CI run of this file's
+    neighbour, test_gateway_bulk). The gateway reads what the client still sends before it answers."""
+    app = GatewayApp(with_keys(config))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            stub = job_service_pb2_grpc.JobServiceStub(channel)
+            many = [job_service_pb2.SubmitJobsRequest(correlation_id=str(i), job=submit_request()) for i in range(200)]
+
+            async def requests() -> AsyncIterator[job_service_pb2.SubmitJobsRequest]:
+                for request in many:
+                    yield request
+
+            async def chunks() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+                yield job_service_pb2.UploadInputRequest(metadata=job_service_pb2.UploadInputMetadata())
+                for _ in range(64):
+                    yield job_service_pb2.UploadInputRequest(chunk=b"\0" * 65_536)
+
+            codes = []
+            for _ in range(10):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for _answer in stub.SubmitJobs(requests(), metadata=bearer("not-a-key")):
+                        pass
+                codes.append(info.value.code())
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.UploadInput(chunks(), metadata=bearer("not-a-key"))
+                codes.append(info.value.code())
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(codes), codes
+    finally:
+        await app.stop(grace_s=1)
