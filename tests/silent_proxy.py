@@ -1,7 +1,10 @@
 """A TCP proxy on loopback whose connections can go silent: what a peer looks like when its host is
 lost or a network drops the flow. A silenced connection stays open at both ends (no FIN, no reset:
-the kernel still acknowledges what arrives) but nothing more crosses it, either way. Connections
-made after `silence()` cross normally, as to a replacement at the same address."""
+the kernel still acknowledges what arrives, until its buffers fill) but nothing more crosses it,
+either way, until `resume()` (a path that came back: what was sent meanwhile arrives then, late, as
+TCP would retransmit it) or `cut()` (both ends closed, as when the proxy or NAT entry is finally
+torn down). Connections made after `silence()` cross normally, as to a replacement at the same
+address."""
 
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ class SilentProxy:
         self._live: list[asyncio.Event] = []  # one per connection: set while it forwards
         self._tasks: set[asyncio.Task[None]] = set()
         self._writers: list[asyncio.StreamWriter] = []
+        # Each connection's event and its two ends, once both are open.
+        self._ends: list[tuple[asyncio.Event, asyncio.StreamWriter, asyncio.StreamWriter]] = []
         self._stopped = asyncio.Event()
         self.port = 0
 
@@ -29,9 +34,24 @@ class SilentProxy:
         self.port = self._server.sockets[0].getsockname()[1]
 
     def silence(self) -> None:
-        """Every connection open now stops forwarding, for good."""
+        """Every connection open now stops forwarding (until `resume`)."""
         for live in self._live:
             live.clear()
+
+    def resume(self) -> None:
+        """The silenced connections forward again, what waited first."""
+        for live in self._live:
+            live.set()
+
+    async def cut(self) -> None:
+        """Closes both ends of every silenced connection (a FIN each way)."""
+        for live, *ends in self._ends:
+            if live.is_set():
+                continue
+            for writer in ends:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -42,19 +62,39 @@ class SilentProxy:
         self._live.append(live)
         server_reader, server_writer = await asyncio.open_connection("127.0.0.1", self._target_port)
         self._writers += [client_writer, server_writer]
+        self._ends.append((live, client_writer, server_writer))
         await asyncio.gather(
             self._pump(client_reader, server_writer, live),
             self._pump(server_reader, client_writer, live),
             return_exceptions=True,
         )
+        # One side closed (or was cut): so is the other, as a proxy does.
+        for writer in (client_writer, server_writer):
+            writer.close()
 
     async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, live: asyncio.Event) -> None:
-        while data := await source.read(65536):
-            if not live.is_set():
-                await self._stopped.wait()  # silent: what came is dropped, and nothing more is read
+        while await self._forwarding(live) and (data := await source.read(65536)):
+            # Silent: a chunk read as the connection was silenced waits too (nothing is dropped;
+            # what is not read waits in the kernel's buffers).
+            if not await self._forwarding(live):
                 return
             sink.write(data)
             await sink.drain()
+        if not self._stopped.is_set() and sink.can_write_eof():
+            with contextlib.suppress(Exception):
+                sink.write_eof()  # a FIN passed on
+
+    async def _forwarding(self, live: asyncio.Event) -> bool:
+        """Waits while the connection is silent; False once the proxy stops."""
+        if not live.is_set():
+            waiters = [asyncio.ensure_future(live.wait()), asyncio.ensure_future(self._stopped.wait())]
+            try:
+                await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiters:
+                    waiter.cancel()
+                await asyncio.gather(*waiters, return_exceptions=True)
+        return not self._stopped.is_set()
 
     async def stop(self) -> None:
         if self._server is not None:
