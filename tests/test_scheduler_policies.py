@@ -60,6 +60,7 @@ from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers
 from tests.nats_probes import RequestsSeen
+from tests.silent_proxy import SilentProxy
 
 MODEL = "demo"
 TENANT = "default"
@@ -972,6 +973,108 @@ async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
 
 async def _false(predicate: Callable[[], Awaitable[bool]]) -> bool:
     return not await predicate()
+
+
+@pytest.fixture
+async def nats_proxy(nats_server: NatsServerProcess) -> AsyncIterator[SilentProxy]:
+    """A proxy in front of the test's nats-server. Ask for it before `start`: it is then stopped
+    after the scheduler (a scheduler stopping without NATS waits out its timeouts)."""
+    proxy = SilentProxy(nats_server.port)
+    await proxy.start()
+    yield proxy
+    await proxy.stop()
+
+
+async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
+    nats_proxy: SilentProxy, start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler's connection to nats-server goes silent (a hung proxy, a dead NAT entry:
+    nothing crosses, nothing is closed), with a pull held open on every priority's queue. A blip
+    shorter than the pings take to tell loses nothing: what the server sent meanwhile arrives
+    late, on the same connection. A longer silence: the server still has the pulls, and hands a
+    job submitted now to one of them; it never arrives, and comes back after AckWait (2 s here).
+    The scheduler sees the silence by its pings (ping_interval_s x max_outstanding_pings, here
+    0.25 s x 3) and connects again; the pulls it held on the silent connection no longer count
+    (what they bring may go to it), so it polls: a job submitted then, with no queued notice,
+    runs within CONNECTION_CHECK_S and a poll interval (1 s and 50 ms; 2 s asserted), not once
+    the old pulls' time is up (HOLD_S, 4 s here, and 2 s). Once they ended it holds pulls again
+    on the new connection. The silent connection is closed at last: nothing changes for the new
+    one."""
+    monkeypatch.setattr(held_pulls, "HOLD_S", 4.0)
+    proxied = tune(config).replace(
+        nats={"url": f"nats://127.0.0.1:{nats_proxy.port}", "ping_interval_s": 0.25, "max_outstanding_pings": 3},
+        scheduler={"ack_wait_s": 2.0, "lease_renew_interval_s": 0.5},
+    )
+    h = await start(proxied)  # the test's own client (h.nc) goes to nats-server directly
+    batcher = await h.batcher(credits=2)
+    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    held: Any = dispatcher._held
+
+    async def holding() -> bool:
+        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    await until(holding)
+    normal_consumer = dispatcher.queues.consumers[Priority.NORMAL]
+
+    async def handed_over() -> bool:
+        info = await h.js.consumer_info(config.nats.work_stream, normal_consumer)
+        return info.num_ack_pending == 1 and info.num_pending == 0
+
+    # A blip, shorter than the pings take to tell: the job handed over meanwhile arrives late.
+    nats_proxy.silence()
+    blip = await enqueue(h.nc, h.kv, announce=False)
+    await until(handed_over)
+    nats_proxy.resume()
+    order = await batcher.next_order()
+    assert order.job_id == blip
+    await batcher.answer(order)
+    await wait_state(h.js, blip, JobState.SUCCEEDED)
+    await batcher.grant(1)
+    await until(holding)
+    assert nats_proxy.connections == 1  # the same connection all along
+
+    nats_proxy.silence()
+    silenced = time.monotonic()
+    lost = await enqueue(h.nc, h.kv)  # its notice is lost in the silence too
+    await until(handed_over)  # to the held pull on the silent connection
+    submitted_lost = time.monotonic()
+    connection = dispatcher.queues.connection()
+
+    async def reconnected() -> bool:
+        return nats_proxy.connections == 2 and dispatcher.queues.connection() not in (connection, -1)
+
+    await until(reconnected, timeout_s=5)  # a new connection, through the proxy
+    noticed_s = time.monotonic() - silenced
+    assert noticed_s < 2.0, f"the silence was noticed after {noticed_s:.1f} s"
+    assert not held.holding(Priority.NORMAL)  # its pull was on the silent connection
+
+    submitted = time.monotonic()
+    after = await enqueue(h.nc, h.kv, announce=False)  # no notice: a poll must find it
+    order = await batcher.next_order(timeout_s=10)
+    found_s = time.monotonic() - submitted
+    assert order.job_id == after
+    assert found_s < 2.0, f"a job submitted after the reconnect waited {found_s:.1f} s"
+    await batcher.answer(order)
+    await batcher.grant(1)
+    # The job handed to the silent connection returns after AckWait (2 s) and runs.
+    order = await batcher.next_order(timeout_s=10)
+    returned_s = time.monotonic() - submitted_lost
+    assert (order.job_id, order.attempt) == (lost, 1)
+    assert returned_s < 2.0 + 1.5, f"the job lost in the silence ran after {returned_s:.1f} s"
+    await batcher.answer(order)
+    await batcher.grant(1)
+    await wait_state(h.js, lost, JobState.SUCCEEDED)
+
+    await nats_proxy.cut()  # the silent connection is closed at last (nats-server forgets it)
+    await until(holding, timeout_s=10)  # again, on the new connection, once the old pulls ended
+    submitted = time.monotonic()
+    job_id = await enqueue(h.nc, h.kv, priority=Priority.LOW, announce=False)
+    order = await batcher.next_order(timeout_s=5)
+    assert order.job_id == job_id
+    assert time.monotonic() - submitted < 1.0, "a held pull brings it at once"
+    await batcher.answer(order)
+    await wait_state(h.js, job_id, JobState.SUCCEEDED)
+    assert nats_proxy.connections == 2
 
 
 async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config) -> None:
