@@ -1082,6 +1082,78 @@ async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     assert nats_proxy.connections == 2
 
 
+async def test_a_held_pull_does_not_let_its_job_overtake_a_higher_priority_one(
+    nats_proxy: SilentProxy, start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job a held pull brings while a higher priority's pull is not held open is put back for the
+    round to choose: that queue may hold a job it must not overtake. The case here: the
+    scheduler's connection was lost and it connected again, while nats-server still has the pulls
+    it held; they bring what comes (their inbox is subscribed again on the new connection) but no
+    longer count, and the dispatcher polls while they last. HIGH's pull had been handed a job as
+    the connection went (lost with it; back after AckWait, 30 s), so HIGH's queue has no pull on
+    the server, and NORMAL's has. A HIGH job, then a NORMAL one, with no queued notices (lost, or
+    late: another gateway's): the NORMAL one reaches its pull, is put back, and the HIGH one runs
+    first, with the only credit. The put-back costs no attempt. The round asks HIGH although the
+    last poll found it empty (a poll marks the queues it found empty for the poll interval): it
+    skipped HIGH, and took the NORMAL job back at once, ahead of the HIGH one after all. Holds of
+    5 s (the pulls on the server outlast the test's steps); a poll interval of 1 s."""
+    monkeypatch.setattr(held_pulls, "HOLD_S", 5.0)
+    proxied = tune(config).replace(
+        nats={"url": f"nats://127.0.0.1:{nats_proxy.port}"}, scheduler={"poll_interval_ms": 1_000.0}
+    )
+    h = await start(proxied)  # the test's own client (h.nc) goes to nats-server directly
+    batcher = await h.batcher(credits=1)
+    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    held: Any = dispatcher._held
+
+    async def holding() -> bool:
+        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    await until(holding)
+    high_consumer = dispatcher.queues.consumers[Priority.HIGH]
+
+    async def handed_over() -> bool:
+        info = await h.js.consumer_info(config.nats.work_stream, high_consumer)
+        return info.num_ack_pending == 1 and info.num_pending == 0
+
+    nats_proxy.silence()
+    await enqueue(h.nc, h.kv, priority=Priority.HIGH, announce=False)
+    await until(handed_over)  # to HIGH's pull, on the silent connection
+    connection = dispatcher.queues.connection()
+    subject = consumer_next_subject(config.nats.work_stream, high_consumer)
+    polls = await RequestsSeen.on(h.nc, subject, lambda _subject, data: b'"no_wait"' in data)
+    await nats_proxy.cut()
+
+    async def reconnected() -> bool:
+        return dispatcher.queues.connection() not in (connection, -1)
+
+    try:
+        await until(reconnected)
+        await polls.wait_for(1)  # a round asked HIGH's queue, on the new connection...
+    finally:
+        await polls.close()
+
+    async def marked_empty() -> bool:  # the round over, its credit back
+        return dispatcher.queues.known_empty(Priority.HIGH) and h.app.batchers.free_credits(MODEL) == 1
+
+    await until(marked_empty)  # ...found it empty, and will not ask it for the poll interval
+    # What the test needs, checked rather than assumed: no pull counts as held.
+    assert not any(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    urgent = await enqueue(h.nc, h.kv, priority=Priority.HIGH, announce=False)
+    later = await enqueue(h.nc, h.kv, priority=Priority.NORMAL, announce=False)
+    order = await batcher.next_order()
+    assert order.job_id == urgent, "the NORMAL job a held pull brought ran ahead of a waiting HIGH one"
+    assert dispatcher.queues.put_back_count(Priority.NORMAL) == 1  # it came, and was put back
+    await batcher.answer(order)
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt) == (later, 1)  # the put-back was no attempt
+    await batcher.answer(order)
+    done = await wait_state(h.js, later, JobState.SUCCEEDED)
+    assert (done.attempt, done.max_attempts, done.last_error) == (1, 3, None)
+    assert dispatcher.queues.put_back_count(Priority.NORMAL) == 0
+
+
 async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config) -> None:
     """Pulls are held open for 10 s (HOLD_S): a stop ends them rather than wait (the old stop waited for
     them, each at most a poll interval)."""

@@ -261,9 +261,16 @@ class ModelDispatcher:
         # A higher priority's queue whose pull is no longer held open may hold jobs that this one
         # must not overtake: the round's choice (services.scheduler.priority) decides then.
         rank = PRIORITIES_BY_RANK.index(priority)
-        overtakes = self._held is not None and not all(self._held.holding(p) for p in PRIORITIES_BY_RANK[:rank])
-        session = None if closed or overtakes else self._batchers.reserve(self.model_name)
+        held = self._held
+        unheld = [p for p in PRIORITIES_BY_RANK[:rank] if held is not None and not held.holding(p)]
+        session = None if closed or unheld else self._batchers.reserve(self.model_name)
         if session is None:
+            for higher in unheld:
+                # Asked by that round even if a round found it empty lately (within the poll
+                # interval): else a job queued there since, whose notice has not come, is skipped,
+                # and the round takes this one back at once (put back for nothing, and ahead of
+                # that job after all).
+                self._queues.unmark_empty(higher)
             self._queues.note_publish(priority)
             self._queues.put_back(priority, msg)  # still counted in the queue's depth
             with contextlib.suppress(Exception):

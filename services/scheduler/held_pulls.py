@@ -22,7 +22,8 @@ AckWait, as with a scheduler killed at that moment. A drain
 or a pause does not end them: a message may arrive when it can no longer run here (no credit left,
 the model paused, the scheduler draining or stopping), and is put back at once (a nak). So is one
 of a priority whose higher priorities are not all held open (their queues may hold jobs it must not
-overtake: the held pull was opened when every queue was empty, possibly long before).
+overtake: the held pull was opened when every queue was empty, possibly long before); the round
+that then chooses asks those queues even if one found them empty lately.
 """
 
 from __future__ import annotations

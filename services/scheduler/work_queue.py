@@ -259,6 +259,11 @@ class ModelQueues:
         self._publishes[priority] += 1
         self._empty_until.pop(priority, None)
 
+    def unmark_empty(self, priority: Priority) -> None:
+        """The priority's queue is asked at the next round even if one found it empty lately: it
+        may have jobs whose notice has not come, and no pull held open on it brings them."""
+        self._empty_until.pop(priority, None)
+
     def known_empty(self, priority: Priority) -> bool:
         until = self._empty_until.get(priority)
         if until is None:
