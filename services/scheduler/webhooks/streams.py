@@ -12,7 +12,7 @@ from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
 from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.contract import WEBHOOK_SUBJECTS, kv_stream, kv_subject
 from asyncinfer.nats import JetStreamContext, api
-from asyncinfer.nats.streams import ensure_stream
+from asyncinfer.nats.streams import declaration, ensure_stream
 
 FEED_ACK_WAIT_S = 30.0
 # Delayed retries stay unacked (a NAK with a delay) for up to the retry horizon, so the pending
@@ -52,7 +52,13 @@ async def ensure_sender_consumer(js: JetStreamContext, config: Config) -> None:
         max_ack_pending=MAX_PENDING,
         num_replicas=config.nats.replicas if config.nats.replicas > 1 else 0,
     )
-    await js.add_consumer(config.nats.webhooks_stream, consumer)
+
+    async def declare(_timeout_s: float) -> None:
+        await js.add_consumer(config.nats.webhooks_stream, consumer)
+
+    # Through a leader election, as every declaration (a scheduler starting while a node of the
+    # cluster was lost failed here: the create timed out).
+    await declaration(declare, what=f"declare the {SENDER_CONSUMER} consumer")
 
 
 async def ensure_feed_consumer(js: JetStreamContext, config: NatsConfig) -> None:
@@ -67,4 +73,8 @@ async def ensure_feed_consumer(js: JetStreamContext, config: NatsConfig) -> None
         max_deliver=-1,
         num_replicas=config.replicas if config.replicas > 1 else 0,
     )
-    await js.add_consumer(jobs_stream(config), consumer)
+
+    async def declare(_timeout_s: float) -> None:
+        await js.add_consumer(jobs_stream(config), consumer)
+
+    await declaration(declare, what=f"declare the {FEED_CONSUMER} consumer")
