@@ -77,8 +77,9 @@ $(SHELLS_STAMP): $(STAMP)
 	touch $@
 
 # Two workers (pytest-xdist), a test file each at a time: most of a test's time is waiting on its
-# servers (the suite kept one core ~30% busy run serially: 733 s of wall time for 430 CPU-s), so two
-# at once took it from ~12 minutes to ~N (session 27). Each test starts its own servers on free ports.
+# servers (run serially, 733 s of wall time for 430 CPU-s on 2 cores), so two at once took it from
+# 718 s to 492 s, and the whole .ci/run from 944 s to 739 s (session 27, with other work on the
+# machine). Each test starts its own servers on free ports.
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(PYTEST_WORKERS) --dist loadfile
 
