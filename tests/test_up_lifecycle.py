@@ -228,6 +228,9 @@ def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     infos = [str(e["event"]) for e in up.logs() if e["level"] != "debug"]
     assert "pull_lost_with_its_connection" not in infos
     assert infos.count("nats_disconnected") <= 3, infos
+    # ... and not twice: the server's closing the connection is that line, not a nats_error besides.
+    eofs = [e for e in up.logs() if e["event"] == "nats_error" and "EOF" in str(e["error"]) and e["level"] != "debug"]
+    assert eofs == [], eofs
 
 
 def test_a_second_up_on_the_same_store_is_refused_naming_the_first(up: UpProcess, tmp_path: Path) -> None:

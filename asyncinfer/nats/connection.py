@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 from nats.aio.client import Client
-from nats.errors import AuthorizationError
+from nats.errors import AuthorizationError, UnexpectedEOF
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
@@ -53,7 +53,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
 
     async def on_error(exc: Exception) -> None:
         held = errors.allow(str(exc))
-        if held is None:
+        if held is None or (connected and isinstance(exc, UnexpectedEOF)):
+            # (The server closed the connection: nats_disconnected, next, says so once.)
             log.debug("nats_error", error=str(exc))
         else:
             log.warning("nats_error", error=str(exc), **({"more_since_last": held} if held else {}))
