@@ -40,6 +40,9 @@ FRESH_FOR_S = 0.25
 # Tenants without a submit in flight or a read this recent are forgotten (past MAX_TENANTS kept).
 FORGET_AFTER_S = 60.0
 MAX_TENANTS = 10_000
+# Past MAX_TENANTS, how often the tenants kept are looked over: a look walks them all, and when none
+# could be forgotten (every one active within FORGET_AFTER_S) each new tenant walked them again.
+FORGET_SCAN_EVERY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -72,6 +75,7 @@ class TenantQuota:
         self._near = limit // 4
         self._read_retry_s = read_retry_s
         self._tenants: dict[str, _TenantCount] = {}
+        self._scanned_at = float("-inf")
 
     async def admit(self, tenant: str) -> TenantSlot | int:
         """The submit's slot, or the tenant's count (at or past the limit) when it is refused.
@@ -132,6 +136,9 @@ class TenantQuota:
         if len(self._tenants) < MAX_TENANTS:
             return
         now = time.monotonic()
+        if now - self._scanned_at < FORGET_SCAN_EVERY_S:
+            return
+        self._scanned_at = now
         for tenant, count in list(self._tenants.items()):
             if not count.in_flight and count.reading is None and now - count.read_at > FORGET_AFTER_S:
                 del self._tenants[tenant]
