@@ -14,10 +14,13 @@ import grpc
 import pytest
 
 from asyncinfer.config import Config
+from asyncinfer.contract import WEBHOOK_FEED_CONSUMER, WEBHOOK_SENDER_CONSUMER, consumer_next_subject, kv_stream
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyNotFoundError
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from asyncinfer.webhook_status import disabled_key
+from tests.nats_probes import RequestsSeen
 from tests.stack import Stack, StartStack
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
@@ -406,3 +409,38 @@ async def test_a_hanging_receiver_gets_its_share_and_the_others_still_get_theirs
     finally:
         hanging.close()
         await hanging.wait_closed()
+
+
+async def test_an_idle_scheduler_holds_its_webhook_pulls_open_and_sends_a_due_delivery_at_once(
+    config: Config, nc: NatsClient, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """A measurement pass on an idle `asyncinfer up` (session 27): the sender and the notifier each
+    asked their consumer for messages ~0.87 times a second (nats-py's fetch with a 2-s timeout: a
+    no-wait probe, then a pull for the rest). Each now holds one pull open for HOLD_S (10 s): after
+    its first, none in 3 s of idle. A job's webhook is still sent as its record is written: the
+    held pulls hand over the record write and then the delivery as they are stored."""
+    settings = webhook_config(config)
+    pulls = {
+        consumer: await RequestsSeen.on(nc, consumer_next_subject(stream, consumer), lambda _s, _d: True)
+        for stream, consumer in (
+            (settings.nats.webhooks_stream, WEBHOOK_SENDER_CONSUMER),
+            (kv_stream(settings.nats.jobs_bucket), WEBHOOK_FEED_CONSUMER),
+        )
+    }
+    try:
+        stack = await start_stack(settings)
+        for seen in pulls.values():
+            await seen.wait_for(1)  # the first pull: held from now on
+        before = {consumer: seen.count for consumer, seen in pulls.items()}
+        await asyncio.sleep(3.0)  # the idle window being measured: nothing to wait for
+        asked = {consumer: seen.count - before[consumer] for consumer, seen in pulls.items()}
+        assert asked == {WEBHOOK_SENDER_CONSUMER: 0, WEBHOOK_FEED_CONSUMER: 0}, f"pull requests in 3 s of idle: {asked}"
+    finally:
+        for seen in pulls.values():
+            await seen.close()
+    submitted = time.monotonic()
+    job_id = await submit(stack, receiver.url("/soon"))
+    (received,) = await receiver.wait_for("/soon", 1)
+    assert json.loads(received.body)["data"]["job_id"] == job_id
+    # The old fetch held a lone record write, then a lone delivery, for up to 2 s each.
+    assert received.at - submitted < 1.5, f"sent {received.at - submitted:.2f} s after the submit"

@@ -28,7 +28,6 @@ import time
 
 import structlog
 
-from asyncinfer.backoff import retrying
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import WEBHOOK_FEED_CONSUMER as FEED_CONSUMER
@@ -36,8 +35,9 @@ from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import KV_DEL, KV_OP, KV_PURGE, JetStreamContext, Msg
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.streams import publish_durably
-from asyncinfer.supervision import Supervisor, cancel_and_wait
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import (
     EVENT_OF_STATE,
     CallbackEvent,
@@ -48,13 +48,13 @@ from asyncinfer.webhook_status import (
     webhook_id,
 )
 from services.scheduler.webhooks.deliveries import Delivery, encode_delivery, event_body
+from services.scheduler.webhooks.held_pull import HeldPull, interrupted_within
 from services.scheduler.webhooks.status_store import StatusStore
 from services.scheduler.webhooks.streams import jobs_stream
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
 FETCH_BATCH = 128
-FETCH_WAIT_S = 2.0
 RETRY_DELAY_S = 1.0
 PUBLISH_RETRY_FOR_S = 10.0
 _RAN = frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.TIMED_OUT})
@@ -80,66 +80,49 @@ def due_events(record: JobRecord) -> list[CallbackEvent]:
 
 
 class Notifier:
-    def __init__(self, js: JetStreamContext, store: StatusStore, config: Config, supervisor: Supervisor) -> None:
+    def __init__(
+        self, js: JetStreamContext, nc: NatsClient, store: StatusStore, config: Config, supervisor: Supervisor
+    ) -> None:
         self._js = js
+        self._nc = nc
         self._supervisor = supervisor
         self._store = store
         self._config = config
-        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._pull: HeldPull | None = None
         self._task: asyncio.Task[None] | None = None
-        self._fetching = False
         self._closing = False
         self.enqueued = 0
 
     async def start(self) -> None:
-        nats_config = self._config.nats
-        self._subscription = await self._js.pull_subscribe_bind(FEED_CONSUMER, stream=jobs_stream(nats_config))
+        self._pull = HeldPull(self._nc, jobs_stream(self._config.nats), FEED_CONSUMER)
         self._task = self._supervisor.start("webhook-notifier", self._run())
 
     async def stop(self, grace_s: float) -> None:
-        """Finishes the record being handled (within grace_s); an unacked one comes back later."""
+        """Finishes the record being handled (within grace_s); those not handled come back later."""
         self._closing = True
-        if self._task is not None:
-            if self._fetching:
-                self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-            await cancel_and_wait([self._task])
-        if self._subscription is not None:
-            with contextlib.suppress(Exception):
-                await self._subscription.unsubscribe()
+        if self._task is not None and self._pull is not None:
+            await interrupted_within(self._task, self._pull, grace_s)
+        if self._pull is not None:
+            await self._pull.close()
 
     async def _run(self) -> None:
-        assert self._subscription is not None
+        assert self._pull is not None
         while not self._closing:
-            self._fetching = True
+            # Held open while idle; each record write is handled as it arrives (held_pull.py).
             try:
-                msgs = await self._fetch(self._subscription)
-            finally:
-                self._fetching = False
-            for msg in msgs:
-                if self._closing:
-                    with contextlib.suppress(Exception):
-                        await msg.nak()
-                    continue
-                await self._handle(msg)
+                came = await self._pull.pull(FETCH_BATCH, self._handle_unless_closing)
+            except NATS_FAILURES as exc:
+                log.warning("webhook_feed_fetch_failed", error=str(exc))
+                came = None
+            if came is None and not self._closing:
+                await asyncio.sleep(RETRY_DELAY_S)  # NATS away or the pull refused: not a loop
 
-    async def _fetch(self, subscription: JetStreamContext.PullSubscription) -> list[Msg]:
-        """The next record writes ([] when none came within FETCH_WAIT_S), waiting out NATS
-        failures, backing off up to RETRY_DELAY_S, for as long as the notifier runs."""
-        async for attempt in retrying(NATS_FAILURES, retry_for_s=None, max_delay_s=RETRY_DELAY_S):
-            with attempt:
-                try:
-                    return await subscription.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-                except TimeoutError:
-                    # Nothing came within FETCH_WAIT_S: an idle feed, not a failure. nats-py raises
-                    # its own TimeoutError or asyncio's (the builtin) for it, depending on where
-                    # the wait ended; catching the builtin catches both.
-                    return []
-                except NATS_FAILURES as exc:
-                    log.warning("webhook_feed_fetch_failed", error=str(exc))
-                    raise
-        raise AssertionError("unreachable: it retries until cancelled")  # pragma: no cover
+    async def _handle_unless_closing(self, msg: Msg) -> None:
+        if self._closing:
+            with contextlib.suppress(Exception):
+                await msg.nak()  # back at once, to this or another scheduler
+            return
+        await self._handle(msg)
 
     async def _handle(self, msg: Msg) -> None:
         try:

@@ -32,21 +32,21 @@ from urllib.parse import urlsplit
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.contract import WEBHOOK_SENDER_CONSUMER as SENDER_CONSUMER
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats import JetStreamContext, Msg
-from asyncinfer.supervision import Supervisor, cancel_and_wait
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg
+from asyncinfer.supervision import Supervisor
 from asyncinfer.webhook_status import DeliveryState, DeliveryStatus, JobDeliveries
 from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
+from services.scheduler.webhooks.held_pull import HeldPull, interrupted_within
 from services.scheduler.webhooks.post_attempt import DeliveryPoster
 from services.scheduler.webhooks.status_store import StatusStore
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
-FETCH_WAIT_S = 2.0
 STATUS_RETRY_DELAY_S = 1.0
 MAX_BACKOFF_EXPONENT = 60
 
@@ -83,7 +83,7 @@ def _origin(url: str) -> str:
 class Sender:
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: NatsClient,
         store: StatusStore,
         config: Config,
         metrics: WebhookMetrics,
@@ -92,7 +92,7 @@ class Sender:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._js = js
+        self._nc = nc
         self._store = store
         self._config = config
         self._settings = config.webhooks
@@ -102,7 +102,7 @@ class Sender:
         self.rng = rng or random.Random()
         self._clock = clock
         self._poster = DeliveryPoster(config.webhooks, metrics.attempts, clock=clock)
-        self._subscription: JetStreamContext.PullSubscription | None = None
+        self._pull: HeldPull | None = None
         self._task: asyncio.Task[None] | None = None
         self._deliveries: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
@@ -111,29 +111,26 @@ class Sender:
         self._by_origin: collections.Counter[str] = collections.Counter()
 
     async def start(self) -> None:
-        self._subscription = await self._js.pull_subscribe_bind(
-            SENDER_CONSUMER, stream=self._config.nats.webhooks_stream
-        )
+        self._pull = HeldPull(self._nc, self._config.nats.webhooks_stream, SENDER_CONSUMER)
         self._task = self._supervisor.start("webhook-sender", self._run())
 
     async def stop(self, grace_s: float) -> None:
         """Stops pulling, lets attempts in flight finish within grace_s, then cancels the rest
         (NAKed: they come back at once, to this or another scheduler)."""
         self._closing = True
-        if self._task is not None:
-            await cancel_and_wait([self._task])
+        if self._task is not None and self._pull is not None:
+            await interrupted_within(self._task, self._pull, grace_s)
         if self._deliveries:
             _done, pending = await asyncio.wait(set(self._deliveries), timeout=grace_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if self._subscription is not None:
-            with contextlib.suppress(Exception):
-                await self._subscription.unsubscribe()
+        if self._pull is not None:
+            await self._pull.close()
         await self._poster.close()
 
     async def _run(self) -> None:
-        assert self._subscription is not None
+        assert self._pull is not None
         limit = self._settings.max_concurrent_deliveries
         while not self._closing:
             free = limit - len(self._deliveries)
@@ -141,28 +138,20 @@ class Sender:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            msgs = await self._fetch(self._subscription, free)
-            for msg in msgs:
-                task = asyncio.create_task(self._deliver(msg))
-                self._deliveries.add(task)
-                task.add_done_callback(self._finished)
+            # Held open while idle (held_pull.py); each delivery starts as it arrives, and the
+            # pull asks for no more than the slots free now, so at most `limit` are in flight.
+            try:
+                came = await self._pull.pull(free, self._start)
+            except NATS_FAILURES as exc:
+                log.warning("webhook_fetch_failed", error=str(exc))
+                came = None
+            if came is None and not self._closing:
+                await asyncio.sleep(STATUS_RETRY_DELAY_S)  # NATS away or the pull refused: not a loop
 
-    async def _fetch(self, subscription: JetStreamContext.PullSubscription, up_to: int) -> list[Msg]:
-        """Up to `up_to` deliveries ([] when none came within FETCH_WAIT_S), waiting out NATS
-        failures, backing off up to STATUS_RETRY_DELAY_S, for as long as the sender runs."""
-        async for attempt in retrying(NATS_FAILURES, retry_for_s=None, max_delay_s=STATUS_RETRY_DELAY_S):
-            with attempt:
-                try:
-                    return await subscription.fetch(up_to, timeout=FETCH_WAIT_S)
-                except TimeoutError:
-                    # Nothing came within FETCH_WAIT_S: an idle stream, not a failure. nats-py raises
-                    # its own TimeoutError or asyncio's (the builtin) for it, depending on where
-                    # the wait ended; catching the builtin catches both.
-                    return []
-                except NATS_FAILURES as exc:
-                    log.warning("webhook_fetch_failed", error=str(exc))
-                    raise
-        raise AssertionError("unreachable: it retries until cancelled")  # pragma: no cover
+    async def _start(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._deliver(msg))
+        self._deliveries.add(task)
+        task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
         self._deliveries.discard(task)

@@ -59,13 +59,13 @@ class WebhookService:
         await ensure_feed_consumer(js, config.nats)
         store = StatusStore(js, kv, config.nats.webhooks_bucket)
         if config.webhooks.secrets:
-            self._notifier = Notifier(js, store, config, self._supervisor)
+            self._notifier = Notifier(js, self._nc, store, config, self._supervisor)
             await self._notifier.start()
         else:
             log.info(
                 "webhook_notifier_off", reason="no signing secrets in webhooks.secrets: no job can ask for callbacks"
             )
-        self._sender = Sender(js, store, config, self._metrics, self._supervisor)
+        self._sender = Sender(self._nc, store, config, self._metrics, self._supervisor)
         await self._sender.start()
 
     async def stop(self, grace_s: float) -> None:

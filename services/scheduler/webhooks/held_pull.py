@@ -1,0 +1,136 @@
+"""A pull held open on a webhook consumer, each message handled the moment it arrives.
+
+Both webhook consumers (the sender's deliveries, the notifier's record writes) were read with
+nats-py's `fetch(n, timeout=2)`. Measured on an idle `asyncinfer up`: ~0.87 pull requests a second
+each, since an empty fetch sends two (a no-wait probe, answered 404 at once, then a pull for the
+rest of the timeout) every ~2.3 s. And once one message came, fetch waited for the other n-1 until
+its timeout, so a lone delivery due now could wait up to 2 s for company that never came.
+
+Instead one pull of up to `count` messages is held open for HOLD_S: the server hands over each
+message as it is stored (or as its retry delay passes), and each is handled at once; the next pull
+follows when this one ends (`count` delivered, or the server's 408 at its expiry). Idle, that is
+one request per consumer every HOLD_S. Not longer, for the scheduler's reason (held_pulls.py): a
+scheduler whose host hangs (no connection closed) may be handed up to `count` messages meanwhile,
+each back after its consumer's AckWait.
+
+A stop cannot wait out a hold: `interrupt` wakes the inbox with a message of its own (the
+scheduler's NATS user may publish to its own inbox), and what the server was sending at that
+moment goes back after AckWait, as with a scheduler killed then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+
+import structlog
+
+from asyncinfer.contract import consumer_next_subject
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
+from asyncinfer.supervision import cancel_and_wait
+
+log = structlog.get_logger("asyncinfer.scheduler.webhooks")
+
+# How long a pull is held open: a request per consumer this often while idle.
+HOLD_S = 10.0
+# Past the hold, how long to wait for the server's 408 before the pull is taken for lost (its
+# connection was, most likely).
+ANSWER_MARGIN_S = 2.0
+_EMPTY_STATUSES = frozenset({"404", "408"})
+# The header of the message the inbox sends itself to end the pull it holds (`interrupt`).
+_INTERRUPT_HEADER = "Asyncinfer-Pull-Interrupted"
+
+Handle = Callable[[Msg], Awaitable[None]]
+
+
+class HeldPull:
+    """Pulls of one durable consumer's messages, one at a time, on an inbox of their own."""
+
+    def __init__(self, nc: NatsClient, stream: str, consumer: str, *, hold_s: float = HOLD_S) -> None:
+        self._nc = nc
+        self._stream = stream
+        self._consumer = consumer
+        self._hold_s = hold_s
+        self._subscription: Subscription | None = None
+        self._holding = False
+        self._interrupted = False
+
+    async def pull(self, count: int, handle: Handle) -> int | None:
+        """Holds a pull of up to `count` messages open for the hold, awaiting `handle` with each
+        as it arrives; how many came. None when no pull could be held (NATS away, the pull refused
+        or lost): the caller waits before the next, or it would ask in a loop."""
+        if count <= 0 or self._interrupted:
+            return 0
+        if not self._nc.is_connected:
+            return None
+        if self._subscription is None:
+            self._subscription = await self._nc.subscribe(self._nc.new_inbox())
+        subscription = self._subscription
+        request = json.dumps({"batch": count, "expires": int(self._hold_s * 1e9)}).encode()
+        try:
+            await self._nc.publish(
+                consumer_next_subject(self._stream, self._consumer), request, reply=subscription.subject
+            )
+        except (RuntimeError, UnexpectedEOF) as exc:  # the transport closed a moment ago
+            log.warning("webhook_pull_not_sent", consumer=self._consumer, error=str(exc))
+            await self._abandon()
+            return None
+        came = 0
+        try:
+            while came < count and not self._interrupted:
+                self._holding = True
+                try:
+                    reply = await subscription.next_msg(timeout=self._hold_s + ANSWER_MARGIN_S)
+                finally:
+                    self._holding = False
+                headers = reply.headers or {}
+                if headers.get(_INTERRUPT_HEADER) is not None:
+                    await self._abandon()  # the pull's answer may still come: not to be read as another's
+                    break
+                status = headers.get("Status")
+                if status is not None:
+                    if status in _EMPTY_STATUSES:
+                        return came
+                    log.warning(
+                        "webhook_pull_refused",
+                        consumer=self._consumer,
+                        status=status,
+                        description=headers.get("Description", ""),
+                    )
+                    return came or None
+                if reply.reply:
+                    came += 1
+                    await handle(reply)
+        except NatsTimeoutError:
+            log.info("webhook_pull_lost", consumer=self._consumer, received=came)
+            await self._abandon()
+            return came or None
+        return came
+
+    async def interrupt(self) -> None:
+        """Ends the pull held now, and every later one (a stop)."""
+        self._interrupted = True
+        if self._holding and self._subscription is not None and self._nc.is_connected:
+            # next_msg is woken by a message alone: cancelling it could drop one it had taken.
+            with contextlib.suppress(Exception):
+                await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
+
+    async def close(self) -> None:
+        await self._abandon()
+
+    async def _abandon(self) -> None:
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            with contextlib.suppress(Exception):
+                await subscription.unsubscribe()
+
+
+async def interrupted_within(task: asyncio.Task[None], pull: HeldPull, grace_s: float) -> None:
+    """Ends a loop of pulls: interrupts the one held, gives the loop grace_s to end on its own
+    (with NATS away the interrupt cannot reach the inbox), then cancels it."""
+    await pull.interrupt()
+    await asyncio.wait({task}, timeout=grace_s)
+    await cancel_and_wait([task])
