@@ -113,6 +113,27 @@ async def test_a_chunk_that_ends_frees_its_slot_at_once_not_at_the_next_tick(
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
 
 
+async def test_an_idle_gateways_batch_driver_sleeps_and_a_new_batch_is_driven_at_once(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A measurement pass on an idle `asyncinfer up` (session 27): the batch driver woke every
+    drive_interval_s (0.2 s) with no batch to drive. With none it now sleeps until a batch is
+    created, cancelled or prepared here, or until the next adoption pass (a minute here): no round
+    in 1 s where the tick is every 50 ms. A batch created then is driven at once, to its end."""
+    stack = await start_stack(batch_config(config, drive_interval_s=0.05, adopt_interval_s=60.0))
+    driver = stack.gateway.batch_driver
+    assert driver is not None
+    await until_true(lambda: driver.rounds >= 1, timeout_s=10.0)
+    rounds = driver.rounds
+    await asyncio.sleep(1.0)  # the idle window being measured: nothing to wait for
+    assert driver.rounds == rounds, f"{driver.rounds - rounds} rounds in 1 s without a batch"
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(150)))))
+    batch = await wait_ended(stub, created.batch.batch_id, timeout_s=30.0)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.chunks_done, batch.request_counts.completed) == (2, 150)
+
+
 async def test_a_bad_line_is_one_error_line_and_the_rest_run(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(batch_config(config))
     stub = batches_stub(stack.channel)

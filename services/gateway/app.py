@@ -85,6 +85,7 @@ class GatewayApp:
         self._submitter: JobSubmitter | None = None
         self._idempotent: IdempotentSubmitter | None = None
         self._server: GrpcServer | None = None
+        self.batch_driver: BatchDriver | None = None
         self._started = False
         self._stopped = False
         self.port = 0
@@ -190,7 +191,7 @@ class GatewayApp:
             tracing=self.tracing,
         )
         batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
-        driver = BatchDriver(
+        self.batch_driver = driver = BatchDriver(
             cfg,
             batch_store,
             Preparer(blob_store, cfg.batches, max_upload_bytes=cfg.gateway.max_upload_bytes),
