@@ -976,6 +976,54 @@ async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
         await rounds.close()
 
 
+async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_without_asking(
+    start: Start, config: Config
+) -> None:
+    """A measurement pass on an idle `asyncinfer up` (session 27): every queue snapshot (the
+    scheduler's own each queue_stats_interval_s, the console's GetQueueStats each 2 s) asked for
+    each work consumer's info: 15 requests a second for up's 5 models, most of what the idle stack
+    asked NATS. A queue a pull of ours is held open on has nothing waiting (the server hands a job
+    to a waiting pull as it is stored), so its snapshot asks nothing. A queue without one is asked:
+    a job waiting while the only credit is taken is counted."""
+    h = await start(tune(config))  # a snapshot every 0.2 s
+    batcher = await h.batcher(credits=1)
+    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    held: Any = dispatcher._held
+
+    async def holding() -> bool:
+        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    await until(holding)
+    infos = await RequestsSeen.on(
+        h.nc, f"$JS.API.CONSUMER.INFO.{config.nats.work_stream}.*", lambda subject, _data: f".work-{MODEL}-" in subject
+    )
+    written = await RequestsSeen.on(h.nc, f"$KV.{config.nats.queues_bucket}.{MODEL}", lambda _s, _d: True)
+    try:
+        await written.wait_for(3)
+        assert await holding()
+        assert infos.count == 0, f"{infos.count} consumer infos in 3 snapshots of an idle queue"
+        stats = await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
+        assert [q.depth for q in stats.models[0].priorities] == [0, 0, 0]
+        assert infos.count == 0
+        first = await enqueue(h.nc, h.kv)
+        order = await batcher.next_order(timeout_s=5)  # the held pull brought it; no credit is left
+        assert order.job_id == first
+        waiting = await enqueue(h.nc, h.kv)
+
+        async def counted() -> bool:
+            snapshot = await h.snapshot()
+            return snapshot is not None and snapshot.depth(Priority.NORMAL) == 1
+
+        await until(counted)
+        assert infos.count > 0
+        await batcher.answer(order)
+        await batcher.grant(1)
+        assert (await batcher.next_order(timeout_s=5)).job_id == waiting
+    finally:
+        await infos.close()
+        await written.close()
+
+
 async def _false(predicate: Callable[[], Awaitable[bool]]) -> bool:
     return not await predicate()
 

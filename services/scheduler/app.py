@@ -204,6 +204,7 @@ class SchedulerApp:
             is_draining=lambda: self.draining,
             put_back_count=self._put_back_count,
             batch_sizes=flow.batch_sizes,
+            held_open=self._held_open,
         )
         models_kv = await ensure_models_bucket(js, config.nats)
         self._models_registry = registry = ModelRegistryWriter(
@@ -358,6 +359,9 @@ class SchedulerApp:
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
         return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)
+
+    def _held_open(self, model_name: str, priority: Priority) -> bool:
+        return any(d.holding(priority) for d in self._dispatchers if d.model_name == model_name)
 
     def _forget_put_back(self, job_id: str) -> None:
         for dispatcher in self._dispatchers:

@@ -154,6 +154,10 @@ class ModelDispatcher:
                 self._on_queued(self.model_name)
         self.wake(msg.subject)
 
+    def holding(self, priority: Priority) -> bool:
+        """Whether a pull of this dispatcher's is held open on the priority's queue."""
+        return self._held is not None and self._held.holding(priority)
+
     def wake(self, subject: str) -> None:
         """A message was published to (or put back on) the queue that `subject` names (a queued
         notice's subject, or the priority's token alone): it is worth asking again."""

@@ -154,7 +154,9 @@ class QueueStatsReader:
         batch_sizes: Callable[[str], tuple[BatchSizeCount, ...]] = lambda _model: (),
         planned_chunks: Callable[[str], tuple[int, int]] = lambda _model: (0, 0),
         runtime_models: Callable[[], Iterable[str]] = lambda: (),
+        held_open: Callable[[str, Priority], bool] = lambda _model, _priority: False,
     ) -> None:
+        self._held_open = held_open
         self._runtime_models = runtime_models  # names learnt from batchers (services.scheduler.runtime_models)
         self._planned_chunks = planned_chunks
         self._put_back_count = put_back_count
@@ -208,11 +210,19 @@ class QueueStatsReader:
         )
 
     async def _queue(self, model_name: str, priority: Priority) -> PriorityQueueSnapshot:
-        stream = self._config.nats.work_stream
-        info = await self._js.consumer_info(stream, work_consumer_name(model_name, priority))
         # Pulled and put back by this scheduler (services.scheduler.held_pulls): waiting, though
         # the consumer counts them as delivered.
-        depth = (info.num_pending or 0) + self._put_back_count(model_name, priority)
+        put_back = self._put_back_count(model_name, priority)
+        if not put_back and self._held_open(model_name, priority):
+            # A pull of ours is held open on the queue, so nothing waits on it: the server hands
+            # a message to a waiting pull as it is stored (no ack-pending limit holds it back:
+            # asyncinfer.declarations). An idle scheduler asked for each consumer's info at every
+            # snapshot, its own and the console's, each every 2 s: 15 requests a second for
+            # `asyncinfer up`'s 5 models, more than everything else it asked while idle.
+            return PriorityQueueSnapshot(priority=priority, depth=put_back, oldest_age_s=None)
+        stream = self._config.nats.work_stream
+        info = await self._js.consumer_info(stream, work_consumer_name(model_name, priority))
+        depth = (info.num_pending or 0) + put_back
         oldest_age_s: float | None = None
         oldest_create_time: float | None = None
         newest_create_time: float | None = None
