@@ -442,5 +442,6 @@ async def test_an_idle_scheduler_holds_its_webhook_pulls_open_and_sends_a_due_de
     job_id = await submit(stack, receiver.url("/soon"))
     (received,) = await receiver.wait_for("/soon", 1)
     assert json.loads(received.body)["data"]["job_id"] == job_id
-    # The old fetch held a lone record write, then a lone delivery, for up to 2 s each.
-    assert received.at - submitted < 1.5, f"sent {received.at - submitted:.2f} s after the submit"
+    # Nothing waits out a hold (the old fetch held a lone record write, then a lone delivery, for
+    # up to 2 s each).
+    assert received.at - submitted < 2.0, f"sent {received.at - submitted:.2f} s after the submit"

@@ -16,6 +16,13 @@ each back after its consumer's AckWait.
 A stop cannot wait out a hold: `interrupt` wakes the inbox with a message of its own (the
 scheduler's NATS user may publish to its own inbox), and what the server was sending at that
 moment goes back after AckWait, as with a scheduler killed then.
+
+A pull outlives a reconnect to another node of a cluster (the inbox is subscribed again, and the
+consumer's leader still holds the pull). One that a restart of the one server loses ends at its
+timeout (the hold and ANSWER_MARGIN_S), and a delivery due meanwhile waits that long, once (a
+restart in a test lost none: the next delivery went 1.1 s after it). Unlike the dispatcher's held pulls (checked every second, held_pulls.py), no
+timer watches for it: webhooks are retried and at-least-once, and a check would wake an idle
+scheduler again.
 """
 
 from __future__ import annotations
