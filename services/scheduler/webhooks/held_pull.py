@@ -1,4 +1,4 @@
-"""A pull held open on a webhook consumer, each message handled the moment it arrives.
+"""Pulls of a webhook consumer: what is there now while busy, one pull held open while idle.
 
 Both webhook consumers (the sender's deliveries, the notifier's record writes) were read with
 nats-py's `fetch(n, timeout=2)`. Measured on an idle `asyncinfer up`: ~0.87 pull requests a second
@@ -6,12 +6,17 @@ each, since an empty fetch sends two (a no-wait probe, answered 404 at once, the
 rest of the timeout) every ~2.3 s. And once one message came, fetch waited for the other n-1 until
 its timeout, so a lone delivery due now could wait up to 2 s for company that never came.
 
-Instead one pull of up to `count` messages is held open for HOLD_S: the server hands over each
-message as it is stored (or as its retry delay passes), and each is handled at once; the next pull
-follows when this one ends (`count` delivered, or the server's 408 at its expiry). Idle, that is
-one request per consumer every HOLD_S. Not longer, for the scheduler's reason (held_pulls.py): a
-scheduler whose host hangs (no connection closed) may be handed up to `count` messages meanwhile,
-each back after its consumer's AckWait.
+Instead, as the scheduler's dispatcher does (held_pulls.py, DESIGN section 8): while messages come,
+a no-wait pull of up to `count` takes what is there, a group at a time; once one finds nothing, a
+pull of one message is held open for HOLD_S, and the server hands it over as it is stored (or as
+its retry delay passes), to be handled at once; a pull that expired empty is followed by another
+held one. Idle, that is one request per consumer every HOLD_S; a lone message costs two requests
+(its held pull, then the no-wait pull that finds nothing after it). A held pull of `count`, each
+message handled as it came, was tried first: the server then sends each record write on its own
+the moment it is stored, and with the notifier reading every job's three writes the scheduler's
+CPU per job in a burst was 1.17x (bench/results/ab_idle_stack_notifier.md). HOLD_S is not
+longer, for the scheduler's reason: a scheduler whose host hangs (no connection closed) may be
+handed the held message meanwhile, back after its consumer's AckWait.
 
 A stop cannot wait out a hold: `interrupt` wakes the inbox with a message of its own (the
 scheduler's NATS user may publish to its own inbox), and what the server was sending at that
@@ -20,9 +25,9 @@ moment goes back after AckWait, as with a scheduler killed then.
 A pull outlives a reconnect to another node of a cluster (the inbox is subscribed again, and the
 consumer's leader still holds the pull). One that a restart of the one server loses ends at its
 timeout (the hold and ANSWER_MARGIN_S), and a delivery due meanwhile waits that long, once (a
-restart in a test lost none: the next delivery went 1.1 s after it). Unlike the dispatcher's held pulls (checked every second, held_pulls.py), no
-timer watches for it: webhooks are retried and at-least-once, and a check would wake an idle
-scheduler again.
+restart in a test lost none: the next delivery went 1.1 s after it). Unlike the dispatcher's held
+pulls (checked every second), no timer watches for it: webhooks are retried and at-least-once,
+and a check would wake an idle scheduler again.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ Handle = Callable[[Msg], Awaitable[None]]
 
 
 class HeldPull:
-    """Pulls of one durable consumer's messages, one at a time, on an inbox of their own."""
+    """Pulls of one durable consumer's messages, one pull at a time, on an inbox of their own."""
 
     def __init__(self, nc: NatsClient, stream: str, consumer: str, *, hold_s: float = HOLD_S) -> None:
         self._nc = nc
@@ -62,13 +67,15 @@ class HeldPull:
         self._consumer = consumer
         self._hold_s = hold_s
         self._subscription: Subscription | None = None
-        self._holding = False
+        self._waiting = False  # for a pull's answer
+        self._busy = False  # the last pull brought messages: the next asks for what is there
         self._interrupted = False
 
     async def pull(self, count: int, handle: Handle) -> int | None:
-        """Holds a pull of up to `count` messages open for the hold, awaiting `handle` with each
-        as it arrives; how many came. None when no pull could be held (NATS away, the pull refused
-        or lost): the caller waits before the next, or it would ask in a loop."""
+        """Up to `count` messages, awaiting `handle` with each as it arrives: those there now
+        after a pull that brought some, else one, waited for up to the hold. How many came; None
+        when no pull could be made (NATS away, the pull refused or lost): the caller waits before
+        the next, or it would ask in a loop."""
         if count <= 0 or self._interrupted:
             return 0
         if not self._nc.is_connected:
@@ -76,7 +83,15 @@ class HeldPull:
         if self._subscription is None:
             self._subscription = await self._nc.subscribe(self._nc.new_inbox())
         subscription = self._subscription
-        request = json.dumps({"batch": count, "expires": int(self._hold_s * 1e9)}).encode()
+        held = not self._busy
+        if held:
+            wanted, timeout_s = 1, self._hold_s + ANSWER_MARGIN_S
+            request = json.dumps({"batch": 1, "expires": int(self._hold_s * 1e9)}).encode()
+        else:
+            # Answered at once: the messages there, then (when fewer than asked) a 404 or 408.
+            wanted, timeout_s = count, ANSWER_MARGIN_S
+            request = json.dumps({"batch": count, "no_wait": True}).encode()
+        self._busy = False  # unless this pull brings something
         try:
             await self._nc.publish(
                 consumer_next_subject(self._stream, self._consumer), request, reply=subscription.subject
@@ -87,12 +102,12 @@ class HeldPull:
             return None
         came = 0
         try:
-            while came < count and not self._interrupted:
-                self._holding = True
+            while came < wanted and not self._interrupted:
+                self._waiting = True
                 try:
-                    reply = await subscription.next_msg(timeout=self._hold_s + ANSWER_MARGIN_S)
+                    reply = await subscription.next_msg(timeout=timeout_s)
                 finally:
-                    self._holding = False
+                    self._waiting = False
                 headers = reply.headers or {}
                 if headers.get(_INTERRUPT_HEADER) is not None:
                     await self._abandon()  # the pull's answer may still come: not to be read as another's
@@ -100,7 +115,7 @@ class HeldPull:
                 status = headers.get("Status")
                 if status is not None:
                     if status in _EMPTY_STATUSES:
-                        return came
+                        break
                     log.warning(
                         "webhook_pull_refused",
                         consumer=self._consumer,
@@ -112,15 +127,16 @@ class HeldPull:
                     came += 1
                     await handle(reply)
         except NatsTimeoutError:
-            log.info("webhook_pull_lost", consumer=self._consumer, received=came)
+            log.info("webhook_pull_lost", consumer=self._consumer, held=held, received=came)
             await self._abandon()
             return came or None
+        self._busy = came > 0
         return came
 
     async def interrupt(self) -> None:
         """Ends the pull held now, and every later one (a stop)."""
         self._interrupted = True
-        if self._holding and self._subscription is not None and self._nc.is_connected:
+        if self._waiting and self._subscription is not None and self._nc.is_connected:
             # next_msg is woken by a message alone: cancelling it could drop one it had taken.
             with contextlib.suppress(Exception):
                 await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})

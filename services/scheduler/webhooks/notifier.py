@@ -108,7 +108,7 @@ class Notifier:
     async def _run(self) -> None:
         assert self._pull is not None
         while not self._closing:
-            # Held open while idle; each record write is handled as it arrives (held_pull.py).
+            # What is there, or one held for up to 10 s while idle (held_pull.py).
             try:
                 came = await self._pull.pull(FETCH_BATCH, self._handle_unless_closing)
             except NATS_FAILURES as exc:

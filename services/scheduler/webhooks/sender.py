@@ -138,8 +138,8 @@ class Sender:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            # Held open while idle (held_pull.py); each delivery starts as it arrives, and the
-            # pull asks for no more than the slots free now, so at most `limit` are in flight.
+            # What is there, or one held for up to 10 s while idle (held_pull.py); each delivery
+            # starts as it arrives, and a pull asks for no more than the slots free now.
             try:
                 came = await self._pull.pull(free, self._start)
             except NATS_FAILURES as exc:
