@@ -1,4 +1,4 @@
-"""Pulls of a webhook consumer: what is there now while busy, one pull held open while idle.
+"""Pulls of a webhook consumer: what is there now while busy, a pull held open while idle.
 
 Both webhook consumers (the sender's deliveries, the notifier's record writes) were read with
 nats-py's `fetch(n, timeout=2)`. Measured on an idle `asyncinfer up`: ~0.87 pull requests a second
@@ -11,12 +11,9 @@ a no-wait pull of up to `count` takes what is there, a group at a time; once one
 pull of one message is held open for HOLD_S, and the server hands it over as it is stored (or as
 its retry delay passes), to be handled at once; a pull that expired empty is followed by another
 held one. Idle, that is one request per consumer every HOLD_S; a lone message costs two requests
-(its held pull, then the no-wait pull that finds nothing after it). A held pull of `count`, each
-message handled as it came, was tried first: the server then sends each record write on its own
-the moment it is stored, and with the notifier reading every job's three writes the scheduler's
-CPU per job in a burst was 1.17x (bench/results/ab_idle_stack_notifier.md). HOLD_S is not
-longer, for the scheduler's reason: a scheduler whose host hangs (no connection closed) may be
-handed the held message meanwhile, back after its consumer's AckWait.
+(its held pull, then the no-wait pull that finds nothing after it); a burst, one per `count`, as
+fetch did. HOLD_S is not longer, for the scheduler's reason: a scheduler whose host hangs (no
+connection closed) may be handed the held message meanwhile, back after its consumer's AckWait.
 
 A stop cannot wait out a hold: `interrupt` wakes the inbox with a message of its own (the
 scheduler's NATS user may publish to its own inbox), and what the server was sending at that
@@ -72,8 +69,8 @@ class HeldPull:
         self._interrupted = False
 
     async def pull(self, count: int, handle: Handle) -> int | None:
-        """Up to `count` messages, awaiting `handle` with each as it arrives: those there now
-        after a pull that brought some, else one, waited for up to the hold. How many came; None
+        """Up to `count` messages, then `handle` awaited with each: those there now after a pull
+        that brought some, else one, waited for up to the hold. How many came; None
         when no pull could be made (NATS away, the pull refused or lost): the caller waits before
         the next, or it would ask in a loop."""
         if count <= 0 or self._interrupted:
@@ -100,9 +97,10 @@ class HeldPull:
             log.warning("webhook_pull_not_sent", consumer=self._consumer, error=str(exc))
             await self._abandon()
             return None
-        came = 0
+        msgs: list[Msg] = []
+        lost = False
         try:
-            while came < wanted and not self._interrupted:
+            while len(msgs) < wanted and not self._interrupted:
                 self._waiting = True
                 try:
                     reply = await subscription.next_msg(timeout=timeout_s)
@@ -114,24 +112,29 @@ class HeldPull:
                     break
                 status = headers.get("Status")
                 if status is not None:
-                    if status in _EMPTY_STATUSES:
-                        break
-                    log.warning(
-                        "webhook_pull_refused",
-                        consumer=self._consumer,
-                        status=status,
-                        description=headers.get("Description", ""),
-                    )
-                    return came or None
+                    if status not in _EMPTY_STATUSES:
+                        log.warning(
+                            "webhook_pull_refused",
+                            consumer=self._consumer,
+                            status=status,
+                            description=headers.get("Description", ""),
+                        )
+                        lost = True
+                    break
                 if reply.reply:
-                    came += 1
-                    await handle(reply)
+                    msgs.append(reply)
         except NatsTimeoutError:
-            log.info("webhook_pull_lost", consumer=self._consumer, held=held, received=came)
+            log.info("webhook_pull_lost", consumer=self._consumer, held=held, received=len(msgs))
             await self._abandon()
-            return came or None
-        self._busy = came > 0
-        return came
+            lost = True
+        # Handled once the pull's answer is complete, as fetch did (a no-wait pull's comes at once,
+        # a held pull brings one): their acks then leave together, in a few socket writes.
+        for msg in msgs:
+            await handle(msg)
+        self._busy = bool(msgs) and not lost
+        if lost and not msgs:
+            return None
+        return len(msgs)
 
     async def interrupt(self) -> None:
         """Ends the pull held now, and every later one (a stop)."""

@@ -138,8 +138,8 @@ class Sender:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            # What is there, or one held for up to 10 s while idle (held_pull.py); each delivery
-            # starts as it arrives, and a pull asks for no more than the slots free now.
+            # What is there, or one held for up to 10 s while idle (held_pull.py); a pull asks for
+            # no more than the slots free now.
             try:
                 came = await self._pull.pull(free, self._start)
             except NATS_FAILURES as exc:
@@ -149,6 +149,10 @@ class Sender:
                 await asyncio.sleep(STATUS_RETRY_DELAY_S)  # NATS away or the pull refused: not a loop
 
     async def _start(self, msg: Msg) -> None:
+        if self._closing:  # pulled as the sender stops: back at once, to this or another scheduler
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            return
         task = asyncio.create_task(self._deliver(msg))
         self._deliveries.add(task)
         task.add_done_callback(self._finished)
