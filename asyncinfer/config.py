@@ -846,8 +846,9 @@ class WebhooksConfig(_Section):
         8,
         ge=1,
         description="Of those, at most this many to one origin (scheme, host and port) at once; a delivery past it "
-        "waits request_timeout_s without an attempt. A receiver that hangs took every slot, and every other "
-        "receiver's webhooks waited for as long as it hung.",
+        "waits for one of them to end, or, while the origin is slow (an attempt in flight for over a second), "
+        "request_timeout_s without an attempt. A receiver that hangs took every slot, and every other receiver's "
+        "webhooks waited for as long as it hung.",
     )
 
     @field_validator("allowed_networks")

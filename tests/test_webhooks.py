@@ -445,3 +445,19 @@ async def test_an_idle_scheduler_holds_its_webhook_pulls_open_and_sends_a_due_de
     # Nothing waits out a hold (the old fetch held a lone record write, then a lone delivery, for
     # up to 2 s each).
     assert received.at - submitted < 2.0, f"sent {received.at - submitted:.2f} s after the submit"
+
+
+async def test_a_burst_to_one_receiver_waits_for_its_share_not_for_the_request_timeout(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """A scale pass (session 27): 1,000 jobs' webhooks to one healthy receiver arrived over 32 s,
+    though the jobs had ended in 2.3 s: a delivery past the origin's share (8) was put back for
+    request_timeout_s (15 s) unattempted. It now waits for one of the origin's attempts to end while
+    the origin answers; a receiver that hangs still gets only its share (the test above)."""
+    stack = await start_stack(
+        webhook_config(config, max_concurrent_deliveries=8, max_concurrent_per_origin=2, request_timeout_s=15.0)
+    )
+    jobs = {await submit(stack, receiver.url("/burst")) for _ in range(30)}
+    async with asyncio.timeout(8.0):  # put back for 15 s, the sixth and later waited past it
+        delivered = await receiver.wait_for("/burst", len(jobs))
+    assert {json.loads(r.body)["data"]["job_id"] for r in delivered} == jobs
