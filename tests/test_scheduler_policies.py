@@ -908,9 +908,21 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     pulls = await RequestsSeen.on(
         h.nc, consumer_next_subject(config.nats.work_stream, "*"), lambda subject, _data: f".work-{MODEL}-" in subject
     )
+    # Nor does it wake to look at its connection: the client's callbacks tell it of a change (it
+    # looked every second, a wake-up per model a second).
+    wakes = 0
+    real_wait = dispatcher._wait
+
+    async def counted(*events: asyncio.Event, timeout_s: float | None = None) -> bool:
+        nonlocal wakes
+        wakes += 1
+        return await real_wait(*events, timeout_s=timeout_s)
+
+    monkeypatch.setattr(dispatcher, "_wait", counted)
     try:
         await asyncio.sleep(2.0)
         assert pulls.count == 0, f"{pulls.count} pull requests in 2 s of idle"
+        assert wakes == 0, f"{wakes} wake-ups in 2 s of idle"
     finally:
         await pulls.close()
     job_id = await enqueue(h.nc, h.kv, announce=False)

@@ -189,15 +189,18 @@ class ModelDispatcher:
         """Waits, after a round found the queues empty, until the doorbell rings or they are worth
         asking again. While a pull is held open on every priority's queue, whatever a queue gets
         next reaches one (a job, a redelivery, a retry whose delay passed): no poll, until one
-        ends (it brought a job, expired or was refused) or their connection is lost (looked at
-        every CONNECTION_CHECK_S: no request). Otherwise, or after that, every poll interval as
+        ends (it brought a job, expired or was refused) or their connection is lost or back (the
+        client's callbacks say so; looked at every CONNECTION_CHECK_S besides: no request). Otherwise, or after that, every poll interval as
         without them (so a pull that cannot be held, NATS away, does not make a loop of rounds)."""
         held = self._held
         if held is not None:
             held.open()
             while True:
-                while held.holding_all() and not held.one_ended.is_set():
-                    if not await self._wait(self._doorbell, held.one_ended, timeout_s=CONNECTION_CHECK_S):
+                while True:
+                    changed = self._queues.connection_changed()  # before the look: no change missed
+                    if not held.holding_all() or held.one_ended.is_set():
+                        break
+                    if not await self._wait(self._doorbell, held.one_ended, changed, timeout_s=CONNECTION_CHECK_S):
                         return  # stopping
                     if self._doorbell.is_set():
                         return

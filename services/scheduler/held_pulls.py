@@ -14,7 +14,7 @@ closed) may be handed a job per priority for as long as its pulls last, each bac
 A pull sent on a connection that was lost since may be gone with it (a server restarted) or still
 there (the client alone reconnected; its inbox is subscribed again on the new connection, so what
 it brings still arrives): `holding` says no for it, so queued notices ring again and the dispatcher
-polls (it checks every CONNECTION_CHECK_S), and the pull is still seen to its end, its expiry or
+polls (the connection's callbacks wake it), and the pull is still seen to its end, its expiry or
 its timeout. Every held pull is seen to its end (a message, or the server's 408 when it expires)
 except at a stop (`close`: a stop cannot wait out a hold): a pull given up early leaves a message
 the server was sending it at that moment with a listener that is gone, back in the queue after
@@ -44,8 +44,10 @@ Deliver = Callable[[Msg, Priority], Awaitable[None]]
 # host hangs (no connection closed) may be handed a job per priority meanwhile (back after AckWait):
 # 10 s rather than the 30 s first measured (0.21 requests a second per model), a third of that window.
 HOLD_S = 10.0
-# How often an idle dispatcher checks that its held pulls' connection was not lost (no request).
-CONNECTION_CHECK_S = 1.0
+# How often an idle dispatcher looks at its held pulls' connection besides being told of a change
+# (asyncinfer.nats.connection.ConnectionChanges; no request). It looked every second, a wake-up per
+# model a second.
+CONNECTION_CHECK_S = 10.0
 
 
 class HeldPulls:

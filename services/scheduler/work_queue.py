@@ -26,6 +26,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
+from asyncinfer.nats.connection import connection_changes
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 log = structlog.get_logger("asyncinfer.scheduler.queue")
@@ -327,6 +328,10 @@ class ModelQueues:
     def connection(self) -> int:
         """The client's connection_epoch: a pull sent on another one is gone."""
         return connection_epoch(self._nc)
+
+    def connection_changed(self) -> asyncio.Event:
+        """Set at the client's next change of connection (lost, or back)."""
+        return connection_changes(self._nc).next()
 
     async def interrupt_holds(self) -> None:
         """Ends the pulls held open now, and every later one (see PullInbox.interrupt)."""
