@@ -51,6 +51,23 @@ FORKED = (
     "cannot use gRPC (its threads are not copied); make clients in each worker started with "
     "multiprocessing's 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
 )
+CLOSED_MEANWHILE = "the client was closed while this call ran"
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The client's thread: its loop, until `close()` stops it. What is still on the loop then (a
+    call another thread is in, sleeping before a retry: closing the channel does not end that) is
+    cancelled and unwound here, so that its caller is answered instead of waiting for ever."""
+    try:
+        loop.run_forever()
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.wait(left, timeout=5.0))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
 
 class Client:
@@ -78,7 +95,7 @@ class Client:
     ) -> None:
         self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncinfer-client", daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._loop,), name="asyncinfer-client", daemon=True)
         self._thread.start()
         self._closed = False
 
@@ -120,7 +137,11 @@ class Client:
             finally:
                 ended.set()
 
-        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+        try:
+            future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+        except RuntimeError:  # another thread's close() closed the loop since the check above
+            coroutine.close()
+            raise RuntimeError("the client is closed") from None
         try:
             while True:
                 # In slices: Ctrl-C (SIGINT) reaches Python's handler in whichever thread the
@@ -131,13 +152,20 @@ class Client:
                 except concurrent.futures.TimeoutError:
                     if future.done():  # the call's own outcome (a TimeoutError of its own included)
                         return future.result()
+                    if not self._thread.is_alive():  # closed by another thread before this call began
+                        raise RuntimeError(CLOSED_MEANWHILE) from None
+                except concurrent.futures.CancelledError:
+                    if self._closed:  # cancelled by the closing loop (_serve), not by this thread
+                        raise RuntimeError(CLOSED_MEANWHILE) from None
+                    raise
         except BaseException:
             # KeyboardInterrupt or the like in the caller: stop the call instead of leaving it
             # running, and wait (a while) for it to stop: the future says cancelled at once, its
             # task only once it has unwound (a generator stepped by it is then free to close).
             if not future.done():
                 future.cancel()
-                ended.wait(timeout=5.0)
+                if self._thread.is_alive():  # else nothing runs it: it never ends
+                    ended.wait(timeout=5.0)
             raise
 
     def _iterate(self, generator: AsyncGenerator[T, None]) -> Iterator[T]:
@@ -162,7 +190,8 @@ class Client:
                         self._run(generator.aclose())
 
     def close(self) -> None:
-        """Closes the channel and stops the thread; idempotent."""
+        """Closes the channel and stops the thread; idempotent. A call another thread is in
+        raises RuntimeError."""
         if self._closed:
             return
         if os.getpid() != self._pid:  # a forked child's copy: nothing of it runs here to stop
@@ -173,8 +202,7 @@ class Client:
         finally:
             self._closed = True
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._thread.join()  # _serve answers what is left and closes the loop
 
     def __enter__(self) -> Client:
         return self
