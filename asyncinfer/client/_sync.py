@@ -17,6 +17,8 @@ import contextlib
 import os
 import sys
 import threading
+import warnings
+import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, BinaryIO, TypeVar
@@ -70,6 +72,30 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
+def _collected(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: int, target: str) -> None:
+    """A Client dropped without close(): its thread would run for ever, holding its loop and the
+    channel's sockets (a thread and 3 descriptors each; a web app making one per request ran
+    out). Closes it as a file does, and says so; runs in whatever thread collected it, so it does
+    not wait."""
+    if os.getpid() != pid:  # a forked child's copy: nothing of it runs here
+        return
+
+    async def close() -> None:
+        try:
+            await client.close()
+        finally:
+            loop.stop()  # _serve then ends the thread
+
+    with contextlib.suppress(RuntimeError):  # the loop closed already (the interpreter exiting)
+        asyncio.run_coroutine_threadsafe(close(), loop)
+    warnings.warn(
+        f"an asyncinfer Client for {target} was never closed (closed now, as it was garbage-collected): "
+        "close() it, or use `with Client(...)`",
+        ResourceWarning,
+        stacklevel=1,  # no caller's line to point at: the collector called it
+    )
+
+
 class Client:
     """A blocking client for one gateway; the same calls as `AsyncClient`, with iterators for
     `watch`, `list` and `bulk`.
@@ -115,6 +141,8 @@ class Client:
             )
 
         self._client = self._run(make())
+        self._collected = weakref.finalize(self, _collected, self._loop, self._client, self._pid, target)
+        self._collected.atexit = False  # at exit the daemon thread just ends, as before
 
     @property
     def async_client(self) -> AsyncClient:
@@ -194,6 +222,7 @@ class Client:
         raises RuntimeError."""
         if self._closed:
             return
+        self._collected.detach()
         if os.getpid() != self._pid:  # a forked child's copy: nothing of it runs here to stop
             self._closed = True
             return
