@@ -5,12 +5,19 @@ after the SDK was used, Ctrl-C in a notebook's `run`."""
 from __future__ import annotations
 
 import gc
+import os
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
 import pytest
 
 from asyncinfer.client import Client, RetryPolicy
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def refused_address() -> str:
@@ -60,3 +67,43 @@ def test_a_client_dropped_without_close_is_closed_with_a_resource_warning() -> N
         gc.collect()
     thread.join(5)
     assert not thread.is_alive(), "the dropped client's thread still runs"
+
+
+FORK_AFTER_USE = textwrap.dedent(
+    """
+    import asyncio, os, sys
+    from asyncinfer.client import AsyncClient, Client
+
+    async def use_async_client():
+        await AsyncClient(sys.argv[1]).models()
+
+    Client(sys.argv[1]).close()  # a gunicorn --preload app checking its gateway at import
+    pid = os.fork()
+    if pid == 0:
+        told = 0
+        for make in (lambda: Client(sys.argv[1]).models(), lambda: asyncio.run(use_async_client())):
+            try:
+                make()
+            except RuntimeError as error:
+                told += "forked from one that had already made an asyncinfer client" in str(error)
+            except Exception as error:
+                print(type(error).__name__, error)
+        os._exit(0 if told == 2 else 3)
+    _, status = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_client_made_in_a_child_forked_after_the_sdk_was_used_says_so() -> None:
+    """A worker forked (gunicorn --preload, Celery prefork, multiprocessing on Linux) from a parent
+    that had made a client, closed or not, making its own: its first call crashed the worker
+    (SIGSEGV), or hung while the parent's client was open. Now RuntimeError, saying what to do."""
+    child = subprocess.run(
+        [sys.executable, "-c", FORK_AFTER_USE, refused_address()],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-2000:])

@@ -99,6 +99,25 @@ _CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.primary_user_agent", "asyncinfer-python"),
 )
 
+# The process in which the SDK made its first channel. gRPC's state (the C core's threads,
+# grpc.aio's poller) is not carried over by fork(): a child forked after that, making a client of
+# its own, crashed on its first call (SIGSEGV) or hung (the parent's client still open), whether
+# gRPC's fork support was on or off (grpcio 1.85); now it is told at once.
+_channel_pid: int | None = None
+FORKED_AFTER_USE = (
+    "this process was forked from one that had already made an asyncinfer client, and gRPC cannot be "
+    "used in such a child: make clients only after the fork, never before it in the parent (gunicorn "
+    "--preload: in post_fork or on first use; Celery prefork: in worker_process_init), or start workers "
+    "with multiprocessing's 'spawn' or 'forkserver' method (multiprocessing.get_context('spawn'))"
+)
+
+
+def check_not_forked() -> None:
+    """Raises RuntimeError in a child forked after this SDK made a channel (FORKED_AFTER_USE)."""
+    if _channel_pid is not None and _channel_pid != os.getpid():
+        raise RuntimeError(FORKED_AFTER_USE)
+
+
 # What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
 BatchData = (
     bytes
@@ -213,6 +232,9 @@ class AsyncClient:
             *_CHANNEL_OPTIONS,
             *(Keepalive(keepalive_s).client_options() if keepalive_s is not None else ()),
         ]
+        check_not_forked()
+        global _channel_pid
+        _channel_pid = os.getpid()
         if credentials is None and (tls_ca_file or tls_cert_file or tls_key_file):
             credentials = tls_credentials(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
         self._tls = credentials is not None

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.client._async import AsyncClient, BatchData, JobLike
+from asyncinfer.client._async import AsyncClient, BatchData, JobLike, check_not_forked
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
@@ -119,6 +119,7 @@ class Client:
         tls_key_file: str | os.PathLike[str] | None = None,
         keepalive_s: float | None = 30.0,
     ) -> None:
+        check_not_forked()  # before a thread and a loop are started for nothing
         self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_serve, args=(self._loop,), name="asyncinfer-client", daemon=True)
