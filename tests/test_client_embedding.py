@@ -4,18 +4,26 @@ after the SDK was used, Ctrl-C in a notebook's `run`."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
-from asyncinfer.client import Client, RetryPolicy
+from asyncinfer.client import Client, DeadlineExceededError, JobState, RetryPolicy
+from asyncinfer.config import Config
+from asyncinfer.queued_notice import decode_queued_notice
+from tests.stack import ThreadedStack
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -107,3 +115,93 @@ def test_a_client_made_in_a_child_forked_after_the_sdk_was_used_says_so() -> Non
         timeout=60,
     )
     assert child.returncode == 0, (child.returncode, child.stdout, child.stderr[-2000:])
+
+
+@pytest.fixture
+def threaded_stack(config: Config) -> Iterator[ThreadedStack]:
+    """No batcher (jobs stay QUEUED), on its own loop: the test's thread is free to block, and to
+    take a SIGINT."""
+    with ThreadedStack(config, batcher=False) as running:
+        yield running
+
+
+class Interrupter:
+    """SIGINT to this (the main) thread, as Ctrl-C or a notebook's interrupt would: once the gateway
+    queues a job (`on_queued`: the held submit of a run is under way), or once this thread is in
+    `Client.wait` (`in_wait`). `queued`: the keys of the jobs queued."""
+
+    def __init__(self, stack: ThreadedStack) -> None:
+        self._main = threading.get_ident()
+        self._armed = threading.Event()
+        self.queued: list[str] = []
+
+        async def heard(msg: Any) -> None:
+            self.queued.append(decode_queued_notice(msg.data)[0])
+            if self._armed.is_set():
+                self._armed.clear()
+                signal.pthread_kill(self._main, signal.SIGINT)
+
+        async def subscribe() -> None:
+            await stack.stack.nc.subscribe("asyncinfer.queued.>", cb=heard)
+            await stack.stack.nc.flush()
+
+        stack.run(subscribe)
+
+    def on_queued(self) -> None:
+        self._armed.set()
+
+    @contextlib.contextmanager
+    def in_wait(self) -> Iterator[None]:
+        done = threading.Event()
+
+        def watch_the_main_thread() -> None:
+            # No event says a blocking call has begun: look at the main thread's stack.
+            while not done.is_set():
+                if any(frame.f_code is Client.wait.__code__ for frame in _stack(sys._current_frames()[self._main])):
+                    signal.pthread_kill(self._main, signal.SIGINT)
+                    return
+                done.wait(0.005)
+
+        thread = threading.Thread(target=watch_the_main_thread, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:  # never a SIGINT after the block, whatever happened in it
+            done.set()
+            thread.join()
+
+
+def _stack(frame: Any) -> Iterator[Any]:
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def test_ctrl_c_in_a_blocking_run_or_wait_says_where_the_job_is(threaded_stack: ThreadedStack) -> None:
+    """A notebook's `y = client.run(...)` interrupted: the job went on, and nothing said which it was
+    (the gateway holds a run's submit until the job ends, so the interrupt mostly comes before any
+    job ID is back). The KeyboardInterrupt now carries a note: the idempotency key that finds the
+    job, or the job's ID."""
+    x = np.ones((1, 4), np.float32)
+    with Client(threaded_stack.stack.address) as client:
+        interrupter = Interrupter(threaded_stack)
+        interrupter.on_queued()
+        with pytest.raises(KeyboardInterrupt) as interrupted:
+            client.run("demo", {"x": x})
+        [note] = interrupted.value.__notes__
+        key = note.split("idempotency_key='")[1].split("'")[0]
+        found = client.submit("demo", {"x": x}, idempotency_key=key)
+        assert interrupter.queued == [f"default.{found.job_id}"], "the key finds the interrupted run's job alone"
+
+        job = client.submit("demo", {"x": x})
+        with interrupter.in_wait(), pytest.raises(KeyboardInterrupt) as interrupted:
+            client.wait(job.job_id)
+        [note] = interrupted.value.__notes__
+        assert f"client.wait({job.job_id!r})" in note
+        assert client.get(job).state is JobState.QUEUED  # it goes on, and the client still works
+
+        # Its deadline names the job and the run's own time (it said the wait's: "within 0.25 s").
+        with pytest.raises(
+            DeadlineExceededError, match=r"the run of job \S+ \(it goes on\) did not complete within 1 s"
+        ):
+            client.run("demo", {"x": x}, timeout_s=1)

@@ -705,12 +705,34 @@ class AsyncClient:
         JobFailedError when the job ends in any state but SUCCEEDED. `timeout_s` bounds the whole
         run; submit options are those of `submit`. A job that ends within the submit's own
         deadline is answered by that one call (the gateway holds its answer: `submit`'s `wait_s`);
-        a longer one is then watched to its end."""
+        a longer one is then watched to its end. When `timeout_s` passes, DeadlineExceededError
+        names the job (it goes on)."""
+        return await self._run_job(model, inputs, timeout_s, submit_options, submitted=None)
+
+    async def _run_job(
+        self,
+        model: str,
+        inputs: Inputs | None,
+        timeout_s: float | None,
+        submit_options: dict[str, Any],
+        submitted: Callable[[Job], None] | None,
+    ) -> dict[str, npt.NDArray[np.generic]]:
+        """`run`; `submitted` is told the job once the gateway has answered (the blocking Client
+        names it when Ctrl-C interrupts the run)."""
         deadline = Deadline(timeout_s)
         budget = _unary_budget(deadline, self.timeout_s)
         submit_options.setdefault("wait_s", budget)  # cut to leave the answer its time (submit_request)
         job = await self.submit(model, inputs, timeout_s=budget, **submit_options)
-        done = job if job.done else await self.wait(job, timeout_s=deadline.remaining())
+        if submitted is not None:
+            submitted(job)
+        try:
+            done = job if job.done else await self.wait(job, timeout_s=deadline.remaining())
+        except DeadlineExceededError as error:
+            if not deadline.expired():
+                raise
+            # The wait's own text gave what was left of the run's time ("within 0.495 s" for a
+            # run given 2 s): say the run's.
+            raise deadline.exceeded(f"the run of job {job.job_id} (it goes on)") from error
         if not done.succeeded:
             raise JobFailedError(done)
         return await self.outputs(done, timeout_s=deadline.remaining())

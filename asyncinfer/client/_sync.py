@@ -17,6 +17,7 @@ import contextlib
 import os
 import sys
 import threading
+import uuid
 import warnings
 import weakref
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
@@ -321,12 +322,44 @@ class Client:
         return self._iterate(self._client.watch(job, after_revision=after_revision, timeout_s=timeout_s))
 
     def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
-        return self._run(self._client.wait(job, timeout_s=timeout_s))
+        try:
+            return self._run(self._client.wait(job, timeout_s=timeout_s))
+        except KeyboardInterrupt as interrupt:
+            # `client.wait(client.submit(...))` in a notebook: the job ID was never seen.
+            job_id = job.job_id if isinstance(job, Job) else job
+            interrupt.add_note(f"job {job_id} goes on: client.wait({job_id!r}) waits for it again")
+            raise
 
     def run(
         self, model: str, inputs: Inputs | None = None, *, timeout_s: float | None = None, **submit_options: Any
     ) -> dict[str, npt.NDArray[np.generic]]:
-        return self._run(self._client.run(model, inputs, timeout_s=timeout_s, **submit_options))
+        """See `AsyncClient.run`. Interrupted (Ctrl-C, a notebook's interrupt), its job goes on:
+        the KeyboardInterrupt's note names it, or, when the gateway had not answered the submit
+        yet, the idempotency key that finds it."""
+        # Known here, not only inside the submit: a run is mostly interrupted while the gateway
+        # holds the submit's answer (wait_s), before any job ID has come back.
+        key = submit_options.get("idempotency_key") or str(uuid.uuid4())
+        submitted: builtins.list[Job] = []
+        try:
+            return self._run(
+                self._client._run_job(
+                    model, inputs, timeout_s, {**submit_options, "idempotency_key": key}, submitted.append
+                )
+            )
+        except KeyboardInterrupt as interrupt:
+            if submitted:
+                job_id = submitted[0].job_id
+                interrupt.add_note(
+                    f"the run's job {job_id} goes on: client.wait({job_id!r}) waits for it again, "
+                    f"client.cancel({job_id!r}) stops it"
+                )
+            else:
+                interrupt.add_note(
+                    f"the gateway had not answered the run's submit yet, so its job may be queued: submitting "
+                    f"the same request with idempotency_key={key!r} returns that job if so (and queues it once "
+                    "if not)"
+                )
+            raise
 
     def outputs(self, job: Job, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
         return self._run(self._client.outputs(job, timeout_s=timeout_s))
