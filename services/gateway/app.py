@@ -73,6 +73,7 @@ class GatewayApp:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
+        self.metrics.count_models(model.name for model in config.models)
         self.supervisor = Supervisor("gateway")
         interval_s = config.logging.summary_interval_s
         self.summary = WorkSummary(interval_s) if interval_s > 0 else None

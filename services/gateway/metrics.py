@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobRecord, Priority
 from asyncinfer.metrics import JobTimings, register_build_info
 from asyncinfer.rpc_metrics import RpcMetrics
 
@@ -50,6 +50,15 @@ class GatewayMetrics:
             registry=registry,
         )
         self.watchers = Gauge("asyncinfer_watchers", "Open WatchJob streams.", registry=registry)
+
+    def count_models(self, models: Iterable[str]) -> None:
+        """The counters that panels and alerts take rate() or increase() of, at 0 for each model from
+        the start: Prometheus sees no increase in a series whose first sample is already 1 (the
+        first refusals for a full store, a burst of submits between two scrapes)."""
+        for model in models:
+            for priority in Priority:
+                self.jobs_submitted.labels(model=model, priority=priority.value)
+            self.submit_rejected.labels(model=model, code="RESOURCE_EXHAUSTED", reason="STORE_FULL")
 
     def expired_on_read_of(self, record: JobRecord) -> None:
         self.expired_on_read.labels(model=record.model_name).inc()

@@ -90,6 +90,7 @@ class SchedulerApp:
         interval_s = config.logging.summary_interval_s
         self.summary = WorkSummary(interval_s) if interval_s > 0 else None
         self.metrics = SchedulerMetrics(CollectorRegistry(), summary=self.summary)
+        self.metrics.count_models(model.name for model in config.models)
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
         self.tracing = Tracing.start(config.tracing, service="scheduler")

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from asyncinfer import job_errors
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.metrics import JobTimings, register_build_info
 from asyncinfer.rpc_metrics import RpcMetrics
@@ -26,6 +27,7 @@ class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry, *, summary: WorkSummary | None = None) -> None:
         self.registry = registry
         self.summary = summary
+        self._models_counted: set[str] = set()
         register_build_info(registry, "scheduler")
         self.rpc = RpcMetrics(registry)
         self.job_timings = JobTimings(registry)
@@ -98,6 +100,21 @@ class SchedulerMetrics:
             registry=registry,
         )
 
+    def count_models(self, models: Iterable[str]) -> None:
+        """The per-model counters that alerts and panels take increase() or rate() of, at 0 from the
+        moment the model is known: Prometheus sees no increase in a series whose first sample is
+        already 1, so a model's first dead letters (every one of a burst between two scrapes) were
+        not seen, and a model that never finished a job had no results series to alert on."""
+        for model in models:
+            if model in self._models_counted:
+                continue
+            self._models_counted.add(model)
+            for state in JobState:
+                self.jobs.labels(model=model, state=state.value)
+            self.dead_letters.labels(model=model, reason=job_errors.MAX_ATTEMPTS)
+            self.completed.labels(model=model)
+            self.lease_expiries.labels(model=model)
+
     def job_transition(self, record: JobRecord) -> None:
         """A record the scheduler wrote: counted by its new state (for the metric and for the
         log's jobs_summary), and timed once terminal."""
@@ -109,6 +126,7 @@ class SchedulerMetrics:
     def observe(self, snapshots: Iterable[ModelQueueSnapshot]) -> None:
         for snapshot in snapshots:
             model = snapshot.model_name
+            self.count_models((model,))
             for queue in snapshot.priorities:
                 labels = {"model": model, "priority": queue.priority.value}
                 self.queue_depth.labels(**labels).set(queue.depth)

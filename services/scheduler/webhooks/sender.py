@@ -60,6 +60,11 @@ def backoff_delay(failures: int, *, base_s: float, max_s: float, rng: random.Ran
     return rng.uniform(0.0, cap)
 
 
+# How an attempt ended (services.scheduler.webhooks.post_attempt): the status class, 410 (the URL is
+# disabled), ERROR (no answer) or REFUSED (the address is not allowed).
+ATTEMPT_OUTCOMES = ("2XX", "3XX", "4XX", "5XX", "410", "ERROR", "REFUSED")
+
+
 class WebhookMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.attempts = Counter(
@@ -74,6 +79,13 @@ class WebhookMetrics:
             ["state"],
             registry=registry,
         )
+        # At 0 from the start, so that increase() sees the first failure (a series first scraped at 1
+        # has no increase to Prometheus).
+        for outcome in ATTEMPT_OUTCOMES:
+            self.attempts.labels(outcome=outcome)
+        for state in DeliveryState:
+            if state.is_final:
+                self.finished.labels(state=state.value)
 
 
 def _origin(url: str) -> str:
