@@ -8,9 +8,11 @@ import grpc
 import numpy as np
 import pytest
 
-from asyncinfer.config import Config
+from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
-from tests.stack import Stack
+from services.batcher.models.demo import GATE
+from tests.stack import Stack, StartStack
 
 
 def demo_request(rows: list[list[float]]) -> job_service_pb2.SubmitJobRequest:
@@ -76,3 +78,28 @@ async def test_invalid_request_queues_nothing(config: Config, idle_stack: Stack)
     kv = await js.key_value(config.nats.jobs_bucket)
     status = await kv.status()
     assert status.values == 0, "a refused job leaves no record"
+
+
+async def test_a_job_whose_deadline_passes_in_its_batchers_queue_is_expired(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Dispatched before its queue deadline, it waits in the batcher behind a batch that computes;
+    its deadline passes there and the batcher drops it unrun: EXPIRED, as a job past its deadline in
+    the queue is (it was FAILED, DEADLINE_EXCEEDED: the scheduler read a drop with an error as a
+    failed attempt, so the failed-jobs metric and alerts counted it)."""
+    gated = DEMO_MODEL.model_copy(update={"name": "gated", "loader": "services.batcher.models.demo:build_gated_model"})
+    stack = await start_stack(config.replace(models=[gated]))
+    GATE.clear()  # the first batch computes until the gate opens
+    try:
+        async with AsyncClient(stack.address) as client:
+            first = await client.submit("gated", {"x": [[1, 2, 3, 4]]})
+            late = await client.submit("gated", {"x": [[1, 2, 3, 4]]}, queue_ttl_s=0.5)
+            ended = await client.wait(late, timeout_s=10)
+            GATE.set()
+            assert ended.state is JobState.EXPIRED, ended.error
+            assert ended.error is not None
+            assert ended.error.reason == "DEADLINE_EXCEEDED"
+            assert ended.attempt == 1  # it was dispatched: the batcher dropped it
+            assert (await client.wait(first, timeout_s=10)).state is JobState.SUCCEEDED
+    finally:
+        GATE.set()

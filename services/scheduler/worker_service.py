@@ -130,7 +130,10 @@ def result_from_proto(message: worker_service_pb2.WorkResult) -> WorkResult:
         error=error,
         batch_size=message.batch_size,
         compute_s=message.compute_duration.seconds + message.compute_duration.nanos / 1e9,
-        dropped=message.dropped and error is None,
+        # Dropped unrun, with the error that says why (cancelled, expired: the proto's contract) or
+        # none (a batcher that stops): a drop, not a failed attempt. Read as a failure, a job whose
+        # deadline passed in its batcher's queue ended FAILED rather than EXPIRED.
+        dropped=message.dropped,
         output_ref=_output_ref(message) if error is None else None,
     )
 
