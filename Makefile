@@ -63,15 +63,17 @@ docs: $(STAMP)
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
 
-# The shells the completion tests source their scripts in (tests/test_cli_completion.py), and the
-# headless chromium the console's tests drive (tests/test_console.py), installed here when missing
-# and running as root; without them those tests fail rather than skip.
+# The shells the completion tests source their scripts in (tests/test_cli_completion.py), the
+# headless chromium the console's tests drive (tests/test_console.py), and promtool (Debian's
+# prometheus package), which tests the alert rules (tests/test_deploy_metrics.py), installed here
+# when missing and running as root; without them those tests fail rather than skip.
 SHELLS_STAMP := $(VENV)/.shells
 $(SHELLS_STAMP): $(STAMP)
-	@for tool in zsh fish chromium; do \
+	@for pair in zsh:zsh fish:fish chromium:chromium promtool:prometheus; do \
+		tool=$${pair%%:*}; package=$${pair##*:}; \
 		if ! command -v $$tool >/dev/null; then \
-			if [ "$$(id -u)" = 0 ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$tool; \
-			else echo "$$tool is missing (tests need it): run 'sudo apt-get install -y $$tool'"; fi; \
+			if [ "$$(id -u)" = 0 ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$package; \
+			else echo "$$tool is missing (tests need it): run 'sudo apt-get install -y $$package'"; fi; \
 		fi; \
 	done
 	touch $@
