@@ -144,6 +144,10 @@ class HeldPull:
             with contextlib.suppress(Exception):
                 await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
 
+    @property
+    def connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
     async def close(self) -> None:
         await self._abandon()
 
@@ -155,8 +159,10 @@ class HeldPull:
 
 
 async def interrupted_within(task: asyncio.Task[None], pull: HeldPull, grace_s: float) -> None:
-    """Ends a loop of pulls: interrupts the one held, gives the loop grace_s to end on its own
-    (with NATS away the interrupt cannot reach the inbox), then cancels it."""
+    """Ends a loop of pulls: interrupts the one held, gives the loop grace_s to end on its own,
+    then cancels it; at once with NATS away (the interrupt cannot reach the inbox, and nothing the
+    pull brought could be acked: a stop of `up` after its nats-server died waited out the grace)."""
     await pull.interrupt()
-    await asyncio.wait({task}, timeout=grace_s)
+    if pull.connected:
+        await asyncio.wait({task}, timeout=grace_s)
     await cancel_and_wait([task])
