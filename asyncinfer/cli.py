@@ -30,6 +30,7 @@ from typing import NoReturn
 from asyncinfer import commands as client_commands
 from asyncinfer import completion
 from asyncinfer.api_keys import hash_key
+from asyncinfer.commands.output import EXIT_INTERRUPTED
 from asyncinfer.config import render_default_config
 from asyncinfer.webhook_secrets import new_secret
 
@@ -195,12 +196,20 @@ def exit_quietly_on_broken_pipe(run: Callable[[], int]) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        # A Ctrl-C before the command's own handling began (building its parser reads the package's
+        # metadata): 130, as a shell reports it, not a traceback (a CI run's Ctrl-C test met it).
+        return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The client-only command (`python -m asyncinfer`, or `python -m asyncinfer.cli`)."""
-    parser = build_parser()
-    return exit_quietly_on_broken_pipe(lambda: run_command(parser.parse_args(argv), parser))
+
+    def command() -> int:
+        parser = build_parser()
+        return run_command(parser.parse_args(argv), parser)
+
+    return exit_quietly_on_broken_pipe(command)
 
 
 if __name__ == "__main__":
