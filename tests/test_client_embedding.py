@@ -177,6 +177,18 @@ def _stack(frame: Any) -> Iterator[Any]:
         frame = frame.f_back
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in this process, as in a terminal's or a notebook's: pytest-xdist
+    runs its workers with SIGINT ignored (the test waited for ever for an interrupt that never came)."""
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, was)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_ctrl_c_in_a_blocking_run_or_wait_says_where_the_job_is(threaded_stack: ThreadedStack) -> None:
     """A notebook's `y = client.run(...)` interrupted: the job went on, and nothing said which it was
     (the gateway holds a run's submit until the job ends, so the interrupt mostly comes before any
