@@ -367,7 +367,7 @@ class AsyncClient:
         Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
         that retrying after UNAVAILABLE or a lost answer cannot queue the job twice. Pass your own
         key to make resubmitting from another process (or after a crash) safe as well; a second
-        submit with a used key and the same request returns the first job (`deduplicated`), one with
+        submit with a used key and the same request returns the first job (its ID, its state now), one with
         another request under it raises AlreadyExistsError (IDEMPOTENCY_KEY_REUSED).
 
         `traceparent`: a W3C trace context (`00-<trace id>-<span id>-<flags>`) for the job's trace to
