@@ -36,6 +36,9 @@ async def test_a_closed_client_says_so_and_the_process_lives(idle_stack: Stack) 
             await call
     with pytest.raises(RuntimeError, match="the client is closed"):
         client.watch_batch("b")
+    with pytest.raises(RuntimeError, match="the client is closed"):  # at `async with`, not at a call in it
+        async with client:
+            pass
     await client.close()  # idempotent
 
 

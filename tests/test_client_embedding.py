@@ -61,6 +61,8 @@ def test_closing_a_shared_client_answers_the_call_another_thread_is_in() -> None
     assert "closed while this call ran" in str(outcome[0])
     with pytest.raises(RuntimeError, match="the client is closed"):
         client.models()
+    with pytest.raises(RuntimeError, match="the client is closed"), client:  # at `with`, not at a call in it
+        pass
 
 
 def test_a_client_dropped_without_close_is_closed_with_a_resource_warning() -> None:

@@ -286,6 +286,8 @@ class AsyncClient:
         return self._job_stub
 
     async def __aenter__(self) -> AsyncClient:
+        if self._closed:  # said here, not at the block's first call
+            raise RuntimeError("the client is closed")
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -236,6 +236,8 @@ class Client:
             self._thread.join()  # _serve answers what is left and closes the loop
 
     def __enter__(self) -> Client:
+        if self._closed:  # said here, not at the block's first call
+            raise RuntimeError("the client is closed")
         return self
 
     def __exit__(self, *exc: object) -> None:
