@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from asyncinfer.contract import consumer_next_subject
+from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
 from asyncinfer.supervision import cancel_and_wait
@@ -143,6 +144,18 @@ class HeldPull:
             # next_msg is woken by a message alone: cancelling it could drop one it had taken.
             with contextlib.suppress(Exception):
                 await self._nc.publish(self._subscription.subject, b"", headers={_INTERRUPT_HEADER: "1"})
+
+    async def next_round(self, count: int, handle: Handle, *, pause_s: float) -> None:
+        """One `pull` of a consumer's loop (the sender's, the notifier's): a NATS failure is logged,
+        and after a pull that could not be made (NATS away, the pull refused or lost) it waits
+        pause_s before returning, unless interrupted, so that the loop does not ask in a loop."""
+        try:
+            came = await self.pull(count, handle)
+        except NATS_FAILURES as exc:
+            log.warning("webhook_pull_failed", consumer=self._consumer, error=str(exc))
+            came = None
+        if came is None and not self._interrupted:
+            await asyncio.sleep(pause_s)
 
     @property
     def connected(self) -> bool:

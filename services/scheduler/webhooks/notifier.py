@@ -109,13 +109,7 @@ class Notifier:
         assert self._pull is not None
         while not self._closing:
             # What is there, or one held for up to 10 s while idle (held_pull.py).
-            try:
-                came = await self._pull.pull(FETCH_BATCH, self._handle_unless_closing)
-            except NATS_FAILURES as exc:
-                log.warning("webhook_feed_fetch_failed", error=str(exc))
-                came = None
-            if came is None and not self._closing:
-                await asyncio.sleep(RETRY_DELAY_S)  # NATS away or the pull refused: not a loop
+            await self._pull.next_round(FETCH_BATCH, self._handle_unless_closing, pause_s=RETRY_DELAY_S)
 
     async def _handle_unless_closing(self, msg: Msg) -> None:
         if self._closing:

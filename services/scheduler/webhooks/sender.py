@@ -157,13 +157,7 @@ class Sender:
                 continue
             # What is there, or one held for up to 10 s while idle (held_pull.py); a pull asks for
             # no more than the slots free now.
-            try:
-                came = await self._pull.pull(free, self._start)
-            except NATS_FAILURES as exc:
-                log.warning("webhook_fetch_failed", error=str(exc))
-                came = None
-            if came is None and not self._closing:
-                await asyncio.sleep(STATUS_RETRY_DELAY_S)  # NATS away or the pull refused: not a loop
+            await self._pull.next_round(free, self._start, pause_s=STATUS_RETRY_DELAY_S)
 
     async def _start(self, msg: Msg) -> None:
         if self._closing:  # pulled as the sender stops: back at once, to this or another scheduler
