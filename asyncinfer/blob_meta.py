@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from asyncinfer import contract
-from asyncinfer.contract import CHUNK_SEQUENCES_HEADER
+from asyncinfer.contract import BATCHES_HEADER, CHUNK_SEQUENCES_HEADER
 from asyncinfer.contract import EXPIRES_HEADER as EXPIRES_HEADER
 from asyncinfer.contract import SHA256_HEADER as SHA256_HEADER
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound
@@ -101,6 +101,7 @@ class BlobInfo:
     deleted: bool
     meta_sequence: int
     meta: dict[str, Any]
+    batches: tuple[str, ...] = ()  # the batches created over it (BATCHES_HEADER)
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
@@ -180,4 +181,5 @@ def parse_meta(data: bytes, sequence: int) -> BlobInfo | None:
         deleted=bool(obj.get("deleted")),
         meta_sequence=sequence,
         meta=obj,
+        batches=tuple(str(batch_id) for batch_id in headers.get(BATCHES_HEADER) or ()),
     )

@@ -48,7 +48,7 @@ from asyncinfer.blob_meta import (
     upload_too_large,
 )
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import CHUNK_SEQUENCES_HEADER, EXPIRES_HEADER, ROLLUP_HEADER, SHA256_HEADER
+from asyncinfer.contract import BATCHES_HEADER, CHUNK_SEQUENCES_HEADER, EXPIRES_HEADER, ROLLUP_HEADER, SHA256_HEADER
 from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTED_LAST_SUBJECT_SEQUENCE
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.jobs import BlobRef
@@ -420,20 +420,46 @@ class BlobStore:
                 raise Unavailable(f"cannot extend the object's retention: {exc}") from exc
             return info
 
+    async def hold_for_batch(self, tenant: str, ref: str, batch_id: str) -> BlobInfo:
+        """Names the batch on the upload's meta (BATCHES_HEADER), compare-and-set like extend, so
+        that a DeleteInput racing it looks again and sees the batch; NotFound if it is gone or
+        already expired; StoreFullError when the store has no room for the write."""
+        while True:
+            info = await self.info(tenant, ref)
+            if batch_id in info.batches:
+                return info
+            try:
+                await self._rewrite_meta(info, batch=batch_id)
+            except APIError as exc:
+                if exc.err_code == WRONG_LAST_SEQUENCE:
+                    continue
+                full = store_full(exc)
+                if full is not None:
+                    raise full from exc
+                raise Unavailable(f"cannot mark the upload as the batch's input: {exc}") from exc
+            except NATS_FAILURES as exc:
+                raise Unavailable(f"cannot mark the upload as the batch's input: {exc}") from exc
+            return info
+
     async def delete(self, tenant: str, ref: str) -> None:
         info = await self._info_or_none(object_name(tenant, ref))
         if info is not None:
             await self.remove(info)
 
-    async def delete_live(self, tenant: str, ref: str) -> BlobRef:
+    async def delete_live(
+        self, tenant: str, ref: str, *, check: Callable[[BlobInfo], Awaitable[None]] | None = None
+    ) -> BlobRef:
         """Deletes the tenant's object (expired or not) and returns what it was; NotFound when the
-        tenant has none of that name (or it is already deleted). An extension racing the
-        tombstone wins its compare-and-set or loses it, and the delete looks again."""
+        tenant has none of that name (or it is already deleted). `check` may refuse the object as
+        read (raising); a write racing the tombstone (an extension, a batch's mark) wins its
+        compare-and-set or loses it, and the delete looks (and checks) again."""
         name = object_name(tenant, ref)
         while True:
             info = await self._info_or_none(name)
             if info is None or info.deleted:
                 raise blob_not_found(ref)
+            if check is not None:
+                await check(info)
             try:
                 await self.remove(info)
             except APIError as exc:
@@ -468,12 +494,16 @@ class BlobStore:
 
     # --- meta messages ----------------------------------------------------------------------
 
-    async def _rewrite_meta(self, info: BlobInfo, *, expires_at: float | None = None, deleted: bool = False) -> None:
+    async def _rewrite_meta(
+        self, info: BlobInfo, *, expires_at: float | None = None, deleted: bool = False, batch: str | None = None
+    ) -> None:
         obj = dict(info.meta)
         if deleted:
             obj["deleted"] = True
         if expires_at is not None:
             obj["headers"] = {**(obj.get("headers") or {}), EXPIRES_HEADER: [repr(expires_at)]}
+        if batch is not None:
+            obj["headers"] = {**(obj.get("headers") or {}), BATCHES_HEADER: [*info.batches, batch]}
         headers: dict[str, Any] = {**ROLLUP_HEADERS, EXPECTED_LAST_SUBJECT_SEQUENCE: str(info.meta_sequence)}
         await self._js.publish(meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
 

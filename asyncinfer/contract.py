@@ -183,6 +183,9 @@ SHA256_HEADER = "Asyncinfer-Sha256"
 # ... and the stream sequences of its chunks, as runs "first+count,first+count" (chunk k is the k-th
 # of them), so a byte range is read by sequence without walking the chunks before it.
 CHUNK_SEQUENCES_HEADER = "Asyncinfer-Chunk-Sequences"
+# ... and, on an upload, the batches created over it (one value each): DeleteInput refuses while
+# one of them has not ended, as its chunks still read the upload.
+BATCHES_HEADER = "Asyncinfer-Batches"
 # W3C trace context (its own name, as the spec spells it): on a traced job's work message, the
 # submit span's traceparent, the same as the record it carries (asyncinfer.tracing).
 TRACEPARENT_HEADER = "traceparent"

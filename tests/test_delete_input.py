@@ -11,6 +11,7 @@ concurrent uploads never leave more than the limit stored."""
 from __future__ import annotations
 
 import asyncio
+import io
 import time
 from collections.abc import AsyncIterator
 
@@ -23,8 +24,11 @@ from asyncinfer.blob_sweep import sweep
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import count_messages
-from asyncinfer.v1 import job_pb2, job_service_pb2
+from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
+from tests.batch_helpers import batches_stub, create_request, wait_ended, wait_until
+from tests.batch_helpers import upload as batch_upload
 from tests.stack import Stack, StartStack
+from tests.test_batches import batch_config
 from tests.test_claim_check import (
     ACME,
     GLOBEX,
@@ -171,3 +175,37 @@ async def test_the_sweeper_purges_chunks_a_crashed_upload_left_and_keeps_live_on
     assert await sweep(store, time.time() + 301, orphans_after_s=300) == 1
     assert await stored_chunks(stack, "acme") == 1
     assert (await store.info("acme", live.ref, now=time.time())).ref.sha256 == live.sha256
+
+
+async def test_an_upload_a_running_batch_reads_is_not_deleted_until_the_batch_ends(
+    config: Config, start_stack: StartStack
+) -> None:
+    """An NPY batch's chunks read rows of its upload as they run: a DeleteInput while the batch
+    has not ended is refused FAILED_PRECONDITION INPUT_IN_USE naming the batch (it was taken, and
+    every record not yet run then failed NOT_FOUND), and is taken once the batch ended."""
+    stack = await start_stack(batch_config(config), batcher=False)  # no batcher: the batch stays IN_PROGRESS
+    batches = batches_stub(stack.channel)
+    x = np.arange(250 * 4, dtype=np.float32).reshape(250, 4)
+    buffer = io.BytesIO()
+    np.save(buffer, x)
+    ref = await batch_upload(stack.jobs, buffer.getvalue())
+    created = (await batches.CreateBatch(create_request(ref))).batch
+    running = await wait_until(
+        batches, created.batch_id, lambda b: b.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS
+    )
+    assert running.input_format == batch_service_pb2.BATCH_INPUT_FORMAT_NPY
+
+    refused = await rpc_error(stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref)))
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason_of(refused) == "INPUT_IN_USE"
+    assert created.batch_id in (refused.details() or "")
+    status = status_details(refused)
+    assert status is not None
+    assert unpack_details(status)["ErrorInfo"].metadata["batch_id"] == created.batch_id
+
+    await stack.start_batcher()
+    ended = await wait_ended(batches, created.batch_id)
+    assert ended.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (ended.request_counts.completed, ended.request_counts.failed) == (250, 0)
+    deleted = await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))
+    assert deleted.ref.ref == ref

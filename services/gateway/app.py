@@ -143,7 +143,8 @@ class GatewayApp:
             js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
         )
         blob_store = await ensure_objects_bucket(js, cfg.nats)
-        claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health)
+        batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
+        claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health, batches=batch_store)
         self._queues = QueueView(js, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self._expired_on_read)
@@ -191,7 +192,6 @@ class GatewayApp:
             callback_deliveries=CallbackDeliveries(await ensure_webhooks_bucket(js, cfg.nats)),
             tracing=self.tracing,
         )
-        batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
         self.batch_driver = driver = BatchDriver(
             cfg,
             batch_store,

@@ -18,6 +18,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AlreadyExists, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.job_store import JobStore
+from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
 from services.gateway.auth import Authenticator
 from services.gateway.batch_convert import batch_from_request, batch_to_proto, fields_unlike
@@ -29,6 +30,7 @@ from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_REUSED_REASON
 from services.gateway.model_catalog import ModelCatalog
+from services.gateway.store_health import store_full_error
 
 Context = grpc.aio.ServicerContext[Any, Any]
 DEFAULT_PAGE_SIZE = 20
@@ -109,6 +111,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     if first is None:
                         raise batch_not_found(holder)
                     return await self._deduplicated(request, record, first, upload)
+        # Named on the upload before the record is written, so a DeleteInput from then on sees the
+        # batch (and refuses while it runs); NOT_FOUND if the upload went meanwhile.
+        try:
+            await self._blobs.hold_for_batch(tenant, record.input_ref, record.batch_id)
+        except StoreFullError as full:  # as the record's write answers a full store
+            raise store_full_error(full, what="the batch was not written") from None
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))

@@ -14,6 +14,7 @@ waits past that bound fails at dispatch with INPUT_EXPIRED rather than running o
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from asyncinfer.blob_meta import INPUT_KIND, blob_not_found, is_sha256_hex, new_input_ref, upload_too_large
+from asyncinfer.blob_meta import INPUT_KIND, BlobInfo, blob_not_found, is_sha256_hex, new_input_ref, upload_too_large
 from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, InvalidArgument
@@ -31,6 +32,7 @@ from asyncinfer.proto_durations import checked_duration
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.gateway.batch_store import BatchStore
 from services.gateway.store_health import StoreHealth, store_full_error
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.upload_storage import UploadStorage
@@ -77,9 +79,11 @@ class ClaimCheck:
         *,
         storage: UploadStorage | None = None,
         store_health: StoreHealth | None = None,
+        batches: BatchStore | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
+        self._batches = batches
         self._config = config
         self._storage = storage
         self._store_health = store_health
@@ -199,13 +203,32 @@ class ClaimCheck:
 
     async def delete_input(self, tenant: str, ref: str) -> job_service_pb2.DeleteInputResponse:
         """Deletes the caller's upload: NotFound (INPUT_NOT_FOUND) for a ref the tenant has not
-        got, a result's ref included (results go with their jobs)."""
+        got, a result's ref included (results go with their jobs); FailedPrecondition
+        (INPUT_IN_USE) while a batch over it has not ended."""
         if not ref.startswith(INPUT_KIND + "/"):
             raise blob_not_found(ref, "input")
-        deleted = await self._store.delete_live(tenant, ref)
+        deleted = await self._store.delete_live(
+            tenant, ref, check=functools.partial(self._refuse_while_a_batch_reads, tenant)
+        )
         return job_service_pb2.DeleteInputResponse(
             ref=job_pb2.BlobRef(ref=deleted.ref, size_bytes=deleted.size_bytes, sha256=deleted.sha256)
         )
+
+    async def _refuse_while_a_batch_reads(self, tenant: str, info: BlobInfo) -> None:
+        """A batch reads its upload until it ends (an NPY batch's chunks read rows of it when they
+        run): deleting it would fail the records not yet run. A batch record already gone (its
+        retention passed, or a create that died before writing it) holds nothing."""
+        if self._batches is None:
+            return
+        for batch_id in info.batches:
+            batch = await self._batches.get(tenant, batch_id)
+            if batch is not None and not batch.state.is_terminal:
+                raise FailedPrecondition(
+                    f"input {info.ref.ref!r} is the input of batch {batch_id}, which is {batch.state.value}: "
+                    "delete it once the batch has ended (or cancel the batch first)",
+                    reason="INPUT_IN_USE",
+                    metadata={"ref": info.ref.ref, "batch_id": batch_id, "state": batch.state.value},
+                )
 
     async def keep_for(self, tenant: str, ref: BlobRef, expires_at: float) -> None:
         """Extends the upload's expiry for a job that uses it (never shortens it)."""
