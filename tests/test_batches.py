@@ -287,6 +287,10 @@ async def test_a_poison_record_is_isolated_by_bisection(config: Config, start_st
         ops = ops_service_pb2_grpc.OpsServiceStub(channel)
         letters = (await ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name="flaky"))).dead_letters
         assert letters, "each failed chunk job is a dead letter"
+        # Counted apart: the operators' dead-letter alert (jobs to replay) does not fire for a batch's bad records.
+        exposition = generate_latest(stack.scheduler.metrics.registry).decode()
+        assert 'asyncinfer_dead_letters_total{model="flaky",reason="MAX_ATTEMPTS"} 0.0' in exposition
+        assert f'asyncinfer_batch_chunk_dead_letters_total{{model="flaky"}} {float(len(letters))}' in exposition
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await ops.ReplayDeadLetters(ops_service_pb2.ReplayDeadLettersRequest(sequences=[letters[0].sequence]))
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -60,7 +60,20 @@ class SchedulerMetrics:
             registry=registry,
         )
         self.dead_letters = Counter(
-            "asyncinfer_dead_letters", "Jobs moved to dead letters.", ["model", "reason"], registry=registry
+            "asyncinfer_dead_letters",
+            "Jobs moved to dead letters for an operator to replay or purge (a file batch's chunk jobs are "
+            "counted apart: asyncinfer_batch_chunk_dead_letters).",
+            ["model", "reason"],
+            registry=registry,
+        )
+        # A chunk job's letter is not replayable: its records are in its batch's error file, for
+        # the batch's user. Counted here, an alert on dead letters fired for a batch's bad records.
+        self.chunk_dead_letters = Counter(
+            "asyncinfer_batch_chunk_dead_letters",
+            "A file batch's chunk jobs moved to dead letters (their records are in the batch's error file; "
+            "not replayable).",
+            ["model"],
+            registry=registry,
         )
         self.lease_expiries = Counter(
             "asyncinfer_lease_expiries",
@@ -112,6 +125,7 @@ class SchedulerMetrics:
             for state in JobState:
                 self.jobs.labels(model=model, state=state.value)
             self.dead_letters.labels(model=model, reason=job_errors.MAX_ATTEMPTS)
+            self.chunk_dead_letters.labels(model=model)
             self.completed.labels(model=model)
             self.lease_expiries.labels(model=model)
 

@@ -22,7 +22,7 @@ from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import BatchInfo, JobError, JobRecord, JobState, ProgressReport
+from asyncinfer.jobs import CHUNK_LABEL, BatchInfo, JobError, JobRecord, JobState, ProgressReport
 from asyncinfer.nats import Msg
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
@@ -204,7 +204,10 @@ class Settlement:
             last_error=last_error,
         )
         stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
-        self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
+        if CHUNK_LABEL in record.labels:
+            self._metrics.chunk_dead_letters.labels(model=record.model_name).inc()
+        else:
+            self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
         job_log.warning(
             "job_dead_lettered",
             sequence=stored.sequence,
