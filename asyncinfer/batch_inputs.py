@@ -365,6 +365,14 @@ def array_inputs(data: bytes, fmt: InputFormat, signature: ModelSignature, *, ma
         # with it. (Only ValueError, OSError and EOFError were caught: the others were taken for a
         # passing failure and the preparation tried again until the batch's window ended.)
         raise RecordInvalid(f"not a readable {fmt.value} file: {type(exc).__name__}: {exc}") from None
+    # An array the model does not take is refused, as an unknown input on a JSONL line or a job is
+    # (Triton refuses one too): ignored, a misnamed array's data was silently not what ran.
+    extra = sorted(set(loaded) - {spec.name for spec in signature.inputs})
+    if extra:
+        raise RecordInvalid(
+            f"the {fmt.value} file has arrays the model does not take: {', '.join(map(repr, extra))}; "
+            f"the model takes: {', '.join(spec.name for spec in signature.inputs)}"
+        )
     arrays: Arrays = {}
     for spec in signature.inputs:
         if spec.name not in loaded:

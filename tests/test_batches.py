@@ -199,16 +199,19 @@ async def test_an_input_format_the_file_is_not_fails_the_batch_saying_what_it_is
 async def test_an_array_file_numpy_cannot_read_or_too_large_uncompressed_fails_the_batch(
     config: Config, start_stack: StartStack
 ) -> None:
-    """A file that starts like a ZIP and is not one, and an NPZ of zeros larger uncompressed than an
-    upload may be: FAILED at once. (The first stayed VALIDATING, its preparation tried again with a
+    """A file that starts like a ZIP and is not one, an NPZ of zeros larger uncompressed than an
+    upload may be, and an NPZ with an array the model does not take (it was ignored): FAILED at once. (The first stayed VALIDATING, its preparation tried again with a
     traceback every 30 s until its window ended; the second was decompressed whole.)"""
     stack = await start_stack(batch_config(config.replace(gateway={"max_upload_bytes": 1 << 20})))
     stub = batches_stub(stack.channel)
     bomb = io.BytesIO()
     np.savez_compressed(bomb, x=np.zeros((100_000, 4), dtype=np.float32))  # 1.6 MB, a few KB compressed
+    extra = io.BytesIO()  # an array the model does not take (a misnamed one): refused, not ignored
+    np.savez(extra, x=np.ones((3, 4), dtype=np.float32), mask=np.ones((3, 4), dtype=np.float32))
     cases = [
         (b"PK\x03\x04" + b"\0" * 64, "not a readable NPZ file: BadZipFile"),
         (bomb.getvalue(), "the NPZ file's arrays are 1600"),
+        (extra.getvalue(), "the NPZ file has arrays the model does not take: 'mask'; the model takes: x"),
     ]
     for data, said in cases:
         created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
