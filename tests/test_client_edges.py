@@ -12,6 +12,7 @@ import os
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from asyncinfer.client import NO_RETRY, AsyncClient, JobRequest, JobState, Resou
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE
 from asyncinfer.config import Config
+from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensors import Tensor
 from tests.stack import Stack, StartStack
 
@@ -272,3 +274,39 @@ async def test_closing_the_client_ends_another_tasks_watch_with_a_runtime_error(
     await client.close()
     with pytest.raises(RuntimeError, match="the client was closed while this call ran"):
         await asyncio.wait_for(watching, 10)
+
+
+async def test_a_cancelled_run_or_wait_says_where_the_job_is(idle_stack: Stack) -> None:
+    """`await client.run(...)` cancelled (a task's cancel, an asyncio.timeout, Ctrl-C under
+    asyncio.run) raised a bare CancelledError while the job went on; the blocking Client's
+    KeyboardInterrupt named it. The CancelledError now carries the same note, and stays a
+    cancellation."""
+    queued: list[str] = []
+    job_queued = asyncio.Event()
+
+    async def heard(msg: Any) -> None:
+        queued.append(decode_queued_notice(msg.data)[0])
+        job_queued.set()
+
+    await idle_stack.nc.subscribe("asyncinfer.queued.>", cb=heard)
+    await idle_stack.nc.flush()
+    async with AsyncClient(idle_stack.address) as client:
+        run = asyncio.create_task(client.run("demo", {"x": X}))  # no batcher: the gateway holds the submit
+        await job_queued.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError) as cancelled:
+            await run
+        [note] = cancelled.value.__notes__
+        key = note.split("idempotency_key='")[1].split("'")[0]
+        found = await client.submit("demo", {"x": X}, idempotency_key=key)
+        assert queued == [f"default.{found.job_id}"], "the key finds the cancelled run's job alone"
+
+        job = await client.submit("demo", {"x": X})
+        wait = asyncio.create_task(client.wait(job.job_id))
+        await asyncio.sleep(0)  # one turn of the loop: the wait has begun (its watch's call is out)
+        wait.cancel()
+        with pytest.raises(asyncio.CancelledError) as cancelled:
+            await wait
+        [note] = cancelled.value.__notes__
+        assert f"client.wait({job.job_id!r})" in note
+        assert (await client.get(job)).state is JobState.QUEUED  # it goes on, and the client still works

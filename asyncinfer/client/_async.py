@@ -164,6 +164,27 @@ def _job_ids(jobs: Iterable[JobLike]) -> list[str]:
     return list(dict.fromkeys(_job_id(job) for job in jobs))
 
 
+def wait_interrupted_note(job_id: str) -> str:
+    """The note on an interrupted wait (KeyboardInterrupt, CancelledError): the job goes on."""
+    return f"job {job_id} goes on: client.wait({job_id!r}) waits for it again"
+
+
+def run_interrupted_note(submitted: Sequence[Job], idempotency_key: str) -> str:
+    """The note on an interrupted run: its job, or, before the gateway answered the submit (which
+    it holds while the job runs: wait_s), the idempotency key that finds it."""
+    if submitted:
+        job_id = submitted[0].job_id
+        return (
+            f"the run's job {job_id} goes on: client.wait({job_id!r}) waits for it again, "
+            f"client.cancel({job_id!r}) stops it"
+        )
+    return (
+        f"the gateway had not answered the run's submit yet, so its job may be queued: submitting "
+        f"the same request with idempotency_key={idempotency_key!r} returns that job if so (and queues it once "
+        "if not)"
+    )
+
+
 def _job_id(job: JobLike) -> str:
     return job.job_id if isinstance(job, Job) else job
 
@@ -691,7 +712,16 @@ class AsyncClient:
     async def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         """Waits until the job is in a terminal state (SUCCEEDED, FAILED, CANCELED, EXPIRED,
         TIMED_OUT) and returns it; it does not raise for a failed job (see `run`).
-        DeadlineExceededError when `timeout_s` passes first (the job itself carries on)."""
+        DeadlineExceededError when `timeout_s` passes first (the job itself carries on).
+        Cancelled (a task's cancel, an asyncio.timeout, Ctrl-C under asyncio.run), the job goes
+        on: the CancelledError's note names it, as the blocking Client's KeyboardInterrupt's does."""
+        try:
+            return await self._wait(job, timeout_s=timeout_s)
+        except asyncio.CancelledError as cancelled:
+            cancelled.add_note(wait_interrupted_note(_job_id(job)))
+            raise
+
+    async def _wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         last: Job | None = None
         async with contextlib.aclosing(self.watch(job, timeout_s=timeout_s)) as updates:
             async for update in updates:
@@ -708,8 +738,19 @@ class AsyncClient:
         run; submit options are those of `submit`. A job that ends within the submit's own
         deadline is answered by that one call (the gateway holds its answer: `submit`'s `wait_s`);
         a longer one is then watched to its end. When `timeout_s` passes, DeadlineExceededError
-        names the job (it goes on)."""
-        return await self._run_job(model, inputs, timeout_s, submit_options, submitted=None)
+        names the job (it goes on). Cancelled, the job goes on too: the CancelledError's note names
+        it, or, when the gateway had not answered the submit yet, the idempotency key that finds it."""
+        # Known here, not only inside the submit: a run is mostly cancelled while the gateway holds
+        # the submit's answer (wait_s), before any job ID has come back.
+        key = submit_options.get("idempotency_key") or str(uuid.uuid4())
+        submitted: builtins.list[Job] = []
+        try:
+            return await self._run_job(
+                model, inputs, timeout_s, {**submit_options, "idempotency_key": key}, submitted.append
+            )
+        except asyncio.CancelledError as cancelled:
+            cancelled.add_note(run_interrupted_note(submitted, key))
+            raise
 
     async def _run_job(
         self,
@@ -728,7 +769,7 @@ class AsyncClient:
         if submitted is not None:
             submitted(job)
         try:
-            done = job if job.done else await self.wait(job, timeout_s=deadline.remaining())
+            done = job if job.done else await self._wait(job, timeout_s=deadline.remaining())
         except DeadlineExceededError as error:
             if not deadline.expired():
                 raise

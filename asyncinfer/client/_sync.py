@@ -28,7 +28,14 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.client._async import AsyncClient, BatchData, JobLike, check_not_forked
+from asyncinfer.client._async import (
+    AsyncClient,
+    BatchData,
+    JobLike,
+    check_not_forked,
+    run_interrupted_note,
+    wait_interrupted_note,
+)
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
@@ -328,8 +335,7 @@ class Client:
             return self._run(self._client.wait(job, timeout_s=timeout_s))
         except KeyboardInterrupt as interrupt:
             # `client.wait(client.submit(...))` in a notebook: the job ID was never seen.
-            job_id = job.job_id if isinstance(job, Job) else job
-            interrupt.add_note(f"job {job_id} goes on: client.wait({job_id!r}) waits for it again")
+            interrupt.add_note(wait_interrupted_note(job.job_id if isinstance(job, Job) else job))
             raise
 
     def run(
@@ -349,18 +355,7 @@ class Client:
                 )
             )
         except KeyboardInterrupt as interrupt:
-            if submitted:
-                job_id = submitted[0].job_id
-                interrupt.add_note(
-                    f"the run's job {job_id} goes on: client.wait({job_id!r}) waits for it again, "
-                    f"client.cancel({job_id!r}) stops it"
-                )
-            else:
-                interrupt.add_note(
-                    f"the gateway had not answered the run's submit yet, so its job may be queued: submitting "
-                    f"the same request with idempotency_key={key!r} returns that job if so (and queues it once "
-                    "if not)"
-                )
+            interrupt.add_note(run_interrupted_note(submitted, key))
             raise
 
     def outputs(self, job: Job, *, timeout_s: float | None = None) -> dict[str, npt.NDArray[np.generic]]:
