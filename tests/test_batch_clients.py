@@ -72,6 +72,16 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     assert [json.loads(line)["line"] for line in errors.read_text().splitlines()] == [101]
     batch_id = printed.split()[0]
 
+    # Both streams one pipe (`2>&1 | tee log`, a CI step's log): the end is said once, by the
+    # summary (the follow's last line said it too, the same status twice).
+    process = await asyncio.create_subprocess_exec(
+        *CLI, "batch", "create", str(source), "--model", "demo", "--wait", "--gateway", stack.address,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    merged = (await asyncio.wait_for(process.communicate(), 90))[0].decode()
+    assert process.returncode == 0, merged
+    assert merged.count("COMPLETED  100/101 done  1 failed") == 1, merged
+
     code, printed, stderr = await cli("batch", "get", batch_id, "--json", "--gateway", stack.address)
     assert code == 0, stderr
     got = json.loads(printed)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import io
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -136,11 +137,16 @@ class _CountingReader(io.RawIOBase):
 class _ProgressLines:
     """Where the bar would be silent (stderr is a log or a pipe, not a terminal): one timestamped
     line per state change and at most one every PROGRESS_LINE_EVERY_S while it runs, so that a
-    long batch in a CI log shows it is alive."""
+    long batch in a CI log shows it is alive. `end_said_elsewhere`: the command's summary of the
+    ended batch goes to the same file (stdout and stderr one pipe, `2>&1`), so its end is not a
+    line here too (it was, the same status twice)."""
 
-    def __init__(self, stream: TextIO, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, stream: TextIO, clock: Callable[[], float] = time.monotonic, *, end_said_elsewhere: bool = False
+    ) -> None:
         self._stream = stream
         self._clock = clock
+        self._end_said_elsewhere = end_said_elsewhere
         self._state: BatchState | None = None
         self._shown_at = -math.inf
 
@@ -148,13 +154,17 @@ class _ProgressLines:
         now = self._clock()
         if batch.state == self._state and now - self._shown_at < PROGRESS_LINE_EVERY_S:
             return
+        if batch.done and self._end_said_elsewhere:
+            return
         self._state, self._shown_at = batch.state, now
         print(f"{datetime.now().strftime('%H:%M:%S')}  {batch_summary(batch)}", file=self._stream, flush=True)
 
 
 async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
     bar: ProgressBar | None = None
-    lines = None if sys.stderr.isatty() else _ProgressLines(sys.stderr)
+    lines = None
+    if not sys.stderr.isatty():
+        lines = _ProgressLines(sys.stderr, end_said_elsewhere=_same_file(sys.stdout, sys.stderr))
     try:
         async for update in client.watch_batch(batch, timeout_s=options.timeout_s):
             batch = update
@@ -174,6 +184,15 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
         if bar is not None:
             bar.close()
     return batch
+
+
+def _same_file(one: TextIO, other: TextIO) -> bool:
+    """Whether two streams write to one file or pipe (`2>&1`)."""
+    try:
+        first, second = os.fstat(one.fileno()), os.fstat(other.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # not a file (a test's StringIO), or closed
+        return False
+    return (first.st_dev, first.st_ino) == (second.st_dev, second.st_ino)
 
 
 def _note(batch: Batch) -> str:
