@@ -275,3 +275,22 @@ def test_a_plots_legend_wraps_below_it_for_any_number_of_models() -> None:
     plot, _, legend = chart.partition("</svg>")
     assert all(f">{name}</text>" not in plot for name in series)
     assert all(f"&#9632; {name}</span>" in legend for name in series)
+
+
+async def test_readyz_says_whether_the_console_reaches_its_gateway_and_scheduler(
+    config: Config, start_stack: StartStack, start_console: Any, http: aiohttp.ClientSession
+) -> None:
+    """/healthz is liveness (the process answers); /readyz, which the manifests' readiness probe
+    asks, is 200 while the gateway and the scheduler answer, 503 naming the one that does not."""
+    stack = await start_stack(batcher=False)
+    console = await start_console(stack)
+    async with http.get(f"{console.url}readyz") as ready:
+        assert (ready.status, await ready.text()) == (200, "ready\n")
+    await stack.scheduler.stop(1.0)
+    async with http.get(f"{console.url}readyz") as gone:
+        text = await gone.text()
+    assert gone.status == 503, text
+    assert text.startswith(f"not ready: cannot reach the scheduler at {stack.ops_address}: UNAVAILABLE"), text
+    assert "the gateway" not in text
+    async with http.get(f"{console.url}healthz") as alive:
+        assert alive.status == 200, "liveness does not depend on the services it reads"

@@ -108,6 +108,20 @@ async def _health(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
+# A readiness probe's own timeout is 1 s by default: each service's answer is awaited for less.
+READY_CHECK_TIMEOUT_S = 0.8
+
+
+async def _ready(backend: Backend, _request: web.Request) -> web.Response:
+    """Readiness: 200 while the console reaches its gateway and its scheduler (their health
+    answers SERVING), 503 naming what it cannot reach. /healthz stays liveness: a console whose
+    gateway is away is not helped by a restart."""
+    unreachable = await backend.unreachable(READY_CHECK_TIMEOUT_S)
+    if unreachable:
+        return web.Response(text="not ready: cannot reach " + "; ".join(unreachable) + "\n", status=503)
+    return web.Response(text="ready\n")
+
+
 async def _home(home: str, _request: web.Request) -> web.Response:
     raise web.HTTPFound(home)
 
@@ -206,6 +220,7 @@ class ConsoleApp:
             reaches_ops = backend.has_ops_key or self._keyless_stack()
             app.router.add_get("/", partial(_home, "/queues" if reaches_ops else "/jobs"))
             app.router.add_get("/healthz", _health)
+            app.router.add_get("/readyz", partial(_ready, backend))
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
             await self._runner.setup()
             site = web.TCPSite(self._runner, console.host, console.port)

@@ -5,12 +5,14 @@ dataclasses below."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncinfer.access import bearer_metadata
 from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
@@ -19,6 +21,7 @@ from asyncinfer.client.batches import FILES, Batch, batch_from_proto
 from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
+from asyncinfer.grpc_server import LIVENESS_SERVICE
 from asyncinfer.tls import read_secret
 from asyncinfer.v1 import (
     batch_service_pb2,
@@ -105,6 +108,27 @@ class Backend:
     async def close(self) -> None:
         await self._gateway_channel.close(None)
         await self._scheduler_channel.close(None)
+
+    async def unreachable(self, timeout_s: float) -> list[str]:
+        """What of the gateway and the scheduler this console cannot reach now (each's health
+        Check of its liveness service, SERVING until it stops; empty: both), for /readyz."""
+
+        async def check(peer: Peer, channel: aio.Channel) -> str | None:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=timeout_s)
+            except grpc.aio.AioRpcError as error:
+                return f"{peer.name} at {peer.address}: {error.code().name} {(error.details() or '')[:200]}"
+            if answer.status != health_pb2.HealthCheckResponse.SERVING:
+                return (
+                    f"{peer.name} at {peer.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)}"
+                )
+            return None
+
+        answers = await asyncio.gather(
+            check(self._gateway, self._gateway_channel), check(self._scheduler, self._scheduler_channel)
+        )
+        return [answer for answer in answers if answer is not None]
 
     # -- JobService ------------------------------------------------------------------------
 
