@@ -302,15 +302,15 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
 
 
 def check_console(main: Config, services: dict[str, dict[str, Any]], deployment: dict[str, Any]) -> None:
-    """The console: the gateway image running `console`, on its HTTP port (readiness on /readyz,
-    which asks the gateway and the scheduler; liveness on /healthz),
+    """The console: the gateway image running `console`, on its HTTP port (probes on /healthz: a
+    console that cannot reach its services stays in its Service to say so on its pages),
     pointed at the gateway's and the scheduler's Services, its keys from the Secret."""
     console = container(deployment)
     assert console["image"].rsplit(":", 1)[0].endswith("asyncinfer/gateway")  # the server extra, no torch
     assert console["args"][0] == "console"
     assert main.console.host == "0.0.0.0"
     assert {p["name"]: p["containerPort"] for p in console["ports"]} == {"http": main.console.port}
-    assert console["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert console["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     assert console["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
     for service, address in (("gateway", main.console.gateway_address), ("scheduler", main.console.scheduler_address)):
         assert address == f"{service}:{services[service]['spec']['ports'][0]['port']}"
