@@ -136,6 +136,10 @@ class Harness:
             await batcher.grant(credits)
         return batcher
 
+    def dispatcher(self) -> Any:
+        """The dispatcher of the test's model (MODEL)."""
+        return next(d for d in self.app._dispatchers if d.model_name == MODEL)
+
     async def work_empty(self) -> None:
         async def empty() -> bool:
             return await work_messages(self.js, self.app.config) == 0
@@ -157,6 +161,15 @@ class Harness:
 
 
 Start = Callable[[Config], Awaitable[Harness]]
+
+
+def pulls_held_on_every_priority(held: Any) -> Callable[[], Awaitable[bool]]:
+    """For until(): whether a dispatcher's held pulls (its `_held`) wait on each priority's queue."""
+
+    async def holding() -> bool:
+        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+
+    return holding
 
 
 @pytest.fixture
@@ -847,11 +860,10 @@ async def test_an_idle_scheduler_holds_pulls_open_and_puts_back_what_it_may_not_
     tuned = tune(config)
     h = await start(tuned.replace(scheduler={"poll_interval_ms": 5_000.0, "hold_pulls_open": True}))
     batcher = await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     started = time.monotonic()
@@ -898,11 +910,10 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     monkeypatch.setattr(held_pulls, "HOLD_S", 4.0)
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     pulls = await RequestsSeen.on(
@@ -964,11 +975,10 @@ async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
     monkeypatch.setattr(held_pulls, "HOLD_S", 0.3)
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     pulls: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(pulls.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(pulls)
 
     await until(holding)  # past the first round, which found the queues empty
     subject = consumer_next_subject(config.nats.work_stream, "*")
@@ -999,11 +1009,10 @@ async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_witho
     a job waiting while the only credit is taken is counted."""
     h = await start(tune(config))  # a snapshot every 0.2 s
     batcher = await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     infos = await RequestsSeen.on(
@@ -1072,11 +1081,10 @@ async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     )
     h = await start(proxied)  # the test's own client (h.nc) goes to nats-server directly
     batcher = await h.batcher(credits=2)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     normal_consumer = dispatcher.queues.consumers[Priority.NORMAL]
@@ -1163,11 +1171,10 @@ async def test_a_held_pull_does_not_let_its_job_overtake_a_higher_priority_one(
     )
     h = await start(proxied)  # the test's own client (h.nc) goes to nats-server directly
     batcher = await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     high_consumer = dispatcher.queues.consumers[Priority.HIGH]
@@ -1219,11 +1226,10 @@ async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config
     them, each at most a poll interval)."""
     h = await start(tune(config))
     await h.batcher(credits=1)
-    dispatcher = next(d for d in h.app._dispatchers if d.model_name == MODEL)
+    dispatcher = h.dispatcher()
     held: Any = dispatcher._held
 
-    async def holding() -> bool:
-        return all(held.holding(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW))
+    holding = pulls_held_on_every_priority(held)
 
     await until(holding)
     started = time.monotonic()
