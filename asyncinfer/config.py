@@ -281,6 +281,15 @@ class SchedulerConfig(_Section):
     lease_renew_interval_s: float = Field(
         10.0, gt=0, description="How often in-progress acks renew the leases of dispatched jobs."
     )
+    execution_timeout_backstop_s: float = Field(
+        300.0,
+        gt=0,
+        description="A batcher that times runs out itself (from the start of the batch a job computes in) "
+        "answers a job past its execution timeout TIMED_OUT; the scheduler times the job out on its own only "
+        "this long after the timeout, counted from dispatch: room for the batcher's queue, and the end of a "
+        "job whose batcher cannot answer (an event loop that stopped). Batchers of the release before are "
+        "timed out from dispatch, as before.",
+    )
     hold_pulls_open: bool = Field(
         True,
         description="While a model's queues are empty and a batcher has a credit, hold a pull open on each "

@@ -79,13 +79,16 @@ def scheduler_stopping() -> JobError:
     )
 
 
-def execution_timeout(attempt: int, timeout_s: float, *, retriable: bool) -> JobError:
-    return job_error(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        EXECUTION_TIMEOUT,
-        f"attempt {attempt} ran longer than its execution timeout of {timeout_s:g} s",
-        retriable=retriable,
-    )
+def execution_timeout(attempt: int, timeout_s: float, *, retriable: bool, backstop_s: float = 0.0) -> JobError:
+    """`backstop_s`: the scheduler's timer ended it, this long past the timeout from dispatch,
+    its batcher (one that times runs out itself) having said nothing."""
+    message = f"attempt {attempt} ran longer than its execution timeout of {timeout_s:g} s"
+    if backstop_s > 0:
+        message = (
+            f"attempt {attempt} was not answered within its execution timeout of {timeout_s:g} s plus "
+            f"{backstop_s:g} s from its dispatch (its batcher stopped answering)"
+        )
+    return job_error(grpc.StatusCode.DEADLINE_EXCEEDED, EXECUTION_TIMEOUT, message, retriable=retriable)
 
 
 def result_too_large(size_bytes: int, limit_bytes: int) -> JobError:

@@ -1,6 +1,6 @@
 """A model that misbehaves on some inputs, loaded by a batcher in a process of its own
 (tests/test_services_cli.py, tests/test_model_stuck.py): a row starting with 777 waits an hour (or
-for RELEASE), one starting with 666
+for RELEASE), one starting with 555 computes for SLOW_S, one starting with 666
 crashes the process (a segfault, as a native extension's bug would), others compute 2x + 1."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import torch
 
 HANG_VALUE = 777.0
 CRASH_VALUE = 666.0
+SLOW_VALUE = 555.0
+SLOW_S = 1.5
 # Set by an in-process test to let a hung call return (in a process of its own, nothing sets it).
 RELEASE = threading.Event()
 
@@ -21,6 +23,8 @@ class HangingDemo(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bool((x[:, 0] == HANG_VALUE).any()):
             RELEASE.wait(3600)
+        if bool((x[:, 0] == SLOW_VALUE).any()):
+            time.sleep(SLOW_S)
         if bool((x[:, 0] == CRASH_VALUE).any()):
             ctypes.string_at(0)  # reads address 0: SIGSEGV
         return 2.0 * x + 1.0

@@ -10,6 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -27,6 +28,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.tensors import Tensor
 from services.batcher.backends.torch_backend import TorchBackend
+from services.batcher.batch_compute import RunTimedOut
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, build_demo_model, build_failing_model
 
 pytestmark = pytest.mark.unit
@@ -407,7 +409,8 @@ async def test_a_model_whose_batch_hangs_past_its_timeouts_takes_no_work_until_i
     work (its credits unchanged), each job timing out here unstarted, and nothing was logged. Past
     the longest execution timeout of its items, a batch has overrun: said once, with its thread's
     stack; with every slot overrun the model is stuck: what waits is given back (answered
-    dropped, its attempt refunded), it takes no work, and its credits come back when it returns."""
+    dropped, its attempt refunded), it takes no work, and its credits come back when it returns.
+    The hung item itself is answered TIMED_OUT at its timeout, from its batch's start."""
     gate = threading.Event()
     model = RecordingAffine(gate)
     engine = await make_engine(model, max_queue_delay_ms=0.0, max_inflight_batches=1)
@@ -423,9 +426,13 @@ async def test_a_model_whose_batch_hangs_past_its_timeouts_takes_no_work_until_i
         assert engine.free_slots("demo") == 0  # no credits while it hangs
         with pytest.raises(Unavailable, match="is stuck"):
             engine.submit("demo", rows(3.0))
+        with pytest.raises(RunTimedOut):
+            await asyncio.wait_for(hung.future, 5.0)
         gate.set()
-        assert (await asyncio.wait_for(hung.future, 5.0)).outputs
-        assert engine.free_slots("demo") > 0
+        deadline = time.monotonic() + 5.0
+        while engine.free_slots("demo") == 0:  # until the call returns
+            assert time.monotonic() < deadline, "the model stayed stuck after its call returned"
+            await asyncio.sleep(0.01)
         outcome = await asyncio.wait_for(engine.infer("demo", rows(4.0)), 5.0)
         np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), np.full((1, 4), 9.0, np.float32))
     events = [entry["event"] for entry in logs]
@@ -433,6 +440,53 @@ async def test_a_model_whose_batch_hangs_past_its_timeouts_takes_no_work_until_i
         assert event in events, events
     (overran,) = [entry for entry in logs if entry["event"] == "batch_overran"]
     assert "in forward" in overran["stack"]  # where the model's thread waits
+
+
+async def test_an_execution_timeout_counts_from_the_items_batch_start_not_its_wait(
+    make_engine: Callable[..., Any],
+) -> None:
+    """An item's execution timeout bounds its model's run: one whose batch computes past it is
+    answered TIMED_OUT (reason EXECUTION_TIMEOUT) while the call goes on; one that waited longer
+    than its own timeout behind that batch starts afterwards with all of it (the scheduler timed
+    it out from dispatch, with the batch before it, though it never ran)."""
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = await make_engine(model, max_queue_delay_ms=0.0, max_inflight_batches=1)
+    with capture_logs() as logs:
+        short = engine.submit("demo", rows(1.0), run_timeout_s=0.4, credited=True)
+        long = engine.submit("demo", rows(2.0), run_timeout_s=30.0, credited=True)  # the same batch
+        await wait_entered(model)
+        behind = engine.submit("demo", rows(3.0), run_timeout_s=0.1, credited=True)
+        with pytest.raises(RunTimedOut) as timed_out:
+            await asyncio.wait_for(short.future, 5.0)
+        assert timed_out.value.reason == "EXECUTION_TIMEOUT"
+        assert timed_out.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not behind.future.done()  # waited 0.4 s, past its own 0.1 s
+        gate.set()
+        assert (await asyncio.wait_for(long.future, 5.0)).outputs[0].to_numpy()[0, 0] == 5.0
+        ran = await asyncio.wait_for(behind.future, 5.0)
+        assert ran.outputs[0].to_numpy()[0, 0] == 7.0
+        assert ran.queue_s >= 0.4
+    (line,) = [entry for entry in logs if entry["event"] == "batch_timed_out"]
+    assert line["items"] == 1
+    assert not [entry for entry in logs if entry["event"] == "batch_overran"]
+
+
+async def test_a_chunk_is_timed_out_from_its_arrival_and_its_parts_not_started_are_dropped(
+    make_engine: Callable[..., Any],
+) -> None:
+    """A batch's chunk computes in several batches: its execution timeout counts from its arrival."""
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = await make_engine(model, max_batch_size=2, max_queue_delay_ms=0.0, max_inflight_batches=1)
+    chunk = engine.submit_chunk("demo", rows(1.0, count=6), run_timeout_s=0.2)
+    with pytest.raises(RunTimedOut, match="after it arrived"):
+        await asyncio.wait_for(chunk.future, 5.0)
+    gate.set()
+    for part in chunk.parts[1:]:  # the first computes, unanswered; the others never start
+        assert part.future.cancelled()
+    assert (await asyncio.wait_for(engine.infer("demo", rows(2.0)), 5.0)).outputs[0].to_numpy()[0, 0] == 5.0
+    assert model.rows_seen == [2, 1]
 
 
 async def test_an_item_to_run_alone_is_computed_in_a_batch_of_its_own(make_engine: Callable[..., Any]) -> None:

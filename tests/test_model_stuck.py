@@ -2,8 +2,8 @@
 batcher): the hung job times out; from then on the model is stuck on that batcher, which takes no
 work for it: jobs sent on its earlier credits are given back (their attempts refunded) and wait in
 the queue, rather than time out one after another unstarted; once the call returns, they run.
-(Jobs already dispatched behind the hung call time out with it: an execution timeout counts from
-dispatch.)"""
+An execution timeout counts from the start of the batch a job computes in: jobs that waited behind a
+slow call run with all of theirs."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
-from tests.hanging_models import HANG_VALUE, RELEASE
+from tests.hanging_models import HANG_VALUE, RELEASE, SLOW_S, SLOW_VALUE
 from tests.stack import StartStack
 
 HANGING_MODEL = DEMO_MODEL.model_copy(
@@ -58,6 +58,8 @@ async def test_jobs_behind_a_hung_call_wait_for_it_instead_of_timing_out(
         hung = (await jobs.SubmitJob(request(HANG_VALUE))).job.job_id
         timed_out = await until_state(hung, TERMINAL, 10.0)
         assert timed_out.state == job_pb2.JOB_STATE_TIMED_OUT
+        assert timed_out.error.reason == "EXECUTION_TIMEOUT"
+        assert timed_out.error.message == "attempt 1 ran longer than its execution timeout of 1 s"
         assert stack.batcher is not None
         stuck = stack.batcher.engine.free_slots
         deadline = time.monotonic() + 5.0
@@ -77,6 +79,32 @@ async def test_jobs_behind_a_hung_call_wait_for_it_instead_of_timing_out(
             assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done
     finally:
         RELEASE.set()
+
+
+@pytest.mark.timeout(90)
+async def test_jobs_queued_behind_slow_calls_get_their_whole_execution_timeout(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Three jobs at once on a model with one slot, each computing SLOW_S (under their 2 s timeout):
+    the third starts 2 x SLOW_S after its dispatch and ends past 3 x SLOW_S. All succeed: a timeout
+    counted from dispatch timed the second and third out, though neither computed 2 s."""
+    slow_model = HANGING_MODEL.model_copy(update={"default_execution_timeout_s": 2.0, "max_batch_size": 1})
+    stack = await start_stack(config.replace(models=[slow_model]))
+    jobs = stack.jobs
+    submitted = [(await jobs.SubmitJob(request(SLOW_VALUE))).job.job_id for _ in range(3)]
+    ended = []
+    for job_id in submitted:
+        deadline = time.monotonic() + 30.0
+        while (job := (await jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job).state not in TERMINAL:
+            assert time.monotonic() < deadline, job
+            await asyncio.sleep(0.05)
+        ended.append(job)
+    assert [job.state for job in ended] == [job_pb2.JOB_STATE_SUCCEEDED] * 3, ended
+    assert [job.attempt for job in ended] == [1, 1, 1]
+    span_s = (
+        max(job.end_time.ToNanoseconds() for job in ended) - min(job.start_time.ToNanoseconds() for job in ended)
+    ) / 1e9
+    assert span_s >= 3 * SLOW_S - 0.1  # one after another: the last ended far past 2 s from its dispatch
 
 
 @pytest.mark.timeout(60)

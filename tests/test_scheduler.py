@@ -194,13 +194,19 @@ class FakeBatcher:
         self._reader: asyncio.Task[None] | None = None
 
     async def connect(
-        self, max_batch_size: int = 8, *, takes_batches: bool = False, reads_claim_checks: bool = False
+        self,
+        max_batch_size: int = 8,
+        *,
+        takes_batches: bool = False,
+        reads_claim_checks: bool = False,
+        times_out_runs: bool = False,
     ) -> worker_service_pb2.WorkerWelcome:
         hello = worker_service_pb2.WorkerHello(
             batcher_id=self.batcher_id,
             models=[worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=max_batch_size)],
             takes_batches=takes_batches,
             reads_claim_checks=reads_claim_checks,
+            times_out_runs=times_out_runs,
         )
         await self._call.write(worker_service_pb2.ConnectRequest(hello=hello))
         self._reader = asyncio.create_task(self._read())
@@ -748,6 +754,67 @@ async def test_non_retriable_error_fails_the_job(
         return await work_messages(js, config) == 0
 
     await until(acked)
+
+
+async def test_a_run_its_batcher_timed_out_is_timed_out_and_a_silent_one_by_the_backstop(
+    config: Config, js: JetStreamContext, nc: NatsClient
+) -> None:
+    """A batcher that times runs out itself (from its batch's start: WorkerHello.times_out_runs)
+    answers EXECUTION_TIMEOUT, recorded TIMED_OUT with the scheduler's message; one that says nothing
+    is timed out by the scheduler's own timer, from dispatch: at once past the timeout for a batcher
+    of the release before, the backstop later for one that times runs out."""
+    backstop_s = 1.0
+    app = SchedulerApp(config.replace(scheduler={"execution_timeout_backstop_s": backstop_s}))
+    await app.start()
+    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    timing = FakeBatcher(app.port, "timing")
+    older = FakeBatcher(app.port, "older")
+    try:
+        await timing.connect(times_out_runs=True)
+        await timing.grant(2)
+        answered = await enqueue(nc, kv, execution_timeout_s=0.5)
+        order = await timing.next_order()
+        assert order.execution_timeout.ToNanoseconds() == 500_000_000
+        error = error_pb2.ErrorStatus(
+            code=grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+            reason="EXECUTION_TIMEOUT",
+            message="still computing 0.5 s after its batch started (its execution timeout)",
+        )
+        await timing.fail(order, error)
+        ended = await wait_state(js, answered, JobState.TIMED_OUT)
+        assert ended.error is not None
+        assert (ended.error.reason, ended.error.message) == (
+            "EXECUTION_TIMEOUT",
+            "attempt 1 ran longer than its execution timeout of 0.5 s",
+        )
+
+        silent = await enqueue(nc, kv, execution_timeout_s=0.5)
+        await timing.next_order()  # never answered: its batcher's loop stopped, say
+        ended = await wait_state(js, silent, JobState.TIMED_OUT, timeout_s=10.0)
+        assert ended.error is not None
+        assert ended.error.message == (
+            "attempt 1 was not answered within its execution timeout of 0.5 s plus 1 s from its dispatch "
+            "(its batcher stopped answering)"
+        )
+        assert ended.start_time is not None
+        assert ended.end_time is not None
+        assert ended.end_time - ended.start_time >= 0.5 + backstop_s
+        await timing.break_stream()
+
+        await older.connect()
+        await older.grant(1)
+        old_silent = await enqueue(nc, kv, execution_timeout_s=0.5)
+        await older.next_order()
+        ended = await wait_state(js, old_silent, JobState.TIMED_OUT)
+        assert ended.error is not None
+        assert ended.error.message == "attempt 1 ran longer than its execution timeout of 0.5 s"
+        assert ended.start_time is not None
+        assert ended.end_time is not None
+        assert ended.end_time - ended.start_time < 0.5 + backstop_s
+    finally:
+        await older.close()
+        await timing.close()
+        await app.stop(grace_s=1.0)
 
 
 async def test_retriable_error_requeues_with_backoff_then_runs_again(

@@ -30,15 +30,15 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"asyncinfer/v1/worker_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1f\x61syncinfer/v1/job_service.proto\x1a\x1a\x61syncinfer/v1/tensor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x02\n\x0e\x43onnectRequest\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.asyncinfer.v1.WorkerHelloH\x00\x12,\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.CreditGrantH\x00\x12+\n\x06result\x18\x03 \x01(\x0b\x32\x19.asyncinfer.v1.WorkResultH\x00\x12-\n\x07updates\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.WorkUpdatesH\x00\x12-\n\x06models\x18\x05 \x01(\x0b\x32\x1b.asyncinfer.v1.ServedModelsH\x00\x12;\n\x0e\x63ontrol_result\x18\x06 \x01(\x0b\x32!.asyncinfer.v1.ModelControlResultH\x00\x42\t\n\x07message\"r\n\x0cServedModels\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.asyncinfer.v1.ServedModel\x12\x36\n\rload_failures\x18\x02 \x03(\x0b\x32\x1f.asyncinfer.v1.ModelLoadFailure\"\x83\x02\n\x0f\x43onnectResponse\x12/\n\x07welcome\x18\x01 \x01(\x0b\x32\x1c.asyncinfer.v1.WorkerWelcomeH\x00\x12)\n\x05order\x18\x02 \x01(\x0b\x32\x18.asyncinfer.v1.WorkOrderH\x00\x12,\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1a.asyncinfer.v1.CancelOrderH\x00\x12+\n\x06orders\x18\x04 \x01(\x0b\x32\x19.asyncinfer.v1.WorkOrdersH\x00\x12.\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x1b.asyncinfer.v1.ModelControlH\x00\x42\t\n\x07message\"\x95\x01\n\x0cModelControl\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x31\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32!.asyncinfer.v1.ModelControlAction\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"S\n\x12ModelControlResult\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\"\xb8\x01\n\x0bWorkerHello\x12\x12\n\nbatcher_id\x18\x01 \x01(\t\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.ServedModel\x12\x15\n\rtakes_batches\x18\x03 \x01(\x08\x12\x1a\n\x12reads_claim_checks\x18\x04 \x01(\x08\x12\x36\n\rload_failures\x18\x05 \x03(\x0b\x32\x1f.asyncinfer.v1.ModelLoadFailure\"M\n\x10ModelLoadFailure\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xd8\x01\n\x0bServedModel\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12)\n\x06inputs\x18\x04 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12*\n\x07outputs\x18\x05 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12/\n\x05state\x18\x06 \x01(\x0e\x32 .asyncinfer.v1.ModelVersionState\"<\n\rWorkerWelcome\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\x15\n\rtakes_batches\x18\x02 \x01(\x08\"c\n\nWorkOrders\x12(\n\x06orders\x18\x01 \x03(\x0b\x32\x18.asyncinfer.v1.WorkOrder\x12+\n\x07\x63\x61ncels\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.CancelOrder\"\x95\x01\n\x0bWorkUpdates\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.asyncinfer.v1.WorkResult\x12+\n\x07\x63redits\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.CreditGrant\x12-\n\x08progress\x18\x03 \x03(\x0b\x32\x1b.asyncinfer.v1.WorkProgress\"k\n\x0cWorkProgress\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12,\n\x08progress\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.JobProgress\"2\n\x0b\x43reditGrant\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x05\"\xce\x03\n\tWorkOrder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12/\n\x06inputs\x18\x06 \x03(\x0b\x32\x1f.asyncinfer.v1.InferInputTensor\x12\x11\n\tinput_ref\x18\x07 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x11\x65xecution_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12 \n\x18store_outputs_over_bytes\x18\x0c \x01(\x03\x12\x13\n\x0boutput_name\x18\r \x01(\t\x12\x33\n\x10result_retention\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\trun_alone\x18\x0f \x01(\x08\"\x91\x02\n\nWorkResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x31\n\x07outputs\x18\x03 \x03(\x0b\x32 .asyncinfer.v1.InferOutputTensor\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x33\n\x10\x63ompute_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x64ropped\x18\x07 \x01(\x08\x12*\n\noutput_ref\x18\x08 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\".\n\x0b\x43\x61ncelOrder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05*z\n\x12ModelControlAction\x12$\n MODEL_CONTROL_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19MODEL_CONTROL_ACTION_LOAD\x10\x01\x12\x1f\n\x1bMODEL_CONTROL_ACTION_UNLOAD\x10\x02\x32]\n\rWorkerService\x12L\n\x07\x43onnect\x12\x1d.asyncinfer.v1.ConnectRequest\x1a\x1e.asyncinfer.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"asyncinfer/v1/worker_service.proto\x12\rasyncinfer.v1\x1a\x19\x61syncinfer/v1/error.proto\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1f\x61syncinfer/v1/job_service.proto\x1a\x1a\x61syncinfer/v1/tensor.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xbe\x02\n\x0e\x43onnectRequest\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.asyncinfer.v1.WorkerHelloH\x00\x12,\n\x06\x63redit\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.CreditGrantH\x00\x12+\n\x06result\x18\x03 \x01(\x0b\x32\x19.asyncinfer.v1.WorkResultH\x00\x12-\n\x07updates\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.WorkUpdatesH\x00\x12-\n\x06models\x18\x05 \x01(\x0b\x32\x1b.asyncinfer.v1.ServedModelsH\x00\x12;\n\x0e\x63ontrol_result\x18\x06 \x01(\x0b\x32!.asyncinfer.v1.ModelControlResultH\x00\x42\t\n\x07message\"r\n\x0cServedModels\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.asyncinfer.v1.ServedModel\x12\x36\n\rload_failures\x18\x02 \x03(\x0b\x32\x1f.asyncinfer.v1.ModelLoadFailure\"\x83\x02\n\x0f\x43onnectResponse\x12/\n\x07welcome\x18\x01 \x01(\x0b\x32\x1c.asyncinfer.v1.WorkerWelcomeH\x00\x12)\n\x05order\x18\x02 \x01(\x0b\x32\x18.asyncinfer.v1.WorkOrderH\x00\x12,\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x1a.asyncinfer.v1.CancelOrderH\x00\x12+\n\x06orders\x18\x04 \x01(\x0b\x32\x19.asyncinfer.v1.WorkOrdersH\x00\x12.\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x1b.asyncinfer.v1.ModelControlH\x00\x42\t\n\x07message\"\x95\x01\n\x0cModelControl\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x31\n\x06\x61\x63tion\x18\x03 \x01(\x0e\x32!.asyncinfer.v1.ModelControlAction\x12\x13\n\x0b\x63onfig_json\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\"S\n\x12ModelControlResult\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12)\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\"\xd0\x01\n\x0bWorkerHello\x12\x12\n\nbatcher_id\x18\x01 \x01(\t\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.ServedModel\x12\x15\n\rtakes_batches\x18\x03 \x01(\x08\x12\x1a\n\x12reads_claim_checks\x18\x04 \x01(\x08\x12\x36\n\rload_failures\x18\x05 \x03(\x0b\x32\x1f.asyncinfer.v1.ModelLoadFailure\x12\x16\n\x0etimes_out_runs\x18\x06 \x01(\x08\"M\n\x10ModelLoadFailure\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xd8\x01\n\x0bServedModel\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\x05\x12)\n\x06inputs\x18\x04 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12*\n\x07outputs\x18\x05 \x03(\x0b\x32\x19.asyncinfer.v1.TensorSpec\x12/\n\x05state\x18\x06 \x01(\x0e\x32 .asyncinfer.v1.ModelVersionState\"<\n\rWorkerWelcome\x12\x14\n\x0cscheduler_id\x18\x01 \x01(\t\x12\x15\n\rtakes_batches\x18\x02 \x01(\x08\"c\n\nWorkOrders\x12(\n\x06orders\x18\x01 \x03(\x0b\x32\x18.asyncinfer.v1.WorkOrder\x12+\n\x07\x63\x61ncels\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.CancelOrder\"\x95\x01\n\x0bWorkUpdates\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.asyncinfer.v1.WorkResult\x12+\n\x07\x63redits\x18\x02 \x03(\x0b\x32\x1a.asyncinfer.v1.CreditGrant\x12-\n\x08progress\x18\x03 \x03(\x0b\x32\x1b.asyncinfer.v1.WorkProgress\"k\n\x0cWorkProgress\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12,\n\x08progress\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.JobProgress\"2\n\x0b\x43reditGrant\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x05\"\xce\x03\n\tWorkOrder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12)\n\x08priority\x18\x05 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12/\n\x06inputs\x18\x06 \x03(\x0b\x32\x1f.asyncinfer.v1.InferInputTensor\x12\x11\n\tinput_ref\x18\x07 \x01(\t\x12,\n\x08\x64\x65\x61\x64line\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x11\x65xecution_timeout\x18\t \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0btraceparent\x18\x0b \x01(\t\x12 \n\x18store_outputs_over_bytes\x18\x0c \x01(\x03\x12\x13\n\x0boutput_name\x18\r \x01(\t\x12\x33\n\x10result_retention\x18\x0e \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x11\n\trun_alone\x18\x0f \x01(\x08\"\x91\x02\n\nWorkResult\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x31\n\x07outputs\x18\x03 \x03(\x0b\x32 .asyncinfer.v1.InferOutputTensor\x12)\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1a.asyncinfer.v1.ErrorStatus\x12\x12\n\nbatch_size\x18\x05 \x01(\x05\x12\x33\n\x10\x63ompute_duration\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x0f\n\x07\x64ropped\x18\x07 \x01(\x08\x12*\n\noutput_ref\x18\x08 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\".\n\x0b\x43\x61ncelOrder\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05*z\n\x12ModelControlAction\x12$\n MODEL_CONTROL_ACTION_UNSPECIFIED\x10\x00\x12\x1d\n\x19MODEL_CONTROL_ACTION_LOAD\x10\x01\x12\x1f\n\x1bMODEL_CONTROL_ACTION_UNLOAD\x10\x02\x32]\n\rWorkerService\x12L\n\x07\x43onnect\x12\x1d.asyncinfer.v1.ConnectRequest\x1a\x1e.asyncinfer.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'asyncinfer.v1.worker_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELCONTROLACTION']._serialized_start=2917
-  _globals['_MODELCONTROLACTION']._serialized_end=3039
+  _globals['_MODELCONTROLACTION']._serialized_start=2941
+  _globals['_MODELCONTROLACTION']._serialized_end=3063
   _globals['_CONNECTREQUEST']._serialized_start=232
   _globals['_CONNECTREQUEST']._serialized_end=550
   _globals['_SERVEDMODELS']._serialized_start=552
@@ -50,27 +50,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCONTROLRESULT']._serialized_start=1082
   _globals['_MODELCONTROLRESULT']._serialized_end=1165
   _globals['_WORKERHELLO']._serialized_start=1168
-  _globals['_WORKERHELLO']._serialized_end=1352
-  _globals['_MODELLOADFAILURE']._serialized_start=1354
-  _globals['_MODELLOADFAILURE']._serialized_end=1431
-  _globals['_SERVEDMODEL']._serialized_start=1434
-  _globals['_SERVEDMODEL']._serialized_end=1650
-  _globals['_WORKERWELCOME']._serialized_start=1652
-  _globals['_WORKERWELCOME']._serialized_end=1712
-  _globals['_WORKORDERS']._serialized_start=1714
-  _globals['_WORKORDERS']._serialized_end=1813
-  _globals['_WORKUPDATES']._serialized_start=1816
-  _globals['_WORKUPDATES']._serialized_end=1965
-  _globals['_WORKPROGRESS']._serialized_start=1967
-  _globals['_WORKPROGRESS']._serialized_end=2074
-  _globals['_CREDITGRANT']._serialized_start=2076
-  _globals['_CREDITGRANT']._serialized_end=2126
-  _globals['_WORKORDER']._serialized_start=2129
-  _globals['_WORKORDER']._serialized_end=2591
-  _globals['_WORKRESULT']._serialized_start=2594
-  _globals['_WORKRESULT']._serialized_end=2867
-  _globals['_CANCELORDER']._serialized_start=2869
-  _globals['_CANCELORDER']._serialized_end=2915
-  _globals['_WORKERSERVICE']._serialized_start=3041
-  _globals['_WORKERSERVICE']._serialized_end=3134
+  _globals['_WORKERHELLO']._serialized_end=1376
+  _globals['_MODELLOADFAILURE']._serialized_start=1378
+  _globals['_MODELLOADFAILURE']._serialized_end=1455
+  _globals['_SERVEDMODEL']._serialized_start=1458
+  _globals['_SERVEDMODEL']._serialized_end=1674
+  _globals['_WORKERWELCOME']._serialized_start=1676
+  _globals['_WORKERWELCOME']._serialized_end=1736
+  _globals['_WORKORDERS']._serialized_start=1738
+  _globals['_WORKORDERS']._serialized_end=1837
+  _globals['_WORKUPDATES']._serialized_start=1840
+  _globals['_WORKUPDATES']._serialized_end=1989
+  _globals['_WORKPROGRESS']._serialized_start=1991
+  _globals['_WORKPROGRESS']._serialized_end=2098
+  _globals['_CREDITGRANT']._serialized_start=2100
+  _globals['_CREDITGRANT']._serialized_end=2150
+  _globals['_WORKORDER']._serialized_start=2153
+  _globals['_WORKORDER']._serialized_end=2615
+  _globals['_WORKRESULT']._serialized_start=2618
+  _globals['_WORKRESULT']._serialized_end=2891
+  _globals['_CANCELORDER']._serialized_start=2893
+  _globals['_CANCELORDER']._serialized_end=2939
+  _globals['_WORKERSERVICE']._serialized_start=3065
+  _globals['_WORKERSERVICE']._serialized_end=3158
 # @@protoc_insertion_point(module_scope)

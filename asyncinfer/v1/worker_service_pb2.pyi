@@ -245,6 +245,7 @@ class WorkerHello(_message.Message):
     TAKES_BATCHES_FIELD_NUMBER: _builtins.int
     READS_CLAIM_CHECKS_FIELD_NUMBER: _builtins.int
     LOAD_FAILURES_FIELD_NUMBER: _builtins.int
+    TIMES_OUT_RUNS_FIELD_NUMBER: _builtins.int
     batcher_id: _builtins.str
     """Unique per batcher process."""
     takes_batches: _builtins.bool
@@ -253,6 +254,13 @@ class WorkerHello(_message.Message):
     """The batcher reads an order's claim-checked input (input_ref: an upload, or a batch chunk's
     rows) from the object store itself, and stores outputs over the order's
     store_outputs_over_bytes there too (WorkResult.output_ref): batcher.claim_check_io.
+    """
+    times_out_runs: _builtins.bool
+    """The batcher times runs out itself: an order still computing its execution_timeout after its
+    batch started (a batch chunk's or a pipeline's: after it arrived) is answered with an error of
+    reason EXECUTION_TIMEOUT. Its scheduler then times the job out on its own only
+    scheduler.execution_timeout_backstop_s later than that, counted from dispatch (room for the
+    batcher's queue); a batcher that does not say so has its jobs timed out from dispatch.
     """
     @_builtins.property
     def models(self) -> _containers.RepeatedCompositeFieldContainer[Global___ServedModel]: ...
@@ -270,10 +278,11 @@ class WorkerHello(_message.Message):
         takes_batches: _builtins.bool = ...,
         reads_claim_checks: _builtins.bool = ...,
         load_failures: _abc.Iterable[Global___ModelLoadFailure] | None = ...,
+        times_out_runs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "load_failures", b"load_failures", "models", b"models", "reads_claim_checks", b"reads_claim_checks", "takes_batches", b"takes_batches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batcher_id", b"batcher_id", "load_failures", b"load_failures", "models", b"models", "reads_claim_checks", b"reads_claim_checks", "takes_batches", b"takes_batches", "times_out_runs", b"times_out_runs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -537,7 +546,7 @@ class WorkOrder(_message.Message):
 
     @_builtins.property
     def execution_timeout(self) -> _duration_pb2.Duration:
-        """Longest the run may take."""
+        """Longest the run may take (from its batch's start, to a batcher that times runs out)."""
 
     @_builtins.property
     def result_retention(self) -> _duration_pb2.Duration: ...

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
 import structlog
 
 from asyncinfer.config import ModelConfig
@@ -37,6 +38,9 @@ SHUTDOWN_REASON = "BATCHER_SHUTTING_DOWN"
 # Every in-flight batch of the model has run past its jobs' execution timeouts (a call that does not
 # return): what waits is given back, as at a shutdown (services/batcher/model_queue.py).
 MODEL_STUCK_REASON = "MODEL_STUCK"
+# The reason of an item answered past its execution timeout, counted from its batch's start: the
+# scheduler's job_errors.EXECUTION_TIMEOUT, which it records as TIMED_OUT (WorkerHello.times_out_runs).
+EXECUTION_TIMEOUT_REASON = "EXECUTION_TIMEOUT"
 # A model's traceback is logged at most this often per model (a broken deploy fails every batch).
 TRACEBACK_INTERVAL_S = 60.0
 
@@ -57,6 +61,18 @@ def succeeded(batch: Sequence[PendingItem], per_item: list[list[Tensor]], rows: 
 
 # Per item: its outcome; then the batch's compute seconds and padding waste.
 Computed = tuple[list[Ran], float, float]
+
+
+class RunTimedOut(AsyncInferError):
+    """An item still computing its execution timeout after its batch started: answered now, its
+    batch left to finish (a model call cannot be stopped) and its answer for it dropped."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    default_reason = EXECUTION_TIMEOUT_REASON
+
+
+def run_timed_out(run_timeout_s: float, since: str = "its batch started") -> RunTimedOut:
+    return RunTimedOut(f"still computing {run_timeout_s:g} s after {since} (its execution timeout)")
 
 
 def fail(items: Sequence[PendingItem], error: AsyncInferError) -> None:

@@ -47,7 +47,7 @@ from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
-from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
+from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, run_timed_out
 from services.batcher.chunk_items import ChunkItem, part_rows, take_rows
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
@@ -267,7 +267,11 @@ class BatchingEngine:
             assert pipeline is not None
             if timeout_s is not None and timeout_s <= 0:
                 raise DeadlineExceeded("the item's deadline passed before it was queued")
-            return pipeline.submit(inputs, timeout_s, priority, progress, credited=credited)
+            piped = pipeline.submit(inputs, timeout_s, priority, progress, credited=credited)
+            if run_timeout_s is not None:
+                # Its steps run in several batches: timed out from its arrival, not a batch's start.
+                time_out_from_now(piped.future, run_timeout_s, [])
+            return piped
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")
@@ -285,6 +289,7 @@ class BatchingEngine:
         timeout_s: float | None = None,
         priority: Priority = Priority.LOW,
         version: str = "",
+        run_timeout_s: float | None = None,
     ) -> ChunkItem:
         """A batch's chunk (more rows than max_batch_size) as parts of at most max_batch_size
         rows, queued like items (services.batcher.chunk_items) on the version named (empty: the
@@ -311,7 +316,11 @@ class BatchingEngine:
             for queued in parts:
                 queued.cancel()
             raise
-        return ChunkItem(parts, order)
+        chunk = ChunkItem(parts, order)
+        if run_timeout_s is not None:
+            # Its parts run in several batches: timed out from its arrival, not a batch's start.
+            time_out_from_now(chunk.future, run_timeout_s, parts)
+        return chunk
 
     async def infer(
         self,
@@ -377,3 +386,18 @@ class BatchingEngine:
                 listener(model_name)
             except Exception:
                 log.exception("slot_listener_failed", model=model_name)
+
+
+def time_out_from_now(future: asyncio.Future[InferOutcome], run_timeout_s: float, parts: Sequence[PendingItem]) -> None:
+    """Answers `future` TIMED_OUT run_timeout_s from now unless it resolves first, dropping its
+    `parts` not yet started (a part computing finishes unanswered)."""
+
+    def time_out() -> None:
+        if future.done():
+            return
+        for part in parts:
+            part.cancel()
+        future.set_exception(run_timed_out(run_timeout_s, since="it arrived"))
+
+    timer = asyncio.get_running_loop().call_later(run_timeout_s, time_out)
+    future.add_done_callback(lambda _done: timer.cancel())

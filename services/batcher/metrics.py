@@ -63,7 +63,7 @@ class BatcherMetrics:
         )
         self.items = Counter(
             "asyncinfer_batcher_items_total",
-            "Items that left the batcher, by outcome (OK, MODEL_ERROR, EXPIRED, CANCELED, SHUTDOWN, ERROR).",
+            "Items that left the batcher, by outcome (OK, MODEL_ERROR, TIMED_OUT, EXPIRED, CANCELED, SHUTDOWN, ERROR).",
             ["model", "outcome"],
             registry=registry,
         )

@@ -41,7 +41,9 @@ from services.batcher.batch_compute import (
     SHUTTING_DOWN,
     BatchRunner,
     Computed,
+    RunTimedOut,
     fail,
+    run_timed_out,
 )
 from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
@@ -79,6 +81,8 @@ def outcome_label(future: asyncio.Future[InferOutcome]) -> str:
         return "OK"
     if isinstance(error, ModelError):
         return "MODEL_ERROR"
+    if isinstance(error, RunTimedOut):
+        return "TIMED_OUT"
     if isinstance(error, DeadlineExceeded):
         return "EXPIRED"
     if isinstance(error, Unavailable):
@@ -236,7 +240,8 @@ class ModelQueue:
             # batch that just finished, each a gRPC send), leaving the model idle meanwhile.
             now = loop.time()
             timeouts = [item.run_timeout_s for item in batch]
-            longest = None if None in timeouts else max(t for t in timeouts if t is not None)
+            known = [t for t in timeouts if t is not None]
+            longest = None if len(known) < len(timeouts) else max(known)
             running = RunningBatch(batch, now, None if longest is None else now + longest)
             computing: asyncio.Future[Computed] = (
                 asyncio.ensure_future(runner.compute_async(batch))
@@ -246,8 +251,11 @@ class ModelQueue:
             task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
             self._running[task] = running
-            if running.deadline is not None:
-                running.timer = loop.call_at(running.deadline + OVERRUN_GRACE_S, self._overran, task)
+            if known:
+                # One timer a batch, as before: first at its items' earliest timeout, then (when
+                # they have all timed out) at the overrun; cancelled when the batch returns.
+                first = now + min(known)
+                running.timer = loop.call_at(first, self._time_out_items, task, first)
             task.add_done_callback(functools.partial(self._batch_done, batch))
 
     def _batch_done(self, batch: list[PendingItem], task: asyncio.Task[None]) -> None:
@@ -275,6 +283,37 @@ class ModelQueue:
         if self._batches.pop(task, None) is not None:
             self._slots.release()
             self._changed.set()  # the model may be idle now: a waiting batch can start at once
+
+    def _time_out_items(self, task: asyncio.Task[None], when: float) -> None:
+        """Answers the batch's items whose execution timeouts, counted from its start, ended by
+        `when` (TIMED_OUT: their scheduler records it), then waits for the next item's, or for the
+        overrun. Counted from the batch's start, not from the order's arrival: an item that waited
+        behind a slow or hung batch has not used any of its timeout (it timed out with it before)."""
+        running = self._running.get(task)
+        if running is None:
+            return
+        loop = asyncio.get_running_loop()
+        now = max(loop.time(), when)
+        later: list[float] = []
+        ended = 0
+        for item in running.items:
+            if item.run_timeout_s is None or item.future.done():
+                continue
+            ends = running.started_at + item.run_timeout_s
+            if ends <= now:
+                item.future.set_exception(run_timed_out(item.run_timeout_s))
+                ended += 1
+            else:
+                later.append(ends)
+        if ended:
+            log.warning("batch_timed_out", model=self.name, items=ended, running_s=round(now - running.started_at, 1))
+        if later:
+            next_at = min(later)
+            running.timer = loop.call_at(next_at, self._time_out_items, task, next_at)
+        elif running.deadline is not None:
+            running.timer = loop.call_at(running.deadline + OVERRUN_GRACE_S, self._overran, task)
+        else:
+            running.timer = None
 
     def _overran(self, task: asyncio.Task[None]) -> None:
         """A batch still computing past the longest execution timeout of its items (each has timed

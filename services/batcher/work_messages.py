@@ -25,7 +25,7 @@ from asyncinfer.model_json import parse_model_json
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
-from services.batcher.batch_compute import MODEL_STUCK_REASON
+from services.batcher.batch_compute import MODEL_STUCK_REASON, RunTimedOut
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
 from services.batcher.model_control import ModelControl
@@ -34,7 +34,8 @@ from services.batcher.progress import ItemProgress
 log = structlog.get_logger("asyncinfer.batcher.work_messages")
 
 # Failures that the same order would meet again on any attempt.
-_NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled)
+# A run timed out is not retried by a batcher's say: its scheduler applies the model's timeout_action.
+_NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled, RunTimedOut)
 
 ORDER_PRIORITIES = {
     job_pb2.PRIORITY_HIGH: Priority.HIGH,
@@ -115,6 +116,7 @@ def worker_hello(
         takes_batches=takes_batches,
         reads_claim_checks=reads_claim_checks,
         load_failures=load_failures(models),
+        times_out_runs=True,  # services.batcher.model_queue: from each batch's start
     )
 
 
@@ -137,6 +139,7 @@ def submit_order(
     inputs = decode_tensors(order.inputs) if read_inputs is None else list(read_inputs)
     timeout_s = order.deadline.ToNanoseconds() / 1e9 - time.time() if order.HasField("deadline") else None
     max_rows = engine.model_config(order.model_name, order.model_version).max_batch_size
+    run_timeout_s = order.execution_timeout.ToNanoseconds() / 1e9 if order.HasField("execution_timeout") else None
     if inputs and max_rows > 0 and inputs[0].batch_size > max_rows:
         # A batch's chunk (docs/BATCHES.md): the gateway checked each of its records.
         return engine.submit_chunk(
@@ -145,6 +148,7 @@ def submit_order(
             timeout_s=timeout_s,
             priority=ORDER_PRIORITIES.get(order.priority, Priority.LOW),
             version=order.model_version,
+            run_timeout_s=run_timeout_s,
         )
     return engine.submit(
         order.model_name,
@@ -154,7 +158,7 @@ def submit_order(
         progress=progress,
         version=order.model_version,
         credited=True,  # sent on a credit this batcher granted: its slot was promised
-        run_timeout_s=order.execution_timeout.ToNanoseconds() / 1e9 if order.HasField("execution_timeout") else None,
+        run_timeout_s=run_timeout_s,
         run_alone=order.run_alone,
     )
 

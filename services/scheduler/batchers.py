@@ -27,6 +27,9 @@ class BatcherSession:
         self.takes_batches = hello.takes_batches
         # It reads input refs and stores large outputs itself (batcher.claim_check_io).
         self.reads_claim_checks = hello.reads_claim_checks
+        # It answers a run past its execution timeout itself, counted from its batch's start: this
+        # scheduler's timer is then a backstop (scheduler.execution_timeout_backstop_s later).
+        self.times_out_runs = hello.times_out_runs
         # A batcher that reconnects keeps its ID but gets a new session.
         self.session_number = next(_session_numbers)
         self.models: dict[str, ServedModel] = {}

@@ -345,6 +345,7 @@ class JobDispatch:
             record=latest,
             log=job_log,
             timeout_s=order.execution_timeout_s,
+            backstop_s=self._config.scheduler.execution_timeout_backstop_s if session.times_out_runs else 0.0,
         )
         superseded = self._leases.hold(job, self._on_timeout)
         if superseded is not None:

@@ -3,7 +3,7 @@
 A dispatched attempt's work message stays unacked while it runs; `renew` keeps it alive with
 in-progress acks, so a scheduler that dies leaves its messages to be redelivered after AckWait (and
 the next attempt takes the record over: see asyncinfer.lifecycle). Each attempt may carry an
-execution-timeout timer. A result is accepted only from the session and attempt in flight
+execution-timeout timer (a backstop, to a batcher that times its runs out itself). A result is accepted only from the session and attempt in flight
 (`fenced`), so a late answer of an older attempt, or one over a replaced stream, is discarded.
 """
 
@@ -39,6 +39,9 @@ class InFlightJob:
     record: JobRecord
     log: structlog.typing.FilteringBoundLogger
     timeout_s: float | None = None
+    # How much later than timeout_s (from dispatch) the timer fires: 0, or the backstop for a
+    # batcher that times its runs out itself, counted from their batch's start (WorkerHello).
+    backstop_s: float = 0.0
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     # The latest progress its batcher sent, and when it was last written to the record
     # (services.scheduler.progress_relay).
@@ -70,7 +73,9 @@ class Leases:
         self.jobs[job.job_id] = job
         self._idle.clear()
         if job.timeout_s is not None:
-            job.timer = asyncio.get_running_loop().call_later(job.timeout_s, self._timed_out, job, on_timeout)
+            job.timer = asyncio.get_running_loop().call_later(
+                job.timeout_s + job.backstop_s, self._timed_out, job, on_timeout
+            )
         return superseded
 
     def _timed_out(self, job: InFlightJob, on_timeout: Callable[[InFlightJob], None]) -> None:

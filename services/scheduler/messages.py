@@ -36,6 +36,7 @@ class WorkerHello:
     models: tuple[ServedModel, ...]
     takes_batches: bool = False  # reads several orders per message
     reads_claim_checks: bool = False  # reads input refs and stores large outputs itself
+    times_out_runs: bool = False  # answers a run past its execution timeout itself (from its batch's start)
     load_failures: tuple[LoadFailure, ...] = ()
 
 

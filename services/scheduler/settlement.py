@@ -79,6 +79,10 @@ class Settlement:
         if result.dropped:
             await self._dropped(job, now)
             return
+        if result.error is not None and result.error.reason == job_errors.EXECUTION_TIMEOUT:
+            # The batcher timed the run out, counted from its batch's start (WorkerHello.times_out_runs).
+            await self.timed_out(job, result=result)
+            return
         if result.error is not None:
             await self.failed_attempt(job, result.error, final_state=JobState.FAILED, result=result)
             return
@@ -254,13 +258,20 @@ class Settlement:
                 if delay_s <= 0:
                     self.on_put_back(msg.subject)
 
-    async def timed_out(self, job: InFlightJob) -> None:
+    async def timed_out(self, job: InFlightJob, result: WorkResult | None = None) -> None:
+        """Past its execution timeout: as its batcher answered (`result`), or by this scheduler's
+        timer (from dispatch; a backstop `job.backstop_s` later when its batcher times runs out)."""
         model = self._config.model(job.model_name)
         action = model.timeout_action if model is not None else "fail"
-        error = job_errors.execution_timeout(job.attempt, job.timeout_s or 0.0, retriable=action == "retry")
-        job.log.warning("job_timed_out", timeout_s=job.timeout_s, action=action)
+        backstop_s = 0.0 if result is not None else job.backstop_s
+        error = job_errors.execution_timeout(
+            job.attempt, job.timeout_s or 0.0, retriable=action == "retry", backstop_s=backstop_s
+        )
+        job.log.warning(
+            "job_timed_out", timeout_s=job.timeout_s, action=action, by="batcher" if result is not None else "scheduler"
+        )
         try:
-            await self.failed_attempt(job, error, final_state=JobState.TIMED_OUT)
+            await self.failed_attempt(job, error, final_state=JobState.TIMED_OUT, result=result)
         except Exception:
             job.log.exception("timeout_not_stored")
 

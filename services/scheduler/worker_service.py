@@ -70,6 +70,7 @@ def hello_from_proto(message: worker_service_pb2.WorkerHello) -> WorkerHello:
         models=served_from_proto(message.models),
         takes_batches=message.takes_batches,
         reads_claim_checks=message.reads_claim_checks,
+        times_out_runs=message.times_out_runs,
         load_failures=failures_from_proto(message.load_failures),
     )
 
