@@ -431,6 +431,16 @@ class BatcherConfig(_Section):
         ge=0,
         description="How long in-flight batches may finish on shutdown (under `up`: at most 10 s, the stack's grace).",
     )
+    exit_after_overrun_s: float = Field(
+        120.0,
+        ge=0,
+        description="A batch still computing this long past its jobs' execution timeouts (from its start: a model "
+        "call that does not return, which no thread can stop) stops the batcher, which exits 75 (EX_TEMPFAIL) "
+        "for its supervisor (Kubernetes, compose, systemd) to start a fresh one: its other batches get "
+        "shutdown_grace_s, what waits goes back to the queue. Its jobs were answered TIMED_OUT at their timeout. "
+        "0: never (the model takes no work until its call returns). `up` sets 0 unless its file sets it: its "
+        "batcher's exit would stop the whole stack.",
+    )
 
 
 class BatchesConfig(_Section):

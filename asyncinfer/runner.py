@@ -5,7 +5,9 @@ owns its background loops (the services' XxxApp classes). Stopping is ordered an
 first SIGINT/SIGTERM stops intake and drains within the grace period; a second one is ignored while
 that runs (the bounded grace ends it anyway). A background loop that dies stops the process the
 same way, and the process exits with EXIT_LOOP_DIED: a service with a dead dispatcher or feed
-looks alive but does nothing, so it is better restarted (by systemd, Kubernetes, compose). A
+looks alive but does nothing, so it is better restarted (by systemd, Kubernetes, compose). An
+app may ask for the same stop with an exit code of its own (`Supervisor.request_stop`: a batcher
+whose model call hangs exits EXIT_MODEL_HUNG). A
 process the apps depend on that exits (the embedded nats-server of `asyncinfer up`) stops it the
 same way, with EXIT_UNAVAILABLE (`StopSignal.abort`).
 """
@@ -30,6 +32,9 @@ EXIT_STOPPED = 0
 EXIT_LOOP_DIED = 70
 # sysexits.h's EX_UNAVAILABLE: a process the apps need (the embedded nats-server) exited.
 EXIT_UNAVAILABLE = 69
+# sysexits.h's EX_TEMPFAIL: a batcher whose model call does not return stopped to be started afresh
+# (batcher.exit_after_overrun_s).
+EXIT_MODEL_HUNG = 75
 # A second Ctrl-C while `up` stops: at once, as a shell's SIGINT exit (128 + 2).
 EXIT_FORCED = 130
 
@@ -151,6 +156,7 @@ async def run_until_stopped(
                 break
             started.append(app)
             app.supervisor.on_failure(stop.fail)
+            app.supervisor.on_stop_request(lambda reason, code: stop.abort(reason, exit_code=code))
         if on_started is not None and not stop.event.is_set():  # no banner for a process already stopping
             on_started(started)
         await stop.wait()

@@ -87,6 +87,8 @@ class LoopDied:
 
 
 FailureListener = Callable[[LoopDied], None]
+# (reason, exit code): a component asks for its process to stop (asyncinfer.runner).
+StopListener = Callable[[str, int], None]
 
 
 class Supervisor:
@@ -95,6 +97,8 @@ class Supervisor:
         self._stop_timeout_s = stop_timeout_s
         self._running: dict[asyncio.Task[None], str] = {}  # insertion order: the order of start
         self._listeners: list[FailureListener] = []
+        self._stop_listeners: list[StopListener] = []
+        self._stop_request: tuple[str, int] | None = None
         self._failure: LoopDied | None = None
         self._failed = asyncio.Event()
         self._stopping = False
@@ -125,6 +129,21 @@ class Supervisor:
         self._listeners.append(listener)
         if self._failure is not None:
             listener(self._failure)
+
+    def request_stop(self, reason: str, exit_code: int) -> None:
+        """A component of the owner cannot go on and asks for the process to stop, exiting
+        `exit_code` (the runner stops every app in order, as for a signal). The first one counts."""
+        if self._stop_request is not None:
+            return
+        self._stop_request = (reason, exit_code)
+        for listener in self._stop_listeners:
+            listener(reason, exit_code)
+
+    def on_stop_request(self, listener: StopListener) -> None:
+        """Calls `listener` when a stop is requested (at once if one already was)."""
+        self._stop_listeners.append(listener)
+        if self._stop_request is not None:
+            listener(*self._stop_request)
 
     async def wait_failed(self) -> LoopDied:
         await self._failed.wait()

@@ -489,6 +489,55 @@ async def test_a_chunk_is_timed_out_from_its_arrival_and_its_parts_not_started_a
     assert model.rows_seen == [2, 1]
 
 
+async def test_a_batch_computing_long_past_its_timeouts_is_reported_once_and_counted_as_overrun() -> None:
+    """batcher.exit_after_overrun_s: the batcher app is told of a batch still computing that long
+    past its items' longest timeout (it then stops the process); the overrun gauge counts it."""
+    from prometheus_client import CollectorRegistry
+
+    from services.batcher.engine import BatchingEngine
+    from services.batcher.metrics import BatcherMetrics
+    from services.batcher.model_queue import HungBatch, HungWatch
+
+    hung: list[HungBatch] = []
+    told = asyncio.Event()
+
+    def on_hung(batch: HungBatch) -> None:
+        hung.append(batch)
+        told.set()
+
+    registry = CollectorRegistry()
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    config = DEMO_MODEL.model_copy(update={"max_queue_delay_ms": 0.0, "max_inflight_batches": 1})
+    engine = BatchingEngine(metrics=BatcherMetrics(registry), hung=HungWatch(after_s=0.8, on_hung=on_hung))
+    engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
+    await engine.start()
+    try:
+        overrun = {"model": "demo"}
+        assert registry.get_sample_value("asyncinfer_batcher_overrun_batches", overrun) == 0
+        started = time.monotonic()
+        item = engine.submit("demo", rows(1.0), run_timeout_s=0.2, credited=True)
+        with pytest.raises(RunTimedOut):
+            await asyncio.wait_for(item.future, 5.0)
+        await asyncio.wait_for(told.wait(), 5.0)
+        assert time.monotonic() - started >= 0.2 + 0.8
+        (batch,) = hung
+        assert (batch.model, batch.items) == ("demo", 1)
+        assert batch.past_timeout_s >= 0.8
+        assert "in forward" in batch.stack
+        assert registry.get_sample_value("asyncinfer_batcher_overrun_batches", overrun) == 1
+        gate.set()
+        deadline = time.monotonic() + 5.0
+        while engine.free_slots("demo") == 0:  # until the call returns
+            assert time.monotonic() < deadline, "the model stayed stuck after its call returned"
+            await asyncio.sleep(0.01)
+        assert registry.get_sample_value("asyncinfer_batcher_overrun_batches", overrun) == 0
+        assert len(hung) == 1
+    finally:
+        gate.set()
+        await engine.stop(grace_s=1.0)
+
+
 async def test_an_item_to_run_alone_is_computed_in_a_batch_of_its_own(make_engine: Callable[..., Any]) -> None:
     """A job whose previous attempt was lost with its batcher (a crash: it may be what crashed)
     runs alone, so that a job that crashes the process takes no other job with it (three good jobs

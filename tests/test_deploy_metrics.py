@@ -309,6 +309,14 @@ ALERT_TESTS = [
         [("4m", None), ("6m", {"model": "broken", "instance": "b1"})],
     ),
     _alert(
+        "AsyncinferModelCallHung",
+        [  # a batcher restarted after its model hung comes back at 0
+            ('asyncinfer_batcher_overrun_batches{model="hang",instance="b1"}', "0 1 1 1 1 0 0"),
+            ('asyncinfer_batcher_overrun_batches{model="demo",instance="b1"}', "0x6"),
+        ],
+        [("1m", None), ("3m", {"model": "hang", "instance": "b1"}), ("6m", None)],
+    ),
+    _alert(
         "AsyncinferWebhookDeliveriesFailed",
         [
             ('asyncinfer_webhook_deliveries_finished_total{state="FAILED",instance="s1"}', "0 0 0 1 1"),

@@ -17,7 +17,14 @@ from structlog.testing import capture_logs
 
 from asyncinfer.config import Config
 from asyncinfer.queues import paused_key
-from asyncinfer.runner import EXIT_LOOP_DIED, EXIT_STOPPED, EXIT_UNAVAILABLE, StopSignal, run_until_stopped
+from asyncinfer.runner import (
+    EXIT_LOOP_DIED,
+    EXIT_MODEL_HUNG,
+    EXIT_STOPPED,
+    EXIT_UNAVAILABLE,
+    StopSignal,
+    run_until_stopped,
+)
 from asyncinfer.supervision import LoopDied, Supervisor, failure_logged
 from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
@@ -262,6 +269,24 @@ async def test_an_abort_stops_every_app_in_reverse_order_with_its_exit_code() ->
     assert stopped == ["second", "first"]
     assert announced == ["banner"]
     assert [(e["event"], e["log_level"]) for e in logs if e["log_level"] == "error"] == [("stopping", "error")]
+
+
+async def test_an_apps_stop_request_stops_every_app_with_its_exit_code() -> None:
+    # A batcher whose model call hangs asks its process to stop (batcher.exit_after_overrun_s).
+    stopped: list[str] = []
+    first, second = FakeApp("first", stopped), FakeApp("second", stopped)
+
+    def started(_apps: Any) -> None:
+        second.supervisor.request_stop("a model call that does not return", EXIT_MODEL_HUNG)
+        second.supervisor.request_stop("a later reason", 1)  # the first counts
+
+    with capture_logs() as logs:
+        code = await asyncio.wait_for(
+            run_until_stopped([_starter(first), _starter(second)], grace_s=1.0, on_started=started, stop=StopSignal()),
+            WAIT_S,
+        )
+    assert (code, stopped) == (EXIT_MODEL_HUNG, ["second", "first"])
+    assert [e["reason"] for e in logs if e["event"] == "stopping"] == ["a model call that does not return"]
 
 
 async def test_no_banner_for_a_process_stopped_while_it_started() -> None:

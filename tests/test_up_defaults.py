@@ -33,6 +33,15 @@ def test_up_batcher_moves_claim_checked_bytes_unless_the_file_says_otherwise(tmp
     assert not with_up_defaults(chosen).batcher.claim_check_io
 
 
+def test_up_batcher_does_not_exit_for_a_hung_model_unless_the_file_says_so(tmp_path: Path) -> None:
+    # Its exit would stop every service of `up`, and nothing restarts `up`.
+    config = load_config_file(tmp_path)
+    assert config.batcher.exit_after_overrun_s == 120.0
+    assert with_up_defaults(config).batcher.exit_after_overrun_s == 0.0
+    chosen = load_config_file(tmp_path, "[batcher]\nexit_after_overrun_s = 30\n")
+    assert with_up_defaults(chosen).batcher.exit_after_overrun_s == 30.0
+
+
 def test_replace_keeps_what_the_file_set_plus_what_it_replaces(tmp_path: Path) -> None:
     config = load_config_file(tmp_path, "[batcher]\nport = 9999\n")
     copy = config.replace(gateway={"port": 1}, batcher={"claim_check_io": False})

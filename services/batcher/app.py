@@ -20,6 +20,7 @@ from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
+from asyncinfer.runner import EXIT_MODEL_HUNG
 from asyncinfer.supervision import Supervisor, failure_logged
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
@@ -30,6 +31,7 @@ from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_control import ModelControl
+from services.batcher.model_queue import HungBatch, HungWatch
 from services.batcher.work_session import UPDATES_MESSAGE_BYTES
 from services.batcher.worker_client import WorkerClient, WorkerSecurity
 
@@ -55,7 +57,9 @@ class BatcherApp:
         self.metrics = BatcherMetrics(self.registry)
         self.supervisor = Supervisor("batcher")
         self.tracing = Tracing.start(config.tracing, service="batcher")
-        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing)
+        exit_after_s = config.batcher.exit_after_overrun_s
+        hung = HungWatch(after_s=exit_after_s, on_hung=self._model_hung) if exit_after_s > 0 else None
+        self.engine = BatchingEngine(metrics=self.metrics, supervisor=self.supervisor, tracing=self.tracing, hung=hung)
         self.port = 0
         self.metrics_port = 0
         cores = len(os.sched_getaffinity(0))
@@ -161,6 +165,27 @@ class BatcherApp:
             models=self.engine.model_names,
             scheduler=batcher.scheduler_address or None,
             failed_models=self.load_failures or None,
+        )
+
+    def _model_hung(self, batch: HungBatch) -> None:
+        """A model call that does not return: no thread can be stopped, so the process stops (as
+        Celery's hard time limit ends its worker) and its supervisor starts a fresh one. Its other
+        models' batches get the grace; what waits goes back to the queue; the hung batch's jobs were
+        answered TIMED_OUT at their timeout."""
+        log.error(
+            "batcher_exiting_model_hung",
+            model=batch.model,
+            items=batch.items,
+            running_s=batch.running_s,
+            past_timeout_s=batch.past_timeout_s,
+            exit_code=EXIT_MODEL_HUNG,
+            stack=batch.stack,
+            hint="its model call has not returned past batcher.exit_after_overrun_s; the batcher stops and exits "
+            f"{EXIT_MODEL_HUNG} for its supervisor to start it afresh",
+        )
+        self.supervisor.request_stop(
+            f"model {batch.model!r}: a batch computing {batch.past_timeout_s:g} s past its jobs' execution timeouts",
+            EXIT_MODEL_HUNG,
         )
 
     def _add_pipeline(self, model: ModelConfig) -> None:

@@ -51,7 +51,7 @@ from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, run_t
 from services.batcher.chunk_items import ChunkItem, part_rows, take_rows
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
-from services.batcher.model_queue import ModelQueue, SlotListener
+from services.batcher.model_queue import HungWatch, ModelQueue, SlotListener
 from services.batcher.pipeline import PipelineRunner
 from services.batcher.progress import ItemProgress
 
@@ -75,8 +75,11 @@ class BatchingEngine:
         metrics: BatcherMetrics | None = None,
         supervisor: Supervisor | None = None,
         tracing: Tracing | None = None,
+        hung: HungWatch | None = None,
     ) -> None:
         self._metrics = metrics
+        # Told of a batch computing hung.after_s past its items' timeouts (None: nobody is).
+        self._hung = hung
         # Spans of the batches that hold traced jobs (batch_tracing.py); off: none, nothing per item.
         self.tracing = tracing or Tracing.off()
         # The batcher app's, which stops the process when a batch former dies; an engine of its own
@@ -99,7 +102,7 @@ class BatchingEngine:
         versions = self._queues.setdefault(config.name, {})
         if config.version in versions:
             raise ValueError(f"model {config.name!r} version {config.version!r} added twice")
-        queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing)
+        queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing, self._hung)
         versions[config.version] = queue
         if self._executor is not None:
             executor = ThreadPoolExecutor(
@@ -350,12 +353,19 @@ class BatchingEngine:
         for queue in queues:
             await queue.stop_intake()
         running = [task for queue in queues for task in queue.running_batches()]
+        # A batch past its items' timeouts (each answered TIMED_OUT already) is a call that does not
+        # return: abandoned at once rather than waited for through the grace.
+        overrun = {task for queue in queues for task in queue.overrun_batches()}
         if running:
-            _done, late = await asyncio.wait(running, timeout=grace_s)
+            waited = [task for task in running if task not in overrun]
+            late = set(overrun)
+            if waited:
+                _done, unfinished = await asyncio.wait(waited, timeout=grace_s)
+                late |= unfinished
             for task in late:
                 task.cancel()
             if late:
-                log.warning("batches_abandoned_at_shutdown", batches=len(late))
+                log.warning("batches_abandoned_at_shutdown", batches=len(late), overrun=len(overrun))
                 await asyncio.gather(*late, return_exceptions=True)
         await asyncio.gather(*(pipeline.close() for pipeline in self._pipelines.values()))
         if self._executor is not None:

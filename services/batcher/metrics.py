@@ -70,6 +70,12 @@ class BatcherMetrics:
         self.rows = Counter(
             "asyncinfer_batcher_rows_total", "Rows computed in batches that succeeded.", ["model"], registry=registry
         )
+        self.overrun_batches = Gauge(
+            "asyncinfer_batcher_overrun_batches",
+            "Batches still computing past their jobs' execution timeouts (a model call that does not return).",
+            ["model"],
+            registry=registry,
+        )
         self.model_ready = Gauge(
             "asyncinfer_batcher_model_ready",
             "1 when the model loaded and serves, 0 when it failed to load.",
@@ -111,6 +117,7 @@ class ModelMetrics:
         self._compute = metrics.batch_compute_seconds.labels(model=model)
         self._rows = metrics.rows.labels(model=model)
         self._depth = metrics.queue_depth.labels(model=model)
+        self._overrun = metrics.overrun_batches.labels(model=model)
         self._items: dict[str, Counter] = {}
 
     def observe_batch(
@@ -127,6 +134,10 @@ class ModelMetrics:
         """The queue depth is read when metrics are collected: setting a gauge per item took a
         lock per request on the hot path."""
         self._depth.set_function(depth)
+
+    def track_overrun(self, overrun: Callable[[], float]) -> None:
+        """Read when metrics are collected, as the queue depth is."""
+        self._overrun.set_function(overrun)
 
     def count_items(self, outcome: str, count: int = 1) -> None:
         child = self._items.get(outcome)

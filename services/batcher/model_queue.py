@@ -73,6 +73,26 @@ class RunningBatch:
 SlotListener = Callable[[str], None]
 
 
+@dataclass(frozen=True, slots=True)
+class HungBatch:
+    """A batch still computing `past_timeout_s` past its items' longest execution timeout."""
+
+    model: str
+    items: int
+    running_s: float
+    past_timeout_s: float
+    stack: str
+
+
+@dataclass(frozen=True, slots=True)
+class HungWatch:
+    """Who is told (`on_hung`, once per batch) of a batch computing `after_s` past the longest
+    execution timeout of its items: a model call that does not return (batcher.exit_after_overrun_s)."""
+
+    after_s: float
+    on_hung: Callable[[HungBatch], None]
+
+
 def outcome_label(future: asyncio.Future[InferOutcome]) -> str:
     if future.cancelled():
         return "CANCELED"
@@ -100,6 +120,7 @@ class ModelQueue:
         metrics: BatcherMetrics | None,
         on_item_done: SlotListener,
         tracing: Tracing | None = None,
+        hung: HungWatch | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -112,6 +133,7 @@ class ModelQueue:
         if self._metrics is not None:
             # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
             self._metrics.track_queue_depth(lambda: len(self._waiting))
+            self._metrics.track_overrun(lambda: sum(1 for running in self._running.values() if running.overran))
         self._input_names = tuple(spec.name for spec in backend.signature.inputs)
         self._fast_check = FastCheck(backend.signature, config.max_batch_size)
         self._on_item_done = on_item_done
@@ -120,6 +142,7 @@ class ModelQueue:
         self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
         self._running: dict[asyncio.Task[None], RunningBatch] = {}
         self._stuck = False
+        self._hung = hung
         self._former: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._delay_s = config.max_queue_delay_ms / 1000.0
@@ -332,6 +355,23 @@ class ModelQueue:
             stack=_stack_of(running.thread),
         )
         self._update_stuck()
+        if self._hung is not None and running.deadline is not None:
+            running.timer = loop.call_at(running.deadline + self._hung.after_s, self._hung_long, task)
+
+    def _hung_long(self, task: asyncio.Task[None]) -> None:
+        running = self._running.get(task)
+        if running is None or self._hung is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self._hung.on_hung(
+            HungBatch(
+                model=self.name,
+                items=len(running.items),
+                running_s=round(now - running.started_at, 1),
+                past_timeout_s=round(now - (running.deadline or now), 1),
+                stack=_stack_of(running.thread),
+            )
+        )
 
     def _update_stuck(self) -> None:
         """The model is stuck while every in-flight batch has overrun: its waiting items are given
@@ -438,6 +478,10 @@ class ModelQueue:
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
+
+    def overrun_batches(self) -> list[asyncio.Task[None]]:
+        """The batches computing past every one of their items' execution timeouts (batch_overran)."""
+        return [task for task, running in self._running.items() if running.overran and task in self._batches]
 
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:

@@ -38,12 +38,17 @@ def with_up_defaults(config: Config) -> Config:
     - its batcher moving claim-checked bytes itself (`batcher.claim_check_io`), unless the file
       says otherwise: off by default elsewhere because it gives a batcher NATS credentials, but
       `up`'s batcher runs in the process that holds them anyway, and a file batch's chunks then
-      skip the work stream (docs/BATCHES.md).
+      skip the work stream (docs/BATCHES.md);
+    - its batcher not exiting for a hung model call (`batcher.exit_after_overrun_s` 0), unless the
+      file sets it: it runs in `up`'s process, whose every service would stop with it, and nothing
+      restarts `up`; the model stays stuck (it takes no work) until its call returns or `up` restarts.
 
     What the file set is `model_fields_set`, which `Config.replace` keeps (so `up --dev-tls`'s
     changes do not make the file look as if it declared models)."""
     if "claim_check_io" not in config.batcher.model_fields_set:
         config = config.replace(batcher={"claim_check_io": True})
+    if "exit_after_overrun_s" not in config.batcher.model_fields_set:
+        config = config.replace(batcher={"exit_after_overrun_s": 0.0})
     if "models" not in config.model_fields_set:
         embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
         config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
