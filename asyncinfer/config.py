@@ -318,6 +318,12 @@ class SchedulerConfig(_Section):
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
     )
     queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+    store_usage_interval_s: float = Field(
+        30.0,
+        gt=0,
+        description="How often the JetStream store's usage and limits are read for the store gauges and alerts "
+        "(the account's info, and each stream's with a byte limit: one request a round where none has one).",
+    )
     keepalive_s: float = Field(
         10.0,
         gt=0,

@@ -32,6 +32,9 @@ class PerServiceNats:
     directory: Path
     nats: NatsConfig = field(default_factory=NatsConfig)
     extra_config: str = ""
+    # With it, the users are one account's with these JetStream limits (e.g. "max_file: 4MB"), not
+    # the global account's (whose limits JetStream's API reports as none).
+    account_jetstream: str = ""
     server: NatsServerProcess | None = field(default=None, init=False)
     seed_files: dict[str, Path] = field(default_factory=dict, init=False)
 
@@ -47,8 +50,14 @@ class PerServiceNats:
             users[service] = NatsUser(nkey=public, permissions=permissions)
         users[STRANGER] = NatsUser(user=STRANGER, password=STRANGER_PASSWORD, permissions=NOTHING_OF_OURS)
         path = self.directory / "nats.conf"
-        path.write_text(authorization_block(users) + self.extra_config)
+        path.write_text(
+            (self._account(users) if self.account_jetstream else authorization_block(users)) + self.extra_config
+        )
         return path
+
+    def _account(self, users: dict[str, NatsUser]) -> str:
+        entries = "\n".join(f"      {user.as_config()}" for user in users.values())
+        return f"accounts {{\n  STACK {{\n    jetstream {{ {self.account_jetstream} }}\n    users = [\n{entries}\n    ]\n  }}\n}}\n"
 
     def start(self) -> NatsServerProcess:
         path = self.write_config()

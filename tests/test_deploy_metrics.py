@@ -24,6 +24,7 @@ import yaml
 
 from asyncinfer.client import AsyncClient, InvalidArgumentError, JobState
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.nats import Client as NatsClient
 from services.scheduler.app import SchedulerApp
 from tests.stack import StartStack
 from tests.test_metrics_scrape import Samples, free_port, scrape
@@ -41,7 +42,16 @@ SLOW_MODEL = DEMO_MODEL.model_copy(
 FLAKY = FLAKY_MODEL.model_copy(update={"retry_backoff_base_s": 0.05, "retry_backoff_max_s": 0.1})
 METRIC = re.compile(r"\basyncinfer_[a-z_]+")
 # Gauges every scheduler reports for the same queue, read from NATS (not its own share of it).
-SHARED_GAUGES = ("asyncinfer_queue_depth", "asyncinfer_queue_oldest_age_seconds", "asyncinfer_queue_paused")
+SHARED_GAUGES = (
+    "asyncinfer_queue_depth",
+    "asyncinfer_queue_oldest_age_seconds",
+    "asyncinfer_queue_paused",
+    # and the JetStream store's, which every scheduler reads whole
+    "asyncinfer_store_used_bytes",
+    "asyncinfer_store_limit_bytes",
+    "asyncinfer_stream_used_bytes",
+    "asyncinfer_stream_limit_bytes",
+)
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -118,14 +128,14 @@ async def scrape_all(ports: list[int]) -> Samples:
 
 
 async def test_every_metric_deploy_and_the_docs_name_is_exported_with_its_labels(
-    config: Config, start_stack: StartStack, receiver: Receiver
+    config: Config, start_stack: StartStack, receiver: Receiver, nc: NatsClient
 ) -> None:
     ports = [free_port() for _ in range(3)]
     stack_config = webhook_config(
         config.replace(
             models=[DEMO_MODEL, FLAKY, SLOW_MODEL],
             gateway={"metrics_port": ports[0]},
-            scheduler={"metrics_port": ports[1], "queue_stats_interval_s": 0.1},
+            scheduler={"metrics_port": ports[1], "queue_stats_interval_s": 0.1, "store_usage_interval_s": 0.1},
             batcher={"metrics_port": ports[2]},
         )
     )
@@ -147,7 +157,15 @@ async def test_every_metric_deploy_and_the_docs_name_is_exported_with_its_labels
         assert (await client.wait(canceled, timeout_s=30)).state is JobState.CANCELED
         assert (await client.wait_batch(batch, timeout_s=30)).state.name == "COMPLETED"
     await receiver.wait_for("/hook", 1)
-    after = await scrape_all(ports)
+    # An operator gives a stream a byte limit (the stream gauges are of those that have one); the
+    # scheduler reads every stream's info each 10th round.
+    info = await nc.jetstream().stream_info(stack_config.nats.dead_letter_stream)
+    info.config.max_bytes = 64 * 1024 * 1024
+    await nc.jetstream().update_stream(info.config)
+    limited = ("asyncinfer_stream_limit_bytes", frozenset({("stream", stack_config.nats.dead_letter_stream)}))
+    async with asyncio.timeout(10):
+        while limited not in (after := await scrape_all(ports)):  # noqa: ASYNC110 - HTTP endpoints, no event
+            await asyncio.sleep(0.05)  # the scheduler's next store round (every 0.1 s here)
     samples = exposed(after)
     # Families, with those that have no sample now (the running batches' gauges: their TYPE line).
     families = {base(name) for name in {*samples, *await declared_families(ports)}}
@@ -342,5 +360,29 @@ ALERT_TESTS = [
             ('asyncinfer_submit_rejected_total{model="demo",code="INVALID_ARGUMENT",reason="",instance="g1"}', "0+5x5"),
         ],
         [("2m", None), ("4m", {})],
+    ),
+    _alert(
+        "AsyncinferStoreNearlyFull",
+        [  # two schedulers read the same account; a store with no limit (0) is never "full"
+            ('asyncinfer_store_used_bytes{storage="file",instance="s1"}', "500 500 850x20"),
+            ('asyncinfer_store_used_bytes{storage="file",instance="s2"}', "500 500 850x20"),
+            ('asyncinfer_store_limit_bytes{storage="file",instance="s1"}', "1000x22"),
+            ('asyncinfer_store_limit_bytes{storage="file",instance="s2"}', "1000x22"),
+            ('asyncinfer_store_used_bytes{storage="memory",instance="s1"}', "900x22"),
+            ('asyncinfer_store_limit_bytes{storage="memory",instance="s1"}', "0x22"),
+        ],
+        [("11m", None), ("13m", {"storage": "file"})],
+    ),
+    _alert(
+        "AsyncinferStreamNearlyFull",
+        [
+            ('asyncinfer_stream_used_bytes{stream="DEAD_LETTERS",instance="s1"}', "900x20"),
+            ('asyncinfer_stream_limit_bytes{stream="DEAD_LETTERS",instance="s1"}', "1000x20"),
+            ('asyncinfer_stream_used_bytes{stream="DEAD_LETTERS",instance="s2"}', "900x20"),
+            ('asyncinfer_stream_limit_bytes{stream="DEAD_LETTERS",instance="s2"}', "1000x20"),
+            ('asyncinfer_stream_used_bytes{stream="WORK",instance="s1"}', "100x20"),
+            ('asyncinfer_stream_limit_bytes{stream="WORK",instance="s1"}', "1000x20"),
+        ],
+        [("9m", None), ("11m", {"stream": "DEAD_LETTERS"})],
     ),
 ]

@@ -63,6 +63,7 @@ from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.runtime_models import RuntimeModels, declare_consumers
+from services.scheduler.store_usage import StoreUsageReader
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
 from services.scheduler.worker_service import WorkerService
@@ -301,6 +302,12 @@ class SchedulerApp:
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
+        store_usage = StoreUsageReader(js, config.nats)
+
+        async def observe_store() -> None:
+            self.metrics.observe_store(await store_usage.read())
+
+        self._loops.append(self._repeat("store_usage", settings.store_usage_interval_s, observe_store))
         self._sweeper = BlobSweeper(
             blobs, self.supervisor, interval_s=self._blob_sweep_interval_s, orphans_after_s=orphan_age_s(config)
         )

@@ -15,6 +15,7 @@ from asyncinfer.metrics import JobTimings, register_build_info
 from asyncinfer.rpc_metrics import RpcMetrics
 from asyncinfer.work_summary import WorkSummary
 from services.scheduler.queue_stats import ModelQueueSnapshot
+from services.scheduler.store_usage import StoreUsage
 
 # What jobs_summary calls a record the scheduler wrote, by its new state: made once, not per job.
 SUMMARY_NAMES = {
@@ -107,6 +108,34 @@ class SchedulerMetrics:
             "asyncinfer_queue_paused", "1 while the model's queue is paused.", ["model"], registry=registry
         )
 
+        # The JetStream store, which every scheduler reads whole (max() them over schedulers).
+        self.store_used = Gauge(
+            "asyncinfer_store_used_bytes",
+            "JetStream storage the account uses, by storage (file, memory).",
+            ["storage"],
+            registry=registry,
+        )
+        self.store_limit = Gauge(
+            "asyncinfer_store_limit_bytes",
+            "The account's JetStream limit, by storage (file, memory); 0: the account has none (the server's "
+            "max_file_store, which JetStream's API does not report, still applies).",
+            ["storage"],
+            registry=registry,
+        )
+        self.stream_used = Gauge(
+            "asyncinfer_stream_used_bytes",
+            "Bytes stored in each of the stack's streams that has a byte limit (max_bytes).",
+            ["stream"],
+            registry=registry,
+        )
+        self.stream_limit = Gauge(
+            "asyncinfer_stream_limit_bytes",
+            "The byte limit (max_bytes) of each of the stack's streams that has one.",
+            ["stream"],
+            registry=registry,
+        )
+        self._limited_streams: set[str] = set()
+
         self.draining = Gauge(
             "asyncinfer_scheduler_draining",
             "1 while this scheduler is draining (it dispatches nothing until undrained).",
@@ -151,3 +180,19 @@ class SchedulerMetrics:
             self.free_credits.labels(model=model).set(snapshot.free_credits)
             self.paused.labels(model=model).set(1 if snapshot.paused else 0)
             self.draining.set(1 if snapshot.draining else 0)
+
+    def observe_store(self, usage: StoreUsage) -> None:
+        for storage, used, limit in (
+            ("file", usage.file_used_bytes, usage.file_limit_bytes),
+            ("memory", usage.memory_used_bytes, usage.memory_limit_bytes),
+        ):
+            self.store_used.labels(storage=storage).set(used)
+            self.store_limit.labels(storage=storage).set(limit)
+        limited = {stream.stream for stream in usage.streams}
+        for gone in self._limited_streams - limited:  # its limit lifted, or the stream deleted
+            self.stream_used.remove(gone)
+            self.stream_limit.remove(gone)
+        self._limited_streams = limited
+        for stream in usage.streams:
+            self.stream_used.labels(stream=stream.stream).set(stream.used_bytes)
+            self.stream_limit.labels(stream=stream.stream).set(stream.limit_bytes)
