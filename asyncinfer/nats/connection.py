@@ -66,6 +66,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
         _fastpath.larger_reads()
+        _fastpath.quiet_flow_control_checks()
     first_connect_failures: list[Exception] = []
     connected = False
     gave_up = asyncio.Event()
