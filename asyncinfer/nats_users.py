@@ -16,7 +16,7 @@ What each service may touch (ARCHITECTURE.md "The contract in NATS" names every 
 - gateway: publishes work messages and queued/cancel notices; writes job records, idempotency
   claims, batch records (its batch driver) and uploaded inputs (and a batch's chunk objects); reads queue snapshots and pauses, webhook delivery status, the work
   stream (queue positions, ListJobs of queued jobs, tenant counts), the model registry and the
-  job records' feed;
+  job records' feed; pulls (never acknowledges) the jobs bucket's keys for ListJobs;
   hears progress notices. It may not pull or acknowledge work (`$JS.API.CONSUMER.MSG.NEXT.WORK.*`,
   `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
 - scheduler: everything of the stack's streams and buckets (it pulls, leases, stores results,
@@ -126,6 +126,9 @@ def gateway_permissions(nats: NatsConfig) -> Permissions:
         api += _stream_api(stream, write=False, pull=False)
     for stream in streams_write:
         api += _stream_api(stream, write=True, pull=False)
+    # ListJobs reads a tenant's keys through a pull consumer of its own, in bounded batches
+    # (services/gateway/tenant_keys.py): pulls, no acknowledgements (it acknowledges nothing).
+    api.append(f"$JS.API.CONSUMER.MSG.NEXT.{contract.kv_stream(nats.jobs_bucket)}.>")
     publish = [
         *_unique(api),
         contract.WORK_SUBJECTS,
@@ -162,6 +165,9 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
     api: list[str] = []
     for stream in streams:
         api += _stream_api(stream, write=True, pull=True)
+    # ListJobs reads a tenant's keys through a pull consumer of its own, in bounded batches
+    # (services/gateway/tenant_keys.py): pulls, no acknowledgements (it acknowledges nothing).
+    api.append(f"$JS.API.CONSUMER.MSG.NEXT.{contract.kv_stream(nats.jobs_bucket)}.>")
     publish = [
         *_unique(api),
         contract.WORK_SUBJECTS,

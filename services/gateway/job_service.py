@@ -103,7 +103,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             per_connection=config.gateway.max_watches_per_connection,
         )
         self._lister = JobLister(
-            nc.jetstream(),
+            nc,
             records,
             expiry,
             bucket=config.nats.jobs_bucket,

@@ -6,8 +6,9 @@ newest first. A job still queued has no key yet: its work message is its record,
 job IDs are its keys and its queued jobs' work subjects ("asyncinfer.work.*.*.<tenant>.*", from the
 work stream's subject index: one stream info, up to 100,000 of them). A page (1) takes the
 tenant's keys with a live record from the gateway's TenantKeyIndex (services/gateway/tenant_keys.py):
-the first listing of a tenant scans its keys with an ephemeral ordered consumer whose filter
-subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject), later ones read
+the first listing of a tenant scans its keys with an ephemeral pull consumer whose filter
+subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject, a bounded batch
+per pull so the loop is never held long), later ones read
 only the keys written since (the same filter, from the next stream sequence); the server filters,
 so another tenant's records are never delivered, let alone read. nats-py's
 `KeyValue.keys(filters=...)` would not do: it watches every key of the bucket and filters by
@@ -18,8 +19,8 @@ or MAX_RECORDS_READ_PER_PAGE were read (a page may then be short, with a token t
 allows it).
 
 Cost: a tenant's first listing (and one every tenant_keys.FULL_RESCAN_S) is O(its retained jobs
-and the markers of its expired ones) for the key scan (headers only, ~17 us of the event loop a
-key, in pieces of 20 to ~100 ms: nats-py's parsing); every other page costs the keys written
+and the markers of its expired ones) for the key scan (headers only, ~15 us of the event loop a
+key, in pieces of at most tenant_keys.SCAN_BATCH keys, ~5 ms); every other page costs the keys written
 since the last, a stream info of each stream, the records read, and a bisect into the index. For
 millions of jobs per tenant the better index is a per-tenant, time-partitioned one (e.g. a KV
 "<tenant>.<hour>.<job_id>" -> state/model/labels written with each record), so a page reads only
@@ -47,7 +48,7 @@ from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
-from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats import Client
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.submit_request import label_violations
@@ -167,7 +168,7 @@ def newest_first(recorded: list[str], queued: set[str], after: str | None, most:
 class JobLister:
     def __init__(
         self,
-        js: JetStreamContext,
+        nc: Client,
         records: JobStore,
         expiry: Expiry,
         *,
@@ -175,12 +176,12 @@ class JobLister:
         work_stream: str,
         max_page_bytes: int,
     ) -> None:
-        self._js = js
+        self._js = nc.jetstream()
         self._work_stream = work_stream
         self._max_page_bytes = max_page_bytes
         self._records = records
         self._expiry = expiry
-        self._keys = TenantKeyIndex(js, bucket=bucket)
+        self._keys = TenantKeyIndex(nc, bucket=bucket)
 
     async def tenant_job_ids(self, tenant: str) -> list[str]:
         """The tenant's job IDs with a live record, newest first: its keys and its queued jobs."""

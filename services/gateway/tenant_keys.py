@@ -1,15 +1,18 @@
 """A tenant's job IDs with a live record (its keys in the jobs bucket), kept between ListJobs calls
 and brought up to date by reading only the keys written since, not all of them again.
 
-Why. A full scan is one headers-only message per key through nats-py, ~17 us of the gateway's
-event loop a key, in pieces that nothing here can make small: nats-py parses all the socket holds
-(~15 ms of keys) before it waits again, then runs the callbacks of what it queued. With 20,000
-jobs retained in a tenant each ListJobs took 0.33-0.50 s and held the loop up to 80-125 ms at a
-time (25 stalls over 20 ms, 1.5-1.9 s in all, in 5 calls), and the console's Jobs page asked every
-2 s. Now a call reads only the keys written since the last one (BY_START_SEQUENCE from the next
-sequence, on the same tenant filter): typically none or a few, and when nothing at all was written
-to the bucket no consumer is made. The scan's callbacks yield every SCAN_YIELD_EVERY keys, which
-takes ~40% off the time a full scan holds the loop in stalls over 20 ms, not the longest ones.
+Why. A full scan is one headers-only message per key through nats-py, ~15 us of the gateway's
+event loop a key. With 20,000 jobs retained in a tenant each ListJobs took 0.33-0.50 s and held the
+loop up to 80-125 ms at a time, and the console's Jobs page asked every 2 s. Now a call reads only
+the keys written since the last one (BY_START_SEQUENCE from the next sequence, on the same tenant
+filter): typically none or a few, and when nothing at all was written to the bucket no consumer
+is made. A scan (the first, or a large catch-up) reads through an ephemeral pull consumer, SCAN_BATCH
+keys a pull (asyncinfer.nats.scan): an ordered push consumer filled the socket, and nats-py parsed
+all a read held (~900 keys) before anything else on the loop ran. Measured on the 2-core machine,
+20,000 live keys and 2,000 expiry markers in one tenant, a fresh index each time (5 scans each):
+worst stall of a 1 ms loop-lag probe 74-112 ms (3-5 over 20 ms a scan) -> 5-8 ms (none over 10 ms);
+a scan's time 358-425 ms -> 288-346 ms (the pulls' round trips cost less than the push consumer's
+per-message work in nats-py).
 
 Why it gives the same answers as a full scan. The bucket keeps one message per key (history 1),
 and every change to a key is a new message with a higher stream sequence: a write, our delete or
@@ -53,17 +56,19 @@ from asyncinfer.errors import Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import job_key
-from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, api
+from asyncinfer.nats import KV_MARKER_REASON, KV_OP, Client, DeliverPolicy, Msg
+from asyncinfer.nats.scan import scan_headers
 
 log = structlog.get_logger("asyncinfer.gateway.list")
 
 SCAN_TIMEOUT_S = 30.0
-# The scan's ephemeral consumer is gone this long after its subscription (its interest) is: a
-# client paging at 20 calls/s kept ~100 of them alive on the jobs stream at the server's 5 s.
+# The scan's ephemeral consumer is deleted when the scan ends; should that delete fail, the server
+# drops it this long after its last pull: a client paging at 20 calls/s kept ~100 of them alive
+# on the jobs stream at the server's 5 s.
 SCAN_CONSUMER_INACTIVE_S = 1.0
-# The callbacks of a scan let the loop run this often (about 1 ms of keys): nats-py runs a
-# subscription's queued callbacks back to back.
-SCAN_YIELD_EVERY = 64
+# Keys per pull of a scan: what nats-py parses, and the scan reads, without letting the loop run
+# (~17 us a key: ~4 ms); 20,000 keys are 79 pulls, a local round trip each.
+SCAN_BATCH = 256
 MAX_TENANTS = 64
 MAX_CACHED_IDS = 500_000  # ~45 MB of IDs at the most
 IDLE_S = 600.0
@@ -99,8 +104,9 @@ class ScanCounts:
 
 
 class TenantKeyIndex:
-    def __init__(self, js: JetStreamContext, *, bucket: str) -> None:
-        self._js = js
+    def __init__(self, nc: Client, *, bucket: str) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
         self._bucket = bucket
         self._stream = kv_stream(bucket)
         self._subject_prefix = kv_subject_prefix(bucket)
@@ -177,57 +183,30 @@ class TenantKeyIndex:
         in stream order; and the highest sequence delivered (0 for none). Headers only."""
         prefix = self._subject_prefix + job_key(tenant, "")
         changes: dict[str, bool] = {}
-        highest = 0
-        delivered = 0
-        scanned = asyncio.Event()
 
-        async def on_key(msg: Msg) -> None:
-            nonlocal highest, delivered
-            job_id = msg.subject.removeprefix(prefix)
-            headers = msg.headers or {}
-            # The last message per key: a delete marker (ours or the server's, retention passed) is no job.
-            changes[job_id] = not (KV_OP in headers or KV_MARKER_REASON in headers or not is_job_id(job_id))
-            metadata = msg.metadata
-            highest = max(highest, metadata.sequence.stream)
-            if metadata.num_pending == 0:
-                scanned.set()
-            delivered += 1
-            if delivered % SCAN_YIELD_EVERY == 0:
-                await asyncio.sleep(0)
+        def on_keys(msgs: list[Msg]) -> None:
+            for msg in msgs:
+                job_id = msg.subject.removeprefix(prefix)
+                headers = msg.headers or {}
+                # The last message per key: a delete marker (ours or the server's, retention passed) is no job.
+                changes[job_id] = not (KV_OP in headers or KV_MARKER_REASON in headers or not is_job_id(job_id))
 
-        if start_seq is None:
-            policy, config = DeliverPolicy.LAST_PER_SUBJECT, None
-        else:
-            policy, config = DeliverPolicy.BY_START_SEQUENCE, api.ConsumerConfig(opt_start_seq=start_seq)
+        policy = DeliverPolicy.LAST_PER_SUBJECT if start_seq is None else DeliverPolicy.BY_START_SEQUENCE
         try:
-            subscription = await self._js.subscribe(
-                tenant_filter_subject(self._bucket, tenant),
+            highest = await scan_headers(
+                self._nc,
                 stream=self._stream,
-                cb=on_key,
-                ordered_consumer=True,
+                filter_subject=tenant_filter_subject(self._bucket, tenant),
                 deliver_policy=policy,
-                config=config,
-                headers_only=True,
-                inactive_threshold=SCAN_CONSUMER_INACTIVE_S,
+                start_seq=start_seq,
+                on_batch=on_keys,
+                batch=SCAN_BATCH,
+                inactive_threshold_s=SCAN_CONSUMER_INACTIVE_S,
+                timeout_s=SCAN_TIMEOUT_S,
             )
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        try:
-            info = await subscription.consumer_info()
-            # Nothing ever delivered and nothing pending: no key to read. (Not the client's own
-            # count: the server may have pushed every key already, the callbacks not yet run.)
-            if info.num_pending == 0 and (info.delivered is None or not info.delivered.consumer_seq):
-                scanned.set()
-            await asyncio.wait_for(scanned.wait(), SCAN_TIMEOUT_S)
-        except NATS_FAILURES as exc:
-            raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        finally:
-            try:
-                await subscription.unsubscribe()
-            except NATS_FAILURES as exc:  # the consumer goes away by itself once inactive
-                log.warning("list_unsubscribe_failed", error=str(exc))
-        # A copy: a callback already running when the subscription went may still write to `changes`.
-        return dict(changes), highest
+        return changes, highest
 
 
 def apply_changes(ids: list[str], changes: dict[str, bool]) -> None:
