@@ -44,14 +44,15 @@ from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import configure_logging
 from asyncinfer.malloc_tuning import keep_large_buffers
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, run_until_stopped
-from services.apps import SERVICES, make_batcher
+from services.apps import SERVICES, import_app_module, make_batcher
 from services.server_extras import missing_for
 from services.up.ports import raise_if_busy, service_host, service_ports
 from services.up.stack import SHUTDOWN_GRACE_S, run_up
 
 
-def _starter(make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
+def _starter(name: str, make: Callable[[], App]) -> Callable[[], Awaitable[App]]:
     async def start() -> App:
+        await import_app_module(name)
         app = make()
         await app.start()
         return app
@@ -71,7 +72,7 @@ async def run_service(name: str, config: Config, config_path: Path | None = None
 
     # A batcher alone is given its own grace (in-flight batches may outlast the other services' 10 s).
     grace_s = config.batcher.shutdown_grace_s if name == "batcher" else SHUTDOWN_GRACE_S
-    return await run_until_stopped([_starter(make)], grace_s=grace_s, on_started=started)
+    return await run_until_stopped([_starter(name, make)], grace_s=grace_s, on_started=started)
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:

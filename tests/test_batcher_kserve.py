@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -174,6 +175,41 @@ async def test_health_is_serving_and_metrics_are_exported(
     assert 'asyncinfer_batcher_items_total{model="demo",outcome="OK"} 1.0' in body
     assert 'asyncinfer_batch_compute_seconds_count{model="demo"} 1.0' in body
     assert 'asyncinfer_batcher_queue_depth{model="demo"} 0.0' in body
+
+
+async def test_a_starting_batcher_asks_for_cuda_off_the_event_loop() -> None:
+    """In `up` the gateway and the scheduler serve on the loop a batcher starts on. The batcher's
+    question whether CUDA is there (it imports torch and asks the driver: 1.4 s on a 2-core host
+    without a GPU, 1.7-3.5 s measured on GPU hosts) ran on that loop, and every call to them
+    waited. Here the question is slow on purpose, until a server on the same loop has answered a
+    health check."""
+    config = Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[DEMO_MODEL])
+    serving = BatcherApp(config)
+    await serving.start()
+    asked, answered = threading.Event(), threading.Event()
+    waits: list[bool] = []
+
+    def slow_cuda_check() -> bool:
+        asked.set()
+        waits.append(answered.wait(timeout=10))  # a bound on a hang: the old code held the loop this long
+        return False
+
+    starting = BatcherApp(config, cuda_available=slow_cuda_check)
+    start = asyncio.create_task(starting.start())
+    try:
+        assert await asyncio.to_thread(asked.wait, 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{serving.port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        answered.set()
+        await start
+        assert waits == [True]  # it was still asking when the health check was answered
+        assert starting.port > 0
+    finally:
+        answered.set()
+        await start
+        await starting.stop(grace_s=0)
+        await serving.stop(grace_s=0)
 
 
 async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:

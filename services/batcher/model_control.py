@@ -103,6 +103,11 @@ class ModelControl:
         self._announce: Announce = lambda _loading: None
         self._draining: set[asyncio.Task[None]] = set()
 
+    def use_torch_threads(self, threads: int) -> None:
+        """The torch intra-op threads every load from now on sets (loading.torch_threads_for, which
+        the batcher decides at start, before its first load)."""
+        self._batcher = self._batcher.model_copy(update={"torch_threads": threads})
+
     def on_change(self, announce: Announce) -> None:
         """`announce(loading)` is called after every change to what is served (or loading)."""
         self._announce = announce

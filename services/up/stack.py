@@ -16,7 +16,7 @@ from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.logs import service_context
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, StopSignal, run_until_stopped
 from asyncinfer.supervision import Supervisor
-from services.apps import SERVICES
+from services.apps import SERVICES, import_app_module
 from services.up.banner import banner
 from services.up.defaults import with_up_defaults
 from services.up.ports import check_up_exposure, raise_if_busy, up_ports
@@ -172,6 +172,7 @@ async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | Non
                         "scheduler_address": f"{config.scheduler.host}:{sched.port}",
                     }
                 )
+            await import_app_module(name)
             app = InContext(SERVICES[name](cfg), service_context(name))
             await app.start()
             state[name] = app
