@@ -19,7 +19,7 @@ from asyncinfer.access import AccessGuard, KeyRing, Role, require_keys_beyond_lo
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
-from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX, snapshot_key
+from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
@@ -29,11 +29,11 @@ from asyncinfer.jobs import Priority
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyValue, Msg, NatsError, Subscription
+from asyncinfer.nats import JetStreamContext, Msg, NatsError, Subscription
 from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
-from asyncinfer.queues import CancelNotice, encode_snapshot, ensure_queues_bucket
+from asyncinfer.queues import CancelNotice, ensure_queues_bucket, write_snapshots
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
@@ -101,7 +101,7 @@ class SchedulerApp:
         self._flow: JobFlow | None = None
         self._stats: QueueStatsReader | None = None
         self._batch_plans: BatchPlans | None = None
-        self._queues_kv: KeyValue | None = None
+        self._snapshots_js: JetStreamContext | None = None  # where queue snapshots are written
         self._instance: SchedulerInstance | None = None
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
@@ -157,7 +157,8 @@ class SchedulerApp:
         for model in config.models:
             await declare_consumers(js, config.nats, model.name, ack_wait_s=settings.ack_wait_s)
         await ensure_dead_letter_stream(js, config.nats)
-        self._queues_kv = queues_kv = await ensure_queues_bucket(js, config.nats)
+        queues_kv = await ensure_queues_bucket(js, config.nats)
+        self._snapshots_js = js
         self._instance = instance = SchedulerInstance(
             stable_name(config), KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
         )
@@ -448,9 +449,10 @@ class SchedulerApp:
             snapshot = by_model.get(dispatcher.model_name)
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
-        if self._queues_kv is not None:
-            for snapshot in snapshots:
-                await self._queues_kv.put(snapshot_key(snapshot.model_name), encode_snapshot(snapshot.to_shared()))
+        if self._snapshots_js is not None:
+            await write_snapshots(
+                self._snapshots_js, self.config.nats.queues_bucket, [snapshot.to_shared() for snapshot in snapshots]
+            )
 
     def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         async def loop() -> None:
