@@ -322,8 +322,25 @@ class SchedulerConfig(_Section):
         30.0,
         gt=0,
         description="How often the JetStream store's usage and limits are read for the store gauges and alerts "
-        "(the account's info, and each stream's with a byte limit: one request a round where none has one).",
+        "(the account's info, and each stream's with a byte limit: one request a round where none has one), "
+        "and each of nats_monitor_urls' /jsz.",
     )
+    nats_monitor_urls: list[str] = Field(
+        default_factory=list,
+        description="The NATS servers' monitoring endpoints (http://host:8222), whose /jsz gives each server's own "
+        "store used and its limit (jetstream max_file_store, max_memory_store), read for the store gauges and "
+        "AsyncinferStoreNearlyFull: JetStream's API reports only the account's limits, and the global account has "
+        "none. `up` fills in its embedded server's; empty: not read.",
+    )
+
+    @field_validator("nats_monitor_urls")
+    @classmethod
+    def _http_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.match(r"https?://[^/\s]+/?$", url):
+                raise ValueError(f"{url!r}: a monitoring endpoint is http://host:port (its /jsz is read)")
+        return [url.rstrip("/") for url in value]
+
     keepalive_s: float = Field(
         10.0,
         gt=0,

@@ -35,6 +35,7 @@ class PerServiceNats:
     # With it, the users are one account's with these JetStream limits (e.g. "max_file: 4MB"), not
     # the global account's (whose limits JetStream's API reports as none).
     account_jetstream: str = ""
+    monitor_port: int = 0  # its HTTP monitoring port (/jsz); 0: off
     server: NatsServerProcess | None = field(default=None, init=False)
     seed_files: dict[str, Path] = field(default_factory=dict, init=False)
 
@@ -62,7 +63,10 @@ class PerServiceNats:
     def start(self) -> NatsServerProcess:
         path = self.write_config()
         self.server = NatsServerProcess(
-            store_dir=self.directory / "store", log_file=self.directory / "nats.log", extra_args=("-c", str(path))
+            store_dir=self.directory / "store",
+            log_file=self.directory / "nats.log",
+            monitor_port=self.monitor_port,
+            extra_args=("-c", str(path)),
         )
         self.server.start()
         return self.server

@@ -39,6 +39,7 @@ from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_p
 from asyncinfer.grpc_server import LIVENESS_SERVICE, GrpcServer
 from asyncinfer.jobs import Priority
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.scheduler.store_usage import ServerUsage, read_server_usage
 from tests.stack import Stack, StartStack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -394,6 +395,59 @@ def test_nats_server_accepts_the_cluster_configuration(overlay: str, tmp_path: P
     assert env_var["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     routes = re.findall(r"nats://(nats-\d)\.nats-headless:6222", conf)
     assert routes == [f"nats-{i}" for i in range(nats["spec"]["replicas"])]
+
+    # The schedulers read each server's own store limit on its monitoring port (/jsz): the users
+    # are in the global account, which JetStream's API reports no limit for. Every pod is named,
+    # at the port the conf serves it on, and the NetworkPolicy lets the schedulers in.
+    docs = render(overlay)
+    http_port = int(re.search(r"^http_port: (\d+)$", conf, re.M)[1])  # type: ignore[index]
+    scheduler = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path, SECRET_ENV)
+    assert scheduler.scheduler.nats_monitor_urls == [
+        f"http://nats-{i}.nats-headless:{http_port}" for i in range(nats["spec"]["replicas"])
+    ]
+    (monitor_rule,) = [
+        rule
+        for rule in of_kind(docs, "NetworkPolicy")["nats"]["spec"]["ingress"]
+        if {"port": http_port} in rule["ports"]
+    ]
+    assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "scheduler"}}} in monitor_rule["from"]
+    # What a scheduler reads there is the server's own max_file_store: this server, on the file
+    # (its store, pid file and ports moved here; no peers to route to), answers 9 GB.
+    monitor = free_port()
+    path.write_text(
+        conf.replace("/etc/nats-tls/", f"{tls}/")
+        .replace('store_dir: "/data"', f'store_dir: "{tmp_path / "data"}"')
+        .replace('"/var/run/nats/nats.pid"', f'"{tmp_path / "nats.pid"}"')
+    )
+    log = tmp_path / "nats.log"
+    cluster = f"nats://127.0.0.1:{free_port()}"  # its route port (no peer answers: none is needed)
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [binary, "-c", str(path), "-p", str(free_port()), "-m", str(monitor), "--cluster_listen", cluster],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        usage = asyncio.run(read_until_answered(f"http://127.0.0.1:{monitor}"))
+    except TimeoutError:
+        raise AssertionError(log.read_text()) from None
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert re.search(r"^  max_file_store: 9GB$", conf, re.M)
+    assert usage.file_limit_bytes == 9 * 1024**3
+    assert usage.memory_limit_bytes == 256 * 1024**2
+
+
+async def read_until_answered(url: str, timeout_s: float = 20.0) -> ServerUsage:
+    """The scheduler's reading of a server's /jsz, once its monitoring port answers."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            try:
+                return await read_server_usage(url)
+            except OSError:
+                await asyncio.sleep(0.05)  # the server is starting; nothing to wait on but its port
 
 
 # --- workloads and policies ------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import yaml
 
 from asyncinfer.client import AsyncClient, InvalidArgumentError, JobState
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.nats import Client as NatsClient
 from services.scheduler.app import SchedulerApp
 from tests.stack import StartStack
@@ -51,7 +53,21 @@ SHARED_GAUGES = (
     "asyncinfer_store_limit_bytes",
     "asyncinfer_stream_used_bytes",
     "asyncinfer_stream_limit_bytes",
+    "asyncinfer_nats_server_store_used_bytes",
+    "asyncinfer_nats_server_store_limit_bytes",
 )
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServerProcess]:
+    """The test's nats-server with its monitoring port on: the scheduler reads its /jsz (the
+    server's own store and limit, scheduler.nats_monitor_urls) as for `up` and the cluster."""
+    server = NatsServerProcess(store_dir=tmp_path / "nats", log_file=tmp_path / "nats.log", monitor_port=free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def alert_rules() -> list[dict[str, Any]]:
@@ -128,14 +144,19 @@ async def scrape_all(ports: list[int]) -> Samples:
 
 
 async def test_every_metric_deploy_and_the_docs_name_is_exported_with_its_labels(
-    config: Config, start_stack: StartStack, receiver: Receiver, nc: NatsClient
+    config: Config, start_stack: StartStack, receiver: Receiver, nc: NatsClient, nats_server: NatsServerProcess
 ) -> None:
     ports = [free_port() for _ in range(3)]
     stack_config = webhook_config(
         config.replace(
             models=[DEMO_MODEL, FLAKY, SLOW_MODEL],
             gateway={"metrics_port": ports[0]},
-            scheduler={"metrics_port": ports[1], "queue_stats_interval_s": 0.1, "store_usage_interval_s": 0.1},
+            scheduler={
+                "metrics_port": ports[1],
+                "queue_stats_interval_s": 0.1,
+                "store_usage_interval_s": 0.1,
+                "nats_monitor_urls": [f"http://127.0.0.1:{nats_server.monitor_port}"],
+            },
             batcher={"metrics_port": ports[2]},
         )
     )
@@ -372,6 +393,26 @@ ALERT_TESTS = [
             ('asyncinfer_store_limit_bytes{storage="memory",instance="s1"}', "0x22"),
         ],
         [("11m", None), ("13m", {"storage": "file"})],
+    ),
+    _alert(
+        "AsyncinferStoreNearlyFull",
+        [  # a server's own store (its /jsz), read by two schedulers; another at half; one with no limit
+            (
+                'asyncinfer_nats_server_store_used_bytes{server="nats-0:8222",storage="file",instance="s1"}',
+                "500 500 850x20",
+            ),
+            (
+                'asyncinfer_nats_server_store_used_bytes{server="nats-0:8222",storage="file",instance="s2"}',
+                "500 500 850x20",
+            ),
+            ('asyncinfer_nats_server_store_limit_bytes{server="nats-0:8222",storage="file",instance="s1"}', "1000x22"),
+            ('asyncinfer_nats_server_store_limit_bytes{server="nats-0:8222",storage="file",instance="s2"}', "1000x22"),
+            ('asyncinfer_nats_server_store_used_bytes{server="nats-1:8222",storage="file",instance="s1"}', "500x22"),
+            ('asyncinfer_nats_server_store_limit_bytes{server="nats-1:8222",storage="file",instance="s1"}', "1000x22"),
+            ('asyncinfer_nats_server_store_used_bytes{server="nats-2:8222",storage="memory",instance="s1"}', "900x22"),
+            ('asyncinfer_nats_server_store_limit_bytes{server="nats-2:8222",storage="memory",instance="s1"}', "0x22"),
+        ],
+        [("11m", None), ("13m", {"server": "nats-0:8222", "storage": "file"})],
     ),
     _alert(
         "AsyncinferStreamNearlyFull",

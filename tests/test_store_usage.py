@@ -6,10 +6,13 @@ that the alerts warn while there is room left. Against a real nats-server whose 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.nats.connection import connect, disconnect
@@ -98,3 +101,159 @@ async def test_the_scheduler_exports_the_account_and_stream_usage_against_their_
         await disconnect(nc)
         await scheduler.stop(grace_s=0.0)
     assert users.violations() == []  # the scheduler's user may ask for all of it
+
+
+SERVER_FILE_BYTES = 4 * 1024 * 1024
+SERVER_MEMORY_BYTES = 1024 * 1024
+
+
+@pytest.fixture
+def global_account(tmp_path: Path) -> Iterator[PerServiceNats]:
+    """The users in the global account (as `up`'s and the shipped nats.conf's), on a server whose
+    own store may hold 4 MB (1 MB memory), its monitoring port on."""
+    nats = PerServiceNats(
+        tmp_path / "nats-users",
+        extra_config="jetstream { max_file_store: 4MB, max_memory_store: 1MB }\n",
+        monitor_port=free_port(),
+    )
+    nats.start()
+    try:
+        yield nats
+    finally:
+        nats.stop()
+
+
+def stack_config(metrics_port: int, monitor_port: int, interval_s: float) -> Config:
+    return Config().replace(
+        scheduler={
+            "port": 0,
+            "metrics_port": metrics_port,
+            "store_usage_interval_s": interval_s,
+            "nats_monitor_urls": [f"http://127.0.0.1:{monitor_port}"],
+        },
+        logging={"level": "warning", "format": "console"},
+        models=[DEMO_MODEL],
+    )
+
+
+def near_full_alert_fires(server: str, idle_used: float, full_used: float, limit: float, tmp_path: Path) -> str:
+    """promtool's verdict on AsyncinferStoreNearlyFull, as shipped, over a scheduler's server gauges
+    at these readings (idle for 2 minutes, then full): '' when it fires at 13 m and not at 11 m."""
+    from tests.test_deploy_metrics import RULES, _alert, _write
+
+    spec = yaml.safe_load(RULES.read_text())["spec"]
+    rules = [r for g in spec["groups"] for r in g["rules"] if r.get("alert") == "AsyncinferStoreNearlyFull"]
+    for rule in rules:
+        rule.pop("annotations", None)
+    labels = f'server="{server}",instance="s1"'
+    test = _alert(
+        "AsyncinferStoreNearlyFull",
+        [
+            (
+                f'asyncinfer_nats_server_store_used_bytes{{storage="file",{labels}}}',
+                f"{idle_used:.0f}x1 {full_used:.0f}x20",
+            ),
+            (f'asyncinfer_nats_server_store_limit_bytes{{storage="file",{labels}}}', f"{limit:.0f}x22"),
+        ],
+        [("11m", None), ("13m", {"server": server, "storage": "file"})],
+    )
+    rules_file = _write(tmp_path / "rules.yml", {"groups": [{"name": "store", "rules": rules}]})
+    tests = _write(
+        tmp_path / "tests.yml", {"rule_files": [str(rules_file)], "evaluation_interval": "1m", "tests": [test]}
+    )
+    run = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True, check=False)
+    return "" if run.returncode == 0 else run.stdout + run.stderr
+
+
+async def test_in_the_global_account_the_servers_own_store_limit_is_read_and_the_alert_fires_at_80_percent(
+    global_account: PerServiceNats, tmp_path: Path
+) -> None:
+    assert shutil.which("promtool") is not None, "promtool is missing: sudo apt-get install -y prometheus"
+    port = free_port()
+    base = stack_config(port, global_account.monitor_port, 0.1)
+    server = f"127.0.0.1:{global_account.monitor_port}"
+    scheduler = SchedulerApp(global_account.config_of(base, "scheduler"))
+    await scheduler.start()
+    nc = await connect(global_account.config_of(base, "test").nats, name="test")
+    try:
+        js = nc.jetstream()
+        limit = "asyncinfer_nats_server_store_limit_bytes"
+        used = "asyncinfer_nats_server_store_used_bytes"
+        idle = await scraped_until(port, lambda s: gauge(s, limit, server=server, storage="file"))
+        assert gauge(idle, limit, server=server, storage="file") == SERVER_FILE_BYTES
+        assert gauge(idle, limit, server=server, storage="memory") == SERVER_MEMORY_BYTES
+        # JetStream's API has no limit for the global account: the server's is the one.
+        assert gauge(idle, "asyncinfer_store_limit_bytes", storage="file") == 0
+        idle_used = gauge(idle, used, server=server, storage="file") or 0
+        assert idle_used < 0.1 * SERVER_FILE_BYTES
+
+        await js.add_stream(name="FILLER", subjects=["filler.>"])
+        for _ in range(34):  # ~85% of the server's store
+            await js.publish("filler.x", bytes(SERVER_FILE_BYTES // 40))
+        full = await scraped_until(
+            port, lambda s: (gauge(s, used, server=server, storage="file") or 0) > 0.8 * SERVER_FILE_BYTES
+        )
+        full_used = gauge(full, used, server=server, storage="file") or 0
+        assert full_used < SERVER_FILE_BYTES
+        assert gauge(full, limit, server=server, storage="file") == SERVER_FILE_BYTES
+    finally:
+        await disconnect(nc)
+        await scheduler.stop(grace_s=0.0)
+    assert global_account.violations() == []  # reading /jsz asks NATS for nothing more
+    # The shipped alert, on exactly these readings: silent while idle, firing after 10 m over 80%.
+    assert near_full_alert_fires(server, idle_used, full_used, SERVER_FILE_BYTES, tmp_path) == ""
+    # and silent on the idle reading alone (the expression crosses 0.8 only with the store full)
+    assert near_full_alert_fires(server, idle_used, idle_used, SERVER_FILE_BYTES, tmp_path) != ""
+
+
+async def test_the_store_is_read_as_the_scheduler_starts_not_an_interval_later(
+    global_account: PerServiceNats,
+) -> None:
+    port = free_port()
+    base = stack_config(port, global_account.monitor_port, 3600.0)  # the next round: in an hour
+    server = f"127.0.0.1:{global_account.monitor_port}"
+    scheduler = SchedulerApp(global_account.config_of(base, "scheduler"))
+    await scheduler.start()
+    try:
+        first = await scraped_until(
+            port,
+            lambda s: (
+                gauge(s, "asyncinfer_nats_server_store_limit_bytes", server=server, storage="file")
+                and gauge(s, "asyncinfer_store_used_bytes", storage="file") is not None
+            ),
+            timeout_s=10.0,
+        )
+        assert (
+            gauge(first, "asyncinfer_nats_server_store_limit_bytes", server=server, storage="file") == SERVER_FILE_BYTES
+        )
+    finally:
+        await scheduler.stop(grace_s=0.0)
+
+
+async def test_a_monitoring_endpoint_that_does_not_answer_leaves_the_rest_read(
+    global_account: PerServiceNats,
+) -> None:
+    port = free_port()
+    gone = free_port()  # nothing listens there
+    base = stack_config(port, global_account.monitor_port, 0.1)
+    base = base.replace(
+        scheduler={"nats_monitor_urls": [f"http://127.0.0.1:{gone}", f"http://127.0.0.1:{global_account.monitor_port}"]}
+    )
+    scheduler = SchedulerApp(global_account.config_of(base, "scheduler"))
+    await scheduler.start()
+    try:
+        read = await scraped_until(
+            port,
+            lambda s: gauge(
+                s,
+                "asyncinfer_nats_server_store_limit_bytes",
+                server=f"127.0.0.1:{global_account.monitor_port}",
+                storage="file",
+            ),
+        )
+        assert (
+            gauge(read, "asyncinfer_nats_server_store_limit_bytes", server=f"127.0.0.1:{gone}", storage="file") is None
+        )
+        assert gauge(read, "asyncinfer_store_used_bytes", storage="file") is not None
+    finally:
+        await scheduler.stop(grace_s=0.0)

@@ -93,3 +93,18 @@ def test_the_banner_names_a_model_that_did_not_load_and_lines_up_its_columns(tmp
     assert any(line.startswith(f"  NOT LOADED: {failing}") and "mypkg" in line for line in printed)
     columns = {line.index("http://") for line in printed if "/metrics" in line}
     assert columns == {next(line for line in printed if "JobService" in line).index("127.0.0.1")}
+
+
+def test_up_scheduler_reads_its_embedded_servers_monitoring_port_unless_the_file_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    # JetStream's API has no limit for `up`'s users (the global account): the server's own is read.
+    config = load_config_file(tmp_path)
+    assert config.scheduler.nats_monitor_urls == []  # not read by default elsewhere
+    assert with_up_defaults(config).scheduler.nats_monitor_urls == ["http://127.0.0.1:8222"]
+    moved = load_config_file(tmp_path, 'host = "0.0.0.0"\nmonitor_port = 9333\n')  # under [embedded_nats]
+    assert with_up_defaults(moved).scheduler.nats_monitor_urls == ["http://127.0.0.1:9333"]
+    off = load_config_file(tmp_path, "monitor_port = 0\n")
+    assert with_up_defaults(off).scheduler.nats_monitor_urls == []
+    chosen = load_config_file(tmp_path, '[scheduler]\nnats_monitor_urls = ["http://nats.example:8222"]\n')
+    assert with_up_defaults(chosen).scheduler.nats_monitor_urls == ["http://nats.example:8222"]

@@ -45,6 +45,8 @@ HERE = Path(__file__).resolve().parent
 # Every node of the StatefulSet by its stable name (the headless Service): a client that loses
 # one reconnects to another without waiting for DNS of a load-balanced name.
 NATS_URL = ",".join(f"nats://nats-{i}.nats-headless:4222" for i in range(3))
+# Each server's monitoring port: the schedulers read its store and its max_file_store (/jsz).
+NATS_MONITOR_URLS = [f"http://nats-{i}.nats-headless:8222" for i in range(3)]
 
 MINILM_MODEL = ModelConfig(
     name="minilm-l6",
@@ -139,7 +141,7 @@ def cluster_config(models: tuple[ModelConfig, ...]) -> Config:
     return Config(
         nats=NatsConfig(url=NATS_URL, replicas=3),
         gateway=GatewayConfig(host="0.0.0.0"),
-        scheduler=SchedulerConfig(host="0.0.0.0"),
+        scheduler=SchedulerConfig(host="0.0.0.0", nats_monitor_urls=NATS_MONITOR_URLS),
         batcher=BatcherConfig(host="0.0.0.0", scheduler_address="scheduler:50052"),
         # The console's keys come from the Secret (ASYNCINFER_CONSOLE__TENANT_KEY, _OPS_KEY).
         console=ConsoleConfig(host="0.0.0.0", gateway_address="gateway:50051", scheduler_address="scheduler:50052"),

@@ -303,12 +303,14 @@ class SchedulerApp:
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
-        store_usage = StoreUsageReader(js, config.nats)
+        store_usage = StoreUsageReader(js, config.nats, monitor_urls=settings.nats_monitor_urls)
 
         async def observe_store() -> None:
             self.metrics.observe_store(await store_usage.read())
 
-        self._loops.append(self._repeat("store_usage", settings.store_usage_interval_s, observe_store))
+        # At once: read an interval (30 s) later, a scheduler restarted often (a crash loop, a
+        # rollout) showed no store at all, and the dead-letter backlog read 0 meanwhile.
+        self._loops.append(self._repeat("store_usage", settings.store_usage_interval_s, observe_store, at_once=True))
         self._sweeper = BlobSweeper(
             blobs, self.supervisor, interval_s=self._blob_sweep_interval_s, orphans_after_s=orphan_age_s(config)
         )
@@ -454,12 +456,18 @@ class SchedulerApp:
                 self._snapshots_js, self.config.nats.queues_bucket, [snapshot.to_shared() for snapshot in snapshots]
             )
 
-    def _repeat(self, name: str, interval_s: float, action: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+    def _repeat(
+        self, name: str, interval_s: float, action: Callable[[], Awaitable[None]], *, at_once: bool = False
+    ) -> asyncio.Task[None]:
+        """`action` every `interval_s`; with `at_once`, first as it starts (not an interval later)."""
+
         async def loop() -> None:
             failing_since: float | None = None
             said_at = 0.0
+            wait_s = 0.0 if at_once else interval_s
             while True:
-                await asyncio.sleep(interval_s)
+                await asyncio.sleep(wait_s)
+                wait_s = interval_s
                 try:
                     await action()
                 except (NatsError, TimeoutError) as exc:

@@ -118,7 +118,7 @@ class SchedulerMetrics:
         self.store_limit = Gauge(
             "asyncinfer_store_limit_bytes",
             "The account's JetStream limit, by storage (file, memory); 0: the account has none (the server's "
-            "max_file_store, which JetStream's API does not report, still applies).",
+            "max_file_store still applies: asyncinfer_nats_server_store_limit_bytes).",
             ["storage"],
             registry=registry,
         )
@@ -135,6 +135,22 @@ class SchedulerMetrics:
             registry=registry,
         )
         self._limited_streams: set[str] = set()
+        # Each server's own store (scheduler.nats_monitor_urls, their /jsz): of every account and
+        # replica it holds, against its max_file_store / max_memory_store.
+        self.server_store_used = Gauge(
+            "asyncinfer_nats_server_store_used_bytes",
+            "JetStream storage a NATS server uses (every account and replica it holds), by server (its monitoring "
+            "endpoint, scheduler.nats_monitor_urls) and storage (file, memory).",
+            ["server", "storage"],
+            registry=registry,
+        )
+        self.server_store_limit = Gauge(
+            "asyncinfer_nats_server_store_limit_bytes",
+            "A NATS server's own JetStream limit (max_file_store, max_memory_store), by server and storage.",
+            ["server", "storage"],
+            registry=registry,
+        )
+        self._servers: set[str] = set()
 
         self.draining = Gauge(
             "asyncinfer_scheduler_draining",
@@ -196,3 +212,16 @@ class SchedulerMetrics:
         for stream in usage.streams:
             self.stream_used.labels(stream=stream.stream).set(stream.used_bytes)
             self.stream_limit.labels(stream=stream.stream).set(stream.limit_bytes)
+        servers = {server.server for server in usage.servers}
+        for gone in self._servers - servers:  # not answering: no stale reading to alert on
+            for storage in ("file", "memory"):
+                self.server_store_used.remove(gone, storage)
+                self.server_store_limit.remove(gone, storage)
+        self._servers = servers
+        for server in usage.servers:
+            for storage, used, limit in (
+                ("file", server.file_used_bytes, server.file_limit_bytes),
+                ("memory", server.memory_used_bytes, server.memory_limit_bytes),
+            ):
+                self.server_store_used.labels(server=server.server, storage=storage).set(used)
+                self.server_store_limit.labels(server=server.server, storage=storage).set(limit)

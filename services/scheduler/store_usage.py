@@ -7,16 +7,30 @@ account's limits) and the info of each of the stack's streams with a byte limit 
 again every `REREAD_ALL_EVERY` rounds (an operator may set or lift a stream's limit while the
 stack runs), so a round without limited streams is one request.
 
-JetStream's API reports the account's limits, not the server's (`jetstream { max_file_store }`):
-where only the server has one, the used bytes are exported and the limit is not."""
+JetStream's API reports the account's limits, not the server's (`jetstream { max_file_store }`),
+and the global account (where users without an account of their own are: `up`'s, and the shipped
+cluster's) has none. So each server in `scheduler.nats_monitor_urls` is asked too, on its
+monitoring port (`/jsz`: what that server stores, of every account and replica, and its own
+limits): what refuses writes first is whichever of the two fills first."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import structlog
 
 from asyncinfer import contract
 from asyncinfer.config import NatsConfig
 from asyncinfer.nats import OBJ_STREAM_TEMPLATE, JetStreamContext, NotFoundError
+
+log = structlog.get_logger("asyncinfer.scheduler.store_usage")
+# A monitoring endpoint that does not answer in this long is skipped for the round.
+MONITOR_TIMEOUT_S = 5.0
 
 # Every this many rounds, every stream's info is read again to see which have a byte limit.
 REREAD_ALL_EVERY = 10
@@ -30,12 +44,45 @@ class StreamUsage:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServerUsage:
+    server: str  # the monitoring endpoint's host:port
+    file_used_bytes: int
+    memory_used_bytes: int
+    file_limit_bytes: int  # the server's max_file_store (its own or, unset, what it chose at start)
+    memory_limit_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class StoreUsage:
     file_used_bytes: int
     memory_used_bytes: int
     file_limit_bytes: int  # the account's max_storage; 0: none
     memory_limit_bytes: int  # the account's max_memory; 0: none
     streams: tuple[StreamUsage, ...]  # those with a byte limit
+    servers: tuple[ServerUsage, ...] = ()  # those of nats_monitor_urls that answered
+
+
+def _get_jsz(url: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"{url}/jsz", timeout=MONITOR_TIMEOUT_S) as reply:
+        answer = json.loads(reply.read())
+    if not isinstance(answer, dict):
+        raise ValueError(f"{url}/jsz answered {type(answer).__name__}, not an object")
+    return answer
+
+
+async def read_server_usage(url: str) -> ServerUsage:
+    """One server's own store, from its monitoring port's /jsz."""
+    jsz = await asyncio.to_thread(_get_jsz, url)
+    config = jsz.get("config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{url}/jsz has no JetStream config (is JetStream enabled there?)")
+    return ServerUsage(
+        server=urlsplit(url).netloc,
+        file_used_bytes=int(jsz.get("storage", 0)),  # type: ignore[call-overload]
+        memory_used_bytes=int(jsz.get("memory", 0)),  # type: ignore[call-overload]
+        file_limit_bytes=_limit(config.get("max_storage")),
+        memory_limit_bytes=_limit(config.get("max_memory")),
+    )
 
 
 def stack_streams(nats: NatsConfig) -> tuple[str, ...]:
@@ -57,14 +104,16 @@ def stack_streams(nats: NatsConfig) -> tuple[str, ...]:
     )
 
 
-def _limit(value: int | None) -> int:
-    return value if value is not None and value > 0 else 0
+def _limit(value: object) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 class StoreUsageReader:
-    def __init__(self, js: JetStreamContext, nats: NatsConfig) -> None:
+    def __init__(self, js: JetStreamContext, nats: NatsConfig, *, monitor_urls: Sequence[str] = ()) -> None:
         self._js = js
         self._streams = stack_streams(nats)
+        self._monitor_urls = tuple(monitor_urls)
+        self._unanswered: set[str] = set()
         self._limited: tuple[str, ...] = ()
         self._rounds = 0
 
@@ -82,10 +131,27 @@ class StoreUsageReader:
             if limit:
                 streams.append(StreamUsage(stream=name, used_bytes=info.state.bytes, limit_bytes=limit))
         self._limited = tuple(s.stream for s in streams)
+        servers = [usage for url in self._monitor_urls if (usage := await self._server(url)) is not None]
         return StoreUsage(
             file_used_bytes=account.storage,
             memory_used_bytes=account.memory,
             file_limit_bytes=_limit(account.limits.max_storage),
             memory_limit_bytes=_limit(account.limits.max_memory),
             streams=tuple(streams),
+            servers=tuple(servers),
         )
+
+    async def _server(self, url: str) -> ServerUsage | None:
+        """Its usage; None (its series go) while it does not answer: one of a cluster's servers
+        restarting must not stop the others' readings, nor the account's."""
+        try:
+            usage = await read_server_usage(url)
+        except (OSError, ValueError) as exc:
+            if url not in self._unanswered:
+                log.warning("nats_monitor_unanswered", url=url, error=f"{type(exc).__name__}: {exc}")
+                self._unanswered.add(url)
+            return None
+        if url in self._unanswered:
+            log.info("nats_monitor_answered", url=url)
+            self._unanswered.discard(url)
+        return usage

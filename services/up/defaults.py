@@ -42,6 +42,10 @@ def with_up_defaults(config: Config) -> Config:
     - its batcher not exiting for a hung model call (`batcher.exit_after_overrun_s` 0), unless the
       file sets it: it runs in `up`'s process, whose every service would stop with it, and nothing
       restarts `up`; the model stays stuck (it takes no work) until its call returns or `up` restarts.
+    - the scheduler reading its embedded nats-server's monitoring port (`scheduler.nats_monitor_urls`,
+      when the file sets none and `embedded_nats.monitor_port` is on): that server's own store
+      limit (max_file_store; unset, what it chose at start from the free disk) is the one that
+      refuses writes, and JetStream's API, which reports the account's, has none for `up`'s.
 
     What the file set is `model_fields_set`, which `Config.replace` keeps (so `up --dev-tls`'s
     changes do not make the file look as if it declared models)."""
@@ -49,6 +53,11 @@ def with_up_defaults(config: Config) -> Config:
         config = config.replace(batcher={"claim_check_io": True})
     if "exit_after_overrun_s" not in config.batcher.model_fields_set:
         config = config.replace(batcher={"exit_after_overrun_s": 0.0})
+    embedded = config.embedded_nats
+    if "nats_monitor_urls" not in config.scheduler.model_fields_set and embedded.monitor_port:
+        host = "127.0.0.1" if embedded.host in ("0.0.0.0", "::", "") else embedded.host
+        host = f"[{host}]" if ":" in host else host
+        config = config.replace(scheduler={"nats_monitor_urls": [f"http://{host}:{embedded.monitor_port}"]})
     if "models" not in config.model_fields_set:
         embedders = [MINILM_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE]
         config = config.replace(models=[*embedders, *config.models, FLAKY_MODEL])
