@@ -323,7 +323,7 @@ class SchedulerConfig(_Section):
         gt=0,
         description="How often the JetStream store's usage and limits are read for the store gauges and alerts "
         "(the account's info, and each stream's with a byte limit: one request a round where none has one), "
-        "and each of nats_monitor_urls' /jsz.",
+        "with the dead letters stored per model, and each of nats_monitor_urls' /jsz.",
     )
     nats_monitor_urls: list[str] = Field(
         default_factory=list,

@@ -55,6 +55,7 @@ SHARED_GAUGES = (
     "asyncinfer_stream_limit_bytes",
     "asyncinfer_nats_server_store_used_bytes",
     "asyncinfer_nats_server_store_limit_bytes",
+    "asyncinfer_dead_letters_stored",
 )
 
 
@@ -184,8 +185,9 @@ async def test_every_metric_deploy_and_the_docs_name_is_exported_with_its_labels
     info.config.max_bytes = 64 * 1024 * 1024
     await nc.jetstream().update_stream(info.config)
     limited = ("asyncinfer_stream_limit_bytes", frozenset({("stream", stack_config.nats.dead_letter_stream)}))
+    stored = ("asyncinfer_dead_letters_stored", frozenset({("model", "flaky")}))
     async with asyncio.timeout(10):
-        while limited not in (after := await scrape_all(ports)):  # noqa: ASYNC110 - HTTP endpoints, no event
+        while limited not in (after := await scrape_all(ports)) or after.get(stored) != 1:  # noqa: ASYNC110 - HTTP endpoints, no event
             await asyncio.sleep(0.05)  # the scheduler's next store round (every 0.1 s here)
     samples = exposed(after)
     # Families, with those that have no sample now (the running batches' gauges: their TYPE line).

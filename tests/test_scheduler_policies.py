@@ -202,8 +202,21 @@ async def start(nc: NatsClient) -> AsyncIterator[Start]:
 # --- retries, dead letters, poison ------------------------------------------------------------
 
 
+async def letters_stored(h: Harness, expected: float) -> None:
+    """Once the scheduler's gauge of the model's stored dead letters reads `expected` (its next
+    store round, every 0.05 s here)."""
+
+    def read() -> float | None:
+        return h.app.metrics.registry.get_sample_value("asyncinfer_dead_letters_stored", {"model": MODEL})
+
+    async with asyncio.timeout(10.0):
+        while read() != expected:  # noqa: ASYNC110 - a gauge set by the scheduler's store round, no event
+            await asyncio.sleep(0.02)
+
+
 async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, config: Config) -> None:
-    h = await start(tune(config))
+    h = await start(tune(config).replace(scheduler={"store_usage_interval_s": 0.05}))
+    await letters_stored(h, 0.0)  # at 0 before the first letter (a series to alert on)
     batcher = await h.batcher(credits=1)
     job_id = await enqueue(h.nc, h.kv, max_attempts=2)
     for attempt in (1, 2):
@@ -235,6 +248,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     exposition = generate_latest(h.app.metrics.registry).decode()
     assert 'asyncinfer_dead_letters_total{model="demo",reason="MAX_ATTEMPTS"} 1.0' in exposition
     assert 'asyncinfer_retries_total{model="demo",reason="MODEL_ERROR"} 1.0' in exposition
+    await letters_stored(h, 1.0)  # the backlog an operator must replay or purge
 
     notices: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -270,6 +284,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert done.last_error is not None
     assert done.last_error.reason == "MODEL_ERROR"
     assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
+    await letters_stored(h, 0.0)  # replayed: no longer stored
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await h.ops.GetDeadLetter(ops_service_pb2.GetDeadLetterRequest(sequence=letter.sequence))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
@@ -283,6 +298,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
         await batcher.grant(1)
     for job in dead:
         await wait_state(h.js, job, JobState.FAILED)
+    await letters_stored(h, 3.0)
     first_page = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(page_size=2))
     assert len(first_page.dead_letters) == 2
     assert first_page.next_page_token
@@ -304,10 +320,12 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(sequences=twice))
     assert purged.purged == 1
     assert purged.remaining == 2
+    await letters_stored(h, 2.0)
     purged = await h.ops.PurgeDeadLetters(ops_service_pb2.PurgeDeadLettersRequest(all=True, model_name=MODEL))
     assert purged.purged == 2
     assert purged.HasField("remaining")
     assert purged.remaining == 0
+    await letters_stored(h, 0.0)
     empty = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())
     assert empty.dead_letters == []
     assert empty.HasField("total")

@@ -226,6 +226,7 @@ async def test_the_store_is_read_as_the_scheduler_starts_not_an_interval_later(
         assert (
             gauge(first, "asyncinfer_nats_server_store_limit_bytes", server=server, storage="file") == SERVER_FILE_BYTES
         )
+        assert gauge(first, "asyncinfer_dead_letters_stored", model=DEMO_MODEL.name) == 0
     finally:
         await scheduler.stop(grace_s=0.0)
 

@@ -151,6 +151,13 @@ class SchedulerMetrics:
             registry=registry,
         )
         self._servers: set[str] = set()
+        self.dead_letters_stored = Gauge(
+            "asyncinfer_dead_letters_stored",
+            "Dead letters stored now, by model: the backlog to replay or purge (read every "
+            "scheduler.store_usage_interval_s).",
+            ["model"],
+            registry=registry,
+        )
 
         self.draining = Gauge(
             "asyncinfer_scheduler_draining",
@@ -171,6 +178,7 @@ class SchedulerMetrics:
                 self.jobs.labels(model=model, state=state.value)
             self.dead_letters.labels(model=model, reason=job_errors.MAX_ATTEMPTS)
             self.chunk_dead_letters.labels(model=model)
+            self.dead_letters_stored.labels(model=model)
             self.completed.labels(model=model)
             self.lease_expiries.labels(model=model)
 
@@ -225,3 +233,7 @@ class SchedulerMetrics:
             ):
                 self.server_store_used.labels(server=server.server, storage=storage).set(used)
                 self.server_store_limit.labels(server=server.server, storage=storage).set(limit)
+        if usage.dead_letters is not None:
+            self.count_models(usage.dead_letters)
+            for model in self._models_counted:  # replayed or purged: back to 0
+                self.dead_letters_stored.labels(model=model).set(usage.dead_letters.get(model, 0))

@@ -11,7 +11,10 @@ JetStream's API reports the account's limits, not the server's (`jetstream { max
 and the global account (where users without an account of their own are: `up`'s, and the shipped
 cluster's) has none. So each server in `scheduler.nats_monitor_urls` is asked too, on its
 monitoring port (`/jsz`: what that server stores, of every account and replica, and its own
-limits): what refuses writes first is whichever of the two fills first."""
+limits): what refuses writes first is whichever of the two fills first.
+
+The same round counts the dead letters stored per model: one info of the dead-letter stream with
+its subjects (one subject per model), the backlog an operator must replay or purge."""
 
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ class StoreUsage:
     memory_limit_bytes: int  # the account's max_memory; 0: none
     streams: tuple[StreamUsage, ...]  # those with a byte limit
     servers: tuple[ServerUsage, ...] = ()  # those of nats_monitor_urls that answered
+    dead_letters: dict[str, int] | None = None  # stored now, by model; None: not read
 
 
 def _get_jsz(url: str) -> dict[str, object]:
@@ -112,6 +116,7 @@ class StoreUsageReader:
     def __init__(self, js: JetStreamContext, nats: NatsConfig, *, monitor_urls: Sequence[str] = ()) -> None:
         self._js = js
         self._streams = stack_streams(nats)
+        self._dead_letter_stream = nats.dead_letter_stream
         self._monitor_urls = tuple(monitor_urls)
         self._unanswered: set[str] = set()
         self._limited: tuple[str, ...] = ()
@@ -139,6 +144,7 @@ class StoreUsageReader:
             memory_limit_bytes=_limit(account.limits.max_memory),
             streams=tuple(streams),
             servers=tuple(servers),
+            dead_letters=await self._dead_letters(),
         )
 
     async def _server(self, url: str) -> ServerUsage | None:
@@ -155,3 +161,16 @@ class StoreUsageReader:
             log.info("nats_monitor_answered", url=url)
             self._unanswered.discard(url)
         return usage
+
+    async def _dead_letters(self) -> dict[str, int] | None:
+        """The letters stored now by model: the stream's message count per subject."""
+        try:
+            info = await self._js.stream_info(self._dead_letter_stream, subjects_filter=contract.DEAD_SUBJECTS)
+        except NotFoundError:
+            return None
+        prefix = contract.DEAD_SUBJECT_PREFIX + "."
+        return {
+            subject.removeprefix(prefix): int(count)
+            for subject, count in (info.state.subjects or {}).items()
+            if subject.startswith(prefix)
+        }
