@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import aiohttp
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -442,11 +443,11 @@ def test_nats_server_accepts_the_cluster_configuration(overlay: str, tmp_path: P
 
 async def read_until_answered(url: str, timeout_s: float = 20.0) -> ServerUsage:
     """The scheduler's reading of a server's /jsz, once its monitoring port answers."""
-    async with asyncio.timeout(timeout_s):
+    async with asyncio.timeout(timeout_s), aiohttp.ClientSession() as session:
         while True:
             try:
-                return await read_server_usage(url)
-            except OSError:
+                return await read_server_usage(session, url)
+            except aiohttp.ClientConnectionError:
                 await asyncio.sleep(0.05)  # the server is starting; nothing to wait on but its port
 
 

@@ -19,12 +19,11 @@ its subjects (one subject per model), the backlog an operator must replay or pur
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+import aiohttp
 import structlog
 
 from asyncinfer import contract
@@ -66,24 +65,20 @@ class StoreUsage:
     dead_letters: dict[str, int] | None = None  # stored now, by model; None: not read
 
 
-def _get_jsz(url: str) -> dict[str, object]:
-    with urllib.request.urlopen(f"{url}/jsz", timeout=MONITOR_TIMEOUT_S) as reply:
-        answer = json.loads(reply.read())
-    if not isinstance(answer, dict):
-        raise ValueError(f"{url}/jsz answered {type(answer).__name__}, not an object")
-    return answer
-
-
-async def read_server_usage(url: str) -> ServerUsage:
+async def read_server_usage(session: aiohttp.ClientSession, url: str) -> ServerUsage:
     """One server's own store, from its monitoring port's /jsz."""
-    jsz = await asyncio.to_thread(_get_jsz, url)
+    async with session.get(f"{url}/jsz") as reply:
+        reply.raise_for_status()
+        jsz = await reply.json(content_type=None)
+    if not isinstance(jsz, dict):
+        raise ValueError(f"{url}/jsz answered {type(jsz).__name__}, not an object")
     config = jsz.get("config")
     if not isinstance(config, dict):
         raise ValueError(f"{url}/jsz has no JetStream config (is JetStream enabled there?)")
     return ServerUsage(
         server=urlsplit(url).netloc,
-        file_used_bytes=int(jsz.get("storage", 0)),  # type: ignore[call-overload]
-        memory_used_bytes=int(jsz.get("memory", 0)),  # type: ignore[call-overload]
+        file_used_bytes=int(jsz.get("storage", 0)),
+        memory_used_bytes=int(jsz.get("memory", 0)),
         file_limit_bytes=_limit(config.get("max_storage")),
         memory_limit_bytes=_limit(config.get("max_memory")),
     )
@@ -136,7 +131,13 @@ class StoreUsageReader:
             if limit:
                 streams.append(StreamUsage(stream=name, used_bytes=info.state.bytes, limit_bytes=limit))
         self._limited = tuple(s.stream for s in streams)
-        servers = [usage for url in self._monitor_urls if (usage := await self._server(url)) is not None]
+        servers: list[ServerUsage] = []
+        if self._monitor_urls:
+            # Together, so that a server that does not answer holds the round MONITOR_TIMEOUT_S once.
+            timeout = aiohttp.ClientTimeout(total=MONITOR_TIMEOUT_S)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                found = await asyncio.gather(*(self._server(session, url) for url in self._monitor_urls))
+            servers = [usage for usage in found if usage is not None]
         return StoreUsage(
             file_used_bytes=account.storage,
             memory_used_bytes=account.memory,
@@ -147,12 +148,12 @@ class StoreUsageReader:
             dead_letters=await self._dead_letters(),
         )
 
-    async def _server(self, url: str) -> ServerUsage | None:
+    async def _server(self, session: aiohttp.ClientSession, url: str) -> ServerUsage | None:
         """Its usage; None (its series go) while it does not answer: one of a cluster's servers
         restarting must not stop the others' readings, nor the account's."""
         try:
-            usage = await read_server_usage(url)
-        except (OSError, ValueError) as exc:
+            usage = await read_server_usage(session, url)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             if url not in self._unanswered:
                 log.warning("nats_monitor_unanswered", url=url, error=f"{type(exc).__name__}: {exc}")
                 self._unanswered.add(url)
