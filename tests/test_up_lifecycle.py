@@ -173,6 +173,44 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
 
 
+@pytest.mark.parametrize("after", ["nats_server_started", "gateway_started"])
+def test_ctrl_c_while_a_service_connects_to_nats_stops_quietly(tmp_path: Path, after: str) -> None:
+    """Ctrl-C as the gateway (or the scheduler) began connecting to NATS: its abandoned connect
+    ended with an error nobody read, and `up` printed asyncio's "Task exception was never
+    retrieved" with a traceback, and a nats_disconnected warning, for a stop the user asked for."""
+    config_path, _ports = write_config(tmp_path)
+    stderr = tmp_path / "up.stderr"
+    with stderr.open("w") as err:
+        process = subprocess.Popen(
+            [str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+    nats_pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while f'"event": "{after}"' not in stderr.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, stderr.read_text()
+            time.sleep(0.002)
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(timeout=60) == 0, stderr.read_text()
+        logs = [json.loads(line) for line in stderr.read_text().splitlines() if line.strip()]
+        nats_pids = [int(e["pid"]) for e in logs if e["event"] == "nats_server_started"]
+        loud = [e for e in logs if e["level"] not in ("debug", "info")]
+        assert loud == [], loud
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in nats_pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_second_ctrl_c_stops_up_at_once_and_its_nats_server(up: UpProcess) -> None:
     """While batches in flight have their grace (up to 10 s, silent), a second Ctrl-C was ignored."""
     nats_pid = up.nats_pid()

@@ -70,6 +70,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     first_connect_failures: list[Exception] = []
     connected = False
     gave_up = asyncio.Event()
+    abandoned = asyncio.Event()  # this first connect is given up: what its close stirs up is not news
 
     attempts = FIRST_CONNECT_ATTEMPTS * max(1, len(servers))
     # A server that is away is tried every RECONNECT_WAIT_S, each failure an error: one warning per
@@ -79,6 +80,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
 
     async def on_error(exc: Exception) -> None:
         held = errors.allow(str(exc))
+        if abandoned.is_set():
+            log.debug("nats_error", error=str(exc))
+            return
         if held is None or (connected and isinstance(exc, UnexpectedEOF)):
             # (The server closed the connection: nats_disconnected, next, says so once.)
             log.debug("nats_error", error=str(exc))
@@ -98,6 +102,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         changed()
         if client.is_closed:  # our own close() (nats-py marks it closed before calling back): no news
             log.debug("nats_closed")
+            return
+        if not connected:  # a first connect that failed or was abandoned: its caller says what happened
+            log.debug("nats_disconnected_while_connecting")
             return
         log.warning("nats_disconnected")
 
@@ -129,7 +136,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     try:
         await asyncio.wait((connecting, giving_up), timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
-        await _abandon(client, connecting)
+        await _abandon(client, connecting, abandoned)
         raise
     finally:
         giving_up.cancel()
@@ -138,13 +145,13 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     if any(_login_refused(failure) for failure in seen):
         # The server is there and said no to these credentials: a configuration error (exit 2), not
         # an outage to wait out (exit 69 restarts it in a loop).
-        await _abandon(client, connecting)
+        await _abandon(client, connecting, abandoned)
         raise ConfigError(
             f"NATS at {config.url} refused this connection's credentials (authorization violation): check "
             "nats.user and password(_file), token(_file), nkey_seed_file or credentials_file"
         )
     if not connecting.done():
-        await _abandon(client, connecting)
+        await _abandon(client, connecting, abandoned)
         last = first_connect_failures[-1] if first_connect_failures else f"no answer within {deadline_s:g}s"
         if isinstance(last, ssl.SSLError):
             # A certificate this configuration cannot verify: waiting or restarting will not help
@@ -153,20 +160,26 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         raise Unavailable(f"cannot connect to NATS at {config.url}: {_explain(last)}")
     failure = connecting.exception()
     if failure is not None:  # nats raises several unrelated types here
-        await _abandon(client, connecting)
+        await _abandon(client, connecting, abandoned)
         raise Unavailable(f"cannot connect to NATS at {config.url}: {failure}") from failure
     connected = True
     return client
 
 
-async def _abandon(client: Client, connecting: asyncio.Future[None]) -> None:
+async def _abandon(client: Client, connecting: asyncio.Future[None], abandoned: asyncio.Event) -> None:
     """Stops a first connect and releases what it holds. The connection is closed first: a connect
     cancelled while it waits for a silent server's INFO does not end until its socket does."""
+    abandoned.set()
     connecting.cancel()
     with contextlib.suppress(Exception):
         async with asyncio.timeout(ABANDON_WAIT_S):
             await client.close()
     await asyncio.wait((connecting,), timeout=ABANDON_WAIT_S)  # its own cancellation is not ours to raise
+    if connecting.done() and not connecting.cancelled() and connecting.exception() is not None:
+        # Read, so asyncio does not log it ("Task exception was never retrieved", a traceback) when
+        # the task is collected: a connect cut off by the close above (Ctrl-C while `up` started)
+        # ends with an error of its closed transport, which is the abandon, not news.
+        log.debug("nats_connect_abandoned", error=str(connecting.exception()))
 
 
 async def disconnect(client: Client) -> None:

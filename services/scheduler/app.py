@@ -428,7 +428,9 @@ class SchedulerApp:
             await self._batch_plans.stop()
         await self.supervisor.stop()  # the loops not ended above (none, unless one hangs)
         nats_connected = self._nc is not None and self._nc.is_connected
-        if not nats_connected:  # the entries and the heartbeat expire with their TTLs
+        if self._nc is None:  # a start stopped before it connected (Ctrl-C at `up`'s start): nothing to clear
+            pass
+        elif not nats_connected:  # the entries and the heartbeat expire with their TTLs
             log.warning("stopping_without_nats", scheduler_id=self.scheduler_id)
         elif self._models_registry is not None:
             await self._models_registry.clear()
