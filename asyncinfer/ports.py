@@ -70,3 +70,22 @@ def busy_ports(uses: Sequence[PortUse]) -> list[BusyPort]:
         for sock in held:
             sock.close()
     return busy
+
+
+def free_alternatives(uses: Sequence[PortUse], busy: Sequence[BusyPort], *, search: int = 1000) -> dict[PortUse, int]:
+    """For each port of `busy` that another listener holds, the next port above it that is free
+    and that no other use names: what to give a second `up` (the message's line, ready to paste)."""
+    claimed = {(use.host, use.port) for use in uses}
+    found: dict[PortUse, int] = {}
+    for port in busy:
+        if port.why != IN_USE:
+            continue
+        host = port.use.host
+        for candidate in range(port.use.port + 1, min(port.use.port + search, 65536)):
+            if (host, candidate) in claimed:
+                continue
+            if not busy_ports([PortUse(port.use.setting, host, candidate)]):
+                found[port.use] = candidate
+                claimed.add((host, candidate))
+                break
+    return found

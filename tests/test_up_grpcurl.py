@@ -266,6 +266,22 @@ def test_up_serves_a_job_through_grpcurl(up_process: tuple[UpProcess, Path, dict
     assert job["state"] == "JOB_STATE_QUEUED"
     job_id = job["job_id"]
 
+    # On ports other than the CLI's defaults, the banner says how to point the CLI at them (a user
+    # who ran a second `up` on other ports met the first stack, or nothing), and its line works verbatim.
+    export_line = next(line for line in up.banner.splitlines() if "export ASYNCINFER_GATEWAY_ADDRESS=" in line)
+    assert f"ASYNCINFER_GATEWAY_ADDRESS={up.gateway} ASYNCINFER_SCHEDULER_ADDRESS={up.scheduler}" in export_line
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+    cli = subprocess.run(
+        ["bash", "-c", f"{export_line.strip()} && {BIN / 'asyncinfer'} get {job_id} --no-outputs"],
+        env=clean_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert cli.returncode == 0, cli.stderr
+    assert job_id in cli.stdout
+
     watched = grpcurl(up.gateway, "asyncinfer.v1.JobService/WatchJob", data=json.dumps({"job_id": job_id}))
     assert watched.returncode == 0, watched.stderr
     states = [m["job"]["state"] for m in json_stream(watched.stdout)]  # type: ignore[index]

@@ -99,6 +99,13 @@ def test_a_busy_port_is_named_in_one_line_and_nothing_starts(tmp_path: Path, sec
     lines = done.stderr.splitlines()
     assert len(lines) == 1, done.stderr
     assert f"already in use: 127.0.0.1:{busy_port} ({section}.{key})" in lines[0]
+    # ... with the variable that moves it to a free port, ready to paste (a second `up` beside a
+    # first had to work out nine names from "ASYNCINFER_EMBEDDED_NATS__PORT=...").
+    moved = re.search(rf"run this one on free ports: ASYNCINFER_{section.upper()}__{key.upper()}=(\d+) \(", lines[0])
+    assert moved is not None, lines[0]
+    suggested = int(moved.group(1))
+    assert suggested > busy_port
+    listening(suggested).close()  # free
     assert done.stdout == ""  # no banner, not even "asyncinfer stopped": nothing had started
     assert not (tmp_path / "data").exists()  # no nats-server ran: no store, no nats-server.log
 
@@ -286,6 +293,53 @@ def test_a_second_up_on_the_same_store_is_refused_naming_the_first(up: UpProcess
     assert f"is in use by another `asyncinfer up` (pid {up.process.pid})" in done.stderr
     assert up.process.poll() is None
     assert grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY).returncode == 0
+
+
+def test_a_second_up_in_the_first_ones_folder_starts_on_what_its_refusals_say(up: UpProcess, tmp_path: Path) -> None:
+    """A second `up` beside a running one: the store's refusal, then the ports' refusal, each say
+    what to set, and the command with both starts (the README's way to run on other ports was
+    "ASYNCINFER_GATEWAY__PORT=..., one variable per port": nine names to work out)."""
+    config_path = next(tmp_path.glob("*.toml"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+
+    def attempt(assignments: str) -> subprocess.CompletedProcess[str]:
+        command = f"{assignments} {BIN / 'asyncinfer'} up --config {config_path}"
+        return subprocess.run(
+            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+    store_refused = attempt("")
+    assert store_refused.returncode == 2, store_refused.stderr
+    store = re.search(r"(ASYNCINFER_EMBEDDED_NATS__STORE_DIR=\S+) before the command", store_refused.stderr)
+    assert store is not None, store_refused.stderr
+    ports_refused = attempt(store.group(1))
+    assert ports_refused.returncode == 2, ports_refused.stderr
+    ports = re.search(r"run this one on free ports: ((?:ASYNCINFER_\w+=\d+ ?)+) \(", ports_refused.stderr)
+    assert ports is not None, ports_refused.stderr
+    second = subprocess.Popen(
+        ["bash", "-c", f"exec env {store.group(1)} {ports.group(1)} {BIN / 'asyncinfer'} up --config {config_path}"],
+        cwd=tmp_path,
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert second.stdout is not None
+        printed: list[str] = []
+        for line in iter(second.stdout.readline, ""):  # up to the banner's last line (or an early exit)
+            printed.append(line)
+            if line.startswith("Ctrl-C stops everything"):
+                break
+        banner = "".join(printed)
+    finally:
+        os.killpg(second.pid, signal.SIGINT)
+        second.wait(timeout=60)
+        if second.stdout is not None:
+            second.stdout.close()
+    assert "JobService (gateway)" in banner, banner
+    assert up.process.poll() is None  # the first runs on
 
 
 def test_a_nats_server_a_killed_up_left_is_stopped_by_the_next_up(tmp_path: Path) -> None:

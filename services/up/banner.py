@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from asyncinfer.commands.options import DEFAULT_GATEWAY, DEFAULT_SCHEDULER
 from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config
 from asyncinfer.runner import App
 from services.dev_ca import UNSPECIFIED
@@ -65,6 +66,13 @@ def banner(
             f"  {grpcurl} {transport} -d '{body}' {target} asyncinfer.v1.JobService/SubmitJob",
             f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {target} asyncinfer.v1.JobService/GetJob""",
             f"""  {grpcurl} {transport} -d '{{"job_id":"JOB_ID"}}' {target} asyncinfer.v1.JobService/WatchJob""",
+        ]
+    if (gateway, scheduler) != (DEFAULT_GATEWAY, DEFAULT_SCHEDULER):
+        # The CLI's defaults are the default ports: on others, its commands met nothing (or another stack).
+        lines += [
+            "",
+            "The CLI, on these ports (its defaults are 50051 and 50052):",
+            f"  export ASYNCINFER_GATEWAY_ADDRESS={gateway} ASYNCINFER_SCHEDULER_ADDRESS={scheduler}",
         ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)

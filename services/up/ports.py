@@ -7,7 +7,7 @@ from typing import Any
 
 from asyncinfer.config import Config
 from asyncinfer.errors import ConfigError
-from asyncinfer.ports import IN_USE, PortUse, busy_ports
+from asyncinfer.ports import IN_USE, PortUse, busy_ports, free_alternatives
 from services.apps import SERVICES
 
 
@@ -76,8 +76,19 @@ def raise_if_busy(uses: list[PortUse], *, hint: str) -> None:
     in_use = [str(port.use) for port in busy if port.why == IN_USE]
     other = [str(port) for port in busy if port.why != IN_USE]
     found = ([f"already in use: {', '.join(in_use)}"] if in_use else []) + other
-    section, key = busy[0].use.setting.split(".")
-    raise ConfigError(
-        f"cannot start, {'; '.join(found)}. {hint} Stop it, or give this one other ports in its configuration "
-        f"file or environment (ASYNCINFER_{section.upper()}__{key.upper()}=...)."
-    )
+    # The variables that move each taken port to a free one, ready to paste before the command: a
+    # reader had to work out nine names for a second `up` beside the first (one per port).
+    moved = free_alternatives(uses, busy)
+    assignments = [f"{_variable(use.setting)}={port}" for use, port in moved.items()]
+    if assignments and len(moved) == len(busy):
+        where = f"or run this one on free ports: {' '.join(assignments)} (or set them in its configuration file)."
+    else:
+        section_key = busy[0].use.setting
+        where = f"or give this one other ports in its configuration file or environment ({_variable(section_key)}=...)."
+    raise ConfigError(f"cannot start, {'; '.join(found)}. {hint} Stop it, {where}")
+
+
+def _variable(setting: str) -> str:
+    """The environment variable of a setting: gateway.port -> ASYNCINFER_GATEWAY__PORT."""
+    section, key = setting.split(".")
+    return f"ASYNCINFER_{section.upper()}__{key.upper()}"

@@ -66,8 +66,9 @@ class StoreLock:
             handle.close()
             raise ConfigError(
                 f"the JetStream store {self._store} is in use by another `asyncinfer up` (pid {holder}): stop it "
-                "(Ctrl-C in its terminal), or run this one on another store and other ports "
-                "(ASYNCINFER_EMBEDDED_NATS__STORE_DIR=..., ASYNCINFER_EMBEDDED_NATS__PORT=..., ...)"
+                "(Ctrl-C in its terminal), or run this one on another store and other ports: "
+                "ASYNCINFER_EMBEDDED_NATS__STORE_DIR=.asyncinfer/second/nats before the command, which then names "
+                "the free ports to add"
             ) from None
         handle.seek(0)
         handle.truncate()
