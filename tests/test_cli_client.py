@@ -191,6 +191,16 @@ async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monke
     code, _, err = await cli("get", new_job_id())
     assert code == 3
     assert err.startswith("asyncinfer: error: NOT_FOUND JOB_NOT_FOUND: "), err  # a reason of its own: both
+    # A model the gateway does not serve, with a text value (not JSON) that only a signature
+    # types: NOT_FOUND (3) naming the models served, as the gateway's own refusal; it was a usage
+    # error saying "--input text is not valid JSON" (a stack serving no minilm-l6, say).
+    code, out, err = await cli("submit", "nosuch", "--input", "text=hello")
+    assert code == 3, err
+    assert out == ""
+    assert err.startswith("asyncinfer: error: NOT_FOUND MODEL_NOT_FOUND: unknown model 'nosuch'"), err
+    assert "the models served are: " in err
+    assert "demo" in err
+    assert "JSON" not in err
     # Malformed arguments never reach the gateway: usage error (2).
     code, _, err = await cli("submit", "demo", "--input", "x=[1,2")
     assert code == 2

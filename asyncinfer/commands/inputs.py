@@ -20,10 +20,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
-from asyncinfer.client import AsyncClient, Callback, CallbackEvent, JobRequest, Priority, UnimplementedError
+from asyncinfer.client import (
+    AsyncClient,
+    Callback,
+    CallbackEvent,
+    JobRequest,
+    NotFoundError,
+    Priority,
+    UnimplementedError,
+)
 from asyncinfer.commands.output import UsageError
 from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
@@ -56,6 +65,7 @@ class Signatures:
     from the gateway (ListModels), or from a local configuration file when one is given."""
 
     by_model: Mapping[str, ModelSignature]
+    served: bool = False  # the gateway's ListModels: a model not in it is one the gateway refuses
 
     @classmethod
     async def fetch(cls, config_path: Path | None, client: AsyncClient) -> Signatures:
@@ -67,7 +77,7 @@ class Signatures:
             models = await client.models()
         except UnimplementedError:
             return cls.load(None)
-        return cls({m.name: ModelSignature(inputs=m.inputs, outputs=m.outputs) for m in models})
+        return cls({m.name: ModelSignature(inputs=m.inputs, outputs=m.outputs) for m in models}, served=True)
 
     @classmethod
     def load(cls, config_path: Path | None) -> Signatures:
@@ -78,6 +88,19 @@ class Signatures:
                 raise UsageError(exc.message) from None
             return cls({})  # the environment's overrides do not parse: guess from the values instead
         return cls({model.name: model.signature for model in config.models})
+
+    def require(self, model: str) -> None:
+        """NotFoundError, as the gateway answers it, for a model the gateway does not serve: its
+        inputs were read without a signature, and `-i text=hello` for one said "--input text is
+        not valid JSON" (a usage error) rather than that the model is not there."""
+        if self.served and model not in self.by_model:
+            known = ", ".join(sorted(self.by_model)) or "none"
+            raise NotFoundError(
+                f"unknown model {model[:64]!r}; the models served are: {known}",
+                code=grpc.StatusCode.NOT_FOUND,
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": model[:64], "known_models": known},
+            )
 
     def spec(self, model: str, name: str) -> TensorSpec | None:
         signature = self.by_model.get(model)

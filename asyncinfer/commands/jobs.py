@@ -130,6 +130,7 @@ def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: 
         request = dataclasses.replace(request, model=args.model)
     changes: dict[str, Any] = {}
     if args.input:
+        signatures.require(request.model)
         arrays = inputs_from_arguments(
             request.model, args.input, signatures=signatures, datatypes=args.datatype, shapes=args.shape
         )
