@@ -12,6 +12,7 @@ embedders and sample models when the file declares none: services/up/defaults.py
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -1153,9 +1154,46 @@ def _problems(error: ValidationError) -> str:
     problems = []
     for err in error.errors(include_url=False):
         message = str(err["msg"]).removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted": a typo, most times
+            message = _unknown_key(tuple(err["loc"]))
         location = ".".join(str(p) for p in err["loc"])
         problems.append(f"{location}: {message}" if location else message)
     return "; ".join(problems)
+
+
+def _unknown_key(location: tuple[int | str, ...]) -> str:
+    """What to say of a key no section (or model table) has: the nearest one it has, if any."""
+    fields = _keys_at(location[:-1])
+    what = "section" if len(location) == 1 else "key"
+    close = difflib.get_close_matches(str(location[-1]), fields, n=1, cutoff=0.6)
+    if close:
+        return f"unknown {what}; did you mean {close[0]!r}? (`asyncinfer config` prints every one)"
+    return f"unknown {what} (`asyncinfer config` prints every one, commented)"
+
+
+def _keys_at(location: tuple[int | str, ...]) -> list[str]:
+    """The keys of the table at `location` (a section, a model's table, ...): [] if not a table."""
+    model: type[BaseModel] = Config
+    for part in location:
+        if isinstance(part, int):  # an item of a list of tables: its type was taken with the list
+            continue
+        field = model.model_fields.get(part)
+        found = _table_type(field.annotation) if field is not None else None
+        if found is None:
+            return []
+        model = found
+    return list(model.model_fields)
+
+
+def _table_type(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel a field holds, directly or as the items of a list, tuple or optional."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _table_type(arg)
+        if found is not None:
+            return found
+    return None
 
 
 # --- the commented default file --------------------------------------------------------------

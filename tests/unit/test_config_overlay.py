@@ -96,7 +96,7 @@ def test_environment_values_are_read_by_the_keys_type() -> None:
     [
         ({"ASYNCINFER_GATEWAY__PORT": "-3"}, r"gateway\.port: Input should be greater than or equal to 0"),
         ({"ASYNCINFER_GATEWAY__PORT": "six"}, r"gateway\.port: Input should be a valid integer"),
-        ({"ASYNCINFER_GATEWAY__PROT": "1"}, r"gateway\.prot: Extra inputs are not permitted"),
+        ({"ASYNCINFER_GATEWAY__PROT": "1"}, r"gateway\.prot: unknown key; did you mean 'port'\?"),
         ({"ASYNCINFER_GATEWAY__API_KEYS": "acme"}, r"gateway\.api_keys: Input should be a valid tuple"),
         ({"ASYNCINFER_GATEWAY__API_KEYS": '[{"tenant": "a"}]'}, r"gateway\.api_keys\.0\.sha256: Field required"),
         ({"ASYNCINFER_GATEWAYS__PORT": "1"}, r"ASYNCINFER_GATEWAYS__PORT names no section; the sections are nats,"),
@@ -107,6 +107,30 @@ def test_environment_values_are_read_by_the_keys_type() -> None:
 def test_a_bad_override_names_its_key(environ: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[gateway]\nportt = 6000\n", r"^invalid configuration: gateway\.portt: unknown key; did you mean 'port'\?"),
+        ("[gatway]\nport = 6000\n", r"^invalid configuration: gatway: unknown section; did you mean 'gateway'\?"),
+        (
+            '[[models]]\nname = "m"\nloader = "a.b:c"\nmax_batch_sise = 4\n',
+            r"models\.0\.max_batch_sise: unknown key; did you mean 'max_batch_size'\?",
+        ),
+        (
+            '[[gateway.api_keys]]\nsha256 = "%s"\nrol = "ops"\n' % ("0" * 64),
+            r"api_keys\.0\.rol: .*did you mean 'role'\?",
+        ),
+        ("[gateway]\nzzz = 1\n", r"gateway\.zzz: unknown key \(`asyncinfer config` prints every one, commented\)$"),
+    ],
+)
+def test_a_key_no_section_has_is_named_with_the_nearest_one(tmp_path: Path, text: str, message: str) -> None:
+    """A typo in a file's key said pydantic's "Extra inputs are not permitted"."""
+    path = tmp_path / "typo.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, environ={})
 
 
 def test_a_secret_file_that_names_no_section_stops_start_up(tmp_path: Path) -> None:
