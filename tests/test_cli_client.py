@@ -623,3 +623,29 @@ async def test_a_bulk_stopped_by_its_timeout_says_how_to_go_on(
     assert code == 5, err
     assert "stopped with 0 of 3 lines finished; the run is kept in " in err
     assert "run the same command again to go on" in err
+
+
+async def test_models_says_why_a_version_does_not_serve(config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose loader failed (README "Adding a model" with the package not on PYTHONPATH):
+    the table said "1 (unavailable)" and nothing more, and a job for it waited NO_WORKER."""
+    demo = config.models[0]
+    broken = demo.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    stack = Stack(config.replace(models=[demo, broken]))
+    await stack.start()
+    try:
+        cli = Cli(stack, monkeypatch)
+        async with asyncio.timeout(20):
+            while True:  # the batcher's report reaches the gateway through its scheduler's registry
+                code, out, err = await cli("models")
+                assert code == 0, err
+                if "(unavailable)" in out:
+                    break
+                await asyncio.sleep(0.05)
+        lines = out.splitlines()
+        (reason,) = [line for line in lines if line.startswith("broken 1: ")]
+        assert reason.startswith("broken 1: unavailable: batcher "), reason
+        assert "could not load it" in reason
+        assert "build_nothing" in reason
+        assert not any(line.startswith("demo 1: ") for line in lines)  # a version that serves has no line
+    finally:
+        await stack.stop()

@@ -372,4 +372,11 @@ async def models_command(args: argparse.Namespace, options: Options) -> int:
         for m in models
     ]
     print_table(["MODEL", "DEFAULT", "VERSIONS", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows)
+    # Why a version does not serve (a loader that failed: "batcher X could not load it: ..."): the
+    # table said "(unavailable)" alone, and a job for it waits queued with reason NO_WORKER.
+    reasons = [f"{m.name} {v.version}: {v.state.lower()}: {v.reason}" for m in models for v in m.versions if v.reason]
+    if reasons:
+        print()
+        for line in reasons:
+            print(line)
     return EXIT_OK
