@@ -647,5 +647,19 @@ async def test_models_says_why_a_version_does_not_serve(config: Config, monkeypa
         assert "could not load it" in reason
         assert "build_nothing" in reason
         assert not any(line.startswith("demo 1: ") for line in lines)  # a version that serves has no line
+        # A job for it is accepted and waits NO_WORKER (a batcher runs: it could not load it); `get` says why.
+        code, out, err = await cli("submit", "broken", "--input", "x=[[1,2,3,4]]")
+        assert code == 0, err
+        job_id = out.strip()
+        async with asyncio.timeout(20):
+            while True:
+                code, out, err = await cli("get", job_id)
+                assert code == 0, err
+                if "waiting: NO_WORKER" in out:
+                    break
+                await asyncio.sleep(0.05)
+        (why,) = [line for line in out.splitlines() if line.startswith("why ")]
+        assert "could not load it" in why
+        assert "build_nothing" in why
     finally:
         await stack.stop()

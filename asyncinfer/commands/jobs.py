@@ -16,7 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from asyncinfer.client import AsyncClient, Callback, Job, JobRequest, JobState, Priority, TensorSpec
+from asyncinfer.client import (
+    AsyncClient,
+    AsyncInferClientError,
+    Callback,
+    Job,
+    JobRequest,
+    JobState,
+    Priority,
+    TensorSpec,
+    WaitingReason,
+)
 from asyncinfer.commands.inputs import (
     Signatures,
     inputs_from_arguments,
@@ -229,8 +239,26 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
         if options.json:
             print_json(job_json(dataclasses.replace(job, outputs=outputs)))
         else:
-            print(job_text(job, outputs), flush=True)
+            print(job_text(job, outputs, why_waiting=await _why_no_worker(client, job)), flush=True)
     return EXIT_OK
+
+
+async def _why_no_worker(client: AsyncClient, job: Job) -> str | None:
+    """For a job waiting NO_WORKER (or NO_VERSION), why its model's versions do not serve, as
+    ListModels says it ("batcher X could not load it: ..."): with a batcher running, NO_WORKER
+    alone read as no batcher at all (README "Adding a model", the package not on PYTHONPATH)."""
+    waiting = job.queue.waiting_reason if job.queue is not None and not job.done else None
+    if waiting not in (WaitingReason.NO_WORKER, WaitingReason.NO_VERSION):
+        return None
+    try:
+        models = await client.models()
+    except AsyncInferClientError:
+        return None  # the job's own line stands; this is a hint
+    model = next((m for m in models if m.name == job.model_name), None)
+    if model is None:
+        return None
+    reasons = [v.reason for v in model.versions if v.reason and job.model_version in ("", v.version)]
+    return "; ".join(reasons) or None
 
 
 def line_stamp(previous: Job | None, update: Job, last: datetime | None, now: datetime) -> datetime | None:

@@ -203,8 +203,11 @@ def job_summary(job: Job) -> str:
     return "  ".join(parts)
 
 
-def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None) -> str:
-    """A job as a few aligned lines, outputs included (long arrays abbreviated)."""
+def job_text(
+    job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None, *, why_waiting: str | None = None
+) -> str:
+    """A job as a few aligned lines, outputs included (long arrays abbreviated); `why_waiting`, what
+    keeps its model from being served (ListModels' reason), under its queue line."""
     lines = [
         f"job         {job.job_id}",
         f"model       {job.model_name}" + (f" (version {job.model_version})" if job.model_version else ""),
@@ -224,6 +227,8 @@ def job_text(job: Job, outputs: Mapping[str, np.ndarray[Any, Any]] | None = None
     if job.queue is not None and not job.done:
         reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
         lines.append(f"queue       position {job.queue.position}, waiting: {reason}")
+        if why_waiting:
+            lines.append(f"why         {why_waiting}")
     if job.progress is not None and not job.done:
         done = f"{job.progress.fraction:.0%}" if job.progress.fraction is not None else ""
         lines.append(f"progress    {'  '.join(part for part in (done, job.progress.message) if part) or '-'}")
