@@ -74,7 +74,10 @@ async def test_a_label_selector_sees_only_matching_jobs(idle_stack: Stack) -> No
     async with AsyncClient(idle_stack.address) as client:
         watch = client.watch_jobs(labels={"batch": "nightly"}, timeout_s=WAIT_S)
         ready = asyncio.create_task(anext(watch))  # the stream opens before the jobs exist
-        await until(lambda: idle_stack.gateway.watch_hub.watcher_count == 1)
+        hub = idle_stack.gateway.watch_hub
+        # Registered, then listening: a job queued between the two shows no QUEUED change (CI, with
+        # two workers and other load, submitted in that gap: the watch waited for a change in vain).
+        await until(lambda: hub.watcher_count == 1 and hub.hears_notices)
         first = await client.submit("demo", {"x": X}, labels={"batch": "nightly", "owner": "ana"})
         update = await asyncio.wait_for(ready, WAIT_S)
         assert isinstance(update, Job)

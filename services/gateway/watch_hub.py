@@ -110,6 +110,12 @@ class WatchHub:
         return sum(len(queues) for queues in self._watchers.values()) + sum(map(len, self._selectors.values()))
 
     @property
+    def hears_notices(self) -> bool:
+        """Whether queued notices reach the label selectors (ensure_notices has subscribed): a label
+        watch registers first, then subscribes, and a job queued in between shows no QUEUED change."""
+        return self._notices is not None
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
