@@ -358,7 +358,7 @@ async def test_a_publish_on_a_connection_lost_a_moment_ago_raises_a_nats_error(
             await nc.close()
     if requests.FASTPATH_ENABLED:
         assert isinstance(raised, UnexpectedEOF), raised
-    else:  # nats-py's own behaviour, which the scheduler's pull handles (tests/test_work_queue.py)
+    else:  # nats-py's own behaviour, which the scheduler's pull handles (tests/test_pull_inbox.py)
         assert isinstance(raised, RuntimeError), raised
 
 

@@ -50,7 +50,7 @@ from asyncinfer.v1 import (
     worker_service_pb2_grpc,
 )
 from services.scheduler.app import SchedulerApp
-from services.scheduler.work_queue import PullInbox
+from services.scheduler.pull_inbox import PullInbox
 from tests.kv_helpers import job_record
 
 MODEL = "demo"

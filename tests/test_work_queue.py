@@ -1,29 +1,26 @@
-"""Pulling work against a real nats-server: one shared inbox for a model's pulls, and queues found
+"""Pulling work against a real nats-server (the pulls themselves: test_pull_inbox.py): queues found
 empty not asked again until a publish is seen or the poll interval has passed; the records that
 queued notices bring."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
-from structlog.testing import capture_logs
 
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
 from asyncinfer.contract import TENANT_HEADER, routing_headers
 from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
-from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, api
-from asyncinfer.nats.connection import connect
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
+from services.scheduler.pull_inbox import PullInbox
 from services.scheduler.queued_records import QueuedRecords
-from services.scheduler.work_queue import ModelQueues, PullInbox, tenant_of
+from services.scheduler.work_queue import ModelQueues, tenant_of
 
 MODEL = "demo"
 
@@ -41,45 +38,6 @@ async def delivered(nc: NatsClient, config: Config, consumer: str) -> int:
     """How many pulls of `consumer` nats-server has answered with a message."""
     info = await nc.jetstream().consumer_info(config.nats.work_stream, consumer)
     return info.delivered.consumer_seq or 0
-
-
-def subscriptions(nc: NatsClient) -> int:
-    return len(nc._subs)
-
-
-async def test_pulls_share_one_inbox_and_a_late_answer_is_not_taken_for_the_next(
-    nc: NatsClient, config: Config
-) -> None:
-    names = await consumers(nc, config)
-    stream, normal = config.nats.work_stream, names[Priority.NORMAL]
-    inbox = PullInbox(nc)
-    before = subscriptions(nc)
-    assert await inbox.pull(stream, normal, 4) == []
-    js = nc.jetstream()
-    for n in range(3):
-        await js.publish(work_subject(MODEL, Priority.NORMAL), b"job %d" % n)
-    first = await inbox.pull(stream, normal, 2)  # exactly as many as asked: no status follows
-    second = await inbox.pull(stream, normal, 2)  # fewer: a status ends it
-    assert [m.data for m in first + second] == [b"job 0", b"job 1", b"job 2"]
-    assert subscriptions(nc) == before + 1
-    # A pull whose answer comes after it gave up: the inbox is abandoned with it, so the late
-    # "no messages" cannot be read as the answer to the next pull.
-    assert await inbox.pull(stream, normal, 1, timeout_s=1e-6) == []
-    assert subscriptions(nc) == before
-    await js.publish(work_subject(MODEL, Priority.NORMAL), b"job 3")
-    assert [m.data for m in await inbox.pull(stream, normal, 1)] == [b"job 3"]
-    await inbox.close()
-    assert subscriptions(nc) == before
-
-
-async def test_a_waiting_pull_answers_when_a_message_is_stored(nc: NatsClient, config: Config) -> None:
-    names = await consumers(nc, config)
-    inbox = PullInbox(nc)
-    pulling = asyncio.create_task(inbox.pull(config.nats.work_stream, names[Priority.HIGH], 1, wait_s=5.0))
-    await nc.jetstream().publish(work_subject(MODEL, Priority.HIGH), b"late")
-    msgs = await asyncio.wait_for(pulling, 5.0)
-    assert [m.data for m in msgs] == [b"late"]
-    await inbox.close()
 
 
 async def test_a_queue_found_empty_is_asked_again_after_a_publish_or_the_interval(
@@ -137,36 +95,6 @@ async def test_a_pull_says_whether_it_found_jobs_already_waiting(nc: NatsClient,
     for msg in taken:
         await msg.ack()
     await queues.close()
-
-
-class LostConnection:
-    """A client whose connection was lost a moment ago, before nats-py noticed: still "connected",
-    its write to the closed transport raising as uvloop's does."""
-
-    is_connected = True
-
-    def new_inbox(self) -> str:
-        return "_INBOX.lost"
-
-    async def subscribe(self, subject: str) -> LostConnection:
-        self.subject = subject
-        return self
-
-    async def unsubscribe(self) -> None:
-        pass
-
-    async def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
-        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
-
-
-@pytest.mark.unit
-async def test_a_pull_on_a_connection_lost_a_moment_ago_pulls_nothing_and_raises_nothing() -> None:
-    """What `up` saw when its nats-server died: a round's pull raised, logged as the scheduler's
-    error before `up` said why it stops. It is a warning now, and the round finds nothing."""
-    inbox = PullInbox(LostConnection())  # type: ignore[arg-type]
-    with capture_logs() as logs:
-        assert await inbox.pull("WORK", "work-demo-normal", 4) == []
-    assert [(e["event"], e["log_level"]) for e in logs] == [("pull_not_sent", "warning")]
 
 
 def record(job_id: str) -> JobRecord:
@@ -256,24 +184,3 @@ async def test_a_queue_consumer_takes_job_subjects_and_an_old_one_is_updated(nc:
     finally:
         await inbox.close()
     assert [m.data for m in pulled] == [b"old", b"new"]
-
-
-async def test_a_pull_while_the_connection_is_down_returns_at_once(
-    config: Config, nats_server: NatsServerProcess
-) -> None:
-    # Else it waits out its timeout in nats-py's buffer: a scheduler's round lasted a timeout per
-    # priority, and so did its stop when NATS had died.
-    nc = await connect(config.nats, name="test-down")  # its own: the fixture's drain needs a server
-    try:
-        names = await consumers(nc, config)
-        nats_server.kill()
-        for _ in range(500):
-            if not nc.is_connected:
-                break
-            await asyncio.sleep(0.01)
-        assert not nc.is_connected
-        inbox = PullInbox(nc)
-        pull = inbox.pull(config.nats.work_stream, names[Priority.NORMAL], 4, timeout_s=60.0, wait_s=60.0)
-        assert await asyncio.wait_for(pull, 10.0) == []
-    finally:
-        await nc.close()
