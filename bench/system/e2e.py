@@ -173,6 +173,7 @@ class Stack:
         batcher: dict[str, Any] | None = None,
         gateway: dict[str, Any] | None = None,
         scheduler: dict[str, Any] | None = None,
+        webhooks: dict[str, Any] | None = None,
         source: Path | None = None,
         monitor_port: int = 0,
     ) -> None:
@@ -184,6 +185,7 @@ class Stack:
             batcher={"torch_threads": 1, **(batcher or {})},
             **({"gateway": gateway} if gateway else {}),
             **({"scheduler": scheduler} if scheduler else {}),
+            **({"webhooks": webhooks} if webhooks else {}),
         )
 
         def profile(name: str) -> Path | None:
