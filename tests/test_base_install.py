@@ -122,7 +122,15 @@ def clean_env() -> dict[str, str]:
 def test_the_sdk_imports_without_the_servers_dependencies(base_venv: Path, tmp_path: Path) -> None:
     script = (
         "import importlib.util, asyncinfer\n"
-        "from asyncinfer.client import AsyncClient, Client\n"
+        "from asyncinfer.client import AsyncClient, Client, verify_webhook\n"
+        # A receiver verifies a delivery with the base alone (signed here as the scheduler signs).
+        "import base64, hashlib, hmac, time\n"
+        "key, at, body = b'k' * 32, int(time.time()), b'{\"type\": \"job.completed\"}'\n"
+        "mac = hmac.new(key, f'msg_1.{at}.'.encode() + body, hashlib.sha256).digest()\n"
+        "headers = {'webhook-id': 'msg_1', 'webhook-timestamp': str(at),\n"
+        "           'webhook-signature': 'v1,' + base64.b64encode(mac).decode()}\n"
+        "secret = 'whsec_' + base64.b64encode(key).decode()\n"
+        "assert verify_webhook(headers, body, secret) == {'type': 'job.completed'}\n"
         f"present = [m for m in {SERVER_ONLY!r} if importlib.util.find_spec(m) is not None]\n"
         "assert not present, present\n"
         "print(asyncinfer.__file__)\n"

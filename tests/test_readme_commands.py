@@ -45,8 +45,9 @@ NOT_RUN = {
     "LD_LIBRARY_PATH=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_config_var(\"LIBDIR\"))') "
     ".venv/bin/python bench/batcher_servers.py pytriton 8001 affine 8 20": "starts a Triton server (PyTriton) "
     "and runs until Ctrl-C; tests/test_batcher_triton.py starts the same server the same way, on a free port",
-    'python3 -c \'import http.server as h; h.HTTPServer(("127.0.0.1", 8099), type("R", (h.BaseHTTPRequestHandler,), {"do_POST": lambda s: (print(s.rfile.read(int(s.headers["Content-Length"])).decode(), flush=True), s.send_response(204), s.end_headers())})).serve_forever()\' &': "a webhook receiver on a fixed port, left running in the background; "
-    "the test's submit goes to a free loopback port instead (CALLBACK_URL), where nothing answers",
+    ".venv/bin/python receiver.py &": "the README's webhook receiver (its ```python block, saved as receiver.py) "
+    "on a fixed port, left running in the background; the test's submit goes to a free loopback port instead "
+    "(CALLBACK_URL), where nothing answers; tests/test_webhook_verify.py runs that block against a real stack",
 }
 # The webhook example's URL, the README's receiver's: the test puts a free loopback port in its place
 # (its stack allows 127.0.0.1 in webhooks.allowed_networks), as the receiver is not run.

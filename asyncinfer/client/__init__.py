@@ -9,7 +9,8 @@
 
 `AsyncClient` is the asyncio client; `Client` is the same API, blocking. Results are frozen
 dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive from
-`AsyncInferClientError`. Protobuf stays inside the SDK.
+`AsyncInferClientError`. Protobuf stays inside the SDK. `verify_webhook` checks a webhook delivery's
+signature and age on the receiving side (standard library only).
 """
 
 from asyncinfer.batches import BatchState
@@ -54,6 +55,7 @@ from asyncinfer.client.types import (
     TensorSpec,
     WaitingReason,
 )
+from asyncinfer.client.webhooks import WebhookVerificationError, verify_webhook
 
 __all__ = [
     "NO_RETRY",
@@ -96,5 +98,7 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "WaitingReason",
+    "WebhookVerificationError",
     "tls_credentials",
+    "verify_webhook",
 ]
