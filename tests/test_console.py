@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.api_keys import hash_key
-from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.client import AsyncClient, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.embedded_nats import free_port
 from services.console import pages_jobs
@@ -114,6 +114,68 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     bars = await browser.evaluate("[...document.querySelectorAll('#job rect.bar')].map(b => b.dataset.bar)")
     assert bars == ["queued", "succeeded"]
     await browser.screenshot(ARTIFACTS / "job.png")
+
+
+async def test_a_job_page_shows_its_inline_outputs_first_values_and_names_what_fetches_a_stored_result(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """Outputs kept in the record: name, datatype, shape and the first values (at most 8 of each);
+    a result stored apart (past inline_result_max_bytes) is named with `asyncinfer get`, not read."""
+    stack = await start_stack(config.replace(scheduler={"inline_result_max_bytes": 64}))
+    console = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        small = await client.wait(await client.submit("demo", X), timeout_s=30)
+        rows = {"x": np.arange(12, dtype=np.float32).reshape(3, 4)}  # 12 values: 48 bytes, still inline
+        longer = await client.wait(await client.submit("demo", rows), timeout_s=30)
+        big = {"x": np.ones((8, 4), np.float32)}  # 128 bytes of outputs: stored apart
+        stored = await client.wait(await client.submit("demo", big), timeout_s=30)
+    assert small.outputs
+    assert longer.outputs
+    assert stored.result_ref is not None
+    assert not stored.outputs
+
+    await browser.goto(console.url + f"jobs/{small.job_id}")
+    cells = await browser.evaluate("[...document.querySelectorAll('#outputs td')].map(c => c.innerText)")
+    assert cells == ["y", "FP32", "[1, 4]", "[3, 5, 7, 9]"]  # the demo model's 2x + 1
+    assert "asyncinfer get" not in await browser.text("#job")  # all of it is on the page
+
+    await browser.goto(console.url + f"jobs/{longer.job_id}")
+    cells = await browser.evaluate("[...document.querySelectorAll('#outputs td')].map(c => c.innerText)")
+    assert cells == ["y", "FP32", "[3, 4]", "[1, 3, 5, 7, 9, 11, 13, 15, … 4 more]"]
+    assert f"asyncinfer get {longer.job_id} (ReadResult) prints every value" in await browser.text("#job")
+
+    await browser.goto(console.url + f"jobs/{stored.job_id}")
+    said = await browser.text("#outputs")
+    assert "Too large to keep in the record: stored apart" in said
+    assert f"asyncinfer get {stored.job_id} (ReadResult) fetches them" in said
+    assert str(stored.result_ref.size_bytes) in said
+    await browser.screenshot(ARTIFACTS / "job-outputs.png")
+
+
+def test_a_job_pages_outputs_are_escaped() -> None:
+    """Output names and BYTES values come from a model: markup in them is shown, never run."""
+    job = Job(
+        job_id="j1",
+        model_name="m",
+        model_version="1",
+        state=JobState.SUCCEEDED,
+        priority=Priority.NORMAL,
+        attempt=1,
+        max_attempts=1,
+        revision=3,
+        outputs={
+            "<b>y</b>": np.array([b"<script>alert(1)</script>", b"x" * 100], dtype=object),
+            "n": np.array([1, 2], np.int64),
+        },
+    )
+    page = pages_jobs.job_details(job, now=0.0)
+    assert "<script>" not in page
+    assert "<b>y</b>" not in page
+    assert "&lt;b&gt;y&lt;/b&gt;" in page
+    assert "b&#x27;&lt;script&gt;alert(1)&lt;/script&gt;&#x27;" in page
+    assert "b&#x27;" + "x" * 40 + "&#x27;…" in page  # a long element is cut
+    assert "<td>BYTES</td>" in page
+    assert "<td>INT64</td>" in page
 
 
 async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(

@@ -1,15 +1,20 @@
 """The JobService pages: the models served, a tenant's jobs (filters, paging) and one job's page
-(record, attempts, timings, waiting reason, batch, webhook deliveries, timeline), live while it runs."""
+(record, attempts, timings, waiting reason, outputs kept inline, batch, webhook deliveries, timeline),
+live while it runs."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from aiohttp import web
 
 from asyncinfer.client import CallbackDeliveryState, Job, JobState
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from asyncinfer.tensors import datatype_of
 from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
 
@@ -18,6 +23,8 @@ JOBS_REFRESH_MS = 5000  # the Jobs list's refresh
 MAX_PAGE_SIZE = 1000  # ListJobs' own most
 TIMELINE_COLORS = {"queued": "#f0b429", "running": "#0b57d0"}
 END_COLORS = {JobState.SUCCEEDED: "#137333", JobState.FAILED: "#b3261e", JobState.TIMED_OUT: "#b3261e"}
+VALUES_SHOWN = 8  # of each output tensor, on a job's page
+BYTES_SHOWN = 40  # of each BYTES element shown
 
 
 async def models_page(ctx: Context, request: web.Request) -> web.Response:
@@ -197,12 +204,11 @@ def job_details(job: Job, now: float) -> str:
     if job.progress is not None:  # the latest the record keeps (every few seconds while it runs)
         done = "" if job.progress.fraction is None else f"{job.progress.fraction:.0%} "
         record.append(("progress", ui.text(f"{done}{job.progress.message}".strip() or "-")))
-    if job.outputs:
-        shapes = ", ".join(f"{name} {list(array.shape)} {array.dtype}" for name, array in job.outputs.items())
-        record.append(("outputs", ui.h(shapes)))
     if job.result_ref is not None:
         record.append(("result stored apart", ui.h(f"{job.result_ref.ref} ({job.result_ref.size_bytes} bytes)")))
-    parts = [ui.fields(record), "<h2>Timeline</h2>", _timeline(job, now)]
+    if job.input_ref is not None:
+        record.append(("inputs uploaded", ui.h(f"{job.input_ref.ref} ({job.input_ref.size_bytes} bytes)")))
+    parts = [ui.fields(record), _outputs(job), "<h2>Timeline</h2>", _timeline(job, now)]
     if job.batch is not None and job.batch.batch_size:  # a job that never computed has an empty one
         batch = [
             ("batcher", ui.h(job.batch.batcher_id)),
@@ -229,6 +235,50 @@ def job_details(job: Job, now: float) -> str:
         headers = ("webhook id", "event", "state", "attempts", "last attempt", "status", "last error", "next attempt")
         parts.append(ui.table(headers, rows, numeric=(3,), id_="deliveries"))
     return "".join(parts)
+
+
+def _outputs(job: Job) -> str:
+    """The outputs kept in the record (small ones): each tensor's name, datatype, shape and first
+    values; a result stored apart is only named, with what fetches it (the page never reads it)."""
+    fetch = f"<code>asyncinfer get {ui.h(job.job_id)}</code> (ReadResult)"
+    if job.result_ref is not None:
+        return (
+            f'<h2>Outputs</h2><p id="outputs">Too large to keep in the record: stored apart '
+            f"({ui.h(job.result_ref.size_bytes)} bytes). {fetch} fetches them.</p>"
+        )
+    if not job.outputs:
+        return ""
+    rows = [
+        [ui.h(name), ui.h(_datatype(array)), ui.h(list(array.shape)), ui.text(_first_values(array))]
+        for name, array in job.outputs.items()
+    ]
+    table = ui.table(("output", "datatype", "shape", f"first values (at most {VALUES_SHOWN})"), rows, id_="outputs")
+    if any(array.size > VALUES_SHOWN for array in job.outputs.values()):
+        table += f"<p>{fetch} prints every value.</p>"
+    return "<h2>Outputs</h2>" + table
+
+
+def _datatype(array: npt.NDArray[Any]) -> str:
+    try:
+        return datatype_of(array)
+    except ValueError:  # not one of the wire's: say what numpy has
+        return str(array.dtype)
+
+
+def _first_values(array: npt.NDArray[Any]) -> str:
+    flat = np.ravel(array)
+    shown = [_value(v) for v in flat[:VALUES_SHOWN]]
+    more = f", … {flat.size - VALUES_SHOWN} more" if flat.size > VALUES_SHOWN else ""
+    return "[" + ", ".join(shown) + more + "]"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bytes | str):
+        cut = value[:BYTES_SHOWN]
+        return repr(cut) + ("…" if len(value) > BYTES_SHOWN else "")
+    if isinstance(value, np.floating):
+        return f"{float(value):.6g}"
+    return str(value.item() if isinstance(value, np.generic) else value)
 
 
 def _queued_so_far(job: Job, now: float) -> float | None:
