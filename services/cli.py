@@ -27,6 +27,7 @@ import asyncio
 import faulthandler
 import os
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -114,9 +115,62 @@ def exit_past_stuck_threads(code: int) -> int:
     os._exit(code)
 
 
+# Each server command's --help: what it runs and what it needs, then one example.
+DESCRIPTIONS = {
+    "up": (
+        "Runs everything on this machine until Ctrl-C: an embedded nats-server (its JetStream store in "
+        ".asyncinfer/nats), the gateway (127.0.0.1:50051), the scheduler (:50052), a batcher serving the "
+        "configured models (without [[models]]: minilm-l6, minilm-l6-doc, minilm-l6-doc-pipeline and the samples demo and flaky) and the "
+        "web console (http://127.0.0.1:8070), and prints a banner with their addresses. It needs the server extra "
+        "(pip install 'asyncinfer[all]') and its ports free (a taken one is refused, naming the variable that "
+        "moves it); without API keys it generates the default tenant's webhook secret (.asyncinfer/webhook-secret).",
+        "asyncinfer up --config asyncinfer.toml",
+    ),
+    "gateway": (
+        "Runs the gateway alone: the public JobService and BatchService (gRPC on gateway.port, 50051), which "
+        "admit jobs into NATS JetStream and answer reads and watches from it. It needs a NATS server with "
+        "JetStream at nats.url (nats://127.0.0.1:4222) and the same configuration as the scheduler (models, API "
+        "keys).",
+        "ASYNCINFER_NATS__URL=nats://nats:4222 asyncinfer gateway --config asyncinfer.toml",
+    ),
+    "scheduler": (
+        "Runs the scheduler alone: it dispatches queued jobs from NATS JetStream to the batchers that connect to "
+        "it (WorkerService on scheduler.port, 50052, which serves the OpsService too: queues, dead letters), "
+        "records their results and sends the webhooks. It needs a NATS server with JetStream at nats.url "
+        "(nats://127.0.0.1:4222) and the same configuration as the gateway.",
+        "ASYNCINFER_NATS__URL=nats://nats:4222 asyncinfer scheduler --config asyncinfer.toml",
+    ),
+    "batcher": (
+        "Runs a batcher alone: it loads the configuration's [[models]], takes their jobs from its scheduler "
+        "(batcher.scheduler_address, 127.0.0.1:50052), runs them in dynamic batches and serves KServe v2 "
+        "inference on batcher.port (50053). It needs the scheduler reachable and what its models need (torch "
+        "for PyTorch models, a Triton server for a triton backend); NATS (nats.url) only with "
+        "batcher.claim_check_io.",
+        "ASYNCINFER_BATCHER__SCHEDULER_ADDRESS=scheduler:50052 asyncinfer batcher --config asyncinfer.toml",
+    ),
+    "console": (
+        "Runs the web console alone (HTTP on console.port, 8070): models, a tenant's jobs and batches, queues and "
+        "dead letters, read from a gateway (console.gateway_address, 127.0.0.1:50051) and a scheduler "
+        "(console.scheduler_address, 127.0.0.1:50052). It needs both reachable and, where they require API "
+        "keys, console.tenant_key_file and console.ops_key_file.",
+        "asyncinfer console --config asyncinfer.toml   # then open http://127.0.0.1:8070",
+    ),
+}
+
+
+def described(name: str) -> dict[str, Any]:
+    """add_parser's arguments for a server command's --help: its paragraph wrapped, its example
+    on a line of its own (argparse's own wrapping split the command across lines)."""
+    paragraph, example = DESCRIPTIONS[name]
+    return {
+        "description": textwrap.fill(paragraph, 79) + f"\n\nexample:\n  {example}",
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser, commands = client_cli.new_parser()
-    up = commands.add_parser("up", help="run everything on this machine (embedded nats-server)")
+    up = commands.add_parser("up", help="run everything on this machine (embedded nats-server)", **described("up"))
     up.add_argument("--config", type=Path, help="configuration file (TOML); see `asyncinfer config`")
     up.add_argument(
         "--dev-tls",
@@ -126,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     client_cli.add_tool_commands(commands)
     for name in SERVICES:
         against = {"console": "the gateway and the scheduler", "batcher": "its scheduler"}.get(name, "an external NATS")
-        sub = commands.add_parser(name, help=f"run the {name} alone against {against}")
+        sub = commands.add_parser(name, help=f"run the {name} alone against {against}", **described(name))
         sub.add_argument("--config", type=Path, help="configuration file (TOML)")
     client_commands.register(commands)
     return parser

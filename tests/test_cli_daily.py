@@ -77,6 +77,39 @@ def test_python_m_asyncinfer_is_the_client_cli_and_says_where_the_servers_are() 
     assert "invalid choice: 'up'" in done.stderr
 
 
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        ("up", ("embedded nats-server", "pip install 'asyncinfer[all]'", ".asyncinfer/webhook-secret")),
+        ("gateway", ("JobService and BatchService", "JetStream at nats.url")),
+        ("scheduler", ("dispatches queued jobs", "JetStream at nats.url", "sends the webhooks")),
+        ("batcher", ("batcher.scheduler_address", "KServe v2", "torch")),
+        ("console", ("console.gateway_address", "console.scheduler_address", "console.ops_key_file")),
+    ],
+)
+def test_each_server_commands_help_says_what_it_runs_what_it_needs_and_one_example(
+    command: str, says: tuple[str, ...]
+) -> None:
+    """`asyncinfer up --help` and the servers' said only their usage and options."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", command, "--help"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    description = done.stdout.split("\n\n")[1]
+    assert description.startswith("Runs "), done.stdout
+    prose = " ".join(description.split())
+    for fact in says:
+        assert fact in prose, (fact, done.stdout)
+    example = done.stdout.split("example:\n", 1)[1].splitlines()[0].strip()
+    assert f"asyncinfer {command} --config asyncinfer.toml" in example  # whole, on one line
+    assert all(len(line) <= 100 for line in done.stdout.splitlines() if not line.startswith("  ")), done.stdout
+
+
 def purge_all_on_a_terminal(scheduler: str, answer: str) -> tuple[int, str, str]:
     """`dlq purge --all` with stdin and stderr on a pty: (exit code, stdout, what the terminal showed)."""
     leader, follower = pty.openpty()
