@@ -158,3 +158,27 @@ def test_the_client_cli_runs_and_a_server_command_names_its_extra(base_venv: Pat
     assert "pip install 'asyncinfer[all]'" in up.stderr
     assert "nats" in up.stderr
     assert "Traceback" not in up.stderr
+
+
+def test_an_editable_install_is_a_plain_path_entry_without_setuptools_warning(tmp_path: Path) -> None:
+    """`pip install -e .` (`make up`'s first run) printed setuptools' boxed "Editable installation ...
+    be careful with folders in your working directory" warning: with no `package-dir`, its flat-layout
+    check fails and it installs a meta path finder, warning about it. `package-dir = {"" = "."}` makes
+    it the simple layout, installed as one .pth line naming the checkout."""
+    source, out = tmp_path / "source", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("asyncinfer", "services"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
+    script = f"from setuptools import build_meta; print(build_meta.build_editable({str(out)!r}))"
+    built = run(sys.executable, "-c", script, cwd=source)
+    assert built.returncode == 0, built.stdout + built.stderr
+    said = built.stdout + built.stderr
+    assert "Editable installation" not in said, said
+    assert "careful with folders" not in said, said
+    (wheel,) = out.glob("asyncinfer-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        (pth,) = [n for n in archive.namelist() if n.endswith(".pth")]
+        assert archive.read(pth).decode().strip() == str(source)
