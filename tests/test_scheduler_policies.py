@@ -946,6 +946,34 @@ async def test_an_idle_scheduler_holds_pulls_open_and_puts_back_what_it_may_not_
     assert dispatcher.queues.put_back_count(Priority.LOW) == 0
 
 
+async def test_a_put_back_job_cancelled_while_queued_leaves_its_queues_depth(start: Start, config: Config) -> None:
+    """A job a held pull brought while the model was paused is put back (counted in its queue's
+    depth by this scheduler, as the consumer counts it delivered). Cancelled while queued, its
+    message is deleted and never pulled again: the dispatcher of its model forgets it, and the
+    depth goes back to 0 (the put-back bookkeeping is looked up by model, not by going through
+    every dispatcher)."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 5_000.0, "hold_pulls_open": True}))
+    await h.batcher(credits=1)
+    dispatcher = h.dispatcher()
+    await until(pulls_held_on_every_priority(dispatcher._held))
+    await h.queues.put("paused.demo", b"{}")
+    await until(lambda: _true_if(h.app.metrics, "asyncinfer_queue_paused"))
+    parked = await enqueue(h.nc, h.kv, priority=Priority.LOW, announce=False)
+
+    async def depth_is(count: int) -> bool:
+        snapshot = await h.snapshot()
+        return (
+            dispatcher.queues.put_back_count(Priority.LOW) == count
+            and snapshot is not None
+            and snapshot.depth(Priority.LOW) == count
+        )
+
+    await until(lambda: depth_is(1))
+    await cancel_as_gateway(h, parked)
+    await h.work_empty()
+    await until(lambda: depth_is(0))
+
+
 async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open(
     start: Start, config: Config, nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

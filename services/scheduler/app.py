@@ -115,6 +115,10 @@ class SchedulerApp:
             self.metrics.registry, config.scheduler.host, config.scheduler.metrics_port
         )
         self._dispatchers: list[ModelDispatcher] = []
+        # The same, by model: a put-back, a dropped message and each queue of a stats round look
+        # their model's up, where each went through every dispatcher (100 models: 30,000 steps a
+        # round, 100 a put-back message).
+        self._dispatchers_by_model: dict[str, list[ModelDispatcher]] = {}
         self._loops: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Task[None] | None = None
         self._webhooks: WebhookService | None = None
@@ -291,6 +295,7 @@ class SchedulerApp:
             )
             await dispatcher.start()
             self._dispatchers.append(dispatcher)
+            self._dispatchers_by_model.setdefault(model_name, []).append(dispatcher)
 
         for model in config.models:
             await start_dispatcher(model.name)
@@ -369,13 +374,13 @@ class SchedulerApp:
         self.metrics.dispatch_lingers.labels(model=model_name).inc()
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
-        return sum(d.queues.put_back_count(priority) for d in self._dispatchers if d.model_name == model_name)
+        return sum(d.queues.put_back_count(priority) for d in self._dispatchers_by_model.get(model_name, ()))
 
     def _held_open(self, model_name: str, priority: Priority) -> bool:
-        return any(d.holding(priority) for d in self._dispatchers if d.model_name == model_name)
+        return any(d.holding(priority) for d in self._dispatchers_by_model.get(model_name, ()))
 
-    def _forget_put_back(self, job_id: str) -> None:
-        for dispatcher in self._dispatchers:
+    def _forget_put_back(self, model_name: str, job_id: str) -> None:
+        for dispatcher in self._dispatchers_by_model.get(model_name, ()):
             dispatcher.queues.forget(job_id)
 
     def _wake_dispatcher(self, subject: str) -> None:
@@ -383,9 +388,8 @@ class SchedulerApp:
         # asyncinfer.work.<model>.<priority>[.<tenant>.<job_id>]
         model_name, _, rest = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").partition(".")
         priority_token = rest.partition(".")[0]
-        for dispatcher in self._dispatchers:
-            if dispatcher.model_name == model_name:
-                dispatcher.wake(priority_token)
+        for dispatcher in self._dispatchers_by_model.get(model_name, ()):
+            dispatcher.wake(priority_token)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

@@ -75,7 +75,8 @@ class JobFlow:
         self._tasks = OwnedTasks("scheduler-jobs")
         self._closing = False
         # A cancelled job's message deleted while queued (the dispatchers forget it was put back).
-        self.on_message_dropped: Callable[[str], None] = lambda _job_id: None
+        # (model, job ID) of a cancelled job whose work message was deleted.
+        self.on_message_dropped: Callable[[str, str], None] = lambda _model, _job_id: None
         self._leases = Leases()
         self._rates = CompletionRates(metrics)
         self._progress = ProgressRelay(
@@ -303,7 +304,7 @@ class JobFlow:
             record = await self._store.recorded(key)
             if record is not None and record.state is JobState.CANCELED:
                 await self._store.drop_work_message(key)
-                self.on_message_dropped(notice.job_id)
+                self.on_message_dropped(notice.model_name, notice.job_id)
         except AsyncInferError as exc:  # a dispatch drops it later, as before
             log.info("cancelled_message_not_dropped", job_id=notice.job_id, error=exc.message)
 
