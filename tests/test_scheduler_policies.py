@@ -1122,6 +1122,90 @@ async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_witho
         await written.close()
 
 
+async def test_a_queue_the_work_stream_holds_nothing_of_is_not_asked_and_the_snapshots_stay_right(
+    nc: NatsClient, start: Start, config: Config
+) -> None:
+    """A scale pass (100 idle models, no batcher, so no pull held open): each stats round asked
+    every work consumer's info, 300 a round. A queue the work stream holds no message of (one
+    stream info tells) is empty and not asked; one that holds messages is asked as before. The
+    snapshots stay right through it: a waiting job counted at its priority, a job pulled before a
+    pause counted in flight, the paused queue's waiting jobs counted, the empty queue never asked."""
+    asked: dict[str, int] = {}
+
+    def seen(subject: str, _data: bytes) -> bool:
+        if f".work-{MODEL}-" not in subject:
+            return False
+        priority = subject.rpartition("-")[2]
+        asked[priority] = asked.get(priority, 0) + 1
+        return True
+
+    # Seen from before the start: its lease sweep (services.scheduler.lease_reclaim) asks each
+    # consumer's info once, in the background.
+    infos = await RequestsSeen.on(nc, f"$JS.API.CONSUMER.INFO.{config.nats.work_stream}.*", seen)
+    written = await RequestsSeen.on(nc, f"$KV.{config.nats.queues_bucket}.{MODEL}", lambda _s, _d: True)
+    try:
+        h = await start(tune(config))  # a snapshot every 0.2 s
+        await infos.wait_for(3)  # the sweep's
+        await written.wait_for(written.count + 3)
+        assert infos.count == 3, f"{infos.count - 3} consumer infos in 3 snapshots of an empty queue, no batcher"
+        stats = await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
+        assert [q.depth for q in stats.models[0].priorities] == [0, 0, 0]
+
+        first = await enqueue(h.nc, h.kv, priority=Priority.HIGH)
+
+        async def high_waiting() -> bool:
+            snapshot = await h.snapshot()
+            return snapshot is not None and [snapshot.depth(p) for p in Priority] == [1, 0, 0]
+
+        await until(high_waiting)
+        snapshot = await h.snapshot()
+        assert snapshot is not None
+        oldest = snapshot.priorities[Priority.HIGH.value].oldest_create_time
+        assert oldest is not None  # the consumer was asked: its waiting message's time
+        assert asked.get("high", 0) > 0
+
+        batcher = await h.batcher(credits=1)
+        order = await batcher.next_order(timeout_s=5)
+        assert order.job_id == first
+        assert (await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
+        waiting = [await enqueue(h.nc, h.kv) for _ in range(2)]
+
+        async def paused_with_one_in_flight() -> bool:
+            snapshot = await h.snapshot()
+            return (
+                snapshot is not None
+                and snapshot.paused
+                and snapshot.in_flight == 1
+                and [snapshot.depth(p) for p in Priority] == [0, 2, 0]
+            )
+
+        await until(paused_with_one_in_flight)
+        await batcher.answer(order)
+        await wait_state(h.js, first, JobState.SUCCEEDED)
+
+        async def paused_none_in_flight() -> bool:
+            snapshot = await h.snapshot()
+            return (
+                snapshot is not None
+                and snapshot.paused
+                and snapshot.in_flight == 0
+                and [snapshot.depth(p) for p in Priority] == [0, 2, 0]
+            )
+
+        await until(paused_none_in_flight)
+        assert asked.get("low", 0) == 1, f"the empty LOW queue was asked {asked['low'] - 1} times past the sweep"
+        await batcher.grant(1)
+        assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
+        for job_id in waiting:
+            order = await batcher.next_order(timeout_s=5)
+            assert order.job_id == job_id
+            await batcher.answer(order)
+            await batcher.grant(1)
+    finally:
+        await infos.close()
+        await written.close()
+
+
 async def _false(predicate: Callable[[], Awaitable[bool]]) -> bool:
     return not await predicate()
 

@@ -209,6 +209,43 @@ async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeo
             return counted
 
 
+class _StreamSize(msgspec.Struct):
+    class State(msgspec.Struct):
+        num_subjects: int = 0
+
+    state: State | None = None
+    error: dict[str, Any] | None = None
+
+
+async def subject_counts(
+    nc: Client, stream: str, subjects_filter: str, *, most: int, timeout_s: float
+) -> dict[str, int] | None:
+    """The number of the stream's messages on each subject matching `subjects_filter`, or None
+    when the stream holds more than `most` subjects (the list would cost more than it saves).
+    First a plain stream info: its number of subjects, all of the stream's (at least those
+    matching), which the server keeps as it stores, where counting the matching ones walks them
+    (`count_subjects`: ~7 ms at 10,000); only when there are some, and no more than `most`, a
+    second that lists those matching. An empty stream is one request."""
+    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
+    size = msgspec.json.decode(reply.data, type=_StreamSize)
+    if size.error is not None:
+        APIError.from_error(size.error)  # raises: NotFoundError for a missing stream, and so on
+    total = size.state.num_subjects if size.state is not None else 0
+    if total == 0:
+        return {}
+    if total > most:
+        return None
+    request = msgspec.json.encode({"subjects_filter": subjects_filter})
+    reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
+    page = msgspec.json.decode(reply.data, type=_SubjectsPage)
+    if page.error is not None:
+        APIError.from_error(page.error)  # raises
+    subjects = (page.state.subjects if page.state is not None else None) or {}
+    if page.total > len(subjects):  # more than one page (subjects came since the count): unknown
+        return None
+    return subjects
+
+
 async def nak_delivery(nc: Client, ack_subject: str) -> None:
     """Naks a delivered message by its ack subject, whoever received it: JetStream redelivers it
     at once (if that delivery is still the one pending; otherwise the nak is ignored)."""

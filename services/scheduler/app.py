@@ -212,6 +212,7 @@ class SchedulerApp:
             put_back_count=self._put_back_count,
             batch_sizes=flow.batch_sizes,
             held_open=self._held_open,
+            nc=nc,
         )
         models_kv = await ensure_models_bucket(js, config.nats)
         self._models_registry = registry = ModelRegistryWriter(
