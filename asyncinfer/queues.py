@@ -1,7 +1,8 @@
 """What the scheduler tells everyone else about its queues, through NATS.
 
 - The KV bucket `queues` (NatsConfig.queues_bucket) holds one `QueueSnapshot` per model (key =
-  model name), written by the scheduler every `queue_stats_interval_s`. The gateway reads it to
+  model name), written by the scheduler at the first `queue_stats_interval_s` round where it
+  changed, or `SNAPSHOT_HEARTBEAT_S` after its last write. The gateway reads it to
   answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
   jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means no scheduler is
   looking after the model.
@@ -39,6 +40,10 @@ from asyncinfer.nats.requests import js_publish_many
 from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, ensure_kv_bucket
 
 SNAPSHOT_STALE_S = 15.0
+# A model whose snapshot has not changed is written again this often (services.scheduler.
+# snapshot_writes), well within SNAPSHOT_STALE_S at the default queue_stats_interval_s (2 s: every
+# 6 s), which the release before also reads (15 s).
+SNAPSHOT_HEARTBEAT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ from asyncinfer.queues import (
 )
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
+from services.scheduler import app as scheduler_app
 from services.scheduler import dead_letters, held_pulls
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
@@ -165,6 +166,34 @@ class Harness:
 
 
 Start = Callable[[Config], Awaitable[Harness]]
+
+
+class StatsRounds:
+    """Counts a started scheduler's stats rounds, each once its queue statistics are read (where
+    consumer infos are asked; a snapshot is written after, and only when it changed or at the
+    heartbeat, so writes no longer count rounds)."""
+
+    def __init__(self, app: SchedulerApp) -> None:
+        self.count = 0
+        stats: Any = app._stats
+        read = stats.snapshot
+
+        async def counted(model_name: str = "") -> Any:
+            result = await read(model_name)
+            if not model_name:  # a round asks for every model; OpsService for one
+                self.count += 1
+            return result
+
+        stats.snapshot = counted
+
+    async def wait(self, rounds: int) -> None:
+        """Until `rounds` more have read their statistics, after the one under way."""
+        target = self.count + rounds + 1
+
+        async def reached() -> bool:
+            return self.count >= target
+
+        await until(reached)
 
 
 def pulls_held_on_every_priority(held: Any) -> Callable[[], Awaitable[bool]]:
@@ -1095,9 +1124,9 @@ async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_witho
     infos = await RequestsSeen.on(
         h.nc, f"$JS.API.CONSUMER.INFO.{config.nats.work_stream}.*", lambda subject, _data: f".work-{MODEL}-" in subject
     )
-    written = await RequestsSeen.on(h.nc, f"$KV.{config.nats.queues_bucket}.{MODEL}", lambda _s, _d: True)
+    rounds = StatsRounds(h.app)
     try:
-        await written.wait_for(3)
+        await rounds.wait(3)
         assert await holding()
         assert infos.count == 0, f"{infos.count} consumer infos in 3 snapshots of an idle queue"
         stats = await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
@@ -1119,7 +1148,6 @@ async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_witho
         assert (await batcher.next_order(timeout_s=5)).job_id == waiting
     finally:
         await infos.close()
-        await written.close()
 
 
 async def test_a_queue_the_work_stream_holds_nothing_of_is_not_asked_and_the_snapshots_stay_right(
@@ -1142,11 +1170,11 @@ async def test_a_queue_the_work_stream_holds_nothing_of_is_not_asked_and_the_sna
     # Seen from before the start: its lease sweep (services.scheduler.lease_reclaim) asks each
     # consumer's info once, in the background.
     infos = await RequestsSeen.on(nc, f"$JS.API.CONSUMER.INFO.{config.nats.work_stream}.*", seen)
-    written = await RequestsSeen.on(nc, f"$KV.{config.nats.queues_bucket}.{MODEL}", lambda _s, _d: True)
     try:
         h = await start(tune(config))  # a snapshot every 0.2 s
+        rounds = StatsRounds(h.app)
         await infos.wait_for(3)  # the sweep's
-        await written.wait_for(written.count + 3)
+        await rounds.wait(3)
         assert infos.count == 3, f"{infos.count - 3} consumer infos in 3 snapshots of an empty queue, no batcher"
         stats = await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
         assert [q.depth for q in stats.models[0].priorities] == [0, 0, 0]
@@ -1203,6 +1231,46 @@ async def test_a_queue_the_work_stream_holds_nothing_of_is_not_asked_and_the_sna
             await batcher.grant(1)
     finally:
         await infos.close()
+
+
+async def test_an_unchanged_snapshot_waits_for_the_heartbeat_and_a_batcher_gone_is_written_at_the_next_round(
+    nc: NatsClient, start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scale pass: a scheduler of 100 idle models wrote 50 unchanged snapshots a second. A model's
+    snapshot is written when what the gateway reads of it changed, else at the heartbeat: here none
+    in rounds where nothing changed (the heartbeat an hour), while a batcher that connects, and one
+    that goes away, is in the snapshot of the next round; with the heartbeat short, unchanged
+    snapshots are written again and again."""
+    monkeypatch.setattr(scheduler_app, "SNAPSHOT_HEARTBEAT_S", 3600.0)
+    written = await RequestsSeen.on(nc, f"$KV.{config.nats.queues_bucket}.{MODEL}", lambda _s, _d: True)
+    try:
+        h = await start(tune(config))  # a round every 0.2 s
+        rounds = StatsRounds(h.app)
+        await written.wait_for(1)
+        await rounds.wait(1)  # past the round that wrote it
+        before = written.count
+        await rounds.wait(5)
+        assert written.count == before, f"{written.count - before} writes in 5 rounds of an idle, unchanged queue"
+
+        batcher = await h.batcher(credits=2)
+
+        async def batchers_are(count: int, credits: int) -> bool:
+            snapshot = await h.snapshot()
+            return snapshot is not None and (snapshot.connected_batchers, snapshot.free_credits) == (count, credits)
+
+        await until(lambda: batchers_are(1, 2))
+        await batcher.close()
+        h.batchers.remove(batcher)
+        await until(lambda: batchers_are(0, 0))
+        snapshot = await h.snapshot()
+        assert snapshot is not None
+        h.app._snapshot_writes._heartbeat_s = 0.5
+        await written.wait_for(written.count + 2)  # nothing changed: the heartbeat's
+        latest = await h.snapshot()
+        assert latest is not None
+        assert latest.updated_at > snapshot.updated_at
+        assert dataclasses.replace(latest, updated_at=0.0) == dataclasses.replace(snapshot, updated_at=0.0)
+    finally:
         await written.close()
 
 

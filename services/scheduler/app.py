@@ -33,7 +33,7 @@ from asyncinfer.nats import JetStreamContext, Msg, NatsError, Subscription
 from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
-from asyncinfer.queues import CancelNotice, ensure_queues_bucket, write_snapshots
+from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice, ensure_queues_bucket, write_snapshots
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
 from asyncinfer.tracing import Tracing
@@ -63,6 +63,7 @@ from services.scheduler.priority import PrioritySelector
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.runtime_models import RuntimeModels, declare_consumers
+from services.scheduler.snapshot_writes import SnapshotWrites
 from services.scheduler.store_usage import StoreUsageReader
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues
@@ -102,6 +103,7 @@ class SchedulerApp:
         self._stats: QueueStatsReader | None = None
         self._batch_plans: BatchPlans | None = None
         self._snapshots_js: JetStreamContext | None = None  # where queue snapshots are written
+        self._snapshot_writes = SnapshotWrites(heartbeat_s=SNAPSHOT_HEARTBEAT_S)  # which, each round
         self._instance: SchedulerInstance | None = None
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
@@ -459,9 +461,15 @@ class SchedulerApp:
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
         if self._snapshots_js is not None:
-            await write_snapshots(
-                self._snapshots_js, self.config.nats.queues_bucket, [snapshot.to_shared() for snapshot in snapshots]
-            )
+            due = self._snapshot_writes.due(snapshots)
+            if not due:
+                return
+            try:
+                await write_snapshots(self._snapshots_js, self.config.nats.queues_bucket, due)
+            except BaseException:
+                self._snapshot_writes.failed()
+                raise
+            self._snapshot_writes.written()
 
     def _repeat(
         self, name: str, interval_s: float, action: Callable[[], Awaitable[None]], *, at_once: bool = False
