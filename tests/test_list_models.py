@@ -4,7 +4,9 @@ callers when keys are configured."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -24,6 +26,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.kv import KvBucket, kv_put_with_ttl
 from asyncinfer.nats.streams import ensure_kv_bucket
 from asyncinfer.v1 import job_service_pb2
+from services.gateway import job_service
 from services.gateway.model_catalog import ModelCatalog
 from tests.processes import until
 from tests.test_gateway_auth import ACME_KEY, bearer, serve, with_keys
@@ -59,6 +62,47 @@ async def test_every_model_with_its_signature_and_defaults(config: Config) -> No
             tensor.contents.fp32_contents.extend([0.5] * size)
         accepted = await stub.SubmitJob(request)
         assert accepted.job.model_name == "demo"
+
+
+async def test_a_listing_is_made_again_only_once_the_registry_changed(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ListModels made its answer at every call (~9 ms on the event loop for 300 models served by
+    12 batchers). It is kept until the model catalog changes; a batcher that registers the version
+    is in the next listing."""
+    made = 0
+    real = job_service.models_to_proto
+
+    def counted(listings: Any) -> job_service_pb2.ListModelsResponse:
+        nonlocal made
+        made += 1
+        return real(listings)
+
+    monkeypatch.setattr(job_service, "models_to_proto", counted)
+    async for stub in serve(config):
+        first = await stub.ListModels(job_service_pb2.ListModelsRequest())
+        again = await stub.ListModels(job_service_pb2.ListModelsRequest())
+        assert again == first
+        assert made == 1
+        (version,) = first.models[0].versions
+        assert version.state == job_service_pb2.MODEL_VERSION_STATE_UNAVAILABLE
+        js = nc.jetstream()
+        bucket = KvBucket(name=config.nats.models_bucket, kv=await js.key_value(config.nats.models_bucket), js=js)
+        entry = RegisteredVersion("demo", "1", "b1", READY, 8, config.models[0].signature, updated_at=time.time())
+        await kv_put_with_ttl(
+            bucket, model_version_key("demo", "1", batcher_token("b1")), encode_registered(entry), ttl_s=60
+        )
+
+        deadline = time.monotonic() + 5.0
+        while True:  # each listing asked anew until the registration shows
+            answer = await stub.ListModels(job_service_pb2.ListModelsRequest())
+            (version,) = answer.models[0].versions
+            if version.state == job_service_pb2.MODEL_VERSION_STATE_READY:
+                break
+            assert time.monotonic() < deadline, "the registered version never showed in ListModels"
+            await asyncio.sleep(0.01)
+        assert list(version.batchers) == ["b1"]
+        assert made == 2
 
 
 async def test_keys_are_required_when_configured(config: Config) -> None:

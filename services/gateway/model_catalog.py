@@ -13,6 +13,7 @@ the scheduler applies at dispatch).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,6 +61,10 @@ class ModelCatalog:
         self._failed: dict[str, RegisteredVersion] = {}
         # Model names no file declares, learnt from the registry: name -> its last registered table.
         self._learnt: dict[str, ModelConfig] = {}
+        # Moves on with every update that may change what `listings` answers; not with a refresh
+        # that rewrites an entry as it was (each batcher's every few seconds), so that a listing
+        # can be kept until the next real change (JobService.ListModels).
+        self.generation = 0
         self._watch = (
             KeyWatch(js, config.nats.models_bucket, self._on_update, name="model_catalog") if js is not None else None
         )
@@ -74,6 +79,7 @@ class ModelCatalog:
 
     def _on_update(self, update: KeyUpdate) -> None:
         if update.removed:
+            self.generation += 1
             self._forget(update.key)
             self._failed.pop(update.key, None)
             return
@@ -82,6 +88,9 @@ class ModelCatalog:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("model_registry_entry_unreadable", key=update.key, error=str(exc))
             return
+        known = self._entries.get(update.key) or self._failed.get(update.key)
+        if known is None or dataclasses.replace(known, updated_at=entry.updated_at) != entry:
+            self.generation += 1
         if entry.state == FAILED:
             self._forget(update.key)
             self._failed[update.key] = entry

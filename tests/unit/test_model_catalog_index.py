@@ -87,3 +87,30 @@ def test_entries_that_leave_or_fail_leave_their_model(catalog: ModelCatalog) -> 
     assert catalog.registered("m007") == []
     assert not catalog.serves("m007", "1")
     assert len(catalog.registered("m008")) == BATCHERS
+
+
+def test_the_generation_moves_on_with_a_change_and_not_with_a_refresh() -> None:
+    """JobService.ListModels keeps its answer until the catalog's generation moves on: each change
+    to what a listing says moves it, a batcher's refresh (its entry rewritten with a new time
+    only) does not."""
+    catalog = ModelCatalog(Config(models=(DEMO_MODEL,)), None)
+
+    def update(batcher: str, state: str, updated_at: float) -> None:
+        entry = RegisteredVersion(DEMO_MODEL.name, "1", batcher, state, 32, DEMO_MODEL.signature, updated_at=updated_at)
+        value = encode_registered(entry)
+        catalog._on_update(KeyUpdate(key=f"demo.1.{batcher}", value=value, headers={}, removed=False))
+
+    start = catalog.generation
+    update("b1", READY, 1.0)
+    assert catalog.generation == start + 1
+    update("b1", READY, 6.0)  # the refresh
+    assert catalog.generation == start + 1
+    update("b1", FAILED, 7.0)
+    assert catalog.generation == start + 2
+    update("b1", FAILED, 12.0)
+    assert catalog.generation == start + 2
+    update("b1", READY, 13.0)
+    assert catalog.generation == start + 3
+    catalog._on_update(KeyUpdate(key="demo.1.b1", value=b"", headers={}, removed=True))
+    assert catalog.generation == start + 4
+    assert catalog.registered(DEMO_MODEL.name) == []
