@@ -134,20 +134,33 @@ class QueueView:
     change with every submit, have two tokens and are not delivered) and `$KV.<bucket>.paused.*`."""
 
     def __init__(
-        self, js: JetStreamContext, *, bucket: str, work_stream: str = "", clock: Callable[[], float] = time.time
+        self,
+        js: JetStreamContext,
+        *,
+        bucket: str,
+        work_stream: str = "",
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
         self._bucket = bucket
         self._work_stream = work_stream
         self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
+        self._monotonic = monotonic
         self._snapshots: dict[str, QueueSnapshot] = {}
         self._paused: set[str] = set()
-        # Per model: when this gateway queued each job not yet counted by a snapshot.
-        self._submitted: dict[str, collections.deque[float]] = {}
-        # Per model: the queued count read from its work consumers (confirm_depth) and when, where
-        # that is newer than the snapshot.
-        self._confirmed: dict[str, tuple[int, float]] = {}
+        # Per model: when this gateway queued each job not yet counted by a snapshot, as (wall,
+        # monotonic) seconds. The wall time is compared with the snapshot's (the scheduler's
+        # clock); the monotonic one bounds how long a job counts when the wall clock jumped (a
+        # laptop's NTP sync after a resume, a VM's clock stepped): a job queued before the previous
+        # snapshot arrived is counted by this one, whatever the clocks say.
+        self._submitted: dict[str, collections.deque[tuple[float, float]]] = {}
+        # Per model: when its latest snapshot arrived here (monotonic).
+        self._arrived: dict[str, float] = {}
+        # Per model: the queued count read from its work consumers (confirm_depth) and when (wall,
+        # monotonic), where that is newer than the snapshot.
+        self._confirmed: dict[str, tuple[int, float, float]] = {}
         self._confirming: dict[str, asyncio.Task[None]] = {}
         self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
@@ -199,14 +212,22 @@ class QueueView:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
         self._snapshots[key] = snapshot
+        previous = self._arrived.get(key, float("-inf"))
+        self._arrived[key] = self._monotonic()
         confirmed = self._confirmed.get(key)
-        if confirmed is not None and confirmed[1] <= snapshot.updated_at:
+        if confirmed is not None and (confirmed[1] <= snapshot.updated_at or confirmed[2] <= previous):
             del self._confirmed[key]
         submitted = self._submitted.get(key)
         # The snapshot counts what was queued before it was taken (clocks of the gateway and
-        # scheduler hosts are assumed close; a skew only shifts the estimate by its jobs).
-        while submitted and submitted[0] <= snapshot.updated_at:
-            submitted.popleft()
+        # scheduler hosts are assumed close; a skew only shifts the estimate by its jobs), and
+        # what was queued before the previous one arrived. Every entry is looked at, not only the
+        # oldest: after the wall clock stepped back, an older job has the later wall time, and
+        # stopping at it kept every job queued since counted (for as long as the step: QUEUE_FULL
+        # refusals of a queue that was not full).
+        if submitted:
+            self._submitted[key] = collections.deque(
+                entry for entry in submitted if entry[0] > snapshot.updated_at and entry[1] > previous
+            )
 
     # --- admission ------------------------------------------------------------------------------
 
@@ -236,7 +257,7 @@ class QueueView:
         if (
             confirmed is not None
             and not self._submitted.get(model_name)
-            and self._clock() - confirmed[1] < CONFIRM_FRESH_S
+            and self._monotonic() - confirmed[2] < CONFIRM_FRESH_S
         ):
             return  # a refusal on a count just read, with nothing queued since: it stands
         reading = self._confirming.get(model_name)
@@ -247,7 +268,7 @@ class QueueView:
         await asyncio.shield(reading)
 
     async def _read_depth(self, model_name: str) -> None:
-        stamp = self._clock()
+        stamp, issued = self._clock(), self._monotonic()
         try:
             infos = await asyncio.gather(
                 *(
@@ -265,24 +286,29 @@ class QueueView:
         unacknowledged = sum(info.num_ack_pending or 0 for info in infos)
         snapshot = self._snapshots.get(model_name)
         running = snapshot.in_flight if snapshot is not None else 0
-        self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), stamp)
+        self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), stamp, issued)
         submitted = self._submitted.get(model_name)
         # Published by the time of the read, so counted in it (a reservation whose publish is still
-        # on its way is missed: the limit is soft by the submits in flight).
-        while submitted and submitted[0] <= stamp:
+        # on its way is missed: the limit is soft by the submits in flight). Both are this
+        # process's times: the monotonic clock orders them, whatever the wall clock did.
+        while submitted and submitted[0][1] <= issued:
             submitted.popleft()
 
     def reserve(self, model_name: str) -> float:
         """Counts a job this gateway is about to queue; returns the token for `release`."""
-        stamp = self._clock()
-        self._submitted.setdefault(model_name, collections.deque()).append(stamp)
+        stamp = self._monotonic()
+        self._submitted.setdefault(model_name, collections.deque()).append((self._clock(), stamp))
         return stamp
 
     def release(self, model_name: str, stamp: float) -> None:
         """Takes back a reservation whose job was not queued after all."""
         submitted = self._submitted.get(model_name)
-        if submitted is not None and stamp in submitted:
-            submitted.remove(stamp)
+        if submitted is None:
+            return
+        for entry in submitted:
+            if entry[1] == stamp:
+                submitted.remove(entry)
+                return
 
     def standing(self, record: JobRecord) -> QueueStanding | None:
         if record.state is not JobState.QUEUED:
