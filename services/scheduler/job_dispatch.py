@@ -321,9 +321,12 @@ class JobDispatch:
                 return False
             envelope = resolved
         if session.closed:
-            # The batcher left while the record was being written: put the job straight back.
+            # The batcher left while the record was being written: put the job straight back,
+            # with its attempt given back unless its order went out before the write (it may have
+            # run, as any job a lost batcher held). Not given back, a scheduler waking from a
+            # freeze spent an attempt of each job it pulled for the batchers that had left.
             error = job_errors.worker_lost(session.batcher_id, latest.attempt)
-            await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0)
+            await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0, refund=sent is None)
             return False
         if sent is not None and sent.attempt != latest.attempt:
             # The write was decided on a newer record than the order (another writer came
