@@ -50,6 +50,7 @@ from asyncinfer.v1 import (
     worker_service_pb2_grpc,
 )
 from services.scheduler.app import SchedulerApp
+from services.scheduler.job_dispatch import JobDispatch
 from services.scheduler.pull_inbox import PullInbox
 from tests.kv_helpers import job_record
 
@@ -520,6 +521,50 @@ async def test_a_nak_for_a_live_attempts_message_does_not_run_the_job_again(
 
     await until(acked)
     assert batcher.orders.empty()
+
+
+async def test_redeliveries_of_every_live_attempt_after_a_stall_log_one_warning(
+    app: SchedulerApp,
+    js: JetStreamContext,
+    kv: KeyValue,
+    batchers: OpenBatcher,
+    nc: NatsClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler frozen past AckWait (SIGSTOP, a paused VM, a laptop's suspend) has every message
+    it holds redelivered as it wakes, and adopts each: one warning line for the model, the rest at
+    debug (a freeze with 175 jobs in flight logged 166 warnings, its whole log)."""
+    batcher = await batchers("b1")
+    await batcher.grant(8)  # credits to spare: a redelivery is pulled only with a free credit
+    job_ids = [await enqueue(nc, kv) for _ in range(4)]
+    orders = [await batcher.next_order() for _ in job_ids]
+    running = [await wait_state(js, job_id, JobState.RUNNING) for job_id in job_ids]
+    adopted: list[str] = []
+    adopts = JobDispatch._adopts_redelivery
+
+    def counted(self: JobDispatch, msg: Msg, record: JobRecord, job_log: Any) -> bool:
+        if adopts(self, msg, record, job_log):
+            adopted.append(record.job_id)
+            return True
+        return False
+
+    monkeypatch.setattr(JobDispatch, "_adopts_redelivery", counted)
+    with capture_logs() as logs:
+        for record in running:
+            await nc.publish(record.lease_subject, b"-NAK")  # as AckWait's redelivery would
+        await nc.flush()
+
+        async def adopted_all() -> bool:
+            return sorted(adopted) == sorted(job_ids)
+
+        await until(adopted_all)
+    levels = [entry["log_level"] for entry in logs if entry["event"] == "live_attempt_redelivered"]
+    assert levels.count("warning") == 1, levels
+    for order in orders:
+        await batcher.answer(order)
+    for job_id in job_ids:
+        done = await wait_state(js, job_id, JobState.SUCCEEDED)
+        assert done.attempt == 1
 
 
 async def test_high_priority_goes_first_with_one_credit(

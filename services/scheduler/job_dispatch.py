@@ -21,6 +21,7 @@ from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Msg
 from asyncinfer.tracing import AttributeValue, Tracing, trace_id_of
 from services.scheduler import version_routing
@@ -33,6 +34,9 @@ from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import JobLog, Settlement, quietly
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
+# A scheduler that stalled past AckWait (a frozen process or VM, a laptop's suspend) has every
+# message it holds redelivered at once: one warning per model this often, the others at debug.
+REDELIVERED_LOG_INTERVAL_S = 5.0
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
@@ -84,6 +88,7 @@ class JobDispatch:
         self._queued_records = queued_records
         self._claim_check = claim_check
         self._on_timeout = on_timeout
+        self._redelivered_lines = Throttle(REDELIVERED_LOG_INTERVAL_S)
 
     async def dispatch(self, msg: Msg, session: BatcherSession) -> bool:
         """Runs a pulled message on the session. True when a work order was sent (the reserved
@@ -208,7 +213,13 @@ class JobDispatch:
         ):
             return False
         held.msg = msg
-        job_log.warning("live_attempt_redelivered", attempt=record.attempt)
+        more = self._redelivered_lines.allow(record.model_name)
+        if more is None:
+            job_log.debug("live_attempt_redelivered", attempt=record.attempt)
+        else:
+            job_log.warning(
+                "live_attempt_redelivered", attempt=record.attempt, **({"more_since_last": more} if more else {})
+            )
         return True
 
     async def _run(
