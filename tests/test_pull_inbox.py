@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -61,11 +63,12 @@ async def test_pulls_share_one_inbox_and_a_late_answer_is_not_taken_for_the_next
     assert inbox.ended == "empty"
     assert [m.data for m in first + second] == [b"job 0", b"job 1", b"job 2"]
     assert subscriptions(nc) == before + 1
-    # A pull whose answer comes after it gave up: the inbox is abandoned with it, so the late
-    # "no messages" cannot be read as the answer to the next pull.
+    # A pull whose timer fires before its answer is read (here at once; a process that stalled,
+    # below) makes a round trip to the server, after which its answer has been read: it takes its
+    # own late "no messages", so that cannot be read as the answer to the next pull either.
     assert await inbox.pull(stream, normal, 1, timeout_s=1e-6) == []
-    assert inbox.ended == "lost"
-    assert subscriptions(nc) == before
+    assert inbox.ended == "empty"
+    assert subscriptions(nc) == before + 1
     await js.publish(work_subject(MODEL, Priority.NORMAL), b"job 3")
     assert [m.data for m in await inbox.pull(stream, normal, 1)] == [b"job 3"]
     await inbox.close()
@@ -143,6 +146,7 @@ class LostConnection:
     its write to the closed transport raising as uvloop's does."""
 
     is_connected = True
+    stats = {"reconnects": 0}
 
     def new_inbox(self) -> str:
         return "_INBOX.lost"
@@ -236,3 +240,44 @@ async def test_a_held_pull_lost_with_its_connection_ends_lost_and_abandons_its_i
     finally:
         await proxy.cut()
         await client.close()
+
+
+async def test_a_held_pull_answered_while_the_process_stalled_keeps_its_message(nc: NatsClient, config: Config) -> None:
+    """A scheduler whose event loop stalls past a held pull's timer (a frozen process or VM, a long
+    pause) wakes to the timer expired and the server's answer unread in its socket; the timer
+    fires first. The message is still taken: abandoned with its inbox, it waited out AckWait (30 s)
+    in the scheduler's hands (jobs submitted while a scheduler was frozen 14 s ran 23 s after it
+    woke; the webhook consumers' held pulls, on this inbox too, did the same)."""
+    stream, low = config.nats.work_stream, await consumer(nc, config, Priority.LOW)
+    inbox = PullInbox(nc)
+    pulling = asyncio.create_task(inbox.pull(stream, low, 1, timeout_s=0.2, wait_s=0.5))
+    js = nc.jetstream()
+
+    async def held() -> bool:
+        return (await js.consumer_info(stream, low)).num_waiting == 1
+
+    async with asyncio.timeout(10):
+        while not await held():  # noqa: ASYNC110 - the server's count of waiting pulls announces nothing
+            await asyncio.sleep(0.01)
+
+    def publish_elsewhere() -> None:
+        async def publish() -> None:
+            other = await connect(config.nats, name="stall-publisher")
+            try:
+                await other.jetstream().publish(work_subject(MODEL, Priority.LOW), b"payload")
+            finally:
+                await other.close()
+
+        asyncio.run(publish())
+
+    # The stall: this loop runs nothing while another connection queues a job, which the server
+    # delivers to the held pull, and past the pull's timer (0.7 s).
+    publisher = threading.Thread(target=publish_elsewhere)
+    publisher.start()
+    publisher.join()
+    time.sleep(1.0)  # noqa: ASYNC251 - the stall is the scenario
+    msgs = await asyncio.wait_for(pulling, 5)
+    assert [msg.data for msg in msgs] == [b"payload"]
+    assert msgs[0].metadata.num_delivered == 1
+    await msgs[0].ack()
+    await inbox.close()

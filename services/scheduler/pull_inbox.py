@@ -35,6 +35,11 @@ _NO_WAIT_ONE = json.dumps({"batch": 1, "no_wait": True}).encode()
 _EMPTY_STATUSES = frozenset({"404", "408"})
 # The header of the message an inbox sends itself to end the pull it holds open (`interrupt`).
 _INTERRUPT_HEADER = "Asyncinfer-Pull-Interrupted"
+# After a pull's timer fired: how long a round trip to the server may take to show whether its
+# answer was only unread (this process stalled: a frozen process or VM, a long pause), and how long
+# each answer then already read may take to come out of the subscription.
+CATCH_UP_S = 1  # whole seconds: nats-py's flush is annotated so
+LATE_READ_S = 0.05
 
 # How a pull ended: with the messages it asked for; on the server's word that nothing (more) was
 # there (404/408: for a held pull, that the queue had nothing for it all along); refused (another
@@ -83,7 +88,8 @@ class PullInbox:
             if self._subscription is None:
                 self._subscription = await self._nc.subscribe(self._nc.new_inbox())
             subscription = self._subscription
-            connection = connection_epoch(self._nc) if wait_s is not None else None
+            sent_on = connection_epoch(self._nc)
+            connection = sent_on if wait_s is not None else None
             if wait_s is not None:
                 request = json.dumps({"batch": count, "expires": int(wait_s * 1e9)}).encode()
                 timeout_s += wait_s
@@ -92,6 +98,7 @@ class PullInbox:
             else:
                 request = json.dumps({"batch": count, "no_wait": True}).encode()
             msgs: list[Msg] = []
+            late = False  # the timer fired and a round trip since showed the answer had come
             try:
                 await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
             except (RuntimeError, UnexpectedEOF) as exc:
@@ -106,20 +113,31 @@ class PullInbox:
                 return []
             try:
                 while len(msgs) < count and not self._interrupted:
-                    if wait_s is None:
-                        reply = await subscription.next_msg(timeout=timeout_s)
-                    else:
-                        answer = self._held = asyncio.ensure_future(subscription.next_msg(timeout=timeout_s))
-                        try:
-                            reply = await answer
-                        except asyncio.CancelledError:
-                            if not _ended_by_interrupt(answer):
-                                raise
-                            await self._abandon()
-                            self.ended = "interrupted"
-                            break
-                        finally:
-                            self._held = None
+                    try:
+                        if wait_s is None:
+                            reply = await subscription.next_msg(timeout=timeout_s)
+                        else:
+                            answer = self._held = asyncio.ensure_future(subscription.next_msg(timeout=timeout_s))
+                            try:
+                                reply = await answer
+                            except asyncio.CancelledError:
+                                if not _ended_by_interrupt(answer):
+                                    raise
+                                await self._abandon()
+                                self.ended = "interrupted"
+                                break
+                            finally:
+                                self._held = None
+                    except NatsTimeoutError:
+                        # A process that stalled past the timer (SIGSTOP, a paused VM) wakes to an
+                        # expired timer and an answer still unread in its socket: the timer fires
+                        # first. Abandoned, the inbox dropped the messages the server had delivered
+                        # to it, and they waited out AckWait (30 s) in the scheduler's hands. After
+                        # a round trip, everything the server sent before it has been read.
+                        if late or connection_epoch(self._nc) != sent_on or not await caught_up(self._nc):
+                            raise
+                        late, timeout_s = True, LATE_READ_S
+                        continue
                     headers = reply.headers or {}
                     if headers.get(_INTERRUPT_HEADER) is not None:
                         await self._abandon()  # its answer may still come: not to be read as another's
@@ -146,7 +164,7 @@ class PullInbox:
             except NatsTimeoutError:
                 # A message answered after this returns to the queue when its AckWait passes.
                 if connection is None or connection_epoch(self._nc) == connection:
-                    log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs))
+                    log.warning("pull_timed_out", stream=stream, consumer=consumer, received=len(msgs), late=late)
                 else:  # sent on a connection since lost: the server that had it may be gone (the
                     # loss is logged once, nats_disconnected; this came once per consumer)
                     log.debug("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
@@ -192,6 +210,17 @@ def _ended_by_interrupt(held: asyncio.Future[Msg]) -> bool:
     """Whether a held pull's wait was cancelled by `interrupt`, not the pull's own task."""
     task = asyncio.current_task()
     return held.cancelled() and (task is None or task.cancelling() == 0)
+
+
+async def caught_up(nc: NatsClient) -> bool:
+    """Whether a round trip to the server completed within CATCH_UP_S: then every answer it sent
+    before has been read (a pull's timer that fired first was this process's stall, not the
+    server's silence)."""
+    try:
+        await nc.flush(timeout=CATCH_UP_S)
+    except Exception:  # the server away, or the connection lost meanwhile: the pull is abandoned
+        return False
+    return True
 
 
 def connection_epoch(nc: NatsClient) -> int:
