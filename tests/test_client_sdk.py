@@ -466,6 +466,31 @@ async def test_a_bulk_and_a_watch_outlast_a_gateway_away_for_seconds(config: Con
     assert states[-1] is JobState.SUCCEEDED
 
 
+async def test_a_watch_that_gives_up_on_a_gateway_away_says_how_to_resume_it(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A gateway away for longer than the watch is resumed for (a frozen process or VM, a laptop's
+    suspend behind a remote client): the watch ends UNAVAILABLE, with a note that the job goes on
+    and the call that resumes the watch after the last change it saw; that call does."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    policy = RetryPolicy(max_attempts=2, initial_backoff_s=0.05, max_backoff_s=0.2, stream_resume_s=1.0)
+    async with AsyncClient(stack.address, retry=policy) as client:
+        job = await client.submit("demo", {"x": X})
+        updates = client.watch(job, timeout_s=60)
+        first = await anext(updates)
+        assert first.state is JobState.QUEUED
+        await stack.gateway.stop(0.2)
+        with pytest.raises(UnavailableError) as given_up:
+            await anext(updates)
+        resume = f"client.watch({job.job_id!r})"
+        assert any(resume in note for note in getattr(given_up.value, "__notes__", ())), given_up.value
+    await stack.restart_gateway(0.2)
+    await stack.start_batcher()
+    async with AsyncClient(stack.address) as client:  # the default policy: outlasts the channel's reconnect
+        states = [update.state async for update in client.watch(job.job_id, after_revision=first.revision)]
+    assert states[-1] is JobState.SUCCEEDED
+
+
 async def test_models_describe_what_the_gateway_serves(idle_stack: Stack) -> None:
     async with AsyncClient(idle_stack.address) as client:
         models = await client.models()

@@ -169,6 +169,14 @@ def wait_interrupted_note(job_id: str) -> str:
     return f"job {job_id} goes on: client.wait({job_id!r}) waits for it again"
 
 
+def watch_given_up_note(job_id: str, last_revision: int) -> str:
+    """The note on a watch that gave up on a broken stream: the job goes on, and where to resume."""
+    resume = (
+        f"client.watch({job_id!r}, after_revision={last_revision})" if last_revision else f"client.watch({job_id!r})"
+    )
+    return f"job {job_id} goes on: {resume} resumes the watch from the last change it saw"
+
+
 def run_interrupted_note(submitted: Sequence[Job], idempotency_key: str) -> str:
     """The note on an interrupted run: its job, or, before the gateway answered the submit (which
     it holds while the job runs: wait_s), the idempotency key that finds it."""
@@ -631,7 +639,12 @@ class AsyncClient:
                     error = deadline.exceeded(f"the watch of job {job_id} (it goes on)")
             finally:
                 call.cancel()
-            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+            try:
+                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+            except AsyncInferClientError as given_up:
+                if self.retry.retriable(given_up):  # the stream broke for longer than it is resumed for
+                    given_up.add_note(watch_given_up_note(job_id, last_revision))
+                raise
 
     async def watch_jobs(
         self,
