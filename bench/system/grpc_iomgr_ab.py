@@ -26,7 +26,8 @@ import uvloop
 
 from asyncinfer.v1 import job_service_pb2_grpc
 from bench.system.common import Child, ProcessGroup
-from bench.system.e2e import PAYLOAD, Stack, burst, run_one, start_celery
+from bench.system.e2e import PAYLOAD, Stack, burst, start_celery
+from bench.system.round_trip_ab import trips
 
 IOMGR = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
 TRIPS_PER_BLOCK = 25
@@ -54,15 +55,6 @@ def celery_trips(count: int) -> list[float]:
     for _ in range(count):
         started = time.perf_counter()
         noop.apply_async(args=(PAYLOAD,)).get(timeout=30)
-        found.append((time.perf_counter() - started) * 1e3)
-    return found
-
-
-async def trips(stub: job_service_pb2_grpc.JobServiceStub, count: int) -> list[float]:
-    found = []
-    for _ in range(count):
-        started = time.perf_counter()
-        await run_one(stub)
         found.append((time.perf_counter() - started) * 1e3)
     return found
 
