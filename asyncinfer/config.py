@@ -323,8 +323,9 @@ class SchedulerConfig(_Section):
         30.0,
         gt=0,
         description="How often the JetStream store's usage and limits are read for the store gauges and alerts "
-        "(the account's info, and each stream's with a byte limit: one request a round where none has one), "
-        "with the dead letters stored per model, and each of nats_monitor_urls' /jsz.",
+        "(the account's info, each stream's with a byte limit, and every stream's each tenth round), with the "
+        "dead letters stored per model (the dead-letter stream's info): two requests a round where no stream has "
+        "a byte limit; and each of nats_monitor_urls' /jsz.",
     )
     nats_monitor_urls: list[str] = Field(
         default_factory=list,
