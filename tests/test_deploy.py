@@ -611,11 +611,14 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
             if name != "batcher":
                 assert cfg.nats.url == "nats://nats:4222"
                 assert cfg.nats.replicas == 1
+            if name == "scheduler":  # its one nats-server's monitoring port (not the cluster's pods)
+                assert cfg.scheduler.nats_monitor_urls == ["http://nats:8222"]
             else:
                 assert cfg.batcher.scheduler_address == f"scheduler:{SERVICES['scheduler']}"
             assert container_path.startswith("/etc/asyncinfer/")
     assert services["batcher"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
     assert "--jetstream" in services["nats"]["command"]
+    assert services["nats"]["command"][services["nats"]["command"].index("--http_port") + 1] == "8222"
     assert services["nats"]["volumes"][0].split(":")[0] in compose["volumes"]
 
 
