@@ -90,6 +90,32 @@ async def test_a_held_pull_is_answered_by_a_message_as_it_is_stored(nc: NatsClie
     await inbox.close()
 
 
+async def test_a_held_pull_of_several_hands_each_message_over_as_it_comes(nc: NatsClient, config: Config) -> None:
+    """The webhook sender's pull of as many deliveries as it has free slots: one request, held, and
+    each message handled as it is stored, not once the last came (here the next is stored only once
+    the one before was handled: handed over at the end, the pull would wait out its hold with one)."""
+    normal = await consumer(nc, config)
+    requests = await requests_seen(nc, consumer_next_subject(config.nats.work_stream, normal))
+    js = nc.jetstream()
+    handled: list[bytes] = []
+
+    async def handle(msg: Msg) -> None:
+        handled.append(msg.data)
+        await msg.ack()
+        if len(handled) < 3:
+            await js.publish(work_subject(MODEL, Priority.NORMAL), b"%d" % len(handled))
+
+    inbox = PullInbox(nc)
+    pulling = asyncio.create_task(inbox.pull(config.nats.work_stream, normal, 3, wait_s=30.0, handle=handle))
+    await asyncio.wait_for(requests.get(), 5.0)
+    await js.publish(work_subject(MODEL, Priority.NORMAL), b"0")
+    msgs = await asyncio.wait_for(pulling, 10.0)
+    assert handled == [m.data for m in msgs] == [b"0", b"1", b"2"]
+    assert inbox.ended == "answered"
+    assert requests.qsize() == 0  # one request for the three
+    await inbox.close()
+
+
 async def test_a_held_pull_that_expires_ends_empty_and_keeps_its_inbox(nc: NatsClient, config: Config) -> None:
     """The server's 408 at the pull's expiry, not the client's timeout: the queue had nothing, and
     the inbox serves the next pull (no SUB or UNSUB per pull)."""

@@ -461,3 +461,28 @@ async def test_a_burst_to_one_receiver_waits_for_its_share_not_for_the_request_t
     async with asyncio.timeout(8.0):  # put back for 15 s, the sixth and later waited past it
         delivered = await receiver.wait_for("/burst", len(jobs))
     assert {json.loads(r.body)["data"]["job_id"] for r in delivered} == jobs
+
+
+async def test_a_busy_sender_pulls_its_deliveries_a_batch_at_a_time(
+    config: Config, nc: NatsClient, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """A measurement pass (session 29): a burst of 1,000 webhooks to one receiver took 1,999 pull
+    requests of the sender's. The notifier stores deliveries one at a time, and the sender kept up:
+    a held pull of one brought each, then a no-wait pull found nothing after it. A pull is now held
+    for as many deliveries as there are free slots, each started as it comes: a pull per batch."""
+    settings = webhook_config(config, max_concurrent_deliveries=8, max_concurrent_per_origin=8)
+    pulls = await RequestsSeen.on(
+        nc, consumer_next_subject(settings.nats.webhooks_stream, WEBHOOK_SENDER_CONSUMER), lambda _s, _d: True
+    )
+    try:
+        stack = await start_stack(settings)
+        await pulls.wait_for(1)  # the first, held while idle
+        before = pulls.count
+        jobs = {await submit(stack, receiver.url("/batch")) for _ in range(40)}
+        delivered = await receiver.wait_for("/batch", len(jobs))
+        asked = pulls.count - before
+    finally:
+        await pulls.close()
+    assert {json.loads(r.body)["data"]["job_id"] for r in delivered} == jobs
+    # A pull per 8 deliveries (the free slots) and the odd expiry; it was two per delivery.
+    assert asked <= len(jobs) // 4, f"{asked} pull requests for {len(jobs)} deliveries"

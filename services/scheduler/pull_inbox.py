@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import structlog
@@ -70,12 +71,22 @@ class PullInbox:
         self.ended: PullEnd = "answered"  # how the last pull ended
 
     async def pull(
-        self, stream: str, consumer: str, count: int, *, timeout_s: float = 2.0, wait_s: float | None = None
+        self,
+        stream: str,
+        consumer: str,
+        count: int,
+        *,
+        timeout_s: float = 2.0,
+        wait_s: float | None = None,
+        handle: Callable[[Msg], Awaitable[None]] | None = None,
     ) -> list[Msg]:
         """Up to `count` messages. Without `wait_s`, those available now (a no-wait pull: the
         available messages, then, when fewer than asked, a 404/408 status that ends the batch; no
         status follows `count` messages). With `wait_s`, the server holds the pull until `count`
-        messages came or wait_s passed (then 408). `ended` says how it ended."""
+        messages came or wait_s passed (then 408): those there at once come at once, the others as
+        they are stored. With `handle`, each message is awaited with it as it comes (a held pull of
+        several need not wait for the last to hand over the first); they are returned too, handled.
+        `ended` says how it ended."""
         self.ended = "interrupted" if self._interrupted else "answered"
         if count <= 0 or self._interrupted:
             return []
@@ -99,6 +110,10 @@ class PullInbox:
                 request = json.dumps({"batch": count, "no_wait": True}).encode()
             msgs: list[Msg] = []
             late = False  # the timer fired and a round trip since showed the answer had come
+            # A held pull's answer may come a message at a time: all of it within the hold and
+            # timeout_s, however many messages.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
             try:
                 await self._nc.publish(consumer_next_subject(stream, consumer), request, reply=subscription.subject)
             except (RuntimeError, UnexpectedEOF) as exc:
@@ -117,7 +132,8 @@ class PullInbox:
                         if wait_s is None:
                             reply = await subscription.next_msg(timeout=timeout_s)
                         else:
-                            answer = self._held = asyncio.ensure_future(subscription.next_msg(timeout=timeout_s))
+                            left_s = timeout_s if late else max(deadline - loop.time(), LATE_READ_S)
+                            answer = self._held = asyncio.ensure_future(subscription.next_msg(timeout=left_s))
                             try:
                                 reply = await answer
                             except asyncio.CancelledError:
@@ -161,6 +177,8 @@ class PullInbox:
                         log.warning("pull_reply_without_ack_subject", stream=stream, consumer=consumer)
                         continue
                     msgs.append(reply)
+                    if handle is not None:
+                        await handle(reply)
             except NatsTimeoutError:
                 # A message answered after this returns to the queue when its AckWait passes.
                 if connection is None or connection_epoch(self._nc) == connection:

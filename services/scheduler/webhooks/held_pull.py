@@ -17,6 +17,14 @@ connection closed) may be handed the held message meanwhile, back after its cons
 The pulls themselves (their inbox, the server's answers, a stop's interrupt) are the dispatcher's
 too: services.scheduler.pull_inbox.
 
+The sender's pulls (`as_they_come`) are all held, each for as many deliveries as it has free slots,
+and each delivery is started as it comes: the notifier stores them one at a time, and the sender
+kept up, so each cost two requests (its held pull of one, the no-wait pull that found nothing after
+it; 1,999 for a burst of 1,000 to one receiver). One pull now brings up to the free slots, whether
+they are there (at once) or stored meanwhile (as they come); idle, it is still one request every
+HOLD_S. A pull's slots stay its own until it ends (full, or its hold over): a host that hangs may
+be handed that many deliveries, back after AckWait, as for the held pull of one.
+
 A pull outlives a reconnect to another node of a cluster (the inbox is subscribed again, and the
 consumer's leader still holds the pull). One that a restart of the one server loses ends at its
 timeout (the hold and 2 s), and a delivery due meanwhile waits that long, once (a restart in a
@@ -49,11 +57,14 @@ Handle = Callable[[Msg], Awaitable[None]]
 class HeldPull:
     """Pulls of one durable consumer's messages, one pull at a time, on an inbox of their own."""
 
-    def __init__(self, nc: NatsClient, stream: str, consumer: str, *, hold_s: float = HOLD_S) -> None:
+    def __init__(
+        self, nc: NatsClient, stream: str, consumer: str, *, hold_s: float = HOLD_S, as_they_come: bool = False
+    ) -> None:
         self._nc = nc
         self._stream = stream
         self._consumer = consumer
         self._hold_s = hold_s
+        self._as_they_come = as_they_come
         self._inbox = PullInbox(nc)
         self._busy = False  # the last pull brought messages: the next asks for what is there
 
@@ -62,6 +73,12 @@ class HeldPull:
         that brought some, else one, waited for up to the hold. How many came; None
         when no pull could be made (NATS away, the pull refused or lost): the caller waits before
         the next, or it would ask in a loop."""
+        if self._as_they_come:
+            # Every pull held, for all `count`: what is there comes at once, the rest as it is
+            # stored, each handled as it comes (the slots it asked for are free meanwhile).
+            msgs = await self._inbox.pull(self._stream, self._consumer, count, wait_s=self._hold_s, handle=handle)
+            failed = self._inbox.ended in ("refused", "lost")
+            return None if failed and not msgs else len(msgs)
         if self._busy:
             msgs = await self._inbox.pull(self._stream, self._consumer, count)
         else:

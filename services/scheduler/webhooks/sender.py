@@ -128,7 +128,7 @@ class Sender:
         self._origin_freed = asyncio.Event()
 
     async def start(self) -> None:
-        self._pull = HeldPull(self._nc, self._config.nats.webhooks_stream, SENDER_CONSUMER)
+        self._pull = HeldPull(self._nc, self._config.nats.webhooks_stream, SENDER_CONSUMER, as_they_come=True)
         self._task = self._supervisor.start("webhook-sender", self._run())
 
     async def stop(self, grace_s: float) -> None:
@@ -155,8 +155,8 @@ class Sender:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            # What is there, or one held for up to 10 s while idle (held_pull.py); a pull asks for
-            # no more than the slots free now.
+            # One pull held for up to 10 s (held_pull.py) for as many as the slots free now: those
+            # there come at once, the others as they are stored, each started as it comes.
             await self._pull.next_round(free, self._start, pause_s=STATUS_RETRY_DELAY_S)
 
     async def _start(self, msg: Msg) -> None:
