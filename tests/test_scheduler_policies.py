@@ -141,6 +141,16 @@ class Harness:
             await batcher.grant(credits)
         return batcher
 
+    def one_handed_over(self, consumer: str) -> Callable[[], Awaitable[bool]]:
+        """For until(): whether the work consumer has handed its one message over (to a pull) and
+        holds nothing more."""
+
+        async def handed_over() -> bool:
+            info = await self.js.consumer_info(self.app.config.nats.work_stream, consumer)
+            return info.num_ack_pending == 1 and info.num_pending == 0
+
+        return handed_over
+
     def dispatcher(self) -> Any:
         """The dispatcher of the test's model (MODEL)."""
         return next(d for d in self.app._dispatchers if d.model_name == MODEL)
@@ -1318,9 +1328,7 @@ async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     await until(holding)
     normal_consumer = dispatcher.queues.consumers[Priority.NORMAL]
 
-    async def handed_over() -> bool:
-        info = await h.js.consumer_info(config.nats.work_stream, normal_consumer)
-        return info.num_ack_pending == 1 and info.num_pending == 0
+    handed_over = h.one_handed_over(normal_consumer)
 
     # A blip, shorter than the pings take to tell: the job handed over meanwhile arrives late.
     nats_proxy.silence()
@@ -1408,9 +1416,7 @@ async def test_a_held_pull_does_not_let_its_job_overtake_a_higher_priority_one(
     await until(holding)
     high_consumer = dispatcher.queues.consumers[Priority.HIGH]
 
-    async def handed_over() -> bool:
-        info = await h.js.consumer_info(config.nats.work_stream, high_consumer)
-        return info.num_ack_pending == 1 and info.num_pending == 0
+    handed_over = h.one_handed_over(high_consumer)
 
     nats_proxy.silence()
     await enqueue(h.nc, h.kv, priority=Priority.HIGH, announce=False)
