@@ -187,7 +187,7 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
         ),
         _objects(nats.objects_bucket),
         # Its own inbox: a stop ends a pull held open by waking its inbox's reader with a message
-        # (services.scheduler.pull_inbox.PullInbox.interrupt). Refused, each stop with NATS users
+        # (asyncinfer.nats.pull_inbox.PullInbox.interrupt). Refused, each stop with NATS users
         # waited out the hold (10 s). No other service subscribes under this prefix.
         _inbox("scheduler"),
     ]

@@ -22,7 +22,7 @@ from asyncinfer.jobs import Priority, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connect, connection_changes
-from services.scheduler.pull_inbox import PullInbox, connection_epoch
+from asyncinfer.nats.pull_inbox import PullInbox, connection_epoch
 from tests.silent_proxy import SilentProxy
 
 MODEL = "demo"

@@ -36,6 +36,7 @@ from asyncinfer.jobs import (
 )
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, Msg
+from asyncinfer.nats.pull_inbox import PullInbox
 from asyncinfer.progress_notice import decode_progress_notice
 from asyncinfer.queued_notice import announce_queued
 from asyncinfer.queues import CancelNotice
@@ -51,7 +52,6 @@ from asyncinfer.v1 import (
 )
 from services.scheduler.app import SchedulerApp
 from services.scheduler.job_dispatch import JobDispatch
-from services.scheduler.pull_inbox import PullInbox
 from tests.kv_helpers import job_record
 
 MODEL = "demo"

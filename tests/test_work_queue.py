@@ -16,9 +16,9 @@ from asyncinfer.declarations import ensure_work_consumer, ensure_work_stream
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, WorkEnvelope, work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, api
+from asyncinfer.nats.pull_inbox import PullInbox
 from asyncinfer.queued_notice import decode_queued_notice, encode_queued_notice
 from services.scheduler.priority import PrioritySelector
-from services.scheduler.pull_inbox import PullInbox
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.work_queue import ModelQueues, tenant_of
 

@@ -3,7 +3,7 @@
 Everything else imports nats-py's types and errors from here, and calls the adapter's modules for
 what it does with them: `connection` (connecting), `streams` (declaring streams and buckets,
 durable publishes, retries of transient JetStream errors), `groups` (durable publishes in pipelined
-groups), `requests` (requests and JetStream publishes on the hot paths), `kv` (the raw read and compare-and-set of one KV key) and `scan` (many of a stream's messages, headers only, a bounded batch per pull). Only
+groups), `requests` (requests and JetStream publishes on the hot paths), `kv` (the raw read and compare-and-set of one KV key) `pull_inbox` (a pull consumer's messages, held or no-wait, on an inbox of its own) and `scan` (many of a stream's messages, headers only, a bounded batch per pull). Only
 `_fastpath` touches nats-py's private names; it checks nats-py's version at import and the rest
 falls back to nats-py's public API without it (see `asyncinfer.nats._fastpath`).
 

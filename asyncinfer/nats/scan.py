@@ -13,7 +13,8 @@ batch costs one round trip to the server (local: ~0.2 ms).
 The consumer acknowledges nothing (AckNone), lives in memory, and the server deletes it
 `inactive_threshold_s` after the last pull (we delete it at once when done; if that fails, the
 threshold does it). The end: the last message of a batch says nothing is pending, or the server
-answers a pull with a status (404/408: nothing left). Messages written during the scan that match
+answers a pull with a status (404/408: nothing left). The pulls are asyncinfer.nats.pull_inbox's,
+as the scheduler's. Messages written during the scan that match
 its filter are read too (a consumer's pending count includes them), as with the push consumer.
 """
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Callable
 
 import structlog
@@ -32,15 +32,10 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, NotFoundError
 
-from asyncinfer.contract import consumer_next_subject
+from asyncinfer.nats.pull_inbox import PullInbox
 
 log = structlog.get_logger("asyncinfer.nats")
 
-# Where nats-py (2.16) keeps a message's status code: an inline status line, not a header the
-# server sends.
-_STATUS = api.Header.STATUS.value
-_NO_MORE = frozenset({"404", "408"})
-_HEARTBEAT = "100"
 DELETE_TIMEOUT_S = 2.0
 
 
@@ -60,8 +55,8 @@ class ScanTimeoutError(NatsTimeoutError):
 
     def __str__(self) -> str:
         return (
-            f"nats: a scan of stream {self.stream} did not end within {self.timeout_s:g} s (is NATS there, "
-            f"and may this user pull from {self.stream}?)"
+            f"nats: a scan of stream {self.stream} did not end (a pull went unanswered, or {self.timeout_s:g} s "
+            f"passed): is NATS there, and may this user pull from {self.stream}?"
         )
 
 
@@ -97,51 +92,26 @@ async def scan_headers(
     if not info.num_pending:
         await _delete(js, stream, info.name)
         return 0
-    received: list[Msg] = []
-    answered = asyncio.Event()
-    ended: list[str] = []  # the status that ended the last pull, if one did
-
-    async def on_msg(msg: Msg) -> None:
-        status = (msg.headers or {}).get(_STATUS)
-        if status is None:
-            received.append(msg)
-            if len(received) < batch:
-                return
-        elif status == _HEARTBEAT:
-            return
-        else:
-            ended.append(status)
-        answered.set()
-
-    subscription = await nc.subscribe(nc.new_inbox(), cb=on_msg)
+    inbox = PullInbox(nc)  # no-wait pulls of `batch`, each answered whole before the next
     highest = 0
     try:
-        pull = json.dumps({"batch": batch, "no_wait": True}).encode()
-        subject = consumer_next_subject(stream, info.name)
         async with _bounded(stream, timeout_s):  # the whole scan, as one push consumer's was bounded
             while True:
-                received.clear()
-                ended.clear()
-                answered.clear()
-                await nc.publish(subject, pull, reply=subscription.subject)
-                await answered.wait()
-                if ended and ended[0] not in _NO_MORE:
-                    code = int(ended[0]) if ended[0].isdigit() else None
-                    raise ScanRefusedError(code=code, description=f"pull answered {ended[0]}")
-                got = list(received)
+                got = await inbox.pull(stream, info.name, batch)
+                if inbox.ended == "refused":
+                    raise ScanRefusedError(description=f"a pull from {stream} was refused")
+                if inbox.ended == "lost":  # unanswered: the bound's error says what to check
+                    raise TimeoutError
                 if got:
                     on_batch(got)
                     metadata = got[-1].metadata
                     highest = metadata.sequence.stream
                     if metadata.num_pending == 0:
                         break
-                if ended:
+                if inbox.ended == "empty":
                     break
     finally:
-        try:
-            await subscription.unsubscribe()
-        except NatsError as exc:
-            log.warning("scan_unsubscribe_failed", error=str(exc))
+        await inbox.close()
         await _delete(js, stream, info.name)
     return highest
 

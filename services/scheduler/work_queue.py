@@ -1,5 +1,5 @@
 """Pulling work messages, only as many as there are credits for: a model's rounds share one inbox
-(services.scheduler.pull_inbox), and each priority's held pull has its own."""
+(asyncinfer.nats.pull_inbox), and each priority's held pull has its own."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connection_changes
+from asyncinfer.nats.pull_inbox import PullInbox, connection_epoch
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
-from services.scheduler.pull_inbox import PullInbox, connection_epoch
 
 # How long a pull may wait for a message it was woken for that cannot be pulled yet.
 STORE_WAIT_S = 0.005

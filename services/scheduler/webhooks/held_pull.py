@@ -15,7 +15,7 @@ held one. Idle, that is one request per consumer every HOLD_S; a lone message co
 fetch did. HOLD_S is not longer, for the scheduler's reason: a scheduler whose host hangs (no
 connection closed) may be handed the held message meanwhile, back after its consumer's AckWait.
 The pulls themselves (their inbox, the server's answers, a stop's interrupt) are the dispatcher's
-too: services.scheduler.pull_inbox.
+too: asyncinfer.nats.pull_inbox.
 
 The sender's pulls (`as_they_come`) are all held, each for as many deliveries as it has free slots,
 and each delivery is started as it comes: the notifier stores them one at a time, and the sender
@@ -43,8 +43,8 @@ import structlog
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
+from asyncinfer.nats.pull_inbox import PullInbox
 from asyncinfer.supervision import cancel_and_wait
-from services.scheduler.pull_inbox import PullInbox
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 

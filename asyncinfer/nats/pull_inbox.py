@@ -1,6 +1,6 @@
-"""Pulls of a durable pull consumer's messages on an inbox of their own: the dispatcher's (its
-rounds' and its held pulls, services.scheduler.work_queue) and the webhook consumers'
-(services.scheduler.webhooks.held_pull).
+"""Pulls of a pull consumer's messages on an inbox of their own: the scheduler's dispatcher (its
+rounds' and its held pulls, services.scheduler.work_queue), its webhook consumers'
+(services.scheduler.webhooks.held_pull) and the gateway's key scans (asyncinfer.nats.scan).
 
 nats-py's `fetch` cannot ask for messages without waiting, so `PullInbox` speaks the JetStream pull
 API directly: a no-wait request answers at once with the messages available and, when fewer than
@@ -22,13 +22,16 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import structlog
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.errors import UnexpectedEOF
 
 from asyncinfer.contract import consumer_next_subject
 from asyncinfer.log_throttle import Throttle
-from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import Msg, NatsTimeoutError, Subscription, UnexpectedEOF
 
-log = structlog.get_logger("asyncinfer.scheduler.queue")
+log = structlog.get_logger("asyncinfer.nats")
 # A pull refused while a leader is elected came ~50 times a second: one line per consumer every 5 s.
 _REFUSALS = Throttle(5.0)
 
