@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, MSG_TTL_HEADER, kv_subject_prefix
+from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER, MSG_TTL_HEADER, kv_stream, kv_subject_prefix
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import (
@@ -26,7 +26,8 @@ from asyncinfer.nats import (
     KeyValue,
     KeyWrongLastSequenceError,
 )
-from asyncinfer.nats.streams import ensure_kv_bucket
+from asyncinfer.nats.kv import DEFAULT_TIMEOUT_S
+from asyncinfer.nats.streams import ensure_kv_bucket, stored_age_s
 
 # A job with no queue deadline may wait this long, as far as its claim's first TTL counts (once it
 # has ended, its claim's TTL is cut to its record's: asyncinfer.claim_lifetimes).
@@ -100,6 +101,7 @@ class ClaimStore:
         self._kv = claims
         self._js = js
         self._subject_prefix = kv_subject_prefix(bucket)
+        self._stream = kv_stream(bucket)
 
     async def write(self, key: str, value: bytes, *, last_revision: int, ttl_s: int | None, op: str = "") -> int:
         """A compare-and-set on the key's last revision (0: it has none), as KeyValue's create and
@@ -130,6 +132,15 @@ class ClaimStore:
         delete marker's revision. The marker has a TTL, so the markers of refused requests and
         released keys do not pile up in the bucket."""
         return await self.write(key, b"", last_revision=revision, ttl_s=REMOVED_MARKER_TTL_S, op=KV_DEL)
+
+    async def stored_age_s(self, nc: Client, claim: Claim) -> float | None:
+        """How long ago the server stored `claim`, by its own clock (claim_time is the writer's wall
+        clock, read against the reader's: a step of either fools it); None when the claim is not
+        in the bucket any more (replaced or removed since it was read)."""
+        try:
+            return await stored_age_s(self._js, nc, self._stream, claim.revision, timeout_s=DEFAULT_TIMEOUT_S)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the idempotency key's age: {exc}", reason="NATS_UNAVAILABLE") from exc
 
     async def read(self, key: str) -> tuple[Claim | None, int]:
         """The claim on the key, or None and the revision of its delete marker (0: none)."""

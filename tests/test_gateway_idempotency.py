@@ -26,7 +26,7 @@ from services.gateway import idempotency
 from services.gateway.app import GatewayApp
 from services.gateway.claims import request_fingerprint
 from services.gateway.convert import submit_request_from_proto
-from services.gateway.idempotency import TAKEOVER_MARGIN_S, claim_key
+from services.gateway.idempotency import claim_key
 from tests.nats_probes import RequestsSeen
 from tests.test_gateway import channel as channel_fixture
 from tests.test_gateway import fp32_input, job_stub, submit_request, violations_of
@@ -197,7 +197,7 @@ def queued_record(job_id: str, *, key: str, now: float) -> JobRecord:
     )
 
 
-async def test_a_live_claim_is_waited_for_and_a_stale_one_taken_over(
+async def test_a_live_claim_is_waited_for(
     stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config, gateway: GatewayApp
 ) -> None:
     request = submit_request(idempotency_key="owner-crashed")
@@ -221,24 +221,65 @@ async def test_a_live_claim_is_waited_for_and_a_stale_one_taken_over(
     assert answer.job.job_id == writing
     assert await work_messages(nc) == 0  # the "owner" here published nothing; the repeat neither
 
-    # A claim older than the owner's bound whose record never came: the owner crashed. The next
-    # submit with the key takes it over with a new job ID.
-    stale_key = claim_key(TENANT, "stale")
-    stale_request = submit_request(idempotency_key="stale")
-    stale_fingerprint = request_fingerprint(submit_request_from_proto(stale_request, now=time.time()))
-    long_ago = time.time() - config.gateway.enqueue_retry_s - TAKEOVER_MARGIN_S - 1
-    crashed = new_job_id()
-    await claims.create(stale_key, Claim(crashed, stale_fingerprint, long_ago).encode())
-    taken = await stub.SubmitJob(stale_request)
+
+async def test_a_claim_whose_owner_crashed_is_taken_over_once_stored_that_long_ago(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A claim older than the owner's bound (0.5 s here) whose record never came: the owner crashed.
+    # By the wall clocks it is an hour old; the repeat takes it over, with a new job ID, once the
+    # server stored it that long ago too.
+    monkeypatch.setattr(idempotency, "TAKEOVER_MARGIN_S", 0.0)
+    app = GatewayApp(config.replace(gateway={"enqueue_retry_s": 0.5}))
+    await app.start()
+    try:
+        claims = await nc.jetstream().key_value(config.nats.idempotency_bucket)
+        request = submit_request(idempotency_key="stale")
+        fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
+        crashed = new_job_id()
+        await claims.create(claim_key(TENANT, "stale"), Claim(crashed, fingerprint, time.time() - 3600).encode())
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            taken = await job_stub(channel).SubmitJob(request, timeout=10)
+            again = await job_stub(channel).SubmitJob(request, timeout=10)
+    finally:
+        await app.stop(grace_s=1)
     assert not taken.deduplicated
     assert taken.job.job_id != crashed
-    entry = await claims.get(stale_key)
+    entry = await claims.get(claim_key(TENANT, "stale"))
     assert entry.value is not None
     assert json.loads(entry.value)["job_id"] == taken.job.job_id
-    again = await stub.SubmitJob(stale_request)
     assert again.deduplicated
     assert again.job.job_id == taken.job.job_id
     assert await work_messages(nc) == 1
+
+
+async def test_a_live_claim_is_not_taken_over_when_the_wall_clock_steps_forward(
+    stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config
+) -> None:
+    # Session 29: a gateway whose wall clock stepped an hour forward (an NTP sync after a resume)
+    # while another submit with the key was still writing its job saw that claim as an hour old,
+    # took it over and made a second job for the key. The server stored the claim a moment ago:
+    # the repeat waits for the owner's record, as for any live claim.
+    request = submit_request(idempotency_key="clock-stepped")
+    fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
+    key = claim_key(TENANT, "clock-stepped")
+    writing = new_job_id()
+    await claims.create(key, Claim(writing, fingerprint, time.time() - 3600).encode())
+    stream = f"KV_{config.nats.idempotency_bucket}"
+    age_reads = await RequestsSeen.on(nc, f"$JS.API.STREAM.INFO.{stream}", lambda _subject, _data: True)
+    repeat = asyncio.ensure_future(stub.SubmitJob(request))
+    looked_twice = asyncio.ensure_future(age_reads.wait_for(2))  # it asked the server the claim's age, twice
+    await asyncio.wait([repeat, looked_twice], return_when=asyncio.FIRST_COMPLETED)
+    await age_reads.close()
+    assert not repeat.done(), "a claim the server stored a moment ago is live, whatever the wall clocks say"
+    await looked_twice
+    jobs = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    await jobs.create(
+        job_key(TENANT, writing), encode_record(queued_record(writing, key="clock-stepped", now=time.time()))
+    )
+    answer = await asyncio.wait_for(repeat, 5)
+    assert answer.deduplicated
+    assert answer.job.job_id == writing
+    assert await work_messages(nc) == 0  # one job for the key: the owner's (which published nothing here)
 
 
 async def test_a_claim_that_never_goes_stale_is_waited_for_only_so_long(

@@ -177,7 +177,7 @@ class GatewayApp:
             catalog=self._catalog,
             summary=self.summary,
         )
-        self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js)
+        self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js, nc=self._nc)
         servicer = JobService(
             cfg,
             submitter=self._submitter,

@@ -27,8 +27,12 @@ already have been dropped as an orphan by the scheduler while the stream's dupli
 remembers its Nats-Msg-Id, so a re-publish under it would be silently swallowed and its record
 would stay QUEUED forever; the old message, if still there, is dropped as an orphan (its record
 never appears). This relies on the bound the scheduler's orphan rule already relies on: a submit
-writes its record within enqueue_retry_s of starting (and on gateways' clocks agreeing to within
-the margin, since claim_time is the claiming gateway's wall clock).
+writes its record within enqueue_retry_s of starting. A claim is that old when two clocks say so:
+the wall clocks (claim_time, the claiming gateway's, against the reader's) and the server's (when
+it stored the claim, against its time now: a message get and a stream info, asked only of a claim
+the wall clocks call stale). A step of one clock (an NTP sync after a resume) then leaves a live
+claim with its owner; before, a forward step during a submit handed it to a concurrent duplicate,
+and the key had two jobs.
 
 Lifetime. The entry carries a per-message TTL: the longest the job can live (its queue deadline,
 or QUEUE_HORIZON_WITHOUT_DEADLINE_S without one, plus every attempt's timeout and backoff, plus its
@@ -62,7 +66,8 @@ from asyncinfer.idempotency_claims import Claim, ClaimStore, ClaimWritten
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord, job_key
-from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError
+from asyncinfer.log_throttle import Throttle
+from asyncinfer.nats import Client, JetStreamContext, KeyValue, KeyWrongLastSequenceError
 from asyncinfer.nats.streams import store_full
 from asyncinfer.supervision import outcome_seen
 from services.gateway.claims import claim_ttl_s, request_fingerprint
@@ -80,6 +85,8 @@ FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.25
 # Claim, lose, find the claim gone, claim again...: only a storm of failing owners gets this far.
 MAX_CLAIM_ROUNDS = 8
+# A claim the wall clocks call stale and the server's clock does not is read every MAX_POLL_S.
+CLOCK_LOG_INTERVAL_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +124,7 @@ class IdempotentSubmitter:
         expiry: Expiry,
         *,
         js: JetStreamContext,
+        nc: Client,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
@@ -124,9 +132,11 @@ class IdempotentSubmitter:
         self._records = records
         self._claims = ClaimStore(claims, js, bucket=config.nats.idempotency_bucket)
         self._expiry = expiry
+        self._nc = nc
         self._clock = clock
         self._stale_after_s = config.gateway.enqueue_retry_s + TAKEOVER_MARGIN_S
         self._owners: set[asyncio.Task[JobRecord | None]] = set()
+        self._clock_lines = Throttle(CLOCK_LOG_INTERVAL_S)
 
     async def submit(self, request: SubmitRequest, *, tenant: str) -> SubmitOutcome:
         if not request.idempotency_key:
@@ -291,6 +301,23 @@ class IdempotentSubmitter:
                 raise key_reused(request.idempotency_key, claim.job_id)
             return await self._deduplicated(record), 0
         if self._clock() - claim.claim_time >= self._stale_after_s:
+            # Stale by the wall clocks (the writer's stamp against ours); the server's clock must
+            # agree, so that a step of one gateway's clock (an NTP sync after a resume) cannot hand
+            # a live claim to a duplicate: two jobs for one key.
+            stored_s = await self._claims.stored_age_s(self._nc, claim)
+            if stored_s is None:
+                raise _ClaimHeld(claim.job_id)  # replaced or removed since it was read: read again
+            if stored_s < self._stale_after_s:
+                held_back = self._clock_lines.allow(None)
+                if held_back is not None:
+                    log.warning(
+                        "idempotency_claim_clocks_disagree",
+                        job_id=claim.job_id,
+                        wall_age_s=round(self._clock() - claim.claim_time, 3),
+                        stored_age_s=round(stored_s, 3),
+                        held_back=held_back,
+                    )
+                raise _ClaimHeld(claim.job_id)
             try:
                 marker = await self._claims.remove(key, claim.revision)
             except KeyWrongLastSequenceError:
