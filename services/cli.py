@@ -41,7 +41,7 @@ from asyncinfer import cli as client_cli
 from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import AsyncInferError, Unavailable
-from asyncinfer.gc_tuning import tune_for_serving
+from asyncinfer.gc_tuning import collect_before_serving, tune_for_serving
 from asyncinfer.logs import configure_logging
 from asyncinfer.malloc_tuning import keep_large_buffers
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, run_until_stopped
@@ -55,6 +55,7 @@ def _starter(name: str, make: Callable[[], App]) -> Callable[[], Awaitable[App]]
     async def start() -> App:
         await import_app_module(name)
         app = make()
+        collect_before_serving()  # nothing served yet: the whole heap's walk stalls no call
         await app.start()
         return app
 

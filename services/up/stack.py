@@ -12,7 +12,7 @@ from pathlib import Path
 import structlog
 
 from asyncinfer.config import Config
-from asyncinfer.gc_tuning import tune_for_serving
+from asyncinfer.gc_tuning import collect_before_serving, tune_for_serving
 from asyncinfer.logs import service_context
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, StopSignal, run_until_stopped
 from asyncinfer.supervision import Supervisor
@@ -174,6 +174,8 @@ async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | Non
                 )
             await import_app_module(name)
             app = InContext(SERVICES[name](cfg), service_context(name))
+            if not state:  # the first service: nothing listens yet (the later ones' garbage is young or frozen)
+                collect_before_serving()
             await app.start()
             state[name] = app
             return app
