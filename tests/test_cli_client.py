@@ -649,7 +649,8 @@ async def test_models_says_why_a_version_does_not_serve(config: Config, monkeypa
         assert "could not load it" in reason
         assert "build_nothing" in reason
         assert not any(line.startswith("demo 1: ") for line in lines)  # a version that serves has no line
-        # A job for it is accepted and waits NO_WORKER (a batcher runs: it could not load it); `get` says why.
+        # A job for it is accepted and waits MODEL_LOAD_FAILED (a batcher runs: it could not load it); `get`
+        # says why.
         code, out, err = await cli("submit", "broken", "--input", "x=[[1,2,3,4]]")
         assert code == 0, err
         job_id = out.strip()
@@ -657,7 +658,7 @@ async def test_models_says_why_a_version_does_not_serve(config: Config, monkeypa
             while True:
                 code, out, err = await cli("get", job_id)
                 assert code == 0, err
-                if "waiting: NO_WORKER" in out:
+                if "waiting: MODEL_LOAD_FAILED" in out:
                     break
                 await asyncio.sleep(0.05)
         (why,) = [line for line in out.splitlines() if line.startswith("why ")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -37,7 +38,10 @@ from asyncinfer.client import (
     TensorSpec,
     UnauthenticatedError,
     UnavailableError,
+    WaitingReason,
+    why_not_served,
 )
+from asyncinfer.client._convert import job_from_proto
 from asyncinfer.config import Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.stack import Stack, StartStack, ThreadedStack
@@ -405,6 +409,46 @@ def test_the_default_policy_waits_out_a_restart_but_not_forever() -> None:
     waits = [[policy.backoff_s(n, error) for n in range(1, policy.max_attempts)] for _ in range(200)]
     assert min(sum(w) for w in waits) >= 3.15
     assert max(sum(w) for w in waits) <= 6.3
+
+
+@pytest.mark.unit
+def test_a_waiting_reason_the_sdk_does_not_know_reads_as_none() -> None:
+    """MODEL_LOAD_FAILED reads as itself; a value newer than this SDK (a later gateway's) reads as
+    no reason given, not an error that loses the whole job."""
+
+    def queued(reason: int) -> job_pb2.Job:
+        job = job_pb2.Job(job_id="j", model_name="demo", state=job_pb2.JOB_STATE_QUEUED)
+        job.queue.waiting_reason = job_pb2.WaitingReason.ValueType(reason)  # the wire's int, known or not
+        return job
+
+    failed = job_from_proto(queued(job_pb2.WAITING_REASON_MODEL_LOAD_FAILED))
+    assert failed.queue is not None
+    assert failed.queue.waiting_reason is WaitingReason.MODEL_LOAD_FAILED
+    assert failed.queue.waiting_reason.not_served
+    newer = job_from_proto(queued(99))
+    assert newer.queue is not None
+    assert newer.queue.waiting_reason is None
+    assert newer.state is JobState.QUEUED
+    # Why, from ListModels: the job's version's reason (every version's for a job that names none).
+    spec = (TensorSpec(name="x", datatype="FP32", shape=(-1, 4)),)
+    broken = ModelInfo(
+        name="demo",
+        version="2",
+        inputs=spec,
+        outputs=spec,
+        max_batch_size=8,
+        default_max_attempts=3,
+        max_attempts_limit=10,
+        default_execution_timeout_s=None,
+        versions=(
+            ModelVersion(version="1", state="UNAVAILABLE", reason="batcher b1 could not load it: no module"),
+            ModelVersion(version="2", state="UNAVAILABLE", reason="no batcher serves it"),
+        ),
+    )
+    assert why_not_served(failed, [broken]) == "batcher b1 could not load it: no module; no batcher serves it"
+    pinned = dataclasses.replace(failed, model_version="1")
+    assert why_not_served(pinned, [broken]) == "batcher b1 could not load it: no module"
+    assert why_not_served(dataclasses.replace(failed, model_name="other"), [broken]) == ""
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.api_keys import hash_key
-from asyncinfer.client import AsyncClient, Job, JobState, Priority
+from asyncinfer.client import AsyncClient, Job, JobState, Priority, QueuePosition, WaitingReason
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.embedded_nats import free_port
 from services.console import pages_jobs
@@ -176,6 +176,27 @@ def test_a_job_pages_outputs_are_escaped() -> None:
     assert "b&#x27;" + "x" * 40 + "&#x27;…" in page  # a long element is cut
     assert "<td>BYTES</td>" in page
     assert "<td>INT64</td>" in page
+
+
+@pytest.mark.unit
+def test_a_job_page_says_why_its_model_version_does_not_serve() -> None:
+    """A job waiting MODEL_LOAD_FAILED: the page shows ListModels' reason beside it (the record has no
+    field for it), escaped: an exception's text comes from a model's loader."""
+    job = Job(
+        job_id="j1",
+        model_name="broken",
+        model_version="",
+        state=JobState.QUEUED,
+        priority=Priority.NORMAL,
+        attempt=0,
+        max_attempts=3,
+        revision=1,
+        queue=QueuePosition(position=0, estimated_start_time=None, waiting_reason=WaitingReason.MODEL_LOAD_FAILED),
+    )
+    page = pages_jobs.job_details(job, now=0.0, why_waiting="batcher b1 could not load it: no <module>")
+    assert "MODEL_LOAD_FAILED (" in page
+    assert "batcher b1 could not load it: no &lt;module&gt;" in page
+    assert "<module>" not in page
 
 
 async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(

@@ -6,6 +6,7 @@ snapshots the way the scheduler does (JobStore.transition, encode_snapshot into 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -44,7 +45,13 @@ from asyncinfer.v1 import (
 )
 from services.gateway import transitions
 from services.gateway.app import GatewayApp
-from services.gateway.queue_view import NEWEST_SLACK_S, WaitingReason, jobs_ahead, waiting_reason
+from services.gateway.queue_view import (
+    NEWEST_SLACK_S,
+    WaitingReason,
+    jobs_ahead,
+    version_waiting_reason,
+    waiting_reason,
+)
 from tests.kv_helpers import kv_keys
 
 if TYPE_CHECKING:
@@ -696,3 +703,24 @@ def test_waiting_reason_precedence() -> None:
     assert waiting_reason(record_at(now + 1), idle, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
     assert waiting_reason(record_at(now), replace(idle, paused=True), paused=False, now=now) == WaitingReason.PAUSED
     assert waiting_reason(retried, idle, paused=False, now=now) == WaitingReason.RETRY_BACKOFF
+
+
+@pytest.mark.unit
+def test_a_version_no_batcher_could_load_is_its_own_waiting_reason() -> None:
+    """A model whose batcher could not load it left its jobs waiting NO_WORKER, which reads as
+    scaling from zero: they wait for a fix and a batcher that loads it (MODEL_LOAD_FAILED)."""
+    r = WaitingReason
+    unpinned = functools.partial(version_waiting_reason, pinned=False)
+    pinned = functools.partial(version_waiting_reason, pinned=True)
+    assert unpinned(r.NO_WORKER, served=False, load_failed=True) == r.MODEL_LOAD_FAILED
+    assert pinned(r.NO_WORKER, served=False, load_failed=True) == r.MODEL_LOAD_FAILED
+    assert pinned(r.WAITING_FOR_CAPACITY, served=False, load_failed=True) == r.MODEL_LOAD_FAILED
+    # No failure known: as before (a pinned version nobody serves is NO_VERSION).
+    assert unpinned(r.NO_WORKER, served=False, load_failed=False) == r.NO_WORKER
+    assert pinned(r.NO_WORKER, served=False, load_failed=False) == r.NO_VERSION
+    # An unpinned job other batchers take (another version serves) keeps the snapshot's reason.
+    assert unpinned(r.WAITING_FOR_CAPACITY, served=False, load_failed=True) == r.WAITING_FOR_CAPACITY
+    # An operator's hold comes first; a version served has nothing to add.
+    assert pinned(r.PAUSED, served=False, load_failed=True) == r.PAUSED
+    assert unpinned(r.DRAINING, served=False, load_failed=True) == r.DRAINING
+    assert pinned(r.NO_WORKER, served=True, load_failed=False) == r.NO_WORKER

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -127,3 +129,41 @@ async def test_a_model_that_failed_to_load_says_why_in_list_models(config: Confi
     assert "build_nothing" in version.reason
     (demo,) = [m for m in listed.models if m.name == "demo"]
     assert [v.state for v in demo.versions] == [job_service_pb2.MODEL_VERSION_STATE_READY]
+
+
+@pytest.mark.timeout(60)
+async def test_a_job_for_a_model_no_batcher_could_load_waits_model_load_failed_until_one_does(
+    config: Config, start_stack: StartStack, batchers: Callable[..., Any]
+) -> None:
+    """Its jobs waited NO_WORKER, which reads as scaling from zero, while a batcher ran that had
+    failed to load it. They wait MODEL_LOAD_FAILED (ListModels says why) until a batcher that loads
+    the model connects, and then run."""
+    broken = DEMO_MODEL.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    stack = await start_stack(config.replace(models=[DEMO_MODEL, broken]))
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+    job_id = (await stack.jobs.SubmitJob(job_service_pb2.SubmitJobRequest(model_name="broken", inputs=[x]))).job.job_id
+
+    async def job() -> job_pb2.Job:
+        return (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    # The batcher's report reaches the gateway through its scheduler's registry: until it has, the
+    # job waits NO_WORKER; nothing else is said of it meanwhile.
+    deadline = time.monotonic() + 20.0
+    while (waiting := await job()).queue.waiting_reason != job_pb2.WAITING_REASON_MODEL_LOAD_FAILED:
+        assert waiting.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER, waiting
+        assert time.monotonic() < deadline, waiting
+        await asyncio.sleep(0.05)
+    assert waiting.state == job_pb2.JOB_STATE_QUEUED
+    assert not waiting.queue.HasField("estimated_start_time")
+    listed = await stack.jobs.ListModels(job_service_pb2.ListModelsRequest())
+    (model,) = [m for m in listed.models if m.name == "broken"]
+    assert "build_nothing" in model.versions[0].reason
+
+    await batchers(stack, "loads-it", broken.model_copy(update={"loader": DEMO_MODEL.loader}))
+    deadline = time.monotonic() + 20.0
+    while (ran := await job()).state not in TERMINAL:
+        assert time.monotonic() < deadline, ran
+        await asyncio.sleep(0.05)
+    assert ran.state == job_pb2.JOB_STATE_SUCCEEDED, ran
+    assert ran.batcher_id == "loads-it"

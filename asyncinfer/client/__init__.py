@@ -54,6 +54,7 @@ from asyncinfer.client.types import (
     QueuePosition,
     TensorSpec,
     WaitingReason,
+    why_not_served,
 )
 from asyncinfer.client.webhooks import WebhookVerificationError, verify_webhook
 
@@ -101,4 +102,5 @@ __all__ = [
     "WebhookVerificationError",
     "tls_credentials",
     "verify_webhook",
+    "why_not_served",
 ]

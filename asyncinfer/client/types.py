@@ -7,7 +7,7 @@ numpy arrays (read-only views of the received bytes; `.copy()` one to write to i
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -52,6 +52,14 @@ class WaitingReason(enum.StrEnum):
     RETRY_BACKOFF = "RETRY_BACKOFF"
     DRAINING = "DRAINING"
     NO_VERSION = "NO_VERSION"  # pinned to a model version no batcher serves now
+    # A batcher could not load the model's version and none serves it: ModelInfo's version reason
+    # says why (AsyncClient.models). A gateway of the release before says NO_WORKER (or NO_VERSION).
+    MODEL_LOAD_FAILED = "MODEL_LOAD_FAILED"
+
+    @property
+    def not_served(self) -> bool:
+        """The job's model version is not served: `why_not_served` says why, from ListModels."""
+        return self in (WaitingReason.MODEL_LOAD_FAILED, WaitingReason.NO_WORKER, WaitingReason.NO_VERSION)
 
 
 class CallbackEvent(enum.StrEnum):
@@ -269,3 +277,13 @@ class ModelInfo:
         if not self.versions:
             return self.version
         return ", ".join(v.version if v.state == "READY" else f"{v.version} ({v.state.lower()})" for v in self.versions)
+
+
+def why_not_served(job: Job, models: Iterable[ModelInfo]) -> str:
+    """Why the job's model version does not serve, as ListModels says it ("batcher X could not load
+    it: ..."; every version's reason for a job that names none); "" when nothing says. The job's
+    record has no room for the text: a waiting reason that is `not_served` is explained by this."""
+    model = next((m for m in models if m.name == job.model_name), None)
+    if model is None:
+        return ""
+    return "; ".join(v.reason for v in model.versions if v.reason and job.model_version in ("", v.version))

@@ -25,7 +25,7 @@ from asyncinfer.client import (
     JobState,
     Priority,
     TensorSpec,
-    WaitingReason,
+    why_not_served,
 )
 from asyncinfer.commands.inputs import (
     Signatures,
@@ -239,26 +239,22 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
         if options.json:
             print_json(job_json(dataclasses.replace(job, outputs=outputs)))
         else:
-            print(job_text(job, outputs, why_waiting=await _why_no_worker(client, job)), flush=True)
+            print(job_text(job, outputs, why_waiting=await _why_not_served(client, job)), flush=True)
     return EXIT_OK
 
 
-async def _why_no_worker(client: AsyncClient, job: Job) -> str | None:
-    """For a job waiting NO_WORKER (or NO_VERSION), why its model's versions do not serve, as
-    ListModels says it ("batcher X could not load it: ..."): with a batcher running, NO_WORKER
-    alone read as no batcher at all (README "Adding a model", the package not on PYTHONPATH)."""
+async def _why_not_served(client: AsyncClient, job: Job) -> str | None:
+    """For a job waiting MODEL_LOAD_FAILED (or NO_WORKER, NO_VERSION), why its model's versions do
+    not serve, as ListModels says it ("batcher X could not load it: ..."): the job's record has no
+    room for the text (README "Adding a model", the package not on PYTHONPATH)."""
     waiting = job.queue.waiting_reason if job.queue is not None and not job.done else None
-    if waiting not in (WaitingReason.NO_WORKER, WaitingReason.NO_VERSION):
+    if waiting is None or not waiting.not_served:
         return None
     try:
         models = await client.models()
     except AsyncInferClientError:
         return None  # the job's own line stands; this is a hint
-    model = next((m for m in models if m.name == job.model_name), None)
-    if model is None:
-        return None
-    reasons = [v.reason for v in model.versions if v.reason and job.model_version in ("", v.version)]
-    return "; ".join(reasons) or None
+    return why_not_served(job, models) or None
 
 
 def line_stamp(previous: Job | None, update: Job, last: datetime | None, now: datetime) -> datetime | None:
@@ -401,7 +397,7 @@ async def models_command(args: argparse.Namespace, options: Options) -> int:
     ]
     print_table(["MODEL", "DEFAULT", "VERSIONS", "INPUTS", "OUTPUTS", "MAX ROWS", "ATTEMPTS"], rows)
     # Why a version does not serve (a loader that failed: "batcher X could not load it: ..."): the
-    # table said "(unavailable)" alone, and a job for it waits queued with reason NO_WORKER.
+    # table said "(unavailable)" alone, and a job for it waits queued with reason MODEL_LOAD_FAILED.
     reasons = [f"{m.name} {v.version}: {v.state.lower()}: {v.reason}" for m in models for v in m.versions if v.reason]
     if reasons:
         print()

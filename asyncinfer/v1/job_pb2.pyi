@@ -115,6 +115,11 @@ class _WaitingReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Waiting
     """The job is pinned to a model version that no batcher serves now: it waits until one does
     (docs/MODEL_VERSIONS.md).
     """
+    WAITING_REASON_MODEL_LOAD_FAILED: _WaitingReason.ValueType  # 7
+    """A batcher was told to serve the version the job waits for and could not load it, and none
+    serves it: the job waits until one loads it (after a fix), not for scaling. ListModels gives
+    the version's reason ("batcher X could not load it: ...").
+    """
 
 class WaitingReason(_WaitingReason, metaclass=_WaitingReasonEnumTypeWrapper):
     """Why a queued job has not started yet."""
@@ -133,6 +138,11 @@ WAITING_REASON_DRAINING: WaitingReason.ValueType  # 5
 WAITING_REASON_NO_VERSION: WaitingReason.ValueType  # 6
 """The job is pinned to a model version that no batcher serves now: it waits until one does
 (docs/MODEL_VERSIONS.md).
+"""
+WAITING_REASON_MODEL_LOAD_FAILED: WaitingReason.ValueType  # 7
+"""A batcher was told to serve the version the job waits for and could not load it, and none
+serves it: the job waits until one loads it (after a fix), not for scaling. ListModels gives
+the version's reason ("batcher X could not load it: ...").
 """
 Global___WaitingReason: _TypeAlias = WaitingReason  # noqa: Y015
 

@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
-from asyncinfer.client import CallbackDeliveryState, Job, JobState
+from asyncinfer.client import CallbackDeliveryState, Job, JobState, why_not_served
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
@@ -153,7 +153,7 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
         return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
-    body = job_details(job, time.time())
+    body = job_details(job, time.time(), why_waiting=await _why_not_served(ctx, job))
     # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
     settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
     if request.headers.get("X-Console-Fragment"):
@@ -169,7 +169,20 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
     )
 
 
-def job_details(job: Job, now: float) -> str:
+async def _why_not_served(ctx: Context, job: Job) -> str:
+    """For a queued job whose version is not served, why (ListModels' reason: "batcher X could not
+    load it: ..."), which the job's record has no room for; "" otherwise or when it cannot be read."""
+    waiting = job.queue.waiting_reason if job.queue is not None and job.state is JobState.QUEUED else None
+    if waiting is None or not waiting.not_served:
+        return ""
+    try:
+        models = await ctx.backend.models()
+    except AsyncInferClientError:
+        return ""  # the waiting reason stands; this is a hint
+    return why_not_served(job, models)
+
+
+def job_details(job: Job, now: float, *, why_waiting: str = "") -> str:
     record = [
         ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
         ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
@@ -195,7 +208,7 @@ def job_details(job: Job, now: float) -> str:
         reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
         record += [
             ("queue position", ui.h(f"{job.queue.position} ahead")),
-            ("waiting reason", ui.h(reason)),
+            ("waiting reason", ui.h(reason) + (f" ({ui.text(why_waiting)})" if why_waiting else "")),
             ("expected start", ui.when(job.queue.estimated_start_time)),
         ]
     for name, error in (("error", job.error), ("previous attempt's error", job.last_error)):

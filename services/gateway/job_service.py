@@ -35,7 +35,7 @@ from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
 from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
-from services.gateway.queue_view import QueueView, WaitingReason
+from services.gateway.queue_view import QueueView, version_waiting_reason
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
@@ -125,15 +125,22 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         if standing is None:
             return job_to_proto(record, standing)
         # The version it waits for: its own, or a default_version the configuration fixes (which
-        # keeps unpinned jobs queued while nothing serves it, as after its version was unloaded).
+        # keeps unpinned jobs queued while nothing serves it, as after its version was unloaded),
+        # else the one it would run on now (a model whose only version failed to load: that one).
         model = self._catalog.model(record.model_name)
-        version = record.model_version or (model.default_version if model is not None else "")
-        if (
-            version
-            and standing.waiting_reason not in (WaitingReason.PAUSED, WaitingReason.DRAINING)
-            and not self._catalog.serves(record.model_name, version)
-        ):
-            standing = dataclasses.replace(standing, waiting_reason=WaitingReason.NO_VERSION, estimated_start_time=None)
+        pinned = record.model_version or (model.default_version if model is not None else "")
+        version = pinned or (self._catalog.default_version(model) if model is not None else "")
+        if not version:
+            return job_to_proto(record, standing)
+        served = self._catalog.serves(record.model_name, version)
+        reason = version_waiting_reason(
+            standing.waiting_reason,
+            pinned=bool(pinned),
+            served=served,
+            load_failed=not served and self._catalog.load_failed(record.model_name, version),
+        )
+        if reason != standing.waiting_reason:
+            standing = dataclasses.replace(standing, waiting_reason=reason, estimated_start_time=None)
         return job_to_proto(record, standing)
 
     async def _read(self, context: Context, job_id: str) -> JobRecord:

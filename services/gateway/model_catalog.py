@@ -206,6 +206,13 @@ class ModelCatalog:
         registered = {e.version for e in self.registered(model.name)}
         return declared + sorted(registered - set(declared), key=version_order)
 
+    def load_failed(self, model_name: str, version: str) -> bool:
+        """Whether a batcher told to serve the version could not load it and none serves or loads
+        it now: ListModels' UNAVAILABLE with that reason, and a queued job's MODEL_LOAD_FAILED."""
+        if any(e.version == version for e in self.registered(model_name)):  # READY or LOADING somewhere
+            return False
+        return any(e.model_name == model_name and e.version == version for e in self._failed.values())
+
     def _why_unavailable(self, model_name: str, version: str) -> str:
         """ "no batcher serves it", or why the batchers told to serve it could not (a model that
         failed to load left jobs waiting NO_WORKER with nothing that said so)."""

@@ -37,6 +37,8 @@ class WaitingReason:
     RETRY_BACKOFF = "RETRY_BACKOFF"
     DRAINING = "DRAINING"
     NO_VERSION = "NO_VERSION"
+    # A batcher told to serve the version could not load it, and none serves it (ModelCatalog).
+    MODEL_LOAD_FAILED = "MODEL_LOAD_FAILED"
     # No reason to wait: a batcher has a free slot for it, so it is about to be dispatched (the
     # proto's WAITING_REASON_UNSPECIFIED, which grpcurl omits and the SDK reads as None).
     DISPATCHING = "UNSPECIFIED"
@@ -79,6 +81,22 @@ def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused:
     if snapshot.free_credits > jobs_ahead(record, snapshot):
         return WaitingReason.DISPATCHING
     return WaitingReason.WAITING_FOR_CAPACITY
+
+
+def version_waiting_reason(reason: str, *, pinned: bool, served: bool, load_failed: bool) -> str:
+    """The waiting reason once the model catalog is asked about the version the job waits for (its
+    own, a default_version the configuration fixes, or else the one it would run on now). An
+    operator's hold (PAUSED, DRAINING) stands, and so does anything while the version is served.
+    Otherwise MODEL_LOAD_FAILED where a batcher told to serve the version could not load it: a job
+    pinned to it, or one no batcher could take (NO_WORKER), waits for a fix and a batcher that loads
+    it, not for scaling from zero (it read NO_WORKER with a batcher running). A pinned version no
+    batcher serves is NO_VERSION; an unpinned job keeps the snapshot's reason (another version may
+    take it)."""
+    if reason in (WaitingReason.PAUSED, WaitingReason.DRAINING) or served:
+        return reason
+    if load_failed and (pinned or reason == WaitingReason.NO_WORKER):
+        return WaitingReason.MODEL_LOAD_FAILED
+    return WaitingReason.NO_VERSION if pinned else reason
 
 
 def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
