@@ -29,6 +29,10 @@ from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
 # At most this many errors are kept in the record (GetBatch's first_errors); the rest are only in
 # the error file.
 FIRST_ERRORS_KEPT = 10
+# How long a batch named on its upload may have no record and still be taken for a create under way
+# (CreateBatch names the batch on the upload, then writes the record, within seconds): an hour
+# covers a gateway that waited out NATS for its retries many times over.
+CREATE_UNDER_WAY_S = 3600.0
 RECORD_VERSION = 1
 
 
@@ -146,6 +150,21 @@ class BatchRecord:
     def live_chunks(self) -> tuple[Chunk, ...]:
         """The chunks of the plan as it stands (split ones replaced by their halves)."""
         return tuple(c for c in self.chunks if c.status is not ChunkStatus.SPLIT)
+
+
+def may_read_its_input(batch_id: str, record: BatchRecord | None, *, now: float) -> bool:
+    """Whether a batch named on an upload (BATCHES_HEADER) may still read it, so that DeleteInput
+    must wait for it: its record says it has not ended, or it has no record yet and its ID was
+    minted less than CREATE_UNDER_WAY_S ago (a create names the batch before writing its record).
+    An ended batch reads nothing more; one whose record is gone older than that ended and outlived
+    its retention, or its create died before writing it."""
+    if record is not None:
+        return not record.state.is_terminal
+    try:
+        minted_s = job_id_time_ms(batch_id) / 1000.0
+    except ValueError:  # not a batch ID at all: nothing can read through it
+        return False
+    return now - minted_s < CREATE_UNDER_WAY_S
 
 
 def chunk_job_id(batch_id: str, start: int, end: int) -> str:

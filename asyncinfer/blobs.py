@@ -420,16 +420,32 @@ class BlobStore:
                 raise Unavailable(f"cannot extend the object's retention: {exc}") from exc
             return info
 
-    async def hold_for_batch(self, tenant: str, ref: str, batch_id: str) -> BlobInfo:
+    async def hold_for_batch(
+        self,
+        tenant: str,
+        ref: str,
+        batch_id: str,
+        *,
+        still_reading: Callable[[tuple[str, ...]], Awaitable[Sequence[str]]] | None = None,
+    ) -> BlobInfo:
         """Names the batch on the upload's meta (BATCHES_HEADER), compare-and-set like extend, so
         that a DeleteInput racing it looks again and sees the batch; NotFound if it is gone or
-        already expired; StoreFullError when the store has no room for the write."""
+        already expired; StoreFullError when the store has no room for the write.
+
+        The same write drops the batches named before that `still_reading` (given those, it keeps
+        the ones that may still read the upload) does not keep: the list held every batch ever
+        created over the upload (a nightly batch over one file grew it, a header, without bound,
+        and DeleteInput read every one's record). A create racing this one makes the write fail
+        its compare-and-set; both look again, so no batch named meanwhile is dropped unasked."""
         while True:
             info = await self.info(tenant, ref)
             if batch_id in info.batches:
                 return info
+            kept = info.batches
+            if still_reading is not None and kept:
+                kept = tuple(await still_reading(kept))
             try:
-                await self._rewrite_meta(info, batch=batch_id)
+                await self._rewrite_meta(info, batches=(*kept, batch_id))
             except APIError as exc:
                 if exc.err_code == WRONG_LAST_SEQUENCE:
                     continue
@@ -495,15 +511,20 @@ class BlobStore:
     # --- meta messages ----------------------------------------------------------------------
 
     async def _rewrite_meta(
-        self, info: BlobInfo, *, expires_at: float | None = None, deleted: bool = False, batch: str | None = None
+        self,
+        info: BlobInfo,
+        *,
+        expires_at: float | None = None,
+        deleted: bool = False,
+        batches: tuple[str, ...] | None = None,
     ) -> None:
         obj = dict(info.meta)
         if deleted:
             obj["deleted"] = True
         if expires_at is not None:
             obj["headers"] = {**(obj.get("headers") or {}), EXPIRES_HEADER: [repr(expires_at)]}
-        if batch is not None:
-            obj["headers"] = {**(obj.get("headers") or {}), BATCHES_HEADER: [*info.batches, batch]}
+        if batches is not None:
+            obj["headers"] = {**(obj.get("headers") or {}), BATCHES_HEADER: list(batches)}
         headers: dict[str, Any] = {**ROLLUP_HEADERS, EXPECTED_LAST_SUBJECT_SEQUENCE: str(info.meta_sequence)}
         await self._js.publish(meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
 

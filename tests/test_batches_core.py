@@ -28,6 +28,7 @@ from asyncinfer.batch_inputs import (
 )
 from asyncinfer.batch_webhooks import error_ref, output_ref
 from asyncinfer.batches import (
+    CREATE_UNDER_WAY_S,
     BatchRecord,
     BatchState,
     Chunk,
@@ -36,9 +37,10 @@ from asyncinfer.batches import (
     ErrorLine,
     InputFormat,
     chunk_job_id,
+    may_read_its_input,
 )
 from asyncinfer.config import DEMO_MODEL
-from asyncinfer.ids import is_job_id, new_job_id
+from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
 from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec
 from services.gateway.batch_convert import batch_to_proto
@@ -410,3 +412,18 @@ def test_a_bytes_output_that_is_not_text_keeps_its_bytes() -> None:
     lines = [json.loads(line) for line in output_lines([texts], [(1, "a"), (2, "b")]).splitlines()]
     assert lines[0]["outputs"]["t"] == [[{"b64": base64.b64encode(raw).decode()}]]
     assert lines[1]["outputs"]["t"] == [["caf\u00e9"]]
+
+
+def test_an_upload_keeps_only_the_batches_that_may_still_read_it() -> None:
+    """An upload named every batch ever created over it (a nightly batch grew the list without
+    bound); a create keeps those that have not ended, and a name whose record is not written yet
+    for the while its create may take (it names the batch first), not one whose record is gone."""
+    live = record()
+    minted_s = job_id_time_ms(live.batch_id) / 1000.0
+    assert may_read_its_input(live.batch_id, live, now=minted_s + 1e6)  # running: however old
+    assert may_read_its_input(live.batch_id, live.evolve(state=BatchState.CANCELLING), now=minted_s)
+    for ended in (BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED):
+        assert not may_read_its_input(live.batch_id, live.evolve(state=ended), now=minted_s)
+    assert may_read_its_input(live.batch_id, None, now=minted_s + 60.0)  # its create writes the record next
+    assert not may_read_its_input(live.batch_id, None, now=minted_s + CREATE_UNDER_WAY_S)  # gone, or never written
+    assert not may_read_its_input("not-a-batch-id", None, now=minted_s)

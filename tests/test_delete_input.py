@@ -25,7 +25,7 @@ from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
-from tests.batch_helpers import batches_stub, create_request, wait_ended, wait_until
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, wait_ended, wait_until
 from tests.batch_helpers import upload as batch_upload
 from tests.stack import Stack, StartStack
 from tests.test_batches import batch_config
@@ -207,5 +207,40 @@ async def test_an_upload_a_running_batch_reads_is_not_deleted_until_the_batch_en
     ended = await wait_ended(batches, created.batch_id)
     assert ended.state == batch_service_pb2.BATCH_STATE_COMPLETED
     assert (ended.request_counts.completed, ended.request_counts.failed) == (250, 0)
+    deleted = await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))
+    assert deleted.ref.ref == ref
+
+
+async def test_an_upload_names_only_the_batches_that_may_still_read_it(config: Config, start_stack: StartStack) -> None:
+    """Each CreateBatch over an upload named its batch on it (Asyncinfer-Batches) and none was ever
+    dropped: a nightly batch over one file grew the header without bound, and every DeleteInput read
+    every batch's record. A create drops the batches that have ended; DeleteInput still waits for a
+    live one."""
+    stack = await start_stack(batch_config(config), batcher=False)  # no batcher: a batch stays IN_PROGRESS
+    batches = batches_stub(stack.channel)
+    ref = await batch_upload(stack.jobs, jsonl(demo_records(3)))
+    tenant = stack.config.gateway.default_tenant
+    running = [(await batches.CreateBatch(create_request(ref))).batch.batch_id for _ in range(3)]
+    assert (await stack.blobs.info(tenant, ref)).batches == tuple(running)  # none has ended: all kept
+    for batch_id in running[:2]:
+        await batches.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id))
+        assert (await wait_ended(batches, batch_id)).state == batch_service_pb2.BATCH_STATE_CANCELLED
+
+    latest = (await batches.CreateBatch(create_request(ref))).batch.batch_id
+    live = (running[2], latest)
+    assert (await stack.blobs.info(tenant, ref)).batches == live  # the cancelled two are dropped
+    refused = await rpc_error(stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref)))
+    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason_of(refused) == "INPUT_IN_USE"
+    assert running[2] in (refused.details() or "")  # the first live one it reads
+    # Creates at once over the upload: each write is a compare-and-set, and a batch whose create has
+    # named it but not written its record yet is kept, so none drops another.
+    racing = await asyncio.gather(*(batches.CreateBatch(create_request(ref)) for _ in range(4)))
+    live += tuple(created.batch.batch_id for created in racing)
+    assert sorted((await stack.blobs.info(tenant, ref)).batches) == sorted(live)
+
+    await stack.start_batcher()
+    for batch_id in live:
+        assert (await wait_ended(batches, batch_id)).state == batch_service_pb2.BATCH_STATE_COMPLETED
     deleted = await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))
     assert deleted.ref.ref == ref

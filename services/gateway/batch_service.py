@@ -5,13 +5,14 @@ bucket (batch_store.py), hands new and cancelled batches to this gateway's drive
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
-from asyncinfer.batches import BatchRecord, BatchState
+from asyncinfer.batches import BatchRecord, BatchState, may_read_its_input
 from asyncinfer.blob_meta import BlobInfo
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
@@ -112,14 +113,27 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                         raise batch_not_found(holder)
                     return await self._deduplicated(request, record, first, upload)
         # Named on the upload before the record is written, so a DeleteInput from then on sees the
-        # batch (and refuses while it runs); NOT_FOUND if the upload went meanwhile.
+        # batch (and refuses while it runs); NOT_FOUND if the upload went meanwhile. Batches named
+        # before that have ended are dropped in the same write.
         try:
-            await self._blobs.hold_for_batch(tenant, record.input_ref, record.batch_id)
+            await self._blobs.hold_for_batch(
+                tenant,
+                record.input_ref,
+                record.batch_id,
+                still_reading=functools.partial(self._batches_reading, tenant),
+            )
         except StoreFullError as full:  # as the record's write answers a full store
             raise store_full_error(full, what="the batch was not written") from None
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    async def _batches_reading(self, tenant: str, batch_ids: tuple[str, ...]) -> list[str]:
+        """Of the batches named on an upload, those that may still read it (their records read at
+        once; UNAVAILABLE when NATS cannot answer, before anything of the create is written)."""
+        records = await asyncio.gather(*(self._store.get(tenant, batch_id) for batch_id in batch_ids))
+        now = self._clock()
+        return [b for b, r in zip(batch_ids, records, strict=True) if may_read_its_input(b, r, now=now)]
 
     async def _deduplicated(
         self, request: batch_service_pb2.CreateBatchRequest, record: BatchRecord, first: BatchRecord, upload: BlobInfo
