@@ -1,5 +1,6 @@
 """Other languages: a Node.js client built only from protos/ (@grpc/grpc-js + @grpc/proto-loader,
-no generated code) submits a job, watches it to SUCCEEDED and reads the output from a running stack."""
+no generated code) opens a label watch and waits for its headers, submits a job (seen QUEUED by the
+label watch), watches it to SUCCEEDED and reads the output from a running stack."""
 
 from __future__ import annotations
 
@@ -56,9 +57,19 @@ async def test_node_client_submits_watches_and_reads_the_output(node: str, idle_
         assert process.stderr is not None
         try:
             async with asyncio.timeout(60):
+                # Session 29: a label watch's headers come once it listens (before: with its first
+                # message, which here waits for the submit: the client waited for ever).
+                ready = await read_event(process.stderr)
+                assert ready == {"event": "label_watch_ready", "header": ["1"]}
                 submitted = await read_event(process.stderr)
                 assert submitted["event"] == "submitted"
                 assert submitted["state"] == "JOB_STATE_QUEUED"
+                labelled = await read_event(process.stderr)
+                assert labelled == {
+                    "event": "label_watch_first",
+                    "job_id": submitted["job_id"],
+                    "state": "JOB_STATE_QUEUED",
+                }
                 first = await read_event(process.stderr)
                 assert first == {**first, "event": "update", "state": "JOB_STATE_QUEUED"}
                 # Only now can the job run: the Node client must follow it through the watch.

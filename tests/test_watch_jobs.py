@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from asyncinfer.client import AsyncClient, Job, JobState, NotFoundError
+from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.grpc_headers import WATCH_READY_HEADER
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import job_not_found
 from asyncinfer.jobs import JobRecord
@@ -19,6 +21,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway.batch_reads import watch_jobs_responses
 from services.gateway.convert import job_to_proto
+from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import JobChange
 from tests.stack import Stack
 from tests.test_record_codec import MINIMAL
@@ -98,6 +101,59 @@ async def test_a_label_selector_sees_only_matching_jobs(idle_stack: Stack) -> No
         done = await client.wait(other, timeout_s=WAIT_S)
     assert done.state is JobState.SUCCEEDED, "the other job ran too"
     assert other.job_id not in watched, "a job without the labels is not sent"
+
+
+def hold_notices(hub: WatchHub, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """A label watch's subscription to the queued notices waits until the event is set: the gap
+    between registering and listening, held open (CI's load opened it by chance, session 28)."""
+    release = asyncio.Event()
+    subscribe = hub.ensure_notices
+
+    async def held() -> None:
+        await release.wait()
+        await subscribe()
+
+    monkeypatch.setattr(hub, "ensure_notices", held)
+    return release
+
+
+async def test_a_label_watch_sends_its_headers_once_it_listens(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 29: a raw client had no signal that a label watch listens, so a job it submitted
+    right after opening the stream could show no QUEUED change. The gateway now sends the stream's
+    headers (asyncinfer-watch-ready) once the watch hears the queued notices, not before; a client
+    that awaits them and then submits sees every job from QUEUED. Before, the headers came only
+    with the first change: awaiting them waited for a change that never came."""
+    hub = idle_stack.gateway.watch_hub
+    release = hold_notices(hub, monkeypatch)
+    labels = {"run": "raw"}
+    async with grpc.aio.insecure_channel(idle_stack.address) as channel, AsyncClient(idle_stack.address) as client:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(labels=labels))
+        headers = asyncio.create_task(call.initial_metadata())
+        await until(lambda: hub.watcher_count == 1)  # registered; its subscription to notices held
+        assert not headers.done(), "no headers before the watch listens"
+        release.set()
+        ready = await asyncio.wait_for(headers, WAIT_S)
+        assert (WATCH_READY_HEADER, "1") in tuple(ready)
+        jobs = [await client.submit("demo", {"x": X + i}, labels=labels) for i in range(10)]
+        first_states: dict[str, int] = {}
+        async with asyncio.timeout(WAIT_S):
+            while len(first_states) < len(jobs):
+                response = await call.read()
+                assert isinstance(response, job_service_pb2.WatchJobsResponse)
+                for change in response.changes:
+                    first_states.setdefault(change.job_id, change.job.state)
+        assert first_states == {job.job_id: job_pb2.JOB_STATE_QUEUED for job in jobs}
+        # A status after the headers still carries its details (here: the gateway stops).
+        await hub.stop()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            await asyncio.wait_for(call.read(), WAIT_S)
+    assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = status_details(ended.value)
+    assert details is not None
+    assert unpack_details(details)["ErrorInfo"].reason == "UNAVAILABLE"
 
 
 async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:

@@ -145,8 +145,12 @@ class JobServiceServicer:
         """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
         every one of them is terminal (an ID that names no job of the caller's gets its NOT_FOUND and
         the others go on). With a label selector instead: every change, from now on, of the caller's
-        jobs that carry all of its labels, until the client ends the stream. Changes that come
-        together travel in one message; a slow reader gets each job's latest record.
+        jobs that carry all of its labels, until the client ends the stream. A label watch sends the
+        stream's headers (initial metadata `asyncinfer-watch-ready: 1`) as soon as it hears every
+        change, before any message: a job submitted after the client has them is seen from QUEUED on
+        (one submitted before may show no QUEUED change). A gateway before session 29 sends headers
+        only with the first message. Changes that come together travel in one message; a slow reader
+        gets each job's latest record.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

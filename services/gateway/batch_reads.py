@@ -78,10 +78,18 @@ def _answer_full(job_id: str) -> ResourceExhausted:
 
 
 def watched_changes(
-    request: job_service_pb2.WatchJobsRequest, tenant: str, hub: WatchHub, records: JobStore, expiry: Expiry
+    request: job_service_pb2.WatchJobsRequest,
+    tenant: str,
+    hub: WatchHub,
+    records: JobStore,
+    expiry: Expiry,
+    *,
+    listening: Callable[[], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[list[JobChange], None]:
     """The batches of changes a WatchJobs request asks for (by IDs or by labels), once it is
-    checked: the watch itself, with nothing between it and the servicer's loop."""
+    checked: the watch itself, with nothing between it and the servicer's loop. A label watch
+    awaits `listening` once it hears every change (watch_many.watch_labels); a watch of IDs needs
+    no such signal (it reads each job as it stands: its first message is the signal)."""
     job_ids, labels = list(request.job_ids), dict(request.labels)
     if bool(job_ids) == bool(labels):
         raise InvalidArgument(
@@ -97,7 +105,7 @@ def watched_changes(
         raise InvalidArgument(f"invalid label selector: {violations[0].field}: {violations[0].description}", violations)
     if job_ids:
         return watch_ids(hub, records, expiry, tenant, job_ids)
-    return watch_labels(hub, tenant, labels)
+    return watch_labels(hub, tenant, labels, listening)
 
 
 def watch_jobs_responses(

@@ -14,6 +14,7 @@ import structlog
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unimplemented
+from asyncinfer.grpc_headers import WATCH_READY
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
@@ -265,8 +266,14 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
         tenant = resolve_tenant(context, self._authenticator)
+
+        async def listening() -> None:
+            # The stream's headers, before any change: a client that awaits them before it submits
+            # sees its jobs from QUEUED on (asyncinfer.grpc_headers).
+            await context.send_initial_metadata((WATCH_READY,))
+
         with self._watches.hold(tenant, context.peer()):
-            changes = watched_changes(request, tenant, self._hub, self._records, self._expiry)
+            changes = watched_changes(request, tenant, self._hub, self._records, self._expiry, listening=listening)
             async with contextlib.aclosing(changes) as batches:
                 budget = self._config.gateway.max_request_bytes
                 async for batch in batches:

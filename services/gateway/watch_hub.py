@@ -226,10 +226,19 @@ class WatchHub:
         await self.ensure_feed_quietly()  # reads serve the polls meanwhile; the next poll or watch tries again
 
     async def ensure_notices(self) -> None:
-        """Hears queued notices too (for label selectors), until the feed stops."""
+        """Hears queued notices too (for label selectors), until the feed stops. Returns once the
+        server has the subscription: a notice another connection sends after that reaches it (another
+        gateway's submit, a scheduler's replay), not only this connection's own, which follow it."""
         async with self._feed_lock:
             if self._notices is None and not self._closed:
-                self._notices = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.>", cb=self._on_notice)
+                notices = await self._nc.subscribe(f"{QUEUED_SUBJECT_PREFIX}.>", cb=self._on_notice)
+                try:
+                    await self._nc.flush()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await notices.unsubscribe()
+                    raise
+                self._notices = notices
 
     async def _on_notice(self, msg: Msg) -> None:
         if not self._selectors:

@@ -6,9 +6,12 @@ change until each job is terminal. A job that is not there answers NOT_FOUND and
 a watched QUEUED job whose deadline passes is expired by the watch, as WatchJob does.
 
 By label selector: every change, from now on, of the tenant's jobs that carry all the labels; it
-ends only when the client ends it (or the gateway stops). A client that also wants the jobs as they
-stand starts the watch first and then lists them (ListJobs with the same labels): revisions tell
-which of the two saw the later record.
+ends only when the client ends it (or the gateway stops). It registers, then subscribes to the
+records' feed and the queued notices; a job queued before both are subscribed shows no QUEUED change,
+so the watch calls `listening` once they are (the servicer sends the stream's headers then: a
+client that waits for them before it submits sees its jobs from QUEUED on). A client that also
+wants the jobs as they stand starts the watch first and then lists them (ListJobs with the same
+labels): revisions tell which of the two saw the later record.
 
 Changes that are queued together are answered together: one stream message for all of them.
 """
@@ -16,7 +19,7 @@ Changes that are queued together are answered together: one stream message for a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from asyncinfer.errors import AsyncInferError, Unavailable
@@ -164,7 +167,10 @@ async def _expire_overdue(
 SELECTOR_REVISIONS_KEPT = 10_000
 
 
-async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) -> AsyncGenerator[list[JobChange], None]:
+async def watch_labels(
+    hub: WatchHub, tenant: str, labels: Mapping[str, str], listening: Callable[[], Awaitable[None]] | None = None
+) -> AsyncGenerator[list[JobChange], None]:
+    """`listening` is awaited once the watch hears every change of the jobs it selects."""
     if hub.closed:
         raise _closed("labels")
     queue = hub.register_selector(tenant, dict(labels))
@@ -175,6 +181,8 @@ async def watch_labels(hub: WatchHub, tenant: str, labels: Mapping[str, str]) ->
     try:
         await hub.ensure_feed()
         await hub.ensure_notices()
+        if listening is not None:
+            await listening()
         while True:
             changes: list[JobChange] = []
             for update in await _next_updates(queue, None):

@@ -93,6 +93,33 @@ function watchToEnd(client, jobId, metadata) {
   });
 }
 
+// A label watch (WatchJobs): resolves with its headers, which the gateway sends once it listens
+// (asyncinfer-watch-ready); `firstChange` then resolves with the first change of the job named.
+function openLabelWatch(client, labels, metadata) {
+  const call = client.WatchJobs({ labels }, metadata, { deadline: deadline(WATCH_TIMEOUT_MS) });
+  const changes = [];
+  let wanted = null;
+  call.on("data", (response) => {
+    changes.push(...response.changes);
+    wanted?.();
+  });
+  const ended = new Promise((_, reject) => call.on("error", reject));
+  ended.catch(() => {}); // a cancel (ours, at the end) ends it CANCELLED
+  const firstChange = (jobId) =>
+    Promise.race([
+      ended,
+      new Promise((resolve) => {
+        wanted = () => {
+          const change = changes.find((c) => c.job_id === jobId);
+          if (change) resolve(change);
+        };
+        wanted();
+      }),
+    ]);
+  const headers = Promise.race([ended, new Promise((resolve) => call.on("metadata", resolve))]);
+  return { call, headers, firstChange };
+}
+
 async function main() {
   const [address, inputsJson] = process.argv.slice(2);
   if (!address) {
@@ -104,13 +131,18 @@ async function main() {
   if (process.env.ASYNCINFER_API_KEY) metadata.add("authorization", `Bearer ${process.env.ASYNCINFER_API_KEY}`);
 
   const client = new JobService(address, grpc.credentials.createInsecure());
+  const labels = { client: "node" };
+  const labelWatch = openLabelWatch(client, labels, metadata);
   try {
+    const headers = await labelWatch.headers;
+    report({ event: "label_watch_ready", header: headers.get("asyncinfer-watch-ready") });
     const submitted = await unary(
       client,
       "SubmitJob",
       {
         model_name: "demo",
         priority: "PRIORITY_NORMAL",
+        labels,
         inputs: [
           {
             name: "x",
@@ -124,6 +156,9 @@ async function main() {
     );
     const jobId = submitted.job.job_id;
     report({ event: "submitted", job_id: jobId, state: submitted.job.state });
+    const labelled = await labelWatch.firstChange(jobId);
+    report({ event: "label_watch_first", job_id: jobId, state: labelled.job.state });
+    labelWatch.call.cancel();
 
     const { states, last } = await watchToEnd(client, jobId, metadata);
     const { job } = await unary(client, "GetJob", { job_id: jobId }, metadata);
