@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from asyncinfer.client import AsyncClient, Job, JobState, NotFoundError
+from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobState, NotFoundError, jobs_watch
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER
 from asyncinfer.ids import new_job_id
@@ -19,10 +19,11 @@ from asyncinfer.jobs import JobRecord
 from asyncinfer.jobs import JobState as RecordState
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.gateway import batch_reads
 from services.gateway.batch_reads import watch_jobs_responses
 from services.gateway.convert import job_to_proto
 from services.gateway.watch_hub import WatchHub
-from services.gateway.watch_many import JobChange
+from services.gateway.watch_many import JobChange, watch_labels
 from tests.stack import Stack
 from tests.test_record_codec import MINIMAL
 
@@ -154,6 +155,99 @@ async def test_a_label_watch_sends_its_headers_once_it_listens(
     details = status_details(ended.value)
     assert details is not None
     assert unpack_details(details)["ErrorInfo"].reason == "UNAVAILABLE"
+
+
+@pytest.mark.parametrize("sdk", ["blocking", "asyncio"])
+async def test_the_sdk_label_watch_is_ready_before_the_jobs_it_submits_next(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch, sdk: str
+) -> None:
+    """Session 29: `watch = client.watch_jobs(labels=...)` then `client.submit(...)` lost the
+    jobs' QUEUED (the blocking client opened the stream only at the first `next`; the gateway
+    listened a moment after it opened). The blocking client's watch_jobs now returns once the
+    gateway listens, as `await watch.ready()` does: 20 jobs submitted at once each show QUEUED
+    (no batcher: it is their only change, so a job whose QUEUED was lost never shows)."""
+    hub = idle_stack.gateway.watch_hub
+    release = hold_notices(hub, monkeypatch)
+    labels = {"run": sdk}
+
+    def watch_then_submit() -> dict[str, JobState]:
+        with Client(idle_stack.address) as client:
+            watch = client.watch_jobs(labels=labels, timeout_s=WAIT_S)
+            submitted = [client.submit("demo", {"x": X + i}, labels=labels) for i in range(20)]
+            first_states: dict[str, JobState] = {}
+            for update in watch:
+                assert isinstance(update, Job)
+                first_states.setdefault(update.job_id, update.state)
+                if len(first_states) == len(submitted):
+                    break
+            return first_states
+
+    async def watch_then_submit_async() -> dict[str, JobState]:
+        async with AsyncClient(idle_stack.address) as client:
+            watch = client.watch_jobs(labels=labels, timeout_s=WAIT_S)
+            await watch.ready()
+            submitted = [await client.submit("demo", {"x": X + i}, labels=labels) for i in range(20)]
+            first_states: dict[str, JobState] = {}
+            async for update in watch:
+                assert isinstance(update, Job)
+                first_states.setdefault(update.job_id, update.state)
+                if len(first_states) == len(submitted):
+                    break
+            await watch.aclose()
+            return first_states
+
+    watching = asyncio.ensure_future(
+        asyncio.to_thread(watch_then_submit) if sdk == "blocking" else watch_then_submit_async()
+    )
+    await until(lambda: hub.watcher_count == 1 or watching.done())  # registered; its notices held
+    release.set()
+    first_states = await asyncio.wait_for(watching, 2 * WAIT_S)
+    assert len(first_states) == 20
+    assert set(first_states.values()) == {JobState.QUEUED}
+
+
+async def test_a_label_watch_refused_still_says_why_through_the_sdk(idle_stack: Stack) -> None:
+    """The wait for the headers does not hide a refusal: INVALID_ARGUMENT with its field comes
+    from `ready()`, and from the blocking client's watch_jobs itself (before: only at its first
+    `next`)."""
+    bad = {"": "x"}
+    async with AsyncClient(idle_stack.address) as client:
+        watch = client.watch_jobs(labels=bad, timeout_s=WAIT_S)
+        with pytest.raises(InvalidArgumentError) as refused:
+            await watch.ready()
+        await watch.aclose()
+    assert [v.field for v in refused.value.violations] == ["labels['']"]
+
+    def open_blocking() -> None:
+        with Client(idle_stack.address) as client:
+            client.watch_jobs(labels=bad, timeout_s=WAIT_S)
+
+    with pytest.raises(InvalidArgumentError) as refused_blocking:
+        await asyncio.to_thread(open_blocking)
+    assert [v.field for v in refused_blocking.value.violations] == ["labels['']"]
+
+
+async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_header(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway before session 29 sends its headers only with the first change, which may never
+    come: `ready()` gives up its wait after READY_WAIT_S and the watch carries on."""
+
+    def without_headers(hub: WatchHub, tenant: str, labels: dict[str, str], listening: object = None) -> object:
+        return watch_labels(hub, tenant, labels)  # as before: no `listening`
+
+    monkeypatch.setattr(batch_reads, "watch_labels", without_headers)
+    monkeypatch.setattr(jobs_watch, "READY_WAIT_S", 0.2)
+    labels = {"run": "old-gateway"}
+    async with AsyncClient(idle_stack.address) as client:
+        watch = client.watch_jobs(labels=labels, timeout_s=WAIT_S)
+        await asyncio.wait_for(watch.ready(), WAIT_S)
+        await until(lambda: idle_stack.gateway.watch_hub.hears_notices)
+        job = await client.submit("demo", {"x": X}, labels=labels)
+        update = await asyncio.wait_for(anext(watch), WAIT_S)
+        await watch.aclose()
+    assert isinstance(update, Job)
+    assert (update.job_id, update.state) == (job.job_id, JobState.QUEUED)
 
 
 async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:

@@ -34,6 +34,7 @@ from asyncinfer.client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from asyncinfer.client.jobs_watch import JobsWatch
 from asyncinfer.client.types import (
     BatchInfo,
     BlobRef,
@@ -86,6 +87,7 @@ __all__ = [
     "JobProgress",
     "JobRequest",
     "JobState",
+    "JobsWatch",
     "ModelInfo",
     "ModelVersion",
     "NotFoundError",

@@ -65,6 +65,13 @@ from asyncinfer.client.errors import (
     make_error,
     with_connection_hint,
 )
+from asyncinfer.client.jobs_watch import (
+    LISTENING,
+    JobsWatch,
+    Listening,
+    WatchUpdate,
+    ready_or_silent,
+)
 from asyncinfer.client.types import (
     BlobRef,
     BulkResult,
@@ -646,23 +653,31 @@ class AsyncClient:
                     given_up.add_note(watch_given_up_note(job_id, last_revision))
                 raise
 
-    async def watch_jobs(
+    def watch_jobs(
         self,
         jobs: Iterable[JobLike] = (),
         *,
         labels: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
-    ) -> AsyncGenerator[Job | tuple[str, AsyncInferClientError], None]:
+    ) -> JobsWatch:
         """Many jobs on one stream (WatchJobs). With `jobs`: each job now, then each change, until
         all are terminal; a job that is not there yields (job_id, NotFoundError) and the others go
         on. With `labels` instead: every change, from now on, of your jobs that carry all of them,
-        until you stop iterating or `timeout_s` passes. A broken stream is reopened (the jobs not
-        yet terminal are sent again as they stand, so a change is never lost)."""
+        until you stop iterating or `timeout_s` passes. `await watch.ready()` returns once the
+        gateway listens: a job submitted after it is seen from QUEUED on (asyncinfer.client.jobs_watch).
+        A broken stream is reopened (the jobs not yet terminal are sent again as they stand, so a
+        change is never lost; a label watch hears no change while it is broken)."""
+        return JobsWatch(self._watch_jobs(jobs, labels, timeout_s))
+
+    async def _watch_jobs(
+        self, jobs: Iterable[JobLike], labels: Mapping[str, str] | None, timeout_s: float | None
+    ) -> AsyncGenerator[WatchUpdate | Listening, None]:
         ids = _job_ids(jobs)
         deadline = Deadline(timeout_s)
         done: set[str] = set()
         attempt = 0
         breaks = StreamBreaks()
+        listening = False
         while True:
             attempt += 1
             watching = [job_id for job_id in ids if job_id not in done]
@@ -672,9 +687,15 @@ class AsyncClient:
             call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None
             try:
+                if labels and not listening and await ready_or_silent(call, deadline.remaining()):
+                    listening = True
+                    yield LISTENING
                 async for response in call:
                     attempt = 0
                     breaks.answered()
+                    if not listening:  # the first message (a watch of IDs: every job as it stands)
+                        listening = True
+                        yield LISTENING
                     for change in response.changes:
                         if change.HasField("job"):
                             snapshot = job_from_proto(

@@ -20,9 +20,9 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -52,6 +52,15 @@ from asyncinfer.client.types import (
 )
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class AsyncUpdates(Protocol[T_co]):
+    """What `_iterate` steps and closes: an async generator, or a JobsWatch."""
+
+    def __anext__(self) -> Awaitable[T_co]: ...
+
+    def aclose(self) -> Coroutine[Any, Any, None]: ...
 
 
 # How often a blocked call wakes to let a pending signal (Ctrl-C) be raised.
@@ -205,7 +214,7 @@ class Client:
                     ended.wait(timeout=5.0)
             raise
 
-    def _iterate(self, generator: AsyncGenerator[T, None]) -> Iterator[T]:
+    def _iterate(self, generator: AsyncUpdates[T]) -> Iterator[T]:
         async def step() -> tuple[bool, T | None]:
             try:
                 return True, await anext(generator)
@@ -319,7 +328,12 @@ class Client:
         labels: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[Job | tuple[str, AsyncInferClientError]]:
-        return self._iterate(self._client.watch_jobs(jobs, labels=labels, timeout_s=timeout_s))
+        """See `AsyncClient.watch_jobs`. With `labels`, it returns once the gateway listens (the
+        async `ready()`): a job submitted after it is seen from QUEUED on."""
+        watch = self._client.watch_jobs(jobs, labels=labels, timeout_s=timeout_s)
+        if labels:
+            self._run(watch.ready())
+        return self._iterate(watch)
 
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         return self._run(self._client.models(timeout_s=timeout_s))

@@ -1,0 +1,100 @@
+"""What `AsyncClient.watch_jobs` returns: the changes of a WatchJobs stream, and `ready()`, which
+returns once the gateway listens.
+
+A label watch hears the jobs submitted from the moment the gateway has subscribed to what it needs,
+which it says by sending the stream's headers (asyncinfer.grpc_headers.WATCH_READY_HEADER) before
+any change. `ready()` waits for them, so that
+
+    watch = client.watch_jobs(labels={"run": "7"})
+    await watch.ready()
+    job = await client.submit("demo", inputs, labels={"run": "7"})
+
+sees the job from QUEUED on. A gateway before session 29 sends its headers only with the first
+change, which may never come: the wait is bounded (READY_WAIT_S), after which the watch carries
+on as before (a job submitted meanwhile may show no QUEUED change, its later changes do come).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from asyncinfer.client.errors import AsyncInferClientError
+from asyncinfer.client.types import Job
+from asyncinfer.grpc_headers import WATCH_READY_HEADER
+
+# The longest a label watch waits for its headers (then it carries on without them). A gateway
+# sends them a NATS round trip or three after the stream opens (milliseconds); one before session 29
+# only with the first change.
+READY_WAIT_S = 5.0
+
+WatchUpdate = Job | tuple[str, AsyncInferClientError]
+
+
+class Listening:
+    """Put by the watch's generator before its first change: the gateway listens (a label watch's
+    headers came, or its wait for them ended; a watch of IDs answered)."""
+
+
+LISTENING = Listening()
+
+
+async def ready_or_silent(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> bool:
+    """Whether to take a label watch as listening now: its headers say so (WATCH_READY_HEADER), or
+    none came within READY_WAIT_S (or the call's `remaining_s`, if shorter: a gateway before
+    session 29, carry on without). False when headers came without it (such a gateway's first
+    change, or the call's end): the stream says the rest."""
+    try:
+        async with asyncio.timeout(READY_WAIT_S if remaining_s is None else min(READY_WAIT_S, remaining_s)):
+            headers = await call.initial_metadata()
+    except TimeoutError:
+        return True
+    except grpc.RpcError:
+        return False
+    return any(key == WATCH_READY_HEADER for key, _ in headers or ())
+
+
+class JobsWatch:
+    """The changes of one watch (an async iterator, closed with `aclose`, as the async generator it
+    replaces), and `ready()`."""
+
+    def __init__(self, updates: AsyncGenerator[WatchUpdate | Listening, None]) -> None:
+        self._updates = updates
+        # Changes `ready` read before the marker: none while the generator puts the marker first,
+        # and none lost if it ever did not.
+        self._early: list[WatchUpdate] = []
+        self._listening = False
+
+    async def ready(self) -> None:
+        """Returns once the gateway listens: for a label watch, a job submitted after it is seen
+        from QUEUED on (against a gateway before session 29: after READY_WAIT_S at most, with no
+        such promise). For a watch of IDs, once its first message came. Raises what the watch
+        raises before that (InvalidArgumentError for a bad selector)."""
+        while not self._listening:
+            try:
+                update = await anext(self._updates)
+            except StopAsyncIteration:
+                return
+            if isinstance(update, Listening):
+                self._listening = True
+            else:
+                self._early.append(update)
+
+    def __aiter__(self) -> JobsWatch:
+        return self
+
+    async def __anext__(self) -> WatchUpdate:
+        if self._early:
+            return self._early.pop(0)
+        while True:
+            update = await anext(self._updates)
+            if not isinstance(update, Listening):
+                return update
+            self._listening = True
+
+    async def aclose(self) -> None:
+        await self._updates.aclose()
