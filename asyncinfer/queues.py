@@ -1,14 +1,16 @@
 """What the scheduler tells everyone else about its queues, through NATS.
 
 - The KV bucket `queues` (NatsConfig.queues_bucket) holds one `QueueSnapshot` per model (key =
-  model name), written by the scheduler at the first `queue_stats_interval_s` round where it
-  changed, or `SNAPSHOT_HEARTBEAT_S` after its last write. The gateway reads it to
+  model name), written by each scheduler, with its own view and its name, at the first
+  `queue_stats_interval_s` round where it changed, or `SNAPSHOT_HEARTBEAT_S` after its last write.
+  The gateway keeps each scheduler's latest and merges them (services.gateway.snapshot_merge) to
   answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
-  jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means no scheduler is
-  looking after the model.
+  jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means its scheduler no
+  longer looks after the model.
 - The key `paused.<model>` in the same bucket exists while an operator has paused the model's
   queue; every scheduler honours it. A drain (OpsService.Drain) is one scheduler's: its snapshots
-  say `draining` until it is undrained, so the gateway tells its queued jobs why they wait.
+  say `draining` until it is undrained, so the gateway tells its queued jobs why they wait once
+  every scheduler with a batcher for the model drains.
 - Cancellation of a running job: after the gateway moves the record to CANCELLING it publishes a
   `CancelNotice` on the core subject `cancel_subject(model)`; every scheduler hears it, and the one
   that dispatched the job tells its batcher to drop it.
@@ -71,6 +73,11 @@ class QueueSnapshot:
     desired_batchers: int = 0
     # The scheduler that wrote it dispatches nothing until undrained.
     draining: bool = False
+    # The scheduler that wrote it (its instance name, services.scheduler.instances: the same again
+    # after a restart in place). Every scheduler writes the model's one key with its own batchers,
+    # credits, rates and drain; the gateway keeps the latest of each and merges them
+    # (services.gateway.snapshot_merge). "" from a scheduler of the release before.
+    scheduler: str = ""
 
     def depth(self, priority: Priority) -> int:
         entry = self.priorities.get(priority.value)
@@ -145,6 +152,9 @@ class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Written only while true (defaults are left out), so that a reader of the release before
     # it, which refuses unknown fields, misses only the snapshots of a draining scheduler.
     draining: bool = False
+    # Since session 29; left out while "" (as `draining`). The release before reads snapshots with
+    # msgspec, which skips a field it does not know, so it is written in version 0.
+    scheduler: str = ""
 
 
 class CancelNoticeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -187,6 +197,7 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
             paused=s.paused,
             desired_batchers=s.desired_batchers,
             draining=s.draining,
+            scheduler=s.scheduler,
         )
     )
 
@@ -221,6 +232,7 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
         paused=w.paused,
         desired_batchers=w.desired_batchers,
         draining=w.draining,
+        scheduler=w.scheduler,
     )
 
 

@@ -417,3 +417,16 @@ def test_the_release_before_reads_a_snapshot_with_the_newest_time() -> None:
     old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
     assert (old.model_name, old.updated_at, old.in_flight) == ("demo", 123.5, 3)
     assert (old.priorities["NORMAL"].depth, old.priorities["NORMAL"].oldest_create_time) == (5, 100.0)
+
+
+def test_the_release_before_reads_a_snapshot_naming_its_scheduler() -> None:
+    """The writing scheduler's name (session 29) is a field the release before skips, as it does
+    `newest_create_time`; a snapshot without one (from that release) reads as unnamed."""
+    named = dataclasses.replace(SNAPSHOT, scheduler="scheduler-0:50052")
+    data = encode_snapshot(named)
+    assert json.loads(data)["scheduler"] == "scheduler-0:50052"
+    assert decode_snapshot(data) == named
+    old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
+    assert (old.model_name, old.connected_batchers, old.free_credits) == ("demo", 1, 4)
+    assert "scheduler" not in json.loads(encode_snapshot(SNAPSHOT))  # unnamed: left out
+    assert decode_snapshot(encode_snapshot(SNAPSHOT)).scheduler == ""

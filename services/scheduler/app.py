@@ -460,8 +460,8 @@ class SchedulerApp:
             snapshot = by_model.get(dispatcher.model_name)
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
-        if self._snapshots_js is not None:
-            due = self._snapshot_writes.due(snapshots)
+        if self._snapshots_js is not None and self._instance is not None:
+            due = self._snapshot_writes.due(snapshots, scheduler=self._instance.name)
             if not due:
                 return
             try:

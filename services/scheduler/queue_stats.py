@@ -80,8 +80,8 @@ class ModelQueueSnapshot:
     def oldest_ages(self) -> dict[Priority, float | None]:
         return {q.priority: q.oldest_age_s for q in self.priorities}
 
-    def to_shared(self) -> queues.QueueSnapshot:
-        """The form the gateway reads from the queues bucket."""
+    def to_shared(self, scheduler: str) -> queues.QueueSnapshot:
+        """The form the gateway reads from the queues bucket, naming the `scheduler` writing it."""
         return queues.QueueSnapshot(
             model_name=self.model_name,
             updated_at=self.updated_at,
@@ -98,6 +98,7 @@ class ModelQueueSnapshot:
             paused=self.paused,
             desired_batchers=self.desired_batchers,
             draining=self.draining,
+            scheduler=scheduler,
         )
 
 

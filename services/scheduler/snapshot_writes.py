@@ -32,13 +32,14 @@ class SnapshotWrites:
         self._last: dict[str, tuple[_Seen, float]] = {}  # model -> what was written, and when
         self._due: dict[str, _Seen] = {}
 
-    def due(self, snapshots: Sequence[ModelQueueSnapshot]) -> list[QueueSnapshot]:
-        """The shared forms to write this round; `written` or `failed` is told how it went."""
+    def due(self, snapshots: Sequence[ModelQueueSnapshot], *, scheduler: str) -> list[QueueSnapshot]:
+        """The shared forms to write this round, each naming `scheduler` (the instance writing it);
+        `written` or `failed` is told how it went."""
         now = self._clock()
         self._due = {}
         shared = []
         for snapshot in snapshots:
-            form = snapshot.to_shared()
+            form = snapshot.to_shared(scheduler)
             seen = (dataclasses.replace(form, updated_at=0.0), snapshot.submitted_per_s)
             last = self._last.get(snapshot.model_name)
             if last is None or last[0] != seen or now - last[1] >= self._heartbeat_s:

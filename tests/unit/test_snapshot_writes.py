@@ -27,7 +27,7 @@ def _snapshot(name: str, *, updated_at: float, depth: int = 0, submitted_per_s: 
 
 
 def _names(writes: SnapshotWrites, snapshots: list[ModelQueueSnapshot]) -> list[str]:
-    return [s.model_name for s in writes.due(snapshots)]
+    return [s.model_name for s in writes.due(snapshots, scheduler="host:7001")]
 
 
 def test_only_a_changed_snapshot_is_written_until_the_heartbeat() -> None:
@@ -65,3 +65,11 @@ def test_a_failed_round_writes_every_model_at_the_next() -> None:
     writes.failed()  # some of the group may not have landed
     now[0] = 2.0
     assert _names(writes, round_) == ["a", "b"]
+
+
+def test_each_snapshot_names_the_scheduler_writing_it() -> None:
+    """The gateway keeps each scheduler's latest snapshot of a model by this name
+    (services.gateway.snapshot_merge)."""
+    writes = SnapshotWrites(heartbeat_s=5.0, clock=lambda: 0.0)
+    due = writes.due([_snapshot("a", updated_at=1.0), _snapshot("b", updated_at=1.0)], scheduler="host:7001")
+    assert [s.scheduler for s in due] == ["host:7001", "host:7001"]
