@@ -1,6 +1,7 @@
-"""What the gateway knows of each model's queue: the scheduler's latest `QueueSnapshot` (kept
-current by a watch on the queues bucket, so no KV read happens per request), the `paused.<model>`
-keys, and the jobs this gateway queued since the snapshot was taken.
+"""What the gateway knows of each model's queue: the schedulers' latest `QueueSnapshot`s, merged
+(services.gateway.snapshot_merge; kept current by a watch on the queues bucket, so no KV read
+happens per request), the `paused.<model>` keys, and the jobs this gateway queued since the
+snapshot was taken.
 
 From these it answers two questions: may another job join the queue (`estimated_depth` against
 max_queue_depth), and where does a queued job stand (`standing`: position, estimated start and
@@ -24,6 +25,7 @@ from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsErr
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 from asyncinfer.supervision import outcome_seen
+from services.gateway.snapshot_merge import SchedulerSnapshots
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
 
@@ -65,10 +67,11 @@ def is_fresh(snapshot: QueueSnapshot | None, now: float) -> bool:
 
 def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> str:
     """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
-    DRAINING (the scheduler reporting the model is draining), then NO_WORKER (no scheduler reports
-    the model, or no batcher serves it), then RETRY_BACKOFF (a failed attempt is waiting out its
-    delay), then none (DISPATCHING: the snapshot's free credits outnumber the jobs ahead of it, as
-    for a fresh job on an idle batcher), else WAITING_FOR_CAPACITY."""
+    DRAINING (every scheduler whose batchers serve the model drains: services.gateway.
+    snapshot_merge), then NO_WORKER (no scheduler reports the model, or no batcher serves it), then
+    RETRY_BACKOFF (a failed attempt is waiting out its delay), then none (DISPATCHING: the
+    snapshot's free credits outnumber the jobs ahead of it, as for a fresh job on an idle batcher),
+    else WAITING_FOR_CAPACITY."""
     fresh = is_fresh(snapshot, now)
     if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
@@ -166,6 +169,8 @@ class QueueView:
         self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
         self._monotonic = monotonic
+        # Per model: each scheduler's latest snapshot, and their merge, which every question reads.
+        self._schedulers = SchedulerSnapshots()
         self._snapshots: dict[str, QueueSnapshot] = {}
         self._paused: set[str] = set()
         # Per model: when this gateway queued each job not yet counted by a snapshot, as (wall,
@@ -222,6 +227,7 @@ class QueueView:
                 self._paused.add(model_name)
             return
         if deleted:
+            self._schedulers.forget(key)
             self._snapshots.pop(key, None)
             return
         try:
@@ -229,7 +235,7 @@ class QueueView:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
-        self._snapshots[key] = snapshot
+        self._snapshots[key] = self._schedulers.arrived(snapshot, self._clock())
         previous = self._arrived.get(key, float("-inf"))
         self._arrived[key] = self._monotonic()
         confirmed = self._confirmed.get(key)

@@ -1,0 +1,139 @@
+"""Two schedulers on one NATS, as the Kubernetes deployment runs them (deploy/k8s/base/scheduler.yaml:
+2 replicas), with the one batcher connected to the first: each writes the model's one queue snapshot
+key with its own view, and the gateway answers a queued job's standing from their merge
+(services.gateway.snapshot_merge). Before session 29 the key's last write was the answer: every
+write of the scheduler without a batcher made the queued jobs say NO_WORKER, and its drain made
+them say DRAINING while the other dispatched."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.nats import KeyValue
+from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
+from services.scheduler.app import SchedulerApp
+from tests.hanging_models import HANG_VALUE, RELEASE
+from tests.stack import StartStack
+
+# One job at a time, and the first one hangs (until RELEASE) for longer than the test runs: the
+# jobs behind it wait for capacity on the one batcher.
+HANGING_MODEL = DEMO_MODEL.model_copy(
+    update={
+        "name": "hang",
+        "loader": "tests.hanging_models:build_hanging_model",
+        "default_execution_timeout_s": 600.0,
+        "max_batch_size": 1,
+        "max_inflight_batches": 1,
+        "max_queue_size": 1,  # the batcher holds the hung job alone
+        "max_queue_delay_ms": 0.0,
+        "warm_up": False,
+    }
+)
+MODEL = HANGING_MODEL.name
+WAIT_S = 15.0
+
+
+def request(first: float) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    x.contents.fp32_contents.extend([first, 1.0, 1.0, 1.0])
+    return job_service_pb2.SubmitJobRequest(model_name=MODEL, inputs=[x])
+
+
+async def wait_for(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+async def next_written(
+    writes: KeyValue.KeyWatcher, matches: Callable[[QueueSnapshot], bool], *, after: float = 0.0
+) -> QueueSnapshot:
+    """The next snapshot written to the model's key (by either scheduler) that `matches`, taken
+    after `after` (Unix seconds: the schedulers run on this host's clock)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        entry = await writes.updates(timeout=max(deadline - time.monotonic(), 0.01))
+        if entry is not None and entry.value:
+            snapshot = decode_snapshot(entry.value)
+            if snapshot.updated_at > after and matches(snapshot):
+                return snapshot
+
+
+@pytest.mark.timeout(120)
+async def test_a_scheduler_without_batchers_or_draining_does_not_hide_the_others_batcher(
+    config: Config, start_stack: StartStack
+) -> None:
+    RELEASE.clear()
+    shared = config.replace(models=[HANGING_MODEL], scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared)  # the gateway, scheduler A and the batcher, connected to A
+    second = SchedulerApp(shared)  # scheduler B: no batcher connects to it
+    await second.start()
+    queues = await stack.nc.jetstream().key_value(shared.nats.queues_bucket)
+    writes = await queues.watch(MODEL)
+    view = stack.gateway.queue_view
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") for app in (stack.scheduler, second)]
+    ops_a, ops_b = (ops_service_pb2_grpc.OpsServiceStub(channel) for channel in channels)
+    try:
+        hung = (await stack.jobs.SubmitJob(request(HANG_VALUE))).job.job_id
+
+        async def state_of(job_id: str) -> int:
+            return (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.state
+
+        deadline = time.monotonic() + WAIT_S
+        while await state_of(hung) != job_pb2.JOB_STATE_RUNNING:
+            assert time.monotonic() < deadline, "the first job did not start"
+            await asyncio.sleep(0.05)
+        queued = [(await stack.jobs.SubmitJob(request(float(i)))).job.job_id for i in range(3)]
+
+        async def reasons() -> list[int]:
+            got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=queued))
+            assert [r.job.state for r in got.results] == [job_pb2.JOB_STATE_QUEUED] * len(queued)
+            return [r.job.queue.waiting_reason for r in got.results]
+
+        async def read_by_gateway(snapshot: QueueSnapshot) -> None:
+            await wait_for(
+                lambda: (held := view.snapshot(MODEL)) is not None and held.updated_at >= snapshot.updated_at
+            )
+
+        capacity = [job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY] * len(queued)
+        await read_by_gateway(await next_written(writes, lambda s: s.connected_batchers == 1 and s.total_depth == 3))
+        # B writes at every change of its own (its drain, then its undrain), with no batcher: each
+        # time, the jobs still wait for A's batcher, whichever scheduler wrote last.
+        for _ in range(3):
+            drained_at = time.time()
+            assert (await ops_b.Drain(ops_service_pb2.DrainRequest())).drained
+            await read_by_gateway(await next_written(writes, lambda s: s.draining, after=drained_at))
+            assert await reasons() == capacity
+            undrained_at = time.time()
+            assert (await ops_b.Undrain(ops_service_pb2.UndrainRequest())).was_draining
+            b_alone = await next_written(
+                writes, lambda s: s.connected_batchers == 0 and not s.draining, after=undrained_at
+            )
+            await read_by_gateway(b_alone)
+            assert await reasons() == capacity
+            merged = view.snapshot(MODEL)
+            assert merged is not None
+            assert (merged.connected_batchers, merged.in_flight) == (1, 1)
+
+        # A drains, whose batcher is the only one: nothing dispatches, and the jobs say why.
+        drained_at = time.time()
+        await ops_a.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(nanos=1000)))
+        await read_by_gateway(
+            await next_written(writes, lambda s: s.draining and s.connected_batchers == 1, after=drained_at)
+        )
+        assert await reasons() == [job_pb2.WAITING_REASON_DRAINING] * len(queued)
+    finally:
+        RELEASE.set()
+        await writes.stop()
+        for channel in channels:
+            await channel.close()
+        await second.stop(2.0)

@@ -1,0 +1,171 @@
+"""One model's queue as several schedulers report it (services.gateway.snapshot_merge): each writes
+the model's one key with its own batchers, credits, rates and drain, and the gateway answers from
+their merge. Before session 29 the key's last write was the answer: one batcher on scheduler A, and
+every write of scheduler B (no batcher) made the queued jobs say NO_WORKER."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+
+from asyncinfer.contract import kv_subject_prefix
+from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.nats import JetStreamContext, Msg
+from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
+from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
+from services.gateway.snapshot_merge import SchedulerSnapshots, merge_snapshots
+
+pytestmark = pytest.mark.unit
+
+NOW = 1_800_000_000.0
+MODEL = "demo"
+
+
+def from_scheduler(
+    scheduler: str,
+    *,
+    age_s: float = 0.0,
+    batchers: int = 0,
+    free: int = 0,
+    in_flight: int = 0,
+    rate: float = 0.0,
+    draining: bool = False,
+    depth: int = 3,
+    desired: int = 0,
+) -> QueueSnapshot:
+    return QueueSnapshot(
+        model_name=MODEL,
+        updated_at=NOW - age_s,
+        priorities={Priority.NORMAL.value: PriorityQueueSnapshot(depth, NOW - 10.0 - age_s, NOW - 5.0 - age_s)},
+        in_flight=in_flight,
+        connected_batchers=batchers,
+        free_credits=free,
+        completed_per_s=rate,
+        desired_batchers=desired,
+        draining=draining,
+        scheduler=scheduler,
+    )
+
+
+def queued_job() -> JobRecord:
+    return JobRecord(
+        job_id="j",
+        tenant="default",
+        model_name=MODEL,
+        model_version="1",
+        state=JobState.QUEUED,
+        priority=Priority.NORMAL,
+        create_time=NOW - 7.0,
+        update_time=NOW - 7.0,
+        max_attempts=3,
+        result_retention_s=60,
+    )
+
+
+def test_batchers_credits_in_flight_and_rates_add_up() -> None:
+    a = from_scheduler("a", age_s=1.0, batchers=1, free=2, in_flight=4, rate=3.0, depth=3, desired=2)
+    b = from_scheduler("b", batchers=2, free=1, in_flight=1, rate=1.5, depth=5, desired=3)
+    merged = merge_snapshots([a, b], NOW)
+    assert merged is not None
+    assert (merged.connected_batchers, merged.free_credits, merged.in_flight) == (3, 3, 5)
+    assert merged.completed_per_s == 4.5
+    assert merged.desired_batchers == 3  # each asks for the whole backlog: the larger
+    # Depths and their times are one read of the shared consumers: the newest snapshot's, and its time.
+    assert (merged.priorities, merged.updated_at) == (b.priorities, b.updated_at)
+    assert not merged.draining
+
+
+def test_a_scheduler_without_batchers_does_not_make_the_model_look_unserved() -> None:
+    a = from_scheduler("a", age_s=1.0, batchers=1)
+    b = from_scheduler("b", batchers=0)  # written last: the key's value, which the gateway read alone
+    merged = merge_snapshots([a, b], NOW)
+    assert merged is not None
+    assert merged.connected_batchers == 1
+    assert waiting_reason(queued_job(), merged, paused=False, now=NOW) == WaitingReason.WAITING_FOR_CAPACITY
+    assert waiting_reason(queued_job(), b, paused=False, now=NOW) == WaitingReason.NO_WORKER  # the last write alone
+
+
+@pytest.mark.parametrize(
+    ("a_draining", "a_batchers", "b_draining", "b_batchers", "draining"),
+    [
+        (False, 1, True, 0, False),  # the one without batchers drains: A still dispatches
+        (False, 1, True, 1, False),  # one of two serving schedulers drains: the other dispatches
+        (True, 1, False, 0, True),  # the only one with a batcher drains: nothing dispatches
+        (True, 1, True, 1, True),  # every one drains
+        (True, 0, False, 0, False),  # no batcher anywhere, one not draining: NO_WORKER says why
+        (True, 0, True, 0, True),  # every one drains (as with one scheduler: DRAINING before NO_WORKER)
+    ],
+)
+def test_draining_when_every_scheduler_that_could_dispatch_drains(
+    a_draining: bool, a_batchers: int, b_draining: bool, b_batchers: int, draining: bool
+) -> None:
+    a = from_scheduler("a", batchers=a_batchers, draining=a_draining)
+    b = from_scheduler("b", batchers=b_batchers, draining=b_draining)
+    merged = merge_snapshots([a, b], NOW)
+    assert merged is not None
+    assert merged.draining is draining
+
+
+def test_a_draining_schedulers_free_slots_and_rate_take_no_queued_job() -> None:
+    a = from_scheduler("a", batchers=1, free=4, rate=8.0, draining=True)
+    b = from_scheduler("b", batchers=1, free=1, rate=2.0)
+    merged = merge_snapshots([a, b], NOW)
+    assert merged is not None
+    assert (merged.free_credits, merged.completed_per_s, merged.connected_batchers) == (1, 2.0, 2)
+    both = merge_snapshots([a, replace(b, draining=True)], NOW)  # all drain: all of them, as with one
+    assert both is not None
+    assert (both.free_credits, both.completed_per_s) == (5, 10.0)
+
+
+def test_stale_snapshots_are_left_out_and_all_stale_is_the_newest() -> None:
+    gone = from_scheduler("a", age_s=SNAPSHOT_STALE_S + 1.0, batchers=5, free=5, rate=9.0, draining=True)
+    live = from_scheduler("b", batchers=1, free=1, rate=1.0)
+    assert merge_snapshots([gone, live], NOW) is live  # one fresh: itself, as it was written
+    older = replace(gone, updated_at=NOW - SNAPSHOT_STALE_S - 5.0)
+    assert merge_snapshots([gone, older], NOW) is gone  # stale: says nobody looks after the model
+    assert merge_snapshots([], NOW) is None
+
+
+def test_each_schedulers_latest_counts_and_unnamed_ones_count_as_one() -> None:
+    held = SchedulerSnapshots()
+    assert held.arrived(from_scheduler("a", age_s=2.0, batchers=1), NOW).connected_batchers == 1
+    assert held.arrived(from_scheduler("b", age_s=1.0, batchers=0), NOW).connected_batchers == 1
+    assert held.arrived(from_scheduler("a", batchers=2), NOW).connected_batchers == 2  # A's latest replaces A's
+    # Schedulers of the release before name none: the last write among them wins, as it did.
+    assert held.arrived(from_scheduler("", batchers=3), NOW).connected_batchers == 5
+    assert held.arrived(from_scheduler("", batchers=1), NOW).connected_batchers == 3
+    held.forget(MODEL)
+    assert held.arrived(from_scheduler("b", batchers=0), NOW).connected_batchers == 0
+
+
+def test_a_stale_schedulers_snapshot_is_dropped_at_the_next_arrival() -> None:
+    held = SchedulerSnapshots()
+    held.arrived(from_scheduler("a", batchers=1, draining=True), NOW)
+    held.arrived(from_scheduler("b", batchers=1), NOW)
+    later = NOW + SNAPSHOT_STALE_S + 1.0  # A stopped writing; B's heartbeat comes
+    merged = held.arrived(replace(from_scheduler("b", batchers=1), updated_at=later), later)
+    assert (merged.connected_batchers, merged.draining) == (1, False)
+    assert held._by_model[MODEL].keys() == {"b"}  # not kept for ever (a scheduler per restart)
+
+
+async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_last() -> None:
+    """The watch's callback merges on arrival: a write of B (no batchers, draining) after A's leaves
+    A's batcher counted and the job waiting for capacity, not NO_WORKER or DRAINING."""
+    view = QueueView(cast(JetStreamContext, None), bucket="queues", clock=lambda: NOW)
+
+    async def arrives(snapshot: QueueSnapshot) -> None:
+        msg = SimpleNamespace(
+            subject=f"{kv_subject_prefix('queues')}{MODEL}", headers=None, data=encode_snapshot(snapshot)
+        )
+        await view._on_update(cast(Msg, msg))
+
+    await arrives(from_scheduler("a", age_s=0.5, batchers=1, rate=2.0))
+    await arrives(from_scheduler("b", batchers=0, draining=True))
+    standing = view.standing(queued_job())
+    assert standing is not None
+    assert standing.waiting_reason == WaitingReason.WAITING_FOR_CAPACITY
+    assert standing.estimated_start_time is not None  # A's rate: B, draining, completes nothing queued
+    assert view.estimated_depth(MODEL) == 3
