@@ -61,6 +61,8 @@ class NatsServerProcess:
     server_name: str = "asyncinfer"
     extra_args: tuple[str, ...] = ()
     log_file: Path | None = None
+    # Added to this process's environment for the server (e.g. Go's GOGC); None: inherited as is.
+    env: dict[str, str] | None = None
     process: subprocess.Popen[bytes] | None = field(default=None, init=False)
 
     @property
@@ -84,7 +86,8 @@ class NatsServerProcess:
         args += list(self.extra_args)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            env = None if self.env is None else {**os.environ, **self.env}
+            self.process = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         finally:
             if self.log_file:
                 out.close()  # type: ignore[union-attr]

@@ -97,6 +97,8 @@ class ServiceVariant:
     loader: str | None = None
     switch_interval_s: float | None = None  # the batcher's sys.setswitchinterval (None: Python's 5 ms)
     max_batch: int | None = None  # the model's max_batch_size, and direct torch's batch (None: MODELS')
+    # Added to nats-server's environment (NAME=VALUE pairs: Go's GOGC, GODEBUG), None: inherited.
+    nats_env: tuple[tuple[str, str], ...] = ()
 
 
 def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
@@ -315,7 +317,7 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
     direct = (lambda: float("nan")) if variant.loader else (lambda: direct_rate(model, raw, max_batch))
     direct_before = await asyncio.to_thread(direct)
     with ProcessGroup() as group:
-        nats = group.nats()
+        nats = group.nats(env=dict(variant.nats_env) or None)
         config = services_config(
             nats.url,
             [config_model],

@@ -16,7 +16,8 @@ Variants (bench.system.batch_files.ServiceVariant):
   ships); light, a model of the MLP's signature at almost no compute (what the services cost per
   record); N-batchers, N batchers serving the model; switch-Nus, the batcher's GIL switch interval
   (sys.setswitchinterval; Python's default is 5,000 us); batch-N, the model's max_batch_size N (and
-  direct torch's batch: MODELS' otherwise). E.g. two-streams+claim-check-io+4-batchers.
+  direct torch's batch: MODELS' otherwise); nats-NAME=VALUE, set in nats-server's environment (Go's
+  GOGC or GODEBUG). E.g. two-streams+claim-check-io+4-batchers, this+nats-GOGC=400.
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -66,6 +67,8 @@ def variant(name: str, base_tree: Path | None) -> ServiceVariant:
             settings["max_batch"] = int(size.group(1))
         elif (interval := re.fullmatch(r"switch-(\d+)us", modifier)) is not None:
             settings["switch_interval_s"] = int(interval.group(1)) / 1e6
+        elif (setting := re.fullmatch(r"nats-([A-Z_]+)=(.+)", modifier)) is not None:
+            settings["nats_env"] = (*settings.get("nats_env", ()), (setting.group(1), setting.group(2)))
         else:
             raise SystemExit(f"unknown modifier {modifier!r} in variant {name!r}")
     return ServiceVariant(**settings)

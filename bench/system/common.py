@@ -246,9 +246,9 @@ class ProcessGroup:
         if child in self.children:
             self.children.remove(child)
 
-    def nats(self, name: str = "nats", monitor_port: int = 0) -> NatsServerProcess:
+    def nats(self, name: str = "nats", monitor_port: int = 0, env: dict[str, str] | None = None) -> NatsServerProcess:
         server = NatsServerProcess(
-            store_dir=self.tmp / name, log_file=self.tmp / f"{name}.log", monitor_port=monitor_port
+            store_dir=self.tmp / name, log_file=self.tmp / f"{name}.log", monitor_port=monitor_port, env=env
         )
         self.nats_servers.append(server)
         server.start()
