@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -222,26 +223,41 @@ async def test_a_live_claim_is_waited_for(
     assert await work_messages(nc) == 0  # the "owner" here published nothing; the repeat neither
 
 
-async def test_a_claim_whose_owner_crashed_is_taken_over_once_stored_that_long_ago(
+@pytest.fixture
+async def short_bound_gateway(
     config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A claim older than the owner's bound (0.5 s here) whose record never came: the owner crashed.
-    # By the wall clocks it is an hour old; the repeat takes it over, with a new job ID, once the
-    # server stored it that long ago too.
+) -> AsyncIterator[tuple[JobStub, KeyValue]]:
+    """A gateway whose submits write their records within 0.5 s (enqueue_retry_s) with no takeover
+    margin, so a claim goes stale 0.5 s after it was made; a stub on it and the claims bucket."""
     monkeypatch.setattr(idempotency, "TAKEOVER_MARGIN_S", 0.0)
     app = GatewayApp(config.replace(gateway={"enqueue_retry_s": 0.5}))
     await app.start()
     try:
         claims = await nc.jetstream().key_value(config.nats.idempotency_bucket)
-        request = submit_request(idempotency_key="stale")
-        fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
-        crashed = new_job_id()
-        await claims.create(claim_key(TENANT, "stale"), Claim(crashed, fingerprint, time.time() - 3600).encode())
         async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
-            taken = await job_stub(channel).SubmitJob(request, timeout=10)
-            again = await job_stub(channel).SubmitJob(request, timeout=10)
+            yield job_stub(channel), claims
     finally:
         await app.stop(grace_s=1)
+
+
+def claimed_key(request: job_service_pb2.SubmitJobRequest, job_id: str, claim_time: float) -> tuple[str, bytes]:
+    """The claim a submit of `request` would have made for `job_id` at `claim_time`: key and value."""
+    fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
+    return claim_key(TENANT, request.idempotency_key), Claim(job_id, fingerprint, claim_time).encode()
+
+
+async def test_a_claim_whose_owner_crashed_is_taken_over_once_stored_that_long_ago(
+    short_bound_gateway: tuple[JobStub, KeyValue], nc: NatsClient
+) -> None:
+    # A claim older than the owner's bound (0.5 s here) whose record never came: the owner crashed.
+    # By the wall clocks it is an hour old; the repeat takes it over, with a new job ID, once the
+    # server stored it that long ago too.
+    stub, claims = short_bound_gateway
+    request = submit_request(idempotency_key="stale")
+    crashed = new_job_id()
+    await claims.create(*claimed_key(request, crashed, time.time() - 3600))
+    taken = await stub.SubmitJob(request, timeout=10)
+    again = await stub.SubmitJob(request, timeout=10)
     assert not taken.deduplicated
     assert taken.job.job_id != crashed
     entry = await claims.get(claim_key(TENANT, "stale"))
@@ -283,26 +299,18 @@ async def test_a_live_claim_is_not_taken_over_when_the_wall_clock_steps_forward(
 
 
 async def test_a_claim_that_never_goes_stale_is_waited_for_only_so_long(
-    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+    short_bound_gateway: tuple[JobStub, KeyValue], nc: NatsClient
 ) -> None:
     # The claim's holder has a clock an hour ahead: by ours its claim is never stale. The repeat
     # waits (backing off) as long as a claim can be live, then answers UNAVAILABLE.
-    monkeypatch.setattr(idempotency, "TAKEOVER_MARGIN_S", 0.0)
-    app = GatewayApp(config.replace(gateway={"enqueue_retry_s": 0.5}))
-    await app.start()
-    try:
-        claims = await nc.jetstream().key_value(config.nats.idempotency_bucket)
-        request = submit_request(idempotency_key="clock-ahead")
-        fingerprint = request_fingerprint(submit_request_from_proto(request, now=time.time()))
-        holder = new_job_id()
-        await claims.create(claim_key(TENANT, "clock-ahead"), Claim(holder, fingerprint, time.time() + 3600).encode())
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
-            started = time.monotonic()
-            with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await job_stub(channel).SubmitJob(request, timeout=10)
-            waited_s = time.monotonic() - started
-    finally:
-        await app.stop(grace_s=1)
+    stub, claims = short_bound_gateway
+    request = submit_request(idempotency_key="clock-ahead")
+    holder = new_job_id()
+    await claims.create(*claimed_key(request, holder, time.time() + 3600))
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as failed:
+        await stub.SubmitJob(request, timeout=10)
+    waited_s = time.monotonic() - started
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert holder in (failed.value.details() or "")
     assert 0.5 <= waited_s < 5.0  # waited out the claim's bound (0.5 s), not the call's deadline
