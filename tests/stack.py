@@ -115,12 +115,16 @@ class Stack:
         self.batcher = BatcherApp(self._batcher_config.replace(batcher={"scheduler_address": self.ops_address}))
         await self.batcher.start()
 
-    async def restart_gateway(self, grace_s: float = 1.0, away_s: float = 0.0) -> None:
+    async def restart_gateway(
+        self, grace_s: float = 1.0, away_s: float = 0.0, while_away: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
         """Stops the gateway and starts a new one on the same configuration: with a fixed port, the
         same address (calls on the old one end with UNAVAILABLE; the channel reconnects). `away_s`:
-        how long nothing listens between the two."""
+        how long nothing listens between the two; `while_away`: what happens meanwhile (awaited)."""
         await self.gateway.stop(grace_s)
         await asyncio.sleep(away_s)
+        if while_away is not None:
+            await while_away()
         self.gateway = GatewayApp(self.config)
         await self.gateway.start()
 

@@ -5,17 +5,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 import grpc
 import numpy as np
 import pytest
 
-from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobState, NotFoundError, jobs_watch
+from asyncinfer.client import (
+    AsyncClient,
+    Client,
+    InvalidArgumentError,
+    Job,
+    JobState,
+    NotFoundError,
+    Priority,
+    jobs_watch,
+)
+from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import job_not_found
-from asyncinfer.jobs import JobRecord
+from asyncinfer.jobs import JobRecord, job_key
 from asyncinfer.jobs import JobState as RecordState
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
@@ -24,7 +35,10 @@ from services.gateway.batch_reads import watch_jobs_responses
 from services.gateway.convert import job_to_proto
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import JobChange, watch_labels
-from tests.stack import Stack
+from tests.kv_helpers import job_record
+from tests.stack import Stack, StartStack
+from tests.test_client_sdk import FAST_RETRY, free_port
+from tests.test_gateway import TENANT
 from tests.test_record_codec import MINIMAL
 
 X = np.array([[1, 2, 3, 4]], dtype=np.float32)
@@ -250,6 +264,94 @@ async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_hea
     assert (update.job_id, update.state) == (job.job_id, JobState.QUEUED)
 
 
+@pytest.mark.parametrize("sdk", ["blocking", "asyncio"])
+async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
+    config: Config, start_stack: StartStack, sdk: str
+) -> None:
+    """Session 29: the SDK reopened a label watch broken by a gateway restart, and what changed
+    meanwhile was lost: jobs that finished while the gateway was down were never reported (a client
+    collecting results by label waited for ever). The reopened watch now lists the jobs with its
+    labels once the new stream listens and yields each it has not yielded the latest state of:
+    here every job that finished in the gap, once, at its terminal state (one queued before the
+    watch started among them), and not the job that ended before the watch started."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    labels = {"run": f"gap-{sdk}"}
+    async with AsyncClient(stack.address) as client:
+        ended_before = await client.cancel(await client.submit("demo", {"x": X}, labels=labels))
+        queued_before = await client.submit("demo", {"x": X}, labels=labels)
+    assert ended_before.state is JobState.CANCELED
+
+    async def run_while_away(job_ids: list[str]) -> None:
+        async def finish() -> None:
+            await stack.start_batcher()
+            js = stack.nc.jetstream()
+            async with asyncio.timeout(WAIT_S):  # no watch announces it: the gateway is down
+                while True:
+                    records = [await job_record(js, job_key(TENANT, job_id)) for job_id in job_ids]
+                    if all(record is not None and record.state.is_terminal for record in records):
+                        return
+                    await asyncio.sleep(0.01)
+
+        await stack.restart_gateway(0.2, while_away=finish)
+
+    loop = asyncio.get_running_loop()
+
+    def watch_blocking() -> tuple[list[str], str, list[Job]]:
+        with Client(stack.address, retry=FAST_RETRY) as client:
+            updates = client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S)
+            gap = [client.submit("demo", {"x": X + i}, labels=labels).job_id for i in range(3)]
+            seen: list[Job] = []
+            for update in updates:  # each gap job's QUEUED (no batcher yet)
+                assert isinstance(update, Job)
+                seen.append(update)
+                if len(seen) == len(gap):
+                    break
+            asyncio.run_coroutine_threadsafe(run_while_away([*gap, queued_before.job_id]), loop).result()
+            marker = ""
+            for update in updates:
+                assert isinstance(update, Job)
+                seen.append(update)
+                if not marker and {*gap, queued_before.job_id} <= {j.job_id for j in seen if j.done}:
+                    # Caught up: anything repeated would come before the next job's changes.
+                    marker = client.submit("demo", {"x": X}, labels=labels).job_id
+                if update.job_id == marker and update.done:
+                    break
+            return gap, marker, seen
+
+    async def watch_async() -> tuple[list[str], str, list[Job]]:
+        async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
+            updates = client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S)
+            await updates.ready()
+            gap = [(await client.submit("demo", {"x": X + i}, labels=labels)).job_id for i in range(3)]
+            seen: list[Job] = []
+            async for update in updates:
+                assert isinstance(update, Job)
+                seen.append(update)
+                if len(seen) == len(gap):
+                    break
+            await run_while_away([*gap, queued_before.job_id])
+            marker = ""
+            async for update in updates:
+                assert isinstance(update, Job)
+                seen.append(update)
+                if not marker and {*gap, queued_before.job_id} <= {j.job_id for j in seen if j.done}:
+                    marker = (await client.submit("demo", {"x": X}, labels=labels)).job_id
+                if update.job_id == marker and update.done:
+                    break
+            await updates.aclose()
+            return gap, marker, seen
+
+    gap, marker, seen = await (asyncio.to_thread(watch_blocking) if sdk == "blocking" else watch_async())
+    states: dict[str, list[JobState]] = {}
+    for update in seen:
+        states.setdefault(update.job_id, []).append(update.state)
+    for job_id in gap:
+        assert states[job_id] == [JobState.QUEUED, JobState.SUCCEEDED], "QUEUED live, then once as it ended"
+    assert states[queued_before.job_id] == [JobState.SUCCEEDED], "queued before the watch, ended in the gap"
+    assert states[marker][-1] is JobState.SUCCEEDED
+    assert ended_before.job_id not in states, "a job that ended before the watch started is not news"
+
+
 async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:
     async with AsyncClient(stack.address) as client:
         jobs = [await client.submit("demo", {"x": X * i}) for i in range(4)]
@@ -312,3 +414,43 @@ def test_a_batch_of_changes_is_cut_into_messages_within_the_budget() -> None:
     assert [c.job_id for r in responses for c in r.changes] == [c.job_id for c in changes]
     assert all(r.ByteSize() <= 250_000 for r in responses)
     assert [len(r.changes) for r in watch_jobs_responses(changes[:1], convert, budget_bytes=10)] == [1]
+
+
+@pytest.mark.unit
+def test_a_label_watchs_catch_up_takes_only_the_news() -> None:
+    """What a reopened label watch yields of the jobs it lists (jobs_watch.missed): a job it
+    delivered, when newer; one it did not (or forgot: the memory is bounded), when it changed
+    since the watch started (a terminal one: when it ended)."""
+    since = datetime(2026, 12, 6, 12, 0, tzinfo=UTC)
+    before, after = since - timedelta(seconds=1), since + timedelta(seconds=1)
+
+    def job(job_id: str, state: JobState, revision: int, *, update: datetime, end: datetime | None = None) -> Job:
+        return Job(
+            job_id=job_id,
+            model_name="demo",
+            model_version="",
+            state=state,
+            priority=Priority.NORMAL,
+            attempt=1,
+            max_attempts=3,
+            revision=revision,
+            update_time=update,
+            end_time=end,
+        )
+
+    delivered = jobs_watch.DeliveredRevisions(kept=2)
+    delivered.delivered(job("queued", JobState.QUEUED, 0, update=after))
+    delivered.delivered(job("ran", JobState.SUCCEEDED, 7, update=after, end=after))
+    assert not jobs_watch.missed(job("queued", JobState.QUEUED, 0, update=after), delivered, since)
+    assert jobs_watch.missed(job("queued", JobState.RUNNING, 3, update=after), delivered, since)
+    assert not jobs_watch.missed(job("ran", JobState.SUCCEEDED, 7, update=after, end=after), delivered, since)
+    # Unseen: changed since the watch started (queued before it, among them), or not.
+    assert jobs_watch.missed(job("new", JobState.SUCCEEDED, 9, update=after, end=after), delivered, since)
+    assert jobs_watch.missed(job("old-running", JobState.RUNNING, 4, update=after), delivered, since)
+    assert not jobs_watch.missed(job("old", JobState.CANCELED, 2, update=after, end=before), delivered, since)
+    assert not jobs_watch.missed(job("idle", JobState.QUEUED, 0, update=before), delivered, since)
+    # A third job forgets the one delivered least recently: at least once, never lost.
+    delivered.delivered(job("third", JobState.QUEUED, 0, update=after))
+    assert len(delivered) == 2
+    assert not delivered.knows("queued")
+    assert jobs_watch.missed(job("queued", JobState.QUEUED, 0, update=after), delivered, since)

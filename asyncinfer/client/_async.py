@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import hashlib
 import io
+import logging
 import os
 import uuid
 from collections import deque
@@ -30,7 +31,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, replace
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
@@ -66,10 +67,14 @@ from asyncinfer.client.errors import (
     with_connection_hint,
 )
 from asyncinfer.client.jobs_watch import (
+    CATCH_UP_MAX_JOBS,
+    CATCH_UP_PAGE_SIZE,
     LISTENING,
+    DeliveredRevisions,
     JobsWatch,
     Listening,
     WatchUpdate,
+    missed,
     ready_or_silent,
 )
 from asyncinfer.client.types import (
@@ -93,6 +98,7 @@ if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 E = TypeVar("E", bound=enum.StrEnum)
 JobLike = Job | str
 UPLOAD_CHUNK_BYTES = 1 << 20
@@ -666,7 +672,11 @@ class AsyncClient:
         until you stop iterating or `timeout_s` passes. `await watch.ready()` returns once the
         gateway listens: a job submitted after it is seen from QUEUED on (asyncinfer.client.jobs_watch).
         A broken stream is reopened (the jobs not yet terminal are sent again as they stand, so a
-        change is never lost; a label watch hears no change while it is broken)."""
+        change is never lost). A label watch hears no change while it is broken, so once reopened it
+        lists the jobs with its labels (ListJobs) and first yields, as they stand now, those that
+        changed since it started and whose latest state it has not yielded: after a reconnect, each
+        job's latest state at least once, then the live changes (at most 10,000 jobs listed,
+        newest first; a job that ended before the watch started is not yielded)."""
         return JobsWatch(self._watch_jobs(jobs, labels, timeout_s))
 
     async def _watch_jobs(
@@ -678,6 +688,10 @@ class AsyncClient:
         attempt = 0
         breaks = StreamBreaks()
         listening = False
+        # A label watch: when it first listened, and what it delivered of each job (what a reopened
+        # watch's catch-up compares the listed jobs with, and what drops a repeated change).
+        since: datetime | None = None
+        delivered = DeliveredRevisions()
         while True:
             attempt += 1
             watching = [job_id for job_id in ids if job_id not in done]
@@ -687,20 +701,40 @@ class AsyncClient:
             call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None
             try:
-                if labels and not listening and await ready_or_silent(call, deadline.remaining()):
-                    listening = True
+                if labels and since is None and await ready_or_silent(call, deadline.remaining()):
+                    listening, since = True, datetime.now(UTC)
+                    attempt = 0
+                    breaks.answered()
                     yield LISTENING
+                elif labels and since is not None:
+                    # Reopened: once the new stream listens, what changed while the old one was
+                    # broken (the changes after the headers come on the stream, repeats dropped).
+                    await ready_or_silent(call, deadline.remaining())
+                    if not call.done():  # else the stream says why it ended, and the next one catches up
+                        attempt = 0
+                        breaks.answered()
+                        caught_up = self._missed_by_label_watch(labels, since, delivered, deadline)
+                        async with contextlib.aclosing(caught_up):
+                            async for job in caught_up:
+                                delivered.delivered(job)
+                                yield job
                 async for response in call:
                     attempt = 0
                     breaks.answered()
                     if not listening:  # the first message (a watch of IDs: every job as it stands)
                         listening = True
+                        if labels and since is None:
+                            since = datetime.now(UTC)
                         yield LISTENING
                     for change in response.changes:
                         if change.HasField("job"):
                             snapshot = job_from_proto(
                                 change.job, change.progress if change.HasField("progress") else None
                             )
+                            if labels:
+                                if not delivered.is_new(snapshot):
+                                    continue
+                                delivered.delivered(snapshot)
                             if snapshot.done:
                                 done.add(change.job_id)
                             yield snapshot
@@ -718,9 +752,37 @@ class AsyncClient:
                 raise
             except grpc.RpcError as rpc_error:
                 error, cause = from_rpc_error(rpc_error), rpc_error
+            except AsyncInferClientError as listing_failed:  # the catch-up's ListJobs: as a break
+                error = listing_failed
             finally:
                 call.cancel()
             await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+
+    async def _missed_by_label_watch(
+        self, labels: Mapping[str, str], since: datetime, delivered: DeliveredRevisions, deadline: Deadline
+    ) -> AsyncGenerator[Job, None]:
+        """The jobs with `labels` whose latest record a reopened label watch has not delivered
+        (jobs_watch.missed), as they stand: at most CATCH_UP_MAX_JOBS listed, newest first."""
+        listed = 0
+        pages = self.list(
+            labels=labels,
+            page_size=CATCH_UP_PAGE_SIZE,
+            limit=CATCH_UP_MAX_JOBS + 1,
+            timeout_s=_unary_budget(deadline, self.timeout_s),
+        )
+        async with contextlib.aclosing(pages):
+            async for job in pages:
+                listed += 1
+                if listed > CATCH_UP_MAX_JOBS:
+                    _log.warning(
+                        "a label watch of %s reconnected; more than %d jobs carry the labels: the changes "
+                        "of the older ones while it was broken are not caught up",
+                        dict(labels),
+                        CATCH_UP_MAX_JOBS,
+                    )
+                    return
+                if missed(job, delivered, since):
+                    yield job
 
     async def wait_jobs(
         self, jobs: Iterable[JobLike], *, timeout_s: float | None = None

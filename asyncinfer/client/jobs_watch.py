@@ -12,12 +12,21 @@ any change. `ready()` waits for them, so that
 sees the job from QUEUED on. A gateway before session 29 sends its headers only with the first
 change, which may never come: the wait is bounded (READY_WAIT_S), after which the watch carries
 on as before (a job submitted meanwhile may show no QUEUED change, its later changes do come).
+
+A label watch hears nothing while its stream is broken (a gateway restart, a network blip), so
+after reopening it, and once the new stream listens, the SDK lists the jobs with the same labels
+(ListJobs) and yields those whose latest record it has not delivered: list, then watch, as a
+Kubernetes informer relists. A caught-up job comes as it stands (its latest record, not each change
+it went through while the watch was broken), unmarked: after a reconnect each job's latest state
+comes at least once, then the live changes. `DeliveredRevisions` and `missed` decide which.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
+from datetime import datetime
 from typing import Any
 
 import grpc
@@ -31,6 +40,14 @@ from asyncinfer.grpc_headers import WATCH_READY_HEADER
 # sends them a NATS round trip or three after the stream opens (milliseconds); one before session 29
 # only with the first change.
 READY_WAIT_S = 5.0
+
+# Jobs whose last delivered revision a label watch keeps (the one that changed least recently is
+# forgotten first), as the gateway keeps per stream (services/gateway/watch_many.py); and the most
+# jobs a reopened label watch lists (ListJobs, newest first: the oldest beyond it are not caught up).
+REVISIONS_KEPT = 10_000
+CATCH_UP_MAX_JOBS = 10_000
+# ListJobs' largest page.
+CATCH_UP_PAGE_SIZE = 1000
 
 WatchUpdate = Job | tuple[str, AsyncInferClientError]
 
@@ -56,6 +73,46 @@ async def ready_or_silent(call: aio.UnaryStreamCall[Any, Any], remaining_s: floa
     except grpc.RpcError:
         return False
     return any(key == WATCH_READY_HEADER for key, _ in headers or ())
+
+
+class DeliveredRevisions:
+    """The last revision a label watch delivered of each job, at most `kept` jobs (the one that
+    changed least recently forgotten first: a forgotten job that changed while the watch was broken
+    may come again after the reconnect, at least once rather than never)."""
+
+    def __init__(self, kept: int = REVISIONS_KEPT) -> None:
+        self._kept = kept
+        self._revisions: OrderedDict[str, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._revisions)
+
+    def knows(self, job_id: str) -> bool:
+        return job_id in self._revisions
+
+    def is_new(self, job: Job) -> bool:
+        """Whether `job` is newer than what was delivered of it (a reopened stream, or the listing
+        after it, repeats what came before the break; a queued job stays at revision 0)."""
+        known = self._revisions.get(job.job_id)
+        return known is None or job.revision > known
+
+    def delivered(self, job: Job) -> None:
+        self._revisions[job.job_id] = job.revision
+        self._revisions.move_to_end(job.job_id)
+        if len(self._revisions) > self._kept:
+            self._revisions.popitem(last=False)
+
+
+def missed(job: Job, delivered: DeliveredRevisions, since: datetime) -> bool:
+    """Whether a job listed after a reconnect is news to the watch: newer than what it delivered of
+    the job; for a job it delivered nothing of (or forgot), one that changed since the watch first
+    listened (`since`, the client's clock; a job's times are its writer's, so the boundary moves by
+    their skew). A job that ended before the watch started is not news: a label watch reports
+    changes from when it starts."""
+    if delivered.knows(job.job_id):
+        return delivered.is_new(job)
+    changed = job.end_time if job.done else job.update_time
+    return changed is None or changed >= since
 
 
 class JobsWatch:
