@@ -29,10 +29,13 @@ from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
 # At most this many errors are kept in the record (GetBatch's first_errors); the rest are only in
 # the error file.
 FIRST_ERRORS_KEPT = 10
-# How long a batch named on its upload may have no record and still be taken for a create under way
-# (CreateBatch names the batch on the upload, then writes the record, within seconds): an hour
-# covers a gateway that waited out NATS for its retries many times over.
-CREATE_UNDER_WAY_S = 3600.0
+# A create sends its batch's record within this long of minting the batch's ID, or never: it mints
+# the ID just before it claims the idempotency key (which waits out NATS for up to 10 s) and names
+# the batch on its upload, and checks the time (its monotonic clock) before the record's write.
+CREATE_RECORD_WITHIN_S = 20.0
+# Beyond that: the record's write, sent just inside the bound, may still be in flight (nats-py's
+# JetStream requests time out after 5 s).
+CREATE_WRITE_MARGIN_S = 6.0
 RECORD_VERSION = 1
 
 
@@ -152,19 +155,33 @@ class BatchRecord:
         return tuple(c for c in self.chunks if c.status is not ChunkStatus.SPLIT)
 
 
+def create_settles_in_s(batch_id: str, *, now: float) -> float:
+    """How long a batch with no record may still get one, by the wall clocks (`now` against the
+    time in its ID, the minting gateway's): its create may write it until CREATE_RECORD_WITHIN_S
+    after minting the ID, and the write may land CREATE_WRITE_MARGIN_S after that. 0 once it
+    cannot (the create died or gave up), and for what is not a batch ID."""
+    try:
+        minted_s = job_id_time_ms(batch_id) / 1000.0
+    except ValueError:
+        return 0.0
+    return max(minted_s + CREATE_RECORD_WITHIN_S + CREATE_WRITE_MARGIN_S - now, 0.0)
+
+
+def create_settled_after_s() -> float:
+    """How long after its create claimed a key or named its batch a batch with no record cannot
+    get one any more: the bound create_settles_in_s applies, on a clock of its caller's choice."""
+    return CREATE_RECORD_WITHIN_S + CREATE_WRITE_MARGIN_S
+
+
 def may_read_its_input(batch_id: str, record: BatchRecord | None, *, now: float) -> bool:
     """Whether a batch named on an upload (BATCHES_HEADER) may still read it, so that DeleteInput
-    must wait for it: its record says it has not ended, or it has no record yet and its ID was
-    minted less than CREATE_UNDER_WAY_S ago (a create names the batch before writing its record).
-    An ended batch reads nothing more; one whose record is gone older than that ended and outlived
+    must wait for it: its record says it has not ended, or it has no record yet and its create may
+    still write one (create_settles_in_s: a create names the batch before writing its record). An
+    ended batch reads nothing more; one whose record is gone older than that ended and outlived
     its retention, or its create died before writing it."""
     if record is not None:
         return not record.state.is_terminal
-    try:
-        minted_s = job_id_time_ms(batch_id) / 1000.0
-    except ValueError:  # not a batch ID at all: nothing can read through it
-        return False
-    return now - minted_s < CREATE_UNDER_WAY_S
+    return create_settles_in_s(batch_id, now=now) > 0
 
 
 def chunk_job_id(batch_id: str, start: int, end: int) -> str:

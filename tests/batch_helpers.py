@@ -6,13 +6,18 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pytest
 from google.protobuf import duration_pb2
 
+from asyncinfer.batches import BatchRecord
+from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_service_pb2
+from services.gateway.batch_store import BatchStore
 
 if TYPE_CHECKING:
     import grpc
@@ -104,3 +109,39 @@ def npy_bytes(array: Any) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array)
     return buffer.getvalue()
+
+
+def minted_at(unix_s: float) -> str:
+    """A batch ID (UUIDv7) minted at `unix_s`: its create started then."""
+    fresh = uuid.UUID(new_job_id()).int & ((1 << 80) - 1)
+    return str(uuid.UUID(int=int(unix_s * 1000) << 80 | fresh))
+
+
+class HeldCreate:
+    """Holds the first create's record write (between its claim and its record) until released, and
+    counts the reads of that batch's record that find nothing (a duplicate looking for it)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.batch_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.release = asyncio.Event()
+        self.looked = 0
+        self.looked_enough = asyncio.Event()
+        self.enough = 0
+        write, get = BatchStore.write, BatchStore.get
+
+        async def held_write(store: BatchStore, record: BatchRecord) -> BatchRecord:
+            if record.revision == 0 and not self.batch_id.done():
+                self.batch_id.set_result(record.batch_id)
+                await self.release.wait()
+            return await write(store, record)
+
+        async def counted_get(store: BatchStore, tenant: str, batch_id: str) -> BatchRecord | None:
+            found = await get(store, tenant, batch_id)
+            if found is None and self.batch_id.done() and batch_id == self.batch_id.result():
+                self.looked += 1
+                if self.enough and self.looked >= self.enough:
+                    self.looked_enough.set()
+            return found
+
+        monkeypatch.setattr(BatchStore, "write", held_write)
+        monkeypatch.setattr(BatchStore, "get", counted_get)

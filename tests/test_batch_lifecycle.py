@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer import batches
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, JobState
@@ -24,14 +25,18 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
+from services.gateway import batch_service
+from services.gateway.batch_convert import batch_from_request
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
 from tests.batch_helpers import (
+    HeldCreate,
     batches_stub,
     create_request,
     demo_records,
     errors,
     jsonl,
+    minted_at,
     outputs,
     upload,
     wait_ended,
@@ -192,8 +197,12 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
 
 
 async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(
-    config: Config, start_stack: StartStack
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The bound a claim's readers apply (1 s here): past it, by the wall clocks and by the server's,
+    # its create can no longer write its batch.
+    monkeypatch.setattr(batches, "CREATE_RECORD_WITHIN_S", 1.0)
+    monkeypatch.setattr(batches, "CREATE_WRITE_MARGIN_S", 0.0)
     stack = await start_stack(lifecycle_config(config))
     stub = batches_stub(stack.channel)
     store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
@@ -205,7 +214,39 @@ async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_
     )
     assert not created.deduplicated
     assert created.batch.batch_id != ghost
+    claim = await store.holder("default", "nightly-3")  # the key names the new batch
+    assert claim is not None
+    assert claim[0] == created.batch.batch_id
     assert (await wait_ended(stub, created.batch.batch_id)).request_counts.completed == 5
+
+
+async def test_a_claim_the_wall_clocks_call_stale_is_kept_while_the_server_stored_it_lately(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim whose batch ID says an hour old (its gateway's clock behind, or ours stepped forward)
+    but that the server stored a moment ago is live: a duplicate waits for its batch, and gets it."""
+    monkeypatch.setattr(batch_service, "CLAIM_WAIT_STEP_S", 0.001)  # the duplicate looks often
+    stack = await start_stack(lifecycle_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-5")
+    ghost = minted_at(time.time() - 3600)
+    first = batch_from_request(request, stack.config, tenant="default", batch_id=ghost, now=time.time())
+    assert await store.claim("default", "nightly-5", ghost, until=first.kept_until) == ghost
+    held = HeldCreate(monkeypatch)
+    held.batch_id.set_result(ghost)  # count the looks for its record
+    held.enough = 300  # far more than the 50 after which a duplicate took the claim over
+
+    async def create() -> batch_service_pb2.CreateBatchResponse:
+        return await stub.CreateBatch(request)
+
+    duplicate = asyncio.create_task(create())
+    looked = asyncio.create_task(held.looked_enough.wait())
+    await asyncio.wait([looked, duplicate], return_when=asyncio.FIRST_COMPLETED)
+    assert not duplicate.done(), f"the duplicate answered {duplicate.result().batch.batch_id}"
+    await store.write(first)  # its create, slow, writes it now
+    answer = await duplicate
+    assert (answer.batch.batch_id, answer.deduplicated) == (ghost, True)
 
 
 async def test_a_tenant_sees_only_its_own_batches_and_uploads(config: Config, start_stack: StartStack) -> None:
@@ -296,3 +337,36 @@ async def test_a_preparation_that_keeps_failing_is_tried_again_with_backoff(
     await asyncio.sleep(2.0)
     assert 2 <= len(tries) <= 4, len(tries)  # at 0, 0.5, 1.5 s (doubling waits)
     assert all(b - a >= 0.45 for a, b in itertools.pairwise(tries))
+
+
+async def test_duplicates_of_a_create_held_between_its_claim_and_its_record_all_get_its_batch(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A duplicate CreateBatch that found the key claimed by a batch with no record yet looked for it
+    50 times (5 s) and then took the claim over at once: a first create slower than that between its
+    claim and its record (NATS slow to answer) and the key had two batches. A duplicate now waits
+    while the claim is live (younger than a create's bound, by the wall clocks or the server's)."""
+    monkeypatch.setattr(batch_service, "CLAIM_WAIT_STEP_S", 0.001)  # the duplicates look often
+    stack = await start_stack(lifecycle_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(5)))
+    held = HeldCreate(monkeypatch)
+    request = create_request(ref, idempotency_key="nightly-4")
+
+    async def create() -> batch_service_pb2.CreateBatchResponse:
+        return await stub.CreateBatch(request)
+
+    first = asyncio.create_task(create())
+    batch_id = await held.batch_id  # claimed, named on the upload, its record not written
+    # Far more looks than the 50 after which a duplicate took the claim over.
+    held.enough = 300
+    duplicates = [asyncio.create_task(create()) for _ in range(2)]
+    looked = asyncio.create_task(held.looked_enough.wait())
+    await asyncio.wait([looked, *duplicates], return_when=asyncio.FIRST_COMPLETED)
+    assert not [d.result().batch.batch_id for d in duplicates if d.done()], "a duplicate answered while held"
+    held.release.set()
+    answers = await asyncio.gather(first, *duplicates)
+    assert [a.batch.batch_id for a in answers] == [batch_id] * 3
+    assert [a.deduplicated for a in answers] == [False, True, True]
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert [b.batch_id for b in listed.batches] == [batch_id]

@@ -28,7 +28,7 @@ from asyncinfer.batch_inputs import (
 )
 from asyncinfer.batch_webhooks import error_ref, output_ref
 from asyncinfer.batches import (
-    CREATE_UNDER_WAY_S,
+    CREATE_RECORD_WITHIN_S,
     BatchRecord,
     BatchState,
     Chunk,
@@ -37,6 +37,8 @@ from asyncinfer.batches import (
     ErrorLine,
     InputFormat,
     chunk_job_id,
+    create_settled_after_s,
+    create_settles_in_s,
     may_read_its_input,
 )
 from asyncinfer.config import DEMO_MODEL
@@ -424,6 +426,11 @@ def test_an_upload_keeps_only_the_batches_that_may_still_read_it() -> None:
     assert may_read_its_input(live.batch_id, live.evolve(state=BatchState.CANCELLING), now=minted_s)
     for ended in (BatchState.COMPLETED, BatchState.FAILED, BatchState.EXPIRED, BatchState.CANCELLED):
         assert not may_read_its_input(live.batch_id, live.evolve(state=ended), now=minted_s)
-    assert may_read_its_input(live.batch_id, None, now=minted_s + 60.0)  # its create writes the record next
-    assert not may_read_its_input(live.batch_id, None, now=minted_s + CREATE_UNDER_WAY_S)  # gone, or never written
+    assert may_read_its_input(live.batch_id, None, now=minted_s + 1.0)  # its create writes the record next
+    assert may_read_its_input(live.batch_id, None, now=minted_s + CREATE_RECORD_WITHIN_S)  # its write in flight
+    assert not may_read_its_input(live.batch_id, None, now=minted_s + create_settled_after_s())  # gone, or never
     assert not may_read_its_input("not-a-batch-id", None, now=minted_s)
+    # How long a DeleteInput is told to wait for a create under way (its retry hint).
+    assert create_settles_in_s(live.batch_id, now=minted_s + 1.0) == pytest.approx(create_settled_after_s() - 1.0)
+    assert create_settles_in_s(live.batch_id, now=minted_s + 1e6) == 0.0
+    assert create_settles_in_s("not-a-batch-id", now=minted_s) == 0.0

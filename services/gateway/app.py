@@ -206,7 +206,7 @@ class GatewayApp:
             blobs=blob_store,
         )
         batch_servicer = BatchService(
-            cfg, batch_store, driver, blobs=blob_store, records=records, catalog=self._catalog
+            cfg, batch_store, driver, blobs=blob_store, records=records, nc=self._nc, catalog=self._catalog
         )
 
         def add_servicers(server: grpc.aio.Server) -> None:

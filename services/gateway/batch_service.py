@@ -11,14 +11,30 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
+import structlog
 
-from asyncinfer.batches import BatchRecord, BatchState, may_read_its_input
+from asyncinfer.batches import (
+    CREATE_RECORD_WITHIN_S,
+    BatchRecord,
+    BatchState,
+    create_settled_after_s,
+    create_settles_in_s,
+    may_read_its_input,
+)
 from asyncinfer.blob_meta import BlobInfo
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
-from asyncinfer.errors import AlreadyExists, FailedPrecondition, FieldViolation, InvalidArgument, NotFound
+from asyncinfer.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.job_store import JobStore
+from asyncinfer.nats import Client
 from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
 from services.gateway.auth import Authenticator
@@ -34,11 +50,14 @@ from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
 
 Context = grpc.aio.ServicerContext[Any, Any]
+log = structlog.get_logger("asyncinfer.gateway.batches")
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
-# How long a create waits for the batch that claimed its idempotency key to be written.
-CLAIM_WAIT_STEPS = 50
+# How often a create looks again for the batch that claimed its idempotency key while that batch's
+# create may still write it (for up to create_settled_after_s()).
 CLAIM_WAIT_STEP_S = 0.1
+# Wait, find the claim stale, lose its takeover to another duplicate, wait again...
+MAX_CLAIM_ROUNDS = 4
 
 READABLE_FILES = (
     batch_service_pb2.BATCH_FILE_OUTPUT,
@@ -60,6 +79,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         *,
         blobs: BlobStore,
         records: JobStore,
+        nc: Client,
         catalog: ModelCatalog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -70,6 +90,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         self._driver = driver
         self._blobs = blobs
         self._records = records
+        self._nc = nc
         self._clock = clock
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
 
@@ -97,24 +118,20 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         upload = await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
         if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
+        # Minted again after the checks that may wait on others (a resolver): a create writes its
+        # record within CREATE_RECORD_WITHIN_S of minting its batch's ID, or never.
+        record, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
         if record.idempotency_key:
-            holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id, until=record.kept_until)
-            if holder != record.batch_id:
-                first = await self._first_of_key(tenant, holder)
-                if first is not None:
+            claimed = await self._claim(tenant, record)
+            if claimed is None:
+                first = await self._first_of_key(tenant, record)
+                if isinstance(first, BatchRecord):
                     return await self._deduplicated(request, record, first, upload)
-                # Claimed by a create whose gateway died before it wrote the batch: this one runs.
-                holder = await self._store.take_over(
-                    tenant, record.idempotency_key, holder, record.batch_id, until=record.kept_until
-                )
-                if holder != record.batch_id:
-                    first = await self._first_of_key(tenant, holder)
-                    if first is None:
-                        raise batch_not_found(holder)
-                    return await self._deduplicated(request, record, first, upload)
+                record, minted = first
         # Named on the upload before the record is written, so a DeleteInput from then on sees the
-        # batch (and refuses while it runs); NOT_FOUND if the upload went meanwhile. Batches named
-        # before that have ended are dropped in the same write.
+        # batch (and refuses while it runs, or while its create may still write it); NOT_FOUND if
+        # the upload went meanwhile. Batches named before that have ended are dropped in the same
+        # write.
         try:
             await self._blobs.hold_for_batch(
                 tenant,
@@ -124,9 +141,75 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             )
         except StoreFullError as full:  # as the record's write answers a full store
             raise store_full_error(full, what="the batch was not written") from None
+        if time.monotonic() - minted >= CREATE_RECORD_WITHIN_S:
+            # Past it, a duplicate may take the key over and a DeleteInput may take the upload.
+            raise Unavailable(
+                f"creating the batch took over {CREATE_RECORD_WITHIN_S:g} s (NATS slow to answer); "
+                "no batch was created: create it again",
+                reason="BATCH_CREATE_TOO_SLOW",
+            )
         written = await self._store.write(record)
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    async def _claim(self, tenant: str, record: BatchRecord) -> BatchRecord | None:
+        """`record` when this create claimed its idempotency key; None when another holds it."""
+        holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id, until=record.kept_until)
+        return record if holder == record.batch_id else None
+
+    async def _first_of_key(self, tenant: str, record: BatchRecord) -> BatchRecord | tuple[BatchRecord, float]:
+        """The batch holding the idempotency key, once its create has written it; or, when the
+        create that claimed it can no longer write it (it died, or gave up), `record` under a new
+        batch ID that took the claim over, with the monotonic time it was minted (its create's
+        bound starts again). A live claim is waited for: UNAVAILABLE (IDEMPOTENCY_CONTENDED) if it
+        has not gone stale once a create's bound has passed (its holder's clock is ahead of ours).
+
+        Stale means stale by two clocks: the wall clocks (the time in the holder's batch ID, its
+        minting gateway's, against ours) and the server's (when it stored the claim, against its
+        time now), so that a step of one gateway's clock cannot hand a live claim to a duplicate:
+        two batches for one key. (It was taken over after 5 s, whatever its age.)"""
+        key = record.idempotency_key
+        waited_s = create_settled_after_s() + 2.0
+        for _ in range(MAX_CLAIM_ROUNDS):
+            until = time.monotonic() + waited_s
+            while True:
+                held = await self._store.holder(tenant, key)
+                if held is None:  # expired or released meanwhile: claim it afresh
+                    fresh, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
+                    if await self._claim(tenant, fresh) is not None:
+                        return fresh, minted
+                    continue
+                holder, revision = held
+                first = await self._store.get(tenant, holder)
+                if first is not None:
+                    return first
+                if await self._stale(holder, revision):
+                    break
+                if time.monotonic() >= until:
+                    raise Unavailable(
+                        f"idempotency key {key[:64]!r} is still held by batch {holder}, whose create has not "
+                        f"written it for {waited_s:g} s; try again",
+                        reason="IDEMPOTENCY_CONTENDED",
+                        metadata={"batch_id": holder},
+                    )
+                await asyncio.sleep(CLAIM_WAIT_STEP_S)
+            # A new ID, as a fresh create's: the bound a reader applies runs from its minting.
+            fresh, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
+            taker = await self._store.take_over(tenant, key, holder, fresh.batch_id, until=fresh.kept_until)
+            if taker == fresh.batch_id:
+                log.warning("batch_idempotency_claim_taken_over", tenant=tenant, abandoned_batch_id=holder)
+                return fresh, minted
+            # Another duplicate took it over first: its create now writes the batch; wait for it.
+        raise Unavailable(f"idempotency key {key[:64]!r} is contended; try again", reason="IDEMPOTENCY_CONTENDED")
+
+    async def _stale(self, holder: str, revision: int) -> bool:
+        """Whether the claim of a batch with no record can no longer get one: past a create's bound
+        by the wall clocks, and by the server's (asked only then: a message get and a stream info)."""
+        if create_settles_in_s(holder, now=self._clock()) > 0:
+            return False
+        stored_s = await self._store.stored_age_s(self._nc, revision)
+        # None: replaced or removed since it was read; the next look reads what took its place.
+        return stored_s is not None and stored_s >= create_settled_after_s()
 
     async def _batches_reading(self, tenant: str, batch_ids: tuple[str, ...]) -> list[str]:
         """Of the batches named on an upload, those that may still read it (their records read at
@@ -163,16 +246,6 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         except NotFound:
             return False
         return (upload.ref.sha256, upload.ref.size_bytes) == (theirs.ref.sha256, theirs.ref.size_bytes)
-
-    async def _first_of_key(self, tenant: str, batch_id: str) -> BatchRecord | None:
-        """The batch holding an idempotency key, waited for a moment: its create writes it just
-        after its claim."""
-        for _ in range(CLAIM_WAIT_STEPS):
-            first = await self._store.get(tenant, batch_id)
-            if first is not None:
-                return first
-            await asyncio.sleep(CLAIM_WAIT_STEP_S)
-        return None
 
     async def GetBatch(
         self, request: batch_service_pb2.GetBatchRequest, context: Context

@@ -15,9 +15,9 @@ from asyncinfer.batches import BatchRecord, decode_batch, encode_batch
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats import JetStreamContext, KeyWrongLastSequenceError
+from asyncinfer.nats import Client, JetStreamContext, KeyWrongLastSequenceError
 from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stream_subjects
+from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stored_age_s, stream_subjects
 from services.gateway.store_health import store_full_error
 
 # How long a batch's idempotency claim waits out NATS (as gateway.enqueue_retry_s, by default).
@@ -120,10 +120,29 @@ class BatchStore:
             if holder is not None:
                 return holder
 
+    async def holder(self, tenant: str, idempotency_key: str) -> tuple[str, int] | None:
+        """The batch ID holding the key and the claim's revision; None when the key is free."""
+        try:
+            latest = await kv_latest(self._bucket, _claim_key(tenant, idempotency_key))
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the idempotency key: {exc}", reason="NATS_UNAVAILABLE") from exc
+        return (latest[0].decode(), latest[1]) if latest is not None else None
+
+    async def stored_age_s(self, nc: Client, revision: int) -> float | None:
+        """How long ago the server stored the claim at `revision`, by its own clock alone (a batch
+        ID's time is its minting gateway's wall clock, read against the reader's: a step of either
+        fools it); None when the bucket no longer holds it (replaced or removed since)."""
+        try:
+            return await stored_age_s(
+                self._bucket.js, nc, self._bucket.stream, revision, timeout_s=self._bucket.timeout_s
+            )
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot read the idempotency key's age: {exc}", reason="NATS_UNAVAILABLE") from exc
+
     async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str, *, until: float) -> str:
-        """Moves the key's claim from `holder` (a batch that was never written: its gateway died
-        between the claim and the record) to `batch_id`; the claim's batch ID after the move (a
-        racing create's, if it moved it first)."""
+        """Moves the key's claim from `holder` (a batch that was never written and cannot be any
+        more: its create died or gave up between the claim and the record) to `batch_id`; the
+        claim's batch ID after the move (a racing create's, if it moved it first)."""
         key = _claim_key(tenant, idempotency_key)
         latest = await kv_latest(self._bucket, key)
         if latest is None or latest[0].decode() != holder:
