@@ -19,13 +19,23 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer.batches import CREATE_RECORD_WITHIN_S, CREATE_WRITE_MARGIN_S
 from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
 from asyncinfer.blob_sweep import sweep
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
-from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, wait_ended, wait_until
+from tests.batch_helpers import (
+    HeldCreate,
+    batches_stub,
+    create_request,
+    demo_records,
+    jsonl,
+    minted_at,
+    wait_ended,
+    wait_until,
+)
 from tests.batch_helpers import upload as batch_upload
 from tests.stack import Stack, StartStack
 from tests.test_batches import batch_config
@@ -244,3 +254,53 @@ async def test_an_upload_names_only_the_batches_that_may_still_read_it(config: C
         assert (await wait_ended(batches, batch_id)).state == batch_service_pb2.BATCH_STATE_COMPLETED
     deleted = await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))
     assert deleted.ref.ref == ref
+
+
+async def test_an_upload_whose_batch_is_being_created_is_not_deleted(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create names its batch on the upload, then writes the batch's record. A DeleteInput between
+    the two read the missing record as a batch that holds nothing and took the upload; the batch then
+    failed NOT_FOUND. It is refused INPUT_IN_USE with a retry hint while the create may still write
+    the record; once the create wrote it, as for any batch that has not ended."""
+    stack = await start_stack(batch_config(config), batcher=False)
+    batches = batches_stub(stack.channel)
+    ref = await batch_upload(stack.jobs, jsonl(demo_records(3)))
+    held = HeldCreate(monkeypatch)
+
+    async def create() -> batch_service_pb2.CreateBatchResponse:
+        return await batches.CreateBatch(create_request(ref))
+
+    creating = asyncio.create_task(create())
+    batch_id = await held.batch_id  # named on the upload, its record not written
+    assert (await stack.blobs.info(stack.config.gateway.default_tenant, ref)).batches == (batch_id,)
+
+    refused = await rpc_error(stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref)))
+    assert (refused.code(), reason_of(refused)) == (grpc.StatusCode.FAILED_PRECONDITION, "INPUT_IN_USE")
+    status = status_details(refused)
+    assert status is not None
+    info = unpack_details(status)["ErrorInfo"]
+    assert info.metadata["batch_id"] == batch_id
+    assert 0 < int(info.metadata["retry_after_s"]) <= CREATE_RECORD_WITHIN_S + CREATE_WRITE_MARGIN_S
+
+    held.release.set()
+    assert (await creating).batch.batch_id == batch_id
+    still = await rpc_error(stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref)))
+    assert reason_of(still) == "INPUT_IN_USE"
+    await stack.start_batcher()
+    assert (await wait_ended(batches, batch_id)).request_counts.completed == 3
+    assert (await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))).ref.ref == ref
+
+
+async def test_a_batch_whose_create_died_before_its_record_does_not_hold_its_upload(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A create that died between naming its batch on the upload and writing the record leaves a
+    name with no record: once the create's bound has passed since its ID was minted, it blocks no delete."""
+    stack = await start_stack(batch_config(config), scheduler=False, batcher=False)
+    ref = await batch_upload(stack.jobs, jsonl(demo_records(3)))
+    tenant = stack.config.gateway.default_tenant
+    died = minted_at(time.time() - CREATE_RECORD_WITHIN_S - CREATE_WRITE_MARGIN_S)
+    await stack.blobs.hold_for_batch(tenant, ref, died)
+    assert (await stack.blobs.info(tenant, ref)).batches == (died,)
+    assert (await stack.jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref))).ref.ref == ref

@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from asyncinfer.batches import create_settles_in_s
 from asyncinfer.blob_meta import INPUT_KIND, BlobInfo, blob_not_found, is_sha256_hex, new_input_ref, upload_too_large
 from asyncinfer.blobs import BlobStore, parse_inputs
 from asyncinfer.config import Config, ModelConfig
@@ -216,7 +218,9 @@ class ClaimCheck:
 
     async def _refuse_while_a_batch_reads(self, tenant: str, info: BlobInfo) -> None:
         """A batch reads its upload until it ends (an NPY batch's chunks read rows of it when they
-        run): deleting it would fail the records not yet run. A batch record already gone (its
+        run): deleting it would fail the records not yet run. So does a batch whose create named
+        it on the upload and may still write its record (create_settles_in_s, under half a
+        minute): taken then, the batch failed NOT_FOUND. A batch record already gone (its
         retention passed, or a create that died before writing it) holds nothing."""
         if self._batches is None:
             return
@@ -228,6 +232,20 @@ class ClaimCheck:
                     "delete it once the batch has ended (or cancel the batch first)",
                     reason="INPUT_IN_USE",
                     metadata={"ref": info.ref.ref, "batch_id": batch_id, "state": batch.state.value},
+                )
+            creating_s = create_settles_in_s(batch_id, now=self._clock()) if batch is None else 0.0
+            if creating_s > 0:
+                retry_s = math.ceil(creating_s)
+                raise FailedPrecondition(
+                    f"input {info.ref.ref!r} is the input of batch {batch_id}, which is being created: "
+                    f"try again in {retry_s} s (if the create failed, the delete then goes through)",
+                    reason="INPUT_IN_USE",
+                    metadata={
+                        "ref": info.ref.ref,
+                        "batch_id": batch_id,
+                        "state": "CREATING",
+                        "retry_after_s": str(retry_s),
+                    },
                 )
 
     async def keep_for(self, tenant: str, ref: BlobRef, expires_at: float) -> None:
