@@ -141,6 +141,10 @@ def consumer_next_subject(stream: str, consumer: str) -> str:
     return f"{JS_API_PREFIX}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
 
 
+def consumer_info_subject(stream: str, consumer: str) -> str:
+    return f"{JS_API_PREFIX}.CONSUMER.INFO.{stream}.{consumer}"
+
+
 def stream_purge_subject(stream: str) -> str:
     return f"{JS_API_PREFIX}.STREAM.PURGE.{stream}"
 

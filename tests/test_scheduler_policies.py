@@ -11,6 +11,7 @@ import json
 import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 import grpc
@@ -59,11 +60,11 @@ from asyncinfer.queues import (
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
 from services.scheduler import app as scheduler_app
-from services.scheduler import dead_letters, held_pulls
+from services.scheduler import dead_letters, held_pulls, queue_stats
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
-from services.scheduler.queue_stats import desired_batchers
+from services.scheduler.queue_stats import desired_batchers, waited_s
 from tests.nats_probes import RequestsSeen
 from tests.silent_proxy import SilentProxy
 
@@ -892,6 +893,53 @@ def test_selector_weights_and_aging() -> None:
     assert selector.effective_weight(Priority.LOW) == 8
     plan = selector.plan(16, [Priority.HIGH, Priority.LOW])
     assert plan == {Priority.HIGH: 8, Priority.LOW: 8}
+
+
+class SteppedForward(datetime):
+    """The scheduler's wall clock, stepped forward by two aging periods (an NTP sync after a resume,
+    a VM's clock being set) since nats-server stamped the jobs now waiting."""
+
+    STEP_S = 2 * 30.0
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> Any:
+        return datetime.now(tz) + timedelta(seconds=cls.STEP_S)
+
+
+async def test_a_forward_step_of_the_schedulers_wall_clock_keeps_the_priorities_weights(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A queue's age was the scheduler's wall clock against the server's stamp on its oldest
+    waiting message, so a forward step of 2 x aging_s aged every waiting queue two levels: 8:3:1
+    weighed 8:8:8 until the jobs from before the step were dispatched (documented by cd1ab60).
+    The age is on the server's clock alone now (a consumer info's `ts` against the stamp)."""
+    monkeypatch.setattr(queue_stats, "datetime", SteppedForward)
+    h = await start(tune(config).replace(scheduler={"aging_s": 30.0}))
+    for priority in (Priority.HIGH, Priority.NORMAL, Priority.LOW):
+        await enqueue(h.nc, h.kv, priority=priority)  # no batcher: they wait
+
+    async def queue_stats_read() -> ops_service_pb2.ModelQueueStats:
+        return (await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))).models[0]
+
+    async def all_aged() -> bool:
+        return all(p.depth == 1 and p.HasField("oldest_age") for p in (await queue_stats_read()).priorities)
+
+    await until(all_aged)
+    await StatsRounds(h.app).wait(1)  # a round read the ages and handed them to the selector
+    selector = h.dispatcher().queues.selector
+    weights = {p: selector.effective_weight(p) for p in (Priority.HIGH, Priority.NORMAL, Priority.LOW)}
+    assert weights == {Priority.HIGH: 8, Priority.NORMAL: 3, Priority.LOW: 1}  # 8:8:8 before
+    assert selector.plan(12, list(Priority)) == {Priority.HIGH: 8, Priority.NORMAL: 3, Priority.LOW: 1}
+    ages_s = [p.oldest_age.ToTimedelta().total_seconds() for p in (await queue_stats_read()).priorities]
+    assert all(age_s < 30.0 for age_s in ages_s), ages_s  # 60.4 s each before
+
+
+def test_a_queues_age_is_on_the_servers_clock_else_the_schedulers() -> None:
+    stored_at = 1_800_000_000.0
+    stepped_wall = stored_at + 3_600.0
+    assert waited_s(stored_at, server_now=stored_at + 2.5, wall_now=stepped_wall) == 2.5
+    assert waited_s(stored_at, server_now=None, wall_now=stored_at + 4.0) == 4.0  # a server older than 2.10
+    assert waited_s(stored_at, server_now=stored_at - 1.0, wall_now=stepped_wall) == 0.0  # stored after the answer
 
 
 def test_tenant_round_robin_takes_one_job_per_tenant_in_turn() -> None:

@@ -9,6 +9,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -22,7 +23,13 @@ from nats.js.kv import KeyValue
 
 from asyncinfer.backoff import retry
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import EXPECTED_STREAM_HEADER, MSG_ID_HEADER, MSG_TTL_HEADER, stream_info_subject
+from asyncinfer.contract import (
+    EXPECTED_STREAM_HEADER,
+    MSG_ID_HEADER,
+    MSG_TTL_HEADER,
+    consumer_info_subject,
+    stream_info_subject,
+)
 from asyncinfer.errors import Unavailable
 from asyncinfer.nats.protocol import STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
@@ -233,6 +240,42 @@ async def stored_age_s(js: JetStreamContext, nc: Client, stream: str, seq: int, 
     if server.ts is None or stored.time is None:
         return math.inf
     return datetime.fromisoformat(server.ts).timestamp() - stored.time.timestamp()
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerCounts:
+    """What a consumer info says of a consumer's queue, with the server's time as it answered."""
+
+    num_pending: int  # messages matching the consumer's filter and not yet delivered
+    delivered_stream_seq: int  # the stream sequence of the last message delivered (0: none yet)
+    server_time: float | None  # Unix seconds on the server's clock; None from a server older than 2.10
+
+
+class _ConsumerInfo(msgspec.Struct):
+    class Delivered(msgspec.Struct):
+        stream_seq: int = 0
+
+    num_pending: int = 0
+    delivered: Delivered | None = None
+    ts: str | None = None
+    error: dict[str, Any] | None = None
+
+
+async def consumer_counts(nc: Client, stream: str, consumer: str, *, timeout_s: float) -> ConsumerCounts:
+    """A consumer info as a raw request, for the server's time (`ts`), which nats-py's ConsumerInfo
+    drops: ages measured against it are on the server's clock alone. Raises as
+    JetStreamContext.consumer_info does (NotFoundError for a missing consumer or stream)."""
+    reply = await nc.request(consumer_info_subject(stream, consumer), b"", timeout=timeout_s)
+    info = msgspec.json.decode(reply.data, type=_ConsumerInfo)
+    if info.error is not None:
+        APIError.from_error(info.error)  # raises
+    server_time = datetime.fromisoformat(info.ts).timestamp() if info.ts else None
+    return ConsumerCounts(
+        num_pending=info.num_pending,
+        delivered_stream_seq=info.delivered.stream_seq if info.delivered is not None else 0,
+        # Go's zero time (year 1) where a server leaves it unset: no time said
+        server_time=server_time if server_time is not None and server_time > 0 else None,
+    )
 
 
 class _StreamSize(msgspec.Struct):

@@ -12,9 +12,10 @@ Aging: a queue whose oldest waiting job has waited `aging_s` counts one level hi
 becomes that of the level above), two levels after `2 * aging_s`, so a LOW queue under a flood of
 HIGH work climbs to HIGH's weight and its share grows until it drains. Ages come from the queue
 snapshots (refreshed every queue_stats_interval_s): precise enough for a policy in tens of
-seconds. An age is the scheduler's wall clock against nats-server's stamp on the oldest waiting
-message, so a forward step of the wall clock ages every waiting queue by the step: at worst every
-queue weighs as HIGH (equal shares) while it lasts; no queue falls below its own weight, so none
+seconds. An age is on nats-server's clock alone (its time in the consumer info against its stamp on
+the oldest waiting message, services.scheduler.queue_stats.waited_s), so a step of the scheduler's
+wall clock ages no queue; a step of the server's clock ages the jobs stored before it, at worst every
+queue weighing as HIGH (equal shares) while they wait; no queue falls below its own weight, so none
 starves (docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps").
 
 Tenants. Subjects are per (model, priority), not per tenant (that is the gateway's subject

@@ -30,7 +30,7 @@ from asyncinfer.config import Config
 from asyncinfer.contract import WORK_SUBJECT_PREFIX, work_consumer_name, work_filters
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client, JetStreamContext, NotFoundError
-from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, subject_counts
+from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, consumer_counts, subject_counts
 from services.scheduler.batchers import BatcherRegistry
 
 # Up to this many work subjects (one per job queued or running) are listed in a stream info to
@@ -102,6 +102,15 @@ class ModelQueueSnapshot:
         )
 
 
+def waited_s(stored_at: float, *, server_now: float | None, wall_now: float) -> float:
+    """How long a message stored at `stored_at` (the server's stamp, Unix seconds) has waited:
+    against the server's time as it answered (`server_now`), so a step of the scheduler's wall
+    clock ages no queue; against the scheduler's clock (`wall_now`) only where the server does not
+    say its time (older than 2.10)."""
+    now = server_now if server_now is not None else wall_now
+    return max(now - stored_at, 0.0)
+
+
 def desired_batchers(
     *,
     waiting: int,
@@ -162,9 +171,9 @@ class QueueStatsReader:
         planned_chunks: Callable[[str], tuple[int, int]] = lambda _model: (0, 0),
         runtime_models: Callable[[], Iterable[str]] = lambda: (),
         held_open: Callable[[str, Priority], bool] = lambda _model, _priority: False,
-        nc: Client | None = None,
+        nc: Client,
     ) -> None:
-        self._nc = nc  # None: every queue without a held pull is asked its consumer's info
+        self._nc = nc
         self._held_open = held_open
         self._runtime_models = runtime_models  # names learnt from batchers (services.scheduler.runtime_models)
         self._planned_chunks = planned_chunks
@@ -190,12 +199,10 @@ class QueueStatsReader:
     async def _occupied_queues(self) -> set[tuple[str, str]] | None:
         """The (model, priority token) of every queue the work stream holds a message of, waiting
         or in flight (a WorkQueue stream: a job's message leaves when its result is stored), or
-        None when unknown (too many subjects to list, or no connection given): a queue not in it
-        has nothing waiting, and is not asked. A scale pass: an idle scheduler of 100 models and
-        no batcher (no pull held open) asked 300 consumer infos a round, 150 a second, 25-30 ms
-        of each round; now one stream info (two while a few jobs are queued or running)."""
-        if self._nc is None:
-            return None
+        None when unknown (too many subjects to list): a queue not in it has nothing waiting, and
+        is not asked. A scale pass: an idle scheduler of 100 models and no batcher (no pull held
+        open) asked 300 consumer infos a round, 150 a second, 25-30 ms of each round; now one
+        stream info (two while a few jobs are queued or running)."""
         counts = await subject_counts(
             self._nc,
             self._config.nats.work_stream,
@@ -262,17 +269,19 @@ class QueueStatsReader:
         if not put_back and occupied is not None and (model_name, priority.subject_token) not in occupied:
             return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None)  # no message of it stored
         stream = self._config.nats.work_stream
-        info = await self._js.consumer_info(stream, work_consumer_name(model_name, priority))
-        depth = (info.num_pending or 0) + put_back
+        info = await consumer_counts(
+            self._nc, stream, work_consumer_name(model_name, priority), timeout_s=ATTEMPT_TIMEOUT_S
+        )
+        depth = info.num_pending + put_back
         oldest_age_s: float | None = None
         oldest_create_time: float | None = None
         newest_create_time: float | None = None
-        if depth and info.delivered is not None:
+        if depth:
             # The oldest waiting message is the first on the subject past the delivered sequence.
             try:
                 first = await self._js.get_msg(
                     stream,
-                    seq=info.delivered.stream_seq + 1,
+                    seq=info.delivered_stream_seq + 1,
                     subject=work_filters(model_name, priority)[-1],  # every job's subject
                     next=True,
                 )
@@ -280,7 +289,9 @@ class QueueStatsReader:
                 first = None
             if first is not None and first.time is not None:
                 oldest_create_time = first.time.timestamp()
-                oldest_age_s = max((datetime.now(UTC) - first.time).total_seconds(), 0.0)
+                oldest_age_s = waited_s(
+                    oldest_create_time, server_now=info.server_time, wall_now=datetime.now(UTC).timestamp()
+                )
             if depth > 1:  # where the gateway places a queued job between the two (its position)
                 newest_create_time = await self._newest_create_time(stream, model_name, priority)
         return PriorityQueueSnapshot(
