@@ -196,8 +196,8 @@ class BatchingEngine:
             return 0
         if any(q.stuck for q in versions.values()):
             return 0  # a version whose batches hang takes no work (credits are per model)
-        held = sum(q.held for q in versions.values())
-        held += sum(q.held for q in self._retiring if q.name == model_name)
+        held = sum(q.places_taken for q in versions.values())
+        held += sum(q.places_taken for q in self._retiring if q.name == model_name)
         return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
 
     def reports_progress(self, model_name: str, version: str = "") -> bool:

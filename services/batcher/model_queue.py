@@ -157,7 +157,23 @@ class ModelQueue:
     def free_slots(self) -> int:
         # A stuck model takes no work (no credits): the scheduler's jobs wait in the queue, or go
         # to a batcher whose model answers, rather than time out here one after another.
-        return 0 if self._stuck else max(self.config.max_queue_size - self.held, 0)
+        return 0 if self._stuck else max(self.config.max_queue_size - self.places_taken, 0)
+
+    @property
+    def places_taken(self) -> int:
+        """Queue places in use: the items held (waiting or computing), and while every slot computes
+        a call none of whose items waits for it any more (all timed out or cancelled), those calls'
+        items too. Their places come back when a call returns, not as its items time out: until
+        then the model can run nothing, and what was sent on them waited for the overrun (0.5 s
+        later) to be given back. With a slot that can still run work, they are free."""
+        abandoned = [
+            running
+            for task, running in self._running.items()
+            if task in self._batches and all(item.future.done() for item in running.items)
+        ]
+        if len(abandoned) < self.config.max_inflight_batches:
+            return self.held
+        return self.held + sum(len(running.items) for running in abandoned)
 
     @property
     def stuck(self) -> bool:
@@ -188,7 +204,7 @@ class ModelQueue:
         if self._stuck:
             # Given back (a credited order is answered dropped, its attempt refunded).
             raise self._stuck_error()
-        if self.held >= self.config.max_queue_size and not credited:
+        if self.places_taken >= self.config.max_queue_size and not credited:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
                 reason="BATCHER_QUEUE_FULL",
@@ -306,6 +322,9 @@ class ModelQueue:
         if self._batches.pop(task, None) is not None:
             self._slots.release()
             self._changed.set()  # the model may be idle now: a waiting batch can start at once
+            running = self._running.get(task)
+            if running is not None and all(item.future.done() for item in running.items):
+                self._on_item_done(self.name)  # the places its items kept (places_taken) are free
 
     def _time_out_items(self, task: asyncio.Task[None], when: float) -> None:
         """Answers the batch's items whose execution timeouts, counted from its start, ended by
