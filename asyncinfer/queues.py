@@ -3,7 +3,7 @@
 - The KV bucket `queues` (NatsConfig.queues_bucket) holds one `QueueSnapshot` per model (key =
   model name), written by each scheduler, with its own view and its name, at the first
   `queue_stats_interval_s` round where it changed, or `SNAPSHOT_HEARTBEAT_S` after its last write.
-  The gateway keeps each scheduler's latest and merges them (services.gateway.snapshot_merge) to
+  The gateway keeps each scheduler's latest and merges them (asyncinfer.snapshot_merge) to
   answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
   jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means its scheduler no
   longer looks after the model.
@@ -76,7 +76,7 @@ class QueueSnapshot:
     # The scheduler that wrote it (its instance name, services.scheduler.instances: the same again
     # after a restart in place). Every scheduler writes the model's one key with its own batchers,
     # credits, rates and drain; the gateway keeps the latest of each and merges them
-    # (services.gateway.snapshot_merge). "" from a scheduler of the release before.
+    # (asyncinfer.snapshot_merge). "" from a scheduler of the release before.
     scheduler: str = ""
 
     def depth(self, priority: Priority) -> int:

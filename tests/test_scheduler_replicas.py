@@ -1,7 +1,7 @@
 """Two schedulers on one NATS, as the Kubernetes deployment runs them (deploy/k8s/base/scheduler.yaml:
 2 replicas), with the one batcher connected to the first: each writes the model's one queue snapshot
 key with its own view, and the gateway answers a queued job's standing from their merge
-(services.gateway.snapshot_merge). Before session 29 the key's last write was the answer: every
+(asyncinfer.snapshot_merge). Before session 29 the key's last write was the answer: every
 write of the scheduler without a batcher made the queued jobs say NO_WORKER, and its drain made
 them say DRAINING while the other dispatched."""
 

@@ -1,5 +1,5 @@
 """What the gateway knows of each model's queue: the schedulers' latest `QueueSnapshot`s, merged
-(services.gateway.snapshot_merge; kept current by a watch on the queues bucket, so no KV read
+(asyncinfer.snapshot_merge; kept current by a watch on the queues bucket, so no KV read
 happens per request), the `paused.<model>` keys, and the jobs this gateway queued since the
 snapshot was taken.
 
@@ -24,8 +24,8 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
 from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsError
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
+from asyncinfer.snapshot_merge import SchedulerSnapshots
 from asyncinfer.supervision import outcome_seen
-from services.gateway.snapshot_merge import SchedulerSnapshots
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
 

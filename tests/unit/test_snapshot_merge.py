@@ -1,4 +1,4 @@
-"""One model's queue as several schedulers report it (services.gateway.snapshot_merge): each writes
+"""One model's queue as several schedulers report it (asyncinfer.snapshot_merge): each writes
 the model's one key with its own batchers, credits, rates and drain, and the gateway answers from
 their merge. Before session 29 the key's last write was the answer: one batcher on scheduler A, and
 every write of scheduler B (no batcher) made the queued jobs say NO_WORKER."""
@@ -15,8 +15,8 @@ from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
+from asyncinfer.snapshot_merge import SchedulerSnapshots, merge_snapshots
 from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
-from services.gateway.snapshot_merge import SchedulerSnapshots, merge_snapshots
 
 pytestmark = pytest.mark.unit
 

@@ -69,7 +69,7 @@ def test_a_failed_round_writes_every_model_at_the_next() -> None:
 
 def test_each_snapshot_names_the_scheduler_writing_it() -> None:
     """The gateway keeps each scheduler's latest snapshot of a model by this name
-    (services.gateway.snapshot_merge)."""
+    (asyncinfer.snapshot_merge)."""
     writes = SnapshotWrites(heartbeat_s=5.0, clock=lambda: 0.0)
     due = writes.due([_snapshot("a", updated_at=1.0), _snapshot("b", updated_at=1.0)], scheduler="host:7001")
     assert [s.scheduler for s in due] == ["host:7001", "host:7001"]

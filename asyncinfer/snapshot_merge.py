@@ -6,7 +6,8 @@ B's rate alone, and a drain of B made every queued job say DRAINING while A disp
 
 The gateway keeps each scheduler's latest snapshot (`SchedulerSnapshots`, fed by the queue view's
 watch) and answers from their merge (`merge_snapshots`), made when a snapshot arrives, not per
-request. A stale snapshot (SNAPSHOT_STALE_S) leaves the merge at the model's next arrival: while
+request. Pure, and here rather than in services/gateway, so that a scheduler can merge the same
+way (services import asyncinfer; services/gateway and services/scheduler import neither). A stale snapshot (SNAPSHOT_STALE_S) leaves the merge at the model's next arrival: while
 another scheduler runs, at most SNAPSHOT_HEARTBEAT_S after it went stale. With none fresh the
 merge is the newest snapshot, stale, as with one scheduler.
 """
