@@ -6,7 +6,8 @@
   The gateway keeps each scheduler's latest and merges them (asyncinfer.snapshot_merge) to
   answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
   jobs against `max_queue_depth`. A snapshot older than `SNAPSHOT_STALE_S` means its scheduler no
-  longer looks after the model.
+  longer looks after the model; a scheduler stopping in order says so at once (a last snapshot,
+  `stopped`).
 - The key `paused.<model>` in the same bucket exists while an operator has paused the model's
   queue; every scheduler honours it. A drain (OpsService.Drain) is one scheduler's: its snapshots
   say `draining` until it is undrained, so the gateway tells its queued jobs why they wait once
@@ -78,6 +79,9 @@ class QueueSnapshot:
     # credits, rates and drain; the gateway keeps the latest of each and merges them
     # (asyncinfer.snapshot_merge). "" from a scheduler of the release before.
     scheduler: str = ""
+    # The last snapshot of a scheduler stopping in order (asyncinfer.snapshot_merge.stopped_snapshot):
+    # its name says whose entry to drop, and the rest says what the other schedulers report.
+    stopped: bool = False
 
     def depth(self, priority: Priority) -> int:
         entry = self.priorities.get(priority.value)
@@ -155,6 +159,9 @@ class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     # Since session 29; left out while "" (as `draining`). The release before reads snapshots with
     # msgspec, which skips a field it does not know, so it is written in version 0.
     scheduler: str = ""
+    # Since session 29, written only while true (a scheduler's last word as it stops in order); the
+    # release before skips it, as `scheduler`, so it is written in version 0.
+    stopped: bool = False
 
 
 class CancelNoticeWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -198,6 +205,7 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
             desired_batchers=s.desired_batchers,
             draining=s.draining,
             scheduler=s.scheduler,
+            stopped=s.stopped,
         )
     )
 
@@ -233,6 +241,7 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
         desired_batchers=w.desired_batchers,
         draining=w.draining,
         scheduler=w.scheduler,
+        stopped=w.stopped,
     )
 
 

@@ -430,3 +430,15 @@ def test_the_release_before_reads_a_snapshot_naming_its_scheduler() -> None:
     assert (old.model_name, old.connected_batchers, old.free_credits) == ("demo", 1, 4)
     assert "scheduler" not in json.loads(encode_snapshot(SNAPSHOT))  # unnamed: left out
     assert decode_snapshot(encode_snapshot(SNAPSHOT)).scheduler == ""
+
+
+def test_the_release_before_reads_a_stopped_schedulers_last_snapshot() -> None:
+    """`stopped` (a scheduler's last snapshot as it stops in order) is a field the release before
+    skips: it reads the rest, the other schedulers' view (asyncinfer.snapshot_merge.stopped_snapshot)."""
+    last = dataclasses.replace(SNAPSHOT, scheduler="scheduler-1:50052", stopped=True)
+    data = encode_snapshot(last)
+    assert json.loads(data)["stopped"] is True
+    assert decode_snapshot(data) == last
+    old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
+    assert (old.model_name, old.connected_batchers, old.free_credits) == ("demo", 1, 4)
+    assert "stopped" not in json.loads(encode_snapshot(SNAPSHOT))  # written only while true

@@ -17,7 +17,7 @@ from google.protobuf import duration_pb2
 
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.nats import KeyValue
-from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
 from services.scheduler.app import SchedulerApp
 from tests.hanging_models import HANG_VALUE, RELEASE
@@ -47,8 +47,9 @@ def request(first: float) -> job_service_pb2.SubmitJobRequest:
     return job_service_pb2.SubmitJobRequest(model_name=MODEL, inputs=[x])
 
 
-async def wait_for(condition: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + WAIT_S
+async def wait_for(condition: Callable[[], bool], *, deadline: float | None = None) -> None:
+    """Until `condition` holds, by `deadline` (monotonic; default WAIT_S from now)."""
+    deadline = time.monotonic() + WAIT_S if deadline is None else deadline
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
@@ -136,4 +137,41 @@ async def test_a_scheduler_without_batchers_or_draining_does_not_hide_the_others
         await writes.stop()
         for channel in channels:
             await channel.close()
+        await second.stop(2.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_scheduler_stopping_in_order_leaves_the_gateways_merge_at_once(
+    config: Config, start_stack: StartStack
+) -> None:
+    """B stops in order: its last snapshot (`stopped`) drops it from the gateway's merge as it
+    arrives. Before, B stayed until its snapshot went stale (SNAPSHOT_STALE_S after its last write,
+    which an idle scheduler makes every SNAPSHOT_HEARTBEAT_S): meanwhile its batchers, reconnected
+    to A, counted twice. The last write says what A reports (a gateway of the release before reads
+    it as the whole queue): A's batcher, not "no batcher"."""
+    shared = config.replace(models=[HANGING_MODEL], scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared)  # the gateway, scheduler A and the batcher, connected to A
+    second = SchedulerApp(shared)
+    await second.start()
+    a, b = stack.scheduler.instance_name, second.instance_name
+    view = stack.gateway.queue_view
+    writes = await (await stack.nc.jetstream().key_value(shared.nats.queues_bucket)).watch(MODEL)
+    try:
+        await wait_for(lambda: view.reporting(MODEL) == sorted([a, b]))
+        merged = view.snapshot(MODEL)
+        assert merged is not None
+        assert merged.connected_batchers == 1
+        stopping_at = time.monotonic()
+        await second.stop(2.0)
+        # B's last periodic snapshot was at most a heartbeat old as it stopped, so it went stale no
+        # earlier than this: the bound the old code waited out.
+        stale_no_earlier = stopping_at + SNAPSHOT_STALE_S - SNAPSHOT_HEARTBEAT_S - 1.0
+        await wait_for(lambda: view.reporting(MODEL) == [a], deadline=stale_no_earlier)
+        merged = view.snapshot(MODEL)
+        assert merged is not None
+        assert (merged.connected_batchers, merged.draining) == (1, False)
+        last = await next_written(writes, lambda s: s.stopped)
+        assert (last.scheduler, last.connected_batchers, last.draining) == (b, 1, False)
+    finally:
+        await writes.stop()
         await second.stop(2.0)

@@ -216,6 +216,10 @@ class QueueView:
     def is_paused(self, model_name: str) -> bool:
         return model_name in self._paused
 
+    def reporting(self, model_name: str) -> list[str]:
+        """The schedulers whose snapshots of the model are in its merge, by name."""
+        return self._schedulers.reporting(model_name, self._clock())
+
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(self._subject_prefix)
         deleted = KV_OP in (msg.headers or {})

@@ -48,6 +48,7 @@ from services.scheduler.blobs import (
     ClaimCheckIO,
     orphan_age_s,
 )
+from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
@@ -105,6 +106,7 @@ class SchedulerApp:
         self._snapshots_js: JetStreamContext | None = None  # where queue snapshots are written
         self._snapshot_writes = SnapshotWrites(heartbeat_s=SNAPSHOT_HEARTBEAT_S)  # which, each round
         self._instance: SchedulerInstance | None = None
+        self._cluster_queues: ClusterQueues | None = None  # every scheduler's snapshots, for its last ones
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
@@ -135,6 +137,13 @@ class SchedulerApp:
     def nats_connected(self) -> bool:
         """Whether its NATS connection is up now (tests wait on it across a NATS restart)."""
         return self._nc is not None and self._nc.is_connected
+
+    @property
+    def instance_name(self) -> str:
+        """The name its queue snapshots carry (services.scheduler.instances)."""
+        if self._instance is None:
+            raise RuntimeError("the scheduler has not started")
+        return self._instance.name
 
     @property
     def webhooks(self) -> WebhookService:
@@ -169,6 +178,10 @@ class SchedulerApp:
             stable_name(config), KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
         )
         await instance.beat()
+        self._cluster_queues = cluster_queues = ClusterQueues(
+            js, bucket=config.nats.queues_bucket, scheduler=instance.name
+        )
+        await cluster_queues.start()
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)
         await pauses.start()
         letters = DeadLetterStore(nc, js, config.nats)
@@ -423,6 +436,9 @@ class SchedulerApp:
         await cancel_and_wait(self._loops)
         for session in self.batchers.sessions:
             self.batchers.unregister(session)
+        # The queue loop has ended (no snapshot of this scheduler comes after it) and its batchers
+        # are gone, to reconnect elsewhere: each model's last snapshot says so.
+        await self._write_last_snapshots()
         if self._server is not None:
             await self._server.stop(grace_s)
         if self._flow is not None:
@@ -443,11 +459,28 @@ class SchedulerApp:
             await self._models_registry.clear()
         if nats_connected and self._instance is not None:
             await self._instance.end()
+        if self._cluster_queues is not None:
+            await self._cluster_queues.stop()
         self._metrics_server.stop()
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None:
             await disconnect(self._nc)
         log.info("scheduler_stopped", scheduler_id=self.scheduler_id)
+
+    async def _write_last_snapshots(self) -> None:
+        """Each model's snapshot `stopped` (asyncinfer.snapshot_merge.stopped_snapshot): the gateways
+        and the other schedulers drop this one from their merge at once, not SNAPSHOT_STALE_S (15 s)
+        and a heartbeat (5 s) later, meanwhile counting its batchers twice once they reconnected to
+        another scheduler. Killed, or NATS away, it writes nothing: the stale limit stays the bound."""
+        if self._cluster_queues is None or self._snapshots_js is None or self._nc is None or not self._nc.is_connected:
+            return
+        last = self._cluster_queues.last_words()
+        if not last:
+            return
+        try:
+            await write_snapshots(self._snapshots_js, self.config.nats.queues_bucket, last)
+        except (NatsError, TimeoutError) as exc:
+            log.warning("last_snapshots_not_written", error=f"{type(exc).__name__}: {exc}", models=len(last))
 
     async def _observe_queues(self) -> None:
         """Metrics, the selectors' aging, and the snapshots the gateway reads."""

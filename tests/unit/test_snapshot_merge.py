@@ -15,7 +15,7 @@ from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
-from asyncinfer.snapshot_merge import SchedulerSnapshots, merge_snapshots
+from asyncinfer.snapshot_merge import SchedulerSnapshots, merge_snapshots, stopped_snapshot
 from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
 
 pytestmark = pytest.mark.unit
@@ -169,3 +169,50 @@ async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_l
     assert standing.waiting_reason == WaitingReason.WAITING_FOR_CAPACITY
     assert standing.estimated_start_time is not None  # A's rate: B, draining, completes nothing queued
     assert view.estimated_depth(MODEL) == 3
+
+
+def test_a_stopped_schedulers_last_snapshot_leaves_the_merge_as_it_arrives() -> None:
+    """B stops in order (its last snapshot says `stopped`): the merge is A's at once, not after
+    SNAPSHOT_STALE_S; meanwhile B's batchers, reconnected to A, counted twice."""
+    held = SchedulerSnapshots()
+    held.arrived(from_scheduler("a", age_s=1.0, batchers=1, in_flight=1), NOW)
+    held.arrived(from_scheduler("b", batchers=2, in_flight=2, draining=True), NOW)
+    assert held.reporting(MODEL, NOW) == ["a", "b"]
+    last = stopped_snapshot(from_scheduler("b"), held.latest(MODEL), NOW)
+    merged = held.arrived(last, NOW)
+    assert (merged.connected_batchers, merged.in_flight, merged.draining) == (1, 1, False)
+    assert held.reporting(MODEL, NOW) == ["a"]
+    # A's next write (B's batchers reconnected to it) drops B's entry for good.
+    held.arrived(from_scheduler("a", batchers=3), NOW)
+    assert held.latest(MODEL).keys() == {"a"}
+
+
+def test_a_stopped_snapshot_says_what_the_others_report_without_it() -> None:
+    """A gateway of the release before reads the key's last write as the whole queue: the last
+    word says A's batcher, not "no batcher" (NO_WORKER until A's next write)."""
+    a = from_scheduler("a", age_s=1.0, batchers=1, free=2, in_flight=1, rate=3.0, depth=4)
+    b = from_scheduler("b", batchers=2, free=1, in_flight=2, rate=1.0, depth=5)
+    stale = from_scheduler("c", age_s=SNAPSHOT_STALE_S + 1.0, batchers=7)  # killed: not counted again
+    last = stopped_snapshot(b, {"a": a, "b": b, "c": stale}, NOW)
+    assert (last.scheduler, last.stopped, last.updated_at) == ("b", True, NOW)
+    assert (last.connected_batchers, last.free_credits, last.in_flight, last.completed_per_s) == (1, 2, 1, 3.0)
+    assert last.priorities == a.priorities
+    assert waiting_reason(queued_job(), last, paused=False, now=NOW) == WaitingReason.WAITING_FOR_CAPACITY
+    # The last scheduler standing: its own depths, nothing serving (NO_WORKER, which is so).
+    alone = stopped_snapshot(replace(b, draining=True), {"b": b, "c": stale}, NOW)
+    assert (alone.connected_batchers, alone.free_credits, alone.in_flight, alone.draining) == (0, 0, 0, False)
+    assert (alone.priorities, alone.stopped) == (b.priorities, True)
+    assert waiting_reason(queued_job(), alone, paused=False, now=NOW) == WaitingReason.NO_WORKER
+    # Read alone (a gateway that starts reads the key's last value), it is the merge.
+    held = SchedulerSnapshots()
+    assert held.arrived(last, NOW) is last
+    assert held.reporting(MODEL, NOW) == []
+
+
+def test_a_restarted_scheduler_replaces_its_previous_runs_entry() -> None:
+    held = SchedulerSnapshots()
+    held.arrived(from_scheduler("a", batchers=1), NOW)
+    held.arrived(from_scheduler("b", age_s=1.0, batchers=2, draining=True), NOW)
+    merged = held.arrived(from_scheduler("b", batchers=0), NOW)  # B restarted in place: same name
+    assert (merged.connected_batchers, merged.draining) == (1, False)
+    assert held.reporting(MODEL, NOW) == ["a", "b"]
