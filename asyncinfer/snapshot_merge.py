@@ -6,7 +6,8 @@ B's rate alone, and a drain of B made every queued job say DRAINING while A disp
 
 Readers keep each scheduler's latest snapshot (`SchedulerSnapshots`, fed by a watch on the queues
 bucket) and answer from their merge (`merge_snapshots`): the gateway's queue view, made when a
-snapshot arrives, not per request. Each scheduler keeps them too, for its last write as it stops.
+snapshot arrives, not per request; and each scheduler's GetQueueStats (`cluster_queue`), so an
+operator asking either of two schedulers sees the whole cluster.
 
 A scheduler leaves the merge:
 - stopping in order: its last write of each model is `stopped` (`stopped_snapshot`), dropped as it
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 
 from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot
 
@@ -84,6 +86,29 @@ def merge_snapshots(snapshots: Collection[QueueSnapshot], now: float) -> QueueSn
         desired_batchers=desired,
         draining=not serving_undrained if batchers else every_one_drains,
         scheduler=newest.scheduler,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterQueue:
+    """A model's queue as the whole cluster reports it, for GetQueueStats."""
+
+    merged: QueueSnapshot  # merge_snapshots over the reporting schedulers, the asking one's first
+    schedulers: int  # reporting the model: fresh and not stopped, the asking one included
+    draining_schedulers: int  # of those, the ones draining
+
+
+def cluster_queue(own: QueueSnapshot, latest: Mapping[str, QueueSnapshot], now: float) -> ClusterQueue:
+    """`own`: the asking scheduler's snapshot, just taken (its depths are the freshest read);
+    `latest`: each scheduler's latest snapshot of the model as its watch holds them, its own
+    previous one among them (left out: `own` is newer)."""
+    reporting = [own, *(s for name, s in latest.items() if name != own.scheduler and is_reporting(s, now))]
+    merged = merge_snapshots(reporting, now)
+    assert merged is not None  # it holds `own` at least
+    return ClusterQueue(
+        merged=merged,
+        schedulers=len(reporting),
+        draining_schedulers=sum(1 for snapshot in reporting if snapshot.draining),
     )
 
 

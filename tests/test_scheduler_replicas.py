@@ -175,3 +175,51 @@ async def test_a_scheduler_stopping_in_order_leaves_the_gateways_merge_at_once(
     finally:
         await writes.stop()
         await second.stop(2.0)
+
+
+@pytest.mark.timeout(120)
+async def test_get_queue_stats_of_either_scheduler_reports_the_whole_cluster(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Behind the Kubernetes Service an operator reaches either scheduler: B, with no batcher,
+    reports A's (it said 0), and how many schedulers report the model and drain; `draining` stays
+    the answering scheduler's own."""
+    shared = config.replace(models=[HANGING_MODEL], scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared)  # the gateway, scheduler A and the batcher, connected to A
+    second = SchedulerApp(shared)
+    await second.start()
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") for app in (stack.scheduler, second)]
+    ops_a, ops_b = (ops_service_pb2_grpc.OpsServiceStub(channel) for channel in channels)
+    request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+
+    async def stats(ops: ops_service_pb2_grpc.OpsServiceStub) -> ops_service_pb2.ModelQueueStats:
+        (model,) = (await ops.GetQueueStats(request)).models
+        return model
+
+    async def until(
+        ops: ops_service_pb2_grpc.OpsServiceStub, holds: Callable[[ops_service_pb2.ModelQueueStats], bool]
+    ) -> ops_service_pb2.ModelQueueStats:
+        deadline = time.monotonic() + WAIT_S
+        while not holds(model := await stats(ops)):
+            assert time.monotonic() < deadline, f"not reached in time; last: {model}"
+            await asyncio.sleep(0.05)
+        return model
+
+    try:
+        from_b = await until(ops_b, lambda m: m.connected_batchers == 1 and m.schedulers == 2)
+        assert (from_b.draining, from_b.draining_schedulers) == (False, 0)
+        from_a = await until(ops_a, lambda m: m.schedulers == 2)
+        assert from_a.connected_batchers == 1
+        await ops_a.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(nanos=1000)))
+        from_b = await until(ops_b, lambda m: m.draining_schedulers == 1)
+        assert (from_b.draining, from_b.state, from_b.connected_batchers) == (
+            False,
+            ops_service_pb2.QUEUE_STATE_DISPATCHING,
+            1,
+        )
+        from_a = await stats(ops_a)
+        assert (from_a.draining, from_a.draining_schedulers) == (True, 1)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await second.stop(2.0)

@@ -396,6 +396,9 @@ def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
         "desired_batchers": model.desired_batchers,
         "submitted_per_second": model.submitted_per_second,
         "completed_per_second": model.completed_per_second,
+        # The counts above but depths are every reporting scheduler's together (GetQueueStats).
+        "schedulers": model.schedulers,
+        "draining_schedulers": model.draining_schedulers,
         "queues": [
             {
                 "priority": _PRIORITY_NAMES.get(p.priority, str(p.priority)),
@@ -416,7 +419,7 @@ def stats_rows(models: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
         by_priority = " ".join(f"{q['priority'][0]}:{q['depth']}" for q in model["queues"])
         rows.append(
             [
-                model["model_name"] + (f" ({model['state']})" if model["paused"] or model["draining"] else ""),
+                model["model_name"] + model_suffix(model),
                 str(depth),
                 by_priority,
                 f"{max(ages):.1f}s" if ages else "-",
@@ -443,6 +446,15 @@ def stats_rows(models: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
     return headers, rows
 
 
+def model_suffix(model: dict[str, Any]) -> str:
+    """The queue's state where it is not dispatching: paused, this scheduler draining, or other
+    schedulers draining ("1/2 draining": of the schedulers reporting the model)."""
+    if model["paused"] or model["draining"]:
+        return f" ({model['state']})"
+    draining, schedulers = model.get("draining_schedulers", 0), model.get("schedulers", 0)
+    return f" ({draining}/{schedulers} draining)" if draining else ""
+
+
 def stats_table(models: list[dict[str, Any]]) -> str:
     """The stats as plain aligned text (a pipe's, a file's)."""
     return table(*stats_rows(models))
@@ -453,7 +465,10 @@ def stats_screen(models: list[dict[str, Any]], scheduler: str, now: str) -> Rend
     from rich.console import Group
     from rich.text import Text
 
-    title = Text(f"asyncinfer queues at {scheduler}  {now}  (Ctrl-C to stop)\n")
+    # The counts are every scheduler's together (GetQueueStats): say how many, where more than one.
+    schedulers = max((model.get("schedulers", 0) for model in models), default=0)
+    cluster = f" ({schedulers} schedulers)" if schedulers > 1 else ""
+    title = Text(f"asyncinfer queues at {scheduler}{cluster}  {now}  (Ctrl-C to stop)\n")
     return Group(title, rich_table(*stats_rows(models)))
 
 

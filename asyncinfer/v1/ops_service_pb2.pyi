@@ -105,25 +105,39 @@ class ModelQueueStats(_message.Message):
     DRAINING_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     BATCH_SIZES_FIELD_NUMBER: _builtins.int
+    SCHEDULERS_FIELD_NUMBER: _builtins.int
+    DRAINING_SCHEDULERS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     in_flight: _builtins.int
-    """Jobs dispatched and not finished."""
+    """Jobs dispatched and not finished, by every scheduler reporting the model (`schedulers`)."""
     connected_batchers: _builtins.int
-    """Batchers connected that serve this model."""
+    """Batchers connected that serve this model, to every scheduler reporting it."""
     free_credits: _builtins.int
-    """Work orders the connected batchers would accept now."""
+    """Work orders the connected batchers would accept now (of the schedulers not draining; all of
+    them when every one drains).
+    """
     desired_batchers: _builtins.int
-    """Batchers wanted to clear the backlog at the measured throughput (for autoscalers)."""
+    """Batchers wanted to clear the backlog at the measured throughput: the most any scheduler asks
+    for (the autoscaler's max() over the schedulers' asyncinfer_desired_batchers gauges).
+    """
     completed_per_second: _builtins.float
-    """Completions per second over the last minute."""
+    """Completions per second over the last minute (of the schedulers not draining; all of them when
+    every one drains).
+    """
     submitted_per_second: _builtins.float
     """Submissions per second over the last minute."""
     paused: _builtins.bool
     """True while paused."""
     draining: _builtins.bool
-    """True while this scheduler is draining (Drain, until Undrain)."""
+    """True while this scheduler (the one answering) is draining (Drain, until Undrain); see
+    draining_schedulers for the others.
+    """
     state: Global___QueueState.ValueType
-    """PAUSED, DRAINING (paused first when both) or DISPATCHING."""
+    """PAUSED, DRAINING (paused first when both) or DISPATCHING: this scheduler's."""
+    schedulers: _builtins.int
+    """Schedulers reporting the model (their queue snapshots fresh), the one answering included."""
+    draining_schedulers: _builtins.int
+    """Of those, the ones draining."""
     @_builtins.property
     def priorities(self) -> _containers.RepeatedCompositeFieldContainer[Global___PriorityQueueStats]: ...
     @_builtins.property
@@ -147,10 +161,12 @@ class ModelQueueStats(_message.Message):
         draining: _builtins.bool = ...,
         state: Global___QueueState.ValueType = ...,
         batch_sizes: _abc.Iterable[Global___BatchSizeCount] | None = ...,
+        schedulers: _builtins.int = ...,
+        draining_schedulers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_sizes", b"batch_sizes", "completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "draining", b"draining", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "state", b"state", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_sizes", b"batch_sizes", "completed_per_second", b"completed_per_second", "connected_batchers", b"connected_batchers", "desired_batchers", b"desired_batchers", "draining", b"draining", "draining_schedulers", b"draining_schedulers", "free_credits", b"free_credits", "in_flight", b"in_flight", "model_name", b"model_name", "paused", b"paused", "priorities", b"priorities", "schedulers", b"schedulers", "state", b"state", "submitted_per_second", b"submitted_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

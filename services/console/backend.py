@@ -58,6 +58,10 @@ class ModelQueues:
     completed_per_second: float
     # (batch size, batches, jobs) over the last minute, smallest size first.
     batch_sizes: tuple[tuple[int, int, int], ...] = ()
+    # Schedulers reporting the model (the counts above but depths are theirs together) and how
+    # many drain; 0 from a scheduler of a release before that says neither.
+    schedulers: int = 0
+    draining_schedulers: int = 0
 
     @property
     def depth(self) -> int:
@@ -308,4 +312,6 @@ def _model_queues(model: ops_service_pb2.ModelQueueStats) -> ModelQueues:
         submitted_per_second=model.submitted_per_second,
         completed_per_second=model.completed_per_second,
         batch_sizes=tuple((c.batch_size, c.batches, c.jobs) for c in model.batch_sizes),
+        schedulers=model.schedulers,
+        draining_schedulers=model.draining_schedulers,
     )

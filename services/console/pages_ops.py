@@ -33,6 +33,13 @@ async def queues_page(ctx: Context, request: web.Request) -> web.Response:
     return web.Response(text=ui.page("Queues", live, message=message_of(request)), content_type="text/html")
 
 
+def _schedulers(q: ModelQueues) -> str:
+    """How many schedulers report the model and drain ("-": a scheduler of a release before)."""
+    if not q.schedulers:
+        return "-"
+    return f"{q.schedulers} ({q.draining_schedulers} draining)" if q.draining_schedulers else str(q.schedulers)
+
+
 def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
     models = []
     for q in queues:
@@ -54,6 +61,7 @@ def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
                 ui.h(q.connected_batchers),
                 ui.h(q.free_credits),
                 ui.h(q.desired_batchers),
+                ui.h(_schedulers(q)),
                 actions,
             ]
         )
@@ -68,6 +76,7 @@ def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
         "batchers",
         "free capacity",
         "desired batchers",
+        "schedulers",
         "",
     )
     per_priority = [

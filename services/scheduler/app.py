@@ -106,7 +106,7 @@ class SchedulerApp:
         self._snapshots_js: JetStreamContext | None = None  # where queue snapshots are written
         self._snapshot_writes = SnapshotWrites(heartbeat_s=SNAPSHOT_HEARTBEAT_S)  # which, each round
         self._instance: SchedulerInstance | None = None
-        self._cluster_queues: ClusterQueues | None = None  # every scheduler's snapshots, for its last ones
+        self._cluster_queues: ClusterQueues | None = None  # every scheduler's snapshots: GetQueueStats, its last ones
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
@@ -256,6 +256,7 @@ class SchedulerApp:
             controls=controls,
             knows_model=runtime.knows,
             claims=claim_lifetimes,
+            cluster_wide=cluster_queues.cluster_wide,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)

@@ -1,11 +1,17 @@
-"""What every scheduler reports of each model's queue, as this scheduler hears it: it watches the
-queue snapshot keys as the gateway does (one ordered consumer, each key's latest and every write
-after). As it stops in order it writes each model's last snapshot, `stopped`, saying what the other
-schedulers report without it (asyncinfer.snapshot_merge.stopped_snapshot).
+"""What every scheduler reports of each model's queue, for the answers that speak for the cluster.
+
+Behind the Kubernetes Service (2 schedulers) an operator's GetQueueStats (the console, `asyncinfer
+stats`) reaches either scheduler, and each answered with its own batchers, jobs in flight and rates
+alone: half the cluster, and a drain of the other invisible. So a scheduler watches the queue
+snapshot keys as the gateway does (one ordered consumer, each key's latest and every write after)
+and answers from the merge of its own snapshot, just taken, with the others' latest
+(asyncinfer.snapshot_merge.cluster_queue). As it stops in order it writes each model's last
+snapshot, `stopped`, from the same view (asyncinfer.snapshot_merge.stopped_snapshot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -15,7 +21,8 @@ from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import QueueSnapshot, decode_snapshot
-from asyncinfer.snapshot_merge import SchedulerSnapshots, stopped_snapshot
+from asyncinfer.snapshot_merge import SchedulerSnapshots, cluster_queue, stopped_snapshot
+from services.scheduler.queue_stats import ModelQueueSnapshot
 
 log = structlog.get_logger("asyncinfer.scheduler.cluster_queues")
 
@@ -66,6 +73,25 @@ class ClusterQueues:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
         self._schedulers.arrived(snapshot, self._clock())
+
+    def cluster_wide(self, own: ModelQueueSnapshot) -> ModelQueueSnapshot:
+        """`own` (this scheduler's, just taken) with the cluster's batchers, jobs in flight, free
+        credits, completion rate and desired batchers (the most any scheduler asks for, as KEDA's
+        max() over the schedulers' gauges). Its depths, pause, drain, submission rate (every
+        scheduler hears every queued notice) and batch sizes stay its own."""
+        now = self._clock()
+        cluster = cluster_queue(own.to_shared(self._scheduler), self._schedulers.latest(own.model_name), now)
+        merged = cluster.merged
+        return dataclasses.replace(
+            own,
+            in_flight=merged.in_flight,
+            connected_batchers=merged.connected_batchers,
+            free_credits=merged.free_credits,
+            completed_per_s=merged.completed_per_s,
+            desired_batchers=merged.desired_batchers,
+            schedulers=cluster.schedulers,
+            draining_schedulers=cluster.draining_schedulers,
+        )
 
     def last_words(self) -> list[QueueSnapshot]:
         """Each model's `stopped` snapshot, for the models this scheduler's writes reached the

@@ -69,6 +69,8 @@ def snapshot_to_proto(snapshot: ModelQueueSnapshot) -> ops_service_pb2.ModelQueu
             ops_service_pb2.BatchSizeCount(batch_size=c.batch_size, batches=c.batches, jobs=c.jobs)
             for c in snapshot.batch_sizes
         ],
+        schedulers=snapshot.schedulers,
+        draining_schedulers=snapshot.draining_schedulers,
     )
 
 
@@ -136,7 +138,11 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         controls: ModelControls | None = None,
         knows_model: Callable[[str], bool] | None = None,
         claims: ClaimLifetimes | None = None,
+        cluster_wide: Callable[[ModelQueueSnapshot], ModelQueueSnapshot] | None = None,
     ) -> None:
+        # This scheduler's snapshot with the other schedulers' batchers, jobs in flight and rates
+        # (services.scheduler.cluster_queues); None: its own alone.
+        self._cluster_wide = cluster_wide
         self._controls = controls
         self._claims = claims
         # Configured names, plus those learnt from batchers at runtime (services.scheduler.runtime_models).
@@ -167,6 +173,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self._known_model(request.model_name)
         with nats_unavailable("cannot read the queues"):
             snapshots = await self._stats.snapshot(request.model_name)
+        if self._cluster_wide is not None:
+            snapshots = [self._cluster_wide(s) for s in snapshots]
         return ops_service_pb2.GetQueueStatsResponse(models=[snapshot_to_proto(s) for s in snapshots])
 
     async def ListDeadLetters(

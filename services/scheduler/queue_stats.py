@@ -72,6 +72,10 @@ class ModelQueueSnapshot:
     submitted_per_s: float = 0.0
     # Jobs completed over the last minute by the size of the batch each ran in.
     batch_sizes: tuple[BatchSizeCount, ...] = ()
+    # Schedulers reporting the model, this one included, and how many of them drain: 1 and 0 (or
+    # 1) for this scheduler's own view; the cluster's in GetQueueStats (services.scheduler.cluster_queues).
+    schedulers: int = 1
+    draining_schedulers: int = 0
 
     @property
     def depth(self) -> int:

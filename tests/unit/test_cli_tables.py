@@ -30,6 +30,8 @@ MODELS: list[dict[str, Any]] = [
         "desired_batchers": 1,
         "submitted_per_second": 12.5,
         "completed_per_second": 11.0,
+        "schedulers": 2,
+        "draining_schedulers": 0,
         "queues": [
             {"priority": "HIGH", "depth": 1, "oldest_age_s": 0.4},
             {"priority": "NORMAL", "depth": 4, "oldest_age_s": 1.25},
@@ -97,7 +99,7 @@ def test_the_live_stats_screen_has_its_title_then_the_table() -> None:
     console = Console(file=out, force_terminal=True, width=120)
     console.print(stats_screen(MODELS, "127.0.0.1:50052", "12:00:00"))
     lines = ANSI.sub("", out.getvalue()).splitlines()
-    assert lines[0] == "asyncinfer queues at 127.0.0.1:50052  12:00:00  (Ctrl-C to stop)"
+    assert lines[0] == "asyncinfer queues at 127.0.0.1:50052 (2 schedulers)  12:00:00  (Ctrl-C to stop)"
     assert lines[2].split()[0] == "MODEL"
 
 
@@ -164,3 +166,12 @@ def test_a_narrow_terminal_keeps_job_ids_and_headers_whole(monkeypatch: pytest.M
     monkeypatch.setenv("COLUMNS", "80")
     print_table(batch, [[job_id, "IN_PROGRESS", "demo", "1", "0", "9.5"]], out)
     assert "RECORDS/S" in out.getvalue()
+
+
+def test_other_schedulers_draining_show_beside_the_model() -> None:
+    """GetQueueStats answers for every scheduler; `draining` is the answering one's own."""
+    others = {**MODELS[0], "draining_schedulers": 1}
+    assert stats_rows([others])[1][0][0] == "demo (1/2 draining)"
+    own = {**others, "draining": True, "state": "draining"}
+    assert stats_rows([own])[1][0][0] == "demo (draining)"
+    assert stats_rows([MODELS[1]])[1][0][0] == "flaky (paused)"  # a release before's: says neither

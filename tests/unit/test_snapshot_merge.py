@@ -15,7 +15,7 @@ from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
-from asyncinfer.snapshot_merge import SchedulerSnapshots, merge_snapshots, stopped_snapshot
+from asyncinfer.snapshot_merge import SchedulerSnapshots, cluster_queue, merge_snapshots, stopped_snapshot
 from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
 
 pytestmark = pytest.mark.unit
@@ -216,3 +216,22 @@ def test_a_restarted_scheduler_replaces_its_previous_runs_entry() -> None:
     merged = held.arrived(from_scheduler("b", batchers=0), NOW)  # B restarted in place: same name
     assert (merged.connected_batchers, merged.draining) == (1, False)
     assert held.reporting(MODEL, NOW) == ["a", "b"]
+
+
+def test_the_cluster_queue_merges_this_schedulers_own_with_the_others_latest() -> None:
+    own = from_scheduler("b", batchers=0, in_flight=0, depth=6)  # taken now: its depths are the freshest
+    latest = {
+        "a": from_scheduler("a", age_s=1.0, batchers=1, free=1, in_flight=1, rate=2.0, depth=3, desired=2),
+        "b": from_scheduler("b", age_s=1.5, batchers=4, in_flight=4),  # its own previous write: replaced by own
+        "c": from_scheduler("c", age_s=SNAPSHOT_STALE_S + 1.0, batchers=5),  # gone
+        "d": replace(from_scheduler("d", batchers=6), stopped=True),  # stopped
+        "e": from_scheduler("e", age_s=0.5, batchers=1, free=3, rate=5.0, draining=True),
+    }
+    cluster = cluster_queue(own, latest, NOW)
+    assert (cluster.schedulers, cluster.draining_schedulers) == (3, 1)
+    merged = cluster.merged
+    assert (merged.connected_batchers, merged.in_flight, merged.free_credits) == (2, 1, 1)
+    assert (merged.completed_per_s, merged.desired_batchers) == (2.0, 2)
+    assert merged.priorities == own.priorities
+    alone = cluster_queue(own, {}, NOW)
+    assert (alone.merged, alone.schedulers, alone.draining_schedulers) == (own, 1, 0)
