@@ -110,7 +110,9 @@ class _WaitingReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Waiting
     WAITING_REASON_RETRY_BACKOFF: _WaitingReason.ValueType  # 4
     """Waiting out a retry backoff."""
     WAITING_REASON_DRAINING: _WaitingReason.ValueType  # 5
-    """The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
+    """Every scheduler with a batcher for the model is draining (OpsService.Drain): nothing is
+    dispatched until one is undrained.
+    """
     WAITING_REASON_NO_VERSION: _WaitingReason.ValueType  # 6
     """The job is pinned to a model version that no batcher serves now: it waits until one does
     (docs/MODEL_VERSIONS.md).
@@ -134,7 +136,9 @@ WAITING_REASON_PAUSED: WaitingReason.ValueType  # 3
 WAITING_REASON_RETRY_BACKOFF: WaitingReason.ValueType  # 4
 """Waiting out a retry backoff."""
 WAITING_REASON_DRAINING: WaitingReason.ValueType  # 5
-"""The scheduler is draining (OpsService.Drain): nothing is dispatched until Undrain."""
+"""Every scheduler with a batcher for the model is draining (OpsService.Drain): nothing is
+dispatched until one is undrained.
+"""
 WAITING_REASON_NO_VERSION: WaitingReason.ValueType  # 6
 """The job is pinned to a model version that no batcher serves now: it waits until one does
 (docs/MODEL_VERSIONS.md).

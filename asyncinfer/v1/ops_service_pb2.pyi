@@ -214,7 +214,9 @@ class PriorityQueueStats(_message.Message):
     """Jobs waiting."""
     @_builtins.property
     def oldest_age(self) -> _duration_pb2.Duration:
-        """Age of the oldest waiting job."""
+        """Age of the oldest waiting job, on nats-server's clock (its time against its stamp on the job's
+        message).
+        """
 
     def __init__(
         self,

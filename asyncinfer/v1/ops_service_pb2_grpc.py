@@ -97,7 +97,8 @@ class OpsServiceServicer:
     """
 
     def GetQueueStats(self, request, context):
-        """Queue stats per model and priority.
+        """Queue stats per model and priority, for every scheduler reporting the model, whichever one
+        answers (ModelQueueStats says which fields are the answering scheduler's own).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

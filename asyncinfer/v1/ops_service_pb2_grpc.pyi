@@ -34,7 +34,9 @@ class OpsServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> OpsServiceAsyncStub: ...
     GetQueueStats: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.GetQueueStatsRequest, _ops_service_pb2.GetQueueStatsResponse]
-    """Queue stats per model and priority."""
+    """Queue stats per model and priority, for every scheduler reporting the model, whichever one
+    answers (ModelQueueStats says which fields are the answering scheduler's own).
+    """
     ListDeadLetters: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.ListDeadLettersRequest, _ops_service_pb2.ListDeadLettersResponse]
     """Dead letters, oldest first."""
     GetDeadLetter: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.GetDeadLetterRequest, _ops_service_pb2.GetDeadLetterResponse]
@@ -69,7 +71,9 @@ class OpsServiceAsyncStub(OpsServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     GetQueueStats: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.GetQueueStatsRequest, _ops_service_pb2.GetQueueStatsResponse]  # type: ignore[assignment]
-    """Queue stats per model and priority."""
+    """Queue stats per model and priority, for every scheduler reporting the model, whichever one
+    answers (ModelQueueStats says which fields are the answering scheduler's own).
+    """
     ListDeadLetters: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.ListDeadLettersRequest, _ops_service_pb2.ListDeadLettersResponse]  # type: ignore[assignment]
     """Dead letters, oldest first."""
     GetDeadLetter: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.GetDeadLetterRequest, _ops_service_pb2.GetDeadLetterResponse]  # type: ignore[assignment]
@@ -107,7 +111,9 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.GetQueueStatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.GetQueueStatsResponse, _abc.Awaitable[_ops_service_pb2.GetQueueStatsResponse]]:
-        """Queue stats per model and priority."""
+        """Queue stats per model and priority, for every scheduler reporting the model, whichever one
+        answers (ModelQueueStats says which fields are the answering scheduler's own).
+        """
 
     @_abc_1.abstractmethod
     def ListDeadLetters(
