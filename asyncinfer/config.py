@@ -275,7 +275,11 @@ class SchedulerConfig(_Section):
         None, description="PEM CA bundle: when set, clients must present a certificate it signed (mutual TLS)."
     )
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus metrics port (0: off).")
-    scheduler_id: str = Field("", description="Name in logs and welcomes; empty: host name and process ID.")
+    scheduler_id: str = Field(
+        "",
+        description="This scheduler's name, one per scheduler: in logs and welcomes (empty: host name and process ID), "
+        "and on its RUNNING records and queue snapshots, where a restart keeps it (empty: host and port).",
+    )
     ack_wait_s: float = Field(
         30.0, gt=0, description="A dispatched job returns to the queue if its lease is not renewed within this."
     )
