@@ -85,7 +85,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     add_options(undrain)
     undrain.set_defaults(handler=queue_undrain)
 
-    stats = commands.add_parser("stats", help="a live table of the queues (GetQueueStats on the scheduler)")
+    stats = commands.add_parser(
+        "stats", help="a live table of the queues (GetQueueStats: every scheduler's counts together)"
+    )
     stats.add_argument("--model", default="", help="only this model")
     stats.add_argument("--once", action="store_true", help="print once and exit")
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")

@@ -67,11 +67,11 @@ def is_fresh(snapshot: QueueSnapshot | None, now: float) -> bool:
 
 def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> str:
     """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
-    DRAINING (every scheduler whose batchers serve the model drains: services.gateway.
-    snapshot_merge), then NO_WORKER (no scheduler reports the model, or no batcher serves it), then
-    RETRY_BACKOFF (a failed attempt is waiting out its delay), then none (DISPATCHING: the
-    snapshot's free credits outnumber the jobs ahead of it, as for a fresh job on an idle batcher),
-    else WAITING_FOR_CAPACITY."""
+    DRAINING (every scheduler whose batchers serve the model drains: asyncinfer.snapshot_merge),
+    then NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF
+    (a failed attempt is waiting out its delay), then none (DISPATCHING: the snapshot's free
+    credits outnumber the jobs ahead of it, as for a fresh job on an idle batcher), else
+    WAITING_FOR_CAPACITY."""
     fresh = is_fresh(snapshot, now)
     if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
