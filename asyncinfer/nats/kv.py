@@ -95,3 +95,11 @@ async def kv_put_expecting(
     if ttl_s is not None:
         headers[MSG_TTL] = str(ttl_s)
     return await js_publish(bucket.js, bucket.subject_prefix + key, value, timeout_s=bucket.timeout_s, headers=headers)
+
+
+async def kv_purge_through(bucket: KvBucket, key: str, revision: int) -> None:
+    """Removes the key's writes up to and including `revision`, leaving no marker: with none after
+    it the key is as if never written (a create expecting revision 0 succeeds), and a write after it
+    stays. A conditional delete: a KV delete or purge leaves a marker, which a create expecting 0
+    is refused over."""
+    await bucket.js.purge_stream(bucket.stream, subject=bucket.subject_prefix + key, seq=revision + 1)

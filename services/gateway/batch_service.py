@@ -26,6 +26,7 @@ from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
 from asyncinfer.errors import (
     AlreadyExists,
+    AsyncInferError,
     FailedPrecondition,
     FieldViolation,
     InvalidArgument,
@@ -128,6 +129,18 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 if isinstance(first, BatchRecord):
                     return await self._deduplicated(request, record, first, upload)
                 record, minted = first
+        try:
+            written = await self._write_new(tenant, record, minted)
+        except BaseException:
+            if record.idempotency_key:
+                await self._release_key(tenant, record)
+            raise
+        self._driver.drive(tenant, written.batch_id)
+        return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+
+    async def _write_new(self, tenant: str, record: BatchRecord, minted: float) -> BatchRecord:
+        """Names the batch on its upload, then writes its record (`minted`: when its ID was, on
+        the monotonic clock)."""
         # Named on the upload before the record is written, so a DeleteInput from then on sees the
         # batch (and refuses while it runs, or while its create may still write it); NOT_FOUND if
         # the upload went meanwhile. Batches named before that have ended are dropped in the same
@@ -148,9 +161,18 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 "no batch was created: create it again",
                 reason="BATCH_CREATE_TOO_SLOW",
             )
-        written = await self._store.write(record)
-        self._driver.drive(tenant, written.batch_id)
-        return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+        return await self._store.write(record)
+
+    async def _release_key(self, tenant: str, record: BatchRecord) -> None:
+        """Frees the idempotency key of a create that failed after claiming it, if the claim is
+        still its own, so that a retry with the key creates the batch at once (it waited for the
+        claim to go stale: 26 s). Unless the batch's record exists after all (a write whose answer
+        was lost) or that cannot be told: the claim then goes stale, as a crashed create's."""
+        try:
+            if await self._store.get(tenant, record.batch_id) is None:
+                await self._store.release(tenant, record.idempotency_key, record.batch_id)
+        except AsyncInferError as exc:
+            log.warning("batch_idempotency_key_not_released", tenant=tenant, batch_id=record.batch_id, error=str(exc))
 
     async def _claim(self, tenant: str, record: BatchRecord) -> BatchRecord | None:
         """`record` when this create claimed its idempotency key; None when another holds it."""

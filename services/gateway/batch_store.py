@@ -16,7 +16,7 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import Client, JetStreamContext, KeyWrongLastSequenceError
-from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting
+from asyncinfer.nats.kv import KvBucket, kv_latest, kv_purge_through, kv_put_expecting
 from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stored_age_s, stream_subjects
 from services.gateway.store_health import store_full_error
 
@@ -156,7 +156,25 @@ class BatchStore:
             return batch_id
         except KeyWrongLastSequenceError:
             moved = await kv_latest(self._bucket, key)
-            return moved[0].decode() if moved is not None else batch_id
+        if moved is None:  # released or expired since it was read: free for a claim (it read as ours)
+            return await self.claim(tenant, idempotency_key, batch_id, until=until)
+        return moved[0].decode()
+
+    async def release(self, tenant: str, idempotency_key: str, batch_id: str) -> bool:
+        """Frees the key if its claim still names `batch_id` (a create that failed before writing
+        its batch); whether it did. The key's writes up to that claim are purged, leaving no marker,
+        so it reads as never claimed to this release's claim and to the one before (whose claim
+        loops without end over a marker: a create expecting revision 0, refused, reads no holder);
+        a claim written after it (a takeover) stays."""
+        key = _claim_key(tenant, idempotency_key)
+        try:
+            latest = await kv_latest(self._bucket, key)
+            if latest is None or latest[0].decode() != batch_id:
+                return False
+            await kv_purge_through(self._bucket, key, latest[1])
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot release the idempotency key: {exc}", reason="NATS_UNAVAILABLE") from exc
+        return True
 
     async def keys(self, tenant: str | None = None) -> list[tuple[str, str]]:
         """(tenant, batch_id) of every batch record (of one tenant, when given)."""

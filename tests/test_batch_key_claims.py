@@ -1,0 +1,128 @@
+"""A CreateBatch idempotency claim after its create failed, against a real stack: the create frees
+the key when its batch was certainly not written, so a retry with the key creates the batch at once
+(it waited for the claim to go stale, 26 s); a release never frees a claim taken over since."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import nats.errors
+import pytest
+
+from asyncinfer import batches
+from asyncinfer.config import Config
+from asyncinfer.ids import new_job_id
+from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.streams import stream_subjects
+from asyncinfer.v1 import batch_service_pb2
+from services.gateway import batch_store
+from services.gateway.batch_store import BatchStore, ensure_batches_bucket
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
+from tests.stack import StartStack
+
+TENANT = "default"
+
+
+def keyed_config(config: Config) -> Config:
+    return config.replace(batches={"chunk_records": 50, "drive_interval_s": 0.05})
+
+
+def fail_claim_writes(monkeypatch: pytest.MonkeyPatch, *, records: bool = False) -> list[str]:
+    """Makes the batch store's compare-and-set writes of the kinds named fail as NATS failing does
+    (no answer), after sending them when `records` lands them; the keys refused, in order."""
+    put = batch_store.kv_put_expecting
+    refused: list[str] = []
+
+    async def failing_put(bucket: KvBucket, key: str, value: bytes, *, last_revision: int, **options: Any) -> int:
+        is_claim = ".key." in key
+        if records and not is_claim:
+            refused.append(key)
+            raise nats.errors.TimeoutError
+        return await put(bucket, key, value, last_revision=last_revision, **options)
+
+    monkeypatch.setattr(batch_store, "kv_put_expecting", failing_put)
+    return refused
+
+
+async def claim_subjects(stack: Any, config: Config) -> list[str]:
+    """The batches bucket's subjects of idempotency claims that hold a message (a marker too)."""
+    prefix = f"$KV.{config.nats.batches_bucket}.{TENANT}.key."
+    return await stream_subjects(stack.nc.jetstream(), f"KV_{config.nats.batches_bucket}", prefix + "*")
+
+
+async def test_a_create_whose_record_write_failed_frees_its_key_and_a_retry_creates_the_batch_at_once(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A create that claimed its key and then failed to write its batch left the claim: a retry with
+    the key waited for it to go stale (26 s; 5 s before) and took it over. Now the create frees the
+    key, leaving nothing in the bucket (as a key never claimed, which a gateway of the release
+    before claims too), and the retry claims it at once."""
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-r1")
+    with monkeypatch.context() as failing:
+        refused = fail_claim_writes(failing, records=True)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.CreateBatch(request)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(refused) == 1  # the record's write, after the claim
+    failed_batch_id = refused[0].rpartition(".")[2]
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    assert await store.holder(TENANT, "nightly-r1") is None, "the failed create still holds the key"
+    assert await claim_subjects(stack, config) == []
+    retried = await stub.CreateBatch(request)
+    assert not retried.deduplicated
+    assert retried.batch.batch_id != failed_batch_id
+    claim = await store.holder(TENANT, "nightly-r1")
+    assert claim is not None
+    assert claim[0] == retried.batch.batch_id
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert [b.batch_id for b in listed.batches] == [retried.batch.batch_id]
+
+
+async def test_a_create_whose_record_landed_unanswered_keeps_its_key(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record write that landed with its answer lost: the create answers UNAVAILABLE but its batch
+    exists, so the key stays with it and a retry gets that batch."""
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-r2")
+    write = BatchStore.write
+    landed: list[str] = []
+
+    async def landed_unanswered(store: BatchStore, record: batches.BatchRecord) -> batches.BatchRecord:
+        written = await write(store, record)
+        if not landed:
+            landed.append(written.batch_id)
+            raise nats.errors.TimeoutError
+        return written
+
+    with monkeypatch.context() as failing:
+        failing.setattr(BatchStore, "write", landed_unanswered)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.CreateBatch(request)
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    retried = await stub.CreateBatch(request)
+    assert (retried.batch.batch_id, retried.deduplicated) == (landed[0], True)
+
+
+async def test_a_release_frees_only_a_claim_still_its_own(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(keyed_config(config), scheduler=False, batcher=False)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    until = time.time() + 3600
+    first, taker, later = new_job_id(), new_job_id(), new_job_id()
+    assert await store.claim(TENANT, "k", first, until=until) == first
+    assert await store.take_over(TENANT, "k", first, taker, until=until) == taker
+    assert not await store.release(TENANT, "k", first)  # taken over since: the taker keeps it
+    held = await store.holder(TENANT, "k")
+    assert held is not None
+    assert held[0] == taker
+    assert await store.release(TENANT, "k", taker)
+    assert await store.holder(TENANT, "k") is None
+    assert not await store.release(TENANT, "k", taker)  # nothing left to free
+    # Free as a key never claimed: a claim (as the release before makes it: a create expecting
+    # revision 0) takes it.
+    assert await store.claim(TENANT, "k", later, until=until) == later
