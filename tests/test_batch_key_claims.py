@@ -1,6 +1,7 @@
 """A CreateBatch idempotency claim after its create failed, against a real stack: the create frees
 the key when its batch was certainly not written, so a retry with the key creates the batch at once
-(it waited for the claim to go stale, 26 s); a release never frees a claim taken over since."""
+(it waited for the claim to go stale, 26 s); a release never frees a claim taken over since; and a
+NATS failure while taking a stale claim over answers UNAVAILABLE saying so."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from asyncinfer import batches
 from asyncinfer.config import Config
+from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import stream_subjects
@@ -29,7 +31,7 @@ def keyed_config(config: Config) -> Config:
     return config.replace(batches={"chunk_records": 50, "drive_interval_s": 0.05})
 
 
-def fail_claim_writes(monkeypatch: pytest.MonkeyPatch, *, records: bool = False) -> list[str]:
+def fail_claim_writes(monkeypatch: pytest.MonkeyPatch, *, records: bool = False, takeovers: bool = False) -> list[str]:
     """Makes the batch store's compare-and-set writes of the kinds named fail as NATS failing does
     (no answer), after sending them when `records` lands them; the keys refused, in order."""
     put = batch_store.kv_put_expecting
@@ -37,7 +39,7 @@ def fail_claim_writes(monkeypatch: pytest.MonkeyPatch, *, records: bool = False)
 
     async def failing_put(bucket: KvBucket, key: str, value: bytes, *, last_revision: int, **options: Any) -> int:
         is_claim = ".key." in key
-        if records and not is_claim:
+        if (records and not is_claim) or (takeovers and is_claim and last_revision > 0):
             refused.append(key)
             raise nats.errors.TimeoutError
         return await put(bucket, key, value, last_revision=last_revision, **options)
@@ -50,6 +52,12 @@ async def claim_subjects(stack: Any, config: Config) -> list[str]:
     """The batches bucket's subjects of idempotency claims that hold a message (a marker too)."""
     prefix = f"$KV.{config.nats.batches_bucket}.{TENANT}.key."
     return await stream_subjects(stack.nc.jetstream(), f"KV_{config.nats.batches_bucket}", prefix + "*")
+
+
+def error_info(error: grpc.aio.AioRpcError) -> Any:
+    status = status_details(error)
+    assert status is not None
+    return unpack_details(status)["ErrorInfo"]
 
 
 async def test_a_create_whose_record_write_failed_frees_its_key_and_a_retry_creates_the_batch_at_once(
@@ -126,3 +134,34 @@ async def test_a_release_frees_only_a_claim_still_its_own(config: Config, start_
     # Free as a key never claimed: a claim (as the release before makes it: a create expecting
     # revision 0) takes it.
     assert await store.claim(TENANT, "k", later, until=until) == later
+
+
+async def test_a_nats_failure_taking_over_a_stale_claim_answers_unavailable_naming_the_claim(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The bound a claim's readers apply (1 s here): past it, a duplicate takes the claim over.
+    monkeypatch.setattr(batches, "CREATE_RECORD_WITHIN_S", 1.0)
+    monkeypatch.setattr(batches, "CREATE_WRITE_MARGIN_S", 0.0)
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    ghost = new_job_id()
+    assert await store.claim(TENANT, "nightly-t1", ghost, until=time.time() + 3600) == ghost  # its gateway died
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-t1")
+    with monkeypatch.context() as failing:
+        refused = fail_claim_writes(failing, takeovers=True)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.CreateBatch(request)
+    assert refused, "the takeover was not tried"
+    assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    info = error_info(failed.value)
+    assert (info.reason, info.metadata["batch_id"]) == ("NATS_UNAVAILABLE", ghost)
+    assert "take over the idempotency key" in (failed.value.details() or "")
+    held = await store.holder(TENANT, "nightly-t1")  # nothing changed
+    assert held is not None
+    assert held[0] == ghost
+    created = await stub.CreateBatch(request)  # NATS answers again: the retry takes it over
+    assert not created.deduplicated
+    held = await store.holder(TENANT, "nightly-t1")
+    assert held is not None
+    assert held[0] == created.batch.batch_id

@@ -142,20 +142,32 @@ class BatchStore:
     async def take_over(self, tenant: str, idempotency_key: str, holder: str, batch_id: str, *, until: float) -> str:
         """Moves the key's claim from `holder` (a batch that was never written and cannot be any
         more: its create died or gave up between the claim and the record) to `batch_id`; the
-        claim's batch ID after the move (a racing create's, if it moved it first)."""
+        claim's batch ID after the move (a racing create's, if it moved it first). UNAVAILABLE
+        NATS_UNAVAILABLE (ErrorInfo batch_id: the holder) when NATS does not answer; nothing of the
+        create is written then."""
         key = _claim_key(tenant, idempotency_key)
-        latest = await kv_latest(self._bucket, key)
-        if latest is None or latest[0].decode() != holder:
-            if latest is not None:
-                return latest[0].decode()
-            return await self.claim(tenant, idempotency_key, batch_id, until=until)
         try:
-            await kv_put_expecting(
-                self._bucket, key, batch_id.encode(), last_revision=latest[1], ttl_s=ttl_until(until)
-            )
-            return batch_id
-        except KeyWrongLastSequenceError:
-            moved = await kv_latest(self._bucket, key)
+            latest = await kv_latest(self._bucket, key)
+            if latest is None or latest[0].decode() != holder:
+                if latest is not None:
+                    return latest[0].decode()
+                return await self.claim(tenant, idempotency_key, batch_id, until=until)
+            try:
+                await kv_put_expecting(
+                    self._bucket, key, batch_id.encode(), last_revision=latest[1], ttl_s=ttl_until(until)
+                )
+                return batch_id
+            except KeyWrongLastSequenceError:
+                moved = await kv_latest(self._bucket, key)
+        except NATS_FAILURES as exc:
+            if store_full(exc) is not None:
+                raise _refusal(exc, "cannot take over the idempotency key", "no batch was created") from exc
+            raise Unavailable(
+                f"cannot take over the idempotency key from batch {holder} ({exc}); no batch was created, "
+                "create it again",
+                reason="NATS_UNAVAILABLE",
+                metadata={"batch_id": holder},
+            ) from exc
         if moved is None:  # released or expired since it was read: free for a claim (it read as ours)
             return await self.claim(tenant, idempotency_key, batch_id, until=until)
         return moved[0].decode()
