@@ -65,6 +65,7 @@ def lifecycle_config(config: Config, **batches: Any) -> Config:
 def gate() -> Iterator[None]:
     """The gated model computes only while the gate is open: closed here, opened at the end."""
     demo.GATE.clear()
+    demo.GATE_ENTERED.clear()
     try:
         yield
     finally:
@@ -92,6 +93,10 @@ async def test_cancelling_a_batch_stops_its_chunks_and_keeps_what_finished(
     batch_id = created.batch.batch_id
 
     await wait_until(stub, batch_id, lambda batch: batch.state == batch_service_pb2.BATCH_STATE_IN_PROGRESS)
+    # A chunk computes (held at the gate): the batch cannot end before it does. IN_PROGRESS alone
+    # did not say so: on a loaded machine every chunk could still be queued, and the cancel ended
+    # the batch at once, its files whole.
+    await wait_for(demo.GATE_ENTERED.is_set, timeout_s=30)
     cancelled = await stub.CancelBatch(batch_service_pb2.CancelBatchRequest(batch_id=batch_id))
     assert cancelled.batch.state == batch_service_pb2.BATCH_STATE_CANCELLING
     # Its files are whole only once it ends: a download now is refused (it gave part of them).

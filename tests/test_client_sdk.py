@@ -42,8 +42,9 @@ from asyncinfer.client import (
     why_not_served,
 )
 from asyncinfer.client._convert import job_from_proto
-from asyncinfer.config import Config
+from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.batcher.models import demo
 from tests.stack import Stack, StartStack, ThreadedStack
 from tests.test_gateway import wait_for
 
@@ -133,16 +134,26 @@ async def test_run_of_a_job_that_outlasts_its_submit_watches_it_to_its_end(idle_
     await wait_for(lambda: rpcs(idle_stack, "WatchJob") >= 1)  # counted once the gateway's handler ends
 
 
-async def test_watch_yields_queued_running_succeeded_in_order(idle_stack: Stack) -> None:
-    async with AsyncClient(idle_stack.address) as client:
-        job = await client.submit("demo", {"x": X})
-        seen: list[Job] = []
-        async for update in client.watch(job, timeout_s=30):
-            seen.append(update)
-            if len(seen) == 1:
-                assert update.state is JobState.QUEUED
-                assert update.queue is not None, "a queued job says where it stands"
-                await idle_stack.start_batcher()  # only now can it run
+async def test_watch_yields_queued_running_succeeded_in_order(config: Config, start_stack: StartStack) -> None:
+    # The demo model held at the gate while it runs: a watch that has not read RUNNING yet when the
+    # job ends gets the latest (SUCCEEDED), so the job ends only once RUNNING was seen.
+    gated = DEMO_MODEL.model_copy(update={"loader": "services.batcher.models.demo:build_gated_model", "warm_up": False})
+    idle_stack = await start_stack(config.replace(models=[gated.model_dump()]), batcher=False)
+    demo.GATE.clear()
+    try:
+        async with AsyncClient(idle_stack.address) as client:
+            job = await client.submit("demo", {"x": X})
+            seen: list[Job] = []
+            async for update in client.watch(job, timeout_s=30):
+                seen.append(update)
+                if len(seen) == 1:
+                    assert update.state is JobState.QUEUED
+                    assert update.queue is not None, "a queued job says where it stands"
+                    await idle_stack.start_batcher()  # only now can it run
+                elif update.state is JobState.RUNNING:
+                    demo.GATE.set()
+    finally:
+        demo.GATE.set()
     assert [u.state for u in seen] == [JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED]
     # Where it runs, from the moment it starts; and the batch it ran in names the same batcher.
     assert idle_stack.batcher is not None

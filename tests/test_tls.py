@@ -195,13 +195,16 @@ def test_the_gateway_process_exits_clearly_on_an_unverifiable_tls_nats(
 ) -> None:
     gateway = _run_gateway(
         tmp_path,
-        f'[nats]\nurl = "{tls_nats.url.replace("nats://", "tls://")}"\nconnect_timeout_s = 5.0\n'
+        f'[nats]\nurl = "{tls_nats.url.replace("nats://", "tls://")}"\nconnect_timeout_s = 60.0\n'
         "[gateway]\nport = 0\nmetrics_port = 0\n",
     )
     try:
-        _, stderr = gateway.communicate(timeout=5.0)  # within its connect timeout
+        # Well within its connect timeout (60 s): the refused certificate ends it, not a timeout. (It
+        # was 5 s for both: a loaded CI machine took longer than that to start Python.)
+        _, stderr = gateway.communicate(timeout=30.0)
     finally:
         gateway.kill()
+        gateway.communicate()  # closes its pipes, which a later test's collection would report
     assert gateway.returncode == 2
     assert "TLS certificate cannot be verified" in stderr
     assert "nats.tls_ca_file" in stderr

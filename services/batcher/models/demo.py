@@ -27,6 +27,8 @@ SLOW_MODEL_DELAY_S = 0.3
 GATE = threading.Event()
 GATE.set()
 GATE_TIMEOUT_S = 30.0
+# Set as a gated computation starts (tests wait for it: a batch is then in flight, not only queued).
+GATE_ENTERED = threading.Event()
 
 
 class AffineDemo(torch.nn.Module):
@@ -59,6 +61,7 @@ class SlowDemo(AffineDemo):
 
 class GatedDemo(AffineDemo):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        GATE_ENTERED.set()
         GATE.wait(GATE_TIMEOUT_S)
         return super().forward(x)
 
