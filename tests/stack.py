@@ -53,14 +53,17 @@ class Stack:
         scheduler_config: Config | None = None,
         batcher_config: Config | None = None,
         blob_sweep_interval_s: float | None = None,
+        scheduler_wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self._batcher_config = batcher_config or config
         self.gateway = GatewayApp(config)
-        sweep: dict[str, Any] = (
+        options: dict[str, Any] = (
             {} if blob_sweep_interval_s is None else {"blob_sweep_interval_s": blob_sweep_interval_s}
         )
-        self.scheduler = SchedulerApp(scheduler_config or config, **sweep)
+        if scheduler_wall_clock is not None:  # its snapshots' time, skewed against the other hosts'
+            options["wall_clock"] = scheduler_wall_clock
+        self.scheduler = SchedulerApp(scheduler_config or config, **options)
         self.batcher: BatcherApp | None = None
         self.channel: grpc.aio.Channel | None = None
         self._nc: NatsClient | None = None

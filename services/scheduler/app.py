@@ -85,8 +85,16 @@ ROLES: dict[str, Role] = {"asyncinfer.v1.WorkerService": "batcher", "asyncinfer.
 
 
 class SchedulerApp:
-    def __init__(self, config: Config, *, blob_sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        blob_sweep_interval_s: float = DEFAULT_SWEEP_INTERVAL_S,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self.config = config
+        # The time its queue snapshots carry (`updated_at`); tests skew it against other processes'.
+        self._wall_clock = wall_clock
         self._blob_sweep_interval_s = blob_sweep_interval_s
         self._sweeper: BlobSweeper | None = None
         self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
@@ -179,7 +187,7 @@ class SchedulerApp:
         )
         await instance.beat()
         self._cluster_queues = cluster_queues = ClusterQueues(
-            js, bucket=config.nats.queues_bucket, scheduler=instance.name
+            js, bucket=config.nats.queues_bucket, scheduler=instance.name, clock=self._wall_clock
         )
         await cluster_queues.start()
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)
@@ -226,6 +234,7 @@ class SchedulerApp:
             is_draining=lambda: self.draining,
             put_back_count=self._put_back_count,
             batch_sizes=flow.batch_sizes,
+            clock=self._wall_clock,
             held_open=self._held_open,
             nc=nc,
         )

@@ -176,8 +176,10 @@ class QueueStatsReader:
         runtime_models: Callable[[], Iterable[str]] = lambda: (),
         held_open: Callable[[str, Priority], bool] = lambda _model, _priority: False,
         nc: Client,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._nc = nc
+        self._clock = clock  # the wall clock: each snapshot's `updated_at`
         self._held_open = held_open
         self._runtime_models = runtime_models  # names learnt from batchers (services.scheduler.runtime_models)
         self._planned_chunks = planned_chunks
@@ -251,7 +253,7 @@ class QueueStatsReader:
             ),
             paused=paused,
             completed_per_s=rate,
-            updated_at=time.time(),
+            updated_at=self._clock(),
             draining=draining,
             submitted_per_s=self._submitted_per_s(name),
             batch_sizes=self._batch_sizes(name),
