@@ -6,8 +6,10 @@
   The gateway keeps each scheduler's latest and merges them (asyncinfer.snapshot_merge) to
   answer a queued job's position, estimated start and waiting reason, and to admit or refuse new
   jobs against `max_queue_depth`; every scheduler does the same to answer GetQueueStats for the
-  whole cluster. A snapshot older than `SNAPSHOT_STALE_S` means its scheduler no longer looks
-  after the model; a scheduler stopping in order says so at once (a last snapshot, `stopped`).
+  whole cluster. A snapshot its reader has not received for `SNAPSHOT_STALE_S` by the reader's own
+  monotonic clock (asyncinfer.snapshot_freshness; `updated_at`, the writer's wall clock, is skewed
+  across hosts) means its scheduler no longer looks after the model; a scheduler stopping in order
+  says so at once (a last snapshot, `stopped`).
 - The key `paused.<model>` in the same bucket exists while an operator has paused the model's
   queue; every scheduler honours it. A drain (OpsService.Drain) is one scheduler's: its snapshots
   say `draining` until it is undrained, so the gateway tells its queued jobs why they wait once

@@ -14,11 +14,16 @@ A scheduler leaves the merge:
   arrives;
 - restarted in place: its snapshots name it the same (its configured ID, or host and port), so the
   new process's first write replaces the old one's entry;
-- killed (or cut off from NATS): its snapshot goes stale (SNAPSHOT_STALE_S) and leaves the merge at
-  once for the merge, and from `SchedulerSnapshots` at the model's next arrival (while another
-  scheduler runs, at most SNAPSHOT_HEARTBEAT_S after it went stale). A scheduler of port 0 and no
-  configured ID names itself anew at each start, so its previous run leaves the same way.
+- killed (or cut off from NATS): its snapshot goes stale (SNAPSHOT_STALE_S after the reader received
+  its last write, on the reader's monotonic clock: asyncinfer.snapshot_freshness) and leaves the
+  merge at once for the merge, and from `SchedulerSnapshots` at the model's next arrival (while
+  another scheduler runs, at most SNAPSHOT_HEARTBEAT_S after it went stale). A scheduler of port 0
+  and no configured ID names itself anew at each start, so its previous run leaves the same way.
 With none fresh the merge is the newest snapshot, stale, as with one scheduler.
+
+Every snapshot is held with when it was written on the reader's monotonic clock (`HeldSnapshot`),
+and freshness and "newest" are judged on that, never on `updated_at` (the writer's wall clock,
+skewed against the reader's and the other writers' across hosts).
 """
 
 from __future__ import annotations
@@ -27,15 +32,26 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot
+from asyncinfer.queues import QueueSnapshot
+from asyncinfer.snapshot_freshness import is_fresh
 
 
-def is_reporting(snapshot: QueueSnapshot, now: float) -> bool:
-    """Whether its scheduler counts in the merge: fresh, and not its last word as it stopped."""
-    return not snapshot.stopped and now - snapshot.updated_at <= SNAPSHOT_STALE_S
+@dataclass(frozen=True, slots=True)
+class HeldSnapshot:
+    """A snapshot as a reader holds it: with when it was written, on the reader's monotonic clock
+    (asyncinfer.snapshot_freshness.written_at)."""
+
+    snapshot: QueueSnapshot
+    written_at: float
 
 
-def merge_snapshots(snapshots: Collection[QueueSnapshot], now: float) -> QueueSnapshot | None:
+def is_reporting(held: HeldSnapshot, now: float) -> bool:
+    """Whether its scheduler counts in the merge at `now` (the reader's monotonic clock): fresh, and
+    not its last word as it stopped."""
+    return not held.snapshot.stopped and is_fresh(held.written_at, now)
+
+
+def merge_snapshots(snapshots: Collection[HeldSnapshot], now: float) -> HeldSnapshot | None:
     """What the model's schedulers report together, from each one's latest snapshot (of the same
     model). Over the fresh ones: batchers and jobs in flight summed; free credits and completion
     rates summed over those not draining (a draining scheduler takes no queued job), or over all
@@ -43,22 +59,25 @@ def merge_snapshots(snapshots: Collection[QueueSnapshot], now: float) -> QueueSn
     scheduler drains), since only those could dispatch. Depths, their oldest and newest times and
     the pause are the shared consumers' and the shared key's, read by each: the newest snapshot's,
     as are its time and name. A `stopped` snapshot counts as not fresh. None fresh: the newest, stale
-    (it says nobody looks after the model) or stopped (what the others reported as it stopped)."""
+    (it says nobody looks after the model) or stopped (what the others reported as it stopped).
+    Newest and fresh by `written_at` and `now`, the reader's monotonic clock; the merge is held as
+    written when its newest was."""
     # One pass and no dataclasses.replace: this runs for every snapshot the watch delivers
     # (a generator per field and dataclasses.replace took about twice as long, at 2 schedulers).
-    newest: QueueSnapshot | None = None  # of them all
-    newest_fresh: QueueSnapshot | None = None  # whose depths a merge carries
+    newest: HeldSnapshot | None = None  # of them all
+    newest_fresh: HeldSnapshot | None = None  # whose depths a merge carries
     fresh: list[QueueSnapshot] = []
-    for snapshot in snapshots:
-        if newest is None or snapshot.updated_at > newest.updated_at:
-            newest = snapshot
-        if is_reporting(snapshot, now):
-            fresh.append(snapshot)
-            if newest_fresh is None or snapshot.updated_at > newest_fresh.updated_at:
-                newest_fresh = snapshot
+    for held in snapshots:
+        if newest is None or held.written_at > newest.written_at:
+            newest = held
+        if is_reporting(held, now):
+            fresh.append(held.snapshot)
+            if newest_fresh is None or held.written_at > newest_fresh.written_at:
+                newest_fresh = held
     if newest_fresh is None or len(fresh) == 1:
         return newest_fresh or newest
-    newest = newest_fresh
+    written = newest_fresh.written_at
+    newest_snapshot = newest_fresh.snapshot
     in_flight = batchers = desired = 0
     free = {False: 0, True: 0}  # free credits and rates by whether their scheduler drains
     rate = {False: 0.0, True: 0.0}
@@ -74,19 +93,20 @@ def merge_snapshots(snapshots: Collection[QueueSnapshot], now: float) -> QueueSn
         every_one_drains = every_one_drains and snapshot.draining
     # Free credits and rates: of the schedulers that dispatch, or, every one draining, of them all
     # (as with one scheduler).
-    return QueueSnapshot(
-        model_name=newest.model_name,
-        updated_at=newest.updated_at,
-        priorities=newest.priorities,
+    merged = QueueSnapshot(
+        model_name=newest_snapshot.model_name,
+        updated_at=newest_snapshot.updated_at,
+        priorities=newest_snapshot.priorities,
         in_flight=in_flight,
         connected_batchers=batchers,
         free_credits=free[every_one_drains],
         completed_per_s=rate[every_one_drains],
-        paused=newest.paused,
+        paused=newest_snapshot.paused,
         desired_batchers=desired,
         draining=not serving_undrained if batchers else every_one_drains,
-        scheduler=newest.scheduler,
+        scheduler=newest_snapshot.scheduler,
     )
+    return HeldSnapshot(merged, written)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,25 +118,29 @@ class ClusterQueue:
     draining_schedulers: int  # of those, the ones draining
 
 
-def cluster_queue(own: QueueSnapshot, latest: Mapping[str, QueueSnapshot], now: float) -> ClusterQueue:
+def cluster_queue(own: QueueSnapshot, latest: Mapping[str, HeldSnapshot], now: float) -> ClusterQueue:
     """`own`: the asking scheduler's snapshot, just taken (its depths are the freshest read);
     `latest`: each scheduler's latest snapshot of the model as its watch holds them, its own
-    previous one among them (left out: `own` is newer)."""
-    reporting = [own, *(s for name, s in latest.items() if name != own.scheduler and is_reporting(s, now))]
+    previous one among them (left out: `own` is newer); `now`: the reader's monotonic clock."""
+    others = [held for name, held in latest.items() if name != own.scheduler and is_reporting(held, now)]
+    reporting = [HeldSnapshot(own, now), *others]
     merged = merge_snapshots(reporting, now)
     assert merged is not None  # it holds `own` at least
     return ClusterQueue(
-        merged=merged,
+        merged=merged.snapshot,
         schedulers=len(reporting),
-        draining_schedulers=sum(1 for snapshot in reporting if snapshot.draining),
+        draining_schedulers=sum(1 for held in reporting if held.snapshot.draining),
     )
 
 
-def stopped_snapshot(own: QueueSnapshot, latest: Mapping[str, QueueSnapshot], now: float) -> QueueSnapshot:
+def stopped_snapshot(
+    own: QueueSnapshot, latest: Mapping[str, HeldSnapshot], *, now: float, wall_time: float
+) -> QueueSnapshot:
     """The last snapshot a scheduler stopping in order writes of a model, its batchers gone and its
     jobs in flight put back: `stopped`, naming it (so a reader drops its entry at once, not
     SNAPSHOT_STALE_S later), and saying what the other schedulers report without it (the merge of
-    their fresh ones); none fresh: its own depths and pause, and nothing serving.
+    their fresh ones, at `now` on its monotonic clock); none fresh: its own depths and pause, and
+    nothing serving. Its `updated_at` is `wall_time` (this scheduler's wall clock, as every write).
 
     Why the others' view rather than its own zeros: a gateway of the release before reads the key's
     last write as the whole queue (it skips `scheduler` and `stopped`). "0 batchers" would make it
@@ -124,32 +148,36 @@ def stopped_snapshot(own: QueueSnapshot, latest: Mapping[str, QueueSnapshot], no
     nothing changed there), while the others' view is what it reads once they write. A gateway of
     this release that starts and reads only the key's last value reads the same view.
     """
-    others = [s for name, s in latest.items() if name != own.scheduler and is_reporting(s, now)]
-    rest = merge_snapshots(others, now) if others else None
-    if rest is None:
+    others = [held for name, held in latest.items() if name != own.scheduler and is_reporting(held, now)]
+    merged = merge_snapshots(others, now) if others else None
+    if merged is None:
         rest = dataclasses.replace(
             own, in_flight=0, connected_batchers=0, free_credits=0, completed_per_s=0.0, draining=False
         )
-    return dataclasses.replace(rest, updated_at=now, scheduler=own.scheduler, stopped=True)
+    else:
+        rest = merged.snapshot
+    return dataclasses.replace(rest, updated_at=wall_time, scheduler=own.scheduler, stopped=True)
 
 
 class SchedulerSnapshots:
-    """Per model, each scheduler's latest snapshot. `arrived` is called for every snapshot the
-    watch delivers and returns the merge (one model's snapshots from S schedulers: O(S))."""
+    """Per model, each scheduler's latest snapshot, held with when it was written on the reader's
+    monotonic clock. `arrived` is called for every snapshot the watch delivers and returns the merge
+    (one model's snapshots from S schedulers: O(S))."""
 
     def __init__(self) -> None:
-        self._by_model: dict[str, dict[str, QueueSnapshot]] = {}
+        self._by_model: dict[str, dict[str, HeldSnapshot]] = {}
 
-    def arrived(self, snapshot: QueueSnapshot, now: float) -> QueueSnapshot:
-        """Keeps `snapshot` as its scheduler's latest (a restarted scheduler's first replaces its
-        previous run's: same name), drops the other schedulers' stale or stopped ones (a scheduler
-        gone, or a process that named itself differently before a restart), and returns the new
-        merge. Snapshots naming no scheduler (the release before's) are one scheduler's, "": the
-        last write wins among them, as it did."""
+    def arrived(self, snapshot: QueueSnapshot, *, written_at: float, now: float) -> HeldSnapshot:
+        """Keeps `snapshot` (written at `written_at`: asyncinfer.snapshot_freshness.written_at) as its
+        scheduler's latest (a restarted scheduler's first replaces its previous run's: same name),
+        drops the other schedulers' stale or stopped ones (a scheduler gone, or a process that named
+        itself differently before a restart), and returns the new merge. Snapshots naming no
+        scheduler (the release before's) are one scheduler's, "": the last write wins among them, as
+        it did. `now`: the reader's monotonic clock."""
         schedulers = self._by_model.get(snapshot.model_name)
         if schedulers is None:
             schedulers = self._by_model[snapshot.model_name] = {}
-        schedulers[snapshot.scheduler] = snapshot
+        schedulers[snapshot.scheduler] = HeldSnapshot(snapshot, written_at)
         if len(schedulers) > 1:
             for name, held in list(schedulers.items()):
                 if name != snapshot.scheduler and not is_reporting(held, now):
@@ -158,12 +186,13 @@ class SchedulerSnapshots:
         assert merged is not None  # it holds `snapshot` at least
         return merged
 
-    def latest(self, model_name: str) -> Mapping[str, QueueSnapshot]:
+    def latest(self, model_name: str) -> Mapping[str, HeldSnapshot]:
         """Each scheduler's latest snapshot of the model, by name (stale and stopped ones too)."""
         return dict(self._by_model.get(model_name, {}))
 
     def reporting(self, model_name: str, now: float) -> list[str]:
-        """The schedulers in the model's merge (fresh and not stopped), by name."""
+        """The schedulers in the model's merge (fresh and not stopped) at `now` (the reader's
+        monotonic clock), by name."""
         held = self._by_model.get(model_name, {})
         return sorted(name for name, snapshot in held.items() if is_reporting(snapshot, now))
 

@@ -28,6 +28,7 @@ from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceErro
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import count_subjects
 from asyncinfer.queues import (
+    SNAPSHOT_STALE_S,
     CancelNotice,
     PriorityQueueSnapshot,
     QueueSnapshot,
@@ -530,7 +531,7 @@ async def test_a_submit_that_is_not_queued_leaves_no_count_behind(config: Config
 # --- queue standing -------------------------------------------------------------------------------
 
 
-async def test_waiting_reasons_follow_the_snapshot(gw: Harness) -> None:
+async def test_waiting_reasons_follow_the_snapshot(gw: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     job = await gw.submit()
     assert job.queue.waiting_reason == job_pb2.WAITING_REASON_NO_WORKER  # no scheduler has reported
 
@@ -539,8 +540,16 @@ async def test_waiting_reasons_follow_the_snapshot(gw: Harness) -> None:
 
     await gw.put_snapshot(snapshot(batchers=0, depths={Priority.NORMAL: (1, job.create_time.ToNanoseconds() / 1e9)}))
     assert await reason() == job_pb2.WAITING_REASON_NO_WORKER  # scaled to zero
+    # Written by a scheduler whose clock is a minute behind: fresh as it arrives (the gateway's
+    # monotonic clock judges it, asyncinfer.snapshot_freshness; NO_WORKER before session 29).
     await gw.put_snapshot(snapshot(batchers=2, updated_at=time.time() - 60))
-    assert await reason() == job_pb2.WAITING_REASON_NO_WORKER  # stale: no scheduler looks after it
+    assert await reason() == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
+    # Nothing written for longer than SNAPSHOT_STALE_S (the gateway's monotonic clock moved on):
+    # stale, no scheduler looks after it.
+    view = gw.app.queue_view
+    monkeypatch.setattr(view, "_monotonic", lambda: time.monotonic() + SNAPSHOT_STALE_S + 1.0)
+    assert await reason() == job_pb2.WAITING_REASON_NO_WORKER
+    monkeypatch.undo()
     await gw.put_snapshot(snapshot(batchers=2))
     assert await reason() == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
     await gw.put_snapshot(snapshot(batchers=2, paused=True))
@@ -686,23 +695,24 @@ async def test_a_paused_queue_places_each_job_of_a_burst(config: Config, start_s
 def test_waiting_reason_precedence() -> None:
     now = 1000.0
     retried = record_at(1.0, attempt=1, last_error=JobError(code=13, reason="WORKER_LOST", message=""))
-    fresh = snapshot(updated_at=now, batchers=1)
-    assert waiting_reason(retried, fresh, paused=True, now=now) == WaitingReason.PAUSED
-    assert waiting_reason(retried, None, paused=False, now=now) == WaitingReason.NO_WORKER
-    assert waiting_reason(retried, fresh, paused=False, now=now) == WaitingReason.RETRY_BACKOFF
-    assert waiting_reason(record_at(1.0), fresh, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
-    draining = replace(fresh, draining=True)
-    assert waiting_reason(record_at(1.0), draining, paused=False, now=now) == WaitingReason.DRAINING
-    assert waiting_reason(retried, draining, paused=False, now=now) == WaitingReason.DRAINING
-    assert waiting_reason(record_at(1.0), draining, paused=True, now=now) == WaitingReason.PAUSED
-    stale = replace(draining, updated_at=now - 60.0)  # no scheduler reports the model any more
-    assert waiting_reason(record_at(1.0), stale, paused=False, now=now) == WaitingReason.NO_WORKER
+    served = snapshot(updated_at=now, batchers=1)
+    assert waiting_reason(retried, served, paused=True, fresh=True) == WaitingReason.PAUSED
+    assert waiting_reason(retried, None, paused=False, fresh=True) == WaitingReason.NO_WORKER
+    assert waiting_reason(retried, served, paused=False, fresh=True) == WaitingReason.RETRY_BACKOFF
+    assert waiting_reason(record_at(1.0), served, paused=False, fresh=True) == WaitingReason.WAITING_FOR_CAPACITY
+    draining = replace(served, draining=True)
+    assert waiting_reason(record_at(1.0), draining, paused=False, fresh=True) == WaitingReason.DRAINING
+    assert waiting_reason(retried, draining, paused=False, fresh=True) == WaitingReason.DRAINING
+    assert waiting_reason(record_at(1.0), draining, paused=True, fresh=True) == WaitingReason.PAUSED
+    # No scheduler reports the model any more (its snapshot is stale by the gateway's monotonic
+    # clock: asyncinfer.snapshot_freshness), draining or not.
+    assert waiting_reason(record_at(1.0), draining, paused=False, fresh=False) == WaitingReason.NO_WORKER
     # A batcher with free slots for it: about to be dispatched, no reason to wait (issue 18).
-    idle = replace(fresh, free_credits=2, priorities={Priority.NORMAL.value: PriorityQueueSnapshot(2, 0.0)})
-    assert waiting_reason(record_at(now), idle, paused=False, now=now) == WaitingReason.DISPATCHING
-    assert waiting_reason(record_at(now + 1), idle, paused=False, now=now) == WaitingReason.WAITING_FOR_CAPACITY
-    assert waiting_reason(record_at(now), replace(idle, paused=True), paused=False, now=now) == WaitingReason.PAUSED
-    assert waiting_reason(retried, idle, paused=False, now=now) == WaitingReason.RETRY_BACKOFF
+    idle = replace(served, free_credits=2, priorities={Priority.NORMAL.value: PriorityQueueSnapshot(2, 0.0)})
+    assert waiting_reason(record_at(now), idle, paused=False, fresh=True) == WaitingReason.DISPATCHING
+    assert waiting_reason(record_at(now + 1), idle, paused=False, fresh=True) == WaitingReason.WAITING_FOR_CAPACITY
+    assert waiting_reason(record_at(now), replace(idle, paused=True), paused=False, fresh=True) == WaitingReason.PAUSED
+    assert waiting_reason(retried, idle, paused=False, fresh=True) == WaitingReason.RETRY_BACKOFF
 
 
 @pytest.mark.unit

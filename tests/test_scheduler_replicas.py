@@ -19,6 +19,7 @@ from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.nats import KeyValue
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
 from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
+from services.gateway.queue_view import QueueView
 from services.scheduler.app import SchedulerApp
 from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.stack import StartStack
@@ -223,3 +224,100 @@ async def test_get_queue_stats_of_either_scheduler_reports_the_whole_cluster(
         for channel in channels:
             await channel.close()
         await second.stop(2.0)
+
+
+# How far a scheduler's host clock is off the gateway's (Kubernetes nodes whose NTP is off).
+SKEW_S = 60.0
+
+
+def skewed_clock(by_s: float) -> Callable[[], float]:
+    """A scheduler's wall clock `by_s` off this host's: the `updated_at` of its snapshots."""
+    return lambda: time.time() + by_s
+
+
+async def no_last_words() -> None:
+    """In place of SchedulerApp._write_last_snapshots: stopped as if killed, its last snapshot not
+    written (readers learn of its end only as its snapshots go stale)."""
+
+
+@pytest.mark.timeout(120)
+async def test_snapshots_are_fresh_by_the_readers_clock_whatever_the_schedulers_wall_clocks_say(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Scheduler A (with the batcher) runs 60 s behind the gateway's and B's wall clocks. The
+    gateway and B judged A's snapshots by `updated_at` against their own wall clocks: stale as they
+    arrived, so the jobs queued behind A's busy batcher said NO_WORKER, and B's GetQueueStats
+    reported no batcher and itself alone. Freshness is now the readers' monotonic clock: received
+    within SNAPSHOT_STALE_S."""
+    RELEASE.clear()
+    shared = config.replace(models=[HANGING_MODEL], scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared, scheduler_wall_clock=skewed_clock(-SKEW_S))
+    second = SchedulerApp(shared)  # B: no batcher connects to it
+    await second.start()
+    view = stack.gateway.queue_view
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{second.port}")
+    ops_b = ops_service_pb2_grpc.OpsServiceStub(channel)
+    try:
+        hung = (await stack.jobs.SubmitJob(request(HANG_VALUE))).job.job_id
+        deadline = time.monotonic() + WAIT_S
+        while (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=hung))).job.state != (
+            job_pb2.JOB_STATE_RUNNING
+        ):
+            assert time.monotonic() < deadline, "the first job did not start"
+            await asyncio.sleep(0.05)
+        queued = [(await stack.jobs.SubmitJob(request(float(i)))).job.job_id for i in range(3)]
+        # Both schedulers count the three (the same consumers); B's view counts them while A's is
+        # taken for stale, so this holds on either rule.
+        await wait_for(lambda: (merged := view.snapshot(MODEL)) is not None and merged.total_depth == 3)
+        got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=queued))
+        assert [r.job.state for r in got.results] == [job_pb2.JOB_STATE_QUEUED] * 3
+        # Waiting for A's one batcher (NO_WORKER before: A's snapshots were a minute old on arrival).
+        assert [r.job.queue.waiting_reason for r in got.results] == [job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY] * 3
+        # Both report the model (A was never fresh before).
+        both = sorted([stack.scheduler.instance_name, second.instance_name])
+        await wait_for(lambda: view.reporting(MODEL) == both)
+        # B, asked for the cluster's queue, counts A's batcher and A.
+        request_stats = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+        (from_b,) = (await ops_b.GetQueueStats(request_stats)).models
+        assert (from_b.connected_batchers, from_b.in_flight, from_b.schedulers) == (1, 1, 2), from_b
+    finally:
+        RELEASE.set()
+        await channel.close()
+        await second.stop(2.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_killed_schedulers_snapshot_goes_stale_in_snapshot_stale_s_whatever_its_clock_says(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler whose wall clock runs 60 s ahead of the gateway's is killed (its last snapshot
+    not written). Judged by `updated_at`, its last snapshot stayed fresh for 75 s; now a gateway
+    drops it SNAPSHOT_STALE_S after it received it, and a gateway started after the scheduler died
+    SNAPSHOT_STALE_S after the server stored it (the key's last value has no arrival to count from:
+    its age is the server's stamp against the server's time as the watch began)."""
+    shared = config.replace(scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared, scheduler_wall_clock=skewed_clock(SKEW_S), batcher=False)
+    view = stack.gateway.queue_view
+    name = stack.scheduler.instance_name
+    await wait_for(lambda: view.reporting(DEMO_MODEL.name) == [name])
+    monkeypatch.setattr(stack.scheduler, "_write_last_snapshots", no_last_words)
+    killed_at = time.monotonic()
+    await stack.scheduler.stop(2.0)
+    # Its last write came at most a heartbeat before: still fresh, and no `stopped` word dropped it.
+    assert view.reporting(DEMO_MODEL.name) == [name]
+    # A gateway that starts a while after: the key's last value is as old as the server says. (The
+    # time passing is what is tested: no event marks it.)
+    await asyncio.sleep(SNAPSHOT_HEARTBEAT_S)
+    late = QueueView(stack.nc.jetstream(), stack.nc, bucket=shared.nats.queues_bucket)
+    await late.start()
+    try:
+        await wait_for(lambda: late.reporting(DEMO_MODEL.name) == [name])
+        # Both within SNAPSHOT_STALE_S of its last write, which came before the kill (2 s for a
+        # loaded machine; 75 s before, and the late gateway's SNAPSHOT_STALE_S after its start).
+        stale_by = killed_at + SNAPSHOT_STALE_S + 2.0
+        await wait_for(lambda: late.reporting(DEMO_MODEL.name) == [], deadline=stale_by)
+        await wait_for(lambda: view.reporting(DEMO_MODEL.name) == [], deadline=stale_by)
+        assert not view.is_fresh(DEMO_MODEL.name)
+        assert not late.is_fresh(DEMO_MODEL.name)
+    finally:
+        await late.stop()

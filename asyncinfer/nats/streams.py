@@ -243,6 +243,38 @@ async def stored_age_s(js: JetStreamContext, nc: Client, stream: str, seq: int, 
 
 
 @dataclass(frozen=True, slots=True)
+class StreamPosition:
+    """A plain stream info's last sequence, with the server's time as it answered."""
+
+    last_seq: int  # 0: the stream has stored nothing
+    server_time: float | None  # Unix seconds on the server's clock; None from a server older than 2.10
+
+
+class _StreamPosition(msgspec.Struct):
+    class State(msgspec.Struct):
+        last_seq: int = 0
+
+    state: State | None = None
+    ts: str | None = None
+    error: dict[str, Any] | None = None
+
+
+async def stream_position(nc: Client, stream: str, *, timeout_s: float) -> StreamPosition:
+    """The stream's last sequence and the server's time, from one stream info (a raw request:
+    nats-py's StreamInfo drops `ts`). Raises as JetStreamContext.stream_info does."""
+    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
+    info = msgspec.json.decode(reply.data, type=_StreamPosition)
+    if info.error is not None:
+        APIError.from_error(info.error)  # raises
+    server_time = datetime.fromisoformat(info.ts).timestamp() if info.ts else None
+    return StreamPosition(
+        last_seq=info.state.last_seq if info.state is not None else 0,
+        # Go's zero time (year 1) where a server leaves it unset: no time said
+        server_time=server_time if server_time is not None and server_time > 0 else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ConsumerCounts:
     """What a consumer info says of a consumer's queue, with the server's time as it answered."""
 

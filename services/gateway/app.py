@@ -145,7 +145,7 @@ class GatewayApp:
         blob_store = await ensure_objects_bucket(js, cfg.nats)
         batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
         claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health, batches=batch_store)
-        self._queues = QueueView(js, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
+        self._queues = QueueView(js, self._nc, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
         await self._queues.start()
         expiry = Expiry(records, on_expired=self._expired_on_read)
         self._hub = WatchHub(

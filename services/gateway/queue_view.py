@@ -21,10 +21,11 @@ import structlog
 from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
 from asyncinfer.contract import kv_stream, kv_subject_prefix, work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
-from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg, NatsError
+from asyncinfer.nats import KV_OP, Client, DeliverPolicy, JetStreamContext, Msg, NatsError
 from asyncinfer.nats.streams import declaration
-from asyncinfer.queues import SNAPSHOT_STALE_S, QueueSnapshot, decode_snapshot
-from asyncinfer.snapshot_merge import SchedulerSnapshots
+from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.snapshot_freshness import WriteTimes, is_fresh
+from asyncinfer.snapshot_merge import HeldSnapshot, SchedulerSnapshots
 from asyncinfer.supervision import outcome_seen
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
@@ -61,23 +62,19 @@ class QueueStanding:
     estimated_start_time: float | None = None  # Unix seconds; None when no throughput is measured
 
 
-def is_fresh(snapshot: QueueSnapshot | None, now: float) -> bool:
-    return snapshot is not None and now - snapshot.updated_at <= SNAPSHOT_STALE_S
-
-
-def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> str:
-    """PAUSED first (nothing starts while an operator holds the queue, workers or not), then
-    DRAINING (every scheduler whose batchers serve the model drains: asyncinfer.snapshot_merge),
-    then NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF
-    (a failed attempt is waiting out its delay), then none (DISPATCHING: the snapshot's free
-    credits outnumber the jobs ahead of it, as for a fresh job on an idle batcher), else
-    WAITING_FOR_CAPACITY."""
-    fresh = is_fresh(snapshot, now)
+def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool) -> str:
+    """`fresh`: whether `snapshot` says a scheduler looks after the model (asyncinfer.
+    snapshot_freshness, on the gateway's monotonic clock). PAUSED first (nothing starts while an
+    operator holds the queue, workers or not), then DRAINING (every scheduler whose batchers serve
+    the model drains: asyncinfer.snapshot_merge), then NO_WORKER (no scheduler reports the model,
+    or no batcher serves it), then RETRY_BACKOFF (a failed attempt is waiting out its delay), then
+    none (DISPATCHING: the snapshot's free credits outnumber the jobs ahead of it, as for a fresh job
+    on an idle batcher), else WAITING_FOR_CAPACITY."""
     if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
     if fresh and snapshot is not None and snapshot.draining:
         return WaitingReason.DRAINING
-    if snapshot is None or not is_fresh(snapshot, now) or snapshot.connected_batchers == 0:
+    if snapshot is None or not fresh or snapshot.connected_batchers == 0:
         return WaitingReason.NO_WORKER
     if record.attempt > 0 and record.last_error is not None:
         return WaitingReason.RETRY_BACKOFF
@@ -139,9 +136,12 @@ def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
     return higher + min(round(fraction * (own.depth - 1)), own.depth - 1)
 
 
-def standing(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, now: float) -> QueueStanding:
-    reason = waiting_reason(record, snapshot, paused=paused, now=now)
-    position = jobs_ahead(record, snapshot if is_fresh(snapshot, now) else None)
+def standing(
+    record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool, now: float
+) -> QueueStanding:
+    """`fresh` as for waiting_reason; `now`: the gateway's wall clock, for the estimated start."""
+    reason = waiting_reason(record, snapshot, paused=paused, fresh=fresh)
+    position = jobs_ahead(record, snapshot if fresh else None)
     estimate: float | None = None
     rate = snapshot.completed_per_s if snapshot is not None else 0.0
     if reason in (WaitingReason.WAITING_FOR_CAPACITY, WaitingReason.DISPATCHING) and rate > 0:
@@ -157,6 +157,7 @@ class QueueView:
     def __init__(
         self,
         js: JetStreamContext,
+        nc: Client,
         *,
         bucket: str,
         work_stream: str = "",
@@ -164,14 +165,18 @@ class QueueView:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
+        self._nc = nc
         self._bucket = bucket
         self._work_stream = work_stream
         self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
         self._monotonic = monotonic
-        # Per model: each scheduler's latest snapshot, and their merge, which every question reads.
+        # Per model: each scheduler's latest snapshot, and their merge, which every question reads,
+        # each held with when it was written on this gateway's monotonic clock (freshness is judged
+        # on that alone: asyncinfer.snapshot_freshness).
         self._schedulers = SchedulerSnapshots()
-        self._snapshots: dict[str, QueueSnapshot] = {}
+        self._snapshots: dict[str, HeldSnapshot] = {}
+        self._write_times = WriteTimes(monotonic)  # of the snapshots the watch delivers
         self._paused: set[str] = set()
         # Per model: when this gateway queued each job not yet counted by a snapshot, as (wall,
         # monotonic) seconds. The wall time is compared with the snapshot's (the scheduler's
@@ -188,6 +193,12 @@ class QueueView:
         self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
+        # Before subscribing: the keys' last values the watch delivers first are as old as the
+        # server says (asyncinfer.snapshot_freshness).
+        await declaration(
+            lambda _timeout_s: self._write_times.begin(self._nc, self._bucket),
+            what="read the queues bucket's position",
+        )
         for subject in (f"{self._subject_prefix}*", f"{self._subject_prefix}{PAUSED_PREFIX}*"):
 
             async def watch(_timeout_s: float, subject: str = subject) -> JetStreamContext.PushSubscription:
@@ -211,14 +222,21 @@ class QueueView:
                 log.warning("queue_view_unsubscribe_failed", error=str(exc))
 
     def snapshot(self, model_name: str) -> QueueSnapshot | None:
-        return self._snapshots.get(model_name)
+        held = self._snapshots.get(model_name)
+        return held.snapshot if held is not None else None
+
+    def is_fresh(self, model_name: str) -> bool:
+        """Whether a scheduler looks after the model: a snapshot of it written within
+        SNAPSHOT_STALE_S by this gateway's monotonic clock."""
+        held = self._snapshots.get(model_name)
+        return held is not None and is_fresh(held.written_at, self._monotonic())
 
     def is_paused(self, model_name: str) -> bool:
         return model_name in self._paused
 
     def reporting(self, model_name: str) -> list[str]:
         """The schedulers whose snapshots of the model are in its merge, by name."""
-        return self._schedulers.reporting(model_name, self._clock())
+        return self._schedulers.reporting(model_name, self._monotonic())
 
     async def _on_update(self, msg: Msg) -> None:
         key = msg.subject.removeprefix(self._subject_prefix)
@@ -239,9 +257,11 @@ class QueueView:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
-        self._snapshots[key] = self._schedulers.arrived(snapshot, self._clock())
+        received_at = self._monotonic()
+        written_at = self._write_times.of(msg, received_at)
+        self._snapshots[key] = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
         previous = self._arrived.get(key, float("-inf"))
-        self._arrived[key] = self._monotonic()
+        self._arrived[key] = received_at
         confirmed = self._confirmed.get(key)
         if confirmed is not None and (confirmed[1] <= snapshot.updated_at or confirmed[2] <= previous):
             del self._confirmed[key]
@@ -265,7 +285,7 @@ class QueueView:
         missing until the next report, so the limit is soft by (gateways - 1) x (jobs per snapshot
         interval). Jobs dispatched since the report still count: `confirm_depth` reads the count
         again before a refusal."""
-        snapshot = self._snapshots.get(model_name)
+        snapshot = self.snapshot(model_name)
         reported = snapshot.total_depth if snapshot is not None else 0
         confirmed = self._confirmed.get(model_name)
         if confirmed is not None:
@@ -312,7 +332,7 @@ class QueueView:
         # of the last snapshot.
         pending = sum(info.num_pending or 0 for info in infos)
         unacknowledged = sum(info.num_ack_pending or 0 for info in infos)
-        snapshot = self._snapshots.get(model_name)
+        snapshot = self.snapshot(model_name)
         running = snapshot.in_flight if snapshot is not None else 0
         self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), stamp, issued)
         submitted = self._submitted.get(model_name)
@@ -343,7 +363,8 @@ class QueueView:
             return None
         return standing(
             record,
-            self._snapshots.get(record.model_name),
+            self.snapshot(record.model_name),
             paused=self.is_paused(record.model_name),
+            fresh=self.is_fresh(record.model_name),
             now=self._clock(),
         )

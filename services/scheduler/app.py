@@ -187,7 +187,7 @@ class SchedulerApp:
         )
         await instance.beat()
         self._cluster_queues = cluster_queues = ClusterQueues(
-            js, bucket=config.nats.queues_bucket, scheduler=instance.name, clock=self._wall_clock
+            js, nc, bucket=config.nats.queues_bucket, scheduler=instance.name, clock=self._wall_clock
         )
         await cluster_queues.start()
         self._pauses = pauses = PauseState(queues_kv, self.supervisor)

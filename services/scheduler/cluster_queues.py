@@ -6,7 +6,9 @@ alone: half the cluster, and a drain of the other invisible. So a scheduler watc
 snapshot keys as the gateway does (one ordered consumer, each key's latest and every write after)
 and answers from the merge of its own snapshot, just taken, with the others' latest
 (asyncinfer.snapshot_merge.cluster_queue). As it stops in order it writes each model's last
-snapshot, `stopped`, from the same view (asyncinfer.snapshot_merge.stopped_snapshot).
+snapshot, `stopped`, from the same view (asyncinfer.snapshot_merge.stopped_snapshot). The others'
+snapshots are fresh by this scheduler's monotonic clock, as a gateway's (asyncinfer.snapshot_freshness):
+their hosts' wall clocks may be skewed against its own.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from collections.abc import Callable
 import structlog
 
 from asyncinfer.contract import kv_stream, kv_subject_prefix
-from asyncinfer.nats import KV_OP, DeliverPolicy, JetStreamContext, Msg
+from asyncinfer.nats import KV_OP, Client, DeliverPolicy, JetStreamContext, Msg
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.snapshot_freshness import WriteTimes
 from asyncinfer.snapshot_merge import SchedulerSnapshots, cluster_queue, stopped_snapshot
 from services.scheduler.queue_stats import ModelQueueSnapshot
 
@@ -29,18 +32,31 @@ log = structlog.get_logger("asyncinfer.scheduler.cluster_queues")
 
 class ClusterQueues:
     def __init__(
-        self, js: JetStreamContext, *, bucket: str, scheduler: str, clock: Callable[[], float] = time.time
+        self,
+        js: JetStreamContext,
+        nc: Client,
+        *,
+        bucket: str,
+        scheduler: str,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self._js = js
+        self._nc = nc
         self._bucket = bucket
         self._subject_prefix = kv_subject_prefix(bucket)
         self._scheduler = scheduler  # this scheduler's instance name, as its snapshots say it
-        self._clock = clock
+        self._clock = clock  # the wall clock, for the `updated_at` of its last snapshots alone
+        self._monotonic = monotonic  # whether a snapshot is fresh
         self._schedulers = SchedulerSnapshots()
+        self._write_times = WriteTimes(monotonic)  # of the snapshots the watch delivers
         self._subscription: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
         async def watch(_timeout_s: float) -> JetStreamContext.PushSubscription:
+            # Before subscribing: the keys' last values the watch delivers first are as old as the
+            # server says (asyncinfer.snapshot_freshness).
+            await self._write_times.begin(self._nc, self._bucket)
             # `<prefix>*`: the snapshot keys (bare model names), not `paused.*`, `scheduler.*` or
             # the tenant counters of older releases.
             return await self._js.subscribe(
@@ -72,14 +88,16 @@ class ClusterQueues:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
-        self._schedulers.arrived(snapshot, self._clock())
+        received_at = self._monotonic()
+        written_at = self._write_times.of(msg, received_at)
+        self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
 
     def cluster_wide(self, own: ModelQueueSnapshot) -> ModelQueueSnapshot:
         """`own` (this scheduler's, just taken) with the cluster's batchers, jobs in flight, free
         credits, completion rate and desired batchers (the most any scheduler asks for, as KEDA's
         max() over the schedulers' gauges). Its depths, pause, drain, submission rate (every
         scheduler hears every queued notice) and batch sizes stay its own."""
-        now = self._clock()
+        now = self._monotonic()
         cluster = cluster_queue(own.to_shared(self._scheduler), self._schedulers.latest(own.model_name), now)
         merged = cluster.merged
         return dataclasses.replace(
@@ -96,11 +114,11 @@ class ClusterQueues:
     def last_words(self) -> list[QueueSnapshot]:
         """Each model's `stopped` snapshot, for the models this scheduler's writes reached the
         bucket (a model it never wrote leaves nothing to take back)."""
-        now = self._clock()
+        now, wall_time = self._monotonic(), self._clock()
         last = []
         for model_name in self._schedulers.models():
             latest = self._schedulers.latest(model_name)
             own = latest.get(self._scheduler)
-            if own is not None and not own.stopped:
-                last.append(stopped_snapshot(own, latest, now))
+            if own is not None and not own.snapshot.stopped:
+                last.append(stopped_snapshot(own.snapshot, latest, now=now, wall_time=wall_time))
         return last

@@ -14,7 +14,7 @@ import pytest
 
 from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import Priority
-from asyncinfer.nats import JetStreamContext, Msg
+from asyncinfer.nats import Client, JetStreamContext, Msg
 from asyncinfer.queues import PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
 from services.gateway.queue_view import QueueView
 
@@ -49,6 +49,7 @@ class Consumers:
 def view_with(clocks: Clocks, consumers: Consumers | None = None) -> QueueView:
     return QueueView(
         cast(JetStreamContext, consumers),
+        cast(Client, None),
         bucket=BUCKET,
         work_stream="WORK",
         clock=lambda: clocks.wall,

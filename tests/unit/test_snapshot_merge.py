@@ -13,14 +13,21 @@ import pytest
 
 from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import JobRecord, JobState, Priority
-from asyncinfer.nats import JetStreamContext, Msg
+from asyncinfer.nats import Client, JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
-from asyncinfer.snapshot_merge import SchedulerSnapshots, cluster_queue, merge_snapshots, stopped_snapshot
+from asyncinfer.snapshot_merge import (
+    HeldSnapshot,
+    SchedulerSnapshots,
+    cluster_queue,
+    merge_snapshots,
+    stopped_snapshot,
+)
 from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
 
 pytestmark = pytest.mark.unit
 
-NOW = 1_800_000_000.0
+NOW = 1_800_000_000.0  # the writers' wall clock (the same host's here)
+MONO = 5_000.0  # the reader's monotonic clock, which freshness is judged on
 MODEL = "demo"
 
 
@@ -35,19 +42,37 @@ def from_scheduler(
     draining: bool = False,
     depth: int = 3,
     desired: int = 0,
-) -> QueueSnapshot:
-    return QueueSnapshot(
-        model_name=MODEL,
-        updated_at=NOW - age_s,
-        priorities={Priority.NORMAL.value: PriorityQueueSnapshot(depth, NOW - 10.0 - age_s, NOW - 5.0 - age_s)},
-        in_flight=in_flight,
-        connected_batchers=batchers,
-        free_credits=free,
-        completed_per_s=rate,
-        desired_batchers=desired,
-        draining=draining,
-        scheduler=scheduler,
+) -> HeldSnapshot:
+    """Written `age_s` ago, by both clocks."""
+    return HeldSnapshot(
+        written_at=MONO - age_s,
+        snapshot=QueueSnapshot(
+            model_name=MODEL,
+            updated_at=NOW - age_s,
+            priorities={Priority.NORMAL.value: PriorityQueueSnapshot(depth, NOW - 10.0 - age_s, NOW - 5.0 - age_s)},
+            in_flight=in_flight,
+            connected_batchers=batchers,
+            free_credits=free,
+            completed_per_s=rate,
+            desired_batchers=desired,
+            draining=draining,
+            scheduler=scheduler,
+        ),
     )
+
+
+def stopped(held: HeldSnapshot) -> HeldSnapshot:
+    return replace(held, snapshot=replace(held.snapshot, stopped=True))
+
+
+def arrives(held: SchedulerSnapshots, snapshot: HeldSnapshot, now: float = MONO) -> QueueSnapshot:
+    return held.arrived(snapshot.snapshot, written_at=snapshot.written_at, now=now).snapshot
+
+
+def merged_of(snapshots: list[HeldSnapshot], now: float = MONO) -> QueueSnapshot:
+    merged = merge_snapshots(snapshots, now)
+    assert merged is not None
+    return merged.snapshot
 
 
 def queued_job() -> JobRecord:
@@ -68,24 +93,23 @@ def queued_job() -> JobRecord:
 def test_batchers_credits_in_flight_and_rates_add_up() -> None:
     a = from_scheduler("a", age_s=1.0, batchers=1, free=2, in_flight=4, rate=3.0, depth=3, desired=2)
     b = from_scheduler("b", batchers=2, free=1, in_flight=1, rate=1.5, depth=5, desired=3)
-    merged = merge_snapshots([a, b], NOW)
-    assert merged is not None
+    merged = merged_of([a, b])
     assert (merged.connected_batchers, merged.free_credits, merged.in_flight) == (3, 3, 5)
     assert merged.completed_per_s == 4.5
     assert merged.desired_batchers == 3  # each asks for the whole backlog: the larger
     # Depths and their times are one read of the shared consumers: the newest snapshot's, and its time.
-    assert (merged.priorities, merged.updated_at) == (b.priorities, b.updated_at)
+    assert (merged.priorities, merged.updated_at) == (b.snapshot.priorities, b.snapshot.updated_at)
     assert not merged.draining
 
 
 def test_a_scheduler_without_batchers_does_not_make_the_model_look_unserved() -> None:
     a = from_scheduler("a", age_s=1.0, batchers=1)
     b = from_scheduler("b", batchers=0)  # written last: the key's value, which the gateway read alone
-    merged = merge_snapshots([a, b], NOW)
-    assert merged is not None
+    merged = merged_of([a, b])
     assert merged.connected_batchers == 1
-    assert waiting_reason(queued_job(), merged, paused=False, now=NOW) == WaitingReason.WAITING_FOR_CAPACITY
-    assert waiting_reason(queued_job(), b, paused=False, now=NOW) == WaitingReason.NO_WORKER  # the last write alone
+    assert waiting_reason(queued_job(), merged, paused=False, fresh=True) == WaitingReason.WAITING_FOR_CAPACITY
+    # The last write alone:
+    assert waiting_reason(queued_job(), b.snapshot, paused=False, fresh=True) == WaitingReason.NO_WORKER
 
 
 @pytest.mark.parametrize(
@@ -104,49 +128,64 @@ def test_draining_when_every_scheduler_that_could_dispatch_drains(
 ) -> None:
     a = from_scheduler("a", batchers=a_batchers, draining=a_draining)
     b = from_scheduler("b", batchers=b_batchers, draining=b_draining)
-    merged = merge_snapshots([a, b], NOW)
-    assert merged is not None
-    assert merged.draining is draining
+    assert merged_of([a, b]).draining is draining
 
 
 def test_a_draining_schedulers_free_slots_and_rate_take_no_queued_job() -> None:
     a = from_scheduler("a", batchers=1, free=4, rate=8.0, draining=True)
     b = from_scheduler("b", batchers=1, free=1, rate=2.0)
-    merged = merge_snapshots([a, b], NOW)
-    assert merged is not None
+    merged = merged_of([a, b])
     assert (merged.free_credits, merged.completed_per_s, merged.connected_batchers) == (1, 2.0, 2)
-    both = merge_snapshots([a, replace(b, draining=True)], NOW)  # all drain: all of them, as with one
-    assert both is not None
+    both = merged_of([a, replace(b, snapshot=replace(b.snapshot, draining=True))])  # all drain: all, as with one
     assert (both.free_credits, both.completed_per_s) == (5, 10.0)
 
 
 def test_stale_snapshots_are_left_out_and_all_stale_is_the_newest() -> None:
     gone = from_scheduler("a", age_s=SNAPSHOT_STALE_S + 1.0, batchers=5, free=5, rate=9.0, draining=True)
     live = from_scheduler("b", batchers=1, free=1, rate=1.0)
-    assert merge_snapshots([gone, live], NOW) is live  # one fresh: itself, as it was written
-    older = replace(gone, updated_at=NOW - SNAPSHOT_STALE_S - 5.0)
-    assert merge_snapshots([gone, older], NOW) is gone  # stale: says nobody looks after the model
-    assert merge_snapshots([], NOW) is None
+    assert merge_snapshots([gone, live], MONO) is live  # one fresh: itself, as it was written
+    older = replace(gone, written_at=MONO - SNAPSHOT_STALE_S - 5.0)
+    assert merge_snapshots([gone, older], MONO) is gone  # stale: says nobody looks after the model
+    assert merge_snapshots([], MONO) is None
+
+
+def test_freshness_and_newest_are_the_readers_monotonic_clock_not_the_writers_wall_clock() -> None:
+    """Scheduler A's host is 60 s behind the reader's, B's 60 s ahead. Judged by `updated_at`
+    against the reader's wall clock, A's snapshot just received was stale (NO_WORKER for a served
+    model) and B's, 16 s after its last write, fresh for another minute; and B's was the newest,
+    whose depths the merge carries, whichever was written last."""
+    behind = from_scheduler("a", batchers=1, free=1, depth=4)
+    behind = replace(behind, snapshot=replace(behind.snapshot, updated_at=NOW - 60.0))
+    ahead = from_scheduler("b", age_s=SNAPSHOT_STALE_S + 1.0, batchers=2, depth=9)
+    ahead = replace(ahead, snapshot=replace(ahead.snapshot, updated_at=NOW + 60.0))
+    merged = merge_snapshots([behind, ahead], MONO)
+    assert merged is behind  # B's gone; A's counts
+    assert waiting_reason(queued_job(), merged.snapshot, paused=False, fresh=True) == (
+        WaitingReason.WAITING_FOR_CAPACITY
+    )
+    both = merged_of([behind, replace(ahead, written_at=MONO - 1.0)])
+    assert both.connected_batchers == 3
+    assert both.total_depth == 4  # A's, written last by the reader's clock
 
 
 def test_each_schedulers_latest_counts_and_unnamed_ones_count_as_one() -> None:
     held = SchedulerSnapshots()
-    assert held.arrived(from_scheduler("a", age_s=2.0, batchers=1), NOW).connected_batchers == 1
-    assert held.arrived(from_scheduler("b", age_s=1.0, batchers=0), NOW).connected_batchers == 1
-    assert held.arrived(from_scheduler("a", batchers=2), NOW).connected_batchers == 2  # A's latest replaces A's
+    assert arrives(held, from_scheduler("a", age_s=2.0, batchers=1)).connected_batchers == 1
+    assert arrives(held, from_scheduler("b", age_s=1.0, batchers=0)).connected_batchers == 1
+    assert arrives(held, from_scheduler("a", batchers=2)).connected_batchers == 2  # A's latest replaces A's
     # Schedulers of the release before name none: the last write among them wins, as it did.
-    assert held.arrived(from_scheduler("", batchers=3), NOW).connected_batchers == 5
-    assert held.arrived(from_scheduler("", batchers=1), NOW).connected_batchers == 3
+    assert arrives(held, from_scheduler("", batchers=3)).connected_batchers == 5
+    assert arrives(held, from_scheduler("", batchers=1)).connected_batchers == 3
     held.forget(MODEL)
-    assert held.arrived(from_scheduler("b", batchers=0), NOW).connected_batchers == 0
+    assert arrives(held, from_scheduler("b", batchers=0)).connected_batchers == 0
 
 
 def test_a_stale_schedulers_snapshot_is_dropped_at_the_next_arrival() -> None:
     held = SchedulerSnapshots()
-    held.arrived(from_scheduler("a", batchers=1, draining=True), NOW)
-    held.arrived(from_scheduler("b", batchers=1), NOW)
-    later = NOW + SNAPSHOT_STALE_S + 1.0  # A stopped writing; B's heartbeat comes
-    merged = held.arrived(replace(from_scheduler("b", batchers=1), updated_at=later), later)
+    arrives(held, from_scheduler("a", batchers=1, draining=True))
+    arrives(held, from_scheduler("b", batchers=1))
+    later = MONO + SNAPSHOT_STALE_S + 1.0  # A stopped writing; B's heartbeat comes
+    merged = arrives(held, replace(from_scheduler("b", batchers=1), written_at=later), later)
     assert (merged.connected_batchers, merged.draining) == (1, False)
     assert held._by_model[MODEL].keys() == {"b"}  # not kept for ever (a scheduler per restart)
 
@@ -154,7 +193,7 @@ def test_a_stale_schedulers_snapshot_is_dropped_at_the_next_arrival() -> None:
 async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_last() -> None:
     """The watch's callback merges on arrival: a write of B (no batchers, draining) after A's leaves
     A's batcher counted and the job waiting for capacity, not NO_WORKER or DRAINING."""
-    view = QueueView(cast(JetStreamContext, None), bucket="queues", clock=lambda: NOW)
+    view = QueueView(cast(JetStreamContext, None), cast(Client, None), bucket="queues", clock=lambda: NOW)
 
     async def arrives(snapshot: QueueSnapshot) -> None:
         msg = SimpleNamespace(
@@ -162,8 +201,8 @@ async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_l
         )
         await view._on_update(cast(Msg, msg))
 
-    await arrives(from_scheduler("a", age_s=0.5, batchers=1, rate=2.0))
-    await arrives(from_scheduler("b", batchers=0, draining=True))
+    await arrives(from_scheduler("a", age_s=0.5, batchers=1, rate=2.0).snapshot)
+    await arrives(from_scheduler("b", batchers=0, draining=True).snapshot)
     standing = view.standing(queued_job())
     assert standing is not None
     assert standing.waiting_reason == WaitingReason.WAITING_FOR_CAPACITY
@@ -175,15 +214,15 @@ def test_a_stopped_schedulers_last_snapshot_leaves_the_merge_as_it_arrives() -> 
     """B stops in order (its last snapshot says `stopped`): the merge is A's at once, not after
     SNAPSHOT_STALE_S; meanwhile B's batchers, reconnected to A, counted twice."""
     held = SchedulerSnapshots()
-    held.arrived(from_scheduler("a", age_s=1.0, batchers=1, in_flight=1), NOW)
-    held.arrived(from_scheduler("b", batchers=2, in_flight=2, draining=True), NOW)
-    assert held.reporting(MODEL, NOW) == ["a", "b"]
-    last = stopped_snapshot(from_scheduler("b"), held.latest(MODEL), NOW)
-    merged = held.arrived(last, NOW)
+    arrives(held, from_scheduler("a", age_s=1.0, batchers=1, in_flight=1))
+    arrives(held, from_scheduler("b", batchers=2, in_flight=2, draining=True))
+    assert held.reporting(MODEL, MONO) == ["a", "b"]
+    last = stopped_snapshot(from_scheduler("b").snapshot, held.latest(MODEL), now=MONO, wall_time=NOW)
+    merged = held.arrived(last, written_at=MONO, now=MONO).snapshot
     assert (merged.connected_batchers, merged.in_flight, merged.draining) == (1, 1, False)
-    assert held.reporting(MODEL, NOW) == ["a"]
+    assert held.reporting(MODEL, MONO) == ["a"]
     # A's next write (B's batchers reconnected to it) drops B's entry for good.
-    held.arrived(from_scheduler("a", batchers=3), NOW)
+    arrives(held, from_scheduler("a", batchers=3))
     assert held.latest(MODEL).keys() == {"a"}
 
 
@@ -193,45 +232,45 @@ def test_a_stopped_snapshot_says_what_the_others_report_without_it() -> None:
     a = from_scheduler("a", age_s=1.0, batchers=1, free=2, in_flight=1, rate=3.0, depth=4)
     b = from_scheduler("b", batchers=2, free=1, in_flight=2, rate=1.0, depth=5)
     stale = from_scheduler("c", age_s=SNAPSHOT_STALE_S + 1.0, batchers=7)  # killed: not counted again
-    last = stopped_snapshot(b, {"a": a, "b": b, "c": stale}, NOW)
-    assert (last.scheduler, last.stopped, last.updated_at) == ("b", True, NOW)
+    last = stopped_snapshot(b.snapshot, {"a": a, "b": b, "c": stale}, now=MONO, wall_time=NOW + 0.5)
+    assert (last.scheduler, last.stopped, last.updated_at) == ("b", True, NOW + 0.5)
     assert (last.connected_batchers, last.free_credits, last.in_flight, last.completed_per_s) == (1, 2, 1, 3.0)
-    assert last.priorities == a.priorities
-    assert waiting_reason(queued_job(), last, paused=False, now=NOW) == WaitingReason.WAITING_FOR_CAPACITY
+    assert last.priorities == a.snapshot.priorities
+    assert waiting_reason(queued_job(), last, paused=False, fresh=True) == WaitingReason.WAITING_FOR_CAPACITY
     # The last scheduler standing: its own depths, nothing serving (NO_WORKER, which is so).
-    alone = stopped_snapshot(replace(b, draining=True), {"b": b, "c": stale}, NOW)
+    alone = stopped_snapshot(replace(b.snapshot, draining=True), {"b": b, "c": stale}, now=MONO, wall_time=NOW)
     assert (alone.connected_batchers, alone.free_credits, alone.in_flight, alone.draining) == (0, 0, 0, False)
-    assert (alone.priorities, alone.stopped) == (b.priorities, True)
-    assert waiting_reason(queued_job(), alone, paused=False, now=NOW) == WaitingReason.NO_WORKER
+    assert (alone.priorities, alone.stopped) == (b.snapshot.priorities, True)
+    assert waiting_reason(queued_job(), alone, paused=False, fresh=True) == WaitingReason.NO_WORKER
     # Read alone (a gateway that starts reads the key's last value), it is the merge.
     held = SchedulerSnapshots()
-    assert held.arrived(last, NOW) is last
-    assert held.reporting(MODEL, NOW) == []
+    assert held.arrived(last, written_at=MONO, now=MONO).snapshot is last
+    assert held.reporting(MODEL, MONO) == []
 
 
 def test_a_restarted_scheduler_replaces_its_previous_runs_entry() -> None:
     held = SchedulerSnapshots()
-    held.arrived(from_scheduler("a", batchers=1), NOW)
-    held.arrived(from_scheduler("b", age_s=1.0, batchers=2, draining=True), NOW)
-    merged = held.arrived(from_scheduler("b", batchers=0), NOW)  # B restarted in place: same name
+    arrives(held, from_scheduler("a", batchers=1))
+    arrives(held, from_scheduler("b", age_s=1.0, batchers=2, draining=True))
+    merged = arrives(held, from_scheduler("b", batchers=0))  # B restarted in place: same name
     assert (merged.connected_batchers, merged.draining) == (1, False)
-    assert held.reporting(MODEL, NOW) == ["a", "b"]
+    assert held.reporting(MODEL, MONO) == ["a", "b"]
 
 
 def test_the_cluster_queue_merges_this_schedulers_own_with_the_others_latest() -> None:
-    own = from_scheduler("b", batchers=0, in_flight=0, depth=6)  # taken now: its depths are the freshest
+    own = from_scheduler("b", batchers=0, in_flight=0, depth=6).snapshot  # taken now: its depths are the freshest
     latest = {
         "a": from_scheduler("a", age_s=1.0, batchers=1, free=1, in_flight=1, rate=2.0, depth=3, desired=2),
         "b": from_scheduler("b", age_s=1.5, batchers=4, in_flight=4),  # its own previous write: replaced by own
         "c": from_scheduler("c", age_s=SNAPSHOT_STALE_S + 1.0, batchers=5),  # gone
-        "d": replace(from_scheduler("d", batchers=6), stopped=True),  # stopped
+        "d": stopped(from_scheduler("d", batchers=6)),
         "e": from_scheduler("e", age_s=0.5, batchers=1, free=3, rate=5.0, draining=True),
     }
-    cluster = cluster_queue(own, latest, NOW)
+    cluster = cluster_queue(own, latest, MONO)
     assert (cluster.schedulers, cluster.draining_schedulers) == (3, 1)
     merged = cluster.merged
     assert (merged.connected_batchers, merged.in_flight, merged.free_credits) == (2, 1, 1)
     assert (merged.completed_per_s, merged.desired_batchers) == (2.0, 2)
     assert merged.priorities == own.priorities
-    alone = cluster_queue(own, {}, NOW)
+    alone = cluster_queue(own, {}, MONO)
     assert (alone.merged, alone.schedulers, alone.draining_schedulers) == (own, 1, 0)
