@@ -575,7 +575,7 @@ class ResumeQueueResponse(_message.Message):
     state: Global___QueueState.ValueType
     """The queue's state now: DISPATCHING, or DRAINING while this scheduler drains."""
     queued: _builtins.int
-    """Jobs waiting in the queue."""
+    """Jobs waiting in the queue when it resumed (counted just before: the jobs the resume lets go)."""
     def __init__(
         self,
         *,

@@ -299,8 +299,11 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self, request: ops_service_pb2.ResumeQueueRequest, context: Context
     ) -> ops_service_pb2.ResumeQueueResponse:
         self._known_model(request.model_name, required=True)
-        await self._pauses.resume(request.model_name)
+        # Counted before the resume, while nothing leaves the queue: the jobs it lets go. Counted
+        # after, a dispatcher the resume woke may have taken them already ("0 queued" for a job
+        # that had waited through the pause).
         snapshot = (await self._stats.snapshot(request.model_name))[0]
+        await self._pauses.resume(request.model_name)
         return ops_service_pb2.ResumeQueueResponse(
             paused=False,
             model_name=request.model_name,
