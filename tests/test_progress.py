@@ -130,14 +130,21 @@ async def test_a_watcher_sees_a_few_progress_messages_in_order_before_the_end(
 async def test_the_clis_watch_stamps_each_progress_line_when_heard(config: Config, start_stack: StartStack) -> None:
     """`asyncinfer watch` on a pipe prints a line per change: a progress report (the record
     unchanged) is stamped when it came, not with the record's RUNNING write as every one was."""
-    stack = await start_stack(progress_config(config))
+    stack = await start_stack(progress_config(config), batcher=False)
     job = (await stack.jobs.SubmitJob(x_request("progress"))).job
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "asyncinfer", "watch", job.job_id, "--gateway", stack.address,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), 60)
+    # The job runs once the CLI watches it (its first line printed): a CLI that took longer to
+    # start than the ~1 s job ran saw only its end.
+    assert process.stdout is not None
+    first = await asyncio.wait_for(process.stdout.readline(), 60)
+    assert "  QUEUED" in first.decode(), first
+    await stack.start_batcher()
+    rest, err = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, err.decode()
+    out = first + rest
     lines = [line for line in out.decode().splitlines() if "  RUNNING  " in line]
     stamps = [line.split()[0] for line in lines]
     assert len(lines) >= 3, lines  # RUNNING, then its progress
