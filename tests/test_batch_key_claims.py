@@ -5,6 +5,7 @@ NATS failure while taking a stale claim over answers UNAVAILABLE saying so."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2
 from services.gateway import batch_store
-from services.gateway.batch_store import BatchStore, ensure_batches_bucket
+from services.gateway.batch_store import BatchStore, batch_claim_key, ensure_batches_bucket, holder_or_revision
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
 from tests.stack import StartStack
 
@@ -165,3 +166,108 @@ async def test_a_nats_failure_taking_over_a_stale_claim_answers_unavailable_nami
     held = await store.holder(TENANT, "nightly-t1")
     assert held is not None
     assert held[0] == created.batch.batch_id
+
+
+# Far above what a create over a marker takes (a refused create, a read, a compare-and-set), far
+# below forever, which is what one took before.
+CREATE_TIMEOUT_S = 15.0
+
+
+async def remove_claim(stack: Any, config: Config, idempotency_key: str, removal: str) -> None:
+    """Removes the key's claim as an operator's `nats kv del` or `nats kv purge` does: a marker,
+    with no TTL (the batches bucket gives markers none)."""
+    kv = await stack.nc.jetstream().key_value(config.nats.batches_bucket)
+    key = batch_claim_key(TENANT, idempotency_key)
+    if removal == "delete":
+        await kv.delete(key)
+    else:
+        await kv.purge(key)
+
+
+@pytest.mark.parametrize("removal", ["delete", "purge"])
+async def test_a_create_over_a_removed_claim_creates_the_batch_at_once(
+    config: Config, start_stack: StartStack, removal: str
+) -> None:
+    """A claim over a marker creates the key expecting revision 0, is refused, and reads no holder:
+    it tried again without end (2,255 refused creates in 2 s). Now it writes over the marker's
+    revision."""
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    ghost = new_job_id()
+    assert await store.claim(TENANT, "nightly-m1", ghost, until=time.time() + 3600) == ghost
+    await remove_claim(stack, config, "nightly-m1", removal)
+    assert await store.holder(TENANT, "nightly-m1") is None
+    assert len(await claim_subjects(stack, config)) == 1  # the marker
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-m1")
+    created = await stub.CreateBatch(request, timeout=CREATE_TIMEOUT_S)
+    assert not created.deduplicated
+    assert created.batch.batch_id != ghost
+    held = await store.holder(TENANT, "nightly-m1")
+    assert held is not None
+    assert held[0] == created.batch.batch_id
+    again = await stub.CreateBatch(request, timeout=CREATE_TIMEOUT_S)
+    assert (again.batch.batch_id, again.deduplicated) == (created.batch.batch_id, True)
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert [b.batch_id for b in listed.batches] == [created.batch.batch_id]
+
+
+async def test_concurrent_creates_over_a_removed_claim_make_one_batch(config: Config, start_stack: StartStack) -> None:
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    assert await store.claim(TENANT, "nightly-m2", new_job_id(), until=time.time() + 3600)
+    await remove_claim(stack, config, "nightly-m2", "delete")
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-m2")
+    answers = await asyncio.gather(*(stub.CreateBatch(request, timeout=CREATE_TIMEOUT_S) for _ in range(3)))
+    assert sorted(a.deduplicated for a in answers) == [False, True, True]
+    batch_ids = {a.batch.batch_id for a in answers}
+    assert len(batch_ids) == 1
+    held = await store.holder(TENANT, "nightly-m2")
+    assert held is not None
+    assert held[0] in batch_ids
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert {b.batch_id for b in listed.batches} == batch_ids
+
+
+async def test_a_claim_refused_round_after_round_answers_unavailable(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The key is removed again before every claim's write (an operator's `kv del` in a loop): each
+    create is refused, each read finds a marker. The claim gives up after CLAIM_ROUNDS rounds,
+    UNAVAILABLE IDEMPOTENCY_CONTENDED saying so; it tried again without end."""
+    stack = await start_stack(keyed_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    kv = await stack.nc.jetstream().key_value(config.nats.batches_bucket)
+    claim = batch_claim_key(TENANT, "nightly-m3")
+    put = batch_store.kv_put_expecting
+    claim_writes: list[int] = []
+
+    async def removed_before_each(
+        bucket: KvBucket, key: str, value: bytes, *, last_revision: int, **options: Any
+    ) -> int:
+        if key == claim:
+            claim_writes.append(last_revision)
+            await kv.delete(claim)
+        return await put(bucket, key, value, last_revision=last_revision, **options)
+
+    monkeypatch.setattr(batch_store, "kv_put_expecting", removed_before_each)
+    request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-m3")
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.CreateBatch(request, timeout=CREATE_TIMEOUT_S)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    info = error_info(refused.value)
+    assert info.reason == "IDEMPOTENCY_CONTENDED"
+    assert info.metadata["claim_attempts"] == str(batch_store.CLAIM_ROUNDS)
+    assert len(claim_writes) == batch_store.CLAIM_ROUNDS
+    assert claim_writes[0] == 0
+    assert all(revision > 0 for revision in claim_writes[1:])  # each over the marker it read
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert list(listed.batches) == []
+
+
+@pytest.mark.unit
+def test_a_refused_claim_reads_a_holder_or_the_revision_to_create_at() -> None:
+    assert holder_or_revision((b"batch-1", 7)) == "batch-1"
+    assert holder_or_revision((b"", 7)) == 7  # a delete or purge marker: create over it
+    assert holder_or_revision(None) == 0  # no write left (purged, expired): create as new

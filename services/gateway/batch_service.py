@@ -200,6 +200,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     fresh, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
                     if await self._claim(tenant, fresh) is not None:
                         return fresh, minted
+                    if time.monotonic() >= until:  # claimed by another, removed again, ...
+                        raise Unavailable(
+                            f"idempotency key {key[:64]!r} was claimed and removed again and again for "
+                            f"{waited_s:g} s; no batch was created, create it again",
+                            reason="IDEMPOTENCY_CONTENDED",
+                        )
                     continue
                 holder, revision = held
                 first = await self._store.get(tenant, holder)

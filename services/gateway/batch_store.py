@@ -1,7 +1,8 @@
 """Batch records in their KV bucket (asyncinfer.batches holds the record and its codec): keyed
 `<tenant>.<batch_id>`, every write a compare-and-set on the revision read, so two gateways driving
 one batch never both win a transition. An idempotency key claims `<tenant>.key.<sha256(key)>` in
-the same bucket, created atomically, holding the batch ID it stands for."""
+the same bucket, created atomically (a compare-and-set on the revision of a delete marker it
+finds there), holding the batch ID it stands for."""
 
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import Client, JetStreamContext, KeyWrongLastSequenceError
-from asyncinfer.nats.kv import KvBucket, kv_latest, kv_purge_through, kv_put_expecting
+from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_purge_through, kv_put_expecting
 from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stored_age_s, stream_subjects
 from services.gateway.store_health import store_full_error
 
 # How long a batch's idempotency claim waits out NATS (as gateway.enqueue_retry_s, by default).
 CLAIM_RETRY_S = 10.0
+# Creates of one claim refused with no claim to read after: over a marker one is (the next one
+# names its revision); each more means the key was removed again between a read and a write.
+CLAIM_ROUNDS = 8
 
 
 class BatchConflict(Exception):
@@ -37,8 +41,18 @@ def batch_key(tenant: str, batch_id: str) -> str:
     return f"{tenant}.{batch_id}"
 
 
-def _claim_key(tenant: str, idempotency_key: str) -> str:
+def batch_claim_key(tenant: str, idempotency_key: str) -> str:
     return f"{tenant}.key.{hashlib.sha256(idempotency_key.encode()).hexdigest()}"
+
+
+def holder_or_revision(last_write: tuple[bytes, int] | None) -> str | int:
+    """What a claim refused over the key's `last_write` does next: the batch ID holding the key,
+    or the revision to create the claim at (a delete or purge marker's, which a create expecting
+    revision 0 is refused over; 0 when the key has no write left: purged or expired since)."""
+    if last_write is None:
+        return 0
+    value, revision = last_write
+    return value.decode() if value else revision
 
 
 async def ensure_batches_bucket(js: JetStreamContext, config: NatsConfig) -> KvBucket:
@@ -88,42 +102,53 @@ class BatchStore:
     async def claim(self, tenant: str, idempotency_key: str, batch_id: str, *, until: float) -> str:
         """The batch ID that holds the key: `batch_id` when this call claimed it, else the first's.
         The claim is removed at `until` (the batch's kept_until: a key is remembered as long as
-        its batch)."""
-        key = _claim_key(tenant, idempotency_key)
+        its batch). A key whose last write is a delete or purge marker (an operator's `nats kv
+        del`) is claimed by a compare-and-set on the marker's revision, so of racing creates one
+        wins and the others read its claim. UNAVAILABLE IDEMPOTENCY_CONTENDED if CLAIM_ROUNDS
+        creates were refused without a claim to read (the key removed again each time)."""
+        key = batch_claim_key(tenant, idempotency_key)
+        last_revision = 0  # of the key's last write, once a refused create found a marker there
 
-        async def attempt() -> str | None:
-            """The key's batch ID after one create, or None when the key vanished meanwhile. A
-            create that landed with its answer lost is refused as not the key's first: the key
-            then names this batch, which is read back."""
+        async def attempt() -> str | int:
+            """The key's batch ID after one create, or the revision to create it at next when
+            the create was refused and the key holds no claim (a marker's; 0: no write at all).
+            A create that landed with its answer lost is refused as not the key's last write: the
+            key then names this batch, which is read back."""
             try:
                 try:
                     await kv_put_expecting(
-                        self._bucket, key, batch_id.encode(), last_revision=0, ttl_s=ttl_until(until)
+                        self._bucket, key, batch_id.encode(), last_revision=last_revision, ttl_s=ttl_until(until)
                     )
                     return batch_id
                 except KeyWrongLastSequenceError:
-                    latest = await kv_latest(self._bucket, key)
-                    return latest[0].decode() if latest is not None else None
+                    return holder_or_revision(await kv_last_write(self._bucket, key))
             except NATS_FAILURES as exc:
                 if store_full(exc) is not None:
                     raise _refusal(exc, "cannot claim the idempotency key", "no batch was created") from exc
                 raise _NotAnswered(str(exc)) from exc
 
-        while True:
+        for _ in range(CLAIM_ROUNDS):
             try:
                 # Waits out a leader election, as a job's publish does (it was refused at once).
-                holder = await retry(attempt, on=_NotAnswered, retry_for_s=CLAIM_RETRY_S, what="a batch's claim")
+                outcome = await retry(attempt, on=_NotAnswered, retry_for_s=CLAIM_RETRY_S, what="a batch's claim")
             except _NotAnswered as exc:
                 raise Unavailable(
                     f"cannot claim the idempotency key: {exc}; no batch was created", reason="NATS_UNAVAILABLE"
                 ) from exc
-            if holder is not None:
-                return holder
+            if isinstance(outcome, str):
+                return outcome
+            last_revision = outcome
+        raise Unavailable(
+            f"cannot claim the idempotency key {idempotency_key[:64]!r}: {CLAIM_ROUNDS} creates were refused and "
+            "each time the key held no claim (removed again meanwhile); no batch was created, create it again",
+            reason="IDEMPOTENCY_CONTENDED",
+            metadata={"claim_attempts": str(CLAIM_ROUNDS), "key_revision": str(last_revision)},
+        )
 
     async def holder(self, tenant: str, idempotency_key: str) -> tuple[str, int] | None:
         """The batch ID holding the key and the claim's revision; None when the key is free."""
         try:
-            latest = await kv_latest(self._bucket, _claim_key(tenant, idempotency_key))
+            latest = await kv_latest(self._bucket, batch_claim_key(tenant, idempotency_key))
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the idempotency key: {exc}", reason="NATS_UNAVAILABLE") from exc
         return (latest[0].decode(), latest[1]) if latest is not None else None
@@ -145,7 +170,7 @@ class BatchStore:
         claim's batch ID after the move (a racing create's, if it moved it first). UNAVAILABLE
         NATS_UNAVAILABLE (ErrorInfo batch_id: the holder) when NATS does not answer; nothing of the
         create is written then."""
-        key = _claim_key(tenant, idempotency_key)
+        key = batch_claim_key(tenant, idempotency_key)
         try:
             latest = await kv_latest(self._bucket, key)
             if latest is None or latest[0].decode() != holder:
@@ -178,7 +203,7 @@ class BatchStore:
         so it reads as never claimed to this release's claim and to the one before (whose claim
         loops without end over a marker: a create expecting revision 0, refused, reads no holder);
         a claim written after it (a takeover) stays."""
-        key = _claim_key(tenant, idempotency_key)
+        key = batch_claim_key(tenant, idempotency_key)
         try:
             latest = await kv_latest(self._bucket, key)
             if latest is None or latest[0].decode() != batch_id:
