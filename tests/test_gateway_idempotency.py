@@ -268,6 +268,30 @@ async def test_a_claim_whose_owner_crashed_is_taken_over_once_stored_that_long_a
     assert await work_messages(nc) == 1
 
 
+@pytest.mark.parametrize("removal", ["delete", "purge"])
+async def test_a_submit_over_a_removed_claim_makes_its_job(
+    stub: JobStub, nc: NatsClient, claims: KeyValue, removal: str
+) -> None:
+    # An operator's `nats kv del` or `nats kv purge` of a claim leaves a marker with no TTL: a
+    # create expecting revision 0 is refused over it (a batch's claim looped on that without
+    # end). The submit claims the key over the marker's revision.
+    request = submit_request(idempotency_key="removed")
+    key, value = claimed_key(request, new_job_id(), time.time())
+    await claims.create(key, value)
+    if removal == "delete":
+        await claims.delete(key)
+    else:
+        await claims.purge(key)
+    answer = await stub.SubmitJob(request, timeout=10)
+    assert not answer.deduplicated
+    entry = await claims.get(key)
+    assert entry.value is not None
+    assert json.loads(entry.value)["job_id"] == answer.job.job_id
+    again = await stub.SubmitJob(request, timeout=10)
+    assert (again.job.job_id, again.deduplicated) == (answer.job.job_id, True)
+    assert await work_messages(nc) == 1
+
+
 async def test_a_live_claim_is_not_taken_over_when_the_wall_clock_steps_forward(
     stub: JobStub, nc: NatsClient, claims: KeyValue, config: Config
 ) -> None:
