@@ -43,7 +43,7 @@ from asyncinfer.idempotency_claims import (
 )
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobRecord, JobState, Priority, job_key, job_work_subject
+from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, NotFoundError, api
 from asyncinfer.nats.kv import KvBucket
@@ -1552,9 +1552,10 @@ async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config
     holding = pulls_held_on_every_priority(held)
 
     await until(holding)
-    started = time.monotonic()
     await h.app.stop(grace_s=0.5)
-    assert time.monotonic() - started < 3.0
+    # Each ended by the stop's message to its inbox, not expired empty after HOLD_S (how long the
+    # stop took is not asserted: a loaded machine's to decide).
+    assert held.ended_at_close == {"interrupted": len(PRIORITIES_BY_RANK)}
 
 
 async def test_a_dead_letter_lives_as_long_as_its_jobs_record(

@@ -3,7 +3,8 @@
 - A busy port (a second `up`, or anything else listening) is named in one line before anything
   starts: no nats-server, no store, no traceback, a non-zero exit.
 - Ctrl-C (SIGINT to its process group, as a terminal sends it) stops the services in reverse
-  order, NATS last, within a few seconds, exit 0, without a warning or an error line.
+  order, NATS last, exit 0, without a warning or an error line, ending the scheduler's held pulls
+  rather than waiting them out.
 - Its embedded nats-server dying stops `up` with EXIT_UNAVAILABLE and one error line.
 """
 
@@ -41,7 +42,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 SERVICES = {"up", "nats", "gateway", "scheduler", "batcher", "console"}
 SNAKE_CASE = re.compile(r"^[a-z][a-z0-9_]*$")
-STOPPED_WITHIN_S = 5.0
+# Guards a hang alone: how fast a stop is, is not timed (a loaded CI machine took 9.7 s for what
+# takes ~1 s); what made it slow is asserted instead (held_pulls_ended_at_stop).
+STOPPED_WITHIN_S = 60.0
+
+
+def held_pulls_ended_at_stop(logs: list[dict[str, object]]) -> dict[str, object]:
+    """The scheduler's count of how the pulls it held open when its stop began ended."""
+    (ended,) = [e for e in logs if e["event"] == "held_pulls_ended_at_stop"]
+    return {k: v for k, v in ended.items() if k not in ("event", "level", "timestamp", "service", "logger_name")}
 
 
 def listening(port: int) -> socket.socket:
@@ -159,13 +168,10 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     assert json_stream(watched.stdout)[-1]["job"]["state"] == "JOB_STATE_SUCCEEDED"  # type: ignore[index]
     nats_pid = up.nats_pid()
 
-    began = time.monotonic()
     ctrl_c(up)
-    code = up.process.wait(timeout=60)
-    took_s = time.monotonic() - began
+    code = up.process.wait(timeout=STOPPED_WITHIN_S)
 
     assert code == 0
-    assert took_s < STOPPED_WITHIN_S, took_s
     assert "asyncinfer stopped" in up.rest_of_output()
     assert not pid_alive(nats_pid)
     logs = up.logs()  # every line is JSON (no stray library line, no traceback)
@@ -178,6 +184,10 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     stops = ["console_stopped", "batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
     assert all(event in order for event in stops), order
     assert [order.index(event) for event in stops] == sorted(order.index(event) for event in stops)
+    # The pulls held open on the idle queues (HOLD_S, 10 s) were ended by the stop, each by a message
+    # to its own inbox, not waited out until they expired empty.
+    ended = held_pulls_ended_at_stop(logs)
+    assert set(ended) == {"interrupted"}, ended
 
 
 @pytest.mark.parametrize("after", ["nats_server_started", "gateway_started"])
@@ -248,16 +258,15 @@ def test_its_terminal_closing_stops_up_and_its_nats_server(up: UpProcess) -> Non
 def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     nats_pid = up.nats_pid()
     os.kill(nats_pid, signal.SIGKILL)
-    began = time.monotonic()
 
-    code = up.process.wait(timeout=30)
-    took_s = time.monotonic() - began
+    code = up.process.wait(timeout=STOPPED_WITHIN_S)
 
     assert code == EXIT_UNAVAILABLE
-    # The scheduler's held pulls are cancelled at its stop (no message can end them with NATS
-    # away): the stop waited out each pull's hold and 2 s, ~7 s.
-    assert took_s < STOPPED_WITHIN_S, took_s
     assert "asyncinfer stopped" in up.rest_of_output()
+    # The scheduler's held pulls are cancelled at its stop (no message can end them with NATS
+    # away): the stop waited out each pull's hold and 2 s (~7 s), and they ended lost.
+    ended = held_pulls_ended_at_stop(up.logs())
+    assert set(ended) == {"interrupted"}, ended
     # One line says why it stops, before anything else goes wrong; what the services then log of
     # a NATS that is gone (reconnect attempts, a stats round that fails) are its consequences.
     errors = [e for e in up.logs() if e["level"] == "error"]

@@ -9,6 +9,7 @@ import asyncio
 import os
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -33,6 +34,7 @@ from asyncinfer.nats import JetStreamContext, Msg, NatsError, Subscription
 from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.pull_inbox import PullEnd
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice, ensure_queues_bucket, write_snapshots
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import server_credentials
@@ -394,7 +396,12 @@ class SchedulerApp:
 
     async def _stop_dispatching(self) -> None:
         # Together: each waits for its round's pull, which with NATS gone lasts its timeout.
-        await asyncio.gather(*(dispatcher.stop() for dispatcher in self._dispatchers))
+        held_ends = sum(await asyncio.gather(*(d.stop() for d in self._dispatchers)), Counter[PullEnd]())
+        if held_ends:
+            # Interrupted: ended by the stop, not waited out (a hold of 10 s and 2 s each with NATS
+            # away, "lost"; "empty" as it expired). A message an interrupted pull was handed at that
+            # moment is back after AckWait.
+            log.info("held_pulls_ended_at_stop", **{str(end): count for end, count in held_ends.items()})
 
     def _count_linger(self, model_name: str) -> None:
         self.metrics.dispatch_lingers.labels(model=model_name).inc()

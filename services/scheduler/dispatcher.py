@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import structlog
@@ -29,6 +30,7 @@ from asyncinfer.contract import queued_subjects
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, Subscription
+from asyncinfer.nats.pull_inbox import PullEnd
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
@@ -119,20 +121,22 @@ class ModelDispatcher:
     def queues(self) -> ModelQueues:
         return self._queues
 
-    async def stop(self) -> None:
-        """Stops taking new work; returns once the loop has ended (mid-dispatch work completes).
-        Idempotent."""
+    async def stop(self) -> Counter[PullEnd]:
+        """Stops taking new work; returns once the loop has ended (mid-dispatch work completes),
+        with how the pulls held open at the stop ended (HeldPulls.close). Idempotent."""
         self._stopping.set()
         if self._task is not None:
             await self._task
         await self._dispatches.close()
+        held_ends: Counter[PullEnd] = Counter()
         if self._held is not None:
-            await self._held.close()  # what they brought is put back
+            held_ends = await self._held.close()  # what they brought is put back
         if self._subscription is not None:
             with contextlib.suppress(Exception):
                 await self._subscription.unsubscribe()
             self._subscription = None
         await self._queues.close()
+        return held_ends
 
     async def settled(self) -> None:
         """Returns once no round is under way (a round that had begun has dispatched what it pulled),

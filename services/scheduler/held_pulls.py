@@ -29,12 +29,14 @@ that then chooses asks those queues even if one found them empty lately.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import structlog
 
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Msg
+from asyncinfer.nats.pull_inbox import PullEnd
 from services.scheduler.work_queue import ModelQueues
 
 log = structlog.get_logger("asyncinfer.scheduler.held_pulls")
@@ -59,6 +61,9 @@ class HeldPulls:
         # The priorities whose pull is out (not yet answered), by the connection it was sent on.
         self._out: dict[Priority, int] = {}
         self._closed = False
+        # How the pulls held open when `close` began ended: interrupted, not waited out (lost, or
+        # expired empty), as the stop's log line says (the scheduler's held_pulls_ended_at_stop).
+        self.ended_at_close: Counter[PullEnd] = Counter()
         # Set when a held pull ends (whatever brought it to an end), cleared by `open`.
         self.one_ended = asyncio.Event()
         # Since the last `open`: whether every pull that ended expired with nothing, on the
@@ -97,12 +102,13 @@ class HeldPulls:
         while self._tasks:
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
 
-    async def close(self) -> None:
+    async def close(self) -> Counter[PullEnd]:
         """Ends the pulls held open now and opens no more; returns once what they brought is
-        delivered (put back: the dispatcher is stopping)."""
+        delivered (put back: the dispatcher is stopping), with how they ended (`ended_at_close`)."""
         self._closed = True
         await self._queues.interrupt_holds()
         await self.settled()
+        return self.ended_at_close
 
     async def _hold(self, priority: Priority) -> None:
         try:
@@ -110,6 +116,8 @@ class HeldPulls:
                 msgs = await self._queues.hold(priority, self._hold_s)
             finally:
                 sent_on = self._out.pop(priority, None)
+                if self._closed:
+                    self.ended_at_close[self._queues.hold_ended(priority)] += 1
             if msgs or not self._queues.hold_expired(priority) or sent_on != self._queues.connection():
                 self._only_expired = False
             for msg in msgs:

@@ -14,7 +14,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connection_changes
-from asyncinfer.nats.pull_inbox import PullInbox, connection_epoch
+from asyncinfer.nats.pull_inbox import PullEnd, PullInbox, connection_epoch
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 
 # How long a pull may wait for a message it was woken for that cannot be pulled yet.
@@ -157,7 +157,11 @@ class ModelQueues:
     def hold_expired(self, priority: Priority) -> bool:
         """Whether the priority's last held pull ended as it expired with nothing (the server's
         408): nothing reached the queue while it was held."""
-        return self._hold_inboxes[priority].ended == "empty"
+        return self.hold_ended(priority) == "empty"
+
+    def hold_ended(self, priority: Priority) -> PullEnd:
+        """How the priority's last held pull ended (asyncinfer.nats.pull_inbox.PullEnd)."""
+        return self._hold_inboxes[priority].ended
 
     def connection(self) -> int:
         """The client's connection_epoch: a pull sent on another one is gone."""
