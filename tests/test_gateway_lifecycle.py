@@ -44,14 +44,12 @@ from asyncinfer.v1 import (
     ops_service_pb2_grpc,
     tensor_pb2,
 )
-from services.gateway import transitions
+from services.gateway import queue_view, transitions
 from services.gateway.app import GatewayApp
 from services.gateway.queue_view import (
     NEWEST_SLACK_S,
     WaitingReason,
-    jobs_ahead,
     version_waiting_reason,
-    waiting_reason,
 )
 from tests.kv_helpers import kv_keys
 
@@ -589,21 +587,23 @@ async def test_a_fresh_job_on_an_idle_batcher_does_not_wait_for_capacity(start_s
 async def test_position_and_estimated_start_come_from_the_snapshot(gw: Harness) -> None:
     job = await gw.submit()
     created = job.create_time.ToNanoseconds() / 1e9
-    # 5 HIGH jobs ahead; 10 NORMAL jobs spread from created - 10 s to created + 10 s: half of them
-    # were queued before this one. At 4 jobs/s, 10 jobs ahead start in 2.5 s.
+    # 5 HIGH jobs ahead; 10 NORMAL jobs spread from created - 100 s to when the snapshot was written
+    # (no newest time: a scheduler of the release before), just after this one: the other 9 ahead of
+    # it. The scheduler's clock is 100 s ahead, which positions do not read (the span ran to its
+    # updated_at: 5 NORMAL ahead). At 4 jobs/s, 14 jobs ahead start in 3.5 s.
     await gw.put_snapshot(
         snapshot(
-            updated_at=created + 10,
-            depths={Priority.HIGH: (5, created - 1), Priority.NORMAL: (10, created - 10), Priority.LOW: (7, created)},
+            updated_at=created + 100,
+            depths={Priority.HIGH: (5, created - 1), Priority.NORMAL: (10, created - 100), Priority.LOW: (7, created)},
             rate=4.0,
         )
     )
     before = time.time()
     got = await gw.get(job.job_id)
-    assert got.queue.position == 10
+    assert got.queue.position == 14
     assert got.queue.waiting_reason == job_pb2.WAITING_REASON_WAITING_FOR_CAPACITY
     estimate = got.queue.estimated_start_time.ToNanoseconds() / 1e9
-    assert before + 2.5 <= estimate <= time.time() + 2.5
+    assert before + 3.5 <= estimate <= time.time() + 3.5
 
     # Not stored: the record has no such thing, and a running job has no standing.
     await gw.advance(job.job_id, state=JobState.RUNNING, attempt=1)
@@ -640,6 +640,7 @@ def test_jobs_ahead_interpolates_within_the_priority() -> None:
         updated_at=100.0,
         depths={Priority.HIGH: (4, 10.0), Priority.NORMAL: (10, 0.0), Priority.LOW: (50, 0.0)},
     )
+    jobs_ahead = functools.partial(queue_view.jobs_ahead, written_wall_time=100.0)
     assert jobs_ahead(record_at(55.0, Priority.HIGH), snap) == 2  # HIGH: nothing above; half of 4
     assert jobs_ahead(record_at(0.0), snap) == 4  # the oldest NORMAL: only HIGH ahead
     assert jobs_ahead(record_at(-5.0), snap) == 4  # older than the oldest (a retry): first
@@ -656,6 +657,7 @@ def test_jobs_ahead_interpolates_between_the_oldest_and_the_newest() -> None:
     not between the oldest and the snapshot's time (where every one of them read 0)."""
     burst = PriorityQueueSnapshot(11, 1000.0, 1001.0)  # 11 jobs queued in one second
     snap = replace(snapshot(updated_at=1060.0), priorities={Priority.NORMAL.value: burst})
+    jobs_ahead = functools.partial(queue_view.jobs_ahead, written_wall_time=1060.0)
     assert [jobs_ahead(record_at(1000.0 + i / 10), snap) for i in range(11)] == list(range(11))
     assert jobs_ahead(record_at(999.0), snap) == 0  # a retried job, older than the oldest
     assert jobs_ahead(record_at(1001.0 + NEWEST_SLACK_S), snap) == 10  # the newest, on another clock
@@ -663,10 +665,19 @@ def test_jobs_ahead_interpolates_between_the_oldest_and_the_newest() -> None:
     assert jobs_ahead(record_at(1061.0), snap) == 11  # after the snapshot
 
 
-async def test_a_paused_queue_places_each_job_of_a_burst(config: Config, start_stack: StartStack) -> None:
+@pytest.mark.parametrize("scheduler_ahead_s", [0.0, -60.0, 60.0])
+async def test_a_paused_queue_places_each_job_of_a_burst(
+    config: Config, start_stack: StartStack, scheduler_ahead_s: float
+) -> None:
     """Positions in a queue paused while a burst came in, read seconds later, count 0, 1, 2, ... in
-    the order the jobs were queued (each read 0 when the span ran to the snapshot's time)."""
-    stack = await start_stack(config.replace(scheduler={"queue_stats_interval_s": 0.2}), batcher=False)
+    the order the jobs were queued (each read 0 when the span ran to the snapshot's time), whatever
+    the scheduler's wall clock says: 60 s behind the gateway's, every one read 8 ("behind all of
+    them": created after the snapshot's `updated_at`) before session 29's skew pass."""
+    stack = await start_stack(
+        config.replace(scheduler={"queue_stats_interval_s": 0.2}),
+        batcher=False,
+        scheduler_wall_clock=lambda: time.time() + scheduler_ahead_s,
+    )
     async with grpc.aio.insecure_channel(stack.ops_address) as channel:
         await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
             ops_service_pb2.PauseQueueRequest(model_name=DEMO)
@@ -677,7 +688,8 @@ async def test_a_paused_queue_places_each_job_of_a_burst(config: Config, start_s
 
     def read_late() -> bool:
         late = view.snapshot(DEMO)
-        return late is not None and late.total_depth == len(jobs) and late.updated_at > last_queued + 1.0
+        taken = late.updated_at - scheduler_ahead_s if late is not None else 0.0  # on this host's clock
+        return late is not None and late.total_depth == len(jobs) and taken > last_queued + 1.0
 
     await wait_for(read_late, timeout_s=10.0)
     got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[j.job_id for j in jobs]))
@@ -696,6 +708,8 @@ def test_waiting_reason_precedence() -> None:
     now = 1000.0
     retried = record_at(1.0, attempt=1, last_error=JobError(code=13, reason="WORKER_LOST", message=""))
     served = snapshot(updated_at=now, batchers=1)
+    # Written when the scheduler says it was taken (no skew: tests/unit/test_queue_position_skew.py).
+    waiting_reason = functools.partial(queue_view.waiting_reason, written_wall_time=now)
     assert waiting_reason(retried, served, paused=True, fresh=True) == WaitingReason.PAUSED
     assert waiting_reason(retried, None, paused=False, fresh=True) == WaitingReason.NO_WORKER
     assert waiting_reason(retried, served, paused=False, fresh=True) == WaitingReason.RETRY_BACKOFF

@@ -1,7 +1,7 @@
 """What the gateway knows of each model's queue: the schedulers' latest `QueueSnapshot`s, merged
 (asyncinfer.snapshot_merge; kept current by a watch on the queues bucket, so no KV read
 happens per request), the `paused.<model>` keys, and the jobs this gateway queued since the
-snapshot was taken.
+snapshot was written.
 
 From these it answers two questions: may another job join the queue (`estimated_depth` against
 max_queue_depth), and where does a queued job stand (`standing`: position, estimated start and
@@ -62,14 +62,17 @@ class QueueStanding:
     estimated_start_time: float | None = None  # Unix seconds; None when no throughput is measured
 
 
-def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool) -> str:
+def waiting_reason(
+    record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool, written_wall_time: float
+) -> str:
     """`fresh`: whether `snapshot` says a scheduler looks after the model (asyncinfer.
-    snapshot_freshness, on the gateway's monotonic clock). PAUSED first (nothing starts while an
-    operator holds the queue, workers or not), then DRAINING (every scheduler whose batchers serve
-    the model drains: asyncinfer.snapshot_merge), then NO_WORKER (no scheduler reports the model,
-    or no batcher serves it), then RETRY_BACKOFF (a failed attempt is waiting out its delay), then
-    none (DISPATCHING: the snapshot's free credits outnumber the jobs ahead of it, as for a fresh job
-    on an idle batcher), else WAITING_FOR_CAPACITY."""
+    snapshot_freshness, on the gateway's monotonic clock); `written_wall_time` as for jobs_ahead.
+    PAUSED first (nothing starts while an operator holds the queue, workers or not), then DRAINING
+    (every scheduler whose batchers serve the model drains: asyncinfer.snapshot_merge), then
+    NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF (a
+    failed attempt is waiting out its delay), then none (DISPATCHING: the snapshot's free credits
+    outnumber the jobs ahead of it, as for a fresh job on an idle batcher), else
+    WAITING_FOR_CAPACITY."""
     if paused or (fresh and snapshot is not None and snapshot.paused):
         return WaitingReason.PAUSED
     if fresh and snapshot is not None and snapshot.draining:
@@ -78,7 +81,7 @@ def waiting_reason(record: JobRecord, snapshot: QueueSnapshot | None, *, paused:
         return WaitingReason.NO_WORKER
     if record.attempt > 0 and record.last_error is not None:
         return WaitingReason.RETRY_BACKOFF
-    if snapshot.free_credits > jobs_ahead(record, snapshot):
+    if snapshot.free_credits > jobs_ahead(record, snapshot, written_wall_time=written_wall_time):
         return WaitingReason.DISPATCHING
     return WaitingReason.WAITING_FOR_CAPACITY
 
@@ -99,16 +102,25 @@ def version_waiting_reason(reason: str, *, pinned: bool, served: bool, load_fail
     return WaitingReason.NO_VERSION if pinned else reason
 
 
-def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
+def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None, *, written_wall_time: float) -> int:
     """Every job queued at a higher priority, plus an estimate of those ahead within its own.
 
-    The snapshot has each priority's depth and its oldest and newest jobs' create_time, not the
-    jobs themselves, so the estimate interpolates: the priority's jobs are taken as spread evenly
-    between the oldest and the newest (the snapshot's time where a scheduler of the release before
-    does not say), and the job is behind the share created before it. A job created after the newest
-    (or the snapshot) is behind all of them; one older than the oldest (a retried job) is first.
-    Scheduling is weighted with aging, so this is the position under strict priority, an upper
-    bound for LOW and a close estimate for HIGH."""
+    The snapshot has each priority's depth and its oldest and newest jobs' times, not the jobs
+    themselves, so the estimate interpolates: the priority's jobs are taken as spread evenly between
+    the oldest and the newest (when the snapshot was written, where a scheduler of the release
+    before does not say the newest), and the job is behind the share queued before it. A job created
+    after the snapshot was written, or after the newest, is behind all of them; one older than the
+    oldest (a retried job) is first. Scheduling is weighted with aging, so this is the position
+    under strict priority, an upper bound for LOW and a close estimate for HIGH.
+
+    Whose clocks: the job's `create_time` is its gateway's wall clock; the oldest and newest times
+    are nats-server's stamps on the queued messages; `written_wall_time` is when the snapshot was
+    written, on the reader's wall clock (asyncinfer.snapshot_freshness: its arrival, or the server's
+    age of a key's last value, on the reader's monotonic clock). The snapshot's `updated_at` (the
+    scheduler's wall clock, another host's) is not read: as "now" it put a burst queued within a
+    skew's seconds of the snapshot behind all of them (each read the depth), and a job queued after
+    a snapshot of one job first. Still assumed close: the gateway's and nats-server's clocks
+    (NEWEST_SLACK_S), and for a job queued by another gateway, the two gateways' clocks."""
     if snapshot is None:
         return 0
     rank = PRIORITIES_BY_RANK.index(record.priority)
@@ -116,14 +128,14 @@ def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
     own = snapshot.priorities.get(record.priority.value)
     if own is None or own.depth == 0:
         return higher
-    if record.create_time > snapshot.updated_at:
+    if record.create_time > written_wall_time:
         return higher + own.depth
     oldest = own.oldest_create_time
     if oldest is None or record.create_time <= oldest:
         return higher
     newest = own.newest_create_time
     if newest is None:
-        span = snapshot.updated_at - oldest
+        span = written_wall_time - oldest
         fraction = 1.0 if span <= 0 else (record.create_time - oldest) / span
         # The job itself is one of the `depth`, so at most depth - 1 are ahead of it.
         return higher + min(int(fraction * own.depth), own.depth - 1)
@@ -137,11 +149,18 @@ def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None) -> int:
 
 
 def standing(
-    record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool, now: float
+    record: JobRecord,
+    snapshot: QueueSnapshot | None,
+    *,
+    paused: bool,
+    fresh: bool,
+    now: float,
+    written_wall_time: float,
 ) -> QueueStanding:
-    """`fresh` as for waiting_reason; `now`: the gateway's wall clock, for the estimated start."""
-    reason = waiting_reason(record, snapshot, paused=paused, fresh=fresh)
-    position = jobs_ahead(record, snapshot if fresh else None)
+    """`fresh` as for waiting_reason, `written_wall_time` as for jobs_ahead; `now`: the gateway's
+    wall clock, for the estimated start."""
+    reason = waiting_reason(record, snapshot, paused=paused, fresh=fresh, written_wall_time=written_wall_time)
+    position = jobs_ahead(record, snapshot if fresh else None, written_wall_time=written_wall_time)
     estimate: float | None = None
     rate = snapshot.completed_per_s if snapshot is not None else 0.0
     if reason in (WaitingReason.WAITING_FOR_CAPACITY, WaitingReason.DISPATCHING) and rate > 0:
@@ -178,17 +197,14 @@ class QueueView:
         self._snapshots: dict[str, HeldSnapshot] = {}
         self._write_times = WriteTimes(monotonic)  # of the snapshots the watch delivers
         self._paused: set[str] = set()
-        # Per model: when this gateway queued each job not yet counted by a snapshot, as (wall,
-        # monotonic) seconds. The wall time is compared with the snapshot's (the scheduler's
-        # clock); the monotonic one bounds how long a job counts when the wall clock jumped (a
-        # laptop's NTP sync after a resume, a VM's clock stepped): a job queued before the previous
-        # snapshot arrived is counted by this one, whatever the clocks say.
-        self._submitted: dict[str, collections.deque[tuple[float, float]]] = {}
-        # Per model: when its latest snapshot arrived here (monotonic).
-        self._arrived: dict[str, float] = {}
-        # Per model: the queued count read from its work consumers (confirm_depth) and when (wall,
-        # monotonic), where that is newer than the snapshot.
-        self._confirmed: dict[str, tuple[int, float, float]] = {}
+        # Per model: when this gateway queued each job not yet counted by a snapshot, on its
+        # monotonic clock, in order. Never its wall clock against the snapshot's `updated_at` (the
+        # scheduler's, another host's): 15 s ahead, a job stayed counted on top of the snapshot that
+        # counted it, until the next; behind, or stepped back, jobs queued after it were dropped.
+        self._submitted: dict[str, collections.deque[float]] = {}
+        # Per model: the queued count read from its work consumers (confirm_depth) and when it was
+        # asked (monotonic), where that is newer than the snapshot.
+        self._confirmed: dict[str, tuple[int, float]] = {}
         self._confirming: dict[str, asyncio.Task[None]] = {}
         self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
@@ -259,32 +275,31 @@ class QueueView:
             return
         received_at = self._monotonic()
         written_at = self._write_times.of(msg, received_at)
-        self._snapshots[key] = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
-        previous = self._arrived.get(key, float("-inf"))
-        self._arrived[key] = received_at
+        merged = self._snapshots[key] = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
+        # The merge's depths (its newest snapshot's) count the jobs this gateway queued, and those a
+        # read of the queue counted, before that snapshot was written, by this gateway's monotonic
+        # clock alone (asyncinfer.snapshot_freshness: a live write's arrival). Its depths were read
+        # a little before its write: a job queued in between (a round's reads and its write,
+        # milliseconds) is missing from the estimate until the next snapshot, as a publish in
+        # flight is from a read. A stopped scheduler's last word leaves the merge to an older
+        # snapshot, and the jobs queued since that one still count.
+        counted_before = merged.written_at
         confirmed = self._confirmed.get(key)
-        if confirmed is not None and (confirmed[1] <= snapshot.updated_at or confirmed[2] <= previous):
+        if confirmed is not None and confirmed[1] <= counted_before:
             del self._confirmed[key]
         submitted = self._submitted.get(key)
-        # The snapshot counts what was queued before it was taken (clocks of the gateway and
-        # scheduler hosts are assumed close; a skew only shifts the estimate by its jobs), and
-        # what was queued before the previous one arrived. Every entry is looked at, not only the
-        # oldest: after the wall clock stepped back, an older job has the later wall time, and
-        # stopping at it kept every job queued since counted (for as long as the step: QUEUE_FULL
-        # refusals of a queue that was not full).
-        if submitted:
-            self._submitted[key] = collections.deque(
-                entry for entry in submitted if entry[0] > snapshot.updated_at and entry[1] > previous
-            )
+        while submitted and submitted[0] <= counted_before:
+            submitted.popleft()
 
     # --- admission ------------------------------------------------------------------------------
 
     def estimated_depth(self, model_name: str) -> int:
         """The model's queued jobs as last reported (the snapshot, or a newer count read by
-        `confirm_depth`), plus those this gateway queued since. Other gateways' recent jobs are
-        missing until the next report, so the limit is soft by (gateways - 1) x (jobs per snapshot
-        interval). Jobs dispatched since the report still count: `confirm_depth` reads the count
-        again before a refusal."""
+        `confirm_depth`), plus those this gateway queued since (by its monotonic clock: a snapshot
+        counts those queued before it arrived). Other gateways' recent jobs are missing until the
+        next report, so the limit is soft by (gateways - 1) x (jobs per snapshot interval), and by
+        the jobs queued between a snapshot's read and its write. Jobs dispatched since the report
+        still count: `confirm_depth` reads the count again before a refusal."""
         snapshot = self.snapshot(model_name)
         reported = snapshot.total_depth if snapshot is not None else 0
         confirmed = self._confirmed.get(model_name)
@@ -305,7 +320,7 @@ class QueueView:
         if (
             confirmed is not None
             and not self._submitted.get(model_name)
-            and self._monotonic() - confirmed[2] < CONFIRM_FRESH_S
+            and self._monotonic() - confirmed[1] < CONFIRM_FRESH_S
         ):
             return  # a refusal on a count just read, with nothing queued since: it stands
         reading = self._confirming.get(model_name)
@@ -316,7 +331,7 @@ class QueueView:
         await asyncio.shield(reading)
 
     async def _read_depth(self, model_name: str) -> None:
-        stamp, issued = self._clock(), self._monotonic()
+        issued = self._monotonic()
         try:
             infos = await asyncio.gather(
                 *(
@@ -334,18 +349,18 @@ class QueueView:
         unacknowledged = sum(info.num_ack_pending or 0 for info in infos)
         snapshot = self.snapshot(model_name)
         running = snapshot.in_flight if snapshot is not None else 0
-        self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), stamp, issued)
+        self._confirmed[model_name] = (pending + max(unacknowledged - running, 0), issued)
         submitted = self._submitted.get(model_name)
         # Published by the time of the read, so counted in it (a reservation whose publish is still
         # on its way is missed: the limit is soft by the submits in flight). Both are this
         # process's times: the monotonic clock orders them, whatever the wall clock did.
-        while submitted and submitted[0][1] <= issued:
+        while submitted and submitted[0] <= issued:
             submitted.popleft()
 
     def reserve(self, model_name: str) -> float:
         """Counts a job this gateway is about to queue; returns the token for `release`."""
         stamp = self._monotonic()
-        self._submitted.setdefault(model_name, collections.deque()).append((self._clock(), stamp))
+        self._submitted.setdefault(model_name, collections.deque()).append(stamp)
         return stamp
 
     def release(self, model_name: str, stamp: float) -> None:
@@ -353,18 +368,21 @@ class QueueView:
         submitted = self._submitted.get(model_name)
         if submitted is None:
             return
-        for entry in submitted:
-            if entry[1] == stamp:
-                submitted.remove(entry)
-                return
+        if stamp in submitted:
+            submitted.remove(stamp)
 
     def standing(self, record: JobRecord) -> QueueStanding | None:
         if record.state is not JobState.QUEUED:
             return None
+        held = self._snapshots.get(record.model_name)
+        now, monotonic_now = self._clock(), self._monotonic()
         return standing(
             record,
-            self.snapshot(record.model_name),
+            held.snapshot if held is not None else None,
             paused=self.is_paused(record.model_name),
-            fresh=self.is_fresh(record.model_name),
-            now=self._clock(),
+            fresh=held is not None and is_fresh(held.written_at, monotonic_now),
+            now=now,
+            # When it was written, on this gateway's wall clock: its own clocks alone, so that the
+            # job's create_time (a gateway's wall clock) is compared with a time of the same clock.
+            written_wall_time=now - (monotonic_now - held.written_at) if held is not None else now,
         )

@@ -5,6 +5,7 @@ every write of scheduler B (no batcher) made the queued jobs say NO_WORKER."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import cast
@@ -22,13 +23,16 @@ from asyncinfer.snapshot_merge import (
     merge_snapshots,
     stopped_snapshot,
 )
-from services.gateway.queue_view import QueueView, WaitingReason, waiting_reason
+from services.gateway import queue_view
+from services.gateway.queue_view import QueueView, WaitingReason
 
 pytestmark = pytest.mark.unit
 
 NOW = 1_800_000_000.0  # the writers' wall clock (the same host's here)
 MONO = 5_000.0  # the reader's monotonic clock, which freshness is judged on
 MODEL = "demo"
+# The snapshots read as written now, by the reader's clock too.
+waiting_reason = functools.partial(queue_view.waiting_reason, written_wall_time=NOW)
 
 
 def from_scheduler(
