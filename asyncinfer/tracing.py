@@ -130,7 +130,7 @@ class Tracing:
             return
         give_up = None
         if self._stop_exporting is not None:
-            give_up = threading.Timer(SHUTDOWN_EXPORT_S, self._stop_exporting)
+            give_up = threading.Timer(SHUTDOWN_EXPORT_S, self._give_up_exporting, args=(self._stop_exporting,))
             give_up.daemon = True
             give_up.start()
         try:
@@ -138,6 +138,13 @@ class Tracing:
         finally:
             if give_up is not None:
                 give_up.cancel()
+
+    def _give_up_exporting(self, stop_exporting: Callable[[], None]) -> None:
+        """The shutdown's time limit passed with spans not yet taken by the collector (it is away,
+        or slow): they are dropped, the exporter's retries (~10 s each) ended. Logged: spans were
+        lost, and this, not the collector, ended the stop's wait."""
+        log.warning("trace_export_given_up", otlp_endpoint=self.otlp_endpoint, after_s=SHUTDOWN_EXPORT_S)
+        stop_exporting()
 
     @contextmanager
     def span(

@@ -303,7 +303,9 @@ def test_the_standard_otlp_endpoint_variable_is_honoured() -> None:
 
 def test_a_collector_that_is_away_holds_a_stop_for_seconds_not_for_the_exporters_retries() -> None:
     """The OTLP exporter retries a refused export for up to 10 s; a stopping service gives the
-    spans it holds SHUTDOWN_EXPORT_S, then drops them (`up` stopped in 12 s, service by service)."""
+    spans it holds SHUTDOWN_EXPORT_S, then drops them (`up` stopped in 12 s, service by service).
+    What ended the stop's wait is asserted (the time limit stopped the exporter, and says so), not
+    how long the stop took: a loaded machine's to decide."""
     from tests.test_client_sdk import free_port
 
     endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens
@@ -311,9 +313,17 @@ def test_a_collector_that_is_away_holds_a_stop_for_seconds_not_for_the_exporters
     tracing = Tracing.start(config, service="gateway")
     with tracing.span("submit"):
         pass
-    started = time.monotonic()
-    tracing.shutdown()
-    assert time.monotonic() - started < SHUTDOWN_EXPORT_S + 3.0
+    with structlog.testing.capture_logs() as logs:
+        tracing.shutdown()
+    given_up = [line for line in logs if line["event"] == "trace_export_given_up"]
+    assert given_up == [
+        {
+            "event": "trace_export_given_up",
+            "log_level": "warning",
+            "otlp_endpoint": endpoint,
+            "after_s": SHUTDOWN_EXPORT_S,
+        }
+    ]
 
 
 async def test_a_canceled_jobs_lines_carry_its_trace_id(traced: Config, start_stack: StartStack) -> None:
