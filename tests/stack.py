@@ -54,10 +54,14 @@ class Stack:
         batcher_config: Config | None = None,
         blob_sweep_interval_s: float | None = None,
         scheduler_wall_clock: Callable[[], float] | None = None,
+        gateway_wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.config = config
         self._batcher_config = batcher_config or config
-        self.gateway = GatewayApp(config)
+        # Its jobs' create_time and its queue view's clock, skewed against nats-server's.
+        self.gateway = (
+            GatewayApp(config) if gateway_wall_clock is None else GatewayApp(config, wall_clock=gateway_wall_clock)
+        )
         options: dict[str, Any] = (
             {} if blob_sweep_interval_s is None else {"blob_sweep_interval_s": blob_sweep_interval_s}
         )

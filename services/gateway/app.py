@@ -5,6 +5,8 @@ loop (the watch feed's idle stop) runs under the app's supervisor."""
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -69,8 +71,11 @@ STORE_HEADROOM_BYTES = 64 * 1024
 
 
 class GatewayApp:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
+        # The time its submits stamp on jobs (create_time) and its queue view reads; tests skew it
+        # against nats-server's, as on Kubernetes nodes whose clocks are off.
+        self._wall_clock = wall_clock
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
         self.metrics.count_models(model.name for model in config.models)
@@ -145,7 +150,9 @@ class GatewayApp:
         blob_store = await ensure_objects_bucket(js, cfg.nats)
         batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats))
         claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health, batches=batch_store)
-        self._queues = QueueView(js, self._nc, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream)
+        self._queues = QueueView(
+            js, self._nc, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream, clock=self._wall_clock
+        )
         await self._queues.start()
         expiry = Expiry(records, on_expired=self._expired_on_read)
         self._hub = WatchHub(
@@ -176,6 +183,7 @@ class GatewayApp:
             store_health=store_health,
             catalog=self._catalog,
             summary=self.summary,
+            clock=self._wall_clock,
         )
         self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js, nc=self._nc)
         servicer = JobService(
