@@ -31,7 +31,7 @@ from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
-from asyncinfer.nats.streams import last_message
+from asyncinfer.nats.streams import last_stored
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -72,19 +72,23 @@ class JobStore:
 
     async def queued(self, key: str) -> JobRecord | None:
         """The QUEUED record that the job's work message is, or None when it has none (or the
-        message is a replay's, or one from before messages were records)."""
+        message is a replay's, or one from before messages were records). It carries the server's
+        stamp on the message (`work_message_time`, from the same answer: no request more)."""
         tenant, _, job_id = key.partition(".")
         try:
-            data = await last_message(self._bucket.js, self._work_stream, job_work_lookup(tenant, job_id))
+            stored = await last_stored(self._bucket.js, self._work_stream, job_work_lookup(tenant, job_id))
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot read the queued job: {exc}") from exc
-        if not data:
+        if stored is None or not stored[0]:
             return None
+        data, stored_time = stored
         try:
             envelope = decode_envelope(data)
         except (ValueError, KeyError, TypeError):
             return None
-        return envelope.queued_record() if envelope.is_record else None
+        if not envelope.is_record:
+            return None
+        return envelope.queued_record(work_message_time=stored_time)
 
     async def recorded(self, key: str) -> JobRecord | None:
         """The record in the bucket at `key`, or None (see get)."""

@@ -173,6 +173,11 @@ class JobRecord:
     claim_fingerprint: str = ""
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
+    # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the
+    # reader had the message at hand (a queued job read from it: asyncinfer.job_store); None
+    # otherwise. Not stored. A queued job's position compares it with the server's stamps on the
+    # queue's oldest and newest messages (services.gateway.queue_view), like with like.
+    work_message_time: float | None = field(default=None, compare=False)
 
     @property
     def key(self) -> str:
@@ -226,9 +231,10 @@ class WorkEnvelope:
     def key(self) -> str:
         return job_key(self.tenant, self.job_id)
 
-    def queued_record(self) -> JobRecord:
+    def queued_record(self, *, work_message_time: float | None = None) -> JobRecord:
         """The QUEUED record this message is (is_record), at revision 0: not yet in the bucket, so
-        the first write of it is a create."""
+        the first write of it is a create. `work_message_time`: the server's stamp on the message,
+        where the reader has it (JobRecord.work_message_time)."""
         return JobRecord(
             job_id=self.job_id,
             tenant=self.tenant,
@@ -249,6 +255,7 @@ class WorkEnvelope:
             traceparent=self.traceparent,
             claim_revision=self.claim_revision,
             claim_fingerprint=self.claim_fingerprint,
+            work_message_time=work_message_time,
         )
 
 

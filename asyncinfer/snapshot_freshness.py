@@ -77,6 +77,17 @@ class WriteTimes:
     async def begin(self, nc: Client, bucket: str) -> None:
         self._start = await read_watch_start(nc, bucket, self._monotonic)
 
+    @property
+    def start(self) -> WatchStart | None:
+        """What the stream said as the watch began; None before `begin`, and once a live write came."""
+        return self._start
+
+    def is_live(self, msg: Msg) -> bool:
+        """Whether the watch delivered `msg` as it was written (not a key's last value from before
+        the watch began). Asked before `of`."""
+        start = self._start
+        return start is None or msg.metadata.sequence.stream > start.last_seq
+
     def of(self, msg: Msg, received_at: float) -> float:
         """`written_at` of a message the watch delivered at `received_at` (its stream sequence and
         the server's stamp come from its reply subject's metadata)."""

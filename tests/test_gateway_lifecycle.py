@@ -25,7 +25,7 @@ from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobError, JobRecord, JobState, Priority, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue, KeyWrongLastSequenceError, Msg
-from asyncinfer.nats.kv import KvBucket
+from asyncinfer.nats.kv import KvBucket, open_kv_bucket
 from asyncinfer.nats.streams import count_subjects
 from asyncinfer.queues import (
     SNAPSHOT_STALE_S,
@@ -701,6 +701,54 @@ async def test_a_paused_queue_places_each_job_of_a_burst(
     assert (positions[0], positions[-1]) == (0, len(jobs) - 1), positions
     assert positions == sorted(positions), positions
     assert all(abs(p - i) <= 2 for i, p in enumerate(positions)), positions
+
+
+@pytest.mark.parametrize("gateway_ahead_s", [60.0, -60.0])
+async def test_a_paused_queue_places_each_job_of_a_burst_whatever_the_gateways_clock(
+    config: Config, start_stack: StartStack, gateway_ahead_s: float
+) -> None:
+    """The gateway's wall clock 60 s off nats-server's (and the scheduler's): a paused burst of 8 is
+    placed 0 first, 7 last, in order, from GetJobs, which reads each job's work message and so the
+    server's stamp on it; and within one of that from the QUEUED records as this gateway's submits
+    keep them (create_time only, moved to the server's clock by the offset measured from its
+    snapshots' stamps). Each read 8 (ahead) or 0 (behind) when create_time was compared with the
+    server's stamps as it was."""
+    stack = await start_stack(
+        config.replace(scheduler={"queue_stats_interval_s": 0.2}),
+        batcher=False,
+        gateway_wall_clock=lambda: time.time() + gateway_ahead_s,
+    )
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
+            ops_service_pb2.PauseQueueRequest(model_name=DEMO)
+        )
+    jobs = [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(8)]
+    view = stack.gateway.queue_view
+
+    def counted() -> bool:
+        late = view.snapshot(DEMO)
+        return late is not None and late.total_depth == len(jobs)
+
+    await wait_for(counted, timeout_s=10.0)
+    got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=[j.job_id for j in jobs]))
+    assert {r.job.queue.waiting_reason for r in got.results} == {job_pb2.WAITING_REASON_PAUSED}
+    by_stamp = [r.job.queue.position for r in got.results]
+    # Interpolated between the oldest and the newest: exact at both ends, in order (the places
+    # between follow how the submits were spaced: the first is often slower).
+    assert (by_stamp[0], by_stamp[-1]) == (0, len(jobs) - 1), by_stamp
+    assert by_stamp == sorted(by_stamp), by_stamp
+
+    store = JobStore(
+        await open_kv_bucket(stack.nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream
+    )
+    read = [await store.get(job_key(TENANT, j.job_id)) for j in jobs]
+    kept = [replace(r, work_message_time=None) for r in read if r is not None and r.work_message_time is not None]
+    assert [r.create_time for r in kept] == [j.create_time.ToNanoseconds() / 1e9 for j in jobs]  # the gateway's
+    standings = [view.standing(r) for r in kept]
+    by_create_time = [s.position for s in standings if s is not None]
+    assert (by_create_time[0], by_create_time[-1]) == (0, len(jobs) - 1), by_create_time
+    # Each create_time is a publish's round trip (a millisecond or two) before its stamp.
+    assert all(abs(a - b) <= 1 for a, b in zip(by_stamp, by_create_time, strict=True)), (by_stamp, by_create_time)
 
 
 @pytest.mark.unit

@@ -150,15 +150,18 @@ async def publish_durably(
     return await retry_transient(attempt, retry_for_s=retry_for_s, what=f"publish {subject}")
 
 
-async def last_message(js: JetStreamContext, stream: str, subject: str) -> bytes | None:
-    """The payload of the stream's last message on `subject` (wildcards allowed), or None when it
-    has none. Read from the stream's leader (STREAM.MSG.GET, not a direct get, which a replica may
-    answer before it has the message), so a message whose publish was acknowledged is found."""
+async def last_stored(js: JetStreamContext, stream: str, subject: str) -> tuple[bytes, float | None] | None:
+    """The payload of the stream's last message on `subject` (wildcards allowed) and the time the
+    server stamped on it as it stored it (Unix seconds, the server's clock; None where unset), or
+    None when it has none. Read from the stream's leader (STREAM.MSG.GET, not a direct get, which a
+    replica may answer before it has the message), so a message whose publish was acknowledged is
+    found."""
     try:
         message = await js.get_last_msg(stream, subject)
     except NotFoundError:
         return None
-    return message.data or b""
+    stored = message.time.timestamp() if message.time is not None else None
+    return message.data or b"", stored
 
 
 async def stream_subjects(js: JetStreamContext, stream: str, subjects_filter: str) -> list[str]:

@@ -24,6 +24,7 @@ from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
 from asyncinfer.nats import KV_OP, Client, DeliverPolicy, JetStreamContext, Msg, NatsError
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.server_clock import ServerClockOffset
 from asyncinfer.snapshot_freshness import WriteTimes, is_fresh
 from asyncinfer.snapshot_merge import HeldSnapshot, SchedulerSnapshots
 from asyncinfer.supervision import outcome_seen
@@ -50,8 +51,10 @@ class WaitingReason:
 # How long a queued count read from the work consumers (QueueView.confirm_depth) stands before a
 # refusal reads it again.
 CONFIRM_FRESH_S = 0.05
-# How far past the newest queued job's time (nats-server's clock) a job's create_time (the gateway's)
-# may be and still be taken as that job: the publish's own round trip and a small clock skew.
+# How far past the newest queued job's time (nats-server's clock) a job's time on the server's clock
+# may be and still be taken as that job: where the job's own stamp is unknown, its create_time moved
+# to the server's clock by the measured offset is early by the publish's own round trip, and the
+# offset by a message's way to the gateway.
 NEWEST_SLACK_S = 0.05
 
 
@@ -63,10 +66,17 @@ class QueueStanding:
 
 
 def waiting_reason(
-    record: JobRecord, snapshot: QueueSnapshot | None, *, paused: bool, fresh: bool, written_wall_time: float
+    record: JobRecord,
+    snapshot: QueueSnapshot | None,
+    *,
+    paused: bool,
+    fresh: bool,
+    written_wall_time: float,
+    server_offset_s: float = 0.0,
 ) -> str:
     """`fresh`: whether `snapshot` says a scheduler looks after the model (asyncinfer.
-    snapshot_freshness, on the gateway's monotonic clock); `written_wall_time` as for jobs_ahead.
+    snapshot_freshness, on the gateway's monotonic clock); `written_wall_time` and `server_offset_s`
+    as for jobs_ahead.
     PAUSED first (nothing starts while an operator holds the queue, workers or not), then DRAINING
     (every scheduler whose batchers serve the model drains: asyncinfer.snapshot_merge), then
     NO_WORKER (no scheduler reports the model, or no batcher serves it), then RETRY_BACKOFF (a
@@ -81,7 +91,8 @@ def waiting_reason(
         return WaitingReason.NO_WORKER
     if record.attempt > 0 and record.last_error is not None:
         return WaitingReason.RETRY_BACKOFF
-    if snapshot.free_credits > jobs_ahead(record, snapshot, written_wall_time=written_wall_time):
+    ahead = jobs_ahead(record, snapshot, written_wall_time=written_wall_time, server_offset_s=server_offset_s)
+    if snapshot.free_credits > ahead:
         return WaitingReason.DISPATCHING
     return WaitingReason.WAITING_FOR_CAPACITY
 
@@ -102,7 +113,9 @@ def version_waiting_reason(reason: str, *, pinned: bool, served: bool, load_fail
     return WaitingReason.NO_VERSION if pinned else reason
 
 
-def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None, *, written_wall_time: float) -> int:
+def jobs_ahead(
+    record: JobRecord, snapshot: QueueSnapshot | None, *, written_wall_time: float, server_offset_s: float = 0.0
+) -> int:
     """Every job queued at a higher priority, plus an estimate of those ahead within its own.
 
     The snapshot has each priority's depth and its oldest and newest jobs' times, not the jobs
@@ -113,38 +126,47 @@ def jobs_ahead(record: JobRecord, snapshot: QueueSnapshot | None, *, written_wal
     oldest (a retried job) is first. Scheduling is weighted with aging, so this is the position
     under strict priority, an upper bound for LOW and a close estimate for HIGH.
 
-    Whose clocks: the job's `create_time` is its gateway's wall clock; the oldest and newest times
-    are nats-server's stamps on the queued messages; `written_wall_time` is when the snapshot was
-    written, on the reader's wall clock (asyncinfer.snapshot_freshness: its arrival, or the server's
-    age of a key's last value, on the reader's monotonic clock). The snapshot's `updated_at` (the
-    scheduler's wall clock, another host's) is not read: as "now" it put a burst queued within a
-    skew's seconds of the snapshot behind all of them (each read the depth), and a job queued after
-    a snapshot of one job first. Still assumed close: the gateway's and nats-server's clocks
-    (NEWEST_SLACK_S), and for a job queued by another gateway, the two gateways' clocks."""
+    Whose clocks: every comparison is on nats-server's clock, which stamped the oldest and newest
+    times on the queued messages. The job's time is the server's stamp on its work message where the
+    reader had it (`work_message_time`: a queued job read from its message), else its `create_time`
+    (its gateway's wall clock) plus `server_offset_s`, the server's clock less the reader's as
+    measured (asyncinfer.server_clock); `written_wall_time`, when the snapshot was written on the
+    reader's wall clock (asyncinfer.snapshot_freshness: its arrival, or the server's age of a key's
+    last value, on the reader's monotonic clock), moves by the same offset. Compared as they were,
+    a gateway more than NEWEST_SLACK_S ahead of nats-server put every job last, and one behind put
+    it first. The snapshot's `updated_at` (the scheduler's wall clock, another host's) is not read:
+    as "now" it put a burst queued within a skew's seconds of the snapshot behind all of them (each
+    read the depth), and a job queued after a snapshot of one job first. Still assumed close: for a
+    job queued by another gateway and read without its message (a QUEUED record in the bucket, after
+    a retry), the two gateways' clocks."""
     if snapshot is None:
         return 0
+    # On nats-server's clock (see above).
+    queued_at = record.work_message_time
+    if queued_at is None:
+        queued_at = record.create_time + server_offset_s
+    written_at = written_wall_time + server_offset_s
     rank = PRIORITIES_BY_RANK.index(record.priority)
     higher = sum(snapshot.depth(p) for p in PRIORITIES_BY_RANK[:rank])
     own = snapshot.priorities.get(record.priority.value)
     if own is None or own.depth == 0:
         return higher
-    if record.create_time > written_wall_time:
+    if queued_at > written_at:
         return higher + own.depth
     oldest = own.oldest_create_time
-    if oldest is None or record.create_time <= oldest:
+    if oldest is None or queued_at <= oldest:
         return higher
     newest = own.newest_create_time
     if newest is None:
-        span = written_wall_time - oldest
-        fraction = 1.0 if span <= 0 else (record.create_time - oldest) / span
+        span = written_at - oldest
+        fraction = 1.0 if span <= 0 else (queued_at - oldest) / span
         # The job itself is one of the `depth`, so at most depth - 1 are ahead of it.
         return higher + min(int(fraction * own.depth), own.depth - 1)
-    if record.create_time > newest + NEWEST_SLACK_S:
+    if queued_at > newest + NEWEST_SLACK_S:
         return higher + own.depth  # queued after the snapshot read the newest
-    if record.create_time >= newest:
-        # The newest itself (the record's time is the gateway's, the bounds nats-server's).
-        return higher + own.depth - 1
-    fraction = (record.create_time - oldest) / (newest - oldest)
+    if queued_at >= newest:
+        return higher + own.depth - 1  # the newest itself
+    fraction = (queued_at - oldest) / (newest - oldest)
     return higher + min(round(fraction * (own.depth - 1)), own.depth - 1)
 
 
@@ -156,11 +178,21 @@ def standing(
     fresh: bool,
     now: float,
     written_wall_time: float,
+    server_offset_s: float = 0.0,
 ) -> QueueStanding:
-    """`fresh` as for waiting_reason, `written_wall_time` as for jobs_ahead; `now`: the gateway's
-    wall clock, for the estimated start."""
-    reason = waiting_reason(record, snapshot, paused=paused, fresh=fresh, written_wall_time=written_wall_time)
-    position = jobs_ahead(record, snapshot if fresh else None, written_wall_time=written_wall_time)
+    """`fresh` as for waiting_reason, `written_wall_time` and `server_offset_s` as for jobs_ahead;
+    `now`: the gateway's wall clock, for the estimated start."""
+    reason = waiting_reason(
+        record,
+        snapshot,
+        paused=paused,
+        fresh=fresh,
+        written_wall_time=written_wall_time,
+        server_offset_s=server_offset_s,
+    )
+    position = jobs_ahead(
+        record, snapshot if fresh else None, written_wall_time=written_wall_time, server_offset_s=server_offset_s
+    )
     estimate: float | None = None
     rate = snapshot.completed_per_s if snapshot is not None else 0.0
     if reason in (WaitingReason.WAITING_FOR_CAPACITY, WaitingReason.DISPATCHING) and rate > 0:
@@ -196,6 +228,9 @@ class QueueView:
         self._schedulers = SchedulerSnapshots()
         self._snapshots: dict[str, HeldSnapshot] = {}
         self._write_times = WriteTimes(monotonic)  # of the snapshots the watch delivers
+        # nats-server's clock less this gateway's, from the times the watch brings anyway (a job's
+        # position compares its time with the server's stamps: jobs_ahead).
+        self._server_clock = ServerClockOffset()
         self._paused: set[str] = set()
         # Per model: when this gateway queued each job not yet counted by a snapshot, on its
         # monotonic clock, in order. Never its wall clock against the snapshot's `updated_at` (the
@@ -215,6 +250,10 @@ class QueueView:
             lambda _timeout_s: self._write_times.begin(self._nc, self._bucket),
             what="read the queues bucket's position",
         )
+        start = self._write_times.start
+        if start is not None and start.server_time is not None:
+            # The server's clock as it answered, against this gateway's wall clock as the answer came.
+            self._server_clock.sample(start.server_time, self._clock() - (self._monotonic() - start.read_at))
         for subject in (f"{self._subject_prefix}*", f"{self._subject_prefix}{PAUSED_PREFIX}*"):
 
             async def watch(_timeout_s: float, subject: str = subject) -> JetStreamContext.PushSubscription:
@@ -274,6 +313,10 @@ class QueueView:
             log.error("queue_snapshot_unreadable", model=key, error=str(exc))
             return
         received_at = self._monotonic()
+        if self._write_times.is_live(msg):
+            # Stored by the server as it was written, and here a moment later: a sample of the
+            # server's clock against this gateway's (a metadata parse per snapshot, ~5 µs).
+            self._server_clock.sample(msg.metadata.timestamp.timestamp(), self._clock())
         written_at = self._write_times.of(msg, received_at)
         merged = self._snapshots[key] = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
         # The merge's depths (its newest snapshot's) count the jobs this gateway queued, and those a
@@ -382,7 +425,8 @@ class QueueView:
             paused=self.is_paused(record.model_name),
             fresh=held is not None and is_fresh(held.written_at, monotonic_now),
             now=now,
-            # When it was written, on this gateway's wall clock: its own clocks alone, so that the
-            # job's create_time (a gateway's wall clock) is compared with a time of the same clock.
+            # When it was written, on this gateway's wall clock (its own clocks alone), and the
+            # offset that moves it and a job's create_time to nats-server's clock, the stamps'.
             written_wall_time=now - (monotonic_now - held.written_at) if held is not None else now,
+            server_offset_s=self._server_clock.offset_s,
         )

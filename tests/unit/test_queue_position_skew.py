@@ -15,6 +15,7 @@ release before (no newest time) spread the jobs to its clock's "now", 15 s off."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -99,7 +100,12 @@ async def snapshot_arrives(
         priorities={Priority.NORMAL.value: PriorityQueueSnapshot(depth, oldest, newest)},
         connected_batchers=1,
     )
-    msg = SimpleNamespace(subject=f"{kv_subject_prefix(BUCKET)}{MODEL}", headers=None, data=encode_snapshot(snapshot))
+    msg = SimpleNamespace(
+        subject=f"{kv_subject_prefix(BUCKET)}{MODEL}",
+        headers=None,
+        data=encode_snapshot(snapshot),
+        metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(clocks.wall, UTC)),  # the server's stamp
+    )
     await view._on_update(cast(Msg, msg))
 
 

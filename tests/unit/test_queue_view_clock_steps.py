@@ -7,6 +7,7 @@ minute on top of the snapshot's depth: QUEUE_FULL for a queue that was not full)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -62,7 +63,12 @@ async def snapshot_arrives(view: QueueView, *, depth: int, taken_at: float) -> N
     snapshot = QueueSnapshot(
         model_name=MODEL, updated_at=taken_at, priorities={Priority.NORMAL.value: PriorityQueueSnapshot(depth=depth)}
     )
-    msg = SimpleNamespace(subject=f"{kv_subject_prefix(BUCKET)}{MODEL}", headers=None, data=encode_snapshot(snapshot))
+    msg = SimpleNamespace(
+        subject=f"{kv_subject_prefix(BUCKET)}{MODEL}",
+        headers=None,
+        data=encode_snapshot(snapshot),
+        metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(taken_at, UTC)),  # nats-server's stamp
+    )
     await view._on_update(cast(Msg, msg))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import replace
+from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import cast
 
@@ -201,7 +202,10 @@ async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_l
 
     async def arrives(snapshot: QueueSnapshot) -> None:
         msg = SimpleNamespace(
-            subject=f"{kv_subject_prefix('queues')}{MODEL}", headers=None, data=encode_snapshot(snapshot)
+            subject=f"{kv_subject_prefix('queues')}{MODEL}",
+            headers=None,
+            data=encode_snapshot(snapshot),
+            metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(NOW, UTC)),  # nats-server's stamp
         )
         await view._on_update(cast(Msg, msg))
 
