@@ -40,23 +40,20 @@ from grpc import aio
 
 from asyncinfer.client._async_channel import (
     FORKED_AFTER_USE,
-    ClientChannel,
     JobLike,
     T,
-    _enum,
     _job_id,
     _job_ids,
     _unary_budget,
     check_not_forked,
     tls_credentials,
 )
+from asyncinfer.client._async_jobs import GET_JOBS_MAX_IDS, SUBMIT_JOBS_MAX_ITEMS, WATCH_JOBS_MAX_IDS, JobCalls
 from asyncinfer.client._convert import (
     duration_to_proto,
     error_from_proto,
     input_tensors,
     job_from_proto,
-    models_from_proto,
-    state_to_proto,
     submit_request_to_proto,
     tensors_to_arrays,
     with_idempotency_key,
@@ -70,7 +67,6 @@ from asyncinfer.client.errors import (
     InternalError,
     JobFailedError,
     UnavailableError,
-    UnimplementedError,
     from_rpc_error,
     make_error,
 )
@@ -88,17 +84,12 @@ from asyncinfer.client.jobs_watch import (
 from asyncinfer.client.types import (
     BlobRef,
     BulkResult,
-    Callback,
     Inputs,
     Job,
     JobProgress,
     JobRequest,
-    JobState,
-    ModelInfo,
-    Priority,
 )
 from asyncinfer.tensor_codec import to_input_proto
-from asyncinfer.tensors import Tensor, TensorSpec, typed_as
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 
 # What this module gave before AsyncClient's parts moved to the _async_* modules, still importable from here.
@@ -170,13 +161,7 @@ class _Pending:
     item: job_service_pb2.SubmitJobsItem
 
 
-# The most IDs one GetJobs call and one WatchJobs stream may carry (the gateway's limits).
-GET_JOBS_MAX_IDS = 1000
-SUBMIT_JOBS_MAX_ITEMS = 1000
-WATCH_JOBS_MAX_IDS = 10_000
-
-
-class AsyncClient(ClientChannel):
+class AsyncClient(JobCalls):
     """An asyncio client for one gateway.
 
     >>> async with AsyncClient("127.0.0.1:50051", api_key="...") as client:
@@ -197,216 +182,6 @@ class AsyncClient(ClientChannel):
     `channel_options` go before the client's own (gRPC takes the first of a name).
     The client owns one channel; `close()` it (or use `async with`).
     """
-
-    # -- plumbing ---------------------------------------------------------------------------
-
-    # -- jobs -------------------------------------------------------------------------------
-
-    async def submit(
-        self,
-        model: str,
-        inputs: Inputs | None = None,
-        *,
-        input_ref: str | BlobRef = "",
-        model_version: str = "",
-        priority: Priority | str | None = None,
-        idempotency_key: str = "",
-        labels: Mapping[str, str] | None = None,
-        deadline: datetime | None = None,
-        queue_ttl_s: float | None = None,
-        execution_timeout_s: float | None = None,
-        retention_s: float | None = None,
-        callback: Callback | str | None = None,
-        max_attempts: int = 0,
-        timeout_s: float | None = None,
-        traceparent: str = "",
-        wait_s: float | None = None,
-    ) -> Job:
-        """Queues a job on `model` and returns it (QUEUED) as soon as it is durably queued.
-
-        `inputs` maps input names to arrays (numpy arrays or anything `numpy.asarray` takes,
-        such as nested lists), or is a list of `Tensor`s; or give `input_ref` from `upload`.
-        Arrays and lists are typed by the model's signature where nothing is lost (ints and floats
-        to FP16/FP32/FP64, ints to an integer type they fit, bools to BOOL, strings to BYTES), as
-        the gateway's ListModels says (asked once per client); a `Tensor` is sent as it is.
-        `deadline` / `queue_ttl_s`: it expires unless started by then.
-
-        Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
-        that retrying after UNAVAILABLE or a lost answer cannot queue the job twice. Pass your own
-        key to make resubmitting from another process (or after a crash) safe as well; a second
-        submit with a used key and the same request returns the first job (its ID, its state now), one with
-        another request under it raises AlreadyExistsError (IDEMPOTENCY_KEY_REUSED).
-
-        `traceparent`: a W3C trace context (`00-<trace id>-<span id>-<flags>`) for the job's trace to
-        continue, when the gateway traces jobs (`Job.trace_id` is then that trace's).
-
-        `wait_s`: the gateway holds its answer until the job ends or this long passes (at most
-        its gateway.max_submit_wait_s, 60 s by default, and leaving the answer a quarter of
-        `timeout_s`, at most a second, before the call's deadline), in one call; the
-        job returned is then finished (`job.done`) or as it stood, to `wait` for as usual.
-        """
-        request = JobRequest(
-            model=model,
-            inputs=inputs,
-            input_ref=input_ref.ref if isinstance(input_ref, BlobRef) else input_ref,
-            model_version=model_version,
-            priority=_enum(Priority, priority, "priority") if priority is not None else None,
-            idempotency_key=idempotency_key,
-            labels=dict(labels or {}),
-            deadline=deadline,
-            queue_ttl_s=queue_ttl_s,
-            execution_timeout_s=execution_timeout_s,
-            retention_s=retention_s,
-            callback=Callback(callback) if isinstance(callback, str) else callback,
-            max_attempts=max_attempts,
-        )
-        return await self.submit_request(request, timeout_s=timeout_s, traceparent=traceparent, wait_s=wait_s)
-
-    async def submit_request(
-        self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = "", wait_s: float | None = None
-    ) -> Job:
-        """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
-        request = await self._typed(request, timeout_s)
-        message = submit_request_to_proto(with_idempotency_key(request))
-        if wait_s:
-            call_timeout_s = self.timeout_s if timeout_s is None else timeout_s
-            message.wait.FromNanoseconds(int(min(wait_s, _wait_within(call_timeout_s)) * 1e9))
-        metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
-
-        async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
-            return await self._stub.SubmitJob(message, timeout=remaining, metadata=metadata)
-
-        response = await self._call(invoke, self._deadline(timeout_s))
-        return job_from_proto(response.job)
-
-    async def _typed(self, request: JobRequest, timeout_s: float | None) -> JobRequest:
-        """The request with each input given as an array or plain values (not a `Tensor`) typed
-        by the model's signature where that loses nothing (a list of ints or a float64 array for
-        an FP32 input: float32); anything else is left as it is, for the gateway to judge."""
-        inputs = request.inputs
-        if not isinstance(inputs, Mapping) or not inputs:
-            return request
-        specs = await self._specs(request.model, timeout_s)
-        if not specs:
-            return request
-        typed: dict[str, Any] = {}
-        for name, value in inputs.items():
-            spec = specs.get(name)
-            if (
-                spec is not None
-                and spec.datatype == "BYTES"
-                and len(spec.shape) == 1
-                and isinstance(value, str | bytes)
-            ):
-                value = [value]  # one text for a model of one text per item: one item (as the CLI's -i text=...)
-            array = None if spec is None or isinstance(value, Tensor) else typed_as(value, spec.datatype)
-            typed[name] = value if array is None else array
-        return replace(request, inputs=typed)
-
-    async def _specs(self, model: str, timeout_s: float | None) -> dict[str, TensorSpec]:
-        """The model's input specs by name (cached; {} for a model the gateway does not list)."""
-        async with self._specs_lock:
-            known = self._input_specs
-            if not self._list_models_unimplemented and (
-                known is None or (model not in known and model not in self._unlisted)
-            ):
-                try:
-                    # One attempt: when the gateway is unavailable the submit's own retries wait.
-                    models = await self._models(timeout_s, retry=False)
-                except UnimplementedError:
-                    self._list_models_unimplemented = True
-                except AsyncInferClientError as error:
-                    # Typing is a convenience: the submit goes on with the inputs as given (and a
-                    # gateway that was unavailable is asked again on the next submit).
-                    if self.retry.retriable(error) or isinstance(error, DeadlineExceededError):
-                        return {}
-                else:
-                    specs: dict[str, dict[str, TensorSpec]] = {}
-                    for info in models:
-                        specs.setdefault(info.name, {spec.name: spec for spec in info.inputs})
-                    self._input_specs = specs
-                if self._input_specs is None:
-                    self._input_specs = {}
-                if model not in self._input_specs:
-                    self._unlisted.add(model)
-            return (self._input_specs or {}).get(model, {})
-
-    async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> JobRequest:
-        return await self._typed(await anext(source), None)
-
-    async def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
-        """The job as it stands now. NotFoundError for an unknown job (reason JOB_NOT_FOUND) or one
-        whose retention passed (JOB_RETENTION_PASSED)."""
-        message = job_service_pb2.GetJobRequest(job_id=_job_id(job))
-
-        async def invoke(remaining: float | None) -> job_service_pb2.GetJobResponse:
-            return await self._stub.GetJob(message, timeout=remaining, metadata=self._metadata)
-
-        response = await self._call(invoke, self._deadline(timeout_s))
-        return job_from_proto(response.job, response.progress if response.HasField("progress") else None)
-
-    async def get_jobs(
-        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
-    ) -> dict[str, Job | AsyncInferClientError]:
-        """Many jobs as they stand now, in calls of up to 1,000 IDs (GetJobs): each job ID asked,
-        in order, mapped to its Job or to the error for it (NotFoundError, as `get` raises). An
-        answer that reached its size limit is asked for again, so every ID gets its job."""
-        deadline = self._deadline(timeout_s)
-        found: dict[str, Job | AsyncInferClientError] = {}
-        pending = _job_ids(jobs)
-        while pending:
-            batch, pending = pending[:GET_JOBS_MAX_IDS], pending[GET_JOBS_MAX_IDS:]
-            message = job_service_pb2.GetJobsRequest(job_ids=batch)
-
-            async def invoke(
-                remaining: float | None, message: job_service_pb2.GetJobsRequest = message
-            ) -> job_service_pb2.GetJobsResponse:
-                return await self._stub.GetJobs(message, timeout=remaining, metadata=self._metadata)
-
-            again: list[str] = []
-            for result in (await self._call(invoke, deadline)).results:
-                if result.HasField("job"):
-                    found[result.job_id] = job_from_proto(
-                        result.job, result.progress if result.HasField("progress") else None
-                    )
-                elif result.error.reason == "ANSWER_FULL":
-                    again.append(result.job_id)
-                else:
-                    error = error_from_proto(result.error)
-                    found[result.job_id] = make_error(error.code, error.message, reason=error.reason)
-            pending = again + pending
-        return found
-
-    async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        """The models the gateway accepts jobs for, with their signatures and job defaults."""
-        return await self._models(timeout_s, retry=True)
-
-    async def _models(self, timeout_s: float | None, *, retry: bool) -> list[ModelInfo]:
-        message = job_service_pb2.ListModelsRequest()
-
-        async def invoke(remaining: float | None) -> job_service_pb2.ListModelsResponse:
-            return await self._stub.ListModels(message, timeout=remaining, metadata=self._metadata)
-
-        return models_from_proto(await self._call(invoke, self._deadline(timeout_s), retry=retry))
-
-    async def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
-        """Cancels a queued or running job; returns it CANCELED, CANCELLING (running: it ends
-        CANCELED), or in the terminal state it had already reached.
-
-        Safe to repeat and to retry: the gateway refuses to cancel a finished job
-        (FAILED_PRECONDITION JOB_ALREADY_FINISHED), and the SDK then returns the job as it is."""
-        message = job_service_pb2.CancelJobRequest(job_id=_job_id(job), reason=reason)
-        deadline = self._deadline(timeout_s)
-
-        async def invoke(remaining: float | None) -> job_service_pb2.CancelJobResponse:
-            return await self._stub.CancelJob(message, timeout=remaining, metadata=self._metadata)
-
-        try:
-            return job_from_proto((await self._call(invoke, deadline)).job)
-        except FailedPreconditionError as error:
-            if error.reason != "JOB_ALREADY_FINISHED":
-                raise
-        return await self.get(job, timeout_s=_unary_budget(deadline, self.timeout_s))
 
     async def watch(
         self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None
@@ -704,44 +479,6 @@ class AsyncClient(ClientChannel):
         if job.result_ref is not None and not job.outputs:
             return await self.read_result(job, timeout_s=timeout_s)
         return dict(job.outputs)
-
-    async def list(
-        self,
-        *,
-        states: Iterable[JobState | str] = (),
-        model: str = "",
-        labels: Mapping[str, str] | None = None,
-        page_size: int = 100,
-        limit: int | None = None,
-        timeout_s: float | None = None,
-    ) -> AsyncGenerator[Job, None]:
-        """The caller's jobs, newest first, filtered; pages are fetched as you iterate (each page
-        is one call with its own `timeout_s`). `limit` stops after that many jobs."""
-        base = job_service_pb2.ListJobsRequest(
-            page_size=page_size,
-            states=[state_to_proto(_enum(JobState, s, "state")) for s in states],
-            model_name=model,
-            labels=dict(labels or {}),
-        )
-        token = ""
-        yielded = 0
-        while True:
-            request = job_service_pb2.ListJobsRequest()
-            request.CopyFrom(base)
-            request.page_token = token
-
-            async def invoke(remaining: float | None) -> job_service_pb2.ListJobsResponse:
-                return await self._stub.ListJobs(request, timeout=remaining, metadata=self._metadata)  # noqa: B023
-
-            page = await self._call(invoke, self._deadline(timeout_s))
-            for message in page.jobs:
-                if limit is not None and yielded >= limit:
-                    return
-                yield job_from_proto(message)
-                yielded += 1
-            token = page.next_page_token
-            if not token or (limit is not None and yielded >= limit):
-                return
 
     # -- bulk ---------------------------------------------------------------------------------
 
@@ -1159,13 +896,6 @@ async def _finish(writer: asyncio.Task[None]) -> None:
     error = writer.exception()
     if error is not None and not isinstance(error, grpc.RpcError | asyncio.InvalidStateError | aio.UsageError):
         raise error
-
-
-def _wait_within(call_timeout_s: float) -> float:
-    """How long a SubmitJob whose call has `call_timeout_s` asks the gateway to wait: its answer
-    then leaves a quarter of the call's time (at most a second) before the deadline, so that on a
-    busy machine it still arrives in time (the gateway's own margin, 0.25 s, is the last resort)."""
-    return max(call_timeout_s - min(call_timeout_s / 4, 1.0), 0.0)
 
 
 async def _aiter(items: AsyncIterable[T] | Iterable[T]) -> AsyncGenerator[T, None]:
