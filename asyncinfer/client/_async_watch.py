@@ -1,0 +1,247 @@
+"""AsyncClient's watches (asyncinfer.client._async): one job's changes on WatchJob (watch), and many jobs' on
+one WatchJobs stream (watch_jobs), reopened when it breaks; a label watch then catches up on what it missed
+from ListJobs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import grpc
+
+from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
+from asyncinfer.client._async_jobs import JobCalls
+from asyncinfer.client._convert import error_from_proto, job_from_proto
+from asyncinfer.client._retry import Deadline, StreamBreaks
+from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error, make_error
+from asyncinfer.client.jobs_watch import (
+    CATCH_UP_MAX_JOBS,
+    CATCH_UP_PAGE_SIZE,
+    LISTENING,
+    DeliveredRevisions,
+    JobsWatch,
+    Listening,
+    WatchUpdate,
+    missed,
+    ready_or_silent,
+)
+from asyncinfer.client.types import Job, JobProgress
+from asyncinfer.v1 import job_service_pb2
+
+# The logger's name is the module's that held the watches before they moved here.
+_log = logging.getLogger("asyncinfer.client._async")
+
+
+def watch_given_up_note(job_id: str, last_revision: int) -> str:
+    """The note on a watch that gave up on a broken stream: the job goes on, and where to resume."""
+    resume = (
+        f"client.watch({job_id!r}, after_revision={last_revision})" if last_revision else f"client.watch({job_id!r})"
+    )
+    return f"job {job_id} goes on: {resume} resumes the watch from the last change it saw"
+
+
+class JobWatches(JobCalls):
+    """AsyncClient's watch and watch_jobs: streams reopened after a break, no change lost or repeated."""
+
+    async def watch(
+        self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None
+    ) -> AsyncGenerator[Job, None]:
+        """The job now, then each change, ending after a terminal state. With `after_revision` (a
+        revision seen before) only the changes after it: nothing when the job ended at it. A model
+        that reports progress adds a snapshot per report (`progress`); a running job's snapshot
+        carries the latest progress of its attempt, whatever message brought it.
+
+        A broken stream (the gateway restarting, a network blip) is reopened with
+        `after_revision`, so no change is lost or repeated. `timeout_s` bounds the whole watch
+        (default: none); when it passes, DeadlineExceededError."""
+        if after_revision < 0:
+            raise ValueError(f"after_revision is a record revision (0 or more), got {after_revision}")
+        job_id = _job_id(job)
+        deadline = Deadline(timeout_s)
+        last_revision = after_revision
+        seen = False  # a record was yielded: a reopened watch's first record may repeat it
+        progress: tuple[int, JobProgress] | None = None  # the latest, and the attempt it is of
+        attempt = 0
+        breaks = StreamBreaks()
+        while True:
+            attempt += 1
+            request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
+            call = self._stub.WatchJob(request, timeout=deadline.remaining(), metadata=self._metadata)
+            cause: BaseException | None = None
+            first = True
+            try:
+                async for response in call:
+                    snapshot = job_from_proto(response.job, response.progress)
+                    # after_revision 0 sends the current record whatever its revision, and a
+                    # job still queued has revision 0: the reopened watch repeats it.
+                    repeated = (
+                        seen and first and snapshot.revision <= last_revision and not response.HasField("progress")
+                    )
+                    first = False
+                    if repeated:
+                        continue
+                    if snapshot.progress is not None:
+                        progress = (snapshot.attempt, snapshot.progress)
+                    elif progress is not None and progress[0] == snapshot.attempt and not snapshot.done:
+                        # A message of the record alone (its state, or the scheduler keeping the
+                        # progress every few seconds): the latest progress still holds.
+                        snapshot = replace(snapshot, progress=progress[1])
+                    last_revision = max(last_revision, snapshot.revision)
+                    seen = True
+                    attempt = 0
+                    breaks.answered()
+                    yield snapshot
+                    if snapshot.done:
+                        return
+                if first and last_revision:
+                    # Ended OK with nothing newer: the gateway ends a watch only once the job is
+                    # terminal, here at the revision already seen (`after_revision` was its last).
+                    return
+                error: AsyncInferClientError = UnavailableError(
+                    "the watch ended before the job did", code=grpc.StatusCode.UNAVAILABLE
+                )
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
+            except grpc.RpcError as rpc_error:
+                error, cause = from_rpc_error(rpc_error), rpc_error
+                if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
+                    # This watch's own limit (grpc's text is "Stream removed"): the job goes on.
+                    error = deadline.exceeded(f"the watch of job {job_id} (it goes on)")
+            finally:
+                call.cancel()
+            try:
+                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+            except AsyncInferClientError as given_up:
+                if self.retry.retriable(given_up):  # the stream broke for longer than it is resumed for
+                    given_up.add_note(watch_given_up_note(job_id, last_revision))
+                raise
+
+    def watch_jobs(
+        self,
+        jobs: Iterable[JobLike] = (),
+        *,
+        labels: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> JobsWatch:
+        """Many jobs on one stream (WatchJobs). With `jobs`: each job now, then each change, until
+        all are terminal; a job that is not there yields (job_id, NotFoundError) and the others go
+        on. With `labels` instead: every change, from now on, of your jobs that carry all of them,
+        until you stop iterating or `timeout_s` passes. `await watch.ready()` returns once the
+        gateway listens: a job submitted after it is seen from QUEUED on (asyncinfer.client.jobs_watch).
+        A broken stream is reopened (the jobs not yet terminal are sent again as they stand, so a
+        change is never lost). A label watch hears no change while it is broken, so once reopened it
+        lists the jobs with its labels (ListJobs) and first yields, as they stand now, those that
+        changed since it started and whose latest state it has not yielded: after a reconnect, each
+        job's latest state at least once, then the live changes (at most 10,000 jobs listed,
+        newest first; a job that ended before the watch started is not yielded)."""
+        return JobsWatch(self._watch_jobs(jobs, labels, timeout_s))
+
+    async def _watch_jobs(
+        self, jobs: Iterable[JobLike], labels: Mapping[str, str] | None, timeout_s: float | None
+    ) -> AsyncGenerator[WatchUpdate | Listening, None]:
+        ids = _job_ids(jobs)
+        deadline = Deadline(timeout_s)
+        done: set[str] = set()
+        attempt = 0
+        breaks = StreamBreaks()
+        listening = False
+        # A label watch: when it first listened, and what it delivered of each job (what a reopened
+        # watch's catch-up compares the listed jobs with, and what drops a repeated change).
+        since: datetime | None = None
+        delivered = DeliveredRevisions()
+        while True:
+            attempt += 1
+            watching = [job_id for job_id in ids if job_id not in done]
+            if ids and not watching:
+                return
+            request = job_service_pb2.WatchJobsRequest(job_ids=watching, labels=dict(labels or {}))
+            call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
+            cause: BaseException | None = None
+            try:
+                if labels and since is None and await ready_or_silent(call, deadline.remaining()):
+                    listening, since = True, datetime.now(UTC)
+                    attempt = 0
+                    breaks.answered()
+                    yield LISTENING
+                elif labels and since is not None:
+                    # Reopened: once the new stream listens, what changed while the old one was
+                    # broken (the changes after the headers come on the stream, repeats dropped).
+                    await ready_or_silent(call, deadline.remaining())
+                    if not call.done():  # else the stream says why it ended, and the next one catches up
+                        attempt = 0
+                        breaks.answered()
+                        caught_up = self._missed_by_label_watch(labels, since, delivered, deadline)
+                        async with contextlib.aclosing(caught_up):
+                            async for job in caught_up:
+                                delivered.delivered(job)
+                                yield job
+                async for response in call:
+                    attempt = 0
+                    breaks.answered()
+                    if not listening:  # the first message (a watch of IDs: every job as it stands)
+                        listening = True
+                        if labels and since is None:
+                            since = datetime.now(UTC)
+                        yield LISTENING
+                    for change in response.changes:
+                        if change.HasField("job"):
+                            snapshot = job_from_proto(
+                                change.job, change.progress if change.HasField("progress") else None
+                            )
+                            if labels:
+                                if not delivered.is_new(snapshot):
+                                    continue
+                                delivered.delivered(snapshot)
+                            if snapshot.done:
+                                done.add(change.job_id)
+                            yield snapshot
+                        else:
+                            done.add(change.job_id)
+                            failure = error_from_proto(change.error)
+                            yield change.job_id, make_error(failure.code, failure.message, reason=failure.reason)
+                if ids and all(job_id in done for job_id in ids):
+                    return
+                error: AsyncInferClientError = UnavailableError(
+                    "the watch ended before the jobs did", code=grpc.StatusCode.UNAVAILABLE
+                )
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
+            except grpc.RpcError as rpc_error:
+                error, cause = from_rpc_error(rpc_error), rpc_error
+            except AsyncInferClientError as listing_failed:  # the catch-up's ListJobs: as a break
+                error = listing_failed
+            finally:
+                call.cancel()
+            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+
+    async def _missed_by_label_watch(
+        self, labels: Mapping[str, str], since: datetime, delivered: DeliveredRevisions, deadline: Deadline
+    ) -> AsyncGenerator[Job, None]:
+        """The jobs with `labels` whose latest record a reopened label watch has not delivered
+        (jobs_watch.missed), as they stand: at most CATCH_UP_MAX_JOBS listed, newest first."""
+        listed = 0
+        pages = self.list(
+            labels=labels,
+            page_size=CATCH_UP_PAGE_SIZE,
+            limit=CATCH_UP_MAX_JOBS + 1,
+            timeout_s=_unary_budget(deadline, self.timeout_s),
+        )
+        async with contextlib.aclosing(pages):
+            async for job in pages:
+                listed += 1
+                if listed > CATCH_UP_MAX_JOBS:
+                    _log.warning(
+                        "a label watch of %s reconnected; more than %d jobs carry the labels: the changes "
+                        "of the older ones while it was broken are not caught up",
+                        dict(labels),
+                        CATCH_UP_MAX_JOBS,
+                    )
+                    return
+                if missed(job, delivered, since):
+                    yield job
