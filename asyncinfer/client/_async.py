@@ -21,10 +21,8 @@ from collections.abc import (
     AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
-    Callable,
     Iterable,
     Mapping,
-    Sequence,
 )
 from dataclasses import dataclass
 from typing import Any, BinaryIO, cast
@@ -34,19 +32,17 @@ import numpy as np
 import numpy.typing as npt
 from grpc import aio
 
-from asyncinfer.client._async_blobs import UPLOAD_CHUNK_BYTES, BlobCalls
+from asyncinfer.client._async_blobs import UPLOAD_CHUNK_BYTES
 from asyncinfer.client._async_channel import (
     FORKED_AFTER_USE,
     JobLike,
     T,
-    _job_id,
-    _job_ids,
-    _unary_budget,
     check_not_forked,
     tls_credentials,
 )
 from asyncinfer.client._async_jobs import GET_JOBS_MAX_IDS, SUBMIT_JOBS_MAX_ITEMS, WATCH_JOBS_MAX_IDS
-from asyncinfer.client._async_watch import JobWatches, watch_given_up_note
+from asyncinfer.client._async_wait import JobWaits, run_interrupted_note, wait_interrupted_note
+from asyncinfer.client._async_watch import watch_given_up_note
 from asyncinfer.client._convert import (
     error_from_proto,
     job_from_proto,
@@ -60,14 +56,11 @@ from asyncinfer.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InternalError,
-    JobFailedError,
     UnavailableError,
     from_rpc_error,
 )
 from asyncinfer.client.types import (
     BulkResult,
-    Inputs,
-    Job,
     JobRequest,
 )
 from asyncinfer.v1 import job_service_pb2
@@ -103,27 +96,6 @@ BatchData = (
 )
 
 
-def wait_interrupted_note(job_id: str) -> str:
-    """The note on an interrupted wait (KeyboardInterrupt, CancelledError): the job goes on."""
-    return f"job {job_id} goes on: client.wait({job_id!r}) waits for it again"
-
-
-def run_interrupted_note(submitted: Sequence[Job], idempotency_key: str) -> str:
-    """The note on an interrupted run: its job, or, before the gateway answered the submit (which
-    it holds while the job runs: wait_s), the idempotency key that finds it."""
-    if submitted:
-        job_id = submitted[0].job_id
-        return (
-            f"the run's job {job_id} goes on: client.wait({job_id!r}) waits for it again, "
-            f"client.cancel({job_id!r}) stops it"
-        )
-    return (
-        f"the gateway had not answered the run's submit yet, so its job may be queued: submitting "
-        f"the same request with idempotency_key={idempotency_key!r} returns that job if so (and queues it once "
-        "if not)"
-    )
-
-
 @dataclass(slots=True)
 class _Pending:
     index: int
@@ -131,7 +103,7 @@ class _Pending:
     item: job_service_pb2.SubmitJobsItem
 
 
-class AsyncClient(JobWatches, BlobCalls):
+class AsyncClient(JobWaits):
     """An asyncio client for one gateway.
 
     >>> async with AsyncClient("127.0.0.1:50051", api_key="...") as client:
@@ -152,98 +124,6 @@ class AsyncClient(JobWatches, BlobCalls):
     `channel_options` go before the client's own (gRPC takes the first of a name).
     The client owns one channel; `close()` it (or use `async with`).
     """
-
-    async def wait_jobs(
-        self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
-    ) -> dict[str, Job | AsyncInferClientError]:
-        """Waits until every job is terminal, on one WatchJobs stream per 10,000 jobs; each job ID
-        mapped to its final Job (or the error for it: NotFoundError). DeadlineExceededError when
-        `timeout_s` passes first."""
-        ids = _job_ids(jobs)
-        found: dict[str, Job | AsyncInferClientError] = {}
-
-        async def watch(chunk: list[str]) -> None:
-            async with contextlib.aclosing(self.watch_jobs(chunk, timeout_s=timeout_s)) as updates:
-                async for update in updates:
-                    if isinstance(update, Job):
-                        if update.done:
-                            found[update.job_id] = update
-                    else:
-                        found[update[0]] = update[1]
-
-        await asyncio.gather(*(watch(ids[i : i + WATCH_JOBS_MAX_IDS]) for i in range(0, len(ids), WATCH_JOBS_MAX_IDS)))
-        return {job_id: found[job_id] for job_id in ids}
-
-    async def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
-        """Waits until the job is in a terminal state (SUCCEEDED, FAILED, CANCELED, EXPIRED,
-        TIMED_OUT) and returns it; it does not raise for a failed job (see `run`).
-        DeadlineExceededError when `timeout_s` passes first (the job itself carries on).
-        Cancelled (a task's cancel, an asyncio.timeout, Ctrl-C under asyncio.run), the job goes
-        on: the CancelledError's note names it, as the blocking Client's KeyboardInterrupt's does."""
-        try:
-            return await self._wait(job, timeout_s=timeout_s)
-        except asyncio.CancelledError as cancelled:
-            cancelled.add_note(wait_interrupted_note(_job_id(job)))
-            raise
-
-    async def _wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
-        last: Job | None = None
-        async with contextlib.aclosing(self.watch(job, timeout_s=timeout_s)) as updates:
-            async for update in updates:
-                last = update
-        if last is None or not last.done:  # watch only ends early by raising
-            raise InternalError(f"the watch of {_job_id(job)} ended without a terminal state")
-        return last
-
-    async def run(
-        self, model: str, inputs: Inputs | None = None, *, timeout_s: float | None = None, **submit_options: Any
-    ) -> dict[str, npt.NDArray[np.generic]]:
-        """Submits, waits and returns the outputs (read with `read_result` when large);
-        JobFailedError when the job ends in any state but SUCCEEDED. `timeout_s` bounds the whole
-        run; submit options are those of `submit`. A job that ends within the submit's own
-        deadline is answered by that one call (the gateway holds its answer: `submit`'s `wait_s`);
-        a longer one is then watched to its end. When `timeout_s` passes, DeadlineExceededError
-        names the job (it goes on). Cancelled, the job goes on too: the CancelledError's note names
-        it, or, when the gateway had not answered the submit yet, the idempotency key that finds it."""
-        # Known here, not only inside the submit: a run is mostly cancelled while the gateway holds
-        # the submit's answer (wait_s), before any job ID has come back.
-        key = submit_options.get("idempotency_key") or str(uuid.uuid4())
-        submitted: builtins.list[Job] = []
-        try:
-            return await self._run_job(
-                model, inputs, timeout_s, {**submit_options, "idempotency_key": key}, submitted.append
-            )
-        except asyncio.CancelledError as cancelled:
-            cancelled.add_note(run_interrupted_note(submitted, key))
-            raise
-
-    async def _run_job(
-        self,
-        model: str,
-        inputs: Inputs | None,
-        timeout_s: float | None,
-        submit_options: dict[str, Any],
-        submitted: Callable[[Job], None] | None,
-    ) -> dict[str, npt.NDArray[np.generic]]:
-        """`run`; `submitted` is told the job once the gateway has answered (the blocking Client
-        names it when Ctrl-C interrupts the run)."""
-        deadline = Deadline(timeout_s)
-        budget = _unary_budget(deadline, self.timeout_s)
-        submit_options.setdefault("wait_s", budget)  # cut to leave the answer its time (submit_request)
-        job = await self.submit(model, inputs, timeout_s=budget, **submit_options)
-        if submitted is not None:
-            submitted(job)
-        try:
-            done = job if job.done else await self._wait(job, timeout_s=deadline.remaining())
-        except DeadlineExceededError as error:
-            if not deadline.expired():
-                raise
-            # The wait's own text gave what was left of the run's time ("within 0.495 s" for a
-            # run given 2 s): say the run's.
-            raise deadline.exceeded(f"the run of job {job.job_id} (it goes on)") from error
-        if not done.succeeded:
-            raise JobFailedError(done)
-        return await self.outputs(done, timeout_s=deadline.remaining())
 
     # -- bulk ---------------------------------------------------------------------------------
 
