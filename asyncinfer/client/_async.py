@@ -5,43 +5,23 @@ defaulting to the client's `timeout_s` (30 s); calls that last as long as a job 
 bulk, upload, read_result) take `timeout_s` as their whole budget, defaulting to no limit.
 UNAVAILABLE (and RESOURCE_EXHAUSTED, honouring the server's RetryInfo) is retried with
 exponential backoff and jitter, within both the `RetryPolicy`'s attempts and the call's deadline.
+
+`AsyncClient` is its parts, one module each, each building on those before it: `_async_channel`
+(the channel, `close`, `_call` and its retries), `_async_jobs` (submit, get, get_jobs, models, cancel,
+list), `_async_blobs` (upload, upload_inputs, delete_input, read_result, outputs), `_async_watch`
+(watch, watch_jobs), `_async_wait` (wait, wait_jobs, run), `_async_bulk` (bulk) and `_async_batches`
+(create_batch and the other batch methods).
 """
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import dataclasses
-import io
-import os
-import uuid
-from collections.abc import (
-    AsyncIterator,
-    Mapping,
-)
-from typing import Any, BinaryIO
-
-import numpy as np
-import numpy.typing as npt
-
+from asyncinfer.client._async_batches import BatchData, BatchFiles
 from asyncinfer.client._async_blobs import UPLOAD_CHUNK_BYTES
 from asyncinfer.client._async_bulk import BulkSubmits
-from asyncinfer.client._async_channel import (
-    FORKED_AFTER_USE,
-    JobLike,
-    check_not_forked,
-    tls_credentials,
-)
+from asyncinfer.client._async_channel import FORKED_AFTER_USE, JobLike, check_not_forked, tls_credentials
 from asyncinfer.client._async_jobs import GET_JOBS_MAX_IDS, SUBMIT_JOBS_MAX_ITEMS, WATCH_JOBS_MAX_IDS
 from asyncinfer.client._async_wait import JobWaits, run_interrupted_note, wait_interrupted_note
 from asyncinfer.client._async_watch import watch_given_up_note
-from asyncinfer.client.batches import Batch, BatchCalls, create_batch_request, write_file
-from asyncinfer.client.errors import (
-    AsyncInferClientError,
-    DeadlineExceededError,
-    FailedPreconditionError,
-    UnavailableError,
-)
 
 # What this module gave before AsyncClient's parts moved to the _async_* modules, still importable from here.
 __all__ = [
@@ -61,20 +41,7 @@ __all__ = [
 ]
 
 
-# What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
-BatchData = (
-    bytes
-    | str
-    | os.PathLike[str]
-    | BinaryIO
-    | npt.NDArray[Any]
-    | list[Any]
-    | tuple[Any, ...]
-    | Mapping[str, npt.ArrayLike]
-)
-
-
-class AsyncClient(JobWaits, BulkSubmits):
+class AsyncClient(JobWaits, BulkSubmits, BatchFiles):
     """An asyncio client for one gateway.
 
     >>> async with AsyncClient("127.0.0.1:50051", api_key="...") as client:
@@ -95,128 +62,3 @@ class AsyncClient(JobWaits, BulkSubmits):
     `channel_options` go before the client's own (gRPC takes the first of a name).
     The client owns one channel; `close()` it (or use `async with`).
     """
-
-    # -- batches over files (asyncinfer.client.batches) ------------------------------------------
-
-    @property
-    def _batch_calls(self) -> BatchCalls:
-        if self._closed:
-            raise RuntimeError("the client is closed")
-        return self._batches
-
-    async def create_batch(
-        self,
-        data: BatchData,
-        model: str,
-        *,
-        upload_timeout_s: float | None = None,
-        **options: Any,
-    ) -> Batch:
-        """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
-        VALIDATING); `options` are `create_batch_request`'s (version, input_format, priority,
-        completion_window_s, max_attempts, labels, callback or callback_url, idempotency_key). `data` may
-        also be an array (uploaded as an NPY file: one record per row, the model's only input)
-        or a mapping of input name to array (an NPZ file), held in memory once more as a file;
-        `output_arrays` then reads the outputs back as arrays. Without an `idempotency_key` one is
-        generated (as `submit` does), so that a create sent again after a lost answer makes no second batch."""
-        if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
-            data = np.asarray(data)
-            if data.dtype.hasobject:
-                raise ValueError("rows given as lists must make a numeric array (numpy.asarray(rows))")
-        if isinstance(data, np.ndarray):
-            buffer = io.BytesIO()
-            np.save(buffer, data, allow_pickle=False)
-            data = buffer.getvalue()
-        elif isinstance(data, Mapping):
-            arrays = {name: np.asarray(array) for name, array in data.items()}
-            for name, array in arrays.items():
-                if array.dtype.hasobject:  # np.savez would pickle it, which the gateway refuses to load
-                    raise ValueError(
-                        f"input {name!r} is an array of Python objects ({array.dtype}): a batch's arrays are "
-                        "numeric or fixed-width strings (for text, numpy.str_ or bytes_ arrays)"
-                    )
-            buffer = io.BytesIO()
-            np.savez(buffer, **arrays)
-            data = buffer.getvalue()
-        request = create_batch_request("", model, **options)  # a bad option fails before the upload
-        # As submit's: a create whose answer was lost (UNAVAILABLE) is sent again, and without a
-        # key that made a second batch over the same upload, every record run twice.
-        generated_key = not request.idempotency_key
-        if generated_key:
-            request.idempotency_key = str(uuid.uuid4())
-        ref = await self.upload(data, timeout_s=upload_timeout_s)
-        request.input_ref = ref.ref
-        try:
-            batch = await self._batch_calls.create(request)
-        except AsyncInferClientError as refused:
-            # The upload was this call's own: a refused create (an unknown model, a bad option)
-            # would leave it counting against the tenant's stored uploads until its retention ends.
-            # (A create whose answer was lost may have made the batch: UNAVAILABLE and
-            # DEADLINE_EXCEEDED keep the upload, which that batch reads.)
-            if not isinstance(refused, UnavailableError | DeadlineExceededError):
-                with contextlib.suppress(AsyncInferClientError):
-                    await self.delete_input(ref)
-            raise
-        if batch.deduplicated and batch.input_ref != ref.ref:
-            # A retry under an idempotency key: the batch reads the first upload, not this one.
-            with contextlib.suppress(AsyncInferClientError):
-                await self.delete_input(ref)
-        if generated_key and batch.deduplicated:  # this call's own retry found its first create
-            batch = dataclasses.replace(batch, deduplicated=False)
-        return batch
-
-    async def get_batch(self, batch: Batch | str) -> Batch:
-        return await self._batch_calls.get(batch)
-
-    async def cancel_batch(self, batch: Batch | str) -> Batch:
-        """Stops the batch's chunks (CANCELLING, then CANCELLED); what finished is kept. Safe to
-        repeat, as `cancel` is: a batch that had ended (FAILED_PRECONDITION BATCH_ALREADY_ENDED)
-        is returned as it is."""
-        try:
-            return await self._batch_calls.cancel(batch)
-        except FailedPreconditionError as error:
-            if error.reason != "BATCH_ALREADY_ENDED":
-                raise
-        return await self._batch_calls.get(batch)
-
-    async def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
-        """One page of the caller's batches, newest first, and the next page's token ("" at the end)."""
-        return await self._batch_calls.list(page_size=page_size, page_token=page_token)
-
-    def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
-        """The batch now, then each change of state or progress, until it ends."""
-        return self._batch_calls.watch(batch, timeout_s=timeout_s)
-
-    async def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
-        last = batch if isinstance(batch, Batch) else None
-        async for update in self.watch_batch(batch, timeout_s=timeout_s):
-            last = update
-        assert last is not None
-        return last
-
-    async def download(
-        self,
-        batch: Batch | str,
-        target: str | os.PathLike[str] | BinaryIO,
-        *,
-        file: str = "output",
-        timeout_s: float | None = None,
-    ) -> int:
-        """Writes the batch's output file (JSONL in input order), or with file="errors" its error
-        file, or with file="npz" the NPZ archive of a batch over an NPY or NPZ file (see
-        `output_arrays`), to a path or a binary file; the bytes written. `timeout_s`: the most the
-        whole download may take (none by default: a large file takes as long as it takes)."""
-        return await write_file(self._batch_calls.download(batch, file, timeout_s=timeout_s), target)
-
-    async def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:
-        """The outputs of a batch over an NPY or NPZ file as arrays, in memory: "succeeded" (a bool
-        per record) and one array per model output, first dimension every record in input order
-        (a record that did not succeed is a row of zeros; `download(..., file="errors")` says
-        why). FailedPreconditionError for a batch over a JSONL file, or a model whose outputs are
-        not one numeric shape per record. For outputs larger than memory, `download(file="npz")`
-        to a path and `numpy.load(path, mmap_mode=...)` on its members."""
-        buffer = io.BytesIO()
-        await write_file(self._batch_calls.download(batch, "npz"), buffer)
-        buffer.seek(0)
-        with np.load(buffer, allow_pickle=False) as archive:
-            return {name: archive[name] for name in archive.files}
