@@ -3,15 +3,19 @@ stacks up at once, measured in alternating blocks, so that whatever else the mac
 on both alike (the light-load latency is what a busy machine disturbs most).
 
     .venv/bin/python -m bench.system.round_trip_ab --setting scheduler.hold_pulls_open [--blocks 30] [--per-block 20]
+    .venv/bin/python -m bench.system.round_trip_ab --revisions A B --name NAME
 
-A is the setting false, B true. Each stack: its own nats-server, gateway, scheduler and batcher
-(the no-op model). Writes bench/results/round_trip_<key>.{json,md}.
+With --setting, A is the setting false, B true; with --revisions, each stack runs its revision's
+services from a worktree of it (bench.system.ab.worktrees). Each stack: its own nats-server,
+gateway, scheduler and batcher (the no-op model). Writes bench/results/round_trip_<key or
+NAME>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
 
@@ -19,6 +23,7 @@ import grpc
 import uvloop
 
 from asyncinfer.v1 import job_service_pb2_grpc
+from bench.system.ab import worktrees
 from bench.system.common import ProcessGroup, load_average, log, ratio, row, write_results
 from bench.system.e2e import Stack, run_one
 
@@ -52,19 +57,31 @@ async def measure(stacks: dict[str, Stack], blocks: int, per_block: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--setting", required=True, help="section.key of a boolean setting, e.g. scheduler.hold_pulls_open"
-    )
+    chosen = parser.add_mutually_exclusive_group(required=True)
+    chosen.add_argument("--setting", help="section.key of a boolean setting, e.g. scheduler.hold_pulls_open")
+    chosen.add_argument("--revisions", nargs=2, metavar=("A", "B"), help="two git revisions")
+    parser.add_argument("--name", default="revisions", help="with --revisions: bench/results/round_trip_<name>")
     parser.add_argument("--blocks", type=int, default=30)
     parser.add_argument("--per-block", type=int, default=20)
     args = parser.parse_args()
-    section_name, key = args.setting.split(".")
     load_before = load_average()[0]
-    with ProcessGroup() as group, asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        stacks = {
-            f"A: {args.setting} = false": Stack(group, name="nats-a", **{section_name: {key: False}}),
-            f"B: {args.setting} = true": Stack(group, name="nats-b", **{section_name: {key: True}}),
-        }
+    with contextlib.ExitStack() as scope:
+        group = scope.enter_context(ProcessGroup())
+        runner = scope.enter_context(asyncio.Runner(loop_factory=uvloop.new_event_loop))
+        if args.revisions:
+            key, title = args.name, f"revisions {args.revisions[0]} and {args.revisions[1]}"
+            trees = scope.enter_context(worktrees(args.revisions))
+            stacks = {
+                f"{side}: {revision}": Stack(group, name=f"nats-{side.lower()}", source=tree)
+                for side, revision, tree in zip("AB", args.revisions, trees, strict=True)
+            }
+        else:
+            section_name, key = args.setting.split(".")
+            title = args.setting
+            stacks = {
+                f"A: {args.setting} = false": Stack(group, name="nats-a", **{section_name: {key: False}}),
+                f"B: {args.setting} = true": Stack(group, name="nats-b", **{section_name: {key: True}}),
+            }
         found = runner.run(measure(stacks, args.blocks, args.per_block))
         for stack in stacks.values():
             stack.stop_services()
@@ -84,7 +101,7 @@ def main() -> None:
     ]
     write_results(
         f"round_trip_{key}",
-        f"Round trip A/B: {args.setting}",
+        f"Round trip A/B: {title}",
         rows,
         [ratio("B / A: round trip p50", b / a, "for the decision", None)],
         notes,
