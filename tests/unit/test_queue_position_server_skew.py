@@ -11,7 +11,6 @@ the gateway 15 s ahead of the server every job read "behind all of them" (the de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import cast
@@ -19,63 +18,18 @@ from typing import cast
 import pytest
 
 from asyncinfer.contract import kv_subject_prefix
-from asyncinfer.jobs import JobRecord, JobState, Priority
-from asyncinfer.nats import Client, JetStreamContext, Msg
+from asyncinfer.jobs import Priority
+from asyncinfer.nats import Msg
 from asyncinfer.queues import PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
 from asyncinfer.server_clock import SAMPLES_KEPT, ServerClockOffset
 from services.gateway.queue_view import QueueView, jobs_ahead
+from tests.unit.queue_view_fakes import BUCKET, MODEL, Clocks, position, queued_job, view_with
 
 pytestmark = pytest.mark.unit
 
-BUCKET = "queues"
-MODEL = "demo"
 SKEWS_S = (15.0, -15.0)  # the gateway's clock ahead of nats-server's, then behind it
 PUBLISH_S = 0.002  # from a job's create_time to the server's storing its message
 DELIVERY_S = 0.001  # from the server's storing a snapshot to its arrival at the gateway
-
-
-@dataclass
-class Clocks:
-    """The gateway's wall and monotonic clocks, and nats-server's wall clock `gateway_ahead_s` behind."""
-
-    gateway_ahead_s: float
-    wall: float = 1_800_000_000.0
-    mono: float = 1_000.0
-
-    @property
-    def server(self) -> float:
-        return self.wall - self.gateway_ahead_s
-
-    def pass_s(self, seconds: float) -> None:
-        self.wall += seconds
-        self.mono += seconds
-
-
-def view_with(clocks: Clocks) -> QueueView:
-    return QueueView(
-        cast(JetStreamContext, None),
-        cast(Client, None),
-        bucket=BUCKET,
-        work_stream="WORK",
-        clock=lambda: clocks.wall,
-        monotonic=lambda: clocks.mono,
-    )
-
-
-def queued_job(create_time: float, *, work_message_time: float | None = None, job_id: str = "") -> JobRecord:
-    return JobRecord(
-        job_id=job_id or f"j{create_time}",
-        tenant="t",
-        model_name=MODEL,
-        model_version="1",
-        state=JobState.QUEUED,
-        priority=Priority.NORMAL,
-        create_time=create_time,
-        update_time=create_time,
-        max_attempts=3,
-        result_retention_s=60.0,
-        work_message_time=work_message_time,
-    )
 
 
 async def snapshot_arrives(view: QueueView, clocks: Clocks, *, depth: int, oldest: float, newest: float | None) -> None:
@@ -98,18 +52,12 @@ async def snapshot_arrives(view: QueueView, clocks: Clocks, *, depth: int, oldes
     await view._on_update(cast(Msg, msg))
 
 
-def position(view: QueueView, job: JobRecord) -> int:
-    standing = view.standing(job)
-    assert standing is not None
-    return standing.position
-
-
 @pytest.mark.parametrize("gateway_ahead_s", SKEWS_S)
 async def test_jobs_this_gateway_queued_are_placed_in_order_whatever_the_servers_clock(gateway_ahead_s: float) -> None:
     """Five jobs queued 0.1 s apart through this gateway (their QUEUED records as its submit kept
     them: create_time only), a snapshot a second later: 0..4 (before: 5 each with the gateway ahead,
     0 each behind)."""
-    clocks = Clocks(gateway_ahead_s)
+    clocks = Clocks(gateway_ahead_s=gateway_ahead_s)
     view = view_with(clocks)
     jobs, stamps = [], []
     for i in range(5):
@@ -126,7 +74,7 @@ async def test_jobs_read_from_their_work_messages_are_placed_by_the_servers_stam
     """Read from their work messages (GetJob of a queued job), the jobs carry the server's stamps:
     placed by them, whatever the create_time of the gateway that queued them said (here one 40 s
     off both)."""
-    clocks = Clocks(gateway_ahead_s)
+    clocks = Clocks(gateway_ahead_s=gateway_ahead_s)
     view = view_with(clocks)
     stamps = [clocks.server + i / 10 for i in range(5)]
     jobs = [queued_job(stamp + 40.0, work_message_time=stamp, job_id=f"j{i}") for i, stamp in enumerate(stamps)]
@@ -142,7 +90,7 @@ async def test_a_job_queued_after_the_snapshot_is_behind_all_of_it_whatever_the_
     """Queued after the snapshot was written: behind its three jobs, by its create_time or by its
     message's stamp; and a job the snapshot counts, read from its message, is not (the stamp is
     compared with when the snapshot was written on the server's clock)."""
-    clocks = Clocks(gateway_ahead_s)
+    clocks = Clocks(gateway_ahead_s=gateway_ahead_s)
     view = view_with(clocks)
     oldest = clocks.server
     clocks.pass_s(1.0)

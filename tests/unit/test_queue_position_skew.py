@@ -14,73 +14,22 @@ release before (no newest time) spread the jobs to its clock's "now", 15 s off."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
 from asyncinfer.contract import kv_subject_prefix
-from asyncinfer.jobs import JobRecord, JobState, Priority
-from asyncinfer.nats import Client, JetStreamContext, Msg
+from asyncinfer.jobs import Priority
+from asyncinfer.nats import Msg
 from asyncinfer.queues import PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
 from services.gateway.queue_view import QueueView, jobs_ahead
+from tests.unit.queue_view_fakes import BUCKET, MODEL, Clocks, Consumers, position, queued_job, view_with
 
 pytestmark = pytest.mark.unit
 
-BUCKET = "queues"
-MODEL = "demo"
 SKEWS_S = (15.0, -15.0)  # the gateway's clock ahead of the scheduler's, then behind it
-
-
-@dataclass
-class Clocks:
-    """The gateway's (and nats-server's) wall clock and the gateway's monotonic one."""
-
-    wall: float = 1_800_000_000.0
-    mono: float = 1_000.0
-
-    def pass_s(self, seconds: float) -> None:
-        self.wall += seconds
-        self.mono += seconds
-
-
-class Consumers:
-    """The work consumers' counts as `_read_depth` reads them: `pending` in all."""
-
-    def __init__(self) -> None:
-        self.pending = 0
-
-    async def consumer_info(self, _stream: str, name: str) -> Any:
-        first = name.endswith(Priority.HIGH.value.lower())
-        return SimpleNamespace(num_pending=self.pending if first else 0, num_ack_pending=0)
-
-
-def view_with(clocks: Clocks, consumers: Consumers | None = None) -> QueueView:
-    return QueueView(
-        cast(JetStreamContext, consumers),
-        cast(Client, None),
-        bucket=BUCKET,
-        work_stream="WORK",
-        clock=lambda: clocks.wall,
-        monotonic=lambda: clocks.mono,
-    )
-
-
-def queued_job(create_time: float) -> JobRecord:
-    return JobRecord(
-        job_id=f"j{create_time}",
-        tenant="t",
-        model_name=MODEL,
-        model_version="1",
-        state=JobState.QUEUED,
-        priority=Priority.NORMAL,
-        create_time=create_time,
-        update_time=create_time,
-        max_attempts=3,
-        result_retention_s=60.0,
-    )
 
 
 async def snapshot_arrives(
@@ -107,12 +56,6 @@ async def snapshot_arrives(
         metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(clocks.wall, UTC)),  # the server's stamp
     )
     await view._on_update(cast(Msg, msg))
-
-
-def position(view: QueueView, job: JobRecord) -> int:
-    standing = view.standing(job)
-    assert standing is not None
-    return standing.position
 
 
 # --- positions ----------------------------------------------------------------------------------

@@ -6,56 +6,22 @@ minute on top of the snapshot's depth: QUEUE_FULL for a queue that was not full)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from types import SimpleNamespace
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
 from asyncinfer.contract import kv_subject_prefix
 from asyncinfer.jobs import Priority
-from asyncinfer.nats import Client, JetStreamContext, Msg
+from asyncinfer.nats import Msg
 from asyncinfer.queues import PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
 from services.gateway.queue_view import QueueView
+from tests.unit.queue_view_fakes import BUCKET, MODEL, Clocks, Consumers, view_with
 
 pytestmark = pytest.mark.unit
 
-BUCKET = "queues"
-MODEL = "demo"
 STEP_BACK_S = 60.0
-
-
-@dataclass
-class Clocks:
-    wall: float = 1_800_000_000.0
-    mono: float = 1_000.0
-
-    def pass_s(self, seconds: float) -> None:
-        self.wall += seconds
-        self.mono += seconds
-
-
-class Consumers:
-    """The work consumers' counts, as `_read_depth` reads them: `pending` in all."""
-
-    def __init__(self) -> None:
-        self.pending = 0
-
-    async def consumer_info(self, _stream: str, name: str) -> Any:
-        first = name.endswith(Priority.HIGH.value.lower())
-        return SimpleNamespace(num_pending=self.pending if first else 0, num_ack_pending=0)
-
-
-def view_with(clocks: Clocks, consumers: Consumers | None = None) -> QueueView:
-    return QueueView(
-        cast(JetStreamContext, consumers),
-        cast(Client, None),
-        bucket=BUCKET,
-        work_stream="WORK",
-        clock=lambda: clocks.wall,
-        monotonic=lambda: clocks.mono,
-    )
 
 
 async def snapshot_arrives(view: QueueView, *, depth: int, taken_at: float) -> None:

@@ -15,11 +15,12 @@ import msgspec
 import pytest
 
 from asyncinfer.contract import kv_subject_prefix
-from asyncinfer.jobs import JobRecord, JobState, Priority
+from asyncinfer.jobs import Priority
 from asyncinfer.nats import Client, JetStreamContext, Msg
 from asyncinfer.queues import SNAPSHOT_STALE_S, PriorityQueueSnapshot, QueueSnapshot, encode_snapshot
 from asyncinfer.snapshot_freshness import WatchStart, is_fresh, written_at
 from services.gateway.queue_view import QueueView, WaitingReason
+from tests.unit.queue_view_fakes import queued_job
 
 pytestmark = pytest.mark.unit
 
@@ -97,21 +98,6 @@ def served_by(scheduler: str, *, updated_at: float) -> QueueSnapshot:
         priorities={Priority.NORMAL.value: PriorityQueueSnapshot(2, updated_at - 5.0, updated_at - 1.0)},
         connected_batchers=1,
         scheduler=scheduler,
-    )
-
-
-def queued_job(create_time: float) -> JobRecord:
-    return JobRecord(
-        job_id="j",
-        tenant="default",
-        model_name=MODEL,
-        model_version="1",
-        state=JobState.QUEUED,
-        priority=Priority.NORMAL,
-        create_time=create_time,
-        update_time=create_time,
-        max_attempts=3,
-        result_retention_s=60,
     )
 
 
