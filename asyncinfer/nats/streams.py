@@ -221,9 +221,13 @@ async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeo
             return counted
 
 
-class _ServerTime(msgspec.Struct):
-    ts: str | None = None  # the server's clock as it answered (nats-server 2.10 and later)
-    error: dict[str, Any] | None = None
+def _server_time(ts: str | None) -> float | None:
+    """A JetStream API answer's `ts` (the server's clock as it answered) in Unix seconds; None from a
+    server older than 2.10, or Go's zero time (year 1) where a server leaves it unset."""
+    if not ts:
+        return None
+    server_time = datetime.fromisoformat(ts).timestamp()
+    return server_time if server_time > 0 else None
 
 
 async def stored_age_s(js: JetStreamContext, nc: Client, stream: str, seq: int, *, timeout_s: float) -> float | None:
@@ -236,13 +240,10 @@ async def stored_age_s(js: JetStreamContext, nc: Client, stream: str, seq: int, 
         stored = await js.get_msg(stream, seq=seq)
     except NotFoundError:
         return None
-    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
-    server = msgspec.json.decode(reply.data, type=_ServerTime)
-    if server.error is not None:
-        APIError.from_error(server.error)  # raises
-    if server.ts is None or stored.time is None:
+    server_time = (await stream_position(nc, stream, timeout_s=timeout_s)).server_time
+    if server_time is None or stored.time is None:
         return math.inf
-    return datetime.fromisoformat(server.ts).timestamp() - stored.time.timestamp()
+    return server_time - stored.time.timestamp()
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,11 +270,8 @@ async def stream_position(nc: Client, stream: str, *, timeout_s: float) -> Strea
     info = msgspec.json.decode(reply.data, type=_StreamPosition)
     if info.error is not None:
         APIError.from_error(info.error)  # raises
-    server_time = datetime.fromisoformat(info.ts).timestamp() if info.ts else None
     return StreamPosition(
-        last_seq=info.state.last_seq if info.state is not None else 0,
-        # Go's zero time (year 1) where a server leaves it unset: no time said
-        server_time=server_time if server_time is not None and server_time > 0 else None,
+        last_seq=info.state.last_seq if info.state is not None else 0, server_time=_server_time(info.ts)
     )
 
 
@@ -304,12 +302,10 @@ async def consumer_counts(nc: Client, stream: str, consumer: str, *, timeout_s: 
     info = msgspec.json.decode(reply.data, type=_ConsumerInfo)
     if info.error is not None:
         APIError.from_error(info.error)  # raises
-    server_time = datetime.fromisoformat(info.ts).timestamp() if info.ts else None
     return ConsumerCounts(
         num_pending=info.num_pending,
         delivered_stream_seq=info.delivered.stream_seq if info.delivered is not None else 0,
-        # Go's zero time (year 1) where a server leaves it unset: no time said
-        server_time=server_time if server_time is not None and server_time > 0 else None,
+        server_time=_server_time(info.ts),
     )
 
 
