@@ -55,7 +55,7 @@ from tests.kv_helpers import kv_keys
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
-    from tests.stack import StartStack
+    from tests.stack import Stack, StartStack
 
 WORK = "WORK"
 TENANT = "default"
@@ -665,6 +665,15 @@ def test_jobs_ahead_interpolates_between_the_oldest_and_the_newest() -> None:
     assert jobs_ahead(record_at(1061.0), snap) == 11  # after the snapshot
 
 
+async def paused_burst(stack: Stack, count: int) -> list[job_pb2.Job]:
+    """The demo model's queue paused, then `count` jobs submitted one after another: their QUEUED records."""
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
+            ops_service_pb2.PauseQueueRequest(model_name=DEMO)
+        )
+    return [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(count)]
+
+
 @pytest.mark.parametrize("scheduler_ahead_s", [0.0, -60.0, 60.0])
 async def test_a_paused_queue_places_each_job_of_a_burst(
     config: Config, start_stack: StartStack, scheduler_ahead_s: float
@@ -678,11 +687,7 @@ async def test_a_paused_queue_places_each_job_of_a_burst(
         batcher=False,
         scheduler_wall_clock=lambda: time.time() + scheduler_ahead_s,
     )
-    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
-        await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
-            ops_service_pb2.PauseQueueRequest(model_name=DEMO)
-        )
-    jobs = [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(8)]
+    jobs = await paused_burst(stack, 8)
     last_queued = jobs[-1].create_time.ToNanoseconds() / 1e9
     view = stack.gateway.queue_view
 
@@ -718,11 +723,7 @@ async def test_a_paused_queue_places_each_job_of_a_burst_whatever_the_gateways_c
         batcher=False,
         gateway_wall_clock=lambda: time.time() + gateway_ahead_s,
     )
-    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
-        await ops_service_pb2_grpc.OpsServiceStub(channel).PauseQueue(
-            ops_service_pb2.PauseQueueRequest(model_name=DEMO)
-        )
-    jobs = [(await stack.jobs.SubmitJob(submit_request())).job for _ in range(8)]
+    jobs = await paused_burst(stack, 8)
     view = stack.gateway.queue_view
 
     def counted() -> bool:
