@@ -21,6 +21,9 @@ EXECUTION_TIMEOUT = "EXECUTION_TIMEOUT"
 RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
 MAX_ATTEMPTS = "MAX_ATTEMPTS"
 SCHEDULER_STOPPING = "SCHEDULER_STOPPING"
+# Written by the gateway: a keyed job withdrawn before it could run (services/gateway/idempotency.py).
+IDEMPOTENCY_SUPERSEDED = "IDEMPOTENCY_SUPERSEDED"  # a duplicate took its key over while its submit stalled
+NOT_ACCEPTED = "NOT_ACCEPTED"  # its submit failed and freed its key; a publish of it may still land
 
 MAX_CANCEL_REASON_CHARS = 512
 
@@ -57,6 +60,28 @@ def lease_expired(attempt: int) -> JobError:
         LEASE_EXPIRED,
         f"attempt {attempt} was not renewed in time (its scheduler stopped or lost NATS)",
         retriable=True,
+    )
+
+
+def superseded(successor: str, stalled_s: float) -> JobError:
+    """A keyed job whose submit stalled past its claim's bound: a duplicate took the key over as
+    `successor` (the key's job, unless that submit lost the key in turn)."""
+    return job_error(
+        grpc.StatusCode.ABORTED,
+        IDEMPOTENCY_SUPERSEDED,
+        f"its submit stalled for over {stalled_s:g} s after claiming its idempotency key, and a duplicate "
+        f"submit took the key over as job {successor}; this job never ran: a submit with the key returns "
+        "the key's job",
+    )
+
+
+def not_accepted() -> JobError:
+    """A keyed job whose submit failed after publishing may have begun (NATS unanswered): it frees
+    its key for a retry, and this record keeps a late publish of it from running too."""
+    return job_error(
+        grpc.StatusCode.ABORTED,
+        NOT_ACCEPTED,
+        "its submit failed (its caller was told so) and freed its idempotency key; this job never ran",
     )
 
 

@@ -143,6 +143,23 @@ class JobStore:
             raise Unavailable(f"cannot store the job record: {exc}") from exc
         return record.evolve(revision=revision)
 
+    async def create_first(self, record: JobRecord, *, ttl_s: int | None) -> tuple[JobRecord | None, JobRecord | None]:
+        """Writes `record` (with a TTL of `ttl_s`, None: none) only if its key was never written: a
+        create expecting revision 0, which any earlier write refuses, a delete marker included.
+        (the record written, None) when it won; (None, the live record there, or None where only
+        a marker is) when refused. The fence between a keyed job's withdrawal and anything that
+        would make it live: a scheduler's dispatch creates a queued job's record the same way."""
+        try:
+            try:
+                revision = await kv_put_expecting(
+                    self._bucket, record.key, encode_record(record), last_revision=0, ttl_s=ttl_s
+                )
+            except KeyWrongLastSequenceError:
+                return None, await self.recorded(record.key)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot store the job record: {exc}") from exc
+        return record.evolve(revision=revision), None
+
     async def replace(self, record: JobRecord) -> JobRecord:
         """Compare-and-set: writes `record` only if the stored revision is still `record.revision`.
         Raises KeyWrongLastSequenceError when someone else wrote first, Unavailable when NATS fails."""

@@ -34,6 +34,16 @@ the wall clocks call stale). A step of one clock (an NTP sync after a resume) th
 claim with its owner; before, a forward step during a submit handed it to a concurrent duplicate,
 and the key had two jobs.
 
+A claim's owner may only have stalled (a frozen process, a suspended host: it keeps no bound of its
+own then), so a takeover first withdraws the owner's job: a CANCELED record created under its ID
+(expected revision 0, IDEMPOTENCY_SUPERSEDED), which every later create of that record loses, a
+scheduler's dispatch of its work message included; the takeover goes on only if that create won (or
+only a marker is left: the job ended long ago). An owner whose submit took FENCE_AFTER_SHARE of the
+bound or more (by its monotonic or its wall clock) creates its job's record itself, racing that
+withdrawal; losing, it answers what a duplicate gets. A faster owner's publish landed before any
+takeover could look, so it checks nothing. An owner whose publish went unanswered withdraws its job
+(NOT_ACCEPTED) before it frees the key, as that publish may land later.
+
 Lifetime. The entry carries a per-message TTL: the longest the job can live (its queue deadline,
 or QUEUE_HORIZON_WITHOUT_DEADLINE_S without one, plus every attempt's timeout and backoff, plus its
 result retention, plus slack). When the job ends, the service that ends it cuts that TTL to the
@@ -44,20 +54,23 @@ as long as their job's record. (A job queued longer than QUEUE_HORIZON_WITHOUT_D
 a deadline outlives its claim; a repeat after that would make a second job.)
 
 Cost: a keyed submit makes one more KV write than a plain one (the claim), and a read and a write
-more when it ends (its claim's TTL cut); a repeat makes a failed write and two reads.
+more when it ends (its claim's TTL cut); a repeat makes a failed write and two reads; a takeover, a
+failed submit and one that stalled make one create more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
+from asyncinfer import job_errors
 from asyncinfer.backoff import retry, retrying
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelConfig
 
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import claim_key as claim_key
@@ -74,6 +87,7 @@ from services.gateway.claims import claim_ttl_s, request_fingerprint
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest, resolve_model, validate_submit
 from services.gateway.transitions import Expiry
+from services.gateway.work_message import withdrawn_record
 
 log = structlog.get_logger("asyncinfer.gateway.idempotency")
 
@@ -83,6 +97,9 @@ KEY_REUSED_REASON = "IDEMPOTENCY_KEY_REUSED"
 TAKEOVER_MARGIN_S = 6.0
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.25
+# Of stale_after_s: a submit that took this share of it or more creates its job's record, in a race
+# with a takeover's withdrawal of the job (half: a wall clock or the server's may step meanwhile).
+FENCE_AFTER_SHARE = 0.5
 # Claim, lose, find the claim gone, claim again...: only a storm of failing owners gets this far.
 MAX_CLAIM_ROUNDS = 8
 # A claim the wall clocks call stale and the server's clock does not is read every MAX_POLL_S.
@@ -162,15 +179,17 @@ class IdempotentSubmitter:
             raise
         ttl_s = claim_ttl_s(request, model, self._config, now=now)
         last_revision = 0  # of the key's delete marker, if it has one: a create must name it
+        job_id = new_job_id()
         for _ in range(MAX_CLAIM_ROUNDS):
             owner = asyncio.create_task(
                 self._claim_and_submit(
                     request,
                     tenant=tenant,
                     key=key,
-                    claim=Claim(new_job_id(), fingerprint, now),
+                    claim=Claim(job_id, fingerprint, now),
                     ttl_s=ttl_s,
                     last_revision=last_revision,
+                    model=model,
                 )
             )
             # Shielded: a claim must be followed by its job (or released) even if the caller left.
@@ -180,7 +199,11 @@ class IdempotentSubmitter:
             record = await asyncio.shield(owner)
             if record is not None:
                 return SubmitOutcome(record)
-            outcome, last_revision = await self._await_first(request, tenant=tenant, key=key, fingerprint=fingerprint)
+            job_id = new_job_id()  # the next round's: a takeover's withdrawal of the holder names it
+            taking_over = _TakeOver(request, model, ttl_s, successor=job_id)
+            outcome, last_revision = await self._await_first(
+                request, tenant=tenant, key=key, fingerprint=fingerprint, taking_over=taking_over
+            )
             if outcome is not None:
                 return outcome
             now = self._clock()
@@ -194,10 +217,19 @@ class IdempotentSubmitter:
             await asyncio.gather(*self._owners, return_exceptions=True)
 
     async def _claim_and_submit(
-        self, request: SubmitRequest, *, tenant: str, key: str, claim: Claim, ttl_s: int, last_revision: int
+        self,
+        request: SubmitRequest,
+        *,
+        tenant: str,
+        key: str,
+        claim: Claim,
+        ttl_s: int,
+        last_revision: int,
+        model: ModelConfig,
     ) -> JobRecord | None:
         """The new job, or None when the key is not as `last_revision` says (another submit
-        holds it, or released it since)."""
+        holds it, or released it since), or was taken over while this submit stalled."""
+        started = (time.monotonic(), self._clock())
         try:
             revision = await self._write_claim(key, claim, last_revision=last_revision, ttl_s=ttl_s)
         except NATS_FAILURES as exc:
@@ -213,12 +245,50 @@ class IdempotentSubmitter:
         if revision is None:
             return None
         try:
-            return await self._submitter.submit(
+            record = await self._submitter.submit(
                 request, tenant=tenant, job_id=claim.job_id, claim=ClaimWritten(revision, claim.fingerprint)
             )
-        except BaseException:
-            await self._release(key, tenant, claim.job_id, revision)
+        except BaseException as exc:
+            withdrawn = None
+            if isinstance(exc, (Unavailable, *NATS_FAILURES)):  # its publish may have landed, or may yet
+                withdrawn = withdrawn_record(
+                    request,
+                    model,
+                    self._config,
+                    tenant=tenant,
+                    now=self._clock(),
+                    job_id=claim.job_id,
+                    error=job_errors.not_accepted(),
+                )
+            await self._release(key, tenant, claim.job_id, revision, withdrawn=withdrawn, ttl_s=ttl_s)
             raise
+        # Both clocks: a suspend stops the monotonic one (on Linux), a wall clock may step back.
+        stalled_s = max(time.monotonic() - started[0], self._clock() - started[1])
+        if stalled_s < self._stale_after_s * FENCE_AFTER_SHARE:
+            # Its publish landed within the bound, so before any takeover's read of the job (which
+            # comes only once the claim is stale_after_s old by the server's clock): one job.
+            return record
+        return await self._fenced(record)
+
+    async def _fenced(self, record: JobRecord) -> JobRecord | None:
+        """A submit that took so long that a duplicate may have taken its key over meanwhile (a
+        freeze, a stall, a suspend): its job's record is created now, in a race with the takeover's
+        withdrawal of the job (a create of a CANCELED record under its ID; a dispatch's create
+        races it alike). The job, when this create won or the job has a record of its own
+        (dispatched or cancelled meanwhile); None when the withdrawal came first: the job never
+        runs (its work message is dropped), and the caller gets what a duplicate gets."""
+        try:
+            _, found = await self._records.create_first(record, ttl_s=None)
+        except Unavailable as exc:
+            # The withdrawal, if any, still keeps the job from running; its caller gets this job.
+            log.warning("idempotency_fence_not_written", job_id=record.job_id, error=str(exc))
+            return record
+        if found is None or found.error is None or found.error.reason != job_errors.IDEMPOTENCY_SUPERSEDED:
+            return record
+        log.warning("idempotency_claim_lost_while_stalled", tenant=record.tenant, job_id=record.job_id)
+        with contextlib.suppress(Unavailable):  # else a dispatch of it finds the CANCELED record
+            await self._records.drop_work_message(record.key)
+        return None
 
     async def _write_claim(self, key: str, claim: Claim, *, last_revision: int, ttl_s: int) -> int | None:
         """The claim's revision, or None when another submit holds the key. A write NATS does not
@@ -250,11 +320,21 @@ class IdempotentSubmitter:
             attempt, on=_ClaimNotAnswered, retry_for_s=self._config.gateway.enqueue_retry_s, what="an idempotency claim"
         )
 
-    async def _release(self, key: str, tenant: str, job_id: str, revision: int) -> None:
+    async def _release(
+        self, key: str, tenant: str, job_id: str, revision: int, *, withdrawn: JobRecord | None, ttl_s: int
+    ) -> None:
         """Frees the key of a job that was not accepted, unless its record exists after all (a
-        create whose answer was lost) or that cannot be told; then the claim goes stale instead."""
+        create whose answer was lost) or that cannot be told; then the claim goes stale instead.
+        `withdrawn`: a submit whose publish may land late (NATS unanswered) withdraws its job
+        first, a create that a later dispatch of it loses; a record found at that create, the
+        job's, keeps the claim. (A read instead, as for a submit that published nothing, let a
+        publish landing after it run a job whose key was free: a retry made a second.)"""
         try:
-            if await self._records.get(job_key(tenant, job_id)) is None:
+            if withdrawn is not None:
+                _, found = await self._records.create_first(withdrawn, ttl_s=ttl_s)
+                if found is None:
+                    await self._claims.remove(key, revision)
+            elif await self._records.get(job_key(tenant, job_id)) is None:
                 await self._claims.remove(key, revision)
         except (Unavailable, *NATS_FAILURES) as exc:
             log.warning("idempotency_key_not_released", tenant=tenant, job_id=job_id, error=str(exc))
@@ -264,7 +344,7 @@ class IdempotentSubmitter:
         return SubmitOutcome(settled or record, deduplicated=True)
 
     async def _await_first(
-        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
+        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str, taking_over: _TakeOver
     ) -> tuple[SubmitOutcome | None, int]:
         """The first job of a key held by another submit; or None when the key is free again
         (released, expired, or a stale claim this call removed), with the revision to claim it at.
@@ -280,7 +360,9 @@ class IdempotentSubmitter:
                 max_delay_s=MAX_POLL_S,
             ):
                 with attempt:
-                    return await self._first_or_free(request, tenant=tenant, key=key, fingerprint=fingerprint)
+                    return await self._first_or_free(
+                        request, tenant=tenant, key=key, fingerprint=fingerprint, taking_over=taking_over
+                    )
         except _ClaimHeld as exc:
             raise Unavailable(
                 f"idempotency key {request.idempotency_key[:64]!r} is still held by job {exc.job_id}; try again",
@@ -289,7 +371,7 @@ class IdempotentSubmitter:
         raise AssertionError("unreachable: the last error is raised")  # pragma: no cover
 
     async def _first_or_free(
-        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str
+        self, request: SubmitRequest, *, tenant: str, key: str, fingerprint: str, taking_over: _TakeOver
     ) -> tuple[SubmitOutcome | None, int]:
         """One look at the key for _await_first; _ClaimHeld while another submit holds it."""
         claim, revision = await self._claims.read(key)
@@ -318,6 +400,8 @@ class IdempotentSubmitter:
                         held_back=held_back,
                     )
                 raise _ClaimHeld(claim.job_id)
+            if not await self._withdraw(tenant, claim, taking_over, stalled_s=stored_s):
+                raise _ClaimHeld(claim.job_id)  # its record came after all: the next look reads it
             try:
                 marker = await self._claims.remove(key, claim.revision)
             except KeyWrongLastSequenceError:
@@ -330,6 +414,38 @@ class IdempotentSubmitter:
             # A live claim holds the key: a different request cannot have it.
             raise key_reused(request.idempotency_key, claim.job_id)
         raise _ClaimHeld(claim.job_id)
+
+    async def _withdraw(self, tenant: str, claim: Claim, taking_over: _TakeOver, *, stalled_s: float) -> bool:
+        """Before a stale claim is taken over: its job is withdrawn, a CANCELED record created under
+        its ID, so that a claimant that only stalled (a frozen process, a suspended host) and wakes
+        can never make it live: a dispatch of its work message creates the record the same way
+        and loses, as does its own create after a stall (_fenced), which then answers with the
+        key's job. Whether the takeover may go on: the job was withdrawn, or only a marker is
+        left of its record (it ended, and its retention passed). False when the job has a record:
+        it was made live after all."""
+        withdrawn = withdrawn_record(
+            taking_over.request,
+            taking_over.model,
+            self._config,
+            tenant=tenant,
+            now=self._clock(),
+            job_id=claim.job_id,
+            error=job_errors.superseded(taking_over.successor, round(stalled_s, 1)),
+        )
+        written, found = await self._records.create_first(withdrawn, ttl_s=taking_over.ttl_s)
+        return written is not None or found is None
+
+
+@dataclass(frozen=True, slots=True)
+class _TakeOver:
+    """What a takeover withdraws the holder's job with: the request and model that the taker's
+    own job is made of (the holder's are not kept), the TTL of its record (as long as the claim's:
+    the holder's work message, if it lands, lives no longer), and the taker's next job ID."""
+
+    request: SubmitRequest
+    model: ModelConfig
+    ttl_s: int
+    successor: str
 
 
 class _ClaimNotAnswered(Exception):

@@ -11,7 +11,7 @@ from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.idempotency_claims import ClaimWritten
-from asyncinfer.jobs import JobRecord, JobState, queued_envelope
+from asyncinfer.jobs import JobError, JobRecord, JobState, queued_envelope
 from asyncinfer.nats.groups import DurableMessage
 from asyncinfer.tracing import trace_fields
 from services.gateway.submit_request import SubmitRequest
@@ -51,6 +51,16 @@ def queued_record(
         claim_revision=claim.revision if claim is not None else 0,
         claim_fingerprint=claim.fingerprint if claim is not None else "",
     )
+
+
+def withdrawn_record(
+    request: SubmitRequest, model: ModelConfig, config: Config, *, tenant: str, now: float, job_id: str, error: JobError
+) -> JobRecord:
+    """The record that keeps the keyed job `job_id` from ever running (services/gateway/
+    idempotency.py): the job as `request` asks for it, ended CANCELED with `error` at `now`, never
+    attempted. No callback (nobody was told of it by a webhook) and no input (none is kept for it)."""
+    queued = queued_record(request, model, config, tenant=tenant, now=now, job_id=job_id)
+    return queued.evolve(state=JobState.CANCELED, end_time=now, error=error, callback=None, input_ref=None)
 
 
 def work_message(record: JobRecord, request: SubmitRequest) -> DurableMessage:
