@@ -13,13 +13,23 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from asyncinfer.config import Config
+from asyncinfer.codecs.record import decode_record
+from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import WEBHOOK_FEED_CONSUMER, WEBHOOK_SENDER_CONSUMER, consumer_next_subject, kv_stream
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyNotFoundError
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
-from asyncinfer.webhook_status import disabled_key
+from asyncinfer.webhook_status import (
+    CallbackEvent,
+    DeliveryStatus,
+    JobDeliveries,
+    deliveries_key,
+    disabled_key,
+    encode_deliveries,
+    webhook_id,
+)
+from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.nats_probes import RequestsSeen
 from tests.stack import Stack, StartStack
 from tests.webhook_receiver import Receiver, receiver, webhook_config
@@ -486,3 +496,111 @@ async def test_a_busy_sender_pulls_its_deliveries_a_batch_at_a_time(
     assert {json.loads(r.body)["data"]["job_id"] for r in delivered} == jobs
     # A pull per 8 deliveries (the free slots) and the odd expiry; it was two per delivery.
     assert asked <= len(jobs) // 4, f"{asked} pull requests for {len(jobs)} deliveries"
+
+
+async def test_a_running_delivery_not_yet_attempted_is_enqueued_once_though_the_job_ends(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A review of the webhooks (session 30): the notifier published a job's RUNNING delivery again
+    when the job's terminal record came while that delivery had no attempt recorded yet (its
+    receiver slow, or the sender behind) and the stream's duplicate window had passed since: a
+    second WEBHOOKS message for the same webhook, so a second retry chain and a second POST of it.
+    Only a crash between the status write and the publish (the record write comes back unacked)
+    calls for publishing it again."""
+    window_s = 0.5
+    seen: list[str] = []  # the webhook-id of each request, as it came
+    came = asyncio.Condition()
+
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Reads the request's head and never answers: the attempt stays in flight, unrecorded.
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode()
+            headers = dict(line.lower().split(": ", 1) for line in head.split("\r\n")[1:] if ": " in line)
+            async with came:
+                seen.append(headers["webhook-id"])
+                came.notify_all()
+            await reader.read()  # until the sender gives up (request_timeout_s)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def until_seen(wid: str) -> None:
+        async with asyncio.timeout(WAIT_S), came:
+            await came.wait_for(lambda: wid in seen)
+
+    hanging_model = DEMO_MODEL.model_copy(
+        update={"name": "hang", "loader": "tests.hanging_models:build_hanging_model", "warm_up": False}
+    )
+    settings = webhook_config(config, request_timeout_s=20.0).replace(
+        nats={"duplicate_window_s": window_s}, models=[DEMO_MODEL.model_dump(), hanging_model.model_dump()]
+    )
+    hanging = await asyncio.start_server(hang, "127.0.0.1", 0)
+    RELEASE.clear()
+    try:
+        port = hanging.sockets[0].getsockname()[1]
+        stack = await start_stack(settings)
+        x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+        x.contents.fp32_contents.extend([HANG_VALUE, 1, 1, 1])  # runs until RELEASE
+        request = job_service_pb2.SubmitJobRequest(
+            model_name="hang",
+            inputs=[x],
+            callback=job_pb2.Callback(
+                url=f"http://127.0.0.1:{port}/slow",
+                events=[job_pb2.CALLBACK_EVENT_RUNNING, job_pb2.CALLBACK_EVENT_COMPLETED],
+            ),
+        )
+        job_id = (await stack.jobs.SubmitJob(request)).job.job_id
+        await until_seen(webhook_id(job_id, CallbackEvent.RUNNING, 1))  # its attempt hangs
+        # Past the stream's duplicate window (a server's clock, with no event to wait on): a
+        # second publish of the RUNNING delivery would now be stored, not dropped.
+        await asyncio.sleep(2 * window_s)
+        RELEASE.set()  # the job ends: its terminal record comes to the notifier
+        await until_seen(webhook_id(job_id, CallbackEvent.COMPLETED, 1))
+        stream = await stack.nc.jetstream().stream_info(settings.nats.webhooks_stream)
+        assert stream.state.last_seq == 2, "one message for RUNNING, one for COMPLETED"
+        assert seen.count(webhook_id(job_id, CallbackEvent.RUNNING, 1)) == 1
+    finally:
+        RELEASE.set()
+        hanging.close()
+        await hanging.wait_closed()
+
+
+async def test_a_record_write_that_comes_back_publishes_its_unattempted_delivery_again(
+    config: Config, receiver: Receiver
+) -> None:
+    """The repair the test above leaves alone: a notifier whose publish failed (or that died) after
+    it wrote a delivery's status leaves the record write unacked, and the write that comes back
+    publishes the delivery still unattempted again. Here the first notifier is played by hand: it
+    takes the canceled job's record write, writes the delivery's status, then gives the write back."""
+    settings = webhook_config(config)
+    first = Stack(settings, scheduler_config=settings.replace(webhooks={"secrets": []}))  # no notifier
+    await first.start(batcher=False)
+    try:
+        job_id = await submit(first, receiver.url("/repaired"))
+        await first.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
+        js = first.nc.jetstream()
+        feed = await js.pull_subscribe_bind(WEBHOOK_FEED_CONSUMER, stream=kv_stream(settings.nats.jobs_bucket))
+        (write,) = await feed.fetch(1, timeout=WAIT_S)
+        record = decode_record(write.data)
+        assert record.job_id == job_id
+        wid = webhook_id(job_id, CallbackEvent.CANCELED, record.attempt)
+        status = DeliveryStatus(webhook_id=wid, event=CallbackEvent.CANCELED, job_attempt=record.attempt)
+        await js.publish(
+            f"$KV.{settings.nats.webhooks_bucket}.{deliveries_key('default', job_id)}",
+            encode_deliveries(JobDeliveries(deliveries=(status,), ttl_s=3600.0)),
+        )
+        await write.nak()  # as the notifier does when the publish fails
+        await feed.unsubscribe()
+    finally:
+        await first.stop()
+
+    second = Stack(settings)
+    await second.start(batcher=False)
+    try:
+        (received,) = await receiver.wait_for("/repaired", 1)
+        assert received.headers["webhook-id"] == wid
+        job = await until(second, job_id, all_final(1))
+        assert [d.state for d in job.callback_deliveries] == [DELIVERED]
+    finally:
+        await second.stop()

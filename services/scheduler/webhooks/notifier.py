@@ -9,10 +9,13 @@ exactly once:
 2. then published to the WEBHOOKS stream with Nats-Msg-Id = the webhook ID,
 3. then the feed message is acked.
 
-A crash between 1 and 2 is repaired when the unacked feed message comes back: an entry still
-PENDING with no attempt is published again, and a publish that had landed is dropped by the
-stream's duplicate window. The status entry is written before the publish so the sender always
-finds it.
+A crash between 1 and 2 is repaired when the unacked feed message comes back (redelivered): an
+entry still PENDING with no attempt is published again, and a publish that had landed is dropped
+by the stream's duplicate window. Only a redelivered record write repairs: another write of the
+job (its end, which also yields the RUNNING event) finding the RUNNING delivery unattempted (its
+receiver slow, the sender behind) published it again, and past the duplicate window (2 min) that
+was a second message, a second retry chain of the same webhook. The status entry is written
+before the publish so the sender always finds it.
 
 The jobs bucket keeps one revision per key, so a RUNNING write replaced (by the job's end) before
 this consumer read it is gone: a terminal record of a job that ran also yields the RUNNING event of
@@ -58,6 +61,15 @@ FETCH_BATCH = 128
 RETRY_DELAY_S = 1.0
 PUBLISH_RETRY_FOR_S = 10.0
 _RAN = frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.TIMED_OUT})
+
+
+def _redelivered(msg: Msg) -> bool:
+    """Whether the feed message came before (not acked: a crash, a NAK); True when it cannot
+    tell (a repeat publish is dropped, or at worst sent twice with the same webhook-id)."""
+    try:
+        return msg.metadata.num_delivered > 1
+    except Exception:  # no JetStream reply subject
+        return True
 
 
 def due_events(record: JobRecord) -> list[CallbackEvent]:
@@ -144,10 +156,14 @@ class Notifier:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("webhook_record_unreadable", subject=msg.subject, error=str(exc))
             return
+        repair = _redelivered(msg)
         for event in due_events(record):
-            await self._enqueue(record, event)
+            await self._enqueue(record, event, repair=repair)
 
-    async def _enqueue(self, record: JobRecord, event: CallbackEvent) -> None:
+    async def _enqueue(self, record: JobRecord, event: CallbackEvent, *, repair: bool) -> None:
+        """Adds the delivery to the job's status entry and publishes it; a delivery already there
+        is published again only on `repair` (this record write came back: a crash, or a failed
+        publish, may have fallen between its status write and its publish)."""
         assert record.callback is not None
         wid = webhook_id(record.job_id, event, record.attempt)
         delivery = Delivery(
@@ -167,8 +183,9 @@ class Notifier:
             nonlocal publish
             existing = current.find(wid)
             if existing is not None:
-                # Published before unless a crash fell between the write and the publish.
-                publish = existing.state is DeliveryState.PENDING and existing.attempts == 0
+                # Published before unless a crash fell between the write and the publish, which
+                # only a redelivered record write can have seen.
+                publish = repair and existing.state is DeliveryState.PENDING and existing.attempts == 0
                 return None
             publish = True
             status = DeliveryStatus(
