@@ -174,3 +174,50 @@ async def test_a_callback_url_refused_for_jobs_is_refused_for_batches(config: Co
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.CreateBatch(create_request(ref, callback=callback(url, *events)))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, url
+
+
+async def test_a_late_second_enqueue_of_a_batch_end_being_retried_is_not_attempted(
+    config: Config, start_stack: StartStack, receiver: Receiver
+) -> None:
+    """A review of the webhooks (session 30): a batch's end enqueued again past the WEBHOOKS
+    stream's duplicate window (a driver adopting a terminal record whose gateway died before it
+    recorded the enqueue) while the first message was waiting out a retry was attempted at once,
+    and then retried on its own: a second retry chain of the same webhook, a POST more each time.
+    The sender now acks a message new to it whose delivery already has attempts."""
+    window_s = 0.5
+    settings = batch_config(config).replace(nats={"duplicate_window_s": window_s}, webhooks={"backoff_max_s": 60.0})
+    stack = await start_stack(settings)
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(10)))
+    done = await wait_ended(stub, (await stub.CreateBatch(create_request(ref))).batch.batch_id)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    finished = await store.get("default", done.batch_id)
+    assert finished is not None
+    # A terminal write with a callback, enqueued by the driver that adopts it; its receiver asks
+    # for 30 s before the next attempt.
+    receiver.scripts["/late"] = [(503, {"Retry-After": "30"})]  # then 200
+    orphan = finished.evolve(batch_id=new_job_id(), revision=0, callback=CallbackSpec(url=receiver.url("/late")))
+    written = await store.write(orphan)
+    await receiver.wait_for("/late", 1)
+    js = stack.nc.jetstream()
+    kv = await ensure_webhooks_bucket(js, stack.config.nats)
+    async with asyncio.timeout(WAIT_S):  # the attempt recorded, its retry 30 s away
+        while True:
+            entry = await read_deliveries(kv, "default", orphan.batch_id)
+            if entry.deliveries:
+                break
+            await asyncio.sleep(0.05)
+    assert entry.deliveries[0].attempts == 1
+    # Past the duplicate window (a server's clock, with no event to wait on), another gateway
+    # that saw the record without callback_enqueued enqueues it again: a second message.
+    await asyncio.sleep(2 * window_s)
+    await BatchCallbacks(js, stack.config).enqueue(written)
+    async with asyncio.timeout(WAIT_S):  # the second message is done with (acked)
+        while True:
+            info = await js.stream_info(stack.config.nats.webhooks_stream)
+            if info.state.last_seq == 2 and info.state.messages == 1:
+                break
+            await asyncio.sleep(0.05)
+    (delivery,) = (await read_deliveries(kv, "default", orphan.batch_id)).deliveries
+    assert (delivery.state, delivery.attempts) == (DeliveryState.PENDING, 1), "the second message made no attempt"
+    assert len(receiver.at("/late")) == 1

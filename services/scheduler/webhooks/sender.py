@@ -16,6 +16,9 @@ delay (retry later).
 - The delay lives in JetStream (NAK with delay), so a pending retry survives restarts and goes to
   whichever scheduler pulls it when it is due. The status is written before the ack/NAK: a crash
   in between repeats an attempt (same webhook-id; receivers deduplicate), never loses one.
+- A message seen for the first time whose delivery already has attempts is a second message of it
+  (enqueued again past the stream's duplicate window): acked without an attempt, since the message
+  that made the attempts still carries its retries.
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ class WebhookMetrics:
         for state in DeliveryState:
             if state.is_final:
                 self.finished.labels(state=state.value)
+
+
+def _first_delivery(msg: Msg) -> bool:
+    """Whether the message comes from the consumer for the first time (never NAKed, never
+    redelivered); False when it cannot tell, so that it is attempted."""
+    try:
+        return msg.metadata.num_delivered <= 1
+    except Exception:  # no JetStream reply subject
+        return False
 
 
 def _origin(url: str) -> str:
@@ -195,7 +207,7 @@ class Sender:
         started = time.monotonic()
         self._by_origin.setdefault(origin, []).append(started)
         try:
-            delay = await self.attempt(delivery)
+            delay = await self.attempt(delivery, first_delivery=_first_delivery(msg))
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await msg.nak()
@@ -242,9 +254,10 @@ class Sender:
                 await msg.in_progress()
         return True
 
-    async def attempt(self, delivery: Delivery) -> float | None:
-        """One attempt (or none, when the delivery is final or its URL disabled); the delay before
-        the next, or None when the delivery is final."""
+    async def attempt(self, delivery: Delivery, *, first_delivery: bool = False) -> float | None:
+        """One attempt (or none, when the delivery is final, a late duplicate or its URL
+        disabled); the delay before the next, or None when this message is done with.
+        `first_delivery`: the message comes to a sender for the first time (its metadata says so)."""
         entry = await self._store.read(delivery.tenant, delivery.job_id)
         status = entry.find(delivery.webhook_id) or DeliveryStatus(
             webhook_id=delivery.webhook_id,
@@ -254,6 +267,14 @@ class Sender:
         )
         if status.state.is_final:
             return None  # a duplicate message of a finished delivery
+        if first_delivery and status.attempts > 0:
+            # A message new to the stream's consumer, for a delivery with attempts already made: a
+            # second message of it (a batch's end enqueued again past the duplicate window by a
+            # driver that adopted it). The message that made those attempts is still on the
+            # stream (NAKed to its next attempt, or in flight) and carries on: attempting this one
+            # too would run a second retry chain of the same webhook.
+            log.info("webhook_duplicate_dropped", job_id=delivery.job_id, webhook_id=delivery.webhook_id)
+            return None
         bound = log.bind(
             job_id=delivery.job_id,
             tenant=delivery.tenant,
