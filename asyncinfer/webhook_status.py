@@ -6,7 +6,8 @@ The bucket (`nats.webhooks_bucket`) holds two kinds of keys:
   so far (asyncinfer.codecs.webhook_status). The scheduler writes it (compare-and-set); GetJob reads it. Each write carries a
   per-message TTL of the job's retention plus the retry horizon, so it goes away after the job.
 - `disabled.<tenant>.<sha256 of the URL>`: the URL answered 410 Gone; nothing more is sent to it
-  for that tenant. Kept until an operator deletes the key (`nats kv del <bucket> <key>`).
+  for that tenant. Kept for webhooks.disabled_for_s (7 days; 0: until an operator deletes the key,
+  `nats kv del <bucket> <key>`).
 """
 
 from __future__ import annotations
