@@ -7,6 +7,7 @@ it; enqueues from several drivers are one)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from typing import Any
@@ -19,7 +20,13 @@ from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import CallbackSpec
 from asyncinfer.v1 import batch_service_pb2, job_pb2
-from asyncinfer.webhook_status import DeliveryState, ensure_webhooks_bucket, read_deliveries
+from asyncinfer.webhook_status import (
+    DeliveryState,
+    deliveries_key,
+    encode_deliveries,
+    ensure_webhooks_bucket,
+    read_deliveries,
+)
 from services.batcher.models import demo
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
@@ -221,3 +228,51 @@ async def test_a_late_second_enqueue_of_a_batch_end_being_retried_is_not_attempt
     (delivery,) = (await read_deliveries(kv, "default", orphan.batch_id)).deliveries
     assert (delivery.state, delivery.attempts) == (DeliveryState.PENDING, 1), "the second message made no attempt"
     assert len(receiver.at("/late")) == 1
+
+
+async def test_a_second_enqueue_whose_first_message_is_long_overdue_is_attempted(
+    config: Config, start_stack: StartStack, receiver: Receiver
+) -> None:
+    """The other side of the test above: a message new to the sender whose delivery has attempts is
+    dropped only while the message that made them is due back (its next attempt not yet an AckWait
+    overdue). Past that it is taken for lost (an operator removed the sender's consumer, or the
+    stream's message), and the new message carries the delivery on: a second POST of the same
+    webhook-id rather than none. Played by hand: after the first attempt the stream is purged and
+    the status's next attempt set an hour back; the end is then enqueued again."""
+    window_s = 0.5
+    settings = batch_config(config).replace(nats={"duplicate_window_s": window_s}, webhooks={"backoff_max_s": 60.0})
+    stack = await start_stack(settings)
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(10)))
+    done = await wait_ended(stub, (await stub.CreateBatch(create_request(ref))).batch.batch_id)
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    finished = await store.get("default", done.batch_id)
+    assert finished is not None
+    receiver.scripts["/lost"] = [(503, {"Retry-After": "30"})]  # then 200
+    orphan = finished.evolve(batch_id=new_job_id(), revision=0, callback=CallbackSpec(url=receiver.url("/lost")))
+    written = await store.write(orphan)
+    await receiver.wait_for("/lost", 1)
+    js = stack.nc.jetstream()
+    kv = await ensure_webhooks_bucket(js, stack.config.nats)
+    async with asyncio.timeout(WAIT_S):  # the attempt recorded, its message NAKed for 30 s
+        while True:
+            entry = await read_deliveries(kv, "default", orphan.batch_id)
+            if entry.deliveries and entry.deliveries[0].attempts == 1:
+                break
+            await asyncio.sleep(0.05)
+    await js.purge_stream(stack.config.nats.webhooks_stream)  # the first message lost
+    overdue = dataclasses.replace(entry.deliveries[0], next_attempt_time=time.time() - 3600.0)
+    await kv.put(
+        deliveries_key("default", orphan.batch_id),
+        encode_deliveries(dataclasses.replace(entry, deliveries=(overdue,))),
+    )
+    await asyncio.sleep(2 * window_s)  # past the duplicate window (a server's clock: no event)
+    await BatchCallbacks(js, stack.config).enqueue(written)
+    await receiver.wait_for("/lost", 2)
+    async with asyncio.timeout(WAIT_S):
+        while True:
+            (delivery,) = (await read_deliveries(kv, "default", orphan.batch_id)).deliveries
+            if delivery.state is DeliveryState.DELIVERED:
+                break
+            await asyncio.sleep(0.05)
+    assert delivery.attempts == 2

@@ -566,6 +566,52 @@ async def test_a_running_delivery_not_yet_attempted_is_enqueued_once_though_the_
         await hanging.wait_closed()
 
 
+async def test_a_crashed_enqueue_whose_record_write_was_replaced_is_published_by_the_next_write(
+    config: Config, receiver: Receiver
+) -> None:
+    """The repair without a redelivery: a notifier died after writing a delivery's status, and the
+    job's next write (which yields the same event) replaced the crashed write in the bucket (one
+    revision per key) before it could come back. Within half the duplicate window of the entry the
+    next write publishes the unattempted delivery (a publish that had landed is dropped as a
+    duplicate), so the webhook is not lost. Played by hand: the first notifier takes the canceled
+    job's write, writes the status, and its write is acked as if replaced; the job's record is then
+    written again, unchanged, as the next write."""
+    settings = webhook_config(config)
+    first = Stack(settings, scheduler_config=settings.replace(webhooks={"secrets": []}))  # no notifier
+    await first.start(batcher=False)
+    try:
+        job_id = await submit(first, receiver.url("/replaced"))
+        await first.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
+        js = first.nc.jetstream()
+        feed = await js.pull_subscribe_bind(WEBHOOK_FEED_CONSUMER, stream=kv_stream(settings.nats.jobs_bucket))
+        (write,) = await feed.fetch(1, timeout=WAIT_S)
+        record = decode_record(write.data)
+        assert record.job_id == job_id
+        wid = webhook_id(job_id, CallbackEvent.CANCELED, record.attempt)
+        status = DeliveryStatus(
+            webhook_id=wid, event=CallbackEvent.CANCELED, job_attempt=record.attempt, create_time=time.time()
+        )
+        await js.publish(
+            f"$KV.{settings.nats.webhooks_bucket}.{deliveries_key('default', job_id)}",
+            encode_deliveries(JobDeliveries(deliveries=(status,), ttl_s=3600.0)),
+        )
+        await write.ack()  # gone, as a write replaced before it came back is
+        await feed.unsubscribe()
+        await js.publish(write.subject, write.data)  # the job's next write, yielding the same event
+    finally:
+        await first.stop()
+
+    second = Stack(settings)
+    await second.start(batcher=False)
+    try:
+        (received,) = await receiver.wait_for("/replaced", 1)
+        assert received.headers["webhook-id"] == wid
+        job = await until(second, job_id, all_final(1))
+        assert [d.state for d in job.callback_deliveries] == [DELIVERED]
+    finally:
+        await second.stop()
+
+
 async def test_a_record_write_that_comes_back_publishes_its_unattempted_delivery_again(
     config: Config, receiver: Receiver
 ) -> None:

@@ -11,11 +11,13 @@ exactly once:
 
 A crash between 1 and 2 is repaired when the unacked feed message comes back (redelivered): an
 entry still PENDING with no attempt is published again, and a publish that had landed is dropped
-by the stream's duplicate window. Only a redelivered record write repairs: another write of the
-job (its end, which also yields the RUNNING event) finding the RUNNING delivery unattempted (its
-receiver slow, the sender behind) published it again, and past the duplicate window (2 min) that
-was a second message, a second retry chain of the same webhook. The status entry is written
-before the publish so the sender always finds it.
+by the stream's duplicate window. Past half that window only a redelivered record write repairs:
+another write of the job (its end, which also yields the RUNNING event) finding the RUNNING
+delivery unattempted (its receiver slow, the sender behind) published it again, and past the
+duplicate window (2 min) that was a second message, a second retry chain of the same webhook.
+Within half the window any write repairs, for the job's next write may replace the crashed one
+(the bucket keeps one revision) before it comes back. The status entry is written before the
+publish so the sender always finds it.
 
 The jobs bucket keeps one revision per key, so a RUNNING write replaced (by the job's end) before
 this consumer read it is gone: a terminal record of a job that ran also yields the RUNNING event of
@@ -177,6 +179,7 @@ class Notifier:
             ttl_s=record.result_retention_s + self._config.webhooks.retry_horizon_s,
         )
         now = time.time()
+        repair_window_s = self._config.nats.duplicate_window_s / 2
         publish = False
 
         def add(current: JobDeliveries) -> JobDeliveries | None:
@@ -184,8 +187,12 @@ class Notifier:
             existing = current.find(wid)
             if existing is not None:
                 # Published before unless a crash fell between the write and the publish, which
-                # only a redelivered record write can have seen.
-                publish = repair and existing.state is DeliveryState.PENDING and existing.attempts == 0
+                # a redelivered record write can have seen; so can a later write of the job that
+                # replaced the crashed one (the bucket keeps one revision) before it came back:
+                # within half the duplicate window of the entry, a publish that had landed is
+                # still dropped, so that one publishes too.
+                unattempted = existing.state is DeliveryState.PENDING and existing.attempts == 0
+                publish = unattempted and (repair or now - existing.create_time < repair_window_s)
                 return None
             publish = True
             status = DeliveryStatus(

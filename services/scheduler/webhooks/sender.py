@@ -46,6 +46,7 @@ from services.scheduler.webhooks.deliveries import Delivery, decode_delivery
 from services.scheduler.webhooks.held_pull import HeldPull, interrupted_within
 from services.scheduler.webhooks.post_attempt import DeliveryPoster
 from services.scheduler.webhooks.status_store import StatusStore
+from services.scheduler.webhooks.streams import sender_ack_wait_s
 
 log = structlog.get_logger("asyncinfer.scheduler.webhooks")
 
@@ -254,6 +255,16 @@ class Sender:
                 await msg.in_progress()
         return True
 
+    def _chain_alive(self, status: DeliveryStatus) -> bool:
+        """Whether the message that made `status`'s attempts is still due to come back: its next
+        attempt is not yet an AckWait overdue. Past that it is taken for lost (an operator removed
+        the sender's consumer, which delivers every message as new again): this message carries
+        the delivery on, as a duplicate POST (same webhook-id) is better than none."""
+        if status.next_attempt_time is None:
+            return False
+        overdue_after_s = sender_ack_wait_s(self._config)
+        return self._clock() < status.next_attempt_time + overdue_after_s
+
     async def attempt(self, delivery: Delivery, *, first_delivery: bool = False) -> float | None:
         """One attempt (or none, when the delivery is final, a late duplicate or its URL
         disabled); the delay before the next, or None when this message is done with.
@@ -267,7 +278,7 @@ class Sender:
         )
         if status.state.is_final:
             return None  # a duplicate message of a finished delivery
-        if first_delivery and status.attempts > 0:
+        if first_delivery and status.attempts > 0 and self._chain_alive(status):
             # A message new to the stream's consumer, for a delivery with attempts already made: a
             # second message of it (a batch's end enqueued again past the duplicate window by a
             # driver that adopted it). The message that made those attempts is still on the

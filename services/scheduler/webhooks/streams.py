@@ -39,10 +39,15 @@ async def ensure_webhooks_stream(js: JetStreamContext, config: NatsConfig) -> No
     await ensure_stream(js, stream, retry_for_s=config.connect_timeout_s)
 
 
+def sender_ack_wait_s(config: Config) -> float:
+    """The sender consumer's AckWait. An attempt (resolve, connect, answer) takes at most
+    request_timeout_s twice over; past this the message is given to another scheduler, as if this
+    one had died."""
+    return 2 * config.webhooks.request_timeout_s + 10.0
+
+
 async def ensure_sender_consumer(js: JetStreamContext, config: Config) -> None:
-    # An attempt (resolve, connect, answer) takes at most request_timeout_s twice over; past this
-    # the message is given to another scheduler, as if this one had died.
-    ack_wait_s = 2 * config.webhooks.request_timeout_s + 10.0
+    ack_wait_s = sender_ack_wait_s(config)
     consumer = api.ConsumerConfig(
         durable_name=SENDER_CONSUMER,
         ack_policy=api.AckPolicy.EXPLICIT,
