@@ -54,8 +54,8 @@ def is_reporting(held: HeldSnapshot, now: float) -> bool:
 def merge_snapshots(snapshots: Collection[HeldSnapshot], now: float) -> HeldSnapshot | None:
     """What the model's schedulers report together, from each one's latest snapshot (of the same
     model). Over the fresh ones: batchers and jobs in flight summed; free credits and completion
-    rates summed over those not draining (a draining scheduler takes no queued job), or over all
-    when all drain; draining when every scheduler with a batcher drains (none has one: when every
+    rates summed over those not draining (a draining scheduler takes no queued job, so its
+    completions start none: this rate is the estimated starts'), or over all when all drain; draining when every scheduler with a batcher drains (none has one: when every
     scheduler drains), since only those could dispatch. Depths, their oldest and newest times and
     the pause are the shared consumers' and the shared key's, read by each: the newest snapshot's,
     as are its time and name. A `stopped` snapshot counts as not fresh. None fresh: the newest, stale
@@ -116,6 +116,10 @@ class ClusterQueue:
     merged: QueueSnapshot  # merge_snapshots over the reporting schedulers, the asking one's first
     schedulers: int  # reporting the model: fresh and not stopped, the asking one included
     draining_schedulers: int  # of those, the ones draining
+    # Every reporting scheduler's completions per second, draining ones included: what the model
+    # completed over the last minute (the merge's rate, which estimated starts read, leaves a
+    # draining scheduler out, as its completions start no queued job).
+    completed_per_s: float
 
 
 def cluster_queue(own: QueueSnapshot, latest: Mapping[str, HeldSnapshot], now: float) -> ClusterQueue:
@@ -130,6 +134,7 @@ def cluster_queue(own: QueueSnapshot, latest: Mapping[str, HeldSnapshot], now: f
         merged=merged.snapshot,
         schedulers=len(reporting),
         draining_schedulers=sum(1 for held in reporting if held.snapshot.draining),
+        completed_per_s=sum(held.snapshot.completed_per_s for held in reporting),
     )
 
 

@@ -121,8 +121,8 @@ class ModelQueueStats(_message.Message):
     for (the autoscaler's max() over the schedulers' asyncinfer_desired_batchers gauges).
     """
     completed_per_second: _builtins.float
-    """Completions per second over the last minute (of the schedulers not draining; all of them when
-    every one drains).
+    """Completions per second over the last minute, of every scheduler reporting the model (a draining
+    one's too: it still finishes the jobs it dispatched).
     """
     submitted_per_second: _builtins.float
     """Submissions per second over the last minute."""

@@ -94,8 +94,9 @@ class ClusterQueues:
 
     def cluster_wide(self, own: ModelQueueSnapshot) -> ModelQueueSnapshot:
         """`own` (this scheduler's, just taken) with the cluster's batchers, jobs in flight, free
-        credits, completion rate and desired batchers (the most any scheduler asks for, as KEDA's
-        max() over the schedulers' gauges). Its depths, pause, drain, submission rate (every
+        credits, completion rate (every scheduler's, a draining one's too: it still finishes what
+        it dispatched) and desired batchers (the most any scheduler asks for, as KEDA's max() over
+        the schedulers' gauges). Its depths, pause, drain, submission rate (every
         scheduler hears every queued notice) and batch sizes stay its own."""
         now = self._monotonic()
         cluster = cluster_queue(own.to_shared(self._scheduler), self._schedulers.latest(own.model_name), now)
@@ -105,7 +106,7 @@ class ClusterQueues:
             in_flight=merged.in_flight,
             connected_batchers=merged.connected_batchers,
             free_credits=merged.free_credits,
-            completed_per_s=merged.completed_per_s,
+            completed_per_s=cluster.completed_per_s,
             desired_batchers=merged.desired_batchers,
             schedulers=cluster.schedulers,
             draining_schedulers=cluster.draining_schedulers,

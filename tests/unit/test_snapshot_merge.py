@@ -282,3 +282,20 @@ def test_the_cluster_queue_merges_this_schedulers_own_with_the_others_latest() -
     assert merged.priorities == own.priorities
     alone = cluster_queue(own, {}, MONO)
     assert (alone.merged, alone.schedulers, alone.draining_schedulers) == (own, 1, 0)
+
+
+def test_the_cluster_queues_completion_rate_counts_a_draining_schedulers_completions() -> None:
+    """GetQueueStats' completed_per_second: a draining scheduler still finishes the jobs it
+    dispatched, and they complete; it counted only the schedulers not draining (2.0 here, 0 with
+    the only batcher's scheduler draining). Estimated starts keep the merge's rate: a draining
+    scheduler's completions start no queued job."""
+    own = from_scheduler("b", batchers=0).snapshot  # answering: no batcher, not draining
+    latest = {"a": from_scheduler("a", age_s=1.0, batchers=1, in_flight=2, rate=3.0, draining=True)}
+    cluster = cluster_queue(own, latest, MONO)
+    assert (cluster.completed_per_s, cluster.merged.completed_per_s) == (3.0, 0.0)
+    both = {**latest, "c": from_scheduler("c", age_s=0.5, batchers=1, rate=2.0)}
+    cluster = cluster_queue(own, both, MONO)
+    assert (cluster.completed_per_s, cluster.merged.completed_per_s) == (5.0, 2.0)
+    # Every one draining: the same sum, as with one scheduler.
+    draining_own = replace(own, draining=True, completed_per_s=1.0)
+    assert cluster_queue(draining_own, latest, MONO).completed_per_s == 4.0
