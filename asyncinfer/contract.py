@@ -65,6 +65,10 @@ WORK_SUBJECTS = _all_under(WORK_SUBJECT_PREFIX)
 DEAD_SUBJECTS = _all_under(DEAD_SUBJECT_PREFIX)
 WEBHOOK_SUBJECTS = _all_under(WEBHOOK_SUBJECT_PREFIX)
 CANCEL_SUBJECTS = f"{CANCEL_SUBJECT_PREFIX}.*"  # every model's cancel notices (each scheduler hears all)
+# Drain and undrain orders (core NATS, request-reply): every scheduler subscribes, the one an
+# operator's Drain with `all` or `scheduler` reached publishes, and each scheduler addressed answers
+# to the reply inbox (asyncinfer.drain_orders).
+DRAIN_SUBJECT = "asyncinfer.control.drain"
 
 
 def work_subject(model_name: str, priority: Priority) -> str:

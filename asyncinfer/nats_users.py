@@ -20,7 +20,8 @@ What each service may touch (ARCHITECTURE.md "The contract in NATS" names every 
   hears progress notices. It may not pull or acknowledge work (`$JS.API.CONSUMER.MSG.NEXT.WORK.*`,
   `$JS.ACK.WORK.>`), read or write dead letters, nor touch the webhook deliveries stream.
 - scheduler: everything of the stack's streams and buckets (it pulls, leases, stores results,
-  dead-letters, replays, purges and sends webhooks), and nothing else of the server's.
+  dead-letters, replays, purges and sends webhooks), drain orders to and from the other schedulers
+  (`asyncinfer.control.drain`, which no other service may send), and nothing else of the server's.
 - batcher (claim_check_io only): reads objects (their meta by subject, their chunks by sequence),
   writes output objects (chunks, then the meta) and purges the chunks of a failed or replaced one.
   It may not create, change or read the info of any stream, nor consume from one.
@@ -190,8 +191,16 @@ def scheduler_permissions(nats: NatsConfig) -> Permissions:
         # (asyncinfer.nats.pull_inbox.PullInbox.interrupt). Refused, each stop with NATS users
         # waited out the hold (10 s). No other service subscribes under this prefix.
         _inbox("scheduler"),
+        # Drain orders to the other schedulers (their answers come to its inbox, and its own go to
+        # another scheduler's: the same prefix). No other service may send one.
+        contract.DRAIN_SUBJECT,
     ]
-    subscribe = [_inbox("scheduler"), f"{contract.QUEUED_SUBJECT_PREFIX}.>", f"{contract.CANCEL_SUBJECT_PREFIX}.>"]
+    subscribe = [
+        _inbox("scheduler"),
+        f"{contract.QUEUED_SUBJECT_PREFIX}.>",
+        f"{contract.CANCEL_SUBJECT_PREFIX}.>",
+        contract.DRAIN_SUBJECT,
+    ]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 

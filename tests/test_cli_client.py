@@ -522,7 +522,9 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     assert code == 3, err
     code, out, err = await cli("queue", "drain", "--wait", "5", "--json")
     assert code == 0, err
-    assert json.loads(out) == {"state": "draining", "drained": True, "in_flight": 0}
+    # The answer names the scheduler reached (behind a Service: the one it picked).
+    name = stack.scheduler.instance_name
+    assert json.loads(out) == {"state": "draining", "drained": True, "in_flight": 0, "scheduler": name}
 
     # Drained: new jobs wait, saying why; stats show it; undrain lets them run.
     code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]")
@@ -544,12 +546,25 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
         assert job.queue is not None
         assert job.queue.waiting_reason == WaitingReason.DRAINING
     code, out, err = await cli("queue", "undrain")
-    assert (code, out.strip()) == (0, "dispatching"), err
+    assert (code, out.strip()) == (0, f"{name}: dispatching"), err
     code, out, err = await cli("watch", held, "--json")
     assert code == 0, err
     assert json.loads(out.splitlines()[-1])["state"] == "SUCCEEDED"
     code, out, err = await cli("queue", "undrain", "--json")
-    assert json.loads(out) == {"state": "dispatching", "was_draining": False}
+    assert json.loads(out) == {"state": "dispatching", "was_draining": False, "scheduler": name}
+    # Every scheduler, by an order through NATS (here the one there is), or the one named: a line each.
+    code, out, err = await cli("queue", "drain", "--all", "--wait", "5")
+    assert (code, out.strip()) == (
+        0,
+        f"{name}: draining: nothing in flight; nothing is dispatched until `queue undrain`",
+    )
+    code, out, err = await cli("queue", "undrain", "--instance", name, "--json")
+    assert code == 0, err
+    assert json.loads(out)["schedulers"] == [{"scheduler": name, "answered": True, "was_draining": True}]
+    code, out, err = await cli("queue", "drain", "--instance", "no-such-scheduler")
+    assert code == 3, err
+    assert "NOT_FOUND SCHEDULER_NOT_FOUND" in err, err
+    assert name in err, err
 
 
 async def client_wait_snapshot(stack: Stack) -> None:

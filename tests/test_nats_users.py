@@ -18,9 +18,12 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from google.protobuf import duration_pb2
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.contract import DRAIN_SUBJECT
+from asyncinfer.drain_orders import DrainAction, DrainOrder, encode_order
 from asyncinfer.errors import ConfigError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
@@ -109,6 +112,13 @@ async def test_the_stack_runs_with_one_nats_user_per_service(
                 ops_service_pb2.ReplayDeadLettersRequest(sequences=[letter.sequence])
             )
             assert replayed
+            # A drain order to every scheduler, and its undrain: the scheduler sends on the drain
+            # subject, hears it and answers to its own inbox's prefix.
+            timeout = duration_pb2.Duration(seconds=5)
+            drained = await ops.Drain(ops_service_pb2.DrainRequest(all=True, timeout=timeout))
+            assert [(r.scheduler, r.answered) for r in drained.schedulers] == [(drained.scheduler, True)], drained
+            undrained = await ops.Undrain(ops_service_pb2.UndrainRequest(all=True))
+            assert [(r.answered, r.was_draining) for r in undrained.schedulers] == [(True, True)], undrained
         again = await client.wait(poison.job_id, timeout_s=30)
         assert again.state.name == "FAILED", again
         # A batch over a file: the batches bucket, its chunk objects and chunk jobs.
@@ -195,9 +205,13 @@ async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_s
     try:
         with pytest.raises(Exception):  # noqa: B017,PT011
             await gateway.request("$JS.API.CONSUMER.MSG.NEXT.WORK.work-demo-normal", b'{"batch": 1}', timeout=2.0)
+        # Nor drain the schedulers (a tenant-facing service's credentials stop no dispatching).
+        await gateway.publish(DRAIN_SUBJECT, encode_order(DrainOrder(action=DrainAction.DRAIN)))
+        await gateway.flush()
     finally:
         await gateway.close()
     assert any("CONSUMER.MSG.NEXT.WORK" in line for line in users.violations())
+    assert "Publish Violation" in await users.violation(f'"{DRAIN_SUBJECT}"')
 
 
 async def test_a_batcher_that_moves_claim_checks_runs_as_its_own_user_on_the_objects_bucket_alone(

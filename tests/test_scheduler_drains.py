@@ -13,10 +13,13 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 
+from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
 from services.scheduler.app import SchedulerApp
-from tests.stack import StartStack
+from tests.hanging_models import HANG_VALUE, RELEASE
+from tests.stack import Stack, StartStack
+from tests.test_scheduler_replicas import HANGING_MODEL, MODEL, request, wait_for
 
 WAIT_S = 15.0
 Ops = ops_service_pb2_grpc.OpsServiceStub
@@ -75,4 +78,105 @@ async def test_get_queue_stats_counts_a_draining_schedulers_completions(
     finally:
         for channel in channels:
             await channel.close()
+        await second.stop(2.0)
+
+
+async def two_schedulers(config: Config, start_stack: StartStack) -> tuple[Stack, SchedulerApp]:
+    """A (the stack's, with the batcher of the hanging model, one job at a time) running a job that
+    hangs until RELEASE, and B, no batcher."""
+    RELEASE.clear()
+    shared = config.replace(models=[HANGING_MODEL], scheduler={"queue_stats_interval_s": 0.1})
+    stack = await start_stack(shared)
+    second = SchedulerApp(shared)
+    await second.start()
+    hung = (await stack.jobs.SubmitJob(request(HANG_VALUE))).job.job_id
+    async for update in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=hung)):
+        if update.job.state == job_pb2.JOB_STATE_RUNNING:
+            break
+    # Both report the model: a drain order to every one expects both.
+    both = sorted([stack.scheduler.instance_name, second.instance_name])
+    await wait_for(lambda: stack.gateway.queue_view.reporting(MODEL) == both)
+    return stack, second
+
+
+@pytest.mark.timeout(120)
+async def test_drain_all_from_either_scheduler_drains_every_one_and_lists_each(
+    config: Config, start_stack: StartStack
+) -> None:
+    """Behind the Service a Drain reaches one scheduler and drained it alone. With `all` the one
+    reached (B) sends the order to every scheduler: A, whose batcher runs the hung job, drains too,
+    and the answer lists each with its jobs still in flight; an Undrain with `all`, sent through A,
+    undoes both. A single-target Drain names the scheduler it reached."""
+    stack, second = await two_schedulers(config, start_stack)
+    a, b = stack.scheduler.instance_name, second.instance_name
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") for app in (stack.scheduler, second)]
+    ops_a, ops_b = (Ops(channel) for channel in channels)
+    try:
+        alone = await ops_b.Drain(ops_service_pb2.DrainRequest(timeout=duration_pb2.Duration(seconds=5)))
+        assert (alone.scheduler, alone.drained, list(alone.schedulers)) == (b, True, [])
+        assert (stack.scheduler.draining, second.draining) == (False, True)
+
+        timeout = duration_pb2.Duration(nanos=200_000_000)  # A's hung job stays in flight
+        every = await ops_b.Drain(ops_service_pb2.DrainRequest(all=True, timeout=timeout))
+        assert (stack.scheduler.draining, second.draining) == (True, True)
+        listed = [(r.scheduler, r.answered, r.in_flight, r.drained) for r in every.schedulers]
+        assert listed == sorted([(a, True, 1, False), (b, True, 0, True)]), every
+        assert (every.scheduler, every.in_flight, every.drained) == (b, 1, False)
+        # The jobs queued behind the hung one say why they wait: every scheduler drains.
+        queued = (await stack.jobs.SubmitJob(request(1.0))).job.job_id
+        await wait_for(lambda: (merged := stack.gateway.queue_view.snapshot(MODEL)) is not None and merged.draining)
+        got = await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=queued))
+        assert got.job.queue.waiting_reason == job_pb2.WAITING_REASON_DRAINING
+
+        undone = await ops_a.Undrain(ops_service_pb2.UndrainRequest(all=True))
+        assert (stack.scheduler.draining, second.draining) == (False, False)
+        assert [(r.scheduler, r.answered, r.was_draining) for r in undone.schedulers] == sorted(
+            [(a, True, True), (b, True, True)]
+        )
+        assert (undone.scheduler, undone.was_draining) == (a, True)
+    finally:
+        RELEASE.set()
+        for channel in channels:
+            await channel.close()
+        await second.stop(2.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_named_scheduler_drains_whichever_one_the_call_reached(config: Config, start_stack: StartStack) -> None:
+    """Through B, a Drain naming A drains A alone (the one with the batcher, before its pod's
+    maintenance); a name no scheduler reports is NOT_FOUND with the known ones; `all` with a name
+    is INVALID_ARGUMENT. A scheduler that does not answer (here B, deaf to orders as a scheduler of
+    the release before) is listed as not answering, not left out."""
+    stack, second = await two_schedulers(config, start_stack)
+    a, b = stack.scheduler.instance_name, second.instance_name
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{second.port}")
+    ops_b = Ops(channel)
+    try:
+        timeout = duration_pb2.Duration(nanos=200_000_000)
+        named = await ops_b.Drain(ops_service_pb2.DrainRequest(scheduler=a, timeout=timeout))
+        assert [(r.scheduler, r.answered, r.in_flight) for r in named.schedulers] == [(a, True, 1)]
+        assert (stack.scheduler.draining, second.draining) == (True, False)
+        undone = await ops_b.Undrain(ops_service_pb2.UndrainRequest(scheduler=a))
+        assert [(r.scheduler, r.was_draining) for r in undone.schedulers] == [(a, True)]
+        assert not stack.scheduler.draining
+
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await ops_b.Drain(ops_service_pb2.DrainRequest(scheduler="no-such-scheduler"))
+        refused = from_rpc_error(unknown.value)
+        assert (refused.code, refused.reason) == (grpc.StatusCode.NOT_FOUND, "SCHEDULER_NOT_FOUND")
+        assert refused.metadata == {"scheduler": "no-such-scheduler", "schedulers": ", ".join(sorted([a, b]))}
+        with pytest.raises(grpc.aio.AioRpcError) as both:
+            await ops_b.Drain(ops_service_pb2.DrainRequest(all=True, scheduler=a))
+        assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+        deaf = second._drains  # its subscription gone: it reports, and hears no order
+        assert deaf is not None
+        await deaf.stop()
+        every = await ops_b.Drain(ops_service_pb2.DrainRequest(all=True, timeout=timeout))
+        assert [(r.scheduler, r.answered) for r in every.schedulers] == sorted([(a, True), (b, False)])
+        assert not every.drained
+        assert (stack.scheduler.draining, second.draining) == (True, False)
+    finally:
+        RELEASE.set()
+        await channel.close()
         await second.stop(2.0)

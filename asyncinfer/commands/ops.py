@@ -26,6 +26,7 @@ from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_OK,
+    EXIT_UNAVAILABLE,
     UsageError,
     console,
     print_json,
@@ -34,6 +35,7 @@ from asyncinfer.commands.output import (
     table,
 )
 from asyncinfer.commands.stdin import read_stdin
+from asyncinfer.drain_orders import ANSWER_MARGIN_S
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 
 if TYPE_CHECKING:
@@ -76,12 +78,18 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         add_options(sub)
         sub.set_defaults(handler=queue_pause if name == "pause" else queue_resume)
     drain = queue_actions.add_parser(
-        "drain", help="stop the scheduler dispatching (until undrain) and wait (bounded) for jobs in flight"
+        "drain",
+        help="stop the scheduler reached (or --all, or --instance NAME) dispatching (until undrain) and wait "
+        "(bounded) for jobs in flight",
     )
     drain.add_argument("--wait", type=float, default=30.0, help="seconds to wait for jobs in flight (default 30)")
+    _add_addressed(drain, "drains")
     add_options(drain)
     drain.set_defaults(handler=queue_drain)
-    undrain = queue_actions.add_parser("undrain", help="end a drain: the scheduler dispatches again")
+    undrain = queue_actions.add_parser(
+        "undrain", help="end a drain: the scheduler reached (or --all, or --instance NAME) dispatches again"
+    )
+    _add_addressed(undrain, "undrains")
     add_options(undrain)
     undrain.set_defaults(handler=queue_undrain)
 
@@ -355,30 +363,86 @@ def _print_queue_state(model: str, paused: bool, state: int, queued: int, option
     return EXIT_OK
 
 
+def _add_addressed(parser: argparse.ArgumentParser, verb: str) -> None:
+    """--all and --instance NAME: behind a Service (Kubernetes runs 2 schedulers) the call reaches
+    one scheduler, which sends the order to the others through NATS."""
+    addressed = parser.add_mutually_exclusive_group()
+    addressed.add_argument("--all", action="store_true", help=f"every scheduler {verb}, whichever one is reached")
+    # Not --scheduler: that is the client option of the scheduler's address.
+    addressed.add_argument(
+        "--instance",
+        default="",
+        metavar="NAME",
+        help=f"only the scheduler of this instance name {verb} (as a drain prints it), whichever one is reached",
+    )
+
+
+def _drained_line(in_flight: int) -> str:
+    if in_flight == 0:
+        return "draining: nothing in flight; nothing is dispatched until `queue undrain`"
+    return f"draining: {in_flight} job(s) still in flight; nothing new is dispatched"
+
+
+NO_ANSWER = "no answer (gone, cut off from NATS, or of a release without drain orders): its state is unknown"
+
+
 async def queue_drain(args: argparse.Namespace, options: Options) -> int:
+    """Exit 0, or 5 (unavailable) when a scheduler addressed did not answer."""
     if args.wait < 0:
         raise UsageError("--wait must not be negative")
-    request = ops_service_pb2.DrainRequest()
+    request = ops_service_pb2.DrainRequest(all=args.all, scheduler=args.instance)
     request.timeout.FromNanoseconds(int(args.wait * 1e9))
     # The call lasts as long as the drain may: the per-call timeout is added on top.
     response = await _ops_call(options, lambda stub, t: stub.Drain(request, timeout=t + args.wait))
+    results = [
+        {"scheduler": r.scheduler, "answered": r.answered, "drained": r.drained, "in_flight": r.in_flight}
+        for r in response.schedulers
+    ]
     if options.json:
-        print_json({"state": _state_name(response.state), "drained": response.drained, "in_flight": response.in_flight})
-    elif response.drained:
-        print("draining: nothing in flight; nothing is dispatched until `queue undrain`", flush=True)
+        answer: dict[str, object] = {
+            "state": _state_name(response.state),
+            "drained": response.drained,
+            "in_flight": response.in_flight,
+            "scheduler": response.scheduler,
+        }
+        if args.all or args.instance:
+            answer["schedulers"] = results
+        print_json(answer)
+    elif not (args.all or args.instance):
+        reached = f"{response.scheduler}: " if response.scheduler else ""
+        print(reached + _drained_line(response.in_flight), flush=True)
     else:
-        print(f"draining: {response.in_flight} job(s) still in flight; nothing new is dispatched", flush=True)
-    return EXIT_OK
+        for r in response.schedulers:
+            print(f"{r.scheduler}: {_drained_line(r.in_flight) if r.answered else NO_ANSWER}", flush=True)
+    return EXIT_OK if all(r.answered for r in response.schedulers) else EXIT_UNAVAILABLE
 
 
 async def queue_undrain(args: argparse.Namespace, options: Options) -> int:
-    request = ops_service_pb2.UndrainRequest()
-    response = await _ops_call(options, lambda stub, t: stub.Undrain(request, timeout=t))
+    """Exit 0, or 5 (unavailable) when a scheduler addressed did not answer."""
+    request = ops_service_pb2.UndrainRequest(all=args.all, scheduler=args.instance)
+    response = await _ops_call(options, lambda stub, t: stub.Undrain(request, timeout=t + ANSWER_MARGIN_S))
+
+    def line(was_draining: bool) -> str:
+        return "dispatching" + ("" if was_draining else " (was not draining)")
+
     if options.json:
-        print_json({"state": _state_name(response.state), "was_draining": response.was_draining})
+        answer: dict[str, object] = {
+            "state": _state_name(response.state),
+            "was_draining": response.was_draining,
+            "scheduler": response.scheduler,
+        }
+        if args.all or args.instance:
+            answer["schedulers"] = [
+                {"scheduler": r.scheduler, "answered": r.answered, "was_draining": r.was_draining}
+                for r in response.schedulers
+            ]
+        print_json(answer)
+    elif not (args.all or args.instance):
+        print((f"{response.scheduler}: " if response.scheduler else "") + line(response.was_draining), flush=True)
     else:
-        print("dispatching" + ("" if response.was_draining else " (was not draining)"), flush=True)
-    return EXIT_OK
+        for r in response.schedulers:
+            print(f"{r.scheduler}: {line(r.was_draining) if r.answered else NO_ANSWER}", flush=True)
+    return EXIT_OK if all(r.answered for r in response.schedulers) else EXIT_UNAVAILABLE
 
 
 # -- stats --------------------------------------------------------------------------------------

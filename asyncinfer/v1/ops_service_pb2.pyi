@@ -599,6 +599,17 @@ class DrainRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    ALL_FIELD_NUMBER: _builtins.int
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    all: _builtins.bool
+    """Every scheduler drains (those reporting a model in GetQueueStats' `schedulers`, this one
+    included), not only the one this call reached.
+    """
+    scheduler: _builtins.str
+    """Only this scheduler drains (its instance name, as its queue snapshots and a Drain's `scheduler`
+    say), whichever one the call reached. NOT_FOUND (SCHEDULER_NOT_FOUND, the known names in its
+    metadata) when no scheduler of that name reports; not with `all`.
+    """
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
         """How long to wait for in-flight jobs."""
@@ -607,10 +618,12 @@ class DrainRequest(_message.Message):
         self,
         *,
         timeout: _duration_pb2.Duration | None = ...,
+        all: _builtins.bool = ...,
+        scheduler: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "scheduler", b"scheduler", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -623,37 +636,98 @@ class DrainResponse(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    SCHEDULERS_FIELD_NUMBER: _builtins.int
     in_flight: _builtins.int
-    """Jobs still in flight when the wait ended."""
+    """Jobs still in flight when the wait ended (with `all` or `scheduler`: summed over those that
+    answered).
+    """
     state: Global___QueueState.ValueType
-    """DRAINING: this scheduler dispatches nothing until Undrain."""
+    """DRAINING: this scheduler (or those addressed) dispatches nothing until Undrain."""
     drained: _builtins.bool
-    """True when nothing was left in flight (every job dispatched here has finished)."""
+    """True when nothing was left in flight (every job dispatched here has finished); with `all` or
+    `scheduler`: every scheduler addressed answered, and had nothing left in flight.
+    """
+    scheduler: _builtins.str
+    """The scheduler this call reached (its instance name, as its queue snapshots carry): the one
+    drained, unless `all` or `scheduler` was given. Behind a Service, the one it picked.
+    """
+    @_builtins.property
+    def schedulers(self) -> _containers.RepeatedCompositeFieldContainer[Global___SchedulerDrainResult]:
+        """With `all` or `scheduler`: each scheduler addressed, by name, with its result."""
+
     def __init__(
         self,
         *,
         in_flight: _builtins.int = ...,
         state: Global___QueueState.ValueType = ...,
         drained: _builtins.bool = ...,
+        scheduler: _builtins.str = ...,
+        schedulers: _abc.Iterable[Global___SchedulerDrainResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "in_flight", b"in_flight", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "in_flight", b"in_flight", "scheduler", b"scheduler", "schedulers", b"schedulers", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DrainResponse: _TypeAlias = DrainResponse  # noqa: Y015
 
 @_typing.final
-class UndrainRequest(_message.Message):
+class SchedulerDrainResult(_message.Message):
+    """One scheduler's part of a Drain with `all` or `scheduler`."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    ANSWERED_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
+    scheduler: _builtins.str
+    """Its instance name."""
+    answered: _builtins.bool
+    """False: it did not answer within the drain's timeout (and a margin): gone, cut off from NATS,
+    or of a release that does not hear drain orders. What it does is unknown.
+    """
+    in_flight: _builtins.int
+    """Jobs still in flight there when its wait ended."""
+    drained: _builtins.bool
+    """True when it answered with nothing in flight."""
     def __init__(
         self,
+        *,
+        scheduler: _builtins.str = ...,
+        answered: _builtins.bool = ...,
+        in_flight: _builtins.int = ...,
+        drained: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered", b"answered", "drained", b"drained", "in_flight", b"in_flight", "scheduler", b"scheduler"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SchedulerDrainResult: _TypeAlias = SchedulerDrainResult  # noqa: Y015
+
+@_typing.final
+class UndrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALL_FIELD_NUMBER: _builtins.int
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    all: _builtins.bool
+    """Every scheduler undrains, not only the one this call reached (as DrainRequest.all)."""
+    scheduler: _builtins.str
+    """Only this scheduler undrains (as DrainRequest.scheduler)."""
+    def __init__(
+        self,
+        *,
+        all: _builtins.bool = ...,
+        scheduler: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all", b"all", "scheduler", b"scheduler"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -665,23 +739,65 @@ class UndrainResponse(_message.Message):
 
     STATE_FIELD_NUMBER: _builtins.int
     WAS_DRAINING_FIELD_NUMBER: _builtins.int
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    SCHEDULERS_FIELD_NUMBER: _builtins.int
     state: Global___QueueState.ValueType
     """DISPATCHING (a model paused with PauseQueue stays paused)."""
     was_draining: _builtins.bool
-    """Whether the scheduler was draining."""
+    """Whether the scheduler was draining (with `all` or `scheduler`: any of those that answered)."""
+    scheduler: _builtins.str
+    """The scheduler this call reached (its instance name): the one undrained, unless `all` or
+    `scheduler` was given.
+    """
+    @_builtins.property
+    def schedulers(self) -> _containers.RepeatedCompositeFieldContainer[Global___SchedulerUndrainResult]:
+        """With `all` or `scheduler`: each scheduler addressed, by name, with its result."""
+
     def __init__(
         self,
         *,
         state: Global___QueueState.ValueType = ...,
         was_draining: _builtins.bool = ...,
+        scheduler: _builtins.str = ...,
+        schedulers: _abc.Iterable[Global___SchedulerUndrainResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "was_draining", b"was_draining"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["scheduler", b"scheduler", "schedulers", b"schedulers", "state", b"state", "was_draining", b"was_draining"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UndrainResponse: _TypeAlias = UndrainResponse  # noqa: Y015
+
+@_typing.final
+class SchedulerUndrainResult(_message.Message):
+    """One scheduler's part of an Undrain with `all` or `scheduler`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULER_FIELD_NUMBER: _builtins.int
+    ANSWERED_FIELD_NUMBER: _builtins.int
+    WAS_DRAINING_FIELD_NUMBER: _builtins.int
+    scheduler: _builtins.str
+    """Its instance name."""
+    answered: _builtins.bool
+    """False: it did not answer in time (as SchedulerDrainResult.answered)."""
+    was_draining: _builtins.bool
+    """Whether it was draining."""
+    def __init__(
+        self,
+        *,
+        scheduler: _builtins.str = ...,
+        answered: _builtins.bool = ...,
+        was_draining: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answered", b"answered", "scheduler", b"scheduler", "was_draining", b"was_draining"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SchedulerUndrainResult: _TypeAlias = SchedulerUndrainResult  # noqa: Y015
 
 @_typing.final
 class LoadModelRequest(_message.Message):

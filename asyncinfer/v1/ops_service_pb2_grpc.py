@@ -148,14 +148,17 @@ class OpsServiceServicer:
 
     def Drain(self, request, context):
         """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
-        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart. With
+        `all` or `scheduler`, every scheduler (or the one named) does, whichever one the call reached:
+        the order goes to each through NATS and the answer lists each one's result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Undrain(self, request, context):
-        """Ends a drain: this scheduler dispatches again.
+        """Ends a drain: this scheduler dispatches again (with `all` or `scheduler`: every one, or the one
+        named, as for Drain).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -51,10 +51,14 @@ class OpsServiceStub:
     """Resumes dispatching a model's queue."""
     Drain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]
     """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
-    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart. With
+    `all` or `scheduler`, every scheduler (or the one named) does, whichever one the call reached:
+    the order goes to each through NATS and the answer lists each one's result.
     """
     Undrain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]
-    """Ends a drain: this scheduler dispatches again."""
+    """Ends a drain: this scheduler dispatches again (with `all` or `scheduler`: every one, or the one
+    named, as for Drain).
+    """
     LoadModel: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.LoadModelRequest, _ops_service_pb2.LoadModelResponse]
     """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
     named), as tritonclient's load_model does on one: new versions are warmed up before they take
@@ -88,10 +92,14 @@ class OpsServiceAsyncStub(OpsServiceStub):
     """Resumes dispatching a model's queue."""
     Drain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]  # type: ignore[assignment]
     """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
-    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+    stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart. With
+    `all` or `scheduler`, every scheduler (or the one named) does, whichever one the call reached:
+    the order goes to each through NATS and the answer lists each one's result.
     """
     Undrain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.UndrainRequest, _ops_service_pb2.UndrainResponse]  # type: ignore[assignment]
-    """Ends a drain: this scheduler dispatches again."""
+    """Ends a drain: this scheduler dispatches again (with `all` or `scheduler`: every one, or the one
+    named, as for Drain).
+    """
     LoadModel: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.LoadModelRequest, _ops_service_pb2.LoadModelResponse]  # type: ignore[assignment]
     """Loads (or replaces) a model's versions on every batcher connected to this scheduler (or those
     named), as tritonclient's load_model does on one: new versions are warmed up before they take
@@ -170,7 +178,9 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.DrainResponse, _abc.Awaitable[_ops_service_pb2.DrainResponse]]:
         """Stops this scheduler dispatching (every model) and waits, bounded, until nothing is in flight; it
-        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart.
+        stays draining (its queued jobs wait with reason DRAINING) until Undrain or a restart. With
+        `all` or `scheduler`, every scheduler (or the one named) does, whichever one the call reached:
+        the order goes to each through NATS and the answer lists each one's result.
         """
 
     @_abc_1.abstractmethod
@@ -179,7 +189,9 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.UndrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.UndrainResponse, _abc.Awaitable[_ops_service_pb2.UndrainResponse]]:
-        """Ends a drain: this scheduler dispatches again."""
+        """Ends a drain: this scheduler dispatches again (with `all` or `scheduler`: every one, or the one
+        named, as for Drain).
+        """
 
     @_abc_1.abstractmethod
     def LoadModel(

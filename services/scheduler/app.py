@@ -50,6 +50,7 @@ from services.scheduler.blobs import (
     ClaimCheckIO,
     orphan_age_s,
 )
+from services.scheduler.cluster_drains import ClusterDrains
 from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
@@ -120,6 +121,7 @@ class SchedulerApp:
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
         self._cancels: Subscription | None = None
+        self._drains: ClusterDrains | None = None  # drain orders to and from every scheduler
         # Set while dispatching, cleared by a drain (until undrain).
         self._undrained = asyncio.Event()
         self._undrained.set()
@@ -253,6 +255,14 @@ class SchedulerApp:
             on_models=runtime.chained(registry.changed),
             controls=controls,
         )
+        self._drains = drains = ClusterDrains(
+            nc,
+            name=instance.name,
+            drain=self.drain,
+            undrain=self.undrain,
+            is_draining=lambda: self.draining,
+            reporting=cluster_queues.reporting,
+        )
         ops = OpsService(
             config=config,
             stats=stats,
@@ -264,12 +274,15 @@ class SchedulerApp:
             drain=self.drain,
             undrain=self.undrain,
             scheduler_id=self.scheduler_id,
+            scheduler_name=instance.name,
+            drains=drains,
             controls=controls,
             knows_model=runtime.knows,
             claims=claim_lifetimes,
             cluster_wide=cluster_queues.cluster_wide,
         )
         self._cancels = await nc.subscribe(CANCEL_SUBJECTS, cb=self._on_cancel)
+        await drains.start()
         self._webhooks = WebhookService(config, nc, self.metrics.registry, self.supervisor)
         await self._webhooks.start()
 
@@ -439,6 +452,8 @@ class SchedulerApp:
             # NOT_SERVING now: the wait for jobs in flight below may take the whole grace.
             await self._server.begin_shutdown()
         await self._stop_dispatching()
+        if self._drains is not None:  # before the wait for jobs in flight, which an order's drain shares
+            await self._drains.stop()
         if self._cancels is not None:
             try:
                 await self._cancels.unsubscribe()

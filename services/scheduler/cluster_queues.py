@@ -112,6 +112,15 @@ class ClusterQueues:
             draining_schedulers=cluster.draining_schedulers,
         )
 
+    def reporting(self) -> list[str]:
+        """The schedulers whose snapshot of some model is fresh (not stopped), by name: those
+        GetQueueStats' `schedulers` counts, which a drain order to every one expects to answer."""
+        now = self._monotonic()
+        names = {
+            name for model_name in self._schedulers.models() for name in self._schedulers.reporting(model_name, now)
+        }
+        return sorted(names)
+
     def last_words(self) -> list[QueueSnapshot]:
         """Each model's `stopped` snapshot, for the models this scheduler's writes reached the
         bucket (a model it never wrote leaves nothing to take back)."""

@@ -17,13 +17,22 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, NotFound, Unavailable
+from asyncinfer.drain_orders import ANSWER_MARGIN_S, DrainAction, DrainOrder, SchedulerOutcome
+from asyncinfer.errors import (
+    AsyncInferError,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.scheduler.cluster_drains import ClusterDrains
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.model_controls import ModelControls
 from services.scheduler.model_ops import ModelOps
@@ -135,6 +144,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         drain: Callable[[float], Awaitable[int]],
         undrain: Callable[[], bool],
         scheduler_id: str,
+        scheduler_name: str = "",
+        drains: ClusterDrains | None = None,
         controls: ModelControls | None = None,
         knows_model: Callable[[str], bool] | None = None,
         claims: ClaimLifetimes | None = None,
@@ -158,6 +169,10 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self._drain = drain
         self._undrain = undrain
         self._scheduler_id = scheduler_id
+        # Its instance name, as its queue snapshots carry it: what a Drain's answer names.
+        self._scheduler_name = scheduler_name
+        # Drain orders to every scheduler (Drain and Undrain with `all` or `scheduler`); None: refused.
+        self._drains = drains
         self._model_names = frozenset(m.name for m in config.models)
 
     def _known_model(self, model_name: str, *, required: bool = False) -> None:
@@ -322,16 +337,78 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         timeout_s = timeout if timeout is not None else DEFAULT_DRAIN_TIMEOUT_S
         if timeout_s < 0:
             raise InvalidArgument("timeout must not be negative", [FieldViolation("timeout", "must be >= 0")])
+        addressed = self._addressed(request.all, request.scheduler)
         remaining = context.time_remaining()
         if remaining is not None:
-            timeout_s = min(timeout_s, max(remaining - 0.1, 0.0))
-        in_flight = await self._drain(timeout_s)
+            # An order's answers must come back before the call's deadline.
+            margin_s = ANSWER_MARGIN_S if addressed is not None else 0.0
+            timeout_s = min(timeout_s, max(remaining - margin_s - 0.1, 0.0))
+        if addressed is None:
+            in_flight = await self._drain(timeout_s)
+            return ops_service_pb2.DrainResponse(
+                in_flight=in_flight,
+                state=ops_service_pb2.QUEUE_STATE_DRAINING,
+                drained=in_flight == 0,
+                scheduler=self._scheduler_name,
+            )
+        results = await self._send(DrainOrder(action=DrainAction.DRAIN, timeout_s=timeout_s, scheduler=addressed))
         return ops_service_pb2.DrainResponse(
-            in_flight=in_flight, state=ops_service_pb2.QUEUE_STATE_DRAINING, drained=in_flight == 0
+            in_flight=sum(r.answer.in_flight for r in results if r.answer is not None),
+            state=ops_service_pb2.QUEUE_STATE_DRAINING,
+            drained=all(r.answer is not None and r.answer.in_flight == 0 for r in results),
+            scheduler=self._scheduler_name,
+            schedulers=[
+                ops_service_pb2.SchedulerDrainResult(
+                    scheduler=r.scheduler,
+                    answered=r.answer is not None,
+                    in_flight=r.answer.in_flight if r.answer is not None else 0,
+                    drained=r.answer is not None and r.answer.in_flight == 0,
+                )
+                for r in results
+            ],
         )
 
     async def Undrain(
         self, request: ops_service_pb2.UndrainRequest, context: Context
     ) -> ops_service_pb2.UndrainResponse:
-        was_draining = self._undrain()
-        return ops_service_pb2.UndrainResponse(state=ops_service_pb2.QUEUE_STATE_DISPATCHING, was_draining=was_draining)
+        addressed = self._addressed(request.all, request.scheduler)
+        if addressed is None:
+            was_draining = self._undrain()
+            return ops_service_pb2.UndrainResponse(
+                state=ops_service_pb2.QUEUE_STATE_DISPATCHING, was_draining=was_draining, scheduler=self._scheduler_name
+            )
+        results = await self._send(DrainOrder(action=DrainAction.UNDRAIN, scheduler=addressed))
+        return ops_service_pb2.UndrainResponse(
+            state=ops_service_pb2.QUEUE_STATE_DISPATCHING,
+            was_draining=any(r.answer is not None and r.answer.was_draining for r in results),
+            scheduler=self._scheduler_name,
+            schedulers=[
+                ops_service_pb2.SchedulerUndrainResult(
+                    scheduler=r.scheduler,
+                    answered=r.answer is not None,
+                    was_draining=r.answer is not None and r.answer.was_draining,
+                )
+                for r in results
+            ],
+        )
+
+    def _addressed(self, every_one: bool, scheduler: str) -> str | None:
+        """Whom a Drain or Undrain addresses: None, the scheduler the call reached alone; "",
+        every scheduler; else the one named."""
+        if every_one and scheduler:
+            raise InvalidArgument(
+                "give `all` or `scheduler`, not both",
+                [FieldViolation("scheduler", "leave it empty with `all`, or leave `all` false")],
+            )
+        if not every_one and not scheduler:
+            return None
+        if self._drains is None:
+            raise FailedPrecondition(
+                "this scheduler sends no drain orders to the others", reason="CLUSTER_DRAIN_UNAVAILABLE"
+            )
+        return scheduler
+
+    async def _send(self, order: DrainOrder) -> tuple[SchedulerOutcome, ...]:
+        assert self._drains is not None  # _addressed refused the call otherwise
+        with nats_unavailable("cannot send the drain order to the schedulers"):
+            return await self._drains.send(order)
