@@ -171,6 +171,13 @@ class JobRecord:
     # a job submitted by a gateway from before they were kept.
     claim_revision: int = 0
     claim_fingerprint: str = ""
+    # When nats-server stored the work message of the job's latest dispatch, on the server's clock
+    # (Unix seconds): its stamp on the message, which the scheduler reads from the delivery it
+    # dispatches (services.scheduler.job_dispatch); None before a dispatch, or from a scheduler of
+    # the release before. A job put back for a retry is the same message (a nak keeps its stamp),
+    # so its QUEUED record in the bucket is placed among the server's stamps on the queued messages
+    # like with like, whichever gateway's clock stamped its create_time (services.gateway.queue_view).
+    queued_server_time: float | None = None
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the

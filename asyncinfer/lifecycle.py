@@ -72,6 +72,8 @@ class Dispatch:
     lease_subject: str = ""
     # The version it runs on (the one it asked for, or the model's default now); empty: unchanged.
     model_version: str = ""
+    # nats-server's stamp on the message pulled (JobRecord.queued_server_time); None: unchanged.
+    queued_server_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +196,7 @@ def dispatch(record: JobRecord, event: Dispatch, now: float) -> Outcome:
         dispatched_by=event.scheduler,
         lease_subject=event.lease_subject,
         model_version=event.model_version or record.model_version,
+        queued_server_time=record.queued_server_time if event.queued_server_time is None else event.queued_server_time,
     )
 
 

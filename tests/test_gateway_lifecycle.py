@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer import lifecycle
 from asyncinfer.client import AsyncClient, ResourceExhaustedError, RetryPolicy
 from asyncinfer.config import Config
 from asyncinfer.contract import tenant_work_subjects
@@ -750,6 +751,92 @@ async def test_a_paused_queue_places_each_job_of_a_burst_whatever_the_gateways_c
     assert (by_create_time[0], by_create_time[-1]) == (0, len(jobs) - 1), by_create_time
     # Each create_time is a publish's round trip (a millisecond or two) before its stamp.
     assert all(abs(a - b) <= 1 for a, b in zip(by_stamp, by_create_time, strict=True)), (by_stamp, by_create_time)
+
+
+@pytest.mark.parametrize("queuer_ahead_s", [30.0, -30.0])
+async def test_a_burst_another_gateway_queued_is_placed_in_order_from_its_records_in_the_bucket(
+    config: Config, start_stack: StartStack, queuer_ahead_s: float
+) -> None:
+    """Two gateways whose wall clocks are 60 s apart (one 30 s ahead of nats-server, one 30 s
+    behind, or the other way): a paused burst of 8 queued through one, then read through the other
+    from QUEUED records in the jobs bucket (as a retry leaves them: no work message is read) is
+    placed 0 first, 7 last, in order, by the server's stamp the scheduler kept from its dispatch.
+    The reader moved the queuing gateway's create_time by its own offset to the server: every job
+    read 8 (the queuer ahead) or 0 (behind)."""
+    stack = await start_stack(
+        config.replace(scheduler={"queue_stats_interval_s": 0.2}),
+        batcher=False,
+        gateway_wall_clock=lambda: time.time() + queuer_ahead_s,
+    )
+    reader = GatewayApp(config, wall_clock=lambda: time.time() - queuer_ahead_s)
+    await reader.start()
+    try:
+        jobs = await paused_burst(stack, 8)
+        assert all(  # the queuer's clock, not the server's
+            abs(j.create_time.ToNanoseconds() / 1e9 - time.time() - queuer_ahead_s) < 30 for j in jobs
+        )
+
+        def counted() -> bool:
+            late = reader.queue_view.snapshot(DEMO)
+            return late is not None and late.total_depth == len(jobs)
+
+        await wait_for(counted, timeout_s=30.0)
+        store = JobStore(
+            await open_kv_bucket(stack.nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream
+        )
+        lost = JobError(code=14, reason="WORKER_LOST", message="its batcher went away", retriable=True)
+        for job in jobs:  # as the scheduler writes a job it dispatched, then put back for a retry
+            queued = await store.get(job_key(TENANT, job.job_id))
+            assert queued is not None
+            assert queued.work_message_time is not None  # read from its work message
+            now = time.time()
+            pulled = lifecycle.Dispatch(batcher_id="b-1", queued_server_time=queued.work_message_time)
+            running = lifecycle.dispatch(queued, pulled, now)
+            assert isinstance(running, JobRecord)
+            retried = lifecycle.requeue(running, lifecycle.Requeue(attempt=1, error=lost), now)
+            assert isinstance(retried, JobRecord)
+            await store.create(retried)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{reader.port}") as channel:
+            got = await job_service_pb2_grpc.JobServiceStub(channel).GetJobs(
+                job_service_pb2.GetJobsRequest(job_ids=[j.job_id for j in jobs])
+            )
+        assert [r.job.attempt for r in got.results] == [1] * len(jobs)  # read from the bucket
+        assert {r.job.queue.waiting_reason for r in got.results} == {job_pb2.WAITING_REASON_PAUSED}
+        positions = [r.job.queue.position for r in got.results]
+        assert (positions[0], positions[-1]) == (0, len(jobs) - 1), positions
+        assert positions == sorted(positions), positions
+    finally:
+        await reader.stop(1.0)
+
+
+async def test_a_dispatched_jobs_record_keeps_the_servers_stamp_on_its_work_message(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The scheduler's RUNNING write keeps nats-server's stamp on the work message it pulled
+    (queued_server_time), which a retry's QUEUED record carries on: the one time of a job that any
+    gateway can place among the queue's stamps without trusting another gateway's clock."""
+    stack = await start_stack(config)
+    job = (await paused_burst(stack, 1))[0]
+    store = JobStore(
+        await open_kv_bucket(stack.nc.jetstream(), config.nats.jobs_bucket), work_stream=config.nats.work_stream
+    )
+    queued = await store.get(job_key(TENANT, job.job_id))
+    assert queued is not None
+    assert queued.work_message_time is not None
+    assert queued.queued_server_time is None  # not dispatched yet
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        await ops_service_pb2_grpc.OpsServiceStub(channel).ResumeQueue(
+            ops_service_pb2.ResumeQueueRequest(model_name=DEMO)
+        )
+    async with AsyncClient(stack.address) as client:
+        ended = await client.wait(job.job_id, timeout_s=60)  # a hang guard
+    assert ended.state.value == "SUCCEEDED"
+    record = await store.recorded(job_key(TENANT, job.job_id))
+    assert record is not None
+    assert record.attempt == 1
+    # The same stamp, read from the delivery's reply subject (nanoseconds) and from the message
+    # get's RFC 3339 time: each rounds to a microsecond its own way.
+    assert record.queued_server_time == pytest.approx(queued.work_message_time, abs=2e-6)
 
 
 @pytest.mark.unit

@@ -130,6 +130,7 @@ def test_encode_record_writes_the_generic_encoders_fields() -> None:
         MINIMAL,
         FULL.evolve(labels={}, outputs=(), callback=CallbackSpec("https://h/", ())),
         kept_claim,
+        FULL.evolve(queued_server_time=1.625),  # added since version 1
     ):
         assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record

@@ -5,7 +5,8 @@ Version 1: version 0's fields (the same names, order and types) with `v` first a
 left out (version 0 always wrote `attempt` and `outputs`; its readers took them as optional).
 Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept),
 `traceparent` (the submit span's W3C trace context, when tracing is on), `claim_revision` and
-`claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends)."""
+`claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends),
+`queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     traceparent: str = ""  # added in version 1 (a default: older readers skip it)
     claim_revision: int = 0  # added in version 1 (defaults: older readers skip them)
     claim_fingerprint: str = ""
+    queued_server_time: float | None = None  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -121,6 +123,7 @@ def encode_record(record: JobRecord) -> bytes:
             traceparent=r.traceparent,
             claim_revision=r.claim_revision,
             claim_fingerprint=r.claim_fingerprint,
+            queued_server_time=r.queued_server_time,
         )
     )
 
@@ -163,5 +166,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         traceparent=w.traceparent,
         claim_revision=w.claim_revision,
         claim_fingerprint=w.claim_fingerprint,
+        queued_server_time=w.queued_server_time,
         revision=revision,
     )

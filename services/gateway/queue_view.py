@@ -128,21 +128,28 @@ def jobs_ahead(
 
     Whose clocks: every comparison is on nats-server's clock, which stamped the oldest and newest
     times on the queued messages. The job's time is the server's stamp on its work message where the
-    reader had it (`work_message_time`: a queued job read from its message), else its `create_time`
-    (its gateway's wall clock) plus `server_offset_s`, the server's clock less the reader's as
-    measured (asyncinfer.server_clock); `written_wall_time`, when the snapshot was written on the
-    reader's wall clock (asyncinfer.snapshot_freshness: its arrival, or the server's age of a key's
-    last value, on the reader's monotonic clock), moves by the same offset. Compared as they were,
+    reader had it (`work_message_time`: a queued job read from its message), else the stamp the
+    scheduler read from the same message as it dispatched the job (`queued_server_time`: a job put
+    back for a retry, its QUEUED record in the bucket, whichever gateway queued it; a nak keeps the
+    message and its stamp), else its `create_time` (its gateway's wall clock) plus
+    `server_offset_s`, the server's clock less the reader's as measured (asyncinfer.server_clock):
+    within a publish's round trip for this gateway's own jobs (the QUEUED records its submits
+    keep), off by the two gateways' skew for a job another gateway queued that this one hears of
+    without its message (a queued notice: a label watch's QUEUED change, placed as it is queued,
+    after the snapshot, where a skew of seconds reads it first rather than last).
+    `written_wall_time`, when the snapshot was written on the reader's wall clock
+    (asyncinfer.snapshot_freshness: its arrival, or the server's age of a key's last value, on the
+    reader's monotonic clock), moves by the same offset. Compared as they were,
     a gateway more than NEWEST_SLACK_S ahead of nats-server put every job last, and one behind put
     it first. The snapshot's `updated_at` (the scheduler's wall clock, another host's) is not read:
     as "now" it put a burst queued within a skew's seconds of the snapshot behind all of them (each
-    read the depth), and a job queued after a snapshot of one job first. Still assumed close: for a
-    job queued by another gateway and read without its message (a QUEUED record in the bucket, after
-    a retry), the two gateways' clocks."""
+    read the depth), and a job queued after a snapshot of one job first."""
     if snapshot is None:
         return 0
     # On nats-server's clock (see above).
     queued_at = record.work_message_time
+    if queued_at is None:
+        queued_at = record.queued_server_time
     if queued_at is None:
         queued_at = record.create_time + server_offset_s
     written_at = written_wall_time + server_offset_s

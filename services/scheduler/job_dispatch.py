@@ -59,6 +59,15 @@ def _first_delivery(msg: Msg) -> bool:
         return False
 
 
+def _stored_time(msg: Msg) -> float | None:
+    """nats-server's stamp on the message (its metadata is parsed once per message, and
+    _first_delivery has parsed it already)."""
+    try:
+        return msg.metadata.timestamp.timestamp()
+    except Exception:  # no JetStream reply subject: unknown
+        return None
+
+
 class JobDispatch:
     def __init__(
         self,
@@ -245,6 +254,7 @@ class JobDispatch:
             scheduler=self._instance_id,
             lease_subject=msg.reply or "",
             model_version=version,
+            queued_server_time=_stored_time(msg),
         )
         # What the write will make of the record as it is known here (the pure decision): an
         # order goes out early only for an attempt it would start.
