@@ -839,6 +839,36 @@ async def test_a_dispatched_jobs_record_keeps_the_servers_stamp_on_its_work_mess
     assert record.queued_server_time == pytest.approx(queued.work_message_time, abs=2e-6)
 
 
+@pytest.mark.parametrize("gateway_ahead_s", [60.0, -60.0])
+async def test_a_queue_ttl_and_its_expiry_read_the_gateways_own_clock(
+    config: Config, start_stack: StartStack, gateway_ahead_s: float
+) -> None:
+    """The deadline a queue_ttl gives, its check, and the expiry of a queued job past it read the
+    same wall clock as the job's create_time (the gateway's, 60 s off nats-server's and the test's).
+    The deadline and the expiry read time.time: 60 s ahead, a queue_ttl of 30 s was refused
+    ("the deadline has already passed"); 60 s behind, it gave the job 90 s, and a job past its
+    deadline by the gateway's clock stayed QUEUED."""
+    skew = [gateway_ahead_s]
+    stack = await start_stack(batcher=False, gateway_wall_clock=lambda: time.time() + skew[0])
+    ttl_s = 30
+    one = (await stack.jobs.SubmitJob(submit_request(queue_ttl={"seconds": ttl_s}))).job
+    bulk = stack.jobs.SubmitJobs()
+    item = job_service_pb2.SubmitJobsItem(job=submit_request(queue_ttl={"seconds": ttl_s}))
+    await bulk.write(job_service_pb2.SubmitJobsRequest(items=[item, item]))  # one group (bulk_message.py)
+    await bulk.done_writing()
+    many = [answer.job async for response in bulk for answer in response.answers]
+    assert len(many) == 2
+    for job in (one, *many):
+        assert job.state == job_pb2.JOB_STATE_QUEUED
+        given_s = (job.deadline.ToNanoseconds() - job.create_time.ToNanoseconds()) / 1e9
+        # Both read by the gateway within its handling of the call (the 30-s bound is no timing:
+        # the clocks' 60 s is what it tells apart).
+        assert ttl_s - 30 < given_s <= ttl_s, given_s
+    skew[0] += ttl_s + 1  # past the deadline by the gateway's clock, not by the test's
+    got = (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=one.job_id))).job
+    assert got.state == job_pb2.JOB_STATE_EXPIRED
+
+
 @pytest.mark.unit
 def test_waiting_reason_precedence() -> None:
     now = 1000.0

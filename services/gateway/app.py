@@ -73,8 +73,11 @@ STORE_HEADROOM_BYTES = 64 * 1024
 class GatewayApp:
     def __init__(self, config: Config, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        # The time its submits stamp on jobs (create_time) and its queue view reads; tests skew it
-        # against nats-server's, as on Kubernetes nodes whose clocks are off.
+        # Its wall clock for jobs: their create_time and the deadline a queue_ttl gives, expiry of
+        # queued jobs past their deadline (reads, watches), idempotency claims' times, the queue
+        # view's clock. One clock, so that a job's create_time and deadline agree. Tests skew it
+        # against nats-server's, as on Kubernetes nodes whose clocks are off. (Batches and uploads
+        # keep time.time: docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps".)
         self._wall_clock = wall_clock
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
@@ -154,7 +157,7 @@ class GatewayApp:
             js, self._nc, bucket=cfg.nats.queues_bucket, work_stream=cfg.nats.work_stream, clock=self._wall_clock
         )
         await self._queues.start()
-        expiry = Expiry(records, on_expired=self._expired_on_read)
+        expiry = Expiry(records, on_expired=self._expired_on_read, clock=self._wall_clock)
         self._hub = WatchHub(
             self._nc,
             js,
@@ -185,7 +188,9 @@ class GatewayApp:
             summary=self.summary,
             clock=self._wall_clock,
         )
-        self._idempotent = IdempotentSubmitter(cfg, self._submitter, records, claims_kv, expiry, js=js, nc=self._nc)
+        self._idempotent = IdempotentSubmitter(
+            cfg, self._submitter, records, claims_kv, expiry, js=js, nc=self._nc, clock=self._wall_clock
+        )
         servicer = JobService(
             cfg,
             submitter=self._submitter,

@@ -77,7 +77,7 @@ class MessageSubmitter:
         by_key: dict[str, asyncio.Task[SubmitOutcome]] = {}
         grouped: list[int] = []
         requests: list[SubmitRequest] = []
-        now = time.time()
+        now = self._submitter.clock()  # the clock of the jobs' create_time: their deadlines agree with it
         try:
             for index, job in enumerate(jobs):
                 if self._tracing.enabled or needs_own_submit(job):

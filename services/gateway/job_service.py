@@ -183,7 +183,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         model_label = self._model_label(request.model_name)
         try:
             check_request_size(request.ByteSize(), self._config.gateway.max_request_bytes)
-            submit = submit_request_from_proto(request, now=time.time(), traceparent=trace, wait_allowed=wait_allowed)
+            submit = submit_request_from_proto(
+                request, now=self._expiry.clock(), traceparent=trace, wait_allowed=wait_allowed
+            )
             outcome = await self._idempotent.submit(submit, tenant=tenant)
         except AsyncInferError as error:
             self._metrics.submit_rejected.labels(model=model_label, code=error.code.name, reason=error.reason).inc()

@@ -79,6 +79,11 @@ class JobSubmitter:
         self._tasks: set[asyncio.Task[JobRecord]] = set()
         self._group_tasks: set[asyncio.Task[list[JobRecord | Exception]]] = set()
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The gateway's wall clock, which stamps create_time (a queue_ttl's deadline reads it too)."""
+        return self._clock
+
     def store_refusal(self, full: StoreFullError) -> ResourceExhausted:
         """A submit's write (its work message, or its idempotency claim) refused for want of space."""
         if self._store_health is not None:
