@@ -30,7 +30,7 @@ from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.tensors import Tensor
-from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from tests.processes import Service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -122,7 +122,10 @@ async def test_stalled_watchers_cost_one_message_each_and_give_it_back(
             stubs[i % len(stubs)].WatchJob(job_service_pb2.WatchJobRequest(job_id=ids[i % jobs]))
             for i in range(watchers)
         ]
-        await asyncio.sleep(3)
+        # Each watch's first message, the job as it stands (QUEUED, small): the watch is registered
+        # and hears the change to come, which it then never reads.
+        firsts = await asyncio.wait_for(asyncio.gather(*(call.read() for call in calls)), 60)  # a hang guard
+        assert {first.job.state for first in firsts} == {job_pb2.JOB_STATE_QUEUED}
         for job_id in ids:
             running = await run(store, job_id)
             now = time.time()
@@ -163,7 +166,11 @@ async def test_a_stalled_watchjobs_stream_holds_the_newest_record_of_each_job(
         running = [await run(store, job_id) for job_id in ids]
         base = await settle(gateway)
         call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=ids))
-        await asyncio.sleep(2)
+        # Its first message (the first of the jobs as they stand, RUNNING without outputs): a watch of
+        # IDs hears every change from before it reads them, so the rewrites below all reach it.
+        first = await asyncio.wait_for(call.read(), 60)  # a hang guard
+        assert isinstance(first, job_service_pb2.WatchJobsResponse)
+        assert {change.job.state for change in first.changes} == {job_pb2.JOB_STATE_RUNNING}
         for _ in range(rewrites):  # every write a new 200 KB record; the watcher reads none
             running = [await store.replace(r.evolve(outputs=output(), update_time=time.time())) for r in running]
         peak = await settle(gateway, 4.0)
@@ -195,32 +202,34 @@ async def test_a_stalled_upload_times_out_and_open_uploads_are_capped(
         )
         await stall.wait()
 
-    try:
-        uploads = [stub.UploadInput(one_chunk_then_nothing()) for _ in range(3)]
-        await asyncio.sleep(0.3)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.UploadInput(one_chunk_then_nothing())
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        status = status_details(refused.value)
+    async def whole() -> object:
+        yield job_service_pb2.UploadInputRequest(
+            metadata=job_service_pb2.UploadInputMetadata(size_bytes=4), chunk=b"abcd"
+        )
+
+    def reason(error: BaseException) -> str:
+        assert isinstance(error, grpc.aio.AioRpcError), error
+        status = status_details(error)
         assert status is not None
-        assert unpack_details(status)["ErrorInfo"].reason == "TOO_MANY_UPLOADS"
-        for upload in uploads:
-            # Ended by the gateway's idle timer (1 s), as its reason says; the wait is a hang guard
-            # alone (how soon is not asserted: a loaded machine's to decide).
-            with pytest.raises(grpc.aio.AioRpcError) as idle:
-                await asyncio.wait_for(upload, 30)
-            assert idle.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            assert "sent nothing for 1 s" in (idle.value.details() or "")
-            idle_status = status_details(idle.value)
-            assert idle_status is not None
-            assert unpack_details(idle_status)["ErrorInfo"].reason == "UPLOAD_IDLE"
+        return str(unpack_details(status)["ErrorInfo"].reason)
+
+    try:
+        # Four at once, in whatever order they reach the gateway: the one that finds the three slots
+        # held is refused at once; the three that hold them end by the gateway's idle timer (1 s),
+        # as their reason says. How soon is not asserted (a loaded machine's to decide): the wait
+        # is a hang guard alone.
+        uploads = [stub.UploadInput(one_chunk_then_nothing()) for _ in range(4)]
+        ended = await asyncio.wait_for(asyncio.gather(*uploads, return_exceptions=True), 30)
+        refused = [e for e in ended if reason(e) == "TOO_MANY_UPLOADS"]
+        idle = [e for e in ended if reason(e) == "UPLOAD_IDLE"]
+        assert (len(refused), len(idle)) == (1, 3), [reason(e) for e in ended]
+        assert isinstance(refused[0], grpc.aio.AioRpcError)
+        assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for stalled in idle:
+            assert isinstance(stalled, grpc.aio.AioRpcError)
+            assert stalled.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "sent nothing for 1 s" in (stalled.details() or "")
         # The slots are free again: an upload that sends everything goes through.
-
-        async def whole() -> object:
-            yield job_service_pb2.UploadInputRequest(
-                metadata=job_service_pb2.UploadInputMetadata(size_bytes=4), chunk=b"abcd"
-            )
-
         assert (await stub.UploadInput(whole())).ref.size_bytes == 4
     finally:
         stall.set()
