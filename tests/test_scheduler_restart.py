@@ -1,11 +1,12 @@
 """Issue 17: a scheduler killed with SIGKILL while it holds jobs, restarted on the same port, returns
 them at once: its RUNNING records name it (`dispatched_by`) and the delivery it held
 (`lease_subject`), so the new process naks them rather than leaving them to AckWait (30 s here).
-Every stranded job runs again within 5 s of the kill and ends once, SUCCEEDED."""
+Every stranded job runs again before AckWait could have redelivered it, and ends once, SUCCEEDED."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import Counter
@@ -33,7 +34,10 @@ async def test_a_restarted_scheduler_returns_the_jobs_its_killed_predecessor_hel
     nats_server: NatsServerProcess, tmp_path: Path
 ) -> None:
     ports = {name: free_port() for name in ("gateway", "scheduler", "batcher")}
-    config = crash_config(nats_server.url, ports).replace(scheduler={"ack_wait_s": ACK_WAIT_S})
+    config = crash_config(nats_server.url, ports).replace(
+        scheduler={"ack_wait_s": ACK_WAIT_S},
+        logging={"level": "info", "format": "json"},  # the reclaim's lease_returned lines
+    )
     config_file = tmp_path / "asyncinfer.toml"
     config_file.write_text(render_default_config(config))
     services = {name: Service(name, config_file, tmp_path, ports[name]) for name in ports}
@@ -76,7 +80,8 @@ async def test_a_restarted_scheduler_returns_the_jobs_its_killed_predecessor_hel
         def ran_again(key: str) -> float | None:
             return next((t for t, state, attempt in writes[key] if t > killed and state == JobState.RUNNING), None)
 
-        await until(lambda: all(ran_again(key) is not None for key in stranded), 20)
+        # A hang guard under AckWait: only the new process's naks can run them again by then.
+        await until(lambda: all(ran_again(key) is not None for key in stranded), ACK_WAIT_S - 2)
         slowest = max((ran_again(key) or 0.0) for key in stranded) - killed
         keys = [f"default.{job_id}" for job_id in jobs]
         await until(lambda: all(key in writes and writes[key][-1][1].is_terminal for key in keys), 60)
@@ -92,7 +97,12 @@ async def test_a_restarted_scheduler_returns_the_jobs_its_killed_predecessor_hel
         f"scheduler restart: {len(stranded)} RUNNING at the kill, restarted in {restarted:.2f} s, "
         f"the slowest ran again {slowest:.2f} s after the kill (ack_wait {ACK_WAIT_S:g} s)"
     )
-    assert slowest < 5.0
+    # Run again by the new process's naks (a lease_returned line each), not by AckWait's
+    # redelivery (its leases renewed every second: ~29 s after the kill at the soonest).
+    lines = (tmp_path / "scheduler-2.log").read_text().splitlines()
+    returned = {entry["job_id"] for entry in map(json.loads, lines) if entry.get("event") == "lease_returned"}
+    assert {key.partition(".")[2] for key in stranded} <= returned
+    assert slowest < ACK_WAIT_S
     final = Counter(writes[key][-1][1] for key in keys)
     assert final == {JobState.SUCCEEDED: JOBS}, final
     assert max(sum(state.is_terminal for _, state, _ in writes[key]) for key in keys) == 1
@@ -147,10 +157,9 @@ def test_a_scheduler_start_up_that_hangs_honours_sigterm(tmp_path: Path) -> None
         try:
             silent.settimeout(30.0)
             silent.accept()[0].close()  # connecting: start-up is under way
-            sent = time.monotonic()
             process.send_signal(signal.SIGTERM)
-            process.communicate(timeout=10.0)
-            assert time.monotonic() - sent < 10.0
+            # A hang guard: ignoring the signal, it would go on connecting for connect_timeout_s (60 s).
+            process.communicate(timeout=30.0)
         finally:
             process.kill()
     assert process.returncode == 0

@@ -29,6 +29,9 @@ def submit_request(**fields: object) -> job_service_pb2.SubmitJobRequest:
     return job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x], **fields)  # type: ignore[arg-type]
 
 
+ENQUEUE_RETRY_S = 120.0
+
+
 async def health_of(channel: grpc.aio.Channel, service: str = "") -> int:
     reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
     return reply.status
@@ -43,7 +46,14 @@ async def wait_health(channel: grpc.aio.Channel, status: int, timeout_s: float) 
 
 
 async def test_a_full_store_refuses_at_once_and_health_follows(config: Config, nc: NatsClient) -> None:
-    app = GatewayApp(config)
+    # A refusal retried like a leader election would take ENQUEUE_RETRY_S; the 30-s guards below
+    # tell the two apart, not a bound on how fast it was.
+    app = GatewayApp(
+        config.replace(
+            gateway={"enqueue_retry_s": ENQUEUE_RETRY_S},
+            scheduler={"orphan_message_grace_s": 2 * ENQUEUE_RETRY_S},  # must exceed it
+        )
+    )
     await app.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{app.port}")
     stub = job_service_pb2_grpc.JobServiceStub(channel)
@@ -74,18 +84,17 @@ async def test_a_full_store_refuses_at_once_and_health_follows(config: Config, n
         for key in ("", "k-1"):
             began = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as again:
-                await stub.SubmitJob(submit_request(idempotency_key=key))
+                await asyncio.wait_for(stub.SubmitJob(submit_request(idempotency_key=key)), 30)  # a hang guard
             timings.append(time.monotonic() - began)
             assert again.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert max(timings) < 1.0  # not enqueue_retry_s
         assert (await js.stream_info(stream)).state.messages == messages  # nothing half-written
-        await wait_health(channel, health_pb2.HealthCheckResponse.NOT_SERVING, 3.0)
+        await wait_health(channel, health_pb2.HealthCheckResponse.NOT_SERVING, 30.0)  # a hang guard
         # Not a reason to restart the gateway: its liveness probe's service stays SERVING.
         assert await health_of(channel, LIVENESS_SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
         # Room again (the jobs ran, say): health SERVING from the probe, submits accepted.
         await js.purge_stream(stream)
-        back_s = await wait_health(channel, health_pb2.HealthCheckResponse.SERVING, 5.0)
+        back_s = await wait_health(channel, health_pb2.HealthCheckResponse.SERVING, 30.0)  # a hang guard
         job = (await stub.SubmitJob(submit_request(idempotency_key="k-1"))).job
         assert job.job_id
         print(

@@ -70,8 +70,10 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
 ) -> None:
     config = Config().replace(
         nats={"url": small_nats.url},
-        gateway={"port": 0, "metrics_port": 0},
-        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0},
+        # A refusal retried like a leader election would take 120 s; the 30-s hang guards below tell
+        # the two apart, not a bound on how fast it was.
+        gateway={"port": 0, "metrics_port": 0, "enqueue_retry_s": 120.0},
+        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0, "orphan_message_grace_s": 240.0},
         batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
         logging={"level": "warning", "format": "console"},
     )
@@ -96,22 +98,22 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
     cause = store_full_reason(refused)
     assert "resources" in cause or "exceeded" in cause, cause
 
-    # Fast, every time, and for uploads too; nothing of the refused calls stays.
+    # Refused, not retried (the hang guards), every time and for uploads too; nothing of the
+    # refused calls stays.
     work = (await js.stream_info(config.nats.work_stream)).state.messages
     objects_before = await objects_stream_state(stack.nc, config)
     timings = []
     for attempt in range(3):
         began = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as again:
-            await jobs.SubmitJob(submit_request(idempotency_key=f"refused-{attempt}"))
+            await asyncio.wait_for(jobs.SubmitJob(submit_request(idempotency_key=f"refused-{attempt}")), 30)
         timings.append(time.monotonic() - began)
         store_full_reason(again.value)
     began = time.monotonic()
     with pytest.raises(grpc.aio.AioRpcError) as upload_refused:
-        await upload(jobs, inputs_bytes(np.ones((8_000, 4))))
+        await asyncio.wait_for(upload(jobs, inputs_bytes(np.ones((8_000, 4)))), 30)
     timings.append(time.monotonic() - began)
     store_full_reason(upload_refused.value)
-    assert max(timings) < 2.0, timings  # not enqueue_retry_s (10 s)
     assert (await js.stream_info(config.nats.work_stream)).state.messages == work == len(accepted)
     assert await objects_stream_state(stack.nc, config) == objects_before
     # The claims' keys from the stream's own subject list (the server's count). KeyValue.keys() lists
@@ -131,7 +133,7 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
     for start in range(0, len(accepted), 1000):
         got = await jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=accepted[start : start + 1000]))
         assert {r.job.state for r in got.results} == {job_pb2.JOB_STATE_QUEUED}
-    await wait_health(health, health_pb2.HealthCheckResponse.NOT_SERVING, 5.0)
+    await wait_health(health, health_pb2.HealthCheckResponse.NOT_SERVING, 30.0)  # a hang guard
     # ... and stays so while the store is still full (its probe runs every second).
     for _ in range(10):
         await asyncio.sleep(0.25)
@@ -140,7 +142,7 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
     # Room again: the uploads deleted. Health SERVING from the probe, a submit accepted.
     for ref in uploads:
         await jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref.ref))
-    back_s = await wait_health(health, health_pb2.HealthCheckResponse.SERVING, 10.0)
+    back_s = await wait_health(health, health_pb2.HealthCheckResponse.SERVING, 30.0)  # a hang guard
     accepted.append((await jobs.SubmitJob(submit_request(idempotency_key="after"))).job.job_id)
     # The refused submit, retried with its key, is a new job (a claim it left is taken over).
     retried = await jobs.SubmitJob(submit_request(idempotency_key=f"k-{len(accepted) - 1}"), timeout=30)

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,10 +230,9 @@ def test_a_hanging_start_up_honours_a_stop_signal(tmp_path: Path, sig: signal.Si
             # Its first attempt is hung up on; the next waits for an INFO that never comes (the case
             # where a cancelled connect used to wait forever). The signal handlers are installed by then.
             _wait_for_connection(silent).close()
-            sent = time.monotonic()
             gateway.send_signal(sig)
-            gateway.communicate(timeout=10.0)
-            assert time.monotonic() - sent < 10.0
+            # A hang guard: ignoring the signal, it would go on connecting for connect_timeout_s (60 s).
+            gateway.communicate(timeout=30.0)
         finally:
             gateway.kill()
     assert gateway.returncode == 0
