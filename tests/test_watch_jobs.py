@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, tzinfo
 
 import grpc
 import numpy as np
@@ -19,11 +20,12 @@ from asyncinfer.client import (
     JobState,
     NotFoundError,
     Priority,
+    _async_watch,
     jobs_watch,
 )
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.grpc_headers import WATCH_READY_HEADER
+from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import job_not_found
 from asyncinfer.jobs import JobRecord, job_key
@@ -139,8 +141,10 @@ async def test_a_label_watch_sends_its_headers_once_it_listens(
     right after opening the stream could show no QUEUED change. The gateway now sends the stream's
     headers (asyncinfer-watch-ready) once the watch hears the queued notices, not before; a client
     that awaits them and then submits sees every job from QUEUED. Before, the headers came only
-    with the first change: awaiting them waited for a change that never came."""
+    with the first change: awaiting them waited for a change that never came. Session 30: they
+    also say since when the watch listens, on the gateway's clock (asyncinfer-watch-since)."""
     hub = idle_stack.gateway.watch_hub
+    opened_at = time.time()  # the gateway's clock: its wall clock is this process's
     release = hold_notices(hub, monkeypatch)
     labels = {"run": "raw"}
     async with grpc.aio.insecure_channel(idle_stack.address) as channel, AsyncClient(idle_stack.address) as client:
@@ -152,6 +156,8 @@ async def test_a_label_watch_sends_its_headers_once_it_listens(
         release.set()
         ready = await asyncio.wait_for(headers, WAIT_S)
         assert (WATCH_READY_HEADER, "1") in tuple(ready)
+        since = float(dict(ready)[WATCH_SINCE_HEADER])
+        assert opened_at <= since <= time.time()
         jobs = [await client.submit("demo", {"x": X + i}, labels=labels) for i in range(10)]
         first_states: dict[str, int] = {}
         async with asyncio.timeout(WAIT_S):
@@ -264,18 +270,62 @@ async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_hea
     assert (update.job_id, update.state) == (job.job_id, JobState.QUEUED)
 
 
-@pytest.mark.parametrize("sdk", ["blocking", "asyncio"])
+class _SkewedClock(datetime):
+    """The SDK's clock (what the label watch module reads as `datetime`) `ahead_s` off the hosts'."""
+
+    ahead_s = 0.0
+
+    @classmethod
+    def now(cls, tz: tzinfo | None = None) -> datetime:
+        return datetime.now(tz) + timedelta(seconds=cls.ahead_s)
+
+
+@pytest.mark.parametrize(
+    ("sdk", "client_ahead_s", "late_headers"),
+    [
+        ("blocking", 0.0, False),
+        ("asyncio", 0.0, False),
+        ("asyncio", 60.0, False),
+        ("asyncio", -60.0, False),
+        ("asyncio", 60.0, True),
+    ],
+)
 async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
-    config: Config, start_stack: StartStack, sdk: str
+    config: Config,
+    start_stack: StartStack,
+    monkeypatch: pytest.MonkeyPatch,
+    sdk: str,
+    client_ahead_s: float,
+    late_headers: bool,
 ) -> None:
     """Session 29: the SDK reopened a label watch broken by a gateway restart, and what changed
     meanwhile was lost: jobs that finished while the gateway was down were never reported (a client
     collecting results by label waited for ever). The reopened watch now lists the jobs with its
     labels once the new stream listens and yields each it has not yielded the latest state of:
     here every job that finished in the gap, once, at its terminal state (one queued before the
-    watch started among them), and not the job that ended before the watch started."""
+    watch started among them), and not the job that ended before the watch started.
+
+    Session 30: whatever the client's clock says. The catch-up compared the jobs' times (the
+    services') with the client's clock at the watch's start: 60 s ahead, the job queued before the
+    watch and ended in the gap was never reported (the watch ran to its timeout); 60 s behind, the
+    job that ended before the watch started was. It now compares them with the gateway's clock,
+    which the watch's headers say; also when they came after the SDK stopped waiting for them
+    (`late_headers`: a loaded gateway past READY_WAIT_S, as under CI's load in session 30)."""
+    _SkewedClock.ahead_s = client_ahead_s
+    monkeypatch.setattr(_async_watch, "datetime", _SkewedClock)
     stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
-    labels = {"run": f"gap-{sdk}"}
+    labels = {"run": f"gap-{sdk}-{client_ahead_s:+.0f}-{late_headers}"}
+    release = subscribed = None
+    if late_headers:  # the first stream's headers come after the SDK's wait for them ended
+        monkeypatch.setattr(jobs_watch, "READY_WAIT_S", 0.05)
+        release = hold_notices(stack.gateway.watch_hub, monkeypatch)
+        subscribed, held = asyncio.Event(), stack.gateway.watch_hub.ensure_notices
+
+        async def subscribe_then_say() -> None:
+            await held()
+            subscribed.set()
+
+        monkeypatch.setattr(stack.gateway.watch_hub, "ensure_notices", subscribe_then_say)
     async with AsyncClient(stack.address) as client:
         ended_before = await client.cancel(await client.submit("demo", {"x": X}, labels=labels))
         queued_before = await client.submit("demo", {"x": X}, labels=labels)
@@ -322,6 +372,9 @@ async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
         async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
             updates = client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S)
             await updates.ready()
+            if release is not None and subscribed is not None:  # now the gateway listens, and says since when
+                release.set()
+                await asyncio.wait_for(subscribed.wait(), WAIT_S)
             gap = [(await client.submit("demo", {"x": X + i}, labels=labels)).job_id for i in range(3)]
             seen: list[Job] = []
             async for update in updates:

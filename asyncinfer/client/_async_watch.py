@@ -10,6 +10,7 @@ import logging
 from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
+from typing import Any
 
 import grpc
 
@@ -26,8 +27,9 @@ from asyncinfer.client.jobs_watch import (
     JobsWatch,
     Listening,
     WatchUpdate,
+    headers_since,
+    listened,
     missed,
-    ready_or_silent,
 )
 from asyncinfer.client.types import Job, JobProgress
 from asyncinfer.v1 import job_service_pb2
@@ -150,9 +152,11 @@ class JobWatches(JobCalls):
         attempt = 0
         breaks = StreamBreaks()
         listening = False
-        # A label watch: when it first listened, and what it delivered of each job (what a reopened
-        # watch's catch-up compares the listed jobs with, and what drops a repeated change).
+        # A label watch: when it first listened (on the gateway's clock), and what it delivered of
+        # each job (what a reopened watch's catch-up compares the listed jobs with, and what drops
+        # a repeated change).
         since: datetime | None = None
+        since_call: grpc.aio.UnaryStreamCall[Any, Any] | None = None  # whose late headers may say `since`
         delivered = DeliveredRevisions()
         while True:
             attempt += 1
@@ -163,16 +167,23 @@ class JobWatches(JobCalls):
             call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None
             try:
-                if labels and since is None and await ready_or_silent(call, deadline.remaining()):
-                    listening, since = True, datetime.now(UTC)
+                if labels and since is None and (ready := await listened(call, deadline.remaining())) is not None:
+                    # The gateway's clock, which the listed jobs' times are compared with after a
+                    # reconnect; the client's only until the gateway says (its headers came late), or
+                    # from one that does not (before session 30).
+                    listening, since = True, ready.since or datetime.now(UTC)
+                    since_call = None if ready.since is not None else call
                     attempt = 0
                     breaks.answered()
                     yield LISTENING
                 elif labels and since is not None:
                     # Reopened: once the new stream listens, what changed while the old one was
                     # broken (the changes after the headers come on the stream, repeats dropped).
-                    await ready_or_silent(call, deadline.remaining())
+                    await listened(call, deadline.remaining())
                     if not call.done():  # else the stream says why it ended, and the next one catches up
+                        if since_call is not None:
+                            since = await headers_since(since_call) or since
+                            since_call = None
                         attempt = 0
                         breaks.answered()
                         caught_up = self._missed_by_label_watch(labels, since, delivered, deadline)
@@ -186,7 +197,7 @@ class JobWatches(JobCalls):
                     if not listening:  # the first message (a watch of IDs: every job as it stands)
                         listening = True
                         if labels and since is None:
-                            since = datetime.now(UTC)
+                            since = await headers_since(call) or datetime.now(UTC)
                         yield LISTENING
                     for change in response.changes:
                         if change.HasField("job"):

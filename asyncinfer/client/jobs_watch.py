@@ -24,9 +24,11 @@ comes at least once, then the live changes. `DeliveredRevisions` and `missed` de
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
-from datetime import datetime
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -34,12 +36,14 @@ from grpc import aio
 
 from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.client.types import Job
-from asyncinfer.grpc_headers import WATCH_READY_HEADER
+from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
 
 # The longest a label watch waits for its headers (then it carries on without them). A gateway
 # sends them a NATS round trip or three after the stream opens (milliseconds); one before session 29
 # only with the first change.
 READY_WAIT_S = 5.0
+# How long a watch that answered or ended is given to hand over headers it already has.
+LATE_HEADERS_WAIT_S = 1.0
 
 # Jobs whose last delivered revision a label watch keeps (the one that changed least recently is
 # forgotten first), as the gateway keeps per stream (services/gateway/watch_many.py); and the most
@@ -60,19 +64,50 @@ class Listening:
 LISTENING = Listening()
 
 
-async def ready_or_silent(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> bool:
+@dataclass(frozen=True, slots=True)
+class Listened:
+    """A label watch's stream listens; `since`: from when, on the gateway's clock (its
+    WATCH_SINCE_HEADER), None from a gateway that did not say (before session 30, or no headers)."""
+
+    since: datetime | None = None
+
+
+async def listened(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> Listened | None:
     """Whether to take a label watch as listening now: its headers say so (WATCH_READY_HEADER), or
     none came within READY_WAIT_S (or the call's `remaining_s`, if shorter: a gateway before
-    session 29, carry on without). False when headers came without it (such a gateway's first
+    session 29, carry on without). None when headers came without it (such a gateway's first
     change, or the call's end): the stream says the rest."""
     try:
         async with asyncio.timeout(READY_WAIT_S if remaining_s is None else min(READY_WAIT_S, remaining_s)):
             headers = await call.initial_metadata()
     except TimeoutError:
-        return True
+        return Listened()
     except grpc.RpcError:
-        return False
-    return any(key == WATCH_READY_HEADER for key, _ in headers or ())
+        return None
+    if not any(key == WATCH_READY_HEADER for key, _ in headers or ()):
+        return None
+    return Listened(since=_gateway_time(headers))
+
+
+async def headers_since(call: aio.UnaryStreamCall[Any, Any]) -> datetime | None:
+    """The WATCH_SINCE_HEADER of a call whose headers have come (it answered, or it ended), None
+    when they say none: for a watch that took itself as listening before its headers came (a
+    loaded gateway past READY_WAIT_S) and then read the client's clock."""
+    try:
+        async with asyncio.timeout(LATE_HEADERS_WAIT_S):
+            return _gateway_time(await call.initial_metadata())
+    except (TimeoutError, grpc.RpcError):
+        return None
+
+
+def _gateway_time(headers: Any) -> datetime | None:
+    """The WATCH_SINCE_HEADER's Unix seconds as a time; None when absent or not a number."""
+    value = next((value for key, value in headers or () if key == WATCH_SINCE_HEADER), None)
+    try:
+        seconds = float(value) if isinstance(value, str) else math.nan
+    except ValueError:
+        return None
+    return datetime.fromtimestamp(seconds, UTC) if math.isfinite(seconds) else None
 
 
 class DeliveredRevisions:
@@ -106,8 +141,9 @@ class DeliveredRevisions:
 def missed(job: Job, delivered: DeliveredRevisions, since: datetime) -> bool:
     """Whether a job listed after a reconnect is news to the watch: newer than what it delivered of
     the job; for a job it delivered nothing of (or forgot), one that changed since the watch first
-    listened (`since`, the client's clock; a job's times are its writer's, so the boundary moves by
-    their skew). A job that ended before the watch started is not news: a label watch reports
+    listened (`since`: the gateway's clock then, as its headers said; a job's times are the
+    services' that wrote them, so only the servers' skew among themselves moves the boundary, not
+    the client's). A job that ended before the watch started is not news: a label watch reports
     changes from when it starts."""
     if delivered.knows(job.job_id):
         return delivered.is_new(job)

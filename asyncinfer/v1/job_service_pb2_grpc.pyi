@@ -58,9 +58,11 @@ class JobServiceStub:
     jobs that carry all of its labels, until the client ends the stream. A label watch sends the
     stream's headers (initial metadata `asyncinfer-watch-ready: 1`) as soon as it hears every
     change, before any message: a job submitted after the client has them is seen from QUEUED on
-    (one submitted before may show no QUEUED change). A gateway before session 29 sends headers
-    only with the first message. Changes that come together travel in one message; a slow reader
-    gets each job's latest record.
+    (one submitted before may show no QUEUED change). With it, `asyncinfer-watch-since`: the
+    gateway's wall clock then, Unix seconds (from session 30), what a client that relists after a
+    reconnect compares the jobs' update_time and end_time with. A gateway before session 29 sends
+    headers only with the first message. Changes that come together travel in one message; a slow
+    reader gets each job's latest record.
     """
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     """Cancels a queued or running job."""
@@ -114,9 +116,11 @@ class JobServiceAsyncStub(JobServiceStub):
     jobs that carry all of its labels, until the client ends the stream. A label watch sends the
     stream's headers (initial metadata `asyncinfer-watch-ready: 1`) as soon as it hears every
     change, before any message: a job submitted after the client has them is seen from QUEUED on
-    (one submitted before may show no QUEUED change). A gateway before session 29 sends headers
-    only with the first message. Changes that come together travel in one message; a slow reader
-    gets each job's latest record.
+    (one submitted before may show no QUEUED change). With it, `asyncinfer-watch-since`: the
+    gateway's wall clock then, Unix seconds (from session 30), what a client that relists after a
+    reconnect compares the jobs' update_time and end_time with. A gateway before session 29 sends
+    headers only with the first message. Changes that come together travel in one message; a slow
+    reader gets each job's latest record.
     """
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     """Cancels a queued or running job."""
@@ -203,9 +207,11 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         jobs that carry all of its labels, until the client ends the stream. A label watch sends the
         stream's headers (initial metadata `asyncinfer-watch-ready: 1`) as soon as it hears every
         change, before any message: a job submitted after the client has them is seen from QUEUED on
-        (one submitted before may show no QUEUED change). A gateway before session 29 sends headers
-        only with the first message. Changes that come together travel in one message; a slow reader
-        gets each job's latest record.
+        (one submitted before may show no QUEUED change). With it, `asyncinfer-watch-since`: the
+        gateway's wall clock then, Unix seconds (from session 30), what a client that relists after a
+        reconnect compares the jobs' update_time and end_time with. A gateway before session 29 sends
+        headers only with the first message. Changes that come together travel in one message; a slow
+        reader gets each job's latest record.
         """
 
     @_abc_1.abstractmethod

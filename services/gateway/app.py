@@ -75,9 +75,11 @@ class GatewayApp:
         self.config = config
         # Its wall clock for jobs: their create_time and the deadline a queue_ttl gives, expiry of
         # queued jobs past their deadline (reads, watches), idempotency claims' times, the queue
-        # view's clock. One clock, so that a job's create_time and deadline agree. Tests skew it
-        # against nats-server's, as on Kubernetes nodes whose clocks are off. (Batches and uploads
-        # keep time.time: docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps".)
+        # view's clock, and the time its label watches' headers say they listen since
+        # (asyncinfer.grpc_headers). One clock, so that a job's create_time and deadline agree.
+        # Tests skew it against nats-server's, as on Kubernetes nodes whose clocks are off.
+        # (Batches and uploads keep time.time: docs/ARCHITECTURE.md, "A process that freezes, a
+        # clock that jumps".)
         self._wall_clock = wall_clock
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
@@ -204,6 +206,7 @@ class GatewayApp:
             claim_check=claim_check,
             callback_deliveries=CallbackDeliveries(await ensure_webhooks_bucket(js, cfg.nats)),
             tracing=self.tracing,
+            wall_clock=self._wall_clock,
         )
         self.batch_driver = driver = BatchDriver(
             cfg,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 import grpc
@@ -14,7 +14,7 @@ import structlog
 
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unimplemented
-from asyncinfer.grpc_headers import WATCH_READY
+from asyncinfer.grpc_headers import WATCH_READY, watch_since
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
@@ -80,8 +80,11 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         callback_deliveries: CallbackDeliveries | None = None,
         idempotent: IdempotentSubmitter,
         tracing: Tracing | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._config = config
+        # What a label watch's headers say it listens since (the clock of its submits' create_time).
+        self._wall_clock = wall_clock
         self._tracing = tracing or Tracing.off()
         self._submitter = submitter
         self._records = records
@@ -271,8 +274,9 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
 
         async def listening() -> None:
             # The stream's headers, before any change: a client that awaits them before it submits
-            # sees its jobs from QUEUED on (asyncinfer.grpc_headers).
-            await context.send_initial_metadata((WATCH_READY,))
+            # sees its jobs from QUEUED on; and since when, on this gateway's clock, for the SDK's
+            # catch-up after a reconnect (asyncinfer.grpc_headers).
+            await context.send_initial_metadata((WATCH_READY, watch_since(self._wall_clock())))
 
         with self._watches.hold(tenant, context.peer()):
             changes = watched_changes(request, tenant, self._hub, self._records, self._expiry, listening=listening)
