@@ -73,13 +73,13 @@ STORE_HEADROOM_BYTES = 64 * 1024
 class GatewayApp:
     def __init__(self, config: Config, *, wall_clock: Callable[[], float] = time.time) -> None:
         self.config = config
-        # Its wall clock for jobs: their create_time and the deadline a queue_ttl gives, expiry of
-        # queued jobs past their deadline (reads, watches), idempotency claims' times, the queue
-        # view's clock, and the time its label watches' headers say they listen since
-        # (asyncinfer.grpc_headers). One clock, so that a job's create_time and deadline agree.
-        # Tests skew it against nats-server's, as on Kubernetes nodes whose clocks are off.
-        # (Batches and uploads keep time.time: docs/ARCHITECTURE.md, "A process that freezes, a
-        # clock that jumps".)
+        # Its wall clock for jobs and batches: their create_time and the deadline a queue_ttl
+        # gives, expiry of queued jobs past their deadline (reads, watches), idempotency claims'
+        # times, a batch create's time bound, the queue view's clock, and the time its label
+        # watches' headers say they listen since (asyncinfer.grpc_headers). One clock, so that a
+        # job's create_time and deadline agree. Tests skew it against nats-server's, as on
+        # Kubernetes nodes whose clocks are off. (Batch runs' timings and uploads keep time.time:
+        # docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps".)
         self._wall_clock = wall_clock
         self.registry = CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry)
@@ -222,7 +222,14 @@ class GatewayApp:
             blobs=blob_store,
         )
         batch_servicer = BatchService(
-            cfg, batch_store, driver, blobs=blob_store, records=records, nc=self._nc, catalog=self._catalog
+            cfg,
+            batch_store,
+            driver,
+            blobs=blob_store,
+            records=records,
+            nc=self._nc,
+            catalog=self._catalog,
+            clock=self._wall_clock,
         )
 
         def add_servicers(server: grpc.aio.Server) -> None:

@@ -59,6 +59,9 @@ MAX_PAGE_SIZE = 100
 CLAIM_WAIT_STEP_S = 0.1
 # Wait, find the claim stale, lose its takeover to another duplicate, wait again...
 MAX_CLAIM_ROUNDS = 4
+# When a create minted its batch's ID: (monotonic, wall) clocks. A suspend stops the monotonic one
+# (on Linux), a wall clock may step back; the create's bound is past when either says so.
+Minted = tuple[float, float]
 
 READABLE_FILES = (
     batch_service_pb2.BATCH_FILE_OUTPUT,
@@ -121,7 +124,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
         # Minted again after the checks that may wait on others (a resolver): a create writes its
         # record within CREATE_RECORD_WITHIN_S of minting its batch's ID, or never.
-        record, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
+        record, minted = self._mint(record)
         if record.idempotency_key:
             claimed = await self._claim(tenant, record)
             if claimed is None:
@@ -138,9 +141,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         self._driver.drive(tenant, written.batch_id)
         return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
 
-    async def _write_new(self, tenant: str, record: BatchRecord, minted: float) -> BatchRecord:
-        """Names the batch on its upload, then writes its record (`minted`: when its ID was, on
-        the monotonic clock)."""
+    def _mint(self, record: BatchRecord) -> tuple[BatchRecord, Minted]:
+        """`record` under a new batch ID, and when it was minted: its create's bound starts then."""
+        return record.evolve(batch_id=new_job_id()), (time.monotonic(), self._clock())
+
+    async def _write_new(self, tenant: str, record: BatchRecord, minted: Minted) -> BatchRecord:
+        """Names the batch on its upload, then writes its record (`minted`: when its ID was)."""
         # Named on the upload before the record is written, so a DeleteInput from then on sees the
         # batch (and refuses while it runs, or while its create may still write it); NOT_FOUND if
         # the upload went meanwhile. Batches named before that have ended are dropped in the same
@@ -154,7 +160,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             )
         except StoreFullError as full:  # as the record's write answers a full store
             raise store_full_error(full, what="the batch was not written") from None
-        if time.monotonic() - minted >= CREATE_RECORD_WITHIN_S:
+        # Both clocks: a suspended host's monotonic clock stopped while the readers' wall clocks ran.
+        if max(time.monotonic() - minted[0], self._clock() - minted[1]) >= CREATE_RECORD_WITHIN_S:
             # Past it, a duplicate may take the key over and a DeleteInput may take the upload.
             raise Unavailable(
                 f"creating the batch took over {CREATE_RECORD_WITHIN_S:g} s (NATS slow to answer); "
@@ -179,10 +186,10 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         holder = await self._store.claim(tenant, record.idempotency_key, record.batch_id, until=record.kept_until)
         return record if holder == record.batch_id else None
 
-    async def _first_of_key(self, tenant: str, record: BatchRecord) -> BatchRecord | tuple[BatchRecord, float]:
+    async def _first_of_key(self, tenant: str, record: BatchRecord) -> BatchRecord | tuple[BatchRecord, Minted]:
         """The batch holding the idempotency key, once its create has written it; or, when the
         create that claimed it can no longer write it (it died, or gave up), `record` under a new
-        batch ID that took the claim over, with the monotonic time it was minted (its create's
+        batch ID that took the claim over, with when it was minted (its create's
         bound starts again). A live claim is waited for: UNAVAILABLE (IDEMPOTENCY_CONTENDED) if it
         has not gone stale once a create's bound has passed (its holder's clock is ahead of ours).
 
@@ -197,7 +204,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
             while True:
                 held = await self._store.holder(tenant, key)
                 if held is None:  # expired or released meanwhile: claim it afresh
-                    fresh, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
+                    fresh, minted = self._mint(record)
                     if await self._claim(tenant, fresh) is not None:
                         return fresh, minted
                     if time.monotonic() >= until:  # claimed by another, removed again, ...
@@ -222,7 +229,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     )
                 await asyncio.sleep(CLAIM_WAIT_STEP_S)
             # A new ID, as a fresh create's: the bound a reader applies runs from its minting.
-            fresh, minted = record.evolve(batch_id=new_job_id()), time.monotonic()
+            fresh, minted = self._mint(record)
             taker = await self._store.take_over(tenant, key, holder, fresh.batch_id, until=fresh.kept_until)
             if taker == fresh.batch_id:
                 log.warning("batch_idempotency_claim_taken_over", tenant=tenant, abandoned_batch_id=holder)
