@@ -173,6 +173,49 @@ def create_settled_after_s() -> float:
     return CREATE_RECORD_WITHIN_S + CREATE_WRITE_MARGIN_S
 
 
+# A withdrawn batch's failure_message starts so (withdrawn_batch); nothing else writes it.
+WITHDRAWN_PREFIX = "withdrawn before it ran: "
+
+
+def withdrawn_batch(record: BatchRecord, *, batch_id: str, now: float, why: str) -> BatchRecord:
+    """The record that keeps the keyed batch `batch_id` from ever being created (services/gateway/
+    batch_service.py): `record`'s request ended FAILED at `now`, never validated, saying `why`.
+    Created where the batch's own record would be (a create expecting revision 0), which its
+    create then loses. No callback: nobody asked for its end."""
+    return record.evolve(
+        batch_id=batch_id,
+        state=BatchState.FAILED,
+        failure_message=WITHDRAWN_PREFIX + why,
+        end_time=now,
+        callback=None,
+        chunks=(),
+        revision=0,
+    )
+
+
+def is_withdrawn(record: BatchRecord) -> bool:
+    """Whether `record` is a withdrawal (withdrawn_batch), not a batch its create wrote."""
+    return (
+        record.state is BatchState.FAILED
+        and record.in_progress_time is None
+        and record.failure_message.startswith(WITHDRAWN_PREFIX)
+    )
+
+
+def superseded_why(successor: str, stalled_s: float) -> str:
+    """Why a keyed batch was withdrawn by a takeover of its stale claim."""
+    return (
+        f"its create did not write it within {stalled_s:g} s of claiming its idempotency key, and a duplicate "
+        f"create took the key over as batch {successor}; a create with the key returns the key's batch"
+    )
+
+
+NOT_ACCEPTED_WHY = (
+    "its create failed writing it (its caller was told so) and freed its idempotency key; a create with the key "
+    "makes a new batch"
+)
+
+
 def may_read_its_input(batch_id: str, record: BatchRecord | None, *, now: float) -> bool:
     """Whether a batch named on an upload (BATCHES_HEADER) may still read it, so that DeleteInput
     must wait for it: its record says it has not ended, or it has no record yet and its create may

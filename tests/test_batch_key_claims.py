@@ -34,13 +34,14 @@ def keyed_config(config: Config) -> Config:
 
 def fail_claim_writes(monkeypatch: pytest.MonkeyPatch, *, records: bool = False, takeovers: bool = False) -> list[str]:
     """Makes the batch store's compare-and-set writes of the kinds named fail as NATS failing does
-    (no answer), after sending them when `records` lands them; the keys refused, in order."""
+    (no answer): `records`, the first record write (a create's; the withdrawal of its batch that
+    follows goes through); `takeovers`, every takeover of a claim. The keys refused, in order."""
     put = batch_store.kv_put_expecting
     refused: list[str] = []
 
     async def failing_put(bucket: KvBucket, key: str, value: bytes, *, last_revision: int, **options: Any) -> int:
         is_claim = ".key." in key
-        if (records and not is_claim) or (takeovers and is_claim and last_revision > 0):
+        if (records and not is_claim and not refused) or (takeovers and is_claim and last_revision > 0):
             refused.append(key)
             raise nats.errors.TimeoutError
         return await put(bucket, key, value, last_revision=last_revision, **options)
@@ -65,9 +66,10 @@ async def test_a_create_whose_record_write_failed_frees_its_key_and_a_retry_crea
     config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A create that claimed its key and then failed to write its batch left the claim: a retry with
-    the key waited for it to go stale (26 s; 5 s before) and took it over. Now the create frees the
-    key, leaving nothing in the bucket (as a key never claimed, which a gateway of the release
-    before claims too), and the retry claims it at once."""
+    the key waited for it to go stale (26 s; 5 s before) and took it over. Now the create withdraws
+    its batch (a FAILED record under its ID, which its unanswered write, landing late, would lose)
+    and frees the key, leaving no claim in the bucket (as a key never claimed, which a gateway of
+    the release before claims too), and the retry claims it at once."""
     stack = await start_stack(keyed_config(config), batcher=False)
     stub = batches_stub(stack.channel)
     request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-r1")
@@ -88,7 +90,10 @@ async def test_a_create_whose_record_write_failed_frees_its_key_and_a_retry_crea
     assert claim is not None
     assert claim[0] == retried.batch.batch_id
     listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
-    assert [b.batch_id for b in listed.batches] == [retried.batch.batch_id]
+    assert [(b.batch_id, b.state) for b in listed.batches] == [
+        (retried.batch.batch_id, batch_service_pb2.BATCH_STATE_VALIDATING),
+        (failed_batch_id, batch_service_pb2.BATCH_STATE_FAILED),  # withdrawn: it never ran
+    ]
 
 
 async def test_a_create_whose_record_landed_unanswered_keeps_its_key(

@@ -26,7 +26,7 @@ from asyncinfer.batch_inputs import (
     npy_layout,
     parse_line,
 )
-from asyncinfer.batch_webhooks import error_ref, output_ref
+from asyncinfer.batch_webhooks import callback_due, error_ref, output_ref
 from asyncinfer.batches import (
     CREATE_RECORD_WITHIN_S,
     BatchRecord,
@@ -434,3 +434,22 @@ def test_an_upload_keeps_only_the_batches_that_may_still_read_it() -> None:
     assert create_settles_in_s(live.batch_id, now=minted_s + 1.0) == pytest.approx(create_settled_after_s() - 1.0)
     assert create_settles_in_s(live.batch_id, now=minted_s + 1e6) == 0.0
     assert create_settles_in_s("not-a-batch-id", now=minted_s) == 0.0
+
+
+def test_a_withdrawn_batch_is_told_from_one_that_failed_and_asks_for_no_webhook() -> None:
+    taker = record(state=BatchState.VALIDATING, callback=CallbackSpec("https://example.com/hook"))
+    holder = new_job_id()
+    withdrawal = batches.withdrawn_batch(
+        taker, batch_id=holder, now=150.0, why=batches.superseded_why(taker.batch_id, 26.0)
+    )
+    assert (withdrawal.batch_id, withdrawal.state, withdrawal.end_time) == (holder, BatchState.FAILED, 150.0)
+    assert taker.batch_id in withdrawal.failure_message
+    assert batches.is_withdrawn(withdrawal)
+    assert not callback_due(withdrawal)  # nobody asked for its end
+    assert withdrawal.kept_until == taker.kept_until  # kept as long as the key's claim
+    # A batch that failed on its own (its preparation, its model gone) is no withdrawal, nor one that ran.
+    assert not batches.is_withdrawn(
+        taker.evolve(state=BatchState.FAILED, failure_message="the model is no longer served")
+    )
+    assert not batches.is_withdrawn(withdrawal.evolve(in_progress_time=120.0))
+    assert not batches.is_withdrawn(withdrawal.evolve(state=BatchState.CANCELLED))

@@ -15,11 +15,15 @@ import structlog
 
 from asyncinfer.batches import (
     CREATE_RECORD_WITHIN_S,
+    NOT_ACCEPTED_WHY,
     BatchRecord,
     BatchState,
     create_settled_after_s,
     create_settles_in_s,
+    is_withdrawn,
     may_read_its_input,
+    superseded_why,
+    withdrawn_batch,
 )
 from asyncinfer.blob_meta import BlobInfo
 from asyncinfer.blobs import BlobStore
@@ -57,7 +61,8 @@ MAX_PAGE_SIZE = 100
 # How often a create looks again for the batch that claimed its idempotency key while that batch's
 # create may still write it (for up to create_settled_after_s()).
 CLAIM_WAIT_STEP_S = 0.1
-# Wait, find the claim stale, lose its takeover to another duplicate, wait again...
+# Wait, find the claim stale, lose its takeover to another duplicate, wait again...; and writes of a
+# create's record lost to a withdrawal (its create stalled while a duplicate took its key over).
 MAX_CLAIM_ROUNDS = 4
 # When a create minted its batch's ID: (monotonic, wall) clocks. A suspend stops the monotonic one
 # (on Linux), a wall clock may step back; the create's bound is past when either says so.
@@ -132,21 +137,50 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 if isinstance(first, BatchRecord):
                     return await self._deduplicated(request, record, first, upload)
                 record, minted = first
-        try:
-            written = await self._write_new(tenant, record, minted)
-        except BaseException:
-            if record.idempotency_key:
-                await self._release_key(tenant, record)
-            raise
-        self._driver.drive(tenant, written.batch_id)
-        return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+        for _ in range(MAX_CLAIM_ROUNDS):
+            try:
+                written = await self._write_new(tenant, record, minted)
+            except BatchConflict:
+                if not record.idempotency_key:  # a fresh ID's create: nobody else writes it
+                    raise
+                # Its create stalled past its bound and a duplicate took the key over, withdrawing
+                # this batch first: it never runs, and this create answers what a duplicate gets.
+                log.warning("batch_withdrawn_while_stalled", tenant=tenant, batch_id=record.batch_id)
+                first = await self._first_of_key(tenant, record)
+                if isinstance(first, BatchRecord):
+                    return await self._deduplicated(request, record, first, upload)
+                record, minted = first
+                continue
+            self._driver.drive(tenant, written.batch_id)
+            return batch_service_pb2.CreateBatchResponse(batch=self._proto(written))
+        raise Unavailable(
+            f"idempotency key {record.idempotency_key[:64]!r} is contended; try again", reason="IDEMPOTENCY_CONTENDED"
+        )
 
     def _mint(self, record: BatchRecord) -> tuple[BatchRecord, Minted]:
         """`record` under a new batch ID, and when it was minted: its create's bound starts then."""
         return record.evolve(batch_id=new_job_id()), (time.monotonic(), self._clock())
 
     async def _write_new(self, tenant: str, record: BatchRecord, minted: Minted) -> BatchRecord:
-        """Names the batch on its upload, then writes its record (`minted`: when its ID was)."""
+        """Names the batch on its upload, then creates its record. BatchConflict when a takeover
+        of its key withdrew the batch first; any other failure frees its key (_release_key)."""
+        try:
+            await self._name_on_upload(tenant, record, minted)
+        except BaseException:
+            if record.idempotency_key:
+                await self._release_key(tenant, record, sent=False)
+            raise
+        try:
+            return await self._store.write(record)
+        except BatchConflict:
+            raise
+        except BaseException:
+            if record.idempotency_key:
+                await self._release_key(tenant, record, sent=True)
+            raise
+
+    async def _name_on_upload(self, tenant: str, record: BatchRecord, minted: Minted) -> None:
+        """Names the batch on its upload, within its create's bound of `minted`."""
         # Named on the upload before the record is written, so a DeleteInput from then on sees the
         # batch (and refuses while it runs, or while its create may still write it); NOT_FOUND if
         # the upload went meanwhile. Batches named before that have ended are dropped in the same
@@ -168,16 +202,23 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 "no batch was created: create it again",
                 reason="BATCH_CREATE_TOO_SLOW",
             )
-        return await self._store.write(record)
 
-    async def _release_key(self, tenant: str, record: BatchRecord) -> None:
+    async def _release_key(self, tenant: str, record: BatchRecord, *, sent: bool) -> None:
         """Frees the idempotency key of a create that failed after claiming it, if the claim is
         still its own, so that a retry with the key creates the batch at once (it waited for the
-        claim to go stale: 26 s). Unless the batch's record exists after all (a write whose answer
-        was lost) or that cannot be told: the claim then goes stale, as a crashed create's."""
+        claim to go stale: 26 s). A create whose record write was `sent` (it may land later: NATS
+        unanswered) first withdraws its batch, a FAILED record created under its ID, which that
+        write then loses; a record found there instead (the write landed, its answer lost; or a
+        takeover's withdrawal) keeps the claim. It read the record instead, and a write landing
+        after that read made a batch beside the retry's. When that cannot be told, the claim goes
+        stale, as a crashed create's."""
         try:
-            if await self._store.get(tenant, record.batch_id) is None:
-                await self._store.release(tenant, record.idempotency_key, record.batch_id)
+            if sent:
+                withdrawal = withdrawn_batch(record, batch_id=record.batch_id, now=self._clock(), why=NOT_ACCEPTED_WHY)
+                written, found = await self._store.create_first(withdrawal)
+                if written is None and found is not None:
+                    return
+            await self._store.release(tenant, record.idempotency_key, record.batch_id)
         except AsyncInferError as exc:
             log.warning("batch_idempotency_key_not_released", tenant=tenant, batch_id=record.batch_id, error=str(exc))
 
@@ -188,10 +229,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
 
     async def _first_of_key(self, tenant: str, record: BatchRecord) -> BatchRecord | tuple[BatchRecord, Minted]:
         """The batch holding the idempotency key, once its create has written it; or, when the
-        create that claimed it can no longer write it (it died, or gave up), `record` under a new
-        batch ID that took the claim over, with when it was minted (its create's
+        create that claimed it can no longer write it (it died, gave up, or stalled), `record`
+        under a new batch ID that took the claim over, with when it was minted (its create's
         bound starts again). A live claim is waited for: UNAVAILABLE (IDEMPOTENCY_CONTENDED) if it
         has not gone stale once a create's bound has passed (its holder's clock is ahead of ours).
+        A takeover first withdraws the holder's batch (_withdraw), so that a create that only
+        stalled past its bound (a frozen process, a suspended host) cannot write it on waking.
 
         Stale means stale by two clocks: the wall clocks (the time in the holder's batch ID, its
         minting gateway's, against ours) and the server's (when it stored the claim, against its
@@ -216,7 +259,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                     continue
                 holder, revision = held
                 first = await self._store.get(tenant, holder)
-                if first is not None:
+                # A withdrawal is no batch: the claim moves on (a takeover, or its holder's release).
+                if first is not None and not is_withdrawn(first):
                     return first
                 if await self._stale(holder, revision):
                     break
@@ -230,12 +274,30 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
                 await asyncio.sleep(CLAIM_WAIT_STEP_S)
             # A new ID, as a fresh create's: the bound a reader applies runs from its minting.
             fresh, minted = self._mint(record)
+            live = await self._withdraw(tenant, record, holder, successor=fresh.batch_id)
+            if live is not None:  # its create wrote it after all: the key's batch
+                return live
             taker = await self._store.take_over(tenant, key, holder, fresh.batch_id, until=fresh.kept_until)
             if taker == fresh.batch_id:
                 log.warning("batch_idempotency_claim_taken_over", tenant=tenant, abandoned_batch_id=holder)
                 return fresh, minted
             # Another duplicate took it over first: its create now writes the batch; wait for it.
         raise Unavailable(f"idempotency key {key[:64]!r} is contended; try again", reason="IDEMPOTENCY_CONTENDED")
+
+    async def _withdraw(self, tenant: str, record: BatchRecord, holder: str, *, successor: str) -> BatchRecord | None:
+        """Before a stale claim is taken over: the holder's batch is withdrawn, a FAILED record
+        (`record`'s request, the taker's: the holder's is not kept) created where the holder's own
+        would be, which the holder's create, if it only stalled, then loses (BatchConflict). The
+        holder's batch when it has a record of its own after all; None when the takeover may go
+        on: the batch was withdrawn, by this create or another duplicate's (or its create's own
+        release), or only a marker is left."""
+        withdrawal = withdrawn_batch(
+            record, batch_id=holder, now=self._clock(), why=superseded_why(successor, create_settled_after_s())
+        )
+        _, found = await self._store.create_first(withdrawal)
+        if found is None or is_withdrawn(found):
+            return None
+        return found
 
     async def _stale(self, holder: str, revision: int) -> bool:
         """Whether the claim of a batch with no record can no longer get one: past a create's bound

@@ -99,6 +99,17 @@ class BatchStore:
             raise _refusal(exc, "cannot write the batch", "the batch was not written") from exc
         return record.evolve(revision=revision)
 
+    async def create_first(self, record: BatchRecord) -> tuple[BatchRecord | None, BatchRecord | None]:
+        """Writes `record` only if its key was never written (a create expecting revision 0, which
+        any earlier write refuses, a marker included): (the record written, None) when it won;
+        (None, the record there, or None where only a marker is) when refused. The fence between a
+        keyed batch's withdrawal (asyncinfer.batches.withdrawn_batch) and its create's own write:
+        whichever is first, the other loses."""
+        try:
+            return await self.write(record.evolve(revision=0)), None
+        except BatchConflict:
+            return None, await self.get(record.tenant, record.batch_id)
+
     async def claim(self, tenant: str, idempotency_key: str, batch_id: str, *, until: float) -> str:
         """The batch ID that holds the key: `batch_id` when this call claimed it, else the first's.
         The claim is removed at `until` (the batch's kept_until: a key is remembered as long as
