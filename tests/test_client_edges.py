@@ -11,13 +11,14 @@ import io
 import os
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from asyncinfer.client import NO_RETRY, AsyncClient, JobRequest, JobState, ResourceExhaustedError
+from asyncinfer.client import NO_RETRY, AsyncClient, Client, JobRequest, JobState, ResourceExhaustedError
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE
 from asyncinfer.config import Config
@@ -310,3 +311,19 @@ async def test_a_cancelled_run_or_wait_says_where_the_job_is(idle_stack: Stack) 
         [note] = cancelled.value.__notes__
         assert f"client.wait({job.job_id!r})" in note
         assert (await client.get(job)).state is JobState.QUEUED  # it goes on, and the client still works
+
+
+def test_a_blocking_client_that_cannot_be_made_leaves_no_thread_running(tmp_path: Path) -> None:
+    """Client() starts its loop's thread before it makes the channel; a channel that could not
+    be made (a TLS file missing, a certificate without its key) raised, and the thread and its
+    loop ran on for ever, one per try (a service retrying its start-up collected them)."""
+
+    def client_threads() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "asyncinfer-client"]
+
+    before = client_threads()
+    with pytest.raises(ValueError, match="tls_cert_file and tls_key_file go together"):
+        Client("127.0.0.1:1", tls_cert_file=tmp_path / "client.pem")
+    with pytest.raises(FileNotFoundError):
+        Client("127.0.0.1:1", tls_ca_file=tmp_path / "missing-ca.pem")
+    assert client_threads() == before

@@ -158,7 +158,15 @@ class Client:
                 keepalive_s=keepalive_s,
             )
 
-        self._client = self._run(make())
+        try:
+            self._client = self._run(make())
+        except BaseException:
+            # The thread and its loop are this client's alone: one whose channel could not be made
+            # (a TLS file missing, a certificate without its key) ran on for ever, one per try.
+            self._closed = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()  # _serve closes the loop
+            raise
         self._collected = weakref.finalize(self, _collected, self._loop, self._client, self._pid, target)
         self._collected.atexit = False  # at exit the daemon thread just ends, as before
 
