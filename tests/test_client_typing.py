@@ -3,6 +3,7 @@ fetched once per client), as the CLI does; an explicit Tensor is sent as it is (
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,3 +148,42 @@ async def test_a_gateway_without_list_models_gets_the_inputs_as_before() -> None
         await server.stop(0)
     assert gateway.datatypes == ["INT64", "FP64", "FP64"]
     assert gateway.list_models_calls == 1, "asked once, never again"
+
+
+class StalledListModelsGateway(job_service_pb2_grpc.JobServiceServicer):
+    """A gateway whose ListModels never answers (its model catalogue stalled); SubmitJob answers
+    and records how much of the call's deadline was left when it came."""
+
+    def __init__(self) -> None:
+        self.submit_time_remaining: list[float] = []
+
+    async def ListModels(self, request: Any, context: Any) -> Any:
+        await asyncio.Event().wait()  # until the caller's deadline cancels it
+
+    async def SubmitJob(self, request: Any, context: Any) -> Any:
+        self.submit_time_remaining.append(context.time_remaining())
+        response = job_service_pb2.SubmitJobResponse()
+        response.job.job_id = "job-1"
+        response.job.state = job_pb2.JOB_STATE_QUEUED
+        return response
+
+
+async def test_a_submit_typed_by_a_stalled_list_models_keeps_within_its_timeout() -> None:
+    """Typing asked ListModels with the submit's whole timeout_s, and the SubmitJob then had a
+    whole timeout_s of its own: a submit given 4 s took 8 against a stalled gateway. The submit's
+    one deadline now covers both (typing gets at most half of it and is then skipped)."""
+    gateway = StalledListModelsGateway()
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    timeout_s = 4.0
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            job = await client.submit("demo", {"x": [[1, 2, 3, 4]]}, timeout_s=timeout_s)
+    finally:
+        await server.stop(0)
+    assert job.job_id == "job-1", "submitted with the inputs as given"
+    [remaining] = gateway.submit_time_remaining
+    # Half of it at most (gRPC's deadline header rounds up a little); before, all of it again.
+    assert remaining < timeout_s * 0.75, f"SubmitJob had {remaining:.2f} s of a {timeout_s} s submit left"

@@ -17,6 +17,7 @@ from asyncinfer.client._convert import (
     submit_request_to_proto,
     with_idempotency_key,
 )
+from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
@@ -71,7 +72,8 @@ class JobCalls(ClientChannel):
         such as nested lists), or is a list of `Tensor`s; or give `input_ref` from `upload`.
         Arrays and lists are typed by the model's signature where nothing is lost (ints and floats
         to FP16/FP32/FP64, ints to an integer type they fit, bools to BOOL, strings to BYTES), as
-        the gateway's ListModels says (asked once per client); a `Tensor` is sent as it is.
+        the gateway's ListModels says (asked once per client, within half of `timeout_s`: the
+        submit's one deadline covers both calls); a `Tensor` is sent as it is.
         `deadline` / `queue_ttl_s`: it expires unless started by then.
 
         Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
@@ -109,27 +111,34 @@ class JobCalls(ClientChannel):
         self, request: JobRequest, *, timeout_s: float | None = None, traceparent: str = "", wait_s: float | None = None
     ) -> Job:
         """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
-        request = await self._typed(request, timeout_s)
+        deadline = self._deadline(timeout_s)
+        # One deadline for the typing and the submit: typing's ListModels had a whole timeout_s of
+        # its own, and a gateway that did not answer it made a submit take twice its timeout_s.
+        # Typing gets at most half, so that the submit itself keeps time to be sent.
+        remaining = deadline.remaining()
+        request = await self._typed(request, Deadline(None if remaining is None else remaining / 2))
         message = submit_request_to_proto(with_idempotency_key(request))
         if wait_s:
-            call_timeout_s = self.timeout_s if timeout_s is None else timeout_s
+            call_timeout_s = deadline.remaining()
+            call_timeout_s = self.timeout_s if call_timeout_s is None else call_timeout_s
             message.wait.FromNanoseconds(int(min(wait_s, _wait_within(call_timeout_s)) * 1e9))
         metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
 
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
             return await self._stub.SubmitJob(message, timeout=remaining, metadata=metadata)
 
-        response = await self._call(invoke, self._deadline(timeout_s))
+        response = await self._call(invoke, deadline)
         return job_from_proto(response.job)
 
-    async def _typed(self, request: JobRequest, timeout_s: float | None) -> JobRequest:
+    async def _typed(self, request: JobRequest, typing: Deadline) -> JobRequest:
         """The request with each input given as an array or plain values (not a `Tensor`) typed
         by the model's signature where that loses nothing (a list of ints or a float64 array for
-        an FP32 input: float32); anything else is left as it is, for the gateway to judge."""
+        an FP32 input: float32); anything else is left as it is, for the gateway to judge.
+        `typing`: when asking ListModels for the signature stops being worth it."""
         inputs = request.inputs
         if not isinstance(inputs, Mapping) or not inputs:
             return request
-        specs = await self._specs(request.model, timeout_s)
+        specs = await self._specs(request.model, typing)
         if not specs:
             return request
         typed: dict[str, Any] = {}
@@ -146,16 +155,19 @@ class JobCalls(ClientChannel):
             typed[name] = value if array is None else array
         return replace(request, inputs=typed)
 
-    async def _specs(self, model: str, timeout_s: float | None) -> dict[str, TensorSpec]:
-        """The model's input specs by name (cached; {} for a model the gateway does not list)."""
+    async def _specs(self, model: str, typing: Deadline) -> dict[str, TensorSpec]:
+        """The model's input specs by name (cached; {} for a model the gateway does not list, or
+        when `typing` passes before they are known)."""
         async with self._specs_lock:
+            if typing.expired():  # spent waiting for another submit's ListModels
+                return (self._input_specs or {}).get(model, {})
             known = self._input_specs
             if not self._list_models_unimplemented and (
                 known is None or (model not in known and model not in self._unlisted)
             ):
                 try:
                     # One attempt: when the gateway is unavailable the submit's own retries wait.
-                    models = await self._models(timeout_s, retry=False)
+                    models = await self._models(typing.remaining(), retry=False)
                 except UnimplementedError:
                     self._list_models_unimplemented = True
                 except AsyncInferClientError as error:
@@ -175,7 +187,7 @@ class JobCalls(ClientChannel):
             return (self._input_specs or {}).get(model, {})
 
     async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> JobRequest:
-        return await self._typed(await anext(source), None)
+        return await self._typed(await anext(source), self._deadline(None))
 
     async def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         """The job as it stands now. NotFoundError for an unknown job (reason JOB_NOT_FOUND) or one
