@@ -385,3 +385,32 @@ async def test_a_download_that_stalls_ends_at_its_timeout() -> None:
                 )
     finally:
         await server.stop(None)
+
+
+async def test_a_download_outlasts_a_gateway_restart_before_its_first_byte(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """Every other call retries UNAVAILABLE (RetryPolicy); a download raised it at once, so
+    `batch download` during a gateway's restart or rollout failed where `batch get` waited it out.
+    It is now opened again, within the policy and its timeout_s, until its first byte comes (a
+    stream that breaks after that still fails whole: test_batch_downloads.py)."""
+    retried = asyncio.Event()
+    stack = await start_stack(small_batches(config).replace(gateway={"port": free_port()}))
+    retry = RetryPolicy(max_attempts=50, on_retry=lambda error, delay_s: retried.set())
+    async with AsyncClient(stack.address, retry=retry) as client:
+        batch = await client.wait_batch(await client.create_batch(jsonl(demo_records(3)), "demo"), timeout_s=60)
+        assert batch.state == "COMPLETED"
+        downloads: list[asyncio.Task[int]] = []
+
+        async def download_while_away() -> None:
+            downloads.append(asyncio.create_task(client.download(batch, tmp_path / "out.jsonl", timeout_s=60)))
+            await asyncio.wait([downloads[0], asyncio.create_task(retried.wait())], return_when="FIRST_COMPLETED")
+            if downloads[0].done():  # it raised UnavailableError here, at once
+                await downloads[0]
+
+        await stack.restart_gateway(grace_s=0, while_away=download_while_away)
+        written = await downloads[0]
+    assert retried.is_set()
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert written == (tmp_path / "out.jsonl").stat().st_size
+    assert len(lines) == 3

@@ -148,7 +148,9 @@ class BatchFiles(BlobCalls):
         """Writes the batch's output file (JSONL in input order), or with file="errors" its error
         file, or with file="npz" the NPZ archive of a batch over an NPY or NPZ file (see
         `output_arrays`), to a path or a binary file; the bytes written. `timeout_s`: the most the
-        whole download may take (none by default: a large file takes as long as it takes)."""
+        whole download may take (none by default: a large file takes as long as it takes). Opened
+        again after UNAVAILABLE until its first byte comes (the client's RetryPolicy); a stream
+        that breaks after that raises (a path is then left as it was)."""
         return await write_file(self._batch_calls.download(batch, file, timeout_s=timeout_s), target)
 
     async def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:

@@ -151,7 +151,7 @@ class ClientChannel:
         self._batches = BatchCalls(
             self._channel,
             self._metadata,
-            lambda invoke: self._call(invoke, self._deadline(None)),
+            lambda invoke, deadline=None: self._call(invoke, self._deadline(None) if deadline is None else deadline),
             resume_s=lambda: self.retry.stream_resume_s,
         )
         self._closed = False

@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
+from grpc import aio
 
 from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
@@ -30,7 +31,16 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 RECONNECT_S = 0.5  # a watch broken by a gateway restart is opened again this much later
-Call = Callable[[Callable[[float | None], Awaitable[Any]]], Awaitable[Any]]
+
+
+class Call(Protocol):
+    """The client's retrying call (`ClientChannel._call`): within `deadline`, or the client's
+    unary timeout_s when none is given."""
+
+    def __call__(
+        self, invoke: Callable[[float | None], Awaitable[Any]], deadline: Deadline | None = None
+    ) -> Awaitable[Any]: ...
+
 
 _PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
 _FORMATS = {
@@ -286,11 +296,27 @@ class BatchCalls:
         if file not in FILES:
             raise ValueError(f"file must be one of {sorted(FILES)}, not {file!r}")
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=_batch_id(batch), file=FILES[file])
+
+        async def opened(remaining: float | None) -> tuple[Any, Any]:
+            call = self._stub.ReadBatchFile(request, metadata=self._metadata, timeout=remaining)
+            try:
+                return call, await call.read()
+            except BaseException:
+                call.cancel()
+                raise
+
+        # Opened as any call is, retried (UNAVAILABLE: a gateway restarting) until its first piece
+        # comes, within timeout_s, which is also the stream's deadline. Once pieces have been
+        # written a break is the caller's error: the stream cannot resume mid-file.
+        call, piece = await self._call(opened, Deadline(timeout_s))
         try:
-            async for piece in self._stub.ReadBatchFile(request, metadata=self._metadata, timeout=timeout_s):
+            while piece is not aio.EOF:  # type: ignore[attr-defined]
                 yield piece.chunk
+                piece = await call.read()
         except grpc.RpcError as exc:  # the SDK's errors, as every other call raises them
             raise from_rpc_error(exc) from exc
+        finally:
+            call.cancel()
 
 
 async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str] | BinaryIO) -> int:
