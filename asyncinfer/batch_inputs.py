@@ -123,13 +123,71 @@ _LINE_FIELDS = frozenset({"custom_id", "inputs"})
 MAX_LINE_BYTES = 16 * 1024 * 1024
 
 
+@dataclass(frozen=True, slots=True)
+class LongLine:
+    """A line over MAX_LINE_BYTES, of which only its length was kept."""
+
+    length: int
+
+
+def long_line_error(line: int, length: int) -> ErrorLine:
+    return ErrorLine(line, "", "INVALID_ARGUMENT", f"the line is {length} bytes, over {MAX_LINE_BYTES}")
+
+
+@dataclass(slots=True)
+class LineSplitter:
+    """A JSONL file's lines as its pieces arrive. A line that spans pieces is gathered in one
+    buffer, appended to, until it is over `max_line_bytes`: then only its length is counted
+    (LongLine). Joining each piece to all of the line before it (`carry + piece`) copied the line
+    again per piece: a 64-MB line without a newline took 17 s of the gateway's event loop, one
+    of 1 GiB (an upload's limit, e.g. a JSON array sent as one line) hours, each join holding the
+    line twice."""
+
+    max_line_bytes: int = field(default_factory=lambda: MAX_LINE_BYTES)
+    _line: bytearray = field(default_factory=bytearray)
+    _length: int = 0  # the unfinished line's bytes so far, those not kept included
+
+    def feed(self, piece: bytes) -> list[bytes | LongLine]:
+        """The lines that `piece` ends, in order (without their newlines)."""
+        parts = piece.split(b"\n")
+        last = parts.pop()
+        if not parts:
+            self._add(last)
+            return []
+        self._add(parts[0])
+        lines: list[bytes | LongLine] = [self._finish()]
+        if len(piece) <= self.max_line_bytes:  # a store's pieces (128 KiB): no whole line within can be long
+            lines += parts[1:]
+        else:
+            lines += (p if len(p) <= self.max_line_bytes else LongLine(len(p)) for p in parts[1:])
+        self._add(last)
+        return lines
+
+    def end(self) -> list[bytes | LongLine]:
+        """The last line, where the file does not end with a newline."""
+        return [self._finish()] if self._length else []
+
+    def _add(self, part: bytes) -> None:
+        self._length += len(part)
+        if self._length <= self.max_line_bytes:
+            self._line += part
+        else:
+            self._line.clear()
+
+    def _finish(self) -> bytes | LongLine:
+        finished = bytes(self._line) if self._length <= self.max_line_bytes else LongLine(self._length)
+        self._line.clear()
+        self._length = 0
+        return finished
+
+
 def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[IndexEntry, Arrays] | ErrorLine:
     """One JSONL line: its record, or its error line."""
     custom_id = ""
     if len(text) > MAX_LINE_BYTES:
         # Not decoded: a line is held about nine times over as Python objects (a 45-MB line took a
         # gateway from 123 to 529 MB), and one record past a SubmitJob's size is no record to run.
-        return ErrorLine(line, "", "INVALID_ARGUMENT", f"the line is {len(text)} bytes, over {MAX_LINE_BYTES}")
+        return long_line_error(line, len(text))
     try:
         value = _decoded(text)
         if not isinstance(value, dict):

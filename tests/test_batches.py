@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
 
+from asyncinfer import batch_inputs
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.jobs import BATCH_LABEL, Priority
@@ -154,6 +156,41 @@ async def test_a_bad_line_is_one_error_line_and_the_rest_run(config: Config, sta
     assert [e.line for e in batch.first_errors] == [4, 51, 78]
     good = [r["custom_id"] for i, r in enumerate(records) if i not in (3, 50, 77)]
     assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == good
+
+
+async def test_a_line_over_the_limit_is_one_error_line_and_is_not_held_whole(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line past MAX_LINE_BYTES (here 1 MiB) is counted as it streams, not gathered: a 24-MiB line
+    took the preparation's memory past 48 MiB (each piece was joined to all of the line before it,
+    a copy per piece), and a 1-GiB one (a JSON array sent as one line) hours of the gateway's loop."""
+    monkeypatch.setattr(batch_inputs, "MAX_LINE_BYTES", 1 << 20)
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    records = demo_records(6)
+    long_line = b'[{"custom_id": "a", "inputs": {"x": [[' + b"1.0, " * ((24 << 20) // 5) + b"1.0]]}}]\n"
+    data = jsonl(records[:3]) + long_line + jsonl(records[3:]).rstrip(b"\n")  # the last line has no newline
+    ref = await upload(stack.jobs, data)
+    del data
+    tracemalloc.start()
+    try:
+        created = await stub.CreateBatch(create_request(ref))
+        batch = await wait_ended(stub, created.batch.batch_id)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    bad = await errors(stub, batch.batch_id)
+    assert bad == [
+        {
+            "line": 4,
+            "custom_id": "",
+            "code": "INVALID_ARGUMENT",
+            "message": f"the line is {len(long_line) - 1} bytes, over {1 << 20}",
+        }
+    ]
+    assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == [r["custom_id"] for r in records]
+    assert peak < 8 << 20, f"the preparation held {peak} bytes for a line of {len(long_line)}"
 
 
 async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: StartStack) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import zipfile
 from typing import Any
@@ -18,6 +19,8 @@ from asyncinfer import batches
 from asyncinfer.batch_inputs import (
     MAX_LINE_BYTES,
     ChunkBuilder,
+    LineSplitter,
+    LongLine,
     RecordInvalid,
     array_chunks,
     array_inputs,
@@ -174,6 +177,27 @@ def test_the_record_codec_round_trips() -> None:
         in_progress_time=101.5,
     )
     assert batches.decode_batch(batches.encode_batch(original), 7) == original.evolve(revision=7)
+
+
+@given(
+    st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=8),
+    st.booleans(),
+    st.lists(st.integers(0, 100), max_size=6),
+)
+def test_a_file_cut_anywhere_gives_its_lines_and_a_long_lines_length(
+    lines: list[bytes], final_newline: bool, cuts: list[int]
+) -> None:
+    """The preparation's lines are the file's, however its pieces are cut; a line over the limit
+    (here 8 bytes) comes as its length alone."""
+    data = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    splitter = LineSplitter(max_line_bytes=8)
+    got = [line for a, b in itertools.pairwise(bounds) for line in splitter.feed(data[a:b])]
+    got += splitter.end()
+    expected = data.split(b"\n")
+    if expected[-1] == b"":  # what follows the last newline, or an empty file: no line
+        expected.pop()
+    assert got == [line if len(line) <= 8 else LongLine(len(line)) for line in expected]
 
 
 @given(st.lists(st.sampled_from(["ok", "bad", "blank"]), max_size=40), st.integers(1, 7))

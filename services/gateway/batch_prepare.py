@@ -21,11 +21,14 @@ from asyncinfer.batch_inputs import (
     ChunkBuilder,
     ChunkReady,
     IndexEntry,
+    LineSplitter,
+    LongLine,
     NpyLayout,
     RecordInvalid,
     array_chunks,
     array_inputs,
     detect_format,
+    long_line_error,
     npy_layout,
     parse_line,
 )
@@ -154,7 +157,7 @@ def _cut(data: bytearray, first: int, last: int) -> bytes:
 
 
 def _parse_piece(
-    lines: list[bytes], first_line: int, signature: ModelSignature, builder: ChunkBuilder
+    lines: list[bytes | LongLine], first_line: int, signature: ModelSignature, builder: ChunkBuilder
 ) -> tuple[list[ChunkReady], list[ErrorLine], int]:
     """In a worker thread: a run of lines into the chunks they closed, their errors, and how many
     non-blank lines they held."""
@@ -162,6 +165,10 @@ def _parse_piece(
     errors: list[ErrorLine] = []
     counted = 0
     for offset, text in enumerate(lines):
+        if isinstance(text, LongLine):
+            counted += 1
+            errors.append(long_line_error(first_line + offset, text.length))
+            continue
         if not text.strip():
             continue
         counted += 1
@@ -275,7 +282,7 @@ class Preparer:
                 prepared.total = ready.end
             return prepared
         builder = ChunkBuilder(model.signature, self._config.chunk_records)
-        carry = b""
+        splitter = LineSplitter()
         line = 1
 
         async def pieces() -> AsyncIterator[bytes]:
@@ -284,11 +291,10 @@ class Preparer:
                 yield piece
 
         async for piece in pieces():
-            lines = (carry + piece).split(b"\n")
-            carry = lines.pop()
-            line = await self._lines(record, model, lines, line, builder, prepared, index, errors)
-        if carry:
-            await self._lines(record, model, [carry], line, builder, prepared, index, errors)
+            if lines := splitter.feed(piece):
+                line = await self._lines(record, model, lines, line, builder, prepared, index, errors)
+        if last_line := splitter.end():
+            await self._lines(record, model, last_line, line, builder, prepared, index, errors)
         last = builder.close()
         if last is not None:
             prepared.chunks.append(await self._store_chunk(record, last, index))
@@ -341,7 +347,7 @@ class Preparer:
         self,
         record: BatchRecord,
         model: ModelConfig,
-        lines: list[bytes],
+        lines: list[bytes | LongLine],
         line: int,
         builder: ChunkBuilder,
         prepared: Prepared,
