@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asyncinfer.batches import ErrorLine, InputFormat
-from asyncinfer.tensors import ModelSignature, Tensor, TensorSpec, typed_as
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, typed_as
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -299,6 +299,11 @@ def _check_array(
     else:
         typed = typed_as(array, spec.datatype)
         if typed is None:
+            row = _first_record_out_of_range(array, spec.datatype)
+            if row is not None:
+                raise RecordInvalid(
+                    f"array {spec.name!r} ({array.dtype}) has a value past {spec.datatype}'s range, in record {row}"
+                )
             raise RecordInvalid(f"array {spec.name!r} must be {spec.datatype}, got {array.dtype}")
         array = typed
     if array.ndim != len(spec.shape) or any(
@@ -309,6 +314,25 @@ def _check_array(
             f"the record), got {list(array.shape if file_shape is None else file_shape)}"
         )
     return array
+
+
+def _first_record_out_of_range(array: npt.NDArray[Any], datatype: str) -> int | None:
+    """The first record holding a value that typed_as refused for its range rather than its kind
+    (a float64 of 1e300 for FP32, an int64 of 300 for INT8), or None: the refusal then named a
+    dtype that was not at fault ("must be FP32, got float64", which typed_as converts)."""
+    target = NUMPY_DTYPES.get(datatype)
+    if target is None or array.ndim == 0 or array.dtype.kind not in "iuf":
+        return None
+    if target.kind == "f":
+        with np.errstate(over="ignore"):
+            past = np.isinf(array.astype(target)) & ~np.isinf(array)
+    elif target.kind in "iu" and array.dtype.kind in "iu":
+        info = np.iinfo(target.str)
+        past = (array < info.min) | (array > info.max)
+    else:
+        return None
+    found = np.flatnonzero(past)
+    return int(np.unravel_index(found[0], array.shape)[0]) if found.size else None
 
 
 def _single_input(signature: ModelSignature) -> TensorSpec:

@@ -30,6 +30,7 @@ from tests.batch_helpers import (
     demo_records,
     errors,
     jsonl,
+    npy_bytes,
     npz_output,
     outputs,
     upload,
@@ -255,6 +256,33 @@ async def test_an_array_file_numpy_cannot_read_or_too_large_uncompressed_fails_t
         batch = await wait_ended(stub, created.batch.batch_id)
         assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
         assert batch.failure_message.startswith(said), batch.failure_message
+
+
+async def test_a_value_past_the_models_range_fails_its_row_streamed_and_names_its_record_read_whole(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A float64 array with one value past FP32's range: streamed from its header (C order), its
+    row's chunk fails when read and is split until the row fails alone; read whole (Fortran order,
+    NPZ), the batch fails naming the record. (It said "must be FP32, got float64", a dtype that is
+    converted, and the same array in C order ran.)"""
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    x = np.ones((150, 4))
+    x[120, 1] = 1e300
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, npy_bytes(x))))
+    streamed = await wait_ended(stub, created.batch.batch_id)
+    assert streamed.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (streamed.request_counts.completed, streamed.request_counts.failed) == (149, 1)
+    bad = await errors(stub, streamed.batch_id)
+    assert [(e["line"], e["custom_id"], e["code"]) for e in bad] == [(121, "120", "INVALID_ARGUMENT")]
+    assert "do not fit FP32" in bad[0]["message"]
+    archive = io.BytesIO()
+    np.savez(archive, x=x)
+    for data in (npy_bytes(np.asfortranarray(x)), archive.getvalue()):
+        created = await stub.CreateBatch(create_request(await upload(stack.jobs, data)))
+        whole = await wait_ended(stub, created.batch.batch_id)
+        assert whole.state == batch_service_pb2.BATCH_STATE_FAILED
+        assert whole.failure_message == "array 'x' (float64) has a value past FP32's range, in record 120"
 
 
 async def test_a_duration_of_mixed_signs_is_refused_where_submit_refuses_it(

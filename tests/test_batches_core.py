@@ -305,6 +305,38 @@ def _with_shape(npy: bytes, shape: tuple[int, ...], *, fortran: bool = False) ->
     return npy[:10] + header.ljust(header_len - 1) + b"\n" + npy[10 + header_len :]
 
 
+@pytest.mark.parametrize(
+    ("datatype", "array", "said"),
+    [
+        (
+            "INT8",
+            np.array([[1, 2], [3, 300]], dtype=np.int64),
+            "array 'x' (int64) has a value past INT8's range, in record 1",
+        ),
+        (
+            "UINT8",
+            np.array([[-1, 2], [3, 4]], dtype=np.int64),
+            "array 'x' (int64) has a value past UINT8's range, in record 0",
+        ),
+        (
+            "FP16",
+            np.array([[1, 2], [3, 1e6]], dtype=np.float32),
+            "array 'x' (float32) has a value past FP16's range, in record 1",
+        ),
+        ("INT32", np.array([[1, 2], [3, 1.5]]), "array 'x' must be INT32, got float64"),  # the kind is at fault
+    ],
+)
+def test_an_array_value_past_the_models_range_names_its_record_not_the_dtype(
+    datatype: str, array: Any, said: str
+) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, x=array)
+    signature = ModelSignature((TensorSpec("x", datatype, (-1, 2)),), ())
+    with pytest.raises(RecordInvalid) as refused:
+        array_inputs(buffer.getvalue(), InputFormat.NPZ, signature, max_bytes=1 << 20)
+    assert str(refused.value) == said
+
+
 def test_hostile_array_files_are_refused_as_the_files_fault_before_anything_is_allocated() -> None:
     """A hostile-input pass (session 25): a 199-KiB NPZ of zeros grew the gateway by 201 MiB (a
     deflate bomb; 1 GiB uploads are allowed), and files numpy or zipfile refused with another
