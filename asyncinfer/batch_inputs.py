@@ -117,6 +117,15 @@ def _decoded(text: bytes) -> Any:
         return json.loads(text)
 
 
+def _check_overflow(text: bytes, arrays: Arrays) -> None:
+    """RecordInvalid for a number past FP64's range, which msgspec reads as inf: 1e400 ran as inf
+    (its output null) where 1e300 for FP32 is refused. An inf is taken as written only where the
+    line writes Infinity (read as inf and kept, as Python's json.dumps writes one)."""
+    for name, array in arrays.items():
+        if array.dtype.kind == "f" and bool(np.isinf(array).any()) and b"Infinity" not in text:
+            raise RecordInvalid(f"input {name!r} has a number past the range of any float (FP64's)")
+
+
 _LINE_FIELDS = frozenset({"custom_id", "inputs"})
 # The longest JSONL line read: four times a SubmitJob request's default limit (4 MiB), room for its
 # tensors as JSON text.
@@ -218,6 +227,7 @@ def parse_line(line: int, text: bytes, signature: ModelSignature) -> tuple[Index
         if "inputs" not in value:
             raise RecordInvalid('a line needs "inputs"')
         arrays = check_record(value["inputs"], signature)
+        _check_overflow(text, arrays)
     except RecordInvalid as exc:
         return ErrorLine(line, custom_id, "INVALID_ARGUMENT", str(exc))
     except json.JSONDecodeError as exc:  # its "line 1" is within the line: the column says where

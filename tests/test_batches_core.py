@@ -427,6 +427,17 @@ def test_a_line_json_dumps_wrote_with_nan_is_still_a_record() -> None:
     assert broken.message.startswith("not a JSON line")
 
 
+def test_a_number_past_any_floats_range_is_an_error_where_infinity_written_is_kept() -> None:
+    """1e400 was read as inf and ran (its output null) where 1e300 for FP32 is refused; Infinity,
+    as json.dumps writes it, is still kept."""
+    past = parse_line(2, b'{"custom_id": "p", "inputs": {"x": [[1, 2, 3, -1e400]]}}', SIGNATURE)
+    assert isinstance(past, ErrorLine)
+    assert (past.custom_id, past.message) == ("p", "input 'x' has a number past the range of any float (FP64's)")
+    written = parse_line(3, json.dumps({"inputs": {"x": [[float("inf"), 1, 2, 3]]}}).encode(), SIGNATURE)
+    assert not isinstance(written, ErrorLine)
+    assert np.isposinf(written[1]["x"][0, 0])
+
+
 def test_getbatch_names_the_files_once_they_can_be_read() -> None:
     """ReadBatchFile refuses a batch that has not ended (BATCH_NOT_ENDED), so GetBatch names its
     files only then (it named them while running once a line had failed validation); a FAILED batch
