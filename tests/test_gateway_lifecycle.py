@@ -748,8 +748,10 @@ async def test_a_paused_queue_places_each_job_of_a_burst_whatever_the_gateways_c
     assert [r.create_time for r in kept] == [j.create_time.ToNanoseconds() / 1e9 for j in jobs]  # the gateway's
     standings = [view.standing(r) for r in kept]
     by_create_time = [s.position for s in standings if s is not None]
-    assert (by_create_time[0], by_create_time[-1]) == (0, len(jobs) - 1), by_create_time
-    # Each create_time is a publish's round trip (a millisecond or two) before its stamp.
+    assert len(by_create_time) == len(jobs), standings
+    assert by_create_time == sorted(by_create_time), by_create_time
+    # Each create_time is a publish's round trip (a millisecond or two, more on a loaded machine)
+    # before its stamp, so the last may be placed one early: within one of the stamps' places.
     assert all(abs(a - b) <= 1 for a, b in zip(by_stamp, by_create_time, strict=True)), (by_stamp, by_create_time)
 
 
