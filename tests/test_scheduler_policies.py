@@ -673,6 +673,37 @@ async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, con
     await h.work_empty()
 
 
+async def test_a_job_cancelled_on_its_last_attempt_that_then_fails_ends_canceled_without_a_dead_letter(
+    start: Start, config: Config
+) -> None:
+    # A cancel wins over what its attempt does next, a retriable failure of the last attempt
+    # included: the job ends CANCELED, and no dead letter says it failed (one did: ListDeadLetters
+    # listed it, the dead-letter alert counted it, and its replay was refused NOT_REPLAYABLE).
+    h = await start(tune(config, timeout_action="retry"))
+    batcher = await h.batcher(credits=2)
+    failing = await enqueue(h.nc, h.kv, max_attempts=1)
+    order = await batcher.next_order()
+    assert (await cancel_as_gateway(h, failing)).state == JobState.CANCELLING
+    assert (await batcher.next_cancel()).job_id == failing
+    await batcher.fail(order, MODEL_ERROR)  # a model that does not stop at the cancel, then raises
+    assert (await wait_state(h.js, failing, JobState.CANCELED)).attempt == 1
+
+    # A hung run cancelled, then past its execution timeout under timeout_action "retry".
+    hanging = await enqueue(h.nc, h.kv, max_attempts=1, execution_timeout_s=0.3)
+    await batcher.next_order()
+    assert (await cancel_as_gateway(h, hanging)).state == JobState.CANCELLING
+    await wait_state(h.js, hanging, JobState.CANCELED)
+    await h.work_empty()
+
+    listed = await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))
+    assert [letter.job_id for letter in listed.dead_letters] == []
+    assert listed.total == 0
+    dead_total = h.app.metrics.registry.get_sample_value(
+        "asyncinfer_dead_letters_total", {"model": MODEL, "reason": "MAX_ATTEMPTS"}
+    )
+    assert dead_total in (None, 0.0)
+
+
 # --- pause, drain, snapshots, tenant counters ------------------------------------------------
 
 

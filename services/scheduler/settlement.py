@@ -196,7 +196,11 @@ class Settlement:
         state: JobState,
         batch: BatchInfo | None = None,
     ) -> None:
-        """Attempts spent: the dead letter first, then the record, then the ack."""
+        """Attempts spent: the dead letter first, then the record, then the ack. A letter whose
+        record did not end as it says (a cancel came first: the give-up made it CANCELED; or another
+        attempt holds it) is deleted again: a cancel wins over the attempt's failure, and no letter
+        may say the job failed (it was listed, counted by the dead-letter alert, and its replay was
+        refused NOT_REPLAYABLE)."""
         letter = DeadLetter(
             job_id=record.job_id,
             tenant=record.tenant,
@@ -208,19 +212,30 @@ class Settlement:
             last_error=last_error,
         )
         stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
-        if CHUNK_LABEL in record.labels:
-            self._metrics.chunk_dead_letters.labels(model=record.model_name).inc()
-        else:
-            self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
-        job_log.warning(
-            "job_dead_lettered",
-            sequence=stored.sequence,
-            attempts=record.attempt,
-            reason=last_error.reason if last_error else None,
-        )
         event = lifecycle.give_up_event(record, last_error, state=state, batch=batch)
         latest, written = await self._store.transition(record, lifecycle.decider(event, time.time()))
+        if latest is not None and latest.state is not state:
+            await self._withdraw_letter(stored, latest, job_log)
+        else:
+            if CHUNK_LABEL in record.labels:
+                self._metrics.chunk_dead_letters.labels(model=record.model_name).inc()
+            else:
+                self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
+            job_log.warning(
+                "job_dead_lettered",
+                sequence=stored.sequence,
+                attempts=record.attempt,
+                reason=last_error.reason if last_error else None,
+            )
         await self.settle(msg, latest, written, job_log)
+
+    async def _withdraw_letter(self, letter: DeadLetter, latest: JobRecord, job_log: JobLog) -> None:
+        try:
+            await self._dead_letters.delete(letter.sequence)
+        except Exception as exc:  # left listed: its replay is refused, a purge removes it
+            job_log.warning("dead_letter_not_withdrawn", sequence=letter.sequence, error=str(exc))
+            return
+        job_log.info("dead_letter_withdrawn", sequence=letter.sequence, state=latest.state.value)
 
     async def requeue(
         self,
