@@ -385,6 +385,15 @@ def after_failure(
     return DeadLetterJob(state=final_state, last_error=error)
 
 
+def put_back_delay_s(record: JobRecord, delay_s: float, now: float) -> float:
+    """How long a job put back in the queue waits before it is offered again: `delay_s` (a retry's
+    backoff), but not past its deadline, where the dispatch finds it overdue and ends it EXPIRED
+    (a backoff longer than the time left kept it QUEUED past its deadline for the rest)."""
+    if record.deadline is None:
+        return delay_s
+    return max(0.0, min(delay_s, record.deadline - now))
+
+
 def give_up_event(
     record: JobRecord, last_error: JobError | None, *, state: JobState, batch: BatchInfo | None = None
 ) -> GiveUp:

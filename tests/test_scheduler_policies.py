@@ -550,6 +550,30 @@ async def test_job_past_its_deadline_expires_at_dispatch_and_never_runs(start: S
     assert order.job_id == fresh
 
 
+async def test_a_job_whose_deadline_passes_in_its_retry_backoff_is_expired_by_the_scheduler(
+    start: Start, config: Config
+) -> None:
+    # A retry waits out its backoff (here 150-300 s) or its deadline, whichever comes first: the
+    # scheduler then finds it overdue and ends it EXPIRED. It stayed QUEUED in its record until the
+    # backoff's end (its EXPIRED webhook minutes late, its message counted in its tenant's queued
+    # jobs), unless a gateway read expired it.
+    h = await start(tune(config, retry_backoff_base_s=300.0, retry_backoff_max_s=300.0))
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.nc, h.kv, deadline=time.time() + 1.0, max_attempts=3)
+    order = await batcher.next_order()
+    await batcher.fail(order, MODEL_ERROR)
+    await batcher.grant(1)
+    # The record as the bucket holds it (no gateway's expiry on read); the guard is far below the backoff.
+    expired = await wait_state(h.js, job_id, JobState.EXPIRED, timeout_s=20.0)
+    assert expired.attempt == 1
+    assert expired.last_error is not None
+    assert expired.last_error.reason == "MODEL_ERROR"
+    assert expired.error is not None
+    assert expired.error.reason == "DEADLINE_EXCEEDED"
+    await h.work_empty()
+    assert batcher.orders.empty()  # it never ran again
+
+
 async def test_execution_timeout_fails_the_job_and_cancels_it_at_the_batcher(start: Start, config: Config) -> None:
     h = await start(tune(config, timeout_action="fail"))
     batcher = await h.batcher(credits=1)

@@ -248,7 +248,9 @@ class Settlement:
         refund: bool = False,
     ) -> None:
         """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
-        after delay_s (0: at once). The nak happens even when the record cannot be written."""
+        after delay_s (0: at once), or at the job's deadline if that comes first. The nak happens
+        even when the record cannot be written."""
+        delay_s = lifecycle.put_back_delay_s(running, delay_s, time.time())
         event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund)
         latest: JobRecord | None = None
 

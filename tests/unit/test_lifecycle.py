@@ -349,6 +349,14 @@ def test_the_last_attempt_is_dead_lettered_with_its_error_marked_final() -> None
 
 
 @pytest.mark.parametrize(
+    ("deadline", "delay_s"), [(None, 40.0), (1_100.0, 40.0), (1_010.0, 10.0), (1_000.0, 0.0), (990.0, 0.0)]
+)
+def test_a_put_back_job_waits_its_delay_or_until_its_deadline(deadline: float | None, delay_s: float) -> None:
+    running = queued(state=R, attempt=1, deadline=deadline)
+    assert lifecycle.put_back_delay_s(running, 40.0, 1_000.0) == delay_s
+
+
+@pytest.mark.parametrize(
     ("attempt", "jitter", "delay_s"), [(1, 0.0, 0.5), (1, 0.999, 0.9995), (3, 0.0, 2.0), (9, 1.0, 30.0)]
 )
 def test_retry_delays_double_with_equal_jitter_up_to_the_cap(attempt: int, jitter: float, delay_s: float) -> None:
