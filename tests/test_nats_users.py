@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,10 +22,10 @@ import pytest
 from google.protobuf import duration_pb2
 
 from asyncinfer.client import AsyncClient
-from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, NatsConfig
 from asyncinfer.contract import DRAIN_SUBJECT
 from asyncinfer.drain_orders import DrainAction, DrainOrder, encode_order
-from asyncinfer.errors import ConfigError
+from asyncinfer.errors import ConfigError, Unavailable
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connect
@@ -194,6 +195,35 @@ async def test_a_stranger_cannot_touch_the_jobs_bucket(users: PerServiceNats, st
     assert any("DIRECT.GET.KV_jobs" in line for line in violations), violations
     assert any('"$KV.jobs.' in line for line in violations), violations
     assert any("Subscription Violation" in line and "$KV.jobs.>" in line for line in violations), violations
+
+
+async def test_a_password_in_the_nats_url_logs_in_and_no_error_shows_it(users: PerServiceNats) -> None:
+    """nats-py logs in with a URL's user:password@ (or token@); the errors of a failed connect,
+    which reach the service's log and its stderr, showed that URL whole, the password with it."""
+    server = users.settings("test")["url"]
+    assert isinstance(server, str)
+    host = server.removeprefix("nats://")
+    wrong, right = "wrong-" + STRANGER_PASSWORD, STRANGER_PASSWORD
+
+    def login(password: str, at: str = host) -> NatsConfig:
+        url = f"nats://{STRANGER}:{password}@{at}"
+        return Config().replace(nats={"url": url, "connect_timeout_s": 1.0}).nats
+
+    stranger = await connect(login(right), name="stranger")  # the URL's credentials are used
+    await stranger.close()
+    with pytest.raises(ConfigError, match="refused this connection's credentials") as refused:
+        await connect(login(wrong), name="stranger")
+    assert wrong not in refused.value.message
+    assert STRANGER not in refused.value.message
+    assert f"NATS at nats://***@{host} " in refused.value.message
+    assert "user:password@ or token@ in nats.url" in refused.value.message
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        with pytest.raises(Unavailable, match="cannot connect to NATS at") as away:
+            await connect(login(right, f"127.0.0.1:{port}"), name="stranger")
+    assert right not in away.value.message
+    assert f"nats://***@127.0.0.1:{port}:" in away.value.message
 
 
 async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_stack: StartStack) -> None:

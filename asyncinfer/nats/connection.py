@@ -62,6 +62,8 @@ def connection_changes(client: Client) -> ConnectionChanges:
 async def connect(config: NatsConfig, *, name: str) -> Client:
     """Connects with reconnects on; Unavailable if the server cannot be reached at all."""
     servers = [u.strip() for u in config.url.split(",") if u.strip()]
+    shown = url_without_credentials(config.url)  # what the errors below say of the URL
+    logs_in_by_url = shown != ",".join(u.strip() for u in config.url.split(","))
     client = Client()
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
@@ -147,8 +149,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         # an outage to wait out (exit 69 restarts it in a loop).
         await _abandon(client, connecting, abandoned)
         raise ConfigError(
-            f"NATS at {config.url} refused this connection's credentials (authorization violation): check "
+            f"NATS at {shown} refused this connection's credentials (authorization violation): check "
             "nats.user and password(_file), token(_file), nkey_seed_file or credentials_file"
+            + (", and the user:password@ or token@ in nats.url" if logs_in_by_url else "")
         )
     if not connecting.done():
         await _abandon(client, connecting, abandoned)
@@ -156,14 +159,33 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         if isinstance(last, ssl.SSLError):
             # A certificate this configuration cannot verify: waiting or restarting will not help
             # (a server exits 2 for it, 69 for a NATS that is not there yet).
-            raise ConfigError(f"cannot connect to NATS at {config.url}: {_explain(last)}")
-        raise Unavailable(f"cannot connect to NATS at {config.url}: {_explain(last)}")
+            raise ConfigError(f"cannot connect to NATS at {shown}: {_explain(last)}")
+        raise Unavailable(f"cannot connect to NATS at {shown}: {_explain(last)}")
     failure = connecting.exception()
     if failure is not None:  # nats raises several unrelated types here
         await _abandon(client, connecting, abandoned)
-        raise Unavailable(f"cannot connect to NATS at {config.url}: {failure}") from failure
+        raise Unavailable(f"cannot connect to NATS at {shown}: {failure}") from failure
     connected = True
     return client
+
+
+def url_without_credentials(url: str) -> str:
+    """`nats.url` as a message may show it: each server's `user:password@` or `token@` (which
+    nats-py logs in with) replaced by `***@`. The errors of a failed connect end up in the
+    service's log and on its stderr; they printed the password."""
+    return ",".join(_server_without_credentials(server.strip()) for server in url.split(","))
+
+
+def _server_without_credentials(server: str) -> str:
+    scheme, separator, rest = server.partition("://")
+    if not separator:  # nats-py takes "host:port" (and "user:pw@host:port") without a scheme
+        scheme, rest = "", server
+    end = min((at for at in (rest.find("/"), rest.find("?")) if at >= 0), default=len(rest))
+    # The last '@' of the authority: a password may hold an unescaped one.
+    _userinfo, at, host = rest[:end].rpartition("@")
+    if not at:
+        return server
+    return f"{scheme}{separator}***@{host}{rest[end:]}"
 
 
 async def _abandon(client: Client, connecting: asyncio.Future[None], abandoned: asyncio.Event) -> None:
