@@ -19,14 +19,15 @@ from dataclasses import dataclass
 import structlog
 
 from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
-from asyncinfer.contract import kv_stream, kv_subject_prefix, work_consumer_name
+from asyncinfer.contract import work_consumer_name
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState
-from asyncinfer.nats import KV_OP, Client, DeliverPolicy, JetStreamContext, Msg, NatsError
-from asyncinfer.nats.streams import declaration
-from asyncinfer.queues import QueueSnapshot, decode_snapshot
+from asyncinfer.nats import Client, JetStreamContext, NatsError
+from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
+from asyncinfer.queues import QueueSnapshot
 from asyncinfer.server_clock import ServerClockOffset
-from asyncinfer.snapshot_freshness import WriteTimes, is_fresh
-from asyncinfer.snapshot_merge import HeldSnapshot, SchedulerSnapshots
+from asyncinfer.snapshot_freshness import is_fresh
+from asyncinfer.snapshot_merge import HeldSnapshot
+from asyncinfer.snapshot_watch import SnapshotWatch
 from asyncinfer.supervision import outcome_seen
 
 log = structlog.get_logger("asyncinfer.gateway.queues")
@@ -209,8 +210,7 @@ def standing(
 
 class QueueView:
     """Snapshots and pauses per model, kept current by two ordered consumers on the queues
-    bucket: `$KV.<bucket>.*` (snapshot keys are the bare model names; the tenant counters, which
-    change with every submit, have two tokens and are not delivered) and `$KV.<bucket>.paused.*`."""
+    bucket: the snapshot keys' (asyncinfer.snapshot_watch) and `$KV.<bucket>.paused.*`."""
 
     def __init__(
         self,
@@ -226,19 +226,28 @@ class QueueView:
         self._nc = nc
         self._bucket = bucket
         self._work_stream = work_stream
-        self._subject_prefix = kv_subject_prefix(bucket)
         self._clock = clock
         self._monotonic = monotonic
-        # Per model: each scheduler's latest snapshot, and their merge, which every question reads,
-        # each held with when it was written on this gateway's monotonic clock (freshness is judged
-        # on that alone: asyncinfer.snapshot_freshness).
-        self._schedulers = SchedulerSnapshots()
+        # Per model: each scheduler's latest snapshot (the watch's), and their merge, which every
+        # question reads, held with when it was written on this gateway's monotonic clock (freshness
+        # is judged on that alone: asyncinfer.snapshot_freshness).
+        self._watch = SnapshotWatch(
+            js,
+            nc,
+            bucket=bucket,
+            monotonic=monotonic,
+            on_merge=self._merged,
+            on_server_stamp=self._server_stamp,
+        )
         self._snapshots: dict[str, HeldSnapshot] = {}
-        self._write_times = WriteTimes(monotonic)  # of the snapshots the watch delivers
         # nats-server's clock less this gateway's, from the times the watch brings anyway (a job's
         # position compares its time with the server's stamps: jobs_ahead).
         self._server_clock = ServerClockOffset()
         self._paused: set[str] = set()
+        # Headers alone: a `paused.<model>` key's value (who paused it, and when) is not read here.
+        self._paused_watch = KeyWatch(
+            js, bucket, self._on_paused, keys=f"{PAUSED_PREFIX}*", headers_only=True, name="paused_queues"
+        )
         # Per model: when this gateway queued each job not yet counted by a snapshot, on its
         # monotonic clock, in order. Never its wall clock against the snapshot's `updated_at` (the
         # scheduler's, another host's): 15 s ahead, a job stayed counted on top of the snapshot that
@@ -248,40 +257,14 @@ class QueueView:
         # asked (monotonic), where that is newer than the snapshot.
         self._confirmed: dict[str, tuple[int, float]] = {}
         self._confirming: dict[str, asyncio.Task[None]] = {}
-        self._subscriptions: list[JetStreamContext.PushSubscription] = []
 
     async def start(self) -> None:
-        # Before subscribing: the keys' last values the watch delivers first are as old as the
-        # server says (asyncinfer.snapshot_freshness).
-        await declaration(
-            lambda _timeout_s: self._write_times.begin(self._nc, self._bucket),
-            what="read the queues bucket's position",
-        )
-        start = self._write_times.start
-        if start is not None and start.server_time is not None:
-            # The server's clock as it answered, against this gateway's wall clock as the answer came.
-            self._server_clock.sample(start.server_time, self._clock() - (self._monotonic() - start.read_at))
-        for subject in (f"{self._subject_prefix}*", f"{self._subject_prefix}{PAUSED_PREFIX}*"):
-
-            async def watch(_timeout_s: float, subject: str = subject) -> JetStreamContext.PushSubscription:
-                return await self._js.subscribe(
-                    subject,
-                    stream=kv_stream(self._bucket),
-                    cb=self._on_update,
-                    ordered_consumer=True,
-                    deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                )
-
-            # At start, a leader election may be under way (a node lost as the gateway started).
-            self._subscriptions.append(await declaration(watch, what=f"watch {subject}"))
+        await self._watch.start()
+        await self._paused_watch.start()
 
     async def stop(self) -> None:
-        subscriptions, self._subscriptions = self._subscriptions, []
-        for subscription in subscriptions:
-            try:
-                await subscription.unsubscribe()
-            except Exception as exc:  # the connection may already be gone; nothing is left to free
-                log.warning("queue_view_unsubscribe_failed", error=str(exc))
+        await self._watch.stop()
+        await self._paused_watch.stop()
 
     def snapshot(self, model_name: str) -> QueueSnapshot | None:
         held = self._snapshots.get(model_name)
@@ -298,34 +281,24 @@ class QueueView:
 
     def reporting(self, model_name: str) -> list[str]:
         """The schedulers whose snapshots of the model are in its merge, by name."""
-        return self._schedulers.reporting(model_name, self._monotonic())
+        return self._watch.schedulers.reporting(model_name, self._monotonic())
 
-    async def _on_update(self, msg: Msg) -> None:
-        key = msg.subject.removeprefix(self._subject_prefix)
-        deleted = KV_OP in (msg.headers or {})
-        if key.startswith(PAUSED_PREFIX):
-            model_name = key.removeprefix(PAUSED_PREFIX)
-            if deleted:
-                self._paused.discard(model_name)
-            else:
-                self._paused.add(model_name)
+    def _on_paused(self, update: KeyUpdate) -> None:
+        model_name = update.key.removeprefix(PAUSED_PREFIX)
+        if update.removed:
+            self._paused.discard(model_name)
+        else:
+            self._paused.add(model_name)
+
+    def _server_stamp(self, server_time: float, read_at: float) -> None:
+        # The server's clock as the watch read it, against this gateway's wall clock then.
+        self._server_clock.sample(server_time, self._clock() - (self._monotonic() - read_at))
+
+    def _merged(self, model_name: str, merged: HeldSnapshot | None) -> None:
+        if merged is None:
+            self._snapshots.pop(model_name, None)
             return
-        if deleted:
-            self._schedulers.forget(key)
-            self._snapshots.pop(key, None)
-            return
-        try:
-            snapshot = decode_snapshot(msg.data)
-        except (ValueError, KeyError, TypeError) as exc:
-            log.error("queue_snapshot_unreadable", model=key, error=str(exc))
-            return
-        received_at = self._monotonic()
-        if self._write_times.is_live(msg):
-            # Stored by the server as it was written, and here a moment later: a sample of the
-            # server's clock against this gateway's (a metadata parse per snapshot, ~5 µs).
-            self._server_clock.sample(msg.metadata.timestamp.timestamp(), self._clock())
-        written_at = self._write_times.of(msg, received_at)
-        merged = self._snapshots[key] = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
+        self._snapshots[model_name] = merged
         # The merge's depths (its newest snapshot's) count the jobs this gateway queued, and those a
         # read of the queue counted, before that snapshot was written, by this gateway's monotonic
         # clock alone (asyncinfer.snapshot_freshness: a live write's arrival). Its depths were read
@@ -334,10 +307,10 @@ class QueueView:
         # flight is from a read. A stopped scheduler's last word leaves the merge to an older
         # snapshot, and the jobs queued since that one still count.
         counted_before = merged.written_at
-        confirmed = self._confirmed.get(key)
+        confirmed = self._confirmed.get(model_name)
         if confirmed is not None and confirmed[1] <= counted_before:
-            del self._confirmed[key]
-        submitted = self._submitted.get(key)
+            del self._confirmed[model_name]
+        submitted = self._submitted.get(model_name)
         while submitted and submitted[0] <= counted_before:
             submitted.popleft()
 

@@ -49,7 +49,7 @@ async def snapshot_arrives(view: QueueView, clocks: Clocks, *, depth: int, oldes
         data=encode_snapshot(snapshot),
         metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(stored, UTC)),
     )
-    await view._on_update(cast(Msg, msg))
+    await view._watch.deliver(cast(Msg, msg))
 
 
 @pytest.mark.parametrize("gateway_ahead_s", SKEWS_S)

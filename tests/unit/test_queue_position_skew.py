@@ -55,7 +55,7 @@ async def snapshot_arrives(
         data=encode_snapshot(snapshot),
         metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(clocks.wall, UTC)),  # the server's stamp
     )
-    await view._on_update(cast(Msg, msg))
+    await view._watch.deliver(cast(Msg, msg))
 
 
 # --- positions ----------------------------------------------------------------------------------

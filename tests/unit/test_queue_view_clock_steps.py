@@ -35,7 +35,7 @@ async def snapshot_arrives(view: QueueView, *, depth: int, taken_at: float) -> N
         data=encode_snapshot(snapshot),
         metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(taken_at, UTC)),  # nats-server's stamp
     )
-    await view._on_update(cast(Msg, msg))
+    await view._watch.deliver(cast(Msg, msg))
 
 
 async def test_jobs_queued_across_a_step_back_stop_counting_once_snapshots_count_them() -> None:

@@ -207,7 +207,7 @@ async def test_the_queue_view_answers_from_the_merge_whichever_scheduler_wrote_l
             data=encode_snapshot(snapshot),
             metadata=SimpleNamespace(timestamp=datetime.fromtimestamp(NOW, UTC)),  # nats-server's stamp
         )
-        await view._on_update(cast(Msg, msg))
+        await view._watch.deliver(cast(Msg, msg))
 
     await arrives(from_scheduler("a", age_s=0.5, batchers=1, rate=2.0).snapshot)
     await arrives(from_scheduler("b", batchers=0, draining=True).snapshot)
