@@ -277,8 +277,9 @@ class SchedulerConfig(_Section):
     metrics_port: int = Field(9102, ge=0, le=65535, description="Prometheus metrics port (0: off).")
     scheduler_id: str = Field(
         "",
-        description="This scheduler's name, one per scheduler: in logs and welcomes (empty: host name and process ID), "
-        "and on its RUNNING records and queue snapshots, where a restart keeps it (empty: host and port).",
+        description="This scheduler's name, one per scheduler: on its RUNNING records, queue snapshots and Drain "
+        "answers, where a restart keeps it, and in its logs and welcomes (empty: host and port; port 0: host, "
+        "process ID and a run ID).",
     )
     ack_wait_s: float = Field(
         30.0, gt=0, description="A dispatched job returns to the queue if its lease is not renewed within this."

@@ -421,7 +421,7 @@ async def test_job_runs_to_succeeded_and_its_message_is_acked(
     app: SchedulerApp, js: JetStreamContext, kv: KeyValue, config: Config, batchers: OpenBatcher, nc: NatsClient
 ) -> None:
     batcher = await batchers("b1")
-    assert batcher.welcome.result().scheduler_id == app.scheduler_id
+    assert batcher.welcome.result().scheduler_id == app.instance_name
     await batcher.grant(1)
     job_id = await enqueue(nc, kv, priority=Priority.HIGH, value=1.5)
     order = await batcher.next_order()

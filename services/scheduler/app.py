@@ -6,8 +6,6 @@ is logged at once and stops the process (asyncinfer.runner)."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -55,7 +53,7 @@ from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.dispatcher import ModelDispatcher
-from services.scheduler.instances import SchedulerInstance, stable_name
+from services.scheduler.instances import SchedulerInstance, instance_name, new_run
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.lease_reclaim import LeaseReclaimer
 from services.scheduler.metrics import SchedulerMetrics
@@ -100,7 +98,10 @@ class SchedulerApp:
         self._wall_clock = wall_clock
         self._blob_sweep_interval_s = blob_sweep_interval_s
         self._sweeper: BlobSweeper | None = None
-        self.scheduler_id = config.scheduler.scheduler_id or f"scheduler-{socket.gethostname()}-{os.getpid()}"
+        self._run = new_run()
+        # Its one name (services.scheduler.instances.instance_name): in its logs and welcomes as on
+        # its snapshots, records and Drain answers.
+        self.instance_name = instance_name(config, self._run)
         interval_s = config.logging.summary_interval_s
         self.summary = WorkSummary(interval_s) if interval_s > 0 else None
         self.metrics = SchedulerMetrics(CollectorRegistry(), summary=self.summary)
@@ -151,13 +152,6 @@ class SchedulerApp:
         return self._nc is not None and self._nc.is_connected
 
     @property
-    def instance_name(self) -> str:
-        """The name its queue snapshots carry (services.scheduler.instances)."""
-        if self._instance is None:
-            raise RuntimeError("the scheduler has not started")
-        return self._instance.name
-
-    @property
     def webhooks(self) -> WebhookService:
         if self._webhooks is None:
             raise RuntimeError("the scheduler has not started")
@@ -177,7 +171,7 @@ class SchedulerApp:
             "scheduler", settings.host, config.gateway.api_keys, SCHEDULER_EXPOSES, tls=bool(settings.tls_cert_file)
         )
         tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
-        self._nc = nc = await connect(config.nats, name=self.scheduler_id)
+        self._nc = nc = await connect(config.nats, name=self.instance_name)
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
@@ -187,7 +181,7 @@ class SchedulerApp:
         queues_kv = await ensure_queues_bucket(js, config.nats)
         self._snapshots_js = js
         self._instance = instance = SchedulerInstance(
-            stable_name(config), KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
+            self.instance_name, self._run, KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
         )
         await instance.beat()
         self._cluster_queues = cluster_queues = ClusterQueues(
@@ -249,7 +243,7 @@ class SchedulerApp:
         self.supervisor.start("scheduler-model-registry", registry.run())
         controls = ModelControls(self.batchers)
         workers = WorkerService(
-            scheduler_id=self.scheduler_id,
+            scheduler_id=self.instance_name,
             batchers=self.batchers,
             flow=flow,
             on_models=runtime.chained(registry.changed),
@@ -273,7 +267,6 @@ class SchedulerApp:
             pauses=pauses,
             drain=self.drain,
             undrain=self.undrain,
-            scheduler_id=self.scheduler_id,
             scheduler_name=instance.name,
             drains=drains,
             controls=controls,
@@ -365,7 +358,7 @@ class SchedulerApp:
         self.metrics_port = self._metrics_server.port
         log.info(
             "scheduler_started",
-            scheduler_id=self.scheduler_id,
+            scheduler_id=self.instance_name,
             address=self._server.address,
             metrics_port=self.metrics_port,
             models=[m.name for m in config.models],
@@ -389,7 +382,7 @@ class SchedulerApp:
         `undrain`, and waits up to timeout_s for the jobs in flight to finish; how many are still in
         flight. Jobs keep arriving and wait in the queue."""
         if not self.draining:
-            log.info("scheduler_draining", scheduler_id=self.scheduler_id)
+            log.info("scheduler_draining", scheduler_id=self.instance_name)
             self._undrained.clear()
         # A round that had begun dispatches what it pulled; after that nothing more is taken.
         for dispatcher in self._dispatchers:
@@ -403,7 +396,7 @@ class SchedulerApp:
         """Ends a drain: every model dispatches again (unless paused). Whether it was draining."""
         was_draining = self.draining
         if was_draining:
-            log.info("scheduler_undrained", scheduler_id=self.scheduler_id)
+            log.info("scheduler_undrained", scheduler_id=self.instance_name)
         self._undrained.set()
         return was_draining
 
@@ -486,7 +479,7 @@ class SchedulerApp:
         if self._nc is None:  # a start stopped before it connected (Ctrl-C at `up`'s start): nothing to clear
             pass
         elif not nats_connected:  # the entries and the heartbeat expire with their TTLs
-            log.warning("stopping_without_nats", scheduler_id=self.scheduler_id)
+            log.warning("stopping_without_nats", scheduler_id=self.instance_name)
         elif self._models_registry is not None:
             await self._models_registry.clear()
         if nats_connected and self._instance is not None:
@@ -497,7 +490,7 @@ class SchedulerApp:
         await asyncio.to_thread(self.tracing.shutdown)  # flushes the spans not yet exported
         if self._nc is not None:
             await disconnect(self._nc)
-        log.info("scheduler_stopped", scheduler_id=self.scheduler_id)
+        log.info("scheduler_stopped", scheduler_id=self.instance_name)
 
     async def _write_last_snapshots(self) -> None:
         """Each model's snapshot `stopped` (asyncinfer.snapshot_merge.stopped_snapshot): the gateways

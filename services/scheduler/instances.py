@@ -38,10 +38,25 @@ def stable_name(config: Config) -> str | None:
     return f"{socket.gethostname()}:{settings.port}" if settings.port else None
 
 
+def new_run() -> str:
+    """A run ID, new at every start."""
+    return secrets.token_hex(8)
+
+
+def instance_name(config: Config, run: str) -> str:
+    """A scheduler process's one name: its stable name, else (port 0) host, process ID and `run`.
+    Its snapshots, RUNNING records (`<name>/<run>`), heartbeat value and Drain answers carry it, and
+    its logs, NATS connection, welcomes to batchers and pauses say it. It stays what the stored keys
+    had: a restart in place must find its previous run's records and snapshots under the same name,
+    which a process ID would not give. Logs and welcomes said `scheduler-<host>-<pid>` before (their
+    readers print it, none matches it), a name no stored key could be matched with."""
+    return stable_name(config) or f"{socket.gethostname()}:{os.getpid()}:{run}"
+
+
 class SchedulerInstance:
-    def __init__(self, name: str | None, queues: KvBucket) -> None:
-        self.run = secrets.token_hex(8)
-        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{self.run}"
+    def __init__(self, name: str, run: str, queues: KvBucket) -> None:
+        self.run = run
+        self.name = name
         self.id = f"{self.name}/{self.run}"
         self._queues = queues
 

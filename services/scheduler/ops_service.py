@@ -143,8 +143,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         pauses: PauseState,
         drain: Callable[[float], Awaitable[int]],
         undrain: Callable[[], bool],
-        scheduler_id: str,
-        scheduler_name: str = "",
+        scheduler_name: str,
         drains: ClusterDrains | None = None,
         controls: ModelControls | None = None,
         knows_model: Callable[[str], bool] | None = None,
@@ -168,8 +167,8 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self._pauses = pauses
         self._drain = drain
         self._undrain = undrain
-        self._scheduler_id = scheduler_id
-        # Its instance name, as its queue snapshots carry it: what a Drain's answer names.
+        # Its instance name (services.scheduler.instances.instance_name), as its queue snapshots
+        # carry it: what a Drain's answer names, and who paused a queue.
         self._scheduler_name = scheduler_name
         # Drain orders to every scheduler (Drain and Undrain with `all` or `scheduler`); None: refused.
         self._drains = drains
@@ -302,7 +301,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self, request: ops_service_pb2.PauseQueueRequest, context: Context
     ) -> ops_service_pb2.PauseQueueResponse:
         self._known_model(request.model_name, required=True)
-        await self._pauses.pause(request.model_name, by=self._scheduler_id)
+        await self._pauses.pause(request.model_name, by=self._scheduler_name)
         return ops_service_pb2.PauseQueueResponse(
             paused=True,
             model_name=request.model_name,
