@@ -27,10 +27,10 @@ import grpc
 import structlog
 
 from asyncinfer.error_bounds import clip_error
+from asyncinfer.error_status import error_to_proto
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ResourceExhausted, Unavailable
 from asyncinfer.jobs import JobError, JobRecord
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
-from services.gateway.convert import error_to_proto
 from services.gateway.idempotency import SubmitOutcome
 
 log = structlog.get_logger("asyncinfer.gateway.bulk")

@@ -7,13 +7,14 @@ from typing import Any
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from asyncinfer.error_status import error_to_proto
 from asyncinfer.errors import FieldViolation, InvalidArgument
-from asyncinfer.jobs import BlobRef, CallbackSpec, JobError, JobRecord, JobState, Priority
+from asyncinfer.jobs import BlobRef, CallbackSpec, JobRecord, JobState, Priority
 from asyncinfer.proto_durations import checked_duration
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
 from asyncinfer.tracing import trace_id_of
-from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.model_catalog import ModelListing
 from services.gateway.queue_view import QueueStanding
 from services.gateway.submit_request import SubmitRequest
@@ -160,16 +161,6 @@ def submit_request_from_proto(
         labels=dict(request.labels),
         callback=callback,
         traceparent=traceparent,
-    )
-
-
-def error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
-    return error_pb2.ErrorStatus(
-        code=error.code,
-        reason=error.reason,
-        message=error.message,
-        field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in error.violations],
-        retriable=error.retriable,
     )
 
 

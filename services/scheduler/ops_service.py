@@ -18,6 +18,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.drain_orders import ANSWER_MARGIN_S, DrainAction, DrainOrder, SchedulerOutcome
+from asyncinfer.error_status import error_to_proto
 from asyncinfer.errors import (
     AsyncInferError,
     FailedPrecondition,
@@ -27,11 +28,10 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import JobError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.proto_durations import checked_duration
-from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc
+from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from services.scheduler.cluster_drains import ClusterDrains
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
 from services.scheduler.model_controls import ModelControls
@@ -91,16 +91,6 @@ def queue_state(*, paused: bool, draining: bool) -> ops_service_pb2.QueueState.V
     return ops_service_pb2.QUEUE_STATE_DISPATCHING
 
 
-def _error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
-    return error_pb2.ErrorStatus(
-        code=error.code,
-        reason=error.reason,
-        message=error.message,
-        field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in error.violations],
-        retriable=error.retriable,
-    )
-
-
 def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> ops_service_pb2.DeadLetter:
     dead_time = timestamp_pb2.Timestamp()
     dead_time.FromNanoseconds(round(letter.dead_time * 1e9))
@@ -114,7 +104,7 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
         dead_time=dead_time,
     )
     if letter.last_error is not None:
-        message.last_error.CopyFrom(_error_to_proto(letter.last_error))
+        message.last_error.CopyFrom(error_to_proto(letter.last_error))
     if with_original:
         message.original_request = letter.original
     return message
@@ -157,7 +147,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self._claims = claims
         # Configured names, plus those learnt from batchers at runtime (services.scheduler.runtime_models).
         self._knows_model = knows_model
-        self._error_to_proto = _error_to_proto
+        self._error_to_proto = error_to_proto
         self._config = config
         self._stats = stats
         self._letters = letters
