@@ -268,7 +268,14 @@ async def test_snapshots_are_fresh_by_the_readers_clock_whatever_the_schedulers_
         queued = [(await stack.jobs.SubmitJob(request(float(i)))).job.job_id for i in range(3)]
         # Both schedulers count the three (the same consumers); B's view counts them while A's is
         # taken for stale, so this holds on either rule.
-        await wait_for(lambda: (merged := view.snapshot(MODEL)) is not None and merged.total_depth == 3)
+        # And A's snapshot since the hung job's dispatch (its credit taken): the two schedulers
+        # write in rounds of their own, so the merge may hold B's count of the three beside A's
+        # snapshot from before, whose free credit places the first job DISPATCHING.
+        await wait_for(
+            lambda: (merged := view.snapshot(MODEL)) is not None
+            and merged.total_depth == 3
+            and (merged.in_flight, merged.free_credits) == (1, 0)
+        )
         got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=queued))
         assert [r.job.state for r in got.results] == [job_pb2.JOB_STATE_QUEUED] * 3
         # Waiting for A's one batcher (NO_WORKER before: A's snapshots were a minute old on arrival).
