@@ -579,3 +579,37 @@ async def test_a_model_that_raises_leaves_its_own_traceback_once_per_batch(make_
     error = raised[0]["exc_info"]
     assert isinstance(error, ValueError)
     assert any(frame.name == "forward" for frame in traceback.extract_tb(error.__traceback__))
+
+
+async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:
+    """A version added while the engine runs (a hot update) computes on a thread pool of its own;
+    once it is replaced and has finished what it held, that pool's threads end. They stayed for
+    good: every hot update left max_inflight_batches idle threads in the batcher."""
+    from services.batcher.engine import BatchingEngine
+
+    config = DEMO_MODEL.model_copy(update={"name": "swapped", "max_inflight_batches": 2})
+    engine = BatchingEngine()
+    engine.add_model(config, TorchBackend(config.name, RecordingAffine(), config.signature, torch.device("cpu")))
+    await engine.start()
+    seen: set[threading.Thread] = set()
+    threads_of_version: list[set[threading.Thread]] = []
+    try:
+        for value in (1.0, 2.0, 3.0):
+            old = engine.withdraw("swapped", "1")
+            model = RecordingAffine()
+            engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
+            outcomes = await asyncio.gather(*(engine.infer("swapped", rows(value)) for _ in range(4)))
+            assert all(float(o.outputs[0].to_numpy()[0, 0]) == 2 * value + 1 for o in outcomes)
+            assert model.values_seen() == {value}  # the new version computed them
+            await engine.finish_retiring(old, linger_s=0.0)
+            ours = {t for t in threading.enumerate() if t.name.startswith("batcher-swapped")}
+            threads_of_version.append(ours - seen)
+            seen |= ours
+        assert all(threads_of_version)  # each added version computed on threads of its own
+        retired = set().union(*threads_of_version[:-1])
+        for thread in retired:
+            await asyncio.to_thread(thread.join, 5.0)  # a hang guard: they end as soon as they are told
+        assert [t.name for t in retired if t.is_alive()] == []
+        assert all(t.is_alive() for t in threads_of_version[-1])  # the version serving keeps its own
+    finally:
+        await engine.stop(grace_s=1.0)

@@ -93,7 +93,9 @@ class BatchingEngine:
         self._pipelines: dict[str, PipelineRunner] = {}
         self._listeners: list[SlotListener] = []
         self._executor: ThreadPoolExecutor | None = None
-        self._executors: list[ThreadPoolExecutor] = []
+        # The thread pools of versions added while the engine runs, each shut down when its version
+        # retires (kept, each hot update left max_inflight_batches idle threads for good).
+        self._executors: dict[ModelQueue, ThreadPoolExecutor] = {}
         self._accepting = False
         self._stopping = False
 
@@ -108,7 +110,7 @@ class BatchingEngine:
             executor = ThreadPoolExecutor(
                 max_workers=config.max_inflight_batches, thread_name_prefix=f"batcher-{config.name}"
             )
-            self._executors.append(executor)
+            self._executors[queue] = executor
             queue.start(executor, self._supervisor)
             self._notify_slot_freed(config.name)
 
@@ -146,6 +148,10 @@ class BatchingEngine:
             await asyncio.sleep(0.05)
         self._retiring.remove(queue)
         await queue.stop_intake()
+        executor = self._executors.pop(queue, None)
+        if executor is not None:
+            # A call still computing (its items timed out) finishes first; then its threads end.
+            executor.shutdown(wait=False)
 
     @property
     def model_names(self) -> list[str]:
@@ -371,7 +377,7 @@ class BatchingEngine:
         if self._executor is not None:
             # A computing thread cannot be interrupted; do not wait for abandoned ones.
             self._executor.shutdown(wait=False, cancel_futures=True)
-        for executor in self._executors:
+        for executor in self._executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
 
     def _queue(self, model_name: str, version: str = "") -> ModelQueue:
