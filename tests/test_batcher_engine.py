@@ -613,3 +613,41 @@ async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:
         assert all(t.is_alive() for t in threads_of_version[-1])  # the version serving keeps its own
     finally:
         await engine.stop(grace_s=1.0)
+
+
+class ExitingAffine(RecordingAffine):
+    """y = 2x + 1, but calls sys.exit on a negative input (as a script's code might on bad input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait(timeout=10)
+        if bool((x < 0).any()):
+            raise SystemExit("negative input")
+        return 2.0 * x + 1.0
+
+
+async def test_a_model_that_calls_sys_exit_fails_its_own_item_and_the_batcher_goes_on(
+    make_engine: Callable[..., Any],
+) -> None:
+    """SystemExit from a model's call escaped its worker thread as it was, and the event loop
+    re-raised it: one job's input stopped the batcher, every batch of every model with it. It is
+    the model's error for the items that raise it (isolated like any other), nothing more."""
+    gate = threading.Event()
+    model = ExitingAffine(gate)
+    engine = await make_engine(model, max_queue_delay_ms=0.0, max_inflight_batches=1)
+    first = engine.submit("demo", rows(1.0))
+    await wait_entered(model)  # the rest wait, then run in one batch
+    bad = engine.submit("demo", rows(-1.0))
+    good = [engine.submit("demo", rows(float(v))) for v in (2.0, 3.0, 4.0)]
+    gate.set()
+    results = await asyncio.wait_for(
+        asyncio.gather(*(i.future for i in [first, bad, *good]), return_exceptions=True), 10.0
+    )
+    assert isinstance(results[1], ModelError)
+    assert "SystemExit: negative input" in results[1].message
+    for value, outcome in zip((1.0, 2.0, 3.0, 4.0), [results[0], *results[2:]], strict=True):
+        assert not isinstance(outcome, BaseException), outcome
+        np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), np.full((1, 4), 2 * value + 1))
+    again = await asyncio.wait_for(engine.infer("demo", rows(5.0)), 10.0)
+    np.testing.assert_array_equal(again.outputs[0].to_numpy(), np.full((1, 4), 11.0))

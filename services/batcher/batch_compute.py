@@ -166,26 +166,33 @@ class BatchRunner:
 
     def compute(self, batch: list[PendingItem]) -> Computed:
         """Runs in a worker thread: assemble, run the model, split per item; on failure, the
-        items again in halves (poison isolation)."""
+        items again in halves (poison isolation).
+
+        THREAD_FAILURES: anything a model's call raises in this thread is its items' ModelError,
+        SystemExit too (a model calling sys.exit or exit() on bad input): it escaped as it is,
+        the executor's future carried it to the event loop, which re-raises SystemExit, and one
+        item's input stopped the batcher with every batch of every model in it. Nothing else
+        raises a BaseException in a worker thread (no cancellation; KeyboardInterrupt goes to the
+        main thread)."""
         started = time.perf_counter()
         signature = self.backend.signature
         assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
         try:
             outputs = self._infer(batch, assembled.arrays)
             ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
+        except BaseException as exc:  # a model call in this thread: see compute
             error = self._model_error(exc, batch)
             self._say_where(exc, batch)
             ran = self._isolate(batch, error)
         return ran, time.perf_counter() - started, assembled.padding_waste
 
-    def _say_where(self, exc: Exception, batch: list[PendingItem]) -> None:
+    def _say_where(self, exc: BaseException, batch: list[PendingItem]) -> None:
         """The model's own traceback, once per failed batch (not per half of its isolation), at
         most once per TRACEBACK_INTERVAL_S per model: its message alone reached the logs, and the
         model's author could not see where in their code it failed."""
         held = self._tracebacks.allow(self.name)
         if held is not None:
-            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
             log.warning("model_raised", model=self.name, items=len(batch), held_back=held, exc_info=cause)
 
     def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
@@ -200,7 +207,7 @@ class BatchRunner:
             assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
             outputs = self._infer(batch, assembled.arrays)
             return succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
-        except Exception as exc:
+        except BaseException as exc:  # a model call in this thread: see compute
             return self._isolate(batch, self._model_error(exc, batch))
 
     def _infer(self, batch: list[PendingItem], arrays: Arrays) -> Arrays:
@@ -239,7 +246,7 @@ class BatchRunner:
         except Exception as exc:
             return await self._isolate_async(batch, self._model_error(exc, batch))
 
-    def _model_error(self, exc: Exception, batch: list[PendingItem]) -> AsyncInferError:
+    def _model_error(self, exc: BaseException, batch: list[PendingItem]) -> AsyncInferError:
         if isinstance(exc, AsyncInferError):
             return exc
         log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))

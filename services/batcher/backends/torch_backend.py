@@ -149,7 +149,7 @@ class TorchBackend(ModelBackend):
                 outputs = self._map_outputs(result)
         except ModelError:
             raise
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # a module calling sys.exit fails its batch, not the batcher
             raise ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}") from exc
         check_outputs(self.name, outputs, self._signature)
         return outputs
