@@ -678,7 +678,13 @@ class ModelConfig(_Section):
         "rolling update) before its items fail UNAVAILABLE, and at start-up how long the batcher waits for the "
         "server to be reachable and ready. Jobs meanwhile stay RUNNING (the batch) or QUEUED (the rest).",
     )
-    max_batch_size: int = Field(32, ge=1, description="Most rows in one batch (and in one job).")
+    max_batch_size: int = Field(
+        32,
+        ge=1,
+        description="Most rows in one batch (and in one job). A triton model is refused at load when this is over "
+        "its Triton max_batch_size, or, for one without Triton's batching (max_batch_size 0), over its inputs' fixed "
+        "first dimension (set 1 for a model declared [1, ...]).",
+    )
     warm_up: bool = Field(
         True,
         description="Run one batch of made-up inputs through a newly loaded version before it takes work (as "

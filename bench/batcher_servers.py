@@ -154,6 +154,10 @@ def _run_profiled(main: Any) -> None:
         profiler.dump_stats(target)
 
 
+def _affine_unbatched(requests: list[dict[str, np.ndarray[Any, Any]]]) -> list[dict[str, np.ndarray[Any, Any]]]:
+    return [{"y": (2 * request["x"] + 1).astype(np.float32)} for request in requests]
+
+
 def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> None:
     import os
 
@@ -214,6 +218,16 @@ def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> No
                 batcher=DynamicBatcher(max_queue_delay_microseconds=int(delay_ms * 1000)),
             ),
         )
+        if model == "affine":
+            # The same model without Triton's batching (max_batch_size 0): each request is exactly
+            # one row, shape [1, 4] (tests/test_batcher_triton.py).
+            triton.bind(
+                model_name="affine-unbatched",
+                infer_func=_affine_unbatched,
+                inputs=[Tensor(name="x", dtype=np.float32, shape=(1, 4))],
+                outputs=[Tensor(name="y", dtype=np.float32, shape=(1, 4))],
+                config=ModelConfig(batching=False),
+            )
         triton.run()
         print("READY", flush=True)
         stop = False

@@ -280,3 +280,27 @@ async def test_a_max_batch_size_over_tritons_is_refused_at_start_up(triton_url: 
         assert "takes batches of at most 8 rows" in batcher.load_failures["toobig"]
     finally:
         await batcher.stop(grace_s=1.0)
+
+
+async def test_a_triton_model_without_batching_is_refused_a_max_batch_size_over_one(triton_url: str) -> None:
+    """A Triton model with max_batch_size 0 (no batching) declared [1, 4] takes one row per call.
+    It was accepted with max_batch_size 8: every batch of several rows failed in Triton and was
+    bisected down to single rows, 2n-1 calls and a model_raised warning per batch."""
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+            models=[
+                remote(triton_url, name="unbatched", triton_model_name="affine-unbatched"),
+                remote(triton_url, name="single", triton_model_name="affine-unbatched", max_batch_size=1),
+            ],
+        )
+    )
+    await batcher.start()
+    try:
+        assert "takes 1 row per call" in batcher.load_failures["unbatched"]
+        assert "set max_batch_size to 1" in batcher.load_failures["unbatched"]
+        assert "single" not in batcher.load_failures
+        outcomes = await asyncio.gather(*(batcher.engine.infer("single", x(float(v))) for v in range(3)))
+        assert [o.outputs[0].to_numpy().tolist() for o in outcomes] == [[[2.0 * v + 1] * 4] for v in range(3)]
+    finally:
+        await batcher.stop(grace_s=1.0)

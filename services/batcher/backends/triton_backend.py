@@ -88,6 +88,8 @@ class TritonBackend(ModelBackend):
             raise ConfigError(f"{where}: {exc.message() or exc}") from None
         self._check_metadata(where, metadata)
         remote_max = int(remote_config.get("config", {}).get("max_batch_size", 0) or 0)
+        if not remote_max:
+            self._check_unbatched(where, metadata)
         if remote_max and self._max_batch_size > remote_max:
             # Every batch of more rows would fail in Triton, with all its jobs.
             raise ConfigError(
@@ -145,6 +147,20 @@ class TritonBackend(ModelBackend):
                     raise ConfigError(
                         f"{where}: {kind[:-1]} {spec.name!r} has shape {list(shape)}, configured {list(spec.shape)}"
                     )
+
+    def _check_unbatched(self, where: str, metadata: dict[str, Any]) -> None:
+        """A model without Triton's batching (max_batch_size 0) takes its first dimension as
+        declared: where that is fixed, a batch of more rows fails in Triton ("unexpected shape"),
+        each of them bisected down to single calls (2n-1 calls a batch)."""
+        for found in metadata.get("inputs", []):
+            shape = [int(d) for d in found.get("shape", [])]
+            if shape and shape[0] != -1 and self._max_batch_size > shape[0]:
+                rows = shape[0]
+                raise ConfigError(
+                    f"{where}: it does not batch (its max_batch_size is 0) and input {found['name']!r} is {shape}: "
+                    f"it takes {rows} row{'s' if rows != 1 else ''} per call, configured max_batch_size = "
+                    f"{self._max_batch_size}: set max_batch_size to {rows}, or enable batching in Triton"
+                )
 
     async def infer_batch_async(self, inputs: Arrays) -> Arrays:
         if self._client is None:
