@@ -13,7 +13,7 @@ import grpc
 import structlog
 
 from asyncinfer.config import Config
-from asyncinfer.errors import AsyncInferError, Unimplemented
+from asyncinfer.errors import AsyncInferError
 from asyncinfer.grpc_headers import WATCH_READY, watch_since
 from asyncinfer.ids import is_job_id
 from asyncinfer.job_store import JobStore, job_not_found
@@ -76,7 +76,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         expiry: Expiry,
         nc: NatsClient,
         metrics: GatewayMetrics,
-        claim_check: ClaimCheck | None = None,
+        claim_check: ClaimCheck,
         callback_deliveries: CallbackDeliveries | None = None,
         idempotent: IdempotentSubmitter,
         tracing: Tracing | None = None,
@@ -357,15 +357,12 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def UploadInput(
         self, request_iterator: AsyncIterator[job_service_pb2.UploadInputRequest], context: Context
     ) -> job_service_pb2.UploadInputResponse:
-        if self._claim_check is None:
-            raise Unimplemented("UploadInput needs the claim-check store, which this gateway has not set up")
-        return await self._claim_check.upload(request_iterator, tenant=resolve_tenant(context, self._authenticator))
+        tenant = resolve_tenant(context, self._authenticator)  # before any chunk is read
+        return await self._claim_check.upload(request_iterator, tenant=tenant)
 
     async def DeleteInput(
         self, request: job_service_pb2.DeleteInputRequest, context: Context
     ) -> job_service_pb2.DeleteInputResponse:
-        if self._claim_check is None:
-            raise Unimplemented("DeleteInput needs the claim-check store, which this gateway has not set up")
         return await self._claim_check.delete_input(resolve_tenant(context, self._authenticator), request.ref)
 
     async def ListModels(
@@ -382,8 +379,6 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
     async def ReadResult(
         self, request: job_service_pb2.ReadResultRequest, context: Context
     ) -> AsyncIterator[job_service_pb2.ReadResultResponse]:
-        if self._claim_check is None:
-            raise Unimplemented("ReadResult needs the claim-check store, which this gateway has not set up")
         record = await self._read(context, request.job_id)
         async with contextlib.aclosing(self._claim_check.read_result(record)) as chunks:
             async for message in chunks:
