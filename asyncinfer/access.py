@@ -118,16 +118,30 @@ class KeyRing:
         return key
 
 
+class UnguardedService(Exception):
+    """A service registered on a guarded server without a role: a mistake in the code, found at start."""
+
+
 class AccessGuard:
     """Checks the caller's key before each method of the guarded services runs.
 
-    `roles` maps a full service name to the role it takes; `open_methods` lists full method names
-    (`/package.Service/Method`) served without a key (e.g. KServe's ServerLive, a liveness probe)."""
+    `roles` maps a full service name to the role it takes; a service registered without one is
+    refused at registration (UnguardedService), so a service added later cannot be served open by
+    mistake. `open_methods` lists full method names (`/package.Service/Method`) served without a
+    key (e.g. KServe's ServerLive, a liveness probe); `names` says how a refusal names a service
+    (its full name otherwise)."""
 
-    def __init__(self, keys: KeyRing, roles: Mapping[str, Role], open_methods: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        keys: KeyRing,
+        roles: Mapping[str, Role],
+        open_methods: Iterable[str] = (),
+        names: Mapping[str, str] | None = None,
+    ) -> None:
         self._keys = keys
         self._roles = dict(roles)
         self._open = frozenset(open_methods)
+        self._names = dict(names or {})
 
     @property
     def enabled(self) -> bool:
@@ -135,13 +149,18 @@ class AccessGuard:
 
     def wrap(self, service: str, method: str, handler: Any) -> Any:
         """The handler of `/service/method`, checking the key first (unchanged when open)."""
+        if handler is None:
+            return None
         role = self._roles.get(service)
-        if handler is None or role is None or not self._keys.enabled or f"/{service}/{method}" in self._open:
+        if role is None:  # checked with keys or without, so that a test without keys finds it
+            raise UnguardedService(f"{service} has no API key role: add it to its server's AccessGuard roles")
+        if not self._keys.enabled or f"/{service}/{method}" in self._open:
             return handler
         keys = self._keys
+        name = self._names.get(service, service)
 
         def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
-            keys.require(context.invocation_metadata() or (), role, service)
+            keys.require(context.invocation_metadata() or (), role, name)
 
         return _guarded(handler, check)
 

@@ -8,12 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pool
+from google.protobuf.descriptor import MethodDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from asyncinfer.access import is_loopback
+from asyncinfer.access import AccessGuard, KeyRing, UnguardedService, is_loopback
 from asyncinfer.api_keys import hash_key
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import ConfigError
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.ids import new_job_id
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.cli import main
@@ -100,6 +105,88 @@ async def test_a_missing_or_wrong_key_is_unauthenticated(keyed: JobStub, metadat
     watch = keyed.WatchJob(job_service_pb2.WatchJobRequest(job_id=new_job_id()), metadata=metadata)
     error = await rpc_error(watch.read())
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+OPS_KEY = "the-ops-key"
+KEYLESS_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection")
+
+
+async def served_methods(channel: grpc.aio.Channel) -> list[MethodDescriptor]:
+    """Every method of every service the gateway serves, as its reflection lists them (so a
+    service or method added later is here without a change to the test), health and reflection aside."""
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+    answers = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    listed = await answers.read()
+    answers.cancel()
+    assert not isinstance(listed, type(grpc.aio.EOF))
+    names = [service.name for service in listed.list_services_response.service]
+    pool = descriptor_pool.Default()
+    return [method for name in names if name not in KEYLESS_SERVICES for method in pool.FindServiceByName(name).methods]
+
+
+async def call_with_an_empty_request(
+    channel: grpc.aio.Channel, method: MethodDescriptor, metadata: Any
+) -> grpc.StatusCode:
+    """Calls the method with an empty message (bytes: any method takes them) and returns its code."""
+    path = f"/{method.containing_service.full_name}/{method.name}"
+    try:
+        if method.client_streaming and method.server_streaming:
+            await channel.stream_stream(path)(iter([b""]), metadata=metadata, timeout=10).read()
+        elif method.client_streaming:
+            await channel.stream_unary(path)(iter([b""]), metadata=metadata, timeout=10)
+        elif method.server_streaming:
+            await channel.unary_stream(path)(b"", metadata=metadata, timeout=10).read()
+        else:
+            await channel.unary_unary(path)(b"", metadata=metadata, timeout=10)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+async def test_every_gateway_method_needs_a_tenant_key(config: Config) -> None:
+    """A guard over the gateway's whole API, enumerated from its services' descriptors: a method
+    added later that forgot to ask for the caller's tenant would answer here without a key."""
+    keyed_config = with_keys(config)
+    keys = [entry.model_dump() for entry in keyed_config.gateway.api_keys]
+    app = GatewayApp(keyed_config.replace(gateway={"api_keys": [*keys, {"role": "ops", "sha256": hash_key(OPS_KEY)}]}))
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.port}") as channel:
+            methods = await served_methods(channel)
+            paths = {f"/{method.containing_service.full_name}/{method.name}" for method in methods}
+            assert {"/asyncinfer.v1.JobService/SubmitJob", "/asyncinfer.v1.BatchService/CreateBatch"} <= paths
+            assert "/asyncinfer.v1.JobService/UploadInput" in paths
+            for metadata, expected in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                (bearer("not-a-key"), grpc.StatusCode.UNAUTHENTICATED),
+                (bearer(OPS_KEY), grpc.StatusCode.PERMISSION_DENIED),
+            ):
+                answers = {
+                    f"/{method.containing_service.full_name}/{method.name}": await call_with_an_empty_request(
+                        channel, method, metadata
+                    )
+                    for method in methods
+                }
+                assert {path: code for path, code in answers.items() if code != expected} == {}, expected
+            # Health and reflection stay open: probes and grpcurl carry no key.
+            health = health_pb2_grpc.HealthStub(channel)
+            checked = await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+            assert checked.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await app.stop(grace_s=1)
+
+
+@pytest.mark.unit
+async def test_a_service_without_a_key_role_is_refused_at_registration() -> None:
+    """With or without keys: a service added to a guarded server and not to its roles would be served open."""
+    for api_keys in ((), with_keys(Config()).gateway.api_keys):
+        guard = AccessGuard(KeyRing(api_keys), {"asyncinfer.v1.BatchService": "tenant"})
+
+        def add_servicers(server: grpc.aio.Server) -> None:
+            job_service_pb2_grpc.add_JobServiceServicer_to_server(job_service_pb2_grpc.JobServiceServicer(), server)
+
+        with pytest.raises(UnguardedService, match=r"asyncinfer\.v1\.JobService has no API key role"):
+            GrpcServer(host="127.0.0.1", port=0, add_servicers=add_servicers, service_names=(), guard=guard)
 
 
 async def test_an_unauthenticated_poll_does_not_start_the_watch_feed(config: Config) -> None:

@@ -35,7 +35,7 @@ from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
 from asyncinfer.work_summary import WorkSummary
 from services.gateway.admission import Admission
-from services.gateway.auth import GATEWAY_EXPOSES
+from services.gateway.auth import GATEWAY_EXPOSES, tenant_guard
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_driver import BatchDriver
 from services.gateway.batch_metrics import BatchMetrics
@@ -59,6 +59,7 @@ from services.gateway.watch_hub import WatchHub
 
 SERVICE_NAME = "asyncinfer.v1.JobService"
 BATCH_SERVICE_NAME = "asyncinfer.v1.BatchService"
+SERVICE_NAMES = (SERVICE_NAME, BATCH_SERVICE_NAME)
 # Room above max_request_bytes so that a request slightly over the limit reaches our own check
 # (with a clear message) rather than gRPC's; it also bounds responses, and records (with their
 # inline results) stay under NATS's 1 MB max payload.
@@ -240,10 +241,11 @@ class GatewayApp:
             host=cfg.gateway.host,
             port=cfg.gateway.port,
             add_servicers=add_servicers,
-            service_names=[SERVICE_NAME, BATCH_SERVICE_NAME],
+            service_names=SERVICE_NAMES,
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
             rpc_metrics=self.metrics.rpc,
             credentials=tls,
+            guard=tenant_guard(cfg.gateway.api_keys, SERVICE_NAMES),
             translate=nats_failure_status,
             keepalive=Keepalive(cfg.gateway.keepalive_s),
         )
