@@ -108,3 +108,25 @@ def test_up_scheduler_reads_its_embedded_servers_monitoring_port_unless_the_file
     assert with_up_defaults(off).scheduler.nats_monitor_urls == []
     chosen = load_config_file(tmp_path, '[scheduler]\nnats_monitor_urls = ["http://nats.example:8222"]\n')
     assert with_up_defaults(chosen).scheduler.nats_monitor_urls == ["http://nats.example:8222"]
+
+
+@pytest.mark.parametrize("left_behind", ["", "\n"], ids=["empty", "blank"])
+def test_the_generated_webhook_secret_is_written_readable_by_its_owner_only(tmp_path: Path, left_behind: str) -> None:
+    """A secret file that exists but holds no secret (an interrupted first start, a `touch`) is
+    written again: with its own mode it would keep, say, 0644, and the secret be world-readable."""
+    config = load_config_file(tmp_path)
+    path = tmp_path / "data" / "webhook-secret"
+    path.parent.mkdir(parents=True)
+    path.write_text(left_behind)
+    path.chmod(0o644)
+    secret = with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant)
+    assert secret is not None
+    assert secret.startswith("whsec_")
+    assert path.read_text() == secret + "\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["webhook-secret"]  # nothing else left beside it
+    # And a fresh one is 0600 from the start, kept across restarts.
+    path.unlink()
+    first = with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant) == first

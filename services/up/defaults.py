@@ -3,6 +3,7 @@ secret, its own batcher's key)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config
@@ -72,13 +73,28 @@ def with_up_defaults(config: Config) -> Config:
         if not secret:
             secret = new_secret()
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch(mode=0o600)
-            path.write_text(secret + "\n")
+            write_private(path, secret + "\n")
         secrets = [entry.model_dump() for entry in config.webhooks.secrets]
         config = config.replace(webhooks={"secrets": [*secrets, {"tenant": tenant, "secret": secret}]})
     if not config.gateway.api_keys and "allowed_networks" not in config.webhooks.model_fields_set:
         config = config.replace(webhooks={"allowed_networks": list(LOOPBACK_NETWORKS)})
     return config
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` to `path`, readable by its owner only: a new 0600 file beside it, renamed over
+    it. A file already there keeps its mode when written in place (`touch(mode=0o600)` sets a mode
+    only on the files it creates), so a secret written into an empty 0644 file was world-readable."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.new")
+    temporary.unlink(missing_ok=True)  # left by a crash of a process with the same pid
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def with_own_batcher_key(config: Config) -> Config:
