@@ -1,16 +1,54 @@
 """TLS material and secrets from files, read once at start-up: gRPC server and channel credentials,
 the SSL context of the NATS connection, and secrets given inline or as a path (a mounted
-Kubernetes Secret). A file that is missing or unreadable is a ConfigError naming the key."""
+Kubernetes Secret). A file that is missing or unreadable is a ConfigError naming the key; a secret
+file (an API key, a password or token, an NKey seed or credentials, a TLS private key) that others
+may read or change is warned of (`secret_file_exposed`), as ssh does for a private key, and read."""
 
 from __future__ import annotations
 
+import os
 import ssl
+import stat
 from pathlib import Path
 from typing import Protocol
 
 import grpc
+import structlog
 
 from asyncinfer.errors import ConfigError
+
+log = structlog.get_logger("asyncinfer.tls")
+
+# Mode bits of a secret file that are warned of: any access by others (world), or a group write.
+# A group read is not: Kubernetes mounts a Secret with the pod's fsGroup as its group and, in
+# deploy/k8s, defaultMode 0440, so that the service's non-root user reads it through its group; a
+# warning on every pod's start would teach operators to ignore the one that matters. Kubernetes'
+# own default, 0644, is warned of (docs/SECURITY.md).
+EXPOSING_MODE_BITS = stat.S_IRWXO | stat.S_IWGRP
+
+
+def warn_if_exposed(path: str, key: str) -> None:
+    """Logs `secret_file_exposed` (the file, the setting and its mode) when others may read the
+    secret file or change it. Never refuses: the service starts all the same."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)  # a mounted Secret is a symlink: its target's mode
+    except OSError:
+        return  # the read that follows names the problem
+    if mode & EXPOSING_MODE_BITS:
+        log.warning(
+            "secret_file_exposed",
+            file=path,
+            setting=key,
+            mode=f"{mode:04o}",
+            hint="others may read or change it: chmod 600 (or 640/440, a group read is accepted); "
+            "in Kubernetes, the Secret volume's defaultMode 0440 with the pod's fsGroup",
+        )
+
+
+def read_private(path: str, key: str) -> bytes:
+    """A secret file's bytes, warned of when others may read or change it (warn_if_exposed)."""
+    warn_if_exposed(path, key)
+    return read_bytes(path, key)
 
 
 def read_bytes(path: str, key: str) -> bytes:
@@ -26,7 +64,7 @@ def read_secret(inline: str | None, path: str | None, key: str) -> str | None:
     if inline and path:
         raise ConfigError(f"{key} and {key}_file are both set: give one")
     if path:
-        text = read_bytes(path, f"{key}_file").decode(errors="strict").strip()
+        text = read_private(path, f"{key}_file").decode(errors="strict").strip()
         if not text:
             raise ConfigError(f"{key}_file: {path!r} is empty")
         return text
@@ -38,7 +76,7 @@ def _pair(cert_file: str | None, key_file: str | None, cert_key: str, key_key: s
         raise ConfigError(f"{cert_key} and {key_key} go together: set both or neither")
     if not cert_file or not key_file:
         return None
-    cert, key = read_bytes(cert_file, cert_key), read_bytes(key_file, key_key)
+    cert, key = read_bytes(cert_file, cert_key), read_private(key_file, key_key)
     # Checked here, where the files can be named: gRPC takes any bytes and fails later, a server
     # with "Failed to bind to address" (as if the port were taken), a client at its handshake.
     try:

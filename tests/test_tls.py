@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import structlog
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncinfer.client import AsyncClient, UnavailableError
@@ -304,3 +306,56 @@ async def test_the_console_reaches_a_mutual_tls_scheduler_with_its_client_certif
     finally:
         await with_cert.close()
         await without.close()
+
+
+def exposure_warnings(logs: list[dict[str, object]]) -> list[tuple[object, object, object]]:
+    return [(e["file"], e["setting"], e["mode"]) for e in logs if e["event"] == "secret_file_exposed"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("mode", "warned"),
+    [
+        pytest.param(0o600, False, id="0600"),
+        pytest.param(0o400, False, id="0400"),
+        pytest.param(
+            0o640, False, id="0640"
+        ),  # a group read is accepted: Kubernetes mounts Secrets 0440 with the pod's fsGroup
+        pytest.param(0o440, False, id="0440"),
+        pytest.param(0o644, True, id="0644"),  # Kubernetes' default defaultMode
+        pytest.param(0o604, True, id="0604"),
+        pytest.param(0o660, True, id="0660"),  # the group may replace it
+        pytest.param(0o666, True, id="0666"),
+    ],
+)
+def test_a_secret_file_others_may_read_is_warned_of_and_read(tmp_path: Path, mode: int, warned: bool) -> None:
+    from asyncinfer.tls import read_secret
+
+    path = tmp_path / "api-key"
+    path.write_text("s3cret\n")
+    path.chmod(mode)
+    with structlog.testing.capture_logs() as logs:
+        assert read_secret(None, str(path), "batcher.api_key") == "s3cret"  # never refused
+    expected = [(str(path), "batcher.api_key_file", f"{mode:04o}")] if warned else []
+    assert exposure_warnings(logs) == expected
+
+
+@pytest.mark.unit
+def test_a_world_readable_tls_key_or_nkey_seed_is_warned_of(ca: TestCA, tmp_path: Path) -> None:
+    from asyncinfer.nats.connection import security_options
+    from asyncinfer.tls import server_credentials
+
+    pem = ca.issue("gateway")
+    Path(pem.cert_file).chmod(0o644)  # a certificate is public: not warned of
+    Path(pem.key_file).chmod(0o644)
+    seed = tmp_path / "gateway.nk"
+    seed.write_text("SUAEXAMPLE\n")
+    seed.chmod(0o604)
+    gateway = Config().gateway.model_copy(update={"tls_cert_file": pem.cert_file, "tls_key_file": pem.key_file})
+    with structlog.testing.capture_logs() as logs:
+        assert server_credentials("gateway", gateway) is not None
+        assert security_options(Config().nats.model_copy(update={"nkey_seed_file": str(seed)}))["nkeys_seed"]
+    assert exposure_warnings(logs) == [
+        (pem.key_file, "gateway.tls_key_file", "0644"),
+        (str(seed), "nats.nkey_seed_file", "0604"),
+    ]

@@ -25,7 +25,7 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import _fastpath
-from asyncinfer.tls import client_ssl_context, read_secret
+from asyncinfer.tls import client_ssl_context, read_secret, warn_if_exposed
 
 log = structlog.get_logger("asyncinfer.nats")
 
@@ -281,6 +281,7 @@ def security_options(config: NatsConfig) -> dict[str, Any]:
 
 
 def _readable(path: str, key: str) -> None:
+    warn_if_exposed(path, key)
     try:
         with open(path, "rb"):
             pass
