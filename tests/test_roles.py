@@ -161,14 +161,23 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_cli_ops_commands_send_an_ops_key(config: Config, tmp_path: Path) -> None:
+def test_the_cli_ops_commands_send_an_ops_key_and_never_the_tenant_key(config: Config, tmp_path: Path) -> None:
+    """--api-key is a tenant's key for the gateway: dlq, queue and stats do not send it to the
+    scheduler (which takes keys of role ops alone) when --ops-key is not given."""
     with ThreadedStack(keyed(config, tmp_path), batcher=False) as running:
         where = ("--scheduler", running.stack.ops_address)
-        assert _cli("stats", "--once", *where).returncode == 7  # unauthenticated
-        assert _cli("stats", "--once", *where, "--api-key", TENANT_KEY).returncode == 7  # permission denied
+        for api_key in ((), ("--api-key", TENANT_KEY), ("--api-key", OPS_KEY)):
+            refused = _cli("stats", "--once", *where, *api_key)
+            assert refused.returncode == 7, refused.stderr
+            # No key reached the scheduler (a tenant key sent was PERMISSION_DENIED WRONG_KEY_ROLE).
+            assert "error: UNAUTHENTICATED: missing API key" in refused.stderr, refused.stderr
+            assert "send --ops-key (env ASYNCINFER_OPS_KEY)" in refused.stderr, refused.stderr
         shown = _cli("stats", "--once", *where, "--api-key", TENANT_KEY, "--ops-key", OPS_KEY)
         assert shown.returncode == 0, shown.stderr
         assert "demo" in shown.stdout
+        wrong = _cli("stats", "--once", *where, "--ops-key", TENANT_KEY)
+        assert wrong.returncode == 7
+        assert "PERMISSION_DENIED WRONG_KEY_ROLE" in wrong.stderr, wrong.stderr
 
 
 @pytest.mark.unit

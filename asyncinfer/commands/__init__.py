@@ -53,12 +53,19 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
         help=f"the scheduler's OpsService, for dlq, queue and stats (env ASYNCINFER_SCHEDULER_ADDRESS; "
         f"default {DEFAULT_SCHEDULER})",
     )
-    group.add_argument("--api-key", metavar="KEY", default=default, help="API key (env ASYNCINFER_API_KEY)")
+    group.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=default,
+        help="API key of role tenant, sent to the gateway only (env ASYNCINFER_API_KEY)",
+    )
     group.add_argument(
         "--ops-key",
         metavar="KEY",
         default=default,
-        help="API key of role ops, for dlq, queue and stats (env ASYNCINFER_OPS_KEY; default: --api-key)",
+        help="API key of role ops, sent to the scheduler by dlq, queue and stats (env ASYNCINFER_OPS_KEY). "
+        "They never send --api-key instead: the scheduler takes no tenant key, and a tenant's key is not "
+        "handed to a service that only refuses it",
     )
     group.add_argument(
         "--tls-ca",

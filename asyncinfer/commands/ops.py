@@ -38,6 +38,12 @@ from asyncinfer.commands.stdin import read_stdin
 from asyncinfer.drain_orders import ANSWER_MARGIN_S
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 
+# What a scheduler that wants a key is told without one.
+NO_OPS_KEY = (
+    "dlq, queue and stats send --ops-key (env ASYNCINFER_OPS_KEY), a key of role ops; "
+    "--api-key is a tenant's key for the gateway and is never sent to the scheduler"
+)
+
 if TYPE_CHECKING:
     from rich.console import RenderableType
     from rich.live import Live
@@ -108,7 +114,9 @@ async def _ops_call(
 ) -> T:
     """One OpsService call on a fresh channel; a failure raises the SDK's typed error."""
     credentials = options.credentials()
-    key = options.ops_key or options.api_key
+    # The ops key alone: a key has one role, so --api-key (a tenant's, for the gateway) could only be
+    # refused here, and it is not handed to a service that never takes it (NO_OPS_KEY says so).
+    key = options.ops_key
     interceptors: Any = [_WithKey(key)] if key else None
     channel = (
         aio.secure_channel(options.scheduler, credentials, interceptors=interceptors)
@@ -120,7 +128,10 @@ async def _ops_call(
         try:
             return await call(stub, options.call_timeout_s)
         except grpc.RpcError as rpc_error:
-            raise from_rpc_error(rpc_error) from rpc_error
+            error = from_rpc_error(rpc_error)
+            if key is None and error.code == grpc.StatusCode.UNAUTHENTICATED:
+                error.message = f"{error.message}; {NO_OPS_KEY}"
+            raise error from rpc_error
 
 
 class _WithKey(aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]

@@ -27,7 +27,7 @@ class Options:
     gateway: str
     scheduler: str
     api_key: str | None
-    ops_key: str | None  # sent to the OpsService (dlq, queue, stats); api_key when not given
+    ops_key: str | None  # sent to the OpsService (dlq, queue, stats); api_key never is
     tls_ca_file: str | None
     tls_cert_file: str | None
     tls_key_file: str | None
