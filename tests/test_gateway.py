@@ -493,12 +493,16 @@ async def test_a_feed_does_not_resume_into_a_bucket_made_anew(
     hub = gateway.watch_hub
     hub._idle_stop_s = 0.05
     job = (await stub.SubmitJob(submit_request())).job
-    await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id))  # starts the feed
-    await wait_for(lambda: hub.feeding)
+    # A watch keeps the feed on while the two changes come (a GetJob alone left it idle, and on a
+    # loaded machine its 0.05-s idle stop could come before they did).
+    held = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id))
+    await asyncio.wait_for(next_job(held), 30)  # a hang guard
+    await wait_for(lambda: hub.feeding, timeout_s=30.0)
     await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
     await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
-    await wait_for(lambda: hub.recent.resume_from() == 3)  # the feed brought both changes
-    await wait_for(lambda: not hub.feeding)
+    await wait_for(lambda: hub.recent.resume_from() == 3, timeout_s=30.0)  # the feed brought both changes
+    held.cancel()
+    await wait_for(lambda: not hub.feeding, timeout_s=30.0)
     await js.delete_stream(f"KV_{config.nats.jobs_bucket}")
     await ensure_jobs_bucket(js, config.nats)
     early = (await stub.SubmitJob(submit_request())).job  # expected by the recent records, feed off

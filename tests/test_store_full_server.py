@@ -27,11 +27,14 @@ from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.idempotency import TAKEOVER_MARGIN_S
 from tests.stack import StartStack
 from tests.test_claim_check import inputs_bytes, objects_stream_state, upload
 from tests.test_store_full import health_of, submit_request, wait_health
 
-pytestmark = pytest.mark.timeout(120)
+# A refused call retried as for a leader election would take this long: above the 30-s hang guards.
+ENQUEUE_RETRY_S = 45.0
+pytestmark = pytest.mark.timeout(240)
 STORE_BYTES = 2 * 1024 * 1024
 
 
@@ -70,10 +73,15 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
 ) -> None:
     config = Config().replace(
         nats={"url": small_nats.url},
-        # A refusal retried like a leader election would take 120 s; the 30-s hang guards below tell
-        # the two apart, not a bound on how fast it was.
-        gateway={"port": 0, "metrics_port": 0, "enqueue_retry_s": 120.0},
-        scheduler={"port": 0, "metrics_port": 0, "poll_interval_ms": 50.0, "orphan_message_grace_s": 240.0},
+        # A refusal retried like a leader election would take ENQUEUE_RETRY_S; the 30-s hang guards
+        # below tell the two apart, not a bound on how fast it was.
+        gateway={"port": 0, "metrics_port": 0, "enqueue_retry_s": ENQUEUE_RETRY_S},
+        scheduler={
+            "port": 0,
+            "metrics_port": 0,
+            "poll_interval_ms": 50.0,
+            "orphan_message_grace_s": 2 * ENQUEUE_RETRY_S,
+        },
         batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
         logging={"level": "warning", "format": "console"},
     )
@@ -144,8 +152,11 @@ async def test_a_full_server_store_refuses_fast_leaves_nothing_and_recovers(
         await jobs.DeleteInput(job_service_pb2.DeleteInputRequest(ref=ref.ref))
     back_s = await wait_health(health, health_pb2.HealthCheckResponse.SERVING, 30.0)  # a hang guard
     accepted.append((await jobs.SubmitJob(submit_request(idempotency_key="after"))).job.job_id)
-    # The refused submit, retried with its key, is a new job (a claim it left is taken over).
-    retried = await jobs.SubmitJob(submit_request(idempotency_key=f"k-{len(accepted) - 1}"), timeout=30)
+    # The refused submit, retried with its key, is a new job (a claim it left is taken over). Its
+    # release may have been refused by the full store too; the claim is then taken over once stale,
+    # enqueue_retry_s and TAKEOVER_MARGIN_S after it was written (a CI run beside other tests' load).
+    takeover_s = ENQUEUE_RETRY_S + TAKEOVER_MARGIN_S
+    retried = await jobs.SubmitJob(submit_request(idempotency_key=f"k-{len(accepted) - 1}"), timeout=takeover_s + 30.0)
     assert not retried.deduplicated
     assert retried.job.job_id not in accepted
     accepted.append(retried.job.job_id)
