@@ -23,6 +23,8 @@ from asyncinfer.client import (
     _async_watch,
     jobs_watch,
 )
+from asyncinfer.client._retry import NO_RETRY, RetryPolicy
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE, make_error
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
@@ -35,6 +37,7 @@ from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import batch_reads
 from services.gateway.batch_reads import watch_jobs_responses
 from services.gateway.convert import job_to_proto
+from services.gateway.list_jobs import JobLister, ListPage, ListQuery
 from services.gateway.watch_hub import WatchHub
 from services.gateway.watch_many import JobChange, watch_labels
 from tests.kv_helpers import job_record
@@ -405,6 +408,54 @@ async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
     assert ended_before.job_id not in states, "a job that ended before the watch started is not news"
 
 
+async def test_a_label_watch_outlasts_a_catch_up_listing_past_its_call_deadline(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 30: after a gateway restart every label watch lists at once, and a catch-up's
+    ListJobs that ran past the client's call deadline (DEADLINE_EXCEEDED, not retried) ended its
+    watch with DeadlineExceededError (136 of 200 in bench/system/label_watch_reconnect.py). The
+    catch-up now tries its listing again for as long as the watch may live: here the new gateway's
+    first listing is held past the watching client's 2-s call timeout, and the job that finished
+    while the gateway was down still comes."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    labels = {"run": "catch-up-past-its-deadline"}
+    listings: list[str] = []
+    held = asyncio.Event()  # set at the end: the held listing's handler then ends too
+    list_page = JobLister.page
+
+    async def first_held(lister: JobLister, tenant: str, query: ListQuery) -> ListPage:
+        listings.append(tenant)
+        if len(listings) == 1:
+            await held.wait()
+        return await list_page(lister, tenant, query)
+
+    async def finish(job_id: str) -> None:
+        await stack.start_batcher()
+        async with asyncio.timeout(WAIT_S):  # no watch announces it: the gateway is down
+            while True:
+                record = await job_record(stack.nc.jetstream(), job_key(TENANT, job_id))
+                if record is not None and record.state.is_terminal:
+                    return
+                await asyncio.sleep(0.01)
+
+    try:
+        async with AsyncClient(stack.address, retry=FAST_RETRY, timeout_s=2.0) as client:
+            watch = client.watch_jobs(labels=labels, timeout_s=4 * WAIT_S)
+            await watch.ready()
+            job = await client.submit("demo", {"x": X}, labels=labels)
+            queued = await anext(watch)
+            assert (queued.job_id, queued.state) == (job.job_id, JobState.QUEUED)
+            monkeypatch.setattr(JobLister, "page", first_held)
+            await stack.restart_gateway(0.2, while_away=lambda: finish(job.job_id))
+            async with asyncio.timeout(2 * WAIT_S):
+                caught_up = await anext(watch)
+            await watch.aclose()
+    finally:
+        held.set()
+    assert (caught_up.job_id, caught_up.state) == (job.job_id, JobState.SUCCEEDED)
+    assert len(listings) >= 2, "the held listing was tried again"
+
+
 async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:
     async with AsyncClient(stack.address) as client:
         jobs = [await client.submit("demo", {"x": X * i}) for i in range(4)]
@@ -507,3 +558,19 @@ def test_a_label_watchs_catch_up_takes_only_the_news() -> None:
     assert len(delivered) == 2
     assert not delivered.knows("queued")
     assert jobs_watch.missed(job("queued", JobState.QUEUED, 0, update=after), delivered, since)
+
+
+@pytest.mark.unit
+def test_a_catch_up_listing_is_tried_again_on_what_a_loaded_or_restarting_gateway_answers() -> None:
+    """What a reopened label watch's catch-up outlasts (jobs_watch.catch_up_retries): a call past
+    its deadline, an unavailable or exhausted gateway; not a bad request, a message over the size
+    limit, or any failure when the policy turns stream resumes off."""
+    policy = RetryPolicy()
+    for code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        assert jobs_watch.catch_up_retries(make_error(code, "busy"), policy), code
+        assert not jobs_watch.catch_up_retries(make_error(code, "busy"), NO_RETRY), code
+    assert not jobs_watch.catch_up_retries(make_error(grpc.StatusCode.INVALID_ARGUMENT, "bad"), policy)
+    too_large = make_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "too large", reason=MESSAGE_TOO_LARGE)
+    assert not jobs_watch.catch_up_retries(too_large, policy)
+    no_exhausted = RetryPolicy(retry_resource_exhausted=False)
+    assert not jobs_watch.catch_up_retries(make_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy"), no_exhausted)

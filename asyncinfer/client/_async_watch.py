@@ -18,7 +18,13 @@ from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_
 from asyncinfer.client._async_jobs import JobCalls
 from asyncinfer.client._convert import error_from_proto, job_from_proto
 from asyncinfer.client._retry import Deadline, StreamBreaks
-from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error, make_error
+from asyncinfer.client.errors import (
+    AsyncInferClientError,
+    UnavailableError,
+    from_rpc_error,
+    make_error,
+    with_connection_hint,
+)
 from asyncinfer.client.jobs_watch import (
     CATCH_UP_MAX_JOBS,
     CATCH_UP_PAGE_SIZE,
@@ -27,6 +33,7 @@ from asyncinfer.client.jobs_watch import (
     JobsWatch,
     Listening,
     WatchUpdate,
+    catch_up_retries,
     headers_since,
     listened,
     missed,
@@ -186,7 +193,7 @@ class JobWatches(JobCalls):
                             since_call = None
                         attempt = 0
                         breaks.answered()
-                        caught_up = self._missed_by_label_watch(labels, since, delivered, deadline)
+                        caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
                         async with contextlib.aclosing(caught_up):
                             async for job in caught_up:
                                 delivered.delivered(job)
@@ -232,19 +239,24 @@ class JobWatches(JobCalls):
             await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
 
     async def _missed_by_label_watch(
-        self, labels: Mapping[str, str], since: datetime, delivered: DeliveredRevisions, deadline: Deadline
+        self,
+        labels: Mapping[str, str],
+        since: datetime,
+        delivered: DeliveredRevisions,
+        deadline: Deadline,
+        stream: grpc.aio.Call,
     ) -> AsyncGenerator[Job, None]:
         """The jobs with `labels` whose latest record a reopened label watch has not delivered
-        (jobs_watch.missed), as they stand: at most CATCH_UP_MAX_JOBS listed, newest first."""
+        (jobs_watch.missed), as they stand: at most CATCH_UP_MAX_JOBS listed, newest first. Each
+        page is tried until it is answered while the watch may live (jobs_watch.catch_up_retries);
+        it stops early when the reopened `stream` ended meanwhile (the next one catches up)."""
         listed = 0
-        pages = self.list(
-            labels=labels,
-            page_size=CATCH_UP_PAGE_SIZE,
-            limit=CATCH_UP_MAX_JOBS + 1,
-            timeout_s=_unary_budget(deadline, self.timeout_s),
-        )
-        async with contextlib.aclosing(pages):
-            async for job in pages:
+        token = ""
+        while True:
+            page = await self._catch_up_page(labels, token, deadline, stream)
+            if page is None:
+                return
+            for message in page.jobs:
                 listed += 1
                 if listed > CATCH_UP_MAX_JOBS:
                     _log.warning(
@@ -254,5 +266,38 @@ class JobWatches(JobCalls):
                         CATCH_UP_MAX_JOBS,
                     )
                     return
+                job = job_from_proto(message)
                 if missed(job, delivered, since):
                     yield job
+            token = page.next_page_token
+            if not token:
+                return
+
+    async def _catch_up_page(
+        self, labels: Mapping[str, str], token: str, deadline: Deadline, stream: grpc.aio.Call
+    ) -> job_service_pb2.ListJobsResponse | None:
+        """One page of a catch-up's listing, retried with the policy's backoff and jitter (each try
+        with the client's call timeout, within the watch's); None when `stream` ended first."""
+        request = job_service_pb2.ListJobsRequest(page_size=CATCH_UP_PAGE_SIZE, labels=dict(labels), page_token=token)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await self._stub.ListJobs(
+                    request, timeout=_unary_budget(deadline, self.timeout_s), metadata=self._metadata
+                )
+            except asyncio.CancelledError:
+                self._raise_if_closed_meanwhile()
+                raise
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                if not catch_up_retries(error, self.retry):
+                    raise with_connection_hint(error, tls=self._tls) from rpc_error
+                delay = self.retry.backoff_s(attempt, error)
+                if not deadline.allows_sleep(delay):
+                    raise deadline.exceeded("the label watch (its catch-up after a reconnect)") from rpc_error
+                if stream.done():
+                    return None
+                if self.retry.on_retry is not None:
+                    self.retry.on_retry(error, delay)
+                await asyncio.sleep(delay)

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import time
+import traceback
 import urllib.request
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
@@ -64,8 +65,9 @@ class CatchUps:
             since: Any,
             delivered: DeliveredRevisions,
             deadline: Deadline,
+            stream: Any,
         ) -> AsyncGenerator[Job, None]:
-            async with contextlib.aclosing(original(client, labels, since, delivered, deadline)) as jobs:
+            async with contextlib.aclosing(original(client, labels, since, delivered, deadline, stream)) as jobs:
                 async for job in jobs:
                     yield job
             ended.append(time.monotonic())
@@ -80,6 +82,15 @@ class CatchUps:
                 self.changed.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.changed.wait(), 1.0)
+
+
+def raised_where(task: asyncio.Task[None]) -> str:
+    """What a watch raised, and the SDK's line that raised it."""
+    error = task.exception()
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    sdk = [frame for frame in frames if "asyncinfer" in frame.filename]
+    where = f" at {sdk[-1].filename.rsplit('/', 1)[-1]}:{sdk[-1].lineno}" if sdk else ""
+    return f"{error!r}"[:300] + where
 
 
 def list_calls(metrics_port: int) -> float:
@@ -139,7 +150,7 @@ async def measure(group: ProcessGroup, watches: int, runs: int, jobs_per_run: in
         cpu_before = gateway.cpu_seconds()
         await catch_ups.until(watches, tasks)
         caught_up_s = catch_ups.ended[-1] - stopped_at if catch_ups.ended else float("nan")
-        errors = [repr(task.exception())[:300] for task in tasks if task.done() and task.exception() is not None]
+        errors = [raised_where(task) for task in tasks if task.done() and task.exception() is not None]
         return Outcome(
             watches,
             serving_s,
