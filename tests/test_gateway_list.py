@@ -25,7 +25,15 @@ from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.nats.streams import ensure_kv_bucket
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.gateway.list_jobs import DEFAULT_PAGE_SIZE, MAX_RECORDS_READ_PER_PAGE, JobLister, newest_first
+from services.gateway.job_service import JobService
+from services.gateway.list_jobs import (
+    DEFAULT_PAGE_SIZE,
+    MAX_RECORDS_READ_PER_PAGE,
+    JobLister,
+    ListPage,
+    ListQuery,
+    newest_first,
+)
 from services.gateway.tenant_keys import (
     INSERT_AT_MOST,
     SCAN_BATCH,
@@ -141,6 +149,65 @@ async def test_a_selective_filter_still_pages_through_every_match(stub: JobStub)
     pages = await list_all(stub, listing(4, labels={"parity": "1"}))
     listed = [job_id for page in pages for job_id in page]
     assert listed == sorted(ids[1::2], reverse=True)
+
+
+async def test_identical_concurrent_listings_share_one_that_starts_after_they_came(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 30: after a gateway restart every label watch lists its labels' jobs at once, one
+    scan of the tenant's records each (bench/system/label_watch_reconnect.py: 200 scans for 4
+    labels, watches giving up). Identical calls now share one listing, one that starts after each
+    of them came: the calls that come while the first one's listing is under way (and after a job
+    was submitted) share the next listing, which has the job; the first does not."""
+    callers = 8
+    arrived: list[str] = []
+    all_arrived = asyncio.Event()
+    list_jobs = JobService.ListJobs
+
+    async def counted(
+        service: JobService, request: job_service_pb2.ListJobsRequest, context: Any
+    ) -> job_service_pb2.ListJobsResponse:
+        arrived.append(request.page_token)
+        if len(arrived) == callers:
+            all_arrived.set()
+        return await list_jobs(service, request, context)
+
+    scans: list[str] = []
+    first_read, release = asyncio.Event(), asyncio.Event()
+    page = JobLister.page
+
+    async def counted_page(lister: JobLister, tenant: str, query: ListQuery) -> ListPage:
+        scans.append(tenant)
+        listed = await page(lister, tenant, query)
+        if len(scans) == 1:  # it has read; it answers once the others came
+            first_read.set()
+            await release.wait()
+        return listed
+
+    monkeypatch.setattr(JobService, "ListJobs", counted)
+    monkeypatch.setattr(JobLister, "page", counted_page)
+    labels = {"run": "7"}
+    async for stub in serve(two_models(config)):
+        before = await submit_many(stub, [submit_request(labels=labels) for _ in range(3)])
+        await submit_many(stub, [submit_request(labels={"run": "8"})])
+        request = listing(50, labels=labels)
+
+        async def list_jobs_call(
+            stub: JobStub = stub, request: job_service_pb2.ListJobsRequest = request
+        ) -> job_service_pb2.ListJobsResponse:
+            return await stub.ListJobs(request)
+
+        first = asyncio.create_task(list_jobs_call())
+        await asyncio.wait_for(first_read.wait(), 30)
+        late = await submit_many(stub, [submit_request(labels=labels)])
+        others = [asyncio.create_task(list_jobs_call()) for _ in range(callers - 1)]
+        await asyncio.wait_for(all_arrived.wait(), 30)
+        release.set()
+        answers = await asyncio.wait_for(asyncio.gather(first, *others), 30)
+    assert [job.job_id for job in answers[0].jobs] == sorted(before, reverse=True)
+    for answer in answers[1:]:
+        assert [job.job_id for job in answer.jobs] == sorted(before + late, reverse=True)
+    assert len(scans) == 2, f"{callers} identical calls, two listings (the first, and one for the rest)"
 
 
 async def test_bad_page_tokens_are_invalid_argument(stub: JobStub) -> None:

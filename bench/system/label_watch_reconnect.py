@@ -4,7 +4,8 @@ holds RUNS x JOBS_PER_RUN finished jobs with those labels. The gateway is stoppe
 on the same port; every watch reopens and lists its run's jobs (ListJobs, the SDK's catch-up).
 
 Measured from the stop: when the new gateway serves, when every watch has caught up (its catch-up's
-listing ended), the new gateway's CPU seconds until then, and its ListJobs calls (its metrics).
+listing ended), the new gateway's CPU seconds until then, and its ListJobs calls and the listings
+it ran for them (its metrics).
 
     .venv/bin/python -m bench.system.label_watch_reconnect [--watches 50 200] [--runs 4] [--jobs-per-run 500]
 """
@@ -44,6 +45,7 @@ class Outcome:
     gave_up: int  # watches that raised (the SDK's 30-s resume window ran out)
     first_error: str
     list_calls: float
+    listings: float  # the scans the gateway ran for those calls
     gateway_cpu_s: float
 
 
@@ -93,14 +95,21 @@ def raised_where(task: asyncio.Task[None]) -> str:
     return f"{error!r}"[:300] + where
 
 
-def list_calls(metrics_port: int) -> float:
+def list_calls(metrics_port: int) -> tuple[float, float]:
+    """The gateway's ListJobs calls, and the listings it ran for them (identical concurrent calls share
+    one; a gateway before session 30 runs one a call, and has no such metric: NaN)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    return sum(
+    lines = text.splitlines()
+    calls = sum(
         float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
+        for line in lines
         if line.startswith("asyncinfer_rpc_server_handled_total{") and 'method="ListJobs"' in line
     )
+    listings = [
+        float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("asyncinfer_list_jobs_listings_total")
+    ]
+    return calls, listings[0] if listings else float("nan")
 
 
 async def fill(address: str, runs: int, jobs_per_run: int) -> None:
@@ -158,7 +167,7 @@ async def measure(group: ProcessGroup, watches: int, runs: int, jobs_per_run: in
             len(catch_ups.ended),
             len(errors),
             errors[0] if errors else "",
-            list_calls(config.gateway.metrics_port),
+            *list_calls(config.gateway.metrics_port),
             gateway.cpu_seconds() - cpu_before,
         )
     finally:
@@ -189,7 +198,7 @@ def main() -> None:
         print(
             f"{o.watches} watches ({args.runs} runs x {args.jobs_per_run} jobs): serving again "
             f"{o.serving_s:.2f} s, all caught up {o.caught_up_s:.2f} s after the stop, {o.catch_ups} catch-ups, "
-            f"{o.list_calls:.0f} ListJobs, gateway CPU {o.gateway_cpu_s:.2f} s, {o.gave_up} watches gave up"
+            f"{o.list_calls:.0f} ListJobs ({o.listings:.0f} listings), gateway CPU {o.gateway_cpu_s:.2f} s, {o.gave_up} watches gave up"
             + (f" (first: {o.first_error})" if o.first_error else "")
         )
 

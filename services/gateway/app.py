@@ -96,6 +96,7 @@ class GatewayApp:
         self._catalog: ModelCatalog | None = None
         self._submitter: JobSubmitter | None = None
         self._idempotent: IdempotentSubmitter | None = None
+        self._job_service: JobService | None = None
         self._server: GrpcServer | None = None
         self.batch_driver: BatchDriver | None = None
         self._started = False
@@ -194,7 +195,7 @@ class GatewayApp:
         self._idempotent = IdempotentSubmitter(
             cfg, self._submitter, records, claims_kv, expiry, js=js, nc=self._nc, clock=self._wall_clock
         )
-        servicer = JobService(
+        self._job_service = servicer = JobService(
             cfg,
             submitter=self._submitter,
             idempotent=self._idempotent,
@@ -276,6 +277,8 @@ class GatewayApp:
             await self._hub.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._job_service is not None:
+            await self._job_service.close()  # listings whose callers all left
         if self._idempotent is not None:
             await self._idempotent.drain()  # keyed submits whose callers left; before the submitter's
         if self._submitter is not None:

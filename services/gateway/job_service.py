@@ -33,10 +33,11 @@ from services.gateway.bulk_message import MessageSubmitter
 from services.gateway.callbacks import CallbackDeliveries
 from services.gateway.convert import job_to_proto, models_to_proto, submit_request_from_proto, submit_wait_s
 from services.gateway.idempotency import IdempotentSubmitter, SubmitOutcome
-from services.gateway.list_jobs import JobLister, estimated_bytes, list_query_from_proto
+from services.gateway.list_jobs import JobLister, ListQuery, estimated_bytes, list_query_from_proto
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.progress_watch import ProgressFeed, progress_to_proto, record_progress, watch_with_progress
 from services.gateway.queue_view import QueueView, version_waiting_reason
+from services.gateway.shared_runs import SharedRuns
 from services.gateway.stream_limits import StreamCounts
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import check_request_size
@@ -114,6 +115,7 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
             work_stream=config.nats.work_stream,
             max_page_bytes=config.gateway.max_request_bytes,  # the server's limit has headroom above it
         )
+        self._listings: SharedRuns[tuple[str, str, int, str], job_service_pb2.ListJobsResponse] = SharedRuns()
         self._authenticator = Authenticator(config.gateway.api_keys, config.gateway.default_tenant)
         self._catalog = submitter.catalog
         self._models_listed: tuple[int, job_service_pb2.ListModelsResponse] | None = None  # (catalog generation, it)
@@ -349,10 +351,23 @@ class JobService(job_service_pb2_grpc.JobServiceServicer):
         self, request: job_service_pb2.ListJobsRequest, context: Context
     ) -> job_service_pb2.ListJobsResponse:
         tenant = resolve_tenant(context, self._authenticator)
-        page = await self._lister.page(tenant, list_query_from_proto(request))
+        query = list_query_from_proto(request)
+        # Identical calls (every label watch of a run reconnecting after a restart) share one
+        # listing that starts after each of them came (services/gateway/shared_runs.py).
+        key = (tenant, query.fingerprint(tenant), query.page_size, query.page_token)
+        return await self._listings.run(key, lambda: self._list_page(tenant, query))
+
+    async def _list_page(self, tenant: str, query: ListQuery) -> job_service_pb2.ListJobsResponse:
+        """One listing; its answer may go to several callers (never modified once made)."""
+        self._metrics.list_jobs_listings.inc()
+        page = await self._lister.page(tenant, query)
         return job_service_pb2.ListJobsResponse(
             jobs=[self._job(record) for record in page.records], next_page_token=page.next_page_token
         )
+
+    async def close(self) -> None:
+        """After the server stopped: the listings whose callers all left."""
+        await self._listings.close()
 
     async def UploadInput(
         self, request_iterator: AsyncIterator[job_service_pb2.UploadInputRequest], context: Context

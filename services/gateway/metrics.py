@@ -49,6 +49,11 @@ class GatewayMetrics:
             ["outcome"],
             registry=registry,
         )
+        self.list_jobs_listings = Counter(
+            "asyncinfer_list_jobs_listings",
+            "ListJobs listings run (each reads the tenant's records); identical concurrent calls share one.",
+            registry=registry,
+        )
         self.watchers = Gauge("asyncinfer_watchers", "Open WatchJob streams.", registry=registry)
 
     def count_models(self, models: Iterable[str]) -> None:
