@@ -180,3 +180,56 @@ async def test_a_named_scheduler_drains_whichever_one_the_call_reached(config: C
         RELEASE.set()
         await channel.close()
         await second.stop(2.0)
+
+
+async def state_of(stack: Stack, job_id: str, wanted: int) -> job_pb2.Job:
+    """The job once its WatchJob reports state `wanted` (within WAIT_S)."""
+    async with asyncio.timeout(WAIT_S):
+        async for update in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):
+            if update.job.state == wanted:
+                return update.job
+    raise AssertionError(f"job {job_id}'s watch ended before state {wanted}")
+
+
+@pytest.mark.timeout(120)
+async def test_a_cancel_during_a_stops_grace_reaches_the_batcher(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopping scheduler waits up to its grace for its jobs in flight: here one that hangs, and
+    one dispatched behind it that waits in the batcher's queue. Cancelled during that wait, the
+    waiting one is dropped by its batcher (a CancelOrder) and ends CANCELED while the stop still
+    waits for the hung one. The scheduler unsubscribed from cancel notices before its grace: the
+    job stayed CANCELLING in the batcher's queue for the whole grace (60 s here), to be computed
+    or put back at its end."""
+    RELEASE.clear()
+    model = HANGING_MODEL.model_copy(update={"max_queue_size": 2})  # the hung job, one waiting behind
+    stack = await start_stack(config.replace(models=[model]))
+    flow = stack.scheduler.flow
+    in_grace = asyncio.Event()
+    wait_idle = flow.wait_idle
+
+    async def waits_idle(timeout_s: float) -> bool:
+        in_grace.set()
+        return await wait_idle(timeout_s)
+
+    monkeypatch.setattr(flow, "wait_idle", waits_idle)
+    stopping: asyncio.Task[None] | None = None
+    try:
+        hung = (await stack.jobs.SubmitJob(request(HANG_VALUE))).job.job_id
+        await state_of(stack, hung, job_pb2.JOB_STATE_RUNNING)
+        waiting = (await stack.jobs.SubmitJob(request(1.0))).job.job_id
+        await state_of(stack, waiting, job_pb2.JOB_STATE_RUNNING)  # on the batcher, behind the hung one
+        stopping = asyncio.create_task(stack.scheduler.stop(grace_s=60.0))
+        async with asyncio.timeout(WAIT_S):
+            await in_grace.wait()
+        cancelled = await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=waiting, reason="not needed"))
+        assert cancelled.job.state == job_pb2.JOB_STATE_CANCELLING
+        ended = await state_of(stack, waiting, job_pb2.JOB_STATE_CANCELED)
+        assert not stopping.done(), "the stop's grace ended: the job was put back, not dropped"
+        assert ended.attempt == 1
+        got = await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=hung))
+        assert got.job.state == job_pb2.JOB_STATE_RUNNING  # the grace still waits for it
+    finally:
+        RELEASE.set()
+        if stopping is not None:
+            await stopping

@@ -447,14 +447,16 @@ class SchedulerApp:
         await self._stop_dispatching()
         if self._drains is not None:  # before the wait for jobs in flight, which an order's drain shares
             await self._drains.stop()
+        if self._flow is not None and not await self._flow.wait_idle(grace_s):
+            log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
+        # Cancels are heard through the grace: a job cancelled while it waits in its batcher's
+        # queue is dropped there (a CancelOrder), not computed to the end of the grace.
         if self._cancels is not None:
             try:
                 await self._cancels.unsubscribe()
             except Exception as exc:
                 log.warning("cancel_unsubscribe_failed", error=str(exc))
         if self._flow is not None:
-            if not await self._flow.wait_idle(grace_s):
-                log.warning("stopping_with_jobs_in_flight", jobs=len(self._flow.in_flight))
             await self._flow.return_all()
         if self._sweeper is not None:
             await self._sweeper.stop()
