@@ -11,8 +11,13 @@ import grpc
 from asyncinfer.jobs import JobError
 
 # Reasons written by the lifecycle (see asyncinfer/lifecycle.py).
-QUEUE_DEADLINE_EXCEEDED = "QUEUE_DEADLINE_EXCEEDED"  # expired while queued, seen by a reader
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"  # expired when a scheduler or batcher reached it
+# An EXPIRED job's reason, whoever expired it (a dispatch, a reader, the scheduler's deadline
+# sweep, a batcher's drop).
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+# What a gateway's read wrote instead before the one reason: still in records written then (kept
+# for their retention). A reader that branches on an expiry's reason takes both (EXPIRED_REASONS).
+QUEUE_DEADLINE_EXCEEDED = "QUEUE_DEADLINE_EXCEEDED"
+EXPIRED_REASONS = frozenset({DEADLINE_EXCEEDED, QUEUE_DEADLINE_EXCEEDED})
 CANCELED_BY_USER = "CANCELED_BY_USER"
 LEASE_EXPIRED = "LEASE_EXPIRED"
 WORKER_LOST = "WORKER_LOST"
@@ -30,14 +35,6 @@ MAX_CANCEL_REASON_CHARS = 512
 
 def job_error(code: grpc.StatusCode, reason: str, message: str, *, retriable: bool = False) -> JobError:
     return JobError(code=code.value[0], reason=reason, message=message, retriable=retriable)
-
-
-def queue_deadline_passed() -> JobError:
-    return job_error(
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        QUEUE_DEADLINE_EXCEEDED,
-        "the job's queue deadline passed before it started",
-    )
 
 
 def deadline_passed(before: str) -> JobError:

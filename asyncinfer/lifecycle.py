@@ -280,7 +280,8 @@ def cancel(record: JobRecord, event: Cancel, now: float) -> Outcome:
 def expire(record: JobRecord, event: Expire, now: float) -> Outcome:
     if not is_overdue(record, now):
         return _refuse(record, Refused.NOT_OVERDUE)
-    error = job_errors.queue_deadline_passed()
+    # The same error as a dispatch's expiry (dispatch above): one situation, one reason.
+    error = job_errors.deadline_passed("started")
     return record.evolve(state=JobState.EXPIRED, error=error, update_time=now, end_time=now)
 
 

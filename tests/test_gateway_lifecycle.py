@@ -317,7 +317,8 @@ async def test_get_job_past_its_deadline_reports_expired_and_makes_it_so(gw: Har
 
     got = await gw.get(job.job_id)
     assert got.state == job_pb2.JOB_STATE_EXPIRED
-    assert got.error.reason == "QUEUE_DEADLINE_EXCEEDED"
+    assert got.error.reason == "DEADLINE_EXCEEDED"  # as a dispatch's expiry says (QUEUE_DEADLINE_EXCEEDED before)
+    assert got.error.message == "the job's deadline passed before it started"
     assert got.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     record = await gw.record(job.job_id)
     assert record.state is JobState.EXPIRED  # written, not just reported

@@ -289,8 +289,13 @@ def test_a_reader_expires_an_overdue_job_and_nothing_else() -> None:
     expired = lifecycle.apply(overdue, lifecycle.Expire(), 1_001.0)
     assert isinstance(expired, JobRecord)
     assert expired.state is EXP
+    # A reader's expiry and a dispatch's write the same error (they wrote two reasons).
+    at_dispatch = lifecycle.apply(overdue, lifecycle.Dispatch(batcher_id="b1"), 1_001.0)
+    assert isinstance(at_dispatch, JobRecord)
+    assert expired.error == at_dispatch.error
     assert expired.error is not None
-    assert expired.error.reason == job_errors.QUEUE_DEADLINE_EXCEEDED
+    assert expired.error.reason == job_errors.DEADLINE_EXCEEDED
+    assert expired.error.reason in job_errors.EXPIRED_REASONS
 
 
 def test_cancel_of_a_queued_job_ends_it_and_of_a_running_one_asks_it_to_stop() -> None:
