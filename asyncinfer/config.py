@@ -324,6 +324,19 @@ class SchedulerConfig(_Section):
         256 * 1024, gt=0, description="Results up to this size are kept inline in the job record."
     )
     queue_stats_interval_s: float = Field(2.0, gt=0, description="How often queue-depth metrics are refreshed.")
+    deadline_sweep_interval_s: float = Field(
+        1.0,
+        ge=0,
+        description="How often queued jobs past their deadline are looked for in the queues nothing pulls from "
+        "(paused, or whose oldest job has waited deadline_sweep_backlog_s) and ended EXPIRED; 0: never (they "
+        "expire at their dispatch or a read).",
+    )
+    deadline_sweep_backlog_s: float = Field(
+        60.0,
+        gt=0,
+        description="A queue not paused is swept for jobs past their deadline once its oldest job has waited this "
+        "long (read from the queue stats, every queue_stats_interval_s).",
+    )
     store_usage_interval_s: float = Field(
         30.0,
         gt=0,

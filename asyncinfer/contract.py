@@ -89,6 +89,11 @@ def work_filters(model_name: str, priority: Priority) -> list[str]:
     return [queue, f"{queue}.>"]
 
 
+def model_work_subjects(model_name: str) -> str:
+    """Every priority's work subjects of one model (what the scheduler's deadline sweep reads)."""
+    return f"{WORK_SUBJECT_PREFIX}.{model_name}.>"
+
+
 def job_work_lookup(tenant: str, job_id: str) -> str:
     """The subject filter that finds a job's work message without knowing its model or priority."""
     return f"{WORK_SUBJECT_PREFIX}.*.*.{tenant}.{job_id}"
@@ -157,6 +162,14 @@ def stream_info_subject(stream: str) -> str:
     return f"{JS_API_PREFIX}.STREAM.INFO.{stream}"
 
 
+def stream_msg_get_subject(stream: str) -> str:
+    return f"{JS_API_PREFIX}.STREAM.MSG.GET.{stream}"
+
+
+def stream_msg_delete_subject(stream: str) -> str:
+    return f"{JS_API_PREFIX}.STREAM.MSG.DELETE.{stream}"
+
+
 # --- consumers (durable names) ----------------------------------------------------------------
 
 WORK_CONSUMER_PREFIX = "work"  # -<model>-<priority>: one per (model, priority) on WORK
@@ -185,6 +198,10 @@ TENANT_HEADER = "Asyncinfer-Tenant"
 JOB_ID_HEADER = "Asyncinfer-Job-Id"
 PRIORITY_HEADER = "Asyncinfer-Priority"  # the Priority value: HIGH, NORMAL, LOW
 MODEL_HEADER = "Asyncinfer-Model"
+# The job's queue deadline (Unix seconds, decimal), on the work message of a job that has one: the
+# scheduler's deadline sweep finds overdue messages without decoding their envelopes (a message
+# without it, from an older gateway, is expired at its dispatch or a read, as before).
+DEADLINE_HEADER = "Asyncinfer-Deadline"
 # On an Object Store meta message: when the object expires (Unix seconds) and its SHA-256 (hex).
 EXPIRES_HEADER = "Asyncinfer-Expires-At"
 SHA256_HEADER = "Asyncinfer-Sha256"

@@ -15,6 +15,9 @@ a default: `traceparent` (the record's, when tracing is on); `claim_revision` an
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import msgspec
 
 from asyncinfer.codecs.parts import (
@@ -26,6 +29,7 @@ from asyncinfer.codecs.parts import (
     tensors_to_wire,
 )
 from asyncinfer.codecs.record import CallbackWire
+from asyncinfer.contract import DEADLINE_HEADER
 from asyncinfer.jobs import CallbackSpec, Priority, WorkEnvelope
 
 VERSION = 2
@@ -123,3 +127,22 @@ def tenant_of_envelope(data: bytes) -> str:
         return _tenant_decoder.decode(data).tenant
     except msgspec.DecodeError:
         return ""
+
+
+def deadline_header(deadline: float | None) -> dict[str, str]:
+    """The DEADLINE_HEADER of a job's work message (none for a job without a deadline): the
+    deadline's Unix seconds as `repr` writes the float, which reads back to the same float."""
+    return {} if deadline is None else {DEADLINE_HEADER: repr(deadline)}
+
+
+def deadline_of_headers(headers: Mapping[str, str] | None) -> float | None:
+    """The deadline a work message's headers carry; None without one, or one that is no number
+    (never written so: the message is left to its dispatch)."""
+    value = (headers or {}).get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        deadline = float(value)
+    except ValueError:
+        return None
+    return deadline if math.isfinite(deadline) else None

@@ -6,6 +6,7 @@ start-up in any order.
 from __future__ import annotations
 
 import asyncio
+import base64
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,8 @@ from asyncinfer.contract import (
     MSG_TTL_HEADER,
     consumer_info_subject,
     stream_info_subject,
+    stream_msg_delete_subject,
+    stream_msg_get_subject,
 )
 from asyncinfer.errors import Unavailable
 from asyncinfer.nats.protocol import STORE_FULL_CODES
@@ -344,6 +347,68 @@ async def subject_counts(
     if page.total > len(subjects):  # more than one page (subjects came since the count): unknown
         return None
     return subjects
+
+
+class _StoredHeaders(msgspec.Struct):
+    class Message(msgspec.Struct):
+        seq: int = 0
+        hdrs: str | None = None  # base64 of the NATS/1.0 header block; the payload (`data`) is skipped
+
+    message: Message | None = None
+    error: dict[str, Any] | None = None
+
+
+def _parse_header_block(block: bytes) -> dict[str, str]:
+    """`NATS/1.0\r\nName: value\r\n...` as a dict (the last value of a repeated name)."""
+    headers: dict[str, str] = {}
+    for line in block.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            headers[name.strip().decode()] = value.strip().decode()
+    return headers
+
+
+async def next_headers(
+    nc: Client, stream: str, subjects_filter: str, *, from_seq: int, timeout_s: float
+) -> tuple[int, dict[str, str]] | None:
+    """The sequence and headers of the stream's first message at or after `from_seq` on
+    `subjects_filter` (a STREAM.MSG.GET next by subject, from the leader), or None when there is
+    none. The payload crosses the wire (no read of a WorkQueue stream leaves it out: a headers-only
+    consumer beside its work consumers is refused, error 10100) but is skipped, not decoded."""
+    request = msgspec.json.encode({"seq": max(from_seq, 1), "next_by_subj": subjects_filter})
+    reply = await nc.request(stream_msg_get_subject(stream), request, timeout=timeout_s)
+    answer = msgspec.json.decode(reply.data, type=_StoredHeaders)
+    if answer.error is not None:
+        try:
+            APIError.from_error(answer.error)  # raises
+        except NotFoundError:
+            return None
+    if answer.message is None:
+        return None
+    block = base64.b64decode(answer.message.hdrs) if answer.message.hdrs else b""
+    return answer.message.seq, _parse_header_block(block)
+
+
+class _Deleted(msgspec.Struct):
+    success: bool = False
+    error: dict[str, Any] | None = None
+
+
+async def delete_message(nc: Client, stream: str, seq: int, *, timeout_s: float) -> bool:
+    """Deletes the stream's message `seq`: whether it was there. Without the secure erase that
+    nats-py's delete_msg asks for (it overwrites the message in its file: 2.25 ms a message on a
+    2-core machine, 0.44 ms without; ~2 ms of nats-server CPU each under load): a message acked off
+    a WorkQueue stream is not erased either, so a deleted job's inputs are no more exposed than
+    any finished job's."""
+    request = msgspec.json.encode({"seq": seq, "no_erase": True})
+    reply = await nc.request(stream_msg_delete_subject(stream), request, timeout=timeout_s)
+    answer = msgspec.json.decode(reply.data, type=_Deleted)
+    if answer.error is not None:
+        try:
+            APIError.from_error(answer.error)  # raises
+        except NotFoundError:
+            return False
+    return answer.success
 
 
 async def nak_delivery(nc: Client, ack_subject: str) -> None:

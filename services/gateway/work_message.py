@@ -6,7 +6,7 @@ so a job is the same job whichever path queued it.
 
 from __future__ import annotations
 
-from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.codecs.envelope import deadline_header, encode_envelope
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.contract import TRACEPARENT_HEADER, routing_headers
 from asyncinfer.errors import FieldViolation, InvalidArgument
@@ -69,6 +69,7 @@ def work_message(record: JobRecord, request: SubmitRequest) -> DurableMessage:
     headers = routing_headers(
         tenant=record.tenant, job_id=record.job_id, priority=record.priority, model_name=record.model_name
     )
+    headers.update(deadline_header(record.deadline))  # read by the scheduler's deadline sweep
     if record.traceparent:  # also readable by NATS tooling without decoding the record
         headers[TRACEPARENT_HEADER] = record.traceparent
     return DurableMessage(envelope.subject, encode_envelope(envelope), msg_id=record.job_id, headers=headers)

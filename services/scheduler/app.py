@@ -52,6 +52,7 @@ from services.scheduler.cluster_drains import ClusterDrains
 from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
+from services.scheduler.deadline_sweep import DeadlineSweep
 from services.scheduler.dispatcher import ModelDispatcher
 from services.scheduler.instances import SchedulerInstance, instance_name, new_run
 from services.scheduler.jobs_flow import JobFlow
@@ -139,6 +140,7 @@ class SchedulerApp:
         self._loops: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Task[None] | None = None
         self._webhooks: WebhookService | None = None
+        self.deadline_sweep: DeadlineSweep | None = None  # None: scheduler.deadline_sweep_interval_s is 0
 
     @property
     def flow(self) -> JobFlow:
@@ -342,6 +344,20 @@ class SchedulerApp:
         self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
+        if settings.deadline_sweep_interval_s > 0:
+            self.deadline_sweep = sweep = DeadlineSweep(
+                nc=nc,
+                js=js,
+                store=store,
+                stream=config.nats.work_stream,
+                metrics=self.metrics,
+                models=lambda: list(self._dispatchers_by_model),
+                is_paused=pauses.is_paused,
+                backlog_s=settings.deadline_sweep_backlog_s,
+                clock=self._wall_clock,
+                on_message_dropped=self._forget_put_back,
+            )
+            self._loops.append(self._repeat("deadline_sweep", settings.deadline_sweep_interval_s, sweep.sweep))
         store_usage = StoreUsageReader(js, config.nats, monitor_urls=settings.nats_monitor_urls)
 
         async def observe_store() -> None:
@@ -520,6 +536,9 @@ class SchedulerApp:
             snapshot = by_model.get(dispatcher.model_name)
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
+        if self.deadline_sweep is not None:
+            for snapshot in snapshots:
+                self.deadline_sweep.observe(snapshot.model_name, snapshot.oldest_ages().values())
         if self._snapshots_js is not None and self._instance is not None:
             due = self._snapshot_writes.due(snapshots, scheduler=self._instance.name)
             if not due:

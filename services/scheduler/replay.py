@@ -23,7 +23,7 @@ import structlog
 
 from asyncinfer import lifecycle
 from asyncinfer.claim_lifetimes import ClaimLifetimes, replayed_ttl_s
-from asyncinfer.codecs.envelope import encode_envelope
+from asyncinfer.codecs.envelope import deadline_header, encode_envelope
 from asyncinfer.config import Config
 from asyncinfer.contract import replay_msg_id, routing_headers
 from asyncinfer.errors import FailedPrecondition, NotFound, Unavailable
@@ -103,7 +103,8 @@ async def replay(
                 job_id=envelope.job_id,
                 priority=envelope.priority,
                 model_name=envelope.model_name,
-            ),
+            )
+            | deadline_header(envelope.deadline),
         )
     except NATS_FAILURES as exc:
         restored = record.evolve(revision=queued.revision)
