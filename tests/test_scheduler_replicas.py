@@ -272,9 +272,11 @@ async def test_snapshots_are_fresh_by_the_readers_clock_whatever_the_schedulers_
         # write in rounds of their own, so the merge may hold B's count of the three beside A's
         # snapshot from before, whose free credit places the first job DISPATCHING.
         await wait_for(
-            lambda: (merged := view.snapshot(MODEL)) is not None
-            and merged.total_depth == 3
-            and (merged.in_flight, merged.free_credits) == (1, 0)
+            lambda: (
+                (merged := view.snapshot(MODEL)) is not None
+                and merged.total_depth == 3
+                and (merged.in_flight, merged.free_credits) == (1, 0)
+            )
         )
         got = await stack.jobs.GetJobs(job_service_pb2.GetJobsRequest(job_ids=queued))
         assert [r.job.state for r in got.results] == [job_pb2.JOB_STATE_QUEUED] * 3
