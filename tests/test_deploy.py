@@ -102,8 +102,28 @@ def of_kind(docs: tuple[dict[str, Any], ...], kind: str) -> dict[str, dict[str, 
 
 
 def config_map(docs: tuple[dict[str, Any], ...]) -> dict[str, str]:
-    (data,) = [d["data"] for name, d in of_kind(docs, "ConfigMap").items() if name.startswith("asyncinfer-config")]
+    """The services' ConfigMap (asyncinfer-config and its content hash)."""
+    (data,) = [
+        d["data"]
+        for name, d in of_kind(docs, "ConfigMap").items()
+        if re.fullmatch(r"asyncinfer-config-[a-z0-9]+", name)
+    ]
     return data
+
+
+def mounted_config(docs: tuple[dict[str, Any], ...], workload: dict[str, Any]) -> tuple[str, str]:
+    """The file a workload's `--config` names and its text, read from the ConfigMap its pod mounts
+    there (as the kubelet would: a ConfigMap the overlay does not make fails here)."""
+    c = container(workload)
+    path = Path(c["args"][c["args"].index("--config") + 1])
+    (volume_name,) = [m["name"] for m in c["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    (volume,) = [v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == volume_name]
+    source = volume["configMap"]
+    config_maps = of_kind(docs, "ConfigMap")
+    assert source["name"] in config_maps, f"{workload['metadata']['name']} mounts a missing ConfigMap {source['name']}"
+    keys = {item["path"]: item["key"] for item in source.get("items", [])}
+    key = keys.get(path.name, path.name)
+    return key, config_maps[source["name"]]["data"][key]
 
 
 def load_toml(text: str, tmp_path: Path, environ: dict[str, str] | None = None) -> Config:
@@ -245,9 +265,35 @@ def test_the_keda_schema_rejects_what_keda_would() -> None:
 
 
 def pool_config(docs: tuple[dict[str, Any], ...], deployment: dict[str, Any], tmp_path: Path) -> Config:
-    args = container(deployment)["args"]
-    key = Path(args[args.index("--config") + 1]).name
-    return load_toml(config_map(docs)[key], tmp_path)
+    return load_toml(mounted_config(docs, deployment)[1], tmp_path)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_config_map_and_volume_claim_a_workload_names_exists(overlay: str) -> None:
+    """A pod whose ConfigMap or PersistentVolumeClaim does not exist never starts (it stays in
+    ContainerCreating: "configmap ... not found"). The Secrets: tests/test_deploy_secrets.py."""
+    docs = render(overlay)
+    config_maps = of_kind(docs, "ConfigMap")
+    claims = of_kind(docs, "PersistentVolumeClaim")
+    for name, workload in {**of_kind(docs, "Deployment"), **of_kind(docs, "StatefulSet")}.items():
+        pod = workload["spec"]["template"]["spec"]
+        for volume in pod.get("volumes", []):
+            if "configMap" in volume:
+                source = volume["configMap"]
+                assert source["name"] in config_maps, f"{overlay}: {name} mounts ConfigMap {source['name']}"
+                for item in source.get("items", []):
+                    assert item["key"] in config_maps[source["name"]]["data"], (overlay, name, item)
+            if "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                assert claim in claims, f"{overlay}: {name} mounts PersistentVolumeClaim {claim}"
+        for c in (*pod["containers"], *pod.get("initContainers", [])):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("configMapKeyRef")
+                if ref:
+                    assert ref["name"] in config_maps, (overlay, name, env["name"])
+            for source in c.get("envFrom", []):
+                if "configMapRef" in source:
+                    assert source["configMapRef"]["name"] in config_maps, (overlay, name)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -37,6 +37,7 @@ from tests.test_deploy import (
     container,
     load_healthcheck,
     load_toml,
+    mounted_config,
     nats_conf,
     of_kind,
     pool_config,
@@ -158,8 +159,8 @@ def test_the_services_load_their_configuration_with_the_mounted_files(overlay: s
             e["name"]: e["value"] for e in c.get("env", []) if "value" in e and e["name"].startswith("ASYNCINFER_")
         }
         service = service_of(name)
-        key = Path(c["args"][c["args"].index("--config") + 1]).name  # the file it mounts
-        cfg = load_toml(config_map(docs)[key], tmp_path, {**SECRET_ENV, **environ})
+        _key, text = mounted_config(docs, workload)  # the file it mounts
+        cfg = load_toml(text, tmp_path, {**SECRET_ENV, **environ})
         if service in ("gateway", "scheduler", "batcher"):
             section = getattr(cfg, service)
             assert section.tls_cert_file == f"{SECRET_DIR}/tls/tls.crt", name
