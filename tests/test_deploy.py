@@ -537,6 +537,45 @@ def test_workloads_are_hardened_and_highly_available(overlay: str) -> None:
         assert of_kind(docs, "Service")["gateway"]["spec"]["type"] == "ClusterIP"
 
 
+# The gateway is what clients dial, through its Service (a LoadBalancer in production, with
+# externalTrafficPolicy Local: the cloud balancer drops a node after its health checks fail, 10 s
+# and more). It closes its port at SIGTERM, so it must keep serving while the endpoints let go.
+PRE_STOP_SLEEP_S = {"gateway": 10}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_stopping_pod_leaves_its_service_first_and_finishes_its_stop_before_sigkill(
+    overlay: str, tmp_path: Path
+) -> None:
+    """A pod being deleted gets preStop, then SIGTERM, then SIGKILL terminationGracePeriodSeconds
+    after the start: the gateway sleeps in preStop while its Service and load balancer stop sending
+    it connections (otherwise a rolling update refuses new ones: UNAVAILABLE to clients), and every
+    service's grace covers that sleep, its own ordered stop and the wait for its threads."""
+    from services.batcher.app import ANSWERS_AFTER_GRACE_S
+    from services.cli import THREADS_END_WAIT_S
+    from services.up.stack import SHUTDOWN_GRACE_S
+
+    docs = render(overlay)
+    for name, deployment in of_kind(docs, "Deployment").items():
+        if name in ("triton", "console"):
+            continue
+        service = service_of(name)
+        c = container(deployment)
+        pre_stop_s = 0
+        if service in PRE_STOP_SLEEP_S:
+            assert "lifecycle" in c, f"{overlay}: {name} has no preStop: it refuses connections while endpoints drop it"
+            command = c["lifecycle"]["preStop"]["exec"]["command"]
+            assert command[0] == "sleep", (name, command)
+            pre_stop_s = int(command[1])
+            assert pre_stop_s >= PRE_STOP_SLEEP_S[service], (name, command)
+        if service == "batcher":
+            stop_s = pool_config(docs, deployment, tmp_path).batcher.shutdown_grace_s + ANSWERS_AFTER_GRACE_S
+        else:
+            stop_s = SHUTDOWN_GRACE_S
+        grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace_s >= pre_stop_s + stop_s + THREADS_END_WAIT_S, (overlay, name, grace_s)
+
+
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
 
