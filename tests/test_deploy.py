@@ -14,6 +14,7 @@ import base64
 import functools
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -574,6 +575,51 @@ def test_a_stopping_pod_leaves_its_service_first_and_finishes_its_stop_before_si
             stop_s = SHUTDOWN_GRACE_S
         grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         assert grace_s >= pre_stop_s + stop_s + THREADS_END_WAIT_S, (overlay, name, grace_s)
+
+
+def cpu_cores(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def container_environ(c: dict[str, Any]) -> dict[str, str]:
+    """The container's plain and Downward API resource values (resourceFieldRef, as the kubelet
+    gives them: rounded up to the divisor)."""
+    environ = {}
+    for env in c.get("env", []):
+        if "value" in env:
+            environ[env["name"]] = env["value"]
+        field = env.get("valueFrom", {}).get("resourceFieldRef")
+        if field:
+            kind, _, resource = field["resource"].partition(".")
+            assert resource == "cpu", field
+            divisor = cpu_cores(str(field.get("divisor", "1")))
+            environ[env["name"]] = str(math.ceil(cpu_cores(str(c["resources"][kind][resource])) / divisor))
+    return environ
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_batcher_on_cpu_runs_as_many_torch_threads_as_the_cores_it_requests(overlay: str, tmp_path: Path) -> None:
+    """torch_threads 0 is torch's default: one thread per core the process may run on, which in a
+    pod is every core of the node (a CPU request or limit does not change the affinity). A pool
+    requesting 2 cores on a 64-core node would spin 64 threads at every op's barrier on a
+    2-core share (throttled to a crawl under a CPU limit). The batcher's own rule decides."""
+    from services.batcher.backends.loading import torch_threads_for
+
+    node_cores = 64
+    docs = render(overlay)
+    for name, deployment in of_kind(docs, "Deployment").items():
+        if not name.startswith("batcher-"):
+            continue
+        c = container(deployment)
+        on_gpu = "nvidia.com/gpu" in c["resources"].get("limits", {})
+        environ = {**SECRET_ENV, **container_environ(c)}
+        cfg = load_toml(mounted_config(docs, deployment)[1], tmp_path, environ)
+        if not any(v.backend == "torch" for m in cfg.models for v in m.version_configs()):
+            continue  # no torch model (a Triton pool): no torch threads
+        threads = torch_threads_for(cfg.batcher, cfg.models, node_cores, cuda_available=lambda gpu=on_gpu: gpu)
+        requested = math.ceil(cpu_cores(str(c["resources"]["requests"]["cpu"])))
+        assert threads != 0, f"{overlay}: {name} runs torch's default threads, one per core of its node"
+        assert threads <= requested, (overlay, name, threads, requested)
 
 
 def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
