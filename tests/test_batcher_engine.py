@@ -615,6 +615,52 @@ async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:
         await engine.stop(grace_s=1.0)
 
 
+async def test_the_queue_depth_gauge_sums_the_versions_served_side_by_side() -> None:
+    """Two versions of a model share its gauge: it reads the sum of their queues. Each version's
+    queue replaced the reading before, so the gauge showed the last version added, and once that
+    one was retired, its empty queue (0) while the other version's filled."""
+    from prometheus_client import CollectorRegistry
+
+    from services.batcher.engine import BatchingEngine
+    from services.batcher.metrics import BatcherMetrics
+
+    registry = CollectorRegistry()
+    config = DEMO_MODEL.model_copy(update={"max_queue_delay_ms": 0.0, "max_inflight_batches": 1})
+    engine = BatchingEngine(metrics=BatcherMetrics(registry))
+    gates = {"1": threading.Event(), "2": threading.Event()}
+    models = {version: RecordingAffine(gate) for version, gate in gates.items()}
+    engine.add_model(config, TorchBackend(config.name, models["1"], config.signature, torch.device("cpu")))
+    await engine.start()
+
+    def depth() -> float | None:
+        return registry.get_sample_value("asyncinfer_batcher_queue_depth", {"model": "demo"})
+
+    async def fill(version: str, waiting: int) -> list[Any]:
+        items = [engine.submit("demo", rows(1.0), version=version)]
+        await wait_entered(models[version])  # it computes, held; the rest wait for its slot
+        return items + [engine.submit("demo", rows(1.0), version=version) for _ in range(waiting)]
+
+    try:
+        first = await fill("1", 2)
+        assert depth() == 2
+        second_config = config.model_copy(update={"version": "2"})
+        engine.add_model(second_config, TorchBackend("demo", models["2"], config.signature, torch.device("cpu")))
+        second = await fill("2", 3)
+        assert depth() == 2 + 3
+        retired = engine.withdraw("demo", "2")
+        gates["2"].set()
+        await asyncio.wait_for(asyncio.gather(*(item.future for item in second)), 10.0)
+        await asyncio.wait_for(engine.finish_retiring(retired, linger_s=0.0), 10.0)
+        assert depth() == 2  # version 1's waiting items, not the retired queue's 0
+        gates["1"].set()
+        await asyncio.wait_for(asyncio.gather(*(item.future for item in first)), 10.0)
+        assert depth() == 0
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await engine.stop(grace_s=1.0)
+
+
 class ExitingAffine(RecordingAffine):
     """y = 2x + 1, but calls sys.exit on a negative input (as a script's code might on bad input)."""
 

@@ -4,6 +4,7 @@ Items per second is `rate(asyncinfer_batcher_items_total[1m])` (rows: `..._rows_
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -82,6 +83,23 @@ class BatcherMetrics:
             ["model"],
             registry=registry,
         )
+        # Per model: the readings of its versions' queues, summed at collection (two versions
+        # served side by side share the model's gauge child; each new queue replaced the last's
+        # reading, so the gauge showed one version, then a retired one's zero).
+        self._depths: dict[str, SummedReading] = {}
+        self._overruns: dict[str, SummedReading] = {}
+
+    def depth_reading(self, model: str) -> SummedReading:
+        reading = self._depths.get(model)
+        if reading is None:
+            reading = self._depths[model] = SummedReading(self.queue_depth.labels(model=model))
+        return reading
+
+    def overrun_reading(self, model: str) -> SummedReading:
+        reading = self._overruns.get(model)
+        if reading is None:
+            reading = self._overruns[model] = SummedReading(self.overrun_batches.labels(model=model))
+        return reading
 
     def observe_batch(
         self, model: str, *, rows: int, max_rows: int, padding_waste: float, queue_wait_s: float, compute_s: float
@@ -116,8 +134,8 @@ class ModelMetrics:
         self._queue_wait = metrics.batch_queue_wait_seconds.labels(model=model)
         self._compute = metrics.batch_compute_seconds.labels(model=model)
         self._rows = metrics.rows.labels(model=model)
-        self._depth = metrics.queue_depth.labels(model=model)
-        self._overrun = metrics.overrun_batches.labels(model=model)
+        self._depth = metrics.depth_reading(model)
+        self._overrun = metrics.overrun_reading(model)
         self._items: dict[str, Counter] = {}
 
     def observe_batch(
@@ -130,17 +148,40 @@ class ModelMetrics:
         self._compute.observe(compute_s)
         self._rows.inc(rows)
 
-    def track_queue_depth(self, depth: Callable[[], float]) -> None:
+    def track_queue_depth(self, depth: Callable[[], float]) -> Callable[[], None]:
         """The queue depth is read when metrics are collected: setting a gauge per item took a
-        lock per request on the hot path."""
-        self._depth.set_function(depth)
+        lock per request on the hot path. One version's queue among the model's; returns the
+        function that takes it out (once the version is retired)."""
+        return self._depth.add(depth)
 
-    def track_overrun(self, overrun: Callable[[], float]) -> None:
-        """Read when metrics are collected, as the queue depth is."""
-        self._overrun.set_function(overrun)
+    def track_overrun(self, overrun: Callable[[], float]) -> Callable[[], None]:
+        """Read when metrics are collected, as the queue depth is; returns its removal too."""
+        return self._overrun.add(overrun)
 
     def count_items(self, outcome: str, count: int = 1) -> None:
         child = self._items.get(outcome)
         if child is None:
             child = self._items[outcome] = self._metrics.items.labels(model=self._model, outcome=outcome)
         child.inc(count)
+
+
+class SummedReading:
+    """A gauge child read at collection as the sum of its sources: one per version of a model
+    (the versions' queues come and go while the batcher runs)."""
+
+    def __init__(self, child: Gauge) -> None:
+        self._sources: list[Callable[[], float]] = []
+        child.set_function(self._read)
+
+    def add(self, source: Callable[[], float]) -> Callable[[], None]:
+        self._sources.append(source)
+
+        def remove() -> None:
+            with contextlib.suppress(ValueError):
+                self._sources.remove(source)
+
+        return remove
+
+    def _read(self) -> float:
+        # A copy: collection runs on the metrics server's thread while the loop adds and removes.
+        return float(sum(source() for source in list(self._sources)))

@@ -130,10 +130,16 @@ class ModelQueue:
         self._waiting: list[PendingItem] = []
         self._seq = itertools.count()
         self._metrics: ModelMetrics | None = metrics.for_model(config.name) if metrics is not None else None
+        # The model's gauges read this version's queue until it has stopped and its last batch
+        # has returned (an overrunning call on a retired version still counts).
+        self._untrack: list[Callable[[], None]] = []
         if self._metrics is not None:
             # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
-            self._metrics.track_queue_depth(lambda: len(self._waiting))
-            self._metrics.track_overrun(lambda: sum(1 for running in self._running.values() if running.overran))
+            self._untrack = [
+                self._metrics.track_queue_depth(lambda: len(self._waiting)),
+                self._metrics.track_overrun(lambda: sum(1 for running in self._running.values() if running.overran)),
+            ]
+        self._intake_stopped = False
         self._input_names = tuple(spec.name for spec in backend.signature.inputs)
         self._fast_check = FastCheck(backend.signature, config.max_batch_size)
         self._on_item_done = on_item_done
@@ -300,6 +306,8 @@ class ModelQueue:
     def _batch_done(self, batch: list[PendingItem], task: asyncio.Task[None]) -> None:
         self._free_slot(task)  # freed already when the run got past the model's call
         running = self._running.pop(task, None)
+        if self._intake_stopped:
+            self._untrack_when_idle()
         if running is not None:
             if running.timer is not None:
                 running.timer.cancel()
@@ -494,6 +502,15 @@ class ModelQueue:
                 await self._former
         fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
         self._waiting.clear()
+        self._intake_stopped = True
+        self._untrack_when_idle()
+
+    def _untrack_when_idle(self) -> None:
+        if self._running:
+            return
+        for untrack in self._untrack:
+            untrack()
+        self._untrack = []
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
