@@ -1,7 +1,9 @@
 """A model that misbehaves on some inputs, loaded by a batcher in a process of its own
 (tests/test_services_cli.py, tests/test_model_stuck.py): a row starting with 777 waits an hour (or
 for RELEASE), one starting with 555 computes for SLOW_S, one starting with 666
-crashes the process (a segfault, as a native extension's bug would), others compute 2x + 1."""
+crashes the process (a segfault, as a native extension's bug would), others compute 2x + 1. The
+poisoned one (build_poisoned_model) also raises for a whole batch that holds a row starting with
+POISON_VALUE, and keeps the first values of every batch it is called with."""
 
 from __future__ import annotations
 
@@ -32,6 +34,23 @@ class HangingDemo(torch.nn.Module):
 
 def build_hanging_model() -> torch.nn.Module:
     return HangingDemo()
+
+
+POISON_VALUE = 999.0
+# The first values of the rows of each batch the poisoned model was called with, in this process.
+POISONED_CALLS: list[list[float]] = []
+
+
+class PoisonedDemo(HangingDemo):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        POISONED_CALLS.append([float(v) for v in x[:, 0]])
+        if bool((x[:, 0] == POISON_VALUE).any()):
+            raise ValueError("a poison row in this batch")
+        return super().forward(x)
+
+
+def build_poisoned_model() -> torch.nn.Module:
+    return PoisonedDemo()
 
 
 SLOW_LOAD_S = 0.4
