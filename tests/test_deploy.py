@@ -41,6 +41,7 @@ from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server, free_p
 from asyncinfer.grpc_server import LIVENESS_SERVICE, GrpcServer
 from asyncinfer.jobs import Priority
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from services.scheduler.queue_stats import desired_batchers
 from services.scheduler.store_usage import ServerUsage, read_server_usage
 from tests.stack import Stack, StartStack
 
@@ -260,6 +261,76 @@ def test_the_keda_schema_rejects_what_keda_would() -> None:
     for broken in (bad_metadata, not_a_string, no_consumer):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(broken, keda_schema())
+
+
+# docs/BATCHES.md, "On a GPU": about four batchers per GPU run a file batch 2.8-3.2x as fast as one.
+BATCHERS_PER_GPU_FOR_BATCHES = 4
+
+
+def replicas_a_lone_batch_asks(trigger: dict[str, Any], main: Config) -> int:
+    """What KEDA asks of a pool for one file batch alone, long enough to outlast the scheduler's
+    drain target several times over. A batch keeps at most batches.chunks_in_flight chunk jobs
+    queued or running, so that is all the lag a NATS trigger reads of it; the scheduler's signal
+    also counts the chunks still in the batch's plan (measured here at one chunk a second per
+    batcher, one batcher connected)."""
+    meta = trigger["metadata"]
+    window = main.batches.chunks_in_flight
+    if trigger["type"] == "nats-jetstream":
+        return math.ceil(window / int(meta["lagThreshold"]))
+    assert trigger["type"] == "prometheus", trigger
+    assert trigger["metricType"] == "AverageValue"  # replicas = the value / threshold, not per pod
+    target_s = main.scheduler.autoscale_target_drain_s
+    desired = desired_batchers(
+        waiting=window,
+        in_flight=0,
+        connected=1,
+        completed_per_s=1.0,
+        target_drain_s=target_s,
+        planned=math.ceil(10 * target_s),
+        planned_batches=1,
+        chunks_in_flight=window,
+    )
+    return math.ceil(desired / float(meta["threshold"]))
+
+
+@pytest.mark.parametrize("overlay", CLAIM_CHECK_BATCHERS)
+def test_a_file_batch_alone_scales_the_gpu_pool_to_several_batchers_and_back_to_zero(
+    overlay: str, tmp_path: Path
+) -> None:
+    """The overlay for file batches on GPUs exists to run several batchers per GPU; its pools'
+    lag triggers (20 and 50 jobs a batcher) read a batch's window of 8 chunk jobs as one batcher."""
+    docs = render(overlay)
+    main = load_toml(config_map(docs)["asyncinfer.toml"], tmp_path)
+    deployments = of_kind(docs, "Deployment")
+    gpu_pools = {
+        name
+        for name, d in deployments.items()
+        if name.startswith("batcher-") and "nvidia.com/gpu" in container(d)["resources"].get("limits", {})
+    }
+    assert gpu_pools
+    for name, so in of_kind(docs, "ScaledObject").items():
+        jsonschema.validate(so, keda_schema())
+        spec = so["spec"]
+        asked = max(replicas_a_lone_batch_asks(t, main) for t in spec["triggers"])
+        replicas = min(asked, spec["maxReplicaCount"])
+        if spec["scaleTargetRef"]["name"] in gpu_pools:
+            assert replicas >= BATCHERS_PER_GPU_FOR_BATCHES, f"{overlay}: a batch alone runs on {replicas} of {name}"
+        assert spec["minReplicaCount"] == 0
+        for trigger in spec["triggers"]:
+            if trigger["type"] != "prometheus":
+                continue
+            meta = trigger["metadata"]
+            activation = float(meta["activationThreshold"])
+            signal = functools.partial(desired_batchers, target_drain_s=main.scheduler.autoscale_target_drain_s)
+            # From zero: the batch's first chunks queued, no batcher yet, nothing measured.
+            assert signal(waiting=1, in_flight=0, connected=0, completed_per_s=0.0) > activation
+            # Between two windows (nothing queued, chunks still planned), and while the last chunk
+            # computes: never zero, so the cooldown (scale to zero) does not start under a batch.
+            planned = {"planned": 1, "planned_batches": 1, "chunks_in_flight": main.batches.chunks_in_flight}
+            assert signal(waiting=0, in_flight=0, connected=1, completed_per_s=1.0, **planned) > activation
+            assert signal(waiting=0, in_flight=1, connected=1, completed_per_s=1.0) > activation
+            # Once the batch ended: zero, so the pool goes back to zero after cooldownPeriod.
+            assert signal(waiting=0, in_flight=0, connected=1, completed_per_s=1.0) <= activation
 
 
 # --- configuration ---------------------------------------------------------------------------------
