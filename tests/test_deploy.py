@@ -609,6 +609,35 @@ def test_workloads_are_hardened_and_highly_available(overlay: str) -> None:
         assert of_kind(docs, "Service")["gateway"]["spec"]["type"] == "ClusterIP"
 
 
+def hostname_anti_affinity(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """The required anti-affinity terms on hostname that keep two of the workload's pods apart."""
+    template = workload["spec"]["template"]
+    terms = template["spec"].get("affinity", {}).get("podAntiAffinity", {})
+    return [
+        term
+        for term in terms.get("requiredDuringSchedulingIgnoredDuringExecution", [])
+        if term["topologyKey"] == "kubernetes.io/hostname"
+        and _selects(term["labelSelector"], template["metadata"]["labels"])
+    ]
+
+
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if o.startswith("production")])
+def test_production_never_runs_both_schedulers_on_one_node(overlay: str) -> None:
+    """A node's loss taking both schedulers stops all dispatch until they are rescheduled: the
+    second replica exists for that, and a soft spread (ScheduleAnyway) may still stack them. The
+    hard rule costs a node: a rolling update's extra pod needs one without a scheduler, which the
+    three nodes NATS already requires (one NATS pod each, no node selector) give."""
+    docs = render(overlay)
+    scheduler = of_kind(docs, "Deployment")["scheduler"]
+    assert hostname_anti_affinity(scheduler), f"{overlay}: two schedulers may share a node"
+    nats = of_kind(docs, "StatefulSet")["nats"]
+    assert hostname_anti_affinity(nats)
+    assert "nodeSelector" not in nats["spec"]["template"]["spec"]
+    assert "nodeSelector" not in scheduler["spec"]["template"]["spec"]
+    surge = scheduler["spec"]["strategy"]["rollingUpdate"]["maxSurge"]
+    assert scheduler["spec"]["replicas"] + surge <= nats["spec"]["replicas"]
+
+
 # The gateway is what clients dial, through its Service (a LoadBalancer in production, with
 # externalTrafficPolicy Local: the cloud balancer drops a node after its health checks fail, 10 s
 # and more). It closes its port at SIGTERM, so it must keep serving while the endpoints let go.
