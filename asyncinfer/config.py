@@ -568,6 +568,14 @@ class ConsoleConfig(_Section):
         2.0, gt=0, description="How often the console samples GetQueueStats for its live pages and plots."
     )
     history_s: float = Field(600.0, gt=0, description="How much of those samples the plots show (kept in memory).")
+    keepalive_s: float = Field(
+        10.0,
+        gt=0,
+        description="Ping the gateway and the scheduler after this long without one, calls or none; one that does "
+        "not answer within as long is taken as gone and the next page connects again (a connection gone silent, its "
+        "host lost or a network dropping the flow, otherwise failed every page after 10 s for good). They accept a "
+        "ping every 5 s at the most (or every half of their own keepalive_s, where shorter).",
+    )
 
 
 class TensorSpecConfig(_Section):

@@ -21,6 +21,7 @@ from asyncinfer.client.batches import FILES, Batch, batch_from_proto
 from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
+from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import LIVENESS_SERVICE
 from asyncinfer.tls import read_secret
 from asyncinfer.v1 import (
@@ -97,8 +98,12 @@ class Backend:
             if config.tls_ca_file
             else None
         )
-        self._gateway_channel = _channel(config.gateway_address, credentials)
-        self._scheduler_channel = _channel(config.scheduler_address, credentials)
+        # Idle connections are pinged too: a console is read now and then, and a connection that went
+        # silent between two reads (its peer's host lost) would otherwise be found out by no one,
+        # each page waiting out its deadline on it, for good.
+        options = Keepalive(config.keepalive_s).client_options(without_calls=True)
+        self._gateway_channel = _channel(config.gateway_address, credentials, options)
+        self._scheduler_channel = _channel(config.scheduler_address, credentials, options)
         self._gateway = Peer("the gateway", config.gateway_address, "console.tenant_key")
         self._scheduler = Peer("the scheduler", config.scheduler_address, "console.ops_key")
         self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway_channel)
@@ -252,10 +257,12 @@ class Backend:
         return f"{model}: {_queue_state(answer.state)}{queued}"
 
 
-def _channel(target: str, credentials: grpc.ChannelCredentials | None) -> aio.Channel:
+def _channel(
+    target: str, credentials: grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]]
+) -> aio.Channel:
     if credentials is not None:
-        return aio.secure_channel(target, credentials)
-    return aio.insecure_channel(target)
+        return aio.secure_channel(target, credentials, options=options)
+    return aio.insecure_channel(target, options=options)
 
 
 @dataclass(frozen=True, slots=True)

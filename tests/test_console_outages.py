@@ -1,0 +1,91 @@
+"""The console when its gateway or scheduler is away, silent or slow (a fresh-eyes pass, session 30):
+each page still comes back, within its calls' deadline, saying which service and why, and the
+console recovers when the service does. Plain HTTP against a real console and stack; a SilentProxy
+(tests/silent_proxy.py) between them, or a listener that never answers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config
+from services.console.app import ConsoleApp
+from tests.processes import until
+from tests.silent_proxy import SilentProxy
+from tests.stack import StartStack
+from tests.test_console import X
+from tests.test_console import start_console as start_console  # the fixture
+
+pytestmark = pytest.mark.timeout(120)
+
+KEEPALIVE_S = 1.0
+NOTICED_WITHIN_S = 15.0  # pings every 1 s, each answered within 1 s: gone within ~2 s, on a busy machine more
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+async def get(http: aiohttp.ClientSession, console: ConsoleApp, path: str) -> tuple[int, str]:
+    async with http.get(console.url.rstrip("/") + path, allow_redirects=False) as response:
+        return response.status, await response.text()
+
+
+@pytest.fixture
+async def proxies() -> AsyncIterator[list[SilentProxy]]:
+    started: list[SilentProxy] = []
+    yield started
+    for proxy in started:
+        await proxy.stop()
+
+
+async def test_pages_come_back_after_the_connections_to_the_gateway_and_scheduler_went_silent(
+    config: Config, start_stack: StartStack, start_console: Any, http: aiohttp.ClientSession, proxies: list[SilentProxy]
+) -> None:
+    """A connection that goes silent (the service's host lost, a network dropping the flow: no FIN,
+    no reset) is noticed by the console's pings, an idle one too, and the next page connects again
+    (to the service's replacement at the same address). Before, the console kept the connection:
+    every page waited out its 10-s deadline on it and said DEADLINE_EXCEEDED, for good."""
+    stack = await start_stack(
+        config.replace(gateway={"keepalive_s": KEEPALIVE_S}, scheduler={"keepalive_s": KEEPALIVE_S}), batcher=False
+    )
+    gateway, scheduler = SilentProxy(stack.gateway.port), SilentProxy(stack.scheduler.port)
+    for proxy in (gateway, scheduler):
+        await proxy.start()
+        proxies.append(proxy)
+    console = await start_console(
+        stack,
+        gateway_address=f"127.0.0.1:{gateway.port}",
+        scheduler_address=f"127.0.0.1:{scheduler.port}",
+        keepalive_s=KEEPALIVE_S,
+    )
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", X)
+    status, page = await get(http, console, "/jobs")
+    assert status == 200, page[-2000:]
+    assert job.job_id in page
+    assert (gateway.connections, scheduler.connections) == (1, 1)
+
+    gateway.silence()
+    scheduler.silence()
+    # The console's sampler keeps the scheduler's connection busy; nothing uses the gateway's until
+    # the next page: its pings alone find it gone (the channel leaves READY, to connect anew on use).
+    gateway_channel = console._backend._gateway_channel
+    await until(
+        lambda: scheduler.connections == 2 and gateway_channel.get_state() is not grpc.ChannelConnectivity.READY,
+        timeout_s=NOTICED_WITHIN_S,
+    )
+    status, page = await get(http, console, "/jobs")
+    assert status == 200, page[-2000:]
+    assert job.job_id in page
+    assert gateway.connections == 2
+    status, page = await get(http, console, "/queues")
+    assert status == 200, page[-2000:]
+    assert "<td>demo</td>" in page
