@@ -5,6 +5,7 @@ console recovers when the service does. Plain HTTP against a real console and st
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
+from services.console import backend
 from services.console.app import ConsoleApp
 from tests.processes import until
 from tests.silent_proxy import SilentProxy
@@ -89,3 +91,33 @@ async def test_pages_come_back_after_the_connections_to_the_gateway_and_schedule
     status, page = await get(http, console, "/queues")
     assert status == 200, page[-2000:]
     assert "<td>demo</td>" in page
+
+
+async def test_a_page_whose_service_does_not_answer_in_time_says_which_and_how_long_it_waited(
+    config: Config,
+    start_stack: StartStack,
+    start_console: Any,
+    http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gateway or scheduler that takes the connection and never answers (hung, or a connection
+    gone silent before the pings notice): the page comes back when its call's deadline passes, a
+    504 that names the service, its address and the time waited. Before: a 502 saying only
+    "DEADLINE_EXCEEDED: Deadline Exceeded", which named neither."""
+    monkeypatch.setattr(backend, "CALL_TIMEOUT_S", 1.0)  # the page's wait, 10 s otherwise
+
+    async def never_answer(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            pass
+
+    hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    address = f"127.0.0.1:{hung.sockets[0].getsockname()[1]}"
+    try:
+        stack = await start_stack(batcher=False)
+        console = await start_console(stack, gateway_address=address, scheduler_address=address)
+        for path, service in (("/jobs", "the gateway"), ("/queues", "the scheduler")):
+            status, page = await get(http, console, path)
+            assert status == 504, page[-2000:]
+            assert f"{service} ({address}) did not answer within 1 s" in page, page[-2000:]
+    finally:
+        hung.close()

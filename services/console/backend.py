@@ -277,6 +277,10 @@ class Peer:
     def explained(self, error: AsyncInferClientError) -> AsyncInferClientError:
         if error.code is grpc.StatusCode.UNAVAILABLE:
             error.message = f"{self.name} ({self.address}) does not answer: {error.message}"
+        elif error.code is grpc.StatusCode.DEADLINE_EXCEEDED and error.reason == error.code.name:
+            # The console's own deadline (a service's own DEADLINE_EXCEEDED names a reason):
+            # gRPC's text, "Deadline Exceeded", said neither who was waited for nor how long.
+            error.message = f"{self.name} ({self.address}) did not answer within {CALL_TIMEOUT_S:g} s: {error.message}"
         elif error.code is grpc.StatusCode.UNAUTHENTICATED:
             error.message = f"{self.name} refused this console's {self.key_setting}: {error.message}"
         elif error.code is grpc.StatusCode.PERMISSION_DENIED:

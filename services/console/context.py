@@ -47,7 +47,7 @@ class Context:
 
 
 # What a refused call says to the browser: the caller's mistake is theirs (4xx), only trouble
-# reaching a service is a bad gateway.
+# reaching a service is a bad gateway (502), or a gateway timeout (504) when it did not answer in time.
 _STATUS_BY_CODE = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -57,6 +57,7 @@ _STATUS_BY_CODE = {
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
 
