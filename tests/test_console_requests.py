@@ -20,8 +20,9 @@ from aiohttp.test_utils import make_mocked_request
 from asyncinfer.client import AsyncClient, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
+from asyncinfer.v1 import ops_service_pb2
 from services.console.app import ConsoleApp, known_hosts_only
-from services.console.backend import JobsPage
+from services.console.backend import JobsPage, _model_queues
 from services.console.context import Context
 from services.console.history import QueueHistory
 from services.console.html import line_chart
@@ -294,3 +295,21 @@ async def test_readyz_says_whether_the_console_reaches_its_gateway_and_scheduler
     assert "the gateway" not in text
     async with http.get(f"{console.url}healthz") as alive:
         assert alive.status == 200, "liveness does not depend on the services it reads"
+
+
+@pytest.mark.unit
+def test_a_queue_state_or_priority_newer_than_the_console_is_shown_as_its_number() -> None:
+    """A scheduler upgraded before its console may answer GetQueueStats with an enum value the
+    console does not know (protos only add values): QueueState.Name raised ValueError, which ended
+    the console's queue sampler (its supervisor then stops the process) and made /queues a 500; an
+    unknown priority was shown as NORMAL."""
+    stats = ops_service_pb2.ModelQueueStats(
+        model_name="demo",
+        state=99,  # type: ignore[arg-type]
+        priorities=[ops_service_pb2.PriorityQueueStats(priority=7, depth=2)],  # type: ignore[arg-type]
+    )
+    queues = _model_queues(stats)
+    assert queues.state == "state 99"
+    assert [(p.priority, p.depth) for p in queues.priorities] == [("priority 7", 2)]
+    known = _model_queues(ops_service_pb2.ModelQueueStats(model_name="demo", state=ops_service_pb2.QUEUE_STATE_PAUSED))
+    assert known.state == "paused"

@@ -36,7 +36,12 @@ from asyncinfer.v1 import (
 
 T = TypeVar("T")
 CALL_TIMEOUT_S = 10.0
-PRIORITIES = {job_pb2.PRIORITY_HIGH: "HIGH", job_pb2.PRIORITY_NORMAL: "NORMAL", job_pb2.PRIORITY_LOW: "LOW"}
+PRIORITIES = {
+    job_pb2.PRIORITY_HIGH: "HIGH",
+    job_pb2.PRIORITY_NORMAL: "NORMAL",
+    job_pb2.PRIORITY_LOW: "LOW",
+    job_pb2.PRIORITY_UNSPECIFIED: "NORMAL",  # the API's default
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +303,15 @@ class Peer:
 
 
 def _queue_state(state: int) -> str:
+    """The state's name; a value newer than this console (a scheduler upgraded first) is shown as
+    its number: QueueState.Name raised ValueError, which ended the queue sampler and with it the
+    console's process."""
     if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
         return "unknown"
-    name: str = ops_service_pb2.QueueState.Name(state)  # type: ignore[arg-type]
+    try:
+        name: str = ops_service_pb2.QueueState.Name(state)  # type: ignore[arg-type]
+    except ValueError:
+        return f"state {state}"
     return name.removeprefix("QUEUE_STATE_").lower()
 
 
@@ -310,7 +321,8 @@ def _model_queues(model: ops_service_pb2.ModelQueueStats) -> ModelQueues:
         state=_queue_state(model.state),
         priorities=tuple(
             PriorityQueue(
-                priority=PRIORITIES.get(p.priority, "NORMAL"),
+                # A value newer than this console is shown as its number, not taken for NORMAL.
+                priority=PRIORITIES.get(p.priority, f"priority {p.priority}"),
                 depth=p.depth,
                 oldest_age_s=p.oldest_age.seconds + p.oldest_age.nanos / 1e9,
             )
