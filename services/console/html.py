@@ -6,8 +6,9 @@ The page's one script (allowed by its hash in the Content-Security-Policy, `SCRI
 new inner HTML) every `data-every` milliseconds; an answer with `X-Console-Final: 1` ends it (a
 job that reached its end). An answer the same as the one shown, or one that comes while the reader
 selects text in the element, is not swapped in (a selected job ID was lost at every refresh); a
-failed one leaves what is shown under a banner that says since when and why (a page whose gateway
-had gone kept its last numbers and said nothing). It also asks before a form with `data-confirm` is sent."""
+failed one leaves what is shown under a banner that says since when (in UTC, as every time on the
+pages; it said the browser's local time, unlabelled) and why (a page whose gateway had gone kept its
+last numbers and said nothing). It also asks before a form with `data-confirm` is sent."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ for (const el of document.querySelectorAll('[data-refresh]')) {
   let shown = el.innerHTML, since = null;
   const stale = (why) => {
     since = since || new Date();
-    banner.textContent = 'Not updated since ' + since.toLocaleTimeString() + ': ' + why;
+    banner.textContent = 'Not updated since ' + since.toISOString().slice(11, 19) + ' UTC: ' + why;
     banner.hidden = false;
   };
   const tick = async () => {
