@@ -749,7 +749,12 @@ class ModelConfig(_Section):
     default_execution_timeout_s: float = Field(60.0, gt=0, description="Longest one run may take by default.")
     max_attempts: int = Field(3, ge=1, description="Attempts a job gets for retriable failures by default.")
     max_attempts_limit: int = Field(10, ge=1, description="The most attempts a job may ask for (max_attempts).")
-    retry_backoff_base_s: float = Field(1.0, gt=0, description="First retry delay; doubles per attempt, with jitter.")
+    retry_backoff_base_s: float = Field(
+        1.0,
+        gt=0,
+        description="First retry delay; doubles with each failed attempt since the submit or the last replay "
+        "(attempts given back do not count), with jitter.",
+    )
     retry_backoff_max_s: float = Field(300.0, gt=0, description="The longest retry delay.")
     timeout_action: Literal["fail", "retry"] = Field(
         "fail", description="A run past its execution timeout: fail (TIMED_OUT) or retry (until max_attempts)."

@@ -178,6 +178,12 @@ class JobRecord:
     # so its QUEUED record in the bucket is placed among the server's stamps on the queued messages
     # like with like, whichever gateway's clock stamped its create_time (services.gateway.queue_view).
     queued_server_time: float | None = None
+    # The attempts since the job's submit or its latest Replay that failed and were retried (a
+    # Requeue that gave no refund: a model error, a lost batcher, a timeout retried), which the
+    # retry backoff's exponent counts (lifecycle.after_failure). `attempt` also counts the attempts
+    # given back and those before a replay: a job shed four times then failing once waited 16
+    # times the base backoff. 0 in a record from a scheduler of the release before.
+    failed_attempts: int = 0
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the

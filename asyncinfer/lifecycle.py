@@ -244,8 +244,13 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
         return shared
     if record.state is not JobState.RUNNING:
         return _refuse(record, Refused.NOT_RUNNING)
-    max_attempts = record.max_attempts + 1 if event.refund else record.max_attempts
-    return record.evolve(state=JobState.QUEUED, last_error=event.error, max_attempts=max_attempts, update_time=now)
+    if event.refund:
+        return record.evolve(
+            state=JobState.QUEUED, last_error=event.error, max_attempts=record.max_attempts + 1, update_time=now
+        )
+    return record.evolve(
+        state=JobState.QUEUED, last_error=event.error, failed_attempts=record.failed_attempts + 1, update_time=now
+    )
 
 
 def give_up(record: JobRecord, event: GiveUp, now: float) -> Outcome:
@@ -286,7 +291,8 @@ def expire(record: JobRecord, event: Expire, now: float) -> Outcome:
 
 
 def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
-    """`attempt` keeps counting (it is the fencing token); the job gets `budget` attempts more."""
+    """`attempt` keeps counting (it is the fencing token); the job gets `budget` attempts more, and
+    its retry backoff starts again from the base (`failed_attempts` counts this run's failures)."""
     if record.state not in REPLAYABLE:
         return _refuse(record, Refused.NOT_REPLAYABLE)
     return record.evolve(
@@ -298,6 +304,7 @@ def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
         run_duration_s=None,
         outputs=(),
         update_time=now,
+        failed_attempts=0,
     )
 
 
@@ -368,9 +375,10 @@ class RetryPolicy:
     backoff_base_s: float = 1.0
     backoff_max_s: float = 300.0
 
-    def delay_s(self, attempt: int, jitter: float) -> float:
-        """`jitter`: a number drawn uniformly from [0, 1)."""
-        step = min(self.backoff_base_s * 2.0 ** max(attempt - 1, 0), self.backoff_max_s)
+    def delay_s(self, failures: int, jitter: float) -> float:
+        """The delay before the retry that follows the job's `failures`-th failure in this run (1:
+        the base step). `jitter`: a number drawn uniformly from [0, 1)."""
+        step = min(self.backoff_base_s * 2.0 ** max(failures - 1, 0), self.backoff_max_s)
         return step / 2 + jitter * step / 2
 
 
@@ -378,11 +386,13 @@ def after_failure(
     record: JobRecord, error: JobError, *, final_state: JobState, policy: RetryPolicy, jitter: float
 ) -> FailureDecision:
     """What follows attempt `record.attempt` failing with `error` (`record`: the RUNNING record of
-    that attempt). `final_state`: FAILED, or TIMED_OUT for an execution timeout."""
+    that attempt). `final_state`: FAILED, or TIMED_OUT for an execution timeout. The backoff grows
+    with the failures since the submit or the last replay (this one included), not with `attempt`,
+    which also counts the attempts given back and those before a replay."""
     if not error.retriable:
         return EndJob(state=final_state, error=error)
     if record.attempt < record.max_attempts:
-        return RetryAfter(delay_s=policy.delay_s(record.attempt, jitter))
+        return RetryAfter(delay_s=policy.delay_s(record.failed_attempts + 1, jitter))
     return DeadLetterJob(state=final_state, last_error=error)
 
 

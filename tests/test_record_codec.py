@@ -118,8 +118,9 @@ def assert_writes_version_0_plus_v(record: JobRecord) -> None:
         del old["attempt"]
     if old["outputs"] == []:
         del old["outputs"]
-    if old.get("claim_revision") == 0:  # added since, with its default left out
-        del old["claim_revision"]
+    for added_since in ("claim_revision", "failed_attempts"):  # added since, their defaults left out
+        if old.get(added_since) == 0:
+            del old[added_since]
     assert list(new.items()) == list(old.items())
 
 
@@ -131,6 +132,7 @@ def test_encode_record_writes_the_generic_encoders_fields() -> None:
         FULL.evolve(labels={}, outputs=(), callback=CallbackSpec("https://h/", ())),
         kept_claim,
         FULL.evolve(queued_server_time=1.625),  # added since version 1
+        FULL.evolve(failed_attempts=2),  # added since version 1
     ):
         assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record

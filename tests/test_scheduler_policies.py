@@ -526,6 +526,45 @@ async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, co
     assert (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters == []
 
 
+async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(start: Start, config: Config) -> None:
+    """A job given back four times (three shed by its batcher, one put back by its scheduler's stop)
+    that then fails waits the base backoff, not 2**4 times it: the backoff counted `attempt`, which
+    counts the refunded attempts too. The delay is the requeue's (its log line), not a timing."""
+    tuned = tune(config, retry_backoff_base_s=100.0, retry_backoff_max_s=100_000.0)
+    with capture_logs() as logs:  # from the start: a job's logger is bound at its dispatch
+        first = await start(tuned)
+        batcher = await first.batcher(credits=1)
+        job_id = await enqueue(first.nc, first.kv, max_attempts=2)
+        for attempt in (1, 2, 3):
+            order = await batcher.next_order()
+            assert (order.job_id, order.attempt) == (job_id, attempt)
+            shed = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+            await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))
+            await batcher.grant(1)
+        order = await batcher.next_order()
+        assert (order.job_id, order.attempt) == (job_id, 4)
+        await first.app.stop(grace_s=0.1)  # the job in flight goes back, its attempt given back
+        second = await start(tuned)
+        batcher = await second.batcher(credits=1)
+        order = await batcher.next_order()
+        assert (order.job_id, order.attempt) == (job_id, 5)
+        await batcher.fail(order, MODEL_ERROR)
+
+        def retries() -> list[dict[str, Any]]:
+            return [e for e in logs if e["event"] == "job_requeued" and e["reason"] == "MODEL_ERROR"]
+
+        async def retried() -> bool:
+            return bool(retries())
+
+        await until(retried)
+    given_back = [e for e in logs if e["event"] == "job_requeued" and e["reason"] != "MODEL_ERROR"]
+    assert [e["delay_s"] for e in given_back] == [0.0] * 4
+    (retry,) = retries()
+    assert 50.0 <= retry["delay_s"] <= 100.0  # the first failure: base 100 s with equal jitter (was 800-1600)
+    record = await read_record(second.js, job_id)
+    assert (record.state, record.attempt, record.max_attempts, record.failed_attempts) == (JobState.QUEUED, 5, 6, 1)
+
+
 # --- deadlines and timeouts -------------------------------------------------------------------
 
 

@@ -6,7 +6,8 @@ left out (version 0 always wrote `attempt` and `outputs`; its readers took them 
 Fields added since, with defaults: `batcher_id`, `progress` (the latest progress kept),
 `traceparent` (the submit span's W3C trace context, when tracing is on), `claim_revision` and
 `claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends),
-`queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled)."""
+`queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled),
+`failed_attempts` (the attempts that failed and were retried since the submit or the last replay)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     claim_revision: int = 0  # added in version 1 (defaults: older readers skip them)
     claim_fingerprint: str = ""
     queued_server_time: float | None = None  # added in version 1 (a default: older readers skip it)
+    failed_attempts: int = 0  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -124,6 +126,7 @@ def encode_record(record: JobRecord) -> bytes:
             claim_revision=r.claim_revision,
             claim_fingerprint=r.claim_fingerprint,
             queued_server_time=r.queued_server_time,
+            failed_attempts=r.failed_attempts,
         )
     )
 
@@ -167,5 +170,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         claim_revision=w.claim_revision,
         claim_fingerprint=w.claim_fingerprint,
         queued_server_time=w.queued_server_time,
+        failed_attempts=w.failed_attempts,
         revision=revision,
     )

@@ -63,6 +63,7 @@ class JobLifecycle(RuleBasedStateMachine):
         self.terminal: JobState | None = None  # the terminal state reached (reset by a replay)
         self.replays = 0
         self.runs_after_cancel = 0
+        self.failures_this_run = 0  # Requeues without a refund written since the submit or a replay
 
     @initialize(
         max_attempts=st.integers(min_value=1, max_value=4),
@@ -93,6 +94,9 @@ class JobLifecycle(RuleBasedStateMachine):
         if isinstance(event, lifecycle.Replay):
             self.terminal = None
             self.replays += 1
+            self.failures_this_run = 0
+        if isinstance(event, lifecycle.Requeue) and outcome.state is Q and not event.refund:
+            self.failures_this_run += 1
         self.record = outcome
         return outcome
 
@@ -167,7 +171,9 @@ class JobLifecycle(RuleBasedStateMachine):
             case lifecycle.RetryAfter(delay_s=delay_s):
                 assert retriable
                 assert running.attempt < running.max_attempts
-                assert 0.5 <= delay_s <= POLICY.backoff_max_s
+                # The step of this run's failures, this one included (jitter 0.5: three quarters).
+                step = min(2.0**self.failures_this_run, POLICY.backoff_max_s)
+                assert delay_s == pytest.approx(step * 0.75)
                 event = lifecycle.Requeue(attempt=attempt, error=error)
             case lifecycle.DeadLetterJob(state=state, last_error=last_error):
                 assert retriable
@@ -236,6 +242,10 @@ class JobLifecycle(RuleBasedStateMachine):
     @invariant()
     def attempts_never_exceed_max_attempts(self) -> None:
         assert 0 <= self.record.attempt <= self.record.max_attempts
+
+    @invariant()
+    def failed_attempts_count_this_runs_failures(self) -> None:
+        assert self.record.failed_attempts == self.failures_this_run
 
     @invariant()
     def one_terminal_state(self) -> None:
@@ -344,6 +354,42 @@ def test_a_refunded_attempt_does_not_count() -> None:
     assert (back.state, back.attempt, back.max_attempts) == (Q, 3, 4)
 
 
+def test_the_backoff_counts_the_failures_of_this_run_not_the_attempts() -> None:
+    """Four attempts given back (shed, a scheduler's stop) and then a failure: the base backoff, not
+    2**4 times it; the next failure doubles it; a replay starts again from the base."""
+    record = queued(max_attempts=3)
+    now = 1_000.0
+    for _ in range(4):
+        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="b1"), now)
+        assert isinstance(running, JobRecord)
+        back = lifecycle.Requeue(attempt=running.attempt, error=job_errors.scheduler_stopping(), refund=True)
+        requeued = lifecycle.apply(running, back, now)
+        assert isinstance(requeued, JobRecord)
+        record = requeued
+    assert (record.attempt, record.max_attempts, record.failed_attempts) == (4, 7, 0)
+
+    def fails(queued_record: JobRecord) -> tuple[JobRecord, float]:
+        """Dispatched, failed: the record put back and the retry's delay (jitter 0: half the step)."""
+        running = lifecycle.apply(queued_record, lifecycle.Dispatch(batcher_id="b1"), now)
+        assert isinstance(running, JobRecord)
+        decision = lifecycle.after_failure(running, RETRIABLE, final_state=F, policy=POLICY, jitter=0.0)
+        assert isinstance(decision, lifecycle.RetryAfter)
+        requeued = lifecycle.apply(running, lifecycle.Requeue(attempt=running.attempt, error=RETRIABLE), now)
+        assert isinstance(requeued, JobRecord)
+        return requeued, decision.delay_s
+
+    record, first_delay_s = fails(record)
+    assert (record.attempt, record.failed_attempts, first_delay_s) == (5, 1, 0.5)
+    record, second_delay_s = fails(record)
+    assert (record.attempt, record.failed_attempts, second_delay_s) == (6, 2, 1.0)
+    # Ended FAILED (by hand: a final error); replayed, its next failure waits the base step again.
+    ended = lifecycle.apply(record.evolve(state=F, error=RETRIABLE, end_time=now), lifecycle.Replay(budget=3), now)
+    assert isinstance(ended, JobRecord)
+    assert (ended.attempt, ended.max_attempts, ended.failed_attempts) == (6, 9, 0)
+    _, replayed_delay_s = fails(ended)
+    assert replayed_delay_s == 0.5
+
+
 def test_the_last_attempt_is_dead_lettered_with_its_error_marked_final() -> None:
     running = queued(state=R, attempt=3, max_attempts=3)
     decision = lifecycle.after_failure(running, RETRIABLE, final_state=F, policy=POLICY, jitter=0.0)
@@ -362,18 +408,18 @@ def test_a_put_back_job_waits_its_delay_or_until_its_deadline(deadline: float | 
 
 
 @pytest.mark.parametrize(
-    ("attempt", "jitter", "delay_s"), [(1, 0.0, 0.5), (1, 0.999, 0.9995), (3, 0.0, 2.0), (9, 1.0, 30.0)]
+    ("failures", "jitter", "delay_s"), [(1, 0.0, 0.5), (1, 0.999, 0.9995), (3, 0.0, 2.0), (9, 1.0, 30.0)]
 )
-def test_retry_delays_double_with_equal_jitter_up_to_the_cap(attempt: int, jitter: float, delay_s: float) -> None:
-    assert POLICY.delay_s(attempt, jitter) == pytest.approx(delay_s)
+def test_retry_delays_double_with_equal_jitter_up_to_the_cap(failures: int, jitter: float, delay_s: float) -> None:
+    assert POLICY.delay_s(failures, jitter) == pytest.approx(delay_s)
 
 
 def test_retry_delays_stay_within_half_and_whole_step() -> None:
     rng = random.Random(7)
-    for attempt in range(1, 12):
-        step = min(2.0 ** (attempt - 1), POLICY.backoff_max_s)
+    for failures in range(1, 12):
+        step = min(2.0 ** (failures - 1), POLICY.backoff_max_s)
         for _ in range(50):
-            assert step / 2 <= POLICY.delay_s(attempt, rng.random()) <= step
+            assert step / 2 <= POLICY.delay_s(failures, rng.random()) <= step
 
 
 def test_decider_maps_refusals_to_no_write() -> None:
