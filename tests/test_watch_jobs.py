@@ -20,6 +20,7 @@ from asyncinfer.client import (
     JobState,
     NotFoundError,
     Priority,
+    _async_wait,
     _async_watch,
     jobs_watch,
 )
@@ -468,6 +469,32 @@ async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -
         assert final.state is JobState.SUCCEEDED
         np.testing.assert_array_equal(final.outputs["y"], 2 * (X * i) + 1)
     assert isinstance(done[unknown], NotFoundError)
+
+
+async def test_wait_jobs_closes_its_other_streams_when_one_fails(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past WATCH_JOBS_MAX_IDS jobs (here 2) wait_jobs opens a stream per chunk. One refused (the
+    gateway's limit lowered to 1 ID per watch: the 2-ID chunk is) raised from asyncio.gather while
+    the other chunk's stream watched on with nothing awaiting it, until the client closed. Now the
+    others are cancelled and awaited first, and the error is the refused stream's own."""
+    monkeypatch.setattr(_async_wait, "WATCH_JOBS_MAX_IDS", 2)
+    monkeypatch.setattr(batch_reads, "MAX_IDS_PER_WATCH", 1)
+    hub = idle_stack.gateway.watch_hub
+    async with AsyncClient(idle_stack.address) as client:
+        queued = await client.submit("demo", {"x": X})  # no batcher: it stays queued
+        with pytest.raises(InvalidArgumentError) as refused:
+            await client.wait_jobs([new_job_id(), new_job_id(), queued], timeout_s=WAIT_S)
+        unowned = [
+            task
+            for task in asyncio.all_tasks()
+            if not task.done() and getattr(task.get_coro(), "__qualname__", "").endswith("wait_jobs.<locals>.watch")
+        ]
+        assert unowned == []
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        await until(lambda: hub.watcher_count == 0)
+        assert (await client.get(queued)).state is JobState.QUEUED
+    assert [v.field for v in refused.value.violations] == ["job_ids"]
 
 
 async def test_a_watched_queued_job_expires_at_its_deadline(idle_stack: Stack) -> None:

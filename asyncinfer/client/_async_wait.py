@@ -51,7 +51,8 @@ class JobWaits(JobWatches, BlobCalls):
     ) -> dict[str, Job | AsyncInferClientError]:
         """Waits until every job is terminal, on one WatchJobs stream per 10,000 jobs; each job ID
         mapped to its final Job (or the error for it: NotFoundError). DeadlineExceededError when
-        `timeout_s` passes first."""
+        `timeout_s` passes first. When one stream fails, the others are closed before its error
+        is raised."""
         ids = _job_ids(jobs)
         found: dict[str, Job | AsyncInferClientError] = {}
 
@@ -64,7 +65,21 @@ class JobWaits(JobWatches, BlobCalls):
                     else:
                         found[update[0]] = update[1]
 
-        await asyncio.gather(*(watch(ids[i : i + WATCH_JOBS_MAX_IDS]) for i in range(0, len(ids), WATCH_JOBS_MAX_IDS)))
+        # Each stream a task owned here: the first to fail (a refusal, its retries spent) ends the
+        # wait, and the others are cancelled and awaited before its error is raised (under gather
+        # they watched on with nothing awaiting them). Not a TaskGroup: under Python 3.11 one whose
+        # child fails while it waits on them leaves the caller's task marked as being cancelled.
+        streams = [
+            asyncio.create_task(watch(ids[start : start + WATCH_JOBS_MAX_IDS]))
+            for start in range(0, len(ids), WATCH_JOBS_MAX_IDS)
+        ]
+        try:
+            for finished in asyncio.as_completed(streams):
+                await finished
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
         return {job_id: found[job_id] for job_id in ids}
 
     async def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
