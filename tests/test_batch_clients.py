@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import json
 import os
 import sys
@@ -23,6 +24,7 @@ from asyncinfer.client.batches import create_batch_request
 from asyncinfer.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     UnavailableError,
@@ -357,6 +359,83 @@ async def test_a_batch_watch_gives_up_once_the_gateway_stays_away(config: Config
         await stack.gateway.stop(0)
         with pytest.raises(UnavailableError):
             await asyncio.wait_for(_drain(updates), 15)
+
+
+async def test_a_batch_watch_reopens_per_the_clients_retry_policy(config: Config, start_stack: StartStack) -> None:
+    """A reviewer's pass: a broken batch watch was opened again every 0.5 s, with no jitter and
+    outside the client's RetryPolicy (its on_retry never heard of it). Now as a job's watch: across
+    a gateway restart it is reopened after the policy's backoff (on_retry hears each wait) and goes
+    on; against a gateway gone for good each wait lies in [c / 2, c] of the policy's ceiling c for
+    that attempt, until stream_resume_s after the break."""
+    stack = await start_stack(small_batches(config).replace(gateway={"port": free_port()}), batcher=False)
+    waits: list[tuple[grpc.StatusCode | None, float]] = []
+    retried = asyncio.Event()
+
+    def on_retry(error: Any, delay_s: float) -> None:
+        waits.append((error.code, delay_s))
+        retried.set()
+
+    policy = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.32, stream_resume_s=3.0, on_retry=on_retry)
+    async with AsyncClient(stack.address, retry=policy) as client:
+        batch = await client.create_batch(jsonl(demo_records(3)), "demo")  # no batcher: it stays running
+        updates = client.watch_batch(batch)
+        assert (await anext(updates)).batch_id == batch.batch_id
+        pending = asyncio.ensure_future(anext(updates))  # reads on while the gateway is away
+
+        async def broken() -> None:
+            await asyncio.wait_for(retried.wait(), 15)
+
+        await stack.restart_gateway(grace_s=0, while_away=broken)
+        again = await asyncio.wait_for(pending, 15)
+        assert (again.batch_id, again.done) == (batch.batch_id, False)
+        waits.clear()
+        answered_after: list[int] = []  # the waits heard before each answer: its next break starts at attempt 1
+
+        async def read_on() -> None:
+            async for _ in updates:
+                answered_after.append(len(waits))
+
+        await stack.gateway.stop(0)  # a stopping gateway may still answer a reopened stream once
+        with pytest.raises(UnavailableError):
+            await asyncio.wait_for(read_on(), 15)
+    bounds = [0, *answered_after, len(waits)]
+    breaks = [waits[start:end] for start, end in itertools.pairwise(bounds)]
+    assert len(breaks[-1]) >= 5  # the ceilings 0.02 to 0.32 s, then 0.32 s each, for 3 s
+    for heard in breaks:
+        for attempt, (code, delay_s) in enumerate(heard, 1):
+            ceiling = min(0.32, 0.02 * 2 ** (attempt - 1))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            assert ceiling / 2 <= delay_s <= ceiling, (attempt, delay_s, waits)
+
+
+async def test_a_batch_watch_does_not_retry_internal() -> None:
+    """INTERNAL is a server's bug, which no other call or stream retries; a batch watch opened it
+    again every 0.5 s for stream_resume_s. Now the stream's error is raised at once."""
+    opened: list[str] = []
+
+    class Failing(batch_service_pb2_grpc.BatchServiceServicer):
+        async def WatchBatch(self, request: Any, context: Any) -> AsyncIterator[Any]:
+            opened.append(request.batch_id)
+            yield batch_service_pb2.WatchBatchResponse(
+                batch=batch_service_pb2.Batch(
+                    batch_id=request.batch_id, state=batch_service_pb2.BATCH_STATE_IN_PROGRESS
+                )
+            )
+            await context.abort(grpc.StatusCode.INTERNAL, "a bug")
+
+    server = grpc.aio.server()
+    batch_service_pb2_grpc.add_BatchServiceServicer_to_server(Failing(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", retry=RetryPolicy(stream_resume_s=5.0)) as client:
+            updates = client.watch_batch("01a24a3a-cd4b-7284-bc8e-00301d897e79")
+            assert (await anext(updates)).state == "IN_PROGRESS"
+            with pytest.raises(InternalError):
+                await asyncio.wait_for(_drain(updates), 20)
+    finally:
+        await server.stop(None)
+    assert len(opened) == 1
 
 
 async def _drain(updates: AsyncIterator[Any]) -> None:

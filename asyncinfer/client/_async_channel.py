@@ -152,7 +152,7 @@ class ClientChannel:
             self._channel,
             self._metadata,
             lambda invoke, deadline=None: self._call(invoke, self._deadline(None) if deadline is None else deadline),
-            resume_s=lambda: self.retry.stream_resume_s,
+            backoff=self._backoff_or_raise,
         )
         self._closed = False
         self.timeout_s = timeout_s

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,8 +20,8 @@ from grpc import aio
 
 from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
-from asyncinfer.client._retry import Deadline
-from asyncinfer.client.errors import from_rpc_error
+from asyncinfer.client._retry import Deadline, StreamBreaks
+from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error
 from asyncinfer.client.types import Callback, CallbackEvent
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
@@ -30,7 +29,6 @@ if TYPE_CHECKING:
     from asyncinfer.v1.batch_service_pb2_grpc import BatchServiceAsyncStub
 
 T = TypeVar("T")
-RECONNECT_S = 0.5  # a watch broken by a gateway restart is opened again this much later
 
 
 class Call(Protocol):
@@ -40,6 +38,21 @@ class Call(Protocol):
     def __call__(
         self, invoke: Callable[[float | None], Awaitable[Any]], deadline: Deadline | None = None
     ) -> Awaitable[Any]: ...
+
+
+class Backoff(Protocol):
+    """The client's wait before a stream's next attempt (`ClientChannel._backoff_or_raise`): per
+    its RetryPolicy (what is retried, the jittered backoff, `on_retry`, the resume of a stream
+    that had answered), or `error` raised."""
+
+    def __call__(
+        self,
+        error: AsyncInferClientError,
+        attempt: int,
+        deadline: Deadline,
+        cause: BaseException | None,
+        broken_at: float | None = None,
+    ) -> Awaitable[None]: ...
 
 
 _PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
@@ -217,13 +230,12 @@ class BatchCalls:
         channel: Any,
         metadata: tuple[tuple[str, str], ...],
         call: Call,
-        resume_s: Callable[[], float] = lambda: 30.0,
+        backoff: Backoff,
     ) -> None:
         self._stub: BatchServiceAsyncStub = batch_service_pb2_grpc.BatchServiceStub(channel)
         self._metadata = metadata
         self._call = call
-        # How long a broken watch is opened again (the client's RetryPolicy.stream_resume_s).
-        self._resume_s = resume_s
+        self._backoff = backoff
 
     async def create(self, request: batch_service_pb2.CreateBatchRequest) -> Batch:
         """CreateBatch with a request from `create_batch_request`."""
@@ -260,33 +272,42 @@ class BatchCalls:
         return [batch_from_proto(b) for b in response.batches], response.next_page_token
 
     async def watch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
-        """The batch now, then each change, until it ends; a broken stream is opened again.
-        DeadlineExceededError when `timeout_s` passes first (the batch carries on), as a job's
-        watch raises: the limit is each stream's gRPC deadline, not a cancel of the caller's task."""
+        """The batch now, then each change, until it ends. A broken stream is opened again as a
+        job's watch is, per the client's RetryPolicy: what it retries (UNAVAILABLE, and
+        RESOURCE_EXHAUSTED unless turned off), its jittered backoff and `on_retry`, `max_attempts`
+        until the stream first answers and `stream_resume_s` after a break. DeadlineExceededError
+        when `timeout_s` passes first (the batch carries on), as a job's watch raises: the limit is
+        each stream's gRPC deadline, not a cancel of the caller's task."""
         batch_id = _batch_id(batch)
         deadline = Deadline(timeout_s)
         request = batch_service_pb2.WatchBatchRequest(batch_id=batch_id)
-        broken_at: float | None = None
+        attempt = 0
+        breaks = StreamBreaks()
         while True:
+            attempt += 1
+            call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
+            cause: BaseException | None = None
             try:
-                call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
                 async for update in call:
-                    broken_at = None
+                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
+                    breaks.answered()
                     last = batch_from_proto(update.batch)
                     yield last
                     if last.done:
                         return
-            except grpc.RpcError as exc:  # UNAVAILABLE across a gateway restart: opened again
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
-                    raise from_rpc_error(exc) from exc
-                broken_at = broken_at or time.monotonic()
-                if time.monotonic() - broken_at > self._resume_s():
-                    # As a job's watch: reopened for stream_resume_s after it broke, not forever (a
-                    # gateway gone for good kept `batch watch` silent until it was killed).
-                    raise from_rpc_error(exc) from exc
-                if not deadline.allows_sleep(RECONNECT_S):
-                    raise deadline.exceeded(f"the watch of batch {batch_id}") from exc
-                await asyncio.sleep(RECONNECT_S)
+                # The gateway ends a watch only at the batch's end: one ended sooner is a break.
+                error: AsyncInferClientError = UnavailableError(
+                    "the watch ended before the batch did", code=grpc.StatusCode.UNAVAILABLE
+                )
+            except grpc.RpcError as exc:
+                error, cause = from_rpc_error(exc), exc
+                if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
+                    error = deadline.exceeded(f"the watch of batch {batch_id} (it goes on)")
+            finally:
+                call.cancel()
+            # Before, every break was opened again 0.5 s later, INTERNAL too, with no jitter: after
+            # a gateway restart every batch watch came back in the same instant.
+            await self._backoff(error, attempt, deadline, cause, breaks.broke())
 
     async def download(
         self, batch: Batch | str, file: str = "output", *, timeout_s: float | None = None
