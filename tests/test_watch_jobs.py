@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta, tzinfo
+from typing import Any
 
 import grpc
 import numpy as np
@@ -20,6 +21,7 @@ from asyncinfer.client import (
     JobState,
     NotFoundError,
     Priority,
+    ResourceExhaustedError,
     _async_wait,
     _async_watch,
     jobs_watch,
@@ -249,6 +251,43 @@ async def test_a_label_watch_refused_still_says_why_through_the_sdk(idle_stack: 
     with pytest.raises(InvalidArgumentError) as refused_blocking:
         await asyncio.to_thread(open_blocking)
     assert [v.field for v in refused_blocking.value.violations] == ["labels['']"]
+
+
+async def test_a_blocking_label_watch_refused_at_ready_leaves_nothing_open(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocking client's watch_jobs(labels=...) waits for ready(); refused there (the tenant's
+    watches full: RESOURCE_EXHAUSTED TOO_MANY_WATCHES) it raises, and the watch it made is closed:
+    its generator ended, no task left on the client's loop, the gateway holding only the watch
+    that filled the limit."""
+    stack = await start_stack(config.replace(gateway={"max_watches_per_tenant": 1}), batcher=False)
+    hub = stack.gateway.watch_hub
+    made: list[jobs_watch.JobsWatch] = []
+
+    class Recorded(jobs_watch.JobsWatch):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(_async_watch, "JobsWatch", Recorded)
+
+    def refused_watch() -> tuple[ResourceExhaustedError, int]:
+        with Client(stack.address, retry=NO_RETRY) as client:
+            with pytest.raises(ResourceExhaustedError) as refused:
+                client.watch_jobs(labels={"run": "second"}, timeout_s=WAIT_S)
+            pending = len([task for task in asyncio.all_tasks(client._loop) if not task.done()])
+            return refused.value, pending
+
+    async with AsyncClient(stack.address) as client:
+        held = client.watch_jobs(labels={"run": "first"}, timeout_s=WAIT_S)
+        await held.ready()
+        error, pending = await asyncio.to_thread(refused_watch)
+        assert hub.watcher_count == 1
+        await held.aclose()
+    assert error.reason == "TOO_MANY_WATCHES"
+    assert pending == 0
+    assert len(made) == 2
+    assert made[1]._updates.ag_frame is None  # type: ignore[attr-defined]  # closed: nothing can resume it
 
 
 async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_header(

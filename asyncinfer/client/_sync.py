@@ -340,7 +340,16 @@ class Client:
         async `ready()`): a job submitted after it is seen from QUEUED on."""
         watch = self._client.watch_jobs(jobs, labels=labels, timeout_s=timeout_s)
         if labels:
-            self._run(watch.ready())
+            try:
+                self._run(watch.ready())
+            except BaseException:
+                # Closed here, as _iterate closes a watch it stepped: the caller never gets it. (An
+                # error out of the stream has ended it already; a Ctrl-C whose step had not unwound
+                # within _run's wait has not.)
+                if not self._closed:
+                    with contextlib.suppress(Exception):  # the error under way wins
+                        self._run(watch.aclose())
+                raise
         return self._iterate(watch)
 
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
