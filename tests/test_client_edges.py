@@ -20,7 +20,7 @@ import pytest
 
 from asyncinfer.client import NO_RETRY, AsyncClient, Client, JobRequest, JobState, ResourceExhaustedError
 from asyncinfer.client._retry import RetryPolicy
-from asyncinfer.client.errors import MESSAGE_TOO_LARGE
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE, DeadlineExceededError
 from asyncinfer.config import Config
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensors import Tensor
@@ -327,3 +327,59 @@ def test_a_blocking_client_that_cannot_be_made_leaves_no_thread_running(tmp_path
     with pytest.raises(FileNotFoundError):
         Client("127.0.0.1:1", tls_ca_file=tmp_path / "missing-ca.pem")
     assert client_threads() == before
+
+
+async def test_a_negative_timeout_is_refused_at_the_call_and_zero_always_exceeds(stack: Stack) -> None:
+    """A reviewer's pass: `timeout_s=-1` was taken (DeadlineExceededError "within -1 s", or an
+    answer), and `timeout_s=0` answered most calls (gRPC sent them: a submit queued its job, a
+    watch gave its first state) and exceeded some. Now a negative or NaN one is a ValueError at
+    the call, before anything is sent (a watch's too, not at its first step), and 0 is a deadline
+    already passed: DeadlineExceededError every time, nothing sent (as a zero timeout is in gRPC
+    and httpx)."""
+    labels = {"test": "zero-timeout"}
+    async with AsyncClient(stack.address) as client:
+        done = await client.wait(await client.submit("demo", {"x": X}), timeout_s=60)
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(ValueError, match="0 or more"):
+                client.watch_jobs([done], timeout_s=bad)  # at the call, not at the first step
+            with pytest.raises(ValueError, match="0 or more"):
+                client.watch_batch("01a24a3a-cd4b-7284-bc8e-00301d897e79", timeout_s=bad)
+            for call in (
+                client.get(done, timeout_s=bad),
+                client.wait(done, timeout_s=bad),
+                client.wait_jobs([done], timeout_s=bad),
+                client.run("demo", {"x": X}, timeout_s=bad, labels=labels),
+                client.submit("demo", {"x": X}, timeout_s=bad, labels=labels),
+            ):
+                with pytest.raises(ValueError, match="0 or more"):
+                    await call
+        for _ in range(10):
+            for call in (
+                client.get(done, timeout_s=0),
+                client.wait(done, timeout_s=0),
+                client.wait_jobs([done], timeout_s=0),
+                client.watch_jobs(labels=labels, timeout_s=0).ready(),
+                client.run("demo", {"x": X}, timeout_s=0, labels=labels),
+                client.submit("demo", {"x": X}, timeout_s=0, labels=labels),
+            ):
+                with pytest.raises(DeadlineExceededError, match="within 0 s"):
+                    await call
+        assert [job async for job in client.list(labels=labels)] == []  # no submit was sent
+
+    def blocking() -> None:
+        with Client(stack.address) as client:
+            with pytest.raises(ValueError, match="0 or more"):
+                client.watch(done, timeout_s=-1)  # at the call, not at the first `next`
+            with pytest.raises(DeadlineExceededError, match="within 0 s"):
+                client.wait(done, timeout_s=0)
+
+    await asyncio.to_thread(blocking)
+    with pytest.raises(ValueError, match="0 or more"):
+        AsyncClient(stack.address, timeout_s=-1)
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncinfer", "get", done.job_id, "--timeout", "-1", "--gateway", stack.address,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(cli.communicate(), 60)
+    assert cli.returncode == 2  # argparse's usage error, not a traceback
+    assert "give 0 or more seconds" in stderr.decode()

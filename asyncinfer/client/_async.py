@@ -3,6 +3,9 @@
 Every call has a deadline: unary calls (submit, get, cancel, one page of list) take `timeout_s`,
 defaulting to the client's `timeout_s` (30 s); calls that last as long as a job does (wait, watch,
 bulk, upload, read_result) take `timeout_s` as their whole budget, defaulting to no limit.
+`timeout_s` is seconds, 0 or more, or None: a negative one is a ValueError at the call (a watch's,
+at its first step). 0 is a deadline already passed: DeadlineExceededError, nothing sent, as a zero
+timeout is in gRPC and httpx (the OpenAI SDK's); not a poll of what is there (`get` is that).
 UNAVAILABLE (and RESOURCE_EXHAUSTED, honouring the server's RetryInfo) is retried with
 exponential backoff and jitter, within both the `RetryPolicy`'s attempts and the call's deadline.
 

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asyncinfer.client._async_blobs import BlobCalls
+from asyncinfer.client._retry import checked_timeout
 from asyncinfer.client.batches import Batch, BatchCalls, create_batch_request, write_file
 from asyncinfer.client.errors import (
     AsyncInferClientError,
@@ -127,7 +128,9 @@ class BatchFiles(BlobCalls):
         return await self._batch_calls.list(page_size=page_size, page_token=page_token)
 
     def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
-        """The batch now, then each change of state or progress, until it ends."""
+        """The batch now, then each change of state or progress, until it ends. `timeout_s`: as
+        `watch`'s (0 or more; 0 raises DeadlineExceededError without opening the stream)."""
+        checked_timeout(timeout_s)  # here, not at the first step
         return self._batch_calls.watch(batch, timeout_s=timeout_s)
 
     async def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:

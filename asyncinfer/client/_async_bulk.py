@@ -168,6 +168,7 @@ class BulkSubmits(JobCalls):
         try:
             while True:
                 attempt += 1
+                deadline.check("the bulk")
                 call = self._stub.SubmitJobs(None, timeout=deadline.remaining(), metadata=metadata)
                 writer = asyncio.create_task(write(call))
                 first_index = pending[0].index if pending else next_index

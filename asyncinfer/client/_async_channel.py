@@ -14,7 +14,7 @@ import grpc
 from grpc import aio
 
 from asyncinfer.client._convert import named
-from asyncinfer.client._retry import Deadline, RetryPolicy
+from asyncinfer.client._retry import Deadline, RetryPolicy, checked_timeout
 from asyncinfer.client.batches import BatchCalls
 from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error, with_connection_hint
 from asyncinfer.client.types import Job
@@ -132,6 +132,8 @@ class ClientChannel:
             *_CHANNEL_OPTIONS,
             *(Keepalive(keepalive_s).client_options() if keepalive_s is not None else ()),
         ]
+        if checked_timeout(timeout_s) is None:
+            raise ValueError("timeout_s is the default seconds of a unary call, 0 or more, not None")
         check_not_forked()
         global _channel_pid
         _channel_pid = os.getpid()
@@ -222,6 +224,7 @@ class ClientChannel:
         attempt = 0
         while True:
             attempt += 1
+            deadline.check("the call")
             try:
                 return await invoke(deadline.remaining())
             except asyncio.CancelledError:

@@ -136,6 +136,7 @@ class JobWaits(JobWatches, BlobCalls):
         """`run`; `submitted` is told the job once the gateway has answered (the blocking Client
         names it when Ctrl-C interrupts the run)."""
         deadline = Deadline(timeout_s)
+        deadline.check("the run (nothing was submitted)")
         budget = _unary_budget(deadline, self.timeout_s)
         submit_options.setdefault("wait_s", budget)  # cut to leave the answer its time (submit_request)
         job = await self.submit(model, inputs, timeout_s=budget, **submit_options)

@@ -17,7 +17,7 @@ import grpc
 from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._async_jobs import JobCalls
 from asyncinfer.client._convert import error_from_proto, job_from_proto
-from asyncinfer.client._retry import Deadline, StreamBreaks
+from asyncinfer.client._retry import Deadline, StreamBreaks, checked_timeout
 from asyncinfer.client.errors import (
     AsyncInferClientError,
     UnavailableError,
@@ -78,6 +78,7 @@ class JobWatches(JobCalls):
         breaks = StreamBreaks()
         while True:
             attempt += 1
+            deadline.check(f"the watch of job {job_id} (it goes on)")
             request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
             call = self._stub.WatchJob(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None
@@ -148,6 +149,7 @@ class JobWatches(JobCalls):
         changed since it started and whose latest state it has not yielded: after a reconnect, each
         job's latest state at least once, then the live changes (at most 10,000 jobs listed,
         newest first; a job that ended before the watch started is not yielded)."""
+        checked_timeout(timeout_s)  # here, not at the first step
         return JobsWatch(self._watch_jobs(jobs, labels, timeout_s))
 
     async def _watch_jobs(
@@ -170,6 +172,9 @@ class JobWatches(JobCalls):
             watching = [job_id for job_id in ids if job_id not in done]
             if ids and not watching:
                 return
+            deadline.check(
+                f"the watch of {len(watching)} job(s)" if ids else f"the label watch of {dict(labels or {})}"
+            )
             request = job_service_pb2.WatchJobsRequest(job_ids=watching, labels=dict(labels or {}))
             call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
             cause: BaseException | None = None

@@ -88,10 +88,21 @@ class StreamBreaks:
 NO_RETRY = RetryPolicy(max_attempts=1, stream_resume_s=0.0)
 
 
+def checked_timeout(timeout_s: float | None) -> float | None:
+    """A caller's `timeout_s`: None (no limit) or seconds, 0 or more; ValueError otherwise (a
+    negative one was taken as a deadline already passed, and said "within -1 s"). 0 is a deadline
+    that has passed: the call raises DeadlineExceededError and sends nothing, as a zero timeout
+    does in gRPC and in httpx (so the OpenAI SDK), not a poll answering what is there."""
+    if timeout_s is not None and not timeout_s >= 0:  # NaN too
+        raise ValueError(f"timeout_s is seconds, 0 or more (None: no limit), got {timeout_s}")
+    return timeout_s
+
+
 class Deadline:
     """A call's absolute deadline on the monotonic clock; `None` seconds means none."""
 
     def __init__(self, timeout_s: float | None) -> None:
+        checked_timeout(timeout_s)
         self._at = None if timeout_s is None else time.monotonic() + timeout_s
         self.timeout_s = timeout_s
 
@@ -109,6 +120,13 @@ class Deadline:
         return DeadlineExceededError(
             f"{what} did not complete within {self.timeout_s:.3g} s", code=grpc.StatusCode.DEADLINE_EXCEEDED
         )
+
+    def check(self, what: str) -> None:
+        """Raises `exceeded(what)` once the deadline has passed: before a call or a stream is
+        opened, so that nothing is sent after it (gRPC given a timeout of 0 sent the request, and
+        most such calls were answered: a submit queued its job, a watch its first state)."""
+        if self.expired():
+            raise self.exceeded(what)
 
     def allows_sleep(self, seconds: float) -> bool:
         remaining = self.remaining()

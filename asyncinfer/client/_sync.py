@@ -36,7 +36,7 @@ from asyncinfer.client._async import (
     run_interrupted_note,
     wait_interrupted_note,
 )
-from asyncinfer.client._retry import RetryPolicy
+from asyncinfer.client._retry import RetryPolicy, checked_timeout
 from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.client.types import (
@@ -359,6 +359,7 @@ class Client:
         return self._run(self._client.cancel(job, reason=reason, timeout_s=timeout_s))
 
     def watch(self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None) -> Iterator[Job]:
+        checked_timeout(timeout_s)  # here, not at the first `next`
         return self._iterate(self._client.watch(job, after_revision=after_revision, timeout_s=timeout_s))
 
     def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
@@ -463,6 +464,8 @@ class Client:
         return self._run(self._client.list_batches(page_size=page_size, page_token=page_token))
 
     def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Iterator[Batch]:
+        checked_timeout(timeout_s)  # here, not at the first `next`
+
         async def updates() -> AsyncGenerator[Batch, None]:
             async for update in self._client.watch_batch(batch, timeout_s=timeout_s):
                 yield update

@@ -285,6 +285,7 @@ class BatchCalls:
         breaks = StreamBreaks()
         while True:
             attempt += 1
+            deadline.check(f"the watch of batch {batch_id} (it goes on)")
             call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
             cause: BaseException | None = None
             try:

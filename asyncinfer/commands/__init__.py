@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 
 from asyncinfer.client import AsyncInferClientError
@@ -30,6 +31,18 @@ EXIT_CODES_HELP = (
     "5 unavailable / deadline exceeded / resource exhausted, 6 other error, 7 unauthenticated / permission "
     "denied, 130 interrupted, 141 the output's reader went away (| head)"
 )
+
+
+def _timeout_seconds(text: str) -> float:
+    """--timeout: a finite number of seconds, 0 or more (the SDK refuses a negative one; 0 exceeds
+    at once, sending nothing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"give 0 or more seconds, not {text!r}")
+    return value
 
 
 def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = False) -> None:
@@ -85,7 +98,7 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
     group.add_argument(
         "--timeout",
         metavar="SECONDS",
-        type=float,
+        type=_timeout_seconds,
         default=default,
         help=f"seconds each call may take (default {DEFAULT_CALL_TIMEOUT_S:g}), and a wait (--wait, watch): "
         "unbounded unless given",
