@@ -331,6 +331,25 @@ ALERT_TESTS = [
         [("9m", None), ("11m", {"model": "demo"})],
     ),
     _alert(
+        "AsyncinferDesiredBatchersMissing",
+        [  # demo's batcher computes while its scheduler's series goes (its scrapes fail from 3m);
+            # served keeps its series
+            ('asyncinfer_batcher_model_ready{model="demo",instance="b1"}', "1x12"),
+            ('asyncinfer_desired_batchers{model="demo",instance="s1"}', "1 1 1 stale"),
+            ('asyncinfer_batcher_model_ready{model="served",instance="b2"}', "1x12"),
+            ('asyncinfer_desired_batchers{model="served",instance="s1"}', "2x12"),
+        ],
+        [("2m", None), ("4m", None), ("6m", {"model": "demo"})],
+    ),
+    _alert(
+        "AsyncinferDesiredBatchersMissing",
+        [  # jobs submitted to a pool at zero and no scheduler series; idle has no submits
+            ('asyncinfer_jobs_submitted_total{model="queued",priority="NORMAL",instance="g1"}', "0 0 0 0 0 0 3x6"),
+            ('asyncinfer_jobs_submitted_total{model="idle",priority="NORMAL",instance="g1"}', "0x12"),
+        ],
+        [("5m", None), ("7m", None), ("9m", {"model": "queued"})],
+    ),
+    _alert(
         "AsyncinferModelStuck",
         [
             ('asyncinfer_jobs_in_flight{model="hung",instance="s1"}', "2x30"),
