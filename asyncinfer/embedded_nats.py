@@ -99,7 +99,9 @@ class NatsServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 where = f"its log: {self.log_file}" if self.log_file else f"port {self.port} in use?"
-                raise Unavailable(f"nats-server exited with {self.process.returncode} as it started ({where})")
+                fatal = fatal_line(self.log_file) if self.log_file else None
+                why = f": {fatal}" if fatal else ""
+                raise Unavailable(f"nats-server exited with {self.process.returncode} as it started{why} ({where})")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as sock:
                     if sock.recv(4).startswith(b"INFO"):
@@ -139,6 +141,19 @@ class NatsServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def fatal_line(log_file: Path) -> str | None:
+    """The last fatal error a nats-server logged (`[FTL] Can't start JetStream: ...`), without its
+    pid and time: why it exited, which the user otherwise had to find in its log."""
+    try:
+        with log_file.open("rb") as log:
+            log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+            tail = log.read().decode(errors="replace")
+    except OSError:
+        return None
+    fatal = [line.split("[FTL]", 1)[1].strip() for line in tail.splitlines() if "[FTL]" in line]
+    return fatal[-1] if fatal else None
 
 
 def pid_alive(pid: int) -> bool:

@@ -119,6 +119,44 @@ def test_a_busy_port_is_named_in_one_line_and_nothing_starts(tmp_path: Path, sec
     assert not (tmp_path / "data").exists()  # no nats-server ran: no store, no nats-server.log
 
 
+@pytest.mark.parametrize("in_the_way", ["data", "data/nats"])
+def test_a_store_folder_up_cannot_make_is_named_in_one_line(tmp_path: Path, in_the_way: str) -> None:
+    """A file where the store's folder (or the folder holding it, .asyncinfer) must be: `up` ended
+    in FileExistsError's traceback, from the lock or from starting its nats-server. (Running as
+    root, a folder without write permission cannot be made for the test: a file stands for it.)"""
+    config_path, _ports = write_config(tmp_path)
+    (tmp_path / in_the_way).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / in_the_way).write_text("not a folder\n")
+
+    done = run_up_once(config_path, tmp_path)
+
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("{")]  # the log's JSON lines
+    assert lines == [
+        f"asyncinfer: cannot use the JetStream store {tmp_path / 'data' / 'nats'}: a file is where a folder must be "
+        f"({tmp_path / in_the_way}). Give `up` a folder it can write: embedded_nats.store_dir in the configuration "
+        "file, or ASYNCINFER_EMBEDDED_NATS__STORE_DIR=... before the command"
+    ], done.stderr
+    assert not (tmp_path / "data" / "nats-server.pid").exists()
+
+
+def test_a_nats_server_that_cannot_use_its_store_is_said_with_its_own_words(tmp_path: Path) -> None:
+    """nats-server refusing the store (its jetstream folder a file) was "exited with 1 as it started
+    (its log: ...)": the reason was in its log alone."""
+    config_path, _ports = write_config(tmp_path)
+    (tmp_path / "data" / "nats").mkdir(parents=True)
+    (tmp_path / "data" / "nats" / "jetstream").write_text("not a folder\n")
+
+    done = run_up_once(config_path, tmp_path)
+
+    assert done.returncode == EXIT_UNAVAILABLE, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("asyncinfer: nats-server exited with 1 as it started: "), last
+    assert "Can't start JetStream: storage directory is not a directory" in last, last
+    assert str(tmp_path / "data" / "nats-server.log") in last
+
+
 def test_a_second_up_exits_at_once_and_the_first_runs_on(up: UpProcess, tmp_path: Path) -> None:
     # The same configuration from another folder, with its own store: every port is the first's.
     other = tmp_path / "elsewhere"

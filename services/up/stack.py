@@ -20,7 +20,7 @@ from services.apps import SERVICES, import_app_module
 from services.up.banner import banner
 from services.up.defaults import with_up_defaults
 from services.up.ports import check_up_exposure, raise_if_busy, up_ports
-from services.up.store_lock import StoreLock, pid_file
+from services.up.store_lock import StoreLock, pid_file, unusable_store
 
 SHUTDOWN_GRACE_S = 10.0
 
@@ -79,12 +79,15 @@ class EmbeddedNats:
         self._context = service_context("nats")
         self._log = structlog.get_logger("asyncinfer.embedded_nats")
 
-    def _write_conf(self) -> None:
-        self._conf.parent.mkdir(parents=True, exist_ok=True)
-        self._conf.write_text(f"max_payload: {EMBEDDED_MAX_PAYLOAD}\n")
+    def _prepare_store(self) -> None:
+        try:
+            self.server.store_dir.mkdir(parents=True, exist_ok=True)
+            self._conf.write_text(f"max_payload: {EMBEDDED_MAX_PAYLOAD}\n")
+        except OSError as exc:
+            raise unusable_store(self.server.store_dir, exc) from None
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._write_conf)
+        await asyncio.to_thread(self._prepare_store)
         await asyncio.to_thread(self.server.start)
         self.port = self.server.port
         assert self.server.process is not None
@@ -135,11 +138,14 @@ async def run_up(config: Config, *, tls: bool = False) -> int:
     check_up_exposure(config)
     lock = StoreLock(Path(config.embedded_nats.store_dir))
     try:
-        await asyncio.to_thread(lock.acquire_if_used)
-        raise_if_busy(
-            up_ports(config), hint="Is another `asyncinfer up` (on another store) or another program using them?"
-        )
-        await asyncio.to_thread(lock.acquire)
+        try:
+            await asyncio.to_thread(lock.acquire_if_used)
+            raise_if_busy(
+                up_ports(config), hint="Is another `asyncinfer up` (on another store) or another program using them?"
+            )
+            await asyncio.to_thread(lock.acquire)
+        except OSError as exc:
+            raise unusable_store(Path(config.embedded_nats.store_dir), exc) from None
         return await _run_up(config, given_tls=(nats_args, ca_file))
     finally:
         lock.release()

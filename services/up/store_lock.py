@@ -36,6 +36,19 @@ def pid_file(store: Path) -> Path:
     return store.parent / f"{store.name}.nats-server.pid"
 
 
+def unusable_store(store: Path, error: OSError) -> ConfigError:
+    """The error for a store folder `up` cannot make or write in (a file in its way, no permission,
+    a read-only disk): it was an OSError's traceback from deep in the start."""
+    in_the_way = isinstance(error, FileExistsError | NotADirectoryError)
+    why = "a file is where a folder must be" if in_the_way else (error.strerror or str(error))
+    where = f" ({error.filename})" if error.filename else ""
+    return ConfigError(
+        f"cannot use the JetStream store {store}: {why}{where}. Give `up` a folder it can "
+        "write: embedded_nats.store_dir in the configuration file, or ASYNCINFER_EMBEDDED_NATS__STORE_DIR=... before "
+        "the command"
+    )
+
+
 class StoreLock:
     """Held from before the ports are checked until `up` ends (the process's exit frees it too)."""
 
