@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncinfer.config import Config
+from asyncinfer.errors import ConfigError
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ec import EllipticCurvePrivateKey
@@ -102,8 +103,15 @@ def ensure_dev_tls(directory: Path, hosts: Iterable[str], *, now: datetime.datet
     names = list(dict.fromkeys(hosts))
     ca_cert, ca_key = None, None
     if tls.ca_file.exists() and tls.ca_key_file.exists():
-        ca_cert = x509.load_pem_x509_certificate(tls.ca_file.read_bytes())
-        loaded = serialization.load_pem_private_key(tls.ca_key_file.read_bytes(), password=None)
+        try:
+            ca_cert = x509.load_pem_x509_certificate(tls.ca_file.read_bytes())
+            loaded = serialization.load_pem_private_key(tls.ca_key_file.read_bytes(), password=None)
+        except (ValueError, TypeError) as exc:
+            # Not replaced silently: clients were given this CA (--tls-ca). It was a traceback.
+            raise ConfigError(
+                f"the development CA in {directory} cannot be read ({exc}): delete {tls.ca_file} and "
+                f"{tls.ca_key_file} for `up --dev-tls` to make a new CA (then give clients the new {tls.ca_file})"
+            ) from None
         ca_key = loaded if isinstance(loaded, ec.EllipticCurvePrivateKey) else None
         if ca_cert.not_valid_after_utc - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):
             ca_cert, ca_key = None, None
@@ -142,7 +150,13 @@ def _server_cert_fits(tls: DevTls, ca_cert: Certificate, names: list[str], now: 
 
     if not (tls.cert_file.exists() and tls.key_file.exists()):
         return False
-    cert = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        cert = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+        serialization.load_pem_private_key(tls.key_file.read_bytes(), password=None)
+    except (ValueError, TypeError):  # cut short (a crash as it was written): made again, by the same CA
+        return False
     if cert.issuer != ca_cert.subject or cert.not_valid_after_utc - now < datetime.timedelta(days=RENEW_WITHIN_DAYS):
         return False
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value

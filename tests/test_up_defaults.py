@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from asyncinfer.config import FLAKY_MODEL, Config, load_config
+from asyncinfer.errors import ConfigError
 from services.dev_ca import DevTls, with_dev_tls
 from services.up.banner import banner
 from services.up.defaults import with_up_defaults
@@ -130,3 +131,36 @@ def test_the_generated_webhook_secret_is_written_readable_by_its_owner_only(tmp_
     first = with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant)
     assert path.stat().st_mode & 0o777 == 0o600
     assert with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant) == first
+
+
+@pytest.mark.parametrize(
+    ("left_behind", "why"),
+    [
+        ("whsec_c2hvcnQ=\n", "a webhook secret holds 24 to 64 random bytes"),
+        ("my-receivers-secret\n", "webhook secrets start with 'whsec_' (Standard Webhooks)"),
+        (None, "Is a directory"),
+    ],
+    ids=["cut-short", "edited", "a-folder"],
+)
+def test_a_generated_webhook_secret_file_that_holds_no_secret_is_named(
+    tmp_path: Path, left_behind: str | None, why: str
+) -> None:
+    """`up` ended in pydantic's ValidationError traceback (with the bad value printed in it), or an
+    IsADirectoryError one; it is named, and not replaced behind the back of a receiver given it."""
+    config = load_config_file(tmp_path)
+    path = tmp_path / "data" / "webhook-secret"
+    if left_behind is None:
+        path.mkdir(parents=True)
+    else:
+        path.parent.mkdir(parents=True)
+        path.write_text(left_behind)
+    with pytest.raises(ConfigError) as refused:
+        with_up_defaults(config)
+    message = refused.value.message
+    assert message.startswith(f"{path}, the webhook secret an earlier `asyncinfer up` generated, holds no secret ("), (
+        message
+    )
+    assert why in message
+    assert "delete it for `up` to generate a new one" in message
+    assert "my-receivers-secret" not in message
+    assert left_behind is None or path.read_text() == left_behind

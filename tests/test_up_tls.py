@@ -13,6 +13,7 @@ import pytest
 from cryptography import x509
 
 from asyncinfer.client import AsyncClient, UnavailableError
+from asyncinfer.errors import ConfigError
 from services.dev_ca import RENEW_WITHIN_DAYS, SERVER_VALID_DAYS, ensure_dev_tls
 from tests.test_up_grpcurl import close, start_up, stop, write_config
 
@@ -47,6 +48,29 @@ def test_the_development_ca_is_made_once_and_reused(tmp_path: Path) -> None:
     renewed = ensure_dev_tls(tmp_path / "tls", ["localhost"], now=later)
     assert renewed.cert_file.read_bytes() != before
     assert renewed.ca_file.read_bytes() == ca
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cut_short", ["cert", "key"])
+def test_a_cut_short_development_certificate_is_made_again_and_a_cut_short_ca_is_named(
+    tmp_path: Path, cut_short: str
+) -> None:
+    """A file of the development CA's folder empty (a crash, a full disk, as it was written): `up
+    --dev-tls` ended in cryptography's ValueError traceback. The server's pair is made again by the
+    same CA; the CA is not replaced (clients were given it): the error says which files to delete."""
+    tls = ensure_dev_tls(tmp_path / "tls", ["localhost"])
+    ca = tls.ca_file.read_bytes()
+    (tls.cert_file if cut_short == "cert" else tls.key_file).write_bytes(b"")
+    again = ensure_dev_tls(tmp_path / "tls", ["localhost"])
+    issued = x509.load_pem_x509_certificate(again.cert_file.read_bytes())
+    issued.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+    assert again.key_file.read_bytes() != b""
+
+    (tls.ca_file if cut_short == "cert" else tls.ca_key_file).write_bytes(b"")
+    with pytest.raises(ConfigError) as refused:
+        ensure_dev_tls(tmp_path / "tls", ["localhost"])
+    assert f"the development CA in {tmp_path / 'tls'} cannot be read" in refused.value.message
+    assert f"delete {tls.ca_file} and {tls.ca_key_file}" in refused.value.message
 
 
 @pytest.mark.unit

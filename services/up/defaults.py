@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from asyncinfer.config import FLAKY_MODEL, MINILM_DOC_MODEL, MINILM_DOC_PIPELINE, MINILM_MODEL, Config
+from asyncinfer.errors import ConfigError
 
 # Where a receiver on this machine listens: what `up` on loopback lets webhooks reach.
 LOOPBACK_NETWORKS = ("127.0.0.0/8", "::1/128")
@@ -69,7 +70,7 @@ def with_up_defaults(config: Config) -> Config:
         from asyncinfer.webhook_secrets import new_secret
 
         path = dev_secret_file(config)
-        secret = path.read_text().strip() if path.exists() else ""
+        secret = read_dev_secret(path)
         if not secret:
             secret = new_secret()
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,6 +80,29 @@ def with_up_defaults(config: Config) -> Config:
     if not config.gateway.api_keys and "allowed_networks" not in config.webhooks.model_fields_set:
         config = config.replace(webhooks={"allowed_networks": list(LOOPBACK_NETWORKS)})
     return config
+
+
+def read_dev_secret(path: Path) -> str:
+    """The secret an earlier `up` generated ("" when there is none), or ConfigError naming the
+    file when it holds no secret: edited, or cut short by a full disk, it ended `up` in pydantic's
+    traceback (the bad value printed in it). It is not replaced silently: a receiver may have been
+    given what was there."""
+    from pydantic import ValidationError
+
+    from asyncinfer.config import WebhookSecretConfig
+
+    try:
+        secret = path.read_text().strip() if path.exists() else ""
+        if secret:
+            WebhookSecretConfig(tenant="default", secret=secret)
+    except (OSError, UnicodeDecodeError, ValidationError) as exc:
+        why = exc.errors()[0]["msg"].removeprefix("Value error, ") if isinstance(exc, ValidationError) else str(exc)
+        raise ConfigError(
+            f"{path}, the webhook secret an earlier `asyncinfer up` generated, holds no secret ({why}): delete it "
+            "for `up` to generate a new one (and give that to your receivers), or write a secret in it "
+            "(`asyncinfer webhook-secret` prints one)"
+        ) from None
+    return secret
 
 
 def write_private(path: Path, text: str) -> None:
