@@ -165,8 +165,18 @@ def described(name: str) -> dict[str, Any]:
     paragraph, example = DESCRIPTIONS[name]
     return {
         "description": textwrap.fill(paragraph, 79) + f"\n\nexample:\n  {example}",
+        "epilog": CONFIG_FROM_ENVIRONMENT,
         "formatter_class": argparse.RawDescriptionHelpFormatter,
     }
+
+
+# A server command's help named no variable: that every key has one was in docs/CONFIGURATION.md alone.
+CONFIG_FROM_ENVIRONMENT = textwrap.fill(
+    "environment: every configuration key is also ASYNCINFER_<SECTION>__<KEY> (ASYNCINFER_GATEWAY__PORT=50061), "
+    "or a file <section>__<key> in the folder $ASYNCINFER_SECRETS_DIR names; the environment's value wins over "
+    "the secrets folder's, which wins over the file's. `asyncinfer config` lists every key.",
+    79,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

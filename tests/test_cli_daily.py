@@ -107,6 +107,10 @@ def test_each_server_commands_help_says_what_it_runs_what_it_needs_and_one_examp
         assert fact in prose, (fact, done.stdout)
     example = done.stdout.split("example:\n", 1)[1].splitlines()[0].strip()
     assert f"asyncinfer {command} --config asyncinfer.toml" in example  # whole, on one line
+    # ... and the variables that set its configuration (it named none).
+    environment = " ".join(done.stdout.split("environment:", 1)[-1].split())
+    assert "ASYNCINFER_<SECTION>__<KEY> (ASYNCINFER_GATEWAY__PORT=50061)" in environment, done.stdout
+    assert "$ASYNCINFER_SECRETS_DIR" in environment, done.stdout
     assert all(len(line) <= 100 for line in done.stdout.splitlines() if not line.startswith("  ")), done.stdout
 
 
