@@ -11,7 +11,7 @@ import pytest
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
-from services.batcher.models.demo import GATE
+from services.batcher.models.demo import GATE, GATE_ENTERED
 from tests.stack import Stack, StartStack
 
 
@@ -90,9 +90,13 @@ async def test_a_job_whose_deadline_passes_in_its_batchers_queue_is_expired(
     gated = DEMO_MODEL.model_copy(update={"name": "gated", "loader": "services.batcher.models.demo:build_gated_model"})
     stack = await start_stack(config.replace(models=[gated]))
     GATE.clear()  # the first batch computes until the gate opens
+    GATE_ENTERED.clear()
     try:
         async with AsyncClient(stack.address) as client:
             first = await client.submit("gated", {"x": [[1, 2, 3, 4]]})
+            # Its batch computing before the late job comes: on a loaded machine both were
+            # dispatched in one group and batched together, and the late job ran.
+            assert await asyncio.to_thread(GATE_ENTERED.wait, 30), "the first batch never started"  # a hang guard
             late = await client.submit("gated", {"x": [[1, 2, 3, 4]]}, queue_ttl_s=0.5)
             ended = await client.wait(late, timeout_s=10)
             GATE.set()
