@@ -21,7 +21,7 @@ from asyncinfer.client import AsyncClient, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
 from asyncinfer.v1 import ops_service_pb2
-from services.console.app import ConsoleApp, known_hosts_only
+from services.console.app import CSP, ConsoleApp, known_hosts_only
 from services.console.backend import JobsPage, _model_queues
 from services.console.context import Context
 from services.console.history import QueueHistory
@@ -199,6 +199,38 @@ async def test_beyond_loopback_the_console_answers_only_to_hosts_it_is_known_by(
                 assert response.status == expected, origin
     finally:
         await runner.cleanup()
+
+
+async def test_every_answer_carries_the_security_headers_aiohttps_own_404_and_405_too(
+    http: aiohttp.ClientSession,
+) -> None:
+    """A path no route has (404) and a method a route does not take (405) are answered by aiohttp
+    itself, raised past the console's middleware: they went out without the CSP, nosniff,
+    no-referrer and no-store the pages carry. Nothing of this needs the gateway or the scheduler:
+    the console's point at a port where nothing listens."""
+    nowhere = "127.0.0.1:1"
+    console = ConsoleApp(
+        Config().replace(console={"port": 0, "gateway_address": nowhere, "scheduler_address": nowhere})
+    )
+    security_headers = {
+        "Content-Security-Policy": CSP,
+        "X-Content-Type-Options": "nosniff",
+        "Referrer-Policy": "no-referrer",
+        "Cache-Control": "no-store",
+    }
+    await console.start()
+    try:
+        for method, path, expected in (
+            ("GET", "/no-such-page", 404),
+            ("POST", "/jobs", 405),
+            ("GET", "/queues/pause", 405),
+            ("GET", "/healthz", 200),
+        ):
+            async with http.request(method, console.url.rstrip("/") + path, allow_redirects=False) as response:
+                assert response.status == expected, (method, path)
+                assert {name: response.headers.get(name) for name in security_headers} == security_headers, path
+    finally:
+        await console.stop()
 
 
 async def test_a_console_without_keys_refuses_to_bind_beyond_loopback(config: Config) -> None:

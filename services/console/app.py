@@ -46,18 +46,20 @@ CSP = (
 )
 
 
-@web.middleware
-async def _headers(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    response = await handler(request)
-    if response.prepared:  # a download streamed as it is read sets its own headers before it starts
-        return response
-    response.headers["Content-Security-Policy"] = CSP
-    response.headers["X-Content-Type-Options"] = "nosniff"
-    response.headers["Referrer-Policy"] = "no-referrer"
-    response.headers["Cache-Control"] = "no-store"
-    return response
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+async def _security_headers(_request: web.Request, response: web.StreamResponse) -> None:
+    """On every answer as its headers go out (aiohttp's on_response_prepare): a page's, and aiohttp's
+    own 404, 405 and 500, which a middleware never sees returned (they are raised past it). A header
+    the answer set itself stays (a download's stricter CSP)."""
+    for name, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
 
 
 def is_ip_address(host: str) -> bool:
@@ -195,9 +197,10 @@ class ConsoleApp:
                 stats_interval_s=console.stats_interval_s,
             )
             app = web.Application(
-                middlewares=[_headers, known_hosts_only(is_loopback(console.host), console.allowed_hosts)],
+                middlewares=[known_hosts_only(is_loopback(console.host), console.allowed_hosts)],
                 client_max_size=64 * 1024,
             )
+            app.on_response_prepare.append(_security_headers)
             app[MESSAGE_KEY] = ctx.message_key
             pages: list[tuple[str, str, Page]] = [
                 ("GET", "/models", models_page),
