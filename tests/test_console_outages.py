@@ -15,6 +15,7 @@ import pytest
 
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import Config
+from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
 from services.console import backend
 from services.console.app import ConsoleApp
 from tests.processes import until
@@ -106,9 +107,12 @@ async def test_a_page_whose_service_does_not_answer_in_time_says_which_and_how_l
     "DEADLINE_EXCEEDED: Deadline Exceeded", which named neither."""
     monkeypatch.setattr(backend, "CALL_TIMEOUT_S", 1.0)  # the page's wait, 10 s otherwise
 
-    async def never_answer(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
-        while await reader.read(65536):
-            pass
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        finally:
+            writer.close()  # else its socket outlives the test, a ResourceWarning failing the next one
 
     hung = await asyncio.start_server(never_answer, "127.0.0.1", 0)
     address = f"127.0.0.1:{hung.sockets[0].getsockname()[1]}"
@@ -121,3 +125,50 @@ async def test_a_page_whose_service_does_not_answer_in_time_says_which_and_how_l
             assert f"{service} ({address}) did not answer within 1 s" in page, page[-2000:]
     finally:
         hung.close()
+
+
+class SendsNothing(batch_service_pb2_grpc.BatchServiceServicer):
+    """A gateway's BatchService that takes ReadBatchFile and never sends a piece (hung on its
+    store, say), on a real gRPC server: pings are answered, the stream stays open."""
+
+    def __init__(self) -> None:
+        self.called = asyncio.Event()
+        self.ended = asyncio.Event()  # the caller went: the call was cancelled
+
+    async def ReadBatchFile(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self.called.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.ended.set()
+        yield batch_service_pb2.ReadBatchFileResponse()  # never reached: makes this a stream
+
+
+async def test_a_download_whose_gateway_sends_nothing_is_a_504_naming_the_gateway(
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch file's first piece comes within the call's deadline, as a page's answer does: the
+    download waited for it with no deadline, so a gateway that took the call and sent nothing held
+    it open for good (the browser's download spinning). Now a 504 naming the gateway, its address
+    and the wait, and the call is cancelled (the gateway stops too). The pieces after the first
+    have no deadline (a large file takes its time)."""
+    monkeypatch.setattr(backend, "CALL_TIMEOUT_S", 1.0)  # the first piece's wait, 10 s otherwise
+    servicer = SendsNothing()
+    server = grpc.aio.server()
+    batch_service_pb2_grpc.add_BatchServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    console = ConsoleApp(
+        Config().replace(console={"port": 0, "gateway_address": address, "scheduler_address": address})
+    )
+    await console.start()
+    try:
+        status, page = await get(http, console, "/batches/0123abcd/files/output")
+        assert servicer.called.is_set()
+        assert status == 504, page[-2000:]
+        assert f"the gateway ({address}) did not answer within 1 s" in page, page[-2000:]
+        await asyncio.wait_for(servicer.ended.wait(), timeout=30)
+    finally:
+        await console.stop()
+        await server.stop(None)

@@ -18,7 +18,7 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
 from asyncinfer.client.batches import FILES, Batch, batch_from_proto
-from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error
+from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError, from_rpc_error
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
 from asyncinfer.grpc_keepalive import Keepalive
@@ -199,14 +199,30 @@ class Backend:
         return batch_from_proto(answer.batch)
 
     async def batch_file(self, batch_id: str, file: str) -> AsyncGenerator[bytes, None]:
-        """The batch's `output`, `errors` or `npz` file, piece by piece as the gateway streams it (no
-        deadline: a large file takes as long as it takes; a broken stream raises)."""
+        """The batch's `output`, `errors` or `npz` file, piece by piece as the gateway streams it.
+        The first piece (or the refusal) comes within CALL_TIMEOUT_S, as a page's call does, else
+        DeadlineExceededError naming the gateway: a gateway that took the call and sends nothing
+        held the download open for good. The pieces after it have no deadline: a large file takes
+        as long as it takes (a broken stream raises)."""
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=FILES[file])
+        call = self._batches.ReadBatchFile(request, metadata=self._tenant)
         try:
-            async for piece in self._batches.ReadBatchFile(request, metadata=self._tenant):
+            pieces = aiter(call)
+            try:
+                async with asyncio.timeout(CALL_TIMEOUT_S):
+                    first = await anext(pieces, None)
+            except TimeoutError:
+                late = DeadlineExceededError("Deadline Exceeded", code=grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise self._gateway.explained(late) from None
+            if first is None:
+                return
+            yield first.chunk
+            async for piece in pieces:
                 yield piece.chunk
         except grpc.RpcError as rpc_error:
             raise self._gateway.explained(from_rpc_error(rpc_error)) from rpc_error
+        finally:
+            call.cancel()  # the download ended early (the browser went, a deadline): the gateway stops
 
     # -- OpsService ------------------------------------------------------------------------
 
