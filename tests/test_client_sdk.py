@@ -425,9 +425,9 @@ def test_the_default_policy_waits_out_a_restart_but_not_forever() -> None:
 
 
 @pytest.mark.unit
-def test_a_waiting_reason_the_sdk_does_not_know_reads_as_none() -> None:
+def test_a_waiting_reason_the_sdk_does_not_know_reads_as_its_number() -> None:
     """MODEL_LOAD_FAILED reads as itself; a value newer than this SDK (a later gateway's) reads as
-    no reason given, not an error that loses the whole job."""
+    UNKNOWN_<number>, not an error that loses the whole job (nor as no reason given)."""
 
     def queued(reason: int) -> job_pb2.Job:
         job = job_pb2.Job(job_id="j", model_name="demo", state=job_pb2.JOB_STATE_QUEUED)
@@ -440,7 +440,8 @@ def test_a_waiting_reason_the_sdk_does_not_know_reads_as_none() -> None:
     assert failed.queue.waiting_reason.not_served
     newer = job_from_proto(queued(99))
     assert newer.queue is not None
-    assert newer.queue.waiting_reason is None
+    assert newer.queue.waiting_reason == "UNKNOWN_99"
+    assert not newer.queue.waiting_reason.not_served
     assert newer.state is JobState.QUEUED
     # Why, from ListModels: the job's version's reason (every version's for a job that names none).
     spec = (TensorSpec(name="x", datatype="FP32", shape=(-1, 4)),)

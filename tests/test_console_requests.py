@@ -13,14 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from asyncinfer.client import AsyncClient, Job, JobState, Priority
+from asyncinfer.client import AsyncClient, InternalError, Job, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
-from asyncinfer.v1 import ops_service_pb2
+from asyncinfer.v1 import (
+    batch_service_pb2,
+    batch_service_pb2_grpc,
+    job_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    ops_service_pb2,
+)
 from services.console.app import CSP, ConsoleApp, known_hosts_only
 from services.console.backend import JobsPage, _model_queues
 from services.console.context import Context
@@ -231,6 +240,107 @@ async def test_every_answer_carries_the_security_headers_aiohttps_own_404_and_40
                 assert {name: response.headers.get(name) for name in security_headers} == security_headers, path
     finally:
         await console.stop()
+
+
+NEWER_JOB_ID = "0190b8e4-7c1a-7d3e-8f00-000000000099"
+NEWER_BATCH_ID = "0190b8e4-7c1a-7d3e-8f00-0000000000b9"
+
+
+def newer_job() -> job_pb2.Job:
+    """A job as a gateway newer than this console and SDK may send it: a state, a priority, a waiting
+    reason and a delivery event whose numbers they have no name for (the protos add values)."""
+    job = job_pb2.Job(job_id=NEWER_JOB_ID, model_name="demo", state=99, priority=7, revision=5)  # type: ignore[arg-type]
+    job.queue.waiting_reason = 42  # type: ignore[assignment]
+    job.callback.url = "https://example.com/hook"
+    job.callback.events.append(9)  # type: ignore[arg-type]
+    job.callback_deliveries.add(webhook_id="w", event=9, state=8)  # type: ignore[arg-type]
+    return job
+
+
+class NewerJobService(job_service_pb2_grpc.JobServiceServicer):
+    async def ListJobs(self, request: Any, context: Any) -> job_service_pb2.ListJobsResponse:
+        return job_service_pb2.ListJobsResponse(jobs=[newer_job()])
+
+    async def GetJob(self, request: Any, context: Any) -> job_service_pb2.GetJobResponse:
+        return job_service_pb2.GetJobResponse(job=newer_job())
+
+    async def WatchJob(self, request: Any, context: Any) -> AsyncIterator[job_service_pb2.WatchJobResponse]:
+        # As a gateway does: the record newer than after_revision, and the end of the stream once
+        # the job is terminal (as the newer gateway takes state 99 to be).
+        if request.after_revision < newer_job().revision:
+            yield job_service_pb2.WatchJobResponse(job=newer_job())
+
+    async def ListModels(self, request: Any, context: Any) -> job_service_pb2.ListModelsResponse:
+        answer = job_service_pb2.ListModelsResponse()
+        answer.models.add(name="demo", version="1").versions.add(version="1", state=9)  # type: ignore[arg-type]
+        return answer
+
+
+class NewerBatchService(batch_service_pb2_grpc.BatchServiceServicer):
+    def batch(self) -> batch_service_pb2.Batch:
+        return batch_service_pb2.Batch(batch_id=NEWER_BATCH_ID, model_name="demo", state=99, priority=7)  # type: ignore[arg-type]
+
+    async def ListBatches(self, request: Any, context: Any) -> batch_service_pb2.ListBatchesResponse:
+        return batch_service_pb2.ListBatchesResponse(batches=[self.batch()])
+
+    async def GetBatch(self, request: Any, context: Any) -> batch_service_pb2.GetBatchResponse:
+        return batch_service_pb2.GetBatchResponse(batch=self.batch())
+
+
+class NewerHealth(health_pb2_grpc.HealthServicer):
+    async def Check(self, request: Any, context: Any) -> health_pb2.HealthCheckResponse:
+        return health_pb2.HealthCheckResponse(status=9)  # type: ignore[arg-type]
+
+
+async def test_a_gateway_newer_than_the_console_and_the_sdk_is_read_by_both(http: aiohttp.ClientSession) -> None:
+    """A gateway upgraded before its clients sends enum values they have no name for: the SDK reads
+    them as UNKNOWN_<number> and the console shows that. Before, the SDK's job_from_proto raised
+    ValueError on every read of such a job, batch_from_proto and models_from_proto too, and the
+    console's jobs, job, models, batches and batch pages were a 500 (its /readyz too, for a health
+    status newer than it). A stand-in gateway on a real gRPC server sends them: a real one cannot."""
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(NewerJobService(), server)
+    batch_service_pb2_grpc.add_BatchServiceServicer_to_server(NewerBatchService(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(NewerHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    console = ConsoleApp(
+        Config().replace(console={"port": 0, "gateway_address": address, "scheduler_address": address})
+    )
+    try:
+        async with AsyncClient(address) as client:
+            job = await client.get(NEWER_JOB_ID)
+            assert (job.state, job.priority, job.done) == ("UNKNOWN_99", "UNKNOWN_7", False)
+            assert job.queue is not None
+            assert job.queue.waiting_reason == "UNKNOWN_42"
+            assert [(d.event, d.state) for d in job.callback_deliveries] == [("UNKNOWN_9", "UNKNOWN_8")]
+            assert job.callback is not None
+            assert job.callback.events == ("UNKNOWN_9",)
+            (model,) = await client.models()
+            assert model.versions_summary == "1 (unknown_9)"
+            # The gateway ended the watch: the job ended, in a state this SDK cannot call terminal.
+            with pytest.raises(InternalError, match=r"ended at state UNKNOWN_99 \(newer than this SDK"):
+                await client.wait(NEWER_JOB_ID, timeout_s=30)
+            batch = await client.get_batch(NEWER_BATCH_ID)
+            assert (batch.state, batch.priority, batch.done) == ("UNKNOWN_99", "UNKNOWN_7", False)
+        await console.start()
+        for path, shown in (
+            ("/jobs", "UNKNOWN_99"),
+            (f"/jobs/{NEWER_JOB_ID}", "<td>UNKNOWN_8</td>"),  # its delivery's state
+            ("/models", "1 (unknown_9)"),
+            ("/batches", "UNKNOWN_99"),
+            (f"/batches/{NEWER_BATCH_ID}", "UNKNOWN_7"),
+        ):
+            status, page = await get(http, console, path)
+            assert status == 200, (path, page[-2000:])
+            assert shown in page, path
+        status, page = await get(http, console, "/readyz")
+        assert status == 503
+        assert f"the gateway at {address}: status 9" in page
+    finally:
+        await console.stop()
+        await server.stop(None)
 
 
 async def test_a_console_without_keys_refuses_to_bind_beyond_loopback(config: Config) -> None:

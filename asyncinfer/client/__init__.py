@@ -10,11 +10,14 @@
 `AsyncClient` is the asyncio client; `Client` is the same API, blocking. Results are frozen
 dataclasses (`Job`, `BulkResult`, `BlobRef`) with numpy outputs; errors derive from
 `AsyncInferClientError`. Protobuf stays inside the SDK. `verify_webhook` checks a webhook delivery's
-signature and age on the receiving side (standard library only).
+signature and age on the receiving side (standard library only). An enum value newer than the SDK
+(a state a newer gateway added) reads as `UNKNOWN_<number>` of its enum, never an error
+(`unknown_number`).
 """
 
 from asyncinfer.batches import BatchState
 from asyncinfer.client._async import AsyncClient, tls_credentials
+from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client._sync import Client
 from asyncinfer.client.batches import Batch, BatchError
@@ -103,6 +106,7 @@ __all__ = [
     "WaitingReason",
     "WebhookVerificationError",
     "tls_credentials",
+    "unknown_number",
     "verify_webhook",
     "why_not_served",
 ]

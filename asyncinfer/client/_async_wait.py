@@ -17,6 +17,7 @@ from asyncinfer.client._async_blobs import BlobCalls
 from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._async_jobs import WATCH_JOBS_MAX_IDS
 from asyncinfer.client._async_watch import JobWatches
+from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError, InternalError, JobFailedError
 from asyncinfer.client.types import Inputs, Job
@@ -99,8 +100,12 @@ class JobWaits(JobWatches, BlobCalls):
         async with contextlib.aclosing(self.watch(job, timeout_s=timeout_s)) as updates:
             async for update in updates:
                 last = update
-        if last is None or not last.done:  # watch only ends early by raising
+        if last is None:  # watch only ends early by raising
             raise InternalError(f"the watch of {_job_id(job)} ended without a terminal state")
+        if not last.done:
+            # The gateway ended the watch, so the job is terminal, in a state newer than this SDK.
+            newer = " (newer than this SDK: upgrade it)" if unknown_number(last.state) is not None else ""
+            raise InternalError(f"the watch of {_job_id(job)} ended at state {last.state}{newer}")
         return last
 
     async def run(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -14,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from asyncinfer.client._enums import from_proto, name_from_proto, optional_from_proto, to_proto
 from asyncinfer.client.types import (
     BatchInfo,
     BlobRef,
@@ -37,7 +37,6 @@ from asyncinfer.tensor_codec import decode_tensor, to_input_proto
 from asyncinfer.tensors import Tensor, TensorSpec
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
-E = TypeVar("E", bound=enum.Enum)
 C = TypeVar("C")
 
 
@@ -47,14 +46,6 @@ def named(value: str, choices: Mapping[str, C], what: str) -> C:
         return choices[value.upper()]
     except KeyError:
         raise ValueError(f"unknown {what} {value!r}; one of {', '.join(sorted(choices))}") from None
-
-
-def _enum_from_proto(enum_cls: type[E], proto_enum: Any, value: int, prefix: str) -> E | None:
-    try:
-        name: str = proto_enum.Name(value).removeprefix(prefix)
-        return enum_cls(name)
-    except ValueError:  # UNSPECIFIED, or a value newer than this SDK
-        return None
 
 
 def _time(message: Any, name: str) -> datetime | None:
@@ -107,8 +98,8 @@ def _blob(message: job_pb2.BlobRef) -> BlobRef:
 def _delivery(message: job_pb2.CallbackDelivery) -> CallbackDelivery:
     return CallbackDelivery(
         webhook_id=message.webhook_id,
-        event=_enum_from_proto(CallbackEvent, job_pb2.CallbackEvent, message.event, "CALLBACK_EVENT_"),
-        state=_enum_from_proto(
+        event=optional_from_proto(CallbackEvent, job_pb2.CallbackEvent, message.event, "CALLBACK_EVENT_"),
+        state=optional_from_proto(
             CallbackDeliveryState, job_pb2.CallbackDeliveryState, message.state, "CALLBACK_DELIVERY_STATE_"
         ),
         attempts=message.attempts,
@@ -120,15 +111,12 @@ def _delivery(message: job_pb2.CallbackDelivery) -> CallbackDelivery:
 
 
 def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress | None = None) -> Job:
-    state = _enum_from_proto(JobState, job_pb2.JobState, message.state, "JOB_STATE_")
-    if state is None:
-        raise ValueError(f"job {message.job_id} has an unknown state {message.state}")
     queue = None
     if message.HasField("queue"):
         queue = QueuePosition(
             position=message.queue.position,
             estimated_start_time=_time(message.queue, "estimated_start_time"),
-            waiting_reason=_enum_from_proto(
+            waiting_reason=optional_from_proto(
                 WaitingReason, job_pb2.WaitingReason, message.queue.waiting_reason, "WAITING_REASON_"
             ),
         )
@@ -142,7 +130,7 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
     callback = None
     if message.HasField("callback"):
         events = (
-            _enum_from_proto(CallbackEvent, job_pb2.CallbackEvent, e, "CALLBACK_EVENT_")
+            optional_from_proto(CallbackEvent, job_pb2.CallbackEvent, e, "CALLBACK_EVENT_")
             for e in message.callback.events
         )
         callback = Callback(url=message.callback.url, events=tuple(e for e in events if e is not None))
@@ -157,8 +145,9 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
         job_id=message.job_id,
         model_name=message.model_name,
         model_version=message.model_version,
-        state=state,
-        priority=_enum_from_proto(Priority, job_pb2.Priority, message.priority, "PRIORITY_") or Priority.NORMAL,
+        state=from_proto(JobState, job_pb2.JobState, message.state, "JOB_STATE_"),
+        # UNSPECIFIED is the API's default, NORMAL.
+        priority=optional_from_proto(Priority, job_pb2.Priority, message.priority, "PRIORITY_") or Priority.NORMAL,
         attempt=message.attempt,
         max_attempts=message.max_attempts,
         revision=message.revision,
@@ -200,7 +189,7 @@ def input_tensors(inputs: Inputs) -> list[Tensor]:
 
 
 def state_to_proto(state: JobState) -> job_pb2.JobState.ValueType:
-    return job_pb2.JobState.Value(f"JOB_STATE_{state.value}")
+    return job_pb2.JobState.ValueType(to_proto(state, job_pb2.JobState, "JOB_STATE_"))
 
 
 def with_idempotency_key(request: JobRequest) -> JobRequest:
@@ -228,7 +217,9 @@ def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobReq
     if request.inputs is not None:
         message.inputs.extend(to_input_proto(t) for t in input_tensors(request.inputs))
     if request.priority is not None:
-        message.priority = job_pb2.Priority.Value(f"PRIORITY_{Priority(request.priority).value}")
+        message.priority = job_pb2.Priority.ValueType(
+            to_proto(Priority(request.priority), job_pb2.Priority, "PRIORITY_")
+        )
     if request.deadline is not None:
         if request.deadline.tzinfo is None:
             raise ValueError("deadline must be timezone-aware (e.g. datetime.now(UTC) + ...)")
@@ -242,7 +233,8 @@ def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobReq
     if request.callback is not None:
         message.callback.url = request.callback.url
         message.callback.events.extend(
-            job_pb2.CallbackEvent.Value(f"CALLBACK_EVENT_{CallbackEvent(e).value}") for e in request.callback.events
+            job_pb2.CallbackEvent.ValueType(to_proto(CallbackEvent(e), job_pb2.CallbackEvent, "CALLBACK_EVENT_"))
+            for e in request.callback.events
         )
     return message
 
@@ -268,7 +260,7 @@ def models_from_proto(message: job_service_pb2.ListModelsResponse) -> list[Model
             versions=tuple(
                 ModelVersion(
                     version=v.version,
-                    state=job_service_pb2.ModelVersionState.Name(v.state).removeprefix("MODEL_VERSION_STATE_"),
+                    state=name_from_proto(job_service_pb2.ModelVersionState, v.state, "MODEL_VERSION_STATE_"),
                     reason=v.reason,
                     batchers=tuple(v.batchers),
                     inputs=specs(v.inputs),

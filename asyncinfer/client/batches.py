@@ -20,6 +20,7 @@ from grpc import aio
 
 from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
+from asyncinfer.client._enums import from_proto, name_from_proto, to_proto
 from asyncinfer.client._retry import Deadline, StreamBreaks
 from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error
 from asyncinfer.client.types import Callback, CallbackEvent
@@ -124,18 +125,11 @@ def _time(message: Any, name: str) -> datetime | None:
     return datetime.fromtimestamp(getattr(message, name).ToNanoseconds() / 1e9, UTC)
 
 
-def _state(batch: batch_service_pb2.Batch) -> BatchState:
-    try:
-        return BatchState(batch_service_pb2.BatchState.Name(batch.state).removeprefix("BATCH_STATE_"))
-    except ValueError:  # UNSPECIFIED, or a state newer than this SDK (as job_from_proto refuses it)
-        raise ValueError(f"batch {batch.batch_id} has an unknown state {batch.state}") from None
-
-
 def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = False) -> Batch:
     counts = batch.request_counts
     return Batch(
         batch_id=batch.batch_id,
-        state=_state(batch),
+        state=from_proto(BatchState, batch_service_pb2.BatchState, batch.state, "BATCH_STATE_"),
         model_name=batch.model_name,
         total=counts.total,
         completed=counts.completed,
@@ -152,9 +146,9 @@ def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = Fal
         labels=dict(batch.labels),
         deduplicated=deduplicated,
         model_version=batch.model_version,
-        priority=job_pb2.Priority.Name(batch.priority).removeprefix("PRIORITY_") if batch.priority else "",
+        priority=name_from_proto(job_pb2.Priority, batch.priority, "PRIORITY_") if batch.priority else "",
         input_ref=batch.input_ref,
-        input_format=batch_service_pb2.BatchInputFormat.Name(batch.input_format).removeprefix("BATCH_INPUT_FORMAT_")
+        input_format=name_from_proto(batch_service_pb2.BatchInputFormat, batch.input_format, "BATCH_INPUT_FORMAT_")
         if batch.input_format
         else "",
         max_attempts=batch.max_attempts,
@@ -218,7 +212,9 @@ def create_batch_request(
     if callback_url:
         request.callback.url = callback_url
         # RUNNING among them is the gateway's to refuse (INVALID_ARGUMENT), as for any client.
-        request.callback.events.extend(job_pb2.CallbackEvent.Value(f"CALLBACK_EVENT_{e.value}") for e in events)
+        request.callback.events.extend(
+            job_pb2.CallbackEvent.ValueType(to_proto(e, job_pb2.CallbackEvent, "CALLBACK_EVENT_")) for e in events
+        )
     return request
 
 

@@ -1,7 +1,8 @@
 """What the SDK hands back: frozen dataclasses and enums, never protobuf messages.
 
 Timestamps are timezone-aware UTC `datetime`s; durations are float seconds (`*_s`); tensors are
-numpy arrays (read-only views of the received bytes; `.copy()` one to write to it).
+numpy arrays (read-only views of the received bytes; `.copy()` one to write to it). An enum value
+newer than the SDK reads as `UNKNOWN_<number>` of its enum, never an error (asyncinfer.client._enums).
 """
 
 from __future__ import annotations

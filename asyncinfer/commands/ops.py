@@ -360,9 +360,15 @@ async def queue_resume(args: argparse.Namespace, options: Options) -> int:
 
 
 def _state_name(state: int) -> str:
+    """The queue state's name; one newer than this CLI (a scheduler upgraded first: the protos add
+    values) as its number, as the console shows it: QueueState.Name raised ValueError."""
     if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
         return "unknown"
-    return ops_service_pb2.QueueState.Name(state).removeprefix("QUEUE_STATE_").lower()  # type: ignore[arg-type]
+    try:
+        name: str = ops_service_pb2.QueueState.Name(state)  # type: ignore[arg-type]
+    except ValueError:
+        return f"state {state}"
+    return name.removeprefix("QUEUE_STATE_").lower()
 
 
 def _print_queue_state(model: str, paused: bool, state: int, queued: int, options: Options) -> int:

@@ -134,9 +134,7 @@ class Backend:
             except grpc.aio.AioRpcError as error:
                 return f"{peer.name} at {peer.address}: {error.code().name} {(error.details() or '')[:200]}"
             if answer.status != health_pb2.HealthCheckResponse.SERVING:
-                return (
-                    f"{peer.name} at {peer.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)}"
-                )
+                return f"{peer.name} at {peer.address}: {_serving_status(answer.status)}"
             return None
 
         answers = await asyncio.gather(
@@ -326,6 +324,16 @@ class Peer:
             return await call
         except grpc.RpcError as rpc_error:
             raise self.explained(from_rpc_error(rpc_error)) from rpc_error
+
+
+def _serving_status(status: int) -> str:
+    """A health answer's status by name; one newer than this console by its number (the health
+    protocol adds values as ours do)."""
+    try:
+        name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except ValueError:
+        return f"status {status}"
+    return name
 
 
 def _queue_state(state: int) -> str:
