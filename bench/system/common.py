@@ -199,18 +199,20 @@ class Child:
 @dataclass
 class ProcessGroup:
     """Owns a temporary directory and every child process a section starts; `close()` (also on
-    exit of the `with` block, whatever the reason) stops them in reverse order of start."""
+    exit of the `with` block, whatever the reason) stops them in reverse order of start. The
+    directory (the children's logs, their configs, nats-server's store) is removed then, unless
+    `keep_logs`: then it stays, and its path is logged."""
 
     keep_logs: bool = False
     children: list[Child] = field(default_factory=list)
     nats_servers: list[NatsServerProcess] = field(default_factory=list)
-    _tmp: tempfile.TemporaryDirectory[str] | None = None
+    _tmp: Path | None = None
 
     @property
     def tmp(self) -> Path:
         if self._tmp is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="asyncinfer-bench-")
-        return Path(self._tmp.name)
+            self._tmp = Path(tempfile.mkdtemp(prefix="asyncinfer-bench-"))
+        return self._tmp
 
     def __enter__(self) -> ProcessGroup:
         sigterm_raises()
@@ -234,7 +236,10 @@ class ProcessGroup:
                     nats.stop()
             self.nats_servers.clear()
             if self._tmp is not None:
-                self._tmp.cleanup()
+                if self.keep_logs:
+                    log(f"logs kept in {self._tmp}")
+                else:
+                    shutil.rmtree(self._tmp, ignore_errors=True)
                 self._tmp = None
         finally:
             if previous is not None:

@@ -7,7 +7,7 @@ Measured from the stop: when the new gateway serves, when every watch has caught
 listing ended), the new gateway's CPU seconds until then, and its ListJobs calls and the listings
 it ran for them (its metrics).
 
-    .venv/bin/python -m bench.system.label_watch_reconnect [--watches 50 200] [--runs 4] [--jobs-per-run 500]
+    .venv/bin/python -m bench.system.label_watch_reconnect [--watches 50 200] [--runs 4] [--jobs-per-run 500] [--keep-logs]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
 from asyncinfer.client import AsyncClient, Job
@@ -87,12 +88,15 @@ class CatchUps:
 
 
 def raised_where(task: asyncio.Task[None]) -> str:
-    """What a watch raised, and the SDK's line that raised it."""
+    """What a watch raised, the SDK's line that raised it, and gRPC's own account of the call that
+    failed (its debug string: who ended it, and how)."""
     error = task.exception()
     frames = traceback.extract_tb(error.__traceback__) if error is not None else []
     sdk = [frame for frame in frames if "asyncinfer" in frame.filename]
     where = f" at {sdk[-1].filename.rsplit('/', 1)[-1]}:{sdk[-1].lineno}" if sdk else ""
-    return f"{error!r}"[:300] + where
+    cause = error.__cause__ if error is not None else None
+    grpc_said = f" (grpc: {cause.debug_error_string()})" if isinstance(cause, grpc.aio.AioRpcError) else ""
+    return f"{error!r}"[:300] + where + grpc_said
 
 
 def list_calls(metrics_port: int) -> tuple[float, float]:
@@ -180,7 +184,7 @@ async def measure(group: ProcessGroup, watches: int, runs: int, jobs_per_run: in
 
 async def run(args: argparse.Namespace) -> list[Outcome]:
     outcomes = []
-    with ProcessGroup() as group:
+    with ProcessGroup(keep_logs=args.keep_logs) as group:
         for watches in args.watches:
             outcome = await measure(group, watches, args.runs, args.jobs_per_run)
             log(str(outcome))
@@ -193,6 +197,7 @@ def main() -> None:
     parser.add_argument("--watches", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--jobs-per-run", type=int, default=500)
+    parser.add_argument("--keep-logs", action="store_true", help="keep the services' logs (their path is logged)")
     args = parser.parse_args()
     for o in asyncio.run(run(args)):
         print(
