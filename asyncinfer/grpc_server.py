@@ -5,7 +5,8 @@ open), and an ordered, idempotent stop."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, cast
 
 import grpc
@@ -104,14 +105,25 @@ class GrpcServer:
         the start of its stop, not at its end."""
         await self.health.enter_graceful_shutdown()
 
-    async def stop(self, grace_s: float) -> None:
-        """Stops intake (health NOT_SERVING, then no new RPCs), lets running RPCs finish within
-        grace_s, then cancels them. Idempotent."""
+    async def stop(self, grace_s: float, *, once_closed: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Stops intake (health NOT_SERVING, then no new RPCs: GOAWAY on every connection, the port
+        closed), lets running RPCs finish within grace_s, then cancels them. `once_closed` runs
+        when no new RPC can reach this server, within the grace: a service ends its endless streams
+        there, so that a client reopening one goes to the next server, not back to this one.
+        Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        stopping = asyncio.ensure_future(self.server.stop(grace_s))
+        try:
+            # grpc.aio's stop shuts the core server down (GOAWAY, listeners closed) in its first
+            # step, before anything it awaits: one turn of the loop and no new call comes.
+            await asyncio.sleep(0)
+            if once_closed is not None:
+                await once_closed()
+        finally:
+            await stopping
 
 
 class _ErrorMappingRegistrar:

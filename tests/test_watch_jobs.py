@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta, tzinfo
 from typing import Any
 
@@ -27,7 +29,8 @@ from asyncinfer.client import (
     jobs_watch,
 )
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
-from asyncinfer.client.errors import MESSAGE_TOO_LARGE, make_error
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, make_error
+from asyncinfer.client.jobs_watch import WatchUpdate
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
@@ -494,6 +497,64 @@ async def test_a_label_watch_outlasts_a_catch_up_listing_past_its_call_deadline(
         held.set()
     assert (caught_up.job_id, caught_up.state) == (job.job_id, JobState.SUCCEEDED)
     assert len(listings) >= 2, "the held listing was tried again"
+
+
+async def test_label_watches_ended_by_a_gateway_stop_reopen_on_the_next_gateway(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 31: a gateway's stop ended its watches before its server stopped intake, so each
+    client reopened its watch at once, on the same connection, on the gateway that was stopping; the
+    calls its loop had not picked up by the time the server stopped ended CANCELLED ("CANCELLED":
+    gRPC core's answer to a call it drops at shutdown), which the SDK retries for no call, and the
+    watch ended (1 to 114 of 200 label watches in bench/system/label_watch_reconnect.py). Here the
+    stopping gateway's loop is kept busy while 20 watches reopen, as 200 watches ending and reopening
+    kept it. The gateway now ends its watches once its server has sent GOAWAY: every watch reopens on
+    the next gateway, and hears the job submitted there."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    labels = {"run": "reopened-during-a-stop"}
+    watches = 20
+    retried_on: list[str] = []
+    all_retried = threading.Event()
+
+    def on_retry(error: AsyncInferClientError, delay_s: float) -> None:  # on the client's loop
+        retried_on.append(error.code.name)
+        if len(retried_on) >= watches:
+            all_retried.set()
+
+    hub_stop = stack.gateway.watch_hub.stop
+
+    async def stop_then_busy() -> None:
+        await hub_stop()
+        # The client (its own loop, in a thread) heard its watches end and reopens them now...
+        assert await asyncio.to_thread(all_retried.wait, WAIT_S)
+        # ...while this gateway's loop is busy (blocked on purpose): the calls that reach its
+        # server meanwhile wait in gRPC core, not yet picked up.
+        time.sleep(0.5)  # noqa: ASYNC251 - the busy loop is the scenario
+
+    monkeypatch.setattr(stack.gateway.watch_hub, "stop", stop_then_busy)
+    ready = threading.Event()
+
+    async def watch_first_jobs() -> list[WatchUpdate]:
+        async with AsyncClient(stack.address, retry=replace(FAST_RETRY, on_retry=on_retry)) as client:
+            label_watches = [client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S) for _ in range(watches)]
+            await asyncio.gather(*(watch.ready() for watch in label_watches))
+            ready.set()
+            try:
+                return list(await asyncio.gather(*(anext(watch) for watch in label_watches)))
+            finally:
+                await asyncio.gather(*(watch.aclose() for watch in label_watches))
+
+    watching = asyncio.ensure_future(asyncio.to_thread(lambda: asyncio.run(watch_first_jobs())))
+    assert await asyncio.to_thread(ready.wait, WAIT_S)
+    await stack.restart_gateway(0.2)
+    async with AsyncClient(stack.address) as client:
+        job = await client.submit("demo", {"x": X}, labels=labels)
+    async with asyncio.timeout(2 * WAIT_S):
+        heard = await watching
+    assert [(update.job_id, update.state) for update in heard if isinstance(update, Job)] == [
+        (job.job_id, JobState.QUEUED)
+    ] * watches
+    assert set(retried_on) == {"UNAVAILABLE"}, "the stopping gateway, then nothing listening: UNAVAILABLE"
 
 
 async def test_wait_jobs_returns_every_job_terminal_or_its_error(stack: Stack) -> None:
