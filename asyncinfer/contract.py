@@ -288,8 +288,9 @@ def object_name(tenant: str, ref: str) -> str:
 # A work publish's ID is the job ID; a webhook delivery's is its webhook ID.
 
 
-def dead_letter_msg_id(job_id: str, attempts: int) -> str:
-    return f"{job_id}.dead.{attempts}"
+def dead_letter_msg_id(job_id: str, attempt: int) -> str:
+    """`attempt`: the record's attempt number when the job gave up (its fencing token)."""
+    return f"{job_id}.dead.{attempt}"
 
 
 def replay_msg_id(job_id: str, dead_letter_sequence: int) -> str:

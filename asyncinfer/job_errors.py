@@ -126,13 +126,16 @@ def invalid_result(message: str) -> JobError:
     return job_error(grpc.StatusCode.INTERNAL, "INVALID_RESULT", message)
 
 
-def gave_up(last_error: JobError | None, attempts: int) -> JobError:
-    """The final error of a dead-lettered job: its last error, marked final."""
+def gave_up(last_error: JobError | None, attempts: int, *, given_back: int = 0) -> JobError:
+    """The final error of a dead-lettered job: its last error, marked final. `attempts`: those that
+    counted against max_attempts; `given_back`: those that did not (shed, put back), said apart."""
     base = last_error or job_error(grpc.StatusCode.ABORTED, MAX_ATTEMPTS, "attempts spent")
+    spent = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+    others = f", not counting {given_back} given back" if given_back else ""
     return JobError(
         code=base.code,
         reason=base.reason,
-        message=f"{base.message} (gave up after {attempts} attempts)",
+        message=f"{base.message} (gave up after {spent}{others})",
         violations=base.violations,
         retriable=False,
     )

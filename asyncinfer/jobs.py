@@ -184,6 +184,12 @@ class JobRecord:
     # given back and those before a replay: a job shed four times then failing once waited 16
     # times the base backoff. 0 in a record from a scheduler of the release before.
     failed_attempts: int = 0
+    # The attempts given back over the job's life (a Requeue with refund: shed by a batcher, put
+    # back by a scheduler's stop, a batcher leaving before its order went out, an input read
+    # retried), which did not count against max_attempts. `attempt` counts them too: a job with
+    # max_attempts 2 given back four times gave up at attempt 6, after 2 that counted. 0 in a
+    # record from a scheduler of the release before (its count then stays `attempt`).
+    given_back_attempts: int = 0
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the
@@ -195,6 +201,13 @@ class JobRecord:
     @property
     def key(self) -> str:
         return job_key(self.tenant, self.job_id)
+
+    @property
+    def spent_attempts(self) -> int:
+        """The attempts that counted against max_attempts over the job's life, across replays: those
+        that ran and failed, or were lost with their scheduler (a lapsed lease), and the one running
+        or last run. Not those given back."""
+        return self.attempt - self.given_back_attempts
 
     def evolve(self, **changes: Any) -> JobRecord:
         # Not dataclasses.replace: it walks dataclasses.fields() and checks each one on every call,

@@ -246,7 +246,11 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
         return _refuse(record, Refused.NOT_RUNNING)
     if event.refund:
         return record.evolve(
-            state=JobState.QUEUED, last_error=event.error, max_attempts=record.max_attempts + 1, update_time=now
+            state=JobState.QUEUED,
+            last_error=event.error,
+            max_attempts=record.max_attempts + 1,
+            given_back_attempts=record.given_back_attempts + 1,
+            update_time=now,
         )
     return record.evolve(
         state=JobState.QUEUED, last_error=event.error, failed_attempts=record.failed_attempts + 1, update_time=now
@@ -408,7 +412,7 @@ def put_back_delay_s(record: JobRecord, delay_s: float, now: float) -> float:
 def give_up_event(
     record: JobRecord, last_error: JobError | None, *, state: JobState, batch: BatchInfo | None = None
 ) -> GiveUp:
-    """The GiveUp that ends a dead-lettered job: its last error, marked final."""
-    return GiveUp(
-        attempt=record.attempt, state=state, error=job_errors.gave_up(last_error, record.attempt), batch=batch
-    )
+    """The GiveUp that ends a dead-lettered job: its last error, marked final, with the attempts
+    that counted (not `attempt`, which counts those given back too)."""
+    error = job_errors.gave_up(last_error, record.spent_attempts, given_back=record.given_back_attempts)
+    return GiveUp(attempt=record.attempt, state=state, error=error, batch=batch)

@@ -186,7 +186,7 @@ CASES: list[tuple[str, Any, Any, Any, bytes, int, Any]] = [
         encode_dead_letter,
         decode_dead_letter,
         v0.DEAD_LETTER,
-        1,
+        2,
         old_readers.decode_dead_letter,
     ),
     ("webhook delivery", DELIVERY, encode_delivery, decode_delivery, v0.DELIVERY, 0, old_readers.decode_delivery),
@@ -212,6 +212,21 @@ def test_the_previous_release_reads_what_this_one_writes(
     """A rolling upgrade runs both releases at once: the old readers (copied verbatim) read every
     payload this release writes."""
     assert old_reader(encode(value)) == value, what
+
+
+def test_a_dead_letter_counts_the_attempts_given_back_apart() -> None:
+    """Version 2: `attempts` holds the attempts that counted, beside those given back and the attempt
+    number; the previous release reads `attempts` as its count (the honest one), and a letter it
+    wrote (version 1) reads with its count as it was and none given back."""
+    letter = dataclasses.replace(DEAD_LETTER, attempts=2, given_back_attempts=4, last_attempt=6)
+    data = encode_dead_letter(letter)
+    assert decode_dead_letter(data) == letter
+    assert old_readers.decode_dead_letter(data).attempts == 2
+    written_before = json.loads(data)
+    written_before.update(v=1, attempts=6)
+    del written_before["given_back_attempts"], written_before["last_attempt"]
+    before = decode_dead_letter(json.dumps(written_before).encode())
+    assert (before.attempts, before.given_back_attempts, before.last_attempt) == (6, 0, 0)
 
 
 def test_a_submits_work_message_is_its_queued_record() -> None:

@@ -23,6 +23,7 @@ from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state,
 
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record
+from asyncinfer.commands.ops import attempts_text, dead_letter_json, dead_letter_text
 from asyncinfer.config import Config
 from asyncinfer.contract import (
     DEAD_SUBJECTS,
@@ -603,6 +604,38 @@ async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(
     assert 50.0 <= retry["delay_s"] <= 100.0  # the first failure: base 100 s with equal jitter (was 800-1600)
     record = await read_record(second.js, job_id)
     assert (record.state, record.attempt, record.max_attempts, record.failed_attempts) == (JobState.QUEUED, 5, 6, 1)
+
+
+async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(start: Start, config: Config) -> None:
+    """max_attempts 2, shed by its batcher four times (each attempt given back), then failing twice:
+    the job gave up after 2 attempts, at attempt 6. The record's error, the letter, ListDeadLetters
+    and the CLI's and console's text said 6 (`attempt`, which counts those given back too)."""
+    h = await start(tune(config))
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.nc, h.kv, max_attempts=2)
+    for attempt in range(1, 7):
+        order = await batcher.next_order()
+        assert (order.job_id, order.attempt) == (job_id, attempt)
+        if attempt <= 4:
+            shed = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+            await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))
+        else:
+            await batcher.fail(order, MODEL_ERROR)
+        await batcher.grant(1)
+    failed = await wait_state(h.js, job_id, JobState.FAILED)
+    assert failed.error is not None
+    assert failed.error.message == "model raised: boom (gave up after 2 attempts, not counting 4 given back)"
+    assert (failed.attempt, failed.given_back_attempts, failed.spent_attempts) == (6, 4, 2)
+    await h.work_empty()
+
+    (listed,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
+    assert (listed.job_id, listed.attempts, listed.given_back_attempts) == (job_id, 2, 4)
+    stored = await DeadLetterStore(h.nc, h.js, config.nats).get(listed.sequence)
+    assert stored is not None
+    assert (stored.attempts, stored.given_back_attempts, stored.last_attempt) == (2, 4, 6)
+    shown = dead_letter_json(listed)  # what `asyncinfer dlq` and the console's pages print
+    assert attempts_text(shown) == "2 (4 more given back)"
+    assert "attempts    2 (4 more given back)" in dead_letter_text(shown)
 
 
 # --- deadlines and timeouts -------------------------------------------------------------------

@@ -7,7 +7,8 @@ Fields added since, with defaults: `batcher_id`, `progress` (the latest progress
 `traceparent` (the submit span's W3C trace context, when tracing is on), `claim_revision` and
 `claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends),
 `queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled),
-`failed_attempts` (the attempts that failed and were retried since the submit or the last replay)."""
+`failed_attempts` (the attempts that failed and were retried since the submit or the last replay),
+`given_back_attempts` (the attempts given back, over the job's life)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     claim_fingerprint: str = ""
     queued_server_time: float | None = None  # added in version 1 (a default: older readers skip it)
     failed_attempts: int = 0  # added in version 1 (a default: older readers skip it)
+    given_back_attempts: int = 0  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -127,6 +129,7 @@ def encode_record(record: JobRecord) -> bytes:
             claim_fingerprint=r.claim_fingerprint,
             queued_server_time=r.queued_server_time,
             failed_attempts=r.failed_attempts,
+            given_back_attempts=r.given_back_attempts,
         )
     )
 
@@ -171,5 +174,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         claim_fingerprint=w.claim_fingerprint,
         queued_server_time=w.queued_server_time,
         failed_attempts=w.failed_attempts,
+        given_back_attempts=w.given_back_attempts,
         revision=revision,
     )

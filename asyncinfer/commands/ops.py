@@ -167,6 +167,7 @@ def dead_letter_json(letter: ops_service_pb2.DeadLetter) -> dict[str, Any]:
         "model_name": letter.model_name,
         "reason": letter.reason,
         "attempts": letter.attempts,
+        "given_back_attempts": letter.given_back_attempts,
         "last_error": _error(letter.last_error) if letter.HasField("last_error") else None,
         "dead_time": letter.dead_time.ToDatetime(UTC).isoformat(timespec="milliseconds")
         if letter.HasField("dead_time")
@@ -201,6 +202,12 @@ def original_request_json(original: bytes) -> dict[str, Any]:
     return request
 
 
+def attempts_text(letter: dict[str, Any]) -> str:
+    """The attempts that counted, and those given back (shed, put back) apart: "2 (4 more given back)"."""
+    given_back = letter["given_back_attempts"]
+    return f"{letter['attempts']} ({given_back} more given back)" if given_back else str(letter["attempts"])
+
+
 def dead_letter_text(letter: dict[str, Any]) -> str:
     """`dlq show` for a person: aligned lines, the error in words, the request as indented JSON."""
     lines = [
@@ -209,7 +216,7 @@ def dead_letter_text(letter: dict[str, Any]) -> str:
         f"tenant      {letter['tenant']}",
         f"model       {letter['model_name']}",
         f"reason      {letter['reason']}",
-        f"attempts    {letter['attempts']}",
+        f"attempts    {attempts_text(letter)}",
         f"dead        {letter['dead_time'] or '-'}",
     ]
     error = letter["last_error"]
@@ -272,12 +279,13 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
             d["tenant"],
             d["reason"],
             str(d["attempts"]),
+            str(d["given_back_attempts"]),
             d["dead_time"] or "-",
             f"{d['last_error']['reason']}: {d['last_error']['message']}" if d["last_error"] else "",
         ]
         for d in letters
     ]
-    print_table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "DEAD", "LAST ERROR"], rows)
+    print_table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "GIVEN_BACK", "DEAD", "LAST ERROR"], rows)
     return EXIT_OK
 
 

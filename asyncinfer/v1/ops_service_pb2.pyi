@@ -248,6 +248,7 @@ class DeadLetter(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     DEAD_TIME_FIELD_NUMBER: _builtins.int
     ORIGINAL_REQUEST_FIELD_NUMBER: _builtins.int
+    GIVEN_BACK_ATTEMPTS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """The dead letter's sequence in the dead-letter stream."""
     job_id: _builtins.str
@@ -256,8 +257,18 @@ class DeadLetter(_message.Message):
     reason: _builtins.str
     """Why it was dead-lettered, e.g. MAX_ATTEMPTS."""
     attempts: _builtins.int
+    """The attempts that counted against the job's max_attempts (over its life, replays included):
+    those that ran and failed, or were lost with their scheduler. Not those given back (see
+    given_back_attempts). A letter written by an older scheduler (one without given_back_attempts)
+    counts both here.
+    """
     original_request: _builtins.bytes
     """The original work message (only in GetDeadLetter)."""
+    given_back_attempts: _builtins.int
+    """The attempts given back, which did not count: shed by a batcher, put back by a scheduler's
+    stop, a batcher gone before its order went out, an input read retried. 0 in a letter written
+    by an older scheduler.
+    """
     @_builtins.property
     def last_error(self) -> _error_pb2.ErrorStatus: ...
     @_builtins.property
@@ -274,10 +285,11 @@ class DeadLetter(_message.Message):
         last_error: _error_pb2.ErrorStatus | None = ...,
         dead_time: _timestamp_pb2.Timestamp | None = ...,
         original_request: _builtins.bytes = ...,
+        given_back_attempts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dead_time", b"dead_time", "last_error", b"last_error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "dead_time", b"dead_time", "job_id", b"job_id", "last_error", b"last_error", "model_name", b"model_name", "original_request", b"original_request", "reason", b"reason", "sequence", b"sequence", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "dead_time", b"dead_time", "given_back_attempts", b"given_back_attempts", "job_id", b"job_id", "last_error", b"last_error", "model_name", b"model_name", "original_request", b"original_request", "reason", b"reason", "sequence", b"sequence", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

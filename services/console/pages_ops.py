@@ -11,6 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from asyncinfer.commands.ops import attempts_text
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from services.console import html as ui
 from services.console.backend import ModelQueues
@@ -133,7 +134,7 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
                 ui.h(letter["tenant"]),
                 ui.h(letter["model_name"]),
                 ui.h(letter["reason"]),
-                ui.h(letter["attempts"]),
+                ui.h(attempts_text(letter)),
                 ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-"),
                 _dead_since(letter),
             ]
@@ -227,7 +228,7 @@ async def dead_letter_page(ctx: Context, request: web.Request) -> web.Response:
         ("tenant", ui.h(letter["tenant"])),
         ("model", ui.h(letter["model_name"])),
         ("reason", ui.h(letter["reason"])),
-        ("attempts", ui.h(letter["attempts"])),
+        ("attempts", ui.h(attempts_text(letter))),
         ("last error", ui.h(f"{last['code']} {last['reason']}: {last['message']}" if last else "-")),
         ("dead since", _dead_since(letter)),
     ]

@@ -3,10 +3,11 @@ replay or purge.
 
 The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
 `asyncinfer.dead.<model>`: JSON (versioned: the codec below) with the reason (MAX_ATTEMPTS, ...),
-the attempts spent, the last error and the original work message (base64), so a replay can
-publish it again unchanged. The publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>`: a
-scheduler that dies between writing the dead letter and failing the record writes the same letter
-again on redelivery, and the stream drops the duplicate.
+the attempts spent (those that counted against max_attempts, and apart those given back), the last
+error and the original work message (base64), so a replay can publish it again unchanged. The
+publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>` (the record's `attempt`, the fencing token,
+as the release before wrote it): a scheduler that dies between writing the dead letter and failing
+the record writes the same letter again on redelivery, and the stream drops the duplicate.
 """
 
 from __future__ import annotations
@@ -55,15 +56,22 @@ class DeadLetter:
     last_error: JobError | None = None
     # Its sequence in the dead-letter stream (0 until stored).
     sequence: int = 0
+    # The attempts given back (shed, put back: not counted); 0 in a letter from the release before.
+    given_back_attempts: int = 0
+    # The job's attempt number when it gave up (its fencing token, in the letter's Nats-Msg-Id);
+    # 0 in a letter from the release before.
+    last_attempt: int = 0
 
     @property
     def envelope(self) -> WorkEnvelope:
         return decode_envelope(self.original)
 
 
-# --- codec: version 1 is version 0's fields with `v` first and defaults left out ---------------
+# --- codec: version 1 is version 0's fields with `v` first and defaults left out; version 2's
+# `attempts` counts only the attempts that counted, and it adds given_back_attempts and last_attempt
+# (defaults: the release before skips them, and reads `attempts` as its count) --------------------
 
-CODEC_VERSION = 1
+CODEC_VERSION = 2
 
 
 class DeadLetterWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -72,10 +80,14 @@ class DeadLetterWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     tenant: str
     model_name: str
     reason: str
+    # The attempts that counted against max_attempts over the job's life (JobRecord.spent_attempts):
+    # the job's attempt number in a letter written by the release before, given back ones included.
     attempts: int
     dead_time: float
     last_error: ErrorWire | None = None
     original: bytes  # base64 in JSON
+    given_back_attempts: int = 0  # added in version 2
+    last_attempt: int = 0  # added in version 2
 
 
 _encoder = msgspec.json.Encoder()
@@ -94,6 +106,8 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
             dead_time=letter.dead_time,
             last_error=error_to_wire(letter.last_error),
             original=letter.original,
+            given_back_attempts=letter.given_back_attempts,
+            last_attempt=letter.last_attempt,
         )
     )
 
@@ -110,6 +124,8 @@ def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
         original=w.original,
         last_error=error_from_wire(w.last_error),
         sequence=sequence,
+        given_back_attempts=w.given_back_attempts,
+        last_attempt=w.last_attempt,
     )
 
 
@@ -143,7 +159,7 @@ class DeadLetterStore:
             dead_subject(letter.model_name),
             encode_dead_letter(letter),
             stream=self._stream,
-            msg_id=dead_letter_msg_id(letter.job_id, letter.attempts),
+            msg_id=dead_letter_msg_id(letter.job_id, letter.last_attempt or letter.attempts),
             retry_for_s=PUBLISH_RETRY_FOR_S,
             headers=headers,
         )

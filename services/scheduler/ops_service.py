@@ -101,6 +101,7 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
         model_name=letter.model_name,
         reason=letter.reason,
         attempts=letter.attempts,
+        given_back_attempts=letter.given_back_attempts,
         dead_time=dead_time,
     )
     if letter.last_error is not None:

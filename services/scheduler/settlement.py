@@ -206,10 +206,12 @@ class Settlement:
             tenant=record.tenant,
             model_name=record.model_name,
             reason=job_errors.MAX_ATTEMPTS,
-            attempts=record.attempt,
+            attempts=record.spent_attempts,
             dead_time=time.time(),
             original=msg.data,
             last_error=last_error,
+            given_back_attempts=record.given_back_attempts,
+            last_attempt=record.attempt,
         )
         stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
         event = lifecycle.give_up_event(record, last_error, state=state, batch=batch)
@@ -224,7 +226,8 @@ class Settlement:
             job_log.warning(
                 "job_dead_lettered",
                 sequence=stored.sequence,
-                attempts=record.attempt,
+                attempts=record.spent_attempts,
+                given_back_attempts=record.given_back_attempts,
                 reason=last_error.reason if last_error else None,
             )
         await self.settle(msg, latest, written, job_log)

@@ -64,6 +64,7 @@ class JobLifecycle(RuleBasedStateMachine):
         self.replays = 0
         self.runs_after_cancel = 0
         self.failures_this_run = 0  # Requeues without a refund written since the submit or a replay
+        self.given_back = 0  # Requeues with a refund written, over the job's life
 
     @initialize(
         max_attempts=st.integers(min_value=1, max_value=4),
@@ -97,6 +98,8 @@ class JobLifecycle(RuleBasedStateMachine):
             self.failures_this_run = 0
         if isinstance(event, lifecycle.Requeue) and outcome.state is Q and not event.refund:
             self.failures_this_run += 1
+        if isinstance(event, lifecycle.Requeue) and outcome.state is Q and event.refund:
+            self.given_back += 1
         self.record = outcome
         return outcome
 
@@ -248,6 +251,11 @@ class JobLifecycle(RuleBasedStateMachine):
         assert self.record.failed_attempts == self.failures_this_run
 
     @invariant()
+    def the_attempts_spent_are_those_not_given_back(self) -> None:
+        assert self.record.given_back_attempts == self.given_back
+        assert self.record.spent_attempts == self.record.attempt - self.given_back >= 0
+
+    @invariant()
     def one_terminal_state(self) -> None:
         if self.terminal is not None:
             assert self.record.state is self.terminal
@@ -397,6 +405,35 @@ def test_the_last_attempt_is_dead_lettered_with_its_error_marked_final() -> None
     event = lifecycle.give_up_event(running, RETRIABLE, state=F)
     assert event.error.message == "the model raised (gave up after 3 attempts)"
     assert not event.error.retriable
+
+
+def test_a_give_up_counts_the_attempts_spent_not_those_given_back() -> None:
+    """max_attempts 2, given back four times (shed, a scheduler's stop), then failing twice: it gave
+    up after 2 attempts, at attempt 6, and says the 4 given back apart."""
+    record = queued(max_attempts=2)
+    now = 1_000.0
+    for given_back in (True, True, True, True, False, None):
+        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="b1"), now)
+        assert isinstance(running, JobRecord)
+        if given_back is None:
+            break
+        error = job_errors.scheduler_stopping() if given_back else RETRIABLE
+        requeued = lifecycle.apply(
+            running, lifecycle.Requeue(attempt=running.attempt, error=error, refund=given_back), now
+        )
+        assert isinstance(requeued, JobRecord)
+        record = requeued
+    assert (running.attempt, running.max_attempts, running.given_back_attempts, running.spent_attempts) == (6, 6, 4, 2)
+    decision = lifecycle.after_failure(running, RETRIABLE, final_state=F, policy=POLICY, jitter=0.0)
+    assert decision == lifecycle.DeadLetterJob(state=F, last_error=RETRIABLE)
+    event = lifecycle.give_up_event(running, RETRIABLE, state=F)
+    assert event.error.message == "the model raised (gave up after 2 attempts, not counting 4 given back)"
+    ended = lifecycle.apply(running, event, now)
+    assert isinstance(ended, JobRecord)
+    # A replay keeps the count of the job's life: its next give-up says 2 + the replay's budget.
+    replayed = lifecycle.apply(ended, lifecycle.Replay(budget=1), now)
+    assert isinstance(replayed, JobRecord)
+    assert (replayed.given_back_attempts, replayed.spent_attempts) == (4, 2)
 
 
 @pytest.mark.parametrize(
