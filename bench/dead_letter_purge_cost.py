@@ -1,12 +1,14 @@
-"""What a purge of dead letters by sequence costs (OpsService.PurgeDeadLetters with `sequences`, or with
-`all` and a model: each letter read, then deleted, one at a time), outside the stack: a fresh
-nats-server, 1,000 letters stored, then purged with nats-py's delete_msg (a secure erase: the message
-overwritten in its file) and with DeadLetterStore.delete (no_erase), in turns, three rounds, with
-letters holding a 1x4 FP32 input and a 64 KiB one. Wall time, this process's CPU and nats-server's.
+"""What a purge of dead letters by sequence costs (OpsService.PurgeDeadLetters with `sequences`: each
+letter read, then deleted), outside the stack: a fresh nats-server, 1,000 letters stored, then purged one
+at a time (each read, then each deleted, a round trip each: the purge before grouping) and grouped
+(DeadLetterStore.get_many, then delete_many: LETTERS_AT_ONCE requests in flight, as the purge now does),
+alternated, five rounds, with letters holding a 1x4 FP32 input and a 64 KiB one. Both delete without a
+secure erase (no_erase: the erase cost 6.4 s against 1.0 s, in the section before this one's in
+bench/results/dead_letter_purge_cost.txt). Wall time, this process's CPU and nats-server's.
 
     .venv/bin/python -m bench.dead_letter_purge_cost
 
-The figures services/scheduler/dead_letters.py (DeadLetterStore.delete) quotes.
+The figures docs/ARCHITECTURE.md ("Replay") quotes.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from asyncinfer.logs import configure_logging
 from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import Tensor
 from bench.system.common import ProcessGroup, bench_config, cpu_seconds
-from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
+from services.scheduler.dead_letters import LETTERS_AT_ONCE, DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 
 LETTERS = 1_000
-ROUNDS = 3
+ROUNDS = 5
 STORE_GROUP = 100
 
 
@@ -66,17 +68,26 @@ async def measure(url: str, nats_pid: int) -> None:
     js = nc.jetstream()
     await ensure_dead_letter_stream(js, config.nats)
     store = DeadLetterStore(nc, js, config.nats)
-    stream = config.nats.dead_letter_stream
 
-    async def erased(sequence: int) -> bool:
-        return await js.delete_msg(stream, sequence)
+    async def one_at_a_time(sequences: list[int]) -> None:
+        for sequence in sequences:  # as PurgeDeadLetters did: each read, then each deleted
+            assert await store.get(sequence) is not None
+        for sequence in sequences:
+            assert await store.delete(sequence)
 
-    ways: dict[str, Callable[[int], Awaitable[bool]]] = {"delete_msg (erase)": erased, "no_erase": store.delete}
+    async def grouped(sequences: list[int]) -> None:
+        assert None not in await store.get_many(sequences)
+        assert all(outcome is True for outcome in await store.delete_many(sequences))
+
+    ways: dict[str, Callable[[list[int]], Awaitable[None]]] = {
+        "one at a time": one_at_a_time,
+        f"grouped ({LETTERS_AT_ONCE} at once)": grouped,
+    }
     for values, size_label in ((4, "1x4 FP32 input"), (16_384, "64 KiB input")):
         results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
         letter_bytes = 0
         for _ in range(ROUNDS):
-            for name, delete in ways.items():
+            for name, purge in ways.items():
                 now = time.time()
                 sequences: list[int] = []
                 for first in range(0, LETTERS, STORE_GROUP):
@@ -85,10 +96,7 @@ async def measure(url: str, nats_pid: int) -> None:
                     sequences += [one.sequence for one in stored]
                 letter_bytes = len(group[0].original)
                 nats_before, client_before, started = cpu_seconds(nats_pid), time.process_time(), time.perf_counter()
-                for sequence in sequences:  # as PurgeDeadLetters: each read, then each deleted
-                    assert await store.get(sequence) is not None
-                for sequence in sequences:
-                    assert await delete(sequence)
+                await purge(sequences)
                 wall_ms = 1000 * (time.perf_counter() - started)
                 client_ms = 1000 * (time.process_time() - client_before)
                 nats_ms = 1000 * (cpu_seconds(nats_pid) - nats_before)
@@ -98,7 +106,7 @@ async def measure(url: str, nats_pid: int) -> None:
         for name, rows in results.items():
             wall, client, server = (statistics.median(column) for column in zip(*rows, strict=True))
             print(
-                f"  {name:20s} {wall:7.0f} ms ({wall / LETTERS:.2f} ms a letter; rounds "
+                f"  {name:24s} {wall:7.0f} ms ({wall / LETTERS:.2f} ms a letter; rounds "
                 f"{', '.join(f'{row[0]:.0f}' for row in rows)}), this process {client:5.0f} CPU-ms, "
                 f"nats-server {server:5.0f} CPU-ms"
             )

@@ -119,14 +119,17 @@ class OpsServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReplayDeadLetters(self, request, context):
-        """Re-queues dead letters as new attempts of the same jobs.
+        """Re-queues dead letters as new attempts of the same jobs. By sequences: NOT_FOUND, before any is
+        replayed, if one has no letter; each letter is tried, one that cannot be replayed stopping none of
+        the others, and the first failure (in the request's order) is the error, its message and its
+        ErrorInfo metadata saying how many were replayed (`replayed`) and which were not (`not_replayed`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PurgeDeadLetters(self, request, context):
-        """Deletes dead letters.
+        """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -42,9 +42,13 @@ class OpsServiceStub:
     GetDeadLetter: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.GetDeadLetterRequest, _ops_service_pb2.GetDeadLetterResponse]
     """One dead letter with its original request."""
     ReplayDeadLetters: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.ReplayDeadLettersRequest, _ops_service_pb2.ReplayDeadLettersResponse]
-    """Re-queues dead letters as new attempts of the same jobs."""
+    """Re-queues dead letters as new attempts of the same jobs. By sequences: NOT_FOUND, before any is
+    replayed, if one has no letter; each letter is tried, one that cannot be replayed stopping none of
+    the others, and the first failure (in the request's order) is the error, its message and its
+    ErrorInfo metadata saying how many were replayed (`replayed`) and which were not (`not_replayed`).
+    """
     PurgeDeadLetters: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.PurgeDeadLettersRequest, _ops_service_pb2.PurgeDeadLettersResponse]
-    """Deletes dead letters."""
+    """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`."""
     PauseQueue: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.PauseQueueRequest, _ops_service_pb2.PauseQueueResponse]
     """Stops dispatching a model's queue; submissions are still accepted."""
     ResumeQueue: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]
@@ -83,9 +87,13 @@ class OpsServiceAsyncStub(OpsServiceStub):
     GetDeadLetter: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.GetDeadLetterRequest, _ops_service_pb2.GetDeadLetterResponse]  # type: ignore[assignment]
     """One dead letter with its original request."""
     ReplayDeadLetters: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.ReplayDeadLettersRequest, _ops_service_pb2.ReplayDeadLettersResponse]  # type: ignore[assignment]
-    """Re-queues dead letters as new attempts of the same jobs."""
+    """Re-queues dead letters as new attempts of the same jobs. By sequences: NOT_FOUND, before any is
+    replayed, if one has no letter; each letter is tried, one that cannot be replayed stopping none of
+    the others, and the first failure (in the request's order) is the error, its message and its
+    ErrorInfo metadata saying how many were replayed (`replayed`) and which were not (`not_replayed`).
+    """
     PurgeDeadLetters: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.PurgeDeadLettersRequest, _ops_service_pb2.PurgeDeadLettersResponse]  # type: ignore[assignment]
-    """Deletes dead letters."""
+    """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`."""
     PauseQueue: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.PauseQueueRequest, _ops_service_pb2.PauseQueueResponse]  # type: ignore[assignment]
     """Stops dispatching a model's queue; submissions are still accepted."""
     ResumeQueue: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]  # type: ignore[assignment]
@@ -145,7 +153,11 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.ReplayDeadLettersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.ReplayDeadLettersResponse, _abc.Awaitable[_ops_service_pb2.ReplayDeadLettersResponse]]:
-        """Re-queues dead letters as new attempts of the same jobs."""
+        """Re-queues dead letters as new attempts of the same jobs. By sequences: NOT_FOUND, before any is
+        replayed, if one has no letter; each letter is tried, one that cannot be replayed stopping none of
+        the others, and the first failure (in the request's order) is the error, its message and its
+        ErrorInfo metadata saying how many were replayed (`replayed`) and which were not (`not_replayed`).
+        """
 
     @_abc_1.abstractmethod
     def PurgeDeadLetters(
@@ -153,7 +165,7 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.PurgeDeadLettersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.PurgeDeadLettersResponse, _abc.Awaitable[_ops_service_pb2.PurgeDeadLettersResponse]]:
-        """Deletes dead letters."""
+        """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`."""
 
     @_abc_1.abstractmethod
     def PauseQueue(

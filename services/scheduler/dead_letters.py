@@ -12,10 +12,12 @@ the record writes the same letter again on redelivery, and the stream drops the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -38,9 +40,35 @@ NO_MESSAGE_FOUND = 10057
 PUBLISH_RETRY_FOR_S = 10.0
 # A delete's request waits this long for the stream's answer (nats-py's delete_msg waited 5 s too).
 DELETE_TIMEOUT_S = 5.0
+# Letters read, deleted or replayed at once by a purge or replay by sequence (each one request, or a
+# few, to nats-server): one at a time, each waited out its round trip before the next was sent.
+LETTERS_AT_ONCE = 32
 # A dead letter outlives its job's record by this much (the record's own retention counts from the
 # job's end; the letter is written just after).
 DEAD_LETTER_SLACK_S = 3600.0
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+async def each_at_most(
+    items: Sequence[T], work: Callable[[T], Awaitable[R]], *, at_once: int = LETTERS_AT_ONCE
+) -> list[R | Exception]:
+    """work(item) for every item, at most `at_once` at a time, every one awaited to its end (a
+    failure stops none of the others): each one's result, or the exception it raised, in the items'
+    order."""
+    slots = asyncio.Semaphore(at_once)
+
+    async def one(item: T) -> R:
+        async with slots:
+            return await work(item)
+
+    outcomes = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome  # a cancel, an exit: not one item's outcome
+    return outcomes  # type: ignore[return-value]  # BaseExceptions that are not Exceptions raised above
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +77,8 @@ class DeadLetter:
     tenant: str
     model_name: str
     reason: str
+    # The attempts that counted against max_attempts over the job's life (JobRecord.spent_attempts):
+    # the job's attempt number in a letter written by the release before, given back ones included.
     attempts: int
     dead_time: float
     # The original work message, byte for byte.
@@ -174,6 +204,15 @@ class DeadLetterStore:
             return None
         return decode_dead_letter(raw.data, raw.seq or sequence)
 
+    async def get_many(self, sequences: Sequence[int]) -> list[DeadLetter | None]:
+        """`get` of each, LETTERS_AT_ONCE in flight; a failure is raised once every read has ended."""
+        letters: list[DeadLetter | None] = []
+        for outcome in await each_at_most(sequences, self.get):
+            if isinstance(outcome, Exception):
+                raise outcome
+            letters.append(outcome)
+        return letters
+
     async def page(self, *, model_name: str = "", after: int = 0, limit: int = 50) -> list[DeadLetter]:
         """Up to `limit` letters with sequences above `after`, oldest first."""
         subject = dead_subject(model_name) if model_name else DEAD_SUBJECTS
@@ -221,6 +260,10 @@ class DeadLetterStore:
             if exc.err_code == NO_MESSAGE_FOUND:  # deleted meanwhile (another purge): gone all the same
                 return False
             raise
+
+    async def delete_many(self, sequences: Sequence[int]) -> list[bool | Exception]:
+        """`delete` of each, LETTERS_AT_ONCE in flight: whether each was there, or why it failed."""
+        return await each_at_most(sequences, self.delete)
 
     async def purge(self, *, model_name: str = "") -> int:
         """Deletes every letter (of the model); how many were deleted."""

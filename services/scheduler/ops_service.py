@@ -28,12 +28,14 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
 from services.scheduler.cluster_drains import ClusterDrains
-from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
+from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, each_at_most
 from services.scheduler.model_controls import ModelControls
 from services.scheduler.model_ops import ModelOps
 from services.scheduler.pauses import PauseState
@@ -109,6 +111,32 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
     if with_original:
         message.original_request = letter.original
     return message
+
+
+SEQUENCES_NAMED = 20
+
+
+def _sequences_text(sequences: list[int]) -> str:
+    """Up to SEQUENCES_NAMED of them, comma-separated, and how many more."""
+    text = ",".join(str(sequence) for sequence in sequences[:SEQUENCES_NAMED])
+    return text + (f" and {len(sequences) - SEQUENCES_NAMED} more" if len(sequences) > SEQUENCES_NAMED else "")
+
+
+def partly_done(verb: str, done: int, asked: int, failures: list[tuple[int, Exception]]) -> Exception:
+    """The error of a purge or replay of which `failures` ((sequence, why), in the request's order)
+    failed while `done` of the `asked` letters were purged or replayed: the first failure's status
+    (a NATS failure as its handler's translation says it), its message saying how many were done,
+    and ErrorInfo metadata `<verb>` (that count) and `not_<verb>` (the sequences that failed)."""
+    sequence, first = failures[0]
+    error = first if isinstance(first, AsyncInferError) else nats_failure_status(first)
+    if error is None:
+        return first  # no failure of NATS nor of the letter's job: a bug, raised as it is
+    error.message = (
+        f"{error.message} (dead letter {sequence}; {done} of {asked} {verb}, "
+        f"{len(failures)} not: {_sequences_text([s for s, _ in failures])})"
+    )
+    error.metadata |= {verb: str(done), f"not_{verb}": _sequences_text([s for s, _ in failures])}
+    return error
 
 
 @contextlib.contextmanager
@@ -237,36 +265,60 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             )
         # A sequence given twice is one letter (the second replay found it gone: NOT_REPLAYABLE
         # after the first had run it; the second purge was answered UNAVAILABLE).
-        return [await self._get(sequence) for sequence in dict.fromkeys(sequences)]
+        unique = [sequence for sequence in dict.fromkeys(sequences) if sequence > 0]
+        with nats_unavailable("cannot read the dead letters"):
+            found = await self._letters.get_many(unique)
+        letters = [letter for letter in found if letter is not None]
+        present = {letter.sequence for letter in letters}
+        missing = [sequence for sequence in dict.fromkeys(sequences) if sequence not in present]
+        if missing:
+            # Before any is replayed or purged, as when they were read one at a time.
+            raise NotFound(
+                f"no dead letter with sequence {missing[0]}"
+                + (f" ({len(missing)} of the sequences given have none)" if len(missing) > 1 else ""),
+                reason="DEAD_LETTER_NOT_FOUND",
+                metadata={"missing_sequences": _sequences_text(missing)},
+            )
+        return letters
 
     async def ReplayDeadLetters(
         self, request: ops_service_pb2.ReplayDeadLettersRequest, context: Context
     ) -> ops_service_pb2.ReplayDeadLettersResponse:
         letters = await self._selected(list(request.sequences), request.all, request.model_name)
+
+        async def replay_one(letter: DeadLetter) -> JobRecord:
+            return await replay(
+                letter,
+                store=self._store,
+                letters=self._letters,
+                nc=self._nc,
+                js=self._js,
+                config=self._config,
+                claims=self._claims,
+            )
+
+        # LETTERS_AT_ONCE at a time, each to its end: one that fails stops none of the others, and
+        # the answer (or the error) says how many were replayed.
+        outcomes = await each_at_most(letters, replay_one)
         job_ids: list[str] = []
         skipped = 0
-        for letter in letters:
-            try:
-                await replay(
-                    letter,
-                    store=self._store,
-                    letters=self._letters,
-                    nc=self._nc,
-                    js=self._js,
-                    config=self._config,
-                    claims=self._claims,
-                )
-            except AsyncInferError as error:
-                if not request.all:
-                    raise
+        failures: list[tuple[int, Exception]] = []
+        for letter, outcome in zip(letters, outcomes, strict=True):
+            if isinstance(outcome, AsyncInferError) and request.all:
                 # Replaying everything skips what cannot be replayed and says so in the log.
                 log.warning(
-                    "dead_letter_not_replayed", sequence=letter.sequence, job_id=letter.job_id, error=error.message
+                    "dead_letter_not_replayed", sequence=letter.sequence, job_id=letter.job_id, error=outcome.message
                 )
                 skipped += 1
-                continue
-            job_ids.append(letter.job_id)
-            log.info("dead_letter_replayed", sequence=letter.sequence, job_id=letter.job_id, model=letter.model_name)
+            elif isinstance(outcome, Exception):
+                failures.append((letter.sequence, outcome))
+            else:
+                job_ids.append(letter.job_id)
+                log.info(
+                    "dead_letter_replayed", sequence=letter.sequence, job_id=letter.job_id, model=letter.model_name
+                )
+        if failures:
+            raise partly_done("replayed", len(job_ids), len(letters), failures)
         return ops_service_pb2.ReplayDeadLettersResponse(
             replayed=len(job_ids),
             job_ids=job_ids,
@@ -282,7 +334,15 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             purged = await self._letters.purge(model_name=request.model_name)
         else:
             letters = await self._selected(list(request.sequences), request.all, request.model_name)
-            purged = sum([await self._letters.delete(letter.sequence) for letter in letters])
+            outcomes = await self._letters.delete_many([letter.sequence for letter in letters])
+            purged = sum(outcome is True for outcome in outcomes)
+            failures = [
+                (letter.sequence, outcome)
+                for letter, outcome in zip(letters, outcomes, strict=True)
+                if isinstance(outcome, Exception)
+            ]
+            if failures:
+                raise partly_done("purged", purged, len(letters), failures)
         log.info("dead_letters_purged", purged=purged, model=request.model_name or None)
         return ops_service_pb2.PurgeDeadLettersResponse(
             purged=purged, remaining=await self._letters.count(model_name=request.model_name)
