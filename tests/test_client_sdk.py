@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -547,6 +548,56 @@ async def test_a_watch_that_gives_up_on_a_gateway_away_says_how_to_resume_it(
     async with AsyncClient(stack.address) as client:  # the default policy: outlasts the channel's reconnect
         states = [update.state async for update in client.watch(job.job_id, after_revision=first.revision)]
     assert states[-1] is JobState.SUCCEEDED
+
+
+@pytest.mark.parametrize("stream", ["watch", "watch_jobs", "bulk"])
+async def test_a_broken_stream_climbs_the_backoff_from_its_first_rung(
+    stream: str, config: Config, start_stack: StartStack
+) -> None:
+    """A job's watch, watch_jobs and bulk, once answering, then broken by a gateway gone for good:
+    each wait lies in [c / 2, c] of the policy's ceiling c for its attempt (1 for the break, then
+    2, 3, ...), as a batch watch's. They waited at the first rung twice: an answer set the attempt
+    to 0, the break waited max(0, 1) = 1 and the next failed open 1 again."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    waits: list[float] = []
+    answered_after: list[int] = []  # the waits heard before each answer: its next break starts at attempt 1
+
+    def on_retry(error: Any, delay_s: float) -> None:
+        assert error.code is grpc.StatusCode.UNAVAILABLE
+        waits.append(delay_s)
+
+    policy = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.32, stream_resume_s=2.0, on_retry=on_retry)
+    stopped = asyncio.Event()
+
+    async def requests() -> AsyncIterator[JobRequest]:
+        yield JobRequest(model="demo", inputs={"x": X})
+        await asyncio.Event().wait()  # the iterator goes on: the stream is reopened, not ended
+
+    async with AsyncClient(stack.address, retry=policy) as client:
+        job = await client.submit("demo", {"x": X})  # no batcher: it stays queued
+        updates: AsyncIterator[Any] = {
+            "watch": lambda: client.watch(job),
+            "watch_jobs": lambda: client.watch_jobs([job]),
+            "bulk": lambda: client.bulk(requests()),
+        }[stream]()
+
+        async def read_on() -> None:
+            async for _ in updates:
+                answered_after.append(len(waits))
+                if not stopped.is_set():
+                    stopped.set()
+                    await stack.gateway.stop(0)  # a stopping gateway may still answer a reopened stream once
+
+        with pytest.raises(UnavailableError):
+            await asyncio.wait_for(read_on(), 30)
+    assert stopped.is_set()
+    bounds = [*answered_after, len(waits)]
+    breaks = [waits[start:end] for start, end in itertools.pairwise(bounds)]
+    assert len(breaks[-1]) >= 5  # the ceilings 0.02 to 0.32 s, then 0.32 s each, for 2 s
+    for heard in breaks:
+        for attempt, delay_s in enumerate(heard, 1):
+            ceiling = min(0.32, 0.02 * 2 ** (attempt - 1))
+            assert ceiling / 2 <= delay_s <= ceiling, (stream, attempt, delay_s, waits)
 
 
 async def test_models_describe_what_the_gateway_serves(idle_stack: Stack) -> None:

@@ -187,7 +187,7 @@ class BulkSubmits(JobCalls):
                                     code=grpc.StatusCode.INTERNAL,
                                 )
                             item = pending.popleft()
-                            attempt = 0
+                            attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
                             breaks.answered()
                             yield BulkResult(
                                 index=item.index,
@@ -212,7 +212,7 @@ class BulkSubmits(JobCalls):
                 finally:
                     call.cancel()
                     await _finish(writer)
-                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+                await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
         finally:
             if pull is not None:
                 pull.cancel()

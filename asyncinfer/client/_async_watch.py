@@ -102,7 +102,7 @@ class JobWatches(JobCalls):
                         snapshot = replace(snapshot, progress=progress[1])
                     last_revision = max(last_revision, snapshot.revision)
                     seen = True
-                    attempt = 0
+                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
                     breaks.answered()
                     yield snapshot
                     if snapshot.done:
@@ -125,7 +125,7 @@ class JobWatches(JobCalls):
             finally:
                 call.cancel()
             try:
-                await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+                await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
             except AsyncInferClientError as given_up:
                 if self.retry.retriable(given_up):  # the stream broke for longer than it is resumed for
                     given_up.add_note(watch_given_up_note(job_id, last_revision))
@@ -185,7 +185,7 @@ class JobWatches(JobCalls):
                     # from one that does not (before session 30).
                     listening, since = True, ready.since or datetime.now(UTC)
                     since_call = None if ready.since is not None else call
-                    attempt = 0
+                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
                     breaks.answered()
                     yield LISTENING
                 elif labels and since is not None:
@@ -196,7 +196,7 @@ class JobWatches(JobCalls):
                         if since_call is not None:
                             since = await headers_since(since_call) or since
                             since_call = None
-                        attempt = 0
+                        attempt = 1
                         breaks.answered()
                         caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
                         async with contextlib.aclosing(caught_up):
@@ -204,7 +204,7 @@ class JobWatches(JobCalls):
                                 delivered.delivered(job)
                                 yield job
                 async for response in call:
-                    attempt = 0
+                    attempt = 1
                     breaks.answered()
                     if not listening:  # the first message (a watch of IDs: every job as it stands)
                         listening = True
@@ -241,7 +241,7 @@ class JobWatches(JobCalls):
                 error = listing_failed
             finally:
                 call.cancel()
-            await self._backoff_or_raise(error, max(attempt, 1), deadline, cause, breaks.broke())
+            await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
 
     async def _missed_by_label_watch(
         self,
