@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.client import AsyncClient
+from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import kv_subject, progress_subject
 from asyncinfer.jobs import ProgressReport, job_key
@@ -28,6 +28,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2, worker_service_pb2
 from services.batcher.models.demo import PROGRESS_STEPS
 from tests.stack import StartStack
+from tests.test_client_sdk import FAST_RETRY, free_port
 from tests.test_scheduler import FakeBatcher
 
 PROGRESS_MODEL = DEMO_MODEL.model_copy(
@@ -341,6 +342,66 @@ async def test_progress_of_a_superseded_attempt_never_reaches_a_watcher(
     assert "fresh" in published
     assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
     assert seen[-1].attempt == 2
+
+
+async def test_a_watch_reopened_after_a_gateway_restart_hears_the_running_jobs_progress(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The SDK's watch of a running job, reopened after a gateway restart with after_revision at
+    its RUNNING record, heard no progress until the record changed again: the gateway sends a
+    resumed watch nothing until a change, and its progress filter learnt the attempt running only
+    from a record it sent, so every notice was dropped. With progress_record_interval_s 0 (no
+    record write while it runs) the watcher heard nothing more until the end. Now the reports of
+    the attempt running reach it as they come."""
+    stack = await start_stack(
+        config.replace(gateway={"port": free_port()}, scheduler={"progress_record_interval_s": 0}), batcher=False
+    )
+    batcher = FakeBatcher(stack.scheduler.port, "fake")
+    await batcher.connect(takes_batches=True)
+    await batcher.grant(4)
+    job = (await stack.jobs.SubmitJob(x_request("demo"))).job
+    order = await batcher.next_order()
+    step = 0
+
+    async def report(result: bool = False) -> None:
+        nonlocal step
+        step += 1
+        updates = worker_service_pb2.WorkUpdates()
+        sent = updates.progress.add(job_id=job.job_id, attempt=order.attempt, step=step)
+        sent.progress.fraction = step / 100
+        sent.progress.message = f"step {step}"
+        if result:
+            y = Tensor.from_numpy("y", np.ones((1, 4), dtype=np.float32))
+            updates.results.add(job_id=job.job_id, attempt=order.attempt, outputs=[to_output_proto(y, raw=True)])
+        await batcher._call.write(worker_service_pb2.ConnectRequest(updates=updates))
+
+    async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
+        updates = client.watch(job.job_id, timeout_s=60)
+        async for snapshot in updates:
+            if snapshot.state is JobState.RUNNING:
+                break
+        running = snapshot
+        await report()  # heard before the restart
+        heard = await asyncio.wait_for(anext(updates), 10)
+        assert heard.progress is not None
+        assert heard.progress.message == "step 1"
+        await stack.restart_gateway(0)
+        after = asyncio.ensure_future(anext(updates))
+        # Reported until the reopened watch hears one (a notice sent before its gateway subscribed
+        # is lost by design: progress is a hint).
+        async with asyncio.timeout(10):
+            while not after.done():
+                await report()
+                await asyncio.wait([after], timeout=0.1)
+        resumed = after.result()
+        assert (resumed.state, resumed.revision) == (JobState.RUNNING, running.revision)
+        assert resumed.progress is not None
+        assert 1 < int(resumed.progress.message.removeprefix("step ")) <= step  # one sent after the restart
+        await report(result=True)
+        rest = [snapshot async for snapshot in updates]
+    assert rest[-1].state is JobState.SUCCEEDED
+    assert rest[-1].progress is not None
+    assert rest[-1].progress.message == f"step {step}"
 
 
 async def collect(jobs: object, job_id: str, into: list[Seen], changed: asyncio.Condition) -> None:

@@ -9,7 +9,8 @@ the gateway heard them, with no task per watch. A notice of an unwatched job is 
 What a watcher is sent (`ProgressFilter`, pure): reports of the attempt its latest record runs,
 each newer than the last one sent (a report of an older attempt, or one that arrives after a newer
 one, is dropped); a report that comes before the RUNNING record of its attempt waits for it and
-goes with it. A record's own progress (kept by the scheduler now and then, and with the terminal
+goes with it. A watch resumed after the current revision starts from that record unsent (the
+watcher has it), so the reports of its attempt go at once. A record's own progress (kept by the scheduler now and then, and with the terminal
 state) goes with that record when it is newer than what was sent; the terminal message always carries
 the last progress (the one the terminal write kept), even if its notice was missed.
 """
@@ -79,6 +80,12 @@ class ProgressFilter:
         if best is not None:
             self.sent = best
         return best
+
+    def resumed_at(self, record: JobRecord) -> None:
+        """The record a resumed watch starts after (its after_revision): the watcher has it and
+        its progress, so nothing is sent; the reports of its attempt go from now on."""
+        self.latest = record
+        self.sent = record_progress(record)
 
     def on_progress(self, report: ProgressReport) -> ProgressReport | None:
         """The report, when it is to be sent now."""
@@ -157,6 +164,9 @@ async def watch_with_progress(
         await feed.ensure()
         async with contextlib.aclosing(watch_job(hub, tenant, job_id, after_revision, queue)) as updates:
             async for update in updates:
+                if isinstance(update, Aside) and update.item is None and update.record is not None:
+                    progress.resumed_at(update.record)  # the record the watcher resumes after
+                    continue
                 if isinstance(update, Aside):
                     latest = progress.latest
                     report = progress.on_progress(update.item) if isinstance(update.item, ProgressReport) else None

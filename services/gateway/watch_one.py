@@ -22,8 +22,9 @@ async def watch_job(
     hub: WatchHub, tenant: str, job_id: str, after_revision: int = 0, queue: WatcherQueue | None = None
 ) -> AsyncGenerator[JobRecord | Aside, None]:
     """The current record (if newer than after_revision), then every change, until a terminal
-    state; an Aside put on the watch's queue (the one given) is passed on as it comes. NotFound
-    for an unknown job or when its record is deleted."""
+    state; an Aside put on the watch's queue (the one given) is passed on as it comes. A current
+    record at after_revision comes as an Aside holding it (the watcher has it; nothing to send).
+    NotFound for an unknown job or when its record is deleted."""
     if hub.closed:
         raise Unavailable("the gateway is shutting down; watch again elsewhere")
     key = job_key(tenant, job_id)
@@ -47,6 +48,11 @@ async def watch_job(
         if current.revision > last_sent or not after_revision:
             yield current
             last_sent = current.revision
+        else:
+            # The watcher has this record already (it resumes after it): not sent again, but what
+            # rides on the watch starts from it (a running attempt's progress, which is sent only
+            # once its record is known: a resumed watch heard none until the record next changed).
+            yield Aside(revision=current.revision, record=current)
         latest = current
         while not latest.state.is_terminal:
             update = await _next_update(hub, queue, latest)
