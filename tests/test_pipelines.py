@@ -23,6 +23,7 @@ from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
+from tests.progress_models import RELEASE, STOPPED
 from tests.stack import Stack, StartStack
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,6 +177,46 @@ async def test_a_cancel_reaches_a_job_whose_step_waits_in_its_models_queue(gated
     done = await asyncio.wait_for(watch(stack, first.job_id), 60)
     assert done[-1].job.state == job_pb2.JOB_STATE_SUCCEEDED
     assert batch_rows(stack, "gated") == (1.0, 1.0)  # the canceled job's step never ran
+
+
+async def test_a_cancel_of_a_pipeline_job_tells_the_step_model_computing_it(
+    config: Any, start_stack: StartStack
+) -> None:
+    """A job cancelled while a step computes: its batch cannot drop the step's item, but a step
+    model that reports progress is told (`progress.cancelled(row)`), as a model running a job of
+    its own is, and stops; the later steps never run. The pipeline's item was dropped at the
+    cancel, and its step's channel never heard it: the model computed on to its end."""
+    STOPPED.clear()
+    RELEASE.clear()
+    until_cancelled = DEMO_MODEL.model_copy(
+        update={"name": "until-cancelled", "loader": "tests.progress_models:build_until_cancelled_model"}
+    )
+    cancellable = TWICE.model_copy(
+        update={
+            "name": "cancellable",
+            "steps": (TWICE.steps[0].model_copy(update={"model": "until-cancelled"}), TWICE.steps[1]),
+        }
+    )
+    stack = await start_stack(
+        config.replace(models=(DEMO_MODEL, until_cancelled, cancellable), batcher={"progress_interval_ms": 0.0})
+    )
+    try:
+        job = (await stack.jobs.SubmitJob(x_request("cancellable", 1.0))).job
+        final = None
+        async for response in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job.job_id)):
+            if response.progress.message.startswith("step 1 of 2: until-cancelled: step") and final is None:
+                final = response.job  # the first step computes: cancel the job
+                await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job.job_id))
+            if response.job.state in (job_pb2.JOB_STATE_CANCELED, job_pb2.JOB_STATE_SUCCEEDED):
+                final = response.job
+                break
+        assert final is not None
+        assert final.state == job_pb2.JOB_STATE_CANCELED
+        told = await asyncio.to_thread(STOPPED.wait, 15)
+        assert told, "the step's model was not told that its job was cancelled"
+        assert batch_rows(stack, "demo") == (0.0, 0.0)  # the second step never ran
+    finally:
+        RELEASE.set()
 
 
 async def test_the_gateway_validates_a_pipeline_submit_against_its_inputs(gated_stack: Stack) -> None:

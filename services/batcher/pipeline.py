@@ -12,7 +12,8 @@ done (with the fraction a reporting step model gives). A failing step fails the 
 naming the step (a step that does not fit the pipeline's wiring, as a function that gives another
 datatype than the next model takes, is FAILED_PRECONDITION: not the caller's input, and no retry
 helps). Each step's item carries the job's trace, so its compute shows in the job's trace. Cancelling the item (a cancel order, a caller gone, shutdown) cancels the task,
-which drops the step's items that have not started.
+which drops the step's items that have not started; a step model that reports progress and computes
+the job's step then reads `progress.cancelled(row)` (a step run as several items is not told).
 """
 
 from __future__ import annotations
@@ -147,11 +148,16 @@ class PipelineRunner:
         task = asyncio.create_task(self._run(item), name=f"pipeline-{self.name}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        future.add_done_callback(lambda done: self._item_done(task, done))
+        future.add_done_callback(lambda done: self._item_done(item, task, done))
         return item
 
-    def _item_done(self, task: asyncio.Task[None], future: asyncio.Future[InferOutcome]) -> None:
+    def _item_done(self, item: PendingItem, task: asyncio.Task[None], future: asyncio.Future[InferOutcome]) -> None:
         self.held -= 1
+        if future.cancelled() and item.progress is not None:
+            # Dropped (a cancel order, its caller gone): a step whose batch computes cannot drop its
+            # item, but its model reads `progress.cancelled` through its channel's parent, and stops
+            # as a model running the job itself would (it computed on to its end).
+            item.progress.cancel()
         task.cancel()  # a no-op once it finished; else it was cancelled or failed from outside
         outcome = outcome_label(future)  # also marks an error retrieved when nobody awaits it
         if self._metrics is not None:
