@@ -467,7 +467,8 @@ class BatcherConfig(_Section):
         256 * 1024,
         ge=0,
         description="Partial outputs of one progress report past this size are left out of it (its fraction and "
-        "message still go): progress travels on core NATS, whose messages are at most 1 MiB by default.",
+        "message still go; logged at most once a minute): progress travels on core NATS, whose messages are at "
+        "most 1 MiB by default.",
     )
     shutdown_grace_s: float = Field(
         10.0,

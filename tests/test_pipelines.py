@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from asyncinfer.config import DEMO_MODEL, ModelConfig
 from asyncinfer.tensor_codec import decode_tensors
@@ -334,6 +335,22 @@ async def test_a_reporting_steps_progress_is_folded_into_the_pipelines(engine: A
     assert inside, "the first step's own progress shows as part of the pipeline's first half"
     assert all(u.message.startswith("step 1 of 2: progress: step ") for u in inside)
     assert updates[-1].message == "2 of 2 steps done"
+
+
+async def test_a_steps_partial_outputs_stay_out_of_the_pipelines_progress_without_a_warning(engine: Any) -> None:
+    """A step model's partial outputs are not the pipeline's (its report carries the fraction and
+    message): left out by design. Each job logged a warning that they were left out past
+    max_bytes=0, a limit no one set: a line per job of a pipeline whose step reports outputs."""
+    from services.batcher.progress import ItemProgress, ProgressUpdate
+
+    updates: list[ProgressUpdate] = []
+    with capture_logs() as logs:
+        channels = [ItemProgress(updates.append, interval_s=0.0, max_bytes=1 << 20) for _ in range(3)]
+        items = [engine.submit("reporting", x_tensor(float(i)), progress=channels[i]) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(item.future for item in items)), 60)
+    assert any(u.message.startswith("step 1 of 2: progress: step ") for u in updates)
+    assert not any(u.outputs for u in updates)
+    assert [entry for entry in logs if entry["event"] == "progress_outputs_left_out"] == []
 
 
 def as_int64(arrays: dict[str, Any]) -> dict[str, Any]:

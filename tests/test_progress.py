@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
@@ -402,6 +403,30 @@ async def test_a_watch_reopened_after_a_gateway_restart_hears_the_running_jobs_p
     assert rest[-1].state is JobState.SUCCEEDED
     assert rest[-1].progress is not None
     assert rest[-1].progress.message == f"step {step}"
+
+
+async def test_partial_outputs_over_the_limit_are_said_once_not_per_job(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A model whose partial outputs are always over batcher.progress_max_bytes: their jobs' reports
+    go without them, and the batcher says so in one line per minute, with how many it held back.
+    It said so once per job: a line per job at the batcher's throughput."""
+    stack = await start_stack(
+        config.replace(
+            models=(DEMO_MODEL, PROGRESS_MODEL), batcher={"progress_interval_ms": 0.0, "progress_max_bytes": 4}
+        )
+    )
+    with capture_logs() as logs:
+        for _ in range(3):
+            job = (await stack.jobs.SubmitJob(x_request("progress"))).job
+            seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 60)
+            assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+            reports = [s.progress for s in seen if s.progress is not None]
+            assert reports
+            assert not any(r.partial_outputs for r in reports)  # the step's 8 bytes, over 4
+    said = [entry for entry in logs if entry["event"] == "progress_outputs_left_out"]
+    assert len(said) == 1, said
+    assert said[0]["max_bytes"] == 4
 
 
 async def collect(jobs: object, job_id: str, into: list[Seen], changed: asyncio.Condition) -> None:

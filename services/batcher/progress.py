@@ -19,7 +19,9 @@ model that stops early may leave them as they are.
 Rate limit: an item's reports go to its channel (`ItemProgress`), which keeps only the latest and
 hands it on, on the event loop, at most once per `interval_s`; the one waiting when the item ends
 goes at once, before its result (`close`). A report costs the model's thread a lock and, at most
-once per interval, a call_soon_threadsafe. A re-run of the item (poison isolation re-runs a failed
+once per interval, a call_soon_threadsafe. Partial outputs over `batcher.progress_max_bytes` are left
+out of the report, which the batcher logs at most once a minute (`LeftOutLog`); a pipeline step's
+are left out always (they are not the pipeline's outputs), unlogged. A re-run of the item (poison isolation re-runs a failed
 batch in halves) reports again from the start.
 """
 
@@ -35,6 +37,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from asyncinfer.log_throttle import Throttle
 from asyncinfer.tensors import Tensor
 
 log = structlog.get_logger("asyncinfer.batcher.progress")
@@ -44,6 +47,24 @@ log = structlog.get_logger("asyncinfer.batcher.progress")
 # (over NATS's max_payload) failed the terminal write until the job's lease lapsed: a computed
 # result lost. Partial outputs have their own limit (`batcher.progress_max_bytes`).
 MAX_MESSAGE_CHARS = 1024
+# Partial outputs left out (too large) are said at most once per this long (`LeftOutLog`).
+LEFT_OUT_LOG_S = 60.0
+
+
+class LeftOutLog:
+    """The line saying that partial outputs were left out (past batcher.progress_max_bytes), at
+    most once per LEFT_OUT_LOG_S with how many items' were held back: a model whose outputs are
+    always too large logged it once per job, at the batcher's throughput."""
+
+    def __init__(self, interval_s: float = LEFT_OUT_LOG_S) -> None:
+        self._throttle = Throttle(interval_s)
+        self._lock = threading.Lock()  # called from the models' threads
+
+    def __call__(self, max_bytes: int) -> None:
+        with self._lock:
+            held_back = self._throttle.allow(max_bytes)
+        if held_back is not None:
+            log.warning("progress_outputs_left_out", max_bytes=max_bytes, items_held_back=held_back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +90,7 @@ class ItemProgress:
         "_deliver",
         "_interval_s",
         "_last_sent",
+        "_left_out",
         "_lock",
         "_loop",
         "_max_bytes",
@@ -88,8 +110,12 @@ class ItemProgress:
         max_bytes: int,
         loop: asyncio.AbstractEventLoop | None = None,
         parent: ItemProgress | None = None,
+        left_out: Callable[[int], None] | None = None,
     ) -> None:
         self._deliver = deliver
+        # Told (once per item, with max_bytes) that a report's partial outputs were left out, from the
+        # model's thread; None: left out silently (a pipeline step's, which are not the pipeline's).
+        self._left_out = left_out
         # A pipeline step's channel: cancelled when the pipeline's item is.
         self._parent = parent
         self._cancelled = False
@@ -122,9 +148,9 @@ class ItemProgress:
     def offer(self, fraction: float | None, message: str, outputs: tuple[Tensor, ...]) -> None:
         """Keeps the report as the latest (any thread); schedules its sending if none is."""
         if outputs and sum(t.nbytes for t in outputs) > self._max_bytes:
-            if not self._warned:
+            if not self._warned and self._left_out is not None:
                 self._warned = True
-                log.warning("progress_outputs_left_out", max_bytes=self._max_bytes)
+                self._left_out(self._max_bytes)
             outputs = ()
         with self._lock:
             if self._closed:

@@ -35,7 +35,7 @@ from services.batcher.chunk_items import ChunkItem
 from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine, InferOutcome, PendingItem
 from services.batcher.model_control import ModelControl
-from services.batcher.progress import ItemProgress, ProgressUpdate
+from services.batcher.progress import ItemProgress, LeftOutLog, ProgressUpdate
 from services.batcher.work_messages import (
     error_status,
     is_shutdown,
@@ -84,6 +84,7 @@ class WorkSession:
         self._stub = stub
         self._progress_interval_s = progress_interval_s
         self._progress_max_bytes = progress_max_bytes
+        self._progress_left_out = LeftOutLog()
         self._metadata = metadata
         self._work_batches = work_batches
         self._batcher_id = batcher_id
@@ -289,6 +290,7 @@ class WorkSession:
                 lambda update: self._send_progress(order, update),
                 interval_s=self._progress_interval_s,
                 max_bytes=self._progress_max_bytes,
+                left_out=self._progress_left_out,
             )
         try:
             item = submit_order(self._engine, order, progress, read_inputs)
