@@ -62,6 +62,7 @@ docs: $(STAMP)
 
 docs-check: $(STAMP)
 	$(PY) scripts/gen_config_docs.py --check
+	$(PY) deploy/k8s/generate_config.py --check
 
 # The shells the completion tests source their scripts in (tests/test_cli_completion.py), the
 # headless chromium the console's tests drive (tests/test_console.py), and promtool (Debian's
