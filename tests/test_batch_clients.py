@@ -9,6 +9,8 @@ import io
 import itertools
 import json
 import os
+import re
+import signal
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,8 +35,12 @@ from asyncinfer.config import Config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.gateway.batch_service import BatchService
+from services.gateway.blobs import ClaimCheck
 from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
+from tests.test_claim_check import objects_stream_state
+from tests.test_cli_daily import AS_A_TERMINALS_FOREGROUND_JOB
 from tests.webhook_receiver import webhook_config
 
 CLI = [sys.executable, "-m", "asyncinfer"]
@@ -210,6 +216,122 @@ async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(
                 assert ("made earlier under this idempotency key" in stderr) == bool(made), stderr
             await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
             assert (await client.wait_batch(batch, timeout_s=60)).completed == 10
+
+
+async def interruptible_cli(*args: str) -> asyncio.subprocess.Process:
+    """`asyncinfer ...` as a terminal's foreground job, which a SIGINT interrupts (Ctrl-C)."""
+    return await asyncio.create_subprocess_exec(
+        *AS_A_TERMINALS_FOREGROUND_JOB, *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+
+
+async def test_ctrl_c_during_the_upload_of_a_batch_create_makes_nothing_and_keeps_nothing(
+    config: Config, start_stack: StartStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C while `batch create` uploads: no batch exists yet, and the command says so (it said
+    nothing: had it made one?); the part of the file sent is purged by the gateway, whose upload
+    ends with the connection. The gateway here takes the first MiB and then reads no more, so the
+    upload is under way whatever the machine's speed."""
+    stack = await start_stack(small_batches(config))
+    holding, upload_ended = asyncio.Event(), asyncio.Event()
+    upload = ClaimCheck.upload
+
+    async def held_upload(claim_check: ClaimCheck, requests: AsyncIterator[Any], *, tenant: str) -> Any:
+        async def first_chunk_then_nothing() -> AsyncIterator[Any]:
+            yield await anext(requests)  # the metadata
+            yield await anext(requests)  # the first chunk
+            holding.set()
+            await asyncio.Event().wait()
+            yield await anext(requests)
+
+        try:
+            return await upload(claim_check, first_chunk_then_nothing(), tenant=tenant)
+        finally:
+            upload_ended.set()
+
+    monkeypatch.setattr(ClaimCheck, "upload", held_upload)
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(demo_records(40_000)))  # ~3 MiB: 3 chunks of the SDK's
+    process = await interruptible_cli(
+        "batch", "create", str(source), "--model", "demo", "--wait", "--gateway", stack.address
+    )
+    await asyncio.wait_for(holding.wait(), 60)
+    process.send_signal(signal.SIGINT)
+    printed, stderr = (text.decode() for text in await asyncio.wait_for(process.communicate(), 60))
+    assert (process.returncode, printed) == (130, ""), stderr
+    assert stderr == (
+        "asyncinfer: interrupted during the upload: no batch was created, and the gateway discards the part of "
+        f"{source} it was sent\n"
+    )
+    await asyncio.wait_for(upload_ended.wait(), 30)  # the gateway saw the stream go
+    assert await objects_stream_state(stack.nc, stack.config) == (0, 0), "the part uploaded is purged"
+    async with AsyncClient(stack.address) as client:
+        assert await client.list_batches() == ([], "")
+
+
+async def test_ctrl_c_once_uploaded_says_the_batch_may_exist_and_keeps_the_upload(
+    config: Config, start_stack: StartStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the upload, while the create is unanswered: the batch may have been made, so
+    the command says where to look and keeps the upload (a batch made would read it), which goes
+    when its retention ends. The gateway here holds the create unanswered."""
+    holding = asyncio.Event()
+
+    async def create_held(*_: Any) -> Any:
+        holding.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(BatchService, "CreateBatch", create_held)  # before the gateway registers it
+    stack = await start_stack(small_batches(config))
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(demo_records(10)))
+    process = await interruptible_cli(
+        "batch", "create", str(source), "--model", "demo", "--idempotency-key", "nightly", "--gateway", stack.address
+    )  # fmt: skip
+    await asyncio.wait_for(holding.wait(), 60)
+    process.send_signal(signal.SIGINT)
+    printed, stderr = (text.decode() for text in await asyncio.wait_for(process.communicate(), 60))
+    assert (process.returncode, printed) == (130, ""), stderr
+    said = re.fullmatch(
+        r"asyncinfer: interrupted as the batch was being created: it may exist \(`asyncinfer batch list` shows "
+        r"it\); the same command with --idempotency-key nightly answers it rather than making another; if not, "
+        r"the upload (\S+) is deleted when its retention ends\n",
+        stderr,
+    )
+    assert said is not None, stderr
+    async with AsyncClient(stack.address) as client:
+        kept = await client.delete_input(said.group(1))  # still there: NotFoundError otherwise
+    assert kept.size_bytes == source.stat().st_size
+
+
+async def test_ctrl_c_during_a_batch_create_wait_names_the_batch_that_goes_on(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """`batch create --wait` interrupted once the batch is made (its first progress line said so):
+    a quiet 130, the batch named with the commands that come back to it, and the batch goes on."""
+    stack = await start_stack(small_batches(config))
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(demo_records(10)))
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel, AsyncClient(stack.address) as client:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="demo"))  # it waits until resumed
+        process = await interruptible_cli(
+            "batch", "create", str(source), "--model", "demo", "--wait", "--gateway", stack.address
+        )
+        assert process.stderr is not None
+        progress = (await asyncio.wait_for(process.stderr.readline(), 60)).decode()
+        batch_id = progress.split()[1]  # "12:00:00  <batch ID>  VALIDATING  0/0 done"
+        process.send_signal(signal.SIGINT)
+        printed, rest = (text.decode() for text in await asyncio.wait_for(process.communicate(), 60))
+        assert (process.returncode, printed) == (130, ""), progress + rest
+        assert rest == (
+            f"asyncinfer: batch {batch_id} goes on; follow it with `asyncinfer batch watch {batch_id}`, then "
+            f"`asyncinfer batch download {batch_id}` for its output (or stop it with "
+            f"`asyncinfer batch cancel {batch_id}`)\n"
+        ), progress + rest
+        assert (await client.get_batch(batch_id)).state not in ("CANCELLING", "CANCELLED")
+        await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="demo"))
+        assert (await client.wait_batch(batch_id, timeout_s=60)).completed == 10
 
 
 async def test_the_output_of_an_array_batch_comes_back_as_arrays(

@@ -10,7 +10,7 @@ import dataclasses
 import io
 import os
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -25,6 +25,7 @@ from asyncinfer.client.errors import (
     FailedPreconditionError,
     UnavailableError,
 )
+from asyncinfer.client.types import BlobRef
 
 # What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
 BatchData = (
@@ -54,6 +55,7 @@ class BatchFiles(BlobCalls):
         model: str,
         *,
         upload_timeout_s: float | None = None,
+        on_uploaded: Callable[[BlobRef], None] | None = None,
         **options: Any,
     ) -> Batch:
         """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
@@ -62,7 +64,10 @@ class BatchFiles(BlobCalls):
         also be an array (uploaded as an NPY file: one record per row, the model's only input)
         or a mapping of input name to array (an NPZ file), held in memory once more as a file;
         `output_arrays` then reads the outputs back as arrays. Without an `idempotency_key` one is
-        generated (as `submit` does), so that a create sent again after a lost answer makes no second batch."""
+        generated (as `submit` does), so that a create sent again after a lost answer makes no second batch.
+        `on_uploaded` hears the stored upload before the create is sent: a caller interrupted before
+        then knows no batch was made (the gateway purges an upload cut short), one interrupted after
+        that the batch may exist."""
         if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
             data = np.asarray(data)
             if data.dtype.hasobject:
@@ -89,6 +94,8 @@ class BatchFiles(BlobCalls):
         if generated_key:
             request.idempotency_key = str(uuid.uuid4())
         ref = await self.upload(data, timeout_s=upload_timeout_s)
+        if on_uploaded is not None:
+            on_uploaded(ref)
         request.input_ref = ref.ref
         try:
             batch = await self._batch_calls.create(request)

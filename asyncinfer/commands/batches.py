@@ -11,6 +11,7 @@ import contextlib
 import io
 import math
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
-from asyncinfer.client import AsyncClient, Batch, BatchState
+from asyncinfer.client import AsyncClient, Batch, BatchState, BlobRef
 from asyncinfer.commands.inputs import parse_key_values
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
@@ -256,22 +257,28 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         )
     size = args.file.stat().st_size
     async with options.client() as client:
-        bar = ProgressBar("upload", size, in_bytes=True)
-        with args.file.open("rb") as raw, contextlib.closing(_CountingReader(raw, bar)) as reader:
-            try:
-                batch = await client.create_batch(
-                    cast(BinaryIO, reader),
-                    args.model,
-                    version=args.version,
-                    input_format=args.format,
-                    priority=args.priority,
-                    completion_window_s=args.window,
-                    max_attempts=args.max_attempts,
-                    labels=labels,
-                    idempotency_key=args.idempotency_key,
-                )
-            finally:
-                bar.close()
+        uploaded: list[BlobRef] = []
+        try:
+            bar = ProgressBar("upload", size, in_bytes=True)
+            with args.file.open("rb") as raw, contextlib.closing(_CountingReader(raw, bar)) as reader:
+                try:
+                    batch = await client.create_batch(
+                        cast(BinaryIO, reader),
+                        args.model,
+                        version=args.version,
+                        input_format=args.format,
+                        priority=args.priority,
+                        completion_window_s=args.window,
+                        max_attempts=args.max_attempts,
+                        labels=labels,
+                        idempotency_key=args.idempotency_key,
+                        on_uploaded=uploaded.append,
+                    )
+                finally:
+                    bar.close()
+        except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl-C: what was made, if anything
+            print(_interrupted_create(args, uploaded), file=sys.stderr, flush=True)
+            raise
         if batch.deduplicated:
             print(
                 f"asyncinfer: batch {batch.batch_id} was made earlier under this idempotency key (it is "
@@ -287,12 +294,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         try:
             batch = await _follow(client, batch, options)
         except BaseException:  # Ctrl-C, --timeout, a gateway gone for good: the batch goes on
-            print(
-                f"asyncinfer: batch {batch.batch_id} goes on; follow it with `asyncinfer batch watch "
-                f"{batch.batch_id}` (then `batch download`), or stop it with `asyncinfer batch cancel {batch.batch_id}`",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(_goes_on(batch.batch_id), file=sys.stderr, flush=True)
             raise
         if not options.json:
             print(batch_summary(batch), flush=True)
@@ -301,6 +303,33 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         if args.errors is not None:
             await client.download(batch, args.errors, file="errors", timeout_s=options.timeout_s)
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
+
+
+def _goes_on(batch_id: str) -> str:
+    """What a `create --wait` cut short says: the batch runs on, and the commands that come back to it."""
+    return (
+        f"asyncinfer: batch {batch_id} goes on; follow it with `asyncinfer batch watch {batch_id}`, then "
+        f"`asyncinfer batch download {batch_id}` for its output (or stop it with `asyncinfer batch cancel {batch_id}`)"
+    )
+
+
+def _interrupted_create(args: argparse.Namespace, uploaded: list[BlobRef]) -> str:
+    """What a Ctrl-C before the create was answered leaves: during the upload nothing (the gateway
+    purges an upload cut short, tests/test_batch_clients.py); after it, perhaps a batch."""
+    if not uploaded:
+        return (
+            "asyncinfer: interrupted during the upload: no batch was created, and the gateway discards the part of "
+            f"{args.file} it was sent"
+        )
+    again = (
+        f"; the same command with --idempotency-key {shlex.quote(args.idempotency_key)} answers it rather than making another"
+        if args.idempotency_key
+        else ""
+    )
+    return (
+        "asyncinfer: interrupted as the batch was being created: it may exist (`asyncinfer batch list` shows it)"
+        f"{again}; if not, the upload {uploaded[0].ref} is deleted when its retention ends"
+    )
 
 
 async def get_command(args: argparse.Namespace, options: Options) -> int:
