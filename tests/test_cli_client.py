@@ -96,6 +96,8 @@ class Cli:
         out, err = self.stdout.buffers[me], self.stderr.buffers[me] = io.StringIO(), io.StringIO()
         try:
             return main(argv), out.getvalue(), err.getvalue()
+        except SystemExit as exited:  # argparse's usage errors: the process's exit code
+            return int(exited.code or 0), out.getvalue(), err.getvalue()
         finally:
             del self.stdout.buffers[me], self.stderr.buffers[me]
 
@@ -297,6 +299,72 @@ async def test_cancel_then_get_and_list_with_filters(idle_stack: Stack, monkeypa
     code, out, _ = await cli("list", "--state", "canceled")
     assert out.splitlines()[0].split()[:3] == ["JOB_ID", "MODEL", "STATE"]
     assert len(out.splitlines()) == 3
+
+
+async def test_labels_and_idempotency_keys_of_any_text_round_trip_exactly(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a shell hands the CLI in `--label KEY=VALUE` and `--idempotency-key`: the first '='
+    splits, the rest is the value; spaces, emoji and unnormalized forms (NFD's "e" + U+0301, not
+    NFC's "é") come back as given from get and list, --json or not, and a label filter or a key
+    matches only the same code points. What cannot be sent is a usage error (2), before anything
+    is: an empty key, an empty --idempotency-key (an unset variable: the command ran with no key,
+    and a rerun queued the job again), or bytes that are not UTF-8 (Python hands them over as
+    lone surrogates, which protobuf refused with a traceback). What the gateway limits is its
+    INVALID_ARGUMENT (4)."""
+    cli = Cli(idle_stack, monkeypatch)
+    nfd, nfc = "cafe\u0301", "caf\u00e9"
+    labels = {"query": "a=b=c", "two words": " spaced out ", "🚀": "✨ ok", nfd: nfd, "empty": ""}
+    argv = [arg for key, value in labels.items() for arg in ("--label", f"{key}={value}")]
+    key = f"nightly {nfd} 🚀 = 1"
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", *argv, "--idempotency-key", key)
+    assert code == 0, err
+    job_id = out.strip()
+    code, out, err = await cli("get", job_id, "--json")
+    assert code == 0, err
+    job = json.loads(out)
+    assert (job["labels"], job["idempotency_key"]) == (labels, key)
+    code, out, err = await cli("get", job_id)
+    assert code == 0, err
+    assert f"labels      {nfd}={nfd}, empty=, query=a=b=c, two words= spaced out , 🚀=✨ ok" in out.splitlines()
+    for filters, found in (
+        ((f"{nfd}={nfd}", "query=a=b=c", "empty="), [job_id]),
+        ((f"{nfc}={nfc}",), []),  # another form of the same text is another label
+        (("two words=spaced out",), []),
+    ):
+        code, out, err = await cli("list", "--json", *(arg for f in filters for arg in ("--label", f)))
+        assert code == 0, err
+        assert [j["job_id"] for j in json_lines(out)] == found, filters
+    # The same key finds the job; the same text in NFC is another key.
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", *argv, "--idempotency-key", key)
+    assert (code, out.strip()) == (0, job_id), err
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", "--idempotency-key", key.replace(nfd, nfc))
+    assert code == 0, err
+    assert out.strip() != job_id
+
+    queued = await count_jobs(idle_stack)
+    for refused, says in (
+        (["--idempotency-key", ""], "argument --idempotency-key: it is empty (an unset variable?)"),
+        (["--label", "k=caf\udce9"], "argument --label: not UTF-8 text (byte 0xE9 at position 5)"),
+        (["--label", "caf\udce9=v"], "argument --label: not UTF-8 text (byte 0xE9 at position 3)"),
+        (["--idempotency-key", "caf\udce9"], "argument --idempotency-key: not UTF-8 text (byte 0xE9 at position 3)"),
+        (["--label", "=v"], "argument --label: give KEY=VALUE (a value may be empty, a key not), not '=v'"),
+        (["--label", "novalue"], "argument --label: give KEY=VALUE (a value may be empty, a key not), not 'novalue'"),
+    ):
+        code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", *refused)
+        assert (code, out) == (2, ""), (refused, err)
+        assert says in err, (refused, err)
+        assert "Traceback" not in err, err
+    for refused in (["--label", "k=caf\udce9"], ["--idempotency-key", ""]):
+        code, out, err = await cli("batch", "create", "nosuch.jsonl", "--model", "demo", *refused)
+        assert (code, out) == (2, ""), (refused, err)
+    code, out, err = await cli("list", "--label", "k=caf\udce9")
+    assert (code, out) == (2, ""), err
+    # Over the gateway's limits (a label key of 16 emoji is 64 bytes of UTF-8; at most 63).
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", "--label", f"{'🚀' * 16}=v")
+    assert (code, out) == (4, ""), err
+    assert "label keys are 1-63 bytes" in err
+    assert await count_jobs(idle_stack) == queued, "nothing refused was queued"
 
 
 # -- bulk ----------------------------------------------------------------------------------------

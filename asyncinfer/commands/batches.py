@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState, BlobRef
-from asyncinfer.commands.inputs import parse_key_values
+from asyncinfer.commands.inputs import LABEL_HELP, idempotency_key_argument, label_argument, parse_key_values
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
@@ -54,10 +54,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
     create.add_argument("--window", type=_positive_seconds, metavar="SECONDS", help="completion window (default 24 h)")
     create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
-    create.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
+    create.add_argument(
+        "--label", action="append", default=[], type=label_argument, metavar="KEY=VALUE", help=LABEL_HELP
+    )
     create.add_argument(
         "--idempotency-key",
-        default="",
+        default=None,  # not "": argparse would pass a str default through the type, which refuses it
+        type=idempotency_key_argument,
         metavar="KEY",
         help="creating the same batch again with it runs nothing new (another file or settings under it: refused)",
     )
@@ -271,7 +274,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
                         completion_window_s=args.window,
                         max_attempts=args.max_attempts,
                         labels=labels,
-                        idempotency_key=args.idempotency_key,
+                        idempotency_key=args.idempotency_key or "",
                         on_uploaded=uploaded.append,
                     )
                 finally:

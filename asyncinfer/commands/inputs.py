@@ -12,6 +12,7 @@ dimension than the value, the value is one row: a batch dimension of 1 is added.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -118,6 +119,43 @@ def parse_key_values(items: Sequence[str], what: str) -> dict[str, str]:
             raise UsageError(f"{what} must look like KEY=VALUE, got {item!r}")
         result[key] = value
     return result
+
+
+LABEL_HELP = "a label (repeatable); the first '=' ends the key, the value may hold more"
+
+
+def label_argument(text: str) -> str:
+    """--label's type: KEY=VALUE, split at the first '=' (the value may hold more, or be empty; the
+    key may not be empty), in UTF-8 text. Any other character is the gateway's to judge (it limits
+    bytes, not characters), and none is normalized: a label matches only the same code points."""
+    _utf8_argument(text)
+    key, sep, _ = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"give KEY=VALUE (a value may be empty, a key not), not {text!r}")
+    return text
+
+
+def idempotency_key_argument(text: str) -> str:
+    """--idempotency-key's type: UTF-8 text, not empty. An empty one was taken as none given: a
+    command run with an unset variable (`--idempotency-key "$KEY"`) queued anew each time."""
+    _utf8_argument(text)
+    if not text:
+        raise argparse.ArgumentTypeError("it is empty (an unset variable?): give a key, or leave the option out")
+    return text
+
+
+def _utf8_argument(text: str) -> None:
+    """Bytes of an argument that are not UTF-8 reach Python as lone surrogates (U+DC80-U+DCFF, one
+    a byte), which cannot be sent: protobuf refused them with a traceback."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02X}" if byte is not None else f"character {text[exc.start]!r}"
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text ({what} at position {exc.start}); labels and keys are sent as UTF-8: "
+            "is the terminal's or the script's encoding another?"
+        ) from None
 
 
 def datatype_overrides(items: Sequence[str]) -> tuple[str | None, dict[str, str]]:

@@ -28,8 +28,11 @@ from asyncinfer.client import (
     why_not_served,
 )
 from asyncinfer.commands.inputs import (
+    LABEL_HELP,
     Signatures,
+    idempotency_key_argument,
     inputs_from_arguments,
+    label_argument,
     parse_key_values,
     request_from_json,
 )
@@ -72,8 +75,16 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "--version", default="", metavar="V", help="run on this model version (default: the model's default)"
     )
     submit.add_argument("--priority", choices=[p.value for p in Priority], type=str.upper)
-    submit.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="a label (repeatable)")
-    submit.add_argument("--idempotency-key", default="", metavar="KEY", help="resubmitting with it queues nothing new")
+    submit.add_argument(
+        "--label", action="append", default=[], type=label_argument, metavar="KEY=VALUE", help=LABEL_HELP
+    )
+    submit.add_argument(
+        "--idempotency-key",
+        default=None,  # not "": argparse would pass a str default through the type, which refuses it
+        type=idempotency_key_argument,
+        metavar="KEY",
+        help="resubmitting with it queues nothing new",
+    )
     submit.add_argument("--queue-ttl", type=float, metavar="SECONDS", help="expire unless started within")
     submit.add_argument("--execution-timeout", type=float, metavar="SECONDS", help="longest one run may take")
     submit.add_argument("--retention", type=float, metavar="SECONDS", help="keep the result this long")
@@ -115,7 +126,14 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "--state", action="append", default=[], help="only these states (repeatable, or comma-separated)"
     )
     listing.add_argument("--model", default="", help="only this model's jobs")
-    listing.add_argument("--label", action="append", default=[], metavar="KEY=VALUE", help="only jobs with label")
+    listing.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        type=label_argument,
+        metavar="KEY=VALUE",
+        help="only jobs with this label (repeatable: all of them)",
+    )
     listing.add_argument("--limit", type=int, default=50, help="at most this many jobs (default 50; 0: all)")
     add_options(listing)
     listing.set_defaults(handler=list_command)
