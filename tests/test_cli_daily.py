@@ -270,6 +270,47 @@ def test_a_server_that_accepts_and_never_answers_gets_a_hint() -> None:
     assert hint.startswith("something accepts connections there but does not answer as a gRPC server in time")
 
 
+@pytest.mark.unit
+def test_an_address_that_can_never_answer_is_a_usage_error_naming_where_it_came_from(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--gateway 127.0.0.1:5005l` (and the like: a port past 65535, no host) failed UNAVAILABLE
+    (exit 5) after the SDK's retries (4.5-5.9 s a command), though no try could succeed. Now a usage
+    error (2) before any, naming the flag or variable it came from; a valid form is still tried
+    (exit 5: nothing listens there)."""
+    from asyncinfer.cli import main
+
+    monkeypatch.delenv("ASYNCINFER_GATEWAY_ADDRESS", raising=False)
+    monkeypatch.delenv("ASYNCINFER_SCHEDULER_ADDRESS", raising=False)
+    cases = [
+        (["get", "01a24a3a-cd4b-7284-bc8e-00301d897e79", "--gateway", "127.0.0.1:5005l"], {}, "--gateway '127.0.0.1:5005l': its port '5005l'"),
+        (["list"], {"ASYNCINFER_GATEWAY_ADDRESS": "host:99999"}, "ASYNCINFER_GATEWAY_ADDRESS='host:99999': its port '99999'"),
+        (["dlq", "list", "--scheduler", ":"], {}, "--scheduler ':': it names no host"),
+        (["stats", "--once"], {"ASYNCINFER_SCHEDULER_ADDRESS": "[::1"}, "ASYNCINFER_SCHEDULER_ADDRESS='[::1': its '[' is not closed"),
+    ]  # fmt: skip
+    for argv, env, says in cases:
+        with monkeypatch.context() as scoped:
+            for name, value in env.items():
+                scoped.setenv(name, value)
+            code = main(argv)
+        out, err = capsys.readouterr()
+        assert (code, out) == (2, ""), (argv, err)
+        assert err.startswith(f"asyncinfer: {says}"), (argv, err)
+        assert "trying again" not in err, err
+    # A valid form is tried: nothing listens on this socket (exit 5, as any address where nothing listens).
+    code = main(
+        [
+            "get",
+            "01a24a3a-cd4b-7284-bc8e-00301d897e79",
+            "--gateway",
+            "unix:/nonexistent/asyncinfer.sock",
+            "--timeout",
+            "1",
+        ]
+    )
+    assert code == 5, capsys.readouterr().err
+
+
 async def test_ctrl_c_while_the_command_loads_or_runs_is_a_quiet_130(tmp_path: Path) -> None:
     """A helper's CLI pass, session 24: a Ctrl-C in the first second (the imports) printed a traceback
     of 30-50 lines and could exit 1, which the README gives to a job that did not succeed. Signalled

@@ -329,6 +329,51 @@ def test_a_blocking_client_that_cannot_be_made_leaves_no_thread_running(tmp_path
     assert client_threads() == before
 
 
+# Targets gRPC can never reach: UNAVAILABLE on every call, retried per the client's policy; a port
+# past 65535 gRPC wraps (127.0.0.1:99999 dialled port 34463) and port 0 it dials.
+UNREACHABLE_TARGETS = {
+    "127.0.0.1:5005l": "its port '5005l' is not a number from 1 to 65535",
+    "host:99999": "its port '99999' is not a number from 1 to 65535",
+    "localhost:0": "its port '0' is not a number from 1 to 65535",
+    "localhost:-1": "its port '-1' is not a number from 1 to 65535",
+    ":": "it names no host",
+    ":50051": "it names no host",
+    "": "it names no host",
+    "[::1:50051": "its '[' is not closed",
+    "[::1]50051": "after ']' comes ':PORT' or nothing",
+    "dns:///127.0.0.1:abc": "its port 'abc' is not a number from 1 to 65535",
+    "ipv4:127.0.0.1": "an ipv4: or ipv6: address needs its port",
+}
+# What gRPC reaches, so what the client takes: a host alone is gRPC's default port, 443 (as with
+# an empty port); http and https are port names its resolver knows.
+REACHABLE_TARGETS = [
+    "127.0.0.1:50051", "gateway.example.com:443", "gateway.example.com", "localhost:", "localhost:https",
+    "[::1]:50051", "[::1]", "::1", "dns:///gateway:50051", "dns:gateway:50051", "dns:///[::1]:50051",
+    "ipv4:127.0.0.1:50051,127.0.0.2:50052", "ipv6:[::1]:50051", "unix:/run/asyncinfer.sock",
+    "unix:///run/asyncinfer.sock", "unix-abstract:asyncinfer", "xds:///gateway",
+]  # fmt: skip
+
+
+@pytest.mark.unit
+async def test_a_target_grpc_can_never_reach_is_a_value_error_at_the_constructor() -> None:
+    """A client made for "127.0.0.1:5005l" (a typo of 50051) was made, and each call failed
+    UNAVAILABLE ("Failed to parse port", in gRPC's words) only once the retry policy gave up."""
+
+    def client_threads() -> list[threading.Thread]:
+        return [thread for thread in threading.enumerate() if thread.name == "asyncinfer-client"]
+
+    before = client_threads()
+    for target, problem in UNREACHABLE_TARGETS.items():
+        with pytest.raises(ValueError, match="not a gRPC target") as refused:
+            AsyncClient(target)
+        assert f"not a gRPC target: {target!r}: {problem}" in str(refused.value)
+        with pytest.raises(ValueError, match="not a gRPC target"):
+            await asyncio.to_thread(Client, target)
+    assert client_threads() == before, "the blocking client refused it before starting its thread"
+    for target in REACHABLE_TARGETS:
+        await AsyncClient(target).close()
+
+
 async def test_a_negative_timeout_is_refused_at_the_call_and_zero_always_exceeds(stack: Stack) -> None:
     """A reviewer's pass: `timeout_s=-1` was taken (DeadlineExceededError "within -1 s", or an
     answer), and `timeout_s=0` answered most calls (gRPC sent them: a submit queued its job, a

@@ -55,7 +55,9 @@ class AsyncClient(JobWaits, BulkSubmits, BatchFiles):
     Make it inside a running event loop (a coroutine): grpc.aio binds the channel to the loop
     current at creation. The blocking `Client` has no such rule.
 
-    `target` is a gRPC target ("host:port", "dns:///gateway:50051"). `credentials` switches to
+    `target` is a gRPC target ("host:port", "[::1]:50051", "dns:///gateway:50051", "unix:/path"; a
+    host alone is port 443, gRPC's default); one gRPC can never reach (a port that is not a number
+    from 1 to 65535, no host, an unclosed '[') is a ValueError here. `credentials` switches to
     TLS (`grpc.ssl_channel_credentials()`); so do `tls_ca_file` (PEM CA bundle that verifies the
     gateway) and `tls_cert_file` with `tls_key_file` (a client certificate, for a gateway that
     requires mutual TLS). `api_key` is sent as `authorization: Bearer <key>`. While a call is in

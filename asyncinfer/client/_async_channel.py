@@ -15,6 +15,7 @@ from grpc import aio
 
 from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline, RetryPolicy, checked_timeout
+from asyncinfer.client._targets import check_target
 from asyncinfer.client.batches import BatchCalls
 from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error, with_connection_hint
 from asyncinfer.client.types import Job
@@ -117,6 +118,7 @@ class ClientChannel:
         tls_key_file: str | os.PathLike[str] | None = None,
         keepalive_s: float | None = 30.0,
     ) -> None:
+        check_target(target)  # one gRPC can never reach was retried for ~7 s on each call
         try:
             asyncio.get_running_loop()
         except RuntimeError:

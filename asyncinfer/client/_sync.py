@@ -37,6 +37,7 @@ from asyncinfer.client._async import (
     wait_interrupted_note,
 )
 from asyncinfer.client._retry import RetryPolicy, checked_timeout
+from asyncinfer.client._targets import check_target
 from asyncinfer.client.batches import Batch
 from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.client.types import (
@@ -137,6 +138,7 @@ class Client:
         keepalive_s: float | None = 30.0,
     ) -> None:
         check_not_forked()  # before a thread and a loop are started for nothing
+        check_target(target)  # as AsyncClient does, but before the thread and the loop
         self._pid = os.getpid()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_serve, args=(self._loop,), name="asyncinfer-client", daemon=True)

@@ -119,9 +119,9 @@ async def _ops_call(
     key = options.ops_key
     interceptors: Any = [_WithKey(key)] if key else None
     channel = (
-        aio.secure_channel(options.scheduler, credentials, interceptors=interceptors)
+        aio.secure_channel(options.scheduler_target, credentials, interceptors=interceptors)
         if credentials is not None
-        else aio.insecure_channel(options.scheduler, interceptors=interceptors)
+        else aio.insecure_channel(options.scheduler_target, interceptors=interceptors)
     )
     async with channel:
         stub: ops_service_pb2_grpc.OpsServiceAsyncStub = ops_service_pb2_grpc.OpsServiceStub(channel)

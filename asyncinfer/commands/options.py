@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, tls_credentials
+from asyncinfer.client._targets import FORMS, target_problem
+from asyncinfer.commands.output import UsageError
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
 DEFAULT_SCHEDULER = "127.0.0.1:50052"
@@ -34,14 +36,17 @@ class Options:
     timeout_s: float | None  # None: unary calls take DEFAULT_CALL_TIMEOUT_S, waits are unbounded
     json: bool
     config: Path | None
+    # Where each address came from, for an error about it: the flag, or the environment variable.
+    gateway_from: str = "--gateway"
+    scheduler_from: str = "--scheduler"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
+        gateway, gateway_from = _address(args, "gateway", "ASYNCINFER_GATEWAY_ADDRESS", DEFAULT_GATEWAY)
+        scheduler, scheduler_from = _address(args, "scheduler", "ASYNCINFER_SCHEDULER_ADDRESS", DEFAULT_SCHEDULER)
         return cls(
-            gateway=getattr(args, "gateway", None) or os.environ.get("ASYNCINFER_GATEWAY_ADDRESS") or DEFAULT_GATEWAY,
-            scheduler=getattr(args, "scheduler", None)
-            or os.environ.get("ASYNCINFER_SCHEDULER_ADDRESS")
-            or DEFAULT_SCHEDULER,
+            gateway=gateway,
+            scheduler=scheduler,
             api_key=getattr(args, "api_key", None) or os.environ.get("ASYNCINFER_API_KEY") or None,
             ops_key=getattr(args, "ops_key", None) or os.environ.get("ASYNCINFER_OPS_KEY") or None,
             tls_ca_file=getattr(args, "tls_ca", None) or os.environ.get("ASYNCINFER_TLS_CA_FILE") or None,
@@ -50,7 +55,19 @@ class Options:
             timeout_s=getattr(args, "timeout", None),
             json=bool(getattr(args, "json", False)),
             config=getattr(args, "config", None),
+            gateway_from=gateway_from,
+            scheduler_from=scheduler_from,
         )
+
+    @property
+    def gateway_target(self) -> str:
+        """--gateway, or a UsageError naming where it came from if gRPC can never reach it."""
+        return _reachable(self.gateway, self.gateway_from)
+
+    @property
+    def scheduler_target(self) -> str:
+        """--scheduler, or a UsageError naming where it came from if gRPC can never reach it."""
+        return _reachable(self.scheduler, self.scheduler_from)
 
     @property
     def call_timeout_s(self) -> float:
@@ -69,12 +86,29 @@ class Options:
     def client(self) -> AsyncClient:
         """A client of the gateway; make it inside the running event loop, and close it."""
         return AsyncClient(
-            self.gateway,
+            self.gateway_target,
             api_key=self.api_key,
             timeout_s=self.call_timeout_s,
             credentials=self.credentials(),
             retry=RetryPolicy(on_retry=_say_retrying(self.gateway)),
         )
+
+
+def _address(args: argparse.Namespace, flag: str, variable: str, default: str) -> tuple[str, str]:
+    """An address and where it came from: the flag, else the environment variable, else the default."""
+    if given := getattr(args, flag, None):
+        return given, f"--{flag}"
+    if from_environment := os.environ.get(variable):
+        return from_environment, variable
+    return default, f"--{flag}"
+
+
+def _reachable(address: str, where: str) -> str:
+    problem = target_problem(address)
+    if problem is not None:
+        separator = " " if where.startswith("--") else "="
+        raise UsageError(f"{where}{separator}{address!r}: {problem}; give {FORMS}")
+    return address
 
 
 Handler = Callable[[argparse.Namespace, Options], Coroutine[Any, Any, int]]
