@@ -11,15 +11,20 @@ import time
 
 import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import DEADLINE_HEADER, model_work_subjects
+from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.errors import Unavailable
+from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import JobRecord, JobState
 from asyncinfer.nats import KeyValue
 from asyncinfer.nats.streams import next_headers
 from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
 from services.scheduler.app import SchedulerApp
+from services.scheduler.deadline_sweep import EXPIRE_CONCURRENCY
 from tests.stack import Stack, StartStack
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
@@ -183,5 +188,69 @@ async def test_a_work_message_carries_its_jobs_deadline_in_a_header(config: Conf
         assert second is not None
         assert DEADLINE_HEADER not in second[1]
         assert without.job_id in second[1].values()  # the routing headers are read too
+    finally:
+        await channel.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_sweep_cut_off_from_nats_stops_at_its_first_failure_and_expires_the_rest_once_back(
+    nats_server: NatsServerProcess, config: Config, start_stack: StartStack
+) -> None:
+    """nats-server killed (kill -9) as the sweep expires 40 overdue jobs, then started again on its
+    port and store. The sweep went on with every job left, each waiting out its 5-s request
+    timeout (16 at a time: 15 s for 40, 5 minutes for EXPIRE_MOST) and logging a line of its own.
+    Now the expiries in flight fail, the rest are not tried, all wait for the next sweep, and the
+    sweep raises the failure once (its loop says it once per interval); back, every job expires."""
+    stack = await start_stack(
+        sweeping(config).replace(scheduler={"deadline_sweep_interval_s": 3600.0}), batcher=False
+    )  # the sweep is the test's to run
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    try:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        assert (await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=DEMO_MODEL.name))).paused
+        overdue = {(await stack.jobs.SubmitJob(demo_request(url="", queue_ttl_s=0.5))).job.job_id for _ in range(40)}
+        await depth_until(ops, 40)
+        sweep = stack.scheduler.deadline_sweep
+        assert sweep is not None
+        started_after_kill: list[int] = []
+        expire, dropped = sweep._expire, sweep._on_message_dropped
+
+        async def counted_expire(model_name: str, seq: int) -> None:
+            if nats_server.process is not None and nats_server.process.poll() is not None:
+                started_after_kill.append(seq)
+            await expire(model_name, seq)
+
+        def kill_at_first_drop(model_name: str, job_id: str) -> None:
+            nats_server.kill()
+            dropped(model_name, job_id)
+
+        sweep._expire = counted_expire  # type: ignore[method-assign]
+        sweep._on_message_dropped = kill_at_first_drop
+        await asyncio.sleep(0.6)  # every job's 0.5-s queue_ttl passed
+        raised: BaseException | None = None
+        with capture_logs() as logs:
+            try:
+                await sweep.sweep()
+            except (*NATS_FAILURES, Unavailable) as exc:  # whichever came first
+                raised = exc
+        assert len(started_after_kill) <= EXPIRE_CONCURRENCY, f"{len(started_after_kill)} tried after the kill"
+        said = [line for line in logs if line["event"].startswith("deadline_sweep")]
+        assert said == [], said  # the sweep's loop says it, once an interval
+        assert raised is not None
+
+        sweep._on_message_dropped = dropped
+        nats_server.start()  # same port, same store
+        async with asyncio.timeout(WAIT_S):
+            while True:
+                try:
+                    await sweep.sweep()
+                except (*NATS_FAILURES, Unavailable):  # JetStream answers 503 for a moment after its start
+                    await asyncio.sleep(0.1)
+                    continue
+                if not sweep._scans[DEMO_MODEL.name].deadlines:
+                    break
+        jobs_kv = await stack.nc.jetstream().key_value(stack.config.nats.jobs_bucket)
+        assert set(await expired_records(jobs_kv, overdue)) == overdue
+        await depth_until(ops, 0)
     finally:
         await channel.close()

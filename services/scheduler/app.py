@@ -20,6 +20,7 @@ from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.errors import Unavailable
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.idempotency_claims import ClaimStore, ensure_idempotency_bucket
@@ -564,7 +565,7 @@ class SchedulerApp:
                 wait_s = interval_s
                 try:
                     await action()
-                except (NatsError, TimeoutError) as exc:
+                except (NatsError, TimeoutError, Unavailable) as exc:
                     # NATS away or its store full: expected, a line now and then rather than a
                     # traceback every interval (an operator's pass counted 24 in one outage).
                     now = time.monotonic()

@@ -103,6 +103,10 @@ class DeadlineSweep:
         return self._is_paused(model_name) or self._oldest_age_s.get(model_name, 0.0) >= self._backlog_s
 
     async def sweep(self) -> None:
+        """One sweep of every model. A NATS failure of an expiry is raised once the other models are
+        swept (their own reads fail at once while NATS is away), for the sweep's loop to say once
+        an interval; the expiries it cut short wait in the heap for the next sweep."""
+        failure: Exception | None = None
         for model_name in list(self._models()):
             if not self.swept(model_name):
                 self._scans.pop(model_name, None)
@@ -112,8 +116,11 @@ class DeadlineSweep:
             due = scan.take_due(self._clock(), EXPIRE_MOST)
             if due:
                 expired = self.jobs_expired
-                await self._expire_all(model_name, scan, due)
+                failed = await self._expire_all(model_name, scan, due)
                 log.info("queued_jobs_expired", model=model_name, jobs=self.jobs_expired - expired, due=len(due))
+                failure = failure or failed
+        if failure is not None:
+            raise failure
 
     async def _read(self, model_name: str, scan: _ModelScan) -> None:
         """Reads up to SCAN_MOST of the model's messages past the cursor, noting their deadlines."""
@@ -131,19 +138,28 @@ class DeadlineSweep:
             if deadline is not None:
                 heapq.heappush(scan.deadlines, (deadline, seq))
 
-    async def _expire_all(self, model_name: str, scan: _ModelScan, due: list[tuple[float, int]]) -> None:
+    async def _expire_all(self, model_name: str, scan: _ModelScan, due: list[tuple[float, int]]) -> Exception | None:
+        """Expires the `due` entries, EXPIRE_CONCURRENCY at a time; the first NATS failure, if any.
+        After it, the entries not yet started are not tried: with NATS away each would wait out
+        its request timeout (REQUEST_TIMEOUT_S, 16 at a time: 5 minutes for EXPIRE_MOST) and log
+        a line. Every entry not expired is put back for the next sweep; a dispatch or a read may
+        well be first."""
         slots = asyncio.Semaphore(EXPIRE_CONCURRENCY)
+        failures: list[Exception] = []
 
         async def one(entry: tuple[float, int]) -> None:
             async with slots:
+                if failures:
+                    heapq.heappush(scan.deadlines, entry)
+                    return
                 try:
                     await self._expire(model_name, entry[1])
                 except (*NATS_FAILURES, Unavailable) as exc:
-                    # Tried again at the next sweep; a dispatch or a read may well be first.
                     heapq.heappush(scan.deadlines, entry)
-                    log.info("deadline_sweep_expiry_failed", model=model_name, seq=entry[1], error=str(exc))
+                    failures.append(exc)
 
         await asyncio.gather(*(one(entry) for entry in due))
+        return failures[0] if failures else None
 
     async def _expire(self, model_name: str, seq: int) -> None:
         try:
