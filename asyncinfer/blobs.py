@@ -35,6 +35,7 @@ import structlog
 
 from asyncinfer.blob_meta import (
     CHUNK_BYTES,
+    INPUT_KIND,
     BlobCorrupt,
     BlobInfo,
     blob_expired,
@@ -191,6 +192,8 @@ class BlobStore:
                 await send(bytes(buffer))
             sequences.extend(await asyncio.shield(asyncio.gather(*pending)))
             pending.clear()
+            if nuid.startswith(INPUT_KIND + "."):  # the sweep purges no result's chunks
+                await self._check_chunks_kept(chunk_subject, count)
             sha256 = digest.hexdigest()
             if expected_size is not None and expected_size != total:
                 message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
@@ -231,6 +234,27 @@ class BlobStore:
         if previous is not None and previous.nuid != nuid:
             await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=previous.nuid))
         return BlobRef(ref=ref, size_bytes=total, sha256=sha256)
+
+    async def _check_chunks_kept(self, chunk_subject: str, count: int) -> None:
+        """Raises Unavailable (UPLOAD_CHUNKS_LOST) unless the stream still holds every chunk the put
+        stored. The sweep purges an upload's chunks once none came for its orphan bound, and a live
+        upload that streams slowly stores one 128 KiB chunk at a time: a client sending 100 bytes
+        every 20 s is never idle to the gateway yet stores a chunk every 7 hours. Its meta would
+        name chunks that are gone (every read DATA_LOSS). Checked after its last chunk, which was
+        stored just now, so the sweep does not take it between this look and the meta."""
+        try:
+            info = await self._js.stream_info(self.stream, subjects_filter=chunk_subject)
+        except NATS_FAILURES as exc:
+            raise Unavailable(f"cannot check the stored object: {exc}", reason="NATS_UNAVAILABLE") from exc
+        kept = (info.state.subjects or {}).get(chunk_subject, 0)
+        if kept != count:
+            raise Unavailable(
+                f"{count - kept} of the upload's {count} stored chunks were purged while it streamed (the store's "
+                "sweep takes chunks that no upload added to for 4 x gateway.upload_idle_timeout_s, at least "
+                f"300 s, for a crashed upload's; each holds {CHUNK_BYTES} bytes): nothing was kept, upload it again",
+                reason="UPLOAD_CHUNKS_LOST",
+                metadata={"stored_chunks": str(count), "kept_chunks": str(kept)},
+            )
 
     async def put_bytes(
         self, tenant: str, ref: str, data: bytes, *, expires_at: float, chunk_bytes: int = CHUNK_BYTES

@@ -11,6 +11,7 @@ concurrent uploads never leave more than the limit stored."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import time
 from collections.abc import AsyncIterator
@@ -21,11 +22,12 @@ import pytest
 
 from asyncinfer.batches import CREATE_RECORD_WITHIN_S, CREATE_WRITE_MARGIN_S
 from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
-from asyncinfer.blob_sweep import sweep
+from asyncinfer.blob_sweep import list_objects, sweep
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
+from services.scheduler.blobs import orphan_age_s
 from tests.batch_helpers import (
     HeldCreate,
     batches_stub,
@@ -185,6 +187,54 @@ async def test_the_sweeper_purges_chunks_a_crashed_upload_left_and_keeps_live_on
     assert await sweep(store, time.time() + 301, orphans_after_s=300) == 1
     assert await stored_chunks(stack, "acme") == 1
     assert (await store.info("acme", live.ref, now=time.time())).ref.sha256 == live.sha256
+
+
+async def test_an_upload_whose_chunks_the_sweep_purged_as_it_streamed_is_refused_not_stored_cut(
+    gateway_only: Stack,
+) -> None:
+    """The sweep takes an upload's chunks for a crashed upload's once none was stored for its bound
+    (4 x upload_idle_timeout_s, at least 300 s). A live upload can go that long without storing one:
+    the gateway stores 128 KiB chunks, and a client on a slow link sending 100 bytes every 20 s is
+    never idle to the gateway (30 s) yet fills a chunk every 7 hours. Its first chunks were purged
+    under it, and the upload was still made visible: a ref whose every read failed DATA_LOSS."""
+    stack = gateway_only
+    content = np.random.default_rng(7).bytes(2 * CHUNK_BYTES + 100)
+    first_chunk_stored = asyncio.Event()
+    swept = asyncio.Event()
+
+    async def requests() -> AsyncIterator[job_service_pb2.UploadInputRequest]:
+        metadata = job_service_pb2.UploadInputMetadata(
+            size_bytes=len(content), sha256=hashlib.sha256(content).hexdigest()
+        )
+        yield job_service_pb2.UploadInputRequest(metadata=metadata, chunk=content[:CHUNK_BYTES])
+        await first_chunk_stored.wait()
+        yield job_service_pb2.UploadInputRequest(chunk=content[CHUNK_BYTES : CHUNK_BYTES + 100])  # a drip
+        await swept.wait()
+        yield job_service_pb2.UploadInputRequest(chunk=content[CHUNK_BYTES + 100 :])
+
+    bucket = stack.config.nats.objects_bucket
+    # A consumer of the stream hears a chunk once it is stored.
+    stored = await stack.nc.jetstream().subscribe(
+        f"$O.{bucket}.C.in.acme.>", stream=f"OBJ_{bucket}", ordered_consumer=True
+    )
+    call = stack.jobs.UploadInput(requests(), metadata=bearer(ACME))
+    try:
+        await stored.next_msg(timeout=30)
+    finally:
+        await stored.unsubscribe()
+    assert await stored_chunks(stack, "acme") == 1
+    first_chunk_stored.set()
+    # The sweep as it runs once the bound has passed since that chunk, the client dripping meanwhile.
+    later = time.time() + orphan_age_s(stack.config) + 1
+    assert await sweep(stack.blobs, later, orphans_after_s=orphan_age_s(stack.config)) == 1
+    swept.set()
+
+    error = await rpc_error(call)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert reason_of(error) == "UPLOAD_CHUNKS_LOST"
+    assert "upload it again" in (error.details() or "")
+    assert await stored_chunks(stack, "acme") == 0  # nothing of it is kept, nor counted
+    assert [info.name for info in await list_objects(stack.blobs)] == []
 
 
 async def test_an_upload_a_running_batch_reads_is_not_deleted_until_the_batch_ends(
