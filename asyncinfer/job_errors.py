@@ -101,10 +101,15 @@ def scheduler_stopping() -> JobError:
     )
 
 
-def execution_timeout(attempt: int, timeout_s: float, *, retriable: bool, backstop_s: float = 0.0) -> JobError:
+def execution_timeout(
+    attempt: int, timeout_s: float, *, retriable: bool, backstop_s: float = 0.0, where: str = ""
+) -> JobError:
     """`backstop_s`: the scheduler's timer ended it, this long past the timeout from dispatch,
-    its batcher (one that times runs out itself) having said nothing."""
+    its batcher (one that times runs out itself) having said nothing. `where`: what was running,
+    as its batcher said (a pipeline's step)."""
     message = f"attempt {attempt} ran longer than its execution timeout of {timeout_s:g} s"
+    if where:
+        message = f"{message}: {where}"
     if backstop_s > 0:
         message = (
             f"attempt {attempt} was not answered within its execution timeout of {timeout_s:g} s plus "

@@ -1,5 +1,5 @@
 """A model that reports progress and computes until its job is cancelled, loaded by an in-process
-batcher (tests/test_pipelines.py): a call ends once every row's job was cancelled
+batcher (tests/test_pipelines.py): a call sets STARTED, and ends once every row's job was cancelled
 (`progress.cancelled`), setting STOPPED, or once RELEASE is set (a call never told)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 
 from services.batcher.progress import ProgressReporter
 
+# Set by a call as it starts.
+STARTED = threading.Event()
 # Set by a call that saw every row's job cancelled.
 STOPPED = threading.Event()
 # Lets a call that is never told return (the test sets it when it ends).
@@ -20,6 +22,7 @@ class UntilCancelled(torch.nn.Module):
     """y = 2x + 1, after reporting a step every 5 ms until its rows' jobs are cancelled."""
 
     def forward(self, x: torch.Tensor, progress: ProgressReporter | None = None) -> torch.Tensor:
+        STARTED.set()
         step = 0
         while progress is not None and not RELEASE.wait(0.005):
             if all(progress.cancelled(row) for row in range(x.shape[0])):

@@ -24,7 +24,7 @@ from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
-from tests.progress_models import RELEASE, STOPPED
+from tests.progress_models import RELEASE, STARTED, STOPPED
 from tests.stack import Stack, StartStack
 
 pytestmark = pytest.mark.timeout(180)
@@ -215,6 +215,125 @@ async def test_a_cancel_of_a_pipeline_job_tells_the_step_model_computing_it(
         assert final.state == job_pb2.JOB_STATE_CANCELED
         told = await asyncio.to_thread(STOPPED.wait, 15)
         assert told, "the step's model was not told that its job was cancelled"
+        assert batch_rows(stack, "demo") == (0.0, 0.0)  # the second step never ran
+    finally:
+        RELEASE.set()
+
+
+UNTIL_CANCELLED = DEMO_MODEL.model_copy(
+    update={"name": "until-cancelled", "loader": "tests.progress_models:build_until_cancelled_model"}
+)
+# y = 2(2x + 1) + 1: the until-cancelled model (computes until told), then the demo model.
+CANCELLABLE = TWICE.model_copy(
+    update={
+        "name": "cancellable",
+        "max_attempts": 1,
+        "steps": (TWICE.steps[0].model_copy(update={"model": "until-cancelled"}), TWICE.steps[1]),
+    }
+)
+
+
+def rows_request(model: str, rows: int, execution_timeout_ms: int = 0) -> job_service_pb2.SubmitJobRequest:
+    x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[rows, 4])
+    x.contents.fp32_contents.extend(float(i) for i in range(rows * 4))
+    request = job_service_pb2.SubmitJobRequest(model_name=model, inputs=[x])
+    if execution_timeout_ms:
+        request.execution_timeout.FromMilliseconds(execution_timeout_ms)
+    return request
+
+
+async def until_terminal(stack: Stack, job_id: str, timeout_s: float) -> job_pb2.Job:
+    """The job's terminal record, or an AssertionError after timeout_s (a hang guard)."""
+    try:
+        seen = await asyncio.wait_for(watch(stack, job_id), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"job {job_id} did not end within {timeout_s} s") from None
+    return seen[-1].job
+
+
+async def test_an_unexpected_exception_in_a_step_fails_the_job_naming_the_step(
+    config: Any, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every future resolves: a step raising what none of our error types is (a bug in the runner, a
+    backend raising the unexpected) fails the job MODEL_ERROR naming the step, logged once with its
+    traceback. The runner caught only its own types: the item's future never resolved, and the
+    job waited out its execution timeout (60 s) with nothing said."""
+    from services.batcher.pipeline import PipelineRunner
+
+    submit = PipelineRunner._submit
+
+    async def breaks_on_demo(self: PipelineRunner, model: str, *args: Any) -> Any:
+        if model == "demo":
+            raise RuntimeError("injected: a bug past the first step")
+        return await submit(self, model, *args)
+
+    monkeypatch.setattr(PipelineRunner, "_submit", breaks_on_demo)
+    once = TWICE.model_copy(update={"name": "once", "max_attempts": 1})
+    stack = await start_stack(config.replace(models=(DEMO_MODEL, GATED, once)))
+    GATE.set()
+    with capture_logs() as logs:
+        job = (await stack.jobs.SubmitJob(x_request("once", 1.0))).job
+        final = await until_terminal(stack, job.job_id, 20)
+    assert final.state == job_pb2.JOB_STATE_FAILED
+    assert final.error.reason == "MODEL_ERROR"
+    assert "pipeline 'once' step 2 (demo)" in final.error.message
+    assert "RuntimeError: injected: a bug past the first step" in final.error.message
+    failed = [entry for entry in logs if entry["event"] == "pipeline_step_failed"]
+    assert len(failed) == 1, failed
+    assert failed[0]["step"] == "pipeline 'once' step 2 (demo)"
+    assert isinstance(failed[0]["exc_info"], RuntimeError)
+
+
+async def test_a_pipelines_execution_timeout_names_the_step_and_tells_its_model(
+    config: Any, start_stack: StartStack
+) -> None:
+    """A pipeline job past its execution timeout: its error names the step that was running, and
+    that step's model reads `progress.cancelled(row)`, as README promises of a job's timeout. It said
+    only "attempt 1 ran longer than its execution timeout of 1 s" (the batcher's "still computing
+    1 s after it arrived" went no further), and the step's model was never told (it computed on
+    until the test released it)."""
+    STARTED.clear()
+    STOPPED.clear()
+    RELEASE.clear()
+    stack = await start_stack(
+        config.replace(models=(DEMO_MODEL, UNTIL_CANCELLED, CANCELLABLE), batcher={"progress_interval_ms": 0.0})
+    )
+    try:
+        job = (await stack.jobs.SubmitJob(rows_request("cancellable", 1, execution_timeout_ms=1000))).job
+        final = await until_terminal(stack, job.job_id, 30)
+        assert final.state == job_pb2.JOB_STATE_TIMED_OUT
+        assert final.error.message == (
+            "attempt 1 ran longer than its execution timeout of 1 s: "
+            "pipeline 'cancellable' step 1 (until-cancelled) was running 1 s after the job arrived"
+        )
+        told = await asyncio.to_thread(STOPPED.wait, 15)
+        assert told, "the step's model was not told that its job timed out"
+        assert batch_rows(stack, "demo") == (0.0, 0.0)  # the second step never ran
+    finally:
+        RELEASE.set()
+
+
+async def test_a_cancel_tells_a_step_run_as_several_items(config: Any, start_stack: StartStack) -> None:
+    """A step of more rows than its model's max_batch_size runs as several items: each gets a
+    channel whose parent is the pipeline item's, so a cancel reaches the part computing (the parts
+    still queued are dropped). The parts had no channel: the model computed on (until the test
+    released it)."""
+    STARTED.clear()
+    STOPPED.clear()
+    RELEASE.clear()
+    one_row = UNTIL_CANCELLED.model_copy(update={"max_batch_size": 1, "max_inflight_batches": 1})
+    stack = await start_stack(
+        config.replace(models=(DEMO_MODEL, one_row, CANCELLABLE), batcher={"progress_interval_ms": 0.0})
+    )
+    try:
+        job = (await stack.jobs.SubmitJob(rows_request("cancellable", 3))).job
+        watched = asyncio.create_task(watch(stack, job.job_id))
+        assert await asyncio.to_thread(STARTED.wait, 15), "the step's first part never computed"
+        await stack.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job.job_id))
+        seen = await asyncio.wait_for(watched, 30)
+        assert seen[-1].job.state == job_pb2.JOB_STATE_CANCELED
+        told = await asyncio.to_thread(STOPPED.wait, 15)
+        assert told, "the model computing a part of the step was not told that its job was cancelled"
         assert batch_rows(stack, "demo") == (0.0, 0.0)  # the second step never ran
     finally:
         RELEASE.set()

@@ -276,11 +276,9 @@ class BatchingEngine:
             assert pipeline is not None
             if timeout_s is not None and timeout_s <= 0:
                 raise DeadlineExceeded("the item's deadline passed before it was queued")
-            piped = pipeline.submit(inputs, timeout_s, priority, progress, credited=credited)
-            if run_timeout_s is not None:
-                # Its steps run in several batches: timed out from its arrival, not a batch's start.
-                time_out_from_now(piped.future, run_timeout_s, [])
-            return piped
+            return pipeline.submit(
+                inputs, timeout_s, priority, progress, credited=credited, run_timeout_s=run_timeout_s
+            )
         queue.check(inputs)
         if timeout_s is not None and timeout_s <= 0:
             raise DeadlineExceeded("the item's deadline passed before it was queued")

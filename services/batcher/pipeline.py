@@ -11,9 +11,15 @@ does); its priority goes to every step. While it runs, the pipeline reports the 
 done (with the fraction a reporting step model gives). A failing step fails the item, its error
 naming the step (a step that does not fit the pipeline's wiring, as a function that gives another
 datatype than the next model takes, is FAILED_PRECONDITION: not the caller's input, and no retry
-helps). Each step's item carries the job's trace, so its compute shows in the job's trace. Cancelling the item (a cancel order, a caller gone, shutdown) cancels the task,
-which drops the step's items that have not started; a step model that reports progress and computes
-the job's step then reads `progress.cancelled(row)` (a step run as several items is not told).
+helps); anything else a step raises (a bug, a backend's unexpected exception) fails the item
+MODEL_ERROR naming the step, logged once with its traceback (pipeline_step_failed): the item's
+future always resolves, or its job would wait out its execution timeout or lease. Each step's item
+carries the job's trace, so its compute shows in the job's trace. The execution timeout runs from
+the item's arrival (its steps run in several batches) and names the step running. Cancelling the
+item (a cancel order, a caller gone, shutdown) cancels the task, which drops the step's items that
+have not started; a step model that reports progress and computes the job's step (each of its
+items, when it runs as several) then reads `progress.cancelled(row)`, after a cancel or the
+execution timeout alike.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from asyncinfer.errors import (
 )
 from asyncinfer.jobs import Priority
 from asyncinfer.tensors import Tensor, validate_inputs
+from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, RunTimedOut
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_queue import outcome_label
@@ -109,6 +116,8 @@ class PipelineRunner:
         }
         # The last job's step runs, for tests and logs: what each step's batches held.
         self.last_runs: tuple[StepRun, ...] = ()
+        # The step each running item is at (its index), which its errors name.
+        self._at_step: dict[PendingItem, int] = {}
 
     @property
     def free_slots(self) -> int:
@@ -122,7 +131,10 @@ class PipelineRunner:
         progress: ItemProgress | None,
         *,
         credited: bool = False,
+        run_timeout_s: float | None = None,
     ) -> PendingItem:
+        """Starts one item; `run_timeout_s` (its job's execution timeout) is counted from now: its
+        steps run in several batches, so not from a batch's start."""
         if self.held >= self.config.max_queue_size and not credited:  # as ModelQueue.submit's
             raise ResourceExhausted(
                 f"pipeline {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
@@ -149,14 +161,27 @@ class PipelineRunner:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         future.add_done_callback(lambda done: self._item_done(item, task, done))
+        if run_timeout_s is not None:
+            timer = loop.call_later(run_timeout_s, self._time_out, item, run_timeout_s)
+            future.add_done_callback(lambda _done: timer.cancel())
         return item
+
+    def _time_out(self, item: PendingItem, run_timeout_s: float) -> None:
+        if item.future.done():
+            return
+        index = self._at_step.get(item, 0)
+        item.future.set_exception(
+            RunTimedOut(f"{self._step_name(index)} was running {run_timeout_s:g} s after the job arrived")
+        )
 
     def _item_done(self, item: PendingItem, task: asyncio.Task[None], future: asyncio.Future[InferOutcome]) -> None:
         self.held -= 1
-        if future.cancelled() and item.progress is not None:
-            # Dropped (a cancel order, its caller gone): a step whose batch computes cannot drop its
-            # item, but its model reads `progress.cancelled` through its channel's parent, and stops
-            # as a model running the job itself would (it computed on to its end).
+        self._at_step.pop(item, None)
+        ended_outside = future.cancelled() or isinstance(future.exception(), RunTimedOut)
+        if ended_outside and item.progress is not None:
+            # Dropped (a cancel order, its caller gone) or timed out: a step whose batch computes
+            # cannot drop its item, but its model reads `progress.cancelled` through its channels'
+            # parent, and stops as a model running the job itself would (it computed on to its end).
             item.progress.cancel()
         task.cancel()  # a no-op once it finished; else it was cancelled or failed from outside
         outcome = outcome_label(future)  # also marks an error retrieved when nobody awaits it
@@ -175,8 +200,6 @@ class PipelineRunner:
     # --- one item ---------------------------------------------------------------------------
 
     async def _run(self, item: PendingItem) -> None:
-        from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN
-
         try:
             outcome = await self._steps(item)
         except asyncio.CancelledError:
@@ -187,6 +210,14 @@ class PipelineRunner:
             if not item.future.done():
                 item.future.set_exception(error)
             return
+        except Exception as error:
+            # Not one of ours: a bug, or a backend raising what nothing maps. Every future resolves
+            # (else the job waits out its execution timeout or lease, with nothing said).
+            where = self._step_name(self._at_step.get(item, 0))
+            log.error("pipeline_step_failed", model=self.name, step=where, exc_info=error)
+            if not item.future.done():
+                item.future.set_exception(ModelError(f"{where}: the batcher failed: {type(error).__name__}: {error}"))
+            return
         if not item.future.done():
             item.future.set_result(outcome)
 
@@ -195,6 +226,7 @@ class PipelineRunner:
         total = len(self.config.steps)
         runs: list[StepRun] = []
         for index, step in enumerate(self.config.steps):
+            self._at_step[item] = index
             self._report(item, index / total, f"step {index + 1} of {total}: {step.label}")
             try:
                 if step.model:
@@ -235,11 +267,11 @@ class PipelineRunner:
         timeout_s = None
         if index == 0 and item.expires_at is not None:
             timeout_s = item.expires_at - asyncio.get_running_loop().time()
-        step_progress = self._step_progress(item, index) if len(pieces) == 1 else None
+        channels = self._step_progress(item, index, [piece[0].batch_size for piece in pieces])
         submitted: list[PendingItem] = []
         try:
-            for piece in pieces:
-                part = await self._submit(step.model, piece, timeout_s, item.priority, step_progress)
+            for piece, channel in zip(pieces, channels, strict=True):
+                part = await self._submit(step.model, piece, timeout_s, item.priority, channel)
                 part.trace = item.trace  # the job's dispatch span: its trace shows each step's compute
                 submitted.append(part)
             await asyncio.wait([part.future for part in submitted])
@@ -247,8 +279,9 @@ class PipelineRunner:
         finally:
             for part in submitted:
                 part.future.cancel()  # a no-op once resolved; drops a part not started when cancelled
-            if step_progress is not None:
-                step_progress.close()
+            for channel in channels:
+                if channel is not None:
+                    channel.close()
         run = StepRun(
             batch_items=max(o.batch_items for o in outcomes),
             batch_rows=max(o.batch_size for o in outcomes),
@@ -302,20 +335,35 @@ class PipelineRunner:
         if item.progress is not None:
             item.progress.offer(fraction, message, ())
 
-    def _step_progress(self, item: PendingItem, index: int) -> ItemProgress | None:
-        """A channel for a reporting step model's progress, folded into the pipeline's: step i of n
-        at fraction f is (i + f) / n done."""
+    def _step_progress(self, item: PendingItem, index: int, part_rows: list[int]) -> list[ItemProgress | None]:
+        """A channel per item of the step (its parts' rows in `part_rows`) for a reporting step
+        model: its progress folded into the pipeline's (step i of n at fraction f is (i + f) / n
+        done; the step's f is its parts' mean weighted by rows), and the pipeline item's cancel
+        reaching each part through its parent."""
         step = self.config.steps[index]
         if item.progress is None or not self._engine.reports_progress(step.model):
-            return None
+            return [None] * len(part_rows)
         total = len(self.config.steps)
         prefix = f"step {index + 1} of {total}: {step.label}"
+        all_rows = sum(part_rows)
+        fractions = [0.0] * len(part_rows)
 
-        def deliver(update: ProgressUpdate) -> None:
-            done = index + (update.fraction or 0.0)
-            self._report(item, done / total, f"{prefix}: {update.message}" if update.message else prefix)
+        def deliver_part(part: int) -> Callable[[ProgressUpdate], None]:
+            def deliver(update: ProgressUpdate) -> None:
+                fractions[part] = update.fraction or 0.0
+                done = index + sum(f * rows for f, rows in zip(fractions, part_rows, strict=True)) / all_rows
+                self._report(item, done / total, f"{prefix}: {update.message}" if update.message else prefix)
 
-        return ItemProgress(deliver, interval_s=0.0, max_bytes=0, parent=item.progress)
+            return deliver
+
+        return [
+            ItemProgress(deliver_part(part), interval_s=0.0, max_bytes=0, parent=item.progress)
+            for part in range(len(part_rows))
+        ]
+
+    def _step_name(self, index: int) -> str:
+        step = self.config.steps[index]
+        return f"pipeline {self.name!r} step {index + 1} ({step.label})"  # as _named says it
 
 
 def _rows(inputs: list[Tensor], start: int, stop: int) -> list[Tensor]:

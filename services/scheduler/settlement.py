@@ -284,8 +284,12 @@ class Settlement:
         model = self._config.model(job.model_name)
         action = model.timeout_action if model is not None else "fail"
         backstop_s = 0.0 if result is not None else job.backstop_s
+        # A pipeline's batcher names the step that was running (a model's says only how long it ran).
+        where = (
+            result.error.message if result is not None and result.error is not None and model and model.steps else ""
+        )
         error = job_errors.execution_timeout(
-            job.attempt, job.timeout_s or 0.0, retriable=action == "retry", backstop_s=backstop_s
+            job.attempt, job.timeout_s or 0.0, retriable=action == "retry", backstop_s=backstop_s, where=where
         )
         job.log.warning(
             "job_timed_out", timeout_s=job.timeout_s, action=action, by="batcher" if result is not None else "scheduler"
