@@ -80,6 +80,7 @@ CLIENT_PRIVATE_NAMES = (
     "_init_request_sub",
     # publish_command, send_commands: what Client.publish checks and where it queues a command
     "_send_command",
+    "_pending",
     "_flush_pending",
     "_flush_queue",
     "_pending_data_size",
@@ -175,10 +176,15 @@ async def request(
     responses: dict[str, asyncio.Future[Msg]] = client._resp_map
     responses[token] = future
     timer = loop.call_later(timeout_s, _expire, future)
+    queued: bytes | None = None
     try:
         reply = client._resp_sub_prefix.decode() + token
-        await send_commands(client, [publish_command(client, subject, reply, payload, headers)], len(payload))
+        queued = await send_commands(client, [publish_command(client, subject, reply, payload, headers)], len(payload))
         msg = await future
+    except BaseException:
+        if queued is not None:
+            withdraw_unsent(client, queued)
+        raise
     finally:
         timer.cancel()
         responses.pop(token, None)
@@ -318,9 +324,10 @@ def publish_command(
     )
 
 
-async def send_commands(client: Any, commands: list[bytes], payload_bytes: int) -> None:
+async def send_commands(client: Any, commands: list[bytes], payload_bytes: int) -> bytes:
     """Queues publish commands built by `publish_command` as one write: what `Client.publish`
-    does per message (its connection checks, stats and flush), once for all of them."""
+    does per message (its connection checks, stats and flush), once for all of them. Returns the
+    bytes queued, which `withdraw_unsent` takes back while they are not yet sent."""
     if client.is_closed:
         raise nats.errors.ConnectionClosedError
     if client.is_draining_pubs:
@@ -335,6 +342,27 @@ async def send_commands(client: Any, commands: list[bytes], payload_bytes: int) 
     await client._send_command(data)
     if client._flush_queue is not None and client._flush_queue.empty():
         await client._flush_pending()
+    return data
+
+
+def withdraw_unsent(client: Any, queued: bytes) -> bool:
+    """Takes commands queued by `send_commands` (the very bytes it returned) out of nats-py's
+    pending buffer if they are still there, unsent; True if they were. Called when their caller
+    stops waiting for the answer (a timeout, a cancel). Why: while the connection is down nats-py
+    keeps what is published in that buffer (up to its pending_size, 2 MiB) and sends it once
+    reconnected, long after the request timed out. A work message left there was stored then and
+    its job ran, although its submit had been answered UNAVAILABLE (and a client that submitted
+    again had two jobs). Taken back, a request that timed out was either never sent or sent
+    before its answer was lost: the second is the ambiguity of any lost acknowledgement, the first
+    is now certain. Bytes gone from the buffer were written to the socket (nats-py's flusher takes
+    the whole list at once) and are not replayed after a reconnect."""
+    pending: list[bytes] = client._pending
+    for index, command in enumerate(pending):
+        if command is queued:
+            del pending[index]
+            client._pending_data_size = max(0, client._pending_data_size - len(queued))
+            return True
+    return False
 
 
 async def js_publish_many(
@@ -357,6 +385,8 @@ async def js_publish_many(
     unsent: Exception | None = None
     commands: list[bytes] = []
     payload_bytes = 0
+    queued: bytes | None = None
+    answered = False
     try:
         for subject, payload, headers in publishes:
             token = _next_token()
@@ -372,11 +402,14 @@ async def js_publish_many(
             futures.append(future)
         if commands:
             try:
-                await send_commands(client, commands, payload_bytes)
+                queued = await send_commands(client, commands, payload_bytes)
             except Exception as exc:  # the connection closed or is draining: none was sent
                 _fail_all(futures, exc)
         answers = await asyncio.gather(*futures, return_exceptions=True)
+        answered = all(isinstance(answer, Msg) for answer in answers)
     finally:
+        if queued is not None and not answered:  # (answered: they were sent)
+            withdraw_unsent(client, queued)
         timer.cancel()
         for token in tokens:
             responses.pop(token, None)

@@ -212,7 +212,9 @@ class JobSubmitter:
         except BaseException:
             # Not accepted. (A publish whose every answer was lost for enqueue_retry_s may still
             # have landed: its job then runs although its caller was told UNAVAILABLE, the
-            # ambiguity of any lost acknowledgement; an idempotency key makes the retry safe.)
+            # ambiguity of any lost acknowledgement; an idempotency key makes the retry safe. One
+            # never sent is not sent later: the adapter takes it back out of nats-py's reconnect
+            # buffer when its attempt times out, asyncinfer.nats._fastpath.withdraw_unsent.)
             self._admission.release_model_slot(model, slot)
             raise
         finally:
