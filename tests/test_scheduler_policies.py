@@ -22,9 +22,11 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
+from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.commands.ops import attempts_text, dead_letter_json, dead_letter_text
+from asyncinfer.commands.output import attempt_text, job_summary, job_text
 from asyncinfer.config import Config
 from asyncinfer.contract import (
     DEAD_SUBJECTS,
@@ -62,7 +64,15 @@ from asyncinfer.queues import (
     write_snapshots,
 )
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.v1 import error_pb2, ops_service_pb2, ops_service_pb2_grpc, worker_service_pb2
+from asyncinfer.v1 import (
+    error_pb2,
+    job_service_pb2,
+    ops_service_pb2,
+    ops_service_pb2_grpc,
+    tensor_pb2,
+    worker_service_pb2,
+)
+from services.console import pages_jobs
 from services.scheduler import app as scheduler_app
 from services.scheduler import dead_letters, held_pulls, queue_stats
 from services.scheduler.app import SchedulerApp
@@ -71,6 +81,7 @@ from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers, waited_s
 from tests.nats_probes import RequestsSeen
 from tests.silent_proxy import SilentProxy
+from tests.stack import StartStack
 
 MODEL = "demo"
 TENANT = "default"
@@ -741,6 +752,47 @@ async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(star
     shown = dead_letter_json(listed)  # what `asyncinfer dlq` and the console's pages print
     assert attempts_text(shown) == "2 (4 more given back)"
     assert "attempts    2 (4 more given back)" in dead_letter_text(shown)
+
+
+async def test_getjob_the_sdk_the_cli_and_the_console_count_attempts_without_those_given_back(
+    start_stack: StartStack, config: Config
+) -> None:
+    """The job of the test above, submitted and read through a real gateway: GetJob, the SDK's Job,
+    `asyncinfer get`'s and `watch`'s lines and the console's job page and list said "6/6" and
+    "6 of 6" (`attempt` against `max_attempts`, each raised by every attempt given back); they say
+    "2 of 2 (4 given back)". GetJob keeps the fencing number and adds given_back_attempts."""
+    stack = await start_stack(tune(config), batcher=False)
+    batcher = FakeBatcher(stack.scheduler.port, "b1")
+    try:
+        await batcher.connect()
+        await batcher.grant(1)
+        x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+        x.contents.fp32_contents.extend([1.0, 2.0, 3.0, 4.0])
+        request = job_service_pb2.SubmitJobRequest(model_name=MODEL, inputs=[x], max_attempts=2)
+        job_id = (await stack.jobs.SubmitJob(request)).job.job_id
+        for attempt in range(1, 7):
+            order = await batcher.next_order()
+            assert (order.job_id, order.attempt) == (job_id, attempt)
+            if attempt <= 4:
+                shed = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+                await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))
+            else:
+                await batcher.fail(order, MODEL_ERROR)
+            await batcher.grant(1)
+        await wait_state(stack.nc.jetstream(), job_id, JobState.FAILED)
+    finally:
+        await batcher.close()
+
+    got = (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+    assert (got.attempt, got.max_attempts, got.given_back_attempts) == (6, 6, 4)
+    async with AsyncClient(stack.address) as client:
+        job = await client.get(job_id)
+    assert (job.attempt, job.given_back_attempts, job.spent_attempts, job.allowed_attempts) == (6, 4, 2, 2)
+    assert attempt_text(job) == "2 of 2 (4 given back)"
+    assert "attempt     2 of 2 (4 given back)" in job_text(job).splitlines()  # asyncinfer get
+    assert "  attempt 2 of 2 (4 given back)  " in job_summary(job)  # asyncinfer watch, list
+    assert "<tr><td>attempt</td><td>2 of 2 (4 given back)</td></tr>" in pages_jobs.job_details(job, time.time())
+    assert "2 of 2 (4 given back)" in pages_jobs._job_row(job, time.time())
 
 
 # --- deadlines and timeouts -------------------------------------------------------------------

@@ -155,6 +155,8 @@ class Job:
     model_version: str
     state: JobState
     priority: Priority
+    # `attempt` and `max_attempts` count the attempts given back too (the record's fencing number,
+    # and its limit raised by one for each): `spent_attempts` of `allowed_attempts` is a person's count.
     attempt: int
     max_attempts: int
     revision: int
@@ -185,11 +187,28 @@ class Job:
     batcher_id: str = ""
     # Its OpenTelemetry trace ID when the gateway traces jobs (the caller's, given a traceparent).
     trace_id: str = ""
+    # The attempts given back, which did not count against its limit: shed by a batcher, put back
+    # by a scheduler's stop, a batcher gone before its order went out, an input read retried. 0 from
+    # a gateway of a release before.
+    given_back_attempts: int = 0
 
     @property
     def done(self) -> bool:
         """True in a terminal state: nothing about the job changes any more."""
         return self.state.is_terminal
+
+    @property
+    def spent_attempts(self) -> int:
+        """The attempts that counted against its limit, the one running included: `attempt` less
+        those given back. A job of max_attempts 2 given back four times then failing twice has
+        spent 2 (at `attempt` 6)."""
+        return self.attempt - self.given_back_attempts
+
+    @property
+    def allowed_attempts(self) -> int:
+        """The attempts it may spend: `max_attempts` less the one added for each attempt given back
+        (its max_attempts as submitted, plus any replay's)."""
+        return self.max_attempts - self.given_back_attempts
 
     @property
     def succeeded(self) -> bool:

@@ -184,6 +184,13 @@ def _violations(violations: tuple[FieldViolation, ...]) -> list[str]:
     return [f"            {v.field}: {v.description}" for v in violations]
 
 
+def attempt_text(job: Job) -> str:
+    """The attempt as a person counts it, "2 of 2", and those given back apart: "2 of 2 (4 given
+    back)" where `attempt`/`max_attempts` say 6/6 (each attempt given back raises both)."""
+    counted = f"{job.spent_attempts} of {job.allowed_attempts}"
+    return f"{counted} ({job.given_back_attempts} given back)" if job.given_back_attempts else counted
+
+
 def job_summary(job: Job) -> str:
     """One line: what a watcher or a list wants to see of a job now."""
     parts = [job.job_id, job.state.value]
@@ -192,7 +199,7 @@ def job_summary(job: Job) -> str:
         if job.queue.waiting_reason is not None:
             parts.append(f"waiting: {job.queue.waiting_reason.value}")
     if job.attempt > 1 or (job.attempt and job.state.value == "RUNNING"):
-        parts.append(f"attempt {job.attempt}/{job.max_attempts}")
+        parts.append(f"attempt {attempt_text(job)}")
     if job.progress is not None:
         if job.progress.fraction is not None:
             parts.append(f"{job.progress.fraction:.0%}")
@@ -213,7 +220,7 @@ def job_text(
         f"model       {job.model_name}" + (f" (version {job.model_version})" if job.model_version else ""),
         f"state       {job.state.value}",
         f"priority    {job.priority.value}",
-        f"attempt     {job.attempt}/{job.max_attempts}",
+        f"attempt     {attempt_text(job)}",
         f"created     {_time(job.create_time)}",
     ]
     if job.end_time is not None:

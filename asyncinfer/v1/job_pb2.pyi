@@ -442,6 +442,7 @@ class Job(_message.Message):
     CALLBACK_DELIVERIES_FIELD_NUMBER: _builtins.int
     BATCHER_ID_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    GIVEN_BACK_ATTEMPTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Time-sortable ID (UUIDv7, canonical text form)."""
     model_name: _builtins.str
@@ -450,9 +451,16 @@ class Job(_message.Message):
     state: Global___JobState.ValueType
     priority: Global___Priority.ValueType
     attempt: _builtins.int
-    """1 for the first run; incremented on each retry. 0 while it has never been dispatched."""
+    """1 for the first run; incremented on each dispatch, so it also counts the attempts given back
+    (see given_back_attempts). 0 while it has never been dispatched. The record's fencing number:
+    a result or progress report names the attempt it is of.
+    """
     max_attempts: _builtins.int
-    """The most attempts it gets."""
+    """The most attempts it gets, raised by one for each attempt given back (and by a replay's
+    budget). A person's count is attempt - given_back_attempts of max_attempts -
+    given_back_attempts: a job of max_attempts 2 given back four times and failing twice ends at
+    attempt 6 of 6, "attempt 2 of 2 (4 given back)".
+    """
     idempotency_key: _builtins.str
     """The idempotency key it was submitted with, if any."""
     revision: _builtins.int
@@ -466,6 +474,12 @@ class Job(_message.Message):
     trace_id: _builtins.str
     """The job's OpenTelemetry trace ID (32 hex digits) when the gateway traces jobs (tracing.enabled):
     the caller's own when it sent a W3C traceparent in its SubmitJob metadata. Empty otherwise.
+    """
+    given_back_attempts: _builtins.int
+    """The attempts given back over the job's life, which did not count against max_attempts: shed by
+    a batcher, put back by a scheduler's stop, a batcher gone before its order went out, an input
+    read retried. Both attempt and max_attempts include them. 0 from an older gateway, or for a job
+    whose record an older scheduler wrote (its attempt then counts them unseen).
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -579,10 +593,11 @@ class Job(_message.Message):
         callback_deliveries: _abc.Iterable[Global___CallbackDelivery] | None = ...,
         batcher_id: _builtins.str = ...,
         trace_id: _builtins.str = ...,
+        given_back_attempts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "callback", b"callback", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "input_ref", b"input_ref", "last_error", b"last_error", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "run_duration", b"run_duration", "start_time", b"start_time", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "trace_id", b"trace_id", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "given_back_attempts", b"given_back_attempts", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "trace_id", b"trace_id", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

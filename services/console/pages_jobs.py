@@ -14,6 +14,7 @@ from aiohttp import web
 
 from asyncinfer.client import CallbackDeliveryState, Job, JobState, why_not_served
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from asyncinfer.commands.output import attempt_text
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
@@ -136,7 +137,7 @@ def _job_row(job: Job, now: float) -> list[str]:
         ui.state(job.state.value),
         ui.h(job.model_name),
         ui.h(job.priority.value),
-        ui.h(f"{job.attempt}/{job.max_attempts}"),
+        ui.h(attempt_text(job)),
         ui.text(labels) if labels else "-",
         ui.when(job.create_time),
         ui.seconds(_queued_so_far(job, now)),
@@ -187,7 +188,7 @@ def job_details(job: Job, now: float, *, why_waiting: str = "") -> str:
         ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
         ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
         ("priority", ui.h(job.priority.value)),
-        ("attempt", ui.h(f"{job.attempt} of {job.max_attempts}")),
+        ("attempt", ui.h(attempt_text(job))),
         ("labels", ui.text(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),

@@ -182,6 +182,7 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
         outputs=[to_output_proto(t) for t in record.outputs],
         revision=record.revision,
         batcher_id=record.batcher_id,
+        given_back_attempts=record.given_back_attempts,
     )
     if record.traceparent:
         job.trace_id = trace_id_of(record.traceparent)
