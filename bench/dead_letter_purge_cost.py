@@ -1,10 +1,11 @@
-"""What a purge of dead letters by sequence costs (OpsService.PurgeDeadLetters with `sequences`: each
-letter read, then deleted), outside the stack: a fresh nats-server, 1,000 letters stored, then purged one
-at a time (each read, then each deleted, a round trip each: the purge before grouping) and grouped
-(DeadLetterStore.get_many, then delete_many: LETTERS_AT_ONCE requests in flight, as the purge now does),
-alternated, five rounds, with letters holding a 1x4 FP32 input and a 64 KiB one. Both delete without a
-secure erase (no_erase: the erase cost 6.4 s against 1.0 s, in the section before this one's in
-bench/results/dead_letter_purge_cost.txt). Wall time, this process's CPU and nats-server's.
+"""What a purge of dead letters by sequence costs (OpsService.PurgeDeadLetters with `sequences`: every
+letter known to be there, then each deleted), outside the stack: a fresh nats-server, 1,000 letters
+stored, then purged two ways, alternated, five rounds, with letters holding a 1x4 FP32 input and a 64 KiB
+one: each letter read to know it is there (DeadLetterStore.get_many, LETTERS_AT_ONCE reads in flight: the
+purge before) and the stream's first, last and deleted sequences asked instead (DeadLetterStore.missing:
+one or two stream infos, no letter read), each then deleted with delete_many, without a secure erase.
+Wall time, this process's CPU and bytes received, nats-server's CPU. (One at a time against grouped, and
+the erase, are the earlier sections of bench/results/dead_letter_purge_cost.txt.)
 
     .venv/bin/python -m bench.dead_letter_purge_cost
 
@@ -69,22 +70,20 @@ async def measure(url: str, nats_pid: int) -> None:
     await ensure_dead_letter_stream(js, config.nats)
     store = DeadLetterStore(nc, js, config.nats)
 
-    async def one_at_a_time(sequences: list[int]) -> None:
-        for sequence in sequences:  # as PurgeDeadLetters did: each read, then each deleted
-            assert await store.get(sequence) is not None
-        for sequence in sequences:
-            assert await store.delete(sequence)
-
-    async def grouped(sequences: list[int]) -> None:
+    async def letters_read(sequences: list[int]) -> None:  # as PurgeDeadLetters did
         assert None not in await store.get_many(sequences)
         assert all(outcome is True for outcome in await store.delete_many(sequences))
 
+    async def stream_info(sequences: list[int]) -> None:  # as it does now
+        assert await store.missing(sequences) == []
+        assert all(outcome is True for outcome in await store.delete_many(sequences))
+
     ways: dict[str, Callable[[list[int]], Awaitable[None]]] = {
-        "one at a time": one_at_a_time,
-        f"grouped ({LETTERS_AT_ONCE} at once)": grouped,
+        f"letters read ({LETTERS_AT_ONCE} at once)": letters_read,
+        "stream info, none read": stream_info,
     }
     for values, size_label in ((4, "1x4 FP32 input"), (16_384, "64 KiB input")):
-        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ways}
+        results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in ways}
         letter_bytes = 0
         for _ in range(ROUNDS):
             for name, purge in ways.items():
@@ -95,20 +94,22 @@ async def measure(url: str, nats_pid: int) -> None:
                     stored = await asyncio.gather(*(store.add(one, retention_s=3600.0) for one in group))
                     sequences += [one.sequence for one in stored]
                 letter_bytes = len(group[0].original)
+                received_before = nc.stats["in_bytes"]
                 nats_before, client_before, started = cpu_seconds(nats_pid), time.process_time(), time.perf_counter()
                 await purge(sequences)
                 wall_ms = 1000 * (time.perf_counter() - started)
                 client_ms = 1000 * (time.process_time() - client_before)
                 nats_ms = 1000 * (cpu_seconds(nats_pid) - nats_before)
+                received_mb = (nc.stats["in_bytes"] - received_before) / 1e6
                 assert await store.count() == 0
-                results[name].append((wall_ms, client_ms, nats_ms))
+                results[name].append((wall_ms, client_ms, nats_ms, received_mb))
         print(f"\n{LETTERS} letters with a {size_label} (original {letter_bytes} B), median of {ROUNDS} rounds:")
         for name, rows in results.items():
-            wall, client, server = (statistics.median(column) for column in zip(*rows, strict=True))
+            wall, client, server, received = (statistics.median(column) for column in zip(*rows, strict=True))
             print(
-                f"  {name:24s} {wall:7.0f} ms ({wall / LETTERS:.2f} ms a letter; rounds "
-                f"{', '.join(f'{row[0]:.0f}' for row in rows)}), this process {client:5.0f} CPU-ms, "
-                f"nats-server {server:5.0f} CPU-ms"
+                f"  {name:26s} {wall:7.0f} ms ({wall / LETTERS:.2f} ms a letter; rounds "
+                f"{', '.join(f'{row[0]:.0f}' for row in rows)}), this process {client:5.0f} CPU-ms and "
+                f"{received:6.2f} MB received, nats-server {server:5.0f} CPU-ms"
             )
     await nc.close()
 

@@ -32,7 +32,7 @@ from asyncinfer.contract import dead_subject as dead_subject
 from asyncinfer.jobs import JobError, WorkEnvelope
 from asyncinfer.nats import APIError, JetStreamContext, NotFoundError, api
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.streams import delete_message, ensure_stream, publish_durably
+from asyncinfer.nats.streams import delete_message, ensure_stream, publish_durably, stored_sequences
 
 # JetStream's answer to a delete of a message that is not there (10057: "no message found").
 NO_MESSAGE_FOUND = 10057
@@ -43,6 +43,12 @@ DELETE_TIMEOUT_S = 5.0
 # Letters read, deleted or replayed at once by a purge or replay by sequence (each one request, or a
 # few, to nats-server): one at a time, each waited out its round trip before the next was sent.
 LETTERS_AT_ONCE = 32
+# A purge by sequence learns which letters are there from the stream's list of deleted sequences
+# (DeadLetterStore.missing) while it holds at most this many (~8 bytes each: 400 KB); past that it
+# reads each letter.
+MOST_DELETED_LISTED = 50_000
+# A stream info's request waits this long for the answer.
+INFO_TIMEOUT_S = 5.0
 # A dead letter outlives its job's record by this much (the record's own retention counts from the
 # job's end; the letter is written just after).
 DEAD_LETTER_SLACK_S = 3600.0
@@ -212,6 +218,20 @@ class DeadLetterStore:
                 raise outcome
             letters.append(outcome)
         return letters
+
+    async def missing(self, sequences: Sequence[int]) -> list[int]:
+        """Those of `sequences` with no letter, in their order, found without reading a letter: the
+        stream's first and last sequence and those deleted between (`stored_sequences`, one or two
+        stream infos). A purge by sequence read each whole letter to know it was there (1,000
+        letters of 64 KiB inputs: 87 MB). Past MOST_DELETED_LISTED deleted, each letter is read."""
+        stored = await stored_sequences(
+            self._nc, self._stream, most_deleted=MOST_DELETED_LISTED, timeout_s=INFO_TIMEOUT_S
+        )
+        if stored is not None:
+            return [sequence for sequence in sequences if not stored.holds(sequence)]
+        found = await self.get_many([sequence for sequence in dict.fromkeys(sequences) if sequence > 0])
+        present = {letter.sequence for letter in found if letter is not None}
+        return [sequence for sequence in sequences if sequence not in present]
 
     async def page(self, *, model_name: str = "", after: int = 0, limit: int = 50) -> list[DeadLetter]:
         """Up to `limit` letters with sequences above `after`, oldest first."""

@@ -122,6 +122,18 @@ def _sequences_text(sequences: list[int]) -> str:
     return text + (f" and {len(sequences) - SEQUENCES_NAMED} more" if len(sequences) > SEQUENCES_NAMED else "")
 
 
+def _refuse_missing(missing: list[int]) -> None:
+    """NOT_FOUND naming the sequences given that have no letter, before any is replayed or purged
+    (as when they were read one at a time)."""
+    if missing:
+        raise NotFound(
+            f"no dead letter with sequence {missing[0]}"
+            + (f" ({len(missing)} of the sequences given have none)" if len(missing) > 1 else ""),
+            reason="DEAD_LETTER_NOT_FOUND",
+            metadata={"missing_sequences": _sequences_text(missing)},
+        )
+
+
 def partly_done(verb: str, done: int, asked: int, failures: list[tuple[int, Exception]]) -> Exception:
     """The error of a purge or replay of which `failures` ((sequence, why), in the request's order)
     failed while `done` of the `asked` letters were purged or replayed: the first failure's status
@@ -251,18 +263,22 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             raise NotFound(f"no dead letter with sequence {sequence}", reason="DEAD_LETTER_NOT_FOUND")
         return letter
 
-    async def _selected(self, sequences: list[int], every: bool, model_name: str) -> list[DeadLetter]:
+    def _check_selection(self, sequences: list[int], every: bool, model_name: str) -> None:
         self._known_model(model_name)
         if sequences and every:
             raise InvalidArgument(
                 "give sequences or all, not both", [FieldViolation("all", "cannot be combined with sequences")]
             )
-        if every:
-            return await self._letters.all(model_name=model_name)
-        if not sequences:
+        if not every and not sequences:
             raise InvalidArgument(
                 "give the dead letters' sequences, or all = true", [FieldViolation("sequences", "none given")]
             )
+
+    async def _selected(self, sequences: list[int], every: bool, model_name: str) -> list[DeadLetter]:
+        """The letters a replay names (by sequence, or all of the model's), read: it replays them."""
+        self._check_selection(sequences, every, model_name)
+        if every:
+            return await self._letters.all(model_name=model_name)
         # A sequence given twice is one letter (the second replay found it gone: NOT_REPLAYABLE
         # after the first had run it; the second purge was answered UNAVAILABLE).
         unique = [sequence for sequence in dict.fromkeys(sequences) if sequence > 0]
@@ -270,15 +286,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             found = await self._letters.get_many(unique)
         letters = [letter for letter in found if letter is not None]
         present = {letter.sequence for letter in letters}
-        missing = [sequence for sequence in dict.fromkeys(sequences) if sequence not in present]
-        if missing:
-            # Before any is replayed or purged, as when they were read one at a time.
-            raise NotFound(
-                f"no dead letter with sequence {missing[0]}"
-                + (f" ({len(missing)} of the sequences given have none)" if len(missing) > 1 else ""),
-                reason="DEAD_LETTER_NOT_FOUND",
-                metadata={"missing_sequences": _sequences_text(missing)},
-            )
+        _refuse_missing([sequence for sequence in dict.fromkeys(sequences) if sequence not in present])
         return letters
 
     async def ReplayDeadLetters(
@@ -329,20 +337,25 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
     async def PurgeDeadLetters(
         self, request: ops_service_pb2.PurgeDeadLettersRequest, context: Context
     ) -> ops_service_pb2.PurgeDeadLettersResponse:
-        self._known_model(request.model_name)
-        if request.all and not request.sequences:
+        self._check_selection(list(request.sequences), request.all, request.model_name)
+        if request.all:
             purged = await self._letters.purge(model_name=request.model_name)
         else:
-            letters = await self._selected(list(request.sequences), request.all, request.model_name)
-            outcomes = await self._letters.delete_many([letter.sequence for letter in letters])
+            # Every one must be there before any is deleted; the stream's sequences say so, no
+            # letter read (a replay reads its letters in _selected: it re-publishes them).
+            sequences = list(dict.fromkeys(request.sequences))
+            with nats_unavailable("cannot read the dead letters"):
+                missing = await self._letters.missing(sequences)
+            _refuse_missing(missing)
+            outcomes = await self._letters.delete_many(sequences)
             purged = sum(outcome is True for outcome in outcomes)
             failures = [
-                (letter.sequence, outcome)
-                for letter, outcome in zip(letters, outcomes, strict=True)
+                (sequence, outcome)
+                for sequence, outcome in zip(sequences, outcomes, strict=True)
                 if isinstance(outcome, Exception)
             ]
             if failures:
-                raise partly_done("purged", purged, len(letters), failures)
+                raise partly_done("purged", purged, len(sequences), failures)
         log.info("dead_letters_purged", purged=purged, model=request.model_name or None)
         return ops_service_pb2.PurgeDeadLettersResponse(
             purged=purged, remaining=await self._letters.count(model_name=request.model_name)
