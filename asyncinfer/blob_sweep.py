@@ -1,5 +1,5 @@
 """The object store's sweep: deletes every object past its expiry, finishes the deletes a crash
-interrupted, and purges the chunks of uploads that never got a meta (asyncinfer.blobs writes
+interrupted, and purges the chunks of objects that never got a meta (asyncinfer.blobs writes
 the layout; the scheduler's sweeper, services.scheduler.blobs, runs this on a timer).
 
 Removing is the store's compare-and-set (`BlobStore.remove`: a tombstone on the meta's subject
@@ -12,7 +12,7 @@ import time
 
 import structlog
 
-from asyncinfer.blob_meta import INPUT_KIND, BlobInfo, parse_meta
+from asyncinfer.blob_meta import BlobInfo, parse_meta
 from asyncinfer.blobs import WRONG_LAST_SEQUENCE, BlobStore
 from asyncinfer.nats import (
     OBJ_ALL_META_PRE_TEMPLATE,
@@ -33,14 +33,17 @@ LIST_CONSUMER_INACTIVE_S = 1.0
 
 async def sweep(store: BlobStore, now: float | None = None, *, orphans_after_s: float | None = None) -> int:
     """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
-    many were removed. With `orphans_after_s`, also the chunks of uploads that never got a
-    meta (a gateway killed mid-upload) and saw no chunk for that long: they would count
-    against their tenant's stored bytes for ever."""
+    many were removed. With `orphans_after_s`, also the chunks of objects that never got a
+    meta and saw no chunk for that long: an upload's whose gateway was killed mid-upload (they
+    would count against their tenant's stored bytes for ever), and a result's whose scheduler
+    or batcher (claim_check_io) died, or lost NATS, while storing it (counted against no
+    tenant, they would fill the store for ever). A live put stores a chunk far more often:
+    see docs/ARCHITECTURE.md, "Orphaned chunks"."""
     now = time.time() if now is None else now
     removed = 0
-    # The chunk subjects are listed before the metas, so an upload made visible meanwhile has
+    # The chunk subjects are listed before the metas, so an object made visible meanwhile has
     # its meta in the list (and one made visible later wrote its last chunk just now).
-    chunk_subjects = await _input_chunk_subjects(store) if orphans_after_s is not None else []
+    chunk_subjects = await _chunk_subjects(store) if orphans_after_s is not None else []
     metas = await list_objects(store)
     if orphans_after_s is not None:
         removed += await _purge_orphans(store, chunk_subjects, {info.nuid for info in metas}, now, orphans_after_s)
@@ -90,9 +93,10 @@ async def list_objects(store: BlobStore) -> list[BlobInfo]:
     return found
 
 
-async def _input_chunk_subjects(store: BlobStore) -> list[str]:
+async def _chunk_subjects(store: BlobStore) -> list[str]:
+    """Every object's chunk subject: uploads' (`in.<tenant>.<nuid>`) and results' (`<nuid>`)."""
     info = await store.js.stream_info(
-        store.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj=f"{INPUT_KIND}.>")
+        store.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj=">")
     )
     return list(info.state.subjects or {})
 
@@ -108,7 +112,7 @@ async def _purge_orphans(store: BlobStore, subjects: list[str], named: set[str],
         except NotFoundError:
             continue
         if last.time is None or now - last.time.timestamp() < idle_s:
-            continue  # an upload still streaming, or just made visible
+            continue  # an object still being stored, or just made visible
         await store.js.purge_stream(store.stream, subject=subject)
         log.warning("blob_orphan_chunks_purged", subject=subject)
         purged += 1

@@ -81,6 +81,12 @@ CHUNK_READ_TIMEOUT_S = 5.0  # a chunk's read from the stream leader, likewise
 # one that is behind (just resumed, catching up) answers 404 for chunks the leader acknowledged.
 # Short, because a direct get that fails or misses is asked again of the leader (`_get_chunk`).
 DIRECT_READ_TIMEOUT_S = 1.0
+# A result's put that took this long reads its first chunk back before its meta. A live put stores
+# a chunk at least every 10 s and its meta within 15 s of its last chunk (each publish is acked
+# within CHUNK_PUBLISH_TIMEOUT_S or the put fails), far inside the sweep's orphan bound (at least
+# 300 s) while its process runs; one paused meanwhile (SIGSTOP, a frozen VM) counts none of those
+# timeouts and may find its chunks purged as a dead put's. Under this, nothing is read back.
+SLOW_PUT_CHECKED_AFTER_S = 60.0
 ROLLUP_HEADERS: dict[str, Any] = {ROLLUP_HEADER: "sub"}
 WRONG_LAST_SEQUENCE = 10071
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -157,6 +163,7 @@ class BlobStore:
         pending: list[asyncio.Task[int]] = []
         sequences: list[int] = []
         buffer = bytearray()
+        started = time.monotonic()
 
         async def send(payload: bytes | memoryview) -> None:
             nonlocal count
@@ -192,8 +199,10 @@ class BlobStore:
                 await send(bytes(buffer))
             sequences.extend(await asyncio.shield(asyncio.gather(*pending)))
             pending.clear()
-            if nuid.startswith(INPUT_KIND + "."):  # the sweep purges no result's chunks
+            if nuid.startswith(INPUT_KIND + "."):
                 await self._check_chunks_kept(chunk_subject, count)
+            elif sequences and time.monotonic() - started >= SLOW_PUT_CHECKED_AFTER_S:
+                await self._check_first_chunk_kept(chunk_subject, sequences[0])
             sha256 = digest.hexdigest()
             if expected_size is not None and expected_size != total:
                 message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
@@ -255,6 +264,19 @@ class BlobStore:
                 reason="UPLOAD_CHUNKS_LOST",
                 metadata={"stored_chunks": str(count), "kept_chunks": str(kept)},
             )
+
+    async def _check_first_chunk_kept(self, chunk_subject: str, sequence: int) -> None:
+        """Raises Unavailable (RESULT_CHUNKS_LOST) when the put's first chunk is gone: the sweep
+        purges an orphan's chunk subject whole, so the first chunk is there if none was purged.
+        A read, not a stream info: a batcher's NATS user may read chunks, not the stream's info."""
+        try:
+            await self._chunk_at(chunk_subject, sequence)
+        except BlobCorrupt as exc:
+            raise Unavailable(
+                "the result's stored chunks were purged while it was stored (it took so long that the store's "
+                "sweep took them for a dead put's): nothing was kept",
+                reason="RESULT_CHUNKS_LOST",
+            ) from exc
 
     async def put_bytes(
         self, tenant: str, ref: str, data: bytes, *, expires_at: float, chunk_bytes: int = CHUNK_BYTES

@@ -7,6 +7,7 @@ runs are in tests/test_claim_check.py, tests/test_batches.py and tests/test_batc
 
 from __future__ import annotations
 
+import asyncio
 import io
 import time
 from collections.abc import AsyncIterator
@@ -17,16 +18,21 @@ import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 
-from asyncinfer import ranged_inputs
+from asyncinfer import blobs, ranged_inputs
 from asyncinfer.blob_meta import attempt_result_ref, new_input_ref
+from asyncinfer.blob_sweep import list_objects, sweep
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.errors import Unavailable
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, tensor_pb2, worker_service_pb2
 from services.batcher.app import BatcherApp
-from tests.test_batcher_worker import FakeScheduler, batcher_under_test, serving
+from services.scheduler.blobs import orphan_age_s
+from tests.silent_proxy import SilentProxy
+from tests.test_batcher_results import HUGE
+from tests.test_batcher_worker import FakeScheduler, batcher_under_test, order, serving
 
 TENANT = "acme"
 
@@ -182,3 +188,91 @@ async def test_a_batcher_without_claim_check_io_refuses_an_input_ref(
         assert "claim_check_io" in result.error.message
     finally:
         await app.stop(grace_s=1.0)
+
+
+async def test_the_chunks_of_a_result_whose_put_died_midway_are_swept_once_past_the_bound(
+    config: Config, nc: NatsClient, scheduler: tuple[FakeScheduler, int], store: BlobStore
+) -> None:
+    """A batcher (or scheduler) that dies or loses NATS in the middle of storing a result leaves
+    chunks that no meta names: its purge of them never arrives. The sweep purged only uploads'
+    such chunks, so these stayed for ever (counted against no tenant, filling the store)."""
+    fake, port = scheduler
+    proxy = SilentProxy(int(config.nats.url.rsplit(":", 1)[1]))
+    await proxy.start()
+    app = BatcherApp(
+        batcher_config(config, port, claim_check_io=True).replace(
+            nats={"url": f"nats://127.0.0.1:{proxy.port}"}, models=[HUGE]
+        )
+    )
+    await app.start()
+    bucket = config.nats.objects_bucket
+    # Hears each result chunk as it is stored (headers only: they are 512 KiB each).
+    stored = await nc.jetstream().subscribe(
+        f"$O.{bucket}.C.*", stream=f"OBJ_{bucket}", ordered_consumer=True, headers_only=True
+    )
+    try:
+        connection = await fake.next_connection(1)
+        job_id = "01a2b3c4-0000-7000-8000-000000000007"
+        work = order(job_id, np.ones((1, 4), np.float32), model="huge")  # 68 MB of outputs: 136 chunks
+        work.order.tenant = TENANT
+        work.order.store_outputs_over_bytes = 1024
+        work.order.output_name = attempt_result_ref(job_id, 1)
+        work.order.result_retention.CopyFrom(duration_pb2.Duration(seconds=600))
+        connection.send(work)
+        first = await stored.next_msg(timeout=60)
+        proxy.silence()  # the batcher's link to NATS goes dead mid-put: no more chunks, nor the purge
+        async with connection.changed:
+            await asyncio.wait_for(connection.changed.wait_for(lambda: (job_id, 1) in connection.results), 60)
+        assert connection.results[(job_id, 1)].error.reason == "NATS_UNAVAILABLE"
+        await proxy.cut()
+    finally:
+        await stored.unsubscribe()
+        await app.stop(grace_s=1.0)
+        await proxy.stop()
+
+    left = await nc.jetstream().stream_info(f"OBJ_{bucket}", subjects_filter=first.subject)
+    assert (left.state.subjects or {}).get(first.subject, 0) >= 1, "the put's purge must not have landed"
+    assert [info.name for info in await list_objects(store)] == []  # no meta names them
+    bound = orphan_age_s(config)
+    assert await sweep(store, orphans_after_s=bound) == 0  # stored just now: maybe a put still going
+    assert await sweep(store, time.time() + bound + 1, orphans_after_s=bound) == 1
+    left = await nc.jetstream().stream_info(f"OBJ_{bucket}", subjects_filter=f"$O.{bucket}.C.>")
+    assert not left.state.subjects
+
+
+async def test_a_result_put_whose_chunks_were_swept_under_it_is_refused_not_stored_cut(
+    config: Config, store: BlobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put paused past the sweep's bound (a process stopped, a VM frozen: its own timeouts do not
+    run) finds its first chunks purged as a dead put's: it reads its first chunk back before its
+    meta when it took SLOW_PUT_CHECKED_AFTER_S (here 0: the clock of a long pause)."""
+    monkeypatch.setattr(blobs, "SLOW_PUT_CHECKED_AFTER_S", 0.0, raising=False)
+    swept = asyncio.Event()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"\x01" * 1000
+        await swept.wait()
+        yield b"\x02" * 1000
+
+    stored = await store.js.subscribe(f"$O.{store.bucket}.C.*", stream=store.stream, ordered_consumer=True)
+    ref = attempt_result_ref("01a2b3c4-0000-7000-8000-000000000008", 1)
+    put = asyncio.ensure_future(
+        store.put(TENANT, ref, chunks(), expires_at=time.time() + 600, max_bytes=1 << 20, chunk_bytes=1000)
+    )
+    try:
+        await stored.next_msg(timeout=30)  # its first chunk is stored
+    finally:
+        await stored.unsubscribe()
+    bound = orphan_age_s(config)
+    assert await sweep(store, time.time() + bound + 1, orphans_after_s=bound) == 1
+    swept.set()
+    with pytest.raises(Unavailable) as refused:
+        await put
+    assert refused.value.reason == "RESULT_CHUNKS_LOST"
+    assert [info.name for info in await list_objects(store)] == []
+    assert await _chunk_subjects_of(store) == []
+
+
+async def _chunk_subjects_of(store: BlobStore) -> list[str]:
+    info = await store.js.stream_info(store.stream, subjects_filter=f"$O.{store.bucket}.C.>")
+    return list(info.state.subjects or {})
