@@ -44,9 +44,14 @@ async def sweep(store: BlobStore, now: float | None = None, *, orphans_after_s: 
     # The chunk subjects are listed before the metas, so an object made visible meanwhile has
     # its meta in the list (and one made visible later wrote its last chunk just now).
     chunk_subjects = await _chunk_subjects(store) if orphans_after_s is not None else []
-    metas = await list_objects(store)
+    metas, complete = await _listed_objects(store)
     if orphans_after_s is not None:
-        removed += await _purge_orphans(store, chunk_subjects, {info.nuid for info in metas}, now, orphans_after_s)
+        if complete:
+            named = {info.nuid for info in metas}
+            removed += await _purge_orphans(store, chunk_subjects, named, now, orphans_after_s)
+        else:
+            # A meta missing from the list would make a live object's chunks look orphaned.
+            log.warning("blob_orphan_purge_skipped", reason="the listing of metas ended before its last")
     for info in metas:
         if not (info.deleted or info.expired(now)):
             continue
@@ -61,12 +66,21 @@ async def sweep(store: BlobStore, now: float | None = None, *, orphans_after_s: 
 
 
 async def list_objects(store: BlobStore) -> list[BlobInfo]:
-    """Every object's latest meta (deleted ones included), via an ordered consumer."""
+    """Every object's latest meta (deleted ones included), via an ordered consumer; fewer when
+    the listing stalled (see _listed_objects)."""
+    metas, _complete = await _listed_objects(store)
+    return metas
+
+
+async def _listed_objects(store: BlobStore) -> tuple[list[BlobInfo], bool]:
+    """Every object's latest meta, and whether the list is whole: False when the consumer went
+    quiet for LIST_IDLE_TIMEOUT_S before its last message (a busy server) or sent nothing where a
+    meta was seen. Only a whole list may tell an orphan's chunks from a live object's."""
     subject = OBJ_ALL_META_PRE_TEMPLATE.format(bucket=store.bucket)
     try:
         await store.js.get_last_msg(store.stream, subject)
     except NotFoundError:
-        return []
+        return [], True
     sub = await store.js.subscribe(
         subject,
         # Named, so that nats-py does not look the stream up by subject ($JS.API.STREAM.NAMES):
@@ -77,20 +91,24 @@ async def list_objects(store: BlobStore) -> list[BlobInfo]:
         inactive_threshold=LIST_CONSUMER_INACTIVE_S,
     )
     found: list[BlobInfo] = []
+    complete = False
     try:
         while True:
             try:
                 msg = await sub.next_msg(timeout=LIST_IDLE_TIMEOUT_S)
             except NatsTimeoutError:
-                break  # purged between the look and the subscribe: nothing more to see
+                # Purged between the look and the subscribe, or a server too busy to send the
+                # rest in time: which, this listing cannot tell.
+                break
             parsed = parse_meta(msg.data, msg.metadata.sequence.stream)
             if parsed is not None:
                 found.append(parsed)
             if msg.metadata.num_pending == 0:
+                complete = True
                 break
     finally:
         await sub.unsubscribe()
-    return found
+    return found, complete
 
 
 async def _chunk_subjects(store: BlobStore) -> list[str]:

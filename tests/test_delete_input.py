@@ -25,6 +25,7 @@ from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
 from asyncinfer.blob_sweep import list_objects, sweep
 from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.nats import NatsTimeoutError
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
 from services.scheduler.blobs import orphan_age_s
@@ -187,6 +188,41 @@ async def test_the_sweeper_purges_chunks_a_crashed_upload_left_and_keeps_live_on
     assert await sweep(store, time.time() + 301, orphans_after_s=300) == 1
     assert await stored_chunks(stack, "acme") == 1
     assert (await store.info("acme", live.ref, now=time.time())).ref.sha256 == live.sha256
+
+
+async def test_a_sweep_whose_listing_of_metas_stalls_purges_no_chunks(
+    gateway_only: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The listing of metas ends on a quiet spell (LIST_IDLE_TIMEOUT_S): on a busy server it can
+    stop before its last meta, and a live upload whose meta was not listed looked orphaned, its
+    chunks purged once past the bound (every read of it then failed). The orphan purge now runs
+    only on a whole listing. Played by a subscription that goes quiet after its first message."""
+    stack = gateway_only
+    kept = [await upload(stack.jobs, inputs_bytes(np.ones((2, 4)) * i)) for i in range(2)]
+    store = stack.blobs
+    subscribe = store.js.subscribe
+
+    async def stalling(*args: object, **kwargs: object) -> object:
+        sub = await subscribe(*args, **kwargs)  # type: ignore[arg-type]
+        next_msg = sub.next_msg
+        sent = 0
+
+        async def one_then_quiet(**wait: float) -> object:
+            nonlocal sent
+            if sent:
+                raise NatsTimeoutError
+            sent += 1
+            return await next_msg(**wait)
+
+        sub.next_msg = one_then_quiet  # type: ignore[method-assign]
+        return sub
+
+    monkeypatch.setattr(store.js, "subscribe", stalling)
+    assert await sweep(store, time.time() + 301, orphans_after_s=300) == 0
+    monkeypatch.undo()
+    assert await stored_chunks(stack, "acme") == 2
+    for ref in kept:
+        assert (await store.info("acme", ref.ref, now=time.time())).ref.sha256 == ref.sha256
 
 
 async def test_an_upload_whose_chunks_the_sweep_purged_as_it_streamed_is_refused_not_stored_cut(
