@@ -4,6 +4,7 @@ where the test needs one."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -500,3 +502,94 @@ def test_a_gateway_that_does_not_answer_is_said_at_once_then_its_hint() -> None:
     assert lines[0].endswith("does not answer yet; trying again for a few seconds")
     assert sum("trying again" in line for line in lines) == 1
     assert any("nothing listens there" in line for line in lines)
+
+
+# Arguments that are file paths: the file system's bytes, opened here and never sent as text.
+PATH_ARGUMENTS = frozenset({"-f/--request", "--tls-ca", "--tls-cert", "--tls-key"})
+
+
+def _client_commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Each client command's parser (one with a handler), nested ones (batch create) included."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _client_commands(sub, (*path, name))
+    if callable(parser.get_default("handler")):
+        yield path, parser
+
+
+def _valued(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.nargs != 0 and not isinstance(a, argparse._SubParsersAction)]
+
+
+@pytest.mark.unit
+def test_every_argument_sent_as_text_refuses_bytes_that_are_not_utf8_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Bytes of an argument that are not UTF-8 reach Python as lone surrogates, which protobuf (or
+    gRPC's metadata) refuses with a traceback once the call is made: `get $'caf\\xe9'`, `submit demo
+    -i $'caf\\xe9=1'`, `--api-key`, `--gateway`, ... Each command's every argument that takes a value,
+    but for file paths, is now a usage error (2) naming it, before anything is sent; found by walking
+    the parser, so an argument added later without the check fails here."""
+    from asyncinfer.cli import build_parser
+
+    parser = build_parser()
+    refusals: dict[str, tuple[object, str]] = {}  # "command argument": (exit code, stderr)
+    for command, sub in _client_commands(parser):
+        valued = _valued(sub)
+        for target in valued:
+            name = "/".join(target.option_strings) or str(target.metavar or target.dest)
+            if name in PATH_ARGUMENTS or target.type is Path:
+                continue
+            argv = list(command)
+            for action in valued:  # the command's required arguments, filled with a valid value
+                value = "k=caf\udce9" if action is target else "1"
+                if not action.option_strings:
+                    argv.append(value)
+                elif action is target or action.required:
+                    argv += [action.option_strings[-1], value]
+            capsys.readouterr()
+            code: object = 0
+            try:
+                parser.parse_args(argv)
+            except SystemExit as exited:
+                code = exited.code
+            refusals[f"{' '.join(command)} {name}"] = (code, capsys.readouterr().err)
+    let_through = {
+        argument: err for argument, (code, err) in refusals.items()
+        if code != 2 or f"argument {argument.rpartition(' ')[2]}: " not in err
+    }  # fmt: skip
+    checked = list(refusals)
+    assert let_through == {}
+    for expected in ("submit model", "submit -i/--input", "submit --shape", "get job_id", "batch create --model",
+                     "batch download batch_id", "queue pause model", "dlq list --model", "list --api-key",
+                     "stats --gateway", "cancel --reason", "queue drain --instance"):  # fmt: skip
+        assert expected in checked, checked
+    # A file named in -i is the file system's bytes, read here: not refused.
+    assert parser.parse_args(["submit", "demo", "-i", "x=@caf\udce9.npy"]).input == ["x=@caf\udce9.npy"]
+
+
+@pytest.mark.unit
+def test_a_key_or_address_from_the_environment_that_cannot_be_sent_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The variables' values are not arguments argparse checks: an API key that is not printable
+    ASCII (gRPC metadata) and an address whose bytes are not UTF-8 were tracebacks at the first call."""
+    from asyncinfer.cli import main
+
+    monkeypatch.delenv("ASYNCINFER_GATEWAY_ADDRESS", raising=False)
+    monkeypatch.delenv("ASYNCINFER_SCHEDULER_ADDRESS", raising=False)
+    for variable, value, says in (
+        ("ASYNCINFER_API_KEY", "café", "asyncinfer: ASYNCINFER_API_KEY: a key is printable ASCII"),
+        ("ASYNCINFER_GATEWAY_ADDRESS", "caf\udce9:1", "asyncinfer: ASYNCINFER_GATEWAY_ADDRESS='caf\\udce9:1' is not UTF-8"),
+    ):  # fmt: skip
+        with monkeypatch.context() as env:
+            env.setenv(variable, value)
+            capsys.readouterr()
+            assert main(["get", "01a24a3a-cd4b-7284-bc8e-00301d897e79", "--timeout", "1"]) == 2
+            assert capsys.readouterr().err.startswith(says)
+    monkeypatch.setenv("ASYNCINFER_OPS_KEY", "caf\udce9")
+    assert main(["stats", "--once", "--timeout", "1"]) == 2
+    assert capsys.readouterr().err.startswith("asyncinfer: ASYNCINFER_OPS_KEY: a key is printable ASCII")

@@ -16,6 +16,7 @@ import sys
 from asyncinfer.client import AsyncInferClientError
 from asyncinfer.commands import batches, bulk, jobs, ops
 from asyncinfer.commands.hints import connection_hint
+from asyncinfer.commands.inputs import header_argument, text_argument
 from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
 from asyncinfer.commands.output import (
     EXIT_INTERRUPTED,
@@ -56,12 +57,14 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
     group.add_argument(
         "--gateway",
         metavar="ADDR",
+        type=text_argument,
         default=default,
         help=f"the gateway's JobService (env ASYNCINFER_GATEWAY_ADDRESS; default {DEFAULT_GATEWAY})",
     )
     group.add_argument(
         "--scheduler",
         metavar="ADDR",
+        type=text_argument,
         default=default,
         help=f"the scheduler's OpsService, for dlq, queue and stats (env ASYNCINFER_SCHEDULER_ADDRESS; "
         f"default {DEFAULT_SCHEDULER})",
@@ -69,12 +72,14 @@ def add_client_options(parser: argparse.ArgumentParser, *, top_level: bool = Fal
     group.add_argument(
         "--api-key",
         metavar="KEY",
+        type=header_argument,
         default=default,
         help="API key of role tenant, sent to the gateway only (env ASYNCINFER_API_KEY)",
     )
     group.add_argument(
         "--ops-key",
         metavar="KEY",
+        type=header_argument,
         default=default,
         help="API key of role ops, sent to the scheduler by dlq, queue and stats (env ASYNCINFER_OPS_KEY). "
         "They never send --api-key instead: the scheduler takes no tenant key, and a tenant's key is not "

@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState, BlobRef
-from asyncinfer.commands.inputs import LABEL_HELP, idempotency_key_argument, label_argument, parse_key_values
+from asyncinfer.commands.inputs import (
+    LABEL_HELP,
+    idempotency_key_argument,
+    label_argument,
+    parse_key_values,
+    text_argument,
+)
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
@@ -48,8 +54,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "to the end (exit 1 unless COMPLETED) and writes --out and --errors.",
     )
     create.add_argument("file", type=Path)
-    create.add_argument("--model", required=True)
-    create.add_argument("--version", default="", help="the model version (default: the one served)")
+    create.add_argument("--model", required=True, type=text_argument)
+    create.add_argument("--version", default="", type=text_argument, help="the model version (default: the one served)")
     create.add_argument("--format", choices=["jsonl", "npy", "npz"], help="the file's format (default: detected)")
     create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
     create.add_argument("--window", type=_positive_seconds, metavar="SECONDS", help="completion window (default 24 h)")
@@ -78,7 +84,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         ("cancel", cancel_command, "cancel a batch (what finished is kept)"),
     ):
         verb = verbs.add_parser(name, help=text)
-        verb.add_argument("batch_id")
+        verb.add_argument("batch_id", type=text_argument)
         add_options(verb)
         verb.set_defaults(handler=handler)
 
@@ -88,7 +94,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     listing.set_defaults(handler=list_command)
 
     download = verbs.add_parser("download", help="write a batch's output (and error) file")
-    download.add_argument("batch_id")
+    download.add_argument("batch_id", type=text_argument)
     download.add_argument(
         "--out",
         type=Path,

@@ -47,7 +47,7 @@ from asyncinfer.client import (
     NotFoundError,
     UnavailableError,
 )
-from asyncinfer.commands.inputs import Signatures, request_from_json
+from asyncinfer.commands.inputs import Signatures, request_from_json, text_argument
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
@@ -72,7 +72,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     )
     bulk.add_argument("file", type=Path, help="JSON lines, one request each; - reads them from stdin (with --out)")
     bulk.add_argument("--out", type=Path, help="results file (default: requests.jsonl -> requests.results.jsonl)")
-    bulk.add_argument("--model", default="", help="the model of lines that name none")
+    bulk.add_argument("--model", default="", type=text_argument, help="the model of lines that name none")
     bulk.add_argument("--window", type=int, default=256, help="requests in flight on the stream (default 256)")
     bulk.add_argument("--concurrency", type=int, default=64, help="large results read at once (default 64)")
     bulk.add_argument("--no-wait", action="store_true", help="only submit; a later run waits and writes results")

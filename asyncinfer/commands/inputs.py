@@ -124,11 +124,29 @@ def parse_key_values(items: Sequence[str], what: str) -> dict[str, str]:
 LABEL_HELP = "a label (repeatable); the first '=' ends the key, the value may hold more"
 
 
+def text_argument(text: str) -> str:
+    """The type of every argument sent to the gateway or the scheduler as text (a model, a version,
+    an ID, a reason, a URL, an instance name): UTF-8 text. Bytes of an argument that are not UTF-8
+    reach Python as lone surrogates (U+DC80-U+DCFF, one a byte), which protobuf refuses with a
+    traceback once the call is made; as a type, argparse says it as a usage error (exit 2) naming
+    the flag, before anything is sent."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02X}" if byte is not None else f"character {text[exc.start]!r}"
+        raise argparse.ArgumentTypeError(
+            f"not UTF-8 text ({what} at position {exc.start}); it is sent as UTF-8: "
+            "is the terminal's or the script's encoding another?"
+        ) from None
+    return text
+
+
 def label_argument(text: str) -> str:
     """--label's type: KEY=VALUE, split at the first '=' (the value may hold more, or be empty; the
     key may not be empty), in UTF-8 text. Any other character is the gateway's to judge (it limits
     bytes, not characters), and none is normalized: a label matches only the same code points."""
-    _utf8_argument(text)
+    text_argument(text)
     key, sep, _ = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"give KEY=VALUE (a value may be empty, a key not), not {text!r}")
@@ -138,24 +156,40 @@ def label_argument(text: str) -> str:
 def idempotency_key_argument(text: str) -> str:
     """--idempotency-key's type: UTF-8 text, not empty. An empty one was taken as none given: a
     command run with an unset variable (`--idempotency-key "$KEY"`) queued anew each time."""
-    _utf8_argument(text)
+    text_argument(text)
     if not text:
         raise argparse.ArgumentTypeError("it is empty (an unset variable?): give a key, or leave the option out")
     return text
 
 
-def _utf8_argument(text: str) -> None:
-    """Bytes of an argument that are not UTF-8 reach Python as lone surrogates (U+DC80-U+DCFF, one
-    a byte), which cannot be sent: protobuf refused them with a traceback."""
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        byte = ord(text[exc.start]) - 0xDC00 if 0xDC80 <= ord(text[exc.start]) <= 0xDCFF else None
-        what = f"byte 0x{byte:02X}" if byte is not None else f"character {text[exc.start]!r}"
-        raise argparse.ArgumentTypeError(
-            f"not UTF-8 text ({what} at position {exc.start}); labels and keys are sent as UTF-8: "
-            "is the terminal's or the script's encoding another?"
-        ) from None
+def input_argument(text: str) -> str:
+    """--input's type: NAME=VALUE whose NAME, and VALUE unless it names a file (@PATH: a path is
+    the file system's bytes, read here, never sent), are UTF-8 text."""
+    name, sep, value = text.partition("=")
+    text_argument(name)
+    if sep and not value.startswith("@"):
+        text_argument(text)
+    return text
+
+
+def header_argument(text: str) -> str:
+    """--api-key's and --ops-key's type: sent as gRPC metadata, which takes printable ASCII only
+    (grpcio raised UnicodeEncodeError or ExecuteBatchError, a traceback, at the first call)."""
+    problem = header_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def header_problem(text: str) -> str | None:
+    """Why a key cannot be sent as a gRPC header value, or None."""
+    for position, character in enumerate(text):
+        if not " " <= character <= "~":
+            return (
+                f"a key is printable ASCII (it is sent as a gRPC header); character {character!r} at position "
+                f"{position} is not"
+            )
+    return None
 
 
 def datatype_overrides(items: Sequence[str]) -> tuple[str | None, dict[str, str]]:

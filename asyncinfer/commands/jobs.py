@@ -31,10 +31,12 @@ from asyncinfer.commands.inputs import (
     LABEL_HELP,
     Signatures,
     idempotency_key_argument,
+    input_argument,
     inputs_from_arguments,
     label_argument,
     parse_key_values,
     request_from_json,
+    text_argument,
 )
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
@@ -64,15 +66,30 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         "signature (as the gateway's ListModels gives it, or --config's) where it is known, else from --datatype or "
         "the values.",
     )
-    submit.add_argument("model", nargs="?", default="", help="the model (or give it in the request file)")
-    submit.add_argument("-i", "--input", action="append", default=[], metavar="NAME=VALUE", help="an input")
+    submit.add_argument(
+        "model", nargs="?", default="", type=text_argument, help="the model (or give it in the request file)"
+    )
+    submit.add_argument(
+        "-i", "--input", action="append", default=[], type=input_argument, metavar="NAME=VALUE", help="an input"
+    )
     submit.add_argument("-f", "--request", metavar="FILE", help="a JSON request file; - reads stdin")
     submit.add_argument(
-        "--datatype", action="append", default=[], metavar="[NAME=]TYPE", help="datatype of an input (FP32, ...)"
+        "--datatype",
+        action="append",
+        default=[],
+        type=text_argument,
+        metavar="[NAME=]TYPE",
+        help="datatype of an input (FP32, ...)",
     )
-    submit.add_argument("--shape", action="append", default=[], metavar="NAME=D1,D2", help="reshape an input")
     submit.add_argument(
-        "--version", default="", metavar="V", help="run on this model version (default: the model's default)"
+        "--shape", action="append", default=[], type=text_argument, metavar="NAME=D1,D2", help="reshape an input"
+    )
+    submit.add_argument(
+        "--version",
+        default="",
+        type=text_argument,
+        metavar="V",
+        help="run on this model version (default: the model's default)",
     )
     submit.add_argument("--priority", choices=[p.value for p in Priority], type=str.upper)
     submit.add_argument(
@@ -89,7 +106,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     submit.add_argument("--execution-timeout", type=float, metavar="SECONDS", help="longest one run may take")
     submit.add_argument("--retention", type=float, metavar="SECONDS", help="keep the result this long")
     submit.add_argument("--max-attempts", type=int, default=0, metavar="N")
-    submit.add_argument("--callback", metavar="URL", help="webhook called when the job ends")
+    submit.add_argument("--callback", type=text_argument, metavar="URL", help="webhook called when the job ends")
     submit.add_argument("--upload", action="store_true", help="send the inputs through UploadInput (large inputs)")
     submit.add_argument("--wait", action="store_true", help="wait for the end; exit 1 unless SUCCEEDED")
     submit.add_argument(
@@ -99,7 +116,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     submit.set_defaults(handler=submit_command)
 
     get = commands.add_parser("get", help="show a job (with its outputs)")
-    get.add_argument("job_id")
+    get.add_argument("job_id", type=text_argument)
     get.add_argument("--no-outputs", action="store_true", help="do not fetch or print outputs")
     add_options(get)
     get.set_defaults(handler=get_command)
@@ -107,13 +124,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     watch = commands.add_parser(
         "watch", help="follow a job until it ends (exit 1 unless SUCCEEDED)", description="Follow a job's changes."
     )
-    watch.add_argument("job_id")
+    watch.add_argument("job_id", type=text_argument)
     add_options(watch)
     watch.set_defaults(handler=watch_command)
 
     cancel = commands.add_parser("cancel", help="cancel jobs")
-    cancel.add_argument("job_ids", nargs="+", metavar="job_id")
-    cancel.add_argument("--reason", default="", help="kept in the job's error message")
+    cancel.add_argument("job_ids", nargs="+", type=text_argument, metavar="job_id")
+    cancel.add_argument("--reason", default="", type=text_argument, help="kept in the job's error message")
     add_options(cancel)
     cancel.set_defaults(handler=cancel_command)
 
@@ -123,9 +140,13 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
 
     listing = commands.add_parser("list", help="your jobs, newest first")
     listing.add_argument(
-        "--state", action="append", default=[], help="only these states (repeatable, or comma-separated)"
+        "--state",
+        action="append",
+        default=[],
+        type=text_argument,
+        help="only these states (repeatable, or comma-separated)",
     )
-    listing.add_argument("--model", default="", help="only this model's jobs")
+    listing.add_argument("--model", default="", type=text_argument, help="only this model's jobs")
     listing.add_argument(
         "--label",
         action="append",

@@ -23,7 +23,8 @@ from grpc import aio
 from asyncinfer.access import bearer_metadata
 from asyncinfer.client.errors import code_and_reason, from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
-from asyncinfer.commands.options import Options
+from asyncinfer.commands.inputs import text_argument
+from asyncinfer.commands.options import Options, sendable_key
 from asyncinfer.commands.output import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -56,7 +57,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     dlq = commands.add_parser("dlq", help="dead letters: list, show, replay, purge (on the scheduler)")
     actions = dlq.add_subparsers(dest="dlq_action", required=True)
     listing = actions.add_parser("list", help="dead letters, oldest first")
-    listing.add_argument("--model", default="", help="only this model's")
+    listing.add_argument("--model", default="", type=text_argument, help="only this model's")
     listing.add_argument("--limit", type=int, default=100, help="at most this many (default 100; 0: all)")
     add_options(listing)
     listing.set_defaults(handler=dlq_list)
@@ -68,7 +69,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         sub = actions.add_parser(name, help=f"{verb}: the SEQUENCEs given, or --all (of --model)")
         sub.add_argument("sequences", nargs="*", type=int, metavar="SEQUENCE")
         sub.add_argument("--all", action="store_true", help="every dead letter (of --model, when given)")
-        sub.add_argument("--model", default="", help="with --all: only this model's")
+        sub.add_argument("--model", default="", type=text_argument, help="with --all: only this model's")
         if name == "purge":
             sub.add_argument(
                 "-y", "--yes", action="store_true", help="with --all: do not ask first (needed without a terminal)"
@@ -80,7 +81,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     queue_actions = queue.add_subparsers(dest="queue_action", required=True)
     for name, verb in (("pause", "stop dispatching (jobs stay queued, reason PAUSED)"), ("resume", "dispatch again")):
         sub = queue_actions.add_parser(name, help=f"{verb}: MODEL's queue")
-        sub.add_argument("model")
+        sub.add_argument("model", type=text_argument)
         add_options(sub)
         sub.set_defaults(handler=queue_pause if name == "pause" else queue_resume)
     drain = queue_actions.add_parser(
@@ -102,7 +103,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     stats = commands.add_parser(
         "stats", help="a live table of the queues (GetQueueStats: every scheduler's counts together)"
     )
-    stats.add_argument("--model", default="", help="only this model")
+    stats.add_argument("--model", default="", type=text_argument, help="only this model")
     stats.add_argument("--once", action="store_true", help="print once and exit")
     stats.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes (default 2)")
     add_options(stats)
@@ -116,7 +117,7 @@ async def _ops_call(
     credentials = options.credentials()
     # The ops key alone: a key has one role, so --api-key (a tenant's, for the gateway) could only be
     # refused here, and it is not handed to a service that never takes it (NO_OPS_KEY says so).
-    key = options.ops_key
+    key = sendable_key(options.ops_key, "ASYNCINFER_OPS_KEY")
     interceptors: Any = [_WithKey(key)] if key else None
     channel = (
         aio.secure_channel(options.scheduler_target, credentials, interceptors=interceptors)
@@ -397,6 +398,7 @@ def _add_addressed(parser: argparse.ArgumentParser, verb: str) -> None:
     addressed.add_argument(
         "--instance",
         default="",
+        type=text_argument,
         metavar="NAME",
         help=f"only the scheduler of this instance name {verb} (as a drain prints it), whichever one is reached",
     )

@@ -15,6 +15,7 @@ import grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, tls_credentials
 from asyncinfer.client._targets import FORMS, target_problem
+from asyncinfer.commands.inputs import header_problem
 from asyncinfer.commands.output import UsageError
 
 DEFAULT_GATEWAY = "127.0.0.1:50051"
@@ -87,7 +88,7 @@ class Options:
         """A client of the gateway; make it inside the running event loop, and close it."""
         return AsyncClient(
             self.gateway_target,
-            api_key=self.api_key,
+            api_key=sendable_key(self.api_key, "ASYNCINFER_API_KEY"),
             timeout_s=self.call_timeout_s,
             credentials=self.credentials(),
             retry=RetryPolicy(on_retry=_say_retrying(self.gateway)),
@@ -103,7 +104,20 @@ def _address(args: argparse.Namespace, flag: str, variable: str, default: str) -
     return default, f"--{flag}"
 
 
+def sendable_key(key: str | None, variable: str) -> str | None:
+    """The key, or a UsageError where it cannot be sent (the flag's type checks it as given: this
+    is for the environment variable's)."""
+    problem = header_problem(key) if key is not None else None
+    if problem is not None:
+        raise UsageError(f"{variable}: {problem}")
+    return key
+
+
 def _reachable(address: str, where: str) -> str:
+    try:
+        address.encode()
+    except UnicodeEncodeError:  # the environment's bytes, not UTF-8 (the flag's type checks its own)
+        raise UsageError(f"{where}={address!r} is not UTF-8 text") from None
     problem = target_problem(address)
     if problem is not None:
         separator = " " if where.startswith("--") else "="
