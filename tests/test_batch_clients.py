@@ -10,8 +10,10 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -294,14 +296,62 @@ async def test_ctrl_c_once_uploaded_says_the_batch_may_exist_and_keeps_the_uploa
     assert (process.returncode, printed) == (130, ""), stderr
     said = re.fullmatch(
         r"asyncinfer: interrupted as the batch was being created: it may exist \(`asyncinfer batch list` shows "
-        r"it\); the same command with --idempotency-key nightly answers it rather than making another; if not, "
-        r"the upload (\S+) is deleted when its retention ends\n",
+        r"it\)\. To find it rather than make a second, run it again under its idempotency key: `asyncinfer batch "
+        rf"create {re.escape(str(source))} --model demo --idempotency-key nightly --gateway {stack.address}`; the "
+        r"key finds the batch until its completion window and the gateway's result retention have passed \(24 h \+ "
+        r"24 h by default\), and if no batch was made it makes it\. Otherwise the upload (\S+) is deleted when its "
+        r"retention ends\n",
         stderr,
     )
     assert said is not None, stderr
     async with AsyncClient(stack.address) as client:
         kept = await client.delete_input(said.group(1))  # still there: NotFoundError otherwise
     assert kept.size_bytes == source.stat().st_size
+
+
+async def test_ctrl_c_once_uploaded_names_the_key_whose_rerun_finds_the_batch(
+    config: Config, start_stack: StartStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C after the create reached the gateway, before its answer, with no --idempotency-key:
+    the key was the SDK's own, made up and lost with the process, so the batch could only be found
+    in `batch list`, and the command run again made a second batch over the same file. The CLI now
+    makes the key (a UUID4, as the SDK does) and names the command that runs again under it: that
+    command answers the batch made (deduplicated) rather than making another. The gateway here
+    makes the batch and then holds the first create's answer."""
+    made = asyncio.Event()
+    create = BatchService.CreateBatch
+
+    async def create_then_hold(service: BatchService, request: Any, context: Any) -> Any:
+        answer = await create(service, request, context)
+        if not made.is_set():
+            made.set()
+            await asyncio.Event().wait()
+        return answer
+
+    monkeypatch.setattr(BatchService, "CreateBatch", create_then_hold)  # before the gateway registers it
+    stack = await start_stack(small_batches(config))
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(demo_records(10)))
+    process = await interruptible_cli(
+        "batch", "create", str(source), "--model", "demo", "--label", "run=1", "--gateway", stack.address
+    )  # fmt: skip
+    await asyncio.wait_for(made.wait(), 60)
+    process.send_signal(signal.SIGINT)
+    printed, stderr = (text.decode() for text in await asyncio.wait_for(process.communicate(), 60))
+    assert (process.returncode, printed) == (130, ""), stderr
+    said = re.search(r"run it again under its idempotency key: `(asyncinfer batch create [^`]+)`", stderr)
+    assert said is not None, stderr
+    rerun = shlex.split(said.group(1))
+    key = rerun[rerun.index("--idempotency-key") + 1]
+    assert uuid.UUID(key).version == 4, key
+    async with AsyncClient(stack.address) as client:
+        (first,), _ = await client.list_batches()
+        assert first.idempotency_key == key
+        code, out, err = await cli(*rerun[1:])
+        assert (code, out.strip()) == (0, first.batch_id), err
+        assert f"batch {first.batch_id} was made earlier under this idempotency key" in err
+        assert [batch.batch_id for batch in (await client.list_batches())[0]] == [first.batch_id], "no second batch"
+        assert (await client.wait_batch(first.batch_id, timeout_s=60)).completed == 10
 
 
 async def test_ctrl_c_during_a_batch_create_wait_names_the_batch_that_goes_on(

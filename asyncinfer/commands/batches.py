@@ -14,6 +14,7 @@ import os
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -265,6 +266,11 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
             "this file is JSONL: give --out a .jsonl name"
         )
     size = args.file.stat().st_size
+    # Made here, not left to the SDK (which makes the same, a UUID4): a Ctrl-C before the create's
+    # answer can then name the key that finds the batch, so a rerun answers it rather than making a
+    # second one.
+    generated_key = args.idempotency_key is None
+    key: str = args.idempotency_key or str(uuid.uuid4())
     async with options.client() as client:
         uploaded: list[BlobRef] = []
         try:
@@ -280,15 +286,15 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
                         completion_window_s=args.window,
                         max_attempts=args.max_attempts,
                         labels=labels,
-                        idempotency_key=args.idempotency_key or "",
+                        idempotency_key=key,
                         on_uploaded=uploaded.append,
                     )
                 finally:
                     bar.close()
         except (asyncio.CancelledError, KeyboardInterrupt):  # Ctrl-C: what was made, if anything
-            print(_interrupted_create(args, uploaded), file=sys.stderr, flush=True)
+            print(_interrupted_create(args, options, uploaded, key), file=sys.stderr, flush=True)
             raise
-        if batch.deduplicated:
+        if batch.deduplicated and not generated_key:  # a key of its own: the SDK's retry found its first create
             print(
                 f"asyncinfer: batch {batch.batch_id} was made earlier under this idempotency key (it is "
                 f"{batch.state}); nothing new was queued",
@@ -322,23 +328,60 @@ def _goes_on(batch_id: str) -> str:
     )
 
 
-def _interrupted_create(args: argparse.Namespace, uploaded: list[BlobRef]) -> str:
+def _interrupted_create(args: argparse.Namespace, options: Options, uploaded: list[BlobRef], key: str) -> str:
     """What a Ctrl-C before the create was answered leaves: during the upload nothing (the gateway
-    purges an upload cut short, tests/test_batch_clients.py); after it, perhaps a batch."""
+    purges an upload cut short, tests/test_batch_clients.py); after it, perhaps a batch, which the
+    command run again under the same key answers (deduplicated) rather than making a second."""
     if not uploaded:
         return (
             "asyncinfer: interrupted during the upload: no batch was created, and the gateway discards the part of "
             f"{args.file} it was sent"
         )
-    again = (
-        f"; the same command with --idempotency-key {shlex.quote(args.idempotency_key)} answers it rather than making another"
-        if args.idempotency_key
-        else ""
-    )
+    api_key = " (and your --api-key)" if getattr(args, "api_key", None) else ""
     return (
-        "asyncinfer: interrupted as the batch was being created: it may exist (`asyncinfer batch list` shows it)"
-        f"{again}; if not, the upload {uploaded[0].ref} is deleted when its retention ends"
+        "asyncinfer: interrupted as the batch was being created: it may exist (`asyncinfer batch list` shows it). "
+        f"To find it rather than make a second, run it again under its idempotency key: `{_rerun(args, options, key)}`"
+        f"{api_key}; the key finds the batch until its completion window and the gateway's result retention have "
+        f"passed (24 h + 24 h by default), and if no batch was made it makes it. Otherwise the upload "
+        f"{uploaded[0].ref} is deleted when its retention ends"
     )
+
+
+def _rerun(args: argparse.Namespace, options: Options, key: str) -> str:
+    """The create command as given, under `key`: the batch's settings (a setting changed under the
+    key is refused, IDEMPOTENCY_KEY_REUSED), --wait and its files, and the client options given as
+    flags but the API key (not echoed to a terminal or a log)."""
+    argv = ["asyncinfer", "batch", "create", str(args.file), "--model", args.model]
+    for flag, value in (
+        ("--version", args.version or None),
+        ("--format", args.format),
+        ("--priority", args.priority),
+        ("--window", None if args.window is None else f"{args.window:g}"),
+        ("--max-attempts", str(args.max_attempts) if args.max_attempts else None),
+    ):
+        if value is not None:
+            argv += [flag, value]
+    for label in args.label:
+        argv += ["--label", label]
+    argv += ["--idempotency-key", key]
+    if args.wait:
+        argv.append("--wait")
+    for flag, path in (("--out", args.out), ("--errors", args.errors)):
+        if path is not None:
+            argv += [flag, str(path)]
+    for flag, name in (
+        ("--gateway", "gateway"),
+        ("--tls-ca", "tls_ca"),
+        ("--tls-cert", "tls_cert"),
+        ("--tls-key", "tls_key"),
+    ):
+        if given := getattr(args, name, None):
+            argv += [flag, given]
+    if getattr(args, "timeout", None) is not None:
+        argv += ["--timeout", f"{args.timeout:g}"]
+    if options.json:
+        argv.append("--json")
+    return shlex.join(argv)
 
 
 async def get_command(args: argparse.Namespace, options: Options) -> int:
