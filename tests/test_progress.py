@@ -28,6 +28,7 @@ from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2, worker_service_pb2
 from services.batcher.models.demo import PROGRESS_STEPS
+from tests import progress_models
 from tests.stack import StartStack
 from tests.test_client_sdk import FAST_RETRY, free_port
 from tests.test_scheduler import FakeBatcher
@@ -176,6 +177,44 @@ async def test_a_model_stops_working_on_a_job_cancelled_while_it_runs(config: Co
     assert final.state == job_pb2.JOB_STATE_CANCELED
     assert steps, "it reported before the cancel"
     assert max(steps) < PROGRESS_STEPS / 2, steps  # ~1 s of steps: it stopped soon after the cancel
+
+
+UNTIL_CANCELLED = DEMO_MODEL.model_copy(
+    update={
+        "name": "until-cancelled",
+        "loader": "tests.progress_models:build_until_cancelled_model",
+        "max_attempts": 1,
+    }
+)
+
+
+async def test_a_model_is_told_when_its_job_runs_past_its_execution_timeout(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A job of a plain model past its execution timeout: the model reads `progress.cancelled(row)`,
+    as README promises, and may stop. The batcher's timeout only failed the item; its order was then
+    forgotten with its channel closed, uncancelled, so the scheduler's cancel found nothing and
+    the model computed on (here: until the test released it)."""
+    progress_models.STARTED.clear()
+    progress_models.STOPPED.clear()
+    progress_models.RELEASE.clear()
+    stack = await start_stack(
+        config.replace(models=(DEMO_MODEL, UNTIL_CANCELLED), batcher={"progress_interval_ms": INTERVAL_MS})
+    )
+    try:
+        request = x_request("until-cancelled")
+        request.execution_timeout.FromMilliseconds(1000)
+        job = (await stack.jobs.SubmitJob(request)).job
+        try:
+            seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 30)
+        except TimeoutError:
+            raise AssertionError(f"job {job.job_id} did not end within 30 s") from None
+        assert seen[-1].state == job_pb2.JOB_STATE_TIMED_OUT
+        assert any(s.progress is not None for s in seen), "the model reported while it ran"
+        told = await asyncio.to_thread(progress_models.STOPPED.wait, 15)
+        assert told, "the model was not told that its job ran past its execution timeout"
+    finally:
+        progress_models.RELEASE.set()
 
 
 async def test_the_sdks_watch_keeps_the_latest_progress_on_every_running_snapshot(

@@ -336,7 +336,8 @@ class ModelQueue:
 
     def _time_out_items(self, task: asyncio.Task[None], when: float) -> None:
         """Answers the batch's items whose execution timeouts, counted from its start, ended by
-        `when` (TIMED_OUT: their scheduler records it), then waits for the next item's, or for the
+        `when` (TIMED_OUT: their scheduler records it; a model that reports progress is told, as
+        of a cancel), then waits for the next item's, or for the
         overrun. Counted from the batch's start, not from the order's arrival: an item that waited
         behind a slow or hung batch has not used any of its timeout (it timed out with it before)."""
         running = self._running.get(task)
@@ -351,6 +352,11 @@ class ModelQueue:
                 continue
             ends = running.started_at + item.run_timeout_s
             if ends <= now:
+                if item.progress is not None:
+                    # It cannot leave its batch, but a model that reports progress reads
+                    # `progress.cancelled(row)` and may stop; its order is forgotten once answered,
+                    # so the scheduler's cancel that follows finds nothing to signal.
+                    item.progress.cancel()
                 item.future.set_exception(run_timed_out(item.run_timeout_s))
                 ended += 1
             else:

@@ -12,9 +12,10 @@ embedding so far), so whatever report a reader gets is whole.
 
 Cancellation: a job cancelled while its batch runs cannot be taken out of the batch, but a model
 that reports progress can stop working on it: `progress.cancelled(row)` turns True once the row's
-item was cancelled (its channel's `cancel`, from the work session on the scheduler's cancel), as
-Triton's Python backend offers `request.is_cancelled()`. The row's outputs are then dropped, so a
-model that stops early may leave them as they are.
+item was cancelled or timed out (its channel's `cancel`: from the work session on the scheduler's
+cancel, from the model's queue at the item's execution timeout), as Triton's Python backend
+offers `request.is_cancelled()`. The row's outputs are then dropped, so a model that stops early
+may leave them as they are.
 
 Rate limit: an item's reports go to its channel (`ItemProgress`), which keeps only the latest and
 hands it on, on the event loop, at most once per `interval_s`; the one waiting when the item ends
@@ -142,7 +143,8 @@ class ItemProgress:
         return self._cancelled or (self._parent is not None and self._parent.cancelled)
 
     def cancel(self) -> None:
-        """The item's job was cancelled while its batch runs (on the event loop)."""
+        """The item's job was cancelled, or ran past its execution timeout, while its batch runs
+        (on the event loop)."""
         self._cancelled = True
 
     def offer(self, fraction: float | None, message: str, outputs: tuple[Tensor, ...]) -> None:
