@@ -36,6 +36,7 @@ INPUT_KIND = "in"
 RESULT_KIND = "out"
 # in/<id>, out/<job_id>, and out/<job_id>.<attempt> (outputs a batcher stored: attempt_result_ref).
 _REF_PATTERN = re.compile(r"^(in/([0-9a-f-]{36})|out/([0-9a-f-]{36})(\.[1-9][0-9]{0,8})?)$")
+_ATTEMPT_PATTERN = re.compile(r"[1-9][0-9]{0,8}")
 _SHA256_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 # Names of objects' chunk subjects, as nats-py's object store makes them (random prefix, then a count).
 CHUNK_NAMES = NUID()
@@ -60,6 +61,15 @@ def attempt_result_ref(job_id: str, attempt: int) -> str:
     """The object a batcher stores an attempt's outputs in (batcher.claim_check_io): one per
     attempt, so a late attempt that was fenced off cannot replace the one a record names."""
     return f"{RESULT_KIND}/{job_id}.{attempt}"
+
+
+def attempt_of_result_ref(job_id: str, ref: str) -> int | None:
+    """The attempt whose outputs `ref` names for the job (attempt_result_ref's form), or None for
+    any other name (an input, the scheduler's own out/<job_id>, another job's object)."""
+    prefix = f"{RESULT_KIND}/{job_id}."
+    if not ref.startswith(prefix) or _ATTEMPT_PATTERN.fullmatch(ref[len(prefix) :]) is None:
+        return None
+    return int(ref[len(prefix) :])
 
 
 def sequence_runs(sequences: list[int]) -> str:

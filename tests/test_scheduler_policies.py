@@ -16,15 +16,18 @@ from datetime import datetime, timedelta, tzinfo
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
+from asyncinfer.blobs import BlobStore, ensure_objects_bucket
+from asyncinfer.claim_check_io import store_outputs
 from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope
-from asyncinfer.codecs.record import decode_record
+from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.commands.ops import attempts_text, dead_letter_json, dead_letter_text
 from asyncinfer.commands.output import attempt_text, job_summary, job_text
 from asyncinfer.config import Config
@@ -39,6 +42,7 @@ from asyncinfer.contract import (
     stream_msg_delete_subject,
 )
 from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.errors import NotFound
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.idempotency_claims import (
     KEY_TTL_SLACK_S,
@@ -49,7 +53,7 @@ from asyncinfer.idempotency_claims import (
 )
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, Priority, job_key, job_work_subject
+from asyncinfer.jobs import PRIORITIES_BY_RANK, BlobRef, JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import KeyValue, NatsTimeoutError, NotFoundError, api
 from asyncinfer.nats.kv import KvBucket
@@ -64,8 +68,10 @@ from asyncinfer.queues import (
     write_snapshots,
 )
 from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import (
     error_pb2,
+    job_pb2,
     job_service_pb2,
     ops_service_pb2,
     ops_service_pb2_grpc,
@@ -74,11 +80,12 @@ from asyncinfer.v1 import (
 )
 from services.console import pages_jobs
 from services.scheduler import app as scheduler_app
-from services.scheduler import dead_letters, held_pulls, queue_stats
+from services.scheduler import dead_letters, held_pulls, leases, queue_stats
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers, waited_s
+from services.scheduler.stale_results import older_attempts_result, own_attempts_result
 from tests.nats_probes import RequestsSeen
 from tests.silent_proxy import SilentProxy
 from tests.stack import StartStack
@@ -149,10 +156,12 @@ class Harness:
         self.batchers: list[ScriptedBatcher] = []
         self.started = time.monotonic()
 
-    async def batcher(self, batcher_id: str = "b1", credits: int = 0) -> ScriptedBatcher:
+    async def batcher(
+        self, batcher_id: str = "b1", credits: int = 0, *, reads_claim_checks: bool = False
+    ) -> ScriptedBatcher:
         batcher = ScriptedBatcher(self.app.port, batcher_id)
         self.batchers.append(batcher)
-        await batcher.connect()
+        await batcher.connect(reads_claim_checks=reads_claim_checks)
         if credits:
             await batcher.grant(credits)
         return batcher
@@ -961,6 +970,152 @@ async def test_execution_timeout_with_retry_policy_runs_it_again(start: Start, c
     assert record.error.reason == "EXECUTION_TIMEOUT"
     (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest())).dead_letters
     assert letter.job_id == doomed
+
+
+# --- results stored for attempts no record names ------------------------------------------------
+
+
+async def store_attempts_result(store: BlobStore, order: worker_service_pb2.WorkOrder) -> job_pb2.BlobRef:
+    """What a batcher with claim_check_io does before it answers: the outputs stored under the
+    order's output_name (out/<job_id>.<attempt>), kept for the job's result retention."""
+    y = Tensor.from_numpy("y", np.full((1, 4), 2.0, np.float32))
+    stored = await store_outputs(store, TENANT, order.output_name, [y], expires_at=time.time() + 3600)
+    return job_pb2.BlobRef(ref=stored.ref, size_bytes=stored.size_bytes, sha256=stored.sha256)
+
+
+def object_gone(store: BlobStore, ref: str) -> Callable[[], Awaitable[bool]]:
+    async def gone() -> bool:
+        try:
+            await store.info(TENANT, ref)
+        except NotFound:
+            return True
+        return False
+
+    return gone
+
+
+@pytest.mark.unit
+def test_only_an_attempts_own_result_or_an_older_attempts_of_the_same_job_is_stale() -> None:
+    job_id, other_id = new_job_id(), new_job_id()
+
+    def ref(name: str) -> BlobRef:
+        return BlobRef(ref=name, size_bytes=1, sha256="ab" * 32)
+
+    assert own_attempts_result(job_id, 2, ref(f"out/{job_id}.2")) == f"out/{job_id}.2"
+    for name in (f"out/{job_id}.1", f"out/{job_id}", f"out/{other_id}.2", f"in/{job_id}"):
+        assert own_attempts_result(job_id, 2, ref(name)) is None
+    assert own_attempts_result(job_id, 2, None) is None
+    assert older_attempts_result(job_id, 3, ref(f"out/{job_id}.2")) == f"out/{job_id}.2"
+    for name in (
+        f"out/{job_id}.3",  # the attempt held: its own
+        f"out/{job_id}.4",
+        f"out/{job_id}",  # the scheduler's own result
+        f"out/{job_id}.0",
+        f"out/{job_id}.02",
+        f"out/{job_id}.2x",
+        f"out/{other_id}.1",
+        f"in/{job_id}",
+    ):
+        assert older_attempts_result(job_id, 3, ref(name)) is None, name
+
+
+async def test_a_result_stored_by_an_attempt_that_timed_out_is_deleted_when_it_answers(
+    start: Start, config: Config
+) -> None:
+    """A batcher with claim_check_io stores an attempt's outputs before it answers. An attempt
+    that ran past its execution timeout here is dropped when it answers at last: the object it
+    stored (out/<job_id>.1) is deleted then, not kept counted against its tenant for the job's
+    result retention (an hour here)."""
+    h = await start(tune(config, timeout_action="fail"))
+    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    batcher = await h.batcher(credits=1, reads_claim_checks=True)
+    job_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3)
+    order = await batcher.next_order()
+    assert order.output_name == f"out/{job_id}.1"
+    ref = await store_attempts_result(store, order)
+    assert (await batcher.next_cancel()).attempt == 1
+    await wait_state(h.js, job_id, JobState.TIMED_OUT)
+    await batcher.answer_stored(order, ref)
+    await until(object_gone(store, ref.ref))
+    timed_out = await read_record(h.js, job_id)
+    assert (timed_out.state, timed_out.result_ref) == (JobState.TIMED_OUT, None)
+
+
+async def test_results_of_superseded_attempts_are_deleted_when_answered_or_named(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attempt 1 times out and attempt 2 runs here. (1) Attempt 1 answers once its abandonment
+    is forgotten (30 s; forgotten at once here): a stale result, fenced off by the newer attempt
+    held, and the object it stored is deleted. (2) Attempt 2 answers naming attempt 1's object:
+    refused (INVALID_RESULT), and that object, an older attempt's, is deleted too."""
+    monkeypatch.setattr(leases, "PENDING_CANCEL_TTL_S", 0.0)  # the next abandonment forgets the older
+    # A retry's backoff of 1-2 s (equal jitter): time to give attempt 2 a longer execution timeout.
+    h = await start(tune(config, timeout_action="retry", retry_backoff_base_s=2.0, retry_backoff_max_s=2.0))
+    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    batcher = await h.batcher(credits=3, reads_claim_checks=True)
+    late_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3, max_attempts=2)
+    first = await batcher.next_order()
+    first_ref = await store_attempts_result(store, first)
+    assert (await batcher.next_cancel()).attempt == 1
+    backing_off = await wait_state(h.js, late_id, JobState.QUEUED)
+    await h.kv.update(
+        job_key(TENANT, late_id), encode_record(backing_off.evolve(execution_timeout_s=60.0)), last=backing_off.revision
+    )
+    second = await batcher.next_order(timeout_s=10.0)
+    assert (second.job_id, second.attempt, second.execution_timeout.ToSeconds()) == (late_id, 2, 60)
+    # Another job times out: its abandonment forgets late_id's attempt 1 (as 30 s would).
+    forgetting_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3, max_attempts=1)
+    assert (await batcher.next_order()).job_id == forgetting_id
+    assert (await batcher.next_cancel()).job_id == forgetting_id
+    with capture_logs() as logs:
+        await batcher.answer_stored(first, first_ref)
+        await until(object_gone(store, first_ref.ref))
+    assert [e["attempt_in_flight"] for e in logs if e["event"] == "stale_result_discarded"] == [2]
+    assert (await read_record(h.js, late_id)).state is JobState.RUNNING  # attempt 2 runs on
+
+    # Attempt 2 names attempt 1's object (stored again here, as a confused batcher might).
+    first_again = await store_attempts_result(store, first)
+    await batcher.answer_stored(second, first_again)
+    failed = await wait_state(h.js, late_id, JobState.FAILED)
+    assert failed.error is not None
+    assert failed.error.reason == "INVALID_RESULT"
+    await until(object_gone(store, first_again.ref))
+
+
+async def test_a_result_of_an_early_order_whose_running_write_lost_is_kept(start: Start, config: Config) -> None:
+    """An order sent before its RUNNING write whose write then loses (here: another scheduler
+    wrote the job's attempt 1 first) is cancelled and its answer dropped, but the object it names
+    is left alone: out/<job_id>.1 may be the other scheduler's attempt's result, the one its
+    record will name."""
+    h = await start(tune(config))
+    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    batcher = await h.batcher(reads_claim_checks=True)
+    job_id = await enqueue(h.nc, h.kv)
+    queued = decode_envelope(
+        (
+            await h.js.get_last_msg(
+                h.app.config.nats.work_stream, job_work_subject(MODEL, Priority.NORMAL, TENANT, job_id)
+            )
+        ).data
+    ).queued_record()
+    elsewhere = queued.evolve(state=JobState.RUNNING, attempt=1, update_time=time.time())
+    await h.kv.create(job_key(TENANT, job_id), encode_record(elsewhere))  # the other scheduler's write
+    with capture_logs() as logs:
+        await batcher.grant(1)
+        order = await batcher.next_order()
+        assert (order.job_id, order.attempt) == (job_id, 1)  # sent early, on the submit's own record
+        ref = await store_attempts_result(store, order)
+        assert (await batcher.next_cancel()).attempt == 1  # its write lost
+        await batcher.answer_stored(order, ref)
+
+        async def dropped() -> bool:
+            return any(e["event"] == "abandoned_attempt_answered" and e["job_id"] == job_id for e in logs)
+
+        await until(dropped)
+        await asyncio.wait_for(h.app.flow._tasks.close(), 10.0)  # any deletion it started has ended
+    info = await store.info(TENANT, ref.ref)
+    assert info.ref.sha256 == ref.sha256
+    assert not [e for e in logs if e["event"].startswith("stale_result_")]
 
 
 # --- cancellation ---------------------------------------------------------------------------

@@ -88,6 +88,15 @@ class ClaimCheckIO:
             expires_at=now + record.result_retention_s,
         )
 
+    async def delete_result(self, tenant: str, ref: str) -> bool:
+        """Deletes a result object no record names (before its expiry would); False when it was
+        already gone. Raises Unavailable on NATS trouble (the sweep then removes it at its expiry)."""
+        try:
+            await self._store.delete_live(tenant, ref)
+        except NotFound:
+            return False
+        return True
+
 
 class BlobSweeper:
     """Deletes expired claim-check objects every interval_s (a supervised loop; `stop` awaits it)."""

@@ -42,6 +42,7 @@ from services.scheduler.progress_relay import ProgressRelay
 from services.scheduler.queue_stats import BatchSizeCount
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import Settlement
+from services.scheduler.stale_results import StaleResults, own_attempts_result
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
@@ -78,6 +79,7 @@ class JobFlow:
         # (model, job ID) of a cancelled job whose work message was deleted.
         self.on_message_dropped: Callable[[str, str], None] = lambda _model, _job_id: None
         self._leases = Leases()
+        self._stale_results = StaleResults(claim_check, self._tasks)
         self._rates = CompletionRates(metrics)
         self._progress = ProgressRelay(
             nc=nc,
@@ -93,6 +95,7 @@ class JobFlow:
             metrics=metrics,
             dead_letters=dead_letters,
             claim_check=claim_check,
+            stale_results=self._stale_results,
             rng=rng or random.Random(),
         )
         self._dispatch = JobDispatch(
@@ -132,23 +135,34 @@ class JobFlow:
             # Its order may have gone out before its RUNNING write was answered (job_dispatch.py).
             await self._leases.settled_before(result.job_id, result.attempt)
             job = self._leases.fenced(session, result.job_id, result.attempt)
-        if job is None and self._leases.was_abandoned(result.job_id, result.attempt):
-            log.debug("abandoned_attempt_answered", job_id=result.job_id, attempt=result.attempt)
-            return
         if job is None:
-            held = self._leases.jobs.get(result.job_id)
-            log.warning(
-                "stale_result_discarded",
-                job_id=result.job_id,
-                attempt=result.attempt,
-                attempt_in_flight=held.attempt if held is not None else None,
-                batcher_id=session.batcher_id,
-            )
+            self._discard(session, result)
             return
         self._leases.release(job)
         if not result.dropped:
             self._rates.completed(job.model_name, result.batch_size)
         await self._store_result(job, result)
+
+    def _discard(self, session: BatcherSession, result: WorkResult) -> None:
+        """An answer of an attempt not in flight here: dropped, and the result it stored deleted
+        where no record can name it (services.scheduler.stale_results)."""
+        own_result = own_attempts_result(result.job_id, result.attempt, result.output_ref)
+        abandoned = self._leases.abandoned(result.job_id, result.attempt)
+        if abandoned is not None:
+            log.debug("abandoned_attempt_answered", job_id=result.job_id, attempt=result.attempt)
+            if abandoned.tenant:
+                self._stale_results.delete(abandoned.tenant, result.job_id, own_result, why="abandoned")
+            return
+        held = self._leases.jobs.get(result.job_id)
+        log.warning(
+            "stale_result_discarded",
+            job_id=result.job_id,
+            attempt=result.attempt,
+            attempt_in_flight=held.attempt if held is not None else None,
+            batcher_id=session.batcher_id,
+        )
+        if held is not None and held.attempt > result.attempt:
+            self._stale_results.delete(held.record.tenant, result.job_id, own_result, why="superseded")
 
     async def _store_result(self, job: InFlightJob, result: WorkResult) -> None:
         """Settles the attempt, trying again while NATS cannot take the write (away, or its store
@@ -272,7 +286,7 @@ class JobFlow:
 
     def _on_timeout(self, job: InFlightJob) -> None:
         # Its answer may still come (a model that does not stop at the cancel): expected, not stale.
-        self._leases.abandon(job.job_id, job.attempt)
+        self._leases.abandon(job.job_id, job.attempt, tenant=job.record.tenant)
         if not job.session.closed:
             job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
         self._tasks.spawn(self._settlement.timed_out(job))

@@ -14,7 +14,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -50,6 +50,18 @@ class InFlightJob:
     progress_writing: bool = field(default=False, repr=False)
 
 
+@dataclass(frozen=True, slots=True)
+class AbandonedAttempt:
+    """An attempt whose order was cancelled here: whatever its batcher still answers is dropped."""
+
+    at: float
+    # The job's tenant when the attempt was this scheduler's alone (it timed out here, after its
+    # RUNNING write): a result it stored names nothing a record will, and may be deleted. Empty
+    # for an order whose RUNNING write was lost: another scheduler may own that attempt number,
+    # its result stored under the same name (services.scheduler.stale_results).
+    tenant: str = ""
+
+
 class Leases:
     def __init__(self) -> None:
         self.jobs: dict[str, InFlightJob] = {}
@@ -58,7 +70,7 @@ class Leases:
         # Attempts whose order went out before their RUNNING write was answered (job_dispatch.py):
         # a result that comes first waits for the write; one of an abandoned attempt is expected.
         self._arriving: dict[tuple[str, int], asyncio.Event] = {}
-        self._abandoned: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()
+        self._abandoned: collections.OrderedDict[tuple[str, int], AbandonedAttempt] = collections.OrderedDict()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -120,12 +132,13 @@ class Leases:
         if not held:
             self.abandon(job_id, attempt)
 
-    def abandon(self, job_id: str, attempt: int) -> None:
+    def abandon(self, job_id: str, attempt: int, *, tenant: str = "") -> None:
         """Whatever the attempt's batcher still answers is dropped quietly: its order was
-        cancelled here (its RUNNING write lost, or it ran past its execution timeout)."""
+        cancelled here (its RUNNING write lost, or it ran past its execution timeout: then with
+        its `tenant`, its stored result being deletable; see AbandonedAttempt)."""
         now = time.monotonic()
-        _forget_before(self._abandoned, now - PENDING_CANCEL_TTL_S)
-        self._abandoned[(job_id, attempt)] = now
+        _forget_before(self._abandoned, now - PENDING_CANCEL_TTL_S, at=lambda abandoned: abandoned.at)
+        self._abandoned[(job_id, attempt)] = AbandonedAttempt(at=now, tenant=tenant)
 
     async def settled_before(self, job_id: str, attempt: int) -> None:
         """Returns once the attempt's RUNNING write was answered (at once unless it is pending)."""
@@ -133,13 +146,13 @@ class Leases:
         if arriving is not None:
             await arriving.wait()
 
-    def was_abandoned(self, job_id: str, attempt: int) -> bool:
-        return (job_id, attempt) in self._abandoned
+    def abandoned(self, job_id: str, attempt: int) -> AbandonedAttempt | None:
+        return self._abandoned.get((job_id, attempt))
 
     def remember_cancel(self, job_id: str) -> None:
         """A cancel for a job not in flight here: maybe being dispatched right now, or queued."""
         now = time.monotonic()
-        _forget_before(self._pending_cancels, now - PENDING_CANCEL_TTL_S)
+        _forget_before(self._pending_cancels, now - PENDING_CANCEL_TTL_S, at=float)
         self._pending_cancels[job_id] = now
         self._pending_cancels.move_to_end(job_id)
 
@@ -171,10 +184,15 @@ class Leases:
         return True
 
 
-def _forget_before(remembered: collections.OrderedDict[Any, float], cutoff: float) -> None:
+Remembered = TypeVar("Remembered")
+
+
+def _forget_before(
+    remembered: collections.OrderedDict[Any, Remembered], cutoff: float, *, at: Callable[[Remembered], float]
+) -> None:
     """Drops the entries remembered before `cutoff` (oldest first: the front)."""
     while remembered:
-        key, at = next(iter(remembered.items()))
-        if at >= cutoff:
+        key, value = next(iter(remembered.items()))
+        if at(value) >= cutoff:
             return
         del remembered[key]

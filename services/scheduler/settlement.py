@@ -30,6 +30,7 @@ from services.scheduler.leases import InFlightJob
 from services.scheduler.messages import WorkResult
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.progress_relay import with_progress
+from services.scheduler.stale_results import StaleResults, older_attempts_result
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 # A requeue's record write is tried again for this long at most (half the AckWait, if less).
@@ -60,6 +61,7 @@ class Settlement:
         metrics: SchedulerMetrics,
         dead_letters: DeadLetterStore,
         claim_check: ClaimCheckIO | None,
+        stale_results: StaleResults,
         rng: random.Random,
     ) -> None:
         self._store = store
@@ -67,6 +69,7 @@ class Settlement:
         self._metrics = metrics
         self._dead_letters = dead_letters
         self._claim_check = claim_check
+        self._stale_results = stale_results
         self._rng = rng
         # Told the subject of every message put back for immediate redelivery (no publish rings
         # the dispatcher's doorbell for those).
@@ -95,6 +98,8 @@ class Settlement:
                 error = job_errors.invalid_result(
                     f"output_ref {result.output_ref.ref!r} is not the order's output_name"
                 )
+                stale = older_attempts_result(job.job_id, job.attempt, result.output_ref)
+                self._stale_results.delete(job.record.tenant, job.job_id, stale, why="refused")
                 event = lifecycle.Finish(attempt=job.attempt, state=JobState.FAILED, error=error, batch=batch)
             else:
                 event = lifecycle.Finish(
