@@ -11,7 +11,8 @@ from asyncinfer.grpc_server import GrpcServer
 
 async def test_once_closed_runs_when_no_new_call_can_reach_the_server() -> None:
     """What `once_closed` sees: a call on a connection opened before the stop is not served
-    (UNAVAILABLE: the connection had GOAWAY, the port refuses a new one), and a call the server
+    (UNAVAILABLE: the connection had GOAWAY, the port refuses a new one; or CANCELLED, dropped
+    untaken by a busy loop), and a call the server
     holds still runs, within the grace. If it ran before gRPC's stop had begun (the gateway's
     watches ended first, session 30), the health call would be answered by the stopping server."""
     server = GrpcServer(host="127.0.0.1", port=0, add_servicers=lambda _: None, service_names=())
@@ -33,5 +34,7 @@ async def test_once_closed_runs_when_no_new_call_can_reach_the_server() -> None:
             watch.cancel()
 
         await server.stop(30.0, once_closed=probe)
-    assert seen == [grpc.StatusCode.UNAVAILABLE]
+    # Refused, not served: UNAVAILABLE (GOAWAY), or CANCELLED when the stopping server's loop was
+    # too busy to take the call before gRPC dropped it (a clean-clone CI beside other load).
+    assert seen in ([grpc.StatusCode.UNAVAILABLE], [grpc.StatusCode.CANCELLED]), seen
     assert watch.cancelled()

@@ -43,8 +43,7 @@ async def test_a_submit_refused_while_nats_is_away_is_not_queued_when_it_comes_b
     started again on its port and store. A job submitted once it is back runs; the refused ones
     never appear: the tenant's only job is that one."""
     stack = await start_stack(config.replace(gateway={"enqueue_retry_s": 1.0}))
-    gateway_nc = stack.gateway._nc
-    assert gateway_nc is not None
+    gateway_nc = stack.gateway.nats_connection
     nats_server.kill()
     async with asyncio.timeout(WAIT_S):
         await connection_is(gateway_nc, connected=False)

@@ -111,6 +111,13 @@ class GatewayApp:
         return self._hub
 
     @property
+    def nats_connection(self) -> NatsClient:
+        """Its NATS connection (tests follow its state through an outage)."""
+        if self._nc is None:
+            raise RuntimeError("the gateway is not started")
+        return self._nc
+
+    @property
     def queue_view(self) -> QueueView:
         if self._queues is None:
             raise RuntimeError("the gateway is not started")
