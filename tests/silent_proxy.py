@@ -68,9 +68,13 @@ class SilentProxy:
             self._pump(server_reader, client_writer, live),
             return_exceptions=True,
         )
-        # One side closed (or was cut): so is the other, as a proxy does.
+        # One side closed (or was cut): so is the other, as a proxy does. Waited for: a stop that
+        # came while this connection was being made closed nothing of it, and a transport left to
+        # close after the test's loop ended was a ResourceWarning in the next test (CI5).
         for writer in (client_writer, server_writer):
             writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
 
     async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter, live: asyncio.Event) -> None:
         while await self._forwarding(live) and (data := await source.read(65536)):
