@@ -8,7 +8,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import WEBHOOK_FEED_CONSUMER, WEBHOOK_SENDER_CONSUMER, consumer_next_subject, kv_stream
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyNotFoundError
+from asyncinfer.nats import JetStreamContext, KeyNotFoundError, Msg
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from asyncinfer.webhook_status import (
     CallbackEvent,
@@ -566,6 +566,40 @@ async def test_a_running_delivery_not_yet_attempted_is_enqueued_once_though_the_
         await hanging.wait_closed()
 
 
+async def enqueue_crashed(
+    settings: Config,
+    url: str,
+    create_time: float,
+    then: Callable[[Msg, JetStreamContext], Awaitable[None]],
+) -> tuple[str, str]:
+    """A notifier that died between a delivery's status write and its publish, played by hand on
+    a stack without one: it takes a canceled job's record write, writes the delivery's status
+    (created at `create_time`), then does `then` with the write. The job's ID and the webhook's."""
+    first = Stack(settings, scheduler_config=settings.replace(webhooks={"secrets": []}))  # no notifier
+    await first.start(batcher=False)
+    try:
+        job_id = await submit(first, url)
+        await first.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
+        js = first.nc.jetstream()
+        feed = await js.pull_subscribe_bind(WEBHOOK_FEED_CONSUMER, stream=kv_stream(settings.nats.jobs_bucket))
+        (write,) = await feed.fetch(1, timeout=WAIT_S)
+        record = decode_record(write.data)
+        assert record.job_id == job_id
+        wid = webhook_id(job_id, CallbackEvent.CANCELED, record.attempt)
+        status = DeliveryStatus(
+            webhook_id=wid, event=CallbackEvent.CANCELED, job_attempt=record.attempt, create_time=create_time
+        )
+        await js.publish(
+            f"$KV.{settings.nats.webhooks_bucket}.{deliveries_key('default', job_id)}",
+            encode_deliveries(JobDeliveries(deliveries=(status,), ttl_s=3600.0)),
+        )
+        await then(write, js)
+        await feed.unsubscribe()
+    finally:
+        await first.stop()
+    return job_id, wid
+
+
 async def test_a_crashed_enqueue_whose_record_write_was_replaced_is_published_by_the_next_write(
     config: Config, receiver: Receiver
 ) -> None:
@@ -577,29 +611,12 @@ async def test_a_crashed_enqueue_whose_record_write_was_replaced_is_published_by
     job's write, writes the status, and its write is acked as if replaced; the job's record is then
     written again, unchanged, as the next write."""
     settings = webhook_config(config)
-    first = Stack(settings, scheduler_config=settings.replace(webhooks={"secrets": []}))  # no notifier
-    await first.start(batcher=False)
-    try:
-        job_id = await submit(first, receiver.url("/replaced"))
-        await first.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
-        js = first.nc.jetstream()
-        feed = await js.pull_subscribe_bind(WEBHOOK_FEED_CONSUMER, stream=kv_stream(settings.nats.jobs_bucket))
-        (write,) = await feed.fetch(1, timeout=WAIT_S)
-        record = decode_record(write.data)
-        assert record.job_id == job_id
-        wid = webhook_id(job_id, CallbackEvent.CANCELED, record.attempt)
-        status = DeliveryStatus(
-            webhook_id=wid, event=CallbackEvent.CANCELED, job_attempt=record.attempt, create_time=time.time()
-        )
-        await js.publish(
-            f"$KV.{settings.nats.webhooks_bucket}.{deliveries_key('default', job_id)}",
-            encode_deliveries(JobDeliveries(deliveries=(status,), ttl_s=3600.0)),
-        )
+
+    async def replaced(write: Msg, js: JetStreamContext) -> None:
         await write.ack()  # gone, as a write replaced before it came back is
-        await feed.unsubscribe()
         await js.publish(write.subject, write.data)  # the job's next write, yielding the same event
-    finally:
-        await first.stop()
+
+    job_id, wid = await enqueue_crashed(settings, receiver.url("/replaced"), time.time(), replaced)
 
     second = Stack(settings)
     await second.start(batcher=False)
@@ -620,26 +637,11 @@ async def test_a_record_write_that_comes_back_publishes_its_unattempted_delivery
     publishes the delivery still unattempted again. Here the first notifier is played by hand: it
     takes the canceled job's record write, writes the delivery's status, then gives the write back."""
     settings = webhook_config(config)
-    first = Stack(settings, scheduler_config=settings.replace(webhooks={"secrets": []}))  # no notifier
-    await first.start(batcher=False)
-    try:
-        job_id = await submit(first, receiver.url("/repaired"))
-        await first.jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test"))
-        js = first.nc.jetstream()
-        feed = await js.pull_subscribe_bind(WEBHOOK_FEED_CONSUMER, stream=kv_stream(settings.nats.jobs_bucket))
-        (write,) = await feed.fetch(1, timeout=WAIT_S)
-        record = decode_record(write.data)
-        assert record.job_id == job_id
-        wid = webhook_id(job_id, CallbackEvent.CANCELED, record.attempt)
-        status = DeliveryStatus(webhook_id=wid, event=CallbackEvent.CANCELED, job_attempt=record.attempt)
-        await js.publish(
-            f"$KV.{settings.nats.webhooks_bucket}.{deliveries_key('default', job_id)}",
-            encode_deliveries(JobDeliveries(deliveries=(status,), ttl_s=3600.0)),
-        )
+
+    async def given_back(write: Msg, _js: JetStreamContext) -> None:
         await write.nak()  # as the notifier does when the publish fails
-        await feed.unsubscribe()
-    finally:
-        await first.stop()
+
+    job_id, wid = await enqueue_crashed(settings, receiver.url("/repaired"), 0.0, given_back)
 
     second = Stack(settings)
     await second.start(batcher=False)
