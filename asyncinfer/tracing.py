@@ -169,6 +169,15 @@ class Tracing:
         with use_span(span, end_on_exit=True, record_exception=True, set_status_on_exception=True):
             yield TraceSpan(span)
 
+    def begin(
+        self, name: str, *, parent: str = "", attributes: Mapping[str, AttributeValue] | None = None
+    ) -> TraceSpan:
+        """A span started now, a child of `parent` ("": a new trace), that lasts until its `end()`:
+        one never ended is never exported, for a try whose outcome decides whether it happened at
+        all (a batch's chunk that waits for room makes no job, so no trace: BatchDriver)."""
+        assert self._tracer is not None, "tracing is off"
+        return TraceSpan(self._tracer.start_span(name, context=_context_of(parent), attributes=attributes))
+
     def record(
         self,
         name: str,
@@ -223,6 +232,10 @@ class TraceSpan:
         from opentelemetry.trace import Status, StatusCode
 
         self._span.set_status(Status(StatusCode.ERROR, description))
+
+    def end(self) -> None:
+        """Ends a span of `Tracing.begin` (it is exported then)."""
+        self._span.end()
 
 
 def _service_exporter(endpoint: str, *, service: str) -> SpanExporter:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -25,10 +27,13 @@ from asyncinfer.codecs.envelope import decode_envelope, encode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
 from asyncinfer.contract import TRACEPARENT_HEADER, job_work_subject
-from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
+from asyncinfer.errors import ResourceExhausted
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, JobState, Priority, queued_envelope
 from asyncinfer.tracing import SHUTDOWN_EXPORT_S, Tracing, trace_id_of
-from asyncinfer.v1 import job_pb2, job_service_pb2
+from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
+from services.gateway.submit import JobSubmitter
 from tests import codec_v0_readers as old_readers
+from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_ended
 from tests.kv_helpers import job_record
 from tests.stack import Stack, StartStack
 from tests.test_end_to_end import demo_request
@@ -399,3 +404,71 @@ async def test_a_pipeline_jobs_trace_shows_each_steps_compute(traced: Config, st
     computes = [s for s in spans if s.name == "compute"]
     assert len(computes) == 2, "one per step"
     assert {parent_of(s) for s in computes} == {hex_id(dispatch.context.span_id, 16)}
+
+
+async def test_each_chunk_job_of_a_batch_is_a_trace_of_its_own(traced: Config, start_stack: StartStack) -> None:
+    """A batch's chunk jobs, which its driver submits (no SubmitJob, no caller's traceparent), are
+    traced as any job is: each a trace from its submit on, the span naming its batch and chunk."""
+    stack = await start_stack(traced.replace(batches={"chunk_records": 100, "drive_interval_s": 0.05}))
+    exporter = export_spans(stack)
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(150)))))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert batch.chunks_total == 2
+    listed = await stack.jobs.ListJobs(job_service_pb2.ListJobsRequest(labels={BATCH_LABEL: batch.batch_id}))
+    jobs = list(listed.jobs)
+    assert len(jobs) == 2
+    assert all(len(job.trace_id) == 32 for job in jobs), [job.trace_id for job in jobs]
+    assert len({job.trace_id for job in jobs}) == 2, "a trace per chunk job"
+    await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == 2)
+    for job in jobs:
+        spans = [s for s in exporter.get_finished_spans() if hex_id(s.context.trace_id, 32) == job.trace_id]
+        by_name = {s.name: s for s in spans}
+        # A chunk of more rows than max_batch_size runs as several items: a compute span each.
+        start, _, end = job.labels[CHUNK_LABEL].partition("-")
+        parts = math.ceil((int(end) - int(start)) / DEMO_MODEL.max_batch_size)
+        assert sorted(s.name for s in spans) == sorted(
+            ["compute"] * parts + ["dispatch", "queued", "result_commit", "submit"]
+        )
+        submit = by_name["submit"]
+        assert service_of(submit) == "asyncinfer-gateway"
+        assert submit.parent is None
+        assert submit.status.is_ok
+        attributes = submit.attributes or {}
+        assert attributes["asyncinfer.job_id"] == job.job_id
+        assert attributes["asyncinfer.batch_id"] == batch.batch_id
+        assert attributes["asyncinfer.chunk"] == job.labels[CHUNK_LABEL]
+        for name in ("queued", "dispatch", "result_commit"):
+            assert parent_of(by_name[name]) == hex_id(submit.context.span_id, 16), name
+        computes = [s for s in spans if s.name == "compute"]
+        assert {parent_of(s) for s in computes} == {hex_id(by_name["dispatch"].context.span_id, 16)}
+
+
+async def test_a_chunk_refused_for_now_makes_no_trace_until_its_job_is_made(
+    traced: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver submits a refused chunk again at a later tick: only the try that made its job
+    is a trace (a failed span per tick would fill the trace store while a queue stays full)."""
+    stack = await start_stack(traced.replace(batches={"chunk_records": 100, "drive_interval_s": 0.05}))
+    exporter = export_spans(stack)
+    enqueue = JobSubmitter.enqueue_prepared
+    refusals = 3
+
+    async def refuse_at_first(self: JobSubmitter, *args: Any, **kwargs: Any) -> JobRecord:
+        nonlocal refusals
+        if refusals:
+            refusals -= 1
+            raise ResourceExhausted("queue 'demo' is full", reason="QUEUE_FULL")
+        return await enqueue(self, *args, **kwargs)
+
+    monkeypatch.setattr(JobSubmitter, "enqueue_prepared", refuse_at_first)
+    stub = batches_stub(stack.channel)
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(150)))))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert refusals == 0
+    await wait_for(lambda: sum(s.name == "result_commit" for s in exporter.get_finished_spans()) == 2)
+    submits = [s for s in exporter.get_finished_spans() if s.name == "submit"]
+    assert len(submits) == 2, "one per chunk job made"
+    assert all(s.status.is_ok for s in submits)

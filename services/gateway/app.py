@@ -229,6 +229,7 @@ class GatewayApp:
             callbacks=BatchCallbacks(js, cfg),
             chunk_ends=ChunkEnds(self._hub),
             blobs=blob_store,
+            tracing=self.tracing,
         )
         batch_servicer = BatchService(
             cfg,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
+from asyncinfer.tracing import AttributeValue, Tracing
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_files import first_run_errors
@@ -70,7 +72,9 @@ class BatchDriver:
         chunk_ends: ChunkEnds | None = None,
         blobs: BlobStore | None = None,
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing or Tracing.off()
         self._config = config
         self._settings = config.batches
         self._store = store
@@ -376,7 +380,32 @@ class BatchDriver:
             max_attempts=record.max_attempts or model.max_attempts,
             labels={BATCH_LABEL: record.batch_id, CHUNK_LABEL: f"{chunk.start}-{chunk.end}"},
         )
-        await self._submitter.enqueue_prepared(request, model, tenant=record.tenant, job_id=job_id)
+        if not self._tracing.enabled:
+            await self._submitter.enqueue_prepared(request, model, tenant=record.tenant, job_id=job_id)
+            return
+        # Each chunk job is a trace of its own, as a SubmitJob's job is (nobody's traceparent
+        # comes with it); its submit span names the batch and chunk, to find them by.
+        attributes: dict[str, AttributeValue] = {
+            "asyncinfer.model": record.model_name,
+            "asyncinfer.tenant": record.tenant,
+            "asyncinfer.job_id": job_id,
+            "asyncinfer.batch_id": record.batch_id,
+            "asyncinfer.chunk": f"{chunk.start}-{chunk.end}",
+        }
+        span = self._tracing.begin("submit", attributes=attributes)
+        traced = dataclasses.replace(request, traceparent=span.traceparent)
+        try:
+            await self._submitter.enqueue_prepared(traced, model, tenant=record.tenant, job_id=job_id)
+        except AsyncInferError:
+            # Refused (a full queue, a full store): the chunk waits and is submitted again at a later
+            # tick, so no job was made and its span is dropped unended (it would be one failed trace
+            # per tick for as long as the queue stays full).
+            raise
+        except BaseException as exc:
+            span.fail(f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        span.end()
 
     async def _cancel_jobs(self, record: BatchRecord) -> None:
         for chunk in record.chunks:
