@@ -35,3 +35,17 @@ class UntilCancelled(torch.nn.Module):
 
 def build_until_cancelled_model() -> torch.nn.Module:
     return UntilCancelled()
+
+
+class StartsAtZero(torch.nn.Module):
+    """y = 2x + 1, reporting each row at 0 (and nothing else) before it computes: a model that says
+    it started."""
+
+    def forward(self, x: torch.Tensor, progress: ProgressReporter | None = None) -> torch.Tensor:
+        if progress is not None:
+            progress.report_all(fraction=0.0)
+        return 2.0 * x + 1.0
+
+
+def build_starts_at_zero_model() -> torch.nn.Module:
+    return StartsAtZero()

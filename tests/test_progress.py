@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.client import AsyncClient, Job, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.contract import kv_subject, progress_subject
 from asyncinfer.jobs import ProgressReport, job_key
@@ -239,6 +239,32 @@ async def test_the_sdks_watch_keeps_the_latest_progress_on_every_running_snapsho
     assert all(s.progress is not None for s in after_first), [(s.state, s.revision) for s in after_first]
     fractions = [s.progress.fraction for s in after_first if s.progress is not None]
     assert fractions == sorted(fractions)
+
+
+async def test_the_sdk_shows_a_report_of_zero_without_a_message(config: Config, start_stack: StartStack) -> None:
+    """A report of fraction 0 with no message or outputs (a model saying it started) is progress:
+    GetJob and WatchJob send it, and the SDK's Job shows it. The SDK took a JobProgress whose
+    fields were all defaults for an unset one (WatchJob's was read without HasField) and dropped
+    it: Job.progress None, in the SDK, the CLI and the console alike."""
+    starts_at_zero = DEMO_MODEL.model_copy(
+        update={"name": "starts-at-zero", "loader": "tests.progress_models:build_starts_at_zero_model"}
+    )
+    stack = await start_stack(config.replace(models=(DEMO_MODEL, starts_at_zero)))
+    job = (await stack.jobs.SubmitJob(x_request("starts-at-zero"))).job
+    seen = await asyncio.wait_for(watch_all(stack.jobs, job.job_id), 60)
+    assert seen[-1].state == job_pb2.JOB_STATE_SUCCEEDED
+    assert seen[-1].progress is not None, "the terminal message carries the last progress"
+    assert (seen[-1].progress.fraction, seen[-1].progress.message) == (0.0, "")
+    async with AsyncClient(stack.address) as client:
+        got = await client.get(job.job_id)
+        (watched,) = [snapshot async for snapshot in client.watch(job.job_id, timeout_s=60)]
+        (listed,) = (await client.get_jobs([job.job_id])).values()
+    assert isinstance(listed, Job)
+    for snapshot in (got, watched, listed):
+        assert snapshot.state is JobState.SUCCEEDED
+        assert snapshot.progress is not None
+        assert (snapshot.progress.fraction, snapshot.progress.message) == (0.0, "")
+        assert snapshot.progress.partial_outputs == {}
 
 
 async def test_items_of_one_batch_report_independently(config: Config, start_stack: StartStack) -> None:

@@ -85,7 +85,9 @@ class JobWatches(JobCalls):
             first = True
             try:
                 async for response in call:
-                    snapshot = job_from_proto(response.job, response.progress)
+                    snapshot = job_from_proto(
+                        response.job, response.progress if response.HasField("progress") else None
+                    )
                     # after_revision 0 sends the current record whatever its revision, and a
                     # job still queued has revision 0: the reopened watch repeats it.
                     repeated = (

@@ -135,7 +135,9 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
         )
         callback = Callback(url=message.callback.url, events=tuple(e for e in events if e is not None))
     job_progress = None
-    if progress is not None and (progress.message or progress.fraction or progress.partial_outputs):
+    # `progress` is passed only where the message has it set (HasField): a report of fraction 0,
+    # no message and no outputs is all defaults, and is still a report (a model saying it started).
+    if progress is not None:
         job_progress = JobProgress(
             fraction=progress.fraction if progress.fraction >= 0 else None,
             message=progress.message,
