@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from structlog.testing import capture_logs
 
 from asyncinfer.client import AsyncClient, Job, JobState
@@ -618,3 +619,31 @@ async def test_a_long_progress_message_is_cut_to_a_status_line() -> None:
     (update,) = updates
     assert len(update.message) == MAX_MESSAGE_CHARS
     assert update.message.endswith("\u2026")
+
+
+@pytest.mark.unit
+async def test_a_fraction_that_is_not_a_number_fails_the_call_saying_so() -> None:
+    """NaN passed the clamp to 0..1 (max and min keep it) and went out as it was: the scheduler
+    read it as unknown, and one NaN row made the mean of its job's rows unknown until that row
+    reported again. Text that parses as a number ("0.5", b"1") was taken for one. Both now fail
+    the model's call, as the other mistakes do; a number outside 0..1 is still clamped."""
+    from services.batcher.progress import ItemProgress, ProgressReporter, ProgressUpdate
+
+    updates: list[ProgressUpdate] = []
+    channel = ItemProgress(updates.append, interval_s=0.0, max_bytes=1 << 20)
+    reporter = ProgressReporter([(channel, 2)])
+    for fraction in (float("nan"), np.float32("nan"), torch.tensor(float("nan"))):
+        with pytest.raises(ValueError, match="fraction must be a number from 0 to 1, not nan"):
+            reporter.report(0, fraction)
+    for text in ("0.5", b"1"):
+        with pytest.raises(TypeError, match="fraction must be a number, not"):
+            reporter.report(0, text)  # type: ignore[arg-type]
+    reporter.report(0, 7.0)
+    reporter.report(1, -3)
+    reporter.report(1, np.float64(0.5))
+    reporter.report(0, torch.tensor(0.25))
+    await asyncio.sleep(0)  # the channel hands reports on on the event loop
+    channel.close()
+    assert updates, "the valid reports went out"
+    assert updates[-1].fraction == pytest.approx((0.25 + 0.5) / 2)
+    assert all(u.fraction is not None and 0.0 <= u.fraction <= 1.0 for u in updates)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -239,10 +240,7 @@ class ProgressReporter:
         if channel is None:
             return
         if fraction is not None:
-            try:
-                fraction = min(max(float(fraction), 0.0), 1.0)
-            except (TypeError, ValueError):
-                raise TypeError(f"progress.report: fraction must be a number, not {fraction!r:.40}") from None
+            fraction = _fraction(fraction)
             if rows > 1:
                 self._fractions[row] = fraction
                 fraction = sum(self._fractions[first : first + rows]) / rows
@@ -259,6 +257,22 @@ class ProgressReporter:
         """The same progress for every row (a model whose rows advance together)."""
         for row in range(len(self._rows)):
             self.report(row, fraction, message)
+
+
+def _fraction(value: Any) -> float:
+    """A reported fraction as a float clamped to 0..1. Text is refused though float() parses it
+    ("0.5" is a mistake in the model, not a number), and NaN, which the clamp keeps (max and min
+    compare False with it): it went out as it was, read as unknown, and one NaN row made its job's
+    mean of rows unknown until that row reported again."""
+    if isinstance(value, str | bytes | bytearray):
+        raise TypeError(f"progress.report: fraction must be a number, not {value!r:.40}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"progress.report: fraction must be a number, not {value!r:.40}") from None
+    if math.isnan(number):
+        raise ValueError("progress.report: fraction must be a number from 0 to 1, not nan")
+    return min(max(number, 0.0), 1.0)
 
 
 def _host_array(value: Any) -> np.ndarray[Any, Any]:
