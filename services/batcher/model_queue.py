@@ -135,9 +135,14 @@ class ModelQueue:
         self._untrack: list[Callable[[], None]] = []
         if self._metrics is not None:
             # len() may count items resolved but not yet purged: exact enough for a gauge, and O(1).
+            # A scrape reads these on the metrics server's thread while the loop changes the dict:
+            # list() copies its values in one step under the GIL, where a generator over the view
+            # could meet "dictionary changed size during iteration" and fail the scrape.
             self._untrack = [
                 self._metrics.track_queue_depth(lambda: len(self._waiting)),
-                self._metrics.track_overrun(lambda: sum(1 for running in self._running.values() if running.overran)),
+                self._metrics.track_overrun(
+                    lambda: sum(1 for running in list(self._running.values()) if running.overran)
+                ),
             ]
         self._intake_stopped = False
         self._input_names = tuple(spec.name for spec in backend.signature.inputs)
