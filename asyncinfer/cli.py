@@ -54,7 +54,15 @@ class SuggestingParser(argparse.ArgumentParser):
     subcommands' parsers are of this class too (add_subparsers makes them of their parent's)."""
 
     def error(self, message: str) -> NoReturn:
-        super().error(message + _suggestion(self, message))
+        suggestion = _suggestion(self, message)
+        if suggestion or "invalid choice: " in message:
+            # One line: a typo's answer is the command or option meant (or, for a command, the list
+            # of them). argparse's usage block before it (five lines for `asyncinfer sumbit`) was
+            # what a newcomer read first, and the top-level usage names no subcommand's options.
+            if suggestion:
+                message = re.sub(r" \(choose from .*\)$", "", message)  # the 21 commands: --help lists them
+            self.exit(2, f"{self.prog}: error: {message}{suggestion}\n")
+        super().error(message)
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
