@@ -67,17 +67,19 @@ docs-check: $(STAMP)
 # The shells the completion tests source their scripts in (tests/test_cli_completion.py), the
 # headless chromium the console's tests drive (tests/test_console.py), and promtool (Debian's
 # prometheus package), which tests the alert rules (tests/test_deploy_metrics.py), installed here
-# when missing and running as root; without them those tests fail rather than skip.
+# when missing and running as root; without them those tests fail rather than skip. The stamp is
+# made only once all are there: with one missing, every `make test` says so again (it said it once).
 SHELLS_STAMP := $(VENV)/.shells
 $(SHELLS_STAMP): $(STAMP)
-	@for pair in zsh:zsh fish:fish chromium:chromium promtool:prometheus; do \
+	@missing=0; for pair in zsh:zsh fish:fish chromium:chromium promtool:prometheus; do \
 		tool=$${pair%%:*}; package=$${pair##*:}; \
 		if ! command -v $$tool >/dev/null; then \
 			if [ "$$(id -u)" = 0 ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $$package; \
 			else echo "$$tool is missing (tests need it): run 'sudo apt-get install -y $$package'"; fi; \
+			command -v $$tool >/dev/null || missing=1; \
 		fi; \
-	done
-	touch $@
+	done; \
+	if [ $$missing = 0 ]; then touch $@; fi
 
 # Two workers (pytest-xdist), a test file each at a time: most of a test's time is waiting on its
 # servers (run serially, 733 s of wall time for 430 CPU-s on 2 cores), so two at once took it from
