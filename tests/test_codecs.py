@@ -215,18 +215,19 @@ def test_the_previous_release_reads_what_this_one_writes(
 
 
 def test_a_dead_letter_counts_the_attempts_given_back_apart() -> None:
-    """Version 2: `attempts` holds the attempts that counted, beside those given back and the attempt
-    number; the previous release reads `attempts` as its count (the honest one), and a letter it
-    wrote (version 1) reads with its count as it was and none given back."""
-    letter = dataclasses.replace(DEAD_LETTER, attempts=2, given_back_attempts=4, last_attempt=6)
+    """Version 2: `attempts` holds the attempts that counted, beside those given back, the attempt
+    number and the attempts it could spend; the previous release reads `attempts` as its count (the
+    honest one), and a letter it wrote (version 1) reads with its count as it was, none given back
+    and its limit not known."""
+    letter = dataclasses.replace(DEAD_LETTER, attempts=2, given_back_attempts=4, last_attempt=6, allowed_attempts=2)
     data = encode_dead_letter(letter)
     assert decode_dead_letter(data) == letter
     assert old_readers.decode_dead_letter(data).attempts == 2
     written_before = json.loads(data)
     written_before.update(v=1, attempts=6)
-    del written_before["given_back_attempts"], written_before["last_attempt"]
+    del written_before["given_back_attempts"], written_before["last_attempt"], written_before["allowed_attempts"]
     before = decode_dead_letter(json.dumps(written_before).encode())
-    assert (before.attempts, before.given_back_attempts, before.last_attempt) == (6, 0, 0)
+    assert (before.attempts, before.given_back_attempts, before.last_attempt, before.allowed_attempts) == (6, 0, 0, 0)
 
 
 def test_a_submits_work_message_is_its_queued_record() -> None:

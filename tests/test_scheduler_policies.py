@@ -28,7 +28,13 @@ from asyncinfer.claim_check_io import store_outputs
 from asyncinfer.client import AsyncClient
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
-from asyncinfer.commands.ops import attempts_text, dead_letter_json, dead_letter_text
+from asyncinfer.commands.ops import (
+    DEAD_LETTER_COLUMNS,
+    attempts_text,
+    dead_letter_json,
+    dead_letter_row,
+    dead_letter_text,
+)
 from asyncinfer.commands.output import attempt_text, job_summary, job_text
 from asyncinfer.config import Config
 from asyncinfer.contract import (
@@ -803,7 +809,9 @@ async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(
 async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(start: Start, config: Config) -> None:
     """max_attempts 2, shed by its batcher four times (each attempt given back), then failing twice:
     the job gave up after 2 attempts, at attempt 6. The record's error, the letter, ListDeadLetters
-    and the CLI's and console's text said 6 (`attempt`, which counts those given back too)."""
+    and the CLI's and console's text said 6 (`attempt`, which counts those given back too). The
+    CLI's and console's text says it as the job's attempt reads, "2 of 2 (4 given back)" (it said
+    "2 (4 more given back)", and `dlq list` had the 4 in a column of its own)."""
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
     job_id = await enqueue(h.nc, h.kv, max_attempts=2)
@@ -823,13 +831,15 @@ async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(star
     await h.work_empty()
 
     (listed,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
-    assert (listed.job_id, listed.attempts, listed.given_back_attempts) == (job_id, 2, 4)
+    assert (listed.job_id, listed.attempts, listed.given_back_attempts, listed.allowed_attempts) == (job_id, 2, 4, 2)
     stored = await DeadLetterStore(h.nc, h.js, config.nats).get(listed.sequence)
     assert stored is not None
-    assert (stored.attempts, stored.given_back_attempts, stored.last_attempt) == (2, 4, 6)
+    assert (stored.attempts, stored.given_back_attempts, stored.last_attempt, stored.allowed_attempts) == (2, 4, 6, 2)
     shown = dead_letter_json(listed)  # what `asyncinfer dlq` and the console's pages print
-    assert attempts_text(shown) == "2 (4 more given back)"
-    assert "attempts    2 (4 more given back)" in dead_letter_text(shown)
+    assert attempts_text(shown) == "2 of 2 (4 given back)"
+    assert "attempts    2 of 2 (4 given back)" in dead_letter_text(shown).splitlines()  # dlq show
+    row = dict(zip(DEAD_LETTER_COLUMNS, dead_letter_row(shown), strict=True))  # dlq list
+    assert row["ATTEMPTS"] == "2 of 2 (4 given back)"
 
 
 async def test_getjob_the_sdk_the_cli_and_the_console_count_attempts_without_those_given_back(

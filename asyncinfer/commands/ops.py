@@ -29,6 +29,7 @@ from asyncinfer.commands.output import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
     UsageError,
+    attempts_counted_text,
     console,
     print_json,
     print_table,
@@ -169,6 +170,7 @@ def dead_letter_json(letter: ops_service_pb2.DeadLetter) -> dict[str, Any]:
         "reason": letter.reason,
         "attempts": letter.attempts,
         "given_back_attempts": letter.given_back_attempts,
+        "allowed_attempts": letter.allowed_attempts,
         "last_error": _error(letter.last_error) if letter.HasField("last_error") else None,
         "dead_time": letter.dead_time.ToDatetime(UTC).isoformat(timespec="milliseconds")
         if letter.HasField("dead_time")
@@ -204,9 +206,28 @@ def original_request_json(original: bytes) -> dict[str, Any]:
 
 
 def attempts_text(letter: dict[str, Any]) -> str:
-    """The attempts that counted, and those given back (shed, put back) apart: "2 (4 more given back)"."""
-    given_back = letter["given_back_attempts"]
-    return f"{letter['attempts']} ({given_back} more given back)" if given_back else str(letter["attempts"])
+    """The attempts that counted of those it could spend, and those given back (shed, put back)
+    apart, as a job's attempt reads: "2 of 2 (4 given back)"; "6" from a letter an older scheduler
+    wrote (its count included those given back, and it kept no limit)."""
+    return attempts_counted_text(letter["attempts"], letter["allowed_attempts"], letter["given_back_attempts"])
+
+
+DEAD_LETTER_COLUMNS = ["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "DEAD", "LAST ERROR"]
+
+
+def dead_letter_row(letter: dict[str, Any]) -> list[str]:
+    """`dlq list`'s row of a letter (DEAD_LETTER_COLUMNS)."""
+    error = letter["last_error"]
+    return [
+        str(letter["sequence"]),
+        letter["job_id"],
+        letter["model_name"],
+        letter["tenant"],
+        letter["reason"],
+        attempts_text(letter),
+        letter["dead_time"] or "-",
+        f"{error['reason']}: {error['message']}" if error else "",
+    ]
 
 
 def dead_letter_text(letter: dict[str, Any]) -> str:
@@ -272,21 +293,7 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
     if not letters:
         print("no dead letters", flush=True)
         return EXIT_OK
-    rows = [
-        [
-            str(d["sequence"]),
-            d["job_id"],
-            d["model_name"],
-            d["tenant"],
-            d["reason"],
-            str(d["attempts"]),
-            str(d["given_back_attempts"]),
-            d["dead_time"] or "-",
-            f"{d['last_error']['reason']}: {d['last_error']['message']}" if d["last_error"] else "",
-        ]
-        for d in letters
-    ]
-    print_table(["SEQ", "JOB_ID", "MODEL", "TENANT", "REASON", "ATTEMPTS", "GIVEN_BACK", "DEAD", "LAST ERROR"], rows)
+    print_table(DEAD_LETTER_COLUMNS, [dead_letter_row(letter) for letter in letters])
     return EXIT_OK
 
 

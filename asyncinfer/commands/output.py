@@ -184,11 +184,18 @@ def _violations(violations: tuple[FieldViolation, ...]) -> list[str]:
     return [f"            {v.field}: {v.description}" for v in violations]
 
 
+def attempts_counted_text(spent: int, allowed: int, given_back: int) -> str:
+    """Attempts as a person counts them, the same for a job and its dead letter: "2 of 2", and
+    those given back apart, "2 of 2 (4 given back)". `allowed` 0 (not known: a dead letter written
+    before it was kept) leaves the "of" out: "6"."""
+    counted = f"{spent} of {allowed}" if allowed else str(spent)
+    return f"{counted} ({given_back} given back)" if given_back else counted
+
+
 def attempt_text(job: Job) -> str:
-    """The attempt as a person counts it, "2 of 2", and those given back apart: "2 of 2 (4 given
-    back)" where `attempt`/`max_attempts` say 6/6 (each attempt given back raises both)."""
-    counted = f"{job.spent_attempts} of {job.allowed_attempts}"
-    return f"{counted} ({job.given_back_attempts} given back)" if job.given_back_attempts else counted
+    """The attempt as a person counts it: "2 of 2 (4 given back)" where `attempt`/`max_attempts`
+    say 6/6 (each attempt given back raises both)."""
+    return attempts_counted_text(job.spent_attempts, job.allowed_attempts, job.given_back_attempts)
 
 
 def job_summary(job: Job) -> str:

@@ -249,6 +249,7 @@ class DeadLetter(_message.Message):
     DEAD_TIME_FIELD_NUMBER: _builtins.int
     ORIGINAL_REQUEST_FIELD_NUMBER: _builtins.int
     GIVEN_BACK_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ALLOWED_ATTEMPTS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """The dead letter's sequence in the dead-letter stream."""
     job_id: _builtins.str
@@ -269,6 +270,11 @@ class DeadLetter(_message.Message):
     stop, a batcher gone before its order went out, an input read retried. 0 in a letter written
     by an older scheduler.
     """
+    allowed_attempts: _builtins.int
+    """The attempts the job could spend when it gave up: its max_attempts less those given back (as
+    the SDK's Job.allowed_attempts), so the letter reads "2 of 2 (4 given back)" like the job. 0 in
+    a letter written by an older scheduler (not known).
+    """
     @_builtins.property
     def last_error(self) -> _error_pb2.ErrorStatus: ...
     @_builtins.property
@@ -286,10 +292,11 @@ class DeadLetter(_message.Message):
         dead_time: _timestamp_pb2.Timestamp | None = ...,
         original_request: _builtins.bytes = ...,
         given_back_attempts: _builtins.int = ...,
+        allowed_attempts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dead_time", b"dead_time", "last_error", b"last_error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "dead_time", b"dead_time", "given_back_attempts", b"given_back_attempts", "job_id", b"job_id", "last_error", b"last_error", "model_name", b"model_name", "original_request", b"original_request", "reason", b"reason", "sequence", b"sequence", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_attempts", b"allowed_attempts", "attempts", b"attempts", "dead_time", b"dead_time", "given_back_attempts", b"given_back_attempts", "job_id", b"job_id", "last_error", b"last_error", "model_name", b"model_name", "original_request", b"original_request", "reason", b"reason", "sequence", b"sequence", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -3,11 +3,12 @@ replay or purge.
 
 The stream (NatsConfig.dead_letter_stream) holds one message per dead job on
 `asyncinfer.dead.<model>`: JSON (versioned: the codec below) with the reason (MAX_ATTEMPTS, ...),
-the attempts spent (those that counted against max_attempts, and apart those given back), the last
-error and the original work message (base64), so a replay can publish it again unchanged. The
-publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>` (the record's `attempt`, the fencing token,
-as the release before wrote it): a scheduler that dies between writing the dead letter and failing
-the record writes the same letter again on redelivery, and the stream drops the duplicate.
+the attempts spent (those that counted against max_attempts) of those it could spend, and apart
+those given back, the last error and the original work message (base64), so a replay can publish
+it again unchanged. The publish carries `Nats-Msg-Id: <job_id>.dead.<attempt>` (the record's
+`attempt`, the fencing token, as the release before wrote it): a scheduler that dies between
+writing the dead letter and failing the record writes the same letter again on redelivery, and the
+stream drops the duplicate.
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ class DeadLetter:
     # The job's attempt number when it gave up (its fencing token, in the letter's Nats-Msg-Id);
     # 0 in a letter from the release before.
     last_attempt: int = 0
+    # The attempts it could spend when it gave up: the record's max_attempts less those given back
+    # (each raised it by one), the "of 2" in "2 of 2 (4 given back)". 0: not known (a letter
+    # written before it was kept).
+    allowed_attempts: int = 0
 
     @property
     def envelope(self) -> WorkEnvelope:
@@ -124,6 +129,7 @@ class DeadLetterWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     original: bytes  # base64 in JSON
     given_back_attempts: int = 0  # added in version 2
     last_attempt: int = 0  # added in version 2
+    allowed_attempts: int = 0  # added later in version 2 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -144,6 +150,7 @@ def encode_dead_letter(letter: DeadLetter) -> bytes:
             original=letter.original,
             given_back_attempts=letter.given_back_attempts,
             last_attempt=letter.last_attempt,
+            allowed_attempts=letter.allowed_attempts,
         )
     )
 
@@ -162,6 +169,7 @@ def decode_dead_letter(data: bytes, sequence: int = 0) -> DeadLetter:
         sequence=sequence,
         given_back_attempts=w.given_back_attempts,
         last_attempt=w.last_attempt,
+        allowed_attempts=w.allowed_attempts,
     )
 
 

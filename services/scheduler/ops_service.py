@@ -104,6 +104,7 @@ def dead_letter_to_proto(letter: DeadLetter, *, with_original: bool = False) -> 
         reason=letter.reason,
         attempts=letter.attempts,
         given_back_attempts=letter.given_back_attempts,
+        allowed_attempts=letter.allowed_attempts,
         dead_time=dead_time,
     )
     if letter.last_error is not None:

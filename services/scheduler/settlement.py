@@ -217,6 +217,7 @@ class Settlement:
             last_error=last_error,
             given_back_attempts=record.given_back_attempts,
             last_attempt=record.attempt,
+            allowed_attempts=record.max_attempts - record.given_back_attempts,
         )
         stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
         event = lifecycle.give_up_event(record, last_error, state=state, batch=batch)

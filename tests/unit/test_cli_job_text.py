@@ -22,6 +22,7 @@ from asyncinfer.client import (
     ModelVersion,
     Priority,
 )
+from asyncinfer.commands.ops import attempts_text
 from asyncinfer.commands.output import job_text
 
 pytestmark = pytest.mark.unit
@@ -113,3 +114,12 @@ def test_watch_lines_are_stamped_in_the_order_they_are_printed() -> None:
     succeeded = dataclasses.replace(running, state=JobState.SUCCEEDED, update_time=ended)
     assert line_stamp(running, succeeded, progress_stamp, heard) == heard, "not before the line above"
     assert line_stamp(None, running, None, heard) == running.update_time, "a state is stamped with its record's time"
+
+
+def test_a_dead_letter_written_before_its_limit_was_kept_reads_without_an_of() -> None:
+    """A letter from a scheduler that kept no `allowed_attempts` (0) says its count alone, not "of
+    0"; one that kept it reads as the job's attempt does."""
+    letter = {"attempts": 6, "allowed_attempts": 0, "given_back_attempts": 0}
+    assert attempts_text(letter) == "6"
+    assert attempts_text({**letter, "attempts": 2, "given_back_attempts": 4}) == "2 (4 given back)"
+    assert attempts_text({**letter, "attempts": 1, "allowed_attempts": 3}) == "1 of 3"
