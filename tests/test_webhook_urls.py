@@ -233,6 +233,7 @@ def test_body_is_a_thin_summary() -> None:
         "model_version": "1",
         "state": "SUCCEEDED",
         "attempt": 1,
+        "given_back_attempts": 0,
         "labels": {"batch": "7"},
         "fetch": {"rpc": "asyncinfer.v1.JobService/GetJob", "job_id": record.job_id},
     }

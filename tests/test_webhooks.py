@@ -19,7 +19,7 @@ from asyncinfer.contract import WEBHOOK_FEED_CONSUMER, WEBHOOK_SENDER_CONSUMER, 
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyNotFoundError, Msg
-from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2, worker_service_pb2
 from asyncinfer.webhook_status import (
     CallbackEvent,
     DeliveryStatus,
@@ -32,6 +32,7 @@ from asyncinfer.webhook_status import (
 from tests.hanging_models import HANG_VALUE, RELEASE
 from tests.nats_probes import RequestsSeen
 from tests.stack import Stack, StartStack
+from tests.test_scheduler import FakeBatcher
 from tests.webhook_receiver import Receiver, receiver, webhook_config
 
 __all__ = ["receiver"]  # the fixture, used by name
@@ -147,6 +148,35 @@ async def test_canceled_job_notifies_canceled(config: Config, receiver: Receiver
     (received,) = await receiver.wait_for("/cancel", 1)
     assert json.loads(received.body)["type"] == "job.canceled"
     assert json.loads(received.body)["data"]["state"] == "CANCELED"
+
+
+async def test_a_jobs_webhook_says_its_attempts_given_back_beside_its_attempt(
+    config: Config, receiver: Receiver, start_stack: StartStack
+) -> None:
+    """A job shed by its batcher twice (each attempt given back) then answered: its job.completed
+    says attempt 3 and given_back_attempts 2, so a receiver tells that it ran once, not three
+    times (`attempt` alone said 3)."""
+    running = await start_stack(webhook_config(config), batcher=False)
+    batcher = FakeBatcher(running.scheduler.port, "b1")
+    try:
+        await batcher.connect()
+        await batcher.grant(1)
+        job_id = await submit(running, receiver.url("/given-back"))
+        for attempt in (1, 2, 3):
+            order = await batcher.next_order()
+            assert (order.job_id, order.attempt) == (job_id, attempt)
+            if attempt < 3:
+                shed = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+                await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))
+                await batcher.grant(1)
+            else:
+                await batcher.answer(order)
+        (received,) = await receiver.wait_for("/given-back", 1)
+    finally:
+        await batcher.close()
+    body = json.loads(received.body)
+    assert (body["type"], body["data"]["state"]) == ("job.completed", "SUCCEEDED")
+    assert (body["data"]["attempt"], body["data"]["given_back_attempts"]) == (3, 2)
 
 
 async def test_failures_are_retried_with_the_same_id_and_growing_delays(

@@ -4,11 +4,15 @@ summary, never the outputs:
 
     {"type": "job.completed", "timestamp": "2025-01-01T12:00:00.123456Z",
      "data": {"job_id": ..., "model_name": ..., "model_version": ..., "state": "SUCCEEDED",
-              "attempt": 1, "labels": {...}, "error": {"code": "INVALID_ARGUMENT", "reason": ...,
-              "message": ...},            # failed jobs only
+              "attempt": 1, "given_back_attempts": 0, "labels": {...},
+              "error": {"code": "INVALID_ARGUMENT", "reason": ..., "message": ...},  # failed jobs only
               "fetch": {"rpc": "asyncinfer.v1.JobService/GetJob", "job_id": ...}}}
 
 `fetch.rpc` is ReadResult when the result is large (kept by reference), GetJob otherwise.
+`attempt` is the job's attempt number (GetJob's), which counts the attempts given back (shed by a
+batcher, put back by a scheduler's stop, ...) too; `given_back_attempts` says how many of them were
+given back, so `attempt - given_back_attempts` are the attempts that counted against max_attempts,
+as GetJob's Job and a dead letter say them.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def event_body(record: JobRecord, event: CallbackEvent) -> str:
         "model_version": record.model_version,
         "state": state.value,
         "attempt": record.attempt,
+        "given_back_attempts": record.given_back_attempts,
     }
     if record.labels:
         data["labels"] = dict(record.labels)
