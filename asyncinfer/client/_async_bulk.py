@@ -17,8 +17,9 @@ from grpc import aio
 from asyncinfer.client._async_channel import T
 from asyncinfer.client._async_jobs import SUBMIT_JOBS_MAX_ITEMS, JobCalls
 from asyncinfer.client._convert import error_from_proto, job_from_proto, submit_request_to_proto, with_idempotency_key
-from asyncinfer.client._retry import Deadline, StreamBreaks
-from asyncinfer.client.errors import AsyncInferClientError, InternalError, UnavailableError, from_rpc_error
+from asyncinfer.client._retry import Deadline
+from asyncinfer.client._stream_retry import StreamAttempts
+from asyncinfer.client.errors import InternalError
 from asyncinfer.client.types import BulkResult, JobRequest
 from asyncinfer.v1 import job_service_pb2
 
@@ -106,8 +107,7 @@ class BulkSubmits(JobCalls):
         next_index = 0
         source_done = False
         source_error: BaseException | None = None
-        attempt = 0
-        breaks = StreamBreaks()
+        attempts = StreamAttempts(self._backoff_or_raise, deadline, on_cancel=self._raise_if_closed_meanwhile)
         # The pull from the caller's iterator runs in its own task, shielded: when a broken stream
         # cancels the writer, a pull in progress carries on for the next stream's writer instead of
         # having CancelledError thrown into the caller's iterator.
@@ -167,52 +167,40 @@ class BulkSubmits(JobCalls):
 
         try:
             while True:
-                attempt += 1
-                deadline.check("the bulk")
-                call = self._stub.SubmitJobs(None, timeout=deadline.remaining(), metadata=metadata)
+                call = self._stub.SubmitJobs(None, timeout=attempts.start("the bulk"), metadata=metadata)
                 writer = asyncio.create_task(write(call))
                 first_index = pending[0].index if pending else next_index
-                cause: BaseException | None = None
                 try:
-                    while True:
-                        read = await call.read()
-                        if read is aio.EOF:  # type: ignore[attr-defined]
-                            break
-                        response = cast(job_service_pb2.SubmitJobsResponse, read)
-                        answers = response.answers if response.answers else (response,)
-                        for answer in answers:
-                            if not pending or pending[0].index != first_index + answer.index:
-                                raise InternalError(
-                                    f"SubmitJobs answered item {answer.index} out of order",
-                                    code=grpc.StatusCode.INTERNAL,
+                    with attempts.running(call):
+                        while True:
+                            read = await call.read()
+                            if read is aio.EOF:  # type: ignore[attr-defined]
+                                break
+                            response = cast(job_service_pb2.SubmitJobsResponse, read)
+                            answers = response.answers if response.answers else (response,)
+                            for answer in answers:
+                                if not pending or pending[0].index != first_index + answer.index:
+                                    raise InternalError(
+                                        f"SubmitJobs answered item {answer.index} out of order",
+                                        code=grpc.StatusCode.INTERNAL,
+                                    )
+                                item = pending.popleft()
+                                attempts.answered()
+                                yield BulkResult(
+                                    index=item.index,
+                                    correlation_id=answer.correlation_id,
+                                    job=job_from_proto(answer.job) if answer.HasField("job") else None,
+                                    error=error_from_proto(answer.error) if answer.HasField("error") else None,
+                                    deduplicated=answer.deduplicated,
                                 )
-                            item = pending.popleft()
-                            attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
-                            breaks.answered()
-                            yield BulkResult(
-                                index=item.index,
-                                correlation_id=answer.correlation_id,
-                                job=job_from_proto(answer.job) if answer.HasField("job") else None,
-                                error=error_from_proto(answer.error) if answer.HasField("error") else None,
-                                deduplicated=answer.deduplicated,
-                            )
-                        space.set()
-                    if source_done and not pending:
-                        if source_error is not None:
-                            raise source_error
-                        return
-                    error: AsyncInferClientError = UnavailableError(
-                        "SubmitJobs ended before answering every request", code=grpc.StatusCode.UNAVAILABLE
-                    )
-                except asyncio.CancelledError:
-                    self._raise_if_closed_meanwhile()
-                    raise
-                except grpc.RpcError as rpc_error:
-                    error, cause = from_rpc_error(rpc_error), rpc_error
+                            space.set()
+                        if source_done and not pending:
+                            if source_error is not None:
+                                raise source_error
+                            return
                 finally:
-                    call.cancel()
-                    await _finish(writer)
-                await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
+                    await _finish(writer)  # once the call is cancelled (attempts.running)
+                await attempts.broke("SubmitJobs ended before answering every request")
         finally:
             if pull is not None:
                 pull.cancel()

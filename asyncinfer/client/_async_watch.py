@@ -17,10 +17,10 @@ import grpc
 from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._async_jobs import JobCalls
 from asyncinfer.client._convert import error_from_proto, job_from_proto
-from asyncinfer.client._retry import Deadline, StreamBreaks, checked_timeout
+from asyncinfer.client._retry import Deadline, checked_timeout
+from asyncinfer.client._stream_retry import StreamAttempts
 from asyncinfer.client.errors import (
     AsyncInferClientError,
-    UnavailableError,
     from_rpc_error,
     make_error,
     with_connection_hint,
@@ -74,16 +74,14 @@ class JobWatches(JobCalls):
         last_revision = after_revision
         seen = False  # a record was yielded: a reopened watch's first record may repeat it
         progress: tuple[int, JobProgress] | None = None  # the latest, and the attempt it is of
-        attempt = 0
-        breaks = StreamBreaks()
+        attempts = StreamAttempts(self._backoff_or_raise, deadline, on_cancel=self._raise_if_closed_meanwhile)
+        what = f"the watch of job {job_id} (it goes on)"
         while True:
-            attempt += 1
-            deadline.check(f"the watch of job {job_id} (it goes on)")
+            timeout = attempts.start(what)
             request = job_service_pb2.WatchJobRequest(job_id=job_id, after_revision=last_revision)
-            call = self._stub.WatchJob(request, timeout=deadline.remaining(), metadata=self._metadata)
-            cause: BaseException | None = None
+            call = self._stub.WatchJob(request, timeout=timeout, metadata=self._metadata)
             first = True
-            try:
+            with attempts.running(call, timed_out=what):
                 async for response in call:
                     snapshot = job_from_proto(
                         response.job, response.progress if response.HasField("progress") else None
@@ -104,8 +102,7 @@ class JobWatches(JobCalls):
                         snapshot = replace(snapshot, progress=progress[1])
                     last_revision = max(last_revision, snapshot.revision)
                     seen = True
-                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
-                    breaks.answered()
+                    attempts.answered()
                     yield snapshot
                     if snapshot.done:
                         return
@@ -113,21 +110,8 @@ class JobWatches(JobCalls):
                     # Ended OK with nothing newer: the gateway ends a watch only once the job is
                     # terminal, here at the revision already seen (`after_revision` was its last).
                     return
-                error: AsyncInferClientError = UnavailableError(
-                    "the watch ended before the job did", code=grpc.StatusCode.UNAVAILABLE
-                )
-            except asyncio.CancelledError:
-                self._raise_if_closed_meanwhile()
-                raise
-            except grpc.RpcError as rpc_error:
-                error, cause = from_rpc_error(rpc_error), rpc_error
-                if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
-                    # This watch's own limit (grpc's text is "Stream removed"): the job goes on.
-                    error = deadline.exceeded(f"the watch of job {job_id} (it goes on)")
-            finally:
-                call.cancel()
             try:
-                await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
+                await attempts.broke("the watch ended before the job did")
             except AsyncInferClientError as given_up:
                 if self.retry.retriable(given_up):  # the stream broke for longer than it is resumed for
                     given_up.add_note(watch_given_up_note(job_id, last_revision))
@@ -160,8 +144,7 @@ class JobWatches(JobCalls):
         ids = _job_ids(jobs)
         deadline = Deadline(timeout_s)
         done: set[str] = set()
-        attempt = 0
-        breaks = StreamBreaks()
+        attempts = StreamAttempts(self._backoff_or_raise, deadline, on_cancel=self._raise_if_closed_meanwhile)
         listening = False
         # A label watch: when it first listened (on the gateway's clock), and what it delivered of
         # each job (what a reopened watch's catch-up compares the listed jobs with, and what drops
@@ -170,25 +153,23 @@ class JobWatches(JobCalls):
         since_call: grpc.aio.UnaryStreamCall[Any, Any] | None = None  # whose late headers may say `since`
         delivered = DeliveredRevisions()
         while True:
-            attempt += 1
             watching = [job_id for job_id in ids if job_id not in done]
             if ids and not watching:
                 return
-            deadline.check(
+            timeout = attempts.start(
                 f"the watch of {len(watching)} job(s)" if ids else f"the label watch of {dict(labels or {})}"
             )
             request = job_service_pb2.WatchJobsRequest(job_ids=watching, labels=dict(labels or {}))
-            call = self._stub.WatchJobs(request, timeout=deadline.remaining(), metadata=self._metadata)
-            cause: BaseException | None = None
-            try:
+            call = self._stub.WatchJobs(request, timeout=timeout, metadata=self._metadata)
+            # A failure of the catch-up's ListJobs is a break as the stream's are.
+            with attempts.running(call, breaks_on=(AsyncInferClientError,)):
                 if labels and since is None and (ready := await listened(call, deadline.remaining())) is not None:
                     # The gateway's clock, which the listed jobs' times are compared with after a
                     # reconnect; the client's only until the gateway says (its headers came late), or
                     # from one that does not (before session 30).
                     listening, since = True, ready.since or datetime.now(UTC)
                     since_call = None if ready.since is not None else call
-                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
-                    breaks.answered()
+                    attempts.answered()
                     yield LISTENING
                 elif labels and since is not None:
                     # Reopened: once the new stream listens, what changed while the old one was
@@ -198,16 +179,14 @@ class JobWatches(JobCalls):
                         if since_call is not None:
                             since = await headers_since(since_call) or since
                             since_call = None
-                        attempt = 1
-                        breaks.answered()
+                        attempts.answered()
                         caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
                         async with contextlib.aclosing(caught_up):
                             async for job in caught_up:
                                 delivered.delivered(job)
                                 yield job
                 async for response in call:
-                    attempt = 1
-                    breaks.answered()
+                    attempts.answered()
                     if not listening:  # the first message (a watch of IDs: every job as it stands)
                         listening = True
                         if labels and since is None:
@@ -231,19 +210,7 @@ class JobWatches(JobCalls):
                             yield change.job_id, make_error(failure.code, failure.message, reason=failure.reason)
                 if ids and all(job_id in done for job_id in ids):
                     return
-                error: AsyncInferClientError = UnavailableError(
-                    "the watch ended before the jobs did", code=grpc.StatusCode.UNAVAILABLE
-                )
-            except asyncio.CancelledError:
-                self._raise_if_closed_meanwhile()
-                raise
-            except grpc.RpcError as rpc_error:
-                error, cause = from_rpc_error(rpc_error), rpc_error
-            except AsyncInferClientError as listing_failed:  # the catch-up's ListJobs: as a break
-                error = listing_failed
-            finally:
-                call.cancel()
-            await self._backoff_or_raise(error, attempt, deadline, cause, breaks.broke())
+            await attempts.broke("the watch ended before the jobs did")
 
     async def _missed_by_label_watch(
         self,

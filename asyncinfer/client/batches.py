@@ -21,8 +21,9 @@ from grpc import aio
 from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import named
 from asyncinfer.client._enums import from_proto, name_from_proto, to_proto
-from asyncinfer.client._retry import Deadline, StreamBreaks
-from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error
+from asyncinfer.client._retry import Deadline
+from asyncinfer.client._stream_retry import Backoff, StreamAttempts
+from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.client.types import Callback, CallbackEvent
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
@@ -39,21 +40,6 @@ class Call(Protocol):
     def __call__(
         self, invoke: Callable[[float | None], Awaitable[Any]], deadline: Deadline | None = None
     ) -> Awaitable[Any]: ...
-
-
-class Backoff(Protocol):
-    """The client's wait before a stream's next attempt (`ClientChannel._backoff_or_raise`): per
-    its RetryPolicy (what is retried, the jittered backoff, `on_retry`, the resume of a stream
-    that had answered), or `error` raised."""
-
-    def __call__(
-        self,
-        error: AsyncInferClientError,
-        attempt: int,
-        deadline: Deadline,
-        cause: BaseException | None,
-        broken_at: float | None = None,
-    ) -> Awaitable[None]: ...
 
 
 _PRIORITIES = {"HIGH": job_pb2.PRIORITY_HIGH, "NORMAL": job_pb2.PRIORITY_NORMAL, "LOW": job_pb2.PRIORITY_LOW}
@@ -277,34 +263,21 @@ class BatchCalls:
         batch_id = _batch_id(batch)
         deadline = Deadline(timeout_s)
         request = batch_service_pb2.WatchBatchRequest(batch_id=batch_id)
-        attempt = 0
-        breaks = StreamBreaks()
+        attempts = StreamAttempts(self._backoff, deadline)
+        what = f"the watch of batch {batch_id} (it goes on)"
         while True:
-            attempt += 1
-            deadline.check(f"the watch of batch {batch_id} (it goes on)")
-            call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=deadline.remaining())
-            cause: BaseException | None = None
-            try:
+            call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=attempts.start(what))
+            with attempts.running(call, timed_out=what):
                 async for update in call:
-                    attempt = 1  # a break of this stream is the first attempt's: the ladder starts again
-                    breaks.answered()
+                    attempts.answered()
                     last = batch_from_proto(update.batch)
                     yield last
                     if last.done:
                         return
-                # The gateway ends a watch only at the batch's end: one ended sooner is a break.
-                error: AsyncInferClientError = UnavailableError(
-                    "the watch ended before the batch did", code=grpc.StatusCode.UNAVAILABLE
-                )
-            except grpc.RpcError as exc:
-                error, cause = from_rpc_error(exc), exc
-                if error.code is grpc.StatusCode.DEADLINE_EXCEEDED and deadline.expired():
-                    error = deadline.exceeded(f"the watch of batch {batch_id} (it goes on)")
-            finally:
-                call.cancel()
-            # Before, every break was opened again 0.5 s later, INTERNAL too, with no jitter: after
-            # a gateway restart every batch watch came back in the same instant.
-            await self._backoff(error, attempt, deadline, cause, breaks.broke())
+            # The gateway ends a watch only at the batch's end: one ended sooner is a break. Before,
+            # every break was opened again 0.5 s later, INTERNAL too, with no jitter: after a
+            # gateway restart every batch watch came back in the same instant.
+            await attempts.broke("the watch ended before the batch did")
 
     async def download(
         self, batch: Batch | str, file: str = "output", *, timeout_s: float | None = None
