@@ -20,7 +20,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import numpy as np
-import uvloop
 
 from asyncinfer.codecs.envelope import encode_envelope
 from asyncinfer.config import LoggingConfig
@@ -29,7 +28,7 @@ from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
 from asyncinfer.logs import configure_logging
 from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import Tensor
-from bench.system.common import ProcessGroup, bench_config, cpu_seconds
+from bench.system.common import bench_config, measured_cpu, run_against_a_nats_server
 from services.scheduler.dead_letters import LETTERS_AT_ONCE, DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 
 LETTERS = 1_000
@@ -95,11 +94,11 @@ async def measure(url: str, nats_pid: int) -> None:
                     sequences += [one.sequence for one in stored]
                 letter_bytes = len(group[0].original)
                 received_before = nc.stats["in_bytes"]
-                nats_before, client_before, started = cpu_seconds(nats_pid), time.process_time(), time.perf_counter()
-                await purge(sequences)
-                wall_ms = 1000 * (time.perf_counter() - started)
-                client_ms = 1000 * (time.process_time() - client_before)
-                nats_ms = 1000 * (cpu_seconds(nats_pid) - nats_before)
+                with measured_cpu({"nats-server": nats_pid}) as used:
+                    await purge(sequences)
+                wall_ms = 1000 * used.wall_s
+                client_ms = 1000 * used.this_process_s
+                nats_ms = 1000 * used.processes_s["nats-server"]
                 received_mb = (nc.stats["in_bytes"] - received_before) / 1e6
                 assert await store.count() == 0
                 results[name].append((wall_ms, client_ms, nats_ms, received_mb))
@@ -116,10 +115,7 @@ async def measure(url: str, nats_pid: int) -> None:
 
 def main() -> None:
     configure_logging(LoggingConfig(level="warning"), service="bench")
-    with ProcessGroup() as group:
-        nats = group.nats()
-        assert nats.process is not None
-        uvloop.run(measure(nats.url, nats.process.pid))
+    run_against_a_nats_server(measure)
 
 
 if __name__ == "__main__":

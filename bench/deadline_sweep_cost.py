@@ -15,7 +15,6 @@ import asyncio
 import time
 
 import numpy as np
-import uvloop
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.codecs.envelope import deadline_header, encode_envelope
@@ -28,7 +27,7 @@ from asyncinfer.jobs import JobRecord, JobState, Priority, queued_envelope
 from asyncinfer.logs import configure_logging
 from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import Tensor
-from bench.system.common import ProcessGroup, bench_config, cpu_seconds
+from bench.system.common import bench_config, measured_cpu, run_against_a_nats_server
 from services.scheduler.deadline_sweep import DeadlineSweep
 from services.scheduler.metrics import SchedulerMetrics
 
@@ -86,12 +85,12 @@ async def measure(url: str, nats_pid: int) -> None:
 
     async def one(sweep: DeadlineSweep, label: str) -> None:
         read, expired = sweep.messages_read, sweep.jobs_expired
-        nats_before, client_before, started = cpu_seconds(nats_pid), time.process_time(), time.perf_counter()
-        await sweep.sweep()
+        with measured_cpu({"nats-server": nats_pid}) as used:
+            await sweep.sweep()
         print(
             f"{label}: read {sweep.messages_read - read}, expired {sweep.jobs_expired - expired}: "
-            f"scheduler {1000 * (time.process_time() - client_before):.1f} CPU-ms, nats-server "
-            f"{1000 * (cpu_seconds(nats_pid) - nats_before):.0f} CPU-ms, {1000 * (time.perf_counter() - started):.1f} ms"
+            f"scheduler {1000 * used.this_process_s:.1f} CPU-ms, nats-server "
+            f"{1000 * used.processes_s['nats-server']:.0f} CPU-ms, {1000 * used.wall_s:.1f} ms"
         )
 
     idle = sweep_for("idle")
@@ -116,10 +115,7 @@ async def measure(url: str, nats_pid: int) -> None:
 
 def main() -> None:
     configure_logging(LoggingConfig(level="warning"), service="bench")
-    with ProcessGroup() as group:
-        nats = group.nats()
-        assert nats.process is not None
-        uvloop.run(measure(nats.url, nats.process.pid))
+    run_against_a_nats_server(measure)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import time
 
-import uvloop
-
 from asyncinfer.blob_meta import CHUNK_BYTES, RESULT_CHUNK_BYTES
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.nats.connection import connect
-from bench.system.common import ProcessGroup, bench_config, cpu_seconds
+from bench.system.common import bench_config, measured_cpu, run_against_a_nats_server
 
 PUTS = 50
 CHUNK_RECORDS_BYTES = 4 << 20  # a 2,048-record MLP chunk's rows (2 KB each)
@@ -31,25 +29,22 @@ async def measure(url: str, nats_pid: int) -> None:
     data = os.urandom(CHUNK_RECORDS_BYTES)
     for chunk_bytes in (RESULT_CHUNK_BYTES, CHUNK_BYTES):
         for action in ("put", "read"):
-            nats_before, client_before, started = cpu_seconds(nats_pid), time.process_time(), time.perf_counter()
-            for i in range(PUTS):
-                ref = f"out/0190c0de-0000-7000-8000-{i:012d}"
-                if action == "put":
-                    await store.put_bytes("t", ref, data, expires_at=time.time() + 3600, chunk_bytes=chunk_bytes)
-                else:
-                    await store.read_range("t", ref, 0, len(data))
+            with measured_cpu({"nats-server": nats_pid}) as used:
+                for i in range(PUTS):
+                    ref = f"out/0190c0de-0000-7000-8000-{i:012d}"
+                    if action == "put":
+                        await store.put_bytes("t", ref, data, expires_at=time.time() + 3600, chunk_bytes=chunk_bytes)
+                    else:
+                        await store.read_range("t", ref, 0, len(data))
             print(
-                f"{action} {PUTS} x 4 MB, {chunk_bytes >> 10} KB chunks: nats-server {cpu_seconds(nats_pid) - nats_before:.2f} "
-                f"CPU-s, client {time.process_time() - client_before:.2f} CPU-s, {time.perf_counter() - started:.2f} s"
+                f"{action} {PUTS} x 4 MB, {chunk_bytes >> 10} KB chunks: nats-server "
+                f"{used.processes_s['nats-server']:.2f} CPU-s, client {used.this_process_s:.2f} CPU-s, {used.wall_s:.2f} s"
             )
     await nc.close()
 
 
 def main() -> None:
-    with ProcessGroup() as group:
-        nats = group.nats()
-        assert nats.process is not None
-        uvloop.run(measure(nats.url, nats.process.pid))
+    run_against_a_nats_server(measure)
 
 
 if __name__ == "__main__":

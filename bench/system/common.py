@@ -5,7 +5,9 @@
   servers) and stops them all on exit, also on Ctrl-C, SIGTERM and exceptions;
   `ProcessGroup.nats()`, `.service(name, config)` (an asyncinfer service as its own process, from a
   Config, started when its gRPC health check answers SERVING), `.redis()`, `.command(argv, ready=)`;
-- /proc readings: `rss_bytes(pid)`, `cpu_seconds(pid)`;
+- /proc readings: `rss_bytes(pid)`, `cpu_seconds(pid)`; `measured_cpu({name: pid})`, the wall time
+  and CPU a block took here and in those processes;
+- `run_against_a_nats_server(measure)`: `measure(url, pid)` against a nats-server of its own;
 - results: `write_results(...)` writes bench/results/<section>.json and .md; `plot_path(section, name)`;
 - `bench_config(nats_url, ...)`: a Config for benchmarks (logging at warning, metrics off).
 
@@ -28,10 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from asyncinfer.config import Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess
@@ -117,6 +121,30 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (0 when it is gone)."""
     fields = _stat_fields(pid)
     return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+@dataclass
+class CpuUsed:
+    """What a stretch of a benchmark cost, filled in when its `measured_cpu` block ends: the wall
+    seconds, this process's CPU seconds (time.process_time: all its threads) and each named
+    process's (cpu_seconds)."""
+
+    wall_s: float = 0.0
+    this_process_s: float = 0.0
+    processes_s: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def measured_cpu(processes: Mapping[str, int]) -> Iterator[CpuUsed]:
+    """The wall time and CPU the `with` block took here and in `processes` (name: pid), e.g.
+    `with measured_cpu({"nats-server": pid}) as used: ...`, then `used.processes_s["nats-server"]`."""
+    used = CpuUsed()
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()}
+    this_process_before, started = time.process_time(), time.perf_counter()
+    yield used
+    used.wall_s = time.perf_counter() - started
+    used.this_process_s = time.process_time() - this_process_before
+    used.processes_s = {name: cpu_seconds(pid) - before[name] for name, pid in processes.items()}
 
 
 def page_faults(pid: int) -> int:
@@ -343,6 +371,15 @@ class ProcessGroup:
             "--dir", str(workdir), "--daemonize", "no", "--protected-mode", "no", "--loglevel", "warning",
         ]  # fmt: skip
         return self.command("redis", argv, ready=lambda c: redis_ping(c.port), port=port)
+
+
+def run_against_a_nats_server(measure: Callable[[str, int], Coroutine[Any, Any, None]]) -> None:
+    """`measure(url, pid)` on uvloop against a fresh nats-server of its own, stopped after (the
+    benches that time one part of the stack against nats-server alone)."""
+    with ProcessGroup() as group:
+        nats = group.nats()
+        assert nats.process is not None
+        uvloop.run(measure(nats.url, nats.process.pid))
 
 
 def render_changed_keys(config: Config) -> str:
