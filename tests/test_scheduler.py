@@ -1372,3 +1372,49 @@ async def test_a_dispatch_whose_running_write_nats_refused_is_one_warning_and_ru
         assert entry["log_level"] == "warning"
         assert "exc_info" not in entry
         assert entry["error"].startswith("cannot update the job record: nats: no response from stream")
+
+
+async def test_a_timeout_whose_write_nats_refused_is_one_warning_and_the_job_comes_back(
+    config: Config, js: JetStreamContext, nc: NatsClient
+) -> None:
+    """A job timed out while the jobs bucket's leader is elected: its TIMED_OUT write is refused,
+    which was an error with a traceback (a line per job, drawn on the event loop as dispatch_failed
+    was). It is a warning in a line; the message comes back after its AckWait and the job runs."""
+    app = SchedulerApp(config.replace(scheduler={"ack_wait_s": 2.0, "lease_renew_interval_s": 0.5}))
+    await app.start()
+    kv = await js.key_value(config.nats.jobs_bucket)
+    batcher = FakeBatcher(app.port, "older")  # times no run out itself: the scheduler's timer does
+    bucket = f"KV_{config.nats.jobs_bucket}"
+    try:
+        await batcher.connect()
+        await batcher.grant(1)
+        # Room to move the bucket away between its RUNNING write and its timeout.
+        job_id = await enqueue(nc, kv, execution_timeout_s=3.0)
+        first = await batcher.next_order()
+        await wait_state(js, job_id, JobState.RUNNING)
+        info = await js.stream_info(bucket)
+        subjects = list(info.config.subjects or [])
+        info.config.subjects = [f"elsewhere.{config.nats.jobs_bucket}.>"]  # writes: "no responders"
+        await js.update_stream(info.config)
+        with capture_logs() as logs:
+            cancel = await asyncio.wait_for(batcher.cancels.get(), 5.0)
+            assert (cancel.job_id, cancel.attempt) == (job_id, first.attempt)
+
+            async def failure_logged() -> bool:
+                return any(e["event"] == "timeout_not_stored" for e in logs)
+
+            await until(failure_logged)
+        info.config.subjects = subjects
+        await js.update_stream(info.config)
+        (entry,) = [e for e in logs if e["event"] == "timeout_not_stored"]
+        assert entry["log_level"] == "warning"
+        assert "exc_info" not in entry
+        assert entry["error"].startswith("cannot update the job record: nats: no response from stream")
+        await batcher.grant(1)
+        again = await batcher.next_order(timeout_s=10.0)  # AckWait's redelivery: the job was kept
+        assert (again.job_id, again.attempt) == (job_id, 2)
+        await batcher.answer(again)
+        await wait_state(js, job_id, JobState.SUCCEEDED)
+    finally:
+        await batcher.close()
+        await app.stop(grace_s=1.0)

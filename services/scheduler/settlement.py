@@ -302,6 +302,10 @@ class Settlement:
         )
         try:
             await self.failed_attempt(job, error, final_state=JobState.TIMED_OUT, result=result)
+        except Unavailable as exc:
+            # NATS away (a leader election): expected, and AckWait brings the message back. A line,
+            # not a traceback per job drawn on the event loop (see JobDispatch.dispatch).
+            job.log.warning("timeout_not_stored", error=exc.message)
         except Exception:
             job.log.exception("timeout_not_stored")
 
