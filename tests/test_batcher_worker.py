@@ -490,6 +490,47 @@ class RefusingScheduler(FakeScheduler):
         yield worker_service_pb2.ConnectResponse()  # pragma: no cover (a generator; never reached)
 
 
+class ListeningRefuser(FakeScheduler):
+    """Reads the hello, then what the batcher sends before any answer (for up to LISTEN_S: nothing
+    more may come), then refuses UNAUTHENTICATED."""
+
+    LISTEN_S = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before_answer: list[str] = []
+
+    async def Connect(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], context: Any
+    ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
+        requests = aiter(request_iterator)
+        await anext(requests)
+        with contextlib.suppress(TimeoutError, StopAsyncIteration):
+            async with asyncio.timeout(self.LISTEN_S):
+                while True:
+                    self.before_answer.append((await anext(requests)).WhichOneof("message"))
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "refused")
+        yield worker_service_pb2.ConnectResponse()  # pragma: no cover (a generator; never reached)
+
+
+async def test_the_batcher_writes_nothing_after_its_hello_until_the_scheduler_answers() -> None:
+    # A write in flight when the refusal lands turns the call's status into grpc's INTERNAL
+    # "Internal error from Core" (grpc/grpc#36066): the batcher then logged a refused key as INTERNAL
+    # (1 time in 15 under load). Nothing written between the hello and the answer, nothing can fail.
+    async with serving(ListeningRefuser()) as (refuser, port):
+        batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
+        with structlog.testing.capture_logs() as logs:
+            await batcher.start()
+            try:
+                await poll(lambda: any(e["event"] == "work_stream_failed" for e in logs))
+            finally:
+                await batcher.stop(grace_s=1.0)
+    assert isinstance(refuser, ListeningRefuser)
+    assert refuser.before_answer == [], "only the hello goes before the scheduler's answer"
+    (first,) = [e for e in logs if e["event"] == "work_stream_failed"][:1]
+    assert first["code"] == "UNAUTHENTICATED"
+
+
 async def test_a_scheduler_that_stays_unreachable_is_logged_once_then_now_and_then(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

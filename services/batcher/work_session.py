@@ -102,6 +102,7 @@ class WorkSession:
         # ready when the writer gets to it goes together, and a lone result goes at once.
         self._batches = False
         self.welcomed = False  # the scheduler answered the hello: the stream was up
+        self._welcome = asyncio.Event()
         self._filling: worker_service_pb2.ConnectRequest | None = None
         self._filling_bytes = 0
 
@@ -176,8 +177,17 @@ class WorkSession:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _write(self, call: Any) -> None:
-        """Sends the outbox in order; None half-closes the stream."""
+        """Sends the outbox in order, nothing after the hello until the scheduler's welcome; None
+        half-closes the stream."""
+        hello_sent = False
         while (message := await self._outbox.get()) is not None:
+            if hello_sent and not self._welcome.is_set():
+                # The scheduler answers the hello with its welcome or its refusal (a key it does not
+                # take, UNAUTHENTICATED). A write in flight when a refusal lands fails, and grpc's aio
+                # client then reports the call as INTERNAL "Internal error from Core", overwriting
+                # the status the scheduler sent (grpc/grpc#36066): the operator read INTERNAL, not
+                # that this batcher's key was refused. Credits and the rest wait for the welcome.
+                await self._welcome.wait()
             if message is self._filling:
                 # One loop iteration before it closes, for what the same step made ready: a
                 # finished item frees its credit a step before its order task answers it, and
@@ -185,6 +195,7 @@ class WorkSession:
                 await asyncio.sleep(0)
                 self._filling = None  # closed: what comes next goes in a new one
             await call.write(message)
+            hello_sent = True
         await call.done_writing()
 
     def _updates(self) -> worker_service_pb2.WorkUpdates:
@@ -215,6 +226,7 @@ class WorkSession:
             self._spawn(self._control(response.control), f"control-{response.control.model_name}")
         elif kind == "welcome":
             self.welcomed = True
+            self._welcome.set()
             self._batches = self._work_batches and response.welcome.takes_batches
             log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
 
