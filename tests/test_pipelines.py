@@ -347,6 +347,39 @@ async def test_the_gateway_validates_a_pipeline_submit_against_its_inputs(gated_
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+async def test_a_pipelines_step_model_cannot_be_unloaded_and_its_jobs_still_run(gated_stack: Stack) -> None:
+    """Pipelines are fixed at start-up: unloading a step model (or the pipeline) through the KServe
+    repository API is refused FAILED_PRECONDITION naming the pipeline, and changes nothing. It was
+    unloaded, the pipeline still announced, and each of its jobs failed MODEL_ERROR thrice."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from asyncinfer.client import AsyncClient
+    from asyncinfer.grpc_errors import status_details, unpack_details
+
+    assert gated_stack.batcher is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gated_stack.batcher.port}") as channel:
+        kserve = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        refusals = {
+            "demo": ("MODEL_IN_PIPELINE", {"model": "demo", "pipelines": "twice"}),
+            "twice": ("PIPELINE_FIXED", {"model": "twice"}),
+        }
+        for name, (reason, metadata) in refusals.items():
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await kserve.RepositoryModelUnload(service_pb2.RepositoryModelUnloadRequest(model_name=name))
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, name
+            details = status_details(refused.value)
+            assert details is not None
+            info = unpack_details(details)["ErrorInfo"]
+            assert (info.reason, dict(info.metadata)) == (reason, metadata)
+            assert "twice" in refused.value.details()
+        ready = await kserve.ModelReady(service_pb2.ModelReadyRequest(name="demo"))
+        assert ready.ready, "the refused unload changed nothing"
+    async with AsyncClient(gated_stack.address) as jobs:
+        done = await jobs.wait(await jobs.submit("twice", {"x": np.ones((1, 4), np.float32)}), timeout_s=60.0)
+    assert done.succeeded, done.error
+    np.testing.assert_allclose(done.outputs["y"], np.full((1, 4), 7.0))
+
+
 async def test_the_document_pipeline_matches_minilm_l6_doc() -> None:
     """chunk -> minilm-l6 -> pool, straight through an engine, against minilm-l6-doc on the same
     documents; a document of more windows than minilm-l6's max_batch_size runs as several items."""

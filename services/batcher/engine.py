@@ -160,6 +160,12 @@ class BatchingEngine:
     def pipeline(self, model_name: str) -> PipelineRunner | None:
         return self._pipelines.get(model_name)
 
+    def pipelines_using(self, model_name: str) -> list[str]:
+        """The pipelines served here that have a step on the model."""
+        return [
+            name for name, runner in self._pipelines.items() if any(s.model == model_name for s in runner.config.steps)
+        ]
+
     def versions(self, model_name: str) -> list[str]:
         """The versions of the model in service here (not those retiring), oldest declared first."""
         pipeline = self._pipelines.get(model_name)

@@ -29,7 +29,15 @@ import structlog
 from pydantic import ValidationError
 
 from asyncinfer.config import BatcherConfig, ModelConfig
-from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, ModelError, NotFound, Unavailable
+from asyncinfer.errors import (
+    AsyncInferError,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    ModelError,
+    NotFound,
+    Unavailable,
+)
 from asyncinfer.jobs import NAME_PATTERN
 from asyncinfer.supervision import failure_logged
 from asyncinfer.tensors import NUMPY_DTYPES
@@ -230,8 +238,30 @@ class ModelControl:
                     self._backends[(config.name, config.version)] = backend
                     self._engine.add_model(config, backend)
 
+    def _refuse_unserving_a_pipeline(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
+        """Pipelines are fixed at start-up (a reload leaves them too): a pipeline cannot be loaded
+        or unloaded, nor its step model unloaded. The pipeline was still announced once its step
+        model had gone, and each of its jobs failed MODEL_ERROR "model 'm' is not served here",
+        attempt after attempt, where an unloaded model's jobs wait."""
+        if self._engine.pipeline(model_name) is not None:
+            raise FailedPrecondition(
+                f"model {model_name!r} is a pipeline: pipelines are fixed when the batcher starts",
+                reason="PIPELINE_FIXED",
+                metadata={"model": model_name},
+            )
+        using = self._engine.pipelines_using(model_name)
+        if using and not versions:
+            raise FailedPrecondition(
+                f"model {model_name!r} runs steps of the pipelines {using} served here: it cannot be unloaded "
+                "(pipelines are fixed when the batcher starts); load the versions it should serve instead",
+                reason="MODEL_IN_PIPELINE",
+                metadata={"model": model_name, "pipelines": ",".join(using)},
+            )
+
     async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
-        """Makes the model's versions exactly `versions` (empty: unloads the model)."""
+        """Makes the model's versions exactly `versions` (empty: unloads the model); refused
+        (FailedPrecondition) for a pipeline, or for a pipeline's step model left with none."""
+        self._refuse_unserving_a_pipeline(model_name, versions)
         async with self._lock:
             wanted = {c.version: c for c in versions}
             changes = [
