@@ -132,6 +132,36 @@ async def test_a_bad_config_is_refused_and_what_runs_keeps_running(v1_stack: Sta
         await client.close()
 
 
+async def test_a_load_whose_config_is_a_pipeline_is_refused_invalid_argument(v1_stack: Stack) -> None:
+    """Pipelines are fixed when the batcher starts. A load_model config with `steps` was loaded as a
+    model with no loader: UNAVAILABLE MODEL_LOAD_FAILED ("ValueError: Empty module name"), which a
+    caller retries, and the failure stayed in the repository index as the version's."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from asyncinfer.grpc_errors import status_details, unpack_details
+
+    pipeline = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+        "steps": [{"model": "demo", "inputs": {"x": "x"}, "outputs": {"y": "y"}}],
+    }
+    assert v1_stack.batcher is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{v1_stack.batcher.port}") as channel:
+        repository = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.RepositoryModelLoadRequest(model_name="piped")
+        request.parameters["config"].string_param = json.dumps(pipeline)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await repository.RepositoryModelLoad(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = status_details(refused.value)
+        assert details is not None
+        found = unpack_details(details)
+        assert found["ErrorInfo"].reason == "PIPELINE_FIXED"
+        assert [v.field for v in found["BadRequest"].field_violations] == ["config.steps"]
+        index = await repository.RepositoryIndex(service_pb2.RepositoryIndexRequest())
+        assert [(m.name, m.version, m.state) for m in index.models] == [("demo", "1", "READY")]
+
+
 async def test_a_config_json_that_cannot_be_read_is_refused_at_once(v1_stack: Stack) -> None:
     """By the scheduler, before any batcher is asked: one nested 50,000 deep was forwarded, the
     batcher's control failed unanswered, and LoadModel waited its whole timeout (120 s) to say

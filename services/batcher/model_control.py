@@ -152,13 +152,22 @@ class ModelControl:
             base = {}
         data = {**base, "versions": (), "default_version": "", **override, "name": name}
         try:
-            return list(ModelConfig.model_validate(data).version_configs())
+            model = ModelConfig.model_validate(data)
         except ValidationError as exc:
             violations = [
                 FieldViolation(f"config.{'.'.join(str(p) for p in e['loc'])}", e["msg"])
                 for e in exc.errors(include_url=False)
             ]
             raise InvalidArgument(f"invalid model config: {violations[0].description}", violations) from None
+        if model.steps:
+            # Loaded as a model it had no loader: UNAVAILABLE MODEL_LOAD_FAILED "ValueError: Empty
+            # module name", retriable, and the failure announced as the version's for good.
+            raise InvalidArgument(
+                "a pipeline cannot be loaded while the batcher runs: declare it in the batcher's file and restart",
+                [FieldViolation("config.steps", "pipelines are fixed when the batcher starts")],
+                reason="PIPELINE_FIXED",
+            )
+        return list(model.version_configs())
 
     async def load_model(self, name: str, override: dict[str, Any] | None = None) -> None:
         """Loads the model's versions (see versions_to_load); Unavailable when one did not load."""
@@ -243,7 +252,7 @@ class ModelControl:
         or unloaded, nor its step model unloaded. The pipeline was still announced once its step
         model had gone, and each of its jobs failed MODEL_ERROR "model 'm' is not served here",
         attempt after attempt, where an unloaded model's jobs wait."""
-        if self._engine.pipeline(model_name) is not None:
+        if self._engine.pipeline(model_name) is not None or any(c.steps for c in versions):
             raise FailedPrecondition(
                 f"model {model_name!r} is a pipeline: pipelines are fixed when the batcher starts",
                 reason="PIPELINE_FIXED",
