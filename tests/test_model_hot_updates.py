@@ -162,6 +162,33 @@ async def test_a_load_whose_config_is_a_pipeline_is_refused_invalid_argument(v1_
         assert [(m.name, m.version, m.state) for m in index.models] == [("demo", "1", "READY")]
 
 
+async def test_a_version_that_failed_to_load_can_be_unloaded(v1_stack: Stack) -> None:
+    """As Triton unloads an unavailable model. Its failure was kept (RepositoryIndex UNAVAILABLE,
+    announced to the scheduler as the version's load failure) while UnloadModel of that version
+    answered NOT_FOUND "not loaded here"."""
+    channel = grpc.aio.insecure_channel(v1_stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+    client = kserve(v1_stack)
+
+    async def index() -> dict[tuple[str, str], str]:
+        return {(m.name, m.version): m.state for m in (await client.get_model_repository_index()).models}
+
+    try:
+        await until(lambda: ready(v1_stack, "1"))  # the batcher is connected (its stream opens after its start)
+        broken = load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", "no.such:factory"))
+        loaded = await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", config_json=broken))
+        assert [o.error.reason for o in loaded.outcomes] == ["MODEL_LOAD_FAILED"]
+        assert await index() == {("demo", "1"): "READY", ("demo", "2"): "UNAVAILABLE"}
+
+        unloaded = await ops.UnloadModel(ops_service_pb2.UnloadModelRequest(model_name="demo", model_version="2"))
+        assert [(o.ok, o.error.reason) for o in unloaded.outcomes] == [(True, "")]
+        assert await index() == {("demo", "1"): "READY"}
+        assert await client.is_model_ready("demo", "1")
+    finally:
+        await client.close()
+        await channel.close()
+
+
 async def test_a_config_json_that_cannot_be_read_is_refused_at_once(v1_stack: Stack) -> None:
     """By the scheduler, before any batcher is asked: one nested 50,000 deep was forwarded, the
     batcher's control failed unanswered, and LoadModel waited its whole timeout (120 s) to say

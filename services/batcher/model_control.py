@@ -182,11 +182,21 @@ class ModelControl:
     async def unload_model(self, name: str, version: str = "") -> None:
         """Unloads the model (or one version of it); NotFound when it is not loaded here."""
         served = self._engine.versions(name)
-        if not served or (version and version not in served):
+        failed = {v for n, v in self.failures if n == name}
+        if not (served or failed) or (version and version not in served and version not in failed):
             which = f"model {name!r}" + (f" version {version!r}" if version else "")
             raise NotFound(f"{which} is not loaded here", reason="MODEL_NOT_FOUND")
         keep = [self._engine.model_config(name, v) for v in served if version and v != version]
+        # A version that failed to load is unloaded too, as Triton unloads an unavailable model: its
+        # failure was kept and announced (jobs pinned to it waiting MODEL_LOAD_FAILED, RepositoryIndex
+        # UNAVAILABLE) while this answered NOT_FOUND "not loaded here".
+        forgotten = {(name, v) for v in failed if not version or v == version}
         await self.apply(name, keep)
+        if forgotten:
+            async with self._lock:
+                for key in forgotten:
+                    self.failures.pop(key, None)
+                self._changed()
 
     async def load(self, config: ModelConfig) -> ModelBackend | None:
         """The version's backend, loaded, started and warmed up; None (and the reason in
