@@ -14,9 +14,11 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
-from asyncinfer.batches import BatchState
+from asyncinfer.batches import BatchRecord, BatchState
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.errors import Unavailable
 from asyncinfer.ids import new_job_id
 from asyncinfer.jobs import CallbackSpec
 from asyncinfer.v1 import batch_service_pb2, job_pb2
@@ -276,3 +278,50 @@ async def test_a_second_enqueue_whose_first_message_is_long_overdue_is_attempted
                 break
             await asyncio.sleep(0.05)
     assert delivery.attempts == 2
+
+
+async def test_a_batch_whose_webhook_cannot_be_enqueued_is_not_counted_as_driven(
+    config: Config, start_stack: StartStack, receiver: Receiver
+) -> None:
+    """During a webhook outage the driver keeps an ended batch to enqueue its end at a later tick;
+    the gauges of running batches (asyncinfer_batches_driven, asyncinfer_batch_chunks) counted it
+    for as long as the outage lasted. Its webhook still goes once the outage is over."""
+    stack = await start_stack(batch_config(config))
+    driver = stack.gateway.batch_driver
+    assert driver is not None
+    callbacks = driver._callbacks
+    assert callbacks is not None
+    refused = 0
+    refused_twice = asyncio.Event()
+    outage = True
+    enqueue = callbacks.enqueue
+
+    async def enqueue_in_an_outage(record: BatchRecord) -> None:
+        nonlocal refused
+        if not outage:
+            await enqueue(record)
+            return
+        refused += 1
+        if refused >= 2:  # a tick after the terminal write's has failed too
+            refused_twice.set()
+        raise Unavailable("cannot enqueue the batch's webhook: an outage")
+
+    callbacks.enqueue = enqueue_in_an_outage  # type: ignore[method-assign]
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(120)))
+    created = await stub.CreateBatch(create_request(ref, callback=callback(receiver.url("/outage"))))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    async with asyncio.timeout(WAIT_S):
+        await refused_twice.wait()
+
+    scraped = generate_latest(stack.gateway.registry).decode()
+    assert "asyncinfer_batches_driven 0.0" in scraped
+    assert "asyncinfer_batch_chunks{" not in scraped
+    assert "asyncinfer_batch_records_per_second{" not in scraped
+
+    outage = False
+    [received] = await receiver.wait_for("/outage", 1)
+    assert verified(received)["data"]["batch_id"] == batch.batch_id
+    await settled(stack, batch.batch_id)
+    assert len(receiver.at("/outage")) == 1

@@ -95,7 +95,9 @@ class BatchDriver:
         # which it is not tried again (it was tried again at once, 400 times a second, rereading the
         # whole upload each time, where its failure stayed: a full store, a line that broke the parser).
         self._prepare_failed: dict[tuple[str, str], tuple[int, float]] = {}
-        self._seen: dict[tuple[str, str], BatchRecord] = {}  # what the last tick read or wrote
+        # What the last tick read or wrote of each running batch (the gauges of running batches).
+        # An ended one leaves it at once, though it is driven on until its webhook is enqueued.
+        self._seen: dict[tuple[str, str], BatchRecord] = {}
         self.rounds = 0  # the loop's wake-ups (an idle gateway's are counted by a test)
         self._metrics = metrics
         if metrics is not None:
@@ -196,6 +198,7 @@ class BatchDriver:
         if record is None:
             return True
         if record.state.is_terminal:
+            self._seen.pop((tenant, batch_id), None)
             return await self._ended(record)
         self._seen[(tenant, batch_id)] = record
         now = self._clock()
@@ -300,7 +303,11 @@ class BatchDriver:
 
     async def _write(self, before: BatchRecord, after: BatchRecord) -> BatchRecord:
         written = await self._store.write(after)
-        self._seen[(after.tenant, after.batch_id)] = written
+        key = (after.tenant, after.batch_id)
+        if written.state.is_terminal:
+            self._seen.pop(key, None)
+        else:
+            self._seen[key] = written
         if self._metrics is not None:
             self._metrics.wrote(before, written)
         return written
