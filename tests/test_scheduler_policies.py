@@ -1568,6 +1568,70 @@ def test_tenant_round_robin_takes_one_job_per_tenant_in_turn() -> None:
     assert rr.window(4) == 8
 
 
+async def test_jobs_given_back_by_the_tenant_round_robin_stay_in_their_queues_depth(
+    start: Start, config: Config
+) -> None:
+    """Among several tenants a round pulls twice its free slots and gives back (nak) the jobs it
+    does not take; the consumer then counts them as delivered, not pending. They were left out of
+    the queue's depth (GetQueueStats, the snapshot the gateway reads for positions, admission and
+    the desired batchers) for as long as no credit came: here 1 of 4 waiting jobs."""
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    for tenant in ("a", "a", "b", "b", "a"):
+        await enqueue(h.nc, h.kv, tenant=tenant)
+    await batcher.grant(1)
+    # A round of 1 slot pulls 2 jobs (its first window is a probe for a second tenant), takes
+    # one and gives the other back.
+    await batcher.next_order()
+
+    seen: list[tuple[int, int | None]] = []
+
+    async def depth_is(count: int) -> bool:
+        stats = await h.ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name=MODEL))
+        (normal,) = [q for q in stats.models[0].priorities if q.priority == job_pb2.PRIORITY_NORMAL]
+        snapshot = await h.snapshot()  # what the gateways read
+        seen.append((normal.depth, snapshot.depth(Priority.NORMAL) if snapshot is not None else None))
+        return seen[-1] == (count, count) and stats.models[0].in_flight == 1
+
+    with contextlib.suppress(AssertionError):
+        await until(lambda: depth_is(4))
+    assert seen[-1] == (4, 4), f"GetQueueStats and the snapshot read {seen[-1]} of 4 waiting jobs"
+
+
+async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(
+    start: Start, config: Config
+) -> None:
+    """A job one scheduler gave back (the tenant window's rest, or a held pull's) may be pulled
+    again by another scheduler and run there. The first counted it as waiting until it pulled the
+    job itself, which it never would: its queue's depth stayed one up for good (and with it its
+    desired batchers: never 0). A stats round forgets a put-back job whose message the work stream no longer holds."""
+    first = await start(tune(config))
+    second = await start(tune(config))
+    mine = await first.batcher("b1")
+    other = await second.batcher("b2")
+    for _ in range(2):
+        await enqueue(first.nc, first.kv)
+    await mine.grant(1)
+    await mine.next_order()  # a window of 2 pulled (a probe), 1 taken, 1 given back
+    queues = first.dispatcher().queues
+
+    async def put_back_here() -> bool:
+        return queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(put_back_here)
+    await other.grant(1)
+    order = await other.next_order()  # the job given back, run by the other scheduler
+    await other.answer(order)
+    await wait_state(second.js, order.job_id, JobState.SUCCEEDED)
+
+    async def own_depth_is(count: int) -> bool:
+        (snapshot,) = await first.app._stats.snapshot(MODEL)  # this scheduler's own count
+        return snapshot.depth == count
+
+    await until(lambda: own_depth_is(0))
+    assert queues.put_back_count(Priority.NORMAL) == 0
+
+
 async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:
     """A LOW backlog saturates the only batcher; HIGH jobs keep arriving while it drains."""
     h = await start(tune(config))

@@ -237,6 +237,8 @@ class SchedulerApp:
             batch_sizes=flow.batch_sizes,
             clock=self._wall_clock,
             held_open=self._held_open,
+            put_back_jobs=self._put_back_jobs,
+            forget_put_back=self._forget_put_back,
             nc=nc,
         )
         models_kv = await ensure_models_bucket(js, config.nats)
@@ -431,6 +433,11 @@ class SchedulerApp:
 
     def _put_back_count(self, model_name: str, priority: Priority) -> int:
         return sum(d.queues.put_back_count(priority) for d in self._dispatchers_by_model.get(model_name, ()))
+
+    def _put_back_jobs(self, model_name: str, priority: Priority) -> frozenset[str]:
+        return frozenset().union(
+            *(d.queues.put_back_jobs(priority) for d in self._dispatchers_by_model.get(model_name, ()))
+        )
 
     def _held_open(self, model_name: str, priority: Priority) -> bool:
         return any(d.holding(priority) for d in self._dispatchers_by_model.get(model_name, ()))

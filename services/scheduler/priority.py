@@ -23,7 +23,8 @@ contract), and a JetStream pull cannot pick by tenant. `TenantRoundRobin` theref
 small window: while a priority's recent pulls showed more than one tenant (and once a second, as a
 probe, while only one was seen), the dispatcher pulls up to twice the free slots, keeps one job per
 tenant in turn (starting after the tenant served last) and gives the rest back at once (a NAK
-without delay: JetStream redelivers NAKed messages before newer ones, so they keep their place).
+without delay: JetStream redelivers NAKed messages before newer ones, so they keep their place;
+the queue's depth still counts them: services.scheduler.work_queue.ModelQueues.put_back).
 Otherwise nothing extra is pulled. Messages taken back this way do not spend attempts: attempts
 are counted in the job record, not from the message's delivery count.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -175,6 +175,8 @@ class QueueStatsReader:
         planned_chunks: Callable[[str], tuple[int, int]] = lambda _model: (0, 0),
         runtime_models: Callable[[], Iterable[str]] = lambda: (),
         held_open: Callable[[str, Priority], bool] = lambda _model, _priority: False,
+        put_back_jobs: Callable[[str, Priority], frozenset[str]] = lambda _model, _priority: frozenset(),
+        forget_put_back: Callable[[str, str], None] = lambda _model, _job_id: None,
         nc: Client,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -184,6 +186,8 @@ class QueueStatsReader:
         self._runtime_models = runtime_models  # names learnt from batchers (services.scheduler.runtime_models)
         self._planned_chunks = planned_chunks
         self._put_back_count = put_back_count
+        self._put_back_jobs = put_back_jobs
+        self._forget_put_back = forget_put_back
         self._batch_sizes = batch_sizes
         self._js = js
         self._config = config
@@ -198,17 +202,25 @@ class QueueStatsReader:
         """Every configured or learnt model (or just model_name); unknown names give an empty list."""
         names = [m.name for m in self._config.models] + list(self._runtime_models())
         models = [n for n in names if not model_name or n == model_name]
-        asked = any(not self._held_open(n, p) for n in models for p in PRIORITIES_BY_RANK)
-        occupied = await self._occupied_queues() if asked else None
+        # Jobs put back here are looked for in the listing too (a queue with some is asked).
+        put_back = {(n, p): self._put_back_jobs(n, p) for n in models for p in PRIORITIES_BY_RANK}
+        asked = any(not self._held_open(n, p) or put_back[n, p] for n in models for p in PRIORITIES_BY_RANK)
+        occupied = await self._occupied_queues(put_back) if asked else None
         return list(await asyncio.gather(*(self._model_snapshot(n, occupied) for n in models)))
 
-    async def _occupied_queues(self) -> set[tuple[str, str]] | None:
+    async def _occupied_queues(
+        self, put_back: Mapping[tuple[str, Priority], frozenset[str]]
+    ) -> set[tuple[str, str]] | None:
         """The (model, priority token) of every queue the work stream holds a message of, waiting
         or in flight (a WorkQueue stream: a job's message leaves when its result is stored), or
         None when unknown (too many subjects to list): a queue not in it has nothing waiting, and
         is not asked. A scale pass: an idle scheduler of 100 models and no batcher (no pull held
         open) asked 300 consumer infos a round, 150 a second, 25-30 ms of each round; now one
-        stream info (two while a few jobs are queued or running)."""
+        stream info (two while a few jobs are queued or running).
+
+        The jobs `put_back` (pulled and put back here before the listing) whose messages it does not
+        list are gone (another scheduler pulled one again and ran it; it was cancelled or expired):
+        forgotten, else counted as waiting here for good."""
         counts = await subject_counts(
             self._nc,
             self._config.nats.work_stream,
@@ -219,11 +231,21 @@ class QueueStatsReader:
         if counts is None:
             return None
         occupied: set[tuple[str, str]] = set()
+        stored: set[str] = set()  # the jobs whose messages the stream holds
+        unnamed: set[tuple[str, str]] = set()  # queues with an older gateway's message (no job in its subject)
         for subject, count in counts.items():
             # asyncinfer.work.<model>.<priority>[.<tenant>.<job_id>]; model names hold no dot
             tokens = subject.split(".", 4)
             if count > 0 and len(tokens) >= 4:
                 occupied.add((tokens[2], tokens[3]))
+                if len(tokens) == 5:
+                    stored.add(subject.rpartition(".")[2])
+                else:
+                    unnamed.add((tokens[2], tokens[3]))
+        for (model_name, priority), jobs in put_back.items():
+            if (model_name, priority.subject_token) not in unnamed:
+                for job_id in jobs - stored:
+                    self._forget_put_back(model_name, job_id)
         return occupied
 
     async def _model_snapshot(self, name: str, occupied: set[tuple[str, str]] | None = None) -> ModelQueueSnapshot:

@@ -63,7 +63,8 @@ class ModelQueues:
         # Publishes seen per priority: a publish seen while a pull was out may have missed it.
         self._publishes = dict.fromkeys(PRIORITIES_BY_RANK, 0)
         self._pulled_at = dict.fromkeys(PRIORITIES_BY_RANK, 0)
-        # The jobs whose messages this scheduler pulled and put back (a nak): waiting again, but
+        # The jobs whose messages this scheduler pulled and put back (a nak: a held pull's that
+        # could not run, a tenant window's jobs not taken): waiting again, but
         # the consumer counts them as delivered, not pending, until they are pulled again. By job,
         # not a count: one cancelled meanwhile has its message deleted, never pulled, and a count
         # kept it in the queue's depth (and the desired batchers) for good.
@@ -75,6 +76,9 @@ class ModelQueues:
     def put_back(self, priority: Priority, msg: Msg) -> None:
         """A message of the priority's queue was pulled and put back (nak) without running."""
         self._put_back[priority].add(_job_id(msg))
+
+    def put_back_jobs(self, priority: Priority) -> frozenset[str]:
+        return frozenset(self._put_back[priority])
 
     def put_back_count(self, priority: Priority) -> int:
         return len(self._put_back[priority])
@@ -136,6 +140,9 @@ class ModelQueues:
                 msgs = await self._pull(priority, tenants.window(slots))
                 picked, rest = tenants.choose([(tenant_of(m), m) for m in msgs], slots)
                 for msg in rest:
+                    # Waiting again, though the consumer counts it delivered: counted here, as a
+                    # held pull's put-back is, until a pull brings it back.
+                    self.put_back(priority, msg)
                     with contextlib.suppress(Exception):
                         await msg.nak()
                 self.selector.charge(priority, len(picked))
