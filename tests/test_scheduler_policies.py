@@ -23,6 +23,7 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
+from asyncinfer.blob_meta import result_ref
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.claim_check_io import store_outputs
 from asyncinfer.client import AsyncClient
@@ -1198,6 +1199,43 @@ async def test_cancel_of_a_running_job_drops_it_at_the_batcher(start: Start, con
     record = await wait_state(h.js, late, JobState.CANCELED)
     assert record.outputs == ()
     await h.work_empty()
+
+
+async def test_a_result_stored_for_a_job_cancelled_while_it_ran_is_deleted(start: Start, config: Config) -> None:
+    """A job cancelled while its result is being stored ends CANCELED, its record naming no result
+    (the cancel wins over the attempt's end). The object stored for it, by a batcher with
+    claim_check_io (out/<job_id>.1) or by the scheduler for outputs too big for the record
+    (out/<job_id>), was kept counted against its tenant for the job's result retention (an hour
+    here), though no record would ever name it: deleted now."""
+    h = await start(tune(config).replace(scheduler={"inline_result_max_bytes": 8}))
+    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    batcher = await h.batcher(credits=2, reads_claim_checks=True)
+
+    by_batcher = await enqueue(h.nc, h.kv)
+    order = await batcher.next_order()
+    ref = await store_attempts_result(store, order)
+    assert (await cancel_as_gateway(h, by_batcher)).state == JobState.CANCELLING
+    await batcher.next_cancel()
+    await batcher.answer_stored(order, ref)  # the model did not stop at the cancel
+    assert (await wait_state(h.js, by_batcher, JobState.CANCELED)).result_ref is None
+    await until(object_gone(store, ref.ref))
+
+    by_scheduler = await enqueue(h.nc, h.kv)
+    order = await batcher.next_order()
+    assert (await cancel_as_gateway(h, by_scheduler)).state == JobState.CANCELLING
+    await batcher.next_cancel()
+    await batcher.answer(order)  # 16 bytes of outputs: stored by the scheduler as out/<job_id>
+    assert (await wait_state(h.js, by_scheduler, JobState.CANCELED)).result_ref is None
+    await until(object_gone(store, result_ref(by_scheduler)))
+
+    # A result that won (no cancel) keeps its object.
+    await batcher.grant(1)
+    kept = await enqueue(h.nc, h.kv)
+    order = await batcher.next_order()
+    await batcher.answer(order)
+    succeeded = await wait_state(h.js, kept, JobState.SUCCEEDED)
+    assert succeeded.result_ref is not None
+    await store.info(TENANT, succeeded.result_ref.ref)
 
 
 async def test_a_job_cancelled_on_its_last_attempt_that_then_fails_ends_canceled_without_a_dead_letter(

@@ -114,7 +114,18 @@ class Settlement:
             event = lifecycle.Finish(attempt=job.attempt, state=JobState.FAILED, error=error, batch=batch)
         else:
             event = lifecycle.Finish(attempt=job.attempt, state=JobState.SUCCEEDED, outputs=result.outputs, batch=batch)
-        await self.end(job.record, job.msg, job.log, event, now, progress=job.progress)
+        latest = await self.end(job.record, job.msg, job.log, event, now, progress=job.progress)
+        stored_ref = event.result_ref
+        # A cancel that won over the result stored for it: no record will name the object (a
+        # CANCELED job is not replayed), which was kept counted against its tenant until the job's
+        # result retention passed.
+        if (
+            stored_ref is not None
+            and latest is not None
+            and latest.state is JobState.CANCELED
+            and latest.result_ref is None
+        ):
+            self._stale_results.delete(job.record.tenant, job.job_id, stored_ref.ref, why="canceled")
 
     async def failed_attempt(
         self, job: InFlightJob, error: JobError, *, final_state: JobState, result: WorkResult | None = None
@@ -161,11 +172,13 @@ class Settlement:
         now: float,
         *,
         progress: ProgressReport | None = None,
-    ) -> None:
-        """The attempt's terminal write (with its latest progress), then the ack."""
+    ) -> JobRecord | None:
+        """The attempt's terminal write (with its latest progress), then the ack; the record it
+        found or wrote (None: gone)."""
         decide = with_progress(lifecycle.decider(event, now), progress)
         latest, written = await self._store.transition(record, decide)
         await self.settle(msg, latest, written, job_log)
+        return latest
 
     async def settle(self, msg: Msg, latest: JobRecord | None, written: bool, job_log: JobLog) -> None:
         """Acks the message once the record is terminal. A record another attempt owns is left

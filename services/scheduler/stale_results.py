@@ -9,11 +9,13 @@ until then. It is deleted, best-effort, only where no record can ever name it:
   its own, and its answer is dropped);
 - an attempt fenced off by a newer attempt of the job held here (the record moved past it, and
   lifecycle refuses an older attempt's end);
-- a refused answer naming an older attempt's object of the same job (the same reason).
+- a refused answer naming an older attempt's object of the same job (the same reason);
+- the result of an attempt whose job a cancel ended CANCELED as it was stored (the batcher's, or the
+  scheduler's own out/<job_id>: a CANCELED record never names a result and is not replayed).
 
 Never an early order whose RUNNING write was lost (another scheduler may own that attempt
 number, its result stored under the same name), an input, another job's object or the
-scheduler's own out/<job_id>.
+scheduler's own out/<job_id> but a cancelled job's.
 """
 
 from __future__ import annotations
