@@ -574,6 +574,10 @@ class BlobStore:
         headers: dict[str, Any] = {**ROLLUP_HEADERS, EXPECTED_LAST_SUBJECT_SEQUENCE: str(info.meta_sequence)}
         await self._js.publish(meta_subject(self.bucket, info.name), json.dumps(obj).encode(), headers=headers)
 
+    async def latest_info(self, name: str) -> BlobInfo | None:
+        """The object's meta as it is now, by its full name (the sweep's), or None when it has none."""
+        return await self._info_or_none(name)
+
     async def _info_or_none(self, name: str) -> BlobInfo | None:
         try:
             msg = await self._js.get_last_msg(self.stream, meta_subject(self.bucket, name))

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import structlog
 
 from asyncinfer.blob_meta import result_ref
-from asyncinfer.blob_sweep import sweep
+from asyncinfer.blob_sweep import MetaCursor, sweep
 from asyncinfer.blobs import BlobStore
 from asyncinfer.claim_check_io import read_inputs, store_outputs
 from asyncinfer.config import Config
@@ -114,6 +114,8 @@ class BlobSweeper:
         self._interval_s = interval_s
         self._orphans_after_s = orphans_after_s
         self._task: asyncio.Task[None] | None = None
+        # Kept between passes, so that each reads only the metas written since the last.
+        self.cursor = MetaCursor()
         self.swept = 0
 
     def start(self) -> None:
@@ -128,7 +130,7 @@ class BlobSweeper:
         while True:
             await asyncio.sleep(self._interval_s)
             try:
-                removed = await sweep(self._store, orphans_after_s=self._orphans_after_s)
+                removed = await sweep(self._store, orphans_after_s=self._orphans_after_s, cursor=self.cursor)
             except Exception:
                 log.exception("blob_sweep_failed")
                 continue
