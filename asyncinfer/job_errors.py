@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from asyncinfer.jobs import JobError
+from asyncinfer.jobs import JobError, JobRecord, JobState
 
 # Reasons written by the lifecycle (see asyncinfer/lifecycle.py).
 # An EXPIRED job's reason, whoever expired it (a dispatch, a reader, the scheduler's deadline
@@ -29,6 +29,7 @@ SCHEDULER_STOPPING = "SCHEDULER_STOPPING"
 # Written by the gateway: a keyed job withdrawn before it could run (services/gateway/idempotency.py).
 IDEMPOTENCY_SUPERSEDED = "IDEMPOTENCY_SUPERSEDED"  # a duplicate took its key over while its submit stalled
 NOT_ACCEPTED = "NOT_ACCEPTED"  # its submit failed and freed its key; a publish of it may still land
+WITHDRAWAL_REASONS = frozenset({IDEMPOTENCY_SUPERSEDED, NOT_ACCEPTED})
 
 MAX_CANCEL_REASON_CHARS = 512
 
@@ -144,3 +145,9 @@ def gave_up(last_error: JobError | None, attempts: int, *, given_back: int = 0) 
         violations=base.violations,
         retriable=False,
     )
+
+
+def is_withdrawal(record: JobRecord) -> bool:
+    """Whether `record` is a keyed job's withdrawal (services/gateway/idempotency.py): a fence
+    that keeps a job no submit answered as accepted from running, not a job of its caller's."""
+    return record.state is JobState.CANCELED and record.error is not None and record.error.reason in WITHDRAWAL_REASONS

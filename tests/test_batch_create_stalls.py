@@ -75,6 +75,9 @@ async def test_a_create_that_stalls_past_its_bound_answers_with_the_batch_that_t
     assert (await wait_ended(stub, second.batch.batch_id)).request_counts.completed == 5
     await assert_withdrawn(stub, stalled_id, naming=second.batch.batch_id)
     assert await claim_holder(stack, "stalled") == second.batch.batch_id
+    # Both creates were answered with B's batch: the withdrawal is no batch of the caller's.
+    listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
+    assert [batch.batch_id for batch in listed.batches] == [second.batch.batch_id]
 
 
 async def test_a_failed_create_whose_record_lands_after_it_freed_its_key_never_runs(

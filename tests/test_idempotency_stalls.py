@@ -105,6 +105,14 @@ async def withdrawn(stack: Stack, job_id: str, reason: str) -> None:
     assert record.error.reason == reason
 
 
+async def listed_and_withdrawn(stack: Stack, withdrawn_job: str, reason: str) -> list[str]:
+    """The job IDs ListJobs lists, once GetJob by its ID answered the withdrawal saying why."""
+    answer = await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=withdrawn_job))
+    assert (answer.job.state, answer.job.error.reason) == (job_pb2.JOB_STATE_CANCELED, reason)
+    listed = await stack.jobs.ListJobs(job_service_pb2.ListJobsRequest())
+    return [job.job_id for job in listed.jobs]
+
+
 async def test_a_claimant_that_stalls_past_its_bound_answers_with_the_job_that_took_its_key_over(
     short_bound_stack: tuple[Stack, KeyValue], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -129,6 +137,8 @@ async def test_a_claimant_that_stalls_past_its_bound_answers_with_the_job_that_t
     await until(lambda: work_queue_empty(stack), "the work queue emptied")
     await withdrawn(stack, stalled_job, "IDEMPOTENCY_SUPERSEDED")
     assert await claimed_job(claims, "stalled") == second.job.job_id
+    # Both submits were answered with B's job: the withdrawal is no job of the caller's.
+    assert await listed_and_withdrawn(stack, stalled_job, "IDEMPOTENCY_SUPERSEDED") == [second.job.job_id]
 
 
 async def test_a_stalled_claimant_whose_clocks_missed_the_stall_has_its_job_withdrawn_unrun(
@@ -191,3 +201,5 @@ async def test_a_failed_submit_whose_publish_lands_after_it_freed_its_key_never_
     assert (await ended(stack, retry.job.job_id)).state == job_pb2.JOB_STATE_SUCCEEDED
     await until(lambda: work_queue_empty(stack), "the late job's message was taken off the queue")
     await withdrawn(stack, lost_job, "NOT_ACCEPTED")
+    # Its submit was answered UNAVAILABLE: the withdrawal is no job of the caller's.
+    assert await listed_and_withdrawn(stack, lost_job, "NOT_ACCEPTED") == [retry.job.job_id]

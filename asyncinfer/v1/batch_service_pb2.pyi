@@ -576,7 +576,11 @@ class ListBatchesResponse(_message.Message):
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
     @_builtins.property
-    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Batch]: ...
+    def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Batch]:
+        """Newest first. Not the idempotency fence's withdrawals (FAILED "withdrawn before it ran": their
+        create was answered UNAVAILABLE or with another batch); GetBatch answers them.
+        """
+
     def __init__(
         self,
         *,

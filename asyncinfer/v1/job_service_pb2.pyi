@@ -791,7 +791,9 @@ class ListJobsResponse(_message.Message):
     """Empty on the last page."""
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_job_pb2.Job]:
-        """Newest first."""
+        """Newest first. Not the idempotency fence's withdrawals (CANCELED IDEMPOTENCY_SUPERSEDED or
+        NOT_ACCEPTED: their submit was answered UNAVAILABLE or with another job); GetJob answers them.
+        """
 
     def __init__(
         self,

@@ -1,5 +1,7 @@
 """ListJobs: the caller's own jobs, newest first, filtered by state, model and labels, paged. A
-batch's chunk jobs are left out unless the labels filter names their batch label.
+batch's chunk jobs are left out unless the labels filter names their batch label, and so are the
+idempotency fence's withdrawals (asyncinfer.job_errors.is_withdrawal: told apart by the record
+each page reads anyway).
 
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
 newest first. A job still queued has no key yet: its work message is its record, so the tenant's
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
+from asyncinfer.job_errors import is_withdrawal
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
 from asyncinfer.nats import Client
@@ -73,6 +76,10 @@ class ListQuery:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def matches(self, record: JobRecord) -> bool:
+        # A withdrawal is a fence, not a job its caller has: their submit was answered UNAVAILABLE
+        # or with the key's other job. GetJob by its ID still answers it, saying why.
+        if is_withdrawal(record):
+            return False
         # A batch's chunk jobs are its own business (thousands for a large file): listed only when
         # the caller asks for a batch's, by its label, as the batch's own tests and tools do.
         if BATCH_LABEL in record.labels and BATCH_LABEL not in self.labels:
@@ -214,7 +221,7 @@ class JobLister:
         found: list[JobRecord] = []
         page_bytes = 0
         consumed = 0  # ids[:consumed] were returned or skipped; the token resumes after them
-        filtered = bool(query.states or query.model_name or query.labels)
+        filtered = bool(query.states or query.model_name or query.labels)  # withdrawals are few: not counted
         full = False
         while not full and consumed < len(ids) and consumed < MAX_RECORDS_READ_PER_PAGE:
             needed = query.page_size - len(found)
