@@ -14,14 +14,28 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 from prometheus_client import CollectorRegistry
 
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.logs import TRACEBACKS
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from services.batcher.app import BatcherApp
 from tests.stack import Stack, StartStack
+
+# The services in a test process log through structlog's default configuration, whose console
+# renderer draws a traceback with every frame's locals (Rich's): ~0.25-1.5 s of CPU each on the event
+# loop, which a burst of them froze the test's whole stack with. Drawn as the services draw theirs.
+structlog.configure(
+    processors=[
+        structlog.dev.ConsoleRenderer(colors=False, exception_formatter=TRACEBACKS)
+        if isinstance(processor, structlog.dev.ConsoleRenderer)
+        else processor
+        for processor in structlog.get_config()["processors"]
+    ]
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -329,6 +329,56 @@ def test_logs_are_console_lines_on_a_terminal_and_json_otherwise() -> None:
     assert "from a library" in text
 
 
+LOG_AN_EXCEPTION = """
+from asyncinfer.config import LoggingConfig
+from asyncinfer.logs import configure_logging
+import logging, structlog
+configure_logging(LoggingConfig(format="console"), service="gateway")
+
+def connect(url):
+    nats_password = "hunter2-in-a-local"
+    raise ConnectionError(f"cannot reach {url}")
+
+for log in (structlog.get_logger("t"), logging.getLogger("nats")):
+    try:
+        connect("nats://127.0.0.1:4222")
+    except ConnectionError:
+        log.exception("connect_failed")
+"""
+
+
+def test_a_logged_exception_is_drawn_without_its_frames_locals() -> None:
+    """A console line's traceback was Rich's with every frame's locals: 0.25-1.5 s of CPU each on
+    the event loop (a burst froze a process for 100 s), and whatever a frame held (a password, an
+    API key) printed to the terminal. It is the standard library's traceback now."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    ran = subprocess.run(
+        [sys.executable, "-c", LOG_AN_EXCEPTION], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    assert "hunter2" not in ran.stderr, ran.stderr
+    assert ran.stderr.count("connect_failed") == 2, ran.stderr
+    assert ran.stderr.count("ConnectionError: cannot reach nats://127.0.0.1:4222") == 2, ran.stderr
+    assert ran.stderr.count("line 9, in connect") == 2, ran.stderr  # where it was raised
+
+
+@pytest.mark.unit
+def test_the_tests_own_log_lines_draw_tracebacks_without_locals(capsys: pytest.CaptureFixture[str]) -> None:
+    """The services a test runs in its own process log through the tests' structlog configuration
+    (tests/conftest.py), whose tracebacks are drawn as the services' (no locals)."""
+
+    def connect() -> None:
+        api_key = "ak_live_in_a_local"
+        raise ConnectionError(f"refused with a key of {len(api_key)} characters")
+
+    try:
+        connect()
+    except ConnectionError:
+        structlog.get_logger("test").exception("connect_failed")
+    out = capsys.readouterr().out
+    assert "ConnectionError: refused with a key of 18 characters" in out, out
+    assert "ak_live" not in out, out
+
+
 @pytest.mark.unit
 async def test_a_shielded_tasks_failure_its_caller_left_is_not_logged_as_never_retrieved() -> None:
     """The gateway's submits run shielded from their callers; one whose caller's deadline passed
