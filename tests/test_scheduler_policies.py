@@ -62,7 +62,7 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import PRIORITIES_BY_RANK, BlobRef, JobRecord, JobState, Priority, job_key, job_work_subject
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import KeyValue, NatsTimeoutError, NotFoundError, api
+from asyncinfer.nats import KeyValue, NatsTimeoutError, NoRespondersError, NotFoundError, api
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import ensure_stream
 from asyncinfer.queued_notice import decode_queued_notice
@@ -2264,3 +2264,69 @@ async def test_a_dead_letter_lives_as_long_as_its_jobs_record(
 
     await until(expired, timeout_s=10.0)
     assert await store.get(kept.sequence) is not None
+
+
+async def test_a_round_whose_pull_fails_is_said_once_per_interval_and_a_bug_keeps_its_traceback(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round whose pull failed logged an error with its traceback, and so did the next round, a
+    poll interval later (here 20 ms): a line per round, each drawn on the event loop. NATS out of
+    reach (a raw "no responders") is a warning with its error, a bug keeps its traceback, each at
+    most once per 5 s; the rounds go on, and a job queued after runs."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    queues = h.dispatcher().queues
+    real_pull_next = queues.pull_next
+    failures: list[Exception] = [NoRespondersError() for _ in range(10)] + [RuntimeError("a bug") for _ in range(10)]
+    all_raised = asyncio.Event()
+
+    async def failing_pull_next(count: int = 1) -> Any:
+        if failures:
+            error = failures.pop(0)
+            if not failures:
+                all_raised.set()
+            raise error
+        return await real_pull_next(count)
+
+    monkeypatch.setattr(queues, "pull_next", failing_pull_next)
+    with capture_logs() as logs:
+        batcher = await h.batcher(credits=1)  # a round pulls only with a credit to give
+        await asyncio.wait_for(all_raised.wait(), 30)
+        job_id = await enqueue(h.nc, h.kv)
+        order = await batcher.next_order(timeout_s=30)
+        assert order.job_id == job_id
+    lines = [e for e in logs if e["event"] == "pull_failed"]
+    assert [(e["log_level"], "exc_info" in e) for e in lines] == [("warning", False), ("error", True)], lines
+    assert lines[0]["error"].startswith("NoRespondersError: nats: no responders"), lines[0]
+    assert isinstance(lines[1]["exc_info"], RuntimeError), lines[1]
+
+
+async def test_a_held_pull_that_fails_is_said_once_per_interval(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A held pull that failed logged an error with its traceback, for each priority's pull, again
+    after every round. NATS out of reach is a warning with its error, once per 5 s."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": True}))
+    queues = h.dispatcher().queues
+    real_hold = queues.hold
+    failing = 12
+    all_raised = asyncio.Event()
+
+    async def failing_hold(priority: Priority, wait_s: float) -> Any:
+        nonlocal failing
+        if failing:
+            failing -= 1
+            if not failing:
+                all_raised.set()
+            raise NatsTimeoutError()
+        return await real_hold(priority, wait_s)
+
+    monkeypatch.setattr(queues, "hold", failing_hold)
+    with capture_logs() as logs:
+        batcher = await h.batcher(credits=1)
+        await asyncio.wait_for(all_raised.wait(), 30)
+        job_id = await enqueue(h.nc, h.kv)
+        order = await batcher.next_order(timeout_s=30)
+        assert order.job_id == job_id
+    lines = [e for e in logs if e["event"] == "held_pull_failed"]
+    assert [(e["log_level"], "exc_info" in e) for e in lines] == [("warning", False)], lines
+    assert lines[0]["error"].startswith("TimeoutError: nats: timeout"), lines[0]

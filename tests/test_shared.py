@@ -26,6 +26,7 @@ from asyncinfer.config import Config, NatsConfig, load_config, render_default_co
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
+from asyncinfer.failure_lines import FailureLines
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
 from asyncinfer.log_throttle import Throttle
@@ -426,6 +427,40 @@ async def test_a_declaration_waits_out_an_election_then_fails_in_one_line(monkey
 
     with pytest.raises(Unavailable, match=r"cannot declare X: JetStream did not answer for 0.5 s"):
         await streams.declaration(never_answers, retry_for_s=0.01, what="declare X")
+
+
+@pytest.mark.unit
+def test_failure_lines_say_nats_out_of_reach_in_a_line_and_a_bug_with_its_traceback() -> None:
+    """A loop failing each round: NATS out of reach is a warning with its error, a bug its
+    traceback; each at most once per interval, the next saying how many were held back. A bug
+    raised elsewhere is another line."""
+    now = [0.0]
+    lines = FailureLines(5.0, clock=lambda: now[0])
+    log = structlog.get_logger("test")
+
+    def bug(where: int) -> RuntimeError:
+        try:
+            if where == 1:
+                raise RuntimeError("one")
+            raise RuntimeError("two")
+        except RuntimeError as exc:
+            return exc
+
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            lines.failed(log, "x_failed", Unavailable("cannot read the job record: nats: timeout"), model="m")
+            lines.failed(log, "x_failed", bug(1))
+        lines.failed(log, "x_failed", bug(2))
+        now[0] = 5.0
+        lines.failed(log, "x_failed", Unavailable("cannot read the job record: nats: timeout"), model="m")
+    assert [(e["log_level"], e.get("error"), e.get("more_since_last")) for e in logs] == [
+        ("warning", "cannot read the job record: nats: timeout", None),
+        ("error", None, None),
+        ("error", None, None),
+        ("warning", "cannot read the job record: nats: timeout", 2),
+    ]
+    assert [str(e["exc_info"]) for e in logs if "exc_info" in e] == ["one", "two"]
+    assert logs[0]["model"] == "m"
 
 
 @pytest.mark.unit

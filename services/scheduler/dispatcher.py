@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 import structlog
 
 from asyncinfer.contract import queued_subjects
+from asyncinfer.failure_lines import FailureLines
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, Subscription
@@ -107,7 +108,11 @@ class ModelDispatcher:
         self._task: asyncio.Task[None] | None = None
         self._linger = DispatchLinger(linger_s)
         self._on_linger = on_linger
-        self._held = HeldPulls(queues, deliver=self._deliver_held) if hold_pulls_open else None
+        # A round that fails fails again at the next poll: one line per interval, not one a round.
+        self._pull_failures = FailureLines()
+        self._held = (
+            HeldPulls(queues, deliver=self._deliver_held, failures=self._pull_failures) if hold_pulls_open else None
+        )
         # A round's dispatches, some of which outlast it (reading an input: see _round).
         self._dispatches = OwnedTasks(f"dispatch-{self.model_name}")
 
@@ -238,8 +243,8 @@ class ModelDispatcher:
         self._doorbell.clear()
         try:
             msgs = await self._queues.pull_next(len(sessions))
-        except Exception:
-            log.exception("pull_failed", model=self.model_name)
+        except Exception as exc:
+            self._pull_failures.failed(log, "pull_failed", exc, model=self.model_name)
             msgs = []
         for session in sessions[len(msgs) :]:
             self._batchers.release(session, self.model_name)

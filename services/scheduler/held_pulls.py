@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 
+from asyncinfer.failure_lines import FailureLines
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Msg
 from asyncinfer.nats.pull_inbox import PullEnd
@@ -53,8 +54,11 @@ CONNECTION_CHECK_S = 10.0
 
 
 class HeldPulls:
-    def __init__(self, queues: ModelQueues, *, deliver: Deliver, hold_s: float | None = None) -> None:
+    def __init__(
+        self, queues: ModelQueues, *, deliver: Deliver, failures: FailureLines, hold_s: float | None = None
+    ) -> None:
         self._queues = queues
+        self._failures = failures
         self._hold_s = HOLD_S if hold_s is None else hold_s
         self._deliver = deliver
         self._tasks: dict[Priority, asyncio.Task[None]] = {}
@@ -122,9 +126,9 @@ class HeldPulls:
                 self._only_expired = False
             for msg in msgs:
                 await self._deliver(msg, priority)
-        except Exception:  # a held pull is an optimisation: the poll finds what it missed
+        except Exception as exc:  # a held pull is an optimisation: the poll finds what it missed
             self._only_expired = False
-            log.exception("held_pull_failed", model=self._queues.model_name, priority=priority.value)
+            self._failures.failed(log, "held_pull_failed", exc, model=self._queues.model_name, priority=priority.value)
         finally:
             del self._tasks[priority]
             self.one_ended.set()
