@@ -34,7 +34,28 @@ def renders_for_people(config: LoggingConfig) -> bool:
     return config.format == "console"
 
 
-def configure_logging(config: LoggingConfig, *, service: str) -> None:
+class QuietStop:
+    """A processor that drops info lines once `begin` is called: `asyncinfer up`'s stop on a
+    person's terminal, where each service's stop and disconnect events were ~9 lines after Ctrl-C
+    for what `asyncinfer stopped` says in one. Warnings and errors still show."""
+
+    def __init__(self) -> None:
+        self._stopping = False
+
+    def begin(self) -> None:
+        self._stopping = True
+
+    def __call__(
+        self, _logger: object, method: str, event_dict: structlog.typing.EventDict
+    ) -> structlog.typing.EventDict:
+        if self._stopping and method == "info":
+            raise structlog.DropEvent
+        return event_dict
+
+
+def configure_logging(config: LoggingConfig, *, service: str, quiet_stop: QuietStop | None = None) -> None:
+    """`quiet_stop` applies to console lines on a terminal at info and above only: JSON lines, or
+    lines to a file or a pipe, are read by programs and keep every event; debug asked for them all."""
     level = _LEVELS[config.level]
     tail: list[structlog.typing.Processor]
     if renders_for_people(config):
@@ -51,8 +72,11 @@ def configure_logging(config: LoggingConfig, *, service: str) -> None:
         structlog.processors.add_log_level,
         stamp,
     ]
+    quieting: list[structlog.typing.Processor] = []
+    if quiet_stop is not None and renders_for_people(config) and sys.stderr.isatty() and level > logging.DEBUG:
+        quieting = [quiet_stop]
     structlog.configure(
-        processors=[*shared, structlog.processors.StackInfoRenderer(), *tail],
+        processors=[*quieting, *shared, structlog.processors.StackInfoRenderer(), *tail],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         # Configured once per process, before anything logs: each module's logger is built on its

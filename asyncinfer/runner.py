@@ -18,6 +18,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
@@ -52,12 +53,23 @@ class StopSignal:
     """An event set by SIGINT or SIGTERM, or by a loop that died (`fail`), or by a dependency that
     went away (`abort`), or by `set()` (for tests and embedding). `exit_code` is the process's."""
 
-    def __init__(self, *, hangup: bool = False, on_force: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        hangup: bool = False,
+        on_force: Callable[[], None] | None = None,
+        on_stopping: Callable[[], None] | None = None,
+    ) -> None:
         """`hangup`: SIGHUP stops too (`asyncinfer up`, whose terminal may close; a batcher run
         alone with its file reloads on SIGHUP instead). `on_force`: a second SIGINT while stopping
         ends the process at once, after calling it (`up`: its nats-server told to stop); the first
-        says so. Without it a second Ctrl-C was ignored while batches in flight had their grace."""
+        says so. Without it a second Ctrl-C was ignored while batches in flight had their grace.
+        `on_stopping`: called once, after the line saying why the stop began (`up` quiets its
+        terminal's info lines from there: logs.QuietStop)."""
         self._on_force = on_force
+        self._on_stopping = on_stopping
+        # When the stop began (time.monotonic()), None before: `up` says how long its stop took.
+        self.began_at: float | None = None
         self.event = asyncio.Event()
         self.failure: LoopDied | None = None
         self.exit_code = EXIT_STOPPED
@@ -78,6 +90,7 @@ class StopSignal:
                 )
             else:
                 log.info("stopping", signal=sig.name)
+            self._begin()
         elif self._on_force is not None and sig is signal.SIGINT:
             self._on_force()
             log.warning("stopped_at_once", why="a second Ctrl-C", jobs_in_flight="run again once it starts again")
@@ -86,6 +99,7 @@ class StopSignal:
         self.event.set()
 
     def set(self) -> None:
+        self._begin()
         self.event.set()
 
     def fail(self, failure: LoopDied) -> None:
@@ -94,6 +108,7 @@ class StopSignal:
             if self.exit_code == EXIT_STOPPED:  # not already stopping for an abort's reason
                 self.exit_code = EXIT_LOOP_DIED
                 log.error("stopping", reason=str(failure))
+        self._begin()
         self.event.set()
 
     def abort(self, reason: str, *, exit_code: int = EXIT_UNAVAILABLE) -> None:
@@ -101,7 +116,14 @@ class StopSignal:
         if self.exit_code == EXIT_STOPPED:
             self.exit_code = exit_code
             log.error("stopping", reason=reason)
+        self._begin()
         self.event.set()
+
+    def _begin(self) -> None:
+        if self.began_at is None:
+            self.began_at = time.monotonic()
+            if self._on_stopping is not None:
+                self._on_stopping()
 
     def uninstall(self) -> None:
         loop = asyncio.get_running_loop()

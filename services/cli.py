@@ -42,7 +42,7 @@ from asyncinfer import commands as client_commands
 from asyncinfer.config import Config, load_config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.gc_tuning import collect_before_serving, tune_for_serving
-from asyncinfer.logs import configure_logging
+from asyncinfer.logs import QuietStop, configure_logging
 from asyncinfer.malloc_tuning import keep_large_buffers
 from asyncinfer.runner import EXIT_UNAVAILABLE, App, run_until_stopped
 from services.apps import SERVICES, import_app_module, make_batcher
@@ -215,10 +215,16 @@ def _main(argv: Sequence[str] | None = None) -> int:
     logging = False
     try:
         config = load_config(args.config)
-        configure_logging(config.logging, service="up" if args.command == "up" else args.command)
+        # `up` on a terminal: Ctrl-C shows `stopping` and `asyncinfer stopped`, not each service's stop.
+        quiet_stop = QuietStop()
+        configure_logging(
+            config.logging,
+            service="up" if args.command == "up" else args.command,
+            quiet_stop=quiet_stop if args.command == "up" else None,
+        )
         logging = True
         if args.command == "up":
-            return _run(run_up(config, tls=args.dev_tls))
+            return _run(run_up(config, tls=args.dev_tls, on_stopping=quiet_stop.begin))
         return _run(run_service(args.command, config, args.config))
     except AsyncInferError as exc:
         unavailable = isinstance(exc, Unavailable)

@@ -4,7 +4,8 @@
   starts: no nats-server, no store, no traceback, a non-zero exit.
 - Ctrl-C (SIGINT to its process group, as a terminal sends it) stops the services in reverse
   order, NATS last, exit 0, without a warning or an error line, ending the scheduler's held pulls
-  rather than waiting them out.
+  rather than waiting them out. On a terminal it says so in two lines; its JSON logs keep each
+  service's stop.
 - Its embedded nats-server dying stops `up` with EXIT_UNAVAILABLE and one error line.
 """
 
@@ -13,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pty
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -26,6 +29,7 @@ import pytest
 
 from asyncinfer.embedded_nats import pid_alive
 from asyncinfer.runner import EXIT_FORCED, EXIT_UNAVAILABLE
+from tests.test_cli_daily import AS_A_TERMINALS_FOREGROUND_JOB
 from tests.test_up_grpcurl import (
     BIN,
     SUBMIT_BODY,
@@ -226,6 +230,77 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
     # to its own inbox, not waited out until they expired empty.
     ended = held_pulls_ended_at_stop(logs)
     assert set(ended) == {"interrupted"}, ended
+
+
+def ctrl_c_on_a_terminal(tmp_path: Path, level: str) -> tuple[int, str]:
+    """`up` as a terminal's foreground job (stdin, stdout and stderr on a pty) at logging.level
+    `level`, Ctrl-C once it has printed its banner: (exit code, what the terminal showed after)."""
+    config_path, _ports = write_config(tmp_path)
+    leader, follower = pty.openpty()
+    process = subprocess.Popen(
+        [*AS_A_TERMINALS_FOREGROUND_JOB, str(BIN / "asyncinfer"), "up", "--config", str(config_path)],
+        cwd=tmp_path,
+        env={**os.environ, "ASYNCINFER_LOGGING__LEVEL": level},
+        stdin=follower,
+        stdout=follower,
+        stderr=follower,
+        start_new_session=True,
+    )
+    os.close(follower)
+    shown = b""
+
+    def read(wait_s: float) -> bool:
+        nonlocal shown
+        ready, _, _ = select.select([leader], [], [], wait_s)
+        if ready:
+            try:
+                shown += os.read(leader, 65536)
+            except OSError:  # EIO: every process holding the terminal has exited
+                return False
+        return bool(ready)
+
+    try:
+        deadline = time.monotonic() + 90
+        while b"Ctrl-C stops everything" not in shown:
+            assert process.poll() is None, shown.decode(errors="replace")
+            assert time.monotonic() < deadline, shown.decode(errors="replace")
+            read(1)
+        started = len(shown)
+        os.killpg(process.pid, signal.SIGINT)
+        code = process.wait(timeout=STOPPED_WITHIN_S)
+        while read(0.5):  # what it wrote before it exited
+            pass
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(leader)
+        for pid in re.findall(rb"nats_server_started\S*\s.*?pid=(\d+)", shown):
+            if pid_alive(int(pid)):
+                os.kill(int(pid), signal.SIGKILL)
+    after = re.sub(r"\x1b\[[0-9;]*m", "", shown[started:].decode(errors="replace"))  # the colours
+    return code, after
+
+
+def test_ctrl_c_on_a_terminal_is_two_lines(tmp_path: Path) -> None:
+    """Each service's stop and disconnect events came after `stopping`, 11 lines for a stop with
+    nothing in flight; they stay in the JSON logs (test_ctrl_c_stops_services_then_nats_quietly)."""
+    code, after = ctrl_c_on_a_terminal(tmp_path, "info")
+
+    assert code == 0, after
+    lines = after.strip().splitlines()
+    assert len(lines) == 2, after
+    assert re.search(r"\] stopping\s+\[up\] .*Ctrl-C again stops at once", lines[0]), after
+    assert re.fullmatch(r"asyncinfer stopped in \d+\.\d s", lines[1].strip()), after
+
+
+def test_ctrl_c_on_a_terminal_at_debug_shows_each_services_stop(tmp_path: Path) -> None:
+    code, after = ctrl_c_on_a_terminal(tmp_path, "debug")
+
+    assert code == 0, after
+    stops = ["console_stopped", "batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
+    assert all(re.search(rf"\] {event}\s", after) for event in stops), after
+    assert re.search(r"^asyncinfer stopped in \d+\.\d s", after, re.MULTILINE), after
 
 
 @pytest.mark.parametrize("after", ["nats_server_started", "gateway_started"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -124,10 +125,11 @@ class EmbeddedNats:
         self._context.run(self._log.info, "nats_server_stopped")
 
 
-async def run_up(config: Config, *, tls: bool = False) -> int:
+async def run_up(config: Config, *, tls: bool = False, on_stopping: Callable[[], None] | None = None) -> int:
     """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
     first and stops last; each service's log lines name it. With `tls`, every server and the
-    embedded NATS speak TLS with a local development CA (services/dev_ca.py)."""
+    embedded NATS speak TLS with a local development CA (services/dev_ca.py). `on_stopping` is
+    called once as the stop begins (StopSignal's)."""
     nats_args: tuple[str, ...] = ()
     ca_file: str | None = None
     if tls:
@@ -146,17 +148,19 @@ async def run_up(config: Config, *, tls: bool = False) -> int:
             await asyncio.to_thread(lock.acquire)
         except OSError as exc:
             raise unusable_store(Path(config.embedded_nats.store_dir), exc) from None
-        return await _run_up(config, given_tls=(nats_args, ca_file))
+        return await _run_up(config, given_tls=(nats_args, ca_file), on_stopping=on_stopping)
     finally:
         lock.release()
 
 
-async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | None]) -> int:
+async def _run_up(
+    config: Config, *, given_tls: tuple[tuple[str, ...], str | None], on_stopping: Callable[[], None] | None
+) -> int:
     nats_args, ca_file = given_tls
     given = config
     config = with_up_defaults(config)
     # SIGHUP too: the terminal that ran it closed (it died by it, leaving its nats-server running).
-    stop = StopSignal(hangup=True, on_force=lambda: nats.terminate())
+    stop = StopSignal(hangup=True, on_force=lambda: nats.terminate(), on_stopping=on_stopping)
     nats = EmbeddedNats(config, stop, extra_args=nats_args)
     state: dict[str, App] = {}
 
@@ -204,4 +208,5 @@ async def _run_up(config: Config, *, given_tls: tuple[tuple[str, ...], str | Non
         )
     finally:
         await nats.server.astop()  # stopped already, unless a start failed before NATS was an app
-        print("asyncinfer stopped", flush=True)
+        took = "" if stop.began_at is None else f" in {time.monotonic() - stop.began_at:.1f} s"
+        print(f"asyncinfer stopped{took}", flush=True)
