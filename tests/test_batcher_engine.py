@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+import structlog
 import torch
 from structlog.testing import capture_logs
 
@@ -26,6 +27,7 @@ from asyncinfer.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from asyncinfer.logs import service_context
 from asyncinfer.tensors import Tensor
 from services.batcher.backends.torch_backend import TorchBackend
 from services.batcher.batch_compute import RunTimedOut
@@ -579,6 +581,35 @@ async def test_a_model_that_raises_leaves_its_own_traceback_once_per_batch(make_
     error = raised[0]["exc_info"]
     assert isinstance(error, ValueError)
     assert any(frame.name == "forward" for frame in traceback.extract_tb(error.__traceback__))
+
+
+class TwoBugs(torch.nn.Module):
+    """y = 2x + 1, but a row of 9s fails on one line and a row of 7s on another."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == 9.0).any()):
+            raise ValueError(f"nines in a batch of {len(x)}")
+        if bool((x == 7.0).any()):
+            raise ValueError(f"sevens in a batch of {len(x)}")
+        return 2.0 * x + 1.0
+
+
+async def test_a_models_traceback_names_its_service_once_per_distinct_failure(
+    make_engine: Callable[..., Any],
+) -> None:
+    """`model_raised`, logged on the compute thread, had no `service` (run_in_executor does not
+    carry the context `up` binds per service, nor a batcher's own), and the once-a-minute limit
+    was per model: a second bug's traceback was held back behind the first's."""
+    started = asyncio.create_task(make_engine(TwoBugs(), max_queue_delay_ms=0.0), context=service_context("batcher"))
+    engine = await started
+    with capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        for value in (9.0, 9.0, 7.0):
+            with pytest.raises(ModelError, match="in a batch of 1"):
+                await engine.infer("demo", rows(value))
+    raised = [entry for entry in logs if entry["event"] == "model_raised"]
+    assert [entry.get("service") for entry in raised] == ["batcher", "batcher"]
+    assert [str(entry["exc_info"]) for entry in raised] == ["nines in a batch of 1", "sevens in a batch of 1"]
+    assert [entry["log_level"] for entry in raised] == ["warning", "warning"]
 
 
 async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:

@@ -41,7 +41,8 @@ MODEL_STUCK_REASON = "MODEL_STUCK"
 # The reason of an item answered past its execution timeout, counted from its batch's start: the
 # scheduler's job_errors.EXECUTION_TIMEOUT, which it records as TIMED_OUT (WorkerHello.times_out_runs).
 EXECUTION_TIMEOUT_REASON = "EXECUTION_TIMEOUT"
-# A model's traceback is logged at most this often per model (a broken deploy fails every batch).
+# A model's traceback is logged at most this often per distinct failure (a broken deploy fails every
+# batch the same way).
 TRACEBACK_INTERVAL_S = 60.0
 
 
@@ -188,11 +189,14 @@ class BatchRunner:
 
     def _say_where(self, exc: BaseException, batch: list[PendingItem]) -> None:
         """The model's own traceback, once per failed batch (not per half of its isolation), at
-        most once per TRACEBACK_INTERVAL_S per model: its message alone reached the logs, and the
-        model's author could not see where in their code it failed."""
-        held = self._tracebacks.allow(self.name)
+        most once per TRACEBACK_INTERVAL_S per distinct failure (its exception's type and the line
+        that raised it), so that a second bug is not hidden behind a first that repeats: its
+        message alone reached the logs, and the model's author could not see where in their code
+        it failed. At warning, not error: a model failing a job is the job's outcome (FAILED, or
+        dead-lettered at warning), not the service's fault; the line is for the model's author."""
+        cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
+        held = self._tracebacks.allow(_failure_of(self.name, cause))
         if held is not None:
-            cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
             log.warning("model_raised", model=self.name, items=len(batch), held_back=held, exc_info=cause)
 
     def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
@@ -251,3 +255,14 @@ class BatchRunner:
             return exc
         log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
         return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")
+
+
+def _failure_of(model: str, exc: BaseException) -> tuple[str, str, str, int]:
+    """What makes two failures of a model the same one: the exception's type and where it was
+    raised (the innermost frame), not its message, which often carries the input's values."""
+    innermost = exc.__traceback__
+    while innermost is not None and innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    if innermost is None:
+        return model, type(exc).__qualname__, "", 0
+    return model, type(exc).__qualname__, innermost.tb_frame.f_code.co_filename, innermost.tb_lineno

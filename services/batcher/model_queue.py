@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import itertools
 import sys
@@ -293,10 +294,16 @@ class ModelQueue:
             known = [t for t in timeouts if t is not None]
             longest = None if len(known) < len(timeouts) else max(known)
             running = RunningBatch(batch, now, None if longest is None else now + longest)
+            # The thread runs in a copy of this task's context, as asyncio.to_thread's do: what the
+            # model's call logs (model_raised) names the service (`up` binds it per service), which
+            # run_in_executor alone left out. A copy per batch: one context cannot be entered by
+            # two threads at once.
             computing: asyncio.Future[Computed] = (
                 asyncio.ensure_future(runner.compute_async(batch))
                 if self.backend.runs_async
-                else loop.run_in_executor(self._executor, _on_its_thread, running, runner.compute)
+                else loop.run_in_executor(
+                    self._executor, contextvars.copy_context().run, _on_its_thread, running, runner.compute
+                )
             )
             task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
