@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from asyncinfer.client import InvalidArgumentError, UnavailableError
+from asyncinfer.client import AsyncInferClientError, InvalidArgumentError, RetryPolicy, UnavailableError
 from asyncinfer.commands.hints import connection_hint
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import exit_code_for, report_error
@@ -240,6 +240,9 @@ async def test_a_connection_error_says_what_to_check_and_nothing_else(tmp_path: 
                                               f"127.0.0.1:{secure_port}"),
             "serves another service": ("dlq", "list", "--scheduler", f"127.0.0.1:{plain_port}"),
             "is the stack up": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway", f"127.0.0.1:{closed_port}"),
+            # .invalid never resolves (RFC 2606): gRPC's "errors resolving ..." alone, after 4.7 s
+            "no host has that name": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway", "nosuchhost.invalid:50051"),
+            "no host has that name: is it spelled right?": ("dlq", "list", "--scheduler", "nosuchhost.invalid:50052"),
         }  # fmt: skip
         for hint, argv in cases.items():
             code, err = await cli_async(*argv, "--timeout", "3")
@@ -252,6 +255,33 @@ async def test_a_connection_error_says_what_to_check_and_nothing_else(tmp_path: 
     finally:
         await plain.stop(None)
         await secure.stop(None)
+
+
+def test_a_host_name_that_does_not_exist_is_said_at_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--gateway nosuchhost:50051` was tried 7 times (4.7 s) as a gateway not up yet is, though
+    DNS had said no such host exists. Counted in waits between tries, not in seconds; a refused
+    address, tried again, shows the count is seen."""
+    from asyncinfer.cli import main
+
+    monkeypatch.delenv("ASYNCINFER_GATEWAY_ADDRESS", raising=False)
+    waits: list[int] = []
+    backoff_s = RetryPolicy.backoff_s
+
+    def counted(policy: RetryPolicy, attempt: int, error: AsyncInferClientError) -> float:
+        waits.append(attempt)
+        return backoff_s(policy, attempt, error)
+
+    monkeypatch.setattr(RetryPolicy, "backoff_s", counted)
+    code = main(["models", "--gateway", "nosuchhost.invalid:50051"])
+    err = capsys.readouterr().err
+    assert code == 5, err
+    assert waits == [], err
+    assert err.splitlines()[1].startswith("asyncinfer:   hint: no host has that name: is it spelled right?"), err
+
+    assert main(["models", "--gateway", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == 5
+    assert waits, capsys.readouterr().err
 
 
 @pytest.mark.unit
