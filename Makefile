@@ -25,7 +25,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
+# Node.js runs buf (buf-lint, buf-breaking) and the Node client test (tests/test_node_client.py,
+# which fails without it): Debian's nodejs and npm, installed here when missing and running as root.
 $(NODE_STAMP): package.json package-lock.json
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq nodejs npm; \
+		else echo "node and npm are missing (buf and the Node client test need them): run 'sudo apt-get install -y nodejs npm'"; exit 1; fi; \
+	fi
 	npm ci --no-audit --no-fund --loglevel=error
 	touch $@
 
