@@ -126,6 +126,22 @@ def blob_not_found(ref: str, what: str = "") -> NotFound:
     return NotFound(f"{what} {ref[:80]!r} not found", reason=f"{what.upper()}_NOT_FOUND", metadata={"ref": ref[:80]})
 
 
+def cut_short(read: BlobInfo, now: BlobInfo | None) -> NotFound | BlobCorrupt:
+    """Why a read of the object `read` describes came up short of its size or digest, given its
+    meta as it stands after the read (`now`, None when it has none). Deleted meanwhile (a delete
+    writes its tombstone, then purges the chunks, then the meta) or replaced (another put of the
+    name has another nuid): NotFound, as a read that starts after it answers, never DATA_LOSS,
+    which says the store lost what it still holds. Still there as it was read: corrupt."""
+    if now is None or now.deleted or now.nuid != read.nuid:
+        what = _what(read.ref.ref)
+        return NotFound(
+            f"{what} {read.ref.ref[:80]!r} was deleted while it was read (its retention passed, or it was deleted)",
+            reason=f"{what.upper()}_NOT_FOUND",
+            metadata={"ref": read.ref.ref[:80]},
+        )
+    return BlobCorrupt(f"the stored object {read.ref.ref!r} is incomplete or corrupt")
+
+
 def blob_expired(ref: str) -> NotFound:
     what = _what(ref)
     return NotFound(

@@ -42,6 +42,7 @@ from asyncinfer.blob_meta import (
     blob_not_found,
     chunk_sequences,
     chunks_name,
+    cut_short,
     meta_subject,
     object_name,
     parse_meta,
@@ -339,6 +340,9 @@ class BlobStore:
             yield chunk
 
     async def _chunks_of(self, info: BlobInfo) -> AsyncIterator[bytes]:
+        """The chunks of the object `info` describes, in order; at the end, NotFound when it was
+        deleted (or replaced) while it was read, BlobCorrupt when it is there but short or not
+        its digest (blob_meta.cut_short)."""
         subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
         digest = hashlib.sha256()
         total = 0
@@ -355,7 +359,7 @@ class BlobStore:
             sequence = found + 1
             yield data
         if total != info.ref.size_bytes or digest.hexdigest() != info.ref.sha256:
-            raise BlobCorrupt(f"the stored object {info.ref.ref!r} is incomplete or corrupt")
+            raise cut_short(info, await self._info_or_none(info.name))
 
     async def read(self, tenant: str, ref: str, *, max_bytes: int) -> tuple[BlobInfo, bytearray]:
         """The whole object (for decoding), refused past max_bytes before anything is read; a

@@ -23,7 +23,7 @@ from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tensor_codec import decode_tensors
-from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
 from tests.stack import Stack, StartStack
 
 if TYPE_CHECKING:
@@ -127,6 +127,12 @@ async def read_result(jobs: JobStub, job_id: str, key: str = ACME) -> tuple[job_
     return ref, bytes(data), messages
 
 
+async def read_to_end(call: Any, sizes: list[int]) -> None:
+    """Reads a stream's messages to its end (raising its error), each one's chunk size into `sizes`."""
+    while (message := await call.read()) is not grpc.aio.EOF:
+        sizes.append(len(message.chunk))
+
+
 async def finish(jobs: JobStub, job_id: str, key: str = ACME) -> job_pb2.Job:
     last = None
     async for update in jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id), metadata=bearer(key)):
@@ -211,6 +217,36 @@ async def test_a_small_result_stays_inline_and_read_result_serves_it_too(full: S
     assert ref.sha256 == hashlib.sha256(data).hexdigest()
     (y,) = decode_tensors(tensor_pb2.InferOutputs.FromString(data).outputs, "outputs")
     np.testing.assert_allclose(y.to_numpy(), [[3, 5, 7, 9]])
+
+
+async def test_a_result_deleted_while_it_is_read_ends_the_read_not_found(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A result deleted between two of its chunks (its retention passed and the sweep took it, or
+    the job's record went) is NOT_FOUND RESULT_NOT_FOUND, as a read that starts after the delete:
+    not DATA_LOSS "incomplete or corrupt", which says the store lost bytes it still holds."""
+    stack = await start_stack(claim_check_config(config))
+    rows = np.ones((ROWS_3MB, 4), dtype=np.float32)
+    ref = await upload(stack.jobs, inputs_bytes(rows))
+    done = await finish(stack.jobs, (await stack.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job.job_id)
+    assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done.error
+    # Flow control without BDP probing (a 64 KiB window): the gateway reads a chunk or two ahead of
+    # this reader, not the whole 3 MB result.
+    async with grpc.aio.insecure_channel(stack.address, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        call = job_service_pb2_grpc.JobServiceStub(channel).ReadResult(
+            job_service_pb2.ReadResultRequest(job_id=done.job_id), metadata=bearer(ACME)
+        )
+        first = await call.read()
+        assert first is not grpc.aio.EOF
+        assert first.ref == done.result_ref
+        await stack.blobs.delete("acme", done.result_ref.ref)
+        received = [len(first.chunk)]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await read_to_end(call, received)
+    assert sum(received) < done.result_ref.size_bytes, "the delete came before the read's end"
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+    assert reason_of(info.value) == "RESULT_NOT_FOUND"
+    assert "deleted while it was read" in (info.value.details() or "")
 
 
 async def test_the_sweeper_deletes_expired_objects_and_keeps_live_ones(config: Config, start_stack: StartStack) -> None:
