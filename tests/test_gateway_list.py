@@ -16,7 +16,7 @@ import pytest
 
 from asyncinfer.codecs.record import encode_record
 from asyncinfer.config import Config
-from asyncinfer.contract import kv_stream
+from asyncinfer.contract import job_work_subject, kv_stream
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, JobState, Priority
@@ -48,6 +48,10 @@ from tests.test_gateway_auth import ACME_KEY, GLOBEX_KEY, bearer, serve, with_ke
 
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
+
+
+# nats-server's JSMaxSubjectDetails: the most subjects one stream info answer lists.
+SERVER_SUBJECTS_PER_ANSWER = 100_000
 
 
 def two_models(config: Config) -> Config:
@@ -332,6 +336,24 @@ async def test_deleted_records_are_not_listed(stub: JobStub, nc: NatsClient, con
     await kv.put("default.not-a-job-id", b"{}")  # a stray key under the tenant is no job either
     listed = [job.job_id for job in (await stub.ListJobs(listing())).jobs]
     assert listed == sorted([ids[0], ids[2]], reverse=True)
+
+
+async def test_queued_jobs_past_the_servers_100000_subjects_an_answer_are_listed(
+    stub: JobStub, nc: NatsClient, config: Config
+) -> None:
+    """A tenant's queued jobs are found from the work stream's subjects, which nats-server lists at
+    most 100,000 an answer, sorted (model, priority, tenant, job ID), the rest behind an offset.
+    Here 100,000 older messages of model "aaa" fill the first answer: "demo"'s newer jobs follow."""
+    js = nc.jetstream()
+    for _ in range(SERVER_SUBJECTS_PER_ANSWER):
+        await nc.publish(job_work_subject("aaa", Priority.NORMAL, "default", new_job_id()), b"not a record")
+    await nc.flush()
+    while (await js.stream_info(config.nats.work_stream)).state.messages < SERVER_SUBJECTS_PER_ANSWER:
+        await nc.flush()  # the server stores what it received in order: one more round trip each
+    newest = await submit_many(stub, [submit_request() for _ in range(3)])
+    page = await stub.ListJobs(listing(3))
+    assert [job.job_id for job in page.jobs] == sorted(newest, reverse=True)
+    assert page.next_page_token  # the older messages follow (read as no job: not records)
 
 
 async def test_another_tenants_jobs_are_never_listed_nor_read(config: Config, nc: NatsClient) -> None:

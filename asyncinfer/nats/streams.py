@@ -9,7 +9,7 @@ import asyncio
 import base64
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
@@ -204,6 +204,25 @@ class _SubjectsPage(msgspec.Struct):
     total: int = 0
     offset: int = 0
     error: dict[str, Any] | None = None
+
+
+async def subject_pages(nc: Client, stream: str, subjects_filter: str, *, timeout_s: float) -> AsyncIterator[list[str]]:
+    """The subjects of the stream's messages that match `subjects_filter`, one stream info answer
+    at a time: the server lists at most 100,000 subjects in one (then sorted, the rest behind an
+    offset), so `stream_subjects` alone misses the rest, whichever they sort as."""
+    offset = 0
+    while True:
+        request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": offset})
+        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
+        page = msgspec.json.decode(reply.data, type=_SubjectsPage)
+        if page.error is not None:
+            APIError.from_error(page.error)  # raises: NotFoundError for a missing stream, and so on
+        subjects = list((page.state.subjects if page.state is not None else None) or {})
+        if subjects:
+            yield subjects
+        offset += len(subjects)
+        if not subjects or offset >= page.total:
+            return
 
 
 async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeout_s: float) -> int:

@@ -6,7 +6,8 @@ each page reads anyway).
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
 newest first. A job still queued has no key yet: its work message is its record, so the tenant's
 job IDs are its keys and its queued jobs' work subjects ("asyncinfer.work.*.*.<tenant>.*", from the
-work stream's subject index: one stream info, up to 100,000 of them). A page (1) takes the
+work stream's subject index: one stream info answer per 100,000 of them, of which a page keeps only the
+newest it can read). A page (1) takes the
 tenant's keys with a live record from the gateway's TenantKeyIndex (services/gateway/tenant_keys.py):
 the first listing of a tenant scans its keys with an ephemeral pull consumer whose filter
 subject is "$KV.<jobs bucket>.<tenant>.>" (headers only, last message per subject, a bounded batch
@@ -41,6 +42,7 @@ import base64
 import binascii
 import bisect
 import hashlib
+import heapq
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,7 +54,7 @@ from asyncinfer.job_errors import is_withdrawal
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
 from asyncinfer.nats import Client
-from asyncinfer.nats.streams import stream_subjects
+from asyncinfer.nats.streams import subject_pages
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.submit_request import label_violations
 from services.gateway.tenant_keys import TenantKeyIndex
@@ -62,6 +64,8 @@ DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
 MAX_RECORDS_READ_PER_PAGE = 5000
 READ_CHUNK = 64
+# A stream info answer listing the queued jobs' subjects (100,000 of them: ~8 MB of JSON).
+WORK_SUBJECTS_TIMEOUT_S = 10.0
 # A Job message without its outputs is well under this (labels and strings are bounded).
 RECORD_OVERHEAD_BYTES = 8 * 1024
 _STATE_PREFIX = "JOB_STATE_"
@@ -183,7 +187,7 @@ class JobLister:
         work_stream: str,
         max_page_bytes: int,
     ) -> None:
-        self._js = nc.jetstream()
+        self._nc = nc
         self._work_stream = work_stream
         self._max_page_bytes = max_page_bytes
         self._records = records
@@ -198,15 +202,30 @@ class JobLister:
     async def _newest_first(self, tenant: str, after: str | None, most: int) -> list[str]:
         # The queued jobs first: a job that leaves the queue between the two reads has its record
         # written by then (the work message goes only after the result is stored).
-        queued = await self._queued_job_ids(tenant)
+        queued = await self._queued_job_ids(tenant, after, most)
         return newest_first(await self._keys.recorded_ids(tenant), queued, after, most)
 
-    async def _queued_job_ids(self, tenant: str) -> set[str]:
+    async def _queued_job_ids(self, tenant: str, after: str | None = None, most: int | None = None) -> set[str]:
+        """The IDs of the tenant's queued jobs (every one, or the newest `most` older than `after`:
+        all a page can read), from every answer of the work stream's subjects: the server lists
+        100,000 at most in one, sorted by model first, and a backlog past that lost the rest from
+        every page. Kept to `most` answer by answer, so a listing holds a page's worth of them
+        beside the answer it reads, however large the backlog."""
+        kept: set[str] = set()
         try:
-            subjects = await stream_subjects(self._js, self._work_stream, tenant_work_subjects(tenant))
+            async for subjects in subject_pages(
+                self._nc, self._work_stream, tenant_work_subjects(tenant), timeout_s=WORK_SUBJECTS_TIMEOUT_S
+            ):
+                kept.update(
+                    job_id
+                    for subject in subjects
+                    if is_job_id(job_id := subject.rpartition(".")[2]) and (after is None or job_id < after)
+                )
+                if most is not None and len(kept) > most:
+                    kept = set(heapq.nlargest(most, kept))
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        return {job_id for subject in subjects if is_job_id(job_id := subject.rpartition(".")[2])}
+        return kept
 
     async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
         record = await self._records.get(job_key(tenant, job_id))
