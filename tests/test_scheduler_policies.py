@@ -87,7 +87,7 @@ from asyncinfer.v1 import (
 )
 from services.console import pages_jobs
 from services.scheduler import app as scheduler_app
-from services.scheduler import dead_letters, held_pulls, leases, queue_stats
+from services.scheduler import dead_letters, held_pulls, leases, pauses, queue_stats
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
@@ -1383,6 +1383,85 @@ async def test_paused_key_written_by_another_scheduler_is_honoured(start: Start,
     assert batcher.orders.empty()
     await h.queues.delete("paused.demo")
     await batcher.next_order()
+
+
+class HeldWatches:
+    """A queues bucket whose watches deliver nothing until `released` is set (a NATS slow to send a
+    watch's initial values); everything else is the real bucket's."""
+
+    def __init__(self, kv: KeyValue, released: asyncio.Event) -> None:
+        self._kv = kv
+        self._released = released
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    async def watch(self, keys: str, **options: Any) -> Any:
+        return HeldWatcher(await self._kv.watch(keys, **options), self._released)
+
+
+class HeldWatcher:
+    def __init__(self, watcher: Any, released: asyncio.Event) -> None:
+        self._watcher = watcher
+        self._released = released
+
+    def __aiter__(self) -> HeldWatcher:
+        return self
+
+    async def __anext__(self) -> Any:
+        await self._released.wait()
+        return await self._watcher.__anext__()
+
+    async def stop(self) -> None:
+        await self._watcher.stop()
+
+
+async def test_a_restarted_scheduler_dispatches_no_job_of_a_paused_queue_before_it_reads_the_pause(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler started while a queue is paused holds every queue until its watch of the
+    `paused.<model>` keys has sent the stored ones. The dispatchers started with the queue open
+    and the watch's values were applied whenever they came: a restart whose values came late
+    (NATS busy) pulled a paused queue's job and ran it. Here they come only when the test says."""
+    first = await start(tune(config))
+    assert (await first.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
+    job_id = await enqueue(first.nc, first.kv)
+    await first.app.stop(grace_s=0.5)
+    released = asyncio.Event()
+    monkeypatch.setattr(
+        scheduler_app, "PauseState", lambda kv, supervisor: pauses.PauseState(HeldWatches(kv, released), supervisor)
+    )
+    monkeypatch.setattr(pauses, "STORED_KEYS_WAIT_S", 0.2)
+    with capture_logs() as logs:
+        h = await start(tune(config))  # its start waits 0.2 s for the stored keys, then goes on
+        batcher = await h.batcher(credits=1)
+        state = h.app._pauses
+        assert state is not None
+
+        async def ordered_or_held() -> bool:
+            held = h.app.batchers.credit_event(MODEL).is_set() and not state.resumed(MODEL).is_set()
+            return not batcher.orders.empty() or held
+
+        await until(ordered_or_held)  # the credit has come: the queue is held, or its job went out
+        assert batcher.orders.empty()
+
+        async def said() -> bool:
+            return any(entry["event"] == "pauses_not_read" for entry in logs)
+
+        await until(said)  # each watch that has not sent them in time is a warning, and is made again
+    released.set()
+
+    async def pause_read() -> bool:
+        return state.known and state.is_paused(MODEL)
+
+    await until(pause_read)
+    assert batcher.orders.empty()
+    assert (await read_record(h.js, job_id)).state == JobState.QUEUED
+    assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
+    order = await batcher.next_order()
+    assert (order.job_id, order.attempt) == (job_id, 1)
+    await batcher.answer(order)
+    await wait_state(h.js, job_id, JobState.SUCCEEDED)
 
 
 async def _true_if(metrics: Any, name: str) -> bool:
