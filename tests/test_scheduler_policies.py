@@ -1715,6 +1715,52 @@ async def test_jobs_given_back_by_the_tenant_round_robin_stay_in_their_queues_de
     assert seen[-1] == (4, 4), f"GetQueueStats and the snapshot read {seen[-1]} of 4 waiting jobs"
 
 
+# A stored time read from a message's ack subject (nanoseconds) and from a STREAM.MSG.GET (a
+# datetime: microseconds) may differ by this much.
+TIME_ROUNDING_S = 2e-6
+
+
+async def test_a_queues_oldest_job_may_be_one_given_back(start: Start, config: Config) -> None:
+    """A queue's oldest waiting time (priority aging, the deadline sweep's backlog, the snapshot the
+    gateway places a queued job by) was read from the first message past the consumer's delivered
+    sequence, so a job given back (the tenant round robin's rest here, or a held pull's), the
+    oldest of the queue, was left out: here it is the second job's time, not the third's."""
+    h = await start(tune(config))
+    batcher = await h.batcher()
+    jobs = [await enqueue(h.nc, h.kv, tenant=tenant) for tenant in ("a", "a", "b")]
+    await batcher.grant(1)
+    # A round of 1 slot pulls 2 jobs (a window probing for a second tenant), runs the first and
+    # gives the second back: the third is the first past the delivered sequence.
+    order = await batcher.next_order()
+    assert order.job_id == jobs[0]
+    assert h.dispatcher().queues.put_back_jobs(Priority.NORMAL) == {jobs[1]}
+    stream = h.app.config.nats.work_stream
+    stored_at = []
+    for job_id, tenant in zip(jobs, ("a", "a", "b"), strict=True):
+        msg = await h.js.get_msg(stream, subject=job_work_subject(MODEL, Priority.NORMAL, tenant, job_id))
+        assert msg.time is not None
+        stored_at.append(msg.time.timestamp())
+    assert stored_at[2] - stored_at[1] > 10 * TIME_ROUNDING_S
+    seen: list[tuple[float | None, float | None]] = []
+
+    def the_given_back_jobs(times: tuple[float | None, float | None]) -> bool:
+        return all(t is not None and abs(t - stored_at[1]) <= TIME_ROUNDING_S for t in times)
+
+    async def oldest_is_the_given_back_job() -> bool:
+        (own,) = await h.app._stats.snapshot(MODEL)  # what aging and the deadline sweep read
+        (normal,) = [q for q in own.priorities if q.priority == Priority.NORMAL]
+        snapshot = await h.snapshot()  # what the gateways read
+        shared = snapshot.priorities.get(Priority.NORMAL.value) if snapshot is not None else None
+        seen.append((normal.oldest_create_time, shared.oldest_create_time if shared is not None else None))
+        return normal.depth == 2 and the_given_back_jobs(seen[-1])
+
+    with contextlib.suppress(AssertionError):
+        await until(oldest_is_the_given_back_job)
+    assert the_given_back_jobs(seen[-1]), (
+        f"read {seen[-1]}; the second job's time is {stored_at[1]}, the third's {stored_at[2]}"
+    )
+
+
 async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(
     start: Start, config: Config
 ) -> None:

@@ -238,6 +238,7 @@ class SchedulerApp:
             clock=self._wall_clock,
             held_open=self._held_open,
             put_back_jobs=self._put_back_jobs,
+            put_back_oldest=self._put_back_oldest,
             forget_put_back=self._forget_put_back,
             nc=nc,
         )
@@ -438,6 +439,10 @@ class SchedulerApp:
         return frozenset().union(
             *(d.queues.put_back_jobs(priority) for d in self._dispatchers_by_model.get(model_name, ()))
         )
+
+    def _put_back_oldest(self, model_name: str, priority: Priority) -> float | None:
+        times = (d.queues.put_back_oldest(priority) for d in self._dispatchers_by_model.get(model_name, ()))
+        return min((t for t in times if t is not None), default=None)
 
     def _held_open(self, model_name: str, priority: Priority) -> bool:
         return any(d.holding(priority) for d in self._dispatchers_by_model.get(model_name, ()))

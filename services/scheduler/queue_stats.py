@@ -176,6 +176,7 @@ class QueueStatsReader:
         runtime_models: Callable[[], Iterable[str]] = lambda: (),
         held_open: Callable[[str, Priority], bool] = lambda _model, _priority: False,
         put_back_jobs: Callable[[str, Priority], frozenset[str]] = lambda _model, _priority: frozenset(),
+        put_back_oldest: Callable[[str, Priority], float | None] = lambda _model, _priority: None,
         forget_put_back: Callable[[str, str], None] = lambda _model, _job_id: None,
         nc: Client,
         clock: Callable[[], float] = time.time,
@@ -187,6 +188,7 @@ class QueueStatsReader:
         self._planned_chunks = planned_chunks
         self._put_back_count = put_back_count
         self._put_back_jobs = put_back_jobs
+        self._put_back_oldest = put_back_oldest
         self._forget_put_back = forget_put_back
         self._batch_sizes = batch_sizes
         self._js = js
@@ -305,18 +307,24 @@ class QueueStatsReader:
         oldest_create_time: float | None = None
         newest_create_time: float | None = None
         if depth:
-            # The oldest waiting message is the first on the subject past the delivered sequence.
+            # The oldest waiting message: the first on the subject past the delivered sequence, or
+            # one put back here (pulled, so delivered: older than that first one, as a rule).
+            first = None
             try:
-                first = await self._js.get_msg(
-                    stream,
-                    seq=info.delivered_stream_seq + 1,
-                    subject=work_filters(model_name, priority)[-1],  # every job's subject
-                    next=True,
-                )
+                if info.num_pending:  # else only jobs put back wait
+                    first = await self._js.get_msg(
+                        stream,
+                        seq=info.delivered_stream_seq + 1,
+                        subject=work_filters(model_name, priority)[-1],  # every job's subject
+                        next=True,
+                    )
             except NotFoundError:
-                first = None
-            if first is not None and first.time is not None:
-                oldest_create_time = first.time.timestamp()
+                pass
+            stored_at = [first.time.timestamp()] if first is not None and first.time is not None else []
+            if put_back and (put_back_oldest := self._put_back_oldest(model_name, priority)) is not None:
+                stored_at.append(put_back_oldest)
+            if stored_at:
+                oldest_create_time = min(stored_at)
                 oldest_age_s = waited_s(
                     oldest_create_time, server_now=info.server_time, wall_now=datetime.now(UTC).timestamp()
                 )

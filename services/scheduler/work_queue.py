@@ -67,18 +67,24 @@ class ModelQueues:
         # could not run, a tenant window's jobs not taken): waiting again, but
         # the consumer counts them as delivered, not pending, until they are pulled again. By job,
         # not a count: one cancelled meanwhile has its message deleted, never pulled, and a count
-        # kept it in the queue's depth (and the desired batchers) for good.
-        self._put_back: dict[Priority, set[str]] = {p: set() for p in PRIORITIES_BY_RANK}
+        # kept it in the queue's depth (and the desired batchers) for good. Each with when its
+        # message was stored (Unix seconds; None if unknown): they are the queue's oldest jobs,
+        # which the stream's next undelivered message does not say.
+        self._put_back: dict[Priority, dict[str, float | None]] = {p: {} for p in PRIORITIES_BY_RANK}
         # Whether the last pull_next found jobs already waiting, not only one it waited for
         # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
         self.found_waiting = False
 
     def put_back(self, priority: Priority, msg: Msg) -> None:
         """A message of the priority's queue was pulled and put back (nak) without running."""
-        self._put_back[priority].add(_job_id(msg))
+        self._put_back[priority][_job_id(msg)] = _stored_at(msg)
 
     def put_back_jobs(self, priority: Priority) -> frozenset[str]:
         return frozenset(self._put_back[priority])
+
+    def put_back_oldest(self, priority: Priority) -> float | None:
+        """When the oldest message put back on the priority's queue was stored (Unix seconds)."""
+        return min((t for t in self._put_back[priority].values() if t is not None), default=None)
 
     def put_back_count(self, priority: Priority) -> int:
         return len(self._put_back[priority])
@@ -86,11 +92,12 @@ class ModelQueues:
     def forget(self, job_id: str) -> None:
         """The job's message is gone (deleted when it was cancelled while queued)."""
         for jobs in self._put_back.values():
-            jobs.discard(job_id)
+            jobs.pop(job_id, None)
 
     def _pulled(self, priority: Priority, msgs: list[Msg]) -> list[Msg]:
-        if msgs and self._put_back[priority]:
-            self._put_back[priority].difference_update(_job_id(msg) for msg in msgs)
+        if msgs and (put_back := self._put_back[priority]):
+            for msg in msgs:
+                put_back.pop(_job_id(msg), None)
         return msgs
 
     def note_publish(self, priority: Priority) -> None:
@@ -192,3 +199,11 @@ class ModelQueues:
 def _job_id(msg: Msg) -> str:
     """The job a work message is for: its header, else its subject's last token (a job's own)."""
     return (msg.headers or {}).get(JOB_ID_HEADER) or msg.subject.rsplit(".", 1)[-1]
+
+
+def _stored_at(msg: Msg) -> float | None:
+    """When a pulled message was stored (its ack subject says it), in Unix seconds."""
+    try:
+        return msg.metadata.timestamp.timestamp()
+    except Exception:  # not a JetStream delivery (no ack subject to read)
+        return None
