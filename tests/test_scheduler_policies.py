@@ -1761,6 +1761,49 @@ async def test_a_queues_oldest_job_may_be_one_given_back(start: Start, config: C
     )
 
 
+@pytest.mark.parametrize("answer", ["dropped", "failed"])
+async def test_a_late_answer_of_a_superseded_attempt_leaves_the_attempt_that_took_over_alone(
+    start: Start, config: Config, answer: str
+) -> None:
+    """Scheduler A's lease lapsed (a freeze, renewals lost) and B took the job over as attempt 2.
+    A still holds attempt 1; its batcher then answers it: `dropped` (shed unrun), or `failed` with
+    a retriable error. Both put the job back: the record's write was refused (it names attempt 2)
+    but the nak went out, and a nak names its message by stream sequence, so it sent B's delivery
+    back: the job was pulled again and ran as attempt 3 beside attempt 2, whose result was then
+    discarded. Now a put-back of an attempt that no longer owns the record sends nothing."""
+    a = await start(tune(config))
+    b = await start(tune(config))
+    on_a = await a.batcher("on-a", credits=1)
+    job_id = await enqueue(a.nc, a.kv)
+    first = await on_a.next_order()
+    assert (first.job_id, first.attempt) == (job_id, 1)
+    record = await wait_state(a.js, job_id, JobState.RUNNING)
+    on_b = await b.batcher("on-b", credits=1)
+    await a.nc.publish(record.lease_subject, b"-NAK")  # as AckWait's redelivery would, A's lease lapsed
+    second = await on_b.next_order()
+    assert (second.job_id, second.attempt) == (job_id, 2)
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    with capture_logs() as logs:
+        if answer == "dropped":
+            late = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+            await on_a._call.write(worker_service_pb2.ConnectRequest(result=late))
+        else:
+            await on_a.fail(first, MODEL_ERROR)
+        await on_a.grant(1)  # a credit on A: what is sent back is pulled there
+
+        async def put_back_or_left_alone() -> bool:
+            left_alone = any(entry["event"] == "put_back_refused" for entry in logs)
+            return left_alone or not on_a.orders.empty()
+
+        await until(put_back_or_left_alone)
+    assert on_a.orders.empty(), f"A ran attempt {on_a.orders.get_nowait().attempt} beside B's attempt 2"
+    running = await read_record(a.js, job_id)
+    assert (running.state, running.attempt) == (JobState.RUNNING, 2)
+    await on_b.answer(second)
+    done = await wait_state(a.js, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 2
+
+
 async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(
     start: Start, config: Config
 ) -> None:

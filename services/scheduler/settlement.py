@@ -271,7 +271,9 @@ class Settlement:
     ) -> None:
         """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
         after delay_s (0: at once), or at the job's deadline if that comes first. The nak happens
-        even when the record cannot be written."""
+        even when the record cannot be written; not when the record names another attempt (this
+        one's lease lapsed and another took the job over): a nak names its message by stream
+        sequence, so it would send that attempt's delivery back, to run again beside it."""
         delay_s = lifecycle.put_back_delay_s(running, delay_s, time.time())
         event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund)
         latest: JobRecord | None = None
@@ -292,6 +294,8 @@ class Settlement:
         finally:
             if latest is not None and latest.state.is_terminal:
                 await quietly(msg.ack())
+            elif latest is not None and latest.attempt != running.attempt:
+                job_log.warning("put_back_refused", reason=error.reason, attempt_in_record=latest.attempt)
             else:
                 await quietly(msg.nak(delay=delay_s) if delay_s > 0 else msg.nak())
                 if delay_s <= 0:
