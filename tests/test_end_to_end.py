@@ -10,7 +10,7 @@ import pytest
 
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
 from services.batcher.models.demo import GATE, GATE_ENTERED
 from tests.stack import Stack, StartStack
 
@@ -21,17 +21,37 @@ def demo_request(rows: list[list[float]]) -> job_service_pb2.SubmitJobRequest:
     return job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
 
 
-async def test_job_travels_queued_running_succeeded(idle_stack: Stack) -> None:
-    jobs = idle_stack.jobs
-    submitted = (await jobs.SubmitJob(demo_request([[1, 2, 3, 4], [0, 0, 0, -1]]))).job
-    assert submitted.state == job_pb2.JOB_STATE_QUEUED
+async def test_job_travels_queued_running_succeeded(config: Config, start_stack: StartStack) -> None:
+    """Every state on the watch, in order. A watch may skip a revision for a reader slower than the
+    job (the contract), which a no-op model that ends while the test starts its batcher was on a
+    loaded machine (CI beside helpers: QUEUED then SUCCEEDED): the batch computes here until the
+    watch has read RUNNING. The queue is paused while the batcher starts, so its warm-up call
+    passes the gate and the job's call is the one held."""
+    gated = DEMO_MODEL.model_copy(update={"name": "gated", "loader": "services.batcher.models.demo:build_gated_model"})
+    stack = await start_stack(config.replace(models=[gated]), batcher=False)
+    jobs = stack.jobs
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        assert (await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name="gated"))).paused
+        request = demo_request([[1, 2, 3, 4], [0, 0, 0, -1]])
+        request.model_name = "gated"
+        submitted = (await jobs.SubmitJob(request)).job
+        assert submitted.state == job_pb2.JOB_STATE_QUEUED
 
-    watch = jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=submitted.job_id))
-    first = await watch.read()
-    assert first.job.state == job_pb2.JOB_STATE_QUEUED  # no batcher yet: it must wait
+        watch = jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=submitted.job_id))
+        first = await watch.read()
+        assert first.job.state == job_pb2.JOB_STATE_QUEUED  # no batcher yet: it must wait
 
-    await idle_stack.start_batcher()
-    states = [first.job.state]
+        await stack.start_batcher()
+        GATE.clear()
+        try:
+            await ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name="gated"))
+            running = await watch.read()
+            assert running is not grpc.aio.EOF
+            assert running.job.state == job_pb2.JOB_STATE_RUNNING
+        finally:
+            GATE.set()
+    states = [first.job.state, running.job.state]
     while (update := await watch.read()) is not grpc.aio.EOF:
         states.append(update.job.state)
     assert states == [job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_SUCCEEDED]
