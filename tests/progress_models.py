@@ -1,6 +1,6 @@
 """A model that reports progress and computes until its job is cancelled, loaded by an in-process
-batcher (tests/test_pipelines.py): a call sets STARTED, and ends once every row's job was cancelled
-(`progress.cancelled`), setting STOPPED, or once RELEASE is set (a call never told)."""
+batcher (tests/test_pipelines.py): a call for jobs sets STARTED, and ends once every row's job was
+cancelled (`progress.cancelled`), setting STOPPED, or once RELEASE is set (a call never told)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 
 from services.batcher.progress import ProgressReporter
 
-# Set by a call as it starts.
+# Set by a call for jobs (one given a reporter) as it starts. Not by the batcher's warm-up at load,
+# which calls without one: that set it before the test's job was even dispatched, and a test that
+# waited for it cancelled the job while queued, so no model was there to be told.
 STARTED = threading.Event()
 # Set by a call that saw every row's job cancelled.
 STOPPED = threading.Event()
@@ -22,7 +24,8 @@ class UntilCancelled(torch.nn.Module):
     """y = 2x + 1, after reporting a step every 5 ms until its rows' jobs are cancelled."""
 
     def forward(self, x: torch.Tensor, progress: ProgressReporter | None = None) -> torch.Tensor:
-        STARTED.set()
+        if progress is not None:
+            STARTED.set()
         step = 0
         while progress is not None and not RELEASE.wait(0.005):
             if all(progress.cancelled(row) for row in range(x.shape[0])):
