@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import structlog
 
-from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.config import DEMO_MODEL, Config, ModelVersionConfig
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
@@ -205,12 +205,19 @@ async def poll(predicate: Any) -> None:
 
 
 def order(
-    job_id: str, x: np.ndarray[Any, Any], *, attempt: int = 1, name: str = "x", model: str = "demo"
+    job_id: str,
+    x: np.ndarray[Any, Any],
+    *,
+    attempt: int = 1,
+    name: str = "x",
+    model: str = "demo",
+    version: str = "",
 ) -> worker_service_pb2.ConnectResponse:
     work = worker_service_pb2.WorkOrder(
         job_id=job_id,
         attempt=attempt,
         model_name=model,
+        model_version=version,
         inputs=[to_input_proto(Tensor.from_numpy(name, x))],
         tenant="default",
     )
@@ -324,6 +331,48 @@ async def test_an_invalid_order_fails_without_retry(scheduler: tuple[FakeSchedul
         assert not result.error.retriable
         assert field_name in [v.field for v in result.error.field_violations]
         assert not result.outputs
+
+
+async def test_an_order_for_a_version_unloaded_here_is_handed_back_unrun(
+    scheduler: tuple[FakeScheduler, int],
+) -> None:
+    """An order that reaches the batcher after it unloaded the order's version (or the whole
+    model) and its 1-s linger ended, sent before the scheduler heard the unload, is answered
+    dropped with no error: the scheduler puts the job back with its attempt given back and routes
+    it by what the batchers serve now. It was answered UNAVAILABLE MODEL_VERSION_NOT_SERVED (NOT_FOUND
+    MODEL_NOT_FOUND for the model), taken as the attempt's failure: a retry spent, or the job failed."""
+    fake, port = scheduler
+    config = Config().replace(
+        batcher=batcher_under_test(port),
+        logging={"level": "warning", "format": "console"},
+        models=[
+            DEMO_MODEL.model_copy(update={"versions": (ModelVersionConfig(version="2"),)}),
+            DEMO_MODEL.model_copy(update={"name": "spare"}),
+        ],
+    )
+    app = BatcherApp(config)
+    await app.start()
+    try:
+        connection = await fake.next_connection(1)
+        await app.models.unload_model("demo", "2")
+        await app.models.unload_model("spare")
+        await app.models.drained()  # their linger is over: the queues are closed
+        assert not app.engine.has_model("demo", "2")
+        assert not app.engine.has_model("spare")
+        x = np.ones((1, 4), dtype=np.float32)
+        connection.send(order("late-version", x, version="2"))
+        connection.send(order("late-model", x, model="spare", version="1"))
+        connection.send(order("served", x, version="1"))
+        for job_id in ("late-version", "late-model"):
+            result = await connection.result(job_id)
+            assert (result.dropped, result.HasField("error")) == (True, False), (job_id, result.error)
+            assert not result.outputs
+        served = await connection.result("served")
+        assert not served.HasField("error")
+        (y,) = decode_tensors(served.outputs, "outputs")
+        np.testing.assert_array_equal(y.to_numpy(), 2 * x + 1)
+    finally:
+        await app.stop(grace_s=1.0)
 
 
 async def test_a_broken_stream_reconnects_with_a_new_hello(

@@ -59,6 +59,9 @@ __all__ = ["SHUTDOWN_REASON", "SHUTTING_DOWN", "BatchingEngine", "InferOutcome",
 
 log = structlog.get_logger("asyncinfer.batcher.engine")
 
+# A submit naming a version this engine does not serve now (unloaded, or not loaded yet).
+VERSION_NOT_SERVED_REASON = "MODEL_VERSION_NOT_SERVED"
+
 
 class BatchingEngine:
     """The batching engine of every model (and every version of it) the batcher serves.
@@ -396,7 +399,7 @@ class BatchingEngine:
             # Retriable: an order may name a version that this batcher has just unloaded (or not yet loaded).
             raise Unavailable(
                 f"model {model_name!r} version {version!r} is not served here (served: {served})",
-                reason="MODEL_VERSION_NOT_SERVED",
+                reason=VERSION_NOT_SERVED_REASON,
             )
         return queue
 

@@ -27,7 +27,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
 from services.batcher.batch_compute import MODEL_STUCK_REASON, RunTimedOut
 from services.batcher.chunk_items import ChunkItem
-from services.batcher.engine import SHUTDOWN_REASON, BatchingEngine, PendingItem
+from services.batcher.engine import SHUTDOWN_REASON, VERSION_NOT_SERVED_REASON, BatchingEngine, PendingItem
 from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress
 
@@ -60,6 +60,20 @@ def is_shutdown(error: AsyncInferError) -> bool:
     model is stuck (every batch past its timeouts): not the job's fault, so its attempt is given
     back."""
     return isinstance(error, Unavailable) and error.reason in (SHUTDOWN_REASON, MODEL_STUCK_REASON)
+
+
+def is_handed_back(error: AsyncInferError) -> bool:
+    """A refusal of an order at submit that is not the job's: the engine stops or the model is
+    stuck (is_shutdown), or the order names a model or version this batcher does not serve now.
+    The scheduler routes by what batchers announce, so the order left before it heard this one's
+    change (an unload more than its 1-s linger earlier, a load not finished). Answered dropped:
+    back to the queue with its attempt given back, routed to a batcher that serves it, or waiting
+    for one. It was a failed attempt: a rollout that unloaded v1 could spend a job's attempts."""
+    if is_shutdown(error):
+        return True
+    if isinstance(error, Unavailable):
+        return error.reason == VERSION_NOT_SERVED_REASON
+    return isinstance(error, NotFound) and error.reason == "MODEL_NOT_FOUND"
 
 
 def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -> list[worker_service_pb2.ServedModel]:

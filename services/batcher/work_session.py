@@ -38,6 +38,7 @@ from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress, LeftOutLog, ProgressUpdate
 from services.batcher.work_messages import (
     error_status,
+    is_handed_back,
     is_shutdown,
     load_failures,
     run_control,
@@ -309,10 +310,11 @@ class WorkSession:
             if self._engine.tracing.enabled:
                 item.trace = order.traceparent
         except AsyncInferError as error:
-            log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
-            if is_shutdown(error):  # it never ran: back to the queue with its attempt given back
+            if is_handed_back(error):  # it never ran: back to the queue with its attempt given back
+                log.info("work_order_handed_back", reason=error.reason, error=error.message, **_about(order))
                 self._send_result(order, dropped=True)
             else:
+                log.info("work_order_rejected", reason=error.reason, error=error.message, **_about(order))
                 self._send_result(order, error=error)
             self._top_up(model_name)  # the credit it used bought no slot
             return None
