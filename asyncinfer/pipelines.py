@@ -54,8 +54,18 @@ class Model(Protocol):
 Known = tuple[str, tuple[int, ...]]
 
 
+class PipelineMismatch(ValueError):
+    """The first thing wrong with a pipeline's steps, and the tensor it is about (a pipeline
+    tensor, or a step model's input or output; empty when none is): a batcher refusing a step
+    model's new version names it in its error's details."""
+
+    def __init__(self, message: str, tensor: str = "") -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
 def check_pipeline(pipeline: Model, models: Mapping[str, Model]) -> None:
-    """ValueError naming the first thing wrong with the pipeline's steps."""
+    """PipelineMismatch (a ValueError) naming the first thing wrong with the pipeline's steps."""
     where = f"pipeline {pipeline.name!r}"
     # Tensor name -> its datatype and shape (None: a function step's output, known only at run time).
     known: dict[str, Known | None] = {spec.name: (spec.datatype, spec.shape) for spec in pipeline.inputs}
@@ -63,36 +73,42 @@ def check_pipeline(pipeline: Model, models: Mapping[str, Model]) -> None:
         at = f"{where} step {number} ({step.label})"
         missing = sorted(source for source in step.inputs.values() if source not in known)
         if missing:
-            raise ValueError(f"{at} takes {missing}, which no pipeline input or earlier step gives")
+            raise PipelineMismatch(f"{at} takes {missing}, which no pipeline input or earlier step gives", missing[0])
         if step.model:
             model = models.get(step.model)
             if model is None:
-                raise ValueError(f"{at}: no model {step.model!r} is declared")
+                raise PipelineMismatch(f"{at}: no model {step.model!r} is declared")
             if model.steps:
-                raise ValueError(f"{at}: {step.model!r} is a pipeline itself (pipelines do not nest)")
+                raise PipelineMismatch(f"{at}: {step.model!r} is a pipeline itself (pipelines do not nest)")
             wanted = {spec.name: (spec.datatype, spec.shape) for spec in model.inputs}
             if set(step.inputs) != set(wanted):
-                raise ValueError(f"{at} maps inputs {sorted(step.inputs)}, but {step.model!r} takes {sorted(wanted)}")
+                raise PipelineMismatch(
+                    f"{at} maps inputs {sorted(step.inputs)}, but {step.model!r} takes {sorted(wanted)}",
+                    sorted(set(step.inputs) ^ set(wanted))[0],
+                )
             for name, source in step.inputs.items():
                 have = known[source]
                 if have is not None and not _fits(have, wanted[name]):
-                    raise ValueError(
-                        f"{at}: {source!r} is {_said(have)}, but {step.model!r} takes {_said(wanted[name])} as {name!r}"
+                    raise PipelineMismatch(
+                        f"{at}: {source!r} is {_said(have)}, but {step.model!r} takes {_said(wanted[name])} as {name!r}",
+                        source,
                     )
             given = {spec.name: (spec.datatype, spec.shape) for spec in model.outputs}
             unknown = sorted(set(step.outputs) - set(given))
             if unknown:
-                raise ValueError(f"{at} keeps outputs {unknown}, which {step.model!r} does not give")
+                raise PipelineMismatch(f"{at} keeps outputs {unknown}, which {step.model!r} does not give", unknown[0])
         for output, name in step.outputs.items():
             if name in known:
-                raise ValueError(f"{at} names an output {name!r}, which the pipeline already has")
+                raise PipelineMismatch(f"{at} names an output {name!r}, which the pipeline already has", name)
             known[name] = given[output] if step.model else None
     for spec in pipeline.outputs:
         if spec.name not in known:
-            raise ValueError(f"{where}: its output {spec.name!r} is given by no step")
+            raise PipelineMismatch(f"{where}: its output {spec.name!r} is given by no step", spec.name)
         have, declared = known[spec.name], (spec.datatype, spec.shape)
         if have is not None and not _fits(have, declared):
-            raise ValueError(f"{where}: its output {spec.name!r} is {_said(have)}, but it declares {_said(declared)}")
+            raise PipelineMismatch(
+                f"{where}: its output {spec.name!r} is {_said(have)}, but it declares {_said(declared)}", spec.name
+            )
 
 
 def _fits(have: Known, want: Known) -> bool:

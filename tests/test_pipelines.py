@@ -383,6 +383,75 @@ async def test_a_pipelines_step_model_cannot_be_unloaded_and_its_jobs_still_run(
     np.testing.assert_allclose(done.outputs["y"], np.full((1, 4), 7.0))
 
 
+async def test_a_step_models_version_that_no_longer_fits_its_pipeline_is_refused(gated_stack: Stack) -> None:
+    """A pipeline's steps run on their model's default version: a load that would make it one
+    whose inputs no longer take its neighbour's tensor is refused FAILED_PRECONDITION naming the
+    pipeline and the tensor, and changes nothing. It was loaded, and every job of the pipeline then
+    failed at the step ("pipeline 'twice' step 2 (demo): invalid inputs ...")."""
+    import json
+
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from asyncinfer.client import AsyncClient
+    from asyncinfer.grpc_errors import status_details, unpack_details
+
+    assert gated_stack.batcher is not None
+    wider = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}]}  # 'once' is [-1, 4]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gated_stack.batcher.port}") as channel:
+        kserve = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        request = service_pb2.RepositoryModelLoadRequest(model_name="demo")
+        request.parameters["config"].string_param = json.dumps(wider)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await kserve.RepositoryModelLoad(request)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = status_details(refused.value)
+        assert details is not None
+        info = unpack_details(details)["ErrorInfo"]
+        assert (info.reason, dict(info.metadata)) == (
+            "PIPELINE_STEP_MISMATCH",
+            {"model": "demo", "version": "1", "pipeline": "twice", "tensor": "once"},
+        )
+        assert refused.value.details() == (
+            "model 'demo' version '1' does not fit pipeline 'twice', whose steps run on its default version: "
+            "pipeline 'twice' step 2 (demo): 'once' is FP32 [-1, 4], but 'demo' takes FP32 [-1, 8] as 'x'"
+        )
+    assert gated_stack.batcher.engine.model_config("demo").inputs[0].shape == (-1, 4), "nothing changed"
+    async with AsyncClient(gated_stack.address) as jobs:
+        done = await jobs.wait(await jobs.submit("twice", {"x": np.ones((1, 4), np.float32)}), timeout_s=60.0)
+    assert done.succeeded, done.error
+    np.testing.assert_allclose(done.outputs["y"], np.full((1, 4), 7.0))
+
+
+async def test_an_unload_that_would_make_a_step_models_default_unfit_is_refused() -> None:
+    """The same check on an unload: demo serves 1 (its default_version, fitting the pipeline) and 2
+    (a wider input); unloading 1 would make 2 the version the steps run on."""
+    from asyncinfer.config import BatcherConfig, ModelVersionConfig, TensorSpecConfig
+    from asyncinfer.errors import FailedPrecondition
+    from services.batcher.engine import BatchingEngine
+    from services.batcher.model_control import ModelControl
+
+    wider = ModelVersionConfig(version="2", inputs=(TensorSpecConfig(name="x", datatype="FP32", shape=(-1, 8)),))
+    demo = DEMO_MODEL.model_copy(update={"default_version": "1", "versions": (wider,)})
+    once = TWICE.model_copy(
+        update={"name": "once", "steps": (TWICE.steps[1].model_copy(update={"inputs": {"x": "x"}}),)}
+    )
+    engine = BatchingEngine()
+    control = ModelControl(engine, BatcherConfig())
+    await control.load_at_start([demo])
+    engine.add_pipeline(once)
+    await engine.start()
+    try:
+        with pytest.raises(FailedPrecondition) as refused:
+            await control.unload_model("demo", "1")
+        assert refused.value.metadata == {"model": "demo", "version": "2", "pipeline": "once", "tensor": "x"}
+        assert engine.versions("demo") == ["1", "2"]
+        (y,) = (await engine.infer("once", [Tensor.from_numpy("x", np.ones((1, 4), np.float32))])).outputs
+        np.testing.assert_allclose(y.to_numpy(), np.full((1, 4), 3.0))  # still served, on version 1
+    finally:
+        await engine.stop(grace_s=1.0)
+        await control.close()
+
+
 async def test_the_document_pipeline_matches_minilm_l6_doc() -> None:
     """chunk -> minilm-l6 -> pool, straight through an engine, against minilm-l6-doc on the same
     documents; a document of more windows than minilm-l6's max_batch_size runs as several items."""

@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 from pydantic import ValidationError
 
-from asyncinfer.config import BatcherConfig, ModelConfig
+from asyncinfer.config import BatcherConfig, ModelConfig, version_order
 from asyncinfer.errors import (
     AsyncInferError,
     FailedPrecondition,
@@ -39,12 +39,14 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.jobs import NAME_PATTERN
+from asyncinfer.pipelines import PipelineMismatch, check_pipeline
 from asyncinfer.supervision import failure_logged
 from asyncinfer.tensors import NUMPY_DTYPES
 from services.batcher.backends import Arrays, ModelBackend
 from services.batcher.backends.loading import load_backend
 from services.batcher.engine import BatchingEngine
 from services.batcher.model_queue import ModelQueue
+from services.batcher.pipeline import STEP_MISMATCH
 
 # While a model loads, a line this often says which it is and how long it has taken.
 STILL_LOADING_EVERY_S = 10.0
@@ -277,11 +279,46 @@ class ModelControl:
                 metadata={"model": model_name, "pipelines": ",".join(using)},
             )
 
+    def _refuse_a_step_model_that_no_longer_fits(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
+        """A pipeline's steps run on their model's default version: the one `versions` would make
+        the default must still fit each pipeline using the model (its neighbours' tensors), as the
+        configuration's check at start-up (asyncinfer.pipelines) required of the model's table. A
+        version whose inputs or outputs changed was loaded, and every job of the pipeline then
+        failed at that step (FAILED_PRECONDITION PIPELINE_STEP_MISMATCH)."""
+        using = self._engine.pipelines_using(model_name)
+        if not using or not versions:
+            return
+        served = {config.version: config for config in versions}
+        chosen = versions[0].default_among(served)
+        default = served.get(chosen) or served[max(served, key=version_order)]  # as engine.default_version
+        for pipeline_name in using:
+            runner = self._engine.pipeline(pipeline_name)
+            assert runner is not None
+            steps = {step.model for step in runner.config.steps if step.model}
+            models = {name: default if name == model_name else self._engine.model_config(name) for name in steps}
+            try:
+                check_pipeline(runner.config, models)
+            except PipelineMismatch as mismatch:
+                raise FailedPrecondition(
+                    f"model {model_name!r} version {default.version!r} does not fit pipeline {pipeline_name!r}, "
+                    f"whose steps run on its default version: {mismatch}",
+                    reason=STEP_MISMATCH,
+                    metadata={
+                        "model": model_name,
+                        "version": default.version,
+                        "pipeline": pipeline_name,
+                        "tensor": mismatch.tensor,
+                    },
+                ) from None
+
     async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
         """Makes the model's versions exactly `versions` (empty: unloads the model); refused
-        (FailedPrecondition) for a pipeline, or for a pipeline's step model left with none."""
+        (FailedPrecondition) for a pipeline, for a pipeline's step model left with none, or for one
+        whose default version would no longer fit a pipeline's wiring."""
         self._refuse_unserving_a_pipeline(model_name, versions)
         async with self._lock:
+            # Under the lock: it reads the other step models' versions, which a load beside it changes.
+            self._refuse_a_step_model_that_no_longer_fits(model_name, versions)
             wanted = {c.version: c for c in versions}
             changes = [
                 c
