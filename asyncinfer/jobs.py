@@ -22,6 +22,8 @@ from asyncinfer.tensors import Tensor
 
 # Model names and tenants become NATS subject tokens and KV key parts.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+# NAME_PATTERN in words, as a field violation's description says it.
+NAME_RULE = "1-64 letters, digits, '_' or '-', starting with a letter or digit"
 
 
 class JobState(enum.StrEnum):

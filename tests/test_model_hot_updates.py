@@ -189,6 +189,61 @@ async def test_a_version_that_failed_to_load_can_be_unloaded(v1_stack: Stack) ->
         await channel.close()
 
 
+async def test_a_load_reports_its_own_failures_and_refusals_say_what_is_wrong(v1_stack: Stack) -> None:
+    """A failed load names the versions it failed to load, read under the model control's lock: it
+    read every failure kept for the model after the lock was released, so a load after a failed
+    one reported the earlier load's version too. An unload of a version not loaded caps the
+    version in its message (it was put there at full length), and load_model's refused name has a
+    field violation that says what a name is (its description was empty)."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    from asyncinfer.grpc_errors import status_details, unpack_details
+
+    channel = grpc.aio.insecure_channel(v1_stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+    assert v1_stack.batcher is not None
+    batcher = grpc.aio.insecure_channel(f"127.0.0.1:{v1_stack.batcher.port}")
+    repository = service_pb2_grpc.GRPCInferenceServiceStub(batcher)
+
+    async def load(config: str) -> str:
+        request = service_pb2.RepositoryModelLoadRequest(model_name="demo")
+        request.parameters["config"].string_param = config
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await repository.RepositoryModelLoad(request)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        return refused.value.details() or ""
+
+    try:
+        one = version_table("1", DEMO_MODEL.loader)
+        first = await load(load_config_json(one, version_table("2", "no.such:two")))
+        assert first.startswith("model 'demo' did not load: version 2: "), first
+        second = await load(load_config_json(one, version_table("3", "no.such:three")))
+        assert second.startswith("model 'demo' did not load: version 3: "), second
+        assert "version 2" not in second, second
+
+        await until(lambda: ready(v1_stack, "1"))  # the batcher is connected (its stream opens after its start)
+        long_version = "9" * 5_000
+        unloaded = await ops.UnloadModel(
+            ops_service_pb2.UnloadModelRequest(model_name="demo", model_version=long_version)
+        )
+        [(reason, message)] = [(o.error.reason, o.error.message) for o in unloaded.outcomes]
+        assert (reason, message) == ("MODEL_NOT_FOUND", f"model 'demo' version '{'9' * 64}' is not loaded here")
+
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await repository.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="de mo"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = status_details(refused.value)
+        assert details is not None
+        [violation] = unpack_details(details)["BadRequest"].field_violations
+        assert (violation.field, violation.description) == (
+            "model_name",
+            "1-64 letters, digits, '_' or '-', starting with a letter or digit",
+        )
+    finally:
+        await batcher.close()
+        await channel.close()
+
+
 async def test_a_config_json_that_cannot_be_read_is_refused_at_once(v1_stack: Stack) -> None:
     """By the scheduler, before any batcher is asked: one nested 50,000 deep was forwarded, the
     batcher's control failed unanswered, and LoadModel waited its whole timeout (120 s) to say

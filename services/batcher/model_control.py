@@ -38,7 +38,7 @@ from asyncinfer.errors import (
     NotFound,
     Unavailable,
 )
-from asyncinfer.jobs import NAME_PATTERN
+from asyncinfer.jobs import NAME_PATTERN, NAME_RULE
 from asyncinfer.pipelines import PipelineMismatch, check_pipeline
 from asyncinfer.supervision import failure_logged
 from asyncinfer.tensors import NUMPY_DTYPES
@@ -174,9 +174,8 @@ class ModelControl:
     async def load_model(self, name: str, override: dict[str, Any] | None = None) -> None:
         """Loads the model's versions (see versions_to_load); Unavailable when one did not load."""
         if not NAME_PATTERN.match(name):
-            raise InvalidArgument(f"invalid model name {name[:64]!r}", [FieldViolation("model_name", "")])
-        await self.apply(name, self.versions_to_load(name, override))
-        failed = {v: r for (n, v), r in self.failures.items() if n == name}
+            raise InvalidArgument(f"invalid model name {name[:64]!r}", [FieldViolation("model_name", NAME_RULE)])
+        failed = await self.apply(name, self.versions_to_load(name, override))
         if failed:
             detail = "; ".join(f"version {v}: {r}" for v, r in failed.items())
             raise Unavailable(f"model {name!r} did not load: {detail}", reason="MODEL_LOAD_FAILED")
@@ -186,7 +185,8 @@ class ModelControl:
         served = self._engine.versions(name)
         failed = {v for n, v in self.failures if n == name}
         if not (served or failed) or (version and version not in served and version not in failed):
-            which = f"model {name!r}" + (f" version {version!r}" if version else "")
+            # Capped as other messages cap what a caller typed (a name or version is at most 64).
+            which = f"model {name[:64]!r}" + (f" version {version[:64]!r}" if version else "")
             raise NotFound(f"{which} is not loaded here", reason="MODEL_NOT_FOUND")
         keep = [self._engine.model_config(name, v) for v in served if version and v != version]
         # A version that failed to load is unloaded too, as Triton unloads an unavailable model: its
@@ -311,10 +311,12 @@ class ModelControl:
                     },
                 ) from None
 
-    async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> None:
+    async def apply(self, model_name: str, versions: Sequence[ModelConfig]) -> dict[str, str]:
         """Makes the model's versions exactly `versions` (empty: unloads the model); refused
         (FailedPrecondition) for a pipeline, for a pipeline's step model left with none, or for one
-        whose default version would no longer fit a pipeline's wiring."""
+        whose default version would no longer fit a pipeline's wiring. Returns the versions this
+        call failed to load, with why, read under the lock: `failures` read after it may already
+        hold another call's (two loads at once reported each other's failures)."""
         self._refuse_unserving_a_pipeline(model_name, versions)
         async with self._lock:
             # Under the lock: it reads the other step models' versions, which a load beside it changes.
@@ -332,14 +334,18 @@ class ModelControl:
             if changes:
                 self._changed()
             await asyncio.gather(*(self._load_one(c) for c in changes))
-            if any((model_name, c.version) in self.failures for c in changes):
+            failed = {
+                c.version: self.failures[key] for c in changes if (key := (model_name, c.version)) in self.failures
+            }
+            if failed:
                 # Like Triton, a load that fails leaves what served serving: nothing is unloaded.
-                return
+                return failed
             for version in self._engine.versions(model_name):
                 if version not in wanted:
                     await self._unload_one(model_name, version)
             for key in [k for k in self.failures if k[0] == model_name and k[1] not in wanted]:
                 del self.failures[key]
+            return {}
 
     async def _load_one(self, config: ModelConfig) -> None:
         key = (config.name, config.version)

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
-from asyncinfer.jobs import NAME_PATTERN, JobError
+from asyncinfer.jobs import NAME_PATTERN, NAME_RULE, JobError
 from asyncinfer.model_json import parse_model_json
 from asyncinfer.proto_durations import checked_duration
 from asyncinfer.v1 import error_pb2, ops_service_pb2
@@ -38,7 +38,7 @@ def _checked(model_name: str, timeout: Any, has_timeout: bool) -> float:
     if not NAME_PATTERN.match(model_name):
         raise InvalidArgument(
             f"model_name {model_name[:80]!r} cannot be a model's name",
-            [FieldViolation("model_name", "1-64 letters, digits, '_' or '-', starting with a letter or digit")],
+            [FieldViolation("model_name", NAME_RULE)],
         )
     violations: list[FieldViolation] = []
     given = checked_duration(timeout, "timeout", violations) if has_timeout else None
