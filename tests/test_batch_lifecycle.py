@@ -13,6 +13,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from nats.errors import NoRespondersError
+from structlog.testing import capture_logs
 
 from asyncinfer import batches
 from asyncinfer.access import bearer_metadata
@@ -375,3 +377,36 @@ async def test_duplicates_of_a_create_held_between_its_claim_and_its_record_all_
     assert [a.deduplicated for a in answers] == [False, True, True]
     listed = await stub.ListBatches(batch_service_pb2.ListBatchesRequest())
     assert [b.batch_id for b in listed.batches] == [batch_id]
+
+
+async def test_a_tick_failing_on_a_raw_nats_error_is_said_in_a_line_once_per_interval(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A raw NATS error fails every batch's tick, each tick (here every 50 ms), and each logged an
+    error with its traceback. It is a warning with its error, at most once per 5 s for all batches;
+    the batches end once NATS answers again."""
+    stack = await start_stack(lifecycle_config(config))
+    driver = stack.gateway.batch_driver
+    assert driver is not None
+    stub = batches_stub(stack.channel)
+    real_tick = driver.tick
+    failed: dict[str, int] = {}
+
+    async def tick_in_an_outage(tenant: str, batch_id: str, *, full: bool = True) -> bool:
+        # The outage lasts until both batches' ticks failed 5 times each.
+        if len(failed) < 2 or min(failed.values()) < 5:
+            failed[batch_id] = failed.get(batch_id, 0) + 1
+            raise NoRespondersError()
+        return await real_tick(tenant, batch_id, full=full)
+
+    driver.tick = tick_in_an_outage  # type: ignore[method-assign]
+    with capture_logs() as logs:
+        created = [
+            await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(demo_records(60))))) for _ in range(2)
+        ]
+        for batch in created:
+            assert (await wait_ended(stub, batch.batch.batch_id)).state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert len(failed) == 2
+    lines = [e for e in logs if e["event"] == "batch_tick_failed"]
+    assert [(e["log_level"], "exc_info" in e) for e in lines] == [("warning", False)], lines
+    assert lines[0]["error"] == "NoRespondersError: nats: no responders available for request"

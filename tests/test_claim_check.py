@@ -15,6 +15,9 @@ import grpc
 import numpy as np
 import pytest
 from google.protobuf import duration_pb2
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from structlog.testing import capture_logs
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.blob_meta import new_input_ref
@@ -24,6 +27,7 @@ from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.scheduler import blobs as scheduler_blobs
 from tests.stack import Stack, StartStack
 
 if TYPE_CHECKING:
@@ -263,6 +267,44 @@ async def test_the_sweeper_deletes_expired_objects_and_keeps_live_ones(config: C
     error = await rpc_error(stack.jobs.SubmitJob(by_ref(short.ref), metadata=bearer(ACME)))
     assert error.code() == grpc.StatusCode.NOT_FOUND
     assert (await stack.blobs.info("acme", live.ref)).ref.size_bytes == live.size_bytes
+
+
+async def test_a_sweep_failing_while_nats_is_out_of_reach_is_said_in_a_line_once_per_interval(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep fails every interval while NATS is out of reach (here 50 ms; 60 s by default), and
+    each failure logged an error with its traceback. NATS out of reach is a warning with its error,
+    a bug keeps its traceback, each at most once per 5 s; the sweeps go on after."""
+    failures: list[Exception] = [NoRespondersError() for _ in range(5)] + [NatsTimeoutError() for _ in range(5)]
+    failures += [RuntimeError("a bug") for _ in range(5)]
+    real_sweep = scheduler_blobs.sweep
+
+    async def failing_sweep(store: Any, **options: Any) -> int:
+        if failures:
+            raise failures.pop(0)
+        return await real_sweep(store, **options)
+
+    monkeypatch.setattr(scheduler_blobs, "sweep", failing_sweep)
+    with capture_logs() as logs:
+        stack = await start_stack(claim_check_config(config), blob_sweep_interval_s=0.05)
+        before = await objects_stream_state(stack.nc, stack.config)
+        await upload(stack.jobs, inputs_bytes(np.ones((4, 4))), retention_s=0.3)
+        for _ in range(200):  # swept once the failures are over and the object expired
+            if not failures and await objects_stream_state(stack.nc, stack.config) == before:
+                break
+            await asyncio.sleep(0.05)
+        assert await objects_stream_state(stack.nc, stack.config) == before, "the sweeps went on"
+    lines = [e for e in logs if e["event"] == "blob_sweep_failed"]
+    assert [(e["log_level"], "exc_info" in e) for e in lines] == [
+        ("warning", False),
+        ("warning", False),
+        ("error", True),
+    ], lines
+    assert [e["error"] for e in lines[:2]] == [
+        "NoRespondersError: nats: no responders available for request",
+        "TimeoutError: nats: timeout",
+    ]
+    assert isinstance(lines[2]["exc_info"], RuntimeError), lines[2]
 
 
 # --- refusals that keep nothing -------------------------------------------------------------

@@ -31,6 +31,7 @@ from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, Chu
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
+from asyncinfer.failure_lines import FailureLines, unreachable
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
@@ -98,6 +99,7 @@ class BatchDriver:
         # What the last tick read or wrote of each running batch (the gauges of running batches).
         # An ended one leaves it at once, though it is driven on until its webhook is enqueued.
         self._seen: dict[tuple[str, str], BatchRecord] = {}
+        self._tick_failures = FailureLines()
         self.rounds = 0  # the loop's wake-ups (an idle gateway's are counted by a test)
         self._metrics = metrics
         if metrics is not None:
@@ -157,10 +159,12 @@ class BatchDriver:
                             self._chunk_ends.forget_batch(key)
                 except BatchConflict:
                     continue  # another gateway wrote first: read again next tick
-                except (AsyncInferError, OSError) as exc:
-                    log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
-                except Exception:
-                    log.exception("batch_tick_failed", batch_id=batch_id, tenant=tenant)
+                except Exception as exc:
+                    if isinstance(exc, (AsyncInferError, OSError)) and unreachable(exc) is None:
+                        log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
+                    else:
+                        # NATS out of reach fails every batch's tick, each tick: a line per interval.
+                        self._tick_failures.failed(log, "batch_tick_failed", exc, batch_id=batch_id, tenant=tenant)
             if self._wake.is_set():
                 continue
             # With no batch to drive a full tick has nothing to read: the loop sleeps until a batch

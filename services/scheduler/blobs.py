@@ -16,6 +16,7 @@ from asyncinfer.blobs import BlobStore
 from asyncinfer.claim_check_io import read_inputs, store_outputs
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, InvalidArgument, NotFound
+from asyncinfer.failure_lines import FailureLines
 from asyncinfer.jobs import BlobRef, JobError, JobRecord, WorkEnvelope
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tensors import Tensor
@@ -117,6 +118,8 @@ class BlobSweeper:
         # Kept between passes, so that each reads only the metas written since the last.
         self.cursor = MetaCursor()
         self.swept = 0
+        # A sweep fails every interval while NATS is out of reach: a line, not a traceback, each time.
+        self._failures = FailureLines()
 
     def start(self) -> None:
         if self._task is None:
@@ -131,8 +134,8 @@ class BlobSweeper:
             await asyncio.sleep(self._interval_s)
             try:
                 removed = await sweep(self._store, orphans_after_s=self._orphans_after_s, cursor=self.cursor)
-            except Exception:
-                log.exception("blob_sweep_failed")
+            except Exception as exc:
+                self._failures.failed(log, "blob_sweep_failed", exc)
                 continue
             self.swept += removed
             if removed:
