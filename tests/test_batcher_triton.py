@@ -304,3 +304,46 @@ async def test_a_triton_model_without_batching_is_refused_a_max_batch_size_over_
         assert [o.outputs[0].to_numpy().tolist() for o in outcomes] == [[[2.0 * v + 1] * 4] for v in range(3)]
     finally:
         await batcher.stop(grace_s=1.0)
+
+
+def sent_rows(batcher: BatcherApp, model: str) -> list[int]:
+    """The rows of each call the model's backend makes to Triton, recorded as they are sent."""
+    backend = batcher.engine._queue(model, "").backend
+    infer = backend.infer_batch_async
+    rows: list[int] = []
+
+    async def recorded(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
+        rows.append(len(inputs["x"]))
+        return await infer(inputs)
+
+    backend.infer_batch_async = recorded  # type: ignore[method-assign]
+    return rows
+
+
+async def test_a_batch_that_outlasts_a_triton_outage_fails_unavailable_after_one_wait(triton_url: str) -> None:
+    """A batch whose Triton stayed out of reach past triton_outage_wait_s failed, and was then
+    bisected as if an item made the model fail: each half waited the outage out again, 2n-1 calls
+    and waits for a batch of n (7.5 minutes for 8 items at the default 30 s, past their jobs'
+    execution timeouts: answered EXECUTION_TIMEOUT, not UNAVAILABLE). Each item is now sent once and
+    gets Triton's UNAVAILABLE after one wait."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+            models=[remote(url, warm_up=False, triton_outage_wait_s=0.5)],
+        )
+    )
+    try:
+        await batcher.start()
+        rows = sent_rows(batcher, "remote")
+        await outage.down()
+        outcomes = await asyncio.gather(
+            *(batcher.engine.infer("remote", x(float(v))) for v in range(4)), return_exceptions=True
+        )
+        assert all(isinstance(o, Unavailable) and o.reason == "TRITON_UNAVAILABLE" for o in outcomes), outcomes
+        assert max(rows) > 1, "the items were batched"
+        assert sum(rows) == 4, f"each item sent once: {rows}"
+    finally:
+        await batcher.stop(grace_s=1.0)
+        await outage.down()

@@ -5,7 +5,8 @@ Poison isolation: when a batch of several items fails, its items are re-run in h
 bisection, in the same worker thread), so only the items that make the model fail get its error
 and the rest of the batch succeeds. A batch with k bad items costs about 2k·log2(n) extra model
 calls; a model that fails every call costs 2n-1 calls per batch of n (it fails every item, as
-before, just later).
+before, just later). A remote backend's server errors (SERVER_ERRORS: Triton out of reach, its
+queue full, a call past its timeout) are not the items' fault and fail the whole batch at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import grpc
 import structlog
 
 from asyncinfer.config import ModelConfig
-from asyncinfer.errors import AsyncInferError, ModelError, Unavailable
+from asyncinfer.errors import AsyncInferError, DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
@@ -41,6 +42,12 @@ MODEL_STUCK_REASON = "MODEL_STUCK"
 # The reason of an item answered past its execution timeout, counted from its batch's start: the
 # scheduler's job_errors.EXECUTION_TIMEOUT, which it records as TIMED_OUT (WorkerHello.times_out_runs).
 EXECUTION_TIMEOUT_REASON = "EXECUTION_TIMEOUT"
+# What a remote backend (Triton) raises when its server cannot answer: out of reach past its outage
+# wait, its queue full, a call past its timeout. Not an item's fault, so the batch is not bisected:
+# each half met it again, waiting the outage out or the call's timeout once more, 2n-1 calls for a
+# batch of n (7.5 minutes for 8 items at triton_outage_wait_s = 30 s, past their jobs' execution
+# timeouts: answered EXECUTION_TIMEOUT, not this error). Every item gets it at once.
+SERVER_ERRORS = (Unavailable, DeadlineExceeded, ResourceExhausted)
 # A model's traceback is logged at most this often per distinct failure (a broken deploy fails every
 # batch the same way).
 TRACEBACK_INTERVAL_S = 60.0
@@ -236,8 +243,8 @@ class BatchRunner:
         return ran, time.perf_counter() - started, assembled.padding_waste
 
     async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
-        if len(batch) == 1:
-            return [Ran(error=error)]
+        if len(batch) == 1 or isinstance(error, SERVER_ERRORS):
+            return [Ran(error=error) for _ in batch]
         middle = len(batch) // 2
         return [*await self._compute_part_async(batch[:middle]), *await self._compute_part_async(batch[middle:])]
 
