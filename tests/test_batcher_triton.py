@@ -27,6 +27,7 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.v1.job_service_pb2 import ListModelsRequest
 from services.batcher.app import BatcherApp
 from services.batcher.backends.triton_backend import map_triton_error
+from services.batcher.batch_compute import RunTimedOut
 from tests.stack import StartStack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -187,7 +188,8 @@ async def test_a_version_served_by_triton_is_hot_loaded_beside_a_torch_one(
 
 class TritonOutage:
     """A TCP proxy in front of the module's Triton: `down()` refuses new connections and drops the
-    open ones (a Triton restarting, a pod rolled over), `up()` forwards again on the same port."""
+    open ones (a Triton restarting, a pod rolled over), `up()` forwards again on the same port.
+    `hold()` keeps Triton's answers until `release()` (a call that hangs in Triton)."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
@@ -195,6 +197,14 @@ class TritonOutage:
         self.port = 0
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._answering = asyncio.Event()
+        self._answering.set()
+
+    def hold(self) -> None:
+        self._answering.clear()
+
+    def release(self) -> None:
+        self._answering.set()
 
     async def up(self) -> str:
         self._server = await asyncio.start_server(self._forward, "127.0.0.1", self.port)
@@ -212,9 +222,10 @@ class TritonOutage:
         upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
         self._open |= {writer, upstream_writer}
 
-        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event) -> None:
             try:
                 while data := await source.read(65536):
+                    await gate.wait()
                     sink.write(data)
                     await sink.drain()
             except (ConnectionError, OSError):
@@ -222,7 +233,9 @@ class TritonOutage:
             finally:
                 sink.close()
 
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+        always = asyncio.Event()
+        always.set()
+        await asyncio.gather(pipe(reader, upstream_writer, always), pipe(upstream_reader, writer, self._answering))
 
 
 async def logged(logs: list[dict[str, object]], event: str) -> None:
@@ -345,5 +358,62 @@ async def test_a_batch_that_outlasts_a_triton_outage_fails_unavailable_after_one
         assert max(rows) > 1, "the items were batched"
         assert sum(rows) == 4, f"each item sent once: {rows}"
     finally:
+        await batcher.stop(grace_s=1.0)
+        await outage.down()
+
+
+async def test_a_triton_call_no_item_waits_for_is_cancelled(triton_url: str) -> None:
+    """A batch whose items all timed out (their execution timeouts) or were cancelled by their
+    callers kept its Triton call going, to the model's default_execution_timeout_s: Triton computed
+    for nobody, the model's slot stayed taken, and past the overrun the model was stuck here (its
+    jobs given back, its calls refused). A remote call can be stopped, unlike a model's thread: it
+    is now cancelled (gRPC's cancel reaches Triton) once no item waits for it, and the model takes
+    the next batch."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+            models=[remote(url, warm_up=False, default_execution_timeout_s=600.0)],
+        )
+    )
+    try:
+        await batcher.start()
+        backend = batcher.engine._queue("remote", "").backend
+        infer = backend.infer_batch_async
+        calls: list[asyncio.Task[object]] = []
+        called = asyncio.Event()
+
+        async def tracked(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
+            calls.append(asyncio.current_task())  # type: ignore[arg-type]
+            called.set()
+            return await infer(inputs)
+
+        backend.infer_batch_async = tracked  # type: ignore[method-assign]
+
+        async def ended_cancelled(call: asyncio.Task[object]) -> None:
+            # The compute task that made the call ends, cancelled, without Triton answering.
+            await asyncio.wait({call}, timeout=30)
+            assert call.done(), "the call goes on with no item waiting for it"
+            assert call.cancelled()
+
+        outage.hold()
+        timed_out = batcher.engine.submit("remote", x(2.0), run_timeout_s=0.3)
+        with pytest.raises(RunTimedOut):
+            await timed_out.future
+        await ended_cancelled(calls[0])
+
+        called.clear()
+        calling = asyncio.create_task(batcher.engine.infer("remote", x(3.0)))
+        await asyncio.wait_for(called.wait(), 30)
+        calling.cancel()  # its caller gone (a KServe call cancelled, a job cancelled)
+        await ended_cancelled(calls[1])
+
+        outage.release()
+        assert not batcher.engine._queue("remote", "").stuck
+        outcome = await asyncio.wait_for(batcher.engine.infer("remote", x(1.0)), 30)
+        assert outcome.outputs[0].to_numpy().tolist() == [[3.0] * 4]
+    finally:
+        outage.release()
         await batcher.stop(grace_s=1.0)
         await outage.down()

@@ -69,6 +69,8 @@ class RunningBatch:
     thread: int | None = None
     overran: bool = False
     timer: asyncio.TimerHandle | None = None
+    # A remote backend's call (runs_async), cancelled once none of its items waits for it.
+    call: asyncio.Future[Computed] | None = None
 
 
 SlotListener = Callable[[str], None]
@@ -259,7 +261,25 @@ class ModelQueue:
         if not item.started:
             # A dropped item leaves a stale entry in the queue; let the former purge it.
             self._changed.set()
+        elif self.backend.runs_async:
+            self._cancel_unwaited_call(item)
         self._on_item_done(self.name)
+
+    def _cancel_unwaited_call(self, item: PendingItem) -> None:
+        """Cancels a remote call none of whose items waits for it any more (each timed out, or its
+        caller cancelled): unlike a model's thread it can be stopped, and gRPC's cancel reaches
+        Triton. It went on to the model's default_execution_timeout_s, Triton computing for nobody
+        and the slot taken; past the overrun the model was stuck here."""
+        for running in self._running.values():
+            call = running.call
+            if call is None or call.done() or item not in running.items:
+                continue
+            if all(other.future.done() for other in running.items):
+                log.info(
+                    "batch_call_cancelled", model=self.name, items=len(running.items), reason="no item waits for it"
+                )
+                call.cancel()
+            return
 
     def check(self, inputs: Sequence[Tensor], *, any_rows: bool = False) -> None:
         """InvalidArgument unless the inputs fit the model's signature (with any number of rows
@@ -305,6 +325,8 @@ class ModelQueue:
                     self._executor, contextvars.copy_context().run, _on_its_thread, running, runner.compute
                 )
             )
+            if self.backend.runs_async:
+                running.call = computing
             task = asyncio.create_task(runner.run(batch, computing, loop.time()), name=f"batch-{self.name}")
             self._batches[task] = batch
             self._running[task] = running
