@@ -18,10 +18,20 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer.client import NO_RETRY, AsyncClient, Client, JobRequest, JobState, ResourceExhaustedError
+from asyncinfer.client import (
+    NO_RETRY,
+    AsyncClient,
+    AsyncInferClientError,
+    Client,
+    JobRequest,
+    JobState,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE, DeadlineExceededError
 from asyncinfer.config import Config
+from asyncinfer.embedded_nats import free_port
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensors import Tensor
 from tests.stack import Stack, StartStack
@@ -428,3 +438,36 @@ async def test_a_negative_timeout_is_refused_at_the_call_and_zero_always_exceeds
     _, stderr = await asyncio.wait_for(cli.communicate(), 60)
     assert cli.returncode == 2  # argparse's usage error, not a traceback
     assert "give 0 or more seconds" in stderr.decode()
+
+
+async def test_a_host_name_that_does_not_exist_is_said_at_once_with_a_hint() -> None:
+    """The SDK tried `nosuchhost:50051` 7 times (4.3 s) as a gateway not up yet, though DNS had said
+    no such host exists, and ended in gRPC's text alone. Counted in waits between tries, not in
+    seconds; a refused address, still tried again within the policy, shows the count is seen.
+    (.invalid never resolves: RFC 2606.)"""
+    waits: list[float] = []
+    policy = RetryPolicy(on_retry=lambda error, delay_s: waits.append(delay_s))
+    hint = "hint: no host has that name: is it spelled right?"
+    async with AsyncClient("nosuchhost.invalid:50051", retry=policy, timeout_s=10) as client:
+        for call in (client.models(), client.submit("demo", {"x": X}), client.get("j"), anext(client.watch("j"))):
+            with pytest.raises(UnavailableError) as raised:
+                await call
+            assert "errors resolving nosuchhost.invalid:50051" in str(raised.value)
+            assert str(raised.value).endswith(hint), str(raised.value)
+    assert waits == []
+
+    def blocking() -> AsyncInferClientError:
+        with Client("nosuchhost.invalid:50051", retry=policy) as client:
+            with pytest.raises(UnavailableError) as raised:
+                client.run("demo", {"x": X})
+            return raised.value
+
+    assert str(await asyncio.to_thread(blocking)).endswith(hint)
+    assert waits == []
+
+    async with AsyncClient(f"127.0.0.1:{free_port()}", retry=policy, timeout_s=10) as client:
+        with pytest.raises(UnavailableError) as raised:
+            await client.models()
+    assert "Connection refused" in str(raised.value)
+    assert "hint" not in str(raised.value)
+    assert len(waits) == policy.max_attempts - 1

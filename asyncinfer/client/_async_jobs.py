@@ -22,6 +22,7 @@ from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
     FailedPreconditionError,
+    UnavailableError,
     UnimplementedError,
     make_error,
 )
@@ -172,8 +173,9 @@ class JobCalls(ClientChannel):
                     self._list_models_unimplemented = True
                 except AsyncInferClientError as error:
                     # Typing is a convenience: the submit goes on with the inputs as given (and a
-                    # gateway that was unavailable is asked again on the next submit).
-                    if self.retry.retriable(error) or isinstance(error, DeadlineExceededError):
+                    # gateway that was unavailable, its name unknown to DNS included, is asked
+                    # again on the next submit).
+                    if self.retry.retriable(error) or isinstance(error, DeadlineExceededError | UnavailableError):
                         return {}
                 else:
                     specs: dict[str, dict[str, TensorSpec]] = {}

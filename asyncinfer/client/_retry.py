@@ -10,15 +10,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, DeadlineExceededError
+from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, DeadlineExceededError, no_such_host
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RetryPolicy:
     """When and how long to wait before trying a call again.
 
-    UNAVAILABLE is always retriable (the gateway restarting, a load balancer between pods, NATS
-    failing over). RESOURCE_EXHAUSTED is retried when `retry_resource_exhausted` is set, waiting at
+    UNAVAILABLE is retriable (the gateway restarting, a load balancer between pods, NATS failing
+    over), but for a host name DNS says does not exist: that is a typo, said at once with a hint
+    (it was 7 attempts, 4.3 s, then gRPC's text alone); a DNS server that did not answer is still
+    retried. RESOURCE_EXHAUSTED is retried when `retry_resource_exhausted` is set, waiting at
     least the server's RetryInfo delay. After attempt n (1-based) the wait is a random time in
     [c / 2, c], c = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1)) ("equal jitter"):
     spread, as full jitter's [0, c] is, but never short, so that the attempts of a call span at
@@ -44,7 +46,7 @@ class RetryPolicy:
 
     def retriable(self, error: AsyncInferClientError) -> bool:
         if error.code is grpc.StatusCode.UNAVAILABLE:
-            return True
+            return not no_such_host(error)
         return (
             self.retry_resource_exhausted
             and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -31,6 +31,8 @@ __all__ = [
     "UnavailableError",
     "UnimplementedError",
     "from_rpc_error",
+    "name_lookup_failed",
+    "no_such_host",
     "with_connection_hint",
 ]
 
@@ -178,13 +180,43 @@ MESSAGE_TOO_LARGE = "MESSAGE_TOO_LARGE"
 DEV_CA = ".asyncinfer/tls/ca.pem"
 
 
+# gRPC's text for a failed name lookup: its resolver's now ("errors resolving HOST:PORT: ..."), and
+# before grpcio 1.60 or so ("DNS resolution failed for HOST:PORT: ...").
+_NAME_LOOKUP_FAILED = ("errors resolving ", "DNS resolution failed")
+# ... where DNS answered that no such name exists: c-ares's (gRPC's default resolver), getaddrinfo's
+# (GRPC_DNS_RESOLVER=native) on Linux and on macOS. Not a DNS server that did not answer, which
+# another try may get past ("Temporary failure in name resolution", "Timeout while contacting").
+_NO_SUCH_NAME = (
+    "Domain name not found",
+    "Name or service not known",
+    "No address associated with hostname",
+    "nodename nor servname provided",
+)
+NO_SUCH_HOST_HINT = "no host has that name: is it spelled right?"
+NAME_LOOKUP_HINT = "the host name could not be looked up: is DNS reachable from here?"
+
+
+def name_lookup_failed(error: AsyncInferClientError) -> bool:
+    return error.code is grpc.StatusCode.UNAVAILABLE and any(text in error.message for text in _NAME_LOOKUP_FAILED)
+
+
+def no_such_host(error: AsyncInferClientError) -> bool:
+    """DNS said the address's host name does not exist: no try of the same address can connect."""
+    return name_lookup_failed(error) and any(text in error.message for text in _NO_SUCH_NAME)
+
+
 def with_connection_hint(error: AsyncInferClientError, *, tls: bool) -> AsyncInferClientError:
-    """`error` with a `hint`, a sentence on what to check, where gRPC's own text names no cause: a plaintext
-    channel to a TLS server reads "Socket closed", a TLS channel to a plaintext one (or with the wrong
-    CA) "Handshake failed". Other errors are returned as they are."""
+    """`error` with a `hint`, a sentence on what to check, where gRPC's own text names no cause: a host
+    name that does not resolve ("errors resolving ...: [field:hostname lookup error:...]"), a plaintext
+    channel to a TLS server ("Socket closed"), a TLS channel to a plaintext one (or with the wrong
+    CA: "Handshake failed"). Other errors are returned as they are."""
     if error.code is not grpc.StatusCode.UNAVAILABLE:
         return error
-    if not tls and "Socket closed" in error.message:
+    if no_such_host(error):
+        hint = NO_SUCH_HOST_HINT
+    elif name_lookup_failed(error):
+        hint = NAME_LOOKUP_HINT
+    elif not tls and "Socket closed" in error.message:
         hint = f"if the server is on TLS, give tls_ca_file= (`asyncinfer up --dev-tls`'s CA: {DEV_CA})"
     elif tls and "handshake failed" in error.message.lower():
         hint = "the TLS handshake failed: is the server on TLS, and did tls_ca_file's CA sign its certificate?"

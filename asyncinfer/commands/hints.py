@@ -10,32 +10,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from asyncinfer.client import AsyncInferClientError
-from asyncinfer.client.errors import DEV_CA
+from asyncinfer.client.errors import DEV_CA, NAME_LOOKUP_HINT, NO_SUCH_HOST_HINT, name_lookup_failed, no_such_host
 
 if TYPE_CHECKING:
     from asyncinfer.commands.options import Options
-
-# gRPC's text for a failed name lookup: its resolver's now ("errors resolving HOST:PORT: ..."), and
-# before grpcio 1.60 or so ("DNS resolution failed for HOST:PORT: ...").
-_NAME_LOOKUP_FAILED = ("errors resolving ", "DNS resolution failed")
-# ... where DNS answered that no such name exists: c-ares's (gRPC's default resolver), getaddrinfo's
-# (GRPC_DNS_RESOLVER=native) on Linux and on macOS. Not a DNS server that did not answer, which
-# another try may get past ("Temporary failure in name resolution", "Timeout while contacting").
-_NO_SUCH_NAME = (
-    "Domain name not found",
-    "Name or service not known",
-    "No address associated with hostname",
-    "nodename nor servname provided",
-)
-
-
-def name_lookup_failed(error: AsyncInferClientError) -> bool:
-    return error.code is grpc.StatusCode.UNAVAILABLE and any(text in error.message for text in _NAME_LOOKUP_FAILED)
-
-
-def no_such_host(error: AsyncInferClientError) -> bool:
-    """DNS said the address's host name does not exist: no try of the same address can connect."""
-    return name_lookup_failed(error) and any(text in error.message for text in _NO_SUCH_NAME)
 
 
 def connection_hint(error: AsyncInferClientError, options: Options) -> str | None:
@@ -51,9 +29,9 @@ def connection_hint(error: AsyncInferClientError, options: Options) -> str | Non
     if "Connection refused" in text:
         return f"nothing listens there: is the stack up (`asyncinfer up`)? {addresses}"
     if no_such_host(error):
-        return f"no host has that name: is it spelled right? {addresses}"
+        return f"{NO_SUCH_HOST_HINT} {addresses}"
     if name_lookup_failed(error):
-        return f"the host name could not be looked up (is DNS reachable from here?): {addresses}"
+        return f"{NAME_LOOKUP_HINT} {addresses}"
     if "handshake failed" in text.lower() and options.tls_ca_file:
         return (
             f"the TLS handshake failed: is the server on TLS (`asyncinfer up --dev-tls`), and is --tls-ca "

@@ -15,7 +15,6 @@ import grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, tls_credentials
 from asyncinfer.client._targets import FORMS, target_problem
-from asyncinfer.commands.hints import no_such_host
 from asyncinfer.commands.inputs import header_problem
 from asyncinfer.commands.output import UsageError
 
@@ -92,18 +91,8 @@ class Options:
             api_key=sendable_key(self.api_key, "ASYNCINFER_API_KEY"),
             timeout_s=self.call_timeout_s,
             credentials=self.credentials(),
-            retry=CommandRetry(on_retry=_say_retrying(self.gateway)),
+            retry=RetryPolicy(on_retry=_say_retrying(self.gateway)),
         )
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CommandRetry(RetryPolicy):
-    """The SDK's policy, but a host name DNS says does not exist is said at once: at a command
-    line it is a typo (`--gateway nosuchhost:50051` was 4.7 s of retries, then gRPC's text). The
-    SDK still retries it: a program may start before the name it calls is registered."""
-
-    def retriable(self, error: AsyncInferClientError) -> bool:
-        return not no_such_host(error) and RetryPolicy.retriable(self, error)
 
 
 def _address(args: argparse.Namespace, flag: str, variable: str, default: str) -> tuple[str, str]:
