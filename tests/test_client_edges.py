@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import re
 import sys
 import textwrap
 import threading
@@ -119,6 +120,51 @@ async def test_loose_arguments_are_taken_and_wrong_ones_refused_clearly(stack: S
         with pytest.raises(ValueError, match="window"):
             async for _ in client.bulk([JobRequest("demo", {"x": X})], window=0):
                 pass
+
+
+async def test_inputs_of_another_form_or_swapped_arguments_say_what_to_give(idle_stack: Stack) -> None:
+    """A first-day pass (session 31): an array alone, a list of arrays or a torch tensor given as
+    `inputs` failed deep in the SDK ("'numpy.ndarray' object has no attribute 'name'"), and the model
+    and its inputs swapped failed in protobuf ("bad argument type for built-in operation"). Now a
+    TypeError says what to give, the model's inputs by name, and nothing is sent."""
+    labels = {"test": "forms"}
+    example = "give {'x': array} (model 'demo' takes x: FP32 of shape [-1, 4]; -1: any size)"
+    swapped = "model is the model's name (a str), got a dict: the name comes first"
+    async with AsyncClient(idle_stack.address) as client:
+        for inputs, problem in (
+            (X, "inputs maps each input's name to its array, got a numpy.ndarray"),
+            ([X], "inputs maps each input's name to its array, got a list"),
+            ({0: X}, "inputs maps input names (str) to arrays, got the key 0"),
+        ):
+            with pytest.raises(TypeError) as raised:
+                await client.submit("demo", inputs, labels=labels)  # type: ignore[arg-type]
+            assert str(raised.value) == f"{problem}: {example}"
+            with pytest.raises(TypeError) as raised:
+                async for _ in client.bulk([JobRequest("demo", inputs, labels=labels)]):  # type: ignore[arg-type]
+                    pass
+            assert str(raised.value) == f"{problem}: {example}"
+        with pytest.raises(TypeError, match=r"\(client.models\(\) lists each model's inputs\)$"):
+            await client.submit("no-such-model", X, labels=labels)  # type: ignore[arg-type]
+        for call in (
+            client.submit({"x": X}, "demo", labels=labels),  # type: ignore[arg-type]
+            client.run({"x": X}, "demo", labels=labels),  # type: ignore[arg-type]
+            anext(client.bulk([JobRequest({"x": X}, "demo", labels=labels)])),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError, match=re.escape(swapped)):
+                await call
+        with pytest.raises(TypeError, match=re.escape("got a list: create_batch(data, model) takes the data first")):
+            await client.create_batch("demo", [[1, 2, 3, 4]], labels=labels)  # type: ignore[arg-type]
+        assert [job async for job in client.list(labels=labels)] == []
+        assert (await client.list_batches()) == ([], "")
+
+    def blocking() -> None:
+        with Client(idle_stack.address) as client:
+            with pytest.raises(TypeError, match=re.escape(f"got a numpy.ndarray: {example}")):
+                client.run("demo", X)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=re.escape(swapped)):
+                client.submit({"x": X}, "demo")  # type: ignore[arg-type]
+
+    await asyncio.to_thread(blocking)
 
 
 async def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt() -> None:

@@ -11,7 +11,10 @@ from typing import Any
 from asyncinfer.client._async_channel import ClientChannel, JobLike, _enum, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._convert import (
     error_from_proto,
+    inputs_example,
+    inputs_form_problem,
     job_from_proto,
+    model_name_problem,
     models_from_proto,
     state_to_proto,
     submit_request_to_proto,
@@ -135,8 +138,16 @@ class JobCalls(ClientChannel):
         """The request with each input given as an array or plain values (not a `Tensor`) typed
         by the model's signature where that loses nothing (a list of ints or a float64 array for
         an FP32 input: float32); anything else is left as it is, for the gateway to judge.
+        TypeError, before anything is sent, for a model that is no name (the arguments swapped)
+        or inputs that are no mapping of names (an array alone), naming the model's inputs.
         `typing`: when asking ListModels for the signature stops being worth it."""
+        if problem := model_name_problem(
+            request.model, "the name comes first, as in submit(model, inputs) and JobRequest(model, inputs)"
+        ):
+            raise TypeError(problem)
         inputs = request.inputs
+        if problem := inputs_form_problem(inputs):
+            raise TypeError(f"{problem}: {inputs_example(request.model, await self._specs(request.model, typing))}")
         if not isinstance(inputs, Mapping) or not inputs:
             return request
         specs = await self._specs(request.model, typing)

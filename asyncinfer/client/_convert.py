@@ -181,6 +181,44 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
     )
 
 
+def _kind(value: object) -> str:
+    """`value`'s type as a reader knows it: "numpy.ndarray", "torch.Tensor", "list"."""
+    kind = type(value)
+    module = kind.__module__.split(".")[0]
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+def model_name_problem(model: object, call: str) -> str | None:
+    """Why `model` is no model name, naming `call`'s order of arguments; None for a str. A swapped
+    pair reached protobuf, whose TypeError ("bad argument type for built-in operation") named neither."""
+    if isinstance(model, str):
+        return None
+    return f"model is the model's name (a str), got a {_kind(model)}: {call}"
+
+
+def inputs_form_problem(inputs: object) -> str | None:
+    """Why `inputs` is neither a mapping of input names to arrays nor a list of Tensors; None when
+    it is one (its values are judged by the model's signature). An array or a list of arrays
+    failed deep in the SDK ("'numpy.ndarray' object has no attribute 'name'")."""
+    if inputs is None:
+        return None
+    if isinstance(inputs, Mapping):
+        names = [name for name in inputs if not isinstance(name, str)]
+        return None if not names else f"inputs maps input names (str) to arrays, got the key {names[0]!r}"
+    if isinstance(inputs, list | tuple) and all(isinstance(item, Tensor) for item in inputs):
+        return None
+    return f"inputs maps each input's name to its array, got a {_kind(inputs)}"
+
+
+def inputs_example(model: str, specs: Mapping[str, TensorSpec]) -> str:
+    """How to give `model`'s inputs: with its signature where the gateway listed it ({} otherwise)."""
+    if not specs:
+        return "give {name: array} (client.models() lists each model's inputs)"
+    mapping = ", ".join(f"{name!r}: array" for name in specs)
+    takes = "; ".join(f"{s.name}: {s.datatype} of shape {list(s.shape)}" for s in specs.values())
+    return f"give {{{mapping}}} (model {model!r} takes {takes}; -1: any size)"
+
+
 def input_tensors(inputs: Inputs) -> list[Tensor]:
     """Name -> array (or a `Tensor`, sent as it is under that name), or a list of Tensors."""
     if isinstance(inputs, Mapping):

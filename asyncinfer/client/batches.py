@@ -19,7 +19,7 @@ from google.protobuf import duration_pb2
 from grpc import aio
 
 from asyncinfer.batches import BatchState
-from asyncinfer.client._convert import named
+from asyncinfer.client._convert import model_name_problem, named
 from asyncinfer.client._enums import from_proto, name_from_proto, to_proto
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client._stream_retry import Backoff, StreamAttempts
@@ -169,6 +169,8 @@ def create_batch_request(
     before anything is uploaded: `AsyncClient.create_batch` builds it first). `callback` is
     `submit`'s (a URL, or a Callback whose `events` pick the ends it is sent for: COMPLETED,
     FAILED, CANCELED; none: every end), or `callback_url`."""
+    if problem := model_name_problem(model, "create_batch(data, model) takes the data first"):
+        raise TypeError(problem)
     events: tuple[CallbackEvent, ...] = ()
     if callback is not None:
         if callback_url:
