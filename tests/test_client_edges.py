@@ -167,6 +167,34 @@ async def test_inputs_of_another_form_or_swapped_arguments_say_what_to_give(idle
     await asyncio.to_thread(blocking)
 
 
+async def test_values_no_tensor_holds_name_the_input_and_a_torch_tensor_is_its_values(stack: Stack) -> None:
+    """A first-day pass (session 31): ragged rows raised numpy's ValueError ("setting an array element
+    with a sequence ... inhomogeneous shape"), complex numbers "numpy dtype complex64 has no KServe v2
+    datatype" (no input named), and a torch tensor that requires grad (a model's output) or is
+    bfloat16 torch's own error. Now the first two are a ValueError naming the input and what the model
+    takes, nothing sent, and a torch tensor is sent as its values."""
+    import torch
+
+    labels = {"test": "values"}
+    takes = "; model 'demo' takes x: FP32 of shape [-1, 4]"
+    async with AsyncClient(stack.address) as client:
+        for value, problem in (
+            ([[1, 2, 3, 4], [5, 6]], "input 'x' is not a rectangular array: its rows are not all the same length"),
+            (X.astype(np.complex64), "input 'x' is complex64, which no tensor carries (booleans, integers, floats or text)"),
+        ):  # fmt: skip
+            with pytest.raises(ValueError, match=f"^{re.escape(problem + takes)}$"):
+                await client.submit("demo", {"x": value}, labels=labels)
+            with pytest.raises(ValueError, match=f"^{re.escape(problem + takes)}$"):
+                async for _ in client.bulk([JobRequest("demo", {"x": value}, labels=labels)]):
+                    pass
+        assert [job async for job in client.list(labels=labels)] == []
+
+        weights = torch.nn.Parameter(torch.ones(4))
+        for tensor in (torch.ones(2, 4) * weights, torch.ones(2, 4, dtype=torch.bfloat16)):
+            outputs = await client.run("demo", {"x": tensor})
+            np.testing.assert_array_equal(outputs["y"], np.full((2, 4), 3, np.float32))
+
+
 async def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt() -> None:
     """The blocking client's iterators: the interrupted step was not awaited, so closing the
     generator found it still running (RuntimeError: aclose(): asynchronous generator is already

@@ -11,6 +11,7 @@ from typing import Any
 from asyncinfer.client._async_channel import ClientChannel, JobLike, _enum, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._convert import (
     error_from_proto,
+    input_array,
     inputs_example,
     inputs_form_problem,
     job_from_proto,
@@ -137,7 +138,9 @@ class JobCalls(ClientChannel):
     async def _typed(self, request: JobRequest, typing: Deadline) -> JobRequest:
         """The request with each input given as an array or plain values (not a `Tensor`) typed
         by the model's signature where that loses nothing (a list of ints or a float64 array for
-        an FP32 input: float32); anything else is left as it is, for the gateway to judge.
+        an FP32 input: float32); anything else is left as it is, for the gateway to judge. A
+        torch tensor is sent as its values (`input_array`), and values numpy makes no tensor of
+        (ragged rows, complex numbers) are a ValueError naming the input.
         TypeError, before anything is sent, for a model that is no name (the arguments swapped)
         or inputs that are no mapping of names (an array alone), naming the model's inputs.
         `typing`: when asking ListModels for the signature stops being worth it."""
@@ -151,10 +154,11 @@ class JobCalls(ClientChannel):
         if not isinstance(inputs, Mapping) or not inputs:
             return request
         specs = await self._specs(request.model, typing)
-        if not specs:
-            return request
         typed: dict[str, Any] = {}
         for name, value in inputs.items():
+            if isinstance(value, Tensor):
+                typed[name] = value
+                continue
             spec = specs.get(name)
             if (
                 spec is not None
@@ -163,8 +167,9 @@ class JobCalls(ClientChannel):
                 and isinstance(value, str | bytes)
             ):
                 value = [value]  # one text for a model of one text per item: one item (as the CLI's -i text=...)
-            array = None if spec is None or isinstance(value, Tensor) else typed_as(value, spec.datatype)
-            typed[name] = value if array is None else array
+            array = input_array(name, value, request.model, spec)
+            as_signature = None if spec is None else typed_as(array, spec.datatype)
+            typed[name] = array if as_signature is None else as_signature
         return replace(request, inputs=typed)
 
     async def _specs(self, model: str, typing: Deadline) -> dict[str, TensorSpec]:

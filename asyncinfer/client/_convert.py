@@ -219,6 +219,44 @@ def inputs_example(model: str, specs: Mapping[str, TensorSpec]) -> str:
     return f"give {{{mapping}}} (model {model!r} takes {takes}; -1: any size)"
 
 
+# numpy's kinds a tensor carries: booleans, integers, floats, and text or objects (BYTES).
+_TENSOR_KINDS = frozenset("biufOSU")
+
+
+def _is_torch_tensor(value: object) -> bool:
+    return type(value).__module__.split(".")[0] == "torch" and hasattr(value, "detach")
+
+
+def input_array(name: str, value: object, model: str, spec: TensorSpec | None) -> npt.NDArray[Any]:
+    """An input's value (an array, nested lists, a scalar, a torch tensor) as a numpy array.
+
+    A torch tensor is taken as its values: one that requires grad (a model's output) or lives on
+    a GPU made numpy raise torch's RuntimeError ("Can't call numpy() on Tensor that requires grad"),
+    and a bfloat16 one its TypeError ("Got unsupported ScalarType BFloat16"); that is float32 now.
+    ValueError, naming the input and what the model takes, where numpy makes no array of it (rows
+    of different lengths: numpy's "setting an array element with a sequence") or one no tensor
+    carries (complex numbers, dates: "numpy dtype complex64 has no KServe v2 datatype")."""
+    takes = "" if spec is None else f"; model {model!r} takes {name}: {spec.datatype} of shape {list(spec.shape)}"
+    if _is_torch_tensor(value):
+        tensor: Any = value  # torch is no dependency of the SDK's
+        value = tensor = tensor.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":  # numpy has no bfloat16; float32 holds each value
+            value = tensor.float()
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as error:
+        if "inhomogeneous" in str(error):
+            raise ValueError(
+                f"input {name!r} is not a rectangular array: its rows are not all the same length{takes}"
+            ) from None
+        raise ValueError(f"input {name!r} is no array numpy can make ({error}){takes}") from None
+    if array.dtype.kind not in _TENSOR_KINDS:
+        raise ValueError(
+            f"input {name!r} is {array.dtype}, which no tensor carries (booleans, integers, floats or text){takes}"
+        )
+    return array
+
+
 def input_tensors(inputs: Inputs) -> list[Tensor]:
     """Name -> array (or a `Tensor`, sent as it is under that name), or a list of Tensors."""
     if isinstance(inputs, Mapping):
