@@ -162,6 +162,15 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]
 
+    def summary(self) -> str:
+        """What to give for it, as error messages say it: "x: FP32 of shape [-1, 4]"."""
+        return f"{self.name}: {self.datatype} of shape {list(self.shape)}"
+
+
+def specs_summary(specs: Iterable[TensorSpec]) -> str:
+    """Each spec's `summary`, then what -1 means: "x: FP32 of shape [-1, 4]; -1: any size"."""
+    return "; ".join([*(spec.summary() for spec in specs), "-1: any size"])
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSignature:
@@ -220,8 +229,11 @@ def validate_inputs(
         violations.extend(size_violations)
         if not size_violations and tensor.shape:
             batch_sizes.add(tensor.shape[0])
-    for name in specs.keys() - seen.keys():
-        violations.append(FieldViolation(field, f"missing input {name!r}"))
+    for name, spec in specs.items():
+        if name not in seen:  # with what to give: the caller may not know the signature
+            violations.append(
+                FieldViolation(field, f"missing input {name!r} ({spec.datatype} of shape {list(spec.shape)})")
+            )
     if len(batch_sizes) > 1:
         violations.append(FieldViolation(field, f"inputs disagree on the batch dimension: {sorted(batch_sizes)}"))
     elif batch_sizes:

@@ -24,6 +24,7 @@ from asyncinfer.client import (
     AsyncClient,
     AsyncInferClientError,
     Client,
+    InvalidArgumentError,
     JobRequest,
     JobState,
     ResourceExhaustedError,
@@ -193,6 +194,28 @@ async def test_values_no_tensor_holds_name_the_input_and_a_torch_tensor_is_its_v
         for tensor in (torch.ones(2, 4) * weights, torch.ones(2, 4, dtype=torch.bfloat16)):
             outputs = await client.run("demo", {"x": tensor})
             np.testing.assert_array_equal(outputs["y"], np.full((2, 4), 3, np.float32))
+
+
+async def test_a_missing_input_is_refused_with_what_to_give(idle_stack: Stack) -> None:
+    """A first-day pass (session 31): `submit("demo", {})` was refused "inputs: give the model's
+    inputs (or an input_ref)", and a wrong name's companion "missing input 'x'", neither naming the
+    datatype or shape to give. Refused by the gateway (every client's), nothing queued."""
+    labels = {"test": "missing"}
+    async with AsyncClient(idle_stack.address) as client:
+        for inputs in ({}, None):
+            with pytest.raises(InvalidArgumentError) as raised:
+                await client.submit("demo", inputs, labels=labels)
+            assert [(v.field, v.description) for v in raised.value.violations] == [
+                ("inputs", "give the model's inputs (x: FP32 of shape [-1, 4]; -1: any size), or an input_ref")
+            ]
+        results = [result async for result in client.bulk([JobRequest("demo", {"X": X}, labels=labels)])]
+        error = results[0].error
+        assert error is not None
+        assert [(v.field, v.description) for v in error.violations] == [
+            ("inputs[0].name", "unknown input 'X'; the model takes: x"),
+            ("inputs", "missing input 'x' (FP32 of shape [-1, 4])"),
+        ]
+        assert [job async for job in client.list(labels=labels)] == []
 
 
 async def test_ctrl_c_in_the_blocking_clients_bulk_is_a_keyboard_interrupt() -> None:

@@ -34,7 +34,7 @@ from asyncinfer.client.types import (
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
 from asyncinfer.tensor_codec import decode_tensor, to_input_proto
-from asyncinfer.tensors import Tensor, TensorSpec
+from asyncinfer.tensors import Tensor, TensorSpec, specs_summary
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
 C = TypeVar("C")
@@ -215,8 +215,7 @@ def inputs_example(model: str, specs: Mapping[str, TensorSpec]) -> str:
     if not specs:
         return "give {name: array} (client.models() lists each model's inputs)"
     mapping = ", ".join(f"{name!r}: array" for name in specs)
-    takes = "; ".join(f"{s.name}: {s.datatype} of shape {list(s.shape)}" for s in specs.values())
-    return f"give {{{mapping}}} (model {model!r} takes {takes}; -1: any size)"
+    return f"give {{{mapping}}} (model {model!r} takes {specs_summary(specs.values())})"
 
 
 # numpy's kinds a tensor carries: booleans, integers, floats, and text or objects (BYTES).
@@ -236,7 +235,7 @@ def input_array(name: str, value: object, model: str, spec: TensorSpec | None) -
     ValueError, naming the input and what the model takes, where numpy makes no array of it (rows
     of different lengths: numpy's "setting an array element with a sequence") or one no tensor
     carries (complex numbers, dates: "numpy dtype complex64 has no KServe v2 datatype")."""
-    takes = "" if spec is None else f"; model {model!r} takes {name}: {spec.datatype} of shape {list(spec.shape)}"
+    takes = "" if spec is None else f"; model {model!r} takes {spec.summary()}"
     if _is_torch_tensor(value):
         tensor: Any = value  # torch is no dependency of the SDK's
         value = tensor = tensor.detach().cpu()

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument, Unimplemented
 from asyncinfer.jobs import RESERVED_LABEL_PREFIX, BlobRef, CallbackSpec, Priority
-from asyncinfer.tensors import ModelSignature, Tensor, validate_inputs
+from asyncinfer.tensors import ModelSignature, Tensor, specs_summary, validate_inputs
 from services.gateway.model_catalog import ModelCatalog
 
 MAX_LABELS = 16
@@ -150,7 +150,8 @@ def validate_submit(
     if not request.inputs and request.input_ref:
         violations.append(FieldViolation("input_ref", "the upload holds no inputs"))
     elif not request.inputs:
-        violations.append(FieldViolation("inputs", "give the model's inputs (or an input_ref)"))
+        takes = f" ({specs_summary(signature.inputs)})" if signature.inputs else ""
+        violations.append(FieldViolation("inputs", f"give the model's inputs{takes}, or an input_ref"))
     else:
         violations += validate_inputs(request.inputs, signature, max_batch_size=model.max_batch_size)
     if violations:
