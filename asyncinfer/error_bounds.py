@@ -9,6 +9,8 @@ clipped to well under that: the first violations, each clipped, and a count of t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument
 
 MAX_MESSAGE_BYTES = 320
@@ -27,13 +29,18 @@ def clip_text(text: str, limit_bytes: int) -> str:
     return encoded[: limit_bytes - 3].decode("utf-8", "ignore") + "..."
 
 
+def bounded_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """The first MAX_METADATA_ENTRIES entries, keys and values clipped."""
+    return {
+        clip_text(key, MAX_METADATA_VALUE_BYTES): clip_text(value, MAX_METADATA_VALUE_BYTES)
+        for key, value in list(metadata.items())[:MAX_METADATA_ENTRIES]
+    }
+
+
 def clip_error(error: AsyncInferError) -> AsyncInferError:
     """The same error (changed in place) with its message, violations and metadata bounded."""
     error.message = clip_text(error.message, MAX_MESSAGE_BYTES)
-    error.metadata = {
-        clip_text(key, MAX_METADATA_VALUE_BYTES): clip_text(value, MAX_METADATA_VALUE_BYTES)
-        for key, value in list(error.metadata.items())[:MAX_METADATA_ENTRIES]
-    }
+    error.metadata = bounded_metadata(error.metadata)
     if isinstance(error, InvalidArgument) and error.violations:
         violations = error.violations
         kept = [

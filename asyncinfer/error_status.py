@@ -16,4 +16,5 @@ def error_to_proto(error: JobError) -> error_pb2.ErrorStatus:
         message=error.message,
         field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in error.violations],
         retriable=error.retriable,
+        metadata=dict(error.metadata),
     )

@@ -75,6 +75,9 @@ class JobError:
     message: str
     violations: tuple[FieldViolation, ...] = ()
     retriable: bool = False
+    # What it is about (ErrorInfo metadata: a model control's refusal names the model, version,
+    # pipeline, tensor). Carried between services; a job record does not keep it (its codec).
+    metadata: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_exception(cls, error: AsyncInferError, *, retriable: bool = False) -> JobError:

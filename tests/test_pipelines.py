@@ -422,6 +422,30 @@ async def test_a_step_models_version_that_no_longer_fits_its_pipeline_is_refused
     np.testing.assert_allclose(done.outputs["y"], np.full((1, 4), 7.0))
 
 
+async def test_ops_service_says_which_pipeline_and_tensor_a_refused_load_is_about(gated_stack: Stack) -> None:
+    """The same refusal through OpsService.LoadModel carries the batcher's ErrorInfo metadata in
+    the outcome's error, as KServe's caller gets it: ErrorStatus had no metadata, and the
+    scheduler passed on the code, reason and message alone."""
+    import json
+
+    from asyncinfer.v1 import ops_service_pb2, ops_service_pb2_grpc
+
+    stack = gated_stack
+    await until(lambda: any(not s.closed for s in stack.scheduler.batchers.sessions), "the batcher connected")
+    wider = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}]}  # 'once' is [-1, 4]
+    async with grpc.aio.insecure_channel(stack.ops_address) as channel:
+        ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+        loaded = await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", config_json=json.dumps(wider)))
+    [outcome] = loaded.outcomes
+    assert not outcome.ok
+    assert (outcome.error.code, outcome.error.reason) == (
+        grpc.StatusCode.FAILED_PRECONDITION.value[0],
+        "PIPELINE_STEP_MISMATCH",
+    )
+    assert dict(outcome.error.metadata) == {"model": "demo", "version": "1", "pipeline": "twice", "tensor": "once"}
+    assert not outcome.error.retriable
+
+
 async def test_an_unload_that_would_make_a_step_models_default_unfit_is_refused() -> None:
     """The same check on an unload: demo serves 1 (its default_version, fitting the pipeline) and 2
     (a wider input); unloading 1 would make 2 the version the steps run on."""

@@ -25,15 +25,19 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61syncinfer/v1/error.proto\x12\rasyncinfer.v1\x1a\x1egoogle/protobuf/duration.proto\"\xb8\x01\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x37\n\x10\x66ield_violations\x18\x04 \x03(\x0b\x32\x1d.asyncinfer.v1.FieldViolation\x12\x11\n\tretriable\x18\x05 \x01(\x08\x12.\n\x0bretry_after\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61syncinfer/v1/error.proto\x12\rasyncinfer.v1\x1a\x1egoogle/protobuf/duration.proto\"\xa5\x02\n\x0b\x45rrorStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x37\n\x10\x66ield_violations\x18\x04 \x03(\x0b\x32\x1d.asyncinfer.v1.FieldViolation\x12\x11\n\tretriable\x18\x05 \x01(\x08\x12.\n\x0bretry_after\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12:\n\x08metadata\x18\x07 \x03(\x0b\x32(.asyncinfer.v1.ErrorStatus.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\x0e\x46ieldViolation\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'asyncinfer.v1.error_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_ERRORSTATUS_METADATAENTRY']._loaded_options = None
+  _globals['_ERRORSTATUS_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_ERRORSTATUS']._serialized_start=77
-  _globals['_ERRORSTATUS']._serialized_end=261
-  _globals['_FIELDVIOLATION']._serialized_start=263
-  _globals['_FIELDVIOLATION']._serialized_end=315
+  _globals['_ERRORSTATUS']._serialized_end=370
+  _globals['_ERRORSTATUS_METADATAENTRY']._serialized_start=323
+  _globals['_ERRORSTATUS_METADATAENTRY']._serialized_end=370
+  _globals['_FIELDVIOLATION']._serialized_start=372
+  _globals['_FIELDVIOLATION']._serialized_end=424
 # @@protoc_insertion_point(module_scope)

@@ -28,12 +28,33 @@ class ErrorStatus(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class MetadataEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIELD_VIOLATIONS_FIELD_NUMBER: _builtins.int
     RETRIABLE_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_FIELD_NUMBER: _builtins.int
+    METADATA_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """The canonical gRPC status code (google.rpc.Code), e.g. 3 for INVALID_ARGUMENT."""
     reason: _builtins.str
@@ -52,6 +73,12 @@ class ErrorStatus(_message.Message):
         google.rpc.RetryInfo says (a SubmitJobs item refused QUEUE_FULL or TENANT_QUOTA_EXCEEDED).
         """
 
+    @_builtins.property
+    def metadata(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """What the error is about, as a unary call's google.rpc.ErrorInfo metadata says: e.g. a
+        model control refused PIPELINE_STEP_MISMATCH names model, version, pipeline and tensor.
+        """
+
     def __init__(
         self,
         *,
@@ -61,10 +88,11 @@ class ErrorStatus(_message.Message):
         field_violations: _abc.Iterable[Global___FieldViolation] | None = ...,
         retriable: _builtins.bool = ...,
         retry_after: _duration_pb2.Duration | None = ...,
+        metadata: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retry_after", b"retry_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field_violations", b"field_violations", "message", b"message", "reason", b"reason", "retriable", b"retriable", "retry_after", b"retry_after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "field_violations", b"field_violations", "message", b"message", "metadata", b"metadata", "reason", b"reason", "retriable", b"retriable", "retry_after", b"retry_after"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 import structlog
 
 from asyncinfer.config import ModelConfig
+from asyncinfer.error_bounds import bounded_metadata
 from asyncinfer.errors import (
     AsyncInferError,
     Cancelled,
@@ -52,6 +53,7 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
         message=error.message,
         field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in violations],
         retriable=not isinstance(error, _NOT_RETRIABLE),
+        metadata=bounded_metadata(error.metadata),
     )
 
 

@@ -107,6 +107,7 @@ def error_from_proto(message: error_pb2.ErrorStatus) -> JobError:
         message=message.message,
         violations=tuple(FieldViolation(v.field, v.description) for v in message.field_violations),
         retriable=message.retriable,
+        metadata=tuple(sorted(message.metadata.items())),
     )
 
 
