@@ -18,7 +18,7 @@ import json
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self, get_args, get_origin
 
@@ -876,6 +876,17 @@ class ModelConfig(_Section):
         )
 
 
+def default_version_config(versions: Sequence[ModelConfig]) -> ModelConfig:
+    """Of one model's versions (each a whole configuration, e.g. version_configs()), the one a job
+    or a pipeline step that names no version runs on while exactly these are served: the
+    configured default_version when it is among them, else the highest (as
+    BatchingEngine.default_version picks). The pipeline check at start-up and ModelControl's
+    before a load or unload both ask it, so that both check the version the steps will run on."""
+    served = {config.version: config for config in versions}
+    chosen = versions[0].default_among(served)
+    return served.get(chosen) or served[max(served, key=version_order)]
+
+
 class WebhookSecretConfig(_Section):
     tenant: str = Field(description="The tenant whose webhooks this secret signs.")
     secret: str = Field(description="`whsec_` + base64 of 24-64 random bytes (`asyncinfer webhook-secret`).")
@@ -1111,11 +1122,30 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _valid_pipelines(self) -> Config:
-        from asyncinfer.pipelines import check_pipeline
+        from asyncinfer.pipelines import PipelineMismatch, check_pipeline
 
-        for model in self.models:
-            if model.steps:
-                check_pipeline(model, {m.name: m for m in self.models})
+        pipelines = [m for m in self.models if m.steps]
+        if not pipelines:
+            return self
+        # A step runs on its model's default version, whose [[models.versions]] entry may change
+        # the inputs or outputs the model's own table declares: that version is the one checked.
+        defaults = {m.name: default_version_config(m.version_configs()) for m in self.models}
+        for pipeline in pipelines:
+            try:
+                check_pipeline(pipeline, defaults)
+            except PipelineMismatch as mismatch:
+                own = {m.name: m.version for m in self.models}
+                elsewhere = [
+                    f"{step.model!r} on version {defaults[step.model].version!r}"
+                    for step in pipeline.steps
+                    if step.model in defaults and defaults[step.model].version != own[step.model]
+                ]
+                raise PipelineMismatch(
+                    f"{mismatch} (steps run on their model's default version: {', '.join(dict.fromkeys(elsewhere))})"
+                    if elsewhere
+                    else str(mismatch),
+                    mismatch.tensor,
+                ) from None
         return self
 
     def model(self, name: str) -> ModelConfig | None:

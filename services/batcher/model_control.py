@@ -28,7 +28,7 @@ import numpy as np
 import structlog
 from pydantic import ValidationError
 
-from asyncinfer.config import BatcherConfig, ModelConfig, version_order
+from asyncinfer.config import BatcherConfig, ModelConfig, default_version_config
 from asyncinfer.errors import (
     AsyncInferError,
     FailedPrecondition,
@@ -288,9 +288,7 @@ class ModelControl:
         using = self._engine.pipelines_using(model_name)
         if not using or not versions:
             return
-        served = {config.version: config for config in versions}
-        chosen = versions[0].default_among(served)
-        default = served.get(chosen) or served[max(served, key=version_order)]  # as engine.default_version
+        default = default_version_config(versions)
         for pipeline_name in using:
             runner = self._engine.pipeline(pipeline_name)
             assert runner is not None

@@ -108,3 +108,42 @@ def test_a_function_steps_outputs_are_checked_when_it_runs() -> None:
         {"model": "demo", "inputs": {"x": "mid"}, "outputs": {"y": "y"}},
     ]
     assert load(pipeline(steps)).model("twice") is not None
+
+
+WIDE_X = {"name": "x", "datatype": "FP32", "shape": [-1, 8]}
+
+
+def demo_with_version_2(own_inputs: dict[str, Any], version_2_inputs: dict[str, Any], default: str) -> dict[str, Any]:
+    return {
+        **DEMO,
+        "inputs": [own_inputs],
+        "versions": [{"version": "2", "inputs": [version_2_inputs]}],
+        "default_version": default,
+    }
+
+
+def load_with_demo(demo: dict[str, Any], *models: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate({"models": [demo, *models]})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@pytest.mark.parametrize("default", ["2", ""], ids=["default_version", "highest"])
+def test_a_step_model_is_checked_on_the_version_its_steps_run_on(default: str) -> None:
+    """Steps run on their model's default version (default_version, else the highest): a
+    [[models.versions]] entry that changes the inputs and is that version was not checked (only
+    the model's own table was), and every job of the pipeline failed at the step."""
+    with pytest.raises(ConfigError) as refused:
+        load_with_demo(demo_with_version_2(X, WIDE_X, default), pipeline(twice_steps()))
+    said = str(refused.value)
+    assert "pipeline 'twice' step 1 (demo): 'x' is FP32 [-1, 4], but 'demo' takes FP32 [-1, 8] as 'x'" in said
+    assert "(steps run on their model's default version: 'demo' on version '2')" in said
+
+
+def test_a_step_models_own_table_need_not_fit_when_its_default_version_does() -> None:
+    """The model's own table is version 1; the steps run on version 2, which fits."""
+    config = load_with_demo(demo_with_version_2(WIDE_X, X, "2"), pipeline(twice_steps()))
+    assert config.model("twice") is not None
+    with pytest.raises(ConfigError, match=r"'demo' takes FP32 \[-1, 8\] as 'x'"):
+        load_with_demo(demo_with_version_2(WIDE_X, X, "1"), pipeline(twice_steps()))
