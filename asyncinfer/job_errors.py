@@ -96,6 +96,17 @@ def dropped_unrun() -> JobError:
     return job_error(grpc.StatusCode.ABORTED, DROPPED, "the batcher dropped it before it ran", retriable=True)
 
 
+def handed_back(in_a_row: int, free: int) -> JobError:
+    """A batcher handed the job back unrun once more than `free` times in a row: it counts as an
+    attempt (lifecycle.after_hand_back)."""
+    return job_error(
+        grpc.StatusCode.ABORTED,
+        DROPPED,
+        f"batchers handed it back unrun {in_a_row} times in a row (each past {free} counts as an attempt)",
+        retriable=True,
+    )
+
+
 def scheduler_stopping() -> JobError:
     return job_error(
         grpc.StatusCode.UNAVAILABLE, SCHEDULER_STOPPING, "the scheduler stopped while it ran", retriable=True

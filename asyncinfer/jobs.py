@@ -195,6 +195,11 @@ class JobRecord:
     # max_attempts 2 given back four times gave up at attempt 6, after 2 that counted. 0 in a
     # record from a scheduler of the release before (its count then stays `attempt`).
     given_back_attempts: int = 0
+    # The batchers' hand-backs of this job since its last attempt that ran or was put back for
+    # another reason (an order answered dropped, unrun: its batcher stops, its model is stuck, it
+    # does not serve the version): lifecycle.after_hand_back waits longer after each and counts
+    # those past FREE_HAND_BACKS as attempts. 0 in a record from a scheduler of the release before.
+    handed_back_in_a_row: int = 0
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the

@@ -103,6 +103,8 @@ class Requeue:
     attempt: int
     error: JobError
     refund: bool = False
+    # A batcher handed it back unrun (handed_back_in_a_row counts it); any other requeue ends the row.
+    handed_back: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,16 +246,22 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
         return shared
     if record.state is not JobState.RUNNING:
         return _refuse(record, Refused.NOT_RUNNING)
+    in_a_row = record.handed_back_in_a_row + 1 if event.handed_back else 0
     if event.refund:
         return record.evolve(
             state=JobState.QUEUED,
             last_error=event.error,
             max_attempts=record.max_attempts + 1,
             given_back_attempts=record.given_back_attempts + 1,
+            handed_back_in_a_row=in_a_row,
             update_time=now,
         )
     return record.evolve(
-        state=JobState.QUEUED, last_error=event.error, failed_attempts=record.failed_attempts + 1, update_time=now
+        state=JobState.QUEUED,
+        last_error=event.error,
+        failed_attempts=record.failed_attempts + 1,
+        handed_back_in_a_row=in_a_row,
+        update_time=now,
     )
 
 
@@ -309,6 +317,7 @@ def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
         outputs=(),
         update_time=now,
         failed_attempts=0,
+        handed_back_in_a_row=0,
     )
 
 
@@ -398,6 +407,39 @@ def after_failure(
     if record.attempt < record.max_attempts:
         return RetryAfter(delay_s=policy.delay_s(record.failed_attempts + 1, jitter))
     return DeadLetterJob(state=final_state, last_error=error)
+
+
+# A batcher's hand-back (an order answered dropped, unrun: it stops, its model is stuck, it does not
+# serve the version, services/batcher/work_messages.is_handed_back) is the scheduler's routing, not
+# the job's doing: the attempt is given back. The first of a row goes back at once (a rolling
+# restart: another batcher takes it). A scheduler whose view of a batcher stays wrong would send it
+# to the same refusal again and again, so each hand-back after the first waits the model's retry
+# backoff, as a failed attempt does, and each past FREE_HAND_BACKS in a row counts as an attempt:
+# such a job ends dead-lettered (FAILED, replayable) after max_attempts of them, as a job whose
+# attempts keep failing does (Temporal's retry policy, Celery's max_retries), not queued forever.
+FREE_HAND_BACKS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class PutBack:
+    """Back to the queue for `delay_s`; `refund`: its attempt given back."""
+
+    delay_s: float
+    refund: bool
+    error: JobError
+
+
+def after_hand_back(record: JobRecord, *, policy: RetryPolicy, jitter: float) -> PutBack | DeadLetterJob:
+    """What follows a batcher handing attempt `record.attempt` back unrun (`record`: its RUNNING
+    record); `jitter` as for RetryPolicy.delay_s."""
+    in_a_row = record.handed_back_in_a_row + 1
+    delay_s = policy.delay_s(in_a_row - 1, jitter) if in_a_row > 1 else 0.0
+    if in_a_row <= FREE_HAND_BACKS:
+        return PutBack(delay_s=delay_s, refund=True, error=job_errors.dropped_unrun())
+    error = job_errors.handed_back(in_a_row, FREE_HAND_BACKS)
+    if record.attempt < record.max_attempts:
+        return PutBack(delay_s=delay_s, refund=False, error=error)
+    return DeadLetterJob(state=JobState.FAILED, last_error=error)
 
 
 def put_back_delay_s(record: JobRecord, delay_s: float, now: float) -> float:

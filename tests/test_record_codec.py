@@ -118,7 +118,8 @@ def assert_writes_version_0_plus_v(record: JobRecord) -> None:
         del old["attempt"]
     if old["outputs"] == []:
         del old["outputs"]
-    for added_since in ("claim_revision", "failed_attempts", "given_back_attempts"):  # added since, defaults left out
+    added_since_fields = ("claim_revision", "failed_attempts", "given_back_attempts", "handed_back_in_a_row")
+    for added_since in added_since_fields:  # added since, defaults left out
         if old.get(added_since) == 0:
             del old[added_since]
     assert list(new.items()) == list(old.items())
@@ -134,6 +135,7 @@ def test_encode_record_writes_the_generic_encoders_fields() -> None:
         FULL.evolve(queued_server_time=1.625),  # added since version 1
         FULL.evolve(failed_attempts=2),  # added since version 1
         FULL.evolve(given_back_attempts=4),  # added since version 1
+        FULL.evolve(handed_back_in_a_row=3),  # added since version 1
     ):
         assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record

@@ -771,8 +771,10 @@ async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, co
 async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(start: Start, config: Config) -> None:
     """A job given back four times (three shed by its batcher, one put back by its scheduler's stop)
     that then fails waits the base backoff, not 2**4 times it: the backoff counted `attempt`, which
-    counts the refunded attempts too. The delay is the requeue's (its log line), not a timing."""
-    tuned = tune(config, retry_backoff_base_s=100.0, retry_backoff_max_s=100_000.0)
+    counts the refunded attempts too. The delay is the requeue's (its log line), not a timing. The
+    second and third hand-backs in a row wait the backoff of the hand-backs before them (1 and 2
+    steps, lifecycle.after_hand_back); the stop's put-back goes at once."""
+    tuned = tune(config, retry_backoff_base_s=1.0, retry_backoff_max_s=100_000.0)
     with capture_logs() as logs:  # from the start: a job's logger is bound at its dispatch
         first = await start(tuned)
         batcher = await first.batcher(credits=1)
@@ -799,10 +801,14 @@ async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(
             return bool(retries())
 
         await until(retried)
-    given_back = [e for e in logs if e["event"] == "job_requeued" and e["reason"] != "MODEL_ERROR"]
-    assert [e["delay_s"] for e in given_back] == [0.0] * 4
+    given_back = [e["delay_s"] for e in logs if e["event"] == "job_requeued" and e["reason"] != "MODEL_ERROR"]
+    assert len(given_back) == 4
+    assert given_back[0] == 0.0
+    assert given_back[3] == 0.0
+    assert 0.5 <= given_back[1] <= 1.0
+    assert 1.0 <= given_back[2] <= 2.0
     (retry,) = retries()
-    assert 50.0 <= retry["delay_s"] <= 100.0  # the first failure: base 100 s with equal jitter (was 800-1600)
+    assert 0.5 <= retry["delay_s"] <= 1.0  # the first failure: base 1 s with equal jitter (was 8-16)
     record = await read_record(second.js, job_id)
     assert (record.state, record.attempt, record.max_attempts, record.failed_attempts) == (JobState.QUEUED, 5, 6, 1)
 
@@ -841,6 +847,62 @@ async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(star
     assert "attempts    2 of 2 (4 given back)" in dead_letter_text(shown).splitlines()  # dlq show
     row = dict(zip(DEAD_LETTER_COLUMNS, dead_letter_row(shown), strict=True))  # dlq list
     assert row["ATTEMPTS"] == "2 of 2 (4 given back)"
+
+
+async def test_a_job_every_batcher_hands_back_backs_off_then_is_dead_lettered(start: Start, config: Config) -> None:
+    """A batcher that hands every order back unrun (as one would whose model or version the
+    scheduler wrongly thinks it serves): the job went back at once with its attempt given back,
+    every time, a hot loop that never ended (30 orders here, in a fraction of a second, until the
+    script gave in). Now the first hand-back goes at once, each after it waits the model's retry
+    backoff of the hand-backs in a row, and each past 5 (lifecycle.FREE_HAND_BACKS) counts as an attempt: with
+    max_attempts 2, 5 given back, then 2 counted, and the job ends FAILED and dead-lettered
+    (replayable), its last error DROPPED saying so. Delays are the requeues' log lines."""
+    gives_in_after = 30
+    with capture_logs() as logs:
+        h = await start(tune(config))  # retry backoff 0.05 s, at most 0.2 s
+        batcher = await h.batcher(credits=1)
+        orders: list[tuple[str, int]] = []
+
+        async def hand_back(order: worker_service_pb2.WorkOrder) -> None:
+            orders.append((order.job_id, order.attempt))
+            if len(orders) > gives_in_after:
+                await batcher.answer(order)  # the old code's loop ends here, SUCCEEDED
+                return
+            dropped = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+            await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+
+        batcher.serve(hand_back)
+        job_id = await enqueue(h.nc, h.kv, max_attempts=2)
+
+        async def ended() -> bool:
+            return (await read_record(h.js, job_id)).state.is_terminal
+
+        await until(ended, timeout_s=20.0)
+        record = await read_record(h.js, job_id)
+        assert record.state is JobState.FAILED, f"{record.state} after {len(orders)} orders"
+        await h.work_empty()
+    assert orders == [(job_id, attempt) for attempt in range(1, 8)]
+    assert (record.attempt, record.given_back_attempts, record.spent_attempts) == (7, 5, 2)
+    assert record.error is not None
+    assert (record.error.reason, record.error.message) == (
+        "DROPPED",
+        "batchers handed it back unrun 7 times in a row (each past 5 counts as an attempt) "
+        "(gave up after 2 attempts, not counting 5 given back)",
+    )
+    requeued = [e["delay_s"] for e in logs if e["event"] == "job_requeued"]
+    assert len(requeued) == 6
+    assert requeued[0] == 0.0
+    steps = [0.05, 0.1, 0.2, 0.2, 0.2]  # the backoff after 1, 2, 3, ... hand-backs in a row (at most 0.2 s)
+    assert all(step / 2 <= delay <= step for delay, step in zip(requeued[1:], steps, strict=True)), requeued
+    counted = [e["counted"] for e in logs if e["event"] == "job_handed_back_again"]
+    assert counted == [False] * 4 + [True]
+    (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
+    assert (letter.job_id, letter.attempts, letter.given_back_attempts, letter.last_error.reason) == (
+        job_id,
+        2,
+        5,
+        "DROPPED",
+    )
 
 
 async def test_getjob_the_sdk_the_cli_and_the_console_count_attempts_without_those_given_back(

@@ -8,7 +8,8 @@ Fields added since, with defaults: `batcher_id`, `progress` (the latest progress
 `claim_fingerprint` (a keyed job's idempotency claim, to cut its TTL when the job ends),
 `queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled),
 `failed_attempts` (the attempts that failed and were retried since the submit or the last replay),
-`given_back_attempts` (the attempts given back, over the job's life)."""
+`given_back_attempts` (the attempts given back, over the job's life), `handed_back_in_a_row` (the
+batchers' hand-backs since the last attempt that ran)."""
 
 from __future__ import annotations
 
@@ -82,6 +83,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     queued_server_time: float | None = None  # added in version 1 (a default: older readers skip it)
     failed_attempts: int = 0  # added in version 1 (a default: older readers skip it)
     given_back_attempts: int = 0  # added in version 1 (a default: older readers skip it)
+    handed_back_in_a_row: int = 0  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -130,6 +132,7 @@ def encode_record(record: JobRecord) -> bytes:
             queued_server_time=r.queued_server_time,
             failed_attempts=r.failed_attempts,
             given_back_attempts=r.given_back_attempts,
+            handed_back_in_a_row=r.handed_back_in_a_row,
         )
     )
 
@@ -175,5 +178,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         queued_server_time=w.queued_server_time,
         failed_attempts=w.failed_attempts,
         given_back_attempts=w.given_back_attempts,
+        handed_back_in_a_row=w.handed_back_in_a_row,
         revision=revision,
     )

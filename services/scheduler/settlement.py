@@ -132,14 +132,12 @@ class Settlement:
     ) -> None:
         """A non-retriable error ends the job; a retriable one retries it, or dead-letters it when
         its attempts are spent."""
-        model = self._config.model(job.model_name)
-        policy = (
-            lifecycle.RetryPolicy(backoff_base_s=model.retry_backoff_base_s, backoff_max_s=model.retry_backoff_max_s)
-            if model is not None
-            else lifecycle.RetryPolicy()
-        )
         decision = lifecycle.after_failure(
-            job.record, error, final_state=final_state, policy=policy, jitter=self._rng.random()
+            job.record,
+            error,
+            final_state=final_state,
+            policy=self._retry_policy(job.model_name),
+            jitter=self._rng.random(),
         )
         batch = batch_info(job, result)
         match decision:
@@ -152,14 +150,34 @@ class Settlement:
             case lifecycle.DeadLetterJob(state=state, last_error=last_error):
                 await self.dead_letter(job.record, job.msg, job.log, last_error, state=state, batch=batch)
 
+    def _retry_policy(self, model_name: str) -> lifecycle.RetryPolicy:
+        model = self._config.model(model_name)
+        if model is None:
+            return lifecycle.RetryPolicy()
+        return lifecycle.RetryPolicy(backoff_base_s=model.retry_backoff_base_s, backoff_max_s=model.retry_backoff_max_s)
+
     async def _dropped(self, job: InFlightJob, now: float) -> None:
-        """The batcher dropped the item before running it: canceled, expired, or (neither) put
-        back without spending the attempt."""
+        """The batcher dropped the item before running it: canceled, expired, or (neither) handed
+        back, put back as lifecycle.after_hand_back says (at once and its attempt given back,
+        unless it was handed back before in a row)."""
         latest, written = await self._store.transition(job.record, lifecycle.decider(lifecycle.Drop(job.attempt), now))
         if latest is not None and latest.state.is_terminal:
             await self.settle(job.msg, latest, written, job.log)
             return
-        await self.requeue(latest or job.record, job.msg, job.log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
+        running = latest or job.record
+        decision = lifecycle.after_hand_back(
+            running, policy=self._retry_policy(job.model_name), jitter=self._rng.random()
+        )
+        in_a_row = running.handed_back_in_a_row + 1
+        match decision:
+            case lifecycle.PutBack(delay_s=delay_s, refund=refund, error=error):
+                if in_a_row > 1:
+                    job.log.info("job_handed_back_again", in_a_row=in_a_row, delay_s=delay_s, counted=not refund)
+                if not refund:
+                    self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
+                await self.requeue(running, job.msg, job.log, error, delay_s=delay_s, refund=refund, handed_back=True)
+            case lifecycle.DeadLetterJob(state=state, last_error=last_error):
+                await self.dead_letter(running, job.msg, job.log, last_error, state=state)
 
     # --- the writes -----------------------------------------------------------------------------
 
@@ -268,6 +286,7 @@ class Settlement:
         *,
         delay_s: float,
         refund: bool = False,
+        handed_back: bool = False,
     ) -> None:
         """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
         after delay_s (0: at once), or at the job's deadline if that comes first. The nak happens
@@ -275,7 +294,7 @@ class Settlement:
         one's lease lapsed and another took the job over): a nak names its message by stream
         sequence, so it would send that attempt's delivery back, to run again beside it."""
         delay_s = lifecycle.put_back_delay_s(running, delay_s, time.time())
-        event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund)
+        event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund, handed_back=handed_back)
         latest: JobRecord | None = None
 
         async def write() -> tuple[JobRecord | None, bool]:

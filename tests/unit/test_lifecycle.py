@@ -362,6 +362,49 @@ def test_a_refunded_attempt_does_not_count() -> None:
     assert (back.state, back.attempt, back.max_attempts) == (Q, 3, 4)
 
 
+def test_hand_backs_in_a_row_back_off_then_count_and_anything_else_ends_the_row() -> None:
+    """A batcher's hand-back: the first of a row at once, each after it the backoff of the
+    hand-backs before it, each past FREE_HAND_BACKS an attempt (dead-lettered at the last); an
+    attempt that ran and failed, or a put-back for another reason, starts the row again."""
+    record = queued(max_attempts=3)
+    now = 1_000.0
+
+    def handed_back(queued_record: JobRecord) -> tuple[JobRecord, lifecycle.PutBack | lifecycle.DeadLetterJob]:
+        running = lifecycle.apply(queued_record, lifecycle.Dispatch(batcher_id="b1"), now)
+        assert isinstance(running, JobRecord)
+        decision = lifecycle.after_hand_back(running, policy=POLICY, jitter=0.0)
+        if isinstance(decision, lifecycle.DeadLetterJob):
+            return running, decision
+        back = lifecycle.Requeue(running.attempt, decision.error, refund=decision.refund, handed_back=True)
+        requeued = lifecycle.apply(running, back, now)
+        assert isinstance(requeued, JobRecord)
+        return requeued, decision
+
+    seen = []
+    for _ in range(lifecycle.FREE_HAND_BACKS):
+        record, decision = handed_back(record)
+        assert isinstance(decision, lifecycle.PutBack)
+        seen.append((decision.delay_s, decision.refund))
+    assert seen == [(0.0, True), (0.5, True), (1.0, True), (2.0, True), (4.0, True)]
+    assert (record.handed_back_in_a_row, record.given_back_attempts, record.spent_attempts) == (5, 5, 0)
+
+    # A failed attempt ends the row: the next hand-back goes at once, free.
+    running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="b1"), now)
+    assert isinstance(running, JobRecord)
+    record = lifecycle.apply(running, lifecycle.Requeue(attempt=running.attempt, error=RETRIABLE), now)
+    assert isinstance(record, JobRecord)
+    assert record.handed_back_in_a_row == 0
+    for _ in range(lifecycle.FREE_HAND_BACKS):
+        record, decision = handed_back(record)
+    assert (record.attempt, record.max_attempts, record.spent_attempts) == (11, 13, 1)
+
+    record, decision = handed_back(record)  # the 6th in a row counts
+    assert decision == lifecycle.PutBack(delay_s=8.0, refund=False, error=job_errors.handed_back(6, 5))
+    assert (record.attempt, record.max_attempts, record.spent_attempts, record.handed_back_in_a_row) == (12, 13, 2, 6)
+    record, decision = handed_back(record)  # on attempt 13, the last
+    assert decision == lifecycle.DeadLetterJob(state=F, last_error=job_errors.handed_back(7, 5))
+
+
 def test_the_backoff_counts_the_failures_of_this_run_not_the_attempts() -> None:
     """Four attempts given back (shed, a scheduler's stop) and then a failure: the base backoff, not
     2**4 times it; the next failure doubles it; a replay starts again from the base."""
