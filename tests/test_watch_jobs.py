@@ -15,6 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer import job_errors
 from asyncinfer.client import (
     AsyncClient,
     Client,
@@ -32,12 +33,14 @@ from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, make_error
 from asyncinfer.client.jobs_watch import WatchUpdate
 from asyncinfer.config import Config
+from asyncinfer.contract import JOBS_BUCKET, WORK_STREAM
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
 from asyncinfer.ids import new_job_id
-from asyncinfer.job_store import job_not_found
-from asyncinfer.jobs import JobRecord, job_key
+from asyncinfer.job_store import JobStore, job_not_found
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.jobs import JobState as RecordState
+from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.gateway import batch_reads
@@ -184,6 +187,52 @@ async def test_a_label_watch_sends_its_headers_once_it_listens(
     details = status_details(ended.value)
     assert details is not None
     assert unpack_details(details)["ErrorInfo"].reason == "UNAVAILABLE"
+
+
+async def test_a_label_watch_shows_the_jobs_a_listing_with_its_labels_shows(idle_stack: Stack) -> None:
+    """Session 31: a label watch sent the idempotency fence's withdrawals, and to a selector naming
+    only asyncinfer-chunk a batch's chunk jobs, both of which ListJobs with the same labels leaves
+    out: the live watch and the listing the SDK catches up with disagreed. Both now follow one rule
+    (services.gateway.job_selection). The records are written to the jobs bucket as the fence and
+    the batch driver write them; the one both show is written last, so once each watch has sent it
+    the feed has passed the others."""
+    store = JobStore(await open_kv_bucket(idle_stack.nc.jetstream(), JOBS_BUCKET), work_stream=WORK_STREAM)
+    now = time.time()
+
+    def record(labels: dict[str, str], **changes: Any) -> JobRecord:
+        return MINIMAL.evolve(job_id=new_job_id(), create_time=now, update_time=now, labels=labels, **changes)
+
+    chunk_label = {CHUNK_LABEL: "0-9"}
+    selectors = {"user": {"run": "selected"}, "chunk": chunk_label}
+    withdrawal = record(
+        selectors["user"], state=RecordState.CANCELED, end_time=now, error=job_errors.superseded(new_job_id(), 60.0)
+    )
+    chunk_job = record({BATCH_LABEL: "b-1", **chunk_label})
+    shown = record({**selectors["user"], **chunk_label})
+    seen: dict[str, list[str]] = {}
+    async with grpc.aio.insecure_channel(idle_stack.address) as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        calls = {
+            name: stub.WatchJobs(job_service_pb2.WatchJobsRequest(labels=labels)) for name, labels in selectors.items()
+        }
+        for call in calls.values():
+            assert (WATCH_READY_HEADER, "1") in tuple(await asyncio.wait_for(call.initial_metadata(), WAIT_S))
+        for written in (withdrawal, chunk_job, shown):
+            await store.create(written)
+        for name, call in calls.items():
+            seen[name] = []
+            async with asyncio.timeout(WAIT_S):
+                while shown.job_id not in seen[name]:
+                    response = await call.read()
+                    assert isinstance(response, job_service_pb2.WatchJobsResponse)
+                    seen[name] += [change.job_id for change in response.changes]
+            call.cancel()
+        listed = {
+            name: [job.job_id for job in (await stub.ListJobs(job_service_pb2.ListJobsRequest(labels=labels))).jobs]
+            for name, labels in selectors.items()
+        }
+    assert listed == {"user": [shown.job_id], "chunk": [shown.job_id]}
+    assert seen == listed, "the watches show what the listings show"
 
 
 @pytest.mark.parametrize("sdk", ["blocking", "asyncio"])

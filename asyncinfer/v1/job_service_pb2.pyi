@@ -564,7 +564,10 @@ class WatchJobsRequest(_message.Message):
 
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
-        """a label selector: every label given must be on the job with the same value."""
+        """a label selector: every label given must be on the job with the same value. It shows the
+        jobs ListJobs lists with these labels: a batch's chunk jobs only when it names
+        "asyncinfer-batch", never the idempotency fence's withdrawals.
+        """
 
     def __init__(
         self,

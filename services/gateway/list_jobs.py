@@ -1,7 +1,8 @@
 """ListJobs: the caller's own jobs, newest first, filtered by state, model and labels, paged. A
 batch's chunk jobs are left out unless the labels filter names their batch label, and so are the
 idempotency fence's withdrawals (asyncinfer.job_errors.is_withdrawal: told apart by the record
-each page reads anyway).
+each page reads anyway); services/gateway/job_selection.py holds that rule, which WatchJobs by
+label follows too.
 
 How. Job IDs are UUIDv7, so a tenant's keys "<tenant>.<job_id>" sorted descending are its jobs
 newest first. A job still queued has no key yet: its work message is its record, so the tenant's
@@ -50,12 +51,12 @@ from dataclasses import dataclass, field
 from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
-from asyncinfer.job_errors import is_withdrawal
 from asyncinfer.job_store import NATS_FAILURES, JobStore
-from asyncinfer.jobs import BATCH_LABEL, JobRecord, JobState, job_key
+from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import subject_pages
 from asyncinfer.v1 import job_pb2, job_service_pb2
+from services.gateway.job_selection import selects
 from services.gateway.submit_request import label_violations
 from services.gateway.tenant_keys import TenantKeyIndex
 from services.gateway.transitions import Expiry
@@ -80,19 +81,11 @@ class ListQuery:
     labels: Mapping[str, str] = field(default_factory=dict)
 
     def matches(self, record: JobRecord) -> bool:
-        # A withdrawal is a fence, not a job its caller has: their submit was answered UNAVAILABLE
-        # or with the key's other job. GetJob by its ID still answers it, saying why.
-        if is_withdrawal(record):
-            return False
-        # A batch's chunk jobs are its own business (thousands for a large file): listed only when
-        # the caller asks for a batch's, by its label, as the batch's own tests and tools do.
-        if BATCH_LABEL in record.labels and BATCH_LABEL not in self.labels:
-            return False
         if self.states and record.state not in self.states:
             return False
         if self.model_name and record.model_name != self.model_name:
             return False
-        return all(record.labels.get(key) == value for key, value in self.labels.items())
+        return selects(self.labels, record)
 
     def fingerprint(self, tenant: str) -> str:
         obj = {

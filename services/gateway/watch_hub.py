@@ -35,6 +35,7 @@ from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamCon
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.supervision import Supervisor
+from services.gateway.job_selection import selects
 from services.gateway.recent_records import DEFAULT_CAPACITY, RecentRecords
 from services.gateway.transitions import Expiry
 from services.gateway.watcher_queue import LatestQueue
@@ -316,7 +317,7 @@ class WatchHub:
         if not selectors or record is None:
             return
         for queue, labels in selectors.items():
-            if all(record.labels.get(name) == value for name, value in labels.items()):
+            if selects(labels, record):
                 queue.put_nowait(update)
 
     def register(self, key: str, queue: WatcherQueue | None = None) -> WatcherQueue:
@@ -337,7 +338,9 @@ class WatchHub:
             self._note_if_idle()
 
     def register_selector(self, tenant: str, labels: dict[str, str]) -> WatcherQueue:
-        """Queues every change of the tenant's records that carry all of `labels`."""
+        """Queues every change of the tenant's records that a listing with `labels` shows
+        (services.gateway.job_selection: all of the labels; no withdrawal, no chunk job unless
+        `labels` names its batch)."""
         queue = WatcherQueue()
         self._selectors.setdefault(tenant, {})[queue] = dict(labels)
         self._idle_since = None

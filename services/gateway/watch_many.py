@@ -5,13 +5,14 @@ change falls between the read and the feed), the current records read together, 
 change until each job is terminal. A job that is not there answers NOT_FOUND and the others go on;
 a watched QUEUED job whose deadline passes is expired by the watch, as WatchJob does.
 
-By label selector: every change, from now on, of the tenant's jobs that carry all the labels; it
-ends only when the client ends it (or the gateway stops). It registers, then subscribes to the
-records' feed and the queued notices; a job queued before both are subscribed shows no QUEUED change,
-so the watch calls `listening` once they are (the servicer sends the stream's headers then: a
-client that waits for them before it submits sees its jobs from QUEUED on). A client that also
-wants the jobs as they stand starts the watch first and then lists them (ListJobs with the same
-labels): revisions tell which of the two saw the later record.
+By label selector: every change, from now on, of the tenant's jobs that carry all the labels and
+that ListJobs with them lists (services.gateway.job_selection: no withdrawal, no chunk job unless
+the labels name its batch); it ends only when the client ends it (or the gateway stops). It
+registers, then subscribes to the records' feed and the queued notices; a job queued before both are
+subscribed shows no QUEUED change, so the watch calls `listening` once they are (the servicer sends
+the stream's headers then: a client that waits for them before it submits sees its jobs from QUEUED
+on). A client that also wants the jobs as they stand starts the watch first and then lists them
+(ListJobs with the same labels): revisions tell which of the two saw the later record.
 
 Changes that are queued together are answered together: one stream message for all of them.
 """
