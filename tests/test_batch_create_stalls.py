@@ -36,7 +36,7 @@ def stalls_config(config: Config) -> Config:
 
 
 async def claim_holder(stack: Stack, key: str) -> str | None:
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats), stack.nc)
     held = await store.holder(TENANT, key)
     return held[0] if held is not None else None
 

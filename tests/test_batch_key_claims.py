@@ -80,7 +80,7 @@ async def test_a_create_whose_record_write_failed_frees_its_key_and_a_retry_crea
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert len(refused) == 1  # the record's write, after the claim
     failed_batch_id = refused[0].rpartition(".")[2]
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     assert await store.holder(TENANT, "nightly-r1") is None, "the failed create still holds the key"
     assert await claim_subjects(stack, config) == []
     retried = await stub.CreateBatch(request)
@@ -133,7 +133,7 @@ async def test_a_create_whose_record_landed_unanswered_keeps_its_key(
 
 async def test_a_release_frees_only_a_claim_still_its_own(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(keyed_config(config), scheduler=False, batcher=False)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     until = time.time() + 3600
     first, taker, later = new_job_id(), new_job_id(), new_job_id()
     assert await store.claim(TENANT, "k", first, until=until) == first
@@ -158,7 +158,7 @@ async def test_a_nats_failure_taking_over_a_stale_claim_answers_unavailable_nami
     monkeypatch.setattr(batches, "CREATE_WRITE_MARGIN_S", 0.0)
     stack = await start_stack(keyed_config(config), batcher=False)
     stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     ghost = new_job_id()
     assert await store.claim(TENANT, "nightly-t1", ghost, until=time.time() + 3600) == ghost  # its gateway died
     request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-t1")
@@ -206,7 +206,7 @@ async def test_a_create_over_a_removed_claim_creates_the_batch_at_once(
     revision."""
     stack = await start_stack(keyed_config(config), batcher=False)
     stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     ghost = new_job_id()
     assert await store.claim(TENANT, "nightly-m1", ghost, until=time.time() + 3600) == ghost
     await remove_claim(stack, config, "nightly-m1", removal)
@@ -228,7 +228,7 @@ async def test_a_create_over_a_removed_claim_creates_the_batch_at_once(
 async def test_concurrent_creates_over_a_removed_claim_make_one_batch(config: Config, start_stack: StartStack) -> None:
     stack = await start_stack(keyed_config(config), batcher=False)
     stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     assert await store.claim(TENANT, "nightly-m2", new_job_id(), until=time.time() + 3600)
     await remove_claim(stack, config, "nightly-m2", "delete")
     request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-m2")

@@ -47,6 +47,7 @@ from tests.batch_helpers import (
 from tests.stack import StartStack
 from tests.test_gateway import wait_for
 
+SERVER_SUBJECTS_PER_ANSWER = 100_000
 # No warm-up: its made-up batch would wait on the closed gate (GATE_TIMEOUT_S) before the model serves.
 GATED = {
     **DEMO_MODEL.model_dump(),
@@ -203,6 +204,30 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
     assert abs(int(claims[0].headers["Nats-TTL"]) - kept_for) < 60
 
 
+async def test_batches_past_the_servers_100000_subjects_an_answer_are_listed(
+    config: Config, start_stack: StartStack
+) -> None:
+    """ListBatches takes a tenant's batch IDs from the batches bucket's subjects, which nats-server
+    lists at most 100,000 an answer (sorted: the oldest IDs first), the rest behind an offset; it
+    read the first answer only, so a tenant's newest batches past 100,000 were never listed. Here
+    100,000 older keys (empty: read as no batch) fill the first answer; the two batches follow."""
+    # No adoption pass while the test runs: it would read each of the 100,000 keys.
+    stack = await start_stack(lifecycle_config(config, adopt_interval_s=3600.0), batcher=False)
+    stub = batches_stub(stack.channel)
+    bucket = config.nats.batches_bucket
+    for _ in range(SERVER_SUBJECTS_PER_ANSWER):
+        await stack.nc.publish(f"$KV.{bucket}.default.{new_job_id()}", b"")
+    await stack.nc.flush()
+    js = stack.nc.jetstream()
+    while (await js.stream_info(f"KV_{bucket}")).state.messages < SERVER_SUBJECTS_PER_ANSWER:
+        await stack.nc.flush()  # the server stores what it received in order: one more round trip each
+    ref = await upload(stack.jobs, jsonl(demo_records(2)))
+    created = [(await stub.CreateBatch(create_request(ref))).batch.batch_id for _ in range(2)]
+    page = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_size=2))
+    assert [b.batch_id for b in page.batches] == sorted(created, reverse=True)
+    assert page.next_page_token  # the older keys follow (read as no batch)
+
+
 async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(
     config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,7 +237,7 @@ async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_
     monkeypatch.setattr(batches, "CREATE_WRITE_MARGIN_S", 0.0)
     stack = await start_stack(lifecycle_config(config))
     stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     ghost = new_job_id()
     # As if its gateway died right here:
     assert await store.claim("default", "nightly-3", ghost, until=time.time() + 3600) == ghost
@@ -235,7 +260,7 @@ async def test_a_claim_the_wall_clocks_call_stale_is_kept_while_the_server_store
     monkeypatch.setattr(batch_service, "CLAIM_WAIT_STEP_S", 0.001)  # the duplicate looks often
     stack = await start_stack(lifecycle_config(config), batcher=False)
     stub = batches_stub(stack.channel)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
     request = create_request(await upload(stack.jobs, jsonl(demo_records(5))), idempotency_key="nightly-5")
     ghost = minted_at(time.time() - 3600)
     first = batch_from_request(request, stack.config, tenant="default", batch_id=ghost, now=time.time())

@@ -101,7 +101,7 @@ async def test_a_completed_batch_sends_one_signed_webhook_with_its_state(
     assert data["labels"] == {"k": "v"}
     assert data["fetch"] == {"rpc": "asyncinfer.v1.BatchService/GetBatch", "batch_id": batch_id}
     assert {"create_time", "in_progress_time", "finalizing_time", "end_time", "expires_at"} <= data.keys()
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats), stack.nc)
     record = await store.get("default", batch_id)
     assert record is not None
     assert record.callback_enqueued
@@ -147,7 +147,7 @@ async def test_a_batch_end_whose_webhook_was_not_enqueued_is_enqueued_once_by_an
     # A finished batch (its ID's records ran) ...
     created = await stub.CreateBatch(create_request(ref))
     done = await wait_ended(stub, created.batch.batch_id)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats), stack.nc)
     finished = await store.get("default", done.batch_id)
     assert finished is not None
     # ... copied as the terminal write of a batch with a callback whose gateway died right after it.
@@ -199,7 +199,7 @@ async def test_a_late_second_enqueue_of_a_batch_end_being_retried_is_not_attempt
     stub = batches_stub(stack.channel)
     ref = await upload(stack.jobs, jsonl(demo_records(10)))
     done = await wait_ended(stub, (await stub.CreateBatch(create_request(ref))).batch.batch_id)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats), stack.nc)
     finished = await store.get("default", done.batch_id)
     assert finished is not None
     # A terminal write with a callback, enqueued by the driver that adopts it; its receiver asks
@@ -247,7 +247,7 @@ async def test_a_second_enqueue_whose_first_message_is_long_overdue_is_attempted
     stub = batches_stub(stack.channel)
     ref = await upload(stack.jobs, jsonl(demo_records(10)))
     done = await wait_ended(stub, (await stub.CreateBatch(create_request(ref))).batch.batch_id)
-    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats))
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), stack.config.nats), stack.nc)
     finished = await store.get("default", done.batch_id)
     assert finished is not None
     receiver.scripts["/lost"] = [(503, {"Retry-After": "30"})]  # then 200

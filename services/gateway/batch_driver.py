@@ -180,18 +180,24 @@ class BatchDriver:
     async def _adopt(self) -> None:
         """Batches that no gateway may be driving (a new gateway, or another one died): every
         record not yet terminal."""
-        try:
-            keys = await self._store.keys()
-        except AsyncInferError as exc:
-            log.warning("batch_adopt_failed", error=str(exc))
-            return
-        for tenant, batch_id in keys:
-            if (tenant, batch_id) in self._driven:
-                continue
-            record = await self._store.get(tenant, batch_id)
-            # A terminal one whose webhook is not known to be enqueued: its gateway died between.
-            if record is not None and (not record.state.is_terminal or callback_due(record)):
-                self._driven.add((tenant, batch_id))
+        # Answer by answer (100,000 keys at most each): a listing that fails part way keeps what
+        # it adopted; a record read that fails ends the round, as before.
+        async with contextlib.aclosing(self._store.key_pages()) as pages:
+            while True:
+                try:
+                    keys = await anext(pages, None)
+                except AsyncInferError as exc:
+                    log.warning("batch_adopt_failed", error=str(exc))
+                    return
+                if keys is None:
+                    return
+                for tenant, batch_id in keys:
+                    if (tenant, batch_id) in self._driven:
+                        continue
+                    record = await self._store.get(tenant, batch_id)
+                    # A terminal one whose webhook is not known to be enqueued: its gateway died between.
+                    if record is not None and (not record.state.is_terminal or callback_due(record)):
+                        self._driven.add((tenant, batch_id))
 
     async def tick(self, tenant: str, batch_id: str, *, full: bool = True) -> bool:
         """One step of the batch; True when it is terminal (nothing left to drive). A full tick

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import AsyncGenerator
 
 from asyncinfer.backoff import retry
 from asyncinfer.batch_plans import BATCHES_BUCKET_DESCRIPTION, PLANNED_HEADER, encode_planned, planned_chunks
@@ -18,7 +19,8 @@ from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.nats import Client, JetStreamContext, KeyWrongLastSequenceError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_purge_through, kv_put_expecting
-from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stored_age_s, stream_subjects
+from asyncinfer.nats.streams import ensure_kv_bucket, store_full, stored_age_s, subject_pages
+from services.gateway.newest_ids import NewestIds
 from services.gateway.store_health import store_full_error
 
 # How long a batch's idempotency claim waits out NATS (as gateway.enqueue_retry_s, by default).
@@ -26,6 +28,8 @@ CLAIM_RETRY_S = 10.0
 # Creates of one claim refused with no claim to read after: over a marker one is (the next one
 # names its revision); each more means the key was removed again between a read and a write.
 CLAIM_ROUNDS = 8
+# A stream info answer listing the batch records' subjects (100,000 of them: ~8 MB of JSON).
+KEYS_TIMEOUT_S = 10.0
 
 
 class BatchConflict(Exception):
@@ -61,8 +65,9 @@ async def ensure_batches_bucket(js: JetStreamContext, config: NatsConfig) -> KvB
 
 
 class BatchStore:
-    def __init__(self, bucket: KvBucket) -> None:
+    def __init__(self, bucket: KvBucket, nc: Client) -> None:
         self._bucket = bucket
+        self._nc = nc  # for the listings' stream info answers past the first 100,000 subjects
 
     @property
     def bucket(self) -> KvBucket:
@@ -224,22 +229,35 @@ class BatchStore:
             raise Unavailable(f"cannot release the idempotency key: {exc}", reason="NATS_UNAVAILABLE") from exc
         return True
 
-    async def keys(self, tenant: str | None = None) -> list[tuple[str, str]]:
-        """(tenant, batch_id) of every batch record (of one tenant, when given)."""
+    async def key_pages(self, tenant: str | None = None) -> AsyncGenerator[list[tuple[str, str]], None]:
+        """(tenant, batch_id) of every batch record (of one tenant, when given), one stream info
+        answer at a time: the server lists at most 100,000 subjects in one, and past that sorts
+        them and answers the rest behind an offset (asyncinfer.nats.streams.subject_pages)."""
         # The stream's subjects, not KeyValue.keys: its filters are substrings of the keys, and a
-        # watch's end marker can come before every key has been delivered.
+        # watch's end marker can come before every key has been delivered. "<tenant>.<id>": the
+        # idempotency claims ("<tenant>.key.<hash>") have a token more.
         prefix = self._bucket.subject_prefix
         try:
-            subjects = await stream_subjects(self._bucket.js, self._bucket.stream, f"{prefix}{tenant or '*'}.*")
+            async for subjects in subject_pages(
+                self._nc, self._bucket.stream, f"{prefix}{tenant or '*'}.*", timeout_s=KEYS_TIMEOUT_S
+            ):
+                pairs = []
+                for subject in subjects:
+                    owner, _, batch_id = subject.removeprefix(prefix).partition(".")
+                    if batch_id and "." not in batch_id:
+                        pairs.append((owner, batch_id))
+                yield pairs
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list batches: {exc}") from exc
-        keys = [subject.removeprefix(prefix) for subject in subjects]
-        pairs = []
-        for key in keys:
-            owner, _, batch_id = key.partition(".")
-            if batch_id and "." not in batch_id:
-                pairs.append((owner, batch_id))
-        return pairs
+
+    async def newest_ids(self, tenant: str, *, before: str | None, most: int) -> tuple[list[str], bool]:
+        """The newest `most` of the tenant's batch IDs older than `before` (all when None), newest
+        first, and whether older ones were left out. Kept answer by answer, so a listing holds a
+        page's worth of IDs beside the answer it reads, however many batches the tenant has."""
+        newest = NewestIds(before=before, most=most)
+        async for pairs in self.key_pages(tenant):
+            newest.add(batch_id for _, batch_id in pairs)
+        return newest.newest_first(), newest.left_out
 
 
 def _refusal(exc: BaseException, what: str, outcome: str) -> AsyncInferError:

@@ -43,7 +43,6 @@ import base64
 import binascii
 import bisect
 import hashlib
-import heapq
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from asyncinfer.nats import Client
 from asyncinfer.nats.streams import subject_pages
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.job_selection import selects
+from services.gateway.newest_ids import NewestIds
 from services.gateway.submit_request import label_violations
 from services.gateway.tenant_keys import TenantKeyIndex
 from services.gateway.transitions import Expiry
@@ -204,21 +204,15 @@ class JobLister:
         100,000 at most in one, sorted by model first, and a backlog past that lost the rest from
         every page. Kept to `most` answer by answer, so a listing holds a page's worth of them
         beside the answer it reads, however large the backlog."""
-        kept: set[str] = set()
+        newest = NewestIds(before=after, most=most)
         try:
             async for subjects in subject_pages(
                 self._nc, self._work_stream, tenant_work_subjects(tenant), timeout_s=WORK_SUBJECTS_TIMEOUT_S
             ):
-                kept.update(
-                    job_id
-                    for subject in subjects
-                    if is_job_id(job_id := subject.rpartition(".")[2]) and (after is None or job_id < after)
-                )
-                if most is not None and len(kept) > most:
-                    kept = set(heapq.nlargest(most, kept))
+                newest.add(job_id for subject in subjects if is_job_id(job_id := subject.rpartition(".")[2]))
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot list the jobs: {exc}") from exc
-        return kept
+        return newest.kept
 
     async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
         record = await self._records.get(job_key(tenant, job_id))
