@@ -1866,6 +1866,46 @@ async def test_a_late_answer_of_a_superseded_attempt_leaves_the_attempt_that_too
     assert done.attempt == 2
 
 
+async def test_a_superseded_attempt_shed_past_the_deadline_leaves_the_attempt_that_took_over_alone(
+    start: Start, config: Config
+) -> None:
+    """Scheduler A's lease lapsed and B took the job over as attempt 2; the job's deadline then
+    passed, and A's batcher answers attempt 1 dropped (shed unrun). A's drop decided EXPIRED on
+    attempt 1's record, lost the write to attempt 2's, and put back the record it found: a requeue
+    of attempt 2, which passed the fence, wrote it QUEUED and sent B's delivery back (then
+    EXPIRED at its dispatch), so B's answer was discarded. The put-back is fenced on attempt 1."""
+    a = await start(tune(config))
+    b = await start(tune(config))
+    on_a = await a.batcher("on-a", credits=1)
+    deadline = time.time() + 2.0  # B's dispatch comes before it, A's late answer after
+    job_id = await enqueue(a.nc, a.kv, deadline=deadline)
+    first = await on_a.next_order()
+    assert (first.job_id, first.attempt) == (job_id, 1)
+    record = await wait_state(a.js, job_id, JobState.RUNNING)
+    on_b = await b.batcher("on-b", credits=1)
+    await a.nc.publish(record.lease_subject, b"-NAK")  # as AckWait's redelivery would, A's lease lapsed
+    second = await on_b.next_order()
+    assert (second.job_id, second.attempt) == (job_id, 2)
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    await asyncio.sleep(max(0.0, deadline - time.time()) + 0.05)  # the deadline itself is the event
+    with capture_logs() as logs:
+        late = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+        await on_a._call.write(worker_service_pb2.ConnectRequest(result=late))
+
+        async def refused_or_moved() -> bool:
+            if any(entry["event"] == "put_back_refused" for entry in logs):
+                return True
+            current = await read_record(a.js, job_id)
+            return (current.state, current.attempt) != (JobState.RUNNING, 2)
+
+        await until(refused_or_moved)
+    running = await read_record(a.js, job_id)
+    assert (running.state, running.attempt, running.given_back_attempts) == (JobState.RUNNING, 2, 0)
+    await on_b.answer(second)
+    done = await wait_state(a.js, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 2
+
+
 async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(
     start: Start, config: Config
 ) -> None:

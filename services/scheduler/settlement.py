@@ -164,7 +164,10 @@ class Settlement:
         if latest is not None and latest.state.is_terminal:
             await self.settle(job.msg, latest, written, job.log)
             return
-        running = latest or job.record
+        # Put back as this attempt, fenced on its own record: `latest` is another attempt's when
+        # this one's lease lapsed and its expiry's write lost the race, and a requeue of that record
+        # would put the other attempt back.
+        running = latest if latest is not None and latest.attempt == job.attempt else job.record
         decision = lifecycle.after_hand_back(
             running, policy=self._retry_policy(job.model_name), jitter=self._rng.random()
         )
