@@ -1906,6 +1906,49 @@ async def test_a_superseded_attempt_shed_past_the_deadline_leaves_the_attempt_th
     assert done.attempt == 2
 
 
+async def test_a_superseded_attempt_stops_renewing_so_a_dead_takers_job_comes_back_after_ack_wait(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scheduler A's lease lapsed and B took the job over as attempt 2; then B dies (its renewals
+    stop). A still held attempt 1 and renewed it with in-progress acks, which nats-server applies by
+    stream sequence to the delivery pending now, B's: the message never came back while A's attempt
+    lasted (its execution timeout, none here). A renewal round now reads the records of the attempts
+    it renews and lets go of one that names a later attempt: the job comes back after AckWait and
+    runs again (attempt 3), and attempt 1's batcher is told to drop it."""
+    ack_wait_s = 2.0
+    tuned = tune(config).replace(scheduler={"ack_wait_s": ack_wait_s, "lease_renew_interval_s": 0.3})
+    a = await start(tuned)
+    b = await start(tuned)
+    on_a = await a.batcher("on-a", credits=1)
+    job_id = await enqueue(a.nc, a.kv)
+    first = await on_a.next_order()
+    assert (first.job_id, first.attempt) == (job_id, 1)
+    record = await wait_state(a.js, job_id, JobState.RUNNING)
+    on_b = await b.batcher("on-b", credits=1)
+    await a.nc.publish(record.lease_subject, b"-NAK")  # as AckWait's redelivery would, A's lease lapsed
+    second = await on_b.next_order()
+    assert (second.job_id, second.attempt) == (job_id, 2)
+    await wait_state(a.js, job_id, JobState.RUNNING)
+
+    async def no_renewals() -> None:
+        pass
+
+    b_flow: Any = b.app._flow
+    monkeypatch.setattr(b_flow._leases, "renew", no_renewals)  # B dies: its lease is no longer renewed
+    died = time.monotonic()
+    await on_a.grant(1)  # a credit on A: the job, once back, runs there
+    try:
+        third = await on_a.next_order(timeout_s=ack_wait_s + 10.0)  # 10 s: room for a loaded machine
+    except TimeoutError:
+        raise AssertionError(f"not back {time.monotonic() - died:.1f} s after B died: A renews it") from None
+    assert (third.job_id, third.attempt) == (job_id, 3)
+    cancel = await on_a.next_cancel()  # attempt 1's batcher drops it
+    assert (cancel.job_id, cancel.attempt) == (job_id, 1)
+    await on_a.answer(third)
+    done = await wait_state(a.js, job_id, JobState.SUCCEEDED)
+    assert done.attempt == 3
+
+
 async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(
     start: Start, config: Config
 ) -> None:

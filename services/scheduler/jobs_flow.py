@@ -24,7 +24,7 @@ from asyncinfer.backoff import retrying
 from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.job_store import JobStore
-from asyncinfer.jobs import JobState, job_key
+from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.queues import CancelNotice
@@ -43,6 +43,7 @@ from services.scheduler.queue_stats import BatchSizeCount
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.settlement import Settlement
 from services.scheduler.stale_results import StaleResults, own_attempts_result
+from services.scheduler.superseded import superseded
 
 log = structlog.get_logger("asyncinfer.scheduler.jobs")
 
@@ -51,6 +52,8 @@ log = structlog.get_logger("asyncinfer.scheduler.jobs")
 RESULT_STORE_RETRY_S = 120.0
 RESULT_RETRY_FIRST_S = 0.5
 RESULT_RETRY_MAX_S = 5.0
+# Of the attempts a renewal round lets go (another scheduler took them over), the IDs its line names.
+SUPERSEDED_IDS_LOGGED = 5
 
 
 class JobFlow:
@@ -325,7 +328,29 @@ class JobFlow:
     # --- leases, rates and shutdown ---------------------------------------------------------------
 
     async def renew_leases(self) -> None:
+        """Lets go of the attempts another scheduler took over (services.scheduler.superseded),
+        then renews the rest."""
+        taken_over = await superseded(self._store, list(self._leases.jobs.values()))
+        let_go = [found for found in taken_over if self._leases.jobs.get(found.job.job_id) is found.job]
+        for found in let_go:
+            self._let_go(found.job, found.latest)
+        if let_go:
+            log.warning(
+                "attempts_superseded",
+                jobs=len(let_go),
+                job_ids=[found.job.job_id for found in let_go[:SUPERSEDED_IDS_LOGGED]],
+            )
         await self._leases.renew()
+
+    def _let_go(self, job: InFlightJob, latest: JobRecord) -> None:
+        """Stops renewing an attempt another took over and drops whatever its batcher answers;
+        the result it may store names this attempt, which was this scheduler's alone (its RUNNING
+        write won), so it is deleted."""
+        self._leases.release(job)
+        self._leases.abandon(job.job_id, job.attempt, tenant=job.record.tenant)
+        if not job.session.closed:
+            job.session.send(CancelOrder(job_id=job.job_id, attempt=job.attempt))
+        job.log.debug("attempt_superseded", attempt_in_record=latest.attempt, dispatched_by=latest.dispatched_by)
 
     def in_flight_count(self, model_name: str) -> int:
         return self._leases.count(model_name)
