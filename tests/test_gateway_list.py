@@ -29,10 +29,12 @@ from services.gateway.job_service import JobService
 from services.gateway.list_jobs import (
     DEFAULT_PAGE_SIZE,
     MAX_RECORDS_READ_PER_PAGE,
+    READ_CHUNK,
     JobLister,
     ListPage,
     ListQuery,
     newest_first,
+    read_size,
 )
 from services.gateway.tenant_keys import (
     INSERT_AT_MOST,
@@ -292,6 +294,85 @@ async def test_a_batchs_chunk_jobs_are_listed_only_when_asked_for_by_its_label(
     assert await ids(states=[job_pb2.JOB_STATE_SUCCEEDED]) == []
     assert await ids(labels={BATCH_LABEL: "the-batch"}) == sorted(chunks, reverse=True)
     assert await ids(labels={BATCH_LABEL: "another-batch"}) == []
+
+
+class ReadRounds(JobStore):
+    """Counts the records read and the rounds of reads a page waits for one after another: a read
+    that starts while none is in flight opens a round (a page reads a chunk of records at once)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads = 0
+        self.rounds = 0
+        self._in_flight = 0
+
+    async def get(self, key: str) -> JobRecord | None:
+        self.rounds += self._in_flight == 0
+        self.reads += 1
+        self._in_flight += 1
+        try:
+            return await super().get(key)
+        finally:
+            self._in_flight -= 1
+
+
+async def test_a_page_reads_past_a_batchs_chunk_jobs_a_chunk_at_a_time(
+    stub: JobStub, nc: NatsClient, config: Config
+) -> None:
+    """A page without filters leaves a batch's chunk jobs out, and it read what it still needed at
+    a time: a page of 1 read 1,000 newer chunk jobs in 1,000 round trips, one after another."""
+    jobs = await open_kv_bucket(nc.jetstream(), config.nats.jobs_bucket)
+    now = time.time()
+
+    def record(tenant: str, labels: dict[str, str]) -> JobRecord:
+        return JobRecord(
+            job_id=new_job_id(),
+            tenant=tenant,
+            model_name="demo",
+            model_version="1",
+            state=JobState.SUCCEEDED,
+            priority=Priority.NORMAL,
+            create_time=now,
+            update_time=now,
+            max_attempts=3,
+            result_retention_s=3600.0,
+            labels=labels,
+        )
+
+    plain = [record("batchy", {}) for _ in range(2)] + [record("plain", {}) for _ in range(5)]
+    chunk_jobs = [record("batchy", {BATCH_LABEL: "the-batch", CHUNK_LABEL: f"{i}-{i + 1}"}) for i in range(1000)]
+    for first in range(0, len(plain + chunk_jobs), 250):  # the chunk jobs after: newer
+        await asyncio.gather(*(jobs.kv.create(r.key, encode_record(r)) for r in (plain + chunk_jobs)[first:][:250]))
+    store = ReadRounds(jobs, work_stream=config.nats.work_stream)
+    lister = JobLister(
+        nc,
+        store,
+        Expiry(store),
+        bucket=config.nats.jobs_bucket,
+        work_stream=config.nats.work_stream,
+        max_page_bytes=1 << 20,
+    )
+    page = await lister.page("batchy", ListQuery(page_size=1))
+    assert [r.job_id for r in page.records] == [plain[1].job_id]
+    assert page.next_page_token
+    # 1 read, then the 999 other chunk jobs and the plain job READ_CHUNK at a time (the old code: 1,001).
+    assert store.rounds == 1 + -(-1000 // READ_CHUNK), store.reads
+    # A tenant whose page skips nothing reads no record it does not return, as before.
+    for page_size in (1, 3):
+        store.reads = store.rounds = 0
+        page = await lister.page("plain", ListQuery(page_size=page_size))
+        assert [r.job_id for r in page.records] == [r.job_id for r in reversed(plain[2:])][:page_size]
+        assert (store.reads, store.rounds) == (page_size, 1)
+
+
+@pytest.mark.unit
+def test_a_page_without_filters_reads_what_it_needs_until_it_skips_one() -> None:
+    assert read_size(1, filtered=False, skipped=False) == 1
+    assert read_size(7, filtered=False, skipped=False) == 7
+    assert read_size(1000, filtered=False, skipped=False) == READ_CHUNK
+    for needed in (1, 7, 1000):
+        assert read_size(needed, filtered=False, skipped=True) == READ_CHUNK
+        assert read_size(needed, filtered=True, skipped=False) == READ_CHUNK
 
 
 async def test_label_keys_of_the_system_are_refused_on_submit(stub: JobStub) -> None:

@@ -158,6 +158,15 @@ def estimated_bytes(record: JobRecord) -> int:
     return RECORD_OVERHEAD_BYTES + sum(len(tensor.data) for tensor in record.outputs)
 
 
+def read_size(needed: int, *, filtered: bool, skipped: bool) -> int:
+    """How many records a page reads next, `needed` more to fill it. With filters, READ_CHUNK: any
+    may be skipped. Without, what it needs until a record was skipped (a plain tenant's page reads
+    no record it does not return), then READ_CHUNK too: a listing without filters also skips chunk
+    jobs and withdrawals, and a batch's thousands of chunk jobs are read past a chunk at a time,
+    not `needed` at a time (page_size 1: one record a round trip)."""
+    return READ_CHUNK if filtered or skipped else min(needed, READ_CHUNK)
+
+
 def newest_first(recorded: list[str], queued: set[str], after: str | None, most: int) -> list[str]:
     """The first `most` of the job IDs in `recorded` (ascending) and `queued` older than `after`
     (all when None), newest first: `sorted(set(recorded) | queued, reverse=True)` after `after`,
@@ -227,20 +236,23 @@ class JobLister:
         found: list[JobRecord] = []
         page_bytes = 0
         consumed = 0  # ids[:consumed] were returned or skipped; the token resumes after them
-        filtered = bool(query.states or query.model_name or query.labels)  # withdrawals are few: not counted
+        filtered = bool(query.states or query.model_name or query.labels)
+        skipped = False
         full = False
         while not full and consumed < len(ids) and consumed < MAX_RECORDS_READ_PER_PAGE:
-            needed = query.page_size - len(found)
-            chunk = ids[consumed : consumed + (READ_CHUNK if filtered else min(needed, READ_CHUNK))]
-            records = await asyncio.gather(*(self._read(tenant, job_id) for job_id in chunk))
+            size = read_size(query.page_size - len(found), filtered=filtered, skipped=skipped)
+            reading = ids[consumed : consumed + size]
+            records = await asyncio.gather(*(self._read(tenant, job_id) for job_id in reading))
             for record in records:
                 if record is not None and query.matches(record):
-                    size = estimated_bytes(record)
-                    if found and page_bytes + size > self._max_page_bytes:
+                    record_bytes = estimated_bytes(record)
+                    if found and page_bytes + record_bytes > self._max_page_bytes:
                         full = True  # this one opens the next page
                         break
                     found.append(record)
-                    page_bytes += size
+                    page_bytes += record_bytes
+                else:
+                    skipped = True
                 consumed += 1
                 if len(found) == query.page_size:
                     full = True
