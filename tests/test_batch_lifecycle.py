@@ -27,7 +27,7 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
-from services.gateway import batch_service
+from services.gateway import batch_service, list_batches
 from services.gateway.batch_convert import batch_from_request
 from services.gateway.batch_prepare import Preparer
 from services.gateway.batch_store import BatchStore, ensure_batches_bucket
@@ -226,6 +226,46 @@ async def test_batches_past_the_servers_100000_subjects_an_answer_are_listed(
     page = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_size=2))
     assert [b.batch_id for b in page.batches] == sorted(created, reverse=True)
     assert page.next_page_token  # the older keys follow (read as no batch)
+
+
+async def test_a_page_reads_past_many_withdrawals_until_it_holds_a_batch(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ListBatches leaves withdrawals out and read only the newest 2 x page_size IDs below its
+    token: past as many withdrawals it answered an empty page with a token, though batches
+    followed (a client that stops at an empty page missed them; one that follows the token asked
+    again). Now a page reads on until it holds a batch, the listing ends or it read its bound."""
+    stack = await start_stack(lifecycle_config(config), batcher=False)
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(2)))
+    created = [(await stub.CreateBatch(create_request(ref))).batch.batch_id for _ in range(2)]
+    store = BatchStore(await ensure_batches_bucket(stack.nc.jetstream(), config.nats), stack.nc)
+    record = await store.get("default", created[0])
+    assert record is not None
+    withdrawn = []
+    for _ in range(9):  # newer than both batches, as a takeover's would be
+        withdrawal = batches.withdrawn_batch(record, batch_id=new_job_id(), now=time.time(), why="a test's")
+        assert (await store.create_first(withdrawal))[0] is not None
+        withdrawn.append(withdrawal.batch_id)
+    for page_size in (1, 2, 4):
+        page = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_size=page_size))
+        assert [b.batch_id for b in page.batches] == sorted(created, reverse=True)[:page_size], page_size
+        assert bool(page.next_page_token) == (page_size == 1)
+        if page_size == 1:
+            following = batch_service_pb2.ListBatchesRequest(page_size=1, page_token=page.next_page_token)
+            rest = await stub.ListBatches(following)
+            assert ([b.batch_id for b in rest.batches], rest.next_page_token) == ([min(created)], "")
+    # The bound: past as many withdrawals (4 here), a page may be empty, its token past what it read.
+    monkeypatch.setattr(list_batches, "MAX_BATCHES_READ_PER_PAGE", 4)
+    pages = []
+    token = ""
+    while not pages or token:
+        page = await stub.ListBatches(batch_service_pb2.ListBatchesRequest(page_size=1, page_token=token))
+        pages.append([b.batch_id for b in page.batches])
+        token = page.next_page_token
+        assert len(pages) < 20, "the tokens never end"
+    assert pages[:3] == [[], [], [max(created)]]
+    assert [i for page in pages for i in page] == sorted(created, reverse=True)
 
 
 async def test_a_key_claimed_by_a_create_that_died_before_its_batch_was_written_is_taken_over(

@@ -575,6 +575,9 @@ class ListBatchesResponse(_message.Message):
     BATCHES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """Empty at the end. A page may be short with a token (AIP-158), but holds at least one batch
+    unless it read 1,000 batch IDs past its page_token (withdrawals) without finding one.
+    """
     @_builtins.property
     def batches(self) -> _containers.RepeatedCompositeFieldContainer[Global___Batch]:
         """Newest first. Not the idempotency fence's withdrawals (FAILED "withdrawn before it ran": their

@@ -51,6 +51,7 @@ from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_REUSED_REASON
+from services.gateway.list_batches import batch_page
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
 
@@ -410,23 +411,8 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if request.page_token and not is_job_id(request.page_token):  # a token is the last batch ID of a page
             message = "invalid page_token: not a token from ListBatches"
             raise InvalidArgument(message, [FieldViolation("page_token", message)], reason="INVALID_PAGE_TOKEN")
-        # The newest twice a page of IDs below the token: enough to read past a few withdrawals
-        # (below), held however many batches the tenant has.
-        ids, older_left_out = await self._store.newest_ids(tenant, before=request.page_token or None, most=2 * size)
-        # A withdrawal (is_withdrawn) is a fence, not a batch of its caller's, whose create was
-        # answered UNAVAILABLE or with the key's other batch: left out, and read past. GetBatch by
-        # its ID still answers it, saying why.
-        records: list[BatchRecord] = []
-        consumed = 0
-        while len(records) < size and consumed < len(ids):
-            chunk = ids[consumed : consumed + size - len(records)]
-            consumed += len(chunk)
-            read = await asyncio.gather(*(self._store.get(tenant, batch_id) for batch_id in chunk))
-            records += [r for r in read if r is not None and not is_withdrawn(r)]
-        return batch_service_pb2.ListBatchesResponse(
-            batches=[self._proto(r) for r in records],
-            next_page_token=ids[consumed - 1] if consumed < len(ids) or (older_left_out and consumed) else "",
-        )
+        records, token = await batch_page(self._store, tenant, after=request.page_token or None, size=size)
+        return batch_service_pb2.ListBatchesResponse(batches=[self._proto(r) for r in records], next_page_token=token)
 
     async def ReadBatchFile(
         self, request: batch_service_pb2.ReadBatchFileRequest, context: Context
