@@ -24,10 +24,13 @@ from asyncinfer.nats import (
     NotFoundError,
     api,
 )
+from asyncinfer.nats.streams import subject_pages
 
 log = structlog.get_logger("asyncinfer.blobs")
 
 LIST_IDLE_TIMEOUT_S = 2.0
+# A stream info answer listing objects' chunk subjects (100,000 of them: ~8 MB of JSON).
+CHUNK_SUBJECTS_TIMEOUT_S = 10.0
 # The listing's ephemeral consumer is deleted this soon after its subscription ends (the server's
 # default is 5 s): a sweeper run every 50 ms, as in tests, kept ~100 of them alive on the stream.
 LIST_CONSUMER_INACTIVE_S = 1.0
@@ -230,11 +233,18 @@ async def _listed_objects(
 
 
 async def _chunk_subjects(store: BlobStore) -> list[str]:
-    """Every object's chunk subject: uploads' (`in.<tenant>.<nuid>`) and results' (`<nuid>`)."""
-    info = await store.js.stream_info(
-        store.stream, subjects_filter=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj=">")
-    )
-    return list(info.state.subjects or {})
+    """Every object's chunk subject: uploads' (`in.<tenant>.<nuid>`) and results' (`<nuid>`), from
+    every stream info answer: the server lists at most 100,000 subjects in one (then sorted, the
+    rest behind an offset), and an orphan's chunks sorted past the first 100,000 were never purged."""
+    subjects: list[str] = []
+    async for page in subject_pages(
+        store.nc,
+        store.stream,
+        OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=store.bucket, obj=">"),
+        timeout_s=CHUNK_SUBJECTS_TIMEOUT_S,
+    ):
+        subjects += page
+    return subjects
 
 
 async def _purge_orphans(store: BlobStore, subjects: list[str], named: set[str], now: float, idle_s: float) -> int:

@@ -59,6 +59,7 @@ from asyncinfer.nats import (
     OBJ_DIGEST_TEMPLATE,
     OBJ_STREAM_TEMPLATE,
     APIError,
+    Client,
     JetStreamContext,
     NatsError,
     NotFoundError,
@@ -99,8 +100,9 @@ def parse_inputs(data: bytearray) -> tensor_pb2.InferInputs:
     return tensor_pb2.InferInputs.FromString(data)  # type: ignore[arg-type]
 
 
-async def ensure_objects_bucket(js: JetStreamContext, config: NatsConfig) -> BlobStore:
+async def ensure_objects_bucket(nc: Client, config: NatsConfig) -> BlobStore:
     """The claim-check bucket (created on first use), as a BlobStore."""
+    js = nc.jetstream()
 
     async def declare(_: float) -> BlobStore:
         stream = OBJ_STREAM_TEMPLATE.format(bucket=config.objects_bucket)
@@ -116,14 +118,15 @@ async def ensure_objects_bucket(js: JetStreamContext, config: NatsConfig) -> Blo
                 ),
             )
             log.info("bucket_created", bucket=config.objects_bucket)
-        return BlobStore(js, config.objects_bucket)
+        return BlobStore(nc, config.objects_bucket)
 
     return await declaration(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
 
 
 class BlobStore:
-    def __init__(self, js: JetStreamContext, bucket: str) -> None:
-        self._js = js
+    def __init__(self, nc: Client, bucket: str) -> None:
+        self._nc = nc  # for stream info answers past the first 100,000 subjects (the sweep's)
+        self._js = nc.jetstream()
         self.bucket = bucket
         self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
 
@@ -131,6 +134,12 @@ class BlobStore:
     def js(self) -> JetStreamContext:
         """The JetStream context it reads and writes through (the sweep's: asyncinfer.blob_sweep)."""
         return self._js
+
+    @property
+    def nc(self) -> Client:
+        """The NATS client under it: the sweep's requests that nats-py's JetStream context cannot
+        make (a stream info's subjects past the first 100,000, asyncinfer.nats.streams.subject_pages)."""
+        return self._nc
 
     # --- writing ----------------------------------------------------------------------------
 

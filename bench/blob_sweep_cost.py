@@ -61,7 +61,7 @@ async def fill(store: BlobStore, have: int, want: int) -> None:
 async def measure(url: str, nats_pid: int, sizes: list[int], rounds: int) -> None:
     config = bench_config(url)
     nc = await connect(config.nats, name="blob-sweep-cost")
-    store = await ensure_objects_bucket(nc.jetstream(), config.nats)
+    store = await ensure_objects_bucket(nc, config.nats)
     large = os.urandom(LARGE_OBJECT_BYTES)
     for _ in range(LARGE_OBJECTS):
         await store.put_bytes("t0", result_ref(new_job_id()), large, expires_at=time.time() + 3600)

@@ -25,7 +25,7 @@ CHUNK_RECORDS_BYTES = 4 << 20  # a 2,048-record MLP chunk's rows (2 KB each)
 async def measure(url: str, nats_pid: int) -> None:
     config = bench_config(url)
     nc = await connect(config.nats, name="object-store-cost")
-    store = await ensure_objects_bucket(nc.jetstream(), config.nats)
+    store = await ensure_objects_bucket(nc, config.nats)
     data = os.urandom(CHUNK_RECORDS_BYTES)
     for chunk_bytes in (RESULT_CHUNK_BYTES, CHUNK_BYTES):
         for action in ("put", "read"):

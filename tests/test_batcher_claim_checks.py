@@ -53,7 +53,7 @@ async def scheduler() -> AsyncIterator[tuple[FakeScheduler, int]]:
 
 @pytest.fixture
 async def store(nc: NatsClient, config: Config) -> BlobStore:
-    return await ensure_objects_bucket(nc.jetstream(), config.nats)
+    return await ensure_objects_bucket(nc, config.nats)
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ def content(seed: int) -> bytes:
 
 
 async def store_of(nc: NatsClient, config: Config) -> BlobStore:
-    return await ensure_objects_bucket(nc.jetstream(), config.nats)
+    return await ensure_objects_bucket(nc, config.nats)
 
 
 def test_sequences_are_written_as_runs() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import io
+import json
 import time
 from collections.abc import AsyncIterator
 
@@ -21,11 +22,14 @@ import numpy as np
 import pytest
 
 from asyncinfer.batches import CREATE_RECORD_WITHIN_S, CREATE_WRITE_MARGIN_S
-from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
+from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter, meta_subject
 from asyncinfer.blob_sweep import MetaCursor, list_objects, sweep
 from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.config import Config
+from asyncinfer.contract import EXPIRES_HEADER
 from asyncinfer.grpc_errors import status_details, unpack_details
+from asyncinfer.ids import new_job_id
+from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import NatsTimeoutError
 from asyncinfer.nats.streams import count_messages
 from asyncinfer.v1 import batch_service_pb2, job_pb2, job_service_pb2
@@ -59,6 +63,8 @@ from tests.test_claim_check import (
 
 pytestmark = pytest.mark.timeout(90)
 LIMIT = 4 * CHUNK_BYTES  # 512 KiB
+# nats-server's JSMaxSubjectDetails: the most subjects one stream info answer lists.
+SERVER_SUBJECTS_PER_ANSWER = 100_000
 
 
 def delete(stack: Stack, ref: str, key: str = ACME) -> object:
@@ -238,6 +244,32 @@ async def test_a_sweep_whose_listing_of_metas_stalls_purges_no_chunks(
         assert len(cursor.metas) == 3
 
 
+async def test_a_crashed_uploads_chunks_past_the_servers_100000_subjects_an_answer_are_purged(
+    config: Config, nc: NatsClient
+) -> None:
+    """The sweep listed the objects' chunk subjects with one stream info, which nats-server answers
+    with at most 100,000 subjects, sorted, the rest behind an offset: an orphan's chunks sorted past
+    the first 100,000 were never purged (counted against their tenant, the store filling for good).
+    Here 100,000 live uploads' chunk subjects, each named by its meta, sort before a crashed one's."""
+    store = await ensure_objects_bucket(nc, config.nats)
+    expires_at = repr(time.time() + 3600)
+    for i in range(SERVER_SUBJECTS_PER_ANSWER):
+        nuid = f"in.acme.{i:06d}"
+        name = f"acme/in/{new_job_id()}"
+        meta = {"name": name, "bucket": store.bucket, "nuid": nuid, "size": 1, "chunks": 1}
+        meta["headers"] = {EXPIRES_HEADER: [expires_at]}
+        await nc.publish(f"$O.{store.bucket}.C.{nuid}", b"x")
+        await nc.publish(meta_subject(store.bucket, name), json.dumps(meta).encode())
+    crashed = f"$O.{store.bucket}.C.in.zzz.CRASHEDUPLOAD"
+    await nc.publish(crashed, b"\x00" * 1000)
+    await nc.flush()
+    while (await nc.jetstream().stream_info(store.stream)).state.messages < 2 * SERVER_SUBJECTS_PER_ANSWER + 1:
+        await nc.flush()  # the server stores what it received in order: one more round trip each
+    assert await sweep(store, time.time() + 301, orphans_after_s=300) == 1
+    left = await nc.jetstream().stream_info(store.stream)
+    assert left.state.messages == 2 * SERVER_SUBJECTS_PER_ANSWER  # the live uploads' chunks and metas
+
+
 async def test_a_sweepers_pass_reads_only_the_metas_stored_since_its_last(gateway_only: Stack) -> None:
     """Each pass of the sweeper read every meta (~50 us of CPU each: 4% of a core at 50,000
     objects every minute). With its cursor a pass reads the metas stored since its last, and
@@ -280,7 +312,7 @@ async def test_a_sweepers_cursor_lists_every_meta_again_when_the_bucket_is_made_
     assert await sweep(store, orphans_after_s=300, cursor=cursor) == 0
     assert cursor.last_sequence > 0
     await store.js.delete_stream(store.stream)
-    await ensure_objects_bucket(store.js, stack.config.nats)
+    await ensure_objects_bucket(stack.nc, stack.config.nats)
     again = [await upload(stack.jobs, inputs_bytes(np.ones((2, 4)) * i)) for i in range(4)]
     info = await store.js.stream_info(store.stream)
     assert info.state.last_seq > cursor.last_sequence  # past the old sequence: only `created` tells

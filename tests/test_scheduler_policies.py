@@ -1100,7 +1100,7 @@ async def test_a_result_stored_by_an_attempt_that_timed_out_is_deleted_when_it_a
     stored (out/<job_id>.1) is deleted then, not kept counted against its tenant for the job's
     result retention (an hour here)."""
     h = await start(tune(config, timeout_action="fail"))
-    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    store = await ensure_objects_bucket(h.nc, h.app.config.nats)
     batcher = await h.batcher(credits=1, reads_claim_checks=True)
     job_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3)
     order = await batcher.next_order()
@@ -1124,7 +1124,7 @@ async def test_results_of_superseded_attempts_are_deleted_when_answered_or_named
     monkeypatch.setattr(leases, "PENDING_CANCEL_TTL_S", 0.0)  # the next abandonment forgets the older
     # A retry's backoff of 1-2 s (equal jitter): time to give attempt 2 a longer execution timeout.
     h = await start(tune(config, timeout_action="retry", retry_backoff_base_s=2.0, retry_backoff_max_s=2.0))
-    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    store = await ensure_objects_bucket(h.nc, h.app.config.nats)
     batcher = await h.batcher(credits=3, reads_claim_checks=True)
     late_id = await enqueue(h.nc, h.kv, execution_timeout_s=0.3, max_attempts=2)
     first = await batcher.next_order()
@@ -1161,7 +1161,7 @@ async def test_a_result_of_an_early_order_whose_running_write_lost_is_kept(start
     is left alone: out/<job_id>.1 may be the other scheduler's attempt's result, the one its
     record will name."""
     h = await start(tune(config))
-    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    store = await ensure_objects_bucket(h.nc, h.app.config.nats)
     batcher = await h.batcher(reads_claim_checks=True)
     job_id = await enqueue(h.nc, h.kv)
     queued = decode_envelope(
@@ -1270,7 +1270,7 @@ async def test_a_result_stored_for_a_job_cancelled_while_it_ran_is_deleted(start
     (out/<job_id>), was kept counted against its tenant for the job's result retention (an hour
     here), though no record would ever name it: deleted now."""
     h = await start(tune(config).replace(scheduler={"inline_result_max_bytes": 8}))
-    store = await ensure_objects_bucket(h.js, h.app.config.nats)
+    store = await ensure_objects_bucket(h.nc, h.app.config.nats)
     batcher = await h.batcher(credits=2, reads_claim_checks=True)
 
     by_batcher = await enqueue(h.nc, h.kv)

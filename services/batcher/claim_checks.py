@@ -47,7 +47,7 @@ class ClaimChecks:
     async def connect(cls, config: Config, batcher_id: str) -> ClaimChecks:
         """Over a NATS connection of the batcher's own (raises Unavailable when NATS cannot be reached)."""
         nc = await connect(config.nats, name=f"batcher-{batcher_id}")
-        store = BlobStore(nc.jetstream(), config.nats.objects_bucket)
+        store = BlobStore(nc, config.nats.objects_bucket)
         return cls(nc, store, max_input_bytes=config.gateway.max_upload_bytes)
 
     async def close(self) -> None:

@@ -161,7 +161,7 @@ class GatewayApp:
         store_health = StoreHealth(
             js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor
         )
-        blob_store = await ensure_objects_bucket(js, cfg.nats)
+        blob_store = await ensure_objects_bucket(self._nc, cfg.nats)
         batch_store = BatchStore(await ensure_batches_bucket(js, cfg.nats), self._nc)
         claim_check = ClaimCheck(blob_store, cfg, storage=storage, store_health=store_health, batches=batch_store)
         self._queues = QueueView(

@@ -202,7 +202,7 @@ class SchedulerApp:
         )
         store = JobStore(kv, work_stream=config.nats.work_stream, after_write=claim_lifetimes.after_write)
         claim_lifetimes.start()
-        blobs = await ensure_objects_bucket(js, config.nats)
+        blobs = await ensure_objects_bucket(nc, config.nats)
         queued_records = QueuedRecords()
         self._flow = flow = JobFlow(
             store=store,
