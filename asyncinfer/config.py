@@ -697,8 +697,10 @@ class ModelConfig(_Section):
         30.0,
         ge=0,
         description="triton backend: how long a batch waits for a Triton server it cannot reach (restarting, a "
-        "rolling update) before its items fail UNAVAILABLE, and at start-up how long the batcher waits for the "
-        "server to be reachable and ready. Jobs meanwhile stay RUNNING (the batch) or QUEUED (the rest).",
+        "rolling update), and no later than 0.2 s before its first job's execution timeout, before its jobs are "
+        "handed back (their attempts given back; a KServe call fails UNAVAILABLE), and at start-up how long the "
+        "batcher waits for the server to be reachable and ready. From the outage's first call the model takes no "
+        "work on that batcher until Triton answers its readiness probe: the rest of its jobs wait QUEUED.",
     )
     max_batch_size: int = Field(
         32,

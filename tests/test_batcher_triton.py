@@ -11,16 +11,18 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.client import AsyncClient
+from asyncinfer.client import AsyncClient, Job, JobState
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
 from asyncinfer.errors import DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
 from asyncinfer.tensors import Tensor
@@ -325,9 +327,9 @@ def sent_rows(batcher: BatcherApp, model: str) -> list[int]:
     infer = backend.infer_batch_async
     rows: list[int] = []
 
-    async def recorded(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
+    async def recorded(inputs: dict[str, np.ndarray], *times: object) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
         rows.append(len(inputs["x"]))
-        return await infer(inputs)
+        return await infer(inputs, *times)  # type: ignore[arg-type]
 
     backend.infer_batch_async = recorded  # type: ignore[method-assign]
     return rows
@@ -351,12 +353,16 @@ async def test_a_batch_that_outlasts_a_triton_outage_fails_unavailable_after_one
         await batcher.start()
         rows = sent_rows(batcher, "remote")
         await outage.down()
-        outcomes = await asyncio.gather(
-            *(batcher.engine.infer("remote", x(float(v))) for v in range(4)), return_exceptions=True
-        )
+        with structlog.testing.capture_logs() as logs:
+            # Submitted in one step: one batch, before the outage is known (then nothing is taken).
+            items = [batcher.engine.submit("remote", x(float(v))) for v in range(4)]
+            outcomes = await asyncio.gather(*(item.future for item in items), return_exceptions=True)
         assert all(isinstance(o, Unavailable) and o.reason == "TRITON_UNAVAILABLE" for o in outcomes), outcomes
         assert max(rows) > 1, "the items were batched"
         assert sum(rows) == 4, f"each item sent once: {rows}"
+        # An outage is not the model's error: said once (triton_unreachable), with no traceback.
+        assert [e["event"] for e in logs if e["event"] == "triton_unreachable"] == ["triton_unreachable"]
+        assert not [e for e in logs if e["event"] == "model_raised"], logs
     finally:
         await batcher.stop(grace_s=1.0)
         await outage.down()
@@ -384,10 +390,10 @@ async def test_a_triton_call_no_item_waits_for_is_cancelled(triton_url: str) -> 
         calls: list[asyncio.Task[object]] = []
         called = asyncio.Event()
 
-        async def tracked(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
+        async def tracked(inputs: dict[str, np.ndarray], *times: object) -> dict[str, np.ndarray]:  # type: ignore[type-arg]
             calls.append(asyncio.current_task())  # type: ignore[arg-type]
             called.set()
-            return await infer(inputs)
+            return await infer(inputs, *times)  # type: ignore[arg-type]
 
         backend.infer_batch_async = tracked  # type: ignore[method-assign]
 
@@ -416,4 +422,100 @@ async def test_a_triton_call_no_item_waits_for_is_cancelled(triton_url: str) -> 
     finally:
         outage.release()
         await batcher.stop(grace_s=1.0)
+        await outage.down()
+
+
+async def test_a_triton_call_lasts_as_long_as_its_items_execution_timeouts(triton_url: str) -> None:
+    """The call's timeout was the model's default_execution_timeout_s: an item whose job may compute
+    longer (its execution timeout) had its Triton call cut there, DEADLINE_EXCEEDED, on every
+    attempt. It is now when the last item of the batch stops waiting (its execution timeout from
+    the batch's start; a call none waits for is cancelled)."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None},
+            models=[remote(url, warm_up=False, default_execution_timeout_s=0.5)],
+        )
+    )
+    try:
+        await batcher.start()
+        outage.hold()  # Triton computes; its answer is held past the model's default timeout
+        item = batcher.engine.submit("remote", x(2.0), run_timeout_s=60.0)
+        # Four times the default: the old call ended DEADLINE_EXCEEDED at 0.5 s.
+        done, _ = await asyncio.wait({item.future}, timeout=2.0)
+        assert not done, item.future.exception()
+        outage.release()
+        outcome = await asyncio.wait_for(item.future, 30)
+        assert outcome.outputs[0].to_numpy().tolist() == [[5.0] * 4]
+    finally:
+        outage.release()
+        await batcher.stop(grace_s=1.0)
+        await outage.down()
+
+
+async def batcher_health(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+        return int(reply.status)
+
+
+async def jobs_seen(jobs: AsyncClient, ids: list[str], settled: Callable[[list[Job]], bool]) -> list[Job]:
+    """The jobs as the gateway has them once `settled(jobs)` (or the last read, after 30 s)."""
+    seen: list[Job] = []
+    for _ in range(600):
+        seen = [await jobs.get(job_id) for job_id in ids]
+        if settled(seen):
+            break
+        await asyncio.sleep(0.05)
+    return seen
+
+
+async def test_a_batcher_whose_triton_is_out_of_reach_hands_its_jobs_back_unspent(
+    triton_url: str, config: Config, start_stack: StartStack
+) -> None:
+    """While Triton was down the batcher kept taking the model's work: each batch waited out the
+    outage, then its jobs failed TRITON_UNAVAILABLE, an attempt spent (a job of one attempt failed,
+    others dead-lettered over a long restart). Now the model takes no work while Triton is out of
+    reach (no credits, not ready), hands back what it holds with the attempts given back, and takes
+    work again once Triton answers: the jobs wait QUEUED, then succeed on their first spent attempt."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    model = remote(url, warm_up=False, triton_outage_wait_s=0.5, max_queue_size=4)
+    stack = await start_stack(config.replace(models=[model.model_dump()]))
+    assert stack.batcher is not None
+    kserve = triton_aio.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    try:
+        async with AsyncClient(stack.address) as jobs:
+            await outage.down()
+            with structlog.testing.capture_logs() as logs:
+                ids = [
+                    (await jobs.submit("remote", {"x": np.full((1, 4), float(v), np.float32)}, max_attempts=1)).job_id
+                    for v in range(3)
+                ]
+                await logged(logs, "triton_unreachable")
+                waiting = await jobs_seen(
+                    jobs,
+                    ids,
+                    lambda seen: (
+                        any(j.done for j in seen)
+                        or all(j.state is JobState.QUEUED and j.given_back_attempts for j in seen)
+                    ),
+                )
+            assert [(j.state, j.spent_attempts) for j in waiting] == [(JobState.QUEUED, 0)] * 3, waiting
+            assert not [e for e in logs if e["event"] == "model_raised"]
+            assert not await kserve.is_model_ready("remote")
+            assert not await kserve.is_server_ready()
+            assert await batcher_health(stack.batcher.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            await outage.up()
+            found = await jobs.wait_jobs(ids, timeout_s=60)
+            done = {i: job for i, job in found.items() if isinstance(job, Job)}
+            assert [(done[i].state, done[i].spent_attempts) for i in ids] == [(JobState.SUCCEEDED, 1)] * 3
+            assert [done[i].outputs["y"].tolist() for i in ids] == [[[2.0 * v + 1] * 4] for v in range(3)]
+            assert await kserve.is_model_ready("remote")
+            assert await kserve.is_server_ready()
+            assert await batcher_health(stack.batcher.port) == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await kserve.close()
         await outage.down()

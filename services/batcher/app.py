@@ -71,6 +71,7 @@ class BatcherApp:
         # Model name -> why it failed to load; those models answer UNAVAILABLE with the reason.
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
+        self._health_updates: set[asyncio.Task[None]] = set()
         self._sighup = False
         self._server: GrpcServer | None = None
         self._metrics_server: MetricsServer | None = None
@@ -138,6 +139,7 @@ class BatcherApp:
             # Like Triton's strict readiness: not ready while a configured model is missing, but
             # the models that loaded keep serving.
             await self._server.set_serving(False)
+        self.engine.add_reachable_listener(self._reachable_changed)
 
         self._metrics_server = MetricsServer(self.registry, batcher.host, batcher.metrics_port)
         await asyncio.to_thread(self._metrics_server.start)
@@ -175,6 +177,27 @@ class BatcherApp:
             scheduler=batcher.scheduler_address or None,
             failed_models=self.load_failures or None,
         )
+
+    def _reachable_changed(self) -> None:
+        """A model's Triton went out of reach or answers again: while one is out of reach, health
+        is NOT_SERVING and the model's ready gauge 0, as for a model that failed to load (the
+        others keep serving)."""
+        unreachable = set(self.engine.unreachable_models())
+        for name in self.engine.model_names:
+            if self.engine.pipeline(name) is None:
+                self.metrics.set_model_ready(name, name not in unreachable)
+        if self._server is None or self._stopped:
+            return
+        server = self._server
+
+        async def update() -> None:
+            # Read when it runs: of two changes in a row, the last one's health stands.
+            await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
+
+        task = asyncio.create_task(update(), name="batcher-health")
+        self._health_updates.add(task)  # awaited by stop
+        task.add_done_callback(self._health_updates.discard)
+        task.add_done_callback(failure_logged)
 
     def _model_hung(self, batch: HungBatch) -> None:
         """A model call that does not return: no thread can be stopped, so the process stops (as
@@ -275,7 +298,7 @@ class BatcherApp:
             asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
         for task in list(self._reloads):
             task.cancel()
-        await asyncio.gather(*self._reloads, return_exceptions=True)
+        await asyncio.gather(*self._reloads, *self._health_updates, return_exceptions=True)
         self.supervisor.begin_stop()
         deadline = asyncio.get_running_loop().time() + grace_s
         if self._worker is not None:

@@ -25,7 +25,7 @@ from asyncinfer.log_throttle import Throttle
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.assemble import assemble, split
-from services.batcher.backends import Arrays, ModelBackend
+from services.batcher.backends import Arrays, CallTimes, ModelBackend
 from services.batcher.batch_tracing import trace_batch
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import ModelMetrics
@@ -229,39 +229,62 @@ class BatchRunner:
         reporter = ProgressReporter([(item.progress, item.rows) for item in batch])
         return self.backend.infer_batch_reporting(arrays, reporter)
 
-    async def compute_async(self, batch: list[PendingItem]) -> Computed:
+    async def compute_async(self, batch: list[PendingItem], started_at: float) -> Computed:
+        """A remote backend's batch, started at `started_at` (loop time, its items' execution
+        timeouts count from it)."""
         started = time.perf_counter()
         signature = self.backend.signature
+        times = call_times(batch, started_at, self.config.default_execution_timeout_s)
         assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
         try:
-            outputs = await self.backend.infer_batch_async(assembled.arrays)
+            outputs = await self.backend.infer_batch_async(assembled.arrays, times)
             ran = succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
             error = self._model_error(exc, batch)
-            self._say_where(exc, batch)
-            ran = await self._isolate_async(batch, error)
+            if not isinstance(error, SERVER_ERRORS):
+                # The server's errors are not the model's: the backend said an outage once
+                # (triton_unreachable), and batch_failed says the batch's.
+                self._say_where(exc, batch)
+            ran = await self._isolate_async(batch, error, times)
         return ran, time.perf_counter() - started, assembled.padding_waste
 
-    async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
+    async def _isolate_async(self, batch: list[PendingItem], error: AsyncInferError, times: CallTimes) -> list[Ran]:
         if len(batch) == 1 or isinstance(error, SERVER_ERRORS):
             return [Ran(error=error) for _ in batch]
         middle = len(batch) // 2
-        return [*await self._compute_part_async(batch[:middle]), *await self._compute_part_async(batch[middle:])]
+        return [
+            *await self._compute_part_async(batch[:middle], times),
+            *await self._compute_part_async(batch[middle:], times),
+        ]
 
-    async def _compute_part_async(self, batch: list[PendingItem]) -> list[Ran]:
+    async def _compute_part_async(self, batch: list[PendingItem], times: CallTimes) -> list[Ran]:
         signature = self.backend.signature
         try:
             assembled = assemble(batch, signature, self._shaper, self.config.pad_value)
-            outputs = await self.backend.infer_batch_async(assembled.arrays)
+            outputs = await self.backend.infer_batch_async(assembled.arrays, times)
             return succeeded(batch, split(self.name, batch, outputs, assembled, signature), assembled.rows)
         except Exception as exc:
-            return await self._isolate_async(batch, self._model_error(exc, batch))
+            return await self._isolate_async(batch, self._model_error(exc, batch), times)
 
     def _model_error(self, exc: BaseException, batch: list[PendingItem]) -> AsyncInferError:
         if isinstance(exc, AsyncInferError):
             return exc
         log.exception("batch_failed_unexpectedly", model=self.name, items=len(batch))
         return ModelError(f"model {self.name!r} failed: {type(exc).__name__}: {exc}")
+
+
+def call_times(batch: Sequence[PendingItem], started_at: float, default_s: float) -> CallTimes:
+    """When the batch's items stop waiting for its remote call, from its start: each at its
+    execution timeout (an item without one, a KServe call's, at the model's default). The call
+    lasts until the last of them: cut at the model's default, an item allowed longer failed
+    DEADLINE_EXCEEDED there, its attempt spent, on every attempt; once no item waits, the call is
+    cancelled (model_queue.py). An outage is waited out until the first of them."""
+    known = [item.run_timeout_s for item in batch if item.run_timeout_s is not None]
+    longest = max(known) if len(known) == len(batch) else max([*known, default_s])
+    return CallTimes(
+        first_end=started_at + min(known) if known else None,
+        last_end=started_at + longest,
+    )
 
 
 def _failure_of(model: str, exc: BaseException) -> tuple[str, str, str, int]:

@@ -95,6 +95,7 @@ class BatchingEngine:
         # Models declared as steps of others (services/batcher/pipeline.py): no queue of their own.
         self._pipelines: dict[str, PipelineRunner] = {}
         self._listeners: list[SlotListener] = []
+        self._reachable_listeners: list[Callable[[], None]] = []
         self._executor: ThreadPoolExecutor | None = None
         # The thread pools of versions added while the engine runs, each shut down when its version
         # retires (kept, each hot update left max_inflight_batches idle threads for good).
@@ -109,6 +110,7 @@ class BatchingEngine:
             raise ValueError(f"model {config.name!r} version {config.version!r} added twice")
         queue = ModelQueue(config, backend, self._metrics, self._notify_slot_freed, self.tracing, self._hung)
         versions[config.version] = queue
+        backend.watch_reachable(lambda _reachable: self._reachable_changed(config.name))
         if self._executor is not None:
             executor = ThreadPoolExecutor(
                 max_workers=config.max_inflight_batches, thread_name_prefix=f"batcher-{config.name}"
@@ -205,12 +207,15 @@ class BatchingEngine:
         all of them hold (waiting or computing), so that an order for any version fits."""
         pipeline = self._pipelines.get(model_name)
         if pipeline is not None:
-            return pipeline.free_slots if self._accepting else 0
+            steps_take_work = all(
+                q.takes_work for step in pipeline.config.steps for q in self._queues.get(step.model, {}).values()
+            )
+            return pipeline.free_slots if self._accepting and steps_take_work else 0
         versions = self._queues.get(model_name)
         if not self._accepting or not versions:
             return 0
-        if any(q.stuck for q in versions.values()):
-            return 0  # a version whose batches hang takes no work (credits are per model)
+        if not all(q.takes_work for q in versions.values()):
+            return 0  # a version stuck or out of reach takes no work (credits are per model)
         held = sum(q.places_taken for q in versions.values())
         held += sum(q.places_taken for q in self._retiring if q.name == model_name)
         return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
@@ -402,6 +407,28 @@ class BatchingEngine:
                 reason=VERSION_NOT_SERVED_REASON,
             )
         return queue
+
+    def add_reachable_listener(self, listener: Callable[[], None]) -> None:
+        """Calls `listener()` each time a model's remote server goes out of reach or answers again
+        (`unreachable_models` changed)."""
+        self._reachable_listeners.append(listener)
+
+    def unreachable_models(self) -> list[str]:
+        """The models a version of which has its remote server (Triton) out of reach: they take no
+        work until it answers."""
+        return [
+            name for name, versions in self._queues.items() if any(not q.backend.reachable for q in versions.values())
+        ]
+
+    def _reachable_changed(self, model_name: str) -> None:
+        # The pipelines with a step on it take work as it does (their credits are their own).
+        for pipeline in self.pipelines_using(model_name):
+            self._notify_slot_freed(pipeline)
+        for listener in list(self._reachable_listeners):
+            try:
+                listener()
+            except Exception:
+                log.exception("reachable_listener_failed", model=model_name)
 
     def _notify_slot_freed(self, model_name: str) -> None:
         for listener in list(self._listeners):

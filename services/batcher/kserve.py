@@ -149,7 +149,8 @@ class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceSe
     async def ServerReady(
         self, request: service_pb2.ServerReadyRequest, context: Context
     ) -> service_pb2.ServerReadyResponse:
-        return service_pb2.ServerReadyResponse(ready=self._engine.accepting and not self._load_failures)
+        ready = self._engine.accepting and not self._load_failures and not self._engine.unreachable_models()
+        return service_pb2.ServerReadyResponse(ready=ready)
 
     async def ServerMetadata(
         self, request: service_pb2.ServerMetadataRequest, context: Context
@@ -163,7 +164,9 @@ class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceSe
         served = self._engine.has_model(request.name) and (
             not request.version or request.version in self._engine.versions(request.name)
         )
-        return service_pb2.ModelReadyResponse(ready=served and self._engine.accepting)
+        # Nor is one whose Triton is out of reach (it takes no work until it answers).
+        reachable = request.name not in self._engine.unreachable_models()
+        return service_pb2.ModelReadyResponse(ready=served and self._engine.accepting and reachable)
 
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: Context

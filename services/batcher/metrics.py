@@ -79,7 +79,7 @@ class BatcherMetrics:
         )
         self.model_ready = Gauge(
             "asyncinfer_batcher_model_ready",
-            "1 when the model loaded and serves, 0 when it failed to load.",
+            "1 when the model loaded and serves, 0 when it failed to load or its Triton is out of reach.",
             ["model"],
             registry=registry,
         )

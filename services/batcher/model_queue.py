@@ -35,7 +35,7 @@ from asyncinfer.jobs import Priority
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tensors import Tensor, validate_inputs
 from asyncinfer.tracing import Tracing
-from services.batcher.backends import ModelBackend
+from services.batcher.backends import UNREACHABLE_REASON, ModelBackend
 from services.batcher.batch_compute import (
     MODEL_STUCK_REASON,
     SHUTDOWN_REASON,
@@ -162,6 +162,7 @@ class ModelQueue:
         self._delay_s = config.max_queue_delay_ms / 1000.0
         self._preferred = sorted(set(config.preferred_batch_sizes), reverse=True)
         self._runner = BatchRunner(config, backend, self._shaper, self._metrics, self._free_slot, tracing)
+        backend.watch_reachable(self._reachable_changed)
 
     @property
     def depth(self) -> int:
@@ -171,7 +172,12 @@ class ModelQueue:
     def free_slots(self) -> int:
         # A stuck model takes no work (no credits): the scheduler's jobs wait in the queue, or go
         # to a batcher whose model answers, rather than time out here one after another.
-        return 0 if self._stuck else max(self.config.max_queue_size - self.places_taken, 0)
+        return max(self.config.max_queue_size - self.places_taken, 0) if self.takes_work else 0
+
+    @property
+    def takes_work(self) -> bool:
+        """Neither stuck nor its remote server out of reach (the backend's `reachable`)."""
+        return not self._stuck and self.backend.reachable
 
     @property
     def places_taken(self) -> int:
@@ -218,6 +224,8 @@ class ModelQueue:
         if self._stuck:
             # Given back (a credited order is answered dropped, its attempt refunded).
             raise self._stuck_error()
+        if not self.backend.reachable:
+            raise self._unreachable_error()  # given back as well
         if self.places_taken >= self.config.max_queue_size and not credited:
             raise ResourceExhausted(
                 f"model {self.name!r} is at its queue limit ({self.config.max_queue_size} items)",
@@ -319,7 +327,7 @@ class ModelQueue:
             # run_in_executor alone left out. A copy per batch: one context cannot be entered by
             # two threads at once.
             computing: asyncio.Future[Computed] = (
-                asyncio.ensure_future(runner.compute_async(batch))
+                asyncio.ensure_future(runner.compute_async(batch, now))
                 if self.backend.runs_async
                 else loop.run_in_executor(
                     self._executor, contextvars.copy_context().run, _on_its_thread, running, runner.compute
@@ -462,6 +470,26 @@ class ModelQueue:
             log.warning("model_unstuck", model=self.name)
         self._changed.set()
         self._on_item_done(self.name)  # credits follow free_slots
+
+    def _reachable_changed(self, reachable: bool) -> None:
+        """A remote backend's server went out of reach, or answers again. Out of reach, the model
+        takes no work (no credits, orders refused) and what waits is handed back: each item would
+        meet the outage, and a work order's attempt was spent on it (TRITON_UNAVAILABLE after the
+        outage wait), so a Triton restarting for two minutes could dead-letter jobs. The batches
+        computing wait the outage out (triton_backend.py), then are handed back too."""
+        if not reachable:
+            waiting = [item for item in self._waiting if not item.future.done()]
+            if waiting:
+                log.info("model_unreachable_items_handed_back", model=self.name, items=len(waiting))
+            fail(waiting, self._unreachable_error())
+        self._changed.set()
+        self._on_item_done(self.name)  # credits follow free_slots
+
+    def _unreachable_error(self) -> Unavailable:
+        return Unavailable(
+            f"model {self.name!r}: its Triton server is out of reach; it takes work again once it answers",
+            reason=UNREACHABLE_REASON,
+        )
 
     def _stuck_error(self) -> Unavailable:
         return Unavailable(

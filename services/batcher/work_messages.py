@@ -26,6 +26,7 @@ from asyncinfer.model_json import parse_model_json
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb2
+from services.batcher.backends import UNREACHABLE_REASON
 from services.batcher.batch_compute import MODEL_STUCK_REASON, RunTimedOut
 from services.batcher.chunk_items import ChunkItem
 from services.batcher.engine import SHUTDOWN_REASON, VERSION_NOT_SERVED_REASON, BatchingEngine, PendingItem
@@ -64,6 +65,15 @@ def is_shutdown(error: AsyncInferError) -> bool:
     return isinstance(error, Unavailable) and error.reason in (SHUTDOWN_REASON, MODEL_STUCK_REASON)
 
 
+def is_out_of_reach(error: AsyncInferError) -> bool:
+    """The model's remote server (Triton) could not be reached: the item was handed back unrun
+    while it waited, or its batch outlasted the outage wait. Not the job's fault: answered dropped,
+    its attempt given back; the batcher takes no work for the model until the server answers, so
+    the job waits queued (or runs on another batcher). It was a failed attempt, retried with
+    backoff: a Triton down for two minutes dead-lettered jobs of 3 attempts."""
+    return isinstance(error, Unavailable) and error.reason == UNREACHABLE_REASON
+
+
 def is_handed_back(error: AsyncInferError) -> bool:
     """A refusal of an order at submit that is not the job's: the engine stops or the model is
     stuck (is_shutdown), or the order names a model or version this batcher does not serve now.
@@ -71,7 +81,7 @@ def is_handed_back(error: AsyncInferError) -> bool:
     change (an unload more than its 1-s linger earlier, a load not finished). Answered dropped:
     back to the queue with its attempt given back, routed to a batcher that serves it, or waiting
     for one. It was a failed attempt: a rollout that unloaded v1 could spend a job's attempts."""
-    if is_shutdown(error):
+    if is_shutdown(error) or is_out_of_reach(error):
         return True
     if isinstance(error, Unavailable):
         return error.reason == VERSION_NOT_SERVED_REASON

@@ -39,6 +39,7 @@ from services.batcher.progress import ItemProgress, LeftOutLog, ProgressUpdate
 from services.batcher.work_messages import (
     error_status,
     is_handed_back,
+    is_out_of_reach,
     is_shutdown,
     load_failures,
     run_control,
@@ -357,6 +358,10 @@ class WorkSession:
             # No error: one would count as the attempt's. One abandoned mid-batch (its grace ran
             # out) is given back too: left to the stream's end it was WORKER_LOST, its attempt
             # spent, so a job longer than the grace was dead-lettered by three Ctrl-Cs of `up`.
+            self._send_result(order, dropped=True)
+        elif isinstance(error, AsyncInferError) and is_out_of_reach(error):
+            # Its model's Triton is out of reach: given back unrun, as a shutdown's (no error).
+            log.info("work_order_handed_back", reason=error.reason, started=item.started, **_about(order))
             self._send_result(order, dropped=True)
         elif isinstance(error, AsyncInferError):
             log.info("work_order_failed", reason=error.reason, error=error.message, **_about(order))

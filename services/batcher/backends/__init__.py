@@ -11,6 +11,8 @@ row's token length so the engine can bucket and count batches in tokens. A backe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -23,6 +25,20 @@ if TYPE_CHECKING:
     from services.batcher.progress import ProgressReporter
 
 Arrays = dict[str, npt.NDArray[np.generic]]
+
+# The reason of an item a remote backend could not run because its server is out of reach (Triton
+# restarting, a rolling update): not the job's fault, so a work order's attempt is given back.
+UNREACHABLE_REASON = "TRITON_UNAVAILABLE"
+ReachableListener = Callable[[bool], None]
+
+
+@dataclass(frozen=True, slots=True)
+class CallTimes:
+    """When the items of a batch stop waiting for its remote call, in loop time (None: none of them
+    has an execution timeout, a KServe call's item)."""
+
+    first_end: float | None  # the earliest: an outage is waited out no later (the batch is handed back)
+    last_end: float | None  # the latest: the call's own timeout (None: the model's default_execution_timeout_s)
 
 
 class ModelBackend:
@@ -53,9 +69,19 @@ class ModelBackend:
         """`infer_batch`, reporting each row's progress to `progress` as it goes (blocking)."""
         return self.infer_batch(inputs)
 
-    async def infer_batch_async(self, inputs: Arrays) -> Arrays:
-        """Computes one batch on the event loop (backends with `runs_async`)."""
+    async def infer_batch_async(self, inputs: Arrays, times: CallTimes | None = None) -> Arrays:
+        """Computes one batch on the event loop (backends with `runs_async`); `times`: when its
+        items stop waiting for it."""
         raise NotImplementedError
+
+    @property
+    def reachable(self) -> bool:
+        """False while a remote backend's server cannot be reached: the model takes no work until
+        it answers again."""
+        return True
+
+    def watch_reachable(self, listener: ReachableListener) -> None:
+        """Calls `listener(reachable)` on the event loop each time `reachable` changes."""
 
     def token_lengths(self, inputs: Arrays) -> list[int] | None:
         """Each row's length in tokens for text models (None: not a text model). Called on the

@@ -6,16 +6,22 @@ configured max_batch_size; a server that cannot be reached or is not ready yet (
 batcher) is waited for, up to `triton_outage_wait_s`. Each batch is one ModelInfer; the batch's
 items all get Triton's error, mapped to ours: UNAVAILABLE and NOT_FOUND (server or model gone) ->
 Unavailable (retriable), DEADLINE_EXCEEDED -> DeadlineExceeded, RESOURCE_EXHAUSTED ->
-ResourceExhausted, anything else -> ModelError with Triton's message. A batch that meets
-Unavailable is sent again, backing off, for up to `triton_outage_wait_s` before its items fail: a
-Triton restart or rolling update would otherwise spend every queued job's attempts in a couple of
-seconds (their retries' backoff is short), while the batch held here holds the model's slots, so
-the rest of its jobs stay queued.
+ResourceExhausted, anything else -> ModelError with Triton's message.
+
+An outage (Unavailable): the backend turns unreachable (`reachable`, its listeners told), and the
+model takes no work until Triton answers again (services/batcher/model_queue.py hands back what
+waits, without spending attempts). The batch that met it is sent again, backing off, for up to
+`triton_outage_wait_s`, but no later than its first item's execution timeout, then its items fail
+UNREACHABLE_REASON (handed back too). Meanwhile a probe asks Triton whether the server and the model
+are ready, backing off to MAX_RETRY_S, until they are. Each call's timeout is when the last of its
+batch's items stops waiting (its execution timeout, from the batch's start), not the model's
+default_execution_timeout_s: an item allowed longer had its call cut there, DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -26,7 +32,15 @@ from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, ConfigError, DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
-from services.batcher.backends import Arrays, ModelBackend, check_outputs
+from asyncinfer.supervision import failure_logged
+from services.batcher.backends import (
+    UNREACHABLE_REASON,
+    Arrays,
+    CallTimes,
+    ModelBackend,
+    ReachableListener,
+    check_outputs,
+)
 
 log = structlog.get_logger("asyncinfer.batcher.triton")
 
@@ -34,13 +48,19 @@ T = TypeVar("T")
 
 FIRST_RETRY_S = 0.2
 MAX_RETRY_S = 2.0
+# A batch meeting an outage gives up this long before its first item's execution timeout ends: its
+# items are then handed back (their attempts kept) rather than timed out (a call of the retry may
+# take a moment to fail).
+HAND_BACK_BEFORE_S = 0.2
+# The probe's readiness calls, each.
+PROBE_TIMEOUT_S = 5.0
 
 
 def map_triton_error(model_name: str, error: InferenceServerException) -> AsyncInferError:
     status = str(error.status() or "")
     message = f"triton model {model_name!r}: {error.message() or error}"
     if status.endswith(("UNAVAILABLE", "NOT_FOUND")):
-        return Unavailable(message, reason="TRITON_UNAVAILABLE")
+        return Unavailable(message, reason=UNREACHABLE_REASON)
     if status.endswith("DEADLINE_EXCEEDED"):
         return DeadlineExceeded(message)
     if status.endswith("RESOURCE_EXHAUSTED"):
@@ -60,7 +80,19 @@ class TritonBackend(ModelBackend):
         self._max_batch_size = model.max_batch_size
         self._outage_wait_s = model.triton_outage_wait_s
         self._client: triton.InferenceServerClient | None = None
-        self._unreachable = False  # said once per outage, whatever number of batches meet it
+        # False from a call's Unavailable until a call or the probe gets through: said once per
+        # outage, whatever number of batches meet it.
+        self._reachable = True
+        self._listeners: list[ReachableListener] = []
+        self._serving = False  # started: an outage from now on starts the probe
+        self._probe: asyncio.Task[None] | None = None
+
+    @property
+    def reachable(self) -> bool:
+        return self._reachable
+
+    def watch_reachable(self, listener: ReachableListener) -> None:
+        self._listeners.append(listener)
 
     async def start(self) -> None:
         self._client = triton.InferenceServerClient(self.url)
@@ -73,10 +105,10 @@ class TritonBackend(ModelBackend):
             except InferenceServerException as exc:
                 raise map_triton_error(self.name, exc) from None
             if not ready:
-                raise Unavailable(f"{where}: the server is not ready", reason="TRITON_UNAVAILABLE")
+                raise Unavailable(f"{where}: the server is not ready", reason=UNREACHABLE_REASON)
 
         try:
-            await self._outlasting_outages(server_ready)
+            await self._outlasting_outages(server_ready, self._outage_wait_s)
         except Unavailable as exc:
             raise ConfigError(f"{where}: {exc.message} (waited {self._outage_wait_s:g} s)") from None
         try:
@@ -96,11 +128,14 @@ class TritonBackend(ModelBackend):
                 f"{where}: it takes batches of at most {remote_max} rows (its max_batch_size), "
                 f"configured max_batch_size = {self._max_batch_size}: set it to {remote_max} or less"
             )
+        self._serving = True
 
-    async def _outlasting_outages(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _outlasting_outages(
+        self, call: Callable[[], Awaitable[T]], wait_s: float, give_up_by: float | None = None
+    ) -> T:
         """call(), again while it raises Unavailable (Triton restarting, a rolling update, a model
-        being reloaded), backing off from FIRST_RETRY_S to MAX_RETRY_S, for up to
-        triton_outage_wait_s; then that error."""
+        being reloaded), backing off from FIRST_RETRY_S to MAX_RETRY_S, for up to wait_s from the
+        first failure and no later than `give_up_by` (loop time); then that error."""
         loop = asyncio.get_running_loop()
         give_up_at: float | None = None
         delay = FIRST_RETRY_S
@@ -109,26 +144,65 @@ class TritonBackend(ModelBackend):
                 result = await call()
             except Unavailable as error:
                 now = loop.time()
+                self._out_of_reach(error, wait_s)
                 if give_up_at is None:
-                    give_up_at = now + self._outage_wait_s
-                    if not self._unreachable:
-                        self._unreachable = True
-                        log.warning(
-                            "triton_unreachable",
-                            model=self.name,
-                            url=self.url,
-                            error=error.message,
-                            waiting_s=self._outage_wait_s,
-                        )
+                    give_up_at = now + wait_s if give_up_by is None else min(now + wait_s, give_up_by)
                 if now + delay > give_up_at:
                     raise
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, MAX_RETRY_S)
                 continue
-            if self._unreachable:
-                self._unreachable = False
-                log.info("triton_reachable_again", model=self.name, url=self.url)
+            self._in_reach()
             return result
+
+    def _out_of_reach(self, error: Unavailable, wait_s: float) -> None:
+        if not self._reachable:
+            return
+        self._reachable = False
+        log.warning("triton_unreachable", model=self.name, url=self.url, error=error.message, waiting_s=wait_s)
+        if self._serving and self._probe is None:
+            # Owned here: cancelled and awaited by aclose; a bug in it is said at once.
+            self._probe = asyncio.create_task(self._probe_until_reachable(), name=f"triton-probe-{self.name}")
+            self._probe.add_done_callback(failure_logged)
+        self._tell(reachable=False)
+
+    def _in_reach(self) -> None:
+        if self._reachable:
+            return
+        self._reachable = True
+        log.info("triton_reachable_again", model=self.name, url=self.url)
+        self._tell(reachable=True)
+
+    def _tell(self, *, reachable: bool) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(reachable)
+            except Exception:
+                log.exception("reachable_listener_failed", model=self.name)
+
+    async def _probe_until_reachable(self) -> None:
+        """While Triton is out of reach the model runs no batch that would find out when it is
+        back: this asks whether the server and the model are ready, backing off from FIRST_RETRY_S
+        to MAX_RETRY_S, until they are (or a batch's call got through first)."""
+        delay = FIRST_RETRY_S
+        try:
+            while not self._reachable and (client := self._client) is not None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
+                if self._reachable:
+                    break
+                try:
+                    ready = await client.is_server_ready(client_timeout=PROBE_TIMEOUT_S) and (
+                        await client.is_model_ready(
+                            self.remote_name, self.remote_version, client_timeout=PROBE_TIMEOUT_S
+                        )
+                    )
+                except InferenceServerException:
+                    continue
+                if ready:
+                    self._in_reach()
+        finally:
+            self._probe = None
 
     def _check_metadata(self, where: str, metadata: dict[str, Any]) -> None:
         for kind, specs in (("inputs", self._signature.inputs), ("outputs", self._signature.outputs)):
@@ -162,9 +236,9 @@ class TritonBackend(ModelBackend):
                     f"{self._max_batch_size}: set max_batch_size to {rows}, or enable batching in Triton"
                 )
 
-    async def infer_batch_async(self, inputs: Arrays) -> Arrays:
+    async def infer_batch_async(self, inputs: Arrays, times: CallTimes | None = None) -> Arrays:
         if self._client is None:
-            raise Unavailable(f"triton model {self.name!r} is not connected", reason="TRITON_UNAVAILABLE")
+            raise Unavailable(f"triton model {self.name!r} is not connected", reason=UNREACHABLE_REASON)
         requests = []
         for spec in self._signature.inputs:
             array = inputs[spec.name]
@@ -173,20 +247,26 @@ class TritonBackend(ModelBackend):
             requests.append(infer_input)
         wanted = [triton.InferRequestedOutput(spec.name) for spec in self._signature.outputs]
         client = self._client
+        loop = asyncio.get_running_loop()
+        call_ends = times.last_end if times is not None else None
+        give_up_by = None
+        if times is not None and times.first_end is not None:
+            give_up_by = times.first_end - HAND_BACK_BEFORE_S
 
         async def infer() -> Any:
+            timeout_s = self._timeout_s if call_ends is None else max(call_ends - loop.time(), 0.001)
             try:
                 return await client.infer(
                     self.remote_name,
                     requests,
                     model_version=self.remote_version,
                     outputs=wanted,
-                    client_timeout=self._timeout_s,
+                    client_timeout=timeout_s,
                 )
             except InferenceServerException as exc:
                 raise map_triton_error(self.name, exc) from None
 
-        result = await self._outlasting_outages(infer)
+        result = await self._outlasting_outages(infer, self._outage_wait_s, give_up_by)
         outputs: Arrays = {}
         for spec in self._signature.outputs:
             array = result.as_numpy(spec.name)
@@ -197,6 +277,12 @@ class TritonBackend(ModelBackend):
         return outputs
 
     async def aclose(self) -> None:
+        self._serving = False
+        if self._probe is not None:
+            probe = self._probe
+            probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await probe
         if self._client is not None:
             client, self._client = self._client, None
             await client.close()
