@@ -26,6 +26,8 @@ from asyncinfer.client import AsyncClient, Job, JobState
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, TensorSpecConfig
 from asyncinfer.errors import DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
 from asyncinfer.tensors import Tensor
+from asyncinfer.v1.job_service_pb2 import MODEL_VERSION_STATE_LOADING as LOADING
+from asyncinfer.v1.job_service_pb2 import MODEL_VERSION_STATE_READY as READY
 from asyncinfer.v1.job_service_pb2 import ListModelsRequest
 from services.batcher.app import BatcherApp
 from services.batcher.backends.triton_backend import map_triton_error
@@ -497,9 +499,11 @@ async def test_a_batcher_whose_triton_is_out_of_reach_hands_its_jobs_back_unspen
                 waiting = await jobs_seen(
                     jobs,
                     ids,
+                    # The batch that met the outage handed back (a job submitted once the scheduler
+                    # dropped the model's credits here is never sent: none given back).
                     lambda seen: (
                         any(j.done for j in seen)
-                        or all(j.state is JobState.QUEUED and j.given_back_attempts for j in seen)
+                        or (all(j.state is JobState.QUEUED for j in seen) and any(j.given_back_attempts for j in seen))
                     ),
                 )
             assert [(j.state, j.spent_attempts) for j in waiting] == [(JobState.QUEUED, 0)] * 3, waiting
@@ -518,4 +522,63 @@ async def test_a_batcher_whose_triton_is_out_of_reach_hands_its_jobs_back_unspen
             assert await batcher_health(stack.batcher.port) == health_pb2.HealthCheckResponse.SERVING
     finally:
         await kserve.close()
+        await outage.down()
+
+
+async def test_a_long_triton_outage_hands_a_job_back_once_not_round_and_round(
+    triton_url: str, config: Config, start_stack: StartStack
+) -> None:
+    """The model took no new credits while its Triton was out of reach, but the scheduler kept those
+    it held: the job handed back went straight back to the same batcher on one of them, was refused
+    (handed back again), and so on, each time after a longer backoff and, past 5 in a row, counted
+    as an attempt: with 16 credits held a job of max_attempts 1 was dead-lettered within seconds of
+    an outage ("batchers handed it back unrun 6 times in a row"). The batcher now announces the
+    model's versions LOADING while its Triton is out of reach, so the scheduler drops its credits
+    there: the job is handed back once, waits QUEUED, and runs once Triton answers."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    model = remote(
+        url,
+        warm_up=False,
+        triton_outage_wait_s=0.3,
+        max_queue_size=16,
+        retry_backoff_base_s=0.05,
+        retry_backoff_max_s=0.2,
+    )
+    stack = await start_stack(config.replace(models=[model.model_dump()]))
+    assert stack.batcher is not None
+
+    async def states() -> set[int]:
+        listed = (await stack.jobs.ListModels(ListModelsRequest())).models
+        return {v.state for m in listed if m.name == "remote" for v in m.versions}
+
+    async def until(settled: Callable[[Job, set[int]], bool]) -> tuple[Job, set[int]]:
+        """The job and its model's version states once `settled` (or the last read, after 30 s)."""
+        for _ in range(600):
+            job, listed = await jobs.get(job_id), await states()
+            if settled(job, listed):
+                break
+            await asyncio.sleep(0.05)
+        return job, listed
+
+    try:
+        async with AsyncClient(stack.address) as jobs:
+            await outage.down()
+            job_id = (await jobs.submit("remote", {"x": np.full((1, 4), 3.0, np.float32)}, max_attempts=1)).job_id
+            # The registry says LOADING once the scheduler has the announce (and has dropped the credits).
+            waiting, listed = await until(
+                lambda job, listed: job.done or (bool(job.given_back_attempts) and listed == {LOADING})
+            )
+            assert (waiting.state, waiting.spent_attempts, waiting.given_back_attempts) == (JobState.QUEUED, 0, 1), (
+                waiting
+            )
+            assert listed == {LOADING}
+
+            await outage.up()
+            done = await jobs.wait(job_id, timeout_s=60)
+            assert (done.state, done.spent_attempts, done.given_back_attempts) == (JobState.SUCCEEDED, 1, 1), done
+            assert done.outputs["y"].tolist() == [[7.0] * 4]
+            _, listed = await until(lambda _job, listed: listed == {READY})
+            assert listed == {READY}
+    finally:
         await outage.down()

@@ -186,7 +186,11 @@ class BatcherApp:
         for name in self.engine.model_names:
             if self.engine.pipeline(name) is None:
                 self.metrics.set_model_ready(name, name not in unreachable)
-        if self._server is None or self._stopped:
+        if self._stopped:
+            return
+        if self._worker is not None:
+            self._worker.reachable_changed()  # the scheduler drops the model's credits here
+        if self._server is None:
             return
         server = self._server
 

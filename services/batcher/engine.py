@@ -420,6 +420,13 @@ class BatchingEngine:
             name for name, versions in self._queues.items() if any(not q.backend.reachable for q in versions.values())
         ]
 
+    def out_of_reach(self) -> set[str]:
+        """The unreachable models and the pipelines with a step on one: announced to the scheduler
+        as loading (services/batcher/work_messages.served_models), so that it drops the credits
+        it holds for them here and sends them no orders until they answer again."""
+        names = set(self.unreachable_models())
+        return names.union(*(self.pipelines_using(name) for name in names))
+
     def _reachable_changed(self, model_name: str) -> None:
         # The pipelines with a step on it take work as it does (their credits are their own).
         for pipeline in self.pipelines_using(model_name):

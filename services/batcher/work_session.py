@@ -94,6 +94,10 @@ class WorkSession:
         # None ends the request stream (a half-close).
         self._outbox: asyncio.Queue[worker_service_pb2.ConnectRequest | None] = asyncio.Queue()
         self._unused_credits = dict.fromkeys(engine.model_names, 0)
+        # The models announced LOADING while their Triton is out of reach (engine.out_of_reach):
+        # the scheduler dropped their credits and refuses a grant for them, so none is offered
+        # until they are announced READY again.
+        self._out_of_reach: set[str] = set()
         self._orders: dict[OrderKey, PendingItem | ChunkItem] = {}
         self._order_tasks: set[asyncio.Task[None]] = set()
         self._open = True
@@ -120,6 +124,7 @@ class WorkSession:
         """Tells the scheduler the versions served now (and those loading), then offers credits for
         any model that is new here. Sent before the engine retires a version, so that the
         scheduler stops sending it orders while its last ones still run."""
+        out_of_reach = self._engine.out_of_reach()
         self._send(
             worker_service_pb2.ConnectRequest(
                 models=worker_service_pb2.ServedModels(
@@ -127,6 +132,12 @@ class WorkSession:
                 )
             )
         )
+        # Credits granted from now on go in a message after this one: the scheduler refuses a grant
+        # for a model it has not been told it serves (INVALID_ARGUMENT, the stream ends).
+        self._filling = None
+        for model_name in out_of_reach - self._out_of_reach:
+            self._unused_credits[model_name] = 0  # the scheduler drops them
+        self._out_of_reach = out_of_reach
         served = self._engine.model_names
         for model_name in [name for name in self._unused_credits if name not in served]:
             # The scheduler drops a model's credits when no version of it is served any more.
@@ -154,6 +165,7 @@ class WorkSession:
         call = self._stub.Connect(metadata=self._metadata or None)  # type: ignore[call-arg]  # the stubs miss the write() style
         writer = asyncio.create_task(self._write(call), name="batcher-work-stream-writer")
         try:
+            self._out_of_reach = self._engine.out_of_reach()  # the hello announces them LOADING
             hello = worker_hello(
                 self._engine,
                 self._batcher_id,
@@ -235,6 +247,8 @@ class WorkSession:
     def _top_up(self, model_name: str) -> None:
         """Grants credits up to the model's free slots, counting credits not yet used."""
         if not (self._open and self._granting) or model_name not in self._unused_credits:
+            return
+        if model_name in self._out_of_reach:
             return
         reading = len(self._reading.get(model_name, ()))  # orders that will take a slot once read
         wanted = self._engine.free_slots(model_name) - self._unused_credits[model_name] - reading

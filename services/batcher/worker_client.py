@@ -113,6 +113,13 @@ class WorkerClient:
         if self._session is not None:
             self._session.models_changed(self._loading)
 
+    def reachable_changed(self) -> None:
+        """A model's Triton went out of reach or answers again: announced again (LOADING while it
+        is out of reach, services/batcher/work_messages.served_models). Not once it stops: the
+        scheduler was told it serves nothing."""
+        if self._session is not None and not self._stopping:
+            self._session.models_changed(self._loading)
+
     def stop_granting(self) -> None:
         """Offers no more credits (the first step of shutdown) and does not reconnect."""
         self._stopping = True

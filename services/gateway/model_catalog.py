@@ -241,7 +241,11 @@ class ModelCatalog:
                 if ready:
                     state, reason, batchers = READY, "", ready
                 elif loading:
-                    state, reason, batchers = LOADING, "a batcher is loading and warming it up", loading
+                    state, reason, batchers = (
+                        LOADING,
+                        "a batcher is loading and warming it up, or waits for its Triton server to answer",
+                        loading,
+                    )
                 else:
                     state, reason, batchers = UNAVAILABLE, self._why_unavailable(model.name, version), []
                 versions.append(VersionListing(config=config, state=state, reason=reason, batchers=tuple(batchers)))
