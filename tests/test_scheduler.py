@@ -201,10 +201,13 @@ class FakeBatcher:
         takes_batches: bool = False,
         reads_claim_checks: bool = False,
         times_out_runs: bool = False,
+        version: str = "1",
     ) -> worker_service_pb2.WorkerWelcome:
         hello = worker_service_pb2.WorkerHello(
             batcher_id=self.batcher_id,
-            models=[worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=max_batch_size)],
+            models=[
+                worker_service_pb2.ServedModel(model_name=MODEL, model_version=version, max_batch_size=max_batch_size)
+            ],
             takes_batches=takes_batches,
             reads_claim_checks=reads_claim_checks,
             times_out_runs=times_out_runs,

@@ -164,11 +164,11 @@ class Harness:
         self.started = time.monotonic()
 
     async def batcher(
-        self, batcher_id: str = "b1", credits: int = 0, *, reads_claim_checks: bool = False
+        self, batcher_id: str = "b1", credits: int = 0, *, reads_claim_checks: bool = False, version: str = "1"
     ) -> ScriptedBatcher:
         batcher = ScriptedBatcher(self.app.port, batcher_id)
         self.batchers.append(batcher)
-        await batcher.connect(reads_claim_checks=reads_claim_checks)
+        await batcher.connect(reads_claim_checks=reads_claim_checks, version=version)
         if credits:
             await batcher.grant(credits)
         return batcher
@@ -1947,6 +1947,94 @@ async def test_a_superseded_attempt_stops_renewing_so_a_dead_takers_job_comes_ba
     await on_a.answer(third)
     done = await wait_state(a.js, job_id, JobState.SUCCEEDED)
     assert done.attempt == 3
+
+
+@pytest.mark.parametrize("given_back", ["shed", "batcher_lost", "retried_after_a_backoff"])
+async def test_a_job_its_attempt_gave_back_counts_in_its_queues_depth_and_oldest_time(
+    start: Start, config: Config, given_back: str
+) -> None:
+    """A job put back by its attempt's end (its batcher shed it unrun, the batcher was lost, it
+    failed and is retried after a backoff) is waiting again, but the consumer counts its message
+    delivered until it is pulled again: with no credit to pull it, the queue's depth said 0 and its
+    oldest time none, as the dispatchers' own put-backs did before they were counted. One put back
+    with a delay counts in the depth at once, and in the oldest time once its delay has passed
+    (before, it cannot be pulled: its age said the queue stalled while the backoff ran)."""
+    # A retry's backoff of 30-60 s, which the test passes by moving the queues' clock on.
+    h = await start(tune(config, retry_backoff_base_s=60.0, retry_backoff_max_s=60.0))
+    batcher = await h.batcher("b1", credits=1)
+    job_id = await enqueue(h.nc, h.kv)
+    subject = job_work_subject(MODEL, Priority.NORMAL, TENANT, job_id)
+    stored = await h.js.get_last_msg(h.app.config.nats.work_stream, subject)  # the work message
+    assert stored.time is not None
+    order = await batcher.next_order()
+    assert order.job_id == job_id
+    await wait_state(h.js, job_id, JobState.RUNNING)
+    if given_back == "shed":
+        shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+        await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+    elif given_back == "batcher_lost":
+        await batcher.close()
+    else:
+        await batcher.fail(order, MODEL_ERROR)  # retriable, no credit back
+    await wait_state(h.js, job_id, JobState.QUEUED)
+    (dispatcher,) = h.app._dispatchers_by_model[MODEL]
+    skew_s = [0.0]
+    dispatcher.queues._clock = lambda: time.monotonic() + skew_s[0]
+
+    async def own_normal_queue() -> Any:
+        (snapshot,) = await h.app._stats.snapshot(MODEL)  # this scheduler's own count
+        return next(q for q in snapshot.priorities if q.priority is Priority.NORMAL)
+
+    async def counted() -> bool:
+        return bool((await own_normal_queue()).depth == 1)
+
+    try:
+        await until(counted)
+    except AssertionError:
+        raise AssertionError(f"the job given back is not counted: {await own_normal_queue()}") from None
+    normal = await own_normal_queue()
+    if given_back == "retried_after_a_backoff":
+        assert normal.oldest_create_time is None  # not offered again yet
+        assert normal.oldest_age_s is None
+        skew_s[0] = 61.0  # its backoff has passed
+        normal = await own_normal_queue()
+        assert normal.depth == 1
+    assert normal.oldest_create_time == pytest.approx(stored.time.timestamp(), abs=0.01)
+    assert normal.oldest_age_s is not None
+
+
+async def test_a_job_waiting_for_a_version_counts_in_its_queues_depth_and_oldest_time(
+    start: Start, config: Config
+) -> None:
+    """A job whose version no batcher serves is pulled and put back (version_routing: for
+    WAIT_UNSERVED_S) by every dispatch, so the consumer counts its message delivered nearly all
+    the time: the queue's depth said 0 and its oldest time none while it waited (a free slot's
+    held pull even made the snapshot skip the consumer), and the desired batchers said 0."""
+    h = await start(tune(config))
+    await h.batcher("only-v2", credits=1, version="2")  # a free slot, for another version
+    job_id = await enqueue(h.nc, h.kv)  # version 1
+    subject = job_work_subject(MODEL, Priority.NORMAL, TENANT, job_id)
+    stored = await h.js.get_last_msg(h.app.config.nats.work_stream, subject)
+    assert stored.time is not None
+
+    async def snapshot() -> Any:
+        (model,) = await h.app._stats.snapshot(MODEL)
+        return model
+
+    async def counted() -> bool:
+        normal = next(q for q in (await snapshot()).priorities if q.priority is Priority.NORMAL)
+        return normal.depth == 1 and normal.oldest_create_time is not None
+
+    try:
+        await until(counted)
+    except AssertionError:
+        raise AssertionError(f"the job waiting for its version is not counted: {await snapshot()}") from None
+    model = await snapshot()
+    normal = next(q for q in model.priorities if q.priority is Priority.NORMAL)
+    assert normal.oldest_create_time == pytest.approx(stored.time.timestamp(), abs=0.01)
+    assert model.desired_batchers >= 1
+    record = await read_record(h.js, job_id)
+    assert (record.state, record.attempt) == (JobState.QUEUED, 0)
 
 
 async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_ones_depth(

@@ -54,7 +54,7 @@ from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.deadline_sweep import DeadlineSweep
-from services.scheduler.dispatcher import ModelDispatcher
+from services.scheduler.dispatcher import PRIORITY_BY_SUBJECT_TOKEN, ModelDispatcher
 from services.scheduler.instances import SchedulerInstance, instance_name, new_run
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.lease_reclaim import LeaseReclaimer
@@ -340,7 +340,7 @@ class SchedulerApp:
         for model in config.models:
             await start_dispatcher(model.name)
         self.supervisor.start("scheduler-runtime-models", runtime.run())
-        flow.on_put_back = self._wake_dispatcher
+        flow.on_put_back = self._put_back
         flow.on_message_dropped = self._forget_put_back
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         if self.summary is not None:
@@ -451,13 +451,23 @@ class SchedulerApp:
         for dispatcher in self._dispatchers_by_model.get(model_name, ()):
             dispatcher.queues.forget(job_id)
 
-    def _wake_dispatcher(self, subject: str) -> None:
-        """A message was put back on `subject` (a job's work subject, or its queue's)."""
+    def _put_back(self, msg: Msg, delay_s: float, backoff: bool) -> None:
+        """A work message pulled here is being put back (an attempt's end gave its job back, or
+        its dispatch waits): counted in its queue's depth by its model's dispatcher, as the
+        dispatchers' own put-backs are, until a pull brings it back (it was not: with no credit to
+        pull it, the queue said 0 jobs waiting and no oldest time while it waited); the dispatcher
+        is woken for one offered again at once."""
         # asyncinfer.work.<model>.<priority>[.<tenant>.<job_id>]
-        model_name, _, rest = subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").partition(".")
+        model_name, _, rest = msg.subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").partition(".")
         priority_token = rest.partition(".")[0]
-        for dispatcher in self._dispatchers_by_model.get(model_name, ()):
-            dispatcher.wake(priority_token)
+        dispatchers = self._dispatchers_by_model.get(model_name, ())
+        priority = PRIORITY_BY_SUBJECT_TOKEN.get(priority_token)
+        if dispatchers and priority is not None:
+            # One of them (the depth sums them); a backoff keeps it out of the oldest time meanwhile.
+            dispatchers[0].queues.put_back(priority, msg, backoff_s=delay_s if backoff else 0.0)
+        if delay_s <= 0:
+            for dispatcher in dispatchers:
+                dispatcher.wake(priority_token)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:

@@ -128,7 +128,7 @@ class JobDispatch:
                 job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
             else:
                 job_log.exception("dispatch_failed")
-            await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
+            await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
             return False
 
     async def _traced_dispatch(
@@ -176,7 +176,7 @@ class JobDispatch:
         age_s = time.time() - envelope.create_time
         if age_s < self._config.scheduler.orphan_message_grace_s:
             job_log.info("job_record_not_written_yet", age_s=round(age_s, 3))
-            await quietly(msg.nak(delay=DISPATCH_RETRY_DELAY_S))
+            await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
         else:
             job_log.warning("orphan_work_message_dropped", age_s=round(age_s, 1))
             await quietly(msg.term())
@@ -198,7 +198,7 @@ class JobDispatch:
             if isinstance(routed, version_routing.Waiting):
                 if _first_delivery(msg):
                     job_log.info("job_waits_for_version", version=routed.version, reason=routed.reason)
-                await quietly(msg.nak(delay=routed.delay_s))
+                await self._settlement.put_back(msg, routed.delay_s)
                 return False
             if routed.session is not session:
                 # Another batcher's credit was taken: the reserved one goes back to the dispatcher.

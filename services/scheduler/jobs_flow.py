@@ -120,12 +120,13 @@ class JobFlow:
         return self._leases.jobs
 
     @property
-    def on_put_back(self) -> Callable[[str], None]:
+    def on_put_back(self) -> Callable[[Msg, float, bool], None]:
         return self._settlement.on_put_back
 
     @on_put_back.setter
-    def on_put_back(self, callback: Callable[[str], None]) -> None:
-        """Told the subject of every message put back for immediate redelivery."""
+    def on_put_back(self, callback: Callable[[Msg, float, bool], None]) -> None:
+        """Told of every message put back (nak'ed), its delay and whether that is the job's
+        backoff, just before its nak."""
         self._settlement.on_put_back = callback
 
     async def dispatch(self, msg: Msg, session: BatcherSession) -> bool:

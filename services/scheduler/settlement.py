@@ -71,9 +71,11 @@ class Settlement:
         self._claim_check = claim_check
         self._stale_results = stale_results
         self._rng = rng
-        # Told the subject of every message put back for immediate redelivery (no publish rings
-        # the dispatcher's doorbell for those).
-        self.on_put_back: Callable[[str], None] = _ignore
+        # Told of every message put back (nak'ed), its delay and whether that is the job's backoff,
+        # just before its nak: waiting again, though the consumer counts it delivered until it is
+        # pulled again, so the model's queues count it (ModelQueues.put_back); and no publish rings
+        # the dispatcher's doorbell for one back at once.
+        self.on_put_back: Callable[[Msg, float, bool], None] = _ignore
 
     # --- an attempt's answer ------------------------------------------------------------------
 
@@ -319,9 +321,14 @@ class Settlement:
             elif latest is not None and latest.attempt != running.attempt:
                 job_log.warning("put_back_refused", reason=error.reason, attempt_in_record=latest.attempt)
             else:
-                await quietly(msg.nak(delay=delay_s) if delay_s > 0 else msg.nak())
-                if delay_s <= 0:
-                    self.on_put_back(msg.subject)
+                await self.put_back(msg, delay_s, backoff=True)
+
+    async def put_back(self, msg: Msg, delay_s: float, *, backoff: bool = False) -> None:
+        """Naks the message, offered again after delay_s (0: at once; `backoff`: the delay is the
+        job's backoff, not a wait for something to run it). Told first (on_put_back), so that a
+        pull that brings it back at once finds it counted, and forgets it."""
+        self.on_put_back(msg, delay_s, backoff)
+        await quietly(msg.nak(delay=delay_s) if delay_s > 0 else msg.nak())
 
     async def timed_out(self, job: InFlightJob, result: WorkResult | None = None) -> None:
         """Past its execution timeout: as its batcher answered (`result`), or by this scheduler's
@@ -349,7 +356,7 @@ class Settlement:
             job.log.exception("timeout_not_stored")
 
 
-def _ignore(_subject: str) -> None:
+def _ignore(_msg: Msg, _delay_s: float, _backoff: bool) -> None:
     pass
 
 

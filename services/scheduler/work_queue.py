@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from asyncinfer.codecs.envelope import tenant_of_envelope
 from asyncinfer.contract import JOB_ID_HEADER, TENANT_HEADER, work_consumer_name
@@ -64,27 +65,39 @@ class ModelQueues:
         self._publishes = dict.fromkeys(PRIORITIES_BY_RANK, 0)
         self._pulled_at = dict.fromkeys(PRIORITIES_BY_RANK, 0)
         # The jobs whose messages this scheduler pulled and put back (a nak: a held pull's that
-        # could not run, a tenant window's jobs not taken): waiting again, but
-        # the consumer counts them as delivered, not pending, until they are pulled again. By job,
-        # not a count: one cancelled meanwhile has its message deleted, never pulled, and a count
-        # kept it in the queue's depth (and the desired batchers) for good. Each with when its
-        # message was stored (Unix seconds; None if unknown): they are the queue's oldest jobs,
-        # which the stream's next undelivered message does not say.
-        self._put_back: dict[Priority, dict[str, float | None]] = {p: {} for p in PRIORITIES_BY_RANK}
+        # could not run, a tenant window's jobs not taken, an attempt's end that gives the job back:
+        # shed by its batcher, the batcher lost, a retry; a dispatch that waits for a version):
+        # waiting again, but the consumer counts them as delivered, not pending, until they are
+        # pulled again. By job, not a count: one cancelled meanwhile has its message deleted, never
+        # pulled, and a count kept it in the queue's depth (and the desired batchers) for good.
+        # Each with when its message was stored (Unix seconds; None if unknown): they are the
+        # queue's oldest jobs, which the stream's next undelivered message does not say.
+        self._put_back: dict[Priority, dict[str, _PutBack]] = {p: {} for p in PRIORITIES_BY_RANK}
         # Whether the last pull_next found jobs already waiting, not only one it waited for
         # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
         self.found_waiting = False
 
-    def put_back(self, priority: Priority, msg: Msg) -> None:
-        """A message of the priority's queue was pulled and put back (nak) without running."""
-        self._put_back[priority][_job_id(msg)] = _stored_at(msg)
+    def put_back(self, priority: Priority, msg: Msg, *, backoff_s: float = 0.0) -> None:
+        """A message of the priority's queue was pulled and is put back (nak). `backoff_s`: how
+        long the job's own policy keeps it from running (a retry's backoff, a hand-back's)."""
+        self._put_back[priority][_job_id(msg)] = _PutBack(_stored_at(msg), self._clock() + max(backoff_s, 0.0))
 
     def put_back_jobs(self, priority: Priority) -> frozenset[str]:
         return frozenset(self._put_back[priority])
 
     def put_back_oldest(self, priority: Priority) -> float | None:
-        """When the oldest message put back on the priority's queue was stored (Unix seconds)."""
-        return min((t for t in self._put_back[priority].values() if t is not None), default=None)
+        """When the oldest message put back on the priority's queue and past its backoff was stored
+        (Unix seconds). One still in its backoff counts in the depth (it waits, and will want a
+        batcher) but not here: nothing may run it yet, and its age (since its submit) would say
+        the queue stalled (priority aging, the deadline sweep's backlog, the oldest-age alert)
+        while a retry's backoff ran, up to retry_backoff_max_s (300 s). A job put back for a short
+        while because nothing could run it (a version no batcher serves, NATS trouble) waits as
+        any queued job does, and counts at once."""
+        now = self._clock()
+        return min(
+            (p.stored_at for p in self._put_back[priority].values() if p.stored_at is not None and p.due <= now),
+            default=None,
+        )
 
     def put_back_count(self, priority: Priority) -> int:
         return len(self._put_back[priority])
@@ -194,6 +207,12 @@ class ModelQueues:
         await self._inbox.close()
         for inbox in self._hold_inboxes.values():
             await inbox.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _PutBack:
+    stored_at: float | None  # when its message was stored (Unix seconds; None if unknown)
+    due: float  # when its backoff ends (the queues' clock)
 
 
 def _job_id(msg: Msg) -> str:
