@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
-from asyncinfer.contract import KV_OPERATION_HEADER, job_work_lookup
+from asyncinfer.contract import KV_OPERATION_HEADER, job_work_lookup, job_work_subject
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
@@ -101,13 +101,20 @@ class JobStore:
         data, revision = latest
         return decode_record(data, revision=revision)
 
-    async def drop_work_message(self, key: str) -> None:
+    async def drop_work_message(self, record: JobRecord) -> None:
         """Purges the job's work message: for a job whose record in the bucket ended while it was
         queued (cancelled), whose message would otherwise count as queued until a dispatch pulls
-        it. Never for a job that may run: the message is what runs it again after a lapsed lease."""
-        tenant, _, job_id = key.partition(".")
+        it. Never for a job that may run: the message is what runs it again after a lapsed lease.
+
+        By the job's own subject (its model's and priority's), which its queue's consumer's filter
+        holds: nats-server then lets go of the consumer's delivery of it as well. A purge by a
+        subject wider than that filter (`asyncinfer.work.*.*.<tenant>.<job>`) left a message that
+        was delivered and put back pending on the consumer (its ack pending, which KEDA's
+        nats-jetstream lag and the gateway's max_queue_depth count) until its delay ran out (a
+        retry's backoff, up to 300 s) or a pull came for it (never, with no batcher)."""
+        subject = job_work_subject(record.model_name, record.priority, record.tenant, record.job_id)
         try:
-            await self._bucket.js.purge_stream(self._work_stream, subject=job_work_lookup(tenant, job_id))
+            await self._bucket.js.purge_stream(self._work_stream, subject=subject)
         except NATS_FAILURES as exc:
             raise Unavailable(f"cannot drop the job's work message: {exc}") from exc
 

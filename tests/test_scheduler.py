@@ -1055,8 +1055,8 @@ async def test_the_message_is_the_record_and_a_cancel_that_won_is_read(
 
         setattr(store, name, counting)
 
-    async def held_back(key: str) -> None:
-        dropped.append(key)
+    async def held_back(record: JobRecord) -> None:
+        dropped.append(record.key)
 
     store.drop_work_message = held_back
     batcher = await batchers("b1")

@@ -47,6 +47,7 @@ from asyncinfer.contract import (
     consumer_next_subject,
     snapshot_key,
     stream_msg_delete_subject,
+    work_consumer_name,
 )
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.errors import NotFound
@@ -2176,6 +2177,59 @@ async def test_a_put_back_job_cancelled_while_queued_leaves_its_queues_depth(sta
     await cancel_as_gateway(h, parked)
     await h.work_empty()
     await until(lambda: depth_is(0))
+
+
+@pytest.mark.parametrize("put_back", ["after_a_backoff", "at_once"])
+async def test_a_job_cancelled_while_put_back_leaves_its_queues_depth_and_its_consumer(
+    start: Start, config: Config, put_back: str
+) -> None:
+    """A job its attempt put back (retried after a backoff, or shed unrun: back at once) is
+    counted in its queue's depth while it waits. Cancelled meanwhile (QUEUED -> CANCELED), its
+    message is deleted and never pulled again: the count goes with it, and nats-server lets go of
+    its delivery. The message was purged by a subject wider than its consumer's filter (any model
+    and priority), which nats-server applies to the stream alone: the consumer kept the delivery
+    (its ack pending, which KEDA's nats-jetstream lag and the gateway's max_queue_depth count)
+    until the backoff ran out, or, put back at once, until a pull came for it (none: no credit)."""
+    h = await start(tune(config, retry_backoff_base_s=60.0, retry_backoff_max_s=60.0))
+    # An older message that stays in the stream (a model no scheduler here serves), as in any
+    # stack with other queues: the stream's first message is not the one dropped.
+    await h.js.publish(job_work_subject("elsewhere", Priority.NORMAL, TENANT, new_job_id()), b"")
+    batcher = await h.batcher(credits=1)
+    job_id = await enqueue(h.nc, h.kv)
+    order = await batcher.next_order()
+    await wait_state(h.js, job_id, JobState.RUNNING)
+    if put_back == "after_a_backoff":
+        await batcher.fail(order, MODEL_ERROR)  # retried after 30-60 s; no credit back
+    else:
+        shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+        await batcher._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+    await wait_state(h.js, job_id, JobState.QUEUED)
+    queues = h.dispatcher().queues
+
+    async def depth_is(count: int) -> bool:
+        (snapshot,) = await h.app._stats.snapshot(MODEL)
+        return snapshot.depth == count and queues.put_back_count(Priority.NORMAL) == count
+
+    await until(lambda: depth_is(1))
+    await cancel_as_gateway(h, job_id)
+
+    async def dropped() -> bool:
+        return await work_messages(h.js, h.app.config) == 1  # the other model's alone
+
+    await until(dropped)
+    await until(lambda: depth_is(0))
+
+    async def delivery_let_go() -> bool:  # applied by nats-server after the purge's answer
+        stream, consumer = h.app.config.nats.work_stream, work_consumer_name(MODEL, Priority.NORMAL)
+        info = await h.js.consumer_info(stream, consumer)
+        return (info.num_pending, info.num_ack_pending) == (0, 0)
+
+    try:
+        await until(delivery_let_go)
+    except AssertionError:
+        info = await h.js.consumer_info(h.app.config.nats.work_stream, work_consumer_name(MODEL, Priority.NORMAL))
+        raise AssertionError(f"the delivery is still held: ack pending {info.num_ack_pending}") from None
+    assert (await read_record(h.js, job_id)).state is JobState.CANCELED
 
 
 async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open(

@@ -287,7 +287,7 @@ class IdempotentSubmitter:
             return record
         log.warning("idempotency_claim_lost_while_stalled", tenant=record.tenant, job_id=record.job_id)
         with contextlib.suppress(Unavailable):  # else a dispatch of it finds the CANCELED record
-            await self._records.drop_work_message(record.key)
+            await self._records.drop_work_message(record)
         return None
 
     async def _write_claim(self, key: str, claim: Claim, *, last_revision: int, ttl_s: int) -> int | None:

@@ -321,7 +321,7 @@ class JobFlow:
         try:
             record = await self._store.recorded(key)
             if record is not None and record.state is JobState.CANCELED:
-                await self._store.drop_work_message(key)
+                await self._store.drop_work_message(record)
                 self.on_message_dropped(notice.model_name, notice.job_id)
         except AsyncInferError as exc:  # a dispatch drops it later, as before
             log.info("cancelled_message_not_dropped", job_id=notice.job_id, error=exc.message)
