@@ -220,8 +220,13 @@ async def test_retry_after_is_honoured(stack: Stack, receiver: Receiver) -> None
 
 async def test_redirects_are_not_followed_and_count_as_failures(stack: Stack, receiver: Receiver) -> None:
     receiver.scripts["/moved"] = [(302, {"Location": receiver.url("/target")})] * 2
+    # The second attempt waits for the first one's record to be read: at the test's short backoff
+    # it could otherwise be answered, and the third delivered, before a read (seen under load).
+    first_read = asyncio.Event()
+    receiver.holds["/moved"] = (1, first_read)
     job_id = await submit(stack, receiver.url("/moved"))
     job = await until(stack, job_id, lambda j: any(d.attempts >= 1 for d in j.callback_deliveries))
+    first_read.set()
     (delivery,) = job.callback_deliveries
     assert delivery.state == PENDING
     assert delivery.last_status_code == 302

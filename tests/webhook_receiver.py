@@ -39,6 +39,9 @@ class Receiver:
     secret: str
     scripts: dict[str, list[tuple[int, dict[str, str]]]] = field(default_factory=dict)
     received: list[Received] = field(default_factory=list)
+    # path -> (n, event): that path's requests after its first n are answered only once the event is
+    # set, so a test can read what the sender recorded between two attempts however fast it retries.
+    holds: dict[str, tuple[int, asyncio.Event]] = field(default_factory=dict)
     port: int = 0
     _changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _server: asyncio.Server | None = None
@@ -75,6 +78,9 @@ class Receiver:
                 verified: Any = Webhook(self.secret).verify(body, headers)
             except Exception as exc:
                 verified = exc
+            hold = self.holds.get(path)
+            if hold is not None and len(self.at(path)) >= hold[0]:
+                await hold[1].wait()
             script = self.scripts.get(path, [])
             status, extra = script.pop(0) if script else (200, {})
             lines = [f"HTTP/1.1 {status} X", "Content-Length: 0", "Connection: close"]
