@@ -17,7 +17,7 @@ from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline, RetryPolicy, checked_timeout
 from asyncinfer.client._targets import check_target
 from asyncinfer.client.batches import BatchCalls
-from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error, with_connection_hint
+from asyncinfer.client.errors import AsyncInferClientError, from_rpc_error, with_connection_hint, with_earlier_hint
 from asyncinfer.client.types import Job
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.tensors import TensorSpec
@@ -207,23 +207,32 @@ class ClientChannel:
         deadline: Deadline,
         cause: BaseException | None,
         broken_at: float | None = None,
+        earlier: AsyncInferClientError | None = None,
     ) -> None:
         """Sleeps before attempt `attempt + 1`, or raises `error` when that is not allowed.
-        `broken_at`: when a stream that had been answering broke (RetryPolicy.stream_resume_s)."""
+        `broken_at`: when a stream that had been answering broke (RetryPolicy.stream_resume_s).
+        `earlier`: the error the attempt before this one was retried for, whose hint a
+        DEADLINE_EXCEEDED keeps (`with_earlier_hint`). A deadline that the sleep overran (a busy
+        machine) raises `error` as one that leaves no room for the sleep does: the call is cut
+        short by its deadline, and what its attempts met (and its hint) is the news, not
+        "did not complete within 10 s"."""
         if not self.retry.retriable(error) or not self.retry.allows_attempt(attempt, broken_at):
-            raise with_connection_hint(error, tls=self._tls) from cause
+            raise with_earlier_hint(with_connection_hint(error, tls=self._tls), earlier, tls=self._tls) from cause
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
             raise with_connection_hint(error, tls=self._tls) from cause
         if self.retry.on_retry is not None:
             self.retry.on_retry(error, delay)
         await asyncio.sleep(delay)
+        if deadline.expired():
+            raise with_connection_hint(error, tls=self._tls) from cause
 
     async def _call(
         self, invoke: Callable[[float | None], Awaitable[T]], deadline: Deadline, *, retry: bool = True
     ) -> T:
         """One RPC (or a whole streamed read), retried per the policy; `invoke` gets the seconds left."""
         attempt = 0
+        earlier: AsyncInferClientError | None = None
         while True:
             attempt += 1
             deadline.check("the call")
@@ -236,4 +245,5 @@ class ClientChannel:
                 error = from_rpc_error(rpc_error)
                 if not retry:
                     raise with_connection_hint(error, tls=self._tls) from rpc_error
-                await self._backoff_or_raise(error, attempt, deadline, rpc_error)
+                await self._backoff_or_raise(error, attempt, deadline, rpc_error, None, earlier)
+                earlier = error

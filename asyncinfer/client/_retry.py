@@ -18,15 +18,20 @@ class RetryPolicy:
     """When and how long to wait before trying a call again.
 
     UNAVAILABLE is retriable (the gateway restarting, a load balancer between pods, NATS failing
-    over), but for a host name DNS says does not exist: that is a typo, said at once with a hint
-    (it was 7 attempts, 4.3 s, then gRPC's text alone); a DNS server that did not answer is still
-    retried. RESOURCE_EXHAUSTED is retried when `retry_resource_exhausted` is set, waiting at
-    least the server's RetryInfo delay. After attempt n (1-based) the wait is a random time in
-    [c / 2, c], c = min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1)) ("equal jitter"):
-    spread, as full jitter's [0, c] is, but never short, so that the attempts of a call span at
-    least half their ceilings. By default 7 attempts wait 3.15-6.3 s in all: a gateway restarting
-    (1-2 s when measured) is outlasted (with full jitter and 6 attempts, 1.55 s on average, half the
-    calls made during a 1.5-s restart failed), and a wrong address is still said within seconds.
+    over), a host name DNS says does not exist included: a program (a Kubernetes pod, a compose
+    service) often starts before its gateway's name exists (a headless Service's pod record, a
+    compose service's name appear once the gateway runs). The error raised when the attempts or the
+    deadline run out then ends with the hint "no host has that name: is it spelled right?" (a
+    DeadlineExceededError met on a try after such a name's: "earlier tries: no host ...").
+    `retry_no_such_host=False` raises it at once instead (the CLI's policy: at a command line such a
+    name is a typo; it was 7 attempts, 4.7 s, there). RESOURCE_EXHAUSTED is retried when
+    `retry_resource_exhausted` is set, waiting at least the server's RetryInfo delay. After attempt
+    n (1-based) the wait is a random time in [c / 2, c], c = min(max_backoff_s, initial_backoff_s *
+    multiplier ** (n - 1)) ("equal jitter"): spread, as full jitter's [0, c] is, but never short, so
+    that the attempts of a call span at least half their ceilings. By default 7 attempts wait
+    3.15-6.3 s in all: a gateway restarting (1-2 s when measured) is outlasted (with full jitter and
+    6 attempts, 1.55 s on average, half the calls made during a 1.5-s restart failed), and a wrong
+    address is still said within seconds.
 
     A long stream that was answering (a bulk, a watch) and then breaks is reopened for up to
     `stream_resume_s` after the break, beyond `max_attempts`: a gateway restarting, or a rolling
@@ -41,12 +46,13 @@ class RetryPolicy:
     max_backoff_s: float = 5.0
     multiplier: float = 2.0
     retry_resource_exhausted: bool = True
+    retry_no_such_host: bool = True
     stream_resume_s: float = 30.0
     on_retry: Callable[[AsyncInferClientError, float], None] | None = field(default=None, compare=False)
 
     def retriable(self, error: AsyncInferClientError) -> bool:
         if error.code is grpc.StatusCode.UNAVAILABLE:
-            return not no_such_host(error)
+            return self.retry_no_such_host or not no_such_host(error)
         return (
             self.retry_resource_exhausted
             and error.code is grpc.StatusCode.RESOURCE_EXHAUSTED

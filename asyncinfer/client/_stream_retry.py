@@ -18,10 +18,12 @@ from asyncinfer.client._retry import Deadline, StreamBreaks
 from asyncinfer.client.errors import AsyncInferClientError, UnavailableError, from_rpc_error
 
 # The client's wait before a stream's next attempt, `ClientChannel._backoff_or_raise(error, attempt,
-# deadline, cause, broken_at)`: per its RetryPolicy (what is retried, the jittered backoff,
-# `on_retry`, the resume of a stream that had answered), or `error` raised.
+# deadline, cause, broken_at, earlier)`: per its RetryPolicy (what is retried, the jittered backoff,
+# `on_retry`, the resume of a stream that had answered), or `error` raised (a DEADLINE_EXCEEDED with
+# the hint of `earlier`, the error the attempt before was retried for).
 Backoff: TypeAlias = Callable[
-    [AsyncInferClientError, int, Deadline, BaseException | None, float | None], Awaitable[None]
+    [AsyncInferClientError, int, Deadline, BaseException | None, float | None, AsyncInferClientError | None],
+    Awaitable[None],
 ]
 
 
@@ -56,6 +58,7 @@ class StreamAttempts:
         self._breaks = StreamBreaks()
         self._error: AsyncInferClientError | None = None
         self._cause: BaseException | None = None
+        self._earlier: AsyncInferClientError | None = None  # the break the last backoff was for
 
     def start(self, what: str) -> float | None:
         """Counts the next attempt; the seconds left, the stream's gRPC timeout (None: no limit).
@@ -68,6 +71,7 @@ class StreamAttempts:
         """The stream answered: a break from here on is the first attempt's, and resumed for
         `stream_resume_s`."""
         self._attempt = 1
+        self._earlier = None
         self._breaks.answered()
 
     @contextmanager
@@ -104,4 +108,5 @@ class StreamAttempts:
         one) when it is not retried, out of attempts, or past the deadline."""
         error = self._error or UnavailableError(ended_early, code=grpc.StatusCode.UNAVAILABLE)
         cause, self._error, self._cause = self._cause, None, None
-        await self._backoff(error, self._attempt, self._deadline, cause, self._breaks.broke())
+        await self._backoff(error, self._attempt, self._deadline, cause, self._breaks.broke(), self._earlier)
+        self._earlier = error

@@ -34,6 +34,7 @@ __all__ = [
     "name_lookup_failed",
     "no_such_host",
     "with_connection_hint",
+    "with_earlier_hint",
 ]
 
 
@@ -223,6 +224,22 @@ def with_connection_hint(error: AsyncInferClientError, *, tls: bool) -> AsyncInf
     else:
         return error
     error.hint = hint
+    return error
+
+
+def with_earlier_hint(
+    error: AsyncInferClientError, earlier: AsyncInferClientError | None, *, tls: bool
+) -> AsyncInferClientError:
+    """`error`, a DEADLINE_EXCEEDED that ended a call whose attempt before was retried for
+    `earlier`, with `earlier`'s hint ("earlier tries: no host has that name: is it spelled
+    right?"): a name DNS says does not exist, tried until the deadline, whose last try waited
+    on DNS asked again (a slow resolver, a pod's search domains) ended "Deadline Exceeded" with
+    no word of the name. Other errors, and one with a hint of its own, are returned as they are."""
+    if error.code is not grpc.StatusCode.DEADLINE_EXCEEDED or error.hint or earlier is None:
+        return error
+    hint = with_connection_hint(earlier, tls=tls).hint
+    if hint:
+        error.hint = f"earlier tries: {hint}"
     return error
 
 

@@ -91,7 +91,9 @@ class Options:
             api_key=sendable_key(self.api_key, "ASYNCINFER_API_KEY"),
             timeout_s=self.call_timeout_s,
             credentials=self.credentials(),
-            retry=RetryPolicy(on_retry=_say_retrying(self.gateway)),
+            # At a command line a name DNS says does not exist is a typo: said at once, where the
+            # SDK's default retries it (a program may start before its gateway's name exists).
+            retry=RetryPolicy(retry_no_such_host=False, on_retry=_say_retrying(self.gateway)),
         )
 
 
