@@ -173,6 +173,77 @@ async def test_inputs_of_another_form_or_swapped_arguments_say_what_to_give(idle
     await asyncio.to_thread(blocking)
 
 
+async def test_options_of_the_wrong_type_say_what_to_give_before_anything_is_sent(idle_stack: Stack) -> None:
+    """A first-day pass (session 32): a timeout_s given as a str was "'>=' not supported between
+    instances of 'str' and 'int'", a priority given as a number "'int' object has no attribute
+    'upper'", a JobRequest's priority in lower case (as submit takes it) "'high' is not a valid
+    Priority", queue_ttl_s as a str "can't multiply sequence by non-int of type 'float'", a NaN
+    execution_timeout_s "cannot convert float NaN to integer", a max_attempts of 2.5 "'float' object
+    cannot be interpreted as an integer", a deadline as a str "'str' object has no attribute
+    'tzinfo'", inputs given to run as keywords "JobCalls.submit() got an unexpected keyword argument
+    'x'", and one JobRequest given to bulk "'JobRequest' object is not iterable". Now a TypeError or
+    ValueError naming the argument and what to give, and nothing is queued."""
+    labels = {"test": "options"}
+    seconds = "timeout_s is seconds, 0 or more (None: no limit), got "
+    priority = "priority is a name, one of HIGH, LOW, NORMAL (any case), got an int 1"
+    run_takes = "(run takes timeout_s and submit's options: callback, deadline, execution_timeout_s"
+    async with AsyncClient(idle_stack.address) as client:
+        for options, error, message in (
+            ({"timeout_s": "5"}, TypeError, seconds + "a str '5'"),
+            ({"timeout_s": True}, TypeError, seconds + "a bool True"),
+            ({"timeout_s": -1}, ValueError, seconds + "-1"),
+            ({"timeout_s": float("nan")}, ValueError, seconds + "nan"),
+            ({"priority": 1}, TypeError, priority),
+            ({"queue_ttl_s": "60"}, TypeError, "queue_ttl_s is seconds (a number), got a str '60'"),
+            ({"execution_timeout_s": float("nan")}, ValueError, "execution_timeout_s is seconds (a finite number), got nan"),
+            ({"retention_s": float("inf")}, ValueError, "retention_s is seconds (a finite number), got inf"),
+            ({"max_attempts": 2.5}, TypeError, "max_attempts is a whole number of attempts (0: the model's default), got a float 2.5"),
+            ({"deadline": "2030-01-01T00:00:00Z"}, TypeError, "deadline is a timezone-aware datetime (e.g. datetime.now(UTC)"),
+            ({"wait_s": "5"}, TypeError, "wait_s is seconds (a number), got a str '5'"),
+        ):  # fmt: skip
+            for call in (client.submit, client.run):
+                with pytest.raises(error) as raised:
+                    await call("demo", {"x": X}, labels=labels, **options)
+                assert str(raised.value).startswith(message), str(raised.value)
+        for options in ({"priority": 1}, {"queue_ttl_s": "60"}, {"max_attempts": 2.5}):
+            with pytest.raises(TypeError):
+                async for _ in client.bulk([JobRequest("demo", {"x": X}, labels=labels, **options)]):  # type: ignore[arg-type]
+                    pass
+        with pytest.raises(TypeError, match=re.escape(seconds + "a str '5'")):
+            async for _ in client.bulk([JobRequest("demo", {"x": X}, labels=labels)], timeout_s="5"):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(TypeError, match=re.escape("pass many requests as a list (e.g. [request])")):
+            async for _ in client.bulk(JobRequest("demo", {"x": X}, labels=labels)):  # type: ignore[arg-type]
+                pass
+        with pytest.raises(TypeError) as raised:
+            await client.run("demo", x=X, labels=labels)
+        assert str(raised.value).startswith(
+            "run() got an unexpected keyword argument 'x': inputs go in a mapping: run(model, {'x': array}) "
+            + run_takes
+        ), str(raised.value)
+        with pytest.raises(TypeError, match=re.escape("argument 'priorty': did you mean 'priority'?")):
+            await client.run("demo", {"x": X}, labels=labels, priorty="high")
+        assert [job async for job in client.list(labels=labels)] == []
+
+        # A JobRequest's priority is taken in any case, as submit's is.
+        [result] = [r async for r in client.bulk([JobRequest("demo", {"x": X}, priority="high", labels=labels)])]
+        assert result.job is not None
+        assert result.job.priority.value == "HIGH"
+
+    def blocking() -> None:
+        with Client(idle_stack.address) as client:
+            with pytest.raises(TypeError, match=re.escape(priority)):
+                client.submit("demo", {"x": X}, priority=1)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=re.escape(seconds + "a str '5'")):
+                client.run("demo", {"x": X}, timeout_s="5")  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=re.escape("unexpected keyword argument 'x': inputs go in a mapping")):
+                client.run("demo", x=X)
+
+    await asyncio.to_thread(blocking)
+    async with AsyncClient(idle_stack.address) as client:
+        assert len([job async for job in client.list(labels=labels)]) == 1
+
+
 async def test_values_no_tensor_holds_name_the_input_and_a_torch_tensor_is_its_values(stack: Stack) -> None:
     """A first-day pass (session 31): ragged rows raised numpy's ValueError ("setting an array element
     with a sequence ... inhomogeneous shape"), complex numbers "numpy dtype complex64 has no KServe v2

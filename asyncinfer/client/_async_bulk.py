@@ -78,6 +78,8 @@ class BulkSubmits(JobCalls):
         `submit`'s)."""
         if window < 1:
             raise ValueError(f"window is the most requests in flight, at least 1; got {window}")
+        if isinstance(requests, JobRequest):  # was "'JobRequest' object is not iterable"
+            raise TypeError("pass many requests as a list (e.g. [request]), not one JobRequest (or submit it)")
         source = _aiter(requests)
         try:
             bulk = self._bulk(

@@ -10,6 +10,8 @@ from typing import Any
 
 from asyncinfer.client._async_channel import ClientChannel, JobLike, _enum, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._convert import (
+    check_options,
+    check_seconds,
     error_from_proto,
     input_array,
     inputs_example,
@@ -117,6 +119,9 @@ class JobCalls(ClientChannel):
     ) -> Job:
         """`submit` with the job given as a `JobRequest` (an idempotency key is generated the same way)."""
         deadline = self._deadline(timeout_s)
+        check_options(request)
+        if wait_s is not None:
+            check_seconds(wait_s, "wait_s", infinite=True)
         # One deadline for the typing and the submit: typing's ListModels had a whole timeout_s of
         # its own, and a gateway that did not answer it made a submit take twice its timeout_s.
         # Typing gets at most half, so that the submit itself keeps time to be sent.

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import difflib
+import inspect
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -15,12 +17,34 @@ import numpy.typing as npt
 
 from asyncinfer.client._async_blobs import BlobCalls
 from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
-from asyncinfer.client._async_jobs import WATCH_JOBS_MAX_IDS
+from asyncinfer.client._async_jobs import WATCH_JOBS_MAX_IDS, JobCalls
 from asyncinfer.client._async_watch import JobWatches
 from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError, InternalError, JobFailedError
 from asyncinfer.client.types import Inputs, Job
+
+# The keywords `run` passes on to `submit` (its own `timeout_s` bounds the whole run).
+_SUBMIT_OPTIONS = frozenset(
+    name for name, parameter in inspect.signature(JobCalls.submit).parameters.items()
+    if parameter.kind is parameter.KEYWORD_ONLY and name != "timeout_s"
+)  # fmt: skip
+
+
+def check_run_options(submit_options: dict[str, Any]) -> None:
+    """TypeError for a keyword `run` does not take, saying what it takes and where inputs go:
+    `run("demo", x=array)` was "JobCalls.submit() got an unexpected keyword argument 'x'", a
+    method the caller never called."""
+    for name in submit_options:
+        if name not in _SUBMIT_OPTIONS:
+            close = difflib.get_close_matches(name, [*_SUBMIT_OPTIONS, "timeout_s"], n=1)
+            meant = (
+                f"did you mean {close[0]!r}?" if close else f"inputs go in a mapping: run(model, {{{name!r}: array}})"
+            )
+            raise TypeError(
+                f"run() got an unexpected keyword argument {name!r}: {meant} (run takes timeout_s and "
+                f"submit's options: {', '.join(sorted(_SUBMIT_OPTIONS))})"
+            )
 
 
 def wait_interrupted_note(job_id: str) -> str:
@@ -141,6 +165,7 @@ class JobWaits(JobWatches, BlobCalls):
         """`run`; `submitted` is told the job once the gateway has answered (the blocking Client
         names it when Ctrl-C interrupts the run)."""
         deadline = Deadline(timeout_s)
+        check_run_options(submit_options)
         deadline.check("the run (nothing was submitted)")
         budget = _unary_budget(deadline, self.timeout_s)
         submit_options.setdefault("wait_s", budget)  # cut to leave the answer its time (submit_request)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -41,7 +43,12 @@ C = TypeVar("C")
 
 
 def named(value: str, choices: Mapping[str, C], what: str) -> C:
-    """The choice `value` names, in any case ("high", "HIGH"); ValueError listing them otherwise."""
+    """The choice `value` names, in any case ("high", "HIGH"); ValueError listing them otherwise,
+    TypeError for no str (an int raised AttributeError: "'int' object has no attribute 'upper'")."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{what} is a name, one of {', '.join(sorted(choices))} (any case), got {a_kind(value)} {value!r}"
+        )
     try:
         return choices[value.upper()]
     except KeyError:
@@ -188,12 +195,18 @@ def _kind(value: object) -> str:
     return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
+def a_kind(value: object) -> str:
+    """`value`'s type with its article: "a str", "an int", "a numpy.ndarray"."""
+    kind = _kind(value)
+    return f"{'an' if kind[0].lower() in 'aeiou' else 'a'} {kind}"
+
+
 def model_name_problem(model: object, call: str) -> str | None:
     """Why `model` is no model name, naming `call`'s order of arguments; None for a str. A swapped
     pair reached protobuf, whose TypeError ("bad argument type for built-in operation") named neither."""
     if isinstance(model, str):
         return None
-    return f"model is the model's name (a str), got a {_kind(model)}: {call}"
+    return f"model is the model's name (a str), got {a_kind(model)}: {call}"
 
 
 def inputs_form_problem(inputs: object) -> str | None:
@@ -207,7 +220,7 @@ def inputs_form_problem(inputs: object) -> str | None:
         return None if not names else f"inputs maps input names (str) to arrays, got the key {names[0]!r}"
     if isinstance(inputs, list | tuple) and all(isinstance(item, Tensor) for item in inputs):
         return None
-    return f"inputs maps each input's name to its array, got a {_kind(inputs)}"
+    return f"inputs maps each input's name to its array, got {a_kind(inputs)}"
 
 
 def inputs_example(model: str, specs: Mapping[str, TensorSpec]) -> str:
@@ -216,6 +229,35 @@ def inputs_example(model: str, specs: Mapping[str, TensorSpec]) -> str:
         return "give {name: array} (client.models() lists each model's inputs)"
     mapping = ", ".join(f"{name!r}: array" for name in specs)
     return f"give {{{mapping}}} (model {model!r} takes {specs_summary(specs.values())})"
+
+
+def check_seconds(value: object, what: str, *, infinite: bool = False) -> None:
+    """TypeError where `value` is no number of seconds for `what`, ValueError for NaN (and for inf
+    unless `infinite`); a negative one is the gateway's to refuse, naming the field. A str reached
+    arithmetic ("can't multiply sequence by non-int of type 'float'") and NaN protobuf's Duration
+    ("cannot convert float NaN to integer"), neither naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} is seconds (a number), got {a_kind(value)} {value!r}")
+    if math.isnan(value) or (not infinite and math.isinf(value)):
+        raise ValueError(f"{what} is seconds (a finite number), got {value}")
+
+
+def check_options(request: JobRequest) -> None:
+    """TypeError or ValueError, naming the argument and what to give, where a JobRequest's options
+    (not its inputs) cannot be sent as they are. Before anything is sent, for submit, run and bulk."""
+    for what in ("queue_ttl_s", "execution_timeout_s", "retention_s"):
+        if (value := getattr(request, what)) is not None:
+            check_seconds(value, what)
+    if isinstance(request.max_attempts, bool) or not isinstance(request.max_attempts, numbers.Integral):
+        raise TypeError(
+            f"max_attempts is a whole number of attempts (0: the model's default), "
+            f"got {a_kind(request.max_attempts)} {request.max_attempts!r}"
+        )
+    if request.deadline is not None and not isinstance(request.deadline, datetime):
+        raise TypeError(
+            "deadline is a timezone-aware datetime (e.g. datetime.now(UTC) + timedelta(minutes=5); or give "
+            f"queue_ttl_s in seconds), got {a_kind(request.deadline)} {request.deadline!r}"
+        )
 
 
 # numpy's kinds a tensor carries: booleans, integers, floats, and text or objects (BYTES).
@@ -278,6 +320,7 @@ def with_idempotency_key(request: JobRequest) -> JobRequest:
 
 
 def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobRequest:
+    check_options(request)
     if request.inputs is not None and request.input_ref:
         raise ValueError("give inputs or input_ref, not both")
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in request.labels.items()):
@@ -295,9 +338,12 @@ def submit_request_to_proto(request: JobRequest) -> job_service_pb2.SubmitJobReq
     if request.inputs is not None:
         message.inputs.extend(to_input_proto(t) for t in input_tensors(request.inputs))
     if request.priority is not None:
-        message.priority = job_pb2.Priority.ValueType(
-            to_proto(Priority(request.priority), job_pb2.Priority, "PRIORITY_")
-        )
+        # A Priority (one a job read back names a newer number with, too) or its name in any case,
+        # as submit takes it: a JobRequest's "high" was "'high' is not a valid Priority".
+        priority = request.priority
+        if not isinstance(priority, Priority):
+            priority = named(priority, {member.value: member for member in Priority}, "priority")
+        message.priority = job_pb2.Priority.ValueType(to_proto(priority, job_pb2.Priority, "PRIORITY_"))
     if request.deadline is not None:
         if request.deadline.tzinfo is None:
             raise ValueError("deadline must be timezone-aware (e.g. datetime.now(UTC) + ...)")

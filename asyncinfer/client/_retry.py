@@ -3,6 +3,7 @@ call's own deadline (a retry never sleeps past it)."""
 
 from __future__ import annotations
 
+import numbers
 import random
 import time
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from asyncinfer.client._convert import a_kind
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, DeadlineExceededError, no_such_host
 
 
@@ -101,7 +103,12 @@ def checked_timeout(timeout_s: float | None) -> float | None:
     negative one was taken as a deadline already passed, and said "within -1 s"). 0 is a deadline
     that has passed: the call raises DeadlineExceededError and sends nothing, as a zero timeout
     does in gRPC and in httpx (so the OpenAI SDK), not a poll answering what is there."""
-    if timeout_s is not None and not timeout_s >= 0:  # NaN too
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        # A str was "'>=' not supported between instances of 'str' and 'int'"; True was 1 s.
+        raise TypeError(f"timeout_s is seconds, 0 or more (None: no limit), got {a_kind(timeout_s)} {timeout_s!r}")
+    if not timeout_s >= 0:  # NaN too
         raise ValueError(f"timeout_s is seconds, 0 or more (None: no limit), got {timeout_s}")
     return timeout_s
 

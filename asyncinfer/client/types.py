@@ -222,13 +222,14 @@ class JobRequest:
     Give `inputs` or `input_ref` (from `upload`), not both. Give `deadline` (absolute, aware
     datetime) or `queue_ttl_s`, not both. An empty `idempotency_key` gets a fresh UUID when sent,
     so that the SDK's retries can never queue a job twice; give your own to make resubmission
-    across processes safe too. `correlation_id` is only echoed back by `bulk`."""
+    across processes safe too. `correlation_id` is only echoed back by `bulk`. `priority` is a
+    Priority or its name in any case ("high"), as `submit` takes it."""
 
     model: str
     inputs: Inputs | None = None
     input_ref: str = ""
     model_version: str = ""
-    priority: Priority | None = None
+    priority: Priority | str | None = None
     idempotency_key: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     deadline: datetime | None = None
