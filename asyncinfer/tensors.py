@@ -284,3 +284,36 @@ def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
             return None
         return array.astype(target)
     return None
+
+
+def untyped_reason(array: npt.NDArray[Any], datatype: str) -> str | None:
+    """Why `typed_as` left `array` as it is for a signature's `datatype`, as a refusal of it says it
+    after the input's name ("has 1e+300, past FP32's range (±3.4028235e+38)"); None where it typed
+    it, or for a datatype the SDK does not type. The gateway's own words name only the dtype numpy
+    gave: a list of floats past FP32's was "must be FP32, got 'FP64'", integers past 64 bits
+    (Python ints numpy keeps as objects) "must be FP32, got 'BYTES'"."""
+    if datatype not in DATATYPES or typed_as(array, datatype) is not None:
+        return None
+    kind = array.dtype.kind
+    if datatype == "BYTES":
+        return None if kind in "OUS" else f"is {array.dtype}, not text (str or bytes)"
+    if kind == "O":
+        return "holds no one numpy type (integers past 64 bits, or items of mixed types)"
+    if kind in "US":
+        return "is text, not numbers"
+    if kind == "b" or datatype == "BOOL":
+        return f"is {array.dtype}, not {'numbers' if kind == 'b' else 'booleans (True or False)'}"
+    target = NUMPY_DTYPES[datatype]
+    if target.kind in "iu" and kind == "f":
+        return f"is {array.dtype}, which the SDK does not round to {datatype}: give whole numbers"
+    if target.kind == "f":
+        with np.errstate(over="ignore"):
+            past = np.isinf(array.astype(target)) & ~np.isinf(array)
+        limits = f"±{float(np.finfo(target.str).max):.8g}"
+    else:
+        info = np.iinfo(target.str)
+        past = (array < info.min) | (array > info.max)
+        limits = f"{info.min} to {info.max}"
+    if past.any():
+        return f"has {array[past].flat[0].item()!r}, past {datatype}'s range ({limits})"
+    return f"is {array.dtype}, not {datatype}"

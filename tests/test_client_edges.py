@@ -36,7 +36,7 @@ from asyncinfer.client import (
 )
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE, DeadlineExceededError
-from asyncinfer.config import Config
+from asyncinfer.config import Config, TensorSpecConfig
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.queued_notice import decode_queued_notice
 from asyncinfer.tensors import Tensor
@@ -270,6 +270,42 @@ async def test_values_no_tensor_holds_name_the_input_and_a_torch_tensor_is_its_v
         for tensor in (torch.ones(2, 4) * weights, torch.ones(2, 4, dtype=torch.bfloat16)):
             outputs = await client.run("demo", {"x": tensor})
             np.testing.assert_array_equal(outputs["y"], np.full((2, 4), 3, np.float32))
+
+
+async def test_values_the_sdk_does_not_convert_are_refused_with_why_and_the_signature(
+    config: Config, start_stack: StartStack
+) -> None:
+    """A first-day pass (session 32): a value the SDK does not convert to the model's datatype was
+    refused by the gateway with the dtype numpy gave, which the caller never named: a list holding
+    1e300 for an FP32 input "input 'x' must be FP32, got 'FP64'", an integer past 64 bits "must be
+    FP32, got 'BYTES'", floats for an INT64 input "must be INT64, got 'FP64'". The refusal (still the
+    gateway's, a bulk item's too) now says why the SDK left it and what the model takes."""
+    demo = config.models[0]
+    ids = demo.model_copy(
+        update={"name": "ids", "inputs": (TensorSpecConfig(name="ids", datatype="INT64", shape=(-1, 2)),)}
+    )
+    stack = await start_stack(config.replace(models=[demo.model_dump(), ids.model_dump()]), batcher=False)
+    labels = {"test": "declined"}
+    fp32 = "; model 'demo' takes x: FP32 of shape [-1, 4]"
+    async with AsyncClient(stack.address) as client:
+        for model, inputs, description in (
+            ("demo", {"x": [[1e300, 1, 1, 1]]}, "input 'x' must be FP32, got 'FP64': the SDK did not convert it, as it has 1e+300, past FP32's range (±3.4028235e+38)" + fp32),
+            ("demo", {"x": [[2**70, 1, 1, 1]]}, "input 'x' must be FP32, got 'BYTES': the SDK did not convert it, as it holds no one numpy type (integers past 64 bits, or items of mixed types)" + fp32),
+            ("ids", {"ids": [[1.5, 2.0]]}, "input 'ids' must be INT64, got 'FP64': the SDK did not convert it, as it is float64, which the SDK does not round to INT64: give whole numbers; model 'ids' takes ids: INT64 of shape [-1, 2]"),
+        ):  # fmt: skip
+            with pytest.raises(InvalidArgumentError) as raised:
+                await client.submit(model, inputs, labels=labels)
+            assert [v.description for v in raised.value.violations] == [description]
+            assert str(raised.value).endswith(description), str(raised.value)
+            [result] = [r async for r in client.bulk([JobRequest(model, inputs, labels=labels)])]
+            assert result.error is not None
+            assert [v.description for v in result.error.violations] == [description]
+        # What the SDK converts is sent as the model's datatype, and a refusal of something else
+        # is the gateway's alone (the shape here).
+        with pytest.raises(InvalidArgumentError) as raised:
+            await client.submit("ids", {"ids": [[1, 2, 3]]}, labels=labels)
+        assert "did not convert" not in str(raised.value)
+        assert [job async for job in client.list(labels=labels)] == []
 
 
 async def test_a_missing_input_is_refused_with_what_to_give(idle_stack: Stack) -> None:

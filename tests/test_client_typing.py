@@ -13,7 +13,7 @@ import pytest
 
 from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobRequest, NotFoundError
 from asyncinfer.config import Config
-from asyncinfer.tensors import Tensor, typed_as
+from asyncinfer.tensors import Tensor, typed_as, untyped_reason
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.stack import Stack, ThreadedStack
 
@@ -112,6 +112,26 @@ def test_typed_as_converts_only_what_loses_nothing() -> None:
     empty = typed_as([], "BYTES")
     assert empty is not None
     assert (empty.shape, empty.dtype.kind) == ((0,), "S")
+
+
+@pytest.mark.unit
+def test_untyped_reason_says_why_typed_as_declined() -> None:
+    def reason(value: Any, datatype: str) -> str | None:
+        return untyped_reason(np.asarray(value), datatype)
+
+    assert reason([[1e300, 2.0]], "FP32") == "has 1e+300, past FP32's range (±3.4028235e+38)"
+    assert reason([70000], "FP16") == "has 70000, past FP16's range (±65504)"
+    assert reason([3, 2**40], "INT32") == "has 1099511627776, past INT32's range (-2147483648 to 2147483647)"
+    assert reason([-1], "UINT8") == "has -1, past UINT8's range (0 to 255)"
+    assert reason([1.5], "INT64") == "is float64, which the SDK does not round to INT64: give whole numbers"
+    assert reason([2**70], "FP32") == "holds no one numpy type (integers past 64 bits, or items of mixed types)"
+    assert reason([True], "FP32") == "is bool, not numbers"
+    assert reason(["a"], "FP32") == "is text, not numbers"
+    assert reason([1, 0], "BOOL") == "is int64, not booleans (True or False)"
+    assert reason([1.0], "BYTES") == "is float64, not text (str or bytes)"
+    # Typed, or left for the gateway to judge without a reason the SDK knows better.
+    for value, datatype in (([1.0], "FP32"), ([1], "INT8"), (["a"], "BYTES"), ([b"a", "b"], "BYTES"), ([1.0], "BF16")):
+        assert reason(value, datatype) is None, (value, datatype)
 
 
 class NoListModelsGateway(job_service_pb2_grpc.JobServiceServicer):

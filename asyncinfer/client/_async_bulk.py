@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import grpc
@@ -16,7 +16,14 @@ from grpc import aio
 
 from asyncinfer.client._async_channel import T
 from asyncinfer.client._async_jobs import SUBMIT_JOBS_MAX_ITEMS, JobCalls
-from asyncinfer.client._convert import error_from_proto, job_from_proto, submit_request_to_proto, with_idempotency_key
+from asyncinfer.client._convert import (
+    Declined,
+    error_from_proto,
+    explained,
+    job_from_proto,
+    submit_request_to_proto,
+    with_idempotency_key,
+)
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client._stream_retry import StreamAttempts
 from asyncinfer.client.errors import InternalError
@@ -29,6 +36,7 @@ class _Pending:
     index: int
     correlation_id: str
     item: job_service_pb2.SubmitJobsItem
+    declined: Declined  # inputs the SDK left as they were: a refusal of them says why
 
 
 async def _finish(writer: asyncio.Task[None]) -> None:
@@ -113,7 +121,7 @@ class BulkSubmits(JobCalls):
         # The pull from the caller's iterator runs in its own task, shielded: when a broken stream
         # cancels the writer, a pull in progress carries on for the next stream's writer instead of
         # having CancelledError thrown into the caller's iterator.
-        pull: asyncio.Task[JobRequest] | None = None
+        pull: asyncio.Task[tuple[JobRequest, Declined]] | None = None
 
         def message(group: list[_Pending]) -> job_service_pb2.SubmitJobsRequest:
             if items_per_message == 1:
@@ -126,7 +134,7 @@ class BulkSubmits(JobCalls):
             if pull is None:
                 pull = asyncio.create_task(self._next_typed(source))
             try:
-                request = await asyncio.shield(pull)
+                request, declined = await asyncio.shield(pull)
                 pull = None
                 item = job_service_pb2.SubmitJobsItem(
                     job=submit_request_to_proto(with_idempotency_key(request)), correlation_id=request.correlation_id
@@ -140,7 +148,7 @@ class BulkSubmits(JobCalls):
                 source_error = exc
                 source_done = True
                 return False
-            pending.append(_Pending(next_index, request.correlation_id, item))
+            pending.append(_Pending(next_index, request.correlation_id, item, declined))
             next_index += 1
             return True
 
@@ -188,11 +196,15 @@ class BulkSubmits(JobCalls):
                                     )
                                 item = pending.popleft()
                                 attempts.answered()
+                                error = error_from_proto(answer.error) if answer.HasField("error") else None
+                                if error is not None and item.declined:
+                                    names = [t.name for t in item.item.job.inputs]
+                                    error = replace(error, violations=explained(error.violations, names, item.declined))
                                 yield BulkResult(
                                     index=item.index,
                                     correlation_id=answer.correlation_id,
                                     job=job_from_proto(answer.job) if answer.HasField("job") else None,
-                                    error=error_from_proto(answer.error) if answer.HasField("error") else None,
+                                    error=error,
                                     deduplicated=answer.deduplicated,
                                 )
                             space.set()

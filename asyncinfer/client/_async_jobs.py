@@ -10,9 +10,12 @@ from typing import Any
 
 from asyncinfer.client._async_channel import ClientChannel, JobLike, _enum, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._convert import (
+    Declined,
     check_options,
     check_seconds,
+    declined_input,
     error_from_proto,
+    explained,
     input_array,
     inputs_example,
     inputs_form_problem,
@@ -28,6 +31,7 @@ from asyncinfer.client.errors import (
     AsyncInferClientError,
     DeadlineExceededError,
     FailedPreconditionError,
+    InvalidArgumentError,
     UnavailableError,
     UnimplementedError,
     make_error,
@@ -126,7 +130,7 @@ class JobCalls(ClientChannel):
         # its own, and a gateway that did not answer it made a submit take twice its timeout_s.
         # Typing gets at most half, so that the submit itself keeps time to be sent.
         remaining = deadline.remaining()
-        request = await self._typed(request, Deadline(None if remaining is None else remaining / 2))
+        request, declined = await self._typed(request, Deadline(None if remaining is None else remaining / 2))
         message = submit_request_to_proto(with_idempotency_key(request))
         if wait_s:
             call_timeout_s = deadline.remaining()
@@ -137,10 +141,14 @@ class JobCalls(ClientChannel):
         async def invoke(remaining: float | None) -> job_service_pb2.SubmitJobResponse:
             return await self._stub.SubmitJob(message, timeout=remaining, metadata=metadata)
 
-        response = await self._call(invoke, deadline)
+        try:
+            response = await self._call(invoke, deadline)
+        except InvalidArgumentError as error:
+            error.violations = explained(error.violations, [t.name for t in message.inputs], declined)
+            raise
         return job_from_proto(response.job)
 
-    async def _typed(self, request: JobRequest, typing: Deadline) -> JobRequest:
+    async def _typed(self, request: JobRequest, typing: Deadline) -> tuple[JobRequest, Declined]:
         """The request with each input given as an array or plain values (not a `Tensor`) typed
         by the model's signature where that loses nothing (a list of ints or a float64 array for
         an FP32 input: float32); anything else is left as it is, for the gateway to judge. A
@@ -148,6 +156,8 @@ class JobCalls(ClientChannel):
         (ragged rows, complex numbers) are a ValueError naming the input.
         TypeError, before anything is sent, for a model that is no name (the arguments swapped)
         or inputs that are no mapping of names (an array alone), naming the model's inputs.
+        With it, the inputs left as they were for the signature (`Declined`: a refusal of them
+        says why, `explained`).
         `typing`: when asking ListModels for the signature stops being worth it."""
         if problem := model_name_problem(
             request.model, "the name comes first, as in submit(model, inputs) and JobRequest(model, inputs)"
@@ -157,9 +167,10 @@ class JobCalls(ClientChannel):
         if problem := inputs_form_problem(inputs):
             raise TypeError(f"{problem}: {inputs_example(request.model, await self._specs(request.model, typing))}")
         if not isinstance(inputs, Mapping) or not inputs:
-            return request
+            return request, {}
         specs = await self._specs(request.model, typing)
         typed: dict[str, Any] = {}
+        declined: Declined = {}
         for name, value in inputs.items():
             if isinstance(value, Tensor):
                 typed[name] = value
@@ -175,7 +186,9 @@ class JobCalls(ClientChannel):
             array = input_array(name, value, request.model, spec)
             as_signature = None if spec is None else typed_as(array, spec.datatype)
             typed[name] = array if as_signature is None else as_signature
-        return replace(request, inputs=typed)
+            if as_signature is None and spec is not None and (why := declined_input(name, array, request.model, spec)):
+                declined[name] = why
+        return replace(request, inputs=typed), declined
 
     async def _specs(self, model: str, typing: Deadline) -> dict[str, TensorSpec]:
         """The model's input specs by name (cached; {} for a model the gateway does not list, or
@@ -209,7 +222,7 @@ class JobCalls(ClientChannel):
                     self._unlisted.add(model)
             return (self._input_specs or {}).get(model, {})
 
-    async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> JobRequest:
+    async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> tuple[JobRequest, Declined]:
         return await self._typed(await anext(source), self._deadline(None))
 
     async def get(self, job: JobLike, *, timeout_s: float | None = None) -> Job:

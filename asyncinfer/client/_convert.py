@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -36,7 +37,7 @@ from asyncinfer.client.types import (
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
 from asyncinfer.tensor_codec import decode_tensor, to_input_proto
-from asyncinfer.tensors import Tensor, TensorSpec, specs_summary
+from asyncinfer.tensors import Tensor, TensorSpec, specs_summary, untyped_reason
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
 C = TypeVar("C")
@@ -296,6 +297,43 @@ def input_array(name: str, value: object, model: str, spec: TensorSpec | None) -
             f"input {name!r} is {array.dtype}, which no tensor carries (booleans, integers, floats or text){takes}"
         )
     return array
+
+
+# Inputs the SDK left as they were (typed_as declined them), by name: the datatype the signature
+# it typed by gave, and why it declined, with the signature ("...; model 'demo' takes x: FP32 ...").
+Declined = dict[str, tuple[str, str]]
+
+
+def declined_input(name: str, array: npt.NDArray[Any], model: str, spec: TensorSpec) -> tuple[str, str] | None:
+    """What `Declined` keeps for an input `typed_as` left as it was; None where it typed it."""
+    reason = untyped_reason(array, spec.datatype)
+    if reason is None:
+        return None
+    return spec.datatype, f"the SDK did not convert it, as it {reason}; model {model!r} takes {spec.summary()}"
+
+
+_DATATYPE_FIELD = re.compile(r"inputs\[(\d+)\]\.datatype")
+
+
+def explained(
+    violations: tuple[FieldViolation, ...], names: list[str], declined: Declined
+) -> tuple[FieldViolation, ...]:
+    """The gateway's violations of a request whose inputs were `names` (in order), each one on the
+    datatype of an input the SDK declined to convert followed by why: the gateway names only the
+    dtype numpy gave ("input 'x' must be FP32, got 'FP64'" for a list holding 1e300). Left as they
+    are where the gateway asks for another datatype than the signature the SDK typed by (a model
+    updated since the SDK asked)."""
+    if not declined:
+        return violations
+    result = []
+    for violation in violations:
+        match = _DATATYPE_FIELD.fullmatch(violation.field)
+        index = int(match[1]) if match else len(names)
+        found = declined.get(names[index]) if index < len(names) else None
+        if found is not None and f"must be {found[0]}" in violation.description:
+            violation = FieldViolation(violation.field, f"{violation.description}: {found[1]}")
+        result.append(violation)
+    return tuple(result)
 
 
 def input_tensors(inputs: Inputs) -> list[Tensor]:
