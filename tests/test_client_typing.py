@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobRequest, NotFoundError
-from asyncinfer.config import Config
+from asyncinfer.config import Config, ModelVersionConfig, TensorSpecConfig
 from asyncinfer.tensors import Tensor, typed_as, untyped_reason
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
-from tests.stack import Stack, ThreadedStack
+from tests.stack import Stack, StartStack, ThreadedStack
 
 
 @pytest.fixture
@@ -132,6 +132,35 @@ def test_untyped_reason_says_why_typed_as_declined() -> None:
     # Typed, or left for the gateway to judge without a reason the SDK knows better.
     for value, datatype in (([1.0], "FP32"), ([1], "INT8"), (["a"], "BYTES"), ([b"a", "b"], "BYTES"), ([1.0], "BF16")):
         assert reason(value, datatype) is None, (value, datatype)
+
+
+async def test_a_pinned_version_is_typed_by_its_own_signature(config: Config, start_stack: StartStack) -> None:
+    """A [[models.versions]] entry may take other inputs than the model's default, and the gateway
+    validates a pinned submit against the pinned version's; the SDK typed every submit by the
+    default's (ListModels' model fields), so `[[1, 2, 3, 4]]` pinned to a version taking INT64 was
+    sent as FP32 and refused "input 'x' must be INT64, got 'FP32'", though sent as given it fits."""
+    demo = config.models[0]
+    versioned = demo.model_copy(
+        update={
+            "default_version": "1",
+            "versions": (
+                ModelVersionConfig(version="2", inputs=(TensorSpecConfig(name="x", datatype="INT64", shape=(-1, 4)),)),
+            ),
+        }
+    )
+    stack = await start_stack(config.replace(models=[versioned.model_dump()]), batcher=False)
+    async with AsyncClient(stack.address) as client:
+        pinned = await client.submit("demo", {"x": [[1, 2, 3, 4]]}, model_version="2")
+        default = await client.submit("demo", {"x": [[1, 2, 3, 4]]})
+        [result] = [r async for r in client.bulk([JobRequest("demo", {"x": np.ones((1, 4))}, model_version="1")])]
+        with pytest.raises(InvalidArgumentError) as raised:
+            await client.submit("demo", {"x": [[1.5, 2, 3, 4]]}, model_version="2")
+    assert (pinned.model_version, default.model_version) == ("2", "")
+    assert result.error is None, result.error
+    assert [v.description for v in raised.value.violations] == [
+        "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it is float64, which the SDK does not "
+        "round to INT64: give whole numbers; model 'demo' takes x: INT64 of shape [-1, 4]"
+    ]
 
 
 class NoListModelsGateway(job_service_pb2_grpc.JobServiceServicer):

@@ -165,6 +165,9 @@ class ClientChannel:
         # again only for a model not listed before (once per model name), never again from a
         # gateway without ListModels.
         self._input_specs: dict[str, dict[str, TensorSpec]] | None = None
+        # ... and by (model, version) for each version ListModels gives inputs for: a pinned
+        # submit is validated against its version's, which a [[models.versions]] entry may change.
+        self._version_specs: dict[tuple[str, str], dict[str, TensorSpec]] = {}
         self._unlisted: set[str] = set()
         self._list_models_unimplemented = False
         self._specs_lock = asyncio.Lock()

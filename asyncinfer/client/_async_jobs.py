@@ -84,7 +84,8 @@ class JobCalls(ClientChannel):
         Arrays and lists are typed by the model's signature where nothing is lost (ints and floats
         to FP16/FP32/FP64, ints to an integer type they fit, bools to BOOL, strings to BYTES), as
         the gateway's ListModels says (asked once per client, within half of `timeout_s`: the
-        submit's one deadline covers both calls); a `Tensor` is sent as it is.
+        submit's one deadline covers both calls; with `model_version`, that version's signature);
+        a `Tensor` is sent as it is.
         `deadline` / `queue_ttl_s`: it expires unless started by then.
 
         Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
@@ -164,11 +165,13 @@ class JobCalls(ClientChannel):
         ):
             raise TypeError(problem)
         inputs = request.inputs
+        version = request.model_version
         if problem := inputs_form_problem(inputs):
-            raise TypeError(f"{problem}: {inputs_example(request.model, await self._specs(request.model, typing))}")
+            specs = await self._specs(request.model, typing, version)
+            raise TypeError(f"{problem}: {inputs_example(request.model, specs)}")
         if not isinstance(inputs, Mapping) or not inputs:
             return request, {}
-        specs = await self._specs(request.model, typing)
+        specs = await self._specs(request.model, typing, version)
         typed: dict[str, Any] = {}
         declined: Declined = {}
         for name, value in inputs.items():
@@ -190,7 +193,14 @@ class JobCalls(ClientChannel):
                 declined[name] = why
         return replace(request, inputs=typed), declined
 
-    async def _specs(self, model: str, typing: Deadline) -> dict[str, TensorSpec]:
+    async def _specs(self, model: str, typing: Deadline, version: str = "") -> dict[str, TensorSpec]:
+        """The input specs by name of the model's `version` where ListModels gives them, else of
+        the model (the version a job that pins none runs on now): those a pinned submit was typed by
+        were the default's, and `[[1, 2, 3, 4]]` for a version taking INT64 went as FP32, refused."""
+        specs = await self._model_specs(model, typing)
+        return self._version_specs.get((model, version), specs) if version else specs
+
+    async def _model_specs(self, model: str, typing: Deadline) -> dict[str, TensorSpec]:
         """The model's input specs by name (cached; {} for a model the gateway does not list, or
         when `typing` passes before they are known)."""
         async with self._specs_lock:
@@ -213,9 +223,16 @@ class JobCalls(ClientChannel):
                         return {}
                 else:
                     specs: dict[str, dict[str, TensorSpec]] = {}
+                    versions: dict[tuple[str, str], dict[str, TensorSpec]] = {}
                     for info in models:
                         specs.setdefault(info.name, {spec.name: spec for spec in info.inputs})
+                        for listed in info.versions:
+                            if listed.inputs:  # an older gateway lists none: the model's then
+                                versions.setdefault(
+                                    (info.name, listed.version), {spec.name: spec for spec in listed.inputs}
+                                )
                     self._input_specs = specs
+                    self._version_specs = versions
                 if self._input_specs is None:
                     self._input_specs = {}
                 if model not in self._input_specs:
