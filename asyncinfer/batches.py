@@ -131,6 +131,9 @@ class BatchRecord:
     # The terminal webhook is on the WEBHOOKS stream (asyncinfer.batch_webhooks): set by the write
     # after the enqueue, so a driver that finds a terminal record without it enqueues again.
     callback_enqueued: bool = False
+    # The W3C traceparent of its CreateBatch span (tracing on): each chunk job's trace links to it,
+    # whichever gateway's driver submits the chunk, before or after a restart.
+    traceparent: str = ""
     # Not stored: the KV revision it was read at.
     revision: int = 0
 
@@ -189,6 +192,7 @@ def withdrawn_batch(record: BatchRecord, *, batch_id: str, now: float, why: str)
         end_time=now,
         callback=None,
         chunks=(),
+        traceparent="",  # the taker's create's, not the holder's
         revision=0,
     )
 
@@ -368,6 +372,9 @@ def progress_rate(record: BatchRecord, *, now: float) -> tuple[float, float | No
 # --- the record's codec (versioned JSON, like the job records) ---------------------------------
 
 
+_STORED_FIELDS = frozenset(f.name for f in dataclasses.fields(BatchRecord)) - {"revision"}
+
+
 def encode_batch(record: BatchRecord) -> bytes:
     data = dataclasses.asdict(record)
     data.pop("revision")
@@ -375,6 +382,8 @@ def encode_batch(record: BatchRecord) -> bytes:
         # Left out unless set: a gateway of the release before it refuses a field it does not know,
         # so only batches with a callback that ended carry it.
         data.pop("callback_enqueued")
+    if not record.traceparent:  # likewise: only batches created with tracing on carry it
+        data.pop("traceparent")
     data["v"] = RECORD_VERSION
     data["chunks"] = [[c.start, c.end, c.status.value, c.code, c.message] for c in record.chunks]
     data["first_errors"] = [[e.line, e.custom_id, e.code, e.message] for e in record.first_errors]
@@ -384,6 +393,10 @@ def encode_batch(record: BatchRecord) -> bytes:
 def decode_batch(data: bytes, revision: int = 0) -> BatchRecord:
     raw = json.loads(data)
     raw.pop("v", None)
+    # A field this release does not know (a later release's, written during a rolling upgrade) is
+    # skipped: it refused the record (TypeError), failing the batch's every read here.
+    for unknown in raw.keys() - _STORED_FIELDS:
+        del raw[unknown]
     callback = raw.pop("callback")
     return BatchRecord(
         **{

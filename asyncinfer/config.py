@@ -985,7 +985,8 @@ class TracingConfig(_Section):
         ge=0.0,
         le=1.0,
         description="The share of new traces recorded; a caller's traceparent decides for its own trace "
-        "(its sampled flag is followed).",
+        "(its sampled flag is followed), and a new trace linked to a recorded span is recorded (a batch's chunk "
+        "job, linked to its CreateBatch).",
     )
     service_name: str = Field(
         "asyncinfer",

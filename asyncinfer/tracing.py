@@ -96,7 +96,7 @@ class Tracing:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from opentelemetry.sdk.trace.sampling import ParentBased
         except ImportError as exc:
             raise ConfigError(
                 f"tracing.enabled needs OpenTelemetry: pip install 'asyncinfer[tracing]' ({exc})"
@@ -104,7 +104,7 @@ class Tracing:
         resource = Resource.create(
             {"service.name": f"{config.service_name}-{service}", "service.namespace": config.service_name}
         )
-        provider = TracerProvider(resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)))
+        provider = TracerProvider(resource=resource, sampler=ParentBased(_linked_or_ratio(config.sample_ratio)))
         environ = os.environ if environ is None else environ
         endpoint = config.otlp_endpoint or environ.get(OTLP_ENDPOINT_VARIABLE, "")
         exporter = None
@@ -170,13 +170,21 @@ class Tracing:
             yield TraceSpan(span)
 
     def begin(
-        self, name: str, *, parent: str = "", attributes: Mapping[str, AttributeValue] | None = None
+        self,
+        name: str,
+        *,
+        parent: str = "",
+        attributes: Mapping[str, AttributeValue] | None = None,
+        links: Sequence[str] = (),
     ) -> TraceSpan:
-        """A span started now, a child of `parent` ("": a new trace), that lasts until its `end()`:
-        one never ended is never exported, for a try whose outcome decides whether it happened at
-        all (a batch's chunk that waits for room makes no job, so no trace: BatchDriver)."""
+        """A span started now, a child of `parent` ("": a new trace), linked to the spans `links`
+        (traceparents), that lasts until its `end()`: one never ended is never exported, for a try
+        whose outcome decides whether it happened at all (a batch's chunk that waits for room makes
+        no job, so no trace: BatchDriver)."""
         assert self._tracer is not None, "tracing is off"
-        return TraceSpan(self._tracer.start_span(name, context=_context_of(parent), attributes=attributes))
+        return TraceSpan(
+            self._tracer.start_span(name, context=_context_of(parent), attributes=attributes, links=_links_of(links))
+        )
 
     def record(
         self,
@@ -192,15 +200,12 @@ class Tracing:
         """A span that already happened (Unix seconds), a child of `parent` ("": a new trace),
         linked to the spans `links` (traceparents); `error`: it failed, and why. Returns its own
         traceparent."""
-        from opentelemetry.trace import Link
-
         assert self._tracer is not None, "tracing is off"
-        span_links = [Link(_span_context_of(link)) for link in links if link]
         span = self._tracer.start_span(
             name,
             context=_context_of(parent),
             attributes=attributes,
-            links=span_links,
+            links=_links_of(links),
             start_time=round(start_s * 1e9),
         )
         recorded = TraceSpan(span)
@@ -236,6 +241,36 @@ class TraceSpan:
     def end(self) -> None:
         """Ends a span of `Tracing.begin` (it is exported then)."""
         self._span.end()
+
+
+def _linked_or_ratio(ratio: float) -> Any:
+    """The sampler of new traces: sampled when a span they link to was (a batch's chunk job linked
+    to its sampled CreateBatch, a batcher's batch span to a sampled job's dispatch), so that a
+    link followed from a recorded trace leads to a recorded one; else `ratio` of them."""
+    from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult, TraceIdRatioBased
+
+    class LinkedOrRatio(Sampler):
+        def __init__(self) -> None:
+            self._ratio = TraceIdRatioBased(ratio)
+
+        def should_sample(
+            self,
+            parent_context: Any,
+            trace_id: int,
+            name: str,
+            kind: Any = None,
+            attributes: Any = None,
+            links: Sequence[Any] | None = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            if any(link.context.trace_flags.sampled for link in links or ()):
+                return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+            return self._ratio.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+        def get_description(self) -> str:
+            return f"LinkedOrRatio{{{ratio}}}"
+
+    return LinkedOrRatio()
 
 
 def _service_exporter(endpoint: str, *, service: str) -> SpanExporter:
@@ -277,3 +312,11 @@ def _span_context_of(traceparent: str) -> Any:
     from opentelemetry.trace import get_current_span
 
     return get_current_span(_context_of(traceparent)).get_span_context()
+
+
+def _links_of(traceparents: Sequence[str]) -> list[Any]:
+    """Links to the spans `traceparents` name; a malformed one (an invalid context) is left out."""
+    from opentelemetry.trace import Link
+
+    contexts = [_span_context_of(traceparent) for traceparent in traceparents if traceparent]
+    return [Link(context) for context in contexts if context.is_valid]

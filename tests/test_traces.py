@@ -36,6 +36,7 @@ from tests import codec_v0_readers as old_readers
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload, wait_ended
 from tests.kv_helpers import job_record
 from tests.stack import Stack, StartStack
+from tests.test_client_sdk import free_port
 from tests.test_end_to_end import demo_request
 from tests.test_record_codec import MINIMAL
 
@@ -472,3 +473,65 @@ async def test_a_chunk_refused_for_now_makes_no_trace_until_its_job_is_made(
     submits = [s for s in exporter.get_finished_spans() if s.name == "submit"]
     assert len(submits) == 2, "one per chunk job made"
     assert all(s.status.is_ok for s in submits)
+
+
+async def test_a_batchs_chunk_jobs_link_to_its_create_batch_span_across_a_gateway_restart(
+    traced: Config, start_stack: StartStack
+) -> None:
+    """CreateBatch is a span in its caller's trace, and each chunk job's trace (a new one: a batch
+    has as many chunks as its file makes) links to it, also for the chunks that a gateway which
+    took the batch over after a restart submits: the link is read from the batch's record."""
+    config = traced.replace(
+        gateway={"port": free_port()},  # the same address after the restart
+        batches={"chunk_records": 100, "chunks_in_flight": 1, "drive_interval_s": 0.05},
+    )
+    stack = await start_stack(config, batcher=False)  # the first chunk's job waits: one in flight
+    before = InMemorySpanExporter()
+    stack.gateway.tracing.add_span_processor(SimpleSpanProcessor(before))
+    exporter = InMemorySpanExporter()
+    stack.scheduler.tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(300)))
+    created = await stub.CreateBatch(create_request(ref), metadata=(("traceparent", CALLER),))
+    batch_id = created.batch.batch_id
+    await wait_for(lambda: any(s.name == "submit" for s in before.get_finished_spans()))
+    await stack.restart_gateway()
+    stack.gateway.tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    await stack.start_batcher()
+    assert stack.batcher is not None
+    stack.batcher.tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    batch = await wait_ended(stub, batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert batch.chunks_total == 3
+
+    (create,) = [s for s in before.get_finished_spans() if s.name == "create_batch"]
+    assert service_of(create) == "asyncinfer-gateway"
+    assert hex_id(create.context.trace_id, 32) == TRACE_ID
+    assert parent_of(create) == "00f067aa0ba902b7"
+    assert (create.attributes or {})["asyncinfer.batch_id"] == batch_id
+    first = [s for s in before.get_finished_spans() if s.name == "submit"]
+    after = [s for s in exporter.get_finished_spans() if s.name == "submit"]
+    assert (len(first), len(after)) == (1, 2), "one chunk submitted before the restart, two after"
+    for submit in first + after:
+        assert (submit.attributes or {})["asyncinfer.batch_id"] == batch_id
+        assert submit.parent is None, "a chunk job is a trace of its own"
+        assert submit.context.trace_id != create.context.trace_id
+        linked = [(link.context.trace_id, link.context.span_id) for link in submit.links]
+        assert linked == [(create.context.trace_id, create.context.span_id)], submit.attributes
+
+
+def test_a_new_trace_linked_to_a_sampled_span_is_sampled_whatever_the_ratio() -> None:
+    """With sample_ratio 0 a new trace is not recorded, unless it links to a span that was (a
+    chunk job to its batch's sampled CreateBatch): the link an operator follows leads somewhere."""
+    ratio_0 = Config().replace(tracing={"enabled": True, "sample_ratio": 0.0}).tracing
+    tracing = Tracing.start(ratio_0, service="gateway")
+    exporter = InMemorySpanExporter()
+    tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    unsampled = f"00-{TRACE_ID}-00f067aa0ba902b7-00"
+    for name, links in (("alone", ()), ("linked", (CALLER,)), ("linked_unsampled", (unsampled,))):
+        tracing.begin(name, links=links).end()
+    tracing.record("recorded", start_s=1.0, end_s=2.0, links=(CALLER,))
+    try:
+        assert sorted(s.name for s in exporter.get_finished_spans()) == ["linked", "recorded"]
+    finally:
+        tracing.shutdown()

@@ -240,6 +240,7 @@ class GatewayApp:
             nc=self._nc,
             catalog=self._catalog,
             clock=self._wall_clock,
+            tracing=self.tracing,
         )
 
         def add_servicers(server: grpc.aio.Server) -> None:

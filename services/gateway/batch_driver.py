@@ -400,8 +400,11 @@ class BatchDriver:
         if not self._tracing.enabled:
             await self._submitter.enqueue_prepared(request, model, tenant=record.tenant, job_id=job_id)
             return
-        # Each chunk job is a trace of its own, as a SubmitJob's job is (nobody's traceparent
-        # comes with it); its submit span names the batch and chunk, to find them by.
+        # Each chunk job is a trace of its own, linked to the batch's CreateBatch span (which the
+        # record keeps, so a driver that took the batch over after a restart links it too), not
+        # a child of it: a batch's chunks are as many as its file makes, and one trace of them all
+        # would grow without bound (docs/ARCHITECTURE.md, Traces). Its submit span names the batch
+        # and chunk, to find them by.
         attributes: dict[str, AttributeValue] = {
             "asyncinfer.model": record.model_name,
             "asyncinfer.tenant": record.tenant,
@@ -409,7 +412,7 @@ class BatchDriver:
             "asyncinfer.batch_id": record.batch_id,
             "asyncinfer.chunk": f"{chunk.start}-{chunk.end}",
         }
-        span = self._tracing.begin("submit", attributes=attributes)
+        span = self._tracing.begin("submit", attributes=attributes, links=(record.traceparent,))
         traced = dataclasses.replace(request, traceparent=span.traceparent)
         try:
             await self._submitter.enqueue_prepared(traced, model, tenant=record.tenant, job_id=job_id)

@@ -41,6 +41,7 @@ from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import StoreFullError
+from asyncinfer.tracing import Tracing, traceparent_in
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc
 from services.gateway.auth import Authenticator
 from services.gateway.batch_convert import batch_from_request, batch_to_proto, fields_unlike
@@ -92,7 +93,9 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         nc: Client,
         catalog: ModelCatalog | None = None,
         clock: Callable[[], float] = time.time,
+        tracing: Tracing | None = None,
     ) -> None:
+        self._tracing = tracing or Tracing.off()
         self._config = config
         # The models known now: declared, or loaded at runtime (OpsService.LoadModel), as a submit's.
         self._catalog = catalog or ModelCatalog(config)
@@ -122,9 +125,24 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         self, request: batch_service_pb2.CreateBatchRequest, context: Context
     ) -> batch_service_pb2.CreateBatchResponse:
         tenant = self._tenant(context)
+        if not self._tracing.enabled:
+            return await self._create(request, tenant, traceparent="")
+        # A span of its own in the caller's trace, whose traceparent the record keeps: each chunk
+        # job's trace links to it (docs/ARCHITECTURE.md, Traces: a batch's chunk jobs).
+        attributes = {"asyncinfer.model": request.model_name, "asyncinfer.tenant": tenant}
+        caller = traceparent_in(context.invocation_metadata())
+        with self._tracing.span("create_batch", parent=caller, server=True, attributes=attributes) as span:
+            response = await self._create(request, tenant, traceparent=span.traceparent)
+            span.set("asyncinfer.batch_id", response.batch.batch_id)
+            span.set("asyncinfer.deduplicated", response.deduplicated)
+            return response
+
+    async def _create(
+        self, request: batch_service_pb2.CreateBatchRequest, tenant: str, *, traceparent: str
+    ) -> batch_service_pb2.CreateBatchResponse:
         record = batch_from_request(
             request, self._config, tenant=tenant, batch_id=new_job_id(), now=self._clock(), catalog=self._catalog
-        )
+        ).evolve(traceparent=traceparent)
         upload = await self._blobs.info(tenant, record.input_ref)  # NOT_FOUND (or …_EXPIRED) now, not later
         if record.callback is not None:  # as a job's: a secret to sign with, an address allowed
             await check_callback(record.callback, self._config.webhooks, tenant=tenant)
