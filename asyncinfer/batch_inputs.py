@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from asyncinfer.batches import ErrorLine, InputFormat
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, typed_as
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, booleans_misplaced, typed_as
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -65,6 +65,11 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
         array = np.vectorize(lambda v: v.encode(), otypes=[object])(array) if array.size else array
     else:
         typed = typed_as(value, spec.datatype)
+        # [true, 2.5] is a float array to numpy, [true, 2] an integer one: FP32 and INT64 took them
+        # as 1.0 and 1, the line's mistake run. Given `typed`, a line of numbers without a 0 or a
+        # 1 is not walked (bench/results/json_booleans_check.txt).
+        if misplaced := booleans_misplaced(value, spec.datatype, typed):
+            raise RecordInvalid(f"input {spec.name!r} {misplaced}")
         if typed is None:
             within = " within its range" if spec.datatype.startswith("FP") else ""
             raise RecordInvalid(f"input {spec.name!r} must be {spec.datatype} numbers{within}")

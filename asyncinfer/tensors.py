@@ -249,6 +249,53 @@ def validate_inputs(
 
 _FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
 _INT_DATATYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
+_BOOLEAN_TYPES = (bool, np.bool_)
+_NUMBER_TYPES = (int, float, np.number)
+# Up to this many values, walking them costs less than numpy's look for a 0 or a 1.
+_WALKED_AT_ONCE = 64
+
+
+def _leaf_types(value: Any, found: set[type]) -> set[type]:
+    """The types of the values in `value`'s nested lists and tuples."""
+    types = set(map(type, value))
+    nested = types & {list, tuple}
+    if nested:
+        types -= nested
+        for item in value:
+            if isinstance(item, list | tuple):
+                _leaf_types(item, found)
+    found |= types
+    return found
+
+
+def booleans_misplaced(value: Any, datatype: str | None, array: npt.NDArray[Any] | None = None) -> str:
+    """Why `value` (JSON's or Python's lists, or one value) puts booleans where `datatype` takes
+    numbers, or numbers where it takes booleans, in words to follow "input 'x' "; "" when it does
+    not. numpy decides silently: np.asarray([True, 2.5]) is [1.0, 2.5], a float array any float
+    input takes, and np.array([2, 0], dtype=bool) is [True, False]; a user who wrote either most
+    likely made a mistake. `datatype` None (not known): booleans beside numbers are refused. A numpy
+    array is taken as it is (its dtype was chosen). `array`: `value` as converted, when the caller
+    has it: a number array without a 0 or a 1 held no boolean, and its values are not walked (the
+    common case of a JSONL line's floats)."""
+    if isinstance(value, np.ndarray | np.generic) or not (datatype is None or datatype in NUMPY_DTYPES):
+        return ""
+    if array is not None:
+        if array.dtype.kind == "b" and datatype in (None, "BOOL"):
+            return ""  # numpy makes a bool array of booleans alone
+        numeric = array.dtype.kind in ("i", "u", "f") and datatype != "BOOL"
+        if numeric and array.size > _WALKED_AT_ONCE and not bool(((array == 0) | (array == 1)).any()):
+            return ""
+    types = _leaf_types(value, set()) if isinstance(value, list | tuple) else {type(value)}
+    booleans = any(issubclass(t, _BOOLEAN_TYPES) for t in types)
+    numbers = any(issubclass(t, _NUMBER_TYPES) and not issubclass(t, _BOOLEAN_TYPES) for t in types)
+    if datatype == "BOOL":
+        return "is BOOL: give booleans (true or false), not numbers" if numbers else ""
+    if booleans and numbers:
+        takes = f": {datatype} takes numbers only" if datatype else ""
+        return f"mixes booleans (true/false) with numbers, which would run as 1 and 0{takes}"
+    if booleans and datatype is not None:
+        return f"is {datatype}: give numbers, not booleans (true/false)"
+    return ""
 
 
 def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:

@@ -159,6 +159,34 @@ async def test_a_bad_line_is_one_error_line_and_the_rest_run(config: Config, sta
     assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == good
 
 
+async def test_booleans_beside_numbers_are_one_error_line_not_ones_and_zeros(
+    config: Config, start_stack: StartStack
+) -> None:
+    """numpy makes [true, 2.5] a float array: the demo model's FP32 input ran true and false as 1
+    and 0 (the batch COMPLETED, the line's outputs computed from them). Such a line is now one line
+    of the error file naming the input, and the rest run."""
+    stack = await start_stack(batch_config(config))
+    stub = batches_stub(stack.channel)
+    records: list[Any] = demo_records(6)
+    records[1] = {"custom_id": "mixed", "inputs": {"x": [[True, 2.5, 0, 1]]}}
+    records[4] = {"custom_id": "flags", "inputs": {"x": [[True, False, True, True]]}}
+    created = await stub.CreateBatch(create_request(await upload(stack.jobs, jsonl(records))))
+    batch = await wait_ended(stub, created.batch.batch_id)
+    assert batch.state == batch_service_pb2.BATCH_STATE_COMPLETED
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (6, 4, 2)
+    bad = await errors(stub, batch.batch_id)
+    assert [(e["line"], e["custom_id"], e["code"], e["message"]) for e in bad] == [
+        (
+            2,
+            "mixed",
+            "INVALID_ARGUMENT",
+            "input 'x' mixes booleans (true/false) with numbers, which would run as 1 and 0: FP32 takes numbers only",
+        ),
+        (5, "flags", "INVALID_ARGUMENT", "input 'x' is FP32: give numbers, not booleans (true/false)"),
+    ]
+    assert [line["custom_id"] for line in await outputs(stub, batch.batch_id)] == ["r0", "r2", "r3", "r5"]
+
+
 async def test_a_line_over_the_limit_is_one_error_line_and_is_not_held_whole(
     config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -256,6 +256,40 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "unknown field 'model'" in error('{"model": "other", "inputs": {"x": [[1, 2, 3, 4]]}}')
 
 
+def test_booleans_where_numbers_go_and_numbers_where_booleans_go_are_error_lines() -> None:
+    """numpy makes [true, 2.5] a float array and [true, 2] an integer one: an FP32 or INT64 input
+    took true and false as 1 and 0, the line's mistake run. Each is now its line's error, saying
+    which input; true/false alone (a BOOL array) and numbers for a BOOL input were refused before,
+    now saying why; a line of numbers, 0 and 1 among them, and booleans for BOOL still run."""
+    ints = ModelSignature(inputs=(TensorSpec("ids", "INT64", (-1, 2)),), outputs=())
+    flags = ModelSignature(inputs=(TensorSpec("on", "BOOL", (-1, 2)),), outputs=())
+
+    def parsed(text: str, signature: ModelSignature = SIGNATURE) -> str | dict[str, list[Any]]:
+        result = parse_line(2, text.encode(), signature)
+        if isinstance(result, ErrorLine):
+            assert (result.line, result.code) == (2, "INVALID_ARGUMENT")
+            return result.message
+        return {name: array.tolist() for name, array in result[1].items()}
+
+    mixed = "mixes booleans (true/false) with numbers, which would run as 1 and 0"
+    assert parsed('{"inputs": {"x": [[true, 2.5, 0, 1]]}}') == f"input 'x' {mixed}: FP32 takes numbers only"
+    assert parsed('{"inputs": {"x": [[1, 2.5, 3, false]]}}') == f"input 'x' {mixed}: FP32 takes numbers only"
+    assert parsed('{"inputs": {"ids": [[true, 2]]}}', ints) == f"input 'ids' {mixed}: INT64 takes numbers only"
+    assert parsed('{"inputs": {"x": [[true, false, true, true]]}}') == (
+        "input 'x' is FP32: give numbers, not booleans (true/false)"
+    )
+    assert (
+        parsed('{"inputs": {"on": [[1, 0]]}}', flags)
+        == "input 'on' is BOOL: give booleans (true or false), not numbers"
+    )
+    assert parsed('{"inputs": {"on": [[true, 0]]}}', flags) == (
+        "input 'on' is BOOL: give booleans (true or false), not numbers"
+    )
+    assert parsed('{"inputs": {"x": [[1, 0, 2.5, 1.0]]}}') == {"x": [[1.0, 0.0, 2.5, 1.0]]}
+    assert parsed('{"inputs": {"ids": [[0, 1]]}}', ints) == {"ids": [[0, 1]]}
+    assert parsed('{"inputs": {"on": [[true, false]]}}', flags) == {"on": [[True, False]]}
+
+
 def test_a_record_without_a_custom_id_is_known_by_its_line() -> None:
     """The output holds only the records that succeeded and is joined to the input by custom_id,
     so a record that gives none (absent, null or "") gets its line number; a number is its text."""

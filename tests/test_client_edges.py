@@ -308,6 +308,27 @@ async def test_values_the_sdk_does_not_convert_are_refused_with_why_and_the_sign
         assert [job async for job in client.list(labels=labels)] == []
 
 
+async def test_booleans_beside_numbers_are_refused_not_sent_as_ones_and_zeros(stack: Stack) -> None:
+    """numpy makes [True, 2.5] a float array: submit sent it to the FP32 input as 1.0 and 2.5, and
+    create_batch's rows likewise. Now a ValueError naming the input, nothing sent (True and False
+    alone are a BOOL tensor, which the gateway refuses for a float input, as before)."""
+    labels = {"test": "booleans"}
+    takes = "; model 'demo' takes x: FP32 of shape [-1, 4]"
+    mixed = "mixes booleans (true/false) with numbers, which would run as 1 and 0"
+    async with AsyncClient(stack.address) as client:
+        problem = f"input 'x' {mixed}{takes}"
+        for value in ([[True, 2.5, 0, 1]], [[1, 2, 3, False]]):
+            with pytest.raises(ValueError, match=f"^{re.escape(problem)}$"):
+                await client.submit("demo", {"x": value}, labels=labels)
+        assert [job async for job in client.list(labels=labels)] == []
+        with pytest.raises(ValueError, match=f"^{re.escape('the rows ' + mixed)}$"):
+            await client.create_batch([[True, 2.5, 0, 1]], "demo")
+        with pytest.raises(ValueError, match=f"^{re.escape('input ' + repr('x') + ' ' + mixed)}$"):
+            await client.create_batch({"x": [[1, 2.5, 0, False]]}, "demo")
+        outputs = await client.run("demo", {"x": [[1, 0, 2.5, 1]]})  # 0 and 1 as numbers are numbers
+        np.testing.assert_array_equal(outputs["y"], [[3, 1, 6, 3]])
+
+
 async def test_a_missing_input_is_refused_with_what_to_give(idle_stack: Stack) -> None:
     """A first-day pass (session 31): `submit("demo", {})` was refused "inputs: give the model's
     inputs (or an input_ref)", and a wrong name's companion "missing input 'x'", neither naming the

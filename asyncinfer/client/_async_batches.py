@@ -26,6 +26,7 @@ from asyncinfer.client.errors import (
     UnavailableError,
 )
 from asyncinfer.client.types import BlobRef
+from asyncinfer.tensors import booleans_misplaced
 
 # What create_batch uploads: a file (bytes, a path, a binary file), an array (NPY) or arrays by input name (NPZ).
 BatchData = (
@@ -69,9 +70,12 @@ class BatchFiles(BlobCalls):
         then knows no batch was made (the gateway purges an upload cut short), one interrupted after
         that the batch may exist."""
         if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
-            data = np.asarray(data)
-            if data.dtype.hasobject:
+            rows = np.asarray(data)
+            if rows.dtype.hasobject:
                 raise ValueError("rows given as lists must make a numeric array (numpy.asarray(rows))")
+            if misplaced := booleans_misplaced(data, None, rows):  # [True, 2.5] would be [1.0, 2.5]
+                raise ValueError(f"the rows {misplaced}")
+            data = rows
         if isinstance(data, np.ndarray):
             buffer = io.BytesIO()
             np.save(buffer, data, allow_pickle=False)
@@ -79,6 +83,8 @@ class BatchFiles(BlobCalls):
         elif isinstance(data, Mapping):
             arrays = {name: np.asarray(array) for name, array in data.items()}
             for name, array in arrays.items():
+                if misplaced := booleans_misplaced(data[name], None, array):
+                    raise ValueError(f"input {name!r} {misplaced}")
                 if array.dtype.hasobject:  # np.savez would pickle it, which the gateway refuses to load
                     raise ValueError(
                         f"input {name!r} is an array of Python objects ({array.dtype}): a batch's arrays are "

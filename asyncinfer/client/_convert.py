@@ -37,7 +37,7 @@ from asyncinfer.client.types import (
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
 from asyncinfer.tensor_codec import decode_tensor, to_input_proto
-from asyncinfer.tensors import Tensor, TensorSpec, specs_summary, untyped_reason
+from asyncinfer.tensors import Tensor, TensorSpec, booleans_misplaced, specs_summary, untyped_reason
 from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2
 
 C = TypeVar("C")
@@ -296,6 +296,10 @@ def input_array(name: str, value: object, model: str, spec: TensorSpec | None) -
         raise ValueError(
             f"input {name!r} is {array.dtype}, which no tensor carries (booleans, integers, floats or text){takes}"
         )
+    # numpy made [True, 2.5] a float array, sent as 1.0 and 2.5 (True and False alone are a BOOL
+    # array, and numbers alone numbers, which the gateway refuses for an input of the other kind).
+    if misplaced := booleans_misplaced(value, None, array):
+        raise ValueError(f"input {name!r} {misplaced}{takes}")
     return array
 
 

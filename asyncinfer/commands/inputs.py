@@ -37,7 +37,7 @@ from asyncinfer.client import (
 from asyncinfer.commands.output import UsageError
 from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec, typed_as
+from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec, booleans_misplaced, typed_as
 
 REQUEST_KEYS = frozenset(
     {
@@ -271,6 +271,10 @@ def to_array(
                 array = typed
         else:
             wanted = wanted or _infer_datatype(value)
+            # np.array([true, 2.5], dtype=float32) is [1.0, 2.5] and np.array([2, 0], dtype=bool)
+            # [True, False]: a mistake, sent as if meant.
+            if misplaced := booleans_misplaced(value, wanted):
+                raise UsageError(f"input {name!r} {misplaced}")
             if wanted == "BYTES":
                 array = np.array(_encode_strings(value), dtype=object)
             else:
