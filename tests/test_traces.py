@@ -185,6 +185,10 @@ async def test_tracing_off_makes_no_spans_and_no_trace_fields(config: Config, st
     assert job.trace_id == submitted.job.trace_id == ""
     assert not any("trace_id" in line for line in logs)
     assert (await stored(stack, job.job_id)).traceparent == ""
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(2)))
+    created = await stub.CreateBatch(create_request(ref), metadata=(("traceparent", CALLER),))
+    assert created.batch.trace_id == ""
 
 
 async def test_a_malformed_traceparent_starts_a_new_trace(traced: Config, start_stack: StartStack) -> None:
@@ -356,6 +360,12 @@ async def test_the_sdk_sends_a_traceparent_and_shows_the_trace_id(traced: Config
         requests = [JobRequest(model="demo", inputs={"x": [[float(i)] * 4]}) for i in range(3)]
         bulked = [result async for result in client.bulk(requests, traceparent=CALLER)]
         assert [r.job.trace_id for r in bulked if r.job] == [TRACE_ID] * 3, "the stream's trace, as submit's"
+        batch = await client.create_batch(jsonl(demo_records(2)), "demo", traceparent=CALLER)
+        assert batch.trace_id == TRACE_ID, "CreateBatch in the caller's trace"
+        assert (await client.get_batch(batch)).trace_id == TRACE_ID
+        untraced_batch = await client.create_batch(jsonl(demo_records(2)), "demo")
+        assert len(untraced_batch.trace_id) == 32
+        assert untraced_batch.trace_id != TRACE_ID
 
 
 async def test_a_retried_jobs_attempts_are_all_in_its_one_trace(traced: Config, start_stack: StartStack) -> None:
@@ -494,6 +504,7 @@ async def test_a_batchs_chunk_jobs_link_to_its_create_batch_span_across_a_gatewa
     ref = await upload(stack.jobs, jsonl(demo_records(300)))
     created = await stub.CreateBatch(create_request(ref), metadata=(("traceparent", CALLER),))
     batch_id = created.batch.batch_id
+    assert created.batch.trace_id == TRACE_ID
     await wait_for(lambda: any(s.name == "submit" for s in before.get_finished_spans()))
     await stack.restart_gateway()
     stack.gateway.tracing.add_span_processor(SimpleSpanProcessor(exporter))

@@ -57,6 +57,7 @@ class BatchFiles(BlobCalls):
         *,
         upload_timeout_s: float | None = None,
         on_uploaded: Callable[[BlobRef], None] | None = None,
+        traceparent: str = "",
         **options: Any,
     ) -> Batch:
         """Uploads a JSONL (or NPY/NPZ) file of records and creates a batch over it (state
@@ -68,7 +69,8 @@ class BatchFiles(BlobCalls):
         generated (as `submit` does), so that a create sent again after a lost answer makes no second batch.
         `on_uploaded` hears the stored upload before the create is sent: a caller interrupted before
         then knows no batch was made (the gateway purges an upload cut short), one interrupted after
-        that the batch may exist."""
+        that the batch may exist. `traceparent`: a W3C trace context for the CreateBatch call, whose
+        span the batch's chunk jobs' traces link to when the gateway traces (`Batch.trace_id`)."""
         if isinstance(data, list | tuple):  # rows as lists, as submit takes them: an array
             rows = np.asarray(data)
             if rows.dtype.hasobject:
@@ -104,7 +106,7 @@ class BatchFiles(BlobCalls):
             on_uploaded(ref)
         request.input_ref = ref.ref
         try:
-            batch = await self._batch_calls.create(request)
+            batch = await self._batch_calls.create(request, traceparent=traceparent)
         except AsyncInferClientError as refused:
             # The upload was this call's own: a refused create (an unknown model, a bad option)
             # would leave it counting against the tenant's stored uploads until its retention ends.

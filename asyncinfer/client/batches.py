@@ -99,6 +99,9 @@ class Batch:
     output_ref: str = ""
     error_ref: str = ""
     callback_url: str = ""
+    # Its CreateBatch's OpenTelemetry trace ID when the gateway traces (the caller's, given a
+    # traceparent); each chunk job's trace links to it.
+    trace_id: str = ""
 
     @property
     def done(self) -> bool:
@@ -144,6 +147,7 @@ def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = Fal
         output_ref=batch.output_ref.ref,
         error_ref=batch.error_ref.ref,
         callback_url=batch.callback.url,
+        trace_id=batch.trace_id,
     )
 
 
@@ -221,11 +225,13 @@ class BatchCalls:
         self._call = call
         self._backoff = backoff
 
-    async def create(self, request: batch_service_pb2.CreateBatchRequest) -> Batch:
-        """CreateBatch with a request from `create_batch_request`."""
+    async def create(self, request: batch_service_pb2.CreateBatchRequest, *, traceparent: str = "") -> Batch:
+        """CreateBatch with a request from `create_batch_request`, in the trace `traceparent` names
+        (a W3C trace context; "": none)."""
+        metadata = (*self._metadata, ("traceparent", traceparent)) if traceparent else self._metadata
 
         async def invoke(remaining: float | None) -> batch_service_pb2.CreateBatchResponse:
-            return await self._stub.CreateBatch(request, timeout=remaining, metadata=self._metadata)
+            return await self._stub.CreateBatch(request, timeout=remaining, metadata=metadata)
 
         response = await self._call(invoke)
         return batch_from_proto(response.batch, deduplicated=response.deduplicated)
