@@ -5,7 +5,9 @@
     python bench/batcher_servers.py echo     PORT                            (a trivial unary grpc.aio call)
     python bench/batcher_servers.py kecho    PORT                            (a KServe ModelInfer doing nothing)
 
-MODEL is mlp, minilm or affine (y = 2x + 1 on FP32 [-1, 4]; for tests: a batch holding -1 fails).
+MODEL is mlp, minilm or affine (y = 2x + 1 on FP32 [-1, 4]; for tests: a batch holding -1 fails;
+beside it the tests' affine-unbatched, and text and text-unbatched: BYTES texts upper-cased, and
+their lengths in characters).
 Both print "READY" on stdout once serving, and stop on SIGTERM/SIGINT.
 """
 
@@ -158,6 +160,19 @@ def _affine_unbatched(requests: list[dict[str, np.ndarray[Any, Any]]]) -> list[d
     return [{"y": (2 * request["x"] + 1).astype(np.float32)} for request in requests]
 
 
+def _texts(text: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+    """Each UTF-8 text upper-cased (as np.bytes_, as models commonly return text) and its length
+    in characters, in the shape of `text`."""
+    decoded = [bytes(t).decode("utf-8") for t in text.reshape(-1)]
+    upper = np.array([t.upper().encode("utf-8") for t in decoded], dtype=np.bytes_).reshape(text.shape)
+    length = np.array([len(t) for t in decoded], dtype=np.int64).reshape(text.shape)
+    return {"upper": upper, "length": length}
+
+
+def _texts_unbatched(requests: list[dict[str, np.ndarray[Any, Any]]]) -> list[dict[str, np.ndarray[Any, Any]]]:
+    return [_texts(request["text"]) for request in requests]
+
+
 def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> None:
     import os
 
@@ -226,6 +241,31 @@ def serve_pytriton(port: int, model: str, max_batch: int, delay_ms: float) -> No
                 infer_func=_affine_unbatched,
                 inputs=[Tensor(name="x", dtype=np.float32, shape=(1, 4))],
                 outputs=[Tensor(name="y", dtype=np.float32, shape=(1, 4))],
+                config=ModelConfig(batching=False),
+            )
+            # Text (BYTES) in and out, upper-cased and its length in characters: "text" batched by
+            # Triton (shape [-1, 1]), "text-unbatched" taking a whole batch as one [-1] request.
+            triton.bind(
+                model_name="text",
+                infer_func=batch(_texts),
+                inputs=[Tensor(name="text", dtype=np.bytes_, shape=(1,))],
+                outputs=[
+                    Tensor(name="upper", dtype=np.bytes_, shape=(1,)),
+                    Tensor(name="length", dtype=np.int64, shape=(1,)),
+                ],
+                config=ModelConfig(
+                    max_batch_size=max_batch,
+                    batcher=DynamicBatcher(max_queue_delay_microseconds=int(delay_ms * 1000)),
+                ),
+            )
+            triton.bind(
+                model_name="text-unbatched",
+                infer_func=_texts_unbatched,
+                inputs=[Tensor(name="text", dtype=np.bytes_, shape=(-1,))],
+                outputs=[
+                    Tensor(name="upper", dtype=np.bytes_, shape=(-1,)),
+                    Tensor(name="length", dtype=np.int64, shape=(-1,)),
+                ],
                 config=ModelConfig(batching=False),
             )
         triton.run()

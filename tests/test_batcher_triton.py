@@ -582,3 +582,130 @@ async def test_a_long_triton_outage_hands_a_job_back_once_not_round_and_round(
             assert listed == {READY}
     finally:
         await outage.down()
+
+
+# Text through Triton (BYTES in and out): the module's Triton serves "text", batched by Triton
+# (text [-1, 1] -> upper [-1, 1], length [-1, 1] INT64), and "text-unbatched", a whole batch in one
+# request ([-1] -> [-1]): each text upper-cased and its length in characters.
+TEXTS = ["hello", "", "Straße über Köln", "日本語のテキスト", "a much longer text, " * 40, "", "x", "émoji 🙂"]
+
+
+def text_model(url: str, name: str, remote_name: str, shape: tuple[int, ...]) -> ModelConfig:
+    return remote(
+        url,
+        name=name,
+        triton_model_name=remote_name,
+        inputs=(TensorSpecConfig(name="text", datatype="BYTES", shape=shape),),
+        outputs=(
+            TensorSpecConfig(name="upper", datatype="BYTES", shape=shape),
+            TensorSpecConfig(name="length", datatype="INT64", shape=shape),
+        ),
+    )
+
+
+def text_models(url: str, **overrides: object) -> list[ModelConfig]:
+    return [
+        text_model(url, "texts", "text", (-1, 1)).model_copy(update=overrides),
+        text_model(url, "texts-whole", "text-unbatched", (-1,)).model_copy(update=overrides),
+    ]
+
+
+def as_rows(texts: list[str], model: str) -> np.ndarray:  # type: ignore[type-arg]
+    """The texts as an object array of UTF-8 bytes, one row each, in the model's shape."""
+    array = np.array([t.encode() for t in texts], dtype=object)
+    return array.reshape(-1, 1) if model == "texts" else array
+
+
+def expected(texts: list[str], model: str) -> tuple[list[object], list[object]]:
+    """What the model answers for `texts`: each upper-cased (UTF-8) and its length in characters."""
+    upper = as_rows([t.upper() for t in texts], model)
+    length = np.array([len(t) for t in texts], dtype=np.int64).reshape(upper.shape)
+    return upper.tolist(), length.tolist()
+
+
+async def test_texts_go_through_triton_as_bytes_tensors_batched_with_others(triton_url: str) -> None:
+    """Items of mixed lengths, empty texts and non-ASCII UTF-8, several rows to an item, in one
+    batch to each text model: every item gets its own rows back, BYTES, in its shape."""
+    batcher = BatcherApp(
+        Config().replace(
+            batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=text_models(triton_url)
+        )
+    )
+    try:
+        await batcher.start()
+        assert batcher.load_failures == {}
+        for model in ("texts", "texts-whole"):
+            groups = [TEXTS[:3], [TEXTS[3]], [""], TEXTS[4:7]]  # 8 rows, max_batch_size
+            # Submitted in one step: one batch.
+            items = [batcher.engine.submit(model, [Tensor.from_numpy("text", as_rows(g, model))]) for g in groups]
+            outcomes = await asyncio.gather(*(item.future for item in items))
+            assert [o.batch_size for o in outcomes] == [8] * len(groups), "one batch"
+            for group, outcome in zip(groups, outcomes, strict=True):
+                upper, length = outcome.outputs
+                assert [(t.name, t.datatype) for t in outcome.outputs] == [("upper", "BYTES"), ("length", "INT64")]
+                assert (upper.to_numpy().tolist(), length.to_numpy().tolist()) == expected(group, model), model
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def test_texts_go_through_the_stack_to_triton_and_back(
+    triton_url: str, config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """A job's texts in SubmitJob's bytes_contents (raw, as any gRPC client sends them), jobs from
+    the SDK (numpy str arrays), the batcher's own KServe ModelInfer, and a batch over a JSONL file of
+    string values (more records than a Triton batch: its chunks are cut into several), each to both
+    text models: the answers are right, empty texts and non-ASCII UTF-8 included."""
+    from asyncinfer.tensor_codec import decode_tensors
+    from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
+
+    stack = await start_stack(config.replace(models=[m.model_dump() for m in text_models(triton_url)]))
+    assert stack.batcher is not None
+    kserve = triton_aio.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    try:
+        async with AsyncClient(stack.address) as jobs:
+            for model in ("texts", "texts-whole"):
+                rows = as_rows(TEXTS, model)
+                text = tensor_pb2.InferInputTensor(name="text", datatype="BYTES", shape=list(rows.shape))
+                text.contents.bytes_contents.extend(rows.reshape(-1).tolist())
+                request = job_service_pb2.SubmitJobRequest(model_name=model, inputs=[text])
+                job_id = (await stack.jobs.SubmitJob(request)).job.job_id
+                await jobs.wait(job_id, timeout_s=60)
+                done = (await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+                assert done.state == job_pb2.JOB_STATE_SUCCEEDED, done
+                upper, length = decode_tensors(done.outputs)
+                assert (upper.datatype, length.datatype) == ("BYTES", "INT64")
+                assert (upper.to_numpy().tolist(), length.to_numpy().tolist()) == expected(TEXTS, model)
+
+                groups = [[t] for t in TEXTS] + [TEXTS[2:5]]
+                submitted = [
+                    await jobs.submit(model, {"text": np.array(g).reshape(-1, 1) if model == "texts" else np.array(g)})
+                    for g in groups
+                ]
+                found = await jobs.wait_jobs(submitted, timeout_s=60)
+                for group, job in zip(groups, submitted, strict=True):
+                    answer = found[job.job_id]
+                    assert isinstance(answer, Job)
+                    assert answer.succeeded, answer
+                    got = answer.outputs["upper"].tolist(), answer.outputs["length"].tolist()
+                    assert got == expected(group, model), (model, group)
+
+                kserve_text = triton_aio.InferInput("text", list(rows.shape), "BYTES")
+                kserve_text.set_data_from_numpy(rows)
+                result = await kserve.infer(model, [kserve_text])
+                got = result.as_numpy("upper").tolist(), result.as_numpy("length").tolist()
+                assert got == expected(TEXTS, model)
+
+                records = [{"custom_id": f"r{i}", "inputs": {"text": [t]}} for i, t in enumerate(TEXTS * 3)]
+                source = "".join(json.dumps(r, ensure_ascii=i % 2 == 0) + "\n" for i, r in enumerate(records))
+                batch = await jobs.create_batch(source.encode(), model)
+                ended = await jobs.wait_batch(batch, timeout_s=120)
+                assert (ended.state.value, ended.completed, ended.failed) == ("COMPLETED", len(records), 0), ended
+                await jobs.download(batch, tmp_path / f"{model}.jsonl")
+                lines = [json.loads(line) for line in (tmp_path / f"{model}.jsonl").read_text("utf-8").splitlines()]
+                assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
+                for line, t in zip(lines, TEXTS * 3, strict=True):
+                    want = [[t.upper()]] if model == "texts" else [t.upper()]
+                    assert line["outputs"]["upper"] == want, line
+                    assert line["outputs"]["length"] == ([[len(t)]] if model == "texts" else [len(t)]), line
+    finally:
+        await kserve.close()
