@@ -259,8 +259,9 @@ class BulkResult:
 
 @dataclass(frozen=True, slots=True)
 class ModelVersion:
-    """One version of a model: LOADING (a batcher warms it up), READY (served), UNAVAILABLE
-    (declared or registered, served by no batcher now: `reason`; jobs pinned to it wait)."""
+    """One version of a model: LOADING (a batcher warms it up, or waits for its Triton server to
+    answer), READY (served), UNAVAILABLE (declared or registered, served by no batcher now:
+    `reason`; jobs pinned to it wait)."""
 
     version: str
     state: str

@@ -32,7 +32,10 @@ class _ModelVersionStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Mod
     DESCRIPTOR: _descriptor.EnumDescriptor
     MODEL_VERSION_STATE_UNSPECIFIED: _ModelVersionState.ValueType  # 0
     MODEL_VERSION_STATE_LOADING: _ModelVersionState.ValueType  # 1
-    """A batcher loads and warms it up; it takes no work yet."""
+    """A batcher loads and warms it up, or waits for its Triton server to answer (a triton version
+    whose server is out of reach: restarting, a rolling update); it takes no work yet, and its
+    jobs wait QUEUED.
+    """
     MODEL_VERSION_STATE_READY: _ModelVersionState.ValueType  # 2
     """At least one batcher serves it."""
     MODEL_VERSION_STATE_UNAVAILABLE: _ModelVersionState.ValueType  # 3
@@ -42,7 +45,10 @@ class ModelVersionState(_ModelVersionState, metaclass=_ModelVersionStateEnumType
 
 MODEL_VERSION_STATE_UNSPECIFIED: ModelVersionState.ValueType  # 0
 MODEL_VERSION_STATE_LOADING: ModelVersionState.ValueType  # 1
-"""A batcher loads and warms it up; it takes no work yet."""
+"""A batcher loads and warms it up, or waits for its Triton server to answer (a triton version
+whose server is out of reach: restarting, a rolling update); it takes no work yet, and its
+jobs wait QUEUED.
+"""
 MODEL_VERSION_STATE_READY: ModelVersionState.ValueType  # 2
 """At least one batcher serves it."""
 MODEL_VERSION_STATE_UNAVAILABLE: ModelVersionState.ValueType  # 3
@@ -1097,7 +1103,7 @@ class ModelVersionInfo(_message.Message):
     max_batch_size: _builtins.int
     @_builtins.property
     def batchers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The batchers that serve it (READY) or load it (LOADING)."""
+        """The batchers that serve it (READY), or load it or wait for its Triton server (LOADING)."""
 
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TensorSpec]: ...

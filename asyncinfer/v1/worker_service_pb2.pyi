@@ -330,7 +330,9 @@ class ServedModel(_message.Message):
     max_batch_size: _builtins.int
     """The batcher's batch limit for this model (for capacity estimates)."""
     state: _job_service_pb2.ModelVersionState.ValueType
-    """LOADING (announced, takes no work yet) or READY; unspecified means READY."""
+    """LOADING (announced, takes no work yet: loading and warming up, or its Triton server out of
+    reach) or READY; unspecified means READY.
+    """
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[_job_service_pb2.TensorSpec]:
         """The version's signature (empty from batchers before versions: the scheduler's configuration's)."""
