@@ -198,7 +198,8 @@ class JobRecord:
     # The batchers' hand-backs of this job since its last attempt that ran or was put back for
     # another reason (an order answered dropped, unrun: its batcher stops, its model is stuck, it
     # does not serve the version): lifecycle.after_hand_back waits longer after each and counts
-    # those past FREE_HAND_BACKS as attempts. 0 in a record from a scheduler of the release before.
+    # those past FREE_HAND_BACKS as attempts (unless their batcher no longer serves the version).
+    # 0 in a record from a scheduler of the release before.
     handed_back_in_a_row: int = 0
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0

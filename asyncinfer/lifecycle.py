@@ -417,6 +417,10 @@ def after_failure(
 # backoff, as a failed attempt does, and each past FREE_HAND_BACKS in a row counts as an attempt:
 # such a job ends dead-lettered (FAILED, replayable) after max_attempts of them, as a job whose
 # attempts keep failing does (Temporal's retry policy, Celery's max_retries), not queued forever.
+# A hand-back whose batcher has since told the scheduler it no longer serves the version (LOADING
+# while its Triton is out of reach, unloaded, stopping) never counts: the scheduler's view was put
+# right, and the next batcher may not know yet (batchers sharing one Triton each learn of an
+# outage on their own first call: past 5 of them a job spent attempts in one outage).
 FREE_HAND_BACKS = 5
 
 
@@ -429,12 +433,16 @@ class PutBack:
     error: JobError
 
 
-def after_hand_back(record: JobRecord, *, policy: RetryPolicy, jitter: float) -> PutBack | DeadLetterJob:
+def after_hand_back(
+    record: JobRecord, *, policy: RetryPolicy, jitter: float, still_served: bool = True
+) -> PutBack | DeadLetterJob:
     """What follows a batcher handing attempt `record.attempt` back unrun (`record`: its RUNNING
-    record); `jitter` as for RetryPolicy.delay_s."""
+    record); `jitter` as for RetryPolicy.delay_s. `still_served`: the batcher still says it serves
+    the version; when it no longer does, the hand-back is free however many came before it (its
+    backoff still grows with them)."""
     in_a_row = record.handed_back_in_a_row + 1
     delay_s = policy.delay_s(in_a_row - 1, jitter) if in_a_row > 1 else 0.0
-    if in_a_row <= FREE_HAND_BACKS:
+    if in_a_row <= FREE_HAND_BACKS or not still_served:
         return PutBack(delay_s=delay_s, refund=True, error=job_errors.dropped_unrun())
     error = job_errors.handed_back(in_a_row, FREE_HAND_BACKS)
     if record.attempt < record.max_attempts:

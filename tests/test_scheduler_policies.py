@@ -906,6 +906,67 @@ async def test_a_job_every_batcher_hands_back_backs_off_then_is_dead_lettered(st
     )
 
 
+async def test_a_job_handed_back_by_batchers_that_then_announce_its_version_loading_spends_no_attempt(
+    start: Start, config: Config
+) -> None:
+    """Batchers sharing one Triton each learn of its outage on their own first call: each announces
+    the version LOADING (dropping its credits here) and hands back the job it was running, which goes
+    on to the next batcher that has not met the outage yet. Each past 5 in a row counted as an
+    attempt, so with 7 such batchers a job of max_attempts 1 was dead-lettered within one outage
+    ("batchers handed it back unrun 6 times in a row"). A hand-back whose batcher has since said it
+    no longer serves the version is routing the scheduler has been told of, not a view that stays
+    wrong: it counts no more (the backoff still grows). The job is given back 7 times, waits QUEUED
+    with no attempt spent, and runs once a batcher serves the version again."""
+    h = await start(tune(config))
+    ready = worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=8)
+    loading = worker_service_pb2.ServedModel()
+    loading.CopyFrom(ready)
+    loading.state = job_service_pb2.MODEL_VERSION_STATE_LOADING
+    batchers = [await h.batcher(f"b{i}", credits=1) for i in range(7)]
+    orders: list[tuple[str, str, int]] = []
+
+    async def meets_the_outage(batcher: ScriptedBatcher) -> None:
+        order = await batcher.orders.get()
+        orders.append((batcher.batcher_id, order.job_id, order.attempt))
+        # As a batcher whose Triton is out of reach: its version LOADING first, then the hand-back.
+        await batcher._call.write(
+            worker_service_pb2.ConnectRequest(models=worker_service_pb2.ServedModels(models=[loading]))
+        )
+        dropped = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+        await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+
+    meeting = [asyncio.create_task(meets_the_outage(b)) for b in batchers]
+    try:
+        job_id = await enqueue(h.nc, h.kv, max_attempts=1)
+
+        async def settled() -> bool:
+            record = await read_record(h.js, job_id)
+            return record.state.is_terminal or (record.state is JobState.QUEUED and record.given_back_attempts == 7)
+
+        await until(settled, timeout_s=20.0)
+        record = await read_record(h.js, job_id)
+        assert (record.state, record.given_back_attempts, record.spent_attempts) == (JobState.QUEUED, 7, 0), (
+            f"{record.state} after {len(orders)} orders, {record.given_back_attempts} given back"
+        )
+        assert sorted(b for b, _, _ in orders) == [f"b{i}" for i in range(7)], "each batcher once"
+        assert [(j, a) for _, j, a in orders] == [(job_id, attempt) for attempt in range(1, 8)]
+
+        # b0's Triton answers again: READY, a credit, and the job runs there.
+        await batchers[0]._call.write(
+            worker_service_pb2.ConnectRequest(models=worker_service_pb2.ServedModels(models=[ready]))
+        )
+        await batchers[0].grant(1)
+        order = await batchers[0].next_order(timeout_s=10.0)
+        assert (order.job_id, order.attempt) == (job_id, 8)
+        await batchers[0].answer(order)
+        done = await wait_state(h.js, job_id, JobState.SUCCEEDED)
+        assert (done.given_back_attempts, done.spent_attempts) == (7, 1)
+    finally:
+        for task in meeting:
+            task.cancel()
+        await asyncio.gather(*meeting, return_exceptions=True)
+
+
 async def test_getjob_the_sdk_the_cli_and_the_console_count_attempts_without_those_given_back(
     start_stack: StartStack, config: Config
 ) -> None:

@@ -67,6 +67,15 @@ class BatcherSession:
     def serves(self, model_name: str, version: str) -> bool:
         return version in self.versions.get(model_name, ())
 
+    def still_serves(self, model_name: str, version: str) -> bool:
+        """Whether it still says it serves the version (READY; any of the model's where `version`
+        is empty) and its stream is open: what a hand-back of an order for it is weighed by
+        (lifecycle.after_hand_back). A batcher whose Triton is out of reach announced it LOADING
+        first, a stopping one nothing."""
+        if self.closed:
+            return False
+        return self.serves(model_name, version) if version else bool(self.versions.get(model_name))
+
     def send(self, order: WorkOrder | CancelOrder | ModelControlOrder) -> None:
         if self.closed:
             raise RuntimeError(f"{self!r} is closed")

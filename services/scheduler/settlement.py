@@ -161,7 +161,7 @@ class Settlement:
     async def _dropped(self, job: InFlightJob, now: float) -> None:
         """The batcher dropped the item before running it: canceled, expired, or (neither) handed
         back, put back as lifecycle.after_hand_back says (at once and its attempt given back,
-        unless it was handed back before in a row)."""
+        unless it was handed back before in a row by batchers that still serve the version)."""
         latest, written = await self._store.transition(job.record, lifecycle.decider(lifecycle.Drop(job.attempt), now))
         if latest is not None and latest.state.is_terminal:
             await self.settle(job.msg, latest, written, job.log)
@@ -171,7 +171,10 @@ class Settlement:
         # would put the other attempt back.
         running = latest if latest is not None and latest.attempt == job.attempt else job.record
         decision = lifecycle.after_hand_back(
-            running, policy=self._retry_policy(job.model_name), jitter=self._rng.random()
+            running,
+            policy=self._retry_policy(job.model_name),
+            jitter=self._rng.random(),
+            still_served=job.session.still_serves(job.model_name, running.model_version),
         )
         in_a_row = running.handed_back_in_a_row + 1
         match decision:

@@ -405,6 +405,31 @@ def test_hand_backs_in_a_row_back_off_then_count_and_anything_else_ends_the_row(
     assert decision == lifecycle.DeadLetterJob(state=F, last_error=job_errors.handed_back(7, 5))
 
 
+def test_a_hand_back_whose_batcher_no_longer_serves_the_version_never_counts() -> None:
+    """Batchers that each announce the version LOADING (their Triton out of reach), or stop, before
+    they hand the job back: the row grows (and its backoff) but none counts, past FREE_HAND_BACKS as
+    before it; the next hand-back by a batcher that still serves the version counts as before."""
+    record = queued(max_attempts=1)
+    now = 1_000.0
+    delays = []
+    for served in [False] * (lifecycle.FREE_HAND_BACKS + 3) + [True]:
+        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="b1"), now)
+        assert isinstance(running, JobRecord)
+        decision = lifecycle.after_hand_back(running, policy=POLICY, jitter=0.0, still_served=served)
+        if served:
+            assert decision == lifecycle.DeadLetterJob(state=F, last_error=job_errors.handed_back(9, 5))
+            break
+        assert isinstance(decision, lifecycle.PutBack)
+        assert decision.refund
+        delays.append(decision.delay_s)
+        back = lifecycle.Requeue(running.attempt, decision.error, refund=True, handed_back=True)
+        requeued = lifecycle.apply(running, back, now)
+        assert isinstance(requeued, JobRecord)
+        record = requeued
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0]  # up to half of backoff_max_s at jitter 0
+    assert (record.handed_back_in_a_row, record.given_back_attempts, record.spent_attempts) == (8, 8, 0)
+
+
 def test_the_backoff_counts_the_failures_of_this_run_not_the_attempts() -> None:
     """Four attempts given back (shed, a scheduler's stop) and then a failure: the base backoff, not
     2**4 times it; the next failure doubles it; a replay starts again from the base."""
