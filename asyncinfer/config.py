@@ -32,6 +32,8 @@ from asyncinfer.tensors import DATATYPES, ModelSignature, TensorSpec
 ENV_PREFIX = "ASYNCINFER_"
 SHA256_HEX_PATTERN = re.compile(r"^[0-9a-f]{64}$")
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
+# Where console.trace_url puts the trace ID.
+TRACE_ID_PLACEHOLDER = "{trace_id}"
 
 
 class _Section(BaseModel):
@@ -565,6 +567,33 @@ class ConsoleConfig(_Section):
         description="Offer no action (replay, purge, pause, resume) even with an ops key. Without an ops key the "
         "console acts only on a stack without API keys and only when it binds loopback, as `asyncinfer up`'s does.",
     )
+    trace_url: str = Field(
+        "",
+        description="A link to a trace in your trace viewer, `{trace_id}` standing for the 32-hex-digit trace ID: "
+        "e.g. http://jaeger:16686/trace/{trace_id}. Set, the trace ID on a job's and a batch's page links there "
+        "(tracing.enabled); empty, it is shown as text. An http:// or https:// URL with a host: another scheme, or "
+        "no {trace_id}, is refused at start-up (ConfigError).",
+    )
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_url_template(cls, value: str) -> str:
+        if not value:
+            return value
+        if TRACE_ID_PLACEHOLDER not in value:
+            raise ValueError(
+                f"{value[:200]!r} has no {TRACE_ID_PLACEHOLDER}, where the trace ID goes: "
+                "e.g. http://jaeger:16686/trace/{trace_id}"
+            )
+        if not re.match(r"https?://[^/?#\s]", value, re.IGNORECASE):
+            raise ValueError(
+                f"{value[:200]!r} is not an http:// or https:// URL with a host: the console links only to "
+                "a web page (a javascript: or data: link would run in the console's page)"
+            )
+        if any(c.isspace() or not c.isprintable() for c in value):
+            raise ValueError(f"{value[:200]!r} has a space or a control character: write it %-encoded (%20)")
+        return value
+
     stats_interval_s: float = Field(
         2.0, gt=0, description="How often the console samples GetQueueStats for its live pages and plots."
     )

@@ -5,6 +5,7 @@ page, checked in the page's rendered text and SVG. Screenshots go to test-artifa
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -15,8 +16,10 @@ import pytest
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, Job, JobState, Priority, QueuePosition, WaitingReason
-from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, load_config
 from asyncinfer.embedded_nats import free_port
+from asyncinfer.errors import ConfigError
+from services.console import html as ui
 from services.console import pages_jobs
 from services.console.app import ConsoleApp
 from services.gateway.app import GatewayApp
@@ -423,3 +426,44 @@ def test_up_prints_the_console_url_and_serves_the_models(tmp_path: Path) -> None
         assert "versions" in models  # every version beside the default
     finally:
         close(up)
+
+
+@pytest.mark.unit
+def test_a_trace_id_links_only_as_32_hex_digits_into_an_escaped_href() -> None:
+    template = 'https://tempo.example/explore?left={"query":"{trace_id}"}&x=<b>'
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    link = ui.trace(trace_id, template)
+    assert link == (
+        '<a class="trace" href="https://tempo.example/explore?left={&quot;query&quot;:&quot;'
+        f'{trace_id}&quot;}}&amp;x=&lt;b&gt;" target="_blank" rel="noopener noreferrer">{trace_id}</a>'
+    )
+    assert ui.trace(trace_id, "") == trace_id  # no template: text
+    assert ui.trace("", template) == "-"  # tracing off
+    # Not a trace ID (a gateway of another make): shown as text, never put in a link.
+    assert ui.trace('"><script>x</script>', template) == "&quot;&gt;&lt;script&gt;x&lt;/script&gt;"
+    assert ui.trace(trace_id + "\n", template) == trace_id + "\n"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("trace_url", "said"),
+    [
+        ("http://jaeger:16686/trace/", "has no {trace_id}, where the trace ID goes"),
+        ("javascript:alert('{trace_id}')", "is not an http:// or https:// URL with a host"),
+        ("ftp://jaeger/{trace_id}", "is not an http:// or https:// URL with a host"),
+        ("//jaeger:16686/trace/{trace_id}", "is not an http:// or https:// URL with a host"),
+        ("http:///trace/{trace_id}", "is not an http:// or https:// URL with a host"),
+        ("http://jaeger:16686/trace/{trace_id} x", "has a space or a control character"),
+    ],
+)
+def test_a_trace_url_without_trace_id_or_http_is_refused_at_start_up(tmp_path: Path, trace_url: str, said: str) -> None:
+    path = tmp_path / "console.toml"
+    path.write_text(f"[console]\ntrace_url = {json.dumps(trace_url)}\n")
+    with pytest.raises(ConfigError, match=r"invalid configuration: console\.trace_url: ") as refused:
+        load_config(path, environ={})
+    assert said in str(refused.value)
+    environ = {"ASYNCINFER_CONSOLE__TRACE_URL": trace_url}
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(environ=environ)
+    for good in ("http://jaeger:16686/trace/{trace_id}", "HTTPS://grafana/explore?q={trace_id}&{trace_id}"):
+        assert load_config(environ={"ASYNCINFER_CONSOLE__TRACE_URL": good}).console.trace_url == good

@@ -173,3 +173,45 @@ async def test_an_array_batch_offers_its_outputs_as_arrays(
     with np.load(io.BytesIO(data)) as archive:
         assert np.array_equal(archive["y"], 2 * x + 1)
         assert archive["succeeded"].all()
+
+
+# A Grafana Explore link: quotes, ampersands and braces of its own, which the page must keep as written.
+TRACE_URL = 'http://grafana.local:3000/explore?orgId=1&left={"datasource":"tempo","queries":[{"query":"{trace_id}"}]}'
+TRACE_LINK = 'document.querySelector("#{page} tr a.trace")'
+
+
+async def test_a_batchs_and_a_jobs_pages_link_their_trace_ids_to_console_trace_url(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """With tracing on, a batch's page shows its CreateBatch's trace ID and a job's page its own; with
+    console.trace_url set each is a link into the trace viewer (a new tab, no opener, no referrer),
+    the template's own quotes and ampersands intact; without it, the ID as text."""
+    stack = await start_stack(batch_config(config.replace(tracing={"enabled": True})), batcher=False)
+    linking = await start_console(stack, trace_url=TRACE_URL)
+    plain = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.create_batch(jsonl(demo_records(RECORDS)), "demo")
+        job = await client.submit("demo", {"x": np.array([[1, 2, 3, 4]], np.float32)})
+    assert len(batch.trace_id) == 32
+    assert len(job.trace_id) == 32
+    assert batch.trace_id != job.trace_id
+
+    for page, path, trace_id in (
+        ("batch", f"batches/{batch.batch_id}", batch.trace_id),
+        ("job", f"jobs/{job.job_id}", job.trace_id),
+    ):
+        await browser.goto(linking.url + path)
+        await browser.wait_for_text(trace_id, f"#{page}")
+        link = TRACE_LINK.format(page=page)
+        assert await browser.evaluate(f"{link}.getAttribute('href')") == TRACE_URL.replace("{trace_id}", trace_id)
+        assert await browser.evaluate(f"{link}.innerText") == trace_id
+        assert await browser.evaluate(f"{link}.target") == "_blank"
+        assert await browser.evaluate(f"{link}.rel") == "noopener noreferrer"
+        row = f"[...document.querySelectorAll('#{page} tr')].find(r => r.cells[0].innerText === 'trace ID')"
+        assert await browser.evaluate(f"{row}.cells[1].innerText") == trace_id
+        await browser.screenshot(ARTIFACTS / f"{page}-trace-link.png")
+
+        await browser.goto(plain.url + path)
+        await browser.wait_for_text(trace_id, f"#{page}")
+        assert await browser.evaluate(f"{row}.cells[1].innerText") == trace_id
+        assert not await browser.evaluate(f"!!{link}")

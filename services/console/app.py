@@ -195,6 +195,7 @@ class ConsoleApp:
                 ),
                 tenant=self._tenant(),
                 stats_interval_s=console.stats_interval_s,
+                trace_url=console.trace_url,
             )
             app = web.Application(
                 middlewares=[known_hosts_only(is_loopback(console.host), console.allowed_hosts)],

@@ -29,6 +29,8 @@ class Context:
     # Signs the outcome an action redirects with (`outcome`), so that a link cannot make a page
     # show a notice of its own in the console's voice.
     message_key: bytes = b""
+    # console.trace_url: where a trace ID links ("" shows it as text).
+    trace_url: str = ""
 
     def outcome(self, path: str, said: str, **query: str) -> str:
         """The URL an action redirects to, its outcome `said` in the query, signed."""

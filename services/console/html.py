@@ -16,9 +16,12 @@ import base64
 import hashlib
 import html
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from urllib.parse import urlencode
+
+from asyncinfer.config import TRACE_ID_PLACEHOLDER
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
@@ -121,6 +124,23 @@ def text(value: object) -> str:
     the text around it (a right-to-left override inside reversed the rest of its cell), and
     wrapped anywhere past 40em (one 256-byte label made the jobs table 4,317 px wide)."""
     return f'<bdi class="long">{h(value)}</bdi>'
+
+
+TRACE_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def trace(trace_id: str, url_template: str) -> str:
+    """An OpenTelemetry trace ID: a link to it in the trace viewer when `url_template`
+    (console.trace_url, checked at start-up: http or https, with {trace_id}) is set, else text; "-"
+    when there is none (tracing off). Only 32 hex digits go into a link; the whole href is escaped
+    as an attribute (a Grafana template's quotes and ampersands stay what they were)."""
+    if not trace_id:
+        return "-"
+    if not url_template or not TRACE_ID.fullmatch(trace_id):
+        return h(trace_id)
+    href = url_template.replace(TRACE_ID_PLACEHOLDER, trace_id)
+    # A new tab, told nothing of the console (no window.opener; no Referer, as the page's policy says).
+    return f'<a class="trace" href="{h(href)}" target="_blank" rel="noopener noreferrer">{h(trace_id)}</a>'
 
 
 def error_box(error: object) -> str:

@@ -122,6 +122,8 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         ("output file", ui.h(batch.output_ref or "-")),
         ("error file", ui.h(batch.error_ref or "-")),
         ("webhook", ui.h(batch.callback_url or "-")),
+        # Its CreateBatch's OpenTelemetry trace (tracing.enabled); each chunk job's trace links to it.
+        ("trace ID", ui.trace(batch.trace_id, ctx.trace_url)),
         ("created", ui.when(batch.create_time)),
         ("in progress since", ui.when(batch.in_progress_time)),
         ("finalizing since", ui.when(batch.finalizing_time)),

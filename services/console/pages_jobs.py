@@ -154,7 +154,7 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
         return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
-    body = job_details(job, time.time(), why_waiting=await _why_not_served(ctx, job))
+    body = job_details(job, time.time(), why_waiting=await _why_not_served(ctx, job), trace_url=ctx.trace_url)
     # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
     settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
     if request.headers.get("X-Console-Fragment"):
@@ -183,7 +183,7 @@ async def _why_not_served(ctx: Context, job: Job) -> str:
     return why_not_served(job, models)
 
 
-def job_details(job: Job, now: float, *, why_waiting: str = "") -> str:
+def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str = "") -> str:
     record = [
         ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
         ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
@@ -192,8 +192,8 @@ def job_details(job: Job, now: float, *, why_waiting: str = "") -> str:
         ("labels", ui.text(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),
-        # The job's OpenTelemetry trace (tracing.enabled): look it up in the trace backend.
-        ("trace ID", ui.h(job.trace_id or "-")),
+        # The job's OpenTelemetry trace (tracing.enabled): a link to it where console.trace_url is set.
+        ("trace ID", ui.trace(job.trace_id, trace_url)),
         ("created", ui.when(job.create_time)),
         ("started (latest attempt)", ui.when(job.start_time)),
         ("ended", ui.when(job.end_time)),
