@@ -23,7 +23,7 @@ import pytest
 
 from asyncinfer.cli import main
 from asyncinfer.client import AsyncClient, WaitingReason
-from asyncinfer.config import Config, render_default_config
+from asyncinfer.config import Config, ModelVersionConfig, TensorSpecConfig, render_default_config
 from asyncinfer.ids import new_job_id
 from tests.stack import Stack
 
@@ -690,6 +690,61 @@ async def test_models_lists_the_gateways_and_submit_types_inputs_from_them(
         code, out, err = await cli("submit", "remote-only", "--input", 'x=[["a","b","c","d"]]', "--config", str(local))
         assert code != 0
         assert "BYTES" in err, err
+    finally:
+        await stack.stop()
+
+
+async def test_submit_with_a_version_types_its_inputs_by_that_versions_signature(
+    config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A [[models.versions]] entry may take other inputs than the model's default, and the gateway
+    validates a pinned submit against the pinned version's; the CLI typed `--input` (and a request
+    file's inputs) by the default's, so `submit demo --version 2 -i 'x=[[1,2,3,4]]'` for a version
+    taking INT64 sent FP32, refused "input 'x' must be INT64, got 'FP32'" (exit 2)."""
+    demo = config.models[0]
+    versioned = demo.model_copy(
+        update={
+            "default_version": "1",
+            "versions": (
+                ModelVersionConfig(version="2", inputs=(TensorSpecConfig(name="x", datatype="INT64", shape=(-1, 4)),)),
+            ),
+        }
+    )
+    stack = Stack(config.replace(models=[versioned.model_dump()]))
+    await stack.start(batcher=False)
+    try:
+        cli = Cli(stack, monkeypatch)
+        code, out, err = await cli("submit", "demo", "--version", "2", "--input", "x=[[1,2,3,4]]", "--json")
+        assert code == 0, err
+        assert json.loads(out)["model_version"] == "2"
+        code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]", "--json")  # the default: FP32
+        assert code == 0, err
+        # A request file pinning it, and one whose version --version gives.
+        pinned = tmp_path / "pinned.json"
+        pinned.write_text(json.dumps({"model": "demo", "model_version": "2", "inputs": {"x": [[1, 2, 3, 4]]}}))
+        unpinned = tmp_path / "unpinned.json"
+        unpinned.write_text(json.dumps({"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}))
+        for argv in (("--request", str(pinned)), ("--request", str(unpinned), "--version", "2")):
+            code, out, err = await cli("submit", *argv, "--json")
+            assert code == 0, (argv, err)
+            assert json.loads(out)["model_version"] == "2"
+        # With --config, its versions' signatures (not the gateway's).
+        local = tmp_path / "local.toml"
+        local.write_text(
+            "[[models]]\n"
+            'name = "demo"\n'
+            f"loader = {json.dumps(demo.loader)}\n"
+            'inputs = [{name = "x", datatype = "FP32", shape = [-1, 4]}]\n'
+            'outputs = [{name = "y", datatype = "FP32", shape = [-1, 4]}]\n'
+            "[[models.versions]]\n"
+            'version = "2"\n'
+            'inputs = [{name = "x", datatype = "INT64", shape = [-1, 4]}]\n'
+        )
+        code, out, err = await cli(
+            "submit", "demo", "--version", "2", "--input", "x=[[1,2,3,4]]", "--config", str(local), "--json"
+        )
+        assert code == 0, err
+        assert json.loads(out)["model_version"] == "2"
     finally:
         await stack.stop()
 

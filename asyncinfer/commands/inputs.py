@@ -4,8 +4,8 @@
 A value is JSON (`[[1, 2, 3, 4]]`), `@file.npy` (a numpy array), `@file.json` / `@file` (JSON read
 from the file) or `@-` (JSON from stdin); in JSON requests it may also be spelled out as
 {"datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}. The datatype comes from, in order:
-the value's own "datatype", `--datatype`, the model's signature (as the gateway's ListModels says,
-or from `--config FILE` when given), or else the JSON itself (any
+the value's own "datatype", `--datatype`, the model's signature (the pinned version's for a request
+that names one; as the gateway's ListModels says, or from `--config FILE` when given), or else the JSON itself (any
 float: FP32, integers: INT64, booleans: BOOL, strings: BYTES). When the signature has one more
 dimension than the value, the value is one row: a batch dimension of 1 is added.
 """
@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -63,10 +63,15 @@ REQUEST_KEYS = frozenset(
 @dataclass(frozen=True, slots=True)
 class Signatures:
     """Model signatures, used only to pick datatypes and shapes (the gateway validates for real):
-    from the gateway (ListModels), or from a local configuration file when one is given."""
+    from the gateway (ListModels), or from a local configuration file when one is given. A
+    version's own (`by_version`) types a request pinned to it: a `[[models.versions]]` entry may
+    take other inputs than the model's default, and `submit --version 2` was typed by the
+    default's (`-i 'x=[[1,2,3,4]]'` sent FP32 to a version taking INT64, refused)."""
 
     by_model: Mapping[str, ModelSignature]
     served: bool = False  # the gateway's ListModels: a model not in it is one the gateway refuses
+    # (model, version) -> that version's signature, where ListModels or the file gives one.
+    by_version: Mapping[tuple[str, str], ModelSignature] = field(default_factory=dict)
 
     @classmethod
     async def fetch(cls, config_path: Path | None, client: AsyncClient) -> Signatures:
@@ -78,7 +83,16 @@ class Signatures:
             models = await client.models()
         except UnimplementedError:
             return cls.load(None)
-        return cls({m.name: ModelSignature(inputs=m.inputs, outputs=m.outputs) for m in models}, served=True)
+        return cls(
+            {m.name: ModelSignature(inputs=m.inputs, outputs=m.outputs) for m in models},
+            served=True,
+            by_version={
+                (m.name, v.version): ModelSignature(inputs=v.inputs, outputs=v.outputs)
+                for m in models
+                for v in m.versions
+                if v.inputs  # an older gateway lists no inputs per version: the model's then
+            },
+        )
 
     @classmethod
     def load(cls, config_path: Path | None) -> Signatures:
@@ -88,7 +102,14 @@ class Signatures:
             if config_path is not None:
                 raise UsageError(exc.message) from None
             return cls({})  # the environment's overrides do not parse: guess from the values instead
-        return cls({model.name: model.signature for model in config.models})
+        return cls(
+            {model.name: model.signature for model in config.models},
+            by_version={
+                (model.name, version.version): version.signature
+                for model in config.models
+                for version in model.version_configs()
+            },
+        )
 
     def require(self, model: str) -> None:
         """NotFoundError, as the gateway answers it, for a model the gateway does not serve: its
@@ -103,8 +124,10 @@ class Signatures:
                 metadata={"model": model[:64], "known_models": known},
             )
 
-    def spec(self, model: str, name: str) -> TensorSpec | None:
-        signature = self.by_model.get(model)
+    def spec(self, model: str, name: str, version: str = "") -> TensorSpec | None:
+        """Input `name`'s spec in `version`'s signature where known, else in the model's."""
+        signature = self.by_version.get((model, version)) if version else None
+        signature = signature or self.by_model.get(model)
         if signature is None:
             return None
         return next((spec for spec in signature.inputs if spec.name == name), None)
@@ -303,8 +326,10 @@ def inputs_from_arguments(
     signatures: Signatures,
     datatypes: Sequence[str] = (),
     shapes: Sequence[str] = (),
+    version: str = "",
 ) -> dict[str, npt.NDArray[Any]]:
-    """`--input NAME=VALUE` arguments (with `--datatype` / `--shape`) as arrays."""
+    """`--input NAME=VALUE` arguments (with `--datatype` / `--shape`) as arrays, typed by
+    `version`'s signature (empty: the model's)."""
     every, per_input = datatype_overrides(datatypes)
     shape_by_input = {k: _shape(v, k) for k, v in parse_key_values(shapes, "--shape").items()}
     arrays: dict[str, npt.NDArray[Any]] = {}
@@ -312,7 +337,7 @@ def inputs_from_arguments(
         name, sep, text = item.partition("=")
         if not sep or not name:
             raise UsageError(f"--input must look like NAME=VALUE, NAME=@file.npy or NAME=@-, got {item!r}")
-        spec = signatures.spec(model, name)
+        spec = signatures.spec(model, name, version)
         datatype = per_input.get(name, every)
         arrays[name] = to_array(
             name,
@@ -371,6 +396,7 @@ def request_from_json(
     if not model:
         raise UsageError('the request names no model (give "model" in it, or the model on the command line)')
     raw_inputs = data.get("inputs")
+    version = str(data.get("model_version") or "")
     inputs: dict[str, npt.NDArray[Any]] | None = None
     if isinstance(raw_inputs, list):
         inputs = {}
@@ -379,11 +405,11 @@ def request_from_json(
                 raise UsageError('each item of a list of inputs is {"name", "datatype", "shape", "data"}')
             fields = {k: v for k, v in tensor.items() if k != "name"}
             inputs[str(tensor["name"])] = to_array(
-                str(tensor["name"]), fields, spec=signatures.spec(model, str(tensor["name"]))
+                str(tensor["name"]), fields, spec=signatures.spec(model, str(tensor["name"]), version)
             )
     elif isinstance(raw_inputs, dict):
         inputs = {
-            str(name): to_array(str(name), value, spec=signatures.spec(model, str(name)))
+            str(name): to_array(str(name), value, spec=signatures.spec(model, str(name), version))
             for name, value in raw_inputs.items()
         }
     elif raw_inputs is not None:
@@ -396,7 +422,7 @@ def request_from_json(
             model=model,
             inputs=inputs,
             input_ref=str(data.get("input_ref") or ""),
-            model_version=str(data.get("model_version") or ""),
+            model_version=version,
             priority=Priority(str(data["priority"]).upper()) if data.get("priority") else None,
             idempotency_key=str(data.get("idempotency_key") or idempotency_key),
             labels={str(k): str(v) for k, v in labels.items()},

@@ -168,9 +168,10 @@ def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: 
     then the flags."""
     if args.request:
         text = stdin_text if args.request == "-" else _read_text(Path(args.request))
-        request = request_from_json(
-            read_value_json(text, args.request), signatures=signatures, default_model=args.model
-        )
+        data = read_value_json(text, args.request)
+        if args.version and isinstance(data, dict):  # its inputs typed by the version the job pins
+            data = {**data, "model_version": args.version}
+        request = request_from_json(data, signatures=signatures, default_model=args.model)
     elif args.model:
         request = JobRequest(model=args.model)
     else:
@@ -181,7 +182,12 @@ def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: 
     if args.input:
         signatures.require(request.model)
         arrays = inputs_from_arguments(
-            request.model, args.input, signatures=signatures, datatypes=args.datatype, shapes=args.shape
+            request.model,
+            args.input,
+            signatures=signatures,
+            datatypes=args.datatype,
+            shapes=args.shape,
+            version=args.version or request.model_version,
         )
         existing = dict(request.inputs) if isinstance(request.inputs, dict) else {}
         changes["inputs"] = {**existing, **arrays}
