@@ -10,12 +10,26 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from tritonclient.grpc import aio as triton
 
-from asyncinfer.client import AsyncClient, Client, InvalidArgumentError, Job, JobRequest, NotFoundError
-from asyncinfer.config import Config, ModelVersionConfig, TensorSpecConfig
+from asyncinfer.client import (
+    AsyncClient,
+    Client,
+    InvalidArgumentError,
+    Job,
+    JobError,
+    JobRequest,
+    NotFoundError,
+)
+from asyncinfer.client._convert import signature_refused
+from asyncinfer.config import DEMO_MODEL, Config, ModelVersionConfig, TensorSpecConfig
+from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import Tensor, typed_as, untyped_reason
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from tests.stack import Stack, StartStack, ThreadedStack
+from tests.test_model_hot_updates import load_config_json, until, version_table
+from tests.test_model_versions import demo, with_models
+from tests.test_runtime_models import NEW_MODEL, NEW_MODEL_TABLE
 
 
 @pytest.fixture
@@ -161,6 +175,88 @@ async def test_a_pinned_version_is_typed_by_its_own_signature(config: Config, st
         "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it is float64, which the SDK does not "
         "round to INT64: give whole numbers; model 'demo' takes x: INT64 of shape [-1, 4]"
     ]
+
+
+@pytest.mark.unit
+def test_what_refusals_drop_a_models_cached_signature() -> None:
+    """An input's datatype or shape: what the SDK types by the signature. Not a refusal the
+    signature has no part in (an unknown model is asked about once more, then left alone)."""
+    for field in ("inputs[0].datatype", "inputs[12].shape"):
+        assert signature_refused([FieldViolation("labels", "d"), FieldViolation(field, "d")]), field
+    for field in ("inputs", "inputs[0].name", "labels", "model_name", "inputs[0].datatypes"):
+        assert not signature_refused([FieldViolation(field, "d")]), field
+    assert not signature_refused([])
+
+
+def version_taking(version: str, datatype: str) -> dict[str, Any]:
+    """A load_model version table whose `x` is `datatype` (the demo model's loader)."""
+    return {
+        **version_table(version, DEMO_MODEL.loader),
+        "inputs": [{"name": "x", "datatype": datatype, "shape": [-1, 4]}],
+    }
+
+
+async def test_a_hot_update_of_a_models_inputs_types_its_submits_by_the_new_signature_after_one_refusal(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The SDK asked ListModels for a model's signature once per client: after a hot update changed
+    the model's inputs (the default version now one taking INT64, then FP64) a long-lived client
+    typed every submit and bulk item by the old signature, each refused ("input 'x' must be INT64,
+    got 'FP32'"), and a model it had asked for before it was loaded was sent untyped for good
+    (floats as FP64, "must be FP32, got 'FP64'"). A refusal of an input's datatype or shape now
+    drops what the client cached of the model: one refusal, and its next submit asks again."""
+    stack = await start_stack(with_models(config, demo(versions=("1",))))
+    assert stack.batcher is not None
+    kserve = triton.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    ints = {"x": [[1, 2, 3, 4]]}
+
+    async def default_takes(model: str, datatype: str) -> bool:
+        listed = {m.name: m for m in (await stack.jobs.ListModels(job_service_pb2.ListModelsRequest())).models}
+        return model in listed and [spec.datatype for spec in listed[model].inputs] == [datatype]
+
+    def descriptions(error: InvalidArgumentError | JobError | None) -> list[str]:
+        assert error is not None
+        return [v.description for v in error.violations]
+
+    try:
+        async with AsyncClient(stack.address) as client:
+            await client.submit("demo", ints)  # its signature cached: x FP32
+            with pytest.raises(NotFoundError):
+                await client.submit(NEW_MODEL, {"x": [[1.5, 2, 3, 4]]})
+
+            # A model loaded after the client asked for it: sent untyped once, refused, then typed.
+            await kserve.load_model(NEW_MODEL, config=NEW_MODEL_TABLE)
+            await until(lambda: default_takes(NEW_MODEL, "FP32"))
+            with pytest.raises(InvalidArgumentError) as raised:
+                await client.submit(NEW_MODEL, {"x": [[1.5, 2, 3, 4]]})
+            assert descriptions(raised.value) == ["input 'x' must be FP32, got 'FP64'"]
+            await client.submit(NEW_MODEL, {"x": [[1.5, 2, 3, 4]]})
+
+            # The default becomes a version taking INT64: one bulk item refused, the next typed anew.
+            await kserve.load_model(
+                "demo", config=load_config_json(version_table("1", DEMO_MODEL.loader), version_taking("2", "INT64"))
+            )
+            await until(lambda: default_takes("demo", "INT64"))
+            [refused] = [r async for r in client.bulk([JobRequest("demo", ints)])]
+            assert descriptions(refused.error) == ["input 'x' must be INT64, got 'FP32'"]
+            [accepted] = [r async for r in client.bulk([JobRequest("demo", ints)])]
+            assert accepted.error is None, accepted.error
+
+            # Then one taking FP64: one submit refused, the next typed anew.
+            await kserve.load_model(
+                "demo",
+                config=load_config_json(
+                    version_table("1", DEMO_MODEL.loader), version_taking("2", "INT64"), version_taking("3", "FP64")
+                ),
+            )
+            await until(lambda: default_takes("demo", "FP64"))
+            with pytest.raises(InvalidArgumentError) as raised:
+                await client.submit("demo", ints)
+            assert descriptions(raised.value) == ["input 'x' must be FP64, got 'INT64'"]
+            await client.submit("demo", ints)
+            await client.submit("demo", ints, model_version="2")  # the versions' signatures were asked again too
+    finally:
+        await kserve.close()
 
 
 class NoListModelsGateway(job_service_pb2_grpc.JobServiceServicer):

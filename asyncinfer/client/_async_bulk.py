@@ -21,6 +21,7 @@ from asyncinfer.client._convert import (
     error_from_proto,
     explained,
     job_from_proto,
+    signature_refused,
     submit_request_to_proto,
     with_idempotency_key,
 )
@@ -197,6 +198,8 @@ class BulkSubmits(JobCalls):
                                 item = pending.popleft()
                                 attempts.answered()
                                 error = error_from_proto(answer.error) if answer.HasField("error") else None
+                                if error is not None and signature_refused(error.violations):
+                                    self.forget_signature(item.item.job.model_name)
                                 if error is not None and item.declined:
                                     names = [t.name for t in item.item.job.inputs]
                                     error = replace(error, violations=explained(error.violations, names, item.declined))

@@ -162,8 +162,9 @@ class ClientChannel:
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy()
         # Input specs by model, from ListModels: fetched on the first submit with inputs, asked
-        # again only for a model not listed before (once per model name), never again from a
-        # gateway without ListModels.
+        # again for a model not listed before (once per model name) and for one whose submit the
+        # gateway refused for its signature (`forget_signature`), never again from a gateway
+        # without ListModels.
         self._input_specs: dict[str, dict[str, TensorSpec]] | None = None
         # ... and by (model, version) for each version ListModels gives inputs for: a pinned
         # submit is validated against its version's, which a [[models.versions]] entry may change.
@@ -171,6 +172,20 @@ class ClientChannel:
         self._unlisted: set[str] = set()
         self._list_models_unimplemented = False
         self._specs_lock = asyncio.Lock()
+
+    def forget_signature(self, model: str) -> None:
+        """Drops what the client cached of `model`'s signature (its versions' too), so that its next
+        submit asks ListModels again: the gateway refused one of its submits for an input's
+        datatype or shape. A hot update may have changed its inputs since they were cached (a
+        long-lived client typed by the old signature for good, each submit refused), or loaded it
+        (one not listed when asked was sent untyped for good). A refused submit queued nothing, so
+        nothing else changes; ListModels is asked once per such refusal, never per accepted submit
+        (nor per submit of a model the gateway does not know: asked once more, then left alone)."""
+        if self._input_specs is not None:
+            self._input_specs.pop(model, None)
+        self._unlisted.discard(model)
+        for key in [key for key in self._version_specs if key[0] == model]:
+            del self._version_specs[key]
 
     async def close(self) -> None:
         """Closes the channel; a call after it raises RuntimeError, and so does one in flight

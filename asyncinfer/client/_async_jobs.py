@@ -22,6 +22,7 @@ from asyncinfer.client._convert import (
     job_from_proto,
     model_name_problem,
     models_from_proto,
+    signature_refused,
     state_to_proto,
     submit_request_to_proto,
     with_idempotency_key,
@@ -83,9 +84,10 @@ class JobCalls(ClientChannel):
         such as nested lists), or is a list of `Tensor`s; or give `input_ref` from `upload`.
         Arrays and lists are typed by the model's signature where nothing is lost (ints and floats
         to FP16/FP32/FP64, ints to an integer type they fit, bools to BOOL, strings to BYTES), as
-        the gateway's ListModels says (asked once per client, within half of `timeout_s`: the
-        submit's one deadline covers both calls; with `model_version`, that version's signature);
-        a `Tensor` is sent as it is.
+        the gateway's ListModels says (asked once per client, and again after the gateway refused
+        a submit of the model for an input's datatype or shape: a hot update may have changed
+        or loaded it; within half of `timeout_s`: the submit's one deadline covers
+        both calls; with `model_version`, that version's signature); a `Tensor` is sent as it is.
         `deadline` / `queue_ttl_s`: it expires unless started by then.
 
         Idempotency: without an `idempotency_key` the SDK generates one (a UUID) for this call, so
@@ -145,6 +147,8 @@ class JobCalls(ClientChannel):
         try:
             response = await self._call(invoke, deadline)
         except InvalidArgumentError as error:
+            if signature_refused(error.violations):
+                self.forget_signature(request.model)
             error.violations = explained(error.violations, [t.name for t in message.inputs], declined)
             raise
         return job_from_proto(response.job)

@@ -340,6 +340,17 @@ def explained(
     return tuple(result)
 
 
+_SIGNATURE_FIELD = re.compile(r"inputs\[\d+\]\.(datatype|shape)")
+
+
+def signature_refused(violations: Iterable[FieldViolation]) -> bool:
+    """Whether a refused submit says the SDK's cached signature of its model may be old: the
+    gateway refused an input's datatype or shape, which the SDK typed by that signature (or left
+    as given, for a model not listed when it asked). A hot update changes a model's inputs, or
+    loads it, while a client runs; nothing else tells the client."""
+    return any(_SIGNATURE_FIELD.fullmatch(v.field) for v in violations)
+
+
 def input_tensors(inputs: Inputs) -> list[Tensor]:
     """Name -> array (or a `Tensor`, sent as it is under that name), or a list of Tensors."""
     if isinstance(inputs, Mapping):
