@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import nats.errors
+import nats.js.errors
 import pytest
 
 from asyncinfer.config import Config
@@ -152,6 +154,21 @@ async def test_a_watch_resumes_with_every_change_after_the_nats_server_restarts_
             async with asyncio.timeout(30):
                 while not nc.is_connected:  # noqa: ASYNC110 - nats-py's reconnect loop, no event to wait on
                     await asyncio.sleep(0.05)
+                # Connected is not JetStream ready: a restarted server recovers its streams from the
+                # store after it takes connections, and a put before then went unanswered for its
+                # 5 s under load (session 32's CI2). A read tells, and writes nothing twice.
+                while True:
+                    try:
+                        async with asyncio.timeout(2):
+                            await nc.jetstream().stream_info(kv_stream(BUCKET))
+                        break
+                    except (
+                        TimeoutError,
+                        nats.errors.TimeoutError,
+                        nats.errors.NoRespondersError,
+                        nats.js.errors.ServiceUnavailableError,
+                    ):
+                        await asyncio.sleep(0.1)
             await bucket.put("b", b"2")
             await bucket.put("a", b"3")
             assert await seen.until(3) == [("a", b"1"), ("b", b"2"), ("a", b"3")]
