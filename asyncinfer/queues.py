@@ -60,6 +60,16 @@ class PriorityQueueSnapshot:
     # came in holds jobs created within a second of each other, read a minute later). None when
     # unknown, as in a snapshot from the release before it: then the snapshot's time stands for it.
     newest_create_time: float | None = None
+    # Of `depth`, the jobs the writing scheduler pulled and put back (a nak): the consumer counts
+    # them delivered, not pending, and only their putter knows them, so each scheduler's are its
+    # own; the rest of `depth` is the consumer's pending, read alike by every scheduler. A reader
+    # merging several schedulers' snapshots (asyncinfer.snapshot_merge) takes the newest one's
+    # pending plus every fresh one's put-backs. 0 from a scheduler of the release before (its
+    # depth then reads as all pending).
+    put_back: int = 0
+    # When the oldest of those put back and past its backoff was stored (Unix seconds; None when
+    # none or unknown): the merge's oldest time is the older of the newest snapshot's and these.
+    put_back_oldest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +152,9 @@ class PrioritySnapshotWire(msgspec.Struct, omit_defaults=True):
     # Since session 24. The release before reads snapshots with msgspec, which skips a field it
     # does not know, so it is written in version 0.
     newest_create_time: float | None = None
+    # Since session 32, left out while 0 / None; skipped by the release before as above (version 0).
+    put_back: int = 0
+    put_back_oldest_create_time: float | None = None
 
 
 class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -190,7 +203,9 @@ _pause_decoder = msgspec.json.Decoder(PauseWire)
 def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
     s = snapshot
     priorities = {
-        name: PrioritySnapshotWire(p.depth, p.oldest_create_time, p.newest_create_time)
+        name: PrioritySnapshotWire(
+            p.depth, p.oldest_create_time, p.newest_create_time, p.put_back, p.put_back_oldest_create_time
+        )
         for name, p in s.priorities.items()
     }
     return _encoder.encode(
@@ -232,7 +247,9 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
         model_name=w.model_name,
         updated_at=w.updated_at,
         priorities={
-            name: PriorityQueueSnapshot(p.depth, p.oldest_create_time, p.newest_create_time)
+            name: PriorityQueueSnapshot(
+                p.depth, p.oldest_create_time, p.newest_create_time, p.put_back, p.put_back_oldest_create_time
+            )
             for name, p in w.priorities.items()
         },
         in_flight=w.in_flight,

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from asyncinfer.queues import QueueSnapshot
+from asyncinfer.queues import PriorityQueueSnapshot, QueueSnapshot
 from asyncinfer.snapshot_freshness import is_fresh
 
 
@@ -55,10 +55,14 @@ def merge_snapshots(snapshots: Collection[HeldSnapshot], now: float) -> HeldSnap
     """What the model's schedulers report together, from each one's latest snapshot (of the same
     model). Over the fresh ones: batchers and jobs in flight summed; free credits and completion
     rates summed over those not draining (a draining scheduler takes no queued job, so its
-    completions start none: this rate is the estimated starts'), or over all when all drain; draining when every scheduler with a batcher drains (none has one: when every
-    scheduler drains), since only those could dispatch. Depths, their oldest and newest times and
-    the pause are the shared consumers' and the shared key's, read by each: the newest snapshot's,
-    as are its time and name. A `stopped` snapshot counts as not fresh. None fresh: the newest, stale
+    completions start none: this rate is the estimated starts'), or over all when all drain;
+    draining when every scheduler with a batcher drains (none has one: when every scheduler
+    drains), since only those could dispatch. A priority's depth is the consumer's pending, read
+    alike by each (the newest snapshot's), plus every fresh scheduler's own put-backs
+    (`put_back`: pulled and nak'ed, which the consumer counts delivered and only their putter
+    knows); its oldest time the older of the newest snapshot's and the others' put-backs'
+    (`_merged_priorities`). The newest times and the pause are the shared consumers' and the
+    shared key's: the newest snapshot's, as are its time and name. A `stopped` snapshot counts as not fresh. None fresh: the newest, stale
     (it says nobody looks after the model) or stopped (what the others reported as it stopped).
     Newest and fresh by `written_at` and `now`, the reader's monotonic clock; the merge is held as
     written when its newest was."""
@@ -96,7 +100,7 @@ def merge_snapshots(snapshots: Collection[HeldSnapshot], now: float) -> HeldSnap
     merged = QueueSnapshot(
         model_name=newest_snapshot.model_name,
         updated_at=newest_snapshot.updated_at,
-        priorities=newest_snapshot.priorities,
+        priorities=_merged_priorities(newest_snapshot, fresh),
         in_flight=in_flight,
         connected_batchers=batchers,
         free_credits=free[every_one_drains],
@@ -107,6 +111,38 @@ def merge_snapshots(snapshots: Collection[HeldSnapshot], now: float) -> HeldSnap
         scheduler=newest_snapshot.scheduler,
     )
     return HeldSnapshot(merged, written)
+
+
+def _merged_priorities(newest: QueueSnapshot, fresh: list[QueueSnapshot]) -> dict[str, PriorityQueueSnapshot]:
+    """Each priority's depth: the newest snapshot's pending (its depth less its own put-backs) plus
+    every fresh snapshot's put-backs. Taking the newest depth alone (as before) flipped between
+    the schedulers' counts, each with its own put-backs and none of the others'; a sum of depths
+    counts the pending once per scheduler."""
+    if not any(p.put_back for snapshot in fresh for p in snapshot.priorities.values()):
+        return newest.priorities  # the common case, and every snapshot of the release before
+    merged: dict[str, PriorityQueueSnapshot] = {}
+    for key in {key for snapshot in fresh for key in snapshot.priorities}:
+        shared = newest.priorities.get(key) or PriorityQueueSnapshot()
+        put_back = 0
+        put_back_oldest: float | None = None
+        oldest = shared.oldest_create_time  # the pending's first and the newest's own put-backs'
+        for snapshot in fresh:
+            own = snapshot.priorities.get(key)
+            if own is None or not own.put_back:
+                continue
+            put_back += own.put_back
+            if (t := own.put_back_oldest_create_time) is not None:
+                put_back_oldest = t if put_back_oldest is None else min(put_back_oldest, t)
+                if snapshot is not newest:
+                    oldest = t if oldest is None else min(oldest, t)
+        merged[key] = PriorityQueueSnapshot(
+            depth=max(shared.depth - shared.put_back, 0) + put_back,
+            oldest_create_time=oldest,
+            newest_create_time=shared.newest_create_time,
+            put_back=put_back,
+            put_back_oldest_create_time=put_back_oldest,
+        )
+    return merged
 
 
 @dataclass(frozen=True, slots=True)

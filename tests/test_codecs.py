@@ -458,3 +458,16 @@ def test_the_release_before_reads_a_stopped_schedulers_last_snapshot() -> None:
     old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
     assert (old.model_name, old.connected_batchers, old.free_credits) == ("demo", 1, 4)
     assert "stopped" not in json.loads(encode_snapshot(SNAPSHOT))  # written only while true
+
+
+def test_the_release_before_reads_a_snapshot_with_its_schedulers_put_backs() -> None:
+    """A priority's `put_back` and its oldest time (session 32) are fields the release before skips:
+    it reads the depth (pending and put-backs together), as it did. Left out while 0 / None."""
+    own = PriorityQueueSnapshot(5, 100.0, 101.0, put_back=2, put_back_oldest_create_time=99.0)
+    counted = dataclasses.replace(SNAPSHOT, priorities={"NORMAL": own})
+    data = encode_snapshot(counted)
+    assert decode_snapshot(data) == counted
+    old = msgspec.json.decode(data, type=_Stop33SnapshotWire)
+    assert (old.priorities["NORMAL"].depth, old.priorities["NORMAL"].oldest_create_time) == (5, 100.0)
+    plain = encode_snapshot(dataclasses.replace(SNAPSHOT, priorities={"NORMAL": PriorityQueueSnapshot(5)}))
+    assert json.loads(plain)["priorities"]["NORMAL"] == {"depth": 5}

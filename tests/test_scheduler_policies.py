@@ -75,6 +75,7 @@ from asyncinfer.queues import (
     ensure_queues_bucket,
     write_snapshots,
 )
+from asyncinfer.snapshot_watch import SnapshotWatch
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import (
@@ -2131,6 +2132,66 @@ async def test_a_job_given_back_here_and_run_by_another_scheduler_leaves_this_on
 
     await until(lambda: own_depth_is(0))
     assert queues.put_back_count(Priority.NORMAL) == 0
+
+
+async def test_two_schedulers_count_a_job_one_put_back_in_the_merged_depth_and_the_desired_batchers(
+    start: Start, config: Config
+) -> None:
+    """Each scheduler counts its own put-backs in its queue's depth (the consumer counts a nak'ed
+    message delivered, not pending), and every reader took a model's depths from its newest
+    snapshot: with A's job put back (shed unrun, no credit to pull it again), the gateway's merge
+    said 1 after A's write and 0 after B's, B's GetQueueStats said 0, and B's
+    asyncinfer_desired_batchers 0. Now a snapshot says which part of its depth is its own
+    put-backs, and a merge adds every scheduler's to the newest one's pending; each scheduler's
+    desired batchers are the cluster's."""
+    a = await start(tune(config))
+    b = await start(tune(config))
+    on_a = await a.batcher("on-a", credits=1)
+    job_id = await enqueue(a.nc, a.kv)
+    order = await on_a.next_order()
+    assert order.job_id == job_id
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    merges: list[QueueSnapshot] = []  # the gateway's merge as each snapshot arrives
+
+    def merged(model_name: str, held: Any) -> None:
+        if model_name == MODEL and held is not None:
+            merges.append(held.snapshot)
+
+    watch = SnapshotWatch(a.js, a.nc, bucket=a.app.config.nats.queues_bucket, monotonic=time.monotonic, on_merge=merged)
+    await watch.start()
+    try:
+        shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+        await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+        await wait_state(a.js, job_id, JobState.QUEUED)
+        name_a, name_b = a.app.instance_name, b.app.instance_name
+
+        async def written_by_a() -> bool:
+            return any(m.scheduler == name_a and m.depth(Priority.NORMAL) == 1 for m in merges)
+
+        await until(written_by_a)
+        seen = len(merges)
+
+        async def written_by_b_since() -> bool:
+            return any(m.scheduler == name_b for m in merges[seen:])
+
+        await until(written_by_b_since, timeout_s=15.0)  # its next change, or its heartbeat (5 s)
+        after_b = next(m for m in merges[seen:] if m.scheduler == name_b)
+        assert after_b.depth(Priority.NORMAL) == 1, f"the merge after B's write: {after_b}"
+        request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+        (from_b,) = (await b.ops.GetQueueStats(request)).models
+        normal = next(q for q in from_b.priorities if q.priority == job_pb2.PRIORITY_NORMAL)
+        assert (normal.depth, from_b.in_flight, from_b.desired_batchers) == (1, 0, 1)
+
+        async def b_asks_for_one() -> bool:
+            return b.app.metrics.desired_batchers.labels(model=MODEL)._value.get() == 1
+
+        try:
+            await until(b_asks_for_one)
+        except AssertionError:
+            got = b.app.metrics.desired_batchers.labels(model=MODEL)._value.get()
+            raise AssertionError(f"B's asyncinfer_desired_batchers: {got}") from None
+    finally:
+        await watch.stop()
 
 
 async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:

@@ -6,6 +6,7 @@ is logged at once and stops the process (asyncinfer.runner)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -242,6 +243,7 @@ class SchedulerApp:
             forget_put_back=self._forget_put_back,
             nc=nc,
         )
+        cluster_queues.desire = stats.desired
         models_kv = await ensure_models_bucket(js, config.nats)
         self._models_registry = registry = ModelRegistryWriter(
             KvBucket(name=config.nats.models_bucket, kv=models_kv, js=js), self.batchers
@@ -553,7 +555,15 @@ class SchedulerApp:
         if self._stats is None:
             return
         snapshots = await self._stats.snapshot()
-        self.metrics.observe(snapshots)
+        cluster = self._cluster_queues
+        if cluster is not None:
+            # The cluster's ask, in the gauge (KEDA's max over schedulers) and in the snapshots;
+            # the gauges' depths the cluster's too (read as the max over schedulers), while the
+            # snapshots keep this scheduler's own put-backs apart (the readers' merge sums them).
+            snapshots = [dataclasses.replace(s, desired_batchers=cluster.cluster_desired(s)) for s in snapshots]
+            self.metrics.observe([cluster.with_cluster_depths(s) for s in snapshots])
+        else:
+            self.metrics.observe(snapshots)
         by_model = {s.model_name: s for s in snapshots}
         for dispatcher in self._dispatchers:
             snapshot = by_model.get(dispatcher.model_name)

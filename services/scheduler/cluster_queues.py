@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 from asyncinfer.nats import Client, JetStreamContext
 from asyncinfer.queues import QueueSnapshot
-from asyncinfer.snapshot_merge import cluster_queue, stopped_snapshot
+from asyncinfer.snapshot_merge import ClusterQueue, cluster_queue, stopped_snapshot
 from asyncinfer.snapshot_watch import SnapshotWatch
-from services.scheduler.queue_stats import ModelQueueSnapshot
+from services.scheduler.queue_stats import ModelQueueSnapshot, PriorityQueueSnapshot
 
 
 class ClusterQueues:
@@ -40,6 +40,8 @@ class ClusterQueues:
         self._monotonic = monotonic  # whether a snapshot is fresh
         self._watch = SnapshotWatch(js, nc, bucket=bucket, monotonic=monotonic)
         self._schedulers = self._watch.schedulers
+        # QueueStatsReader.desired, set once the reader is made: the batchers a queue asks for.
+        self.desire: Callable[..., int] | None = None
 
     async def start(self) -> None:
         await self._watch.start()
@@ -48,24 +50,85 @@ class ClusterQueues:
         await self._watch.stop()
 
     def cluster_wide(self, own: ModelQueueSnapshot) -> ModelQueueSnapshot:
-        """`own` (this scheduler's, just taken) with the cluster's batchers, jobs in flight, free
-        credits, completion rate (every scheduler's, a draining one's too: it still finishes what
-        it dispatched) and desired batchers (the most any scheduler asks for, as KEDA's max() over
-        the schedulers' gauges). Its depths, pause, drain, submission rate (every
-        scheduler hears every queued notice) and batch sizes stay its own."""
-        now = self._monotonic()
-        cluster = cluster_queue(own.to_shared(self._scheduler), self._schedulers.latest(own.model_name), now)
+        """`own` (this scheduler's, just taken) with the cluster's depths (the consumers' pending,
+        as this scheduler just read it, plus every scheduler's own put-backs) and oldest times,
+        batchers, jobs in flight, free credits, completion rate (every scheduler's, a draining
+        one's too: it still finishes what it dispatched) and desired batchers (`cluster_desired`).
+        Its pause, drain, submission rate (every scheduler hears every queued notice) and batch
+        sizes stay its own."""
+        cluster = self._cluster(own)
         merged = cluster.merged
         return dataclasses.replace(
             own,
+            priorities=self._cluster_priorities(own, merged),
             in_flight=merged.in_flight,
             connected_batchers=merged.connected_batchers,
             free_credits=merged.free_credits,
             completed_per_s=cluster.completed_per_s,
-            desired_batchers=merged.desired_batchers,
+            desired_batchers=self._desired(own, cluster),
             schedulers=cluster.schedulers,
             draining_schedulers=cluster.draining_schedulers,
         )
+
+    def cluster_desired(self, own: ModelQueueSnapshot) -> int:
+        """The batchers the whole cluster's queue asks for (`desire` over the cluster's depths, jobs
+        in flight, batchers and completion rate), with `own` this scheduler's just taken: what its
+        gauge asyncinfer_desired_batchers and its snapshots say, so KEDA's max() over the
+        schedulers' gauges is the cluster's ask. Each asked for its own view before (the shared
+        pending plus its own put-backs and jobs in flight, its batchers' rate): the others' put-back
+        jobs and jobs in flight were missing from every one."""
+        return self._desired(own, self._cluster(own))
+
+    def with_cluster_depths(self, own: ModelQueueSnapshot) -> ModelQueueSnapshot:
+        """`own` with the cluster's depths and oldest times, the rest its own: its gauges
+        (asyncinfer_queue_depth and _oldest_age_seconds, read as the max over schedulers)."""
+        merged = self._cluster(own).merged
+        return dataclasses.replace(own, priorities=self._cluster_priorities(own, merged))
+
+    def _cluster(self, own: ModelQueueSnapshot) -> ClusterQueue:
+        return cluster_queue(own.to_shared(self._scheduler), self._schedulers.latest(own.model_name), self._monotonic())
+
+    def _desired(self, own: ModelQueueSnapshot, cluster: ClusterQueue) -> int:
+        merged = cluster.merged
+        if self.desire is None:
+            return merged.desired_batchers
+        return self.desire(
+            own.model_name,
+            waiting=merged.total_depth,
+            in_flight=merged.in_flight,
+            connected=merged.connected_batchers,
+            completed_per_s=cluster.completed_per_s,  # every scheduler's: a batcher's throughput
+            held=merged.paused or merged.draining,  # draining: every scheduler that could dispatch drains
+        )
+
+    def _cluster_priorities(self, own: ModelQueueSnapshot, merged: QueueSnapshot) -> tuple[PriorityQueueSnapshot, ...]:
+        priorities = []
+        for queue in own.priorities:
+            cluster = merged.priorities.get(queue.priority.value)
+            if cluster is None or (
+                cluster.depth == queue.depth and cluster.oldest_create_time == queue.oldest_create_time
+            ):
+                priorities.append(queue)
+                continue
+            oldest_age_s = None
+            if cluster.oldest_create_time is not None:
+                if queue.oldest_create_time is not None and queue.oldest_age_s is not None:
+                    # On the clock the own age was read on (the server's, as a rule).
+                    oldest_age_s = queue.oldest_age_s + max(queue.oldest_create_time - cluster.oldest_create_time, 0.0)
+                else:
+                    oldest_age_s = max(self._clock() - cluster.oldest_create_time, 0.0)
+            priorities.append(
+                dataclasses.replace(
+                    queue,
+                    depth=cluster.depth,
+                    oldest_age_s=oldest_age_s,
+                    oldest_create_time=cluster.oldest_create_time,
+                    newest_create_time=cluster.newest_create_time,
+                    put_back=cluster.put_back,
+                    put_back_oldest_create_time=cluster.put_back_oldest_create_time,
+                )
+            )
+        return tuple(priorities)
 
     def reporting(self) -> list[str]:
         """The schedulers whose snapshot of some model is fresh (not stopped), by name: those

@@ -39,7 +39,10 @@ class SchedulerMetrics:
             registry=registry,
         )
         self.queue_depth = Gauge(
-            "asyncinfer_queue_depth", "Jobs waiting, per model and priority.", ["model", "priority"], registry=registry
+            "asyncinfer_queue_depth",
+            "Jobs waiting, per model and priority, in the whole cluster (every scheduler's put-backs counted).",
+            ["model", "priority"],
+            registry=registry,
         )
         self.queue_oldest_age = Gauge(
             "asyncinfer_queue_oldest_age_seconds",
@@ -94,7 +97,7 @@ class SchedulerMetrics:
         )
         self.desired_batchers = Gauge(
             "asyncinfer_desired_batchers",
-            "Batchers wanted to clear the backlog at the measured throughput (the autoscaling signal).",
+            "Batchers wanted to clear the whole cluster's backlog at the measured throughput (the autoscaling signal).",
             ["model"],
             registry=registry,
         )

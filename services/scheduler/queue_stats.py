@@ -48,6 +48,10 @@ class PriorityQueueSnapshot:
     oldest_create_time: float | None = None
     # ... and the newest (the last message on the queue's subjects).
     newest_create_time: float | None = None
+    # Of `depth`, the jobs this scheduler put back (its own part; the rest is the consumer's
+    # pending, every scheduler's alike), and when the oldest of them past its backoff was stored.
+    put_back: int = 0
+    put_back_oldest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,11 @@ class ModelQueueSnapshot:
             updated_at=self.updated_at,
             priorities={
                 q.priority.value: queues.PriorityQueueSnapshot(
-                    depth=q.depth, oldest_create_time=q.oldest_create_time, newest_create_time=q.newest_create_time
+                    depth=q.depth,
+                    oldest_create_time=q.oldest_create_time,
+                    newest_create_time=q.newest_create_time,
+                    put_back=q.put_back,
+                    put_back_oldest_create_time=q.put_back_oldest_create_time,
                 )
                 for q in self.priorities
             },
@@ -257,23 +265,19 @@ class QueueStatsReader:
         rate = self._completed_per_s(name)
         paused = self._is_paused(name)
         draining = self._is_draining()
-        planned, planned_batches = self._planned_chunks(name)
         return ModelQueueSnapshot(
             model_name=name,
             priorities=tuple(queued),
             in_flight=in_flight,
             connected_batchers=len(sessions),
             free_credits=self._batchers.free_credits(name),
-            desired_batchers=desired_batchers(
+            desired_batchers=self.desired(
+                name,
                 waiting=sum(q.depth for q in queued),
                 in_flight=in_flight,
                 connected=len(sessions),
                 completed_per_s=rate,
-                target_drain_s=self._config.scheduler.autoscale_target_drain_s,
                 held=paused or draining,
-                planned=planned,
-                planned_batches=planned_batches,
-                chunks_in_flight=self._config.batches.chunks_in_flight,
             ),
             paused=paused,
             completed_per_s=rate,
@@ -281,6 +285,24 @@ class QueueStatsReader:
             draining=draining,
             submitted_per_s=self._submitted_per_s(name),
             batch_sizes=self._batch_sizes(name),
+        )
+
+    def desired(
+        self, model_name: str, *, waiting: int, in_flight: int, connected: int, completed_per_s: float, held: bool
+    ) -> int:
+        """desired_batchers for the model's queue as given: this scheduler's own, or the cluster's
+        (services.scheduler.cluster_queues), with its running batches' chunks to come."""
+        planned, planned_batches = self._planned_chunks(model_name)
+        return desired_batchers(
+            waiting=waiting,
+            in_flight=in_flight,
+            connected=connected,
+            completed_per_s=completed_per_s,
+            target_drain_s=self._config.scheduler.autoscale_target_drain_s,
+            held=held,
+            planned=planned,
+            planned_batches=planned_batches,
+            chunks_in_flight=self._config.batches.chunks_in_flight,
         )
 
     async def _queue(
@@ -295,7 +317,7 @@ class QueueStatsReader:
             # asyncinfer.declarations). An idle scheduler asked for each consumer's info at every
             # snapshot, its own and the console's, each every 2 s: 15 requests a second for
             # `asyncinfer up`'s 5 models, more than everything else it asked while idle.
-            return PriorityQueueSnapshot(priority=priority, depth=put_back, oldest_age_s=None)
+            return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None)
         if not put_back and occupied is not None and (model_name, priority.subject_token) not in occupied:
             return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None)  # no message of it stored
         stream = self._config.nats.work_stream
@@ -306,6 +328,7 @@ class QueueStatsReader:
         oldest_age_s: float | None = None
         oldest_create_time: float | None = None
         newest_create_time: float | None = None
+        put_back_oldest: float | None = None
         if depth:
             # The oldest waiting message: the first on the subject past the delivered sequence, or
             # one put back here (pulled, so delivered: older than that first one, as a rule).
@@ -321,8 +344,10 @@ class QueueStatsReader:
             except NotFoundError:
                 pass
             stored_at = [first.time.timestamp()] if first is not None and first.time is not None else []
-            if put_back and (put_back_oldest := self._put_back_oldest(model_name, priority)) is not None:
-                stored_at.append(put_back_oldest)
+            if put_back:
+                put_back_oldest = self._put_back_oldest(model_name, priority)
+                if put_back_oldest is not None:
+                    stored_at.append(put_back_oldest)
             if stored_at:
                 oldest_create_time = min(stored_at)
                 oldest_age_s = waited_s(
@@ -336,6 +361,8 @@ class QueueStatsReader:
             oldest_age_s=oldest_age_s,
             oldest_create_time=oldest_create_time,
             newest_create_time=newest_create_time,
+            put_back=put_back,
+            put_back_oldest_create_time=put_back_oldest,
         )
 
     async def _newest_create_time(self, stream: str, model_name: str, priority: Priority) -> float | None:

@@ -107,6 +107,37 @@ def test_batchers_credits_in_flight_and_rates_add_up() -> None:
     assert not merged.draining
 
 
+def with_put_back(held: HeldSnapshot, *, pending: int, put_back: int, oldest: float | None) -> HeldSnapshot:
+    """`held` whose NORMAL depth is `pending` (the consumer's) plus `put_back` of its own, the oldest
+    of those stored at `oldest`."""
+    normal = held.snapshot.priorities[Priority.NORMAL.value]
+    own = replace(
+        normal,
+        depth=pending + put_back,
+        oldest_create_time=min(t for t in (normal.oldest_create_time, oldest) if t is not None),
+        put_back=put_back,
+        put_back_oldest_create_time=oldest,
+    )
+    return replace(held, snapshot=replace(held.snapshot, priorities={Priority.NORMAL.value: own}))
+
+
+def test_the_depth_is_the_newest_pending_plus_every_schedulers_own_put_backs() -> None:
+    """A's 2 put-backs counted whichever scheduler wrote last (the newest's depth alone flipped
+    between 5 and 3), B's 1 too, the pending once; the oldest time a put-back's of A's where older."""
+    a = with_put_back(from_scheduler("a", age_s=1.0), pending=4, put_back=2, oldest=NOW - 60.0)
+    b = with_put_back(from_scheduler("b"), pending=3, put_back=1, oldest=None)  # still in its backoff
+    merged = merged_of([a, b]).priorities[Priority.NORMAL.value]
+    assert (merged.depth, merged.put_back) == (3 + 2 + 1, 3)  # B's pending, the newer read
+    assert merged.oldest_create_time == NOW - 60.0
+    assert merged.put_back_oldest_create_time == NOW - 60.0
+    assert merged.newest_create_time == b.snapshot.priorities[Priority.NORMAL.value].newest_create_time
+    # A stale scheduler's put-backs leave with it.
+    stale = replace(a, written_at=MONO - SNAPSHOT_STALE_S - 1.0)
+    fresh_c = from_scheduler("c", age_s=2.0)
+    alone = merged_of([stale, b, fresh_c]).priorities[Priority.NORMAL.value]
+    assert (alone.depth, alone.put_back) == (4, 1)
+
+
 def test_a_scheduler_without_batchers_does_not_make_the_model_look_unserved() -> None:
     a = from_scheduler("a", age_s=1.0, batchers=1)
     b = from_scheduler("b", batchers=0)  # written last: the key's value, which the gateway read alone
