@@ -2194,6 +2194,63 @@ async def test_two_schedulers_count_a_job_one_put_back_in_the_merged_depth_and_t
         await watch.stop()
 
 
+@pytest.mark.parametrize("on_b", ["running", "given_back"])
+async def test_a_job_put_back_here_and_taken_by_another_scheduler_leaves_this_ones_depth_at_once(
+    start: Start, config: Config, on_b: str
+) -> None:
+    """A job A put back (shed unrun, no credit to pull it again) is pulled by B, which runs it, or
+    runs it and gives it back (a retriable failure, no credit back: B's own put-back now). A
+    counted it as its own put-back until its message left the stream (its result stored), however
+    long it ran or waited on B, so the merge counted it twice: in B's jobs in flight or put-backs,
+    and in A's put-backs. Now A reads the records of its put-backs each stats round and forgets one
+    whose record names a later delivery of its message (B's, RUNNING or QUEUED again)."""
+    a = await start(tune(config))
+    b = await start(tune(config))
+    on_a = await a.batcher("on-a", credits=1)
+    job_id = await enqueue(a.nc, a.kv)
+    first = await on_a.next_order()
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+    await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+    await wait_state(a.js, job_id, JobState.QUEUED)
+    queues = a.dispatcher().queues
+
+    async def put_back_on_a() -> bool:
+        return queues.put_back_count(Priority.NORMAL) == 1
+
+    rounds = StatsRounds(a.app)
+    await until(put_back_on_a)
+    await rounds.wait(1)  # A has read its record since it put it back (each round, before its statistics)
+    batcher_b = await b.batcher("on-b", credits=1)
+    second = await batcher_b.next_order()  # pulled again by B
+    assert (second.job_id, second.attempt, first.attempt) == (job_id, 2, 1)
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    if on_b == "given_back":
+        await batcher_b.fail(second, MODEL_ERROR)  # retriable, no credit back: put back on B
+        await wait_state(a.js, job_id, JobState.QUEUED)
+
+    async def own_depth() -> int:
+        (snapshot,) = await a.app._stats.snapshot(MODEL)  # A's own count
+        return snapshot.depth
+
+    async def forgotten_on_a() -> bool:
+        return await own_depth() == 0
+
+    try:
+        await until(forgotten_on_a)
+    except AssertionError:
+        raise AssertionError(f"A still counts the job B took: its depth {await own_depth()}") from None
+    request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+
+    once = (0, 1) if on_b == "running" else (1, 0)  # (waiting, in flight)
+
+    async def once_in_the_cluster() -> bool:
+        (model,) = (await b.ops.GetQueueStats(request)).models
+        return (sum(q.depth for q in model.priorities), model.in_flight) == once
+
+    await until(once_in_the_cluster)
+
+
 async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:
     """A LOW backlog saturates the only batcher; HIGH jobs keep arriving while it drains."""
     h = await start(tune(config))

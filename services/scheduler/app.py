@@ -65,6 +65,7 @@ from services.scheduler.model_registry_writer import ModelRegistryWriter
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
 from services.scheduler.priority import PrioritySelector
+from services.scheduler.put_back_checks import check_put_backs
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.runtime_models import RuntimeModels, declare_consumers
@@ -121,6 +122,7 @@ class SchedulerApp:
         self._snapshots_js: JetStreamContext | None = None  # where queue snapshots are written
         self._snapshot_writes = SnapshotWrites(heartbeat_s=SNAPSHOT_HEARTBEAT_S)  # which, each round
         self._instance: SchedulerInstance | None = None
+        self._store: JobStore | None = None  # the job records: whether a job put back here was taken elsewhere
         self._cluster_queues: ClusterQueues | None = None  # every scheduler's snapshots: GetQueueStats, its last ones
         self._models_registry: ModelRegistryWriter | None = None
         self._pauses: PauseState | None = None
@@ -202,6 +204,7 @@ class SchedulerApp:
             self.supervisor,
         )
         store = JobStore(kv, work_stream=config.nats.work_stream, after_write=claim_lifetimes.after_write)
+        self._store = store
         claim_lifetimes.start()
         blobs = await ensure_objects_bucket(nc, config.nats)
         queued_records = QueuedRecords()
@@ -554,6 +557,9 @@ class SchedulerApp:
         """Metrics, the selectors' aging, and the snapshots the gateway reads."""
         if self._stats is None:
             return
+        if self._store is not None:
+            # A job put back here that another scheduler took is forgotten before it is counted.
+            await check_put_backs(self._store, (d.queues for d in self._dispatchers))
         snapshots = await self._stats.snapshot()
         cluster = self._cluster_queues
         if cluster is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from asyncinfer.codecs.envelope import tenant_of_envelope
 from asyncinfer.contract import JOB_ID_HEADER, TENANT_HEADER, work_consumer_name
-from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
+from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, Priority, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg
 from asyncinfer.nats.connection import connection_changes
@@ -73,6 +73,9 @@ class ModelQueues:
         # Each with when its message was stored (Unix seconds; None if unknown): they are the
         # queue's oldest jobs, which the stream's next undelivered message does not say.
         self._put_back: dict[Priority, dict[str, _PutBack]] = {p: {} for p in PRIORITIES_BY_RANK}
+        # When each was last checked against its record (put_back_to_check), by a count of checks.
+        self._checked: dict[str, int] = {}
+        self._checks = 0
         # Whether the last pull_next found jobs already waiting, not only one it waited for
         # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
         self.found_waiting = False
@@ -80,7 +83,10 @@ class ModelQueues:
     def put_back(self, priority: Priority, msg: Msg, *, backoff_s: float = 0.0) -> None:
         """A message of the priority's queue was pulled and is put back (nak). `backoff_s`: how
         long the job's own policy keeps it from running (a retry's backoff, a hand-back's)."""
-        self._put_back[priority][_job_id(msg)] = _PutBack(_stored_at(msg), self._clock() + max(backoff_s, 0.0))
+        job_id = _job_id(msg)
+        self._put_back[priority][job_id] = _PutBack(
+            _stored_at(msg), self._clock() + max(backoff_s, 0.0), job_key(tenant_of(msg), job_id), msg.reply or ""
+        )
 
     def put_back_jobs(self, priority: Priority) -> frozenset[str]:
         return frozenset(self._put_back[priority])
@@ -102,15 +108,51 @@ class ModelQueues:
     def put_back_count(self, priority: Priority) -> int:
         return len(self._put_back[priority])
 
+    def put_back_to_check(self, most: int) -> list[tuple[str, str]]:
+        """Up to `most` of the jobs put back here, (job ID, record key), those checked longest ago
+        first (services.scheduler.put_back_checks)."""
+        found: list[tuple[str, str]] = []
+        for jobs in self._put_back.values():
+            found.extend((job_id, entry.key) for job_id, entry in jobs.items())
+        found.sort(key=lambda job: self._checked.get(job[0], 0))
+        return found[:most]
+
+    def checked(self, job_id: str, record: JobRecord | None) -> None:
+        """A job put back here, its record as read now (None: gone, or not written yet). The
+        record says whether another scheduler took the job since: it names a later delivery of
+        the job's message than the one put back here (its `lease_subject`, written as a delivery
+        is dispatched: RUNNING there, or given back there since), or the job ended. Such a job is
+        forgotten: the consumer's pending does not count it, and its putter counted it as waiting
+        until the stats round's listing no longer held its message (its result stored, however
+        long it ran or waited elsewhere). A record naming the delivery put back here (its requeue's
+        write failed, NATS away) or an earlier one (a held pull's put-back of a job an earlier
+        attempt ran) leaves it counted, as does a job pulled elsewhere and put back there unrun
+        and unwritten (a version no batcher serves): both count it."""
+        self._checks += 1
+        for jobs in self._put_back.values():
+            entry = jobs.get(job_id)
+            if entry is None:
+                continue
+            if record is not None and (
+                record.state.is_terminal or _delivered(record.lease_subject) > _delivered(entry.delivery) > 0
+            ):
+                del jobs[job_id]
+                self._checked.pop(job_id, None)
+                return
+            self._checked[job_id] = self._checks
+
     def forget(self, job_id: str) -> None:
         """The job's message is gone (deleted when it was cancelled while queued)."""
         for jobs in self._put_back.values():
             jobs.pop(job_id, None)
+        self._checked.pop(job_id, None)
 
     def _pulled(self, priority: Priority, msgs: list[Msg]) -> list[Msg]:
         if msgs and (put_back := self._put_back[priority]):
             for msg in msgs:
-                put_back.pop(_job_id(msg), None)
+                job_id = _job_id(msg)
+                if put_back.pop(job_id, None) is not None:
+                    self._checked.pop(job_id, None)
         return msgs
 
     def note_publish(self, priority: Priority) -> None:
@@ -213,11 +255,25 @@ class ModelQueues:
 class _PutBack:
     stored_at: float | None  # when its message was stored (Unix seconds; None if unknown)
     due: float  # when its backoff ends (the queues' clock)
+    key: str  # its record's key
+    delivery: str  # the ack subject of the delivery put back (a record's lease_subject names it)
 
 
 def _job_id(msg: Msg) -> str:
     """The job a work message is for: its header, else its subject's last token (a job's own)."""
     return (msg.headers or {}).get(JOB_ID_HEADER) or msg.subject.rsplit(".", 1)[-1]
+
+
+def _delivered(ack_subject: str) -> int:
+    """Which delivery of its message an ack subject is (its delivery count:
+    $JS.ACK.<stream>.<consumer>.<delivered>..., or with a domain and an account hash after ACK, as
+    nats-py reads it; services.scheduler.lease_reclaim reads the stream sequence so); 0 if not one."""
+    tokens = ack_subject.split(".")
+    if len(tokens) == 9:
+        tokens = [*tokens[:2], "", "", *tokens[2:]]
+    if len(tokens) < 11 or tokens[:2] != ["$JS", "ACK"] or not tokens[6].isdigit():
+        return 0
+    return int(tokens[6])
 
 
 def _stored_at(msg: Msg) -> float | None:
