@@ -70,6 +70,10 @@ class PriorityQueueSnapshot:
     # When the oldest of those put back and past its backoff was stored (Unix seconds; None when
     # none or unknown): the merge's oldest time is the older of the newest snapshot's and these.
     put_back_oldest_create_time: float | None = None
+    # The consumer's unacknowledged deliveries as the writer read them with its put-backs (None: not
+    # read): every put-back's message is one of them, so the merge counts no more put-backs than
+    # this (a job pulled and put back by two schedulers, neither writing its record, is in both).
+    ack_pending: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +159,7 @@ class PrioritySnapshotWire(msgspec.Struct, omit_defaults=True):
     # Since session 32, left out while 0 / None; skipped by the release before as above (version 0).
     put_back: int = 0
     put_back_oldest_create_time: float | None = None
+    ack_pending: int | None = None
 
 
 class SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -204,7 +209,12 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
     s = snapshot
     priorities = {
         name: PrioritySnapshotWire(
-            p.depth, p.oldest_create_time, p.newest_create_time, p.put_back, p.put_back_oldest_create_time
+            p.depth,
+            p.oldest_create_time,
+            p.newest_create_time,
+            p.put_back,
+            p.put_back_oldest_create_time,
+            p.ack_pending,
         )
         for name, p in s.priorities.items()
     }
@@ -248,7 +258,12 @@ def decode_snapshot(data: bytes) -> QueueSnapshot:
         updated_at=w.updated_at,
         priorities={
             name: PriorityQueueSnapshot(
-                p.depth, p.oldest_create_time, p.newest_create_time, p.put_back, p.put_back_oldest_create_time
+                p.depth,
+                p.oldest_create_time,
+                p.newest_create_time,
+                p.put_back,
+                p.put_back_oldest_create_time,
+                p.ack_pending,
             )
             for name, p in w.priorities.items()
         },

@@ -126,15 +126,23 @@ def _merged_priorities(newest: QueueSnapshot, fresh: list[QueueSnapshot]) -> dic
         put_back = 0
         put_back_oldest: float | None = None
         oldest = shared.oldest_create_time  # the pending's first and the newest's own put-backs'
+        unacknowledged: int | None = None  # the most any scheduler read with its put-backs
         for snapshot in fresh:
             own = snapshot.priorities.get(key)
             if own is None or not own.put_back:
                 continue
             put_back += own.put_back
+            if own.ack_pending is not None:
+                unacknowledged = max(unacknowledged or 0, own.ack_pending, own.put_back)
             if (t := own.put_back_oldest_create_time) is not None:
                 put_back_oldest = t if put_back_oldest is None else min(put_back_oldest, t)
                 if snapshot is not newest:
                     oldest = t if oldest is None else min(oldest, t)
+        if unacknowledged is not None:
+            # Every put-back is an unacknowledged delivery: more put-backs than those counts a job
+            # twice (pulled and put back by two schedulers, neither writing its record: a version
+            # no batcher serves, pulled by each one's free slot in turn).
+            put_back = min(put_back, unacknowledged)
         merged[key] = PriorityQueueSnapshot(
             depth=max(shared.depth - shared.put_back, 0) + put_back,
             oldest_create_time=oldest,

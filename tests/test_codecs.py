@@ -461,9 +461,9 @@ def test_the_release_before_reads_a_stopped_schedulers_last_snapshot() -> None:
 
 
 def test_the_release_before_reads_a_snapshot_with_its_schedulers_put_backs() -> None:
-    """A priority's `put_back` and its oldest time (session 32) are fields the release before skips:
+    """A priority's `put_back`, its oldest time and `ack_pending` (session 32) are fields the release before skips:
     it reads the depth (pending and put-backs together), as it did. Left out while 0 / None."""
-    own = PriorityQueueSnapshot(5, 100.0, 101.0, put_back=2, put_back_oldest_create_time=99.0)
+    own = PriorityQueueSnapshot(5, 100.0, 101.0, put_back=2, put_back_oldest_create_time=99.0, ack_pending=3)
     counted = dataclasses.replace(SNAPSHOT, priorities={"NORMAL": own})
     data = encode_snapshot(counted)
     assert decode_snapshot(data) == counted

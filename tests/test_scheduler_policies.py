@@ -2251,6 +2251,44 @@ async def test_a_job_put_back_here_and_taken_by_another_scheduler_leaves_this_on
     await until(once_in_the_cluster)
 
 
+async def test_a_job_both_schedulers_put_back_unrun_counts_once_in_the_merged_depth(
+    start: Start, config: Config
+) -> None:
+    """A job pinned to a version no batcher serves is pulled and put back by each scheduler's free
+    slot in turn, its record never written: A counts it until a pull of its own brings it back, and
+    so does B, so the merge, which adds every scheduler's put-backs to the pending, said 2 for one
+    job. Each snapshot now carries the consumer's unacknowledged deliveries as read with its
+    put-backs, and the merge counts no more put-backs than those."""
+    a = await start(tune(config))
+    b = await start(tune(config))
+    on_a = await a.batcher("v2-on-a", credits=1, version="2")  # a free slot, for another version
+    await enqueue(a.nc, a.kv)  # version 1
+    on_a_queues, on_b_queues = a.dispatcher().queues, b.dispatcher().queues
+
+    async def put_back_on_a() -> bool:
+        return on_a_queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(put_back_on_a)
+    await on_a.close()  # A pulls it no more: it stays among A's put-backs
+    await b.batcher("v2-on-b", credits=1, version="2")
+
+    async def both_count_it() -> bool:
+        return on_a_queues.put_back_count(Priority.NORMAL) == 1 and on_b_queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(both_count_it, timeout_s=15.0)  # B pulls it once A's put-back delay (1 s) has passed
+    cluster: Any = b.app._cluster_queues
+
+    async def a_reports_it() -> bool:  # A's snapshot with its put-back, as B's watch holds it
+        held = cluster._schedulers.latest(MODEL).get(a.app.instance_name)
+        return held is not None and held.snapshot.priorities[Priority.NORMAL.value].put_back == 1
+
+    await until(a_reports_it)
+    request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+    (model,) = (await b.ops.GetQueueStats(request)).models
+    normal = next(q for q in model.priorities if q.priority == job_pb2.PRIORITY_NORMAL)
+    assert normal.depth == 1, f"one job waits; B's GetQueueStats says {normal.depth}"
+
+
 async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:
     """A LOW backlog saturates the only batcher; HIGH jobs keep arriving while it drains."""
     h = await start(tune(config))

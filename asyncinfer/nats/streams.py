@@ -304,6 +304,8 @@ class ConsumerCounts:
     num_pending: int  # messages matching the consumer's filter and not yet delivered
     delivered_stream_seq: int  # the stream sequence of the last message delivered (0: none yet)
     server_time: float | None  # Unix seconds on the server's clock; None from a server older than 2.10
+    # Deliveries not yet acknowledged: in flight on some scheduler, or nak'ed and not yet delivered again.
+    num_ack_pending: int = 0
 
 
 class _ConsumerInfo(msgspec.Struct):
@@ -311,6 +313,7 @@ class _ConsumerInfo(msgspec.Struct):
         stream_seq: int = 0
 
     num_pending: int = 0
+    num_ack_pending: int = 0
     delivered: Delivered | None = None
     ts: str | None = None
     error: dict[str, Any] | None = None
@@ -328,6 +331,7 @@ async def consumer_counts(nc: Client, stream: str, consumer: str, *, timeout_s: 
         num_pending=info.num_pending,
         delivered_stream_seq=info.delivered.stream_seq if info.delivered is not None else 0,
         server_time=_server_time(info.ts),
+        num_ack_pending=info.num_ack_pending,
     )
 
 

@@ -52,6 +52,8 @@ class PriorityQueueSnapshot:
     # pending, every scheduler's alike), and when the oldest of them past its backoff was stored.
     put_back: int = 0
     put_back_oldest_create_time: float | None = None
+    # The consumer's unacknowledged deliveries, read with the put-backs (None: not read).
+    ack_pending: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +102,7 @@ class ModelQueueSnapshot:
                     newest_create_time=q.newest_create_time,
                     put_back=q.put_back,
                     put_back_oldest_create_time=q.put_back_oldest_create_time,
+                    ack_pending=q.ack_pending,
                 )
                 for q in self.priorities
             },
@@ -363,6 +366,7 @@ class QueueStatsReader:
             newest_create_time=newest_create_time,
             put_back=put_back,
             put_back_oldest_create_time=put_back_oldest,
+            ack_pending=info.num_ack_pending if put_back else None,
         )
 
     async def _newest_create_time(self, stream: str, model_name: str, priority: Priority) -> float | None:

@@ -121,6 +121,12 @@ def with_put_back(held: HeldSnapshot, *, pending: int, put_back: int, oldest: fl
     return replace(held, snapshot=replace(held.snapshot, priorities={Priority.NORMAL.value: own}))
 
 
+def read_unacknowledged(held: HeldSnapshot, count: int) -> HeldSnapshot:
+    """`held` whose writer read `count` unacknowledged deliveries on the consumer with its put-backs."""
+    priorities = {key: replace(p, ack_pending=count) for key, p in held.snapshot.priorities.items()}
+    return replace(held, snapshot=replace(held.snapshot, priorities=priorities))
+
+
 def test_the_depth_is_the_newest_pending_plus_every_schedulers_own_put_backs() -> None:
     """A's 2 put-backs counted whichever scheduler wrote last (the newest's depth alone flipped
     between 5 and 3), B's 1 too, the pending once; the oldest time a put-back's of A's where older."""
@@ -136,6 +142,18 @@ def test_the_depth_is_the_newest_pending_plus_every_schedulers_own_put_backs() -
     fresh_c = from_scheduler("c", age_s=2.0)
     alone = merged_of([stale, b, fresh_c]).priorities[Priority.NORMAL.value]
     assert (alone.depth, alone.put_back) == (4, 1)
+
+
+def test_the_merge_counts_no_more_put_backs_than_the_consumers_unacknowledged_deliveries() -> None:
+    """One job pulled and put back by both A and B (neither wrote its record): each counts it; the
+    consumer holds one unacknowledged delivery, so the merge counts one."""
+    a = with_put_back(from_scheduler("a", age_s=1.0), pending=0, put_back=1, oldest=NOW - 30.0)
+    b = with_put_back(from_scheduler("b"), pending=0, put_back=1, oldest=NOW - 30.0)
+    merged = merged_of([read_unacknowledged(a, 1), read_unacknowledged(b, 1)]).priorities[Priority.NORMAL.value]
+    assert (merged.depth, merged.put_back) == (1, 1)
+    # Two jobs, one on each: two unacknowledged deliveries, as the newer read says.
+    two = merged_of([read_unacknowledged(a, 1), read_unacknowledged(b, 2)]).priorities[Priority.NORMAL.value]
+    assert two.depth == 2
 
 
 def test_a_scheduler_without_batchers_does_not_make_the_model_look_unserved() -> None:
