@@ -333,6 +333,58 @@ def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
     return None
 
 
+def cast_change(array: npt.NDArray[Any], datatype: str) -> str:
+    """What converting `array` (numpy's reading of JSON numbers: int64, uint64, float64, or objects
+    for integers past 64 bits) to `datatype` would change, in words to follow "input 'x' " ("has
+    1.5, not a whole number: INT64 takes whole numbers"); "" where it changes nothing but a float's
+    precision (1.1 as FP32), or where `array` holds no numbers (booleans and text are refused
+    elsewhere). numpy converts silently: np.array([1.5], dtype=int64) is [1], [300.0] as UINT8 is
+    [44], [300] and [-1] are [44] and [255] (a DeprecationWarning), and 1e300 as FP32 is inf. A
+    whole float (2.0) for an integer type changes nothing, and is not named."""
+    target = NUMPY_DTYPES.get(datatype)
+    if target is None or target.kind == "b" or array.dtype.kind not in "iufO":
+        return ""
+    values = array.ravel().tolist() if array.dtype.kind == "O" else None
+    if values is not None and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return ""  # mixed kinds: numpy's own error (or booleans_misplaced's) names them
+    if target.kind == "f":
+        limit = float(np.finfo(target.str).max)
+        if values is not None:
+            past = [v for v in values if not (isinstance(v, float) and math.isinf(v)) and abs(v) > limit]
+        else:
+            with np.errstate(over="ignore"):
+                mask = np.isinf(array.astype(target)) & ~np.isinf(array)
+            past = array[mask].ravel()[:1].tolist() if mask.any() else []
+        return f"has {_shown(past[0])}, past {datatype}'s range (±{limit:.8g})" if past else ""
+    info = np.iinfo(target.str)
+    if values is None and array.dtype.kind == "f":
+        whole = np.isfinite(array) & (array == np.floor(array))
+        if not whole.all():
+            values = array[~whole].ravel()[:1].tolist()
+        elif array.size and (float(array.min()) < info.min or float(array.max()) >= float(info.max + 1)):
+            values = array.ravel().tolist()
+        else:
+            return ""
+    elif values is None:
+        if not array.size or (info.min <= int(array.min()) and int(array.max()) <= info.max):
+            return ""
+        values = array.ravel().tolist()
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"has {v!r}, which {datatype} cannot hold: it takes whole numbers"
+        if isinstance(v, float) and v != math.floor(v):
+            return f"has {v!r}, not a whole number: {datatype} takes whole numbers"
+        if not info.min <= v <= info.max:
+            return f"has {_shown(v)}, past {datatype}'s range ({info.min} to {info.max})"
+    return ""
+
+
+def _shown(value: float) -> str:
+    """A value as a refusal names it: an integer of hundreds of digits by its length."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"an integer of {len(str(abs(int(value))))} digits"
+
+
 def untyped_reason(array: npt.NDArray[Any], datatype: str) -> str | None:
     """Why `typed_as` left `array` as it is for a signature's `datatype`, as a refusal of it says it
     after the input's name ("has 1e+300, past FP32's range (±3.4028235e+38)"); None where it typed

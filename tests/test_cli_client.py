@@ -749,6 +749,51 @@ async def test_submit_with_a_version_types_its_inputs_by_that_versions_signature
         await stack.stop()
 
 
+async def test_a_value_the_inputs_datatype_would_change_is_refused_before_anything_is_sent(
+    config: Config, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The CLI typed `-i` values with numpy's cast, which changes what the datatype cannot hold:
+    `-i 'x=[[1.5,2,3,4]]'` for an INT64 input was queued as [[1, 2, 3, 4]] (exit 0), and so was a
+    request file's and a bulk line's. Each is refused now before anything is sent: exit 2 for
+    submit, naming the input, the value and what the model takes, and an invalid line for bulk,
+    with the same words. A whole float (2.0) changes nothing and is queued."""
+    demo = config.models[0]
+    ints = demo.model_copy(update={"inputs": (TensorSpecConfig(name="x", datatype="INT64", shape=(-1, 4)),)})
+    stack = Stack(config.replace(models=[ints.model_dump()]))
+    await stack.start(batcher=False)
+    try:
+        cli = Cli(stack, monkeypatch)
+        why = "input 'x' has 1.5, not a whole number: INT64 takes whole numbers; the model takes x: INT64 of shape [-1, 4]"
+        code, out, err = await cli("submit", "demo", "--input", "x=[[1.5,2,3,4]]", "--json")
+        assert (code, out) == (2, ""), (code, out, err)
+        assert why in err, err
+        request = tmp_path / "request.json"
+        request.write_text(json.dumps({"model": "demo", "inputs": {"x": [[1.5, 2, 3, 4]]}}))
+        code, out, err = await cli("submit", "--request", str(request), "--json")
+        assert (code, out) == (2, ""), (code, out, err)
+        assert why in err, err
+        assert await count_jobs(stack) == 0
+
+        lines = tmp_path / "lines.jsonl"
+        lines.write_text(
+            json.dumps({"inputs": {"x": [[1.5, 2, 3, 4]]}})
+            + "\n"
+            + json.dumps({"inputs": {"x": [[2.0, 2, 3, 4]]}})
+            + "\n"
+        )
+        code, out, err = await cli("bulk", str(lines), "--model", "demo", "--no-wait", "--json")
+        summary = json.loads(out)
+        assert (summary["invalid"], summary["submitted"]) == (1, 1), (summary, err)
+        (refused,) = json_lines((tmp_path / "lines.results.jsonl").read_text())
+        assert refused["line"] == 1, refused
+        assert why in refused["error"]["message"], refused
+        code, out, err = await cli("submit", "demo", "--input", "x=[[2.0,2,3,4]]", "--json")
+        assert code == 0, err
+        assert await count_jobs(stack) == 2
+    finally:
+        await stack.stop()
+
+
 async def test_a_bulk_stopped_by_its_timeout_says_how_to_go_on(
     idle_stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -7,7 +7,10 @@ from the file) or `@-` (JSON from stdin); in JSON requests it may also be spelle
 the value's own "datatype", `--datatype`, the model's signature (the pinned version's for a request
 that names one; as the gateway's ListModels says, or from `--config FILE` when given), or else the JSON itself (any
 float: FP32, integers: INT64, booleans: BOOL, strings: BYTES). When the signature has one more
-dimension than the value, the value is one row: a batch dimension of 1 is added.
+dimension than the value, the value is one row: a batch dimension of 1 is added. A value that
+datatype cannot hold as written (1.5 for INT64, 300 or -1 for UINT8, 1e300 for FP32) is a usage
+error naming the input and what the model takes, never cast (numpy's cast made them 1, 44, 255 and
+inf); a whole float (2.0 for INT64) is taken, and floats are rounded to the type's precision.
 """
 
 from __future__ import annotations
@@ -37,7 +40,14 @@ from asyncinfer.client import (
 from asyncinfer.commands.output import UsageError
 from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, TensorSpec, booleans_misplaced, typed_as
+from asyncinfer.tensors import (
+    NUMPY_DTYPES,
+    ModelSignature,
+    TensorSpec,
+    booleans_misplaced,
+    cast_change,
+    typed_as,
+)
 
 REQUEST_KEYS = frozenset(
     {
@@ -293,6 +303,7 @@ def to_array(
             if typed is not None:
                 array = typed
         else:
+            given = datatype  # --datatype's or the tensor's own; None: the signature's or the JSON's
             wanted = wanted or _infer_datatype(value)
             # np.array([true, 2.5], dtype=float32) is [1.0, 2.5] and np.array([2, 0], dtype=bool)
             # [True, False]: a mistake, sent as if meant.
@@ -301,6 +312,10 @@ def to_array(
             if wanted == "BYTES":
                 array = np.array(_encode_strings(value), dtype=object)
             else:
+                # numpy's cast changes what it cannot hold: 1.5 as INT64 is 1, 300 as UINT8 44, -1
+                # 255, 1e300 as FP32 inf, each sent as if typed so. A whole float (2.0) is taken.
+                if changed := cast_change(np.asarray(value), wanted):
+                    raise UsageError(f"input {name!r} {changed}; {_takes(name, wanted, spec, given)}")
                 array = np.array(value, dtype=NUMPY_DTYPES[wanted])
         if shape:
             array = array.reshape(tuple(int(d) for d in shape))
@@ -311,6 +326,15 @@ def to_array(
     except (ValueError, TypeError, OverflowError) as exc:
         raise UsageError(f"input {name!r}: {exc}") from None
     return array
+
+
+def _takes(name: str, datatype: str, spec: TensorSpec | None, given: str | None) -> str:
+    """What the input takes and where that came from, for a refusal of a value that does not fit."""
+    if spec is not None and given in (None, spec.datatype):
+        return f"the model takes {spec.summary()}"
+    if given is not None:
+        return f'it is given as {datatype} (--datatype, or the tensor\'s own "datatype")'
+    return f"no signature names its datatype, and its JSON reads as {datatype}: give --datatype {name}=TYPE"
 
 
 def _encode_strings(value: Any) -> Any:

@@ -3,13 +3,14 @@ is the text itself (`-i text=hello`), which before was 'not valid JSON'."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from asyncinfer.commands.inputs import Signatures, inputs_from_arguments
+from asyncinfer.commands.inputs import Signatures, inputs_from_arguments, request_from_json
 from asyncinfer.commands.output import UsageError
 from asyncinfer.tensors import ModelSignature, TensorSpec
 
@@ -81,3 +82,85 @@ def test_booleans_and_numbers_are_not_made_one_another() -> None:
         inputs_from_arguments("unknown-model", ["n=[true, false]"], signatures=SIGNATURES, datatypes=["n=INT64"])
     assert inputs_from_arguments("flags", ["on=[true, false]"], signatures=flags)["on"].tolist() == [[True, False]]
     assert inputs_from_arguments("demo", ["x=[1, 0, 2.5, 1]"], signatures=SIGNATURES)["x"].tolist() == [[1, 0, 2.5, 1]]
+
+
+def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_the_model_takes() -> None:
+    """numpy's cast changed what the input's datatype cannot hold, and the CLI sent it as typed:
+    `-i 'x=[[1.5,2,3,4]]'` for an INT64 input went as [[1, 2, 3, 4]], 300 for a UINT8 one as 44, -1
+    as 255, 1e300 for FP32 as inf, each accepted by the gateway. Each is a usage error now, naming
+    the input, the value and what the model takes, for `-i`, a request file's or a bulk line's
+    inputs (request_from_json) and a tensor object's own datatype. A whole float (2.0) for an
+    integer input changes nothing and is taken; a float's precision (1.1 as FP32) is a float's."""
+    specs = {
+        "ids": ("INT64", (-1, 4)),
+        "pixels": ("UINT8", (-1, 4)),
+        "small": ("INT8", (-1, 4)),
+        "x": ("FP32", (-1, 4)),
+    }
+    typed = Signatures(
+        {
+            "typed": ModelSignature(
+                inputs=tuple(TensorSpec(n, dt, shape) for n, (dt, shape) in specs.items()),
+                outputs=(TensorSpec("y", "FP32", (-1,)),),
+            )
+        }
+    )
+    refused = {
+        "ids=[[1.5, 2, 3, 4]]": "input 'ids' has 1.5, not a whole number: INT64 takes whole numbers; "
+        "the model takes ids: INT64 of shape [-1, 4]",
+        "ids=[[1e20, 2, 3, 4]]": "input 'ids' has 1e+20, past INT64's range "
+        "(-9223372036854775808 to 9223372036854775807); the model takes ids: INT64 of shape [-1, 4]",
+        "ids=[[NaN, 2, 3, 4]]": "input 'ids' has nan, which INT64 cannot hold: it takes whole numbers; "
+        "the model takes ids: INT64 of shape [-1, 4]",
+        "pixels=[[300, 2, 3, 4]]": "input 'pixels' has 300, past UINT8's range (0 to 255); "
+        "the model takes pixels: UINT8 of shape [-1, 4]",
+        "pixels=[[-1, 2, 3, 4]]": "input 'pixels' has -1, past UINT8's range (0 to 255); "
+        "the model takes pixels: UINT8 of shape [-1, 4]",
+        "pixels=[[300.0, 2, 3, 4]]": "input 'pixels' has 300.0, past UINT8's range (0 to 255); "
+        "the model takes pixels: UINT8 of shape [-1, 4]",
+        "small=[[1, 2, 3, 300]]": "input 'small' has 300, past INT8's range (-128 to 127); "
+        "the model takes small: INT8 of shape [-1, 4]",
+        "x=[[1e300, 2, 3, 4]]": "input 'x' has 1e+300, past FP32's range (±3.4028235e+38); "
+        "the model takes x: FP32 of shape [-1, 4]",
+    }
+    for item, message in refused.items():
+        with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
+            inputs_from_arguments("typed", [item], signatures=typed)
+        name, _, value = item.partition("=")
+        with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):  # a request file, a bulk line
+            request_from_json({"model": "typed", "inputs": {name: json.loads(value)}}, signatures=typed)
+    # The datatype given, not the signature's: --datatype, a tensor object's, a list of tensors.
+    given = "input 'n' has 2.5, not a whole number: INT32 takes whole numbers; it is given as INT32"
+    with pytest.raises(UsageError, match=f"^{re.escape(given)}"):
+        inputs_from_arguments("unknown-model", ["n=[2.5]"], signatures=typed, datatypes=["n=INT32"])
+    with pytest.raises(UsageError, match=f"^{re.escape(given)}"):
+        inputs_from_arguments("unknown-model", ['n={"datatype": "INT32", "data": [2.5]}'], signatures=typed)
+    with pytest.raises(UsageError, match=r"^input 'pixels' has 256, past UINT8's range \(0 to 255\); the model"):
+        request_from_json(
+            {"model": "typed", "inputs": [{"name": "pixels", "datatype": "UINT8", "shape": [1, 1], "data": [256]}]},
+            signatures=typed,
+        )
+    # Without a signature, floats read as FP32: one past its range says how to name another.
+    with pytest.raises(UsageError, match=r"^input 'v' has 1e\+300, past FP32's range .*give --datatype v=TYPE$"):
+        inputs_from_arguments("unknown-model", ["v=[1e300]"], signatures=typed)
+    # What fits goes as before.
+    arrays = inputs_from_arguments(
+        "typed",
+        [
+            "ids=[[2.0, -3, 4, 9007199254740993]]",
+            "pixels=[[0, 255, 7.0, 1]]",
+            "small=[[-128, 127, 0, 1]]",
+            "x=[[1.1, 2, 3, 4]]",
+        ],
+        signatures=typed,
+    )
+    assert arrays["ids"].dtype == np.int64
+    assert arrays["ids"].tolist() == [[2, -3, 4, 9007199254740993]]
+    assert arrays["pixels"].dtype == np.uint8
+    assert arrays["pixels"].tolist() == [[0, 255, 7, 1]]
+    assert arrays["small"].tolist() == [[-128, 127, 0, 1]]
+    assert arrays["x"].dtype == np.float32
+    assert arrays["x"].tolist() == np.array([[1.1, 2, 3, 4]], np.float32).tolist()
+    request = request_from_json({"model": "typed", "inputs": {"ids": [[1, 2, 3, 4.0]]}}, signatures=typed)
+    assert request.inputs is not None
+    assert request.inputs["ids"].tolist() == [[1, 2, 3, 4]]
