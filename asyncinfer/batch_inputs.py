@@ -27,7 +27,15 @@ import numpy as np
 import numpy.typing as npt
 
 from asyncinfer.batches import ErrorLine, InputFormat
-from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, booleans_misplaced, typed_as
+from asyncinfer.tensors import (
+    NUMPY_DTYPES,
+    ModelSignature,
+    Tensor,
+    TensorSpec,
+    booleans_misplaced,
+    cast_change,
+    typed_as,
+)
 
 NPY_MAGIC = b"\x93NUMPY"
 ZIP_MAGIC = b"PK\x03\x04"
@@ -71,8 +79,7 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
         if misplaced := booleans_misplaced(value, spec.datatype, typed):
             raise RecordInvalid(f"input {spec.name!r} {misplaced}")
         if typed is None:
-            within = " within its range" if spec.datatype.startswith("FP") else ""
-            raise RecordInvalid(f"input {spec.name!r} must be {spec.datatype} numbers{within}")
+            raise RecordInvalid(f"input {spec.name!r} {_not_typed(value, spec.datatype)}")
         array = typed
     if array.ndim == len(spec.shape) - 1:
         array = array[None]
@@ -89,6 +96,22 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
             "give each row its own line"
         )
     return array
+
+
+def _not_typed(value: Any, datatype: str) -> str:
+    """Why a line's value is not `datatype` numbers, to follow "input 'x' ". It said only "must be
+    INT64 numbers", for 1.5 as for 300 to UINT8, which left the writer to guess what was wrong."""
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):
+        return "is not a rectangular array: its rows are not all the same length"
+    if changed := cast_change(array, datatype):
+        return changed  # "has 1.5, not a whole number: INT64 takes whole numbers", "has 300, past UINT8's range ..."
+    if array.dtype.kind == "f" and NUMPY_DTYPES[datatype].kind in "iu":
+        # Whole floats are refused too: a line is typed as written, as the SDK types its values.
+        return f"must be {datatype} numbers: write whole numbers without a decimal point or exponent (2, not 2.0)"
+    within = " within its range" if datatype.startswith("FP") else ""
+    return f"must be {datatype} numbers{within}"
 
 
 def check_record(arrays: dict[str, Any], signature: ModelSignature) -> Arrays:

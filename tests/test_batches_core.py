@@ -247,7 +247,7 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "one row" in error('{"custom_id": "a", "inputs": {"x": [[1, 2, 3, 4], [1, 2, 3, 4]]}}')
     assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
     assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
-    assert error('{"inputs": {"x": [[1e300, 2, 3, 4]]}}') == "input 'x' must be FP32 numbers within its range"
+    assert error('{"inputs": {"x": [[1e300, 2, 3, 4]]}}') == "input 'x' has 1e+300, past FP32's range (±3.4028235e+38)"
     assert error("{nope") == "not a JSON line: Expecting property name enclosed in double quotes at column 2"
     # Another field is a mistake to name, not to skip: a typo of custom_id, or a bulk line's model.
     assert error('{"custom-id": "a", "inputs": {"x": [[1, 2, 3, 4]]}}') == (
@@ -288,6 +288,50 @@ def test_booleans_where_numbers_go_and_numbers_where_booleans_go_are_error_lines
     assert parsed('{"inputs": {"x": [[1, 0, 2.5, 1.0]]}}') == {"x": [[1.0, 0.0, 2.5, 1.0]]}
     assert parsed('{"inputs": {"ids": [[0, 1]]}}', ints) == {"ids": [[0, 1]]}
     assert parsed('{"inputs": {"on": [[true, false]]}}', flags) == {"on": [[True, False]]}
+
+
+def test_a_value_its_datatype_cannot_hold_is_an_error_line_saying_why() -> None:
+    """A number an input's datatype cannot hold as written is its line's error, never cast (1.5 for
+    INT64 was one before too); the line said only "input 'ids' must be INT64 numbers", for a
+    fraction as for 300 to UINT8, -1 to an unsigned input or 1e20 to INT64. Each now names the
+    value and why, as the CLI's -i does. A whole float (2.0) for an integer input stays an error
+    line, saying how to write it; what fits runs."""
+
+    def parsed(text: str, datatype: str) -> str | list[Any]:
+        result = parse_line(
+            3, text.encode(), ModelSignature(inputs=(TensorSpec("ids", datatype, (-1, 2)),), outputs=())
+        )
+        if isinstance(result, ErrorLine):
+            assert (result.line, result.code) == (3, "INVALID_ARGUMENT")
+            return result.message
+        return list(result[1]["ids"].tolist())
+
+    assert parsed('{"inputs": {"ids": [[1.5, 2]]}}', "INT64") == (
+        "input 'ids' has 1.5, not a whole number: INT64 takes whole numbers"
+    )
+    assert parsed('{"inputs": {"ids": [[1e20, 2]]}}', "INT64") == (
+        "input 'ids' has 1e+20, past INT64's range (-9223372036854775808 to 9223372036854775807)"
+    )
+    assert parsed('{"inputs": {"ids": [[300, 2]]}}', "UINT8") == "input 'ids' has 300, past UINT8's range (0 to 255)"
+    assert parsed('{"inputs": {"ids": [[-1, 2]]}}', "UINT8") == "input 'ids' has -1, past UINT8's range (0 to 255)"
+    assert parsed('{"inputs": {"ids": [[2, 300]]}}', "INT8") == "input 'ids' has 300, past INT8's range (-128 to 127)"
+    assert parsed('{"inputs": {"ids": [[-1, 2]]}}', "UINT64") == (
+        "input 'ids' has -1, past UINT64's range (0 to 18446744073709551615)"
+    )
+    assert parsed('{"inputs": {"ids": [[NaN, 2]]}}', "INT32") == (
+        "input 'ids' has nan, which INT32 cannot hold: it takes whole numbers"
+    )
+    assert parsed('{"inputs": {"ids": [[70000, 2]]}}', "FP16") == "input 'ids' has 70000, past FP16's range (±65504)"
+    assert parsed('{"inputs": {"ids": [[2.0, 3]]}}', "INT64") == (
+        "input 'ids' must be INT64 numbers: write whole numbers without a decimal point or exponent (2, not 2.0)"
+    )
+    assert parsed('{"inputs": {"ids": [["a", "b"]]}}', "INT64") == "input 'ids' must be INT64 numbers"
+    assert parsed('{"inputs": {"ids": [[1, 2], [3]]}}', "FP32") == (
+        "input 'ids' is not a rectangular array: its rows are not all the same length"
+    )
+    assert parsed('{"inputs": {"ids": [[-128, 127]]}}', "INT8") == [[-128, 127]]
+    assert parsed('{"inputs": {"ids": [[0, 255]]}}', "UINT8") == [[0, 255]]
+    assert parsed('{"inputs": {"ids": [[1.5, 65504]]}}', "FP16") == [[1.5, 65504.0]]
 
 
 def test_a_record_without_a_custom_id_is_known_by_its_line() -> None:
