@@ -65,3 +65,40 @@ async def test_a_download_to_a_device_or_fifo_writes_into_it_and_leaves_it_one(t
         os.close(reader)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(os.listdir(tmp_path)) == ["results.fifo"]
+
+
+async def test_a_download_to_a_link_to_an_open_descriptor_goes_through_it_and_leaves_the_link(tmp_path: Path) -> None:
+    """`--errors /dev/stdout > errors.jsonl`: /dev/stdout is a link to /proc/self/fd/1, which then
+    names a regular file, so the .part was renamed over the link: as root /dev/stdout itself became
+    a file holding the download, and errors.jsonl stayed empty. Here the same link in a folder of
+    the test's own, to a descriptor it opened: the bytes go through the descriptor (after what was
+    written to it before), the link stays a link."""
+    captured = tmp_path / "captured.jsonl"
+    descriptor = os.open(captured, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    link = tmp_path / "stdout"
+    link.symlink_to(f"/proc/self/fd/{descriptor}")
+    try:
+        os.write(descriptor, b"a line printed first\n")
+        assert await write_file(pieces(b"abc", b"def"), link) == 6
+        os.write(descriptor, b"\na line printed after\n")
+    finally:
+        os.close(descriptor)
+    assert link.is_symlink()
+    assert captured.read_bytes() == b"a line printed first\nabcdef\na line printed after\n"
+    assert sorted(os.listdir(tmp_path)) == ["captured.jsonl", "stdout"]
+
+
+async def test_a_download_to_a_link_writes_the_file_it_names_and_leaves_the_link(tmp_path: Path) -> None:
+    """A path that is a link to a file elsewhere (results.jsonl -> /data/results.jsonl): the file
+    at its end gets the download, whole (its .part beside it), and the link stays; the rename
+    replaced the link with a file and left the file it named as it was."""
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "results.jsonl"
+    target.write_bytes(b"an earlier download\n")
+    link = tmp_path / "results.jsonl"
+    link.symlink_to(Path("data") / "results.jsonl")
+    assert await write_file(pieces(b"abc", b"def"), link) == 6
+    assert link.is_symlink()
+    assert target.read_bytes() == b"abcdef"
+    assert sorted(os.listdir(tmp_path)) == ["data", "results.jsonl"]
+    assert sorted(os.listdir(tmp_path / "data")) == ["results.jsonl"]

@@ -467,6 +467,39 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
 
 
+async def test_bulk_refuses_a_results_path_that_is_no_file_and_writes_through_a_link(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first-hour pass, session 32: `bulk records.jsonl --out /dev/null` (results not wanted)
+    rewrote its results file by a rename at start, which replaced /dev/null itself with a regular
+    file (as root; /dev/null.state beside it), and `--out` a link to a file replaced the link. Here
+    links in the test's folder: to /dev/null (refused before anything is sent, the link kept) and
+    to a results file elsewhere (the file rewritten, the link kept)."""
+    cli = Cli(idle_stack, monkeypatch)
+    source = tmp_path / "requests.jsonl"
+    source.write_text(json.dumps({"inputs": {"x": [[1, 2, 3, 4]]}}) + "\n")
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    code, _, err = await cli("bulk", str(source), "--model", "demo", "--no-wait", "--out", str(null))
+    assert code == 2, err
+    assert f"--out {null} is not a file: bulk keeps every line's result there" in err, err
+    assert null.is_symlink()
+    assert not (tmp_path / "null.state").exists()
+    assert await count_jobs(idle_stack) == 0
+
+    (tmp_path / "data").mkdir()
+    results = tmp_path / "data" / "results.jsonl"
+    earlier = {"line": 7, "state": "SUCCEEDED", "job_id": new_job_id()}
+    results.write_text(json.dumps(earlier) + "\n" + '{"line": 8, "torn')  # a torn last line is dropped
+    link = tmp_path / "results.jsonl"
+    link.symlink_to(Path("data") / "results.jsonl")
+    code, _, err = await cli("bulk", str(source), "--model", "demo", "--no-wait", "--out", str(link))
+    assert code == 0, err
+    assert link.is_symlink()
+    assert json_lines(results.read_text()) == [earlier]
+    assert await count_jobs(idle_stack) == 1
+
+
 async def test_bulk_reads_piped_lines_and_a_second_pipe_resumes(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import stat
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeVar
 
 import grpc
@@ -25,6 +24,7 @@ from asyncinfer.client._retry import Deadline
 from asyncinfer.client._stream_retry import Backoff, StreamAttempts
 from asyncinfer.client.errors import from_rpc_error
 from asyncinfer.client.types import Callback, CallbackEvent
+from asyncinfer.output_paths import descriptor_or_file, is_special
 from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2
 
 if TYPE_CHECKING:
@@ -325,11 +325,22 @@ async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str
     the path once the last piece is in, and removed if the stream breaks (a gateway gone mid-way,
     an NPZ output refused at a chunk whose shape differs), so a file at the path is always a
     complete one (curl's and wget's `.part` rule). A path that is a device, a FIFO or a socket
-    (`/dev/null`, `/dev/stdout`) is written as it is: a file renamed over it would replace it."""
+    (`/dev/null`, `/dev/stdout` on a pipe) is written as it is: a file renamed over it would
+    replace it. A link is followed (asyncinfer.output_paths): to one of this process's
+    descriptors (`/dev/stdout` with the shell's output sent to a file) the pieces go through that
+    descriptor, else the file at its end is the one written, the link left as it is."""
     if not isinstance(target, str | os.PathLike):
         return await _write_all(pieces, target, threaded=False)
-    path = Path(target)
-    if await asyncio.to_thread(_special, path):
+    where = await asyncio.to_thread(descriptor_or_file, target)
+    if isinstance(where, int):
+        _flush_streams_on(where)
+        out = await asyncio.to_thread(os.fdopen, os.dup(where), "wb")
+        try:
+            return await _write_all(pieces, out)
+        finally:
+            await asyncio.to_thread(out.close)
+    path = where
+    if await asyncio.to_thread(is_special, path):
         out = await asyncio.to_thread(path.open, "wb")
         try:
             return await _write_all(pieces, out)
@@ -349,6 +360,17 @@ async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str
     return written
 
 
+def _flush_streams_on(descriptor: int) -> None:
+    """What Python still buffers for stdout or stderr, written before bytes that go to the same
+    descriptor directly (a line printed before the download stays before it)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream.fileno() == descriptor:
+                stream.flush()
+        except (AttributeError, OSError, ValueError):  # no stream, or one without a descriptor (Jupyter)
+            continue
+
+
 async def _write_all(pieces: AsyncIterator[bytes], out: BinaryIO, *, threaded: bool = True) -> int:
     """Each piece written in order (a file's writes off the loop); the bytes written."""
     written = 0
@@ -359,12 +381,3 @@ async def _write_all(pieces: AsyncIterator[bytes], out: BinaryIO, *, threaded: b
             out.write(piece)
         written += len(piece)
     return written
-
-
-def _special(path: Path) -> bool:
-    """Whether the path exists and is not a regular file (a device, a FIFO, a socket)."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return False
-    return not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)

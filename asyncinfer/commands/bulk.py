@@ -59,6 +59,7 @@ from asyncinfer.commands.output import (
     to_json,
 )
 from asyncinfer.commands.stdin import read_stdin
+from asyncinfer.output_paths import descriptor_or_file, is_special
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 
@@ -156,9 +157,10 @@ class Journal:
         # Rewrite the results without a torn last line, so that appends start on a fresh line.
         kept = [json.dumps(e, separators=(",", ":"), ensure_ascii=False) for e in _read_json_lines(out)]
         out.parent.mkdir(parents=True, exist_ok=True)
-        temporary = out.with_name(out.name + ".tmp")
+        real = Path(os.path.realpath(out))  # a link's file is rewritten, the link kept (a file: _results_file)
+        temporary = real.with_name(real.name + ".tmp")
         temporary.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        os.replace(temporary, out)
+        os.replace(temporary, real)
         state = state_path(out)
         if state.exists() and state.read_bytes()[-1:] not in (b"", b"\n"):
             with state.open("a", encoding="utf-8") as torn:
@@ -224,7 +226,7 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
         # lines again resumes it, as a file's path does.
         if args.out is None:
             raise UsageError("bulk - (lines from stdin) needs --out: the results file, which a re-run resumes")
-        out: Path = args.out
+        out: Path = _results_file(args.out)
         try:
             spooled = path = await read_stdin(lambda: _spool_stdin(out))
         except BaseException:  # Ctrl-C while the lines come: the partial copy goes too
@@ -234,13 +236,28 @@ async def bulk_command(args: argparse.Namespace, options: Options) -> int:
     else:
         if not await asyncio.to_thread(path.is_file):
             raise UsageError(f"no such file: {path}")
-        out = args.out or default_out(path)
+        out = _results_file(args.out or default_out(path))
         input_name = str(await asyncio.to_thread(path.resolve))
     try:
         return await _bulk(args, options, path, out, hashlib.sha256(input_name.encode()).hexdigest()[:16])
     finally:
         if spooled is not None:
             spooled.unlink(missing_ok=True)
+
+
+def _results_file(out: Path) -> Path:
+    """The results file as given, once it is known to be one: a file, or a link to one, or nothing
+    yet. Not a device, a FIFO, a descriptor (/dev/stdout) or a folder: the file is read back and
+    rewritten by a rename at each start, to resume a run, which replaced `--out /dev/null` itself
+    (as root; and put /dev/null.state beside it) and hung on a FIFO."""
+    where = descriptor_or_file(out)
+    if isinstance(where, int) or is_special(where) or where.is_dir():
+        raise UsageError(
+            f"--out {out} is not a file: bulk keeps every line's result there (and its state in "
+            f"{state_path(out).name} beside it) to resume a run stopped part way; give a file's path, "
+            "and read it once the run ends (the summary names it)"
+        )
+    return out
 
 
 def _spool_path(out: Path) -> Path:
