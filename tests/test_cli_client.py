@@ -294,8 +294,15 @@ async def test_cancel_then_get_and_list_with_filters(idle_stack: Stack, monkeypa
     assert {j["job_id"] for j in json_lines(out)} == {ids["a"], ids["b"]}
     code, out, _ = await cli("list", "--json", "--state", "QUEUED,RUNNING")
     assert [j["job_id"] for j in json_lines(out)] == [ids["c"]]
-    code, out, _ = await cli("list", "--json", "--limit", "2")
+    code, out, err = await cli("list", "--json", "--limit", "2")
     assert [j["job_id"] for j in json_lines(out)] == [ids["c"], ids["b"]], "newest first, at most 2"
+    # A list cut at --limit (50 by default) says so beside it; it was cut without a word, so the
+    # newest 50 jobs read as all of them (the first-hour pass, session 32).
+    assert err == "asyncinfer: more jobs than these 2 (newest first); --limit N shows more, --limit 0 all\n", err
+    code, out, err = await cli("list", "--limit", "3")
+    assert (code, len(out.splitlines()), err) == (0, 4, ""), (out, err)
+    code, out, err = await cli("list", "--limit", "0", "--json")
+    assert (code, len(json_lines(out)), err) == (0, 3, ""), (out, err)
     code, out, _ = await cli("list", "--state", "canceled")
     assert out.splitlines()[0].split()[:3] == ["JOB_ID", "MODEL", "STATE"]
     assert len(out.splitlines()) == 3

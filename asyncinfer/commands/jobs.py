@@ -398,12 +398,20 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
     labels = parse_key_values(args.label, "--label")
     limit = args.limit or None
     rows: list[list[str]] = []
+    shown = 0
+    more = False
     async with options.client() as client:
+        # One job past --limit, to say that more are left out (not to show it)
+        wanted = limit + 1 if limit is not None else None
         jobs = client.list(
-            states=states, model=args.model, labels=labels, limit=limit, page_size=min(limit or 100, 1000)
+            states=states, model=args.model, labels=labels, limit=wanted, page_size=min(wanted or 100, 1000)
         )
         async with contextlib.aclosing(jobs):
             async for job in jobs:
+                if limit is not None and shown == limit:
+                    more = True
+                    break
+                shown += 1
                 if options.json:
                     print_json(job_json(job))
                     continue
@@ -412,6 +420,11 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
                 rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
     if not options.json:
         print_table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows)
+    if more:  # said beside the list, not in it (a script reads stdout), as `batch list` does
+        print(
+            f"asyncinfer: more jobs than these {shown} (newest first); --limit N shows more, --limit 0 all",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 
