@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -365,7 +366,12 @@ def inputs_from_arguments(
         datatype = per_input.get(name, every)
         arrays[name] = to_array(
             name,
-            _text_or_value(text, f"--input {name}", bytes_input=(datatype or (spec and spec.datatype)) == "BYTES"),
+            _text_or_value(
+                text,
+                f"--input {name}",
+                bytes_input=(datatype or (spec and spec.datatype)) == "BYTES",
+                hint=partial(_value_hint, model, name, text, spec),
+            ),
             spec=spec,
             datatype=datatype,
             shape=shape_by_input.get(name),
@@ -373,11 +379,17 @@ def inputs_from_arguments(
     return arrays
 
 
-def _text_or_value(text: str, where: str, *, bytes_input: bool) -> Any:
+def _text_or_value(text: str, where: str, *, bytes_input: bool, hint: Callable[[], str]) -> Any:
     """read_value's, except for a text (BYTES) input: a value that is not JSON is the text itself
     (`-i text=hello` as well as `-i 'text="hello"'` or `-i 'text=["a", "b"]'`), and a file that is
-    not .npy or .json is one text, whole (`-i text=@doc.txt`)."""
+    not .npy or .json is one text, whole (`-i text=@doc.txt`). Another input's value that is not
+    JSON is a usage error with the hint (what to give)."""
     if not bytes_input:
+        if not text.startswith("@"):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"{where} is not valid JSON ({exc}); {hint()}") from None
         return read_value(text, where)
     if not text.startswith("@"):
         try:
@@ -393,6 +405,22 @@ def _text_or_value(text: str, where: str, *, bytes_input: bool) -> Any:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise UsageError(f"{path} is not UTF-8 text: {exc}") from None
+
+
+def _value_hint(model: str, name: str, text: str, spec: TensorSpec | None) -> str:
+    """What to give instead of a value that is not JSON: the value in brackets when that is JSON
+    (`-i x=1,2,3,4` said only `Extra data: line 1 column 2 (char 1)`), else a JSON array; then what
+    the model takes, when its signature is known, and the file forms."""
+    try:
+        json.loads(f"[{text}]")
+        example = f"did you mean -i '{name}=[{text}]'?"
+    except json.JSONDecodeError:
+        example = f"give a JSON value, as -i '{name}=[[1, 2, 3]]'"
+    takes = ""
+    if spec is not None:
+        shape = ", ".join(str(d) for d in spec.shape)
+        takes = f"model {model!r} takes {name}: {spec.datatype} of shape [{shape}]; -1: any size; "
+    return f"{example} ({takes}or a file: -i {name}=@array.npy, -i {name}=@values.json)"
 
 
 def _shape(text: str, name: str) -> list[int]:

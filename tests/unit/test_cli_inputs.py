@@ -164,3 +164,21 @@ def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_
     request = request_from_json({"model": "typed", "inputs": {"ids": [[1, 2, 3, 4.0]]}}, signatures=typed)
     assert request.inputs is not None
     assert request.inputs["ids"].tolist() == [[1, 2, 3, 4]]
+
+
+def test_a_value_that_is_not_json_says_what_to_give() -> None:
+    """The first-hour pass, session 32: `submit demo -i x=1,2,3,4` said only `--input x is not valid
+    JSON: Extra data: line 1 column 2 (char 1)`. Now the bracketed value when that is JSON, what the
+    model takes, and the file forms."""
+    with pytest.raises(UsageError) as raised:
+        inputs_from_arguments("demo", ["x=1,2,3,4"], signatures=SIGNATURES)
+    assert str(raised.value) == (
+        "--input x is not valid JSON (Extra data: line 1 column 2 (char 1)); did you mean -i 'x=[1,2,3,4]'? "
+        "(model 'demo' takes x: FP32 of shape [-1, 4]; -1: any size; or a file: -i x=@array.npy, -i x=@values.json)"
+    )
+    with pytest.raises(UsageError) as raised:
+        inputs_from_arguments("unknown-model", ["x=1 2"], signatures=SIGNATURES)
+    assert str(raised.value).endswith(
+        "; give a JSON value, as -i 'x=[[1, 2, 3]]' (or a file: -i x=@array.npy, -i x=@values.json)"
+    ), raised.value
+    assert inputs_from_arguments("demo", ["x=[1,2,3,4]"], signatures=SIGNATURES)["x"].tolist() == [[1, 2, 3, 4]]
