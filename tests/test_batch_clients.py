@@ -81,6 +81,7 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in records]
     assert [json.loads(line)["line"] for line in errors.read_text().splitlines()] == [101]
     batch_id = printed.split()[0]
+    created_printed = printed
 
     # Both streams one pipe (`2>&1 | tee log`, a CI step's log): the end is said once, by the
     # summary (the follow's last line said it too, the same status twice).
@@ -91,6 +92,16 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     merged = (await asyncio.wait_for(process.communicate(), 90))[0].decode()
     assert process.returncode == 0, merged
     assert merged.count("COMPLETED  100/101 done  1 failed") == 1, merged
+    # Without --errors, the failed lines under the summary and how to get them all: the first-hour
+    # pass, session 32, met a batch FAILED in validation saying "see the error file" and no more.
+    merged_lines = merged.splitlines()
+    at = next(i for i, line in enumerate(merged_lines) if "COMPLETED  100/101 done  1 failed" in line)
+    assert merged_lines[at + 1] == "  line 101: INVALID_ARGUMENT not a JSON line: Expecting value at column 1", merged
+    second_id = merged_lines[at].split()[0]
+    assert merged_lines[at + 2 :] == [
+        f"  the error file, every failed line: asyncinfer batch download {second_id} --errors errors.jsonl"
+    ], merged
+    assert len(created_printed.splitlines()) == 2, created_printed  # with --errors: the failed line, no hint
 
     code, printed, stderr = await cli("batch", "get", batch_id, "--json", "--gateway", stack.address)
     assert code == 0, stderr

@@ -313,6 +313,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
             raise
         if not options.json:
             print(batch_summary(batch), flush=True)
+            _print_errors(batch, errors_file=args.errors)
         if args.out is not None:
             await client.download(batch, args.out, file=_output_file(args.out), timeout_s=options.timeout_s)
         if args.errors is not None:
@@ -393,9 +394,19 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
         eta = f", finishing about {finish.astimezone().strftime('%H:%M:%S')}" if finish is not None else ""
         print(f"  chunks {batch.chunks_done}/{batch.chunks_total} done{eta}")
     if not options.json:
-        for error in batch.first_errors:
-            print(f"  line {error.line} {error.custom_id!r}: {error.code} {error.message}")
+        _print_errors(batch)
     return EXIT_OK
+
+
+def _print_errors(batch: Batch, *, errors_file: Path | None = None) -> None:
+    """Under a batch's summary: its first failed lines, and, once it ended with failures, how to
+    get them all (unless --errors writes them). A batch that failed validation said `see the error
+    file` and no more: neither its lines nor where that file is."""
+    for error in batch.first_errors:
+        named = f" {error.custom_id!r}" if error.custom_id else ""  # a line not JSON has none ('' before)
+        print(f"  line {error.line}{named}: {error.code} {error.message}")
+    if batch.done and batch.failed and errors_file is None:
+        print(f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl")
 
 
 async def watch_command(args: argparse.Namespace, options: Options) -> int:
@@ -403,6 +414,7 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
         batch = await _follow(client, await client.get_batch(args.batch_id), options)
     if not options.json:
         print(batch_summary(batch), flush=True)
+        _print_errors(batch)
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
 
 
