@@ -54,6 +54,14 @@ class SuggestingParser(argparse.ArgumentParser):
     subcommands' parsers are of this class too (add_subparsers makes them of their parent's)."""
 
     def error(self, message: str) -> NoReturn:
+        commands = _missing_command(self, message)
+        if commands:
+            # `asyncinfer`, `asyncinfer batch`, `asyncinfer dlq` alone: the usage block, then
+            # "required: COMMAND" (or argparse's own names, `dlq_action`), naming no command.
+            self.exit(
+                2,
+                f"{self.prog}: error: give a command: {', '.join(commands)} (`{self.prog} --help` says what each does)\n",
+            )
         suggestion = _suggestion(self, message)
         if suggestion or "invalid choice: " in message:
             # One line: a typo's answer is the command or option meant (or, for a command, the list
@@ -76,6 +84,17 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     else:
         return ""
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _missing_command(parser: argparse.ArgumentParser, message: str) -> list[str]:
+    """The commands of the parser's subcommand argument, when the message says it alone is missing."""
+    missing = re.fullmatch(r"the following arguments are required: (\S+)", message)
+    if missing is None:
+        return []
+    for action in parser._actions:
+        if isinstance(action, SubParsers) and missing.group(1) in (action.metavar, action.dest):
+            return list(action.choices)
+    return []
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

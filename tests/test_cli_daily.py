@@ -513,6 +513,31 @@ def test_a_mistyped_command_or_option_is_told_what_was_meant_in_one_line(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        ([], "asyncinfer: error: give a command: up, config, "),
+        (["batch"], "asyncinfer batch: error: give a command: create, get, watch, cancel, list, download "),
+        (["dlq"], "asyncinfer dlq: error: give a command: list, show, replay, purge "),
+        (["queue"], "asyncinfer queue: error: give a command: pause, resume, drain, undrain "),
+    ],
+)
+def test_a_command_given_without_its_subcommand_names_them_in_one_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first-hour pass, session 32: `asyncinfer batch` (or `asyncinfer` alone) printed its usage
+    block, then `the following arguments are required: COMMAND`, and `asyncinfer dlq` argparse's
+    own name for it, `dlq_action`: none of them said which commands there are."""
+    with pytest.raises(SystemExit) as exited:
+        services_cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(said), err
+    assert err.endswith(f"(`{' '.join(['asyncinfer', *argv])} --help` says what each does)\n"), err
+
+
+@pytest.mark.unit
 def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> None:
     """The message already says `field: description`: its violation line repeated it."""
     message = "invalid request: inputs[0].shape: input 'x' must have shape [-1, 4]"
