@@ -210,6 +210,17 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
     code, out, terminal = await asyncio.to_thread(purge_all_on_a_terminal, stack.ops_address, "y")
     assert (code, out) == (0, "purged 1 dead letter(s); 0 left\n"), terminal
 
+    # A list cut at --limit (100 by default) says so beside it, with the total; it was cut without a
+    # word (the first-hour pass, session 32). A job is dead-lettered before its FAILED record is written.
+    for _ in range(2):
+        code, _, err = await cli("submit", "failing", "-i", "x=[[1,2,3,4]]", "--wait", *where)
+        assert code == 1, err
+    code, out, err = await cli("dlq", "list", "--limit", "1", *where)
+    assert (code, len(out.splitlines())) == (0, 2), (out, err)
+    assert err == "asyncinfer: 2 dead letters in all; these are the oldest 1; --limit N shows more, --limit 0 all\n"
+    code, out, err = await cli("dlq", "list", "--json", *where)
+    assert (code, len(out.splitlines()), err) == (0, 2, ""), (out, err)
+
 
 async def cli_async(*argv: str) -> tuple[int, str]:
     process = await asyncio.create_subprocess_exec(

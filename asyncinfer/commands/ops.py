@@ -275,6 +275,7 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
         raise UsageError("--limit must be 0 (all) or more")
     letters: list[dict[str, Any]] = []
     token = ""
+    total: int | None = None  # every page's answer says it (None from an older scheduler)
     while True:
         request = ops_service_pb2.ListDeadLettersRequest(
             model_name=args.model, page_size=min(args.limit or 500, 500), page_token=token
@@ -282,18 +283,25 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
         page = await _ops_call(options, lambda stub, t: stub.ListDeadLetters(request, timeout=t))  # noqa: B023
         letters += [dead_letter_json(letter) for letter in page.dead_letters]
         token = page.next_page_token
+        total = page.total if page.HasField("total") else None
         if not token or (args.limit and len(letters) >= args.limit):
             break
+    more = bool(token) or (args.limit and len(letters) > args.limit)
     if args.limit:
         letters = letters[: args.limit]
     if options.json:
         for letter in letters:
             print_json(letter)
-        return EXIT_OK
-    if not letters:
+    elif not letters:
         print("no dead letters", flush=True)
-        return EXIT_OK
-    print_table(DEAD_LETTER_COLUMNS, [dead_letter_row(letter) for letter in letters])
+    else:
+        print_table(DEAD_LETTER_COLUMNS, [dead_letter_row(letter) for letter in letters])
+    if more:  # said beside the list, not in it (a script reads stdout), as `list` does
+        in_all = f"{total} dead letters in all; " if total is not None else "more dead letters than these; "
+        print(
+            f"asyncinfer: {in_all}these are the oldest {len(letters)}; --limit N shows more, --limit 0 all",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 
