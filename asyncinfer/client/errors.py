@@ -68,8 +68,10 @@ class AsyncInferClientError(Exception):
 
     def __str__(self) -> str:
         text = f"{code_and_reason(self.code.name, self.reason)}: {self.message}"
-        if self.violations:
-            text += "".join(f"\n  {v.field}: {v.description}" for v in self.violations)
+        for violation in self.violations:
+            said = f"{violation.field}: {violation.description}"
+            if said not in self.message:  # the gateway's message names its first violation: said once
+                text += f"\n  {said}"
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text

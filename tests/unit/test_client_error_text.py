@@ -1,0 +1,28 @@
+"""What an SDK error reads as (its str: the last line of a traceback, a log's message)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from asyncinfer.client.errors import FieldViolation, InvalidArgumentError
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_violation_the_message_already_says_is_not_said_again() -> None:
+    """The first-hour pass, session 32: `client.run("demo", {"x": [1, 2, 3]})` raised
+    `INVALID_ARGUMENT: invalid request: inputs[0].shape: input 'x' must have shape [-1, 4] (-1: any),
+    got [3]` and then the same `inputs[0].shape: ...` again on its own line, as the CLI did before
+    session 28 (report_error says each once). The violations the message does not say still follow."""
+    message = "invalid request: inputs[0].name: unknown input 'y'; the model takes: x"
+    error = InvalidArgumentError(
+        message,
+        code=grpc.StatusCode.INVALID_ARGUMENT,
+        violations=(
+            FieldViolation("inputs[0].name", "unknown input 'y'; the model takes: x"),
+            FieldViolation("inputs", "missing input 'x' (FP32 of shape [-1, 4])"),
+        ),
+    )
+    assert str(error) == f"INVALID_ARGUMENT: {message}\n  inputs: missing input 'x' (FP32 of shape [-1, 4])"
+    assert len(error.violations) == 2  # the fields themselves are all kept
