@@ -679,3 +679,22 @@ async def test_a_download_outlasts_a_gateway_restart_before_its_first_byte(
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert written == (tmp_path / "out.jsonl").stat().st_size
     assert len(lines) == 3
+
+
+async def test_batch_list_pages_to_its_limit_and_says_when_it_cut(config: Config, start_stack: StartStack) -> None:
+    """The first-hour pass, session 32: `batch list` read one page, so `--limit 0` (all, for `list`)
+    showed 1 batch, more than 100 could never be listed, and a page short of its size (ListBatches
+    reads past withdrawals) was all it showed. It now pages as `list` does, and says beside the list
+    when --limit cut it."""
+    stack = await start_stack(small_batches(config), batcher=False)  # the batches stay IN_PROGRESS
+    async with AsyncClient(stack.address) as client:
+        made = [(await client.create_batch(jsonl(demo_records(2)), "demo")).batch_id for _ in range(3)]
+    newest_first = made[::-1]
+    code, printed, stderr = await cli("batch", "list", "--limit", "0", "--json", "--gateway", stack.address)
+    assert (code, stderr) == (0, ""), stderr
+    assert [json.loads(line)["batch_id"] for line in printed.splitlines()] == newest_first
+    code, printed, stderr = await cli("batch", "list", "--limit", "2", "--json", "--gateway", stack.address)
+    assert [json.loads(line)["batch_id"] for line in printed.splitlines()] == newest_first[:2]
+    assert stderr == "asyncinfer: more batches than these 2 (newest first); --limit N shows more, --limit 0 all\n"
+    code, printed, stderr = await cli("batch", "list", "--limit", "3", "--gateway", stack.address)
+    assert (code, len(printed.splitlines()), stderr) == (0, 4, ""), (printed, stderr)

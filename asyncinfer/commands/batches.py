@@ -41,6 +41,7 @@ from asyncinfer.commands.output import (
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 PROGRESS_LINE_EVERY_S = 10.0
+MAX_LIST_PAGE = 100  # the most a ListBatches page holds (the gateway's MAX_PAGE_SIZE)
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_options: AddOptions) -> None:
@@ -90,7 +91,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         verb.set_defaults(handler=handler)
 
     listing = verbs.add_parser("list", help="the caller's batches, newest first")
-    listing.add_argument("--limit", type=int, default=20, metavar="N")
+    listing.add_argument("--limit", type=int, default=20, metavar="N", help="at most this many (default 20; 0: all)")
     add_options(listing)
     listing.set_defaults(handler=list_command)
 
@@ -425,10 +426,28 @@ async def cancel_command(args: argparse.Namespace, options: Options) -> int:
 
 
 async def list_command(args: argparse.Namespace, options: Options) -> int:
+    if args.limit < 0:
+        raise UsageError("--limit must be 0 (all) or more")
+    limit = args.limit or None
+    batches: list[Batch] = []
+    token = ""
     async with options.client() as client:
-        batches, more = await client.list_batches(page_size=min(max(args.limit, 1), 100))
+        # Page after page, as `list` does: a page may be short with a token (ListBatches reads past
+        # withdrawals), and one page was all there was (--limit 0 showed 1 batch, past 100 none).
+        # One batch past the limit is asked for, to say that more are left out.
+        while True:
+            wanted = limit + 1 - len(batches) if limit is not None else MAX_LIST_PAGE
+            page, token = await client.list_batches(page_size=min(wanted, MAX_LIST_PAGE), page_token=token)
+            batches += page
+            if not token or (limit is not None and len(batches) > limit):
+                break
+    more = limit is not None and len(batches) > limit
+    batches = batches[:limit]
     if more:  # said beside the list, not in it (a script reads stdout)
-        print(f"asyncinfer: more batches than these {len(batches)}; --limit shows up to 100", file=sys.stderr)
+        print(
+            f"asyncinfer: more batches than these {len(batches)} (newest first); --limit N shows more, --limit 0 all",
+            file=sys.stderr,
+        )
     if options.json:
         for batch in batches:
             print_json(to_json(batch))
