@@ -198,11 +198,17 @@ def attempt_text(job: Job) -> str:
     return attempts_counted_text(job.spent_attempts, job.allowed_attempts, job.given_back_attempts)
 
 
+def jobs_ahead_text(position: int) -> str:
+    """A queued job's place as the jobs ahead of it: `position 0` (0-based, as the proto's field)
+    read as a place in a line, where the first is 1."""
+    return "nothing ahead" if position == 0 else f"{position} job{'s' if position != 1 else ''} ahead"
+
+
 def job_summary(job: Job) -> str:
     """One line: what a watcher or a list wants to see of a job now."""
     parts = [job.job_id, job.state.value]
     if job.queue is not None and not job.done:
-        parts.append(f"position {job.queue.position}")
+        parts.append(jobs_ahead_text(job.queue.position))
         if job.queue.waiting_reason is not None:
             parts.append(f"waiting: {job.queue.waiting_reason.value}")
     if job.attempt > 1 or (job.attempt and job.state.value == "RUNNING"):
@@ -240,7 +246,9 @@ def job_text(
         lines.append(f"trace       {job.trace_id}")
     if job.queue is not None and not job.done:
         reason = job.queue.waiting_reason.value if job.queue.waiting_reason else "-"
-        lines.append(f"queue       position {job.queue.position}, waiting: {reason}")
+        start = job.queue.estimated_start_time
+        expected = f", starts about {start.astimezone().strftime('%H:%M:%S')}" if start is not None else ""
+        lines.append(f"queue       {jobs_ahead_text(job.queue.position)}{expected}, waiting: {reason}")
         if why_waiting:
             lines.append(f"why         {why_waiting}")
     if job.progress is not None and not job.done:

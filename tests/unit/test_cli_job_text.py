@@ -21,9 +21,11 @@ from asyncinfer.client import (
     ModelInfo,
     ModelVersion,
     Priority,
+    QueuePosition,
+    WaitingReason,
 )
 from asyncinfer.commands.ops import attempts_text
-from asyncinfer.commands.output import job_text
+from asyncinfer.commands.output import job_summary, job_text
 
 pytestmark = pytest.mark.unit
 
@@ -123,3 +125,22 @@ def test_a_dead_letter_written_before_its_limit_was_kept_reads_without_an_of() -
     assert attempts_text(letter) == "6"
     assert attempts_text({**letter, "attempts": 2, "given_back_attempts": 4}) == "2 (4 given back)"
     assert attempts_text({**letter, "attempts": 1, "allowed_attempts": 3}) == "1 of 3"
+
+
+def test_a_queued_job_says_how_many_jobs_are_ahead_and_when_it_should_start() -> None:
+    """The first-hour pass, session 32: the first job of a paused queue read `queue       position 0,
+    waiting: PAUSED` (the proto's 0-based count of the jobs ahead, read as a place in a line), and
+    the estimated start GetJob gives was not shown."""
+    start = datetime(2026, 12, 7, 3, 45, 2, tzinfo=UTC)
+    first = a_job(
+        state=JobState.QUEUED,
+        attempt=0,
+        queue=QueuePosition(position=0, estimated_start_time=start, waiting_reason=WaitingReason.PAUSED),
+    )
+    expected = start.astimezone().strftime("%H:%M:%S")
+    assert f"queue       nothing ahead, starts about {expected}, waiting: PAUSED" in job_text(first).splitlines()
+    assert job_summary(first) == "j1  QUEUED  nothing ahead  waiting: PAUSED"
+    third = dataclasses.replace(first, queue=QueuePosition(position=2, estimated_start_time=None, waiting_reason=None))
+    assert "queue       2 jobs ahead, waiting: -" in job_text(third).splitlines()
+    second = dataclasses.replace(third, queue=QueuePosition(position=1, estimated_start_time=None, waiting_reason=None))
+    assert job_summary(second) == "j1  QUEUED  1 job ahead"
