@@ -14,6 +14,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -52,11 +53,26 @@ def import_factory(loader: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"model loader {loader!r}: cannot import {module_name!r}: {exc}") from None
+        raise ConfigError(
+            f"model loader {loader!r}: cannot import {module_name!r}: {exc}{_import_hint(exc, module_name)}"
+        ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"model loader {loader!r}: module {module_name!r} has no {attr!r}") from None
+
+
+def _import_hint(exc: ImportError, module_name: str) -> str:
+    """What to do about a module the batcher's Python does not find: `No module named 'mypkg'` (README
+    "Adding a model", the package not on PYTHONPATH) said nothing of where it was looked for."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if not missing:
+        return ""
+    if module_name == missing or module_name.startswith(f"{missing}."):  # the loader's own package
+        what = f"install {missing!r} there (pip install -e) or put the folder holding it on PYTHONPATH"
+    else:  # a module the loader's package imports
+        what = f"install {missing!r} there"
+    return f" (the batcher imports with {sys.executable}: {what})"
 
 
 def torch_device_for(model: ModelConfig, *, torch_threads: int = 0) -> torch.device:
