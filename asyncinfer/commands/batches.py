@@ -111,6 +111,8 @@ def batch_summary(batch: Batch) -> str:
     rate = f"  {batch.records_per_second:.0f} records/s" if batch.records_per_second else ""
     failed = f"  {batch.failed} failed" if batch.failed else ""
     note = f"  {batch.failure_message}" if batch.failure_message else ""
+    if batch.total == 0 and not batch.done:  # its records not counted yet: `0/0 done` read as nothing to do
+        return f"{batch.batch_id}  {batch.state}  reading its input{note}"
     return f"{batch.batch_id}  {batch.state}  {batch.completed}/{batch.total} done{failed}{rate}{note}"
 
 

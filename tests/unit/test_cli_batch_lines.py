@@ -4,12 +4,13 @@ every PROGRESS_LINE_EVERY_S while the batch runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
 
 from asyncinfer.client import Batch, BatchState
-from asyncinfer.commands.batches import PROGRESS_LINE_EVERY_S, _ProgressLines
+from asyncinfer.commands.batches import PROGRESS_LINE_EVERY_S, _ProgressLines, batch_summary
 
 pytestmark = pytest.mark.unit
 
@@ -61,3 +62,14 @@ def test_a_running_batch_is_shown_again_once_the_interval_passes() -> None:
         "b1  IN_PROGRESS  0/1000 done",
         "b1  IN_PROGRESS  500/1000 done",
     ]
+
+
+def test_a_batch_whose_records_are_not_counted_yet_reads_so() -> None:
+    """The first-hour pass, session 32: `batch create --wait` began `VALIDATING  0/0 done`, which reads
+    as a batch with nothing to do; its total is 0 until the input is read."""
+    out = io.StringIO()
+    lines = _ProgressLines(out, clock=lambda: 0.0)
+    lines.show(dataclasses.replace(batch(BatchState.VALIDATING, 0), total=0))
+    assert [line.split("  ", 1)[1] for line in out.getvalue().splitlines()] == ["b1  VALIDATING  reading its input"]
+    empty = dataclasses.replace(batch(BatchState.FAILED, 0), total=0)  # an ended batch keeps its counts
+    assert batch_summary(empty) == "b1  FAILED  0/0 done"
