@@ -25,6 +25,7 @@ import grpc
 
 from asyncinfer.ids import job_id_time_ms
 from asyncinfer.jobs import CallbackSpec, JobError, JobState, Priority
+from asyncinfer.open_enums import OpenStrEnum
 
 # At most this many errors are kept in the record (GetBatch's first_errors); the rest are only in
 # the error file.
@@ -39,7 +40,7 @@ CREATE_WRITE_MARGIN_S = 6.0
 RECORD_VERSION = 1
 
 
-class BatchState(enum.StrEnum):
+class BatchState(OpenStrEnum):
     VALIDATING = "VALIDATING"
     IN_PROGRESS = "IN_PROGRESS"
     FINALIZING = "FINALIZING"

@@ -6,7 +6,6 @@ work envelope published to the WORK stream. How they are stored is asyncinfer.co
 from __future__ import annotations
 
 import dataclasses
-import enum
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from asyncinfer.contract import job_key as job_key
 from asyncinfer.contract import job_work_subject as job_work_subject
 from asyncinfer.contract import work_subject as work_subject
 from asyncinfer.errors import AsyncInferError, FieldViolation, InvalidArgument
+from asyncinfer.open_enums import OpenStrEnum
 from asyncinfer.tensors import Tensor
 
 # Model names and tenants become NATS subject tokens and KV key parts.
@@ -26,7 +26,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 NAME_RULE = "1-64 letters, digits, '_' or '-', starting with a letter or digit"
 
 
-class JobState(enum.StrEnum):
+class JobState(OpenStrEnum):
     QUEUED = "QUEUED"
     RUNNING = "RUNNING"
     SUCCEEDED = "SUCCEEDED"
@@ -46,7 +46,7 @@ TERMINAL_STATES = frozenset(
 )
 
 
-class Priority(enum.StrEnum):
+class Priority(OpenStrEnum):
     HIGH = "HIGH"
     NORMAL = "NORMAL"
     LOW = "LOW"

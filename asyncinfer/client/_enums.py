@@ -6,7 +6,8 @@ event or delivery state. Protobuf keeps such a number as it is; so does the SDK,
 same enum outside its members, named `UNKNOWN_<number>` (`JobState.UNKNOWN_9` prints as
 "UNKNOWN_9"). Reading a job never raises for it, and the value goes back as the same number
 (resubmitting with a job's priority). It is no member: not listed by `list(JobState)`, not
-terminal (`Job.done` is False), `JobState("UNKNOWN_9")` still raises; `unknown_number` tells it
+`in JobState` on any Python (asyncinfer.open_enums: 3.12's enum took any instance for a member),
+not terminal (`Job.done` is False), `JobState("UNKNOWN_9")` still raises; `unknown_number` tells it
 apart. The domain's enums stay as they are: the services iterate them (a queue per priority)."""
 
 from __future__ import annotations

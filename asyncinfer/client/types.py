@@ -7,7 +7,6 @@ newer than the SDK reads as `UNKNOWN_<number>` of its enum, never an error (asyn
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -18,6 +17,7 @@ import numpy.typing as npt
 
 from asyncinfer.errors import FieldViolation
 from asyncinfer.jobs import JobState, Priority
+from asyncinfer.open_enums import OpenStrEnum
 from asyncinfer.tensors import Tensor, TensorSpec
 
 __all__ = [
@@ -46,7 +46,7 @@ __all__ = [
 Inputs = Mapping[str, npt.ArrayLike | Tensor] | tuple[Tensor, ...] | list[Tensor]
 
 
-class WaitingReason(enum.StrEnum):
+class WaitingReason(OpenStrEnum):
     NO_WORKER = "NO_WORKER"
     WAITING_FOR_CAPACITY = "WAITING_FOR_CAPACITY"
     PAUSED = "PAUSED"
@@ -63,14 +63,14 @@ class WaitingReason(enum.StrEnum):
         return self in (WaitingReason.MODEL_LOAD_FAILED, WaitingReason.NO_WORKER, WaitingReason.NO_VERSION)
 
 
-class CallbackEvent(enum.StrEnum):
+class CallbackEvent(OpenStrEnum):
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELED = "CANCELED"
 
 
-class CallbackDeliveryState(enum.StrEnum):
+class CallbackDeliveryState(OpenStrEnum):
     PENDING = "PENDING"
     DELIVERED = "DELIVERED"
     FAILED = "FAILED"

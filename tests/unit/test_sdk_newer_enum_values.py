@@ -27,6 +27,7 @@ from asyncinfer.client import (
     Priority,
     WaitingReason,
 )
+from asyncinfer.client import _enums as sdk_enums
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto, submit_request_to_proto
 from asyncinfer.client.batches import batch_from_proto
 from asyncinfer.commands.ops import model_stats_json
@@ -177,3 +178,40 @@ def test_the_clis_queue_stats_show_a_queue_state_or_priority_newer_than_it_as_it
     shown = model_stats_json(stats)
     assert shown["state"] == "state 99"
     assert [q["priority"] for q in shown["queues"]] == ["7"]
+
+
+def _python_312_contains(cls: Any, value: Any) -> bool:
+    """Python 3.12's EnumType.__contains__, as it is there (run here on 3.11 to check that the SDK's
+    enums do not use it): any instance of the enum is in it, a plain value when a member has it."""
+    if isinstance(value, cls):
+        return True
+    try:
+        return value in cls._value2member_map_
+    except TypeError:
+        return value in cls._unhashable_values_
+
+
+ENUMS = [JobState, Priority, WaitingReason, CallbackEvent, CallbackDeliveryState, BatchState]
+
+
+@pytest.mark.parametrize("python_312", [False, True], ids=["this-python", "python-3.12-enum"])
+@pytest.mark.parametrize("enum_cls", ENUMS, ids=lambda cls: cls.__name__)
+def test_a_value_newer_than_the_sdk_is_not_in_its_enum_on_any_python(
+    enum_cls: type[enum.StrEnum], python_312: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README: an UNKNOWN_<number> value "is no member". Python 3.12 changed enum's `in`: it took any
+    instance of the enum for a member, so `JobState.UNKNOWN_9 in JobState` was True there (False on
+    3.11), and a plain string was looked up among the values there (TypeError on 3.11). The SDK's
+    enums now say the same on both: run here with 3.12's rule in place of this Python's too."""
+    if python_312:
+        monkeypatch.setattr(enum.EnumType, "__contains__", _python_312_contains)
+    newer = sdk_enums.unknown_value(enum_cls, 99)
+    assert newer not in enum_cls
+    assert "UNKNOWN_99" not in enum_cls
+    member = next(iter(enum_cls))
+    assert member in enum_cls
+    assert member.value in enum_cls  # a plain string: a member's value
+    assert "NOT_A_VALUE" not in enum_cls
+    assert ["unhashable"] not in enum_cls
+    foreign = JobState.FAILED if enum_cls is CallbackEvent else CallbackEvent.FAILED
+    assert foreign not in enum_cls  # another enum's member, though equal to a value as a string
