@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import re
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -26,6 +27,7 @@ from asyncinfer.client import (
     BulkResult,
     Client,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     Job,
     JobFailedError,
@@ -44,7 +46,7 @@ from asyncinfer.client import (
 )
 from asyncinfer.client._convert import job_from_proto
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from asyncinfer.v1 import batch_service_pb2, batch_service_pb2_grpc, job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.batcher.models import demo
 from tests.stack import Stack, StartStack, ThreadedStack
 from tests.test_gateway import wait_for
@@ -387,6 +389,99 @@ async def test_bulk_sends_at_most_the_gateways_limit_of_items_in_a_message() -> 
         results = [r async for r in client.bulk(requests, window=5000, items_per_message=5000, timeout_s=60)]
     assert len(results) == 2500
     assert max(gateway.jobs_per_message) == 1000
+
+
+NEWER_ID = "0190b8e4-7c1a-7d3e-8f00-000000000099"
+DONE_ID = "0190b8e4-7c1a-7d3e-8f00-000000000100"
+NEWER_BATCH_ID = "0190b8e4-7c1a-7d3e-8f00-0000000000b9"
+# A real gateway answers a reopened watch with the job (or batch) as it stands and ends it again, for
+# ever; the stand-in does so this many times, then refuses, so that a reopening SDK fails at once.
+ANSWERS_BEFORE_REFUSING = 3
+
+
+class NewerStatesGateway(job_service_pb2_grpc.JobServiceServicer, batch_service_pb2_grpc.BatchServiceServicer):
+    """A gateway newer than this SDK that ended a job and a batch in a state numbered 99, which it
+    takes for terminal: it ends their watches after sending it, as a gateway ends the watch of a
+    terminal job. Counts the watches opened."""
+
+    def __init__(self) -> None:
+        self.opened: list[str] = []
+
+    def _opened(self, what: str) -> bool:
+        self.opened.append(what)
+        return self.opened.count(what) <= ANSWERS_BEFORE_REFUSING
+
+    async def WatchJobs(self, request: Any, context: Any) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
+        if not self._opened("jobs"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the watch of ended jobs was opened again")
+        response = job_service_pb2.WatchJobsResponse()
+        for job_id in request.job_ids:
+            state = 99 if job_id == NEWER_ID else job_pb2.JOB_STATE_SUCCEEDED
+            response.changes.add(
+                job_id=job_id, job=job_pb2.Job(job_id=job_id, model_name="demo", state=state, revision=4)
+            )  # type: ignore[arg-type]
+        yield response
+
+    async def WatchBatch(self, request: Any, context: Any) -> AsyncIterator[batch_service_pb2.WatchBatchResponse]:
+        if not self._opened("batch"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the watch of an ended batch was opened again")
+        batch = batch_service_pb2.Batch(batch_id=request.batch_id, model_name="demo", state=99, revision=6)  # type: ignore[arg-type]
+        yield batch_service_pb2.WatchBatchResponse(batch=batch)
+
+
+@contextlib.asynccontextmanager
+async def newer_states_gateway() -> AsyncIterator[tuple[NewerStatesGateway, str]]:
+    gateway = NewerStatesGateway()
+    server = grpc.aio.server()
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(gateway, server)
+    batch_service_pb2_grpc.add_BatchServiceServicer_to_server(gateway, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield gateway, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+NEWER_ENDED = r"ended at state UNKNOWN_99 \(newer than this SDK: upgrade it\)"
+
+
+async def test_jobs_the_gateway_ended_in_a_state_newer_than_the_sdk_end_wait_jobs_naming_it() -> None:
+    """README: `wait` on a job the gateway ended in a state the SDK has no member for raises
+    InternalError naming it. `wait_jobs` and `watch_jobs` took the end of the WatchJobs stream for a
+    break, as no job of theirs was done: they opened it again, the gateway sent the job again and
+    ended it again, for ever (each answer started the backoff afresh), until `timeout_s`. Now the
+    stream's end ends such a job: `wait_jobs` maps it to that InternalError, the other jobs to
+    their Job, and `watch_jobs` yields the job as it ended, then (job_id, InternalError)."""
+    async with newer_states_gateway() as (gateway, address), AsyncClient(address, retry=FAST_RETRY) as client:
+        found = await client.wait_jobs([NEWER_ID, DONE_ID], timeout_s=60)
+        assert gateway.opened == ["jobs"]
+        newer, done = found[NEWER_ID], found[DONE_ID]
+        assert isinstance(done, Job)
+        assert done.state is JobState.SUCCEEDED
+        assert isinstance(newer, InternalError)
+        assert re.search(f"job {NEWER_ID} {NEWER_ENDED}", str(newer)), str(newer)
+
+        updates = [u async for u in client.watch_jobs([NEWER_ID, DONE_ID], timeout_s=60)]
+        assert gateway.opened == ["jobs", "jobs"]
+        assert [(u.job_id, u.state) if isinstance(u, Job) else (u[0], type(u[1])) for u in updates] == [
+            (NEWER_ID, "UNKNOWN_99"),
+            (DONE_ID, JobState.SUCCEEDED),
+            (NEWER_ID, InternalError),
+        ]
+
+
+async def test_a_batch_the_gateway_ended_in_a_state_newer_than_the_sdk_ends_its_watch_and_wait() -> None:
+    """`watch_batch` took the end of the WatchBatch stream after a state it cannot call terminal for
+    a break: it opened the stream again and yielded the batch again, for ever, and `wait_batch`
+    never returned (until `timeout_s`). Now the watch ends there, and `wait_batch` raises
+    InternalError naming the state, as a job's `wait` does."""
+    async with newer_states_gateway() as (gateway, address), AsyncClient(address, retry=FAST_RETRY) as client:
+        seen = [batch.state async for batch in client.watch_batch(NEWER_BATCH_ID, timeout_s=60)]
+        assert seen == ["UNKNOWN_99"]
+        with pytest.raises(InternalError, match=f"batch {NEWER_BATCH_ID} {NEWER_ENDED}"):
+            await client.wait_batch(NEWER_BATCH_ID, timeout_s=60)
+        assert gateway.opened == ["batch", "batch"]
 
 
 async def test_bulk_carries_on_across_a_gateway_restart(config: Config, start_stack: StartStack) -> None:

@@ -24,6 +24,7 @@ from asyncinfer.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     UnavailableError,
+    ended_at,
 )
 from asyncinfer.client.types import BlobRef
 from asyncinfer.tensors import booleans_misplaced
@@ -149,10 +150,14 @@ class BatchFiles(BlobCalls):
         return self._batch_calls.watch(batch, timeout_s=timeout_s)
 
     async def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
+        """Waits until the batch ends and returns it. InternalError naming the state when the gateway
+        ended it in one newer than this SDK (as a job's `wait` raises)."""
         last = batch if isinstance(batch, Batch) else None
         async for update in self.watch_batch(batch, timeout_s=timeout_s):
             last = update
         assert last is not None
+        if not last.done:
+            raise ended_at(f"batch {last.batch_id}", last.state)
         return last
 
     async def download(

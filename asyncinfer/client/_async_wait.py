@@ -19,9 +19,14 @@ from asyncinfer.client._async_blobs import BlobCalls
 from asyncinfer.client._async_channel import JobLike, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._async_jobs import WATCH_JOBS_MAX_IDS, JobCalls
 from asyncinfer.client._async_watch import JobWatches
-from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import Deadline
-from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError, InternalError, JobFailedError
+from asyncinfer.client.errors import (
+    AsyncInferClientError,
+    DeadlineExceededError,
+    InternalError,
+    JobFailedError,
+    ended_at,
+)
 from asyncinfer.client.types import Inputs, Job
 
 # The keywords `run` passes on to `submit` (its own `timeout_s` bounds the whole run).
@@ -75,7 +80,9 @@ class JobWaits(JobWatches, BlobCalls):
         self, jobs: Iterable[JobLike], *, timeout_s: float | None = None
     ) -> dict[str, Job | AsyncInferClientError]:
         """Waits until every job is terminal, on one WatchJobs stream per 10,000 jobs; each job ID
-        mapped to its final Job (or the error for it: NotFoundError). DeadlineExceededError when
+        mapped to its final Job (or the error for it: NotFoundError, or InternalError naming the
+        state of a job the gateway ended in a state newer than this SDK, as `wait` raises it).
+        DeadlineExceededError when
         `timeout_s` passes first. When one stream fails, the others are closed before its error
         is raised."""
         ids = _job_ids(jobs)
@@ -128,8 +135,7 @@ class JobWaits(JobWatches, BlobCalls):
             raise InternalError(f"the watch of {_job_id(job)} ended without a terminal state")
         if not last.done:
             # The gateway ended the watch, so the job is terminal, in a state newer than this SDK.
-            newer = " (newer than this SDK: upgrade it)" if unknown_number(last.state) is not None else ""
-            raise InternalError(f"the watch of {_job_id(job)} ended at state {last.state}{newer}")
+            raise ended_at(f"job {_job_id(job)}", last.state)
         return last
 
     async def run(

@@ -21,6 +21,7 @@ from asyncinfer.client._retry import Deadline, checked_timeout
 from asyncinfer.client._stream_retry import StreamAttempts
 from asyncinfer.client.errors import (
     AsyncInferClientError,
+    ended_at,
     from_rpc_error,
     make_error,
     with_connection_hint,
@@ -126,7 +127,8 @@ class JobWatches(JobCalls):
     ) -> JobsWatch:
         """Many jobs on one stream (WatchJobs). With `jobs`: each job now, then each change, until
         all are terminal; a job that is not there yields (job_id, NotFoundError) and the others go
-        on. With `labels` instead: every change, from now on, of your jobs that carry all of them,
+        on, as does one the gateway ended in a state newer than this SDK (its Job yielded as it
+        ended, `done` False), then (job_id, InternalError naming the state). With `labels` instead: every change, from now on, of your jobs that carry all of them,
         until you stop iterating or `timeout_s` passes. `await watch.ready()` returns once the
         gateway listens: a job submitted after it is seen from QUEUED on (asyncinfer.client.jobs_watch).
         A broken stream is reopened (the jobs not yet terminal are sent again as they stand, so a
@@ -161,6 +163,7 @@ class JobWatches(JobCalls):
             )
             request = job_service_pb2.WatchJobsRequest(job_ids=watching, labels=dict(labels or {}))
             call = self._stub.WatchJobs(request, timeout=timeout, metadata=self._metadata)
+            sent: dict[str, Job] = {}  # a watch of IDs: each job's latest state on this stream
             # A failure of the catch-up's ListJobs is a break as the stream's are.
             with attempts.running(call, breaks_on=(AsyncInferClientError,)):
                 if labels and since is None and (ready := await listened(call, deadline.remaining())) is not None:
@@ -203,11 +206,20 @@ class JobWatches(JobCalls):
                                 delivered.delivered(snapshot)
                             if snapshot.done:
                                 done.add(change.job_id)
+                            elif ids:
+                                sent[change.job_id] = snapshot
                             yield snapshot
                         else:
                             done.add(change.job_id)
                             failure = error_from_proto(change.error)
                             yield change.job_id, make_error(failure.code, failure.message, reason=failure.reason)
+                # The gateway ends a watch of IDs once every job is terminal: one this SDK does not
+                # take for done ended in a state newer than it. Before, the end was taken for a
+                # break and the stream opened again, answered with the job and ended, for ever.
+                for job_id, last in sent.items():
+                    if job_id not in done:
+                        done.add(job_id)
+                        yield job_id, ended_at(f"job {job_id}", last.state)
                 if ids and all(job_id in done for job_id in ids):
                     return
             await attempts.broke("the watch ended before the jobs did")

@@ -19,7 +19,7 @@ from grpc import aio
 
 from asyncinfer.batches import BatchState
 from asyncinfer.client._convert import model_name_problem, named
-from asyncinfer.client._enums import from_proto, name_from_proto, to_proto
+from asyncinfer.client._enums import from_proto, name_from_proto, to_proto, unknown_number
 from asyncinfer.client._retry import Deadline
 from asyncinfer.client._stream_retry import Backoff, StreamAttempts
 from asyncinfer.client.errors import from_rpc_error
@@ -262,7 +262,8 @@ class BatchCalls:
         return [batch_from_proto(b) for b in response.batches], response.next_page_token
 
     async def watch(self, batch: Batch | str, *, timeout_s: float | None = None) -> AsyncIterator[Batch]:
-        """The batch now, then each change, until it ends. A broken stream is opened again as a
+        """The batch now, then each change, until it ends (at a state newer than this SDK too: the
+        last batch yielded is then not `done`). A broken stream is opened again as a
         job's watch is, per the client's RetryPolicy: what it retries (UNAVAILABLE, and
         RESOURCE_EXHAUSTED unless turned off), its jittered backoff and `on_retry`, `max_attempts`
         until the stream first answers and `stream_resume_s` after a break. DeadlineExceededError
@@ -275,6 +276,7 @@ class BatchCalls:
         what = f"the watch of batch {batch_id} (it goes on)"
         while True:
             call = self._stub.WatchBatch(request, metadata=self._metadata, timeout=attempts.start(what))
+            last: Batch | None = None
             with attempts.running(call, timed_out=what):
                 async for update in call:
                     attempts.answered()
@@ -282,6 +284,10 @@ class BatchCalls:
                     yield last
                     if last.done:
                         return
+                if last is not None and unknown_number(last.state) is not None:
+                    # Ended at a state newer than this SDK, which the gateway took for terminal.
+                    # Before, the watch was opened again, yielded the batch again and ended, for ever.
+                    return
             # The gateway ends a watch only at the batch's end: one ended sooner is a break. Before,
             # every break was opened again 0.5 s later, INTERNAL too, with no jitter: after a
             # gateway restart every batch watch came back in the same instant.

@@ -7,10 +7,12 @@ Each carries the status `code`, the stable `reason` from the server's `google.rp
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 
 import grpc
 
+from asyncinfer.client._enums import unknown_number
 from asyncinfer.client.types import Job
 from asyncinfer.errors import FieldViolation
 from asyncinfer.grpc_errors import status_details, unpack_details
@@ -123,6 +125,13 @@ class UnimplementedError(AsyncInferClientError):
 
 class InternalError(AsyncInferClientError):
     """A server bug or an unknown failure (INTERNAL, UNKNOWN, DATA_LOSS)."""
+
+
+def ended_at(what: str, state: enum.Enum) -> InternalError:
+    """A watch the gateway ended at a state the SDK cannot call terminal: one newer than the SDK (the
+    gateway ends a watch only at the end of what it watches), named as the SDK reads it."""
+    newer = " (newer than this SDK: upgrade it)" if unknown_number(state) is not None else ""
+    return InternalError(f"the watch of {what} ended at state {state}{newer}")
 
 
 class JobFailedError(AsyncInferClientError):
