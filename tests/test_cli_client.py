@@ -25,7 +25,11 @@ from asyncinfer.cli import main
 from asyncinfer.client import AsyncClient, WaitingReason
 from asyncinfer.config import Config, ModelVersionConfig, TensorSpecConfig, render_default_config
 from asyncinfer.ids import new_job_id
-from tests.stack import Stack
+from services.batcher.models import demo
+from tests.stack import Stack, StartStack
+from tests.test_batch_lifecycle import GATED, gate
+
+__all__ = ["gate"]  # the fixture, used by name
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -237,8 +241,15 @@ async def test_a_wait_cut_short_still_names_the_job_it_queued(
 # -- watch, cancel, list -------------------------------------------------------------------------
 
 
-async def test_watch_json_prints_each_state_until_succeeded(idle_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
-    code, out, err = await Cli(idle_stack, monkeypatch)("submit", "demo", "--input", "x=[[1,1,1,1]]")
+async def test_watch_json_prints_each_state_until_succeeded(
+    config: Config, start_stack: StartStack, gate: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The gated model holds the job RUNNING until the watch has printed it: a watcher is owed the
+    # latest record, not every revision (JobService.WatchJob), and a demo job's RUNNING and SUCCEEDED,
+    # written moments apart, reached a loaded machine's watch as SUCCEEDED alone.
+    models = [*(m.model_dump() for m in config.models), GATED]
+    idle_stack = await start_stack(config.replace(models=models), batcher=False)
+    code, out, err = await Cli(idle_stack, monkeypatch)("submit", "gated", "--input", "x=[[1,1,1,1]]")
     assert code == 0, err
     job_id = out.strip()
     watcher = await asyncio.create_subprocess_exec(
@@ -259,13 +270,14 @@ async def test_watch_json_prints_each_state_until_succeeded(idle_stack: Stack, m
     first = json.loads(await asyncio.wait_for(watcher.stdout.readline(), 20))
     assert first["state"] == "QUEUED"  # no batcher yet: it waits
     await idle_stack.start_batcher()
+    running = json.loads(await asyncio.wait_for(watcher.stdout.readline(), 20))
+    assert running["state"] == "RUNNING"  # held at the gate until now
+    demo.GATE.set()
     rest, stderr = await asyncio.wait_for(watcher.communicate(), 20)
     assert watcher.returncode == 0, stderr.decode()
-    updates = [first, *json_lines(rest.decode())]
+    updates = [first, running, *json_lines(rest.decode())]
     states = [u["state"] for u in updates]
-    assert states[0] == "QUEUED"
     assert states[-1] == "SUCCEEDED"
-    assert "RUNNING" in states
     revisions = [u["revision"] for u in updates]
     assert revisions == sorted(set(revisions)), "each change once, in order"
 
