@@ -11,6 +11,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -38,16 +39,58 @@ def find_nats_server() -> str:
 # caller picking several (nats, gateway, scheduler, ...) one after another must get distinct ones.
 _recent_ports: collections.deque[int] = collections.deque(maxlen=256)
 
+# Where connect() binds outgoing connections (Linux); a port is picked outside it where it can be.
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# The lowest port picked below that range: past the ports servers are commonly configured on.
+LOWEST_PICKED_PORT = 10_000
+PICK_TRIES = 100
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now, and not one this process was handed lately."""
-    while True:
+    """A port nothing is bound to now, not one this process was handed lately, and outside the
+    OS's ephemeral range where there is room (Linux: below ip_local_port_range, or above it).
+
+    A port in that range (what bind to port 0 gives) may be taken at any moment as the local port
+    of any process's outgoing connection, and held past its close for TIME_WAIT's 60 s; nothing can
+    listen on it meanwhile, SO_REUSEADDR or not. A test that started a service on a picked port,
+    killed it and started it again on the same port met that now and then on a busy machine: the
+    service's own check refused the port ("cannot start, already in use") and it exited at once."""
+    ranges = _outside_ephemeral_range()
+    for _ in range(PICK_TRIES if ranges else 0):
+        low, high = random.choice(ranges)
+        port = random.randrange(low, high)
+        if port not in _recent_ports and _bindable(host, port):
+            _recent_ports.append(port)
+            return port
+    while True:  # no room outside the range, or none found free there: the OS's choice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind((host, 0))
             port = int(sock.getsockname()[1])
         if port not in _recent_ports:
             _recent_ports.append(port)
             return port
+
+
+def _outside_ephemeral_range() -> list[tuple[int, int]]:
+    """The [low, high) spans of ports above LOWEST_PICKED_PORT that connect() does not bind
+    outgoing connections to, each weighed alike (a few thousand ports at least); empty where the
+    range is not known."""
+    try:
+        first, last = (int(n) for n in EPHEMERAL_RANGE_FILE.read_text().split())
+    except (OSError, ValueError):
+        return []
+    spans = [(LOWEST_PICKED_PORT, first), (last + 1, 65_536)]
+    return [(low, high) for low, high in spans if high - low >= 2_000]
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether nothing is bound to the port now (a listener, a connection, or one in TIME_WAIT)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass

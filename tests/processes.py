@@ -41,11 +41,25 @@ class Service:
         process = await asyncio.to_thread(self._spawn)
         assert process.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 60)
-        assert f"serving on 127.0.0.1:{self.port}" in line, (self.name, line)
+        if f"serving on 127.0.0.1:{self.port}" not in line:
+            # It printed something else, or exited (stdout closed): its log (stderr) says why.
+            code = await asyncio.to_thread(self._exit_code)
+            log = self._log_path().read_text()[-3000:]
+            raise AssertionError(f"{self.name} did not start: stdout {line!r}, exit code {code}, its log:\n{log}")
+
+    def _exit_code(self) -> int | None:
+        assert self._process is not None
+        try:
+            return self._process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _log_path(self) -> Path:
+        return self._log_dir / f"{self.name}-{self.starts}.log"
 
     def _spawn(self) -> subprocess.Popen[str]:
         self.starts += 1
-        log = open(self._log_dir / f"{self.name}-{self.starts}.log", "w")  # noqa: SIM115 - closed below
+        log = open(self._log_path(), "w")  # noqa: SIM115 - closed below
         process = subprocess.Popen(
             [str(BIN / "asyncinfer"), self.name, "--config", str(self._config_file)],
             stdout=subprocess.PIPE,

@@ -24,7 +24,7 @@ import structlog
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config, NatsConfig, load_config, render_default_config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
-from asyncinfer.embedded_nats import NatsServerProcess, free_port
+from asyncinfer.embedded_nats import EPHEMERAL_RANGE_FILE, NatsServerProcess, free_port
 from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.failure_lines import FailureLines
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
@@ -33,7 +33,7 @@ from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import streams
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
-from asyncinfer.ports import IN_USE, PortUse, busy_ports
+from asyncinfer.ports import IN_USE, BusyPort, PortUse, busy_ports
 from asyncinfer.supervision import outcome_seen
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_proto
 from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, validate_inputs
@@ -56,6 +56,28 @@ def test_free_ports_picked_one_after_another_are_distinct() -> None:
     batcher's ports in a row once got the same one twice, and `up` refused the configuration."""
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not EPHEMERAL_RANGE_FILE.exists(), reason="Linux's ip_local_port_range")
+def test_free_ports_are_outside_the_range_outgoing_connections_are_bound_in() -> None:
+    """A test that killed a service and started it again on its picked port saw it exit at once
+    now and then on a busy machine: a port from the ephemeral range (what bind to port 0 gives) may
+    be taken meanwhile by any process's outgoing connection, and stays taken in TIME_WAIT after it
+    closes, where nothing can listen on it (the service's own check says IN_USE)."""
+    first, last = (int(n) for n in EPHEMERAL_RANGE_FILE.read_text().split())
+    ports = [free_port() for _ in range(200)]
+    assert [p for p in ports if first <= p <= last] == []
+    # Why: a connection's local port, closed from its side (TIME_WAIT), cannot be listened on.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname()[:2])
+        accepted, _ = listener.accept()
+        port = client.getsockname()[1]
+        client.close()
+        accepted.close()
+    assert first <= port <= last
+    use = PortUse("batcher.port", "127.0.0.1", port)
+    assert busy_ports([use]) == [BusyPort(use, IN_USE)]
 
 
 @pytest.mark.unit
