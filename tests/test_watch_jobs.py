@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -498,6 +499,73 @@ async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
     assert states[queued_before.job_id] == [JobState.SUCCEEDED], "queued before the watch, ended in the gap"
     assert states[marker][-1] is JobState.SUCCEEDED
     assert ended_before.job_id not in states, "a job that ended before the watch started is not news"
+
+
+async def test_a_reopened_label_watch_lists_again_once_a_late_gateway_says_it_listens(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Session 32's CI4: a label watch reopened on a gateway just restarted and loaded took its
+    stream as listening once its wait for the headers ended (READY_WAIT_S) and listed what it had
+    missed; a job that changed after that listing and before the new gateway's feed started came
+    neither way, and the watch waited for it to its timeout. It now lists again once the gateway
+    says it listens. Here the new gateway's feed is held until the job has ended."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}))
+    labels = {"run": "late-listening"}
+    monkeypatch.setattr(jobs_watch, "READY_WAIT_S", 0.05)
+    feed_held = asyncio.Event()
+    ensure_feed = WatchHub.ensure_feed
+    listed = asyncio.Event()
+    list_page = JobLister.page
+
+    async def counted(lister: JobLister, tenant: str, query: ListQuery) -> ListPage:
+        page = await list_page(lister, tenant, query)
+        listed.set()
+        return page
+
+    async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
+        updates = client.watch_jobs(labels=labels, timeout_s=WAIT_S)
+        await updates.ready()
+        seen: list[Job] = []
+        marker: list[str] = []
+        marker_done = asyncio.Event()
+
+        async def collect() -> None:
+            async for update in updates:
+                assert isinstance(update, Job)
+                seen.append(update)
+                if update.job_id in marker and update.done:
+                    marker_done.set()
+
+        async def held_feed(hub: WatchHub) -> None:
+            await feed_held.wait()
+            await ensure_feed(hub)
+
+        async def while_away() -> None:  # the old gateway is gone: what follows is the new one's
+            monkeypatch.setattr(WatchHub, "ensure_feed", held_feed)
+            monkeypatch.setattr(JobLister, "page", counted)
+
+        collecting = asyncio.create_task(collect())
+        try:
+            await stack.restart_gateway(0.2, while_away=while_away)
+            await asyncio.wait_for(listed.wait(), WAIT_S)  # the reopened watch's catch-up, feed held
+            job = await client.submit("demo", {"x": X}, labels=labels)
+            marker.append(job.job_id)
+            js = stack.nc.jetstream()
+            async with asyncio.timeout(WAIT_S):  # no watch says it: the feed is held
+                while True:
+                    record = await job_record(js, job_key(TENANT, job.job_id))
+                    if record is not None and record.state.is_terminal:
+                        break
+                    await asyncio.sleep(0.01)
+            feed_held.set()
+            await asyncio.wait_for(marker_done.wait(), WAIT_S)
+        finally:
+            feed_held.set()
+            collecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collecting
+            await updates.aclose()
+    assert [u.state for u in seen if u.job_id == job.job_id][-1] is JobState.SUCCEEDED
 
 
 async def test_a_label_watch_outlasts_a_catch_up_listing_past_its_call_deadline(

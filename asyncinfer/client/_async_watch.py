@@ -38,6 +38,7 @@ from asyncinfer.client.jobs_watch import (
     headers_since,
     listened,
     missed,
+    said_listening,
 )
 from asyncinfer.client.types import Job, JobProgress
 from asyncinfer.v1 import job_service_pb2
@@ -177,7 +178,7 @@ class JobWatches(JobCalls):
                 elif labels and since is not None:
                     # Reopened: once the new stream listens, what changed while the old one was
                     # broken (the changes after the headers come on the stream, repeats dropped).
-                    await listened(call, deadline.remaining())
+                    reopened = await listened(call, deadline.remaining())
                     if not call.done():  # else the stream says why it ended, and the next one catches up
                         if since_call is not None:
                             since = await headers_since(since_call) or since
@@ -188,6 +189,20 @@ class JobWatches(JobCalls):
                             async for job in caught_up:
                                 delivered.delivered(job)
                                 yield job
+                        # Listed before the gateway said it listens (its headers late: a loaded
+                        # gateway just restarted): a job that changed between that listing and its
+                        # subscription came neither way (session 32's CI4: the watch waited for it
+                        # to its timeout). Once it says so, list again; repeats are dropped.
+                        if (
+                            reopened is not None
+                            and reopened.unconfirmed
+                            and await said_listening(call, deadline.remaining())
+                        ):
+                            caught_up = self._missed_by_label_watch(labels, since, delivered, deadline, call)
+                            async with contextlib.aclosing(caught_up):
+                                async for job in caught_up:
+                                    delivered.delivered(job)
+                                    yield job
                 async for response in call:
                     attempts.answered()
                     if not listening:  # the first message (a watch of IDs: every job as it stands)

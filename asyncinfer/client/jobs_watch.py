@@ -19,6 +19,9 @@ after reopening it, and once the new stream listens, the SDK lists the jobs with
 Kubernetes informer relists. A caught-up job comes as it stands (its latest record, not each change
 it went through while the watch was broken), unmarked: after a reconnect each job's latest state
 comes at least once, then the live changes. `DeliveredRevisions` and `missed` decide which.
+A reopened stream taken as listening before its headers came (READY_WAIT_S ran out: a loaded
+gateway just restarted) lists again once they say it listens: a job that changed between the first
+listing and the gateway's subscription came neither way (session 32).
 
 The catch-up's listing is retried for as long as the watch may live (`catch_up_retries`): after a
 gateway restart every label watch lists at once, and a listing that ran past its call deadline
@@ -75,6 +78,9 @@ class Listened:
     WATCH_SINCE_HEADER), None from a gateway that did not say (before session 30, or no headers)."""
 
     since: datetime | None = None
+    # Taken as listening because its headers did not come within the wait (a loaded gateway, or
+    # one before session 29), not because they said so.
+    unconfirmed: bool = False
 
 
 async def listened(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> Listened | None:
@@ -86,12 +92,25 @@ async def listened(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | Non
         async with asyncio.timeout(READY_WAIT_S if remaining_s is None else min(READY_WAIT_S, remaining_s)):
             headers = await call.initial_metadata()
     except TimeoutError:
-        return Listened()
+        return Listened(unconfirmed=True)
     except grpc.RpcError:
         return None
     if not any(key == WATCH_READY_HEADER for key, _ in headers or ()):
         return None
     return Listened(since=_gateway_time(headers))
+
+
+async def said_listening(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> bool:
+    """Whether a stream taken as listening before its headers came (Listened.unconfirmed) says
+    now, within `remaining_s`, that it listens: its headers came with WATCH_READY_HEADER. A
+    gateway before session 29 sends its headers with its first change instead (False: the change
+    is the stream's to read, and nothing was missed that its headers would tell)."""
+    try:
+        async with asyncio.timeout(remaining_s):
+            headers = await call.initial_metadata()
+    except (TimeoutError, grpc.RpcError):
+        return False
+    return any(key == WATCH_READY_HEADER for key, _ in headers or ())
 
 
 async def headers_since(call: aio.UnaryStreamCall[Any, Any]) -> datetime | None:
