@@ -4,6 +4,7 @@ module in its own process): start-up checks, batches forwarded, Triton errors ma
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sysconfig
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any, ClassVar
 
 import grpc
 import numpy as np
@@ -195,14 +197,37 @@ class TritonOutage:
     open ones (a Triton restarting, a pod rolled over), `up()` forwards again on the same port.
     `hold()` keeps Triton's answers until `release()` (a call that hangs in Triton)."""
 
+    # Every proxy a test made, closed after it (_outages_closed): a connection left open, or its
+    # handler left running, outlived the test's loop and its ResourceWarnings failed the next test
+    # of the worker (test_gateway_bulk's setup in session 32's CI4: an unclosed socket to Triton).
+    made: ClassVar[list[TritonOutage]] = []
+
     def __init__(self, target: str) -> None:
         host, port = target.rsplit(":", 1)
         self._target = (host, int(port))
         self.port = 0
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
+        self._every: set[asyncio.StreamWriter] = set()
+        self._handlers: set[asyncio.Task[Any]] = set()
         self._answering = asyncio.Event()
         self._answering.set()
+        TritonOutage.made.append(self)
+
+    async def close(self) -> None:
+        """Stops forwarding and waits until every connection and its handler has ended."""
+        if self._server is not None:
+            self._server.close()
+        self._answering.set()
+        for writer in self._every:
+            writer.close()
+        if self._handlers:
+            await asyncio.wait(self._handlers, timeout=5)
+        for writer in self._every:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(writer.wait_closed(), 5)
+        if self._server is not None:
+            await self._server.wait_closed()
 
     def hold(self) -> None:
         self._answering.clear()
@@ -223,8 +248,13 @@ class TritonOutage:
         self._open.clear()
 
     async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
+        self._every.add(writer)
         upstream_reader, upstream_writer = await asyncio.open_connection(*self._target)
         self._open |= {writer, upstream_writer}
+        self._every.add(upstream_writer)
 
         async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter, gate: asyncio.Event) -> None:
             try:
@@ -240,6 +270,13 @@ class TritonOutage:
         always = asyncio.Event()
         always.set()
         await asyncio.gather(pipe(reader, upstream_writer, always), pipe(upstream_reader, writer, self._answering))
+
+
+@pytest.fixture(autouse=True)
+async def _outages_closed() -> AsyncIterator[None]:
+    yield
+    while TritonOutage.made:
+        await TritonOutage.made.pop().close()
 
 
 async def logged(logs: list[dict[str, object]], event: str) -> None:
