@@ -48,8 +48,9 @@ from asyncinfer.v1 import (
 )
 from bench.batcher_bench import MODELS, make_texts
 from bench.batcher_models import minilm_config, mlp_config
+from bench.system import dir_store
 from bench.system.backlog_tools import batcher_config, services_config, wait_batchers
-from bench.system.common import RESULTS, ProcessGroup, cpu_seconds, log, machine_facts, page_faults
+from bench.system.common import RESULTS, ROOT, ProcessGroup, cpu_seconds, log, machine_facts, page_faults
 
 CHUNK_RECORDS = 2048
 # Batches a model computes at once here: the MLP as docs/BATCHES.md advises for file batches on
@@ -99,6 +100,9 @@ class ServiceVariant:
     max_batch: int | None = None  # the model's max_batch_size, and direct torch's batch (None: MODELS')
     # Added to nats-server's environment (NAME=VALUE pairs: Go's GOGC, GODEBUG), None: inherited.
     nats_env: tuple[tuple[str, str], ...] = ()
+    # The objects' bytes in a directory the services share, their metadata in NATS (a bench-only
+    # prototype, bench.system.dir_store); the batch's outputs are then checked (check_outputs).
+    dir_store: bool = False
 
 
 def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
@@ -176,10 +180,41 @@ def profile_path(variant: ServiceVariant, service: str) -> Path | None:
 def switch_interval_site(folder: Path, interval_s: float) -> str:
     """A PYTHONPATH whose sitecustomize sets the GIL switch interval at start (then the inherited
     PYTHONPATH, which a GPU machine's wheels need)."""
-    site = folder / "switch-interval"
+    return site_path(folder, "switch-interval", switch_interval_source(interval_s))
+
+
+def switch_interval_source(interval_s: float) -> str:
+    return f"import sys\nsys.setswitchinterval({interval_s!r})\n"
+
+
+def site_path(folder: Path, name: str, source: str) -> str:
+    """A PYTHONPATH whose sitecustomize (in folder/name) runs `source` at start, then this tree's
+    root (where the bench's own modules are) and the inherited PYTHONPATH."""
+    site = folder / name
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(f"import sys\nsys.setswitchinterval({interval_s!r})\n")
-    return os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH", "")) if p)
+    (site / "sitecustomize.py").write_text(source)
+    return os.pathsep.join(p for p in (str(site), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def services_env(folder: Path, variant: ServiceVariant) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment the variant adds to every service's process and to the batchers' (whose
+    sitecustomize also sets the switch interval): dir-store's directory and sitecustomize."""
+    every: dict[str, str] = {}
+    site = ""
+    if variant.dir_store:
+        every[dir_store.DIRECTORY_ENV] = str(folder / "dir-store")
+        site = dir_store.sitecustomize_source()
+        every["PYTHONPATH"] = site_path(folder, "site-services", site)
+    batchers = dict(every)
+    if variant.switch_interval_s is not None:
+        batchers["PYTHONPATH"] = site_path(
+            folder, "site-batchers", site + switch_interval_source(variant.switch_interval_s)
+        )
+    return every, batchers
+
+
+def directory_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
 
 
 def fold_batchers(result: dict[str, Any], batchers: int) -> None:
@@ -326,15 +361,19 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             batches={"chunk_records": chunk, **batches_overrides()},
             gateway={"max_upload_bytes": max(len(data) + (1 << 20), 1 << 30)},
         )
+        every_env, batchers_env = services_env(group.tmp, variant)
         children = {
-            "gateway": group.service("gateway", config, source=variant.source),
+            "gateway": group.service("gateway", config, env=every_env, source=variant.source),
             "scheduler": group.service(
-                "scheduler", config, source=variant.source, profile_path=profile_path(variant, "scheduler")
+                "scheduler",
+                config,
+                env=every_env,
+                source=variant.source,
+                profile_path=profile_path(variant, "scheduler"),
             ),
         }
         batcher_env = dict(e.split("=", 1) for e in os.environ.get("BENCH_BATCHER_ENV", "").split(",") if e)
-        if variant.switch_interval_s is not None:
-            batcher_env["PYTHONPATH"] = switch_interval_site(group.tmp, variant.switch_interval_s)
+        batcher_env.update(batchers_env)
         for number in range(variant.batchers):
             batcher = batcher_config(config, children["scheduler"].address, batcher_id=f"batcher-{number}")
             if variant.claim_check_io:
@@ -389,9 +428,14 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             stop.set()
             latencies = await waits
             await sampler
-            after = await stored_bytes(nats.url)
+            # The stream's bytes and, with dir-store, the objects' files beside them.
+            after = await stored_bytes(nats.url) + directory_bytes(group.tmp / "dir-store")
+            result["dir_store_bytes"] = directory_bytes(group.tmp / "dir-store")
             if os.environ.get("BENCH_READ_OUTPUTS") == "1":
                 result["read_outputs"] = await read_outputs(batches, created.batch.batch_id, children["gateway"])
+            outputs = None
+            if model == "mlp" and (variant.dir_store or os.environ.get("BENCH_CHECK_OUTPUTS") == "1"):
+                outputs = await read_npz(batches, created.batch.batch_id)
         log(f"{model}: batch {batch_service_pb2.BatchState.Name(batch.state)} {batch.request_counts.completed} done")
     run_s = (batch.end_time.ToNanoseconds() - batch.in_progress_time.ToNanoseconds()) / 1e9
     result.update(
@@ -409,6 +453,11 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
         # stored), of which its batch's compute.
         interactive_slowest=max(latencies, key=lambda pair: pair[0])[1] if latencies else {},
     )
+    if outputs is not None:
+        if batch.request_counts.completed != records or batch.request_counts.failed:
+            raise RuntimeError(f"the batch counted {batch.request_counts} for {records} records")
+        # After the services stopped, outside every measured window.
+        result["outputs_checked"] = await asyncio.to_thread(check_outputs, outputs, raw, max_batch, variant.loader)
     direct_after = await asyncio.to_thread(direct)
     if model == "mlp" and not variant.loader:
         # The same records on two streams of one thread each: on 2 cores the faster way to run
@@ -444,6 +493,45 @@ async def read_outputs(
         }
         log(f"read the output as {name}: {read[name]}")
     return read
+
+
+async def read_npz(batches: batch_service_pb2_grpc.BatchServiceStub, batch_id: str) -> dict[str, Any]:
+    """The batch's output as NPZ (ReadBatchFile), its arrays by name."""
+    data = bytearray()
+    request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=batch_service_pb2.BATCH_FILE_OUTPUT_NPZ)
+    async for piece in batches.ReadBatchFile(request):
+        data += piece.chunk
+    with np.load(io.BytesIO(data)) as archive:
+        return {name: archive[name] for name in archive.files}
+
+
+def check_outputs(outputs: dict[str, Any], raw: Any, batch_size: int, loader: str | None) -> dict[str, Any]:
+    """Raises RuntimeError unless every record succeeded and its row is the model's output for its
+    own input (computed here, batch_size at a time as the batcher does): each record came out once,
+    in its place. Its count and the largest difference from the reference otherwise."""
+    import torch
+
+    from bench.batcher_models import build_light, build_mlp
+
+    succeeded = outputs.pop("succeeded")
+    if len(outputs) != 1:
+        raise RuntimeError(f"the output NPZ holds {sorted(outputs)} beside 'succeeded', not one output")
+    ((name, rows),) = outputs.items()
+    if len(succeeded) != len(raw) or not succeeded.all() or rows.shape != (len(raw), 512):
+        raise RuntimeError(
+            f"output {name!r}: {int(succeeded.sum())} of {len(raw)} records succeeded, rows {rows.shape}"
+        )
+    model = (build_light if loader else build_mlp)()
+    worst = 0.0
+    with torch.inference_mode():
+        for start in range(0, len(raw), batch_size):
+            want = model(torch.from_numpy(raw[start : start + batch_size])).numpy()
+            got = rows[start : start + batch_size]
+            worst = max(worst, float(np.abs(got - want).max()))
+            if not np.allclose(got, want, rtol=1e-4, atol=1e-5):
+                raise RuntimeError(f"records {start}-{start + len(want) - 1}: outputs differ from the model's")
+    log(f"outputs checked: {len(raw)} records, each once and right (largest difference {worst:.2e})")
+    return {"records": len(raw), "max_abs_diff": worst}
 
 
 def markdown(results: list[dict[str, Any]], facts: dict[str, Any]) -> str:
