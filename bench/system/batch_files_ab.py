@@ -1,5 +1,5 @@
 """A/B of how the services run an MLP file batch (issue 15's MLP target), variants alternated round
-by round in one run, each round a fresh stack (bench.system.batch_files.measure).
+by round in one run (taking turns going first), each round a fresh stack (bench.system.batch_files.measure).
 
     .venv/bin/python -m bench.system.batch_files_ab [--records N] [--rounds N] [--warmup-rounds N] [--variants a,b,...]
 
@@ -96,7 +96,8 @@ def markdown(
     lines = [
         "# A/B: how the services run an MLP file batch (bench/system/batch_files_ab.py)",
         "",
-        f"{records:,} NPY records per round, variants alternated round by round, a fresh stack each"
+        f"{records:,} NPY records per round, variants alternated round by round (in the order listed in odd rounds, "
+        "reversed in even ones), a fresh stack each"
         + (f", after {warmup_rounds} uncounted warm-up round(s) of each" if warmup_rounds else "")
         + f"; base: {base}.",
         f"Machine: {facts}",
@@ -141,7 +142,10 @@ async def run(args: argparse.Namespace) -> dict[str, list[dict[str, Any]]]:
             result = await measure("mlp", args.records, variant(name, args.base_tree))
             log(json.dumps({k: result[k] for k in ("records_per_s", "ratio")}))
     for round_number in range(args.rounds):
-        for name in rows:
+        # The variants take turns going first (their order in odd rounds, reversed in even ones): the
+        # second stack of a round runs on a warmer, busier machine (an A/A of bench/system/ab.py read
+        # B/A 0.91 in A-then-B order and 1.03 alternated, session 32, bench/results/ab_session32_aa*.md).
+        for name in list(rows) if round_number % 2 == 0 else list(rows)[::-1]:
             log(f"round {round_number + 1}/{args.rounds}: {name}")
             result = await measure("mlp", args.records, variant(name, args.base_tree))
             rows[name].append(result)
