@@ -1331,7 +1331,12 @@ def _render_section(lines: list[str], section: BaseModel) -> None:
         if info.description:
             lines.append(f"# {info.description}")
         value = getattr(section, name)
-        if value is None:
+        if value is None and info.default is not None and _unset_placeholder(info.annotation) == '""':
+            # Unset against a default that is set (a standalone batcher's scheduler_address): a
+            # commented line read back as the default (127.0.0.1:50052), so it is written empty,
+            # which reads as unset.
+            lines.append(f'{name} = ""')
+        elif value is None:
             # Unset: a placeholder of the key's type, so that the line uncommented still parses
             # (an empty string reads as unset).
             lines.append(f"# {name} = {_unset_placeholder(info.annotation)}")

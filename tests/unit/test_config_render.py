@@ -56,3 +56,14 @@ def test_a_models_own_version_is_checked_as_its_versions_entries_are(version: st
     # registry write (the gateway never learnt it).
     with pytest.raises(ValidationError, match="versions are 1-64 letters"):
         ModelConfig.model_validate({**DEMO_MODEL.model_dump(), "version": version})
+
+
+def test_a_key_unset_against_a_set_default_reads_back_unset(tmp_path: Path) -> None:
+    # A standalone batcher's file (scheduler_address unset, the tests' own config too) was written
+    # with the key commented out, and read back as its default, 127.0.0.1:50052: the batcher took
+    # work from whatever scheduler listened there (a real `up`'s, on a machine running one).
+    path = tmp_path / "batcher.toml"
+    path.write_text(render_default_config(Config().replace(batcher={"scheduler_address": None})))
+    assert not load_config(path, environ={}).batcher.scheduler_address
+    path.write_text(render_default_config())
+    assert load_config(path, environ={}).batcher.scheduler_address == "127.0.0.1:50052"
