@@ -1465,6 +1465,49 @@ async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_
     await wait_state(h.js, job_id, JobState.SUCCEEDED)
 
 
+async def test_pause_and_resume_count_a_job_another_schedulers_held_pull_put_back(start: Start, config: Config) -> None:
+    """A job submitted while the queue is paused can be handed to a pull another scheduler held
+    open from before the pause (held pulls last up to HOLD_S, and a pause does not end them): that
+    scheduler puts it back (a nak), its own put-back, which the consumer counts delivered, not
+    pending. PauseQueue and ResumeQueue counted the asked scheduler's own view (the pending and its
+    own put-backs): `asyncinfer queue resume` said "0 queued" for the job that waited through the
+    pause. They now count the cluster's queue, as GetQueueStats does."""
+    a = await start(tune(config))  # asked; no batcher
+    b = await start(tune(config))
+    on_b = await b.batcher("on-b", credits=1)  # idle: B holds a pull open on every priority
+    held = b.dispatcher()._held
+    await until(pulls_held_on_every_priority(held))
+    paused = await a.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))
+    assert paused.queued == 0
+
+    async def b_knows_the_pause() -> bool:
+        return b.app._pauses is not None and b.app._pauses.is_paused(MODEL) and held.holding(Priority.NORMAL)
+
+    await until(b_knows_the_pause)
+    job_id = await enqueue(a.nc, a.kv)
+    queues = b.dispatcher().queues
+
+    async def put_back_on_b() -> bool:
+        return queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(put_back_on_b)  # handed to B's held pull, put back there: the pause holds it
+    cluster: Any = a.app._cluster_queues
+
+    async def a_sees_bs_put_back() -> bool:
+        latest = cluster._schedulers.latest(MODEL).get(b.app.instance_name)
+        return latest is not None and latest.snapshot.priorities[Priority.NORMAL.value].put_back == 1
+
+    await until(a_sees_bs_put_back)
+    again = await a.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))
+    assert again.queued == 1, f"PauseQueue on A: {again.queued} queued"
+    resumed = await a.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))
+    assert resumed.queued == 1, f"ResumeQueue on A: {resumed.queued} queued"
+    order = await on_b.next_order()
+    assert order.job_id == job_id
+    await on_b.answer(order)
+    await wait_state(a.js, job_id, JobState.SUCCEEDED)
+
+
 async def test_a_rounds_snapshots_leave_together_before_any_is_answered(nc: NatsClient, config: Config) -> None:
     """An idle scheduler with 100 models wrote 50 queue snapshots a second, each awaited before the
     next (27-31 ms of a 53-59 ms stats round). A round's snapshots are written as one pipelined

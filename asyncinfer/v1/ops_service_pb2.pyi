@@ -543,7 +543,9 @@ class PauseQueueResponse(_message.Message):
     state: Global___QueueState.ValueType
     """The queue's state now (PAUSED)."""
     queued: _builtins.int
-    """Jobs waiting in the queue."""
+    """Jobs waiting in the queue, across the cluster (as GetQueueStats counts them: those another
+    scheduler pulled and put back included).
+    """
     def __init__(
         self,
         *,
@@ -594,7 +596,10 @@ class ResumeQueueResponse(_message.Message):
     state: Global___QueueState.ValueType
     """The queue's state now: DISPATCHING, or DRAINING while this scheduler drains."""
     queued: _builtins.int
-    """Jobs waiting in the queue when it resumed (counted just before: the jobs the resume lets go)."""
+    """Jobs waiting in the queue when it resumed (counted just before: the jobs the resume lets go),
+    across the cluster (as GetQueueStats counts them: those another scheduler pulled and put back
+    while paused included).
+    """
     def __init__(
         self,
         *,

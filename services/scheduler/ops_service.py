@@ -218,9 +218,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
     ) -> ops_service_pb2.GetQueueStatsResponse:
         self._known_model(request.model_name)
         with nats_unavailable("cannot read the queues"):
-            snapshots = await self._stats.snapshot(request.model_name)
-        if self._cluster_wide is not None:
-            snapshots = [self._cluster_wide(s) for s in snapshots]
+            snapshots = await self._cluster_snapshots(request.model_name)
         return ops_service_pb2.GetQueueStatsResponse(models=[snapshot_to_proto(s) for s in snapshots])
 
     async def ListDeadLetters(
@@ -381,7 +379,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         # Counted before the resume, while nothing leaves the queue: the jobs it lets go. Counted
         # after, a dispatcher the resume woke may have taken them already ("0 queued" for a job
         # that had waited through the pause).
-        snapshot = (await self._stats.snapshot(request.model_name))[0]
+        (snapshot,) = await self._cluster_snapshots(request.model_name)
         await self._pauses.resume(request.model_name)
         return ops_service_pb2.ResumeQueueResponse(
             paused=False,
@@ -391,7 +389,17 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         )
 
     async def _queued(self, model_name: str) -> int:
-        return sum(s.depth for s in await self._stats.snapshot(model_name))
+        return sum(s.depth for s in await self._cluster_snapshots(model_name))
+
+    async def _cluster_snapshots(self, model_name: str) -> list[ModelQueueSnapshot]:
+        """The model's queue as GetQueueStats counts it: the whole cluster's (the consumers' pending
+        plus every scheduler's put-backs). PauseQueue and ResumeQueue counted this scheduler's own
+        view alone: a job another scheduler's held pull took while paused and put back there is that
+        one's alone, and `queue resume` said "0 queued" for it."""
+        snapshots = await self._stats.snapshot(model_name)
+        if self._cluster_wide is not None:
+            snapshots = [self._cluster_wide(s) for s in snapshots]
+        return snapshots
 
     async def Drain(self, request: ops_service_pb2.DrainRequest, context: Context) -> ops_service_pb2.DrainResponse:
         violations: list[FieldViolation] = []
