@@ -2332,6 +2332,42 @@ async def test_a_job_both_schedulers_put_back_unrun_counts_once_in_the_merged_de
     assert normal.depth == 1, f"one job waits; B's GetQueueStats says {normal.depth}"
 
 
+async def test_a_job_another_scheduler_put_back_ages_this_ones_queue(start: Start, config: Config) -> None:
+    """Priority aging read each scheduler's own view of a queue: the pending's first message and its
+    own put-backs. A LOW job A's batcher shed (and A has no credit left to pull it again) is A's
+    put-back alone, so B, whose batchers could run it, weighed its LOW queue at LOW's weight while
+    the job waited on (with none pending behind it, the queue was not aged at all on B). Now every
+    scheduler ages its queues on the cluster's oldest times, those of the others' put-backs too."""
+    aging = {"queue_stats_interval_s": 0.2, "aging_s": 0.25}
+    a = await start(tune(config).replace(scheduler=aging))
+    b = await start(tune(config).replace(scheduler=aging))
+    on_a = await a.batcher("on-a", credits=1)
+    await b.batcher("on-b")  # no credit yet: B pulls nothing, its choice is only weighed
+    job_id = await enqueue(a.nc, a.kv, priority=Priority.LOW)
+    order = await on_a.next_order()
+    assert order.job_id == job_id
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=1, dropped=True)
+    await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+    await wait_state(a.js, job_id, JobState.QUEUED)
+    on_a_queues, selector = a.dispatcher().queues, b.dispatcher().queues.selector
+
+    async def put_back_on_a() -> bool:
+        return on_a_queues.put_back_count(Priority.LOW) == 1
+
+    await until(put_back_on_a)
+    high = b.app.config.scheduler.weight_high
+
+    async def aged_on_b() -> bool:  # waited past 2 * aging_s: LOW weighs as HIGH
+        return selector.effective_weight(Priority.LOW) == high
+
+    try:
+        await until(aged_on_b)
+    except AssertionError:
+        weight = selector.effective_weight(Priority.LOW)
+        raise AssertionError(f"B weighs the LOW queue {weight}, not {high}: {selector._oldest_age_s}") from None
+
+
 async def test_priority_under_saturation_high_waits_far_less_and_low_completes(start: Start, config: Config) -> None:
     """A LOW backlog saturates the only batcher; HIGH jobs keep arriving while it drains."""
     h = await start(tune(config))

@@ -562,20 +562,27 @@ class SchedulerApp:
             await check_put_backs(self._store, (d.queues for d in self._dispatchers))
         snapshots = await self._stats.snapshot()
         cluster = self._cluster_queues
+        cluster_view = snapshots
         if cluster is not None:
             # The cluster's ask, in the gauge (KEDA's max over schedulers) and in the snapshots;
             # the gauges' depths the cluster's too (read as the max over schedulers), while the
             # snapshots keep this scheduler's own put-backs apart (the readers' merge sums them).
             snapshots = [dataclasses.replace(s, desired_batchers=cluster.cluster_desired(s)) for s in snapshots]
-            self.metrics.observe([cluster.with_cluster_depths(s) for s in snapshots])
-        else:
-            self.metrics.observe(snapshots)
-        by_model = {s.model_name: s for s in snapshots}
+            cluster_view = [cluster.with_cluster_depths(s) for s in snapshots]
+        self.metrics.observe(cluster_view)
+        # Aging on the cluster's oldest times: a job another scheduler put back (its batcher shed
+        # it, or was lost) is that one's alone, and it may have no batcher left to pull it; this
+        # one, which may, aged its queue as if the job were not there.
+        by_model = {s.model_name: s for s in cluster_view}
         for dispatcher in self._dispatchers:
             snapshot = by_model.get(dispatcher.model_name)
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
         if self.deadline_sweep is not None:
+            # The sweep's backlog on this scheduler's own view: the oldest job is either the
+            # pending's first, which every scheduler reads, or a put-back its putter counts, so one
+            # scheduler at least sweeps, and a sweep reads every message of the model whoever
+            # pulled it. On the cluster's view every scheduler would, each reading them all.
             for snapshot in snapshots:
                 self.deadline_sweep.observe(snapshot.model_name, snapshot.oldest_ages().values())
         if self._snapshots_js is not None and self._instance is not None:

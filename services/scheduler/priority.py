@@ -12,7 +12,9 @@ Aging: a queue whose oldest waiting job has waited `aging_s` counts one level hi
 becomes that of the level above), two levels after `2 * aging_s`, so a LOW queue under a flood of
 HIGH work climbs to HIGH's weight and its share grows until it drains. Ages come from the queue
 snapshots (refreshed every queue_stats_interval_s): precise enough for a policy in tens of
-seconds. An age is on nats-server's clock alone (its time in the consumer info against its stamp on
+seconds. With several schedulers, the cluster's (services.scheduler.cluster_queues.
+with_cluster_depths): a job another scheduler pulled and put back (its batcher shed it) is counted
+by that one alone, which may have no batcher left to pull it, and ages this one's queue too. An age is on nats-server's clock alone (its time in the consumer info against its stamp on
 the oldest waiting message, services.scheduler.queue_stats.waited_s), so a step of the scheduler's
 wall clock ages no queue; a step of the server's clock ages the jobs stored before it, at worst every
 queue weighing as HIGH (equal shares) while they wait; no queue falls below its own weight, so none
