@@ -201,6 +201,12 @@ class JobRecord:
     # those past FREE_HAND_BACKS as attempts (unless their batcher no longer serves the version).
     # 0 in a record from a scheduler of the release before.
     handed_back_in_a_row: int = 0
+    # Of those, the batchers that handed it back no longer serving its version (their Triton out of
+    # reach, LOADING): each does so once per outage, so a second hand-back by one of them is a second
+    # outage with the job on it (a Triton flapping, or one the job brings down), which
+    # lifecycle.after_hand_back counts past FREE_HAND_BACKS. () in a record from a scheduler of the
+    # release before.
+    handed_back_by: tuple[str, ...] = ()
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the

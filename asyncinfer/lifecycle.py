@@ -105,6 +105,9 @@ class Requeue:
     refund: bool = False
     # A batcher handed it back unrun (handed_back_in_a_row counts it); any other requeue ends the row.
     handed_back: bool = False
+    # ... and no longer served the version as it did (its Triton out of reach): handed_back_by
+    # names it (the attempt's batcher_id).
+    out_of_reach: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,9 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
     if record.state is not JobState.RUNNING:
         return _refuse(record, Refused.NOT_RUNNING)
     in_a_row = record.handed_back_in_a_row + 1 if event.handed_back else 0
+    by = record.handed_back_by if event.handed_back else ()
+    if event.handed_back and event.out_of_reach and record.batcher_id not in by:
+        by = (*by, record.batcher_id)
     if event.refund:
         return record.evolve(
             state=JobState.QUEUED,
@@ -254,6 +260,7 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
             max_attempts=record.max_attempts + 1,
             given_back_attempts=record.given_back_attempts + 1,
             handed_back_in_a_row=in_a_row,
+            handed_back_by=by,
             update_time=now,
         )
     return record.evolve(
@@ -261,6 +268,7 @@ def requeue(record: JobRecord, event: Requeue, now: float) -> Outcome:
         last_error=event.error,
         failed_attempts=record.failed_attempts + 1,
         handed_back_in_a_row=in_a_row,
+        handed_back_by=by,
         update_time=now,
     )
 
@@ -318,6 +326,7 @@ def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
         update_time=now,
         failed_attempts=0,
         handed_back_in_a_row=0,
+        handed_back_by=(),
     )
 
 
@@ -418,9 +427,15 @@ def after_failure(
 # such a job ends dead-lettered (FAILED, replayable) after max_attempts of them, as a job whose
 # attempts keep failing does (Temporal's retry policy, Celery's max_retries), not queued forever.
 # A hand-back whose batcher has since told the scheduler it no longer serves the version (LOADING
-# while its Triton is out of reach, unloaded, stopping) never counts: the scheduler's view was put
-# right, and the next batcher may not know yet (batchers sharing one Triton each learn of an
-# outage on their own first call: past 5 of them a job spent attempts in one outage).
+# while its Triton is out of reach, unloaded, stopping) does not count either, the first by that
+# batcher in the row: the scheduler's view was put right, and the next batcher may not know yet
+# (batchers sharing one Triton each learn of an outage on their own first call: past 5 of them a
+# job spent attempts in one outage). A batcher does so once per outage (it takes no work for the
+# model until its Triton answers again), so a second by the same batcher is a second outage with
+# the job on it: a Triton going up and down, or one the job itself brings down. Those were free
+# too, every time: a job could go round a flapping Triton until its deadline, or for good without
+# one (each time after the row's backoff, up to retry_backoff_max_s). They count as any hand-back
+# does now, past FREE_HAND_BACKS in a row (JobRecord.handed_back_by names the batchers).
 FREE_HAND_BACKS = 5
 
 
@@ -437,12 +452,14 @@ def after_hand_back(
     record: JobRecord, *, policy: RetryPolicy, jitter: float, still_served: bool = True
 ) -> PutBack | DeadLetterJob:
     """What follows a batcher handing attempt `record.attempt` back unrun (`record`: its RUNNING
-    record); `jitter` as for RetryPolicy.delay_s. `still_served`: the batcher still says it serves
-    the version; when it no longer does, the hand-back is free however many came before it (its
-    backoff still grows with them)."""
+    record, `batcher_id` the batcher's); `jitter` as for RetryPolicy.delay_s. `still_served`: the
+    batcher still says it serves the version; when it no longer does, the hand-back is free however
+    many came before it (its backoff still grows with them), unless that batcher handed the job
+    back so before in the row (see FREE_HAND_BACKS)."""
     in_a_row = record.handed_back_in_a_row + 1
     delay_s = policy.delay_s(in_a_row - 1, jitter) if in_a_row > 1 else 0.0
-    if in_a_row <= FREE_HAND_BACKS or not still_served:
+    first_outage_here = not still_served and record.batcher_id not in record.handed_back_by
+    if in_a_row <= FREE_HAND_BACKS or first_outage_here:
         return PutBack(delay_s=delay_s, refund=True, error=job_errors.dropped_unrun())
     error = job_errors.handed_back(in_a_row, FREE_HAND_BACKS)
     if record.attempt < record.max_attempts:

@@ -136,6 +136,7 @@ def test_encode_record_writes_the_generic_encoders_fields() -> None:
         FULL.evolve(failed_attempts=2),  # added since version 1
         FULL.evolve(given_back_attempts=4),  # added since version 1
         FULL.evolve(handed_back_in_a_row=3),  # added since version 1
+        FULL.evolve(handed_back_in_a_row=2, handed_back_by=("b1", "b2")),  # added since version 1
     ):
         assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record

@@ -968,6 +968,70 @@ async def test_a_job_handed_back_by_batchers_that_then_announce_its_version_load
         await asyncio.gather(*meeting, return_exceptions=True)
 
 
+async def test_a_job_a_flapping_triton_keeps_handing_back_is_dead_lettered_not_sent_round_for_good(
+    start: Start, config: Config
+) -> None:
+    """One batcher whose Triton goes down with the job on it at every dispatch (a Triton flapping, or
+    one the job brings down): each time it announces the version LOADING and hands the job back,
+    then READY once its Triton answers. Every such hand-back was free (its batcher no longer served
+    the version), so the job went round for good: 20 orders here until the script gave in and
+    answered it. A batcher hands a job back out of reach once per outage, so its second one is a
+    second outage with the job on it: past 5 in a row (lifecycle.FREE_HAND_BACKS) it counts as an
+    attempt, and with max_attempts 2 the job ends FAILED and dead-lettered after 7 orders."""
+    gives_in_after = 20
+    h = await start(tune(config))  # retry backoff 0.05 s, at most 0.2 s
+    ready = worker_service_pb2.ServedModel(model_name=MODEL, model_version="1", max_batch_size=8)
+    loading = worker_service_pb2.ServedModel()
+    loading.CopyFrom(ready)
+    loading.state = job_service_pb2.MODEL_VERSION_STATE_LOADING
+    batcher = await h.batcher("flapping", credits=1)
+    orders: list[int] = []
+
+    async def flap() -> None:
+        while True:
+            order = await batcher.orders.get()
+            orders.append(order.attempt)
+            if len(orders) > gives_in_after:
+                await batcher.answer(order)  # the old code's loop ends here, SUCCEEDED
+                return
+            await batcher._call.write(
+                worker_service_pb2.ConnectRequest(models=worker_service_pb2.ServedModels(models=[loading]))
+            )
+            dropped = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+            await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+
+            async def settled(job_id: str = order.job_id, attempt: int = order.attempt) -> bool:
+                record = await read_record(h.js, job_id)  # put back, or dead-lettered
+                return record.attempt == attempt and record.state is not JobState.RUNNING
+
+            await until(settled)
+            # Its Triton answers again: READY, and a credit.
+            await batcher._call.write(
+                worker_service_pb2.ConnectRequest(models=worker_service_pb2.ServedModels(models=[ready]))
+            )
+            await batcher.grant(1)
+
+    flapping = asyncio.create_task(flap())
+    try:
+        job_id = await enqueue(h.nc, h.kv, max_attempts=2)
+
+        async def ended() -> bool:
+            return (await read_record(h.js, job_id)).state.is_terminal
+
+        await until(ended, timeout_s=30.0)
+        record = await read_record(h.js, job_id)
+        assert record.state is JobState.FAILED, f"{record.state} after {len(orders)} orders"
+        assert orders == list(range(1, 8))
+        assert (record.given_back_attempts, record.spent_attempts, record.handed_back_by) == (5, 2, ("flapping",))
+        assert record.error is not None
+        assert record.error.reason == "DROPPED"
+        (letter,) = (await h.ops.ListDeadLetters(ops_service_pb2.ListDeadLettersRequest(model_name=MODEL))).dead_letters
+        assert (letter.job_id, letter.attempts, letter.given_back_attempts) == (job_id, 2, 5)
+    finally:
+        flapping.cancel()
+        await asyncio.gather(flapping, return_exceptions=True)
+
+
 async def test_getjob_the_sdk_the_cli_and_the_console_count_attempts_without_those_given_back(
     start_stack: StartStack, config: Config
 ) -> None:

@@ -9,7 +9,8 @@ Fields added since, with defaults: `batcher_id`, `progress` (the latest progress
 `queued_server_time` (nats-server's stamp on the work message its latest dispatch pulled),
 `failed_attempts` (the attempts that failed and were retried since the submit or the last replay),
 `given_back_attempts` (the attempts given back, over the job's life), `handed_back_in_a_row` (the
-batchers' hand-backs since the last attempt that ran)."""
+batchers' hand-backs since the last attempt that ran), `handed_back_by` (of those, the batchers
+that handed it back no longer serving its version)."""
 
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     failed_attempts: int = 0  # added in version 1 (a default: older readers skip it)
     given_back_attempts: int = 0  # added in version 1 (a default: older readers skip it)
     handed_back_in_a_row: int = 0  # added in version 1 (a default: older readers skip it)
+    handed_back_by: tuple[str, ...] = ()  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -133,6 +135,7 @@ def encode_record(record: JobRecord) -> bytes:
             failed_attempts=r.failed_attempts,
             given_back_attempts=r.given_back_attempts,
             handed_back_in_a_row=r.handed_back_in_a_row,
+            handed_back_by=r.handed_back_by,
         )
     )
 
@@ -179,5 +182,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         failed_attempts=w.failed_attempts,
         given_back_attempts=w.given_back_attempts,
         handed_back_in_a_row=w.handed_back_in_a_row,
+        handed_back_by=tuple(w.handed_back_by),
         revision=revision,
     )

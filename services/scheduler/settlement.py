@@ -170,11 +170,9 @@ class Settlement:
         # this one's lease lapsed and its expiry's write lost the race, and a requeue of that record
         # would put the other attempt back.
         running = latest if latest is not None and latest.attempt == job.attempt else job.record
+        still_served = job.session.still_serves(job.model_name, running.model_version)
         decision = lifecycle.after_hand_back(
-            running,
-            policy=self._retry_policy(job.model_name),
-            jitter=self._rng.random(),
-            still_served=job.session.still_serves(job.model_name, running.model_version),
+            running, policy=self._retry_policy(job.model_name), jitter=self._rng.random(), still_served=still_served
         )
         in_a_row = running.handed_back_in_a_row + 1
         match decision:
@@ -183,7 +181,16 @@ class Settlement:
                     job.log.info("job_handed_back_again", in_a_row=in_a_row, delay_s=delay_s, counted=not refund)
                 if not refund:
                     self._metrics.retries.labels(model=job.model_name, reason=error.reason).inc()
-                await self.requeue(running, job.msg, job.log, error, delay_s=delay_s, refund=refund, handed_back=True)
+                await self.requeue(
+                    running,
+                    job.msg,
+                    job.log,
+                    error,
+                    delay_s=delay_s,
+                    refund=refund,
+                    handed_back=True,
+                    out_of_reach=not still_served,
+                )
             case lifecycle.DeadLetterJob(state=state, last_error=last_error):
                 await self.dead_letter(running, job.msg, job.log, last_error, state=state)
 
@@ -295,6 +302,7 @@ class Settlement:
         delay_s: float,
         refund: bool = False,
         handed_back: bool = False,
+        out_of_reach: bool = False,
     ) -> None:
         """RUNNING -> QUEUED with last_error, then the message is nak'ed so it is redelivered
         after delay_s (0: at once), or at the job's deadline if that comes first. The nak happens
@@ -302,7 +310,9 @@ class Settlement:
         one's lease lapsed and another took the job over): a nak names its message by stream
         sequence, so it would send that attempt's delivery back, to run again beside it."""
         delay_s = lifecycle.put_back_delay_s(running, delay_s, time.time())
-        event = lifecycle.Requeue(attempt=running.attempt, error=error, refund=refund, handed_back=handed_back)
+        event = lifecycle.Requeue(
+            attempt=running.attempt, error=error, refund=refund, handed_back=handed_back, out_of_reach=out_of_reach
+        )
         latest: JobRecord | None = None
 
         async def write() -> tuple[JobRecord | None, bool]:

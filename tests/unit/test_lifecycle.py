@@ -412,8 +412,8 @@ def test_a_hand_back_whose_batcher_no_longer_serves_the_version_never_counts() -
     record = queued(max_attempts=1)
     now = 1_000.0
     delays = []
-    for served in [False] * (lifecycle.FREE_HAND_BACKS + 3) + [True]:
-        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="b1"), now)
+    for index, served in enumerate([False] * (lifecycle.FREE_HAND_BACKS + 3) + [True]):
+        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id=f"b{index}"), now)
         assert isinstance(running, JobRecord)
         decision = lifecycle.after_hand_back(running, policy=POLICY, jitter=0.0, still_served=served)
         if served:
@@ -422,12 +422,58 @@ def test_a_hand_back_whose_batcher_no_longer_serves_the_version_never_counts() -
         assert isinstance(decision, lifecycle.PutBack)
         assert decision.refund
         delays.append(decision.delay_s)
-        back = lifecycle.Requeue(running.attempt, decision.error, refund=True, handed_back=True)
+        back = lifecycle.Requeue(running.attempt, decision.error, refund=True, handed_back=True, out_of_reach=True)
         requeued = lifecycle.apply(running, back, now)
         assert isinstance(requeued, JobRecord)
         record = requeued
     assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 15.0]  # up to half of backoff_max_s at jitter 0
     assert (record.handed_back_in_a_row, record.given_back_attempts, record.spent_attempts) == (8, 8, 0)
+
+
+def test_a_batcher_whose_triton_goes_down_again_with_the_job_on_it_counts_past_the_free_hand_backs() -> None:
+    """A batcher hands a job back out of reach (its version LOADING) once per outage of its Triton:
+    it takes no work for the model until the server answers again. The same batcher handing the same
+    job back so again is a second outage with the job on it (a Triton flapping, or one the job
+    brings down), and was free as the first: the job went round for as long as the Triton flapped,
+    until its deadline, or for good without one. Now those count past FREE_HAND_BACKS in a row, as
+    any hand-back does; another batcher's first is still free, and a replay starts a new row."""
+    record = queued(max_attempts=2)
+    now = 1_000.0
+    decisions: list[lifecycle.PutBack | lifecycle.DeadLetterJob] = []
+
+    def out_of_reach_on(batcher_id: str) -> JobRecord:
+        running = lifecycle.apply(record, lifecycle.Dispatch(batcher_id=batcher_id), now)
+        assert isinstance(running, JobRecord)
+        decision = lifecycle.after_hand_back(running, policy=POLICY, jitter=0.0, still_served=False)
+        decisions.append(decision)
+        if isinstance(decision, lifecycle.DeadLetterJob):
+            return running
+        back = lifecycle.Requeue(
+            running.attempt, decision.error, refund=decision.refund, handed_back=True, out_of_reach=True
+        )
+        requeued = lifecycle.apply(running, back, now)
+        assert isinstance(requeued, JobRecord)
+        return requeued
+
+    for _ in range(lifecycle.FREE_HAND_BACKS):
+        record = out_of_reach_on("flapping")
+    assert record.handed_back_by == ("flapping",)
+    record = out_of_reach_on("another")  # its own first outage with the job: free
+    assert record.handed_back_by == ("flapping", "another")
+    assert [isinstance(d, lifecycle.PutBack) and d.refund for d in decisions] == [True] * 6
+    record = out_of_reach_on("flapping")  # the 7th in a row, this batcher's again: counts
+    assert decisions[-1] == lifecycle.PutBack(delay_s=15.0, refund=False, error=job_errors.handed_back(7, 5))
+    assert (record.state, record.spent_attempts, record.given_back_attempts) == (JobState.QUEUED, 1, 6)
+    running = out_of_reach_on("flapping")  # on its last attempt
+    assert decisions[-1] == lifecycle.DeadLetterJob(state=F, last_error=job_errors.handed_back(8, 5))
+    assert running.state is JobState.RUNNING
+
+    # A failed attempt that ran ends the row, and with it the batchers named.
+    ran = lifecycle.apply(record, lifecycle.Dispatch(batcher_id="flapping"), now)
+    assert isinstance(ran, JobRecord)
+    failed = lifecycle.apply(ran, lifecycle.Requeue(attempt=ran.attempt, error=RETRIABLE), now)
+    assert isinstance(failed, JobRecord)
+    assert (failed.handed_back_in_a_row, failed.handed_back_by) == (0, ())
 
 
 def test_the_backoff_counts_the_failures_of_this_run_not_the_attempts() -> None:
