@@ -12,17 +12,25 @@ import time
 import grpc
 import pytest
 from structlog.testing import capture_logs
+from test_scheduler import FakeBatcher
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import DEMO_MODEL, Config
-from asyncinfer.contract import DEADLINE_HEADER, model_work_subjects
+from asyncinfer.contract import DEADLINE_HEADER, model_work_subjects, work_consumer_name
 from asyncinfer.embedded_nats import NatsServerProcess
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.jobs import JobRecord, JobState
+from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import KeyValue
 from asyncinfer.nats.streams import next_headers
-from asyncinfer.v1 import job_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc, tensor_pb2
+from asyncinfer.v1 import (
+    job_pb2,
+    job_service_pb2,
+    ops_service_pb2,
+    ops_service_pb2_grpc,
+    tensor_pb2,
+    worker_service_pb2,
+)
 from services.scheduler.app import SchedulerApp
 from services.scheduler.deadline_sweep import EXPIRE_CONCURRENCY
 from tests.stack import Stack, StartStack
@@ -168,6 +176,48 @@ async def test_two_schedulers_sweeping_one_paused_queue_expire_each_job_once(
     finally:
         await channel.close()
         await second.stop(2.0)
+
+
+@pytest.mark.timeout(120)
+async def test_a_paused_queues_job_put_back_on_another_scheduler_is_swept_and_leaves_no_delivery(
+    config: Config, start_stack: StartStack
+) -> None:
+    """With two schedulers a put-back is its putter's alone (the consumer counts it delivered, not
+    pending), and each sweep decides its backlog on its own view. Checked here: a paused queue's job
+    put back on A (its batcher shed it), A not sweeping at all, is expired at its deadline by B's
+    sweep, which reads every message of the model from the stream whoever pulled it; its message is
+    deleted, the consumer keeps no delivery of it, and A forgets it (its depth, GetQueueStats)."""
+    a_config = sweeping(config).replace(scheduler={"deadline_sweep_interval_s": 0.0})  # A never sweeps
+    stack = await start_stack(sweeping(config), batcher=False, scheduler_config=a_config)
+    b = SchedulerApp(sweeping(config))
+    await b.start()
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+    on_a = FakeBatcher(stack.scheduler.port, "on-a")
+    await on_a.connect()
+    try:
+        await on_a.grant(1)
+        submitted = await stack.jobs.SubmitJob(demo_request(url="", queue_ttl_s=3.0))
+        job_id = submitted.job.job_id
+        order = await on_a.next_order()
+        assert order.job_id == job_id
+        shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=order.attempt, dropped=True)
+        await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+        assert (await ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=DEMO_MODEL.name))).paused
+        assert stack.scheduler.deadline_sweep is None
+        assert b.deadline_sweep is not None
+        jobs_kv = await stack.nc.jetstream().key_value(stack.config.nats.jobs_bucket)
+        (record,) = (await expired_records(jobs_kv, {job_id})).values()
+        assert (record.attempt, record.given_back_attempts) == (1, 1)  # put back on A, then swept by B
+        assert b.deadline_sweep.jobs_expired == 1
+        await depth_until(ops, 0)
+        consumer = work_consumer_name(DEMO_MODEL.name, Priority.NORMAL)
+        info = await stack.nc.jetstream().consumer_info(stack.config.nats.work_stream, consumer)
+        assert (info.num_pending, info.num_ack_pending) == (0, 0)
+    finally:
+        await on_a.close()
+        await channel.close()
+        await b.stop(2.0)
 
 
 async def test_a_work_message_carries_its_jobs_deadline_in_a_header(config: Config, start_stack: StartStack) -> None:

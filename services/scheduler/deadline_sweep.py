@@ -17,7 +17,11 @@ left to its dispatch or a read, as before.
 Bounds, per model and sweep: SCAN_MOST messages read, EXPIRE_MOST jobs expired (the rest at the
 next), EXPIRE_CONCURRENCY at a time. With several schedulers each sweeps: each reads every message
 once and tries every expiry; the compare-and-set lets one write, and each other pays a message
-read and a record read (or a message not found) per expired job.
+read and a record read (or a message not found) per expired job. A backlog is judged on the
+scheduler's own view (the pending and its own put-backs, not the cluster's): the queue's oldest job
+is the pending's first, which every scheduler reads, or a put-back, which its putter counts, so one
+sweeps at least, and a sweep reads every message whoever pulled it (a put-back's message stays in
+the stream; its putter forgets it at its next put-back check, services.scheduler.put_back_checks).
 """
 
 from __future__ import annotations
