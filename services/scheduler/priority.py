@@ -14,11 +14,15 @@ HIGH work climbs to HIGH's weight and its share grows until it drains. Ages come
 snapshots (refreshed every queue_stats_interval_s): precise enough for a policy in tens of
 seconds. With several schedulers, the cluster's (services.scheduler.cluster_queues.
 with_cluster_depths): a job another scheduler pulled and put back (its batcher shed it) is counted
-by that one alone, which may have no batcher left to pull it, and ages this one's queue too. An age is on nats-server's clock alone (its time in the consumer info against its stamp on
-the oldest waiting message, services.scheduler.queue_stats.waited_s), so a step of the scheduler's
-wall clock ages no queue; a step of the server's clock ages the jobs stored before it, at worst every
-queue weighing as HIGH (equal shares) while they wait; no queue falls below its own weight, so none
-starves (docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps").
+by that one alone, which may have no batcher left to pull it, and ages this one's queue too. An age
+is on nats-server's clock (its time in the consumer info against its stamp on the oldest waiting
+message, services.scheduler.queue_stats.waited_s), so a step of the scheduler's wall clock ages no
+queue; a step of the server's clock ages the jobs stored before it, at worst every queue weighing
+as HIGH (equal shares) while they wait; no queue falls below its own weight, so none starves
+(docs/ARCHITECTURE.md, "A process that freezes, a clock that jumps"). One exception: a queue where
+this scheduler reads no waiting job itself, only another's put-back, is aged on its own wall clock
+against the server's stamp on that job (services.scheduler.cluster_queues._cluster_priorities): a
+step of that clock ages it the same way, at worst to HIGH's weight while the job waits.
 
 Tenants. Subjects are per (model, priority), not per tenant (that is the gateway's subject
 contract), and a JetStream pull cannot pick by tenant. `TenantRoundRobin` therefore chooses from a
