@@ -83,21 +83,39 @@ class Listened:
     unconfirmed: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class StreamHeaders:
+    """What a label watch reads in its stream's headers: whether the gateway says it listens
+    (WATCH_READY_HEADER) and from when on its clock (WATCH_SINCE_HEADER, None when it does not
+    say). A call that ended without headers says neither."""
+
+    ready: bool = False
+    since: datetime | None = None
+
+
+async def stream_headers(call: aio.UnaryStreamCall[Any, Any], wait_s: float | None) -> StreamHeaders | None:
+    """The call's headers, once they come within `wait_s` (None: no bound); None when they do not.
+    The one reader of the headers a gateway sends: `listened`, `said_listening` and `headers_since`
+    are what each moment of a label watch makes of them."""
+    try:
+        async with asyncio.timeout(wait_s):
+            headers = await call.initial_metadata()
+    except TimeoutError:
+        return None
+    except grpc.RpcError:
+        return StreamHeaders()
+    return StreamHeaders(ready=any(key == WATCH_READY_HEADER for key, _ in headers or ()), since=_gateway_time(headers))
+
+
 async def listened(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> Listened | None:
     """Whether to take a label watch as listening now: its headers say so (WATCH_READY_HEADER), or
     none came within READY_WAIT_S (or the call's `remaining_s`, if shorter: a gateway before
     session 29, carry on without). None when headers came without it (such a gateway's first
     change, or the call's end): the stream says the rest."""
-    try:
-        async with asyncio.timeout(READY_WAIT_S if remaining_s is None else min(READY_WAIT_S, remaining_s)):
-            headers = await call.initial_metadata()
-    except TimeoutError:
+    headers = await stream_headers(call, READY_WAIT_S if remaining_s is None else min(READY_WAIT_S, remaining_s))
+    if headers is None:
         return Listened(unconfirmed=True)
-    except grpc.RpcError:
-        return None
-    if not any(key == WATCH_READY_HEADER for key, _ in headers or ()):
-        return None
-    return Listened(since=_gateway_time(headers))
+    return Listened(since=headers.since) if headers.ready else None
 
 
 async def said_listening(call: aio.UnaryStreamCall[Any, Any], remaining_s: float | None) -> bool:
@@ -105,23 +123,16 @@ async def said_listening(call: aio.UnaryStreamCall[Any, Any], remaining_s: float
     now, within `remaining_s`, that it listens: its headers came with WATCH_READY_HEADER. A
     gateway before session 29 sends its headers with its first change instead (False: the change
     is the stream's to read, and nothing was missed that its headers would tell)."""
-    try:
-        async with asyncio.timeout(remaining_s):
-            headers = await call.initial_metadata()
-    except (TimeoutError, grpc.RpcError):
-        return False
-    return any(key == WATCH_READY_HEADER for key, _ in headers or ())
+    headers = await stream_headers(call, remaining_s)
+    return headers is not None and headers.ready
 
 
 async def headers_since(call: aio.UnaryStreamCall[Any, Any]) -> datetime | None:
     """The WATCH_SINCE_HEADER of a call whose headers have come (it answered, or it ended), None
     when they say none: for a watch that took itself as listening before its headers came (a
     loaded gateway past READY_WAIT_S) and then read the client's clock."""
-    try:
-        async with asyncio.timeout(LATE_HEADERS_WAIT_S):
-            return _gateway_time(await call.initial_metadata())
-    except (TimeoutError, grpc.RpcError):
-        return None
+    headers = await stream_headers(call, LATE_HEADERS_WAIT_S)
+    return headers.since if headers is not None else None
 
 
 def _gateway_time(headers: Any) -> datetime | None:
