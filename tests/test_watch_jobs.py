@@ -285,6 +285,32 @@ async def test_the_sdk_label_watch_is_ready_before_the_jobs_it_submits_next(
     assert set(first_states.values()) == {JobState.QUEUED}
 
 
+async def test_a_label_watch_keeps_nothing_of_the_jobs_that_ended(idle_stack: Stack) -> None:
+    """A label watch lives as long as its caller (a service following a team's jobs for days): what
+    it keeps of the jobs it saw is bounded (jobs_watch.DeliveredRevisions, REVISIONS_KEPT). Before,
+    its generator also put every job that ended into the set a watch of IDs ends by, which a label
+    watch never reads: one entry more per job for as long as the watch lived. 30 jobs cancelled
+    under a watch: each comes CANCELED, and the watch holds no set of them."""
+    labels = {"run": "ended"}
+    async with AsyncClient(idle_stack.address) as client:
+        watch = client.watch_jobs(labels=labels, timeout_s=WAIT_S)
+        await watch.ready()
+        jobs = [await client.submit("demo", {"x": X + i}, labels=labels) for i in range(30)]
+        for job in jobs:
+            await client.cancel(job)
+        ended: set[str] = set()
+        async for update in watch:
+            assert isinstance(update, Job)
+            if update.state is JobState.CANCELED:
+                ended.add(update.job_id)
+            if len(ended) == len(jobs):
+                break
+        kept = watch._updates.ag_frame.f_locals  # type: ignore[attr-defined]  # suspended at its yield
+        assert kept["done"] == set()
+        assert len(kept["delivered"]) == len(jobs)  # the bounded record of what it delivered
+        await watch.aclose()
+
+
 async def test_a_label_watch_refused_still_says_why_through_the_sdk(idle_stack: Stack) -> None:
     """The wait for the headers does not hide a refusal: INVALID_ARGUMENT with its field comes
     from `ready()`, and from the blocking client's watch_jobs itself (before: only at its first

@@ -219,13 +219,16 @@ class JobWatches(JobCalls):
                                 if not delivered.is_new(snapshot):
                                     continue
                                 delivered.delivered(snapshot)
-                            if snapshot.done:
+                            # What a watch of IDs ends by; a label watch keeps only `delivered`
+                            # (bounded), or it held every job that ended for as long as it lived.
+                            elif snapshot.done:
                                 done.add(change.job_id)
-                            elif ids:
+                            else:
                                 sent[change.job_id] = snapshot
                             yield snapshot
                         else:
-                            done.add(change.job_id)
+                            if ids:
+                                done.add(change.job_id)
                             failure = error_from_proto(change.error)
                             yield change.job_id, make_error(failure.code, failure.message, reason=failure.reason)
                 # The gateway ends a watch of IDs once every job is terminal: one this SDK does not
