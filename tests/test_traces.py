@@ -531,6 +531,68 @@ async def test_a_batchs_chunk_jobs_link_to_its_create_batch_span_across_a_gatewa
         assert linked == [(create.context.trace_id, create.context.span_id)], submit.attributes
 
 
+async def test_a_batchs_preparation_is_a_span_in_its_create_batch_trace(
+    traced: Config, start_stack: StartStack
+) -> None:
+    """A batch's VALIDATING (its input file read, checked line by line and cut into chunks, which
+    for a large file takes minutes) is a `prepare_batch` span, a child of its CreateBatch span
+    (read from the batch's record: the driver prepares after CreateBatch answered), saying what it
+    read and how it ended: records, invalid ones, chunks, bytes, format, the state it moved the
+    batch to; a batch it fails (the file is not what input_format says) is a failed span, why as
+    its description. No batcher: preparing needs none."""
+    stack = await start_stack(traced.replace(batches={"chunk_records": 100, "drive_interval_s": 0.05}), batcher=False)
+    exporter = InMemorySpanExporter()
+    stack.gateway.tracing.add_span_processor(SimpleSpanProcessor(exporter))
+    stub = batches_stub(stack.channel)
+    data = jsonl(demo_records(150)) + b'{"custom_id": "bad", "inputs": {"x": "no"}}\n'
+    good = await stub.CreateBatch(create_request(await upload(stack.jobs, data)), metadata=(("traceparent", CALLER),))
+    wrong = await stub.CreateBatch(
+        create_request(await upload(stack.jobs, data), input_format=batch_service_pb2.BATCH_INPUT_FORMAT_NPY)
+    )
+
+    def prepared(batch_id: str) -> list[ReadableSpan]:
+        return [
+            s
+            for s in exporter.get_finished_spans()
+            if s.name == "prepare_batch" and (s.attributes or {}).get("asyncinfer.batch_id") == batch_id
+        ]
+
+    await wait_for(lambda: bool(prepared(good.batch.batch_id)) and bool(prepared(wrong.batch.batch_id)))
+    creates = {
+        (s.attributes or {})["asyncinfer.batch_id"]: s
+        for s in exporter.get_finished_spans()
+        if s.name == "create_batch"
+    }
+    for batch in (good.batch, wrong.batch):
+        (span,) = prepared(batch.batch_id)
+        create = creates[batch.batch_id]
+        assert service_of(span) == "asyncinfer-gateway"
+        assert span.context.trace_id == create.context.trace_id
+        assert parent_of(span) == hex_id(create.context.span_id, 16)
+    assert hex_id(prepared(good.batch.batch_id)[0].context.trace_id, 32) == TRACE_ID  # the caller's
+
+    (span,) = prepared(good.batch.batch_id)
+    assert span.status.is_ok
+    assert dict(span.attributes or {}) == {
+        "asyncinfer.batch_id": good.batch.batch_id,
+        "asyncinfer.tenant": "default",
+        "asyncinfer.model": "demo",
+        "asyncinfer.input_bytes": len(data),
+        "asyncinfer.input_format": "JSONL",
+        "asyncinfer.records": 151,
+        "asyncinfer.invalid_records": 1,
+        "asyncinfer.chunks": 2,
+        "asyncinfer.batch_state": "IN_PROGRESS",
+    }
+    (span,) = prepared(wrong.batch.batch_id)
+    assert span.status.status_code is StatusCode.ERROR
+    assert span.status.description == "input_format says NPY, but the file is not NPY or NPZ " + (
+        "(it does not start with either's magic bytes): JSONL, or no array file"
+    )
+    assert (span.attributes or {})["asyncinfer.batch_state"] == "FAILED"
+    assert "asyncinfer.records" not in (span.attributes or {})  # nothing read past the first bytes
+
+
 def test_a_new_trace_linked_to_a_sampled_span_is_sampled_whatever_the_ratio() -> None:
     """With sample_ratio 0 a new trace is not recorded, unless it links to a span that was (a
     chunk job to its batch's sampled CreateBatch): the link an operator follows leads somewhere."""

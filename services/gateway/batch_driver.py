@@ -287,8 +287,10 @@ class BatchDriver:
     async def _prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> None:
         key = (record.tenant, record.batch_id)
         try:
-            prepared = await self._preparer.prepare(record, model, now=now)
-            written = await self._write(record, prepared)
+            if self._tracing.enabled:
+                written = await self._traced_prepare(record, model, now=now)
+            else:
+                written = await self._write(record, await self._preparer.prepare(record, model, now=now))
         except BatchConflict:
             return  # cancelled meanwhile, or another gateway prepared it first: the next tick sees
         except (AsyncInferError, OSError, *NATS_FAILURES) as exc:
@@ -303,6 +305,39 @@ class BatchDriver:
             return
         self._prepare_failed.pop(key, None)
         log.info("batch_prepared", batch_id=record.batch_id, state=written.state.value, chunks=len(written.chunks))
+
+    async def _traced_prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> BatchRecord:
+        """The preparation and its write as a `prepare_batch` span, a child of the batch's CreateBatch
+        span (its record keeps it, so a driver that took the batch over after a restart puts it
+        there too; a batch created with tracing off: a trace of its own), naming what was read and
+        the state the batch moved to: a FAILED batch, or a preparation that raised (tried again
+        later), is a failed span."""
+        attributes: dict[str, AttributeValue] = {
+            "asyncinfer.batch_id": record.batch_id,
+            "asyncinfer.tenant": record.tenant,
+            "asyncinfer.model": record.model_name,
+        }
+        span = self._tracing.begin("prepare_batch", parent=record.traceparent, attributes=attributes)
+        try:
+            written = await self._write(record, await self._preparer.prepare(record, model, now=now, span=span))
+        except BatchConflict:
+            # Cancelled meanwhile, or another gateway prepared it first: not a failure of the batch.
+            span.set("asyncinfer.superseded", True)
+            span.end()
+            raise
+        except asyncio.CancelledError:
+            span.fail("stopped with the gateway's batch driver (the next driver prepares the batch again)")
+            span.end()
+            raise
+        except BaseException as exc:
+            span.fail(f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        span.set("asyncinfer.batch_state", written.state.value)
+        if written.state is BatchState.FAILED:
+            span.fail(written.failure_message)
+        span.end()
+        return written
 
     def _prepare_later(self, key: tuple[str, str]) -> float:
         """After a failed preparation: how long until the next (doubling, up to PREPARE_RETRY_MAX_S)."""

@@ -50,6 +50,7 @@ from asyncinfer.ranged_inputs import RangedInputs
 from asyncinfer.supervision import cancel_and_wait
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import ModelSignature, Tensor
+from asyncinfer.tracing import TraceSpan
 from asyncinfer.v1 import tensor_pb2
 
 INDEX = "index"
@@ -113,6 +114,7 @@ class Prepared:
     invalid: int = 0
     first_errors: tuple[ErrorLine, ...] = ()
     input_format: InputFormat | None = None
+    input_bytes: int = 0  # of the upload: read, or (NPY) planned over
 
 
 def _content(found: InputFormat) -> str:
@@ -188,9 +190,12 @@ class Preparer:
         self._config = config
         self._max_bytes = max_upload_bytes
 
-    async def prepare(self, record: BatchRecord, model: ModelConfig, *, now: float) -> BatchRecord:
+    async def prepare(
+        self, record: BatchRecord, model: ModelConfig, *, now: float, span: TraceSpan | None = None
+    ) -> BatchRecord:
         """The record moved on: IN_PROGRESS with its chunk plan, or FAILED (unreadable input, or
-        too many invalid lines)."""
+        too many invalid lines). `span` (the driver's prepare_batch) is told what was read, once
+        the whole file was."""
         tenant, expires = record.tenant, record.kept_until
         index = StreamedObject(self._store, tenant, index_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
         errors = StreamedObject(self._store, tenant, errors_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
@@ -207,6 +212,13 @@ class Preparer:
             await errors.abort()
             raise
         input_format = prepared.input_format or record.input_format
+        if span is not None:
+            span.set("asyncinfer.input_bytes", prepared.input_bytes)
+            if input_format is not None:
+                span.set("asyncinfer.input_format", input_format.value)
+            span.set("asyncinfer.records", prepared.total)
+            span.set("asyncinfer.invalid_records", prepared.invalid)
+            span.set("asyncinfer.chunks", len(prepared.chunks))
         changes = {
             "chunks": tuple(prepared.chunks),
             "total": prepared.total,
@@ -274,6 +286,7 @@ class Preparer:
             data = bytearray(first)
             async for piece in chunks:
                 data += piece
+            prepared.input_bytes = len(data)
             arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature, max_bytes=self._max_bytes)
             del data
             for ready in array_chunks(arrays, model.signature, self._config.chunk_records):
@@ -286,8 +299,10 @@ class Preparer:
         line = 1
 
         async def pieces() -> AsyncIterator[bytes]:
+            prepared.input_bytes = len(first)
             yield first
             async for piece in chunks:
+                prepared.input_bytes += len(piece)
                 yield piece
 
         async for piece in pieces():
@@ -341,6 +356,7 @@ class Preparer:
             )
         prepared.chunks.extend(Chunk(a, b) for a, b in ranges)
         prepared.total = layout.rows
+        prepared.input_bytes = info.ref.size_bytes
         return prepared
 
     async def _lines(
