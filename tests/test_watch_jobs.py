@@ -844,3 +844,15 @@ def test_a_catch_up_listing_is_tried_again_on_what_a_loaded_or_restarting_gatewa
     assert not jobs_watch.catch_up_retries(too_large, policy)
     no_exhausted = RetryPolicy(retry_resource_exhausted=False)
     assert not jobs_watch.catch_up_retries(make_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy"), no_exhausted)
+
+
+@pytest.mark.unit
+def test_a_since_header_past_any_date_is_no_time_rather_than_an_error() -> None:
+    """The gateway's `asyncinfer-watch-since` is Unix seconds: one that is a number but no date
+    (a proxy's or another server's header; 1e300 seconds) is read as not said, the client's clock
+    used, as for one that is not a number. It raised OverflowError or ValueError ("year 3170843 is
+    out of range") out of the label watch."""
+    for value in ("1e300", "-1e300", "99999999999999", "nan", "inf", "soon"):
+        assert jobs_watch._gateway_time([(WATCH_SINCE_HEADER, value)]) is None, value
+    said = jobs_watch._gateway_time([(WATCH_SINCE_HEADER, "1765101600.250000")])
+    assert said == datetime(2025, 12, 7, 10, 0, 0, 250000, tzinfo=UTC)

@@ -136,13 +136,14 @@ async def headers_since(call: aio.UnaryStreamCall[Any, Any]) -> datetime | None:
 
 
 def _gateway_time(headers: Any) -> datetime | None:
-    """The WATCH_SINCE_HEADER's Unix seconds as a time; None when absent or not a number."""
+    """The WATCH_SINCE_HEADER's Unix seconds as a time; None when absent, not a number or no date
+    (past what datetime holds: the header is a server's to say, the error would be the watch's)."""
     value = next((value for key, value in headers or () if key == WATCH_SINCE_HEADER), None)
     try:
         seconds = float(value) if isinstance(value, str) else math.nan
-    except ValueError:
+        return datetime.fromtimestamp(seconds, UTC) if math.isfinite(seconds) else None
+    except (ValueError, OverflowError, OSError):
         return None
-    return datetime.fromtimestamp(seconds, UTC) if math.isfinite(seconds) else None
 
 
 class DeliveredRevisions:
