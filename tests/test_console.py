@@ -99,6 +99,8 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     assert "SUCCEEDED" in row
     assert "demo" in row
     assert "team=search" in row
+    # Tracing off (the default): no column of dashes for trace IDs.
+    assert "trace" not in await browser.evaluate("[...document.querySelectorAll('#jobs th')].map(t => t.innerText)")
     await browser.screenshot(ARTIFACTS / "jobs.png")
 
     # The filters: a state it is not in hides it; its label finds it.

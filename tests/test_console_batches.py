@@ -56,6 +56,8 @@ async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_comp
     assert row[2] == "demo"
     assert row[3:6] == ["0", "0", str(RECORDS)]  # done, failed, total
     assert row[6].strip() == "0%"
+    # Tracing off (the default): no column of dashes for trace IDs.
+    assert "trace" not in await browser.evaluate("[...document.querySelectorAll('#batches th')].map(t => t.innerText)")
     await browser.screenshot(ARTIFACTS / "batches.png")
 
     await browser.click_and_load(f"#batches a[href='/batches/{batch_id}']")
@@ -214,4 +216,46 @@ async def test_a_batchs_and_a_jobs_pages_link_their_trace_ids_to_console_trace_u
         await browser.goto(plain.url + path)
         await browser.wait_for_text(trace_id, f"#{page}")
         assert await browser.evaluate(f"{row}.cells[1].innerText") == trace_id
+        assert not await browser.evaluate(f"!!{link}")
+
+
+async def test_the_jobs_and_batches_lists_show_each_trace_id_linked_to_console_trace_url(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """The lists have a trace column once a row on the page is traced: the ID (its first digits
+    shown, the whole of it in the text, to select and copy, and in its tooltip), a link into the
+    trace viewer as on the job's and batch's pages where console.trace_url is set, text without
+    it. A job that is not traced (submitted while tracing was off, or not sampled) reads "-"."""
+    stack = await start_stack(batch_config(config.replace(tracing={"enabled": True})), batcher=False)
+    linking = await start_console(stack, trace_url=TRACE_URL)
+    plain = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.create_batch(jsonl(demo_records(RECORDS)), "demo")
+        job = await client.submit("demo", {"x": np.array([[1, 2, 3, 4]], np.float32)})
+    assert len(batch.trace_id) == len(job.trace_id) == 32
+
+    for table, path, row_id, trace_id in (
+        ("jobs", "jobs", job.job_id, job.trace_id),
+        ("batches", "batches", batch.batch_id, batch.trace_id),
+    ):
+        row = f"[...document.querySelectorAll('#{table} tbody tr')].find(r => r.innerText.includes('{row_id}'))"
+        column = f"[...document.querySelectorAll('#{table} th')].findIndex(th => th.innerText === 'trace')"
+        cell = f"{row}.cells[{column}]"
+        await browser.goto(linking.url + path)
+        await browser.wait_for_text(row_id, f"#{table}")
+        assert await browser.evaluate(f"{column}") > 0
+        link = f"{cell}.querySelector('a.trace')"
+        assert await browser.evaluate(f"{link}.getAttribute('href')") == TRACE_URL.replace("{trace_id}", trace_id)
+        assert await browser.evaluate(f"{link}.target") == "_blank"
+        assert await browser.evaluate(f"{link}.rel") == "noopener noreferrer"
+        assert await browser.evaluate(f"{link}.title") == trace_id
+        assert await browser.evaluate(f"{link}.textContent") == trace_id
+        # Cut to its first digits on screen: the column stays narrow.
+        assert await browser.evaluate(f"{link}.getBoundingClientRect().width < {link}.scrollWidth")
+        await browser.screenshot(ARTIFACTS / f"{table}-trace-column.png")
+
+        await browser.goto(plain.url + path)
+        await browser.wait_for_text(row_id, f"#{table}")
+        assert await browser.evaluate(f"{cell}.textContent") == trace_id
+        assert await browser.evaluate(f"{cell}.querySelector('.trace').title") == trace_id
         assert not await browser.evaluate(f"!!{link}")

@@ -32,6 +32,8 @@ table{border-collapse:collapse;background:#fff;margin-bottom:12px}
 th,td{border:1px solid #dde1e8;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#eef1f5}.scroll{overflow-x:auto;max-width:100%}
 .long{display:inline-block;min-width:8em;max-width:40em;overflow-wrap:anywhere}
+.trace.short{display:inline-block;max-width:9ch;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
+vertical-align:bottom;font-family:ui-monospace,monospace}
 td.n{text-align:right;font-variant-numeric:tabular-nums}
 .state{font-weight:600}.SUCCEEDED{color:#137333}.FAILED,.TIMED_OUT{color:#b3261e}.RUNNING{color:#0b57d0}
 .QUEUED{color:#8a5a00}.CANCELED,.CANCELLING,.EXPIRED{color:#5f6368}
@@ -129,18 +131,21 @@ def text(value: object) -> str:
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def trace(trace_id: str, url_template: str) -> str:
+def trace(trace_id: str, url_template: str, *, short: bool = False) -> str:
     """An OpenTelemetry trace ID: a link to it in the trace viewer when `url_template`
     (console.trace_url, checked at start-up: http or https, with {trace_id}) is set, else text; "-"
     when there is none (tracing off). Only 32 hex digits go into a link; the whole href is escaped
-    as an attribute (a Grafana template's quotes and ampersands stay what they were)."""
+    as an attribute (a Grafana template's quotes and ampersands stay what they were). `short`, for
+    a list's column: its first digits on screen, the whole ID in the text (selected and copied
+    whole) and in the tooltip."""
     if not trace_id:
         return "-"
+    shown = ' class="trace short" title="' + h(trace_id) + '"' if short else ' class="trace"'
     if not url_template or not TRACE_ID.fullmatch(trace_id):
-        return h(trace_id)
+        return f"<span{shown}>{h(trace_id)}</span>" if short else h(trace_id)
     href = url_template.replace(TRACE_ID_PLACEHOLDER, trace_id)
     # A new tab, told nothing of the console (no window.opener; no Referer, as the page's policy says).
-    return f'<a class="trace" href="{h(href)}" target="_blank" rel="noopener noreferrer">{h(trace_id)}</a>'
+    return f'<a{shown} href="{h(href)}" target="_blank" rel="noopener noreferrer">{h(trace_id)}</a>'
 
 
 def error_box(error: object) -> str:

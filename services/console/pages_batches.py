@@ -33,8 +33,23 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
         found = await ctx.backend.list_batches(page_size=PAGE_SIZE, page_token=token)
     except AsyncInferClientError as error:
         return fragment_or_page(request, "Batches", intro + ui.error_box(error), status=status_of(error))
-    headers = ("batch", "state", "model", "done", "failed", "total", "progress", "records/s", "created", "finish")
-    listing = ui.table(headers, [_batch_row(b) for b in found.batches], numeric=(3, 4, 5, 7), id_="batches")
+    headers: tuple[str, ...] = (
+        "batch",
+        "state",
+        "model",
+        "done",
+        "failed",
+        "total",
+        "progress",
+        "records/s",
+        "created",
+        "finish",
+    )
+    # A trace column (each batch's CreateBatch trace) once a batch on the page is traced.
+    traced = any(b.trace_id for b in found.batches)
+    headers += ("trace",) if traced else ()
+    rows = [_batch_row(b, trace_url=ctx.trace_url if traced else None) for b in found.batches]
+    listing = ui.table(headers, rows, numeric=(3, 4, 5, 7), id_="batches")
     links = []
     if token:
         links.append('<a href="/batches">first page</a>')
@@ -52,8 +67,9 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
     )
 
 
-def _batch_row(batch: Batch) -> list[str]:
-    return [
+def _batch_row(batch: Batch, *, trace_url: str | None = None) -> list[str]:
+    """A batch's row; with its trace column unless `trace_url` is None (console.trace_url, or "")."""
+    row = [
         f'<a href="/batches/{ui.h(batch.batch_id)}">{ui.h(batch.batch_id)}</a>',
         ui.state(batch.state),
         ui.h(batch.model_name),
@@ -65,6 +81,7 @@ def _batch_row(batch: Batch) -> list[str]:
         ui.when(batch.create_time),
         _finish(batch),
     ]
+    return row if trace_url is None else [*row, ui.trace(batch.trace_id, trace_url, short=True)]
 
 
 def _rate(batch: Batch) -> str:

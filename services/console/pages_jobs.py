@@ -82,8 +82,11 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=status_of(error))
     now = time.time()
-    rows = [_job_row(job, now) for job in found.jobs]
-    headers = ("job", "state", "model", "priority", "attempt", "labels", "created", "queued", "ran")
+    # A trace column once a job on the page is traced (tracing.enabled): none of dashes while it is off.
+    traced = any(job.trace_id for job in found.jobs)
+    rows = [_job_row(job, now, trace_url=ctx.trace_url if traced else None) for job in found.jobs]
+    headers: tuple[str, ...] = ("job", "state", "model", "priority", "attempt", "labels", "created", "queued", "ran")
+    headers += ("trace",) if traced else ()
     listing = ui.table(headers, rows, numeric=(4, 7, 8), id_="jobs")
     links = []
     filters = {"state": state, "model": model, "label": label, "page_size": str(size) if size != 50 else ""}
@@ -130,9 +133,10 @@ def _filters(ctx: Context, query: Mapping[str, str]) -> str:
     )
 
 
-def _job_row(job: Job, now: float) -> list[str]:
+def _job_row(job: Job, now: float, *, trace_url: str | None = None) -> list[str]:
+    """A job's row; with its trace column unless `trace_url` is None (console.trace_url, or "")."""
     labels = ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
-    return [
+    row = [
         f'<a href="/jobs/{ui.h(job.job_id)}">{ui.h(job.job_id)}</a>',
         ui.state(job.state.value),
         ui.h(job.model_name),
@@ -143,6 +147,7 @@ def _job_row(job: Job, now: float) -> list[str]:
         ui.seconds(_queued_so_far(job, now)),
         ui.seconds(job.run_duration_s),
     ]
+    return row if trace_url is None else [*row, ui.trace(job.trace_id, trace_url, short=True)]
 
 
 async def job_page(ctx: Context, request: web.Request) -> web.Response:
