@@ -216,7 +216,9 @@ async def test_every_answer_carries_the_security_headers_aiohttps_own_404_and_40
     """A path no route has (404) and a method a route does not take (405) are answered by aiohttp
     itself, raised past the console's middleware: they went out without the CSP, nosniff,
     no-referrer and no-store the pages carry. Nothing of this needs the gateway or the scheduler:
-    the console's point at a port where nothing listens."""
+    the console's point at a port where nothing listens. Each is a console page (its bar of links
+    back, what was wrong): they were aiohttp's bare '404: Not Found' and '405: Method Not Allowed',
+    a dead end for an operator who mistyped an address or followed an old link."""
     nowhere = "127.0.0.1:1"
     console = ConsoleApp(
         Config().replace(console={"port": 0, "gateway_address": nowhere, "scheduler_address": nowhere})
@@ -229,15 +231,20 @@ async def test_every_answer_carries_the_security_headers_aiohttps_own_404_and_40
     }
     await console.start()
     try:
-        for method, path, expected in (
-            ("GET", "/no-such-page", 404),
-            ("POST", "/jobs", 405),
-            ("GET", "/queues/pause", 405),
-            ("GET", "/healthz", 200),
+        for method, path, expected, said in (
+            ("GET", "/no-such-page", 404, "no page at /no-such-page"),
+            ("GET", "/batches/0190b8e4-7c1a-7d3e-8f00-0000000000b9/files/input", 404, "no page at /batches/"),
+            ("POST", "/jobs", 405, "/jobs is not sent with POST: it takes GET"),
+            ("GET", "/queues/pause", 405, "/queues/pause is not sent with GET: it takes POST"),
+            ("GET", "/healthz", 200, "ok"),
         ):
             async with http.request(method, console.url.rstrip("/") + path, allow_redirects=False) as response:
                 assert response.status == expected, (method, path)
                 assert {name: response.headers.get(name) for name in security_headers} == security_headers, path
+                text = await response.text()
+            assert said in text, (path, text[-500:])
+            if expected != 200:
+                assert '<a href="/jobs">Jobs</a>' in text, path  # the console's bar, to go on from
     finally:
         await console.stop()
 

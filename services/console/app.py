@@ -106,6 +106,30 @@ def known_hosts_only(bound_to_loopback: bool, allowed_hosts: Iterable[str]) -> M
     return check
 
 
+@web.middleware
+async def framed_router_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """aiohttp's own 404 (no route) and 405 (a method the route does not take) as console pages:
+    the bar of links and what was wrong, where they were a bare '404: Not Found', a dead end for an
+    operator who mistyped an address or followed an old link. A page's own 404 (no such job) is
+    its own answer and passes through."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as refused:
+        takes = ", ".join(sorted(refused.allowed_methods))
+        body = ui.error_box(f"{request.path[:200]} is not sent with {request.method[:20]}: it takes {takes}")
+        return web.Response(
+            text=ui.page("Not allowed", body), status=405, headers={"Allow": takes}, content_type="text/html"
+        )
+    except web.HTTPNotFound:
+        body = ui.error_box(f"no page at {request.path[:200]}") + (
+            "<p>The console's pages are in the bar above; a job's page is /jobs/&lt;job ID&gt;, "
+            "a batch's /batches/&lt;batch ID&gt;.</p>"
+        )
+        return web.Response(text=ui.page("Not found", body), status=404, content_type="text/html")
+
+
 async def _health(_request: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
@@ -198,7 +222,7 @@ class ConsoleApp:
                 trace_url=console.trace_url,
             )
             app = web.Application(
-                middlewares=[known_hosts_only(is_loopback(console.host), console.allowed_hosts)],
+                middlewares=[known_hosts_only(is_loopback(console.host), console.allowed_hosts), framed_router_errors],
                 client_max_size=64 * 1024,
             )
             app.on_response_prepare.append(_security_headers)
