@@ -120,6 +120,17 @@ async def test_hand_made_requests_get_pages_of_the_right_status(
     assert status == 200
     assert re.search(r"<td>queued for</td><td>[0-9.]+ (ms|s)<", page), page
 
+    # An empty list says why (each said "none"): the filters, or nothing there yet.
+    for path, said in (
+        ("/jobs?state=FAILED", "no job matches these filters"),
+        ("/batches", "no batches yet: the batches created (asyncinfer batch create, the SDK) show here"),
+        ("/dead-letters", "no dead letters: a job that failed on its last attempt lands here"),
+        ("/dead-letters?model=demo", "no dead letters of demo: "),
+    ):
+        status, page = await get(http, console, path)
+        assert status == 200, path
+        assert f'class="empty">{said}' in page, (path, page[-1500:])
+
 
 async def test_a_running_jobs_page_shows_its_progress(
     config: Config, start_stack: StartStack, start_console: object, http: aiohttp.ClientSession

@@ -34,7 +34,7 @@ th{background:#eef1f5}.scroll{overflow-x:auto;max-width:100%}
 .long{display:inline-block;min-width:8em;max-width:40em;overflow-wrap:anywhere}
 .trace.short{display:inline-block;max-width:9ch;overflow:hidden;text-overflow:ellipsis;white-space:nowrap;
 vertical-align:bottom;font-family:ui-monospace,monospace}
-td.n{text-align:right;font-variant-numeric:tabular-nums}
+td.n{text-align:right;font-variant-numeric:tabular-nums}td.empty{color:#5f6368}
 .state{font-weight:600}.SUCCEEDED{color:#137333}.FAILED,.TIMED_OUT{color:#b3261e}.RUNNING{color:#0b57d0}
 .QUEUED{color:#8a5a00}.CANCELED,.CANCELLING,.EXPIRED{color:#5f6368}
 .COMPLETED{color:#137333}.IN_PROGRESS{color:#0b57d0}.VALIDATING,.FINALIZING{color:#8a5a00}.CANCELLED{color:#5f6368}
@@ -152,8 +152,16 @@ def error_box(error: object) -> str:
     return f'<div class="error">{h(error)}</div>'
 
 
-def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Iterable[int] = (), id_: str = "") -> str:
-    """`rows` hold HTML already (escape the cells with `h`); columns in `numeric` align right."""
+def table(
+    headers: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    numeric: Iterable[int] = (),
+    id_: str = "",
+    empty: str = "none",
+) -> str:
+    """`rows` hold HTML already (escape the cells with `h`); columns in `numeric` align right;
+    `empty` (text) the one row of a table with none."""
     right = set(numeric)
     head = "".join(f"<th>{h(name)}</th>" for name in headers)
     body = "".join(
@@ -161,7 +169,7 @@ def table(headers: Sequence[str], rows: Iterable[Sequence[str]], *, numeric: Ite
         for row in rows
     )
     if not body:
-        body = f'<tr><td colspan="{len(headers)}">none</td></tr>'
+        body = f'<tr><td colspan="{len(headers)}" class="empty">{h(empty)}</td></tr>'
     ident = f' id="{h(id_)}"' if id_ else ""
     # In a box that scrolls sideways: a wide table on a phone scrolls, not the page.
     return f'<div class="scroll"><table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'

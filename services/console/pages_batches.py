@@ -49,7 +49,12 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
     traced = any(b.trace_id for b in found.batches)
     headers += ("trace",) if traced else ()
     rows = [_batch_row(b, trace_url=ctx.trace_url if traced else None) for b in found.batches]
-    listing = ui.table(headers, rows, numeric=(3, 4, 5, 7), id_="batches")
+    empty = (
+        "no more batches"
+        if token
+        else "no batches yet: the batches created (asyncinfer batch create, the SDK) show here"
+    )
+    listing = ui.table(headers, rows, numeric=(3, 4, 5, 7), id_="batches", empty=empty)
     links = []
     if token:
         links.append('<a href="/batches">first page</a>')

@@ -87,7 +87,15 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     rows = [_job_row(job, now, trace_url=ctx.trace_url if traced else None) for job in found.jobs]
     headers: tuple[str, ...] = ("job", "state", "model", "priority", "attempt", "labels", "created", "queued", "ran")
     headers += ("trace",) if traced else ()
-    listing = ui.table(headers, rows, numeric=(4, 7, 8), id_="jobs")
+    # An empty list says why: nothing matches the filters, this page is past the last, or no jobs at all.
+    empty = (
+        "no job matches these filters"
+        if state or model or label
+        else "no more jobs"
+        if token
+        else "no jobs yet: the jobs submitted (asyncinfer submit, the SDK) show here"
+    )
+    listing = ui.table(headers, rows, numeric=(4, 7, 8), id_="jobs", empty=empty)
     links = []
     filters = {"state": state, "model": model, "label": label, "page_size": str(size) if size != 50 else ""}
     if token:

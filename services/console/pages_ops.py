@@ -174,7 +174,15 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
     body = (
         _dead_letter_filter(model)
         + f"<p>{ui.h(total)}</p>"
-        + ui.table(headers, rows, numeric=(0, 5), id_="dead-letters")
+        + ui.table(
+            headers,
+            rows,
+            numeric=(0, 5),
+            id_="dead-letters",
+            empty=(
+                f"no dead letters{scope}: a job that failed on its last attempt lands here, to inspect, replay or purge"
+            ),
+        )
         + more
         + f"<p>{actions}</p>"
     )
