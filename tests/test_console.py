@@ -109,6 +109,16 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     await browser.goto(console.url + "jobs?label=team%3Dsearch&state=SUCCEEDED&model=demo")
     await browser.wait_for_text(done.job_id, "#jobs")
 
+    # A link whose page token the gateway refuses: its error on lines (the field's own after the
+    # message, which ran into it as one line) and the way back to the first page of those filters.
+    await browser.goto(console.url + "jobs?state=SUCCEEDED&page_token=garbage")
+    said = (await browser.text(".error")).split("\n")
+    assert said[0].startswith("INVALID_ARGUMENT INVALID_PAGE_TOKEN: "), said
+    assert said[1].startswith("page_token: "), said
+    await browser.click_and_load("#first-page")
+    assert await browser.evaluate("location.pathname + location.search") == "/jobs?state=SUCCEEDED"
+    await browser.wait_for_text(done.job_id, "#jobs")
+
     # Its page: the record, the batch it ran in, and its timeline (queued, then succeeded).
     await browser.click_and_load(f"a[href='/jobs/{done.job_id}']")
     text = await browser.text("#job")

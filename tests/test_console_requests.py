@@ -120,6 +120,16 @@ async def test_hand_made_requests_get_pages_of_the_right_status(
     assert status == 200
     assert re.search(r"<td>queued for</td><td>[0-9.]+ (ms|s)<", page), page
 
+    # A page token refused: a link to the list's first page (the same filters), which was not offered.
+    for path, first in (
+        ("/jobs?page_token=garbage&state=QUEUED", "/jobs?state=QUEUED"),
+        ("/batches?page_token=garbage", "/batches"),
+        ("/dead-letters?page_token=x&model=demo", "/dead-letters?model=demo"),
+    ):
+        status, page = await get(http, console, path)
+        assert status == 400, path
+        assert f'<a id="first-page" href="{first}">the first page</a>' in page, (path, page[-1500:])
+
     # An empty list says why (each said "none"): the filters, or nothing there yet.
     for path, said in (
         ("/jobs?state=FAILED", "no job matches these filters"),

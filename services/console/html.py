@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from urllib.parse import urlencode
 
+from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.config import TRACE_ID_PLACEHOLDER
 
 STYLE = """
@@ -41,7 +42,7 @@ td.n{text-align:right;font-variant-numeric:tabular-nums}td.empty{color:#5f6368}
 .progress{display:inline-flex;width:160px;height:12px;background:#e3e7ee;border-radius:6px;overflow:hidden;
 vertical-align:middle}.progress .ok{background:#137333}.progress .bad{background:#b3261e}
 .note{background:#e8f0fe;border:1px solid #b6ccf5;padding:6px 10px;margin:8px 0}.muted{color:#5f6368}
-.error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0}
+.error{background:#fce8e6;border:1px solid #f3b6b0;padding:6px 10px;margin:8px 0;white-space:pre-line}
 form.inline{display:inline}button{cursor:pointer}pre{background:#fff;border:1px solid #dde1e8;padding:8px}
 .charts{display:flex;flex-wrap:wrap;gap:16px}svg{background:#fff;border:1px solid #dde1e8;max-width:100%;height:auto}
 figure.chart{margin:0;max-width:520px}.legend{font-size:12px;display:flex;flex-wrap:wrap;gap:2px 12px}
@@ -149,7 +150,17 @@ def trace(trace_id: str, url_template: str, *, short: bool = False) -> str:
 
 
 def error_box(error: object) -> str:
+    """An error as text, its lines kept (an SDK error's field violations and hint follow its
+    message on lines of their own, which ran into it as one line)."""
     return f'<div class="error">{h(error)}</div>'
+
+
+def first_page(href: str, error: AsyncInferClientError) -> str:
+    """After a list's refusal of a page token (an edited link, or one a gateway of another make
+    gave): the way back to the list's first page, which the refusal alone did not offer."""
+    if error.code.name != "INVALID_ARGUMENT":
+        return ""
+    return f'<p><a id="first-page" href="{h(href)}">the first page</a> of this list</p>'
 
 
 def table(

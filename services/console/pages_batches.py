@@ -32,7 +32,8 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         found = await ctx.backend.list_batches(page_size=PAGE_SIZE, page_token=token)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Batches", intro + ui.error_box(error), status=status_of(error))
+        body = intro + ui.error_box(error) + (ui.first_page("/batches", error) if token else "")
+        return fragment_or_page(request, "Batches", body, status=status_of(error))
     headers: tuple[str, ...] = (
         "batch",
         "state",

@@ -80,7 +80,11 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
     try:
         found = await ctx.backend.list_jobs(states=states, model=model, labels=labels, page_size=size, page_token=token)
     except AsyncInferClientError as error:
-        return fragment_or_page(request, "Jobs", _filters(ctx, query) + ui.error_box(error), status=status_of(error))
+        body = _filters(ctx, query) + ui.error_box(error)
+        if token:
+            filters = {"state": state, "model": model, "label": label, "page_size": str(size) if size != 50 else ""}
+            body += ui.first_page(ui.url("/jobs", **filters), error)
+        return fragment_or_page(request, "Jobs", body, status=status_of(error))
     now = time.time()
     # A trace column once a job on the page is traced (tracing.enabled): none of dashes while it is off.
     traced = any(job.trace_id for job in found.jobs)

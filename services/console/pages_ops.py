@@ -123,6 +123,8 @@ async def dead_letters_page(ctx: Context, request: web.Request) -> web.Response:
         found = await ctx.backend.dead_letters(model=model, page_token=token)
     except AsyncInferClientError as error:
         box = _dead_letter_filter(model) + ui.error_box(error)  # the filter stays, to correct it
+        if token:
+            box += ui.first_page(ui.url("/dead-letters", model=model), error)
         return fragment_or_page(request, "Dead letters", box, status=status_of(error))
     rows = []
     for letter in found.letters:
