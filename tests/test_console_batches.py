@@ -96,6 +96,18 @@ async def test_a_batch_shows_on_the_batches_page_and_its_page_follows_it_to_comp
     assert lines[1]["outputs"]["y"] == [[3.0, 4.0, -1.0, 3.0]]  # the demo model's 2x + 1 of record r1
     assert not await browser.evaluate("!!document.querySelector('#download-npz')")  # a JSONL input: JSONL only
 
+    # From the batch to its chunk jobs (the jobs list leaves them out unless asked for by the
+    # batch's label, which no page offered), and from one of them back to the batch.
+    await browser.click_and_load("#chunk-jobs")
+    await browser.wait_for_text("SUCCEEDED", "#jobs")
+    chunk_rows = await browser.evaluate("document.querySelectorAll('#jobs tbody tr').length")
+    assert chunk_rows == RECORDS // 50  # chunk_records 50: a job per chunk
+    await browser.click_and_load("#jobs tbody tr a[href^='/jobs/']")
+    field = "[...document.querySelectorAll('#job tr')].find(r => r.cells[0].innerText === 'batch')"
+    assert (await browser.evaluate(f"{field}.cells[1].innerText")).startswith(f"{batch_id}, records ")
+    await browser.click_and_load(f"#job a[href='/batches/{batch_id}']")
+    await browser.wait_for_text("COMPLETED", "#batch")
+
     # Back on the list, the batch shows completed.
     await browser.goto(console.url + "batches")
     row_text = f"[...document.querySelectorAll('#batches tbody tr')].find(r => r.innerText.includes('{batch_id}'))"

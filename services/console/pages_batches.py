@@ -11,6 +11,7 @@ from aiohttp import web
 
 from asyncinfer.client import Batch
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
+from asyncinfer.jobs import BATCH_LABEL
 from services.console import html as ui
 from services.console.context import Context, fragment_or_page, message_of, status_of
 
@@ -135,7 +136,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
             + ui.h(f" {batch.completed} done, {batch.failed} failed of {batch.total or '?'}"),
         ),
         ("records/s", _rate(batch)),
-        ("chunks", ui.h(f"{batch.chunks_done} of {batch.chunks_total} ended")),
+        ("chunks", ui.h(f"{batch.chunks_done} of {batch.chunks_total} ended") + _chunk_jobs_link(batch)),
         ("model", ui.h(f"{batch.model_name} {batch.model_version}".strip())),
         ("priority", ui.h(batch.priority or "-")),
         ("max attempts per chunk", ui.h(batch.max_attempts or "the model's default")),
@@ -182,6 +183,15 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         else:
             parts.append('<p class="note">read-only: cancelling needs a console that may act</p>')
     return "".join(parts)
+
+
+def _chunk_jobs_link(batch: Batch) -> str:
+    """Its chunk jobs on the jobs page: the list leaves them out unless asked for by the batch's
+    label, which no page offered."""
+    if not batch.chunks_total:
+        return ""
+    href = ui.url("/jobs", label=f"{BATCH_LABEL}={batch.batch_id}")
+    return f' · <a id="chunk-jobs" href="{ui.h(href)}">their jobs</a>'
 
 
 async def batch_cancel(ctx: Context, request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import numpy.typing as npt
@@ -15,6 +16,7 @@ from aiohttp import web
 from asyncinfer.client import CallbackDeliveryState, Job, JobState, why_not_served
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from asyncinfer.commands.output import attempt_text
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
@@ -200,6 +202,18 @@ async def _why_not_served(ctx: Context, job: Job) -> str:
     return why_not_served(job, models)
 
 
+def _batch_field(job: Job) -> list[tuple[str, str]]:
+    """A batch's chunk job: its batch (a link to the batch's page) and which of its records it holds
+    (the chunk label's start-end, records counted from 0, end excluded); nothing for another job."""
+    batch_id = job.labels.get(BATCH_LABEL)
+    if not batch_id:
+        return []
+    start, _, end = job.labels.get(CHUNK_LABEL, "").partition("-")
+    held = f"records {int(start) + 1} to {end}" if start.isdigit() and end.isdigit() else "a chunk"
+    link = f'<a href="/batches/{ui.h(quote(batch_id, safe=""))}">{ui.h(batch_id)}</a>'
+    return [("batch", f"{link}, {held} of its input")]
+
+
 def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str = "") -> str:
     record = [
         ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
@@ -207,6 +221,7 @@ def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str =
         ("priority", ui.h(job.priority.value)),
         ("attempt", ui.h(attempt_text(job))),
         ("labels", ui.text(", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())) or "-")),
+        *_batch_field(job),
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),
         # The job's OpenTelemetry trace (tracing.enabled): a link to it where console.trace_url is set.
