@@ -11,6 +11,13 @@ as children of the one it was handed:
     batcher        compute                    (parent: dispatch, from the order; linked to the batch)
     batcher    batch                          (a trace of its own, linking every job it held)
 
+A file batch (BatchService) is a trace of its CreateBatch, its chunk jobs traces of their own linked
+to it (a batch has as many chunks as its file makes):
+
+    gateway    create_batch                   (parent: the caller's traceparent, if any)
+    gateway      prepare_batch                (parent: create_batch, from the batch's record)
+    gateway    submit                         (a chunk job's: a new trace, linked to create_batch)
+
 Each service has a TracerProvider of its own (not the global one), so that `asyncinfer up` and the
 tests, which run all three in one process, still name each span's service (`service.name`).
 
