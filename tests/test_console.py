@@ -454,6 +454,14 @@ def test_a_trace_id_links_only_as_32_hex_digits_into_an_escaped_href() -> None:
     # Not a trace ID (a gateway of another make): shown as text, never put in a link.
     assert ui.trace('"><script>x</script>', template) == "&quot;&gt;&lt;script&gt;x&lt;/script&gt;"
     assert ui.trace(trace_id + "\n", template) == trace_id + "\n"
+    # A list's short form: the same link, the ID also in an escaped title; text in a span without one.
+    short = ui.trace(trace_id, template, short=True)
+    assert short == link.replace('class="trace"', f'class="trace short" title="{trace_id}"')
+    assert ui.trace(trace_id, "", short=True) == f'<span class="trace short" title="{trace_id}">{trace_id}</span>'
+    assert ui.trace("", template, short=True) == "-"
+    hostile = '"><script>x</script>'
+    escaped = "&quot;&gt;&lt;script&gt;x&lt;/script&gt;"
+    assert ui.trace(hostile, template, short=True) == f'<span class="trace short" title="{escaped}">{escaped}</span>'
 
 
 @pytest.mark.unit
