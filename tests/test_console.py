@@ -131,6 +131,43 @@ async def test_the_jobs_page_shows_a_job_submitted_a_moment_earlier(
     await browser.screenshot(ARTIFACTS / "job.png")
 
 
+async def test_a_queued_job_is_cancelled_from_its_page(
+    idle_stack: Stack, start_console: StartConsole, browser: Browser
+) -> None:
+    """A job's page has a cancel button where the console may act, as a batch's page has (the
+    README said the tenant key's jobs are shown and cancelled; the job's page had no button): a
+    queued job (no batcher) ends CANCELED, the reason saying the console did it; a read-only
+    console shows no button and refuses a cancel posted anyway."""
+    console = await start_console(idle_stack)  # loopback, no API keys: it may act
+    assert console.writable
+    async with AsyncClient(idle_stack.address) as client:
+        job = await client.submit("demo", X)
+        other = await client.submit("demo", X)
+
+    await browser.goto(console.url + f"jobs/{job.job_id}")
+    await browser.wait_for_text("cancel job", "#job")
+    await browser.evaluate("window.confirm = () => true")  # the person says yes to the question
+    await browser.click_and_load("#job form[action$='/cancel'] button")
+    await browser.wait_for_text("asked to cancel: CANCELED", "#message")
+    text = await browser.text("#job")
+    assert "CANCELED" in text
+    assert "canceled by the user: from the web console" in text  # the reason, kept in its error
+    assert "cancel job" not in text
+    async with AsyncClient(idle_stack.address) as client:
+        assert (await client.get(job)).state is JobState.CANCELED
+    await browser.screenshot(ARTIFACTS / "job-cancelled.png")
+
+    viewer = await start_console(idle_stack, read_only=True)
+    await browser.goto(viewer.url + f"jobs/{other.job_id}")
+    await browser.wait_for_text("read-only", "#job")
+    assert not await browser.evaluate("!!document.querySelector(\"#job form[action$='/cancel']\")")
+    cancel = viewer.url + f"jobs/{other.job_id}/cancel"
+    async with aiohttp.ClientSession() as session, session.post(cancel, data={"csrf": "x"}) as answer:
+        assert answer.status == 403
+    async with AsyncClient(idle_stack.address) as client:
+        assert (await client.get(other)).state is JobState.QUEUED
+
+
 async def test_a_job_page_shows_its_inline_outputs_first_values_and_names_what_fetches_a_stored_result(
     config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
 ) -> None:

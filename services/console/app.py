@@ -1,7 +1,7 @@
 """The console as a service app (asyncinfer.runner's App): an aiohttp server of server-rendered
 pages, the Backend's two gRPC channels, and one background loop sampling the queues.
 
-Who may act: replay, purge, pause, resume and a batch's cancel are offered when the console holds an ops key, or when
+Who may act: replay, purge, pause, resume and a job's or a batch's cancel are offered when the console holds an ops key, or when
 the stack has no API keys at all and the console binds loopback (`asyncinfer up` without keys,
 where every local caller may use the OpsService anyway); never with `console.read_only`."""
 
@@ -28,7 +28,7 @@ from services.console.backend import Backend
 from services.console.context import MESSAGE_KEY, Context
 from services.console.history import QueueHistory
 from services.console.pages_batches import batch_cancel, batch_file, batch_page, batches_page
-from services.console.pages_jobs import job_page, jobs_page, models_page
+from services.console.pages_jobs import job_cancel, job_page, jobs_page, models_page
 from services.console.pages_ops import (
     dead_letter_action,
     dead_letter_page,
@@ -231,6 +231,7 @@ class ConsoleApp:
                 ("GET", "/models", models_page),
                 ("GET", "/jobs", jobs_page),
                 ("GET", "/jobs/{job_id}", job_page),
+                ("POST", "/jobs/{job_id}/cancel", job_cancel),
                 ("GET", "/batches", batches_page),
                 ("GET", "/batches/{batch_id}", batch_page),
                 ("POST", "/batches/{batch_id}/cancel", batch_cancel),

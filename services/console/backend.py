@@ -173,6 +173,11 @@ class Backend:
         answer = await self._gateway.call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
         return job_from_proto(answer.job, answer.progress if answer.HasField("progress") else None)
 
+    async def cancel_job(self, job_id: str, *, reason: str) -> Job:
+        request = job_service_pb2.CancelJobRequest(job_id=job_id, reason=reason)
+        answer = await self._gateway.call(self._jobs.CancelJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        return job_from_proto(answer.job)
+
     # -- BatchService (the tenant's key: batches are per tenant) ----------------------------
 
     async def list_batches(self, *, page_size: int = 20, page_token: str = "") -> BatchesPage:

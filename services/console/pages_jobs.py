@@ -1,6 +1,6 @@
 """The JobService pages: the models served, a tenant's jobs (filters, paging) and one job's page
 (record, attempts, timings, waiting reason, outputs kept inline, batch, webhook deliveries, timeline),
-live while it runs."""
+live while it runs, with a cancel button where the console may act."""
 
 from __future__ import annotations
 
@@ -174,6 +174,7 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     body = job_details(job, time.time(), why_waiting=await _why_not_served(ctx, job), trace_url=ctx.trace_url)
+    body += _cancel(ctx, job)
     # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
     settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
     if request.headers.get("X-Console-Fragment"):
@@ -187,6 +188,37 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
         text=ui.page(title, f'<div id="job"{live}>{body}</div>', message=message_of(request)),
         content_type="text/html",
     )
+
+
+CANCEL_REASON = "from the web console"
+
+
+def _cancel(ctx: Context, job: Job) -> str:
+    """The cancel button of a job not yet ended, where the console may act (as a batch's page has)."""
+    if job.done or job.state is JobState.CANCELLING:
+        return ""
+    if not ctx.writable:
+        return '<p class="note">read-only: cancelling needs a console that may act</p>'
+    ask = "Cancel this job? A queued job ends at once; a running one once its batcher hears of it."
+    return (
+        "<p>"
+        + ui.post_button(f"/jobs/{quote(job.job_id, safe='')}/cancel", "cancel job", ctx.csrf, confirm=ask)
+        + "</p>"
+    )
+
+
+async def job_cancel(ctx: Context, request: web.Request) -> web.Response:
+    form = {k: str(v) for k, v in (await request.post()).items()}
+    refused = ctx.check_form(form)
+    if refused is not None:
+        return refused
+    job_id = request.match_info["job_id"]
+    try:
+        job = await ctx.backend.cancel_job(job_id, reason=CANCEL_REASON)
+        said = f"asked to cancel: {job.state.value}"
+    except AsyncInferClientError as error:
+        said = f"refused: {error}"
+    raise web.HTTPSeeOther(ctx.outcome(f"/jobs/{quote(job_id, safe='')}", said))
 
 
 async def _why_not_served(ctx: Context, job: Job) -> str:
