@@ -105,11 +105,10 @@ def _not_typed(value: Any, datatype: str) -> str:
         array = np.asarray(value)
     except (ValueError, TypeError):
         return "is not a rectangular array: its rows are not all the same length"
-    if changed := cast_change(array, datatype):
-        return changed  # "has 1.5, not a whole number: INT64 takes whole numbers", "has 300, past UINT8's range ..."
-    if array.dtype.kind == "f" and NUMPY_DTYPES[datatype].kind in "iu":
-        # Whole floats are refused too: a line is typed as written, as the SDK types its values.
-        return f"must be {datatype} numbers: write whole numbers without a decimal point or exponent (2, not 2.0)"
+    if changed := cast_change(array, datatype, value):
+        # "has 1.5, not a whole number: INT64 takes whole numbers", "has 300, past UINT8's range ...",
+        # "has 2.0, a float: INT64 takes integers (write 2, not 2.0)": as the CLI's -i and the SDK.
+        return changed
     within = " within its range" if datatype.startswith("FP") else ""
     return f"must be {datatype} numbers{within}"
 

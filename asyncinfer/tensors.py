@@ -333,14 +333,19 @@ def typed_as(value: npt.ArrayLike, datatype: str) -> npt.NDArray[Any] | None:
     return None
 
 
-def cast_change(array: npt.NDArray[Any], datatype: str) -> str:
+def cast_change(array: npt.NDArray[Any], datatype: str, written: Any = None) -> str:
     """What converting `array` (numpy's reading of JSON numbers: int64, uint64, float64, or objects
     for integers past 64 bits) to `datatype` would change, in words to follow "input 'x' " ("has
     1.5, not a whole number: INT64 takes whole numbers"); "" where it changes nothing but a float's
     precision (1.1 as FP32), or where `array` holds no numbers (booleans and text are refused
     elsewhere). numpy converts silently: np.array([1.5], dtype=int64) is [1], [300.0] as UINT8 is
     [44], [300] and [-1] are [44] and [255] (a DeprecationWarning), and 1e300 as FP32 is inf. A
-    whole float (2.0) for an integer type changes nothing, and is not named."""
+    whole float (2.0) for an integer type is named too ("has 2.0, a float: INT64 takes integers
+    (write 2, not 2.0)"): an integer input takes integers alone, as Triton's JSON (rapidjson's
+    IsInt64, false for 2.0) and numpy's same_kind casting (float64 to int64 refused) do, in the
+    CLI's -i, a JSONL batch line and the SDK alike. `written`: the values as given (nested lists),
+    where the caller has them: the whole float named is the first one written as a float (numpy
+    makes [1, 4.0] [1.0, 4.0], and "has 1.0" would name a value written 1)."""
     target = NUMPY_DTYPES.get(datatype)
     if target is None or target.kind == "b" or array.dtype.kind not in "iufO":
         return ""
@@ -363,6 +368,9 @@ def cast_change(array: npt.NDArray[Any], datatype: str) -> str:
             values = array[~whole].ravel()[:1].tolist()
         elif array.size and (float(array.min()) < info.min or float(array.max()) >= float(info.max + 1)):
             values = array.ravel().tolist()
+        elif array.size:
+            first = _first_float(written) if written is not None else None
+            return _whole_float(float(array.flat[0]) if first is None else first, datatype)
         else:
             return ""
     elif values is None:
@@ -376,7 +384,24 @@ def cast_change(array: npt.NDArray[Any], datatype: str) -> str:
             return f"has {v!r}, not a whole number: {datatype} takes whole numbers"
         if not info.min <= v <= info.max:
             return f"has {_shown(v)}, past {datatype}'s range ({info.min} to {info.max})"
-    return ""
+    whole_float = next((v for v in values if isinstance(v, float)), None)
+    return "" if whole_float is None else _whole_float(whole_float, datatype)
+
+
+def _first_float(value: Any) -> float | None:
+    """The first float in `value`'s nested lists and tuples (or `value` itself), or None."""
+    if isinstance(value, float):
+        return value
+    if isinstance(value, list | tuple):
+        for item in value:
+            if (found := _first_float(item)) is not None:
+                return found
+    return None
+
+
+def _whole_float(value: float, datatype: str) -> str:
+    """A whole float for an integer `datatype`, in words to follow "input 'x' "."""
+    return f"has {value!r}, a float: {datatype} takes integers (write {int(value)}, not {value!r})"
 
 
 def _shown(value: float) -> str:
@@ -385,7 +410,7 @@ def _shown(value: float) -> str:
     return text if len(text) <= 24 else f"an integer of {len(str(abs(int(value))))} digits"
 
 
-def untyped_reason(array: npt.NDArray[Any], datatype: str) -> str | None:
+def untyped_reason(array: npt.NDArray[Any], datatype: str, written: Any = None) -> str | None:
     """Why `typed_as` left `array` as it is for a signature's `datatype`, as a refusal of it says it
     after the input's name ("has 1e+300, past FP32's range (±3.4028235e+38)"); None where it typed
     it, or for a datatype the SDK does not type. The gateway's own words name only the dtype numpy
@@ -404,7 +429,8 @@ def untyped_reason(array: npt.NDArray[Any], datatype: str) -> str | None:
         return f"is {array.dtype}, not {'numbers' if kind == 'b' else 'booleans (True or False)'}"
     target = NUMPY_DTYPES[datatype]
     if target.kind in "iu" and kind == "f":
-        return f"is {array.dtype}, which the SDK does not round to {datatype}: give whole numbers"
+        # Whole or not, named: "has 2.0, a float: INT64 takes integers (write 2, not 2.0)".
+        return cast_change(array, datatype, written) or f"is {array.dtype}: {datatype} takes integers"
     if target.kind == "f":
         with np.errstate(over="ignore"):
             past = np.isinf(array.astype(target)) & ~np.isinf(array)

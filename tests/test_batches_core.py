@@ -295,7 +295,7 @@ def test_a_value_its_datatype_cannot_hold_is_an_error_line_saying_why() -> None:
     INT64 was one before too); the line said only "input 'ids' must be INT64 numbers", for a
     fraction as for 300 to UINT8, -1 to an unsigned input or 1e20 to INT64. Each now names the
     value and why, as the CLI's -i does. A whole float (2.0) for an integer input stays an error
-    line, saying how to write it; what fits runs."""
+    line, naming the value and how to write it, in the CLI's -i words; what fits runs."""
 
     def parsed(text: str, datatype: str) -> str | list[Any]:
         result = parse_line(
@@ -323,7 +323,7 @@ def test_a_value_its_datatype_cannot_hold_is_an_error_line_saying_why() -> None:
     )
     assert parsed('{"inputs": {"ids": [[70000, 2]]}}', "FP16") == "input 'ids' has 70000, past FP16's range (±65504)"
     assert parsed('{"inputs": {"ids": [[2.0, 3]]}}', "INT64") == (
-        "input 'ids' must be INT64 numbers: write whole numbers without a decimal point or exponent (2, not 2.0)"
+        "input 'ids' has 2.0, a float: INT64 takes integers (write 2, not 2.0)"
     )
     assert parsed('{"inputs": {"ids": [["a", "b"]]}}', "INT64") == "input 'ids' must be INT64 numbers"
     assert parsed('{"inputs": {"ids": [[1, 2], [3]]}}', "FP32") == (

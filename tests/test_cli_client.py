@@ -808,7 +808,8 @@ async def test_a_value_the_inputs_datatype_would_change_is_refused_before_anythi
     `-i 'x=[[1.5,2,3,4]]'` for an INT64 input was queued as [[1, 2, 3, 4]] (exit 0), and so was a
     request file's and a bulk line's. Each is refused now before anything is sent: exit 2 for
     submit, naming the input, the value and what the model takes, and an invalid line for bulk,
-    with the same words. A whole float (2.0) changes nothing and is queued."""
+    with the same words. A whole float (2.0) for the integer input was queued (exit 0), where the SDK
+    and a JSONL batch line refuse it: refused alike now, naming the value and how to write it."""
     demo = config.models[0]
     ints = demo.model_copy(update={"inputs": (TensorSpecConfig(name="x", datatype="INT64", shape=(-1, 4)),)})
     stack = Stack(config.replace(models=[ints.model_dump()]))
@@ -832,14 +833,21 @@ async def test_a_value_the_inputs_datatype_would_change_is_refused_before_anythi
             + "\n"
             + json.dumps({"inputs": {"x": [[2.0, 2, 3, 4]]}})
             + "\n"
+            + json.dumps({"inputs": {"x": [[2, 2, 3, 4]]}})
+            + "\n"
         )
         code, out, err = await cli("bulk", str(lines), "--model", "demo", "--no-wait", "--json")
         summary = json.loads(out)
-        assert (summary["invalid"], summary["submitted"]) == (1, 1), (summary, err)
-        (refused,) = json_lines((tmp_path / "lines.results.jsonl").read_text())
-        assert refused["line"] == 1, refused
+        assert (summary["invalid"], summary["submitted"]) == (2, 1), (summary, err)
+        refused, whole = json_lines((tmp_path / "lines.results.jsonl").read_text())
+        assert (refused["line"], whole["line"]) == (1, 2), (refused, whole)
         assert why in refused["error"]["message"], refused
+        why_whole = "input 'x' has 2.0, a float: INT64 takes integers (write 2, not 2.0); the model takes x: INT64 of shape [-1, 4]"
+        assert why_whole in whole["error"]["message"], whole
         code, out, err = await cli("submit", "demo", "--input", "x=[[2.0,2,3,4]]", "--json")
+        assert (code, out) == (2, ""), (code, out, err)
+        assert why_whole in err, err
+        code, out, err = await cli("submit", "demo", "--input", "x=[[2,2,3,4]]", "--json")
         assert code == 0, err
         assert await count_jobs(stack) == 2
     finally:

@@ -291,7 +291,7 @@ async def test_values_the_sdk_does_not_convert_are_refused_with_why_and_the_sign
         for model, inputs, description in (
             ("demo", {"x": [[1e300, 1, 1, 1]]}, "input 'x' must be FP32, got 'FP64': the SDK did not convert it, as it has 1e+300, past FP32's range (±3.4028235e+38)" + fp32),
             ("demo", {"x": [[2**70, 1, 1, 1]]}, "input 'x' must be FP32, got 'BYTES': the SDK did not convert it, as it holds no one numpy type (integers past 64 bits, or items of mixed types)" + fp32),
-            ("ids", {"ids": [[1.5, 2.0]]}, "input 'ids' must be INT64, got 'FP64': the SDK did not convert it, as it is float64, which the SDK does not round to INT64: give whole numbers; model 'ids' takes ids: INT64 of shape [-1, 2]"),
+            ("ids", {"ids": [[1.5, 2.0]]}, "input 'ids' must be INT64, got 'FP64': the SDK did not convert it, as it has 1.5, not a whole number: INT64 takes whole numbers; model 'ids' takes ids: INT64 of shape [-1, 2]"),
         ):  # fmt: skip
             with pytest.raises(InvalidArgumentError) as raised:
                 await client.submit(model, inputs, labels=labels)

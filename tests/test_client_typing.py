@@ -137,7 +137,13 @@ def test_untyped_reason_says_why_typed_as_declined() -> None:
     assert reason([70000], "FP16") == "has 70000, past FP16's range (±65504)"
     assert reason([3, 2**40], "INT32") == "has 1099511627776, past INT32's range (-2147483648 to 2147483647)"
     assert reason([-1], "UINT8") == "has -1, past UINT8's range (0 to 255)"
-    assert reason([1.5], "INT64") == "is float64, which the SDK does not round to INT64: give whole numbers"
+    assert reason([1.5], "INT64") == "has 1.5, not a whole number: INT64 takes whole numbers"
+    # The first value written as a float, where the SDK has the values as given ([1, 2.0] is [1.0, 2.0] to numpy).
+    written = [[1, 2.0]]
+    assert untyped_reason(np.asarray(written), "INT64", written) == (
+        "has 2.0, a float: INT64 takes integers (write 2, not 2.0)"
+    )
+    assert reason(np.ones(2, np.float32), "UINT8") == "has 1.0, a float: UINT8 takes integers (write 1, not 1.0)"
     assert reason([2**70], "FP32") == "holds no one numpy type (integers past 64 bits, or items of mixed types)"
     assert reason([True], "FP32") == "is bool, not numbers"
     assert reason(["a"], "FP32") == "is text, not numbers"
@@ -169,11 +175,18 @@ async def test_a_pinned_version_is_typed_by_its_own_signature(config: Config, st
         [result] = [r async for r in client.bulk([JobRequest("demo", {"x": np.ones((1, 4))}, model_version="1")])]
         with pytest.raises(InvalidArgumentError) as raised:
             await client.submit("demo", {"x": [[1.5, 2, 3, 4]]}, model_version="2")
+        # A whole float too, as the CLI's -i and a JSONL batch line refuse it, naming the value.
+        with pytest.raises(InvalidArgumentError) as whole:
+            await client.submit("demo", {"x": [[2.0, 2, 3, 4]]}, model_version="2")
     assert (pinned.model_version, default.model_version) == ("2", "")
     assert result.error is None, result.error
     assert [v.description for v in raised.value.violations] == [
-        "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it is float64, which the SDK does not "
-        "round to INT64: give whole numbers; model 'demo' takes x: INT64 of shape [-1, 4]"
+        "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it has 1.5, not a whole number: "
+        "INT64 takes whole numbers; model 'demo' takes x: INT64 of shape [-1, 4]"
+    ]
+    assert [v.description for v in whole.value.violations] == [
+        "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it has 2.0, a float: INT64 takes "
+        "integers (write 2, not 2.0); model 'demo' takes x: INT64 of shape [-1, 4]"
     ]
 
 

@@ -193,7 +193,11 @@ class JobCalls(ClientChannel):
             array = input_array(name, value, request.model, spec)
             as_signature = None if spec is None else typed_as(array, spec.datatype)
             typed[name] = array if as_signature is None else as_signature
-            if as_signature is None and spec is not None and (why := declined_input(name, array, request.model, spec)):
+            if (
+                as_signature is None
+                and spec is not None
+                and (why := declined_input(name, array, request.model, spec, value))
+            ):
                 declined[name] = why
         return replace(request, inputs=typed), declined
 

@@ -308,9 +308,12 @@ def input_array(name: str, value: object, model: str, spec: TensorSpec | None) -
 Declined = dict[str, tuple[str, str]]
 
 
-def declined_input(name: str, array: npt.NDArray[Any], model: str, spec: TensorSpec) -> tuple[str, str] | None:
-    """What `Declined` keeps for an input `typed_as` left as it was; None where it typed it."""
-    reason = untyped_reason(array, spec.datatype)
+def declined_input(
+    name: str, array: npt.NDArray[Any], model: str, spec: TensorSpec, written: object = None
+) -> tuple[str, str] | None:
+    """What `Declined` keeps for an input `typed_as` left as it was; None where it typed it.
+    `written`: the value as given (nested lists), for the value a refusal names."""
+    reason = untyped_reason(array, spec.datatype, written)
     if reason is None:
         return None
     return spec.datatype, f"the SDK did not convert it, as it {reason}; model {model!r} takes {spec.summary()}"

@@ -10,7 +10,9 @@ float: FP32, integers: INT64, booleans: BOOL, strings: BYTES). When the signatur
 dimension than the value, the value is one row: a batch dimension of 1 is added. A value that
 datatype cannot hold as written (1.5 for INT64, 300 or -1 for UINT8, 1e300 for FP32) is a usage
 error naming the input and what the model takes, never cast (numpy's cast made them 1, 44, 255 and
-inf); a whole float (2.0 for INT64) is taken, and floats are rounded to the type's precision.
+inf); so is a whole float for an integer input (2.0 for INT64: "has 2.0, a float: INT64 takes
+integers (write 2, not 2.0)"), as the SDK and a JSONL batch line refuse it. Floats are rounded to the
+type's precision.
 """
 
 from __future__ import annotations
@@ -314,8 +316,9 @@ def to_array(
                 array = np.array(_encode_strings(value), dtype=object)
             else:
                 # numpy's cast changes what it cannot hold: 1.5 as INT64 is 1, 300 as UINT8 44, -1
-                # 255, 1e300 as FP32 inf, each sent as if typed so. A whole float (2.0) is taken.
-                if changed := cast_change(np.asarray(value), wanted):
+                # 255, 1e300 as FP32 inf, each sent as if typed so. A whole float (2.0) is refused
+                # for an integer input, as the SDK and a JSONL batch line refuse it.
+                if changed := cast_change(np.asarray(value), wanted, value):
                     raise UsageError(f"input {name!r} {changed}; {_takes(name, wanted, spec, given)}")
                 array = np.array(value, dtype=NUMPY_DTYPES[wanted])
         if shape:

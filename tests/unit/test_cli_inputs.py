@@ -90,7 +90,9 @@ def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_
     as 255, 1e300 for FP32 as inf, each accepted by the gateway. Each is a usage error now, naming
     the input, the value and what the model takes, for `-i`, a request file's or a bulk line's
     inputs (request_from_json) and a tensor object's own datatype. A whole float (2.0) for an
-    integer input changes nothing and is taken; a float's precision (1.1 as FP32) is a float's."""
+    integer input was taken by the CLI alone (the SDK and a JSONL batch line refuse it, as Triton's
+    JSON and numpy's same_kind casting do): it is refused now too, saying how to write it. A
+    float's precision (1.1 as FP32) is a float's."""
     specs = {
         "ids": ("INT64", (-1, 4)),
         "pixels": ("UINT8", (-1, 4)),
@@ -122,6 +124,12 @@ def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_
         "the model takes small: INT8 of shape [-1, 4]",
         "x=[[1e300, 2, 3, 4]]": "input 'x' has 1e+300, past FP32's range (±3.4028235e+38); "
         "the model takes x: FP32 of shape [-1, 4]",
+        "ids=[[2.0, 2, 3, 4]]": "input 'ids' has 2.0, a float: INT64 takes integers (write 2, not 2.0); "
+        "the model takes ids: INT64 of shape [-1, 4]",
+        "ids=[[1, 2, 3, 4e0]]": "input 'ids' has 4.0, a float: INT64 takes integers (write 4, not 4.0); "
+        "the model takes ids: INT64 of shape [-1, 4]",
+        "pixels=[[0, 255, 7.0, 1]]": "input 'pixels' has 7.0, a float: UINT8 takes integers (write 7, not 7.0); "
+        "the model takes pixels: UINT8 of shape [-1, 4]",
     }
     for item, message in refused.items():
         with pytest.raises(UsageError, match=f"^{re.escape(message)}$"):
@@ -147,8 +155,8 @@ def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_
     arrays = inputs_from_arguments(
         "typed",
         [
-            "ids=[[2.0, -3, 4, 9007199254740993]]",
-            "pixels=[[0, 255, 7.0, 1]]",
+            "ids=[[2, -3, 4, 9007199254740993]]",
+            "pixels=[[0, 255, 7, 1]]",
             "small=[[-128, 127, 0, 1]]",
             "x=[[1.1, 2, 3, 4]]",
         ],
@@ -161,7 +169,7 @@ def test_a_value_its_datatype_would_change_is_refused_naming_the_input_and_what_
     assert arrays["small"].tolist() == [[-128, 127, 0, 1]]
     assert arrays["x"].dtype == np.float32
     assert arrays["x"].tolist() == np.array([[1.1, 2, 3, 4]], np.float32).tolist()
-    request = request_from_json({"model": "typed", "inputs": {"ids": [[1, 2, 3, 4.0]]}}, signatures=typed)
+    request = request_from_json({"model": "typed", "inputs": {"ids": [[1, 2, 3, 4]]}}, signatures=typed)
     assert request.inputs is not None
     assert request.inputs["ids"].tolist() == [[1, 2, 3, 4]]
 
