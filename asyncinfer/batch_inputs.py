@@ -32,6 +32,7 @@ from asyncinfer.tensors import (
     ModelSignature,
     Tensor,
     TensorSpec,
+    as_one_row,
     booleans_misplaced,
     cast_change,
     typed_as,
@@ -81,8 +82,7 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
         if typed is None:
             raise RecordInvalid(f"input {spec.name!r} {_not_typed(value, spec.datatype)}")
         array = typed
-    if array.ndim == len(spec.shape) - 1:
-        array = array[None]
+    array = as_one_row(array, spec)
     if array.ndim != len(spec.shape) or any(
         want != -1 and got != want for got, want in zip(array.shape, spec.shape, strict=True)
     ):

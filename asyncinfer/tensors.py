@@ -178,6 +178,14 @@ class ModelSignature:
     outputs: tuple[TensorSpec, ...]
 
 
+def as_one_row(array: npt.NDArray[Any], spec: TensorSpec) -> npt.NDArray[Any]:
+    """`array` with a batch dimension of 1 added where it has one dimension fewer than `spec`'s
+    shape (one row given without the dimension that counts rows: `[1, 2, 3, 4]` for [-1, 4],
+    "hello" for [-1]); as it is otherwise. The one rule of the CLI's -i, a request file, the SDK's
+    inputs and a JSONL batch line: the model's signature decides where a batch dimension is added."""
+    return array[np.newaxis, ...] if array.ndim == len(spec.shape) - 1 else array
+
+
 def _lacks_batch_dimension(got: Sequence[int], want: Sequence[int]) -> bool:
     """Whether a shape is the signature's without its first (batch) dimension: one item sent
     without the dimension that counts items, the commonest shape mistake."""

@@ -174,6 +174,32 @@ async def test_submit_inline_and_npy_then_get_json_shows_outputs(
     assert "y FP32 [1, 4]" in out
 
 
+async def test_one_row_without_its_batch_dimension_is_the_same_job_from_the_cli_and_the_sdk(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`-i 'x=[1,2,3,4]'` for the demo model (x: FP32 of shape [-1, 4]) is one row: the CLI added
+    the batch dimension the signature has and the value lacks, and the job ran on [[1, 2, 3, 4]];
+    the SDK's submit(inputs={"x": [1, 2, 3, 4]}) sent shape [4], refused "input 'x' must have shape
+    [-1, 4] (-1: any), got [4]: ...". Both add it now (the model's signature decides), for lists and
+    arrays alike; a request file's and a JSONL batch line's values took it already."""
+    cli = Cli(stack, monkeypatch)
+    code, out, err = await cli("submit", "demo", "-i", "x=[1,2,3,4]", "--wait", "--json")
+    assert code == 0, err
+    from_cli = json.loads(out)["outputs"]["y"]
+    assert from_cli == {"datatype": "FP32", "shape": [1, 4], "data": [[3.0, 5.0, 7.0, 9.0]]}
+    async with AsyncClient(stack.address) as client:
+        for value in ([1, 2, 3, 4], np.arange(1, 5), np.arange(1, 5, dtype=np.float32)):
+            job = await client.submit("demo", {"x": value})
+            done = await client.wait(job, timeout_s=20)
+            assert done.succeeded, done.error
+            outputs = await client.outputs(done)
+            assert outputs["y"].shape == (1, 4), value
+            assert outputs["y"].tolist() == from_cli["data"], value
+        # Already batched, or of another rank: sent as it is (two rows; the gateway judges the rest).
+        outputs = await client.run("demo", {"x": [[1, 2, 3, 4], [0, 0, 0, 0]]}, timeout_s=20)
+        assert outputs["y"].tolist() == [[3, 5, 7, 9], [1, 1, 1, 1]]
+
+
 async def test_submit_request_from_stdin(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     request = {"model": "demo", "inputs": {"x": {"datatype": "FP32", "shape": [2, 4], "data": list(range(8))}}}
     monkeypatch.setattr(sys, "stdin", io.StringIO(json.dumps(request)))

@@ -38,7 +38,7 @@ from asyncinfer.client.errors import (
     make_error,
 )
 from asyncinfer.client.types import BlobRef, Callback, Inputs, Job, JobRequest, JobState, ModelInfo, Priority
-from asyncinfer.tensors import Tensor, TensorSpec, typed_as
+from asyncinfer.tensors import Tensor, TensorSpec, as_one_row, typed_as
 from asyncinfer.v1 import job_service_pb2
 
 
@@ -183,16 +183,13 @@ class JobCalls(ClientChannel):
                 typed[name] = value
                 continue
             spec = specs.get(name)
-            if (
-                spec is not None
-                and spec.datatype == "BYTES"
-                and len(spec.shape) == 1
-                and isinstance(value, str | bytes)
-            ):
-                value = [value]  # one text for a model of one text per item: one item (as the CLI's -i text=...)
             array = input_array(name, value, request.model, spec)
             as_signature = None if spec is None else typed_as(array, spec.datatype)
-            typed[name] = array if as_signature is None else as_signature
+            array = array if as_signature is None else as_signature
+            # One row without its batch dimension ([1, 2, 3, 4] for [-1, 4], one text for [-1]) is
+            # that row, as the CLI's -i and a JSONL batch line take it: it was refused "must have
+            # shape [-1, 4] (-1: any), got [4]" here while the CLI sent [[1, 2, 3, 4]].
+            typed[name] = array if spec is None else as_one_row(array, spec)
             if (
                 as_signature is None
                 and spec is not None

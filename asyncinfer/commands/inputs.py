@@ -47,6 +47,7 @@ from asyncinfer.tensors import (
     NUMPY_DTYPES,
     ModelSignature,
     TensorSpec,
+    as_one_row,
     booleans_misplaced,
     cast_change,
     typed_as,
@@ -323,8 +324,8 @@ def to_array(
                 array = np.array(value, dtype=NUMPY_DTYPES[wanted])
         if shape:
             array = array.reshape(tuple(int(d) for d in shape))
-        elif spec is not None and array.ndim == len(spec.shape) - 1:
-            array = array[np.newaxis, ...]
+        elif spec is not None:
+            array = as_one_row(array, spec)
     except KeyError:
         raise UsageError(f"input {name!r}: unknown datatype {wanted!r}") from None
     except (ValueError, TypeError, OverflowError) as exc:
