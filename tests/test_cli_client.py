@@ -255,13 +255,36 @@ async def test_a_wait_cut_short_still_names_the_job_it_queued(
     cli = Cli(idle_stack, monkeypatch)
     code, out, err = await cli("submit", "demo", "--input", "x=[[1,2,3,4]]", "--wait", "--timeout", "1")
     assert (code, out) == (5, "")
-    queued_line, error_line = err.splitlines()
-    job_id = queued_line.split()[2]
-    assert queued_line == f"asyncinfer: job {job_id} was queued and goes on; follow it with `asyncinfer watch {job_id}`"
-    assert error_line.startswith(f"asyncinfer: error: DEADLINE_EXCEEDED: the watch of job {job_id} (it goes on)")
+    # One line (it was two: "job ... was queued and goes on; follow it with ..." and the watch's
+    # "asyncinfer: error: DEADLINE_EXCEEDED: the watch of job ... (it goes on) ..."): the job, its
+    # state when the wait ran out, how to go on.
+    (line,) = err.splitlines()
+    job_id = line.split()[2]
+    assert line == (
+        f"asyncinfer: job {job_id} is QUEUED after --timeout 1 s and goes on; follow it with `asyncinfer watch {job_id}`"
+    )
     code, out, err = await cli("get", job_id, "--json")
     assert code == 0, err
     assert json.loads(out)["state"] == "QUEUED"
+
+
+async def test_empty_listings_say_so_plainly(idle_stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list` and `batch list` with nothing to show printed their table's header alone, which read
+    as a listing that failed or was cut; they say "no jobs" ("no batches") now, with the filters
+    that chose none, as `dlq list` said "no dead letters". --json prints nothing (no lines), as before."""
+    cli = Cli(idle_stack, monkeypatch)
+    for argv, expected in (
+        (("list",), "no jobs\n"),
+        (
+            ("list", "--state", "succeeded,failed", "--model", "demo", "--label", "b=2", "--label", "a=1"),
+            "no jobs (state SUCCEEDED, FAILED; model demo; label a=1; label b=2)\n",
+        ),
+        (("batch", "list"), "no batches\n"),
+        (("dlq", "list"), "no dead letters\n"),
+        (("dlq", "list", "--model", "demo"), "no dead letters of model demo\n"),
+    ):
+        assert await cli(*argv) == (0, expected, ""), argv
+        assert await cli(*argv, "--json") == (0, "", ""), argv
 
 
 # -- watch, cancel, list -------------------------------------------------------------------------

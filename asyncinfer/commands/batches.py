@@ -458,6 +458,9 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
         [b.batch_id, b.state, b.model_name, f"{b.completed}/{b.total}", str(b.failed), f"{b.records_per_second:.0f}"]
         for b in batches
     ]
+    if not rows:  # said plainly: the table's header alone read as a listing that failed
+        print("no batches", flush=True)
+        return EXIT_OK
     print_table(["BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S"], rows)
     return EXIT_OK
 

@@ -20,6 +20,7 @@ from asyncinfer.client import (
     AsyncClient,
     AsyncInferClientError,
     Callback,
+    DeadlineExceededError,
     Job,
     JobRequest,
     JobState,
@@ -42,6 +43,7 @@ from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
     EXIT_JOB_NOT_SUCCEEDED,
     EXIT_OK,
+    EXIT_UNAVAILABLE,
     StatusLine,
     UsageError,
     job_json,
@@ -250,8 +252,25 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
                 print(job.job_id, flush=True)
             return EXIT_OK
         left_s = None if options.timeout_s is None else max(options.timeout_s - (time.monotonic() - started), 0.001)
+        last = job  # the state the wait last heard, for the line a --timeout ends it with
         try:
-            done = job if job.done else await client.wait(job, timeout_s=left_s)
+            if not job.done:
+                async with contextlib.aclosing(client.watch(job, timeout_s=left_s)) as updates:
+                    async for update in updates:
+                        last = update
+                if not last.done:  # the gateway ended the watch: a terminal state newer than this CLI
+                    done = await client.wait(last, timeout_s=options.timeout_s)
+                    last = done
+        except DeadlineExceededError:
+            # One line, where two said it (this one and the watch's DEADLINE_EXCEEDED error): the
+            # job, where it stands, and how to go on. Exit 5, as before.
+            print(
+                f"asyncinfer: job {job.job_id} is {last.state.value} after --timeout {options.timeout_s:g} s and goes "
+                f"on; follow it with `asyncinfer watch {job.job_id}`",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_UNAVAILABLE
         except BaseException:
             print(
                 f"asyncinfer: job {job.job_id} was queued and goes on; follow it with `asyncinfer watch {job.job_id}`",
@@ -259,7 +278,7 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
                 flush=True,
             )
             raise
-        return await _show_finished(client, done, options)
+        return await _show_finished(client, last, options)
 
 
 async def _show_finished(client: AsyncClient, job: Job, options: Options) -> int:
@@ -418,7 +437,10 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
                 created = job.create_time.astimezone().strftime("%Y-%m-%d %H:%M:%S") if job.create_time else "-"
                 labels_text = ",".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
                 rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
-    if not options.json:
+    if not options.json and not rows:
+        # Said plainly: the table's header alone read as a listing that failed. --json: no lines.
+        print(_no_jobs(states, args.model, labels), flush=True)
+    elif not options.json:
         print_table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows)
     if more:  # said beside the list, not in it (a script reads stdout), as `batch list` does
         print(
@@ -426,6 +448,16 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _no_jobs(states: list[str], model: str, labels: dict[str, str]) -> str:
+    """What `list` prints when nothing matched: "no jobs", with the filters that chose none."""
+    filters = [
+        *([f"state {', '.join(states)}"] if states else []),
+        *([f"model {model}"] if model else []),
+        *(f"label {key}={value}" for key, value in sorted(labels.items())),
+    ]
+    return f"no jobs ({'; '.join(filters)})" if filters else "no jobs"
 
 
 # -- models -------------------------------------------------------------------------------------

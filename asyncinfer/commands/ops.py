@@ -293,7 +293,7 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
         for letter in letters:
             print_json(letter)
     elif not letters:
-        print("no dead letters", flush=True)
+        print(f"no dead letters of model {args.model}" if args.model else "no dead letters", flush=True)
     else:
         print_table(DEAD_LETTER_COLUMNS, [dead_letter_row(letter) for letter in letters])
     if more:  # said beside the list, not in it (a script reads stdout), as `list` does
