@@ -3,19 +3,28 @@ with grpcurl (an embedding of one sentence where the stack serves minilm-l6)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from asyncinfer.commands.options import DEFAULT_GATEWAY, DEFAULT_SCHEDULER
 from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config
 from asyncinfer.runner import App
+from asyncinfer.tracing import OTLP_ENDPOINT_VARIABLE
 from services.dev_ca import UNSPECIFIED
 from services.up.defaults import dev_secret_file
 
 
 def banner(
-    config: Config, apps: dict[str, App], nats_url: str, *, dev_secret: bool = False, ca_file: str | None = None
+    config: Config,
+    apps: dict[str, App],
+    nats_url: str,
+    *,
+    dev_secret: bool = False,
+    ca_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> str:
     gateway = f"{config.gateway.host}:{apps['gateway'].port}"
     scheduler = f"{config.scheduler.host}:{apps['scheduler'].port}"
@@ -50,6 +59,7 @@ def banner(
         )
     if ca_file is not None:
         lines.append(f"  {'TLS (development CA)':<31}{ca_file}  (clients: --tls-ca {ca_file})")
+    lines += _tracing_lines(config, environ=os.environ if environ is None else environ)
     if config.model("flaky") == FLAKY_MODEL:
         lines.append(f"  {'flaky':<31}fails on demand: a job whose x has a row starting below 0 is dead-lettered")
     body = _first_submit_body(config)
@@ -76,6 +86,28 @@ def banner(
         ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)
+
+
+# Jaeger all-in-one's page of a trace (its UI on 16686, OTLP/gRPC on 4317), as README's Traces runs it.
+JAEGER_TRACE_URL = "http://localhost:16686/trace/{trace_id}"
+
+
+def _tracing_lines(config: Config, *, environ: Mapping[str, str]) -> list[str]:
+    """With tracing on, where the spans go and where the console links a trace ID: `up` sets no
+    console.trace_url of its own (an OTLP endpoint names a collector, not the viewer a person opens),
+    so the banner says how to set it. The services' tracing_on lines are not shown on a terminal."""
+    if not config.tracing.enabled:
+        return []
+    endpoint = config.tracing.otlp_endpoint or environ.get(OTLP_ENDPOINT_VARIABLE, "")
+    where = (
+        f"exported to {endpoint} (OTLP/gRPC)"
+        if endpoint
+        else f"made, not exported: set tracing.otlp_endpoint or ${OTLP_ENDPOINT_VARIABLE}"
+    )
+    links = config.console.trace_url or (
+        f"none (trace IDs as text): set console.trace_url, for Jaeger ASYNCINFER_CONSOLE__TRACE_URL='{JAEGER_TRACE_URL}'"
+    )
+    return [f"  {'traces (OpenTelemetry)':<31}{where}", f"  {'trace links (console)':<31}{links}"]
 
 
 # The banner's (and the README's) first job: one sentence to embed, "The quick brown fox jumps over the

@@ -42,3 +42,32 @@ def test_a_gateway_on_every_address_with_keys_is_shown_reachable_with_its_key() 
     submit = next(line for line in text.splitlines() if "JobService/SubmitJob" in line)
     assert " 127.0.0.1:1 " in submit, "0.0.0.0 is no address to dial"
     assert "-cacert ca.pem -H 'authorization: Bearer YOUR_KEY'" in submit
+
+
+def test_with_tracing_on_the_banner_says_where_spans_go_and_how_the_console_links_them() -> None:
+    """`up` with tracing.enabled said nothing of it (its tracing_on lines are not shown on a terminal),
+    and the console showed trace IDs as text with no word of console.trace_url: `up` sets none of its
+    own (an OTLP endpoint names a collector, not the viewer a person opens), so the banner says how."""
+    off = banner(Config(), apps(load_failures={}), "nats://127.0.0.1:4222", environ={})
+    assert "traces" not in off
+
+    on = Config().replace(tracing={"enabled": True})
+    lines = banner(on, apps(load_failures={}), "nats://127.0.0.1:4222", environ={}).splitlines()
+    assert (
+        "  traces (OpenTelemetry)         made, not exported: set tracing.otlp_endpoint or $OTEL_EXPORTER_OTLP_ENDPOINT"
+        in lines
+    )
+    assert (
+        "  trace links (console)          none (trace IDs as text): set console.trace_url, for Jaeger "
+        "ASYNCINFER_CONSOLE__TRACE_URL='http://localhost:16686/trace/{trace_id}'"
+    ) in lines
+    environ = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://localhost:4317"}
+    lines = banner(on, apps(load_failures={}), "nats://127.0.0.1:4222", environ=environ).splitlines()
+    assert "  traces (OpenTelemetry)         exported to http://localhost:4317 (OTLP/gRPC)" in lines
+    linked = on.replace(
+        tracing={"enabled": True, "otlp_endpoint": "http://collector:4317"},
+        console={"trace_url": "http://jaeger:16686/trace/{trace_id}"},
+    )
+    lines = banner(linked, apps(load_failures={}), "nats://127.0.0.1:4222", environ=environ).splitlines()
+    assert "  traces (OpenTelemetry)         exported to http://collector:4317 (OTLP/gRPC)" in lines
+    assert "  trace links (console)          http://jaeger:16686/trace/{trace_id}" in lines
