@@ -37,18 +37,25 @@ def renders_for_people(config: LoggingConfig) -> bool:
 class QuietStop:
     """A processor that drops info lines once `begin` is called: `asyncinfer up`'s stop on a
     person's terminal, where each service's stop and disconnect events were ~9 lines after Ctrl-C
-    for what `asyncinfer stopped` says in one. Warnings and errors still show."""
+    for what `asyncinfer stopped` says in one. With `until_serving`, also until `serving` is called:
+    `up`'s start, whose ~16 lines (nats_server_started, gateway_started, model_loaded, ...) came
+    above its banner, which says what serves where. Warnings and errors still show. `applied`:
+    whether configure_logging put it to work (console lines on a terminal, at info or above)."""
 
-    def __init__(self) -> None:
-        self._stopping = False
+    def __init__(self, *, until_serving: bool = False) -> None:
+        self._quiet = until_serving
+        self.applied = False
+
+    def serving(self) -> None:
+        self._quiet = False
 
     def begin(self) -> None:
-        self._stopping = True
+        self._quiet = True
 
     def __call__(
         self, _logger: object, method: str, event_dict: structlog.typing.EventDict
     ) -> structlog.typing.EventDict:
-        if self._stopping and method == "info":
+        if self._quiet and method == "info":
             raise structlog.DropEvent
         return event_dict
 
@@ -75,6 +82,7 @@ def configure_logging(config: LoggingConfig, *, service: str, quiet_stop: QuietS
     quieting: list[structlog.typing.Processor] = []
     if quiet_stop is not None and renders_for_people(config) and sys.stderr.isatty() and level > logging.DEBUG:
         quieting = [quiet_stop]
+        quiet_stop.applied = True
     structlog.configure(
         processors=[*quieting, *shared, structlog.processors.StackInfoRenderer(), *tail],
         wrapper_class=structlog.make_filtering_bound_logger(level),

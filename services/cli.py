@@ -215,8 +215,10 @@ def _main(argv: Sequence[str] | None = None) -> int:
     logging = False
     try:
         config = load_config(args.config)
-        # `up` on a terminal: Ctrl-C shows `stopping` and `asyncinfer stopped`, not each service's stop.
-        quiet_stop = QuietStop()
+        # `up` on a terminal: its banner is the first thing shown, not ~16 info lines of each
+        # service's start above it, and Ctrl-C shows `stopping` and `asyncinfer stopped`, not each
+        # service's stop. Warnings and errors show throughout; JSON lines and logging.level debug keep all.
+        quiet_stop = QuietStop(until_serving=True)
         configure_logging(
             config.logging,
             service="up" if args.command == "up" else args.command,
@@ -224,7 +226,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         )
         logging = True
         if args.command == "up":
-            return _run(run_up(config, tls=args.dev_tls, on_stopping=quiet_stop.begin))
+            if quiet_stop.applied:  # a line to show it started: loading the models may take a while
+                print(
+                    "asyncinfer is starting: NATS, the gateway, the scheduler, a batcher and the console ...",
+                    flush=True,
+                )
+            return _run(run_up(config, tls=args.dev_tls, on_stopping=quiet_stop.begin, on_serving=quiet_stop.serving))
         return _run(run_service(args.command, config, args.config))
     except AsyncInferError as exc:
         unavailable = isinstance(exc, Unavailable)

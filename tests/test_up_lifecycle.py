@@ -235,6 +235,13 @@ def test_ctrl_c_stops_services_then_nats_quietly(up: UpProcess) -> None:
 def ctrl_c_on_a_terminal(tmp_path: Path, level: str) -> tuple[int, str]:
     """`up` as a terminal's foreground job (stdin, stdout and stderr on a pty) at logging.level
     `level`, Ctrl-C once it has printed its banner: (exit code, what the terminal showed after)."""
+    code, _before, after = up_on_a_terminal(tmp_path, level)
+    return code, after
+
+
+def up_on_a_terminal(tmp_path: Path, level: str) -> tuple[int, str, str]:
+    """ctrl_c_on_a_terminal's run: (exit code, what the terminal showed up to the banner's last
+    line, what it showed after), without colours."""
     config_path, _ports = write_config(tmp_path)
     leader, follower = pty.openpty()
     process = subprocess.Popen(
@@ -275,11 +282,28 @@ def ctrl_c_on_a_terminal(tmp_path: Path, level: str) -> tuple[int, str]:
             process.kill()
             process.wait()
         os.close(leader)
-        for pid in re.findall(rb"nats_server_started\S*\s.*?pid=(\d+)", shown):
-            if pid_alive(int(pid)):
-                os.kill(int(pid), signal.SIGKILL)
-    after = re.sub(r"\x1b\[[0-9;]*m", "", shown[started:].decode(errors="replace"))  # the colours
-    return code, after
+        for pid in nats_servers_of(tmp_path):  # its start line is not shown on a terminal at info
+            os.kill(pid, signal.SIGKILL)
+
+    def plain(shown: bytes) -> str:
+        return re.sub(r"\x1b\[[0-9;]*m", "", shown.decode(errors="replace"))  # the colours
+
+    return code, plain(shown[:started]), plain(shown[started:])
+
+
+def nats_servers_of(tmp_path: Path) -> list[int]:
+    """The nats-server processes still running whose command line names a path in `tmp_path` (its
+    store folder, its configuration)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"nats-server" in argv[0] and any(str(tmp_path).encode() in arg for arg in argv):
+                found.append(int(entry.name))
+    return found
 
 
 def test_ctrl_c_on_a_terminal_is_two_lines(tmp_path: Path) -> None:
@@ -294,10 +318,26 @@ def test_ctrl_c_on_a_terminal_is_two_lines(tmp_path: Path) -> None:
     assert re.fullmatch(r"asyncinfer stopped in \d+\.\d s", lines[1].strip()), after
 
 
-def test_ctrl_c_on_a_terminal_at_debug_shows_each_services_stop(tmp_path: Path) -> None:
-    code, after = ctrl_c_on_a_terminal(tmp_path, "debug")
+def test_up_on_a_terminal_shows_its_banner_first(tmp_path: Path) -> None:
+    """`make up` showed ~16 info lines of each service's start (nats_server_started, gateway_started,
+    model_loaded, ...) above its banner, which the user had to scroll back to. On a terminal at
+    info, one line says it is starting, then the banner; those lines stay in the JSON logs
+    (test_ctrl_c_stops_services_then_nats_quietly) and show at debug, warnings and errors always."""
+    code, before, after = up_on_a_terminal(tmp_path, "info")
 
     assert code == 0, after
+    lines = before.strip().splitlines()
+    assert lines[0] == "asyncinfer is starting: NATS, the gateway, the scheduler, a batcher and the console ...", before
+    assert lines[1] == "asyncinfer is up", before
+    assert not re.search(r"\[info\s*\]", before), before
+
+
+def test_ctrl_c_on_a_terminal_at_debug_shows_each_services_stop(tmp_path: Path) -> None:
+    code, before, after = up_on_a_terminal(tmp_path, "debug")
+
+    assert code == 0, after
+    starts = ["nats_server_started", "gateway_started", "scheduler_started", "batcher_started", "console_started"]
+    assert all(re.search(rf"\] {event}\s", before) for event in starts), before
     stops = ["console_stopped", "batcher_stopped", "scheduler_stopped", "gateway_stopped", "nats_server_stopped"]
     assert all(re.search(rf"\] {event}\s", after) for event in stops), after
     assert re.search(r"^asyncinfer stopped in \d+\.\d s", after, re.MULTILINE), after

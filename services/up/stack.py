@@ -125,11 +125,18 @@ class EmbeddedNats:
         self._context.run(self._log.info, "nats_server_stopped")
 
 
-async def run_up(config: Config, *, tls: bool = False, on_stopping: Callable[[], None] | None = None) -> int:
+async def run_up(
+    config: Config,
+    *,
+    tls: bool = False,
+    on_stopping: Callable[[], None] | None = None,
+    on_serving: Callable[[], None] | None = None,
+) -> int:
     """The whole stack in one process, on the embedded nats-server; the exit code. NATS starts
     first and stops last; each service's log lines name it. With `tls`, every server and the
     embedded NATS speak TLS with a local development CA (services/dev_ca.py). `on_stopping` is
-    called once as the stop begins (StopSignal's)."""
+    called once as the stop begins (StopSignal's), `on_serving` once everything serves, just
+    after the banner (a terminal's info lines show from there: logs.QuietStop)."""
     nats_args: tuple[str, ...] = ()
     ca_file: str | None = None
     if tls:
@@ -148,13 +155,17 @@ async def run_up(config: Config, *, tls: bool = False, on_stopping: Callable[[],
             await asyncio.to_thread(lock.acquire)
         except OSError as exc:
             raise unusable_store(Path(config.embedded_nats.store_dir), exc) from None
-        return await _run_up(config, given_tls=(nats_args, ca_file), on_stopping=on_stopping)
+        return await _run_up(config, given_tls=(nats_args, ca_file), on_stopping=on_stopping, on_serving=on_serving)
     finally:
         lock.release()
 
 
 async def _run_up(
-    config: Config, *, given_tls: tuple[tuple[str, ...], str | None], on_stopping: Callable[[], None] | None
+    config: Config,
+    *,
+    given_tls: tuple[tuple[str, ...], str | None],
+    on_stopping: Callable[[], None] | None,
+    on_serving: Callable[[], None] | None = None,
 ) -> int:
     nats_args, ca_file = given_tls
     given = config
@@ -198,6 +209,8 @@ async def _run_up(
             banner(config, state, nats.server.url, dev_secret=config.webhooks != given.webhooks, ca_file=ca_file),
             flush=True,
         )
+        if on_serving is not None:
+            on_serving()
 
     try:
         return await run_until_stopped(
