@@ -49,6 +49,7 @@ from asyncinfer.commands.output import (
     job_json,
     job_summary,
     job_text,
+    local_time,
     print_json,
     print_table,
     report_error,
@@ -434,20 +435,27 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
                 if options.json:
                     print_json(job_json(job))
                     continue
-                created = job.create_time.astimezone().strftime("%Y-%m-%d %H:%M:%S") if job.create_time else "-"
-                labels_text = ",".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
-                rows.append([job.job_id, job.model_name, job.state.value, job.priority.value, created, labels_text])
+                rows.append(job_row(job))
     if not options.json and not rows:
         # Said plainly: the table's header alone read as a listing that failed. --json: no lines.
         print(_no_jobs(states, args.model, labels), flush=True)
     elif not options.json:
-        print_table(["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"], rows)
+        print_table(JOB_COLUMNS, rows)
     if more:  # said beside the list, not in it (a script reads stdout), as `batch list` does
         print(
             f"asyncinfer: more jobs than these {shown} (newest first); --limit N shows more, --limit 0 all",
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+JOB_COLUMNS = ["JOB_ID", "MODEL", "STATE", "PRIORITY", "CREATED", "LABELS"]
+
+
+def job_row(job: Job) -> list[str]:
+    """`list`'s row of a job (JOB_COLUMNS)."""
+    labels = ",".join(f"{k}={v}" for k, v in sorted(job.labels.items()))
+    return [job.job_id, job.model_name, job.state.value, job.priority.value, local_time(job.create_time), labels]
 
 
 def _no_jobs(states: list[str], model: str, labels: dict[str, str]) -> str:

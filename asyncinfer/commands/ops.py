@@ -31,6 +31,7 @@ from asyncinfer.commands.output import (
     UsageError,
     attempts_counted_text,
     console,
+    local_time,
     print_json,
     print_table,
     rich_table,
@@ -225,9 +226,14 @@ def dead_letter_row(letter: dict[str, Any]) -> list[str]:
         letter["tenant"],
         letter["reason"],
         attempts_text(letter),
-        letter["dead_time"] or "-",
+        _dead_time(letter),
         f"{error['reason']}: {error['message']}" if error else "",
     ]
+
+
+def _dead_time(letter: dict[str, Any]) -> str:
+    """When the letter's job died, as the CLI's text shows a time (its JSON: ISO 8601 in UTC)."""
+    return local_time(datetime.fromisoformat(letter["dead_time"])) if letter["dead_time"] else "-"
 
 
 def dead_letter_text(letter: dict[str, Any]) -> str:
@@ -239,7 +245,7 @@ def dead_letter_text(letter: dict[str, Any]) -> str:
         f"model       {letter['model_name']}",
         f"reason      {letter['reason']}",
         f"attempts    {attempts_text(letter)}",
-        f"dead        {letter['dead_time'] or '-'}",
+        f"dead        {_dead_time(letter)}",
     ]
     error = letter["last_error"]
     if error is not None:

@@ -176,8 +176,21 @@ def _seconds(value: float | None) -> str:
     return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
 
 
+# The one format of a date and time in the CLI's text (tables, `get`, `dlq show`): the local time
+# to the second, as `list` printed it; `get` printed ISO 8601 with milliseconds and the offset
+# (2026-12-07T14:03:21.042+01:00) and `dlq list` ISO 8601 in UTC. A live line (watch, batch watch,
+# stats) or an estimate (starts about, finishing about) shows the time of day of the same clock
+# (watch's lines to the millisecond); --json, ISO 8601 in UTC.
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def local_time(value: datetime | None) -> str:
+    """A date and time as the CLI's text shows one: local, to the second ("-" for none)."""
+    return value.astimezone().strftime(TIME_FORMAT) if value is not None else "-"
+
+
 def _time(value: datetime | None) -> str:
-    return value.astimezone().isoformat(timespec="milliseconds") if value is not None else "-"
+    return local_time(value)
 
 
 def _violations(violations: tuple[FieldViolation, ...]) -> list[str]:

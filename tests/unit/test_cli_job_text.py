@@ -78,7 +78,7 @@ def test_a_jobs_callback_and_its_deliveries_are_shown() -> None:
     lines = job_text(job).splitlines()
     at = lines.index("callback    http://127.0.0.1:8765/hook")
     assert lines[at + 1] == "  webhook   COMPLETED DELIVERED (HTTP 200, 1 attempt)"
-    assert lines[at + 2].startswith("  webhook   RUNNING PENDING (HTTP 503, 2 attempts, next 2026-12-06T01:40")
+    assert lines[at + 2].startswith("  webhook   RUNNING PENDING (HTTP 503, 2 attempts, next 2026-12-06 01:40")
 
 
 def test_a_models_versions_read_in_one_cell() -> None:
@@ -144,3 +144,50 @@ def test_a_queued_job_says_how_many_jobs_are_ahead_and_when_it_should_start() ->
     assert "queue       2 jobs ahead, waiting: -" in job_text(third).splitlines()
     second = dataclasses.replace(third, queue=QueuePosition(position=1, estimated_start_time=None, waiting_reason=None))
     assert job_summary(second) == "j1  QUEUED  1 job ahead"
+
+
+def test_every_date_and_time_the_cli_prints_is_local_to_the_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One instant printed three ways: `list` "2026-12-07 01:40:05" (local), `get`
+    "2026-12-07T01:40:05.123+02:00" (ISO 8601 with milliseconds and the offset) and `dlq list` /
+    `dlq show` "2026-12-06T23:40:05.123+00:00" (ISO 8601 in UTC, the JSON field as it is). Each is
+    the local time to the second now (output.TIME_FORMAT); --json keeps ISO 8601 in UTC."""
+    import time
+
+    from google.protobuf import timestamp_pb2
+
+    from asyncinfer.commands.jobs import job_row
+    from asyncinfer.commands.ops import dead_letter_json, dead_letter_row, dead_letter_text
+    from asyncinfer.commands.output import job_json
+    from asyncinfer.v1 import ops_service_pb2
+
+    monkeypatch.setenv("TZ", "XYZ-2")  # POSIX: two hours east of UTC, no zone database needed
+    time.tzset()
+    try:
+        instant = datetime(2026, 12, 6, 23, 40, 5, 123000, tzinfo=UTC)
+        shown = "2026-12-07 01:40:05"
+        job = a_job(
+            create_time=instant,
+            end_time=instant,
+            callback=Callback("http://127.0.0.1:8765/hook"),
+            callback_deliveries=(delivery(CallbackDeliveryState.PENDING, next_attempt_time=instant),),
+        )
+        assert job_row(job)[4] == shown
+        text = job_text(job)
+        assert f"created     {shown}\n" in text
+        assert f"ended       {shown}\n" in text
+        assert f"next {shown})" in text
+        assert job_json(job)["create_time"] == "2026-12-06T23:40:05.123000+00:00"
+
+        stamp = timestamp_pb2.Timestamp()
+        stamp.FromDatetime(instant)
+        letter = dead_letter_json(
+            ops_service_pb2.DeadLetter(
+                sequence=1, job_id="j1", model_name="demo", reason="MAX_ATTEMPTS", dead_time=stamp
+            )
+        )
+        assert letter["dead_time"] == "2026-12-06T23:40:05.123+00:00"  # --json
+        assert dead_letter_row(letter)[6] == shown
+        assert f"dead        {shown}" in dead_letter_text(letter).splitlines()
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
