@@ -233,6 +233,17 @@ async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monke
     assert "the models served are: " in err
     assert "demo" in err
     assert "JSON" not in err
+    # No inputs: what the model takes (it said only 'no inputs: give --input NAME=VALUE (or "inputs"
+    # in the request file)'), and for a model not served, that first (it said "no inputs" too).
+    code, out, err = await cli("submit", "demo")
+    assert (code, out) == (2, ""), err
+    assert err == (
+        "asyncinfer: no inputs: model 'demo' takes x: FP32 of shape [-1, 4] (-1: any size); give -i 'x=JSON' "
+        '(or NAME=@file.npy), or "inputs" in a request file (--request FILE)\n'
+    )
+    code, out, err = await cli("submit", "nosuch")
+    assert (code, out) == (3, ""), err
+    assert err.startswith("asyncinfer: error: NOT_FOUND MODEL_NOT_FOUND: unknown model 'nosuch'"), err
     # Malformed arguments never reach the gateway: usage error (2).
     code, _, err = await cli("submit", "demo", "--input", "x=[1,2")
     assert code == 2

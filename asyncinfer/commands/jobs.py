@@ -213,8 +213,25 @@ def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: 
         changes["callback"] = Callback(args.callback)
     request = dataclasses.replace(request, **changes)
     if request.inputs is None and not request.input_ref:
-        raise UsageError('no inputs: give --input NAME=VALUE (or "inputs" in the request file)')
+        signatures.require(request.model)  # a model the gateway does not serve is said as such first
+        raise UsageError(_no_inputs(signatures, request))
     return request
+
+
+def _no_inputs(signatures: Signatures, request: JobRequest) -> str:
+    """A submit without inputs, with what the model takes where its signature is known: it said
+    only 'no inputs: give --input NAME=VALUE (or "inputs" in the request file)' (`submit demo`)."""
+    signature = signatures.by_version.get((request.model, request.model_version)) or signatures.by_model.get(
+        request.model
+    )
+    if signature is None or not signature.inputs:
+        return 'no inputs: give --input NAME=VALUE (or "inputs" in the request file)'
+    takes = ", ".join(spec.summary() for spec in signature.inputs)
+    each = " ".join(f"-i '{spec.name}=JSON'" for spec in signature.inputs)
+    return (
+        f"no inputs: model {request.model!r} takes {takes} (-1: any size); give {each} "
+        f'(or NAME=@file.npy), or "inputs" in a request file (--request FILE)'
+    )
 
 
 def read_value_json(text: str, where: str) -> Any:
