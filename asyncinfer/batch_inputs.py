@@ -80,7 +80,10 @@ def _typed(spec: TensorSpec, value: Any) -> npt.NDArray[Any]:
         if misplaced := booleans_misplaced(value, spec.datatype, typed):
             raise RecordInvalid(f"input {spec.name!r} {misplaced}")
         if typed is None:
-            raise RecordInvalid(f"input {spec.name!r} {_not_typed(value, spec.datatype)}")
+            # With what the model takes, as the CLI's -i and the SDK's refusals say it.
+            raise RecordInvalid(
+                f"input {spec.name!r} {_not_typed(value, spec.datatype)}; the model takes {spec.summary()}"
+            )
         array = typed
     array = as_one_row(array, spec)
     if array.ndim != len(spec.shape) or any(

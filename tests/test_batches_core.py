@@ -247,7 +247,9 @@ def test_lines_that_do_not_fit_say_why() -> None:
     assert "one row" in error('{"custom_id": "a", "inputs": {"x": [[1, 2, 3, 4], [1, 2, 3, 4]]}}')
     assert "missing input 'x'" in error('{"custom_id": "a", "inputs": {}}')
     assert "FP32" in error('{"custom_id": "a", "inputs": {"x": [["a", "b", "c", "d"]]}}')
-    assert error('{"inputs": {"x": [[1e300, 2, 3, 4]]}}') == "input 'x' has 1e+300, past FP32's range (±3.4028235e+38)"
+    assert error('{"inputs": {"x": [[1e300, 2, 3, 4]]}}') == (
+        "input 'x' has 1e+300, past FP32's range (±3.4028235e+38); the model takes x: FP32 of shape [-1, 4]"
+    )
     assert error("{nope") == "not a JSON line: Expecting property name enclosed in double quotes at column 2"
     # Another field is a mistake to name, not to skip: a typo of custom_id, or a bulk line's model.
     assert error('{"custom-id": "a", "inputs": {"x": [[1, 2, 3, 4]]}}') == (
@@ -303,7 +305,10 @@ def test_a_value_its_datatype_cannot_hold_is_an_error_line_saying_why() -> None:
         )
         if isinstance(result, ErrorLine):
             assert (result.line, result.code) == (3, "INVALID_ARGUMENT")
-            return result.message
+            # Each ends with what the model takes, as the CLI's -i and the SDK say it (session 33).
+            takes = f"; the model takes ids: {datatype} of shape [-1, 2]"
+            assert result.message.endswith(takes), result.message
+            return result.message.removesuffix(takes)
         return list(result[1]["ids"].tolist())
 
     assert parsed('{"inputs": {"ids": [[1.5, 2]]}}', "INT64") == (
