@@ -18,11 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
 from asyncinfer.cli import main
-from asyncinfer.client import AsyncClient, WaitingReason
+from asyncinfer.client import AsyncClient, DeadlineExceededError, WaitingReason
 from asyncinfer.config import Config, ModelVersionConfig, TensorSpecConfig, render_default_config
 from asyncinfer.ids import new_job_id
 from services.batcher.models import demo
@@ -296,6 +297,27 @@ async def test_empty_listings_say_so_plainly(idle_stack: Stack, monkeypatch: pyt
     ):
         assert await cli(*argv) == (0, expected, ""), argv
         assert await cli(*argv, "--json") == (0, "", ""), argv
+
+
+async def test_a_deadline_not_of_timeout_ends_a_wait_as_any_error(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one line of a wait cut short names --timeout: without one, a DEADLINE_EXCEEDED (one a
+    gateway or a proxy gave) is said as any error is, the job named, not as a --timeout of None."""
+
+    async def exceeded(*_args: Any, **_kwargs: Any) -> Any:
+        raise DeadlineExceededError("the watch did not complete", code=grpc.StatusCode.DEADLINE_EXCEEDED)
+        yield  # an async generator, as the SDK's watch
+
+    monkeypatch.setattr(AsyncClient, "watch", exceeded)
+    cli = Cli(idle_stack, monkeypatch)
+    argv = ["--gateway", idle_stack.address, "submit", "demo", "-i", "x=[[1,2,3,4]]", "--wait"]
+    code, out, err = await asyncio.to_thread(cli._run, argv)
+    assert (code, out) == (5, ""), err
+    queued, error = err.splitlines()
+    job_id = queued.split()[2]
+    assert queued == f"asyncinfer: job {job_id} was queued and goes on; follow it with `asyncinfer watch {job_id}`"
+    assert error.startswith("asyncinfer: error: DEADLINE_EXCEEDED: "), err
 
 
 # -- watch, cancel, list -------------------------------------------------------------------------

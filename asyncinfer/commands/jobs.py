@@ -280,6 +280,9 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
                     done = await client.wait(last, timeout_s=options.timeout_s)
                     last = done
         except DeadlineExceededError:
+            if options.timeout_s is None:  # not our --timeout (a deadline of the gateway's): as any error
+                _goes_on(job)
+                raise
             # One line, where two said it (this one and the watch's DEADLINE_EXCEEDED error): the
             # job, where it stands, and how to go on. Exit 5, as before.
             print(
@@ -290,13 +293,18 @@ async def submit_command(args: argparse.Namespace, options: Options) -> int:
             )
             return EXIT_UNAVAILABLE
         except BaseException:
-            print(
-                f"asyncinfer: job {job.job_id} was queued and goes on; follow it with `asyncinfer watch {job.job_id}`",
-                file=sys.stderr,
-                flush=True,
-            )
+            _goes_on(job)
             raise
         return await _show_finished(client, last, options)
+
+
+def _goes_on(job: Job) -> None:
+    """A wait that ended otherwise than with the job's end (Ctrl-C, an error): the job was queued."""
+    print(
+        f"asyncinfer: job {job.job_id} was queued and goes on; follow it with `asyncinfer watch {job.job_id}`",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _show_finished(client: AsyncClient, job: Job, options: Options) -> int:
