@@ -437,6 +437,14 @@ def untyped_reason(array: npt.NDArray[Any], datatype: str, written: Any = None) 
         return f"is {array.dtype}, not {'numbers' if kind == 'b' else 'booleans (True or False)'}"
     target = NUMPY_DTYPES[datatype]
     if target.kind in "iu" and kind == "f":
+        if written is not None and not isinstance(written, list | tuple | float):
+            # An array (numpy's, torch's) has a dtype its owner chose: "write 2, not 2.0" is no help.
+            torch = type(written).__module__.split(".")[0] == "torch"
+            convert = f".to(torch.{target.name})" if torch else f".astype(np.{target.name})"
+            return (
+                f"is {array.dtype}: {datatype} takes integers (convert it with {convert}, which drops fractions, "
+                "where that is meant)"
+            )
         # Whole or not, named: "has 2.0, a float: INT64 takes integers (write 2, not 2.0)".
         return cast_change(array, datatype, written) or f"is {array.dtype}: {datatype} takes integers"
     if target.kind == "f":

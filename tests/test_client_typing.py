@@ -138,6 +138,11 @@ def test_untyped_reason_says_why_typed_as_declined() -> None:
     assert reason([3, 2**40], "INT32") == "has 1099511627776, past INT32's range (-2147483648 to 2147483647)"
     assert reason([-1], "UINT8") == "has -1, past UINT8's range (0 to 255)"
     assert reason([1.5], "INT64") == "has 1.5, not a whole number: INT64 takes whole numbers"
+    # A numpy array's dtype was chosen: how to convert it, not how to write a value.
+    floats = np.array([[1.0, 2.0]])
+    assert untyped_reason(floats, "INT64", floats) == (
+        "is float64: INT64 takes integers (convert it with .astype(np.int64), which drops fractions, where that is meant)"
+    )
     # The first value written as a float, where the SDK has the values as given ([1, 2.0] is [1.0, 2.0] to numpy).
     written = [[1, 2.0]]
     assert untyped_reason(np.asarray(written), "INT64", written) == (
@@ -178,6 +183,8 @@ async def test_a_pinned_version_is_typed_by_its_own_signature(config: Config, st
         # A whole float too, as the CLI's -i and a JSONL batch line refuse it, naming the value.
         with pytest.raises(InvalidArgumentError) as whole:
             await client.submit("demo", {"x": [[2.0, 2, 3, 4]]}, model_version="2")
+        with pytest.raises(InvalidArgumentError) as array:  # an array: how to convert it
+            await client.submit("demo", {"x": np.ones((1, 4))}, model_version="2")
     assert (pinned.model_version, default.model_version) == ("2", "")
     assert result.error is None, result.error
     assert [v.description for v in raised.value.violations] == [
@@ -187,6 +194,11 @@ async def test_a_pinned_version_is_typed_by_its_own_signature(config: Config, st
     assert [v.description for v in whole.value.violations] == [
         "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it has 2.0, a float: INT64 takes "
         "integers (write 2, not 2.0); model 'demo' takes x: INT64 of shape [-1, 4]"
+    ]
+    assert [v.description for v in array.value.violations] == [
+        "input 'x' must be INT64, got 'FP64': the SDK did not convert it, as it is float64: INT64 takes integers "
+        "(convert it with .astype(np.int64), which drops fractions, where that is meant); model 'demo' takes x: "
+        "INT64 of shape [-1, 4]"
     ]
 
 
