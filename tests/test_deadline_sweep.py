@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 from structlog.testing import capture_logs
-from test_scheduler import FakeBatcher
+from test_scheduler import FakeBatcher, until
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import DEMO_MODEL, Config
@@ -209,7 +209,12 @@ async def test_a_paused_queues_job_put_back_on_another_scheduler_is_swept_and_le
         jobs_kv = await stack.nc.jetstream().key_value(stack.config.nats.jobs_bucket)
         (record,) = (await expired_records(jobs_kv, {job_id})).values()
         assert (record.attempt, record.given_back_attempts) == (1, 1)  # put back on A, then swept by B
-        assert b.deadline_sweep.jobs_expired == 1
+        sweep = b.deadline_sweep
+
+        async def counted_by_b() -> bool:  # its count follows its write, which the record shows first
+            return sweep.jobs_expired == 1
+
+        await until(counted_by_b)
         await depth_until(ops, 0)
         consumer = work_consumer_name(DEMO_MODEL.name, Priority.NORMAL)
         info = await stack.nc.jetstream().consumer_info(stack.config.nats.work_stream, consumer)
