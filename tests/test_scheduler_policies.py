@@ -2404,6 +2404,73 @@ async def test_a_job_both_schedulers_put_back_unrun_counts_once_in_the_merged_de
     assert normal.depth == 1, f"one job waits; B's GetQueueStats says {normal.depth}"
 
 
+@pytest.mark.parametrize("gone", ["restarted", "stopped_beside_another"])
+async def test_a_job_put_back_by_a_scheduler_since_gone_counts_in_the_depth_and_the_desired_batchers(
+    start: Start, config: Config, gone: str
+) -> None:
+    """A job its batcher shed (no credit back) is nak'ed at once: the consumer holds it delivered
+    and unacknowledged, in its redelivery queue, until a pull comes for it, and a scheduler pulls
+    only for a batcher with a free credit. Its putter counted it (its put-backs); once that
+    scheduler was gone (restarted in place, or stopped or killed while another runs) nobody did:
+    the queue said depth 0 and asyncinfer_desired_batchers 0 while the job waited, for as long as
+    no batcher came, so an autoscaler on that signal never started the one that would pull it.
+    Now the consumer's unacknowledged deliveries beyond the jobs in flight and put back that the
+    reporting schedulers account for count as waiting; once the job ran, nothing is left over."""
+    settings = {"queue_stats_interval_s": 0.2, "scheduler_id": "sched-a"}
+    a = await start(tune(config).replace(scheduler=settings))
+    beside = None
+    if gone == "stopped_beside_another":
+        beside = await start(tune(config).replace(scheduler={**settings, "scheduler_id": "sched-b"}))
+    on_a = await a.batcher("on-a", credits=1)
+    job_id = await enqueue(a.nc, a.kv)
+    order = await on_a.next_order()
+    await wait_state(a.js, job_id, JobState.RUNNING)
+    shed = worker_service_pb2.WorkResult(job_id=job_id, attempt=order.attempt, dropped=True)
+    await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))  # no credit back
+    await wait_state(a.js, job_id, JobState.QUEUED)
+    queues = a.dispatcher().queues
+
+    async def put_back_on_a() -> bool:
+        return queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(put_back_on_a)
+    await a.close()
+    await a.app.stop(grace_s=0.5)
+    left = beside if beside is not None else await start(tune(config).replace(scheduler=settings))
+    await StatsRounds(left.app).wait(2)
+    stream = left.app.config.nats.work_stream
+    info = await left.js.consumer_info(stream, work_consumer_name(MODEL, Priority.NORMAL))
+    # Still held, not redelivered: nothing pulls it.
+    assert (info.num_pending, info.num_ack_pending) == (0, 1)
+    assert (await read_record(left.js, job_id)).state is JobState.QUEUED
+    request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+    (model,) = (await left.ops.GetQueueStats(request)).models
+    normal = next(q for q in model.priorities if q.priority == job_pb2.PRIORITY_NORMAL)
+    assert (normal.depth, model.in_flight, model.desired_batchers) == (1, 0, 1), f"GetQueueStats: {model}"
+
+    def gauge() -> float:
+        return float(left.app.metrics.desired_batchers.labels(model=MODEL)._value.get())
+
+    async def asks_for(count: int) -> bool:
+        return gauge() == count
+
+    try:
+        await until(lambda: asks_for(1))
+    except AssertionError:
+        raise AssertionError(f"asyncinfer_desired_batchers: {gauge()}") from None
+    batcher = await left.batcher("late", credits=1)  # the batcher it asked for pulls the job
+    again = await batcher.next_order()
+    assert again.job_id == job_id
+    await batcher.answer(again)
+    await wait_state(left.js, job_id, JobState.SUCCEEDED)
+    try:
+        await until(lambda: asks_for(0))
+    except AssertionError:
+        raise AssertionError(f"asyncinfer_desired_batchers once the job ran: {gauge()}") from None
+    (model,) = (await left.ops.GetQueueStats(request)).models
+    assert sum(q.depth for q in model.priorities) == 0, f"GetQueueStats once the job ran: {model}"
+
+
 async def test_a_job_another_scheduler_put_back_ages_this_ones_queue(start: Start, config: Config) -> None:
     """Priority aging read each scheduler's own view of a queue: the pending's first message and its
     own put-backs. A LOW job A's batcher shed (and A has no credit left to pull it again) is A's

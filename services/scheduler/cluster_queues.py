@@ -9,6 +9,18 @@ after) and answers from the merge of its own snapshot, just taken, with the othe
 snapshot, `stopped`, from the same view (asyncinfer.snapshot_merge.stopped_snapshot). The others'
 snapshots are fresh by this scheduler's monotonic clock, as a gateway's (asyncinfer.snapshot_freshness):
 their hosts' wall clocks may be skewed against its own.
+
+A job put back (nak'ed) waits in its consumer's redelivery queue, delivered and unacknowledged,
+until a pull comes for it, and a scheduler pulls only for a batcher with a free credit; only its
+putter counted it. Once that scheduler is gone (restarted, or stopped or killed while another
+runs) nobody did, for as long as no batcher came: depth 0, desired batchers 0, and an autoscaler on
+that signal never started the batcher that would pull it. So the cluster's view also counts as
+waiting the consumers' unacknowledged deliveries (as this scheduler just read them) beyond what the
+reporting schedulers account for, their jobs in flight and put back (`unclaimed_deliveries`): a
+queue's backlog is its pending plus the larger of its unacknowledged deliveries and the jobs in
+flight and put back, the count the gateway's admission already makes of the consumers
+(services.gateway.queue_view). A job another scheduler pulled since its last snapshot counts so
+for a round (waiting rather than in flight: the backlog the same).
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client, JetStreamContext
 from asyncinfer.queues import QueueSnapshot
 from asyncinfer.snapshot_merge import ClusterQueue, cluster_queue, stopped_snapshot
@@ -94,7 +107,7 @@ class ClusterQueues:
             return merged.desired_batchers
         return self.desire(
             own.model_name,
-            waiting=merged.total_depth,
+            waiting=merged.total_depth + sum(unclaimed_deliveries(own, merged).values()),
             in_flight=merged.in_flight,
             connected=merged.connected_batchers,
             completed_per_s=cluster.completed_per_s,  # every scheduler's: a batcher's throughput
@@ -102,6 +115,15 @@ class ClusterQueues:
         )
 
     def _cluster_priorities(self, own: ModelQueueSnapshot, merged: QueueSnapshot) -> tuple[PriorityQueueSnapshot, ...]:
+        unclaimed = unclaimed_deliveries(own, merged)
+        return tuple(
+            dataclasses.replace(queue, depth=queue.depth + unclaimed[queue.priority])
+            if unclaimed.get(queue.priority)
+            else queue
+            for queue in self._merged_priorities(own, merged)
+        )
+
+    def _merged_priorities(self, own: ModelQueueSnapshot, merged: QueueSnapshot) -> tuple[PriorityQueueSnapshot, ...]:
         priorities = []
         for queue in own.priorities:
             cluster = merged.priorities.get(queue.priority.value)
@@ -150,3 +172,32 @@ class ClusterQueues:
             if own is not None and not own.snapshot.stopped:
                 last.append(stopped_snapshot(own.snapshot, latest, now=now, wall_time=wall_time))
         return last
+
+
+def unclaimed_deliveries(own: ModelQueueSnapshot, merged: QueueSnapshot) -> dict[Priority, int]:
+    """The deliveries the model's consumers hold unacknowledged (`own`'s `ack_pending`, as this
+    scheduler just read them) beyond what the reporting schedulers account for (`merged`: their
+    put-backs, each priority's, and their jobs in flight, the model's): jobs put back by a scheduler
+    since gone, waiting until a pull comes. By priority, where a priority's deliveries exceed its
+    put-backs; the jobs in flight (the model's, by no priority) are taken from those first, so the
+    rest is counted from the lowest priority up (jobs in flight were more likely the higher ones').
+    A priority not read (a pull of this scheduler held open there: a job that can be delivered
+    comes to it at once) counts none. Never below what is known: better a batcher asked for a
+    round too long than a job nobody counts."""
+    excess: dict[Priority, int] = {}
+    for queue in own.priorities:
+        if queue.ack_pending is None:
+            continue
+        cluster = merged.priorities.get(queue.priority.value)
+        put_back = cluster.put_back if cluster is not None else queue.put_back
+        excess[queue.priority] = max(queue.ack_pending - put_back, 0)
+    left = sum(excess.values()) - merged.in_flight
+    unclaimed: dict[Priority, int] = {}
+    for priority in reversed(PRIORITIES_BY_RANK):
+        if left <= 0:
+            break
+        counted = min(excess.get(priority, 0), left)
+        if counted:
+            unclaimed[priority] = counted
+            left -= counted
+    return unclaimed

@@ -52,7 +52,11 @@ class PriorityQueueSnapshot:
     # pending, every scheduler's alike), and when the oldest of them past its backoff was stored.
     put_back: int = 0
     put_back_oldest_create_time: float | None = None
-    # The consumer's unacknowledged deliveries, read with the put-backs (None: not read).
+    # The consumer's unacknowledged deliveries, as read with the depth (0 where the stream holds no
+    # message of the queue; None: not read, a pull of this scheduler held open on the queue). The
+    # shared form carries them only with put-backs (asyncinfer.snapshot_merge caps the put-backs by
+    # them); the cluster's view counts those no scheduler accounts for
+    # (services.scheduler.cluster_queues.unclaimed_deliveries).
     ack_pending: int | None = None
 
 
@@ -102,7 +106,7 @@ class ModelQueueSnapshot:
                     newest_create_time=q.newest_create_time,
                     put_back=q.put_back,
                     put_back_oldest_create_time=q.put_back_oldest_create_time,
-                    ack_pending=q.ack_pending,
+                    ack_pending=q.ack_pending if q.put_back else None,
                 )
                 for q in self.priorities
             },
@@ -322,7 +326,8 @@ class QueueStatsReader:
             # `asyncinfer up`'s 5 models, more than everything else it asked while idle.
             return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None)
         if not put_back and occupied is not None and (model_name, priority.subject_token) not in occupied:
-            return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None)  # no message of it stored
+            # No message of it stored: none waits, and none is delivered unacknowledged either.
+            return PriorityQueueSnapshot(priority=priority, depth=0, oldest_age_s=None, ack_pending=0)
         stream = self._config.nats.work_stream
         info = await consumer_counts(
             self._nc, stream, work_consumer_name(model_name, priority), timeout_s=ATTEMPT_TIMEOUT_S
@@ -366,7 +371,7 @@ class QueueStatsReader:
             newest_create_time=newest_create_time,
             put_back=put_back,
             put_back_oldest_create_time=put_back_oldest,
-            ack_pending=info.num_ack_pending if put_back else None,
+            ack_pending=info.num_ack_pending,
         )
 
     async def _newest_create_time(self, stream: str, model_name: str, priority: Priority) -> float | None:
