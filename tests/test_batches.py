@@ -223,6 +223,10 @@ async def test_a_line_over_the_limit_is_one_error_line_and_is_not_held_whole(
 
 
 async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: StartStack) -> None:
+    """A batch failed at validation never ran, and reads so (as OpenAI's Batch API's: failed_at,
+    never in_progress_at): no in_progress_time, no chunks, and on the console's page no "in progress
+    since" nor a link to chunk jobs it never had. (It said in progress since its failure, chunks 0
+    of 1, and linked an empty jobs list.)"""
     stack = await start_stack(batch_config(config, max_invalid_fraction=0.1))
     stub = batches_stub(stack.channel)
     data = jsonl(demo_records(10)) + b"nonsense\n" * 5
@@ -231,6 +235,33 @@ async def test_too_many_bad_lines_fail_the_batch(config: Config, start_stack: St
     assert batch.state == batch_service_pb2.BATCH_STATE_FAILED
     assert "5 of 15 lines failed validation" in batch.failure_message
     assert len(await errors(stub, batch.batch_id)) == 5
+    assert await outputs(stub, batch.batch_id) == []
+    got = (await stub.GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch.batch_id))).batch
+    assert got.HasField("end_time")
+    assert not got.HasField("in_progress_time"), "a batch failed at validation never ran"
+    assert (got.chunks_total, got.chunks_done) == (0, 0)
+    counts = got.request_counts
+    assert (counts.total, counts.completed, counts.failed) == (15, 0, 5)
+    assert got.records_per_second == 0
+    assert not got.HasField("estimated_finish_time")
+    console = ConsoleApp(
+        stack.config.replace(
+            console={"port": 0, "gateway_address": stack.address, "scheduler_address": stack.ops_address}
+        )
+    )
+    await console.start()
+    try:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(f"{console.url}batches/{batch.batch_id}") as page,
+        ):
+            text = await page.text()
+    finally:
+        await console.stop()
+    assert "5 of 15 lines failed validation" in text
+    assert "<tr><td>in progress since</td><td>-</td></tr>" in text
+    assert "<tr><td>chunks</td><td>-</td></tr>" in text
+    assert 'id="chunk-jobs"' not in text
 
 
 async def test_an_input_format_the_file_is_not_fails_the_batch_saying_what_it_is(

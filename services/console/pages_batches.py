@@ -136,7 +136,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
             + ui.h(f" {batch.completed} done, {batch.failed} failed of {batch.total or '?'}"),
         ),
         ("records/s", _rate(batch)),
-        ("chunks", ui.h(f"{batch.chunks_done} of {batch.chunks_total} ended") + _chunk_jobs_link(batch)),
+        ("chunks", _chunks(batch)),
         ("model", ui.h(f"{batch.model_name} {batch.model_version}".strip())),
         ("priority", ui.h(batch.priority or "-")),
         ("max attempts per chunk", ui.h(batch.max_attempts or "the model's default")),
@@ -183,6 +183,14 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         else:
             parts.append('<p class="note">read-only: cancelling needs a console that may act</p>')
     return "".join(parts)
+
+
+def _chunks(batch: Batch) -> str:
+    """How far its chunk jobs are: none before its plan is made, nor for a batch that failed before
+    any ran (it said 0 of 0 ended)."""
+    if not batch.chunks_total:
+        return "-"
+    return ui.h(f"{batch.chunks_done} of {batch.chunks_total} ended") + _chunk_jobs_link(batch)
 
 
 def _chunk_jobs_link(batch: Batch) -> str:

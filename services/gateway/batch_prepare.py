@@ -220,13 +220,15 @@ class Preparer:
             span.set("asyncinfer.invalid_records", prepared.invalid)
             span.set("asyncinfer.chunks", len(prepared.chunks))
         changes = {
-            "chunks": tuple(prepared.chunks),
             "total": prepared.total,
             "invalid_lines": prepared.invalid,
             "first_errors": merge_first_errors((), prepared.first_errors),
-            "in_progress_time": now,
             "input_format": input_format,
         }
+        # A batch that fails here never runs: as OpenAI's Batch API's failed validation (failed_at,
+        # never in_progress_at), it has no in_progress_time and no chunk plan, which GetBatch and
+        # the console showed as "in progress since" its failure and "chunks 0 of 1". Its chunks'
+        # objects, written already, expire with the batch's.
         if not prepared.total:
             # As OpenAI's Batch API fails an empty file (`empty_file`): a batch of nothing is
             # almost always the wrong file, and COMPLETED 0/0 would hide it.
@@ -239,7 +241,9 @@ class Preparer:
                 f"{self._config.max_invalid_fraction:g} (batches.max_invalid_fraction); see the error file"
             )
             return record.evolve(**changes, state=BatchState.FAILED, failure_message=message, end_time=now)
-        return record.evolve(**changes, state=BatchState.IN_PROGRESS)
+        return record.evolve(
+            **changes, chunks=tuple(prepared.chunks), in_progress_time=now, state=BatchState.IN_PROGRESS
+        )
 
     async def chunk_blob(self, record: BatchRecord, chunk: Chunk) -> BlobRef:
         """The stored inputs of a chunk; a half of a split chunk is cut from its parent's first."""
