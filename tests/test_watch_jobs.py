@@ -369,6 +369,67 @@ async def test_a_blocking_label_watch_refused_at_ready_leaves_nothing_open(
     assert made[1]._updates.ag_frame is None  # type: ignore[attr-defined]  # closed: nothing can resume it
 
 
+async def test_a_blocking_watch_closed_or_left_part_way_ends_its_stream_at_once(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The blocking client's watches are closed as files are: by close(), iterated or not, and at
+    the end of a `with` block, part-way; the gateway sees the stream end (its watcher gone) when
+    they return. They were generators: close() of one never started did nothing (a label watch's
+    stream, open once watch_jobs returned, stayed open until its objects were collected; here the
+    JobsWatch is held, as a traceback or a debugger's frame holds it), and `with` was a TypeError.
+    One dropped unclosed is closed when collected, without waiting there. (No timeout_s: a watch
+    that waits for its stream's deadline is not closed.)"""
+    hub = idle_stack.gateway.watch_hub
+    made: list[jobs_watch.JobsWatch] = []
+
+    class Recorded(jobs_watch.JobsWatch):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            made.append(self)
+
+    monkeypatch.setattr(_async_watch, "JobsWatch", Recorded)
+    async with AsyncClient(idle_stack.address) as submitter:
+        job = await submitter.submit("demo", {"x": X})  # no batcher: QUEUED, its watch never ends
+    client = await asyncio.to_thread(Client, idle_stack.address)
+    try:
+        # A label watch, its stream open (the gateway listens), closed before any `next`.
+        watch = await asyncio.to_thread(client.watch_jobs, labels={"run": "closed"})
+        assert hub.watcher_count == 1
+        await asyncio.to_thread(watch.close)
+        await until(lambda: hub.watcher_count == 0)
+        assert made[0]._updates.ag_frame is None  # type: ignore[attr-defined]  # closed: nothing resumes it
+        with pytest.raises(StopIteration):
+            next(watch)  # closed: it ends, as a closed generator does
+
+        # A job's watch left part-way by the end of a `with` block.
+        seen, checked = threading.Event(), threading.Event()
+
+        def left_part_way() -> Job:
+            with client.watch(job.job_id) as updates:
+                first = next(updates)
+                seen.set()
+                assert checked.wait(WAIT_S)
+            return first
+
+        leaving = asyncio.ensure_future(asyncio.to_thread(left_part_way))
+        assert await asyncio.to_thread(seen.wait, WAIT_S)
+        await until(lambda: hub.watcher_count == 1)
+        checked.set()
+        assert (await leaving).state is JobState.QUEUED
+        await until(lambda: hub.watcher_count == 0)
+
+        # A watch of IDs in a `with` block, never iterated, and one dropped after one `next`.
+        def never_iterated() -> None:
+            with client.watch_jobs([job.job_id]):
+                pass
+
+        await asyncio.to_thread(never_iterated)
+        assert await asyncio.to_thread(lambda: next(client.watch(job.job_id)).job_id) == job.job_id
+        await until(lambda: hub.watcher_count == 0)
+    finally:
+        await asyncio.to_thread(client.close)
+
+
 async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_header(
     idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,7 @@ from asyncinfer.batches import BatchState
 from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
-from asyncinfer.client._sync import Client
+from asyncinfer.client._sync import Client, StreamIterator
 from asyncinfer.client.batches import Batch, BatchError
 from asyncinfer.client.errors import (
     AlreadyExistsError,
@@ -99,6 +99,7 @@ __all__ = [
     "QueuePosition",
     "ResourceExhaustedError",
     "RetryPolicy",
+    "StreamIterator",
     "TensorSpec",
     "UnauthenticatedError",
     "UnavailableError",

@@ -15,7 +15,6 @@ import builtins
 import concurrent.futures
 import contextlib
 import os
-import sys
 import threading
 import uuid
 import warnings
@@ -57,7 +56,7 @@ T_co = TypeVar("T_co", covariant=True)
 
 
 class AsyncUpdates(Protocol[T_co]):
-    """What `_iterate` steps and closes: an async generator, or a JobsWatch."""
+    """What a StreamIterator steps and closes: an async generator, or a JobsWatch."""
 
     def __anext__(self) -> Awaitable[T_co]: ...
 
@@ -112,6 +111,99 @@ def _collected(loop: asyncio.AbstractEventLoop, client: AsyncClient, pid: int, t
         ResourceWarning,
         stacklevel=1,  # no caller's line to point at: the collector called it
     )
+
+
+# The closes of StreamIterators collected unclosed, under way on their clients' loops.
+_CLOSING: set[asyncio.Future[None]] = set()
+
+
+def _closed_there(task: asyncio.Future[None]) -> None:
+    _CLOSING.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: nobody waits for it, and its stream is ended either way
+
+
+class StreamIterator(Iterator[T]):
+    """What the blocking client's `watch`, `watch_jobs`, `watch_batch`, `list` and `bulk` return:
+    an iterator over a stream that, like a file, is closed by `close()` or at the end of a `with`
+    block, whether it was iterated to its end, part-way or not at all: its stream is ended before
+    `close()` returns, and the gateway stops sending. Iterated to its end, or to an error, it
+    closes itself. A closed one ends (StopIteration), as a closed generator does.
+
+    They were generators: one never started ignored `close()` (a label watch's stream, open once
+    `watch_jobs` returned, stayed open until its objects were collected) and none took `with`. One
+    dropped unclosed is still closed when it is collected (as soon as the last reference goes, in
+    CPython), without waiting there: a last resort, not a way to close it."""
+
+    def __init__(self, client: Client, updates: AsyncUpdates[T]) -> None:
+        self._client = client
+        self._updates = updates
+        self._closed = False
+
+    def __iter__(self) -> StreamIterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._closed:
+            raise StopIteration
+        updates = self._updates
+
+        async def step() -> tuple[bool, T | None]:
+            try:
+                return True, await anext(updates)
+            except StopAsyncIteration:
+                return False, None
+
+        try:
+            more, item = self._client._run(step())
+        except BaseException:
+            self._close(quietly=True)  # the error under way (Ctrl-C, the stream's) wins
+            raise
+        if not more:
+            self.close()
+            raise StopIteration
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Ends the stream (and waits for it to end); idempotent."""
+        self._close(quietly=False)
+
+    def _close(self, *, quietly: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._client._closed:  # its close() ended every stream already
+            return
+        if not quietly:
+            self._client._run(self._updates.aclose())
+            return
+        with contextlib.suppress(Exception):
+            self._client._run(self._updates.aclose())
+
+    def __enter__(self) -> StreamIterator[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._close(quietly=exc[1] is not None)
+
+    def __del__(self) -> None:
+        # Collected unclosed: the close is handed to the client's loop, not waited for here (the
+        # collector may be any thread, the loop's own among them, where waiting would never end).
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        client = self._client
+        if client._closed or os.getpid() != client._pid:
+            return
+        updates = self._updates
+
+        def close_there() -> None:  # made on the loop: a loop closed meanwhile leaves nothing unawaited
+            task = asyncio.ensure_future(updates.aclose())
+            _CLOSING.add(task)  # held until done (the loop keeps only a weak reference)
+            task.add_done_callback(_closed_there)
+
+        with contextlib.suppress(RuntimeError):  # the loop closed already (the interpreter exiting)
+            client._loop.call_soon_threadsafe(close_there)
 
 
 class Client:
@@ -224,27 +316,6 @@ class Client:
                     ended.wait(timeout=5.0)
             raise
 
-    def _iterate(self, generator: AsyncUpdates[T]) -> Iterator[T]:
-        async def step() -> tuple[bool, T | None]:
-            try:
-                return True, await anext(generator)
-            except StopAsyncIteration:
-                return False, None
-
-        try:
-            while True:
-                more, item = self._run(step())
-                if not more:
-                    return
-                yield item  # type: ignore[misc]
-        finally:
-            if not self._closed:
-                if sys.exc_info()[1] is None:
-                    self._run(generator.aclose())
-                else:
-                    with contextlib.suppress(Exception):  # the error under way (Ctrl-C, a break) wins
-                        self._run(generator.aclose())
-
     def close(self) -> None:
         """Closes the channel and stops the thread; idempotent. A call another thread is in
         raises RuntimeError."""
@@ -337,7 +408,7 @@ class Client:
         *,
         labels: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
-    ) -> Iterator[Job | tuple[str, AsyncInferClientError]]:
+    ) -> StreamIterator[Job | tuple[str, AsyncInferClientError]]:
         """See `AsyncClient.watch_jobs`. With `labels`, it returns once the gateway listens (the
         async `ready()`): a job submitted after it is seen from QUEUED on."""
         watch = self._client.watch_jobs(jobs, labels=labels, timeout_s=timeout_s)
@@ -345,14 +416,14 @@ class Client:
             try:
                 self._run(watch.ready())
             except BaseException:
-                # Closed here, as _iterate closes a watch it stepped: the caller never gets it. (An
+                # Closed here, as a StreamIterator closes a watch it stepped: the caller never gets it. (An
                 # error out of the stream has ended it already; a Ctrl-C whose step had not unwound
                 # within _run's wait has not.)
                 if not self._closed:
                     with contextlib.suppress(Exception):  # the error under way wins
                         self._run(watch.aclose())
                 raise
-        return self._iterate(watch)
+        return StreamIterator(self, watch)
 
     def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
         return self._run(self._client.models(timeout_s=timeout_s))
@@ -360,9 +431,9 @@ class Client:
     def cancel(self, job: JobLike, *, reason: str = "", timeout_s: float | None = None) -> Job:
         return self._run(self._client.cancel(job, reason=reason, timeout_s=timeout_s))
 
-    def watch(self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None) -> Iterator[Job]:
+    def watch(self, job: JobLike, *, after_revision: int = 0, timeout_s: float | None = None) -> StreamIterator[Job]:
         checked_timeout(timeout_s)  # here, not at the first `next`
-        return self._iterate(self._client.watch(job, after_revision=after_revision, timeout_s=timeout_s))
+        return StreamIterator(self, self._client.watch(job, after_revision=after_revision, timeout_s=timeout_s))
 
     def wait(self, job: JobLike, *, timeout_s: float | None = None) -> Job:
         try:
@@ -404,11 +475,12 @@ class Client:
         page_size: int = 100,
         limit: int | None = None,
         timeout_s: float | None = None,
-    ) -> Iterator[Job]:
-        return self._iterate(
+    ) -> StreamIterator[Job]:
+        return StreamIterator(
+            self,
             self._client.list(
                 states=tuple(states), model=model, labels=labels, page_size=page_size, limit=limit, timeout_s=timeout_s
-            )
+            ),
         )
 
     def bulk(
@@ -419,16 +491,17 @@ class Client:
         items_per_message: int = 64,
         timeout_s: float | None = None,
         traceparent: str = "",
-    ) -> Iterator[BulkResult]:
+    ) -> StreamIterator[BulkResult]:
         """See `AsyncClient.bulk`. `requests` is iterated on the client's thread."""
-        return self._iterate(
+        return StreamIterator(
+            self,
             self._client.bulk(
                 requests,
                 window=window,
                 items_per_message=items_per_message,
                 timeout_s=timeout_s,
                 traceparent=traceparent,
-            )
+            ),
         )
 
     def upload(
@@ -465,14 +538,14 @@ class Client:
     def list_batches(self, *, page_size: int = 0, page_token: str = "") -> tuple[builtins.list[Batch], str]:
         return self._run(self._client.list_batches(page_size=page_size, page_token=page_token))
 
-    def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Iterator[Batch]:
+    def watch_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> StreamIterator[Batch]:
         checked_timeout(timeout_s)  # here, not at the first `next`
 
         async def updates() -> AsyncGenerator[Batch, None]:
             async for update in self._client.watch_batch(batch, timeout_s=timeout_s):
                 yield update
 
-        return self._iterate(updates())
+        return StreamIterator(self, updates())
 
     def wait_batch(self, batch: Batch | str, *, timeout_s: float | None = None) -> Batch:
         return self._run(self._client.wait_batch(batch, timeout_s=timeout_s))
