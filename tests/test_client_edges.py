@@ -36,6 +36,7 @@ from asyncinfer.client import (
 )
 from asyncinfer.client._retry import RetryPolicy
 from asyncinfer.client.errors import MESSAGE_TOO_LARGE, DeadlineExceededError
+from asyncinfer.commands.output import report_error
 from asyncinfer.config import Config, TensorSpecConfig
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.queued_notice import decode_queued_notice
@@ -171,6 +172,30 @@ async def test_inputs_of_another_form_or_swapped_arguments_say_what_to_give(idle
                 client.submit({"x": X}, "demo")  # type: ignore[arg-type]
 
     await asyncio.to_thread(blocking)
+
+
+async def test_a_refusal_whose_violation_restates_its_message_says_it_once(idle_stack: Stack) -> None:
+    """A refused page token or page size: the gateway's message is the violation's description
+    (`invalid page_token: not a token from ListBatches`, field page_token), and the SDK's error text
+    (a traceback's last line, the console's error box) and the CLI's report said it twice, the second
+    time after the field's name: `... not a token from ListBatches` then `page_token: invalid
+    page_token: not a token from ListBatches`. The violations themselves are all kept."""
+    async with AsyncClient(idle_stack.address) as client:
+        for options, said in (
+            (
+                {"page_token": "garbage"},
+                "INVALID_ARGUMENT INVALID_PAGE_TOKEN: invalid page_token: not a token from ListBatches",
+            ),
+            ({"page_size": 1000}, "INVALID_ARGUMENT: page_size must be between 1 and 100 (0: 20)"),
+        ):
+            with pytest.raises(InvalidArgumentError) as refused:
+                await client.list_batches(**options)
+            assert str(refused.value) == said
+            (violation,) = refused.value.violations
+            assert violation.field == next(iter(options))
+            report = io.StringIO()
+            report_error(refused.value, report)
+            assert report.getvalue() == f"asyncinfer: error: {said}\n"
 
 
 async def test_options_of_the_wrong_type_say_what_to_give_before_anything_is_sent(idle_stack: Stack) -> None:

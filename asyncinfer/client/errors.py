@@ -35,6 +35,7 @@ __all__ = [
     "from_rpc_error",
     "name_lookup_failed",
     "no_such_host",
+    "unsaid_violations",
     "with_connection_hint",
     "with_earlier_hint",
 ]
@@ -43,6 +44,19 @@ __all__ = [
 def code_and_reason(code: str, reason: str) -> str:
     """`CODE REASON`, or the code alone where the reason only repeats it (INVALID_ARGUMENT's) or is empty."""
     return code if reason in ("", code) else f"{code} {reason}"
+
+
+def unsaid_violations(message: str, violations: tuple[FieldViolation, ...]) -> tuple[FieldViolation, ...]:
+    """The violations `message` does not say already, each for a line of its own after it (the SDK's
+    error text, the CLI's report). The gateway's message names its first violation, `field:
+    description`, or is itself the violation's description where that names the field (a refused
+    page token: `invalid page_token: not a token from ListJobs`, field page_token); either was said
+    again after it."""
+    return tuple(
+        v
+        for v in violations
+        if f"{v.field}: {v.description}" not in message and not (v.description in message and v.field in message)
+    )
 
 
 class AsyncInferClientError(Exception):
@@ -70,10 +84,8 @@ class AsyncInferClientError(Exception):
 
     def __str__(self) -> str:
         text = f"{code_and_reason(self.code.name, self.reason)}: {self.message}"
-        for violation in self.violations:
-            said = f"{violation.field}: {violation.description}"
-            if said not in self.message:  # the gateway's message names its first violation: said once
-                text += f"\n  {said}"
+        for violation in unsaid_violations(self.message, self.violations):  # each said once
+            text += f"\n  {violation.field}: {violation.description}"
         if self.hint:
             text += f"\n  hint: {self.hint}"
         return text

@@ -33,7 +33,7 @@ import grpc
 import numpy as np
 
 from asyncinfer.client import AsyncInferClientError, CallbackDelivery, Job, JobError
-from asyncinfer.client.errors import code_and_reason
+from asyncinfer.client.errors import code_and_reason, unsaid_violations
 from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import datatype_of
 
@@ -78,9 +78,8 @@ def report_error(error: AsyncInferClientError, stream: TextIO | None = None) -> 
     """The error on stderr (code and reason, then one line per field violation); its exit code."""
     out = stream or sys.stderr
     print(f"asyncinfer: error: {code_and_reason(error.code.name, error.reason)}: {error.message}", file=out)
-    for violation in error.violations:
-        if f"{violation.field}: {violation.description}" not in error.message:  # said once, not twice
-            print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
+    for violation in unsaid_violations(error.message, error.violations):  # said once, not twice
+        print(f"asyncinfer:   {violation.field}: {violation.description}", file=out)
     if error.retry_after_s is not None:
         print(f"asyncinfer:   retry after {error.retry_after_s:g} s", file=out)
     return exit_code_for(error.code)
@@ -271,7 +270,7 @@ def job_text(
         lines.append("labels      " + ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items())))
     if job.error is not None:
         lines.append(f"error       {code_and_reason(job.error.code.name, job.error.reason)}: {job.error.message}")
-        lines += _violations(job.error.violations)
+        lines += _violations(unsaid_violations(job.error.message, job.error.violations))
     elif job.last_error is not None:
         last = job.last_error
         lines.append(f"last error  {code_and_reason(last.code.name, last.reason)}: {last.message}")

@@ -8,6 +8,7 @@ import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
+import grpc
 import pytest
 
 from asyncinfer.client import (
@@ -16,6 +17,7 @@ from asyncinfer.client import (
     CallbackDeliveryState,
     CallbackEvent,
     Job,
+    JobError,
     JobProgress,
     JobState,
     ModelInfo,
@@ -26,6 +28,7 @@ from asyncinfer.client import (
 )
 from asyncinfer.commands.ops import attempts_text
 from asyncinfer.commands.output import job_summary, job_text
+from asyncinfer.errors import FieldViolation
 
 pytestmark = pytest.mark.unit
 
@@ -191,3 +194,17 @@ def test_every_date_and_time_the_cli_prints_is_local_to_the_second(monkeypatch: 
     finally:
         monkeypatch.delenv("TZ")
         time.tzset()
+
+
+def test_a_failed_jobs_error_says_each_violation_once() -> None:
+    """A job failed on its inputs: the message names the first violation (`invalid inputs:
+    inputs[0].shape: ...`, as tensor_codec words it), which `asyncinfer get` printed again under
+    it; the other violations follow, as the SDK's error text and the CLI's report do."""
+    first = FieldViolation("inputs[0].shape", "input 'x' must have shape [-1, 4] (-1: any), got [3]")
+    other = FieldViolation("inputs[1].name", "unknown input 'y'")
+    error = JobError(
+        grpc.StatusCode.INVALID_ARGUMENT, "", f"invalid inputs: {first.field}: {first.description}", (first, other)
+    )
+    lines = job_text(a_job(state=JobState.FAILED, error=error)).splitlines()
+    at = lines.index(f"error       INVALID_ARGUMENT: invalid inputs: {first.field}: {first.description}")
+    assert lines[at + 1 :] == [f"            {other.field}: {other.description}"]

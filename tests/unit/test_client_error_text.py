@@ -26,3 +26,24 @@ def test_a_violation_the_message_already_says_is_not_said_again() -> None:
     )
     assert str(error) == f"INVALID_ARGUMENT: {message}\n  inputs: missing input 'x' (FP32 of shape [-1, 4])"
     assert len(error.violations) == 2  # the fields themselves are all kept
+
+
+def test_a_violation_whose_description_the_message_is_said_once() -> None:
+    """A refused page token: the gateway's message is the violation's description, which names
+    the field (`invalid page_token: not a token from ListJobs`, field page_token); the text said
+    it again as `page_token: invalid page_token: not a token from ListJobs` on a line of its own.
+    A description the message holds without naming the field still follows, with its field."""
+    message = "invalid page_token: not a token from ListJobs"
+    error = InvalidArgumentError(
+        message,
+        code=grpc.StatusCode.INVALID_ARGUMENT,
+        reason="INVALID_PAGE_TOKEN",
+        violations=(FieldViolation("page_token", message),),
+    )
+    assert str(error) == f"INVALID_ARGUMENT INVALID_PAGE_TOKEN: {message}"
+    unnamed = InvalidArgumentError(
+        "must be positive",
+        code=grpc.StatusCode.INVALID_ARGUMENT,
+        violations=(FieldViolation("page_size", "must be positive"),),
+    )
+    assert str(unnamed) == "INVALID_ARGUMENT: must be positive\n  page_size: must be positive"
