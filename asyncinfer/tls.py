@@ -71,6 +71,19 @@ def read_secret(inline: str | None, path: str | None, key: str) -> str | None:
     return inline or None
 
 
+def read_ca(path: str, key: str) -> bytes:
+    """A PEM CA bundle's bytes, checked to hold a certificate: gRPC takes any bytes here and fails
+    later, a server at its bind ("Failed to bind to address", a traceback and exit 1, as if the port
+    were taken), a client at each handshake ("Failed to create security handshaker"), never naming
+    the file."""
+    data = read_bytes(path, key)
+    try:
+        ssl.create_default_context(cadata=data.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError):
+        raise ConfigError(f"{key} {path!r} is not a PEM CA bundle: it holds no certificate") from None
+    return data
+
+
 def _pair(cert_file: str | None, key_file: str | None, cert_key: str, key_key: str) -> tuple[bytes, bytes] | None:
     if bool(cert_file) != bool(key_file):
         raise ConfigError(f"{cert_key} and {key_key} go together: set both or neither")
@@ -110,7 +123,7 @@ def server_credentials(section: str, settings: ServerTlsSection) -> grpc.ServerC
             raise ConfigError(f"{section}.tls_client_ca_file needs {section}.tls_cert_file and tls_key_file")
         return None
     cert, key = pair
-    client_ca = read_bytes(client_ca_file, f"{section}.tls_client_ca_file") if client_ca_file else None
+    client_ca = read_ca(client_ca_file, f"{section}.tls_client_ca_file") if client_ca_file else None
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
 
 
@@ -118,9 +131,10 @@ def channel_credentials(
     *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None, key: str = "tls"
 ) -> grpc.ChannelCredentials:
     """TLS credentials of a gRPC channel: the CA that verifies the server (None: the system's CAs),
-    and a client certificate for servers that require mutual TLS."""
-    pair = _pair(cert_file, key_file, f"{key} certificate", f"{key} key")
-    ca = read_bytes(ca_file, f"{key} CA") if ca_file else None
+    and a client certificate for servers that require mutual TLS. `key` prefixes the settings'
+    names in errors: "batcher.scheduler" names batcher.scheduler_ca_file, _cert_file, _key_file."""
+    pair = _pair(cert_file, key_file, f"{key}_cert_file", f"{key}_key_file")
+    ca = read_ca(ca_file, f"{key}_ca_file") if ca_file else None
     if pair is None:
         return grpc.ssl_channel_credentials(root_certificates=ca)
     cert, private_key = pair

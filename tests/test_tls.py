@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -280,6 +281,47 @@ def test_a_key_that_is_not_the_certificates_is_named_at_start_up(ca: TestCA) -> 
     assert server_credentials(
         "gateway", gateway.model_copy(update={"tls_cert_file": one.cert_file, "tls_key_file": one.key_file})
     )
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        pytest.param("tls_client_ca_file", r"batcher\.tls_client_ca_file", id="server-client-ca"),
+        pytest.param("scheduler_ca_file", r"batcher\.scheduler_ca_file", id="work-stream-ca"),
+    ],
+)
+@pytest.mark.parametrize("content", ["key", "text"])
+async def test_a_ca_file_without_a_certificate_is_named_at_start_up(
+    tmp_path: Path, ca: TestCA, setting: str, named: str, content: str
+) -> None:
+    """A CA file that holds no certificate (a private key given by mistake, a cut-short copy) stopped
+    nothing at the check: as the server's client CA, gRPC failed the bind ("Failed to bind to
+    address", a traceback and exit 1, as if the port were taken); as the CA verifying the
+    scheduler, the batcher started and each connect failed "Failed to create security handshaker"."""
+    from services.batcher.app import BatcherApp
+
+    server, client = ca.issue("batcher"), ca.issue("batcher-client")
+    wrong = tmp_path / "ca.pem"
+    if content == "key":
+        shutil.copyfile(server.key_file, wrong)
+    else:
+        wrong.write_text("ca.pem\n")
+    batcher = {
+        "port": 0,
+        "metrics_port": 0,
+        "tls_cert_file": server.cert_file,
+        "tls_key_file": server.key_file,
+        "scheduler_address": "localhost:1",
+        "scheduler_cert_file": client.cert_file,
+        "scheduler_key_file": client.key_file,
+        setting: str(wrong),
+    }
+    app = BatcherApp(Config().replace(batcher=batcher, logging={"level": "warning", "format": "console"}))
+    try:
+        with pytest.raises(ConfigError, match=rf"{named} '{wrong}' is not a PEM CA bundle"):
+            await app.start()
+    finally:
+        await app.stop(grace_s=0)
 
 
 async def test_the_console_reaches_a_mutual_tls_scheduler_with_its_client_certificate(
