@@ -226,6 +226,38 @@ async def test_a_password_in_the_nats_url_logs_in_and_no_error_shows_it(users: P
     assert f"nats://***@127.0.0.1:{port}:" in away.value.message
 
 
+@pytest.mark.parametrize("mistake", ["inbox-prefix-left-out", "another-services-seed"])
+@pytest.mark.parametrize("service", ["gateway", "scheduler"])
+async def test_a_service_whose_user_may_not_read_its_replies_is_told_so_at_once(
+    users: PerServiceNats, service: str, mistake: str
+) -> None:
+    """`asyncinfer nats-users` prints two settings per service; with the inbox prefix left out (or
+    another service's seed), the user may not subscribe to the service's reply subjects. Such a
+    service connected, waited 30 s for JetStream's answers and exited 69, "cannot declare the WORK
+    stream: JetStream did not answer for 30 s (TimeoutError()); is JetStream on (nats-server -js),
+    and has the cluster a leader?": an outage to wait out, an orchestrator's restart loop."""
+    from services.gateway.app import GatewayApp
+    from services.scheduler.app import SchedulerApp
+
+    settings = users.settings(service)
+    if mistake == "inbox-prefix-left-out":
+        del settings["inbox_prefix"]
+        inbox = "_INBOX"
+    else:
+        other = "scheduler" if service == "gateway" else "gateway"
+        settings["nkey_seed_file"] = str(users.seed_files[other])
+        inbox = f"_INBOX_{service}"
+    config = base_config().replace(nats=settings)
+    app = GatewayApp(config) if service == "gateway" else SchedulerApp(config)
+    try:
+        with pytest.raises(ConfigError, match=rf"subscribe to its replies' subject {inbox}\.>") as refused:
+            await app.start()
+    finally:
+        await app.stop(grace_s=0)
+    assert "ASYNCINFER_NATS__INBOX_PREFIX" in refused.value.message
+    assert f"{service}: _INBOX_{service}" in refused.value.message
+
+
 async def test_the_gateway_user_may_not_take_work(users: PerServiceNats, start_stack: StartStack) -> None:
     base = base_config()
     await start_stack(

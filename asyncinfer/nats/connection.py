@@ -25,6 +25,7 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import _fastpath
+from asyncinfer.nats_users import INBOX_PREFIXES
 from asyncinfer.tls import client_ssl_context, read_secret, warn_if_exposed
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -33,6 +34,9 @@ FIRST_CONNECT_ATTEMPTS = 3
 RECONNECT_WAIT_S = 0.5
 ABANDON_WAIT_S = 2.0
 ERROR_LOG_INTERVAL_S = 10.0
+REPLIES_CHECK_TIMEOUT_S = 10  # nats-py types it an int
+PERMISSIONS_VIOLATION = "permissions violation"  # nats-py's wording of the server's -ERR, any case
+MAX_VIOLATIONS_KEPT = 16
 
 
 class ConnectionChanges:
@@ -70,6 +74,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         _fastpath.larger_reads()
         _fastpath.quiet_flow_control_checks()
     first_connect_failures: list[Exception] = []
+    violations: list[str] = []  # the server's latest permissions violations, as nats-py words them
     connected = False
     gave_up = asyncio.Event()
     abandoned = asyncio.Event()  # this first connect is given up: what its close stirs up is not news
@@ -81,6 +86,9 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     errors = Throttle(ERROR_LOG_INTERVAL_S)
 
     async def on_error(exc: Exception) -> None:
+        if PERMISSIONS_VIOLATION in str(exc).lower():
+            violations.append(str(exc))
+            del violations[:-MAX_VIOLATIONS_KEPT]
         held = errors.allow(str(exc))
         if abandoned.is_set():
             log.debug("nats_error", error=str(exc))
@@ -166,7 +174,44 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         await _abandon(client, connecting, abandoned)
         raise Unavailable(f"cannot connect to NATS at {shown}: {failure}") from failure
     connected = True
+    if await _replies_refused(client, violations):
+        await _abandon(client, connecting, abandoned)
+        prefix = config.inbox_prefix
+        prefixes = ", ".join(f"{service}: {inbox}" for service, inbox in INBOX_PREFIXES.items())
+        raise ConfigError(
+            f"NATS at {shown} does not let this user subscribe to its replies' subject {prefix}.> "
+            f"(nats.inbox_prefix {prefix!r}), so no JetStream request of it could be answered. With the users "
+            f"of `asyncinfer nats-users`, each service reads its own prefix alone: set nats.inbox_prefix "
+            f"(ASYNCINFER_NATS__INBOX_PREFIX) to its service's ({prefixes}), with that service's own "
+            "nats.nkey_seed_file"
+        )
     return client
+
+
+async def _replies_refused(client: Client, violations: list[str]) -> bool:
+    """Whether the server refuses this connection a subscription to one of its own reply subjects.
+    A user that may not read them (nats.inbox_prefix left at _INBOX for a user of
+    asyncinfer.nats_users, or another service's seed) connected, and each JetStream request then
+    waited for an answer that the server would not deliver: the service's start failed 30 s later
+    with "JetStream did not answer", exit 69, as if NATS were away.
+
+    The server answers a SUB before a PING that follows it. nats-py queues the SUB for its flusher
+    task but writes a flush's PING straight to the socket, so the first PONG may come before the
+    refusal (1 run in 3 here); the flusher, woken by the subscribe, has written the SUB by then, so
+    the second flush's PING follows it and its PONG comes after the server's answer to it."""
+    inbox = client.new_inbox()
+    subscription = await client.subscribe(inbox)
+    try:
+        for _ in range(2):
+            await client.flush(timeout=REPLIES_CHECK_TIMEOUT_S)
+    except Exception as exc:  # a server too slow to answer now: the requests that follow will say
+        log.debug("nats_replies_check_skipped", error=str(exc))
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
+    refused = f'subscription to "{inbox.lower()}"'
+    return any(refused in violation.lower() for violation in violations)
 
 
 def url_without_credentials(url: str) -> str:
