@@ -105,6 +105,26 @@ def configure_logging(config: LoggingConfig, *, service: str, quiet_stop: QuietS
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(logging.WARNING)
+    logging.getLogger("asyncio").addFilter(_NATS_TLS_EOF)
+
+
+class _DropMessage(logging.Filter):
+    """Drops a library's log line of one exact message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self._message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != self._message
+
+
+# nats-py upgrades its connection to TLS with loop.start_tls, which never calls the stream
+# protocol's connection_made again, so the protocol does not know it runs over TLS and answers the
+# server's close as over plain TCP (keep the write side open); asyncio ignores that and says so at
+# warning. Every service on TLS NATS logged it at each stop and after each refused start: a warning
+# an operator can do nothing about, beside the lines that matter.
+_NATS_TLS_EOF = _DropMessage("returning true from eof_received() has no effect when using ssl")
 
 
 def _service_as_logger_name(

@@ -216,6 +216,36 @@ def test_the_gateway_process_exits_clearly_on_an_unverifiable_tls_nats(
     assert "nats.tls_ca_file" in stderr
 
 
+def test_a_gateway_on_tls_nats_stops_without_asyncios_ssl_warning(
+    tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess
+) -> None:
+    """nats-py upgrades its connection with loop.start_tls, which never tells the stream protocol
+    that it now runs over TLS; when the server closed the connection, asyncio logged "returning
+    true from eof_received() has no effect when using ssl" at warning: every service on TLS NATS
+    wrote it at each stop (and after each refused start), a warning an operator can do nothing about."""
+    settings = tls_config(tmp_path, ca, tls_nats).nats
+    gateway = _run_gateway(
+        tmp_path,
+        f'[nats]\nurl = "{settings.url}"\ntls_ca_file = "{settings.tls_ca_file}"\n'
+        f'tls_cert_file = "{settings.tls_cert_file}"\ntls_key_file = "{settings.tls_key_file}"\n'
+        f'user = "{settings.user}"\npassword_file = "{settings.password_file}"\n'
+        '[gateway]\nport = 0\nmetrics_port = 0\n[logging]\nlevel = "info"\nformat = "json"\n',
+    )
+    try:
+        assert gateway.stdout is not None
+        for line in gateway.stdout:  # ends at its exit, if it never serves
+            if "serving on" in line:
+                break
+        gateway.send_signal(signal.SIGTERM)
+        _, stderr = gateway.communicate(timeout=60.0)  # a hang guard
+    finally:
+        gateway.kill()
+        gateway.communicate()
+    assert gateway.returncode == 0, stderr
+    assert '"gateway_stopped"' in stderr
+    assert "eof_received" not in stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_hanging_start_up_honours_a_stop_signal(tmp_path: Path, sig: signal.Signals) -> None:
     # A "NATS" that accepts connections and never says a word: each connect attempt waits out its
