@@ -203,8 +203,11 @@ def _nats_users(args: argparse.Namespace) -> int:
     print("# Each service's own settings (a service with another's seed or inbox prefix is refused):")
     for service, path in seeds.items():
         section = "ASYNCINFER_NATS__"
+        # A batcher opens NATS only with claim_check_io: without it, its seed and prefix went unused.
+        turned_on = " ASYNCINFER_BATCHER__CLAIM_CHECK_IO=true" if service == "batcher" else ""
         print(
             f"#   {service}: {section}NKEY_SEED_FILE={path.resolve()} {section}INBOX_PREFIX={INBOX_PREFIXES[service]}"
+            + turned_on
         )
     return 0
 

@@ -316,6 +316,39 @@ async def test_a_batcher_that_moves_claim_checks_runs_as_its_own_user_on_the_obj
         await users.violation(refused)  # TimeoutError when the server never logged it
 
 
+async def test_the_batcher_settings_nats_users_prints_open_its_nats_connection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`asyncinfer nats-users --batcher DIR` made the batcher's seed and printed its seed file and
+    inbox prefix, but a batcher opens NATS only with batcher.claim_check_io, off by default: given
+    those two settings alone, it never used them (its bytes still went through the scheduler)."""
+    from asyncinfer.cli import main
+    from asyncinfer.config import load_config
+    from asyncinfer.embedded_nats import NatsServerProcess
+
+    seeds = tmp_path / "seeds"
+    assert main(["nats-users", "--batcher", str(seeds)]) == 0
+    printed = capsys.readouterr().out
+    (line,) = [line for line in printed.splitlines() if line.startswith("#   batcher: ")]
+    conf = tmp_path / "nats.conf"
+    conf.write_text(printed)
+    server = NatsServerProcess(
+        store_dir=tmp_path / "store", log_file=tmp_path / "nats.log", extra_args=("-c", str(conf))
+    )
+    server.start()
+    try:
+        for setting in line.removeprefix("#   batcher: ").split():
+            name, _, value = setting.partition("=")
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("ASYNCINFER_NATS__URL", server.url)
+        config = load_config(None)
+        assert config.batcher.claim_check_io, line
+        nc = await connect(config.nats, name="batcher")  # as the batcher user, its replies its own
+        await nc.close()
+    finally:
+        server.stop()
+
+
 async def test_the_nats_users_command_writes_seeds_and_a_block_a_server_runs_the_stack_with(
     tmp_path: Path, start_stack: StartStack, capsys: pytest.CaptureFixture[str]
 ) -> None:
