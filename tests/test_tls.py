@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from asyncinfer.client import AsyncClient, UnavailableError
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import NatsServerProcess
-from asyncinfer.errors import ConfigError
+from asyncinfer.errors import ConfigError, Unavailable
 from asyncinfer.nats.connection import connect
 from services.gateway.app import GatewayApp
 from tests.certs import TestCA, channel_credentials
@@ -170,6 +170,37 @@ async def test_nats_over_tls_needs_the_ca_and_credentials(
         await connect(config.nats.model_copy(update={"password_file": str(wrong), "connect_timeout_s": 1.0}), name="t")
     with pytest.raises(ConfigError, match=r"nats\.password_file"):
         await connect(config.nats.model_copy(update={"password_file": str(tmp_path / "none")}), name="t")
+
+
+async def test_a_nats_that_verifies_clients_names_the_client_certificate_settings(
+    tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess
+) -> None:
+    """The test's nats-server verifies client certificates (--tlsverify). Without one, or with one
+    of another CA, a connect said "TLS failed ([SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert
+    certificate required (_ssl.c:2580)); check nats.tls_ca_file, tls_cert_file and tls_key_file"
+    (or TLSV1_ALERT_UNKNOWN_CA), and now and then, the alert unread, "[Errno 32] Broken pipe", exit
+    69: an outage to wait out. Either way the answer now names what to set."""
+    # Attempts whose broken pipe comes at the handshake's end can wait out their timeout: the
+    # first connect's deadline, 3 x (2 + 0.5) + 2 s, stays well within the hang guard.
+    config = tls_config(tmp_path, ca, tls_nats).nats.model_copy(update={"connect_timeout_s": 2.0})
+    stranger = TestCA(tmp_path / "other-pki", name="another CA").issue("services")
+    cases = {
+        "none": (
+            {"tls_cert_file": None, "tls_key_file": None},
+            r"the server requires a client certificate \(nats-server tls \{ verify: true \}\): set nats\.tls_cert_file"
+            r"|if the server requires client certificates .*set nats\.tls_cert_file and tls_key_file",
+        ),
+        "another CA's": (
+            {"tls_cert_file": stranger.cert_file, "tls_key_file": stranger.key_file},
+            r"the server does not trust this client's certificate \(nats\.tls_cert_file\)"
+            r"|nats\.tls_cert_file must be signed by the CA it verifies them with",
+        ),
+    }
+    for case, (update, expected) in cases.items():
+        with pytest.raises((ConfigError, Unavailable), match=expected) as refused:
+            async with asyncio.timeout(GIVEN_UP_WITHIN_S):
+                await connect(config.model_copy(update=update), name="test")
+        assert "_ssl.c" not in refused.value.message, case
 
 
 async def test_a_gateway_with_an_unverifiable_tls_nats_fails_fast(

@@ -168,7 +168,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             # A certificate this configuration cannot verify: waiting or restarting will not help
             # (a server exits 2 for it, 69 for a NATS that is not there yet).
             raise ConfigError(f"cannot connect to NATS at {shown}: {_explain(last)}")
-        raise Unavailable(f"cannot connect to NATS at {shown}: {_explain(last)}")
+        hint = _closed_hint(first_connect_failures, config)
+        raise Unavailable(f"cannot connect to NATS at {shown}: {_explain(last)}{hint}")
     failure = connecting.exception()
     if failure is not None:  # nats raises several unrelated types here
         await _abandon(client, connecting, abandoned)
@@ -274,15 +275,50 @@ def _login_refused(failure: BaseException | None) -> bool:
     return isinstance(failure, AuthorizationError) or "authorization violation" in str(failure).lower()
 
 
+# The server's TLS alerts about this client's own certificate (ssl.SSLError.reason), as an operator
+# acts on them: they said "TLS failed ([SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] tlsv13 alert
+# certificate required (_ssl.c:2580)); check nats.tls_ca_file, tls_cert_file and tls_key_file".
+_CLIENT_CERTIFICATE_ALERTS = {
+    "TLSV13_ALERT_CERTIFICATE_REQUIRED": "the server requires a client certificate (nats-server tls { verify: true }): "
+    "set nats.tls_cert_file and tls_key_file to one signed by the CA it verifies clients with",
+    "TLSV1_ALERT_UNKNOWN_CA": "the server does not trust this client's certificate (nats.tls_cert_file): it is not "
+    "signed by the CA the server verifies clients with (its tls { ca_file })",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the server refused this client's certificate (nats.tls_cert_file): signed by "
+    "another CA than the one it verifies clients with, expired, or not for client authentication",
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": "the server refused this client's certificate (nats.tls_cert_file): it expired",
+}
+
+
 def _explain(failure: Exception | str) -> str:
     if isinstance(failure, ssl.SSLCertVerificationError):
         return (
             f"the server's TLS certificate cannot be verified ({failure.verify_message}); set nats.tls_ca_file "
             "to the CA that signed it"
         )
+    if isinstance(failure, ssl.SSLError) and failure.reason in _CLIENT_CERTIFICATE_ALERTS:
+        return f"{_CLIENT_CERTIFICATE_ALERTS[failure.reason]} ({failure.reason})"
     if isinstance(failure, ssl.SSLError):
         return f"TLS failed ({failure}); check nats.tls_ca_file, tls_cert_file and tls_key_file"
     return str(failure)
+
+
+def _closed_hint(failures: list[Exception], config: NatsConfig) -> str:
+    """What a connection closed under a TLS client without a certificate may mean. A server that
+    requires client certificates closes the connection at the handshake's end with an alert; the
+    client, writing its CONNECT meanwhile, often reads the alert, and now and then (3 connects in 30
+    here) only a broken pipe, attempt after attempt."""
+    tls = any(u.strip().startswith("tls://") for u in config.url.split(",")) or config.tls_ca_file
+    if not tls or not any(isinstance(failure, BrokenPipeError | ConnectionResetError) for failure in failures):
+        return ""
+    if config.tls_cert_file:
+        return (
+            "; if the server verifies client certificates (nats-server tls { verify: true }), nats.tls_cert_file "
+            "must be signed by the CA it verifies them with"
+        )
+    return (
+        "; if the server requires client certificates (nats-server tls { verify: true }), set nats.tls_cert_file "
+        "and tls_key_file"
+    )
 
 
 def security_options(config: NatsConfig) -> dict[str, Any]:
