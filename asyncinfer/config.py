@@ -1249,6 +1249,18 @@ def load_config(
         raise ConfigError(f"invalid configuration: {_problems(exc)}") from None
 
 
+# A list or table given as text that is not JSON: the environment's and the secrets directory's
+# values are text, read as JSON for such keys (asyncinfer/config_overlay.py), and one that does not
+# parse reached validation as text, "gateway.api_keys: Input should be a valid tuple", which did not
+# say what was expected (a TOML table pasted into ASYNCINFER_GATEWAY__API_KEYS, say).
+_TABLE_OR_LIST_TYPES = frozenset({"tuple_type", "list_type", "dict_type", "model_type", "model_attributes_type"})
+_NOT_JSON = (
+    "the value given is text that is not JSON; from the environment (ASYNCINFER_<SECTION>__<KEY>) or a secrets "
+    'directory\'s file (<section>__<key>), a list or table is JSON, e.g. [{"tenant": "acme", "sha256": "..."}] '
+    "for gateway.api_keys"
+)
+
+
 def _problems(error: ValidationError) -> str:
     """Each problem as `location: message`; a check of the whole file (no location) as its message,
     without pydantic's "Value error, " prefix."""
@@ -1257,6 +1269,8 @@ def _problems(error: ValidationError) -> str:
         message = str(err["msg"]).removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted": a typo, most times
             message = _unknown_key(tuple(err["loc"]))
+        if err["type"] in _TABLE_OR_LIST_TYPES and isinstance(err.get("input"), str):
+            message += f": {_NOT_JSON}"
         location = ".".join(str(p) for p in err["loc"])
         problems.append(f"{location}: {message}" if location else message)
     return "; ".join(problems)

@@ -97,7 +97,13 @@ def test_environment_values_are_read_by_the_keys_type() -> None:
         ({"ASYNCINFER_GATEWAY__PORT": "-3"}, r"gateway\.port: Input should be greater than or equal to 0"),
         ({"ASYNCINFER_GATEWAY__PORT": "six"}, r"gateway\.port: Input should be a valid integer"),
         ({"ASYNCINFER_GATEWAY__PROT": "1"}, r"gateway\.prot: unknown key; did you mean 'port'\?"),
-        ({"ASYNCINFER_GATEWAY__API_KEYS": "acme"}, r"gateway\.api_keys: Input should be a valid tuple"),
+        ({"ASYNCINFER_GATEWAY__API_KEYS": "acme"}, r"gateway\.api_keys: Input should be a valid tuple: the value"),
+        (  # a TOML table pasted where JSON goes: said "Input should be a valid tuple" alone
+            {"ASYNCINFER_GATEWAY__API_KEYS": '[[gateway.api_keys]]\ntenant = "acme"\nsha256 = "..."'},
+            r"gateway\.api_keys: Input should be a valid tuple: the value given is text that is not JSON; .* "
+            r'a list or table is JSON, e\.g\. \[\{"tenant": "acme", "sha256": "\.\.\."\}\]',
+        ),
+        ({"ASYNCINFER_WEBHOOKS__ALLOWED_NETWORKS": "10.0.0.0/8"}, r"allowed_networks: .*text that is not JSON"),
         ({"ASYNCINFER_GATEWAY__API_KEYS": '[{"tenant": "a"}]'}, r"gateway\.api_keys\.0\.sha256: Field required"),
         ({"ASYNCINFER_GATEWAYS__PORT": "1"}, r"ASYNCINFER_GATEWAYS__PORT names no section; the sections are nats,"),
         ({"ASYNCINFER_MODELS__NAME": "x"}, r"ASYNCINFER_MODELS__NAME overrides a key of \[models\], which is not a"),
