@@ -477,6 +477,15 @@ class BatcherConfig(_Section):
         ge=0,
         description="How long in-flight batches may finish on shutdown (under `up`: at most 10 s, the stack's grace).",
     )
+    retire_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a version replaced or unloaded while the batcher runs (a hot update) may finish what "
+        "it holds. What it still holds then (a model call that has not returned: a KServe call without a deadline, "
+        "a job computing longer than this) is answered UNAVAILABLE MODEL_VERSION_RETIRED, a job's attempt given back "
+        "(it runs again on what serves now), and the version is closed anyway; its thread, which cannot be stopped, "
+        "ends when its call returns. As Triton's exit timeout (30 s) and Ray Serve's graceful_shutdown_timeout_s.",
+    )
     exit_after_overrun_s: float = Field(
         120.0,
         ge=0,

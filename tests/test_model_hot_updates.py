@@ -20,7 +20,9 @@ from tritonclient.utils import InferenceServerException
 from asyncinfer.client import AsyncClient, Job, NotFoundError
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
-from services.batcher.models.demo import GATE
+from services.batcher.app import BatcherApp
+from services.batcher.models import demo as demo_models
+from services.batcher.models.demo import GATE, GATE_ENTERED
 from tests.stack import Stack, StartStack
 from tests.test_model_versions import EXPECTED, V2_LOADER, X, demo, with_models
 
@@ -361,6 +363,98 @@ async def test_a_replaced_version_finishes_its_in_flight_batch_on_the_old_model(
             assert held_done.attempt == 1
             np.testing.assert_allclose(held_done.outputs["y"], EXPECTED["1"])  # the old weights
             await stack.batcher.models.drained()
+    finally:
+        GATE.set()
+        await kserve_client.close()
+
+
+async def kserve_infer(client: triton.InferenceServerClient, version: str) -> np.ndarray[Any, Any]:
+    """One KServe call with no deadline (no client timeout, no `timeout` parameter)."""
+    infer_input = triton.InferInput("x", list(X.shape), "FP32")
+    infer_input.set_data_from_numpy(X)
+    result = await client.infer("demo", [infer_input], model_version=version)
+    y = result.as_numpy("y")
+    assert y is not None
+    return y
+
+
+async def test_a_replaced_versions_call_that_never_returns_is_answered_after_the_retire_grace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Version 1 is replaced while a KServe call (no deadline, so no execution timeout) is in a
+    model call that does not return, and a second one waits behind it (one batch in flight): the
+    old version's drain gives up at batcher.retire_grace_s, both calls are answered UNAVAILABLE,
+    and the drain ends while the model's thread is still held. It polled for good before."""
+    monkeypatch.setattr(demo_models, "GATE_TIMEOUT_S", None)  # held until the test sets GATE
+    gated = demo(versions=("1",)).model_copy(
+        update={"loader": "services.batcher.models.demo:build_gated_model", "max_inflight_batches": 1}
+    )
+    config = Config().replace(
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None, "retire_grace_s": 0.2},
+        models=[gated.model_dump()],
+        logging={"level": "warning", "format": "console"},
+    )
+    app = BatcherApp(config)
+    await app.start()
+    client = triton.InferenceServerClient(f"127.0.0.1:{app.port}")
+    GATE.clear()
+    GATE_ENTERED.clear()  # set by the warm-up at start
+    calls: list[asyncio.Task[np.ndarray[Any, Any]]] = []
+    try:
+        calls.append(asyncio.create_task(kserve_infer(client, "1")))
+        assert await asyncio.to_thread(GATE_ENTERED.wait, WAIT_S)  # in the model's call, held there
+        calls.append(asyncio.create_task(kserve_infer(client, "1")))
+        async with asyncio.timeout(WAIT_S):
+            while app.engine.queue_depth("demo") < 1:  # noqa: ASYNC110 - the engine's queue has no event
+                await asyncio.sleep(0.01)
+
+        await client.load_model("demo", config=load_config_json(version_table("1", V2_LOADER)))
+        async with asyncio.timeout(WAIT_S):
+            await app.models.drained()
+        assert not GATE.is_set()  # the old model's call has still not returned
+        for call in calls:
+            with pytest.raises(InferenceServerException) as answered:
+                await call
+            assert answered.value.status() == "StatusCode.UNAVAILABLE"
+            assert "was replaced or unloaded" in str(answered.value.message())
+        np.testing.assert_allclose(await kserve_infer(client, "1"), EXPECTED["2"])  # the new one serves
+    finally:
+        GATE.set()
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await client.close()
+        await app.stop(grace_s=1.0)
+
+
+async def test_a_job_in_a_retired_versions_call_that_never_returns_runs_again_on_what_serves_now(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job (max_attempts 1) computing on version 1 in a model call that does not return when
+    version 1 is replaced: at batcher.retire_grace_s its order is handed back, its attempt given
+    back, and it runs again on the new version 1. It waited for its execution timeout (60 s), then
+    failed TIMED_OUT, and the old version's drain waited for the call for good."""
+    monkeypatch.setattr(demo_models, "GATE_TIMEOUT_S", None)  # held until the test sets GATE
+    gated = demo(versions=("1",)).model_copy(update={"loader": "services.batcher.models.demo:build_gated_model"})
+    stack = await start_stack(with_models(config.replace(batcher={"retire_grace_s": 0.2}), gated))
+    assert stack.batcher is not None
+    kserve_client = kserve(stack)
+    GATE.clear()
+    GATE_ENTERED.clear()  # set by the warm-up at start
+    try:
+        async with AsyncClient(stack.address) as client:
+            held = await client.submit("demo", {"x": X}, model_version="1", max_attempts=1)
+            async for update in client.watch(held, timeout_s=WAIT_S):
+                if update.state.value == "RUNNING":
+                    break
+            assert await asyncio.to_thread(GATE_ENTERED.wait, WAIT_S)
+            await kserve_client.load_model("demo", config=load_config_json(version_table("1", V2_LOADER)))
+            done = await client.wait(held, timeout_s=WAIT_S)
+            assert done.succeeded, (done.state, done.error)
+            np.testing.assert_allclose(done.outputs["y"], EXPECTED["2"])  # run again, on the new model
+            assert not GATE.is_set()  # the old model's call has still not returned
+            async with asyncio.timeout(WAIT_S):
+                await stack.batcher.models.drained()
     finally:
         GATE.set()
         await kserve_client.close()

@@ -61,6 +61,10 @@ log = structlog.get_logger("asyncinfer.batcher.engine")
 
 # A submit naming a version this engine does not serve now (unloaded, or not loaded yet).
 VERSION_NOT_SERVED_REASON = "MODEL_VERSION_NOT_SERVED"
+# An item a retired version (replaced or unloaded) still held when its retire grace ended: a model
+# call that had not returned, or an item waiting behind one. Not the item's fault: a work order's
+# attempt is given back (work_messages.is_shutdown), a KServe caller may retry on what serves now.
+VERSION_RETIRED_REASON = "MODEL_VERSION_RETIRED"
 
 
 class BatchingEngine:
@@ -138,25 +142,57 @@ class BatchingEngine:
         self._retiring.append(queue)
         return queue
 
-    async def finish_retiring(self, queue: ModelQueue, *, linger_s: float) -> None:
+    async def finish_retiring(self, queue: ModelQueue, *, linger_s: float, grace_s: float | None = None) -> None:
         """Lets a withdrawn version finish what it holds (waiting or computing; an order that names
-        it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops."""
+        it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops.
+        What it still holds grace_s after this began (None: no bound) is answered UNAVAILABLE
+        VERSION_RETIRED_REASON and the version stops anyway: a KServe call has no execution
+        timeout, so one in a model call that never returned kept its drain polling for good, its
+        thread pool and backend never closed."""
         loop = asyncio.get_running_loop()
+        give_up_at = None if grace_s is None else loop.time() + grace_s
         quiet_since: float | None = None
         while True:
             if queue.held:
                 quiet_since = None
+                if give_up_at is not None and loop.time() >= give_up_at:
+                    break
             elif quiet_since is None:
                 quiet_since = loop.time()
             elif loop.time() - quiet_since >= linger_s:
                 break
             await asyncio.sleep(0.05)
         self._retiring.remove(queue)
-        await queue.stop_intake()
+        if queue.held:
+            assert grace_s is not None
+            await self._abandon_retired(queue, grace_s)
+        else:
+            await queue.stop_intake()
         executor = self._executors.pop(queue, None)
         if executor is not None:
             # A call still computing (its items timed out) finishes first; then its threads end.
             executor.shutdown(wait=False)
+
+    async def _abandon_retired(self, queue: ModelQueue, grace_s: float) -> None:
+        """Answers what a retired version still holds past its grace, and ends its batches (a
+        model's thread cannot be stopped: it goes on, nothing waits for it; a remote call is
+        cancelled)."""
+        log.warning(
+            "retired_version_abandoned",
+            model=queue.name,
+            version=queue.config.version,
+            items=queue.held,
+            grace_s=grace_s,
+            hint="its model call did not return within batcher.retire_grace_s; what it held was answered UNAVAILABLE",
+        )
+        error = Unavailable(
+            f"model {queue.name!r} version {queue.config.version!r} was replaced or unloaded and had not finished "
+            f"this item {grace_s:g} s later (batcher.retire_grace_s)",
+            reason=VERSION_RETIRED_REASON,
+        )
+        await queue.stop_intake(error)
+        running = queue.abandon_batches(error)
+        await asyncio.gather(*running, return_exceptions=True)
 
     @property
     def model_names(self) -> list[str]:

@@ -562,13 +562,14 @@ class ModelQueue:
 
     # --- stopping --------------------------------------------------------------------------
 
-    async def stop_intake(self) -> None:
-        """Stops forming batches and fails every item still waiting."""
+    async def stop_intake(self, error: AsyncInferError | None = None) -> None:
+        """Stops forming batches and fails every item still waiting (with `error`; by default,
+        the batcher is shutting down)."""
         if self._former is not None:
             self._former.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._former
-        fail(list(self._waiting), Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
+        fail(list(self._waiting), error or Unavailable(SHUTTING_DOWN, reason=SHUTDOWN_REASON))
         self._waiting.clear()
         self._intake_stopped = True
         self._untrack_when_idle()
@@ -582,6 +583,16 @@ class ModelQueue:
 
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
+
+    def abandon_batches(self, error: AsyncInferError) -> list[asyncio.Task[None]]:
+        """Fails the unanswered items of every batch computing with `error` and cancels the
+        batches' tasks (a remote call with them; a model's thread goes on, its answer dropped):
+        the tasks, for the caller to await."""
+        tasks = list(self._batches)
+        for task in tasks:
+            fail(self._batches[task], error)
+            task.cancel()
+        return tasks
 
     def overrun_batches(self) -> list[asyncio.Task[None]]:
         """The batches computing past every one of their items' execution timeouts (batch_overran)."""

@@ -29,7 +29,13 @@ from asyncinfer.v1 import error_pb2, job_pb2, job_service_pb2, worker_service_pb
 from services.batcher.backends import UNREACHABLE_REASON
 from services.batcher.batch_compute import MODEL_STUCK_REASON, RunTimedOut
 from services.batcher.chunk_items import ChunkItem
-from services.batcher.engine import SHUTDOWN_REASON, VERSION_NOT_SERVED_REASON, BatchingEngine, PendingItem
+from services.batcher.engine import (
+    SHUTDOWN_REASON,
+    VERSION_NOT_SERVED_REASON,
+    VERSION_RETIRED_REASON,
+    BatchingEngine,
+    PendingItem,
+)
 from services.batcher.model_control import ModelControl
 from services.batcher.progress import ItemProgress
 
@@ -60,9 +66,14 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
 
 def is_shutdown(error: AsyncInferError) -> bool:
     """The engine refused or dropped the item before it ran because it is stopping, or because its
-    model is stuck (every batch past its timeouts): not the job's fault, so its attempt is given
-    back."""
-    return isinstance(error, Unavailable) and error.reason in (SHUTDOWN_REASON, MODEL_STUCK_REASON)
+    model is stuck (every batch past its timeouts), or abandoned it because its version was retired
+    (replaced or unloaded) and had not finished it within batcher.retire_grace_s: not the job's
+    fault, so its attempt is given back."""
+    return isinstance(error, Unavailable) and error.reason in (
+        SHUTDOWN_REASON,
+        MODEL_STUCK_REASON,
+        VERSION_RETIRED_REASON,
+    )
 
 
 def is_out_of_reach(error: AsyncInferError) -> bool:
