@@ -109,6 +109,11 @@ class Supervisor:
         return self._failure
 
     @property
+    def stopping(self) -> bool:
+        """The owner is shutting down (begin_stop): `start` refuses new loops."""
+        return self._stopping
+
+    @property
     def loop_names(self) -> list[str]:
         """The loops running now, in the order they started."""
         return list(self._running.values())

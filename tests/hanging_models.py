@@ -3,7 +3,8 @@
 for RELEASE), one starting with 555 computes for SLOW_S, one starting with 666
 crashes the process (a segfault, as a native extension's bug would), others compute 2x + 1. The
 poisoned one (build_poisoned_model) also raises for a whole batch that holds a row starting with
-POISON_VALUE, and keeps the first values of every batch it is called with."""
+POISON_VALUE, and keeps the first values of every batch it is called with. build_held_loading_model
+is a loader held until an in-process test sets LOAD_RELEASE."""
 
 from __future__ import annotations
 
@@ -58,4 +59,16 @@ SLOW_LOAD_S = 0.4
 
 def build_slow_loading_model() -> torch.nn.Module:
     time.sleep(SLOW_LOAD_S)  # a loader reading large weights
+    return HangingDemo()
+
+
+# A loader held until an in-process test sets LOAD_RELEASE (LOAD_ENTERED says it is held).
+LOAD_RELEASE = threading.Event()
+LOAD_ENTERED = threading.Event()
+LOAD_WAIT_S = 60.0
+
+
+def build_held_loading_model() -> torch.nn.Module:
+    LOAD_ENTERED.set()
+    LOAD_RELEASE.wait(LOAD_WAIT_S)
     return HangingDemo()

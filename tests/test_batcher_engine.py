@@ -728,3 +728,20 @@ async def test_a_model_that_calls_sys_exit_fails_its_own_item_and_the_batcher_go
         np.testing.assert_array_equal(outcome.outputs[0].to_numpy(), np.full((1, 4), 2 * value + 1))
     again = await asyncio.wait_for(engine.infer("demo", rows(5.0)), 10.0)
     np.testing.assert_array_equal(again.outputs[0].to_numpy(), np.full((1, 4), 11.0))
+
+
+async def test_a_version_added_to_a_stopped_engine_is_refused_and_nothing_of_it_runs(
+    make_engine: Callable[..., Any],
+) -> None:
+    """A hot load that ends after stop(): refused, nothing added. It was added and started, a batch
+    former and a thread pool that nothing would stop (a batcher's supervisor, stopping, refused the
+    former after the version was registered)."""
+    engine = await make_engine(build_demo_model())
+    await engine.infer("demo", [Tensor.from_numpy("x", np.ones((1, 4), np.float32))])
+    await engine.stop(grace_s=1.0)
+    v2 = DEMO_MODEL.model_copy(update={"version": "2"})
+    with pytest.raises(Unavailable) as refused:
+        engine.add_model(v2, TorchBackend(v2.name, build_demo_model(), v2.signature, torch.device("cpu")))
+    assert refused.value.reason == "BATCHER_SHUTTING_DOWN"
+    assert engine.versions("demo") == ["1"]
+    assert not engine.takes_models

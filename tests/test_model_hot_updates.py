@@ -23,6 +23,7 @@ from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.batcher.app import BatcherApp
 from services.batcher.models import demo as demo_models
 from services.batcher.models.demo import GATE, GATE_ENTERED
+from tests.hanging_models import LOAD_ENTERED, LOAD_RELEASE
 from tests.stack import Stack, StartStack
 from tests.test_model_versions import EXPECTED, V2_LOADER, X, demo, with_models
 
@@ -458,6 +459,60 @@ async def test_a_job_in_a_retired_versions_call_that_never_returns_runs_again_on
     finally:
         GATE.set()
         await kserve_client.close()
+
+
+async def test_a_load_that_ends_after_the_engine_stopped_is_refused_and_adds_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A tritonclient load of version 2 whose loader is held until the batcher's engine has stopped
+    (its shutdown grace lets the call finish): the load answers UNAVAILABLE MODEL_LOAD_FAILED "the
+    batcher is stopping" and version 2 is not added. It reached add_model on the stopped engine: the
+    supervisor refused its batch former (RuntimeError, the call failed UNKNOWN) after the version
+    was registered, with a thread pool nothing would shut down."""
+    config = Config().replace(
+        batcher={"port": 0, "metrics_port": 0, "scheduler_address": None, "shutdown_grace_s": WAIT_S},
+        models=[demo(versions=("1",)).model_dump()],
+        logging={"level": "warning", "format": "console"},
+    )
+    app = BatcherApp(config)
+    await app.start()
+    engine_stopped = asyncio.Event()
+    stop_engine = app.engine.stop
+
+    async def stop_and_say_so(grace_s: float = 5.0) -> None:
+        await stop_engine(grace_s)
+        engine_stopped.set()
+
+    monkeypatch.setattr(app.engine, "stop", stop_and_say_so)
+    client = triton.InferenceServerClient(f"127.0.0.1:{app.port}")
+    LOAD_RELEASE.clear()
+    LOAD_ENTERED.clear()
+    held = "tests.hanging_models:build_held_loading_model"
+    load = asyncio.create_task(
+        client.load_model(
+            "demo", config=load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", held))
+        )
+    )
+    stopping: asyncio.Task[None] | None = None
+    try:
+        assert await asyncio.to_thread(LOAD_ENTERED.wait, WAIT_S)  # version 2 is loading
+        stopping = asyncio.create_task(app.stop(grace_s=WAIT_S))
+        async with asyncio.timeout(WAIT_S):
+            await engine_stopped.wait()
+        LOAD_RELEASE.set()
+        with pytest.raises(InferenceServerException) as refused:
+            await load
+        assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value
+        assert "version 2: the batcher is stopping" in str(refused.value.message())
+        await stopping
+        assert app.engine.versions("demo") == ["1"]
+        assert app.models.failures == {("demo", "2"): "the batcher is stopping"}
+    finally:
+        LOAD_RELEASE.set()
+        load.cancel()
+        await asyncio.gather(load, return_exceptions=True)
+        await client.close()
+        await app.stop(grace_s=1.0)
 
 
 async def test_ops_service_loads_and_unloads_across_the_pool(

@@ -107,8 +107,21 @@ class BatchingEngine:
         self._accepting = False
         self._stopping = False
 
+    @property
+    def takes_models(self) -> bool:
+        """Whether add_model may add a version: not once the engine (or the batcher) is stopping."""
+        return not self._stopping and not self._supervisor.stopping
+
     def add_model(self, config: ModelConfig, backend: ModelBackend) -> None:
-        """Adds a model version; once the engine runs, it takes items at once (warm it up first)."""
+        """Adds a model version; once the engine runs, it takes items at once (warm it up first).
+        Unavailable (nothing added) once it is stopping: a hot load that ended after stop() left
+        the version registered with no batch former (the supervisor refused it) and its thread
+        pool never shut down."""
+        if not self.takes_models:
+            raise Unavailable(
+                f"model {config.name!r} version {config.version!r} cannot be added: {SHUTTING_DOWN}",
+                reason=SHUTDOWN_REASON,
+            )
         versions = self._queues.setdefault(config.name, {})
         if config.version in versions:
             raise ValueError(f"model {config.name!r} version {config.version!r} added twice")

@@ -356,6 +356,18 @@ class ModelControl:
         if backend is None:
             self._changed()
             return
+        if not self._engine.takes_models:
+            # Loaded after the batcher began to stop (a KServe load in its grace, a model control
+            # the work stream still carried): reported failed, its backend closed, nothing served.
+            # It reached add_model on a stopped engine, which left the version registered with no
+            # batch former and its thread pool never shut down, and the call failed with the
+            # supervisor's RuntimeError.
+            reason = "the batcher is stopping"
+            log.warning("model_load_abandoned", model=config.name, version=config.version, reason=reason)
+            self.failures[key] = reason
+            await backend.aclose()
+            self._changed()
+            return
         if config.version in self._engine.versions(config.name):
             old = self._backends.get(key)
             self._backends[key] = backend
