@@ -111,6 +111,16 @@ class Burst:
     submit_rate: float
     failed: int
     cpu_s: dict[str, float]  # per process, over the whole burst
+    # The size of the batch each job ran in (its record's batch.batch_size: jobs in the batch).
+    batch_sizes: list[int] = field(default_factory=list)
+
+
+def mean_batch_size(burst: Burst) -> float:
+    """Jobs a batch, over the batches the burst's jobs ran in (a batch of n counted once, not n
+    times: jobs / batches); nan when no record said. The batcher's CPU per job follows it (one
+    message, one model call, one wake-up per batch): bench/results/batcher_cpu_per_job_s32.md."""
+    batches = sum(1 / size for size in burst.batch_sizes if size > 0)
+    return sum(1 for size in burst.batch_sizes if size > 0) / batches if batches else math.nan
 
 
 @dataclass
@@ -285,6 +295,7 @@ async def burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, count: 
         submit_rate=count / (submitted - started),
         failed=failed,
         cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
+        batch_sizes=[j.batch.batch_size for j in jobs if j.HasField("batch")],
     )
 
 
@@ -330,6 +341,7 @@ async def batch_burst(stub: job_service_pb2_grpc.JobServiceStub, stack: Stack, c
         submit_rate=count / (submitted - started),
         failed=failed,
         cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
+        batch_sizes=[j.batch.batch_size for j in finals.values() if j.HasField("batch")],
     )
 
 
