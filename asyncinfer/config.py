@@ -481,10 +481,12 @@ class BatcherConfig(_Section):
         30.0,
         gt=0,
         description="How long a version replaced or unloaded while the batcher runs (a hot update) may finish what "
-        "it holds. What it still holds then (a model call that has not returned: a KServe call without a deadline, "
-        "a job computing longer than this) is answered UNAVAILABLE MODEL_VERSION_RETIRED, a job's attempt given back "
-        "(it runs again on what serves now), and the version is closed anyway; its thread, which cannot be stopped, "
-        "ends when its call returns. As Triton's exit timeout (30 s) and Ray Serve's graceful_shutdown_timeout_s.",
+        "it holds that has no deadline of its own. What computes within its own deadline (a job's execution timeout, "
+        "a KServe call's gRPC deadline) finishes on it past this, and is timed out there as with no rollout. What "
+        "still waits then, or computes with no deadline (a KServe call without one whose model call has not "
+        "returned), is answered UNAVAILABLE MODEL_VERSION_RETIRED, a job's attempt given back (it runs again on "
+        "what serves now); the version is closed once the rest has ended. A thread, which cannot be stopped, ends "
+        "when its call returns.",
     )
     exit_after_overrun_s: float = Field(
         120.0,

@@ -646,6 +646,41 @@ async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:
         await engine.stop(grace_s=1.0)
 
 
+async def test_a_retired_versions_chunk_computing_within_its_execution_timeout_finishes_past_the_grace() -> None:
+    """A batch's chunk (two parts, both computing, its execution timeout 30 s counted from its
+    arrival) on a version retired with a grace of 0.05 s: its parts go on computing past the grace
+    and the chunk is answered with every row. A part has no execution timeout of its own (the
+    chunk's is counted from its arrival, not a batch's start), so it was taken for an item without
+    a deadline and cut off at the grace, and the chunk answered UNAVAILABLE MODEL_VERSION_RETIRED."""
+    from services.batcher.engine import BatchingEngine
+
+    config = DEMO_MODEL.model_copy(update={"max_batch_size": 2, "max_inflight_batches": 2, "max_queue_delay_ms": 0.0})
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = BatchingEngine()
+    engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
+    await engine.start()
+    try:
+        inputs = rows(1.0, count=4)
+        chunk = engine.submit_chunk("demo", inputs, run_timeout_s=30.0)
+        async with asyncio.timeout(5.0):
+            while not all(part.started for part in chunk.parts):  # noqa: ASYNC110 - no event for it
+                await asyncio.sleep(0.01)
+        retired = engine.withdraw("demo", "1")
+        retiring = asyncio.create_task(engine.finish_retiring(retired, linger_s=0.0, grace_s=0.05))
+        async with asyncio.timeout(5.0):
+            while engine.has_model("demo", "1"):  # noqa: ASYNC110 - it takes no orders once its grace has passed
+                await asyncio.sleep(0.01)
+        assert not chunk.future.done()
+        gate.set()
+        outcome = await asyncio.wait_for(chunk.future, 5.0)
+        np.testing.assert_allclose(outcome.outputs[0].to_numpy(), expected_y(inputs[0]))
+        await asyncio.wait_for(retiring, 5.0)
+    finally:
+        gate.set()
+        await engine.stop(grace_s=1.0)
+
+
 async def test_the_queue_depth_gauge_sums_the_versions_served_side_by_side() -> None:
     """Two versions of a model share its gauge: it reads the sum of their queues. Each version's
     queue replaced the reading before, so the gauge showed the last version added, and once that

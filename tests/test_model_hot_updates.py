@@ -428,36 +428,86 @@ async def test_a_replaced_versions_call_that_never_returns_is_answered_after_the
         await app.stop(grace_s=1.0)
 
 
-async def test_a_job_in_a_retired_versions_call_that_never_returns_runs_again_on_what_serves_now(
-    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A job (max_attempts 1) computing on version 1 in a model call that does not return when
-    version 1 is replaced: at batcher.retire_grace_s its order is handed back, its attempt given
-    back, and it runs again on the new version 1. It waited for its execution timeout (60 s), then
-    failed TIMED_OUT, and the old version's drain waited for the call for good."""
+async def gated_job_on_version_1(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch, *, execution_timeout_s: float
+) -> tuple[Stack, AsyncClient, triton.InferenceServerClient, str]:
+    """A stack serving the gated demo model as version 1 only, retire_grace_s 0.2, and a job of
+    max_attempts 1 held in its model's call (released when the test sets GATE)."""
     monkeypatch.setattr(demo_models, "GATE_TIMEOUT_S", None)  # held until the test sets GATE
     gated = demo(versions=("1",)).model_copy(update={"loader": "services.batcher.models.demo:build_gated_model"})
     stack = await start_stack(with_models(config.replace(batcher={"retire_grace_s": 0.2}), gated))
     assert stack.batcher is not None
-    kserve_client = kserve(stack)
     GATE.clear()
     GATE_ENTERED.clear()  # set by the warm-up at start
+    client = AsyncClient(stack.address)
+    held = await client.submit("demo", {"x": X}, max_attempts=1, execution_timeout_s=execution_timeout_s)
+    async for update in client.watch(held, timeout_s=WAIT_S):
+        if update.state.value == "RUNNING":
+            break
+    assert await asyncio.to_thread(GATE_ENTERED.wait, WAIT_S)  # in version 1's model call
+    return stack, client, kserve(stack), held.job_id
+
+
+async def test_a_job_computing_past_the_retire_grace_within_its_execution_timeout_finishes_on_the_old_version(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 1 is replaced by version 2 while a job (execution timeout 60 s, max_attempts 1)
+    computes on it: past batcher.retire_grace_s (0.2 s) the job goes on computing on version 1,
+    whose grace lasts to its execution deadline, and succeeds there once. It was cut off at the
+    grace, handed back and run again from scratch on version 2 (a second attempt), while version
+    1's thread went on computing the answer dropped."""
+    stack, client, kserve_client, job_id = await gated_job_on_version_1(
+        config, start_stack, monkeypatch, execution_timeout_s=WAIT_S
+    )
+    assert stack.batcher is not None
+    engine = stack.batcher.engine
     try:
-        async with AsyncClient(stack.address) as client:
-            held = await client.submit("demo", {"x": X}, model_version="1", max_attempts=1)
-            async for update in client.watch(held, timeout_s=WAIT_S):
-                if update.state.value == "RUNNING":
-                    break
-            assert await asyncio.to_thread(GATE_ENTERED.wait, WAIT_S)
-            await kserve_client.load_model("demo", config=load_config_json(version_table("1", V2_LOADER)))
-            done = await client.wait(held, timeout_s=WAIT_S)
-            assert done.succeeded, (done.state, done.error)
-            np.testing.assert_allclose(done.outputs["y"], EXPECTED["2"])  # run again, on the new model
-            assert not GATE.is_set()  # the old model's call has still not returned
-            async with asyncio.timeout(WAIT_S):
-                await stack.batcher.models.drained()
+        await kserve_client.load_model("demo", config=load_config_json(version_table("2", V2_LOADER)))
+        assert engine.versions("demo") == ["2"]
+        # Version 1's grace has passed: a version past it takes no more orders (before, it had left
+        # the engine then).
+        async with asyncio.timeout(WAIT_S):
+            while engine.has_model("demo", "1"):  # noqa: ASYNC110 - the engine has no event for it
+                await asyncio.sleep(0.01)
+        assert (await client.get(job_id)).state.value == "RUNNING"
+        GATE.set()  # the call returns, after the grace
+        done = await client.wait(job_id, timeout_s=WAIT_S)
+        assert done.succeeded, (done.state, done.error)
+        np.testing.assert_allclose(done.outputs["y"], EXPECTED["1"])  # computed on version 1
+        assert done.attempt == 1  # once: no attempt given back, none run again
+        async with asyncio.timeout(WAIT_S):
+            await stack.batcher.models.drained()
     finally:
         GATE.set()
+        await client.close()
+        await kserve_client.close()
+
+
+async def test_a_job_in_a_retired_versions_call_that_never_returns_times_out_once_at_its_execution_timeout(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job (execution timeout 1 s, max_attempts 1) in a model call that never returns when
+    version 1 is replaced: it is not cut off at batcher.retire_grace_s (0.2 s) but answered
+    TIMED_OUT at its execution timeout, once, by the engine, as with no rollout, and that ends
+    version 1's drain while the call is still held. It was handed back at the grace and run again
+    on version 2."""
+    stack, client, kserve_client, job_id = await gated_job_on_version_1(
+        config, start_stack, monkeypatch, execution_timeout_s=1.0
+    )
+    assert stack.batcher is not None
+    try:
+        await kserve_client.load_model("demo", config=load_config_json(version_table("2", V2_LOADER)))
+        done = await client.wait(job_id, timeout_s=WAIT_S)
+        assert done.state.value == "TIMED_OUT", (done.state, done.error)
+        assert done.error is not None
+        assert done.error.reason == "EXECUTION_TIMEOUT", done.error
+        assert done.attempt == 1
+        async with asyncio.timeout(WAIT_S):
+            await stack.batcher.models.drained()
+        assert not GATE.is_set()  # the old model's call has still not returned
+    finally:
+        GATE.set()
+        await client.close()
         await kserve_client.close()
 
 

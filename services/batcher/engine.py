@@ -61,10 +61,14 @@ log = structlog.get_logger("asyncinfer.batcher.engine")
 
 # A submit naming a version this engine does not serve now (unloaded, or not loaded yet).
 VERSION_NOT_SERVED_REASON = "MODEL_VERSION_NOT_SERVED"
-# An item a retired version (replaced or unloaded) still held when its retire grace ended: a model
-# call that had not returned, or an item waiting behind one. Not the item's fault: a work order's
+# An item a retired version (replaced or unloaded) still held when its retire grace ended, waiting or
+# computing with no deadline of its own (a KServe call without one whose model call had not returned),
+# or computing past its own deadline unanswered. Not the item's fault: a work order's
 # attempt is given back (work_messages.is_shutdown), a KServe caller may retry on what serves now.
 VERSION_RETIRED_REASON = "MODEL_VERSION_RETIRED"
+# How long past an item's own deadline a retired version waits for the engine's timeout (or the
+# call's cancellation) to answer it before answering it VERSION_RETIRED_REASON itself.
+DEADLINE_SLACK_S = 1.0
 
 
 class BatchingEngine:
@@ -158,54 +162,91 @@ class BatchingEngine:
     async def finish_retiring(self, queue: ModelQueue, *, linger_s: float, grace_s: float | None = None) -> None:
         """Lets a withdrawn version finish what it holds (waiting or computing; an order that names
         it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops.
-        What it still holds grace_s after this began (None: no bound) is answered UNAVAILABLE
-        VERSION_RETIRED_REASON and the version stops anyway: a KServe call has no execution
-        timeout, so one in a model call that never returned kept its drain polling for good, its
-        thread pool and backend never closed."""
+        grace_s after this began (None: no bound), if it still holds anything, it forms no more
+        batches: what waits, and what computes with no deadline of its own (a KServe call without
+        one: its model's call may never return), is answered UNAVAILABLE VERSION_RETIRED_REASON;
+        an item computing within its own deadline (a job's execution timeout, a KServe call's
+        gRPC deadline: model_queue.own_deadline) goes on to it, and the engine's timeout (or the
+        call's cancellation) ends it there if it has not returned. So the version stops at the
+        latest DEADLINE_SLACK_S past max(grace, the last of its items' own deadlines)."""
         loop = asyncio.get_running_loop()
-        give_up_at = None if grace_s is None else loop.time() + grace_s
+        grace_ends = None if grace_s is None else loop.time() + grace_s
+        retired: Unavailable | None = None  # set once the grace has ended
         quiet_since: float | None = None
         while True:
-            if queue.held:
-                quiet_since = None
-                if give_up_at is not None and loop.time() >= give_up_at:
+            now = loop.time()
+            if retired is not None:
+                if not queue.held:
                     break
+                # A backstop: the engine answers a job at its execution timeout, gRPC cancels a
+                # call at its deadline; an item not answered so (a chunk's part computing after
+                # its chunk timed out) is, DEADLINE_SLACK_S later.
+                overdue = queue.abandon_computing(retired, ended_before=now - DEADLINE_SLACK_S)
+                if overdue:
+                    self._log_abandoned(queue, overdue, "past its own deadline")
+            elif queue.held:
+                quiet_since = None
+                if grace_ends is not None and now >= grace_ends:
+                    assert grace_s is not None
+                    retired = await self._end_grace(queue, grace_s)
+                    continue
             elif quiet_since is None:
-                quiet_since = loop.time()
-            elif loop.time() - quiet_since >= linger_s:
+                quiet_since = now
+            elif now - quiet_since >= linger_s:
                 break
             await asyncio.sleep(0.05)
         self._retiring.remove(queue)
-        if queue.held:
-            assert grace_s is not None
-            await self._abandon_retired(queue, grace_s)
-        else:
+        if retired is None:
             await queue.stop_intake()
+        else:
+            # Their items are answered; a model's thread cannot be stopped (it goes on, its answer
+            # dropped), a remote call is cancelled with its task.
+            await asyncio.gather(*queue.abandon_batches(retired), return_exceptions=True)
         executor = self._executors.pop(queue, None)
         if executor is not None:
             # A call still computing (its items timed out) finishes first; then its threads end.
             executor.shutdown(wait=False)
 
-    async def _abandon_retired(self, queue: ModelQueue, grace_s: float) -> None:
-        """Answers what a retired version still holds past its grace, and ends its batches (a
-        model's thread cannot be stopped: it goes on, nothing waits for it; a remote call is
-        cancelled)."""
+    async def _end_grace(self, queue: ModelQueue, grace_s: float) -> Unavailable:
+        """A retired version's grace has ended and it still holds items: it forms no more batches
+        (an order naming it is refused, retriable), what waits and what computes with no deadline
+        of its own is answered with the error returned, the rest computes on to its deadline."""
+        retired = Unavailable(
+            f"model {queue.name!r} version {queue.config.version!r} was replaced or unloaded and had not finished "
+            f"this item: past batcher.retire_grace_s ({grace_s:g} s) it finishes only what computes within its own "
+            "deadline",
+            reason=VERSION_RETIRED_REASON,
+        )
+        waiting = queue.depth
+        await queue.stop_intake(retired)
+        now = asyncio.get_running_loop().time()
+        answered = waiting + queue.abandon_computing(retired, ended_before=now - DEADLINE_SLACK_S)
+        if answered:
+            self._log_abandoned(queue, answered, "no deadline of its own")
+        last = queue.computing_deadline()
+        if last is not None:
+            log.info(
+                "retired_version_finishing",
+                model=queue.name,
+                version=queue.config.version,
+                items=queue.held,
+                grace_s=grace_s,
+                until_s=round(last - now, 1),
+                hint="past batcher.retire_grace_s, what it computes within its own deadline (a job's execution "
+                "timeout) finishes on it",
+            )
+        return retired
+
+    def _log_abandoned(self, queue: ModelQueue, items: int, why: str) -> None:
         log.warning(
             "retired_version_abandoned",
             model=queue.name,
             version=queue.config.version,
-            items=queue.held,
-            grace_s=grace_s,
-            hint="its model call did not return within batcher.retire_grace_s; what it held was answered UNAVAILABLE",
+            items=items,
+            why=why,
+            hint="a retired version's model call had not returned past batcher.retire_grace_s (an item without a "
+            "deadline of its own) or past its item's deadline; the items were answered UNAVAILABLE",
         )
-        error = Unavailable(
-            f"model {queue.name!r} version {queue.config.version!r} was replaced or unloaded and had not finished "
-            f"this item {grace_s:g} s later (batcher.retire_grace_s)",
-            reason=VERSION_RETIRED_REASON,
-        )
-        await queue.stop_intake(error)
-        running = queue.abandon_batches(error)
-        await asyncio.gather(*running, return_exceptions=True)
 
     @property
     def model_names(self) -> list[str]:
@@ -296,7 +337,15 @@ class BatchingEngine:
         return [q for versions in self._queues.values() for q in versions.values()] + list(self._retiring)
 
     def _find_retiring(self, model_name: str, version: str) -> ModelQueue | None:
-        return next((q for q in self._retiring if q.name == model_name and q.config.version == version), None)
+        """A retiring version that still forms batches (not once its grace has ended)."""
+        return next(
+            (
+                q
+                for q in self._retiring
+                if q.name == model_name and q.config.version == version and not q.intake_stopped
+            ),
+            None,
+        )
 
     async def start(self) -> None:
         if self._executor is not None:
@@ -377,11 +426,15 @@ class BatchingEngine:
             order = sorted(range(rows), key=lengths.__getitem__)
         parts: list[PendingItem] = []
         # One expiry for every part (cutting the parts takes a while).
-        expires_at = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
+        now = asyncio.get_running_loop().time()
+        expires_at = None if timeout_s is None else now + timeout_s
         try:
             for part in part_rows(rows, queue.config.max_batch_size, order):
                 sliced = [take_rows(t, part) for t in inputs]
-                parts.append(queue.submit(sliced, timeout_s, priority, credited=True, expires_at=expires_at))
+                queued_part = queue.submit(sliced, timeout_s, priority, credited=True, expires_at=expires_at)
+                # Its job's execution deadline, which a retired version's drain waits for.
+                queued_part.ends_by = None if run_timeout_s is None else now + run_timeout_s
+                parts.append(queued_part)
         except BaseException:
             for queued in parts:
                 queued.cancel()

@@ -47,6 +47,7 @@ class PendingItem:
 
     __slots__ = (
         "cost",
+        "ends_by",
         "expires_at",
         "future",
         "group",
@@ -93,6 +94,10 @@ class PendingItem:
         # How long its job may compute (its work order's execution timeout; None: no limit known):
         # a batch running past the longest of its items' has overrun (model_queue.RunningBatch).
         self.run_timeout_s: float | None = None
+        # When its job's execution timeout ends, in loop time, where that is counted from the job's
+        # arrival rather than from the item's batch: a part of a batch's chunk, a pipeline's step.
+        # None: none known, or counted from its batch's start (run_timeout_s).
+        self.ends_by: float | None = None
         # Computed in a batch of its own (its job's previous attempt was lost with its batcher).
         self.run_alone = False
         # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one

@@ -10,8 +10,10 @@ load_model with a config: the loaded versions become the ones it declares):
   item from the moment it is ready, the old one finishes what it holds (in the background);
 - a version no longer declared is announced gone first (the scheduler stops sending it orders),
   then retired: what it holds finishes on it (in the background), then its backend is closed.
-A replaced or retired version gets `batcher.retire_grace_s` to finish: what it still holds then (a
-model call that has not returned) is answered UNAVAILABLE MODEL_VERSION_RETIRED and it is closed anyway.
+A replaced or retired version gets `batcher.retire_grace_s` to finish, or longer for what computes
+within its own deadline (a job's execution timeout): what it still holds then with no deadline of its
+own (a KServe call whose model call has not returned), or waiting, is answered UNAVAILABLE
+MODEL_VERSION_RETIRED, and it is closed once the rest has ended (engine.finish_retiring).
 `apply` returns once the change is in effect for new work; `drained` waits for the old ones.
 A version that fails to load or warm up is reported UNAVAILABLE with the reason (`failures`) and
 the rest go on; the version it would have replaced keeps serving, and no version is unloaded by

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import math
 import sys
 import threading
 import traceback
@@ -584,6 +585,40 @@ class ModelQueue:
     def running_batches(self) -> list[asyncio.Task[None]]:
         return list(self._batches)
 
+    @property
+    def intake_stopped(self) -> bool:
+        """It forms no more batches (stop_intake): an item given to it would never run."""
+        return self._intake_stopped
+
+    def computing_deadline(self) -> float | None:
+        """The latest own deadline (own_deadline) of the unanswered items its batches compute;
+        None when none is computing, math.inf when one has no deadline of its own."""
+        ends = [
+            own_deadline(item, running.started_at)
+            for running in self._running.values()
+            for item in running.items
+            if not item.future.done()
+        ]
+        if not ends:
+            return None
+        return max(math.inf if end is None else end for end in ends)
+
+    def abandon_computing(self, error: AsyncInferError, *, ended_before: float) -> int:
+        """Fails with `error` the unanswered items its batches compute that have no deadline of
+        their own, or whose deadline (own_deadline) was before `ended_before`; the batches go on
+        for the others (a remote call none of whose items waits any more is cancelled). How many
+        were failed."""
+        failed = 0
+        for running in self._running.values():
+            for item in running.items:
+                if item.future.done():
+                    continue
+                end = own_deadline(item, running.started_at)
+                if end is None or end < ended_before:
+                    item.future.set_exception(error)
+                    failed += 1
+        return failed
+
     def abandon_batches(self, error: AsyncInferError) -> list[asyncio.Task[None]]:
         """Fails the unanswered items of every batch computing with `error` and cancels the
         batches' tasks (a remote call with them; a model's thread goes on, its answer dropped):
@@ -597,6 +632,20 @@ class ModelQueue:
     def overrun_batches(self) -> list[asyncio.Task[None]]:
         """The batches computing past every one of their items' execution timeouts (batch_overran)."""
         return [task for task, running in self._running.items() if running.overran and task in self._batches]
+
+
+def own_deadline(item: PendingItem, started_at: float) -> float | None:
+    """When a computing item (its batch started at `started_at`) ends by its own limits, in loop
+    time: its job's execution deadline (run_timeout_s from its batch's start, or its `ends_by`),
+    at which the engine answers it TIMED_OUT; else its caller's deadline (`expires_at`: a KServe
+    call's gRPC deadline, which cancels the call); None when it has neither (a KServe call without
+    a deadline waits for its model's call for good)."""
+    ends: list[float] = []
+    if item.ends_by is not None:
+        ends.append(item.ends_by)
+    if item.run_timeout_s is not None:
+        ends.append(started_at + item.run_timeout_s)
+    return min(ends) if ends else item.expires_at
 
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:

@@ -162,6 +162,7 @@ class PipelineRunner:
         task.add_done_callback(self._tasks.discard)
         future.add_done_callback(lambda done: self._item_done(item, task, done))
         if run_timeout_s is not None:
+            item.ends_by = now + run_timeout_s  # and its steps' items' (a retired version waits for it)
             timer = loop.call_later(run_timeout_s, self._time_out, item, run_timeout_s)
             future.add_done_callback(lambda _done: timer.cancel())
         return item
@@ -273,6 +274,7 @@ class PipelineRunner:
             for piece, channel in zip(pieces, channels, strict=True):
                 part = await self._submit(step.model, piece, timeout_s, item.priority, channel)
                 part.trace = item.trace  # the job's dispatch span: its trace shows each step's compute
+                part.ends_by = item.ends_by  # the job's execution deadline
                 submitted.append(part)
             await asyncio.wait([part.future for part in submitted])
             outcomes = [part.future.result() for part in submitted]  # the first error raises

@@ -67,8 +67,8 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
 def is_shutdown(error: AsyncInferError) -> bool:
     """The engine refused or dropped the item before it ran because it is stopping, or because its
     model is stuck (every batch past its timeouts), or abandoned it because its version was retired
-    (replaced or unloaded) and had not finished it within batcher.retire_grace_s: not the job's
-    fault, so its attempt is given back."""
+    (replaced or unloaded) and still held it, waiting or computing with no deadline of its own,
+    when batcher.retire_grace_s ended: not the job's fault, so its attempt is given back."""
     return isinstance(error, Unavailable) and error.reason in (
         SHUTDOWN_REASON,
         MODEL_STUCK_REASON,
