@@ -24,7 +24,7 @@ import pytest
 
 from asyncinfer.blob_meta import input_chunks_filter
 from asyncinfer.client import AsyncClient, Callback, RetryPolicy
-from asyncinfer.client.batches import create_batch_request
+from asyncinfer.client.batches import create_batch_request, write_file
 from asyncinfer.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -473,13 +473,50 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     )  # fmt: skip
     assert code == 2, stderr
     assert "add --wait" in stderr  # --out would never be written
+    # --out or --errors in a folder that is not there, or a folder itself: said before anything is
+    # sent (`create --wait` found it once the whole batch had run, naming "results.jsonl.part").
     out = tmp_path / "no-such-folder" / "results.jsonl"
     code, _, stderr = await cli(
         "batch", "download", "01a2488d-5587-770c-ba2e-e4d6ee785b4f", "--out", str(out), "--gateway", "127.0.0.1:1"
     )  # fmt: skip
-    assert code == 6, stderr
-    assert "Traceback" not in stderr
-    assert "No such file or directory" in stderr
+    assert (code, stderr.strip()) == (
+        2, f"asyncinfer: --out {out}: no such folder {out.parent} (make it first: mkdir -p {out.parent})"
+    ), stderr  # fmt: skip
+    code, _, stderr = await cli(
+        "batch", "create", str(present), "--model", "demo", "--wait", "--out", str(out), "--gateway", "127.0.0.1:1"
+    )  # fmt: skip
+    assert (code, stderr.strip()) == (
+        2, f"asyncinfer: --out {out}: no such folder {out.parent} (make it first: mkdir -p {out.parent})"
+    ), stderr  # fmt: skip
+    code, _, stderr = await cli(
+        "batch", "create", str(present), "--model", "demo", "--wait", "--errors", str(tmp_path), "--gateway", "127.0.0.1:1"
+    )  # fmt: skip
+    assert (code, stderr.strip()) == (
+        2, f"asyncinfer: --errors {tmp_path} is a folder: give the path of a file in it ({tmp_path / 'results.jsonl'})"
+    ), stderr  # fmt: skip
+
+
+@pytest.mark.unit
+async def test_a_download_to_a_path_it_cannot_write_names_that_path(tmp_path: Path) -> None:
+    """The SDK's download to a folder not there named the `.part` file ("No such file or directory:
+    '.../results.jsonl.part'"), a name its caller never gave; to a folder it read the whole file
+    first and failed at the rename. Both are said of the path, before a byte is read."""
+    read: list[bytes] = []
+
+    async def pieces() -> AsyncIterator[bytes]:
+        read.append(b"x")
+        yield b"x"
+
+    missing = tmp_path / "no-such-folder" / "results.jsonl"
+    with pytest.raises(FileNotFoundError) as not_there:
+        await write_file(pieces(), missing)
+    assert not_there.value.filename == str(missing)
+    with pytest.raises(IsADirectoryError) as folder:
+        await write_file(pieces(), tmp_path)
+    assert folder.value.filename == str(tmp_path)
+    assert read == []
+    assert not missing.parent.exists()
+    assert not (tmp_path.parent / (tmp_path.name + ".part")).exists()
 
 
 @pytest.mark.unit

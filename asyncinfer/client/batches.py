@@ -6,6 +6,7 @@ metadata and its retrying `_call`."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -352,8 +353,13 @@ async def write_file(pieces: AsyncIterator[bytes], target: str | os.PathLike[str
             return await _write_all(pieces, out)
         finally:
             await asyncio.to_thread(out.close)
+    if await asyncio.to_thread(path.is_dir):  # found once the whole file had come, at the rename
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a file to write", str(target))
     part = path.with_name(path.name + ".part")
-    out = await asyncio.to_thread(part.open, "wb")
+    try:
+        out = await asyncio.to_thread(part.open, "wb")
+    except OSError as exc:  # said of the path asked for, not of `.part`, a name its caller never gave
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from exc
     try:
         try:
             written = await _write_all(pieces, out)

@@ -38,6 +38,7 @@ from asyncinfer.commands.output import (
     print_table,
     to_json,
 )
+from asyncinfer.output_paths import descriptor_or_file
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 PROGRESS_LINE_EVERY_S = 10.0
@@ -244,6 +245,26 @@ async def _download(
         await client.download(batch, errors, file="errors", timeout_s=timeout_s)
 
 
+def _check_writable(files: dict[str, Path | None]) -> None:
+    """--out and --errors can be written: a file in a folder that is there (or a device, a pipe, a
+    descriptor), said before anything is sent. A folder not there was found once the batch had run
+    (`create --wait`): its files were refused as "[Errno 2] No such file or directory:
+    '.../results.jsonl.part'", a name the user never gave, and a folder given as --out as
+    "[Errno 21] Is a directory"."""
+    for flag, path in files.items():
+        if path is None:
+            continue
+        where = descriptor_or_file(path)
+        if isinstance(where, int):
+            continue
+        if where.is_dir():
+            raise UsageError(f"{flag} {path} is a folder: give the path of a file in it ({path / 'results.jsonl'})")
+        if not where.parent.is_dir():
+            raise UsageError(
+                f"{flag} {path}: no such folder {where.parent} (make it first: mkdir -p {shlex.quote(str(where.parent))})"
+            )
+
+
 def _holds_arrays(args: argparse.Namespace) -> bool:
     """Whether the batch's input is NPY or NPZ: --format, else the file's first bytes (NPY's magic
     number, or a ZIP archive's, which an NPZ is), as the gateway detects it."""
@@ -262,6 +283,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
     if not await asyncio.to_thread(args.file.is_file):
         what = "a directory, not a file" if await asyncio.to_thread(args.file.is_dir) else "no such file"
         raise UsageError(f"{what}: {args.file}")
+    await asyncio.to_thread(_check_writable, {"--out": args.out, "--errors": args.errors})
     if args.out is not None and _output_file(args.out) == "npz" and not await asyncio.to_thread(_holds_arrays, args):
         # Refused after the whole batch had run (NPZ_OUTPUT_NEEDS_ARRAY_INPUT): said before the upload.
         raise UsageError(
@@ -466,6 +488,7 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
 
 
 async def download_command(args: argparse.Namespace, options: Options) -> int:
+    await asyncio.to_thread(_check_writable, {"--out": args.out, "--errors": args.errors})
     async with options.client() as client:
         await _download(client, args.batch_id, args.out, args.errors, options.timeout_s)
     return EXIT_OK
