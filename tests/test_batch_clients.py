@@ -432,6 +432,23 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
     with np.load(created) as archive:
         assert np.array_equal(archive["y"], 2 * x + 1)
         assert archive["succeeded"].all()
+    # An array file the model cannot take fails the batch before any record ran: it has no arrays.
+    # The --out .npz was refused (BATCH_FAILED, exit 4) and --errors, asked after it, never written.
+    misnamed, refused, errors = tmp_path / "z.npz", tmp_path / "refused.npz", tmp_path / "errors.jsonl"
+    np.savez(misnamed, z=x)
+    code, printed, stderr = await cli(
+        "batch", "create", str(misnamed), "--model", "demo", "--wait", "--out", str(refused), "--errors", str(errors),
+        "--gateway", stack.address,
+    )  # fmt: skip
+    assert code == 1, stderr
+    assert "FAILED  0/0 done  the NPZ file has arrays the model does not take: 'z'" in printed, printed
+    failed_id = printed.split()[0]
+    assert stderr.splitlines()[-1] == (
+        f"asyncinfer: --out {refused} not written: batch {failed_id} failed before any record ran, so it has no "
+        "outputs (its summary says why)"
+    ), stderr
+    assert errors.read_bytes() == b""  # written: no line failed alone, the file did
+    assert not refused.exists()
 
 
 async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path: Path) -> None:

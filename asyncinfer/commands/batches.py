@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState, BlobRef
+from asyncinfer.client.errors import FailedPreconditionError
 from asyncinfer.commands.inputs import (
     LABEL_HELP,
     idempotency_key_argument,
@@ -339,11 +340,33 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         if not options.json:
             print(batch_summary(batch), flush=True)
             _print_errors(batch, errors_file=args.errors)
-        if args.out is not None:
-            await client.download(batch, args.out, file=_output_file(args.out), timeout_s=options.timeout_s)
-        if args.errors is not None:
-            await client.download(batch, args.errors, file="errors", timeout_s=options.timeout_s)
+        await _write_ended(client, batch, args.out, args.errors, options.timeout_s)
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
+
+
+async def _write_ended(
+    client: AsyncClient, batch: Batch, out: Path | None, errors: Path | None, timeout_s: float | None
+) -> None:
+    """`create --wait`'s files, once the batch ended: the error file first (it says why records
+    failed, whatever becomes of the output's download), then the output. A batch that FAILED before
+    any record ran has no arrays: its `--out x.npz` was refused (FAILED_PRECONDITION BATCH_FAILED,
+    exit 4, where a JSONL --out is an empty file and the exit 1) and --errors, asked after it, was
+    never written; now that is said in a line and the exit is the batch's own."""
+    if errors is not None:
+        await client.download(batch, errors, file="errors", timeout_s=timeout_s)
+    if out is None:
+        return
+    try:
+        await client.download(batch, out, file=_output_file(out), timeout_s=timeout_s)
+    except FailedPreconditionError as refused:
+        if refused.reason != "BATCH_FAILED":
+            raise
+        print(
+            f"asyncinfer: --out {out} not written: batch {batch.batch_id} failed before any record ran, so it "
+            "has no outputs (its summary says why)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _goes_on(batch_id: str) -> str:
