@@ -159,6 +159,29 @@ async def test_the_sdk_creates_watches_and_downloads_a_batch(
         assert not (tmp_path / "never.jsonl").exists()
 
 
+async def test_failed_lines_that_say_the_same_are_shown_as_one(config: Config, start_stack: StartStack) -> None:
+    """Under a summary, consecutive failed lines with one code and message are one line, and the
+    failed lines past the first ten are counted: a cancelled batch showed ten lines of "CANCELLED
+    the batch was cancelled before this record ran", a file with one mistake throughout ten of the
+    same message, and neither said how many more there were."""
+    stack = await start_stack(small_batches(config))
+    short = [{"custom_id": f"s{i}", "inputs": {"x": [[1, 2, 3]]}} for i in range(12)]
+    lines = jsonl(demo_records(30)) + b"not json\n" + jsonl(short)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.wait_batch(await client.create_batch(lines, "demo"))
+    assert (batch.state, batch.completed, batch.failed) == ("COMPLETED", 30, 13)
+    shape = "INVALID_ARGUMENT input 'x' must have shape [-1, 4] (-1: any; the record's own batch dimension first), got [1, 3]"
+    for command in ("get", "watch"):
+        code, printed, stderr = await cli("batch", command, batch.batch_id, "--gateway", stack.address)
+        assert code == 0, stderr
+        assert printed.splitlines()[1:] == [
+            "  line 31: INVALID_ARGUMENT not a JSON line: Expecting value at column 1",
+            f"  lines 32-40 ('s0' to 's8'): {shape}",
+            "  and 3 more",
+            f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl",
+        ], printed
+
+
 async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, start_stack: StartStack) -> None:
     """The SDK uploads the file, then creates the batch. A create that is refused (an unknown model)
     deletes that upload, and one answered by an earlier batch under the same idempotency key

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
 from asyncinfer.client import AsyncClient, Batch, BatchState, BlobRef
+from asyncinfer.client.batches import BatchError
 from asyncinfer.client.errors import FailedPreconditionError
 from asyncinfer.commands.inputs import (
     LABEL_HELP,
@@ -43,6 +44,7 @@ from asyncinfer.output_paths import descriptor_or_file
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 PROGRESS_LINE_EVERY_S = 10.0
+GROUPED_ERRORS = 3  # consecutive failed lines saying the same, shown as one line
 MAX_LIST_PAGE = 100  # the most a ListBatches page holds (the gateway's MAX_PAGE_SIZE)
 
 
@@ -450,11 +452,37 @@ def _print_errors(batch: Batch, *, errors_file: Path | None = None) -> None:
     """Under a batch's summary: its first failed lines, and, once it ended with failures, how to
     get them all (unless --errors writes them). A batch that failed validation said `see the error
     file` and no more: neither its lines nor where that file is."""
-    for error in batch.first_errors:
-        named = f" {error.custom_id!r}" if error.custom_id else ""  # a line not JSON has none ('' before)
-        print(f"  line {error.line}{named}: {error.code} {error.message}")
+    for run in _runs(batch.first_errors):
+        first, last = run[0], run[-1]
+        if len(run) < GROUPED_ERRORS:
+            for error in run:
+                named = f" {error.custom_id!r}" if error.custom_id else ""  # a line not JSON has none ('' before)
+                print(f"  line {error.line}{named}: {error.code} {error.message}")
+            continue
+        named = f" ({first.custom_id!r} to {last.custom_id!r})" if first.custom_id and last.custom_id else ""
+        print(f"  lines {first.line}-{last.line}{named}: {first.code} {first.message}")
+    if batch.done and batch.failed > len(batch.first_errors) and batch.first_errors:
+        print(f"  and {batch.failed - len(batch.first_errors)} more")
     if batch.done and batch.failed and errors_file is None:
         print(f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl")
+
+
+def _runs(errors: tuple[BatchError, ...]) -> list[list[BatchError]]:
+    """The errors as runs of consecutive lines with one code and message: a cancelled batch's ten
+    first errors were ten lines of "CANCELLED the batch was cancelled before this record ran", a
+    file with one mistake throughout ten of the same message."""
+    runs: list[list[BatchError]] = []
+    for error in errors:
+        previous = runs[-1][-1] if runs else None
+        if (
+            previous is not None
+            and error.line == previous.line + 1
+            and (error.code, error.message) == (previous.code, previous.message)
+        ):
+            runs[-1].append(error)
+        else:
+            runs.append([error])
+    return runs
 
 
 async def watch_command(args: argparse.Namespace, options: Options) -> int:
