@@ -92,14 +92,16 @@ async def test_batch_create_wait_writes_the_output_and_error_files(
     merged = (await asyncio.wait_for(process.communicate(), 90))[0].decode()
     assert process.returncode == 0, merged
     assert merged.count("COMPLETED  100/101 done  1 failed") == 1, merged
-    # Without --errors, the failed lines under the summary and how to get them all: the first-hour
+    # Without --out, how to read the output (it said the counts alone); without --errors, the
+    # failed lines under the summary and how to get them all: the first-hour
     # pass, session 32, met a batch FAILED in validation saying "see the error file" and no more.
     merged_lines = merged.splitlines()
     at = next(i for i, line in enumerate(merged_lines) if "COMPLETED  100/101 done  1 failed" in line)
     assert merged_lines[at + 1] == "  line 101: INVALID_ARGUMENT not a JSON line: Expecting value at column 1", merged
     second_id = merged_lines[at].split()[0]
     assert merged_lines[at + 2 :] == [
-        f"  the error file, every failed line: asyncinfer batch download {second_id} --errors errors.jsonl"
+        f"  the output file: asyncinfer batch download {second_id} --out results.jsonl",
+        f"  the error file, every failed line: asyncinfer batch download {second_id} --errors errors.jsonl",
     ], merged
     assert len(created_printed.splitlines()) == 2, created_printed  # with --errors: the failed line, no hint
 
@@ -178,6 +180,7 @@ async def test_failed_lines_that_say_the_same_are_shown_as_one(config: Config, s
             "  line 31: INVALID_ARGUMENT not a JSON line: Expecting value at column 1",
             f"  lines 32-40 ('s0' to 's8'): {shape}",
             "  and 3 more",
+            f"  the output file: asyncinfer batch download {batch.batch_id} --out results.jsonl",
             f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl",
         ], printed
 
@@ -443,6 +446,10 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
     out = tmp_path / "results.npz"
     code, _, stderr = await cli("batch", "download", batch.batch_id, "--out", str(out), "--gateway", stack.address)
     assert code == 0, stderr
+    code, printed, stderr = await cli("batch", "get", batch.batch_id, "--gateway", stack.address)
+    assert printed.splitlines()[1:] == [
+        f"  the output file: asyncinfer batch download {batch.batch_id} --out results.npz (or results.jsonl)"
+    ], printed
     with np.load(out) as archive:
         assert np.array_equal(archive["y"], 2 * x + 1)
     # And in one command: create, wait, and the arrays written where --out names an .npz.
@@ -466,6 +473,7 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
     assert code == 1, stderr
     assert "FAILED  0/0 done  the NPZ file has arrays the model does not take: 'z'" in printed, printed
     failed_id = printed.split()[0]
+    assert len(printed.splitlines()) == 1, printed  # no output to point to, no failed line
     assert stderr.splitlines()[-1] == (
         f"asyncinfer: --out {refused} not written: batch {failed_id} failed before any record ran, so it has no "
         "outputs (its summary says why)"

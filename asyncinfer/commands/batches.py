@@ -341,7 +341,7 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
             raise
         if not options.json:
             print(batch_summary(batch), flush=True)
-            _print_errors(batch, errors_file=args.errors)
+            _print_errors(batch, out_file=args.out, errors_file=args.errors)
         await _write_ended(client, batch, args.out, args.errors, options.timeout_s)
     return EXIT_OK if batch.state is BatchState.COMPLETED else EXIT_JOB_NOT_SUCCEEDED
 
@@ -448,10 +448,11 @@ async def get_command(args: argparse.Namespace, options: Options) -> int:
     return EXIT_OK
 
 
-def _print_errors(batch: Batch, *, errors_file: Path | None = None) -> None:
-    """Under a batch's summary: its first failed lines, and, once it ended with failures, how to
-    get them all (unless --errors writes them). A batch that failed validation said `see the error
-    file` and no more: neither its lines nor where that file is."""
+def _print_errors(batch: Batch, *, out_file: Path | None = None, errors_file: Path | None = None) -> None:
+    """Under a batch's summary: its first failed lines, and, once it ended, how to get its output
+    (unless --out writes it) and, with failures, every failed line (unless --errors writes them). A
+    batch that failed validation said `see the error file` and no more: neither its lines nor where
+    that file is."""
     for run in _runs(batch.first_errors):
         first, last = run[0], run[-1]
         if len(run) < GROUPED_ERRORS:
@@ -463,6 +464,12 @@ def _print_errors(batch: Batch, *, errors_file: Path | None = None) -> None:
         print(f"  lines {first.line}-{last.line}{named}: {first.code} {first.message}")
     if batch.done and batch.failed > len(batch.first_errors) and batch.first_errors:
         print(f"  and {batch.failed - len(batch.first_errors)} more")
+    if batch.done and batch.completed and out_file is None:
+        # Where the results are: a batch that ended said its counts and not how to read them (OpenAI's
+        # batch names its output_file_id).
+        arrays = " (or results.jsonl)" if batch.input_format in ("NPY", "NPZ") else ""
+        name = "results.npz" if arrays else "results.jsonl"
+        print(f"  the output file: asyncinfer batch download {batch.batch_id} --out {name}{arrays}")
     if batch.done and batch.failed and errors_file is None:
         print(f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl")
 
