@@ -217,6 +217,24 @@ async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, star
         assert await stored_chunks() == stored
 
 
+async def test_batch_create_for_a_model_not_served_uploads_nothing(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """`batch create FILE --model nosuch` was refused (NOT_FOUND MODEL_NOT_FOUND) once the whole
+    file had gone up, and the upload deleted again: the objects stream took the file's pieces. The
+    command now asks the gateway's models first and sends nothing."""
+    stack = await start_stack(small_batches(config))
+    source = tmp_path / "records.jsonl"
+    source.write_bytes(jsonl(demo_records(50)))
+    js = stack.nc.jetstream()
+    stream = f"OBJ_{stack.config.nats.objects_bucket}"
+    before = (await js.stream_info(stream)).state.last_seq
+    code, printed, stderr = await cli("batch", "create", str(source), "--model", "nosuch", "--gateway", stack.address)
+    assert (code, printed) == (3, ""), stderr
+    assert "NOT_FOUND MODEL_NOT_FOUND: unknown model 'nosuch'; the models served are: demo" in stderr, stderr
+    assert (await js.stream_info(stream)).state.last_seq == before  # no piece of the file was stored
+
+
 async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(
     config: Config, start_stack: StartStack, tmp_path: Path
 ) -> None:

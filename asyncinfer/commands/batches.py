@@ -25,6 +25,7 @@ from asyncinfer.client.batches import BatchError
 from asyncinfer.client.errors import FailedPreconditionError
 from asyncinfer.commands.inputs import (
     LABEL_HELP,
+    Signatures,
     idempotency_key_argument,
     label_argument,
     parse_key_values,
@@ -300,6 +301,10 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
     generated_key = args.idempotency_key is None
     key: str = args.idempotency_key or str(uuid.uuid4())
     async with options.client() as client:
+        # A model the gateway does not serve, said before the file goes up: the create's refusal
+        # (NOT_FOUND MODEL_NOT_FOUND) came once the whole file had been uploaded, minutes for a
+        # large one, to be deleted again.
+        (await Signatures.fetch(options.config, client)).require(args.model)
         uploaded: list[BlobRef] = []
         try:
             bar = ProgressBar("upload", size, in_bytes=True)
