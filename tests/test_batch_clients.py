@@ -33,6 +33,7 @@ from asyncinfer.client.errors import (
     NotFoundError,
     UnavailableError,
 )
+from asyncinfer.commands.output import local_time
 from asyncinfer.config import Config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.nats.streams import count_messages
@@ -795,7 +796,8 @@ async def test_batch_list_pages_to_its_limit_and_says_when_it_cut(config: Config
     when --limit cut it."""
     stack = await start_stack(small_batches(config), batcher=False)  # the batches stay IN_PROGRESS
     async with AsyncClient(stack.address) as client:
-        made = [(await client.create_batch(jsonl(demo_records(2)), "demo")).batch_id for _ in range(3)]
+        created = [await client.create_batch(jsonl(demo_records(2)), "demo", labels={"n": str(i)}) for i in range(3)]
+    made = [batch.batch_id for batch in created]
     newest_first = made[::-1]
     code, printed, stderr = await cli("batch", "list", "--limit", "0", "--json", "--gateway", stack.address)
     assert (code, stderr) == (0, ""), stderr
@@ -805,3 +807,11 @@ async def test_batch_list_pages_to_its_limit_and_says_when_it_cut(config: Config
     assert stderr == "asyncinfer: more batches than these 2 (newest first); --limit N shows more, --limit 0 all\n"
     code, printed, stderr = await cli("batch", "list", "--limit", "3", "--gateway", stack.address)
     assert (code, len(printed.splitlines()), stderr) == (0, 4, ""), (printed, stderr)
+    # When each was made and its labels, as `list` shows a job's (it showed neither: batches of one
+    # model and size could not be told apart).
+    assert printed.splitlines()[0].split() == [
+        "BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S", "CREATED", "LABELS"
+    ], printed  # fmt: skip
+    for line, batch in zip(printed.splitlines()[1:], created[::-1], strict=True):
+        assert line.split()[0] == batch.batch_id
+        assert line.rstrip().endswith(f"{local_time(batch.create_time)}  n={batch.labels['n']}"), line

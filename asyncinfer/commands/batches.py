@@ -37,6 +37,7 @@ from asyncinfer.commands.output import (
     EXIT_OK,
     ProgressBar,
     UsageError,
+    local_time,
     print_json,
     print_table,
     to_json,
@@ -539,14 +540,25 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
         for batch in batches:
             print_json(to_json(batch))
         return EXIT_OK
+    # When each was created and its labels, as `list` shows a job's: batches of the same model and
+    # size could not be told apart (which is last night's?) without `batch get --json` on each.
     rows: list[list[Any]] = [
-        [b.batch_id, b.state, b.model_name, f"{b.completed}/{b.total}", str(b.failed), f"{b.records_per_second:.0f}"]
+        [
+            b.batch_id,
+            b.state,
+            b.model_name,
+            f"{b.completed}/{b.total}",
+            str(b.failed),
+            f"{b.records_per_second:.0f}",
+            local_time(b.create_time),
+            ",".join(f"{k}={v}" for k, v in sorted(b.labels.items())),
+        ]
         for b in batches
     ]
     if not rows:  # said plainly: the table's header alone read as a listing that failed
         print("no batches", flush=True)
         return EXIT_OK
-    print_table(["BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S"], rows)
+    print_table(["BATCH", "STATE", "MODEL", "DONE", "FAILED", "RECORDS/S", "CREATED", "LABELS"], rows)
     return EXIT_OK
 
 
