@@ -460,6 +460,12 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
         assert (as_lists.state, as_lists.input_format, as_lists.completed) == ("COMPLETED", "NPY", 3)
         assert (by_name.state, by_name.input_format) == ("COMPLETED", "NPZ")
         assert np.array_equal((await client.output_arrays(by_name))["y"], 2 * x[:10] + 1)
+        # A path ending .npz gets the arrays, as the CLI's --out does (it got the JSONL lines).
+        await client.download(by_name, tmp_path / "sdk.npz")
+        with np.load(tmp_path / "sdk.npz") as archive:
+            assert np.array_equal(archive["y"], 2 * x[:10] + 1)
+        await client.download(by_name, tmp_path / "sdk-lines.npz", file="output")  # asked for: as asked
+        assert (tmp_path / "sdk-lines.npz").read_bytes().startswith(b'{"custom_id":"0"')
     assert np.array_equal(arrays["y"], 2 * x + 1)
     assert arrays["succeeded"].all()
     out = tmp_path / "results.npz"

@@ -165,15 +165,20 @@ class BatchFiles(BlobCalls):
         batch: Batch | str,
         target: str | os.PathLike[str] | BinaryIO,
         *,
-        file: str = "output",
+        file: str | None = None,
         timeout_s: float | None = None,
     ) -> int:
         """Writes the batch's output file (JSONL in input order), or with file="errors" its error
         file, or with file="npz" the NPZ archive of a batch over an NPY or NPZ file (see
-        `output_arrays`), to a path or a binary file; the bytes written. `timeout_s`: the most the
+        `output_arrays`), to a path or a binary file; the bytes written. Without `file`, a path
+        ending .npz gets the NPZ archive (as the CLI's `--out results.npz`; it got the JSONL, which
+        numpy.load could not read), any other target the JSONL output. `timeout_s`: the most the
         whole download may take (none by default: a large file takes as long as it takes). Opened
         again after UNAVAILABLE until its first byte comes (the client's RetryPolicy); a stream
         that breaks after that raises (a path is then left as it was)."""
+        if file is None:
+            named_npz = isinstance(target, str | os.PathLike) and os.fspath(target).lower().endswith(".npz")
+            file = "npz" if named_npz else "output"
         return await write_file(self._batch_calls.download(batch, file, timeout_s=timeout_s), target)
 
     async def output_arrays(self, batch: Batch | str) -> dict[str, npt.NDArray[Any]]:

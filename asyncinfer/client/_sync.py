@@ -555,7 +555,7 @@ class Client:
         batch: Batch | str,
         target: str | os.PathLike[str] | BinaryIO,
         *,
-        file: str = "output",
+        file: str | None = None,
         timeout_s: float | None = None,
     ) -> int:
         return self._run(self._client.download(batch, target, file=file, timeout_s=timeout_s))
