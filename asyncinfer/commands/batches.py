@@ -119,6 +119,9 @@ def batch_summary(batch: Batch) -> str:
     note = f"  {batch.failure_message}" if batch.failure_message else ""
     if batch.total == 0 and not batch.done:  # its records not counted yet: `0/0 done` read as nothing to do
         return f"{batch.batch_id}  {batch.state}  reading its input{note}"
+    if batch.total == 0 and batch.state in (BatchState.CANCELLED, BatchState.EXPIRED):
+        # Cancelled (or out of time) while VALIDATING: `CANCELLED  0/0 done` read as an empty file.
+        return f"{batch.batch_id}  {batch.state}  before its input was read{note}"
     return f"{batch.batch_id}  {batch.state}  {batch.completed}/{batch.total} done{failed}{rate}{note}"
 
 

@@ -73,3 +73,14 @@ def test_a_batch_whose_records_are_not_counted_yet_reads_so() -> None:
     assert [line.split("  ", 1)[1] for line in out.getvalue().splitlines()] == ["b1  VALIDATING  reading its input"]
     empty = dataclasses.replace(batch(BatchState.FAILED, 0), total=0)  # an ended batch keeps its counts
     assert batch_summary(empty) == "b1  FAILED  0/0 done"
+
+
+def test_a_batch_ended_before_its_input_was_read_says_so() -> None:
+    """A fresh-eyes pass, session 33: a batch cancelled while VALIDATING ended `CANCELLED  0/0 done`,
+    which read as an empty file; so did one whose completion window ended then. A FAILED one keeps
+    its counts, its failure message saying why."""
+    for state in (BatchState.CANCELLED, BatchState.EXPIRED):
+        ended = dataclasses.replace(batch(state, 0), total=0)
+        assert batch_summary(ended) == f"b1  {state}  before its input was read"
+    cancelled = dataclasses.replace(batch(BatchState.CANCELLED, 10), failed=990)
+    assert batch_summary(cancelled) == "b1  CANCELLED  10/1000 done  990 failed"
