@@ -8,6 +8,7 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,6 +23,7 @@ from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher import worker_client
 from services.batcher.app import BatcherApp
 from services.batcher.models.demo import FAILING_MODEL_MESSAGE, GATE
+from tests.certs import TestCA
 
 WAIT_S = 10.0
 ABORT = "abort"
@@ -619,3 +621,43 @@ async def test_a_scheduler_that_refuses_this_batchers_key_is_said_to() -> None:
     (first,) = [e for e in logs if e["event"] == "work_stream_failed"][:1]
     assert first["code"] == "UNAUTHENTICATED"
     assert "set batcher.api_key" in first["hint"]
+
+
+async def test_a_mutual_tls_scheduler_that_closes_the_connection_names_the_client_certificate_settings(
+    tmp_path: Path,
+) -> None:
+    """A scheduler with tls_client_ca_file closes a connection that presented no client certificate,
+    which reaches the batcher as gRPC's "Socket closed" and nothing more: the batcher, which knows
+    it sent none, names batcher.scheduler_cert_file and scheduler_key_file. With a certificate (one
+    the scheduler's CA did not sign, refused the same way) it says nothing of them."""
+    ca = TestCA(tmp_path / "pki")
+    pem = ca.issue("scheduler")
+    credentials = grpc.ssl_server_credentials(
+        [(Path(pem.key_file).read_bytes(), Path(pem.cert_file).read_bytes())],  # noqa: ASYNC240
+        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
+        require_client_auth=True,
+    )
+    server = grpc.aio.server()
+    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(FakeScheduler(), server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    stranger = TestCA(tmp_path / "stranger").issue("batcher")
+    try:
+        hints = []
+        for certificate in ({}, {"scheduler_cert_file": stranger.cert_file, "scheduler_key_file": stranger.key_file}):
+            section = {**batcher_under_test(port), "scheduler_ca_file": ca.ca_file, **certificate}
+            batcher = BatcherApp(Config().replace(batcher=section, models=[DEMO_MODEL]))
+            with structlog.testing.capture_logs() as logs:
+                await batcher.start()
+                try:
+                    await poll(lambda: any(e["event"] == "work_stream_failed" for e in logs))
+                finally:
+                    await batcher.stop(grace_s=1.0)
+            (first,) = [e for e in logs if e["event"] == "work_stream_failed"][:1]
+            assert first["code"] == "UNAVAILABLE", first
+            assert "Socket closed" in first["details"], first
+            hints.append(first.get("hint"))
+    finally:
+        await server.stop(0)
+    assert "set batcher.scheduler_cert_file and batcher.scheduler_key_file" in (hints[0] or ""), hints
+    assert hints[1] is None, hints

@@ -139,9 +139,13 @@ class ClientChannel:
         check_not_forked()
         global _channel_pid
         _channel_pid = os.getpid()
-        if credentials is None and (tls_ca_file or tls_cert_file or tls_key_file):
+        from_files = credentials is None and bool(tls_ca_file or tls_cert_file or tls_key_file)
+        if from_files:
             credentials = tls_credentials(ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
         self._tls = credentials is not None
+        # Whether a client certificate goes with it (None: credentials made by the caller, unknown),
+        # for the hint after a mutual-TLS server closed the connection (with_connection_hint).
+        self._client_cert: bool | None = bool(tls_cert_file) if from_files or credentials is None else None
         if credentials is not None:
             self._channel = aio.secure_channel(target, credentials, options=options)
         else:
@@ -218,6 +222,9 @@ class ClientChannel:
     def _deadline(self, timeout_s: float | None) -> Deadline:
         return Deadline(self.timeout_s if timeout_s is None else timeout_s)
 
+    def _hinted(self, error: AsyncInferClientError) -> AsyncInferClientError:
+        return with_connection_hint(error, tls=self._tls, client_cert=self._client_cert)
+
     async def _backoff_or_raise(
         self,
         error: AsyncInferClientError,
@@ -235,15 +242,17 @@ class ClientChannel:
         short by its deadline, and what its attempts met (and its hint) is the news, not
         "did not complete within 10 s"."""
         if not self.retry.retriable(error) or not self.retry.allows_attempt(attempt, broken_at):
-            raise with_earlier_hint(with_connection_hint(error, tls=self._tls), earlier, tls=self._tls) from cause
+            raise with_earlier_hint(
+                self._hinted(error), earlier, tls=self._tls, client_cert=self._client_cert
+            ) from cause
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
-            raise with_connection_hint(error, tls=self._tls) from cause
+            raise self._hinted(error) from cause
         if self.retry.on_retry is not None:
             self.retry.on_retry(error, delay)
         await asyncio.sleep(delay)
         if deadline.expired():
-            raise with_connection_hint(error, tls=self._tls) from cause
+            raise self._hinted(error) from cause
 
     async def _call(
         self, invoke: Callable[[float | None], Awaitable[T]], deadline: Deadline, *, retry: bool = True
@@ -262,6 +271,6 @@ class ClientChannel:
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 if not retry:
-                    raise with_connection_hint(error, tls=self._tls) from rpc_error
+                    raise self._hinted(error) from rpc_error
                 await self._backoff_or_raise(error, attempt, deadline, rpc_error, None, earlier)
                 earlier = error

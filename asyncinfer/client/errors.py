@@ -229,19 +229,36 @@ def no_such_host(error: AsyncInferClientError) -> bool:
     return name_lookup_failed(error) and any(text in error.message for text in _NO_SUCH_NAME)
 
 
-def with_connection_hint(error: AsyncInferClientError, *, tls: bool) -> AsyncInferClientError:
+# gRPC's text where the server closed the connection: a plaintext channel to a TLS server, and a TLS
+# channel without a client certificate to a server that requires one (mutual TLS). A Python gRPC
+# server cannot ask for a certificate without requiring one, and TLS 1.3 ends the client's side of
+# the handshake before the server has checked the client's: the server's refusal reaches the client
+# as a closed socket, not as a handshake error. Only the client knows it sent no certificate.
+SOCKET_CLOSED = "Socket closed"
+
+
+def with_connection_hint(
+    error: AsyncInferClientError, *, tls: bool, client_cert: bool | None = None
+) -> AsyncInferClientError:
     """`error` with a `hint`, a sentence on what to check, where gRPC's own text names no cause: a host
     name that does not resolve ("errors resolving ...: [field:hostname lookup error:...]"), a plaintext
-    channel to a TLS server ("Socket closed"), a TLS channel to a plaintext one (or with the wrong
-    CA: "Handshake failed"). Other errors are returned as they are."""
+    channel to a TLS server ("Socket closed"), a TLS channel without a client certificate
+    (`client_cert` False; None: not known, no hint) to a server that may require one (the same
+    "Socket closed"), a TLS channel to a plaintext one (or with the wrong CA: "Handshake
+    failed"). Other errors are returned as they are."""
     if error.code is not grpc.StatusCode.UNAVAILABLE:
         return error
     if no_such_host(error):
         hint = NO_SUCH_HOST_HINT
     elif name_lookup_failed(error):
         hint = NAME_LOOKUP_HINT
-    elif not tls and "Socket closed" in error.message:
+    elif not tls and SOCKET_CLOSED in error.message:
         hint = f"if the server is on TLS, give tls_ca_file= (`asyncinfer up --dev-tls`'s CA: {DEV_CA})"
+    elif tls and client_cert is False and SOCKET_CLOSED in error.message:
+        hint = (
+            "the server closed the connection after the TLS handshake: if it requires client certificates "
+            "(mutual TLS: its tls_client_ca_file), give tls_cert_file= and tls_key_file= (a certificate its CA signed)"
+        )
     elif tls and "handshake failed" in error.message.lower():
         hint = "the TLS handshake failed: is the server on TLS, and did tls_ca_file's CA sign its certificate?"
     else:
@@ -251,7 +268,7 @@ def with_connection_hint(error: AsyncInferClientError, *, tls: bool) -> AsyncInf
 
 
 def with_earlier_hint(
-    error: AsyncInferClientError, earlier: AsyncInferClientError | None, *, tls: bool
+    error: AsyncInferClientError, earlier: AsyncInferClientError | None, *, tls: bool, client_cert: bool | None = None
 ) -> AsyncInferClientError:
     """`error`, a DEADLINE_EXCEEDED that ended a call whose attempt before was retried for
     `earlier`, with `earlier`'s hint ("earlier tries: no host has that name: is it spelled
@@ -260,7 +277,7 @@ def with_earlier_hint(
     no word of the name. Other errors, and one with a hint of its own, are returned as they are."""
     if error.code is not grpc.StatusCode.DEADLINE_EXCEEDED or error.hint or earlier is None:
         return error
-    hint = with_connection_hint(earlier, tls=tls).hint
+    hint = with_connection_hint(earlier, tls=tls, client_cert=client_cert).hint
     if hint:
         error.hint = f"earlier tries: {hint}"
     return error

@@ -1,7 +1,8 @@
 """One line of advice after a connection error the CLI cannot fix itself: nothing listening, a
-host name that does not resolve, a TLS mismatch either way, or an address that serves another
-service. gRPC's own text for these ("failed to connect to all addresses ... Socket closed",
-"errors resolving ...: [field:hostname lookup error:...]", "Method not found!") names no cause."""
+host name that does not resolve, a TLS mismatch either way, no client certificate for a server
+that may require one, or an address that serves another service. gRPC's own text for these
+("failed to connect to all addresses ... Socket closed", "errors resolving ...: [field:hostname
+lookup error:...]", "Method not found!") names no cause."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ from typing import TYPE_CHECKING
 import grpc
 
 from asyncinfer.client import AsyncInferClientError
-from asyncinfer.client.errors import DEV_CA, NAME_LOOKUP_HINT, NO_SUCH_HOST_HINT, name_lookup_failed, no_such_host
+from asyncinfer.client.errors import (
+    DEV_CA,
+    NAME_LOOKUP_HINT,
+    NO_SUCH_HOST_HINT,
+    SOCKET_CLOSED,
+    name_lookup_failed,
+    no_such_host,
+)
 
 if TYPE_CHECKING:
     from asyncinfer.commands.options import Options
@@ -42,6 +50,14 @@ def connection_hint(error: AsyncInferClientError, options: Options) -> str | Non
             f"something accepts connections there but does not answer as a gRPC server in time: is it the "
             f"gateway (or the scheduler), and is it running (not stopped or overloaded)? {addresses}"
         )
-    if "Socket closed" in text and not options.tls_ca_file:
+    if SOCKET_CLOSED in text and not options.tls:
         return f"the server closed the connection: if it is on TLS, give --tls-ca FILE (`up --dev-tls`'s: {DEV_CA})"
+    if SOCKET_CLOSED in text and not options.tls_cert_file:
+        # What a server that requires client certificates answers a TLS client without one: only
+        # the client knows it sent none (asyncinfer.client.errors.SOCKET_CLOSED).
+        return (
+            "the server closed the connection after the TLS handshake: if it requires client certificates "
+            "(mutual TLS: the gateway's or the scheduler's tls_client_ca_file), give --tls-cert FILE and "
+            "--tls-key FILE (env ASYNCINFER_TLS_CERT_FILE, ASYNCINFER_TLS_KEY_FILE), a certificate its CA signed"
+        )
     return None

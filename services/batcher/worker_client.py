@@ -48,6 +48,7 @@ class WorkerSecurity:
 
     credentials: grpc.ChannelCredentials | None = None
     metadata: tuple[tuple[str, str], ...] = ()
+    client_cert: bool = False  # the credentials present batcher.scheduler_cert_file
 
     @classmethod
     def from_config(cls, batcher: BatcherConfig) -> WorkerSecurity:
@@ -60,7 +61,9 @@ class WorkerSecurity:
                 key="batcher.scheduler",
             )
         key = read_secret(batcher.api_key, batcher.api_key_file, "batcher.api_key")
-        return cls(credentials=credentials, metadata=bearer_metadata(key))
+        return cls(
+            credentials=credentials, metadata=bearer_metadata(key), client_cert=bool(batcher.scheduler_cert_file)
+        )
 
 
 class WorkerClient:
@@ -203,7 +206,7 @@ class WorkerClient:
                 self._outage.ended()  # the stream was up: this failure starts a new outage
             if (repeat := self._outage.failed()) is not None:
                 code = error.code()
-                hint = _REFUSALS.get(code)
+                hint = _REFUSALS.get(code) or self._connection_hint(error)
                 log.warning(
                     "work_stream_failed",
                     scheduler=self._address,
@@ -214,6 +217,19 @@ class WorkerClient:
                 )
         except Exception:
             log.exception("work_stream_failed", scheduler=self._address)
+
+    def _connection_hint(self, error: grpc.aio.AioRpcError) -> str | None:
+        """The settings to check where the scheduler closed a TLS connection that presented no
+        client certificate: a scheduler with tls_client_ca_file requires one, and its refusal
+        reaches this side as gRPC's "Socket closed" (asyncinfer.client.errors.SOCKET_CLOSED)."""
+        closed = error.code() is grpc.StatusCode.UNAVAILABLE and "Socket closed" in (error.details() or "")
+        if not closed or self._security.credentials is None or self._security.client_cert:
+            return None
+        return (
+            "the scheduler closed the connection after the TLS handshake: if it requires client certificates "
+            "(mutual TLS: scheduler.tls_client_ca_file), set batcher.scheduler_cert_file and "
+            "batcher.scheduler_key_file (a certificate its CA signed)"
+        )
 
 
 # What a refusal of the work stream says of this batcher's configuration (the scheduler is up).

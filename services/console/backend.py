@@ -18,7 +18,7 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
 from asyncinfer.client.batches import FILES, Batch, batch_from_proto
-from asyncinfer.client.errors import AsyncInferClientError, DeadlineExceededError, from_rpc_error
+from asyncinfer.client.errors import SOCKET_CLOSED, AsyncInferClientError, DeadlineExceededError, from_rpc_error
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
 from asyncinfer.grpc_keepalive import Keepalive
@@ -109,8 +109,9 @@ class Backend:
         options = [*Keepalive(config.keepalive_s).client_options(without_calls=True), *RECONNECT_OPTIONS]
         self._gateway_channel = _channel(config.gateway_address, credentials, options)
         self._scheduler_channel = _channel(config.scheduler_address, credentials, options)
-        self._gateway = Peer("the gateway", config.gateway_address, "console.tenant_key")
-        self._scheduler = Peer("the scheduler", config.scheduler_address, "console.ops_key")
+        unsigned = credentials is not None and not config.tls_cert_file  # TLS without a client certificate
+        self._gateway = Peer("the gateway", config.gateway_address, "console.tenant_key", unsigned)
+        self._scheduler = Peer("the scheduler", config.scheduler_address, "console.ops_key", unsigned)
         self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway_channel)
         self._batches = batch_service_pb2_grpc.BatchServiceStub(self._gateway_channel)
         self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler_channel)
@@ -307,9 +308,19 @@ class Peer:
     name: str  # "the gateway"
     address: str
     key_setting: str  # the console setting whose key this service is called with
+    # Over TLS with no client certificate: a refusal of a server that requires one (mutual TLS)
+    # reaches the console as gRPC's "Socket closed" (asyncinfer.client.errors.SOCKET_CLOSED),
+    # which the console then explains, since only it knows it sent none.
+    without_client_cert: bool = False
 
     def explained(self, error: AsyncInferClientError) -> AsyncInferClientError:
         if error.code is grpc.StatusCode.UNAVAILABLE:
+            if self.without_client_cert and SOCKET_CLOSED in error.message:
+                error.hint = (
+                    f"{self.name} closed the connection after the TLS handshake: if it requires client certificates "
+                    "(mutual TLS: its tls_client_ca_file), set console.tls_cert_file and console.tls_key_file (a "
+                    "certificate its CA signed)"
+                )
             error.message = f"{self.name} ({self.address}) does not answer: {error.message}"
         elif error.code is grpc.StatusCode.DEADLINE_EXCEEDED and error.reason == error.code.name:
             # The console's own deadline (a service's own DEADLINE_EXCEEDED names a reason):
