@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Self, TypeVar
 import grpc
 from grpc import aio
 
+from asyncinfer.client._addresses import most_telling
 from asyncinfer.client._convert import named
 from asyncinfer.client._retry import Deadline, RetryPolicy, checked_timeout
 from asyncinfer.client._targets import check_target
@@ -146,6 +147,8 @@ class ClientChannel:
         # Whether a client certificate goes with it (None: credentials made by the caller, unknown),
         # for the hint after a mutual-TLS server closed the connection (with_connection_hint).
         self._client_cert: bool | None = bool(tls_cert_file) if from_files or credentials is None else None
+        # Kept for the tries of each address after a refusal (_addresses.most_telling).
+        self._target, self._credentials, self._options = target, credentials, options
         if credentials is not None:
             self._channel = aio.secure_channel(target, credentials, options=options)
         else:
@@ -222,7 +225,12 @@ class ClientChannel:
     def _deadline(self, timeout_s: float | None) -> Deadline:
         return Deadline(self.timeout_s if timeout_s is None else timeout_s)
 
-    def _hinted(self, error: AsyncInferClientError) -> AsyncInferClientError:
+    async def _hinted(self, error: AsyncInferClientError, deadline: Deadline) -> AsyncInferClientError:
+        """`error` as raised: where it is a refusal, the most telling error of the target's addresses
+        (within what is left of `deadline`), and its hint."""
+        remaining = deadline.remaining()
+        if remaining is None or remaining > 0:
+            error = await most_telling(error, self._target, self._credentials, self._options, remaining)
         return with_connection_hint(error, tls=self._tls, client_cert=self._client_cert)
 
     async def _backoff_or_raise(
@@ -243,16 +251,16 @@ class ClientChannel:
         "did not complete within 10 s"."""
         if not self.retry.retriable(error) or not self.retry.allows_attempt(attempt, broken_at):
             raise with_earlier_hint(
-                self._hinted(error), earlier, tls=self._tls, client_cert=self._client_cert
+                await self._hinted(error, deadline), earlier, tls=self._tls, client_cert=self._client_cert
             ) from cause
         delay = self.retry.backoff_s(attempt, error)
         if not deadline.allows_sleep(delay):
-            raise self._hinted(error) from cause
+            raise await self._hinted(error, deadline) from cause
         if self.retry.on_retry is not None:
             self.retry.on_retry(error, delay)
         await asyncio.sleep(delay)
         if deadline.expired():
-            raise self._hinted(error) from cause
+            raise await self._hinted(error, deadline) from cause
 
     async def _call(
         self, invoke: Callable[[float | None], Awaitable[T]], deadline: Deadline, *, retry: bool = True
@@ -271,6 +279,6 @@ class ClientChannel:
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
                 if not retry:
-                    raise self._hinted(error) from rpc_error
+                    raise await self._hinted(error, deadline) from rpc_error
                 await self._backoff_or_raise(error, attempt, deadline, rpc_error, None, earlier)
                 earlier = error

@@ -21,6 +21,7 @@ import msgspec
 from grpc import aio
 
 from asyncinfer.access import bearer_metadata
+from asyncinfer.client._addresses import most_telling
 from asyncinfer.client.errors import code_and_reason, from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.inputs import text_argument
@@ -131,7 +132,10 @@ async def _ops_call(
         try:
             return await call(stub, options.call_timeout_s)
         except grpc.RpcError as rpc_error:
-            error = from_rpc_error(rpc_error)
+            # A refusal on one of the address's several addresses: what another met, if it says more.
+            error = await most_telling(
+                from_rpc_error(rpc_error), options.scheduler_target, credentials, (), options.timeout_s
+            )
             if key is None and error.code == grpc.StatusCode.UNAUTHENTICATED:
                 error.message = f"{error.message}; {NO_OPS_KEY}"
             raise error from rpc_error
