@@ -95,6 +95,28 @@ class Chunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadProgress:
+    """How far a VALIDATING batch's preparation has read its input (Unix seconds)."""
+
+    bytes_read: int
+    bytes_total: int
+    records: int  # read so far, valid or not
+    started: float  # when this reading began
+    updated: float  # when it was reported
+
+    def rate(self) -> tuple[float, float | None]:
+        """Records read per second, and when the reading should end at its rate of bytes (None
+        while unknown)."""
+        took = self.updated - self.started
+        if took <= 0:
+            return 0.0, None
+        end = None
+        if 0 < self.bytes_read < self.bytes_total:
+            end = self.started + took * self.bytes_total / self.bytes_read
+        return self.records / took, end
+
+
+@dataclass(frozen=True, slots=True)
 class RequestCounts:
     total: int = 0
     completed: int = 0
@@ -135,6 +157,9 @@ class BatchRecord:
     # The W3C traceparent of its CreateBatch span (tracing on): each chunk job's trace links to it,
     # whichever gateway's driver submits the chunk, before or after a restart.
     traceparent: str = ""
+    # While VALIDATING: the preparation's last report of its reading (a large input); None before
+    # and after.
+    reading: ReadProgress | None = None
     # Not stored: the KV revision it was read at.
     revision: int = 0
 
@@ -385,6 +410,11 @@ def encode_batch(record: BatchRecord) -> bytes:
         data.pop("callback_enqueued")
     if not record.traceparent:  # likewise: only batches created with tracing on carry it
         data.pop("traceparent")
+    if record.reading is None:  # likewise: only a batch being read carries it
+        data.pop("reading")
+    else:
+        r = record.reading
+        data["reading"] = [r.bytes_read, r.bytes_total, r.records, r.started, r.updated]
     data["v"] = RECORD_VERSION
     data["chunks"] = [[c.start, c.end, c.status.value, c.code, c.message] for c in record.chunks]
     data["first_errors"] = [[e.line, e.custom_id, e.code, e.message] for e in record.first_errors]
@@ -409,6 +439,7 @@ def decode_batch(data: bytes, revision: int = 0) -> BatchRecord:
             "callback": CallbackSpec(callback["url"], tuple(callback["events"])) if callback else None,
             "chunks": tuple(Chunk(s, e, ChunkStatus(st), code, msg) for s, e, st, code, msg in raw["chunks"]),
             "first_errors": tuple(ErrorLine(*e) for e in raw["first_errors"]),
+            "reading": ReadProgress(*raw["reading"]) if raw.get("reading") else None,
         },
         revision=revision,
     )

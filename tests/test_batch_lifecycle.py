@@ -398,7 +398,7 @@ async def test_a_preparation_that_keeps_failing_is_tried_again_with_backoff(
     the parser) was started again at once, some 400 times a second, rereading the whole upload."""
     tries: list[float] = []
 
-    async def store_full(self: Preparer, record: Any, model: Any, *, now: float) -> Any:
+    async def store_full(self: Preparer, record: Any, model: Any, *, now: float, **_: Any) -> Any:
         tries.append(time.monotonic())
         raise Unavailable("the job store is full")
 

@@ -5,13 +5,19 @@ the watch ends at the terminal state, and it resumes after a revision."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from rich.filesize import decimal
 
+from asyncinfer.blobs import BlobStore
+from asyncinfer.client.batches import batch_from_proto
+from asyncinfer.commands.batches import batch_summary
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.v1 import batch_service_pb2
 from services.batcher.models import demo
+from services.gateway import batch_prepare
 from tests.batch_helpers import batches_stub, create_request, demo_records, jsonl, upload
 from tests.stack import StartStack
 from tests.test_batch_lifecycle import GATED, gate
@@ -80,3 +86,56 @@ async def test_the_watch_resumes_after_a_revision(config: Config, start_stack: S
     with pytest.raises(grpc.aio.AioRpcError) as wildcard:
         await watched(stub, ">")
     assert wildcard.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_long_reading_reports_how_far_it_has_come_until_it_moves_on(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch walk-through (session 33): an 800,000-record file sat in VALIDATING for minutes
+    and every view said `VALIDATING  reading its input`, nothing of how far. The preparation now
+    writes how much it has read to the record (every READ_PROGRESS_INTERVAL_S; 0 here, so each
+    piece of the upload reports): held part-way, WatchBatch, GetBatch, the SDK's Batch and the
+    CLI's line show bytes and records read of the total; once read, the report is gone."""
+    monkeypatch.setattr(batch_prepare, "READ_PROGRESS_INTERVAL_S", 0.0)
+    stack = await start_stack(watch_config(config))
+    stub = batches_stub(stack.channel)
+    data = jsonl(demo_records(10_000))  # some 700 kB: several pieces of the object store's
+    ref = await upload(stack.jobs, data)
+    held, release = asyncio.Event(), asyncio.Event()
+    chunks = BlobStore.chunks
+
+    async def held_part_way(self: BlobStore, tenant: str, name: str) -> AsyncIterator[bytes]:
+        count = 0
+        async for piece in chunks(self, tenant, name):
+            if name == ref and count == 3:  # the preparation's reading stops here until released
+                held.set()
+                await release.wait()
+            count += 1
+            yield piece
+
+    monkeypatch.setattr(BlobStore, "chunks", held_part_way)
+    created = await stub.CreateBatch(create_request(ref))
+    batch_id = created.batch.batch_id
+    async with asyncio.timeout(60):
+        await held.wait()
+        async for update in stub.WatchBatch(S.WatchBatchRequest(batch_id=batch_id)):
+            if update.batch.HasField("read_progress") and update.batch.read_progress.records_read:
+                break
+    reading = update.batch.read_progress
+    assert update.batch.state == S.BATCH_STATE_VALIDATING
+    assert 0 < reading.bytes_read < reading.bytes_total == len(data)
+    assert 0 < reading.records_read < 10_000
+    assert reading.HasField("update_time")
+    got = batch_from_proto((await stub.GetBatch(S.GetBatchRequest(batch_id=batch_id))).batch)
+    assert got.read_progress is not None
+    assert got.read_progress.bytes_read == reading.bytes_read
+    line = batch_summary(got)
+    assert f"reading its input  {decimal(reading.bytes_read)}/{decimal(len(data))}" in line, line
+    assert f"{reading.records_read} records" in line, line
+    release.set()
+    updates = await watched(stub, batch_id, after_revision=update.batch.revision)
+    assert updates[-1].state == S.BATCH_STATE_COMPLETED
+    assert updates[-1].request_counts.completed == 10_000
+    moved_on = [u for u in updates if u.state != S.BATCH_STATE_VALIDATING]
+    assert moved_on
+    assert not any(u.HasField("read_progress") for u in moved_on)

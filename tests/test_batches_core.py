@@ -179,6 +179,17 @@ def test_the_record_codec_round_trips() -> None:
     assert batches.decode_batch(batches.encode_batch(original), 7) == original.evolve(revision=7)
     traced = original.evolve(traceparent="00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
     assert batches.decode_batch(batches.encode_batch(traced)) == traced
+    reading = original.evolve(reading=batches.ReadProgress(1000, 4000, 20, 100.0, 110.0))
+    assert batches.decode_batch(batches.encode_batch(reading)) == reading
+    assert b"reading" not in batches.encode_batch(original)  # only a batch being read carries it
+
+
+def test_a_readings_rate_and_estimated_end() -> None:
+    rate, end = batches.ReadProgress(1000, 4000, 20, 100.0, 110.0).rate()
+    assert rate == pytest.approx(2.0)
+    assert end == pytest.approx(140.0)  # a quarter of the bytes in 10 s: the rest in 30 s more
+    assert batches.ReadProgress(0, 4000, 0, 100.0, 110.0).rate() == (0.0, None)
+    assert batches.ReadProgress(10, 4000, 1, 100.0, 100.0).rate() == (0.0, None)
 
 
 def test_a_batch_record_leaves_its_unset_traceparent_out_and_skips_a_field_it_does_not_know() -> None:

@@ -20,7 +20,7 @@ from asyncinfer.client._async import AsyncClient, tls_credentials
 from asyncinfer.client._enums import unknown_number
 from asyncinfer.client._retry import NO_RETRY, RetryPolicy
 from asyncinfer.client._sync import Client, StreamIterator
-from asyncinfer.client.batches import Batch, BatchError
+from asyncinfer.client.batches import Batch, BatchError, BatchReadProgress
 from asyncinfer.client.errors import (
     AlreadyExistsError,
     AsyncInferClientError,
@@ -70,6 +70,7 @@ __all__ = [
     "Batch",
     "BatchError",
     "BatchInfo",
+    "BatchReadProgress",
     "BatchState",
     "BlobRef",
     "BulkResult",

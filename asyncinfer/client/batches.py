@@ -66,6 +66,19 @@ class BatchError:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchReadProgress:
+    """How far a VALIDATING batch's input has been read, as the gateway last reported it (every
+    few seconds of a large file's reading)."""
+
+    bytes_read: int
+    bytes_total: int
+    records_read: int  # valid or not
+    records_per_second: float
+    estimated_end_time: datetime | None  # when the reading should end at its rate so far
+    update_time: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
 class Batch:
     """A batch as it stands: state (VALIDATING, IN_PROGRESS, COMPLETED, FAILED, EXPIRED,
     CANCELLING, CANCELLED), request counts, progress and the first errors."""
@@ -103,6 +116,8 @@ class Batch:
     # Its CreateBatch's OpenTelemetry trace ID when the gateway traces (the caller's, given a
     # traceparent); each chunk job's trace links to it.
     trace_id: str = ""
+    # While VALIDATING: how far its input has been read (None before the first report and after).
+    read_progress: BatchReadProgress | None = None
 
     @property
     def done(self) -> bool:
@@ -149,6 +164,21 @@ def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = Fal
         error_ref=batch.error_ref.ref,
         callback_url=batch.callback.url,
         trace_id=batch.trace_id,
+        read_progress=_read_progress(batch),
+    )
+
+
+def _read_progress(batch: batch_service_pb2.Batch) -> BatchReadProgress | None:
+    if not batch.HasField("read_progress"):
+        return None
+    p = batch.read_progress
+    return BatchReadProgress(
+        bytes_read=p.bytes_read,
+        bytes_total=p.bytes_total,
+        records_read=p.records_read,
+        records_per_second=p.records_per_second,
+        estimated_end_time=_time(p, "estimated_end_time"),
+        update_time=_time(p, "update_time"),
     )
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO, cast
 
@@ -118,11 +118,29 @@ def batch_summary(batch: Batch) -> str:
     failed = f"  {batch.failed} failed" if batch.failed else ""
     note = f"  {batch.failure_message}" if batch.failure_message else ""
     if batch.total == 0 and not batch.done:  # its records not counted yet: `0/0 done` read as nothing to do
-        return f"{batch.batch_id}  {batch.state}  reading its input{note}"
+        return f"{batch.batch_id}  {batch.state}  reading its input{_read_so_far(batch)}{note}"
     if batch.total == 0 and batch.state in (BatchState.CANCELLED, BatchState.EXPIRED):
         # Cancelled (or out of time) while VALIDATING: `CANCELLED  0/0 done` read as an empty file.
         return f"{batch.batch_id}  {batch.state}  before its input was read{note}"
     return f"{batch.batch_id}  {batch.state}  {batch.completed}/{batch.total} done{failed}{rate}{note}"
+
+
+def _read_so_far(batch: Batch) -> str:
+    """How far a large input's reading has come (`  12.6/48.0 MB (26%)  210000 records  1200
+    records/s  about 95s left`), as the gateway last reported it; nothing before its first report."""
+    read = batch.read_progress
+    if read is None:
+        return ""
+    from rich.filesize import decimal
+
+    share = f" ({100 * read.bytes_read // read.bytes_total}%)" if read.bytes_total else ""
+    text = f"  {decimal(read.bytes_read)}/{decimal(read.bytes_total)}{share}  {read.records_read} records"
+    if read.records_per_second:
+        text += f"  {read.records_per_second:.0f} records/s"
+    if read.estimated_end_time is not None:
+        left = (read.estimated_end_time - datetime.now(UTC)).total_seconds()
+        text += f"  about {max(left, 0):.0f}s left"
+    return text
 
 
 def _print(batch: Batch, options: Options) -> None:
@@ -185,6 +203,7 @@ class _ProgressLines:
 
 async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
     bar: ProgressBar | None = None
+    reading: ProgressBar | None = None  # while VALIDATING, in bytes of the input read
     lines = None
     if not sys.stderr.isatty():
         lines = _ProgressLines(sys.stderr, end_said_elsewhere=_same_file(sys.stdout, sys.stderr))
@@ -197,6 +216,16 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
             if lines is not None:
                 lines.show(update)
                 continue
+            read = update.read_progress
+            if read is not None:
+                note = f"{read.records_read} records read"
+                if reading is None:  # what was read before its first report is not in its rate
+                    reading = ProgressBar("reading", read.bytes_total, in_bytes=True)
+                    reading.skip(read.bytes_read)
+                reading.advance(read.bytes_read - reading.done, note=note)
+            elif reading is not None:
+                reading.close()
+                reading = None
             if bar is None and update.total:
                 bar = ProgressBar("records", update.total)
             if bar is not None:
@@ -204,6 +233,8 @@ async def _follow(client: AsyncClient, batch: Batch, options: Options) -> Batch:
                 # the note and the summary, not the bar, whose rate would count them as computed.
                 bar.advance(update.completed - bar.done, note=_note(update))
     finally:
+        if reading is not None:
+            reading.close()
         if bar is not None:
             bar.close()
     return batch

@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!asyncinfer/v1/batch_service.proto\x12\rasyncinfer.v1\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb2\x03\n\x12\x43reateBatchRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x11\n\tinput_ref\x18\x03 \x01(\t\x12\x35\n\x0cinput_format\x18\x04 \x01(\x0e\x32\x1f.asyncinfer.v1.BatchInputFormat\x12\x34\n\x11\x63ompletion_window\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x08priority\x18\x06 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12=\n\x06labels\x18\x08 \x03(\x0b\x32-.asyncinfer.v1.CreateBatchRequest.LabelsEntry\x12)\n\x08\x63\x61llback\x18\t \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12\x17\n\x0fidempotency_key\x18\n \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x13\x43reateBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"F\n\x12\x42\x61tchRequestCounts\x12\r\n\x05total\x18\x01 \x01(\x03\x12\x11\n\tcompleted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\"L\n\nBatchError\x12\x0c\n\x04line\x18\x01 \x01(\x03\x12\x11\n\tcustom_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x9a\x08\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.asyncinfer.v1.BatchState\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x11\n\tinput_ref\x18\x05 \x01(\t\x12\x35\n\x0cinput_format\x18\x06 \x01(\x0e\x32\x1f.asyncinfer.v1.BatchInputFormat\x12)\n\x08priority\x18\x07 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x30\n\x06labels\x18\t \x03(\x0b\x32 .asyncinfer.v1.Batch.LabelsEntry\x12\x17\n\x0fidempotency_key\x18\n \x01(\t\x12\x39\n\x0erequest_counts\x18\x0b \x01(\x0b\x32!.asyncinfer.v1.BatchRequestCounts\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10in_progress_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0f\x66inalizing_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\noutput_ref\x18\x11 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\x12)\n\terror_ref\x18\x12 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\x12/\n\x0c\x66irst_errors\x18\x13 \x03(\x0b\x32\x19.asyncinfer.v1.BatchError\x12\x17\n\x0f\x66\x61ilure_message\x18\x14 \x01(\t\x12\x1a\n\x12records_per_second\x18\x15 \x01(\x01\x12\x39\n\x15\x65stimated_finish_time\x18\x16 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hunks_total\x18\x17 \x01(\x05\x12\x13\n\x0b\x63hunks_done\x18\x18 \x01(\x05\x12)\n\x08\x63\x61llback\x18\x19 \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12\x10\n\x08revision\x18\x1a \x01(\x04\x12\x10\n\x08trace_id\x18\x1b \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"7\n\x10GetBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\"=\n\x11WatchBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x04\"9\n\x12WatchBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\"&\n\x12\x43\x61ncelBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\":\n\x13\x43\x61ncelBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\";\n\x12ListBatchesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x13ListBatchesResponse\x12%\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x14.asyncinfer.v1.Batch\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"P\n\x14ReadBatchFileRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12&\n\x04\x66ile\x18\x02 \x01(\x0e\x32\x18.asyncinfer.v1.BatchFile\"&\n\x15ReadBatchFileResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c*\x81\x02\n\nBatchState\x12\x1b\n\x17\x42\x41TCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x42\x41TCH_STATE_VALIDATING\x10\x01\x12\x1b\n\x17\x42\x41TCH_STATE_IN_PROGRESS\x10\x02\x12\x1a\n\x16\x42\x41TCH_STATE_FINALIZING\x10\x03\x12\x19\n\x15\x42\x41TCH_STATE_COMPLETED\x10\x04\x12\x16\n\x12\x42\x41TCH_STATE_FAILED\x10\x05\x12\x17\n\x13\x42\x41TCH_STATE_EXPIRED\x10\x06\x12\x1a\n\x16\x42\x41TCH_STATE_CANCELLING\x10\x07\x12\x19\n\x15\x42\x41TCH_STATE_CANCELLED\x10\x08*\x8c\x01\n\x10\x42\x61tchInputFormat\x12\"\n\x1e\x42\x41TCH_INPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41TCH_INPUT_FORMAT_JSONL\x10\x01\x12\x1a\n\x16\x42\x41TCH_INPUT_FORMAT_NPY\x10\x02\x12\x1a\n\x16\x42\x41TCH_INPUT_FORMAT_NPZ\x10\x03*p\n\tBatchFile\x12\x1a\n\x16\x42\x41TCH_FILE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42\x41TCH_FILE_OUTPUT\x10\x01\x12\x15\n\x11\x42\x41TCH_FILE_ERRORS\x10\x02\x12\x19\n\x15\x42\x41TCH_FILE_OUTPUT_NPZ\x10\x03\x32\x90\x04\n\x0c\x42\x61tchService\x12T\n\x0b\x43reateBatch\x12!.asyncinfer.v1.CreateBatchRequest\x1a\".asyncinfer.v1.CreateBatchResponse\x12K\n\x08GetBatch\x12\x1e.asyncinfer.v1.GetBatchRequest\x1a\x1f.asyncinfer.v1.GetBatchResponse\x12S\n\nWatchBatch\x12 .asyncinfer.v1.WatchBatchRequest\x1a!.asyncinfer.v1.WatchBatchResponse0\x01\x12T\n\x0b\x43\x61ncelBatch\x12!.asyncinfer.v1.CancelBatchRequest\x1a\".asyncinfer.v1.CancelBatchResponse\x12T\n\x0bListBatches\x12!.asyncinfer.v1.ListBatchesRequest\x1a\".asyncinfer.v1.ListBatchesResponse\x12\\\n\rReadBatchFile\x12#.asyncinfer.v1.ReadBatchFileRequest\x1a$.asyncinfer.v1.ReadBatchFileResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!asyncinfer/v1/batch_service.proto\x12\rasyncinfer.v1\x1a\x17\x61syncinfer/v1/job.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb2\x03\n\x12\x43reateBatchRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x11\n\tinput_ref\x18\x03 \x01(\t\x12\x35\n\x0cinput_format\x18\x04 \x01(\x0e\x32\x1f.asyncinfer.v1.BatchInputFormat\x12\x34\n\x11\x63ompletion_window\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12)\n\x08priority\x18\x06 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x14\n\x0cmax_attempts\x18\x07 \x01(\x05\x12=\n\x06labels\x18\x08 \x03(\x0b\x32-.asyncinfer.v1.CreateBatchRequest.LabelsEntry\x12)\n\x08\x63\x61llback\x18\t \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12\x17\n\x0fidempotency_key\x18\n \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"P\n\x13\x43reateBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\x12\x14\n\x0c\x64\x65\x64uplicated\x18\x02 \x01(\x08\"F\n\x12\x42\x61tchRequestCounts\x12\r\n\x05total\x18\x01 \x01(\x03\x12\x11\n\tcompleted\x18\x02 \x01(\x03\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\x03\"L\n\nBatchError\x12\x0c\n\x04line\x18\x01 \x01(\x03\x12\x11\n\tcustom_id\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xd3\x08\n\x05\x42\x61tch\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.asyncinfer.v1.BatchState\x12\x12\n\nmodel_name\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x11\n\tinput_ref\x18\x05 \x01(\t\x12\x35\n\x0cinput_format\x18\x06 \x01(\x0e\x32\x1f.asyncinfer.v1.BatchInputFormat\x12)\n\x08priority\x18\x07 \x01(\x0e\x32\x17.asyncinfer.v1.Priority\x12\x14\n\x0cmax_attempts\x18\x08 \x01(\x05\x12\x30\n\x06labels\x18\t \x03(\x0b\x32 .asyncinfer.v1.Batch.LabelsEntry\x12\x17\n\x0fidempotency_key\x18\n \x01(\t\x12\x39\n\x0erequest_counts\x18\x0b \x01(\x0b\x32!.asyncinfer.v1.BatchRequestCounts\x12/\n\x0b\x63reate_time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x34\n\x10in_progress_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0f\x66inalizing_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0f \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nexpires_at\x18\x10 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\noutput_ref\x18\x11 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\x12)\n\terror_ref\x18\x12 \x01(\x0b\x32\x16.asyncinfer.v1.BlobRef\x12/\n\x0c\x66irst_errors\x18\x13 \x03(\x0b\x32\x19.asyncinfer.v1.BatchError\x12\x17\n\x0f\x66\x61ilure_message\x18\x14 \x01(\t\x12\x1a\n\x12records_per_second\x18\x15 \x01(\x01\x12\x39\n\x15\x65stimated_finish_time\x18\x16 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0c\x63hunks_total\x18\x17 \x01(\x05\x12\x13\n\x0b\x63hunks_done\x18\x18 \x01(\x05\x12)\n\x08\x63\x61llback\x18\x19 \x01(\x0b\x32\x17.asyncinfer.v1.Callback\x12\x10\n\x08revision\x18\x1a \x01(\x04\x12\x10\n\x08trace_id\x18\x1b \x01(\t\x12\x37\n\rread_progress\x18\x1c \x01(\x0b\x32 .asyncinfer.v1.BatchReadProgress\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd7\x01\n\x11\x42\x61tchReadProgress\x12\x12\n\nbytes_read\x18\x01 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x03\x12\x14\n\x0crecords_read\x18\x03 \x01(\x03\x12\x1a\n\x12records_per_second\x18\x04 \x01(\x01\x12\x36\n\x12\x65stimated_end_time\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0bupdate_time\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"#\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"7\n\x10GetBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\"=\n\x11WatchBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x66ter_revision\x18\x02 \x01(\x04\"9\n\x12WatchBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\"&\n\x12\x43\x61ncelBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\":\n\x13\x43\x61ncelBatchResponse\x12#\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x14.asyncinfer.v1.Batch\";\n\x12ListBatchesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\"U\n\x13ListBatchesResponse\x12%\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x14.asyncinfer.v1.Batch\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"P\n\x14ReadBatchFileRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12&\n\x04\x66ile\x18\x02 \x01(\x0e\x32\x18.asyncinfer.v1.BatchFile\"&\n\x15ReadBatchFileResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c*\x81\x02\n\nBatchState\x12\x1b\n\x17\x42\x41TCH_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x42\x41TCH_STATE_VALIDATING\x10\x01\x12\x1b\n\x17\x42\x41TCH_STATE_IN_PROGRESS\x10\x02\x12\x1a\n\x16\x42\x41TCH_STATE_FINALIZING\x10\x03\x12\x19\n\x15\x42\x41TCH_STATE_COMPLETED\x10\x04\x12\x16\n\x12\x42\x41TCH_STATE_FAILED\x10\x05\x12\x17\n\x13\x42\x41TCH_STATE_EXPIRED\x10\x06\x12\x1a\n\x16\x42\x41TCH_STATE_CANCELLING\x10\x07\x12\x19\n\x15\x42\x41TCH_STATE_CANCELLED\x10\x08*\x8c\x01\n\x10\x42\x61tchInputFormat\x12\"\n\x1e\x42\x41TCH_INPUT_FORMAT_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x42\x41TCH_INPUT_FORMAT_JSONL\x10\x01\x12\x1a\n\x16\x42\x41TCH_INPUT_FORMAT_NPY\x10\x02\x12\x1a\n\x16\x42\x41TCH_INPUT_FORMAT_NPZ\x10\x03*p\n\tBatchFile\x12\x1a\n\x16\x42\x41TCH_FILE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x42\x41TCH_FILE_OUTPUT\x10\x01\x12\x15\n\x11\x42\x41TCH_FILE_ERRORS\x10\x02\x12\x19\n\x15\x42\x41TCH_FILE_OUTPUT_NPZ\x10\x03\x32\x90\x04\n\x0c\x42\x61tchService\x12T\n\x0b\x43reateBatch\x12!.asyncinfer.v1.CreateBatchRequest\x1a\".asyncinfer.v1.CreateBatchResponse\x12K\n\x08GetBatch\x12\x1e.asyncinfer.v1.GetBatchRequest\x1a\x1f.asyncinfer.v1.GetBatchResponse\x12S\n\nWatchBatch\x12 .asyncinfer.v1.WatchBatchRequest\x1a!.asyncinfer.v1.WatchBatchResponse0\x01\x12T\n\x0b\x43\x61ncelBatch\x12!.asyncinfer.v1.CancelBatchRequest\x1a\".asyncinfer.v1.CancelBatchResponse\x12T\n\x0bListBatches\x12!.asyncinfer.v1.ListBatchesRequest\x1a\".asyncinfer.v1.ListBatchesResponse\x12\\\n\rReadBatchFile\x12#.asyncinfer.v1.ReadBatchFileRequest\x1a$.asyncinfer.v1.ReadBatchFileResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,12 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEBATCHREQUEST_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_BATCH_LABELSENTRY']._loaded_options = None
   _globals['_BATCH_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_BATCHSTATE']._serialized_start=2451
-  _globals['_BATCHSTATE']._serialized_end=2708
-  _globals['_BATCHINPUTFORMAT']._serialized_start=2711
-  _globals['_BATCHINPUTFORMAT']._serialized_end=2851
-  _globals['_BATCHFILE']._serialized_start=2853
-  _globals['_BATCHFILE']._serialized_end=2965
+  _globals['_BATCHSTATE']._serialized_start=2726
+  _globals['_BATCHSTATE']._serialized_end=2983
+  _globals['_BATCHINPUTFORMAT']._serialized_start=2986
+  _globals['_BATCHINPUTFORMAT']._serialized_end=3126
+  _globals['_BATCHFILE']._serialized_start=3128
+  _globals['_BATCHFILE']._serialized_end=3240
   _globals['_CREATEBATCHREQUEST']._serialized_start=143
   _globals['_CREATEBATCHREQUEST']._serialized_end=577
   _globals['_CREATEBATCHREQUEST_LABELSENTRY']._serialized_start=532
@@ -55,29 +55,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BATCHERROR']._serialized_start=733
   _globals['_BATCHERROR']._serialized_end=809
   _globals['_BATCH']._serialized_start=812
-  _globals['_BATCH']._serialized_end=1862
+  _globals['_BATCH']._serialized_end=1919
   _globals['_BATCH_LABELSENTRY']._serialized_start=532
   _globals['_BATCH_LABELSENTRY']._serialized_end=577
-  _globals['_GETBATCHREQUEST']._serialized_start=1864
-  _globals['_GETBATCHREQUEST']._serialized_end=1899
-  _globals['_GETBATCHRESPONSE']._serialized_start=1901
-  _globals['_GETBATCHRESPONSE']._serialized_end=1956
-  _globals['_WATCHBATCHREQUEST']._serialized_start=1958
-  _globals['_WATCHBATCHREQUEST']._serialized_end=2019
-  _globals['_WATCHBATCHRESPONSE']._serialized_start=2021
-  _globals['_WATCHBATCHRESPONSE']._serialized_end=2078
-  _globals['_CANCELBATCHREQUEST']._serialized_start=2080
-  _globals['_CANCELBATCHREQUEST']._serialized_end=2118
-  _globals['_CANCELBATCHRESPONSE']._serialized_start=2120
-  _globals['_CANCELBATCHRESPONSE']._serialized_end=2178
-  _globals['_LISTBATCHESREQUEST']._serialized_start=2180
-  _globals['_LISTBATCHESREQUEST']._serialized_end=2239
-  _globals['_LISTBATCHESRESPONSE']._serialized_start=2241
-  _globals['_LISTBATCHESRESPONSE']._serialized_end=2326
-  _globals['_READBATCHFILEREQUEST']._serialized_start=2328
-  _globals['_READBATCHFILEREQUEST']._serialized_end=2408
-  _globals['_READBATCHFILERESPONSE']._serialized_start=2410
-  _globals['_READBATCHFILERESPONSE']._serialized_end=2448
-  _globals['_BATCHSERVICE']._serialized_start=2968
-  _globals['_BATCHSERVICE']._serialized_end=3496
+  _globals['_BATCHREADPROGRESS']._serialized_start=1922
+  _globals['_BATCHREADPROGRESS']._serialized_end=2137
+  _globals['_GETBATCHREQUEST']._serialized_start=2139
+  _globals['_GETBATCHREQUEST']._serialized_end=2174
+  _globals['_GETBATCHRESPONSE']._serialized_start=2176
+  _globals['_GETBATCHRESPONSE']._serialized_end=2231
+  _globals['_WATCHBATCHREQUEST']._serialized_start=2233
+  _globals['_WATCHBATCHREQUEST']._serialized_end=2294
+  _globals['_WATCHBATCHRESPONSE']._serialized_start=2296
+  _globals['_WATCHBATCHRESPONSE']._serialized_end=2353
+  _globals['_CANCELBATCHREQUEST']._serialized_start=2355
+  _globals['_CANCELBATCHREQUEST']._serialized_end=2393
+  _globals['_CANCELBATCHRESPONSE']._serialized_start=2395
+  _globals['_CANCELBATCHRESPONSE']._serialized_end=2453
+  _globals['_LISTBATCHESREQUEST']._serialized_start=2455
+  _globals['_LISTBATCHESREQUEST']._serialized_end=2514
+  _globals['_LISTBATCHESRESPONSE']._serialized_start=2516
+  _globals['_LISTBATCHESRESPONSE']._serialized_end=2601
+  _globals['_READBATCHFILEREQUEST']._serialized_start=2603
+  _globals['_READBATCHFILEREQUEST']._serialized_end=2683
+  _globals['_READBATCHFILERESPONSE']._serialized_start=2685
+  _globals['_READBATCHFILERESPONSE']._serialized_end=2723
+  _globals['_BATCHSERVICE']._serialized_start=3243
+  _globals['_BATCHSERVICE']._serialized_end=3771
 # @@protoc_insertion_point(module_scope)

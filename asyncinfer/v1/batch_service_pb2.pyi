@@ -333,6 +333,7 @@ class Batch(_message.Message):
     CALLBACK_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
+    READ_PROGRESS_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     """Time-sortable ID (UUIDv7)."""
     state: Global___BatchState.ValueType
@@ -391,6 +392,13 @@ class Batch(_message.Message):
 
     @_builtins.property
     def callback(self) -> _job_pb2.Callback: ...
+    @_builtins.property
+    def read_progress(self) -> Global___BatchReadProgress:
+        """While VALIDATING: how far the reading of its input has come, as the preparation last wrote
+        it to the record (every few seconds of reading, not per line). Unset before the first
+        report (a small file is read before one is due) and once the batch moved on.
+        """
+
     def __init__(
         self,
         *,
@@ -421,14 +429,62 @@ class Batch(_message.Message):
         callback: _job_pb2.Callback | None = ...,
         revision: _builtins.int = ...,
         trace_id: _builtins.str = ...,
+        read_progress: Global___BatchReadProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "finalizing_time", b"finalizing_time", "in_progress_time", b"in_progress_time", "output_ref", b"output_ref", "request_counts", b"request_counts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "finalizing_time", b"finalizing_time", "in_progress_time", b"in_progress_time", "output_ref", b"output_ref", "read_progress", b"read_progress", "request_counts", b"request_counts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "callback", b"callback", "chunks_done", b"chunks_done", "chunks_total", b"chunks_total", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "failure_message", b"failure_message", "finalizing_time", b"finalizing_time", "first_errors", b"first_errors", "idempotency_key", b"idempotency_key", "in_progress_time", b"in_progress_time", "input_format", b"input_format", "input_ref", b"input_ref", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "output_ref", b"output_ref", "priority", b"priority", "records_per_second", b"records_per_second", "request_counts", b"request_counts", "revision", b"revision", "state", b"state", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "callback", b"callback", "chunks_done", b"chunks_done", "chunks_total", b"chunks_total", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "failure_message", b"failure_message", "finalizing_time", b"finalizing_time", "first_errors", b"first_errors", "idempotency_key", b"idempotency_key", "in_progress_time", b"in_progress_time", "input_format", b"input_format", "input_ref", b"input_ref", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "output_ref", b"output_ref", "priority", b"priority", "read_progress", b"read_progress", "records_per_second", b"records_per_second", "request_counts", b"request_counts", "revision", b"revision", "state", b"state", "trace_id", b"trace_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Batch: _TypeAlias = Batch  # noqa: Y015
+
+@_typing.final
+class BatchReadProgress(_message.Message):
+    """A VALIDATING batch's reading of its uploaded file. A preparation started again (its gateway
+    restarted) reports from the start again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_READ_FIELD_NUMBER: _builtins.int
+    BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    RECORDS_READ_FIELD_NUMBER: _builtins.int
+    RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    ESTIMATED_END_TIME_FIELD_NUMBER: _builtins.int
+    UPDATE_TIME_FIELD_NUMBER: _builtins.int
+    bytes_read: _builtins.int
+    """Bytes of the upload read, and its size."""
+    bytes_total: _builtins.int
+    records_read: _builtins.int
+    """Records read so far, valid or not (JSONL: non-blank lines; NPY/NPZ: 0 until the file is read)."""
+    records_per_second: _builtins.float
+    """Records read per second since this reading began."""
+    @_builtins.property
+    def estimated_end_time(self) -> _timestamp_pb2.Timestamp:
+        """When the reading should end at its rate of bytes so far; unset while unknown."""
+
+    @_builtins.property
+    def update_time(self) -> _timestamp_pb2.Timestamp:
+        """When the preparation wrote this report."""
+
+    def __init__(
+        self,
+        *,
+        bytes_read: _builtins.int = ...,
+        bytes_total: _builtins.int = ...,
+        records_read: _builtins.int = ...,
+        records_per_second: _builtins.float = ...,
+        estimated_end_time: _timestamp_pb2.Timestamp | None = ...,
+        update_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["estimated_end_time", b"estimated_end_time", "update_time", b"update_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_read", b"bytes_read", "bytes_total", b"bytes_total", "estimated_end_time", b"estimated_end_time", "records_per_second", b"records_per_second", "records_read", b"records_read", "update_time", b"update_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchReadProgress: _TypeAlias = BatchReadProgress  # noqa: Y015
 
 @_typing.final
 class GetBatchRequest(_message.Message):

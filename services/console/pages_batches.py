@@ -95,6 +95,21 @@ def _rate(batch: Batch) -> str:
     return ui.h(f"{batch.records_per_second:.1f}") if batch.records_per_second else "-"
 
 
+def _reading(batch: Batch) -> str:
+    """A VALIDATING batch's reading of its input, as the gateway last reported it."""
+    read = batch.read_progress
+    if read is None:
+        return "-"
+    from rich.filesize import decimal
+
+    share = f" ({100 * read.bytes_read // read.bytes_total}%)" if read.bytes_total else ""
+    text = ui.h(
+        f"{decimal(read.bytes_read)} of {decimal(read.bytes_total)}{share}, {read.records_read} records, "
+        f"{read.records_per_second:.0f} records/s"
+    )
+    return text + (", ends ~" + ui.when(read.estimated_end_time) if read.estimated_end_time is not None else "")
+
+
 def _finish(batch: Batch) -> str:
     """When it ended, or when it should at its rate (`~` marks the estimate)."""
     if batch.end_time is not None:
@@ -136,6 +151,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
             + ui.h(f" {batch.completed} done, {batch.failed} failed of {batch.total or '?'}"),
         ),
         ("records/s", _rate(batch)),
+        *([("input read", _reading(batch))] if batch.read_progress is not None else []),
         ("chunks", _chunks(batch)),
         ("model", ui.h(f"{batch.model_name} {batch.model_version}".strip())),
         ("priority", ui.h(batch.priority or "-")),

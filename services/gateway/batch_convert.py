@@ -195,6 +195,15 @@ def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batc
     batch.records_per_second = rate
     if finish is not None:
         batch.estimated_finish_time.FromNanoseconds(round(finish * 1e9))
+    if record.reading is not None and record.state is BatchState.VALIDATING:
+        reading = record.reading
+        rate, end = reading.rate()
+        progress = batch.read_progress
+        progress.bytes_read, progress.bytes_total = reading.bytes_read, reading.bytes_total
+        progress.records_read, progress.records_per_second = reading.records, rate
+        progress.update_time.FromNanoseconds(round(reading.updated * 1e9))
+        if end is not None:
+            progress.estimated_end_time.FromNanoseconds(round(end * 1e9))
     if has_files(record):
         batch.output_ref.ref = output_ref(record)
         batch.error_ref.ref = error_ref(record)

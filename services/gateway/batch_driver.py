@@ -27,7 +27,7 @@ import structlog
 
 from asyncinfer import batches
 from asyncinfer.batch_webhooks import callback_due
-from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, chunk_job_id
+from asyncinfer.batches import BatchRecord, BatchState, Chunk, ChunkOutcome, ChunkStatus, ReadProgress, chunk_job_id
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
@@ -36,7 +36,7 @@ from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
-from asyncinfer.tracing import AttributeValue, Tracing
+from asyncinfer.tracing import AttributeValue, TraceSpan, Tracing
 from services.gateway import transitions
 from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_files import first_run_errors
@@ -290,7 +290,7 @@ class BatchDriver:
             if self._tracing.enabled:
                 written = await self._traced_prepare(record, model, now=now)
             else:
-                written = await self._write(record, await self._preparer.prepare(record, model, now=now))
+                written = await self._prepare_and_write(record, model, now=now)
         except BatchConflict:
             return  # cancelled meanwhile, or another gateway prepared it first: the next tick sees
         except (AsyncInferError, OSError, *NATS_FAILURES) as exc:
@@ -319,7 +319,7 @@ class BatchDriver:
         }
         span = self._tracing.begin("prepare_batch", parent=record.traceparent, attributes=attributes)
         try:
-            written = await self._write(record, await self._preparer.prepare(record, model, now=now, span=span))
+            written = await self._prepare_and_write(record, model, now=now, span=span)
         except BatchConflict:
             # Cancelled meanwhile, or another gateway prepared it first: not a failure of the batch.
             span.set("asyncinfer.superseded", True)
@@ -338,6 +338,21 @@ class BatchDriver:
             span.fail(written.failure_message)
         span.end()
         return written
+
+    async def _prepare_and_write(
+        self, record: BatchRecord, model: ModelConfig, *, now: float, span: TraceSpan | None = None
+    ) -> BatchRecord:
+        """The preparation, its reports of how far it has read written to the record as they come
+        (each over the last: a cancel or another gateway's write meanwhile is a BatchConflict that
+        ends the reading), then the record it moved to, over the last report."""
+        latest = record
+
+        async def report(progress: ReadProgress) -> None:
+            nonlocal latest
+            latest = await self._write(latest, latest.evolve(reading=progress))
+
+        prepared = await self._preparer.prepare(record, model, now=now, span=span, report=report)
+        return await self._write(latest, prepared.evolve(reading=None, revision=latest.revision))
 
     def _prepare_later(self, key: tuple[str, str]) -> float:
         """After a failed preparation: how long until the next (doubling, up to PREPARE_RETRY_MAX_S)."""

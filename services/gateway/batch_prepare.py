@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from asyncinfer import ranged_inputs
@@ -39,6 +40,7 @@ from asyncinfer.batches import (
     ChunkStatus,
     ErrorLine,
     InputFormat,
+    ReadProgress,
     derived_ref,
     merge_first_errors,
 )
@@ -56,6 +58,12 @@ from asyncinfer.v1 import tensor_pb2
 INDEX = "index"
 DESCRIPTOR_WINDOW = 16
 ERRORS = "errors"
+# How often a preparation reports how far it has read (a record write each, so a watch of the
+# batch moves): by time, not per line or piece, so a large file's reading costs a write every few
+# seconds whatever its size; a file read within the interval reports nothing.
+READ_PROGRESS_INTERVAL_S = 2.0
+
+Report = Callable[[ReadProgress], Awaitable[None]]
 
 
 def chunk_ref(batch_id: str, start: int, end: int) -> str:
@@ -115,6 +123,23 @@ class Prepared:
     first_errors: tuple[ErrorLine, ...] = ()
     input_format: InputFormat | None = None
     input_bytes: int = 0  # of the upload: read, or (NPY) planned over
+
+
+class _Reporter:
+    """Says how far the reading has come, at most every READ_PROGRESS_INTERVAL_S."""
+
+    def __init__(self, report: Report | None, bytes_total: int) -> None:
+        self._report = report
+        self._total = bytes_total
+        self._started = time.time()
+        self._next = time.monotonic() + READ_PROGRESS_INTERVAL_S
+
+    async def read(self, prepared: Prepared) -> None:
+        if self._report is None or time.monotonic() < self._next:
+            return
+        progress = ReadProgress(prepared.input_bytes, self._total, prepared.total, self._started, time.time())
+        await self._report(progress)  # BatchConflict (cancelled meanwhile) ends the reading
+        self._next = time.monotonic() + READ_PROGRESS_INTERVAL_S
 
 
 def _content(found: InputFormat) -> str:
@@ -191,16 +216,23 @@ class Preparer:
         self._max_bytes = max_upload_bytes
 
     async def prepare(
-        self, record: BatchRecord, model: ModelConfig, *, now: float, span: TraceSpan | None = None
+        self,
+        record: BatchRecord,
+        model: ModelConfig,
+        *,
+        now: float,
+        span: TraceSpan | None = None,
+        report: Report | None = None,
     ) -> BatchRecord:
         """The record moved on: IN_PROGRESS with its chunk plan, or FAILED (unreadable input, or
         too many invalid lines). `span` (the driver's prepare_batch) is told what was read, once
-        the whole file was."""
+        the whole file was; `report` how far the reading has come, every READ_PROGRESS_INTERVAL_S
+        while it reads (the driver writes it to the record)."""
         tenant, expires = record.tenant, record.kept_until
         index = StreamedObject(self._store, tenant, index_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
         errors = StreamedObject(self._store, tenant, errors_ref(record.batch_id), expires_at=expires, max_bytes=1 << 40)
         try:
-            prepared = await self._read(record, model, index, errors)
+            prepared = await self._read(record, model, index, errors, report)
             await index.close()
             await errors.close()
         except (RecordInvalid, NotFound) as exc:  # NotFound: the upload is gone (expired)
@@ -268,9 +300,16 @@ class Preparer:
         return Chunk(ready.start, ready.end)
 
     async def _read(
-        self, record: BatchRecord, model: ModelConfig, index: StreamedObject, errors: StreamedObject
+        self,
+        record: BatchRecord,
+        model: ModelConfig,
+        index: StreamedObject,
+        errors: StreamedObject,
+        report: Report | None,
     ) -> Prepared:
         prepared = Prepared()
+        size = (await self._store.info(record.tenant, record.input_ref)).ref.size_bytes if report else 0
+        reporter = _Reporter(report, size)
         chunks = self._store.chunks(record.tenant, record.input_ref)
         first = await anext(chunks, b"")
         found = detect_format(first)
@@ -290,6 +329,8 @@ class Preparer:
             data = bytearray(first)
             async for piece in chunks:
                 data += piece
+                prepared.input_bytes = len(data)
+                await reporter.read(prepared)
             prepared.input_bytes = len(data)
             arrays = await asyncio.to_thread(array_inputs, bytes(data), fmt, model.signature, max_bytes=self._max_bytes)
             del data
@@ -306,6 +347,7 @@ class Preparer:
             prepared.input_bytes = len(first)
             yield first
             async for piece in chunks:
+                await reporter.read(prepared)  # what the pieces before this one held
                 prepared.input_bytes += len(piece)
                 yield piece
 

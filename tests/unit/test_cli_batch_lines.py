@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from asyncinfer.client import Batch, BatchState
+from asyncinfer.client import Batch, BatchReadProgress, BatchState
 from asyncinfer.commands.batches import PROGRESS_LINE_EVERY_S, _ProgressLines, batch_summary
 
 pytestmark = pytest.mark.unit
@@ -84,3 +84,20 @@ def test_a_batch_ended_before_its_input_was_read_says_so() -> None:
         assert batch_summary(ended) == f"b1  {state}  before its input was read"
     cancelled = dataclasses.replace(batch(BatchState.CANCELLED, 10), failed=990)
     assert batch_summary(cancelled) == "b1  CANCELLED  10/1000 done  990 failed"
+
+
+def test_a_batch_being_read_says_how_far_it_has_come() -> None:
+    """The batch walk-through, session 33: an 800,000-record file sat for minutes at `VALIDATING
+    reading its input`, nothing saying it moved. The gateway's last report of its reading is shown."""
+    reading = BatchReadProgress(
+        bytes_read=12_600_000,
+        bytes_total=48_000_000,
+        records_read=210_000,
+        records_per_second=1234.4,
+        estimated_end_time=None,
+        update_time=None,
+    )
+    validating = dataclasses.replace(batch(BatchState.VALIDATING, 0), total=0, read_progress=reading)
+    assert batch_summary(validating) == (
+        "b1  VALIDATING  reading its input  12.6 MB/48.0 MB (26%)  210000 records  1234 records/s"
+    )
