@@ -11,6 +11,7 @@ import grpc
 import pytest
 from rich.filesize import decimal
 
+from asyncinfer.blob_meta import CHUNK_BYTES
 from asyncinfer.blobs import BlobStore
 from asyncinfer.client.batches import batch_from_proto
 from asyncinfer.commands.batches import batch_summary
@@ -139,3 +140,43 @@ async def test_a_long_reading_reports_how_far_it_has_come_until_it_moves_on(
     moved_on = [u for u in updates if u.state != S.BATCH_STATE_VALIDATING]
     assert moved_on
     assert not any(u.HasField("read_progress") for u in moved_on)
+
+
+async def test_a_cancel_while_the_input_is_read_ends_the_reading(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancel while a large file is read: the preparation's next report is a write over the
+    record the cancel changed, which loses, and the reading ends there; it read the whole file first,
+    only for its final write to lose."""
+    monkeypatch.setattr(batch_prepare, "READ_PROGRESS_INTERVAL_S", 0.0)
+    stack = await start_stack(watch_config(config))
+    stub = batches_stub(stack.channel)
+    ref = await upload(stack.jobs, jsonl(demo_records(10_000)))
+    held, release, ended = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    pulled: list[int] = []
+    chunks = BlobStore.chunks
+
+    async def held_part_way(self: BlobStore, tenant: str, name: str) -> AsyncIterator[bytes]:
+        try:
+            async for piece in chunks(self, tenant, name):
+                if name == ref and len(pulled) == 2:
+                    held.set()
+                    await release.wait()
+                pulled.append(len(piece))
+                yield piece
+        finally:
+            if name == ref:
+                ended.set()
+
+    monkeypatch.setattr(BlobStore, "chunks", held_part_way)
+    created = await stub.CreateBatch(create_request(ref))
+    batch_id = created.batch.batch_id
+    async with asyncio.timeout(60):
+        await held.wait()
+        await stub.CancelBatch(S.CancelBatchRequest(batch_id=batch_id))
+        release.set()
+        await ended.wait()
+    pieces = -(-len(jsonl(demo_records(10_000))) // CHUNK_BYTES)  # the upload's, all read before
+    assert len(pulled) < pieces, (len(pulled), pieces)
+    updates = await watched(stub, batch_id)
+    assert updates[-1].state == S.BATCH_STATE_CANCELLED
