@@ -236,6 +236,27 @@ async def test_batch_create_for_a_model_not_served_uploads_nothing(
     assert (await js.stream_info(stream)).state.last_seq == before  # no piece of the file was stored
 
 
+async def test_the_sdks_create_batch_for_a_model_not_served_uploads_nothing(
+    config: Config, start_stack: StartStack
+) -> None:
+    """The SDK's create_batch uploaded the whole file, then the create was refused (NOT_FOUND
+    MODEL_NOT_FOUND) and the upload deleted: the objects stream took the file's pieces and their
+    deletion. It now asks ListModels first (a model it has listed costs no call) and sends nothing;
+    a create for a served model after it still runs."""
+    stack = await start_stack(small_batches(config))
+    js = stack.nc.jetstream()
+    stream = f"OBJ_{stack.config.nats.objects_bucket}"
+    before = (await js.stream_info(stream)).state.last_seq
+    async with AsyncClient(stack.address) as client:
+        with pytest.raises(NotFoundError) as refused:
+            await client.create_batch(jsonl(demo_records(50)), "nosuch")
+        assert refused.value.reason == "MODEL_NOT_FOUND"
+        assert "unknown model 'nosuch'; the models served are: demo" in str(refused.value)
+        assert (await js.stream_info(stream)).state.last_seq == before  # no piece of the file was stored
+        batch = await client.create_batch(jsonl(demo_records(5)), "demo")
+        assert (await client.wait_batch(batch, timeout_s=60)).completed == 5
+
+
 async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(
     config: Config, start_stack: StartStack, tmp_path: Path
 ) -> None:

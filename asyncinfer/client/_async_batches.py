@@ -102,6 +102,9 @@ class BatchFiles(BlobCalls):
         generated_key = not request.idempotency_key
         if generated_key:
             request.idempotency_key = str(uuid.uuid4())
+        # A model the gateway does not serve is said before the file goes up (minutes for a large
+        # one), not by the create's refusal after it; a model already known costs no call.
+        await self._require_served(model)
         ref = await self.upload(data, timeout_s=upload_timeout_s)
         if on_uploaded is not None:
             on_uploaded(ref)

@@ -194,6 +194,10 @@ class ClientChannel:
         for key in [key for key in self._version_specs if key[0] == model]:
             del self._version_specs[key]
 
+    async def _require_served(self, model: str) -> None:
+        """NotFoundError, before a large upload, for a model the gateway does not list
+        (JobCalls', which keeps the ListModels cache; nothing is checked here)."""
+
     async def close(self) -> None:
         """Closes the channel; a call after it raises RuntimeError, and so does one in flight
         (another task's watch, say). Idempotent."""

@@ -8,6 +8,8 @@ from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
+import grpc
+
 from asyncinfer.client._async_channel import ClientChannel, JobLike, _enum, _job_id, _job_ids, _unary_budget
 from asyncinfer.client._convert import (
     Declined,
@@ -33,6 +35,7 @@ from asyncinfer.client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
+    NotFoundError,
     UnavailableError,
     UnimplementedError,
     make_error,
@@ -227,22 +230,54 @@ class JobCalls(ClientChannel):
                     if self.retry.retriable(error) or isinstance(error, DeadlineExceededError | UnavailableError):
                         return {}
                 else:
-                    specs: dict[str, dict[str, TensorSpec]] = {}
-                    versions: dict[tuple[str, str], dict[str, TensorSpec]] = {}
-                    for info in models:
-                        specs.setdefault(info.name, {spec.name: spec for spec in info.inputs})
-                        for listed in info.versions:
-                            if listed.inputs:  # an older gateway lists none: the model's then
-                                versions.setdefault(
-                                    (info.name, listed.version), {spec.name: spec for spec in listed.inputs}
-                                )
-                    self._input_specs = specs
-                    self._version_specs = versions
+                    self._remember_models(models)
                 if self._input_specs is None:
                     self._input_specs = {}
                 if model not in self._input_specs:
                     self._unlisted.add(model)
             return (self._input_specs or {}).get(model, {})
+
+    async def _require_served(self, model: str) -> None:
+        """NotFoundError, as the gateway answers a create for it (MODEL_NOT_FOUND), for a model
+        ListModels does not list: create_batch asks before its upload, which was refused only once
+        the whole file had gone up. A model in the cache (any submit's or create's ListModels) costs
+        nothing; another asks ListModels once more (one loaded since is then found), and any failure
+        to answer (a gateway without ListModels, unavailable, a key not allowed it) leaves the check
+        to the create."""
+        if self._input_specs is not None and model in self._input_specs:
+            return
+        if self._list_models_unimplemented:
+            return
+        async with self._specs_lock:
+            try:
+                models = await self._models(self._deadline(None).remaining(), retry=False)
+            except UnimplementedError:
+                self._list_models_unimplemented = True
+                return
+            except AsyncInferClientError:
+                return
+            self._remember_models(models)
+        if model not in {info.name for info in models}:
+            known = ", ".join(sorted({info.name for info in models})) or "none"
+            raise NotFoundError(
+                f"unknown model {model[:64]!r}; the models served are: {known}",
+                code=grpc.StatusCode.NOT_FOUND,
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": model[:64], "known_models": known},
+            )
+
+    def _remember_models(self, models: list[ModelInfo]) -> None:
+        """ListModels' answer as the cache of input specs (by model, and by model and version)."""
+        specs: dict[str, dict[str, TensorSpec]] = {}
+        versions: dict[tuple[str, str], dict[str, TensorSpec]] = {}
+        for info in models:
+            specs.setdefault(info.name, {spec.name: spec for spec in info.inputs})
+            for listed in info.versions:
+                if listed.inputs:  # an older gateway lists none: the model's then
+                    versions.setdefault((info.name, listed.version), {spec.name: spec for spec in listed.inputs})
+        self._input_specs = specs
+        self._version_specs = versions
+        self._unlisted -= specs.keys()
 
     async def _next_typed(self, source: AsyncGenerator[JobRequest, None]) -> tuple[JobRequest, Declined]:
         return await self._typed(await anext(source), self._deadline(None))
