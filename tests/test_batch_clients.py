@@ -44,6 +44,7 @@ from tests.batch_helpers import demo_records, jsonl
 from tests.stack import StartStack
 from tests.test_claim_check import objects_stream_state
 from tests.test_cli_daily import AS_A_TERMINALS_FOREGROUND_JOB
+from tests.test_client_typing import _count_list_models as count_list_models
 from tests.webhook_receiver import webhook_config
 
 CLI = [sys.executable, "-m", "asyncinfer"]
@@ -255,6 +256,19 @@ async def test_the_sdks_create_batch_for_a_model_not_served_uploads_nothing(
         assert (await js.stream_info(stream)).state.last_seq == before  # no piece of the file was stored
         batch = await client.create_batch(jsonl(demo_records(5)), "demo")
         assert (await client.wait_batch(batch, timeout_s=60)).completed == 5
+
+
+async def test_create_batch_asks_no_models_the_client_has_listed(config: Config, start_stack: StartStack) -> None:
+    """The check before create_batch's upload costs no call for a model the client has listed:
+    `models()` (what `batch create` asks first) and a create's own ListModels fill the cache that
+    submit's typing keeps. `models()` did not, so `batch create` asked ListModels twice."""
+    stack = await start_stack(small_batches(config))
+    async with AsyncClient(stack.address) as client:
+        calls = count_list_models(client)
+        assert "demo" in {m.name for m in await client.models()}
+        await client.create_batch(jsonl(demo_records(5)), "demo")
+        await client.create_batch(jsonl(demo_records(5)), "demo")
+        assert calls == [1]
 
 
 async def test_a_watch_with_a_time_limit_ends_in_deadline_exceeded(

@@ -326,8 +326,11 @@ class JobCalls(ClientChannel):
         return found
 
     async def models(self, *, timeout_s: float | None = None) -> list[ModelInfo]:
-        """The models the gateway accepts jobs for, with their signatures and job defaults."""
-        return await self._models(timeout_s, retry=True)
+        """The models the gateway accepts jobs for, with their signatures and job defaults (kept as
+        the cache that types submit's inputs and that create_batch checks its model against)."""
+        models = await self._models(timeout_s, retry=True)
+        self._remember_models(models)
+        return models
 
     async def _models(self, timeout_s: float | None, *, retry: bool) -> list[ModelInfo]:
         message = job_service_pb2.ListModelsRequest()
