@@ -483,6 +483,58 @@ async def test_a_stopped_feed_resumes_with_the_changes_it_missed(
     assert reads[2:] == [job_key(TENANT, job.job_id) for job in more]
 
 
+async def test_a_label_watch_that_comes_while_the_idle_feed_stops_hears_every_change(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The idle stopper checked under the feed's lock that nobody watched, then unsubscribed from
+    the queued notices (an await) before it let go of the records' subscription; ensure_feed's
+    first look, without the lock, still saw that subscription and returned. A label watch that came
+    in between listened with the feed stopped: it heard its jobs' QUEUED (the notices, subscribed
+    anew) and never a change after it. Here the notices' unsubscribe is held until the second watch
+    has made that first look."""
+    hub = gateway.watch_hub
+    hub._idle_stop_s = 0.05  # instead of gateway.watch_feed_idle_s's 10 s
+    request = job_service_pb2.WatchJobsRequest(labels={"run": "idle-stop"})
+    first = stub.WatchJobs(request)
+    await asyncio.wait_for(first.initial_metadata(), 30)  # a hang guard; listening: feed and notices run
+    assert hub.feeding
+    assert hub.hears_notices
+    notices: Any = hub._notices
+    unsubscribe = notices.unsubscribe
+    stopping, release = asyncio.Event(), asyncio.Event()
+
+    async def held_unsubscribe(limit: int = 0) -> None:
+        stopping.set()
+        await release.wait()
+        await unsubscribe(limit)
+
+    monkeypatch.setattr(notices, "unsubscribe", held_unsubscribe)
+    first.cancel()
+    await asyncio.wait_for(stopping.wait(), 30)  # the stopper found nobody watching and stops the feed
+    ensure_feed = hub.ensure_feed
+    looked = asyncio.Event()
+
+    async def noted_ensure_feed() -> None:
+        looked.set()  # its first look follows at once, before this task runs again
+        await ensure_feed()
+
+    monkeypatch.setattr(hub, "ensure_feed", noted_ensure_feed)
+    second = stub.WatchJobs(request)
+    await asyncio.wait_for(looked.wait(), 30)
+    release.set()
+    await asyncio.wait_for(second.initial_metadata(), 30)
+    assert hub.feeding, "a label watch listens: the feed runs"
+    job = (await stub.SubmitJob(submit_request(labels={"run": "idle-stop"}))).job
+    queued = await asyncio.wait_for(second.read(), 30)
+    assert isinstance(queued, job_service_pb2.WatchJobsResponse)
+    assert [(c.job_id, c.job.state) for c in queued.changes] == [(job.job_id, job_pb2.JOB_STATE_QUEUED)]
+    running = await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    changed = await asyncio.wait_for(second.read(), 30)
+    assert isinstance(changed, job_service_pb2.WatchJobsResponse)
+    assert [(c.job.state, c.job.revision) for c in changed.changes] == [(job_pb2.JOB_STATE_RUNNING, running.revision)]
+    second.cancel()
+
+
 async def test_a_feed_does_not_resume_into_a_bucket_made_anew(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
 ) -> None:

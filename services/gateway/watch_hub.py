@@ -148,15 +148,14 @@ class WatchHub:
         for selectors in self._selectors.values():
             for queue in selectors:
                 queue.put_nowait(_HUB_CLOSED)
-        if self._idle_stopper is not None:
-            self._idle_stopper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._idle_stopper
-        if self._feed_start is not None:
-            self._feed_start.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._feed_start
         async with self._feed_lock:
+            # Under the lock: an idle stop under way ends first. It has let go of the subscription
+            # it stops (see _unsubscribe); cancelled part way, the consumer would be left to the server.
+            for task in (self._idle_stopper, self._feed_start):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             await self._unsubscribe()
 
     async def ensure_feed(self) -> None:
@@ -255,15 +254,19 @@ class WatchHub:
         self._to_selectors(RecordUpdate(revision, record, key), key)
 
     async def _unsubscribe(self) -> None:
-        """Unsubscribes and deletes the consumer (the server would only drop it some seconds later)."""
+        """Unsubscribes and deletes the consumer (the server would only drop it some seconds later).
+        Both subscriptions are let go of before the first await: ensure_feed's first look, without
+        the lock, must not see one that is being stopped (a watch arriving meanwhile would take it
+        as running and listen to nothing); it sees none, waits for the lock, and subscribes anew."""
         notices, self._notices = self._notices, None
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            self.recent.feed_stopped()
         if notices is not None:
             with contextlib.suppress(Exception):
                 await notices.unsubscribe()
-        if self._subscription is None:
+        if subscription is None:
             return
-        subscription, self._subscription = self._subscription, None
-        self.recent.feed_stopped()
         try:
             consumer = (await subscription.consumer_info()).name
             await subscription.unsubscribe()
