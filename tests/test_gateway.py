@@ -21,15 +21,15 @@ from asyncinfer.config import Config
 from asyncinfer.contract import JOB_ID_HEADER, MODEL_HEADER, PRIORITY_HEADER, TENANT_HEADER
 from asyncinfer.declarations import ensure_jobs_bucket
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.ids import is_job_id
+from asyncinfer.ids import is_job_id, new_job_id
 from asyncinfer.jobs import BatchInfo, JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, KeyValue
-from asyncinfer.queued_notice import decode_queued_notice
+from asyncinfer.queued_notice import announce_queued, decode_queued_notice
 from asyncinfer.tensor_codec import decode_tensors
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.gateway import watch_hub
+from services.gateway import watch_hub, watch_many
 from services.gateway.app import GatewayApp
 from services.gateway.recent_records import FeedState
 from tests.kv_helpers import job_record, kv_keys
@@ -533,6 +533,63 @@ async def test_a_label_watch_that_comes_while_the_idle_feed_stops_hears_every_ch
     assert isinstance(changed, job_service_pb2.WatchJobsResponse)
     assert [(c.job.state, c.job.revision) for c in changed.changes] == [(job_pb2.JOB_STATE_RUNNING, running.revision)]
     second.cancel()
+
+
+async def test_a_label_watch_keeps_a_change_its_jobs_late_queued_notice_comes_after(
+    stub: JobStub,
+    kv: KeyValue,
+    js: JetStreamContext,
+    nc: NatsClient,
+    gateway: GatewayApp,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job's QUEUED comes to a label watch as the gateway's queued notice, sent once the work
+    message's publish is acknowledged; its later changes come on the records' feed. A scheduler
+    holding a pull open has the job as the stream stores it, so on a loaded gateway the notice can
+    come after the batcher's RUNNING and SUCCEEDED. The watch's queue keeps one update per job, and
+    the late notice took the place of the SUCCEEDED waiting there: the watch, which had sent the
+    job's QUEUED, dropped it as no newer, and never sent the job's end. Here the watch's generator
+    waits at its first change while the job ends, then the notice comes (sent again, late), then
+    another job's, which says the first has been heard."""
+    hub = gateway.watch_hub
+    labels = {"run": "late-notice"}
+    listens = asyncio.Event()
+
+    async def listening() -> None:
+        listens.set()
+
+    watch = watch_many.watch_labels(hub, TENANT, labels, listening)
+    try:
+        first = asyncio.ensure_future(anext(watch))
+        await asyncio.wait_for(listens.wait(), 30)  # a hang guard
+        job = (await stub.SubmitJob(submit_request(labels=labels))).job
+        (queued,) = await asyncio.wait_for(first, 30)
+        assert queued.record is not None
+        assert (queued.job_id, queued.record.state) == (job.job_id, JobState.QUEUED)
+        await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+        succeeded = await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+        key = job_key(TENANT, job.job_id)
+        # The feed brought it (to the watch's queue too: the same callback, before this one).
+        await wait_for(lambda: (kept := hub.recent.finished(key)) is not None and kept.revision == succeeded.revision)
+        other = queued.record.evolve(job_id=new_job_id())
+        heard = asyncio.Event()
+        to_selectors = hub._to_selectors
+
+        def noted(update: Any, key: str) -> None:
+            to_selectors(update, key)
+            if key == other.key:
+                heard.set()
+
+        monkeypatch.setattr(hub, "_to_selectors", noted)
+        await announce_queued(nc, [queued.record, other])
+        await asyncio.wait_for(heard.wait(), 30)  # both notices heard, the watch still waiting at its yield
+        changes = await asyncio.wait_for(anext(watch), 30)
+        assert [(c.job_id, c.record and c.record.state) for c in changes] == [
+            (job.job_id, JobState.SUCCEEDED),
+            (other.job_id, JobState.QUEUED),
+        ]
+    finally:
+        await watch.aclose()
 
 
 async def test_a_feed_does_not_resume_into_a_bucket_made_anew(

@@ -71,6 +71,15 @@ IDLE_STOP_S = 10.0
 REPLAY_MAX_CHANGES = 2 * DEFAULT_CAPACITY
 
 
+def _no_older(waiting: RecordUpdate, update: RecordUpdate) -> bool:
+    """Whether a label watch's waiting update stays rather than give way to `update`: a job's
+    QUEUED comes as a queued notice, sent once its work message's publish is acknowledged, and its
+    later changes on the feed, so the notice can come after them (a scheduler holding a pull open
+    has the job as the stream stores it). Put in their place, it took them away: the watch sent
+    the job's QUEUED (or dropped it, having sent it) and never a later state."""
+    return waiting.revision >= update.revision
+
+
 class WatchHub:
     def __init__(
         self,
@@ -321,7 +330,7 @@ class WatchHub:
             return
         for queue, labels in selectors.items():
             if selects(labels, record):
-                queue.put_nowait(update)
+                queue.put_nowait(update, keeps=_no_older)
 
     def register(self, key: str, queue: WatcherQueue | None = None) -> WatcherQueue:
         """Queues every change of the record at `key` (on a new queue, or the one given)."""
