@@ -163,6 +163,15 @@ class PullInbox:
                         self.ended = "interrupted"
                         break
                     status = headers.get("Status")
+                    if status is not None and connection is not None and connection_epoch(self._nc) != connection:
+                        # The server sends a held pull's end to its reply subject, which the inbox
+                        # subscribed again on the new connection: a 408 can come there while what
+                        # the server handed the pull before it went down the lost connection. Not
+                        # "empty" (a dispatcher reads that as nothing queued all along): lost.
+                        log.debug("pull_lost_with_its_connection", stream=stream, consumer=consumer, received=len(msgs))
+                        await self._abandon()
+                        self.ended = "lost"
+                        break
                     if status is not None:
                         self.ended = "empty" if status in _EMPTY_STATUSES else "refused"
                         held = _REFUSALS.allow((consumer, status)) if self.ended == "refused" else None
