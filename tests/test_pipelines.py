@@ -73,10 +73,18 @@ async def until(condition: Any, what: str, timeout_s: float = 60.0) -> None:
         await asyncio.sleep(0.01)
 
 
-async def watch(stack: Stack, job_id: str) -> list[job_service_pb2.WatchJobResponse]:
-    seen = []
+async def watch(
+    stack: Stack,
+    job_id: str,
+    seen: list[job_service_pb2.WatchJobResponse] | None = None,
+    running: asyncio.Event | None = None,
+) -> list[job_service_pb2.WatchJobResponse]:
+    """Every change a WatchJob of the job hears, into `seen`; `running` is set once one said RUNNING."""
+    seen = [] if seen is None else seen
     async for response in stack.jobs.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)):
         seen.append(response)
+        if running is not None and response.job.state == job_pb2.JOB_STATE_RUNNING:
+            running.set()
     return seen
 
 
@@ -110,11 +118,16 @@ async def test_steps_of_many_jobs_batch_together(gated_stack: Stack) -> None:
     GATE.clear()  # the first step's first batch computes until the gate opens: the rest queue behind it
     jobs = [(await stack.jobs.SubmitJob(x_request("twice", float(i)))).job for i in range(JOBS)]
     assert {job.state for job in jobs} == {job_pb2.JOB_STATE_QUEUED}
-    watched = asyncio.create_task(watch(stack, jobs[-1].job_id))
+    # The last job's watch hears it RUNNING before the gate opens: begun later, on a loaded
+    # machine (CI, session 34), its first answer was already the job's SUCCEEDED.
+    seen: list[job_service_pb2.WatchJobResponse] = []
+    running = asyncio.Event()
+    watched = asyncio.create_task(watch(stack, jobs[-1].job_id, seen, running))
     # Every job is running in the batcher, and most wait in the first step's queue.
     await until(lambda: runner.held == JOBS and engine.queue_depth("gated") >= JOBS // 2, "jobs queued in the step")
+    await asyncio.wait_for(running.wait(), 60)
     GATE.set()
-    seen = await asyncio.wait_for(watched, 60)
+    await asyncio.wait_for(watched, 60)
 
     answers = [await stack.jobs.GetJob(job_service_pb2.GetJobRequest(job_id=job.job_id)) for job in jobs]
     records = [answer.job for answer in answers]
