@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import datetime, timedelta, tzinfo
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -37,7 +38,7 @@ from asyncinfer.commands.ops import (
     dead_letter_text,
 )
 from asyncinfer.commands.output import attempt_text, job_summary, job_text
-from asyncinfer.config import Config
+from asyncinfer.config import Config, render_default_config
 from asyncinfer.contract import (
     DEAD_SUBJECTS,
     JOB_ID_HEADER,
@@ -49,7 +50,7 @@ from asyncinfer.contract import (
     stream_msg_delete_subject,
     work_consumer_name,
 )
-from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import NotFound
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.idempotency_claims import (
@@ -96,6 +97,7 @@ from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers, waited_s
 from services.scheduler.stale_results import older_attempts_result, own_attempts_result
 from tests.nats_probes import RequestsSeen
+from tests.processes import Service
 from tests.silent_proxy import SilentProxy
 from tests.stack import StartStack
 
@@ -2469,6 +2471,102 @@ async def test_a_job_put_back_by_a_scheduler_since_gone_counts_in_the_depth_and_
         raise AssertionError(f"asyncinfer_desired_batchers once the job ran: {gauge()}") from None
     (model,) = (await left.ops.GetQueueStats(request)).models
     assert sum(q.depth for q in model.priorities) == 0, f"GetQueueStats once the job ran: {model}"
+
+
+async def test_jobs_put_back_by_a_scheduler_killed_with_sigkill_count_with_their_oldest_time(
+    start: Start, config: Config, nc: NatsClient, tmp_path: Path
+) -> None:
+    """A scheduler process holding put-back jobs (shed by its batcher, no credit back: nak'ed, held
+    unacknowledged in the consumer's redelivery queue) is killed with SIGKILL, and another starts
+    under its name. Since f41f418 the new one counted them in the depth and the desired batchers
+    (the consumer's unacknowledged deliveries beyond what the reporting schedulers account for),
+    but with no oldest time: GetQueueStats said no oldest age, asyncinfer_queue_oldest_age_seconds
+    0, and priority aging did not see the queue waiting. Now their oldest time is the oldest
+    unacknowledged delivery's stored time, and once a batcher comes they run, once each."""
+    settings = {"queue_stats_interval_s": 0.2, "scheduler_id": "sched-a"}
+    port = free_port()
+    process_config = tune(config).replace(
+        scheduler={**settings, "port": port}, logging={"level": "info", "format": "json"}
+    )
+    config_file = tmp_path / "asyncinfer.toml"
+    config_file.write_text(render_default_config(process_config))
+    killed = Service("scheduler", config_file, tmp_path, port)
+    await killed.start()
+    try:
+        js = nc.jetstream()
+        kv = await js.key_value(config.nats.jobs_bucket)
+        queues = await js.key_value(config.nats.queues_bucket)
+        on_a = FakeBatcher(port, "on-a")
+        try:
+            await on_a.connect()
+            await on_a.grant(2)
+            jobs = {await enqueue(nc, kv) for _ in range(2)}
+            orders = [await on_a.next_order(), await on_a.next_order()]
+            assert {order.job_id for order in orders} == jobs
+            for order in orders:  # shed, no credit back: each put back, and nothing pulls it
+                shed = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+                await on_a._call.write(worker_service_pb2.ConnectRequest(result=shed))
+
+            async def both_put_back() -> bool:
+                try:
+                    entry = await queues.get(snapshot_key(MODEL))
+                except NotFoundError:
+                    return False
+                snapshot = decode_snapshot(entry.value or b"")
+                return snapshot.priorities[Priority.NORMAL.value].put_back == 2
+
+            await until(both_put_back, 10.0)
+        finally:
+            await on_a.close()
+        killed.kill()
+        stream = config.nats.work_stream
+        info = await js.consumer_info(stream, work_consumer_name(MODEL, Priority.NORMAL))
+        assert (info.num_pending, info.num_ack_pending) == (0, 2), "both held unacknowledged by the consumer"
+        left = await start(tune(config).replace(scheduler=settings))  # the killed one's name: its snapshot replaced
+        await StatsRounds(left.app).wait(2)
+        request = ops_service_pb2.GetQueueStatsRequest(model_name=MODEL)
+        (model,) = (await left.ops.GetQueueStats(request)).models
+        normal = next(q for q in model.priorities if q.priority == job_pb2.PRIORITY_NORMAL)
+        assert (normal.depth, model.in_flight, model.desired_batchers) == (2, 0, 1), f"GetQueueStats: {model}"
+        assert normal.HasField("oldest_age"), f"GetQueueStats says no oldest age of the jobs waiting: {normal}"
+        labels = {"model": MODEL, "priority": Priority.NORMAL.value}
+        metrics = left.app.metrics
+
+        def gauges() -> tuple[float, float, float]:
+            return (
+                metrics.queue_depth.labels(**labels)._value.get(),
+                metrics.queue_oldest_age.labels(**labels)._value.get(),
+                metrics.desired_batchers.labels(model=MODEL)._value.get(),
+            )
+
+        async def gauges_count_them() -> bool:
+            depth, oldest_age, desired = gauges()
+            return depth == 2 and oldest_age > 0 and desired == 1
+
+        try:
+            await until(gauges_count_them)
+        except AssertionError:
+            raise AssertionError(f"gauges (depth, oldest age, desired batchers): {gauges()}") from None
+        assert Priority.NORMAL in left.dispatcher().queues.selector._oldest_age_s, "aging sees the queue waiting"
+        batcher = await left.batcher("late", credits=2)  # the batcher asked for pulls them
+        ran: set[str] = set()
+        for _ in range(2):
+            order = await batcher.next_order()
+            ran.add(order.job_id)
+            await batcher.answer(order)
+        assert ran == jobs
+        for job_id in jobs:
+            record = await wait_state(left.js, job_id, JobState.SUCCEEDED)
+            assert record.attempt == 2, "run once more after the shed, once"
+
+        async def nothing_waits() -> bool:
+            return metrics.queue_depth.labels(**labels)._value.get() == 0 and (
+                metrics.desired_batchers.labels(model=MODEL)._value.get() == 0
+            )
+
+        await until(nothing_waits)
+    finally:
+        killed.stop()
 
 
 async def test_a_job_another_scheduler_put_back_ages_this_ones_queue(start: Start, config: Config) -> None:

@@ -20,7 +20,9 @@ reporting schedulers account for, their jobs in flight and put back (`unclaimed_
 queue's backlog is its pending plus the larger of its unacknowledged deliveries and the jobs in
 flight and put back, the count the gateway's admission already makes of the consumers
 (services.gateway.queue_view). A job another scheduler pulled since its last snapshot counts so
-for a round (waiting rather than in flight: the backlog the same).
+for a round (waiting rather than in flight: the backlog the same). Such a job's oldest time is the
+oldest unacknowledged delivery's stored time (services.scheduler.queue_stats reads it where the
+deliveries are more than this scheduler holds), so its queue's oldest age and aging count it too.
 """
 
 from __future__ import annotations
@@ -117,10 +119,25 @@ class ClusterQueues:
     def _cluster_priorities(self, own: ModelQueueSnapshot, merged: QueueSnapshot) -> tuple[PriorityQueueSnapshot, ...]:
         unclaimed = unclaimed_deliveries(own, merged)
         return tuple(
-            dataclasses.replace(queue, depth=queue.depth + unclaimed[queue.priority])
-            if unclaimed.get(queue.priority)
-            else queue
+            self._with_unclaimed(queue, unclaimed[queue.priority]) if unclaimed.get(queue.priority) else queue
             for queue in self._merged_priorities(own, merged)
+        )
+
+    def _with_unclaimed(self, queue: PriorityQueueSnapshot, count: int) -> PriorityQueueSnapshot:
+        """`queue` with `count` unclaimed deliveries waiting, and their oldest time where it is older
+        than the queue's: the oldest unacknowledged delivery's stored time, as this scheduler read
+        it (`unacked_oldest_create_time`), so the age gauge, GetQueueStats and aging see a job put
+        back by a scheduler since gone. Aged on the clock the queue's own age was read on (the
+        server's) where it has one, else on this scheduler's wall clock."""
+        stored_at = queue.unacked_oldest_create_time
+        if stored_at is None or (queue.oldest_create_time is not None and queue.oldest_create_time <= stored_at):
+            return dataclasses.replace(queue, depth=queue.depth + count)
+        if queue.oldest_create_time is not None and queue.oldest_age_s is not None:
+            oldest_age_s = queue.oldest_age_s + (queue.oldest_create_time - stored_at)
+        else:
+            oldest_age_s = max(self._clock() - stored_at, 0.0)
+        return dataclasses.replace(
+            queue, depth=queue.depth + count, oldest_create_time=stored_at, oldest_age_s=oldest_age_s
         )
 
     def _merged_priorities(self, own: ModelQueueSnapshot, merged: QueueSnapshot) -> tuple[PriorityQueueSnapshot, ...]:

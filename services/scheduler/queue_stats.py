@@ -19,6 +19,7 @@ job, and one per replayed dead letter); a notice lost on the way is a job missin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -58,6 +59,13 @@ class PriorityQueueSnapshot:
     # them); the cluster's view counts those no scheduler accounts for
     # (services.scheduler.cluster_queues.unclaimed_deliveries).
     ack_pending: int | None = None
+    # When the oldest message of the queue delivered and not yet acknowledged was stored (the
+    # server's stamp, Unix seconds): read only where the model's deliveries are more than this
+    # scheduler's put-backs and jobs in flight (some may be put back by a scheduler since gone,
+    # services.scheduler.cluster_queues.unclaimed_deliveries), else None. Whoever holds it: a job
+    # in flight on another scheduler may be older than the put-back, so an upper bound. This
+    # scheduler's own view alone (the shared form does not carry it).
+    unacked_oldest_create_time: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +277,7 @@ class QueueStatsReader:
         queued = await asyncio.gather(*(self._queue(name, p, occupied) for p in PRIORITIES_BY_RANK))
         sessions = self._batchers.serving(name)
         in_flight = self._in_flight_count(name)
+        queued = await self._with_unacked_oldest(name, queued, in_flight)
         rate = self._completed_per_s(name)
         paused = self._is_paused(name)
         draining = self._is_draining()
@@ -293,6 +302,39 @@ class QueueStatsReader:
             submitted_per_s=self._submitted_per_s(name),
             batch_sizes=self._batch_sizes(name),
         )
+
+    async def _with_unacked_oldest(
+        self, model_name: str, queued: list[PriorityQueueSnapshot], in_flight: int
+    ) -> list[PriorityQueueSnapshot]:
+        """`queued` with each priority's `unacked_oldest_create_time` where the model's consumers
+        hold more deliveries than this scheduler accounts for (its put-backs and jobs in flight): a
+        job put back by a scheduler since gone (killed, restarted) is counted waiting by the
+        cluster's view, and its oldest time is its message's stored time, as a pending job's is.
+        The oldest message stored on the priority's subjects at or before the consumer's delivered
+        sequence is delivered and unacknowledged (a WorkQueue stream drops a message once acked).
+        One more read per such priority and round; none while this scheduler holds every
+        delivery (one scheduler, as a rule)."""
+        excess = {
+            q.priority: q.ack_pending - q.put_back
+            for q in queued
+            if q.ack_pending is not None and q.ack_pending > q.put_back
+        }
+        if sum(excess.values()) <= in_flight:
+            return queued
+        stream = self._config.nats.work_stream
+        result = []
+        for queue in queued:
+            if queue.priority in excess:
+                try:
+                    first = await self._js.get_msg(
+                        stream, seq=1, subject=work_filters(model_name, queue.priority)[-1], next=True
+                    )
+                except NotFoundError:
+                    first = None
+                if first is not None and first.time is not None:
+                    queue = dataclasses.replace(queue, unacked_oldest_create_time=first.time.timestamp())
+            result.append(queue)
+        return result
 
     def desired(
         self, model_name: str, *, waiting: int, in_flight: int, connected: int, completed_per_s: float, held: bool
