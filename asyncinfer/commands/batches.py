@@ -42,6 +42,7 @@ from asyncinfer.commands.output import (
     print_table,
     to_json,
 )
+from asyncinfer.duration_text import duration_text
 from asyncinfer.output_paths import descriptor_or_file
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
@@ -127,7 +128,7 @@ def batch_summary(batch: Batch) -> str:
 
 def _read_so_far(batch: Batch) -> str:
     """How far a large input's reading has come (`  12.6/48.0 MB (26%)  210000 records  1200
-    records/s  about 95s left`), as the gateway last reported it; nothing before its first report."""
+    records/s  about 1m 35s left`), as the gateway last reported it; nothing before its first report."""
     read = batch.read_progress
     if read is None:
         return ""
@@ -139,7 +140,7 @@ def _read_so_far(batch: Batch) -> str:
         text += f"  {read.records_per_second:.0f} records/s"
     if read.estimated_end_time is not None:
         left = (read.estimated_end_time - datetime.now(UTC)).total_seconds()
-        text += f"  about {max(left, 0):.0f}s left"
+        text += f"  about {duration_text(left, estimate=True)} left"
     return text
 
 

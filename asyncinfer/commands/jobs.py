@@ -55,6 +55,7 @@ from asyncinfer.commands.output import (
     report_error,
 )
 from asyncinfer.commands.stdin import read_stdin
+from asyncinfer.duration_text import duration_text
 
 AddOptions = Callable[[argparse.ArgumentParser], None]
 
@@ -374,7 +375,7 @@ async def watch_command(args: argparse.Namespace, options: Options) -> int:
 
     def show_live() -> None:
         if live is not None and last is not None:
-            live.show(f"{job_summary(last)}  ({time.monotonic() - started:.1f} s)")
+            live.show(f"{job_summary(last)}  ({duration_text(time.monotonic() - started)})")
 
     async def tick() -> None:
         while True:

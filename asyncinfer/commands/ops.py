@@ -40,6 +40,7 @@ from asyncinfer.commands.output import (
 )
 from asyncinfer.commands.stdin import read_stdin
 from asyncinfer.drain_orders import ANSWER_MARGIN_S
+from asyncinfer.duration_text import duration_text
 from asyncinfer.v1 import error_pb2, job_pb2, ops_service_pb2, ops_service_pb2_grpc
 
 # What a scheduler that wants a key is told without one.
@@ -540,7 +541,7 @@ def stats_rows(models: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]
                 model["model_name"] + model_suffix(model),
                 str(depth),
                 by_priority,
-                f"{max(ages):.1f}s" if ages else "-",
+                duration_text(max(ages)) if ages else "-",
                 str(model["in_flight"]),
                 str(model["connected_batchers"]),
                 str(model["desired_batchers"]),

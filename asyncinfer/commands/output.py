@@ -34,6 +34,7 @@ import numpy as np
 
 from asyncinfer.client import AsyncInferClientError, CallbackDelivery, Job, JobError
 from asyncinfer.client.errors import code_and_reason, unsaid_violations
+from asyncinfer.duration_text import duration_text
 from asyncinfer.errors import FieldViolation
 from asyncinfer.tensors import datatype_of
 
@@ -169,12 +170,6 @@ def print_json(value: Any, stream: TextIO | None = None) -> None:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def _seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
-
-
 # The one format of a date and time in the CLI's text (tables, `get`, `dlq show`): the local time
 # to the second, as `list` printed it; `get` printed ISO 8601 with milliseconds and the offset
 # (2026-12-07T14:03:21.042+01:00) and `dlq list` ISO 8601 in UTC. A live line (watch, batch watch,
@@ -251,7 +246,9 @@ def job_text(
     if job.end_time is not None:
         lines.append(f"ended       {_time(job.end_time)}")
     if job.queue_duration_s is not None or job.run_duration_s is not None:
-        lines.append(f"durations   queued {_seconds(job.queue_duration_s)}, ran {_seconds(job.run_duration_s)}")
+        lines.append(
+            f"durations   queued {duration_text(job.queue_duration_s)}, ran {duration_text(job.run_duration_s)}"
+        )
     if job.batcher_id:
         lines.append(f"{'runs on' if job.state.value == 'RUNNING' else 'ran on':<12}{job.batcher_id}")
     if job.trace_id:  # to find the job's trace in Jaeger or any OpenTelemetry backend
@@ -454,7 +451,7 @@ def _progress(stream: TextIO, clock: Callable[[], float], width: int, *, in_byte
             rate = _rate(task)
             if task.total is None or rate <= 0 or task.completed >= task.total:
                 return Text("")
-            return Text(f"ETA {(task.total - task.completed) / rate:.0f}s")
+            return Text(f"ETA {duration_text((task.total - task.completed) / rate, estimate=True)}")
 
     return Progress(
         TextColumn("{task.description}"),

@@ -23,6 +23,7 @@ from urllib.parse import urlencode
 
 from asyncinfer.client.errors import AsyncInferClientError
 from asyncinfer.config import TRACE_ID_PLACEHOLDER
+from asyncinfer.duration_text import duration_text
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
@@ -220,9 +221,8 @@ def when(moment: datetime | None) -> str:
 
 
 def seconds(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return h(f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s")
+    """A duration as the CLI writes one too (asyncinfer.duration_text)."""
+    return h(duration_text(value))
 
 
 # -- plots -------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ def test_a_pipe_gets_the_plain_table_exactly() -> None:
     assert lines[0].split() == [
         "MODEL", "QUEUED", "BY", "PRIORITY", "OLDEST", "IN", "FLIGHT", "BATCHERS", "WANTED", "CREDITS", "IN/S", "OUT/S",
     ]  # fmt: skip
-    assert lines[1].split() == ["demo", "5", "H:1", "N:4", "L:0", "1.2s", "2", "1", "1", "30", "12.5", "11.0"]
+    assert lines[1].split() == ["demo", "5", "H:1", "N:4", "L:0", "1.25", "s", "2", "1", "1", "30", "12.5", "11.0"]
     assert lines[2].split()[:3] == ["flaky", "(paused)", "30"]
     assert "\x1b" not in pipe.getvalue()
 

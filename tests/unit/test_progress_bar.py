@@ -46,7 +46,7 @@ def test_skipped_items_show_as_done_but_not_in_the_rate() -> None:
     frame = terminal.last_frame()
     assert "1600/2000" in frame
     assert " 50/s" in frame  # 100 in 2 s, not 1,600
-    assert "ETA 8s" in frame  # 400 left at 50/s
+    assert "ETA 8 s" in frame  # 400 left at 50/s
     assert " 80%" in frame
 
 
@@ -81,4 +81,4 @@ def test_an_upload_bar_counts_in_bytes() -> None:
     frame = terminal.last_frame()
     assert "12.6/48.0 MB" in frame, frame
     assert "3.1 MB/s" in frame, frame
-    assert "ETA 11s" in frame, frame
+    assert "ETA 11 s" in frame, frame
