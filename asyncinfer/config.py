@@ -1050,6 +1050,17 @@ class LoggingConfig(_Section):
     )
 
 
+class TlsConfig(_Section):
+    expiry_warning_days: float = Field(
+        14.0,
+        ge=0,
+        description="Each service logs tls_certificate_expires_soon (warning) at start and once a day for a certificate "
+        "it loaded (its serving one, its NATS client one, the batcher's client one to the scheduler) that expires within "
+        "this many days, tls_certificate_expired (error) once past; the gauge "
+        "asyncinfer_tls_certificate_expiry_timestamp_seconds says every one's expiry whatever this is. 0: never logged.",
+    )
+
+
 DEMO_MODEL = ModelConfig(
     name="demo",
     version="1",
@@ -1139,6 +1150,7 @@ class Config(_Section):
     webhooks: WebhooksConfig = Field(default_factory=WebhooksConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     tracing: TracingConfig = Field(default_factory=TracingConfig)
+    tls: TlsConfig = Field(default_factory=TlsConfig)
     models: tuple[ModelConfig, ...] = Field(
         (DEMO_MODEL,),
         description="The models served. `asyncinfer up`, given a file that declares none, serves the text "

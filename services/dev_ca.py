@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 
 CA_VALID_DAYS = 3650
 SERVER_VALID_DAYS = 90
-RENEW_WITHIN_DAYS = 7
+# Renewed at `up`'s start well before the services warn of an expiry (tls.expiry_warning_days, 14 by
+# default: asyncinfer.cert_expiry), so a development stack restarted now and then never warns.
+RENEW_WITHIN_DAYS = 30
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 

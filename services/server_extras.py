@@ -7,7 +7,16 @@ from __future__ import annotations
 from importlib.util import find_spec
 
 # The modules each extra brings (pyproject.toml's optional dependencies), by import name.
-_SERVER = ("nats", "uvloop", "prometheus_client", "stamina", "grpc_health", "grpc_reflection", "aiohttp")
+_SERVER = (
+    "nats",
+    "uvloop",
+    "prometheus_client",
+    "stamina",
+    "grpc_health",
+    "grpc_reflection",
+    "aiohttp",
+    "cryptography",
+)
 _BATCHER = (*_SERVER, "torch", "tritonclient")
 
 # Command -> (the extra that provides what it needs, the modules to look for).

@@ -68,8 +68,9 @@ class TestCA:
         self.ca_file = str(directory / "ca.pem")
         Path(self.ca_file).write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str) -> Pem:
-        """A certificate for both server and client use, valid for 127.0.0.1 and localhost."""
+    def issue(self, name: str, *, valid_days: float = 1.0) -> Pem:
+        """A certificate for both server and client use, valid for 127.0.0.1 and localhost, for
+        `valid_days` from now (negative: expired that long ago)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         cert = (
@@ -78,8 +79,8 @@ class TestCA:
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_before(min(now, now + datetime.timedelta(days=valid_days)) - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=valid_days))
             .add_extension(
                 x509.SubjectAlternativeName(
                     [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -462,3 +463,108 @@ def test_a_world_readable_tls_key_or_nkey_seed_is_warned_of(ca: TestCA, tmp_path
         (pem.key_file, "gateway.tls_key_file", "0644"),
         (str(seed), "nats.nkey_seed_file", "0604"),
     ]
+
+
+def _not_after(cert_file: str) -> float:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(Path(cert_file).read_bytes()).not_valid_after_utc.timestamp()
+
+
+def _expiry_samples(registry: Any) -> dict[str, float]:
+    """asyncinfer_tls_certificate_expiry_timestamp_seconds' samples in a service's registry, by label."""
+    samples: dict[str, float] = {}
+    for family in registry.collect():
+        if family.name == "asyncinfer_tls_certificate_expiry_timestamp_seconds":
+            samples.update({sample.labels["certificate"]: sample.value for sample in family.samples})
+    return samples
+
+
+async def test_each_service_exposes_its_certificates_expiry_and_warns_of_one_expiring_soon(
+    tmp_path: Path, ca: TestCA, tls_nats: NatsServerProcess, start_stack: StartStack
+) -> None:
+    """Operators had no warning before a serving certificate or a client one (mutual TLS to NATS,
+    the batcher's to the scheduler) expired: the handshakes failed the day it did. Now each
+    service's metrics say when each certificate it loaded expires, and a service logs a warning at
+    start for one that expires within tls.expiry_warning_days (here half a day: the tests' other
+    certificates are valid for one)."""
+    config = tls_config(tmp_path, ca, tls_nats)
+    soon = ca.issue("gateway-soon", valid_days=0.25)
+    config = config.replace(
+        gateway={"tls_cert_file": soon.cert_file, "tls_key_file": soon.key_file}, tls={"expiry_warning_days": 0.5}
+    )
+    with structlog.testing.capture_logs() as logs:
+        stack = await start_stack(config)
+    assert stack.batcher is not None
+    nats_client = config.nats.tls_cert_file
+    assert nats_client is not None
+    assert config.scheduler.tls_cert_file is not None
+    assert config.batcher.scheduler_cert_file is not None
+    assert _expiry_samples(stack.gateway.registry) == {
+        "gateway.tls_cert_file": _not_after(soon.cert_file),
+        "nats.tls_cert_file": _not_after(nats_client),
+    }
+    assert _expiry_samples(stack.scheduler.metrics.registry) == {
+        "scheduler.tls_cert_file": _not_after(config.scheduler.tls_cert_file),
+        "nats.tls_cert_file": _not_after(nats_client),
+    }
+    # The batcher serves plaintext here and moves no claim checks (no NATS): its client certificate alone.
+    assert _expiry_samples(stack.batcher.registry) == {
+        "batcher.scheduler_cert_file": _not_after(config.batcher.scheduler_cert_file)
+    }
+    warned = [entry for entry in logs if entry["event"] in ("tls_certificate_expires_soon", "tls_certificate_expired")]
+    assert [(w["event"], w["certificate"], w["file"]) for w in warned] == [
+        ("tls_certificate_expires_soon", "gateway.tls_cert_file", soon.cert_file)
+    ], warned
+    assert warned[0]["log_level"] == "warning"
+    assert 0 < warned[0]["days_left"] <= 0.25
+
+
+@pytest.mark.unit
+def test_an_expiring_certificate_is_warned_of_each_day_it_is_checked_and_the_gauge_says_the_one_loaded(
+    tmp_path: Path,
+) -> None:
+    """The daily check against a clock: nothing while the certificate is outside the window, a
+    warning once inside, an error once past; 0 days never logs. Certificates are read at start
+    (gRPC and the NATS connection hold their bytes), so one renewed on disk changes nothing until a
+    restart: the gauge says the certificate in use."""
+    from prometheus_client import CollectorRegistry
+
+    from asyncinfer.cert_expiry import DAY_S, CertificateExpiry
+
+    ca = TestCA(tmp_path / "pki")
+    pem = ca.issue("served", valid_days=20)
+    expires = _not_after(pem.cert_file)
+    now = [expires - 20 * DAY_S]
+    registry = CollectorRegistry()
+    expiry = CertificateExpiry(
+        [("gateway.tls_cert_file", pem.cert_file)], registry=registry, warning_days=14, clock=lambda: now[0]
+    )
+    assert _expiry_samples(registry) == {"gateway.tls_cert_file": expires}
+    renewed = ca.issue("renewed", valid_days=90)
+    shutil.copy(renewed.cert_file, pem.cert_file)  # cert-manager rewrote the Secret: not served until a restart
+    events = []
+    for day in (0, 7, 19, 21):
+        now[0] = expires - 20 * DAY_S + day * DAY_S
+        with structlog.testing.capture_logs() as logs:
+            expiry.check()
+        events.append([(entry["event"], entry["log_level"]) for entry in logs])
+    assert events == [
+        [],  # 20 days left
+        [("tls_certificate_expires_soon", "warning")],  # 13
+        [("tls_certificate_expires_soon", "warning")],  # 1
+        [("tls_certificate_expired", "error")],
+    ]
+    assert _expiry_samples(registry) == {"gateway.tls_cert_file": expires}
+    quiet = CertificateExpiry([("nats.tls_cert_file", pem.cert_file)], registry=CollectorRegistry(), warning_days=0)
+    with structlog.testing.capture_logs() as logs:
+        assert quiet.check() == []
+    assert logs == []
+
+
+@pytest.mark.unit
+def test_a_certificate_file_without_a_certificate_is_named() -> None:
+    from asyncinfer.cert_expiry import not_after
+
+    with pytest.raises(ConfigError, match=r"gateway\.tls_cert_file '/nonexistent\.pem': cannot read"):
+        not_after("/nonexistent.pem", "gateway.tls_cert_file")

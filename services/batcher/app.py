@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from tritonclient.grpc import service_pb2_grpc
 
 from asyncinfer.access import AccessGuard, KeyRing, require_keys_beyond_loopback
+from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.config import Config, ModelConfig, load_config
 from asyncinfer.errors import AsyncInferError, ConfigError, FailedPrecondition
 from asyncinfer.grpc_keepalive import Keepalive
@@ -60,6 +61,7 @@ class BatcherApp:
         self.registry = CollectorRegistry()
         self.metrics = BatcherMetrics(self.registry)
         self.supervisor = Supervisor("batcher")
+        self.certificates: CertificateExpiry | None = None  # its TLS certificates' expiry, once started
         self.tracing = Tracing.start(config.tracing, service="batcher")
         exit_after_s = config.batcher.exit_after_overrun_s
         hung = HungWatch(after_s=exit_after_s, on_hung=self._model_hung) if exit_after_s > 0 else None
@@ -101,6 +103,7 @@ class BatcherApp:
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
         tls = server_credentials("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
+        self.certificates = watch_certificates(self.config, "batcher", self.registry, self.supervisor)
         # In a thread: whether CUDA is there imports torch and asks the driver (1.4 s on this
         # machine without a GPU, 1.7-3.5 s measured on GPU hosts), and in `up` the gateway and the
         # scheduler already serve on this loop. Decided before any model loads, which uses it.

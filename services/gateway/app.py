@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.access import require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
+from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
@@ -86,6 +87,7 @@ class GatewayApp:
         self.metrics = GatewayMetrics(self.registry)
         self.metrics.count_models(model.name for model in config.models)
         self.supervisor = Supervisor("gateway")
+        self.certificates: CertificateExpiry | None = None  # its TLS certificates' expiry, once started
         interval_s = config.logging.summary_interval_s
         self.summary = WorkSummary(interval_s) if interval_s > 0 else None
         self.tracing = Tracing.start(config.tracing, service="gateway")
@@ -141,6 +143,7 @@ class GatewayApp:
         )
         tls = server_credentials("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
+        self.certificates = watch_certificates(cfg, "gateway", self.registry, self.supervisor)
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
         claims_kv = await ensure_idempotency_bucket(js, cfg.nats)

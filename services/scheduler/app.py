@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncinfer.access import AccessGuard, KeyRing, Role, require_keys_beyond_loopback
 from asyncinfer.blobs import ensure_objects_bucket
+from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX
@@ -112,6 +113,7 @@ class SchedulerApp:
         self.metrics.count_models(model.name for model in config.models)
         self.batchers = BatcherRegistry()
         self.supervisor = Supervisor("scheduler")
+        self.certificates: CertificateExpiry | None = None  # its TLS certificates' expiry, once started
         self.tracing = Tracing.start(config.tracing, service="scheduler")
         self.port = 0
         self.metrics_port = 0
@@ -178,6 +180,7 @@ class SchedulerApp:
         )
         tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.instance_name)
+        self.certificates = watch_certificates(config, "scheduler", self.metrics.registry, self.supervisor)
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
