@@ -746,3 +746,77 @@ async def test_texts_go_through_the_stack_to_triton_and_back(
                     assert line["outputs"]["length"] == ([[len(t)]] if model == "texts" else [len(t)]), line
     finally:
         await kserve.close()
+
+
+async def test_a_triton_outage_of_one_version_leaves_the_models_torch_version_running(
+    triton_url: str, config: Config, start_stack: StartStack
+) -> None:
+    """A model served by a torch version 1 and a Triton version 2: while version 2's Triton was out
+    of reach the batcher announced every version of the model LOADING and gave no credits for it
+    (the outage was tracked per model: engine.out_of_reach, free_slots), so the torch version's
+    jobs waited as long as the outage lasted. Now the outage is the version's: version 2 is
+    LOADING, its job handed back unspent and run once Triton answers; version 1 READY, running."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    triton_version = {
+        "version": "2",
+        "backend": "triton",
+        "loader": "",
+        "triton_url": url,
+        "triton_model_name": "affine",
+        "max_batch_size": 8,
+    }
+    model = {
+        **DEMO_MODEL.model_dump(),
+        "warm_up": False,
+        "triton_outage_wait_s": 0.3,
+        "retry_backoff_base_s": 0.05,
+        "retry_backoff_max_s": 0.2,
+        "versions": [triton_version],
+    }
+    stack = await start_stack(config.replace(models=[model]))
+    assert stack.batcher is not None
+    assert stack.batcher.engine.model_config("demo", "2").backend == "triton"
+
+    async def states() -> dict[str, int]:
+        listed = (await stack.jobs.ListModels(ListModelsRequest())).models
+        return {v.version: v.state for m in listed if m.name == "demo" for v in m.versions}
+
+    def ones(value: float = 1.0) -> dict[str, np.ndarray[Any, Any]]:
+        return {"x": np.full((1, 4), value, np.float32)}
+
+    try:
+        async with AsyncClient(stack.address) as jobs:
+            both = [await jobs.submit("demo", ones(), model_version=v) for v in "12"]
+            ran = await jobs.wait_jobs(both, timeout_s=60)
+            assert sorted((j.model_version, j.state) for j in ran.values()) == [
+                ("1", JobState.SUCCEEDED),
+                ("2", JobState.SUCCEEDED),
+            ]
+
+            await outage.down()
+            stranded = (await jobs.submit("demo", ones(3.0), model_version="2", max_attempts=1)).job_id
+            listed: dict[str, int] = {}
+            for _ in range(600):  # the batcher's announce reaches the registry once the batch met the outage
+                listed = await states()
+                if listed.get("2") == LOADING:
+                    break
+                await asyncio.sleep(0.05)
+            assert listed == {"1": READY, "2": LOADING}, f"version states while version 2's Triton is down: {listed}"
+            torch_jobs = [(await jobs.submit("demo", ones(float(v)), model_version="1")).job_id for v in range(5)]
+            done = await jobs.wait_jobs(torch_jobs, timeout_s=30)
+            assert [(done[i].state, done[i].model_version) for i in torch_jobs] == [(JobState.SUCCEEDED, "1")] * 5, done
+            held = await jobs.get(stranded)
+            for _ in range(600):  # the batch that met the outage hands it back once it gave up waiting
+                if held.done or (held.state is JobState.QUEUED and held.given_back_attempts):
+                    break
+                await asyncio.sleep(0.05)
+                held = await jobs.get(stranded)
+            assert (held.state, held.spent_attempts, held.given_back_attempts) == (JobState.QUEUED, 0, 1), held
+
+            await outage.up()
+            back = await jobs.wait(stranded, timeout_s=60)
+            assert (back.state, back.model_version, back.spent_attempts) == (JobState.SUCCEEDED, "2", 1), back
+            assert back.outputs["y"].tolist() == [[7.0] * 4]
+    finally:
+        await outage.down()

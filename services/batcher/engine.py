@@ -304,11 +304,15 @@ class BatchingEngine:
         versions = self._queues.get(model_name)
         if not self._accepting or not versions:
             return 0
-        if not all(q.takes_work for q in versions.values()):
-            return 0  # a version stuck or out of reach takes no work (credits are per model)
+        reachable = [q for q in versions.values() if q.backend.reachable]
+        if not reachable or not all(q.takes_work for q in reachable):
+            # A stuck version takes no work, and credits are per model; every version out of reach
+            # neither. A version out of reach alone is announced LOADING (unreachable_versions):
+            # the scheduler sends it no orders, so the others' slots are granted.
+            return 0
         held = sum(q.places_taken for q in versions.values())
         held += sum(q.places_taken for q in self._retiring if q.name == model_name)
-        return max(min(q.config.max_queue_size for q in versions.values()) - held, 0)
+        return max(min(q.config.max_queue_size for q in reachable) - held, 0)
 
     def reports_progress(self, model_name: str, version: str = "") -> bool:
         """Whether the model reports progress (worth a channel per item: see progress.py); a
@@ -516,18 +520,36 @@ class BatchingEngine:
         self._reachable_listeners.append(listener)
 
     def unreachable_models(self) -> list[str]:
-        """The models a version of which has its remote server (Triton) out of reach: they take no
-        work until it answers."""
+        """The models a version of which has its remote server (Triton) out of reach (the model's
+        ready gauge and the batcher's health say so; its other versions go on taking work)."""
         return [
             name for name, versions in self._queues.items() if any(not q.backend.reachable for q in versions.values())
         ]
 
+    def unreachable_versions(self) -> set[tuple[str, str]]:
+        """The (model, version) whose remote server (Triton) is out of reach: announced to the
+        scheduler as loading (services/batcher/work_messages.served_models), so that it sends no
+        orders for them here until they answer again. A torch version of the same model beside a
+        Triton one keeps taking its work (an outage stopped the whole model until session 34)."""
+        return {
+            (name, version)
+            for name, versions in self._queues.items()
+            for version, queue in versions.items()
+            if not queue.backend.reachable
+        }
+
     def out_of_reach(self) -> set[str]:
-        """The unreachable models and the pipelines with a step on one: announced to the scheduler
-        as loading (services/batcher/work_messages.served_models), so that it drops the credits
-        it holds for them here and sends them no orders until they answer again."""
-        names = set(self.unreachable_models())
-        return names.union(*(self.pipelines_using(name) for name in names))
+        """The models none of whose versions answers (each one's remote server out of reach), and
+        the pipelines with a step on a model a version of which is out of reach: they take no work
+        here, and the scheduler drops the credits it holds for them (it keeps a model's while one
+        of its versions is READY)."""
+        unreachable = self.unreachable_versions()
+        names = {
+            name
+            for name, versions in self._queues.items()
+            if versions and all((name, version) in unreachable for version in versions)
+        }
+        return names.union(*(self.pipelines_using(name) for name in {name for name, _ in unreachable}))
 
     def _reachable_changed(self, model_name: str) -> None:
         # The pipelines with a step on it take work as it does (their credits are their own).

@@ -164,8 +164,14 @@ class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceSe
         served = self._engine.has_model(request.name) and (
             not request.version or request.version in self._engine.versions(request.name)
         )
-        # Nor is one whose Triton is out of reach (it takes no work until it answers).
-        reachable = request.name not in self._engine.unreachable_models()
+        # Nor is one whose Triton is out of reach (it takes no work until it answers): the version
+        # asked for, or with none any of the model's.
+        if request.version:
+            reachable = (request.name, request.version) not in self._engine.unreachable_versions() and (
+                request.name not in self._engine.out_of_reach()
+            )
+        else:
+            reachable = request.name not in self._engine.unreachable_models()
         return service_pb2.ModelReadyResponse(ready=served and self._engine.accepting and reachable)
 
     async def ModelMetadata(

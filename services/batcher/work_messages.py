@@ -100,9 +100,10 @@ def is_handed_back(error: AsyncInferError) -> bool:
 
 
 def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -> list[worker_service_pb2.ServedModel]:
-    """Every version the engine serves (READY; LOADING while its Triton is out of reach: the
-    scheduler then drops the model's credits here, so that a job handed back is not sent straight
-    back to be refused again on one of them), then those `loading` (LOADING: no work yet)."""
+    """Every version the engine serves (READY; LOADING while its Triton is out of reach, or a
+    pipeline's while a step's is: the scheduler then sends it no orders here, and drops the
+    model's credits once none of its versions is READY, so that a job handed back is not sent
+    straight back to be refused again), then those `loading` (LOADING: no work yet)."""
 
     def served(
         config: ModelConfig, state: job_service_pb2.ModelVersionState.ValueType
@@ -121,12 +122,12 @@ def served_models(engine: BatchingEngine, loading: Iterable[ModelConfig] = ()) -
             state=state,
         )
 
-    out_of_reach = engine.out_of_reach()
+    out_of_reach, unreachable = engine.out_of_reach(), engine.unreachable_versions()
     models = [
         served(
             engine.model_config(name, version),
             job_service_pb2.MODEL_VERSION_STATE_LOADING
-            if name in out_of_reach
+            if name in out_of_reach or (name, version) in unreachable
             else job_service_pb2.MODEL_VERSION_STATE_READY,
         )
         for name in engine.model_names

@@ -94,9 +94,10 @@ class WorkSession:
         # None ends the request stream (a half-close).
         self._outbox: asyncio.Queue[worker_service_pb2.ConnectRequest | None] = asyncio.Queue()
         self._unused_credits = dict.fromkeys(engine.model_names, 0)
-        # The models announced LOADING while their Triton is out of reach (engine.out_of_reach):
-        # the scheduler dropped their credits and refuses a grant for them, so none is offered
-        # until they are announced READY again.
+        # The models announced LOADING whole while their Triton is out of reach (engine.out_of_reach:
+        # every version's; a model with a version still READY keeps its credits): the scheduler
+        # dropped their credits and refuses a grant for them, so none is offered until one of their
+        # versions is announced READY again.
         self._out_of_reach: set[str] = set()
         self._orders: dict[OrderKey, PendingItem | ChunkItem] = {}
         self._order_tasks: set[asyncio.Task[None]] = set()
