@@ -87,3 +87,33 @@ def test_a_priority_not_read_counts_none() -> None:
     deliveries = own({Priority.HIGH: None, Priority.LOW: 1})
     assert unclaimed_deliveries(deliveries, merged()) == {Priority.LOW: 1}
     assert unclaimed_deliveries(deliveries, merged(in_flight=1)) == {}
+
+
+def test_unclaimed_deliveries_count_with_the_oldest_unacknowledged_deliverys_time() -> None:
+    """Their oldest time is the oldest unacknowledged delivery's stored time (queue_stats reads it
+    where the deliveries are more than this scheduler holds): taken where it is older than the
+    queue's own oldest, aged on the clock the own age was read on, else on the wall clock; without
+    it, only the depth grows (the real-NATS case: test_scheduler_policies'
+    test_jobs_put_back_by_a_scheduler_killed_with_sigkill_count_with_their_oldest_time)."""
+    from typing import Any
+
+    from services.scheduler.cluster_queues import ClusterQueues
+
+    none: Any = None
+    cluster = ClusterQueues(none, none, bucket="queues", scheduler="a", clock=lambda: 1_000.0)
+
+    def queue(**fields: Any) -> queue_stats.PriorityQueueSnapshot:
+        return queue_stats.PriorityQueueSnapshot(priority=Priority.LOW, **{"depth": 0, "oldest_age_s": None, **fields})
+
+    alone = cluster._with_unclaimed(queue(unacked_oldest_create_time=940.0), 2)
+    assert (alone.depth, alone.oldest_create_time, alone.oldest_age_s) == (2, 940.0, 60.0)
+    behind = cluster._with_unclaimed(
+        queue(depth=1, oldest_create_time=990.0, oldest_age_s=12.0, unacked_oldest_create_time=940.0), 1
+    )
+    assert (behind.depth, behind.oldest_create_time, behind.oldest_age_s) == (2, 940.0, 62.0)
+    younger = cluster._with_unclaimed(
+        queue(depth=1, oldest_create_time=900.0, oldest_age_s=100.0, unacked_oldest_create_time=940.0), 1
+    )
+    assert (younger.depth, younger.oldest_create_time, younger.oldest_age_s) == (2, 900.0, 100.0)
+    unknown = cluster._with_unclaimed(queue(), 3)
+    assert (unknown.depth, unknown.oldest_create_time, unknown.oldest_age_s) == (3, None, None)
