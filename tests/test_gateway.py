@@ -592,6 +592,45 @@ async def test_a_label_watch_keeps_a_change_its_jobs_late_queued_notice_comes_af
         await watch.aclose()
 
 
+async def test_a_label_watch_never_sends_a_jobs_queued_after_its_end(
+    stub: JobStub, kv: KeyValue, js: JetStreamContext, nc: NatsClient
+) -> None:
+    """A raw WatchJobs client with a label selector: the job's queued notice comes again after
+    the watch sent the job's SUCCEEDED (a notice late behind the feed, as a loaded gateway sends
+    it). watch_labels forgot a job's revision once it sent its end, so it sent the late QUEUED
+    after the SUCCEEDED. Another job's notice, sent behind it on the same connection, says the
+    late one was heard: the next message is that job's QUEUED alone."""
+    labels = {"run": "late-queued-after-end"}
+    notices: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
+
+    async def heard(msg: Any) -> None:
+        notices.put_nowait((msg.subject, msg.data))
+
+    await nc.subscribe("asyncinfer.queued.>", cb=heard)
+    await nc.flush()
+    call = stub.WatchJobs(job_service_pb2.WatchJobsRequest(labels=labels))
+    await asyncio.wait_for(call.initial_metadata(), 30)  # a hang guard; listening: feed and notices run
+
+    async def next_changes() -> list[tuple[str, int]]:
+        response = await asyncio.wait_for(call.read(), 30)
+        assert isinstance(response, job_service_pb2.WatchJobsResponse), response
+        return [(c.job_id, c.job.state) for c in response.changes]
+
+    job = (await stub.SubmitJob(submit_request(labels=labels))).job
+    subject, notice = await asyncio.wait_for(notices.get(), 30)
+    assert await next_changes() == [(job.job_id, job_pb2.JOB_STATE_QUEUED)]
+    await advance(js, kv, job.job_id, state=JobState.RUNNING, attempt=1)
+    assert await next_changes() == [(job.job_id, job_pb2.JOB_STATE_RUNNING)]
+    await advance(js, kv, job.job_id, state=JobState.SUCCEEDED, end_time=time.time())
+    assert await next_changes() == [(job.job_id, job_pb2.JOB_STATE_SUCCEEDED)]
+    _, revision, data = decode_queued_notice(notice)
+    other = decode_record(data, revision).evolve(job_id=new_job_id())
+    await nc.publish(subject, notice)  # the job's notice, late
+    await announce_queued(nc, [other])
+    assert await next_changes() == [(other.job_id, job_pb2.JOB_STATE_QUEUED)]
+    call.cancel()
+
+
 async def test_a_feed_does_not_resume_into_a_bucket_made_anew(
     stub: JobStub, kv: KeyValue, js: JetStreamContext, gateway: GatewayApp, config: Config
 ) -> None:

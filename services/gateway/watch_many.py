@@ -175,9 +175,11 @@ async def watch_labels(
     if hub.closed:
         raise _closed("labels")
     queue = hub.register_selector(tenant, dict(labels))
-    # The last revision sent of each job still changing: a job's QUEUED comes as a core-NATS notice
-    # and its later changes on the records' feed, two paths, so its notice can arrive after its
-    # RUNNING change; a change no newer than one sent is dropped (a client saw RUNNING, then QUEUED).
+    # The last revision sent of each job (its terminal one too): a job's QUEUED comes as a
+    # core-NATS notice and its later changes on the records' feed, two paths, so its notice can
+    # arrive after its RUNNING change, or after its end; a change no newer than one sent is dropped
+    # (a client saw RUNNING or SUCCEEDED, then QUEUED). Only the jobs that changed least recently
+    # are forgotten, past SELECTOR_REVISIONS_KEPT: a job's late notice follows its end closely.
     sent: dict[str, int] = {}
     try:
         await hub.ensure_feed()
@@ -194,11 +196,13 @@ async def watch_labels(
                     continue
                 if record.revision <= sent.get(record.key, -1):
                     continue
+                # Kept when terminal too: a late notice of the job's QUEUED (revision 0, its record
+                # not yet written, or the revision it was queued at) is older than its end and is
+                # dropped; a replay's notice is newer and is sent.
                 sent.pop(record.key, None)
-                if not record.state.is_terminal:  # a terminal job changes no more (but by a replay: newer)
-                    sent[record.key] = record.revision
-                    if len(sent) > SELECTOR_REVISIONS_KEPT:
-                        del sent[next(iter(sent))]  # the job that changed least recently
+                sent[record.key] = record.revision
+                if len(sent) > SELECTOR_REVISIONS_KEPT:
+                    del sent[next(iter(sent))]  # the job that changed least recently
                 changes.append(JobChange(record.job_id, record=record))
             if changes:
                 yield changes
