@@ -430,6 +430,43 @@ async def test_a_blocking_watch_closed_or_left_part_way_ends_its_stream_at_once(
         await asyncio.to_thread(client.close)
 
 
+async def test_an_async_watch_left_by_async_with_ends_its_stream_at_once(idle_stack: Stack) -> None:
+    """AsyncClient.watch_jobs returns a JobsWatch, which took only `aclose()`: `async with` was a
+    TypeError, and a label watch left part-way by an error kept its stream open, and the gateway
+    its watcher, until the watch was collected or its timeout_s passed (none here). The end of an
+    `async with` block closes it: part-way, by an error, or never iterated."""
+    hub = idle_stack.gateway.watch_hub
+    labels = {"run": "async-with"}
+    async with AsyncClient(idle_stack.address) as client:
+        # A label watch left after its first change.
+        async with client.watch_jobs(labels=labels) as watch:
+            await watch.ready()
+            assert hub.watcher_count == 1
+            job = await client.submit("demo", {"x": X}, labels=labels)  # no batcher: QUEUED for good
+            first = await anext(watch)
+            assert isinstance(first, Job)
+            assert (first.job_id, first.state) == (job.job_id, JobState.QUEUED)
+        assert watch._updates.ag_frame is None  # type: ignore[attr-defined]  # closed: nothing resumes it
+        await until(lambda: hub.watcher_count == 0)
+        with pytest.raises(StopAsyncIteration):
+            await anext(watch)  # closed: it ends, as a closed generator does
+        await watch.aclose()  # again: nothing
+
+        # A watch of IDs left by an error (the job never ends: no batcher), and one never iterated.
+        async def left_by_an_error() -> None:
+            async with client.watch_jobs([job.job_id]) as ids_watch:
+                assert (await anext(ids_watch)).job_id == job.job_id  # type: ignore[union-attr]
+                assert hub.watcher_count == 1
+                raise LookupError("the caller's own error goes through")
+
+        with pytest.raises(LookupError):
+            await left_by_an_error()
+        await until(lambda: hub.watcher_count == 0)
+        async with client.watch_jobs([job.job_id]):
+            pass
+        assert hub.watcher_count == 0
+
+
 async def test_the_sdk_does_not_wait_for_ever_on_a_gateway_without_the_ready_header(
     idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

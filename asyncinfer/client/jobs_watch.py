@@ -200,7 +200,15 @@ def catch_up_retries(error: AsyncInferClientError, retry: RetryPolicy) -> bool:
 
 class JobsWatch:
     """The changes of one watch (an async iterator, closed with `aclose`, as the async generator it
-    replaces), and `ready()`."""
+    replaces, or at the end of an `async with` block), and `ready()`.
+
+        async with client.watch_jobs(labels={"run": "7"}) as watch:
+            await watch.ready()
+            async for update in watch:
+                ...
+
+    Leaving the block, part-way, at an error or without iterating, ends the stream at once (the
+    gateway's watcher goes with it), as the blocking client's StreamIterator does in a `with`."""
 
     def __init__(self, updates: AsyncGenerator[WatchUpdate | Listening, None]) -> None:
         self._updates = updates
@@ -237,4 +245,12 @@ class JobsWatch:
             self._listening = True
 
     async def aclose(self) -> None:
+        """Ends the watch: its stream is cancelled before this returns. A closed watch ends
+        (StopAsyncIteration), as a closed generator does; closing it again does nothing."""
         await self._updates.aclose()
+
+    async def __aenter__(self) -> JobsWatch:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
