@@ -35,6 +35,7 @@ from asyncinfer.client.errors import MESSAGE_TOO_LARGE, AsyncInferClientError, m
 from asyncinfer.client.jobs_watch import WatchUpdate
 from asyncinfer.config import Config
 from asyncinfer.contract import JOBS_BUCKET, WORK_STREAM
+from asyncinfer.errors import Unavailable as GatewayUnavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_headers import WATCH_READY_HEADER, WATCH_SINCE_HEADER
 from asyncinfer.ids import new_job_id
@@ -738,6 +739,35 @@ async def test_a_label_watch_outlasts_a_catch_up_listing_past_its_call_deadline(
         held.set()
     assert (caught_up.job_id, caught_up.state) == (job.job_id, JobState.SUCCEEDED)
     assert len(listings) >= 2, "the held listing was tried again"
+
+
+async def test_a_catch_up_listing_that_fails_to_the_end_says_what_it_met_and_its_hint(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reopened label watch's catch-up (ListJobs) raised its own errors, not through the client's
+    `_hinted` as every other call does: a listing refused until the watch's deadline ended it with
+    "the label watch (its catch-up after a reconnect) did not complete within 5 s", without what
+    the listing met or its hint (tests/test_tls_hints.py: a closed socket's names tls_ca_file= to a
+    plaintext client). Here every listing of the new gateway answers UNAVAILABLE "Socket closed"
+    while the reopened stream listens, and the watch ends with that error and its hint."""
+    stack = await start_stack(config.replace(gateway={"port": free_port()}), batcher=False)
+    labels = {"run": "catch-up-hinted"}
+
+    async def refused(lister: JobLister, tenant: str, query: ListQuery) -> ListPage:
+        raise GatewayUnavailable("Socket closed")
+
+    async with (
+        AsyncClient(stack.address, retry=FAST_RETRY, timeout_s=2.0) as client,
+        client.watch_jobs(labels=labels, timeout_s=5.0) as watch,
+    ):
+        await watch.ready()
+        monkeypatch.setattr(JobLister, "page", refused)
+        await stack.restart_gateway(0.2)
+        with pytest.raises(AsyncInferClientError) as ended:
+            await anext(watch)
+    assert ended.value.code is grpc.StatusCode.UNAVAILABLE, str(ended.value)
+    assert "Socket closed" in ended.value.message, str(ended.value)
+    assert "if the server is on TLS, give tls_ca_file=" in (ended.value.hint or ""), str(ended.value)
 
 
 async def test_label_watches_ended_by_a_gateway_stop_reopen_on_the_next_gateway(

@@ -24,7 +24,6 @@ from asyncinfer.client.errors import (
     ended_at,
     from_rpc_error,
     make_error,
-    with_connection_hint,
 )
 from asyncinfer.client.jobs_watch import (
     CATCH_UP_MAX_JOBS,
@@ -295,11 +294,14 @@ class JobWatches(JobCalls):
                 raise
             except grpc.RpcError as rpc_error:
                 error = from_rpc_error(rpc_error)
+                # Raised as the other calls raise theirs (ClientChannel._backoff_or_raise): the
+                # most telling error of the target's addresses and its hint (TLS, mutual TLS), and
+                # at the deadline what the listing met rather than "did not complete".
                 if not catch_up_retries(error, self.retry):
-                    raise with_connection_hint(error, tls=self._tls) from rpc_error
+                    raise await self._hinted(error, deadline) from rpc_error
                 delay = self.retry.backoff_s(attempt, error)
                 if not deadline.allows_sleep(delay):
-                    raise deadline.exceeded("the label watch (its catch-up after a reconnect)") from rpc_error
+                    raise await self._hinted(error, deadline) from rpc_error
                 if stream.done():
                     return None
                 if self.retry.on_retry is not None:
