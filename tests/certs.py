@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Iterator
+from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from grpc_health.v1 import health, health_pb2_grpc
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,3 +113,24 @@ def channel_credentials(ca_file: str, client: Pem | None = None) -> grpc.Channel
         private_key=Path(client.key_file).read_bytes(),
         certificate_chain=Path(client.cert_file).read_bytes(),
     )
+
+
+@contextmanager
+def tls_health_server(ca: TestCA, name: str, *, require_client_auth: bool = False) -> Iterator[int]:
+    """A TLS gRPC server (health only) on 127.0.0.1 alone, its certificate `name` signed by `ca`;
+    with `require_client_auth`, it requires a client certificate that `ca` signed (mutual TLS).
+    Yields its port; stopped at the end."""
+    pem = ca.issue(name)
+    credentials = grpc.ssl_server_credentials(
+        [(Path(pem.key_file).read_bytes(), Path(pem.cert_file).read_bytes())],
+        root_certificates=Path(ca.ca_file).read_bytes() if require_client_auth else None,
+        require_client_auth=require_client_auth,
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    server.start()
+    try:
+        yield port
+    finally:
+        server.stop(None)

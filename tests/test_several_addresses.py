@@ -11,17 +11,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, UnavailableError
 from asyncinfer.client._addresses import target_addresses
 from asyncinfer.embedded_nats import free_port
-from tests.certs import TestCA
+from tests.certs import TestCA, tls_health_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,16 +32,8 @@ def ca(tmp_path: Path) -> TestCA:
 @pytest.fixture
 def tls_port(ca: TestCA) -> Iterator[int]:
     """A TLS gRPC server (health only) on 127.0.0.1 alone, its certificate signed by `ca`."""
-    pem = ca.issue("gateway")
-    credentials = grpc.ssl_server_credentials([(Path(pem.key_file).read_bytes(), Path(pem.cert_file).read_bytes())])
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    try:
+    with tls_health_server(ca, "gateway") as port:
         yield port
-    finally:
-        server.stop(None)
 
 
 def two_addresses(port: int) -> str:

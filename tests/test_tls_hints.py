@@ -13,17 +13,15 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, UnavailableError
 from asyncinfer.config import ConsoleConfig
 from services.console.backend import Backend
-from tests.certs import Pem, TestCA
+from tests.certs import Pem, TestCA, tls_health_server
 
 REPO = Path(__file__).resolve().parents[1]
 SDK_HINT = (
@@ -42,20 +40,8 @@ def ca(tmp_path: Path) -> TestCA:
 @pytest.fixture
 def mutual_tls_port(ca: TestCA) -> Iterator[int]:
     """A gRPC server (health only) on 127.0.0.1 that requires a client certificate signed by `ca`."""
-    pem = ca.issue("server")
-    credentials = grpc.ssl_server_credentials(
-        [(Path(pem.key_file).read_bytes(), Path(pem.cert_file).read_bytes())],
-        root_certificates=Path(ca.ca_file).read_bytes(),
-        require_client_auth=True,
-    )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    server.start()
-    try:
+    with tls_health_server(ca, "server", require_client_auth=True) as port:
         yield port
-    finally:
-        server.stop(None)
 
 
 async def test_the_sdk_names_the_client_certificate_settings(tmp_path: Path, ca: TestCA, mutual_tls_port: int) -> None:
