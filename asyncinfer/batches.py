@@ -118,9 +118,14 @@ class ReadProgress:
 
 @dataclass(frozen=True, slots=True)
 class RequestCounts:
+    """As OpenAI's Batch API counts: `completed` and `failed` only of the records that ran (or
+    failed validation); the records a cancel or the end of the completion window skipped are
+    neither, the rest of `total` (`not_run`, the error file's CANCELLED and DEADLINE_EXCEEDED lines)."""
+
     total: int = 0
     completed: int = 0
     failed: int = 0
+    not_run: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +180,9 @@ class BatchRecord:
     @property
     def counts(self) -> RequestCounts:
         completed = sum(c.records for c in self.chunks if c.status is ChunkStatus.DONE)
-        failed = sum(c.records for c in self.chunks if c.status in (ChunkStatus.FAILED, ChunkStatus.SKIPPED))
-        return RequestCounts(total=self.total, completed=completed, failed=failed + self.invalid_lines)
+        failed = sum(c.records for c in self.chunks if c.status is ChunkStatus.FAILED)
+        not_run = sum(c.records for c in self.chunks if c.status is ChunkStatus.SKIPPED)
+        return RequestCounts(total=self.total, completed=completed, failed=failed + self.invalid_lines, not_run=not_run)
 
     @property
     def live_chunks(self) -> tuple[Chunk, ...]:
@@ -391,7 +397,9 @@ def progress_rate(record: BatchRecord, *, now: float) -> tuple[float, float | No
     rate = counts.completed / (until - started) if until > started else 0.0
     if record.state.is_terminal or rate <= 0:
         return rate, None
-    remaining = counts.total - counts.completed - counts.failed
+    if record.state is BatchState.CANCELLING:  # what is left will not run
+        return rate, None
+    remaining = counts.total - counts.completed - counts.failed - counts.not_run
     return rate, now + remaining / rate
 
 

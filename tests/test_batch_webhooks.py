@@ -134,8 +134,8 @@ async def test_a_cancelled_batch_sends_its_cancelled_webhook(
     assert data["state"] == "CANCELLED"
     counts = data["request_counts"]
     assert counts["total"] == 300
-    assert counts["completed"] + counts["failed"] == 300
-    assert counts["failed"] > 0
+    assert counts["failed"] == 0  # the records the cancel skipped never ran: neither completed nor failed
+    assert counts["completed"] < 300
 
 
 async def test_a_batch_end_whose_webhook_was_not_enqueued_is_enqueued_once_by_another_driver(

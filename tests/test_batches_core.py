@@ -148,7 +148,8 @@ def test_a_cancelled_batch_ends_cancelled_and_keeps_its_done_chunks() -> None:
     assert batches.finished(skipped)
     ended = batches.finish(skipped, now=150.0)
     assert ended.state is BatchState.CANCELLED
-    assert (ended.counts.completed, ended.counts.failed) == (5, 5)
+    # As OpenAI's Batch API counts: the records that never ran are neither completed nor failed.
+    assert ended.counts == batches.RequestCounts(total=10, completed=5, failed=0, not_run=5)
 
 
 def test_progress_rate_and_estimate() -> None:

@@ -123,6 +123,16 @@ class Batch:
     def done(self) -> bool:
         return self.state.is_terminal
 
+    @property
+    def not_run(self) -> int:
+        """The records a CANCELLED or EXPIRED batch never ran (skipped by the cancel or the end of its
+        completion window: the error file's CANCELLED and DEADLINE_EXCEEDED lines). As OpenAI's Batch
+        API counts, they are neither `completed` nor `failed`, the rest of `total`. 0 otherwise (a
+        CANCELLING batch's are not known yet)."""
+        if self.state not in (BatchState.CANCELLED, BatchState.EXPIRED):
+            return 0
+        return max(self.total - self.completed - self.failed, 0)
+
 
 def _time(message: Any, name: str) -> datetime | None:
     if not message.HasField(name):

@@ -117,6 +117,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
 def batch_summary(batch: Batch) -> str:
     rate = f"  {batch.records_per_second:.0f} records/s" if batch.records_per_second else ""
     failed = f"  {batch.failed} failed" if batch.failed else ""
+    if batch.not_run:  # cancelled or out of its window: neither done nor failed (OpenAI's counts)
+        failed += f"  {batch.not_run} not run"
     note = f"  {batch.failure_message}" if batch.failure_message else ""
     if batch.total == 0 and not batch.done:  # its records not counted yet: `0/0 done` read as nothing to do
         return f"{batch.batch_id}  {batch.state}  reading its input{_read_so_far(batch)}{note}"
@@ -251,7 +253,8 @@ def _same_file(one: TextIO, other: TextIO) -> bool:
 
 
 def _note(batch: Batch) -> str:
-    return f"{batch.state.value}, {batch.failed} failed" if batch.failed else batch.state.value
+    note = f"{batch.state.value}, {batch.failed} failed" if batch.failed else batch.state.value
+    return f"{note}, {batch.not_run} not run" if batch.not_run else note
 
 
 def _positive_seconds(text: str) -> float:
@@ -503,15 +506,17 @@ def _print_errors(batch: Batch, *, out_file: Path | None = None, errors_file: Pa
             continue
         named = f" ({first.custom_id!r} to {last.custom_id!r})" if first.custom_id and last.custom_id else ""
         print(f"  lines {first.line}-{last.line}{named}: {first.code} {first.message}")
-    if batch.done and batch.failed > len(batch.first_errors) and batch.first_errors:
-        print(f"  and {batch.failed - len(batch.first_errors)} more")
+    # The error file's lines: the failed records, and those a cancel or the window's end skipped.
+    error_lines = batch.failed + batch.not_run
+    if batch.done and error_lines > len(batch.first_errors) and batch.first_errors:
+        print(f"  and {error_lines - len(batch.first_errors)} more")
     if batch.done and batch.completed and out_file is None:
         # Where the results are: a batch that ended said its counts and not how to read them (OpenAI's
         # batch names its output_file_id).
         arrays = " (or results.jsonl)" if batch.input_format in ("NPY", "NPZ") else ""
         name = "results.npz" if arrays else "results.jsonl"
         print(f"  the output file: asyncinfer batch download {batch.batch_id} --out {name}{arrays}")
-    if batch.done and batch.failed and errors_file is None:
+    if batch.done and error_lines and errors_file is None:
         print(f"  the error file, every failed line: asyncinfer batch download {batch.batch_id} --errors errors.jsonl")
 
 

@@ -141,6 +141,12 @@ async def batch_page(ctx: Context, request: web.Request) -> web.Response:
     )
 
 
+def _not_run(batch: Batch) -> str:
+    """A cancelled or expired batch's records that never ran: neither done nor failed (OpenAI's
+    counts), the rest of its total."""
+    return f", {batch.not_run} not run" if batch.not_run else ""
+
+
 def batch_details(ctx: Context, batch: Batch) -> str:
     labels = ", ".join(f"{k}={v}" for k, v in sorted(batch.labels.items()))
     record = [
@@ -148,7 +154,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         (
             "progress",
             ui.progress(batch.completed, batch.failed, batch.total)
-            + ui.h(f" {batch.completed} done, {batch.failed} failed of {batch.total or '?'}"),
+            + ui.h(f" {batch.completed} done, {batch.failed} failed{_not_run(batch)} of {batch.total or '?'}"),
         ),
         ("records/s", _rate(batch)),
         *([("input read", _reading(batch))] if batch.read_progress is not None else []),

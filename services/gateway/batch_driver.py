@@ -250,6 +250,7 @@ class BatchDriver:
                     state=written.state.value,
                     completed=counts.completed,
                     failed=counts.failed,
+                    not_run=counts.not_run,
                 )
                 return await self._ended(written)
         return False

@@ -53,8 +53,8 @@ class BatchMetrics:
         self._registry = registry
         self.records = Counter(
             "asyncinfer_batch_records",
-            "Batch records ended, by outcome: completed, or failed (invalid lines, failed records, and those "
-            "cancelled or expired before they ran).",
+            "Batch records ended, by outcome: completed, failed (invalid lines and failed records), or not_run "
+            "(cancelled or expired before they ran).",
             ["model", "outcome"],
             registry=registry,
         )
@@ -74,5 +74,7 @@ class BatchMetrics:
             self.records.labels(model=after.model_name, outcome="completed").inc(new.completed - old.completed)
         if new.failed > old.failed:
             self.records.labels(model=after.model_name, outcome="failed").inc(new.failed - old.failed)
+        if new.not_run > old.not_run:
+            self.records.labels(model=after.model_name, outcome="not_run").inc(new.not_run - old.not_run)
         if after.state.is_terminal and not before.state.is_terminal:
             self.ended.labels(model=after.model_name, state=after.state.value).inc()

@@ -82,8 +82,15 @@ def test_a_batch_ended_before_its_input_was_read_says_so() -> None:
     for state in (BatchState.CANCELLED, BatchState.EXPIRED):
         ended = dataclasses.replace(batch(state, 0), total=0)
         assert batch_summary(ended) == f"b1  {state}  before its input was read"
-    cancelled = dataclasses.replace(batch(BatchState.CANCELLED, 10), failed=990)
-    assert batch_summary(cancelled) == "b1  CANCELLED  10/1000 done  990 failed"
+    # Its records that never ran are neither completed nor failed (OpenAI's request_counts): the
+    # summary said `990 failed` where GetBatch counted them failed, and now says they did not run.
+    cancelled = batch(BatchState.CANCELLED, 10)
+    assert cancelled.not_run == 990
+    assert batch_summary(cancelled) == "b1  CANCELLED  10/1000 done  990 not run"
+    assert (
+        batch_summary(dataclasses.replace(cancelled, failed=3)) == "b1  CANCELLED  10/1000 done  3 failed  987 not run"
+    )
+    assert batch(BatchState.CANCELLING, 10).not_run == 0  # not known until it ends
 
 
 def test_a_batch_being_read_says_how_far_it_has_come() -> None:
