@@ -65,6 +65,18 @@ def trace_id_of(traceparent: str) -> str:
     return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else ""
 
 
+def trace_sampled_of(traceparent: str) -> bool | None:
+    """Whether the trace of a W3C traceparent was sampled (its flags' sampled bit: its spans are
+    recorded and exported, a trace viewer shows it); None when there is no trace ID."""
+    parts = traceparent.split("-")
+    if not trace_id_of(traceparent) or len(parts[3]) != 2:
+        return None
+    try:
+        return bool(int(parts[3], 16) & 0x01)
+    except ValueError:
+        return None
+
+
 def trace_fields(traceparent: str) -> dict[str, str]:
     """What a log line about a traced job adds (`trace_id`); nothing for an untraced one."""
     return {"trace_id": trace_id_of(traceparent)} if traceparent else {}

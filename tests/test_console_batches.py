@@ -271,3 +271,46 @@ async def test_the_jobs_and_batches_lists_show_each_trace_id_linked_to_console_t
         assert await browser.evaluate(f"{cell}.textContent") == trace_id
         assert await browser.evaluate(f"{cell}.querySelector('.trace').title") == trace_id
         assert not await browser.evaluate(f"!!{link}")
+
+
+async def test_a_trace_that_was_not_sampled_is_not_linked(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """With tracing.sample_ratio 0 every job and batch still has a trace ID (its traceparent, flags
+    00), but no span of it is recorded or exported: the lists' trace column and the job's and
+    batch's pages linked it into the trace viewer all the same, which showed nothing. The gateway
+    now says whether it was sampled (Job/Batch.trace_sampled), and the console links only a sampled
+    trace: this one is text, "not sampled" beside it on its page and in its tooltip in a list."""
+    traced = config.replace(tracing={"enabled": True, "sample_ratio": 0.0})
+    stack = await start_stack(batch_config(traced), batcher=False)
+    linking = await start_console(stack, trace_url=TRACE_URL)
+    async with AsyncClient(stack.address) as client:
+        batch = await client.create_batch(jsonl(demo_records(RECORDS)), "demo")
+        job = await client.submit("demo", {"x": np.array([[1, 2, 3, 4]], np.float32)})
+    assert len(batch.trace_id) == len(job.trace_id) == 32
+    assert (batch.trace_sampled, job.trace_sampled) == (False, False)
+
+    for page, path, trace_id in (
+        ("batch", f"batches/{batch.batch_id}", batch.trace_id),
+        ("job", f"jobs/{job.job_id}", job.trace_id),
+    ):
+        await browser.goto(linking.url + path)
+        await browser.wait_for_text(trace_id, f"#{page}")
+        row = f"[...document.querySelectorAll('#{page} tr')].find(r => r.cells[0].innerText === 'trace ID')"
+        assert await browser.evaluate(f"{row}.cells[1].innerText") == f"{trace_id} (not sampled)"
+        assert not await browser.evaluate(f"!!{TRACE_LINK.format(page=page)}")
+
+    for table, path, row_id, trace_id in (
+        ("jobs", "jobs", job.job_id, job.trace_id),
+        ("batches", "batches", batch.batch_id, batch.trace_id),
+    ):
+        row = f"[...document.querySelectorAll('#{table} tbody tr')].find(r => r.innerText.includes('{row_id}'))"
+        column = f"[...document.querySelectorAll('#{table} th')].findIndex(th => th.innerText === 'trace')"
+        cell = f"{row}.cells[{column}]"
+        await browser.goto(linking.url + path)
+        await browser.wait_for_text(row_id, f"#{table}")
+        assert await browser.evaluate(f"{column}") > 0
+        assert await browser.evaluate(f"{cell}.textContent") == trace_id
+        assert not await browser.evaluate(f"!!{cell}.querySelector('a')")
+        title = await browser.evaluate(f"{cell}.querySelector('.trace').title")
+        assert title == f"{trace_id} (not sampled: no trace to show)"

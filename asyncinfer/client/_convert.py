@@ -185,6 +185,7 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
         progress=job_progress,
         batcher_id=message.batcher_id,
         trace_id=message.trace_id,
+        trace_sampled=message.trace_sampled if message.HasField("trace_sampled") else True,
         given_back_attempts=message.given_back_attempts,
     )
 

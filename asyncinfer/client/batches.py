@@ -116,6 +116,9 @@ class Batch:
     # Its CreateBatch's OpenTelemetry trace ID when the gateway traces (the caller's, given a
     # traceparent); each chunk job's trace links to it.
     trace_id: str = ""
+    # Whether that trace was sampled (a trace viewer shows it); False when the gateway says it was
+    # not, True when it was or does not say (a gateway before session 34).
+    trace_sampled: bool = True
     # While VALIDATING: how far its input has been read (None before the first report and after).
     read_progress: BatchReadProgress | None = None
 
@@ -174,6 +177,7 @@ def batch_from_proto(batch: batch_service_pb2.Batch, *, deduplicated: bool = Fal
         error_ref=batch.error_ref.ref,
         callback_url=batch.callback.url,
         trace_id=batch.trace_id,
+        trace_sampled=batch.trace_sampled if batch.HasField("trace_sampled") else True,
         read_progress=_read_progress(batch),
     )
 

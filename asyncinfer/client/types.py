@@ -187,6 +187,9 @@ class Job:
     batcher_id: str = ""
     # Its OpenTelemetry trace ID when the gateway traces jobs (the caller's, given a traceparent).
     trace_id: str = ""
+    # Whether that trace was sampled (recorded and exported: a trace viewer shows it); False when
+    # the gateway says it was not, True when it was or does not say (a gateway before session 34).
+    trace_sampled: bool = True
     # The attempts given back, which did not count against its limit: shed by a batcher, put back
     # by a scheduler's stop, a batcher gone before its order went out, an input read retried. 0 from
     # a gateway of a release before.

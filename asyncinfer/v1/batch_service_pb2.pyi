@@ -334,6 +334,7 @@ class Batch(_message.Message):
     REVISION_FIELD_NUMBER: _builtins.int
     TRACE_ID_FIELD_NUMBER: _builtins.int
     READ_PROGRESS_FIELD_NUMBER: _builtins.int
+    TRACE_SAMPLED_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.str
     """Time-sortable ID (UUIDv7)."""
     state: Global___BatchState.ValueType
@@ -357,6 +358,10 @@ class Batch(_message.Message):
     """The OpenTelemetry trace ID (32 hex digits) of its CreateBatch when the gateway traces
     (tracing.enabled): the caller's own when it sent a W3C traceparent in its CreateBatch metadata.
     Each chunk job's trace (Job.trace_id) links to that call's create_batch span. Empty otherwise.
+    """
+    trace_sampled: _builtins.bool
+    """Whether the trace of trace_id was sampled (as Job.trace_sampled): a trace viewer shows only a
+    sampled one. Unset when trace_id is empty, and from a gateway before session 34.
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
@@ -430,12 +435,15 @@ class Batch(_message.Message):
         revision: _builtins.int = ...,
         trace_id: _builtins.str = ...,
         read_progress: Global___BatchReadProgress | None = ...,
+        trace_sampled: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["callback", b"callback", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "finalizing_time", b"finalizing_time", "in_progress_time", b"in_progress_time", "output_ref", b"output_ref", "read_progress", b"read_progress", "request_counts", b"request_counts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled", "callback", b"callback", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "finalizing_time", b"finalizing_time", "in_progress_time", b"in_progress_time", "output_ref", b"output_ref", "read_progress", b"read_progress", "request_counts", b"request_counts", "trace_sampled", b"trace_sampled"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "callback", b"callback", "chunks_done", b"chunks_done", "chunks_total", b"chunks_total", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "failure_message", b"failure_message", "finalizing_time", b"finalizing_time", "first_errors", b"first_errors", "idempotency_key", b"idempotency_key", "in_progress_time", b"in_progress_time", "input_format", b"input_format", "input_ref", b"input_ref", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "output_ref", b"output_ref", "priority", b"priority", "read_progress", b"read_progress", "records_per_second", b"records_per_second", "request_counts", b"request_counts", "revision", b"revision", "state", b"state", "trace_id", b"trace_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled", "batch_id", b"batch_id", "callback", b"callback", "chunks_done", b"chunks_done", "chunks_total", b"chunks_total", "create_time", b"create_time", "end_time", b"end_time", "error_ref", b"error_ref", "estimated_finish_time", b"estimated_finish_time", "expires_at", b"expires_at", "failure_message", b"failure_message", "finalizing_time", b"finalizing_time", "first_errors", b"first_errors", "idempotency_key", b"idempotency_key", "in_progress_time", b"in_progress_time", "input_format", b"input_format", "input_ref", b"input_ref", "labels", b"labels", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "output_ref", b"output_ref", "priority", b"priority", "read_progress", b"read_progress", "records_per_second", b"records_per_second", "request_counts", b"request_counts", "revision", b"revision", "state", b"state", "trace_id", b"trace_id", "trace_sampled", b"trace_sampled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__trace_sampled: _TypeAlias = _typing.Literal["trace_sampled"]  # noqa: Y015
+    _WhichOneofArgType__trace_sampled: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__trace_sampled) -> _WhichOneofReturnType__trace_sampled | None: ...
 
 Global___Batch: _TypeAlias = Batch  # noqa: Y015
 

@@ -133,16 +133,24 @@ def text(value: object) -> str:
 TRACE_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def trace(trace_id: str, url_template: str, *, short: bool = False) -> str:
+def trace(trace_id: str, url_template: str, *, short: bool = False, sampled: bool = True) -> str:
     """An OpenTelemetry trace ID: a link to it in the trace viewer when `url_template`
-    (console.trace_url, checked at start-up: http or https, with {trace_id}) is set, else text; "-"
-    when there is none (tracing off). Only 32 hex digits go into a link; the whole href is escaped
-    as an attribute (a Grafana template's quotes and ampersands stay what they were). `short`, for
-    a list's column: its first digits on screen, the whole ID in the text (selected and copied
-    whole) and in the tooltip."""
+    (console.trace_url, checked at start-up: http or https, with {trace_id}) is set and the trace
+    was `sampled`, else text; "-" when there is none (tracing off). A trace not sampled
+    (tracing.sample_ratio below 1, or the caller's traceparent said so) has no spans in any viewer:
+    its link led to an empty search, so it is text, "not sampled" in its tooltip (and, on a page,
+    beside it). Only 32 hex digits go into a link; the whole href is escaped as an attribute (a
+    Grafana template's quotes and ampersands stay what they were). `short`, for a list's column:
+    its first digits on screen, the whole ID in the text (selected and copied whole) and in the
+    tooltip."""
     if not trace_id:
         return "-"
-    shown = ' class="trace short" title="' + h(trace_id) + '"' if short else ' class="trace"'
+    title = h(trace_id) if sampled else h(f"{trace_id} (not sampled: no trace to show)")
+    shown = f' class="trace short" title="{title}"' if short else ' class="trace"'
+    if not sampled:
+        return (
+            f"<span{shown}>{h(trace_id)}</span>" if short else f'{h(trace_id)} <span class="note">(not sampled)</span>'
+        )
     if not url_template or not TRACE_ID.fullmatch(trace_id):
         return f"<span{shown}>{h(trace_id)}</span>" if short else h(trace_id)
     href = url_template.replace(TRACE_ID_PLACEHOLDER, trace_id)

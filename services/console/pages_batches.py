@@ -88,7 +88,11 @@ def _batch_row(batch: Batch, *, trace_url: str | None = None) -> list[str]:
         ui.when(batch.create_time),
         _finish(batch),
     ]
-    return row if trace_url is None else [*row, ui.trace(batch.trace_id, trace_url, short=True)]
+    return (
+        row
+        if trace_url is None
+        else [*row, ui.trace(batch.trace_id, trace_url, short=True, sampled=batch.trace_sampled)]
+    )
 
 
 def _rate(batch: Batch) -> str:
@@ -169,7 +173,7 @@ def batch_details(ctx: Context, batch: Batch) -> str:
         ("error file", ui.h(batch.error_ref or "-")),
         ("webhook", ui.h(batch.callback_url or "-")),
         # Its CreateBatch's OpenTelemetry trace (tracing.enabled); each chunk job's trace links to it.
-        ("trace ID", ui.trace(batch.trace_id, ctx.trace_url)),
+        ("trace ID", ui.trace(batch.trace_id, ctx.trace_url, sampled=batch.trace_sampled)),
         ("created", ui.when(batch.create_time)),
         ("in progress since", ui.when(batch.in_progress_time)),
         ("finalizing since", ui.when(batch.finalizing_time)),

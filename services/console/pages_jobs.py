@@ -161,7 +161,9 @@ def _job_row(job: Job, now: float, *, trace_url: str | None = None) -> list[str]
         ui.seconds(_queued_so_far(job, now)),
         ui.seconds(job.run_duration_s),
     ]
-    return row if trace_url is None else [*row, ui.trace(job.trace_id, trace_url, short=True)]
+    return (
+        row if trace_url is None else [*row, ui.trace(job.trace_id, trace_url, short=True, sampled=job.trace_sampled)]
+    )
 
 
 async def job_page(ctx: Context, request: web.Request) -> web.Response:
@@ -257,7 +259,7 @@ def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str =
         ("idempotency key", ui.h(job.idempotency_key or "-")),
         ("batcher", ui.h(job.batcher_id or "-")),
         # The job's OpenTelemetry trace (tracing.enabled): a link to it where console.trace_url is set.
-        ("trace ID", ui.trace(job.trace_id, trace_url)),
+        ("trace ID", ui.trace(job.trace_id, trace_url, sampled=job.trace_sampled)),
         ("created", ui.when(job.create_time)),
         ("started (latest attempt)", ui.when(job.start_time)),
         ("ended", ui.when(job.end_time)),

@@ -14,7 +14,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import FieldViolation, InvalidArgument
 from asyncinfer.jobs import Priority
 from asyncinfer.proto_durations import checked_duration
-from asyncinfer.tracing import trace_id_of
+from asyncinfer.tracing import trace_id_of, trace_sampled_of
 from asyncinfer.v1 import batch_service_pb2, job_pb2
 from asyncinfer.webhook_status import CallbackEvent
 from services.gateway.convert import callback_from_proto
@@ -181,6 +181,7 @@ def batch_to_proto(record: BatchRecord, *, now: float) -> batch_service_pb2.Batc
         chunks_done=sum(1 for c in record.live_chunks if c.status.value in "DFX"),
         revision=record.revision,
         trace_id=trace_id_of(record.traceparent),
+        trace_sampled=trace_sampled_of(record.traceparent),
     )
     batch.create_time.FromNanoseconds(round(record.create_time * 1e9))
     batch.expires_at.FromNanoseconds(round(record.expires_at * 1e9))

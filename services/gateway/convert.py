@@ -13,7 +13,7 @@ from asyncinfer.jobs import BlobRef, CallbackSpec, JobRecord, JobState, Priority
 from asyncinfer.proto_durations import checked_duration
 from asyncinfer.tensor_codec import decode_tensors, to_output_proto
 from asyncinfer.tensors import TensorSpec
-from asyncinfer.tracing import trace_id_of
+from asyncinfer.tracing import trace_id_of, trace_sampled_of
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.gateway.model_catalog import ModelListing
 from services.gateway.queue_view import QueueStanding
@@ -186,6 +186,8 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
     )
     if record.traceparent:
         job.trace_id = trace_id_of(record.traceparent)
+        if (sampled := trace_sampled_of(record.traceparent)) is not None:
+            job.trace_sampled = sampled
     _set_time(job.create_time, record.create_time)
     _set_time(job.update_time, record.update_time)
     _set_time(job.result_retention, record.result_retention_s)
