@@ -143,6 +143,16 @@ def invalid_result(message: str) -> JobError:
     return job_error(grpc.StatusCode.INTERNAL, "INVALID_RESULT", message)
 
 
+# What `gave_up` puts after a dead-lettered job's last error: what a reader of the job (the console's
+# job page) knows a dead-lettered job by, its record holding no other sign of it.
+GAVE_UP_MARK = " (gave up after "
+
+
+def gave_up_said(message: str) -> bool:
+    """Whether a job's final error message is a give-up's: the job was dead-lettered."""
+    return GAVE_UP_MARK in message
+
+
 def gave_up(last_error: JobError | None, attempts: int, *, given_back: int = 0) -> JobError:
     """The final error of a dead-lettered job: its last error, marked final. `attempts`: those that
     counted against max_attempts; `given_back`: those that did not (shed, put back), said apart."""
@@ -152,7 +162,7 @@ def gave_up(last_error: JobError | None, attempts: int, *, given_back: int = 0) 
     return JobError(
         code=base.code,
         reason=base.reason,
-        message=f"{base.message} (gave up after {spent}{others})",
+        message=f"{base.message}{GAVE_UP_MARK}{spent}{others})",
         violations=base.violations,
         retriable=False,
     )

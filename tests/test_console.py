@@ -417,6 +417,54 @@ async def test_a_dead_letter_is_replayed_from_its_page(
     assert "(tenant acme: not this console's)" in await browser.text("#dead-letters")
 
 
+async def test_a_dead_lettered_jobs_page_links_its_dead_letter(
+    config: Config, tmp_path: Path, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """A failed job's page said its error and nothing of its dead letter: to replay it, an operator
+    had to find the letter in the model's list by eye. The page of a dead-lettered job (its error a
+    give-up's) now links its letter and names the CLI command that replays it; a console that cannot
+    read the letters (no ops key) names the model's dead letters and the CLI commands instead."""
+    stack = await start_stack(keyed(config, tmp_path))
+    console = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY)
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        failed = await client.wait(await client.submit("flaky", FAILING_X), timeout_s=30)
+        succeeded = await client.wait(await client.submit("flaky", X), timeout_s=30)
+    assert failed.state is JobState.FAILED
+    assert succeeded.state is JobState.SUCCEEDED
+
+    await browser.goto(console.url + f"jobs/{failed.job_id}")
+    await browser.wait_for_text("dead letter", "#job")
+    sequence = await browser.evaluate("document.querySelector('#job a#dead-letter').innerText")
+    assert sequence.isdigit()
+    row = "[...document.querySelectorAll('#job tr')].find(r => r.cells[0].innerText === 'dead letter')"
+    said = await browser.evaluate(f"{row}.cells[1].innerText")
+    assert (
+        said
+        == f"{sequence} (MAX_ATTEMPTS: attempts spent) — run it again from its page, or asyncinfer dlq replay {sequence}"
+    )
+    await browser.screenshot(ARTIFACTS / "job-dead-letter.png")
+    await browser.click_and_load("#job a#dead-letter")
+    assert failed.job_id in await browser.text()
+    assert await browser.evaluate("!!document.querySelector(\"form[action='/dead-letters/replay']\")")
+
+    # A job that was not dead-lettered says nothing of one.
+    await browser.goto(console.url + f"jobs/{succeeded.job_id}")
+    await browser.wait_for_text("SUCCEEDED", "#job")
+    assert not await browser.evaluate(f"!!{row}")
+
+    # Without the ops key the scheduler does not answer: the model's letters, and the CLI's way.
+    tenant_only = await start_console(stack, tenant_key=TENANT_KEY)
+    await browser.goto(tenant_only.url + f"jobs/{failed.job_id}")
+    await browser.wait_for_text("dead letter", "#job")
+    assert await browser.evaluate("document.querySelector('#job a#dead-letters').getAttribute('href')") == (
+        "/dead-letters?model=flaky"
+    )
+    assert await browser.evaluate(f"{row}.cells[1].innerText") == (
+        "MAX_ATTEMPTS: attempts spent; among flaky's dead letters: asyncinfer dlq list --model flaky names its "
+        "sequence, asyncinfer dlq replay SEQUENCE runs it again"
+    )
+
+
 async def test_the_queue_page_updates_after_jobs_are_submitted(
     config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
 ) -> None:

@@ -16,6 +16,7 @@ from aiohttp import web
 from asyncinfer.client import CallbackDeliveryState, Job, JobState, why_not_served
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from asyncinfer.commands.output import attempt_text
+from asyncinfer.job_errors import MAX_ATTEMPTS, gave_up_said
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
@@ -175,7 +176,13 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
         return fragment_or_page(request, title, ui.error_box(error), status=404, final=True)
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
-    body = job_details(job, time.time(), why_waiting=await _why_not_served(ctx, job), trace_url=ctx.trace_url)
+    body = job_details(
+        job,
+        time.time(),
+        why_waiting=await _why_not_served(ctx, job),
+        trace_url=ctx.trace_url,
+        dead_letter=await _dead_letter(ctx, job),
+    )
     body += _cancel(ctx, job)
     # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
     settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
@@ -193,6 +200,59 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
 
 
 CANCEL_REASON = "from the web console"
+# The pages of its model's dead letters (oldest first, 500 a page) a dead-lettered job's page reads
+# for its letter; past them (a queue of dead letters thousands long) it names the listing instead.
+DEAD_LETTER_PAGES_READ = 4
+DEAD_LETTER_PAGE_SIZE = 500
+
+
+async def _dead_letter(ctx: Context, job: Job) -> str:
+    """A dead-lettered job's letter (its error is a give-up's: attempts spent): a link to its page
+    on the console and the CLI command that runs it again; where the letter cannot be read (no ops
+    key, purged, or past the pages read), its model's dead letters and the CLI commands that find
+    and replay it. "" for any other job."""
+    if not job.done or job.error is None or not gave_up_said(job.error.message):
+        return ""
+    chunk = CHUNK_LABEL in job.labels  # its records are in its batch's error file: not replayed
+    letter = await _find_dead_letter(ctx, job)
+    if letter is not None:
+        sequence = ui.h(letter["sequence"])
+        reason = ui.h(letter["reason"])
+        link = f'<a id="dead-letter" href="/dead-letters/{sequence}">{sequence}</a> ({reason}: attempts spent)'
+        if chunk:
+            return link + " — a file batch's chunk: not replayed (its records are in the batch's error file)"
+        return f"{link} — run it again from its page, or <code>asyncinfer dlq replay {sequence}</code>"
+    model = ui.h(job.model_name)
+    listing = (
+        f'<a id="dead-letters" href="{ui.h(ui.url("/dead-letters", model=job.model_name))}">{model}\'s dead letters</a>'
+    )
+    said = f"{ui.h(MAX_ATTEMPTS)}: attempts spent; among {listing}"
+    if chunk:
+        return said
+    return (
+        f"{said}: <code>asyncinfer dlq list --model {model}</code> names its sequence, "
+        "<code>asyncinfer dlq replay SEQUENCE</code> runs it again"
+    )
+
+
+async def _find_dead_letter(ctx: Context, job: Job) -> dict[str, Any] | None:
+    """The job's dead letter among the first pages of its model's (None: not there, or the
+    scheduler would not say: a console without the ops key)."""
+    token = ""
+    for _ in range(DEAD_LETTER_PAGES_READ):
+        try:
+            found = await ctx.backend.dead_letters(
+                model=job.model_name, page_size=DEAD_LETTER_PAGE_SIZE, page_token=token
+            )
+        except AsyncInferClientError:
+            return None
+        for letter in found.letters:
+            if letter["job_id"] == job.job_id and letter["tenant"] == ctx.tenant:
+                return letter
+        token = found.next_page_token
+        if not token:
+            return None
+    return None
 
 
 def _cancel(ctx: Context, job: Job) -> str:
@@ -248,7 +308,7 @@ def _batch_field(job: Job) -> list[tuple[str, str]]:
     return [("batch", f"{link}, {held} of its input")]
 
 
-def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str = "") -> str:
+def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str = "", dead_letter: str = "") -> str:
     record = [
         ("state", ui.state(job.state.value) + ("" if job.done else " (live)")),
         ("model", ui.h(f"{job.model_name} {job.model_version}".strip())),
@@ -281,6 +341,8 @@ def job_details(job: Job, now: float, *, why_waiting: str = "", trace_url: str =
     for name, error in (("error", job.error), ("previous attempt's error", job.last_error)):
         if error is not None:
             record.append((name, ui.text(f"{error.code.name} {error.reason}: {error.message}")))
+    if dead_letter:  # HTML: its letter's link and how to run it again (_dead_letter)
+        record.append(("dead letter", dead_letter))
     if job.progress is not None:  # the latest the record keeps (every few seconds while it runs)
         done = "" if job.progress.fraction is None else f"{job.progress.fraction:.0%} "
         record.append(("progress", ui.text(f"{done}{job.progress.message}".strip() or "-")))
