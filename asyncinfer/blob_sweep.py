@@ -1,5 +1,5 @@
 """The object store's sweep: deletes every object past its expiry, finishes the deletes a crash
-interrupted, and purges the chunks of objects that never got a meta (asyncinfer.blobs writes
+interrupted, and purges the chunks (or files) of objects that never got a meta (asyncinfer.blobs writes
 the layout; the scheduler's sweeper, services.scheduler.blobs, runs this on a timer).
 
 Removing is the store's compare-and-set (`BlobStore.remove`: a tombstone on the meta's subject
@@ -8,12 +8,14 @@ sequence first), so a sweep can never delete an object that a submit has just ex
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from datetime import datetime
 
 import structlog
 
+from asyncinfer.blob_files import file_name
 from asyncinfer.blob_meta import BlobInfo, parse_meta
 from asyncinfer.blobs import WRONG_LAST_SEQUENCE, BlobStore
 from asyncinfer.nats import (
@@ -44,8 +46,8 @@ async def sweep(
     cursor: MetaCursor | None = None,
 ) -> int:
     """Deletes every object past its expiry (and finishes deletes a crash interrupted); how
-    many were removed. With `orphans_after_s`, also the chunks of objects that never got a
-    meta and saw no chunk for that long: an upload's whose gateway was killed mid-upload (they
+    many were removed. With `orphans_after_s`, also the chunks (or, in the objects' directory,
+    the files) of objects that never got a meta and saw no chunk (no write) for that long: an upload's whose gateway was killed mid-upload (they
     would count against their tenant's stored bytes for ever), and a result's whose scheduler
     or batcher (claim_check_io) died, or lost NATS, while storing it (counted against no
     tenant, they would fill the store for ever). A live put stores a chunk far more often:
@@ -57,6 +59,9 @@ async def sweep(
     # The chunk subjects are listed before the metas, so an object made visible meanwhile has
     # its meta in the list (and one made visible later wrote its last chunk just now).
     chunk_subjects = await _chunk_subjects(store) if orphans_after_s is not None else []
+    # Likewise the objects' directory's files (asyncinfer.blob_files): a put that died leaves its file.
+    files = store.files if orphans_after_s is not None else None
+    file_names = await asyncio.to_thread(files.names) if files is not None else []
     if cursor is None:
         metas, complete, _ = await _listed_objects(store)
         listed: dict[str, ListedMeta] = {info.name: ListedMeta.of(info) for info in metas}
@@ -67,6 +72,9 @@ async def sweep(
         if complete:
             named = {meta.nuid for meta in listed.values()}
             removed += await _purge_orphans(store, chunk_subjects, named, now, orphans_after_s)
+            if files is not None:
+                named_files = {file_name(nuid) for nuid in named}
+                removed += await asyncio.to_thread(files.remove_orphans, file_names, named_files, now, orphans_after_s)
         else:
             # A meta missing from the list would make a live object's chunks look orphaned.
             log.warning("blob_orphan_purge_skipped", reason="the listing of metas ended before its last")

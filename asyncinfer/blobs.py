@@ -13,6 +13,11 @@ chunks are published as they arrive (a few acks in flight, never the whole objec
 the size limit and the SHA-256 are checked on the way, and on any refusal or error the chunk
 subject is purged and no meta is written, so nothing partial is left.
 
+With an objects' directory (nats.objects_directory), a new object's bytes are one file of it
+instead of chunks (asyncinfer.blob_files), its meta written here as ever and saying so
+(BYTES_IN_HEADER): expiry, holds, compare-and-sets, tombstones and the errors below are the same
+for both, and every object is read from where its own meta says.
+
 Expiry lives in the meta's headers (`Asyncinfer-Expires-At`, Unix seconds). Reads refuse an
 object past it (…_EXPIRED) and the sweep (asyncinfer.blob_sweep) deletes such objects. Extending and sweeping are
 compare-and-set on the meta message's subject sequence, so a sweep can never delete an object
@@ -26,6 +31,7 @@ import base64
 import contextlib
 import hashlib
 import json
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
@@ -33,6 +39,7 @@ from typing import Any
 
 import structlog
 
+from asyncinfer.blob_files import DIRECTORY, ObjectFiles, in_directory, not_configured, off_loop, write_all
 from asyncinfer.blob_meta import (
     CHUNK_BYTES,
     INPUT_KIND,
@@ -50,7 +57,14 @@ from asyncinfer.blob_meta import (
     upload_too_large,
 )
 from asyncinfer.config import NatsConfig
-from asyncinfer.contract import BATCHES_HEADER, CHUNK_SEQUENCES_HEADER, EXPIRES_HEADER, ROLLUP_HEADER, SHA256_HEADER
+from asyncinfer.contract import (
+    BATCHES_HEADER,
+    BYTES_IN_HEADER,
+    CHUNK_SEQUENCES_HEADER,
+    EXPIRES_HEADER,
+    ROLLUP_HEADER,
+    SHA256_HEADER,
+)
 from asyncinfer.contract import EXPECTED_LAST_SUBJECT_SEQUENCE_HEADER as EXPECTED_LAST_SUBJECT_SEQUENCE
 from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, Unavailable
 from asyncinfer.jobs import BlobRef
@@ -101,7 +115,8 @@ def parse_inputs(data: bytearray) -> tensor_pb2.InferInputs:
 
 
 async def ensure_objects_bucket(nc: Client, config: NatsConfig) -> BlobStore:
-    """The claim-check bucket (created on first use), as a BlobStore."""
+    """The claim-check bucket (created on first use), as a BlobStore; its objects' directory, when
+    configured, checked (ConfigError when it is missing or cannot be written)."""
     js = nc.jetstream()
 
     async def declare(_: float) -> BlobStore:
@@ -118,17 +133,32 @@ async def ensure_objects_bucket(nc: Client, config: NatsConfig) -> BlobStore:
                 ),
             )
             log.info("bucket_created", bucket=config.objects_bucket)
-        return BlobStore(nc, config.objects_bucket)
+        return BlobStore(nc, config.objects_bucket, directory=config.objects_directory)
 
-    return await declaration(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
+    store = await declaration(declare, retry_for_s=config.connect_timeout_s, what="declare the objects bucket")
+    if store.files is not None:
+        await asyncio.to_thread(store.files.check)
+    return store
 
 
 class BlobStore:
-    def __init__(self, nc: Client, bucket: str) -> None:
+    def __init__(self, nc: Client, bucket: str, *, directory: str | None = None) -> None:
+        """`directory`: the objects' directory (nats.objects_directory) new objects' bytes go to;
+        None, the stream's chunks. Objects stored either way are read either way."""
         self._nc = nc  # for stream info answers past the first 100,000 subjects (the sweep's)
         self._js = nc.jetstream()
         self.bucket = bucket
         self.stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        self.files = ObjectFiles(directory, bucket) if directory else None
+
+    @classmethod
+    def of(cls, nc: Client, config: NatsConfig) -> BlobStore:
+        """The configured store, its directory (if any) checked: ConfigError when it is missing or
+        cannot be written (a service's start)."""
+        store = cls(nc, config.objects_bucket, directory=config.objects_directory)
+        if store.files is not None:
+            store.files.check()
+        return store
 
     @property
     def js(self) -> JetStreamContext:
@@ -159,13 +189,28 @@ class BlobStore:
         """Streams `chunks` into the object `ref` of `tenant`, replacing any object of that name.
 
         Raises InvalidArgument (UPLOAD_TOO_LARGE past max_bytes, SHA256_MISMATCH, SIZE_MISMATCH),
-        StoreFullError when JetStream has no room, and Unavailable when NATS fails otherwise; in every failure, and on cancellation, the chunks
-        written so far are purged and no meta is written. `before_commit` runs once every chunk
+        StoreFullError when JetStream has no room, and Unavailable when NATS fails otherwise; in
+        every failure, and on cancellation, the chunks (or file) written so far are purged and no
+        meta is written. `before_commit` runs once every chunk
         is stored and before the meta makes the object visible; what it raises refuses the
         object the same way. `chunk_bytes`: the size of its stored chunks (its meta says so to
-        readers)."""
+        readers). With an objects' directory, the bytes go to a file of it instead (_put_file)."""
         name = object_name(tenant, ref)
         nuid = chunks_name(tenant, ref)
+        if self.files is not None:
+            return await self._put_file(
+                self.files,
+                name,
+                ref,
+                nuid,
+                chunks,
+                expires_at=expires_at,
+                max_bytes=max_bytes,
+                expected_sha256=expected_sha256,
+                expected_size=expected_size,
+                before_commit=before_commit,
+                chunk_bytes=chunk_bytes,
+            )
         chunk_subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=nuid)
         digest = hashlib.sha256()
         total = 0
@@ -213,46 +258,139 @@ class BlobStore:
                 await self._check_chunks_kept(chunk_subject, count)
             elif sequences and time.monotonic() - started >= SLOW_PUT_CHECKED_AFTER_S:
                 await self._check_first_chunk_kept(chunk_subject, sequences[0])
-            sha256 = digest.hexdigest()
-            if expected_size is not None and expected_size != total:
-                message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
-                raise InvalidArgument(message, [FieldViolation("metadata.size_bytes", message)], reason="SIZE_MISMATCH")
-            if expected_sha256 and expected_sha256 != sha256:
-                message = f"the content's SHA-256 is {sha256}, not the declared {expected_sha256}; nothing was kept"
-                raise InvalidArgument(message, [FieldViolation("metadata.sha256", message)], reason="SHA256_MISMATCH")
-            if before_commit is not None:
-                await before_commit()
-            previous = await self._info_or_none(name)
-            info = api.ObjectInfo(
-                name=name,
-                bucket=self.bucket,
-                nuid=nuid,
-                size=total,
-                chunks=count,
-                mtime=datetime.now(UTC).isoformat(),
-                digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
-                headers={
-                    EXPIRES_HEADER: [repr(expires_at)],
-                    SHA256_HEADER: [sha256],
-                    CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)],
-                },
-                options=api.ObjectMetaOptions(max_chunk_size=chunk_bytes),
-            )
-            await self._js.publish(
-                meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
+            previous = await self._commit(
+                name,
+                nuid,
+                digest,
+                total,
+                count,
+                {CHUNK_SEQUENCES_HEADER: [sequence_runs(sequences)]},
+                expires_at=expires_at,
+                expected_sha256=expected_sha256,
+                expected_size=expected_size,
+                before_commit=before_commit,
+                chunk_bytes=chunk_bytes,
             )
         except BaseException as exc:
             await asyncio.gather(*pending, return_exceptions=True)
             await self._purge_quietly(chunk_subject)
-            full = store_full(exc)
-            if full is not None:  # no room: not worth retrying at once (the caller says so)
-                raise full from exc
-            if isinstance(exc, NATS_FAILURES):
-                raise Unavailable(f"cannot store the object: {exc}", reason="NATS_UNAVAILABLE") from exc
-            raise
+            failure = _put_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
         if previous is not None and previous.nuid != nuid:
-            await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=previous.nuid))
-        return BlobRef(ref=ref, size_bytes=total, sha256=sha256)
+            await self._remove_bytes_quietly(previous)
+        return BlobRef(ref=ref, size_bytes=total, sha256=digest.hexdigest())
+
+    async def _put_file(
+        self,
+        files: ObjectFiles,
+        name: str,
+        ref: str,
+        nuid: str,
+        chunks: AsyncIterable[bytes | memoryview],
+        *,
+        expires_at: float,
+        max_bytes: int,
+        expected_sha256: str,
+        expected_size: int | None,
+        before_commit: Callable[[], Awaitable[None]] | None,
+        chunk_bytes: int,
+    ) -> BlobRef:
+        """put's way into the objects' directory: each piece written at its offset as it comes (no
+        cut into chunks: that is for NATS's max_payload), then the same checks and meta as chunks
+        get, the meta saying BYTES_IN_HEADER. On any failure the file is unlinked, no meta written."""
+        digest = hashlib.sha256()
+        total = 0
+        try:
+            fd = files.create(nuid)
+            try:
+                async for piece in chunks:
+                    view = memoryview(piece).cast("B")
+                    if total + view.nbytes > max_bytes:
+                        raise upload_too_large(max_bytes, total + view.nbytes, declared=False)
+                    digest.update(view)
+                    # Awaited before the next piece is asked for: the caller cannot change it meanwhile.
+                    await off_loop(view.nbytes, write_all, fd, view, total)
+                    total += view.nbytes
+                # The sweep unlinks a file nothing wrote for its orphan bound (a put that died); a put
+                # that stalled that long (a paused process, a client idle between pieces) finds its
+                # file gone here, before a meta would name it, as the chunks' checks find theirs purged.
+                if os.fstat(fd).st_nlink == 0:
+                    kind = "UPLOAD" if nuid.startswith(INPUT_KIND + ".") else "RESULT"
+                    raise Unavailable(
+                        "the object's file was removed while it was stored (it stalled so long that the store's "
+                        "sweep took it for a dead put's): nothing was kept",
+                        reason=f"{kind}_CHUNKS_LOST",
+                    )
+            finally:
+                os.close(fd)
+            previous = await self._commit(
+                name,
+                nuid,
+                digest,
+                total,
+                -(-total // chunk_bytes),
+                {BYTES_IN_HEADER: [DIRECTORY]},
+                expires_at=expires_at,
+                expected_sha256=expected_sha256,
+                expected_size=expected_size,
+                before_commit=before_commit,
+                chunk_bytes=chunk_bytes,
+            )
+        except BaseException as exc:
+            await asyncio.shield(asyncio.to_thread(files.unlink, nuid))
+            failure = _put_failure(exc)
+            if failure is None:
+                raise
+            raise failure from exc
+        if previous is not None and previous.nuid != nuid:
+            await self._remove_bytes_quietly(previous)
+        return BlobRef(ref=ref, size_bytes=total, sha256=digest.hexdigest())
+
+    async def _commit(
+        self,
+        name: str,
+        nuid: str,
+        digest: Any,
+        total: int,
+        count: int,
+        where: dict[str, list[str]],
+        *,
+        expires_at: float,
+        expected_sha256: str,
+        expected_size: int | None,
+        before_commit: Callable[[], Awaitable[None]] | None,
+        chunk_bytes: int,
+    ) -> BlobInfo | None:
+        """A put's end, its bytes stored: the declared size and SHA-256 checked, `before_commit`
+        run, then the meta (with `where`'s headers: where the bytes are) written; the object it
+        replaced, if any."""
+        sha256 = digest.hexdigest()
+        if expected_size is not None and expected_size != total:
+            message = f"the upload declared {expected_size} bytes but streamed {total}; nothing was kept"
+            raise InvalidArgument(message, [FieldViolation("metadata.size_bytes", message)], reason="SIZE_MISMATCH")
+        if expected_sha256 and expected_sha256 != sha256:
+            message = f"the content's SHA-256 is {sha256}, not the declared {expected_sha256}; nothing was kept"
+            raise InvalidArgument(message, [FieldViolation("metadata.sha256", message)], reason="SHA256_MISMATCH")
+        if before_commit is not None:
+            await before_commit()
+        previous = await self._info_or_none(name)
+        info = api.ObjectInfo(
+            name=name,
+            bucket=self.bucket,
+            nuid=nuid,
+            size=total,
+            chunks=count,
+            mtime=datetime.now(UTC).isoformat(),
+            digest=OBJ_DIGEST_TEMPLATE.format(digest=base64.urlsafe_b64encode(digest.digest()).decode()),
+            headers={EXPIRES_HEADER: [repr(expires_at)], SHA256_HEADER: [sha256], **where},
+            options=api.ObjectMetaOptions(max_chunk_size=chunk_bytes),
+        )
+        await self._js.publish(
+            meta_subject(self.bucket, name), json.dumps(info.as_dict()).encode(), headers=ROLLUP_HEADERS
+        )
+        return previous
 
     async def _check_chunks_kept(self, chunk_subject: str, count: int) -> None:
         """Raises Unavailable (UPLOAD_CHUNKS_LOST) unless the stream still holds every chunk the put
@@ -307,6 +445,13 @@ class BlobStore:
         spans two."""
         total = sum(len(piece) for piece in pieces)
 
+        async def whole() -> AsyncIterator[bytes | memoryview]:
+            for piece in pieces:
+                yield piece
+
+        if self.files is not None:  # a file takes the pieces as they are: no cut, no join
+            return await self.put(tenant, ref, whole(), expires_at=expires_at, max_bytes=total, chunk_bytes=chunk_bytes)
+
         async def chunks() -> AsyncIterator[bytes | memoryview]:
             pending: list[memoryview] = []
             pending_bytes = 0
@@ -352,6 +497,10 @@ class BlobStore:
         """The chunks of the object `info` describes, in order; at the end, NotFound when it was
         deleted (or replaced) while it was read, BlobCorrupt when it is there but short or not
         its digest (blob_meta.cut_short)."""
+        if in_directory(info):
+            async for chunk in self._file_chunks(info):
+                yield chunk
+            return
         subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
         digest = hashlib.sha256()
         total = 0
@@ -370,12 +519,41 @@ class BlobStore:
         if total != info.ref.size_bytes or digest.hexdigest() != info.ref.sha256:
             raise cut_short(info, await self._info_or_none(info.name))
 
+    def _files_of(self, info: BlobInfo) -> ObjectFiles:
+        """The directory holding the object's file; FailedPrecondition when this process has none."""
+        if self.files is None:
+            raise not_configured(info)
+        return self.files
+
+    async def _file_chunks(self, info: BlobInfo) -> AsyncIterator[bytes]:
+        """A directory object's bytes in pieces of its chunk size, checked whole at the end as chunks are."""
+        files = self._files_of(info)
+        chunk_bytes = int((info.meta.get("options") or {}).get("max_chunk_size") or CHUNK_BYTES)
+        digest = hashlib.sha256()
+        total = 0
+        while total < info.ref.size_bytes:
+            length = min(chunk_bytes, info.ref.size_bytes - total)
+            data = await off_loop(length, files.read_at, info.nuid, total, length)
+            if data is None:
+                break
+            digest.update(data)
+            total += length
+            yield data
+        if total != info.ref.size_bytes or digest.hexdigest() != info.ref.sha256:
+            raise cut_short(info, await self._info_or_none(info.name))
+
     async def read(self, tenant: str, ref: str, *, max_bytes: int) -> tuple[BlobInfo, bytearray]:
         """The whole object (for decoding), refused past max_bytes before anything is read; a
         bytearray, which protobuf parses without another copy."""
         info = await self.info(tenant, ref)
         if info.ref.size_bytes > max_bytes:
             raise upload_too_large(max_bytes, info.ref.size_bytes, declared=True)
+        if in_directory(info):
+            files = self._files_of(info)
+            whole = await off_loop(info.ref.size_bytes, files.read_whole, info.nuid, info.ref.size_bytes)
+            if whole is None or hashlib.sha256(whole).hexdigest() != info.ref.sha256:
+                raise cut_short(info, await self._info_or_none(info.name))
+            return info, whole
         data = bytearray()
         async for chunk in self._chunks_of(info):
             data += chunk
@@ -396,6 +574,13 @@ class BlobStore:
             )
         if length == 0:
             return b""
+        if in_directory(info):
+            files = self._files_of(info)
+            data = await off_loop(length, files.read_at, info.nuid, offset, length)
+            if data is None:
+                gone = cut_short(info, await self._info_or_none(info.name))
+                raise gone if isinstance(gone, NotFound) else BlobCorrupt(f"the stored object {ref!r} is short")
+            return data
         chunk_bytes = int((info.meta.get("options") or {}).get("max_chunk_size") or CHUNK_BYTES)
         first, last = offset // chunk_bytes, (offset + length - 1) // chunk_bytes
         sequences = chunk_sequences(info)
@@ -561,9 +746,16 @@ class BlobStore:
         await self._purge_object(info)
 
     async def _purge_object(self, info: BlobInfo) -> None:
-        await self._js.purge_stream(
-            self.stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
-        )
+        if not in_directory(info):
+            await self._js.purge_stream(
+                self.stream, subject=OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid)
+            )
+        elif self.files is not None:
+            await asyncio.to_thread(self.files.unlink, info.nuid)
+        else:
+            # No directory here to unlink its file from: the meta goes all the same (the delete is
+            # NATS's), and the file, named by no meta, is the sweep's orphan where a directory is set.
+            log.warning("blob_file_left_to_sweep", name=info.name, setting="nats.objects_directory")
         await self._js.purge_stream(self.stream, subject=meta_subject(self.bucket, info.name))
         log.info("blob_deleted", name=info.name, size_bytes=info.ref.size_bytes)
 
@@ -600,12 +792,29 @@ class BlobStore:
             raise Unavailable(f"cannot read the object's metadata: {exc}") from exc
         return parse_meta(msg.data or b"", msg.seq or 0)
 
+    async def _remove_bytes_quietly(self, info: BlobInfo) -> None:
+        """A replaced object's bytes, wherever they are (a failure left to the sweep)."""
+        if not in_directory(info):
+            await self._purge_quietly(OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=self.bucket, obj=info.nuid))
+        elif self.files is not None:
+            await asyncio.shield(asyncio.to_thread(self.files.unlink, info.nuid))
+
     async def _purge_quietly(self, subject: str) -> None:
         try:
             await asyncio.shield(self._js.purge_stream(self.stream, subject=subject))
         except Exception as exc:
             # The sweep (asyncinfer/blob_sweep.py) purges chunks whose meta is gone on its next round.
             log.warning("blob_chunks_not_purged", subject=subject, error=str(exc))
+
+
+def _put_failure(exc: BaseException) -> BaseException | None:
+    """What a failed put raises in place of `exc` (None: `exc` itself)."""
+    full = store_full(exc)
+    if full is not None:  # no room: not worth retrying at once (the caller says so)
+        return full
+    if isinstance(exc, NATS_FAILURES):
+        return Unavailable(f"cannot store the object: {exc}", reason="NATS_UNAVAILABLE")
+    return None
 
 
 def _immutable(piece: bytes | memoryview) -> bool:

@@ -105,6 +105,15 @@ class NatsConfig(_Section):
         contract.OBJECTS_BUCKET,
         description="The Object Store bucket of uploaded inputs and large results (the claim check).",
     )
+    # Here, beside objects_bucket: every service builds its BlobStore from this section, and the
+    # directory holds that bucket's bytes (<directory>/<bucket>/), its metas staying in the bucket.
+    objects_directory: str | None = Field(
+        None,
+        description="A directory every gateway, scheduler and batcher shares (one host, or a ReadWriteMany "
+        "volume) where new claim-check objects keep their bytes, one file each, their metadata staying in "
+        "objects_bucket; unset: the bytes are chunks in the bucket's stream. Objects stored either way are "
+        "read either way; checked at start (it must exist and be writable).",
+    )
     webhooks_stream: str = Field(
         contract.WEBHOOKS_STREAM, description="The WorkQueue stream of pending webhook deliveries."
     )

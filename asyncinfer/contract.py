@@ -211,6 +211,9 @@ CHUNK_SEQUENCES_HEADER = "Asyncinfer-Chunk-Sequences"
 # ... and, on an upload, the batches created over it (one value each): DeleteInput refuses while
 # one of them has not ended, as its chunks still read the upload.
 BATCHES_HEADER = "Asyncinfer-Batches"
+# ... and where its bytes are when not in the stream's chunks: "directory", a file of the objects'
+# directory the services share (nats.objects_directory, asyncinfer.blob_files). Absent: chunks.
+BYTES_IN_HEADER = "Asyncinfer-Bytes-In"
 # W3C trace context (its own name, as the spec spells it): on a traced job's work message, the
 # submit span's traceparent, the same as the record it carries (asyncinfer.tracing).
 TRACEPARENT_HEADER = "traceparent"

@@ -96,7 +96,7 @@ class Stack:
     @property
     def blobs(self) -> BlobStore:
         """The claim-check store (uploaded inputs, large results), read as the services do."""
-        return BlobStore(self.nc, self.config.nats.objects_bucket)
+        return BlobStore(self.nc, self.config.nats.objects_bucket, directory=self.config.nats.objects_directory)
 
     async def start(self, *, scheduler: bool = True, batcher: bool = True) -> None:
         """The gateway, then the scheduler and a batcher (each when asked for; a batcher needs the

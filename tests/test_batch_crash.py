@@ -1,12 +1,14 @@
 """A batch survives kill -9 of each service (issue 15): the batcher, then the scheduler, then the
 gateway (whose driver moves the batch on) are killed with SIGKILL mid-batch and started again, each
 in its own process. The batch must end COMPLETED with every record in the output exactly once, in
-input order, with its right value."""
+input order, with its right value. Also with the objects' bytes in a shared directory
+(nats.objects_directory): the upload, the chunks' rows and their outputs are files then."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,12 +25,14 @@ RECORDS = 960
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 
-def crash_config(nats_url: str, ports: dict[str, int], *, claim_check_io: bool = False) -> Config:
+def crash_config(
+    nats_url: str, ports: dict[str, int], *, claim_check_io: bool = False, objects_directory: str | None = None
+) -> Config:
     config = Config()
     # 0.3 s per batch of up to 32 rows: a chunk of 64 takes 0.6 s, the batch ~9 s of compute.
     model = {**config.models[0].model_dump(), "loader": "services.batcher.models.demo:build_slow_model"}
     return config.replace(
-        nats={"url": nats_url},
+        nats={"url": nats_url, "objects_directory": objects_directory},
         gateway={"port": ports["gateway"], "metrics_port": 0},
         scheduler={
             "port": ports["scheduler"],
@@ -77,13 +81,20 @@ async def reached(
             await asyncio.sleep(0.1)
 
 
-@pytest.mark.parametrize("claim_check_io", [False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
+@pytest.mark.parametrize(
+    ("claim_check_io", "in_directory"),
+    [(False, False), (True, False), (True, True)],
+    ids=["scheduler-moves-bytes", "batcher-claim-check-io", "batcher-claim-check-io-objects-dir"],
+)
 async def test_kill_batcher_scheduler_gateway_mid_batch_every_record_once(
-    nats_server: NatsServerProcess, tmp_path: Path, claim_check_io: bool
+    nats_server: NatsServerProcess, tmp_path: Path, claim_check_io: bool, in_directory: bool
 ) -> None:
     ports = {name: free_port() for name in ("gateway", "scheduler", "batcher")}
     config_file = tmp_path / "asyncinfer.toml"
-    config = crash_config(nats_server.url, ports, claim_check_io=claim_check_io)
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    directory = str(objects) if in_directory else None
+    config = crash_config(nats_server.url, ports, claim_check_io=claim_check_io, objects_directory=directory)
     config_file.write_text(render_default_config(config))
     services = {name: Service(name, config_file, tmp_path, ports[name]) for name in ports}
     records = [{"custom_id": f"r{i}", "inputs": {"x": [[i, 1, 2, 3]]}} for i in range(RECORDS)]
@@ -118,3 +129,7 @@ async def test_kill_batcher_scheduler_gateway_mid_batch_every_record_once(
     assert all(("." in name) == claim_check_io for name in stored), stored
     for i, line in enumerate(lines):
         assert line["outputs"]["y"] == [[2.0 * i + 1, 3.0, 5.0, 7.0]], json.dumps(line)
+    if in_directory:  # the upload's bytes and the batcher's stored outputs are files of the directory
+        files = os.listdir(objects / config.nats.objects_bucket)
+        assert any(name.startswith("in.") for name in files), files
+        assert len([name for name in files if not name.startswith("in.")]) >= len(stored), files

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import tracemalloc
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -20,6 +22,7 @@ from prometheus_client import generate_latest
 from asyncinfer import batch_inputs
 from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.contract import BYTES_IN_HEADER
 from asyncinfer.jobs import BATCH_LABEL, Priority
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
 from services.console.app import ConsoleApp
@@ -474,16 +477,25 @@ async def test_an_npy_file_runs_record_by_record_along_its_first_dimension(
     assert "NPZ_OUTPUT_NOT_ARRAYS" in str(refused.value.trailing_metadata())
 
 
-@pytest.mark.parametrize("claim_check_io", [False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
+@pytest.mark.parametrize(
+    ("claim_check_io", "in_directory"),
+    [(False, False), (True, False), (False, True)],
+    ids=["scheduler-moves-bytes", "batcher-claim-check-io", "scheduler-moves-bytes-objects-dir"],
+)
 async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_isolates_a_poison_row(
-    config: Config, start_stack: StartStack, claim_check_io: bool
+    config: Config, start_stack: StartStack, tmp_path: Path, claim_check_io: bool, in_directory: bool
 ) -> None:
     """Chunks of an NPY file are descriptors naming rows of the upload (no copy of the records),
     read across the upload's 128 KiB pieces, converted to the model's FP32, and split like any
     chunk when one row is poison; read by the scheduler, or by a batcher with claim_check_io,
-    which then also stores each chunk's outputs (over the 1 KiB kept inline) itself."""
+    which then also stores each chunk's outputs (over the 1 KiB kept inline) itself. With the
+    objects' bytes in a directory (nats.objects_directory), the rows are ranges of the upload's file."""
+    directory = tmp_path / "objects"
+    directory.mkdir()
     stack_config = batch_config(config, chunk_records=3000).replace(
-        batcher={"claim_check_io": claim_check_io}, scheduler={"inline_result_max_bytes": 1024}
+        nats={"objects_directory": str(directory) if in_directory else None},
+        batcher={"claim_check_io": claim_check_io},
+        scheduler={"inline_result_max_bytes": 1024},
     )
     stack = await start_stack(stack_config)
     stub = batches_stub(stack.channel)
@@ -523,6 +535,13 @@ async def test_an_npy_batch_reads_its_chunks_as_row_ranges_of_the_upload_and_iso
     assert len(stored) >= 6, "every whole chunk's outputs are an object"
     # The scheduler names a result after its job; a batcher after the attempt it ran.
     assert all(name.endswith(".1") == claim_check_io for name in stored)
+    # Where the bytes went: the upload, the chunks' descriptors (inputs too, `in.`) and each chunk's
+    # stored outputs a file of the directory.
+    if in_directory:
+        files = os.listdir(directory / config.nats.objects_bucket)
+        assert len([name for name in files if not name.startswith("in.")]) >= len(stored)
+        assert len([name for name in files if name.startswith("in.")]) > 1
+        assert BYTES_IN_HEADER in descriptor.meta["headers"]
 
 
 async def desired_batchers_become(stack: Stack, wanted: Callable[[int], bool]) -> None:

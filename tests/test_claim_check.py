@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -23,6 +24,7 @@ from asyncinfer.api_keys import hash_key
 from asyncinfer.blob_meta import new_input_ref
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.contract import BYTES_IN_HEADER
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.tensor_codec import decode_tensors
@@ -145,12 +147,23 @@ async def finish(jobs: JobStub, job_id: str, key: str = ACME) -> job_pb2.Job:
     return last
 
 
-@pytest.fixture(params=[False, True], ids=["scheduler-moves-bytes", "batcher-claim-check-io"])
-async def full(config: Config, start_stack: StartStack, request: pytest.FixtureRequest) -> Stack:
+def objects_directory(config: Config, tmp_path: Path) -> Config:
+    """The configuration with the objects' bytes in a directory of the test's (nats.objects_directory)."""
+    directory = tmp_path / "objects"
+    directory.mkdir(exist_ok=True)
+    return config.replace(nats={"objects_directory": str(directory)})
+
+
+@pytest.fixture(
+    params=[(False, False), (True, False), (False, True)],
+    ids=["scheduler-moves-bytes", "batcher-claim-check-io", "scheduler-moves-bytes-objects-dir"],
+)
+async def full(config: Config, start_stack: StartStack, request: pytest.FixtureRequest, tmp_path: Path) -> Stack:
     """The whole stack; its batcher reads inputs and stores results itself (batcher.claim_check_io)
-    or leaves that to the scheduler."""
-    stack_config = claim_check_config(config)
-    return await start_stack(stack_config.replace(batcher={"claim_check_io": request.param}))
+    or leaves that to the scheduler; the objects' bytes in the stream or in a directory."""
+    claim_check_io, in_directory = request.param
+    stack_config = claim_check_config(objects_directory(config, tmp_path) if in_directory else config)
+    return await start_stack(stack_config.replace(batcher={"claim_check_io": claim_check_io}))
 
 
 @pytest.fixture
@@ -200,6 +213,9 @@ async def test_a_3mb_upload_runs_by_reference_and_its_large_result_reads_back(fu
     np.testing.assert_allclose(y.to_numpy(), 2 * rows + 1, rtol=1e-6)
 
     stored = await full.blobs.info("acme", result_ref.ref)
+    in_directory = full.config.nats.objects_directory is not None
+    for info in (uploaded, stored):  # where the bytes are, as the services were configured
+        assert (BYTES_IN_HEADER in info.meta["headers"]) == in_directory
     end = done.end_time.ToNanoseconds() / 1e9
     assert stored.expires_at == pytest.approx(end + done.result_retention.ToSeconds(), abs=1.0)
 
@@ -223,13 +239,15 @@ async def test_a_small_result_stays_inline_and_read_result_serves_it_too(full: S
     np.testing.assert_allclose(y.to_numpy(), [[3, 5, 7, 9]])
 
 
+@pytest.mark.parametrize("in_directory", [False, True], ids=["chunks", "objects-dir"])
 async def test_a_result_deleted_while_it_is_read_ends_the_read_not_found(
-    config: Config, start_stack: StartStack
+    config: Config, start_stack: StartStack, tmp_path: Path, in_directory: bool
 ) -> None:
     """A result deleted between two of its chunks (its retention passed and the sweep took it, or
     the job's record went) is NOT_FOUND RESULT_NOT_FOUND, as a read that starts after the delete:
-    not DATA_LOSS "incomplete or corrupt", which says the store lost bytes it still holds."""
-    stack = await start_stack(claim_check_config(config))
+    not DATA_LOSS "incomplete or corrupt", which says the store lost bytes it still holds. Its file,
+    where the bytes are in the objects' directory, likewise."""
+    stack = await start_stack(claim_check_config(objects_directory(config, tmp_path) if in_directory else config))
     rows = np.ones((ROWS_3MB, 4), dtype=np.float32)
     ref = await upload(stack.jobs, inputs_bytes(rows))
     done = await finish(stack.jobs, (await stack.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job.job_id)

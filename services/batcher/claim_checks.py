@@ -47,7 +47,11 @@ class ClaimChecks:
     async def connect(cls, config: Config, batcher_id: str) -> ClaimChecks:
         """Over a NATS connection of the batcher's own (raises Unavailable when NATS cannot be reached)."""
         nc = await connect(config.nats, name=f"batcher-{batcher_id}")
-        store = BlobStore(nc, config.nats.objects_bucket)
+        try:
+            store = BlobStore.of(nc, config.nats)  # its objects' directory checked (ConfigError)
+        except BaseException:
+            await nc.close()
+            raise
         return cls(nc, store, max_input_bytes=config.gateway.max_upload_bytes)
 
     async def close(self) -> None:

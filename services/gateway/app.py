@@ -159,7 +159,10 @@ class GatewayApp:
         claim_lifetimes.start()
         await ensure_queues_bucket(js, cfg.nats)  # the queue view reads it
         storage = UploadStorage(
-            self._nc, bucket=cfg.nats.objects_bucket, limit_bytes=cfg.gateway.max_stored_upload_bytes_per_tenant
+            self._nc,
+            bucket=cfg.nats.objects_bucket,
+            limit_bytes=cfg.gateway.max_stored_upload_bytes_per_tenant,
+            directory=cfg.nats.objects_directory,
         )
         store_health = StoreHealth(
             js, work_stream=cfg.nats.work_stream, headroom_bytes=STORE_HEADROOM_BYTES, supervisor=self.supervisor

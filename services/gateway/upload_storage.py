@@ -21,10 +21,20 @@ Two checks, so that the limit holds across concurrent uploads and several gatewa
 
 Uploads stored before chunk names carried the tenant are not counted (they expire within their
 retention).
+
+With an objects' directory (nats.objects_directory), uploads' bytes are files named as their chunk
+subjects would be (`in.<tenant>.<nuid>`, asyncinfer.blob_files): the tenant's stored bytes are its
+chunk messages plus its files, each file counted in whole chunks as a chunk subject is (one
+directory scan a read). A file is written before its meta as chunks are, so both checks hold as
+above; a file goes with its meta's delete or the sweep, so nothing drifts either. A gateway without
+the directory counts chunks alone: every service must name the same directory.
 """
 
 from __future__ import annotations
 
+import asyncio
+
+from asyncinfer.blob_files import ObjectFiles
 from asyncinfer.blob_meta import CHUNK_BYTES, input_chunks_filter
 from asyncinfer.errors import ResourceExhausted
 from asyncinfer.nats import Client as NatsClient
@@ -41,8 +51,9 @@ def chunks_for(size_bytes: int) -> int:
 class UploadStorage:
     """Reads a tenant's stored upload bytes and refuses what would pass its limit (0: no limit)."""
 
-    def __init__(self, nc: NatsClient, *, bucket: str, limit_bytes: int) -> None:
+    def __init__(self, nc: NatsClient, *, bucket: str, limit_bytes: int, directory: str | None = None) -> None:
         self._nc = nc
+        self._files = ObjectFiles(directory, bucket) if directory else None
         self._bucket = bucket
         self._stream = f"OBJ_{bucket}"
         self.limit_bytes = limit_bytes
@@ -52,7 +63,7 @@ class UploadStorage:
         return self.limit_bytes > 0
 
     async def stored_bytes(self, tenant: str) -> int:
-        """The tenant's uploads as the store holds them (whole chunks)."""
+        """The tenant's uploads as the store holds them (whole chunks; files counted the same)."""
 
         async def read(timeout_s: float) -> int:
             return await count_messages(
@@ -60,7 +71,8 @@ class UploadStorage:
             )
 
         chunks = await retry_transient(read, retry_for_s=READ_RETRY_S, what="count the tenant's stored uploads")
-        return chunks * CHUNK_BYTES
+        files = 0 if self._files is None else await asyncio.to_thread(self._files.tenant_upload_bytes, tenant)
+        return chunks * CHUNK_BYTES + files
 
     def check(self, tenant: str, stored_bytes: int, adding_bytes: int) -> None:
         """Raises ResourceExhausted TENANT_STORAGE_EXCEEDED when stored + adding passes the limit
