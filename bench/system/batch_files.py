@@ -48,7 +48,6 @@ from asyncinfer.v1 import (
 )
 from bench.batcher_bench import MODELS, make_texts
 from bench.batcher_models import minilm_config, mlp_config
-from bench.system import dir_store
 from bench.system.backlog_tools import batcher_config, services_config, wait_batchers
 from bench.system.common import RESULTS, ROOT, ProcessGroup, cpu_seconds, log, machine_facts, page_faults
 
@@ -100,9 +99,10 @@ class ServiceVariant:
     max_batch: int | None = None  # the model's max_batch_size, and direct torch's batch (None: MODELS')
     # Added to nats-server's environment (NAME=VALUE pairs: Go's GOGC, GODEBUG), None: inherited.
     nats_env: tuple[tuple[str, str], ...] = ()
-    # The objects' bytes in a directory the services share, their metadata in NATS (a bench-only
-    # prototype, bench.system.dir_store); the batch's outputs are then checked (check_outputs).
-    dir_store: bool = False
+    # The objects' bytes in a directory the services share, their metadata in NATS (the product
+    # option nats.objects_directory, which replaced session 33's bench-only dir-store prototype);
+    # the batch's outputs are then checked (check_outputs).
+    objects_dir: bool = False
 
 
 def direct_streams_rate(data: Any, batch_size: int, streams: int) -> float:
@@ -198,18 +198,15 @@ def site_path(folder: Path, name: str, source: str) -> str:
 
 def services_env(folder: Path, variant: ServiceVariant) -> tuple[dict[str, str], dict[str, str]]:
     """The environment the variant adds to every service's process and to the batchers' (whose
-    sitecustomize also sets the switch interval): dir-store's directory and sitecustomize."""
+    sitecustomize also sets the switch interval): objects-dir's directory (nats.objects_directory)."""
     every: dict[str, str] = {}
-    site = ""
-    if variant.dir_store:
-        every[dir_store.DIRECTORY_ENV] = str(folder / "dir-store")
-        site = dir_store.sitecustomize_source()
-        every["PYTHONPATH"] = site_path(folder, "site-services", site)
+    if variant.objects_dir:
+        directory = folder / "objects-dir"
+        directory.mkdir(exist_ok=True)  # the services check it exists at start
+        every["ASYNCINFER_NATS__OBJECTS_DIRECTORY"] = str(directory)
     batchers = dict(every)
     if variant.switch_interval_s is not None:
-        batchers["PYTHONPATH"] = site_path(
-            folder, "site-batchers", site + switch_interval_source(variant.switch_interval_s)
-        )
+        batchers["PYTHONPATH"] = site_path(folder, "site-batchers", switch_interval_source(variant.switch_interval_s))
     return every, batchers
 
 
@@ -428,13 +425,13 @@ async def measure(model: str, records: int, variant: ServiceVariant = ServiceVar
             stop.set()
             latencies = await waits
             await sampler
-            # The stream's bytes and, with dir-store, the objects' files beside them.
-            after = await stored_bytes(nats.url) + directory_bytes(group.tmp / "dir-store")
-            result["dir_store_bytes"] = directory_bytes(group.tmp / "dir-store")
+            # The stream's bytes and, with objects-dir, the objects' files beside them.
+            after = await stored_bytes(nats.url) + directory_bytes(group.tmp / "objects-dir")
+            result["objects_dir_bytes"] = directory_bytes(group.tmp / "objects-dir")
             if os.environ.get("BENCH_READ_OUTPUTS") == "1":
                 result["read_outputs"] = await read_outputs(batches, created.batch.batch_id, children["gateway"])
             outputs = None
-            if model == "mlp" and (variant.dir_store or os.environ.get("BENCH_CHECK_OUTPUTS") == "1"):
+            if model == "mlp" and (variant.objects_dir or os.environ.get("BENCH_CHECK_OUTPUTS") == "1"):
                 outputs = await read_npz(batches, created.batch.batch_id)
         log(f"{model}: batch {batch_service_pb2.BatchState.Name(batch.state)} {batch.request_counts.completed} done")
     run_s = (batch.end_time.ToNanoseconds() - batch.in_progress_time.ToNanoseconds()) / 1e9

@@ -17,10 +17,11 @@ Variants (bench.system.batch_files.ServiceVariant):
   record); N-batchers, N batchers serving the model; switch-Nus, the batcher's GIL switch interval
   (sys.setswitchinterval; Python's default is 5,000 us); batch-N, the model's max_batch_size N (and
   direct torch's batch: MODELS' otherwise); nats-NAME=VALUE, set in nats-server's environment (Go's
-  GOGC or GODEBUG); dir-store, the objects' bytes in files of a directory the services share, their
-  metadata in NATS (a bench-only prototype, bench/system/dir_store.py; the batch's outputs are read
-  back and checked against the model's). E.g. two-streams+claim-check-io+4-batchers,
-  this+nats-GOGC=400, this+claim-check-io+dir-store.
+  GOGC or GODEBUG); objects-dir, the objects' bytes in files of a directory the services share, their
+  metadata in NATS (the product option nats.objects_directory, set for every service; it replaced
+  session 33's bench-only dir-store prototype; a base revision before it knows no such setting; the
+  batch's outputs are read back and checked against the model's). E.g.
+  two-streams+claim-check-io+4-batchers, this+nats-GOGC=400, two-streams+objects-dir.
 
 Writes bench/results/batch_files_ab.json and .md: per variant the median (min, max) of records/s,
 the ratio to direct torch (both references), each process's CPU seconds and page faults.
@@ -62,8 +63,8 @@ def variant(name: str, base_tree: Path | None) -> ServiceVariant:
     for modifier in modifiers:
         if modifier == "claim-check-io":
             settings["claim_check_io"] = True
-        elif modifier == "dir-store":
-            settings["dir_store"] = True
+        elif modifier == "objects-dir":
+            settings["objects_dir"] = True
         elif modifier == "light":
             settings["loader"] = "bench.batcher_models:build_light"
         elif (count := re.fullmatch(r"(\d+)-batchers", modifier)) is not None:
