@@ -7,6 +7,7 @@ files."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +23,7 @@ from asyncinfer.blob_sweep import sweep
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import BYTES_IN_HEADER, CHUNK_SEQUENCES_HEADER
-from asyncinfer.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from asyncinfer.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats import OBJ_CHUNKS_PRE_TEMPLATE
@@ -166,6 +167,45 @@ async def test_lost_bytes_read_as_data_loss_and_deleted_ones_as_not_found(store:
     await store.delete("t", ref)
     with pytest.raises(NotFound):
         await store.read("t", ref, max_bytes=SIZE)
+
+
+async def test_a_put_cancelled_midway_leaves_nothing_and_one_whose_file_the_sweep_took_is_refused(
+    nc: NatsClient, config: Config, objects_dir: Path
+) -> None:
+    store = await ensure_objects_bucket(nc, with_directory(config, objects_dir).nats)
+    files = store.files
+    assert files is not None
+    written, never = asyncio.Event(), asyncio.Event()
+
+    async def stalls() -> AsyncIterator[bytes]:
+        yield content(12)
+        written.set()
+        await never.wait()  # a client that stops sending; its RPC is then cancelled
+        yield b"never"
+
+    put = asyncio.create_task(store.put("t", new_input_ref(), stalls(), expires_at=LATER, max_bytes=2 * SIZE))
+    await written.wait()
+    assert len(files_of(store)) == 1, "the first piece is in its file"
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    assert files_of(store) == []
+    assert (await store.js.stream_info(store.stream)).state.messages == 0
+
+    # A put that stalled past the orphan bound finds its file unlinked by the sweep: refused, no meta.
+    async def swept_midway() -> AsyncIterator[bytes]:
+        yield content(13)
+        for name in files_of(store):
+            (files.folder / name).unlink()  # what the sweep does to a file idle past its bound
+        yield b"the rest"
+
+    ref = new_input_ref()
+    with pytest.raises(Unavailable) as lost:
+        await store.put("t", ref, swept_midway(), expires_at=LATER, max_bytes=2 * SIZE)
+    assert lost.value.reason == "UPLOAD_CHUNKS_LOST"
+    with pytest.raises(NotFound):
+        await store.info("t", ref)
+    assert files_of(store) == []
 
 
 # --- both homes at once: a change of the setting loses nothing -----------------------------------
