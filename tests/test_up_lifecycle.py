@@ -144,6 +144,25 @@ def test_a_store_folder_up_cannot_make_is_named_in_one_line(tmp_path: Path, in_t
     assert not (tmp_path / "data" / "nats-server.pid").exists()
 
 
+def test_an_objects_directory_that_is_not_there_stops_up_in_one_line(tmp_path: Path) -> None:
+    """`up` reads nats.objects_directory from the same configuration as the services it runs (off
+    by default); a directory that does not exist stops it at start with the setting named, not a
+    traceback and not at the first upload."""
+    config_path, _ports = write_config(tmp_path)
+    missing = tmp_path / "objects"
+    config_path.write_text(config_path.read_text() + f'\n[nats]\nobjects_directory = "{missing}"\n')
+
+    done = run_up_once(config_path, tmp_path)
+
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    last = done.stderr.splitlines()[-1]
+    assert (
+        last
+        == f"asyncinfer: nats.objects_directory = {str(missing)!r} is not a directory (it must exist, shared by every service)"
+    )
+
+
 def test_a_nats_server_that_cannot_use_its_store_is_said_with_its_own_words(tmp_path: Path) -> None:
     """nats-server refusing the store (its jetstream folder a file) was "exited with 1 as it started
     (its log: ...)": the reason was in its log alone."""
