@@ -55,11 +55,18 @@ def in_directory(info: BlobInfo) -> bool:
     return DIRECTORY in ((info.meta.get("headers") or {}).get(BYTES_IN_HEADER) or ())
 
 
-def not_configured(info: BlobInfo) -> FailedPrecondition:
-    return FailedPrecondition(
+class ObjectsDirectoryNotSet(FailedPrecondition):
+    """A directory object met by a process without the directory. Retriable, unlike other failed
+    preconditions of an order: it is this process's configuration, not the job's, and another
+    batcher (or the scheduler) configured with the directory reads it (a rolling change half done)."""
+
+    default_reason = "OBJECTS_DIRECTORY_NOT_SET"
+
+
+def not_configured(info: BlobInfo) -> ObjectsDirectoryNotSet:
+    return ObjectsDirectoryNotSet(
         f"the object {info.ref.ref[:80]!r} keeps its bytes in the objects' directory, and this process has none "
         f"configured ({SETTING}): every gateway, scheduler and batcher must name the same shared directory",
-        reason="OBJECTS_DIRECTORY_NOT_SET",
         metadata={"setting": SETTING, "ref": info.ref.ref[:80]},
     )
 

@@ -28,10 +28,15 @@ from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats import OBJ_CHUNKS_PRE_TEMPLATE
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.v1 import job_pb2
 from tests.stack import Stack, StartStack
 from tests.test_claim_check import (
     ACME,
+    bearer,
+    by_ref,
     claim_check_config,
+    finish,
+    inline,
     inputs_bytes,
     rpc_error,
     upload,
@@ -240,6 +245,31 @@ async def test_objects_stored_either_way_are_read_either_way_and_a_process_witho
     await files.delete_live("t", old)
     assert await chunk_messages(chunks) == 0
     assert len(files_of(files)) == 1
+
+
+async def test_a_batcher_without_the_directory_fails_a_directory_input_clearly_and_serves_on(
+    config: Config, objects_dir: Path, start_stack: StartStack
+) -> None:
+    """A batcher reading inputs itself (claim_check_io) whose configuration lacks the directory the
+    gateway stored an upload in (a rolling change half done): each attempt fails with the reason
+    naming the setting, never a crash or a wrong read, and is retried (a batcher with the directory
+    would read it); with this batcher alone the job ends FAILED after its attempts, and the batcher
+    serves other jobs."""
+    stack_config = claim_check_config(with_directory(config, objects_dir))
+    batcher_config = claim_check_config(config).replace(batcher={"claim_check_io": True})
+    stack = await start_stack(stack_config, batcher_config=batcher_config)
+    ref = await upload(stack.jobs, inputs_bytes(np.ones((4, 4))))
+    assert BYTES_IN_HEADER in (await stack.blobs.info("acme", ref.ref)).meta["headers"]
+
+    refused = await finish(stack.jobs, (await stack.jobs.SubmitJob(by_ref(ref.ref), metadata=bearer(ACME))).job.job_id)
+    assert refused.state == job_pb2.JOB_STATE_FAILED
+    assert refused.error.reason == "OBJECTS_DIRECTORY_NOT_SET", refused.error
+    assert "nats.objects_directory" in refused.error.message
+    assert refused.attempt == stack.config.models[0].max_attempts > 1, "retried: another batcher may read it"
+    served = await finish(
+        stack.jobs, (await stack.jobs.SubmitJob(inline([[1, 2, 3, 4]]), metadata=bearer(ACME))).job.job_id
+    )
+    assert served.state == job_pb2.JOB_STATE_SUCCEEDED
 
 
 # --- the start's check ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 
 import structlog
 
+from asyncinfer.blob_files import ObjectsDirectoryNotSet
 from asyncinfer.config import ModelConfig
 from asyncinfer.error_bounds import bounded_metadata
 from asyncinfer.errors import (
@@ -41,7 +42,8 @@ from services.batcher.progress import ItemProgress
 
 log = structlog.get_logger("asyncinfer.batcher.work_messages")
 
-# Failures that the same order would meet again on any attempt.
+# Failures that the same order would meet again on any attempt (not ObjectsDirectoryNotSet, a
+# FailedPrecondition of this batcher's configuration: a batcher with the directory reads the input).
 # A run timed out is not retried by a batcher's say: its scheduler applies the model's timeout_action.
 _NOT_RETRIABLE = (InvalidArgument, NotFound, FailedPrecondition, DeadlineExceeded, Cancelled, RunTimedOut)
 
@@ -59,7 +61,7 @@ def error_status(error: AsyncInferError) -> error_pb2.ErrorStatus:
         reason=error.reason,
         message=error.message,
         field_violations=[error_pb2.FieldViolation(field=v.field, description=v.description) for v in violations],
-        retriable=not isinstance(error, _NOT_RETRIABLE),
+        retriable=not isinstance(error, _NOT_RETRIABLE) or isinstance(error, ObjectsDirectoryNotSet),
         metadata=bounded_metadata(error.metadata),
     )
 
