@@ -19,7 +19,7 @@ import pytest
 
 from asyncinfer.blob_files import DIRECTORY, ObjectFiles, file_name
 from asyncinfer.blob_meta import CHUNK_BYTES, BlobCorrupt, new_input_ref, result_ref
-from asyncinfer.blob_sweep import sweep
+from asyncinfer.blob_sweep import MetaCursor, sweep
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
 from asyncinfer.contract import BYTES_IN_HEADER, CHUNK_SEQUENCES_HEADER
@@ -314,6 +314,14 @@ async def test_the_sweep_removes_files_no_meta_names_once_idle_and_keeps_the_res
     assert dead not in files_of(store)
     assert fresh in files_of(store)
     assert bytes((await store.read("t", live, max_bytes=SIZE))[1]) == content(11)
+
+    # The scheduler's sweeper keeps a cursor over the metas between passes: the same, pass after pass.
+    cursor = MetaCursor()
+    assert await sweep(store, orphans_after_s=300, cursor=cursor) == 0
+    os.close(files.create(dead))
+    os.utime(files.folder / dead, (long_ago, long_ago))
+    assert await sweep(store, orphans_after_s=300, cursor=cursor) == 1
+    assert sorted(files_of(store)) == sorted([fresh, file_name((await store.info("t", live)).nuid)])
 
 
 # --- the per-tenant upload limit ------------------------------------------------------------------
