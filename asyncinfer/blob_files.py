@@ -28,6 +28,7 @@ whole object is read (its size and SHA-256 are checked), never as other bytes.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from collections.abc import Callable
@@ -38,7 +39,8 @@ import structlog
 
 from asyncinfer.blob_meta import CHUNK_BYTES, INPUT_KIND, BlobInfo
 from asyncinfer.contract import BYTES_IN_HEADER
-from asyncinfer.errors import ConfigError, FailedPrecondition
+from asyncinfer.errors import ConfigError, FailedPrecondition, Unavailable
+from asyncinfer.nats.streams import StoreFullError
 
 log = structlog.get_logger("asyncinfer.blobs")
 
@@ -69,6 +71,14 @@ def not_configured(info: BlobInfo) -> ObjectsDirectoryNotSet:
         f"configured ({SETTING}): every gateway, scheduler and batcher must name the same shared directory",
         metadata={"setting": SETTING, "ref": info.ref.ref[:80]},
     )
+
+
+def io_failure(exc: OSError) -> StoreFullError | Unavailable:
+    """What a failed read or write of the directory raises: no room (a full disk or quota) as
+    JetStream's own (StoreFullError: not worth retrying at once), anything else UNAVAILABLE."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StoreFullError(f"no room in the objects' directory ({SETTING}): {exc}")
+    return Unavailable(f"the objects' directory ({SETTING}) failed: {exc}", reason="OBJECTS_DIRECTORY_UNAVAILABLE")
 
 
 def file_name(nuid: str) -> str:
@@ -128,8 +138,12 @@ class ObjectFiles:
             fd = os.open(self.path(nuid), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise io_failure(exc) from exc
         try:
             data = os.pread(fd, length, offset)
+        except OSError as exc:
+            raise io_failure(exc) from exc
         finally:
             os.close(fd)
         return data if len(data) == length else None
@@ -141,10 +155,14 @@ class ObjectFiles:
             fd = os.open(self.path(nuid), os.O_RDONLY)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            raise io_failure(exc) from exc
         try:
             data = bytearray(size)
             got = os.preadv(fd, [data], 0) if size else 0
             longer = os.fstat(fd).st_size != size
+        except OSError as exc:
+            raise io_failure(exc) from exc
         finally:
             os.close(fd)
         return None if got != size or longer else data

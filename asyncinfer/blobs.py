@@ -39,7 +39,15 @@ from typing import Any
 
 import structlog
 
-from asyncinfer.blob_files import DIRECTORY, ObjectFiles, in_directory, not_configured, off_loop, write_all
+from asyncinfer.blob_files import (
+    DIRECTORY,
+    ObjectFiles,
+    in_directory,
+    io_failure,
+    not_configured,
+    off_loop,
+    write_all,
+)
 from asyncinfer.blob_meta import (
     CHUNK_BYTES,
     INPUT_KIND,
@@ -814,6 +822,8 @@ def _put_failure(exc: BaseException) -> BaseException | None:
         return full
     if isinstance(exc, NATS_FAILURES):
         return Unavailable(f"cannot store the object: {exc}", reason="NATS_UNAVAILABLE")
+    if isinstance(exc, OSError):  # the objects' directory (a full disk, a lost mount): after NATS's timeouts
+        return io_failure(exc)
     return None
 
 

@@ -8,6 +8,7 @@ files."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
+from asyncinfer import blobs
 from asyncinfer.blob_files import DIRECTORY, ObjectFiles, file_name
 from asyncinfer.blob_meta import CHUNK_BYTES, BlobCorrupt, new_input_ref, result_ref
 from asyncinfer.blob_sweep import MetaCursor, sweep
@@ -28,6 +30,7 @@ from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.nats import OBJ_CHUNKS_PRE_TEMPLATE
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.v1 import job_pb2
 from tests.stack import Stack, StartStack
 from tests.test_claim_check import (
@@ -211,6 +214,40 @@ async def test_a_put_cancelled_midway_leaves_nothing_and_one_whose_file_the_swee
     with pytest.raises(NotFound):
         await store.info("t", ref)
     assert files_of(store) == []
+
+
+async def test_a_directory_that_fails_answers_no_room_or_unavailable_never_internal(
+    nc: NatsClient, config: Config, objects_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = await ensure_objects_bucket(nc, with_directory(config, objects_dir).nats)
+    files = store.files
+    assert files is not None
+
+    # Writes: a full disk (injected: a test cannot fill one portably) is no room, as a full stream
+    # is; another failure is UNAVAILABLE. Either way nothing is left.
+    for code, expected in ((errno.ENOSPC, StoreFullError), (errno.EIO, Unavailable)):
+
+        def failing(fd: int, view: memoryview, offset: int, code: int = code) -> None:
+            raise OSError(code, os.strerror(code))
+
+        monkeypatch.setattr(blobs, "write_all", failing)
+        with pytest.raises(expected):
+            await store.put_bytes("t", new_input_ref(), content(14), expires_at=LATER)
+        assert files_of(store) == []
+    monkeypatch.undo()
+    assert (await store.js.stream_info(store.stream)).state.messages == 0
+
+    # Reads: where the file should be, a folder (open succeeds, pread fails EISDIR): UNAVAILABLE.
+    ref = new_input_ref()
+    await store.put_bytes("t", ref, content(15), expires_at=LATER)
+    path = files.path((await store.info("t", ref)).nuid)
+    path.unlink()
+    path.mkdir()
+    for read in (lambda: store.read("t", ref, max_bytes=SIZE), lambda: store.read_range("t", ref, 0, 10)):
+        with pytest.raises(Unavailable) as failed:
+            await read()
+        assert failed.value.reason == "OBJECTS_DIRECTORY_UNAVAILABLE"
+        assert "nats.objects_directory" in failed.value.message
 
 
 # --- both homes at once: a change of the setting loses nothing -----------------------------------
