@@ -8,6 +8,7 @@ The `unit` marker (the fast tier, `pytest -m unit`) says so of a test, and is ch
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ from asyncinfer.logs import TRACEBACKS
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connect
 from services.batcher.app import BatcherApp
-from tests.stack import Stack, StartStack
+from tests.stack import Stack, StartStack, run_every
 
 # The services in a test process log through structlog's default configuration, whose console
 # renderer draws a traceback with every frame's locals (Rich's): ~0.25-1.5 s of CPU each on the event
@@ -97,8 +98,7 @@ async def make_engine() -> AsyncIterator[Callable[..., Any]]:
         return engine
 
     yield make
-    for engine in engines:
-        await engine.stop(grace_s=1.0)
+    await run_every([functools.partial(engine.stop, grace_s=1.0) for engine in engines])
 
 
 @pytest.fixture
@@ -118,8 +118,8 @@ async def start_stack(config: Config) -> AsyncIterator[StartStack]:
     try:
         yield start
     finally:
-        for running in reversed(started):
-            await stop_or_show_what_hangs(running)
+        # Every one, also after one that failed to stop: one left running failed a later test.
+        await run_every([functools.partial(stop_or_show_what_hangs, running) for running in reversed(started)])
 
 
 STACK_STOP_LIMIT_S = 60.0  # under pytest-timeout's 120 s, so a hung stop says where it hangs

@@ -136,18 +136,40 @@ class Stack:
         await self.gateway.start()
 
     async def stop(self) -> None:
-        """Batcher, scheduler, gateway, then the channel and the connection. Idempotent."""
-        if self.batcher is not None:
-            await self.batcher.stop(GRACE_S)
+        """Batcher, scheduler, gateway, then the channel and the connection. Idempotent. Each
+        is stopped even when stopping one before it failed (then the first failure is raised once
+        all are): a part left running outlives the test's event loop, and its sockets and tasks,
+        finalised by the garbage collector in some later test, failed that one instead."""
+        steps: list[Callable[[], Awaitable[None]]] = []
+        if (batcher := self.batcher) is not None:
+            steps.append(lambda: batcher.stop(GRACE_S))
         if self._scheduler_started:
-            await self.scheduler.stop(GRACE_S)
-        await self.gateway.stop(GRACE_S)
+            steps.append(lambda: self.scheduler.stop(GRACE_S))
+        steps += [lambda: self.gateway.stop(GRACE_S), self._close_channel, self._close_nc]
+        await run_every(steps)
+
+    async def _close_channel(self) -> None:
         if self.channel is not None:
-            await self.channel.close()
-            self.channel = None
+            channel, self.channel = self.channel, None
+            await channel.close()
+
+    async def _close_nc(self) -> None:
         if self._nc is not None:
-            await self._nc.close()
-            self._nc = None
+            nc, self._nc = self._nc, None
+            await nc.close()
+
+
+async def run_every(steps: list[Callable[[], Awaitable[None]]]) -> None:
+    """Awaits every step in order, also those after one that failed; then raises the first failure
+    (a cancellation included, once every step has run)."""
+    failure: BaseException | None = None
+    for step in steps:
+        try:
+            await step()
+        except BaseException as exc:  # re-raised below, once every step has run
+            failure = failure or exc
+    if failure is not None:
+        raise failure
 
 
 class ThreadedStack:
