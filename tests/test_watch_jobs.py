@@ -566,30 +566,41 @@ async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
         await stack.restart_gateway(0.2, while_away=finish)
 
     loop = asyncio.get_running_loop()
+    # What the watch yielded, and the marker once submitted: kept here, so that a watch that ends
+    # short (CI: DEADLINE_EXCEEDED after the marker had SUCCEEDED) says how far it came.
+    seen: list[Job] = []
+    markers: list[str] = []
+    started = time.monotonic()
+    heard: list[tuple[float, str, str, int]] = []  # when (s after the watch began), what
 
-    def watch_blocking() -> tuple[list[str], str, list[Job]]:
+    def note(update: Job) -> None:
+        seen.append(update)
+        heard.append((round(time.monotonic() - started, 2), update.job_id[-6:], update.state.name, update.revision))
+
+    def watch_blocking() -> tuple[list[str], str]:
         with Client(stack.address, retry=FAST_RETRY) as client:
             updates = client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S)
             gap = [client.submit("demo", {"x": X + i}, labels=labels).job_id for i in range(3)]
-            seen: list[Job] = []
             for update in updates:  # each gap job's QUEUED (no batcher yet)
                 assert isinstance(update, Job)
-                seen.append(update)
+                note(update)
                 if len(seen) == len(gap):
                     break
             asyncio.run_coroutine_threadsafe(run_while_away([*gap, queued_before.job_id]), loop).result()
             marker = ""
             for update in updates:
                 assert isinstance(update, Job)
-                seen.append(update)
+                note(update)
                 if not marker and {*gap, queued_before.job_id} <= {j.job_id for j in seen if j.done}:
                     # Caught up: anything repeated would come before the next job's changes.
                     marker = client.submit("demo", {"x": X}, labels=labels).job_id
+                    markers.append(marker)
+                    heard.append((round(time.monotonic() - started, 2), marker[-6:], "submitted", 0))
                 if update.job_id == marker and update.done:
                     break
-            return gap, marker, seen
+            return gap, marker
 
-    async def watch_async() -> tuple[list[str], str, list[Job]]:
+    async def watch_async() -> tuple[list[str], str]:
         async with AsyncClient(stack.address, retry=FAST_RETRY) as client:
             updates = client.watch_jobs(labels=labels, timeout_s=2 * WAIT_S)
             await updates.ready()
@@ -597,25 +608,35 @@ async def test_a_reopened_label_watch_reports_what_changed_while_it_was_broken(
                 release.set()
                 await asyncio.wait_for(subscribed.wait(), WAIT_S)
             gap = [(await client.submit("demo", {"x": X + i}, labels=labels)).job_id for i in range(3)]
-            seen: list[Job] = []
             async for update in updates:
                 assert isinstance(update, Job)
-                seen.append(update)
+                note(update)
                 if len(seen) == len(gap):
                     break
             await run_while_away([*gap, queued_before.job_id])
             marker = ""
             async for update in updates:
                 assert isinstance(update, Job)
-                seen.append(update)
+                note(update)
                 if not marker and {*gap, queued_before.job_id} <= {j.job_id for j in seen if j.done}:
                     marker = (await client.submit("demo", {"x": X}, labels=labels)).job_id
+                    markers.append(marker)
+                    heard.append((round(time.monotonic() - started, 2), marker[-6:], "submitted", 0))
                 if update.job_id == marker and update.done:
                     break
             await updates.aclose()
-            return gap, marker, seen
+            return gap, marker
 
-    gap, marker, seen = await (asyncio.to_thread(watch_blocking) if sdk == "blocking" else watch_async())
+    try:
+        gap, marker = await (asyncio.to_thread(watch_blocking) if sdk == "blocking" else watch_async())
+    except AsyncInferClientError as error:
+        hub = stack.gateway.watch_hub
+        ended = [await job_record(stack.nc.jetstream(), job_key(TENANT, job_id)) for job_id in markers]
+        raise AssertionError(
+            f"the watch ended ({error!r}) after {time.monotonic() - started:.1f} s having heard {heard}; "
+            f"the marker {markers} stands {[(r.state, r.revision) if r else None for r in ended]}; the "
+            f"gateway's hub: feeding={hub.feeding} hears_notices={hub.hears_notices} watchers={hub.watcher_count}"
+        ) from error
     states: dict[str, list[JobState]] = {}
     for update in seen:
         states.setdefault(update.job_id, []).append(update.state)
