@@ -94,6 +94,11 @@ class Stack:
         return self._nc
 
     @property
+    def closed(self) -> bool:
+        """Whether the test's channel and NATS connection are closed (by `stop`)."""
+        return self.channel is None and self._nc is None
+
+    @property
     def blobs(self) -> BlobStore:
         """The claim-check store (uploaded inputs, large results), read as the services do."""
         return BlobStore(self.nc, self.config.nats.objects_bucket, directory=self.config.nats.objects_directory)

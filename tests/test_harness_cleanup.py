@@ -26,7 +26,7 @@ async def test_a_stack_whose_scheduler_fails_to_stop_still_stops_its_gateway_and
         with pytest.raises(RuntimeError, match="did not stop"):
             await stack.stop()
         assert stack.gateway._stopped, "the gateway is stopped after the scheduler's failure"
-        assert (stack.channel, stack._nc) == (None, None), "and the test's channel and connection closed"
+        assert stack.closed, "and the test's channel and connection closed"
     finally:
         monkeypatch.undo()
         await SchedulerApp.stop(stack.scheduler, GRACE_S)
