@@ -62,6 +62,7 @@ import nats.js.errors
 import nats.js.kv
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.transport import TcpTransport
 from nats.js import JetStreamContext
 from nats.js.errors import APIError, KeyWrongLastSequenceError
 
@@ -104,6 +105,8 @@ JSI_PRIVATE_NAMES = (
 )
 # nats.aio.client's read size, which its connect also gives asyncio's StreamReader as its limit.
 CLIENT_MODULE_NAMES = ("DEFAULT_BUFFER_SIZE",)
+# close_replaced_connections: the connection a TCP transport holds (and the one under TLS)
+TCP_TRANSPORT_PRIVATE_NAMES = ("_io_writer", "_bare_io_writer")
 KV_OP_HEADER = nats.js.kv.KV_OP.encode()
 KV_REMOVALS = (nats.js.kv.KV_DEL, nats.js.kv.KV_PURGE)
 
@@ -123,6 +126,8 @@ def _missing_private_names() -> list[str]:
     missing += [f"JetStreamContext.{name}" for name in JETSTREAM_PRIVATE_NAMES if not hasattr(jetstream, name)]
     missing += [f"nats.js.kv.{name}" for name in KV_MODULE_PRIVATE_NAMES if not hasattr(nats.js.kv, name)]
     missing += [f"nats.aio.client.{name}" for name in CLIENT_MODULE_NAMES if not hasattr(nats.aio.client, name)]
+    transport = TcpTransport()  # type: ignore[no-untyped-call]
+    missing += [f"TcpTransport.{name}" for name in TCP_TRANSPORT_PRIVATE_NAMES if not hasattr(transport, name)]
     try:
         jsi: Any = JetStreamContext._JSI(jetstream, client, "", True, None, None, None)  # type: ignore[arg-type]
     except (AttributeError, TypeError):
@@ -596,6 +601,29 @@ def quiet_flow_control_checks() -> None:
     jsi_class: Any = JetStreamContext._JSI
     jsi_class.schedule_flow_control_response = _schedule_and_wake
     jsi_class.check_flow_control_response = _answer_flow_control
+
+
+# nats-py's TCP transport is one object per client, and each connect (a reconnect's every attempt)
+# replaces the connection it holds without closing it. A reconnect attempt that connects and then
+# fails (the server, or a proxy in front of it, closes before its INFO: "empty response from server
+# when expecting INFO message") is followed by the next attempt's connect, and its connection was
+# left open, half-closed, to the garbage collector: after the event loop had ended, "loop is
+# closed", an unclosed transport and an unclosed socket, which failed whichever test ran then
+# (CI's "multiple unraisable exception warnings (3 sub-exceptions)"). The client's own close and
+# its reconnect's start close only the connection held at that moment.
+_original_tcp_connect: Any = TcpTransport.connect
+
+
+async def _connect_closing_the_last(transport: Any, *args: Any, **kwargs: Any) -> Any:
+    for writer in {id(w): w for w in (transport._io_writer, transport._bare_io_writer) if w is not None}.values():
+        writer.close()  # a no-op for one already closed (the reconnect closes the lost one first)
+    return await _original_tcp_connect(transport, *args, **kwargs)
+
+
+def close_replaced_connections() -> None:
+    """TCP transports connected from now on (every client of the process) close the connection they
+    held before they connect again (above). Idempotent."""
+    TcpTransport.connect = _connect_closing_the_last  # type: ignore[method-assign,assignment]
 
 
 def pending_request_count(nc: Client) -> int:

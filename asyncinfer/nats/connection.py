@@ -73,6 +73,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         _fastpath.closed_transport_errors(client)
         _fastpath.larger_reads()
         _fastpath.quiet_flow_control_checks()
+        _fastpath.close_replaced_connections()
     first_connect_failures: list[Exception] = []
     violations: list[str] = []  # the server's latest permissions violations, as nats-py words them
     connected = False
