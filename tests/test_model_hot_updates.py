@@ -582,6 +582,7 @@ async def test_ops_service_loads_and_unloads_across_the_pool(
         both = load_config_json(version_table("1", DEMO_MODEL.loader), version_table("2", V2_LOADER))
         loaded = await ops.LoadModel(ops_service_pb2.LoadModelRequest(model_name="demo", config_json=both))
         assert sorted((o.batcher_id, o.ok) for o in loaded.outcomes) == [("pool-a", True), ("pool-b", True)]
+
         # Each batcher's READY reaches the gateway on its own (the registry, through NATS): the
         # listing names both once the second's has come (CI, session 34: READY with pool-a alone).
         async def ready_on_both() -> bool:
