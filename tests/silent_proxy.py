@@ -29,6 +29,12 @@ class SilentProxy:
         """Connections accepted so far."""
         return len(self._live)
 
+    @property
+    def open(self) -> int:
+        """Connections accepted whose client's end is still open (the proxy closes its end of both
+        once either side closes)."""
+        return sum(1 for _, client_writer, _ in self._ends if not client_writer.is_closing())
+
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]

@@ -107,6 +107,8 @@ JSI_PRIVATE_NAMES = (
 CLIENT_MODULE_NAMES = ("DEFAULT_BUFFER_SIZE",)
 # close_replaced_connections: the connection a TCP transport holds (and the one under TLS)
 TCP_TRANSPORT_PRIVATE_NAMES = ("_io_writer", "_bare_io_writer")
+# end_reconnection: the client's reconnect task and the transport it connects
+RECONNECTION_PRIVATE_NAMES = ("_reconnection_task", "_transport")
 KV_OP_HEADER = nats.js.kv.KV_OP.encode()
 KV_REMOVALS = (nats.js.kv.KV_DEL, nats.js.kv.KV_PURGE)
 
@@ -128,6 +130,7 @@ def _missing_private_names() -> list[str]:
     missing += [f"nats.aio.client.{name}" for name in CLIENT_MODULE_NAMES if not hasattr(nats.aio.client, name)]
     transport = TcpTransport()  # type: ignore[no-untyped-call]
     missing += [f"TcpTransport.{name}" for name in TCP_TRANSPORT_PRIVATE_NAMES if not hasattr(transport, name)]
+    missing += [f"Client.{name}" for name in RECONNECTION_PRIVATE_NAMES if not hasattr(client, name)]
     try:
         jsi: Any = JetStreamContext._JSI(jetstream, client, "", True, None, None, None)  # type: ignore[arg-type]
     except (AttributeError, TypeError):
@@ -624,6 +627,32 @@ def close_replaced_connections() -> None:
     """TCP transports connected from now on (every client of the process) close the connection they
     held before they connect again (above). Idempotent."""
     TcpTransport.connect = _connect_closing_the_last  # type: ignore[method-assign,assignment]
+
+
+async def end_reconnection(client: Client, timeout_s: float) -> None:
+    """After the client's close: a reconnect task that is still running is cancelled until it ends
+    (within timeout_s), and the connection it may have made is closed.
+
+    nats-py's close cancels the reconnect task and waits for it, but the cancellation can be lost
+    while an attempt connects (asyncio.wait_for in Python 3.11 returns an inner connect that
+    completed as it was cancelled), and the task's loop never asks whether the client was closed:
+    it went on connecting every reconnect_time_wait, and the last connection it made was left to
+    the garbage collector ("loop is closed", an unclosed transport and socket: an error in
+    whichever test ran then, CI session 34; a batcher whose NATS went through a proxy that was cut)."""
+    task = getattr(client, "_reconnection_task", None)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while task is not None and not task.done() and loop.time() < deadline:
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    if not client.is_closed:  # the task connected again after the close: closed again, all of it
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(max(deadline - loop.time(), 0.1)):
+                await client.close()
+    transport = getattr(client, "_transport", None)
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
 
 
 def pending_request_count(nc: Client) -> int:

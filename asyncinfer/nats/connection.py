@@ -264,10 +264,18 @@ async def disconnect(client: Client) -> None:
             await client.drain()
         except Exception as exc:  # a connection lost meanwhile has nothing left to flush
             log.info("nats_drain_failed", error=str(exc))
+    await close(client)
+
+
+async def close(client: Client) -> None:
+    """Closes the client (within ABANDON_WAIT_S), and with it a reconnect that outlived nats-py's
+    own close (asyncinfer.nats._fastpath.end_reconnection): nothing of it runs or stays open after."""
     if not client.is_closed:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(ABANDON_WAIT_S):
                 await client.close()
+    if _fastpath.FASTPATH_ENABLED:
+        await _fastpath.end_reconnection(client, ABANDON_WAIT_S)
 
 
 def _login_refused(failure: BaseException | None) -> bool:

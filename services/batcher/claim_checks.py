@@ -29,6 +29,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.jobs import BlobRef
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import close as close_client
 from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import worker_service_pb2
@@ -50,13 +51,12 @@ class ClaimChecks:
         try:
             store = BlobStore.of(nc, config.nats)  # its objects' directory checked (ConfigError)
         except BaseException:
-            await nc.close()
+            await close_client(nc)
             raise
         return cls(nc, store, max_input_bytes=config.gateway.max_upload_bytes)
 
     async def close(self) -> None:
-        if not self._nc.is_closed:
-            await self._nc.close()
+        await close_client(self._nc)
         self._executor.shutdown(wait=False)
 
     async def read(self, order: worker_service_pb2.WorkOrder) -> tuple[Tensor, ...]:
