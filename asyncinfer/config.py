@@ -112,8 +112,16 @@ class NatsConfig(_Section):
         description="A directory every gateway, scheduler and batcher shares (one host, or a ReadWriteMany "
         "volume) where new claim-check objects keep their bytes, one file each, their metadata staying in "
         "objects_bucket; unset: the bytes are chunks in the bucket's stream. Objects stored either way are "
-        "read either way; checked at start (it must exist and be writable).",
+        "read either way; checked at start (it must exist and be writable). `asyncinfer up` sets it to "
+        '`objects` beside its embedded store unless the file sets it; "" keeps the bytes in the stream.',
     )
+
+    @field_validator("objects_directory")
+    @classmethod
+    def _empty_is_unset(cls, value: str | None) -> str | None:
+        # "" is how a file says "no directory" (TOML has no null): what `up` then leaves unset.
+        return value or None
+
     webhooks_stream: str = Field(
         contract.WEBHOOKS_STREAM, description="The WorkQueue stream of pending webhook deliveries."
     )

@@ -43,6 +43,23 @@ def test_up_batcher_does_not_exit_for_a_hung_model_unless_the_file_says_so(tmp_p
     assert with_up_defaults(chosen).batcher.exit_after_overrun_s == 30.0
 
 
+def test_up_keeps_objects_bytes_in_a_directory_beside_its_store_unless_the_file_says_otherwise(
+    tmp_path: Path,
+) -> None:
+    config = load_config_file(tmp_path)
+    assert config.nats.objects_directory is None  # off by default elsewhere
+    chosen = with_up_defaults(config).nats.objects_directory
+    assert chosen == str(tmp_path / "data" / "objects")
+    assert Path(chosen).is_dir()  # made: the services check that it exists
+    own = tmp_path / "own"
+    assert with_up_defaults(
+        load_config_file(tmp_path, f'[nats]\nobjects_directory = "{own}"\n')
+    ).nats.objects_directory == str(own)
+    in_the_stream = load_config_file(tmp_path, '[nats]\nobjects_directory = ""\n')
+    assert in_the_stream.nats.objects_directory is None
+    assert with_up_defaults(in_the_stream).nats.objects_directory is None
+
+
 def test_replace_keeps_what_the_file_set_plus_what_it_replaces(tmp_path: Path) -> None:
     config = load_config_file(tmp_path, "[batcher]\nport = 9999\n")
     copy = config.replace(gateway={"port": 1}, batcher={"claim_check_io": False})
@@ -125,7 +142,8 @@ def test_the_generated_webhook_secret_is_written_readable_by_its_owner_only(tmp_
     assert secret.startswith("whsec_")
     assert path.read_text() == secret + "\n"
     assert path.stat().st_mode & 0o777 == 0o600
-    assert [p.name for p in path.parent.iterdir()] == ["webhook-secret"]  # nothing else left beside it
+    # Nothing else left beside it (but `up`'s objects' directory, made beside its store too).
+    assert sorted(p.name for p in path.parent.iterdir()) == ["objects", "webhook-secret"]
     # And a fresh one is 0600 from the start, kept across restarts.
     path.unlink()
     first = with_up_defaults(config).webhooks.secret_for(config.gateway.default_tenant)
