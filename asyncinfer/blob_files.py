@@ -132,14 +132,19 @@ class ObjectFiles:
         """A new object's file, open for writing (O_EXCL: a chunk name is never reused)."""
         return os.open(self.path(nuid), os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
 
-    def read_at(self, nuid: str, offset: int, length: int) -> bytes | None:
-        """The bytes, or None when the file is gone or shorter (what a purged chunk was)."""
+    def _open_to_read(self, nuid: str) -> int | None:
+        """The object's file open for reading, or None when it is gone."""
         try:
-            fd = os.open(self.path(nuid), os.O_RDONLY)
+            return os.open(self.path(nuid), os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise io_failure(exc) from exc
+
+    def read_at(self, nuid: str, offset: int, length: int) -> bytes | None:
+        """The bytes, or None when the file is gone or shorter (what a purged chunk was)."""
+        if (fd := self._open_to_read(nuid)) is None:
+            return None
         try:
             data = os.pread(fd, length, offset)
         except OSError as exc:
@@ -151,12 +156,8 @@ class ObjectFiles:
     def read_whole(self, nuid: str, size: int) -> bytearray | None:
         """The whole file into one bytearray (protobuf parses it without a copy), or None when it is
         gone or not `size` bytes long."""
-        try:
-            fd = os.open(self.path(nuid), os.O_RDONLY)
-        except FileNotFoundError:
+        if (fd := self._open_to_read(nuid)) is None:
             return None
-        except OSError as exc:
-            raise io_failure(exc) from exc
         try:
             data = bytearray(size)
             got = os.preadv(fd, [data], 0) if size else 0
