@@ -207,6 +207,12 @@ class JobRecord:
     # lifecycle.after_hand_back counts past FREE_HAND_BACKS. () in a record from a scheduler of the
     # release before.
     handed_back_by: tuple[str, ...] = ()
+    # A dead-lettered job's letter: its sequence in the dead-letter stream (what OpsService's
+    # GetDeadLetter and ReplayDeadLetters name it by), set by the give-up that ended the job, so
+    # that its page and `asyncinfer get` name the letter without searching the model's letters for
+    # it. 0: not dead-lettered (or replayed since: the letter is deleted), or a record from a
+    # scheduler of the release before.
+    dead_letter_sequence: int = 0
     # The KV revision this record was read at; not stored (the KV knows it).
     revision: int = 0
     # When nats-server stored the job's work message, on the server's clock (Unix seconds), where the

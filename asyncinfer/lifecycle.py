@@ -118,6 +118,8 @@ class GiveUp:
     state: JobState
     error: JobError
     batch: BatchInfo | None = None
+    # The job's dead letter, stored before the record is written (0: none stored).
+    dead_letter_sequence: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,7 +287,13 @@ def give_up(record: JobRecord, event: GiveUp, now: float) -> Outcome:
     ran = record.state is JobState.RUNNING
     run_duration_s = max(now - (record.start_time or now), 0.0) if ran else record.run_duration_s
     return record.evolve(
-        state=event.state, error=event.error, end_time=now, update_time=now, batch=batch, run_duration_s=run_duration_s
+        state=event.state,
+        error=event.error,
+        end_time=now,
+        update_time=now,
+        batch=batch,
+        run_duration_s=run_duration_s,
+        dead_letter_sequence=event.dead_letter_sequence,
     )
 
 
@@ -327,6 +335,7 @@ def replay(record: JobRecord, event: Replay, now: float) -> Outcome:
         failed_attempts=0,
         handed_back_in_a_row=0,
         handed_back_by=(),
+        dead_letter_sequence=0,  # a replay deletes the letter
     )
 
 
@@ -477,9 +486,16 @@ def put_back_delay_s(record: JobRecord, delay_s: float, now: float) -> float:
 
 
 def give_up_event(
-    record: JobRecord, last_error: JobError | None, *, state: JobState, batch: BatchInfo | None = None
+    record: JobRecord,
+    last_error: JobError | None,
+    *,
+    state: JobState,
+    batch: BatchInfo | None = None,
+    dead_letter_sequence: int = 0,
 ) -> GiveUp:
     """The GiveUp that ends a dead-lettered job: its last error, marked final, with the attempts
-    that counted (not `attempt`, which counts those given back too)."""
+    that counted (not `attempt`, which counts those given back too), and where its letter is."""
     error = job_errors.gave_up(last_error, record.spent_attempts, given_back=record.given_back_attempts)
-    return GiveUp(attempt=record.attempt, state=state, error=error, batch=batch)
+    return GiveUp(
+        attempt=record.attempt, state=state, error=error, batch=batch, dead_letter_sequence=dead_letter_sequence
+    )

@@ -19,6 +19,8 @@ from asyncinfer.client import AsyncClient, Job, JobState, Priority, QueuePositio
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, load_config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.errors import ConfigError
+from asyncinfer.jobs import job_key
+from asyncinfer.nats import Client as NatsClient
 from services.console import html as ui
 from services.console import pages_jobs
 from services.console.app import ConsoleApp
@@ -459,10 +461,64 @@ async def test_a_dead_lettered_jobs_page_links_its_dead_letter(
     assert await browser.evaluate("document.querySelector('#job a#dead-letters').getAttribute('href')") == (
         "/dead-letters?model=flaky"
     )
+    # Its record names the letter (Job.dead_letter_sequence): the commands take it as they are.
     assert await browser.evaluate(f"{row}.cells[1].innerText") == (
-        "MAX_ATTEMPTS: attempts spent; among flaky's dead letters: asyncinfer dlq list --model flaky names its "
-        "sequence, asyncinfer dlq replay SEQUENCE runs it again"
+        f"MAX_ATTEMPTS: attempts spent; among flaky's dead letters: asyncinfer dlq show {sequence} shows it, "
+        f"asyncinfer dlq replay {sequence} runs it again"
     )
+
+
+async def test_a_dead_lettered_jobs_page_links_its_own_letter_past_the_letters_it_would_search(
+    config: Config,
+    tmp_path: Path,
+    nc: NatsClient,
+    start_stack: StartStack,
+    start_console: StartConsole,
+    browser: Browser,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead-lettered job's page found its letter by reading its model's first 2,000 letters for
+    the job: a job whose letter lay past them (a model with more letters) named only the listing.
+    The scheduler now writes the letter's sequence on the record that ends the job, and the page
+    links that letter, however many came before it. Here the console reads one letter of the
+    model's (as if thousands came first), and a second job failed with the first's error text:
+    each page links its own letter. A record written before (no sequence on it) is still searched."""
+    stack = await start_stack(keyed(config, tmp_path))
+    console = await start_console(stack, tenant_key=TENANT_KEY, ops_key=OPS_KEY)
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        first = await client.wait(await client.submit("flaky", FAILING_X), timeout_s=30)
+        second = await client.wait(await client.submit("flaky", FAILING_X), timeout_s=30)
+    assert (first.state, second.state) == (JobState.FAILED, JobState.FAILED)
+    assert first.error is not None
+    assert second.error is not None
+    assert first.error.message == second.error.message  # one error text for both
+    assert 0 < first.dead_letter_sequence < second.dead_letter_sequence  # the SDK's Job names each letter
+    monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGES_READ", 1)
+    monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGE_SIZE", 1)
+
+    async def linked(job_id: str) -> str:
+        await browser.goto(console.url + f"jobs/{job_id}")
+        await browser.wait_for_text("dead letter", "#job")
+        return str(await browser.evaluate("document.querySelector('#job a#dead-letter')?.innerText ?? ''"))
+
+    assert await linked(second.job_id) == str(second.dead_letter_sequence)
+    assert await linked(first.job_id) == str(first.dead_letter_sequence)
+    await browser.click_and_load("#job a#dead-letter")
+    assert first.job_id in await browser.text()
+
+    # The second job's record as a scheduler of the release before wrote it: no sequence on it. Its
+    # page searches the model's letters for the job, as before (with the pages it reads as shipped).
+    kv = await nc.jetstream().key_value(config.nats.jobs_bucket)
+    entry = await kv.get(job_key("acme", second.job_id))
+    assert entry.value is not None
+    written_before = json.loads(entry.value)
+    assert written_before.pop("dead_letter_sequence") == second.dead_letter_sequence
+    await kv.update(entry.key, json.dumps(written_before).encode(), last=entry.revision)
+    async with AsyncClient(stack.address, api_key=TENANT_KEY) as client:
+        assert (await client.get(second.job_id)).dead_letter_sequence == 0
+    monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGES_READ", 4)
+    monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGE_SIZE", 500)
+    assert await linked(second.job_id) == str(second.dead_letter_sequence)
 
 
 async def test_the_queue_page_updates_after_jobs_are_submitted(

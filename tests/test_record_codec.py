@@ -118,7 +118,13 @@ def assert_writes_version_0_plus_v(record: JobRecord) -> None:
         del old["attempt"]
     if old["outputs"] == []:
         del old["outputs"]
-    added_since_fields = ("claim_revision", "failed_attempts", "given_back_attempts", "handed_back_in_a_row")
+    added_since_fields = (
+        "claim_revision",
+        "failed_attempts",
+        "given_back_attempts",
+        "handed_back_in_a_row",
+        "dead_letter_sequence",
+    )
     for added_since in added_since_fields:  # added since, defaults left out
         if old.get(added_since) == 0:
             del old[added_since]
@@ -137,6 +143,7 @@ def test_encode_record_writes_the_generic_encoders_fields() -> None:
         FULL.evolve(given_back_attempts=4),  # added since version 1
         FULL.evolve(handed_back_in_a_row=3),  # added since version 1
         FULL.evolve(handed_back_in_a_row=2, handed_back_by=("b1", "b2")),  # added since version 1
+        FULL.evolve(state=JobState.FAILED, dead_letter_sequence=17),  # added since version 1
     ):
         assert_writes_version_0_plus_v(record)
         assert decode_record(encode_record(record), revision=record.revision) == record

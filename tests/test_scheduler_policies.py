@@ -336,6 +336,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
         2,
     )
     assert (letter.last_error.reason, letter.last_error.code) == ("MODEL_ERROR", 13)
+    assert failed.dead_letter_sequence == letter.sequence  # the record names its letter
     assert letter.original_request == b""  # only GetDeadLetter carries it
     got = (await h.ops.GetDeadLetter(ops_service_pb2.GetDeadLetterRequest(sequence=letter.sequence))).dead_letter
     assert b'"job_id":"' + job_id.encode() in got.original_request
@@ -362,6 +363,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     key, revision, data = decode_queued_notice(await asyncio.wait_for(notices.get(), 5.0))
     requeued = decode_record(data, revision)
     assert (key, requeued.state, requeued.attempt) == (job_key(TENANT, job_id), JobState.QUEUED, 2)
+    assert requeued.dead_letter_sequence == 0  # its letter is deleted
     await listening.unsubscribe()
     order = await batcher.next_order()
     assert (order.job_id, order.attempt) == (job_id, 3)  # the fencing token keeps counting

@@ -187,6 +187,7 @@ def job_from_proto(message: job_pb2.Job, progress: job_service_pb2.JobProgress |
         trace_id=message.trace_id,
         trace_sampled=message.trace_sampled if message.HasField("trace_sampled") else True,
         given_back_attempts=message.given_back_attempts,
+        dead_letter_sequence=message.dead_letter_sequence,
     )
 
 

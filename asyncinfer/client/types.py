@@ -194,6 +194,10 @@ class Job:
     # by a scheduler's stop, a batcher gone before its order went out, an input read retried. 0 from
     # a gateway of a release before.
     given_back_attempts: int = 0
+    # A dead-lettered job's letter, by its sequence in the dead-letter stream (what OpsService's
+    # GetDeadLetter and `asyncinfer dlq show` take); 0 for any other job, after a replay (its letter
+    # is deleted), and for a job a scheduler of a release before dead-lettered.
+    dead_letter_sequence: int = 0
 
     @property
     def done(self) -> bool:

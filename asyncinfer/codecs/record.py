@@ -10,7 +10,8 @@ Fields added since, with defaults: `batcher_id`, `progress` (the latest progress
 `failed_attempts` (the attempts that failed and were retried since the submit or the last replay),
 `given_back_attempts` (the attempts given back, over the job's life), `handed_back_in_a_row` (the
 batchers' hand-backs since the last attempt that ran), `handed_back_by` (of those, the batchers
-that handed it back no longer serving its version)."""
+that handed it back no longer serving its version), `dead_letter_sequence` (a dead-lettered job's letter
+in the dead-letter stream)."""
 
 from __future__ import annotations
 
@@ -86,6 +87,7 @@ class RecordWire(msgspec.Struct, kw_only=True, omit_defaults=True):
     given_back_attempts: int = 0  # added in version 1 (a default: older readers skip it)
     handed_back_in_a_row: int = 0  # added in version 1 (a default: older readers skip it)
     handed_back_by: tuple[str, ...] = ()  # added in version 1 (a default: older readers skip it)
+    dead_letter_sequence: int = 0  # added in version 1 (a default: older readers skip it)
 
 
 _encoder = msgspec.json.Encoder()
@@ -136,6 +138,7 @@ def encode_record(record: JobRecord) -> bytes:
             given_back_attempts=r.given_back_attempts,
             handed_back_in_a_row=r.handed_back_in_a_row,
             handed_back_by=r.handed_back_by,
+            dead_letter_sequence=r.dead_letter_sequence,
         )
     )
 
@@ -183,5 +186,6 @@ def decode_record(data: bytes, revision: int = 0) -> JobRecord:
         given_back_attempts=w.given_back_attempts,
         handed_back_in_a_row=w.handed_back_in_a_row,
         handed_back_by=tuple(w.handed_back_by),
+        dead_letter_sequence=w.dead_letter_sequence,
         revision=revision,
     )

@@ -268,6 +268,11 @@ def job_text(
     if job.error is not None:
         lines.append(f"error       {code_and_reason(job.error.code.name, job.error.reason)}: {job.error.message}")
         lines += _violations(unsaid_violations(job.error.message, job.error.violations))
+        if job.dead_letter_sequence:  # its letter, straight to the command that shows or replays it
+            sequence = job.dead_letter_sequence
+            lines.append(
+                f"dead letter {sequence} (asyncinfer dlq show {sequence}; dlq replay {sequence} runs it again)"
+            )
     elif job.last_error is not None:
         last = job.last_error
         lines.append(f"last error  {code_and_reason(last.code.name, last.reason)}: {last.message}")

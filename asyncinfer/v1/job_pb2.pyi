@@ -444,6 +444,7 @@ class Job(_message.Message):
     TRACE_ID_FIELD_NUMBER: _builtins.int
     GIVEN_BACK_ATTEMPTS_FIELD_NUMBER: _builtins.int
     TRACE_SAMPLED_FIELD_NUMBER: _builtins.int
+    DEAD_LETTER_SEQUENCE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     """Time-sortable ID (UUIDv7, canonical text form)."""
     model_name: _builtins.str
@@ -487,6 +488,12 @@ class Job(_message.Message):
     tracing.sample_ratio, or the caller's traceparent, decides): only a sampled trace's spans are
     recorded and exported, so only then does a trace viewer show it. Unset when trace_id is empty,
     and from a gateway before session 34.
+    """
+    dead_letter_sequence: _builtins.int
+    """A dead-lettered job's letter (FAILED or TIMED_OUT with its attempts spent): its sequence in the
+    dead-letter stream, which OpsService's GetDeadLetter and ReplayDeadLetters take (`asyncinfer dlq
+    show SEQUENCE`). 0 for any other job, after a replay (the letter is deleted), and for a job an
+    older scheduler dead-lettered (ListDeadLetters with its model_name lists it).
     """
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -602,10 +609,11 @@ class Job(_message.Message):
         trace_id: _builtins.str = ...,
         given_back_attempts: _builtins.int = ...,
         trace_sampled: _builtins.bool | None = ...,
+        dead_letter_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled", "batch", b"batch", "callback", b"callback", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "input_ref", b"input_ref", "last_error", b"last_error", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "run_duration", b"run_duration", "start_time", b"start_time", "trace_sampled", b"trace_sampled", "update_time", b"update_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled", "attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "given_back_attempts", b"given_back_attempts", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "trace_id", b"trace_id", "trace_sampled", b"trace_sampled", "update_time", b"update_time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled", "attempt", b"attempt", "batch", b"batch", "batcher_id", b"batcher_id", "callback", b"callback", "callback_deliveries", b"callback_deliveries", "create_time", b"create_time", "dead_letter_sequence", b"dead_letter_sequence", "deadline", b"deadline", "end_time", b"end_time", "error", b"error", "execution_timeout", b"execution_timeout", "expire_time", b"expire_time", "given_back_attempts", b"given_back_attempts", "idempotency_key", b"idempotency_key", "input_ref", b"input_ref", "job_id", b"job_id", "labels", b"labels", "last_error", b"last_error", "max_attempts", b"max_attempts", "model_name", b"model_name", "model_version", b"model_version", "outputs", b"outputs", "priority", b"priority", "queue", b"queue", "queue_duration", b"queue_duration", "result_ref", b"result_ref", "result_retention", b"result_retention", "revision", b"revision", "run_duration", b"run_duration", "start_time", b"start_time", "state", b"state", "trace_id", b"trace_id", "trace_sampled", b"trace_sampled", "update_time", b"update_time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__trace_sampled: _TypeAlias = _typing.Literal["trace_sampled"]  # noqa: Y015
     _WhichOneofArgType__trace_sampled: _TypeAlias = _typing.Literal["_trace_sampled", b"_trace_sampled"]  # noqa: Y015

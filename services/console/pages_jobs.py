@@ -200,8 +200,9 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
 
 
 CANCEL_REASON = "from the web console"
-# The pages of its model's dead letters (oldest first, 500 a page) a dead-lettered job's page reads
-# for its letter; past them (a queue of dead letters thousands long) it names the listing instead.
+# The pages of its model's dead letters (oldest first, 500 a page) the page of a job dead-lettered by
+# a scheduler of the release before (its record names no letter) reads for its letter; past them (a
+# queue of dead letters thousands long) it names the listing instead.
 DEAD_LETTER_PAGES_READ = 4
 DEAD_LETTER_PAGE_SIZE = 500
 
@@ -229,6 +230,12 @@ async def _dead_letter(ctx: Context, job: Job) -> str:
     said = f"{ui.h(MAX_ATTEMPTS)}: attempts spent; among {listing}"
     if chunk:
         return said
+    if job.dead_letter_sequence:  # named by its record: the commands need not look for it
+        sequence = ui.h(job.dead_letter_sequence)
+        return (
+            f"{said}: <code>asyncinfer dlq show {sequence}</code> shows it, "
+            f"<code>asyncinfer dlq replay {sequence}</code> runs it again"
+        )
     return (
         f"{said}: <code>asyncinfer dlq list --model {model}</code> names its sequence, "
         "<code>asyncinfer dlq replay SEQUENCE</code> runs it again"
@@ -236,8 +243,18 @@ async def _dead_letter(ctx: Context, job: Job) -> str:
 
 
 async def _find_dead_letter(ctx: Context, job: Job) -> dict[str, Any] | None:
-    """The job's dead letter among the first pages of its model's (None: not there, or the
-    scheduler would not say: a console without the ops key)."""
+    """The job's dead letter: the one its record names (the scheduler writes the letter's sequence
+    on the record that ends the job); for a record from a scheduler of the release before, which
+    names none, its model's first pages of letters searched for the job. None: not there (purged,
+    past its retention, or past the pages read), or the scheduler would not say (a console without
+    the ops key)."""
+    if job.dead_letter_sequence:
+        try:
+            letter = await ctx.backend.dead_letter(job.dead_letter_sequence)
+        except AsyncInferClientError:  # NOT_FOUND (purged, expired) or no ops key
+            return None
+        # The sequence came with the record, the letter from the scheduler: both name the job.
+        return letter if letter["job_id"] == job.job_id and letter["tenant"] == ctx.tenant else None
     token = ""
     for _ in range(DEAD_LETTER_PAGES_READ):
         try:

@@ -183,6 +183,7 @@ def job_to_proto(record: JobRecord, standing: QueueStanding | None = None) -> jo
         revision=record.revision,
         batcher_id=record.batcher_id,
         given_back_attempts=record.given_back_attempts,
+        dead_letter_sequence=record.dead_letter_sequence,
     )
     if record.traceparent:
         job.trace_id = trace_id_of(record.traceparent)

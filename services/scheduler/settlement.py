@@ -266,7 +266,9 @@ class Settlement:
             allowed_attempts=record.max_attempts - record.given_back_attempts,
         )
         stored = await self._dead_letters.add(letter, retention_s=record.result_retention_s)
-        event = lifecycle.give_up_event(record, last_error, state=state, batch=batch)
+        event = lifecycle.give_up_event(
+            record, last_error, state=state, batch=batch, dead_letter_sequence=stored.sequence
+        )
         latest, written = await self._store.transition(record, lifecycle.decider(event, time.time()))
         if latest is not None and latest.state is not state:
             await self._withdraw_letter(stored, latest, job_log)

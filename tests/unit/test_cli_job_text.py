@@ -208,3 +208,16 @@ def test_a_failed_jobs_error_says_each_violation_once() -> None:
     lines = job_text(a_job(state=JobState.FAILED, error=error)).splitlines()
     at = lines.index(f"error       INVALID_ARGUMENT: invalid inputs: {first.field}: {first.description}")
     assert lines[at + 1 :] == [f"            {other.field}: {other.description}"]
+
+
+def test_a_dead_lettered_job_names_its_letter_for_the_dlq_commands() -> None:
+    """`asyncinfer get` of a dead-lettered job said its error; to replay it one listed the model's
+    dead letters and looked for the job. Its Job now names the letter (dead_letter_sequence): the
+    line under the error gives the commands that show and replay it. A job without one says none."""
+    error = JobError(grpc.StatusCode.UNKNOWN, "MAX_ATTEMPTS", "the model raised (gave up after 3 attempts)", ())
+    lines = job_text(a_job(state=JobState.FAILED, attempt=3, error=error, dead_letter_sequence=42)).splitlines()
+    at = lines.index("error       UNKNOWN MAX_ATTEMPTS: the model raised (gave up after 3 attempts)")
+    assert lines[at + 1] == "dead letter 42 (asyncinfer dlq show 42; dlq replay 42 runs it again)"
+    assert not any(
+        line.startswith("dead letter") for line in job_text(a_job(state=JobState.FAILED, error=error)).splitlines()
+    )

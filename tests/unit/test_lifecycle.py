@@ -550,6 +550,20 @@ def test_a_give_up_counts_the_attempts_spent_not_those_given_back() -> None:
     assert (replayed.given_back_attempts, replayed.spent_attempts) == (4, 2)
 
 
+def test_a_give_up_writes_its_letters_sequence_on_the_record_and_a_replay_clears_it() -> None:
+    """The record that ends a dead-lettered job names its letter (its sequence in the dead-letter
+    stream, stored before the record is written), so that its page and `asyncinfer get` link it
+    without searching the model's letters; a replay deletes the letter, and the record stops naming it."""
+    running = lifecycle.apply(queued(max_attempts=1), lifecycle.Dispatch(batcher_id="b1"), 1_000.0)
+    assert isinstance(running, JobRecord)
+    ended = lifecycle.apply(running, lifecycle.give_up_event(running, RETRIABLE, state=F, dead_letter_sequence=42), 1.0)
+    assert isinstance(ended, JobRecord)
+    assert (ended.state, ended.dead_letter_sequence) == (F, 42)
+    replayed = lifecycle.apply(ended, lifecycle.Replay(budget=1), 2.0)
+    assert isinstance(replayed, JobRecord)
+    assert (replayed.state, replayed.dead_letter_sequence) == (JobState.QUEUED, 0)
+
+
 @pytest.mark.parametrize(
     ("deadline", "delay_s"), [(None, 40.0), (1_100.0, 40.0), (1_010.0, 10.0), (1_000.0, 0.0), (990.0, 0.0)]
 )
