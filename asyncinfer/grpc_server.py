@@ -99,6 +99,12 @@ class GrpcServer:
         for name in self._service_names:
             await self.health.set(name, status)
 
+    async def set_serving_of(self, name: str, serving: bool) -> None:
+        """The health of one more name than the server's own (a batcher's models: `set_serving`
+        leaves them as they are); once a stop began, every name stays NOT_SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        await self.health.set(name, status)
+
     async def begin_shutdown(self) -> None:
         """Health NOT_SERVING (for good), the server still answering: for a service that has
         work to finish before it stops its server, so that probes and load balancers move on at

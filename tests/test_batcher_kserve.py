@@ -228,6 +228,10 @@ async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
             # Not ready, but alive: a liveness probe does not restart the models that serve.
             reply = await health.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # Each model's health (service: its name; its version's, name/version) says which serves.
+            for service, status in (("demo", "SERVING"), ("demo/1", "SERVING"), ("broken", "NOT_SERVING")):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                assert health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status) == status, service
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
             assert not await client.is_server_ready()
@@ -244,7 +248,11 @@ async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
             assert "build_nothing" in (info.value.message() or "")
         finally:
             await client.close()
-        assert batcher.metrics.model_ready.labels(model="broken")._value.get() == 0
+        ready = {
+            (labels["model"], labels["version"]): value
+            for labels, value in ((s.labels, s.value) for m in batcher.metrics.model_ready.collect() for s in m.samples)
+        }
+        assert ready == {("broken", "1"): 0, ("broken", ""): 0, ("demo", "1"): 1, ("demo", ""): 1}
     finally:
         await batcher.stop(grace_s=1.0)
 

@@ -820,3 +820,87 @@ async def test_a_triton_outage_of_one_version_leaves_the_models_torch_version_ru
             assert back.outputs["y"].tolist() == [[7.0] * 4]
     finally:
         await outage.down()
+
+
+async def health_turns(health: health_pb2_grpc.HealthStub, service: str, status: int) -> None:
+    """Returns once the batcher's health of `service` says `status` (its Watch stream: no polling)."""
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=service))
+    try:
+        async for reply in watch:
+            if reply.status == status:
+                return
+    finally:
+        watch.cancel()
+
+
+def ready_gauge(batcher: BatcherApp) -> dict[tuple[str, str], float]:
+    """asyncinfer_batcher_model_ready as scraped: (model, version) -> value."""
+    return {
+        (s.labels["model"], s.labels["version"]): s.value
+        for metric in batcher.metrics.model_ready.collect()
+        for s in metric.samples
+    }
+
+
+async def test_a_triton_outage_of_one_version_leaves_the_model_and_its_other_version_ready(triton_url: str) -> None:
+    """Since session 34 a Triton outage stops only the version behind it (a torch version 1 beside a
+    Triton version 2 keeps running), but the model's ready gauge and the KServe ModelReady of the
+    model named without a version still said not ready while any version was out of reach (and
+    the gauge had no version to say which). Now readiness is the version's, as Triton's and KServe's
+    ModelReady are: during version 2's outage the gauge reads demo/1 1 and demo/2 0, gRPC health
+    serves `demo` (its default version, 1) and `demo/1` and not `demo/2`, ModelReady says the same;
+    the server's own health stays NOT_SERVING (Triton's strict readiness). All back once it answers."""
+    outage = TritonOutage(triton_url)
+    url = await outage.up()
+    triton_version = {"version": "2", "backend": "triton", "loader": "", "triton_url": url}
+    model = {
+        **DEMO_MODEL.model_dump(),
+        "warm_up": False,
+        "default_version": "1",
+        "triton_model_name": "affine",
+        "max_batch_size": 8,
+        "versions": [triton_version],
+    }
+    batcher = BatcherApp(
+        Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[model])
+    )
+    await batcher.start()
+    kserve = triton_aio.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}")
+    health = health_pb2_grpc.HealthStub(channel)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def statuses() -> dict[str, int]:
+        names = ("", "demo", "demo/1", "demo/2")
+        return {n: (await health.Check(health_pb2.HealthCheckRequest(service=n))).status for n in names}
+
+    async def model_ready() -> dict[str, bool]:
+        return {v: await kserve.is_model_ready("demo", v) for v in ("", "1", "2")}
+
+    try:
+        assert batcher.engine.model_config("demo", "2").backend == "triton"
+        assert ready_gauge(batcher) == {("demo", ""): 1, ("demo", "1"): 1, ("demo", "2"): 1}
+        assert await statuses() == {"": serving, "demo": serving, "demo/1": serving, "demo/2": serving}
+
+        await outage.down()
+        computing = asyncio.create_task(batcher.engine.infer("demo", x(2.0), version="2"))  # meets the outage
+        await asyncio.wait_for(health_turns(health, "demo/2", not_serving), 30)
+        assert ready_gauge(batcher) == {("demo", ""): 1, ("demo", "1"): 1, ("demo", "2"): 0}
+        assert await statuses() == {"": not_serving, "demo": serving, "demo/1": serving, "demo/2": not_serving}
+        assert await model_ready() == {"": True, "1": True, "2": False}
+        torch_version = await batcher.engine.infer("demo", x(1.0), version="1")  # runs on meanwhile
+        assert torch_version.outputs[0].to_numpy().shape == (1, 4)
+        assert not computing.done()
+
+        await outage.up()
+        outcome = await asyncio.wait_for(computing, 30)
+        assert outcome.outputs[0].to_numpy().tolist() == [[5.0] * 4]
+        await asyncio.wait_for(health_turns(health, "demo/2", serving), 30)
+        assert ready_gauge(batcher) == {("demo", ""): 1, ("demo", "1"): 1, ("demo", "2"): 1}
+        assert await model_ready() == {"": True, "1": True, "2": True}
+        await asyncio.wait_for(health_turns(health, "", serving), 30)
+    finally:
+        await channel.close()
+        await kserve.close()
+        await batcher.stop(grace_s=1.0)
+        await outage.down()

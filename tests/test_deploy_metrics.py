@@ -282,20 +282,24 @@ def _write(path: Path, content: Any) -> Path:
     return path
 
 
-def _alert(name: str, series: list[tuple[str, str]], fires: list[tuple[str, dict[str, str] | None]]) -> dict[str, Any]:
-    """One test: the input series, then at each (time, labels) the alert fires with those labels
-    (None: it does not fire then)."""
+def _alert(
+    name: str,
+    series: list[tuple[str, str]],
+    fires: list[tuple[str, dict[str, str] | list[dict[str, str]] | None]],
+) -> dict[str, Any]:
+    """One test: the input series, then at each (time, labels) the alert fires with those labels,
+    or once with each of a list of them (None: it does not fire then)."""
     severity = next(r["labels"]["severity"] for r in alert_rules() if r["alert"] == name)
+
+    def expected(labels: dict[str, str] | list[dict[str, str]] | None) -> list[dict[str, Any]]:
+        each = [] if labels is None else [labels] if isinstance(labels, dict) else labels
+        return [{"exp_labels": {**one, "severity": severity}} for one in each]
+
     return {
         "interval": "1m",
         "input_series": [{"series": s, "values": v} for s, v in series],
         "alert_rule_test": [
-            {
-                "eval_time": at,
-                "alertname": name,
-                "exp_alerts": [] if labels is None else [{"exp_labels": {**labels, "severity": severity}}],
-            }
-            for at, labels in fires
+            {"eval_time": at, "alertname": name, "exp_alerts": expected(labels)} for at, labels in fires
         ],
     }
 
@@ -354,9 +358,11 @@ ALERT_TESTS = [
         "AsyncinferDesiredBatchersMissing",
         [  # demo's batcher computes while its scheduler's series goes (its scrapes fail from 3m);
             # served keeps its series
-            ('asyncinfer_batcher_model_ready{model="demo",instance="b1"}', "1x12"),
+            ('asyncinfer_batcher_model_ready{model="demo",version="",instance="b1"}', "1x12"),
+            ('asyncinfer_batcher_model_ready{model="demo",version="1",instance="b1"}', "1x12"),
             ('asyncinfer_desired_batchers{model="demo",instance="s1"}', "1 1 1 stale"),
-            ('asyncinfer_batcher_model_ready{model="served",instance="b2"}', "1x12"),
+            ('asyncinfer_batcher_model_ready{model="served",version="",instance="b2"}', "1x12"),
+            ('asyncinfer_batcher_model_ready{model="served",version="1",instance="b2"}', "1x12"),
             ('asyncinfer_desired_batchers{model="served",instance="s1"}', "2x12"),
         ],
         [("2m", None), ("4m", None), ("6m", {"model": "demo"})],
@@ -382,11 +388,26 @@ ALERT_TESTS = [
     _alert(
         "AsyncinferModelNotReady",
         [
-            ('asyncinfer_batcher_model_ready{model="broken",instance="b1"}', "0x10"),
-            ('asyncinfer_batcher_model_ready{model="broken",instance="b2"}', "1x10"),
-            ('asyncinfer_batcher_model_ready{model="demo",instance="b1"}', "1x10"),
+            # broken's version 1 failed to load on b1 (the model's series, its default, says so too);
+            # demo's version 2 is out of reach on b1 (its Triton), version 1 and the model serve.
+            ('asyncinfer_batcher_model_ready{model="broken",version="",instance="b1"}', "0x10"),
+            ('asyncinfer_batcher_model_ready{model="broken",version="1",instance="b1"}', "0x10"),
+            ('asyncinfer_batcher_model_ready{model="broken",version="",instance="b2"}', "1x10"),
+            ('asyncinfer_batcher_model_ready{model="broken",version="1",instance="b2"}', "1x10"),
+            ('asyncinfer_batcher_model_ready{model="demo",version="",instance="b1"}', "1x10"),
+            ('asyncinfer_batcher_model_ready{model="demo",version="1",instance="b1"}', "1x10"),
+            ('asyncinfer_batcher_model_ready{model="demo",version="2",instance="b1"}', "0x10"),
         ],
-        [("4m", None), ("6m", {"model": "broken", "instance": "b1"})],
+        [
+            ("4m", None),
+            (
+                "6m",
+                [
+                    {"model": "broken", "version": "1", "instance": "b1"},
+                    {"model": "demo", "version": "2", "instance": "b1"},
+                ],
+            ),
+        ],
     ),
     _alert(
         "AsyncinferModelCallHung",

@@ -8,7 +8,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -45,8 +45,14 @@ ANSWERS_AFTER_GRACE_S = 1.0
 # KServe's liveness and readiness probes stay open, like grpc health; every other method (ModelInfer
 # above all: it runs outside every quota) takes a key of role ops once API keys are configured.
 OPEN_METHODS = (f"/{SERVICE_NAME}/ServerLive", f"/{SERVICE_NAME}/ServerReady")
+
 # What anyone who reached a batcher with no key could do (require_keys_beyond_loopback).
 BATCHER_EXPOSES = "run its models, and load new ones (a loader names any code the batcher will run)"
+
+
+def model_health_name(model: str, version: str = "") -> str:
+    """The gRPC health service name of a model (its default version: "") or of one version."""
+    return f"{model}/{version}" if version else model
 
 
 class BatcherApp:
@@ -74,6 +80,9 @@ class BatcherApp:
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
         self._health_updates: set[asyncio.Task[None]] = set()
+        # The (model, version) the ready gauge has a series of, and those given a health status.
+        self._ready_series: set[tuple[str, str]] = set()
+        self._health_names: set[tuple[str, str]] = set()
         self._sighup = False
         self._server: GrpcServer | None = None
         self._metrics_server: MetricsServer | None = None
@@ -119,10 +128,10 @@ class BatcherApp:
             reasons = [r for (name, _v), r in self.models.failures.items() if name == model.name]
             if reasons:
                 self.load_failures[model.name] = reasons[0]
-            self.metrics.set_model_ready(model.name, not reasons)
         for model in self.config.models:
             if model.steps:
                 self._add_pipeline(model)
+        self._readiness_changed()
         await self.engine.start()
 
         servicer = KServeServicer(self.engine, self.load_failures, self.models, self._repository)
@@ -142,6 +151,7 @@ class BatcherApp:
             # Like Triton's strict readiness: not ready while a configured model is missing, but
             # the models that loaded keep serving.
             await self._server.set_serving(False)
+        await self._set_models_health(self._readiness())
         self.engine.add_reachable_listener(self._reachable_changed)
 
         self._metrics_server = MetricsServer(self.registry, batcher.host, batcher.metrics_port)
@@ -167,7 +177,7 @@ class BatcherApp:
                 max_result_bytes=work_message_bytes(self.config) - UPDATES_MESSAGE_BYTES - WORK_MESSAGE_HEADROOM_BYTES,
             )
             await self._worker.start()
-            self.models.on_change(self._worker.models_changed)
+        self.models.on_change(self._models_changed)
         if self.config_path is not None and threading.current_thread() is threading.main_thread():
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
             self._sighup = True
@@ -182,29 +192,74 @@ class BatcherApp:
         )
 
     def _reachable_changed(self) -> None:
-        """A model's Triton went out of reach or answers again: while one is out of reach, health
-        is NOT_SERVING and the model's ready gauge 0, as for a model that failed to load (the
-        others keep serving)."""
-        unreachable = set(self.engine.unreachable_models())
-        for name in self.engine.model_names:
-            if self.engine.pipeline(name) is None:
-                self.metrics.set_model_ready(name, name not in unreachable)
+        """A model's Triton went out of reach or answers again: while one is out of reach, the
+        server's health is NOT_SERVING (as for a model that failed to load, Triton's strict
+        readiness), and that version's ready gauge and health say so; its other versions, and the
+        model's own series and health while its default version serves, stay ready (they take work)."""
+        self._readiness_changed()
         if self._stopped:
             return
         if self._worker is not None:
-            self._worker.reachable_changed()  # the scheduler drops the model's credits here
-        if self._server is None:
+            self._worker.reachable_changed()  # the scheduler drops the version's credits here
+
+    def _models_changed(self, loading: Sequence[ModelConfig]) -> None:
+        """Versions loaded or unloaded (a reload, KServe's repository API, the scheduler's model
+        controls): their readiness, then the announce to the scheduler."""
+        self._readiness_changed()
+        if self._worker is not None:
+            self._worker.models_changed(loading)
+
+    def _readiness(self) -> dict[tuple[str, str], bool]:
+        """(model, version) -> whether it serves here now (engine.version_ready): each version
+        loaded or failed to load, and with version "" the model as a request naming no version
+        finds it (its default version). Per version, as Triton and KServe's ModelReady answer: one
+        version's outage (its Triton out of reach) leaves the others, and the model, ready."""
+        ready: dict[tuple[str, str], bool] = {}
+        for name, version in self.models.failures:
+            ready[(name, version)] = ready[(name, "")] = False
+        for model in self.config.models:  # a pipeline whose steps are not served here
+            if model.steps and model.name in self.load_failures:
+                ready[(model.name, model.version)] = ready[(model.name, "")] = False
+        for name in self.engine.model_names:
+            for version in self.engine.versions(name):
+                ready[(name, version)] = self.engine.version_ready(name, version)
+            ready[(name, "")] = self.engine.version_ready(name)
+        return ready
+
+    def _readiness_changed(self) -> None:
+        """The ready gauge now (a version no longer loaded loses its series), and the models'
+        health (service `<model>`, and `<model>/<version>` per version) once the server serves."""
+        ready = self._readiness()
+        for model, version in self._ready_series - ready.keys():
+            self.metrics.forget_model_ready(model, version)
+        for (model, version), serves in ready.items():
+            self.metrics.set_model_ready(model, version, serves)
+        self._ready_series = set(ready)
+        if self._stopped or self._server is None:
             return
         server = self._server
 
         async def update() -> None:
             # Read when it runs: of two changes in a row, the last one's health stands.
             await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
+            await self._set_models_health(self._readiness())
 
         task = asyncio.create_task(update(), name="batcher-health")
         self._health_updates.add(task)  # awaited by stop
         task.add_done_callback(self._health_updates.discard)
         task.add_done_callback(failure_logged)
+
+    async def _set_models_health(self, ready: dict[tuple[str, str], bool]) -> None:
+        """gRPC health per model (`<model>`: its default version) and version (`<model>/<version>`;
+        model names and versions hold no "/" and no ".", so they meet no service's name). A
+        version no longer loaded answers NOT_SERVING, as an unknown one does in KServe's ModelReady."""
+        if self._server is None:
+            return
+        for model, version in self._health_names - ready.keys():
+            await self._server.set_serving_of(model_health_name(model, version), False)
+        for (model, version), serves in ready.items():
+            await self._server.set_serving_of(model_health_name(model, version), serves)
+        self._health_names |= ready.keys()
 
     def _model_hung(self, batch: HungBatch) -> None:
         """A model call that does not return: no thread can be stopped, so the process stops (as
@@ -238,10 +293,8 @@ class BatcherApp:
         except ConfigError as exc:
             log.error("model_load_failed", model=model.name, reason=exc.message)
             self.load_failures[model.name] = exc.message
-            self.metrics.set_model_ready(model.name, False)
             return
         log.info("pipeline_added", model=model.name, steps=[step.label for step in model.steps])
-        self.metrics.set_model_ready(model.name, True)
 
     def _repository(self) -> tuple[ModelConfig, ...]:
         """The models the configuration file declares now (re-read: the file is the model

@@ -520,11 +520,27 @@ class BatchingEngine:
         self._reachable_listeners.append(listener)
 
     def unreachable_models(self) -> list[str]:
-        """The models a version of which has its remote server (Triton) out of reach (the model's
-        ready gauge and the batcher's health say so; its other versions go on taking work)."""
+        """The models a version of which has its remote server (Triton) out of reach (ServerReady
+        and the batcher's own health say so, as Triton's strict readiness does; the version's ready
+        gauge and health too, `version_ready`; its other versions go on taking work)."""
         return [
             name for name, versions in self._queues.items() if any(not q.backend.reachable for q in versions.values())
         ]
+
+    def version_ready(self, model_name: str, version: str = "") -> bool:
+        """Whether the version serves here now: in service (loaded, not retiring) and its remote
+        server (Triton) within reach. With no version, the one a request naming none runs on (the
+        default version: Triton answers a ModelReady naming none for the version such a request
+        gets), so a model whose other version is out of reach is ready. A pipeline: while none of its
+        steps has a version out of reach."""
+        pipeline = self._pipelines.get(model_name)
+        if pipeline is not None:
+            return version in ("", pipeline.config.version) and model_name not in self.out_of_reach()
+        versions = self._queues.get(model_name)
+        if not versions:
+            return False
+        queue = versions.get(version or self.default_version(model_name))
+        return queue is not None and queue.backend.reachable
 
     def unreachable_versions(self) -> set[tuple[str, str]]:
         """The (model, version) whose remote server (Triton) is out of reach: announced to the

@@ -160,19 +160,12 @@ class KServeServicer(RepositoryServicer, service_pb2_grpc.GRPCInferenceServiceSe
     async def ModelReady(
         self, request: service_pb2.ModelReadyRequest, context: Context
     ) -> service_pb2.ModelReadyResponse:
-        # Like Triton: an unknown model (or version) is simply not ready.
-        served = self._engine.has_model(request.name) and (
-            not request.version or request.version in self._engine.versions(request.name)
-        )
-        # Nor is one whose Triton is out of reach (it takes no work until it answers): the version
-        # asked for, or with none any of the model's.
-        if request.version:
-            reachable = (request.name, request.version) not in self._engine.unreachable_versions() and (
-                request.name not in self._engine.out_of_reach()
-            )
-        else:
-            reachable = request.name not in self._engine.unreachable_models()
-        return service_pb2.ModelReadyResponse(ready=served and self._engine.accepting and reachable)
+        # Like Triton: an unknown model (or version) is simply not ready; nor is one whose Triton is
+        # out of reach (it takes no work until it answers). With no version, the default version's
+        # (the one a request naming none runs on), as Triton answers for the version it would pick:
+        # another version's outage leaves the model ready.
+        ready = self._engine.version_ready(request.name, request.version)
+        return service_pb2.ModelReadyResponse(ready=ready and self._engine.accepting)
 
     async def ModelMetadata(
         self, request: service_pb2.ModelMetadataRequest, context: Context

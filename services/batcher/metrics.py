@@ -79,8 +79,9 @@ class BatcherMetrics:
         )
         self.model_ready = Gauge(
             "asyncinfer_batcher_model_ready",
-            "1 when the model loaded and serves, 0 when it failed to load or its Triton is out of reach.",
-            ["model"],
+            "1 when the model's version loaded and serves, 0 when it failed to load or its Triton is out of "
+            'reach; version="": the model as a request naming no version finds it (its default version).',
+            ["model", "version"],
             registry=registry,
         )
         # Per model: the readings of its versions' queues, summed at collection (two versions
@@ -114,8 +115,14 @@ class BatcherMetrics:
     def count_item(self, model: str, outcome: str) -> None:
         self.items.labels(model=model, outcome=outcome).inc()
 
-    def set_model_ready(self, model: str, ready: bool) -> None:
-        self.model_ready.labels(model=model).set(1 if ready else 0)
+    def set_model_ready(self, model: str, version: str, ready: bool) -> None:
+        """`version` "": the model's own series (its default version's readiness)."""
+        self.model_ready.labels(model=model, version=version).set(1 if ready else 0)
+
+    def forget_model_ready(self, model: str, version: str) -> None:
+        """A version no longer loaded (unloaded, or dropped from the file) has no series."""
+        with contextlib.suppress(KeyError):
+            self.model_ready.remove(model, version)
 
     def for_model(self, model: str) -> ModelMetrics:
         return ModelMetrics(self, model)
