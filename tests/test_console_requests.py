@@ -437,6 +437,31 @@ async def test_a_short_page_with_more_after_it_says_why() -> None:
     assert "2 of the 50 asked fit in one answer; the rest follow" in str(page.text)
 
 
+async def test_the_queue_plots_end_at_the_depth_the_page_shows(
+    config: Config, start_stack: StartStack, start_console: Any, http: aiohttp.ClientSession
+) -> None:
+    """The Queues page's plots lagged its table: they drew the sampler's samples alone, taken every
+    stats_interval_s on a clock of their own, so a burst the table showed at once reached the
+    queued-jobs plot only at the sampler's next round (measured 0.6 to 2.0 s at the default 2 s),
+    and a refresh just before it drew the plot a refresh behind the table. Here the sampler takes
+    its round at start and no other (an hour apart): the page drawn right after the burst ends
+    the demo series at the five jobs its table shows."""
+    stack = await start_stack(batcher=False)  # nothing pulls the jobs: they stay queued
+    console = await start_console(stack, stats_interval_s=3600.0)
+    async with AsyncClient(stack.address) as client:
+        for _ in range(5):
+            await client.submit("demo", X)
+    status, page = await get(http, console, "/queues", **{"X-Console-Fragment": "1"})
+    assert status == 200, page
+    row = re.search(r'id="queue-models".*?<tr><td>demo</td><td>[^<]*</td><td[^>]*>(\d+)<', page, re.S)
+    assert row is not None, page
+    assert row.group(1) == "5"
+    plot = page.partition('aria-label="queued jobs"')[2].partition("</svg>")[0]
+    assert "<title>demo: 5 jobs, latest</title>" in plot, plot
+    rate = page.partition('aria-label="completed jobs per second"')[2].partition("</svg>")[0]
+    assert "<title>demo: 0 jobs/s, latest</title>" in rate, rate
+
+
 @pytest.mark.unit
 def test_a_plots_legend_wraps_below_it_for_any_number_of_models() -> None:
     """Names were placed 110 px apart inside the 520-px plot: long ones overlapped, and past four

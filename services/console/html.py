@@ -262,9 +262,11 @@ def line_chart(
             for t, v in points
         )
         if coords:
+            # Its latest value, said when the line is hovered (and read by the tests).
+            latest = f"{name}: {_short(round(points[-1][1], 1))} {unit}, latest"
             parts.append(
                 f'<polyline class="series" data-series="{h(name)}" fill="none" stroke="{color}" '
-                f'stroke-width="2" points="{coords}"/>'
+                f'stroke-width="2" points="{coords}"><title>{h(latest)}</title></polyline>'
             )
         legend.append(f'<span style="color:{color}">&#9632; {h(name)}</span>')
     if not series:

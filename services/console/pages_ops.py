@@ -89,6 +89,14 @@ def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
     now = time.time()
     depth = {m: [(s.at, float(s.depth)) for s in samples] for m, samples in history.models.items()}
     done = {m: [(s.at, s.completed_per_second) for s in samples] for m, samples in history.models.items()}
+    # The answer this page was drawn from ends each series (drawn, not kept: the sampler keeps its
+    # own). The plots drew the sampler's samples alone, taken on a clock of their own: a burst the
+    # table showed reached the plot only at the sampler's next round, up to stats_interval_s later
+    # (2 s; measured 0.6 to 2.0 s), and a page refreshed just before it drew the plot one refresh
+    # behind its own table.
+    for q in queues:
+        depth.setdefault(q.model_name, []).append((now, float(q.depth)))
+        done.setdefault(q.model_name, []).append((now, q.completed_per_second))
     # The span grows with the samples, from a minute up to the history kept.
     oldest = min((samples[0].at for samples in history.models.values() if samples), default=now)
     span_s = min(history.keep_s, max(60.0, now - oldest))
