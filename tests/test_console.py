@@ -16,7 +16,7 @@ import pytest
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, Job, JobState, Priority, QueuePosition, WaitingReason
-from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, load_config
+from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, ModelConfig, load_config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.errors import ConfigError
 from asyncinfer.jobs import job_key
@@ -25,6 +25,7 @@ from services.console import html as ui
 from services.console import pages_jobs
 from services.console.app import ConsoleApp
 from services.gateway.app import GatewayApp
+from tests import recovering_model
 from tests.browser import Browser
 from tests.stack import Stack, StartStack
 from tests.test_up_grpcurl import close, start_up, write_config
@@ -37,6 +38,16 @@ X = {"x": np.array([[1, 2, 3, 4]], np.float32)}
 FAILING_X = {"x": np.array([[-1, 2, 3, 4]], np.float32)}  # flaky fails a row starting below 0
 
 StartConsole = Callable[..., Awaitable[ConsoleApp]]
+# Fails every job until the test sets recovering_model.MAY_SUCCEED; one attempt, so a job is
+# dead-lettered at its first failure.
+RECOVERING_MODEL = ModelConfig.model_validate(
+    {
+        **DEMO_MODEL.model_dump(),
+        "name": "recovering",
+        "loader": "tests.recovering_model:build_recovering_model",
+        "max_attempts": 1,
+    }
+)
 
 
 @pytest.fixture
@@ -440,10 +451,7 @@ async def test_a_dead_lettered_jobs_page_links_its_dead_letter(
     assert sequence.isdigit()
     row = "[...document.querySelectorAll('#job tr')].find(r => r.cells[0].innerText === 'dead letter')"
     said = await browser.evaluate(f"{row}.cells[1].innerText")
-    assert (
-        said
-        == f"{sequence} (MAX_ATTEMPTS: attempts spent) — run it again from its page, or asyncinfer dlq replay {sequence}"
-    )
+    assert said == f"{sequence} (MAX_ATTEMPTS: attempts spent) retry job or asyncinfer dlq replay {sequence}"
     await browser.screenshot(ARTIFACTS / "job-dead-letter.png")
     await browser.click_and_load("#job a#dead-letter")
     assert failed.job_id in await browser.text()
@@ -519,6 +527,121 @@ async def test_a_dead_lettered_jobs_page_links_its_own_letter_past_the_letters_i
     monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGES_READ", 4)
     monkeypatch.setattr(pages_jobs, "DEAD_LETTER_PAGE_SIZE", 500)
     assert await linked(second.job_id) == str(second.dead_letter_sequence)
+
+
+async def test_a_dead_lettered_job_is_retried_from_its_own_page(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """A failed job's page linked its dead letter but offered no retry (Flower, Temporal's UI and
+    SageMaker's each have one on a failed item): the operator went to the letter's page to replay
+    it. Now a console that may act has a "retry job" button beside the letter's link, which replays
+    that letter: the page comes back saying so with the job QUEUED again (its queue paused here,
+    so that it stays there to be seen), and once the model is fixed and the queue resumed the open
+    page follows it to SUCCEEDED. A read-only console shows no button (and refuses the form posted
+    anyway); a form posted again once the letter is gone comes back with the scheduler's refusal."""
+    recovering_model.MAY_SUCCEED.clear()
+    stack = await start_stack(config.replace(models=[DEMO_MODEL, RECOVERING_MODEL]))
+    console = await start_console(stack)  # loopback, no API keys: it may act
+    viewer = await start_console(stack, read_only=True)
+    assert console.writable
+    assert not viewer.writable
+    async with AsyncClient(stack.address) as client:
+        failed = await client.wait(await client.submit("recovering", X), timeout_s=30)
+        other = await client.wait(await client.submit("recovering", X), timeout_s=30)
+    assert failed.state is JobState.FAILED
+    assert other.state is JobState.FAILED
+    row = "[...document.querySelectorAll('#job tr')].find(r => r.cells[0].innerText === 'dead letter')"
+    retry = "#job form[action$='/retry']"
+
+    await browser.goto(viewer.url + f"jobs/{failed.job_id}")
+    await browser.wait_for_text("dead letter", "#job")
+    sequence = await browser.evaluate("document.querySelector('#job a#dead-letter').innerText")
+    assert sequence.isdigit()
+    assert not await browser.evaluate(f'!!document.querySelector("{retry}")')
+    assert await browser.evaluate(f"{row}.cells[1].innerText") == (
+        f"{sequence} (MAX_ATTEMPTS: attempts spent) — asyncinfer dlq replay {sequence} runs it again "
+        "(read-only: console.read_only is set)"
+    )
+    form = {"sequence": sequence, "csrf": "whatever the page had"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(viewer.url + f"jobs/{failed.job_id}/retry", data=form) as answer:
+            assert answer.status == 403
+        await queue_action_in_the_console(session, console, "pause", "recovering")
+
+    await browser.goto(console.url + f"jobs/{failed.job_id}")
+    await browser.wait_for_text("retry job", "#job")
+    assert await browser.evaluate(f"{row}.cells[1].innerText") == (
+        f"{sequence} (MAX_ATTEMPTS: attempts spent) retry job or asyncinfer dlq replay {sequence}"
+    )
+    await browser.screenshot(ARTIFACTS / "job-retry.png")
+    await browser.evaluate("window.confirm = () => true")  # the person says yes to the question
+    await browser.click_and_load(f"{retry} button")
+    await browser.wait_for_text(f"retried: dead letter {sequence} replayed, the job is queued again", "#message")
+    await browser.wait_for_text("QUEUED", "#job")
+    await browser.wait_for_text("PAUSED", "#job")  # its waiting reason
+    assert not await browser.evaluate(f'!!document.querySelector("{retry}")')
+    assert not await browser.evaluate(f"!!{row}")
+    await browser.screenshot(ARTIFACTS / "job-retried.png")
+    async with AsyncClient(stack.address) as client:
+        assert (await client.get(failed.job_id)).state is JobState.QUEUED
+
+        # The model fixed and the queue resumed, the open page follows the job to its end.
+        recovering_model.MAY_SUCCEED.set()
+        await resume_in_the_console(console, "recovering")
+        await browser.wait_for_text("SUCCEEDED", "#job", timeout_s=20)
+        done = await client.get(failed.job_id)
+    assert done.state is JobState.SUCCEEDED
+    assert done.attempt == failed.attempt + 1
+    np.testing.assert_array_equal(done.outputs["y"], 2 * X["x"] + 1)
+
+    # The same form again (another tab's, say): the letter is gone, and the page says the refusal.
+    # A hand-made form that names another job's letter, or none, replays nothing.
+    async with aiohttp.ClientSession() as session:
+        token = await csrf_of(session, console)
+        other_sequence = str(await first_dead_letter_of(session, console, other.job_id))
+        said = {}
+        for name, given in (("gone", sequence), ("another's", other_sequence), ("none", "")):
+            form = {"sequence": given, "csrf": token}
+            async with session.post(console.url + f"jobs/{failed.job_id}/retry", data=form) as answer:
+                assert answer.status == 200
+                assert answer.url.path == f"/jobs/{failed.job_id}"
+                said[name] = re.search(r'id="message">([^<]*)<', await answer.text())
+    assert said["gone"] is not None
+    assert said["gone"].group(1) == (
+        f"refused: NOT_FOUND DEAD_LETTER_NOT_FOUND: no dead letter with sequence {sequence}"
+    )
+    assert said["another's"] is not None
+    assert said["another's"].group(1) == f"refused: dead letter {other_sequence} is not this job&#x27;s"
+    assert said["none"] is not None
+    assert said["none"].group(1) == "refused: the form names no dead letter (reload the page and try again)"
+    async with AsyncClient(stack.address) as client:
+        assert (await client.get(other.job_id)).state is JobState.FAILED  # its letter was not replayed
+
+
+async def first_dead_letter_of(session: aiohttp.ClientSession, console: ConsoleApp, job_id: str) -> int:
+    """The sequence of the job's dead letter, as its page links it."""
+    async with session.get(console.url + f"jobs/{job_id}") as page:
+        found = re.search(r'id="dead-letter" href="/dead-letters/(\d+)"', await page.text())
+    assert found is not None
+    return int(found.group(1))
+
+
+async def csrf_of(session: aiohttp.ClientSession, console: ConsoleApp) -> str:
+    """The console's form token, as its pages carry it."""
+    async with session.get(console.url + "queues") as page:
+        found = re.search(r'name="csrf" value="([^"]+)"', await page.text())
+    assert found is not None
+    return found.group(1)
+
+
+async def queue_action_in_the_console(
+    session: aiohttp.ClientSession, console: ConsoleApp, verb: str, model: str
+) -> None:
+    """What the queue page's pause or resume button posts."""
+    form = {"csrf": await csrf_of(session, console), "model": model}
+    async with session.post(console.url + f"queues/{verb}", data=form) as answer:
+        assert answer.status == 200, await answer.text()
+        assert f"{model}: {'paused' if verb == 'pause' else 'dispatching'}" in await answer.text()
 
 
 async def test_the_queue_page_updates_after_jobs_are_submitted(

@@ -19,9 +19,10 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from asyncinfer.client import AsyncClient, InternalError, Job, JobState, Priority
+from asyncinfer.client import AsyncClient, InternalError, Job, JobError, JobState, Priority
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import ConfigError
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from asyncinfer.v1 import (
     batch_service_pb2,
     batch_service_pb2_grpc,
@@ -31,11 +32,11 @@ from asyncinfer.v1 import (
     ops_service_pb2,
 )
 from services.console.app import CSP, ConsoleApp, known_hosts_only
-from services.console.backend import JobsPage, _model_queues
+from services.console.backend import DeadLettersPage, JobsPage, _model_queues
 from services.console.context import Context
 from services.console.history import QueueHistory
 from services.console.html import line_chart
-from services.console.pages_jobs import _queued_so_far, jobs_page
+from services.console.pages_jobs import _queued_so_far, job_page, jobs_page
 from tests.stack import StartStack
 from tests.test_console import OPS_KEY, TENANT_KEY, X, keyed
 from tests.test_console import start_console as start_console  # the fixture
@@ -460,6 +461,43 @@ async def test_the_queue_plots_end_at_the_depth_the_page_shows(
     assert "<title>demo: 5 jobs, latest</title>" in plot, plot
     rate = page.partition('aria-label="completed jobs per second"')[2].partition("</svg>")[0]
     assert "<title>demo: 0 jobs/s, latest</title>" in rate, rate
+
+
+@pytest.mark.unit
+async def test_a_file_batchs_chunk_job_is_offered_no_retry() -> None:
+    """The retry button of a dead-lettered job's page replays its letter; a file batch's chunk job's
+    letter cannot be (its failed records are in the batch's error file: the scheduler refuses it
+    BATCH_CHUNK_NOT_REPLAYABLE), so its page offers none and says why, while another job's page, on
+    the same console that may act, offers it with the letter's sequence."""
+    gave_up = JobError(grpc.StatusCode.INTERNAL, "MODEL_ERROR", "it failed (gave up after 2 attempts)")
+    plain = Job("j1", "demo", "1", JobState.FAILED, Priority.NORMAL, 2, 2, 5, error=gave_up)
+    chunk = dataclasses.replace(plain, job_id="j2", labels={BATCH_LABEL: "b1", CHUNK_LABEL: "0-100"})
+
+    class LettersBackend:
+        async def job(self, job_id: str) -> Job:
+            return {"j1": plain, "j2": chunk}[job_id]
+
+        async def dead_letters(self, **_asked: Any) -> DeadLettersPage:
+            letters = tuple(
+                {"sequence": sequence, "job_id": job_id, "tenant": "default", "reason": "MAX_ATTEMPTS"}
+                for sequence, job_id in ((7, "j1"), (8, "j2"))
+            )
+            return DeadLettersPage(letters=letters, next_page_token="", total=2)
+
+    ctx = Context(
+        backend=LettersBackend(),  # type: ignore[arg-type]
+        history=QueueHistory(60.0),
+        csrf="c",
+        writable=True,
+        tenant="default",
+        stats_interval_s=1.0,
+    )
+    page = await job_page(ctx, make_mocked_request("GET", "/jobs/j1", match_info={"job_id": "j1"}))
+    assert '<form class="inline" method="post" action="/jobs/j1/retry"' in str(page.text)
+    assert '<input type="hidden" name="sequence" value="7">' in str(page.text)
+    page = await job_page(ctx, make_mocked_request("GET", "/jobs/j2", match_info={"job_id": "j2"}))
+    assert "/retry" not in str(page.text)
+    assert "a file batch's chunk: not replayed (its records are in the batch's error file)" in str(page.text)
 
 
 @pytest.mark.unit

@@ -1,9 +1,10 @@
 """The console as a service app (asyncinfer.runner's App): an aiohttp server of server-rendered
 pages, the Backend's two gRPC channels, and one background loop sampling the queues.
 
-Who may act: replay, purge, pause, resume and a job's or a batch's cancel are offered when the console holds an ops key, or when
-the stack has no API keys at all and the console binds loopback (`asyncinfer up` without keys,
-where every local caller may use the OpsService anyway); never with `console.read_only`."""
+Who may act: replay, purge, pause, resume, a job's cancel and retry and a batch's cancel are
+offered when the console holds an ops key, or when the stack has no API keys at all and the console
+binds loopback (`asyncinfer up` without keys, where every local caller may use the OpsService
+anyway); never with `console.read_only`."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from services.console.backend import Backend
 from services.console.context import MESSAGE_KEY, Context
 from services.console.history import QueueHistory
 from services.console.pages_batches import batch_cancel, batch_file, batch_page, batches_page
-from services.console.pages_jobs import job_cancel, job_page, jobs_page, models_page
+from services.console.pages_jobs import job_cancel, job_page, job_retry, jobs_page, models_page
 from services.console.pages_ops import (
     dead_letter_action,
     dead_letter_page,
@@ -232,6 +233,7 @@ class ConsoleApp:
                 ("GET", "/jobs", jobs_page),
                 ("GET", "/jobs/{job_id}", job_page),
                 ("POST", "/jobs/{job_id}/cancel", job_cancel),
+                ("POST", "/jobs/{job_id}/retry", job_retry),
                 ("GET", "/batches", batches_page),
                 ("GET", "/batches/{batch_id}", batch_page),
                 ("POST", "/batches/{batch_id}/cancel", batch_cancel),

@@ -1,6 +1,7 @@
 """The JobService pages: the models served, a tenant's jobs (filters, paging) and one job's page
 (record, attempts, timings, waiting reason, outputs kept inline, batch, webhook deliveries, timeline),
-live while it runs, with a cancel button where the console may act."""
+live while it runs, with a cancel button where the console may act, and a retry button on a
+dead-lettered job's (it replays the job's letter)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
 from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
+from services.console.pages_ops import MAX_SEQUENCE
 
 PAGE_SIZES = (20, 50, 100, 200)
 JOBS_REFRESH_MS = 5000  # the Jobs list's refresh
@@ -222,7 +224,7 @@ async def _dead_letter(ctx: Context, job: Job) -> str:
         link = f'<a id="dead-letter" href="/dead-letters/{sequence}">{sequence}</a> ({reason}: attempts spent)'
         if chunk:
             return link + " — a file batch's chunk: not replayed (its records are in the batch's error file)"
-        return f"{link} — run it again from its page, or <code>asyncinfer dlq replay {sequence}</code>"
+        return f"{link} {_retry(ctx, job, letter)}"
     model = ui.h(job.model_name)
     listing = (
         f'<a id="dead-letters" href="{ui.h(ui.url("/dead-letters", model=job.model_name))}">{model}\'s dead letters</a>'
@@ -295,6 +297,46 @@ async def job_cancel(ctx: Context, request: web.Request) -> web.Response:
     try:
         job = await ctx.backend.cancel_job(job_id, reason=CANCEL_REASON)
         said = f"asked to cancel: {job.state.value}"
+    except AsyncInferClientError as error:
+        said = f"refused: {error}"
+    raise web.HTTPSeeOther(ctx.outcome(f"/jobs/{quote(job_id, safe='')}", said))
+
+
+def _retry(ctx: Context, job: Job, letter: Mapping[str, Any]) -> str:
+    """What runs a dead-lettered job (not a batch's chunk) again, after its letter's link: the retry
+    button where the console may act (it replays this letter, as the letter's own page does), and
+    the CLI command in any case."""
+    sequence = str(letter["sequence"])
+    command = f"<code>asyncinfer dlq replay {ui.h(sequence)}</code>"
+    if not ctx.writable:
+        return f"— {command} runs it again (read-only: {ui.h(ctx.read_only_because)})"
+    ask = "Run this job again? Its dead letter is replayed: the job is queued with a fresh budget of attempts."
+    button = ui.post_button(
+        f"/jobs/{quote(job.job_id, safe='')}/retry", "retry job", ctx.csrf, {"sequence": sequence}, confirm=ask
+    )
+    return f"{button} or {command}"
+
+
+async def job_retry(ctx: Context, request: web.Request) -> web.Response:
+    """Replays the job's dead letter named by the form, once it is read back as this job's: the page
+    then shows the job queued again, or why not (the scheduler's refusal: a letter replayed or
+    purged meanwhile, a job whose record is gone)."""
+    form = {k: str(v) for k, v in (await request.post()).items()}
+    refused = ctx.check_form(form)
+    if refused is not None:
+        return refused
+    job_id = request.match_info["job_id"]
+    sequence = count_param(form.get("sequence", ""), default=0, most=MAX_SEQUENCE)
+    try:
+        if not sequence:
+            said = "refused: the form names no dead letter (reload the page and try again)"
+        else:
+            letter = await ctx.backend.dead_letter(sequence)
+            if letter["job_id"] != job_id or letter["tenant"] != ctx.tenant:
+                said = f"refused: dead letter {sequence} is not this job's"
+            else:
+                await ctx.backend.replay([sequence])
+                said = f"retried: dead letter {sequence} replayed, the job is queued again"
     except AsyncInferClientError as error:
         said = f"refused: {error}"
     raise web.HTTPSeeOther(ctx.outcome(f"/jobs/{quote(job_id, safe='')}", said))
