@@ -66,7 +66,7 @@ def render() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `asyncinfer/config.py` by `scripts/gen_config_docs.py`; do not edit by hand.",
+        "Generated from `asyncinfer/config/` by `scripts/gen_config_docs.py`; do not edit by hand.",
         "",
         "One TOML file (`asyncinfer config` prints it complete, with every default), passed with `--config FILE`.",
         "Two overlays are laid over the file, each key on its own, and read by pydantic-settings:",
