@@ -1,18 +1,21 @@
-"""When the certificates a service loaded expire: a gauge, and a warning before they do.
+"""When the certificates a service serves and presents expire: a gauge, and a warning before they do.
 
-A service's serving certificate (`<service>.tls_cert_file`) and its client certificates (mutual TLS
-to NATS, `nats.tls_cert_file`; the batcher's to the scheduler, `batcher.scheduler_cert_file`) are
-read once, at start: gRPC's server and channel credentials and the NATS connection's SSL context
-hold their bytes from then on, so a certificate renewed on disk (cert-manager rewriting a Secret)
-takes effect at the service's next start. Until this module an expiry went unnoticed until the
-handshakes failed (every client at once for a serving certificate; the whole service's NATS
-connection for a client one).
+A service's serving certificate (`<service>.tls_cert_file`) is read again when its files change
+(asyncinfer.tls.ServingCertificates: cert-manager, Vault and `up --dev-tls` renew it in place);
+its client certificates (mutual TLS to NATS, `nats.tls_cert_file`; the batcher's to the scheduler,
+`batcher.scheduler_cert_file`) are read once, at start: the NATS connection's SSL context and the
+gRPC channel's credentials hold their bytes from then on, so one renewed on disk takes effect at
+the service's next start. Until this module an expiry went unnoticed until the handshakes failed
+(every client at once for a serving certificate; the whole service's NATS connection for a client
+one).
 
 So each service, once it has loaded its certificates:
 - sets `asyncinfer_tls_certificate_expiry_timestamp_seconds{certificate="<setting>"}` to the
   notAfter (Unix seconds) of the leaf certificate each setting's file held when it was loaded: the
-  one in use, not one renewed on disk since (so an alert on it clears when the renewed certificate
-  is served, at the restart); an alert compares it with time() (deploy/k8s's PrometheusRule);
+  one in use, not one renewed on disk since and not yet served (a serving certificate's renewal is
+  served, and the gauge set, at the first TLS handshake after it; a client one's at the restart),
+  so an alert on it clears when the renewed certificate is in use; an alert compares it with
+  time() (deploy/k8s's PrometheusRule);
 - logs `tls_certificate_expires_soon` at warning (`tls_certificate_expired` at error once past)
   for each certificate that expires within `tls.expiry_warning_days`, at start and then once a day
   (CHECK_INTERVAL_S) while it runs; 0 days: never logged, the gauge still set.
@@ -33,6 +36,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from asyncinfer.config import Config
 from asyncinfer.errors import ConfigError
 from asyncinfer.supervision import Supervisor
+from asyncinfer.tls import ServingCertificates
 
 log = structlog.get_logger("asyncinfer.tls")
 
@@ -92,13 +96,20 @@ class CertificateExpiry:
         self.loaded = [LoadedCertificate(setting, path, not_after(path, setting)) for setting, path in certificates]
         self._gauge = Gauge(
             "asyncinfer_tls_certificate_expiry_timestamp_seconds",
-            "When each certificate this service loaded at start expires (its notAfter, Unix seconds), by the "
+            "When each certificate this service uses expires (its notAfter, Unix seconds), by the "
             "setting naming its file.",
             ["certificate"],
             registry=registry,
         )
         for certificate in self.loaded:
             self._gauge.labels(certificate=certificate.setting).set(certificate.not_after)
+
+    def reloaded(self, setting: str, path: str, not_after: float) -> None:
+        """A renewed certificate is in use (ServingCertificates' listener, on a gRPC thread: the
+        list is replaced whole, never changed in place, for check() on the event loop)."""
+        renewed = LoadedCertificate(setting, path, not_after)
+        self.loaded = [renewed if c.setting == setting else c for c in self.loaded]
+        self._gauge.labels(certificate=setting).set(not_after)
 
     def check(self) -> list[LoadedCertificate]:
         """Logs each certificate that expires within the warning window (or has expired); those."""
@@ -113,7 +124,8 @@ class CertificateExpiry:
                 "file": certificate.path,
                 "expires_at": datetime.fromtimestamp(certificate.not_after, UTC).isoformat(timespec="seconds"),
                 "days_left": round(left_s / DAY_S, 1),
-                "hint": "renew it and restart the service: certificates are read at start",
+                "hint": "renew it: a serving certificate renewed in place is served from the next connection, "
+                "a client one (nats.tls_cert_file, batcher.scheduler_cert_file) from the service's next start",
             }
             if left_s <= 0:
                 log.error("tls_certificate_expired", **fields)
@@ -136,12 +148,15 @@ def watch_certificates(
     service: Literal["gateway", "scheduler", "batcher"],
     registry: CollectorRegistry,
     supervisor: Supervisor,
+    serving: ServingCertificates | None = None,
 ) -> CertificateExpiry:
     """The service's certificates' gauge set and checked now, then once a day by a loop the
-    service's supervisor owns."""
+    service's supervisor owns; `serving`'s renewals set the gauge as they are served."""
     expiry = CertificateExpiry(
         service_certificates(config, service), registry=registry, warning_days=config.tls.expiry_warning_days
     )
+    if serving is not None:
+        serving.on_reloaded(expiry.reloaded)
     expiry.check()
     supervisor.start(f"{service}-tls-expiry", expiry.run())
     return expiry

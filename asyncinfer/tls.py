@@ -1,16 +1,22 @@
-"""TLS material and secrets from files, read once at start-up: gRPC server and channel credentials,
-the SSL context of the NATS connection, and secrets given inline or as a path (a mounted
-Kubernetes Secret). A file that is missing or unreadable is a ConfigError naming the key; a secret
+"""TLS material and secrets from files: gRPC server and channel credentials, the SSL context of the
+NATS connection, and secrets given inline or as a path (a mounted Kubernetes Secret). Read at
+start-up, where a bad file stops the service; a gRPC server's certificate, key and client CA are
+also read again when their files change (ServingCertificates: cert-manager, Vault and `up
+--dev-tls` renew them in place), and a renewal that cannot be used keeps the last good one served. A file that is missing or unreadable is a ConfigError naming the key; a secret
 file (an API key, a password or token, an NKey seed or credentials, a TLS private key) that others
 may read or change is warned of (`secret_file_exposed`), as ssh does for a private key, and read."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import ssl
 import stat
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import grpc
 import structlog
@@ -113,18 +119,175 @@ class ServerTlsSection(Protocol):
     def tls_client_ca_file(self) -> str | None: ...
 
 
-def server_credentials(section: str, settings: ServerTlsSection) -> grpc.ServerCredentials | None:
-    """TLS credentials of a gRPC server (None: plaintext); with a client CA, mutual TLS: a client
-    without a certificate that CA signed fails the handshake."""
+@dataclass(frozen=True, slots=True)
+class FileVersion:
+    """What a stat of a file says of its content: a file replaced (renamed over, rewritten, or a
+    Kubernetes Secret's `..data` symlink swapped: os.stat follows it) differs in one of these."""
+
+    mtime_ns: int
+    size: int
+    inode: int
+
+
+def file_versions(paths: Sequence[str]) -> tuple[FileVersion, ...]:
+    """Each file's FileVersion (OSError when one cannot be stat'ed)."""
+    return tuple(FileVersion(st.st_mtime_ns, st.st_size, st.st_ino) for st in map(os.stat, paths))
+
+
+@dataclass(frozen=True, slots=True)
+class StatFailed:
+    """A file that could not be stat'ed (gone, unreadable directory), as a version of its own: it is
+    warned of once, as a broken file is."""
+
+    file: str
+    reason: str
+
+
+Versions = tuple[FileVersion, ...] | StatFailed
+
+
+class ReloadFailed(Exception):
+    """A changed file that cannot be served: which file, its setting, and why."""
+
+    def __init__(self, file: str, setting: str, reason: str) -> None:
+        super().__init__(f"{setting} {file!r}: {reason}")
+        self.file, self.setting, self.reason = file, setting, reason
+
+
+def certificate_not_after(cert: bytes, key: bytes, cert_file: str, key_file: str, section: str) -> float:
+    """The leaf's notAfter (Unix seconds) of a PEM chain and its private key, checked to be a pair;
+    ReloadFailed otherwise. With bytes, not paths (as ssl's load_cert_chain takes): the bytes
+    checked are the bytes then served, whatever the files hold by then."""
+    from cryptography import x509  # the server extra's, as asyncinfer.cert_expiry's
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        leaf = x509.load_pem_x509_certificates(cert)[0]
+    except ValueError as exc:
+        raise ReloadFailed(cert_file, f"{section}.tls_cert_file", f"no PEM certificate ({exc})") from None
+    try:
+        private_key = serialization.load_pem_private_key(key, password=None)
+    except (ValueError, TypeError) as exc:  # TypeError: a key that needs a password
+        raise ReloadFailed(key_file, f"{section}.tls_key_file", f"no PEM private key ({exc})") from None
+    public = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if private_key.public_key().public_bytes(*public) != leaf.public_key().public_bytes(*public):
+        raise ReloadFailed(key_file, f"{section}.tls_key_file", f"not the private key of {cert_file!r}'s certificate")
+    return leaf.not_valid_after_utc.timestamp()
+
+
+def check_ca_bundle(data: bytes, ca_file: str, setting: str) -> None:
+    from cryptography import x509
+
+    try:
+        x509.load_pem_x509_certificates(data)
+    except ValueError as exc:
+        raise ReloadFailed(ca_file, setting, f"no PEM CA certificate ({exc})") from None
+
+
+# Told of each renewal served: the setting of the certificate file, its path, its notAfter.
+ReloadListener = Callable[[str, str, float], None]
+
+
+class ServingCertificates:
+    """A gRPC server's TLS credentials that serve its files' current certificate, key and client
+    CA to each new connection, without a restart.
+
+    gRPC calls `fetch` at every TLS handshake, on one of its own threads. It stats the files (a
+    handshake's few microseconds more) and reads them only when a FileVersion changed: a good set
+    is served from that handshake on and logged (`tls_certificate_reloaded`, listeners told: the
+    expiry gauge); one that cannot be served (the key not the certificate's, a half-written or
+    unparsable file, a file gone) is logged once per version (`tls_certificate_reload_failed`)
+    and the last good set is kept. Connections already open keep the certificate they were made
+    with. Whether client certificates are required is fixed at start."""
+
+    def __init__(self, section: str, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+        self.section = section
+        self._cert_file, self._key_file, self._client_ca_file = cert_file, key_file, client_ca_file
+        self._paths = [cert_file, key_file, *([client_ca_file] if client_ca_file else [])]
+        self._lock = threading.Lock()  # gRPC may handshake on several threads at once
+        self._listeners: list[ReloadListener] = []
+        # Stat'ed before the files are read: a renewal between the two is then seen as one.
+        # None: the files are read at the next handshake.
+        self._seen: Versions | None = None
+        with contextlib.suppress(OSError):  # the reads below name the file
+            self._seen = file_versions(self._paths)
+        pair = _pair(cert_file, key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")
+        assert pair is not None  # both files are given (serving_certificates)
+        cert, key = pair
+        client_ca = read_ca(client_ca_file, f"{section}.tls_client_ca_file") if client_ca_file else None
+        self.credentials = grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca),
+            # None: gRPC keeps the configuration it serves (its documented contract; the stub omits it).
+            cast(Callable[[], grpc.ServerCertificateConfiguration], self.fetch),
+            require_client_authentication=bool(client_ca),
+        )
+
+    def on_reloaded(self, listener: ReloadListener) -> None:
+        self._listeners.append(listener)
+
+    def fetch(self) -> grpc.ServerCertificateConfiguration | None:
+        """gRPC's certificate_configuration_fetcher: the new configuration, or None to keep the
+        one served."""
+        try:
+            versions: Versions = file_versions(self._paths)
+        except OSError as exc:
+            versions = StatFailed(str(exc.filename), exc.strerror or str(exc))
+        with self._lock:
+            if versions == self._seen:
+                return None
+            self._seen = versions
+            try:
+                return self._load(versions)
+            except ReloadFailed as exc:
+                log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
+            except Exception as exc:  # never into gRPC's handshake: the last good set stays served
+                log.warning(
+                    "tls_certificate_reload_failed",
+                    file=self._cert_file,
+                    setting=f"{self.section}.tls_cert_file",
+                    reason=repr(exc),
+                )
+            return None
+
+    def _load(self, versions: Versions) -> grpc.ServerCertificateConfiguration | None:
+        if isinstance(versions, StatFailed):
+            raise ReloadFailed(versions.file, self._setting_of(versions.file), versions.reason)
+        cert, key = self._read(self._cert_file, "tls_cert_file"), self._read(self._key_file, "tls_key_file")
+        client_ca = self._read(self._client_ca_file, "tls_client_ca_file") if self._client_ca_file else None
+        if file_versions(self._paths) != versions:
+            self._seen = None  # rewritten while read: read again at the next handshake
+            return None
+        not_after = certificate_not_after(cert, key, self._cert_file, self._key_file, self.section)
+        if client_ca is not None and self._client_ca_file:
+            check_ca_bundle(client_ca, self._client_ca_file, f"{self.section}.tls_client_ca_file")
+        setting = f"{self.section}.tls_cert_file"
+        log.info("tls_certificate_reloaded", file=self._cert_file, setting=setting, not_after=not_after)
+        for listener in self._listeners:
+            listener(setting, self._cert_file, not_after)
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def _read(self, path: str, key: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise ReloadFailed(path, f"{self.section}.{key}", exc.strerror or str(exc)) from None
+
+    def _setting_of(self, path: str) -> str:
+        key = {self._cert_file: "tls_cert_file", self._key_file: "tls_key_file"}.get(path, "tls_client_ca_file")
+        return f"{self.section}.{key}"
+
+
+def serving_certificates(section: str, settings: ServerTlsSection) -> ServingCertificates | None:
+    """TLS of a gRPC server (None: plaintext), its files checked now (ConfigError names a bad one)
+    and read again when they change; with a client CA, mutual TLS: a client without a certificate
+    that CA signed fails the handshake."""
     cert_file, key_file, client_ca_file = settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file
-    pair = _pair(cert_file, key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")
-    if pair is None:
-        if client_ca_file:
-            raise ConfigError(f"{section}.tls_client_ca_file needs {section}.tls_cert_file and tls_key_file")
+    if not cert_file and not key_file and client_ca_file:
+        raise ConfigError(f"{section}.tls_client_ca_file needs {section}.tls_cert_file and tls_key_file")
+    if not cert_file or not key_file:
+        _pair(cert_file, key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")  # one alone: named
         return None
-    cert, key = pair
-    client_ca = read_ca(client_ca_file, f"{section}.tls_client_ca_file") if client_ca_file else None
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+    return ServingCertificates(section, cert_file, key_file, client_ca_file)
 
 
 def channel_credentials(

@@ -311,36 +311,36 @@ def _wait_for_connection(listener: socket.socket, timeout_s: float = 30.0) -> so
 
 @pytest.mark.unit
 def test_tls_files_are_checked_at_start_up(tmp_path: Path) -> None:
-    from asyncinfer.tls import server_credentials
+    from asyncinfer.tls import serving_certificates
 
     gateway = Config().gateway
     with pytest.raises(ConfigError, match="go together"):
-        server_credentials("gateway", gateway.model_copy(update={"tls_cert_file": "cert.pem"}))
+        serving_certificates("gateway", gateway.model_copy(update={"tls_cert_file": "cert.pem"}))
     with pytest.raises(ConfigError, match=r"gateway\.tls_cert_file: cannot read"):
-        server_credentials(
+        serving_certificates(
             "gateway", gateway.model_copy(update={"tls_cert_file": str(tmp_path / "x"), "tls_key_file": "y"})
         )
-    assert server_credentials("gateway", gateway) is None
+    assert serving_certificates("gateway", gateway) is None
 
 
 def test_a_key_that_is_not_the_certificates_is_named_at_start_up(ca: TestCA) -> None:
     """A mismatched pair (or a file that is no PEM) failed later, as "Failed to bind to address"."""
-    from asyncinfer.tls import server_credentials
+    from asyncinfer.tls import serving_certificates
 
     one, other = ca.issue("one"), ca.issue("other")
     gateway = Config().gateway
     with pytest.raises(ConfigError, match="are not a PEM certificate and its private key"):
-        server_credentials(
+        serving_certificates(
             "gateway", gateway.model_copy(update={"tls_cert_file": one.cert_file, "tls_key_file": other.key_file})
         )
     with pytest.raises(ConfigError, match=r"gateway\.tls_cert_file"):
-        server_credentials(
+        serving_certificates(
             "gateway", gateway.model_copy(update={"tls_cert_file": ca.ca_file + ".x", "tls_key_file": one.key_file})
         )
     not_pem = gateway.model_copy(update={"tls_cert_file": one.key_file, "tls_key_file": one.key_file})
     with pytest.raises(ConfigError, match="not a PEM certificate"):
-        server_credentials("gateway", not_pem)
-    assert server_credentials(
+        serving_certificates("gateway", not_pem)
+    assert serving_certificates(
         "gateway", gateway.model_copy(update={"tls_cert_file": one.cert_file, "tls_key_file": one.key_file})
     )
 
@@ -447,7 +447,7 @@ def test_a_secret_file_others_may_read_is_warned_of_and_read(tmp_path: Path, mod
 @pytest.mark.unit
 def test_a_world_readable_tls_key_or_nkey_seed_is_warned_of(ca: TestCA, tmp_path: Path) -> None:
     from asyncinfer.nats.connection import security_options
-    from asyncinfer.tls import server_credentials
+    from asyncinfer.tls import serving_certificates
 
     pem = ca.issue("gateway")
     Path(pem.cert_file).chmod(0o644)  # a certificate is public: not warned of
@@ -457,7 +457,7 @@ def test_a_world_readable_tls_key_or_nkey_seed_is_warned_of(ca: TestCA, tmp_path
     seed.chmod(0o604)
     gateway = Config().gateway.model_copy(update={"tls_cert_file": pem.cert_file, "tls_key_file": pem.key_file})
     with structlog.testing.capture_logs() as logs:
-        assert server_credentials("gateway", gateway) is not None
+        assert serving_certificates("gateway", gateway) is not None
         assert security_options(Config().nats.model_copy(update={"nkey_seed_file": str(seed)}))["nkeys_seed"]
     assert exposure_warnings(logs) == [
         (pem.key_file, "gateway.tls_key_file", "0644"),
@@ -525,9 +525,9 @@ def test_an_expiring_certificate_is_warned_of_each_day_it_is_checked_and_the_gau
     tmp_path: Path,
 ) -> None:
     """The daily check against a clock: nothing while the certificate is outside the window, a
-    warning once inside, an error once past; 0 days never logs. Certificates are read at start
-    (gRPC and the NATS connection hold their bytes), so one renewed on disk changes nothing until a
-    restart: the gauge says the certificate in use."""
+    warning once inside, an error once past; 0 days never logs. The check reads no file: one renewed
+    on disk changes nothing until it is in use (a server's at its next handshake, which tells the
+    gauge: tests/test_tls_reload.py; a client one at a restart): the gauge says the certificate in use."""
     from prometheus_client import CollectorRegistry
 
     from asyncinfer.cert_expiry import DAY_S, CertificateExpiry
@@ -542,7 +542,7 @@ def test_an_expiring_certificate_is_warned_of_each_day_it_is_checked_and_the_gau
     )
     assert _expiry_samples(registry) == {"gateway.tls_cert_file": expires}
     renewed = ca.issue("renewed", valid_days=90)
-    shutil.copy(renewed.cert_file, pem.cert_file)  # cert-manager rewrote the Secret: not served until a restart
+    shutil.copy(renewed.cert_file, pem.cert_file)  # cert-manager rewrote the Secret: not yet served
     events = []
     for day in (0, 7, 19, 21):
         now[0] = expires - 20 * DAY_S + day * DAY_S

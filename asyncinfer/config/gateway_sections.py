@@ -52,7 +52,8 @@ class GatewayConfig(Section):
     port: int = Field(50051, ge=0, le=65535, description="Port of the public JobService.")
     tls_cert_file: str | None = Field(
         None,
-        description="PEM certificate (chain) the JobService serves TLS with (with tls_key_file); unset: plaintext.",
+        description="PEM certificate (chain) the JobService serves TLS with (with tls_key_file); unset: plaintext. "
+        "Renewed in place (the files replaced), it is served to new connections without a restart.",
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
     tls_client_ca_file: str | None = Field(

@@ -35,7 +35,9 @@ class NatsConfig(Section):
         "Unset with a tls:// URL: the system's CAs.",
     )
     tls_cert_file: str | None = Field(
-        None, description="PEM client certificate, for a NATS server that verifies clients (with tls_key_file)."
+        None,
+        description="PEM client certificate, for a NATS server that verifies clients (with tls_key_file). Renewed in "
+        "place, it is presented from the next reconnect.",
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
     inbox_prefix: str = Field(

@@ -14,7 +14,8 @@ class SchedulerConfig(Section):
     port: int = Field(50052, ge=0, le=65535, description="Port batchers connect to (and grpcurl uses for ops).")
     tls_cert_file: str | None = Field(
         None,
-        description="PEM certificate (chain) the WorkerService and OpsService serves TLS with (with tls_key_file); unset: plaintext.",
+        description="PEM certificate (chain) the WorkerService and OpsService serves TLS with (with tls_key_file); unset: plaintext. "
+        "Renewed in place (the files replaced), it is served to new connections without a restart.",
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
     tls_client_ca_file: str | None = Field(
@@ -145,7 +146,8 @@ class BatcherConfig(Section):
     port: int = Field(50053, ge=0, le=65535, description="Port of the KServe v2 GRPCInferenceService.")
     tls_cert_file: str | None = Field(
         None,
-        description="PEM certificate (chain) the KServe v2 API serves TLS with (with tls_key_file); unset: plaintext.",
+        description="PEM certificate (chain) the KServe v2 API serves TLS with (with tls_key_file); unset: plaintext. "
+        "Renewed in place (the files replaced), it is served to new connections without a restart.",
     )
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file (a mounted Secret).")
     tls_client_ca_file: str | None = Field(
@@ -163,7 +165,9 @@ class BatcherConfig(Section):
         None, description="PEM CA bundle that verifies the scheduler's certificate (unset: the system's CAs)."
     )
     scheduler_cert_file: str | None = Field(
-        None, description="PEM client certificate for a scheduler that requires mutual TLS (with scheduler_key_file)."
+        None,
+        description="PEM client certificate for a scheduler that requires mutual TLS (with scheduler_key_file). "
+        "Renewed in place, it is presented from the next work stream (a reconnect).",
     )
     scheduler_key_file: str | None = Field(None, description="PEM private key of scheduler_cert_file.")
     api_key: str | None = Field(

@@ -24,7 +24,7 @@ from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.runner import EXIT_MODEL_HUNG
 from asyncinfer.supervision import Supervisor, failure_logged
-from asyncinfer.tls import server_credentials
+from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
 from asyncinfer.worker_stream import WORK_MESSAGE_HEADROOM_BYTES, work_message_bytes
 from services.batcher.backends.loading import cuda_present, torch_threads_for
@@ -110,9 +110,9 @@ class BatcherApp:
             "batcher", batcher.host, self.config.gateway.api_keys, BATCHER_EXPOSES, tls=bool(batcher.tls_cert_file)
         )
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
-        tls = server_credentials("batcher", batcher)
+        tls = serving_certificates("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
-        self.certificates = watch_certificates(self.config, "batcher", self.registry, self.supervisor)
+        self.certificates = watch_certificates(self.config, "batcher", self.registry, self.supervisor, serving=tls)
         # In a thread: whether CUDA is there imports torch and asks the driver (1.4 s on this
         # machine without a GPU, 1.7-3.5 s measured on GPU hosts), and in `up` the gateway and the
         # scheduler already serve on this loop. Decided before any model loads, which uses it.
@@ -141,7 +141,7 @@ class BatcherApp:
             add_servicers=lambda server: service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server),
             service_names=[SERVICE_NAME],
             rpc_metrics=self.metrics.rpc,
-            credentials=tls,
+            credentials=tls.credentials if tls else None,
             guard=AccessGuard(KeyRing(self.config.gateway.api_keys), {SERVICE_NAME: "ops"}, OPEN_METHODS),
             keepalive=Keepalive(batcher.keepalive_s),
         )

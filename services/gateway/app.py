@@ -30,7 +30,7 @@ from asyncinfer.nats.connection import connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
-from asyncinfer.tls import server_credentials
+from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import batch_service_pb2_grpc, job_service_pb2_grpc
 from asyncinfer.webhook_status import ensure_webhooks_bucket
@@ -141,9 +141,9 @@ class GatewayApp:
         require_keys_beyond_loopback(
             "gateway", cfg.gateway.host, cfg.gateway.api_keys, GATEWAY_EXPOSES, tls=bool(cfg.gateway.tls_cert_file)
         )
-        tls = server_credentials("gateway", cfg.gateway)
+        tls = serving_certificates("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
-        self.certificates = watch_certificates(cfg, "gateway", self.registry, self.supervisor)
+        self.certificates = watch_certificates(cfg, "gateway", self.registry, self.supervisor, serving=tls)
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
         claims_kv = await ensure_idempotency_bucket(js, cfg.nats)
@@ -260,7 +260,7 @@ class GatewayApp:
             service_names=SERVICE_NAMES,
             max_message_bytes=cfg.gateway.max_request_bytes + MESSAGE_HEADROOM_BYTES,
             rpc_metrics=self.metrics.rpc,
-            credentials=tls,
+            credentials=tls.credentials if tls else None,
             guard=tenant_guard(cfg.gateway.api_keys, SERVICE_NAMES),
             translate=nats_failure_status,
             keepalive=Keepalive(cfg.gateway.keepalive_s),

@@ -38,7 +38,7 @@ from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.pull_inbox import PullEnd
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice, ensure_queues_bucket, write_snapshots
 from asyncinfer.supervision import Supervisor, cancel_and_wait
-from asyncinfer.tls import server_credentials
+from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
 from asyncinfer.work_summary import WorkSummary
@@ -178,9 +178,9 @@ class SchedulerApp:
         require_keys_beyond_loopback(
             "scheduler", settings.host, config.gateway.api_keys, SCHEDULER_EXPOSES, tls=bool(settings.tls_cert_file)
         )
-        tls = server_credentials("scheduler", settings)  # a bad file stops start-up before anything connects
+        tls = serving_certificates("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.instance_name)
-        self.certificates = watch_certificates(config, "scheduler", self.metrics.registry, self.supervisor)
+        self.certificates = watch_certificates(config, "scheduler", self.metrics.registry, self.supervisor, serving=tls)
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
@@ -304,7 +304,7 @@ class SchedulerApp:
             service_names=SERVICE_NAMES,
             max_message_bytes=work_message_bytes(config),
             rpc_metrics=self.metrics.rpc,
-            credentials=tls,
+            credentials=tls.credentials if tls else None,
             guard=AccessGuard(KeyRing(config.gateway.api_keys), ROLES),
             translate=nats_failure_status,
             keepalive=Keepalive(settings.keepalive_s),

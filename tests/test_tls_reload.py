@@ -1,0 +1,314 @@
+"""Serving certificates renewed in place without a restart (asyncinfer.tls.ServingCertificates):
+cert-manager, Vault and `up --dev-tls` replace the files, and each gRPC server serves the new
+certificate to new connections, keeps the connections and streams already open, keeps the last
+good certificate when a replacement cannot be served (and says so once), and sets its expiry
+gauge to the certificate it serves. Real servers, a CA made in the test (tests/certs.py), and
+the certificate a TLS handshake is answered with, read as a client reads it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import structlog.testing
+from cryptography import x509
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from asyncinfer.client import AsyncClient
+from asyncinfer.config import Config
+from asyncinfer.embedded_nats import NatsServerProcess
+from services.batcher.app import BatcherApp
+from tests import test_tls
+from tests.certs import Pem, TestCA, channel_credentials
+from tests.stack import StartStack
+from tests.test_tls import tls_config
+
+tls_nats = test_tls.tls_nats  # the fixture: a nats-server requiring TLS, client certificates and a password
+
+EXPIRY_GAUGE = "asyncinfer_tls_certificate_expiry_timestamp_seconds"
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> TestCA:
+    return TestCA(tmp_path / "pki")
+
+
+def serial(cert_file: str) -> int:
+    return int(x509.load_pem_x509_certificate(Path(cert_file).read_bytes()).serial_number)
+
+
+def not_after(cert_file: str) -> float:
+    return x509.load_pem_x509_certificate(Path(cert_file).read_bytes()).not_valid_after_utc.timestamp()
+
+
+def _handshake_serial(port: int, ca_file: str, client: Pem | None) -> int:
+    context = ssl.create_default_context(cafile=ca_file)
+    context.set_alpn_protocols(["h2"])
+    if client is not None:  # a server that requires client certificates (mutual TLS)
+        context.load_cert_chain(client.cert_file, client.key_file)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10.0) as sock,
+        context.wrap_socket(sock, server_hostname="localhost") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+async def served_serial(port: int, ca_file: str, client: Pem | None = None) -> int:
+    """The serial of the certificate a new TLS connection to `port` is served (verified against
+    `ca_file`). In a thread: the server answers on this event loop."""
+    return await asyncio.to_thread(_handshake_serial, port, ca_file, client)
+
+
+def expiry_gauge(registry: Any) -> dict[str, float]:
+    return {
+        sample.labels["certificate"]: sample.value
+        for family in registry.collect()
+        if family.name == EXPIRY_GAUGE
+        for sample in family.samples
+    }
+
+
+def replace_file(source: str, target: Path) -> None:
+    """As cert-manager's csi driver or a careful script does: written beside, renamed over."""
+    beside = target.with_name(f".{target.name}.new")
+    shutil.copyfile(source, beside)
+    beside.chmod(0o600)
+    os.replace(beside, target)
+
+
+def write_half(source: str, target: Path) -> None:
+    """A file rewritten in place (the same inode), caught half-way through."""
+    data = Path(source).read_bytes()
+    target.write_bytes(data[: len(data) // 2])
+
+
+def reload_events(logs: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [
+        (entry["event"], entry["setting"], entry["file"])
+        for entry in logs
+        if entry["event"] in ("tls_certificate_reloaded", "tls_certificate_reload_failed")
+    ]
+
+
+@pytest.fixture
+async def tls_batcher(tmp_path: Path, ca: TestCA) -> AsyncIterator[tuple[BatcherApp, Path, Path, Pem]]:
+    """A batcher (its KServe API; no scheduler, no NATS) serving certificate `a` from files that the
+    test replaces: the app, its certificate and key files, and `a`."""
+    served = tmp_path / "served"
+    served.mkdir()
+    cert_file, key_file = served / "tls.crt", served / "tls.key"
+    first = ca.issue("a")
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+    config = Config().replace(
+        batcher={
+            "port": 0,
+            "metrics_port": 0,
+            "scheduler_address": None,
+            "tls_cert_file": str(cert_file),
+            "tls_key_file": str(key_file),
+        },
+        logging={"level": "warning", "format": "console"},
+    )
+    app = BatcherApp(config)
+    await app.start()
+    try:
+        yield app, cert_file, key_file, first
+    finally:
+        await app.stop(grace_s=1.0)
+
+
+async def test_a_renewed_certificate_is_served_to_new_connections_and_a_broken_one_never(
+    ca: TestCA, tls_batcher: tuple[BatcherApp, Path, Path, Pem]
+) -> None:
+    """The files were read once, at start: a renewal was served only after a restart, so an
+    operator had to restart every pod before each expiry. Now: renewed files (renamed over the old
+    ones) are served from the next handshake, the expiry gauge follows, and a channel opened
+    before goes on working. A replacement that cannot be served (a key that is not the
+    certificate's, a half-written certificate) is warned of once per version and the certificate
+    served stays, its gauge too; once the files are right, they are served."""
+    app, cert_file, key_file, first = tls_batcher
+    port = app.port
+    async with grpc.aio.secure_channel(f"127.0.0.1:{port}", channel_credentials(ca.ca_file)) as before:
+        health = health_pb2_grpc.HealthStub(before)
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+        assert await served_serial(port, ca.ca_file) == serial(first.cert_file)
+        assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(first.cert_file)}
+
+        renewed, other = ca.issue("b", valid_days=3), ca.issue("c", valid_days=5)
+        with structlog.testing.capture_logs() as logs:
+            replace_file(renewed.cert_file, cert_file)
+            replace_file(renewed.key_file, key_file)
+            assert await served_serial(port, ca.ca_file) == serial(renewed.cert_file)
+            assert await served_serial(port, ca.ca_file) == serial(renewed.cert_file)
+        assert reload_events(logs) == [("tls_certificate_reloaded", "batcher.tls_cert_file", str(cert_file))]
+        assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(renewed.cert_file)}
+        # The connection made with the first certificate still answers.
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
+        with structlog.testing.capture_logs() as logs:
+            replace_file(other.cert_file, cert_file)  # its key not yet there: the pair does not match
+            for _ in range(3):
+                assert await served_serial(port, ca.ca_file) == serial(renewed.cert_file)
+            write_half(other.cert_file, cert_file)
+            for _ in range(2):
+                assert await served_serial(port, ca.ca_file) == serial(renewed.cert_file)
+        failed = [entry for entry in logs if entry["event"] == "tls_certificate_reload_failed"]
+        assert [(f["setting"], f["file"], f["log_level"]) for f in failed] == [
+            ("batcher.tls_key_file", str(key_file), "warning"),
+            ("batcher.tls_cert_file", str(cert_file), "warning"),
+        ], failed
+        assert "not the private key" in failed[0]["reason"]
+        assert "no PEM certificate" in failed[1]["reason"]
+        assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(renewed.cert_file)}
+
+        with structlog.testing.capture_logs() as logs:
+            replace_file(other.cert_file, cert_file)
+            replace_file(other.key_file, key_file)
+            assert await served_serial(port, ca.ca_file) == serial(other.cert_file)
+        assert reload_events(logs) == [("tls_certificate_reloaded", "batcher.tls_cert_file", str(cert_file))]
+        assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(other.cert_file)}
+        assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
+
+class SecretVolume:
+    """A directory laid out as the kubelet mounts a Secret: each file a symlink through `..data`,
+    itself a symlink to a timestamped directory; an update writes a new directory and swaps
+    `..data` in one rename, then removes the old directory."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        directory.mkdir()
+        self._generation = 0
+
+    def path(self, name: str) -> str:
+        return str(self.directory / name)
+
+    def write(self, files: dict[str, str]) -> None:
+        self._generation += 1
+        data = self.directory / f"..2026_12_07_{self._generation}"
+        data.mkdir()
+        for name, source in files.items():
+            shutil.copyfile(source, data / name)
+            (data / name).chmod(0o440)
+        link, swap = self.directory / "..data", self.directory / "..data_tmp"
+        old = link.resolve() if link.is_symlink() else None
+        swap.symlink_to(data.name)
+        os.replace(swap, link)
+        for name in files:
+            if not (self.directory / name).is_symlink():
+                (self.directory / name).symlink_to(f"..data/{name}")
+        if old is not None:
+            shutil.rmtree(old)
+
+
+async def test_every_server_serves_a_secret_renewed_by_a_symlink_swap_and_open_streams_go_on(
+    tmp_path: Path,
+    ca: TestCA,
+    tls_nats: NatsServerProcess,
+    start_stack: StartStack,
+) -> None:
+    """As Kubernetes updates a mounted Secret (cert-manager renewing it): `..data` swapped to a new
+    directory. The gateway, the scheduler (mutual TLS: its client CA from the Secret too) and the
+    batcher serve the renewed certificate to new connections and set their gauges; the batcher's
+    work stream to the scheduler, opened before, is the same session after and runs a job."""
+    volumes = {name: SecretVolume(tmp_path / f"{name}-tls") for name in ("gateway", "scheduler", "batcher")}
+    first = {name: ca.issue(f"{name}-1") for name in volumes}
+    for name, volume in volumes.items():
+        volume.write({"tls.crt": first[name].cert_file, "tls.key": first[name].key_file, "ca.crt": ca.ca_file})
+
+    def served_from(volume: SecretVolume, client_ca: bool = False) -> dict[str, str]:
+        files = {"tls_cert_file": volume.path("tls.crt"), "tls_key_file": volume.path("tls.key")}
+        return {**files, "tls_client_ca_file": volume.path("ca.crt")} if client_ca else files
+
+    config = tls_config(tmp_path, ca, tls_nats)
+    config = config.replace(
+        gateway=served_from(volumes["gateway"]),
+        scheduler=served_from(volumes["scheduler"], client_ca=True),
+        batcher=served_from(volumes["batcher"]),
+    )
+    stack = await start_stack(config)
+    assert stack.batcher is not None
+    client_cert = ca.issue("client")
+    ports = {"gateway": stack.gateway.port, "scheduler": stack.scheduler.port, "batcher": stack.batcher.port}
+    registries = {
+        "gateway": stack.gateway.registry,
+        "scheduler": stack.scheduler.metrics.registry,
+        "batcher": stack.batcher.registry,
+    }
+    for name, port in ports.items():
+        assert await served_serial(port, ca.ca_file, client_cert) == serial(first[name].cert_file), name
+    (session,) = stack.scheduler.batchers.sessions
+
+    renewed = {name: ca.issue(f"{name}-2", valid_days=2) for name in volumes}
+    with structlog.testing.capture_logs() as logs:
+        for name, volume in volumes.items():
+            volume.write({"tls.crt": renewed[name].cert_file, "tls.key": renewed[name].key_file, "ca.crt": ca.ca_file})
+        for name, port in ports.items():
+            assert await served_serial(port, ca.ca_file, client_cert) == serial(renewed[name].cert_file), name
+    assert sorted(reload_events(logs)) == sorted(
+        ("tls_certificate_reloaded", f"{name}.tls_cert_file", volume.path("tls.crt"))
+        for name, volume in volumes.items()
+    )
+    for name, registry in registries.items():
+        assert expiry_gauge(registry)[f"{name}.tls_cert_file"] == not_after(renewed[name].cert_file), name
+
+    async with AsyncClient(stack.address, tls_ca_file=ca.ca_file) as client:
+        job = await client.submit("demo", {"x": np.ones((2, 4), np.float32)})
+        done = await client.wait(job, timeout_s=30)
+    assert done.state.name == "SUCCEEDED", done
+    assert stack.scheduler.batchers.sessions == (session,)  # the stream from before carried it
+
+
+@pytest.mark.unit
+def test_a_handshake_stats_the_files_and_reads_them_only_once_they_changed(tmp_path: Path, ca: TestCA) -> None:
+    """gRPC asks at every TLS handshake: reading and parsing the files each time would cost every
+    new connection, so a handshake stats them (mtime, size, inode) and reads only a new version.
+    Proof: bytes changed in place with the same size and mtime are not read (no warning, nothing
+    served anew); once the mtime moves they are, found broken, and warned of once however many
+    handshakes follow; a file gone likewise; the good files back are served, listeners told."""
+    from asyncinfer.tls import ServingCertificates
+
+    first = ca.issue("a")
+    cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+    serving = ServingCertificates("gateway", str(cert_file), str(key_file), None)
+    told: list[tuple[str, str, float]] = []
+    serving.on_reloaded(lambda *renewal: told.append(renewal))
+    with structlog.testing.capture_logs() as logs:
+        assert [serving.fetch() for _ in range(3)] == [None, None, None]
+        stat = os.stat(cert_file)
+        good = cert_file.read_bytes()
+        with open(cert_file, "r+b") as file:
+            file.write(b"x" * len(good))
+        os.utime(cert_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert serving.fetch() is None
+        assert logs == []
+        os.utime(cert_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        assert [serving.fetch() for _ in range(3)] == [None, None, None]
+        cert_file.unlink()
+        assert [serving.fetch() for _ in range(3)] == [None, None, None]
+    assert [(entry["event"], entry["file"], entry["setting"]) for entry in logs] == [
+        ("tls_certificate_reload_failed", str(cert_file), "gateway.tls_cert_file"),
+        ("tls_certificate_reload_failed", str(cert_file), "gateway.tls_cert_file"),
+    ]
+    assert "No such file" in logs[1]["reason"]
+    assert told == []
+    renewed = ca.issue("b")
+    replace_file(renewed.cert_file, cert_file)
+    replace_file(renewed.key_file, key_file)
+    assert isinstance(serving.fetch(), grpc.ServerCertificateConfiguration)
+    assert serving.fetch() is None
+    assert told == [("gateway.tls_cert_file", str(cert_file), not_after(renewed.cert_file))]
