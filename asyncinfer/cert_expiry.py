@@ -1,20 +1,18 @@
 """When the certificates a service serves and presents expire: a gauge, and a warning before they do.
 
-A service's serving certificate (`<service>.tls_cert_file`) is read again when its files change
-(asyncinfer.tls.ServingCertificates: cert-manager, Vault and `up --dev-tls` renew it in place);
-its client certificates (mutual TLS to NATS, `nats.tls_cert_file`; the batcher's to the scheduler,
-`batcher.scheduler_cert_file`) are read once, at start: the NATS connection's SSL context and the
-gRPC channel's credentials hold their bytes from then on, so one renewed on disk takes effect at
-the service's next start. Until this module an expiry went unnoticed until the handshakes failed
-(every client at once for a serving certificate; the whole service's NATS connection for a client
-one).
+A service reads its certificates again when their files change (asyncinfer.tls: cert-manager,
+Vault and `up --dev-tls` renew them in place): its serving certificate (`<service>.tls_cert_file`)
+at the next TLS handshake, its client certificates (mutual TLS to NATS, `nats.tls_cert_file`; the
+batcher's to the scheduler, `batcher.scheduler_cert_file`) at the next connection (a reconnect).
+Until this module an expiry went unnoticed until the handshakes failed (every client at once for
+a serving certificate; the whole service's NATS connection for a client one).
 
 So each service, once it has loaded its certificates:
 - sets `asyncinfer_tls_certificate_expiry_timestamp_seconds{certificate="<setting>"}` to the
   notAfter (Unix seconds) of the leaf certificate each setting's file held when it was loaded: the
-  one in use, not one renewed on disk since and not yet served (a serving certificate's renewal is
-  served, and the gauge set, at the first TLS handshake after it; a client one's at the restart),
-  so an alert on it clears when the renewed certificate is in use; an alert compares it with
+  one in use, not one renewed on disk since and not yet used (a serving certificate's renewal is
+  served, and the gauge set, at the first TLS handshake after it; a client one's at the next
+  connection: `follow`), so an alert on it clears when the renewed certificate is in use; an alert compares it with
   time() (deploy/k8s's PrometheusRule);
 - logs `tls_certificate_expires_soon` at warning (`tls_certificate_expired` at error once past)
   for each certificate that expires within `tls.expiry_warning_days`, at start and then once a day
@@ -36,7 +34,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from asyncinfer.config import Config
 from asyncinfer.errors import ConfigError
 from asyncinfer.supervision import Supervisor
-from asyncinfer.tls import ServingCertificates
+from asyncinfer.tls import Renewing
 
 log = structlog.get_logger("asyncinfer.tls")
 
@@ -104,11 +102,16 @@ class CertificateExpiry:
         for certificate in self.loaded:
             self._gauge.labels(certificate=certificate.setting).set(certificate.not_after)
 
+    def follow(self, renewing: Renewing | None) -> None:
+        """Sets the gauge, and checks, to each certificate `renewing` renews from now on."""
+        if renewing is not None:
+            renewing.on_reloaded(self.reloaded)
+
     def reloaded(self, setting: str, path: str, not_after: float) -> None:
-        """A renewed certificate is in use (ServingCertificates' listener, on a gRPC thread: the
-        list is replaced whole, never changed in place, for check() on the event loop)."""
+        """A renewed certificate is in use (a listener, maybe on a gRPC thread: the list is
+        replaced whole, never changed in place, for check() on the event loop)."""
         renewed = LoadedCertificate(setting, path, not_after)
-        self.loaded = [renewed if c.setting == setting else c for c in self.loaded]
+        self.loaded = [*(c for c in self.loaded if c.setting != setting), renewed]
         self._gauge.labels(certificate=setting).set(not_after)
 
     def check(self) -> list[LoadedCertificate]:
@@ -124,8 +127,8 @@ class CertificateExpiry:
                 "file": certificate.path,
                 "expires_at": datetime.fromtimestamp(certificate.not_after, UTC).isoformat(timespec="seconds"),
                 "days_left": round(left_s / DAY_S, 1),
-                "hint": "renew it: a serving certificate renewed in place is served from the next connection, "
-                "a client one (nats.tls_cert_file, batcher.scheduler_cert_file) from the service's next start",
+                "hint": "renew it (the file replaced): a serving certificate is served from the next connection, "
+                "a client one presented from the next reconnect",
             }
             if left_s <= 0:
                 log.error("tls_certificate_expired", **fields)
@@ -148,15 +151,15 @@ def watch_certificates(
     service: Literal["gateway", "scheduler", "batcher"],
     registry: CollectorRegistry,
     supervisor: Supervisor,
-    serving: ServingCertificates | None = None,
+    follow: Sequence[Renewing | None] = (),
 ) -> CertificateExpiry:
     """The service's certificates' gauge set and checked now, then once a day by a loop the
-    service's supervisor owns; `serving`'s renewals set the gauge as they are served."""
+    service's supervisor owns; the renewals of those it follows set the gauge as they are used."""
     expiry = CertificateExpiry(
         service_certificates(config, service), registry=registry, warning_days=config.tls.expiry_warning_days
     )
-    if serving is not None:
-        serving.on_reloaded(expiry.reloaded)
+    for renewing in follow:
+        expiry.follow(renewing)
     expiry.check()
     supervisor.start(f"{service}-tls-expiry", expiry.run())
     return expiry

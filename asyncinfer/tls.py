@@ -1,10 +1,12 @@
 """TLS material and secrets from files: gRPC server and channel credentials, the SSL context of the
 NATS connection, and secrets given inline or as a path (a mounted Kubernetes Secret). Read at
-start-up, where a bad file stops the service; a gRPC server's certificate, key and client CA are
-also read again when their files change (ServingCertificates: cert-manager, Vault and `up
---dev-tls` renew them in place), and a renewal that cannot be used keeps the last good one served. A file that is missing or unreadable is a ConfigError naming the key; a secret
-file (an API key, a password or token, an NKey seed or credentials, a TLS private key) that others
-may read or change is warned of (`secret_file_exposed`), as ssh does for a private key, and read."""
+start-up, where a bad file stops the service, and read again when the files change
+(cert-manager, Vault and `up --dev-tls` renew them in place): a gRPC server's certificate, key and
+client CA at its next TLS handshake (ServingCertificates), a client's at its next connection
+(ClientCertificates); a renewal that cannot be used keeps the last good one in use. A file that is
+missing or unreadable is a ConfigError naming the key; a secret file (an API key, a password or
+token, an NKey seed or credentials, a TLS private key) that others may read or change is warned
+of (`secret_file_exposed`), as ssh does for a private key, and read."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import grpc
 import structlog
@@ -188,6 +190,12 @@ def check_ca_bundle(data: bytes, ca_file: str, setting: str) -> None:
 ReloadListener = Callable[[str, str, float], None]
 
 
+class Renewing(Protocol):
+    """TLS files read again when they change (ServingCertificates, ClientCertificates)."""
+
+    def on_reloaded(self, listener: ReloadListener) -> None: ...
+
+
 class ServingCertificates:
     """A gRPC server's TLS credentials that serve its files' current certificate, key and client
     CA to each new connection, without a restart.
@@ -288,6 +296,99 @@ def serving_certificates(section: str, settings: ServerTlsSection) -> ServingCer
         _pair(cert_file, key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")  # one alone: named
         return None
     return ServingCertificates(section, cert_file, key_file, client_ca_file)
+
+
+Material = TypeVar("Material")
+
+
+class ClientCertificates(Generic[Material]):
+    """A client's TLS material (gRPC channel credentials, an SSL context), made by `build` from its
+    files at start, and made again for a connection opened after they changed: a renewed client
+    certificate (or CA) is used from the next connection, the connections open keep theirs.
+
+    `current()` stats the files (FileVersion) and builds only when a version changed. A build that
+    fails (a key that is not the certificate's, a half-written file: `build`'s ConfigError, or a
+    file gone) keeps the last good material and is logged once per version
+    (`tls_certificate_reload_failed`); a good one is logged (`tls_certificate_reloaded`) and the
+    listeners told of the certificate's expiry. Blocking (reads files): call it off the event loop."""
+
+    def __init__(
+        self, build: Callable[[], Material], files: Sequence[tuple[str, str]], *, certificate: tuple[str, str] | None
+    ) -> None:
+        """`files`: each (setting, path) `build` reads; `certificate`: the (setting, path) of the
+        client certificate among them, whose expiry listeners are told (None: a CA alone)."""
+        self._build = build
+        self._settings = {path: setting for setting, path in files}
+        self._paths = list(self._settings)
+        self._certificate = certificate
+        # What a failure that names no file is logged against: the certificate, else the first file.
+        self._named = certificate or (files[0] if files else ("", ""))
+        self._lock = threading.Lock()
+        self._listeners: list[ReloadListener] = []
+        self._seen: Versions | None = None
+        with contextlib.suppress(OSError):  # `build` names the file
+            self._seen = file_versions(self._paths)
+        self._current = build()
+
+    def on_reloaded(self, listener: ReloadListener) -> None:
+        self._listeners.append(listener)
+
+    def current(self) -> Material:
+        """The material built from the files' current version, or the last good one."""
+        try:
+            versions: Versions = file_versions(self._paths)
+        except OSError as exc:
+            versions = StatFailed(str(exc.filename), exc.strerror or str(exc))
+        with self._lock:
+            if versions == self._seen:
+                return self._current
+            self._seen = versions
+            setting, file = self._named
+            try:
+                if isinstance(versions, StatFailed):
+                    raise ReloadFailed(versions.file, self._settings.get(versions.file, setting), versions.reason)
+                built = self._build()
+                not_after = self._not_after()
+                if file_versions(self._paths) != versions:
+                    self._seen = None  # rewritten while read: built again for the next connection
+                    return self._current
+            except ReloadFailed as exc:
+                log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
+                return self._current
+            except Exception as exc:  # ConfigError names the file; anything else must not stop a reconnect
+                log.warning("tls_certificate_reload_failed", file=file, setting=setting, reason=str(exc) or repr(exc))
+                return self._current
+            self._current = built
+            log.info("tls_certificate_reloaded", file=file, setting=setting, not_after=not_after)
+            if self._certificate is not None and not_after is not None:
+                for listener in self._listeners:
+                    listener(self._certificate[0], self._certificate[1], not_after)
+            return built
+
+    def _not_after(self) -> float | None:
+        if self._certificate is None:
+            return None
+        from cryptography import x509
+
+        setting, path = self._certificate
+        try:
+            return x509.load_pem_x509_certificates(Path(path).read_bytes())[0].not_valid_after_utc.timestamp()
+        except (OSError, ValueError) as exc:
+            raise ReloadFailed(path, setting, str(exc)) from None
+
+
+def renewing_channel_credentials(
+    *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None, key: str = "tls"
+) -> ClientCertificates[grpc.ChannelCredentials]:
+    """channel_credentials, made again for a channel opened after its files changed."""
+    files = [
+        (f"{key}_{name}_file", path) for name, path in (("ca", ca_file), ("cert", cert_file), ("key", key_file)) if path
+    ]
+    return ClientCertificates(
+        lambda: channel_credentials(ca_file=ca_file, cert_file=cert_file, key_file=key_file, key=key),
+        files,
+        certificate=(f"{key}_cert_file", cert_file) if cert_file else None,
+    )
 
 
 def channel_credentials(

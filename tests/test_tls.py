@@ -526,8 +526,8 @@ def test_an_expiring_certificate_is_warned_of_each_day_it_is_checked_and_the_gau
 ) -> None:
     """The daily check against a clock: nothing while the certificate is outside the window, a
     warning once inside, an error once past; 0 days never logs. The check reads no file: one renewed
-    on disk changes nothing until it is in use (a server's at its next handshake, which tells the
-    gauge: tests/test_tls_reload.py; a client one at a restart): the gauge says the certificate in use."""
+    on disk changes nothing until it is in use (a server's at its next handshake, a client's at its
+    next connection, which tell the gauge: tests/test_tls_reload.py): the gauge says the one in use."""
     from prometheus_client import CollectorRegistry
 
     from asyncinfer.cert_expiry import DAY_S, CertificateExpiry

@@ -8,10 +8,12 @@ the certificate a TLS handshake is answered with, read as a client reads it."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import socket
 import ssl
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +26,17 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncinfer.client import AsyncClient
-from asyncinfer.config import Config
+from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import connection_changes
+from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
 from services.batcher.app import BatcherApp
+from services.gateway.app import GatewayApp
 from tests import test_tls
 from tests.certs import Pem, TestCA, channel_credentials
 from tests.stack import StartStack
+from tests.test_batcher_worker import FakeScheduler, batcher_under_test
 from tests.test_tls import tls_config
 
 tls_nats = test_tls.tls_nats  # the fixture: a nats-server requiring TLS, client certificates and a password
@@ -312,3 +319,167 @@ def test_a_handshake_stats_the_files_and_reads_them_only_once_they_changed(tmp_p
     assert isinstance(serving.fetch(), grpc.ServerCertificateConfiguration)
     assert serving.fetch() is None
     assert told == [("gateway.tls_cert_file", str(cert_file), not_after(renewed.cert_file))]
+
+
+class PeerRecordingScheduler(FakeScheduler):
+    """test_batcher_worker's fake scheduler, recording the common name of the client certificate
+    each work stream was opened with (gRPC's auth context: the certificate the handshake saw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.client_names: list[str] = []
+
+    async def Connect(
+        self, request_iterator: AsyncIterator[worker_service_pb2.ConnectRequest], context: Any
+    ) -> AsyncIterator[worker_service_pb2.ConnectResponse]:
+        self.client_names.append(context.auth_context()["x509_common_name"][0].decode())
+        async for response in super().Connect(request_iterator, context):
+            yield response
+
+
+async def test_the_batcher_presents_a_renewed_client_certificate_from_its_next_work_stream(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    """The batcher's client certificate to a mutual-TLS scheduler was read once, at start. Now each
+    work stream it opens (a reconnect) presents the files' current certificate; a broken renewal
+    keeps the last good one presented (warned of once), its gauge too."""
+    scheduler_pem = ca.issue("scheduler")
+    credentials = grpc.ssl_server_credentials(
+        [(Path(scheduler_pem.key_file).read_bytes(), Path(scheduler_pem.cert_file).read_bytes())],  # noqa: ASYNC240
+        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
+        require_client_auth=True,
+    )
+    fake = PeerRecordingScheduler()
+    server = grpc.aio.server()
+    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    cert_file, key_file = tmp_path / "client.crt", tmp_path / "client.key"
+    first, renewed, other = (
+        ca.issue("batcher-1"),
+        ca.issue("batcher-2", valid_days=3),
+        ca.issue("batcher-3", valid_days=5),
+    )
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+    section = {
+        **batcher_under_test(port),
+        "scheduler_ca_file": ca.ca_file,
+        "scheduler_cert_file": str(cert_file),
+        "scheduler_key_file": str(key_file),
+    }
+    batcher = BatcherApp(Config().replace(batcher=section, models=[DEMO_MODEL]))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await batcher.start()
+            connection = await fake.next_connection(1)
+            assert expiry_gauge(batcher.registry) == {"batcher.scheduler_cert_file": not_after(first.cert_file)}
+            replace_file(renewed.cert_file, cert_file)
+            replace_file(renewed.key_file, key_file)
+            connection.abort()
+            connection = await fake.next_connection(2)
+            assert fake.client_names == ["batcher-1", "batcher-2"]
+            assert expiry_gauge(batcher.registry) == {"batcher.scheduler_cert_file": not_after(renewed.cert_file)}
+            replace_file(other.cert_file, cert_file)  # its key not yet there
+            connection.abort()
+            connection = await fake.next_connection(3)
+            connection.abort()
+            connection = await fake.next_connection(4)
+            assert expiry_gauge(batcher.registry) == {"batcher.scheduler_cert_file": not_after(renewed.cert_file)}
+            replace_file(other.key_file, key_file)
+            connection.abort()
+            await fake.next_connection(5)
+            assert expiry_gauge(batcher.registry) == {"batcher.scheduler_cert_file": not_after(other.cert_file)}
+    finally:
+        await batcher.stop(grace_s=1.0)
+        await server.stop(0)
+    assert fake.client_names == ["batcher-1", "batcher-2", "batcher-2", "batcher-2", "batcher-3"]
+    assert reload_events(logs) == [
+        ("tls_certificate_reloaded", "batcher.scheduler_cert_file", str(cert_file)),
+        ("tls_certificate_reload_failed", "batcher.scheduler_cert_file", str(cert_file)),
+        ("tls_certificate_reloaded", "batcher.scheduler_cert_file", str(cert_file)),
+    ]
+    (failed,) = [entry for entry in logs if entry["event"] == "tls_certificate_reload_failed"]
+    assert failed["log_level"] == "warning"
+    assert "not a PEM certificate and its private key" in failed["reason"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def nats_peer_names(monitor_port: int, name: str) -> list[str]:
+    """The subjects of the client certificates of the server's connections named `name` (its
+    monitoring endpoint's /connz)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{monitor_port}/connz?auth=true&subs=false", timeout=5.0) as response:
+        connections = json.load(response)["connections"] or []
+    return [c["tls_peer_certs"][0]["subject"] for c in connections if c.get("name") == name]
+
+
+async def connection_state(nc: NatsClient, *, connected: bool) -> None:
+    """Returns once the client's connection is up (or down), woken by each change of it."""
+    changes = connection_changes(nc)
+    while True:
+        changed = changes.next()
+        if nc.is_connected == connected:
+            return
+        await changed.wait()
+
+
+async def test_a_service_presents_a_renewed_nats_client_certificate_from_its_next_reconnect(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    """The NATS connection's SSL context was made once, at start. Now a reconnect (here: the
+    nats-server restarted) makes one from the files' current version: the gateway presents its
+    renewed client certificate to the server that verifies it, and its gauge says so."""
+    server_pem = ca.issue("nats")
+    nats = NatsServerProcess(
+        store_dir=tmp_path / "nats",
+        log_file=tmp_path / "nats.log",
+        monitor_port=free_port(),
+        extra_args=(
+            "--tls", "--tlscert", server_pem.cert_file, "--tlskey", server_pem.key_file,
+            "--tlscacert", ca.ca_file, "--tlsverify",
+        ),
+    )  # fmt: skip
+    nats.start()
+    try:
+        cert_file, key_file = tmp_path / "nats-client.crt", tmp_path / "nats-client.key"
+        first, renewed = ca.issue("gateway-nats-1"), ca.issue("gateway-nats-2", valid_days=3)
+        replace_file(first.cert_file, cert_file)
+        replace_file(first.key_file, key_file)
+        config = Config().replace(
+            nats={
+                "url": nats.url.replace("nats://", "tls://"),
+                "tls_ca_file": ca.ca_file,
+                "tls_cert_file": str(cert_file),
+                "tls_key_file": str(key_file),
+            },
+            gateway={"port": 0, "metrics_port": 0},
+            logging={"level": "warning", "format": "console"},
+        )
+        gateway = GatewayApp(config)
+        with structlog.testing.capture_logs() as logs:
+            await gateway.start()
+            try:
+                assert await asyncio.to_thread(nats_peer_names, nats.monitor_port, "asyncinfer-gateway") == [
+                    "CN=gateway-nats-1"
+                ]
+                replace_file(renewed.cert_file, cert_file)
+                replace_file(renewed.key_file, key_file)
+                nc = gateway.nats_connection
+                await asyncio.to_thread(nats.stop)
+                await asyncio.wait_for(connection_state(nc, connected=False), 30.0)
+                await asyncio.to_thread(nats.start)
+                await asyncio.wait_for(connection_state(nc, connected=True), 30.0)
+                assert await asyncio.to_thread(nats_peer_names, nats.monitor_port, "asyncinfer-gateway") == [
+                    "CN=gateway-nats-2"
+                ]
+                assert expiry_gauge(gateway.registry)["nats.tls_cert_file"] == not_after(renewed.cert_file)
+            finally:
+                await gateway.stop(grace_s=1.0)
+    finally:
+        nats.stop()
+    assert ("tls_certificate_reloaded", "nats.tls_cert_file", str(cert_file)) in reload_events(logs)

@@ -26,7 +26,7 @@ from asyncinfer.errors import ConfigError, Unavailable
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import _fastpath
 from asyncinfer.nats_users import INBOX_PREFIXES
-from asyncinfer.tls import client_ssl_context, read_secret, warn_if_exposed
+from asyncinfer.tls import ClientCertificates, client_ssl_context, read_secret, warn_if_exposed
 
 log = structlog.get_logger("asyncinfer.nats")
 
@@ -58,6 +58,15 @@ class ConnectionChanges:
 _changes: weakref.WeakKeyDictionary[Client, ConnectionChanges] = weakref.WeakKeyDictionary()
 
 
+_certificates: weakref.WeakKeyDictionary[Client, ClientCertificates[ssl.SSLContext]] = weakref.WeakKeyDictionary()
+
+
+def client_certificates(client: Client) -> ClientCertificates[ssl.SSLContext] | None:
+    """The TLS files of a client made by `connect` (None: no TLS): a service's expiry gauge
+    listens to their renewals."""
+    return _certificates.get(client)
+
+
 def connection_changes(client: Client) -> ConnectionChanges:
     """The client's ConnectionChanges (a client made by `connect`; another never fires)."""
     return _changes.setdefault(client, ConnectionChanges())
@@ -68,7 +77,10 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     servers = [u.strip() for u in config.url.split(",") if u.strip()]
     shown = url_without_credentials(config.url)  # what the errors below say of the URL
     logs_in_by_url = shown != ",".join(u.strip() for u in config.url.split(","))
+    tls = tls_certificates(config)
     client = Client()
+    if tls is not None:
+        _certificates[client] = tls
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
         _fastpath.larger_reads()
@@ -118,6 +130,12 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             log.debug("nats_disconnected_while_connecting")
             return
         log.warning("nats_disconnected")
+        if tls is not None:
+            # nats-py reads options["tls"] at each connect, this callback before it reconnects: a
+            # certificate renewed on disk is presented from this reconnect (a context of its own,
+            # never one changed under a connection: load_cert_chain into the live context would
+            # leave it half-loaded if the key turned out not to match).
+            client.options["tls"] = await asyncio.to_thread(tls.current)
 
     async def on_reconnected() -> None:
         changed()
@@ -141,6 +159,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         "inbox_prefix": config.inbox_prefix,
     }
     options.update(security_options(config))
+    if tls is not None:
+        options["tls"] = tls.current()
     connecting = asyncio.ensure_future(client.connect(**options))
     giving_up = asyncio.ensure_future(gave_up.wait())
     deadline_s = attempts * (config.connect_timeout_s + RECONNECT_WAIT_S) + config.connect_timeout_s
@@ -330,15 +350,35 @@ def _closed_hint(failures: list[Exception], config: NatsConfig) -> str:
     )
 
 
-def security_options(config: NatsConfig) -> dict[str, Any]:
-    """nats-py's connect options for TLS and credentials, from files read now (ConfigError names a
-    bad one). TLS is on when a CA or client certificate is configured or a URL says tls://."""
-    options: dict[str, Any] = {}
+def tls_certificates(config: NatsConfig) -> ClientCertificates[ssl.SSLContext] | None:
+    """The connection's SSL context, from files read now (ConfigError names a bad one) and again
+    for a reconnect after they changed; None: no TLS. TLS is on when a CA or client certificate is
+    configured or a URL says tls://."""
     wants_tls = any(u.strip().startswith("tls://") for u in config.url.split(","))
-    if wants_tls or config.tls_ca_file or config.tls_cert_file:
-        options["tls"] = client_ssl_context(
-            "nats", ca_file=config.tls_ca_file, cert_file=config.tls_cert_file, key_file=config.tls_key_file
+    if not (wants_tls or config.tls_ca_file or config.tls_cert_file):
+        return None
+    files = [
+        (f"nats.{name}", path)
+        for name, path in (
+            ("tls_ca_file", config.tls_ca_file),
+            ("tls_cert_file", config.tls_cert_file),
+            ("tls_key_file", config.tls_key_file),
         )
+        if path
+    ]
+    return ClientCertificates(
+        lambda: client_ssl_context(
+            "nats", ca_file=config.tls_ca_file, cert_file=config.tls_cert_file, key_file=config.tls_key_file
+        ),
+        files,
+        certificate=("nats.tls_cert_file", config.tls_cert_file) if config.tls_cert_file else None,
+    )
+
+
+def security_options(config: NatsConfig) -> dict[str, Any]:
+    """nats-py's connect options for credentials, from files read now (ConfigError names a bad
+    one). TLS is tls_certificates'."""
+    options: dict[str, Any] = {}
     password = read_secret(config.password, config.password_file, "nats.password")
     token = read_secret(config.token, config.token_file, "nats.token")
     given = [

@@ -112,7 +112,13 @@ class BatcherApp:
         # TLS files and the work stream's key are read before any model loads: a bad path fails at once.
         tls = serving_certificates("batcher", batcher)
         worker_security = WorkerSecurity.from_config(batcher) if batcher.scheduler_address else None
-        self.certificates = watch_certificates(self.config, "batcher", self.registry, self.supervisor, serving=tls)
+        self.certificates = watch_certificates(
+            self.config,
+            "batcher",
+            self.registry,
+            self.supervisor,
+            follow=(tls, worker_security.tls if worker_security else None),
+        )
         # In a thread: whether CUDA is there imports torch and asks the driver (1.4 s on this
         # machine without a GPU, 1.7-3.5 s measured on GPU hosts), and in `up` the gateway and the
         # scheduler already serve on this loop. Decided before any model loads, which uses it.
@@ -161,6 +167,7 @@ class BatcherApp:
         if batcher.scheduler_address and worker_security is not None:
             if batcher.claim_check_io:
                 self._claim_checks = await ClaimChecks.connect(self.config, self.batcher_id)
+                self.certificates.follow(self._claim_checks.certificates)
             self._worker = WorkerClient(
                 address=batcher.scheduler_address,
                 batcher_id=self.batcher_id,

@@ -17,6 +17,7 @@ again and again (the batcher took 72,000-110,000 page faults per 100,000 MLP rec
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,9 +30,10 @@ from asyncinfer.config import Config
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.jobs import BlobRef
 from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.connection import client_certificates, connect
 from asyncinfer.nats.connection import close as close_client
-from asyncinfer.nats.connection import connect
 from asyncinfer.tensors import Tensor
+from asyncinfer.tls import ClientCertificates
 from asyncinfer.v1 import worker_service_pb2
 
 log = structlog.get_logger("asyncinfer.batcher.claim_checks")
@@ -54,6 +56,11 @@ class ClaimChecks:
             await close_client(nc)
             raise
         return cls(nc, store, max_input_bytes=config.gateway.max_upload_bytes)
+
+    @property
+    def certificates(self) -> ClientCertificates[ssl.SSLContext] | None:
+        """The NATS connection's TLS files (None: no TLS)."""
+        return client_certificates(self._nc)
 
     async def close(self) -> None:
         await close_client(self._nc)

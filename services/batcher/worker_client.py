@@ -25,7 +25,7 @@ from asyncinfer.backoff import retrying
 from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.supervision import Supervisor
-from asyncinfer.tls import channel_credentials, read_secret
+from asyncinfer.tls import ClientCertificates, read_secret, renewing_channel_credentials
 from asyncinfer.v1 import worker_service_pb2_grpc
 from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine
@@ -43,27 +43,26 @@ FAILURE_LOG_INTERVAL_S = 30.0
 
 @dataclass(frozen=True, slots=True)
 class WorkerSecurity:
-    """How the work stream reaches the scheduler: TLS credentials (None: plaintext) and the call
-    metadata carrying the batcher's API key (empty without one)."""
+    """How the work stream reaches the scheduler: TLS credentials (None: plaintext), made again
+    for a stream opened after their files changed, and the call metadata carrying the batcher's
+    API key (empty without one)."""
 
-    credentials: grpc.ChannelCredentials | None = None
+    tls: ClientCertificates[grpc.ChannelCredentials] | None = None
     metadata: tuple[tuple[str, str], ...] = ()
     client_cert: bool = False  # the credentials present batcher.scheduler_cert_file
 
     @classmethod
     def from_config(cls, batcher: BatcherConfig) -> WorkerSecurity:
-        credentials = None
+        tls = None
         if batcher.scheduler_tls or batcher.scheduler_ca_file or batcher.scheduler_cert_file:
-            credentials = channel_credentials(
+            tls = renewing_channel_credentials(
                 ca_file=batcher.scheduler_ca_file,
                 cert_file=batcher.scheduler_cert_file,
                 key_file=batcher.scheduler_key_file,
                 key="batcher.scheduler",
             )
         key = read_secret(batcher.api_key, batcher.api_key_file, "batcher.api_key")
-        return cls(
-            credentials=credentials, metadata=bearer_metadata(key), client_cert=bool(batcher.scheduler_cert_file)
-        )
+        return cls(tls=tls, metadata=bearer_metadata(key), client_cert=bool(batcher.scheduler_cert_file))
 
 
 class WorkerClient:
@@ -177,7 +176,10 @@ class WorkerClient:
                 # A scheduler that vanished (its node lost, its pod replaced elsewhere) closes no
                 # connection: without pings this stream would wait for orders for ever.
                 options += self._keepalive.client_options(without_calls=True)
-            credentials = self._security.credentials
+            # A new channel each stream: a client certificate renewed on disk is presented from
+            # the next one (a channel of gRPC's reconnects with the credentials it was made with).
+            tls = self._security.tls
+            credentials = await asyncio.to_thread(tls.current) if tls is not None else None
             channel = (
                 grpc.aio.secure_channel(self._address, credentials, options=options)
                 if credentials is not None
@@ -223,7 +225,7 @@ class WorkerClient:
         client certificate: a scheduler with tls_client_ca_file requires one, and its refusal
         reaches this side as gRPC's "Socket closed" (asyncinfer.client.errors.SOCKET_CLOSED)."""
         closed = error.code() is grpc.StatusCode.UNAVAILABLE and "Socket closed" in (error.details() or "")
-        if not closed or self._security.credentials is None or self._security.client_cert:
+        if not closed or self._security.tls is None or self._security.client_cert:
             return None
         return (
             "the scheduler closed the connection after the TLS handshake: if it requires client certificates "

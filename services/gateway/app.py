@@ -26,7 +26,7 @@ from asyncinfer.jobs import JobRecord
 from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats.connection import connect, disconnect
+from asyncinfer.nats.connection import client_certificates, connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
@@ -143,7 +143,9 @@ class GatewayApp:
         )
         tls = serving_certificates("gateway", cfg.gateway)
         self._nc = await connect(cfg.nats, name="asyncinfer-gateway")
-        self.certificates = watch_certificates(cfg, "gateway", self.registry, self.supervisor, serving=tls)
+        self.certificates = watch_certificates(
+            cfg, "gateway", self.registry, self.supervisor, follow=(tls, client_certificates(self._nc))
+        )
         js = self._nc.jetstream()
         await ensure_work_stream(js, cfg.nats)
         claims_kv = await ensure_idempotency_bucket(js, cfg.nats)

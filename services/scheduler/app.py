@@ -32,7 +32,7 @@ from asyncinfer.metrics import MetricsServer
 from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext, Msg, NatsError, Subscription
-from asyncinfer.nats.connection import connect, disconnect
+from asyncinfer.nats.connection import client_certificates, connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.pull_inbox import PullEnd
@@ -180,7 +180,9 @@ class SchedulerApp:
         )
         tls = serving_certificates("scheduler", settings)  # a bad file stops start-up before anything connects
         self._nc = nc = await connect(config.nats, name=self.instance_name)
-        self.certificates = watch_certificates(config, "scheduler", self.metrics.registry, self.supervisor, serving=tls)
+        self.certificates = watch_certificates(
+            config, "scheduler", self.metrics.registry, self.supervisor, follow=(tls, client_certificates(nc))
+        )
         js = nc.jetstream()
         await ensure_work_stream(js, config.nats)
         kv = await ensure_jobs_bucket(js, config.nats)
