@@ -418,6 +418,15 @@ def nats_peer_names(monitor_port: int, name: str) -> list[str]:
     return [c["tls_peer_certs"][0]["subject"] for c in connections if c.get("name") == name]
 
 
+def refuse_one_connection(port: int) -> None:
+    """Stands in for the server while it is away: takes one connection on its port and closes it
+    (a reconnect try that fails), returning once a try has come."""
+    with socket.create_server(("127.0.0.1", port)) as listener:
+        listener.settimeout(30.0)
+        accepted, _ = listener.accept()
+        accepted.close()
+
+
 async def connection_state(nc: NatsClient, *, connected: bool) -> None:
     """Returns once the client's connection is up (or down), woken by each change of it."""
     changes = connection_changes(nc)
@@ -433,7 +442,8 @@ async def test_a_service_presents_a_renewed_nats_client_certificate_from_its_nex
 ) -> None:
     """The NATS connection's SSL context was made once, at start. Now a reconnect (here: the
     nats-server restarted) makes one from the files' current version: the gateway presents its
-    renewed client certificate to the server that verifies it, and its gauge says so."""
+    renewed client certificate to the server that verifies it, and its gauge says so; also one
+    renewed during the outage (as when the old one expired meanwhile and the server refuses it)."""
     server_pem = ca.issue("nats")
     nats = NatsServerProcess(
         store_dir=tmp_path / "nats",
@@ -448,6 +458,7 @@ async def test_a_service_presents_a_renewed_nats_client_certificate_from_its_nex
     try:
         cert_file, key_file = tmp_path / "nats-client.crt", tmp_path / "nats-client.key"
         first, renewed = ca.issue("gateway-nats-1"), ca.issue("gateway-nats-2", valid_days=3)
+        again = ca.issue("gateway-nats-3", valid_days=5)
         replace_file(first.cert_file, cert_file)
         replace_file(first.key_file, key_file)
         config = Config().replace(
@@ -478,6 +489,21 @@ async def test_a_service_presents_a_renewed_nats_client_certificate_from_its_nex
                     "CN=gateway-nats-2"
                 ]
                 assert expiry_gauge(gateway.registry)["nats.tls_cert_file"] == not_after(renewed.cert_file)
+
+                # Renewed while NATS is away, after a reconnect try (so after the disconnection was
+                # handled): each failed try reads the files again, so the next one presents it.
+                await asyncio.to_thread(nats.stop)
+                await asyncio.wait_for(connection_state(nc, connected=False), 30.0)
+                await asyncio.to_thread(refuse_one_connection, nats.port)
+                replace_file(again.cert_file, cert_file)
+                replace_file(again.key_file, key_file)
+                await asyncio.to_thread(refuse_one_connection, nats.port)
+                await asyncio.to_thread(nats.start)
+                await asyncio.wait_for(connection_state(nc, connected=True), 30.0)
+                assert await asyncio.to_thread(nats_peer_names, nats.monitor_port, "asyncinfer-gateway") == [
+                    "CN=gateway-nats-3"
+                ]
+                assert expiry_gauge(gateway.registry)["nats.tls_cert_file"] == not_after(again.cert_file)
             finally:
                 await gateway.stop(grace_s=1.0)
     finally:

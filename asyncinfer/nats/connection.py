@@ -115,6 +115,10 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             first_connect_failures.append(exc)
             if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError) or _login_refused(exc):
                 gave_up.set()
+        elif tls is not None and not client.is_connected and not client.is_closed:
+            # A reconnect that failed (the server away, or refusing a certificate that expired
+            # during the outage): the next try, after this callback, presents one renewed meanwhile.
+            client.options["tls"] = await asyncio.to_thread(tls.current)
 
     def changed() -> None:
         changes = _changes.get(client)
@@ -131,10 +135,11 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             return
         log.warning("nats_disconnected")
         if tls is not None:
-            # nats-py reads options["tls"] at each connect, this callback before it reconnects: a
-            # certificate renewed on disk is presented from this reconnect (a context of its own,
-            # never one changed under a connection: load_cert_chain into the live context would
-            # leave it half-loaded if the key turned out not to match).
+            # nats-py reads options["tls"] at each connect, and awaits this callback before it
+            # reconnects (on_error after each failed try): a certificate renewed on disk is
+            # presented from this reconnect. A context of its own, never one changed under a
+            # connection: load_cert_chain into the live context would leave it half-loaded if
+            # the key turned out not to match.
             client.options["tls"] = await asyncio.to_thread(tls.current)
 
     async def on_reconnected() -> None:
