@@ -2,8 +2,11 @@
 cert-manager, Vault and `up --dev-tls` replace the files, and each gRPC server serves the new
 certificate to new connections, keeps the connections and streams already open, keeps the last
 good certificate when a replacement cannot be served (and says so once), and sets its expiry
-gauge to the certificate it serves. Real servers, a CA made in the test (tests/certs.py), and
-the certificate a TLS handshake is answered with, read as a client reads it."""
+gauge to the certificate it serves; and clients (asyncinfer.tls.ClientCertificates) present a
+renewed client certificate from their next connection: the batcher's work stream to a mutual-TLS
+scheduler, a service's NATS connection at its reconnect. Real servers, a CA made in the test
+(tests/certs.py), and the certificate a TLS handshake is answered with, read as a client reads it
+(or, for the client side, as the server saw it)."""
 
 from __future__ import annotations
 
