@@ -318,6 +318,32 @@ async def interruptible_cli(*args: str) -> asyncio.subprocess.Process:
     )
 
 
+async def test_a_key_reused_for_another_file_names_the_batch_holding_it(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """`batch create` under a key already used for another file: ALREADY_EXISTS (exit 4), the
+    gateway's message naming the batch that holds the key and what differs, then the commands that
+    go on from there (it printed the message alone)."""
+    stack = await start_stack(small_batches(config))
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_bytes(jsonl(demo_records(3)))
+    second.write_bytes(jsonl(demo_records(4)))
+    create = ["batch", "create", "--model", "demo", "--idempotency-key", "nightly", "--gateway", stack.address]
+    code, printed, stderr = await cli(*create, str(first))
+    assert code == 0, stderr
+    batch_id = printed.split()[0]
+    code, printed, stderr = await cli(*create, str(second))
+    assert (code, printed) == (4, ""), stderr
+    assert stderr.splitlines()[-2:] == [
+        f"asyncinfer: error: ALREADY_EXISTS IDEMPOTENCY_KEY_REUSED: idempotency key 'nightly' was first used for "
+        f"batch {batch_id}, with a different request: a key can be sent again only with its first request (a "
+        "retry, answered with that batch). Get that batch with GetBatch, or use a new key for a different batch "
+        "(differing: input_ref)",
+        f"asyncinfer:   hint: that batch: asyncinfer batch get {batch_id}; a new batch: run this again with another "
+        "--idempotency-key",
+    ], stderr
+
+
 async def test_ctrl_c_during_the_upload_of_a_batch_create_makes_nothing_and_keeps_nothing(
     config: Config, start_stack: StartStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

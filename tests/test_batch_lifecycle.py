@@ -169,6 +169,11 @@ async def test_a_repeated_create_with_the_same_key_returns_the_first_batch(
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.CreateBatch(request)
         assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert refused.value.details() == (
+            f"idempotency key 'nightly-1' was first used for batch {first.batch.batch_id}, with a different "
+            "request: a key can be sent again only with its first request (a retry, answered with that batch). "
+            f"Get that batch with GetBatch, or use a new key for a different batch (differing: {unlike})"
+        )
         status = status_details(refused.value)
         assert status is not None
         info = unpack_details(status)["ErrorInfo"]

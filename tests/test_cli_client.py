@@ -507,6 +507,27 @@ def check_results(path: Path, valid: dict[int, list[float]], not_json: set[int],
         assert any(v["field"].endswith(".shape") for v in error["violations"]), error
 
 
+async def test_a_key_reused_with_another_request_says_whose_it_is_and_what_to_do(
+    idle_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit --idempotency-key K` again with other inputs: ALREADY_EXISTS (exit 4), the gateway's
+    message naming the job that holds the key, then a hint with the commands that go on from there
+    (it printed the message alone, which named no command)."""
+    cli = Cli(idle_stack, monkeypatch)
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,4]]", "--idempotency-key", "order-7")
+    assert code == 0, err
+    job_id = out.strip()
+    code, out, err = await cli("submit", "demo", "-i", "x=[[1,2,3,5]]", "--idempotency-key", "order-7")
+    assert (code, out) == (4, "")
+    assert err.splitlines() == [
+        f"asyncinfer: error: ALREADY_EXISTS IDEMPOTENCY_KEY_REUSED: idempotency key 'order-7' was first used for "
+        f"job {job_id}, with a different request: a key can be sent again only with its first request (a retry, "
+        "answered with that job). Get that job with GetJob, or use a new key for a different request",
+        f"asyncinfer:   hint: that job: asyncinfer get {job_id}; a new job: run this again with another "
+        "--idempotency-key",
+    ]
+
+
 async def test_bulk_writes_results_and_resumes_without_queuing_twice(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -97,13 +97,32 @@ async def test_a_reused_key_with_another_request_is_already_exists(stub: JobStub
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.SubmitJob(request)
         assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS, what
-        assert first.job.job_id in (info.value.details() or "")
+        # What happened, whose the key is, and both ways on (Stripe's idempotency_error says the
+        # first and the last; the message before this said neither that a retry of the first
+        # request is fine nor how to reach the job).
+        assert info.value.details() == (
+            f"idempotency key 'k' was first used for job {first.job.job_id}, with a different request: a key "
+            "can be sent again only with its first request (a retry, answered with that job). Get that job "
+            "with GetJob, or use a new key for a different request"
+        ), what
         status = status_details(info.value)
         assert status is not None
         error_info = unpack_details(status)["ErrorInfo"]
         assert error_info.reason == "IDEMPOTENCY_KEY_REUSED"
         assert error_info.metadata["job_id"] == first.job.job_id
     assert await work_messages(nc) == 1
+
+
+async def test_a_reused_long_key_is_quoted_in_part_and_the_way_on_is_never_cut(stub: JobStub) -> None:
+    # An error's message is clipped to MAX_MESSAGE_BYTES (asyncinfer/error_bounds.py): a key of the
+    # most bytes allowed, quoted whole, would have cut what to do, the message's end.
+    key = "order-" + "é" * 125  # 256 bytes of UTF-8
+    first = await stub.SubmitJob(submit_request(idempotency_key=key))
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await stub.SubmitJob(submit_request(idempotency_key=key, priority=job_pb2.PRIORITY_HIGH))
+    details = info.value.details() or ""
+    assert details.startswith(f"idempotency key 'order-{'é' * 15}...' was first used for job {first.job.job_id},")
+    assert details.endswith("Get that job with GetJob, or use a new key for a different request")
 
 
 async def test_a_queue_ttl_retried_later_is_the_same_request(stub: JobStub, nc: NatsClient) -> None:

@@ -15,7 +15,7 @@ import sys
 
 from asyncinfer.client import AsyncInferClientError
 from asyncinfer.commands import batches, bulk, jobs, ops
-from asyncinfer.commands.hints import connection_hint
+from asyncinfer.commands.hints import connection_hint, reused_key_hint
 from asyncinfer.commands.inputs import header_argument, text_argument
 from asyncinfer.commands.options import DEFAULT_CALL_TIMEOUT_S, DEFAULT_GATEWAY, DEFAULT_SCHEDULER, Handler, Options
 from asyncinfer.commands.output import (
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     except AsyncInferClientError as exc:
         code = report_error(exc)
-        if (hint := connection_hint(exc, options)) is not None:
+        if (hint := connection_hint(exc, options) or reused_key_hint(exc)) is not None:
             print(f"asyncinfer:   hint: {hint}", file=sys.stderr)
         return code
     except BrokenPipeError:  # `asyncinfer batch download ID | head`: exit_quietly_on_broken_pipe's

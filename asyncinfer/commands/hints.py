@@ -2,7 +2,8 @@
 host name that does not resolve, a TLS mismatch either way, no client certificate for a server
 that may require one, or an address that serves another service. gRPC's own text for these
 ("failed to connect to all addresses ... Socket closed", "errors resolving ...: [field:hostname
-lookup error:...]", "Method not found!") names no cause."""
+lookup error:...]", "Method not found!") names no cause. And after an idempotency key refused as
+used with another request, the commands that follow the key's job or batch, or make a new one."""
 
 from __future__ import annotations
 
@@ -59,5 +60,19 @@ def connection_hint(error: AsyncInferClientError, options: Options) -> str | Non
             "the server closed the connection after the TLS handshake: if it requires client certificates "
             "(mutual TLS: the gateway's or the scheduler's tls_client_ca_file), give --tls-cert FILE and "
             "--tls-key FILE (env ASYNCINFER_TLS_CERT_FILE, ASYNCINFER_TLS_KEY_FILE), a certificate its CA signed"
+        )
+    return None
+
+
+def reused_key_hint(error: AsyncInferClientError) -> str | None:
+    """For an idempotency key already used with another request (IDEMPOTENCY_KEY_REUSED): the
+    commands that take the user on, as the gateway's message names the RPCs (GetJob, GetBatch)."""
+    if error.code is not grpc.StatusCode.ALREADY_EXISTS or error.reason != "IDEMPOTENCY_KEY_REUSED":
+        return None
+    if job_id := error.metadata.get("job_id"):
+        return f"that job: asyncinfer get {job_id}; a new job: run this again with another --idempotency-key"
+    if batch_id := error.metadata.get("batch_id"):
+        return (
+            f"that batch: asyncinfer batch get {batch_id}; a new batch: run this again with another --idempotency-key"
         )
     return None

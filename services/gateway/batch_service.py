@@ -28,6 +28,7 @@ from asyncinfer.batches import (
 from asyncinfer.blob_meta import BlobInfo
 from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config
+from asyncinfer.error_bounds import clip_text
 from asyncinfer.errors import (
     AlreadyExists,
     AsyncInferError,
@@ -51,7 +52,7 @@ from services.gateway.batch_npz import output_npz, refuse_npz
 from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
-from services.gateway.idempotency import KEY_REUSED_REASON
+from services.gateway.idempotency import KEY_QUOTED_BYTES, KEY_REUSED_REASON
 from services.gateway.list_batches import batch_page
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
@@ -347,8 +348,12 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         unlike = fields_unlike(request, record, first, same_input=same_input)
         if unlike:
             raise AlreadyExists(
-                f"idempotency key {record.idempotency_key[:64]!r} was already used for batch {first.batch_id} "
-                f"with a different request ({', '.join(unlike)}); use a new key for a new batch",
+                # As a job's (idempotency.key_reused), the fields last: what a clipped message loses
+                # is the end of their list, which the metadata has whole.
+                f"idempotency key {clip_text(record.idempotency_key, KEY_QUOTED_BYTES)!r} was first used for "
+                f"batch {first.batch_id}, with a different request: a key can be sent again only with its first "
+                "request (a retry, answered with that batch). Get that batch with GetBatch, or use a new key "
+                f"for a different batch (differing: {', '.join(unlike)})",
                 reason=KEY_REUSED_REASON,
                 metadata={"batch_id": first.batch_id, "fields": ",".join(unlike)},
             )

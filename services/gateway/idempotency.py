@@ -74,6 +74,7 @@ from asyncinfer.config import Config, ModelConfig
 
 # Named in asyncinfer.contract; re-exported for its callers here.
 from asyncinfer.contract import claim_key as claim_key
+from asyncinfer.error_bounds import clip_text
 from asyncinfer.errors import AlreadyExists, AsyncInferError, Unavailable
 from asyncinfer.idempotency_claims import Claim, ClaimStore, ClaimWritten
 from asyncinfer.ids import new_job_id
@@ -92,6 +93,8 @@ from services.gateway.work_message import withdrawn_record
 log = structlog.get_logger("asyncinfer.gateway.idempotency")
 
 KEY_REUSED_REASON = "IDEMPOTENCY_KEY_REUSED"
+# Of the key, in the message saying it was reused: enough to recognise it.
+KEY_QUOTED_BYTES = 40
 # Beyond enqueue_retry_s: a KV request the owner sent last may still be in flight (nats-py's
 # JetStream requests time out after 5 s).
 TAKEOVER_MARGIN_S = 6.0
@@ -121,9 +124,14 @@ class _ClaimHeld(Exception):
 
 
 def key_reused(idempotency_key: str, job_id: str) -> AlreadyExists:
+    # Worded as Stripe words its idempotency_error (a key goes only with the parameters it was first
+    # used with): what happened, whose the key is, and both ways on, within the MAX_MESSAGE_BYTES an
+    # error keeps (the key is clipped so that the way on is never the part cut). Which fields differ
+    # is not known here: the claim keeps a fingerprint of the request, not the request.
     return AlreadyExists(
-        f"idempotency key {idempotency_key[:64]!r} was already used for job {job_id} with a different request; "
-        "use a new key for a new job",
+        f"idempotency key {clip_text(idempotency_key, KEY_QUOTED_BYTES)!r} was first used for job {job_id}, "
+        "with a different request: a key can be sent again only with its first request (a retry, answered "
+        "with that job). Get that job with GetJob, or use a new key for a different request",
         reason=KEY_REUSED_REASON,
         metadata={"job_id": job_id},
     )
