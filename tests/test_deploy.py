@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -816,41 +817,230 @@ def test_dockerfile_runs_unprivileged_and_checks_grpc_health(service: str) -> No
         assert "[batcher]" not in text
 
 
+COMPOSE = DEPLOY / "compose/docker-compose.yml"
+COMPOSE_SECRETS = "/run/secrets/asyncinfer"  # where every container mounts the volume `secrets`
+
+
+def compose_file() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def compose_mounts(service: dict[str, Any], secrets: Path) -> dict[str, Path]:
+    """A compose service's mounts, container path -> the path here: a bind mount's file, the
+    volume `secrets` as make-secrets.sh made it (`secrets`); other named volumes are left out."""
+    mounts: dict[str, Path] = {}
+    for volume in service["volumes"]:
+        source, target = volume.split(":")[:2]
+        if source == "secrets":
+            mounts[target] = secrets
+        elif source.startswith("."):
+            mounts[target] = (COMPOSE.parent / source).resolve()
+    return mounts
+
+
+def on_host(path: str, mounts: dict[str, Path]) -> Path | None:
+    """Where a path a container is told to read lies here, or None if no mount holds it."""
+    for target, host in mounts.items():
+        if path == target:
+            return host
+        if path.startswith(target + "/"):
+            return host / path[len(target) + 1 :]
+    return None
+
+
+def make_compose_secrets(secrets: Path) -> subprocess.CompletedProcess[str]:
+    """Runs the one-shot service `secrets` as compose would (its entrypoint and command, each path
+    through its mounts), leaving ownership as it is (SECRETS_OWNER: this test need not be root)."""
+    service = compose_file()["services"]["secrets"]
+    mounts = compose_mounts(service, secrets)
+    argv = [str(on_host(arg, mounts) or arg) for arg in [*service["entrypoint"], *service["command"]]]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SECRETS_OWNER": ""}
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def file_settings(config: Config) -> dict[str, str]:
+    """Every `*_file` setting a configuration gives a value: `section.key` -> the path."""
+    found: dict[str, str] = {}
+    for section in type(config).model_fields:
+        values = getattr(config, section)
+        for key in getattr(type(values), "model_fields", {}):
+            if key.endswith("_file") and getattr(values, key):
+                found[f"{section}.{key}"] = str(getattr(values, key))
+    return found
+
+
 def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path: Path) -> None:
-    path = DEPLOY / "compose/docker-compose.yml"
-    compose = yaml.safe_load(path.read_text())
+    compose = compose_file()
     services = compose["services"]
-    assert set(services) == {"nats", "gateway", "scheduler", "batcher"}
+    assert set(services) == {"secrets", "nats", "gateway", "scheduler", "batcher"}
+    secrets = tmp_path / "secrets"
     for name in SERVICES:
         svc = services[name]
         build = svc["build"]
-        assert (path.parent / build["context"] / build["dockerfile"]).resolve() == DEPLOY / f"docker/{name}.Dockerfile"
-        assert f"127.0.0.1:{SERVICES[name]}" in " ".join(svc["healthcheck"]["test"])
-        assert all(dep["condition"] == "service_healthy" for dep in svc["depends_on"].values())
-        for volume in svc["volumes"]:
-            host, container_path, _mode = volume.split(":")
-            assert (path.parent / host).is_file(), host
-            environ = {k: str(v) for k, v in svc["environment"].items()}
-            cfg = load_config(path.parent / host, environ=environ)
-            # Each binds 0.0.0.0 (the network between containers): keys are required to start.
-            assert cfg.gateway.api_keys, name
-            assert getattr(cfg, name).host == "0.0.0.0"
-            if name == "batcher":  # its own key, of role batcher, for the scheduler's WorkerService
-                assert cfg.batcher.api_key is not None
-                own = KeyRing(cfg.gateway.api_keys).identify(bearer_metadata(cfg.batcher.api_key))
-                assert own.role == "batcher"
-            if name != "batcher":
-                assert cfg.nats.url == "nats://nats:4222"
-                assert cfg.nats.replicas == 1
-            if name == "scheduler":  # its one nats-server's monitoring port (not the cluster's pods)
-                assert cfg.scheduler.nats_monitor_urls == ["http://nats:8222"]
-            else:
-                assert cfg.batcher.scheduler_address == f"scheduler:{SERVICES['scheduler']}"
-            assert container_path.startswith("/etc/asyncinfer/")
-    assert services["batcher"]["depends_on"] == {"scheduler": {"condition": "service_healthy"}}
-    assert "--jetstream" in services["nats"]["command"]
-    assert services["nats"]["command"][services["nats"]["command"].index("--http_port") + 1] == "8222"
+        assert (
+            COMPOSE.parent / build["context"] / build["dockerfile"]
+        ).resolve() == DEPLOY / f"docker/{name}.Dockerfile"
+        assert f"localhost:{SERVICES[name]}" in " ".join(svc["healthcheck"]["test"])
+        assert all(
+            dep["condition"] == ("service_completed_successfully" if dep_name == "secrets" else "service_healthy")
+            for dep_name, dep in svc["depends_on"].items()
+        )
+        (config_target,) = [t for t in compose_mounts(svc, secrets) if t.startswith("/etc/asyncinfer/")]
+        host = compose_mounts(svc, secrets)[config_target]
+        assert host.is_file(), host
+        environ = {k: str(v) for k, v in svc["environment"].items()}
+        cfg = load_config(host, environ=environ)
+        # Each binds 0.0.0.0 (the network between containers): keys are required to start.
+        assert cfg.gateway.api_keys, name
+        assert getattr(cfg, name).host == "0.0.0.0"
+        if name == "batcher":  # its own key, of role batcher, for the scheduler's WorkerService
+            assert cfg.batcher.api_key is not None
+            own = KeyRing(cfg.gateway.api_keys).identify(bearer_metadata(cfg.batcher.api_key))
+            assert own.role == "batcher"
+        if name != "batcher":
+            assert cfg.nats.url == "tls://nats:4222"
+            assert cfg.nats.replicas == 1
+        if name == "scheduler":  # its one nats-server's monitoring port (not the cluster's pods)
+            assert cfg.scheduler.nats_monitor_urls == ["http://nats:8222"]
+        else:
+            assert cfg.batcher.scheduler_address == f"scheduler:{SERVICES['scheduler']}"
+    assert services["batcher"]["depends_on"]["scheduler"] == {"condition": "service_healthy"}
+    assert services["nats"]["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
     assert services["nats"]["volumes"][0].split(":")[0] in compose["volumes"]
+    assert "secrets" in compose["volumes"]
+
+
+def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Path) -> None:
+    """The compose stack on TLS, as deploy/README.md's "By hand" section runs it, checked without
+    Docker: its one-shot service `secrets` (make-secrets.sh, run here as compose runs it) makes the
+    files; each service's ASYNCINFER_* variables are settings its configuration file takes
+    (load_config refuses an unknown key); every file a setting or its health check names is one a
+    mount gives it, and exists; the servers' certificates name what their clients dial; and a
+    second run keeps every file (clients keep trusting the same CA)."""
+    from cryptography import x509
+
+    services = compose_file()["services"]
+    secrets = tmp_path / "secrets"
+    made = make_compose_secrets(secrets)
+    assert "issued tls/gateway.pem" in made.stdout
+    ca = x509.load_pem_x509_certificate((secrets / "tls/ca.pem").read_bytes())
+
+    def names_of(cert_file: Path) -> list[str]:
+        cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        return [*san.get_values_for_type(x509.DNSName), *map(str, san.get_values_for_type(x509.IPAddress))]
+
+    for name in SERVICES:
+        svc = services[name]
+        mounts = compose_mounts(svc, secrets)
+        assert all(key.startswith("ASYNCINFER_") for key in svc["environment"]), name
+        environ = {k: str(v) for k, v in svc["environment"].items()}
+        (config_file,) = [host for target, host in mounts.items() if target.startswith("/etc/asyncinfer/")]
+        cfg = load_config(config_file, environ=environ)  # an unknown key is a ConfigError
+        files = file_settings(cfg)
+        for setting, path in files.items():
+            host = on_host(path, mounts)
+            assert host is not None, f"{name}: {setting} = {path}: no mount gives it"
+            assert host.is_file(), f"{name}: {setting} = {path}: not made"
+        health = svc["healthcheck"]["test"]
+        for flag in ("--ca", "--cert", "--key"):
+            if flag in health:
+                host = on_host(health[health.index(flag) + 1], mounts)
+                assert host is not None, f"{name}: the health check's {flag}: no mount gives it"
+                assert host.is_file(), f"{name}: the health check's {flag}: not made"
+        served = getattr(cfg, name)
+        assert served.tls_cert_file, f"{name} serves plaintext"
+        assert served.tls_key_file, name
+        assert set(names_of(on_host(served.tls_cert_file, mounts))) >= {name, "localhost"}  # type: ignore[arg-type]
+        if name == "batcher":  # NATS-less; to its scheduler over mutual TLS
+            assert cfg.batcher.scheduler_ca_file == f"{COMPOSE_SECRETS}/tls/ca.pem"
+            assert cfg.batcher.scheduler_cert_file == f"{COMPOSE_SECRETS}/tls/batcher.pem"
+            assert cfg.batcher.scheduler_key_file == f"{COMPOSE_SECRETS}/tls/batcher.key"
+        else:
+            assert cfg.nats.url.startswith("tls://"), name
+            assert cfg.nats.tls_ca_file == f"{COMPOSE_SECRETS}/tls/ca.pem", name
+            assert cfg.nats.nkey_seed_file == f"{COMPOSE_SECRETS}/nats/seeds/{name}.nk"
+            assert cfg.nats.inbox_prefix == f"_INBOX_{name}"
+        if name == "scheduler":
+            assert cfg.scheduler.tls_client_ca_file == f"{COMPOSE_SECRETS}/tls/ca.pem"  # mutual TLS
+            assert "--cert" in health
+    nats = services["nats"]
+    command = nats["command"]
+    conf = on_host(command[command.index("-c") + 1], compose_mounts(nats, secrets))
+    assert conf is not None
+    text = conf.read_text()
+    assert "tls {" in text
+    assert "include ./nats-users.conf" in text
+    for path in re.findall(r'_file: "([^"]+)"', text):
+        assert Path(path).is_file(), path  # the script wrote them where it mounts them: the same path in nats
+    assert set(names_of(secrets / "tls/nats.pem")) >= {"nats", "localhost"}
+
+    before = {p: p.read_bytes() for p in secrets.rglob("*") if p.is_file()}
+    again = make_compose_secrets(secrets)
+    assert "issued" not in again.stdout, again.stdout
+    assert {p: p.read_bytes() for p in secrets.rglob("*") if p.is_file()} == before
+
+
+async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: Path) -> None:
+    """The nats-server of the compose stack, on the file make-secrets.sh writes (its store and
+    ports moved here): the gateway and the scheduler connect as their compose environment says
+    (TLS verified against the stack's CA, each its own NKey user); a client without credentials,
+    or without TLS, is refused."""
+    from asyncinfer.errors import ConfigError, Unavailable
+    from asyncinfer.nats.connection import connect
+
+    services = compose_file()["services"]
+    secrets = tmp_path / "secrets"
+    make_compose_secrets(secrets)
+    # Beside the file, for its include; the store here, not at the container's /data.
+    conf = secrets / "nats/here.conf"
+    conf.write_text((secrets / "nats/nats.conf").read_text().replace('"/data"', f'"{tmp_path / "data"}"'))
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(
+        find_nats_server(), "-c", str(conf), "-p", str(port), "-m", str(free_port()),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert server.stderr is not None
+    said: list[str] = []
+    try:
+        async with asyncio.timeout(30):
+            while "Server is ready" not in (line := (await server.stderr.readline()).decode()):
+                assert line, "nats-server exited:\n" + "".join(said)
+                said.append(line)
+        for name in ("gateway", "scheduler"):
+            svc = services[name]
+            mounts = compose_mounts(svc, secrets)
+            (config_file,) = [host for target, host in mounts.items() if target.startswith("/etc/asyncinfer/")]
+            nats = load_config(config_file, environ={k: str(v) for k, v in svc["environment"].items()}).nats
+            here = nats.model_copy(
+                update={
+                    "url": f"tls://127.0.0.1:{port}",
+                    **{key: str(on_host(getattr(nats, key), mounts)) for key in ("tls_ca_file", "nkey_seed_file")},
+                }
+            )
+            client = await connect(here, name=name)
+            try:
+                assert (await client.jetstream().account_info()) is not None
+            finally:
+                await client.close()
+        anonymous = Config().nats.model_copy(
+            update={
+                "url": f"tls://127.0.0.1:{port}",
+                "tls_ca_file": str(secrets / "tls/ca.pem"),
+                "connect_timeout_s": 1.0,
+            }
+        )
+        with pytest.raises(ConfigError, match="refused this connection's credentials"):
+            await connect(anonymous, name="anonymous")
+        plaintext = anonymous.model_copy(update={"url": f"nats://127.0.0.1:{port}", "tls_ca_file": None})
+        with pytest.raises((ConfigError, Unavailable)):
+            await connect(plaintext, name="plaintext")
+    finally:
+        server.terminate()
+        await server.wait()
 
 
 def load_healthcheck() -> ModuleType:
