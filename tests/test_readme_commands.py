@@ -14,7 +14,9 @@ Placeholders, as the README documents them: `JOB_ID` is the job ID the block's l
 the webhook receiver's URL: CALLBACK_URL). Nothing runs before the README: the stack is `up` as a
 newcomer has it (no models in its file, so minilm-l6, minilm-l6-doc and the sample models `demo` and `flaky`; no webhook secret,
 so the one `up` generates), and the README's own lines make the dead letter its recipes act on.
-The Python SDK example is a ```python block, not a shell one (tests/test_client_sdk.py covers the SDK).
+The Python SDK example (the ```python block under "The Python SDK") runs too, as it stands but for
+its gateway's address, and the console's URL the banner prints answers its first page. No command
+writes a Python traceback on stderr: an error is the CLI's line, grpcurl's ERROR block, or nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,6 +104,26 @@ def shell_blocks(text: str) -> list[Block]:
             block.commands.append(Command(line, number, said[-1] if said else 0))
             comments = []
     return blocks
+
+
+def python_blocks(text: str) -> dict[str, str]:
+    """The README's first ```python block under each heading (its line), fences of any kind skipped."""
+    found: dict[str, str] = {}
+    heading, fence, block = "", "", list[str]()
+    for raw in text.splitlines():
+        line = raw.strip()
+        if fence:
+            if line == "```":
+                if fence == "python":
+                    found.setdefault(heading, "\n".join(block) + "\n")
+                fence, block = "", []
+            elif fence == "python":
+                block.append(raw)
+        elif line.startswith("```"):
+            fence = line[3:].strip() or "text"
+        elif raw.startswith("#"):
+            heading = line
+    return found
 
 
 def test_the_readme_has_its_shell_blocks_and_every_command_is_run_or_named() -> None:
@@ -193,6 +216,7 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
             )
             where = f"README.md:{command.number}: {command.line}\nstdout: {done.stdout}\nstderr: {done.stderr}"
             assert done.returncode == command.expected_exit, where
+            assert "Traceback" not in done.stderr, where
             if "grpcurl" in line and done.returncode == 0:
                 assert not re.fullmatch(r"\{\s*\}", done.stdout.strip()), f"an empty answer: {where}"
             if "SubmitJob" in line or "asyncinfer submit" in line:
@@ -204,6 +228,27 @@ def test_every_readme_command_runs_against_a_live_stack(up: UpProcess, tmp_path:
                 dead_letters.append(done.stdout)
             ran.append(command.line)
     assert len(ran) >= 30
+    sdk = python_blocks(README.read_text())["### The Python SDK"]
+    assert sdk.count("127.0.0.1:50051") == 2, "the example's addresses are the default gateway's"
+    (workdir / "sdk_example.py").write_text(sdk.replace("127.0.0.1:50051", up.gateway))
+    done = subprocess.run(
+        [sys.executable, "sdk_example.py"],
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, f"the SDK example:\nstdout: {done.stdout}\nstderr: {done.stderr}"
+    # Its watch prints each state it sees up to SUCCEEDED; then the 100 bulk jobs, waited and got.
+    assert done.stdout.splitlines()[-1] == "100 100", done.stdout
+    assert "SUCCEEDED" in done.stdout.splitlines()[:-1], done.stdout
+    console = re.search(r"web console\s+(http://\S+)", up.banner)
+    assert console is not None, up.banner
+    with urllib.request.urlopen(console.group(1), timeout=30) as page:  # its redirect followed
+        assert (page.status, page.url.endswith("/queues")) == (200, True)
+        assert "<title>Queues · asyncinfer</title>" in page.read().decode()
     assert any("OpsService/Undrain" in line for line in ran)
     # The README's own flaky job was the dead letter its recipes listed, showed and replayed.
     assert any('"flaky"' in answer and "MODEL_ERROR" in answer for answer in dead_letters), dead_letters
