@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import importlib.util
 import json
@@ -21,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -984,19 +985,11 @@ def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Pa
     assert {p: p.read_bytes() for p in secrets.rglob("*") if p.is_file()} == before
 
 
-async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: Path) -> None:
-    """The nats-server of the compose stack, on the file make-secrets.sh writes (its store and
-    ports moved here): the gateway and the scheduler connect as their compose environment says
-    (TLS verified against the stack's CA, each its own NKey user); a client without credentials,
-    or without TLS, is refused."""
-    from asyncinfer.errors import ConfigError, Unavailable
-    from asyncinfer.nats.connection import connect
-
-    services = compose_file()["services"]
-    secrets = tmp_path / "secrets"
-    make_compose_secrets(secrets)
-    # Beside the file, for its include; the store here, not at the container's /data.
-    conf = secrets / "nats/here.conf"
+@contextlib.asynccontextmanager
+async def compose_nats(secrets: Path, tmp_path: Path) -> AsyncIterator[int]:
+    """nats-server on the file make-secrets.sh wrote (its store here, not at the container's /data;
+    its ports free ones): the client port, once it says it is ready."""
+    conf = secrets / "nats/here.conf"  # beside the file, for its include
     conf.write_text((secrets / "nats/nats.conf").read_text().replace('"/data"', f'"{tmp_path / "data"}"'))
     port = free_port()
     server = await asyncio.create_subprocess_exec(
@@ -1010,6 +1003,24 @@ async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: P
             while "Server is ready" not in (line := (await server.stderr.readline()).decode()):
                 assert line, "nats-server exited:\n" + "".join(said)
                 said.append(line)
+        yield port
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: Path) -> None:
+    """The nats-server of the compose stack, on the file make-secrets.sh writes (its store and
+    ports moved here): the gateway and the scheduler connect as their compose environment says
+    (TLS verified against the stack's CA, each its own NKey user); a client without credentials,
+    or without TLS, is refused."""
+    from asyncinfer.errors import ConfigError, Unavailable
+    from asyncinfer.nats.connection import connect
+
+    services = compose_file()["services"]
+    secrets = tmp_path / "secrets"
+    make_compose_secrets(secrets)
+    async with compose_nats(secrets, tmp_path) as port:
         for name in ("gateway", "scheduler"):
             svc = services[name]
             mounts = compose_mounts(svc, secrets)
@@ -1038,9 +1049,104 @@ async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: P
         plaintext = anonymous.model_copy(update={"url": f"nats://127.0.0.1:{port}", "tls_ca_file": None})
         with pytest.raises((ConfigError, Unavailable)):
             await connect(plaintext, name="plaintext")
-    finally:
-        server.terminate()
-        await server.wait()
+
+
+# The compose file's demo keys (its header lists them; a local demo only).
+COMPOSE_TENANT_KEY = "asyncinfer-local-demo-key"
+COMPOSE_OPS_KEY = "asyncinfer-local-ops-key"
+
+
+def image_command(service: str) -> list[str]:
+    """The image's ENTRYPOINT and CMD (exec form), as its Dockerfile writes them."""
+    lines = dockerfile(service).splitlines()
+    entrypoint = json.loads(next(line for line in lines if line.startswith("ENTRYPOINT "))[len("ENTRYPOINT ") :])
+    return [*entrypoint, *json.loads(next(line for line in lines if line.startswith("CMD "))[len("CMD ") :])]
+
+
+async def test_the_compose_services_run_together_on_tls_as_processes(tmp_path: Path) -> None:
+    """The compose stack without Docker: nats-server on the file the `secrets` step writes, then the
+    gateway, the scheduler and the batcher, each its image's command with its compose environment
+    (every path through its mounts; each moved to a free loopback port, and NATS and the scheduler
+    dialled there). Each health check, as compose runs it (TLS, the scheduler's with its own
+    certificate), says SERVING; a demo job over TLS with the tenant key succeeds (so the batcher
+    reached the scheduler over mutual TLS); the scheduler's OpsService answers an operator with the
+    `ops` certificate, and one without gets no answer."""
+    from asyncinfer.client import AsyncClient
+
+    services = compose_file()["services"]
+    secrets = tmp_path / "secrets"
+    make_compose_secrets(secrets)
+    ports = {name: free_port() for name in SERVICES}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
+    base_env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    started: list[asyncio.subprocess.Process] = []
+    async with compose_nats(secrets, tmp_path) as nats_port:
+        try:
+            for name in ("gateway", "scheduler", "batcher"):
+                svc = services[name]
+                mounts = compose_mounts(svc, secrets)
+                env = {**base_env}
+                for key, value in svc["environment"].items():
+                    env[key] = str(on_host(str(value), mounts) or value)
+                section = name.upper()
+                env.update(
+                    {
+                        f"ASYNCINFER_{section}__HOST": "127.0.0.1",
+                        f"ASYNCINFER_{section}__PORT": str(ports[name]),
+                        f"ASYNCINFER_{section}__METRICS_PORT": "0",
+                        "ASYNCINFER_NATS__URL": f"tls://127.0.0.1:{nats_port}",
+                        "ASYNCINFER_BATCHER__SCHEDULER_ADDRESS": f"127.0.0.1:{ports['scheduler']}",
+                    }
+                )
+                argv = [str(on_host(arg, mounts) or arg) for arg in image_command(name)]
+                with (tmp_path / f"{name}.stderr").open("wb") as stderr:
+                    process = await asyncio.create_subprocess_exec(
+                        *argv, env=env, cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=stderr
+                    )
+                started.append(process)
+                assert process.stdout is not None
+                async with asyncio.timeout(90):
+                    printed = (await process.stdout.readline()).decode()
+                assert printed.startswith(f"asyncinfer {name} serving on 127.0.0.1:{ports[name]}"), (
+                    printed + (tmp_path / f"{name}.stderr").read_text()
+                )
+                test = svc["healthcheck"]["test"]
+                assert test[:3] == ["CMD", "python", "/opt/asyncinfer/healthcheck.py"]
+                args = [
+                    f"localhost:{ports[name]}"
+                    if arg == f"localhost:{SERVICES[name]}"
+                    else str(on_host(arg, mounts) or arg)
+                    for arg in test[3:]
+                ]
+                health = await asyncio.to_thread(load_healthcheck().main, args)
+                assert health == 0, f"{name}'s health check: {args}"
+
+            ca = str(secrets / "tls/ca.pem")
+            async with AsyncClient(
+                f"127.0.0.1:{ports['gateway']}", api_key=COMPOSE_TENANT_KEY, tls_ca_file=ca
+            ) as client:
+                y = await client.run("demo", {"x": [[1, 2, 3, 4]]}, timeout_s=60)
+            assert y["y"].tolist() == [[3.0, 5.0, 7.0, 9.0]]
+            ops = [
+                sys.executable, "-m", "asyncinfer", "--scheduler", f"127.0.0.1:{ports['scheduler']}", "--tls-ca", ca,
+                "--ops-key", COMPOSE_OPS_KEY, "--timeout", "20",
+            ]  # fmt: skip
+            client_cert = ["--tls-cert", str(secrets / "tls/ops.pem"), "--tls-key", str(secrets / "tls/ops.key")]
+            answered = await asyncio.to_thread(
+                subprocess.run, [*ops, *client_cert, "stats", "--once"], capture_output=True, text=True, env=base_env
+            )
+            assert answered.returncode == 0, answered.stderr
+            assert re.search(r"^demo\s", answered.stdout, re.M), answered.stdout
+            refused = await asyncio.to_thread(
+                subprocess.run, [*ops, "stats", "--once"], capture_output=True, text=True, env=base_env
+            )
+            assert refused.returncode == 5, refused.stderr  # mutual TLS: no certificate, no answer
+            assert "--tls-cert" in refused.stderr, refused.stderr
+        finally:
+            for process in reversed(started):  # the batcher first, as compose stops them
+                if process.returncode is None:
+                    process.terminate()
+                    await process.wait()
 
 
 def load_healthcheck() -> ModuleType:
