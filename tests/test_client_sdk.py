@@ -304,10 +304,17 @@ async def test_same_idempotency_key_returns_the_first_job(idle_stack: Stack) -> 
         first = await client.submit("demo", {"x": X}, idempotency_key="order-42")
         second = await client.submit("demo", {"x": X}, idempotency_key="order-42")
         other = await client.submit("demo", {"x": X}, idempotency_key="order-43")
-        with pytest.raises(AlreadyExistsError):  # the same key for another request
+        with pytest.raises(AlreadyExistsError) as reused:  # the same key for another request
             await client.submit("demo", {"x": X * 2}, idempotency_key="order-42")
         listed = [job.job_id async for job in client.list(model="demo")]
     assert second.job_id == first.job_id, "a repeated key returns the first job"
+    # What happened, the job holding the key, and what to do, in the error's text and metadata.
+    assert (reused.value.reason, reused.value.metadata["job_id"]) == ("IDEMPOTENCY_KEY_REUSED", first.job_id)
+    assert str(reused.value) == (
+        f"ALREADY_EXISTS IDEMPOTENCY_KEY_REUSED: idempotency key 'order-42' was first used for job {first.job_id}, "
+        "with a different request: a key can be sent again only with its first request (a retry, answered with "
+        "that job). Get that job with GetJob, or use a new key for a different request"
+    )
     assert first.idempotency_key == second.idempotency_key == "order-42"
     assert other.job_id != first.job_id
     assert sorted(listed) == sorted([first.job_id, other.job_id]), "the repeat queued nothing"

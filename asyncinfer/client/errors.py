@@ -100,7 +100,9 @@ class NotFoundError(AsyncInferClientError):
 
 
 class AlreadyExistsError(AsyncInferClientError):
-    pass
+    """It exists already (ALREADY_EXISTS). An idempotency key sent with another request than its
+    first (reason IDEMPOTENCY_KEY_REUSED): `metadata["job_id"]` (a batch's: `metadata["batch_id"]`)
+    is the one holding the key; `get` it, or submit the other request under a new key."""
 
 
 class FailedPreconditionError(AsyncInferClientError):
