@@ -743,6 +743,12 @@ async def test_queue_pause_resume_and_drain(stack: Stack, monkeypatch: pytest.Mo
     assert json.loads(out.splitlines()[-1])["state"] == "SUCCEEDED"
     code, _, err = await cli("queue", "pause", "no-such-model")
     assert code == 3, err
+    # Named as submit names the models served (it said "model 'no-such-model' is not configured").
+    known = ", ".join(sorted(m.name for m in stack.config.models))
+    assert err == (
+        "asyncinfer: error: NOT_FOUND MODEL_NOT_FOUND: unknown model 'no-such-model'; the models this scheduler "
+        f"knows are: {known}\n"
+    )
     code, out, err = await cli("queue", "drain", "--wait", "5", "--json")
     assert code == 0, err
     # The answer names the scheduler reached (behind a Service: the one it picked).

@@ -82,6 +82,13 @@ async def test_a_model_name_in_no_file_is_loaded_served_unloaded_and_loaded_agai
             assert set(await listed(stack)) == {"demo", NEW_MODEL}
             everything = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())
             assert {m.model_name for m in everything.models} == {"demo", NEW_MODEL}
+            # A name it does not know: refused naming the models it knows, the learnt one included.
+            with pytest.raises(grpc.aio.AioRpcError) as unknown:
+                await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest(model_name="dmeo"))
+            assert (unknown.value.code(), unknown.value.details()) == (
+                grpc.StatusCode.NOT_FOUND,
+                f"unknown model 'dmeo'; the models this scheduler knows are: {', '.join(sorted(['demo', NEW_MODEL]))}",
+            )
 
             # Unloaded everywhere: a new job is accepted and waits, with a reason, never lost.
             await kserve.unload_model(NEW_MODEL)

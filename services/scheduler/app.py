@@ -287,6 +287,7 @@ class SchedulerApp:
             drains=drains,
             controls=controls,
             knows_model=runtime.knows,
+            learnt_models=lambda: runtime.names,
             claims=claim_lifetimes,
             cluster_wide=cluster_queues.cluster_wide,
         )

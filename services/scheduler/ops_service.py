@@ -179,6 +179,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         drains: ClusterDrains | None = None,
         controls: ModelControls | None = None,
         knows_model: Callable[[str], bool] | None = None,
+        learnt_models: Callable[[], tuple[str, ...]] | None = None,
         claims: ClaimLifetimes | None = None,
         cluster_wide: Callable[[ModelQueueSnapshot], ModelQueueSnapshot] | None = None,
     ) -> None:
@@ -189,6 +190,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
         self._claims = claims
         # Configured names, plus those learnt from batchers at runtime (services.scheduler.runtime_models).
         self._knows_model = knows_model
+        self._learnt_models = learnt_models
         self._error_to_proto = error_to_proto
         self._config = config
         self._stats = stats
@@ -211,7 +213,15 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model")])
         known = model_name in self._model_names or (self._knows_model is not None and self._knows_model(model_name))
         if model_name and not known:
-            raise NotFound(f"model {model_name!r} is not configured", reason="MODEL_NOT_FOUND")
+            # Named as the gateway's submit names them (services.gateway.model_catalog): a typo is
+            # fixed from the message alone.
+            learnt = self._learnt_models() if self._learnt_models is not None else ()
+            names = ", ".join(sorted(self._model_names.union(learnt))) or "none"
+            raise NotFound(
+                f"unknown model {model_name[:64]!r}; the models this scheduler knows are: {names}",
+                reason="MODEL_NOT_FOUND",
+                metadata={"model": model_name[:64], "known_models": names},
+            )
 
     async def GetQueueStats(
         self, request: ops_service_pb2.GetQueueStatsRequest, context: Context
