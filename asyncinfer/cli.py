@@ -62,6 +62,10 @@ class SuggestingParser(argparse.ArgumentParser):
                 2,
                 f"{self.prog}: error: give a command: {', '.join(commands)} (`{self.prog} --help` says what each does)\n",
             )
+        if usage := _missing_positionals(self, message):
+            # `asyncinfer watch` with no job ID: argparse's usage block (six lines of the client
+            # options) before the one line that says what is missing.
+            self.exit(2, f"{self.prog}: error: give {usage} (`{self.prog} --help` says more)\n")
         suggestion = _suggestion(self, message)
         if suggestion or "invalid choice: " in message:
             # One line: a typo's answer is the command or option meant (or, for a command, the list
@@ -95,6 +99,27 @@ def _missing_command(parser: argparse.ArgumentParser, message: str) -> list[str]
         if isinstance(action, SubParsers) and missing.group(1) in (action.metavar, action.dest):
             return list(action.choices)
     return []
+
+
+def _missing_positionals(parser: argparse.ArgumentParser, message: str) -> str:
+    """What to give, `NAMES: PROG [options] POSITIONALS`, when the message says positional
+    arguments alone are missing; "" otherwise (a required option, a subcommand: argparse's or
+    _missing_command's)."""
+    missing = re.fullmatch(r"the following arguments are required: (.+)", message)
+    if missing is None:
+        return ""
+    positionals = [a for a in parser._actions if not a.option_strings and not isinstance(a, SubParsers)]
+    names = {str(a.metavar or a.dest): a for a in positionals}
+    wanted = missing.group(1).split(", ")
+    if not wanted or any(name not in names for name in wanted):
+        return ""
+    shapes = {"+": "{0} [{0} ...]", "*": "[{0} ...]", "?": "[{0}]"}
+    shown = {
+        name: "{" + ",".join(map(str, a.choices)) + "}" if a.choices and not a.metavar else name
+        for name, a in names.items()
+    }
+    words = [shapes.get(str(a.nargs), "{0}").format(shown[name]) for name, a in names.items()]
+    return f"{', '.join(wanted)}: {parser.prog} [options] {' '.join(words)}"
 
 
 def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

@@ -549,6 +549,27 @@ def test_a_command_given_without_its_subcommand_names_them_in_one_line(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["watch"], "asyncinfer watch: error: give job_id: asyncinfer watch [options] job_id"),
+        (["cancel"], "asyncinfer cancel: error: give job_id: asyncinfer cancel [options] job_id [job_id ...]"),
+        (["batch", "get"], "asyncinfer batch get: error: give batch_id: asyncinfer batch get [options] batch_id"),
+        (["completion"], "asyncinfer completion: error: give shell: asyncinfer completion [options] {bash,zsh,fish}"),
+    ],
+)
+def test_a_command_given_without_its_argument_says_what_to_give_in_one_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first-hour walk: `asyncinfer watch` with no job ID printed argparse's usage block (six
+    lines of the client options) before `the following arguments are required: job_id`."""
+    with pytest.raises(SystemExit) as exited:
+        services_cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"{said} (`{' '.join(['asyncinfer', *argv])} --help` says more)\n"
+
+
+@pytest.mark.unit
 def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> None:
     """The message already says `field: description`: its violation line repeated it."""
     message = "invalid request: inputs[0].shape: input 'x' must have shape [-1, 4]"
