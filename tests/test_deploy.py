@@ -911,6 +911,15 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
     assert services["nats"]["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
     assert services["nats"]["volumes"][0].split(":")[0] in compose["volumes"]
     assert "secrets" in compose["volumes"]
+    # The one-shot step: root for the files' ownership alone (CHOWN), nothing else; the others
+    # read its volume and cannot write it.
+    step = services["secrets"]
+    assert (step["user"], step["cap_drop"], step["cap_add"], step["read_only"]) == ("0:0", ["ALL"], ["CHOWN"], True)
+    assert step["security_opt"] == ["no-new-privileges:true"]
+    assert step["restart"] == "no"
+    for name in ("nats", *SERVICES):
+        (mount,) = [v for v in services[name]["volumes"] if v.split(":")[0] == "secrets"]
+        assert mount == f"secrets:{COMPOSE_SECRETS}:ro", name
 
 
 def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Path) -> None:
