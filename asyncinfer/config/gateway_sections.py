@@ -224,13 +224,14 @@ class ConsoleConfig(Section):
     tenant_key_file: str | None = Field(None, description="A file holding tenant_key (a mounted Secret).")
     ops_key: str | None = Field(
         None,
-        description="The key (role ops) for the queues and dead letters, with API keys; it also allows replay, "
-        "purge, pause and resume from the console unless read_only. Prefer ops_key_file.",
+        description="The key (role ops) for the queues and dead letters, with API keys; it also allows the console's "
+        "actions (replay, purge, pause, resume, cancel a job, retry a dead-lettered job) unless read_only. Prefer "
+        "ops_key_file.",
     )
     ops_key_file: str | None = Field(None, description="A file holding ops_key (a mounted Secret).")
     read_only: bool = Field(
         False,
-        description="Offer no action (replay, purge, pause, resume) even with an ops key. Without an ops key the "
+        description="Offer no action (replay, purge, pause, resume, cancel, retry) even with an ops key. Without an ops key the "
         "console acts only on a stack without API keys and only when it binds loopback, as `asyncinfer up`'s does.",
     )
     trace_url: str = Field(

@@ -216,7 +216,7 @@ class ConsoleApp:
                 read_only_because=(
                     "console.read_only is set"
                     if console.read_only
-                    else "replay, purge, pause and resume need it to hold an ops key (console.ops_key)"
+                    else "its actions (replay, purge, pause, resume, cancel, retry) need it to hold an ops key (console.ops_key)"
                 ),
                 tenant=self._tenant(),
                 stats_interval_s=console.stats_interval_s,
