@@ -1496,6 +1496,40 @@ async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: St
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_job_a_round_pulls_after_the_pause_was_answered_waits_for_the_resume(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round checked the pause before it pulled, not after: a round begun before PauseQueue
+    answered, its pull still out (a loaded machine: CI saw it), brought a job submitted after the
+    pause and dispatched it, and the job ran while its queue was paused. Now what such a round
+    brings is put back, and waits for the resume."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    queues = h.dispatcher().queues
+    real_pull_next = queues.pull_next
+    pulling, let_pull = asyncio.Event(), asyncio.Event()
+
+    async def slow_pull_next(count: int = 1) -> Any:
+        pulling.set()
+        await let_pull.wait()
+        return await real_pull_next(count)
+
+    monkeypatch.setattr(queues, "pull_next", slow_pull_next)
+    batcher = await h.batcher(credits=1)  # a round pulls only with a credit to give
+    await asyncio.wait_for(pulling.wait(), 30)  # a round is out with its pull, the queue not paused
+    assert (await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
+    job_id = await enqueue(h.nc, h.kv)
+    let_pull.set()  # the round's pull brings the job submitted after the pause
+
+    async def put_back() -> bool:
+        return queues.put_back_count(Priority.NORMAL) == 1
+
+    await until(put_back, timeout_s=10.0)
+    assert batcher.orders.empty()
+    assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
+    order = await batcher.next_order(timeout_s=10)
+    assert order.job_id == job_id
+
+
 async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_at_once(
     start: Start, config: Config
 ) -> None:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from asyncinfer.contract import queued_subjects
+from asyncinfer.contract import WORK_SUBJECT_PREFIX, queued_subjects
 from asyncinfer.failure_lines import FailureLines
 from asyncinfer.jobs import PRIORITIES_BY_RANK, Priority
 from asyncinfer.nats import Client as NatsClient
@@ -220,11 +220,7 @@ class ModelDispatcher:
 
     def _may_dispatch(self) -> bool:
         """Whether a round could run now: a credit free, the gates open, not stopping."""
-        return (
-            self._batchers.credit_event(self.model_name).is_set()
-            and all(gate.is_set() for gate in self._gates)
-            and not self._stopping.is_set()
-        )
+        return self._batchers.credit_event(self.model_name).is_set() and self._gates_open()
 
     async def _round(self) -> int | None:
         """Reserves credits, pulls at most that many jobs and dispatches them; how many it
@@ -250,6 +246,15 @@ class ModelDispatcher:
             self._batchers.release(session, self.model_name)
         if not msgs:
             return 0
+        if not self._gates_open():
+            # A pause or a drain came while the pull was out (a loaded machine: tens of ms; the
+            # round's gates were open when it began): what it brought waits as a held pull's
+            # delivery does, so that no job starts once PauseQueue has answered (CI: a job
+            # submitted after the pause was pulled by a round begun before it, and ran).
+            for msg, session in zip(msgs, sessions, strict=False):
+                self._batchers.release(session, self.model_name)
+                await self._put_back(msg, self._priority_of(msg))
+            return len(msgs)
         # The round waits for its dispatches (the jobs published meanwhile are then pulled
         # together), except one that goes on to read a claim-checked input (a file batch's chunk:
         # megabytes, tens to hundreds of ms): that one goes on alone, so that a job of any priority
@@ -273,7 +278,7 @@ class ModelDispatcher:
 
     async def _deliver_held(self, msg: Msg, priority: Priority) -> None:
         """Dispatches a message a held pull brought, or puts it back when it cannot run here now."""
-        closed = self._stopping.is_set() or any(not gate.is_set() for gate in self._gates)
+        closed = not self._gates_open()
         # A higher priority's queue whose pull is no longer held open may hold jobs that this one
         # must not overtake: the round's choice (services.scheduler.priority) decides then.
         rank = PRIORITIES_BY_RANK.index(priority)
@@ -287,10 +292,7 @@ class ModelDispatcher:
                 # and the round takes this one back at once (put back for nothing, and ahead of
                 # that job after all).
                 self._queues.unmark_empty(higher)
-            self._queues.note_publish(priority)
-            self._queues.put_back(priority, msg)  # still counted in the queue's depth
-            with contextlib.suppress(Exception):
-                await msg.nak()
+            await self._put_back(msg, priority)
             self._doorbell.set()  # the loop goes to wait on what held it (a pause ends, a credit comes)
             return
         self._queues.selector.charge(priority, 1)
@@ -298,6 +300,24 @@ class ModelDispatcher:
             if not await self._flow.dispatch(msg, session):
                 self._batchers.release(session, self.model_name)
         self._doorbell.set()  # a job came: there may be more
+
+    async def _put_back(self, msg: Msg, priority: Priority) -> None:
+        """A pulled message that does not run here now goes back to its queue (nak), still counted
+        in the queue's depth."""
+        self._queues.note_publish(priority)
+        self._queues.put_back(priority, msg)
+        with contextlib.suppress(Exception):
+            await msg.nak()
+
+    def _priority_of(self, msg: Msg) -> Priority:
+        """The priority whose queue a pulled message came from: its subject's token after the
+        model's (asyncinfer.contract.job_work_subject, or a queue's own subject from before)."""
+        token = msg.subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.{self.model_name}.").partition(".")[0]
+        return PRIORITY_BY_SUBJECT_TOKEN.get(token, Priority.NORMAL)
+
+    def _gates_open(self) -> bool:
+        """Whether dispatching may go on: the model not paused, the scheduler not draining or stopping."""
+        return all(gate.is_set() for gate in self._gates) and not self._stopping.is_set()
 
     @contextlib.contextmanager
     def _under_way(self) -> Iterator[None]:
