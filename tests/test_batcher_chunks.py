@@ -69,22 +69,30 @@ async def test_a_failing_part_fails_the_chunk_and_a_dropped_chunk_runs_nothing(m
     await blocker.future
 
 
-async def test_chunks_of_one_deadline_are_computed_one_after_the_other_in_arrival_order(make_engine: Any) -> None:
+async def test_chunks_of_one_deadline_are_computed_one_after_the_other_in_arrival_order(
+    make_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A batch's chunks share its expiry; turned into the engine's clock at different moments it
     differs by microseconds, which must not interleave their parts (every chunk would then end
     near the last one, and the batch's window would refill in bursts)."""
     engine = await make_engine(AffineDemo(), max_batch_size=4, max_inflight_batches=1)
     loop = asyncio.get_running_loop()
     # One absolute deadline, well inside a millisecond of the engine's clock, seen a little earlier by each
-    # later chunk (as reading two clocks at different moments does): 10 us apart.
-    deadline = math.floor((loop.time() + 3600) * 1000) / 1000 + 0.0002
+    # later chunk (as reading two clocks at different moments does): 10 us apart. The loop's clock stands
+    # still while they are submitted (no await in between), so that the test's reading and the engine's
+    # are one: on a loaded machine the two were once 0.3 ms apart, which moved chunk 0 to the next
+    # millisecond, a difference the chunks of one batch do not have (CI: ended [1, 2, 3, 4, 0]).
+    now = loop.time()
+    deadline = math.floor((now + 3600) * 1000) / 1000 + 0.0002
     ended: list[int] = []
     items = []
-    for index in range(5):
-        item = engine.submit_chunk("demo", rows(16), timeout_s=deadline - loop.time() - index * 1e-5)
-        item.future.add_done_callback(lambda _f, index=index: ended.append(index))
-        items.append(item)
-        assert len({part.expires_at for part in item.parts}) == 1  # cutting the parts takes a while
+    with monkeypatch.context() as frozen:
+        frozen.setattr(loop, "time", lambda: now)
+        for index in range(5):
+            item = engine.submit_chunk("demo", rows(16), timeout_s=deadline - now - index * 1e-5)
+            item.future.add_done_callback(lambda _f, index=index: ended.append(index))
+            items.append(item)
+            assert len({part.expires_at for part in item.parts}) == 1  # cutting the parts takes a while
     await asyncio.gather(*(item.future for item in items))
     assert ended == [0, 1, 2, 3, 4]
 
