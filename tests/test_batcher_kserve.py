@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.config import DEMO_MODEL, Config, load_config, render_default_config
+from asyncinfer.config import DEMO_MODEL, Config, ModelVersionConfig, load_config, render_default_config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_server import LIVENESS_SERVICE
 from services.batcher.app import BatcherApp
@@ -253,6 +253,57 @@ async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
             for labels, value in ((s.labels, s.value) for m in batcher.metrics.model_ready.collect() for s in m.samples)
         }
         assert ready == {("broken", "1"): 0, ("broken", ""): 0, ("demo", "1"): 1, ("demo", ""): 1}
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+def _ready_gauge(batcher: BatcherApp) -> dict[tuple[str, str], float]:
+    return {
+        (s.labels["model"], s.labels["version"]): s.value
+        for metric in batcher.metrics.model_ready.collect()
+        for s in metric.samples
+    }
+
+
+async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batcher_ready(tmp_path: Path) -> None:
+    """A reload whose file no longer declares the version that failed to load forgets its failure,
+    but the batcher's readiness was read from it before: the version's ready gauge series (0, which
+    AsyncinferModelNotReady fires on) stayed, and the server's health and ServerReady stayed
+    NOT_SERVING, until some later change happened to recompute them. After the reload they say
+    what the batcher serves now: the version's series gone, the server ready."""
+    file = tmp_path / "batcher.toml"
+    settings = {"port": 0, "metrics_port": 0, "scheduler_address": None}
+    broken_v2 = ModelVersionConfig(version="2", loader="services.batcher.models.demo:build_nothing")
+    config = Config().replace(batcher=settings, models=[DEMO_MODEL.model_copy(update={"versions": (broken_v2,)})])
+    file.write_text(render_default_config(config))
+    batcher = BatcherApp(load_config(file), config_path=file)
+    await batcher.start()
+    try:
+        assert _ready_gauge(batcher)[("demo", "2")] == 0
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            async def status(service: str) -> str:
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+            assert await status("") == "NOT_SERVING"
+            file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL])))
+            await batcher.reload()
+            await asyncio.gather(*batcher._health_updates)  # the updates the reload started
+            assert batcher.load_failures == {}
+            assert _ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
+            assert [await status(s) for s in ("", "demo", "demo/1", "demo/2")] == [
+                "SERVING",
+                "SERVING",
+                "SERVING",
+                "NOT_SERVING",
+            ]
+        client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+        try:
+            assert await client.is_server_ready()
+        finally:
+            await client.close()
     finally:
         await batcher.stop(grace_s=1.0)
 

@@ -341,6 +341,10 @@ class BatcherApp:
         self.load_failures.clear()
         for (name, _version), reason in self.models.failures.items():
             self.load_failures.setdefault(name, reason)
+        # Read again now that the failures are: a version the file dropped after it failed to load
+        # is forgotten without a change to what is served (no _models_changed), and the health
+        # updates the reload's changes started read the failures from before it.
+        self._readiness_changed()
         log.info("reload_done", models={n: self.engine.versions(n) for n in self.engine.model_names})
 
     def _on_sighup(self) -> None:
