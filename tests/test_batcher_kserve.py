@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from structlog.testing import capture_logs
 from tritonclient.utils import InferenceServerException
 
-from asyncinfer.config import DEMO_MODEL, Config, ModelVersionConfig, load_config, render_default_config
+from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, ModelVersionConfig, load_config, render_default_config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_server import LIVENESS_SERVICE
 from services.batcher.app import BatcherApp
@@ -302,6 +302,71 @@ async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batch
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
             assert await client.is_server_ready()
+        finally:
+            await client.close()
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def test_a_reload_that_drops_a_model_that_failed_to_load_forgets_it(tmp_path: Path) -> None:
+    """A model none of whose versions loaded, then dropped from the file: the reload applied only the
+    models the file declares and those served, so its failure was never forgotten: its ready series
+    stayed at 0 (AsyncinferModelNotReady firing for a model no longer declared) and the server
+    NOT_SERVING for good. After the reload it is gone and the batcher ready."""
+    file = tmp_path / "batcher.toml"
+    settings = {"port": 0, "metrics_port": 0, "scheduler_address": None}
+    broken = DEMO_MODEL.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL, broken])))
+    batcher = BatcherApp(load_config(file), config_path=file)
+    await batcher.start()
+    try:
+        assert _ready_gauge(batcher)[("broken", "1")] == 0
+        file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL])))
+        await batcher.reload()
+        await asyncio.gather(*batcher._health_updates)  # the updates the reload started
+        assert batcher.load_failures == {}
+        assert batcher.models.failures == {}
+        assert _ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
+        client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+        try:
+            assert await client.is_server_ready()
+            assert not await client.is_model_ready("broken")
+        finally:
+            await client.close()
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def test_a_pipeline_that_failed_at_start_stays_failed_through_a_reload(tmp_path: Path) -> None:
+    """Pipelines are fixed at start (a reload leaves them): one whose step model failed to load is
+    not served until a restart. A reload rebuilt load_failures from the model set's failures alone,
+    which never hold a pipeline's: the pipeline was no longer named a failure (ServerReady, the
+    server's health and its ready series then said it serves)."""
+    file = tmp_path / "batcher.toml"
+    settings = {"port": 0, "metrics_port": 0, "scheduler_address": None}
+    broken = DEMO_MODEL.model_copy(update={"name": "broken", "loader": "services.batcher.models.demo:build_nothing"})
+    piped = ModelConfig.model_validate(
+        {
+            "name": "piped",
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
+            "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 4]}],
+            "steps": [{"model": "broken", "inputs": {"x": "x"}, "outputs": {"y": "y"}}],
+        }
+    )
+    models = [DEMO_MODEL, broken, piped]
+    file.write_text(render_default_config(Config().replace(batcher=settings, models=models)))
+    batcher = BatcherApp(load_config(file), config_path=file)
+    await batcher.start()
+    try:
+        assert "piped" in batcher.load_failures
+        await batcher.reload()  # the same file
+        await asyncio.gather(*batcher._health_updates)  # the updates the reload started
+        assert "piped" in batcher.load_failures
+        assert _ready_gauge(batcher)[("piped", "1")] == 0
+        client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
+        try:
+            assert not await client.is_server_ready()
+            assert not await client.is_model_ready("piped")
         finally:
             await client.close()
     finally:

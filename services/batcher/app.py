@@ -334,11 +334,17 @@ class BatcherApp:
         fixed = {step.model for model in self.config.models for step in model.steps} | {
             model.name for model in self.config.models if model.steps
         }
-        names = [n for n in dict.fromkeys([*declared, *self.engine.model_names]) if n not in fixed]
+        # With the models that failed to load: one the file no longer declares is forgotten.
+        failed = [name for name, _version in self.models.failures]
+        names = [n for n in dict.fromkeys([*declared, *self.engine.model_names, *failed]) if n not in fixed]
         log.info("reload_started", path=str(self.config_path), models=names)
         for name in names:
             await self.models.apply(name, declared.get(name, []))
+        # A pipeline's failure is its own (fixed at start, as the pipeline is), never the model set's.
+        pipelines = {model.name for model in self.config.models if model.steps}
+        kept = {name: reason for name, reason in self.load_failures.items() if name in pipelines}
         self.load_failures.clear()
+        self.load_failures.update(kept)
         for (name, _version), reason in self.models.failures.items():
             self.load_failures.setdefault(name, reason)
         # Read again now that the failures are: a version the file dropped after it failed to load
