@@ -200,78 +200,61 @@ class ServingCertificates:
     """A gRPC server's TLS credentials that serve its files' current certificate, key and client
     CA to each new connection, without a restart.
 
-    gRPC calls `fetch` at every TLS handshake, on one of its own threads. It stats the files (a
-    handshake's few microseconds more) and reads them only when a FileVersion changed: a good set
-    is served from that handshake on and logged (`tls_certificate_reloaded`, listeners told: the
-    expiry gauge); one that cannot be served (the key not the certificate's, a half-written or
-    unparsable file, a file gone) is logged once per version (`tls_certificate_reload_failed`)
-    and the last good set is kept. Connections already open keep the certificate they were made
-    with. Whether client certificates are required is fixed at start."""
+    gRPC calls `fetch` at every TLS handshake, on one of its own threads: RenewingFiles stats the
+    files (a handshake's few microseconds more) and reads them only when a FileVersion changed; a
+    good set (the key the certificate's, the client CA a PEM bundle) is served from that handshake
+    on and logged (`tls_certificate_reloaded`, listeners told: the expiry gauge); one that cannot
+    be served (the key not the certificate's, a half-written or unparsable file, a file gone) is
+    logged once per version (`tls_certificate_reload_failed`) and the last good set is kept.
+    Connections already open keep the certificate they were made with. Whether client
+    certificates are required is fixed at start."""
 
     def __init__(self, section: str, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
         self.section = section
         self._cert_file, self._key_file, self._client_ca_file = cert_file, key_file, client_ca_file
-        self._paths = [cert_file, key_file, *([client_ca_file] if client_ca_file else [])]
+        files = [(f"{section}.tls_cert_file", cert_file), (f"{section}.tls_key_file", key_file)]
+        if client_ca_file:
+            files.append((f"{section}.tls_client_ca_file", client_ca_file))
+        self._files = RenewingFiles(self._configuration, files, certificate=files[0], first=self._first_configuration)
         self._lock = threading.Lock()  # gRPC may handshake on several threads at once
-        self._listeners: list[ReloadListener] = []
-        # Stat'ed before the files are read: a renewal between the two is then seen as one.
-        # None: the files are read at the next handshake.
-        self._seen: Versions | None = None
-        with contextlib.suppress(OSError):  # the reads below name the file
-            self._seen = file_versions(self._paths)
-        pair = _pair(cert_file, key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")
-        assert pair is not None  # both files are given (serving_certificates)
-        cert, key = pair
-        client_ca = read_ca(client_ca_file, f"{section}.tls_client_ca_file") if client_ca_file else None
+        self._served = self._files.current()
         self.credentials = grpc.dynamic_ssl_server_credentials(
-            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca),
+            self._served,
             # None: gRPC keeps the configuration it serves (its documented contract; the stub omits it).
             cast(Callable[[], grpc.ServerCertificateConfiguration], self.fetch),
-            require_client_authentication=bool(client_ca),
+            require_client_authentication=bool(client_ca_file),
         )
 
     def on_reloaded(self, listener: ReloadListener) -> None:
-        self._listeners.append(listener)
+        self._files.on_reloaded(listener)
 
     def fetch(self) -> grpc.ServerCertificateConfiguration | None:
         """gRPC's certificate_configuration_fetcher: the new configuration, or None to keep the
         one served."""
-        try:
-            versions: Versions = file_versions(self._paths)
-        except OSError as exc:
-            versions = StatFailed(str(exc.filename), exc.strerror or str(exc))
+        configuration = self._files.current()
         with self._lock:
-            if versions == self._seen:
+            if configuration is self._served:
                 return None
-            self._seen = versions
-            try:
-                return self._load(versions)
-            except ReloadFailed as exc:
-                log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
-            except Exception as exc:  # never into gRPC's handshake: the last good set stays served
-                log.warning(
-                    "tls_certificate_reload_failed",
-                    file=self._cert_file,
-                    setting=f"{self.section}.tls_cert_file",
-                    reason=repr(exc),
-                )
-            return None
+            self._served = configuration
+            return configuration
 
-    def _load(self, versions: Versions) -> grpc.ServerCertificateConfiguration | None:
-        if isinstance(versions, StatFailed):
-            raise ReloadFailed(versions.file, self._setting_of(versions.file), versions.reason)
+    def _first_configuration(self) -> grpc.ServerCertificateConfiguration:
+        """At start: a bad file is a ConfigError that names it (the service does not start)."""
+        section = self.section
+        pair = _pair(self._cert_file, self._key_file, f"{section}.tls_cert_file", f"{section}.tls_key_file")
+        assert pair is not None  # both files are given (serving_certificates)
+        cert, key = pair
+        ca_file = self._client_ca_file
+        client_ca = read_ca(ca_file, f"{section}.tls_client_ca_file") if ca_file else None
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
+
+    def _configuration(self) -> grpc.ServerCertificateConfiguration:
+        """A renewal: checked from the bytes then served (ReloadFailed names what cannot be)."""
         cert, key = self._read(self._cert_file, "tls_cert_file"), self._read(self._key_file, "tls_key_file")
         client_ca = self._read(self._client_ca_file, "tls_client_ca_file") if self._client_ca_file else None
-        if file_versions(self._paths) != versions:
-            self._seen = None  # rewritten while read: read again at the next handshake
-            return None
-        not_after = certificate_not_after(cert, key, self._cert_file, self._key_file, self.section)
+        certificate_not_after(cert, key, self._cert_file, self._key_file, self.section)
         if client_ca is not None and self._client_ca_file:
             check_ca_bundle(client_ca, self._client_ca_file, f"{self.section}.tls_client_ca_file")
-        setting = f"{self.section}.tls_cert_file"
-        log.info("tls_certificate_reloaded", file=self._cert_file, setting=setting, not_after=not_after)
-        for listener in self._listeners:
-            listener(setting, self._cert_file, not_after)
         return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=client_ca)
 
     def _read(self, path: str, key: str) -> bytes:
@@ -279,10 +262,6 @@ class ServingCertificates:
             return Path(path).read_bytes()
         except OSError as exc:
             raise ReloadFailed(path, f"{self.section}.{key}", exc.strerror or str(exc)) from None
-
-    def _setting_of(self, path: str) -> str:
-        key = {self._cert_file: "tls_cert_file", self._key_file: "tls_key_file"}.get(path, "tls_client_ca_file")
-        return f"{self.section}.{key}"
 
 
 def serving_certificates(section: str, settings: ServerTlsSection) -> ServingCertificates | None:
@@ -301,22 +280,30 @@ def serving_certificates(section: str, settings: ServerTlsSection) -> ServingCer
 Material = TypeVar("Material")
 
 
-class ClientCertificates(Generic[Material]):
-    """A client's TLS material (gRPC channel credentials, an SSL context), made by `build` from its
-    files at start, and made again for a connection opened after they changed: a renewed client
-    certificate (or CA) is used from the next connection, the connections open keep theirs.
+class RenewingFiles(Generic[Material]):
+    """TLS material (a gRPC server's certificate configuration, channel credentials, an SSL
+    context) made by `build` from its files at start, and made again once they changed: a renewed
+    certificate (or key, or CA) is used from then on, what was made before keeps its own.
 
     `current()` stats the files (FileVersion) and builds only when a version changed. A build that
-    fails (a key that is not the certificate's, a half-written file: `build`'s ConfigError, or a
-    file gone) keeps the last good material and is logged once per version
-    (`tls_certificate_reload_failed`); a good one is logged (`tls_certificate_reloaded`) and the
-    listeners told of the certificate's expiry. Blocking (reads files): call it off the event loop."""
+    fails (a key that is not the certificate's, a half-written file: `build`'s ReloadFailed or
+    ConfigError, or a file gone) keeps the last good material and is logged once per version
+    (`tls_certificate_reload_failed`); a build whose files changed while it read them is made
+    again at the next call, not warned of; a good one is logged (`tls_certificate_reloaded`) and the
+    listeners told of the certificate's expiry. Thread-safe; blocking (reads files): off the event
+    loop (gRPC calls a server's on threads of its own)."""
 
     def __init__(
-        self, build: Callable[[], Material], files: Sequence[tuple[str, str]], *, certificate: tuple[str, str] | None
+        self,
+        build: Callable[[], Material],
+        files: Sequence[tuple[str, str]],
+        *,
+        certificate: tuple[str, str] | None,
+        first: Callable[[], Material] | None = None,
     ) -> None:
         """`files`: each (setting, path) `build` reads; `certificate`: the (setting, path) of the
-        client certificate among them, whose expiry listeners are told (None: a CA alone)."""
+        certificate among them, whose expiry listeners are told (None: a CA alone); `first`: the
+        build at start, where a bad file is a ConfigError that stops the service (default `build`)."""
         self._build = build
         self._settings = {path: setting for setting, path in files}
         self._paths = list(self._settings)
@@ -325,10 +312,12 @@ class ClientCertificates(Generic[Material]):
         self._named = certificate or (files[0] if files else ("", ""))
         self._lock = threading.Lock()
         self._listeners: list[ReloadListener] = []
+        # Stat'ed before the files are read: a renewal between the two is then seen as one.
+        # None: the files are read at the next call.
         self._seen: Versions | None = None
         with contextlib.suppress(OSError):  # `build` names the file
             self._seen = file_versions(self._paths)
-        self._current = build()
+        self._current = (first or build)()
 
     def on_reloaded(self, listener: ReloadListener) -> None:
         self._listeners.append(listener)
@@ -349,14 +338,18 @@ class ClientCertificates(Generic[Material]):
                     raise ReloadFailed(versions.file, self._settings.get(versions.file, setting), versions.reason)
                 built = self._build()
                 not_after = self._not_after()
-                if file_versions(self._paths) != versions:
-                    self._seen = None  # rewritten while read: built again for the next connection
-                    return self._current
-            except ReloadFailed as exc:
-                log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
+            except Exception as exc:  # never out: a reconnect, a handshake goes on with the last good one
+                if not isinstance(versions, StatFailed) and self._rewritten(versions):
+                    self._seen = None  # read while it was rewritten: built again at the next call
+                elif isinstance(exc, ReloadFailed):
+                    log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
+                else:  # ConfigError names the file
+                    log.warning(
+                        "tls_certificate_reload_failed", file=file, setting=setting, reason=str(exc) or repr(exc)
+                    )
                 return self._current
-            except Exception as exc:  # ConfigError names the file; anything else must not stop a reconnect
-                log.warning("tls_certificate_reload_failed", file=file, setting=setting, reason=str(exc) or repr(exc))
+            if self._rewritten(versions):
+                self._seen = None  # rewritten while read: built again at the next call
                 return self._current
             self._current = built
             log.info("tls_certificate_reloaded", file=file, setting=setting, not_after=not_after)
@@ -364,6 +357,12 @@ class ClientCertificates(Generic[Material]):
                 for listener in self._listeners:
                     listener(self._certificate[0], self._certificate[1], not_after)
             return built
+
+    def _rewritten(self, versions: tuple[FileVersion, ...]) -> bool:
+        try:
+            return file_versions(self._paths) != versions
+        except OSError:
+            return True
 
     def _not_after(self) -> float | None:
         if self._certificate is None:
@@ -375,6 +374,12 @@ class ClientCertificates(Generic[Material]):
             return x509.load_pem_x509_certificates(Path(path).read_bytes())[0].not_valid_after_utc.timestamp()
         except (OSError, ValueError) as exc:
             raise ReloadFailed(path, setting, str(exc)) from None
+
+
+class ClientCertificates(RenewingFiles[Material]):
+    """A client's TLS material (gRPC channel credentials, an SSL context), made again for a
+    connection opened after its files changed (RenewingFiles): a renewed client certificate (or
+    CA) is used from the next connection, the connections open keep theirs."""
 
 
 def renewing_channel_credentials(
