@@ -23,6 +23,7 @@ from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, ModelVersionConfi
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.grpc_server import LIVENESS_SERVICE
 from services.batcher.app import BatcherApp
+from tests.test_batcher_triton import ready_gauge
 
 
 def free_port() -> int:
@@ -248,21 +249,9 @@ async def test_a_model_that_cannot_load_leaves_the_others_serving() -> None:
             assert "build_nothing" in (info.value.message() or "")
         finally:
             await client.close()
-        ready = {
-            (labels["model"], labels["version"]): value
-            for labels, value in ((s.labels, s.value) for m in batcher.metrics.model_ready.collect() for s in m.samples)
-        }
-        assert ready == {("broken", "1"): 0, ("broken", ""): 0, ("demo", "1"): 1, ("demo", ""): 1}
+        assert ready_gauge(batcher) == {("broken", "1"): 0, ("broken", ""): 0, ("demo", "1"): 1, ("demo", ""): 1}
     finally:
         await batcher.stop(grace_s=1.0)
-
-
-def _ready_gauge(batcher: BatcherApp) -> dict[tuple[str, str], float]:
-    return {
-        (s.labels["model"], s.labels["version"]): s.value
-        for metric in batcher.metrics.model_ready.collect()
-        for s in metric.samples
-    }
 
 
 async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batcher_ready(tmp_path: Path) -> None:
@@ -279,7 +268,7 @@ async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batch
     batcher = BatcherApp(load_config(file), config_path=file)
     await batcher.start()
     try:
-        assert _ready_gauge(batcher)[("demo", "2")] == 0
+        assert ready_gauge(batcher)[("demo", "2")] == 0
         async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
 
@@ -292,7 +281,7 @@ async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batch
             await batcher.reload()
             await asyncio.gather(*batcher._health_updates)  # the updates the reload started
             assert batcher.load_failures == {}
-            assert _ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
+            assert ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
             assert [await status(s) for s in ("", "demo", "demo/1", "demo/2")] == [
                 "SERVING",
                 "SERVING",
@@ -320,13 +309,13 @@ async def test_a_reload_that_drops_a_model_that_failed_to_load_forgets_it(tmp_pa
     batcher = BatcherApp(load_config(file), config_path=file)
     await batcher.start()
     try:
-        assert _ready_gauge(batcher)[("broken", "1")] == 0
+        assert ready_gauge(batcher)[("broken", "1")] == 0
         file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL])))
         await batcher.reload()
         await asyncio.gather(*batcher._health_updates)  # the updates the reload started
         assert batcher.load_failures == {}
         assert batcher.models.failures == {}
-        assert _ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
+        assert ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
             assert await client.is_server_ready()
@@ -362,7 +351,7 @@ async def test_a_pipeline_that_failed_at_start_stays_failed_through_a_reload(tmp
         await batcher.reload()  # the same file
         await asyncio.gather(*batcher._health_updates)  # the updates the reload started
         assert "piped" in batcher.load_failures
-        assert _ready_gauge(batcher)[("piped", "1")] == 0
+        assert ready_gauge(batcher)[("piped", "1")] == 0
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
             assert not await client.is_server_ready()
