@@ -36,6 +36,7 @@ from asyncinfer.client import AsyncInferClientError, CallbackDelivery, Job, JobE
 from asyncinfer.client.errors import code_and_reason, unsaid_violations
 from asyncinfer.duration_text import duration_text
 from asyncinfer.errors import FieldViolation
+from asyncinfer.jobs import CHUNK_LABEL
 from asyncinfer.tensors import datatype_of
 
 if TYPE_CHECKING:  # rich is imported where a terminal is drawn on: the CLI's start-up does not pay for it
@@ -270,9 +271,13 @@ def job_text(
         lines += _violations(unsaid_violations(job.error.message, job.error.violations))
         if job.dead_letter_sequence:  # its letter, straight to the command that shows or replays it
             sequence = job.dead_letter_sequence
-            lines.append(
-                f"dead letter {sequence} (asyncinfer dlq show {sequence}; dlq replay {sequence} runs it again)"
+            # A file batch's chunk is not replayed (BATCH_CHUNK_NOT_REPLAYABLE), as its console page says.
+            again = (
+                "a file batch's chunk: not replayed, its records are in the batch's error file"
+                if CHUNK_LABEL in job.labels
+                else f"dlq replay {sequence} runs it again"
             )
+            lines.append(f"dead letter {sequence} (asyncinfer dlq show {sequence}; {again})")
     elif job.last_error is not None:
         last = job.last_error
         lines.append(f"last error  {code_and_reason(last.code.name, last.reason)}: {last.message}")

@@ -29,6 +29,7 @@ from asyncinfer.client import (
 from asyncinfer.commands.ops import attempts_text
 from asyncinfer.commands.output import job_summary, job_text
 from asyncinfer.errors import FieldViolation
+from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 
 pytestmark = pytest.mark.unit
 
@@ -220,4 +221,25 @@ def test_a_dead_lettered_job_names_its_letter_for_the_dlq_commands() -> None:
     assert lines[at + 1] == "dead letter 42 (asyncinfer dlq show 42; dlq replay 42 runs it again)"
     assert not any(
         line.startswith("dead letter") for line in job_text(a_job(state=JobState.FAILED, error=error)).splitlines()
+    )
+
+
+def test_a_dead_lettered_chunk_of_a_file_batch_is_not_offered_a_replay() -> None:
+    """A file batch's chunk job is not run again by a replay (the scheduler refuses it:
+    BATCH_CHUNK_NOT_REPLAYABLE; its failed records are in the batch's error file), so the line
+    naming its letter gave a command that fails; it names the letter and says why instead, as
+    the console's job page does."""
+    error = JobError(grpc.StatusCode.UNKNOWN, "MAX_ATTEMPTS", "the model raised (gave up after 3 attempts)", ())
+    chunk = a_job(
+        state=JobState.FAILED,
+        attempt=3,
+        error=error,
+        dead_letter_sequence=42,
+        labels={BATCH_LABEL: "b1", CHUNK_LABEL: "0"},
+    )
+    lines = job_text(chunk).splitlines()
+    at = lines.index("error       UNKNOWN MAX_ATTEMPTS: the model raised (gave up after 3 attempts)")
+    assert lines[at + 1] == (
+        "dead letter 42 (asyncinfer dlq show 42; a file batch's chunk: not replayed, its records are in the "
+        "batch's error file)"
     )
