@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, ModelVersionConfig, load_config, render_default_config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.grpc_server import LIVENESS_SERVICE
+from asyncinfer.grpc_server import LIVENESS_SERVICE, GrpcServer
 from services.batcher.app import BatcherApp
 from tests.test_batcher_triton import ready_gauge
 
@@ -358,6 +358,50 @@ async def test_a_pipeline_that_failed_at_start_stays_failed_through_a_reload(tmp
             assert not await client.is_model_ready("piped")
         finally:
             await client.close()
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def test_two_health_updates_at_once_end_with_the_later_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each change to what the batcher serves (a reload's, KServe's model controls, a Triton outage)
+    starts a task that sets the models' health names. health.set suspends while a Watch on that
+    name writes its last status (grpc_health's Watch holds the name's condition while it writes), so
+    two updates could interleave, and the earlier, which had read the readiness before the later
+    change, finished last: a version unloaded meanwhile was left SERVING until the next change.
+    Here the first update is held at its first name (as a Watch's write holds it), version 2 is
+    unloaded (the second update), then the first is let go: the version's health must end
+    NOT_SERVING. Now the updates run one after the other, each reading the readiness when it runs."""
+    demo = DEMO_MODEL.model_copy(update={"versions": (ModelVersionConfig(version="2"),)})
+    batcher = BatcherApp(
+        Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[demo])
+    )
+    await batcher.start()
+    try:
+        inside, go = asyncio.Event(), asyncio.Event()
+        set_serving_of = GrpcServer.set_serving_of
+        held: list[str] = []
+
+        async def as_under_a_watch(server: GrpcServer, name: str, serving: bool) -> None:
+            if not held:
+                held.append(name)
+                inside.set()
+                await go.wait()
+            await set_serving_of(server, name, serving)
+
+        monkeypatch.setattr(GrpcServer, "set_serving_of", as_under_a_watch)
+        batcher._readiness_changed()  # the first update: both versions serve
+        await inside.wait()
+        await batcher.models.unload_model("demo", "2")  # the second
+        go.set()
+        while batcher._health_updates:
+            await asyncio.gather(*batcher._health_updates)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            statuses = {}
+            for service in ("demo", "demo/1", "demo/2"):
+                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+                statuses[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        assert statuses == {"demo": "SERVING", "demo/1": "SERVING", "demo/2": "NOT_SERVING"}
     finally:
         await batcher.stop(grace_s=1.0)
 

@@ -80,6 +80,9 @@ class BatcherApp:
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
         self._health_updates: set[asyncio.Task[None]] = set()
+        # One health update at a time: health.set suspends while a Watch on the name writes, and an
+        # update that read the readiness before a later change must not finish after it.
+        self._health_lock = asyncio.Lock()
         # The (model, version) the ready gauge has a series of, and those given a health status.
         self._ready_series: set[tuple[str, str]] = set()
         self._health_names: set[tuple[str, str]] = set()
@@ -247,9 +250,11 @@ class BatcherApp:
         server = self._server
 
         async def update() -> None:
-            # Read when it runs: of two changes in a row, the last one's health stands.
-            await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
-            await self._set_models_health(self._readiness())
+            # Read when it runs, one update after the other: of two changes in a row, the last one's
+            # health stands.
+            async with self._health_lock:
+                await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
+                await self._set_models_health(self._readiness())
 
         task = asyncio.create_task(update(), name="batcher-health")
         self._health_updates.add(task)  # awaited by stop
