@@ -22,6 +22,7 @@ So each service, once it has loaded its certificates:
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class CertificateExpiry:
         self._clock = clock
         self._warning_s = warning_days * DAY_S
         self.loaded = [LoadedCertificate(setting, path, not_after(path, setting)) for setting, path in certificates]
+        self._renewals = threading.Lock()
         self._gauge = Gauge(
             "asyncinfer_tls_certificate_expiry_timestamp_seconds",
             "When each certificate this service uses expires (its notAfter, Unix seconds), by the "
@@ -109,9 +111,12 @@ class CertificateExpiry:
 
     def reloaded(self, setting: str, path: str, not_after: float) -> None:
         """A renewed certificate is in use (a listener, maybe on a gRPC thread: the list is
-        replaced whole, never changed in place, for check() on the event loop)."""
+        replaced whole, never changed in place, for check() on the event loop; the lock keeps two
+        renewals told at once, a serving one on gRPC's thread and a client one on another, from
+        each dropping the other's)."""
         renewed = LoadedCertificate(setting, path, not_after)
-        self.loaded = [*(c for c in self.loaded if c.setting != setting), renewed]
+        with self._renewals:
+            self.loaded = [*(c for c in self.loaded if c.setting != setting), renewed]
         self._gauge.labels(certificate=setting).set(not_after)
 
     def check(self) -> list[LoadedCertificate]:

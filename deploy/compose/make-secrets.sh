@@ -15,7 +15,8 @@
 #   nats/nats.conf                 the nats-server file: TLS, JetStream, the users
 # Run at every `docker compose up`: what exists is kept (the seeds, the CA, a certificate with more
 # than RENEW_DAYS left), so clients keep trusting the same CA; a certificate near its end is issued
-# again (the services read theirs at start: `docker compose restart` after a renewal).
+# again (the gateway, the scheduler and the batcher serve a renewed one without a restart;
+# nats-server reads its own at start: `docker compose restart nats` after a renewal).
 # What the services read is root's, of group 10001 (the images' user, as fsGroup gives a pod its
 # Secret's files), keys 0640: so this step, root with no capability but CHOWN, reads and replaces
 # its own files at the next run. SECRETS_OWNER (default 0:10001) changes that owner; "" leaves
