@@ -53,6 +53,7 @@ import itertools
 import json
 import os
 import re
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -653,6 +654,13 @@ async def end_reconnection(client: Client, timeout_s: float) -> None:
     if transport is not None:
         with contextlib.suppress(Exception):
             transport.close()
+
+
+def use_tls_context(client: Client, context: ssl.SSLContext) -> None:
+    """The SSL context the client's next connect (a reconnect) presents. nats-py reads
+    options["tls"] at each connect and has no setter for it: a client certificate renewed on disk
+    is given this way (asyncinfer.nats.connection), a context of its own each time."""
+    client.options["tls"] = context
 
 
 def pending_request_count(nc: Client) -> int:

@@ -118,7 +118,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         elif tls is not None and not client.is_connected and not client.is_closed:
             # A reconnect that failed (the server away, or refusing a certificate that expired
             # during the outage): the next try, after this callback, presents one renewed meanwhile.
-            client.options["tls"] = await asyncio.to_thread(tls.current)
+            _fastpath.use_tls_context(client, await asyncio.to_thread(tls.current))
 
     def changed() -> None:
         changes = _changes.get(client)
@@ -140,7 +140,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             # presented from this reconnect. A context of its own, never one changed under a
             # connection: load_cert_chain into the live context would leave it half-loaded if
             # the key turned out not to match.
-            client.options["tls"] = await asyncio.to_thread(tls.current)
+            _fastpath.use_tls_context(client, await asyncio.to_thread(tls.current))
 
     async def on_reconnected() -> None:
         changed()
