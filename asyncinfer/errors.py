@@ -73,6 +73,17 @@ class NotFound(AsyncInferError):
     default_reason = "NOT_FOUND"
 
 
+def unknown_model(model_name: str, known: Iterable[str], known_as: str) -> NotFound:
+    """NOT_FOUND MODEL_NOT_FOUND for a model nothing here knows, naming those that are, so that a
+    typo is fixed from the message alone; `known_as` says whose they are ("the models served")."""
+    names = ", ".join(sorted(known)) or "none"
+    return NotFound(
+        f"unknown model {model_name[:64]!r}; {known_as} are: {names}",
+        reason="MODEL_NOT_FOUND",
+        metadata={"model": model_name[:64], "known_models": names},
+    )
+
+
 class AlreadyExists(AsyncInferError):
     code = grpc.StatusCode.ALREADY_EXISTS
     default_reason = "ALREADY_EXISTS"

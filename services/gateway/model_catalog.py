@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 
 from asyncinfer.config import Config, ModelConfig, TensorSpecConfig, version_order
-from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound
+from asyncinfer.errors import FieldViolation, InvalidArgument, NotFound, unknown_model
 from asyncinfer.model_registry import FAILED, LOADING, READY, UNAVAILABLE, RegisteredVersion, decode_registered
 from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
@@ -182,12 +182,7 @@ class ModelCatalog:
             raise InvalidArgument("model_name is required", [FieldViolation("model_name", "give the model to run")])
         model = self.model(name)
         if model is None:
-            known = ", ".join(sorted(m.name for m in self.models())) or "none"
-            raise NotFound(
-                f"unknown model {name[:64]!r}; the models served are: {known}",
-                reason="MODEL_NOT_FOUND",
-                metadata={"model": name[:64], "known_models": known},
-            )
+            raise unknown_model(name, (m.name for m in self.models()), "the models served")
         chosen = version or self.default_version(model)
         config = self.version_config(model, chosen)
         if config is not None:

@@ -26,6 +26,7 @@ from asyncinfer.errors import (
     InvalidArgument,
     NotFound,
     Unavailable,
+    unknown_model,
 )
 from asyncinfer.job_store import NATS_FAILURES, JobStore
 from asyncinfer.jobs import JobRecord
@@ -216,12 +217,7 @@ class OpsService(ModelOps, ops_service_pb2_grpc.OpsServiceServicer):
             # Named as the gateway's submit names them (services.gateway.model_catalog): a typo is
             # fixed from the message alone.
             learnt = self._learnt_models() if self._learnt_models is not None else ()
-            names = ", ".join(sorted(self._model_names.union(learnt))) or "none"
-            raise NotFound(
-                f"unknown model {model_name[:64]!r}; the models this scheduler knows are: {names}",
-                reason="MODEL_NOT_FOUND",
-                metadata={"model": model_name[:64], "known_models": names},
-            )
+            raise unknown_model(model_name, self._model_names.union(learnt), "the models this scheduler knows")
 
     async def GetQueueStats(
         self, request: ops_service_pb2.GetQueueStatsRequest, context: Context
