@@ -136,7 +136,9 @@ class OpsServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PauseQueue(self, request, context):
-        """Stops dispatching a model's queue; submissions are still accepted.
+        """Stops dispatching a model's queue; submissions are still accepted. Once it has answered, no job of
+        the queue starts on the scheduler that answered (one its pulls bring meanwhile is put back); the
+        others stop within moments, as they hear the pause.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

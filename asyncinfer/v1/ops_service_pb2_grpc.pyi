@@ -50,7 +50,10 @@ class OpsServiceStub:
     PurgeDeadLetters: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.PurgeDeadLettersRequest, _ops_service_pb2.PurgeDeadLettersResponse]
     """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`."""
     PauseQueue: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.PauseQueueRequest, _ops_service_pb2.PauseQueueResponse]
-    """Stops dispatching a model's queue; submissions are still accepted."""
+    """Stops dispatching a model's queue; submissions are still accepted. Once it has answered, no job of
+    the queue starts on the scheduler that answered (one its pulls bring meanwhile is put back); the
+    others stop within moments, as they hear the pause.
+    """
     ResumeQueue: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]
     """Resumes dispatching a model's queue."""
     Drain: _grpc.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]
@@ -95,7 +98,10 @@ class OpsServiceAsyncStub(OpsServiceStub):
     PurgeDeadLetters: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.PurgeDeadLettersRequest, _ops_service_pb2.PurgeDeadLettersResponse]  # type: ignore[assignment]
     """Deletes dead letters. By sequences: as ReplayDeadLetters, with `purged` and `not_purged`."""
     PauseQueue: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.PauseQueueRequest, _ops_service_pb2.PauseQueueResponse]  # type: ignore[assignment]
-    """Stops dispatching a model's queue; submissions are still accepted."""
+    """Stops dispatching a model's queue; submissions are still accepted. Once it has answered, no job of
+    the queue starts on the scheduler that answered (one its pulls bring meanwhile is put back); the
+    others stop within moments, as they hear the pause.
+    """
     ResumeQueue: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.ResumeQueueRequest, _ops_service_pb2.ResumeQueueResponse]  # type: ignore[assignment]
     """Resumes dispatching a model's queue."""
     Drain: _aio.UnaryUnaryMultiCallable[_ops_service_pb2.DrainRequest, _ops_service_pb2.DrainResponse]  # type: ignore[assignment]
@@ -173,7 +179,10 @@ class OpsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _ops_service_pb2.PauseQueueRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_ops_service_pb2.PauseQueueResponse, _abc.Awaitable[_ops_service_pb2.PauseQueueResponse]]:
-        """Stops dispatching a model's queue; submissions are still accepted."""
+        """Stops dispatching a model's queue; submissions are still accepted. Once it has answered, no job of
+        the queue starts on the scheduler that answered (one its pulls bring meanwhile is put back); the
+        others stop within moments, as they hear the pause.
+        """
 
     @_abc_1.abstractmethod
     def ResumeQueue(
