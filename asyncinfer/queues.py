@@ -143,7 +143,7 @@ async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyV
 # process of that release is left, a change to them writes version 1. Pauses (nobody reads their
 # value) are written as version 1. A field added since (a priority's `newest_create_time`) is
 # optional and skipped by the msgspec readers of the release before, so it keeps version 0: only
-# a reader two releases back, which an upgrade does not meet (README "Upgrading"), would refuse it.
+# a reader two releases back, which an upgrade does not meet (docs/UPGRADING.md), would refuse it.
 
 SNAPSHOT_VERSION = 0
 CANCEL_NOTICE_VERSION = 0

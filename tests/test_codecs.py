@@ -426,7 +426,7 @@ class _Stop33SnapshotWire(msgspec.Struct, kw_only=True, omit_defaults=True):
 def test_the_release_before_reads_a_snapshot_with_the_newest_time() -> None:
     """A priority's `newest_create_time` (session 24) is a field the release before skips (its
     readers are msgspec's). A reader older than the versioned codecs would refuse it: an upgrade
-    from that far back goes through the release before (README "Upgrading")."""
+    from that far back goes through the release before (docs/UPGRADING.md)."""
     burst = dataclasses.replace(SNAPSHOT, priorities={"NORMAL": PriorityQueueSnapshot(5, 100.0, 101.0)})
     data = encode_snapshot(burst)
     assert decode_snapshot(data) == burst
