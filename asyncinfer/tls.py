@@ -3,7 +3,8 @@ NATS connection, and secrets given inline or as a path (a mounted Kubernetes Sec
 start-up, where a bad file stops the service, and read again when the files change
 (cert-manager, Vault and `up --dev-tls` renew them in place): a gRPC server's certificate, key and
 client CA at its next TLS handshake (ServingCertificates), a client's at its next connection
-(ClientCertificates); a renewal that cannot be used keeps the last good one in use. A file that is
+(ClientCertificates); a renewal that cannot be used (a broken pair, a certificate expired or not yet
+valid) keeps the last good one in use. A file that is
 missing or unreadable is a ConfigError naming the key; a secret file (an API key, a password or
 token, an NKey seed or credentials, a TLS private key) that others may read or change is warned
 of (`secret_file_exposed`), as ssh does for a private key, and read."""
@@ -15,8 +16,10 @@ import os
 import ssl
 import stat
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, cast
 
@@ -156,6 +159,29 @@ class ReloadFailed(Exception):
         self.file, self.setting, self.reason = file, setting, reason
 
 
+class NotYetValid(ReloadFailed):
+    """A renewed certificate whose notBefore is still too far ahead: tried again at `retry_at`
+    (Unix seconds), when it is within CLOCK_SKEW_S, without another change of its files."""
+
+    def __init__(self, file: str, setting: str, reason: str, *, retry_at: float) -> None:
+        super().__init__(file, setting, reason)
+        self.retry_at = retry_at
+
+
+# How far ahead of this host's clock a renewed certificate's notBefore may be and still be served.
+# An issuer's clock and this host's differ by that much at worst where NTP runs, and issuers
+# backdate a little for the same reason (step-ca 1 minute, Vault 30 s): a certificate issued and
+# written moments ago by an issuer whose clock runs ahead is served at once rather than held
+# back while the one it replaces may be about to expire. Five minutes, as Kerberos allows and as
+# `up --dev-tls` and the tests backdate their certificates. One further ahead (staged early, or a
+# clock badly off) would fail every peer's check: it is refused until then (docs/SECURITY.md).
+CLOCK_SKEW_S = 300.0
+
+
+def utc_text(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+
+
 def certificate_not_after(cert: bytes, key: bytes, cert_file: str, key_file: str, section: str) -> float:
     """The leaf's notAfter (Unix seconds) of a PEM chain and its private key, checked to be a pair;
     ReloadFailed otherwise. With bytes, not paths (as ssl's load_cert_chain takes): the bytes
@@ -202,20 +228,37 @@ class ServingCertificates:
 
     gRPC calls `fetch` at every TLS handshake, on one of its own threads: RenewingFiles stats the
     files (a handshake's few microseconds more) and reads them only when a FileVersion changed; a
-    good set (the key the certificate's, the client CA a PEM bundle) is served from that handshake
-    on and logged (`tls_certificate_reloaded`, listeners told: the expiry gauge); one that cannot
-    be served (the key not the certificate's, a half-written or unparsable file, a file gone) is
-    logged once per version (`tls_certificate_reload_failed`) and the last good set is kept.
-    Connections already open keep the certificate they were made with. Whether client
-    certificates are required is fixed at start."""
+    good set (the key the certificate's, the client CA a PEM bundle, the certificate valid now) is
+    served from that handshake on and logged (`tls_certificate_reloaded`, listeners told: the
+    expiry gauge); one that cannot be served (the key not the certificate's, a half-written or
+    unparsable file, a file gone, a certificate expired or not yet valid) is logged once per
+    version (`tls_certificate_reload_failed`) and the last good set is kept. Connections already
+    open keep the certificate they were made with. Whether client certificates are required is
+    fixed at start. Its lines name the service `section` is (gateway, scheduler, batcher): gRPC's
+    threads are outside the service's logging context."""
 
-    def __init__(self, section: str, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+    def __init__(
+        self,
+        section: str,
+        cert_file: str,
+        key_file: str,
+        client_ca_file: str | None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.section = section
         self._cert_file, self._key_file, self._client_ca_file = cert_file, key_file, client_ca_file
         files = [(f"{section}.tls_cert_file", cert_file), (f"{section}.tls_key_file", key_file)]
         if client_ca_file:
             files.append((f"{section}.tls_client_ca_file", client_ca_file))
-        self._files = RenewingFiles(self._configuration, files, certificate=files[0], first=self._first_configuration)
+        self._files = RenewingFiles(
+            self._configuration,
+            files,
+            certificate=files[0],
+            first=self._first_configuration,
+            service=section,
+            clock=clock,
+        )
         self._lock = threading.Lock()  # gRPC may handshake on several threads at once
         self._served = self._files.current()
         self.credentials = grpc.dynamic_ssl_server_credentials(
@@ -287,11 +330,15 @@ class RenewingFiles(Generic[Material]):
 
     `current()` stats the files (FileVersion) and builds only when a version changed. A build that
     fails (a key that is not the certificate's, a half-written file: `build`'s ReloadFailed or
-    ConfigError, or a file gone) keeps the last good material and is logged once per version
-    (`tls_certificate_reload_failed`); a build whose files changed while it read them is made
-    again at the next call, not warned of; a good one is logged (`tls_certificate_reloaded`) and the
-    listeners told of the certificate's expiry. Thread-safe; blocking (reads files): off the event
-    loop (gRPC calls a server's on threads of its own)."""
+    ConfigError, or a file gone), or whose certificate has expired (its notAfter past) or is not
+    yet valid (its notBefore more than CLOCK_SKEW_S ahead), keeps the last good material and is
+    logged once per version (`tls_certificate_reload_failed`, the reason saying which and when);
+    one not yet valid is tried again once its notBefore is within CLOCK_SKEW_S. A build whose
+    files changed while it read them is made again at the next call, not warned of; a good one is
+    logged (`tls_certificate_reloaded`) and the listeners told of the certificate's expiry. At
+    start the certificate is used whatever its dates: there is no other (the service's expiry
+    check says so at error, asyncinfer.cert_expiry). Thread-safe; blocking (reads files): off the
+    event loop (gRPC calls a server's on threads of its own)."""
 
     def __init__(
         self,
@@ -300,10 +347,20 @@ class RenewingFiles(Generic[Material]):
         *,
         certificate: tuple[str, str] | None,
         first: Callable[[], Material] | None = None,
+        service: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         """`files`: each (setting, path) `build` reads; `certificate`: the (setting, path) of the
-        certificate among them, whose expiry listeners are told (None: a CA alone); `first`: the
-        build at start, where a bad file is a ConfigError that stops the service (default `build`)."""
+        certificate among them, whose dates are checked and whose expiry listeners are told (None:
+        a CA alone); `first`: the build at start, where a bad file is a ConfigError that stops the
+        service (default `build`); `service`: the service its log lines name (default: the one the
+        logging context names now, at construction: `current()` may run on a thread that context
+        does not reach, as gRPC's are); `clock`: now, in Unix seconds."""
+        bound = service or structlog.contextvars.get_contextvars().get("service")
+        self._fields: dict[str, str] = {"service": str(bound)} if bound else {}
+        self._clock = clock
+        # A renewal not yet valid: when to read it again although its files have not changed.
+        self._retry_at: float | None = None
         self._build = build
         self._settings = {path: setting for setting, path in files}
         self._paths = list(self._settings)
@@ -329,30 +386,42 @@ class RenewingFiles(Generic[Material]):
         except OSError as exc:
             versions = StatFailed(str(exc.filename), exc.strerror or str(exc))
         with self._lock:
-            if versions == self._seen:
+            if versions == self._seen and (self._retry_at is None or self._clock() < self._retry_at):
                 return self._current
-            self._seen = versions
+            self._seen, self._retry_at = versions, None
             setting, file = self._named
             try:
                 if isinstance(versions, StatFailed):
                     raise ReloadFailed(versions.file, self._settings.get(versions.file, setting), versions.reason)
                 built = self._build()
-                not_after = self._not_after()
+                not_after = self._valid_until()
             except Exception as exc:  # never out: a reconnect, a handshake goes on with the last good one
                 if not isinstance(versions, StatFailed) and self._rewritten(versions):
                     self._seen = None  # read while it was rewritten: built again at the next call
                 elif isinstance(exc, ReloadFailed):
-                    log.warning("tls_certificate_reload_failed", file=exc.file, setting=exc.setting, reason=exc.reason)
+                    if isinstance(exc, NotYetValid):
+                        self._retry_at = exc.retry_at
+                    log.warning(
+                        "tls_certificate_reload_failed",
+                        file=exc.file,
+                        setting=exc.setting,
+                        reason=exc.reason,
+                        **self._fields,
+                    )
                 else:  # ConfigError names the file
                     log.warning(
-                        "tls_certificate_reload_failed", file=file, setting=setting, reason=str(exc) or repr(exc)
+                        "tls_certificate_reload_failed",
+                        file=file,
+                        setting=setting,
+                        reason=str(exc) or repr(exc),
+                        **self._fields,
                     )
                 return self._current
             if self._rewritten(versions):
                 self._seen = None  # rewritten while read: built again at the next call
                 return self._current
             self._current = built
-            log.info("tls_certificate_reloaded", file=file, setting=setting, not_after=not_after)
+            log.info("tls_certificate_reloaded", file=file, setting=setting, not_after=not_after, **self._fields)
             if self._certificate is not None and not_after is not None:
                 for listener in self._listeners:
                     listener(self._certificate[0], self._certificate[1], not_after)
@@ -364,16 +433,37 @@ class RenewingFiles(Generic[Material]):
         except OSError:
             return True
 
-    def _not_after(self) -> float | None:
+    def _valid_until(self) -> float | None:
+        """The certificate's notAfter, once it is checked to be valid now (ReloadFailed: expired;
+        NotYetValid: its notBefore more than CLOCK_SKEW_S ahead); None without a certificate."""
         if self._certificate is None:
             return None
         from cryptography import x509
 
         setting, path = self._certificate
         try:
-            return x509.load_pem_x509_certificates(Path(path).read_bytes())[0].not_valid_after_utc.timestamp()
+            leaf = x509.load_pem_x509_certificates(Path(path).read_bytes())[0]
         except (OSError, ValueError) as exc:
             raise ReloadFailed(path, setting, str(exc)) from None
+        now = self._clock()
+        not_before, not_after = leaf.not_valid_before_utc.timestamp(), leaf.not_valid_after_utc.timestamp()
+        if not_after <= now:
+            raise ReloadFailed(
+                path,
+                setting,
+                f"the certificate expired at {utc_text(not_after)} (its notAfter), before it was used: the one in "
+                "use stays until the file holds one valid now",
+            )
+        if not_before > now + CLOCK_SKEW_S:
+            raise NotYetValid(
+                path,
+                setting,
+                f"the certificate is not valid before {utc_text(not_before)} (its notBefore), more than "
+                f"{CLOCK_SKEW_S / 60:g} minutes ahead of this host's clock: the one in use stays, and this one is "
+                "used once that is no longer so",
+                retry_at=not_before - CLOCK_SKEW_S,
+            )
+        return not_after
 
 
 class ClientCertificates(RenewingFiles[Material]):
@@ -383,9 +473,15 @@ class ClientCertificates(RenewingFiles[Material]):
 
 
 def renewing_channel_credentials(
-    *, ca_file: str | None = None, cert_file: str | None = None, key_file: str | None = None, key: str = "tls"
+    *,
+    ca_file: str | None = None,
+    cert_file: str | None = None,
+    key_file: str | None = None,
+    key: str = "tls",
+    service: str | None = None,
 ) -> ClientCertificates[grpc.ChannelCredentials]:
-    """channel_credentials, made again for a channel opened after its files changed."""
+    """channel_credentials, made again for a channel opened after its files changed; `service`
+    names the service in the renewals' log lines (RenewingFiles)."""
     files = [
         (f"{key}_{name}_file", path) for name, path in (("ca", ca_file), ("cert", cert_file), ("key", key_file)) if path
     ]
@@ -393,6 +489,7 @@ def renewing_channel_credentials(
         lambda: channel_credentials(ca_file=ca_file, cert_file=cert_file, key_file=key_file, key=key),
         files,
         certificate=(f"{key}_cert_file", cert_file) if cert_file else None,
+        service=service,
     )
 
 

@@ -72,18 +72,21 @@ class TestCA:
         self.ca_file = str(directory / "ca.pem")
         Path(self.ca_file).write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, name: str, *, valid_days: float = 1.0) -> Pem:
+    def issue(self, name: str, *, valid_days: float = 1.0, valid_from: datetime.datetime | None = None) -> Pem:
         """A certificate for both server and client use, valid for 127.0.0.1 and localhost, for
-        `valid_days` from now (negative: expired that long ago)."""
+        `valid_days` from now (negative: expired that long ago), from `valid_from` (its notBefore;
+        default five minutes before now, or before its end)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
+        if valid_from is None:
+            valid_from = min(now, now + datetime.timedelta(days=valid_days)) - datetime.timedelta(minutes=5)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
-            .not_valid_before(min(now, now + datetime.timedelta(days=valid_days)) - datetime.timedelta(minutes=5))
+            .not_valid_before(valid_from)
             .not_valid_after(now + datetime.timedelta(days=valid_days))
             .add_extension(
                 x509.SubjectAlternativeName(

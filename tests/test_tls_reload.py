@@ -16,8 +16,10 @@ import os
 import shutil
 import socket
 import ssl
+import threading
 import urllib.request
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +192,128 @@ async def test_a_renewed_certificate_is_served_to_new_connections_and_a_broken_o
         assert reload_events(logs) == [("tls_certificate_reloaded", "batcher.tls_cert_file", str(cert_file))]
         assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(other.cert_file)}
         assert (await health.Check(health_pb2.HealthCheckRequest())).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def utc_date(timestamp: float) -> str:
+    return datetime.fromtimestamp(timestamp, UTC).isoformat(timespec="seconds")
+
+
+async def test_an_expired_renewal_is_refused_and_the_certificate_served_stays(
+    ca: TestCA, tls_batcher: tuple[BatcherApp, Path, Path, Pem]
+) -> None:
+    """A renewal that is a good pair but already past its notAfter (a stale Secret copied back, a
+    renewal job that ran on a stopped clock) was served: every client's handshake then failed,
+    where the certificate it replaced was still good. Now it is refused like a broken one: the
+    served certificate and its gauge stay, and the warning says it expired and when; a good
+    renewal after it is served."""
+    app, cert_file, key_file, first = tls_batcher
+    port = app.port
+    expired = ca.issue("expired", valid_days=-1)
+    with structlog.testing.capture_logs() as logs:
+        replace_file(expired.cert_file, cert_file)
+        replace_file(expired.key_file, key_file)
+        for _ in range(2):
+            assert await served_serial(port, ca.ca_file) == serial(first.cert_file)
+    assert reload_events(logs) == [("tls_certificate_reload_failed", "batcher.tls_cert_file", str(cert_file))]
+    (failed,) = [entry for entry in logs if entry["event"] == "tls_certificate_reload_failed"]
+    assert failed["log_level"] == "warning"
+    assert f"expired at {utc_date(not_after(expired.cert_file))}" in failed["reason"], failed
+    # Written on gRPC's handshake thread, which the service's logging context does not reach.
+    assert failed["service"] == "batcher", failed
+    assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(first.cert_file)}
+
+    renewed = ca.issue("renewed", valid_days=2)
+    with structlog.testing.capture_logs() as logs:
+        replace_file(renewed.cert_file, cert_file)
+        replace_file(renewed.key_file, key_file)
+        assert await served_serial(port, ca.ca_file) == serial(renewed.cert_file)
+    assert reload_events(logs) == [("tls_certificate_reloaded", "batcher.tls_cert_file", str(cert_file))]
+    assert expiry_gauge(app.registry) == {"batcher.tls_cert_file": not_after(renewed.cert_file)}
+
+
+@pytest.mark.unit
+def test_a_renewal_not_yet_valid_is_served_within_five_minutes_of_skew_else_from_when_it_is(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    """Clock skew: a renewal whose notBefore is a little ahead of this host's clock (its issuer's
+    clock runs ahead) is served at once; one further ahead than CLOCK_SKEW_S (staged early) would
+    fail every peer's check, so it is refused like an expired one, warned of once, and served,
+    without another change of its files, from the first handshake once its notBefore is within
+    CLOCK_SKEW_S of the clock."""
+    from asyncinfer.tls import CLOCK_SKEW_S, ServingCertificates
+
+    first = ca.issue("a")
+    cert_file, key_file = tmp_path / "tls.crt", tmp_path / "tls.key"
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+    now = datetime.now(UTC)
+    clock = [now.timestamp()]
+    serving = ServingCertificates("scheduler", str(cert_file), str(key_file), None, clock=lambda: clock[0])
+    told: list[tuple[str, str, float]] = []
+    serving.on_reloaded(lambda *renewal: told.append(renewal))
+
+    skewed = ca.issue("b", valid_from=now + timedelta(minutes=2))
+    replace_file(skewed.cert_file, cert_file)
+    replace_file(skewed.key_file, key_file)
+    assert isinstance(serving.fetch(), grpc.ServerCertificateConfiguration)
+    assert told == [("scheduler.tls_cert_file", str(cert_file), not_after(skewed.cert_file))]
+
+    staged_from = now + timedelta(hours=1)
+    staged = ca.issue("c", valid_from=staged_from, valid_days=2)
+    with structlog.testing.capture_logs() as logs:
+        replace_file(staged.cert_file, cert_file)
+        replace_file(staged.key_file, key_file)
+        assert [serving.fetch() for _ in range(3)] == [None, None, None]
+        clock[0] = staged_from.timestamp() - CLOCK_SKEW_S - 1
+        assert serving.fetch() is None
+        assert len(told) == 1
+        clock[0] += 2
+        assert isinstance(serving.fetch(), grpc.ServerCertificateConfiguration)
+        assert serving.fetch() is None
+    assert [(entry["event"], entry["setting"]) for entry in logs] == [
+        ("tls_certificate_reload_failed", "scheduler.tls_cert_file"),
+        ("tls_certificate_reloaded", "scheduler.tls_cert_file"),
+    ]
+    assert f"not valid before {utc_date(staged_from.timestamp())}" in logs[0]["reason"], logs[0]
+    assert [entry["service"] for entry in logs] == ["scheduler", "scheduler"]
+    assert told[1:] == [("scheduler.tls_cert_file", str(cert_file), not_after(staged.cert_file))]
+
+
+@pytest.mark.unit
+def test_a_client_certificates_renewal_lines_name_the_service_whatever_thread_reads_them(
+    tmp_path: Path, ca: TestCA
+) -> None:
+    """The service a log line names comes from the logging context (structlog's contextvars), which
+    a thread does not inherit: a renewal read on one (gRPC's handshake threads) said its setting but
+    not its service, and under `up` five services share the settings' names. ClientCertificates
+    (the NATS connection's, made where the service's context is bound) keep the service named at
+    construction."""
+    from asyncinfer.logs import service_context
+    from asyncinfer.tls import ClientCertificates, client_ssl_context
+
+    first, renewed, expired = ca.issue("a"), ca.issue("b"), ca.issue("c", valid_days=-1)
+    cert_file, key_file = tmp_path / "client.crt", tmp_path / "client.key"
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+
+    def build() -> ssl.SSLContext:
+        return client_ssl_context("nats", ca_file=ca.ca_file, cert_file=str(cert_file), key_file=str(key_file))
+
+    files = [("nats.tls_cert_file", str(cert_file)), ("nats.tls_key_file", str(key_file))]
+    certificates = service_context("scheduler").run(
+        ClientCertificates, build, files, certificate=("nats.tls_cert_file", str(cert_file))
+    )
+    with structlog.testing.capture_logs() as logs:
+        for pem in (renewed, expired):
+            replace_file(pem.cert_file, cert_file)
+            replace_file(pem.key_file, key_file)
+            reader = threading.Thread(target=certificates.current)
+            reader.start()
+            reader.join()
+    assert [(entry["event"], entry.get("service")) for entry in logs] == [
+        ("tls_certificate_reloaded", "scheduler"),
+        ("tls_certificate_reload_failed", "scheduler"),
+    ]
 
 
 class SecretVolume:

@@ -60,6 +60,7 @@ class WorkerSecurity:
                 cert_file=batcher.scheduler_cert_file,
                 key_file=batcher.scheduler_key_file,
                 key="batcher.scheduler",
+                service="batcher",
             )
         key = read_secret(batcher.api_key, batcher.api_key_file, "batcher.api_key")
         return cls(tls=tls, metadata=bearer_metadata(key), client_cert=bool(batcher.scheduler_cert_file))
