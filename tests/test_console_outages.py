@@ -80,7 +80,7 @@ async def test_pages_come_back_after_the_connections_to_the_gateway_and_schedule
     scheduler.silence()
     # The console's sampler keeps the scheduler's connection busy; nothing uses the gateway's until
     # the next page: its pings alone find it gone (the channel leaves READY, to connect anew on use).
-    gateway_channel = console._backend._gateway_channel
+    gateway_channel = console._backend._channels.gateway
     await until(
         lambda: scheduler.connections == 2 and gateway_channel.get_state() is not grpc.ChannelConnectivity.READY,
         timeout_s=NOTICED_WITHIN_S,

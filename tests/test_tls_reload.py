@@ -17,6 +17,7 @@ import shutil
 import socket
 import ssl
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -33,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from asyncinfer.client import AsyncClient
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.embedded_nats import NatsServerProcess
+from asyncinfer.errors import ConfigError
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import connection_changes
 from asyncinfer.v1 import worker_service_pb2, worker_service_pb2_grpc
@@ -529,6 +531,120 @@ async def test_the_batcher_presents_a_renewed_client_certificate_from_its_next_w
     (failed,) = [entry for entry in logs if entry["event"] == "tls_certificate_reload_failed"]
     assert failed["log_level"] == "warning"
     assert "not a PEM certificate and its private key" in failed["reason"]
+
+
+class PeerRecordingHealth(health_pb2_grpc.HealthServicer):
+    """A health service (as the gateway's and the scheduler's) recording the common name of the
+    client certificate each call came with; while `hold` is set, each Check waits for `release`."""
+
+    def __init__(self) -> None:
+        self.client_names: list[str] = []
+        self.hold = False
+        self.held = 0
+        self.both_held = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:
+        self.client_names.append(context.auth_context()["x509_common_name"][0].decode())
+        if self.hold:
+            self.held += 1
+            if self.held == 2:
+                self.both_held.set()
+            await self.release.wait()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10.0) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+async def test_the_console_presents_a_renewed_client_certificate_from_its_next_page(tmp_path: Path, ca: TestCA) -> None:
+    """The console made its two channels once, at start, and a gRPC channel reconnects with the
+    credentials it was made with: a renewed console.tls_cert_file was presented only after a
+    restart, and once the old one expired every page failed at the mutual-TLS scheduler. Now a
+    page after the files changed goes out on channels made with them (here /readyz, which calls
+    both services' health), the renewal is logged with its service, and a call made before it
+    finishes on the old channels."""
+    from asyncinfer.config import ConsoleConfig
+    from services.console.app import ConsoleApp
+    from services.console.backend import Backend
+
+    services_pem = ca.issue("services")
+    credentials = grpc.ssl_server_credentials(
+        [(Path(services_pem.key_file).read_bytes(), Path(services_pem.cert_file).read_bytes())],  # noqa: ASYNC240
+        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
+        require_client_auth=True,
+    )
+    health = PeerRecordingHealth()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    cert_file, key_file = tmp_path / "console.crt", tmp_path / "console.key"
+    first, renewed, again = ca.issue("console-1"), ca.issue("console-2", valid_days=3), ca.issue("console-3")
+    replace_file(first.cert_file, cert_file)
+    replace_file(first.key_file, key_file)
+    section = {
+        "gateway_address": f"localhost:{port}",
+        "scheduler_address": f"localhost:{port}",
+        "tls_ca_file": ca.ca_file,
+        "tls_cert_file": str(cert_file),
+        "tls_key_file": str(key_file),
+    }
+    # Read by asyncinfer.tls as the services' are: a bad file is a ConfigError naming its setting.
+    with pytest.raises(ConfigError, match=r"console\.tls_cert_file and console\.tls_key_file go together"):
+        Backend(ConsoleConfig(**{**section, "tls_key_file": None}))
+    console = ConsoleApp(Config().replace(console={**section, "port": 0, "stats_interval_s": 3600.0}))
+    backend = Backend(ConsoleConfig(**section))
+    try:
+        await console.start()
+        ready = f"http://127.0.0.1:{console.port}/readyz"
+        assert await asyncio.to_thread(http_get, ready) == (200, "ready\n")
+        assert health.client_names == ["console-1", "console-1"]
+        with structlog.testing.capture_logs() as logs:
+            replace_file(renewed.cert_file, cert_file)
+            replace_file(renewed.key_file, key_file)
+            assert await asyncio.to_thread(http_get, ready) == (200, "ready\n")
+        assert health.client_names[2:] == ["console-2", "console-2"]
+        assert [(e["event"], e["setting"], e["service"]) for e in logs if e["event"].startswith("tls_")] == [
+            ("tls_certificate_reloaded", "console.tls_cert_file", "console")
+        ]
+
+        # A call made before a renewal finishes on the channels it was made on.
+        health.hold = True
+        before = asyncio.create_task(backend.unreachable(timeout_s=30.0))
+        await asyncio.wait_for(health.both_held.wait(), 30.0)
+        replace_file(again.cert_file, cert_file)
+        replace_file(again.key_file, key_file)
+        await backend.renew_certificates()
+        health.hold = False
+        assert await backend.unreachable(timeout_s=30.0) == []
+        health.release.set()
+        assert await before == []
+        assert health.client_names[4:] == ["console-1", "console-1", "console-3", "console-3"]
+
+        # Closed with a call still on retired channels: not waited for (the console closes its
+        # Backend once its pages have stopped); the call goes on to its end.
+        health.hold, health.held = True, 0
+        health.both_held.clear()
+        health.release.clear()
+        stuck = asyncio.create_task(backend.unreachable(timeout_s=30.0))
+        await asyncio.wait_for(health.both_held.wait(), 30.0)
+        replace_file(renewed.cert_file, cert_file)
+        replace_file(renewed.key_file, key_file)
+        await backend.renew_certificates()
+        await asyncio.wait_for(backend.close(), 30.0)
+        assert not stuck.done()
+        health.release.set()
+        assert await stuck == []
+    finally:
+        await backend.close()
+        await console.stop()
+        await server.stop(0)
 
 
 def free_port() -> int:

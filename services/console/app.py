@@ -25,7 +25,7 @@ from asyncinfer.errors import ConfigError
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import read_secret
 from services.console import html as ui
-from services.console.backend import Backend
+from services.console.backend import Backend, ModelQueues
 from services.console.context import MESSAGE_KEY, Context
 from services.console.history import QueueHistory
 from services.console.pages_batches import batch_cancel, batch_file, batch_page, batches_page
@@ -105,6 +105,21 @@ def known_hosts_only(bound_to_loopback: bool, allowed_hosts: Iterable[str]) -> M
         return await handler(request)
 
     return check
+
+
+def renewing_certificates(backend: Backend) -> Middleware:
+    """Before each request, the Backend's channels made again if the console's TLS files were
+    renewed (Backend.renew_certificates): a renewed client certificate is presented from the next
+    page on, without a restart."""
+
+    @web.middleware
+    async def renew(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        await backend.renew_certificates()
+        return await handler(request)
+
+    return renew
 
 
 @web.middleware
@@ -223,7 +238,11 @@ class ConsoleApp:
                 trace_url=console.trace_url,
             )
             app = web.Application(
-                middlewares=[known_hosts_only(is_loopback(console.host), console.allowed_hosts), framed_router_errors],
+                middlewares=[
+                    known_hosts_only(is_loopback(console.host), console.allowed_hosts),
+                    renewing_certificates(backend),
+                    framed_router_errors,
+                ],
                 client_max_size=64 * 1024,
             )
             app.on_response_prepare.append(_security_headers)
@@ -257,7 +276,12 @@ class ConsoleApp:
             site = web.TCPSite(self._runner, console.host, console.port)
             await site.start()
             self.port = int(self._runner.addresses[0][1])
-            self.supervisor.start("console-sampler", history.sample_forever(backend.queues, console.stats_interval_s))
+
+            async def sample() -> list[ModelQueues]:
+                await backend.renew_certificates()
+                return await backend.queues()
+
+            self.supervisor.start("console-sampler", history.sample_forever(sample, console.stats_interval_s))
         except BaseException:
             await self.stop(0)
             raise

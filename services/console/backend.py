@@ -15,7 +15,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from asyncinfer.access import bearer_metadata
-from asyncinfer.client import Job, JobState, ModelInfo, tls_credentials
+from asyncinfer.client import Job, JobState, ModelInfo
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
 from asyncinfer.client.batches import FILES, Batch, batch_from_proto
 from asyncinfer.client.errors import SOCKET_CLOSED, AsyncInferClientError, DeadlineExceededError, from_rpc_error
@@ -23,7 +23,8 @@ from asyncinfer.commands.ops import dead_letter_json
 from asyncinfer.config import ConsoleConfig
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import LIVENESS_SERVICE
-from asyncinfer.tls import read_secret
+from asyncinfer.supervision import cancel_and_wait
+from asyncinfer.tls import read_secret, renewing_channel_credentials
 from asyncinfer.v1 import (
     batch_service_pb2,
     batch_service_pb2_grpc,
@@ -93,36 +94,105 @@ class DeadLettersPage:
     total: int | None
 
 
+# How long the calls on channels made with a certificate since renewed may go on before they are
+# cut: a page's call ends within CALL_TIMEOUT_S, a batch file's download has no deadline.
+RETIRED_CHANNELS_GRACE_S = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class Channels:
+    """The channel to the gateway and the one to the scheduler, made with one set of credentials,
+    and their stubs."""
+
+    gateway: aio.Channel
+    scheduler: aio.Channel
+    jobs: job_service_pb2_grpc.JobServiceAsyncStub
+    batches: batch_service_pb2_grpc.BatchServiceAsyncStub
+    ops: ops_service_pb2_grpc.OpsServiceAsyncStub
+
+    @classmethod
+    def open(
+        cls, config: ConsoleConfig, credentials: grpc.ChannelCredentials | None, options: Sequence[tuple[str, Any]]
+    ) -> Channels:
+        gateway = _channel(config.gateway_address, credentials, options)
+        scheduler = _channel(config.scheduler_address, credentials, options)
+        return cls(
+            gateway=gateway,
+            scheduler=scheduler,
+            jobs=job_service_pb2_grpc.JobServiceStub(gateway),
+            batches=batch_service_pb2_grpc.BatchServiceStub(gateway),
+            ops=ops_service_pb2_grpc.OpsServiceStub(scheduler),
+        )
+
+    async def close(self, grace_s: float | None) -> None:
+        """Closed once their calls ended, or at `grace_s` (None: at once)."""
+        await asyncio.gather(self.gateway.close(grace_s), self.scheduler.close(grace_s))
+
+
 class Backend:
-    """One channel to the gateway and one to the scheduler, for the console's lifetime. Failures
-    raise the SDK's typed errors (`AsyncInferClientError`), which the pages show."""
+    """One channel to the gateway and one to the scheduler, for the console's lifetime, or until
+    its TLS files are renewed (`renew_certificates`). Failures raise the SDK's typed errors
+    (`AsyncInferClientError`), which the pages show."""
 
     def __init__(self, config: ConsoleConfig) -> None:
-        credentials = (
-            tls_credentials(ca_file=config.tls_ca_file, cert_file=config.tls_cert_file, key_file=config.tls_key_file)
+        # Its client certificate, key and CA, read again once they change (asyncinfer.tls: a bad
+        # file now is a ConfigError naming its console.tls_* setting).
+        self.certificates = (
+            renewing_channel_credentials(
+                ca_file=config.tls_ca_file,
+                cert_file=config.tls_cert_file,
+                key_file=config.tls_key_file,
+                key="console.tls",
+                service="console",
+            )
             if config.tls_ca_file
             else None
         )
+        credentials = self.certificates.current() if self.certificates is not None else None
+        self._config = config
         # Idle connections are pinged too: a console is read now and then, and a connection that went
         # silent between two reads (its peer's host lost) would otherwise be found out by no one,
         # each page waiting out its deadline on it, for good.
-        options = [*Keepalive(config.keepalive_s).client_options(without_calls=True), *RECONNECT_OPTIONS]
-        self._gateway_channel = _channel(config.gateway_address, credentials, options)
-        self._scheduler_channel = _channel(config.scheduler_address, credentials, options)
+        self._options = [*Keepalive(config.keepalive_s).client_options(without_calls=True), *RECONNECT_OPTIONS]
+        self._credentials = credentials
+        self._channels = Channels.open(config, credentials, self._options)
+        # Channels made with certificates since renewed, closing once their calls end: owned, and
+        # closed at once by close().
+        self._retiring: dict[asyncio.Task[None], Channels] = {}
+        self._closed = False
         unsigned = credentials is not None and not config.tls_cert_file  # TLS without a client certificate
         self._gateway = Peer("the gateway", config.gateway_address, "console.tenant_key", unsigned)
         self._scheduler = Peer("the scheduler", config.scheduler_address, "console.ops_key", unsigned)
-        self._jobs = job_service_pb2_grpc.JobServiceStub(self._gateway_channel)
-        self._batches = batch_service_pb2_grpc.BatchServiceStub(self._gateway_channel)
-        self._ops = ops_service_pb2_grpc.OpsServiceStub(self._scheduler_channel)
         self._tenant = bearer_metadata(read_secret(config.tenant_key, config.tenant_key_file, "console.tenant_key"))
         ops_key = read_secret(config.ops_key, config.ops_key_file, "console.ops_key")
         self._ops_metadata = bearer_metadata(ops_key)
         self.has_ops_key = ops_key is not None
 
+    async def renew_certificates(self) -> None:
+        """New channels for the calls from now on once the console's TLS files changed (a renewed
+        client certificate, key or CA; one that cannot be used is logged and the last good one
+        kept: asyncinfer.tls.RenewingFiles). A gRPC channel keeps the credentials it was made with
+        for every reconnect, so one made before a renewal would present the old certificate until
+        the console restarts. The calls already made on the old channels finish on them. The
+        console calls it before each page and each queue sample."""
+        if self.certificates is None or self._closed:
+            return
+        credentials = await asyncio.to_thread(self.certificates.current)
+        if credentials is self._credentials or self._closed:
+            return
+        self._credentials = credentials
+        retired, self._channels = self._channels, Channels.open(self._config, credentials, self._options)
+        closing = asyncio.create_task(retired.close(RETIRED_CHANNELS_GRACE_S), name="console-retired-channels")
+        self._retiring[closing] = retired
+        closing.add_done_callback(self._retiring.pop)
+
     async def close(self) -> None:
-        await self._gateway_channel.close(None)
-        await self._scheduler_channel.close(None)
+        """Closes the channels. The console closes its Backend once its pages and its sampler
+        have stopped (ConsoleApp.stop), so no call is left on the channels that renewals retired:
+        their closes, waiting on calls, are ended rather than waited for."""
+        self._closed = True
+        await self._channels.close(None)
+        await cancel_and_wait(list(self._retiring))
 
     async def unreachable(self, timeout_s: float) -> list[str]:
         """What of the gateway and the scheduler this console cannot reach now (each's health
@@ -138,8 +208,9 @@ class Backend:
                 return f"{peer.name} at {peer.address}: {_serving_status(answer.status)}"
             return None
 
+        channels = self._channels
         answers = await asyncio.gather(
-            check(self._gateway, self._gateway_channel), check(self._scheduler, self._scheduler_channel)
+            check(self._gateway, channels.gateway), check(self._scheduler, channels.scheduler)
         )
         return [answer for answer in answers if answer is not None]
 
@@ -147,7 +218,9 @@ class Backend:
 
     async def models(self) -> list[ModelInfo]:
         request = job_service_pb2.ListModelsRequest()
-        answer = await self._gateway.call(self._jobs.ListModels(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._channels.jobs.ListModels(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return models_from_proto(answer)
 
     async def list_jobs(
@@ -166,17 +239,23 @@ class Backend:
             model_name=model,
             labels=dict(labels or {}),
         )
-        answer = await self._gateway.call(self._jobs.ListJobs(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._channels.jobs.ListJobs(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return JobsPage(tuple(job_from_proto(job) for job in answer.jobs), answer.next_page_token)
 
     async def job(self, job_id: str) -> Job:
         request = job_service_pb2.GetJobRequest(job_id=job_id)
-        answer = await self._gateway.call(self._jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._channels.jobs.GetJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return job_from_proto(answer.job, answer.progress if answer.HasField("progress") else None)
 
     async def cancel_job(self, job_id: str, *, reason: str) -> Job:
         request = job_service_pb2.CancelJobRequest(job_id=job_id, reason=reason)
-        answer = await self._gateway.call(self._jobs.CancelJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant))
+        answer = await self._gateway.call(
+            self._channels.jobs.CancelJob(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+        )
         return job_from_proto(answer.job)
 
     # -- BatchService (the tenant's key: batches are per tenant) ----------------------------
@@ -184,21 +263,21 @@ class Backend:
     async def list_batches(self, *, page_size: int = 20, page_token: str = "") -> BatchesPage:
         request = batch_service_pb2.ListBatchesRequest(page_size=page_size, page_token=page_token)
         answer = await self._gateway.call(
-            self._batches.ListBatches(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+            self._channels.batches.ListBatches(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
         )
         return BatchesPage(tuple(batch_from_proto(b) for b in answer.batches), answer.next_page_token)
 
     async def batch(self, batch_id: str) -> Batch:
         request = batch_service_pb2.GetBatchRequest(batch_id=batch_id)
         answer = await self._gateway.call(
-            self._batches.GetBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+            self._channels.batches.GetBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
         )
         return batch_from_proto(answer.batch)
 
     async def cancel_batch(self, batch_id: str) -> Batch:
         request = batch_service_pb2.CancelBatchRequest(batch_id=batch_id)
         answer = await self._gateway.call(
-            self._batches.CancelBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
+            self._channels.batches.CancelBatch(request, timeout=CALL_TIMEOUT_S, metadata=self._tenant)
         )
         return batch_from_proto(answer.batch)
 
@@ -209,7 +288,7 @@ class Backend:
         held the download open for good. The pieces after it have no deadline: a large file takes
         as long as it takes (a broken stream raises)."""
         request = batch_service_pb2.ReadBatchFileRequest(batch_id=batch_id, file=FILES[file])
-        call = self._batches.ReadBatchFile(request, metadata=self._tenant)
+        call = self._channels.batches.ReadBatchFile(request, metadata=self._tenant)
         try:
             pieces = aiter(call)
             try:
@@ -233,14 +312,14 @@ class Backend:
     async def queues(self) -> list[ModelQueues]:
         request = ops_service_pb2.GetQueueStatsRequest()
         answer = await self._scheduler.call(
-            self._ops.GetQueueStats(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            self._channels.ops.GetQueueStats(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
         )
         return [_model_queues(model) for model in answer.models]
 
     async def dead_letters(self, *, model: str = "", page_size: int = 50, page_token: str = "") -> DeadLettersPage:
         request = ops_service_pb2.ListDeadLettersRequest(model_name=model, page_size=page_size, page_token=page_token)
         answer = await self._scheduler.call(
-            self._ops.ListDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            self._channels.ops.ListDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
         )
         total = answer.total if answer.HasField("total") else None
         return DeadLettersPage(tuple(dead_letter_json(d) for d in answer.dead_letters), answer.next_page_token, total)
@@ -248,14 +327,14 @@ class Backend:
     async def dead_letter(self, sequence: int) -> dict[str, Any]:
         request = ops_service_pb2.GetDeadLetterRequest(sequence=sequence)
         answer = await self._scheduler.call(
-            self._ops.GetDeadLetter(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            self._channels.ops.GetDeadLetter(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
         )
         return dead_letter_json(answer.dead_letter)
 
     async def replay(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
         request = ops_service_pb2.ReplayDeadLettersRequest(sequences=sequences, all=every, model_name=model)
         answer = await self._scheduler.call(
-            self._ops.ReplayDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            self._channels.ops.ReplayDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
         )
         said = f"replayed {answer.replayed}" + (f", skipped {answer.skipped}" if answer.skipped else "")
         return said + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
@@ -263,7 +342,7 @@ class Backend:
     async def purge(self, sequences: Sequence[int] = (), *, every: bool = False, model: str = "") -> str:
         request = ops_service_pb2.PurgeDeadLettersRequest(sequences=sequences, all=every, model_name=model)
         answer = await self._scheduler.call(
-            self._ops.PurgeDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+            self._channels.ops.PurgeDeadLetters(request, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
         )
         return f"purged {answer.purged}" + (f", {answer.remaining} left" if answer.HasField("remaining") else "")
 
@@ -271,12 +350,12 @@ class Backend:
         if paused:
             pause = ops_service_pb2.PauseQueueRequest(model_name=model)
             answer: Any = await self._scheduler.call(
-                self._ops.PauseQueue(pause, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+                self._channels.ops.PauseQueue(pause, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
             )
         else:
             resume = ops_service_pb2.ResumeQueueRequest(model_name=model)
             answer = await self._scheduler.call(
-                self._ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
+                self._channels.ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
             )
         queued = f", {answer.queued} queued" if answer.HasField("queued") else ""
         return f"{model}: {_queue_state(answer.state)}{queued}"
