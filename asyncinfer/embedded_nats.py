@@ -164,6 +164,14 @@ class NatsServerProcess:
             self.process.kill()
             self.process.wait()
 
+    def reload(self) -> bool:
+        """Tells the server to read its configuration file (`-c`) again, its TLS files with it
+        (SIGHUP, as `nats-server --signal reload` sends); False when it is not running."""
+        if self.process is None or self.process.poll() is not None:
+            return False
+        self.process.send_signal(signal.SIGHUP)
+        return True
+
     def kill(self) -> None:
         """kill -9, for crash tests."""
         if self.process is not None and self.process.poll() is None:

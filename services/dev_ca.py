@@ -4,8 +4,11 @@ made here, kept beside the JetStream store and reused by the next `up` (so a cli
 Files (`<store parent>/tls/`): ca.pem (give it to clients: `--tls-ca`, grpcurl's `-cacert`),
 ca-key.pem, and server.pem / server-key.pem, one certificate for every server `up` runs (gateway,
 scheduler, batcher, the embedded nats-server), valid for localhost, 127.0.0.1 and ::1 and the hosts
-they are configured to bind. Keys are written 0600. The server certificate is made again when it
-is near its end or does not name a configured host; the CA lives ten years. A development CA on a
+they are configured to bind. Keys are written 0600. The server certificate (90 days) is made again
+when it is within 30 days of its end or does not name a configured host, at `up`'s start and, while
+`up` runs, by a check every hour (DevTlsRenewal: the services serve the new files from their next
+handshake, the embedded nats-server once told to reload); the CA lives ten years. Files are
+replaced whole (written beside, renamed over), never seen half-written. A development CA on a
 laptop is not a production PKI: its key is a file in the working directory.
 
 `with_dev_tls` points every server, client and the embedded NATS at these files.
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
+import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +38,9 @@ SERVER_VALID_DAYS = 90
 # Renewed at `up`'s start well before the services warn of an expiry (tls.expiry_warning_days, 14 by
 # default: asyncinfer.cert_expiry), so a development stack restarted now and then never warns.
 RENEW_WITHIN_DAYS = 30
+# How often a running `up` looks whether its server certificate is due (a laptop asleep for days
+# checks within the hour after it wakes: the due date is the wall clock's, not a timer's).
+RENEWAL_CHECK_INTERVAL_S = 3600.0
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 
@@ -121,12 +129,42 @@ def ensure_dev_tls(directory: Path, hosts: Iterable[str], *, now: datetime.datet
     if ca_cert is None or ca_key is None:
         ca_cert, ca_key = _new_ca(now)
         _write_key(ca_key, tls.ca_key_file)
-        tls.ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        _replace(tls.ca_file, ca_cert.public_bytes(serialization.Encoding.PEM))
     if made_ca or not _server_cert_fits(tls, ca_cert, names, now):
         cert, key = _new_server_cert(ca_cert, ca_key, names, now)
+        # The key first, then at once its certificate: a server that reads the two between the
+        # renames finds a pair that does not match and keeps the one it serves (asyncinfer.tls).
         _write_key(key, tls.key_file)
-        tls.cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        _replace(tls.cert_file, cert.public_bytes(serialization.Encoding.PEM))
     return tls
+
+
+@dataclass(frozen=True, slots=True)
+class DevTlsRenewal:
+    """What a running `up --dev-tls` keeps renewed: the files in `tls.directory`, for `hosts`."""
+
+    tls: DevTls
+    hosts: tuple[str, ...]
+
+    def renew(self, now: datetime.datetime | None = None) -> bool:
+        """Makes the server certificate (or the CA) again if it is due (ensure_dev_tls); whether
+        the server certificate changed. Blocking (reads and writes files)."""
+        before = _read_or_none(self.tls.cert_file)
+        ensure_dev_tls(self.tls.directory, self.hosts, now=now)
+        return self.tls.cert_file.read_bytes() != before
+
+    def not_after(self) -> datetime.datetime:
+        """The server certificate's end."""
+        from cryptography import x509
+
+        return x509.load_pem_x509_certificate(self.tls.cert_file.read_bytes()).not_valid_after_utc
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def with_dev_tls(config: Config, tls: DevTls) -> Config:
@@ -142,9 +180,10 @@ def with_dev_tls(config: Config, tls: DevTls) -> Config:
     )
 
 
-def nats_server_args(tls: DevTls) -> tuple[str, ...]:
-    """The embedded nats-server's flags for TLS on its client port."""
-    return ("--tls", "--tlscert", str(tls.cert_file), "--tlskey", str(tls.key_file))
+def nats_server_tls_conf(tls: DevTls) -> str:
+    """The embedded nats-server's configuration lines for TLS on its client port. In its file, not
+    its flags: a reload (SIGHUP) reads the certificate again only from the file."""
+    return f"tls {{\n  cert_file: {json.dumps(str(tls.cert_file))}\n  key_file: {json.dumps(str(tls.key_file))}\n}}\n"
 
 
 def _server_cert_fits(tls: DevTls, ca_cert: Certificate, names: list[str], now: datetime.datetime) -> bool:
@@ -245,8 +284,18 @@ def _new_server_cert(
 def _write_key(key: EllipticCurvePrivateKey, path: Path) -> None:
     from cryptography.hazmat.primitives import serialization
 
-    path.touch(mode=0o600)
-    path.chmod(0o600)
-    path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    _replace(path, pem, mode=0o600)
+
+
+def _replace(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """`path` holding `data`, replaced whole: written beside (with `mode` from its creation: a key
+    is never readable by others, even for a moment) and renamed over it. The servers of a running
+    `up` read these files at any moment."""
+    beside = path.with_name(f".{path.name}.new")
+    beside.unlink(missing_ok=True)
+    descriptor = os.open(beside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+    os.chmod(beside, mode)  # whatever the umask took away
+    os.replace(beside, path)

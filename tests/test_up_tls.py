@@ -4,17 +4,20 @@ gateway on loopback (tests/test_gateway_auth.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import socket
 import ssl
 from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog.testing
 from cryptography import x509
 
 from asyncinfer.client import AsyncClient, UnavailableError
 from asyncinfer.errors import ConfigError
-from services.dev_ca import RENEW_WITHIN_DAYS, SERVER_VALID_DAYS, ensure_dev_tls
+from services.dev_ca import LOOPBACK_NAMES, RENEW_WITHIN_DAYS, SERVER_VALID_DAYS, DevTlsRenewal, ensure_dev_tls
 from tests.test_up_grpcurl import close, start_up, stop, write_config
 
 
@@ -88,6 +91,88 @@ def test_a_gateway_bound_to_every_address_gets_a_certificate_for_this_machines_n
     assert "0.0.0.0" not in hosts
     assert socket.gethostname() in sans(ensure_dev_tls(tmp_path / "tls", hosts).cert_file)
     assert bound_hosts(Config()) == ["localhost", "127.0.0.1", "::1"], "loopback alone: loopback names alone"
+
+
+def due_since_a_while() -> datetime.datetime:
+    """A moment from which the development certificate made then is due for renewal now."""
+    return datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=SERVER_VALID_DAYS - RENEW_WITHIN_DAYS + 1)
+
+
+@pytest.mark.unit
+def test_a_development_certificate_due_is_renewed_whole_by_the_same_ca(tmp_path: Path) -> None:
+    """What a running `up --dev-tls` does every hour: nothing while the certificate is good; once
+    it is within RENEW_WITHIN_DAYS of its end, a new one from the same CA, each file replaced
+    whole (renamed over: a server reading it meanwhile sees the old file or the new, never half
+    of one), the key never readable by others."""
+    tls = ensure_dev_tls(tmp_path / "tls", LOOPBACK_NAMES, now=due_since_a_while())
+    ca, before = tls.ca_file.read_bytes(), tls.cert_file.read_bytes()
+    inode = tls.key_file.stat().st_ino
+    renewal = DevTlsRenewal(tls, LOOPBACK_NAMES)
+    assert renewal.renew() is True
+    assert tls.cert_file.read_bytes() != before
+    assert tls.ca_file.read_bytes() == ca
+    assert tls.key_file.stat().st_ino != inode, "the key replaced, not rewritten in place"
+    assert tls.key_file.stat().st_mode & 0o777 == 0o600
+    assert sorted(path.name for path in tls.directory.iterdir()) == [
+        "ca-key.pem",
+        "ca.pem",
+        "server-key.pem",
+        "server.pem",
+    ]
+    assert renewal.not_after() - datetime.datetime.now(datetime.UTC) > datetime.timedelta(days=SERVER_VALID_DAYS - 1)
+    assert renewal.renew() is False
+    # The renewed pair is a pair, and its certificate the CA's.
+    ssl.create_default_context().load_cert_chain(tls.cert_file, tls.key_file)
+    issued = x509.load_pem_x509_certificate(tls.cert_file.read_bytes())
+    issued.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+
+
+def _served_subject_serial(port: int, ca_file: Path) -> int:
+    """The serial of the certificate a new TLS connection to the nats-server on `port` is served
+    (NATS sends its INFO in plaintext first, then the client starts TLS)."""
+    context = ssl.create_default_context(cafile=str(ca_file))
+    with socket.create_connection(("127.0.0.1", port), timeout=10.0) as sock:
+        sock.recv(4096)
+        with context.wrap_socket(sock, server_hostname="localhost") as tls:
+            der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return int(x509.load_der_x509_certificate(der).serial_number)
+
+
+async def test_the_embedded_nats_server_serves_a_renewed_development_certificate_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """`up --dev-tls` made its certificate at start only, and a long `up` outlived it (90 days): the
+    gRPC servers would serve a renewal (asyncinfer.tls), but nothing renewed it, and the embedded
+    nats-server read its files once. Now a running `up` renews it when due and tells the
+    nats-server, which serves it to new connections (its TLS files are in its configuration file,
+    which a reload reads again; its flags are not); the line says so."""
+    from asyncinfer.config import Config
+    from asyncinfer.embedded_nats import free_port
+    from asyncinfer.runner import StopSignal
+    from services.up.stack import EmbeddedNats
+
+    data = tmp_path / "data"
+    tls = ensure_dev_tls(data / "tls", LOOPBACK_NAMES, now=due_since_a_while())
+    first = int(x509.load_pem_x509_certificate(tls.cert_file.read_bytes()).serial_number)
+    config = Config().replace(embedded_nats={"store_dir": str(data / "store"), "port": 0, "monitor_port": free_port()})
+    nats = EmbeddedNats(config, StopSignal(), dev_tls=DevTlsRenewal(tls, LOOPBACK_NAMES))
+    await nats.start()
+    try:
+        assert await asyncio.to_thread(_served_subject_serial, nats.port, tls.ca_file) == first
+        with structlog.testing.capture_logs() as logs:
+            assert await nats.renew_dev_tls() is True
+            assert await nats.renew_dev_tls() is False  # renewed: not due any more
+        renewed = int(x509.load_pem_x509_certificate(tls.cert_file.read_bytes()).serial_number)
+        assert renewed != first
+        assert await asyncio.to_thread(_served_subject_serial, nats.port, tls.ca_file) == renewed
+        assert [(e["event"], e["nats_server"], e["cert_file"]) for e in logs] == [
+            ("dev_tls_renewed", "reloaded", str(tls.cert_file))
+        ]
+        assert nats.supervisor.loop_names == ["dev-tls-renewal"]
+    finally:
+        await nats.stop()
+    assert nats.supervisor.loop_names == []
 
 
 @pytest.mark.timeout(180)
