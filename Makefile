@@ -98,15 +98,18 @@ pytest: $(STAMP) $(NODE_STAMP) $(SHELLS_STAMP)
 	$(PY) -m pytest -m "not unit" $(PYTEST_PARALLEL) --durations=25
 
 # The NATS-heavy tests again with the NATS adapter's fast path off (asyncinfer/nats/_fastpath.py), so
-# the public-API fallback a newer nats-py would get is tested too: requests and KV, the connect, the
-# gateway's submit path and job records, retention, the scheduler and its dead letters, the crash test
-# (its services inherit the variable). About a minute and a half on 2 cores.
+# the public-API fallback a newer nats-py would get is tested too: the tests marked `nats_fallback`
+# (requests and KV, the connect, the gateway's submit path and job records, retention, the scheduler,
+# the crash test, whose services inherit the variable; of the scheduler's policies, those about held
+# pulls, connections, restarts and dead letters: the others test policy, not the NATS calls under it,
+# and were half this step's time). Test by test across the workers (none of these files shares a
+# fixture across its tests), so no file's tests wait for another's. About a minute on 2 cores.
 NATS_FALLBACK_TESTS := tests/test_nats_requests.py tests/test_shared.py tests/test_gateway.py \
 	tests/test_gateway_lifecycle.py tests/test_retention.py tests/test_scheduler.py \
 	tests/test_scheduler_policies.py tests/test_crash.py tests/test_blob_ranges.py
 
 pytest-nats-fallback: $(STAMP) $(NODE_STAMP)
-	ASYNCINFER_NATS_FASTPATH=0 $(PY) -m pytest $(PYTEST_PARALLEL) $(NATS_FALLBACK_TESTS)
+	ASYNCINFER_NATS_FASTPATH=0 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist load -m nats_fallback $(NATS_FALLBACK_TESTS)
 
 # The system benchmarks (about 20 minutes on 2 cores; run on an idle machine): every section, then
 # bench/results/REPORT.md. QUICK=1 runs tiny sizes to check the scripts. The Celery reference needs

@@ -25,6 +25,9 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import NotFoundError
 from asyncinfer.ranged_inputs import RangedInputs, decode, is_ranged
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 SIZE = 5 * CHUNK_BYTES + 1000
 
 

@@ -35,6 +35,9 @@ from services.gateway.recent_records import FeedState
 from tests.kv_helpers import job_record, kv_keys
 from tests.nats_probes import StreamUnavailable
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 if TYPE_CHECKING:
     # The generated .pyi types the stub's aio flavour separately; at run time it is the one stub class.
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub

@@ -54,6 +54,9 @@ from services.gateway.queue_view import (
 )
 from tests.kv_helpers import kv_keys
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
     from tests.stack import Stack, StartStack

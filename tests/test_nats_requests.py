@@ -39,6 +39,9 @@ from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_expecting, open_kv_bu
 from asyncinfer.nats.requests import js_publish, pending_request_count, request
 from asyncinfer.nats.streams import StoreFullError
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 
 @pytest.fixture
 async def stream(nc: NatsClient) -> str:

@@ -17,6 +17,9 @@ from asyncinfer.v1 import job_pb2, job_service_pb2
 from tests.test_gateway import submit_request, violations_of
 from tests.test_gateway_auth import serve
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 if TYPE_CHECKING:
     from asyncinfer.v1.job_service_pb2_grpc import JobServiceAsyncStub as JobStub
 

@@ -54,6 +54,9 @@ from services.scheduler.app import SchedulerApp
 from services.scheduler.job_dispatch import JobDispatch
 from tests.kv_helpers import job_record
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 MODEL = "demo"
 TENANT = "default"
 

@@ -308,6 +308,7 @@ async def letters_stored(h: Harness, expected: float) -> None:
             await asyncio.sleep(0.02)
 
 
+@pytest.mark.nats_fallback
 async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, config: Config) -> None:
     h = await start(tune(config).replace(scheduler={"store_usage_interval_s": 0.05}))
     await letters_stored(h, 0.0)  # at 0 before the first letter (a series to alert on)
@@ -435,6 +436,7 @@ async def test_retries_then_dead_letter_then_replay_and_purge(start: Start, conf
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.nats_fallback
 async def test_a_purge_and_a_replay_delete_their_letters_without_a_secure_erase(start: Start, config: Config) -> None:
     """nats-py's delete_msg asks nats-server to overwrite the message in its file (6.4 ms a letter
     against 1.0 ms, bench/results/dead_letter_purge_cost.txt); nothing promises erasure
@@ -480,6 +482,7 @@ def error_info(error: grpc.aio.AioRpcError) -> Any:
     return unpack_details(status)["ErrorInfo"]
 
 
+@pytest.mark.nats_fallback
 async def test_a_purge_by_sequence_deletes_its_letters_many_at_once_and_says_which_it_could_not(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -543,6 +546,7 @@ async def test_a_purge_by_sequence_deletes_its_letters_many_at_once_and_says_whi
 
 
 @pytest.mark.parametrize("listed", [True, False], ids=["deleted-listed", "too-many-deleted"])
+@pytest.mark.nats_fallback
 async def test_a_purge_by_sequence_finds_its_letters_without_reading_them(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch, listed: bool
 ) -> None:
@@ -611,6 +615,7 @@ async def test_a_purge_by_sequence_finds_its_letters_without_reading_them(
     assert [letter.sequence for letter in await store.all()] == [sequences[4]]
 
 
+@pytest.mark.nats_fallback
 async def test_a_replay_by_sequence_runs_every_letter_it_can_and_says_which_it_could_not(
     start: Start, config: Config
 ) -> None:
@@ -718,6 +723,7 @@ async def test_a_keyed_jobs_claim_lives_as_long_as_its_record_once_it_ends(start
     assert (await claim_ttl_s(h.js, config, taken_key))[0] == week_s
 
 
+@pytest.mark.nats_fallback
 async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_fixes_it(
     start: Start, config: Config
 ) -> None:
@@ -761,6 +767,7 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
     print(f"poison: 500 jobs + 1 poison done in {elapsed:.2f} s")
 
 
+@pytest.mark.nats_fallback
 async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, config: Config) -> None:
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
@@ -819,6 +826,7 @@ async def test_a_retrys_backoff_counts_the_failed_attempts_not_those_given_back(
     assert (record.state, record.attempt, record.max_attempts, record.failed_attempts) == (JobState.QUEUED, 5, 6, 1)
 
 
+@pytest.mark.nats_fallback
 async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(start: Start, config: Config) -> None:
     """max_attempts 2, shed by its batcher four times (each attempt given back), then failing twice:
     the job gave up after 2 attempts, at attempt 6. The record's error, the letter, ListDeadLetters
@@ -855,6 +863,7 @@ async def test_a_dead_letter_counts_the_attempts_spent_not_those_given_back(star
     assert row["ATTEMPTS"] == "2 of 2 (4 given back)"
 
 
+@pytest.mark.nats_fallback
 async def test_a_job_every_batcher_hands_back_backs_off_then_is_dead_lettered(start: Start, config: Config) -> None:
     """A batcher that hands every order back unrun (as one would whose model or version the
     scheduler wrongly thinks it serves): the job went back at once with its attempt given back,
@@ -972,6 +981,7 @@ async def test_a_job_handed_back_by_batchers_that_then_announce_its_version_load
         await asyncio.gather(*meeting, return_exceptions=True)
 
 
+@pytest.mark.nats_fallback
 async def test_a_job_a_flapping_triton_keeps_handing_back_is_dead_lettered_not_sent_round_for_good(
     start: Start, config: Config
 ) -> None:
@@ -1431,6 +1441,7 @@ async def test_a_result_stored_for_a_job_cancelled_while_it_ran_is_deleted(start
     await store.info(TENANT, succeeded.result_ref.ref)
 
 
+@pytest.mark.nats_fallback
 async def test_a_job_cancelled_on_its_last_attempt_that_then_fails_ends_canceled_without_a_dead_letter(
     start: Start, config: Config
 ) -> None:
@@ -1496,6 +1507,7 @@ async def test_pause_stops_dispatch_until_resume_and_snapshots_show_it(start: St
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.nats_fallback
 async def test_a_job_a_round_pulls_after_the_pause_was_answered_waits_for_the_resume(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1567,6 +1579,7 @@ async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_
     await wait_state(h.js, job_id, JobState.SUCCEEDED)
 
 
+@pytest.mark.nats_fallback
 async def test_pause_and_resume_count_a_job_another_schedulers_held_pull_put_back(start: Start, config: Config) -> None:
     """A job submitted while the queue is paused can be handed to a pull another scheduler held
     open from before the pause (held pulls last up to HOLD_S, and a pause does not end them): that
@@ -1686,6 +1699,7 @@ class HeldWatcher:
         await self._watcher.stop()
 
 
+@pytest.mark.nats_fallback
 async def test_a_restarted_scheduler_dispatches_no_job_of_a_paused_queue_before_it_reads_the_pause(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1843,6 +1857,7 @@ async def test_a_paused_queue_asks_for_no_more_batchers_than_it_has(start: Start
     assert (await stats()).desired_batchers >= 1  # no batcher yet: scaling from zero asks for one
 
 
+@pytest.mark.nats_fallback
 def test_desired_batchers_of_held_and_open_queues() -> None:
     open_queue = {"connected": 2, "completed_per_s": 2.0, "target_drain_s": 1.0}
     assert desired_batchers(waiting=30, in_flight=0, **open_queue) == 30
@@ -2509,6 +2524,7 @@ async def test_a_job_put_back_by_a_scheduler_since_gone_counts_in_the_depth_and_
     assert sum(q.depth for q in model.priorities) == 0, f"GetQueueStats once the job ran: {model}"
 
 
+@pytest.mark.nats_fallback
 async def test_jobs_put_back_by_a_scheduler_killed_with_sigkill_count_with_their_oldest_time(
     start: Start, config: Config, nc: NatsClient, tmp_path: Path
 ) -> None:
@@ -2673,6 +2689,7 @@ async def test_priority_under_saturation_high_waits_far_less_and_low_completes(s
     assert high_mean * 10 < low_mean
 
 
+@pytest.mark.nats_fallback
 async def test_an_idle_scheduler_holds_pulls_open_and_puts_back_what_it_may_not_run(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2801,6 +2818,7 @@ async def test_a_job_cancelled_while_put_back_leaves_its_queues_depth_and_its_co
     assert (await read_record(h.js, job_id)).state is JobState.CANCELED
 
 
+@pytest.mark.nats_fallback
 async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open(
     start: Start, config: Config, nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2870,6 +2888,7 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     await until(holding, timeout_s=60)  # held again, on the new connection, once the lost pulls ended
 
 
+@pytest.mark.nats_fallback
 async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2903,6 +2922,7 @@ async def test_held_pulls_that_expire_empty_are_held_again_without_a_round(
         await rounds.close()
 
 
+@pytest.mark.nats_fallback
 async def test_an_idle_scheduler_knows_a_queue_it_holds_a_pull_on_is_empty_without_asking(
     start: Start, config: Config
 ) -> None:
@@ -3087,6 +3107,7 @@ async def nats_proxy(nats_server: NatsServerProcess) -> AsyncIterator[SilentProx
     await proxy.stop()
 
 
+@pytest.mark.nats_fallback
 async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     nats_proxy: SilentProxy, start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3175,6 +3196,7 @@ async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     assert nats_proxy.connections == 2
 
 
+@pytest.mark.nats_fallback
 async def test_a_held_pull_does_not_let_its_job_overtake_a_higher_priority_one(
     nats_proxy: SilentProxy, start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3244,6 +3266,7 @@ async def test_a_held_pull_does_not_let_its_job_overtake_a_higher_priority_one(
     assert dispatcher.queues.put_back_count(Priority.NORMAL) == 0
 
 
+@pytest.mark.nats_fallback
 async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config) -> None:
     """Pulls are held open for 10 s (HOLD_S): a stop ends them rather than wait (the old stop waited for
     them, each at most a poll interval)."""
@@ -3261,6 +3284,7 @@ async def test_a_stop_does_not_wait_out_a_held_pull(start: Start, config: Config
     assert held.ended_at_close == {"interrupted": len(PRIORITIES_BY_RANK)}
 
 
+@pytest.mark.nats_fallback
 async def test_a_dead_letter_lives_as_long_as_its_jobs_record(
     nc: NatsClient, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3290,6 +3314,7 @@ async def test_a_dead_letter_lives_as_long_as_its_jobs_record(
     assert await store.get(kept.sequence) is not None
 
 
+@pytest.mark.nats_fallback
 async def test_a_round_whose_pull_fails_is_said_once_per_interval_and_a_bug_keeps_its_traceback(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3324,6 +3349,7 @@ async def test_a_round_whose_pull_fails_is_said_once_per_interval_and_a_bug_keep
     assert isinstance(lines[1]["exc_info"], RuntimeError), lines[1]
 
 
+@pytest.mark.nats_fallback
 async def test_a_held_pull_that_fails_is_said_once_per_interval(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:

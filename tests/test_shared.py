@@ -39,6 +39,9 @@ from asyncinfer.tensor_codec import decode_tensors, to_input_proto, to_output_pr
 from asyncinfer.tensors import NUMPY_DTYPES, ModelSignature, Tensor, TensorSpec, validate_inputs
 from asyncinfer.v1 import tensor_pb2
 
+# Also run with the NATS adapter's fast path off (make pytest-nats-fallback).
+pytestmark = pytest.mark.nats_fallback
+
 
 @pytest.mark.unit
 def test_job_ids_are_uuid7_and_sort_by_time() -> None:
