@@ -11,13 +11,13 @@ from typing import Any, cast
 
 import grpc
 from grpc import aio
-from grpc_health.v1 import _async as health_aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from asyncinfer.access import AccessGuard
 from asyncinfer.grpc_errors import ErrorMappingGenericHandler, Translate, wrap_method_handler
 from asyncinfer.grpc_keepalive import Keepalive
+from asyncinfer.health_service import NOT_SERVING, SERVING, HealthServicer
 from asyncinfer.rpc_metrics import MetricsGenericHandler, RpcMetrics
 
 # Keep messages within what the gateway's limits allow, plus room for framing.
@@ -66,7 +66,7 @@ class GrpcServer:
         ]
         interceptors = tuple(interceptors)
         self.server = aio.server(interceptors=interceptors or None, options=options)
-        self.health = health_aio.HealthServicer()
+        self.health = HealthServicer()
         # Handlers are wrapped once here, not per call by an interceptor (see grpc_errors).
         add_servicers(cast(aio.Server, _ErrorMappingRegistrar(self.server, rpc_metrics, guard, translate)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -89,27 +89,31 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind {self._host}:{self._requested_port}")
         await self.server.start()
-        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        self.health.set(LIVENESS_SERVICE, SERVING)
         await self.set_serving(True)
 
     async def set_serving(self, serving: bool) -> None:
         """The server's health ("" and each of its services'), not LIVENESS_SERVICE's."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set("", status)
+        status = SERVING if serving else NOT_SERVING
+        self.health.set("", status)
         for name in self._service_names:
-            await self.health.set(name, status)
+            self.health.set(name, status)
 
     async def set_serving_of(self, name: str, serving: bool) -> None:
         """The health of one more name than the server's own (a batcher's models: `set_serving`
         leaves them as they are); once a stop began, every name stays NOT_SERVING."""
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        await self.health.set(name, status)
+        self.health.set(name, SERVING if serving else NOT_SERVING)
+
+    async def forget_serving_of(self, name: str) -> None:
+        """A name of `set_serving_of` goes: it answers as one never set (Check NOT_FOUND, Watch
+        SERVICE_UNKNOWN); once a stop began, it stays NOT_SERVING."""
+        self.health.clear(name)
 
     async def begin_shutdown(self) -> None:
         """Health NOT_SERVING (for good), the server still answering: for a service that has
         work to finish before it stops its server, so that probes and load balancers move on at
         the start of its stop, not at its end."""
-        await self.health.enter_graceful_shutdown()
+        self.health.enter_graceful_shutdown()
 
     async def stop(self, grace_s: float, *, once_closed: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stops intake (health NOT_SERVING, then no new RPCs: GOAWAY on every connection, the port
@@ -120,7 +124,7 @@ class GrpcServer:
         if self._stopped:
             return
         self._stopped = True
-        await self.health.enter_graceful_shutdown()
+        self.health.enter_graceful_shutdown()
         stopping = asyncio.ensure_future(self.server.stop(grace_s))
         try:
             # grpc.aio's stop shuts the core server down (GOAWAY, listeners closed) in its first

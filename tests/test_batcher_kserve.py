@@ -271,22 +271,17 @@ async def test_a_reload_that_drops_a_version_that_failed_to_load_makes_the_batch
         assert ready_gauge(batcher)[("demo", "2")] == 0
         async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
-
-            async def status(service: str) -> str:
-                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
-                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-
-            assert await status("") == "NOT_SERVING"
+            assert await health_of(health, "") == "NOT_SERVING"
             file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL])))
             await batcher.reload()
             await asyncio.gather(*batcher._health_updates)  # the updates the reload started
             assert batcher.load_failures == {}
             assert ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
-            assert [await status(s) for s in ("", "demo", "demo/1", "demo/2")] == [
+            assert [await health_of(health, s) for s in ("", "demo", "demo/1", "demo/2")] == [
                 "SERVING",
                 "SERVING",
                 "SERVING",
-                "NOT_SERVING",
+                "NOT_FOUND",  # no longer declared: unknown, as a name never served here
             ]
         client = triton.InferenceServerClient(f"127.0.0.1:{batcher.port}")
         try:
@@ -322,6 +317,63 @@ async def test_a_reload_that_drops_a_model_that_failed_to_load_forgets_it(tmp_pa
             assert not await client.is_model_ready("broken")
         finally:
             await client.close()
+    finally:
+        await batcher.stop(grace_s=1.0)
+
+
+async def health_of(health: health_pb2_grpc.HealthStub, service: str) -> str:
+    """A health Check's status by name; NOT_FOUND for a service the server does not know."""
+    try:
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+async def test_a_model_and_a_version_a_reload_removes_lose_their_health_names_and_ready_series(
+    tmp_path: Path,
+) -> None:
+    """A reload that drops version 2 of demo and the model `other`: their health names answered
+    NOT_SERVING for good (every name a batcher ever served piled up, and a watcher of one waited on
+    it). Now they answer as names never served (Check NOT_FOUND; Watch SERVICE_UNKNOWN, told to a
+    watcher of each), and their ready gauge series are gone; a reload that declares version 2 again
+    makes its watcher hear SERVING."""
+    file = tmp_path / "batcher.toml"
+    settings = {"port": 0, "metrics_port": 0, "scheduler_address": None}
+    two = DEMO_MODEL.model_copy(update={"versions": (ModelVersionConfig(version="2"),)})
+    other = DEMO_MODEL.model_copy(update={"name": "other"})
+    file.write_text(render_default_config(Config().replace(batcher=settings, models=[two, other])))
+    batcher = BatcherApp(load_config(file), config_path=file)
+    await batcher.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = {s: health.Watch(health_pb2.HealthCheckRequest(service=s)) for s in ("demo/2", "other")}
+            assert [(await w.read()).status for w in watches.values()] == [serving, serving]
+
+            file.write_text(render_default_config(Config().replace(batcher=settings, models=[DEMO_MODEL])))
+            await batcher.reload()
+            await asyncio.gather(*batcher._health_updates)  # the updates the reload started
+            names = ("", "demo", "demo/1", "demo/2", "other", "other/1")
+            assert {n: await health_of(health, n) for n in names} == {
+                "": "SERVING",
+                "demo": "SERVING",
+                "demo/1": "SERVING",
+                "demo/2": "NOT_FOUND",
+                "other": "NOT_FOUND",
+                "other/1": "NOT_FOUND",
+            }
+            told = {s: (await asyncio.wait_for(w.read(), 5.0)).status for s, w in watches.items()}
+            unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            assert told == {"demo/2": unknown, "other": unknown}
+            assert ready_gauge(batcher) == {("demo", "1"): 1, ("demo", ""): 1}
+
+            file.write_text(render_default_config(Config().replace(batcher=settings, models=[two])))
+            await batcher.reload()
+            assert (await asyncio.wait_for(watches["demo/2"].read(), 5.0)).status == serving
+            for watch in watches.values():
+                watch.cancel()
     finally:
         await batcher.stop(grace_s=1.0)
 
@@ -364,13 +416,14 @@ async def test_a_pipeline_that_failed_at_start_stays_failed_through_a_reload(tmp
 
 async def test_two_health_updates_at_once_end_with_the_later_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each change to what the batcher serves (a reload's, KServe's model controls, a Triton outage)
-    starts a task that sets the models' health names. health.set suspends while a Watch on that
-    name writes its last status (grpc_health's Watch holds the name's condition while it writes), so
-    two updates could interleave, and the earlier, which had read the readiness before the later
+    starts a task that sets the models' health names. grpc_health's servicer suspended its set while
+    a Watch on that name wrote its last status (its Watch held the name's condition while it wrote),
+    so two updates could interleave, and the earlier, which had read the readiness before the later
     change, finished last: a version unloaded meanwhile was left SERVING until the next change.
-    Here the first update is held at its first name (as a Watch's write holds it), version 2 is
-    unloaded (the second update), then the first is let go: the version's health must end
-    NOT_SERVING. Now the updates run one after the other, each reading the readiness when it runs."""
+    Here the first update is held at its first name (as such a write held it), version 2 is
+    unloaded (the second update), then the first is let go: the version's health must end unknown
+    (gone with the version). The updates run one after the other, each reading the readiness when it
+    runs (the servicer used now never suspends, asyncinfer.health_service; the order holds anyway)."""
     demo = DEMO_MODEL.model_copy(update={"versions": (ModelVersionConfig(version="2"),)})
     batcher = BatcherApp(
         Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[demo])
@@ -397,11 +450,8 @@ async def test_two_health_updates_at_once_end_with_the_later_state(monkeypatch: 
             await asyncio.gather(*batcher._health_updates)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            statuses = {}
-            for service in ("demo", "demo/1", "demo/2"):
-                reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
-                statuses[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-        assert statuses == {"demo": "SERVING", "demo/1": "SERVING", "demo/2": "NOT_SERVING"}
+            statuses = {service: await health_of(health, service) for service in ("demo", "demo/1", "demo/2")}
+        assert statuses == {"demo": "SERVING", "demo/1": "SERVING", "demo/2": "NOT_FOUND"}
     finally:
         await batcher.stop(grace_s=1.0)
 

@@ -80,10 +80,12 @@ class BatcherApp:
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
         self._health_updates: set[asyncio.Task[None]] = set()
-        # One health update at a time: health.set suspends while a Watch on the name writes, and an
-        # update that read the readiness before a later change must not finish after it.
+        # One health update at a time: an update is a coroutine (the server's), and one that read
+        # the readiness before a later change must not finish after it, should it ever suspend
+        # (grpc_health's servicer did, while a Watch of the name wrote: asyncinfer.health_service).
         self._health_lock = asyncio.Lock()
-        # The (model, version) the ready gauge has a series of, and those given a health status.
+        # The (model, version) the ready gauge has a series of, and those given a health status
+        # (the same, once the server serves: a name goes with its series).
         self._ready_series: set[tuple[str, str]] = set()
         self._health_names: set[tuple[str, str]] = set()
         self._sighup = False
@@ -263,15 +265,18 @@ class BatcherApp:
 
     async def _set_models_health(self, ready: dict[tuple[str, str], bool]) -> None:
         """gRPC health per model (`<model>`: its default version) and version (`<model>/<version>`;
-        model names and versions hold no "/" and no ".", so they meet no service's name). A
-        version no longer loaded answers NOT_SERVING, as an unknown one does in KServe's ModelReady."""
+        model names and versions hold no "/" and no ".", so they meet no service's name), one name
+        per ready gauge series. A version no longer loaded nor failed (unloaded, or dropped from the
+        file), and a model with none left, loses its name as it loses its series: it answers as a
+        name never served here (Check NOT_FOUND, Watch SERVICE_UNKNOWN). It stayed NOT_SERVING for
+        good, so the names of every version ever served piled up."""
         if self._server is None:
             return
         for model, version in self._health_names - ready.keys():
-            await self._server.set_serving_of(model_health_name(model, version), False)
+            await self._server.forget_serving_of(model_health_name(model, version))
         for (model, version), serves in ready.items():
             await self._server.set_serving_of(model_health_name(model, version), serves)
-        self._health_names |= ready.keys()
+        self._health_names = set(ready)
 
     def _model_hung(self, batch: HungBatch) -> None:
         """A model call that does not return: no thread can be stopped, so the process stops (as
