@@ -1542,6 +1542,52 @@ async def test_a_job_a_round_pulls_after_the_pause_was_answered_waits_for_the_re
     assert order.job_id == job_id
 
 
+async def test_a_job_a_pause_put_back_keeps_its_tenants_turn_at_the_resume(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round's pull that comes back after a pause began puts its jobs back, but the pull had
+    charged them to the tenant round robin: the turn moved past tenant a, whose job it put back,
+    so at the resume tenant b's job, queued after a's, went first. Here b was served last before the
+    pause, the paused round brings a's job (queued first) and puts it back: at the resume a's job
+    runs first, as if the pause had pulled nothing (old code: b's). Nor is its priority charged for it."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    queues = h.dispatcher().queues
+    batcher = await h.batcher()
+    served = await enqueue(h.nc, h.kv, tenant="b")
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == served  # b's turn was the last
+    await batcher.answer(order)
+
+    real_pull_next = queues.pull_next
+    pulling, let_pull = asyncio.Event(), asyncio.Event()
+    served_normal: list[float] = []  # the priority's count of jobs served, before the pull
+
+    async def slow_pull_next(count: int = 1) -> Any:
+        served_normal.append(queues.selector._served[Priority.NORMAL])
+        pulling.set()
+        await let_pull.wait()
+        return await real_pull_next(count)
+
+    monkeypatch.setattr(queues, "pull_next", slow_pull_next)
+    await batcher.grant(1)
+    await asyncio.wait_for(pulling.wait(), 30)  # a round is out with its pull, the queue not paused
+    assert (await h.ops.PauseQueue(ops_service_pb2.PauseQueueRequest(model_name=MODEL))).paused
+    first = await enqueue(h.nc, h.kv, tenant="a")
+    second = await enqueue(h.nc, h.kv, tenant="b")
+    let_pull.set()  # the round brings a's job (and b's, with a window of two) and puts it back
+
+    async def put_back() -> bool:
+        return first in queues.put_back_jobs(Priority.NORMAL)
+
+    await until(put_back, timeout_s=10.0)
+    assert batcher.orders.empty()
+    assert queues.selector._served[Priority.NORMAL] == served_normal[0]
+    assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
+    order = await batcher.next_order(timeout_s=10)
+    assert order.job_id == first, f"b's job {second} went first" if order.job_id == second else order.job_id
+
+
 async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_at_once(
     start: Start, config: Config
 ) -> None:

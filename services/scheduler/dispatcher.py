@@ -250,7 +250,9 @@ class ModelDispatcher:
             # A pause or a drain came while the pull was out (a loaded machine: tens of ms; the
             # round's gates were open when it began): what it brought waits as a held pull's
             # delivery does, so that no job starts once PauseQueue has answered (CI: a job
-            # submitted after the pause was pulled by a round begun before it, and ran).
+            # submitted after the pause was pulled by a round begun before it, and ran). Nor do
+            # their tenants and priorities pay for them: the pull's charges are refunded.
+            self._queues.refund_last_pull()
             for msg, session in zip(msgs, sessions, strict=False):
                 self._batchers.release(session, self.model_name)
                 await self._put_back(msg, self._priority_of(msg))

@@ -32,7 +32,10 @@ tenant in turn (starting after the tenant served last) and gives the rest back a
 without delay: JetStream redelivers NAKed messages before newer ones, so they keep their place;
 the queue's depth still counts them: services.scheduler.work_queue.ModelQueues.put_back).
 Otherwise nothing extra is pulled. Messages taken back this way do not spend attempts: attempts
-are counted in the job record, not from the message's delivery count.
+are counted in the job record, not from the message's delivery count. A round whose pull comes
+back once a pause or a drain began puts back every job it brought (services.scheduler.dispatcher),
+and what the pull charged is refunded (ModelQueues.refund_last_pull): the tenants' turns and the
+priorities' counts are as if it had pulled nothing, so the jobs a pause held back go first again.
 
 This is fair among the tenants whose jobs lie near the head of the queue (within the window), not
 across a deep backlog: a tenant that queued 10,000 jobs ahead of another's one still goes first
@@ -119,6 +122,15 @@ class TenantRoundRobin:
     @property
     def several_tenants(self) -> bool:
         return len(set(self._recent)) > 1
+
+    @property
+    def last_served(self) -> str | None:
+        """The tenant a job was last chosen for: the next choice starts after it."""
+        return self._last_served
+
+    def give_turn_back(self, last_served: str | None) -> None:
+        """The jobs chosen since `last_served` was read went back unrun: the turn is where it was."""
+        self._last_served = last_served
 
     def window(self, slots: int) -> int:
         """How many jobs to pull for `slots` free slots."""

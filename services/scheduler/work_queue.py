@@ -79,6 +79,9 @@ class ModelQueues:
         # Whether the last pull_next found jobs already waiting, not only one it waited for
         # (services.scheduler.dispatch_linger: a stream of jobs outpacing the rounds).
         self.found_waiting = False
+        # What the last pull_next charged, per priority: the jobs it took, and the tenant served
+        # last before it (refund_last_pull undoes both).
+        self._charged: dict[Priority, tuple[int, str | None]] = {}
 
     def put_back(self, priority: Priority, msg: Msg, *, backoff_s: float = 0.0) -> None:
         """A message of the priority's queue was pulled and is put back (nak). `backoff_s`: how
@@ -191,6 +194,7 @@ class ModelQueues:
         """The next `count` jobs to run (fewer when fewer wait), chosen now."""
         chosen: list[Msg] = []
         self.found_waiting = False
+        self._charged = {}
         eligible = {p for p in PRIORITIES_BY_RANK if not self.known_empty(p)}
         while len(chosen) < count and eligible:
             plan = self.selector.plan(count - len(chosen), eligible)
@@ -200,7 +204,9 @@ class ModelQueues:
                 tenants = self._tenants[priority]
                 publishes = self._publishes[priority]
                 msgs = await self._pull(priority, tenants.window(slots))
+                taken, last_served = self._charged.get(priority, (0, tenants.last_served))
                 picked, rest = tenants.choose([(tenant_of(m), m) for m in msgs], slots)
+                self._charged[priority] = (taken + len(picked), last_served)
                 for msg in rest:
                     # Waiting again, though the consumer counts it delivered: counted here, as a
                     # held pull's put-back is, until a pull brings it back.
@@ -215,6 +221,18 @@ class ModelQueues:
                     self._empty_until[priority] = self._clock() + self._empty_for_s
                 chosen += picked
         return chosen
+
+    def refund_last_pull(self) -> None:
+        """Every job the last pull_next brought went back unrun (its round found the queue paused,
+        or the scheduler draining, once the pull was back: services.scheduler.dispatcher): what the
+        pull charged is undone, each priority's count of jobs served and each tenant's turn, as if
+        it had not pulled. Charged, the jobs a pause held back counted as served: the next round
+        began after the tenant whose job it put back (another tenant's job, queued behind, went
+        first at the resume), and their priority's share of the next rounds was that much smaller."""
+        for priority, (taken, last_served) in self._charged.items():
+            self.selector.charge(priority, -taken)
+            self._tenants[priority].give_turn_back(last_served)
+        self._charged = {}
 
     async def hold(self, priority: Priority, wait_s: float) -> list[Msg]:
         """The priority's next message once it is stored, or [] after wait_s (a pull held open),
