@@ -681,6 +681,46 @@ async def test_a_retired_versions_chunk_computing_within_its_execution_timeout_f
         await engine.stop(grace_s=1.0)
 
 
+async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_there_past_the_grace() -> None:
+    """Two chunks on a version retired with a grace of 0.05 s, one batch at a time: the first (three
+    parts) has a part computing and two waiting, the second (two parts) has none started. At the
+    grace's end the first chunk's waiting parts were answered MODEL_VERSION_RETIRED, which failed
+    the chunk: its order was handed back and computed whole again on the new version, the part
+    computed here thrown away. Now they go on forming batches on the retired version, within the
+    chunk's execution timeout, and the chunk is answered with every row computed there (one
+    version's results); the second, nothing of it computed, is still answered RETIRED (handed back)."""
+    from services.batcher.engine import VERSION_RETIRED_REASON, BatchingEngine
+
+    config = DEMO_MODEL.model_copy(update={"max_batch_size": 2, "max_inflight_batches": 1, "max_queue_delay_ms": 0.0})
+    gate = threading.Event()
+    model = RecordingAffine(gate)
+    engine = BatchingEngine()
+    engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
+    await engine.start()
+    try:
+        under_way_inputs = rows(1.0, count=6)
+        under_way = engine.submit_chunk("demo", under_way_inputs, run_timeout_s=30.0)
+        not_begun = engine.submit_chunk("demo", rows(2.0, count=4), run_timeout_s=30.0)
+        await wait_entered(model)  # the first part computes, held; the others wait
+        assert [part.started for part in under_way.parts + not_begun.parts] == [True] + [False] * 4
+        retired = engine.withdraw("demo", "1")
+        retiring = asyncio.create_task(engine.finish_retiring(retired, linger_s=0.0, grace_s=0.05))
+        with pytest.raises(Unavailable) as info:
+            await asyncio.wait_for(not_begun.future, 5.0)
+        assert info.value.reason == VERSION_RETIRED_REASON
+        assert not engine.has_model("demo", "1")  # the grace has ended: it takes no more
+        assert not under_way.future.done()
+        gate.set()
+        outcome = await asyncio.wait_for(under_way.future, 5.0)
+        np.testing.assert_allclose(outcome.outputs[0].to_numpy(), expected_y(under_way_inputs[0]))
+        assert model.rows_seen == [2, 2, 2]  # every part of it computed here, once
+        assert model.values_seen() == {1.0}  # and nothing of the chunk handed back
+        await asyncio.wait_for(retiring, 5.0)
+    finally:
+        gate.set()
+        await engine.stop(grace_s=1.0)
+
+
 async def test_the_queue_depth_gauge_sums_the_versions_served_side_by_side() -> None:
     """Two versions of a model share its gauge: it reads the sum of their queues. Each version's
     queue replaced the reading before, so the gauge showed the last version added, and once that

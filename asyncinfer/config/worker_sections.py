@@ -230,11 +230,11 @@ class BatcherConfig(Section):
         gt=0,
         description="How long a version replaced or unloaded while the batcher runs (a hot update) may finish what "
         "it holds that has no deadline of its own. What computes within its own deadline (a job's execution timeout, "
-        "a KServe call's gRPC deadline) finishes on it past this, and is timed out there as with no rollout. What "
-        "still waits then, or computes with no deadline (a KServe call without one whose model call has not "
-        "returned), is answered UNAVAILABLE MODEL_VERSION_RETIRED, a job's attempt given back (it runs again on "
-        "what serves now); the version is closed once the rest has ended. A thread, which cannot be stopped, ends "
-        "when its call returns.",
+        "a KServe call's gRPC deadline) finishes on it past this, and is timed out there as with no rollout; so do "
+        "the waiting parts of a batch's chunk one of whose parts has started. What else still waits then, or "
+        "computes with no deadline (a KServe call without one whose model call has not returned), is answered "
+        "UNAVAILABLE MODEL_VERSION_RETIRED, a job's attempt given back (it runs again on what serves now); the "
+        "version is closed once the rest has ended. A thread, which cannot be stopped, ends when its call returns.",
     )
     exit_after_overrun_s: float = Field(
         120.0,

@@ -48,6 +48,7 @@ class ChunkItem:
         self.progress: ItemProgress | None = None
         self._left = len(parts)
         for part in parts:
+            part.chunk_parts = parts
             part.future.add_done_callback(self._part_done)
 
     @property

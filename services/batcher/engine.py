@@ -162,13 +162,14 @@ class BatchingEngine:
     async def finish_retiring(self, queue: ModelQueue, *, linger_s: float, grace_s: float | None = None) -> None:
         """Lets a withdrawn version finish what it holds (waiting or computing; an order that names
         it still runs on it meanwhile): once it has held nothing for linger_s, its queue stops.
-        grace_s after this began (None: no bound), if it still holds anything, it forms no more
-        batches: what waits, and what computes with no deadline of its own (a KServe call without
+        grace_s after this began (None: no bound), if it still holds anything, it takes no more
+        items: what waits, and what computes with no deadline of its own (a KServe call without
         one: its model's call may never return), is answered UNAVAILABLE VERSION_RETIRED_REASON;
         an item computing within its own deadline (a job's execution timeout, a KServe call's
         gRPC deadline: model_queue.own_deadline) goes on to it, and the engine's timeout (or the
-        call's cancellation) ends it there if it has not returned. So the version stops at the
-        latest DEADLINE_SLACK_S past max(grace, the last of its items' own deadlines)."""
+        call's cancellation) ends it there if it has not returned; so do the waiting parts of a
+        chunk under way (ModelQueue.end_grace), which go on forming batches. So the version stops at
+        the latest DEADLINE_SLACK_S past max(grace, the last of its items' own deadlines)."""
         loop = asyncio.get_running_loop()
         grace_ends = None if grace_s is None else loop.time() + grace_s
         retired: Unavailable | None = None  # set once the grace has ended
@@ -199,6 +200,7 @@ class BatchingEngine:
         if retired is None:
             await queue.stop_intake()
         else:
+            await queue.stop_intake(retired)  # its batch former, kept for a chunk's parts (end_grace)
             # Their items are answered; a model's thread cannot be stopped (it goes on, its answer
             # dropped), a remote call is cancelled with its task.
             await asyncio.gather(*queue.abandon_batches(retired), return_exceptions=True)
@@ -208,19 +210,19 @@ class BatchingEngine:
             executor.shutdown(wait=False)
 
     async def _end_grace(self, queue: ModelQueue, grace_s: float) -> Unavailable:
-        """A retired version's grace has ended and it still holds items: it forms no more batches
-        (an order naming it is refused, retriable), what waits and what computes with no deadline
-        of its own is answered with the error returned, the rest computes on to its deadline."""
+        """A retired version's grace has ended and it still holds items: it takes no more (an order
+        naming it is refused, retriable), what waits and what computes with no deadline of its own
+        is answered with the error returned, the rest computes on to its deadline (with a chunk
+        under way, its parts still waiting: ModelQueue.end_grace)."""
         retired = Unavailable(
             f"model {queue.name!r} version {queue.config.version!r} was replaced or unloaded and had not finished "
             f"this item: past batcher.retire_grace_s ({grace_s:g} s) it finishes only what computes within its own "
             "deadline",
             reason=VERSION_RETIRED_REASON,
         )
-        waiting = queue.depth
-        await queue.stop_intake(retired)
+        waited = await queue.end_grace(retired)  # a chunk under way keeps its waiting parts
         now = asyncio.get_running_loop().time()
-        answered = waiting + queue.abandon_computing(retired, ended_before=now - DEADLINE_SLACK_S)
+        answered = waited + queue.abandon_computing(retired, ended_before=now - DEADLINE_SLACK_S)
         if answered:
             self._log_abandoned(queue, answered, "no deadline of its own")
         last = queue.computing_deadline()
@@ -341,7 +343,7 @@ class BatchingEngine:
         return [q for versions in self._queues.values() for q in versions.values()] + list(self._retiring)
 
     def _find_retiring(self, model_name: str, version: str) -> ModelQueue | None:
-        """A retiring version that still forms batches (not once its grace has ended)."""
+        """A retiring version that still takes items (not once its grace has ended)."""
         return next(
             (
                 q

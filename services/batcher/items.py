@@ -46,6 +46,7 @@ class PendingItem:
     """One submitted item: the future its caller awaits, and whether its batch has started."""
 
     __slots__ = (
+        "chunk_parts",
         "cost",
         "ends_by",
         "expires_at",
@@ -100,6 +101,8 @@ class PendingItem:
         self.ends_by: float | None = None
         # Computed in a batch of its own (its job's previous attempt was lost with its batcher).
         self.run_alone = False
+        # A part of a batch's chunk: every part of that chunk, itself among them (chunk_items).
+        self.chunk_parts: list[PendingItem] | None = None
         # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one
         # absolute deadline (a batch's expiry, shared by all its chunks) turned into loop time at
         # different moments differs by microseconds, which would otherwise order the parts of

@@ -575,6 +575,28 @@ class ModelQueue:
         self._intake_stopped = True
         self._untrack_when_idle()
 
+    async def end_grace(self, error: AsyncInferError) -> int:
+        """A retired version's grace has ended: it takes no more items (`intake_stopped`), and
+        what waits is failed with `error`, but for the waiting parts of a chunk under way (one of
+        its parts has started) that has its own deadline (its job's execution timeout, `ends_by`,
+        at which the chunk is answered TIMED_OUT and its parts not started dropped): they go on
+        forming batches here until the chunk ends, as its computing parts do. Failed, they failed
+        the chunk, whose order was handed back and computed whole again on the version serving now,
+        its parts already computed here thrown away; a chunk's result is one version's, so those
+        could not be kept with the rest computed there. How many items were failed."""
+        kept = [item for item in self._waiting if not item.future.done() and _chunk_under_way(item)]
+        if not kept:
+            waiting = self.depth
+            await self.stop_intake(error)
+            return waiting
+        kept_ids = {id(item) for item in kept}
+        failed = [item for item in self._waiting if not item.future.done() and id(item) not in kept_ids]
+        fail(failed, error)
+        self._waiting = kept
+        self._intake_stopped = True
+        self._changed.set()
+        return len(failed)
+
     def _untrack_when_idle(self) -> None:
         if self._running:
             return
@@ -587,18 +609,21 @@ class ModelQueue:
 
     @property
     def intake_stopped(self) -> bool:
-        """It forms no more batches (stop_intake): an item given to it would never run."""
+        """It takes no more items (stop_intake, end_grace): an item given to it would not run."""
         return self._intake_stopped
 
     def computing_deadline(self) -> float | None:
-        """The latest own deadline (own_deadline) of the unanswered items its batches compute;
-        None when none is computing, math.inf when one has no deadline of its own."""
+        """The latest own deadline (own_deadline) of the unanswered items its batches compute, and
+        of the chunks' parts that wait to (end_grace kept them); None when none is computing,
+        math.inf when one has no deadline of its own."""
         ends = [
             own_deadline(item, running.started_at)
             for running in self._running.values()
             for item in running.items
             if not item.future.done()
         ]
+        if self._intake_stopped:
+            ends += [item.ends_by for item in self._waiting if not item.future.done()]
         if not ends:
             return None
         return max(math.inf if end is None else end for end in ends)
@@ -646,6 +671,12 @@ def own_deadline(item: PendingItem, started_at: float) -> float | None:
     if item.run_timeout_s is not None:
         ends.append(started_at + item.run_timeout_s)
     return min(ends) if ends else item.expires_at
+
+
+def _chunk_under_way(item: PendingItem) -> bool:
+    """Whether the item is a part of a chunk with a deadline of its own, one of whose parts started."""
+    parts = item.chunk_parts
+    return item.ends_by is not None and parts is not None and any(part.started for part in parts)
 
 
 def _sort_key(item: PendingItem) -> tuple[int, float, int]:
