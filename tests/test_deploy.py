@@ -819,21 +819,52 @@ def test_dockerfile_runs_unprivileged_and_checks_grpc_health(service: str) -> No
 
 
 COMPOSE = DEPLOY / "compose/docker-compose.yml"
-COMPOSE_SECRETS = "/run/secrets/asyncinfer"  # where every container mounts the volume `secrets`
+COMPOSE_SECRETS = "/run/secrets/asyncinfer"  # where each service mounts its own volume of secrets
+# What each volume the `secrets` step fills holds after it ran (by the folder the step mounts it at):
+# a service's own certificate, key, NKey seed and API key files, and nothing of another's.
+COMPOSE_VOLUME_FILES = {
+    "nats": {"nats/nats.conf", "nats/nats-users.conf", "tls/nats.pem", "tls/nats.key"},
+    "gateway": {"tls/ca.pem", "tls/gateway.pem", "tls/gateway.key", "nats/seeds/gateway.nk", "gateway__api_keys"},
+    "scheduler": {
+        "tls/ca.pem", "tls/scheduler.pem", "tls/scheduler.key", "nats/seeds/scheduler.nk", "gateway__api_keys",
+    },
+    "batcher": {"tls/ca.pem", "tls/batcher.pem", "tls/batcher.key", "gateway__api_keys", "batcher__api_key"},
+    "operator": {"ca.pem", "ops.pem", "ops.key", "api-keys.env"},
+}  # fmt: skip
 
 
 def compose_file() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
 
 
+def secrets_step_dir() -> str:
+    """The folder the `secrets` step is given (its command's first argument): it mounts each of its
+    volumes at a folder of it."""
+    return str(compose_file()["services"]["secrets"]["command"][0])
+
+
+def secret_volumes(secrets: Path) -> dict[str, Path]:
+    """The named volumes the `secrets` step mounts, each -> where it lies here: the folder of
+    `secrets` (the step's DIR) the step mounts it at."""
+    step = secrets_step_dir()
+    volumes: dict[str, Path] = {}
+    for volume in compose_file()["services"]["secrets"]["volumes"]:
+        source, target = volume.split(":")[:2]
+        if not source.startswith("."):
+            assert Path(target).parent == Path(step), volume
+            volumes[source] = secrets / Path(target).name
+    return volumes
+
+
 def compose_mounts(service: dict[str, Any], secrets: Path) -> dict[str, Path]:
-    """A compose service's mounts, container path -> the path here: a bind mount's file, the
-    volume `secrets` as make-secrets.sh made it (`secrets`); other named volumes are left out."""
+    """A compose service's mounts, container path -> the path here: a bind mount's file, a volume of
+    secrets as make-secrets.sh made it (under `secrets`); other named volumes are left out."""
+    volumes = secret_volumes(secrets)
     mounts: dict[str, Path] = {}
     for volume in service["volumes"]:
         source, target = volume.split(":")[:2]
-        if source == "secrets":
-            mounts[target] = secrets
+        if source in volumes:
+            mounts[target] = volumes[source]
         elif source.startswith("."):
             mounts[target] = (COMPOSE.parent / source).resolve()
     return mounts
@@ -853,12 +884,35 @@ def make_compose_secrets(secrets: Path) -> subprocess.CompletedProcess[str]:
     """Runs the one-shot service `secrets` as compose would (its entrypoint and command, each path
     through its mounts), leaving ownership as it is (SECRETS_OWNER: this test need not be root)."""
     service = compose_file()["services"]["secrets"]
-    mounts = compose_mounts(service, secrets)
+    mounts = {**compose_mounts(service, secrets), secrets_step_dir(): secrets}
     argv = [str(on_host(arg, mounts) or arg) for arg in [*service["entrypoint"], *service["command"]]]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "SECRETS_OWNER": ""}
     done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+def compose_config(service: dict[str, Any], mounts: dict[str, Path]) -> Config:
+    """The configuration a compose service loads: its mounted file, its environment, and the
+    secrets directory ASYNCINFER_SECRETS_DIR names, read through its mounts (load_config refuses
+    an unknown key)."""
+    environ = {k: str(v) for k, v in service["environment"].items()}
+    (config_file,) = [host for target, host in mounts.items() if target.startswith("/etc/asyncinfer/")]
+    secrets_dir = on_host(environ["ASYNCINFER_SECRETS_DIR"], mounts)
+    assert secrets_dir is not None, "ASYNCINFER_SECRETS_DIR: no mount gives it"
+    return load_config(config_file, environ=environ, secrets_dir=secrets_dir)
+
+
+def operator_keys(secrets: Path) -> dict[str, str]:
+    """The tenant's and the operator's API keys, as deploy/README.md has a user read them: its
+    copy of the operator's api-keys.env, sourced by sh."""
+    shown = subprocess.run(
+        ["sh", "-c", '. "$1" && printf "%s\\n%s\\n" "$ASYNCINFER_API_KEY" "$ASYNCINFER_OPS_KEY"', "sh",
+         str(secrets / "operator/api-keys.env")],
+        capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    tenant, ops = shown.stdout.splitlines()
+    return {"tenant": tenant, "ops": ops}
 
 
 def file_settings(config: Config) -> dict[str, str]:
@@ -877,6 +931,7 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
     services = compose["services"]
     assert set(services) == {"secrets", "nats", "gateway", "scheduler", "batcher"}
     secrets = tmp_path / "secrets"
+    make_compose_secrets(secrets)
     for name in SERVICES:
         svc = services[name]
         build = svc["build"]
@@ -891,8 +946,9 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
         (config_target,) = [t for t in compose_mounts(svc, secrets) if t.startswith("/etc/asyncinfer/")]
         host = compose_mounts(svc, secrets)[config_target]
         assert host.is_file(), host
-        environ = {k: str(v) for k, v in svc["environment"].items()}
-        cfg = load_config(host, environ=environ)
+        # No key in the compose file: each service's come from its own volume (the secrets directory).
+        assert not any("API_KEY" in key for key in svc["environment"]), name
+        cfg = compose_config(svc, compose_mounts(svc, secrets))
         # Each binds 0.0.0.0 (the network between containers): keys are required to start.
         assert cfg.gateway.api_keys, name
         assert getattr(cfg, name).host == "0.0.0.0"
@@ -910,16 +966,23 @@ def test_compose_file_builds_from_the_dockerfiles_with_health_ordering(tmp_path:
     assert services["batcher"]["depends_on"]["scheduler"] == {"condition": "service_healthy"}
     assert services["nats"]["depends_on"] == {"secrets": {"condition": "service_completed_successfully"}}
     assert services["nats"]["volumes"][0].split(":")[0] in compose["volumes"]
-    assert "secrets" in compose["volumes"]
-    # The one-shot step: root for the files' ownership alone (CHOWN), nothing else; the others
-    # read its volume and cannot write it.
+    # The one-shot step: root for the files' ownership alone (CHOWN), nothing else. It mounts every
+    # volume of secrets, writable: its own `secrets` (the CA's key, every key and seed), which no other
+    # service mounts, and one per service, which that service alone mounts, read-only; the
+    # operator's, which no service mounts (deploy/README.md copies it out).
     step = services["secrets"]
     assert (step["user"], step["cap_drop"], step["cap_add"], step["read_only"]) == ("0:0", ["ALL"], ["CHOWN"], True)
     assert step["security_opt"] == ["no-new-privileges:true"]
     assert step["restart"] == "no"
+    volumes = secret_volumes(secrets)
+    assert {volume: path.name for volume, path in volumes.items()} == {
+        "secrets": "all",
+        **{f"secrets-{folder}": folder for folder in COMPOSE_VOLUME_FILES},
+    }
+    assert set(volumes) <= set(compose["volumes"])
     for name in ("nats", *SERVICES):
-        (mount,) = [v for v in services[name]["volumes"] if v.split(":")[0] == "secrets"]
-        assert mount == f"secrets:{COMPOSE_SECRETS}:ro", name
+        mounted = [v for v in services[name]["volumes"] if v.split(":")[0] in volumes]
+        assert mounted == [f"secrets-{name}:{COMPOSE_SECRETS}:ro"], name
 
 
 def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Path) -> None:
@@ -928,14 +991,15 @@ def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Pa
     files; each service's ASYNCINFER_* variables are settings its configuration file takes
     (load_config refuses an unknown key); every file a setting or its health check names is one a
     mount gives it, and exists; the servers' certificates name what their clients dial; and a
-    second run keeps every file (clients keep trusting the same CA)."""
+    second run keeps every file (clients keep trusting the same CA, and the same keys)."""
     from cryptography import x509
 
     services = compose_file()["services"]
     secrets = tmp_path / "secrets"
     made = make_compose_secrets(secrets)
     assert "issued tls/gateway.pem" in made.stdout
-    ca = x509.load_pem_x509_certificate((secrets / "tls/ca.pem").read_bytes())
+    assert "made the API key api-keys/tenant-demo" in made.stdout
+    ca = x509.load_pem_x509_certificate((secrets / "all/tls/ca.pem").read_bytes())
 
     def names_of(cert_file: Path) -> list[str]:
         cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
@@ -947,9 +1011,8 @@ def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Pa
         svc = services[name]
         mounts = compose_mounts(svc, secrets)
         assert all(key.startswith("ASYNCINFER_") for key in svc["environment"]), name
-        environ = {k: str(v) for k, v in svc["environment"].items()}
-        (config_file,) = [host for target, host in mounts.items() if target.startswith("/etc/asyncinfer/")]
-        cfg = load_config(config_file, environ=environ)  # an unknown key is a ConfigError
+        assert svc["environment"]["ASYNCINFER_SECRETS_DIR"] == COMPOSE_SECRETS, name
+        cfg = compose_config(svc, mounts)  # an unknown key is a ConfigError
         files = file_settings(cfg)
         for setting, path in files.items():
             host = on_host(path, mounts)
@@ -965,6 +1028,12 @@ def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Pa
         assert served.tls_cert_file, f"{name} serves plaintext"
         assert served.tls_key_file, name
         assert set(names_of(on_host(served.tls_cert_file, mounts))) >= {name, "localhost"}  # type: ignore[arg-type]
+        # The generated keys: the tenant's and the operator's (its copy out) and the batchers'.
+        ring = KeyRing(cfg.gateway.api_keys)
+        keys = operator_keys(secrets)
+        assert ring.identify(bearer_metadata(keys["tenant"])).tenant == "demo"
+        assert ring.identify(bearer_metadata(keys["ops"])).role == "ops"
+        assert {key.role for key in cfg.gateway.api_keys} == {"tenant", "ops", "batcher"}
         if name == "batcher":  # NATS-less; to its scheduler over mutual TLS
             assert cfg.batcher.scheduler_ca_file == f"{COMPOSE_SECRETS}/tls/ca.pem"
             assert cfg.batcher.scheduler_cert_file == f"{COMPOSE_SECRETS}/tls/batcher.pem"
@@ -979,27 +1048,106 @@ def test_compose_runs_every_service_on_tls_with_the_files_it_mounts(tmp_path: Pa
             assert "--cert" in health
     nats = services["nats"]
     command = nats["command"]
-    conf = on_host(command[command.index("-c") + 1], compose_mounts(nats, secrets))
+    nats_mounts = compose_mounts(nats, secrets)
+    conf = on_host(command[command.index("-c") + 1], nats_mounts)
     assert conf is not None
     text = conf.read_text()
     assert "tls {" in text
     assert "include ./nats-users.conf" in text
+    assert (conf.parent / "nats-users.conf").is_file()
     for path in re.findall(r'_file: "([^"]+)"', text):
-        assert Path(path).is_file(), path  # the script wrote them where it mounts them: the same path in nats
-    assert set(names_of(secrets / "tls/nats.pem")) >= {"nats", "localhost"}
+        host = on_host(path, nats_mounts)  # a path in the nats container: its own volume holds it
+        assert host is not None, path
+        assert host.is_file(), path
+    assert set(names_of(secrets / "nats/tls/nats.pem")) >= {"nats", "localhost"}
 
     before = {p: p.read_bytes() for p in secrets.rglob("*") if p.is_file()}
     again = make_compose_secrets(secrets)
     assert "issued" not in again.stdout, again.stdout
+    assert "made" not in again.stdout, again.stdout
     assert {p: p.read_bytes() for p in secrets.rglob("*") if p.is_file()} == before
+
+
+def docs_copy_out_commands() -> list[tuple[str, list[str], str, str]]:
+    """Each command of deploy/README.md and of the compose file's header that copies the operator's
+    files out of the stack: (where, the files, the service it runs, the folder it reads them from)."""
+    found = []
+    for where, text in (("deploy/README.md", (DEPLOY / "README.md").read_text()), ("compose", COMPOSE.read_text())):
+        loops = re.findall(
+            r"for f in ([^;\n]+); do\s*(?:#\s*)?docker compose -f deploy/compose/docker-compose.yml "
+            r"run --rm --no-deps -T --entrypoint cat (\S+) (\S+)/\$f > compose-tls/\$f",
+            text,
+        )
+        assert loops, f"{where}: no copy-out command"
+        found += [(where, files.split(), service, folder) for files, service, folder in loops]
+    return found
+
+
+def test_each_compose_service_gets_only_its_own_secrets_and_keys_are_random(tmp_path: Path) -> None:
+    """make-secrets.sh gives each service's volume its own files alone (listed): no service can read
+    another's private key, NKey seed or API key, the CA's key is in none of them, and the operator's
+    files are in a volume no service mounts; its API keys are random (two fresh runs make different
+    ones; a rerun keeps them: the test above); and deploy/README.md's copy-out commands name files
+    the operator's volume holds, whose api-keys.env gives the keys the services accept."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    make_compose_secrets(first)
+    make_compose_secrets(second)
+    volumes = {folder: first / folder for folder in COMPOSE_VOLUME_FILES}
+    for folder, files in COMPOSE_VOLUME_FILES.items():
+        held = {str(p.relative_to(volumes[folder])) for p in volumes[folder].rglob("*") if p.is_file()}
+        assert held == files, folder
+    # What is secret, whose it is: the private keys, the seeds, the API keys.
+    made = first / "all"
+    owners = {"ca": [made / "ca/ca.key"], "operator": [made / "api-keys/tenant-demo", made / "api-keys/ops"]}
+    for name in ("nats", "gateway", "scheduler", "batcher"):
+        owners[name] = [made / f"tls/{name}.key"]
+    owners["operator"].append(made / "tls/ops.key")
+    owners["gateway"].append(made / "nats/seeds/gateway.nk")
+    owners["scheduler"].append(made / "nats/seeds/scheduler.nk")
+    owners["batcher"].append(made / "api-keys/batcher")
+    secret_texts = {owner: [path.read_text().strip() for path in paths] for owner, paths in owners.items()}
+    for folder, volume in volumes.items():
+        text = "\n".join(p.read_text() for p in volume.rglob("*") if p.is_file())
+        for owner, texts in secret_texts.items():
+            for secret in texts:
+                assert (secret in text) == (owner == folder), f"{folder}'s volume and {owner}'s secret"
+    for folder, volume in volumes.items():  # keys 0640 for the services' group; the operator's 0600
+        for path in volume.rglob("*"):
+            if path.is_file() and (path.suffix in (".key", ".nk", ".env") or "api_key" in path.name):
+                assert path.stat().st_mode & 0o777 == (0o600 if folder == "operator" else 0o640), path
+    assert all(path.stat().st_mode & 0o077 == 0 for path in made.rglob("*")), "the step's own volume is its alone"
+
+    # Random: the keys, and so their SHA-256s the services read, differ between two stacks.
+    keys = operator_keys(first)
+    assert keys.keys() == operator_keys(second).keys()
+    assert all(keys[who] != operator_keys(second)[who] for who in keys)
+    assert (first / "batcher/batcher__api_key").read_text() != (second / "batcher/batcher__api_key").read_text()
+    assert (first / "gateway/gateway__api_keys").read_text() != (second / "gateway/gateway__api_keys").read_text()
+    assert len(set(keys.values())) == 2
+    assert all(re.fullmatch(r"[0-9a-f]{48}", key) for key in keys.values())
+
+    step = compose_file()["services"]["secrets"]
+    step_mounts = {**compose_mounts(step, first), secrets_step_dir(): first}
+    for where, files, service, folder in docs_copy_out_commands():
+        assert service == "secrets", where  # the step's image and volumes: no running service holds them
+        host = on_host(folder, step_mounts)
+        assert host == first / "operator", f"{where}: {folder}"
+        assert set(files) == COMPOSE_VOLUME_FILES["operator"], where
+        assert all((host / f).is_file() for f in files), where
+    readme = (DEPLOY / "README.md").read_text()
+    assert ". compose-tls/api-keys.env" in readme
+    assert "asyncinfer-local-" not in COMPOSE.read_text()
 
 
 @contextlib.asynccontextmanager
 async def compose_nats(secrets: Path, tmp_path: Path) -> AsyncIterator[int]:
     """nats-server on the file make-secrets.sh wrote (its store here, not at the container's /data;
-    its ports free ones): the client port, once it says it is ready."""
-    conf = secrets / "nats/here.conf"  # beside the file, for its include
-    conf.write_text((secrets / "nats/nats.conf").read_text().replace('"/data"', f'"{tmp_path / "data"}"'))
+    the files it names in its volume, here; its ports free ones): the client port, once it says it
+    is ready."""
+    volume = secret_volumes(secrets)["secrets-nats"]
+    conf = volume / "nats/here.conf"  # beside the file, for its include
+    text = (volume / "nats/nats.conf").read_text().replace('"/data"', f'"{tmp_path / "data"}"')
+    conf.write_text(text.replace(f'"{COMPOSE_SECRETS}/', f'"{volume}/'))
     port = free_port()
     server = await asyncio.create_subprocess_exec(
         find_nats_server(), "-c", str(conf), "-p", str(port), "-m", str(free_port()),
@@ -1033,8 +1181,7 @@ async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: P
         for name in ("gateway", "scheduler"):
             svc = services[name]
             mounts = compose_mounts(svc, secrets)
-            (config_file,) = [host for target, host in mounts.items() if target.startswith("/etc/asyncinfer/")]
-            nats = load_config(config_file, environ={k: str(v) for k, v in svc["environment"].items()}).nats
+            nats = compose_config(svc, mounts).nats
             here = nats.model_copy(
                 update={
                     "url": f"tls://127.0.0.1:{port}",
@@ -1049,7 +1196,7 @@ async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: P
         anonymous = Config().nats.model_copy(
             update={
                 "url": f"tls://127.0.0.1:{port}",
-                "tls_ca_file": str(secrets / "tls/ca.pem"),
+                "tls_ca_file": str(secrets / "operator/ca.pem"),
                 "connect_timeout_s": 1.0,
             }
         )
@@ -1058,11 +1205,6 @@ async def test_the_compose_nats_server_takes_only_its_users_over_tls(tmp_path: P
         plaintext = anonymous.model_copy(update={"url": f"nats://127.0.0.1:{port}", "tls_ca_file": None})
         with pytest.raises((ConfigError, Unavailable)):
             await connect(plaintext, name="plaintext")
-
-
-# The compose file's demo keys (its header lists them; a local demo only).
-COMPOSE_TENANT_KEY = "asyncinfer-local-demo-key"
-COMPOSE_OPS_KEY = "asyncinfer-local-ops-key"
 
 
 def image_command(service: str) -> list[str]:
@@ -1077,9 +1219,11 @@ async def test_the_compose_services_run_together_on_tls_as_processes(tmp_path: P
     gateway, the scheduler and the batcher, each its image's command with its compose environment
     (every path through its mounts; each moved to a free loopback port, and NATS and the scheduler
     dialled there). Each health check, as compose runs it (TLS, the scheduler's with its own
-    certificate), says SERVING; a demo job over TLS with the tenant key succeeds (so the batcher
-    reached the scheduler over mutual TLS); the scheduler's OpsService answers an operator with the
-    `ops` certificate, and one without gets no answer."""
+    certificate), says SERVING; a demo job over TLS with the tenant key the `secrets` step made
+    succeeds (so the batcher reached the scheduler over mutual TLS, with its generated key); the
+    scheduler's OpsService answers an operator with the `ops` certificate and the generated ops key,
+    and one without the certificate gets no answer. The client side uses the operator's files as
+    deploy/README.md copies them out (the CA, ops.pem, api-keys.env)."""
     from asyncinfer.client import AsyncClient
 
     services = compose_file()["services"]
@@ -1130,17 +1274,17 @@ async def test_the_compose_services_run_together_on_tls_as_processes(tmp_path: P
                 health = await asyncio.to_thread(load_healthcheck().main, args)
                 assert health == 0, f"{name}'s health check: {args}"
 
-            ca = str(secrets / "tls/ca.pem")
-            async with AsyncClient(
-                f"127.0.0.1:{ports['gateway']}", api_key=COMPOSE_TENANT_KEY, tls_ca_file=ca
-            ) as client:
+            operator = secrets / "operator"
+            keys = operator_keys(secrets)
+            ca = str(operator / "ca.pem")
+            async with AsyncClient(f"127.0.0.1:{ports['gateway']}", api_key=keys["tenant"], tls_ca_file=ca) as client:
                 y = await client.run("demo", {"x": [[1, 2, 3, 4]]}, timeout_s=60)
             assert y["y"].tolist() == [[3.0, 5.0, 7.0, 9.0]]
             ops = [
                 sys.executable, "-m", "asyncinfer", "--scheduler", f"127.0.0.1:{ports['scheduler']}", "--tls-ca", ca,
-                "--ops-key", COMPOSE_OPS_KEY, "--timeout", "20",
+                "--ops-key", keys["ops"], "--timeout", "20",
             ]  # fmt: skip
-            client_cert = ["--tls-cert", str(secrets / "tls/ops.pem"), "--tls-key", str(secrets / "tls/ops.key")]
+            client_cert = ["--tls-cert", str(operator / "ops.pem"), "--tls-key", str(operator / "ops.key")]
             answered = await asyncio.to_thread(
                 subprocess.run, [*ops, *client_cert, "stats", "--once"], capture_output=True, text=True, env=base_env
             )
