@@ -35,6 +35,21 @@ def find_nats_server() -> str:
     return found
 
 
+# nats-server's configuration format quotes strings as JSON does but takes fewer escapes: \xXX,
+# \t, \n, \r, \" and \\. json.dumps writes a character beyond ASCII as \uXXXX, which it refuses.
+_CONF_ESCAPES = {'"': '\\"', "\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"}
+
+
+def conf_string(value: str) -> str:
+    """`value` as a quoted string of nats-server's configuration file (a path, a server name):
+    other characters as they are (UTF-8), a control character as \\xXX."""
+    escaped = (
+        _CONF_ESCAPES.get(char) or (f"\\x{ord(char):02x}" if ord(char) < 0x20 or char == "\x7f" else char)
+        for char in value
+    )
+    return '"' + "".join(escaped) + '"'
+
+
 # Ports this process was handed lately: the OS may hand the port it just freed out again, and a
 # caller picking several (nats, gateway, scheduler, ...) one after another must get distinct ones.
 _recent_ports: collections.deque[int] = collections.deque(maxlen=256)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import json
 import os
 import socket
 from collections.abc import Iterable
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncinfer.config import Config
+from asyncinfer.embedded_nats import conf_string
 from asyncinfer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ def with_dev_tls(config: Config, tls: DevTls) -> Config:
 def nats_server_tls_conf(tls: DevTls) -> str:
     """The embedded nats-server's configuration lines for TLS on its client port. In its file, not
     its flags: a reload (SIGHUP) reads the certificate again only from the file."""
-    return f"tls {{\n  cert_file: {json.dumps(str(tls.cert_file))}\n  key_file: {json.dumps(str(tls.key_file))}\n}}\n"
+    return f"tls {{\n  cert_file: {conf_string(str(tls.cert_file))}\n  key_file: {conf_string(str(tls.key_file))}\n}}\n"
 
 
 def _server_cert_fits(tls: DevTls, ca_cert: Certificate, names: list[str], now: datetime.datetime) -> bool:

@@ -127,6 +127,30 @@ def test_a_development_certificate_due_is_renewed_whole_by_the_same_ca(tmp_path:
     issued.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
 
 
+def test_the_embedded_nats_servers_configuration_file_names_any_path(tmp_path: Path) -> None:
+    r"""The nats-server's configuration file names the development certificate's files (and the
+    server's name) as quoted strings. They were written as JSON strings, but nats-server's format
+    takes only the escapes \xXX, \t, \n, \r, \" and \\: a path with a character beyond ASCII (a
+    home directory named José) was written \u00e9, and `up --dev-tls` did not start ("Invalid escape
+    character 'u'"). The file is read here as the server reads it at start and at a reload."""
+    import subprocess
+
+    from asyncinfer.config import Config
+    from asyncinfer.embedded_nats import find_nats_server, free_port
+    from asyncinfer.runner import StopSignal
+    from services.up.stack import EmbeddedNats
+
+    data = tmp_path / 'José\'s "data" \\ $HOME #1\t\x01日本'
+    tls = ensure_dev_tls(data / "tls", LOOPBACK_NAMES)
+    config = Config().replace(embedded_nats={"store_dir": str(data / "store"), "port": 0, "monitor_port": free_port()})
+    nats = EmbeddedNats(config, StopSignal(), dev_tls=DevTlsRenewal(tls, LOOPBACK_NAMES))
+    nats._prepare_store()
+    checked = subprocess.run(
+        [find_nats_server(), "-t", "-c", str(data / "nats-server.conf")], capture_output=True, text=True, timeout=30
+    )
+    assert checked.returncode == 0, checked.stderr or checked.stdout
+
+
 def _served_subject_serial(port: int, ca_file: Path) -> int:
     """The serial of the certificate a new TLS connection to the nats-server on `port` is served
     (NATS sends its INFO in plaintext first, then the client starts TLS)."""

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import contextvars
 import datetime
-import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import structlog
 
 from asyncinfer.config import Config
+from asyncinfer.embedded_nats import conf_string
 from asyncinfer.errors import ConfigError
 from asyncinfer.gc_tuning import collect_before_serving, tune_for_serving
 from asyncinfer.logs import service_context
@@ -121,7 +121,7 @@ class EmbeddedNats:
             self.server.store_dir.mkdir(parents=True, exist_ok=True)
             # The server's name is in the file as in its flags: a reload (SIGHUP) refuses a file
             # without it ("config reload not supported for ServerName").
-            conf = f"max_payload: {EMBEDDED_MAX_PAYLOAD}\nserver_name: {json.dumps(self.server.server_name)}\n"
+            conf = f"max_payload: {EMBEDDED_MAX_PAYLOAD}\nserver_name: {conf_string(self.server.server_name)}\n"
             if self._dev_tls is not None:
                 conf += nats_server_tls_conf(self._dev_tls.tls)
             self._conf.write_text(conf)
