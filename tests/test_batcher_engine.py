@@ -646,20 +646,17 @@ async def test_a_replaced_version_leaves_no_compute_threads_behind() -> None:
         await engine.stop(grace_s=1.0)
 
 
-async def test_a_retired_versions_chunk_computing_within_its_execution_timeout_finishes_past_the_grace() -> None:
+async def test_a_retired_versions_chunk_computing_within_its_execution_timeout_finishes_past_the_grace(
+    make_engine: Callable[..., Any],
+) -> None:
     """A batch's chunk (two parts, both computing, its execution timeout 30 s counted from its
     arrival) on a version retired with a grace of 0.05 s: its parts go on computing past the grace
     and the chunk is answered with every row. A part has no execution timeout of its own (the
     chunk's is counted from its arrival, not a batch's start), so it was taken for an item without
     a deadline and cut off at the grace, and the chunk answered UNAVAILABLE MODEL_VERSION_RETIRED."""
-    from services.batcher.engine import BatchingEngine
-
-    config = DEMO_MODEL.model_copy(update={"max_batch_size": 2, "max_inflight_batches": 2, "max_queue_delay_ms": 0.0})
     gate = threading.Event()
     model = RecordingAffine(gate)
-    engine = BatchingEngine()
-    engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
-    await engine.start()
+    engine = await make_engine(model, max_batch_size=2, max_inflight_batches=2, max_queue_delay_ms=0.0)
     try:
         inputs = rows(1.0, count=4)
         chunk = engine.submit_chunk("demo", inputs, run_timeout_s=30.0)
@@ -677,11 +674,12 @@ async def test_a_retired_versions_chunk_computing_within_its_execution_timeout_f
         np.testing.assert_allclose(outcome.outputs[0].to_numpy(), expected_y(inputs[0]))
         await asyncio.wait_for(retiring, 5.0)
     finally:
-        gate.set()
-        await engine.stop(grace_s=1.0)
+        gate.set()  # the model's thread returns: make_engine stops the engine
 
 
-async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_there_past_the_grace() -> None:
+async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_there_past_the_grace(
+    make_engine: Callable[..., Any],
+) -> None:
     """Two chunks on a version retired with a grace of 0.05 s, one batch at a time: the first (three
     parts) has a part computing and two waiting, the second (two parts) has none started. At the
     grace's end the first chunk's waiting parts were answered MODEL_VERSION_RETIRED, which failed
@@ -689,14 +687,11 @@ async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_the
     computed here thrown away. Now they go on forming batches on the retired version, within the
     chunk's execution timeout, and the chunk is answered with every row computed there (one
     version's results); the second, nothing of it computed, is still answered RETIRED (handed back)."""
-    from services.batcher.engine import VERSION_RETIRED_REASON, BatchingEngine
+    from services.batcher.engine import VERSION_RETIRED_REASON
 
-    config = DEMO_MODEL.model_copy(update={"max_batch_size": 2, "max_inflight_batches": 1, "max_queue_delay_ms": 0.0})
     gate = threading.Event()
     model = RecordingAffine(gate)
-    engine = BatchingEngine()
-    engine.add_model(config, TorchBackend(config.name, model, config.signature, torch.device("cpu")))
-    await engine.start()
+    engine = await make_engine(model, max_batch_size=2, max_inflight_batches=1, max_queue_delay_ms=0.0)
     try:
         under_way_inputs = rows(1.0, count=6)
         under_way = engine.submit_chunk("demo", under_way_inputs, run_timeout_s=30.0)
@@ -717,8 +712,7 @@ async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_the
         assert model.values_seen() == {1.0}  # and nothing of the chunk handed back
         await asyncio.wait_for(retiring, 5.0)
     finally:
-        gate.set()
-        await engine.stop(grace_s=1.0)
+        gate.set()  # the model's thread returns: make_engine stops the engine
 
 
 async def test_the_queue_depth_gauge_sums_the_versions_served_side_by_side() -> None:

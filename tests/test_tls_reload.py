@@ -19,7 +19,7 @@ import ssl
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -450,6 +450,24 @@ def test_a_handshake_stats_the_files_and_reads_them_only_once_they_changed(tmp_p
     assert told == [("gateway.tls_cert_file", str(cert_file), not_after(renewed.cert_file))]
 
 
+async def mutual_tls_server(
+    ca: TestCA, name: str, add_servicer: Callable[[grpc.aio.Server], None]
+) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server on a free port, with a certificate `ca` issued to `name`, that requires
+    a client certificate `ca` signed (as a scheduler with tls_client_ca_file does); and its port."""
+    pem = ca.issue(name)
+    credentials = grpc.ssl_server_credentials(
+        [(Path(pem.key_file).read_bytes(), Path(pem.cert_file).read_bytes())],  # noqa: ASYNC240
+        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
+        require_client_auth=True,
+    )
+    server = grpc.aio.server()
+    add_servicer(server)
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    await server.start()
+    return server, port
+
+
 class PeerRecordingScheduler(FakeScheduler):
     """test_batcher_worker's fake scheduler, recording the common name of the client certificate
     each work stream was opened with (gRPC's auth context: the certificate the handshake saw)."""
@@ -472,17 +490,10 @@ async def test_the_batcher_presents_a_renewed_client_certificate_from_its_next_w
     """The batcher's client certificate to a mutual-TLS scheduler was read once, at start. Now each
     work stream it opens (a reconnect) presents the files' current certificate; a broken renewal
     keeps the last good one presented (warned of once), its gauge too."""
-    scheduler_pem = ca.issue("scheduler")
-    credentials = grpc.ssl_server_credentials(
-        [(Path(scheduler_pem.key_file).read_bytes(), Path(scheduler_pem.cert_file).read_bytes())],  # noqa: ASYNC240
-        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
-        require_client_auth=True,
-    )
     fake = PeerRecordingScheduler()
-    server = grpc.aio.server()
-    worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    await server.start()
+    server, port = await mutual_tls_server(
+        ca, "scheduler", lambda server: worker_service_pb2_grpc.add_WorkerServiceServicer_to_server(fake, server)
+    )
     cert_file, key_file = tmp_path / "client.crt", tmp_path / "client.key"
     first, renewed, other = (
         ca.issue("batcher-1"),
@@ -573,17 +584,10 @@ async def test_the_console_presents_a_renewed_client_certificate_from_its_next_p
     from services.console.app import ConsoleApp
     from services.console.backend import Backend
 
-    services_pem = ca.issue("services")
-    credentials = grpc.ssl_server_credentials(
-        [(Path(services_pem.key_file).read_bytes(), Path(services_pem.cert_file).read_bytes())],  # noqa: ASYNC240
-        root_certificates=Path(ca.ca_file).read_bytes(),  # noqa: ASYNC240
-        require_client_auth=True,
-    )
     health = PeerRecordingHealth()
-    server = grpc.aio.server()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_secure_port("127.0.0.1:0", credentials)
-    await server.start()
+    server, port = await mutual_tls_server(
+        ca, "services", lambda server: health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    )
     cert_file, key_file = tmp_path / "console.crt", tmp_path / "console.key"
     first, renewed, again = ca.issue("console-1"), ca.issue("console-2", valid_days=3), ca.issue("console-3")
     replace_file(first.cert_file, cert_file)
