@@ -4,9 +4,11 @@ keep shapes apart, fail per batch, drop cancelled items, bound the queue, and st
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -713,6 +715,28 @@ async def test_a_retired_versions_chunk_under_way_finishes_its_waiting_parts_the
         await asyncio.wait_for(retiring, 5.0)
     finally:
         gate.set()  # the model's thread returns: make_engine stops the engine
+
+
+async def test_a_chunks_parts_are_freed_as_it_ends_not_left_to_the_garbage_collector(
+    make_engine: Callable[..., Any],
+) -> None:
+    """Each part of a chunk names every part (chunk_parts, for a retired version's grace): a cycle,
+    so the parts, their inputs and outputs, outlived the chunk as garbage until the collector ran,
+    which a serving process makes rare (asyncinfer.gc_tuning): 384 parts of 1,600 chunks were
+    alive at their end in a run, against 1 before. The parts let go of each other once the chunk
+    has ended, and go with it. (The collector is off here: what is freed is freed by its count.)"""
+    engine = await make_engine(build_demo_model(), max_batch_size=2, max_queue_delay_ms=0.0)
+    gc.disable()
+    try:
+        chunk = engine.submit_chunk("demo", rows(1.0, count=6), run_timeout_s=30.0)
+        parts = [weakref.ref(part.future) for part in chunk.parts]
+        await asyncio.wait_for(chunk.future, 5.0)
+        # Another batch: the batch former no longer holds the chunk's last part as its batch.
+        await asyncio.wait_for(engine.infer("demo", rows(2.0)), 5.0)
+        del chunk
+        assert [part() for part in parts] == [None, None, None]
+    finally:
+        gc.enable()
 
 
 async def test_the_queue_depth_gauge_sums_the_versions_served_side_by_side() -> None:

@@ -79,6 +79,11 @@ class ChunkItem:
 
     def _part_done(self, future: asyncio.Future[InferOutcome]) -> None:
         self._left -= 1
+        if self._left == 0:
+            # Each part names every part (ModelQueue.end_grace reads them while they wait): a cycle,
+            # which would keep the parts, their inputs and outputs, until the garbage collector ran.
+            for part in self.parts:
+                part.chunk_parts = None
         if self.future.done():
             return
         if future.cancelled():

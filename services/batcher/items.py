@@ -101,7 +101,8 @@ class PendingItem:
         self.ends_by: float | None = None
         # Computed in a batch of its own (its job's previous attempt was lost with its batcher).
         self.run_alone = False
-        # A part of a batch's chunk: every part of that chunk, itself among them (chunk_items).
+        # A part of a batch's chunk: every part of that chunk, itself among them, until the chunk
+        # has ended (chunk_items).
         self.chunk_parts: list[PendingItem] | None = None
         # Earliest deadline first, then arrival. Deadlines are compared to the millisecond: one
         # absolute deadline (a batch's expiry, shared by all its chunks) turned into loop time at
