@@ -24,6 +24,7 @@ from asyncinfer.client.errors import (
     ended_at,
     from_rpc_error,
     make_error,
+    with_earlier_hint,
 )
 from asyncinfer.client.jobs_watch import (
     CATCH_UP_MAX_JOBS,
@@ -283,6 +284,7 @@ class JobWatches(JobCalls):
         with the client's call timeout, within the watch's); None when `stream` ended first."""
         request = job_service_pb2.ListJobsRequest(page_size=CATCH_UP_PAGE_SIZE, labels=dict(labels), page_token=token)
         attempt = 0
+        earlier: AsyncInferClientError | None = None
         while True:
             attempt += 1
             try:
@@ -296,14 +298,22 @@ class JobWatches(JobCalls):
                 error = from_rpc_error(rpc_error)
                 # Raised as the other calls raise theirs (ClientChannel._backoff_or_raise): the
                 # most telling error of the target's addresses and its hint (TLS, mutual TLS), and
-                # at the deadline what the listing met rather than "did not complete".
-                if not catch_up_retries(error, self.retry):
-                    raise await self._hinted(error, deadline) from rpc_error
-                delay = self.retry.backoff_s(attempt, error)
-                if not deadline.allows_sleep(delay):
-                    raise await self._hinted(error, deadline) from rpc_error
+                # at the deadline what the listing met rather than "did not complete". A last try
+                # that the watch's deadline cut short (DEADLINE_EXCEEDED, on a busy machine) keeps
+                # the hint of the error the try before it met ("earlier tries: ...").
+                if not catch_up_retries(error, self.retry) or not deadline.allows_sleep(
+                    delay := self.retry.backoff_s(attempt, error)
+                ):
+                    hinted = await self._hinted(error, deadline)
+                    raise with_earlier_hint(
+                        hinted, earlier, tls=self._tls, client_cert=self._client_cert
+                    ) from rpc_error
                 if stream.done():
                     return None
                 if self.retry.on_retry is not None:
                     self.retry.on_retry(error, delay)
+                if error.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # What a try met, not one cut short by the client's call timeout (the catch-up
+                    # tries those again too): the hint a later DEADLINE_EXCEEDED keeps.
+                    earlier = error
                 await asyncio.sleep(delay)
