@@ -3,7 +3,8 @@ for flow control while idle): an idle watch sets no such timer, and a watch whos
 still recovers and gets every change, whether its consumer was deleted on the server or the
 nats-server restarted on the same store (the consumer, in memory, is gone). What makes it recover
 is nats-py's own: its heartbeat check remakes a consumer that missed two idle heartbeats (5 s
-each), resuming after the last stream sequence it delivered."""
+each by default; these tests' watches are told 0.5 s, KeyWatch's idle_heartbeat_s, so that they
+recover in about 2 s rather than 20), resuming after the last stream sequence it delivered."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from asyncinfer.nats.protocol import kv_stream
 
 pytestmark = pytest.mark.timeout(120)
 BUCKET = "watched"
+QUICK_HEARTBEAT_S = 0.5  # the recovery tests' watches: a lost consumer is remade within 2 s
 
 
 class Seen:
@@ -56,6 +58,17 @@ async def bucket(nc: NatsClient) -> KeyValue:
 async def watch(nc: NatsClient, bucket: KeyValue) -> AsyncIterator[tuple[KeyWatch, Seen]]:
     seen = Seen()
     key_watch = KeyWatch(nc.jetstream(), BUCKET, seen, name="test")
+    await key_watch.start()
+    try:
+        yield key_watch, seen
+    finally:
+        await key_watch.stop()
+
+
+@pytest.fixture
+async def quick_watch(nc: NatsClient, bucket: KeyValue) -> AsyncIterator[tuple[KeyWatch, Seen]]:
+    seen = Seen()
+    key_watch = KeyWatch(nc.jetstream(), BUCKET, seen, name="test", idle_heartbeat_s=QUICK_HEARTBEAT_S)
     await key_watch.start()
     try:
         yield key_watch, seen
@@ -119,9 +132,9 @@ async def test_an_ordered_consumer_read_as_an_iterator_answers_flow_control_thro
 
 
 async def test_a_watch_whose_consumer_is_deleted_resumes_with_every_change(
-    nc: NatsClient, watch: tuple[KeyWatch, Seen], bucket: KeyValue
+    nc: NatsClient, quick_watch: tuple[KeyWatch, Seen], bucket: KeyValue
 ) -> None:
-    _, seen = watch
+    _, seen = quick_watch
     await bucket.put("a", b"1")
     await seen.until(1)
     js = nc.jetstream()
@@ -144,7 +157,7 @@ async def test_a_watch_resumes_with_every_change_after_the_nats_server_restarts_
     try:
         bucket = await nc.jetstream().create_key_value(bucket=BUCKET, history=1)
         seen = Seen()
-        key_watch = KeyWatch(nc.jetstream(), BUCKET, seen, name="test")
+        key_watch = KeyWatch(nc.jetstream(), BUCKET, seen, name="test", idle_heartbeat_s=QUICK_HEARTBEAT_S)
         await key_watch.start()
         try:
             await bucket.put("a", b"1")
@@ -176,3 +189,9 @@ async def test_a_watch_resumes_with_every_change_after_the_nats_server_restarts_
             await key_watch.stop()
     finally:
         await nc.close()
+
+
+async def test_a_watch_needs_a_heartbeat_above_zero(nc: NatsClient) -> None:
+    for heartbeat_s in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="idle_heartbeat_s"):
+            KeyWatch(nc.jetstream(), BUCKET, Seen(), name="test", idle_heartbeat_s=heartbeat_s)

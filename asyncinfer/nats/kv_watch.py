@@ -18,6 +18,7 @@ from asyncinfer.nats.protocol import kv_stream, kv_subject_prefix
 from asyncinfer.nats.streams import declaration
 
 log = structlog.get_logger("asyncinfer.nats.kv_watch")
+DEFAULT_IDLE_HEARTBEAT_S = 5.0  # nats-py's for an ordered consumer
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +31,12 @@ class KeyUpdate:
 
 class KeyWatch:
     """Calls `on_update` (on the event loop: keep it quick) with each update of the keys matching
-    `keys` (a subject pattern under the bucket: ">" for all of them), in order; `stop` ends it."""
+    `keys` (a subject pattern under the bucket: ">" for all of them), in order; `stop` ends it.
+
+    `idle_heartbeat_s` is how often the server tells an idle watch it is still there: a watch whose
+    deliveries stopped (its consumer deleted, or gone with a restarted nats-server) is remade after
+    it missed two, within four of them, resuming after the last change it delivered. nats-py's 5 s
+    is the default: each heartbeat is a message read on the event loop, per watch, idle or not."""
 
     def __init__(
         self,
@@ -41,13 +47,17 @@ class KeyWatch:
         keys: str = ">",
         headers_only: bool = False,
         name: str,
+        idle_heartbeat_s: float = DEFAULT_IDLE_HEARTBEAT_S,
     ) -> None:
+        if not idle_heartbeat_s > 0:
+            raise ValueError(f"idle_heartbeat_s must be above 0, not {idle_heartbeat_s}")
         self._js = js
         self._bucket = bucket
         self._on_update = on_update
         self._keys = keys
         self._headers_only = headers_only
         self._name = name
+        self._idle_heartbeat_s = idle_heartbeat_s
         self._subject_prefix = kv_subject_prefix(bucket)
         self._subscription: JetStreamContext.PushSubscription | None = None
 
@@ -60,6 +70,7 @@ class KeyWatch:
                 ordered_consumer=True,
                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                 headers_only=self._headers_only,
+                idle_heartbeat=self._idle_heartbeat_s,
             )
 
         # At start, a leader election may be under way (a node lost as the service started).
