@@ -71,8 +71,11 @@ async def test_the_sdk_names_the_client_certificate_settings(tmp_path: Path, ca:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    # The refusal is UNAVAILABLE, which the CLI tries again until a wait would pass the call's
+    # --timeout, then says what the last try met, and its hint: 2 s keep it to about a second of
+    # tries, where 5 had each gateway command take all of its 5 s (a hang guard, no more).
     return subprocess.run(
-        [sys.executable, "-m", "asyncinfer", *argv, "--timeout", "5"],
+        [sys.executable, "-m", "asyncinfer", *argv, "--timeout", "2"],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
