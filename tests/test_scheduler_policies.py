@@ -2871,10 +2871,12 @@ async def test_an_idle_scheduler_asks_nats_nothing_while_its_pulls_are_held_open
     """A measurement pass: an idle scheduler made ~22 pull requests a second per model, a held
     pull on each priority expiring every poll interval and a poll beside them. While a pull is held
     open on every priority's queue, whatever a queue gets reaches one: no poll, and the pulls are
-    held for HOLD_S (10 s). The poll interval here is the test config's 50 ms. A held pull on a
+    held for HOLD_S (10 s; 5 s here, which outlasts the 2 s of idle watched, and the held pulls'
+    end is waited for once). The poll interval here is the test config's 50 ms. A held pull on a
     connection that was lost is gone (the server forgot it): the dispatcher does not stay deaf to
     the queue it held (a job is found by a poll while the lost pulls are still out), and holds
     pulls again on the new connection once the lost ones ended (their timeout: HOLD_S and 2 s)."""
+    monkeypatch.setattr(held_pulls, "HOLD_S", 5.0)
     h = await start(tune(config))
     batcher = await h.batcher(credits=1)
     dispatcher = h.dispatcher()
@@ -3166,9 +3168,10 @@ async def test_held_pulls_on_a_connection_gone_silent_are_taken_as_lost(
     0.25 s x 3) and connects again; the pulls it held on the silent connection no longer count
     (what they bring may go to it), so it polls: a job submitted then, with no queued notice,
     and the one lost in the silence, back after AckWait, run while the old pulls are still out,
-    not once their time is up (HOLD_S, 10 s, and 2 s). Once they ended it holds pulls again on the
-    new connection. The silent connection is closed at last: nothing changes for the new one.
+    not once their time is up (HOLD_S, 5 s here, and 2 s). Once they ended it holds pulls again on
+    the new connection. The silent connection is closed at last: nothing changes for the new one.
     Which of these ended each wait is asserted, not how soon (a loaded machine's to decide)."""
+    monkeypatch.setattr(held_pulls, "HOLD_S", 5.0)
     proxied = tune(config).replace(
         nats={"url": f"nats://127.0.0.1:{nats_proxy.port}", "ping_interval_s": 0.25, "max_outstanding_pings": 3},
         scheduler={"ack_wait_s": 2.0, "lease_renew_interval_s": 0.5},
