@@ -255,8 +255,10 @@ async def test_a_connection_error_says_what_to_check_and_nothing_else(tmp_path: 
             "no host has that name": ("submit", "demo", "-i", "x=[[1,2,3,4]]", "--gateway", "nosuchhost.invalid:50051"),
             "no host has that name: is it spelled right?": ("dlq", "list", "--scheduler", "nosuchhost.invalid:50052"),
         }  # fmt: skip
-        for hint, argv in cases.items():
-            code, err = await cli_async(*argv, "--timeout", "3")
+        # Each case its own process, all at once (they share nothing; the refused and the TLS ones
+        # try again until a wait would pass their --timeout): the slowest case's time, not the sum.
+        ended = await asyncio.gather(*(cli_async(*argv, "--timeout", "3") for argv in cases.values()))
+        for hint, (code, err) in zip(cases, ended, strict=True):
             lines = [line for line in err.splitlines() if not line.endswith("trying again for a few seconds")]
             assert code in (5, 6), err
             assert len(lines) == 2, err  # the error and the hint: no gRPC core log lines
@@ -587,8 +589,9 @@ def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_a_gateway_that_does_not_answer_is_said_at_once_then_its_hint() -> None:
     """The SDK's retries (3-6 s) were silence before the error: a first-hour pass ran `models` with
-    the stack down and waited without a word."""
-    done = run_cli("models", "--gateway", f"127.0.0.1:{free_port()}")
+    the stack down and waited without a word. (--timeout 2: the tries stop once a wait would pass
+    it, after about a second and 3 to 5 of them, rather than the default's 7.)"""
+    done = run_cli("models", "--gateway", f"127.0.0.1:{free_port()}", "--timeout", "2")
     assert done.returncode != 0
     lines = done.stderr.splitlines()
     assert lines[0].endswith("does not answer yet; trying again for a few seconds")
