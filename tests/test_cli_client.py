@@ -674,7 +674,9 @@ async def test_watch_on_a_terminal_ticks_while_the_job_waits(
     watch = asyncio.create_task(cli("watch", job_id))
 
     def clock_moved(text: str) -> bool:  # two readings of the clock, the job still QUEUED
-        readings = {m.group(1) for m in re.finditer(r"QUEUED.*?\((\d+\.\d) s\)", text)}
+        # As duration_text writes it: "512 ms", "1.01 s", "10.5 s" (the pattern was the last form
+        # alone, "N.N s", so that the wait went on until the clock passed 10 s).
+        readings = {m.group(1) for m in re.finditer(r"QUEUED.*?\((\d+(?:\.\d+)? m?s)\)", text)}
         return len(readings) >= 2
 
     await asyncio.to_thread(cli.stdout.wait_until, clock_moved)
