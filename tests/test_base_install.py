@@ -106,10 +106,15 @@ def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for dist in closure(base_requirements(wheel)):
         repack(dist, wheelhouse)
     venv = work / "venv"
-    made = run(sys.executable, "-m", "venv", venv, cwd=work)
+    # Without pip of its own (ensurepip's install of pip into it was a quarter of this fixture): this
+    # environment's pip installs into it, run with its interpreter (pip's --python).
+    made = run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=work)
     assert made.returncode == 0, made.stderr
     python = venv / "bin" / "python"
-    installed = run(python, "-m", "pip", "install", "--no-index", "--find-links", wheelhouse, "asyncinfer", cwd=work)
+    installed = run(
+        sys.executable, "-m", "pip", "--python", python, "install", "--no-index", "--find-links", wheelhouse,
+        "asyncinfer", cwd=work,
+    )  # fmt: skip
     assert installed.returncode == 0, installed.stdout + installed.stderr
     return venv
 
