@@ -78,12 +78,32 @@ def run_up_once(config_path: Path, cwd: Path) -> subprocess.CompletedProcess[str
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[UpProcess]:
+    """An `up` of the test's own, for a test that stops it or makes it stop."""
     config_path, ports = write_config(tmp_path)
     running = start_up(config_path, ports, tmp_path)
     try:
         yield running
     finally:
         close(running)
+
+
+@pytest.fixture(scope="module")
+def running_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    """One `up` for the tests that leave it running as they found it (they try a second `up`
+    beside it, submit a job, read its settings): each asserts it still serves, and none sees what
+    another did (a start of `up` is 3-4 s)."""
+    folder = tmp_path_factory.mktemp("running-up")
+    config_path, ports = write_config(folder)
+    running = start_up(config_path, ports, folder)
+    try:
+        yield running
+    finally:
+        close(running)
+
+
+def folder_of(up: UpProcess) -> Path:
+    """The folder `up` runs in: its configuration and its store's."""
+    return up.stderr.parent
 
 
 def set_in_section(text: str, section: str, key: str, value: int) -> str:
@@ -180,13 +200,14 @@ def test_a_nats_server_that_cannot_use_its_store_is_said_with_its_own_words(tmp_
     assert str(tmp_path / "data" / "nats-server.log") in last
 
 
-def test_a_second_up_exits_at_once_and_the_first_runs_on(up: UpProcess, tmp_path: Path) -> None:
+def test_a_second_up_exits_at_once_and_the_first_runs_on(running_up: UpProcess, tmp_path: Path) -> None:
     # The same configuration from another folder, with its own store: every port is the first's.
+    up, first = running_up, folder_of(running_up)
     other = tmp_path / "elsewhere"
     other.mkdir()
-    config_path = tmp_path / "asyncinfer.toml"
+    config_path = first / "asyncinfer.toml"
     second = other / "asyncinfer.toml"
-    second.write_text(config_path.read_text().replace(str(tmp_path / "data"), str(other / "data")))
+    second.write_text(config_path.read_text().replace(str(first / "data"), str(other / "data")))
 
     done = run_up_once(second, other)
 
@@ -203,10 +224,10 @@ def test_a_second_up_exits_at_once_and_the_first_runs_on(up: UpProcess, tmp_path
     assert sum(entry["event"] == "batcher_connected" for entry in up.logs()) == 1
 
 
-def test_ups_nats_takes_the_work_message_of_a_4_mib_request(up: UpProcess) -> None:
+def test_ups_nats_takes_the_work_message_of_a_4_mib_request(running_up: UpProcess) -> None:
     """NATS's default max_payload, 1 MB, refused the work message of a request of 1-4 MiB that the
     gateway accepts (gateway.max_request_bytes): `up` sets 8 MB, as the cluster's nats.conf does."""
-    (started,) = [entry for entry in up.logs() if entry["event"] == "nats_server_started"]
+    (started,) = [entry for entry in running_up.logs() if entry["event"] == "nats_server_started"]
 
     async def max_payload() -> int:
         nc = await nats.connect(str(started["url"]))
@@ -459,13 +480,14 @@ def test_up_stops_when_its_nats_server_dies(up: UpProcess) -> None:
     assert eofs == [], eofs
 
 
-def test_a_second_up_on_the_same_store_is_refused_naming_the_first(up: UpProcess, tmp_path: Path) -> None:
+def test_a_second_up_on_the_same_store_is_refused_naming_the_first(running_up: UpProcess, tmp_path: Path) -> None:
     """Given other ports (as the busy-ports message suggested), a second `up` on the same store
     ran a second nats-server over the first's files ("Stream state outdated ... will rebuild")."""
+    up = running_up
     other = tmp_path / "elsewhere"
     other.mkdir()
     second, _ports = write_config(other)  # ports of its own
-    second.write_text(second.read_text().replace(str(other / "data"), str(tmp_path / "data")))
+    second.write_text(second.read_text().replace(str(other / "data"), str(folder_of(up) / "data")))
 
     done = run_up_once(second, other)
 
@@ -476,10 +498,11 @@ def test_a_second_up_on_the_same_store_is_refused_naming_the_first(up: UpProcess
     assert grpcurl(up.gateway, "asyncinfer.v1.JobService/SubmitJob", data=SUBMIT_BODY).returncode == 0
 
 
-def test_a_second_up_in_the_first_ones_folder_starts_on_what_its_refusals_say(up: UpProcess, tmp_path: Path) -> None:
+def test_a_second_up_in_the_first_ones_folder_starts_on_what_its_refusals_say(running_up: UpProcess) -> None:
     """A second `up` beside a running one: the store's refusal, then the ports' refusal, each say
     what to set, and the command with both starts (the README's way to run on other ports was
     "ASYNCINFER_GATEWAY__PORT=..., one variable per port": nine names to work out)."""
+    up, tmp_path = running_up, folder_of(running_up)
     config_path = next(tmp_path.glob("*.toml"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASYNCINFER_")}
 
