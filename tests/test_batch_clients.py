@@ -713,7 +713,10 @@ async def test_a_batch_watch_gives_up_once_the_gateway_stays_away(config: Config
     """A helper's CLI pass, session 24: `batch watch` reopened its stream every 0.5 s for ever, silent,
     against a gateway gone for good; a job's watch gives up RetryPolicy.stream_resume_s after the break."""
     stack = await start_stack(small_batches(config).replace(gateway={"port": free_port()}), batcher=False)
-    async with AsyncClient(stack.address, retry=RetryPolicy(stream_resume_s=1.0)) as client:
+    # Waits of 0.02 to 0.32 s: the 7 attempts are spent within the 1 s, and it is stream_resume_s
+    # that ends them (the default's waits, 3-6 s in all, ran out the attempts after it).
+    policy = RetryPolicy(initial_backoff_s=0.02, max_backoff_s=0.32, stream_resume_s=1.0)
+    async with AsyncClient(stack.address, retry=policy) as client:
         batch = await client.create_batch(jsonl(demo_records(3)), "demo")  # no batcher: it stays running
         updates = client.watch_batch(batch)
         assert (await anext(updates)).batch_id == batch.batch_id
