@@ -570,61 +570,62 @@ async def test_the_output_of_an_array_batch_comes_back_as_arrays(
 
 async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path: Path) -> None:
     """No traceback: a missing input or a label without '=' is a usage error (2), a download to a
-    folder that is not there says so (6); none needs a gateway to find out."""
+    folder that is not there says so (6); none needs a gateway to find out. (Each command a process
+    of its own, all at once: they share nothing, and each is mostly its start.)"""
     missing = tmp_path / "missing.jsonl"
-    code, _, stderr = await cli("batch", "create", str(missing), "--model", "demo", "--gateway", "127.0.0.1:1")
-    assert (code, stderr.strip()) == (2, f"asyncinfer: no such file: {missing}")
-    code, _, stderr = await cli("batch", "create", str(tmp_path), "--model", "demo", "--gateway", "127.0.0.1:1")
-    assert (code, stderr.strip()) == (2, f"asyncinfer: a directory, not a file: {tmp_path}")
-    # A JSONL batch's output asked as arrays: said before anything is uploaded (it was refused
-    # NPZ_OUTPUT_NEEDS_ARRAY_INPUT once the whole batch had run).
     records = tmp_path / "records.jsonl"
     records.write_bytes(jsonl(demo_records(2)))
-    out = tmp_path / "out.npz"
-    code, _, stderr = await cli(
-        "batch", "create", str(records), "--model", "demo", "--wait", "--out", str(out), "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
+    present = tmp_path / "one-record.jsonl"
+    present.write_bytes(jsonl(demo_records(1)))
+    no_folder = tmp_path / "no-such-folder" / "results.jsonl"
+    create = ("batch", "create")
+    runs = {
+        "missing": (*create, str(missing), "--model", "demo"),
+        "a folder": (*create, str(tmp_path), "--model", "demo"),
+        # A JSONL batch's output asked as arrays: said before anything is uploaded (it was refused
+        # NPZ_OUTPUT_NEEDS_ARRAY_INPUT once the whole batch had run).
+        "npz out": (*create, str(records), "--model", "demo", "--wait", "--out", str(tmp_path / "out.npz")),
+        **{f"window {w}": (*create, str(missing), "--model", "demo", "--window", w) for w in ("nan", "inf", "0")},
+        "label": (*create, str(present), "--model", "demo", "--label", "nightly"),
+        "out without wait": (*create, str(present), "--model", "demo", "--out", str(tmp_path / "o.jsonl")),
+        # --out or --errors in a folder that is not there, or a folder itself: said before anything is
+        # sent (`create --wait` found it once the whole batch had run, naming "results.jsonl.part").
+        "download": ("batch", "download", "01a2488d-5587-770c-ba2e-e4d6ee785b4f", "--out", str(no_folder)),
+        "out folder": (*create, str(present), "--model", "demo", "--wait", "--out", str(no_folder)),
+        "errors folder": (*create, str(present), "--model", "demo", "--wait", "--errors", str(tmp_path)),
+    }
+    ended = dict(
+        zip(
+            runs, await asyncio.gather(*(cli(*argv, "--gateway", "127.0.0.1:1") for argv in runs.values())), strict=True
+        )
+    )
+
+    code, _, stderr = ended["missing"]
+    assert (code, stderr.strip()) == (2, f"asyncinfer: no such file: {missing}")
+    code, _, stderr = ended["a folder"]
+    assert (code, stderr.strip()) == (2, f"asyncinfer: a directory, not a file: {tmp_path}")
+    code, _, stderr = ended["npz out"]
     assert code == 2, stderr
     assert "this file is JSONL: give --out a .jsonl name" in stderr
     for window in ("nan", "inf", "0"):  # nan and inf were tracebacks
-        code, _, stderr = await cli(
-            "batch", "create", str(missing), "--model", "demo", "--window", window, "--gateway", "127.0.0.1:1"
-        )  # fmt: skip
+        code, _, stderr = ended[f"window {window}"]
         assert code == 2, stderr
         assert "give a positive number of seconds" in stderr
         assert "Traceback" not in stderr
-    present = tmp_path / "records.jsonl"
-    present.write_bytes(jsonl(demo_records(1)))
-    code, _, stderr = await cli(
-        "batch", "create", str(present), "--model", "demo", "--label", "nightly", "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
+    code, _, stderr = ended["label"]
     assert code == 2, stderr
     assert stderr.strip().endswith(
         "error: argument --label: give KEY=VALUE (a value may be empty, a key not), not 'nightly'"
     ), stderr
-    code, _, stderr = await cli(
-        "batch", "create", str(present), "--model", "demo", "--out", str(tmp_path / "o.jsonl"), "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
+    code, _, stderr = ended["out without wait"]
     assert code == 2, stderr
     assert "add --wait" in stderr  # --out would never be written
-    # --out or --errors in a folder that is not there, or a folder itself: said before anything is
-    # sent (`create --wait` found it once the whole batch had run, naming "results.jsonl.part").
-    out = tmp_path / "no-such-folder" / "results.jsonl"
-    code, _, stderr = await cli(
-        "batch", "download", "01a2488d-5587-770c-ba2e-e4d6ee785b4f", "--out", str(out), "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
-    assert (code, stderr.strip()) == (
-        2, f"asyncinfer: --out {out}: no such folder {out.parent} (make it first: mkdir -p {out.parent})"
-    ), stderr  # fmt: skip
-    code, _, stderr = await cli(
-        "batch", "create", str(present), "--model", "demo", "--wait", "--out", str(out), "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
-    assert (code, stderr.strip()) == (
-        2, f"asyncinfer: --out {out}: no such folder {out.parent} (make it first: mkdir -p {out.parent})"
-    ), stderr  # fmt: skip
-    code, _, stderr = await cli(
-        "batch", "create", str(present), "--model", "demo", "--wait", "--errors", str(tmp_path), "--gateway", "127.0.0.1:1"
-    )  # fmt: skip
+    for name in ("download", "out folder"):
+        code, _, stderr = ended[name]
+        assert (code, stderr.strip()) == (
+            2, f"asyncinfer: --out {no_folder}: no such folder {no_folder.parent} (make it first: mkdir -p {no_folder.parent})"
+        ), (name, stderr)  # fmt: skip
+    code, _, stderr = ended["errors folder"]
     assert (code, stderr.strip()) == (
         2, f"asyncinfer: --errors {tmp_path} is a folder: give the path of a file in it ({tmp_path / 'results.jsonl'})"
     ), stderr  # fmt: skip
