@@ -182,7 +182,10 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
     (listed,) = [json.loads(line) for line in out.splitlines()]
     sequence = str(listed["sequence"])
 
-    code, out, err = await cli("dlq", "show", sequence, *where)
+    # The text and the JSON at once (two reads, each its own process).
+    (code, out, err), (json_code, json_out, json_err) = await asyncio.gather(
+        cli("dlq", "show", sequence, *where), cli("dlq", "show", sequence, "--json", *where)
+    )
     assert code == 0, err
     lines = out.splitlines()
     assert "model       failing" in lines
@@ -201,9 +204,8 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
         "execution_timeout_s": 60.0,
         "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4]}],
     }
-    code, out, err = await cli("dlq", "show", sequence, "--json", *where)
-    assert code == 0, err
-    shown = json.loads(out)
+    assert json_code == 0, json_err
+    shown = json.loads(json_out)
     assert shown["original_request"] == request
     assert shown["last_error"]["code"] == "INTERNAL"
 
@@ -212,14 +214,17 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
 
     # A list cut at --limit (100 by default) says so beside it, with the total; it was cut without a
     # word (the first-hour pass, session 32). A job is dead-lettered before its FAILED record is written.
-    for _ in range(2):
-        code, _, err = await cli("submit", "failing", "-i", "x=[[1,2,3,4]]", "--wait", *where)
+    submitted = await asyncio.gather(
+        *(cli("submit", "failing", "-i", "x=[[1,2,3,4]]", "--wait", *where) for _ in range(2))
+    )
+    for code, _, err in submitted:
         assert code == 1, err
-    code, out, err = await cli("dlq", "list", "--limit", "1", *where)
+    (code, out, err), (json_code, json_out, json_err) = await asyncio.gather(
+        cli("dlq", "list", "--limit", "1", *where), cli("dlq", "list", "--json", *where)
+    )
     assert (code, len(out.splitlines())) == (0, 2), (out, err)
     assert err == "asyncinfer: 2 dead letters in all; these are the oldest 1; --limit N shows more, --limit 0 all\n"
-    code, out, err = await cli("dlq", "list", "--json", *where)
-    assert (code, len(out.splitlines()), err) == (0, 2, ""), (out, err)
+    assert (json_code, len(json_out.splitlines()), json_err) == (0, 2, ""), (json_out, json_err)
 
 
 async def cli_async(*argv: str) -> tuple[int, str]:
