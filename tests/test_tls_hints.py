@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -86,22 +87,31 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_cli_names_tls_cert_and_tls_key(tmp_path: Path, ca: TestCA, mutual_tls_port: int) -> None:
     address = f"127.0.0.1:{mutual_tls_port}"
-    for argv in (("models", "--gateway", address), ("dlq", "list", "--scheduler", address)):
-        done = run_cli(*argv, "--tls-ca", ca.ca_file)
+    # With a certificate (its CA not the server's), or on plaintext: no word of certificates.
+    stranger: Pem = TestCA(tmp_path / "stranger").issue("stranger")
+    with_cert = ("--tls-ca", ca.ca_file, "--tls-cert", stranger.cert_file, "--tls-key", stranger.key_file)
+    runs = {
+        "gateway": ("models", "--gateway", address, "--tls-ca", ca.ca_file),
+        "scheduler": ("dlq", "list", "--scheduler", address, "--tls-ca", ca.ca_file),
+        "with a certificate": ("models", "--gateway", address, *with_cert),
+        "plaintext": ("models", "--gateway", address),
+    }
+    # Each command a process of its own, all at once: they share nothing but the server.
+    with ThreadPoolExecutor(len(runs)) as pool:
+        ended = dict(zip(runs, pool.map(lambda argv: run_cli(*argv), runs.values()), strict=True))
+    for name in ("gateway", "scheduler"):
+        done = ended[name]
         assert done.returncode == 5, done.stderr
         lines = [line for line in done.stderr.splitlines() if not line.endswith("trying again for a few seconds")]
         assert "Socket closed" in lines[0], done.stderr
         assert lines[1].startswith("asyncinfer:   hint: the server closed the connection after the TLS handshake")
         assert CLI_HINT in lines[1], done.stderr
-    # With a certificate (its CA not the server's), or on plaintext: no word of certificates.
-    stranger: Pem = TestCA(tmp_path / "stranger").issue("stranger")
-    with_cert = ("--tls-ca", ca.ca_file, "--tls-cert", stranger.cert_file, "--tls-key", stranger.key_file)
-    for options in (with_cert, ()):
-        done = run_cli("models", "--gateway", address, *options)
+    for name in ("with a certificate", "plaintext"):
+        done = ended[name]
         assert done.returncode == 5, done.stderr
         assert "Socket closed" in done.stderr, done.stderr
         assert "--tls-cert" not in done.stderr, done.stderr
-    assert "give --tls-ca FILE" in done.stderr, done.stderr  # the plaintext one's
+    assert "give --tls-ca FILE" in ended["plaintext"].stderr, ended["plaintext"].stderr
 
 
 async def test_the_console_names_its_client_certificate_settings(ca: TestCA, mutual_tls_port: int) -> None:
