@@ -90,7 +90,7 @@ from asyncinfer.v1 import (
 )
 from services.console import pages_jobs
 from services.scheduler import app as scheduler_app
-from services.scheduler import dead_letters, held_pulls, leases, pauses, queue_stats
+from services.scheduler import dead_letters, held_pulls, leases, pauses, queue_stats, version_routing
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
@@ -1586,6 +1586,58 @@ async def test_a_job_a_pause_put_back_keeps_its_tenants_turn_at_the_resume(
     assert not (await h.ops.ResumeQueue(ops_service_pb2.ResumeQueueRequest(model_name=MODEL))).paused
     order = await batcher.next_order(timeout_s=10)
     assert order.job_id == first, f"b's job {second} went first" if order.job_id == second else order.job_id
+
+
+async def test_a_job_put_back_to_wait_for_its_version_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job a round chooses and then puts back because no batcher serves its version was charged
+    to its tenant round robin and its priority: the turn moved past tenant a, so when a batcher
+    for the version came, tenant b's job, queued after a's, went first (and NORMAL's count of jobs
+    served grew by each time the job was put back). Here b was served last, a's job (version 1)
+    is dispatched to a batcher serving only version 2 until that one leaves, then b's job is
+    queued and a batcher for version 1 comes with one slot: a's job runs first (old code: b's)."""
+    monkeypatch.setattr(version_routing, "WAIT_UNSERVED_S", 0.0)  # back at once, not a second later
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    dispatcher = h.dispatcher()
+    queues = dispatcher.queues
+    first_v1 = await h.batcher("v1-first")
+    served = await enqueue(h.nc, h.kv, tenant="b")
+    await first_v1.grant(1)
+    order = await first_v1.next_order()
+    assert order.job_id == served  # b's turn was the last
+    await first_v1.answer(order)
+    await first_v1.close()
+    served_normal = queues.selector._served[Priority.NORMAL]
+
+    only_v2 = await h.batcher("only-v2", credits=1, version="2")
+    waits = await enqueue(h.nc, h.kv, tenant="a")
+    put_backs: list[str] = []
+    real_put_back = queues.put_back
+
+    def counted_put_back(priority: Priority, msg: Any, **kwargs: Any) -> None:
+        put_backs.append(msg.subject.rsplit(".", 1)[-1])
+        real_put_back(priority, msg, **kwargs)
+
+    monkeypatch.setattr(queues, "put_back", counted_put_back)
+
+    async def waited_twice() -> bool:
+        return put_backs.count(waits) >= 2
+
+    await until(waited_twice, timeout_s=10.0)  # pulled, put back to wait for version 1, and again
+    await only_v2.close()
+
+    async def no_credit() -> bool:
+        return not h.app.batchers.credit_event(MODEL).is_set()
+
+    await until(no_credit, timeout_s=10.0)
+    await dispatcher.settled()  # no round holds a's job: it waits in the queue
+    assert waits in queues.put_back_jobs(Priority.NORMAL)
+    assert queues.selector._served[Priority.NORMAL] == served_normal
+    second = await enqueue(h.nc, h.kv, tenant="b")
+    v1 = await h.batcher("v1-again", credits=1)
+    order = await v1.next_order(timeout_s=10)
+    assert order.job_id == waits, f"b's job {second} went first" if order.job_id == second else order.job_id
 
 
 async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_at_once(

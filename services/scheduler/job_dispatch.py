@@ -45,6 +45,10 @@ DISPATCH_RETRY_DELAY_S = 1.0
 # called when the dispatch goes on to read a claim-checked input, so that the round stops waiting
 # for it. A contextvar rather than a parameter through the five calls between the two.
 INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_read_started", default=None)
+# Set likewise: called when the dispatch puts its job back to wait for its version (no batcher
+# serves it, or those that do have no free slot), so that the dispatcher refunds what choosing
+# it charged (services.scheduler.work_queue.ModelQueues.refund_job).
+WAITS_FOR_VERSION: ContextVar[Callable[[], None] | None] = ContextVar("waits_for_version", default=None)
 # Pauses while waiting for a record that an older gateway writes right after its publish. An idle
 # scheduler is woken by that very publish and pulls the message while the gateway is still waiting
 # for the publish's ack before it sends the record: the record is usually there a millisecond or
@@ -198,6 +202,8 @@ class JobDispatch:
             if isinstance(routed, version_routing.Waiting):
                 if _first_delivery(msg):
                     job_log.info("job_waits_for_version", version=routed.version, reason=routed.reason)
+                if (refund := WAITS_FOR_VERSION.get()) is not None:
+                    refund()  # before the nak: a pull that brings it back finds it refunded
                 await self._settlement.put_back(msg, routed.delay_s)
                 return False
             if routed.session is not session:

@@ -82,6 +82,11 @@ class ModelQueues:
         # What the last pull_next charged, per priority: the jobs it took, and the tenant served
         # last before it (refund_last_pull undoes both).
         self._charged: dict[Priority, tuple[int, str | None]] = {}
+        # Each job the last pull_next chose: its priority, and the tenant served last and the job
+        # whose choice made it so, before its own choice (refund_job gives its turn back).
+        self._picks: dict[str, tuple[Priority, str | None, str | None]] = {}
+        # Per priority, the job whose choice made the round robin's tenant served last what it is.
+        self._last_pick: dict[Priority, str | None] = {}
 
     def put_back(self, priority: Priority, msg: Msg, *, backoff_s: float = 0.0) -> None:
         """A message of the priority's queue was pulled and is put back (nak). `backoff_s`: how
@@ -195,6 +200,7 @@ class ModelQueues:
         chosen: list[Msg] = []
         self.found_waiting = False
         self._charged = {}
+        self._picks = {}
         eligible = {p for p in PRIORITIES_BY_RANK if not self.known_empty(p)}
         while len(chosen) < count and eligible:
             plan = self.selector.plan(count - len(chosen), eligible)
@@ -205,8 +211,15 @@ class ModelQueues:
                 publishes = self._publishes[priority]
                 msgs = await self._pull(priority, tenants.window(slots))
                 taken, last_served = self._charged.get(priority, (0, tenants.last_served))
+                before = (tenants.last_served, self._last_pick.get(priority))
                 picked, rest = tenants.choose([(tenant_of(m), m) for m in msgs], slots)
                 self._charged[priority] = (taken + len(picked), last_served)
+                # choose() serves the picked in order: each one's turn came after the one before.
+                for msg in picked:
+                    job_id = _job_id(msg)
+                    self._picks[job_id] = (priority, *before)
+                    self._last_pick[priority] = job_id
+                    before = (tenant_of(msg), job_id)
                 for msg in rest:
                     # Waiting again, though the consumer counts it delivered: counted here, as a
                     # held pull's put-back is, until a pull brings it back.
@@ -232,7 +245,30 @@ class ModelQueues:
         for priority, (taken, last_served) in self._charged.items():
             self.selector.charge(priority, -taken)
             self._tenants[priority].give_turn_back(last_served)
+            self._last_pick[priority] = None  # a job of an earlier pull: not refunded here
         self._charged = {}
+        self._picks = {}
+
+    def refund_job(self, priority: Priority, msg: Msg) -> None:
+        """A job this dispatcher charged (its round's pull_next, or a held pull's delivery) went
+        back unrun, to wait for its version (services.scheduler.version_routing: no batcher serves
+        it, or those that do have no free slot). Its priority's count of jobs served is refunded,
+        and its tenant's turn when its choice is still the last one of its priority (undone in
+        reverse order, as several of a round's jobs may be): charged, a job that cannot run used
+        its tenant's turn (and every WAIT_UNSERVED_S again while it waited, every WAIT_BUSY_S while
+        its version's batchers were busy), so when a batcher for its version came, the tenant's
+        next job went after another tenant's queued behind it; and its priority's share of the next
+        rounds was smaller by every charge, however long it waited. A later choice of its
+        priority's (another job of the round, a later pull) keeps the turn where it is: the turn
+        has passed on since, as it would have had the job run."""
+        self.selector.charge(priority, -1)
+        job_id = _job_id(msg)
+        pick = self._picks.pop(job_id, None)
+        if pick is None or pick[0] is not priority or self._last_pick.get(priority) != job_id:
+            return  # a held pull's (no turn taken) or one whose turn has passed on
+        _, last_served, last_pick = pick
+        self._tenants[priority].give_turn_back(last_served)
+        self._last_pick[priority] = last_pick
 
     async def hold(self, priority: Priority, wait_s: float) -> list[Msg]:
         """The priority's next message once it is stored, or [] after wait_s (a pull held open),
