@@ -76,15 +76,20 @@ def run_up_once(config_path: Path, cwd: Path) -> subprocess.CompletedProcess[str
     )
 
 
-@pytest.fixture
-def up(tmp_path: Path) -> Iterator[UpProcess]:
-    """An `up` of the test's own, for a test that stops it or makes it stop."""
-    config_path, ports = write_config(tmp_path)
-    running = start_up(config_path, ports, tmp_path)
+def up_in(folder: Path) -> Iterator[UpProcess]:
+    """An `up` running in `folder` (its configuration and store there) until the generator ends."""
+    config_path, ports = write_config(folder)
+    running = start_up(config_path, ports, folder)
     try:
         yield running
     finally:
         close(running)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[UpProcess]:
+    """An `up` of the test's own, for a test that stops it or makes it stop."""
+    yield from up_in(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +97,7 @@ def running_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     """One `up` for the tests that leave it running as they found it (they try a second `up`
     beside it, submit a job, read its settings): each asserts it still serves, and none sees what
     another did (a start of `up` is 3-4 s)."""
-    folder = tmp_path_factory.mktemp("running-up")
-    config_path, ports = write_config(folder)
-    running = start_up(config_path, ports, folder)
-    try:
-        yield running
-    finally:
-        close(running)
+    yield from up_in(tmp_path_factory.mktemp("running-up"))
 
 
 def folder_of(up: UpProcess) -> Path:
