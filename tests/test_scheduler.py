@@ -1424,3 +1424,44 @@ async def test_a_timeout_whose_write_nats_refused_is_one_warning_and_the_job_com
     finally:
         await batcher.close()
         await app.stop(grace_s=1.0)
+
+
+async def test_a_scheduler_starting_during_a_leader_election_waits_for_its_heartbeat_and_pauses_watch(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler started just after a node was lost (a pod restarted during a failover) met the
+    queues bucket with no leader yet: its first heartbeat write failed with 'no response from
+    stream' and the start with it (tests/test_cluster.py, 1 run in ~10 on 2 busy cores). Its first
+    heartbeat and its pauses' watch now wait out the election as its declarations do. The election
+    is the one part played here: the first try of each answers as a leaderless stream does."""
+    from nats.js.errors import NoStreamResponseError
+
+    from services.scheduler.instances import SchedulerInstance
+
+    failed: list[str] = []
+    beat = SchedulerInstance.beat
+    watch = KeyValue.watch
+
+    async def beat_after_an_election(self: SchedulerInstance) -> None:
+        if "beat" not in failed:
+            failed.append("beat")
+            raise NoStreamResponseError
+        await beat(self)
+
+    async def watch_after_an_election(self: KeyValue, keys: str, **options: Any) -> Any:
+        if "watch" not in failed:
+            failed.append("watch")
+            raise NoStreamResponseError
+        return await watch(self, keys, **options)
+
+    monkeypatch.setattr(SchedulerInstance, "beat", beat_after_an_election)
+    monkeypatch.setattr(KeyValue, "watch", watch_after_an_election)
+    scheduler = SchedulerApp(config)
+    await scheduler.start()
+    try:
+        assert failed == ["beat", "watch"]
+        queues = await nc.jetstream().key_value(config.nats.queues_bucket)
+        heartbeats = [key for key in await queues.keys() if key.startswith("scheduler.")]
+        assert len(heartbeats) == 1, heartbeats
+    finally:
+        await scheduler.stop(grace_s=1.0)

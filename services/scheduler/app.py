@@ -36,6 +36,7 @@ from asyncinfer.nats.connection import client_certificates, connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.pull_inbox import PullEnd
+from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice, ensure_queues_bucket, write_snapshots
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import serving_certificates
@@ -194,7 +195,9 @@ class SchedulerApp:
         self._instance = instance = SchedulerInstance(
             self.instance_name, self._run, KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
         )
-        await instance.beat()
+        # Its first beat waits out a leader election as the declarations above do (a node lost
+        # as the scheduler started: the queues bucket's leader was on it, and the start failed).
+        await declaration(lambda _timeout_s: instance.beat(), what="write the scheduler's heartbeat")
         self._cluster_queues = cluster_queues = ClusterQueues(
             js, nc, bucket=config.nats.queues_bucket, scheduler=instance.name, clock=self._wall_clock
         )

@@ -17,6 +17,7 @@ import structlog
 from asyncinfer.contract import PAUSED_KEY_PREFIX as PAUSED_PREFIX
 from asyncinfer.contract import paused_key
 from asyncinfer.nats import KeyValue
+from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import encode_pause
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 
@@ -44,7 +45,9 @@ class PauseState:
         """Starts the watch (a failure to make it raises, as NATS away at start-up does) and waits
         up to STORED_KEYS_WAIT_S for the stored keys, so that the first snapshots say the pauses;
         past that it goes on, every queue held until they come."""
-        self._watcher = await self._kv.watch(f"{PAUSED_PREFIX}*")
+        self._watcher = await declaration(  # a leader election may be under way, as for the declarations
+            lambda _timeout_s: self._kv.watch(f"{PAUSED_PREFIX}*"), what="watch the pauses"
+        )
         self._task = self._supervisor.start("scheduler-pauses", self._follow(self._watcher))
         known = asyncio.ensure_future(self._known.wait())
         try:  # past the wait, the watch's own line says what is missing (_follow)
