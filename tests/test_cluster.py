@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 import grpc
 import pytest
 import structlog
+from nats.js.errors import BadRequestError
 
 from asyncinfer.config import Config
+from asyncinfer.declarations import ensure_work_stream
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import Unavailable
 from asyncinfer.failure_lines import unreachable
@@ -31,7 +33,7 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import JetStreamError
+from asyncinfer.nats import JetStreamError, Msg
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
@@ -73,7 +75,8 @@ class NatsCluster:
 
 
 @contextlib.contextmanager
-def nats_cluster(base: Path) -> Iterator[NatsCluster]:
+def nats_cluster(base: Path, *, started: int = NODES) -> Iterator[NatsCluster]:
+    """The cluster's nodes, the first `started` of them running (the others: `node.start()`)."""
     client_ports = [free_port() for _ in range(NODES)]
     route_ports = [free_port() for _ in range(NODES)]
     nodes = []
@@ -95,7 +98,7 @@ def nats_cluster(base: Path) -> Iterator[NatsCluster]:
             )
         )
     try:
-        for node in nodes:
+        for node in nodes[:started]:
             node.start()
         yield NatsCluster(nodes)
     finally:
@@ -439,3 +442,47 @@ async def test_the_services_start_while_a_node_is_lost_and_its_leaders_elected(
     accepted = await submit_until_accepted(stack.jobs, demo_request(1), give_up_after_s=60.0)
     done = await wait_until_done(stack.jobs, accepted.job.job_id, timeout_s=60.0)
     assert done.state == job_pb2.JOB_STATE_SUCCEEDED
+
+
+@pytest.mark.timeout(60)
+async def test_a_declaration_waits_for_the_servers_to_place_its_replicas(tmp_path: Path, config: Config) -> None:
+    """A service that declared its streams while a new cluster had elected its meta leader but
+    not yet heard from its third server was answered 'no suitable peers for placement' (a 400)
+    for three replicas, and died: the first start of
+    test_the_services_start_while_a_node_is_lost_and_its_leaders_elected did, on 2 busy cores
+    (3 test workers). A declaration now waits for the servers as for a leader election. Here the
+    third server starts late: the cluster refuses the placement, the declaration asks again, and
+    it is done once the server has joined."""
+    with nats_cluster(tmp_path, started=2) as cluster:
+        config = config.replace(nats={"url": ",".join(node.url for node in cluster.nodes[:2]), "replicas": 3})
+        await wait_for_jetstream(config)
+        nc = await connect(config.nats, name="test-placement")
+        try:
+            js = nc.jetstream(timeout=2)
+            with pytest.raises(BadRequestError) as refusal:
+                await js.add_stream(name="PROBE", subjects=["probe.>"], num_replicas=3)
+            assert refusal.value.err_code == 10005, refusal.value  # no suitable peers for placement
+            asked = asyncio.Queue[bytes]()  # each create request of the WORK stream, as the server gets it
+
+            async def heard(msg: Msg) -> None:
+                await asked.put(msg.data)
+
+            await nc.subscribe(f"$JS.API.STREAM.CREATE.{config.nats.work_stream}", cb=heard)
+            await nc.flush()
+            declaring = asyncio.ensure_future(ensure_work_stream(js, config.nats))
+            try:
+                for _ in range(2):  # asked, refused, and asked again: not given up
+                    heard_again = asyncio.ensure_future(asked.get())
+                    await asyncio.wait({declaring, heard_again}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+                    heard_again.cancel()
+                    assert not declaring.done(), declaring.exception()
+                await asyncio.to_thread(cluster.nodes[2].start)
+                await asyncio.wait_for(declaring, timeout=30)
+            finally:
+                declaring.cancel()
+            info = await js.stream_info(config.nats.work_stream)
+            assert info.config.num_replicas == 3
+            assert info.cluster is not None
+            assert len(info.cluster.replicas or []) == 2
+        finally:
+            await nc.close()

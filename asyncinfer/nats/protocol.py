@@ -21,3 +21,9 @@ def kv_stream(bucket: str) -> str:
 
 def kv_subject_prefix(bucket: str) -> str:
     return f"$KV.{bucket}."
+
+
+# "no suitable peers for placement" (JSClusterNoPeersErrF): a stream or consumer of more replicas
+# than the servers with JetStream the cluster's meta leader counts now: one still joining as the
+# cluster forms, or one lost.
+NO_PLACEMENT_CODES = (10005,)

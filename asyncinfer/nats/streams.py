@@ -34,7 +34,7 @@ from asyncinfer.contract import (
     stream_msg_get_subject,
 )
 from asyncinfer.errors import Unavailable
-from asyncinfer.nats.protocol import STORE_FULL_CODES
+from asyncinfer.nats.protocol import NO_PLACEMENT_CODES, STORE_FULL_CODES
 from asyncinfer.nats.requests import js_publish
 
 log = structlog.get_logger("asyncinfer.nats")
@@ -51,6 +51,18 @@ TRANSIENT_JS_ERRORS: tuple[type[Exception], ...] = (
     nats.errors.ConnectionReconnectingError,
     nats.errors.StaleConnectionError,
 )
+
+
+class NoPlacementYetError(ServiceUnavailableError):
+    """JetStream could not place a declaration's replicas: fewer servers with JetStream are up
+    than `nats.replicas` asks for. A 400, yet transient while a cluster forms (its servers join
+    its meta leader one by one) or a lost server comes back, so a declaration waits for it as for
+    a leader election; a cluster smaller than the setting never gets there, and the declaration
+    then says so."""
+
+    def __init__(self, description: str, *, code: int | None = None, err_code: int | None = None) -> None:
+        super().__init__(code=code, description=description, err_code=err_code)
+        self.description: str = description
 
 
 class StoreFullError(APIError):
@@ -126,6 +138,10 @@ async def retry_transient(operation: Callable[[float], Awaitable[T]], *, retry_f
             full = store_full(exc)
             if full is not None:  # a 503 like an election's, but it will not pass in seconds
                 raise full from exc
+            if exc.err_code in NO_PLACEMENT_CODES:  # a 400, but it passes as the servers join
+                raise NoPlacementYetError(
+                    exc.description or "no suitable peers for placement", code=exc.code, err_code=exc.err_code
+                ) from exc
             raise
 
     return await retry(attempt, on=TRANSIENT_JS_ERRORS, retry_for_s=retry_for_s, what=what)
@@ -539,6 +555,11 @@ async def declaration(operation: Callable[[float], Awaitable[T]], *, what: str, 
     client's exception."""
     try:
         return await retry_transient(operation, retry_for_s=max(retry_for_s, DECLARE_RETRY_S), what=what)
+    except NoPlacementYetError as exc:
+        raise Unavailable(
+            f"cannot {what}: JetStream could not place its replicas for {max(retry_for_s, DECLARE_RETRY_S):g} s "
+            f"({exc.description}); are as many servers with JetStream up as nats.replicas asks for?"
+        ) from exc
     except TRANSIENT_JS_ERRORS as exc:
         raise Unavailable(
             f"cannot {what}: JetStream did not answer for {max(retry_for_s, DECLARE_RETRY_S):g} s ({exc!r}); "
