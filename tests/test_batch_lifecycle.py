@@ -14,23 +14,29 @@ import grpc
 import numpy as np
 import pytest
 from nats.errors import NoRespondersError
+from nats.js.errors import NoStreamResponseError
 from structlog.testing import capture_logs
 
 from asyncinfer import batches
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
+from asyncinfer.batches import BatchRecord, BatchState, decode_batch
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
+from asyncinfer.jobs import Priority
+from asyncinfer.nats import Client as NatsClient
+from asyncinfer.nats.kv import KvBucket, kv_latest
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import batch_service_pb2, job_service_pb2
 from services.batcher.models import demo
-from services.gateway import batch_service, list_batches
+from services.gateway import batch_service, batch_store, list_batches
+from services.gateway.app import GatewayApp
 from services.gateway.batch_convert import batch_from_request
 from services.gateway.batch_prepare import Preparer
-from services.gateway.batch_store import BatchStore, ensure_batches_bucket
+from services.gateway.batch_store import BatchStore, batch_key, ensure_batches_bucket
 from tests.batch_helpers import (
     HeldCreate,
     batches_stub,
@@ -46,6 +52,7 @@ from tests.batch_helpers import (
 )
 from tests.stack import StartStack
 from tests.test_gateway import wait_for
+from tests.test_scheduler import until
 
 SERVER_SUBJECTS_PER_ANSWER = 100_000
 # No warm-up: its made-up batch would wait on the closed gate (GATE_TIMEOUT_S) before the model serves.
@@ -483,3 +490,57 @@ async def test_a_tick_failing_on_a_raw_nats_error_is_said_in_a_line_once_per_int
     lines = [e for e in logs if e["event"] == "batch_tick_failed"]
     assert [(e["log_level"], "exc_info" in e) for e in lines] == [("warning", False)], lines
     assert lines[0]["error"] == "NoRespondersError: nats: no responders available for request"
+
+
+async def test_a_gateway_started_while_the_batches_bucket_elects_a_leader_adopts_its_running_batch(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway's batch driver reads each running batch's record as it adopts it, at its first
+    pass as the gateway starts. A read that failed ended the driver, and the gateway exited with
+    it: one started while the batches bucket elected a leader (a node lost), with a batch running,
+    died at once. The pass now ends and the next reads the record again. The election is the one
+    part played here: the first read answers as a leaderless stream does."""
+    store = BatchStore(await ensure_batches_bucket(nc.jetstream(), config.nats), nc)
+    now = time.time()
+    running = await store.write(
+        BatchRecord(
+            batch_id=new_job_id(),
+            tenant="default",
+            model_name=DEMO_MODEL.name,
+            model_version="",
+            input_ref="in/x",
+            input_format=None,
+            state=BatchState.VALIDATING,
+            priority=Priority.LOW,
+            max_attempts=1,
+            create_time=now - 60.0,
+            expires_at=now - 1.0,  # past its window: the tick of the driver that adopts it expires it
+            result_retention_s=60.0,
+        )
+    )
+    key = batch_key(running.tenant, running.batch_id)
+    failed: list[str] = []
+
+    async def latest_after_an_election(bucket: KvBucket, read: str) -> tuple[bytes, int] | None:
+        if not failed:
+            failed.append(read)
+            raise NoStreamResponseError
+        return await kv_latest(bucket, read)
+
+    monkeypatch.setattr(batch_store, "kv_latest", latest_after_an_election)
+    gateway = GatewayApp(lifecycle_config(config, adopt_interval_s=0.1))
+    with capture_logs() as logs:
+        await gateway.start()
+        try:
+
+            async def expired() -> bool:
+                latest = await kv_latest(store.bucket, key)  # the test's reads are not played
+                return latest is not None and decode_batch(*latest).state is BatchState.EXPIRED
+
+            await until(expired)
+            assert gateway.supervisor.failure is None
+        finally:
+            await gateway.stop(grace_s=1.0)
+    assert failed == [key]
+    said = [e for e in logs if e["event"] == "batch_adopt_failed"]
+    assert [(e["log_level"], e["batch_id"]) for e in said] == [("warning", running.batch_id)], said

@@ -181,7 +181,9 @@ class BatchDriver:
         """Batches that no gateway may be driving (a new gateway, or another one died): every
         record not yet terminal."""
         # Answer by answer (100,000 keys at most each): a listing that fails part way keeps what
-        # it adopted; a record read that fails ends the round, as before.
+        # it adopted; so does a record read that fails, and the next pass reads it again. That
+        # read's failure ended the driver, and with it the gateway: one started while the batches
+        # bucket elected a leader (a node lost), with a batch running, died at its first pass.
         async with contextlib.aclosing(self._store.key_pages()) as pages:
             while True:
                 try:
@@ -194,7 +196,11 @@ class BatchDriver:
                 for tenant, batch_id in keys:
                     if (tenant, batch_id) in self._driven:
                         continue
-                    record = await self._store.get(tenant, batch_id)
+                    try:
+                        record = await self._store.get(tenant, batch_id)
+                    except AsyncInferError as exc:  # Unavailable: NATS away, or no leader yet
+                        log.warning("batch_adopt_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
+                        return
                     # A terminal one whose webhook is not known to be enqueued: its gateway died between.
                     if record is not None and (not record.state.is_terminal or callback_due(record)):
                         self._driven.add((tenant, batch_id))
