@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import signal
 import sys
@@ -17,13 +18,15 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 import structlog
-from nats.js.errors import BadRequestError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.errors import BadRequestError, NoStreamResponseError
 
+from asyncinfer import backoff, snapshot_freshness
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_work_stream
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
@@ -33,9 +36,10 @@ from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import JobRecord, JobState, Priority
 from asyncinfer.nats import Client as NatsClient
-from asyncinfer.nats import JetStreamError, Msg
+from asyncinfer.nats import JetStreamContext, JetStreamError, Msg, streams
 from asyncinfer.nats.connection import connect
 from asyncinfer.nats.kv import open_kv_bucket
+from asyncinfer.nats.streams import StreamPosition
 from asyncinfer.v1 import job_pb2, job_service_pb2, tensor_pb2
 from services.gateway.app import GatewayApp
 from services.gateway.watch_one import watch_job
@@ -442,6 +446,78 @@ async def test_the_services_start_while_a_node_is_lost_and_its_leaders_elected(
     accepted = await submit_until_accepted(stack.jobs, demo_request(1), give_up_after_s=60.0)
     done = await wait_until_done(stack.jobs, accepted.job.job_id, timeout_s=60.0)
     assert done.state == job_pb2.JOB_STATE_SUCCEEDED
+
+
+# What the services ask JetStream for as they start: each answers as a stream without a leader the
+# first time it is asked for each thing (a stream, a bucket, a consumer, a watch's subject).
+STARTING_CALLS = (
+    "stream_info",
+    "add_stream",
+    "key_value",
+    "create_key_value",
+    "create_object_store",
+    "add_consumer",
+    "subscribe",
+)
+
+
+def asked_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """What a JetStreamContext call is about: its stream, bucket, consumer or subject."""
+    named = [*args[:2], kwargs.get("bucket"), kwargs.get("config")]
+    return "/".join(str(getattr(a, "durable_name", None) or getattr(a, "name", None) or a) for a in named if a)
+
+
+async def test_every_service_starts_while_each_jetstream_request_of_its_start_meets_an_election(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test above is the real thing, and rarely fails on code that does not wait: this one
+    plays the election for every JetStream request the gateway and the scheduler make as they start
+    (each service's first request for each stream, bucket, consumer or watch answers as a leaderless
+    stream does, or not at all), and for the stream info each snapshot watch reads first; the
+    batcher's start makes none. Everything else is real. Each service starts, and the stack runs a
+    job. The scheduler's first heartbeat, a KV write past nats-py's JetStreamContext, is played in
+    test_scheduler.py. The retries' waits are made short: their length is not what is tested."""
+    played: list[tuple[str, str]] = []
+    asked: set[tuple[int, str, str]] = set()
+
+    def first_time_unanswered(connection: object, call: str, what: str) -> None:
+        if (id(connection), call, what) not in asked:
+            asked.add((id(connection), call, what))
+            played.append((call, what))
+            raise NoStreamResponseError if len(played) % 2 else NatsTimeoutError
+
+    def during_an_election(call: str) -> Any:
+        real = getattr(JetStreamContext, call)
+
+        @functools.wraps(real)
+        async def election(self: JetStreamContext, *args: Any, **kwargs: Any) -> Any:
+            first_time_unanswered(self._nc, call, asked_for(args, kwargs))
+            return await real(self, *args, **kwargs)
+
+        return election
+
+    for call in STARTING_CALLS:
+        monkeypatch.setattr(JetStreamContext, call, during_an_election(call))
+    position = snapshot_freshness.stream_position
+
+    async def position_during_an_election(nc: NatsClient, stream: str, *, timeout_s: float) -> StreamPosition:
+        first_time_unanswered(nc, "stream_position", stream)
+        return await position(nc, stream, timeout_s=timeout_s)
+
+    monkeypatch.setattr(snapshot_freshness, "stream_position", position_during_an_election)
+    monkeypatch.setattr(streams, "retry", functools.partial(backoff.retry, first_delay_s=0.002, max_delay_s=0.01))
+
+    stack = await start_stack(config)
+    monkeypatch.undo()  # the election is over
+
+    assert {call for call, _ in played} == {*STARTING_CALLS, "stream_position"}, played
+    # Per service: the gateway's and the scheduler's watches of the pauses each met it.
+    assert played.count(("subscribe", f"$KV.{config.nats.queues_bucket}.paused.*")) == 2, played
+    accepted = await stack.jobs.SubmitJob(demo_request(1))
+    done = await wait_until_done(stack.jobs, accepted.job.job_id, timeout_s=30.0)
+    assert done.state == job_pb2.JOB_STATE_SUCCEEDED
+    assert stack.batcher is not None
+    assert [app.supervisor.failure for app in (stack.gateway, stack.scheduler, stack.batcher)] == [None] * 3
 
 
 @pytest.mark.timeout(60)
