@@ -24,7 +24,7 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 from test_scheduler import FakeBatcher, enqueue, read_record, until, wait_state, work_messages
 
-from asyncinfer.blob_meta import result_ref
+from asyncinfer.blob_meta import new_input_ref, result_ref
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.claim_check_io import store_outputs
 from asyncinfer.client import AsyncClient
@@ -51,7 +51,7 @@ from asyncinfer.contract import (
     work_consumer_name,
 )
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
-from asyncinfer.errors import NotFound
+from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.idempotency_claims import (
     KEY_TTL_SLACK_S,
@@ -77,7 +77,7 @@ from asyncinfer.queues import (
     write_snapshots,
 )
 from asyncinfer.snapshot_watch import SnapshotWatch
-from asyncinfer.tensor_codec import decode_tensors
+from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.v1 import (
     error_pb2,
@@ -90,7 +90,7 @@ from asyncinfer.v1 import (
 )
 from services.console import pages_jobs
 from services.scheduler import app as scheduler_app
-from services.scheduler import dead_letters, held_pulls, leases, pauses, queue_stats, version_routing
+from services.scheduler import dead_letters, held_pulls, job_dispatch, leases, pauses, queue_stats, version_routing
 from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
@@ -1638,6 +1638,74 @@ async def test_a_job_put_back_to_wait_for_its_version_keeps_its_tenants_turn(
     v1 = await h.batcher("v1-again", credits=1)
     order = await v1.next_order(timeout_s=10)
     assert order.job_id == waits, f"b's job {second} went first" if order.job_id == second else order.job_id
+
+
+@pytest.mark.parametrize("failing", ["running_write", "input_read"])
+async def test_a_job_put_back_after_a_nats_failure_at_its_dispatch_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A job a round chose whose dispatch met a NATS failure (its RUNNING write, or the read of its
+    claim-checked input) goes back to the queue unrun, but stayed charged to its tenant round robin
+    and its priority: the turn moved past tenant a, so at the next round tenant b's job went ahead
+    of a's next one, queued before it, and NORMAL's count of jobs served counted the failed job
+    besides the one that ran. Here b was served last, a's first job's dispatch fails once (a's and
+    b's next jobs queued meanwhile; the failed one waits out its retry delay), and the next round
+    sends a's next job (old code: b's; NORMAL's count 2 past where it was, not 1)."""
+    # The failed job stays away through the next round: its choice is between the other two.
+    monkeypatch.setattr(job_dispatch, "DISPATCH_RETRY_DELAY_S", 30.0)
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    queues = h.dispatcher().queues
+    batcher = await h.batcher()
+    served = await enqueue(h.nc, h.kv, tenant="b")
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == served  # b's turn was the last
+    await batcher.answer(order)
+    served_normal = queues.selector._served[Priority.NORMAL]
+
+    # One NATS failure where the dispatch meets NATS, raised as the store would (the raw error, or
+    # its Unavailable); a's and b's next jobs are queued just before it.
+    failing_job, a_next, b_next = new_job_id(), new_job_id(), new_job_id()
+    failed = asyncio.Event()
+    dispatch: Any = h.app.flow._dispatch
+    input_ref = None
+    if failing == "running_write":
+        target, name = dispatch._store, "_publish"  # the RUNNING write's compare-and-set
+        error: Exception = NatsTimeoutError()
+
+        def fails_for(*args: Any) -> bool:
+            return bool(args[0].job_id == failing_job)
+    else:
+        target, name = dispatch._claim_check._store, "_info_or_none"  # the input read's first request
+        error = Unavailable("cannot read the object's metadata: nats: timeout")
+        x = Tensor.from_numpy("x", np.full((1, 4), 1.0, np.float32))
+        data = tensor_pb2.InferInputs(inputs=[to_input_proto(x)]).SerializeToString()
+        stored = await target.put_bytes("a", new_input_ref(), data, expires_at=time.time() + 600)
+        input_ref = stored
+
+        def fails_for(*args: Any) -> bool:
+            return bool(args[0] == f"a/{stored.ref}")
+
+    real = getattr(target, name)
+
+    async def fails_once(*args: Any, **kwargs: Any) -> Any:
+        if not failed.is_set() and fails_for(*args):
+            failed.set()
+            await enqueue(h.nc, h.kv, tenant="a", job_id=a_next)
+            await enqueue(h.nc, h.kv, tenant="b", job_id=b_next)
+            raise error
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, fails_once)
+    await enqueue(h.nc, h.kv, tenant="a", job_id=failing_job, input_ref=input_ref)
+    await batcher.grant(1)
+    await asyncio.wait_for(failed.wait(), 10)
+    if failing == "running_write":  # its order went out ahead of the write, and was cancelled
+        assert (await batcher.next_order()).job_id == failing_job
+        assert (await batcher.next_cancel()).job_id == failing_job
+    order = await batcher.next_order(timeout_s=10)  # on the credit the failed dispatch gave back
+    assert order.job_id == a_next, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
+    assert queues.selector._served[Priority.NORMAL] == served_normal + 1
 
 
 async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_at_once(

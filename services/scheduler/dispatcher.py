@@ -37,7 +37,7 @@ from asyncinfer.supervision import Supervisor
 from services.scheduler.batchers import BatcherRegistry, BatcherSession
 from services.scheduler.dispatch_linger import DispatchLinger
 from services.scheduler.held_pulls import CONNECTION_CHECK_S, HeldPulls
-from services.scheduler.job_dispatch import INPUT_READ_STARTED, WAITS_FOR_VERSION
+from services.scheduler.job_dispatch import INPUT_READ_STARTED, PUT_BACK_UNRUN
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.owned_tasks import OwnedTasks
 from services.scheduler.queued_records import QueuedRecords
@@ -272,7 +272,7 @@ class ModelDispatcher:
         """One job of a round, its credit given back when it was not sent (dispatch never raises)."""
         with self._under_way():
             INPUT_READ_STARTED.set(leave_round)  # in this task's own context
-            WAITS_FOR_VERSION.set(functools.partial(self._queues.refund_job, self._priority_of(msg), msg))
+            PUT_BACK_UNRUN.set(functools.partial(self._queues.refund_job, self._priority_of(msg), msg))
             try:
                 if not await self._flow.dispatch(msg, session):
                     self._batchers.release(session, self.model_name)
@@ -300,7 +300,7 @@ class ModelDispatcher:
             return
         self._queues.selector.charge(priority, 1)
         # Held pulls deliver in their own tasks (services.scheduler.held_pulls): set per delivery.
-        WAITS_FOR_VERSION.set(functools.partial(self._queues.refund_job, priority, msg))
+        PUT_BACK_UNRUN.set(functools.partial(self._queues.refund_job, priority, msg))
         with self._under_way():
             if not await self._flow.dispatch(msg, session):
                 self._batchers.release(session, self.model_name)

@@ -45,10 +45,11 @@ DISPATCH_RETRY_DELAY_S = 1.0
 # called when the dispatch goes on to read a claim-checked input, so that the round stops waiting
 # for it. A contextvar rather than a parameter through the five calls between the two.
 INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_read_started", default=None)
-# Set likewise: called when the dispatch puts its job back to wait for its version (no batcher
-# serves it, or those that do have no free slot), so that the dispatcher refunds what choosing
-# it charged (services.scheduler.work_queue.ModelQueues.refund_job).
-WAITS_FOR_VERSION: ContextVar[Callable[[], None] | None] = ContextVar("waits_for_version", default=None)
+# Set likewise: called when the dispatch puts its job back unrun, to be chosen again (it waits for
+# its version: no batcher serves it, or those that do have no free slot; or a NATS failure stopped
+# its dispatch), so that the dispatcher refunds what choosing it charged
+# (services.scheduler.work_queue.ModelQueues.refund_job). Called once at most (_refund_choice).
+PUT_BACK_UNRUN: ContextVar[Callable[[], None] | None] = ContextVar("put_back_unrun", default=None)
 # Pauses while waiting for a record that an older gateway writes right after its publish. An idle
 # scheduler is woken by that very publish and pulls the message while the gateway is still waiting
 # for the publish's ack before it sends the record: the record is usually there a millisecond or
@@ -62,6 +63,15 @@ def _first_delivery(msg: Msg) -> bool:
         return msg.metadata.num_delivered <= 1
     except Exception:  # no JetStream reply subject: take the safe path (read the record)
         return False
+
+
+def _refund_choice() -> None:
+    """Refunds what choosing this dispatch's job charged (PUT_BACK_UNRUN), before its nak: a pull
+    that brings it back finds it refunded. Once: a put-back that fails on its way is not refunded twice."""
+    refund = PUT_BACK_UNRUN.get()
+    if refund is not None:
+        PUT_BACK_UNRUN.set(None)  # in the dispatch's own context (its task's)
+        refund()
 
 
 def _stored_time(msg: Msg) -> float | None:
@@ -132,6 +142,11 @@ class JobDispatch:
                 job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
             else:
                 job_log.exception("dispatch_failed")
+            if isinstance(exc, (Unavailable, *NATS_FAILURES)):
+                # Unrun: NATS is met only before the order is held here (an order sent ahead of
+                # a write that failed was cancelled, its answer dropped), so choosing it again
+                # must not charge its tenant and priority twice. A bug may strike after: no refund.
+                _refund_choice()
             await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
             return False
 
@@ -202,8 +217,7 @@ class JobDispatch:
             if isinstance(routed, version_routing.Waiting):
                 if _first_delivery(msg):
                     job_log.info("job_waits_for_version", version=routed.version, reason=routed.reason)
-                if (refund := WAITS_FOR_VERSION.get()) is not None:
-                    refund()  # before the nak: a pull that brings it back finds it refunded
+                _refund_choice()
                 await self._settlement.put_back(msg, routed.delay_s)
                 return False
             if routed.session is not session:
@@ -395,7 +409,8 @@ class JobDispatch:
         """The claim-checked input cannot be read: retried later when that is NATS trouble, the
         job failed when the input is gone or unreadable for good."""
         job_log.warning("job_input_unusable", reason=error.reason, retriable=error.retriable)
-        if error.retriable:
+        if error.retriable:  # NATS trouble: the job goes back unrun, its choice refunded
+            _refund_choice()
             await self._settlement.requeue(running, msg, job_log, error, delay_s=DISPATCH_RETRY_DELAY_S, refund=True)
             return
         event = lifecycle.Finish(attempt=running.attempt, state=JobState.FAILED, error=error)

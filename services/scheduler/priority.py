@@ -37,8 +37,8 @@ back once a pause or a drain began puts back every job it brought (services.sche
 and what the pull charged is refunded (ModelQueues.refund_last_pull): the tenants' turns and the
 priorities' counts are as if it had pulled nothing, so the jobs a pause held back go first again.
 So is a job a round chose and put back to wait for its version (no batcher serves it, or none with
-a free slot: ModelQueues.refund_job), alone: its priority's count, and its tenant's turn unless a
-later choice has passed the turn on since.
+a free slot: ModelQueues.refund_job), or after a NATS failure at its dispatch, alone: its
+priority's count, and its tenant's turn unless a later choice has passed the turn on since.
 
 This is fair among the tenants whose jobs lie near the head of the queue (within the window), not
 across a deep backlog: a tenant that queued 10,000 jobs ahead of another's one still goes first

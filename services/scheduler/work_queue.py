@@ -252,7 +252,8 @@ class ModelQueues:
     def refund_job(self, priority: Priority, msg: Msg) -> None:
         """A job this dispatcher charged (its round's pull_next, or a held pull's delivery) went
         back unrun, to wait for its version (services.scheduler.version_routing: no batcher serves
-        it, or those that do have no free slot). Its priority's count of jobs served is refunded,
+        it, or those that do have no free slot) or after a NATS failure at its dispatch (its
+        RUNNING write, its input's read). Its priority's count of jobs served is refunded,
         and its tenant's turn when its choice is still the last one of its priority (undone in
         reverse order, as several of a round's jobs may be): charged, a job that cannot run used
         its tenant's turn (and every WAIT_UNSERVED_S again while it waited, every WAIT_BUSY_S while
