@@ -40,13 +40,13 @@ from the environment: the public keys alone, none of them secret); `asyncinfer n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncinfer import contract
 from asyncinfer.config import NatsConfig
+from asyncinfer.embedded_nats import conf_string
 
 # Each service's `nats.inbox_prefix` where these permissions apply (not under `_INBOX.`: a user
 # allowed `_INBOX.>` would match it).
@@ -245,14 +245,28 @@ class NatsUser:
         for name in ("nkey", "user", "password"):
             value = getattr(self, name)
             if value is not None:
-                fields.append(f"{name}: {value if value.startswith('$') else json.dumps(value)}")
-        fields.append(f"permissions: {json.dumps(self.permissions.as_config())}")
+                fields.append(f"{name}: {value if value.startswith('$') else conf_string(value)}")
+        fields.append(f"permissions: {_conf_value(self.permissions.as_config())}")
         return "{ " + ", ".join(fields) + " }"
+
+
+def _conf_value(value: object) -> str:
+    """A map, list or string as nats-server's configuration file reads it, laid out as json.dumps
+    lays it out (the files rendered before are unchanged where all is ASCII), but not json.dumps,
+    which writes a character beyond ASCII (a user named José, a tenant's subject) as \\uXXXX, which
+    nats-server refuses ("Invalid escape character 'u'"), and the whole file with it."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{conf_string(key)}: {_conf_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_conf_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        return conf_string(value)
+    raise TypeError(f"not a configuration value: {value!r}")
 
 
 def authorization_block(users: Mapping[str, NatsUser]) -> str:
     """A nats-server `authorization { users = [...] }` block (one line per user, led by a comment
-    naming its service). nats-server's config format reads JSON values as they are."""
+    naming its service), its strings quoted as nats-server reads them (conf_string)."""
     lines = ["authorization {", "  users = ["]
     for service, user in users.items():
         lines.append(f"    # {service}")

@@ -384,3 +384,49 @@ async def test_the_nats_users_command_writes_seeds_and_a_block_a_server_runs_the
     capsys.readouterr()  # the stack's own lines
     assert main(["nats-users", str(seeds)]) == 0
     assert capsys.readouterr().out == printed, "run again, it keeps the seeds: the same users"
+
+
+async def test_a_users_name_password_and_subjects_are_quoted_as_nats_server_reads_them(tmp_path: Path) -> None:
+    r"""NatsUser.as_config quoted its values as JSON: a character beyond ASCII (a user named José, a
+    tenant's subject) was written \uXXXX, which nats-server refuses ("Invalid escape character
+    'u'"), and the whole configuration with it. Here a user whose name, password and subjects hold
+    such characters, quotes, backslashes, a tab and a `#`: the file passes `nats-server -t`, a server
+    runs with it, the user logs in and uses its subject (refused, its messages would not come back)."""
+    import subprocess
+
+    from asyncinfer.embedded_nats import NatsServerProcess, find_nats_server
+    from asyncinfer.nats_users import NatsUser, Permissions, authorization_block
+
+    name, password, subject = 'José "ops" \\ 日本', 'pä"ss\\wörd\t#1', "tenant.josé.日本"
+    user = NatsUser(
+        user=name, password=password, permissions=Permissions(publish=(subject,), subscribe=("_INBOX.>", subject))
+    )
+    conf = tmp_path / "nats.conf"
+    conf.write_text(authorization_block({"josé": user}), encoding="utf-8")
+    checked = await asyncio.to_thread(
+        subprocess.run,
+        [find_nats_server(), "-t", "-c", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert checked.returncode == 0, checked.stderr or checked.stdout
+    server = NatsServerProcess(
+        store_dir=tmp_path / "store", log_file=tmp_path / "nats.log", extra_args=("-c", str(conf))
+    )
+    server.start()
+    try:
+        anonymous = Config().replace(nats={"url": server.url, "connect_timeout_s": 1.0}).nats
+        nc = await connect(anonymous.model_copy(update={"user": name, "password": password}), name="josé")
+        try:
+            heard: asyncio.Queue[Msg] = asyncio.Queue()
+            await nc.subscribe(subject, cb=heard.put)
+            await nc.publish(subject, b"hello")
+            assert (await asyncio.wait_for(heard.get(), 5.0)).data == b"hello"
+        finally:
+            await nc.close()
+        with pytest.raises(ConfigError, match="refused this connection's credentials"):
+            await connect(anonymous.model_copy(update={"user": name, "password": "pässword"}), name="josé")
+    finally:
+        server.stop()
