@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from asyncinfer.config import DEMO_MODEL, Config, ModelConfig, ModelVersionConfig, load_config, render_default_config
 from asyncinfer.grpc_errors import status_details, unpack_details
-from asyncinfer.grpc_server import LIVENESS_SERVICE, GrpcServer
+from asyncinfer.grpc_server import LIVENESS_SERVICE
 from services.batcher.app import BatcherApp
 from tests.test_batcher_triton import ready_gauge
 
@@ -414,44 +414,36 @@ async def test_a_pipeline_that_failed_at_start_stays_failed_through_a_reload(tmp
         await batcher.stop(grace_s=1.0)
 
 
-async def test_two_health_updates_at_once_end_with_the_later_state(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_health_update_runs_to_its_end_without_suspending() -> None:
     """Each change to what the batcher serves (a reload's, KServe's model controls, a Triton outage)
-    starts a task that sets the models' health names. grpc_health's servicer suspended its set while
-    a Watch on that name wrote its last status (its Watch held the name's condition while it wrote),
-    so two updates could interleave, and the earlier, which had read the readiness before the later
-    change, finished last: a version unloaded meanwhile was left SERVING until the next change.
-    Here the first update is held at its first name (as such a write held it), version 2 is
-    unloaded (the second update), then the first is let go: the version's health must end unknown
-    (gone with the version). The updates run one after the other, each reading the readiness when it
-    runs (the servicer used now never suspends, asyncinfer.health_service; the order holds anyway)."""
+    starts a task that sets the models' health names from the readiness it reads when it runs. Two
+    such tasks must not interleave: the earlier, its readiness read before the later change, would
+    finish last and leave its stale names (grpc_health's servicer suspended a set while a Watch of
+    the name wrote, and a lock kept the updates apart). The servicer used now never suspends
+    (asyncinfer.health_service): each update runs to its end in one step, a Watch of a name open,
+    so the updates end in the order of their changes without a lock. Should one ever suspend, this
+    fails. Then version 2 is unloaded, and the Watch hears its name go."""
     demo = DEMO_MODEL.model_copy(update={"versions": (ModelVersionConfig(version="2"),)})
     batcher = BatcherApp(
         Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": None}, models=[demo])
     )
     await batcher.start()
     try:
-        inside, go = asyncio.Event(), asyncio.Event()
-        set_serving_of = GrpcServer.set_serving_of
-        held: list[str] = []
-
-        async def as_under_a_watch(server: GrpcServer, name: str, serving: bool) -> None:
-            if not held:
-                held.append(name)
-                inside.set()
-                await go.wait()
-            await set_serving_of(server, name, serving)
-
-        monkeypatch.setattr(GrpcServer, "set_serving_of", as_under_a_watch)
-        batcher._readiness_changed()  # the first update: both versions serve
-        await inside.wait()
-        await batcher.models.unload_model("demo", "2")  # the second
-        go.set()
-        while batcher._health_updates:
+        while batcher._health_updates:  # the start's
             await asyncio.gather(*batcher._health_updates)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{batcher.port}") as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            statuses = {service: await health_of(health, service) for service in ("demo", "demo/1", "demo/2")}
-        assert statuses == {"demo": "SERVING", "demo/1": "SERVING", "demo/2": "NOT_FOUND"}
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="demo/2"))
+            assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            batcher._readiness_changed()
+            batcher._readiness_changed()
+            updates = set(batcher._health_updates)
+            assert len(updates) == 2
+            await asyncio.sleep(0)  # one step of each, in the order they were started
+            assert all(update.done() for update in updates)
+            await batcher.models.unload_model("demo", "2")
+            gone = await asyncio.wait_for(watch.read(), 5.0)
+            assert gone.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+            watch.cancel()
     finally:
         await batcher.stop(grace_s=1.0)
 

@@ -80,10 +80,6 @@ class BatcherApp:
         self.load_failures: dict[str, str] = {}
         self._reloads: set[asyncio.Task[None]] = set()
         self._health_updates: set[asyncio.Task[None]] = set()
-        # One health update at a time: an update is a coroutine (the server's), and one that read
-        # the readiness before a later change must not finish after it, should it ever suspend
-        # (grpc_health's servicer did, while a Watch of the name wrote: asyncinfer.health_service).
-        self._health_lock = asyncio.Lock()
         # The (model, version) the ready gauge has a series of, and those given a health status
         # (the same, once the server serves: a name goes with its series).
         self._ready_series: set[tuple[str, str]] = set()
@@ -252,11 +248,13 @@ class BatcherApp:
         server = self._server
 
         async def update() -> None:
-            # Read when it runs, one update after the other: of two changes in a row, the last one's
-            # health stands.
-            async with self._health_lock:
-                await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
-                await self._set_models_health(self._readiness())
+            # Read when it runs, and it runs to its end without suspending (the health servicer's
+            # set and clear never wait: asyncinfer.health_service), so the updates end in the order
+            # of their changes and the last one's health stands; no lock is needed. Should an
+            # update ever suspend, the earlier one could finish last with a stale readiness
+            # (test_batcher_kserve's test of a health update that does not suspend).
+            await server.set_serving(not self.load_failures and not self.engine.unreachable_models())
+            await self._set_models_health(self._readiness())
 
         task = asyncio.create_task(update(), name="batcher-health")
         self._health_updates.add(task)  # awaited by stop
