@@ -430,6 +430,17 @@ def encode_batch(record: BatchRecord) -> bytes:
 
 
 def decode_batch(data: bytes, revision: int = 0) -> BatchRecord:
+    """The record in `data`, read at KV revision `revision`. ValueError, whatever is wrong with it
+    (not JSON, a field missing or of another shape, a state or a status this release does not
+    know: a later release's, written during a rolling upgrade), so that a reader skips one record
+    with one `except`; a KeyError or a TypeError from a malformed one got past them."""
+    try:
+        return _decoded(data, revision)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a batch record: {type(exc).__name__}: {exc}") from exc
+
+
+def _decoded(data: bytes, revision: int) -> BatchRecord:
     raw = json.loads(data)
     raw.pop("v", None)
     # A field this release does not know (a later release's, written during a rolling upgrade) is

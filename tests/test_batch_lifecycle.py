@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -20,7 +21,7 @@ from structlog.testing import capture_logs
 from asyncinfer import batches
 from asyncinfer.access import bearer_metadata
 from asyncinfer.api_keys import hash_key
-from asyncinfer.batches import BatchRecord, BatchState, decode_batch
+from asyncinfer.batches import BatchRecord, BatchState, decode_batch, encode_batch
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.config import DEMO_MODEL, Config
 from asyncinfer.errors import Unavailable
@@ -492,6 +493,26 @@ async def test_a_tick_failing_on_a_raw_nats_error_is_said_in_a_line_once_per_int
     assert lines[0]["error"] == "NoRespondersError: nats: no responders available for request"
 
 
+def past_its_window() -> BatchRecord:
+    """A running batch (VALIDATING) past its completion window: the tick of the driver that adopts
+    it expires it (no model runs)."""
+    now = time.time()
+    return BatchRecord(
+        batch_id=new_job_id(),
+        tenant="default",
+        model_name=DEMO_MODEL.name,
+        model_version="",
+        input_ref="in/x",
+        input_format=None,
+        state=BatchState.VALIDATING,
+        priority=Priority.LOW,
+        max_attempts=1,
+        create_time=now - 60.0,
+        expires_at=now - 1.0,
+        result_retention_s=60.0,
+    )
+
+
 async def test_a_gateway_started_while_the_batches_bucket_elects_a_leader_adopts_its_running_batch(
     config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -501,23 +522,7 @@ async def test_a_gateway_started_while_the_batches_bucket_elects_a_leader_adopts
     died at once. The pass now ends and the next reads the record again. The election is the one
     part played here: the first read answers as a leaderless stream does."""
     store = BatchStore(await ensure_batches_bucket(nc.jetstream(), config.nats), nc)
-    now = time.time()
-    running = await store.write(
-        BatchRecord(
-            batch_id=new_job_id(),
-            tenant="default",
-            model_name=DEMO_MODEL.name,
-            model_version="",
-            input_ref="in/x",
-            input_format=None,
-            state=BatchState.VALIDATING,
-            priority=Priority.LOW,
-            max_attempts=1,
-            create_time=now - 60.0,
-            expires_at=now - 1.0,  # past its window: the tick of the driver that adopts it expires it
-            result_retention_s=60.0,
-        )
-    )
+    running = await store.write(past_its_window())
     key = batch_key(running.tenant, running.batch_id)
     failed: list[str] = []
 
@@ -544,3 +549,79 @@ async def test_a_gateway_started_while_the_batches_bucket_elects_a_leader_adopts
     assert failed == [key]
     said = [e for e in logs if e["event"] == "batch_adopt_failed"]
     assert [(e["log_level"], e["batch_id"]) for e in said] == [("warning", running.batch_id)], said
+
+
+async def test_a_batch_record_this_release_cannot_read_costs_that_record_alone(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch record the decoder refuses (a state written by a later release during a rolling
+    upgrade, or a corrupted value) raised ValueError out of the driver's adoption pass: the driver
+    ended, the gateway with it, and a restarted one ended again at its first pass. Now that record
+    alone is left, with one warning naming its key however many passes read it; the batch beside it
+    is adopted and driven, and GetBatch answers INTERNAL BATCH_UNREADABLE (it was UNKNOWN)."""
+    store = BatchStore(await ensure_batches_bucket(nc.jetstream(), config.nats), nc)
+    running = await store.write(past_its_window())
+    later_release = json.loads(encode_batch(past_its_window())) | {"state": "PAUSED"}
+    unreadable = {new_job_id(): json.dumps(later_release).encode(), new_job_id(): b"\x00 not a batch record"}
+    for batch_id, value in unreadable.items():
+        await store.bucket.kv.put(batch_key("default", batch_id), value)
+    listings = 0
+    real_pages = BatchStore.key_pages
+
+    def counted_pages(self: BatchStore, tenant: str | None = None) -> AsyncGenerator[list[tuple[str, str]], None]:
+        nonlocal listings
+        listings += 1  # one per adoption pass
+        return real_pages(self, tenant)
+
+    monkeypatch.setattr(BatchStore, "key_pages", counted_pages)
+    gateway = GatewayApp(lifecycle_config(config, adopt_interval_s=0.05))
+    with capture_logs() as logs:
+        await gateway.start()
+        try:
+
+            async def expired() -> bool:
+                latest = await kv_latest(store.bucket, batch_key(running.tenant, running.batch_id))
+                return latest is not None and decode_batch(*latest).state is BatchState.EXPIRED
+
+            await until(expired)
+            passes = listings
+
+            async def two_more_passes() -> bool:
+                return listings >= passes + 2
+
+            await until(two_more_passes)
+            assert gateway.supervisor.failure is None
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                for batch_id in unreadable:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await batches_stub(channel).GetBatch(batch_service_pb2.GetBatchRequest(batch_id=batch_id))
+                    assert refused.value.code() == grpc.StatusCode.INTERNAL
+                    status = status_details(refused.value)
+                    assert status is not None
+                    info = unpack_details(status)["ErrorInfo"]
+                    assert (info.reason, info.metadata["batch_id"]) == ("BATCH_UNREADABLE", batch_id)
+                # A listing that reaches one says which (it is not left out unsaid).
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await batches_stub(channel).ListBatches(batch_service_pb2.ListBatchesRequest(page_size=10))
+                status = status_details(refused.value)
+                assert status is not None
+                assert unpack_details(status)["ErrorInfo"].reason == "BATCH_UNREADABLE"
+            # One it drives that a later release rewrites: let go, not a failed tick every tick.
+            driver = gateway.batch_driver
+            assert driver is not None
+            rounds = driver.rounds
+            driver.drive("default", next(iter(unreadable)))
+
+            async def ticked() -> bool:
+                return driver.rounds >= rounds + 2
+
+            await until(ticked)
+        finally:
+            await gateway.stop(grace_s=1.0)
+    said = [e for e in logs if e["event"] == "batch_unreadable"]
+    assert sorted((e["log_level"], e["key"]) for e in said) == sorted(
+        ("warning", batch_key("default", b)) for b in unreadable
+    ), said
+    assert not [e for e in logs if e["event"] == "batch_tick_failed"]
+    told = {e["batch_id"]: e["error"] for e in said}
+    assert "'PAUSED' is not a valid BatchState" in told[next(iter(unreadable))]

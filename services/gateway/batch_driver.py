@@ -42,7 +42,7 @@ from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_files import first_run_errors
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
-from services.gateway.batch_store import BatchConflict, BatchStore
+from services.gateway.batch_store import BatchConflict, BatchStore, UnreadableBatch
 from services.gateway.chunk_ends import BatchKey, ChunkEnds
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest
@@ -100,6 +100,9 @@ class BatchDriver:
         # An ended one leaves it at once, though it is driven on until its webhook is enqueued.
         self._seen: dict[tuple[str, str], BatchRecord] = {}
         self._tick_failures = FailureLines()
+        # Batches whose record this release cannot decode (a later release's, or corrupted): not
+        # driven, and told once each (an adoption pass reads them again, every pass).
+        self._unreadable: set[BatchKey] = set()
         self.rounds = 0  # the loop's wake-ups (an idle gateway's are counted by a test)
         self._metrics = metrics
         if metrics is not None:
@@ -152,13 +155,12 @@ class BatchDriver:
                 try:
                     # Between full ticks, a batch only settles the chunk ends it heard (no reads).
                     if await self.tick(tenant, batch_id, full=full):
-                        self._driven.discard(key)
-                        self._seen.pop(key, None)
-                        self._prepare_failed.pop(key, None)
-                        if self._chunk_ends is not None:
-                            self._chunk_ends.forget_batch(key)
+                        self._let_go(key)
                 except BatchConflict:
                     continue  # another gateway wrote first: read again next tick
+                except UnreadableBatch as exc:  # rewritten by a later release: a gateway of it drives it
+                    self._let_go(key)
+                    self._unreadable_once(exc, tenant, batch_id)
                 except Exception as exc:
                     if isinstance(exc, (AsyncInferError, OSError)) and unreachable(exc) is None:
                         log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
@@ -198,12 +200,34 @@ class BatchDriver:
                         continue
                     try:
                         record = await self._store.get(tenant, batch_id)
+                    except UnreadableBatch as exc:
+                        # That one alone is left: it was the decoder's ValueError, which ended the
+                        # driver, and the gateway, at every pass (a later release's state during a
+                        # rolling upgrade, or a corrupted value).
+                        self._unreadable_once(exc, tenant, batch_id)
+                        continue
                     except AsyncInferError as exc:  # Unavailable: NATS away, or no leader yet
                         log.warning("batch_adopt_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
                         return
+                    self._unreadable.discard((tenant, batch_id))
                     # A terminal one whose webhook is not known to be enqueued: its gateway died between.
                     if record is not None and (not record.state.is_terminal or callback_due(record)):
                         self._driven.add((tenant, batch_id))
+
+    def _let_go(self, key: BatchKey) -> None:
+        """Drives the batch no more (ended, or unreadable here)."""
+        self._driven.discard(key)
+        self._seen.pop(key, None)
+        self._prepare_failed.pop(key, None)
+        if self._chunk_ends is not None:
+            self._chunk_ends.forget_batch(key)
+
+    def _unreadable_once(self, exc: UnreadableBatch, tenant: str, batch_id: str) -> None:
+        """A warning for a record that cannot be decoded, once until it is read again."""
+        if (tenant, batch_id) in self._unreadable:
+            return
+        self._unreadable.add((tenant, batch_id))
+        log.warning("batch_unreadable", batch_id=batch_id, tenant=tenant, key=exc.key, error=exc.error)
 
     async def tick(self, tenant: str, batch_id: str, *, full: bool = True) -> bool:
         """One step of the batch; True when it is terminal (nothing left to drive). A full tick

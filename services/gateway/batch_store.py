@@ -36,6 +36,25 @@ class BatchConflict(Exception):
     """Another writer changed the record since it was read."""
 
 
+class UnreadableBatch(AsyncInferError):
+    """A batch record this release cannot decode: written by a later release (a state or a field
+    shape it does not know, during a rolling upgrade), or corrupted. INTERNAL BATCH_UNREADABLE to a
+    caller (GetBatch, ListBatches, ...), naming the batch and its key; the batch driver leaves the
+    batch alone (a gateway that reads it drives it). It was the decoder's ValueError: UNKNOWN with
+    a traceback to a caller, and the end of the batch driver, and with it the gateway."""
+
+    def __init__(self, tenant: str, batch_id: str, error: str) -> None:
+        key = batch_key(tenant, batch_id)
+        super().__init__(
+            f"batch {batch_id}'s record (key {key!r}) cannot be read by this gateway's release: {error}; written "
+            "by a later release (a rolling upgrade), or corrupted",
+            reason="BATCH_UNREADABLE",
+            metadata={"batch_id": batch_id, "key": key},
+        )
+        self.key = key
+        self.error = error
+
+
 def ttl_until(when: float) -> int:
     """A per-message TTL (whole seconds, at least one) that removes a write at `when`."""
     return max(math.ceil(when - time.time()), 1)
@@ -81,7 +100,10 @@ class BatchStore:
         if latest is None:
             return None
         data, revision = latest
-        return decode_batch(data, revision)
+        try:
+            return decode_batch(data, revision)
+        except ValueError as exc:
+            raise UnreadableBatch(tenant, batch_id, str(exc)) from exc
 
     async def write(self, record: BatchRecord) -> BatchRecord:
         """Writes the record over the revision it was read at (0: creates it); BatchConflict
