@@ -12,14 +12,19 @@ import json
 import grpc
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 from tritonclient.grpc import aio as triton
 from tritonclient.utils import InferenceServerException
 
 from asyncinfer.client import AsyncClient, JobState, NotFoundError
-from asyncinfer.config import DEMO_MODEL, Config
+from asyncinfer.config import DEMO_MODEL, Config, NatsConfig
 from asyncinfer.contract import kv_stream, kv_subject_prefix
+from asyncinfer.errors import Unavailable
+from asyncinfer.jobs import Priority
+from asyncinfer.nats import JetStreamContext
 from asyncinfer.nats.streams import stream_subjects
 from asyncinfer.v1 import job_service_pb2, ops_service_pb2, ops_service_pb2_grpc
+from services.scheduler import runtime_models
 from tests.runtime_model_gate import LOADING_MAY_FAIL
 from tests.stack import Stack, StartStack
 from tests.test_model_hot_updates import until
@@ -186,3 +191,51 @@ async def test_a_new_model_name_whose_load_fails_is_not_learnt(config: Config, s
     finally:
         LOADING_MAY_FAIL.set()
         await kserve.close()
+
+
+async def test_a_new_model_name_learnt_while_jetstream_is_out_is_learnt_once_it_is_back(
+    config: Config, start_stack: StartStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A declaration raises Unavailable once JetStream has not answered for DECLARE_RETRY_S (30 s):
+    the runtime models' loop caught NATS's errors, not that one, so a batcher announcing a new name
+    during such an outage ended the loop, and the scheduler exited 70 with it. Now the name is
+    tried again RETRY_S later, with a warning naming it. The outage is the one part played: the
+    first declaration of the new model's consumers raises what the 30-s wait raises."""
+    real_ensure = runtime_models.ensure_work_consumer
+    refused: list[str] = []
+
+    async def ensure_after_an_outage(
+        js: JetStreamContext, nats: NatsConfig, *, model_name: str, priority: Priority, ack_wait_s: float
+    ) -> str:
+        if model_name == NEW_MODEL and not refused:
+            refused.append(model_name)
+            raise Unavailable("cannot declare the consumer: JetStream did not answer for 30 s (played)")
+        return await real_ensure(js, nats, model_name=model_name, priority=priority, ack_wait_s=ack_wait_s)
+
+    monkeypatch.setattr(runtime_models, "ensure_work_consumer", ensure_after_an_outage)
+    monkeypatch.setattr(runtime_models, "RETRY_S", 0.05)
+    stack = await start_stack(with_models(config, demo(versions=("1",))))
+    assert stack.batcher is not None
+    kserve = triton.InferenceServerClient(f"127.0.0.1:{stack.batcher.port}")
+    channel = grpc.aio.insecure_channel(stack.ops_address)
+    ops = ops_service_pb2_grpc.OpsServiceStub(channel)
+
+    async def learnt() -> bool:  # the scheduler counts it (its runtime models hold it)
+        assert stack.scheduler.supervisor.failure is None  # a loop died: the scheduler exits
+        stats = await ops.GetQueueStats(ops_service_pb2.GetQueueStatsRequest())
+        return NEW_MODEL in {m.model_name for m in stats.models}
+
+    try:
+        with capture_logs() as logs:
+            await kserve.load_model(NEW_MODEL, config=NEW_MODEL_TABLE)
+            await until(learnt, WAIT_S)
+        assert refused == [NEW_MODEL]
+        said = [e for e in logs if e["event"] == "model_learn_failed"]
+        assert [(e["log_level"], e["model"]) for e in said] == [("warning", NEW_MODEL)], said
+        async with AsyncClient(stack.address) as client:
+            done = await client.wait(await client.submit(NEW_MODEL, {"x": X}), timeout_s=WAIT_S)
+        assert done.succeeded
+        np.testing.assert_allclose(done.outputs["y"], EXPECTED["1"])
+    finally:
+        await kserve.close()
+        await channel.close()

@@ -23,6 +23,7 @@ import structlog
 
 from asyncinfer.config import Config, NatsConfig
 from asyncinfer.declarations import ensure_work_consumer
+from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import NATS_FAILURES
 from asyncinfer.jobs import PRIORITIES_BY_RANK
 from asyncinfer.nats import JetStreamContext
@@ -83,21 +84,30 @@ class RuntimeModels:
         announced = {m.model_name for s in self._batchers.sessions if not s.closed for m in s.announced}
         return sorted(n for n in announced if n and not self.knows(n))
 
-    async def learn(self) -> None:
+    async def learn(self) -> bool:
+        """Learns each name announced and not known yet, each on its own; False when one could not
+        be (NATS or JetStream out of reach): it is tried again RETRY_S later, as `run` does."""
+        learnt_all = True
         for name in self.unknown_names():
-            await declare_consumers(self._js, self._config.nats, name, ack_wait_s=self._config.scheduler.ack_wait_s)
-            await self._start_dispatcher(name)
+            try:
+                await declare_consumers(self._js, self._config.nats, name, ack_wait_s=self._config.scheduler.ack_wait_s)
+                await self._start_dispatcher(name)
+            except (Unavailable, *NATS_FAILURES) as exc:
+                # Unavailable: JetStream out for the declaration's whole wait (DECLARE_RETRY_S). It
+                # was not caught here: the loop ended, and the scheduler exited 70 with it.
+                log.warning("model_learn_failed", model=name, error=str(exc), retry_in_s=RETRY_S)
+                learnt_all = False
+                continue
             self._names.append(name)
             log.info("model_learnt_at_runtime", model=name)
+        return learnt_all
 
     async def run(self) -> None:
-        """Learns the new names on every change, until cancelled."""
+        """Learns the new names on every change, until cancelled; those that could not be learnt,
+        again every RETRY_S until they are (or no batcher announces them any more)."""
         while True:
             await self._dirty.wait()
             self._dirty.clear()
-            try:
-                await self.learn()
-            except NATS_FAILURES as exc:  # the consumers could not be declared: try again
-                log.warning("model_learn_failed", error=str(exc))
+            if not await self.learn():
                 self._dirty.set()
                 await asyncio.sleep(RETRY_S)
