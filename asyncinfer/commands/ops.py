@@ -394,9 +394,11 @@ async def queue_resume(args: argparse.Namespace, options: Options) -> int:
     return _print_queue_state(args.model, response.paused, response.state, response.queued, options)
 
 
-def _state_name(state: int) -> str:
-    """The queue state's name; one newer than this CLI (a scheduler upgraded first: the protos add
-    values) as its number, as the console shows it: QueueState.Name raised ValueError."""
+def queue_state_name(state: int) -> str:
+    """The queue state's name, as the CLI and the console (services.console.backend) show it; one
+    newer than the reader (a scheduler upgraded first: the protos add values) as its number:
+    QueueState.Name raised ValueError, which in the console ended the queue sampler and with it
+    the console's process."""
     if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
         return "unknown"
     try:
@@ -407,7 +409,7 @@ def _state_name(state: int) -> str:
 
 
 def _print_queue_state(model: str, paused: bool, state: int, queued: int, options: Options) -> int:
-    name = _state_name(state)
+    name = queue_state_name(state)
     if options.json:
         print_json({"model_name": model, "paused": paused, "state": name, "queued": queued})
     else:
@@ -453,7 +455,7 @@ async def queue_drain(args: argparse.Namespace, options: Options) -> int:
     ]
     if options.json:
         answer: dict[str, object] = {
-            "state": _state_name(response.state),
+            "state": queue_state_name(response.state),
             "drained": response.drained,
             "in_flight": response.in_flight,
             "scheduler": response.scheduler,
@@ -480,7 +482,7 @@ async def queue_undrain(args: argparse.Namespace, options: Options) -> int:
 
     if options.json:
         answer: dict[str, object] = {
-            "state": _state_name(response.state),
+            "state": queue_state_name(response.state),
             "was_draining": response.was_draining,
             "scheduler": response.scheduler,
         }
@@ -508,7 +510,7 @@ def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
         "model_name": model.model_name,
         "paused": model.paused,
         "draining": model.draining,
-        "state": _state_name(model.state),
+        "state": queue_state_name(model.state),
         "in_flight": model.in_flight,
         "connected_batchers": model.connected_batchers,
         "free_credits": model.free_credits,

@@ -19,7 +19,7 @@ from asyncinfer.client import Job, JobState, ModelInfo
 from asyncinfer.client._convert import job_from_proto, models_from_proto, state_to_proto
 from asyncinfer.client.batches import FILES, Batch, batch_from_proto
 from asyncinfer.client.errors import SOCKET_CLOSED, AsyncInferClientError, DeadlineExceededError, from_rpc_error
-from asyncinfer.commands.ops import dead_letter_json
+from asyncinfer.commands.ops import dead_letter_json, queue_state_name
 from asyncinfer.config import ConsoleConfig
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import LIVENESS_SERVICE
@@ -358,7 +358,7 @@ class Backend:
                 self._channels.ops.ResumeQueue(resume, timeout=CALL_TIMEOUT_S, metadata=self._ops_metadata)
             )
         queued = f", {answer.queued} queued" if answer.HasField("queued") else ""
-        return f"{model}: {_queue_state(answer.state)}{queued}"
+        return f"{model}: {queue_state_name(answer.state)}{queued}"
 
 
 # Pages come back soon after a gateway or scheduler restart: gRPC's default reconnect backoff
@@ -431,23 +431,10 @@ def _serving_status(status: int) -> str:
     return name
 
 
-def _queue_state(state: int) -> str:
-    """The state's name; a value newer than this console (a scheduler upgraded first) is shown as
-    its number: QueueState.Name raised ValueError, which ended the queue sampler and with it the
-    console's process."""
-    if state == ops_service_pb2.QUEUE_STATE_UNSPECIFIED:
-        return "unknown"
-    try:
-        name: str = ops_service_pb2.QueueState.Name(state)  # type: ignore[arg-type]
-    except ValueError:
-        return f"state {state}"
-    return name.removeprefix("QUEUE_STATE_").lower()
-
-
 def _model_queues(model: ops_service_pb2.ModelQueueStats) -> ModelQueues:
     return ModelQueues(
         model_name=model.model_name,
-        state=_queue_state(model.state),
+        state=queue_state_name(model.state),
         priorities=tuple(
             PriorityQueue(
                 # A value newer than this console is shown as its number, not taken for NORMAL.
