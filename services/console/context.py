@@ -101,8 +101,36 @@ def fragment_or_page(
 ) -> web.Response:
     """The body alone for the page's refresh script, else the whole page."""
     if request.headers.get("X-Console-Fragment"):
-        response = web.Response(text=body, status=status, content_type="text/html")
-        if final:
-            response.headers["X-Console-Final"] = "1"
-        return response
+        return _fragment(body, status=status, final=final)
     return web.Response(text=ui.page(title, body, message=message_of(request)), status=status, content_type="text/html")
+
+
+def live_page(
+    request: web.Request,
+    title: str,
+    body: str,
+    *,
+    element_id: str,
+    refresh: str | None,
+    every_ms: int = 1000,
+    final: bool = False,
+    above: str = "",
+) -> web.Response:
+    """A page whose element `element_id` holds `body`, refreshed by the page's script
+    (services.console.html) from the URL `refresh` every `every_ms` milliseconds; None: it stays
+    put. To the script's request, `body` alone, saying `final` (nothing on it changes any more)
+    with X-Console-Final. `above`: what the whole page shows above the element."""
+    if request.headers.get("X-Console-Fragment"):
+        return _fragment(body, status=200, final=final)
+    live = "" if refresh is None else f' data-refresh="{ui.h(refresh)}" data-every="{every_ms}"'
+    return web.Response(
+        text=ui.page(title, f'{above}<div id="{element_id}"{live}>{body}</div>', message=message_of(request)),
+        content_type="text/html",
+    )
+
+
+def _fragment(body: str, *, status: int, final: bool) -> web.Response:
+    response = web.Response(text=body, status=status, content_type="text/html")
+    if final:
+        response.headers["X-Console-Final"] = "1"
+    return response

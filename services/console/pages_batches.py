@@ -13,7 +13,7 @@ from asyncinfer.client import Batch
 from asyncinfer.client.errors import AsyncInferClientError, NotFoundError
 from asyncinfer.jobs import BATCH_LABEL
 from services.console import html as ui
-from services.console.context import Context, fragment_or_page, message_of, status_of
+from services.console.context import Context, fragment_or_page, live_page, status_of
 
 PAGE_SIZE = 20
 # Batch IDs are UUIDv7s; anything else is not one (and must not reach a header or a file name).
@@ -64,14 +64,9 @@ async def batches_page(ctx: Context, request: web.Request) -> web.Response:
         more = ui.url("/batches", page_token=found.next_page_token)
         links.append(f'<a id="next-page" href="{ui.h(more)}">next page</a>')
     body = listing + " · ".join(links)
-    if request.headers.get("X-Console-Fragment"):
-        return web.Response(text=body, content_type="text/html")
     # The first page follows new batches and their progress; later pages stay put.
-    live = "" if token else ' data-refresh="/batches" data-every="2000"'
-    return web.Response(
-        text=ui.page("Batches", intro + f'<div id="batches-live"{live}>{body}</div>', message=message_of(request)),
-        content_type="text/html",
-    )
+    refresh = None if token else "/batches"
+    return live_page(request, "Batches", body, element_id="batches-live", refresh=refresh, every_ms=2000, above=intro)
 
 
 def _batch_row(batch: Batch, *, trace_url: str | None = None) -> list[str]:
@@ -133,16 +128,8 @@ async def batch_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, title, ui.error_box(error), status=status_of(error))
     body = batch_details(ctx, batch)
-    if request.headers.get("X-Console-Fragment"):
-        response = web.Response(text=body, content_type="text/html")
-        if batch.done:
-            response.headers["X-Console-Final"] = "1"
-        return response
-    live = "" if batch.done else f' data-refresh="/batches/{ui.h(batch_id)}" data-every="1000"'
-    return web.Response(
-        text=ui.page(title, f'<div id="batch"{live}>{body}</div>', message=message_of(request)),
-        content_type="text/html",
-    )
+    refresh = None if batch.done else f"/batches/{batch_id}"
+    return live_page(request, title, body, element_id="batch", refresh=refresh, final=batch.done)
 
 
 def _not_run(batch: Batch) -> str:

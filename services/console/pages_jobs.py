@@ -21,7 +21,7 @@ from asyncinfer.job_errors import MAX_ATTEMPTS, gave_up_said
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from asyncinfer.tensors import datatype_of
 from services.console import html as ui
-from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
+from services.console.context import Context, count_param, fragment_or_page, live_page, status_of
 from services.console.pages_ops import MAX_SEQUENCE
 
 PAGE_SIZES = (20, 50, 100, 200)
@@ -115,18 +115,18 @@ async def jobs_page(ctx: Context, request: web.Request) -> web.Response:
         if len(found.jobs) < size:  # ListJobs ends a page at its size limit in bytes, too
             links.append(f"{len(found.jobs)} of the {size} asked fit in one answer; the rest follow")
     body = listing + " · ".join(links)
-    if request.headers.get("X-Console-Fragment"):
-        return web.Response(text=body, content_type="text/html")
     # The first page follows new jobs; later pages stay put (their token is a position). Every 5 s,
     # not 2: each refresh is a ListJobs, which with tens of thousands of jobs in a tenant cost the
     # gateway ~0.4 s of its event loop when it scanned every key each time (a tab left open on
     # this page held the gateway's loop a fifth of the time); a job's own page follows it closely.
-    live = "" if token else f' data-refresh="{ui.h(ui.url("/jobs", **filters))}" data-every="{JOBS_REFRESH_MS}"'
-    return web.Response(
-        text=ui.page(
-            "Jobs", _filters(ctx, query) + f'<div id="jobs-live"{live}>{body}</div>', message=message_of(request)
-        ),
-        content_type="text/html",
+    return live_page(
+        request,
+        "Jobs",
+        body,
+        element_id="jobs-live",
+        refresh=None if token else ui.url("/jobs", **filters),
+        every_ms=JOBS_REFRESH_MS,
+        above=_filters(ctx, query),
     )
 
 
@@ -188,17 +188,9 @@ async def job_page(ctx: Context, request: web.Request) -> web.Response:
     body += _cancel(ctx, job)
     # Ended, with no webhook delivery still being tried: nothing on the page changes any more.
     settled = job.done and not any(d.state is CallbackDeliveryState.PENDING for d in job.callback_deliveries)
-    if request.headers.get("X-Console-Fragment"):
-        response = web.Response(text=body, content_type="text/html")
-        if settled:
-            response.headers["X-Console-Final"] = "1"
-        return response
     every = 5000 if job.done else 1000  # after its end, only its webhooks' next attempts change
-    live = "" if settled else f' data-refresh="/jobs/{ui.h(job_id)}" data-every="{every}"'
-    return web.Response(
-        text=ui.page(title, f'<div id="job"{live}>{body}</div>', message=message_of(request)),
-        content_type="text/html",
-    )
+    refresh = None if settled else f"/jobs/{job_id}"
+    return live_page(request, title, body, element_id="job", refresh=refresh, every_ms=every, final=settled)
 
 
 CANCEL_REASON = "from the web console"

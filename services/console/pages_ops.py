@@ -15,7 +15,7 @@ from asyncinfer.commands.ops import attempts_text
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL
 from services.console import html as ui
 from services.console.backend import ModelQueues
-from services.console.context import Context, count_param, fragment_or_page, message_of, status_of
+from services.console.context import Context, count_param, fragment_or_page, live_page, status_of
 
 # A stream sequence is a uint64; past this it is no sequence a dead letter has.
 MAX_SEQUENCE = 2**63 - 1
@@ -27,11 +27,8 @@ async def queues_page(ctx: Context, request: web.Request) -> web.Response:
     except AsyncInferClientError as error:
         return fragment_or_page(request, "Queues", ui.error_box(error), status=status_of(error))
     body = _queues(ctx, queues)
-    if request.headers.get("X-Console-Fragment"):
-        return web.Response(text=body, content_type="text/html")
     every = max(int(ctx.stats_interval_s * 1000), 500)
-    live = f'<div id="queues" data-refresh="/queues" data-every="{every}">{body}</div>'
-    return web.Response(text=ui.page("Queues", live, message=message_of(request)), content_type="text/html")
+    return live_page(request, "Queues", body, element_id="queues", refresh="/queues", every_ms=every)
 
 
 def _schedulers(q: ModelQueues) -> str:
