@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats.errors
@@ -190,6 +190,24 @@ async def stream_subjects(js: JetStreamContext, stream: str, subjects_filter: st
     return list(info.state.subjects or {})
 
 
+class _ApiAnswer(Protocol):
+    error: dict[str, Any] | None
+
+
+_Answer = TypeVar("_Answer", bound=_ApiAnswer)
+
+
+async def _api_request(nc: Client, subject: str, request: bytes, answer: type[_Answer], *, timeout_s: float) -> _Answer:
+    """A raw JetStream API request's answer, decoded as `answer` (only the fields it names), its
+    error raised as nats-py raises it (APIError.from_error: NotFoundError for a missing stream or
+    message, and so on)."""
+    reply = await nc.request(subject, request, timeout=timeout_s)
+    decoded = msgspec.json.decode(reply.data, type=answer)
+    if decoded.error is not None:
+        APIError.from_error(decoded.error)  # raises
+    return decoded
+
+
 class _SubjectsTotal(msgspec.Struct):
     total: int = 0
     error: dict[str, Any] | None = None
@@ -205,10 +223,7 @@ async def count_subjects(nc: Client, stream: str, subjects_filter: str, *, timeo
     total only (~1 KB whatever the count; the server's cost grows with the count: ~0.5 ms at
     100, ~1.2 ms at 1,000, ~7 ms at 10,000 on a 2-core machine)."""
     request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": _PAST_EVERY_PAGE})
-    reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
-    answer = msgspec.json.decode(reply.data, type=_SubjectsTotal)
-    if answer.error is not None:
-        APIError.from_error(answer.error)  # raises: NotFoundError for a missing stream, and so on
+    answer = await _api_request(nc, stream_info_subject(stream), request, _SubjectsTotal, timeout_s=timeout_s)
     return answer.total
 
 
@@ -229,10 +244,7 @@ async def subject_pages(nc: Client, stream: str, subjects_filter: str, *, timeou
     offset = 0
     while True:
         request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": offset})
-        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
-        page = msgspec.json.decode(reply.data, type=_SubjectsPage)
-        if page.error is not None:
-            APIError.from_error(page.error)  # raises: NotFoundError for a missing stream, and so on
+        page = await _api_request(nc, stream_info_subject(stream), request, _SubjectsPage, timeout_s=timeout_s)
         subjects = list((page.state.subjects if page.state is not None else None) or {})
         if subjects:
             yield subjects
@@ -248,10 +260,7 @@ async def count_messages(nc: Client, stream: str, subjects_filter: str, *, timeo
     counted, offset = 0, 0
     while True:
         request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": offset})
-        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
-        page = msgspec.json.decode(reply.data, type=_SubjectsPage)
-        if page.error is not None:
-            APIError.from_error(page.error)  # raises
+        page = await _api_request(nc, stream_info_subject(stream), request, _SubjectsPage, timeout_s=timeout_s)
         subjects = (page.state.subjects if page.state is not None else None) or {}
         counted += sum(subjects.values())
         offset += len(subjects)
@@ -304,10 +313,7 @@ class _StreamPosition(msgspec.Struct):
 async def stream_position(nc: Client, stream: str, *, timeout_s: float) -> StreamPosition:
     """The stream's last sequence and the server's time, from one stream info (a raw request:
     nats-py's StreamInfo drops `ts`). Raises as JetStreamContext.stream_info does."""
-    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
-    info = msgspec.json.decode(reply.data, type=_StreamPosition)
-    if info.error is not None:
-        APIError.from_error(info.error)  # raises
+    info = await _api_request(nc, stream_info_subject(stream), b"", _StreamPosition, timeout_s=timeout_s)
     return StreamPosition(
         last_seq=info.state.last_seq if info.state is not None else 0, server_time=_server_time(info.ts)
     )
@@ -339,10 +345,7 @@ async def consumer_counts(nc: Client, stream: str, consumer: str, *, timeout_s: 
     """A consumer info as a raw request, for the server's time (`ts`), which nats-py's ConsumerInfo
     drops: ages measured against it are on the server's clock alone. Raises as
     JetStreamContext.consumer_info does (NotFoundError for a missing consumer or stream)."""
-    reply = await nc.request(consumer_info_subject(stream, consumer), b"", timeout=timeout_s)
-    info = msgspec.json.decode(reply.data, type=_ConsumerInfo)
-    if info.error is not None:
-        APIError.from_error(info.error)  # raises
+    info = await _api_request(nc, consumer_info_subject(stream, consumer), b"", _ConsumerInfo, timeout_s=timeout_s)
     return ConsumerCounts(
         num_pending=info.num_pending,
         delivered_stream_seq=info.delivered.stream_seq if info.delivered is not None else 0,
@@ -380,18 +383,12 @@ async def stored_sequences(nc: Client, stream: str, *, most_deleted: int, timeou
     `most_deleted`, a second with `deleted_details` (each deleted sequence, ~8 bytes apiece: the
     server has no cap on the list). None when more were deleted: the list would cost more than it
     saves. Exact as of the server's answer, as a read of each message is."""
-    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
-    span = msgspec.json.decode(reply.data, type=_StreamSpan)
-    if span.error is not None:
-        APIError.from_error(span.error)  # raises: NotFoundError for a missing stream, and so on
+    span = await _api_request(nc, stream_info_subject(stream), b"", _StreamSpan, timeout_s=timeout_s)
     if span.state is not None and span.state.num_deleted > 0:
         if span.state.num_deleted > most_deleted:
             return None
         request = msgspec.json.encode({"deleted_details": True})
-        reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
-        span = msgspec.json.decode(reply.data, type=_StreamSpan)
-        if span.error is not None:
-            APIError.from_error(span.error)  # raises
+        span = await _api_request(nc, stream_info_subject(stream), request, _StreamSpan, timeout_s=timeout_s)
     state = span.state or _StreamSpan.State()
     return StoredSequences(first=state.first_seq, last=state.last_seq, deleted=frozenset(state.deleted or ()))
 
@@ -413,20 +410,14 @@ async def subject_counts(
     matching), which the server keeps as it stores, where counting the matching ones walks them
     (`count_subjects`: ~7 ms at 10,000); only when there are some, and no more than `most`, a
     second that lists those matching. An empty stream is one request."""
-    reply = await nc.request(stream_info_subject(stream), b"", timeout=timeout_s)
-    size = msgspec.json.decode(reply.data, type=_StreamSize)
-    if size.error is not None:
-        APIError.from_error(size.error)  # raises: NotFoundError for a missing stream, and so on
+    size = await _api_request(nc, stream_info_subject(stream), b"", _StreamSize, timeout_s=timeout_s)
     total = size.state.num_subjects if size.state is not None else 0
     if total == 0:
         return {}
     if total > most:
         return None
     request = msgspec.json.encode({"subjects_filter": subjects_filter})
-    reply = await nc.request(stream_info_subject(stream), request, timeout=timeout_s)
-    page = msgspec.json.decode(reply.data, type=_SubjectsPage)
-    if page.error is not None:
-        APIError.from_error(page.error)  # raises
+    page = await _api_request(nc, stream_info_subject(stream), request, _SubjectsPage, timeout_s=timeout_s)
     subjects = (page.state.subjects if page.state is not None else None) or {}
     if page.total > len(subjects):  # more than one page (subjects came since the count): unknown
         return None
@@ -460,13 +451,10 @@ async def next_headers(
     none. The payload crosses the wire (no read of a WorkQueue stream leaves it out: a headers-only
     consumer beside its work consumers is refused, error 10100) but is skipped, not decoded."""
     request = msgspec.json.encode({"seq": max(from_seq, 1), "next_by_subj": subjects_filter})
-    reply = await nc.request(stream_msg_get_subject(stream), request, timeout=timeout_s)
-    answer = msgspec.json.decode(reply.data, type=_StoredHeaders)
-    if answer.error is not None:
-        try:
-            APIError.from_error(answer.error)  # raises
-        except NotFoundError:
-            return None
+    try:
+        answer = await _api_request(nc, stream_msg_get_subject(stream), request, _StoredHeaders, timeout_s=timeout_s)
+    except NotFoundError:
+        return None
     if answer.message is None:
         return None
     block = base64.b64decode(answer.message.hdrs) if answer.message.hdrs else b""
@@ -485,13 +473,10 @@ async def delete_message(nc: Client, stream: str, seq: int, *, timeout_s: float)
     a WorkQueue stream is not erased either, so a deleted job's inputs are no more exposed than
     any finished job's."""
     request = msgspec.json.encode({"seq": seq, "no_erase": True})
-    reply = await nc.request(stream_msg_delete_subject(stream), request, timeout=timeout_s)
-    answer = msgspec.json.decode(reply.data, type=_Deleted)
-    if answer.error is not None:
-        try:
-            APIError.from_error(answer.error)  # raises
-        except NotFoundError:
-            return False
+    try:
+        answer = await _api_request(nc, stream_msg_delete_subject(stream), request, _Deleted, timeout_s=timeout_s)
+    except NotFoundError:
+        return False
     return answer.success
 
 
