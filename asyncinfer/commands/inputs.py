@@ -251,20 +251,21 @@ def read_value(text: str, where: str = "the value", stdin: Callable[[], str] = l
     if text.startswith("@"):
         source = text[1:]
         if source == "-":
-            return _json(stdin(), "stdin")
+            return read_json(stdin(), "stdin")
         path = Path(source)
         try:
             if path.suffix == ".npy":
                 return np.load(path, allow_pickle=False)
-            return _json(path.read_text(), str(path))
+            return read_json(path.read_text(), str(path))
         except OSError as exc:
             raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
         except ValueError as exc:
             raise UsageError(f"{path} is not a numpy array file: {exc}") from None
-    return _json(text, where)
+    return read_json(text, where)
 
 
-def _json(text: str, where: str) -> Any:
+def read_json(text: str, where: str) -> Any:
+    """`text` as JSON; a UsageError naming `where` (a flag, a file, stdin) when it is not."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from asyncinfer.commands.inputs import (
     inputs_from_arguments,
     label_argument,
     parse_key_values,
+    read_json,
     request_from_json,
     text_argument,
 )
@@ -172,7 +172,7 @@ def build_request(args: argparse.Namespace, signatures: Signatures, stdin_text: 
     then the flags."""
     if args.request:
         text = stdin_text if args.request == "-" else _read_text(Path(args.request))
-        data = read_value_json(text, args.request)
+        data = read_json(text, "stdin" if args.request == "-" else args.request)
         if args.version and isinstance(data, dict):  # its inputs typed by the version the job pins
             data = {**data, "model_version": args.version}
         request = request_from_json(data, signatures=signatures, default_model=args.model)
@@ -233,13 +233,6 @@ def _no_inputs(signatures: Signatures, request: JobRequest) -> str:
         f"no inputs: model {request.model!r} takes {takes} (-1: any size); give {each} "
         f'(or NAME=@file.npy), or "inputs" in a request file (--request FILE)'
     )
-
-
-def read_value_json(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"{'stdin' if where == '-' else where} is not valid JSON: {exc}") from None
 
 
 def _read_text(path: Path) -> str:

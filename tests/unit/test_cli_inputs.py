@@ -3,6 +3,7 @@ is the text itself (`-i text=hello`), which before was 'not valid JSON'."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from asyncinfer.commands.inputs import Signatures, inputs_from_arguments, request_from_json
+from asyncinfer.commands.jobs import build_request
 from asyncinfer.commands.output import UsageError
 from asyncinfer.tensors import ModelSignature, TensorSpec
 
@@ -190,3 +192,15 @@ def test_a_value_that_is_not_json_says_what_to_give() -> None:
         "; give a JSON value, as -i 'x=[[1, 2, 3]]' (or a file: -i x=@array.npy, -i x=@values.json)"
     ), raised.value
     assert inputs_from_arguments("demo", ["x=[1,2,3,4]"], signatures=SIGNATURES)["x"].tolist() == [[1, 2, 3, 4]]
+
+
+@pytest.mark.parametrize(("request_arg", "named"), [("-", "stdin"), ("request.json", "request.json")])
+def test_a_request_that_is_not_json_is_refused_naming_where_it_came_from(
+    request_arg: str, named: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`submit --request FILE` and `--request -` (stdin) read JSON as `-i NAME=@FILE` does."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "request.json").write_text("{not json")
+    args = argparse.Namespace(request=request_arg, model="", version="")
+    with pytest.raises(UsageError, match=rf"^{re.escape(named)} is not valid JSON: Expecting property name"):
+        build_request(args, SIGNATURES, stdin_text="{not json")
