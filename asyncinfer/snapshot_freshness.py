@@ -17,16 +17,15 @@ So a reader keeps, with each snapshot, when it was written on the reader's monot
   as it arrives, so a dead scheduler's last value counts for SNAPSHOT_STALE_S after the reader's
   start at most.
 `updated_at` stays in the wire format: readers of the release before judge by it.
+
+The rule alone, without I/O, so that the pure merge (asyncinfer.snapshot_merge) takes in no NATS
+adapter with it; the watch that reads the server's times (`WriteTimes`) is asyncinfer.snapshot_watch's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from asyncinfer.contract import kv_stream
-from asyncinfer.nats import Client, Msg
-from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, stream_position
 from asyncinfer.queues import SNAPSHOT_STALE_S
 
 
@@ -55,51 +54,3 @@ def is_fresh(written_at: float, now: float) -> bool:
     """Whether a snapshot written at `written_at` still says its scheduler looks after the model, at
     `now` (both the reader's monotonic clock)."""
     return now - written_at <= SNAPSHOT_STALE_S
-
-
-# --- the readers' watch -------------------------------------------------------------------------
-
-
-async def read_watch_start(nc: Client, bucket: str, monotonic: Callable[[], float]) -> WatchStart:
-    """Asked just before a watch of the queues bucket subscribes (one stream info)."""
-    position = await stream_position(nc, kv_stream(bucket), timeout_s=ATTEMPT_TIMEOUT_S)
-    return WatchStart(last_seq=position.last_seq, server_time=position.server_time, read_at=monotonic())
-
-
-class WriteTimes:
-    """When each snapshot a reader's watch delivers was written, on the reader's monotonic clock:
-    `begin` just before the watch subscribes, `of` for each message it delivers."""
-
-    def __init__(self, monotonic: Callable[[], float]) -> None:
-        self._monotonic = monotonic
-        self._start: WatchStart | None = None  # None: not begun, or caught up (every write is live)
-
-    async def begin(self, nc: Client, bucket: str) -> None:
-        self._start = await read_watch_start(nc, bucket, self._monotonic)
-
-    @property
-    def start(self) -> WatchStart | None:
-        """What the stream said as the watch began; None before `begin`, and once a live write came."""
-        return self._start
-
-    def is_live(self, msg: Msg) -> bool:
-        """Whether the watch delivered `msg` as it was written (not a key's last value from before
-        the watch began). Asked before `of`."""
-        start = self._start
-        return start is None or msg.metadata.sequence.stream > start.last_seq
-
-    def of(self, msg: Msg, received_at: float) -> float:
-        """`written_at` of a message the watch delivered at `received_at` (its stream sequence and
-        the server's stamp come from its reply subject's metadata)."""
-        start = self._start
-        if start is None:
-            return received_at
-        metadata = msg.metadata
-        if metadata.sequence.stream > start.last_seq:
-            # The watch delivers in stream order: every later message is a live write too, and its
-            # metadata need not be parsed (about 1.5 µs an arrival).
-            self._start = None
-            return received_at
-        return written_at(
-            start, seq=metadata.sequence.stream, stored_time=metadata.timestamp.timestamp(), received_at=received_at
-        )

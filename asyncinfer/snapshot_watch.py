@@ -17,9 +17,9 @@ import structlog
 
 from asyncinfer.contract import kv_stream, kv_subject_prefix
 from asyncinfer.nats import KV_OP, Client, DeliverPolicy, JetStreamContext, Msg
-from asyncinfer.nats.streams import declaration
+from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, declaration, stream_position
 from asyncinfer.queues import decode_snapshot
-from asyncinfer.snapshot_freshness import WriteTimes
+from asyncinfer.snapshot_freshness import WatchStart, written_at
 from asyncinfer.snapshot_merge import HeldSnapshot, SchedulerSnapshots
 
 log = structlog.get_logger("asyncinfer.snapshot_watch")
@@ -29,6 +29,51 @@ OnMerge = Callable[[str, HeldSnapshot | None], None]
 # Called with a time on nats-server's clock (Unix seconds) and the reader's monotonic clock as it was
 # read: the server's time as the watch begins, and its stamp on each snapshot written after that.
 OnServerStamp = Callable[[float, float], None]
+
+
+async def read_watch_start(nc: Client, bucket: str, monotonic: Callable[[], float]) -> WatchStart:
+    """Asked just before a watch of the queues bucket subscribes (one stream info)."""
+    position = await stream_position(nc, kv_stream(bucket), timeout_s=ATTEMPT_TIMEOUT_S)
+    return WatchStart(last_seq=position.last_seq, server_time=position.server_time, read_at=monotonic())
+
+
+class WriteTimes:
+    """When each snapshot a reader's watch delivers was written, on the reader's monotonic clock:
+    `begin` just before the watch subscribes, `of` for each message it delivers."""
+
+    def __init__(self, monotonic: Callable[[], float]) -> None:
+        self._monotonic = monotonic
+        self._start: WatchStart | None = None  # None: not begun, or caught up (every write is live)
+
+    async def begin(self, nc: Client, bucket: str) -> None:
+        self._start = await read_watch_start(nc, bucket, self._monotonic)
+
+    @property
+    def start(self) -> WatchStart | None:
+        """What the stream said as the watch began; None before `begin`, and once a live write came."""
+        return self._start
+
+    def is_live(self, msg: Msg) -> bool:
+        """Whether the watch delivered `msg` as it was written (not a key's last value from before
+        the watch began). Asked before `of`."""
+        start = self._start
+        return start is None or msg.metadata.sequence.stream > start.last_seq
+
+    def of(self, msg: Msg, received_at: float) -> float:
+        """`written_at` of a message the watch delivered at `received_at` (its stream sequence and
+        the server's stamp come from its reply subject's metadata)."""
+        start = self._start
+        if start is None:
+            return received_at
+        metadata = msg.metadata
+        if metadata.sequence.stream > start.last_seq:
+            # The watch delivers in stream order: every later message is a live write too, and its
+            # metadata need not be parsed (about 1.5 µs an arrival).
+            self._start = None
+            return received_at
+        return written_at(
+            start, seq=metadata.sequence.stream, stored_time=metadata.timestamp.timestamp(), received_at=received_at
+        )
 
 
 class SnapshotWatch:
@@ -107,7 +152,7 @@ class SnapshotWatch:
             # Stored by the server as it was written, and here a moment later: a sample of the
             # server's clock against the reader's (a metadata parse per snapshot, ~5 µs).
             self._on_server_stamp(msg.metadata.timestamp.timestamp(), received_at)
-        written_at = self._write_times.of(msg, received_at)
-        merged = self._schedulers.arrived(snapshot, written_at=written_at, now=received_at)
+        written = self._write_times.of(msg, received_at)
+        merged = self._schedulers.arrived(snapshot, written_at=written, now=received_at)
         if self._on_merge is not None:
             self._on_merge(key, merged)
