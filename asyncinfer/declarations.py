@@ -1,5 +1,5 @@
-"""The work stream, the jobs bucket and the work consumers: what the gateway and the scheduler
-declare at start-up. Declarations are idempotent, so every service can run them in any order; the
+"""The work stream, the jobs bucket, the queues bucket and the work consumers: what the gateway and
+the scheduler declare at start-up. Declarations are idempotent, so every service can run them in any order; the
 scheduler owns the consumers.
 """
 
@@ -9,7 +9,7 @@ from asyncinfer.config import NatsConfig
 from asyncinfer.contract import WORK_SUBJECTS, work_filters
 from asyncinfer.contract import work_consumer_name as work_consumer_name
 from asyncinfer.jobs import Priority
-from asyncinfer.nats import JetStreamContext, api
+from asyncinfer.nats import JetStreamContext, KeyValue, api
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import declaration, ensure_kv_bucket, ensure_stream
 
@@ -42,6 +42,16 @@ async def ensure_jobs_bucket(js: JetStreamContext, config: NatsConfig) -> KvBuck
         limit_marker_ttl_s=config.expired_job_marker_ttl_s,
     )
     return KvBucket(name=config.jobs_bucket, kv=kv, js=js)
+
+
+async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
+    """The KV bucket of what the scheduler tells everyone of its queues (asyncinfer.queues)."""
+    return await ensure_kv_bucket(
+        js,
+        config,
+        bucket=config.queues_bucket,
+        description="asyncinfer queue snapshots, pauses and scheduler heartbeats",
+    )
 
 
 async def ensure_work_consumer(

@@ -23,26 +23,23 @@
 - Dead letters (`NatsConfig.dead_letter_stream`, subjects `asyncinfer.dead.<model>`) are the
   scheduler's own; the gateway only sees their effect: the record is FAILED (or TIMED_OUT) with
   its error, and back to QUEUED when an operator replays it.
+
+This module holds their forms and codecs, without I/O (the pure merge, asyncinfer.snapshot_merge,
+reads them): the bucket is declared in asyncinfer.declarations, and the scheduler writes its
+snapshots in services.scheduler.snapshot_writes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
-from asyncinfer.config import NatsConfig
-
 # Named in asyncinfer.contract; re-exported for their callers here.
 from asyncinfer.contract import CANCEL_SUBJECT_PREFIX as CANCEL_SUBJECT_PREFIX
 from asyncinfer.contract import cancel_subject as cancel_subject
-from asyncinfer.contract import kv_subject, snapshot_key
 from asyncinfer.contract import paused_key as paused_key
 from asyncinfer.jobs import Priority
-from asyncinfer.nats import JetStreamContext, KeyValue
-from asyncinfer.nats.requests import js_publish_many
-from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S, ensure_kv_bucket
 
 SNAPSHOT_STALE_S = 15.0
 # A model whose snapshot has not changed is written again this often (services.scheduler.
@@ -120,15 +117,6 @@ class CancelNotice:
     @classmethod
     def decode(cls, data: bytes) -> CancelNotice:
         return decode_cancel_notice(data)
-
-
-async def ensure_queues_bucket(js: JetStreamContext, config: NatsConfig) -> KeyValue:
-    return await ensure_kv_bucket(
-        js,
-        config,
-        bucket=config.queues_bucket,
-        description="asyncinfer queue snapshots, pauses and scheduler heartbeats",
-    )
 
 
 # --- codec --------------------------------------------------------------------------------------
@@ -235,20 +223,6 @@ def encode_snapshot(snapshot: QueueSnapshot) -> bytes:
             stopped=s.stopped,
         )
     )
-
-
-async def write_snapshots(js: JetStreamContext, bucket: str, snapshots: Sequence[QueueSnapshot]) -> None:
-    """Each snapshot at its model's key, the whole group pipelined: every write leaves before any
-    answer is awaited, so a round of N models costs one round trip, not N (an idle scheduler with
-    100 models wrote 50 a second, each awaited before the next). Each key is written once per
-    group and readers (the gateways' watch) take each key's latest, so nothing depends on the
-    order of the writes within it. Raises the first write's error, if any, after the others were
-    answered (the caller's next round writes them all again)."""
-    publishes = [(kv_subject(bucket, snapshot_key(s.model_name)), encode_snapshot(s), None) for s in snapshots]
-    results = await js_publish_many(js, publishes, timeout_s=ATTEMPT_TIMEOUT_S)
-    failures = [result for result in results if isinstance(result, Exception)]
-    if failures:
-        raise failures[0]
 
 
 def decode_snapshot(data: bytes) -> QueueSnapshot:

@@ -50,6 +50,7 @@ from asyncinfer.contract import (
     stream_msg_delete_subject,
     work_consumer_name,
 )
+from asyncinfer.declarations import ensure_queues_bucket
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.errors import NotFound, Unavailable
 from asyncinfer.grpc_errors import status_details, unpack_details
@@ -68,14 +69,7 @@ from asyncinfer.nats import KeyValue, NatsTimeoutError, NoRespondersError, NotFo
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import ensure_stream
 from asyncinfer.queued_notice import decode_queued_notice
-from asyncinfer.queues import (
-    CancelNotice,
-    QueueSnapshot,
-    cancel_subject,
-    decode_snapshot,
-    ensure_queues_bucket,
-    write_snapshots,
-)
+from asyncinfer.queues import CancelNotice, QueueSnapshot, cancel_subject, decode_snapshot
 from asyncinfer.snapshot_watch import SnapshotWatch
 from asyncinfer.tensor_codec import decode_tensors, to_input_proto
 from asyncinfer.tensors import Tensor
@@ -95,6 +89,7 @@ from services.scheduler.app import SchedulerApp
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.priority import PrioritySelector, TenantRoundRobin
 from services.scheduler.queue_stats import desired_batchers, waited_s
+from services.scheduler.snapshot_writes import write_snapshots
 from services.scheduler.stale_results import older_attempts_result, own_attempts_result
 from tests.nats_probes import RequestsSeen
 from tests.processes import Service

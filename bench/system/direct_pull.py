@@ -52,7 +52,7 @@ from asyncinfer import job_errors, lifecycle
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config, load_config
 from asyncinfer.contract import cancel_subject, queued_subjects
-from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_consumer, ensure_work_stream
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_queues_bucket, ensure_work_consumer, ensure_work_stream
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.gc_tuning import tune_for_serving
 from asyncinfer.job_store import JobStore
@@ -62,7 +62,7 @@ from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import Msg, Subscription
 from asyncinfer.nats.connection import connect
 from asyncinfer.queued_notice import decode_queued_notice
-from asyncinfer.queues import CancelNotice, ensure_queues_bucket
+from asyncinfer.queues import CancelNotice
 from asyncinfer.runner import run_until_stopped
 from asyncinfer.supervision import Supervisor
 from services.batcher.app import BatcherApp

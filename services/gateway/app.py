@@ -17,7 +17,7 @@ from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
-from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_queues_bucket, ensure_work_stream
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
 from asyncinfer.idempotency_claims import ClaimStore, ensure_idempotency_bucket
@@ -28,7 +28,6 @@ from asyncinfer.model_registry import ensure_models_bucket
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats.connection import client_certificates, connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
-from asyncinfer.queues import ensure_queues_bucket
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing

@@ -21,7 +21,7 @@ from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
 from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX
-from asyncinfer.declarations import ensure_jobs_bucket, ensure_work_stream
+from asyncinfer.declarations import ensure_jobs_bucket, ensure_queues_bucket, ensure_work_stream
 from asyncinfer.errors import Unavailable
 from asyncinfer.grpc_keepalive import Keepalive
 from asyncinfer.grpc_server import GrpcServer
@@ -37,7 +37,7 @@ from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.pull_inbox import PullEnd
 from asyncinfer.nats.streams import declaration
-from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice, ensure_queues_bucket, write_snapshots
+from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice
 from asyncinfer.supervision import Supervisor, cancel_and_wait
 from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
@@ -71,7 +71,7 @@ from services.scheduler.put_back_checks import check_put_backs
 from services.scheduler.queue_stats import QueueStatsReader
 from services.scheduler.queued_records import QueuedRecords
 from services.scheduler.runtime_models import RuntimeModels, declare_consumers
-from services.scheduler.snapshot_writes import SnapshotWrites
+from services.scheduler.snapshot_writes import SnapshotWrites, write_snapshots
 from services.scheduler.store_usage import StoreUsageReader
 from services.scheduler.webhooks.service import WebhookService
 from services.scheduler.work_queue import ModelQueues

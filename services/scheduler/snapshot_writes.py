@@ -1,7 +1,7 @@
-"""Which of a stats round's queue snapshots are written to the queues bucket: a model's when what
-the gateways read of it changed since its last write, else once its last write is
-`SNAPSHOT_HEARTBEAT_S` old (asyncinfer.queues: a reader takes a snapshot older than
-`SNAPSHOT_STALE_S` as no scheduler looking after the model).
+"""Which of a stats round's queue snapshots are written to the queues bucket, and the writing of
+them (`write_snapshots`): a model's when what the gateways read of it changed since its last write,
+else once its last write is `SNAPSHOT_HEARTBEAT_S` old (asyncinfer.queues: a reader takes a
+snapshot older than `SNAPSHOT_STALE_S` as no scheduler looking after the model).
 
 A scale pass: a scheduler of 100 models wrote 50 snapshots a second, each model's every
 `queue_stats_interval_s` (2 s) whether or not anything had changed, and every gateway's watch
@@ -19,7 +19,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from asyncinfer.queues import QueueSnapshot
+from asyncinfer.contract import kv_subject, snapshot_key
+from asyncinfer.nats import JetStreamContext
+from asyncinfer.nats.requests import js_publish_many
+from asyncinfer.nats.streams import ATTEMPT_TIMEOUT_S
+from asyncinfer.queues import QueueSnapshot, encode_snapshot
 from services.scheduler.queue_stats import ModelQueueSnapshot
 
 _Seen = tuple[QueueSnapshot, float]  # the shared form less its time, and the submission rate
@@ -57,3 +61,17 @@ class SnapshotWrites:
         """Some writes of the round may not have landed: the next round writes every model."""
         self._last.clear()
         self._due = {}
+
+
+async def write_snapshots(js: JetStreamContext, bucket: str, snapshots: Sequence[QueueSnapshot]) -> None:
+    """Each snapshot at its model's key, the whole group pipelined: every write leaves before any
+    answer is awaited, so a round of N models costs one round trip, not N (an idle scheduler with
+    100 models wrote 50 a second, each awaited before the next). Each key is written once per
+    group and readers (the gateways' watch) take each key's latest, so nothing depends on the
+    order of the writes within it. Raises the first write's error, if any, after the others were
+    answered (the caller's next round writes them all again)."""
+    publishes = [(kv_subject(bucket, snapshot_key(s.model_name)), encode_snapshot(s), None) for s in snapshots]
+    results = await js_publish_many(js, publishes, timeout_s=ATTEMPT_TIMEOUT_S)
+    failures = [result for result in results if isinstance(result, Exception)]
+    if failures:
+        raise failures[0]
