@@ -2,6 +2,10 @@
 
 - `asyncinfer/` (shared code, the SDK, the client CLI) never imports `services/`;
 - the three services never import one another (they talk through NATS and gRPC only);
+- no service imports what launches the services (`asyncinfer up`, the command, the apps by name);
+- the pure core (the job and batch lifecycle, the domain's forms, the queue snapshots and their
+  merge, the contract and the codecs) reaches no adapter, not even through others: no NATS, gRPC
+  server, protobuf, HTTP, SDK, CLI or service;
 - no module imports itself back through others (no import cycle at all).
 
 Generated stubs (asyncinfer/v1) are leaves: they are not parsed, imports of them are kept.
@@ -17,7 +21,48 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("asyncinfer", "services")
 GENERATED = ROOT / "asyncinfer" / "v1"
+GENERATED_PACKAGE = "asyncinfer.v1"
 SERVICES = ("services.gateway", "services.scheduler", "services.batcher", "services.console")
+# What starts the services: the `asyncinfer` command, `asyncinfer up` and the apps it makes by name.
+LAUNCHERS = (
+    "services.apps",
+    "services.cli",
+    "services.entry",
+    "services.up",
+    "services.dev_ca",
+    "services.server_extras",
+)
+# Functions of their inputs, no I/O: what the services decide with, tested without a server.
+PURE_CORE = (
+    "asyncinfer.lifecycle",
+    "asyncinfer.jobs",
+    "asyncinfer.job_errors",
+    "asyncinfer.batches",
+    "asyncinfer.batch_plans",
+    "asyncinfer.errors",
+    "asyncinfer.tensors",
+    "asyncinfer.contract",
+    "asyncinfer.drain_orders",
+    "asyncinfer.pipelines",
+    "asyncinfer.queues",
+    "asyncinfer.snapshot_merge",
+    "asyncinfer.snapshot_freshness",
+    "asyncinfer.codecs",
+)
+# Ours: the NATS adapter, the generated protobuf and gRPC stubs, the gRPC server's pieces, the SDK,
+# the CLI and the services. Theirs (a dotted prefix of what is imported): the same kinds of I/O.
+ADAPTERS = (
+    "asyncinfer.nats",
+    "asyncinfer.v1",
+    "asyncinfer.grpc_server",
+    "asyncinfer.grpc_errors",
+    "asyncinfer.grpc_handlers",
+    "asyncinfer.client",
+    "asyncinfer.commands",
+    "asyncinfer.cli",
+    "services",
+)
+IO_PACKAGES = ("nats", "aiohttp", "google.protobuf", "grpc.aio", "grpc_health")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +97,10 @@ def _is_internal(name: str) -> bool:
 
 def _resolve(name: str, modules: set[str]) -> str:
     """The module an imported dotted name stands for: the longest prefix that is a module of ours
-    (`services.batcher.backends.Arrays` is the package)."""
+    (`services.batcher.backends.Arrays` is the package); a generated stub by its own name (its
+    package is not read, so the longest prefix would be `asyncinfer`)."""
+    if _in(name, GENERATED_PACKAGE):
+        return name
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
         candidate = ".".join(parts[:end])
@@ -84,6 +132,46 @@ def _imports(module: str, path: Path, modules: set[str]) -> Iterator[Edge]:
                 imported = _resolve(name, modules)
                 if imported != module:
                     yield Edge(module, imported, where)
+
+
+def _external_imports(path: Path) -> Iterator[tuple[str, int]]:
+    """Each absolute import of a package not ours, as the dotted names it takes (`from grpc import
+    aio`: grpc.aio), with its line."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            if not _is_internal(name):
+                yield name, node.lineno
+
+
+def _reached(edges: list[Edge], roots: set[str]) -> dict[str, Edge | None]:
+    """Every module the roots import, straight or through others, each with the import that first
+    reached it (None for a root)."""
+    successors: dict[str, list[Edge]] = {}
+    for edge in edges:
+        successors.setdefault(edge.importer, []).append(edge)
+    reached: dict[str, Edge | None] = dict.fromkeys(roots)
+    work = sorted(roots)
+    while work:
+        for edge in successors.get(work.pop(), []):
+            if edge.imported not in reached:
+                reached[edge.imported] = edge
+                work.append(edge.imported)
+    return reached
+
+
+def _path_to(reached: dict[str, Edge | None], module: str) -> str:
+    chain = []
+    edge = reached[module]
+    while edge is not None:
+        chain.append(str(edge))
+        edge = reached[edge.importer]
+    return " <- ".join(chain)
 
 
 def _graph() -> list[Edge]:
@@ -152,6 +240,8 @@ def test_the_graph_is_read_from_the_source() -> None:
     # A known import at module level and one inside a function: the walk sees both.
     assert any(e.importer == "services.scheduler.app" and e.imported == "services.scheduler.dispatcher" for e in edges)
     assert any(e.importer == "services.apps" and e.imported == "services.batcher.app" for e in edges)
+    # An import of a generated stub is kept by the stub's name.
+    assert any(e.importer == "asyncinfer.blobs" and e.imported == "asyncinfer.v1.tensor_pb2" for e in edges)
     assert len({e.importer for e in edges}) > 50
 
 
@@ -169,6 +259,42 @@ def test_the_services_never_import_one_another() -> None:
         if importer != imported and _in(e.importer, importer) and _in(e.imported, imported)
     ]
     assert not across, "one service imports another:" + _report(across)
+
+
+def test_the_services_never_import_their_launchers() -> None:
+    upward = [
+        e
+        for e in _graph()
+        for service in SERVICES
+        for launcher in LAUNCHERS
+        if _in(e.importer, service) and _in(e.imported, launcher)
+    ]
+    assert not upward, "a service imports what launches it:" + _report(upward)
+
+
+def test_the_pure_core_reaches_no_adapter() -> None:
+    sources = _sources()
+    core = {m for m in sources for package in PURE_CORE if _in(m, package)}
+    assert core >= set(PURE_CORE), f"not modules: {sorted(set(PURE_CORE) - core)}"
+    reached = _reached(_graph(), core)
+    adapters = {module for module in reached if any(_in(module, adapter) for adapter in ADAPTERS)}
+    found = [f"{module}: {_path_to(reached, module)}" for module in sorted(adapters)]
+    # The I/O packages an adapter imports are its business; a core module's, or a helper's, are not.
+    found += [
+        f"{name} ({sources[module].relative_to(ROOT)}:{line}){' <- ' + _path_to(reached, module) if reached[module] else ''}"
+        for module in sorted(set(reached) - adapters)
+        if module in sources
+        for name, line in _external_imports(sources[module])
+        if any(_in(name, package) for package in IO_PACKAGES)
+    ]
+    assert not found, "the pure core reaches an adapter:\n  " + "\n  ".join(found)
+
+
+def test_the_reach_is_followed_through_other_modules() -> None:
+    edges = [Edge("core", "middle", "x:1"), Edge("middle", "asyncinfer.nats.kv", "x:2"), Edge("other", "core", "x:3")]
+    reached = _reached(edges, {"core"})
+    assert set(reached) == {"core", "middle", "asyncinfer.nats.kv"}
+    assert _path_to(reached, "asyncinfer.nats.kv") == "middle -> asyncinfer.nats.kv (x:2) <- core -> middle (x:1)"
 
 
 def test_there_is_no_import_cycle() -> None:
