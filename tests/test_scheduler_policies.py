@@ -1696,11 +1696,76 @@ async def test_a_job_put_back_after_a_nats_failure_at_its_dispatch_keeps_its_ten
     await batcher.grant(1)
     await asyncio.wait_for(failed.wait(), 10)
     if failing == "running_write":  # its order went out ahead of the write, and was cancelled
-        assert (await batcher.next_order()).job_id == failing_job
+        sent = await batcher.next_order()
+        assert sent.job_id == failing_job
         assert (await batcher.next_cancel()).job_id == failing_job
-    order = await batcher.next_order(timeout_s=10)  # on the credit the failed dispatch gave back
+        # Its credit stays spent: the batcher answers the cancelled order and grants it again.
+        dropped = worker_service_pb2.WorkResult(job_id=sent.job_id, attempt=sent.attempt, dropped=True)
+        await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+        await batcher.grant(1)
+    order = await batcher.next_order(timeout_s=10)  # on the credit the failed dispatch gave back, or the new one
     assert order.job_id == a_next, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
     assert queues.selector._served[Priority.NORMAL] == served_normal + 1
+
+
+async def test_an_order_sent_ahead_of_a_running_write_that_fails_keeps_its_credit_spent(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An order sent before its RUNNING write (a queued job, inputs inline) took the batcher's
+    slot: when the write then met a NATS failure the order was cancelled, yet the dispatch gave
+    its credit back, and the batcher granted it again once it answered the cancelled order (as
+    a batcher does when an item leaves: services.batcher.work_session's top-up). The scheduler
+    then held one credit more than the batcher had free slots, for good. Here a batcher of one
+    slot grants 1, the first job's write fails once (two jobs queued meanwhile), the batcher
+    answers the cancelled order dropped and grants 1: two credits granted, one order answered, so
+    one order may be outstanding (old code: both queued jobs sent, three orders on two credits)."""
+    monkeypatch.setattr(job_dispatch, "DISPATCH_RETRY_DELAY_S", 30.0)  # the failed job stays away
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    dispatcher = h.dispatcher()
+    registry = h.app.batchers
+    credit = registry.credit_event(MODEL)
+    granted = 0
+    real_grant = registry.grant
+
+    def counted_grant(session: Any, model_name: str, credits: int) -> None:
+        nonlocal granted
+        granted += credits  # as the scheduler reads them, in the stream's order
+        real_grant(session, model_name, credits)
+
+    monkeypatch.setattr(registry, "grant", counted_grant)
+    store: Any = h.app.flow._dispatch._store
+    real_publish = store._publish
+    failing_job, first, second = new_job_id(), new_job_id(), new_job_id()
+    failed = asyncio.Event()
+
+    async def fails_once(*args: Any, **kwargs: Any) -> Any:
+        if not failed.is_set() and args[0].job_id == failing_job:
+            failed.set()
+            await enqueue(h.nc, h.kv, job_id=first)
+            await enqueue(h.nc, h.kv, job_id=second)
+            raise NatsTimeoutError()  # the RUNNING write's compare-and-set
+        return await real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_publish", fails_once)
+    batcher = await h.batcher()
+    await enqueue(h.nc, h.kv, job_id=failing_job)
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == failing_job  # sent ahead of its write
+    assert (await batcher.next_cancel()).job_id == failing_job
+    dropped = worker_service_pb2.WorkResult(job_id=order.job_id, attempt=order.attempt, dropped=True)
+    await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+    await batcher.grant(1)  # its slot is free again
+
+    async def quiet() -> bool:
+        """Both grants read, no credit left and no round under way: nothing more will be sent."""
+        return granted == 2 and not credit.is_set() and dispatcher._between_rounds.is_set()
+
+    await until(quiet)
+    outstanding = sorted(h.app.flow.in_flight)
+    sent = [order.job_id] + [(await batcher.next_order()).job_id for _ in outstanding]
+    assert len(sent) <= granted, f"{len(sent)} orders on {granted} credits: {sent}"
+    assert outstanding == [first], outstanding
 
 
 async def test_resume_counts_the_jobs_it_lets_go_though_a_dispatcher_takes_them_at_once(

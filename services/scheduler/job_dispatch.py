@@ -131,24 +131,29 @@ class JobDispatch:
                 return await self._traced_dispatch(msg, envelope, session, job_log)
             return await self._dispatch(msg, envelope, session, job_log)
         except Exception as exc:
-            # NATS trouble mid-way: the message comes back after a pause, and the record (if
-            # RUNNING) is taken over by the next attempt. A NATS failure is said in one line, raw
-            # or as the store's Unavailable (a leader election logged a traceback per job; one
-            # with locals, rendered on the event loop, takes 0.4-1.5 s on 2 loaded cores: a
-            # burst of them held the whole process). Anything else is a bug: its traceback.
-            if isinstance(exc, Unavailable):
-                job_log.warning("dispatch_failed", error=exc.message)
-            elif isinstance(exc, NATS_FAILURES):
-                job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
-            else:
-                job_log.exception("dispatch_failed")
-            if isinstance(exc, (Unavailable, *NATS_FAILURES)):
-                # Unrun: NATS is met only before the order is held here (an order sent ahead of
-                # a write that failed was cancelled, its answer dropped), so choosing it again
-                # must not charge its tenant and priority twice. A bug may strike after: no refund.
-                _refund_choice()
-            await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
+            await self._failed(msg, job_log, exc)
             return False
+
+    async def _failed(self, msg: Msg, job_log: JobLog, exc: Exception) -> None:
+        """A dispatch that raised: its job goes back to the queue. The caller says whether its
+        credit was spent (an order sent ahead of its write: _run)."""
+        # NATS trouble mid-way: the message comes back after a pause, and the record (if
+        # RUNNING) is taken over by the next attempt. A NATS failure is said in one line, raw
+        # or as the store's Unavailable (a leader election logged a traceback per job; one
+        # with locals, rendered on the event loop, takes 0.4-1.5 s on 2 loaded cores: a
+        # burst of them held the whole process). Anything else is a bug: its traceback.
+        if isinstance(exc, Unavailable):
+            job_log.warning("dispatch_failed", error=exc.message)
+        elif isinstance(exc, NATS_FAILURES):
+            job_log.warning("dispatch_failed", error=f"{type(exc).__name__}: {exc}")
+        else:
+            job_log.error("dispatch_failed", exc_info=exc)
+        if isinstance(exc, (Unavailable, *NATS_FAILURES)):
+            # Unrun: NATS is met only before the order is held here (an order sent ahead of
+            # a write that failed was cancelled, its answer dropped), so choosing it again
+            # must not charge its tenant and priority twice. A bug may strike after: no refund.
+            _refund_choice()
+        await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
 
     async def _traced_dispatch(
         self, msg: Msg, envelope: WorkEnvelope, session: BatcherSession, job_log: JobLog
@@ -271,8 +276,11 @@ class JobDispatch:
         at light load): the attempt the write will count is known (lifecycle.dispatch), the
         batcher's answer waits for the write (Leases.settled_before), and an attempt the write
         refuses or loses has its order cancelled and its answer dropped. Its credit stays spent
-        either way: the batcher took the order. Not for a job whose cancel was heard (a queued
-        job's cancel is announced too): its write is likely refused, and nothing should run."""
+        either way, a write that raised included (True): the batcher took the order, and grants
+        the credit again once the order leaves it (answered, or dropped at the cancel); given
+        back here too, the scheduler counted one credit more than the batcher had free slots.
+        Not for a job whose cancel was heard (a queued job's cancel is announced too): its write
+        is likely refused, and nothing should run."""
         now = time.time()
         event = lifecycle.Dispatch(
             batcher_id=session.batcher_id,
@@ -290,12 +298,17 @@ class JobDispatch:
         self._leases.expect(envelope.job_id, order.attempt)
         session.send(order)
         held = False
+        failure: Exception | None = None
         try:
             held = await self._write_and_send(msg, envelope, session, job_log, record, event, now, trace, order)
+        except Exception as exc:
+            failure = exc  # put back once its order is cancelled
         finally:
             if not held and not session.closed:
                 session.send(CancelOrder(job_id=order.job_id, attempt=order.attempt))
             self._leases.expected(order.job_id, order.attempt, held=held)
+        if failure is not None:
+            await self._failed(msg, job_log, failure)
         return True
 
     def _sends_early(
