@@ -1708,6 +1708,145 @@ async def test_a_job_put_back_after_a_nats_failure_at_its_dispatch_keeps_its_ten
     assert queues.selector._served[Priority.NORMAL] == served_normal + 1
 
 
+async def b_served_last(h: Harness, batcher: ScriptedBatcher) -> float:
+    """Runs one job of tenant b on the batcher, so that tenant a's turn is next; NORMAL's count of
+    jobs served then."""
+    served = await enqueue(h.nc, h.kv, tenant="b")
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == served
+    await batcher.answer(order)
+    return float(h.dispatcher().queues.selector._served[Priority.NORMAL])
+
+
+async def test_a_job_put_back_as_its_record_is_not_written_yet_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose record an older gateway had not written yet (job_record_not_written_yet: its
+    message, not a record itself, came first) goes back to wait for it, unrun, but stayed charged
+    to its tenant and priority. b served last, a's job put back so (a's and b's next jobs queued
+    as its record is read, the put-back job kept away by a 30-s retry delay): the next round sends
+    a's next job (old code: b's; NORMAL's count 2 past where it was, not 1)."""
+    monkeypatch.setattr(job_dispatch, "DISPATCH_RETRY_DELAY_S", 30.0)
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    batcher = await h.batcher()
+    served_normal = await b_served_last(h, batcher)
+    waiting, a_next, b_next = new_job_id(), new_job_id(), new_job_id()
+    store: Any = h.app.flow._dispatch._store
+    real_recorded = store.recorded
+    read = asyncio.Event()
+
+    async def recorded(key: str) -> Any:
+        if waiting in key and not read.is_set():
+            read.set()
+            await enqueue(h.nc, h.kv, tenant="a", job_id=a_next)
+            await enqueue(h.nc, h.kv, tenant="b", job_id=b_next)
+        return await real_recorded(key)
+
+    monkeypatch.setattr(store, "recorded", recorded)
+    with capture_logs() as logs:
+        await enqueue(h.nc, h.kv, tenant="a", job_id=waiting, legacy=True, with_record=False)
+        await batcher.grant(1)
+        order = await batcher.next_order()  # on the credit the put-back job gave back
+    assert [e["job_id"] for e in logs if e["event"] == "job_record_not_written_yet"] == [waiting]
+    assert order.job_id == a_next, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
+    assert h.dispatcher().queues.selector._served[Priority.NORMAL] == served_normal + 1
+
+
+async def test_a_job_put_back_as_its_batcher_left_during_its_write_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose batcher left while its RUNNING write was in flight, its order not sent yet, goes
+    straight back to the queue unrun (its attempt given back), but stayed charged to its tenant and
+    priority. b served last on b1; a's job (an older gateway's message: no order before the write)
+    is dispatched to b1, which leaves during the write (a's and b's next jobs queued meanwhile); b2
+    then grants a credit, and the next round sends a's job again (old code: b's next; NORMAL's
+    count 2 past where it was, not 1)."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    b1 = await h.batcher("b1")
+    b2 = await h.batcher("b2")
+    served_normal = await b_served_last(h, b1)
+    left, a_next, b_next = new_job_id(), new_job_id(), new_job_id()
+    store: Any = h.app.flow._dispatch._store
+    real_publish = store._publish
+    registry = h.app.batchers
+
+    async def b1_gone() -> bool:
+        return all(session.batcher_id != "b1" for session in registry.sessions)
+
+    async def leaves_during(*args: Any, **kwargs: Any) -> Any:
+        if args[0].job_id == left and args[0].state is JobState.RUNNING and await b1_gone() is False:
+            # b's first: the put-back job comes straight back, ahead of both, and a round's
+            # window (two jobs for one slot) holds it and b's, so the turn decides between them.
+            await enqueue(h.nc, h.kv, tenant="b", job_id=b_next)
+            await enqueue(h.nc, h.kv, tenant="a", job_id=a_next)
+            h.batchers.remove(b1)
+            await b1.break_stream()
+            await until(b1_gone)
+        return await real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_publish", leaves_during)
+    await enqueue(h.nc, h.kv, tenant="a", job_id=left, legacy=True)
+    await b1.grant(1)
+
+    async def requeued() -> bool:  # by the scheduler, its batcher gone
+        record = decode_record((await h.kv.get(job_key("a", left))).value or b"")
+        return record.state is JobState.QUEUED and record.last_error is not None
+
+    await until(requeued)
+    record = decode_record((await h.kv.get(job_key("a", left))).value or b"")
+    assert record.last_error is not None
+    assert record.last_error.reason == "WORKER_LOST", record.last_error
+    await b2.grant(1)
+    order = await b2.next_order()
+    assert order.job_id == left, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
+    assert h.dispatcher().queues.selector._served[Priority.NORMAL] == served_normal + 1
+
+
+async def test_a_job_put_back_after_its_attempt_mismatched_its_early_order_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job whose order went out ahead of its RUNNING write, which another writer's record then
+    made a different attempt (dispatch_attempt_mismatch: here another scheduler had written attempt
+    1), goes straight back unrun, its order cancelled and its attempt given back, but stayed
+    charged to its tenant and priority. b served last; a's job mismatches (a's and b's next jobs
+    queued as its write goes); the batcher answers the cancelled order and grants again; the next
+    round sends a's job again (old code: b's next; NORMAL's count 2 past where it was, not 1)."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    batcher = await h.batcher()
+    served_normal = await b_served_last(h, batcher)
+    mismatched, a_next, b_next = new_job_id(), new_job_id(), new_job_id()
+    store: Any = h.app.flow._dispatch._store
+    real_publish = store._publish
+    written = asyncio.Event()
+
+    async def another_writer_first(*args: Any, **kwargs: Any) -> Any:
+        if args[0].job_id == mismatched and not written.is_set():
+            written.set()
+            # b's first: the put-back job comes straight back, ahead of both, and a round's
+            # window (two jobs for one slot) holds it and b's, so the turn decides between them.
+            await enqueue(h.nc, h.kv, tenant="b", job_id=b_next)
+            await enqueue(h.nc, h.kv, tenant="a", job_id=a_next)
+            elsewhere = args[0].evolve(dispatched_by="another scheduler")  # its attempt 1, RUNNING
+            await h.kv.create(job_key("a", mismatched), encode_record(elsewhere))
+        return await real_publish(*args, **kwargs)
+
+    monkeypatch.setattr(store, "_publish", another_writer_first)
+    with capture_logs() as logs:
+        await enqueue(h.nc, h.kv, tenant="a", job_id=mismatched)
+        await batcher.grant(1)
+        sent = await batcher.next_order()
+        assert (sent.job_id, sent.attempt) == (mismatched, 1)
+        assert (await batcher.next_cancel()).attempt == 1
+    assert [e["job_id"] for e in logs if e["event"] == "dispatch_attempt_mismatch"] == [mismatched]
+    dropped = worker_service_pb2.WorkResult(job_id=sent.job_id, attempt=sent.attempt, dropped=True)
+    await batcher._call.write(worker_service_pb2.ConnectRequest(result=dropped))
+    await batcher.grant(1)
+    order = await batcher.next_order()
+    assert order.job_id == mismatched, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
+    assert h.dispatcher().queues.selector._served[Priority.NORMAL] == served_normal + 1
+
+
 async def test_an_order_sent_ahead_of_a_running_write_that_fails_keeps_its_credit_spent(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -46,9 +46,11 @@ DISPATCH_RETRY_DELAY_S = 1.0
 # for it. A contextvar rather than a parameter through the five calls between the two.
 INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_read_started", default=None)
 # Set likewise: called when the dispatch puts its job back unrun, to be chosen again (it waits for
-# its version: no batcher serves it, or those that do have no free slot; or a NATS failure stopped
-# its dispatch), so that the dispatcher refunds what choosing it charged
-# (services.scheduler.work_queue.ModelQueues.refund_job). Called once at most (_refund_choice).
+# its version: no batcher serves it, or those that do have no free slot; a NATS failure stopped its
+# dispatch; its record is not written yet; its batcher left during its write, its order not sent;
+# another writer's attempt came between its order and its write), so that the dispatcher refunds
+# what choosing it charged (services.scheduler.work_queue.ModelQueues.refund_job). Called once at
+# most (_refund_choice).
 PUT_BACK_UNRUN: ContextVar[Callable[[], None] | None] = ContextVar("put_back_unrun", default=None)
 # Pauses while waiting for a record that an older gateway writes right after its publish. An idle
 # scheduler is woken by that very publish and pulls the message while the gateway is still waiting
@@ -200,6 +202,7 @@ class JobDispatch:
         age_s = time.time() - envelope.create_time
         if age_s < self._config.scheduler.orphan_message_grace_s:
             job_log.info("job_record_not_written_yet", age_s=round(age_s, 3))
+            _refund_choice()  # unrun, waiting for its gateway's write: not its tenant's turn
             await self._settlement.put_back(msg, DISPATCH_RETRY_DELAY_S)
         else:
             job_log.warning("orphan_work_message_dropped", age_s=round(age_s, 1))
@@ -384,14 +387,19 @@ class JobDispatch:
             # with its attempt given back unless its order went out before the write (it may have
             # run, as any job a lost batcher held). Not given back, a scheduler waking from a
             # freeze spent an attempt of each job it pulled for the batchers that had left.
+            # Its choice is refunded on the same terms (its tenant's turn, its priority's count).
             error = job_errors.worker_lost(session.batcher_id, latest.attempt)
+            if sent is None:
+                _refund_choice()
             await self._settlement.requeue(latest, msg, job_log, error, delay_s=0.0, refund=sent is None)
             return False
         if sent is not None and sent.attempt != latest.attempt:
             # The write was decided on a newer record than the order (another writer came
             # between): the order is cancelled (by _run) and the job goes straight back, rather
-            # than a second order on the credit the first one spent.
+            # than a second order on the credit the first one spent. Its attempt and its choice
+            # are refunded: its order's answer is dropped, so it did not run for its tenant.
             job_log.warning("dispatch_attempt_mismatch", sent_attempt=sent.attempt)
+            _refund_choice()
             await self._settlement.requeue(latest, msg, job_log, job_errors.dropped_unrun(), delay_s=0.0, refund=True)
             return False
         self._metrics.job_transition(latest)

@@ -37,7 +37,8 @@ back once a pause or a drain began puts back every job it brought (services.sche
 and what the pull charged is refunded (ModelQueues.refund_last_pull): the tenants' turns and the
 priorities' counts are as if it had pulled nothing, so the jobs a pause held back go first again.
 So is a job a round chose and put back to wait for its version (no batcher serves it, or none with
-a free slot: ModelQueues.refund_job), or after a NATS failure at its dispatch, alone: its
+a free slot: ModelQueues.refund_job), or after a NATS failure at its dispatch, or put back unrun
+for another reason not its own (services.scheduler.job_dispatch.PUT_BACK_UNRUN), alone: its
 priority's count, and its tenant's turn unless a later choice has passed the turn on since.
 
 This is fair among the tenants whose jobs lie near the head of the queue (within the window), not

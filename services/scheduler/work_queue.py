@@ -250,18 +250,20 @@ class ModelQueues:
         self._picks = {}
 
     def refund_job(self, priority: Priority, msg: Msg) -> None:
-        """A job this dispatcher charged (its round's pull_next, or a held pull's delivery) went
-        back unrun, to wait for its version (services.scheduler.version_routing: no batcher serves
-        it, or those that do have no free slot) or after a NATS failure at its dispatch (its
-        RUNNING write, its input's read). Its priority's count of jobs served is refunded,
-        and its tenant's turn when its choice is still the last one of its priority (undone in
-        reverse order, as several of a round's jobs may be): charged, a job that cannot run used
-        its tenant's turn (and every WAIT_UNSERVED_S again while it waited, every WAIT_BUSY_S while
-        its version's batchers were busy), so when a batcher for its version came, the tenant's
-        next job went after another tenant's queued behind it; and its priority's share of the next
-        rounds was smaller by every charge, however long it waited. A later choice of its
-        priority's (another job of the round, a later pull) keeps the turn where it is: the turn
-        has passed on since, as it would have had the job run."""
+        """A job this dispatcher charged (its round's pull_next, or a held pull's delivery) went back
+        unrun, to wait for its version (services.scheduler.version_routing: no batcher serves it, or
+        those that do have no free slot), after a NATS failure at its dispatch (its RUNNING write,
+        its input's read), or for another reason not its own (its record not written yet, its
+        batcher gone during its write, another writer's attempt between its order and its write:
+        services.scheduler.job_dispatch). Its priority's count of jobs served is refunded, and its
+        tenant's turn when its choice is still the last one of its priority (undone in reverse
+        order, as several of a round's jobs may be): charged, a job that cannot run used its
+        tenant's turn (and every WAIT_UNSERVED_S again while it waited, every WAIT_BUSY_S while its
+        version's batchers were busy), so when a batcher for its version came, the tenant's next job
+        went after another tenant's queued behind it; and its priority's share of the next rounds
+        was smaller by every charge, however long it waited. A later choice of its priority's
+        (another job of the round, a later pull) keeps the turn where it is: the turn has passed on
+        since, as it would have had the job run."""
         self.selector.charge(priority, -1)
         job_id = _job_id(msg)
         pick = self._picks.pop(job_id, None)
