@@ -26,7 +26,7 @@ import structlog
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.errors import BadRequestError, NoStreamResponseError
 
-from asyncinfer import backoff, snapshot_freshness
+from asyncinfer import backoff, snapshot_watch
 from asyncinfer.config import Config
 from asyncinfer.declarations import ensure_work_stream
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
@@ -498,13 +498,13 @@ async def test_every_service_starts_while_each_jetstream_request_of_its_start_me
 
     for call in STARTING_CALLS:
         monkeypatch.setattr(JetStreamContext, call, during_an_election(call))
-    position = snapshot_freshness.stream_position
+    position = snapshot_watch.stream_position
 
     async def position_during_an_election(nc: NatsClient, stream: str, *, timeout_s: float) -> StreamPosition:
         first_time_unanswered(nc, "stream_position", stream)
         return await position(nc, stream, timeout_s=timeout_s)
 
-    monkeypatch.setattr(snapshot_freshness, "stream_position", position_during_an_election)
+    monkeypatch.setattr(snapshot_watch, "stream_position", position_during_an_election)
     monkeypatch.setattr(streams, "retry", functools.partial(backoff.retry, first_delay_s=0.002, max_delay_s=0.01))
 
     stack = await start_stack(config)
