@@ -19,14 +19,10 @@ test: test-unit lint typecheck buf-lint buf-breaking protos-check docs-check pyt
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m unit
 
-# --no-compile: pip writes no .pyc for the ~15,700 modules it installs (transformers, torch, ...);
-# Python writes one for each module the first time it is imported (~2,100 for the services). A fresh
-# venv's install plus the first imports of what the services and tests use took 60 s against 104 s
-# (wall, median of 2 alternated runs each, session 37).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet --no-compile -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
 # Node.js runs buf (buf-lint, buf-breaking) and the Node client test (tests/test_node_client.py,
