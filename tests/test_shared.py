@@ -223,6 +223,60 @@ async def test_connect_fails_fast_without_a_server() -> None:
         await connect(NatsConfig(url=f"nats://127.0.0.1:{free_port()}", connect_timeout_s=0.5), name="test")
 
 
+def _server_with_a_login(tmp_path: Path, port: int = 0) -> NatsServerProcess:
+    return NatsServerProcess(store_dir=tmp_path / "nats", port=port, extra_args=("--user", "u", "--pass", "secret"))
+
+
+async def test_a_first_connect_with_a_wait_waits_for_the_server_and_says_so_in_one_line(tmp_path: Path) -> None:
+    """nats.first_connect_wait_s: a service started before NATS answers (a pod before the NATS
+    StatefulSet) keeps trying rather than exiting 69 after three tries, in one line, not one a try."""
+    port = free_port()
+    server = _server_with_a_login(tmp_path, port)
+    settings = NatsConfig(url=f"nats://u:secret@127.0.0.1:{port}", connect_timeout_s=0.5, first_connect_wait_s=30)
+    with structlog.testing.capture_logs() as logs:
+        connecting = asyncio.ensure_future(connect(settings, name="test"))
+        try:
+            # Past the tries a first connect gets without the wait (which then gave up).
+            await until(lambda: connecting.done() or failed_attempts(logs) > FIRST_CONNECT_ATTEMPTS)
+            assert not connecting.done(), connecting.exception()
+            await asyncio.to_thread(server.start)
+            nc = await asyncio.wait_for(connecting, 10)
+        finally:
+            connecting.cancel()
+    try:
+        await nc.flush(timeout=5)
+    finally:
+        await nc.close()
+        server.stop()
+    said = [entry for entry in logs if entry["log_level"] != "debug"]
+    assert [entry["event"] for entry in said] == ["nats_waiting_for_server"], said
+    assert said[0]["url"] == f"nats://***@127.0.0.1:{port}", said
+    assert said[0]["gives_up_after_s"] == 30
+
+
+async def test_a_first_connect_gives_up_once_its_wait_has_passed() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    settings = NatsConfig(url=url, connect_timeout_s=0.5, first_connect_wait_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(Unavailable, match=re.escape(f"cannot connect to NATS at {url}: ")):
+        await connect(settings, name="test")
+    assert 1.5 <= time.monotonic() - started < 5
+
+
+async def test_a_first_connect_with_a_wait_still_ends_at_once_on_a_refused_login(tmp_path: Path) -> None:
+    """Waiting will not change refused credentials: a configuration error (exit 2) at once."""
+    server = _server_with_a_login(tmp_path)
+    server.start()
+    try:
+        settings = NatsConfig(url=f"nats://u:wrong@127.0.0.1:{server.port}", first_connect_wait_s=30)
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="refused this connection's credentials"):
+            await connect(settings, name="test")
+        assert time.monotonic() - started < 5
+    finally:
+        server.stop()
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
     give_up_at = time.monotonic() + timeout_s
     while not condition():

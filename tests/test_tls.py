@@ -160,9 +160,11 @@ async def test_nats_over_tls_needs_the_ca_and_credentials(
     # Without the CA: a clear error at its first attempt's TLS error, not once the first connect's
     # attempts are waited out (3 x 60.5 s and 60 s).
     unverified = config.nats.model_copy(update={"tls_ca_file": None, "connect_timeout_s": 60.0})
-    with pytest.raises(ConfigError, match=r"cannot be verified.*nats\.tls_ca_file"):  # not a retry's matter
-        async with asyncio.timeout(GIVEN_UP_WITHIN_S):
-            await connect(unverified, name="test")
+    # Nor with a first connect that waits for an unreachable server (nats.first_connect_wait_s).
+    for settings in (unverified, unverified.model_copy(update={"first_connect_wait_s": 120.0})):
+        with pytest.raises(ConfigError, match=r"cannot be verified.*nats\.tls_ca_file"):  # not a retry's matter
+            async with asyncio.timeout(GIVEN_UP_WITHIN_S):
+                await connect(settings, name="test")
     # A wrong password, and a missing password file, are refused too: configuration errors (exit 2),
     # not an outage (exit 69, which an orchestrator answers by restarting it in a loop).
     wrong = tmp_path / "wrong"

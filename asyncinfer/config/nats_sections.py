@@ -11,6 +11,16 @@ from asyncinfer.config.section import Section
 class NatsConfig(Section):
     url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated for a cluster.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Timeout of one connection attempt.")
+    first_connect_wait_s: float = Field(
+        0.0,
+        ge=0,
+        description="How long a service's first connect keeps trying a NATS it cannot reach (connection refused, "
+        "name not resolved, no answer) before it gives up (exit 69, Unavailable), saying so in a line when it starts "
+        "waiting and then every 10 s. 0: it gives up after 3 tries per server (a few seconds), as `asyncinfer up` "
+        "and the CLI want. A TLS failure or refused credentials give up at once whatever it says. The Kubernetes "
+        "configuration sets 120: a pod started before the NATS StatefulSet answers waits for it rather than exiting "
+        "into CrashLoopBackOff, whose delay doubles up to 5 minutes.",
+    )
     ping_interval_s: float = Field(
         5.0,
         gt=0,

@@ -7,6 +7,11 @@ times per server (nats-py reports each failed attempt to the error callback; eac
 `connect_timeout_s`), which raises Unavailable. A server whose TLS certificate cannot be
 verified is given up on at its first failure (retrying cannot fix it, and nats-py's later attempts
 may not report at all), and the whole first connect is bounded by a deadline besides.
+
+With `nats.first_connect_wait_s`, a first connect that fails for want of a server keeps trying
+until that long has passed (and the attempts are spent): a pod started before the NATS StatefulSet
+answers waits for it rather than exiting into CrashLoopBackOff. Refused credentials and a TLS
+failure still give up at once: waiting does not change them.
 """
 
 from __future__ import annotations
@@ -93,6 +98,14 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     abandoned = asyncio.Event()  # this first connect is given up: what its close stirs up is not news
 
     attempts = FIRST_CONNECT_ATTEMPTS * max(1, len(servers))
+    # nats.first_connect_wait_s: the first connect gives up once the attempts are spent and this
+    # much time has passed, saying that it waits in one line every ERROR_LOG_INTERVAL_S meanwhile
+    # (its failures at debug: one a RECONNECT_WAIT_S per server).
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    wait_s = config.first_connect_wait_s
+    waiting = Throttle(ERROR_LOG_INTERVAL_S)
+    waited_out = 0  # the failures while waiting (first_connect_failures keeps the latest alone)
     # A server that is away is tried every RECONNECT_WAIT_S, each failure an error: one warning per
     # kind every ERROR_LOG_INTERVAL_S (the rest at debug), not one a second for as long as it is away
     # (~35 lines under `up` after its nats-server died, below the one line saying so).
@@ -102,6 +115,30 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         if PERMISSIONS_VIOLATION in str(exc).lower():
             violations.append(str(exc))
             del violations[:-MAX_VIOLATIONS_KEPT]
+        final = isinstance(exc, ssl.SSLError) or _login_refused(exc)  # waiting will not change it
+        if not connected and wait_s > 0 and not final and not abandoned.is_set():
+            nonlocal waited_out
+            waited_out += 1
+            first_connect_failures.append(exc)
+            del first_connect_failures[:-attempts]  # a failure a RECONNECT_WAIT_S per server, for minutes
+            waited_s = loop.time() - started
+            if waited_out >= attempts and waited_s >= wait_s:
+                gave_up.set()  # its caller says why, in the line that gives up
+                log.debug("nats_error", error=str(exc))
+                return
+            held = waiting.allow("waiting")
+            if held is None:
+                log.debug("nats_error", error=str(exc))
+            else:
+                log.warning(
+                    "nats_waiting_for_server",
+                    url=shown,
+                    error=_explain(exc),
+                    waited_s=round(waited_s, 1),
+                    gives_up_after_s=wait_s,
+                    **({"attempts_since_last": held} if held else {}),
+                )
+            return
         held = errors.allow(str(exc))
         if abandoned.is_set():
             log.debug("nats_error", error=str(exc))
@@ -113,7 +150,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             log.warning("nats_error", error=str(exc), **({"more_since_last": held} if held else {}))
         if not connected:
             first_connect_failures.append(exc)
-            if len(first_connect_failures) >= attempts or isinstance(exc, ssl.SSLError) or _login_refused(exc):
+            if len(first_connect_failures) >= attempts or final:
                 gave_up.set()
         elif tls is not None and not client.is_connected and not client.is_closed:
             # A reconnect that failed (the server away, or refusing a certificate that expired
@@ -168,7 +205,7 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         options["tls"] = tls.current()
     connecting = asyncio.ensure_future(client.connect(**options))
     giving_up = asyncio.ensure_future(gave_up.wait())
-    deadline_s = attempts * (config.connect_timeout_s + RECONNECT_WAIT_S) + config.connect_timeout_s
+    deadline_s = attempts * (config.connect_timeout_s + RECONNECT_WAIT_S) + config.connect_timeout_s + wait_s
     try:
         await asyncio.wait((connecting, giving_up), timeout=deadline_s, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
