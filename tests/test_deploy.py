@@ -410,6 +410,13 @@ def test_the_mounted_configuration_loads_and_matches_the_cluster(overlay: str, t
             assert command[command.index("--ca") + 1] == f"{SECRET_DIR}/tls/ca.crt", (name, probe)
             if service == "scheduler":  # it requires client certificates: its probe presents its own
                 assert command[command.index("--cert") + 1] == f"{SECRET_DIR}/tls/tls.crt", (name, probe)
+        if service in ("gateway", "scheduler"):
+            # They serve once connected to NATS: their startup probe outlasts the wait for it (with
+            # a minute to start in), or a pod started before NATS answers is killed while it waits.
+            startup = container(deployment)["startupProbe"]
+            window_s = startup["periodSeconds"] * startup["failureThreshold"]
+            assert cfg.nats.first_connect_wait_s > 0, name
+            assert window_s >= cfg.nats.first_connect_wait_s + 60, (name, window_s)
         if service == "batcher":
             assert cfg.batcher.scheduler_address == f"scheduler:{scheduler_port}"
             for model in cfg.models:  # the pool's model is the one the gateway validates against

@@ -47,6 +47,9 @@ HERE = Path(__file__).resolve().parent
 NATS_URL = ",".join(f"nats://nats-{i}.nats-headless:4222" for i in range(3))
 # Each server's monitoring port: the schedulers read its store and its max_file_store (/jsz).
 NATS_MONITOR_URLS = [f"http://nats-{i}.nats-headless:8222" for i in range(3)]
+# A pod started before the NATS StatefulSet answers (a fresh install, a cluster restart) waits for
+# it this long rather than exiting 69 into CrashLoopBackOff, whose delay doubles up to 5 minutes.
+NATS_FIRST_CONNECT_WAIT_S = 120.0
 
 MINILM_MODEL = ModelConfig(
     name="minilm-l6",
@@ -139,7 +142,7 @@ def nats_conf(*, batcher: bool = False) -> str:
 
 def cluster_config(models: tuple[ModelConfig, ...]) -> Config:
     return Config(
-        nats=NatsConfig(url=NATS_URL, replicas=3),
+        nats=NatsConfig(url=NATS_URL, replicas=3, first_connect_wait_s=NATS_FIRST_CONNECT_WAIT_S),
         gateway=GatewayConfig(host="0.0.0.0"),
         scheduler=SchedulerConfig(host="0.0.0.0", nats_monitor_urls=NATS_MONITOR_URLS),
         batcher=BatcherConfig(host="0.0.0.0", scheduler_address="scheduler:50052"),
