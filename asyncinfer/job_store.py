@@ -23,15 +23,22 @@ import asyncio
 import math
 from collections.abc import Callable
 
+import structlog
+
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.contract import KV_OPERATION_HEADER, job_work_lookup, job_work_subject
-from asyncinfer.errors import NotFound, Unavailable
+from asyncinfer.errors import AsyncInferError, NotFound, Unavailable
 from asyncinfer.ids import is_job_id
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError, NatsError
 from asyncinfer.nats.kv import KvBucket, kv_last_write, kv_latest, kv_put_expecting
 from asyncinfer.nats.streams import last_stored
+
+log = structlog.get_logger("asyncinfer.job_store")
+
+# The keys an UnreadableOnce remembers having said (then it forgets them all and says each again).
+UNREADABLE_KEYS_KEPT = 10_000
 
 # What a KV call raises when NATS is unreachable or the request times out.
 NATS_FAILURES = (NatsError, asyncio.TimeoutError)
@@ -43,6 +50,51 @@ Decide = Callable[[JobRecord], JobRecord | None]
 # Told of each write `transition` made: the record it replaced, then the one written. Must not block
 # or raise (asyncinfer.claim_lifetimes queues work of its own).
 AfterWrite = Callable[[JobRecord, JobRecord], None]
+
+
+class UnreadableJob(AsyncInferError):
+    """A job record this release cannot decode: written by a later release (a state or a field
+    shape it does not know, during a rolling upgrade), or corrupted. INTERNAL JOB_UNREADABLE to a
+    caller (GetJob, CancelJob, WatchJob, ...), naming the job and its key; the scheduler leaves the
+    job alone (a scheduler that reads it runs it). It was the decoder's ValueError: UNKNOWN with a
+    traceback to a caller, and a traceback per pass in the scheduler's loops."""
+
+    def __init__(self, key: str, error: str) -> None:
+        job_id = key.partition(".")[2]
+        super().__init__(
+            f"job {job_id}'s record (key {key!r}) cannot be read by this release: {error}; written by a "
+            "later release (a rolling upgrade), or corrupted",
+            reason="JOB_UNREADABLE",
+            metadata={"job_id": job_id, "key": key},
+        )
+        self.key = key
+        self.job_id = job_id
+        self.error = error
+
+
+def decode_job(key: str, data: bytes, revision: int) -> JobRecord:
+    """decode_record, its ValueError as UnreadableJob (naming the job at `key`)."""
+    try:
+        return decode_record(data, revision=revision)
+    except ValueError as exc:
+        raise UnreadableJob(key, str(exc)) from exc
+
+
+class UnreadableOnce:
+    """Says `job_unreadable` once per key for a reader that meets the same record again and again
+    (a loop's passes, a listing's pages), not once each time; `where` names the reader."""
+
+    def __init__(self, where: str) -> None:
+        self._where = where
+        self._said: set[str] = set()
+
+    def say(self, exc: UnreadableJob) -> None:
+        if exc.key in self._said:
+            return
+        if len(self._said) >= UNREADABLE_KEYS_KEPT:
+            self._said.clear()
+        self._said.add(exc.key)
+        log.warning("job_unreadable", where=self._where, job_id=exc.job_id, key=exc.key, error=exc.error)
 
 
 class JobStore:
@@ -64,7 +116,7 @@ class JobStore:
             raise Unavailable(f"cannot read the job record: {exc}") from exc
         if last is not None:
             data, revision = last
-            return decode_record(data, revision=revision) if data else None
+            return decode_job(key, data, revision) if data else None
         queued = await self.queued(key)
         if queued is not None:
             return queued
@@ -99,7 +151,7 @@ class JobStore:
         if latest is None:
             return None
         data, revision = latest
-        return decode_record(data, revision=revision)
+        return decode_job(key, data, revision)
 
     async def drop_work_message(self, record: JobRecord) -> None:
         """Purges the job's work message: for a job whose record in the bucket ended while it was

@@ -144,7 +144,17 @@ def encode_record(record: JobRecord) -> bytes:
 
 
 def decode_record(data: bytes, revision: int = 0) -> JobRecord:
-    """The record in `data` (any version), read at KV revision `revision`."""
+    """The record in `data` (any version), read at KV revision `revision`. ValueError, whatever is
+    wrong with it (not JSON, a field missing or of another shape, a state or priority this release
+    does not know: a later release's, written during a rolling upgrade), so that a reader skips one
+    record with one `except` (asyncinfer.job_store.UnreadableJob)."""
+    try:
+        return _decoded(data, revision)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a job record: {type(exc).__name__}: {exc}") from exc
+
+
+def _decoded(data: bytes, revision: int) -> JobRecord:
     w = _decoder.decode(data)
     batch, callback = w.batch, w.callback
     return JobRecord(

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from asyncinfer.contract import tenant_work_subjects
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
 from asyncinfer.ids import is_job_id
-from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import subject_pages
@@ -193,6 +193,7 @@ class JobLister:
         self._work_stream = work_stream
         self._max_page_bytes = max_page_bytes
         self._records = records
+        self._unreadable = UnreadableOnce("list_jobs")
         self._expiry = expiry
         self._keys = TenantKeyIndex(nc, bucket=bucket)
 
@@ -224,7 +225,15 @@ class JobLister:
         return newest.kept
 
     async def _read(self, tenant: str, job_id: str) -> JobRecord | None:
-        record = await self._records.get(job_key(tenant, job_id))
+        """The job's record; None (left out of the page, said once in the log) when this release
+        cannot decode it: the page still shows the others (a ListJobs answer has no per-job
+        error, and an error for the page would stop the listing there for as long as the record
+        stays). GetJob and GetJobs answer that job INTERNAL JOB_UNREADABLE."""
+        try:
+            record = await self._records.get(job_key(tenant, job_id))
+        except UnreadableJob as exc:
+            self._unreadable.say(exc)
+            return None
         return None if record is None else await self._expiry.settle(record)
 
     async def page(self, tenant: str, query: ListQuery) -> ListPage:

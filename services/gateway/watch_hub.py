@@ -29,7 +29,7 @@ import structlog
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.contract import QUEUED_SUBJECT_PREFIX, kv_stream, kv_subject_prefix
-from asyncinfer.job_store import JobStore
+from asyncinfer.job_store import JobStore, UnreadableJob, UnreadableOnce, decode_job
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats import KV_MARKER_REASON, KV_OP, DeliverPolicy, JetStreamContext, Msg, Subscription, api
 from asyncinfer.nats import Client as NatsClient
@@ -96,6 +96,7 @@ class WatchHub:
         self._js = js
         self._supervisor = supervisor
         self._records = records
+        self._unreadable = UnreadableOnce("watch_feed")
         self._expiry = expiry
         self._bucket = bucket
         self._subject_prefix = kv_subject_prefix(bucket)
@@ -312,9 +313,9 @@ class WatchHub:
         record: JobRecord | None = None
         if KV_OP not in headers and KV_MARKER_REASON not in headers:
             try:
-                record = decode_record(msg.data, revision=revision)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.error("watch_bad_record", key=key, revision=revision, error=str(exc))
+                record = decode_job(key, msg.data, revision)
+            except UnreadableJob as exc:  # once per key: a later release's writes to it come one by one
+                self._unreadable.say(exc)
                 return
         update = RecordUpdate(revision, record, key)
         self.recent.changed(key, record, len(msg.data))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from asyncinfer.errors import AsyncInferError, Unavailable
 from asyncinfer.ids import is_job_id
-from asyncinfer.job_store import JobStore, job_not_found
+from asyncinfer.job_store import JobStore, UnreadableJob, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from asyncinfer.lifecycle import is_overdue
 from services.gateway.transitions import Expiry
@@ -59,6 +59,13 @@ async def _next_updates(queue: WatcherQueue, timeout_s: float | None) -> list[Re
     return updates
 
 
+async def _read(records: JobStore, key: str) -> JobRecord | UnreadableJob | None:
+    try:
+        return await records.get(key)
+    except UnreadableJob as exc:
+        return exc
+
+
 async def watch_ids(
     hub: WatchHub, records: JobStore, expiry: Expiry, tenant: str, job_ids: Sequence[str]
 ) -> AsyncGenerator[list[JobChange], None]:
@@ -77,14 +84,19 @@ async def watch_ids(
         # services.gateway.recent_records); the rest are read.
         kept = {key: hub.recent.latest(key) for key in ids_by_key}
         unkept = [key for key, record in kept.items() if record is None]
-        read = dict(zip(unkept, await asyncio.gather(*(records.get(key) for key in unkept)), strict=True))
+        read = dict(zip(unkept, await asyncio.gather(*(_read(records, key) for key in unkept)), strict=True))
         currents = [kept[key] or read[key] for key in ids_by_key]
         latest: dict[str, JobRecord] = {}
         first: list[JobChange] = list(unknown)
         for key, record in zip(ids_by_key, currents, strict=True):
+            job_id = ids_by_key[key]
+            if isinstance(record, UnreadableJob):  # that job's error (INTERNAL JOB_UNREADABLE); the others watched
+                first.append(JobChange(job_id, error=record))
+                watching.discard(key)
+                hub.unregister(key, queue)
+                continue
             if record is not None:
                 record = await expiry.settle(record)
-            job_id = ids_by_key[key]
             if record is None:
                 first.append(JobChange(job_id, error=await records.not_found(key, job_id)))
                 watching.discard(key)

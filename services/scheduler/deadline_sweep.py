@@ -37,7 +37,7 @@ from asyncinfer import lifecycle
 from asyncinfer.codecs.envelope import deadline_of_headers, decode_envelope
 from asyncinfer.contract import model_work_subjects
 from asyncinfer.errors import Unavailable
-from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import JobState
 from asyncinfer.nats import Client, JetStreamContext, NotFoundError
 from asyncinfer.nats.streams import delete_message, next_headers
@@ -85,6 +85,7 @@ class DeadlineSweep:
         self._nc = nc
         self._js = js
         self._store = store
+        self._unreadable = UnreadableOnce("deadline_sweep")
         self._stream = stream
         self._metrics = metrics
         self._models = models
@@ -177,10 +178,14 @@ class DeadlineSweep:
             return
         # A submit's message is the job's QUEUED record until a write makes the bucket's (a create
         # that finds one decides again on it); a replay's has its record in the bucket.
-        record = envelope.queued_record() if envelope.is_record else await self._store.recorded(envelope.key)
-        if record is None:
+        try:
+            record = envelope.queued_record() if envelope.is_record else await self._store.recorded(envelope.key)
+            if record is None:
+                return
+            latest, written = await self._store.transition(record, lifecycle.decider(lifecycle.Expire(), self._clock()))
+        except UnreadableJob as exc:  # a later release's (its scheduler expires it), or corrupted
+            self._unreadable.say(exc)
             return
-        latest, written = await self._store.transition(record, lifecycle.decider(lifecycle.Expire(), self._clock()))
         if latest is None:
             return
         if written:

@@ -20,7 +20,7 @@ from asyncinfer.blob_meta import attempt_result_ref
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
-from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import JobError, JobRecord, JobState, WorkEnvelope
 from asyncinfer.log_throttle import Throttle
 from asyncinfer.nats import Msg
@@ -41,6 +41,9 @@ REDELIVERED_LOG_INTERVAL_S = 5.0
 
 # After a NATS failure mid-dispatch, the message comes back after this pause.
 DISPATCH_RETRY_DELAY_S = 1.0
+# A job whose record this release cannot decode (asyncinfer.job_store.UnreadableJob): its message
+# comes back after this pause, for a scheduler that can read it (a later release's).
+UNREADABLE_RETRY_DELAY_S = 30.0
 # Set by a dispatcher round in each of its dispatches' own context (services.scheduler.dispatcher):
 # called when the dispatch goes on to read a claim-checked input, so that the round stops waiting
 # for it. A contextvar rather than a parameter through the five calls between the two.
@@ -115,6 +118,7 @@ class JobDispatch:
         self._claim_check = claim_check
         self._on_timeout = on_timeout
         self._redelivered_lines = Throttle(REDELIVERED_LOG_INTERVAL_S)
+        self._unreadable = UnreadableOnce("dispatch")
 
     async def dispatch(self, msg: Msg, session: BatcherSession) -> bool:
         """Runs a pulled message on the session. True when a work order was sent (the reserved
@@ -144,6 +148,16 @@ class JobDispatch:
         # or as the store's Unavailable (a leader election logged a traceback per job; one
         # with locals, rendered on the event loop, takes 0.4-1.5 s on 2 loaded cores: a
         # burst of them held the whole process). Anything else is a bug: its traceback.
+        if isinstance(exc, UnreadableJob):
+            # A record this release cannot decode (its read, or the RUNNING write's re-read after
+            # losing its create; an order sent ahead was cancelled, its answer dropped): not run
+            # blind, nor dropped as an undecodable work message is (termed), since the job lives:
+            # a later release's record (a rolling upgrade) is run by a scheduler of that release,
+            # which pulls the message when it comes back. Once per key (it was a traceback a pass).
+            self._unreadable.say(exc)
+            _refund_choice()  # unrun: not its tenant's turn
+            await self._settlement.put_back(msg, UNREADABLE_RETRY_DELAY_S)
+            return
         if isinstance(exc, Unavailable):
             job_log.warning("dispatch_failed", error=exc.message)
         elif isinstance(exc, NATS_FAILURES):

@@ -31,7 +31,7 @@ import structlog
 
 from asyncinfer.config import Config
 from asyncinfer.contract import work_consumer_name, work_subject
-from asyncinfer.job_store import JobStore
+from asyncinfer.job_store import JobStore, UnreadableJob, UnreadableOnce
 from asyncinfer.jobs import PRIORITIES_BY_RANK, JobRecord, JobState, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import JetStreamContext
@@ -53,6 +53,7 @@ class LeaseReclaimer:
         self._nc = nc
         self._js = js
         self._store = store
+        self._unreadable = UnreadableOnce("lease_reclaim")
         self._config = config
         self._instance = instance
 
@@ -99,7 +100,11 @@ class LeaseReclaimer:
         tokens = subject.split(".")
         if len(tokens) != 6:
             return False
-        record = await self._store.recorded(job_key(tokens[4], tokens[5]))
+        try:
+            record = await self._store.recorded(job_key(tokens[4], tokens[5]))
+        except UnreadableJob as exc:  # a later release's (its scheduler reclaims it), or corrupted
+            self._unreadable.say(exc)
+            return False
         if record is None or not self._holds(record, seq):
             return False
         if not await self._instance.is_gone(record.dispatched_by):
