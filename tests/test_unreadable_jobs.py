@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from asyncinfer.client import AsyncClient, JobState
 from asyncinfer.codecs.record import decode_record, encode_record
+from asyncinfer.config import Config
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
 from asyncinfer.job_store import UnreadableJob, UnreadableOnce
@@ -22,7 +23,8 @@ from asyncinfer.jobs import job_key
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_pb2, job_service_pb2
 from services.scheduler import job_dispatch
-from tests.stack import Stack
+from tests.stack import Stack, StartStack
+from tests.test_deadline_sweep import demo_request, paused_stack
 from tests.test_record_codec import MINIMAL
 
 X = np.array([[1, 2, 3, 4]], dtype=np.float32)
@@ -193,3 +195,37 @@ async def test_the_scheduler_leaves_a_queued_job_whose_record_it_cannot_read(
             assert (await jobs.kv.get(key)).value == value
     assert idle_stack.scheduler.supervisor.failure is None
     assert idle_stack.gateway.supervisor.failure is None
+
+
+async def test_the_deadline_sweep_leaves_a_queued_job_whose_record_it_cannot_read(
+    config: Config, start_stack: StartStack, said_each_time: SayCalls
+) -> None:
+    """Overdue jobs in a paused queue, two of them with records this release cannot decode: the
+    ValueError ended the sweep's pass with a traceback (deadline_sweep_failed), the models after it
+    unswept that pass. Now each is said once and left (its message and value as they were), and
+    the job beside them expires."""
+    stack, channel = await paused_stack(config, start_stack)
+    try:
+        with capture_logs() as logs:
+            ids = [(await stack.jobs.SubmitJob(demo_request(url="", queue_ttl_s=0.3))).job.job_id for _ in range(3)]
+            jobs = await open_kv_bucket(stack.nc.jetstream(), stack.config.nats.jobs_bucket)
+            keys = [job_key("default", job_id) for job_id in ids[:2]]
+            values = [later_release(ids[0]), b"\xff not a job record"]
+            for key, value in zip(keys, values, strict=True):
+                await jobs.kv.put(key, value)
+            await asyncio.wait_for(said_each_time.at_least(1, keys), WAIT_S)
+            watcher = await jobs.kv.watch(job_key("default", ids[2]))  # its key alone: the others do not decode
+            try:
+                async with asyncio.timeout(WAIT_S):
+                    async for entry in watcher:
+                        if entry is not None and entry.value and decode_record(entry.value).state.name == "EXPIRED":
+                            break
+            finally:
+                await watcher.stop()  # type: ignore[no-untyped-call]
+        assert said(logs, "deadline_sweep") == sorted(keys)
+        assert not [e for e in logs if e["event"] == "deadline_sweep_failed"]
+        for key, value in zip(keys, values, strict=True):
+            assert (await jobs.kv.get(key)).value == value
+        assert stack.scheduler.supervisor.failure is None
+    finally:
+        await channel.close()
