@@ -227,7 +227,9 @@ class BatchDriver:
         if (tenant, batch_id) in self._unreadable:
             return
         self._unreadable.add((tenant, batch_id))
-        log.warning("batch_unreadable", batch_id=batch_id, tenant=tenant, key=exc.key, error=exc.error)
+        log.warning(
+            "batch_unreadable", where="batch_driver", batch_id=batch_id, tenant=tenant, key=exc.key, error=exc.error
+        )
 
     async def tick(self, tenant: str, batch_id: str, *, full: bool = True) -> bool:
         """One step of the batch; True when it is terminal (nothing left to drive). A full tick

@@ -53,7 +53,7 @@ from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_QUOTED_BYTES, KEY_REUSED_REASON
-from services.gateway.list_batches import batch_page
+from services.gateway.list_batches import UnreadableBatches, batch_page
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
 
@@ -101,6 +101,7 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         # The models known now: declared, or loaded at runtime (OpsService.LoadModel), as a submit's.
         self._catalog = catalog or ModelCatalog(config)
         self._store = store
+        self._unreadable = UnreadableBatches()  # ListBatches' records it cannot decode, said once each
         self._driver = driver
         self._blobs = blobs
         self._records = records
@@ -434,7 +435,9 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         if request.page_token and not is_job_id(request.page_token):  # a token is the last batch ID of a page
             message = "invalid page_token: not a token from ListBatches"
             raise InvalidArgument(message, [FieldViolation("page_token", message)], reason="INVALID_PAGE_TOKEN")
-        records, token = await batch_page(self._store, tenant, after=request.page_token or None, size=size)
+        records, token = await batch_page(
+            self._store, tenant, after=request.page_token or None, size=size, unreadable=self._unreadable
+        )
         return batch_service_pb2.ListBatchesResponse(batches=[self._proto(r) for r in records], next_page_token=token)
 
     async def ReadBatchFile(

@@ -3,7 +3,11 @@ last batch ID it read. The IDs come from the batches bucket's subjects (BatchSto
 every stream info answer, keeping only the newest few below the token); the records are read a
 chunk at a time. A withdrawal (asyncinfer.batches.is_withdrawn) is a fence, not a batch of its
 caller's, whose create was answered UNAVAILABLE or with the key's other batch, and a key read as
-no record (removed since it was listed) is none either: both are left out and read past.
+no record (removed since it was listed) is none either: both are left out and read past. So is
+a record this release cannot decode (a later release's, during a rolling upgrade, or corrupted):
+the page still shows the others, as ListJobs does (a ListBatches answer has no per-batch error, and
+an error for the page stopped the listing there for as long as the record stayed); the gateway says
+it once per key (`batch_unreadable`), and GetBatch answers it INTERNAL BATCH_UNREADABLE.
 
 A page reads on, taking more IDs below the last it read, until it holds a batch, the listing ends,
 or it read MAX_BATCHES_READ_PER_PAGE of them: an empty page with a token, where batches follow,
@@ -14,9 +18,13 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from asyncinfer.batches import BatchRecord, is_withdrawn
-from services.gateway.batch_store import BatchStore
+from services.gateway.batch_store import BatchStore, UnreadableBatch
 from services.gateway.list_jobs import read_size
+
+log = structlog.get_logger("asyncinfer.gateway.batches")
 
 # A page reads at most this many batch IDs past its token (plus the rest of its last chunk) in
 # search of a batch to answer; past as many withdrawals it answers none, with a token.
@@ -25,9 +33,36 @@ MAX_BATCHES_READ_PER_PAGE = 1000
 # a look reads every stream info answer of the tenant's keys, so a few of them, however many
 # withdrawals a page reads past.
 WIDER_BY = 4
+# The undecodable keys said in the log are forgotten past this many (then said again once each).
+UNREADABLE_KEYS_KEPT = 10_000
 
 
-async def batch_page(store: BatchStore, tenant: str, *, after: str | None, size: int) -> tuple[list[BatchRecord], str]:
+class UnreadableBatches:
+    """Says `batch_unreadable` once per key for the listings of one gateway, not at every page."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def say(self, exc: UnreadableBatch) -> None:
+        if exc.key in self._said:
+            return
+        if len(self._said) >= UNREADABLE_KEYS_KEPT:
+            self._said.clear()
+        self._said.add(exc.key)
+        log.warning("batch_unreadable", where="list_batches", key=exc.key, error=exc.error)
+
+
+async def _readable(store: BatchStore, tenant: str, batch_id: str, unreadable: UnreadableBatches) -> BatchRecord | None:
+    try:
+        return await store.get(tenant, batch_id)
+    except UnreadableBatch as exc:
+        unreadable.say(exc)
+        return None
+
+
+async def batch_page(
+    store: BatchStore, tenant: str, *, after: str | None, size: int, unreadable: UnreadableBatches
+) -> tuple[list[BatchRecord], str]:
     """The tenant's next `size` batches older than `after` (from the first when None), newest
     first, and the token of the page after them ("" at the end)."""
     records: list[BatchRecord] = []
@@ -41,7 +76,7 @@ async def batch_page(store: BatchStore, tenant: str, *, after: str | None, size:
         while len(records) < size and consumed < len(ids):
             chunk = ids[consumed : consumed + read_size(size - len(records), filtered=False, skipped=skipped)]
             for batch_id, record in zip(
-                chunk, await asyncio.gather(*(store.get(tenant, i) for i in chunk)), strict=True
+                chunk, await asyncio.gather(*(_readable(store, tenant, i, unreadable) for i in chunk)), strict=True
             ):
                 consumed += 1
                 last = batch_id
