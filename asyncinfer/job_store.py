@@ -81,20 +81,24 @@ def decode_job(key: str, data: bytes, revision: int) -> JobRecord:
 
 
 class UnreadableOnce:
-    """Says `job_unreadable` once per key for a reader that meets the same record again and again
-    (a loop's passes, a listing's pages), not once each time; `where` names the reader."""
+    """Says `event` (`job_unreadable`, or `batch_unreadable` for the gateway's batch records) once
+    per key for a reader that meets the same record again and again (a loop's passes, a listing's
+    pages), not once each time; `where` names the reader, the line the record (the error's
+    ErrorInfo metadata: its ID and key) and why."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, *, event: str = "job_unreadable") -> None:
         self._where = where
+        self._event = event
         self._said: set[str] = set()
 
-    def say(self, exc: UnreadableJob) -> None:
-        if exc.key in self._said:
+    def say(self, exc: AsyncInferError) -> None:
+        key = exc.metadata["key"]
+        if key in self._said:
             return
         if len(self._said) >= UNREADABLE_KEYS_KEPT:
             self._said.clear()
-        self._said.add(exc.key)
-        log.warning("job_unreadable", where=self._where, job_id=exc.job_id, key=exc.key, error=exc.error)
+        self._said.add(key)
+        log.warning(self._event, where=self._where, error=getattr(exc, "error", exc.message), **exc.metadata)
 
 
 class JobStore:

@@ -39,7 +39,7 @@ from asyncinfer.errors import (
     Unavailable,
 )
 from asyncinfer.ids import is_job_id, new_job_id
-from asyncinfer.job_store import JobStore
+from asyncinfer.job_store import JobStore, UnreadableOnce
 from asyncinfer.nats import Client
 from asyncinfer.nats.streams import StoreFullError
 from asyncinfer.tracing import Tracing, traceparent_in
@@ -53,7 +53,7 @@ from services.gateway.batch_store import BatchConflict, BatchStore
 from services.gateway.batch_watch import watch_batch
 from services.gateway.callbacks import check_callback
 from services.gateway.idempotency import KEY_QUOTED_BYTES, KEY_REUSED_REASON
-from services.gateway.list_batches import UnreadableBatches, batch_page
+from services.gateway.list_batches import batch_page
 from services.gateway.model_catalog import ModelCatalog
 from services.gateway.store_health import store_full_error
 
@@ -101,7 +101,9 @@ class BatchService(batch_service_pb2_grpc.BatchServiceServicer):
         # The models known now: declared, or loaded at runtime (OpsService.LoadModel), as a submit's.
         self._catalog = catalog or ModelCatalog(config)
         self._store = store
-        self._unreadable = UnreadableBatches()  # ListBatches' records it cannot decode, said once each
+        self._unreadable = UnreadableOnce(
+            "list_batches", event="batch_unreadable"
+        )  # ListBatches' records it cannot decode, said once each
         self._driver = driver
         self._blobs = blobs
         self._records = records

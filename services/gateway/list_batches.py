@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import asyncio
 
-import structlog
-
 from asyncinfer.batches import BatchRecord, is_withdrawn
+from asyncinfer.job_store import UnreadableOnce
 from services.gateway.batch_store import BatchStore, UnreadableBatch
 from services.gateway.list_jobs import read_size
-
-log = structlog.get_logger("asyncinfer.gateway.batches")
 
 # A page reads at most this many batch IDs past its token (plus the rest of its last chunk) in
 # search of a batch to answer; past as many withdrawals it answers none, with a token.
@@ -33,26 +30,9 @@ MAX_BATCHES_READ_PER_PAGE = 1000
 # a look reads every stream info answer of the tenant's keys, so a few of them, however many
 # withdrawals a page reads past.
 WIDER_BY = 4
-# The undecodable keys said in the log are forgotten past this many (then said again once each).
-UNREADABLE_KEYS_KEPT = 10_000
 
 
-class UnreadableBatches:
-    """Says `batch_unreadable` once per key for the listings of one gateway, not at every page."""
-
-    def __init__(self) -> None:
-        self._said: set[str] = set()
-
-    def say(self, exc: UnreadableBatch) -> None:
-        if exc.key in self._said:
-            return
-        if len(self._said) >= UNREADABLE_KEYS_KEPT:
-            self._said.clear()
-        self._said.add(exc.key)
-        log.warning("batch_unreadable", where="list_batches", key=exc.key, error=exc.error)
-
-
-async def _readable(store: BatchStore, tenant: str, batch_id: str, unreadable: UnreadableBatches) -> BatchRecord | None:
+async def _readable(store: BatchStore, tenant: str, batch_id: str, unreadable: UnreadableOnce) -> BatchRecord | None:
     try:
         return await store.get(tenant, batch_id)
     except UnreadableBatch as exc:
@@ -61,7 +41,7 @@ async def _readable(store: BatchStore, tenant: str, batch_id: str, unreadable: U
 
 
 async def batch_page(
-    store: BatchStore, tenant: str, *, after: str | None, size: int, unreadable: UnreadableBatches
+    store: BatchStore, tenant: str, *, after: str | None, size: int, unreadable: UnreadableOnce
 ) -> tuple[list[BatchRecord], str]:
     """The tenant's next `size` batches older than `after` (from the first when None), newest
     first, and the token of the page after them ("" at the end)."""
