@@ -609,6 +609,36 @@ async def test_a_scheduler_that_stays_unreachable_is_logged_once_then_now_and_th
     assert len(failures()) < attempts / 2
 
 
+async def test_scheduler_connected_waits_for_the_first_welcome() -> None:
+    """What `up` waits for before its banner (services.up.stack): a batcher refused by its
+    scheduler is not connected, one welcomed is, and a batcher without a scheduler has nothing
+    to wait for."""
+    async with serving(RefusingScheduler()) as (refusing, port):
+        batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
+        await batcher.start()
+        try:
+            assert not await batcher.scheduler_connected(0.5)
+            assert refusing.refused >= 1
+        finally:
+            await batcher.stop(grace_s=1.0)
+    async with serving(FakeScheduler()) as (fake, port):
+        batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))
+        await batcher.start()
+        try:
+            assert await batcher.scheduler_connected(WAIT_S)
+            assert len(fake.connections) == 1
+        finally:
+            await batcher.stop(grace_s=1.0)
+    alone = BatcherApp(
+        Config().replace(batcher={"port": 0, "metrics_port": 0, "scheduler_address": ""}, models=[DEMO_MODEL])
+    )
+    await alone.start()
+    try:
+        assert await alone.scheduler_connected(0.0)
+    finally:
+        await alone.stop(grace_s=1.0)
+
+
 async def test_a_scheduler_that_refuses_this_batchers_key_is_said_to() -> None:
     async with serving(RefusingScheduler(grpc.StatusCode.UNAUTHENTICATED)) as (_refusing, port):
         batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[DEMO_MODEL]))

@@ -4,6 +4,7 @@ v2 API, and takes work from the scheduler when one is configured."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -368,6 +369,16 @@ class BatcherApp:
         self._reloads.add(task)
         task.add_done_callback(self._reloads.discard)
         task.add_done_callback(failure_logged)
+
+    async def scheduler_connected(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s for the work stream's first welcome from the scheduler; whether it
+        came (True at once without a scheduler_address: there is nothing to wait for)."""
+        if self._worker is None:
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._worker.connected.wait()
+        return self._worker.connected.is_set()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stops offering credits, stops the server (running calls get the grace period),

@@ -19,7 +19,7 @@ over the order's threshold are stored there; the result then carries their refer
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 import structlog
@@ -73,7 +73,10 @@ class WorkSession:
         models: ModelControl | None = None,
         claim_checks: ClaimChecks | None = None,
         max_result_bytes: int = 0,
+        on_welcome: Callable[[], None] | None = None,
     ) -> None:
+        """`on_welcome`: called when the scheduler answers the hello (the stream is up)."""
+        self._on_welcome = on_welcome
         self._claim_checks = claim_checks
         # The most output bytes one result may carry inline: the scheduler's limit for a stream
         # message (asyncinfer.worker_stream) less the WorkUpdates it may share (0: no check).
@@ -244,6 +247,8 @@ class WorkSession:
             self._welcome.set()
             self._batches = self._work_batches and response.welcome.takes_batches
             log.info("scheduler_connected", scheduler_id=response.welcome.scheduler_id, batches=self._batches)
+            if self._on_welcome is not None:
+                self._on_welcome()
 
     def _top_up(self, model_name: str) -> None:
         """Grants credits up to the model's free slots, counting credits not yet used."""

@@ -104,6 +104,9 @@ class WorkerClient:
         self._loading: tuple[ModelConfig, ...] = ()
         self._stopping = False
         self._outage = _Outage()
+        # Set at the first welcome from a scheduler: `up` prints its banner once the batcher is
+        # connected, so that "ready" means a job submitted then is computed at once.
+        self.connected = asyncio.Event()
 
     async def start(self) -> None:
         if self._task is None:
@@ -200,6 +203,7 @@ class WorkerClient:
                     models=self._models,
                     claim_checks=self._claim_checks,
                     max_result_bytes=self._max_result_bytes,
+                    on_welcome=self.connected.set,
                 )
                 await self._session.run()
             self._outage.ended()

@@ -28,6 +28,10 @@ from services.up.ports import check_up_exposure, raise_if_busy, up_ports
 from services.up.store_lock import StoreLock, pid_file, unusable_store
 
 SHUTDOWN_GRACE_S = 10.0
+# How long the banner waits for the batcher's first work stream to the scheduler (both in this process).
+BATCHER_CONNECT_WAIT_S = 10.0
+
+log = structlog.get_logger("asyncinfer.up")
 
 
 class InContext:
@@ -254,6 +258,17 @@ async def run_up(
         lock.release()
 
 
+async def _batcher_connected(app: App) -> None:
+    """The banner says the stack is ready, so a job submitted then should be computed at once: the
+    batcher's first work stream to the scheduler (opened in the background, a few ms here) is waited
+    for, up to BATCHER_CONNECT_WAIT_S. Its scheduler_connected line came after the banner, and a job
+    submitted on the banner's word waited in the queue until then."""
+    from services.batcher.app import BatcherApp  # imported already (import_app_module)
+
+    if isinstance(app, BatcherApp) and not await app.scheduler_connected(BATCHER_CONNECT_WAIT_S):
+        log.warning("batcher_not_connected_yet", waited_s=BATCHER_CONNECT_WAIT_S)
+
+
 async def _run_up(
     config: Config,
     *,
@@ -293,6 +308,8 @@ async def _run_up(
                 collect_before_serving()
             await app.start()
             state[name] = app
+            if name == "batcher":
+                await _batcher_connected(app.app)
             return app
 
         return start
