@@ -66,6 +66,7 @@ from services.scheduler.model_controls import ModelControls
 from services.scheduler.model_registry_writer import ModelRegistryWriter
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
+from services.scheduler.peer_watch import PeerWatch
 from services.scheduler.priority import PrioritySelector
 from services.scheduler.put_back_checks import check_put_backs
 from services.scheduler.queue_stats import QueueStatsReader
@@ -359,7 +360,11 @@ class SchedulerApp:
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         if self.summary is not None:
             self.supervisor.start("scheduler-jobs-summary", self.summary.run())
-        self.supervisor.start("scheduler-lease-reclaim", LeaseReclaimer(nc, js, store, config, instance).run())
+        reclaimer = LeaseReclaimer(nc, js, store, config, instance)
+        self.supervisor.start("scheduler-lease-reclaim", reclaimer.run())
+        # A peer that dies and is not replaced at once: its jobs back in seconds, not after AckWait.
+        peers = PeerWatch(js, config.nats.queues_bucket, instance.run, reclaimer.reclaim)
+        self.supervisor.start("scheduler-peer-watch", peers.run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))
         if settings.deadline_sweep_interval_s > 0:

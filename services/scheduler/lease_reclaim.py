@@ -19,7 +19,7 @@ milliseconds.
 
 It runs once at start (for the process this one replaced) and again after the heartbeat TTL (for
 instances elsewhere whose heartbeat has lapsed since), in the background: start-up does not wait
-for it and a stop cancels it. The cost is a consumer info per (model, priority) and one message
+for it and a stop cancels it; and whenever a peer scheduler's heartbeat stops (services.scheduler.peer_watch). The cost is a consumer info per (model, priority) and one message
 read plus one record read per message in flight, once per start.
 """
 

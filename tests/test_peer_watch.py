@@ -1,0 +1,196 @@
+"""A scheduler killed beside a live one, and not replaced: the survivor notices its heartbeat stop
+(services/scheduler/peer_watch.py) and returns the jobs it held, in seconds rather than after AckWait.
+Before session 38 only a scheduler's start swept for a dead instance's jobs, so with two replicas and
+one lost with its node, its jobs waited out AckWait (20-30 s after its last lease renewal)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import pytest
+
+from asyncinfer.codecs.record import decode_record
+from asyncinfer.config import Config, render_default_config
+from asyncinfer.embedded_nats import NatsServerProcess, free_port
+from asyncinfer.jobs import JobRecord
+from asyncinfer.nats.connection import connect
+from asyncinfer.nats.kv_watch import KeyUpdate
+from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
+from services.scheduler import peer_watch
+from services.scheduler.peer_watch import PeerWatch
+from tests.processes import Service, until
+from tests.test_crash import crash_config
+
+JOBS = 300
+# Far above the survivor's sweep (~8 s after the kill): only its naks can run the jobs again in time.
+ACK_WAIT_S = 40.0
+BACK_WITHIN_S = 20.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(run: str, *, removed: bool = False) -> KeyUpdate:
+    return KeyUpdate(key=f"scheduler.{run}", value=b"", headers={}, removed=removed)
+
+
+async def no_sweep() -> int:
+    raise AssertionError("not swept here")
+
+
+def watching(run: str, clock: Clock) -> PeerWatch:
+    return PeerWatch(None, "queues", run, no_sweep, clock=clock)  # type: ignore[arg-type]  # js: unused here
+
+
+@pytest.mark.unit
+def test_a_peer_silent_past_its_ttl_is_lost_once_while_our_own_beats_arrive() -> None:
+    clock = Clock()
+    peers = watching("b", clock)
+    peers._update(beat("b"))
+    peers._update(beat("c"))
+    for _ in range(int(peer_watch.SILENT_AFTER_S) + 1):
+        clock.now += 1.0
+        peers._update(beat("b"))  # our own
+        peers._update(beat("c"))
+    assert peers.silent_peers() == []
+    clock.now += 0.5
+    peers._update(beat("b"))
+    assert peers.silent_peers() == []  # c's last beat came 1.5 s ago
+    for _ in range(int(peer_watch.SILENT_AFTER_S)):
+        clock.now += 1.0
+        peers._update(beat("b"))
+    clock.now += 1.0
+    peers._update(beat("b"))
+    assert peers.silent_peers() == ["c"]
+    assert peers.silent_peers() == []  # said once
+    peers._update(beat("c"))  # it beats again: a peer again
+    assert peers._peers == {"c": clock.now}
+
+
+@pytest.mark.unit
+def test_nobody_is_judged_while_our_own_beats_do_not_arrive() -> None:
+    """A watch stalled by a NATS outage delivers no one's beats: silence counts from its return."""
+    clock = Clock()
+    peers = watching("a", clock)
+    peers._update(beat("a"))
+    peers._update(beat("b"))
+    clock.now += 30.0
+    assert peers.silent_peers() == []  # our own last beat is 30 s old: the watch is stalled
+    peers._update(beat("a"))  # back: b's silence counts from now
+    assert peers.silent_peers() == []
+    for _ in range(int(peer_watch.SILENT_AFTER_S) + 1):
+        clock.now += 1.0
+        peers._update(beat("a"))
+    assert peers.silent_peers() == ["b"]
+
+
+@pytest.mark.unit
+def test_a_peer_that_stopped_in_order_is_not_swept_and_the_smallest_run_sweeps() -> None:
+    clock = Clock()
+    peers = watching("b", clock)
+    for run in ("b", "a", "c"):
+        peers._update(beat(run))
+    assert not peers.sweeps()  # a is live and smaller
+    peers._update(beat("a", removed=True))  # a stopped in order: its key deleted
+    assert peers.sweeps()
+    for _ in range(int(peer_watch.SILENT_AFTER_S) + 1):
+        clock.now += 1.0
+        peers._update(beat("b"))
+        peers._update(beat("c"))
+    assert peers.silent_peers() == []  # a is not silent: it left
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(150)
+async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
+    nats_server: NatsServerProcess, tmp_path: Path
+) -> None:
+    ports = {name: free_port() for name in ("gateway", "scheduler-a", "batcher-a", "scheduler-b", "batcher-b")}
+    services: dict[str, Service] = {}
+    for side in ("a", "b"):
+        config = crash_config(
+            nats_server.url,
+            {"gateway": ports["gateway"], "scheduler": ports[f"scheduler-{side}"], "batcher": ports[f"batcher-{side}"]},
+        ).replace(scheduler={"ack_wait_s": ACK_WAIT_S}, logging={"level": "info", "format": "json"})
+        folder = tmp_path / side
+        folder.mkdir()
+        config_file = folder / "asyncinfer.toml"
+        config_file.write_text(render_default_config(config))
+        for name in ("scheduler", "batcher") + (("gateway",) if side == "a" else ()):
+            port = ports["gateway"] if name == "gateway" else ports[f"{name}-{side}"]
+            services[f"{name}-{side}"] = Service(name, config_file, folder, port)
+    nc = await connect(Config().replace(nats={"url": nats_server.url}).nats, name="peer-watch-test")
+    writes: dict[str, list[tuple[float, JobRecord]]] = {}
+    watching_jobs = asyncio.Event()
+
+    async def watch() -> None:
+        kv = await nc.jetstream().key_value(Config().nats.jobs_bucket)
+        watcher = await kv.watchall()
+        watching_jobs.set()
+        async for entry in watcher:
+            if entry is not None and entry.value:
+                writes.setdefault(entry.key, []).append((time.monotonic(), decode_record(entry.value)))
+
+    b_instance = f"{socket.gethostname()}:{ports['scheduler-b']}/"  # services.scheduler.instances
+
+    def held_by_b() -> list[str]:
+        return [
+            key
+            for key, records in writes.items()
+            if records[-1][1].state.name == "RUNNING" and records[-1][1].dispatched_by.startswith(b_instance)
+        ]
+
+    watcher: asyncio.Task[None] | None = None
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['gateway']}")
+    try:
+        for name in ("gateway-a", "scheduler-a", "scheduler-b", "batcher-a", "batcher-b"):
+            await services[name].start()
+        watcher = asyncio.create_task(watch())
+        await asyncio.wait_for(watching_jobs.wait(), 10)
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        x = tensor_pb2.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+        x.contents.fp32_contents.extend([1, 2, 3, 4])
+        request = job_service_pb2.SubmitJobRequest(model_name="demo", inputs=[x])
+        jobs = [(await stub.SubmitJob(request, timeout=10)).job.job_id for _ in range(JOBS)]
+        await until(lambda: len(held_by_b()) >= 8, 30)
+        killed = time.monotonic()
+        services["scheduler-b"].kill()  # its node lost: the scheduler and its batcher, not replaced
+        services["batcher-b"].kill()
+        stranded = held_by_b()
+
+        def ran_again(key: str) -> float | None:
+            return next((t for t, record in writes[key] if t > killed and record.state.name == "RUNNING"), None)
+
+        await until(lambda: all(ran_again(key) is not None for key in stranded), BACK_WITHIN_S)
+        slowest = max((ran_again(key) or 0.0) for key in stranded) - killed
+        keys = [f"default.{job_id}" for job_id in jobs]
+        await until(lambda: all(key in writes and writes[key][-1][1].state.is_terminal for key in keys), 90)
+    finally:
+        await channel.close(None)
+        for service in services.values():
+            service.stop()
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await nc.close()
+    print(f"peer lost: {len(stranded)} RUNNING on it, the slowest ran again {slowest:.2f} s after the kill")
+    lines = (tmp_path / "a" / "scheduler-1.log").read_text().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    returned = {entry["job_id"] for entry in events if entry.get("event") == "lease_returned"}
+    assert {key.partition(".")[2] for key in stranded} <= returned
+    assert [entry["jobs_returned"] for entry in events if entry.get("event") == "peer_scheduler_lost"] != []
+    assert slowest < BACK_WITHIN_S < ACK_WAIT_S
+    final = Counter(writes[key][-1][1].state.name for key in keys)
+    assert final == {"SUCCEEDED": JOBS}, final
+    assert max(sum(record.state.is_terminal for _, record in writes[key]) for key in keys) == 1
