@@ -1,5 +1,6 @@
 """A scheduler killed beside a live one, and not replaced: the survivor notices its heartbeat stop
-(services/scheduler/peer_watch.py) and returns the jobs it held, in seconds rather than after AckWait.
+(services/scheduler/peer_watch.py) and returns the jobs it held, in seconds rather than after AckWait,
+of a model it learnt at runtime too (its sweep covered only the models its file declares).
 Before session 38 only a scheduler's start swept for a dead instance's jobs, so with two replicas and
 one lost with its node, its jobs waited out AckWait (20-30 s after its last lease renewal)."""
 
@@ -16,7 +17,7 @@ import grpc
 import pytest
 
 from asyncinfer.codecs.record import decode_record
-from asyncinfer.config import Config, render_default_config
+from asyncinfer.config import DEMO_MODEL, Config, render_default_config
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats.connection import connect
@@ -127,7 +128,11 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
         folder.mkdir()
         config_file = folder / "asyncinfer.toml"
         config_file.write_text(render_default_config(config))
-        for name in ("scheduler", "batcher") + (("gateway",) if side == "a" else ()):
+        if side == "a":  # the survivor's file declares another model: it learns the batcher's at runtime
+            other = config.replace(models=[DEMO_MODEL.model_copy(update={"name": "other"})])
+            (folder / "scheduler.toml").write_text(render_default_config(other))
+            services["scheduler-a"] = Service("scheduler", folder / "scheduler.toml", folder, ports["scheduler-a"])
+        for name in ("batcher",) + (("scheduler", "gateway") if side == "b" else ()):
             port = ports["gateway"] if name == "gateway" else ports[f"{name}-{side}"]
             services[f"{name}-{side}"] = Service(name, config_file, folder, port)
     nc = await connect(Config().replace(nats={"url": nats_server.url}).nats, name="peer-watch-test")
@@ -154,7 +159,7 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
     watcher: asyncio.Task[None] | None = None
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{ports['gateway']}")
     try:
-        for name in ("gateway-a", "scheduler-a", "scheduler-b", "batcher-a", "batcher-b"):
+        for name in ("gateway-b", "scheduler-a", "scheduler-b", "batcher-a", "batcher-b"):
             await services[name].start()
         watcher = asyncio.create_task(watch())
         await asyncio.wait_for(watching_jobs.wait(), 10)

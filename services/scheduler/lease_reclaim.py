@@ -26,6 +26,7 @@ read plus one record read per message in flight, once per start.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import structlog
 
@@ -48,8 +49,18 @@ READ_CONCURRENCY = 32
 
 class LeaseReclaimer:
     def __init__(
-        self, nc: NatsClient, js: JetStreamContext, store: JobStore, config: Config, instance: SchedulerInstance
+        self,
+        nc: NatsClient,
+        js: JetStreamContext,
+        store: JobStore,
+        config: Config,
+        instance: SchedulerInstance,
+        *,
+        models: Callable[[], list[str]] | None = None,
     ) -> None:
+        """`models`: the names of the models dispatched here now (those learnt at runtime too:
+        services.scheduler.runtime_models); the configured ones by default."""
+        self._models = models or (lambda: [model.name for model in config.models])
         self._nc = nc
         self._js = js
         self._store = store
@@ -66,14 +77,14 @@ class LeaseReclaimer:
     async def reclaim(self) -> int:
         """Naks the messages of jobs held by instances that no longer run; how many."""
         returned = 0
-        for model in self._config.models:
+        for model in self._models():
             for priority in PRIORITIES_BY_RANK:
                 try:
                     returned += await self._reclaim_queue(
-                        work_consumer_name(model.name, priority), work_subject(model.name, priority)
+                        work_consumer_name(model, priority), work_subject(model, priority)
                     )
                 except Exception as exc:  # a sweep is an optimisation: AckWait still returns them
-                    log.warning("lease_reclaim_failed", model=model.name, priority=priority.value, error=str(exc))
+                    log.warning("lease_reclaim_failed", model=model, priority=priority.value, error=str(exc))
         if returned:
             log.info("leases_reclaimed", jobs=returned, scheduler=self._instance.id)
         return returned
