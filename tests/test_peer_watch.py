@@ -15,15 +15,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+from nats.js.errors import NotFoundError
 
 from asyncinfer.codecs.record import decode_record
 from asyncinfer.config import DEMO_MODEL, Config, render_default_config
+from asyncinfer.contract import scheduler_key
+from asyncinfer.declarations import ensure_queues_bucket
 from asyncinfer.embedded_nats import NatsServerProcess, free_port
 from asyncinfer.jobs import JobRecord
 from asyncinfer.nats.connection import connect
-from asyncinfer.nats.kv_watch import KeyUpdate
+from asyncinfer.nats.kv import KvBucket, kv_latest
+from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
 from asyncinfer.v1 import job_service_pb2, job_service_pb2_grpc, tensor_pb2
-from services.scheduler import peer_watch
+from services.scheduler import instances, peer_watch
+from services.scheduler.instances import SchedulerInstance
 from services.scheduler.peer_watch import PeerWatch
 from tests.processes import Service, until
 from tests.test_crash import crash_config
@@ -199,3 +204,50 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
     final = Counter(writes[key][-1][1].state.name for key in keys)
     assert final == {"SUCCEEDED": JOBS}, final
     assert max(sum(record.state.is_terminal for _, record in writes[key]) for key in keys) == 1
+
+
+async def test_a_heartbeat_ended_in_order_leaves_nothing_in_the_bucket(
+    nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop in order deletes its heartbeat key; KeyValue.delete's marker stayed in the queues
+    bucket for good, one per scheduler run, and every watch of the heartbeats (each scheduler's,
+    at its start) read them all. The marker now expires, once watchers have heard of it."""
+    monkeypatch.setattr(instances, "DELETED_HEARTBEAT_TTL_S", 1)
+    config = Config().replace(nats={"url": nats_server.url})
+    nc = await connect(config.nats, name="heartbeat-test")
+    try:
+        js = nc.jetstream()
+        queues = KvBucket(name=config.nats.queues_bucket, kv=await ensure_queues_bucket(js, config.nats), js=js)
+        instance = SchedulerInstance("scheduler-test", "run1", queues)
+        heard: list[KeyUpdate] = []
+        ended = asyncio.Event()
+
+        def update(change: KeyUpdate) -> None:
+            heard.append(change)
+            if change.removed:
+                ended.set()
+
+        watch = KeyWatch(js, config.nats.queues_bucket, update, keys="scheduler.*", name="test")
+        await watch.start()
+        try:
+            await instance.beat()
+            await instance.end()
+            await asyncio.wait_for(ended.wait(), 5)  # watchers hear of the stop
+        finally:
+            await watch.stop()
+        assert [change.removed for change in heard] == [False, True]
+        assert await kv_latest(queues, scheduler_key("run1")) is None
+
+        async def left() -> bool:
+            try:
+                await js.get_last_msg(queues.stream, queues.subject_prefix + scheduler_key("run1"))
+            except NotFoundError:
+                return False
+            return True
+
+        deadline = time.monotonic() + 10
+        while await left():
+            assert time.monotonic() < deadline, "the deleted heartbeat's marker is still in the bucket"
+            await asyncio.sleep(0.2)
+    finally:
+        await nc.close()

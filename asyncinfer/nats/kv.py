@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
-from nats.js.kv import KeyValue
+from nats.js.kv import KV_DEL, KV_OP, KeyValue
 
 from asyncinfer.nats import _fastpath
 from asyncinfer.nats.protocol import EXPECTED_LAST_SUBJECT_SEQUENCE, MSG_TTL, kv_stream, kv_subject_prefix
@@ -76,6 +76,20 @@ async def kv_put_with_ttl(bucket: KvBucket, key: str, value: bytes, *, ttl_s: in
     again); the new revision."""
     return await js_publish(
         bucket.js, bucket.subject_prefix + key, value, timeout_s=bucket.timeout_s, headers={MSG_TTL: str(ttl_s)}
+    )
+
+
+async def kv_delete_with_ttl(bucket: KvBucket, key: str, *, ttl_s: int) -> int:
+    """Deletes the key with a delete marker the server removes ttl_s seconds later: a watcher
+    still hears of the deletion, and a key deleted at every process's stop (a heartbeat of one
+    run) leaves nothing behind for good, where KeyValue.delete's marker stays for ever; the
+    marker's revision."""
+    return await js_publish(
+        bucket.js,
+        bucket.subject_prefix + key,
+        b"",
+        timeout_s=bucket.timeout_s,
+        headers={KV_OP: KV_DEL, MSG_TTL: str(ttl_s)},
     )
 
 

@@ -21,12 +21,15 @@ import structlog
 from asyncinfer.config import Config
 from asyncinfer.contract import scheduler_key
 from asyncinfer.job_store import NATS_FAILURES
-from asyncinfer.nats.kv import KvBucket, kv_latest, kv_put_with_ttl
+from asyncinfer.nats.kv import KvBucket, kv_delete_with_ttl, kv_latest, kv_put_with_ttl
 
 log = structlog.get_logger("asyncinfer.scheduler.instances")
 
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TTL_S = 5  # whole seconds: the Nats-TTL header's unit
+# How long the delete marker of a heartbeat ended in order stays: long enough for every watcher
+# (services.scheduler.peer_watch) to hear of it, even one reconnecting after a short outage.
+DELETED_HEARTBEAT_TTL_S = 300
 
 
 def stable_name(config: Config) -> str | None:
@@ -74,8 +77,8 @@ class SchedulerInstance:
 
     async def end(self) -> None:
         """A graceful stop: the heartbeat goes now, not after its TTL."""
-        try:
-            await self._queues.kv.delete(scheduler_key(self.run))
+        try:  # its marker expires: one per run would stay in the bucket for ever (each start's watches read them)
+            await kv_delete_with_ttl(self._queues, scheduler_key(self.run), ttl_s=DELETED_HEARTBEAT_TTL_S)
         except NATS_FAILURES as exc:
             log.warning("scheduler_heartbeat_not_deleted", error=str(exc))
 
