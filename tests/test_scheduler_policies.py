@@ -1847,6 +1847,55 @@ async def test_a_job_put_back_after_its_attempt_mismatched_its_early_order_keeps
     assert h.dispatcher().queues.selector._served[Priority.NORMAL] == served_normal + 1
 
 
+async def test_a_redelivery_its_live_attempt_adopts_keeps_its_tenants_turn(
+    start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A running attempt's message that comes back (AckWait lapsed in a stall, or a sweep's nak that
+    hit the newer delivery) is adopted by the dispatcher holding the attempt: nothing new runs, and
+    its credit goes back, but choosing it stayed charged to its tenant and priority. a's job runs,
+    then b is served last; a's job is redelivered (a nak, as a sweep's) and adopted (a's and b's next
+    jobs queued as its record is read); the next round sends a's next job (old code: b's; NORMAL's
+    count 2 past where it was, not 1), and a's running job ends as its one attempt."""
+    h = await start(tune(config).replace(scheduler={"poll_interval_ms": 20.0, "hold_pulls_open": False}))
+    batcher = await h.batcher()
+    running_id, a_next, b_next = new_job_id(), new_job_id(), new_job_id()
+    await enqueue(h.nc, h.kv, tenant="a", job_id=running_id)
+    await batcher.grant(1)
+    running_order = await batcher.next_order()
+    assert running_order.job_id == running_id
+    served_normal = await b_served_last(h, batcher)
+    running = decode_record((await h.kv.get(job_key("a", running_id))).value or b"")
+    assert running.state is JobState.RUNNING
+    store: Any = h.app.flow._dispatch._store
+    real_get = store.get
+    read = asyncio.Event()
+
+    async def get(key: str) -> Any:  # the redelivery's read of its record (not its first delivery)
+        if running_id in key and not read.is_set():
+            read.set()
+            await enqueue(h.nc, h.kv, tenant="b", job_id=b_next)
+            await enqueue(h.nc, h.kv, tenant="a", job_id=a_next)
+        return await real_get(key)
+
+    monkeypatch.setattr(store, "get", get)
+    with capture_logs() as logs:
+        await h.nc.publish(running.lease_subject, b"-NAK")  # as a sweep's would
+        await h.nc.flush()
+        await batcher.grant(1)
+        order = await batcher.next_order()  # on the credit the adopted redelivery gave back
+    assert [e["job_id"] for e in logs if e["event"] == "live_attempt_redelivered"] == [running_id]
+    assert order.job_id == a_next, f"b's job {b_next} went first" if order.job_id == b_next else order.job_id
+    assert h.dispatcher().queues.selector._served[Priority.NORMAL] == served_normal + 1
+    await batcher.answer(running_order)
+
+    async def succeeded() -> bool:
+        done = decode_record((await h.kv.get(job_key("a", running_id))).value or b"")
+        return done.state is JobState.SUCCEEDED
+
+    await until(succeeded)
+    assert decode_record((await h.kv.get(job_key("a", running_id))).value or b"").attempt == 1
+
+
 async def test_an_order_sent_ahead_of_a_running_write_that_fails_keeps_its_credit_spent(
     start: Start, config: Config, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -51,7 +51,8 @@ INPUT_READ_STARTED: ContextVar[Callable[[], None] | None] = ContextVar("input_re
 # Set likewise: called when the dispatch puts its job back unrun, to be chosen again (it waits for
 # its version: no batcher serves it, or those that do have no free slot; a NATS failure stopped its
 # dispatch; its record is not written yet; its batcher left during its write, its order not sent;
-# another writer's attempt came between its order and its write), so that the dispatcher refunds
+# another writer's attempt came between its order and its write), or finds it is a redelivery of an
+# attempt running here, which that attempt adopts (nothing new runs), so that the dispatcher refunds
 # what choosing it charged (services.scheduler.work_queue.ModelQueues.refund_job). Called once at
 # most (_refund_choice).
 PUT_BACK_UNRUN: ContextVar[Callable[[], None] | None] = ContextVar("put_back_unrun", default=None)
@@ -230,6 +231,9 @@ class JobDispatch:
         if record is None:
             return False
         if self._adopts_redelivery(msg, record, job_log):
+            # Nothing new runs (its credit goes back: False), so its choice is refunded too: the
+            # attempt it belongs to charged its tenant's turn and its priority's count already.
+            _refund_choice()
             return False
         now = time.time()
         version = envelope.model_version

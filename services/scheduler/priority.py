@@ -38,7 +38,8 @@ and what the pull charged is refunded (ModelQueues.refund_last_pull): the tenant
 priorities' counts are as if it had pulled nothing, so the jobs a pause held back go first again.
 So is a job a round chose and put back to wait for its version (no batcher serves it, or none with
 a free slot: ModelQueues.refund_job), or after a NATS failure at its dispatch, or put back unrun
-for another reason not its own (services.scheduler.job_dispatch.PUT_BACK_UNRUN), alone: its
+for another reason not its own (services.scheduler.job_dispatch.PUT_BACK_UNRUN), or adopted as
+a redelivery by its attempt running here (nothing new runs), alone: its
 priority's count, and its tenant's turn unless a later choice has passed the turn on since.
 
 This is fair among the tenants whose jobs lie near the head of the queue (within the window), not

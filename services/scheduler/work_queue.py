@@ -255,7 +255,9 @@ class ModelQueues:
         those that do have no free slot), after a NATS failure at its dispatch (its RUNNING write,
         its input's read), or for another reason not its own (its record not written yet, its
         batcher gone during its write, another writer's attempt between its order and its write:
-        services.scheduler.job_dispatch). Its priority's count of jobs served is refunded, and its
+        services.scheduler.job_dispatch), or was a redelivery of an attempt running here, which
+        that attempt adopted (nothing new ran: AckWait's redelivery, or a nak that hit the newer
+        delivery). Its priority's count of jobs served is refunded, and its
         tenant's turn when its choice is still the last one of its priority (undone in reverse
         order, as several of a round's jobs may be): charged, a job that cannot run used its
         tenant's turn (and every WAIT_UNSERVED_S again while it waited, every WAIT_BUSY_S while its
