@@ -141,6 +141,81 @@ async def test_the_gateway_answers_job_unreadable_for_that_job_and_reads_the_oth
     assert stack.scheduler.supervisor.failure is None
 
 
+async def test_a_watch_hears_when_a_watched_jobs_record_turns_unreadable(idle_stack: Stack) -> None:
+    """Queued jobs (no batcher yet) watched by WatchJob, by WatchJobs with their IDs and by a label
+    watch, whose records are then written with values this release cannot decode: the feed said it
+    and dropped the update, so the watchers heard nothing and waited for ever, and a watch opened
+    after started from the record the gateway kept from the job's submit (recent_records) and waited
+    too. Now WatchJob ends with INTERNAL JOB_UNREADABLE naming the job, as GetJob answers it;
+    WatchJobs by IDs sends that job's entry with the error and goes on watching the other; a watch
+    opened after reads the record and answers the same; the label watch skips them (one warning per
+    key) and goes on."""
+    stack = idle_stack
+    jobs = await open_kv_bucket(stack.nc.jetstream(), stack.config.nats.jobs_bucket)
+    stub = stack.jobs
+    async with AsyncClient(stack.address) as client:
+        # First: the feed runs as the jobs are queued, so the gateway keeps their records.
+        by_labels = stub.WatchJobs(job_service_pb2.WatchJobsRequest(labels=LABELS))
+        await asyncio.wait_for(by_labels.initial_metadata(), WAIT_S)  # it hears every change
+        alone, among, other = [(await client.submit("demo", {"x": X + i}, labels=LABELS)).job_id for i in range(3)]
+        watch = stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=alone))
+        first = await asyncio.wait_for(watch.read(), WAIT_S)
+        assert isinstance(first, job_service_pb2.WatchJobResponse)
+        assert first.job.state == job_pb2.JOB_STATE_QUEUED
+        by_ids = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[among, other]))
+        opening = await asyncio.wait_for(by_ids.read(), WAIT_S)
+        assert isinstance(opening, job_service_pb2.WatchJobsResponse)
+        assert {(c.job_id, c.job.state) for c in opening.changes} == {
+            (among, job_pb2.JOB_STATE_QUEUED),
+            (other, job_pb2.JOB_STATE_QUEUED),
+        }
+        with capture_logs() as logs:
+            values = {alone: later_release(alone), among: b"\xff not a job record"}
+            for _ in range(2):  # each key written twice: said once
+                for job_id, value in values.items():
+                    await jobs.kv.put(job_key("default", job_id), value)
+
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(watch.read(), WAIT_S)
+            assert_unreadable(ended.value, alone)
+            told = await asyncio.wait_for(by_ids.read(), WAIT_S)
+            assert isinstance(told, job_service_pb2.WatchJobsResponse)
+            assert [(c.job_id, c.error.reason, c.HasField("job")) for c in told.changes] == [
+                (among, "JOB_UNREADABLE", False)
+            ]
+            for job_id in values:  # a watch opened now reads the record, not the one kept from its submit
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await asyncio.wait_for(stub.WatchJob(job_service_pb2.WatchJobRequest(job_id=job_id)).read(), WAIT_S)
+                assert_unreadable(refused.value, job_id)
+                again = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[job_id]))
+                answer = await asyncio.wait_for(again.read(), WAIT_S)
+                assert isinstance(answer, job_service_pb2.WatchJobsResponse)
+                assert [(c.job_id, c.error.reason) for c in answer.changes] == [(job_id, "JOB_UNREADABLE")]
+                assert await again.read() == grpc.aio.EOF
+
+            await stack.start_batcher()  # the other job runs: both watches go on with it
+            heard: list[tuple[str, int]] = []
+            async with asyncio.timeout(WAIT_S):
+                while (other, job_pb2.JOB_STATE_SUCCEEDED) not in heard:
+                    response = await by_ids.read()
+                    assert isinstance(response, job_service_pb2.WatchJobsResponse), response
+                    assert not [c for c in response.changes if c.HasField("error")]
+                    heard += [(c.job_id, c.job.state) for c in response.changes]
+                assert await by_ids.read() == grpc.aio.EOF  # every job it watched has ended or is told
+                labelled: list[tuple[str, int]] = []
+                while (other, job_pb2.JOB_STATE_SUCCEEDED) not in labelled:
+                    response = await by_labels.read()
+                    assert isinstance(response, job_service_pb2.WatchJobsResponse), response
+                    labelled += [(c.job_id, c.job.state) for c in response.changes]
+            by_labels.cancel()
+            assert {c for c in labelled if c[0] != other} == {
+                (alone, job_pb2.JOB_STATE_QUEUED),
+                (among, job_pb2.JOB_STATE_QUEUED),
+            }
+        assert said(logs, "watch_feed") == sorted(job_key("default", i) for i in values)
+    assert stack.gateway.supervisor.failure is None
+
+
 class SayCalls:
     """The keys of every UnreadableOnce.say call (the ones it says and the ones it does not)."""
 

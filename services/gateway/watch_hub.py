@@ -46,8 +46,11 @@ log = structlog.get_logger("asyncinfer.gateway.watch")
 @dataclass(frozen=True, slots=True)
 class RecordUpdate:
     revision: int
-    record: JobRecord | None  # None: the record was deleted or purged
+    record: JobRecord | None  # None: the record was deleted or purged, or cannot be read (below)
     key: str = ""
+    # The record written cannot be read by this release (a later release's, or corrupted): a watch
+    # of that job ends with it (INTERNAL JOB_UNREADABLE), as GetJob answers it; a label watch skips it.
+    unreadable: UnreadableJob | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,13 +314,16 @@ class WatchHub:
             return  # unwatched and not just queued here: not decoded
         headers = msg.headers or {}
         record: JobRecord | None = None
+        unreadable: UnreadableJob | None = None
         if KV_OP not in headers and KV_MARKER_REASON not in headers:
             try:
                 record = decode_job(key, msg.data, revision)
             except UnreadableJob as exc:  # once per key: a later release's writes to it come one by one
                 self._unreadable.say(exc)
-                return
-        update = RecordUpdate(revision, record, key)
+                unreadable = exc
+        # An unreadable record is forgotten here as a deleted one is (recent_records): a poll reads
+        # it then, and answers what it is, not the last record this release could read.
+        update = RecordUpdate(revision, record, key, unreadable)
         self.recent.changed(key, record, len(msg.data))
         for queue in queues or ():
             queue.put_nowait(update)

@@ -2,8 +2,11 @@
 
 By IDs: one queue registered under every job's key before the current records are read (so no
 change falls between the read and the feed), the current records read together, then every
-change until each job is terminal. A job that is not there answers NOT_FOUND and the others go on;
-a watched QUEUED job whose deadline passes is expired by the watch, as WatchJob does.
+change until each job is terminal. A job that is not there answers NOT_FOUND and the others go on,
+as does one whose record this release cannot decode (INTERNAL JOB_UNREADABLE in its entry, as GetJobs
+answers it), at the start or once it is written so; a watched QUEUED job whose deadline passes is
+expired by the watch, as WatchJob does. A label watch skips a record it cannot decode (the hub says
+it once per key).
 
 By label selector: every change, from now on, of the tenant's jobs that carry all the labels and
 that ListJobs with them lists (services.gateway.job_selection: no withdrawal, no chunk job unless
@@ -66,6 +69,15 @@ async def _read(records: JobStore, key: str) -> JobRecord | UnreadableJob | None
         return exc
 
 
+async def _settle(expiry: Expiry, record: JobRecord) -> JobRecord | UnreadableJob | None:
+    """expiry.settle, its UnreadableJob returned (a transition that loses re-reads the record,
+    which may have been written unreadable since): that job's error, the others watched on."""
+    try:
+        return await expiry.settle(record)
+    except UnreadableJob as exc:
+        return exc
+
+
 async def watch_ids(
     hub: WatchHub, records: JobStore, expiry: Expiry, tenant: str, job_ids: Sequence[str]
 ) -> AsyncGenerator[list[JobChange], None]:
@@ -90,13 +102,13 @@ async def watch_ids(
         first: list[JobChange] = list(unknown)
         for key, record in zip(ids_by_key, currents, strict=True):
             job_id = ids_by_key[key]
+            if record is not None and not isinstance(record, UnreadableJob):
+                record = await _settle(expiry, record)
             if isinstance(record, UnreadableJob):  # that job's error (INTERNAL JOB_UNREADABLE); the others watched
                 first.append(JobChange(job_id, error=record))
                 watching.discard(key)
                 hub.unregister(key, queue)
                 continue
-            if record is not None:
-                record = await expiry.settle(record)
             if record is None:
                 first.append(JobChange(job_id, error=await records.not_found(key, job_id)))
                 watching.discard(key)
@@ -139,6 +151,8 @@ def _change(update: RecordUpdate, latest: dict[str, JobRecord], ids_by_key: Mapp
     known = latest.get(update.key)
     if known is not None and update.revision <= known.revision:
         return None
+    if update.unreadable is not None:  # its error, as GetJobs answers it; no more of it is heard
+        return JobChange(job_id, error=update.unreadable)
     if update.record is None:
         return JobChange(job_id, error=job_not_found(job_id))
     latest[update.key] = update.record
@@ -164,8 +178,11 @@ async def _expire_overdue(
     now = expiry.clock()
     changes: list[JobChange] = []
     for key in [k for k in deadlined if is_overdue(latest[k], now)]:
-        settled = await expiry.settle(latest[key])
-        if settled is None:
+        settled = await _settle(expiry, latest[key])
+        if isinstance(settled, UnreadableJob):
+            changes.append(JobChange(ids_by_key[key], error=settled))
+            watching.discard(key)
+        elif settled is None:
             changes.append(JobChange(ids_by_key[key], error=job_not_found(ids_by_key[key])))
             watching.discard(key)
         elif settled.revision != latest[key].revision:

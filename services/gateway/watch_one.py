@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncGenerator
 
 from asyncinfer.errors import FieldViolation, InvalidArgument, Unavailable
-from asyncinfer.job_store import job_not_found
+from asyncinfer.job_store import UnreadableJob, job_not_found
 from asyncinfer.jobs import JobRecord, JobState, job_key
 from services.gateway.watch_hub import Aside, RecordUpdate, WatcherQueue, WatchHub
 
@@ -24,7 +24,9 @@ async def watch_job(
     """The current record (if newer than after_revision), then every change, until a terminal
     state; an Aside put on the watch's queue (the one given) is passed on as it comes. A current
     record at after_revision comes as an Aside holding it (the watcher has it; nothing to send).
-    NotFound for an unknown job or when its record is deleted."""
+    NotFound for an unknown job or when its record is deleted; UnreadableJob when its record is
+    one this release cannot decode, at the start or once it is written so (a later release's during
+    a rolling upgrade, or corrupted): the watch would otherwise hear nothing more of it."""
     if hub.closed:
         raise Unavailable("the gateway is shutting down; watch again elsewhere")
     key = job_key(tenant, job_id)
@@ -66,6 +68,9 @@ async def watch_job(
                 continue
             if update.revision <= last_sent:
                 continue
+            if (unreadable := update.unreadable) is not None:  # as GetJob answers it (INTERNAL JOB_UNREADABLE)
+                # Its own copy: the hub's is every watcher's, and a raise writes its traceback on it.
+                raise UnreadableJob(unreadable.key, unreadable.error)
             if update.record is None:
                 raise job_not_found(job_id)
             yield update.record
