@@ -14,15 +14,19 @@ import pytest
 from structlog.testing import capture_logs
 
 from asyncinfer.client import AsyncClient, JobState
+from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.codecs.record import decode_record, encode_record
 from asyncinfer.config import Config
+from asyncinfer.contract import work_consumer_name
 from asyncinfer.grpc_errors import status_details, unpack_details
 from asyncinfer.ids import new_job_id
-from asyncinfer.job_store import UnreadableJob, UnreadableOnce
-from asyncinfer.jobs import job_key
+from asyncinfer.job_store import JobStore, UnreadableJob, UnreadableOnce
+from asyncinfer.jobs import Priority, job_key
 from asyncinfer.nats.kv import open_kv_bucket
 from asyncinfer.v1 import job_pb2, job_service_pb2
-from services.scheduler import job_dispatch
+from services.scheduler import job_dispatch, lease_reclaim
+from services.scheduler.instances import SchedulerInstance, new_run
+from services.scheduler.lease_reclaim import LeaseReclaimer
 from tests.stack import Stack, StartStack
 from tests.test_deadline_sweep import demo_request, paused_stack
 from tests.test_record_codec import MINIMAL
@@ -301,6 +305,57 @@ async def test_the_deadline_sweep_leaves_a_queued_job_whose_record_it_cannot_rea
         assert not [e for e in logs if e["event"] == "deadline_sweep_failed"]
         for key, value in zip(keys, values, strict=True):
             assert (await jobs.kv.get(key)).value == value
+        assert stack.scheduler.supervisor.failure is None
+    finally:
+        await channel.close()
+
+
+async def test_the_lease_reclaim_leaves_a_held_job_whose_record_it_cannot_read(
+    config: Config, start_stack: StartStack, said_each_time: SayCalls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler that died holding three jobs of a paused queue (pulled, their deliveries unacked),
+    two of whose records are then values this release cannot decode, the third RUNNING naming that
+    scheduler and its delivery. The lease sweep, both of its passes: the real job's delivery is
+    returned (nakked: it comes back), each unreadable record is said once (where=lease_reclaim) and
+    left as it was (its value, its delivery held), and the sweep ends its passes without a failure."""
+    stack, channel = await paused_stack(config, start_stack)
+    # This sweep's second pass a second after its first (the scheduler's own sweep, begun at its
+    # start before these jobs existed, waits out the real TTL: after the test).
+    monkeypatch.setattr(lease_reclaim, "HEARTBEAT_TTL_S", 0.0)
+    try:
+        ids = [(await stack.jobs.SubmitJob(demo_request(url="", queue_ttl_s=None))).job.job_id for _ in range(3)]
+        js = stack.nc.jetstream()
+        work_stream = stack.config.nats.work_stream
+        dead = await js.pull_subscribe_bind(work_consumer_name("demo", Priority.NORMAL), stream=work_stream)
+        pulled = {decode_envelope(m.data).job_id: m for m in await dead.fetch(3, timeout=WAIT_S)}
+        assert sorted(pulled) == sorted(ids)
+        jobs = await open_kv_bucket(js, stack.config.nats.jobs_bucket)
+        held, *unreadable = ids
+        queued = decode_envelope(pulled[held].data).queued_record()
+        running = queued.evolve(
+            state=JobState.RUNNING, attempt=1, dispatched_by="gone-host:1/gone-run", lease_subject=pulled[held].reply
+        )
+        await jobs.kv.put(job_key("default", held), encode_record(running))
+        keys = [job_key("default", job_id) for job_id in unreadable]
+        values = [later_release(unreadable[0]), b"\xff not a job record"]
+        for key, value in zip(keys, values, strict=True):
+            await jobs.kv.put(key, value)
+
+        queues = await open_kv_bucket(js, stack.config.nats.queues_bucket)
+        instance = SchedulerInstance("sweeping-host:1", new_run(), queues)
+        store = JobStore(jobs, work_stream=work_stream)
+        with capture_logs() as logs:
+            await asyncio.wait_for(LeaseReclaimer(stack.nc, js, store, stack.config, instance).run(), WAIT_S)
+        assert {e["job_id"] for e in logs if e["event"] == "lease_returned"} == {held}
+        assert all(said_each_time.keys.count(key) >= 2 for key in keys)  # met on both passes
+        assert said(logs, "lease_reclaim") == sorted(keys)  # said once each
+        assert not [e for e in logs if e["event"] == "lease_reclaim_failed"]
+        [back] = await dead.fetch(3, timeout=WAIT_S)  # the real job's delivery, returned
+        assert (decode_envelope(back.data).job_id, back.metadata.num_delivered) == (held, 2)
+        for key, value in zip(keys, values, strict=True):
+            assert (await jobs.kv.get(key)).value == value
+        info = await js.consumer_info(work_stream, work_consumer_name("demo", Priority.NORMAL))
+        assert info.num_ack_pending == 3  # the unreadable two still held as they were, the real one again
         assert stack.scheduler.supervisor.failure is None
     finally:
         await channel.close()
