@@ -84,21 +84,28 @@ class UnreadableOnce:
     """Says `event` (`job_unreadable`, or `batch_unreadable` for the gateway's batch records) once
     per key for a reader that meets the same record again and again (a loop's passes, a listing's
     pages), not once each time; `where` names the reader, the line the record (the error's
-    ErrorInfo metadata: its ID and key) and why."""
+    ErrorInfo metadata: its ID and key, and the caller's `fields`) and why. A reader that reads the
+    record again, readable, may `forget` it: written unreadable once more, it is said again (the
+    batch driver's adoption pass does)."""
 
     def __init__(self, where: str, *, event: str = "job_unreadable") -> None:
         self._where = where
         self._event = event
         self._said: set[str] = set()
 
-    def say(self, exc: AsyncInferError) -> None:
+    def say(self, exc: AsyncInferError, **fields: object) -> None:
         key = exc.metadata["key"]
         if key in self._said:
             return
         if len(self._said) >= UNREADABLE_KEYS_KEPT:
             self._said.clear()
         self._said.add(key)
-        log.warning(self._event, where=self._where, error=getattr(exc, "error", exc.message), **exc.metadata)
+        error = getattr(exc, "error", exc.message)
+        log.warning(self._event, where=self._where, error=error, **exc.metadata, **fields)
+
+    def forget(self, key: str) -> None:
+        """The record at `key` was read, readable: said again if it is met unreadable again."""
+        self._said.discard(key)
 
 
 class JobStore:

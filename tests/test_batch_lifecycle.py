@@ -626,3 +626,49 @@ async def test_a_batch_record_this_release_cannot_read_costs_that_record_alone(
     assert not [e for e in logs if e["event"] == "batch_tick_failed"]
     told = {e["batch_id"]: e["error"] for e in said if e["where"] == "batch_driver"}
     assert "'PAUSED' is not a valid BatchState" in told[next(iter(unreadable))]
+
+
+async def test_a_batch_record_read_readable_again_is_said_again_when_it_turns_unreadable_again(
+    config: Config, nc: NatsClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver's adoption pass says an unreadable batch record once however many passes meet it,
+    and once more after a pass has read it readable between (a record that a later release wrote,
+    was written back, then was written so again): it forgets a key it reads readable."""
+    store = BatchStore(await ensure_batches_bucket(nc.jetstream(), config.nats), nc)
+    batch_id = new_job_id()
+    key = batch_key("default", batch_id)
+    garbage = b"\x00 not a batch record"
+    ended = past_its_window().evolve(batch_id=batch_id, state=BatchState.EXPIRED)  # read, not driven
+    await store.bucket.kv.put(key, garbage)
+    listings = 0
+    real_pages = BatchStore.key_pages
+
+    def counted_pages(self: BatchStore, tenant: str | None = None) -> AsyncGenerator[list[tuple[str, str]], None]:
+        nonlocal listings
+        listings += 1  # one per adoption pass
+        return real_pages(self, tenant)
+
+    monkeypatch.setattr(BatchStore, "key_pages", counted_pages)
+
+    async def two_more_passes() -> None:
+        passes = listings
+
+        async def passed() -> bool:
+            return listings >= passes + 2
+
+        await until(passed)
+
+    gateway = GatewayApp(lifecycle_config(config, adopt_interval_s=0.05))
+    with capture_logs() as logs:
+        await gateway.start()
+        try:
+            await two_more_passes()
+            await store.bucket.kv.put(key, encode_batch(ended))
+            await two_more_passes()
+            await store.bucket.kv.put(key, garbage)
+            await two_more_passes()
+            assert gateway.supervisor.failure is None
+        finally:
+            await gateway.stop(grace_s=1.0)
+    said = [e for e in logs if e["event"] == "batch_unreadable" and e["where"] == "batch_driver"]
+    assert [(e["key"], e["batch_id"], e["tenant"]) for e in said] == [(key, batch_id, "default")] * 2, said

@@ -32,7 +32,7 @@ from asyncinfer.blobs import BlobStore
 from asyncinfer.config import Config, ModelConfig
 from asyncinfer.errors import AsyncInferError, FailedPrecondition
 from asyncinfer.failure_lines import FailureLines, unreachable
-from asyncinfer.job_store import NATS_FAILURES, JobStore
+from asyncinfer.job_store import NATS_FAILURES, JobStore, UnreadableOnce
 from asyncinfer.jobs import BATCH_LABEL, CHUNK_LABEL, JobRecord, job_key
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.supervision import cancel_and_wait
@@ -42,7 +42,7 @@ from services.gateway.batch_callbacks import BatchCallbacks
 from services.gateway.batch_files import first_run_errors
 from services.gateway.batch_metrics import BatchMetrics
 from services.gateway.batch_prepare import Preparer
-from services.gateway.batch_store import BatchConflict, BatchStore, UnreadableBatch
+from services.gateway.batch_store import BatchConflict, BatchStore, UnreadableBatch, batch_key
 from services.gateway.chunk_ends import BatchKey, ChunkEnds
 from services.gateway.submit import JobSubmitter
 from services.gateway.submit_request import SubmitRequest
@@ -101,8 +101,9 @@ class BatchDriver:
         self._seen: dict[tuple[str, str], BatchRecord] = {}
         self._tick_failures = FailureLines()
         # Batches whose record this release cannot decode (a later release's, or corrupted): not
-        # driven, and told once each (an adoption pass reads them again, every pass).
-        self._unreadable: set[BatchKey] = set()
+        # driven, and told once each (an adoption pass reads them again, every pass) until an
+        # adoption pass reads the record readable.
+        self._unreadable = UnreadableOnce("batch_driver", event="batch_unreadable")
         self.rounds = 0  # the loop's wake-ups (an idle gateway's are counted by a test)
         self._metrics = metrics
         if metrics is not None:
@@ -160,7 +161,7 @@ class BatchDriver:
                     continue  # another gateway wrote first: read again next tick
                 except UnreadableBatch as exc:  # rewritten by a later release: a gateway of it drives it
                     self._let_go(key)
-                    self._unreadable_once(exc, tenant, batch_id)
+                    self._unreadable.say(exc, tenant=tenant)
                 except Exception as exc:
                     if isinstance(exc, (AsyncInferError, OSError)) and unreachable(exc) is None:
                         log.warning("batch_tick_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
@@ -204,12 +205,12 @@ class BatchDriver:
                         # That one alone is left: it was the decoder's ValueError, which ended the
                         # driver, and the gateway, at every pass (a later release's state during a
                         # rolling upgrade, or a corrupted value).
-                        self._unreadable_once(exc, tenant, batch_id)
+                        self._unreadable.say(exc, tenant=tenant)
                         continue
                     except AsyncInferError as exc:  # Unavailable: NATS away, or no leader yet
                         log.warning("batch_adopt_failed", batch_id=batch_id, tenant=tenant, error=str(exc))
                         return
-                    self._unreadable.discard((tenant, batch_id))
+                    self._unreadable.forget(batch_key(tenant, batch_id))  # said again if it turns unreadable again
                     # A terminal one whose webhook is not known to be enqueued: its gateway died between.
                     if record is not None and (not record.state.is_terminal or callback_due(record)):
                         self._driven.add((tenant, batch_id))
@@ -221,15 +222,6 @@ class BatchDriver:
         self._prepare_failed.pop(key, None)
         if self._chunk_ends is not None:
             self._chunk_ends.forget_batch(key)
-
-    def _unreadable_once(self, exc: UnreadableBatch, tenant: str, batch_id: str) -> None:
-        """A warning for a record that cannot be decoded, once until it is read again."""
-        if (tenant, batch_id) in self._unreadable:
-            return
-        self._unreadable.add((tenant, batch_id))
-        log.warning(
-            "batch_unreadable", where="batch_driver", batch_id=batch_id, tenant=tenant, key=exc.key, error=exc.error
-        )
 
     async def tick(self, tenant: str, batch_id: str, *, full: bool = True) -> bool:
         """One step of the batch; True when it is terminal (nothing left to drive). A full tick
