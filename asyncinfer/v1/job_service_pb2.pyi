@@ -626,7 +626,11 @@ class WatchJobsChange(_message.Message):
 
     @_builtins.property
     def error(self) -> _error_pb2.ErrorStatus:
-        """For a watched ID that names no job of the caller's, or whose record was deleted: NOT_FOUND."""
+        """For a watched ID that names no job of the caller's, or whose record was deleted: NOT_FOUND.
+        For one whose record this gateway's release cannot decode (a later release's during a rolling
+        upgrade, or corrupted), at the start or once it is written so: INTERNAL JOB_UNREADABLE. No more
+        changes of that job follow; the others go on.
+        """
 
     @_builtins.property
     def progress(self) -> Global___JobProgress:

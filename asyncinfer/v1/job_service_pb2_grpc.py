@@ -135,7 +135,9 @@ class JobServiceServicer:
 
     def WatchJob(self, request, context):
         """The current record first, then every change, until a terminal state. A client that reads
-        slower than the job changes gets the latest record, not every revision in between.
+        slower than the job changes gets the latest record, not every revision in between. A record
+        this gateway's release cannot decode, at the start or once it is written so, ends the stream
+        with INTERNAL JOB_UNREADABLE (what GetJob answers).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -49,7 +49,9 @@ class JobServiceStub:
     """
     WatchJob: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]
     """The current record first, then every change, until a terminal state. A client that reads
-    slower than the job changes gets the latest record, not every revision in between.
+    slower than the job changes gets the latest record, not every revision in between. A record
+    this gateway's release cannot decode, at the start or once it is written so, ends the stream
+    with INTERNAL JOB_UNREADABLE (what GetJob answers).
     """
     WatchJobs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]
     """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
@@ -107,7 +109,9 @@ class JobServiceAsyncStub(JobServiceStub):
     """
     WatchJob: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobRequest, _job_service_pb2.WatchJobResponse]  # type: ignore[assignment]
     """The current record first, then every change, until a terminal state. A client that reads
-    slower than the job changes gets the latest record, not every revision in between.
+    slower than the job changes gets the latest record, not every revision in between. A record
+    this gateway's release cannot decode, at the start or once it is written so, ends the stream
+    with INTERNAL JOB_UNREADABLE (what GetJob answers).
     """
     WatchJobs: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]  # type: ignore[assignment]
     """Many jobs on one stream. With job_ids: each job's current record, then its every change, until
@@ -192,7 +196,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.WatchJobResponse], _abc.AsyncIterator[_job_service_pb2.WatchJobResponse]]:
         """The current record first, then every change, until a terminal state. A client that reads
-        slower than the job changes gets the latest record, not every revision in between.
+        slower than the job changes gets the latest record, not every revision in between. A record
+        this gateway's release cannot decode, at the start or once it is written so, ends the stream
+        with INTERNAL JOB_UNREADABLE (what GetJob answers).
         """
 
     @_abc_1.abstractmethod
