@@ -35,8 +35,8 @@ from tests.test_crash import crash_config
 
 JOBS = 300
 # Far above the survivor's sweep (~8 s after the kill): only its naks can run the jobs again in time.
-ACK_WAIT_S = 40.0
-BACK_WITHIN_S = 20.0
+ACK_WAIT_S = 25.0
+BACK_WITHIN_S = 18.0
 
 
 class Clock:
