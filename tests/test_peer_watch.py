@@ -48,7 +48,8 @@ class Clock:
 
 
 def beat(run: str, *, removed: bool = False) -> KeyUpdate:
-    return KeyUpdate(key=f"scheduler.{run}", value=b"", headers={}, removed=removed)
+    value = b"" if removed else f"host:1/{run}".encode()
+    return KeyUpdate(key=f"scheduler.{run}", value=value, headers={}, removed=removed)
 
 
 async def no_sweep() -> int:
@@ -199,7 +200,9 @@ async def test_a_live_scheduler_returns_the_jobs_of_a_killed_peer_in_seconds(
     events = [json.loads(line) for line in lines if line.startswith("{")]
     returned = {entry["job_id"] for entry in events if entry.get("event") == "lease_returned"}
     assert {key.partition(".")[2] for key in stranded} <= returned
-    assert [entry["jobs_returned"] for entry in events if entry.get("event") == "peer_scheduler_lost"] != []
+    (lost,) = [entry for entry in events if entry.get("event") == "peer_scheduler_lost"]
+    assert [peer.startswith(b_instance) for peer in lost["peers"]] == [True], lost
+    assert lost["jobs_returned"] >= len(stranded)
     assert slowest < BACK_WITHIN_S < ACK_WAIT_S
     final = Counter(writes[key][-1][1].state.name for key in keys)
     assert final == {"SUCCEEDED": JOBS}, final

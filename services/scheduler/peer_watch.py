@@ -58,10 +58,8 @@ class PeerWatch:
         self._clock = clock
         self._own_seen: float | None = None
         self._peers: dict[str, float] = {}  # run -> when its latest beat (or our own return) arrived
-        self._lost: set[str] = set()
-        self._watch = KeyWatch(
-            js, bucket, self._update, keys=f"{SCHEDULER_KEY_PREFIX}*", headers_only=True, name="scheduler-peers"
-        )
+        self._names: dict[str, str] = {}  # run -> its instance ID (`<name>/<run>`, the key's value), for the log
+        self._watch = KeyWatch(js, bucket, self._update, keys=f"{SCHEDULER_KEY_PREFIX}*", name="scheduler-peers")
 
     async def run(self) -> None:
         """Watches until cancelled (a stop)."""
@@ -69,7 +67,7 @@ class PeerWatch:
         try:
             while True:
                 await asyncio.sleep(CHECK_INTERVAL_S)
-                lost = self.silent_peers()
+                lost = [self._names.pop(run, run) for run in self.silent_peers()]
                 if lost and self.sweeps():
                     await self._sweep(lost)
         finally:
@@ -85,8 +83,10 @@ class PeerWatch:
             self._own_seen = now
         elif update.removed:
             self._peers.pop(run, None)  # a stop in order: it put its jobs back
+            self._names.pop(run, None)
         else:
             self._peers[run] = now
+            self._names[run] = update.value.decode(errors="replace")
 
     def silent_peers(self) -> list[str]:
         """The peers silent past SILENT_AFTER_S while this scheduler's own beats arrive; each is
@@ -103,10 +103,11 @@ class PeerWatch:
         """Whether this scheduler is the one to sweep: the smallest run ID of those heard from."""
         return all(self._run < run for run in self._peers)
 
-    async def _sweep(self, lost: list[str]) -> None:
+    async def _sweep(self, peers: list[str]) -> None:
+        """`peers`: the lost ones' instance IDs (`<name>/<run>`), for the log."""
         try:
             returned = await self._reclaim()
         except Exception as exc:  # AckWait still returns the jobs
-            log.warning("peer_jobs_not_reclaimed", peers=lost, error=str(exc) or type(exc).__name__)
+            log.warning("peer_jobs_not_reclaimed", peers=peers, error=str(exc) or type(exc).__name__)
             return
-        log.warning("peer_scheduler_lost", peers=lost, jobs_returned=returned)
+        log.warning("peer_scheduler_lost", peers=peers, jobs_returned=returned)
