@@ -57,7 +57,8 @@ async def no_sweep() -> int:
 
 
 def watching(run: str, clock: Clock) -> PeerWatch:
-    return PeerWatch(None, "queues", run, no_sweep, clock=clock)  # type: ignore[arg-type]  # js: unused here
+    queues = KvBucket(name="queues", kv=None, js=None)  # type: ignore[arg-type]  # not reached here
+    return PeerWatch(queues, run, no_sweep, clock=clock)
 
 
 @pytest.mark.unit
@@ -252,5 +253,41 @@ async def test_a_heartbeat_ended_in_order_leaves_nothing_in_the_bucket(
         while await left():
             assert time.monotonic() < deadline, "the deleted heartbeat's marker is still in the bucket"
             await asyncio.sleep(0.2)
+    finally:
+        await nc.close()
+
+
+async def test_the_lasting_markers_of_past_runs_leave_the_bucket(
+    nats_server: NatsServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release before session 38 deleted its heartbeat key at every stop with a marker that stays
+    for good: a scheduler's peer watch deletes each such key again with a marker that expires."""
+    monkeypatch.setattr(peer_watch, "DELETED_HEARTBEAT_TTL_S", 1)
+    monkeypatch.setattr(peer_watch, "CHECK_INTERVAL_S", 0.05)
+    config = Config().replace(nats={"url": nats_server.url})
+    nc = await connect(config.nats, name="markers-test")
+    try:
+        js = nc.jetstream()
+        queues = KvBucket(name=config.nats.queues_bucket, kv=await ensure_queues_bucket(js, config.nats), js=js)
+        for run in ("old1", "old2"):  # as the release before ended its runs
+            await queues.kv.put(scheduler_key(run), f"host:1/{run}".encode())
+            await queues.kv.delete(scheduler_key(run))
+        await queues.kv.put(scheduler_key("live"), b"host:2/live")
+
+        async def left() -> list[str]:
+            info = await js.stream_info(queues.stream, subjects_filter=queues.subject_prefix + "scheduler.*")
+            return sorted((info.state.subjects or {}).keys())
+
+        assert len(await left()) == 3
+        watch = asyncio.create_task(PeerWatch(queues, "me", no_sweep).run())
+        try:
+            deadline = time.monotonic() + 10
+            while await left() != [queues.subject_prefix + scheduler_key("live")]:
+                assert time.monotonic() < deadline, await left()
+                await asyncio.sleep(0.1)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        assert await kv_latest(queues, scheduler_key("live")) is not None
     finally:
         await nc.close()

@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.kv import KV_OP
 
-from asyncinfer.nats.protocol import kv_stream, kv_subject_prefix
+from asyncinfer.nats.protocol import MSG_TTL, kv_stream, kv_subject_prefix
 from asyncinfer.nats.streams import declaration
 
 log = structlog.get_logger("asyncinfer.nats.kv_watch")
@@ -27,6 +27,11 @@ class KeyUpdate:
     value: bytes  # empty when headers_only, or when the write removed the key
     headers: Mapping[str, str]
     removed: bool  # a delete or purge (or a server-placed marker), not a value
+
+    @property
+    def lasting_marker(self) -> bool:
+        """A removal whose marker stays in the bucket for good (no per-message TTL of its own)."""
+        return self.removed and MSG_TTL not in self.headers
 
 
 class KeyWatch:

@@ -193,9 +193,8 @@ class SchedulerApp:
         await ensure_dead_letter_stream(js, config.nats)
         queues_kv = await ensure_queues_bucket(js, config.nats)
         self._snapshots_js = js
-        self._instance = instance = SchedulerInstance(
-            self.instance_name, self._run, KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
-        )
+        queues_bucket = KvBucket(name=config.nats.queues_bucket, kv=queues_kv, js=js)
+        self._instance = instance = SchedulerInstance(self.instance_name, self._run, queues_bucket)
         # Its first beat waits out a leader election as the declarations above do (a node lost
         # as the scheduler started: the queues bucket's leader was on it, and the start failed).
         await declaration(lambda _timeout_s: instance.beat(), what="write the scheduler's heartbeat")
@@ -363,7 +362,7 @@ class SchedulerApp:
         reclaimer = LeaseReclaimer(nc, js, store, config, instance, models=lambda: list(self._dispatchers_by_model))
         self.supervisor.start("scheduler-lease-reclaim", reclaimer.run())
         # A peer that dies and is not replaced at once: its jobs back in seconds, not after AckWait.
-        peers = PeerWatch(js, config.nats.queues_bucket, instance.run, reclaimer.reclaim)
+        peers = PeerWatch(queues_bucket, instance.run, reclaimer.reclaim)
         self.supervisor.start("scheduler-peer-watch", peers.run())
         self._loops.append(self._repeat("lease_renewal", settings.lease_renew_interval_s, flow.renew_leases))
         self._loops.append(self._repeat("queue_stats", settings.queue_stats_interval_s, self._observe_queues))

@@ -10,6 +10,9 @@ one write a second each) and sweeps when a peer's beats stop for longer than the
   writes keep arriving (a watch stalled by a NATS outage delivers nobody's, and then judges no one);
   after a gap in its own, every peer's silence counts from then.
 - A peer whose key was deleted stopped in order (its stop put its jobs back): nothing to sweep.
+  A delete marker that stays for good (a release before session 38 deleted its key so at every stop)
+  is deleted again with one that expires (`kv_delete_with_ttl`), so that the markers of past runs
+  leave the bucket.
 - Of the schedulers heard from, the one with the smallest run ID sweeps, so that two survivors do
   not both nak the same messages (a nak applies to the delivery pending now, which may already be
   the next attempt's: lease_reclaim's docstring).
@@ -26,9 +29,10 @@ from collections.abc import Awaitable, Callable
 import structlog
 
 from asyncinfer.contract import SCHEDULER_KEY_PREFIX
-from asyncinfer.nats import JetStreamContext
+from asyncinfer.job_store import NATS_FAILURES
+from asyncinfer.nats.kv import KvBucket, kv_delete_with_ttl
 from asyncinfer.nats.kv_watch import KeyUpdate, KeyWatch
-from services.scheduler.instances import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
+from services.scheduler.instances import DELETED_HEARTBEAT_TTL_S, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 
 log = structlog.get_logger("asyncinfer.scheduler.peer_watch")
 
@@ -46,8 +50,7 @@ class PeerWatch:
 
     def __init__(
         self,
-        js: JetStreamContext,
-        bucket: str,
+        queues: KvBucket,
         run: str,
         reclaim: Callable[[], Awaitable[int]],
         *,
@@ -58,8 +61,12 @@ class PeerWatch:
         self._clock = clock
         self._own_seen: float | None = None
         self._peers: dict[str, float] = {}  # run -> when its latest beat (or our own return) arrived
+        self._queues = queues
+        self._lasting_markers: set[str] = set()  # keys to delete again with a marker that expires
         self._names: dict[str, str] = {}  # run -> its instance ID (`<name>/<run>`, the key's value), for the log
-        self._watch = KeyWatch(js, bucket, self._update, keys=f"{SCHEDULER_KEY_PREFIX}*", name="scheduler-peers")
+        self._watch = KeyWatch(
+            queues.js, queues.name, self._update, keys=f"{SCHEDULER_KEY_PREFIX}*", name="scheduler-peers"
+        )
 
     async def run(self) -> None:
         """Watches until cancelled (a stop)."""
@@ -70,6 +77,8 @@ class PeerWatch:
                 lost = [self._names.pop(run, run) for run in self.silent_peers()]
                 if lost and self.sweeps():
                     await self._sweep(lost)
+                if self._lasting_markers:
+                    await self._clear_lasting_markers()
         finally:
             await self._watch.stop()
 
@@ -84,6 +93,8 @@ class PeerWatch:
         elif update.removed:
             self._peers.pop(run, None)  # a stop in order: it put its jobs back
             self._names.pop(run, None)
+            if update.lasting_marker:
+                self._lasting_markers.add(update.key)
         else:
             self._peers[run] = now
             self._names[run] = update.value.decode(errors="replace")
@@ -102,6 +113,18 @@ class PeerWatch:
     def sweeps(self) -> bool:
         """Whether this scheduler is the one to sweep: the smallest run ID of those heard from."""
         return all(self._run < run for run in self._peers)
+
+    async def _clear_lasting_markers(self) -> None:
+        """Deletes again, with a marker that expires, the keys whose delete marker would stay for
+        good (a failure leaves the rest for the next tick)."""
+        while self._lasting_markers:
+            key = next(iter(self._lasting_markers))
+            try:
+                await kv_delete_with_ttl(self._queues, key, ttl_s=DELETED_HEARTBEAT_TTL_S)
+            except NATS_FAILURES as exc:
+                log.debug("heartbeat_marker_not_cleared", key=key, error=str(exc) or type(exc).__name__)
+                return
+            self._lasting_markers.discard(key)
 
     async def _sweep(self, peers: list[str]) -> None:
         """`peers`: the lost ones' instance IDs (`<name>/<run>`), for the log."""
