@@ -1,5 +1,5 @@
 """The object store's sweep: deletes every object past its expiry, finishes the deletes a crash
-interrupted, and purges the chunks (or files) of objects that never got a meta (asyncinfer.blobs writes
+interrupted, and purges the chunks (or files) of objects that never got a meta (asyncinfer.blob_writer writes
 the layout; the scheduler's sweeper, services.scheduler.blobs, runs this on a timer).
 
 Removing is the store's compare-and-set (`BlobStore.remove`: a tombstone on the meta's subject

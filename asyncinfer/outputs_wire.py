@@ -4,7 +4,7 @@ batch chunk's outputs, written as pieces around each tensor's data rather than a
 protobuf builds the message by copying each tensor's data into it, and serializing copies it again
 (three copies of a chunk's megabytes before the object store takes its own slices). Here the
 tensors' data are pieces of their own, so the bytes are copied once, into the stored chunks
-(asyncinfer.blobs, BlobStore.put_pieces). The encoding is protobuf's own wire format, field by
+(asyncinfer.blob_writer, BlobStore.put_pieces). The encoding is protobuf's own wire format, field by
 field in number order, empty fields left out as proto3 does: tests/test_outputs_wire.py checks it
 byte for byte against `SerializeToString`.
 """

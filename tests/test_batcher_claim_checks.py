@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from google.protobuf import duration_pb2
 
-from asyncinfer import blobs, ranged_inputs
+from asyncinfer import blob_writer, ranged_inputs
 from asyncinfer.blob_meta import attempt_result_ref, new_input_ref
 from asyncinfer.blob_sweep import list_objects, sweep
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
@@ -246,7 +246,7 @@ async def test_a_result_put_whose_chunks_were_swept_under_it_is_refused_not_stor
     """A put paused past the sweep's bound (a process stopped, a VM frozen: its own timeouts do not
     run) finds its first chunks purged as a dead put's: it reads its first chunk back before its
     meta when it took SLOW_PUT_CHECKED_AFTER_S (here 0: the clock of a long pause)."""
-    monkeypatch.setattr(blobs, "SLOW_PUT_CHECKED_AFTER_S", 0.0, raising=False)
+    monkeypatch.setattr(blob_writer, "SLOW_PUT_CHECKED_AFTER_S", 0.0)
     swept = asyncio.Event()
 
     async def chunks() -> AsyncIterator[bytes]:

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from asyncinfer import blobs
+from asyncinfer import blob_writer
 from asyncinfer.blob_files import DIRECTORY, ObjectFiles, file_name
 from asyncinfer.blob_meta import CHUNK_BYTES, BlobCorrupt, new_input_ref, result_ref
 from asyncinfer.blob_sweep import MetaCursor, sweep
@@ -230,7 +230,7 @@ async def test_a_directory_that_fails_answers_no_room_or_unavailable_never_inter
         def failing(fd: int, view: memoryview, offset: int, code: int = code) -> None:
             raise OSError(code, os.strerror(code))
 
-        monkeypatch.setattr(blobs, "write_all", failing)
+        monkeypatch.setattr(blob_writer, "write_all", failing)
         with pytest.raises(expected):
             await store.put_bytes("t", new_input_ref(), content(14), expires_at=LATER)
         assert files_of(store) == []

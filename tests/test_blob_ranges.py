@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asyncinfer import blobs
+from asyncinfer import blob_reader
 from asyncinfer.blob_meta import CHUNK_BYTES, RESULT_CHUNK_BYTES, new_input_ref, sequence_runs
 from asyncinfer.blobs import BlobStore, ensure_objects_bucket
 from asyncinfer.config import Config
@@ -180,7 +180,7 @@ async def test_a_chunk_a_replica_cannot_give_is_read_from_the_leader(
     data = content(3)
     ref = new_input_ref()
     await store.put_bytes("t", ref, data, expires_at=time.time() + 3600)
-    real_direct_get = blobs.direct_get
+    real_direct_get = blob_reader.direct_get
     calls = 0
 
     async def flaky_replicas(*args: Any, **kwargs: Any) -> Any:
@@ -190,7 +190,7 @@ async def test_a_chunk_a_replica_cannot_give_is_read_from_the_leader(
             raise NotFoundError if replica == "behind" else TimeoutError
         return await real_direct_get(*args, **kwargs)
 
-    monkeypatch.setattr(blobs, "direct_get", flaky_replicas)
+    monkeypatch.setattr(blob_reader, "direct_get", flaky_replicas)
     assert (await store.read("t", ref, max_bytes=SIZE))[1] == data  # walked from its first chunk
     assert (
         await store.read_range("t", ref, CHUNK_BYTES - 3, CHUNK_BYTES * 2)

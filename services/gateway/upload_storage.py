@@ -1,7 +1,7 @@
 """Each tenant's stored uploads against `gateway.max_stored_upload_bytes_per_tenant`: counted from
 the object store's own stream, never kept.
 
-An upload's chunks are published on `$O.<bucket>.C.in.<tenant>.<nuid>` (asyncinfer.blobs
+An upload's chunks are published on `$O.<bucket>.C.in.<tenant>.<nuid>` (asyncinfer.blob_meta
 `chunks_name`), so the tenant's stored bytes are the number of its chunk messages in the stream
 (one subject filter, `count_messages`) times the chunk size: what the store holds, in whole
 128 KiB chunks (an object's last chunk counts whole, so a 1-byte upload counts 128 KiB). Nothing

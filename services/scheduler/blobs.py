@@ -28,7 +28,7 @@ DEFAULT_SWEEP_INTERVAL_S = 60.0
 # gateway's idle-upload timeout, and at least MIN_ORPHAN_AGE_S. An upload's gateway hears a piece at
 # least that often (it stores a 128 KiB chunk less often: BlobStore.put then refuses the upload);
 # a result's put, from memory, stores a chunk every 10 s at most and its meta 15 s after its last
-# (asyncinfer.blobs, SLOW_PUT_CHECKED_AFTER_S): 20 times inside the bound, which also covers
+# (asyncinfer.blob_writer, SLOW_PUT_CHECKED_AFTER_S): 20 times inside the bound, which also covers
 # clocks up to 4 minutes apart (the sweeper's against the NATS server's stamps).
 ORPHAN_IDLE_FACTOR = 4
 MIN_ORPHAN_AGE_S = 300.0
