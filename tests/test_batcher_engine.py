@@ -508,9 +508,9 @@ async def test_a_batch_computing_long_past_its_timeouts_is_reported_once_and_cou
     past its items' longest timeout (it then stops the process); the overrun gauge counts it."""
     from prometheus_client import CollectorRegistry
 
+    from services.batcher.batch_timeouts import HungBatch, HungWatch
     from services.batcher.engine import BatchingEngine
     from services.batcher.metrics import BatcherMetrics
-    from services.batcher.model_queue import HungBatch, HungWatch
 
     hung: list[HungBatch] = []
     told = asyncio.Event()

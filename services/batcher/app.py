@@ -29,12 +29,12 @@ from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
 from asyncinfer.worker_stream import WORK_MESSAGE_HEADROOM_BYTES, work_message_bytes
 from services.batcher.backends.loading import cuda_present, torch_threads_for
+from services.batcher.batch_timeouts import HungBatch, HungWatch
 from services.batcher.claim_checks import ClaimChecks
 from services.batcher.engine import BatchingEngine
 from services.batcher.kserve import SERVICE_NAME, KServeServicer
 from services.batcher.metrics import BatcherMetrics
 from services.batcher.model_control import ModelControl
-from services.batcher.model_queue import HungBatch, HungWatch
 from services.batcher.work_session import UPDATES_MESSAGE_BYTES
 from services.batcher.worker_client import WorkerClient, WorkerSecurity
 

@@ -1,7 +1,8 @@
 """The dynamic-batching engine: per model, a bounded queue of items that are packed into batches,
 computed in worker threads (or awaited, for remote backends), and split back per item. This
 module holds the policy and the public BatchingEngine; model_queue.py holds each model's queue
-and batch former, batch_compute.py running a batch, fast_check.py the common input check.
+and batch former (batch_picking.py its choice of a batch, batch_timeouts.py the timers of the
+batches computing), batch_compute.py running a batch, fast_check.py the common input check.
 
 Order: higher priority first, then the earliest deadline, then arrival. The best item's group
 (see items.py: shapes, length buckets) forms the batch; items of other groups wait for a batch
@@ -48,10 +49,11 @@ from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.backends import ModelBackend
 from services.batcher.batch_compute import SHUTDOWN_REASON, SHUTTING_DOWN, run_timed_out
+from services.batcher.batch_timeouts import HungWatch
 from services.batcher.chunk_items import ChunkItem, part_rows, take_rows
 from services.batcher.items import InferOutcome, PendingItem
 from services.batcher.metrics import BatcherMetrics
-from services.batcher.model_queue import HungWatch, ModelQueue, SlotListener
+from services.batcher.model_queue import ModelQueue, SlotListener
 from services.batcher.pipeline import PipelineRunner
 from services.batcher.progress import ItemProgress
 

@@ -93,7 +93,7 @@ class PendingItem:
         self.timer: asyncio.TimerHandle | None = None
         self.progress: ItemProgress | None = None  # set by a caller that listens to its progress
         # How long its job may compute (its work order's execution timeout; None: no limit known):
-        # a batch running past the longest of its items' has overrun (model_queue.RunningBatch).
+        # a batch running past the longest of its items' has overrun (batch_timeouts.RunningBatch).
         self.run_timeout_s: float | None = None
         # When its job's execution timeout ends, in loop time, where that is counted from the job's
         # arrival rather than from the item's batch: a part of a batch's chunk, a pipeline's step.

@@ -1,6 +1,7 @@
 """One model's queue: intake (a slot per item, held until its future resolves), the batch
-former (a task that picks the next batch by the order and closing rules in engine.py), and the
-batches in flight, each given to a BatchRunner (batch_compute.py).
+former (a task that picks the next batch by the order and closing rules in engine.py: its choice
+is batch_picking.py's), and the batches in flight, each given to a BatchRunner (batch_compute.py)
+and watched by their timers (batch_timeouts.py: execution timeouts, overrun, a hung batch).
 
 An item's deadline is a timer only when it has one; an item that resolves while waiting
 (dropped, expired) is purged by the former, not searched for in the queue.
@@ -14,12 +15,8 @@ import contextvars
 import functools
 import itertools
 import math
-import sys
-import threading
-import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import structlog
 
@@ -45,56 +42,16 @@ from services.batcher.batch_compute import (
     Computed,
     RunTimedOut,
     fail,
-    run_timed_out,
 )
+from services.batcher.batch_picking import pick_batch
+from services.batcher.batch_timeouts import BatchTimeouts, HungWatch, RunningBatch, on_its_thread
 from services.batcher.fast_check import FastCheck
 from services.batcher.items import InferOutcome, ItemShaper, PendingItem
 from services.batcher.metrics import BatcherMetrics, ModelMetrics
 
 log = structlog.get_logger("asyncinfer.batcher.model_queue")
 
-# A batch is overrunning this long past the longest execution timeout of its items, from its start.
-OVERRUN_GRACE_S = 0.5
-STACK_LINES = 12
-
-
-@dataclass(slots=True)
-class RunningBatch:
-    """A batch computing: since when, until when its items may compute (its start plus the longest
-    of their execution timeouts; None: one has none, a KServe call), and the thread computing it
-    (for its stack, if it overruns)."""
-
-    items: list[PendingItem]
-    started_at: float
-    deadline: float | None
-    thread: int | None = None
-    overran: bool = False
-    timer: asyncio.TimerHandle | None = None
-    # A remote backend's call (runs_async), cancelled once none of its items waits for it.
-    call: asyncio.Future[Computed] | None = None
-
-
 SlotListener = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class HungBatch:
-    """A batch still computing `past_timeout_s` past its items' longest execution timeout."""
-
-    model: str
-    items: int
-    running_s: float
-    past_timeout_s: float
-    stack: str
-
-
-@dataclass(frozen=True, slots=True)
-class HungWatch:
-    """Who is told (`on_hung`, once per batch) of a batch computing `after_s` past the longest
-    execution timeout of its items: a model call that does not return (batcher.exit_after_overrun_s)."""
-
-    after_s: float
-    on_hung: Callable[[HungBatch], None]
 
 
 def outcome_label(future: asyncio.Future[InferOutcome]) -> str:
@@ -156,8 +113,8 @@ class ModelQueue:
         self._slots = asyncio.Semaphore(config.max_inflight_batches)
         self._batches: dict[asyncio.Task[None], list[PendingItem]] = {}
         self._running: dict[asyncio.Task[None], RunningBatch] = {}
+        self._timeouts = BatchTimeouts(self.name, self._running, hung, self._update_stuck)
         self._stuck = False
-        self._hung = hung
         self._former: asyncio.Task[None] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._delay_s = config.max_queue_delay_ms / 1000.0
@@ -331,7 +288,7 @@ class ModelQueue:
                 asyncio.ensure_future(runner.compute_async(batch, now))
                 if self.backend.runs_async
                 else loop.run_in_executor(
-                    self._executor, contextvars.copy_context().run, _on_its_thread, running, runner.compute
+                    self._executor, contextvars.copy_context().run, on_its_thread, running, runner.compute
                 )
             )
             if self.backend.runs_async:
@@ -343,7 +300,7 @@ class ModelQueue:
                 # One timer a batch, as before: first at its items' earliest timeout, then (when
                 # they have all timed out) at the overrun; cancelled when the batch returns.
                 first = now + min(known)
-                running.timer = loop.call_at(first, self._time_out_items, task, first)
+                running.timer = loop.call_at(first, self._timeouts.time_out_items, task, first)
             task.add_done_callback(functools.partial(self._batch_done, batch))
 
     def _batch_done(self, batch: list[PendingItem], task: asyncio.Task[None]) -> None:
@@ -376,78 +333,6 @@ class ModelQueue:
             running = self._running.get(task)
             if running is not None and all(item.future.done() for item in running.items):
                 self._on_item_done(self.name)  # the places its items kept (places_taken) are free
-
-    def _time_out_items(self, task: asyncio.Task[None], when: float) -> None:
-        """Answers the batch's items whose execution timeouts, counted from its start, ended by
-        `when` (TIMED_OUT: their scheduler records it; a model that reports progress is told, as
-        of a cancel), then waits for the next item's, or for the
-        overrun. Counted from the batch's start, not from the order's arrival: an item that waited
-        behind a slow or hung batch has not used any of its timeout (it timed out with it before)."""
-        running = self._running.get(task)
-        if running is None:
-            return
-        loop = asyncio.get_running_loop()
-        now = max(loop.time(), when)
-        later: list[float] = []
-        ended = 0
-        for item in running.items:
-            if item.run_timeout_s is None or item.future.done():
-                continue
-            ends = running.started_at + item.run_timeout_s
-            if ends <= now:
-                if item.progress is not None:
-                    # It cannot leave its batch, but a model that reports progress reads
-                    # `progress.cancelled(row)` and may stop; its order is forgotten once answered,
-                    # so the scheduler's cancel that follows finds nothing to signal.
-                    item.progress.cancel()
-                item.future.set_exception(run_timed_out(item.run_timeout_s))
-                ended += 1
-            else:
-                later.append(ends)
-        if ended:
-            log.warning("batch_timed_out", model=self.name, items=ended, running_s=round(now - running.started_at, 1))
-        if later:
-            next_at = min(later)
-            running.timer = loop.call_at(next_at, self._time_out_items, task, next_at)
-        elif running.deadline is not None:
-            running.timer = loop.call_at(running.deadline + OVERRUN_GRACE_S, self._overran, task)
-        else:
-            running.timer = None
-
-    def _overran(self, task: asyncio.Task[None]) -> None:
-        """A batch still computing past the longest execution timeout of its items (each has timed
-        out): a model call that hangs. Said once, with where its thread is."""
-        running = self._running.get(task)
-        if running is None:
-            return
-        running.overran = True
-        loop = asyncio.get_running_loop()
-        log.warning(
-            "batch_overran",
-            model=self.name,
-            items=len(running.items),
-            running_s=round(loop.time() - running.started_at, 1),
-            past_deadline_s=round(loop.time() - (running.deadline or loop.time()), 1),
-            stack=_stack_of(running.thread),
-        )
-        self._update_stuck()
-        if self._hung is not None and running.deadline is not None:
-            running.timer = loop.call_at(running.deadline + self._hung.after_s, self._hung_long, task)
-
-    def _hung_long(self, task: asyncio.Task[None]) -> None:
-        running = self._running.get(task)
-        if running is None or self._hung is None:
-            return
-        now = asyncio.get_running_loop().time()
-        self._hung.on_hung(
-            HungBatch(
-                model=self.name,
-                items=len(running.items),
-                running_s=round(now - running.started_at, 1),
-                past_timeout_s=round(now - (running.deadline or now), 1),
-                stack=_stack_of(running.thread),
-            )
-        )
 
     def _update_stuck(self) -> None:
         """The model is stuck while every in-flight batch has overrun: its waiting items are given
@@ -506,7 +391,7 @@ class ModelQueue:
                 self._changed.clear()
                 await self._changed.wait()
                 continue
-            batch, close_now = self._pick()
+            batch, close_now = pick_batch(self._waiting, self.config, self._preferred)
             wait_s = min(item.submitted_at for item in batch) + self._delay_s - loop.time()
             if close_now or wait_s <= 0 or not self._batches:
                 started = {id(item) for item in batch}
@@ -521,45 +406,6 @@ class ModelQueue:
         """Removes items that resolved while waiting (dropped, expired, failed)."""
         if any(item.future.done() for item in self._waiting):
             self._waiting = [item for item in self._waiting if not item.future.done()]
-
-    def _pick(self) -> tuple[list[PendingItem], bool]:
-        """The best item's group in order, within the row and cost limits; and whether the batch
-        should close now (it cannot grow, or it reached a preferred size)."""
-        max_rows = self.config.max_batch_size
-        max_cost = self.config.max_batch_cost
-        ordered = sorted(self._waiting, key=_sort_key)
-        if ordered[0].run_alone:
-            # Its previous attempt was lost with its batcher: if it crashes the process again, it
-            # takes no other job with it.
-            return [ordered[0]], True
-        group = ordered[0].group
-        batch: list[PendingItem] = []
-        rows = cost = 0
-        left_out = False
-        for item in ordered:
-            if item.group != group or item.run_alone:
-                continue
-            if rows + item.rows > max_rows or (max_cost and batch and cost + item.cost > max_cost):
-                left_out = True
-                continue
-            batch.append(item)
-            rows += item.rows
-            cost += item.cost
-        if left_out or rows >= max_rows or (max_cost and cost >= max_cost):
-            return batch, True
-        for size in self._preferred:
-            if size > rows:
-                continue
-            prefix: list[PendingItem] = []
-            prefix_rows = 0
-            for item in batch:
-                if prefix_rows + item.rows > size:
-                    break
-                prefix.append(item)
-                prefix_rows += item.rows
-            if prefix_rows == size:
-                return prefix, True
-        return batch, False
 
     # --- stopping --------------------------------------------------------------------------
 
@@ -677,23 +523,6 @@ def _chunk_under_way(item: PendingItem) -> bool:
     """Whether the item is a part of a chunk with a deadline of its own, one of whose parts started."""
     parts = item.chunk_parts
     return item.ends_by is not None and parts is not None and any(part.started for part in parts)
-
-
-def _sort_key(item: PendingItem) -> tuple[int, float, int]:
-    return item.sort_key
-
-
-def _on_its_thread(running: RunningBatch, compute: Callable[[list[PendingItem]], Computed]) -> Computed:
-    running.thread = threading.get_ident()
-    return compute(running.items)
-
-
-def _stack_of(thread: int | None) -> str:
-    """Where the thread is now (its innermost STACK_LINES lines), for a batch that overran."""
-    frame = sys._current_frames().get(thread) if thread is not None else None
-    if frame is None:
-        return ""
-    return "".join(traceback.format_stack(frame)[-STACK_LINES:])
 
 
 def _expire(item: PendingItem) -> None:
