@@ -599,6 +599,6 @@ async def test_a_job_cancelled_while_its_queue_is_paused_leaves_the_queues_depth
 
 async def until_put_back(stack: Stack, count: int) -> None:
     def put_back() -> int:
-        return sum(d.queues.put_back_count(p) for d in stack.scheduler._dispatchers for p in Priority)
+        return sum(d.queues.put_back_count(p) for d in stack.scheduler._dispatchers.all for p in Priority)
 
     await until_true(lambda: put_back() == count, timeout_s=10.0)

@@ -184,7 +184,7 @@ class Harness:
 
     def dispatcher(self) -> Any:
         """The dispatcher of the test's model (MODEL)."""
-        return next(d for d in self.app._dispatchers if d.model_name == MODEL)
+        return next(d for d in self.app._dispatchers.all if d.model_name == MODEL)
 
     async def work_empty(self) -> None:
         async def empty() -> bool:
@@ -2614,7 +2614,7 @@ async def test_a_job_its_attempt_gave_back_counts_in_its_queues_depth_and_oldest
     else:
         await batcher.fail(order, MODEL_ERROR)  # retriable, no credit back
     await wait_state(h.js, job_id, JobState.QUEUED)
-    (dispatcher,) = h.app._dispatchers_by_model[MODEL]
+    (dispatcher,) = h.app._dispatchers.by_model[MODEL]
     skew_s = [0.0]
     dispatcher.queues._clock = lambda: time.monotonic() + skew_s[0]
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -20,7 +19,7 @@ from asyncinfer.blobs import ensure_objects_bucket
 from asyncinfer.cert_expiry import CertificateExpiry, watch_certificates
 from asyncinfer.claim_lifetimes import ClaimLifetimes
 from asyncinfer.config import Config
-from asyncinfer.contract import CANCEL_SUBJECTS, WORK_SUBJECT_PREFIX
+from asyncinfer.contract import CANCEL_SUBJECTS
 from asyncinfer.declarations import ensure_jobs_bucket, ensure_queues_bucket, ensure_work_stream
 from asyncinfer.errors import Unavailable
 from asyncinfer.grpc_keepalive import Keepalive
@@ -35,7 +34,6 @@ from asyncinfer.nats import JetStreamContext, Msg, NatsError, Subscription
 from asyncinfer.nats.connection import client_certificates, connect, disconnect
 from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
-from asyncinfer.nats.pull_inbox import PullEnd
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice
 from asyncinfer.supervision import Supervisor, cancel_and_wait
@@ -57,12 +55,13 @@ from services.scheduler.cluster_queues import ClusterQueues
 from services.scheduler.completions import EventRates
 from services.scheduler.dead_letters import DeadLetterStore, ensure_dead_letter_stream
 from services.scheduler.deadline_sweep import DeadlineSweep
-from services.scheduler.dispatcher import PRIORITY_BY_SUBJECT_TOKEN, ModelDispatcher
+from services.scheduler.dispatcher import ModelDispatcher
 from services.scheduler.instances import SchedulerInstance, instance_name, new_run
 from services.scheduler.jobs_flow import JobFlow
 from services.scheduler.lease_reclaim import LeaseReclaimer
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.model_controls import ModelControls
+from services.scheduler.model_dispatchers import ModelDispatchers
 from services.scheduler.model_registry_writer import ModelRegistryWriter
 from services.scheduler.ops_service import OpsService
 from services.scheduler.pauses import PauseState
@@ -140,11 +139,7 @@ class SchedulerApp:
         self._metrics_server = MetricsServer(
             self.metrics.registry, config.scheduler.host, config.scheduler.metrics_port
         )
-        self._dispatchers: list[ModelDispatcher] = []
-        # The same, by model: a put-back, a dropped message and each queue of a stats round look
-        # their model's up, where each went through every dispatcher (100 models: 30,000 steps a
-        # round, 100 a put-back message).
-        self._dispatchers_by_model: dict[str, list[ModelDispatcher]] = {}
+        self._dispatchers = ModelDispatchers()
         self._loops: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Task[None] | None = None
         self._webhooks: WebhookService | None = None
@@ -245,13 +240,13 @@ class SchedulerApp:
             submitted_per_s=self._submissions.per_s,
             is_paused=pauses.is_paused,
             is_draining=lambda: self.draining,
-            put_back_count=self._put_back_count,
+            put_back_count=self._dispatchers.put_back_count,
             batch_sizes=flow.batch_sizes,
             clock=self._wall_clock,
-            held_open=self._held_open,
-            put_back_jobs=self._put_back_jobs,
-            put_back_oldest=self._put_back_oldest,
-            forget_put_back=self._forget_put_back,
+            held_open=self._dispatchers.held_open,
+            put_back_jobs=self._dispatchers.put_back_jobs,
+            put_back_oldest=self._dispatchers.put_back_oldest,
+            forget_put_back=self._dispatchers.forget_put_back,
             nc=nc,
         )
         cluster_queues.desire = stats.desired
@@ -348,14 +343,13 @@ class SchedulerApp:
                 on_linger=self._count_linger,
             )
             await dispatcher.start()
-            self._dispatchers.append(dispatcher)
-            self._dispatchers_by_model.setdefault(model_name, []).append(dispatcher)
+            self._dispatchers.add(model_name, dispatcher)
 
         for model in config.models:
             await start_dispatcher(model.name)
         self.supervisor.start("scheduler-runtime-models", runtime.run())
-        flow.on_put_back = self._put_back
-        flow.on_message_dropped = self._forget_put_back
+        flow.on_put_back = self._dispatchers.put_back
+        flow.on_message_dropped = self._dispatchers.forget_put_back
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         if self.summary is not None:
             self.supervisor.start("scheduler-jobs-summary", self.summary.run())
@@ -373,11 +367,11 @@ class SchedulerApp:
                 store=store,
                 stream=config.nats.work_stream,
                 metrics=self.metrics,
-                models=lambda: list(self._dispatchers_by_model),
+                models=lambda: list(self._dispatchers.by_model),
                 is_paused=pauses.is_paused,
                 backlog_s=settings.deadline_sweep_backlog_s,
                 clock=self._wall_clock,
-                on_message_dropped=self._forget_put_back,
+                on_message_dropped=self._dispatchers.forget_put_back,
             )
             self._loops.append(self._repeat("deadline_sweep", settings.deadline_sweep_interval_s, sweep.sweep))
         store_usage = StoreUsageReader(js, config.nats, monitor_urls=settings.nats_monitor_urls)
@@ -423,7 +417,7 @@ class SchedulerApp:
             log.info("scheduler_draining", scheduler_id=self.instance_name)
             self._undrained.clear()
         # A round that had begun dispatches what it pulled; after that nothing more is taken.
-        for dispatcher in self._dispatchers:
+        for dispatcher in self._dispatchers.all:
             await dispatcher.settled()
         if self._flow is None:
             return 0
@@ -438,54 +432,8 @@ class SchedulerApp:
         self._undrained.set()
         return was_draining
 
-    async def _stop_dispatching(self) -> None:
-        # Together: each waits for its round's pull, which with NATS gone lasts its timeout.
-        held_ends = sum(await asyncio.gather(*(d.stop() for d in self._dispatchers)), Counter[PullEnd]())
-        if held_ends:
-            # Interrupted: ended by the stop, not waited out (a hold of 10 s and 2 s each with NATS
-            # away, "lost"; "empty" as it expired). A message an interrupted pull was handed at that
-            # moment is back after AckWait.
-            log.info("held_pulls_ended_at_stop", **{str(end): count for end, count in held_ends.items()})
-
     def _count_linger(self, model_name: str) -> None:
         self.metrics.dispatch_lingers.labels(model=model_name).inc()
-
-    def _put_back_count(self, model_name: str, priority: Priority) -> int:
-        return sum(d.queues.put_back_count(priority) for d in self._dispatchers_by_model.get(model_name, ()))
-
-    def _put_back_jobs(self, model_name: str, priority: Priority) -> frozenset[str]:
-        return frozenset().union(
-            *(d.queues.put_back_jobs(priority) for d in self._dispatchers_by_model.get(model_name, ()))
-        )
-
-    def _put_back_oldest(self, model_name: str, priority: Priority) -> float | None:
-        times = (d.queues.put_back_oldest(priority) for d in self._dispatchers_by_model.get(model_name, ()))
-        return min((t for t in times if t is not None), default=None)
-
-    def _held_open(self, model_name: str, priority: Priority) -> bool:
-        return any(d.holding(priority) for d in self._dispatchers_by_model.get(model_name, ()))
-
-    def _forget_put_back(self, model_name: str, job_id: str) -> None:
-        for dispatcher in self._dispatchers_by_model.get(model_name, ()):
-            dispatcher.queues.forget(job_id)
-
-    def _put_back(self, msg: Msg, delay_s: float, backoff: bool) -> None:
-        """A work message pulled here is being put back (an attempt's end gave its job back, or
-        its dispatch waits): counted in its queue's depth by its model's dispatcher, as the
-        dispatchers' own put-backs are, until a pull brings it back (it was not: with no credit to
-        pull it, the queue said 0 jobs waiting and no oldest time while it waited); the dispatcher
-        is woken for one offered again at once."""
-        # asyncinfer.work.<model>.<priority>[.<tenant>.<job_id>]
-        model_name, _, rest = msg.subject.removeprefix(f"{WORK_SUBJECT_PREFIX}.").partition(".")
-        priority_token = rest.partition(".")[0]
-        dispatchers = self._dispatchers_by_model.get(model_name, ())
-        priority = PRIORITY_BY_SUBJECT_TOKEN.get(priority_token)
-        if dispatchers and priority is not None:
-            # One of them (the depth sums them); a backoff keeps it out of the oldest time meanwhile.
-            dispatchers[0].queues.put_back(priority, msg, backoff_s=delay_s if backoff else 0.0)
-        if delay_s <= 0:
-            for dispatcher in dispatchers:
-                dispatcher.wake(priority_token)
 
     async def _on_cancel(self, msg: Msg) -> None:
         try:
@@ -501,7 +449,7 @@ class SchedulerApp:
         if self._server is not None:
             # NOT_SERVING now: the wait for jobs in flight below may take the whole grace.
             await self._server.begin_shutdown()
-        await self._stop_dispatching()
+        await self._dispatchers.stop()
         if self._drains is not None:  # before the wait for jobs in flight, which an order's drain shares
             await self._drains.stop()
         if self._flow is not None and not await self._flow.wait_idle(grace_s):
@@ -572,7 +520,7 @@ class SchedulerApp:
             return
         if self._store is not None:
             # A job put back here that another scheduler took is forgotten before it is counted.
-            await check_put_backs(self._store, (d.queues for d in self._dispatchers))
+            await check_put_backs(self._store, (d.queues for d in self._dispatchers.all))
         snapshots = await self._stats.snapshot()
         cluster = self._cluster_queues
         cluster_view = snapshots
@@ -587,7 +535,7 @@ class SchedulerApp:
         # it, or was lost) is that one's alone, and it may have no batcher left to pull it; this
         # one, which may, aged its queue as if the job were not there.
         by_model = {s.model_name: s for s in cluster_view}
-        for dispatcher in self._dispatchers:
+        for dispatcher in self._dispatchers.all:
             snapshot = by_model.get(dispatcher.model_name)
             if snapshot is not None:
                 dispatcher.queues.selector.observe_ages(snapshot.oldest_ages())
