@@ -353,7 +353,7 @@ class SchedulerApp:
         self.supervisor.start("scheduler-heartbeat", instance.heartbeat())
         if self.summary is not None:
             self.supervisor.start("scheduler-jobs-summary", self.summary.run())
-        reclaimer = LeaseReclaimer(nc, js, store, config, instance, models=lambda: list(self._dispatchers_by_model))
+        reclaimer = LeaseReclaimer(nc, js, store, config, instance, models=lambda: list(self._dispatchers.by_model))
         self.supervisor.start("scheduler-lease-reclaim", reclaimer.run())
         # A peer that dies and is not replaced at once: its jobs back in seconds, not after AckWait.
         peers = PeerWatch(queues_bucket, instance.run, reclaimer.reclaim)
