@@ -17,7 +17,9 @@ class NatsConfig(Section):
         description="How long a service's first connect keeps trying a NATS it cannot reach (connection refused, "
         "name not resolved, no answer) before it gives up (exit 69, Unavailable), saying so in a line when it starts "
         "waiting and then every 10 s. 0: it gives up after 3 tries per server (a few seconds), as `asyncinfer up` "
-        "and the CLI want. A TLS failure or refused credentials give up at once whatever it says. The Kubernetes "
+        "and the CLI want. A TLS failure, refused credentials, or a server whose greeting shows this TLS setting cannot "
+        "work (it requires a client certificate and tls_cert_file is unset; it has no TLS and this client requires it) "
+        "give up at once whatever it says (exit 2, the setting named). The Kubernetes "
         "configuration sets 120: a pod started before the NATS StatefulSet answers waits for it rather than exiting "
         "into CrashLoopBackOff, whose delay doubles up to 5 minutes.",
     )
@@ -41,8 +43,8 @@ class NatsConfig(Section):
     )
     tls_ca_file: str | None = Field(
         None,
-        description="PEM CA bundle that verifies the NATS server; setting it (or a tls:// URL) turns TLS on. "
-        "Unset with a tls:// URL: the system's CAs.",
+        description="PEM CA bundle that verifies the NATS server; setting it (or a tls:// URL, or tls_cert_file) "
+        "turns TLS on, and a server without TLS is then refused. Unset with a tls:// URL: the system's CAs.",
     )
     tls_cert_file: str | None = Field(
         None,

@@ -54,7 +54,7 @@ import json
 import os
 import re
 import ssl
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import nats.aio.client
@@ -661,6 +661,36 @@ def use_tls_context(client: Client, context: ssl.SSLContext) -> None:
     options["tls"] at each connect and has no setter for it: a client certificate renewed on disk
     is given this way (asyncinfer.nats.connection), a context of its own each time."""
     client.options["tls"] = context
+
+
+# nats-py's handling of a server's INFO (its greeting at each connect, and the cluster's updates later).
+_PROCESS_INFO = "_process_info"
+
+
+def vet_greetings(client: Client, vet: Callable[[Mapping[str, Any]], None], *, wants_tls: bool) -> bool:
+    """Has `vet` read the INFO that each connect of the client (its first, and every reconnect) is
+    greeted with, before nats-py upgrades the connection to TLS and sends its CONNECT (the
+    credentials). What `vet` raises (a nats.errors.Error) fails that attempt as nats-py's own errors
+    do: to the error callback, then the next attempt. nats-py itself takes the server's word on TLS:
+    a client configured for it connected to a server without TLS in plaintext, password and all.
+
+    With `wants_tls`, a server that offers TLS without requiring it (nats-server's allow_non_tls:
+    INFO says tls_available) is answered over TLS: nats-py upgrades only where INFO says
+    tls_required. Applied whatever FASTPATH_ENABLED says (a check, not a fast path); False where
+    this nats-py has no such step, and its connects go on unvetted."""
+    process_info = getattr(client, _PROCESS_INFO, None)
+    if process_info is None:
+        return False
+
+    async def vetted(info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection:  # a connect's greeting (later INFOs tell of the cluster's servers)
+            vet(info)
+            if wants_tls and info.get("tls_available"):
+                info["tls_required"] = True  # nats-py's _server_info: it reads it next, to upgrade
+        await process_info(info, initial_connection=initial_connection)
+
+    setattr(client, _PROCESS_INFO, vetted)
+    return True
 
 
 def pending_request_count(nc: Client) -> int:

@@ -11,7 +11,11 @@ may not report at all), and the whole first connect is bounded by a deadline bes
 With `nats.first_connect_wait_s`, a first connect that fails for want of a server keeps trying
 until that long has passed (and the attempts are spent): a pod started before the NATS StatefulSet
 answers waits for it rather than exiting into CrashLoopBackOff. Refused credentials and a TLS
-failure still give up at once: waiting does not change them.
+failure still give up at once: waiting does not change them, and neither does a TLS setting that the
+server's greeting (its INFO) shows to be wrong for it: a server that requires client certificates, to
+a client without one (the server's alert at the handshake's end was often read as a broken pipe or a
+lost connection, an outage to wait for), or a server without TLS, to a client configured for it
+(found before anything is sent: nats-py connected in plaintext). See Greetings.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import asyncio
 import contextlib
 import ssl
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 from nats.aio.client import Client
 from nats.errors import AuthorizationError, UnexpectedEOF
+from nats.errors import Error as NatsError
 
 from asyncinfer.config import NatsConfig
 from asyncinfer.errors import ConfigError, Unavailable
@@ -42,6 +48,12 @@ ERROR_LOG_INTERVAL_S = 10.0
 REPLIES_CHECK_TIMEOUT_S = 10  # nats-py types it an int
 PERMISSIONS_VIOLATION = "permissions violation"  # nats-py's wording of the server's -ERR, any case
 MAX_VIOLATIONS_KEPT = 16
+
+
+class TlsMismatch(NatsError):
+    """What a server's greeting shows this configuration's TLS cannot do (a server verifying client
+    certificates, and none configured; a server without TLS): a configuration error (exit 2) once
+    the first connect gives up, which it does at once."""
 
 
 class ConnectionChanges:
@@ -86,6 +98,8 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     client = Client()
     if tls is not None:
         _certificates[client] = tls
+    greetings = Greetings(config, wants_tls=tls is not None)
+    _fastpath.vet_greetings(client, greetings.vet, wants_tls=tls is not None)
     if _fastpath.FASTPATH_ENABLED:
         _fastpath.closed_transport_errors(client)
         _fastpath.larger_reads()
@@ -112,10 +126,16 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
     errors = Throttle(ERROR_LOG_INTERVAL_S)
 
     async def on_error(exc: Exception) -> None:
+        exc = greetings.read(exc)
         if PERMISSIONS_VIOLATION in str(exc).lower():
             violations.append(str(exc))
             del violations[:-MAX_VIOLATIONS_KEPT]
-        final = isinstance(exc, ssl.SSLError) or _login_refused(exc)  # waiting will not change it
+        if gave_up.is_set() and not connected:
+            # An attempt's failure can be told twice (a lost connection, then the TLS alert behind
+            # it): the first gave up, and its caller says why.
+            log.debug("nats_error", error=str(exc))
+            return
+        final = isinstance(exc, ssl.SSLError | TlsMismatch) or _login_refused(exc)  # waiting will not change it
         if not connected and wait_s > 0 and not final and not abandoned.is_set():
             nonlocal waited_out
             waited_out += 1
@@ -143,8 +163,13 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
         if abandoned.is_set():
             log.debug("nats_error", error=str(exc))
             return
-        if held is None or (connected and isinstance(exc, UnexpectedEOF)):
-            # (The server closed the connection: nats_disconnected, next, says so once.)
+        if (
+            held is None
+            or (connected and isinstance(exc, UnexpectedEOF))
+            or (not connected and isinstance(exc, TlsMismatch))
+        ):
+            # (The server closed the connection: nats_disconnected, next, says so once. A first
+            # connect's TlsMismatch: the ConfigError that ends it says so.)
             log.debug("nats_error", error=str(exc))
         else:
             log.warning("nats_error", error=str(exc), **({"more_since_last": held} if held else {}))
@@ -224,6 +249,10 @@ async def connect(config: NatsConfig, *, name: str) -> Client:
             "nats.user and password(_file), token(_file), nkey_seed_file or credentials_file"
             + (", and the user:password@ or token@ in nats.url" if logs_in_by_url else "")
         )
+    mismatch = next((failure for failure in seen if isinstance(failure, TlsMismatch)), None)
+    if mismatch is not None:
+        await _abandon(client, connecting, abandoned)
+        raise ConfigError(f"cannot connect to NATS at {shown}: {mismatch}")
     if not connecting.done():
         await _abandon(client, connecting, abandoned)
         last = first_connect_failures[-1] if first_connect_failures else f"no answer within {deadline_s:g}s"
@@ -338,6 +367,46 @@ async def close(client: Client) -> None:
                 await client.close()
     if _fastpath.FASTPATH_ENABLED:
         await _fastpath.end_reconnection(client, ABANDON_WAIT_S)
+
+
+class Greetings:
+    """The INFO that greeted a connect attempt, until that attempt's failure is told (`read` in the
+    error callback), and the check of it against this configuration's TLS."""
+
+    def __init__(self, config: NatsConfig, *, wants_tls: bool) -> None:
+        self._config = config
+        self._wants_tls = wants_tls
+        self._latest: Mapping[str, Any] = {}
+
+    def vet(self, info: Mapping[str, Any]) -> None:
+        """Before the attempt's TLS handshake and CONNECT: TlsMismatch for a server without TLS, to a
+        client that requires it (nats-py would go on in plaintext)."""
+        self._latest = info
+        if self._wants_tls and not (info.get("tls_required") or info.get("tls_available")):
+            raise TlsMismatch(
+                "the server does not offer TLS, which this configuration requires (a tls:// nats.url, "
+                "nats.tls_ca_file or nats.tls_cert_file): turn TLS on at the server (its tls block), or "
+                "point nats.url at the server that has it"
+            )
+
+    def read(self, failure: Exception) -> Exception:
+        """The attempt's failure as the operator acts on it: where its greeting said the server
+        verifies client certificates and this client has none, TlsMismatch saying so. The server
+        closes the connection at the handshake's end with an alert, which the client, writing its
+        CONNECT meanwhile, read now and then as a lost connection or a broken pipe: an outage to
+        wait for under nats.first_connect_wait_s. A server certificate this client cannot verify
+        (the handshake's first check) is left to say so."""
+        greeting, self._latest = self._latest, {}
+        if not greeting.get("tls_verify") or self._config.tls_cert_file:
+            return failure
+        if isinstance(failure, ssl.SSLCertVerificationError) or not isinstance(
+            failure, ssl.SSLError | BrokenPipeError | ConnectionResetError | UnexpectedEOF
+        ):
+            return failure
+        return TlsMismatch(
+            "the server requires a client certificate (nats-server tls { verify: true }): set "
+            "nats.tls_cert_file and nats.tls_key_file to one signed by the CA it verifies clients with"
+        )
 
 
 def _login_refused(failure: BaseException | None) -> bool:
