@@ -29,6 +29,7 @@ import numpy.typing as npt
 from asyncinfer.batches import ErrorLine, InputFormat
 from asyncinfer.tensors import (
     NUMPY_DTYPES,
+    RAGGED_REASON,
     ModelSignature,
     Tensor,
     TensorSpec,
@@ -107,7 +108,7 @@ def _not_typed(value: Any, datatype: str) -> str:
     try:
         array = np.asarray(value)
     except (ValueError, TypeError):
-        return "is not a rectangular array: its rows are not all the same length"
+        return RAGGED_REASON
     if changed := cast_change(array, datatype, value):
         # "has 1.5, not a whole number: INT64 takes whole numbers", "has 300, past UINT8's range ...",
         # "has 2.0, a float: INT64 takes integers (write 2, not 2.0)": as the CLI's -i and the SDK.

@@ -257,6 +257,9 @@ def validate_inputs(
 
 _FLOAT_DATATYPES = frozenset({"FP16", "FP32", "FP64"})
 _INT_DATATYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"})
+# Why a value is no array, in words to follow "input 'x' ": its rows differ in length (numpy's
+# "setting an array element with a sequence. The requested array has an inhomogeneous shape ...").
+RAGGED_REASON = "is not a rectangular array: its rows are not all the same length"
 _BOOLEAN_TYPES = (bool, np.bool_)
 _NUMBER_TYPES = (int, float, np.number)
 # Up to this many values, walking them costs less than numpy's look for a 0 or a 1.
@@ -353,9 +356,14 @@ def cast_change(array: npt.NDArray[Any], datatype: str, written: Any = None) -> 
     IsInt64, false for 2.0) and numpy's same_kind casting (float64 to int64 refused) do, in the
     CLI's -i, a JSONL batch line and the SDK alike. `written`: the values as given (nested lists),
     where the caller has them: the whole float named is the first one written as a float (numpy
-    makes [1, 4.0] [1.0, 4.0], and "has 1.0" would name a value written 1)."""
+    makes [1, 4.0] [1.0, 4.0], and "has 1.0" would name a value written 1). A null is named too
+    (null_held), for BOOL as well."""
     target = NUMPY_DTYPES.get(datatype)
-    if target is None or target.kind == "b" or array.dtype.kind not in "iufO":
+    if target is None:
+        return ""
+    if null := null_held(array, datatype):
+        return null
+    if target.kind == "b" or array.dtype.kind not in "iufO":
         return ""
     values = array.ravel().tolist() if array.dtype.kind == "O" else None
     if values is not None and not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
@@ -396,6 +404,18 @@ def cast_change(array: npt.NDArray[Any], datatype: str, written: Any = None) -> 
     return "" if whole_float is None else _whole_float(whole_float, datatype)
 
 
+def null_held(array: npt.NDArray[Any], datatype: str) -> str:
+    """Why `array` (numpy's reading of JSON or Python values) does not fit a number or boolean
+    `datatype` when it holds a null (None), in words to follow "input 'x' "; "" when it holds none.
+    numpy made a null NaN for a float type (`-i 'x=[[1,2,3,null]]'` ran on NaN, exit 0) and False
+    for BOOL, each sent as if written so."""
+    target = NUMPY_DTYPES.get(datatype)
+    if target is None or array.dtype.kind != "O" or not any(v is None for v in array.ravel().tolist()):
+        return ""
+    takes = "booleans (true or false)" if target.kind == "b" else "numbers"
+    return f"has a null (None in Python), which {datatype} cannot hold: give {takes}"
+
+
 def _first_float(value: Any) -> float | None:
     """The first float in `value`'s nested lists and tuples (or `value` itself), or None."""
     if isinstance(value, float):
@@ -430,7 +450,7 @@ def untyped_reason(array: npt.NDArray[Any], datatype: str, written: Any = None) 
     if datatype == "BYTES":
         return None if kind in "OUS" else f"is {array.dtype}, not text (str or bytes)"
     if kind == "O":
-        return "holds no one numpy type (integers past 64 bits, or items of mixed types)"
+        return null_held(array, datatype) or "holds no one numpy type (integers past 64 bits, or items of mixed types)"
     if kind in "US":
         return "is text, not numbers"
     if kind == "b" or datatype == "BOOL":

@@ -45,6 +45,7 @@ from asyncinfer.config import load_config
 from asyncinfer.errors import AsyncInferError
 from asyncinfer.tensors import (
     NUMPY_DTYPES,
+    RAGGED_REASON,
     ModelSignature,
     TensorSpec,
     as_one_row,
@@ -300,6 +301,7 @@ def to_array(
         shape = value.get("shape") or shape
         value = value["data"]
     wanted = datatype or (spec.datatype if spec is not None else None)
+    given = datatype  # --datatype's or the tensor's own; None: the signature's or the JSON's
     try:
         if isinstance(value, np.ndarray):
             array: npt.NDArray[Any] = value
@@ -308,7 +310,6 @@ def to_array(
             if typed is not None:
                 array = typed
         else:
-            given = datatype  # --datatype's or the tensor's own; None: the signature's or the JSON's
             wanted = wanted or _infer_datatype(value)
             # np.array([true, 2.5], dtype=float32) is [1.0, 2.5] and np.array([2, 0], dtype=bool)
             # [True, False]: a mistake, sent as if meant.
@@ -330,7 +331,11 @@ def to_array(
     except KeyError:
         raise UsageError(f"input {name!r}: unknown datatype {wanted!r}") from None
     except (ValueError, TypeError, OverflowError) as exc:
-        raise UsageError(f"input {name!r}: {exc}") from None
+        # numpy's words ("could not convert string to float: 'a'", "setting an array element with
+        # a sequence. The requested array has an inhomogeneous shape ..."), with what the input takes.
+        why = f" {RAGGED_REASON}" if "inhomogeneous" in str(exc) else f": {exc}"
+        takes = f"; {_takes(name, wanted, spec, given)}" if wanted else ""
+        raise UsageError(f"input {name!r}{why}{takes}") from None
     return array
 
 
