@@ -25,7 +25,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from asyncinfer import commands as client_commands
 from asyncinfer import completion
@@ -53,6 +53,15 @@ class SuggestingParser(argparse.ArgumentParser):
     suggest_on_error): `asyncinfer submitt` and `--priorty` were refused with no hint. Its
     subcommands' parsers are of this class too (add_subparsers makes them of their parent's)."""
 
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        """argparse's, but words it does not know are refused by the command given, which suggests
+        its own options: the top-level parser refused them, suggesting from every command's
+        (`asyncinfer submit demo --bogus`: "did you mean '--out'?", an option of bulk's)."""
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            _chosen_parser(self, parsed).error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed
+
     def error(self, message: str) -> NoReturn:
         commands = _missing_command(self, message)
         if commands:
@@ -74,7 +83,11 @@ class SuggestingParser(argparse.ArgumentParser):
             if suggestion:
                 message = re.sub(r" \(choose from .*\)$", "", message)  # the 21 commands: --help lists them
             self.exit(2, f"{self.prog}: error: {message}{suggestion}\n")
-        super().error(message)
+        # The rest in one line too (a value of the wrong type, `--queue-ttl abc`; a required option
+        # left out, `batch create f.jsonl` without --model; an unknown option nothing is close to):
+        # argparse printed its usage block first, 7 to 14 lines of options above the one that says
+        # what is wrong.
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` says more)\n")
 
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
@@ -88,6 +101,17 @@ def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     else:
         return ""
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the innermost command `parsed` names (`batch create`'s for `asyncinfer batch
+    create ...`); `parser` itself when it has no command."""
+    for action in parser._actions:
+        if isinstance(action, SubParsers):
+            chosen = action.choices.get(getattr(parsed, action.dest, None) or "")
+            if chosen is not None:
+                return _chosen_parser(chosen, parsed)
+    return parser
 
 
 def _missing_command(parser: argparse.ArgumentParser, message: str) -> list[str]:

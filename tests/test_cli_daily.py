@@ -577,6 +577,37 @@ def test_a_command_given_without_its_argument_says_what_to_give_in_one_line(
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["submit", "demo", "--bogus"], "asyncinfer submit: error: unrecognized arguments: --bogus"),
+        (["batch", "list", "--zzz"], "asyncinfer batch list: error: unrecognized arguments: --zzz"),
+        (
+            ["submit", "demo", "-i", "x=[[1,2,3,4]]", "--queue-ttl", "abc"],
+            "asyncinfer submit: error: argument --queue-ttl: invalid float value: 'abc'",
+        ),
+        (
+            ["batch", "create", "f.jsonl"],
+            "asyncinfer batch create: error: the following arguments are required: --model",
+        ),
+        (["dlq", "show", "abc"], "asyncinfer dlq show: error: argument sequence: invalid int value: 'abc'"),
+    ],
+)
+def test_any_other_usage_error_is_one_line_from_the_command_given(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first-hour pass, session 38. An option the command does not have was refused by the
+    top-level parser, suggesting the closest option of any command: `submit demo --bogus` said "did
+    you mean '--out'?", an option submit refuses (bulk's). A value of the wrong type, a required
+    option left out: argparse's usage block (7 to 14 lines) before the line saying what was wrong."""
+    with pytest.raises(SystemExit) as exited:
+        services_cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    command = " ".join(["asyncinfer", *argv[: 2 if argv[0] in ("batch", "dlq") else 1]])
+    assert capsys.readouterr().err == f"{said} (`{command} --help` says more)\n"
+
+
+@pytest.mark.unit
 def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> None:
     """The message already says `field: description`: its violation line repeated it."""
     message = "invalid request: inputs[0].shape: input 'x' must have shape [-1, 4]"
