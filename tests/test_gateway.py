@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 import pytest
+import structlog.testing
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -472,8 +473,13 @@ async def test_a_stopped_feed_resumes_with_the_changes_it_missed(
     await stub.GetJob(job_service_pb2.GetJobRequest(job_id=first.job_id))  # starts the feed
     await wait_for(lambda: hub.feeding)
     jobs = await quiet_then_jobs_ended_unwatched(3)
-    await poll(jobs[0])  # the feed is off: read; and it resumes
-    await wait_for(lambda: hub.recent.state is FeedState.LIVE)
+    with structlog.testing.capture_logs() as logs:
+        await poll(jobs[0])  # the feed is off: read; and it resumes
+        await wait_for(lambda: hub.recent.state is FeedState.LIVE)
+    # At debug: a client polling again after gateway.watch_feed_idle_s wrote an info line each time
+    # (5 in a first-hour pass's two minutes), a detail of the feed's, not an event of the service.
+    resumed = [entry for entry in logs if entry["event"] == "watch_feed_resumed"]
+    assert [entry["log_level"] for entry in resumed] == ["debug"], resumed
     for job in jobs[1:]:
         await poll(job)
     assert reads == [job_key(TENANT, job.job_id) for job in (first, jobs[0])]

@@ -188,7 +188,10 @@ class WatchHub:
                 # are then known without a read each), then on as live.
                 self._subscription = await self._subscribe(DeliverPolicy.BY_START_SEQUENCE, resume_from)
                 self.recent.resume(stream_last_seq)
-                log.info("watch_feed_resumed", changes_missed=max(stream_last_seq - resume_from + 1, 0))
+                # At debug, as the feed's start and stop: it resumes whenever a client polls or
+                # watches after gateway.watch_feed_idle_s, an info line each time (5 in two minutes
+                # of a first-hour pass), none of it the operator's to act on.
+                log.debug("watch_feed_resumed", changes_missed=max(stream_last_seq - resume_from + 1, 0))
                 return
             # DeliverPolicy.NEW: watches read the current record themselves after this, so only
             # later changes matter.
