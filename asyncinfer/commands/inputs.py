@@ -18,6 +18,7 @@ type's precision.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -453,7 +454,11 @@ def request_from_json(
         raise UsageError('a request is a JSON object like {"model": "demo", "inputs": {"x": [[1, 2, 3, 4]]}}')
     unknown = sorted(data.keys() - REQUEST_KEYS)
     if unknown:
-        raise UsageError(f"unknown request fields: {', '.join(unknown)} (known: {', '.join(sorted(REQUEST_KEYS))})")
+        close = [m for key in unknown for m in difflib.get_close_matches(str(key), sorted(REQUEST_KEYS), n=1)]
+        meant = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise UsageError(
+            f"unknown request fields: {', '.join(unknown)}{meant} (known: {', '.join(sorted(REQUEST_KEYS))})"
+        )
     model = str(data.get("model") or data.get("model_name") or default_model)
     if not model:
         raise UsageError('the request names no model (give "model" in it, or the model on the command line)')
@@ -485,24 +490,60 @@ def request_from_json(
             inputs=inputs,
             input_ref=str(data.get("input_ref") or ""),
             model_version=version,
-            priority=Priority(str(data["priority"]).upper()) if data.get("priority") else None,
+            priority=_field(data, "priority", _priority, "one of HIGH, NORMAL, LOW (any case)"),
             idempotency_key=str(data.get("idempotency_key") or idempotency_key),
             labels={str(k): str(v) for k, v in labels.items()},
-            deadline=datetime.fromisoformat(data["deadline"]) if data.get("deadline") else None,
-            queue_ttl_s=_optional_float(data, "queue_ttl_s"),
-            execution_timeout_s=_optional_float(data, "execution_timeout_s"),
-            retention_s=_optional_float(data, "retention_s"),
+            deadline=_field(data, "deadline", _time, "an ISO 8601 time, like 2026-12-07T14:03:21Z"),
+            queue_ttl_s=_field(data, "queue_ttl_s", _seconds, SECONDS),
+            execution_timeout_s=_field(data, "execution_timeout_s", _seconds, SECONDS),
+            retention_s=_field(data, "retention_s", _seconds, SECONDS),
             callback=_callback(data.get("callback")),
-            max_attempts=int(data.get("max_attempts") or 0),
+            max_attempts=_field(data, "max_attempts", _whole, "a whole number") or 0,
             correlation_id=str(data.get("correlation_id") or ""),
         )
     except (ValueError, TypeError) as exc:
         raise UsageError(f"bad request field: {exc}") from None
 
 
-def _optional_float(data: Mapping[str, Any], key: str) -> float | None:
+SECONDS = "seconds, a number"
+T = TypeVar("T")
+
+
+def _field(data: Mapping[str, Any], key: str, convert: Callable[[Any], T], wants: str) -> T | None:
+    """The request's `key` converted, None when it is absent (or null, or ""); a UsageError naming
+    the field, its value and what it takes otherwise. It was Python's words alone: "bad request
+    field: 'URGENT' is not a valid Priority", "could not convert string to float: 'abc'"."""
     value = data.get(key)
-    return None if value is None else float(value)
+    if value is None or value == "":
+        return None
+    try:
+        return convert(value)
+    except (ValueError, TypeError, OverflowError):
+        raise UsageError(f'request field "{key}" is {json.dumps(value)}: it takes {wants}') from None
+
+
+def _priority(value: Any) -> Priority:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return Priority(value.upper())
+
+
+def _time(value: Any) -> datetime:
+    if not isinstance(value, str):
+        raise TypeError(value)
+    return datetime.fromisoformat(value)
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool):  # float(true) is 1.0
+        raise TypeError(value)
+    return float(value)
+
+
+def _whole(value: Any) -> int:
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(value)  # int(2.5) is 2: sent as if written so
+    return int(value)
 
 
 def _callback(value: Any) -> Callback | None:
