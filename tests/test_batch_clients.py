@@ -187,6 +187,33 @@ async def test_failed_lines_that_say_the_same_are_shown_as_one(config: Config, s
         ], printed
 
 
+async def test_a_download_of_a_batch_without_output_says_where_its_errors_are(
+    config: Config, start_stack: StartStack, tmp_path: Path
+) -> None:
+    """The first-hour pass, session 38: `batch download` of a batch none of whose records succeeded
+    (here FAILED in validation) printed nothing and exited 0, the reason for its records unsaid."""
+    stack = await start_stack(small_batches(config))
+    async with AsyncClient(stack.address) as client:
+        batch = await client.wait_batch(await client.create_batch(b"not json\nnor this\n", "demo"))
+    assert (batch.state, batch.completed) == ("FAILED", 0)
+    hint = (
+        f"asyncinfer: batch {batch.batch_id} has no output: none of its records succeeded; why, line by line: "
+        f"asyncinfer batch download {batch.batch_id} --errors errors.jsonl\n"
+    )
+    out = tmp_path / "results.jsonl"
+    for where in ((), ("--out", str(out))):
+        code, printed, stderr = await cli("batch", "download", batch.batch_id, *where, "--gateway", stack.address)
+        assert (code, printed, stderr) == (0, "", hint), where
+    assert out.read_bytes() == b""
+    # Given --errors, the command writes them as asked, and says nothing.
+    errors = tmp_path / "errors.jsonl"
+    code, printed, stderr = await cli(
+        "batch", "download", batch.batch_id, "--errors", str(errors), "--gateway", stack.address
+    )
+    assert (code, printed, stderr) == (0, "", "")
+    assert [json.loads(line)["line"] for line in errors.read_text().splitlines()] == [1, 2]
+
+
 async def test_create_batch_keeps_no_upload_it_does_not_use(config: Config, start_stack: StartStack) -> None:
     """The SDK uploads the file, then creates the batch. A create that is refused (an unknown model)
     deletes that upload, and one answered by an earlier batch under the same idempotency key

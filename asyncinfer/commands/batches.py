@@ -276,16 +276,19 @@ def _output_file(out: Path) -> str:
 
 async def _download(
     client: AsyncClient, batch: Batch | str, out: Path | None, errors: Path | None, timeout_s: float | None
-) -> None:
+) -> int | None:
     """The output to --out, or to stdout when neither file is named (asking for the error file
     alone writes that file alone), and the error file to --errors; each within --timeout when given
-    (a gateway that stalled mid-file kept the command waiting for ever)."""
+    (a gateway that stalled mid-file kept the command waiting for ever). The output's bytes (None:
+    not asked for)."""
+    written: int | None = None
     if out is not None:
-        await client.download(batch, out, file=_output_file(out), timeout_s=timeout_s)
+        written = await client.download(batch, out, file=_output_file(out), timeout_s=timeout_s)
     elif errors is None:
-        await client.download(batch, cast(BinaryIO, sys.stdout.buffer), timeout_s=timeout_s)
+        written = await client.download(batch, cast(BinaryIO, sys.stdout.buffer), timeout_s=timeout_s)
     if errors is not None:
         await client.download(batch, errors, file="errors", timeout_s=timeout_s)
+    return written
 
 
 def _check_writable(files: dict[str, Path | None]) -> None:
@@ -605,5 +608,13 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
 async def download_command(args: argparse.Namespace, options: Options) -> int:
     await asyncio.to_thread(_check_writable, {"--out": args.out, "--errors": args.errors})
     async with options.client() as client:
-        await _download(client, args.batch_id, args.out, args.errors, options.timeout_s)
+        written = await _download(client, args.batch_id, args.out, args.errors, options.timeout_s)
+    if written == 0 and args.errors is None:
+        # A batch that failed validation, or was cancelled before a record ran, has an empty output:
+        # the command printed nothing and exited 0, its records' errors left unsaid.
+        print(
+            f"asyncinfer: batch {args.batch_id} has no output: none of its records succeeded; why, line by "
+            f"line: asyncinfer batch download {args.batch_id} --errors errors.jsonl",
+            file=sys.stderr,
+        )
     return EXIT_OK
