@@ -605,6 +605,8 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     present = tmp_path / "one-record.jsonl"
     present.write_bytes(jsonl(demo_records(1)))
     no_folder = tmp_path / "no-such-folder" / "results.jsonl"
+    not_an_array = tmp_path / "rows.npy"
+    not_an_array.write_bytes(jsonl(demo_records(1)))  # JSONL under an array file's name
     create = ("batch", "create")
     runs = {
         "missing": (*create, str(missing), "--model", "demo"),
@@ -614,6 +616,8 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
         "npz out": (*create, str(records), "--model", "demo", "--wait", "--out", str(tmp_path / "out.npz")),
         **{f"window {w}": (*create, str(missing), "--model", "demo", "--window", w) for w in ("nan", "inf", "0")},
         "label": (*create, str(present), "--model", "demo", "--label", "nightly"),
+        # Read as JSONL (detected by its first bytes), it failed "not a JSON line" or ran as JSONL.
+        "named npy": (*create, str(not_an_array), "--model", "demo"),
         "out without wait": (*create, str(present), "--model", "demo", "--out", str(tmp_path / "o.jsonl")),
         # --out or --errors in a folder that is not there, or a folder itself: said before anything is
         # sent (`create --wait` found it once the whole batch had run, naming "results.jsonl.part").
@@ -642,7 +646,14 @@ async def test_a_file_the_command_cannot_read_or_write_is_a_clear_error(tmp_path
     code, _, stderr = ended["label"]
     assert code == 2, stderr
     assert stderr.strip().endswith(
-        "error: argument --label: give KEY=VALUE (a value may be empty, a key not), not 'nightly'"
+        "error: argument --label: give KEY=VALUE (a value may be empty, a key not), not 'nightly' "
+        "(`asyncinfer batch create --help` says more)"
+    ), stderr
+    code, _, stderr = ended["named npy"]
+    assert (code, stderr.strip()) == (
+        2,
+        f"asyncinfer: {not_an_array} is named .npy but does not start as an NPY file does (numpy's magic bytes): "
+        "another kind of file under that name, or a damaged one? (a JSONL file: --format jsonl)",
     ), stderr
     code, _, stderr = ended["out without wait"]
     assert code == 2, stderr

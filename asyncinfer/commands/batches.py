@@ -330,6 +330,14 @@ async def create_command(args: argparse.Namespace, options: Options) -> int:
         what = "a directory, not a file" if await asyncio.to_thread(args.file.is_dir) else "no such file"
         raise UsageError(f"{what}: {args.file}")
     await asyncio.to_thread(_check_writable, {"--out": args.out, "--errors": args.errors})
+    named = args.file.suffix.lower()
+    if args.format is None and named in (".npy", ".npz") and not await asyncio.to_thread(_holds_arrays, args):
+        # Detected by its first bytes, it was read as JSONL: "line 1: INVALID_ARGUMENT not a JSON line:
+        # Expecting value at column 1" for a file its user took for an array file.
+        raise UsageError(
+            f"{args.file} is named {named} but does not start as an {named[1:].upper()} file does (numpy's magic "
+            "bytes): another kind of file under that name, or a damaged one? (a JSONL file: --format jsonl)"
+        )
     if args.out is not None and _output_file(args.out) == "npz" and not await asyncio.to_thread(_holds_arrays, args):
         # Refused after the whole batch had run (NPZ_OUTPUT_NEEDS_ARRAY_INPUT): said before the upload.
         raise UsageError(
