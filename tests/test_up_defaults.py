@@ -93,24 +93,63 @@ def test_up_on_loopback_lets_webhooks_reach_a_receiver_on_this_machine(tmp_path:
     assert with_up_defaults(keyed).webhooks.allowed_networks == ()  # callers are not all on this machine
 
 
+def up_apps(failures: dict[str, str]) -> dict[str, Any]:
+    """Stand-ins for `up`'s apps as the banner reads them, wrapped as `up` wraps them (InContext)."""
+    apps: dict[str, Any] = {}
+    for name, port in (("gateway", 1), ("scheduler", 2), ("batcher", 3), ("console", 4)):
+        app = SimpleNamespace(port=port, metrics_port=9100 + port, supervisor=None, load_failures={})
+        if name == "batcher":
+            app.load_failures = failures
+        apps[name] = InContext(app, contextvars.copy_context())  # type: ignore[arg-type]
+        apps[name].port, apps[name].metrics_port = port, 9100 + port
+    return apps
+
+
 def test_the_banner_names_a_model_that_did_not_load_and_lines_up_its_columns(tmp_path: Path) -> None:
     """`up` wraps each app (InContext): the banner read the wrapper's load_failures, always none,
     so a model that failed to load was listed among those served (a first-hour pass, session 25)."""
     config = with_up_defaults(load_config_file(tmp_path))
     failing = config.models[0].name
-    apps: dict[str, Any] = {}
-    for name, port in (("gateway", 1), ("scheduler", 2), ("batcher", 3), ("console", 4)):
-        app = SimpleNamespace(port=port, metrics_port=9100 + port, supervisor=None, load_failures={})
-        if name == "batcher":
-            app.load_failures = {failing: "ModuleNotFoundError: No module named 'mypkg'"}
-        apps[name] = InContext(app, contextvars.copy_context())  # type: ignore[arg-type]
-        apps[name].port, apps[name].metrics_port = port, 9100 + port
+    apps = up_apps({failing: "ModuleNotFoundError: No module named 'mypkg'"})
     printed = banner(config, apps, "nats://127.0.0.1:4222").splitlines()
     served = next(line for line in printed if line.startswith("  models "))
     assert failing not in served.replace(",", " ").split()
     assert any(line.startswith(f"  NOT LOADED: {failing}") and "mypkg" in line for line in printed)
     columns = {line.index("http://") for line in printed if "/metrics" in line}
     assert columns == {next(line for line in printed if "JobService" in line).index("127.0.0.1")}
+
+
+def test_the_banner_shows_a_cli_submit_for_a_stack_of_the_users_own_models(tmp_path: Path) -> None:
+    """A first-hour pass, session 38: `up --config my.toml` serving the model of README's "Adding a
+    model" alone printed no command to try it (only demo's or minilm-l6's). The first model that
+    loaded, and whose inputs are small enough to write out, gets one, its values made up."""
+    models = {
+        "broken": ("FP32", "[-1, 3]"),
+        "images": ("FP32", "[-1, 3, 224, 224]"),  # too many values to write out
+        "twice": ("FP32", "[-1, 3]"),
+    }
+    tables = "".join(
+        f'[[models]]\nname = "{name}"\nloader = "mypkg.models:build"\n'
+        f'inputs = [{{name = "x", datatype = "{datatype}", shape = {shape}}}]\n'
+        f'outputs = [{{name = "y", datatype = "FP32", shape = [-1, 3]}}]\n'
+        for name, (datatype, shape) in models.items()
+    )
+    tagger = (
+        '[[models]]\nname = "tagger"\nloader = "mypkg.models:tag"\n'
+        'inputs = [{name = "text", datatype = "BYTES", shape = [-1]}, {name = "on", datatype = "BOOL", shape = [-1, 2]}]\n'
+        'outputs = [{name = "y", datatype = "FP32", shape = [-1, 3]}]\n'
+    )
+
+    def cli_line(extra: str) -> str:
+        config = with_up_defaults(load_config_file(tmp_path, extra))
+        printed = banner(config, up_apps({"broken": "ModuleNotFoundError"}), "nats://127.0.0.1:4222").splitlines()
+        at = printed.index(
+            "Or with the CLI, which waits and prints the finished job (asyncinfer --help: its other commands):"
+        )
+        return printed[at + 1].split(" submit ", 1)[1]
+
+    assert cli_line(tables) == "twice -i 'x=[[0,0,0]]' --wait"
+    assert cli_line(tagger) == "tagger -i 'text=hello' -i 'on=[[false,false]]' --wait"
 
 
 def test_up_scheduler_reads_its_embedded_servers_monitoring_port_unless_the_file_says_otherwise(

@@ -3,6 +3,8 @@ with grpcurl (an embedding of one sentence where the stack serves minilm-l6)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import shutil
 import sys
@@ -10,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from asyncinfer.commands.options import DEFAULT_GATEWAY, DEFAULT_SCHEDULER
-from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config
+from asyncinfer.config import FLAKY_MODEL, MINILM_MODEL, Config, ModelConfig
 from asyncinfer.runner import App
 from asyncinfer.tracing import OTLP_ENDPOINT_VARIABLE
 from services.dev_ca import UNSPECIFIED
@@ -84,7 +86,7 @@ def banner(
             "The CLI, on these ports (its defaults are 50051 and 50052):",
             f"  export ASYNCINFER_GATEWAY_ADDRESS={gateway} ASYNCINFER_SCHEDULER_ADDRESS={scheduler}",
         ]
-    if (submit := _cli_submit(config, ca_file)) is not None:
+    if (submit := _cli_submit(config, ca_file, failed)) is not None:
         # The README's first command: grpcurl's base64 body was the only way shown to submit.
         lines += [
             "",
@@ -139,18 +141,48 @@ def _first_submit_body(config: Config) -> str | None:
     return None
 
 
-def _cli_submit(config: Config, ca_file: str | None) -> str | None:
+def _cli_submit(config: Config, ca_file: str | None, failed: Mapping[str, str]) -> str | None:
     """The CLI's submit of the demo model's job where the stack serves it (else one sentence to
-    embed, where it serves minilm-l6), with what the gateway asks of a caller (its CA, a key)."""
+    embed, where it serves minilm-l6; else a job of the first model loaded, its inputs made up from
+    its signature), with what the gateway asks of a caller (its CA, a key)."""
     if config.model("demo") is not None:
         job = "demo -i 'x=[[1,2,3,4]]'"
     elif config.model("minilm-l6") == MINILM_MODEL:
         job = "minilm-l6 -i 'text=The quick brown fox jumps over the lazy dog.'"
     else:
-        return None
+        # A stack of the user's own models (README, "Adding a model") showed no command at all.
+        jobs = (_made_up_job(model) for model in config.models if model.name not in failed)
+        made_up = next((job for job in jobs if job is not None), None)
+        if made_up is None:
+            return None
+        job = made_up
     extra = f" --tls-ca {ca_file}" if ca_file is not None else ""
     extra += " --api-key YOUR_KEY" if config.gateway.api_keys else ""
     return f"  {_venv_command('asyncinfer')} submit {job} --wait{extra}"
+
+
+# Most values a made-up input may have: a model of images ([-1, 3, 224, 224]) gets no example.
+MADE_UP_VALUES_MAX = 16
+
+
+def _made_up_job(model: ModelConfig) -> str | None:
+    """`NAME -i 'x=[[0,0,0]]' ...` for one row of the model's inputs (zeros, false, "hello"), each
+    -1 taken as 1; None where one input would take more than MADE_UP_VALUES_MAX values."""
+    arguments = [model.name]
+    for spec in model.inputs:
+        dims = [1 if d == -1 else d for d in spec.shape]
+        if math.prod(dims) > MADE_UP_VALUES_MAX:
+            return None
+        if spec.datatype == "BYTES" and len(dims) <= 1:
+            arguments.append(f"-i '{spec.name}=hello'")  # a text input's value, as it is
+            continue
+        leaf: object = "hello" if spec.datatype == "BYTES" else False if spec.datatype == "BOOL" else 0
+        arguments.append(f"-i '{spec.name}={json.dumps(_nested(dims, leaf), separators=(',', ':'))}'")
+    return " ".join(arguments)
+
+
+def _nested(dims: list[int], leaf: object) -> object:
+    return leaf if not dims else [_nested(dims[1:], leaf) for _ in range(dims[0])]
 
 
 def _grpcurl_command() -> str:
