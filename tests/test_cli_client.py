@@ -574,6 +574,11 @@ async def test_bulk_writes_results_and_resumes_without_queuing_twice(
         stdout
     )
     assert stdout.splitlines()[1] == f"This run: 0 submitted, 200 done before. Results: {out}", stdout
+    # Then the lines that did not succeed, and why (the first-hour pass, session 38: only counted).
+    failures = stdout.splitlines()[2:]
+    assert [line.split(":")[0] for line in failures] == [f"  line {n}" for n in sorted(not_json | refused)], stdout
+    assert failures[0].startswith("  line 7: INVALID_ARGUMENT: invalid request: inputs[0].shape: "), stdout
+    assert failures[1].startswith("  line 40: INVALID_ARGUMENT INVALID_LINE: "), stdout
     check_results(out, valid, not_json, refused)
     assert await count_jobs(stack, labels={"bulk": "t"}) == len(valid)
 

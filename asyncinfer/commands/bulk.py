@@ -47,6 +47,7 @@ from asyncinfer.client import (
     NotFoundError,
     UnavailableError,
 )
+from asyncinfer.commands.bulk_failures import failure_lines
 from asyncinfer.commands.inputs import Signatures, request_from_json, text_argument
 from asyncinfer.commands.options import Options
 from asyncinfer.commands.output import (
@@ -298,6 +299,9 @@ async def _bulk(args: argparse.Namespace, options: Options, path: Path, out: Pat
         print_json(summary)
     else:
         print(summary_text(summary), flush=True)
+        if summary["not_succeeded"]:
+            failed = await asyncio.to_thread(lambda: failure_lines(_read_json_lines(out), outcome_of, SUCCEEDED))
+            print("\n".join(failed), flush=True)
     if summary["not_succeeded"]:
         return EXIT_JOB_NOT_SUCCEEDED
     return EXIT_OK
