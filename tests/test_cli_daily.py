@@ -608,6 +608,22 @@ def test_any_other_usage_error_is_one_line_from_the_command_given(
 
 
 @pytest.mark.unit
+def test_stats_help_says_what_each_column_of_its_table_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """The first-hour pass, session 38: `asyncinfer stats` showed WANTED and CREDITS, named nowhere
+    (its help had the options alone, the README none of its columns)."""
+    from asyncinfer.commands.ops import stats_rows
+
+    with pytest.raises(SystemExit):
+        services_cli.build_parser().parse_args(["stats", "--help"])
+    said = " ".join(capsys.readouterr().out.split())  # argparse wraps the description
+    headers, _ = stats_rows([])
+    for header in headers[1:]:  # MODEL: the rows' names
+        words = header.replace("BY PRIORITY", "BY PRIORITY:")
+        assert words in said, (header, said)
+    assert "CREDITS: the work orders its batchers would take now" in said
+
+
+@pytest.mark.unit
 def test_a_refusal_names_its_field_once(capsys: pytest.CaptureFixture[str]) -> None:
     """The message already says `field: description`: its violation line repeated it."""
     message = "invalid request: inputs[0].shape: input 'x' must have shape [-1, 4]"

@@ -105,7 +105,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     undrain.set_defaults(handler=queue_undrain)
 
     stats = commands.add_parser(
-        "stats", help="a live table of the queues (GetQueueStats: every scheduler's counts together)"
+        "stats",
+        help="a live table of the queues (GetQueueStats: every scheduler's counts together)",
+        # The columns were named nowhere: WANTED and CREDITS in particular (a first-hour pass, session 38).
+        description=STATS_COLUMNS,
     )
     stats.add_argument("--model", default="", type=text_argument, help="only this model")
     stats.add_argument("--once", action="store_true", help="print once and exit")
@@ -529,6 +532,16 @@ def model_stats_json(model: ops_service_pb2.ModelQueueStats) -> dict[str, Any]:
             for p in model.priorities
         ],
     }
+
+
+STATS_COLUMNS = (
+    "A table of the queues, a row a model, every scheduler's counts together: QUEUED jobs waiting (BY PRIORITY: "
+    "H, N and L), the OLDEST one's wait, IN FLIGHT jobs dispatched and not ended, the BATCHERS serving the "
+    "model, the batchers WANTED to clear its backlog at the throughput measured (the autoscaler's "
+    "asyncinfer_desired_batchers; 0 while paused or draining), CREDITS: the work orders its batchers would take "
+    "now, and jobs submitted (IN/S) and completed (OUT/S) per second over the last minute. A paused or "
+    "draining model says so after its name."
+)
 
 
 def stats_rows(models: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
