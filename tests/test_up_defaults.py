@@ -119,6 +119,28 @@ def test_the_banner_names_a_model_that_did_not_load_and_lines_up_its_columns(tmp
     assert columns == {next(line for line in printed if "JobService" in line).index("127.0.0.1")}
 
 
+def test_the_banner_says_why_a_model_did_not_load_to_its_end(tmp_path: Path) -> None:
+    """The first-hour pass, session 38: the reason was cut at 100 characters, "... No module named
+    'mypkg' (the batch…", which left out what to do. Wrapped now, under the reason's column."""
+    config = with_up_defaults(load_config_file(tmp_path))
+    failing = config.models[0].name
+    reason = (
+        "model loader 'mypkg.models:build': cannot import 'mypkg.models': No module named 'mypkg' (the batcher "
+        "imports with /work/h3/.venv/bin/python: install 'mypkg' there (pip install -e) or put the folder "
+        "holding it on PYTHONPATH)"
+    )
+    printed = banner(config, up_apps({failing: reason}), "nats://127.0.0.1:4222").splitlines()
+    at = next(i for i, line in enumerate(printed) if line.startswith(f"  NOT LOADED: {failing}"))
+    column = printed[at].index("model loader")
+    said = [printed[at][column:]]
+    for line in printed[at + 1 :]:
+        if line[:column].strip():  # the next row of the banner
+            break
+        said.append(line[column:])
+    assert " ".join(said) == reason, printed
+    assert all(len(line) <= 33 + 90 for line in printed[at : at + len(said)]), printed
+
+
 def test_the_banner_shows_a_cli_submit_for_a_stack_of_the_users_own_models(tmp_path: Path) -> None:
     """A first-hour pass, session 38: `up --config my.toml` serving the model of README's "Adding a
     model" alone printed no command to try it (only demo's or minilm-l6's). The first model that

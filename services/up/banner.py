@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import sys
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +18,11 @@ from asyncinfer.runner import App
 from asyncinfer.tracing import OTLP_ENDPOINT_VARIABLE
 from services.dev_ca import UNSPECIFIED
 from services.up.defaults import dev_secret_file
+
+# A model's load failure: at most this many lines of this width (the rest of it is in the batcher's
+# model_load_failed line).
+REASON_WIDTH = 90
+REASON_LINES = 4
 
 
 def banner(
@@ -46,8 +52,14 @@ def banner(
         f"  models                         {models or '(none loaded)'}",
     ]
     for name, reason in failed.items():  # its jobs would wait for a batcher that serves it
-        short = reason if len(reason) <= 100 else reason[:99] + "…"
-        lines.append(f"  {'NOT LOADED: ' + name:<31}{short}")
+        # Wrapped, not cut: its end is often what to do ("... (the batcher imports with
+        # .venv/bin/python: install 'mypkg' there (pip install -e) or put the folder holding it on
+        # PYTHONPATH)"), which a cut at 100 characters left out.
+        wrapped = textwrap.wrap(reason, REASON_WIDTH, break_on_hyphens=False) or [""]
+        if len(wrapped) > REASON_LINES:
+            wrapped = [*wrapped[: REASON_LINES - 1], wrapped[REASON_LINES - 1] + " …"]
+        lines.append(f"  {'NOT LOADED: ' + name:<31}{wrapped[0]}")
+        lines += [f"  {'':<31}{part}" for part in wrapped[1:]]
     for name in ("gateway", "scheduler", "batcher"):
         port = getattr(apps[name], "metrics_port", 0)
         if port:
