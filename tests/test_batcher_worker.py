@@ -691,3 +691,38 @@ async def test_a_mutual_tls_scheduler_that_closes_the_connection_names_the_clien
         await server.stop(0)
     assert "set batcher.scheduler_cert_file and batcher.scheduler_key_file" in (hints[0] or ""), hints
     assert hints[1] is None, hints
+
+
+async def test_a_model_that_always_fails_logs_its_first_failure_then_holds_back_the_rest(
+    scheduler: tuple[FakeScheduler, int],
+) -> None:
+    """Twenty orders of the failing model, each its own batch: a `batch_failed` warning and a
+    `work_order_failed` info line per batch and per order (hundreds a second at 100 jobs/s). Now the
+    first of each says it, naming the job; the rest, within the interval, are at debug only."""
+    fake, port = scheduler
+    failing = DEMO_MODEL.model_copy(
+        update={"name": "failing", "loader": "services.batcher.models.demo:build_failing_model"}
+    )
+    batcher = BatcherApp(Config().replace(batcher=batcher_under_test(port), models=[failing]))
+    jobs = [f"fails-{n}" for n in range(20)]
+    with structlog.testing.capture_logs() as logs:
+        await batcher.start()
+        try:
+            connection = await fake.next_connection(1)
+            for job_id in jobs:  # one at a time: a batch each
+                connection.send(order(job_id, np.zeros((1, 4), dtype=np.float32), model="failing"))
+                assert (await connection.result(job_id)).error.reason == "MODEL_ERROR"
+        finally:
+            await batcher.stop(grace_s=1.0)
+
+    def lines(event: str) -> list[dict[str, Any]]:
+        return [e for e in logs if e["event"] == event and e["log_level"] != "debug"]
+
+    (first_order,) = lines("work_order_failed")
+    assert (first_order["job_id"], first_order["model"], first_order["reason"]) == (jobs[0], "failing", "MODEL_ERROR")
+    assert FAILING_MODEL_MESSAGE in first_order["error"]
+    (first_batch,) = lines("batch_failed")
+    assert (first_batch["model"], first_batch["log_level"]) == ("failing", "warning")
+    assert FAILING_MODEL_MESSAGE in first_batch["error"]
+    held = [e["job_id"] for e in logs if e["event"] == "work_order_failed" and e["log_level"] == "debug"]
+    assert held == jobs[1:], "each job's line is still there at debug"

@@ -762,6 +762,35 @@ async def test_poison_job_is_dead_lettered_while_500_others_succeed_and_replay_f
     print(f"poison: 500 jobs + 1 poison done in {elapsed:.2f} s")
 
 
+async def test_a_model_that_fails_every_job_logs_a_line_of_each_kind_not_one_a_job(
+    start: Start, config: Config
+) -> None:
+    """Ten jobs of 2 attempts, each failing MODEL_ERROR on both: a `job_requeued`, a
+    `job_dead_lettered` and a `job_finished` line per job at info and warning (300 lines a second at
+    100 jobs/s). Now the first of each kind names its job, and the rest within the interval are at
+    debug only, each still there."""
+    with capture_logs() as logs:  # from the start: a job's logger is bound at its dispatch
+        h = await start(tune(config))
+        batcher = await h.batcher()
+
+        async def fail(order: worker_service_pb2.WorkOrder) -> None:
+            await batcher.fail(order, MODEL_ERROR)
+
+        batcher.serve(fail)
+        await batcher.grant(4)
+        jobs = {await enqueue(h.nc, h.kv, max_attempts=2) for _ in range(10)}
+        for job_id in jobs:
+            assert (await wait_state(h.js, job_id, JobState.FAILED, timeout_s=20)).attempt == 2
+    for event, level in (("job_requeued", "info"), ("job_dead_lettered", "warning"), ("job_finished", "info")):
+        said = [e for e in logs if e["event"] == event and e["log_level"] != "debug"]
+        assert len(said) == 1, (event, said)
+        assert (said[0]["log_level"], said[0]["job_id"] in jobs, said[0]["model"]) == (level, True, MODEL)
+        held = {e["job_id"] for e in logs if e["event"] == event and e["log_level"] == "debug"}
+        assert held == jobs - {said[0]["job_id"]}, event
+    finished = [e for e in logs if e["event"] == "job_finished" and e["log_level"] == "info"]
+    assert (finished[0]["state"], finished[0]["reason"]) == ("FAILED", "MODEL_ERROR")
+
+
 @pytest.mark.nats_fallback
 async def test_invalid_input_is_never_retried_nor_dead_lettered(start: Start, config: Config) -> None:
     h = await start(tune(config))

@@ -29,7 +29,7 @@ from asyncinfer.errors import ConfigError, InvalidArgument, Unavailable
 from asyncinfer.failure_lines import FailureLines
 from asyncinfer.ids import is_job_id, job_id_time_ms, new_job_id
 from asyncinfer.jobs import JobRecord, JobState, Priority, work_subject
-from asyncinfer.log_throttle import Throttle
+from asyncinfer.log_throttle import RepeatedLines, Throttle
 from asyncinfer.nats import Client as NatsClient
 from asyncinfer.nats import streams
 from asyncinfer.nats.connection import FIRST_CONNECT_ATTEMPTS, connect
@@ -540,6 +540,28 @@ def test_failure_lines_say_nats_out_of_reach_in_a_line_and_a_bug_with_its_traceb
     ]
     assert [str(e["exc_info"]) for e in logs if "exc_info" in e] == ["one", "two"]
     assert logs[0]["model"] == "m"
+
+
+@pytest.mark.unit
+def test_repeated_lines_say_the_first_whole_then_one_an_interval_with_how_many_went_to_debug() -> None:
+    now = [0.0]
+    lines = RepeatedLines(5.0, clock=lambda: now[0])
+    log = structlog.get_logger()
+    with structlog.testing.capture_logs() as logs:
+        for n in range(4):
+            lines.say(log, "warning", "job_failed", kind=("m", "MODEL_ERROR"), job_id=f"j{n}")
+        lines.say(log, "warning", "job_failed", kind=("other", "MODEL_ERROR"), job_id="o0")  # its own
+        now[0] = 5.0
+        lines.say(log, "warning", "job_failed", kind=("m", "MODEL_ERROR"), job_id="j4")
+    said = [(e["log_level"], e["job_id"], e.get("more_since_last")) for e in logs]
+    assert said == [
+        ("warning", "j0", None),
+        ("debug", "j1", None),
+        ("debug", "j2", None),
+        ("debug", "j3", None),
+        ("warning", "o0", None),
+        ("warning", "j4", 3),
+    ]
 
 
 @pytest.mark.unit

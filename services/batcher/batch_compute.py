@@ -21,7 +21,7 @@ import structlog
 
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, DeadlineExceeded, ModelError, ResourceExhausted, Unavailable
-from asyncinfer.log_throttle import Throttle
+from asyncinfer.log_throttle import RepeatedLines, Throttle
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import Tracing
 from services.batcher.assemble import assemble, split
@@ -109,6 +109,7 @@ class BatchRunner:
         self._metrics = metrics
         self._free_slot = free_slot
         self._tracebacks = Throttle(TRACEBACK_INTERVAL_S)
+        self._failed_batches = RepeatedLines()
 
     async def run(
         self,
@@ -136,8 +137,12 @@ class BatchRunner:
         failed = sum(1 for result in ran if result.error is not None)
         if failed:
             first = next(result.error for result in ran if result.error is not None)
-            log.warning(
+            # At most one a model per interval: a model that always fails fails every batch.
+            self._failed_batches.say(
+                log,
+                "warning",
                 "batch_failed" if len(batch) == 1 else "batch_failed_items_rerun_apart",
+                kind=self.name,
                 model=self.name,
                 items=len(batch),
                 failed_items=failed,

@@ -27,6 +27,7 @@ import structlog
 from asyncinfer.config import ModelConfig
 from asyncinfer.errors import AsyncInferError, Cancelled, DeadlineExceeded, FailedPrecondition
 from asyncinfer.jobs import BlobRef
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.tensor_codec import fill_tensor_proto, to_output_proto
 from asyncinfer.tensors import Tensor
 from asyncinfer.tracing import trace_fields
@@ -74,8 +75,12 @@ class WorkSession:
         claim_checks: ClaimChecks | None = None,
         max_result_bytes: int = 0,
         on_welcome: Callable[[], None] | None = None,
+        failed_orders: RepeatedLines | None = None,
     ) -> None:
-        """`on_welcome`: called when the scheduler answers the hello (the stream is up)."""
+        """`on_welcome`: called when the scheduler answers the hello (the stream is up).
+        `failed_orders`: the lines of failed orders, the batcher's own, so that a reconnect does not
+        start their interval again."""
+        self._failed_orders = failed_orders or RepeatedLines()
         self._on_welcome = on_welcome
         self._claim_checks = claim_checks
         # The most output bytes one result may carry inline: the scheduler's limit for a stream
@@ -384,7 +389,17 @@ class WorkSession:
             log.info("work_order_handed_back", reason=error.reason, started=item.started, **_about(order))
             self._send_result(order, dropped=True)
         elif isinstance(error, AsyncInferError):
-            log.info("work_order_failed", reason=error.reason, error=error.message, **_about(order))
+            # The first of a model's failures, then one per interval (the rest at debug): a model
+            # that always fails fails every order.
+            self._failed_orders.say(
+                log,
+                "info",
+                "work_order_failed",
+                kind=(order.model_name, error.reason),
+                reason=error.reason,
+                error=error.message,
+                **_about(order),
+            )
             self._send_result(order, error=error, dropped=isinstance(error, DeadlineExceeded))
         elif error is not None:
             raise error

@@ -24,6 +24,7 @@ from asyncinfer.access import bearer_metadata
 from asyncinfer.backoff import retrying
 from asyncinfer.config import BatcherConfig, ModelConfig
 from asyncinfer.grpc_keepalive import Keepalive
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.supervision import Supervisor
 from asyncinfer.tls import ClientCertificates, read_secret, renewing_channel_credentials
 from asyncinfer.v1 import worker_service_pb2_grpc
@@ -99,6 +100,7 @@ class WorkerClient:
         self._batcher_id = batcher_id
         self._engine = engine
         self._reconnect_delay_s = reconnect_delay_s
+        self._failed_orders = RepeatedLines()
         self._task: asyncio.Task[None] | None = None
         self._session: WorkSession | None = None
         self._loading: tuple[ModelConfig, ...] = ()
@@ -204,6 +206,7 @@ class WorkerClient:
                     claim_checks=self._claim_checks,
                     max_result_bytes=self._max_result_bytes,
                     on_welcome=self.connected.set,
+                    failed_orders=self._failed_orders,
                 )
                 await self._session.run()
             self._outage.ended()

@@ -23,6 +23,7 @@ from asyncinfer.config import Config
 from asyncinfer.errors import Unavailable
 from asyncinfer.job_store import JobStore
 from asyncinfer.jobs import CHUNK_LABEL, BatchInfo, JobError, JobRecord, JobState, ProgressReport
+from asyncinfer.log_throttle import RepeatedLines
 from asyncinfer.nats import Msg
 from services.scheduler.blobs import ClaimCheckIO
 from services.scheduler.dead_letters import DeadLetter, DeadLetterStore
@@ -71,6 +72,9 @@ class Settlement:
         self._claim_check = claim_check
         self._stale_results = stale_results
         self._rng = rng
+        # A job's failure, requeue and dead letter, at most once per interval per model and reason
+        # (the rest at debug): a model that always fails fails every job.
+        self._failure_lines = RepeatedLines()
         # Told of every message put back (nak'ed), its delay and whether that is the job's backoff,
         # just before its nak: waiting again, though the consumer counts it delivered until it is
         # pulled again, so the model's queues count it (ModelQueues.put_back); and no publish rings
@@ -224,8 +228,11 @@ class Settlement:
             self._metrics.job_transition(latest)
             if latest.state in ENDS_TO_SEE:
                 error = latest.error or latest.last_error
-                job_log.info(
+                self._failure_lines.say(
+                    job_log,
+                    "info",
                     "job_finished",
+                    kind=(latest.model_name, latest.state, error.reason if error else None),
                     state=latest.state.value,
                     reason=error.reason if error else None,
                     error=error.message[:ERROR_LOGGED_CHARS] if error else None,
@@ -277,8 +284,11 @@ class Settlement:
                 self._metrics.chunk_dead_letters.labels(model=record.model_name).inc()
             else:
                 self._metrics.dead_letters.labels(model=record.model_name, reason=letter.reason).inc()
-            job_log.warning(
+            self._failure_lines.say(
+                job_log,
+                "warning",
                 "job_dead_lettered",
+                kind=(record.model_name, last_error.reason if last_error else None),
                 sequence=stored.sequence,
                 attempts=record.spent_attempts,
                 given_back_attempts=record.given_back_attempts,
@@ -329,7 +339,15 @@ class Settlement:
             latest, written = await retry(write, on=Unavailable, retry_for_s=retry_for_s, what="a requeue")
             if latest is not None and written:
                 self._metrics.job_transition(latest)
-                job_log.info("job_requeued", state=latest.state.value, reason=error.reason, delay_s=delay_s)
+                self._failure_lines.say(
+                    job_log,
+                    "info",
+                    "job_requeued",
+                    kind=(latest.model_name, error.reason),
+                    state=latest.state.value,
+                    reason=error.reason,
+                    delay_s=delay_s,
+                )
         finally:
             if latest is not None and latest.state.is_terminal:
                 await quietly(msg.ack())
