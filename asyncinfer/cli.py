@@ -92,8 +92,10 @@ class SuggestingParser(argparse.ArgumentParser):
 
 def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
     if (choice := re.search(r"invalid choice: '([^']*)'", message)) is not None:
-        names = [c for a in parser._actions if a.choices for c in a.choices]  # argparse keeps them there
-        close = difflib.get_close_matches(choice.group(1), [str(n) for n in names], n=1)
+        names = [str(c) for a in parser._actions if a.choices for c in a.choices]  # argparse keeps them there
+        # In any case: a choice taken in any case (--priority hihg) is echoed as given (any_case_of).
+        by_folded = {name.casefold(): name for name in names}
+        close = [by_folded[c] for c in difflib.get_close_matches(choice.group(1).casefold(), list(by_folded), n=1)]
     elif (unknown := re.search(r"unrecognized arguments: (.*)", message)) is not None:
         options = {o for p in _parsers(parser) for a in p._actions for o in a.option_strings}
         words = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")]

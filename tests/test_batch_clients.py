@@ -914,6 +914,9 @@ async def test_batch_list_pages_to_its_limit_and_says_when_it_cut(config: Config
     code, printed, stderr = await cli("batch", "list", "--limit", "2", "--json", "--gateway", stack.address)
     assert [json.loads(line)["batch_id"] for line in printed.splitlines()] == newest_first[:2]
     assert stderr == "asyncinfer: more batches than these 2 (newest first); --limit N shows more, --limit 0 all\n"
+    code, printed, stderr = await cli("batch", "list", "--limit", "1", "--json", "--gateway", stack.address)
+    assert [json.loads(line)["batch_id"] for line in printed.splitlines()] == newest_first[:1]
+    assert stderr == "asyncinfer: more batches than this one (newest first); --limit N shows more, --limit 0 all\n"
     code, printed, stderr = await cli("batch", "list", "--limit", "3", "--gateway", stack.address)
     assert (code, len(printed.splitlines()), stderr) == (0, 4, ""), (printed, stderr)
     # When each was made and its labels, as `list` shows a job's (it showed neither: batches of one

@@ -250,9 +250,9 @@ async def test_errors_have_their_exit_codes_and_say_why(idle_stack: Stack, monke
     assert code == 2
     assert "--input x" in err
     assert "JSON" in err
-    code, _, err = await cli("list", "--state", "DONE")
+    code, _, err = await cli("list", "--state", "queued,Done")
     assert code == 2
-    assert "unknown state" in err
+    assert "unknown state 'Done';" in err, "as given (it said 'DONE')"
     # Nothing listening: UNAVAILABLE (5), within the timeout.
     code, _, err = await cli("get", new_job_id(), "--timeout", "1", gateway="127.0.0.1:1")
     assert code == 5
@@ -393,6 +393,9 @@ async def test_cancel_then_get_and_list_with_filters(idle_stack: Stack, monkeypa
     # A list cut at --limit (50 by default) says so beside it; it was cut without a word, so the
     # newest 50 jobs read as all of them (the first-hour pass, session 32).
     assert err == "asyncinfer: more jobs than these 2 (newest first); --limit N shows more, --limit 0 all\n", err
+    code, out, err = await cli("list", "--json", "--limit", "1")
+    assert [j["job_id"] for j in json_lines(out)] == [ids["c"]]
+    assert err == "asyncinfer: more jobs than this one (newest first); --limit N shows more, --limit 0 all\n", err
     code, out, err = await cli("list", "--limit", "3")
     assert (code, len(out.splitlines()), err) == (0, 4, ""), (out, err)
     code, out, err = await cli("list", "--limit", "0", "--json")

@@ -223,7 +223,7 @@ async def test_dlq_show_reads_as_text_and_json_then_purge_all_on_yes(config: Con
         cli("dlq", "list", "--limit", "1", *where), cli("dlq", "list", "--json", *where)
     )
     assert (code, len(out.splitlines())) == (0, 2), (out, err)
-    assert err == "asyncinfer: 2 dead letters in all; these are the oldest 1; --limit N shows more, --limit 0 all\n"
+    assert err == "asyncinfer: 2 dead letters in all; this is the oldest; --limit N shows more, --limit 0 all\n"
     assert (json_code, len(json_out.splitlines()), json_err) == (0, 2, ""), (json_out, json_err)
 
 
@@ -300,6 +300,36 @@ def test_a_host_name_that_does_not_exist_is_said_at_once(
 
     assert main(["models", "--gateway", f"127.0.0.1:{free_port()}", "--timeout", "1"]) == 5
     assert waits, capsys.readouterr().err
+
+
+def test_a_scheduler_that_does_not_listen_is_tried_again_saying_so_as_a_gateway_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first-hour pass, session 38: `models` against a gateway down said it was trying again and
+    waited out a stack still starting; `dlq list` (and every command of the scheduler's) failed at
+    once, without the line. Both now try again for a few seconds (within --timeout), saying so once."""
+    from asyncinfer.cli import main
+
+    waits: list[int] = []
+    backoff_s = RetryPolicy.backoff_s
+
+    def counted(policy: RetryPolicy, attempt: int, error: AsyncInferClientError) -> float:
+        waits.append(attempt)
+        return backoff_s(policy, attempt, error)
+
+    monkeypatch.setattr(RetryPolicy, "backoff_s", counted)
+    address = f"127.0.0.1:{free_port()}"
+    for argv in (["models", "--gateway", address], ["dlq", "list", "--scheduler", address]):
+        waits.clear()
+        started = time.monotonic()
+        assert main([*argv, "--timeout", "2"]) == 5
+        err = capsys.readouterr().err
+        lines = err.splitlines()
+        assert lines[0] == f"asyncinfer: {address} does not answer yet; trying again for a few seconds", (argv, err)
+        assert lines[1].startswith("asyncinfer: error: UNAVAILABLE"), (argv, err)
+        assert "nothing listens there" in lines[2], (argv, err)
+        assert len(waits) >= 2, (argv, waits)
+        assert time.monotonic() - started < 4, "within --timeout"
 
 
 @pytest.mark.unit
@@ -605,6 +635,31 @@ def test_any_other_usage_error_is_one_line_from_the_command_given(
     assert exited.value.code == 2
     command = " ".join(["asyncinfer", *argv[: 2 if argv[0] in ("batch", "dlq") else 1]])
     assert capsys.readouterr().err == f"{said} (`{command} --help` says more)\n"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["submit", "demo", "--priority", "urgent"],
+            "asyncinfer submit: error: argument --priority: invalid choice: 'urgent' "
+            "(choose from 'HIGH', 'NORMAL', 'LOW', in any case)",
+        ),
+        (
+            ["batch", "create", "f.jsonl", "--model", "demo", "--priority", "hihg"],
+            "asyncinfer batch create: error: argument --priority: invalid choice: 'hihg'; did you mean 'HIGH'?",
+        ),
+    ],
+)
+def test_a_priority_refused_is_echoed_as_typed(argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The first-hour pass, session 38: `--priority urgent` was refused as `invalid choice: 'URGENT'`,
+    a value the user never typed (argparse checked its choices after upper-casing it)."""
+    with pytest.raises(SystemExit) as exited:
+        services_cli.build_parser().parse_args(argv)
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == f"{said}\n"
+    assert services_cli.build_parser().parse_args(["submit", "demo", "--priority", "low"]).priority == "LOW"
 
 
 @pytest.mark.unit

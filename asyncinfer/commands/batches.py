@@ -26,6 +26,7 @@ from asyncinfer.client.errors import FailedPreconditionError
 from asyncinfer.commands.inputs import (
     LABEL_HELP,
     Signatures,
+    any_case_of,
     idempotency_key_argument,
     label_argument,
     parse_key_values,
@@ -38,6 +39,7 @@ from asyncinfer.commands.output import (
     ProgressBar,
     UsageError,
     local_time,
+    more_than_these,
     print_json,
     print_table,
     to_json,
@@ -66,7 +68,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     create.add_argument("--model", required=True, type=text_argument)
     create.add_argument("--version", default="", type=text_argument, help="the model version (default: the one served)")
     create.add_argument("--format", choices=["jsonl", "npy", "npz"], help="the file's format (default: detected)")
-    create.add_argument("--priority", choices=["HIGH", "NORMAL", "LOW"], type=str.upper, help="default LOW")
+    priorities = ["HIGH", "NORMAL", "LOW"]
+    create.add_argument("--priority", choices=priorities, type=any_case_of(priorities), help="default LOW")
     create.add_argument("--window", type=_positive_seconds, metavar="SECONDS", help="completion window (default 24 h)")
     create.add_argument("--max-attempts", type=int, default=0, metavar="N", help="attempts per chunk")
     create.add_argument(
@@ -584,7 +587,8 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
     batches = batches[:limit]
     if more:  # said beside the list, not in it (a script reads stdout)
         print(
-            f"asyncinfer: more batches than these {len(batches)} (newest first); --limit N shows more, --limit 0 all",
+            f"asyncinfer: {more_than_these(len(batches), 'batches')} (newest first); --limit N shows more, "
+            "--limit 0 all",
             file=sys.stderr,
         )
     if options.json:

@@ -211,6 +211,21 @@ def input_argument(text: str) -> str:
     return text
 
 
+def any_case_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """The type of an option that takes one of `choices` in any case (--priority): the choice, upper
+    case. One not among them is refused as given: argparse's `choices` checked the value after
+    `type=str.upper`, and so echoed `--priority urgent` as `invalid choice: 'URGENT'`, a value the
+    user never typed. Keep `choices=` beside it for --help and completion."""
+
+    def convert(text: str) -> str:
+        if text.upper() not in choices:
+            listed = ", ".join(repr(choice) for choice in choices)
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {listed}, in any case)")
+        return text.upper()
+
+    return convert
+
+
 def header_argument(text: str) -> str:
     """--api-key's and --ops-key's type: sent as gRPC metadata, which takes printable ASCII only
     (grpcio raised UnicodeEncodeError or ExecuteBatchError, a traceback, at the first call)."""

@@ -30,6 +30,7 @@ from asyncinfer.client import (
 from asyncinfer.commands.inputs import (
     LABEL_HELP,
     Signatures,
+    any_case_of,
     idempotency_key_argument,
     input_argument,
     inputs_from_arguments,
@@ -50,6 +51,7 @@ from asyncinfer.commands.output import (
     job_summary,
     job_text,
     local_time,
+    more_than_these,
     print_json,
     print_table,
     report_error,
@@ -95,7 +97,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
         metavar="V",
         help="run on this model version (default: the model's default)",
     )
-    submit.add_argument("--priority", choices=[p.value for p in Priority], type=str.upper)
+    priorities = [p.value for p in Priority]
+    submit.add_argument("--priority", choices=priorities, type=any_case_of(priorities))
     submit.add_argument(
         "--label", action="append", default=[], type=label_argument, metavar="KEY=VALUE", help=LABEL_HELP
     )
@@ -427,9 +430,10 @@ async def cancel_command(args: argparse.Namespace, options: Options) -> int:
 
 
 async def list_command(args: argparse.Namespace, options: Options) -> int:
-    states = [s.strip().upper() for item in args.state for s in item.split(",") if s.strip()]
+    given = [s.strip() for item in args.state for s in item.split(",") if s.strip()]
     known = {s.value for s in JobState}
-    unknown = [s for s in states if s not in known]
+    unknown = [s for s in given if s.upper() not in known]  # said as given (it said 'BOGUS' of bogus)
+    states = [s.upper() for s in given]
     if unknown:
         raise UsageError(f"unknown state {unknown[0]!r}; one of {', '.join(sorted(known))}")
     if args.limit < 0:
@@ -462,7 +466,7 @@ async def list_command(args: argparse.Namespace, options: Options) -> int:
         print_table(JOB_COLUMNS, rows)
     if more:  # said beside the list, not in it (a script reads stdout), as `batch list` does
         print(
-            f"asyncinfer: more jobs than these {shown} (newest first); --limit N shows more, --limit 0 all",
+            f"asyncinfer: {more_than_these(shown, 'jobs')} (newest first); --limit N shows more, --limit 0 all",
             file=sys.stderr,
         )
     return EXIT_OK

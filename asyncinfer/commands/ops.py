@@ -21,11 +21,13 @@ import msgspec
 from grpc import aio
 
 from asyncinfer.access import bearer_metadata
+from asyncinfer.client import RetryPolicy
 from asyncinfer.client._addresses import most_telling
+from asyncinfer.client._retry import Deadline
 from asyncinfer.client.errors import code_and_reason, from_rpc_error
 from asyncinfer.codecs.envelope import decode_envelope
 from asyncinfer.commands.inputs import text_argument
-from asyncinfer.commands.options import Options, sendable_key
+from asyncinfer.commands.options import Options, nothing_listens, say_retrying, sendable_key
 from asyncinfer.commands.output import (
     EXIT_OK,
     EXIT_UNAVAILABLE,
@@ -117,6 +119,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser], add_
     stats.set_defaults(handler=stats_command)
 
 
+# A scheduler tried again (_ops_call) is connected to soon after it listens, as the SDK's channels
+# are: grpc's first reconnect backoff is a whole second, in which every try failed at once.
+RECONNECT_SOON = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
+
+
 async def _ops_call(
     options: Options, call: Callable[[ops_service_pb2_grpc.OpsServiceAsyncStub, float], Awaitable[T]]
 ) -> T:
@@ -127,22 +134,36 @@ async def _ops_call(
     key = sendable_key(options.ops_key, "ASYNCINFER_OPS_KEY")
     interceptors: Any = [_WithKey(key)] if key else None
     channel = (
-        aio.secure_channel(options.scheduler_target, credentials, interceptors=interceptors)
+        aio.secure_channel(options.scheduler_target, credentials, RECONNECT_SOON, interceptors=interceptors)
         if credentials is not None
-        else aio.insecure_channel(options.scheduler_target, interceptors=interceptors)
+        else aio.insecure_channel(options.scheduler_target, RECONNECT_SOON, interceptors=interceptors)
     )
     async with channel:
         stub: ops_service_pb2_grpc.OpsServiceAsyncStub = ops_service_pb2_grpc.OpsServiceStub(channel)
-        try:
-            return await call(stub, options.call_timeout_s)
-        except grpc.RpcError as rpc_error:
-            # A refusal on one of the address's several addresses: what another met, if it says more.
-            error = await most_telling(
-                from_rpc_error(rpc_error), options.scheduler_target, credentials, (), options.timeout_s
-            )
-            if key is None and error.code == grpc.StatusCode.UNAUTHENTICATED:
-                error.message = f"{error.message}; {NO_OPS_KEY}"
-            raise error from rpc_error
+        # A scheduler that does not listen (starting, or down) is tried again for a few seconds,
+        # saying so once, as the gateway's commands do (the SDK's policy): `dlq list` failed at
+        # once where `models` waited out a stack still starting. Only a refused connection: nothing
+        # was sent, so a purge or a replay is as safe to try again as a read.
+        retry = RetryPolicy()
+        say = say_retrying(options.scheduler)
+        deadline = Deadline(options.call_timeout_s)
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await call(stub, deadline.remaining() or 0.0)
+            except grpc.RpcError as rpc_error:
+                error = from_rpc_error(rpc_error)
+                delay_s = retry.backoff_s(attempt, error)
+                if nothing_listens(error) and attempt < retry.max_attempts and deadline.allows_sleep(delay_s):
+                    say(error, delay_s)
+                    await asyncio.sleep(delay_s)
+                    continue
+                # A refusal on one of the address's several addresses: what another met, if it says more.
+                error = await most_telling(error, options.scheduler_target, credentials, (), options.timeout_s)
+                if key is None and error.code == grpc.StatusCode.UNAUTHENTICATED:
+                    error.message = f"{error.message}; {NO_OPS_KEY}"
+                raise error from rpc_error
 
 
 class _WithKey(aio.UnaryUnaryClientInterceptor):  # type: ignore[type-arg]
@@ -312,8 +333,9 @@ async def dlq_list(args: argparse.Namespace, options: Options) -> int:
         print_table(DEAD_LETTER_COLUMNS, [dead_letter_row(letter) for letter in letters])
     if more:  # said beside the list, not in it (a script reads stdout), as `list` does
         in_all = f"{total} dead letters in all; " if total is not None else "more dead letters than these; "
+        oldest = "this is the oldest" if len(letters) == 1 else f"these are the oldest {len(letters)}"
         print(
-            f"asyncinfer: {in_all}these are the oldest {len(letters)}; --limit N shows more, --limit 0 all",
+            f"asyncinfer: {in_all}{oldest}; --limit N shows more, --limit 0 all",
             file=sys.stderr,
         )
     return EXIT_OK

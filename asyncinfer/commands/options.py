@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from asyncinfer.client import AsyncClient, AsyncInferClientError, RetryPolicy, tls_credentials
+from asyncinfer.client._addresses import REFUSED
 from asyncinfer.client._targets import FORMS, target_problem
 from asyncinfer.commands.inputs import header_problem
 from asyncinfer.commands.output import UsageError
@@ -93,7 +94,7 @@ class Options:
             credentials=self.credentials(),
             # At a command line a name DNS says does not exist is a typo: said at once, where the
             # SDK's default retries it (a program may start before its gateway's name exists).
-            retry=RetryPolicy(retry_no_such_host=False, on_retry=_say_retrying(self.gateway)),
+            retry=RetryPolicy(retry_no_such_host=False, on_retry=say_retrying(self.gateway)),
         )
 
 
@@ -130,16 +131,22 @@ def _reachable(address: str, where: str) -> str:
 Handler = Callable[[argparse.Namespace, Options], Coroutine[Any, Any, int]]
 
 
-def _say_retrying(address: str) -> Callable[[AsyncInferClientError, float], None]:
-    """Says on stderr, once, that the gateway does not answer and the call is tried again (the
-    SDK's retries were seconds of silence before the error and its hint)."""
+def nothing_listens(error: AsyncInferClientError) -> bool:
+    """Whether `error` is a connection refused: nothing listens there (the stack down, or starting),
+    so nothing was sent."""
+    return error.code is grpc.StatusCode.UNAVAILABLE and REFUSED in error.message
+
+
+def say_retrying(address: str) -> Callable[[AsyncInferClientError, float], None]:
+    """Says on stderr, once, that the gateway (or the scheduler) does not answer and the call is
+    tried again (the SDK's retries were seconds of silence before the error and its hint)."""
     said = False
 
     def say(error: AsyncInferClientError, _delay_s: float) -> None:
         nonlocal said
         # Only where nothing listens (the stack down, or starting): a TLS mismatch or another
         # service answers at once, and its hint says what to check.
-        if not said and error.code is grpc.StatusCode.UNAVAILABLE and "Connection refused" in error.message:
+        if not said and nothing_listens(error):
             said = True
             print(f"asyncinfer: {address} does not answer yet; trying again for a few seconds", file=sys.stderr)
 

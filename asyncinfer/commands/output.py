@@ -176,6 +176,12 @@ def print_json(value: Any, stream: TextIO | None = None) -> None:
 # (2026-12-07T14:03:21.042+01:00) and `dlq list` ISO 8601 in UTC. A live line (watch, batch watch,
 # stats) or an estimate (starts about, finishing about) shows the time of day of the same clock
 # (watch's lines to the millisecond); --json, ISO 8601 in UTC.
+def more_than_these(shown: int, things: str) -> str:
+    """What a list cut at --limit says of those left out: "more jobs than these 20", or "than this
+    one" (it said "than these 1" under --limit 1)."""
+    return f"more {things} than this one" if shown == 1 else f"more {things} than these {shown}"
+
+
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
