@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
+from zoneinfo import ZoneInfo
 
 import aiohttp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 from asyncinfer.api_keys import hash_key
 from asyncinfer.client import AsyncClient, Job, JobState, Priority, QueuePosition, WaitingReason
+from asyncinfer.commands.output import TIME_FORMAT
 from asyncinfer.config import DEMO_MODEL, FLAKY_MODEL, Config, ModelConfig, load_config
 from asyncinfer.embedded_nats import free_port
 from asyncinfer.errors import ConfigError
@@ -180,6 +183,37 @@ async def test_a_queued_job_is_cancelled_from_its_page(
         assert (await client.get(other)).state is JobState.QUEUED
 
 
+async def test_a_jobs_times_read_as_the_cli_writes_them_local_to_the_second_the_utc_instant_in_a_tooltip(
+    config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
+) -> None:
+    """The first-hour pass, session 38: the console showed times in UTC to the millisecond
+    (`2026-12-07 20:48:01.123 UTC`), the CLI local time to the second (`2026-12-07 21:48:01`): one
+    job's creation read as two times. The page now shows the reader's local time as the CLI does, the
+    UTC instant to the millisecond in its tooltip; a browser at +05:30 shows it so."""
+    stack = await start_stack(config)
+    console = await start_console(stack)
+    async with AsyncClient(stack.address) as client:
+        job = await client.wait(await client.submit("demo", X), timeout_s=30)
+    assert job.create_time is not None
+    await browser.send("Emulation.setTimezoneOverride", timezoneId="Asia/Kolkata")
+    await browser.goto(console.url + f"jobs/{job.job_id}")
+    times = await browser.evaluate(
+        "[...document.querySelectorAll('#job time')].map(t => [t.dateTime, t.innerText, t.title])"
+    )
+    assert len(times) >= 3, times  # created, started, ended, updated, kept until
+    kolkata = ZoneInfo("Asia/Kolkata")
+    for machine, shown, tooltip in times:
+        at = datetime.fromisoformat(machine)
+        assert shown == at.astimezone(kolkata).strftime(TIME_FORMAT), (machine, shown)  # the CLI's format
+        assert tooltip == at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC", (machine, tooltip)
+    created = datetime.fromisoformat(times[0][0])
+    assert abs((created - job.create_time).total_seconds()) < 0.001
+    # Where the script does not run (a fetch of the page, curl), UTC, labelled.
+    async with aiohttp.ClientSession() as session, session.get(console.url + f"jobs/{job.job_id}") as answer:
+        page = await answer.text()
+    assert f">{job.create_time.astimezone(UTC).strftime(TIME_FORMAT)} UTC</time>" in page
+
+
 async def test_a_job_page_shows_its_inline_outputs_first_values_and_names_what_fetches_a_stored_result(
     config: Config, start_stack: StartStack, start_console: StartConsole, browser: Browser
 ) -> None:
@@ -303,7 +337,7 @@ async def test_a_live_page_says_when_it_stopped_updating_and_keeps_a_selection(
     banner = "(document.querySelector('[data-stale]') || {hidden: true})"
     await browser.wait_for(f"!{banner}.hidden", what="the stale banner")
     said = await browser.evaluate(f"{banner}.innerText")
-    assert re.match(r"Not updated since \d\d:\d\d:\d\d UTC: ", said), said  # as every time on the pages
+    assert re.match(r"Not updated since \d\d:\d\d:\d\d: ", said), said  # local, as every time on the pages
     assert said.split(": ", 1)[1].startswith(f"UNAVAILABLE: the gateway ({stack.address}) does not answer"), said
     assert second.job_id in await browser.text("#jobs-live")
     await browser.screenshot(ARTIFACTS / "jobs-gateway-gone.png")

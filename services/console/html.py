@@ -6,8 +6,8 @@ The page's one script (allowed by its hash in the Content-Security-Policy, `SCRI
 new inner HTML) every `data-every` milliseconds; an answer with `X-Console-Final: 1` ends it (a
 job that reached its end). An answer the same as the one shown, or one that comes while the reader
 selects text in the element, is not swapped in (a selected job ID was lost at every refresh); a
-failed one leaves what is shown under a banner that says since when (in UTC, as every time on the
-pages; it said the browser's local time, unlabelled) and why (a page whose gateway had gone kept its
+failed one leaves what is shown under a banner that says since when (the reader's local time, as
+every time on the pages: `when`) and why (a page whose gateway had gone kept its
 last numbers and said nothing). It also asks before a form with `data-confirm` is sent."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import html
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from asyncinfer.client.errors import AsyncInferClientError
@@ -50,6 +50,16 @@ figure.chart{margin:0;max-width:520px}.legend{font-size:12px;display:flex;flex-w
 """
 
 SCRIPT = """
+const two = (n) => String(n).padStart(2, '0');
+const clock = (d) => two(d.getHours()) + ':' + two(d.getMinutes()) + ':' + two(d.getSeconds());
+const day = (d) => d.getFullYear() + '-' + two(d.getMonth() + 1) + '-' + two(d.getDate());
+const localize = (root) => {
+  for (const t of root.querySelectorAll('time[datetime]')) {
+    const d = new Date(t.dateTime);
+    t.textContent = 'clock' in t.dataset ? clock(d) : day(d) + ' ' + clock(d);
+  }
+};
+localize(document);
 for (const el of document.querySelectorAll('[data-refresh]')) {
   const every = Number(el.dataset.every || 2000);
   const banner = document.createElement('div');
@@ -60,7 +70,8 @@ for (const el of document.querySelectorAll('[data-refresh]')) {
   let shown = el.innerHTML, since = null;
   const stale = (why) => {
     since = since || new Date();
-    banner.textContent = 'Not updated since ' + since.toISOString().slice(11, 19) + ' UTC: ' + why;
+    banner.textContent = 'Not updated since ' + clock(since) + ': ' + why;
+    banner.title = since.toISOString();
     banner.hidden = false;
   };
   const tick = async () => {
@@ -72,7 +83,7 @@ for (const el of document.querySelectorAll('[data-refresh]')) {
         banner.hidden = true;
         const sel = document.getSelection();
         const selecting = sel && !sel.isCollapsed && el.contains(sel.anchorNode);
-        if (text !== shown && !selecting) { el.innerHTML = text; shown = text; }
+        if (text !== shown && !selecting) { el.innerHTML = text; shown = text; localize(el); }
         el.dataset.refreshed = String(Date.now());
       } else {
         const doc = new DOMParser().parseFromString(text, 'text/html');
@@ -224,8 +235,19 @@ def progress(completed: int, failed: int, total: int) -> str:
     )
 
 
-def when(moment: datetime | None) -> str:
-    return h(moment.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC") if moment else "-"
+def when(moment: datetime | None, *, clock: bool = False) -> str:
+    """A time as the CLI shows one: the reader's local time, to the second (the page's script
+    writes it from `datetime`), the UTC instant to the millisecond in its tooltip. The page said UTC
+    to the millisecond and the CLI local time to the second: the same job's times read differently.
+    UTC, labelled, where the script does not run. `clock`: the time of day alone."""
+    if moment is None:
+        return "-"
+    at = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+    instant = at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " UTC"
+    shown = at.strftime("%H:%M:%S" if clock else "%Y-%m-%d %H:%M:%S") + " UTC"
+    machine = at.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    mark = " data-clock" if clock else ""
+    return f'<time datetime="{h(machine)}" title="{h(instant)}"{mark}>{h(shown)}</time>'
 
 
 def seconds(value: float | None) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -113,12 +113,12 @@ def _queues(ctx: Context, queues: list[ModelQueues]) -> str:
         + "</div>"
     )
     stale = ui.error_box(f"sampling failed: {history.error}") if history.error else ""
-    sampled = time.strftime("%H:%M:%S", time.gmtime(now))
+    sampled = ui.when(datetime.fromtimestamp(now, UTC), clock=True)
     return (
         ui.table(headers, models, numeric=range(2, 10), id_="queue-models")
         + "<h2>Per priority</h2>"
         + ui.table(("model", "priority", "queued", "oldest"), per_priority, numeric=(2, 3), id_="queue-priorities")
-        + f"<h2>The last minutes</h2>{stale}{charts}<p>as of {sampled} UTC</p>"
+        + f"<h2>The last minutes</h2>{stale}{charts}<p>as of {sampled}</p>"
     )
 
 
