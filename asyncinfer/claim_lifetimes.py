@@ -168,4 +168,6 @@ class ClaimLifetimes:
         held = self._throttle.allow(why)
         if held is not None:
             # Debug: the claim keeps its first, longer TTL; nothing a caller sees changes.
-            log.debug("claim_ttl_left", reason=why, job_id=rewrite.job_id, held_back=held)
+            log.debug(
+                "claim_ttl_left", reason=why, job_id=rewrite.job_id, **({"more_since_last": held} if held else {})
+            )

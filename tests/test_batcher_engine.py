@@ -580,6 +580,9 @@ async def test_a_model_that_raises_leaves_its_own_traceback_once_per_batch(make_
                 await engine.infer("demo", rows(9.0))
     raised = [entry for entry in logs if entry["event"] == "model_raised"]
     assert len(raised) == 1  # the second within the minute is held back
+    # None held back before the first: no count (it said held_back=0; the services' other
+    # throttled lines say more_since_last, and only when some were).
+    assert {"held_back", "more_since_last"}.isdisjoint(raised[0]), raised[0]
     error = raised[0]["exc_info"]
     assert isinstance(error, ValueError)
     assert any(frame.name == "forward" for frame in traceback.extract_tb(error.__traceback__))

@@ -493,6 +493,7 @@ async def test_partial_outputs_over_the_limit_are_said_once_not_per_job(
     said = [entry for entry in logs if entry["event"] == "progress_outputs_left_out"]
     assert len(said) == 1, said
     assert said[0]["max_bytes"] == 4
+    assert {"items_held_back", "more_since_last"}.isdisjoint(said[0]), said[0]  # none held back before it
 
 
 async def collect(jobs: object, job_id: str, into: list[Seen], changed: asyncio.Condition) -> None:

@@ -209,7 +209,8 @@ class BatchRunner:
         cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
         held = self._tracebacks.allow(_failure_of(self.name, cause))
         if held is not None:
-            log.warning("model_raised", model=self.name, items=len(batch), held_back=held, exc_info=cause)
+            more = {"more_since_last": held} if held else {}
+            log.warning("model_raised", model=self.name, items=len(batch), exc_info=cause, **more)
 
     def _isolate(self, batch: list[PendingItem], error: AsyncInferError) -> list[Ran]:
         if len(batch) == 1:

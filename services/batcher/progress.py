@@ -66,7 +66,8 @@ class LeftOutLog:
         with self._lock:
             held_back = self._throttle.allow(max_bytes)
         if held_back is not None:
-            log.warning("progress_outputs_left_out", max_bytes=max_bytes, items_held_back=held_back)
+            more = {"more_since_last": held_back} if held_back else {}
+            log.warning("progress_outputs_left_out", max_bytes=max_bytes, **more)
 
 
 @dataclass(frozen=True, slots=True)

@@ -405,7 +405,7 @@ class IdempotentSubmitter:
                         job_id=claim.job_id,
                         wall_age_s=round(self._clock() - claim.claim_time, 3),
                         stored_age_s=round(stored_s, 3),
-                        held_back=held_back,
+                        **({"more_since_last": held_back} if held_back else {}),
                     )
                 raise _ClaimHeld(claim.job_id)
             if not await self._withdraw(tenant, claim, taking_over, stalled_s=stored_s):
