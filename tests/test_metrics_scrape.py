@@ -131,3 +131,17 @@ async def test_every_service_exports_job_times_rpc_metrics_and_build_info(
             for key, label in labels:
                 if key in ("state", "outcome", "code", "reason", "priority"):
                     assert label == label.upper(), (name, key, label)
+
+
+@pytest.mark.unit
+def test_the_package_version_is_read_from_the_installed_metadata_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    version = package_version()  # read here, or by whatever ran before in this process
+    reads: list[str] = []
+
+    def read(name: str) -> str:
+        reads.append(name)
+        return "9.9.9"
+
+    monkeypatch.setattr("asyncinfer.metrics.metadata.version", read)
+    assert [package_version() for _ in range(3)] == [version] * 3
+    assert reads == [], "the metadata read once a process, not again at every service's start"
