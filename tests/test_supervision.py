@@ -6,6 +6,7 @@ command."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from asyncinfer.supervision import LoopDied, Supervisor, failure_logged
 from services.scheduler import blobs as scheduler_blobs
 from services.scheduler.app import SchedulerApp
 from services.scheduler.pauses import PauseState
+from services.scheduler.store_usage import StoreUsage, StoreUsageReader
 
 WAIT_S = 10.0
 REPO = Path(__file__).resolve().parent.parent
@@ -173,6 +175,36 @@ async def test_the_blob_sweeper_stops_though_a_sweep_lost_its_cancellation(monke
     assert stopping.done(), "the stop waits on a sweep loop that goes on"
     assert cancels == [1]
     assert supervisor.loop_names == []
+
+
+async def test_a_schedulers_repeating_loop_that_lost_its_cancellation_runs_no_further_round(
+    config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store-usage read a scheduler makes as it starts lost a stop's cancellation in a NATS
+    # request (gh-86296): its loop went on to more rounds until the stop cancelled it again
+    # (RECANCEL_S, 0.1 s, later: the stop took that much longer). It ends before its next round.
+    reads: list[int] = []
+    reading = asyncio.Event()
+    read = StoreUsageReader.read
+
+    async def read_losing_a_cancel(self: StoreUsageReader) -> StoreUsage:
+        reads.append(1)
+        if len(reads) == 1:
+            reading.set()
+            # Lost, as in wait_for when its future completes at that moment.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+        return await read(self)
+
+    monkeypatch.setattr(StoreUsageReader, "read", read_losing_a_cancel)
+    # A round every millisecond: one after the lost cancellation would come long before a second.
+    scheduler = SchedulerApp(config.replace(scheduler={"store_usage_interval_s": 0.001}))
+    await scheduler.start()
+    try:
+        await asyncio.wait_for(reading.wait(), WAIT_S)
+    finally:
+        await asyncio.wait_for(scheduler.stop(grace_s=0.0), WAIT_S)
+    assert reads == [1], f"{len(reads) - 1} rounds after the stop's cancellation"
 
 
 async def test_a_loop_that_raises_during_shutdown_is_not_a_failure() -> None:

@@ -36,7 +36,7 @@ from asyncinfer.nats.failures import nats_failure_status
 from asyncinfer.nats.kv import KvBucket
 from asyncinfer.nats.streams import declaration
 from asyncinfer.queues import SNAPSHOT_HEARTBEAT_S, CancelNotice
-from asyncinfer.supervision import Supervisor, cancel_and_wait
+from asyncinfer.supervision import Supervisor, cancel_and_wait, end_if_cancelled
 from asyncinfer.tls import serving_certificates
 from asyncinfer.tracing import Tracing
 from asyncinfer.v1 import ops_service_pb2_grpc, worker_service_pb2_grpc
@@ -567,6 +567,7 @@ class SchedulerApp:
             said_at = 0.0
             wait_s = 0.0 if at_once else interval_s
             while True:
+                end_if_cancelled()  # a stop's cancellation the last round's NATS request lost
                 await asyncio.sleep(wait_s)
                 wait_s = interval_s
                 try:
